@@ -1,0 +1,486 @@
+//! The engine: reserve → run the body under a lease → complete, release or record.
+
+use crate::error::Error;
+use crate::fingerprint::Fingerprint;
+use crate::identity::Identity;
+use crate::metrics::METRICS;
+use crate::registry::{InProgressPolicy, ScopeInfo};
+use crate::store::{OwnerToken, Reservation, ReserveRequest, Store, StoredOutcome};
+use futures_util::FutureExt;
+use serde::{de::DeserializeOwned, Serialize};
+use std::future::Future;
+use std::panic::AssertUnwindSafe;
+use std::pin::pin;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, RwLock};
+use std::task::Poll;
+use std::time::Duration;
+use tokio::time::{sleep_until, Instant};
+
+/// The largest serialized result (or recorded error) a call may record, in bytes.
+pub const MAX_RESULT_BYTES: usize = 8 * 1024 * 1024;
+
+// ---------------------------------------------------------------- default store
+
+static DEFAULT_STORE: RwLock<Option<Arc<dyn Store>>> = RwLock::new(None);
+
+/// Sets the store used by every `#[idempotent]` function that has no `store = ...`.
+/// Call it once at startup; calling it again replaces the store for later calls.
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")] async fn main() {
+/// use idempotent_runtime::{set_default_store, MemoryStore};
+/// set_default_store(MemoryStore::new());
+/// # }
+/// ```
+pub fn set_default_store(store: impl Store + 'static) {
+    let store: Arc<dyn Store> = Arc::new(store);
+    *DEFAULT_STORE
+        .write()
+        .unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(store);
+}
+
+/// The store set by [`set_default_store`], if any.
+pub fn default_store() -> Option<Arc<dyn Store>> {
+    DEFAULT_STORE
+        .read()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+        .clone()
+}
+
+// ---------------------------------------------------------------- outcome
+
+/// How an idempotent call was answered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// The body ran (first call, retry after a release, or takeover of an expired lease).
+    Executed,
+    /// The body did not run: the recorded result (or recorded error) was returned.
+    Replayed,
+}
+
+tokio::task_local! {
+    static OUTCOME: std::cell::Cell<Option<Outcome>>;
+}
+
+/// Runs `future` and reports how the outermost idempotent call in it was
+/// answered, without changing the function's signature.
+/// `None` when no idempotent call finished with a result (e.g. it was refused).
+///
+/// ```
+/// # use idempotent_runtime::{idempotent, with_outcome, Outcome, MemoryStore, Error};
+/// #[idempotent(scope = "docs.outcome", key = key, tenant = shared, store = store)]
+/// async fn work(store: &MemoryStore, key: &str) -> Result<u32, Error> { Ok(7) }
+/// # #[tokio::main(flavor = "current_thread")] async fn main() {
+/// let store = MemoryStore::new();
+/// let (_, first) = with_outcome(work(&store, "k")).await;
+/// let (_, again) = with_outcome(work(&store, "k")).await;
+/// assert_eq!((first, again), (Some(Outcome::Executed), Some(Outcome::Replayed)));
+/// # }
+/// ```
+pub async fn with_outcome<F: Future>(future: F) -> (F::Output, Option<Outcome>) {
+    OUTCOME
+        .scope(std::cell::Cell::new(None), async move {
+            let out = future.await;
+            (out, OUTCOME.with(|c| c.get()))
+        })
+        .await
+}
+
+fn report(outcome: Outcome) {
+    // Outside `with_outcome` there is nobody to tell; that is fine.
+    let _ = OUTCOME.try_with(|c| c.set(Some(outcome)));
+}
+
+// ---------------------------------------------------------------- return types and error policies
+
+/// The return type of an annotated function: `Result<T, E>` with a serializable `T`.
+pub trait IdempotentReturn: Sized {
+    /// The success value, recorded and replayed.
+    type Value: Serialize + DeserializeOwned;
+    /// The function's error type.
+    type Failure: From<Error>;
+    /// Splits into a standard `Result`.
+    fn into_result(self) -> Result<Self::Value, Self::Failure>;
+    /// Rebuilds from a standard `Result`.
+    fn from_result(r: Result<Self::Value, Self::Failure>) -> Self;
+}
+
+impl<T: Serialize + DeserializeOwned, E: From<Error>> IdempotentReturn for Result<T, E> {
+    type Value = T;
+    type Failure = E;
+    fn into_result(self) -> Result<T, E> {
+        self
+    }
+    fn from_result(r: Result<T, E>) -> Self {
+        r
+    }
+}
+
+/// How `Err(e)` values are treated (`errors = ...` in the attribute).
+pub trait ErrorHandling<E> {
+    /// `None`: release the record. `Some(bytes)`: record the error as the final answer.
+    fn record(&self, error: &E) -> Option<Result<Vec<u8>, String>>;
+    /// Rebuild a recorded error for a replay.
+    fn replay(&self, payload: &[u8]) -> Result<E, String>;
+}
+
+/// `errors = release` (the default): every `Err` releases the key.
+#[derive(Debug, Clone, Copy)]
+pub struct ReleaseErrors;
+
+impl<E> ErrorHandling<E> for ReleaseErrors {
+    fn record(&self, _: &E) -> Option<Result<Vec<u8>, String>> {
+        None
+    }
+    fn replay(&self, _: &[u8]) -> Result<E, String> {
+        Err(
+            "the record holds a recorded error, but this function now releases errors \
+             (errors = release); the record will expire after its ttl"
+                .to_owned(),
+        )
+    }
+}
+
+/// `errors = record`: every `Err` is recorded and replayed.
+#[derive(Debug, Clone, Copy)]
+pub struct RecordErrors;
+
+impl<E: Serialize + DeserializeOwned> ErrorHandling<E> for RecordErrors {
+    fn record(&self, error: &E) -> Option<Result<Vec<u8>, String>> {
+        Some(serde_json::to_vec(error).map_err(|e| e.to_string()))
+    }
+    fn replay(&self, payload: &[u8]) -> Result<E, String> {
+        serde_json::from_slice(payload).map_err(|e| e.to_string())
+    }
+}
+
+/// `errors = record_if(pred)`: errors for which `pred(&e)` is true are recorded; others release.
+#[derive(Debug, Clone, Copy)]
+pub struct RecordErrorsIf<F>(pub F);
+
+impl<E: Serialize + DeserializeOwned, F: Fn(&E) -> bool> ErrorHandling<E> for RecordErrorsIf<F> {
+    fn record(&self, error: &E) -> Option<Result<Vec<u8>, String>> {
+        (self.0)(error).then(|| serde_json::to_vec(error).map_err(|e| e.to_string()))
+    }
+    fn replay(&self, payload: &[u8]) -> Result<E, String> {
+        serde_json::from_slice(payload).map_err(|e| e.to_string())
+    }
+}
+
+// ---------------------------------------------------------------- the call
+
+/// A store that is either borrowed from the call's arguments or the default one.
+pub enum StoreRef<'a> {
+    /// `store = <expr>`.
+    Borrowed(&'a dyn Store),
+    /// The process-wide default store.
+    Shared(Arc<dyn Store>),
+}
+
+impl StoreRef<'_> {
+    fn get(&self) -> &dyn Store {
+        match self {
+            StoreRef::Borrowed(s) => *s,
+            StoreRef::Shared(s) => s.as_ref(),
+        }
+    }
+}
+
+/// Everything the engine needs for one call, prepared before the body runs.
+pub struct Call<'a> {
+    /// What the attribute declared.
+    pub spec: &'static ScopeInfo,
+    /// Where the record lives.
+    pub store: Result<StoreRef<'a>, Error>,
+    /// The validated identity.
+    pub identity: Result<Identity, Error>,
+    /// The arguments' fingerprint (`None` when there is nothing to fingerprint).
+    pub fingerprint: Result<Option<Fingerprint>, Error>,
+}
+
+/// Releases the record if the call is dropped (cancelled) while it owns it.
+struct ReleaseOnDrop<'a> {
+    store: &'a dyn Store,
+    identity: &'a Identity,
+    token: &'a OwnerToken,
+    armed: bool,
+}
+
+impl Drop for ReleaseOnDrop<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            tracing::info!(target: "idempotent", scope = %self.identity.scope, key = %self.identity.key_digest(),
+                "call dropped mid-way; releasing its record");
+            self.store
+                .release_detached(self.identity.clone(), self.token.clone());
+        }
+    }
+}
+
+/// Runs one idempotent call. The generated code calls this through `__private`.
+pub async fn execute<R, H, Fut>(call: Call<'_>, errors: H, body: Fut) -> R
+where
+    R: IdempotentReturn,
+    H: ErrorHandling<R::Failure>,
+    Fut: Future<Output = R>,
+{
+    R::from_result(execute_inner(call, errors, body).await)
+}
+
+async fn execute_inner<R, H, Fut>(
+    call: Call<'_>,
+    errors: H,
+    body: Fut,
+) -> Result<R::Value, R::Failure>
+where
+    R: IdempotentReturn,
+    H: ErrorHandling<R::Failure>,
+    Fut: Future<Output = R>,
+{
+    let spec = call.spec;
+    let identity = call.identity?;
+    let store_ref = call.store?;
+    let store = store_ref.get();
+    let fingerprint = call.fingerprint?;
+    let token = OwnerToken::new();
+    let digest = identity.key_digest();
+
+    let request = ReserveRequest {
+        identity: &identity,
+        fingerprint: fingerprint.as_ref(),
+        token: &token,
+        lease: spec.lease,
+        ttl: spec.ttl,
+    };
+    let took_over = match reserve(store, request, spec).await? {
+        Reserved::Acquired { took_over } => took_over,
+        Reserved::Replay(outcome) => {
+            METRICS.replayed.fetch_add(1, Ordering::Relaxed);
+            tracing::info!(target: "idempotent", scope = spec.scope, key = %digest, store = store.name(), "replayed");
+            report(Outcome::Replayed);
+            return decode_replay::<R, H>(spec, &errors, outcome);
+        }
+    };
+    if took_over {
+        METRICS.taken_over.fetch_add(1, Ordering::Relaxed);
+        tracing::warn!(target: "idempotent", scope = spec.scope, key = %digest, "took over a record whose lease had expired");
+    }
+
+    let mut guard = ReleaseOnDrop {
+        store,
+        identity: &identity,
+        token: &token,
+        armed: true,
+    };
+    let result = match run_with_heartbeat(store, &identity, &token, spec.lease, body).await {
+        Ok(r) => r.into_result(),
+        Err(panic) => {
+            guard.armed = false;
+            release_logged(store, &identity, &token).await;
+            std::panic::resume_unwind(panic);
+        }
+    };
+    guard.armed = false;
+    METRICS.executed.fetch_add(1, Ordering::Relaxed);
+    report(Outcome::Executed);
+
+    let stored = match &result {
+        Ok(value) => match serde_json::to_vec(value) {
+            Ok(bytes) => StoredOutcome {
+                is_error: false,
+                payload: bytes,
+            },
+            Err(e) => {
+                release_logged(store, &identity, &token).await;
+                return Err(Error::ResultEncoding {
+                    scope: spec.scope.to_owned(),
+                    message: e.to_string(),
+                }
+                .into());
+            }
+        },
+        Err(e) => match errors.record(e) {
+            None => {
+                release_logged(store, &identity, &token).await;
+                tracing::info!(target: "idempotent", scope = spec.scope, key = %digest, "executed; error released");
+                return result;
+            }
+            Some(Ok(bytes)) => StoredOutcome {
+                is_error: true,
+                payload: bytes,
+            },
+            Some(Err(message)) => {
+                release_logged(store, &identity, &token).await;
+                return Err(Error::ResultEncoding {
+                    scope: spec.scope.to_owned(),
+                    message,
+                }
+                .into());
+            }
+        },
+    };
+    if stored.payload.len() > MAX_RESULT_BYTES {
+        release_logged(store, &identity, &token).await;
+        return Err(Error::ResultTooLarge {
+            scope: spec.scope.to_owned(),
+            size: stored.payload.len(),
+            limit: MAX_RESULT_BYTES,
+        }
+        .into());
+    }
+    match store.complete(&identity, &token, &stored, spec.ttl).await {
+        Ok(true) => {
+            tracing::info!(target: "idempotent", scope = spec.scope, key = %digest, recorded_error = stored.is_error, "executed");
+            result
+        }
+        Ok(false) => {
+            METRICS.lease_lost.fetch_add(1, Ordering::Relaxed);
+            tracing::error!(target: "idempotent", scope = spec.scope, key = %digest,
+                "lease lost: another caller took the record over while the body ran; result not recorded");
+            Err(Error::LeaseLost(identity.context()).into())
+        }
+        Err(e) => {
+            tracing::error!(target: "idempotent", scope = spec.scope, key = %digest, error = %e,
+                "the body ran but its result could not be recorded");
+            Err(Error::Store(e).into())
+        }
+    }
+}
+
+enum Reserved {
+    Acquired { took_over: bool },
+    Replay(StoredOutcome),
+}
+
+/// Reserves, waiting (bounded) while another owner runs, per the in-progress policy.
+async fn reserve(
+    store: &dyn Store,
+    request: ReserveRequest<'_>,
+    spec: &'static ScopeInfo,
+) -> Result<Reserved, Error> {
+    let deadline = match spec.in_progress {
+        InProgressPolicy::Wait(d) => Some(Instant::now() + d),
+        InProgressPolicy::Reject => None,
+    };
+    let mut pause = Duration::from_millis(5);
+    loop {
+        match store.reserve(request).await? {
+            Reservation::Acquired { took_over } => return Ok(Reserved::Acquired { took_over }),
+            Reservation::Completed(outcome) => return Ok(Reserved::Replay(outcome)),
+            Reservation::FingerprintMismatch => {
+                METRICS.mismatched.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(target: "idempotent", scope = spec.scope, key = %request.identity.key_digest(),
+                    "refused: key reused with different arguments");
+                return Err(Error::FingerprintMismatch(request.identity.context()));
+            }
+            Reservation::InProgress { lease_remaining } => {
+                let now = Instant::now();
+                match deadline {
+                    Some(deadline) if now < deadline => {
+                        let wake = (now + pause).min(deadline);
+                        sleep_until(wake).await;
+                        pause = (pause * 2).min(Duration::from_millis(100));
+                    }
+                    _ => {
+                        METRICS.refused_in_progress.fetch_add(1, Ordering::Relaxed);
+                        tracing::info!(target: "idempotent", scope = spec.scope, key = %request.identity.key_digest(),
+                            "refused: a call with the same key is in progress");
+                        return Err(Error::InProgress {
+                            scope: spec.scope.to_owned(),
+                            retry_after: lease_remaining.max(Duration::from_millis(1)),
+                        });
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn decode_replay<R: IdempotentReturn, H: ErrorHandling<R::Failure>>(
+    spec: &'static ScopeInfo,
+    errors: &H,
+    outcome: StoredOutcome,
+) -> Result<R::Value, R::Failure> {
+    let failed = |message: String| Error::ReplayDecoding {
+        scope: spec.scope.to_owned(),
+        message,
+    };
+    if outcome.is_error {
+        match errors.replay(&outcome.payload) {
+            Ok(e) => Err(e),
+            Err(message) => Err(failed(message).into()),
+        }
+    } else {
+        serde_json::from_slice(&outcome.payload).map_err(|e| failed(e.to_string()).into())
+    }
+}
+
+async fn release_logged(store: &dyn Store, identity: &Identity, token: &OwnerToken) {
+    match store.release(identity, token).await {
+        Ok(true) => {}
+        Ok(false) => {
+            tracing::warn!(target: "idempotent", scope = %identity.scope, key = %identity.key_digest(),
+                "release found the record owned by someone else (lease lost); left it alone")
+        }
+        Err(e) => {
+            tracing::error!(target: "idempotent", scope = %identity.scope, key = %identity.key_digest(), error = %e,
+                "release failed; the record stays in progress until its lease expires")
+        }
+    }
+}
+
+type PanicPayload = Box<dyn std::any::Any + Send + 'static>;
+
+/// Polls the body and, on the same task, renews the lease every `lease / 3`.
+/// Nothing is spawned: when this future stops being polled, renewal stops too.
+async fn run_with_heartbeat<R, Fut: Future<Output = R>>(
+    store: &dyn Store,
+    identity: &Identity,
+    token: &OwnerToken,
+    lease: Duration,
+    body: Fut,
+) -> Result<R, PanicPayload> {
+    let period = (lease / 3).max(Duration::from_millis(1));
+    let mut body = pin!(AssertUnwindSafe(body).catch_unwind());
+    let mut timer = pin!(sleep_until(Instant::now() + period));
+    let mut beat: Option<futures_util::future::BoxFuture<'_, _>> = None;
+    std::future::poll_fn(|cx| {
+        if let Poll::Ready(out) = body.as_mut().poll(cx) {
+            return Poll::Ready(out);
+        }
+        loop {
+            if let Some(f) = beat.as_mut() {
+                let Poll::Ready(result) = f.as_mut().poll(cx) else {
+                    return Poll::Pending;
+                };
+                beat = None;
+                note_heartbeat(identity, result);
+                timer.as_mut().reset(Instant::now() + period);
+            }
+            if timer.as_mut().poll(cx).is_pending() {
+                return Poll::Pending;
+            }
+            beat = Some(store.heartbeat(identity, token, lease));
+        }
+    })
+    .await
+}
+
+fn note_heartbeat(identity: &Identity, result: Result<bool, crate::error::StoreError>) {
+    match result {
+        Ok(true) => {
+            METRICS.heartbeats.fetch_add(1, Ordering::Relaxed);
+        }
+        Ok(false) => {
+            METRICS.heartbeat_failures.fetch_add(1, Ordering::Relaxed);
+            tracing::error!(target: "idempotent", scope = %identity.scope, key = %identity.key_digest(),
+                "heartbeat: the lease was lost to another caller; this call's result will not be recorded");
+        }
+        Err(e) => {
+            METRICS.heartbeat_failures.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(target: "idempotent", scope = %identity.scope, key = %identity.key_digest(), error = %e,
+                "heartbeat failed; will try again");
+        }
+    }
+}

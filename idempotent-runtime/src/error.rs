@@ -1,0 +1,171 @@
+//! The one error type every idempotent call can return.
+
+use std::time::Duration;
+
+/// Why a key or a tenant was refused before anything ran.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum KeyProblem {
+    /// The value is the empty string.
+    #[error("it is empty; send a non-empty value (a UUID made when the intent was formed is a good choice)")]
+    Empty,
+    /// The value is longer than the 255-byte limit.
+    #[error("it is {len} bytes long; the limit is {limit} bytes")]
+    TooLong {
+        /// Length in bytes.
+        len: usize,
+        /// The limit in bytes.
+        limit: usize,
+    },
+    /// The value contains a control character (e.g. NUL, newline, tab).
+    #[error("it contains a control character (U+{code:04X}) at byte {position}; control characters are not allowed")]
+    ControlCharacter {
+        /// Byte offset of the character.
+        position: usize,
+        /// The character's code point.
+        code: u32,
+    },
+}
+
+/// Where in the store a refusal happened: the scope and a short digest of the
+/// (tenant, scope, key) identity. Never the raw key: keys can be guessable
+/// secrets and must not leak into logs or error reports.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RecordContext {
+    /// The scope named in the attribute, e.g. `payments.charge`.
+    pub scope: String,
+    /// A short hex digest of the identity, the same one the logs carry.
+    pub key_digest: String,
+}
+
+impl std::fmt::Display for RecordContext {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "scope `{}`, key digest {}", self.scope, self.key_digest)
+    }
+}
+
+/// A failure of the backing store (database unreachable, connection killed,
+/// migration failed, ...). The message names the store and the operation.
+#[derive(Debug, thiserror::Error)]
+#[error("{store} store failed while trying to {operation}: {source}")]
+pub struct StoreError {
+    /// Which store: `memory`, `sqlite`, `postgres`, `mysql`.
+    pub store: &'static str,
+    /// What the store was doing: `reserve`, `complete`, `release`, ...
+    pub operation: &'static str,
+    /// The underlying error.
+    #[source]
+    pub source: Box<dyn std::error::Error + Send + Sync + 'static>,
+}
+
+impl StoreError {
+    /// Wraps an underlying error with the store's name and the operation.
+    pub fn new(
+        store: &'static str,
+        operation: &'static str,
+        source: impl Into<Box<dyn std::error::Error + Send + Sync + 'static>>,
+    ) -> Self {
+        StoreError {
+            store,
+            operation,
+            source: source.into(),
+        }
+    }
+}
+
+/// Everything an idempotent call can fail with, besides the function's own errors.
+///
+/// Annotated functions return `Result<T, E>` with `E: From<Error>`, so these
+/// arrive in the caller's own error type. The table in the README says what
+/// each means for a caller.
+///
+/// ```
+/// use idempotent_runtime::Error;
+/// use std::time::Duration;
+/// let e = Error::InProgress { scope: "payments.charge".into(), retry_after: Duration::from_secs(2) };
+/// assert!(e.to_string().contains("retry after"));
+/// ```
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The idempotency key was refused before anything ran (HTTP: 400).
+    #[error("invalid idempotency key: {0}")]
+    InvalidKey(KeyProblem),
+
+    /// The tenant value was refused before anything ran (HTTP: 400).
+    #[error("invalid tenant: {0}")]
+    InvalidTenant(KeyProblem),
+
+    /// Another call with the same identity is running and this one did not wait
+    /// (or waited its bound). Retry after `retry_after` (HTTP: 409 + Retry-After).
+    #[error("a call with the same idempotency key is still in progress in scope `{scope}`; retry after {retry_after:?}")]
+    InProgress {
+        /// The scope of the call.
+        scope: String,
+        /// How long until the running call's lease runs out: a sensible moment to retry.
+        retry_after: Duration,
+    },
+
+    /// The key was used before with different arguments. This is a client bug:
+    /// a new operation needs a new key (HTTP: 422). The record is untouched.
+    #[error(
+        "idempotency key reused with different arguments ({0}); use a new key for a new operation"
+    )]
+    FingerprintMismatch(RecordContext),
+
+    /// This call's lease ran out while the body ran and another caller took the
+    /// record over; this call's result was not recorded. The work may have run
+    /// twice: check the side effects, and give bodies a lease that covers them.
+    #[error("lease lost ({0}): the record was taken over by another caller, so this result was not recorded")]
+    LeaseLost(RecordContext),
+
+    /// The store failed. The record is left for a retry to resolve (HTTP: 503).
+    #[error(transparent)]
+    Store(#[from] StoreError),
+
+    /// A fingerprinted argument could not be serialized.
+    #[error("argument `{argument}` could not be fingerprinted: {message}; make it Serialize, or leave it out with skip({argument})")]
+    Fingerprint {
+        /// The parameter's name.
+        argument: String,
+        /// The serializer's message.
+        message: String,
+    },
+
+    /// The function's result could not be serialized; nothing was recorded and the key was released.
+    #[error("the result in scope `{scope}` could not be serialized for recording: {message}; nothing was recorded")]
+    ResultEncoding {
+        /// The scope of the call.
+        scope: String,
+        /// The serializer's message.
+        message: String,
+    },
+
+    /// A recorded result could not be turned back into the function's return
+    /// type (the type changed since it was recorded?). The record is kept.
+    #[error("the recorded result in scope `{scope}` could not be replayed: {message}; if the result type changed, use a new scope or wait for the records to expire")]
+    ReplayDecoding {
+        /// The scope of the call.
+        scope: String,
+        /// The deserializer's message.
+        message: String,
+    },
+
+    /// The serialized result is larger than the store accepts; nothing was recorded.
+    #[error("the result in scope `{scope}` is {size} bytes; the limit is {limit} bytes. Record a reference (an id) instead of the whole payload")]
+    ResultTooLarge {
+        /// The scope of the call.
+        scope: String,
+        /// Serialized size in bytes.
+        size: usize,
+        /// The limit in bytes.
+        limit: usize,
+    },
+
+    /// No `store = ...` was given and no default store was set.
+    #[error("no idempotency store for scope `{scope}`: call idempotent_runtime::set_default_store(...) at startup, or pass `store = ...` in the attribute")]
+    NoDefaultStore {
+        /// The scope of the call.
+        scope: String,
+    },
+}

@@ -1,0 +1,147 @@
+//! Who a record belongs to: (tenant, scope, key).
+
+use crate::error::{Error, KeyProblem};
+use sha2::{Digest, Sha256};
+
+/// The longest key (and tenant) accepted, in bytes.
+pub const MAX_KEY_BYTES: usize = 255;
+
+/// The tenant stored for `tenant = shared`.
+///
+/// Real tenants must be non-empty, so the shared namespace can never collide
+/// with a tenant's.
+pub const SHARED_TENANT: &str = "";
+
+fn check(value: &str) -> Result<(), KeyProblem> {
+    if value.is_empty() {
+        return Err(KeyProblem::Empty);
+    }
+    if value.len() > MAX_KEY_BYTES {
+        return Err(KeyProblem::TooLong {
+            len: value.len(),
+            limit: MAX_KEY_BYTES,
+        });
+    }
+    if let Some((position, c)) = value.char_indices().find(|(_, c)| c.is_control()) {
+        return Err(KeyProblem::ControlCharacter {
+            position,
+            code: c as u32,
+        });
+    }
+    Ok(())
+}
+
+/// Checks a client-supplied idempotency key: 1–255 bytes, no control characters.
+///
+/// ```
+/// use idempotent_runtime::{validate_key, Error};
+/// assert!(validate_key("7f8c0a4e-checkout").is_ok());
+/// assert!(matches!(validate_key(""), Err(Error::InvalidKey(_))));
+/// assert!(matches!(validate_key("a\nb"), Err(Error::InvalidKey(_))));
+/// ```
+pub fn validate_key(key: &str) -> Result<(), Error> {
+    check(key).map_err(Error::InvalidKey)
+}
+
+/// Checks a tenant value: 1–255 bytes, no control characters.
+pub fn validate_tenant(tenant: &str) -> Result<(), Error> {
+    check(tenant).map_err(Error::InvalidTenant)
+}
+
+/// The identity of a record. Two calls share a record only when all three parts are equal.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Identity {
+    /// Whose key this is; [`SHARED_TENANT`] for `tenant = shared`.
+    pub tenant: String,
+    /// The unit of work, e.g. `payments.charge`.
+    pub scope: String,
+    /// The client-supplied key.
+    pub key: String,
+}
+
+impl Identity {
+    /// Builds an identity after validating the tenant and key.
+    ///
+    /// ```
+    /// use idempotent_runtime::Identity;
+    /// let id = Identity::new("acct_1", "payments.charge", "k-1").unwrap();
+    /// assert_eq!(id.key_digest().len(), 16);
+    /// ```
+    pub fn new(
+        tenant: impl Into<String>,
+        scope: impl Into<String>,
+        key: impl Into<String>,
+    ) -> Result<Self, Error> {
+        let (tenant, key) = (tenant.into(), key.into());
+        validate_key(&key)?;
+        validate_tenant(&tenant)?;
+        Ok(Identity {
+            tenant,
+            scope: scope.into(),
+            key,
+        })
+    }
+
+    /// Builds an identity in the shared namespace (`tenant = shared`).
+    pub fn shared(scope: impl Into<String>, key: impl Into<String>) -> Result<Self, Error> {
+        let key = key.into();
+        validate_key(&key)?;
+        Ok(Identity {
+            tenant: SHARED_TENANT.to_owned(),
+            scope: scope.into(),
+            key,
+        })
+    }
+
+    /// A short digest of the whole identity, safe to log: 16 hex characters of SHA-256.
+    pub fn key_digest(&self) -> String {
+        let mut h = Sha256::new();
+        for part in [&self.tenant, &self.scope, &self.key] {
+            h.update((part.len() as u64).to_be_bytes());
+            h.update(part.as_bytes());
+        }
+        hex::encode(&h.finalize()[..8])
+    }
+
+    /// The context carried by errors about this record (scope and digest, never the raw key).
+    pub fn context(&self) -> crate::error::RecordContext {
+        crate::error::RecordContext {
+            scope: self.scope.clone(),
+            key_digest: self.key_digest(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn key_limits() {
+        assert!(validate_key(&"a".repeat(255)).is_ok());
+        assert!(matches!(
+            validate_key(&"a".repeat(256)),
+            Err(Error::InvalidKey(KeyProblem::TooLong { len: 256, .. }))
+        ));
+        assert!(matches!(
+            validate_key(""),
+            Err(Error::InvalidKey(KeyProblem::Empty))
+        ));
+        assert!(matches!(
+            validate_key("ab\0"),
+            Err(Error::InvalidKey(KeyProblem::ControlCharacter {
+                position: 2,
+                code: 0
+            }))
+        ));
+        assert!(validate_key("ключ-🔑-'%_\\").is_ok());
+    }
+
+    #[test]
+    fn digest_separates_parts() {
+        let a = Identity::new("ab", "s", "c").unwrap();
+        let b = Identity::new("a", "s", "bc").unwrap();
+        assert_ne!(a.key_digest(), b.key_digest());
+        assert!(!a.key_digest().contains('c'));
+    }
+}

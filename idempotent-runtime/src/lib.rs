@@ -1,0 +1,55 @@
+//! # idempotent
+//!
+//! Make an async service function safe to retry. Put `#[idempotent]` on it and
+//! a retry with the same key gets the recorded result instead of a second
+//! execution; the same key with different arguments is refused; a duplicate
+//! arriving while the first call runs waits or is refused; a crashed owner's
+//! lease expires and the key can be taken over.
+//!
+//! ```
+//! use idempotent_runtime::{idempotent, set_default_store, Error, MemoryStore};
+//! use serde::{Deserialize, Serialize};
+//!
+//! #[derive(Serialize, Deserialize, Debug, PartialEq)]
+//! struct Receipt { charge_id: u64 }
+//!
+//! #[idempotent(scope = "payments.charge", key = key, tenant = account)]
+//! async fn charge(account: &str, key: &str, amount_cents: u64) -> Result<Receipt, Error> {
+//!     Ok(Receipt { charge_id: amount_cents * 7 })   // runs once per (tenant, scope, key)
+//! }
+//!
+//! # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), Error> {
+//! set_default_store(MemoryStore::new());
+//! let first = charge("acct_1", "key-1", 500).await?;
+//! let retry = charge("acct_1", "key-1", 500).await?;          // replayed, body not run
+//! assert_eq!(first, retry);
+//! assert!(matches!(charge("acct_1", "key-1", 900).await,     // same key, other amount
+//!                  Err(Error::FingerprintMismatch(_))));
+//! # Ok(()) }
+//! ```
+//!
+//! See the README for the attribute's arguments, the stores and the errors.
+#![warn(missing_docs)]
+
+pub mod engine;
+pub mod error;
+pub mod fingerprint;
+pub mod identity;
+pub mod metrics;
+pub mod registry;
+pub mod store;
+
+#[doc(hidden)]
+pub mod __private;
+
+pub use engine::{default_store, set_default_store, with_outcome, Outcome, MAX_RESULT_BYTES};
+pub use error::{Error, KeyProblem, RecordContext, StoreError};
+pub use fingerprint::{Fingerprint, FingerprintBuilder};
+pub use idempotent_macros::idempotent;
+pub use identity::{validate_key, validate_tenant, Identity};
+pub use registry::{ErrorPolicy, InProgressPolicy, ScopeInfo};
+pub use store::memory::MemoryStore;
+pub use store::{
+    OwnerToken, RecordSnapshot, RecordState, Reservation, ReserveRequest, ScopeStats, Store,
+    StoredOutcome,
+};

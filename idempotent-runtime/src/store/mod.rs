@@ -1,0 +1,284 @@
+//! The [`Store`] trait every backend implements, and the types it speaks.
+//!
+//! A store keeps one record per [`Identity`]. A record is *in progress*
+//! (held by an owner token under a lease) or *complete* (holding the recorded
+//! outcome until its retention runs out). All time decisions — lease expiry,
+//! retention — are made on the store's own clock (the database's for SQL stores).
+
+use crate::error::StoreError;
+use crate::fingerprint::Fingerprint;
+use crate::identity::Identity;
+use std::time::Duration;
+
+pub mod memory;
+
+/// A random token naming the current owner of an in-progress record.
+/// Completion, release and heartbeat must present it (fencing).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct OwnerToken(String);
+
+impl OwnerToken {
+    /// A fresh random token.
+    pub fn new() -> Self {
+        OwnerToken(uuid::Uuid::new_v4().simple().to_string())
+    }
+
+    /// The token as stored.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+
+    /// Wraps a stored token.
+    pub fn from_stored(s: impl Into<String>) -> Self {
+        OwnerToken(s.into())
+    }
+}
+
+impl Default for OwnerToken {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// What a caller asks of [`Store::reserve`].
+#[derive(Debug, Clone, Copy)]
+pub struct ReserveRequest<'a> {
+    /// The record's identity.
+    pub identity: &'a Identity,
+    /// The fingerprint of this call's arguments, if it has one.
+    pub fingerprint: Option<&'a Fingerprint>,
+    /// The token that will own the record if this call acquires it.
+    pub token: &'a OwnerToken,
+    /// How long the lease lasts before someone else may take the record over.
+    pub lease: Duration,
+    /// Retention; an in-progress record is purgeable only after both its lease and this have run out.
+    pub ttl: Duration,
+}
+
+/// A recorded outcome: the serialized `Ok` value or recorded `Err` value.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoredOutcome {
+    /// `true` when this is a recorded error (`errors = record`).
+    pub is_error: bool,
+    /// The serialized value (JSON).
+    pub payload: Vec<u8>,
+}
+
+/// The answer of [`Store::reserve`]: one of the four things a duplicate can find.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Reservation {
+    /// The caller's token now owns the record; run the body.
+    Acquired {
+        /// `true` when an expired lease (or an expired record) was taken over.
+        took_over: bool,
+    },
+    /// The record is complete and its fingerprint agrees: replay this.
+    Completed(StoredOutcome),
+    /// Another owner holds a live lease.
+    InProgress {
+        /// Time left on that lease, by the store's clock.
+        lease_remaining: Duration,
+    },
+    /// A live record exists with a different fingerprint. Nothing was changed.
+    FingerprintMismatch,
+}
+
+/// The state of a record.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum RecordState {
+    /// Held by an owner under a lease.
+    InProgress,
+    /// Holding a recorded outcome.
+    Complete,
+}
+
+impl RecordState {
+    /// The name stored in SQL stores: `in_progress` or `complete`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RecordState::InProgress => "in_progress",
+            RecordState::Complete => "complete",
+        }
+    }
+
+    /// Parses a stored state name.
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "in_progress" => Some(RecordState::InProgress),
+            "complete" => Some(RecordState::Complete),
+            _ => None,
+        }
+    }
+}
+
+/// A read-only view of one record, for inspection and tests.
+/// Times are milliseconds since the Unix epoch on the store's clock.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RecordSnapshot {
+    /// In progress or complete.
+    pub state: RecordState,
+    /// The stored fingerprint, if any.
+    pub fingerprint: Option<String>,
+    /// The current owner's token (in progress only).
+    pub owner_token: Option<String>,
+    /// The recorded outcome (complete only).
+    pub outcome: Option<StoredOutcome>,
+    /// When the lease runs out (in progress only).
+    pub lease_expires_at_ms: Option<i64>,
+    /// When the record's retention runs out.
+    pub expires_at_ms: i64,
+    /// The store's clock when this snapshot was taken.
+    pub now_ms: i64,
+}
+
+impl RecordSnapshot {
+    /// Whether the record counts as absent now (its retention ran out, and for
+    /// an in-progress record its lease too).
+    pub fn is_expired(&self) -> bool {
+        self.expires_at_ms <= self.now_ms
+            && self.lease_expires_at_ms.is_none_or(|l| l <= self.now_ms)
+    }
+}
+
+/// Per-scope record counts, the raw material of an audit.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ScopeStats {
+    /// The scope.
+    pub scope: String,
+    /// Complete records still within retention.
+    pub complete: u64,
+    /// In-progress records whose lease is live.
+    pub in_progress: u64,
+    /// In-progress records whose lease has run out (owner gone).
+    pub stuck: u64,
+    /// Records past retention that a purge has not removed yet.
+    pub expired: u64,
+    /// Creation time of the oldest record, ms since the epoch on the store's clock.
+    pub oldest_created_at_ms: Option<i64>,
+}
+
+/// The interface every backend implements. The conformance suite in `tests/`
+/// checks each implementation against the behaviour contract.
+///
+/// Implementations must make [`reserve`](Store::reserve) atomic: of many
+/// concurrent reservations for one identity, exactly one is `Acquired`.
+#[async_trait::async_trait]
+pub trait Store: Send + Sync {
+    /// A short name for messages and logs: `memory`, `sqlite`, `postgres`, `mysql`.
+    fn name(&self) -> &'static str;
+
+    /// Atomically creates the record, takes over an expired one, or reports what is there.
+    ///
+    /// Rules: a record whose retention ran out counts as absent. A live record
+    /// (complete, or in progress) whose fingerprint and the request's are both
+    /// present and differ gives [`Reservation::FingerprintMismatch`] and is not
+    /// modified. An in-progress record whose lease ran out is taken over: the
+    /// request's token, fingerprint and a fresh lease replace the old ones.
+    async fn reserve(&self, request: ReserveRequest<'_>) -> Result<Reservation, StoreError>;
+
+    /// Records the outcome and keeps it for `ttl`. Returns `false` (and changes
+    /// nothing) when `token` no longer owns the record.
+    async fn complete(
+        &self,
+        identity: &Identity,
+        token: &OwnerToken,
+        outcome: &StoredOutcome,
+        ttl: Duration,
+    ) -> Result<bool, StoreError>;
+
+    /// Deletes the in-progress record so the key is free. Returns `false` (and
+    /// changes nothing) when `token` no longer owns it.
+    async fn release(&self, identity: &Identity, token: &OwnerToken) -> Result<bool, StoreError>;
+
+    /// Extends the lease to `lease` from now. Returns `false` when `token` no longer owns the record.
+    async fn heartbeat(
+        &self,
+        identity: &Identity,
+        token: &OwnerToken,
+        lease: Duration,
+    ) -> Result<bool, StoreError>;
+
+    /// Starts a release that must not wait for the caller: used when a call is
+    /// dropped mid-way (its future cancelled). Implementations release at once
+    /// when they can, or spawn the release on the current Tokio runtime.
+    fn release_detached(&self, identity: Identity, token: OwnerToken);
+
+    /// Deletes up to `batch` expired records; returns how many were deleted.
+    /// An in-progress record is deleted only when both its lease and its
+    /// retention have run out.
+    async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError>;
+
+    /// Reads one record as it is now, without changing it (expired records included).
+    async fn fetch(&self, identity: &Identity) -> Result<Option<RecordSnapshot>, StoreError>;
+
+    /// Counts records per scope and state, for the audit. Sorted by scope.
+    async fn scope_stats(&self) -> Result<Vec<ScopeStats>, StoreError>;
+}
+
+macro_rules! delegate_store {
+    ($($ptr:ty),*) => {$(
+        #[async_trait::async_trait]
+        impl<S: Store + ?Sized> Store for $ptr {
+            fn name(&self) -> &'static str { (**self).name() }
+            async fn reserve(&self, request: ReserveRequest<'_>) -> Result<Reservation, StoreError> {
+                (**self).reserve(request).await
+            }
+            async fn complete(&self, identity: &Identity, token: &OwnerToken, outcome: &StoredOutcome, ttl: Duration) -> Result<bool, StoreError> {
+                (**self).complete(identity, token, outcome, ttl).await
+            }
+            async fn release(&self, identity: &Identity, token: &OwnerToken) -> Result<bool, StoreError> {
+                (**self).release(identity, token).await
+            }
+            async fn heartbeat(&self, identity: &Identity, token: &OwnerToken, lease: Duration) -> Result<bool, StoreError> {
+                (**self).heartbeat(identity, token, lease).await
+            }
+            fn release_detached(&self, identity: Identity, token: OwnerToken) {
+                (**self).release_detached(identity, token)
+            }
+            async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError> {
+                (**self).purge_expired(batch).await
+            }
+            async fn fetch(&self, identity: &Identity) -> Result<Option<RecordSnapshot>, StoreError> {
+                (**self).fetch(identity).await
+            }
+            async fn scope_stats(&self) -> Result<Vec<ScopeStats>, StoreError> {
+                (**self).scope_stats().await
+            }
+        }
+    )*};
+}
+delegate_store!(std::sync::Arc<S>, Box<S>);
+
+/// Turns whatever `store = <expr>` names into a `&dyn Store`: a store value,
+/// a reference to one, an `Arc<S>` or an `Arc<dyn Store>`.
+pub trait AsDynStore {
+    /// The store as a trait object.
+    fn as_dyn_store(&self) -> &dyn Store;
+}
+
+impl<S: Store> AsDynStore for S {
+    fn as_dyn_store(&self) -> &dyn Store {
+        self
+    }
+}
+
+impl AsDynStore for dyn Store {
+    fn as_dyn_store(&self) -> &dyn Store {
+        self
+    }
+}
+
+/// Milliseconds as a `Duration`, negative values as zero.
+pub(crate) fn millis_to_duration(ms: i64) -> Duration {
+    Duration::from_millis(ms.max(0) as u64)
+}
+
+/// A duration as whole milliseconds for SQL, saturating.
+pub fn duration_to_millis(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+}
+
+/// Whether two fingerprints contradict each other: only when both exist and differ.
+pub fn fingerprints_conflict(stored: Option<&str>, incoming: Option<&str>) -> bool {
+    matches!((stored, incoming), (Some(a), Some(b)) if a != b)
+}
