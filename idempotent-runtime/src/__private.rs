@@ -5,6 +5,16 @@ pub use crate::engine::{
     execute, Call, IdempotentReturn, RecordErrors, RecordErrorsIf, ReleaseErrors, StoreRef,
 };
 pub use crate::fingerprint::FingerprintBuilder;
+pub use crate::transaction::{
+    begin_in_transaction, finish_in_transaction, HeldInTransaction, TransactionStep,
+    TransactionalCall, TransactionalConnection,
+};
+
+/// Pins the output type of the body's async block to the function's return type,
+/// so `?` inside the body converts errors exactly as in the original function.
+pub fn body<R, F: core::future::Future<Output = R>>(body: F) -> F {
+    body
+}
 pub use crate::registry::{ErrorPolicy, InProgressPolicy, Registration, ScopeInfo};
 pub use crate::store::{AsDynStore, Store};
 pub use core::time::Duration;

@@ -87,7 +87,7 @@ pub async fn with_outcome<F: Future>(future: F) -> (F::Output, Option<Outcome>) 
         .await
 }
 
-fn report(outcome: Outcome) {
+pub(crate) fn report(outcome: Outcome) {
     // Outside `with_outcome` there is nobody to tell; that is fine.
     let _ = OUTCOME.try_with(|c| c.set(Some(outcome)));
 }
@@ -348,14 +348,33 @@ where
     }
 }
 
-enum Reserved {
+pub(crate) enum Reserved {
     Acquired { took_over: bool },
     Replay(StoredOutcome),
 }
 
+/// Something that can answer a reservation: a store, or the caller's transaction.
+pub(crate) trait Reserver {
+    async fn reserve_once(
+        &mut self,
+        request: ReserveRequest<'_>,
+        lock_wait: Duration,
+    ) -> Result<Reservation, crate::error::StoreError>;
+}
+
+impl Reserver for &dyn Store {
+    async fn reserve_once(
+        &mut self,
+        request: ReserveRequest<'_>,
+        _lock_wait: Duration,
+    ) -> Result<Reservation, crate::error::StoreError> {
+        self.reserve(request).await
+    }
+}
+
 /// Reserves, waiting (bounded) while another owner runs, per the in-progress policy.
-async fn reserve(
-    store: &dyn Store,
+pub(crate) async fn reserve(
+    mut store: impl Reserver,
     request: ReserveRequest<'_>,
     spec: &'static ScopeInfo,
 ) -> Result<Reserved, Error> {
@@ -365,7 +384,10 @@ async fn reserve(
     };
     let mut pause = Duration::from_millis(5);
     loop {
-        match store.reserve(request).await? {
+        let lock_wait = deadline.map_or(Duration::ZERO, |d| {
+            d.saturating_duration_since(Instant::now())
+        });
+        match store.reserve_once(request, lock_wait).await? {
             Reservation::Acquired { took_over } => return Ok(Reserved::Acquired { took_over }),
             Reservation::Completed(outcome) => return Ok(Reserved::Replay(outcome)),
             Reservation::FingerprintMismatch => {
@@ -397,7 +419,7 @@ async fn reserve(
     }
 }
 
-fn decode_replay<R: IdempotentReturn, H: ErrorHandling<R::Failure>>(
+pub(crate) fn decode_replay<R: IdempotentReturn, H: ErrorHandling<R::Failure>>(
     spec: &'static ScopeInfo,
     errors: &H,
     outcome: StoredOutcome,

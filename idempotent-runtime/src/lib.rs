@@ -38,6 +38,7 @@ pub mod identity;
 pub mod metrics;
 pub mod registry;
 pub mod store;
+pub mod transaction;
 
 #[doc(hidden)]
 pub mod __private;

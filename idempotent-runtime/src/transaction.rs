@@ -1,0 +1,207 @@
+//! Transactional mode (`tx = param`): the reservation and the recorded result
+//! are statements in the caller's own transaction, so they commit or roll back
+//! together with the business writes.
+//!
+//! No lease heartbeat runs in this mode: the uncommitted row is locked by the
+//! caller's transaction, which is the lease. A concurrent duplicate waits on the
+//! row lock (bounded by `in_progress = wait(...)`) or is refused (`reject`).
+//! If the process dies, the database rolls the transaction back and the
+//! reservation disappears with the business writes.
+
+use crate::engine::{
+    decode_replay, report, reserve, ErrorHandling, IdempotentReturn, Outcome, Reserved, Reserver,
+};
+use crate::error::{Error, StoreError};
+use crate::fingerprint::Fingerprint;
+use crate::identity::Identity;
+use crate::metrics::METRICS;
+use crate::registry::ScopeInfo;
+use crate::store::{OwnerToken, Reservation, ReserveRequest, StoredOutcome};
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+/// A connection or transaction that can hold idempotency records in the
+/// caller's transaction. Implemented for the sqlx connection and transaction
+/// types of each SQL store.
+#[async_trait::async_trait]
+pub trait TransactionalConnection: Send {
+    /// Like [`Store::reserve`](crate::Store::reserve), in this transaction.
+    /// Waits at most `lock_wait` for a row locked by another transaction;
+    /// when that runs out, answers `InProgress`.
+    async fn reserve_in_transaction(
+        &mut self,
+        request: ReserveRequest<'_>,
+        lock_wait: Duration,
+    ) -> Result<Reservation, StoreError>;
+
+    /// Like [`Store::complete`](crate::Store::complete), in this transaction.
+    async fn complete_in_transaction(
+        &mut self,
+        identity: &Identity,
+        token: &OwnerToken,
+        outcome: &StoredOutcome,
+        ttl: Duration,
+    ) -> Result<bool, StoreError>;
+
+    /// Like [`Store::release`](crate::Store::release), in this transaction.
+    async fn release_in_transaction(
+        &mut self,
+        identity: &Identity,
+        token: &OwnerToken,
+    ) -> Result<bool, StoreError>;
+}
+
+struct InTransaction<'c, C: ?Sized>(&'c mut C);
+
+impl<C: TransactionalConnection + ?Sized> Reserver for InTransaction<'_, C> {
+    async fn reserve_once(
+        &mut self,
+        request: ReserveRequest<'_>,
+        lock_wait: Duration,
+    ) -> Result<Reservation, StoreError> {
+        self.0.reserve_in_transaction(request, lock_wait).await
+    }
+}
+
+/// What the generated code prepares for a transactional call.
+pub struct TransactionalCall {
+    /// What the attribute declared.
+    pub spec: &'static ScopeInfo,
+    /// The validated identity.
+    pub identity: Result<Identity, Error>,
+    /// The arguments' fingerprint.
+    pub fingerprint: Result<Option<Fingerprint>, Error>,
+}
+
+/// A reservation held in the caller's transaction, waiting for the body's result.
+pub struct HeldInTransaction {
+    spec: &'static ScopeInfo,
+    identity: Identity,
+    token: OwnerToken,
+}
+
+/// The first half of a transactional call.
+pub enum TransactionStep<R> {
+    /// Return this at once (a replay, or a refusal); the body must not run.
+    Return(R),
+    /// Run the body, then pass its result to [`finish_in_transaction`].
+    Run(HeldInTransaction),
+}
+
+/// Reserves in the caller's transaction.
+pub async fn begin_in_transaction<R, H, C>(
+    call: TransactionalCall,
+    errors: &H,
+    connection: &mut C,
+) -> TransactionStep<R>
+where
+    R: IdempotentReturn,
+    H: ErrorHandling<R::Failure>,
+    C: TransactionalConnection + ?Sized,
+{
+    let spec = call.spec;
+    let prepared = call.identity.and_then(|id| Ok((id, call.fingerprint?)));
+    let (identity, fingerprint) = match prepared {
+        Ok(v) => v,
+        Err(e) => return TransactionStep::Return(R::from_result(Err(e.into()))),
+    };
+    let token = OwnerToken::new();
+    let request = ReserveRequest {
+        identity: &identity,
+        fingerprint: fingerprint.as_ref(),
+        token: &token,
+        lease: spec.lease,
+        ttl: spec.ttl,
+    };
+    match reserve(InTransaction(connection), request, spec).await {
+        Ok(Reserved::Acquired { .. }) => TransactionStep::Run(HeldInTransaction {
+            spec,
+            identity,
+            token,
+        }),
+        Ok(Reserved::Replay(outcome)) => {
+            METRICS.replayed.fetch_add(1, Ordering::Relaxed);
+            tracing::info!(target: "idempotent", scope = spec.scope, key = %identity.key_digest(), "replayed (transactional)");
+            report(Outcome::Replayed);
+            TransactionStep::Return(R::from_result(decode_replay::<R, H>(spec, errors, outcome)))
+        }
+        Err(e) => TransactionStep::Return(R::from_result(Err(e.into()))),
+    }
+}
+
+/// Records the body's result in the caller's transaction (or, for a released
+/// error, deletes the reservation) and returns the result.
+pub async fn finish_in_transaction<R, H, C>(
+    held: HeldInTransaction,
+    errors: &H,
+    connection: &mut C,
+    result: R,
+) -> R
+where
+    R: IdempotentReturn,
+    H: ErrorHandling<R::Failure>,
+    C: TransactionalConnection + ?Sized,
+{
+    let HeldInTransaction {
+        spec,
+        identity,
+        token,
+    } = held;
+    METRICS.executed.fetch_add(1, Ordering::Relaxed);
+    report(Outcome::Executed);
+    let result = result.into_result();
+    let encoded = match &result {
+        Ok(v) => serde_json::to_vec(v)
+            .map(|payload| {
+                Some(StoredOutcome {
+                    is_error: false,
+                    payload,
+                })
+            })
+            .map_err(|e| e.to_string()),
+        Err(e) => match errors.record(e) {
+            None => Ok(None),
+            Some(r) => r.map(|payload| {
+                Some(StoredOutcome {
+                    is_error: true,
+                    payload,
+                })
+            }),
+        },
+    };
+    let stored = match encoded {
+        Ok(Some(s)) if s.payload.len() > crate::engine::MAX_RESULT_BYTES => {
+            Err(Error::ResultTooLarge {
+                scope: spec.scope.to_owned(),
+                size: s.payload.len(),
+                limit: crate::engine::MAX_RESULT_BYTES,
+            })
+        }
+        Ok(s) => Ok(s),
+        Err(message) => Err(Error::ResultEncoding {
+            scope: spec.scope.to_owned(),
+            message,
+        }),
+    };
+    let stored = match stored {
+        Ok(Some(s)) => s,
+        Ok(None) | Err(_) => {
+            // Release: the key is free whether the caller commits or rolls back.
+            if let Err(e) = connection.release_in_transaction(&identity, &token).await {
+                return R::from_result(Err(Error::Store(e).into()));
+            }
+            return R::from_result(match stored {
+                Err(e) => Err(e.into()),
+                Ok(_) => result,
+            });
+        }
+    };
+    match connection
+        .complete_in_transaction(&identity, &token, &stored, spec.ttl)
+        .await
+    {
+        Ok(true) => R::from_result(result),
+        Ok(false) => R::from_result(Err(Error::LeaseLost(identity.context()).into())),
+        Err(e) => R::from_result(Err(Error::Store(e).into())),
+    }
+}
