@@ -50,6 +50,8 @@ pub use idempotent_macros::idempotent;
 pub use identity::{validate_key, validate_tenant, Identity};
 pub use registry::{ErrorPolicy, InProgressPolicy, ScopeInfo};
 pub use store::memory::MemoryStore;
+#[cfg(feature = "sqlite")]
+pub use store::sqlite::SqliteStore;
 pub use store::{
     OwnerToken, RecordSnapshot, RecordState, Reservation, ReserveRequest, ScopeStats, Store,
     StoredOutcome,

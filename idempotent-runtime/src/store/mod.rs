@@ -11,6 +11,8 @@ use crate::identity::Identity;
 use std::time::Duration;
 
 pub mod memory;
+#[cfg(feature = "sqlite")]
+pub mod sqlite;
 
 /// A random token naming the current owner of an in-progress record.
 /// Completion, release and heartbeat must present it (fencing).

@@ -1,0 +1,567 @@
+//! [`SqliteStore`]: records in an embedded SQLite database (via sqlx).
+//!
+//! One table, `idempotency_records`, keyed by `(tenant, scope, key)`. Every
+//! time decision (lease expiry, retention) is computed by the SQL statements
+//! themselves on SQLite's clock; the application's clock is never passed in.
+//!
+//! Writes start with `BEGIN IMMEDIATE` (or are single autocommit statements),
+//! so concurrent reservations queue on SQLite's write lock instead of failing
+//! with a lock upgrade; within one process they also queue on an async gate so
+//! they do not spin in SQLite's busy handler.
+
+use super::*;
+use crate::error::Error;
+use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions};
+use sqlx::Row;
+use std::str::FromStr;
+use std::sync::Arc;
+
+const STORE: &str = "sqlite";
+
+/// How long a statement waits for another connection's (or process's) write lock.
+const BUSY_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Connections in the pool of a file database opened with [`SqliteStore::connect`].
+const MAX_FILE_CONNECTIONS: u32 = 8;
+
+/// Longest lease or ttl written, in ms (about 36 million years): keeps `now + ttl`
+/// inside SQLite's 64-bit integers.
+const MAX_DURATION_MS: i64 = 1 << 60;
+
+/// The table our own migrations are recorded in. Not `_sqlx_migrations`, so a
+/// database shared with the application's own sqlx migrations (see
+/// [`SqliteStore::from_pool`]) keeps the two histories apart.
+const MIGRATIONS_TABLE: &str = "_idempotent_migrations";
+
+/// The migrations, embedded at compile time from `migrations/sqlite`.
+static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations/sqlite");
+
+/// The database's clock, in ms since the Unix epoch. SQLite evaluates `'now'`
+/// once per statement, so every use within one statement agrees.
+macro_rules! now_ms {
+    () => {
+        "CAST(ROUND((julianday('now') - 2440587.5) * 86400000.0) AS INTEGER)"
+    };
+}
+
+/// Rule 16: the existing row counts as absent (retention over, and for an
+/// in-progress record its lease too).
+macro_rules! row_expired {
+    () => {
+        concat!(
+            "(expires_at <= ",
+            now_ms!(),
+            " AND (state = 'complete' OR COALESCE(lease_expires_at, 0) <= ",
+            now_ms!(),
+            "))"
+        )
+    };
+}
+
+const RESERVE_SQL: &str = concat!(
+    "INSERT INTO idempotency_records ",
+    "(tenant, scope, key, state, fingerprint, owner_token, lease_expires_at, expires_at, ",
+    "created_at, completed_at, takeover_count, is_error, result) ",
+    "VALUES (?1, ?2, ?3, 'in_progress', ?4, ?5, ",
+    now_ms!(),
+    " + ?6, ",
+    now_ms!(),
+    " + ?7, ",
+    now_ms!(),
+    ", NULL, 0, 0, NULL) ",
+    "ON CONFLICT (tenant, scope, key) DO UPDATE SET ",
+    "state = 'in_progress', ",
+    "fingerprint = excluded.fingerprint, ",
+    "owner_token = excluded.owner_token, ",
+    "lease_expires_at = excluded.lease_expires_at, ",
+    "expires_at = excluded.expires_at, ",
+    "created_at = CASE WHEN ",
+    row_expired!(),
+    " THEN excluded.created_at ELSE created_at END, ",
+    "completed_at = NULL, ",
+    "takeover_count = CASE WHEN ",
+    row_expired!(),
+    " THEN 0 ELSE takeover_count + 1 END, ",
+    "is_error = 0, ",
+    "result = NULL ",
+    "WHERE ",
+    row_expired!(),
+    " OR (state = 'in_progress' AND lease_expires_at <= ",
+    now_ms!(),
+    " AND (fingerprint IS NULL OR excluded.fingerprint IS NULL ",
+    "OR fingerprint = excluded.fingerprint)) ",
+    "RETURNING takeover_count"
+);
+
+const EXISTING_SQL: &str = concat!(
+    "SELECT state, fingerprint, lease_expires_at - ",
+    now_ms!(),
+    " AS lease_remaining, is_error, result FROM idempotency_records ",
+    "WHERE tenant = ?1 AND scope = ?2 AND key = ?3"
+);
+
+const COMPLETE_SQL: &str = concat!(
+    "UPDATE idempotency_records SET state = 'complete', owner_token = NULL, ",
+    "lease_expires_at = NULL, completed_at = ",
+    now_ms!(),
+    ", expires_at = ",
+    now_ms!(),
+    " + ?5, is_error = ?6, result = ?7 ",
+    "WHERE tenant = ?1 AND scope = ?2 AND key = ?3 ",
+    "AND state = 'in_progress' AND owner_token = ?4"
+);
+
+const RELEASE_SQL: &str = concat!(
+    "DELETE FROM idempotency_records ",
+    "WHERE tenant = ?1 AND scope = ?2 AND key = ?3 ",
+    "AND state = 'in_progress' AND owner_token = ?4"
+);
+
+const HEARTBEAT_SQL: &str = concat!(
+    "UPDATE idempotency_records SET lease_expires_at = ",
+    now_ms!(),
+    " + ?5 ",
+    "WHERE tenant = ?1 AND scope = ?2 AND key = ?3 ",
+    "AND state = 'in_progress' AND owner_token = ?4"
+);
+
+const PURGE_SQL: &str = concat!(
+    "DELETE FROM idempotency_records WHERE rowid IN (",
+    "SELECT rowid FROM idempotency_records WHERE ",
+    row_expired!(),
+    " LIMIT ?1)"
+);
+
+const FETCH_SQL: &str = concat!(
+    "SELECT state, fingerprint, owner_token, is_error, result, lease_expires_at, expires_at, ",
+    now_ms!(),
+    " AS now_ms FROM idempotency_records WHERE tenant = ?1 AND scope = ?2 AND key = ?3"
+);
+
+const SCOPE_STATS_SQL: &str = concat!(
+    "SELECT scope, ",
+    "SUM(CASE WHEN expired = 0 AND state = 'complete' THEN 1 ELSE 0 END) AS complete, ",
+    "SUM(CASE WHEN expired = 0 AND state = 'in_progress' AND lease_expires_at > now_ms ",
+    "THEN 1 ELSE 0 END) AS in_progress, ",
+    "SUM(CASE WHEN expired = 0 AND state = 'in_progress' AND lease_expires_at <= now_ms ",
+    "THEN 1 ELSE 0 END) AS stuck, ",
+    "SUM(expired) AS expired, ",
+    "MIN(created_at) AS oldest ",
+    "FROM (SELECT scope, state, lease_expires_at, created_at, now_ms, ",
+    "(expires_at <= now_ms AND (state = 'complete' OR COALESCE(lease_expires_at, 0) <= now_ms)) ",
+    "AS expired ",
+    "FROM idempotency_records, (SELECT ",
+    now_ms!(),
+    " AS now_ms)) ",
+    "GROUP BY scope ORDER BY scope"
+);
+
+fn err(operation: &'static str) -> impl FnOnce(sqlx::Error) -> StoreError {
+    move |e| StoreError::new(STORE, operation, e)
+}
+
+fn ms(d: Duration) -> i64 {
+    duration_to_millis(d).min(MAX_DURATION_MS)
+}
+
+/// The embedded SQLite store: the default for single-machine services and the
+/// store the README's example runs on. Records survive restarts; several
+/// processes may share one database file. Cloning gives another handle to the
+/// same pool.
+///
+/// ```
+/// use idempotent_runtime::{set_default_store, SqliteStore};
+/// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), idempotent_runtime::Error> {
+/// # let dir = std::env::temp_dir().join(format!("idempotent-doc-{}", std::process::id()));
+/// # std::fs::create_dir_all(&dir).unwrap();
+/// # let path = dir.join("payments.db");
+/// # let url = format!("sqlite://{}", path.display());
+/// // e.g. "sqlite://payments.db" (created when missing) or "sqlite::memory:"
+/// let store = SqliteStore::connect(&url).await?;
+/// set_default_store(store);
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone)]
+pub struct SqliteStore {
+    pool: SqlitePool,
+    /// Serializes this process's writes so they queue here, not in SQLite's
+    /// busy handler. Other processes are handled by the busy timeout.
+    write_gate: Arc<tokio::sync::Mutex<()>>,
+}
+
+impl SqliteStore {
+    /// Opens (creating it if missing) the database at `url` and applies the
+    /// store's migrations.
+    ///
+    /// `url` is an sqlx SQLite URL: `sqlite://payments.db`, `sqlite:///var/lib/app/idem.db`,
+    /// or `sqlite::memory:` for a private in-memory database (every clone of
+    /// the store sees the same one; it is gone when the store is dropped).
+    /// File databases use WAL journaling and a busy timeout, so several
+    /// processes can share one file.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), idempotent_runtime::Error> {
+    /// let store = idempotent_runtime::SqliteStore::connect("sqlite::memory:").await?;
+    /// # let _ = store; Ok(()) }
+    /// ```
+    ///
+    /// # Errors
+    /// [`Error::Store`] when the URL is malformed, the file cannot be opened
+    /// or created, or the migrations fail.
+    pub async fn connect(url: &str) -> Result<Self, Error> {
+        let options = SqliteConnectOptions::from_str(url)
+            .map_err(|e| StoreError::new(STORE, "parse the connection URL", e))?
+            .create_if_missing(true)
+            .busy_timeout(BUSY_TIMEOUT);
+        let in_memory = url.contains(":memory:") || url.contains("mode=memory");
+        let pool = if in_memory {
+            // A shared-cache in-memory database lives as long as one connection
+            // to it is open: keep exactly one, forever, so every caller sees
+            // the same records and none are lost to an idle timeout.
+            SqlitePoolOptions::new()
+                .max_connections(1)
+                .min_connections(1)
+                .idle_timeout(None)
+                .max_lifetime(None)
+                .connect_with(options)
+                .await
+        } else {
+            SqlitePoolOptions::new()
+                .max_connections(MAX_FILE_CONNECTIONS)
+                .connect_with(options.journal_mode(SqliteJournalMode::Wal))
+                .await
+        }
+        .map_err(|e| StoreError::new(STORE, "open the database", e))?;
+        Self::from_pool(pool).await
+    }
+
+    /// Uses an existing pool (e.g. the application's own) and applies the
+    /// store's migrations to its database.
+    ///
+    /// The migrations are recorded in their own table, `_idempotent_migrations`,
+    /// so they do not interfere with the application's sqlx migrations. For
+    /// concurrent use, configure the pool with WAL journaling and a busy timeout
+    /// (as [`connect`](Self::connect) does).
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// use sqlx::sqlite::SqlitePoolOptions;
+    /// let pool = SqlitePoolOptions::new().max_connections(1).connect("sqlite::memory:").await?;
+    /// let store = idempotent_runtime::SqliteStore::from_pool(pool).await?;
+    /// # let _ = store; Ok(()) }
+    /// ```
+    ///
+    /// # Errors
+    /// [`Error::Store`] when the migrations fail, or when a migration already
+    /// applied to this database differs from the one this version ships.
+    pub async fn from_pool(pool: SqlitePool) -> Result<Self, Error> {
+        migrate(&pool).await?;
+        Ok(SqliteStore {
+            pool,
+            write_gate: Arc::new(tokio::sync::Mutex::new(())),
+        })
+    }
+
+    /// The underlying pool.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let store = idempotent_runtime::SqliteStore::connect("sqlite::memory:").await?;
+    /// let n: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM idempotency_records")
+    ///     .fetch_one(store.pool()).await?;
+    /// assert_eq!(n, 0);
+    /// # Ok(()) }
+    /// ```
+    pub fn pool(&self) -> &SqlitePool {
+        &self.pool
+    }
+
+    async fn release_now(
+        &self,
+        identity: &Identity,
+        token: &OwnerToken,
+    ) -> Result<bool, StoreError> {
+        let _gate = self.write_gate.lock().await;
+        let done = sqlx::query(RELEASE_SQL)
+            .bind(&identity.tenant)
+            .bind(&identity.scope)
+            .bind(&identity.key)
+            .bind(token.as_str())
+            .execute(&self.pool)
+            .await
+            .map_err(err("release"))?;
+        Ok(done.rows_affected() > 0)
+    }
+}
+
+/// Applies the embedded migrations that this database has not seen, in one
+/// `BEGIN IMMEDIATE` transaction so two processes opening a new file at once
+/// do not both apply them.
+async fn migrate(pool: &SqlitePool) -> Result<(), StoreError> {
+    const OP: &str = "apply migrations";
+    let mut tx = pool.begin_with("BEGIN IMMEDIATE").await.map_err(err(OP))?;
+    sqlx::query(&format!(
+        "CREATE TABLE IF NOT EXISTS {MIGRATIONS_TABLE} (\
+         version INTEGER PRIMARY KEY, description TEXT NOT NULL, \
+         checksum BLOB NOT NULL, applied_at INTEGER NOT NULL)"
+    ))
+    .execute(&mut *tx)
+    .await
+    .map_err(err(OP))?;
+    let applied: Vec<(i64, Vec<u8>)> =
+        sqlx::query_as(&format!("SELECT version, checksum FROM {MIGRATIONS_TABLE}"))
+            .fetch_all(&mut *tx)
+            .await
+            .map_err(err(OP))?;
+    for migration in MIGRATOR.iter() {
+        if migration.migration_type.is_down_migration() {
+            continue;
+        }
+        match applied.iter().find(|(v, _)| *v == migration.version) {
+            Some((_, checksum)) if checksum[..] == migration.checksum[..] => continue,
+            Some(_) => {
+                return Err(StoreError::new(
+                    STORE,
+                    OP,
+                    format!(
+                        "migration {} ({}) was applied to this database with different contents; \
+                         the database was set up by an incompatible version of idempotent-runtime",
+                        migration.version, migration.description
+                    ),
+                ))
+            }
+            None => {}
+        }
+        sqlx::raw_sql(&migration.sql)
+            .execute(&mut *tx)
+            .await
+            .map_err(err(OP))?;
+        sqlx::query(&format!(
+            "INSERT INTO {MIGRATIONS_TABLE} (version, description, checksum, applied_at) \
+             VALUES (?1, ?2, ?3, {})",
+            now_ms!()
+        ))
+        .bind(migration.version)
+        .bind(&*migration.description)
+        .bind(&*migration.checksum)
+        .execute(&mut *tx)
+        .await
+        .map_err(err(OP))?;
+    }
+    tx.commit().await.map_err(err(OP))
+}
+
+fn outcome_from(is_error: bool, result: Option<Vec<u8>>) -> StoredOutcome {
+    StoredOutcome {
+        is_error,
+        payload: result.unwrap_or_else(|| b"null".to_vec()),
+    }
+}
+
+#[async_trait::async_trait]
+impl Store for SqliteStore {
+    fn name(&self) -> &'static str {
+        STORE
+    }
+
+    async fn reserve(&self, request: ReserveRequest<'_>) -> Result<Reservation, StoreError> {
+        const OP: &str = "reserve";
+        let id = request.identity;
+        let fingerprint = request.fingerprint.map(Fingerprint::as_str);
+        let _gate = self.write_gate.lock().await;
+        let mut tx = self
+            .pool
+            .begin_with("BEGIN IMMEDIATE")
+            .await
+            .map_err(err(OP))?;
+        // Two passes at most: a lease that runs out between the conditional
+        // insert and the read is taken over on the second pass.
+        for _ in 0..2 {
+            let acquired: Option<i64> = sqlx::query_scalar(RESERVE_SQL)
+                .bind(&id.tenant)
+                .bind(&id.scope)
+                .bind(&id.key)
+                .bind(fingerprint)
+                .bind(request.token.as_str())
+                .bind(ms(request.lease))
+                .bind(ms(request.ttl))
+                .fetch_optional(&mut *tx)
+                .await
+                .map_err(err(OP))?;
+            if let Some(takeovers) = acquired {
+                tx.commit().await.map_err(err(OP))?;
+                return Ok(Reservation::Acquired {
+                    took_over: takeovers > 0,
+                });
+            }
+            let Some(row) = sqlx::query(EXISTING_SQL)
+                .bind(&id.tenant)
+                .bind(&id.scope)
+                .bind(&id.key)
+                .fetch_optional(&mut *tx)
+                .await
+                .map_err(err(OP))?
+            else {
+                continue;
+            };
+            let stored_fp: Option<String> = row.try_get("fingerprint").map_err(err(OP))?;
+            let state: String = row.try_get("state").map_err(err(OP))?;
+            let answer = if fingerprints_conflict(stored_fp.as_deref(), fingerprint) {
+                Reservation::FingerprintMismatch
+            } else if RecordState::parse(&state) == Some(RecordState::Complete) {
+                let is_error: bool = row.try_get("is_error").map_err(err(OP))?;
+                let result: Option<Vec<u8>> = row.try_get("result").map_err(err(OP))?;
+                Reservation::Completed(outcome_from(is_error, result))
+            } else {
+                let remaining: Option<i64> = row.try_get("lease_remaining").map_err(err(OP))?;
+                match remaining {
+                    Some(ms) if ms > 0 => Reservation::InProgress {
+                        lease_remaining: millis_to_duration(ms),
+                    },
+                    _ => continue,
+                }
+            };
+            // Nothing was written: end the transaction without a commit.
+            tx.rollback().await.map_err(err(OP))?;
+            return Ok(answer);
+        }
+        tx.rollback().await.map_err(err(OP))?;
+        // The record's lease ended just as we looked: tell the caller to come back at once.
+        Ok(Reservation::InProgress {
+            lease_remaining: Duration::ZERO,
+        })
+    }
+
+    async fn complete(
+        &self,
+        identity: &Identity,
+        token: &OwnerToken,
+        outcome: &StoredOutcome,
+        ttl: Duration,
+    ) -> Result<bool, StoreError> {
+        let _gate = self.write_gate.lock().await;
+        let done = sqlx::query(COMPLETE_SQL)
+            .bind(&identity.tenant)
+            .bind(&identity.scope)
+            .bind(&identity.key)
+            .bind(token.as_str())
+            .bind(ms(ttl))
+            .bind(outcome.is_error)
+            .bind(&outcome.payload[..])
+            .execute(&self.pool)
+            .await
+            .map_err(err("complete"))?;
+        Ok(done.rows_affected() > 0)
+    }
+
+    async fn release(&self, identity: &Identity, token: &OwnerToken) -> Result<bool, StoreError> {
+        self.release_now(identity, token).await
+    }
+
+    async fn heartbeat(
+        &self,
+        identity: &Identity,
+        token: &OwnerToken,
+        lease: Duration,
+    ) -> Result<bool, StoreError> {
+        let _gate = self.write_gate.lock().await;
+        let done = sqlx::query(HEARTBEAT_SQL)
+            .bind(&identity.tenant)
+            .bind(&identity.scope)
+            .bind(&identity.key)
+            .bind(token.as_str())
+            .bind(ms(lease))
+            .execute(&self.pool)
+            .await
+            .map_err(err("heartbeat"))?;
+        Ok(done.rows_affected() > 0)
+    }
+
+    fn release_detached(&self, identity: Identity, token: OwnerToken) {
+        match tokio::runtime::Handle::try_current() {
+            Ok(handle) => {
+                let store = self.clone();
+                handle.spawn(async move {
+                    if let Err(e) = store.release_now(&identity, &token).await {
+                        tracing::error!(
+                            scope = %identity.scope,
+                            key_digest = %identity.key_digest(),
+                            error = %e,
+                            "could not release a cancelled call's record; it stays reserved until its lease runs out"
+                        );
+                    }
+                });
+            }
+            Err(_) => tracing::error!(
+                scope = %identity.scope,
+                key_digest = %identity.key_digest(),
+                "no Tokio runtime to release a cancelled call's record on; it stays reserved until its lease runs out"
+            ),
+        }
+    }
+
+    async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError> {
+        if batch == 0 {
+            return Ok(0);
+        }
+        let _gate = self.write_gate.lock().await;
+        let done = sqlx::query(PURGE_SQL)
+            .bind(i64::from(batch))
+            .execute(&self.pool)
+            .await
+            .map_err(err("purge expired records"))?;
+        Ok(done.rows_affected())
+    }
+
+    async fn fetch(&self, identity: &Identity) -> Result<Option<RecordSnapshot>, StoreError> {
+        const OP: &str = "fetch a record";
+        let Some(row) = sqlx::query(FETCH_SQL)
+            .bind(&identity.tenant)
+            .bind(&identity.scope)
+            .bind(&identity.key)
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(err(OP))?
+        else {
+            return Ok(None);
+        };
+        let state: String = row.try_get("state").map_err(err(OP))?;
+        let state = RecordState::parse(&state)
+            .ok_or_else(|| StoreError::new(STORE, OP, format!("unknown record state {state:?}")))?;
+        let is_error: bool = row.try_get("is_error").map_err(err(OP))?;
+        let result: Option<Vec<u8>> = row.try_get("result").map_err(err(OP))?;
+        Ok(Some(RecordSnapshot {
+            state,
+            fingerprint: row.try_get("fingerprint").map_err(err(OP))?,
+            owner_token: row.try_get("owner_token").map_err(err(OP))?,
+            outcome: (state == RecordState::Complete).then(|| outcome_from(is_error, result)),
+            lease_expires_at_ms: row.try_get("lease_expires_at").map_err(err(OP))?,
+            expires_at_ms: row.try_get("expires_at").map_err(err(OP))?,
+            now_ms: row.try_get("now_ms").map_err(err(OP))?,
+        }))
+    }
+
+    async fn scope_stats(&self) -> Result<Vec<ScopeStats>, StoreError> {
+        const OP: &str = "count records per scope";
+        let rows = sqlx::query(SCOPE_STATS_SQL)
+            .fetch_all(&self.pool)
+            .await
+            .map_err(err(OP))?;
+        let count = |row: &sqlx::sqlite::SqliteRow, column: &str| -> Result<u64, StoreError> {
+            let n: i64 = row.try_get(column).map_err(err(OP))?;
+            Ok(u64::try_from(n).unwrap_or(0))
+        };
+        rows.iter()
+            .map(|row| {
+                Ok(ScopeStats {
+                    scope: row.try_get("scope").map_err(err(OP))?,
+                    complete: count(row, "complete")?,
+                    in_progress: count(row, "in_progress")?,
+                    stuck: count(row, "stuck")?,
+                    expired: count(row, "expired")?,
+                    oldest_created_at_ms: row.try_get("oldest").map_err(err(OP))?,
+                })
+            })
+            .collect()
+    }
+}
