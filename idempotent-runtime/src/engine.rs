@@ -354,21 +354,22 @@ pub(crate) enum Reserved {
 }
 
 /// Something that can answer a reservation: a store, or the caller's transaction.
-pub(crate) trait Reserver {
-    async fn reserve_once(
-        &mut self,
-        request: ReserveRequest<'_>,
+/// (Boxed `Send` futures: an `async fn` here defeats the `Send` proof of the call's future.)
+pub(crate) trait Reserver: Send {
+    fn reserve_once<'a>(
+        &'a mut self,
+        request: ReserveRequest<'a>,
         lock_wait: Duration,
-    ) -> Result<Reservation, crate::error::StoreError>;
+    ) -> futures_util::future::BoxFuture<'a, Result<Reservation, crate::error::StoreError>>;
 }
 
 impl Reserver for &dyn Store {
-    async fn reserve_once(
-        &mut self,
-        request: ReserveRequest<'_>,
+    fn reserve_once<'a>(
+        &'a mut self,
+        request: ReserveRequest<'a>,
         _lock_wait: Duration,
-    ) -> Result<Reservation, crate::error::StoreError> {
-        self.reserve(request).await
+    ) -> futures_util::future::BoxFuture<'a, Result<Reservation, crate::error::StoreError>> {
+        self.reserve(request)
     }
 }
 
@@ -503,6 +504,75 @@ fn note_heartbeat(identity: &Identity, result: Result<bool, crate::error::StoreE
             METRICS.heartbeat_failures.fetch_add(1, Ordering::Relaxed);
             tracing::warn!(target: "idempotent", scope = %identity.scope, key = %identity.key_digest(), error = %e,
                 "heartbeat failed; will try again");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::registry::ErrorPolicy;
+    use crate::MemoryStore;
+
+    static SPEC: ScopeInfo = ScopeInfo::__new(
+        "engine.test",
+        "engine::tests::f",
+        file!(),
+        line!(),
+        Duration::from_secs(60),
+        Duration::from_millis(300),
+        InProgressPolicy::Reject,
+        ErrorPolicy::Release,
+        false,
+        true,
+        &["amount"],
+        false,
+    );
+
+    async fn call(store: &MemoryStore, key: &str, amount: u32) -> Result<u32, Error> {
+        let c = Call {
+            spec: &SPEC,
+            store: Ok(StoreRef::Borrowed(store)),
+            identity: Identity::new("tenant", SPEC.scope, key),
+            fingerprint: {
+                let mut f = crate::FingerprintBuilder::new();
+                f.argument("amount", &amount);
+                f.finish()
+            },
+        };
+        execute::<Result<u32, Error>, _, _>(c, ReleaseErrors, async move { Ok(amount * 2) }).await
+    }
+
+    fn assert_send<T: Send>(t: T) -> T {
+        t
+    }
+
+    #[tokio::test]
+    async fn the_call_future_is_send_and_replays() {
+        let store = MemoryStore::new();
+        let first = assert_send(with_outcome(call(&store, "k", 21))).await;
+        assert_eq!((first.0.unwrap(), first.1), (42, Some(Outcome::Executed)));
+        let again = with_outcome(call(&store, "k", 21)).await;
+        assert_eq!((again.0.unwrap(), again.1), (42, Some(Outcome::Replayed)));
+        assert!(matches!(
+            call(&store, "k", 22).await,
+            Err(Error::FingerprintMismatch(_))
+        ));
+    }
+
+    #[tokio::test]
+    async fn missing_default_store_says_what_to_do() {
+        let c = Call {
+            spec: &SPEC,
+            store: crate::__private::default_store(&SPEC),
+            identity: Identity::new("t", SPEC.scope, "k"),
+            fingerprint: Ok(None),
+        };
+        if default_store().is_none() {
+            let r = execute::<Result<u32, Error>, _, _>(c, ReleaseErrors, async { Ok(1) }).await;
+            let e = r.unwrap_err();
+            assert!(matches!(e, Error::NoDefaultStore { .. }));
+            assert!(e.to_string().contains("set_default_store"));
         }
     }
 }

@@ -142,6 +142,10 @@ mod tests {
         let a = Identity::new("ab", "s", "c").unwrap();
         let b = Identity::new("a", "s", "bc").unwrap();
         assert_ne!(a.key_digest(), b.key_digest());
-        assert!(!a.key_digest().contains('c'));
+        let secret = Identity::new("t", "s", "sk_live_4242").unwrap();
+        let d = secret.key_digest();
+        assert_eq!(d.len(), 16);
+        assert!(d.chars().all(|c| c.is_ascii_hexdigit()));
+        assert!(!d.contains("4242") && !format!("{:?}", secret.context()).contains("sk_live"));
     }
 }

@@ -54,12 +54,12 @@ pub trait TransactionalConnection: Send {
 struct InTransaction<'c, C: ?Sized>(&'c mut C);
 
 impl<C: TransactionalConnection + ?Sized> Reserver for InTransaction<'_, C> {
-    async fn reserve_once(
-        &mut self,
-        request: ReserveRequest<'_>,
+    fn reserve_once<'a>(
+        &'a mut self,
+        request: ReserveRequest<'a>,
         lock_wait: Duration,
-    ) -> Result<Reservation, StoreError> {
-        self.0.reserve_in_transaction(request, lock_wait).await
+    ) -> futures_util::future::BoxFuture<'a, Result<Reservation, StoreError>> {
+        self.0.reserve_in_transaction(request, lock_wait)
     }
 }
 
