@@ -1,0 +1,689 @@
+//! The behaviour contract (DESIGN.md §4, rules 1–14 and 16's expiry-as-absent),
+//! exercised through `#[idempotent]` functions against any store.
+//!
+//! A test file picks one store and writes
+//! `contract_tests!(async { Some(store) });` — `None` means the store's server is
+//! unreachable and the tests say so loudly and pass (unless
+//! `IDEMPOTENT_REQUIRE_SERVERS=1`, where the factory itself must panic).
+//! Every test uses its own tenant (a fresh UUID), so a database shared with other
+//! tests, or left over from earlier runs, changes nothing.
+
+#![allow(dead_code)]
+
+use idempotent_runtime::{idempotent, Error, Store};
+use serde::{Deserialize, Serialize};
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Receipt {
+    pub charge_id: String,
+    pub amount: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, thiserror::Error)]
+pub enum ChargeError {
+    #[error("card declined: {0}")]
+    Declined(String),
+    #[error("gateway unavailable")]
+    Unavailable,
+    #[error("idempotency: {0}")]
+    Idempotency(String),
+}
+
+impl From<Error> for ChargeError {
+    fn from(e: Error) -> Self {
+        ChargeError::Idempotency(format!("{e:?}"))
+    }
+}
+
+/// A tenant no other test uses.
+pub fn fresh_tenant() -> String {
+    format!("t-{}", uuid::Uuid::new_v4())
+}
+
+pub fn receipt(runs: &AtomicUsize, amount: u64) -> Receipt {
+    let n = runs.fetch_add(1, Ordering::SeqCst) + 1;
+    Receipt {
+        charge_id: format!("ch_{n}_{}", uuid::Uuid::new_v4().simple()),
+        amount,
+    }
+}
+
+// ---- the annotated functions the tests call ------------------------------------
+
+#[idempotent(scope = "contract.charge", key = key, tenant = tenant, store = store, skip(runs))]
+pub async fn charge(
+    store: &dyn Store,
+    tenant: &str,
+    key: &str,
+    amount: u64,
+    runs: &AtomicUsize,
+) -> Result<Receipt, Error> {
+    Ok(receipt(runs, amount))
+}
+
+/// Same signature, another scope: the same key here is another record.
+#[idempotent(scope = "contract.refund", key = key, tenant = tenant, store = store, skip(runs))]
+pub async fn refund(
+    store: &dyn Store,
+    tenant: &str,
+    key: &str,
+    amount: u64,
+    runs: &AtomicUsize,
+) -> Result<Receipt, Error> {
+    Ok(receipt(runs, amount))
+}
+
+#[idempotent(scope = "contract.slow", key = key, tenant = tenant, store = store,
+             skip(runs, pause_ms), in_progress = wait("20s"))]
+pub async fn slow_charge(
+    store: &dyn Store,
+    tenant: &str,
+    key: &str,
+    amount: u64,
+    runs: &AtomicUsize,
+    pause_ms: u64,
+) -> Result<Receipt, Error> {
+    let r = receipt(runs, amount);
+    tokio::time::sleep(std::time::Duration::from_millis(pause_ms)).await;
+    Ok(r)
+}
+
+#[idempotent(scope = "contract.slow_reject", key = key, tenant = tenant, store = store,
+             skip(runs, pause_ms), in_progress = reject)]
+pub async fn slow_charge_reject(
+    store: &dyn Store,
+    tenant: &str,
+    key: &str,
+    runs: &AtomicUsize,
+    pause_ms: u64,
+) -> Result<Receipt, Error> {
+    let r = receipt(runs, 1);
+    tokio::time::sleep(std::time::Duration::from_millis(pause_ms)).await;
+    Ok(r)
+}
+
+#[idempotent(scope = "contract.short_lease", key = key, tenant = tenant, store = store,
+             skip(runs, pause_ms), lease = "300ms", in_progress = reject)]
+pub async fn short_lease(
+    store: &dyn Store,
+    tenant: &str,
+    key: &str,
+    runs: &AtomicUsize,
+    pause_ms: u64,
+) -> Result<Receipt, Error> {
+    let r = receipt(runs, 1);
+    tokio::time::sleep(std::time::Duration::from_millis(pause_ms)).await;
+    Ok(r)
+}
+
+/// Waits on a gate the test controls, so the test can stop polling mid-body.
+#[idempotent(scope = "contract.gated", key = key, tenant = tenant, store = store,
+             skip(runs, gate), lease = "300ms", in_progress = reject)]
+pub async fn gated(
+    store: &dyn Store,
+    tenant: &str,
+    key: &str,
+    runs: &AtomicUsize,
+    gate: &tokio::sync::Notify,
+) -> Result<Receipt, Error> {
+    let r = receipt(runs, 1);
+    gate.notified().await;
+    Ok(r)
+}
+
+#[idempotent(scope = "contract.fallible", key = key, tenant = tenant, store = store, skip(runs, outcome))]
+pub async fn fallible(
+    store: &dyn Store,
+    tenant: &str,
+    key: &str,
+    runs: &AtomicUsize,
+    outcome: Result<u64, ChargeError>,
+) -> Result<Receipt, ChargeError> {
+    let r = receipt(runs, 0);
+    outcome.map(|amount| Receipt { amount, ..r })
+}
+
+#[idempotent(scope = "contract.recorded_errors", key = key, tenant = tenant, store = store,
+             skip(runs, outcome), errors = record)]
+pub async fn recording(
+    store: &dyn Store,
+    tenant: &str,
+    key: &str,
+    runs: &AtomicUsize,
+    outcome: Result<u64, ChargeError>,
+) -> Result<Receipt, ChargeError> {
+    let r = receipt(runs, 0);
+    outcome.map(|amount| Receipt { amount, ..r })
+}
+
+pub fn is_final(e: &ChargeError) -> bool {
+    matches!(e, ChargeError::Declined(_))
+}
+
+#[idempotent(scope = "contract.record_if", key = key, tenant = tenant, store = store,
+             skip(runs, outcome), errors = record_if(is_final))]
+pub async fn record_if_final(
+    store: &dyn Store,
+    tenant: &str,
+    key: &str,
+    runs: &AtomicUsize,
+    outcome: Result<u64, ChargeError>,
+) -> Result<Receipt, ChargeError> {
+    let r = receipt(runs, 0);
+    outcome.map(|amount| Receipt { amount, ..r })
+}
+
+#[idempotent(scope = "contract.panics", key = key, tenant = tenant, store = store, skip(runs, explode))]
+pub async fn may_panic(
+    store: &dyn Store,
+    tenant: &str,
+    key: &str,
+    runs: &AtomicUsize,
+    explode: bool,
+) -> Result<Receipt, Error> {
+    let r = receipt(runs, 0);
+    if explode {
+        panic!("the body panicked on purpose");
+    }
+    Ok(r)
+}
+
+#[idempotent(scope = "contract.ttl", key = key, tenant = tenant, store = store, skip(runs), ttl = "400ms")]
+pub async fn short_ttl(
+    store: &dyn Store,
+    tenant: &str,
+    key: &str,
+    runs: &AtomicUsize,
+) -> Result<Receipt, Error> {
+    Ok(receipt(runs, 0))
+}
+
+/// A value whose serialization fails (like a map with non-string keys would).
+#[derive(Debug, Deserialize)]
+pub struct Unrecordable;
+
+impl Serialize for Unrecordable {
+    fn serialize<S: serde::Serializer>(&self, _: S) -> Result<S::Ok, S::Error> {
+        Err(serde::ser::Error::custom(
+            "this value refuses to be serialized",
+        ))
+    }
+}
+
+#[idempotent(scope = "contract.unrecordable", key = key, tenant = tenant, store = store, skip(runs))]
+pub async fn unrecordable(
+    store: &dyn Store,
+    tenant: &str,
+    key: &str,
+    runs: &AtomicUsize,
+) -> Result<Unrecordable, Error> {
+    runs.fetch_add(1, Ordering::SeqCst);
+    Ok(Unrecordable)
+}
+
+#[idempotent(scope = "contract.big", key = key, tenant = tenant, store = store, skip(runs, size))]
+pub async fn big_result(
+    store: &dyn Store,
+    tenant: &str,
+    key: &str,
+    runs: &AtomicUsize,
+    size: usize,
+) -> Result<String, Error> {
+    runs.fetch_add(1, Ordering::SeqCst);
+    Ok("x".repeat(size))
+}
+
+#[idempotent(scope = "contract.shared", key = key, tenant = shared, store = store, skip(runs))]
+pub async fn shared_charge(
+    store: &dyn Store,
+    key: &str,
+    runs: &AtomicUsize,
+) -> Result<Receipt, Error> {
+    Ok(receipt(runs, 0))
+}
+
+#[idempotent(scope = "contract.unfingerprinted", key = key, tenant = tenant, store = store,
+             fingerprint = false, skip(runs))]
+pub async fn unfingerprinted(
+    store: &dyn Store,
+    tenant: &str,
+    key: &str,
+    amount: u64,
+    runs: &AtomicUsize,
+) -> Result<Receipt, Error> {
+    Ok(receipt(runs, amount))
+}
+
+// ---- the tests ------------------------------------------------------------------
+
+#[macro_export]
+macro_rules! contract_tests {
+    ($make:expr) => {
+        use idempotent_runtime::{with_outcome, Error, Identity, Outcome, Store};
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        use std::sync::Arc;
+        use std::time::Duration;
+        use $crate::contract::*;
+
+        async fn store() -> Option<Arc<dyn Store>> {
+            let made = $make.await;
+            match made {
+                Some(s) => Some(Arc::new(s) as Arc<dyn Store>),
+                None => {
+                    eprintln!("SKIPPED: the store's server is unreachable; this contract test did not run");
+                    None
+                }
+            }
+        }
+
+        fn id(tenant: &str, scope: &str, key: &str) -> Identity {
+            Identity::new(tenant, scope, key).expect("valid identity")
+        }
+
+        /// Rules 3–5: of 50 concurrent calls with one identity, exactly one runs
+        /// the body; with `wait`, every other call gets the recorded result.
+        #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+        async fn fifty_concurrent_duplicates_wait_and_replay() {
+            let Some(store) = store().await else { return };
+            for round in 0..10 {
+                let tenant = fresh_tenant();
+                let runs = Arc::new(AtomicUsize::new(0));
+                let mut tasks = Vec::new();
+                for _ in 0..50 {
+                    let (store, tenant, runs) = (store.clone(), tenant.clone(), runs.clone());
+                    tasks.push(tokio::spawn(async move {
+                        with_outcome(slow_charge(&*store, &tenant, "dup-key", 500, &runs, 30)).await
+                    }));
+                }
+                let mut results = Vec::new();
+                for t in tasks {
+                    results.push(t.await.expect("task"));
+                }
+                assert_eq!(runs.load(Ordering::SeqCst), 1, "round {round}: the body must run exactly once");
+                let executed = results.iter().filter(|(_, o)| *o == Some(Outcome::Executed)).count();
+                let replayed = results.iter().filter(|(_, o)| *o == Some(Outcome::Replayed)).count();
+                assert_eq!((executed, replayed), (1, 49), "round {round}");
+                let first = results[0].0.as_ref().expect("waiting duplicates get the result").clone();
+                for (r, _) in &results {
+                    assert_eq!(r.as_ref().expect("every call gets the recorded result"), &first);
+                }
+            }
+        }
+
+        /// Rules 3–4 with `in_progress = reject`: one execution; every other call
+        /// is refused with InProgress (or, arriving after completion, replays).
+        #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+        async fn fifty_concurrent_duplicates_reject() {
+            let Some(store) = store().await else { return };
+            for round in 0..10 {
+                let tenant = fresh_tenant();
+                let runs = Arc::new(AtomicUsize::new(0));
+                let barrier = Arc::new(tokio::sync::Barrier::new(50));
+                let mut tasks = Vec::new();
+                for _ in 0..50 {
+                    let (store, tenant, runs, barrier) = (store.clone(), tenant.clone(), runs.clone(), barrier.clone());
+                    tasks.push(tokio::spawn(async move {
+                        barrier.wait().await;
+                        with_outcome(slow_charge_reject(&*store, &tenant, "dup-key", &runs, 200)).await
+                    }));
+                }
+                let mut refused = 0;
+                let mut executed = 0;
+                for t in tasks {
+                    match t.await.expect("task") {
+                        (Ok(_), Some(Outcome::Executed)) => executed += 1,
+                        (Ok(_), Some(Outcome::Replayed)) => {}
+                        (Err(Error::InProgress { retry_after, .. }), _) => {
+                            assert!(retry_after > Duration::ZERO);
+                            refused += 1
+                        }
+                        other => panic!("round {round}: unexpected {other:?}"),
+                    }
+                }
+                assert_eq!(runs.load(Ordering::SeqCst), 1, "round {round}");
+                assert_eq!(executed, 1, "round {round}");
+                assert!(refused >= 1, "round {round}: duplicates during the body are refused");
+            }
+        }
+
+        /// Rule 1: the same key from two tenants, or in two scopes, is two records.
+        #[tokio::test]
+        async fn same_key_other_tenant_or_scope_is_independent() {
+            let Some(store) = store().await else { return };
+            let (a, b) = (fresh_tenant(), fresh_tenant());
+            let runs = AtomicUsize::new(0);
+            let ra = charge(&*store, &a, "order-1", 100, &runs).await.unwrap();
+            let rb = charge(&*store, &b, "order-1", 100, &runs).await.unwrap();
+            let rs = refund(&*store, &a, "order-1", 100, &runs).await.unwrap();
+            assert_eq!(runs.load(Ordering::SeqCst), 3, "three identities, three executions");
+            assert_ne!(ra, rb);
+            assert_ne!(ra, rs);
+            // Each replays its own result, never the other's.
+            assert_eq!(charge(&*store, &a, "order-1", 100, &runs).await.unwrap(), ra);
+            assert_eq!(charge(&*store, &b, "order-1", 100, &runs).await.unwrap(), rb);
+            assert_eq!(refund(&*store, &a, "order-1", 100, &runs).await.unwrap(), rs);
+            assert_eq!(runs.load(Ordering::SeqCst), 3);
+        }
+
+        /// `tenant = shared` is its own namespace, distinct from every tenant.
+        #[tokio::test]
+        async fn shared_tenant_is_one_namespace() {
+            let Some(store) = store().await else { return };
+            let runs = AtomicUsize::new(0);
+            let key = format!("shared-{}", uuid::Uuid::new_v4());
+            let first = shared_charge(&*store, &key, &runs).await.unwrap();
+            assert_eq!(shared_charge(&*store, &key, &runs).await.unwrap(), first);
+            assert_eq!(runs.load(Ordering::SeqCst), 1);
+            assert!(store.fetch(&Identity::shared("contract.shared", key.clone()).unwrap()).await.unwrap().is_some());
+        }
+
+        /// Rules 5 and 12: a retry replays an equal value and the body does not run.
+        #[tokio::test]
+        async fn retry_replays_the_recorded_result() {
+            let Some(store) = store().await else { return };
+            let t = fresh_tenant();
+            let runs = AtomicUsize::new(0);
+            let (first, o1) = with_outcome(charge(&*store, &t, "k", 250, &runs)).await;
+            let (again, o2) = with_outcome(charge(&*store, &t, "k", 250, &runs)).await;
+            assert_eq!(first.unwrap(), again.unwrap());
+            assert_eq!((o1, o2), (Some(Outcome::Executed), Some(Outcome::Replayed)));
+            assert_eq!(runs.load(Ordering::SeqCst), 1);
+        }
+
+        /// Rule 7: same identity, different arguments → FingerprintMismatch, the
+        /// body does not run and the record is untouched.
+        #[tokio::test]
+        async fn different_arguments_are_refused_and_the_record_is_untouched() {
+            let Some(store) = store().await else { return };
+            let t = fresh_tenant();
+            let runs = AtomicUsize::new(0);
+            let first = charge(&*store, &t, "k", 10, &runs).await.unwrap();
+            let before = store.fetch(&id(&t, "contract.charge", "k")).await.unwrap();
+            let err = charge(&*store, &t, "k", 500, &runs).await.unwrap_err();
+            assert!(matches!(err, Error::FingerprintMismatch(_)), "{err:?}");
+            assert!(err.to_string().contains("contract.charge"));
+            assert!(!err.to_string().contains("\"k\""), "the raw key must not leak into messages");
+            let after = store.fetch(&id(&t, "contract.charge", "k")).await.unwrap();
+            assert_eq!(before.map(|r| (r.state, r.fingerprint, r.outcome)), after.map(|r| (r.state, r.fingerprint, r.outcome)));
+            assert_eq!(runs.load(Ordering::SeqCst), 1);
+            assert_eq!(charge(&*store, &t, "k", 10, &runs).await.unwrap(), first, "the original still replays");
+        }
+
+        /// Rule 7 while the first call is still running: refused at once, not after waiting.
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn mismatch_while_in_progress_is_refused() {
+            let Some(store) = store().await else { return };
+            let t = fresh_tenant();
+            let runs = Arc::new(AtomicUsize::new(0));
+            let first = {
+                let (store, t, runs) = (store.clone(), t.clone(), runs.clone());
+                tokio::spawn(async move { slow_charge(&*store, &t, "k", 1, &runs, 600).await })
+            };
+            while store.fetch(&id(&t, "contract.slow", "k")).await.unwrap().is_none() {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            let err = slow_charge(&*store, &t, "k", 2, &runs, 0).await.unwrap_err();
+            assert!(matches!(err, Error::FingerprintMismatch(_)), "{err:?}");
+            first.await.unwrap().unwrap();
+            assert_eq!(runs.load(Ordering::SeqCst), 1);
+        }
+
+        /// Rule 8: a record without a fingerprint cannot be contradicted.
+        #[tokio::test]
+        async fn a_record_without_fingerprint_is_not_contradicted() {
+            let Some(store) = store().await else { return };
+            let t = fresh_tenant();
+            let runs = AtomicUsize::new(0);
+            let first = unfingerprinted(&*store, &t, "k", 10, &runs).await.unwrap();
+            let rec = store.fetch(&id(&t, "contract.unfingerprinted", "k")).await.unwrap().unwrap();
+            assert_eq!(rec.fingerprint, None);
+            // Other arguments, same key: not a conflict, a replay.
+            assert_eq!(unfingerprinted(&*store, &t, "k", 999, &runs).await.unwrap(), first);
+            assert_eq!(runs.load(Ordering::SeqCst), 1);
+
+            // A fingerprinted call meeting a record stored without a fingerprint
+            // (e.g. written before fingerprinting was turned on) replays too.
+            let token = idempotent_runtime::OwnerToken::new();
+            let legacy = id(&t, "contract.charge", "legacy");
+            let req = idempotent_runtime::ReserveRequest {
+                identity: &legacy, fingerprint: None, token: &token,
+                lease: Duration::from_secs(30), ttl: Duration::from_secs(3600),
+            };
+            assert!(matches!(store.reserve(req).await.unwrap(), idempotent_runtime::Reservation::Acquired { .. }));
+            let old = Receipt { charge_id: "ch_legacy".into(), amount: 7 };
+            let outcome = idempotent_runtime::StoredOutcome { is_error: false, payload: serde_json::to_vec(&old).unwrap() };
+            assert!(store.complete(&legacy, &token, &outcome, Duration::from_secs(3600)).await.unwrap());
+            assert_eq!(charge(&*store, &t, "legacy", 12345, &runs).await.unwrap(), old);
+            assert_eq!(runs.load(Ordering::SeqCst), 1);
+        }
+
+        /// Rule 13: `Err` releases by default — the key is free and a retry runs again.
+        #[tokio::test]
+        async fn an_error_releases_the_key() {
+            let Some(store) = store().await else { return };
+            let t = fresh_tenant();
+            let runs = AtomicUsize::new(0);
+            let err = fallible(&*store, &t, "k", &runs, Err(ChargeError::Unavailable)).await.unwrap_err();
+            assert_eq!(err, ChargeError::Unavailable);
+            assert!(store.fetch(&id(&t, "contract.fallible", "k")).await.unwrap().is_none(), "released");
+            let ok = fallible(&*store, &t, "k", &runs, Ok(5)).await.unwrap();
+            assert_eq!(ok.amount, 5);
+            assert_eq!(runs.load(Ordering::SeqCst), 2, "the retry executed");
+        }
+
+        /// Rule 13: `errors = record` makes the error the final answer.
+        #[tokio::test]
+        async fn recorded_errors_replay() {
+            let Some(store) = store().await else { return };
+            let t = fresh_tenant();
+            let runs = AtomicUsize::new(0);
+            let declined = ChargeError::Declined("insufficient funds".into());
+            assert_eq!(recording(&*store, &t, "k", &runs, Err(declined.clone())).await.unwrap_err(), declined);
+            let (again, outcome) = with_outcome(recording(&*store, &t, "k", &runs, Ok(1))).await;
+            assert_eq!(again.unwrap_err(), declined, "the recorded error is replayed");
+            assert_eq!(outcome, Some(Outcome::Replayed));
+            assert_eq!(runs.load(Ordering::SeqCst), 1);
+        }
+
+        /// `errors = record_if(pred)`: final errors are recorded, transient ones release.
+        #[tokio::test]
+        async fn record_if_records_only_what_the_predicate_accepts() {
+            let Some(store) = store().await else { return };
+            let t = fresh_tenant();
+            let runs = AtomicUsize::new(0);
+            assert_eq!(record_if_final(&*store, &t, "transient", &runs, Err(ChargeError::Unavailable)).await.unwrap_err(), ChargeError::Unavailable);
+            assert_eq!(record_if_final(&*store, &t, "transient", &runs, Ok(3)).await.unwrap().amount, 3);
+            let declined = ChargeError::Declined("stolen card".into());
+            assert_eq!(record_if_final(&*store, &t, "final", &runs, Err(declined.clone())).await.unwrap_err(), declined);
+            assert_eq!(record_if_final(&*store, &t, "final", &runs, Ok(3)).await.unwrap_err(), declined);
+            assert_eq!(runs.load(Ordering::SeqCst), 3);
+        }
+
+        /// Rule 14: a panic releases the record and propagates.
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn a_panic_releases_and_propagates() {
+            let Some(store) = store().await else { return };
+            let t = fresh_tenant();
+            let runs = Arc::new(AtomicUsize::new(0));
+            let joined = {
+                let (store, t, runs) = (store.clone(), t.clone(), runs.clone());
+                tokio::spawn(async move { may_panic(&*store, &t, "k", &runs, true).await }).await
+            };
+            let panic = joined.expect_err("the panic propagates out of the call");
+            assert!(panic.is_panic());
+            assert!(store.fetch(&id(&t, "contract.panics", "k")).await.unwrap().is_none(), "released");
+            may_panic(&*store, &t, "k", &runs, false).await.expect("a retry runs");
+            assert_eq!(runs.load(Ordering::SeqCst), 2);
+        }
+
+        /// Rule 14: a call dropped mid-body releases promptly — long before its
+        /// 30 s lease would have run out.
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn a_dropped_call_releases_promptly() {
+            let Some(store) = store().await else { return };
+            let t = fresh_tenant();
+            let runs = AtomicUsize::new(0);
+            let call = slow_charge(&*store, &t, "k", 1, &runs, 60_000);
+            // Give the body time to start, then drop the call (as a timeout or a
+            // disconnected client would).
+            let timed_out = tokio::time::timeout(Duration::from_millis(300), call).await;
+            assert!(timed_out.is_err());
+            assert_eq!(runs.load(Ordering::SeqCst), 1, "the body had started");
+            let rid = id(&t, "contract.slow", "k");
+            let mut released = false;
+            for _ in 0..100 {
+                if store.fetch(&rid).await.unwrap().is_none() {
+                    released = true;
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            assert!(released, "the dropped call's record was not released (lease is 30 s, we waited 2 s)");
+            slow_charge(&*store, &t, "k", 1, &runs, 0).await.expect("a retry runs at once");
+            assert_eq!(runs.load(Ordering::SeqCst), 2);
+        }
+
+        /// Rule 9: a body running 3× its lease keeps it (the heartbeat renews it).
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn a_long_body_keeps_its_lease() {
+            let Some(store) = store().await else { return };
+            let t = fresh_tenant();
+            let runs = Arc::new(AtomicUsize::new(0));
+            let first = {
+                let (store, t, runs) = (store.clone(), t.clone(), runs.clone());
+                tokio::spawn(async move { short_lease(&*store, &t, "k", &runs, 900).await })
+            };
+            // Duplicates during the whole body are refused, never take over.
+            let mut refusals = 0;
+            for _ in 0..8 {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                match short_lease(&*store, &t, "k", &runs, 0).await {
+                    Err(Error::InProgress { .. }) => refusals += 1,
+                    Ok(_) => break, // the first finished and this replayed
+                    Err(e) => panic!("unexpected {e:?}"),
+                }
+            }
+            assert!(refusals >= 5, "the lease was held through the body ({refusals} refusals)");
+            first.await.unwrap().expect("the owner completes: it never lost the lease");
+            assert_eq!(runs.load(Ordering::SeqCst), 1, "nobody took over a live lease");
+        }
+
+        /// Rules 9–10: a call that stops being polled stops renewing; the next caller
+        /// takes over; the stale owner's completion is refused with LeaseLost and
+        /// overwrites nothing.
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn an_unpolled_call_loses_its_lease_and_cannot_complete() {
+            let Some(store) = store().await else { return };
+            let t = fresh_tenant();
+            let runs = AtomicUsize::new(0);
+            let gate = tokio::sync::Notify::new();
+            let mut stale = Box::pin(gated(&*store, &t, "k", &runs, &gate));
+            // Poll until the body is waiting on the gate, then stop polling.
+            assert!(futures::poll!(stale.as_mut()).is_pending());
+            for _ in 0..50 {
+                if runs.load(Ordering::SeqCst) == 1 { break; }
+                tokio::task::yield_now().await;
+                assert!(futures::poll!(stale.as_mut()).is_pending());
+            }
+            assert_eq!(runs.load(Ordering::SeqCst), 1);
+            tokio::time::sleep(Duration::from_millis(700)).await; // > 300 ms lease
+            // The next caller takes over.
+            let gate2 = tokio::sync::Notify::new();
+            gate2.notify_one();
+            let winner = gated(&*store, &t, "k", &runs, &gate2).await.expect("takes over the expired lease");
+            assert_eq!(runs.load(Ordering::SeqCst), 2);
+            // The stale owner resumes and finishes: refused, nothing overwritten.
+            gate.notify_one();
+            let err = stale.await.unwrap_err();
+            assert!(matches!(err, Error::LeaseLost(_)), "{err:?}");
+            let gate3 = tokio::sync::Notify::new();
+            assert_eq!(gated(&*store, &t, "k", &runs, &gate3).await.unwrap(), winner, "the taker's result stands");
+        }
+
+        /// Rule 16: after `ttl` the record counts as absent and the key executes again.
+        #[tokio::test]
+        async fn after_ttl_the_key_executes_again() {
+            let Some(store) = store().await else { return };
+            let t = fresh_tenant();
+            let runs = AtomicUsize::new(0);
+            let first = short_ttl(&*store, &t, "k", &runs).await.unwrap();
+            assert_eq!(short_ttl(&*store, &t, "k", &runs).await.unwrap(), first);
+            tokio::time::sleep(Duration::from_millis(900)).await;
+            let later = short_ttl(&*store, &t, "k", &runs).await.unwrap();
+            assert_ne!(later, first);
+            assert_eq!(runs.load(Ordering::SeqCst), 2);
+        }
+
+        /// Rule 2: bad keys are refused before anything runs or is stored.
+        #[tokio::test]
+        async fn bad_keys_are_refused_before_anything_runs() {
+            let Some(store) = store().await else { return };
+            let t = fresh_tenant();
+            let runs = AtomicUsize::new(0);
+            let long = "k".repeat(256);
+            for bad in ["", long.as_str(), "new\nline", "nul\0byte", "tab\there", "\u{7f}del"] {
+                let err = charge(&*store, &t, bad, 1, &runs).await.unwrap_err();
+                assert!(matches!(err, Error::InvalidKey(_)), "{bad:?}: {err:?}");
+                assert!(err.to_string().contains("invalid idempotency key"));
+            }
+            let max = "k".repeat(255);
+            charge(&*store, &t, &max, 1, &runs).await.expect("255 bytes is allowed");
+            assert_eq!(runs.load(Ordering::SeqCst), 1, "no bad key ran the body");
+            let err = charge(&*store, "", "fine", 1, &runs).await.unwrap_err();
+            assert!(matches!(err, Error::InvalidTenant(_)), "{err:?}");
+        }
+
+        /// A result that cannot be serialized is an error and leaves no record.
+        #[tokio::test]
+        async fn an_unserializable_result_leaves_no_record() {
+            let Some(store) = store().await else { return };
+            let t = fresh_tenant();
+            let runs = AtomicUsize::new(0);
+            let err = unrecordable(&*store, &t, "k", &runs).await.unwrap_err();
+            assert!(matches!(err, Error::ResultEncoding { .. }), "{err:?}");
+            assert!(store.fetch(&id(&t, "contract.unrecordable", "k")).await.unwrap().is_none());
+        }
+
+        /// A result over the size limit is refused with a clear error and leaves no
+        /// record; a several-megabyte one round-trips exactly.
+        #[tokio::test]
+        async fn big_results_round_trip_or_are_refused() {
+            let Some(store) = store().await else { return };
+            let t = fresh_tenant();
+            let runs = AtomicUsize::new(0);
+            let size = 3 * 1024 * 1024;
+            let first = big_result(&*store, &t, "big", &runs, size).await.unwrap();
+            let (again, o) = with_outcome(big_result(&*store, &t, "big", &runs, size)).await;
+            assert_eq!(o, Some(Outcome::Replayed));
+            assert_eq!(again.unwrap(), first);
+            let err = big_result(&*store, &t, "huge", &runs, idempotent_runtime::MAX_RESULT_BYTES + 1).await.unwrap_err();
+            assert!(matches!(err, Error::ResultTooLarge { .. }), "{err:?}");
+            assert!(store.fetch(&id(&t, "contract.big", "huge")).await.unwrap().is_none());
+        }
+
+        /// Rule 2: keys that look like SQL patterns or escapes match exactly.
+        #[tokio::test]
+        async fn keys_and_tenants_match_exactly() {
+            let Some(store) = store().await else { return };
+            let runs = AtomicUsize::new(0);
+            let base = fresh_tenant();
+            let tenants = [format!("{base}"), format!("{base}%"), format!("{base}_"), format!("{base}'"), format!("{base}\\")];
+            let keys = ["k", "k%", "k_", "K", "k'", "k\"", "k\\", "k\\%", "ключ", "🔑", "k "];
+            let mut seen = std::collections::HashSet::new();
+            for t in &tenants {
+                for k in keys {
+                    let r = charge(&*store, t, k, 1, &runs).await.unwrap();
+                    assert!(seen.insert(r.charge_id.clone()), "{t:?}/{k:?} collided with another identity");
+                }
+            }
+            assert_eq!(runs.load(Ordering::SeqCst), tenants.len() * keys.len());
+            for t in &tenants {
+                for k in keys {
+                    charge(&*store, t, k, 1, &runs).await.unwrap();
+                }
+            }
+            assert_eq!(runs.load(Ordering::SeqCst), tenants.len() * keys.len(), "all replayed");
+        }
+    };
+}

@@ -1,0 +1,3 @@
+//! The behaviour contract on [`MemoryStore`].
+mod contract;
+contract_tests!(async { Some(idempotent_runtime::MemoryStore::new()) });
