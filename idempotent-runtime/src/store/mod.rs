@@ -13,6 +13,12 @@ use std::time::Duration;
 pub mod memory;
 #[cfg(feature = "sqlite")]
 pub mod sqlite;
+#[cfg(feature = "postgres")]
+pub mod postgres;
+#[cfg(feature = "mysql")]
+pub mod mysql;
+#[cfg(feature = "sqlite")]
+pub mod sqlite_tx;
 
 /// A random token naming the current owner of an in-progress record.
 /// Completion, release and heartbeat must present it (fencing).
@@ -264,7 +270,7 @@ impl<S: Store> AsDynStore for S {
     }
 }
 
-impl AsDynStore for dyn Store {
+impl<'s> AsDynStore for dyn Store + 's {
     fn as_dyn_store(&self) -> &dyn Store {
         self
     }
