@@ -31,13 +31,18 @@
 //! See the README for the attribute's arguments, the stores and the errors.
 #![warn(missing_docs)]
 
+pub mod audit;
 pub mod engine;
 pub mod error;
 pub mod fingerprint;
 pub mod identity;
+#[cfg(feature = "manifest")]
+pub mod manifest;
 pub mod metrics;
+pub mod purge;
 pub mod registry;
 pub mod store;
+mod table;
 pub mod transaction;
 
 #[doc(hidden)]

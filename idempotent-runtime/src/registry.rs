@@ -116,3 +116,269 @@ pub fn scopes() -> Vec<&'static ScopeInfo> {
     all.dedup_by(|a, b| std::ptr::eq(*a, *b));
     all
 }
+
+/// One place in the source that claims a scope: the function and where it is.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct Site {
+    /// The function's path, `module::path::function`.
+    pub function: &'static str,
+    /// Source file of the function.
+    pub file: &'static str,
+    /// Line of the function's name.
+    pub line: u32,
+}
+
+impl Site {
+    fn of(info: &ScopeInfo) -> Self {
+        Site {
+            function: info.function,
+            file: info.file,
+            line: info.line,
+        }
+    }
+}
+
+impl std::fmt::Display for Site {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "`{}` at {}:{}", self.function, self.file, self.line)
+    }
+}
+
+/// One scope claimed by two or more functions, with every claiming site.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct DuplicateScope {
+    /// The contested scope string.
+    pub scope: &'static str,
+    /// Every function claiming it, in registry order (at least two).
+    pub sites: Vec<Site>,
+}
+
+/// What [`validate`] found wrong with the registry.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum RegistryError {
+    /// Two or more functions claim the same scope, so their records would
+    /// replay each other's results. Each entry names every claiming site.
+    #[error("{}", describe_duplicates(.0))]
+    DuplicateScopes(Vec<DuplicateScope>),
+}
+
+fn describe_duplicates(duplicates: &[DuplicateScope]) -> String {
+    let mut out = format!(
+        "{} scope(s) claimed by more than one function; give each function its own scope \
+         (keep the existing string on the function whose stored records must stay valid):",
+        duplicates.len()
+    );
+    for d in duplicates {
+        out.push_str(&format!("\n  scope `{}` is claimed by", d.scope));
+        for (i, site) in d.sites.iter().enumerate() {
+            out.push_str(if i == 0 { " " } else { " and " });
+            out.push_str(&site.to_string());
+        }
+    }
+    out
+}
+
+/// Checks the registry of this binary: every scope must be claimed by exactly
+/// one function. The macro already refuses two claims it can see in one
+/// crate; this catches claims from different crates linked into one binary.
+///
+/// Call it at startup (or in a test) and refuse to start on an error:
+///
+/// ```
+/// if let Err(e) = idempotent_runtime::registry::validate() {
+///     panic!("{e}"); // names every contested scope and both sites
+/// }
+/// ```
+pub fn validate() -> Result<(), RegistryError> {
+    validate_infos(&scopes())
+}
+
+/// [`validate`] over an explicit list (e.g. a filtered one).
+///
+/// ```
+/// use idempotent_runtime::registry::{validate_infos, RegistryError};
+/// assert!(validate_infos(&[]).is_ok());
+/// ```
+pub fn validate_infos(infos: &[&ScopeInfo]) -> Result<(), RegistryError> {
+    let mut by_scope: std::collections::BTreeMap<&'static str, Vec<Site>> = Default::default();
+    for info in infos {
+        let sites = by_scope.entry(info.scope).or_default();
+        let site = Site::of(info);
+        // The same function registered twice is not a conflict.
+        if !sites.contains(&site) {
+            sites.push(site);
+        }
+    }
+    let duplicates: Vec<DuplicateScope> = by_scope
+        .into_iter()
+        .filter(|(_, sites)| sites.len() > 1)
+        .map(|(scope, sites)| DuplicateScope { scope, sites })
+        .collect();
+    if duplicates.is_empty() {
+        Ok(())
+    } else {
+        Err(RegistryError::DuplicateScopes(duplicates))
+    }
+}
+
+/// How a listing is printed: an aligned text table, or JSON.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Format {
+    /// Aligned columns with a header, for people.
+    #[default]
+    Table,
+    /// A pretty-printed JSON array/object, for programs.
+    Json,
+}
+
+impl std::fmt::Display for InProgressPolicy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            InProgressPolicy::Wait(d) => write!(f, "wait({})", human(*d)),
+            InProgressPolicy::Reject => f.write_str("reject"),
+        }
+    }
+}
+
+impl std::fmt::Display for ErrorPolicy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ErrorPolicy::Release => f.write_str("release"),
+            ErrorPolicy::Record => f.write_str("record"),
+            ErrorPolicy::RecordIf(p) => write!(f, "record_if({p})"),
+        }
+    }
+}
+
+/// A duration the way the attribute spells it: `24h`, `30s`, `1m 30s`.
+pub(crate) fn human(d: Duration) -> String {
+    // Sub-millisecond noise would make `1s 200us` out of a configured `1s`.
+    let d = Duration::from_millis(u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
+    humantime::format_duration(d).to_string()
+}
+
+/// The serialized form of a [`ScopeInfo`] (durations as text and as milliseconds).
+#[derive(serde::Serialize)]
+struct ScopeRow<'a> {
+    scope: &'a str,
+    function: &'a str,
+    file: &'a str,
+    line: u32,
+    ttl: String,
+    ttl_ms: u128,
+    lease: String,
+    lease_ms: u128,
+    in_progress: String,
+    errors: String,
+    transactional: bool,
+    fingerprinted: bool,
+    fingerprinted_parameters: &'a [&'a str],
+    shared_tenant: bool,
+}
+
+impl serde::Serialize for ScopeInfo {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        ScopeRow {
+            scope: self.scope,
+            function: self.function,
+            file: self.file,
+            line: self.line,
+            ttl: human(self.ttl),
+            ttl_ms: self.ttl.as_millis(),
+            lease: human(self.lease),
+            lease_ms: self.lease.as_millis(),
+            in_progress: self.in_progress.to_string(),
+            errors: self.errors.to_string(),
+            transactional: self.transactional,
+            fingerprinted: self.fingerprinted,
+            fingerprinted_parameters: self.fingerprinted_parameters,
+            shared_tenant: self.shared_tenant,
+        }
+        .serialize(serializer)
+    }
+}
+
+/// The registry of this binary as a table or JSON.
+///
+/// ```
+/// use idempotent_runtime::registry::{render, Format};
+/// let table = render(Format::Table);
+/// assert!(table.starts_with("scope"));
+/// let json: serde_json::Value = serde_json::from_str(&render(Format::Json)).unwrap();
+/// assert!(json.is_array());
+/// ```
+pub fn render(format: Format) -> String {
+    render_infos(&scopes(), format)
+}
+
+/// Renders an explicit list of registrations (see [`render`]).
+///
+/// Table columns: scope, function, file:line, ttl, lease, in_progress,
+/// errors, tx, fingerprinted params (`-` for none, `off` when
+/// `fingerprint = false`).
+pub fn render_infos(infos: &[&ScopeInfo], format: Format) -> String {
+    match format {
+        Format::Json => to_json(&infos),
+        Format::Table => {
+            let rows: Vec<Vec<String>> = infos
+                .iter()
+                .map(|i| {
+                    vec![
+                        i.scope.to_owned(),
+                        i.function.to_owned(),
+                        format!("{}:{}", i.file, i.line),
+                        human(i.ttl),
+                        human(i.lease),
+                        i.in_progress.to_string(),
+                        i.errors.to_string(),
+                        if i.transactional { "yes" } else { "no" }.to_owned(),
+                        if !i.fingerprinted {
+                            "off".to_owned()
+                        } else if i.fingerprinted_parameters.is_empty() {
+                            "-".to_owned()
+                        } else {
+                            i.fingerprinted_parameters.join(", ")
+                        },
+                    ]
+                })
+                .collect();
+            crate::table::render(
+                &[
+                    "scope",
+                    "function",
+                    "file:line",
+                    "ttl",
+                    "lease",
+                    "in_progress",
+                    "errors",
+                    "tx",
+                    "fingerprinted params",
+                ],
+                &rows,
+            )
+        }
+    }
+}
+
+/// Prints the registry of this binary as a table on stdout: the one line a
+/// binary needs for a `--list-scopes` flag.
+///
+/// ```no_run
+/// idempotent_runtime::registry::print_table();
+/// ```
+pub fn print_table() {
+    print!("{}", render(Format::Table));
+}
+
+/// Pretty JSON of anything serializable; our own types cannot fail to serialize.
+pub(crate) fn to_json<T: serde::Serialize + ?Sized>(value: &T) -> String {
+    let mut s = serde_json::to_string_pretty(value).unwrap_or_else(|e| {
+        format!(
+            "{{\"error\": {}}}",
+            serde_json::Value::String(format!("could not serialize: {e}"))
+        )
+    });
+    s.push('\n');
+    s
+}

@@ -1,0 +1,471 @@
+//! Compare what a store holds with what the code (or the manifest) claims.
+//!
+//! For every scope the report gives the records by state — complete, in
+//! progress, *stuck* (in progress with an expired lease: the owner is gone),
+//! *expired* (past retention, not purged yet) — and the oldest record. Scopes
+//! present in the store that nothing claims are **orphans**: what a rename
+//! leaves behind. Declared scopes without records are listed as *unused*
+//! (informational).
+//!
+//! ```
+//! use idempotent_runtime::{audit, MemoryStore, registry::Format};
+//! # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), idempotent_runtime::Error> {
+//! let store = MemoryStore::new();
+//! let report = audit::audit(&store, &audit::KnownScope::from_registry()).await?;
+//! println!("{}", report.render(Format::Table));
+//! assert_eq!(report.orphans().count(), 0);
+//! # Ok(()) }
+//! ```
+
+use crate::error::Error;
+use crate::registry::Format;
+use crate::store::{ScopeStats, Store};
+use std::collections::BTreeMap;
+use std::time::{Duration, UNIX_EPOCH};
+
+/// How the code (or a manifest) relates to a scope name.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Claim {
+    /// Code claims the scope; `by` names the claimants (function paths, or the manifest file).
+    Claimed {
+        /// Function paths or the manifest that declares the scope.
+        by: Vec<String>,
+    },
+    /// The name was retired (manifest `[retired]`): records under it are leftovers.
+    Retired {
+        /// The reason given in the manifest.
+        reason: Option<String>,
+    },
+}
+
+/// A scope name the audit should know about.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KnownScope {
+    /// The scope string.
+    pub scope: String,
+    /// Claimed or retired.
+    pub claim: Claim,
+}
+
+impl KnownScope {
+    /// A scope claimed by `by` (a function path, a file name, a service name).
+    ///
+    /// ```
+    /// use idempotent_runtime::audit::KnownScope;
+    /// let k = KnownScope::claimed("orders.place", "shop::orders::place");
+    /// assert_eq!(k.scope, "orders.place");
+    /// ```
+    pub fn claimed(scope: impl Into<String>, by: impl Into<String>) -> Self {
+        KnownScope {
+            scope: scope.into(),
+            claim: Claim::Claimed {
+                by: vec![by.into()],
+            },
+        }
+    }
+
+    /// A retired scope name, with the reason.
+    pub fn retired(scope: impl Into<String>, reason: Option<String>) -> Self {
+        KnownScope {
+            scope: scope.into(),
+            claim: Claim::Retired { reason },
+        }
+    }
+
+    /// Every scope registered by `#[idempotent]` functions in this binary.
+    pub fn from_registry() -> Vec<KnownScope> {
+        crate::registry::scopes()
+            .into_iter()
+            .map(|info| KnownScope::claimed(info.scope, info.function))
+            .collect()
+    }
+
+    /// The declared scopes of a manifest (claimed by the manifest) and its retired names.
+    #[cfg(feature = "manifest")]
+    pub fn from_manifest(manifest: &crate::manifest::Manifest) -> Vec<KnownScope> {
+        let declared = manifest
+            .scopes
+            .keys()
+            .map(|s| KnownScope::claimed(s.clone(), crate::manifest::Manifest::FILE_NAME));
+        let retired = manifest
+            .retired
+            .iter()
+            .map(|(s, r)| KnownScope::retired(s.clone(), r.reason.clone()));
+        declared.chain(retired).collect()
+    }
+}
+
+/// Where a scope stands between the code and the store.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ScopeStatus {
+    /// Claimed, with or without records.
+    Claimed,
+    /// Records in the store, claimed by no code: e.g. left behind by a rename.
+    Orphan,
+    /// Records in the store under a retired name (an orphan with a known reason).
+    Retired,
+    /// Claimed, no records at all (informational).
+    Unused,
+}
+
+impl ScopeStatus {
+    fn as_str(self) -> &'static str {
+        match self {
+            ScopeStatus::Claimed => "claimed",
+            ScopeStatus::Orphan => "ORPHAN",
+            ScopeStatus::Retired => "RETIRED",
+            ScopeStatus::Unused => "unused",
+        }
+    }
+}
+
+/// The audit of one scope.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct ScopeAudit {
+    /// The scope string.
+    pub scope: String,
+    /// Claimed, orphan, retired or unused.
+    pub status: ScopeStatus,
+    /// Who claims it (function paths or the manifest); empty for orphans.
+    pub claimed_by: Vec<String>,
+    /// Why the name was retired (retired scopes only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub retired_reason: Option<String>,
+    /// Complete records within retention.
+    pub complete: u64,
+    /// In-progress records with a live lease.
+    pub in_progress: u64,
+    /// In-progress records whose lease expired: owner crashed or was cut off.
+    pub stuck: u64,
+    /// Records past retention that no purge has removed yet.
+    pub expired: u64,
+    /// Creation time of the oldest record, ms since the Unix epoch (store clock).
+    pub oldest_created_at_ms: Option<i64>,
+    /// The same, as RFC 3339 (UTC, seconds).
+    pub oldest_created_at: Option<String>,
+}
+
+impl ScopeAudit {
+    /// All records of the scope, whatever their state.
+    pub fn total(&self) -> u64 {
+        self.complete + self.in_progress + self.stuck + self.expired
+    }
+}
+
+/// The result of [`audit`]: one entry per scope, sorted by scope.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct AuditReport {
+    /// The store's name (`memory`, `sqlite`, `postgres`, `mysql`).
+    pub store: String,
+    /// Every scope in the store or claimed, sorted by name.
+    pub scopes: Vec<ScopeAudit>,
+}
+
+/// Totals over an [`AuditReport`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct AuditSummary {
+    /// Scopes listed.
+    pub scopes: usize,
+    /// Scopes with records that nothing claims (orphans and retired names).
+    pub orphan_scopes: usize,
+    /// Claimed scopes with no records.
+    pub unused_scopes: usize,
+    /// Records in all scopes.
+    pub records: u64,
+    /// Stuck in-progress records in all scopes.
+    pub stuck: u64,
+    /// Expired, unpurged records in all scopes.
+    pub expired: u64,
+}
+
+impl AuditReport {
+    /// The entry for one scope.
+    pub fn scope(&self, scope: &str) -> Option<&ScopeAudit> {
+        self.scopes.iter().find(|s| s.scope == scope)
+    }
+
+    /// Scopes with records that no code claims (including retired names).
+    pub fn orphans(&self) -> impl Iterator<Item = &ScopeAudit> {
+        self.scopes
+            .iter()
+            .filter(|s| matches!(s.status, ScopeStatus::Orphan | ScopeStatus::Retired))
+    }
+
+    /// Claimed scopes without records.
+    pub fn unused(&self) -> impl Iterator<Item = &ScopeAudit> {
+        self.scopes
+            .iter()
+            .filter(|s| s.status == ScopeStatus::Unused)
+    }
+
+    /// Totals.
+    pub fn summary(&self) -> AuditSummary {
+        AuditSummary {
+            scopes: self.scopes.len(),
+            orphan_scopes: self.orphans().count(),
+            unused_scopes: self.unused().count(),
+            records: self.scopes.iter().map(ScopeAudit::total).sum(),
+            stuck: self.scopes.iter().map(|s| s.stuck).sum(),
+            expired: self.scopes.iter().map(|s| s.expired).sum(),
+        }
+    }
+
+    /// Whether anything needs attention: orphans, stuck leases or unpurged records.
+    pub fn has_findings(&self) -> bool {
+        let s = self.summary();
+        s.orphan_scopes > 0 || s.stuck > 0 || s.expired > 0
+    }
+
+    /// The report as an aligned table followed by a summary line, or as JSON
+    /// (`{"store", "scopes": [...], "summary": {...}}`).
+    pub fn render(&self, format: Format) -> String {
+        match format {
+            Format::Json => {
+                #[derive(serde::Serialize)]
+                struct Out<'a> {
+                    store: &'a str,
+                    scopes: &'a [ScopeAudit],
+                    summary: AuditSummary,
+                }
+                crate::registry::to_json(&Out {
+                    store: &self.store,
+                    scopes: &self.scopes,
+                    summary: self.summary(),
+                })
+            }
+            Format::Table => {
+                let rows: Vec<Vec<String>> = self
+                    .scopes
+                    .iter()
+                    .map(|s| {
+                        vec![
+                            s.scope.clone(),
+                            s.status.as_str().to_owned(),
+                            s.complete.to_string(),
+                            s.in_progress.to_string(),
+                            s.stuck.to_string(),
+                            s.expired.to_string(),
+                            s.oldest_created_at.clone().unwrap_or_else(|| "-".into()),
+                            match (&s.retired_reason, s.claimed_by.is_empty()) {
+                                (Some(r), _) => format!("retired: {r}"),
+                                (None, true) => "-".into(),
+                                (None, false) => s.claimed_by.join(", "),
+                            },
+                        ]
+                    })
+                    .collect();
+                let mut out = crate::table::render(
+                    &[
+                        "scope",
+                        "status",
+                        "complete",
+                        "in_progress",
+                        "stuck",
+                        "expired",
+                        "oldest",
+                        "claimed by",
+                    ],
+                    &rows,
+                );
+                let sum = self.summary();
+                out.push_str(&format!(
+                    "\n{} store: {} scope(s), {} record(s); {} orphan scope(s), {} stuck lease(s), {} expired record(s) not purged, {} unused scope(s)\n",
+                    self.store, sum.scopes, sum.records, sum.orphan_scopes, sum.stuck, sum.expired, sum.unused_scopes
+                ));
+                if sum.orphan_scopes > 0 {
+                    out.push_str("orphans: records no code claims. If a scope was renamed, restore the old string (records keep working) or retire it in idempotent.toml and let the records expire.\n");
+                }
+                if sum.expired > 0 {
+                    out.push_str(
+                        "expired: run `idempotent purge` or a background Purger to delete them.\n",
+                    );
+                }
+                out
+            }
+        }
+    }
+}
+
+/// Audits `store` against `known` (see [`KnownScope::from_registry`] and
+/// `KnownScope::from_manifest`). Reads per-scope statistics from the store
+/// once; changes nothing.
+///
+/// ```
+/// use idempotent_runtime::{audit::{audit, KnownScope}, MemoryStore};
+/// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), idempotent_runtime::Error> {
+/// let report = audit(&MemoryStore::new(), &[KnownScope::claimed("orders.place", "app")]).await?;
+/// assert_eq!(report.unused().count(), 1);
+/// # Ok(()) }
+/// ```
+pub async fn audit(store: &dyn Store, known: &[KnownScope]) -> Result<AuditReport, Error> {
+    let stats = store.scope_stats().await?;
+    Ok(build_report(store.name(), stats, known))
+}
+
+/// [`audit`] against this binary's registry.
+pub async fn audit_registry(store: &dyn Store) -> Result<AuditReport, Error> {
+    audit(store, &KnownScope::from_registry()).await
+}
+
+fn build_report(store: &str, stats: Vec<ScopeStats>, known: &[KnownScope]) -> AuditReport {
+    // Merge the claims per scope: several functions may claim one name (a
+    // conflict `registry::validate` reports), and a claim beats a retirement.
+    let mut claims: BTreeMap<&str, Claim> = BTreeMap::new();
+    for k in known {
+        match (claims.get_mut(k.scope.as_str()), &k.claim) {
+            (None, c) => {
+                claims.insert(&k.scope, c.clone());
+            }
+            (Some(Claim::Claimed { by }), Claim::Claimed { by: more }) => {
+                for b in more {
+                    if !by.contains(b) {
+                        by.push(b.clone());
+                    }
+                }
+            }
+            (Some(existing @ Claim::Retired { .. }), c @ Claim::Claimed { .. }) => {
+                *existing = c.clone();
+            }
+            (Some(_), Claim::Retired { .. }) => {}
+        }
+    }
+    let mut by_scope: BTreeMap<String, ScopeAudit> = BTreeMap::new();
+    for s in stats {
+        let (status, claimed_by, retired_reason) = match claims.get(s.scope.as_str()) {
+            Some(Claim::Claimed { by }) => (ScopeStatus::Claimed, by.clone(), None),
+            Some(Claim::Retired { reason }) => (
+                ScopeStatus::Retired,
+                Vec::new(),
+                Some(reason.clone().unwrap_or_else(|| "no reason given".into())),
+            ),
+            None => (ScopeStatus::Orphan, Vec::new(), None),
+        };
+        let total = s.complete + s.in_progress + s.stuck + s.expired;
+        // A claimed scope whose stats row is empty has no records.
+        let status = if total == 0 && status == ScopeStatus::Claimed {
+            ScopeStatus::Unused
+        } else {
+            status
+        };
+        if total == 0 && status != ScopeStatus::Unused {
+            continue;
+        }
+        let entry = by_scope.entry(s.scope.clone()).or_insert(ScopeAudit {
+            scope: s.scope.clone(),
+            status,
+            claimed_by,
+            retired_reason,
+            complete: 0,
+            in_progress: 0,
+            stuck: 0,
+            expired: 0,
+            oldest_created_at_ms: None,
+            oldest_created_at: None,
+        });
+        entry.complete += s.complete;
+        entry.in_progress += s.in_progress;
+        entry.stuck += s.stuck;
+        entry.expired += s.expired;
+        entry.oldest_created_at_ms = match (entry.oldest_created_at_ms, s.oldest_created_at_ms) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
+        entry.oldest_created_at = entry.oldest_created_at_ms.map(rfc3339);
+    }
+    for (scope, claim) in claims {
+        if let Claim::Claimed { by } = claim {
+            by_scope
+                .entry(scope.to_owned())
+                .or_insert_with(|| ScopeAudit {
+                    scope: scope.to_owned(),
+                    status: ScopeStatus::Unused,
+                    claimed_by: by,
+                    retired_reason: None,
+                    complete: 0,
+                    in_progress: 0,
+                    stuck: 0,
+                    expired: 0,
+                    oldest_created_at_ms: None,
+                    oldest_created_at: None,
+                });
+        }
+    }
+    AuditReport {
+        store: store.to_owned(),
+        scopes: by_scope.into_values().collect(),
+    }
+}
+
+fn rfc3339(ms: i64) -> String {
+    let t = UNIX_EPOCH + Duration::from_millis(ms.max(0) as u64);
+    humantime::format_rfc3339_seconds(t).to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn stats(scope: &str, complete: u64, stuck: u64, expired: u64) -> ScopeStats {
+        ScopeStats {
+            scope: scope.into(),
+            complete,
+            in_progress: 0,
+            stuck,
+            expired,
+            oldest_created_at_ms: Some(1_700_000_000_000),
+        }
+    }
+
+    #[test]
+    fn classifies_claimed_orphan_retired_unused() {
+        let known = [
+            KnownScope::claimed("a.live", "app::live"),
+            KnownScope::claimed("a.unused", "app::unused"),
+            KnownScope::retired("a.old", Some("renamed to a.live".into())),
+            KnownScope::retired("a.gone", None),
+        ];
+        let r = build_report(
+            "memory",
+            vec![
+                stats("a.live", 3, 1, 2),
+                stats("a.old", 1, 0, 0),
+                stats("b.lost", 0, 0, 4),
+            ],
+            &known,
+        );
+        let names: Vec<_> = r.scopes.iter().map(|s| (&*s.scope, s.status)).collect();
+        assert_eq!(
+            names,
+            [
+                ("a.live", ScopeStatus::Claimed),
+                ("a.old", ScopeStatus::Retired),
+                ("a.unused", ScopeStatus::Unused),
+                ("b.lost", ScopeStatus::Orphan),
+            ]
+        );
+        let s = r.summary();
+        assert_eq!((s.orphan_scopes, s.unused_scopes), (2, 1));
+        assert_eq!((s.records, s.stuck, s.expired), (11, 1, 6));
+        assert!(r.has_findings());
+        let table = r.render(Format::Table);
+        assert!(table.contains("ORPHAN") && table.contains("retired: renamed to a.live"));
+        assert!(table.contains("2023-11-14T22:13:20Z"), "{table}");
+        let json: serde_json::Value = serde_json::from_str(&r.render(Format::Json)).unwrap();
+        assert_eq!(json["summary"]["orphan_scopes"], 2);
+        assert_eq!(json["scopes"][3]["status"], "orphan");
+    }
+
+    #[test]
+    fn a_claim_wins_over_a_retirement_and_claims_merge() {
+        let known = [
+            KnownScope::retired("a.b", None),
+            KnownScope::claimed("a.b", "one"),
+            KnownScope::claimed("a.b", "two"),
+        ];
+        let r = build_report("memory", vec![stats("a.b", 1, 0, 0)], &known);
+        assert_eq!(r.scopes[0].status, ScopeStatus::Claimed);
+        assert_eq!(r.scopes[0].claimed_by, ["one", "two"]);
+        assert!(!r.has_findings());
+    }
+}

@@ -1,0 +1,252 @@
+//! Retention that really runs: delete expired records in bounded batches,
+//! once ([`purge_all`]) or in the background ([`Purger`]).
+//!
+//! A record is purgeable when its retention (`ttl`) has run out; an
+//! in-progress record only when both its lease and its retention have run
+//! out (DESIGN rule 16). Stores decide that on their own clock, so a purge
+//! never deletes a live record.
+//!
+//! ```
+//! use idempotent_runtime::{purge::{Purger, PurgerConfig}, MemoryStore};
+//! use std::time::Duration;
+//! # #[tokio::main(flavor = "current_thread")] async fn main() {
+//! let store = MemoryStore::new();
+//! let purger = Purger::spawn(store.clone(), PurgerConfig {
+//!     interval: Duration::from_secs(60),
+//!     batch: 1000,
+//! });
+//! // ... serve requests ...
+//! let stats = purger.shutdown().await; // finishes the batch in flight, then stops
+//! assert!(stats.last_error.is_none());
+//! # }
+//! ```
+
+use crate::error::StoreError;
+use crate::metrics::METRICS;
+use crate::store::Store;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+/// The most batches one [`purge_all`] (or one purger run) deletes before it
+/// returns; the rest waits for the next run. Keeps a run bounded even when
+/// records expire faster than they are deleted.
+pub const MAX_BATCHES_PER_RUN: u32 = 10_000;
+
+/// The batch size used when none is given.
+pub const DEFAULT_BATCH: u32 = 1_000;
+
+/// Deletes expired records in batches of `batch` until a batch comes back
+/// short (nothing more to delete), or [`MAX_BATCHES_PER_RUN`] batches have
+/// run. Returns how many records were deleted. A `batch` of 0 counts as 1.
+///
+/// ```
+/// use idempotent_runtime::{purge::purge_all, MemoryStore};
+/// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), idempotent_runtime::StoreError> {
+/// let deleted = purge_all(&MemoryStore::new(), 500).await?;
+/// assert_eq!(deleted, 0);
+/// # Ok(()) }
+/// ```
+pub async fn purge_all(store: &dyn Store, batch: u32) -> Result<u64, StoreError> {
+    run(store, batch, None).await.map(|(deleted, _)| deleted)
+}
+
+/// The batch loop shared by [`purge_all`] and the purger. Between batches
+/// (never during one) it checks `stop`. Returns (deleted, batches run).
+async fn run(
+    store: &dyn Store,
+    batch: u32,
+    stop: Option<&watch::Receiver<bool>>,
+) -> Result<(u64, u32), StoreError> {
+    let batch = batch.max(1);
+    let mut total = 0u64;
+    for batches in 1..=MAX_BATCHES_PER_RUN {
+        let deleted = store.purge_expired(batch).await?;
+        total += deleted;
+        METRICS.purged.fetch_add(deleted, Ordering::Relaxed);
+        if deleted < u64::from(batch) || stop.is_some_and(|s| *s.borrow()) {
+            return Ok((total, batches));
+        }
+    }
+    tracing::warn!(
+        store = store.name(),
+        deleted = total,
+        "purge stopped after {MAX_BATCHES_PER_RUN} batches of {batch}; the rest waits for the next run (raise the batch size if this repeats)"
+    );
+    Ok((total, MAX_BATCHES_PER_RUN))
+}
+
+/// How often the background purger runs and how much it deletes per statement.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PurgerConfig {
+    /// Time between runs (the first run starts at once). At least 1 ms.
+    pub interval: Duration,
+    /// Records deleted per statement. At least 1.
+    pub batch: u32,
+}
+
+impl Default for PurgerConfig {
+    /// Every minute, batches of [`DEFAULT_BATCH`].
+    fn default() -> Self {
+        PurgerConfig {
+            interval: Duration::from_secs(60),
+            batch: DEFAULT_BATCH,
+        }
+    }
+}
+
+/// What a purger has done so far.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct PurgerStats {
+    /// Runs finished (successfully or not).
+    pub runs: u64,
+    /// Records deleted over all runs.
+    pub deleted: u64,
+    /// Runs that failed with a store error.
+    pub failed_runs: u64,
+    /// The last store error, if the latest failing run is more recent than the latest successful one.
+    pub last_error: Option<String>,
+}
+
+/// The background purger. See [`Purger::spawn`].
+#[derive(Debug)]
+pub struct Purger;
+
+impl Purger {
+    /// Starts a task on the current Tokio runtime that runs [`purge_all`]
+    /// every `config.interval` (first run at once) and logs what it deleted.
+    /// Store errors are logged, counted in [`PurgerStats`], and retried at the
+    /// next interval; they never stop the purger.
+    ///
+    /// `store` is anything that is a [`Store`]: a store value, an `Arc<S>`,
+    /// an `Arc<dyn Store>`.
+    ///
+    /// The task lives exactly as long as the returned handle:
+    /// [`PurgerHandle::shutdown`] stops it cleanly (the batch in flight
+    /// finishes), and dropping the handle stops it too (the batch in flight
+    /// is abandoned, which is harmless: a purge is a single idempotent delete).
+    ///
+    /// # Panics
+    /// Like `tokio::spawn`, when called outside a Tokio runtime.
+    ///
+    /// ```
+    /// use idempotent_runtime::{purge::{Purger, PurgerConfig}, MemoryStore, Store};
+    /// use std::sync::Arc;
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+    /// let purger = Purger::spawn(store, PurgerConfig::default());
+    /// println!("{:?}", purger.stats());
+    /// purger.shutdown().await;
+    /// # }
+    /// ```
+    pub fn spawn<S: Store + 'static>(store: S, config: PurgerConfig) -> PurgerHandle {
+        let (stop_tx, stop_rx) = watch::channel(false);
+        let stats = Arc::new(Mutex::new(PurgerStats::default()));
+        let task = tokio::spawn(purge_loop(store, config, stop_rx, Arc::clone(&stats)));
+        PurgerHandle {
+            stop: stop_tx,
+            task: Some(task),
+            stats,
+        }
+    }
+}
+
+async fn purge_loop<S: Store>(
+    store: S,
+    config: PurgerConfig,
+    mut stop: watch::Receiver<bool>,
+    stats: Arc<Mutex<PurgerStats>>,
+) {
+    let mut ticker = tokio::time::interval(config.interval.max(Duration::from_millis(1)));
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let name = store.name();
+    tracing::debug!(
+        store = name,
+        interval = ?config.interval,
+        batch = config.batch,
+        "idempotency purger started"
+    );
+    loop {
+        tokio::select! {
+            biased;
+            // A closed channel (handle gone) also means stop.
+            _ = stop.changed() => break,
+            _ = ticker.tick() => {}
+        }
+        if *stop.borrow() {
+            break;
+        }
+        let result = run(&store, config.batch, Some(&stop)).await;
+        let mut s = stats.lock().unwrap_or_else(|p| p.into_inner());
+        s.runs += 1;
+        match result {
+            Ok((deleted, batches)) => {
+                s.deleted += deleted;
+                s.last_error = None;
+                if deleted > 0 {
+                    tracing::info!(
+                        store = name,
+                        deleted,
+                        batches,
+                        "purged expired idempotency records"
+                    );
+                } else {
+                    tracing::trace!(store = name, "no expired idempotency records to purge");
+                }
+            }
+            Err(e) => {
+                s.failed_runs += 1;
+                tracing::warn!(store = name, error = %e, "idempotency purge failed; retrying at the next interval");
+                s.last_error = Some(e.to_string());
+            }
+        }
+    }
+    tracing::debug!(store = name, "idempotency purger stopped");
+}
+
+/// Controls a running purger. Dropping it stops the purger.
+#[derive(Debug)]
+#[must_use = "dropping the handle stops the purger at once"]
+pub struct PurgerHandle {
+    stop: watch::Sender<bool>,
+    task: Option<JoinHandle<()>>,
+    stats: Arc<Mutex<PurgerStats>>,
+}
+
+impl PurgerHandle {
+    /// What the purger has done so far.
+    pub fn stats(&self) -> PurgerStats {
+        self.stats.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Stops the purger: the batch in flight finishes, no further batch starts.
+    /// Returns the final statistics once the task has ended.
+    pub async fn shutdown(mut self) -> PurgerStats {
+        let _ = self.stop.send(true);
+        if let Some(task) = self.task.take() {
+            if let Err(e) = task.await {
+                if e.is_panic() {
+                    tracing::error!("idempotency purger task panicked: {e}");
+                }
+            }
+        }
+        self.stats()
+    }
+
+    /// Whether the purger task has ended (it only ends when told to, or if it panicked).
+    pub fn is_finished(&self) -> bool {
+        self.task.as_ref().is_none_or(JoinHandle::is_finished)
+    }
+}
+
+impl Drop for PurgerHandle {
+    fn drop(&mut self) {
+        let _ = self.stop.send(true);
+        if let Some(task) = self.task.take() {
+            task.abort();
+        }
+    }
+}

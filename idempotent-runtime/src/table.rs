@@ -1,0 +1,55 @@
+//! A small aligned-text table, shared by the registry, the audit, the
+//! manifest listing and the purge report.
+
+/// Renders `rows` under `header` as left-aligned columns separated by two
+/// spaces, with a dashed rule under the header. Widths count characters, not
+/// bytes. Trailing spaces are trimmed from every line.
+pub(crate) fn render(header: &[&str], rows: &[Vec<String>]) -> String {
+    let columns = header.len();
+    let mut widths: Vec<usize> = header.iter().map(|h| h.chars().count()).collect();
+    for row in rows {
+        for (i, cell) in row.iter().enumerate().take(columns) {
+            widths[i] = widths[i].max(cell.chars().count());
+        }
+    }
+    let mut out = String::new();
+    let mut line = |cells: &mut dyn Iterator<Item = &str>| {
+        let mut text = String::new();
+        for (i, cell) in cells.enumerate().take(columns) {
+            if i > 0 {
+                text.push_str("  ");
+            }
+            text.push_str(cell);
+            let pad = widths[i].saturating_sub(cell.chars().count());
+            text.extend(std::iter::repeat_n(' ', pad));
+        }
+        out.push_str(text.trim_end());
+        out.push('\n');
+    };
+    line(&mut header.iter().copied());
+    let rule: Vec<String> = widths.iter().map(|w| "-".repeat(*w)).collect();
+    line(&mut rule.iter().map(String::as_str));
+    for row in rows {
+        line(&mut row.iter().map(String::as_str));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn columns_line_up() {
+        let out = super::render(
+            &["scope", "n"],
+            &[
+                vec!["a.b".into(), "1".into()],
+                vec!["orders.place".into(), "12".into()],
+            ],
+        );
+        let lines: Vec<&str> = out.lines().collect();
+        assert_eq!(lines[0], "scope         n");
+        assert_eq!(lines[1], "------------  --");
+        assert_eq!(lines[2], "a.b           1");
+        assert_eq!(lines[3], "orders.place  12");
+    }
+}
