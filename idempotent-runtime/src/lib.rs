@@ -57,6 +57,10 @@ pub use registry::{ErrorPolicy, InProgressPolicy, ScopeInfo};
 pub use store::memory::MemoryStore;
 #[cfg(feature = "sqlite")]
 pub use store::sqlite::SqliteStore;
+#[cfg(feature = "postgres")]
+pub use store::postgres::PgStore;
+#[cfg(feature = "mysql")]
+pub use store::mysql::MySqlStore;
 pub use store::{
     OwnerToken, RecordSnapshot, RecordState, Reservation, ReserveRequest, ScopeStats, Store,
     StoredOutcome,

@@ -1,0 +1,558 @@
+//! [`MySqlStore`]: records in a MySQL or MariaDB table shared by every instance of a service.
+//!
+//! # Schema
+//!
+//! One InnoDB table, `idempotency_records`, with the primary key
+//! (tenant, scope, `key`) and an index on `expires_at` for purging. Tenant,
+//! scope and key are `VARBINARY(255)`: matched byte for byte, with no
+//! collation, case folding or trailing-space padding. The result is a
+//! `LONGBLOB`. Times are `BIGINT` milliseconds since the epoch on the
+//! database's clock (`UNIX_TIMESTAMP()` and `NOW(6)`, both independent of the
+//! session time zone). Migrations (`migrations/mysql`) are embedded and applied
+//! on open under `GET_LOCK`, so many processes may open at once; they are
+//! recorded in `idempotency_schema_migrations`.
+//!
+//! # Round trips
+//!
+//! * `reserve`: one `CALL idempotency_reserve(…)`: a stored procedure that
+//!   inserts the record or locks the existing one, reads it under the lock and
+//!   decides (acquire, replace expired, take over, replay, in progress,
+//!   mismatch), in a transaction of its own.
+//! * `complete`, `release`, `heartbeat`: one statement each, fenced by the owner token.
+//!
+//! # Lock waits
+//!
+//! InnoDB waits for row locks in whole seconds (`innodb_lock_wait_timeout`).
+//! A reservation made through the store does not wait for a row held by
+//! another transaction (a transactional-mode owner): it answers `InProgress`
+//! at once (MariaDB; MySQL 8's minimum wait is 1 s). In transactional mode the
+//! wait is the whole seconds left of `in_progress = wait(...)`, rounded down;
+//! the engine polls for the rest.
+
+use super::*;
+use crate::error::Error;
+use crate::transaction::TransactionalConnection;
+use sqlx::mysql::{MySqlConnectOptions, MySqlPool, MySqlPoolOptions, MySqlRow};
+use sqlx::{Executor, MySql, Row};
+use std::str::FromStr;
+
+const STORE: &str = "mysql";
+/// How long `connect` and every statement wait for a pooled connection.
+pub const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(5);
+const MIGRATION_LOCK: &str = "idempotent_runtime.migrate";
+/// The database clock in milliseconds since the epoch, independent of the session time zone.
+const NOW_MS: &str = "(UNIX_TIMESTAMP() * 1000 + FLOOR(MICROSECOND(NOW(6)) / 1000))";
+
+static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("migrations/mysql");
+
+/// A store in MySQL 8 or MariaDB: many instances of a service share one
+/// database. Cloning gives another handle to the same pool.
+///
+/// ```no_run
+/// use idempotent_runtime::{set_default_store, MySqlStore};
+/// # #[tokio::main] async fn main() -> Result<(), idempotent_runtime::Error> {
+/// let store = MySqlStore::connect("mysql://root@127.0.0.1:3306/app").await?;
+/// set_default_store(store);
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone)]
+pub struct MySqlStore {
+    pool: MySqlPool,
+}
+
+impl MySqlStore {
+    /// Connects (waiting at most [`ACQUIRE_TIMEOUT`], 5 s, for the server) and
+    /// applies the migrations. A server that is down gives an `Error::Store`
+    /// naming the host and port, never a hang. `mariadb://` URLs are accepted.
+    ///
+    /// ```no_run
+    /// # #[tokio::main] async fn main() -> Result<(), idempotent_runtime::Error> {
+    /// let store = idempotent_runtime::MySqlStore::connect("mysql://root@127.0.0.1/app").await?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn connect(url: &str) -> Result<Self, Error> {
+        let url = match url.strip_prefix("mariadb://") {
+            Some(rest) => format!("mysql://{rest}"),
+            None => url.to_owned(),
+        };
+        let options = MySqlConnectOptions::from_str(&url)
+            .map_err(|e| StoreError::new(STORE, "connect", format!("bad database URL: {e}")))?;
+        let (host, port) = (options.get_host().to_owned(), options.get_port());
+        let pool = MySqlPoolOptions::new()
+            .max_connections(16)
+            .acquire_timeout(ACQUIRE_TIMEOUT)
+            .connect_with(options)
+            .await
+            .map_err(|e| {
+                StoreError::new(
+                    STORE,
+                    "connect",
+                    format!(
+                        "could not connect to the MySQL/MariaDB server at {host}:{port} \
+                         within {ACQUIRE_TIMEOUT:?}: {e}"
+                    ),
+                )
+            })?;
+        Self::from_pool(pool).await
+    }
+
+    /// Uses an existing pool and applies the migrations. Give the pool an
+    /// `acquire_timeout` so a stopped server fails fast.
+    ///
+    /// ```no_run
+    /// # #[tokio::main] async fn main() -> Result<(), idempotent_runtime::Error> {
+    /// let pool = sqlx::MySqlPool::connect("mysql://root@127.0.0.1/app").await.unwrap();
+    /// let store = idempotent_runtime::MySqlStore::from_pool(pool).await?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn from_pool(pool: MySqlPool) -> Result<Self, Error> {
+        migrate(&pool)
+            .await
+            .map_err(|e| StoreError::new(STORE, "migrate", e))?;
+        Ok(MySqlStore { pool })
+    }
+
+    /// The pool the store uses.
+    pub fn pool(&self) -> &MySqlPool {
+        &self.pool
+    }
+}
+
+/// Applies the embedded migrations once, under `GET_LOCK`, recording them in
+/// `idempotency_schema_migrations`. MySQL DDL is not transactional, so every
+/// statement is written to be safe to run again.
+async fn migrate(pool: &MySqlPool) -> Result<(), sqlx::Error> {
+    let mut conn = pool.acquire().await?;
+    let locked: Option<i64> = sqlx::query_scalar("SELECT GET_LOCK(?, 60)")
+        .bind(MIGRATION_LOCK)
+        .fetch_one(&mut *conn)
+        .await?;
+    if locked != Some(1) {
+        return Err(sqlx::Error::Protocol(
+            "timed out after 60 s waiting for another process to finish the idempotency migrations"
+                .to_owned(),
+        ));
+    }
+    let result = apply_migrations(&mut conn).await;
+    let unlocked = sqlx::query("SELECT RELEASE_LOCK(?)")
+        .bind(MIGRATION_LOCK)
+        .execute(&mut *conn)
+        .await;
+    result.and(unlocked.map(drop))
+}
+
+async fn apply_migrations(conn: &mut sqlx::MySqlConnection) -> Result<(), sqlx::Error> {
+    conn.execute(
+        "CREATE TABLE IF NOT EXISTS idempotency_schema_migrations (
+             version BIGINT PRIMARY KEY,
+             description VARCHAR(255) NOT NULL,
+             checksum VARBINARY(64) NOT NULL,
+             applied_at TIMESTAMP(3) NOT NULL DEFAULT CURRENT_TIMESTAMP(3)
+         ) ENGINE = InnoDB",
+    )
+    .await?;
+    let applied: Vec<(i64, Vec<u8>)> =
+        sqlx::query_as("SELECT version, checksum FROM idempotency_schema_migrations")
+            .fetch_all(&mut *conn)
+            .await?;
+    for m in MIGRATOR.iter() {
+        if m.migration_type.is_down_migration() {
+            continue;
+        }
+        match applied.iter().find(|(v, _)| *v == m.version) {
+            Some((_, sum)) if sum.as_slice() == &*m.checksum => continue,
+            Some(_) => {
+                return Err(sqlx::Error::Protocol(format!(
+                    "idempotency migration {} ({}) was changed after it was applied",
+                    m.version, m.description
+                )))
+            }
+            None => {}
+        }
+        for statement in split_statements(&m.sql) {
+            sqlx::raw_sql(statement).execute(&mut *conn).await?;
+        }
+        sqlx::query(
+            "INSERT INTO idempotency_schema_migrations (version, description, checksum) VALUES (?, ?, ?)",
+        )
+        .bind(m.version)
+        .bind(&*m.description)
+        .bind(&*m.checksum)
+        .execute(&mut *conn)
+        .await?;
+    }
+    Ok(())
+}
+
+/// Splits a migration on lines reading `-- @@statement`.
+fn split_statements(sql: &str) -> Vec<&str> {
+    let mut out = Vec::new();
+    let mut start = 0;
+    let mut offset = 0;
+    for line in sql.split_inclusive('\n') {
+        if line.trim() == "-- @@statement" {
+            out.push(&sql[start..offset]);
+            start = offset + line.len();
+        }
+        offset += line.len();
+    }
+    out.push(&sql[start..]);
+    out.into_iter().filter(|s| !s.trim().is_empty()).collect()
+}
+
+fn err(operation: &'static str) -> impl FnOnce(sqlx::Error) -> StoreError {
+    move |e| StoreError::new(STORE, operation, e)
+}
+
+fn text(bytes: Option<Vec<u8>>) -> Result<Option<String>, sqlx::Error> {
+    bytes
+        .map(|b| String::from_utf8(b).map_err(|e| sqlx::Error::Decode(Box::new(e))))
+        .transpose()
+}
+
+async fn reserve_with<'e, E: Executor<'e, Database = MySql>>(
+    executor: E,
+    request: ReserveRequest<'_>,
+    lock_wait_s: u64,
+    own_transaction: bool,
+) -> Result<Reservation, StoreError> {
+    let id = request.identity;
+    let row: MySqlRow = sqlx::query("CALL idempotency_reserve(?, ?, ?, ?, ?, ?, ?, ?, ?)")
+        .bind(id.tenant.as_bytes())
+        .bind(id.scope.as_bytes())
+        .bind(id.key.as_bytes())
+        .bind(request.fingerprint.map(|f| f.as_str().as_bytes()))
+        .bind(request.token.as_str().as_bytes())
+        .bind(duration_to_millis(request.lease))
+        .bind(duration_to_millis(request.ttl))
+        .bind(i64::try_from(lock_wait_s).unwrap_or(i64::MAX))
+        .bind(i8::from(own_transaction))
+        .fetch_one(executor)
+        .await
+        .map_err(err("reserve"))?;
+    decode_reservation(&row).map_err(err("reserve"))
+}
+
+/// Reads the procedure's answer by position: sqlx takes the column names of a
+/// prepared `CALL` from its (empty) prepare-time metadata, so names do not resolve.
+fn decode_reservation(row: &MySqlRow) -> Result<Reservation, sqlx::Error> {
+    let outcome = text(row.try_get_unchecked::<Option<Vec<u8>>, _>(0)?)?.unwrap_or_default();
+    let flag = |index: usize| -> Result<bool, sqlx::Error> {
+        Ok(row.try_get::<Option<i64>, _>(index)?.unwrap_or(0) != 0)
+    };
+    Ok(match outcome.as_str() {
+        "acquired" => Reservation::Acquired {
+            took_over: flag(1)?,
+        },
+        "completed" => Reservation::Completed(StoredOutcome {
+            is_error: flag(2)?,
+            payload: row
+                .try_get_unchecked::<Option<Vec<u8>>, _>(3)?
+                .unwrap_or_else(|| b"null".to_vec()),
+        }),
+        "in_progress" => Reservation::InProgress {
+            lease_remaining: millis_to_duration(row.try_get::<Option<i64>, _>(4)?.unwrap_or(0)),
+        },
+        "mismatch" => Reservation::FingerprintMismatch,
+        other => {
+            return Err(sqlx::Error::Protocol(format!(
+                "idempotency_reserve answered an unknown outcome `{other}`"
+            )))
+        }
+    })
+}
+
+async fn complete_with<'e, E: Executor<'e, Database = MySql>>(
+    executor: E,
+    identity: &Identity,
+    token: &OwnerToken,
+    outcome: &StoredOutcome,
+    ttl: Duration,
+) -> Result<bool, StoreError> {
+    let sql = format!(
+        "UPDATE idempotency_records SET state = 'complete', owner_token = NULL,
+                is_error = ?, result = ?, lease_expires_at = NULL,
+                expires_at = {NOW_MS} + ?, updated_at = {NOW_MS}
+          WHERE tenant = ? AND scope = ? AND `key` = ?
+            AND state = 'in_progress' AND owner_token = ?"
+    );
+    let done = sqlx::query(&sql)
+        .bind(outcome.is_error)
+        .bind(&outcome.payload)
+        .bind(duration_to_millis(ttl))
+        .bind(identity.tenant.as_bytes())
+        .bind(identity.scope.as_bytes())
+        .bind(identity.key.as_bytes())
+        .bind(token.as_str().as_bytes())
+        .execute(executor)
+        .await
+        .map_err(err("complete"))?;
+    // The connection reports rows *matched* (CLIENT_FOUND_ROWS), so an
+    // identical rewrite still counts as owning the record.
+    Ok(done.rows_affected() == 1)
+}
+
+async fn release_with<'e, E: Executor<'e, Database = MySql>>(
+    executor: E,
+    identity: &Identity,
+    token: &OwnerToken,
+) -> Result<bool, StoreError> {
+    let done = sqlx::query(
+        "DELETE FROM idempotency_records
+          WHERE tenant = ? AND scope = ? AND `key` = ?
+            AND state = 'in_progress' AND owner_token = ?",
+    )
+    .bind(identity.tenant.as_bytes())
+    .bind(identity.scope.as_bytes())
+    .bind(identity.key.as_bytes())
+    .bind(token.as_str().as_bytes())
+    .execute(executor)
+    .await
+    .map_err(err("release"))?;
+    Ok(done.rows_affected() == 1)
+}
+
+#[async_trait::async_trait]
+impl Store for MySqlStore {
+    fn name(&self) -> &'static str {
+        STORE
+    }
+
+    async fn reserve(&self, request: ReserveRequest<'_>) -> Result<Reservation, StoreError> {
+        reserve_with(&self.pool, request, 0, true).await
+    }
+
+    async fn complete(
+        &self,
+        identity: &Identity,
+        token: &OwnerToken,
+        outcome: &StoredOutcome,
+        ttl: Duration,
+    ) -> Result<bool, StoreError> {
+        complete_with(&self.pool, identity, token, outcome, ttl).await
+    }
+
+    async fn release(&self, identity: &Identity, token: &OwnerToken) -> Result<bool, StoreError> {
+        release_with(&self.pool, identity, token).await
+    }
+
+    async fn heartbeat(
+        &self,
+        identity: &Identity,
+        token: &OwnerToken,
+        lease: Duration,
+    ) -> Result<bool, StoreError> {
+        let sql = format!(
+            "UPDATE idempotency_records
+                SET lease_expires_at = {NOW_MS} + ?, updated_at = {NOW_MS}
+              WHERE tenant = ? AND scope = ? AND `key` = ?
+                AND state = 'in_progress' AND owner_token = ?"
+        );
+        let done = sqlx::query(&sql)
+            .bind(duration_to_millis(lease))
+            .bind(identity.tenant.as_bytes())
+            .bind(identity.scope.as_bytes())
+            .bind(identity.key.as_bytes())
+            .bind(token.as_str().as_bytes())
+            .execute(&self.pool)
+            .await
+            .map_err(err("heartbeat"))?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    fn release_detached(&self, identity: Identity, token: OwnerToken) {
+        let pool = self.pool.clone();
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            tracing::warn!(target: "idempotent", scope = %identity.scope, key = %identity.key_digest(),
+                "no Tokio runtime to release a dropped call's record; it stays until its lease expires");
+            return;
+        };
+        runtime.spawn(async move {
+            if let Err(e) = release_with(&pool, &identity, &token).await {
+                tracing::warn!(target: "idempotent", scope = %identity.scope, key = %identity.key_digest(), error = %e,
+                    "releasing a dropped call's record failed; it stays until its lease expires");
+            }
+        });
+    }
+
+    async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError> {
+        let sql = format!(
+            "DELETE FROM idempotency_records
+              WHERE expires_at <= {NOW_MS}
+                AND (state = 'complete' OR lease_expires_at <= {NOW_MS})
+              ORDER BY expires_at
+              LIMIT ?"
+        );
+        let done = sqlx::query(&sql)
+            .bind(i64::from(batch))
+            .execute(&self.pool)
+            .await
+            .map_err(err("purge expired records"))?;
+        Ok(done.rows_affected())
+    }
+
+    async fn fetch(&self, identity: &Identity) -> Result<Option<RecordSnapshot>, StoreError> {
+        let sql = format!(
+            "SELECT state, fingerprint, owner_token, is_error, result, lease_expires_at,
+                    expires_at, CAST({NOW_MS} AS SIGNED) AS now_ms
+               FROM idempotency_records WHERE tenant = ? AND scope = ? AND `key` = ?"
+        );
+        let row = sqlx::query(&sql)
+            .bind(identity.tenant.as_bytes())
+            .bind(identity.scope.as_bytes())
+            .bind(identity.key.as_bytes())
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(err("fetch"))?;
+        row.map(|row| snapshot(&row))
+            .transpose()
+            .map_err(err("fetch"))
+    }
+
+    async fn scope_stats(&self) -> Result<Vec<ScopeStats>, StoreError> {
+        let sql = format!(
+            "SELECT scope,
+                    CAST(SUM(NOT expired AND state = 'complete') AS SIGNED),
+                    CAST(SUM(NOT expired AND state = 'in_progress' AND lease_expires_at > now_ms) AS SIGNED),
+                    CAST(SUM(NOT expired AND state = 'in_progress' AND lease_expires_at <= now_ms) AS SIGNED),
+                    CAST(SUM(expired) AS SIGNED),
+                    MIN(created_at)
+               FROM (SELECT r.scope, r.state, r.lease_expires_at, r.created_at, n.now_ms,
+                            (r.expires_at <= n.now_ms
+                             AND (r.state = 'complete' OR r.lease_expires_at <= n.now_ms)) AS expired
+                       FROM idempotency_records r
+                       CROSS JOIN (SELECT CAST({NOW_MS} AS SIGNED) AS now_ms) n) s
+              GROUP BY scope ORDER BY scope"
+        );
+        type StatsRow = (Vec<u8>, i64, i64, i64, i64, Option<i64>);
+        let rows: Vec<StatsRow> = sqlx::query_as(&sql)
+            .fetch_all(&self.pool)
+            .await
+            .map_err(err("count records per scope"))?;
+        rows.into_iter()
+            .map(|(scope, complete, in_progress, stuck, expired, oldest)| {
+                Ok(ScopeStats {
+                    scope: text(Some(scope))?.unwrap_or_default(),
+                    complete: complete.max(0) as u64,
+                    in_progress: in_progress.max(0) as u64,
+                    stuck: stuck.max(0) as u64,
+                    expired: expired.max(0) as u64,
+                    oldest_created_at_ms: oldest,
+                })
+            })
+            .collect::<Result<_, sqlx::Error>>()
+            .map_err(err("count records per scope"))
+    }
+}
+
+fn snapshot(row: &MySqlRow) -> Result<RecordSnapshot, sqlx::Error> {
+    let state: String = row.try_get("state")?;
+    let state = RecordState::parse(&state)
+        .ok_or_else(|| sqlx::Error::Protocol(format!("unknown record state `{state}`")))?;
+    let result: Option<Vec<u8>> = row.try_get("result")?;
+    Ok(RecordSnapshot {
+        state,
+        fingerprint: text(row.try_get("fingerprint")?)?,
+        owner_token: text(row.try_get("owner_token")?)?,
+        outcome: match state {
+            RecordState::Complete => Some(StoredOutcome {
+                is_error: row.try_get::<bool, _>("is_error")?,
+                payload: result.unwrap_or_else(|| b"null".to_vec()),
+            }),
+            RecordState::InProgress => None,
+        },
+        lease_expires_at_ms: match state {
+            RecordState::InProgress => row.try_get("lease_expires_at")?,
+            RecordState::Complete => None,
+        },
+        expires_at_ms: row.try_get("expires_at")?,
+        now_ms: row.try_get("now_ms")?,
+    })
+}
+
+// ---------------------------------------------------------------- transactional mode
+
+/// `in_progress = wait(d)` as whole seconds of InnoDB lock wait, rounded down
+/// so the wait never passes its bound (the engine polls for the remainder).
+fn lock_wait_seconds(lock_wait: Duration) -> u64 {
+    lock_wait.as_secs()
+}
+
+/// Transactional mode on a MySQL/MariaDB connection: the reservation and the
+/// recorded result are statements in the connection's current transaction.
+///
+/// ```no_run
+/// use idempotent_runtime::transaction::TransactionalConnection;
+/// fn assert_tx<C: TransactionalConnection + ?Sized>() {}
+/// assert_tx::<sqlx::MySqlConnection>();
+/// assert_tx::<sqlx::Transaction<'static, sqlx::MySql>>();
+/// ```
+#[async_trait::async_trait]
+impl TransactionalConnection for sqlx::MySqlConnection {
+    async fn reserve_in_transaction(
+        &mut self,
+        request: ReserveRequest<'_>,
+        lock_wait: Duration,
+    ) -> Result<Reservation, StoreError> {
+        reserve_with(&mut *self, request, lock_wait_seconds(lock_wait), false).await
+    }
+
+    async fn complete_in_transaction(
+        &mut self,
+        identity: &Identity,
+        token: &OwnerToken,
+        outcome: &StoredOutcome,
+        ttl: Duration,
+    ) -> Result<bool, StoreError> {
+        complete_with(&mut *self, identity, token, outcome, ttl).await
+    }
+
+    async fn release_in_transaction(
+        &mut self,
+        identity: &Identity,
+        token: &OwnerToken,
+    ) -> Result<bool, StoreError> {
+        release_with(&mut *self, identity, token).await
+    }
+}
+
+#[async_trait::async_trait]
+impl TransactionalConnection for sqlx::Transaction<'_, MySql> {
+    async fn reserve_in_transaction(
+        &mut self,
+        request: ReserveRequest<'_>,
+        lock_wait: Duration,
+    ) -> Result<Reservation, StoreError> {
+        reserve_with(&mut **self, request, lock_wait_seconds(lock_wait), false).await
+    }
+
+    async fn complete_in_transaction(
+        &mut self,
+        identity: &Identity,
+        token: &OwnerToken,
+        outcome: &StoredOutcome,
+        ttl: Duration,
+    ) -> Result<bool, StoreError> {
+        complete_with(&mut **self, identity, token, outcome, ttl).await
+    }
+
+    async fn release_in_transaction(
+        &mut self,
+        identity: &Identity,
+        token: &OwnerToken,
+    ) -> Result<bool, StoreError> {
+        release_with(&mut **self, identity, token).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn splits_on_marker_lines_only() {
+        let sql = "-- says `-- @@statement` inline\nA;\n-- @@statement\nB\n-- @@statement\n";
+        assert_eq!(
+            super::split_statements(sql),
+            vec!["-- says `-- @@statement` inline\nA;\n", "B\n"]
+        );
+    }
+}

@@ -1,0 +1,516 @@
+//! [`PgStore`]: records in a PostgreSQL table shared by every instance of a service.
+//!
+//! # Schema
+//!
+//! One table, `idempotency_records`, with the primary key (tenant, scope, key)
+//! and an index on `expires_at` that makes purging cheap. Tenant, scope and
+//! key are `TEXT COLLATE "C"` (compared byte for byte); the recorded result is
+//! `BYTEA`. Times are `BIGINT` milliseconds since the epoch computed by the
+//! database with `clock_timestamp()` (not `now()`, which is frozen at the start
+//! of a transaction). The migrations in `migrations/postgres` are embedded in
+//! the binary and applied when a store opens, under a transaction-level
+//! advisory lock, so many processes may open at once. They are recorded in
+//! their own table, `idempotency_schema_migrations`, so they never mix with an
+//! application's own `_sqlx_migrations`.
+//!
+//! # Round trips
+//!
+//! * `reserve`: one statement, `SELECT … FROM idempotency_reserve(…)`, a
+//!   plpgsql function that answers every case (acquire, replace an expired
+//!   record, take over an expired lease, replay, in progress, mismatch).
+//! * `complete`, `release`, `heartbeat`: one `UPDATE`/`DELETE` each, fenced by
+//!   the owner token.
+//!
+//! # Rows held by other transactions
+//!
+//! In transactional mode a reservation is an uncommitted row locked by its
+//! owner's transaction. A reservation made through the store waits at most
+//! [`PgStore::lock_wait`] (100 ms unless set with [`PgStore::with_lock_wait`])
+//! for such a row and then answers `InProgress`; the engine's in-progress
+//! policy decides whether to poll again.
+
+use super::*;
+use crate::error::Error;
+use crate::transaction::TransactionalConnection;
+use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions, PgRow};
+use sqlx::{Executor, Postgres, Row};
+use std::str::FromStr;
+
+const STORE: &str = "postgres";
+/// How long `connect` and every statement wait for a pooled connection.
+pub const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(5);
+const DEFAULT_LOCK_WAIT: Duration = Duration::from_millis(100);
+/// `pg_advisory_xact_lock` key held while migrations run ("idempotnt").
+const MIGRATION_LOCK: i64 = 0x6964_656d_706f_746e;
+
+static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("migrations/postgres");
+
+/// A store in PostgreSQL: many instances of a service share one database.
+/// Cloning gives another handle to the same pool.
+///
+/// ```no_run
+/// use idempotent_runtime::{set_default_store, PgStore};
+/// # #[tokio::main] async fn main() -> Result<(), idempotent_runtime::Error> {
+/// let store = PgStore::connect("postgres://postgres@127.0.0.1:5432/app").await?;
+/// set_default_store(store);
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone)]
+pub struct PgStore {
+    pool: PgPool,
+    lock_wait: Duration,
+}
+
+impl PgStore {
+    /// Connects (waiting at most [`ACQUIRE_TIMEOUT`], 5 s, for the server) and
+    /// applies the migrations. A server that is down or unreachable gives an
+    /// `Error::Store` naming the host and port, never a hang.
+    ///
+    /// ```no_run
+    /// # #[tokio::main] async fn main() -> Result<(), idempotent_runtime::Error> {
+    /// let store = idempotent_runtime::PgStore::connect("postgres://postgres@127.0.0.1/app").await?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn connect(url: &str) -> Result<Self, Error> {
+        let options = PgConnectOptions::from_str(url)
+            .map_err(|e| StoreError::new(STORE, "connect", format!("bad database URL: {e}")))?;
+        let (host, port) = (options.get_host().to_owned(), options.get_port());
+        let pool = PgPoolOptions::new()
+            .max_connections(16)
+            .acquire_timeout(ACQUIRE_TIMEOUT)
+            .connect_with(options)
+            .await
+            .map_err(|e| {
+                StoreError::new(
+                    STORE,
+                    "connect",
+                    format!(
+                        "could not connect to the PostgreSQL server at {host}:{port} \
+                         within {ACQUIRE_TIMEOUT:?}: {e}"
+                    ),
+                )
+            })?;
+        Self::from_pool(pool).await
+    }
+
+    /// Uses an existing pool (the application's own) and applies the migrations.
+    /// Give the pool an `acquire_timeout` so a stopped server fails fast.
+    ///
+    /// ```no_run
+    /// # #[tokio::main] async fn main() -> Result<(), idempotent_runtime::Error> {
+    /// let pool = sqlx::PgPool::connect("postgres://postgres@127.0.0.1/app").await.unwrap();
+    /// let store = idempotent_runtime::PgStore::from_pool(pool).await?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn from_pool(pool: PgPool) -> Result<Self, Error> {
+        migrate(&pool)
+            .await
+            .map_err(|e| StoreError::new(STORE, "migrate", e))?;
+        Ok(PgStore {
+            pool,
+            lock_wait: DEFAULT_LOCK_WAIT,
+        })
+    }
+
+    /// Sets how long a reservation made through the store waits for a row
+    /// locked by another transaction before answering `InProgress` (default 100 ms).
+    ///
+    /// ```no_run
+    /// # async fn f(store: idempotent_runtime::PgStore) {
+    /// let store = store.with_lock_wait(std::time::Duration::from_millis(20));
+    /// # }
+    /// ```
+    pub fn with_lock_wait(mut self, lock_wait: Duration) -> Self {
+        self.lock_wait = lock_wait;
+        self
+    }
+
+    /// How long a reservation waits for a row locked by another transaction.
+    pub fn lock_wait(&self) -> Duration {
+        self.lock_wait
+    }
+
+    /// The pool the store uses.
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+}
+
+/// Applies the embedded migrations once, under an advisory lock, recording
+/// them in `idempotency_schema_migrations`.
+async fn migrate(pool: &PgPool) -> Result<(), sqlx::Error> {
+    let mut tx = pool.begin().await?;
+    sqlx::query("SELECT pg_advisory_xact_lock($1)")
+        .bind(MIGRATION_LOCK)
+        .execute(&mut *tx)
+        .await?;
+    tx.execute(
+        "CREATE TABLE IF NOT EXISTS idempotency_schema_migrations (
+             version BIGINT PRIMARY KEY,
+             description TEXT NOT NULL,
+             checksum BYTEA NOT NULL,
+             applied_at TIMESTAMPTZ NOT NULL DEFAULT clock_timestamp())",
+    )
+    .await?;
+    let applied: Vec<(i64, Vec<u8>)> =
+        sqlx::query_as("SELECT version, checksum FROM idempotency_schema_migrations")
+            .fetch_all(&mut *tx)
+            .await?;
+    for m in MIGRATOR.iter() {
+        if m.migration_type.is_down_migration() {
+            continue;
+        }
+        match applied.iter().find(|(v, _)| *v == m.version) {
+            Some((_, sum)) if sum.as_slice() == &*m.checksum => continue,
+            Some(_) => {
+                return Err(sqlx::Error::Protocol(format!(
+                    "idempotency migration {} ({}) was changed after it was applied",
+                    m.version, m.description
+                )))
+            }
+            None => {}
+        }
+        sqlx::raw_sql(&m.sql).execute(&mut *tx).await?;
+        sqlx::query(
+            "INSERT INTO idempotency_schema_migrations (version, description, checksum) VALUES ($1, $2, $3)",
+        )
+        .bind(m.version)
+        .bind(&*m.description)
+        .bind(&*m.checksum)
+        .execute(&mut *tx)
+        .await?;
+    }
+    tx.commit().await
+}
+
+fn err(operation: &'static str) -> impl FnOnce(sqlx::Error) -> StoreError {
+    move |e| StoreError::new(STORE, operation, e)
+}
+
+fn millis_i64(d: Duration) -> i64 {
+    duration_to_millis(d)
+}
+
+const RESERVE_SQL: &str = "SELECT outcome, took_over, is_error, result, lease_remaining_ms \
+     FROM idempotency_reserve($1, $2, $3, $4, $5, $6, $7, $8)";
+
+async fn reserve_with<'e, E: Executor<'e, Database = Postgres>>(
+    executor: E,
+    request: ReserveRequest<'_>,
+    lock_wait: Duration,
+) -> Result<Reservation, StoreError> {
+    let id = request.identity;
+    let row: PgRow = sqlx::query(RESERVE_SQL)
+        .bind(&id.tenant)
+        .bind(&id.scope)
+        .bind(&id.key)
+        .bind(request.fingerprint.map(Fingerprint::as_str))
+        .bind(request.token.as_str())
+        .bind(millis_i64(request.lease))
+        .bind(millis_i64(request.ttl))
+        .bind(millis_i64(lock_wait))
+        .fetch_one(executor)
+        .await
+        .map_err(err("reserve"))?;
+    decode_reservation(&row).map_err(err("reserve"))
+}
+
+fn decode_reservation(row: &PgRow) -> Result<Reservation, sqlx::Error> {
+    let outcome: String = row.try_get("outcome")?;
+    Ok(match outcome.as_str() {
+        "acquired" => Reservation::Acquired {
+            took_over: row
+                .try_get::<Option<bool>, _>("took_over")?
+                .unwrap_or(false),
+        },
+        "completed" => Reservation::Completed(StoredOutcome {
+            is_error: row.try_get::<Option<bool>, _>("is_error")?.unwrap_or(false),
+            payload: row
+                .try_get::<Option<Vec<u8>>, _>("result")?
+                .unwrap_or_else(|| b"null".to_vec()),
+        }),
+        "in_progress" => Reservation::InProgress {
+            lease_remaining: millis_to_duration(
+                row.try_get::<Option<i64>, _>("lease_remaining_ms")?
+                    .unwrap_or(0),
+            ),
+        },
+        "mismatch" => Reservation::FingerprintMismatch,
+        other => {
+            return Err(sqlx::Error::Protocol(format!(
+                "idempotency_reserve answered an unknown outcome `{other}`"
+            )))
+        }
+    })
+}
+
+async fn complete_with<'e, E: Executor<'e, Database = Postgres>>(
+    executor: E,
+    identity: &Identity,
+    token: &OwnerToken,
+    outcome: &StoredOutcome,
+    ttl: Duration,
+) -> Result<bool, StoreError> {
+    let done = sqlx::query(
+        "UPDATE idempotency_records SET state = 'complete', owner_token = NULL,
+                is_error = $5, result = $6, lease_expires_at = NULL,
+                expires_at = idempotency_now_ms() + $7, updated_at = idempotency_now_ms()
+          WHERE tenant = $1 AND scope = $2 AND key = $3
+            AND state = 'in_progress' AND owner_token = $4",
+    )
+    .bind(&identity.tenant)
+    .bind(&identity.scope)
+    .bind(&identity.key)
+    .bind(token.as_str())
+    .bind(outcome.is_error)
+    .bind(&outcome.payload)
+    .bind(millis_i64(ttl))
+    .execute(executor)
+    .await
+    .map_err(err("complete"))?;
+    Ok(done.rows_affected() == 1)
+}
+
+async fn release_with<'e, E: Executor<'e, Database = Postgres>>(
+    executor: E,
+    identity: &Identity,
+    token: &OwnerToken,
+) -> Result<bool, StoreError> {
+    let done = sqlx::query(
+        "DELETE FROM idempotency_records
+          WHERE tenant = $1 AND scope = $2 AND key = $3
+            AND state = 'in_progress' AND owner_token = $4",
+    )
+    .bind(&identity.tenant)
+    .bind(&identity.scope)
+    .bind(&identity.key)
+    .bind(token.as_str())
+    .execute(executor)
+    .await
+    .map_err(err("release"))?;
+    Ok(done.rows_affected() == 1)
+}
+
+#[async_trait::async_trait]
+impl Store for PgStore {
+    fn name(&self) -> &'static str {
+        STORE
+    }
+
+    async fn reserve(&self, request: ReserveRequest<'_>) -> Result<Reservation, StoreError> {
+        reserve_with(&self.pool, request, self.lock_wait).await
+    }
+
+    async fn complete(
+        &self,
+        identity: &Identity,
+        token: &OwnerToken,
+        outcome: &StoredOutcome,
+        ttl: Duration,
+    ) -> Result<bool, StoreError> {
+        complete_with(&self.pool, identity, token, outcome, ttl).await
+    }
+
+    async fn release(&self, identity: &Identity, token: &OwnerToken) -> Result<bool, StoreError> {
+        release_with(&self.pool, identity, token).await
+    }
+
+    async fn heartbeat(
+        &self,
+        identity: &Identity,
+        token: &OwnerToken,
+        lease: Duration,
+    ) -> Result<bool, StoreError> {
+        let done = sqlx::query(
+            "UPDATE idempotency_records
+                SET lease_expires_at = idempotency_now_ms() + $5, updated_at = idempotency_now_ms()
+              WHERE tenant = $1 AND scope = $2 AND key = $3
+                AND state = 'in_progress' AND owner_token = $4",
+        )
+        .bind(&identity.tenant)
+        .bind(&identity.scope)
+        .bind(&identity.key)
+        .bind(token.as_str())
+        .bind(millis_i64(lease))
+        .execute(&self.pool)
+        .await
+        .map_err(err("heartbeat"))?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    fn release_detached(&self, identity: Identity, token: OwnerToken) {
+        let pool = self.pool.clone();
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            tracing::warn!(target: "idempotent", scope = %identity.scope, key = %identity.key_digest(),
+                "no Tokio runtime to release a dropped call's record; it stays until its lease expires");
+            return;
+        };
+        runtime.spawn(async move {
+            if let Err(e) = release_with(&pool, &identity, &token).await {
+                tracing::warn!(target: "idempotent", scope = %identity.scope, key = %identity.key_digest(), error = %e,
+                    "releasing a dropped call's record failed; it stays until its lease expires");
+            }
+        });
+    }
+
+    async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError> {
+        let done = sqlx::query(
+            "DELETE FROM idempotency_records WHERE ctid IN (
+                 SELECT ctid FROM idempotency_records
+                  WHERE expires_at <= idempotency_now_ms()
+                    AND (state = 'complete' OR lease_expires_at <= idempotency_now_ms())
+                  ORDER BY expires_at
+                  LIMIT $1
+                  FOR UPDATE SKIP LOCKED)",
+        )
+        .bind(i64::from(batch))
+        .execute(&self.pool)
+        .await
+        .map_err(err("purge expired records"))?;
+        Ok(done.rows_affected())
+    }
+
+    async fn fetch(&self, identity: &Identity) -> Result<Option<RecordSnapshot>, StoreError> {
+        let row = sqlx::query(
+            "SELECT state, fingerprint, owner_token, is_error, result, lease_expires_at,
+                    expires_at, idempotency_now_ms() AS now_ms
+               FROM idempotency_records WHERE tenant = $1 AND scope = $2 AND key = $3",
+        )
+        .bind(&identity.tenant)
+        .bind(&identity.scope)
+        .bind(&identity.key)
+        .fetch_optional(&self.pool)
+        .await
+        .map_err(err("fetch"))?;
+        row.map(|row| snapshot(&row))
+            .transpose()
+            .map_err(err("fetch"))
+    }
+
+    async fn scope_stats(&self) -> Result<Vec<ScopeStats>, StoreError> {
+        let rows: Vec<(String, i64, i64, i64, i64, Option<i64>)> = sqlx::query_as(
+            "WITH n AS (SELECT idempotency_now_ms() AS now_ms)
+             SELECT scope,
+                    count(*) FILTER (WHERE NOT expired AND state = 'complete'),
+                    count(*) FILTER (WHERE NOT expired AND state = 'in_progress' AND lease_expires_at > now_ms),
+                    count(*) FILTER (WHERE NOT expired AND state = 'in_progress' AND lease_expires_at <= now_ms),
+                    count(*) FILTER (WHERE expired),
+                    min(created_at)
+               FROM (SELECT r.*, n.now_ms,
+                            (r.expires_at <= n.now_ms
+                             AND (r.state = 'complete' OR r.lease_expires_at <= n.now_ms)) AS expired
+                       FROM idempotency_records r CROSS JOIN n) s
+              GROUP BY scope ORDER BY scope",
+        )
+        .fetch_all(&self.pool)
+        .await
+        .map_err(err("count records per scope"))?;
+        Ok(rows
+            .into_iter()
+            .map(
+                |(scope, complete, in_progress, stuck, expired, oldest)| ScopeStats {
+                    scope,
+                    complete: complete.max(0) as u64,
+                    in_progress: in_progress.max(0) as u64,
+                    stuck: stuck.max(0) as u64,
+                    expired: expired.max(0) as u64,
+                    oldest_created_at_ms: oldest,
+                },
+            )
+            .collect())
+    }
+}
+
+fn snapshot(row: &PgRow) -> Result<RecordSnapshot, sqlx::Error> {
+    let state: String = row.try_get("state")?;
+    let state = RecordState::parse(&state)
+        .ok_or_else(|| sqlx::Error::Protocol(format!("unknown record state `{state}`")))?;
+    let result: Option<Vec<u8>> = row.try_get("result")?;
+    Ok(RecordSnapshot {
+        state,
+        fingerprint: row.try_get("fingerprint")?,
+        owner_token: row.try_get("owner_token")?,
+        outcome: match state {
+            RecordState::Complete => Some(StoredOutcome {
+                is_error: row.try_get("is_error")?,
+                payload: result.unwrap_or_else(|| b"null".to_vec()),
+            }),
+            RecordState::InProgress => None,
+        },
+        lease_expires_at_ms: match state {
+            RecordState::InProgress => row.try_get("lease_expires_at")?,
+            RecordState::Complete => None,
+        },
+        expires_at_ms: row.try_get("expires_at")?,
+        now_ms: row.try_get("now_ms")?,
+    })
+}
+
+// ---------------------------------------------------------------- transactional mode
+
+/// Transactional mode on a PostgreSQL connection: the reservation and the
+/// recorded result are statements in whatever transaction the connection is in.
+///
+/// ```no_run
+/// use idempotent_runtime::transaction::TransactionalConnection;
+/// fn assert_tx<C: TransactionalConnection + ?Sized>() {}
+/// assert_tx::<sqlx::PgConnection>();
+/// assert_tx::<sqlx::Transaction<'static, sqlx::Postgres>>();
+/// ```
+#[async_trait::async_trait]
+impl TransactionalConnection for sqlx::PgConnection {
+    async fn reserve_in_transaction(
+        &mut self,
+        request: ReserveRequest<'_>,
+        lock_wait: Duration,
+    ) -> Result<Reservation, StoreError> {
+        reserve_with(&mut *self, request, lock_wait).await
+    }
+
+    async fn complete_in_transaction(
+        &mut self,
+        identity: &Identity,
+        token: &OwnerToken,
+        outcome: &StoredOutcome,
+        ttl: Duration,
+    ) -> Result<bool, StoreError> {
+        complete_with(&mut *self, identity, token, outcome, ttl).await
+    }
+
+    async fn release_in_transaction(
+        &mut self,
+        identity: &Identity,
+        token: &OwnerToken,
+    ) -> Result<bool, StoreError> {
+        release_with(&mut *self, identity, token).await
+    }
+}
+
+#[async_trait::async_trait]
+impl TransactionalConnection for sqlx::Transaction<'_, Postgres> {
+    async fn reserve_in_transaction(
+        &mut self,
+        request: ReserveRequest<'_>,
+        lock_wait: Duration,
+    ) -> Result<Reservation, StoreError> {
+        reserve_with(&mut **self, request, lock_wait).await
+    }
+
+    async fn complete_in_transaction(
+        &mut self,
+        identity: &Identity,
+        token: &OwnerToken,
+        outcome: &StoredOutcome,
+        ttl: Duration,
+    ) -> Result<bool, StoreError> {
+        complete_with(&mut **self, identity, token, outcome, ttl).await
+    }
+
+    async fn release_in_transaction(
+        &mut self,
+        identity: &Identity,
+        token: &OwnerToken,
+    ) -> Result<bool, StoreError> {
+        release_with(&mut **self, identity, token).await
+    }
+}
