@@ -1,0 +1,71 @@
+//! Reaching the PostgreSQL and MariaDB/MySQL servers the tests run against.
+//!
+//! URLs come from `IDEMPOTENT_PG_URL` / `IDEMPOTENT_MYSQL_URL`, defaulting to
+//! the local servers. An unreachable server fails the test when
+//! `IDEMPOTENT_REQUIRE_SERVERS=1` (CI); otherwise the test prints a loud
+//! SKIPPED line and passes.
+#![allow(dead_code)]
+
+use idempotent_runtime::{MySqlStore, PgStore};
+
+/// The default PostgreSQL URL of the development machines.
+pub const DEFAULT_PG_URL: &str = "postgres://postgres@127.0.0.1:5432/test";
+/// The default MariaDB URL of the development machines.
+pub const DEFAULT_MYSQL_URL: &str = "mysql://root@127.0.0.1:3306/test";
+
+/// The PostgreSQL URL the tests use.
+pub fn pg_url() -> String {
+    std::env::var("IDEMPOTENT_PG_URL").unwrap_or_else(|_| DEFAULT_PG_URL.to_owned())
+}
+
+/// The MySQL/MariaDB URL the tests use.
+pub fn mysql_url() -> String {
+    std::env::var("IDEMPOTENT_MYSQL_URL").unwrap_or_else(|_| DEFAULT_MYSQL_URL.to_owned())
+}
+
+/// Whether an unreachable server must fail the run.
+pub fn servers_required() -> bool {
+    std::env::var("IDEMPOTENT_REQUIRE_SERVERS").is_ok_and(|v| v == "1")
+}
+
+fn unreachable(what: &str, env: &str, url: &str, error: &dyn std::fmt::Display) {
+    if servers_required() {
+        panic!(
+            "{what} is unreachable at {url} ({error}); IDEMPOTENT_REQUIRE_SERVERS=1, so this fails. \
+             Start the server or point {env} at one."
+        );
+    }
+    eprintln!(
+        "\n!!!!!!!! SKIPPED: {what} is unreachable at {url} ({error}); set {env} or start the server. \
+         (Set IDEMPOTENT_REQUIRE_SERVERS=1 to make this a failure.)\n"
+    );
+}
+
+/// A `PgStore` on the test server, or `None` (after a loud SKIPPED line).
+pub async fn pg_store_or_skip() -> Option<PgStore> {
+    let url = pg_url();
+    match PgStore::connect(&url).await {
+        Ok(store) => Some(store),
+        Err(e) => {
+            unreachable("PostgreSQL", "IDEMPOTENT_PG_URL", &url, &e);
+            None
+        }
+    }
+}
+
+/// A `MySqlStore` on the test server, or `None` (after a loud SKIPPED line).
+pub async fn mysql_store_or_skip() -> Option<MySqlStore> {
+    let url = mysql_url();
+    match MySqlStore::connect(&url).await {
+        Ok(store) => Some(store),
+        Err(e) => {
+            unreachable("MySQL/MariaDB", "IDEMPOTENT_MYSQL_URL", &url, &e);
+            None
+        }
+    }
+}
+
+/// A fresh tenant no other test (or earlier run) uses.
+pub fn fresh_tenant() -> String {
+    format!("t-{}", uuid::Uuid::new_v4())
+}
