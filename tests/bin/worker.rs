@@ -1,0 +1,245 @@
+//! A test worker: one OS process making one idempotent call against a shared
+//! PostgreSQL or MariaDB database. The multi-process and crash tests start
+//! many of these at once and count the side effects their bodies wrote.
+//!
+//! ```text
+//! idempotent-worker <pg|mysql> <url> <mode> <tenant> <key> <start_at_ms>
+//! ```
+//!
+//! Every worker connects first, then waits until the wall clock reaches
+//! `start_at_ms` (the start barrier), then calls. It prints one line:
+//! `executed <pid>`, `replayed <pid-of-the-executor>`, `in_progress`, or
+//! `error <message>`.
+//!
+//! Modes:
+//! * `once`: a body that writes a side-effect row and sleeps 300 ms (lease 30 s, wait up to 60 s).
+//! * `hold`: lease 2 s; the body writes a side-effect row, prints `holding`, and
+//!   sleeps for 10 minutes: the test kills it with SIGKILL.
+//! * `takeover`: the same scope as `hold`; a short body, waiting up to 60 s.
+//! * `tx-crash`: transactional mode; the body writes a business row in the
+//!   caller's transaction, the result is recorded in it, then the worker prints
+//!   `before-commit` and sleeps until killed (the commit never happens).
+
+use idempotent_runtime::__private::{
+    begin_in_transaction, finish_in_transaction, ReleaseErrors, TransactionStep, TransactionalCall,
+};
+use idempotent_runtime::registry::{ErrorPolicy, InProgressPolicy, ScopeInfo};
+use idempotent_runtime::{
+    idempotent, with_outcome, Error, Identity, MySqlStore, Outcome, PgStore, Store,
+};
+use serde::{Deserialize, Serialize};
+use std::io::Write;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct Done {
+    pid: u32,
+}
+
+#[derive(Clone)]
+enum Db {
+    Pg(sqlx::PgPool),
+    My(sqlx::MySqlPool),
+}
+
+impl Db {
+    async fn side_effect(&self, tenant: &str, key: &str, note: &str) -> Result<(), Error> {
+        let pid = i64::from(std::process::id());
+        let result = match self {
+            Db::Pg(p) => sqlx::query(
+                "INSERT INTO idempotent_test_side_effects (tenant, idem_key, pid, note) VALUES ($1, $2, $3, $4)",
+            )
+            .bind(tenant)
+            .bind(key)
+            .bind(pid)
+            .bind(note)
+            .execute(p)
+            .await
+            .map(drop),
+            Db::My(p) => sqlx::query(
+                "INSERT INTO idempotent_test_side_effects (tenant, idem_key, pid, note) VALUES (?, ?, ?, ?)",
+            )
+            .bind(tenant)
+            .bind(key)
+            .bind(pid)
+            .bind(note)
+            .execute(p)
+            .await
+            .map(drop),
+        };
+        result.map_err(|e| idempotent_runtime::StoreError::new("test", "side effect", e).into())
+    }
+}
+
+#[idempotent(scope = "worker.once", key = key, tenant = tenant, store = store, skip(db),
+             lease = "30s", in_progress = wait("60s"))]
+async fn once(store: &dyn Store, db: &Db, tenant: &str, key: &str) -> Result<Done, Error> {
+    db.side_effect(tenant, key, "once").await?;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    Ok(Done {
+        pid: std::process::id(),
+    })
+}
+
+#[idempotent(scope = "worker.crash", key = key, tenant = tenant, store = store, skip(db, hold),
+             lease = "2s", in_progress = wait("60s"))]
+async fn crashable(
+    store: &dyn Store,
+    db: &Db,
+    tenant: &str,
+    key: &str,
+    hold: bool,
+) -> Result<Done, Error> {
+    db.side_effect(tenant, key, if hold { "hold" } else { "takeover" })
+        .await?;
+    if hold {
+        println!("holding");
+        let _ = std::io::stdout().flush();
+        tokio::time::sleep(Duration::from_secs(600)).await;
+    }
+    Ok(Done {
+        pid: std::process::id(),
+    })
+}
+
+static TX_SPEC: ScopeInfo = ScopeInfo::__new(
+    "worker.tx",
+    "idempotent_worker::tx_crash",
+    file!(),
+    line!(),
+    Duration::from_secs(3600),
+    Duration::from_secs(30),
+    InProgressPolicy::Wait(Duration::from_secs(5)),
+    ErrorPolicy::Release,
+    true,
+    false,
+    &[],
+    false,
+);
+
+/// Transactional mode, crashing between the body and the commit.
+async fn tx_crash(db: &Db, tenant: &str, key: &str) -> Result<(), String> {
+    let call = || TransactionalCall {
+        spec: &TX_SPEC,
+        identity: Identity::new(tenant, TX_SPEC.scope, key),
+        fingerprint: Ok(None),
+    };
+    let pid = std::process::id();
+    let done = Ok::<_, Error>(Done { pid });
+    match db {
+        Db::Pg(pool) => {
+            let mut tx = pool.begin().await.map_err(|e| e.to_string())?;
+            let step: TransactionStep<Result<Done, Error>> =
+                begin_in_transaction(call(), &ReleaseErrors, &mut tx).await;
+            let TransactionStep::Run(held) = step else {
+                return Err("the reservation was not acquired".into());
+            };
+            sqlx::query(
+                "INSERT INTO idempotent_test_charges (tenant, idem_key, amount) VALUES ($1, $2, 1)",
+            )
+            .bind(tenant)
+            .bind(key)
+            .execute(&mut *tx)
+            .await
+            .map_err(|e| e.to_string())?;
+            finish_in_transaction(held, &ReleaseErrors, &mut tx, done)
+                .await
+                .map_err(|e| e.to_string())?;
+            println!("before-commit");
+            let _ = std::io::stdout().flush();
+            tokio::time::sleep(Duration::from_secs(600)).await;
+            tx.commit().await.map_err(|e| e.to_string())
+        }
+        Db::My(pool) => {
+            let mut tx = pool.begin().await.map_err(|e| e.to_string())?;
+            let step: TransactionStep<Result<Done, Error>> =
+                begin_in_transaction(call(), &ReleaseErrors, &mut tx).await;
+            let TransactionStep::Run(held) = step else {
+                return Err("the reservation was not acquired".into());
+            };
+            sqlx::query(
+                "INSERT INTO idempotent_test_charges (tenant, idem_key, amount) VALUES (?, ?, 1)",
+            )
+            .bind(tenant)
+            .bind(key)
+            .execute(&mut *tx)
+            .await
+            .map_err(|e| e.to_string())?;
+            finish_in_transaction(held, &ReleaseErrors, &mut tx, done)
+                .await
+                .map_err(|e| e.to_string())?;
+            println!("before-commit");
+            let _ = std::io::stdout().flush();
+            tokio::time::sleep(Duration::from_secs(600)).await;
+            tx.commit().await.map_err(|e| e.to_string())
+        }
+    }
+}
+
+fn report(result: Result<Done, Error>, outcome: Option<Outcome>) {
+    match (result, outcome) {
+        (Ok(d), Some(Outcome::Replayed)) => println!("replayed {}", d.pid),
+        (Ok(d), _) => println!("executed {}", d.pid),
+        (Err(Error::InProgress { .. }), _) => println!("in_progress"),
+        (Err(e), _) => println!("error {e}"),
+    }
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let [_, backend, url, mode, tenant, key, start_at] = &args[..] else {
+        eprintln!("usage: idempotent-worker <pg|mysql> <url> <mode> <tenant> <key> <start_at_ms>");
+        std::process::exit(2);
+    };
+    let start_at: u64 = start_at.parse().unwrap_or(0);
+    let (store, db): (Box<dyn Store>, Db) = match backend.as_str() {
+        "pg" => match PgStore::connect(url).await {
+            Ok(s) => {
+                let pool = s.pool().clone();
+                (Box::new(s), Db::Pg(pool))
+            }
+            Err(e) => {
+                println!("error {e}");
+                std::process::exit(1);
+            }
+        },
+        _ => match MySqlStore::connect(url).await {
+            Ok(s) => {
+                let pool = s.pool().clone();
+                (Box::new(s), Db::My(pool))
+            }
+            Err(e) => {
+                println!("error {e}");
+                std::process::exit(1);
+            }
+        },
+    };
+    // The start barrier: every worker calls at the same wall-clock instant.
+    let now_ms = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0);
+    if start_at > now_ms {
+        tokio::time::sleep(Duration::from_millis((start_at - now_ms).min(60_000))).await;
+    }
+    match mode.as_str() {
+        "once" => {
+            let (r, o) = with_outcome(once(&*store, &db, tenant, key)).await;
+            report(r, o);
+        }
+        "hold" | "takeover" => {
+            let (r, o) = with_outcome(crashable(&*store, &db, tenant, key, mode == "hold")).await;
+            report(r, o);
+        }
+        "tx-crash" => {
+            if let Err(e) = tx_crash(&db, tenant, key).await {
+                println!("error {e}");
+            }
+        }
+        other => {
+            println!("error unknown mode {other}");
+            std::process::exit(2);
+        }
+    }
+}
