@@ -1,0 +1,1050 @@
+//! The store conformance suite: every store-level rule of the behaviour
+//! contract (DESIGN.md §4), checked against the [`Store`] trait alone.
+//!
+//! A test file runs it against one store with
+//!
+//! ```ignore
+//! mod conformance;
+//! store_conformance_tests!(async { Some(MyStore::connect(url).await.unwrap()) });
+//! ```
+//!
+//! The factory is an `async` block giving `Option<S>` for some
+//! `S: Store + Clone + 'static`; `None` means the store's server is
+//! unreachable, and each test then prints a loud `SKIPPED:` line and returns.
+//!
+//! The suite runs unchanged against a database shared with other tests running
+//! in parallel and with earlier runs: every test works under its own random
+//! tenant (and, where it counts per scope, its own random scope), asserts only
+//! on its own identities, and never on global counts. Expiry is tested with
+//! short leases and ttls and real sleeps with wide margins; nothing asserts how
+//! long an operation took.
+
+#![allow(dead_code)]
+
+use idempotent_runtime::{
+    Fingerprint, Identity, OwnerToken, RecordSnapshot, RecordState, Reservation, ReserveRequest,
+    Store, StoredOutcome,
+};
+use std::time::Duration;
+
+/// A lease or ttl meant to run out during the test.
+pub const SHORT: Duration = Duration::from_millis(250);
+/// How long to sleep for a [`SHORT`] lease or ttl to have run out, with margin.
+pub const PAST_SHORT: Duration = Duration::from_millis(700);
+/// A lease or ttl that must not run out during the test.
+pub const LONG: Duration = Duration::from_secs(300);
+
+/// Concurrent tasks per round in the atomicity tests.
+pub const TASKS: usize = 50;
+/// Rounds in the atomicity tests.
+pub const ROUNDS: usize = 12;
+
+/// Prints the loud line a skipped test leaves in the output.
+pub fn skipped(test: &str) {
+    let line = format!(
+        "SKIPPED: store conformance test `{test}` did not run: the store factory returned None \
+         (its database server is unreachable)"
+    );
+    println!("{line}");
+    eprintln!("{line}");
+}
+
+/// A tenant no other test (or earlier run) uses.
+pub fn fresh_tenant() -> String {
+    format!("conf-{}", uuid::Uuid::new_v4().simple())
+}
+
+/// A scope no other test (or earlier run) uses.
+pub fn fresh_scope(prefix: &str) -> String {
+    format!("{prefix}.{}", uuid::Uuid::new_v4().simple())
+}
+
+pub fn id(tenant: &str, scope: &str, key: &str) -> Identity {
+    Identity::new(tenant, scope, key).expect("a valid identity")
+}
+
+pub fn fp(value: &str) -> Fingerprint {
+    Fingerprint::of(value).expect("a string fingerprints")
+}
+
+pub fn ok(payload: &[u8]) -> StoredOutcome {
+    StoredOutcome {
+        is_error: false,
+        payload: payload.to_vec(),
+    }
+}
+
+pub async fn reserve<S: Store + ?Sized>(
+    store: &S,
+    identity: &Identity,
+    fingerprint: Option<&Fingerprint>,
+    token: &OwnerToken,
+    lease: Duration,
+    ttl: Duration,
+) -> Reservation {
+    store
+        .reserve(ReserveRequest {
+            identity,
+            fingerprint,
+            token,
+            lease,
+            ttl,
+        })
+        .await
+        .expect("reserve succeeds")
+}
+
+/// Reserves a free identity and asserts a fresh acquire; returns the owner's token.
+pub async fn acquire<S: Store + ?Sized>(
+    store: &S,
+    identity: &Identity,
+    fingerprint: Option<&Fingerprint>,
+    lease: Duration,
+    ttl: Duration,
+) -> OwnerToken {
+    let token = OwnerToken::new();
+    let got = reserve(store, identity, fingerprint, &token, lease, ttl).await;
+    assert_eq!(
+        got,
+        Reservation::Acquired { took_over: false },
+        "a free identity is acquired fresh: {identity:?}"
+    );
+    token
+}
+
+/// Acquires and completes an identity with `payload`; returns the token it had.
+pub async fn record<S: Store + ?Sized>(
+    store: &S,
+    identity: &Identity,
+    fingerprint: Option<&Fingerprint>,
+    outcome: &StoredOutcome,
+    ttl: Duration,
+) -> OwnerToken {
+    let token = acquire(store, identity, fingerprint, LONG, ttl).await;
+    assert!(
+        store
+            .complete(identity, &token, outcome, ttl)
+            .await
+            .expect("complete succeeds"),
+        "the owner completes its record"
+    );
+    token
+}
+
+pub async fn fetch<S: Store + ?Sized>(store: &S, identity: &Identity) -> Option<RecordSnapshot> {
+    store.fetch(identity).await.expect("fetch succeeds")
+}
+
+/// Asserts two snapshots show the same record (the clock reading aside).
+pub fn assert_same_record(before: &RecordSnapshot, after: &RecordSnapshot, what: &str) {
+    let strip = |s: &RecordSnapshot| RecordSnapshot {
+        now_ms: 0,
+        ..s.clone()
+    };
+    assert_eq!(
+        strip(before),
+        strip(after),
+        "{what}: the record must be untouched"
+    );
+}
+
+// ---------------------------------------------------------------- rule 1
+
+/// Rule 1: the same scope and key under two tenants are two records.
+pub async fn identity_separated_by_tenant<S: Store + Clone + 'static>(store: S) {
+    let (t1, t2) = (fresh_tenant(), fresh_tenant());
+    let a = id(&t1, "conformance.identity", "same-key");
+    let b = id(&t2, "conformance.identity", "same-key");
+    let fa = fp("request a");
+    let fb = fp("request b");
+    let ta = acquire(&store, &a, Some(&fa), LONG, LONG).await;
+    // The other tenant is not in progress, and its fingerprint does not clash.
+    let tb = acquire(&store, &b, Some(&fb), LONG, LONG).await;
+    assert!(store
+        .complete(&a, &ta, &ok(b"\"for a\""), LONG)
+        .await
+        .unwrap());
+    assert!(store
+        .complete(&b, &tb, &ok(b"\"for b\""), LONG)
+        .await
+        .unwrap());
+    let again = OwnerToken::new();
+    assert_eq!(
+        reserve(&store, &a, Some(&fa), &again, LONG, LONG).await,
+        Reservation::Completed(ok(b"\"for a\""))
+    );
+    assert_eq!(
+        reserve(&store, &b, Some(&fb), &again, LONG, LONG).await,
+        Reservation::Completed(ok(b"\"for b\""))
+    );
+    // Releasing or purging one never touches the other.
+    assert!(!store.release(&b, &ta).await.unwrap());
+    assert!(fetch(&store, &b).await.is_some());
+}
+
+/// Rule 1: the same tenant and key in two scopes are two records.
+pub async fn identity_separated_by_scope<S: Store + Clone + 'static>(store: S) {
+    let t = fresh_tenant();
+    let a = id(&t, "conformance.scope_a", "same-key");
+    let b = id(&t, "conformance.scope_b", "same-key");
+    let ta = acquire(&store, &a, Some(&fp("x")), LONG, LONG).await;
+    let tb = acquire(&store, &b, Some(&fp("y")), LONG, LONG).await;
+    assert!(store.complete(&a, &ta, &ok(b"1"), LONG).await.unwrap());
+    // b is still in progress although a is complete.
+    assert!(matches!(
+        reserve(&store, &b, Some(&fp("y")), &OwnerToken::new(), LONG, LONG).await,
+        Reservation::InProgress { .. }
+    ));
+    assert!(store.complete(&b, &tb, &ok(b"2"), LONG).await.unwrap());
+    assert_eq!(fetch(&store, &a).await.unwrap().outcome, Some(ok(b"1")));
+    assert_eq!(fetch(&store, &b).await.unwrap().outcome, Some(ok(b"2")));
+    // A scope that is a prefix of another is not the same scope.
+    let c = id(&t, "conformance.scope", "same-key");
+    assert!(fetch(&store, &c).await.is_none());
+}
+
+// ---------------------------------------------------------------- rule 3
+
+async fn race<S: Store + Clone + 'static>(
+    store: &S,
+    identity: &Identity,
+    fingerprints: &[Option<Fingerprint>],
+    lease: Duration,
+) -> Vec<(Option<Fingerprint>, OwnerToken, Reservation)> {
+    let barrier = std::sync::Arc::new(tokio::sync::Barrier::new(TASKS));
+    let mut tasks = Vec::with_capacity(TASKS);
+    for i in 0..TASKS {
+        let (store, identity, barrier) = (store.clone(), identity.clone(), barrier.clone());
+        let fingerprint = fingerprints[i % fingerprints.len()].clone();
+        tasks.push(tokio::spawn(async move {
+            let token = OwnerToken::new();
+            barrier.wait().await;
+            let got = reserve(&store, &identity, fingerprint.as_ref(), &token, lease, LONG).await;
+            (fingerprint, token, got)
+        }));
+    }
+    let mut out = Vec::with_capacity(TASKS);
+    for t in tasks {
+        out.push(t.await.expect("reserving task"));
+    }
+    out
+}
+
+/// Rule 3: of 50 concurrent reservations of one identity exactly one acquires;
+/// the others see it in progress (or, with another fingerprint, a mismatch).
+/// Repeated over many rounds.
+pub async fn reserve_is_atomic_under_concurrency<S: Store + Clone + 'static>(store: S) {
+    let tenant = fresh_tenant();
+    for round in 0..ROUNDS {
+        let identity = id(&tenant, "conformance.race", &format!("round-{round}"));
+        // Even rounds: one fingerprint. Odd rounds: two fingerprints racing.
+        let fingerprints = if round % 2 == 0 {
+            vec![Some(fp("same"))]
+        } else {
+            vec![Some(fp("left")), Some(fp("right"))]
+        };
+        let results = race(&store, &identity, &fingerprints, LONG).await;
+        let winners: Vec<_> = results
+            .iter()
+            .filter(|(_, _, r)| matches!(r, Reservation::Acquired { .. }))
+            .collect();
+        assert_eq!(winners.len(), 1, "round {round}: exactly one acquires");
+        let (winner_fp, winner_token, winner) = winners[0];
+        assert_eq!(*winner, Reservation::Acquired { took_over: false });
+        for (f, _, r) in &results {
+            if matches!(r, Reservation::Acquired { .. }) {
+                continue;
+            }
+            if f == winner_fp {
+                assert!(
+                    matches!(r, Reservation::InProgress { .. }),
+                    "round {round}: a duplicate sees the winner in progress, got {r:?}"
+                );
+            } else {
+                assert_eq!(
+                    *r,
+                    Reservation::FingerprintMismatch,
+                    "round {round}: another fingerprint is a mismatch"
+                );
+            }
+        }
+        let snap = fetch(&store, &identity).await.expect("the record exists");
+        assert_eq!(snap.owner_token.as_deref(), Some(winner_token.as_str()));
+        assert_eq!(
+            snap.fingerprint.as_deref(),
+            winner_fp.as_ref().map(|f| f.as_str())
+        );
+        assert!(store
+            .complete(&identity, winner_token, &ok(b"\"done\""), LONG)
+            .await
+            .unwrap());
+        assert_eq!(
+            reserve(
+                &store,
+                &identity,
+                winner_fp.as_ref(),
+                &OwnerToken::new(),
+                LONG,
+                LONG
+            )
+            .await,
+            Reservation::Completed(ok(b"\"done\""))
+        );
+    }
+}
+
+/// Rules 3 and 10: when a lease has run out, of 50 concurrent callers exactly
+/// one takes the record over; when a record has expired, exactly one acquires it.
+pub async fn takeover_is_atomic_under_concurrency<S: Store + Clone + 'static>(store: S) {
+    let tenant = fresh_tenant();
+    let rounds = ROUNDS / 2;
+    let mut identities = Vec::new();
+    for round in 0..rounds {
+        let identity = id(
+            &tenant,
+            "conformance.takeover_race",
+            &format!("round-{round}"),
+        );
+        let token = OwnerToken::new();
+        let got = reserve(&store, &identity, Some(&fp("f")), &token, SHORT, LONG).await;
+        assert_eq!(got, Reservation::Acquired { took_over: false });
+        identities.push(identity);
+    }
+    tokio::time::sleep(PAST_SHORT).await;
+    for (round, identity) in identities.iter().enumerate() {
+        let results = race(&store, identity, &[Some(fp("f")), None], LONG).await;
+        let winners: Vec<_> = results
+            .iter()
+            .filter(|(_, _, r)| matches!(r, Reservation::Acquired { .. }))
+            .collect();
+        assert_eq!(winners.len(), 1, "round {round}: exactly one takes over");
+        assert_eq!(winners[0].2, Reservation::Acquired { took_over: true });
+        assert!(results.iter().all(|(_, _, r)| matches!(
+            r,
+            Reservation::Acquired { .. } | Reservation::InProgress { .. }
+        )));
+        let snap = fetch(&store, identity).await.unwrap();
+        assert_eq!(snap.owner_token.as_deref(), Some(winners[0].1.as_str()));
+    }
+}
+
+// ---------------------------------------------------------------- rules 4, 5, 12, 13
+
+/// Rule 4: a duplicate finding a live lease is told how long the lease has left.
+pub async fn in_progress_reports_lease_remaining<S: Store + Clone + 'static>(store: S) {
+    let identity = id(&fresh_tenant(), "conformance.in_progress", "k");
+    let lease = Duration::from_secs(60);
+    let owner = acquire(&store, &identity, Some(&fp("a")), lease, LONG).await;
+    for fingerprint in [Some(fp("a")), None] {
+        match reserve(
+            &store,
+            &identity,
+            fingerprint.as_ref(),
+            &OwnerToken::new(),
+            lease,
+            LONG,
+        )
+        .await
+        {
+            Reservation::InProgress { lease_remaining } => {
+                assert!(lease_remaining > Duration::ZERO, "{lease_remaining:?}");
+                assert!(lease_remaining <= lease, "{lease_remaining:?}");
+            }
+            other => panic!("expected InProgress, got {other:?}"),
+        }
+    }
+    // Asking changed nothing: the owner still owns it.
+    let snap = fetch(&store, &identity).await.unwrap();
+    assert_eq!(snap.state, RecordState::InProgress);
+    assert_eq!(snap.owner_token.as_deref(), Some(owner.as_str()));
+    assert_eq!(snap.fingerprint.as_deref(), Some(fp("a").as_str()));
+}
+
+/// Rules 5 and 12: a completed record replays an equal outcome to any later
+/// caller, and cannot be completed, released or heartbeaten again.
+pub async fn complete_then_replay<S: Store + Clone + 'static>(store: S) {
+    let identity = id(&fresh_tenant(), "conformance.replay", "k");
+    let f = fp("charge 500");
+    let payload = br#"{"charge_id":42,"note":"caf\u00e9 \"quoted\""}"#;
+    let token = acquire(&store, &identity, Some(&f), LONG, LONG).await;
+    assert!(store
+        .complete(&identity, &token, &ok(payload), LONG)
+        .await
+        .unwrap());
+    for _ in 0..3 {
+        assert_eq!(
+            reserve(&store, &identity, Some(&f), &OwnerToken::new(), LONG, LONG).await,
+            Reservation::Completed(ok(payload))
+        );
+    }
+    let snap = fetch(&store, &identity).await.unwrap();
+    assert_eq!(snap.state, RecordState::Complete);
+    assert_eq!(snap.outcome, Some(ok(payload)));
+    assert_eq!(snap.fingerprint.as_deref(), Some(f.as_str()));
+    assert!(snap.expires_at_ms > snap.now_ms);
+    assert!(!snap.is_expired());
+    // The owner's token no longer owns anything: the record is complete.
+    assert!(!store
+        .complete(&identity, &token, &ok(b"\"overwrite\""), LONG)
+        .await
+        .unwrap());
+    assert!(!store.heartbeat(&identity, &token, LONG).await.unwrap());
+    assert!(!store.release(&identity, &token).await.unwrap());
+    assert_same_record(
+        &snap,
+        &fetch(&store, &identity).await.unwrap(),
+        "after the owner is done",
+    );
+}
+
+/// Rule 13: a recorded error replays as a recorded error.
+pub async fn recorded_error_round_trips<S: Store + Clone + 'static>(store: S) {
+    let identity = id(&fresh_tenant(), "conformance.recorded_error", "k");
+    let failed = StoredOutcome {
+        is_error: true,
+        payload: br#"{"CardDeclined":{"code":"insufficient_funds"}}"#.to_vec(),
+    };
+    record(&store, &identity, None, &failed, LONG).await;
+    assert_eq!(
+        reserve(&store, &identity, None, &OwnerToken::new(), LONG, LONG).await,
+        Reservation::Completed(failed.clone())
+    );
+    assert_eq!(
+        fetch(&store, &identity).await.unwrap().outcome,
+        Some(failed)
+    );
+    // And an Ok outcome next to it is not an error.
+    let other = id(&identity.tenant, "conformance.recorded_error", "k2");
+    record(&store, &other, None, &ok(b"null"), LONG).await;
+    assert_eq!(
+        reserve(&store, &other, None, &OwnerToken::new(), LONG, LONG).await,
+        Reservation::Completed(ok(b"null"))
+    );
+}
+
+/// Rule 13: release frees the key; a retry acquires it fresh.
+pub async fn release_frees_the_key<S: Store + Clone + 'static>(store: S) {
+    let identity = id(&fresh_tenant(), "conformance.release", "k");
+    let first = acquire(&store, &identity, Some(&fp("a")), LONG, LONG).await;
+    assert!(store.release(&identity, &first).await.unwrap());
+    assert!(fetch(&store, &identity).await.is_none());
+    assert!(
+        !store.release(&identity, &first).await.unwrap(),
+        "released twice"
+    );
+    // Free for anyone, even with another fingerprint: nothing is recorded.
+    let second = acquire(&store, &identity, Some(&fp("b")), LONG, LONG).await;
+    assert!(!store.release(&identity, &first).await.unwrap());
+    assert!(!store.heartbeat(&identity, &first, LONG).await.unwrap());
+    assert!(!store
+        .complete(&identity, &first, &ok(b"1"), LONG)
+        .await
+        .unwrap());
+    assert_eq!(
+        fetch(&store, &identity)
+            .await
+            .unwrap()
+            .owner_token
+            .as_deref(),
+        Some(second.as_str())
+    );
+}
+
+/// Rule 14: a detached release (a cancelled call) frees the key soon, and only
+/// for the current owner.
+pub async fn release_detached_frees_the_key<S: Store + Clone + 'static>(store: S) {
+    let tenant = fresh_tenant();
+    let identity = id(&tenant, "conformance.release_detached", "k");
+    let token = acquire(&store, &identity, None, LONG, LONG).await;
+    store.release_detached(identity.clone(), token);
+    let mut freed = false;
+    for _ in 0..250 {
+        if fetch(&store, &identity).await.is_none() {
+            freed = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(freed, "a detached release frees the key");
+
+    let kept = id(&tenant, "conformance.release_detached", "kept");
+    let owner = acquire(&store, &kept, None, LONG, LONG).await;
+    store.release_detached(kept.clone(), OwnerToken::new());
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let snap = fetch(&store, &kept)
+        .await
+        .expect("a stranger's release deletes nothing");
+    assert_eq!(snap.owner_token.as_deref(), Some(owner.as_str()));
+}
+
+// ---------------------------------------------------------------- rules 7, 8
+
+/// Rule 7: a complete record and another fingerprint: mismatch, record untouched.
+pub async fn fingerprint_mismatch_on_complete_record<S: Store + Clone + 'static>(store: S) {
+    let identity = id(&fresh_tenant(), "conformance.mismatch", "k");
+    record(
+        &store,
+        &identity,
+        Some(&fp("amount=500")),
+        &ok(b"\"r\""),
+        LONG,
+    )
+    .await;
+    let before = fetch(&store, &identity).await.unwrap();
+    for _ in 0..2 {
+        assert_eq!(
+            reserve(
+                &store,
+                &identity,
+                Some(&fp("amount=900")),
+                &OwnerToken::new(),
+                LONG,
+                LONG
+            )
+            .await,
+            Reservation::FingerprintMismatch
+        );
+    }
+    assert_same_record(
+        &before,
+        &fetch(&store, &identity).await.unwrap(),
+        "after a mismatch",
+    );
+    // The original request still replays.
+    assert_eq!(
+        reserve(
+            &store,
+            &identity,
+            Some(&fp("amount=500")),
+            &OwnerToken::new(),
+            LONG,
+            LONG
+        )
+        .await,
+        Reservation::Completed(ok(b"\"r\""))
+    );
+}
+
+/// Rule 7: an in-progress record and another fingerprint: mismatch, record
+/// untouched — whether its lease is live or has run out (a stuck record is not
+/// taken over by a different request).
+pub async fn fingerprint_mismatch_on_in_progress_record<S: Store + Clone + 'static>(store: S) {
+    let tenant = fresh_tenant();
+    let live = id(&tenant, "conformance.mismatch_in_progress", "live");
+    let stuck = id(&tenant, "conformance.mismatch_in_progress", "stuck");
+    acquire(&store, &live, Some(&fp("a")), LONG, LONG).await;
+    acquire(&store, &stuck, Some(&fp("a")), SHORT, LONG).await;
+    tokio::time::sleep(PAST_SHORT).await;
+    for identity in [&live, &stuck] {
+        let before = fetch(&store, identity).await.unwrap();
+        assert_eq!(
+            reserve(
+                &store,
+                identity,
+                Some(&fp("b")),
+                &OwnerToken::new(),
+                LONG,
+                LONG
+            )
+            .await,
+            Reservation::FingerprintMismatch,
+            "{}",
+            identity.key
+        );
+        assert_same_record(
+            &before,
+            &fetch(&store, identity).await.unwrap(),
+            &identity.key,
+        );
+    }
+}
+
+/// Rule 8: a record without a fingerprint is not contradicted by a
+/// fingerprinted request, and a fingerprinted record not by a request without one.
+pub async fn missing_fingerprint_is_not_contradicted<S: Store + Clone + 'static>(store: S) {
+    let tenant = fresh_tenant();
+    let bare = id(&tenant, "conformance.no_fingerprint", "bare");
+    let printed = id(&tenant, "conformance.no_fingerprint", "printed");
+    record(&store, &bare, None, &ok(b"\"bare\""), LONG).await;
+    record(&store, &printed, Some(&fp("a")), &ok(b"\"printed\""), LONG).await;
+    assert_eq!(
+        reserve(
+            &store,
+            &bare,
+            Some(&fp("anything")),
+            &OwnerToken::new(),
+            LONG,
+            LONG
+        )
+        .await,
+        Reservation::Completed(ok(b"\"bare\""))
+    );
+    assert_eq!(
+        reserve(&store, &printed, None, &OwnerToken::new(), LONG, LONG).await,
+        Reservation::Completed(ok(b"\"printed\""))
+    );
+    // Same for records still in progress: in progress, not a mismatch.
+    let running = id(&tenant, "conformance.no_fingerprint", "running");
+    acquire(&store, &running, None, LONG, LONG).await;
+    assert!(matches!(
+        reserve(
+            &store,
+            &running,
+            Some(&fp("x")),
+            &OwnerToken::new(),
+            LONG,
+            LONG
+        )
+        .await,
+        Reservation::InProgress { .. }
+    ));
+    // Nothing was rewritten by those questions.
+    assert_eq!(fetch(&store, &bare).await.unwrap().fingerprint, None);
+    assert_eq!(fetch(&store, &running).await.unwrap().fingerprint, None);
+    assert_eq!(
+        fetch(&store, &printed)
+            .await
+            .unwrap()
+            .fingerprint
+            .as_deref(),
+        Some(fp("a").as_str())
+    );
+}
+
+// ---------------------------------------------------------------- rules 10, 11
+
+/// Rule 10: an expired lease is taken over with a new token; the stale owner's
+/// complete, release and heartbeat are refused and change nothing.
+pub async fn expired_lease_is_taken_over<S: Store + Clone + 'static>(store: S) {
+    let identity = id(&fresh_tenant(), "conformance.takeover", "k");
+    let f = fp("a");
+    let stale = acquire(&store, &identity, Some(&f), SHORT, LONG).await;
+    tokio::time::sleep(PAST_SHORT).await;
+    let fresh = OwnerToken::new();
+    assert_eq!(
+        reserve(&store, &identity, Some(&f), &fresh, LONG, LONG).await,
+        Reservation::Acquired { took_over: true }
+    );
+    let taken = fetch(&store, &identity).await.unwrap();
+    assert_eq!(taken.state, RecordState::InProgress);
+    assert_eq!(taken.owner_token.as_deref(), Some(fresh.as_str()));
+    assert!(
+        taken.lease_expires_at_ms.unwrap() > taken.now_ms,
+        "a fresh lease"
+    );
+
+    assert!(!store
+        .complete(&identity, &stale, &ok(b"\"stale\""), LONG)
+        .await
+        .unwrap());
+    assert!(!store.heartbeat(&identity, &stale, LONG).await.unwrap());
+    assert!(!store.release(&identity, &stale).await.unwrap());
+    assert_same_record(
+        &taken,
+        &fetch(&store, &identity).await.unwrap(),
+        "after the stale owner",
+    );
+
+    assert!(store
+        .complete(&identity, &fresh, &ok(b"\"fresh\""), LONG)
+        .await
+        .unwrap());
+    assert_eq!(
+        reserve(&store, &identity, Some(&f), &OwnerToken::new(), LONG, LONG).await,
+        Reservation::Completed(ok(b"\"fresh\""))
+    );
+    // A takeover without a fingerprint is allowed too (rule 8).
+    let other = id(&identity.tenant, "conformance.takeover", "k2");
+    acquire(&store, &other, Some(&f), SHORT, LONG).await;
+    tokio::time::sleep(PAST_SHORT).await;
+    assert_eq!(
+        reserve(&store, &other, None, &OwnerToken::new(), LONG, LONG).await,
+        Reservation::Acquired { took_over: true }
+    );
+}
+
+/// Rule 11 (lease renewal): a heartbeat moves the lease forward, so the record
+/// is not taken over after its first lease would have run out.
+pub async fn heartbeat_extends_the_lease<S: Store + Clone + 'static>(store: S) {
+    let identity = id(&fresh_tenant(), "conformance.heartbeat", "k");
+    let token = acquire(&store, &identity, None, SHORT, LONG).await;
+    let before = fetch(&store, &identity).await.unwrap();
+    assert!(store.heartbeat(&identity, &token, LONG).await.unwrap());
+    let after = fetch(&store, &identity).await.unwrap();
+    let lease_left = after.lease_expires_at_ms.unwrap() - after.now_ms;
+    assert!(
+        lease_left > (LONG.as_millis() / 2) as i64,
+        "lease left after a heartbeat of {LONG:?}: {lease_left} ms"
+    );
+    assert!(after.lease_expires_at_ms > before.lease_expires_at_ms);
+    tokio::time::sleep(PAST_SHORT).await;
+    assert!(
+        matches!(
+            reserve(&store, &identity, None, &OwnerToken::new(), LONG, LONG).await,
+            Reservation::InProgress { .. }
+        ),
+        "the renewed lease still holds after the first one would have run out"
+    );
+    assert_eq!(
+        fetch(&store, &identity)
+            .await
+            .unwrap()
+            .owner_token
+            .as_deref(),
+        Some(token.as_str())
+    );
+    // Renewing again still works, and the owner can finish.
+    assert!(store.heartbeat(&identity, &token, LONG).await.unwrap());
+    assert!(store
+        .complete(&identity, &token, &ok(b"1"), LONG)
+        .await
+        .unwrap());
+}
+
+// ---------------------------------------------------------------- rule 16
+
+/// Rule 16: an expired record counts as absent: complete records after their
+/// ttl, in-progress records once both lease and ttl ran out (a fresh acquire,
+/// not a takeover, and any fingerprint may take it).
+pub async fn expired_record_counts_as_absent<S: Store + Clone + 'static>(store: S) {
+    let tenant = fresh_tenant();
+    let complete = id(&tenant, "conformance.ttl", "complete");
+    let abandoned = id(&tenant, "conformance.ttl", "abandoned");
+    let held = id(&tenant, "conformance.ttl", "held");
+    record(&store, &complete, Some(&fp("a")), &ok(b"\"old\""), SHORT).await;
+    acquire(&store, &abandoned, Some(&fp("a")), SHORT, SHORT).await;
+    let holder = acquire(&store, &held, Some(&fp("a")), LONG, SHORT).await;
+    tokio::time::sleep(PAST_SHORT).await;
+    assert!(fetch(&store, &complete).await.unwrap().is_expired());
+    for identity in [&complete, &abandoned] {
+        let token = OwnerToken::new();
+        assert_eq!(
+            reserve(&store, identity, Some(&fp("b")), &token, LONG, LONG).await,
+            Reservation::Acquired { took_over: false },
+            "{}",
+            identity.key
+        );
+        let snap = fetch(&store, identity).await.unwrap();
+        assert_eq!(snap.state, RecordState::InProgress);
+        assert_eq!(snap.outcome, None, "nothing of the old record is replayed");
+        assert_eq!(snap.fingerprint.as_deref(), Some(fp("b").as_str()));
+        assert!(!snap.is_expired());
+    }
+    // ttl over but the lease is live: still in progress, not free.
+    assert!(matches!(
+        reserve(
+            &store,
+            &held,
+            Some(&fp("a")),
+            &OwnerToken::new(),
+            LONG,
+            LONG
+        )
+        .await,
+        Reservation::InProgress { .. }
+    ));
+    assert_eq!(
+        fetch(&store, &held).await.unwrap().owner_token.as_deref(),
+        Some(holder.as_str())
+    );
+}
+
+/// Rule 16: purge deletes expired records in bounded batches — in-progress
+/// ones only when both lease and ttl ran out — and never a live record.
+pub async fn purge_deletes_only_expired_records<S: Store + Clone + 'static>(store: S) {
+    let tenant = fresh_tenant();
+    let key = |k: &str| id(&tenant, "conformance.purge", k);
+    let mut doomed = Vec::new();
+    for i in 0..7 {
+        let identity = key(&format!("expired-complete-{i}"));
+        record(&store, &identity, None, &ok(b"1"), SHORT).await;
+        doomed.push(identity);
+    }
+    for i in 0..2 {
+        let identity = key(&format!("abandoned-{i}"));
+        acquire(&store, &identity, None, SHORT, SHORT).await;
+        doomed.push(identity);
+    }
+    let live_complete = key("live-complete");
+    record(&store, &live_complete, None, &ok(b"2"), LONG).await;
+    let stuck = key("stuck"); // lease over, ttl live
+    acquire(&store, &stuck, None, SHORT, LONG).await;
+    let held = key("held"); // ttl over, lease live
+    acquire(&store, &held, None, LONG, SHORT).await;
+    let live = [&live_complete, &stuck, &held];
+    tokio::time::sleep(PAST_SHORT).await;
+
+    let batch = 3;
+    let mut gone = false;
+    for _ in 0..2_000 {
+        let deleted = store.purge_expired(batch).await.expect("purge succeeds");
+        assert!(
+            deleted <= u64::from(batch),
+            "purged {deleted} in a batch of {batch}"
+        );
+        let mut remaining = 0;
+        for identity in &doomed {
+            if fetch(&store, identity).await.is_some() {
+                remaining += 1;
+            }
+        }
+        if remaining == 0 {
+            gone = true;
+            break;
+        }
+        assert!(
+            deleted > 0,
+            "{remaining} of this test's expired records remain but purge deleted nothing"
+        );
+    }
+    assert!(gone, "purge removes every expired record eventually");
+    for identity in live {
+        assert!(
+            fetch(&store, identity).await.is_some(),
+            "purge must not delete the live record {}",
+            identity.key
+        );
+    }
+    assert_eq!(
+        store.purge_expired(0).await.unwrap(),
+        0,
+        "a batch of 0 deletes nothing"
+    );
+}
+
+// ---------------------------------------------------------------- bad input
+
+/// Bad input never loses data: a several-megabyte payload round-trips exactly.
+pub async fn big_payload_round_trips<S: Store + Clone + 'static>(store: S) {
+    let identity = id(&fresh_tenant(), "conformance.big", "k");
+    // 6 MiB of every byte value in a pseudo-random order (not just JSON text).
+    let mut state: u32 = 0x9e37_79b9;
+    let payload: Vec<u8> = (0..6 * 1024 * 1024)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 17;
+            state ^= state << 5;
+            (state >> 24) as u8
+        })
+        .collect();
+    let outcome = ok(&payload);
+    record(&store, &identity, Some(&fp("big")), &outcome, LONG).await;
+    match reserve(
+        &store,
+        &identity,
+        Some(&fp("big")),
+        &OwnerToken::new(),
+        LONG,
+        LONG,
+    )
+    .await
+    {
+        Reservation::Completed(got) => {
+            assert_eq!(got.payload.len(), payload.len());
+            assert!(
+                got.payload == payload,
+                "the payload comes back byte for byte"
+            );
+            assert!(!got.is_error);
+        }
+        other => panic!("expected a replay, got {other:?}"),
+    }
+}
+
+/// Bad input: tenants and keys with quotes, `%`, `_`, backslashes, trailing
+/// spaces, case differences and multi-byte UTF-8 are stored exactly and
+/// matched exactly (no LIKE, no case folding, no trailing-space padding, no
+/// Unicode normalization).
+pub async fn unusual_keys_and_tenants_are_exact<S: Store + Clone + 'static>(store: S) {
+    let base = fresh_tenant();
+    let tenants: Vec<String> = [
+        "a%", "ab", "a_", "a'b", "a\"b", "a\\b", "A%", "a% ", "ключ", "🔑",
+    ]
+    .iter()
+    .map(|t| format!("{base}-{t}"))
+    .collect();
+    let keys = [
+        "k_",
+        "kx",
+        "k%",
+        "k%%",
+        "k'",
+        "k''",
+        "k\"",
+        "k\\",
+        "k\\\\",
+        "K_",
+        "k_ ",
+        "k;--",
+        "caf\u{e9}",
+        "cafe\u{301}",
+        "日本語キー",
+        "🔑🗝️",
+    ];
+    let scope = "conformance.unusual";
+    let mut n = 0u32;
+    for tenant in &tenants {
+        for key in keys {
+            let identity = id(tenant, scope, key);
+            record(
+                &store,
+                &identity,
+                Some(&fp(&n.to_string())),
+                &ok(n.to_string().as_bytes()),
+                LONG,
+            )
+            .await;
+            n += 1;
+        }
+    }
+    // A key at the 255-byte limit made of multi-byte characters.
+    let long_key: String = "ü".repeat(127);
+    assert_eq!(long_key.len(), 254);
+    let long = id(&tenants[0], scope, &long_key);
+    record(&store, &long, None, &ok(b"\"long\""), LONG).await;
+
+    let mut n = 0u32;
+    for tenant in &tenants {
+        for key in keys {
+            let identity = id(tenant, scope, key);
+            let snap = fetch(&store, &identity).await.expect("recorded");
+            assert_eq!(
+                snap.outcome,
+                Some(ok(n.to_string().as_bytes())),
+                "tenant {tenant:?} key {key:?} holds its own record"
+            );
+            assert_eq!(
+                reserve(
+                    &store,
+                    &identity,
+                    Some(&fp(&n.to_string())),
+                    &OwnerToken::new(),
+                    LONG,
+                    LONG
+                )
+                .await,
+                Reservation::Completed(ok(n.to_string().as_bytes())),
+                "tenant {tenant:?} key {key:?} replays its own record"
+            );
+            n += 1;
+        }
+    }
+    assert_eq!(
+        fetch(&store, &long).await.unwrap().outcome,
+        Some(ok(b"\"long\""))
+    );
+    // Look-alikes that were never written are absent: no pattern matching.
+    for (tenant, key) in [
+        (format!("{base}-aZ"), "k_"),
+        (format!("{base}-a"), "k_"),
+        (format!("{base}-a%"), "kY"),
+        (format!("{base}-a%"), "k"),
+        (format!("{base}-a%"), "K%"),
+        (format!("{base}-ab"), "k_  "),
+        (format!("{base}-a\\\\b"), "k_"),
+    ] {
+        assert!(
+            fetch(&store, &id(&tenant, scope, key)).await.is_none(),
+            "tenant {tenant:?} key {key:?} was never written"
+        );
+    }
+}
+
+// ---------------------------------------------------------------- audit raw material
+
+/// Rules 16 and 19: scope statistics count this test's own scope by state:
+/// live complete, in progress with a live lease, stuck (lease over, ttl live),
+/// expired (past retention).
+pub async fn scope_stats_count_by_state<S: Store + Clone + 'static>(store: S) {
+    let tenant = fresh_tenant();
+    let scope = fresh_scope("conformance.stats");
+    let key = |k: &str| id(&tenant, &scope, k);
+    record(&store, &key("complete-1"), None, &ok(b"1"), LONG).await;
+    record(&store, &key("complete-2"), None, &ok(b"2"), LONG).await;
+    acquire(&store, &key("running"), None, LONG, LONG).await;
+    acquire(&store, &key("stuck"), None, SHORT, LONG).await;
+    let expired = [key("expired-complete"), key("abandoned")];
+    record(&store, &expired[0], None, &ok(b"3"), SHORT).await;
+    acquire(&store, &expired[1], None, SHORT, SHORT).await;
+    // Another tenant in the same scope counts too: stats are per scope.
+    let other_tenant = id(&fresh_tenant(), &scope, "complete-1");
+    record(&store, &other_tenant, None, &ok(b"4"), LONG).await;
+    tokio::time::sleep(PAST_SHORT).await;
+
+    let stats = store.scope_stats().await.expect("scope stats");
+    assert!(
+        stats.windows(2).all(|w| w[0].scope < w[1].scope),
+        "sorted by scope, one entry per scope"
+    );
+    let mine = stats
+        .iter()
+        .find(|s| s.scope == scope)
+        .unwrap_or_else(|| panic!("no stats for {scope}"));
+    assert_eq!(mine.complete, 3, "{mine:?}");
+    assert_eq!(mine.in_progress, 1, "{mine:?}");
+    assert_eq!(mine.stuck, 1, "{mine:?}");
+    // A purge running elsewhere against a shared database may already have
+    // removed an expired record; it may never count one that is still there.
+    let mut still_there = 0;
+    for identity in &expired {
+        if fetch(&store, identity).await.is_some() {
+            still_there += 1;
+        }
+    }
+    assert!(
+        mine.expired >= still_there && mine.expired <= 2,
+        "{mine:?}, {still_there} expired records present"
+    );
+    let oldest = mine.oldest_created_at_ms.expect("an oldest record");
+    let now = fetch(&store, &key("complete-1")).await.unwrap().now_ms;
+    assert!(
+        oldest <= now,
+        "oldest {oldest} is not in the future (now {now})"
+    );
+    assert!(
+        oldest > now - 3_600_000,
+        "oldest {oldest} is from this test (now {now})"
+    );
+}
+
+// ---------------------------------------------------------------- the macro
+
+/// Generates one `#[tokio::test]` per rule for the store made by `$make`, an
+/// `async` block evaluating to `Option<S>` (`None`: skipped, loudly).
+#[macro_export]
+macro_rules! store_conformance_tests {
+    ($make:expr) => {
+        $crate::store_conformance_tests!(@tests $make;
+            identity_separated_by_tenant,
+            identity_separated_by_scope,
+            reserve_is_atomic_under_concurrency,
+            takeover_is_atomic_under_concurrency,
+            in_progress_reports_lease_remaining,
+            complete_then_replay,
+            recorded_error_round_trips,
+            release_frees_the_key,
+            release_detached_frees_the_key,
+            fingerprint_mismatch_on_complete_record,
+            fingerprint_mismatch_on_in_progress_record,
+            missing_fingerprint_is_not_contradicted,
+            expired_lease_is_taken_over,
+            heartbeat_extends_the_lease,
+            expired_record_counts_as_absent,
+            purge_deletes_only_expired_records,
+            big_payload_round_trips,
+            unusual_keys_and_tenants_are_exact,
+            scope_stats_count_by_state,
+        );
+    };
+    (@tests $make:expr; $($name:ident),* $(,)?) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn $name() {
+                match $make.await {
+                    Some(store) => $crate::conformance::$name(store).await,
+                    None => $crate::conformance::skipped(stringify!($name)),
+                }
+            }
+        )*
+    };
+}
