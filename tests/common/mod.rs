@@ -2,3 +2,4 @@
 #![allow(dead_code)]
 
 pub mod servers;
+pub mod wire;
