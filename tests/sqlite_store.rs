@@ -1,0 +1,345 @@
+//! What only the SQLite store has: migrations on open, files shared by several
+//! pools (as by several processes), data surviving a reopen, `from_pool`, and
+//! errors that name the store and the operation.
+
+use idempotent_runtime::{
+    Error, Fingerprint, Identity, OwnerToken, Reservation, ReserveRequest, SqliteStore, Store,
+    StoredOutcome,
+};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+const LONG: Duration = Duration::from_secs(300);
+
+/// A fresh database file path (the file does not exist yet).
+fn fresh_path() -> PathBuf {
+    let dir = std::env::temp_dir().join("idempotent-sqlite-store-tests");
+    std::fs::create_dir_all(&dir).expect("create the temp dir");
+    dir.join(format!("{}.db", uuid::Uuid::new_v4().simple()))
+}
+
+fn url(path: &std::path::Path) -> String {
+    format!("sqlite://{}", path.display())
+}
+
+fn remove(path: &std::path::Path) {
+    for suffix in ["", "-wal", "-shm"] {
+        let _ = std::fs::remove_file(format!("{}{suffix}", path.display()));
+    }
+}
+
+fn identity(key: &str) -> Identity {
+    Identity::new("tenant-1", "sqlite.specific", key).expect("valid identity")
+}
+
+async fn reserve(store: &SqliteStore, id: &Identity, token: &OwnerToken) -> Reservation {
+    let fp = Fingerprint::of("request").expect("fingerprint");
+    store
+        .reserve(ReserveRequest {
+            identity: id,
+            fingerprint: Some(&fp),
+            token,
+            lease: LONG,
+            ttl: LONG,
+        })
+        .await
+        .expect("reserve")
+}
+
+async fn migrations_applied(store: &SqliteStore) -> Vec<i64> {
+    sqlx::query_scalar("SELECT version FROM _idempotent_migrations ORDER BY version")
+        .fetch_all(store.pool())
+        .await
+        .expect("the migrations table exists")
+}
+
+#[tokio::test]
+async fn connect_creates_the_file_applies_migrations_and_reopens() {
+    let path = fresh_path();
+    assert!(!path.exists());
+    let store = SqliteStore::connect(&url(&path))
+        .await
+        .expect("open a new file");
+    assert!(path.exists(), "the database file is created");
+    let applied = migrations_applied(&store).await;
+    assert!(!applied.is_empty(), "migrations are recorded");
+    let journal: String = sqlx::query_scalar("PRAGMA journal_mode")
+        .fetch_one(store.pool())
+        .await
+        .unwrap();
+    assert_eq!(journal, "wal");
+    let indexes: Vec<String> = sqlx::query_scalar(
+        "SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = 'idempotency_records'",
+    )
+    .fetch_all(store.pool())
+    .await
+    .unwrap();
+    assert!(
+        indexes.iter().any(|n| n.contains("expires_at")),
+        "{indexes:?}"
+    );
+    // The store does not claim sqlx's own migrations table.
+    let sqlx_table: i64 =
+        sqlx::query_scalar("SELECT COUNT(*) FROM sqlite_master WHERE name = '_sqlx_migrations'")
+            .fetch_one(store.pool())
+            .await
+            .unwrap();
+    assert_eq!(sqlx_table, 0);
+    store.pool().close().await;
+    drop(store);
+
+    // Reopening an existing file applies nothing twice.
+    let again = SqliteStore::connect(&url(&path))
+        .await
+        .expect("reopen an existing file");
+    assert_eq!(migrations_applied(&again).await, applied);
+    again.pool().close().await;
+    remove(&path);
+}
+
+#[tokio::test]
+async fn records_survive_reopening() {
+    let path = fresh_path();
+    let id = identity("survives");
+    let outcome = StoredOutcome {
+        is_error: false,
+        payload: br#"{"receipt":7}"#.to_vec(),
+    };
+    {
+        let store = SqliteStore::connect(&url(&path)).await.unwrap();
+        let token = OwnerToken::new();
+        assert_eq!(
+            reserve(&store, &id, &token).await,
+            Reservation::Acquired { took_over: false }
+        );
+        assert!(store.complete(&id, &token, &outcome, LONG).await.unwrap());
+        // An in-progress record too: its owner is still the owner after a reopen.
+        let running = identity("running");
+        let owner = OwnerToken::new();
+        assert_eq!(
+            reserve(&store, &running, &owner).await,
+            Reservation::Acquired { took_over: false }
+        );
+        store.pool().close().await;
+    }
+    let store = SqliteStore::connect(&url(&path)).await.unwrap();
+    assert_eq!(
+        reserve(&store, &id, &OwnerToken::new()).await,
+        Reservation::Completed(outcome)
+    );
+    assert!(matches!(
+        reserve(&store, &identity("running"), &OwnerToken::new()).await,
+        Reservation::InProgress { .. }
+    ));
+    store.pool().close().await;
+    remove(&path);
+}
+
+/// Two stores on one file are two pools with their own connections, like two
+/// processes: still exactly one acquirer of 50 concurrent reservations.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_stores_on_one_file_give_one_acquirer() {
+    let path = fresh_path();
+    // Opening both at once also races the migrations of a brand-new file.
+    let shared = url(&path);
+    let (a, b) = tokio::join!(SqliteStore::connect(&shared), SqliteStore::connect(&shared));
+    let stores = [a.expect("first store"), b.expect("second store")];
+    for round in 0..10 {
+        let id = identity(&format!("shared-file-{round}"));
+        let barrier = Arc::new(tokio::sync::Barrier::new(50));
+        let mut tasks = Vec::new();
+        for i in 0..50 {
+            let (store, id, barrier) = (stores[i % 2].clone(), id.clone(), barrier.clone());
+            tasks.push(tokio::spawn(async move {
+                let token = OwnerToken::new();
+                barrier.wait().await;
+                (token.clone(), reserve(&store, &id, &token).await)
+            }));
+        }
+        let mut acquired = Vec::new();
+        for t in tasks {
+            let (token, got) = t.await.expect("task");
+            match got {
+                Reservation::Acquired { took_over } => {
+                    assert!(!took_over);
+                    acquired.push(token);
+                }
+                Reservation::InProgress { .. } => {}
+                other => panic!("round {round}: unexpected {other:?}"),
+            }
+        }
+        assert_eq!(acquired.len(), 1, "round {round}: exactly one acquires");
+        // The other store sees the winner's record and can replay it once complete.
+        let outcome = StoredOutcome {
+            is_error: false,
+            payload: format!("{round}").into_bytes(),
+        };
+        assert!(stores[round % 2]
+            .complete(&id, &acquired[0], &outcome, LONG)
+            .await
+            .unwrap());
+        assert_eq!(
+            reserve(&stores[(round + 1) % 2], &id, &OwnerToken::new()).await,
+            Reservation::Completed(outcome)
+        );
+    }
+    for s in &stores {
+        s.pool().close().await;
+    }
+    remove(&path);
+}
+
+#[tokio::test]
+async fn from_pool_migrates_the_applications_database() {
+    let path = fresh_path();
+    let pool = sqlx::sqlite::SqlitePoolOptions::new()
+        .max_connections(2)
+        .connect_with(
+            sqlx::sqlite::SqliteConnectOptions::new()
+                .filename(&path)
+                .create_if_missing(true),
+        )
+        .await
+        .expect("the application's pool");
+    sqlx::query("CREATE TABLE charges (id INTEGER PRIMARY KEY, amount INTEGER NOT NULL)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let store = SqliteStore::from_pool(pool.clone())
+        .await
+        .expect("from_pool");
+    let id = identity("from-pool");
+    let token = OwnerToken::new();
+    assert_eq!(
+        reserve(&store, &id, &token).await,
+        Reservation::Acquired { took_over: false }
+    );
+    // The application's own table is untouched and shares the database.
+    sqlx::query("INSERT INTO charges (amount) VALUES (500)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let records: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM idempotency_records")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(records, 1);
+    // Applying twice (a second store on the same pool) is harmless.
+    let second = SqliteStore::from_pool(pool.clone()).await.expect("again");
+    assert!(matches!(
+        reserve(&second, &id, &OwnerToken::new()).await,
+        Reservation::InProgress { .. }
+    ));
+    pool.close().await;
+    remove(&path);
+}
+
+#[tokio::test]
+async fn memory_database_is_one_database_for_every_clone() {
+    let store = SqliteStore::connect("sqlite::memory:").await.unwrap();
+    let clone = store.clone();
+    let id = identity("memory");
+    let token = OwnerToken::new();
+    assert_eq!(
+        reserve(&store, &id, &token).await,
+        Reservation::Acquired { took_over: false }
+    );
+    assert!(matches!(
+        reserve(&clone, &id, &OwnerToken::new()).await,
+        Reservation::InProgress { .. }
+    ));
+    // Another `sqlite::memory:` store is another database.
+    let other = SqliteStore::connect("sqlite::memory:").await.unwrap();
+    assert_eq!(
+        reserve(&other, &id, &OwnerToken::new()).await,
+        Reservation::Acquired { took_over: false }
+    );
+}
+
+#[tokio::test]
+async fn a_changed_migration_is_refused_on_open() {
+    let path = fresh_path();
+    let store = SqliteStore::connect(&url(&path)).await.unwrap();
+    sqlx::query("UPDATE _idempotent_migrations SET checksum = x'00'")
+        .execute(store.pool())
+        .await
+        .unwrap();
+    store.pool().close().await;
+    match SqliteStore::connect(&url(&path)).await {
+        Err(Error::Store(e)) => {
+            assert_eq!(e.store, "sqlite");
+            assert!(
+                e.to_string().contains("different contents"),
+                "the message says what is wrong: {e}"
+            );
+        }
+        other => panic!("expected a store error, got {other:?}"),
+    }
+    remove(&path);
+}
+
+#[tokio::test]
+async fn open_failures_are_store_errors() {
+    match SqliteStore::connect("postgres://not-sqlite").await {
+        Err(Error::Store(e)) => assert_eq!(e.store, "sqlite"),
+        other => panic!("expected a store error for a foreign URL, got {other:?}"),
+    }
+    let missing_dir = std::env::temp_dir()
+        .join(format!("no-such-dir-{}", uuid::Uuid::new_v4().simple()))
+        .join("x.db");
+    match SqliteStore::connect(&url(&missing_dir)).await {
+        Err(Error::Store(e)) => {
+            assert_eq!(e.store, "sqlite");
+            assert!(e.to_string().contains("sqlite store failed"), "{e}");
+        }
+        other => panic!("expected a store error for an unopenable file, got {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn operations_on_a_closed_pool_name_the_operation() {
+    let store = SqliteStore::connect("sqlite::memory:").await.unwrap();
+    store.pool().close().await;
+    let err = store
+        .reserve(ReserveRequest {
+            identity: &identity("closed"),
+            fingerprint: None,
+            token: &OwnerToken::new(),
+            lease: LONG,
+            ttl: LONG,
+        })
+        .await
+        .expect_err("a closed pool cannot reserve");
+    assert_eq!((err.store, err.operation), ("sqlite", "reserve"));
+    let err = store.purge_expired(10).await.expect_err("nor purge");
+    assert_eq!(err.store, "sqlite");
+}
+
+/// A detached release outside any Tokio runtime logs an error instead of
+/// panicking; the record stays until its lease runs out.
+#[test]
+fn release_detached_without_a_runtime_does_not_panic() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let path = fresh_path();
+    let (store, id, token) = rt.block_on(async {
+        let store = SqliteStore::connect(&url(&path)).await.unwrap();
+        let id = identity("no-runtime");
+        let token = OwnerToken::new();
+        assert_eq!(
+            reserve(&store, &id, &token).await,
+            Reservation::Acquired { took_over: false }
+        );
+        (store, id, token)
+    });
+    let (s, i, t) = (store.clone(), id.clone(), token.clone());
+    std::thread::spawn(move || s.release_detached(i, t))
+        .join()
+        .expect("release_detached outside a runtime must not panic");
+    rt.block_on(async {
+        let snap = store.fetch(&id).await.unwrap().expect("still there");
+        assert_eq!(snap.owner_token.as_deref(), Some(token.as_str()));
+        store.pool().close().await;
+    });
+    remove(&path);
+}
