@@ -1,5 +1,5 @@
-//! The behaviour contract on [`MySqlStore`](idempotent_runtime::MySqlStore), against the
-//! server at `IDEMPOTENT_MYSQL_URL` (default: the local MariaDB).
+//! The store conformance suite against [`MySqlStore`](idempotent_runtime::MySqlStore)
+//! on the server at `IDEMPOTENT_MYSQL_URL` (default: the local MariaDB).
 mod common;
-mod contract;
-contract_tests!(common::servers::mysql_store_or_skip());
+mod conformance;
+store_conformance_tests!(common::servers::mysql_store_or_skip());

@@ -23,9 +23,10 @@
 //! # Lock waits
 //!
 //! InnoDB waits for row locks in whole seconds (`innodb_lock_wait_timeout`).
-//! A reservation made through the store does not wait for a row held by
-//! another transaction (a transactional-mode owner): it answers `InProgress`
-//! at once (MariaDB; MySQL 8's minimum wait is 1 s). In transactional mode the
+//! A reservation made through the store waits at most 1 s for a row held by
+//! another transaction (a concurrent reservation's, which takes well under a
+//! millisecond, or a transactional-mode owner's, which answers `InProgress`
+//! when the second runs out). In transactional mode the
 //! wait is the whole seconds left of `in_progress = wait(...)`, rounded down;
 //! the engine polls for the rest.
 
@@ -39,6 +40,12 @@ use std::str::FromStr;
 const STORE: &str = "mysql";
 /// How long `connect` and every statement wait for a pooled connection.
 pub const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(5);
+/// Whole seconds a reservation through the store waits for a row lock: the
+/// smallest non-zero InnoDB wait. Concurrent reservations hold a new row's lock
+/// for well under a millisecond, so a duplicate sees the committed record (and
+/// its fingerprint) instead of a bare `InProgress`; a row held by a
+/// transactional-mode owner answers `InProgress` after at most this.
+const STORE_LOCK_WAIT_S: u64 = 1;
 const MIGRATION_LOCK: &str = "idempotent_runtime.migrate";
 /// The database clock in milliseconds since the epoch, independent of the session time zone.
 const NOW_MS: &str = "(UNIX_TIMESTAMP() * 1000 + FLOOR(MICROSECOND(NOW(6)) / 1000))";
@@ -319,7 +326,7 @@ impl Store for MySqlStore {
     }
 
     async fn reserve(&self, request: ReserveRequest<'_>) -> Result<Reservation, StoreError> {
-        reserve_with(&self.pool, request, 0, true).await
+        reserve_with(&self.pool, request, STORE_LOCK_WAIT_S, true).await
     }
 
     async fn complete(
