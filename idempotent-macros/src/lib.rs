@@ -1,5 +1,120 @@
+//! The `#[idempotent]` attribute. Use it through `idempotent_runtime`, which
+//! re-exports it: `use idempotent_runtime::idempotent;`.
+//!
+//! This crate only parses and validates the attribute and emits calls into
+//! `idempotent_runtime::__private`; all run-time behaviour lives in the runtime.
+
+mod args;
+mod claims;
+mod duration;
+mod expand;
+mod manifest;
+mod scope;
+
 use proc_macro::TokenStream;
+
+/// Makes an `async fn` safe to retry: a call with a key that already completed
+/// gets the recorded result instead of running the body again.
+///
+/// ```ignore
+/// use idempotent_runtime::{idempotent, Error};
+///
+/// #[idempotent(scope = "payments.charge", key = key, tenant = account.id)]
+/// async fn charge(account: &Account, key: &str, req: &ChargeRequest) -> Result<Receipt, ChargeError> {
+///     gateway.charge(req.amount).await   // runs once per (tenant, scope, key)
+/// }
+/// ```
+///
+/// The function keeps the signature you wrote. It must be an `async fn` (free
+/// function, `&self` method, generic function, or a method in a trait `impl`)
+/// returning `Result<T, E>` — any type whose last path segment is `Result`,
+/// so `io::Result<T>` and `anyhow::Result<T>` work — with
+/// `T: Serialize + DeserializeOwned` and `E: From<idempotent_runtime::Error>`.
+///
+/// # Arguments
+///
+/// Required:
+///
+/// - **`scope = "payments.charge"`** — a string literal naming the operation.
+///   Lowercase segments of `a-z`, `0-9`, `_`, `-` joined by single dots, at most
+///   128 bytes. It is part of every record's identity: keep it when you rename
+///   the function. Two functions of one crate may not share a scope.
+/// - **`key = <expr>`** — the client-supplied idempotency key, any expression
+///   over the parameters that is `Display`: `key = key`, `key = req.idempotency_key`.
+/// - **`tenant = <expr>`** or **`tenant = shared`** — whose key it is (`Display`):
+///   `tenant = account.id`. The same key from two tenants is two records.
+///   `shared` opts out: keys are global to the scope. (A parameter that is
+///   itself called `shared` is written `tenant = (shared)`.)
+///
+/// Optional:
+///
+/// - **`store = <expr>`** — where records live: `store = self.store`,
+///   `store = store` (for `store: &S` with `S: Store`, `&dyn Store`,
+///   `Arc<dyn Store>`, ...). Without it, the store set with
+///   `idempotent_runtime::set_default_store` is used.
+/// - **`tx = <parameter>`** — transactional mode: `tx = tx` for
+///   `tx: &mut sqlx::Transaction<'_, Postgres>` (or a connection). The reservation
+///   and the recorded result are written in that transaction and commit or roll
+///   back with your own writes. Cannot be combined with `store`.
+/// - **`skip(a, b)`** — parameters left out of the fingerprint (handles,
+///   clocks, loggers, anything that is not part of the request).
+/// - **`fingerprint = false`** — no fingerprint at all: a reused key is never
+///   refused for carrying different arguments. Cannot be combined with `skip`.
+/// - **`ttl = "24h"`** — how long a completed record is kept (default `24h`, or
+///   the scope's `ttl` in the manifest). At least `1ms`.
+/// - **`lease = "30s"`** — how long an in-progress record is held before another
+///   caller may take it over; renewed every `lease / 3` while the body runs
+///   (default `30s`, or the manifest's `lease`). At least `10ms`.
+/// - **`in_progress = wait("10s")`** (default) or **`in_progress = reject`** —
+///   what a duplicate gets while the first call runs: wait up to that long for
+///   the result, or `Error::InProgress { retry_after }` at once.
+/// - **`errors = release`** (default), **`errors = record`** or
+///   **`errors = record_if(path::to::predicate)`** — what an `Err(e)` does:
+///   free the key so a retry runs again; record `e` as the final answer (then
+///   `E: Serialize + DeserializeOwned`); or record only the errors for which
+///   `predicate(&e)` returns `true`.
+/// - **`crate = ::path::to::idempotent_runtime`** — where the runtime is, if
+///   you renamed or re-exported it.
+///
+/// # The fingerprint
+///
+/// Every parameter is fingerprinted (and must be `Serialize`) except: `self`;
+/// parameters listed in `skip(...)`; and a parameter named *directly* by `key`,
+/// `tenant`, `store` or `tx` — the expression is exactly that identifier
+/// (`key = key`). An expression that only starts with it (`tenant = account.id`)
+/// does not exclude `account`: skip it explicitly if it should not count.
+/// A parameter written as a pattern (`(a, b): (u8, u8)`) cannot be named, so it
+/// must be bound to a name, or the fingerprint turned off.
+///
+/// # Checked when the code compiles
+///
+/// Every argument and duration is validated and every mistake is reported at
+/// once, each at the offending token. If a scope manifest (`idempotent.toml`
+/// beside the crate's `Cargo.toml`, else at the workspace root, or the file
+/// named by the `IDEMPOTENT_MANIFEST` environment variable) exists, the scope
+/// must be declared in it and not retired:
+///
+/// ```toml
+/// [scopes."orders.place"]
+/// description = "placing an order"
+/// ttl = "24h"      # optional default for this scope; the attribute wins
+/// lease = "30s"    # optional
+/// [retired."orders.place_v1"]
+/// reason = "renamed to orders.place"
+/// ```
+///
+/// Editing the manifest rebuilds the crates that use it. Two functions of one
+/// crate claiming one scope are a compile error naming both; across crates,
+/// `idempotent_runtime::registry::validate()` reports it at run time.
+///
+/// # The generated code
+///
+/// The body is run by `idempotent_runtime`'s engine as an `async move` block
+/// (in transactional mode a plain `async` block, so the transaction can be used
+/// after it). `return` and `?` in the body behave as before. The function is
+/// registered (`idempotent_runtime::registry::scopes()`) with its scope, path
+/// (`module::function`), file, line, and policies.
 #[proc_macro_attribute]
-pub fn idempotent(_a: TokenStream, i: TokenStream) -> TokenStream {
-    i
+pub fn idempotent(attr: TokenStream, item: TokenStream) -> TokenStream {
+    expand::entry(attr.into(), item.into()).into()
 }

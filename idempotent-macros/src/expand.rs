@@ -1,0 +1,294 @@
+//! Code generation. The signature, attributes and visibility are re-emitted as
+//! written (original spans); only the body is wrapped, and everything the
+//! wrapper does is a call into `idempotent_runtime::__private`.
+
+use crate::args::{self, Errors, InProgress, RawArgs, Spec, Tenant};
+use crate::{claims, manifest};
+use proc_macro2::{Span, TokenStream};
+use quote::{quote, quote_spanned};
+use std::path::PathBuf;
+use std::time::Duration;
+use syn::ItemFn;
+
+const DEFAULT_TTL: Duration = Duration::from_secs(24 * 60 * 60);
+const DEFAULT_LEASE: Duration = Duration::from_secs(30);
+
+/// The whole macro: on any error, the original item plus every error, so one
+/// mistake does not cascade into "function not found" errors elsewhere.
+pub(crate) fn entry(attr: TokenStream, item: TokenStream) -> TokenStream {
+    let func: ItemFn = match syn::parse2(item.clone()) {
+        Ok(f) => f,
+        Err(e) => {
+            let e = syn::Error::new(
+                e.span(),
+                format!(
+                    "#[idempotent] goes on an `async fn` with a body (a free function or a \
+                     method in an `impl` block): {e}"
+                ),
+            );
+            return with_error(item, e);
+        }
+    };
+    let raw: RawArgs = match syn::parse2(attr) {
+        Ok(raw) => raw,
+        Err(e) => return with_error(item, e),
+    };
+    let spec = match args::validate(raw, &func, Span::call_site()) {
+        Ok(spec) => spec,
+        Err(e) => return with_error(item, e),
+    };
+    match compile_time_checks(&func, &spec) {
+        Ok(resolved) => generate(&func, &spec, &resolved),
+        Err(e) => with_error(item, e),
+    }
+}
+
+fn with_error(item: TokenStream, error: syn::Error) -> TokenStream {
+    let error = error.to_compile_error();
+    quote!(#item #error)
+}
+
+/// What the manifest added.
+pub(crate) struct Resolved {
+    ttl: Duration,
+    lease: Duration,
+    manifest: Option<PathBuf>,
+}
+
+/// The manifest (membership, retirement, defaults) and the one-function-per-scope rule.
+fn compile_time_checks(func: &ItemFn, spec: &Spec) -> Result<Resolved, syn::Error> {
+    let scope = spec.scope.value();
+    let mut errs = args::Errs::default();
+    let mut resolved = Resolved {
+        ttl: spec.ttl.unwrap_or(DEFAULT_TTL),
+        lease: spec.lease.unwrap_or(DEFAULT_LEASE),
+        manifest: None,
+    };
+    match manifest::locate() {
+        Err(message) => errs.push(spec.scope.span(), message),
+        Ok(None) => {}
+        Ok(Some(path)) => {
+            match manifest::load(&path).and_then(|m| manifest::check(&m, &scope, &path)) {
+                Ok(defaults) => {
+                    resolved.ttl = spec.ttl.or(defaults.ttl).unwrap_or(DEFAULT_TTL);
+                    resolved.lease = spec.lease.or(defaults.lease).unwrap_or(DEFAULT_LEASE);
+                }
+                Err(message) => errs.push(spec.scope.span(), message),
+            }
+            resolved.manifest = Some(path);
+        }
+    }
+    // A function under `#[cfg]` may have a twin under the opposite cfg claiming
+    // the same scope; only claim functions that are certainly compiled.
+    let has_cfg = func.attrs.iter().any(|a| a.path().is_ident("cfg"));
+    if proc_macro::is_available() && !has_cfg {
+        let name = &func.sig.ident;
+        let span = name.span().unwrap();
+        let site = claims::Site {
+            function: name.to_string(),
+            file: span.file(),
+            line: span.line(),
+        };
+        if let Err(first) = claims::claim(&claims::current_crate(), &scope, site.clone()) {
+            errs.push(
+                spec.scope.span(),
+                format!(
+                    "scope `{scope}` is claimed by two functions in this crate: `{}` ({}:{}) \
+                     and `{}` ({}:{}). Records are identified by scope, so the two would \
+                     replay each other's results; give each function its own scope",
+                    first.function, first.file, first.line, site.function, site.file, site.line
+                ),
+            );
+        }
+    }
+    match errs.into_error() {
+        Some(e) => Err(e),
+        None => Ok(resolved),
+    }
+}
+
+fn duration(krate: &TokenStream, d: Duration) -> TokenStream {
+    let millis = d.as_millis();
+    if d.subsec_nanos().is_multiple_of(1_000_000) && u64::try_from(millis).is_ok() {
+        let millis = millis as u64;
+        quote!(#krate::__private::Duration::from_millis(#millis))
+    } else {
+        let (secs, nanos) = (d.as_secs(), d.subsec_nanos());
+        quote!(#krate::__private::Duration::new(#secs, #nanos))
+    }
+}
+
+pub(crate) fn generate(func: &ItemFn, spec: &Spec, resolved: &Resolved) -> TokenStream {
+    let krate = &spec.krate;
+    let ItemFn {
+        attrs,
+        vis,
+        sig,
+        block,
+    } = func;
+    let name = &sig.ident;
+    let name_text = name.to_string();
+    let scope = &spec.scope;
+    let ret = match &sig.output {
+        syn::ReturnType::Type(_, ty) => quote!(#ty),
+        syn::ReturnType::Default => quote!(()), // unreachable: validated to be a Result
+    };
+
+    let file = quote_spanned!(name.span()=> file!());
+    let line = quote_spanned!(name.span()=> line!());
+    let ttl = duration(krate, resolved.ttl);
+    let lease = duration(krate, resolved.lease);
+    let in_progress = match spec.in_progress {
+        InProgress::Wait(d) => {
+            let d = duration(krate, d);
+            quote!(#krate::__private::InProgressPolicy::Wait(#d))
+        }
+        InProgress::Reject => quote!(#krate::__private::InProgressPolicy::Reject),
+    };
+    let (error_policy, error_handling) = match &spec.errors {
+        Errors::Release => (
+            quote!(#krate::__private::ErrorPolicy::Release),
+            quote!(#krate::__private::ReleaseErrors),
+        ),
+        Errors::Record => (
+            quote!(#krate::__private::ErrorPolicy::Record),
+            quote!(#krate::__private::RecordErrors),
+        ),
+        Errors::RecordIf(path) => {
+            let text = args::path_text(path);
+            (
+                quote!(#krate::__private::ErrorPolicy::RecordIf(#text)),
+                quote!(#krate::__private::RecordErrorsIf(#path)),
+            )
+        }
+    };
+    let transactional = spec.tx.is_some();
+    let fingerprinted = spec.fingerprint;
+    let shared = matches!(spec.tenant, Tenant::Shared);
+    let fp_names: Vec<String> = spec.fingerprinted.iter().map(|i| i.to_string()).collect();
+
+    let manifest_tracking = resolved.manifest.as_ref().map(|p| {
+        let p = p.display().to_string();
+        quote!(
+            const _: &[u8] = ::core::include_bytes!(#p);
+        )
+    });
+
+    let key = &spec.key;
+    let identity = match &spec.tenant {
+        Tenant::Shared => {
+            quote!(#krate::__private::shared_identity(&__IDEMPOTENT_SCOPE, &(#key)))
+        }
+        Tenant::Expr(tenant) => {
+            quote!(#krate::__private::identity(&__IDEMPOTENT_SCOPE, &(#tenant), &(#key)))
+        }
+    };
+    let fingerprint = if spec.fingerprinted.is_empty() {
+        quote!(::core::result::Result::Ok(::core::option::Option::None))
+    } else {
+        // Spanned at each parameter, so "`T` is not Serialize" points at it.
+        let arguments = spec.fingerprinted.iter().map(|name| {
+            let text = name.to_string();
+            quote_spanned!(name.span()=> __idempotent_fp.argument(#text, &#name);)
+        });
+        quote!({
+            let mut __idempotent_fp = #krate::__private::FingerprintBuilder::new();
+            #(#arguments)*
+            __idempotent_fp.finish()
+        })
+    };
+
+    let prelude = quote! {
+        static __IDEMPOTENT_SCOPE: #krate::__private::ScopeInfo = #krate::__private::ScopeInfo::__new(
+            #scope,
+            ::core::concat!(::core::module_path!(), "::", #name_text),
+            #file,
+            #line,
+            #ttl,
+            #lease,
+            #in_progress,
+            #error_policy,
+            #transactional,
+            #fingerprinted,
+            &[#(#fp_names),*],
+            #shared,
+        );
+        #krate::__private::inventory::submit! {
+            #krate::__private::Registration(&__IDEMPOTENT_SCOPE)
+        }
+        const _: ::core::option::Option<&str> = ::core::option_env!("IDEMPOTENT_MANIFEST");
+        #manifest_tracking
+    };
+
+    let body = match &spec.tx {
+        None => {
+            let store = match &spec.store {
+                None => quote!(#krate::__private::default_store(&__IDEMPOTENT_SCOPE)),
+                Some(_) => quote!({
+                    use #krate::__private::AsDynStore as _;
+                    #krate::__private::store(__idempotent_store.as_dyn_store())
+                }),
+            };
+            // `&(expr)` keeps a place expression (`self.store`) borrowed rather than
+            // moved, and extends a temporary's life (`store = handle.clone()`).
+            let bind_store = spec
+                .store
+                .as_ref()
+                .map(|expr| quote!(let __idempotent_store = &(#expr);));
+            quote! {
+                #prelude
+                #bind_store
+                let __idempotent_call = #krate::__private::Call {
+                    spec: &__IDEMPOTENT_SCOPE,
+                    store: #store,
+                    identity: #identity,
+                    fingerprint: #fingerprint,
+                };
+                #krate::__private::execute::<#ret, _, _>(
+                    __idempotent_call,
+                    #error_handling,
+                    #krate::__private::body::<#ret, _>(async move #block),
+                )
+                .await
+            }
+        }
+        Some(tx) => quote! {
+            #prelude
+            let __idempotent_call = #krate::__private::TransactionalCall {
+                spec: &__IDEMPOTENT_SCOPE,
+                identity: #identity,
+                fingerprint: #fingerprint,
+            };
+            let __idempotent_errors = #error_handling;
+            let __idempotent_held = match #krate::__private::begin_in_transaction::<#ret, _, _>(
+                __idempotent_call,
+                &__idempotent_errors,
+                &mut *#tx,
+            )
+            .await
+            {
+                #krate::__private::TransactionStep::Return(__idempotent_early) => {
+                    return __idempotent_early
+                }
+                #krate::__private::TransactionStep::Run(__idempotent_held) => __idempotent_held,
+            };
+            // Not `move`: the transaction is used again after the body.
+            let __idempotent_result: #ret =
+                #krate::__private::body::<#ret, _>(async #block).await;
+            #krate::__private::finish_in_transaction::<#ret, _, _>(
+                __idempotent_held,
+                &__idempotent_errors,
+                &mut *#tx,
+                __idempotent_result,
+            )
+            .await
+        },
+    };
+
+    quote! {
+        #(#attrs)*
+        #vis #sig {
+            #body
+        }
+    }
+}
