@@ -32,6 +32,9 @@
 #![warn(missing_docs)]
 
 pub mod audit;
+#[cfg(feature = "cli")]
+pub mod cli;
+pub mod connect;
 pub mod engine;
 pub mod error;
 pub mod fingerprint;
@@ -48,6 +51,7 @@ pub mod transaction;
 #[doc(hidden)]
 pub mod __private;
 
+pub use connect::connect_url;
 pub use engine::{default_store, set_default_store, with_outcome, Outcome, MAX_RESULT_BYTES};
 pub use error::{Error, KeyProblem, RecordContext, StoreError};
 pub use fingerprint::{Fingerprint, FingerprintBuilder};

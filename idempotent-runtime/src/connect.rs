@@ -1,0 +1,108 @@
+//! Open a store from a database URL, choosing the backend by its scheme.
+
+use crate::error::Error;
+use crate::store::Store;
+use std::sync::Arc;
+
+/// Why [`connect_url`] could not open a store.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConnectError {
+    /// The URL's scheme names no store this crate has.
+    #[error("unsupported database URL scheme `{scheme}`; use sqlite:PATH, postgres://..., postgresql://..., mysql://... or mariadb://...")]
+    UnsupportedScheme {
+        /// The scheme found (everything before the first `:`), or the whole URL if it has none.
+        scheme: String,
+    },
+    /// The store for this scheme exists but was compiled out.
+    #[error("the {store} store is not compiled in; enable the `{feature}` feature of idempotent-runtime")]
+    FeatureDisabled {
+        /// The store's name.
+        store: &'static str,
+        /// The Cargo feature that enables it.
+        feature: &'static str,
+    },
+    /// The store could not connect or migrate.
+    #[error(transparent)]
+    Store(#[from] Error),
+}
+
+/// Opens the store a URL names: `sqlite:` → [`SqliteStore`](crate::SqliteStore),
+/// `postgres://` / `postgresql://` → [`PgStore`](crate::PgStore),
+/// `mysql://` / `mariadb://` → [`MySqlStore`](crate::MySqlStore). The
+/// schema migrations apply themselves, as with each store's own `connect`.
+///
+/// ```no_run
+/// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), idempotent_runtime::connect::ConnectError> {
+/// let store = idempotent_runtime::connect_url("sqlite:idempotency.db?mode=rwc").await?;
+/// println!("opened the {} store", store.name());
+/// # Ok(()) }
+/// ```
+pub async fn connect_url(url: &str) -> Result<Arc<dyn Store>, ConnectError> {
+    let scheme = url
+        .split_once(':')
+        .map_or(url, |(scheme, _)| scheme)
+        .to_ascii_lowercase();
+    match scheme.as_str() {
+        "sqlite" => connect_sqlite(url).await,
+        "postgres" | "postgresql" => connect_postgres(url).await,
+        "mysql" | "mariadb" => connect_mysql(url).await,
+        _ => Err(ConnectError::UnsupportedScheme { scheme }),
+    }
+}
+
+#[cfg(feature = "sqlite")]
+async fn connect_sqlite(url: &str) -> Result<Arc<dyn Store>, ConnectError> {
+    Ok(Arc::new(crate::SqliteStore::connect(url).await?))
+}
+#[cfg(not(feature = "sqlite"))]
+async fn connect_sqlite(_: &str) -> Result<Arc<dyn Store>, ConnectError> {
+    Err(ConnectError::FeatureDisabled {
+        store: "SQLite",
+        feature: "sqlite",
+    })
+}
+
+#[cfg(feature = "postgres")]
+async fn connect_postgres(url: &str) -> Result<Arc<dyn Store>, ConnectError> {
+    Ok(Arc::new(crate::PgStore::connect(url).await?))
+}
+#[cfg(not(feature = "postgres"))]
+async fn connect_postgres(_: &str) -> Result<Arc<dyn Store>, ConnectError> {
+    Err(ConnectError::FeatureDisabled {
+        store: "PostgreSQL",
+        feature: "postgres",
+    })
+}
+
+#[cfg(feature = "mysql")]
+async fn connect_mysql(url: &str) -> Result<Arc<dyn Store>, ConnectError> {
+    // sqlx understands `mysql://`; MariaDB speaks the same protocol.
+    let url = match url.get(..10) {
+        Some(p) if p.eq_ignore_ascii_case("mariadb://") => format!("mysql://{}", &url[10..]),
+        _ => url.to_owned(),
+    };
+    Ok(Arc::new(crate::MySqlStore::connect(&url).await?))
+}
+#[cfg(not(feature = "mysql"))]
+async fn connect_mysql(_: &str) -> Result<Arc<dyn Store>, ConnectError> {
+    Err(ConnectError::FeatureDisabled {
+        store: "MySQL",
+        feature: "mysql",
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn unknown_schemes_are_refused_with_the_list() {
+        let e = match connect_url("redis://localhost").await {
+            Err(e) => e,
+            Ok(_) => panic!("redis is not a store"),
+        };
+        assert!(matches!(&e, ConnectError::UnsupportedScheme { scheme } if scheme == "redis"));
+        assert!(e.to_string().contains("postgres://"));
+    }
+}
