@@ -117,6 +117,7 @@ pub enum ManifestError {
 }
 
 #[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
 struct RawManifest {
     #[serde(default)]
     scopes: BTreeMap<String, RawScope>,
@@ -124,9 +125,10 @@ struct RawManifest {
     retired: BTreeMap<String, RawRetired>,
 }
 
-// Unknown keys are ignored: the macro crate reads the same file and may
-// understand more per-scope defaults than this reader.
+// Unknown keys are refused, as the macro refuses them when the code compiles:
+// a typo such as `tll` must not be silently ignored by one reader only.
 #[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
 struct RawScope {
     description: Option<String>,
     ttl: Option<String>,
@@ -134,6 +136,7 @@ struct RawScope {
 }
 
 #[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
 struct RawRetired {
     reason: Option<String>,
 }
@@ -355,6 +358,8 @@ mod tests {
         assert!(matches!(e, ManifestError::BadScopeName { .. }), "{e}");
         let e = Manifest::parse("[scopes.\"a.b\"]\n[retired.\"a.b\"]\n").unwrap_err();
         assert!(matches!(e, ManifestError::DeclaredAndRetired { .. }), "{e}");
+        let e = Manifest::parse("[scopes.\"a.b\"]\ntll = \"1h\"\n").unwrap_err();
+        assert!(e.to_string().contains("tll"), "{e}");
         let e = Manifest::parse("[scopes\n").unwrap_err();
         assert!(matches!(e, ManifestError::Parse { .. }), "{e}");
     }
