@@ -96,7 +96,9 @@ const RESERVE_SQL: &str = concat!(
 const EXISTING_SQL: &str = concat!(
     "SELECT state, fingerprint, lease_expires_at - ",
     now_ms!(),
-    " AS lease_remaining, is_error, result FROM idempotency_records ",
+    " AS lease_remaining, ",
+    row_expired!(),
+    " AS expired, is_error, result FROM idempotency_records ",
     "WHERE tenant = ?1 AND scope = ?2 AND key = ?3"
 );
 
@@ -351,6 +353,37 @@ async fn migrate(pool: &SqlitePool) -> Result<(), StoreError> {
     tx.commit().await.map_err(err(OP))
 }
 
+/// What an existing row (read with `EXISTING_SQL`) answers to a request with
+/// `fingerprint`; `None` when the row is expired or its lease ran out, so the
+/// caller must go through the conditional upsert.
+fn judge(
+    row: &sqlx::sqlite::SqliteRow,
+    fingerprint: Option<&str>,
+) -> Result<Option<Reservation>, StoreError> {
+    const OP: &str = "reserve";
+    let expired: bool = row.try_get("expired").map_err(err(OP))?;
+    if expired {
+        return Ok(None);
+    }
+    let stored_fp: Option<String> = row.try_get("fingerprint").map_err(err(OP))?;
+    if fingerprints_conflict(stored_fp.as_deref(), fingerprint) {
+        return Ok(Some(Reservation::FingerprintMismatch));
+    }
+    let state: String = row.try_get("state").map_err(err(OP))?;
+    if RecordState::parse(&state) == Some(RecordState::Complete) {
+        let is_error: bool = row.try_get("is_error").map_err(err(OP))?;
+        let result: Option<Vec<u8>> = row.try_get("result").map_err(err(OP))?;
+        return Ok(Some(Reservation::Completed(outcome_from(is_error, result))));
+    }
+    let remaining: Option<i64> = row.try_get("lease_remaining").map_err(err(OP))?;
+    Ok(match remaining {
+        Some(ms) if ms > 0 => Some(Reservation::InProgress {
+            lease_remaining: millis_to_duration(ms),
+        }),
+        _ => None,
+    })
+}
+
 fn outcome_from(is_error: bool, result: Option<Vec<u8>>) -> StoredOutcome {
     StoredOutcome {
         is_error,
@@ -368,14 +401,36 @@ impl Store for SqliteStore {
         const OP: &str = "reserve";
         let id = request.identity;
         let fingerprint = request.fingerprint.map(Fingerprint::as_str);
+
+        // Fast path, one read and no write lock: a live record that answers
+        // the request by itself (replay, mismatch, or a live lease). Replays
+        // and waiting duplicates never queue behind writers.
+        let existing = sqlx::query(EXISTING_SQL)
+            .bind(&id.tenant)
+            .bind(&id.scope)
+            .bind(&id.key)
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(err(OP))?;
+        if let Some(answer) = existing
+            .map(|row| judge(&row, fingerprint))
+            .transpose()?
+            .flatten()
+        {
+            return Ok(answer);
+        }
+
+        // Write path: absent, expired, or a lease that ran out. One conditional
+        // upsert decides atomically; when it does not acquire, the row it met
+        // is read in the same transaction (under the write lock).
         let _gate = self.write_gate.lock().await;
         let mut tx = self
             .pool
             .begin_with("BEGIN IMMEDIATE")
             .await
             .map_err(err(OP))?;
-        // Two passes at most: a lease that runs out between the conditional
-        // insert and the read is taken over on the second pass.
+        // Two passes at most: a lease that runs out between the upsert and
+        // the read is taken over on the second pass.
         for _ in 0..2 {
             let acquired: Option<i64> = sqlx::query_scalar(RESERVE_SQL)
                 .bind(&id.tenant)
@@ -394,36 +449,22 @@ impl Store for SqliteStore {
                     took_over: takeovers > 0,
                 });
             }
-            let Some(row) = sqlx::query(EXISTING_SQL)
+            let row = sqlx::query(EXISTING_SQL)
                 .bind(&id.tenant)
                 .bind(&id.scope)
                 .bind(&id.key)
                 .fetch_optional(&mut *tx)
                 .await
-                .map_err(err(OP))?
-            else {
-                continue;
-            };
-            let stored_fp: Option<String> = row.try_get("fingerprint").map_err(err(OP))?;
-            let state: String = row.try_get("state").map_err(err(OP))?;
-            let answer = if fingerprints_conflict(stored_fp.as_deref(), fingerprint) {
-                Reservation::FingerprintMismatch
-            } else if RecordState::parse(&state) == Some(RecordState::Complete) {
-                let is_error: bool = row.try_get("is_error").map_err(err(OP))?;
-                let result: Option<Vec<u8>> = row.try_get("result").map_err(err(OP))?;
-                Reservation::Completed(outcome_from(is_error, result))
-            } else {
-                let remaining: Option<i64> = row.try_get("lease_remaining").map_err(err(OP))?;
-                match remaining {
-                    Some(ms) if ms > 0 => Reservation::InProgress {
-                        lease_remaining: millis_to_duration(ms),
-                    },
-                    _ => continue,
-                }
-            };
-            // Nothing was written: end the transaction without a commit.
-            tx.rollback().await.map_err(err(OP))?;
-            return Ok(answer);
+                .map_err(err(OP))?;
+            if let Some(answer) = row
+                .map(|row| judge(&row, fingerprint))
+                .transpose()?
+                .flatten()
+            {
+                // Nothing was written: end the transaction without a commit.
+                tx.rollback().await.map_err(err(OP))?;
+                return Ok(answer);
+            }
         }
         tx.rollback().await.map_err(err(OP))?;
         // The record's lease ended just as we looked: tell the caller to come back at once.
