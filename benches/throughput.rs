@@ -1,1 +1,367 @@
-fn main() {}
+//! Throughput of an annotated function with a trivial body, next to the same
+//! function unannotated and next to hand-written sqlx doing the same job
+//! (insert-or-read to reserve, one update to complete).
+//!
+//! ```text
+//! cargo bench --bench throughput            # every store reachable
+//! cargo bench --bench throughput -- sqlite  # only scenarios whose name contains "sqlite"
+//! ```
+//!
+//! Each scenario runs a bounded number of calls (and at most a few seconds);
+//! the figures are calls per second and ratios against the baseline named on
+//! the same line. Absolute numbers depend on the machine; the ratios are the point.
+
+use idempotent_runtime::{idempotent, Error, MemoryStore, PgStore, SqliteStore, Store};
+use sqlx::{PgPool, SqlitePool};
+use std::future::Future;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+#[idempotent(scope = "bench.trivial", key = key, tenant = shared, store = store)]
+async fn annotated(store: &dyn Store, key: &str, amount: u64) -> Result<u64, Error> {
+    Ok(amount + 1)
+}
+
+async fn unannotated(_key: &str, amount: u64) -> Result<u64, Error> {
+    Ok(amount + 1)
+}
+
+// ---- hand-written baselines -------------------------------------------------------
+
+const SQLITE_NOW: &str = "CAST(ROUND((julianday('now') - 2440587.5) * 86400000.0) AS INTEGER)";
+
+async fn sqlite_schema(pool: &SqlitePool) -> sqlx::Result<()> {
+    sqlx::query(
+        "CREATE TABLE IF NOT EXISTS bench_records (key TEXT PRIMARY KEY, state TEXT NOT NULL, \
+         owner TEXT, lease_expires_at INTEGER, expires_at INTEGER NOT NULL, result BLOB)",
+    )
+    .execute(pool)
+    .await?;
+    Ok(())
+}
+
+/// What a careful engineer writes by hand on SQLite: reserve (insert, or read
+/// what is there) in one write transaction, run the body, complete with one update.
+async fn hand_sqlite(pool: &SqlitePool, key: &str, amount: u64) -> sqlx::Result<u64> {
+    let owner = uuid::Uuid::new_v4().simple().to_string();
+    let mut tx = pool.begin_with("BEGIN IMMEDIATE").await?;
+    let inserted = sqlx::query(&format!(
+        "INSERT INTO bench_records (key, state, owner, lease_expires_at, expires_at) \
+         VALUES (?1, 'in_progress', ?2, {SQLITE_NOW} + 30000, {SQLITE_NOW} + 86400000) \
+         ON CONFLICT (key) DO NOTHING"
+    ))
+    .bind(key)
+    .bind(&owner)
+    .execute(&mut *tx)
+    .await?
+    .rows_affected()
+        == 1;
+    if !inserted {
+        let result: Option<Vec<u8>> =
+            sqlx::query_scalar("SELECT result FROM bench_records WHERE key = ?1")
+                .bind(key)
+                .fetch_one(&mut *tx)
+                .await?;
+        tx.commit().await?;
+        return Ok(serde_json::from_slice(&result.unwrap_or_default()).unwrap_or(0));
+    }
+    tx.commit().await?;
+    let value = amount + 1;
+    sqlx::query(&format!(
+        "UPDATE bench_records SET state = 'complete', owner = NULL, result = ?1, \
+         expires_at = {SQLITE_NOW} + 86400000 WHERE key = ?2 AND owner = ?3"
+    ))
+    .bind(serde_json::to_vec(&value).unwrap_or_default())
+    .bind(key)
+    .bind(&owner)
+    .execute(pool)
+    .await?;
+    Ok(value)
+}
+
+const PG_NOW: &str = "(extract(epoch from clock_timestamp()) * 1000)::bigint";
+
+async fn pg_schema(pool: &PgPool) -> sqlx::Result<()> {
+    sqlx::query(
+        "CREATE TABLE IF NOT EXISTS bench_records (key TEXT PRIMARY KEY, state TEXT NOT NULL, \
+         owner TEXT, lease_expires_at BIGINT, expires_at BIGINT NOT NULL, result BYTEA)",
+    )
+    .execute(pool)
+    .await?;
+    Ok(())
+}
+
+/// The same by hand on PostgreSQL: insert-or-nothing, read on conflict, update to complete.
+async fn hand_pg(pool: &PgPool, key: &str, amount: u64) -> sqlx::Result<u64> {
+    let owner = uuid::Uuid::new_v4().simple().to_string();
+    let inserted = sqlx::query(&format!(
+        "INSERT INTO bench_records (key, state, owner, lease_expires_at, expires_at) \
+         VALUES ($1, 'in_progress', $2, {PG_NOW} + 30000, {PG_NOW} + 86400000) \
+         ON CONFLICT (key) DO NOTHING"
+    ))
+    .bind(key)
+    .bind(&owner)
+    .execute(pool)
+    .await?
+    .rows_affected()
+        == 1;
+    if !inserted {
+        let result: Option<Vec<u8>> =
+            sqlx::query_scalar("SELECT result FROM bench_records WHERE key = $1")
+                .bind(key)
+                .fetch_one(pool)
+                .await?;
+        return Ok(serde_json::from_slice(&result.unwrap_or_default()).unwrap_or(0));
+    }
+    let value = amount + 1;
+    sqlx::query(&format!(
+        "UPDATE bench_records SET state = 'complete', owner = NULL, result = $1, \
+         expires_at = {PG_NOW} + 86400000 WHERE key = $2 AND owner = $3"
+    ))
+    .bind(serde_json::to_vec(&value).unwrap_or_default())
+    .bind(key)
+    .bind(&owner)
+    .execute(pool)
+    .await?;
+    Ok(value)
+}
+
+// ---- the harness ------------------------------------------------------------------
+
+const MAX_TIME: Duration = Duration::from_secs(4);
+
+/// Runs `call(i)` for i in 0..calls across `concurrency` tasks (bounded by
+/// `MAX_TIME`); returns calls per second.
+async fn measure<F, Fut>(calls: usize, concurrency: usize, call: F) -> f64
+where
+    F: Fn(usize) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = ()> + Send,
+{
+    let call = Arc::new(call);
+    let started = Instant::now();
+    let done = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let mut tasks = Vec::new();
+    for worker in 0..concurrency {
+        let (call, done) = (call.clone(), done.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut i = worker;
+            while i < calls && started.elapsed() < MAX_TIME {
+                call(i).await;
+                done.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                i += concurrency;
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.expect("bench task");
+    }
+    done.load(std::sync::atomic::Ordering::Relaxed) as f64 / started.elapsed().as_secs_f64()
+}
+
+struct Report {
+    filter: Option<String>,
+    rows: Vec<(String, f64, Option<(String, f64)>)>,
+}
+
+impl Report {
+    fn wants(&self, name: &str) -> bool {
+        self.filter.as_deref().is_none_or(|f| name.contains(f))
+    }
+    fn add(&mut self, name: &str, per_sec: f64, baseline: Option<&str>) {
+        let base = baseline.and_then(|b| {
+            self.rows
+                .iter()
+                .find(|r| r.0 == b)
+                .map(|r| (b.to_owned(), r.1))
+        });
+        match &base {
+            Some((b, v)) => println!(
+                "{name:<44} {per_sec:>12.0} calls/s   {:>6.2}x of {b}",
+                per_sec / v
+            ),
+            None => println!("{name:<44} {per_sec:>12.0} calls/s"),
+        }
+        self.rows.push((name.to_owned(), per_sec, base));
+    }
+}
+
+fn fresh(prefix: &str, i: usize) -> String {
+    format!("{prefix}-{i}")
+}
+
+#[tokio::main]
+async fn main() {
+    let filter = std::env::args()
+        .skip(1)
+        .find(|a| !a.starts_with('-'))
+        .filter(|a| a != "throughput");
+    let mut r = Report {
+        filter,
+        rows: Vec::new(),
+    };
+    let run = uuid::Uuid::new_v4().simple().to_string();
+
+    // In-process: what the framework costs with a store that costs nothing.
+    if r.wants("memory") {
+        let n = 200_000;
+        let v = measure(n, 1, |i| async move {
+            let _ = unannotated(&fresh("k", i), i as u64).await;
+        })
+        .await;
+        r.add("memory: unannotated fn", v, None);
+        let store = Arc::new(MemoryStore::new());
+        let s = store.clone();
+        let v = measure(n, 1, move |i| {
+            let s = s.clone();
+            async move {
+                let _ = annotated(&*s, &fresh("m", i), i as u64).await;
+            }
+        })
+        .await;
+        r.add(
+            "memory: annotated, fresh keys",
+            v,
+            Some("memory: unannotated fn"),
+        );
+        let s = store.clone();
+        let v = measure(n, 1, move |i| {
+            let s = s.clone();
+            async move {
+                let _ = annotated(&*s, &fresh("m", i % 1000), (i % 1000) as u64).await;
+            }
+        })
+        .await;
+        r.add(
+            "memory: annotated, replays",
+            v,
+            Some("memory: unannotated fn"),
+        );
+    }
+
+    if r.wants("sqlite") {
+        let path = std::env::temp_dir().join(format!("idempotent-bench-{run}.db"));
+        let url = format!("sqlite://{}?mode=rwc", path.display());
+        let store = SqliteStore::connect(&url).await.expect("open sqlite");
+        let pool = SqlitePool::connect(&url).await.expect("open sqlite pool");
+        sqlite_schema(&pool).await.expect("schema");
+        let n = 5_000;
+        let p = pool.clone();
+        let v = measure(n, 1, move |i| {
+            let p = p.clone();
+            async move {
+                hand_sqlite(&p, &fresh("h", i), i as u64)
+                    .await
+                    .expect("hand sqlite");
+            }
+        })
+        .await;
+        r.add("sqlite: hand-written sqlx, fresh keys", v, None);
+        let s = store.clone();
+        let v = measure(n, 1, move |i| {
+            let s = s.clone();
+            async move {
+                annotated(&s, &fresh("a", i), i as u64)
+                    .await
+                    .expect("annotated sqlite");
+            }
+        })
+        .await;
+        r.add(
+            "sqlite: annotated, fresh keys",
+            v,
+            Some("sqlite: hand-written sqlx, fresh keys"),
+        );
+        let p = pool.clone();
+        let v = measure(n, 1, move |i| {
+            let p = p.clone();
+            async move {
+                hand_sqlite(&p, &fresh("h", i % 500), 0)
+                    .await
+                    .expect("hand sqlite");
+            }
+        })
+        .await;
+        r.add("sqlite: hand-written sqlx, replays", v, None);
+        let s = store.clone();
+        let v = measure(n, 1, move |i| {
+            let s = s.clone();
+            async move {
+                annotated(&s, &fresh("a", i % 500), (i % 500) as u64)
+                    .await
+                    .expect("annotated sqlite replay");
+            }
+        })
+        .await;
+        r.add(
+            "sqlite: annotated, replays",
+            v,
+            Some("sqlite: hand-written sqlx, replays"),
+        );
+        drop((store, pool));
+        for suffix in ["", "-wal", "-shm"] {
+            let _ = std::fs::remove_file(format!("{}{suffix}", path.display()));
+        }
+    }
+
+    if r.wants("postgres") {
+        let url = std::env::var("IDEMPOTENT_PG_URL")
+            .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
+        match (PgStore::connect(&url).await, PgPool::connect(&url).await) {
+            (Ok(store), Ok(pool)) => {
+                pg_schema(&pool).await.expect("schema");
+                for concurrency in [1usize, 32] {
+                    let n = if concurrency == 1 { 3_000 } else { 20_000 };
+                    let tag = |what: &str| format!("postgres x{concurrency}: {what}");
+                    let (hand_fresh, hand_replay) = (
+                        tag("hand-written sqlx, fresh keys"),
+                        tag("hand-written sqlx, replays"),
+                    );
+                    let p = pool.clone();
+                    let pre = format!("{run}-h{concurrency}");
+                    let v = measure(n, concurrency, move |i| {
+                        let (p, k) = (p.clone(), fresh(&pre, i));
+                        async move {
+                            hand_pg(&p, &k, i as u64).await.expect("hand pg");
+                        }
+                    })
+                    .await;
+                    r.add(&hand_fresh, v, None);
+                    let s = store.clone();
+                    let pre = format!("{run}-a{concurrency}");
+                    let v = measure(n, concurrency, move |i| {
+                        let (s, k) = (s.clone(), fresh(&pre, i));
+                        async move {
+                            annotated(&s, &k, i as u64).await.expect("annotated pg");
+                        }
+                    })
+                    .await;
+                    r.add(&tag("annotated, fresh keys"), v, Some(&hand_fresh));
+                    let p = pool.clone();
+                    let pre = format!("{run}-h{concurrency}");
+                    let v = measure(n, concurrency, move |i| {
+                        let (p, k) = (p.clone(), fresh(&pre, i % 500));
+                        async move {
+                            hand_pg(&p, &k, 0).await.expect("hand pg");
+                        }
+                    })
+                    .await;
+                    r.add(&hand_replay, v, None);
+                    let s = store.clone();
+                    let pre = format!("{run}-a{concurrency}");
+                    let v = measure(n, concurrency, move |i| {
+                        let (s, k) = (s.clone(), fresh(&pre, i % 500));
+                        async move {
+                            annotated(&s, &k, (i % 500) as u64)
+                                .await
+                                .expect("annotated pg replay");
+                        }
+                    })
+                    .await;
+                    r.add(&tag("annotated, replays"), v, Some(&hand_replay));
+                }
+            }
+            (Err(e), _) => println!("postgres: SKIPPED ({e})"),
+            (_, Err(e)) => println!("postgres: SKIPPED ({e})"),
+        }
+    }
+}
