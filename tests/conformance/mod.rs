@@ -963,6 +963,55 @@ pub async fn unusual_keys_and_tenants_are_exact<S: Store + Clone + 'static>(stor
     }
 }
 
+/// Bad input: extreme leases and ttls neither fail nor overflow. `Duration::MAX`
+/// means "practically forever"; a zero lease or ttl has already run out.
+pub async fn extreme_durations_are_accepted<S: Store + Clone + 'static>(store: S) {
+    let tenant = fresh_tenant();
+    let forever = id(&tenant, "conformance.durations", "forever");
+    let token = OwnerToken::new();
+    assert_eq!(
+        reserve(&store, &forever, None, &token, Duration::MAX, Duration::MAX).await,
+        Reservation::Acquired { took_over: false }
+    );
+    match reserve(&store, &forever, None, &OwnerToken::new(), LONG, LONG).await {
+        Reservation::InProgress { lease_remaining } => {
+            assert!(lease_remaining > Duration::from_secs(365 * 24 * 3600))
+        }
+        other => panic!("expected InProgress, got {other:?}"),
+    }
+    assert!(store
+        .heartbeat(&forever, &token, Duration::MAX)
+        .await
+        .unwrap());
+    assert!(store
+        .complete(&forever, &token, &ok(b"1"), Duration::MAX)
+        .await
+        .unwrap());
+    let snap = fetch(&store, &forever).await.unwrap();
+    assert!(!snap.is_expired());
+    assert!(snap.expires_at_ms > snap.now_ms);
+    store.purge_expired(1_000).await.expect("purge succeeds");
+    assert!(
+        fetch(&store, &forever).await.is_some(),
+        "a forever record is not purged"
+    );
+
+    // A zero lease has run out at once: the next caller takes over.
+    let zero = id(&tenant, "conformance.durations", "zero-lease");
+    acquire(&store, &zero, None, Duration::ZERO, LONG).await;
+    assert_eq!(
+        reserve(&store, &zero, None, &OwnerToken::new(), LONG, LONG).await,
+        Reservation::Acquired { took_over: true }
+    );
+    // A zero ttl: the completed record is expired at once and counts as absent.
+    let gone = id(&tenant, "conformance.durations", "zero-ttl");
+    record(&store, &gone, None, &ok(b"2"), Duration::ZERO).await;
+    assert_eq!(
+        reserve(&store, &gone, None, &OwnerToken::new(), LONG, LONG).await,
+        Reservation::Acquired { took_over: false }
+    );
+}
+
 // ---------------------------------------------------------------- audit raw material
 
 /// Rules 16 and 19: scope statistics count this test's own scope by state:
@@ -1046,6 +1095,7 @@ macro_rules! store_conformance_tests {
             purge_deletes_only_expired_records,
             big_payload_round_trips,
             unusual_keys_and_tenants_are_exact,
+            extreme_durations_are_accepted,
             scope_stats_count_by_state,
         );
     };

@@ -11,12 +11,12 @@ use crate::identity::Identity;
 use std::time::Duration;
 
 pub mod memory;
-#[cfg(feature = "sqlite")]
-pub mod sqlite;
-#[cfg(feature = "postgres")]
-pub mod postgres;
 #[cfg(feature = "mysql")]
 pub mod mysql;
+#[cfg(feature = "postgres")]
+pub mod postgres;
+#[cfg(feature = "sqlite")]
+pub mod sqlite;
 #[cfg(feature = "sqlite")]
 pub mod sqlite_tx;
 
@@ -281,9 +281,24 @@ pub(crate) fn millis_to_duration(ms: i64) -> Duration {
     Duration::from_millis(ms.max(0) as u64)
 }
 
-/// A duration as whole milliseconds for SQL, saturating.
+/// The longest duration [`duration_to_millis`] gives, in ms (2^60 ms, about
+/// 36 million years): far enough to mean "forever", small enough that
+/// `now + duration` never overflows a 64-bit integer in Rust or in SQL.
+pub const MAX_DURATION_MILLIS: i64 = 1 << 60;
+
+/// A duration as whole milliseconds for SQL, saturating at
+/// [`MAX_DURATION_MILLIS`] so that `now + duration` cannot overflow.
+///
+/// ```
+/// use idempotent_runtime::store::{duration_to_millis, MAX_DURATION_MILLIS};
+/// use std::time::Duration;
+/// assert_eq!(duration_to_millis(Duration::from_secs(2)), 2_000);
+/// assert_eq!(duration_to_millis(Duration::MAX), MAX_DURATION_MILLIS);
+/// ```
 pub fn duration_to_millis(d: Duration) -> i64 {
-    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+    i64::try_from(d.as_millis())
+        .unwrap_or(i64::MAX)
+        .min(MAX_DURATION_MILLIS)
 }
 
 /// Whether two fingerprints contradict each other: only when both exist and differ.

@@ -24,10 +24,6 @@ const BUSY_TIMEOUT: Duration = Duration::from_secs(10);
 /// Connections in the pool of a file database opened with [`SqliteStore::connect`].
 const MAX_FILE_CONNECTIONS: u32 = 8;
 
-/// Longest lease or ttl written, in ms (about 36 million years): keeps `now + ttl`
-/// inside SQLite's 64-bit integers.
-const MAX_DURATION_MS: i64 = 1 << 60;
-
 /// The table our own migrations are recorded in. Not `_sqlx_migrations`, so a
 /// database shared with the application's own sqlx migrations (see
 /// [`SqliteStore::from_pool`]) keeps the two histories apart.
@@ -162,8 +158,9 @@ fn err(operation: &'static str) -> impl FnOnce(sqlx::Error) -> StoreError {
     move |e| StoreError::new(STORE, operation, e)
 }
 
+/// A lease or ttl for SQL; capped so `now + d` stays inside 64-bit integers.
 fn ms(d: Duration) -> i64 {
-    duration_to_millis(d).min(MAX_DURATION_MS)
+    duration_to_millis(d)
 }
 
 /// The embedded SQLite store: the default for single-machine services and the
