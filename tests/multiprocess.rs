@@ -267,7 +267,11 @@ async fn crash_before_commit(backend: Backend) {
         .expect("SIGKILL between the body and the commit");
     let _ = worker.wait();
 
-    let identity = idempotent_runtime::Identity::new(&tenant, "worker.tx", key).expect("identity");
+    let scope = match backend {
+        Backend::Pg => "worker.tx_pg",
+        Backend::MySql => "worker.tx_mysql",
+    };
+    let identity = idempotent_runtime::Identity::new(&tenant, scope, key).expect("identity");
     // The server notices the dead connection and rolls its transaction back,
     // which frees the row lock. Until then a reservation answers InProgress;
     // poll (bounded) until one is acquired: fresh, not a takeover, so no

@@ -16,17 +16,12 @@
 //! * `hold`: lease 2 s; the body writes a side-effect row, prints `holding`, and
 //!   sleeps for 10 minutes: the test kills it with SIGKILL.
 //! * `takeover`: the same scope as `hold`; a short body, waiting up to 60 s.
-//! * `tx-crash`: transactional mode; the body writes a business row in the
-//!   caller's transaction, the result is recorded in it, then the worker prints
+//! * `tx-crash`: transactional mode (`tx = tx`, scope `worker.tx_pg` or
+//!   `worker.tx_mysql`); the body writes a business row in the caller's
+//!   transaction, the result is recorded in it, then the worker prints
 //!   `before-commit` and sleeps until killed (the commit never happens).
 
-use idempotent_runtime::__private::{
-    begin_in_transaction, finish_in_transaction, ReleaseErrors, TransactionStep, TransactionalCall,
-};
-use idempotent_runtime::registry::{ErrorPolicy, InProgressPolicy, ScopeInfo};
-use idempotent_runtime::{
-    idempotent, with_outcome, Error, Identity, MySqlStore, Outcome, PgStore, Store,
-};
+use idempotent_runtime::{idempotent, with_outcome, Error, MySqlStore, Outcome, PgStore, Store};
 use serde::{Deserialize, Serialize};
 use std::io::Write;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -102,49 +97,60 @@ async fn crashable(
     })
 }
 
-static TX_SPEC: ScopeInfo = ScopeInfo::__new(
-    "worker.tx",
-    "idempotent_worker::tx_crash",
-    file!(),
-    line!(),
-    Duration::from_secs(3600),
-    Duration::from_secs(30),
-    InProgressPolicy::Wait(Duration::from_secs(5)),
-    ErrorPolicy::Release,
-    true,
-    false,
-    &[],
-    false,
-);
+#[idempotent(scope = "worker.tx_pg", key = key, tenant = tenant, tx = tx, ttl = "1h",
+             in_progress = wait("5s"))]
+async fn tx_charge_pg(
+    tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
+    tenant: &str,
+    key: &str,
+) -> Result<Done, Error> {
+    sqlx::query(
+        "INSERT INTO idempotent_test_charges (tenant, idem_key, amount) VALUES ($1, $2, 1)",
+    )
+    .bind(tenant)
+    .bind(key)
+    .execute(&mut **tx)
+    .await
+    .map_err(|e| idempotent_runtime::StoreError::new("test", "business write", e))?;
+    Ok(Done {
+        pid: std::process::id(),
+    })
+}
 
-/// Transactional mode, crashing between the body and the commit.
+#[idempotent(scope = "worker.tx_mysql", key = key, tenant = tenant, tx = tx, ttl = "1h",
+             in_progress = wait("5s"))]
+async fn tx_charge_mysql(
+    tx: &mut sqlx::Transaction<'_, sqlx::MySql>,
+    tenant: &str,
+    key: &str,
+) -> Result<Done, Error> {
+    sqlx::query("INSERT INTO idempotent_test_charges (tenant, idem_key, amount) VALUES (?, ?, 1)")
+        .bind(tenant)
+        .bind(key)
+        .execute(&mut **tx)
+        .await
+        .map_err(|e| idempotent_runtime::StoreError::new("test", "business write", e))?;
+    Ok(Done {
+        pid: std::process::id(),
+    })
+}
+
+/// The body ran in this call (not a replay or a refusal).
+fn executed(answer: (Result<Done, Error>, Option<Outcome>)) -> Result<(), String> {
+    match answer {
+        (Ok(_), Some(Outcome::Executed)) => Ok(()),
+        (Ok(_), _) => Err("the reservation was not acquired (replayed)".into()),
+        (Err(e), _) => Err(e.to_string()),
+    }
+}
+
+/// Transactional mode, crashing between the body and the commit: the business
+/// row and the recorded result are written in the transaction, which never commits.
 async fn tx_crash(db: &Db, tenant: &str, key: &str) -> Result<(), String> {
-    let call = || TransactionalCall {
-        spec: &TX_SPEC,
-        identity: Identity::new(tenant, TX_SPEC.scope, key),
-        fingerprint: Ok(None),
-    };
-    let pid = std::process::id();
-    let done = Ok::<_, Error>(Done { pid });
     match db {
         Db::Pg(pool) => {
             let mut tx = pool.begin().await.map_err(|e| e.to_string())?;
-            let step: TransactionStep<Result<Done, Error>> =
-                begin_in_transaction(call(), &ReleaseErrors, &mut tx).await;
-            let TransactionStep::Run(held) = step else {
-                return Err("the reservation was not acquired".into());
-            };
-            sqlx::query(
-                "INSERT INTO idempotent_test_charges (tenant, idem_key, amount) VALUES ($1, $2, 1)",
-            )
-            .bind(tenant)
-            .bind(key)
-            .execute(&mut *tx)
-            .await
-            .map_err(|e| e.to_string())?;
-            finish_in_transaction(held, &ReleaseErrors, &mut tx, done)
-                .await
-                .map_err(|e| e.to_string())?;
+            executed(with_outcome(tx_charge_pg(&mut tx, tenant, key)).await)?;
             println!("before-commit");
             let _ = std::io::stdout().flush();
             tokio::time::sleep(Duration::from_secs(600)).await;
@@ -152,22 +158,7 @@ async fn tx_crash(db: &Db, tenant: &str, key: &str) -> Result<(), String> {
         }
         Db::My(pool) => {
             let mut tx = pool.begin().await.map_err(|e| e.to_string())?;
-            let step: TransactionStep<Result<Done, Error>> =
-                begin_in_transaction(call(), &ReleaseErrors, &mut tx).await;
-            let TransactionStep::Run(held) = step else {
-                return Err("the reservation was not acquired".into());
-            };
-            sqlx::query(
-                "INSERT INTO idempotent_test_charges (tenant, idem_key, amount) VALUES (?, ?, 1)",
-            )
-            .bind(tenant)
-            .bind(key)
-            .execute(&mut *tx)
-            .await
-            .map_err(|e| e.to_string())?;
-            finish_in_transaction(held, &ReleaseErrors, &mut tx, done)
-                .await
-                .map_err(|e| e.to_string())?;
+            executed(with_outcome(tx_charge_mysql(&mut tx, tenant, key)).await)?;
             println!("before-commit");
             let _ = std::io::stdout().flush();
             tokio::time::sleep(Duration::from_secs(600)).await;
