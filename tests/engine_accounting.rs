@@ -1,0 +1,235 @@
+//! What the engine asks of its store, and what it writes to the logs.
+//!
+//! - DESIGN §5: per call, one reservation and one completion; a replay is one
+//!   reservation and nothing else; fast bodies never heartbeat.
+//! - Rule 9: a long body heartbeats; a failing heartbeat is visible (log + metric).
+//! - Rule 2: raw keys never appear in logs — the scope and a short digest do.
+//!
+//! `Counting` wraps a real `MemoryStore` and counts the calls that reach it.
+
+use idempotent_runtime::{
+    idempotent, Error, Identity, MemoryStore, OwnerToken, RecordSnapshot, Reservation,
+    ReserveRequest, ScopeStats, Store, StoreError, StoredOutcome,
+};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+#[derive(Default)]
+struct Calls {
+    reserve: AtomicUsize,
+    complete: AtomicUsize,
+    release: AtomicUsize,
+    heartbeat: AtomicUsize,
+}
+
+struct Counting {
+    inner: MemoryStore,
+    calls: Calls,
+    fail_heartbeats: AtomicBool,
+}
+
+impl Counting {
+    fn new() -> Self {
+        Counting {
+            inner: MemoryStore::new(),
+            calls: Calls::default(),
+            fail_heartbeats: AtomicBool::new(false),
+        }
+    }
+    fn counts(&self) -> [usize; 4] {
+        let c = &self.calls;
+        [&c.reserve, &c.complete, &c.release, &c.heartbeat].map(|a| a.load(Ordering::SeqCst))
+    }
+}
+
+#[async_trait::async_trait]
+impl Store for Counting {
+    fn name(&self) -> &'static str {
+        "counting"
+    }
+    async fn reserve(&self, r: ReserveRequest<'_>) -> Result<Reservation, StoreError> {
+        self.calls.reserve.fetch_add(1, Ordering::SeqCst);
+        self.inner.reserve(r).await
+    }
+    async fn complete(
+        &self,
+        i: &Identity,
+        t: &OwnerToken,
+        o: &StoredOutcome,
+        ttl: Duration,
+    ) -> Result<bool, StoreError> {
+        self.calls.complete.fetch_add(1, Ordering::SeqCst);
+        self.inner.complete(i, t, o, ttl).await
+    }
+    async fn release(&self, i: &Identity, t: &OwnerToken) -> Result<bool, StoreError> {
+        self.calls.release.fetch_add(1, Ordering::SeqCst);
+        self.inner.release(i, t).await
+    }
+    async fn heartbeat(
+        &self,
+        i: &Identity,
+        t: &OwnerToken,
+        lease: Duration,
+    ) -> Result<bool, StoreError> {
+        self.calls.heartbeat.fetch_add(1, Ordering::SeqCst);
+        if self.fail_heartbeats.load(Ordering::SeqCst) {
+            return Err(StoreError::new("counting", "heartbeat", "injected failure"));
+        }
+        self.inner.heartbeat(i, t, lease).await
+    }
+    fn release_detached(&self, i: Identity, t: OwnerToken) {
+        self.calls.release.fetch_add(1, Ordering::SeqCst);
+        self.inner.release_detached(i, t)
+    }
+    async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError> {
+        self.inner.purge_expired(batch).await
+    }
+    async fn fetch(&self, i: &Identity) -> Result<Option<RecordSnapshot>, StoreError> {
+        self.inner.fetch(i).await
+    }
+    async fn scope_stats(&self) -> Result<Vec<ScopeStats>, StoreError> {
+        self.inner.scope_stats().await
+    }
+}
+
+#[idempotent(scope = "accounting.quick", key = key, tenant = tenant, store = store)]
+async fn quick(store: &Counting, tenant: &str, key: &str, amount: u64) -> Result<u64, Error> {
+    Ok(amount)
+}
+
+#[idempotent(scope = "accounting.slow", key = key, tenant = tenant, store = store,
+             lease = "150ms", skip(pause_ms))]
+async fn slow(store: &Counting, tenant: &str, key: &str, pause_ms: u64) -> Result<u64, Error> {
+    tokio::time::sleep(Duration::from_millis(pause_ms)).await;
+    Ok(pause_ms)
+}
+
+#[tokio::test]
+async fn a_fresh_call_reserves_once_and_completes_once_and_a_replay_only_reserves() {
+    let store = Counting::new();
+    assert_eq!(quick(&store, "t", "k", 5).await.unwrap(), 5);
+    assert_eq!(
+        store.counts(),
+        [1, 1, 0, 0],
+        "[reserve, complete, release, heartbeat] for a fresh call"
+    );
+    assert_eq!(quick(&store, "t", "k", 5).await.unwrap(), 5);
+    assert_eq!(
+        store.counts(),
+        [2, 1, 0, 0],
+        "a replay costs one reservation and nothing else"
+    );
+    assert!(matches!(
+        quick(&store, "t", "k", 6).await,
+        Err(Error::FingerprintMismatch(_))
+    ));
+    assert_eq!(
+        store.counts(),
+        [3, 1, 0, 0],
+        "a mismatch is answered by the reservation alone"
+    );
+}
+
+#[tokio::test]
+async fn a_long_body_heartbeats_and_a_fast_one_never_does() {
+    let store = Counting::new();
+    slow(&store, "t", "fast", 0).await.unwrap();
+    assert_eq!(store.counts()[3], 0, "a fast body never heartbeats");
+    slow(&store, "t", "long", 400).await.unwrap();
+    assert!(
+        store.counts()[3] >= 3,
+        "a 400 ms body under a 150 ms lease renews every 50 ms: {:?}",
+        store.counts()
+    );
+}
+
+#[tokio::test]
+async fn a_failing_heartbeat_is_counted_and_logged() {
+    let logs = capture_logs();
+    let store = Counting::new();
+    store.fail_heartbeats.store(true, Ordering::SeqCst);
+    let before = idempotent_runtime::metrics::snapshot().heartbeat_failures;
+    slow(&store, "t", "hb-fails", 300).await.unwrap();
+    let after = idempotent_runtime::metrics::snapshot().heartbeat_failures;
+    assert!(
+        after > before,
+        "heartbeat failures are counted ({before} -> {after})"
+    );
+    let text = logs.lock().unwrap().clone();
+    assert!(text.contains("heartbeat failed"), "and logged:\n{text}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn logs_carry_the_scope_and_a_digest_never_the_raw_key() {
+    let logs = capture_logs();
+    let store = Arc::new(Counting::new());
+    let secret = "sk_live_SECRET-KEY-4242";
+    quick(&store, "tenant-x", secret, 1).await.unwrap(); // executed
+    quick(&store, "tenant-x", secret, 1).await.unwrap(); // replayed
+    let _ = quick(&store, "tenant-x", secret, 2).await; // mismatch
+    let running = {
+        let store = store.clone();
+        tokio::spawn(async move { slow(&store, "tenant-x", secret, 300).await })
+    };
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let _ = slow(&store, "tenant-x", secret, 300).await; // waits, then replays
+    running.await.unwrap().unwrap();
+    let dropped = tokio::time::timeout(
+        Duration::from_millis(50),
+        slow(&store, "tenant-x", "sk_live_SECRET-dropped", 5_000),
+    )
+    .await;
+    assert!(dropped.is_err());
+
+    let text = logs.lock().unwrap().clone();
+    let digest = Identity::new("tenant-x", "accounting.quick", secret)
+        .unwrap()
+        .key_digest();
+    for expected in [
+        "executed",
+        "replayed",
+        "refused",
+        "accounting.quick",
+        digest.as_str(),
+    ] {
+        assert!(
+            text.contains(expected),
+            "logs mention {expected:?}:\n{text}"
+        );
+    }
+    assert!(
+        !text.contains("SECRET"),
+        "a raw key reached the logs:\n{text}"
+    );
+}
+
+/// Captures every event (any level, any thread) into one process-wide buffer.
+/// Tests only look for what they themselves caused, so sharing it is fine.
+fn capture_logs() -> Arc<Mutex<String>> {
+    static LOGS: std::sync::OnceLock<Arc<Mutex<String>>> = std::sync::OnceLock::new();
+    #[derive(Clone)]
+    struct Buf(Arc<Mutex<String>>);
+    impl std::io::Write for Buf {
+        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().push_str(&String::from_utf8_lossy(b));
+            Ok(b.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    LOGS.get_or_init(|| {
+        let buf = Arc::new(Mutex::new(String::new()));
+        let writer = Buf(buf.clone());
+        let subscriber = tracing_subscriber::fmt()
+            .with_max_level(tracing::Level::TRACE)
+            .with_ansi(false)
+            .with_writer(move || writer.clone())
+            .finish();
+        tracing::subscriber::set_global_default(subscriber)
+            .expect("no other subscriber in this test binary");
+        buf
+    })
+    .clone()
+}
