@@ -100,6 +100,8 @@ pub(crate) struct Param {
     /// Where to point at in messages.
     pub span: Span,
     pub is_self: bool,
+    /// `_: T`
+    pub is_wildcard: bool,
 }
 
 /// Everything the attribute and the function declare, validated.
@@ -187,17 +189,20 @@ pub(crate) fn params(func: &ItemFn) -> Vec<Param> {
                 name: Some(Ident::new("self", r.self_token.span)),
                 span: r.span(),
                 is_self: true,
+                is_wildcard: false,
             },
             FnArg::Typed(t) => match &*t.pat {
                 Pat::Ident(p) if p.subpat.is_none() => Param {
                     name: Some(p.ident.clone()),
                     span: p.ident.span(),
                     is_self: p.ident == "self",
+                    is_wildcard: false,
                 },
                 other => Param {
                     name: None,
                     span: other.span(),
                     is_self: false,
+                    is_wildcard: matches!(other, Pat::Wild(_)),
                 },
             },
         })
@@ -471,6 +476,12 @@ pub(crate) fn validate(raw: RawArgs, func: &ItemFn, attr_span: Span) -> Result<S
             match &p.name {
                 Some(n) if named_directly.contains(&n) || skipped.contains(n) => {}
                 Some(n) => fingerprinted.push(n.clone()),
+                None if p.is_wildcard => errs.push(
+                    p.span,
+                    "a `_` parameter cannot be fingerprinted because it has no name; name it \
+                     (`_unused: u8`) and list it in `skip(...)` if it is not part of the \
+                     request, or turn the fingerprint off with `fingerprint = false`",
+                ),
                 None => errs.push(
                     p.span,
                     "this parameter is a pattern, so #[idempotent] cannot name it in the \

@@ -22,8 +22,8 @@ pub(crate) fn entry(attr: TokenStream, item: TokenStream) -> TokenStream {
             let e = syn::Error::new(
                 e.span(),
                 format!(
-                    "#[idempotent] goes on an `async fn` with a body (a free function or a \
-                     method in an `impl` block): {e}"
+                    "#[idempotent] goes on an `async fn` with a body: a free function, or a \
+                     method in an `impl` block (not a trait's declaration): {e}"
                 ),
             );
             return with_error(item, e);
@@ -43,9 +43,11 @@ pub(crate) fn entry(attr: TokenStream, item: TokenStream) -> TokenStream {
     }
 }
 
+/// The item as written (so callers still compile) plus the errors. Unused
+/// parameters are expected while the attribute is broken; do not add noise.
 fn with_error(item: TokenStream, error: syn::Error) -> TokenStream {
     let error = error.to_compile_error();
-    quote!(#item #error)
+    quote!(#[allow(unused_variables)] #item #error)
 }
 
 /// What the manifest added.

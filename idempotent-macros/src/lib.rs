@@ -57,7 +57,9 @@ use proc_macro::TokenStream;
 ///   and the recorded result are written in that transaction and commit or roll
 ///   back with your own writes. Cannot be combined with `store`.
 /// - **`skip(a, b)`** — parameters left out of the fingerprint (handles,
-///   clocks, loggers, anything that is not part of the request).
+///   clocks, loggers, anything that is not part of the request). Naming a
+///   parameter that is already left out (`self`, or one named directly by
+///   `key`/`tenant`/`store`/`tx`) is allowed and changes nothing.
 /// - **`fingerprint = false`** — no fingerprint at all: a reused key is never
 ///   refused for carrying different arguments. Cannot be combined with `skip`.
 /// - **`ttl = "24h"`** — how long a completed record is kept (default `24h`, or
@@ -113,7 +115,12 @@ use proc_macro::TokenStream;
 /// (in transactional mode a plain `async` block, so the transaction can be used
 /// after it). `return` and `?` in the body behave as before. The function is
 /// registered (`idempotent_runtime::registry::scopes()`) with its scope, path
-/// (`module::function`), file, line, and policies.
+/// (`module::function`; for a method `module::method`, as an attribute cannot
+/// see the `impl`'s type), the file and line of its name, and its policies.
+///
+/// The store expression is borrowed for the whole call. If it borrows an owned
+/// parameter that the body also moves (`store: Arc<dyn Store>` used in the
+/// body), write `store = store.clone(), skip(store)`.
 #[proc_macro_attribute]
 pub fn idempotent(attr: TokenStream, item: TokenStream) -> TokenStream {
     expand::entry(attr.into(), item.into()).into()

@@ -131,8 +131,8 @@ pub(crate) fn check(
             .map(|r| format!(": \"{r}\""))
             .unwrap_or_default();
         return Err(format!(
-            "scope `{scope_name}` is retired in `{}`{reason}. Records written under a retired \
-             scope are orphans; use the scope that replaced it",
+            "scope `{scope_name}` is retired in `{}`{reason}. A retired name must not be \
+             claimed again (new records would mix with old ones); use the scope that replaced it",
             path.display()
         ));
     }

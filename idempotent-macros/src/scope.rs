@@ -32,10 +32,14 @@ pub(crate) fn check_format(scope: &str) -> Result<(), String> {
             ));
         }
         if let Some(c) = segment.chars().find(|c| c.is_ascii_uppercase()) {
+            let lower = scope.to_ascii_lowercase();
+            let fix = if check_format(&lower).is_ok() {
+                format!(": write `{lower}`")
+            } else {
+                String::new()
+            };
             return Err(format!(
-                "the scope contains the uppercase letter `{c}`; scopes are lowercase, \
-                 write `{}`",
-                scope.to_ascii_lowercase()
+                "the scope contains the uppercase letter `{c}`; scopes are lowercase{fix}"
             ));
         }
         if let Some(c) = segment

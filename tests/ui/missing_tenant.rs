@@ -1,0 +1,8 @@
+use idempotent_runtime::{idempotent, Error};
+
+#[idempotent(scope = "payments.charge", key = key)]
+async fn charge(account: &str, key: &str) -> Result<u8, Error> {
+    Ok(1)
+}
+
+fn main() {}
