@@ -83,7 +83,10 @@ fn compile_time_checks(func: &ItemFn, spec: &Spec) -> Result<Resolved, syn::Erro
     // A function under `#[cfg]` may have a twin under the opposite cfg claiming
     // the same scope; only claim functions that are certainly compiled.
     let has_cfg = func.attrs.iter().any(|a| a.path().is_ident("cfg"));
-    if proc_macro::is_available() && !has_cfg {
+    // Without cargo's crate name (a tool expanding outside cargo) claims from
+    // different crates could not be told apart; skip rather than misreport.
+    let in_cargo = std::env::var_os("CARGO_CRATE_NAME").is_some();
+    if proc_macro::is_available() && !has_cfg && in_cargo {
         let name = &func.sig.ident;
         let span = name.span().unwrap();
         let site = claims::Site {

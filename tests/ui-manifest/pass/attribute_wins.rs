@@ -13,5 +13,9 @@ fn main() {
         .find(|s| s.scope == "orders.cancel")
         .expect("registered");
     assert_eq!(cancel.ttl, Duration::from_secs(3600), "the attribute wins");
-    assert_eq!(cancel.lease, Duration::from_secs(5), "the manifest's default");
+    assert_eq!(
+        cancel.lease,
+        Duration::from_secs(5),
+        "the manifest's default"
+    );
 }

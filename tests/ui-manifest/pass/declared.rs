@@ -31,9 +31,17 @@ fn main() {
             .unwrap_or_else(|| panic!("{scope} not registered"))
     };
     let place = find("orders.place");
-    assert_eq!(place.ttl, Duration::from_secs(24 * 3600), "built-in default");
+    assert_eq!(
+        place.ttl,
+        Duration::from_secs(24 * 3600),
+        "built-in default"
+    );
     assert_eq!(place.lease, Duration::from_secs(30), "built-in default");
     let cancel = find("orders.cancel");
-    assert_eq!(cancel.ttl, Duration::from_secs(48 * 3600), "manifest default");
+    assert_eq!(
+        cancel.ttl,
+        Duration::from_secs(48 * 3600),
+        "manifest default"
+    );
     assert_eq!(cancel.lease, Duration::from_secs(5), "manifest default");
 }

@@ -37,7 +37,10 @@ impl Refunds for Service {
 
 #[tokio::main(flavor = "current_thread")]
 async fn main() {
-    let service = Service { store: MemoryStore::new(), tenant: "t".into() };
+    let service = Service {
+        store: MemoryStore::new(),
+        tenant: "t".into(),
+    };
     assert_eq!(service.method("k", 1).await.unwrap(), 2);
     assert_eq!(generic(&service.store, "k", 3).await.unwrap(), 3);
     assert_eq!(dynamic(&service.store, "k", 4).await.unwrap(), 4);

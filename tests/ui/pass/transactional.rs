@@ -79,11 +79,17 @@ pub async fn place(tx: &mut FakeTx, tenant: &str, key: &str, amount: u64) -> Res
 
 #[tokio::main(flavor = "current_thread")]
 async fn main() {
-    let mut tx = FakeTx { store: MemoryStore::new(), statements: 0 };
+    let mut tx = FakeTx {
+        store: MemoryStore::new(),
+        statements: 0,
+    };
     assert_eq!(place(&mut tx, "t", "k", 3).await.unwrap(), 3);
     assert_eq!(tx.statements, 102); // reserve + body + complete
     assert_eq!(place(&mut tx, "t", "k", 3).await.unwrap(), 3); // replayed
     assert_eq!(tx.statements, 103); // one reserve answered it; the body did not run
-    assert!(matches!(place(&mut tx, "t", "k", 4).await, Err(Error::FingerprintMismatch(_))));
+    assert!(matches!(
+        place(&mut tx, "t", "k", 4).await,
+        Err(Error::FingerprintMismatch(_))
+    ));
     tx.statements = 0; // still ours after the calls
 }
