@@ -281,16 +281,96 @@ impl SqliteStore {
         token: &OwnerToken,
     ) -> Result<bool, StoreError> {
         let _gate = self.write_gate.lock().await;
-        let done = sqlx::query(RELEASE_SQL)
-            .bind(&identity.tenant)
-            .bind(&identity.scope)
-            .bind(&identity.key)
-            .bind(token.as_str())
-            .execute(&self.pool)
-            .await
-            .map_err(err("release"))?;
-        Ok(done.rows_affected() > 0)
+        release_on(&self.pool, identity, token).await
     }
+}
+
+/// Completes the record, fenced by `token`, on a pool or on the caller's
+/// connection (transactional mode).
+pub(super) async fn complete_on<'e, E: sqlx::Executor<'e, Database = sqlx::Sqlite>>(
+    executor: E,
+    identity: &Identity,
+    token: &OwnerToken,
+    outcome: &StoredOutcome,
+    ttl: Duration,
+) -> Result<bool, StoreError> {
+    let done = sqlx::query(COMPLETE_SQL)
+        .bind(&identity.tenant)
+        .bind(&identity.scope)
+        .bind(&identity.key)
+        .bind(token.as_str())
+        .bind(ms(ttl))
+        .bind(outcome.is_error)
+        .bind(&outcome.payload[..])
+        .execute(executor)
+        .await
+        .map_err(err("complete"))?;
+    Ok(done.rows_affected() > 0)
+}
+
+/// Deletes the in-progress record, fenced by `token`.
+pub(super) async fn release_on<'e, E: sqlx::Executor<'e, Database = sqlx::Sqlite>>(
+    executor: E,
+    identity: &Identity,
+    token: &OwnerToken,
+) -> Result<bool, StoreError> {
+    let done = sqlx::query(RELEASE_SQL)
+        .bind(&identity.tenant)
+        .bind(&identity.scope)
+        .bind(&identity.key)
+        .bind(token.as_str())
+        .execute(executor)
+        .await
+        .map_err(err("release"))?;
+    Ok(done.rows_affected() > 0)
+}
+
+/// The write path of a reservation, on a connection already inside a write
+/// transaction (the store's `BEGIN IMMEDIATE`, or the caller's own in
+/// transactional mode): one conditional upsert decides atomically; when it
+/// does not acquire, the row it met is read and judged.
+pub(super) async fn reserve_in(
+    conn: &mut sqlx::SqliteConnection,
+    request: ReserveRequest<'_>,
+) -> Result<Reservation, sqlx::Error> {
+    let id = request.identity;
+    let fingerprint = request.fingerprint.map(Fingerprint::as_str);
+    // Two passes at most: a lease that runs out between the upsert and the
+    // read is taken over on the second pass.
+    for _ in 0..2 {
+        let acquired: Option<i64> = sqlx::query_scalar(RESERVE_SQL)
+            .bind(&id.tenant)
+            .bind(&id.scope)
+            .bind(&id.key)
+            .bind(fingerprint)
+            .bind(request.token.as_str())
+            .bind(ms(request.lease))
+            .bind(ms(request.ttl))
+            .fetch_optional(&mut *conn)
+            .await?;
+        if let Some(takeovers) = acquired {
+            return Ok(Reservation::Acquired {
+                took_over: takeovers > 0,
+            });
+        }
+        let row = sqlx::query(EXISTING_SQL)
+            .bind(&id.tenant)
+            .bind(&id.scope)
+            .bind(&id.key)
+            .fetch_optional(&mut *conn)
+            .await?;
+        if let Some(answer) = row
+            .map(|row| judge(&row, fingerprint))
+            .transpose()?
+            .flatten()
+        {
+            return Ok(answer);
+        }
+    }
+    // The record's lease ended just as we looked: tell the caller to come back at once.
+    Ok(Reservation::InProgress {
+        lease_remaining: Duration::ZERO,
+    })
 }
 
 /// Applies the embedded migrations that this database has not seen, in one
@@ -356,23 +436,22 @@ async fn migrate(pool: &SqlitePool) -> Result<(), StoreError> {
 fn judge(
     row: &sqlx::sqlite::SqliteRow,
     fingerprint: Option<&str>,
-) -> Result<Option<Reservation>, StoreError> {
-    const OP: &str = "reserve";
-    let expired: bool = row.try_get("expired").map_err(err(OP))?;
+) -> Result<Option<Reservation>, sqlx::Error> {
+    let expired: bool = row.try_get("expired")?;
     if expired {
         return Ok(None);
     }
-    let stored_fp: Option<String> = row.try_get("fingerprint").map_err(err(OP))?;
+    let stored_fp: Option<String> = row.try_get("fingerprint")?;
     if fingerprints_conflict(stored_fp.as_deref(), fingerprint) {
         return Ok(Some(Reservation::FingerprintMismatch));
     }
-    let state: String = row.try_get("state").map_err(err(OP))?;
+    let state: String = row.try_get("state")?;
     if RecordState::parse(&state) == Some(RecordState::Complete) {
-        let is_error: bool = row.try_get("is_error").map_err(err(OP))?;
-        let result: Option<Vec<u8>> = row.try_get("result").map_err(err(OP))?;
+        let is_error: bool = row.try_get("is_error")?;
+        let result: Option<Vec<u8>> = row.try_get("result")?;
         return Ok(Some(Reservation::Completed(outcome_from(is_error, result))));
     }
-    let remaining: Option<i64> = row.try_get("lease_remaining").map_err(err(OP))?;
+    let remaining: Option<i64> = row.try_get("lease_remaining")?;
     Ok(match remaining {
         Some(ms) if ms > 0 => Some(Reservation::InProgress {
             lease_remaining: millis_to_duration(ms),
@@ -411,63 +490,28 @@ impl Store for SqliteStore {
             .map_err(err(OP))?;
         if let Some(answer) = existing
             .map(|row| judge(&row, fingerprint))
-            .transpose()?
+            .transpose()
+            .map_err(err(OP))?
             .flatten()
         {
             return Ok(answer);
         }
 
-        // Write path: absent, expired, or a lease that ran out. One conditional
-        // upsert decides atomically; when it does not acquire, the row it met
-        // is read in the same transaction (under the write lock).
+        // Write path: absent, expired, or a lease that ran out, under the write lock.
         let _gate = self.write_gate.lock().await;
         let mut tx = self
             .pool
             .begin_with("BEGIN IMMEDIATE")
             .await
             .map_err(err(OP))?;
-        // Two passes at most: a lease that runs out between the upsert and
-        // the read is taken over on the second pass.
-        for _ in 0..2 {
-            let acquired: Option<i64> = sqlx::query_scalar(RESERVE_SQL)
-                .bind(&id.tenant)
-                .bind(&id.scope)
-                .bind(&id.key)
-                .bind(fingerprint)
-                .bind(request.token.as_str())
-                .bind(ms(request.lease))
-                .bind(ms(request.ttl))
-                .fetch_optional(&mut *tx)
-                .await
-                .map_err(err(OP))?;
-            if let Some(takeovers) = acquired {
-                tx.commit().await.map_err(err(OP))?;
-                return Ok(Reservation::Acquired {
-                    took_over: takeovers > 0,
-                });
-            }
-            let row = sqlx::query(EXISTING_SQL)
-                .bind(&id.tenant)
-                .bind(&id.scope)
-                .bind(&id.key)
-                .fetch_optional(&mut *tx)
-                .await
-                .map_err(err(OP))?;
-            if let Some(answer) = row
-                .map(|row| judge(&row, fingerprint))
-                .transpose()?
-                .flatten()
-            {
-                // Nothing was written: end the transaction without a commit.
-                tx.rollback().await.map_err(err(OP))?;
-                return Ok(answer);
-            }
+        let answer = reserve_in(&mut tx, request).await.map_err(err(OP))?;
+        if matches!(answer, Reservation::Acquired { .. }) {
+            tx.commit().await.map_err(err(OP))?;
+        } else {
+            // Nothing was written: end the transaction without a commit.
+            tx.rollback().await.map_err(err(OP))?;
         }
-        tx.rollback().await.map_err(err(OP))?;
-        // The record's lease ended just as we looked: tell the caller to come back at once.
-        Ok(Reservation::InProgress {
-            lease_remaining: Duration::ZERO,
-        })
+        Ok(answer)
     }
 
     async fn complete(
@@ -478,18 +522,7 @@ impl Store for SqliteStore {
         ttl: Duration,
     ) -> Result<bool, StoreError> {
         let _gate = self.write_gate.lock().await;
-        let done = sqlx::query(COMPLETE_SQL)
-            .bind(&identity.tenant)
-            .bind(&identity.scope)
-            .bind(&identity.key)
-            .bind(token.as_str())
-            .bind(ms(ttl))
-            .bind(outcome.is_error)
-            .bind(&outcome.payload[..])
-            .execute(&self.pool)
-            .await
-            .map_err(err("complete"))?;
-        Ok(done.rows_affected() > 0)
+        complete_on(&self.pool, identity, token, outcome, ttl).await
     }
 
     async fn release(&self, identity: &Identity, token: &OwnerToken) -> Result<bool, StoreError> {
