@@ -169,3 +169,17 @@ pub enum Error {
         scope: String,
     },
 }
+
+/// Lets `#[idempotent]` functions return `std::io::Result<T>`: the error keeps
+/// its message and is reachable through `io::Error::get_ref` / `into_inner`.
+///
+/// ```
+/// let io: std::io::Error = idempotent_runtime::Error::NoDefaultStore { scope: "a.b".into() }.into();
+/// assert!(io.to_string().contains("set_default_store"));
+/// assert!(io.get_ref().is_some_and(|e| e.is::<idempotent_runtime::Error>()));
+/// ```
+impl From<Error> for std::io::Error {
+    fn from(e: Error) -> Self {
+        std::io::Error::other(e)
+    }
+}

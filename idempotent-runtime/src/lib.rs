@@ -59,12 +59,12 @@ pub use idempotent_macros::idempotent;
 pub use identity::{validate_key, validate_tenant, Identity};
 pub use registry::{ErrorPolicy, InProgressPolicy, ScopeInfo};
 pub use store::memory::MemoryStore;
-#[cfg(feature = "sqlite")]
-pub use store::sqlite::SqliteStore;
-#[cfg(feature = "postgres")]
-pub use store::postgres::PgStore;
 #[cfg(feature = "mysql")]
 pub use store::mysql::MySqlStore;
+#[cfg(feature = "postgres")]
+pub use store::postgres::PgStore;
+#[cfg(feature = "sqlite")]
+pub use store::sqlite::SqliteStore;
 pub use store::{
     OwnerToken, RecordSnapshot, RecordState, Reservation, ReserveRequest, ScopeStats, Store,
     StoredOutcome,
