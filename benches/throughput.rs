@@ -7,12 +7,18 @@
 //! cargo bench --bench throughput -- sqlite  # only scenarios whose name contains "sqlite"
 //! ```
 //!
+//! PostgreSQL also compares transactional mode (`tx = tx`, inside the caller's
+//! transaction) with separate mode (`store = ...`) for a body writing a business
+//! row; MySQL/MariaDB repeats the annotated vs hand-written comparison.
+//!
 //! Each scenario runs a bounded number of calls (and at most a few seconds);
 //! the figures are calls per second and ratios against the baseline named on
 //! the same line. Absolute numbers depend on the machine; the ratios are the point.
 
-use idempotent_runtime::{idempotent, Error, MemoryStore, PgStore, SqliteStore, Store};
-use sqlx::{PgPool, SqlitePool};
+use idempotent_runtime::{
+    idempotent, Error, MemoryStore, MySqlStore, PgStore, SqliteStore, Store, StoreError,
+};
+use sqlx::{MySqlPool, PgPool, Postgres, SqlitePool};
 use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -24,6 +30,50 @@ async fn annotated(store: &dyn Store, key: &str, amount: u64) -> Result<u64, Err
 
 async fn unannotated(_key: &str, amount: u64) -> Result<u64, Error> {
     Ok(amount + 1)
+}
+
+// ---- transactional mode vs separate mode: a body that writes a business row ----------
+
+const PG_CHARGES: &str =
+    "CREATE TABLE IF NOT EXISTS bench_charges (key TEXT NOT NULL, amount BIGINT NOT NULL)";
+
+fn business(e: sqlx::Error) -> Error {
+    StoreError::new("bench", "business write", e).into()
+}
+
+/// Transactional mode: the reservation, the business row and the recorded
+/// result are statements in the caller's transaction (one commit).
+#[idempotent(scope = "bench.pg_tx", key = key, tenant = shared, tx = tx)]
+async fn charge_in_tx(
+    tx: &mut sqlx::Transaction<'_, Postgres>,
+    key: &str,
+    amount: i64,
+) -> Result<i64, Error> {
+    sqlx::query("INSERT INTO bench_charges (key, amount) VALUES ($1, $2)")
+        .bind(key)
+        .bind(amount)
+        .execute(&mut **tx)
+        .await
+        .map_err(business)?;
+    Ok(amount)
+}
+
+/// Separate mode: the records go through the store, the body writes through
+/// the pool (three statements, three commits).
+#[idempotent(scope = "bench.pg_separate", key = key, tenant = shared, store = store, skip(pool))]
+async fn charge_separate(
+    store: &dyn Store,
+    pool: &PgPool,
+    key: &str,
+    amount: i64,
+) -> Result<i64, Error> {
+    sqlx::query("INSERT INTO bench_charges (key, amount) VALUES ($1, $2)")
+        .bind(key)
+        .bind(amount)
+        .execute(pool)
+        .await
+        .map_err(business)?;
+    Ok(amount)
 }
 
 // ---- hand-written baselines -------------------------------------------------------
@@ -126,6 +176,53 @@ async fn hand_pg(pool: &PgPool, key: &str, amount: u64) -> sqlx::Result<u64> {
     Ok(value)
 }
 
+const MY_NOW: &str = "(UNIX_TIMESTAMP() * 1000 + FLOOR(MICROSECOND(NOW(6)) / 1000))";
+
+async fn mysql_schema(pool: &MySqlPool) -> sqlx::Result<()> {
+    sqlx::query(
+        "CREATE TABLE IF NOT EXISTS bench_records (`key` VARBINARY(255) PRIMARY KEY, \
+         state VARCHAR(16) NOT NULL, owner VARBINARY(64), lease_expires_at BIGINT, \
+         expires_at BIGINT NOT NULL, result LONGBLOB) ENGINE = InnoDB",
+    )
+    .execute(pool)
+    .await?;
+    Ok(())
+}
+
+/// The same by hand on MySQL/MariaDB: insert-or-ignore, read on conflict, update to complete.
+async fn hand_mysql(pool: &MySqlPool, key: &str, amount: u64) -> sqlx::Result<u64> {
+    let owner = uuid::Uuid::new_v4().simple().to_string();
+    let inserted = sqlx::query(&format!(
+        "INSERT IGNORE INTO bench_records (`key`, state, owner, lease_expires_at, expires_at) \
+         VALUES (?, 'in_progress', ?, {MY_NOW} + 30000, {MY_NOW} + 86400000)"
+    ))
+    .bind(key)
+    .bind(&owner)
+    .execute(pool)
+    .await?
+    .rows_affected()
+        == 1;
+    if !inserted {
+        let result: Option<Vec<u8>> =
+            sqlx::query_scalar("SELECT result FROM bench_records WHERE `key` = ?")
+                .bind(key)
+                .fetch_one(pool)
+                .await?;
+        return Ok(serde_json::from_slice(&result.unwrap_or_default()).unwrap_or(0));
+    }
+    let value = amount + 1;
+    sqlx::query(&format!(
+        "UPDATE bench_records SET state = 'complete', owner = NULL, result = ?, \
+         expires_at = {MY_NOW} + 86400000 WHERE `key` = ? AND owner = ?"
+    ))
+    .bind(serde_json::to_vec(&value).unwrap_or_default())
+    .bind(key)
+    .bind(&owner)
+    .execute(pool)
+    .await?;
+    Ok(value)
+}
+
 // ---- the harness ------------------------------------------------------------------
 
 const MAX_TIME: Duration = Duration::from_secs(4);
@@ -160,7 +257,8 @@ where
 
 struct Report {
     filter: Option<String>,
-    rows: Vec<(String, f64, Option<(String, f64)>)>,
+    /// (scenario, calls per second), in the order measured.
+    rows: Vec<(String, f64)>,
 }
 
 impl Report {
@@ -181,7 +279,7 @@ impl Report {
             ),
             None => println!("{name:<44} {per_sec:>12.0} calls/s"),
         }
-        self.rows.push((name.to_owned(), per_sec, base));
+        self.rows.push((name.to_owned(), per_sec));
     }
 }
 
@@ -359,9 +457,116 @@ async fn main() {
                     .await;
                     r.add(&tag("annotated, replays"), v, Some(&hand_replay));
                 }
+
+                // Transactional mode vs separate mode, with a body that writes a
+                // business row: fresh keys, both on the store's pool.
+                sqlx::query(PG_CHARGES)
+                    .execute(&pool)
+                    .await
+                    .expect("schema");
+                for concurrency in [1usize, 32] {
+                    let n = if concurrency == 1 { 2_000 } else { 10_000 };
+                    let tag = |what: &str| format!("postgres x{concurrency}: {what}");
+                    let separate = tag("separate mode, business row");
+                    let s = store.clone();
+                    let pre = format!("{run}-s{concurrency}");
+                    let v = measure(n, concurrency, move |i| {
+                        let (s, k) = (s.clone(), fresh(&pre, i));
+                        async move {
+                            charge_separate(&s, s.pool(), &k, i as i64)
+                                .await
+                                .expect("separate mode");
+                        }
+                    })
+                    .await;
+                    r.add(&separate, v, None);
+                    let p = store.pool().clone();
+                    let pre = format!("{run}-t{concurrency}");
+                    let v = measure(n, concurrency, move |i| {
+                        let (p, k) = (p.clone(), fresh(&pre, i));
+                        async move {
+                            let mut tx = p.begin().await.expect("begin");
+                            charge_in_tx(&mut tx, &k, i as i64)
+                                .await
+                                .expect("transactional mode");
+                            tx.commit().await.expect("commit");
+                        }
+                    })
+                    .await;
+                    r.add(
+                        &tag("tx = tx (transactional), business row"),
+                        v,
+                        Some(&separate),
+                    );
+                }
             }
             (Err(e), _) => println!("postgres: SKIPPED ({e})"),
             (_, Err(e)) => println!("postgres: SKIPPED ({e})"),
+        }
+    }
+
+    if r.wants("mysql") {
+        let url = std::env::var("IDEMPOTENT_MYSQL_URL")
+            .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into());
+        match (
+            MySqlStore::connect(&url).await,
+            MySqlPool::connect(&url).await,
+        ) {
+            (Ok(store), Ok(pool)) => {
+                mysql_schema(&pool).await.expect("schema");
+                for concurrency in [1usize, 32] {
+                    let n = if concurrency == 1 { 2_000 } else { 10_000 };
+                    let tag = |what: &str| format!("mysql x{concurrency}: {what}");
+                    let (hand_fresh, hand_replay) = (
+                        tag("hand-written sqlx, fresh keys"),
+                        tag("hand-written sqlx, replays"),
+                    );
+                    let p = pool.clone();
+                    let pre = format!("{run}-h{concurrency}");
+                    let v = measure(n, concurrency, move |i| {
+                        let (p, k) = (p.clone(), fresh(&pre, i));
+                        async move {
+                            hand_mysql(&p, &k, i as u64).await.expect("hand mysql");
+                        }
+                    })
+                    .await;
+                    r.add(&hand_fresh, v, None);
+                    let s = store.clone();
+                    let pre = format!("{run}-a{concurrency}");
+                    let v = measure(n, concurrency, move |i| {
+                        let (s, k) = (s.clone(), fresh(&pre, i));
+                        async move {
+                            annotated(&s, &k, i as u64).await.expect("annotated mysql");
+                        }
+                    })
+                    .await;
+                    r.add(&tag("annotated, fresh keys"), v, Some(&hand_fresh));
+                    let p = pool.clone();
+                    let pre = format!("{run}-h{concurrency}");
+                    let v = measure(n, concurrency, move |i| {
+                        let (p, k) = (p.clone(), fresh(&pre, i % 500));
+                        async move {
+                            hand_mysql(&p, &k, 0).await.expect("hand mysql");
+                        }
+                    })
+                    .await;
+                    r.add(&hand_replay, v, None);
+                    let s = store.clone();
+                    let pre = format!("{run}-a{concurrency}");
+                    let v = measure(n, concurrency, move |i| {
+                        let (s, k) = (s.clone(), fresh(&pre, i % 500));
+                        async move {
+                            annotated(&s, &k, (i % 500) as u64)
+                                .await
+                                .expect("annotated mysql replay");
+                        }
+                    })
+                    .await;
+                    r.add(&tag("annotated, replays"), v, Some(&hand_replay));
+                }
+            }
+            (Err(e), _) => println!("mysql: SKIPPED ({e})"),
+            (_, Err(e)) => println!("mysql: SKIPPED ({e})"),
         }
     }
 }
