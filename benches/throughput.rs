@@ -223,6 +223,58 @@ async fn hand_mysql(pool: &MySqlPool, key: &str, amount: u64) -> sqlx::Result<u6
     Ok(value)
 }
 
+/// The same statements on a table shaped like `idempotency_records` (primary
+/// key (tenant, scope, key), an index on `expires_at`): what the schema costs,
+/// apart from what the framework costs.
+async fn pg_full_schema(pool: &PgPool) -> sqlx::Result<()> {
+    sqlx::query(
+        "CREATE TABLE IF NOT EXISTS bench_records_full (LIKE idempotency_records INCLUDING ALL)",
+    )
+    .execute(pool)
+    .await?;
+    Ok(())
+}
+
+async fn hand_pg_full(pool: &PgPool, key: &str, amount: u64) -> sqlx::Result<u64> {
+    let owner = uuid::Uuid::new_v4().simple().to_string();
+    let inserted = sqlx::query(&format!(
+        "INSERT INTO bench_records_full (tenant, scope, key, state, owner_token, \
+         lease_expires_at, expires_at, created_at, updated_at) \
+         VALUES ('', 'bench.hand', $1, 'in_progress', $2, {PG_NOW} + 30000, \
+         {PG_NOW} + 86400000, {PG_NOW}, {PG_NOW}) \
+         ON CONFLICT (tenant, scope, key) DO NOTHING"
+    ))
+    .bind(key)
+    .bind(&owner)
+    .execute(pool)
+    .await?
+    .rows_affected()
+        == 1;
+    if !inserted {
+        let result: Option<Vec<u8>> = sqlx::query_scalar(
+            "SELECT result FROM bench_records_full \
+             WHERE tenant = '' AND scope = 'bench.hand' AND key = $1",
+        )
+        .bind(key)
+        .fetch_one(pool)
+        .await?;
+        return Ok(serde_json::from_slice(&result.unwrap_or_default()).unwrap_or(0));
+    }
+    let value = amount + 1;
+    sqlx::query(&format!(
+        "UPDATE bench_records_full SET state = 'complete', owner_token = NULL, result = $1, \
+         lease_expires_at = NULL, expires_at = {PG_NOW} + 86400000, updated_at = {PG_NOW} \
+         WHERE tenant = '' AND scope = 'bench.hand' AND key = $2 \
+         AND state = 'in_progress' AND owner_token = $3"
+    ))
+    .bind(serde_json::to_vec(&value).unwrap_or_default())
+    .bind(key)
+    .bind(&owner)
+    .execute(pool)
+    .await?;
+    Ok(value)
+}
+
 // ---- the harness ------------------------------------------------------------------
 
 const MAX_TIME: Duration = Duration::from_secs(4);
@@ -280,6 +332,14 @@ impl Report {
             None => println!("{name:<44} {per_sec:>12.0} calls/s"),
         }
         self.rows.push((name.to_owned(), per_sec));
+    }
+    /// One more ratio between two rows already measured.
+    fn ratio(&self, name: &str, baseline: &str) {
+        let get = |n: &str| self.rows.iter().find(|r| r.0 == n).map(|r| r.1);
+        if let (Some(a), Some(b)) = (get(name), get(baseline)) {
+            let label = "  annotated vs the same schema by hand";
+            println!("{label:<44} {:>20} {:>6.2}x of {baseline}", "", a / b);
+        }
     }
 }
 
@@ -407,6 +467,7 @@ async fn main() {
         match (PgStore::connect(&url).await, PgPool::connect(&url).await) {
             (Ok(store), Ok(pool)) => {
                 pg_schema(&pool).await.expect("schema");
+                pg_full_schema(&pool).await.expect("schema");
                 for concurrency in [1usize, 32] {
                     let n = if concurrency == 1 { 3_000 } else { 20_000 };
                     let tag = |what: &str| format!("postgres x{concurrency}: {what}");
@@ -434,6 +495,24 @@ async fn main() {
                     })
                     .await;
                     r.add(&tag("annotated, fresh keys"), v, Some(&hand_fresh));
+                    let p = pool.clone();
+                    let pre = format!("{run}-f{concurrency}");
+                    let v = measure(n, concurrency, move |i| {
+                        let (p, k) = (p.clone(), fresh(&pre, i));
+                        async move {
+                            hand_pg_full(&p, &k, i as u64).await.expect("hand pg");
+                        }
+                    })
+                    .await;
+                    r.add(
+                        &tag("hand-written, records' schema, fresh"),
+                        v,
+                        Some(&hand_fresh),
+                    );
+                    r.ratio(
+                        &tag("annotated, fresh keys"),
+                        &tag("hand-written, records' schema, fresh"),
+                    );
                     let p = pool.clone();
                     let pre = format!("{run}-h{concurrency}");
                     let v = measure(n, concurrency, move |i| {

@@ -15,9 +15,14 @@
 //!
 //! # Round trips
 //!
-//! * `reserve`: one statement, `SELECT … FROM idempotency_reserve(…)`, a
-//!   plpgsql function that answers every case (acquire, replace an expired
-//!   record, take over an expired lease, replay, in progress, mismatch).
+//! * `reserve`: one statement, `SELECT … FROM idempotency_reserve_autocommit(…)`
+//!   (through the store) or `idempotency_reserve(…)` (in a caller's
+//!   transaction), a plpgsql function that answers every case (acquire,
+//!   replace an expired record, take over an expired lease, replay, in
+//!   progress, mismatch). The transactional variant catches a lock timeout in
+//!   a subtransaction so the caller's transaction stays usable; the store's
+//!   statement is its own transaction, needs no subtransaction, and answers a
+//!   lock timeout (SQLSTATE 55P03) as `InProgress`.
 //! * `complete`, `release`, `heartbeat`: one `UPDATE`/`DELETE` each, fenced by
 //!   the owner token.
 //!
@@ -191,16 +196,54 @@ fn millis_i64(d: Duration) -> i64 {
     duration_to_millis(d)
 }
 
+/// In a caller's transaction: a lock timeout is caught in a subtransaction
+/// inside the function, so the caller's transaction stays usable.
 const RESERVE_SQL: &str = "SELECT outcome, took_over, is_error, result, lease_remaining_ms \
      FROM idempotency_reserve($1, $2, $3, $4, $5, $6, $7, $8)";
+/// Through the store (the statement is its own transaction): no subtransaction;
+/// a lock timeout fails the statement with SQLSTATE 55P03, answered as `InProgress`.
+const RESERVE_AUTOCOMMIT_SQL: &str =
+    "SELECT outcome, took_over, is_error, result, lease_remaining_ms \
+     FROM idempotency_reserve_autocommit($1, $2, $3, $4, $5, $6, $7, $8)";
+/// `lock_not_available`: `lock_timeout` ran out.
+const LOCK_NOT_AVAILABLE: &str = "55P03";
 
 async fn reserve_with<'e, E: Executor<'e, Database = Postgres>>(
     executor: E,
     request: ReserveRequest<'_>,
     lock_wait: Duration,
 ) -> Result<Reservation, StoreError> {
+    reserve_statement(RESERVE_SQL, executor, request, lock_wait)
+        .await
+        .map_err(err("reserve"))
+}
+
+/// The store's reservation: one statement in its own transaction. A row held
+/// by another transaction past `lock_wait` is a call in progress; its remaining
+/// time is unknown, so the requested lease is the estimate (as in `idempotency_reserve`).
+async fn reserve_autocommit(
+    pool: &PgPool,
+    request: ReserveRequest<'_>,
+    lock_wait: Duration,
+) -> Result<Reservation, StoreError> {
+    match reserve_statement(RESERVE_AUTOCOMMIT_SQL, pool, request, lock_wait).await {
+        Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some(LOCK_NOT_AVAILABLE) => {
+            Ok(Reservation::InProgress {
+                lease_remaining: request.lease,
+            })
+        }
+        other => other.map_err(err("reserve")),
+    }
+}
+
+async fn reserve_statement<'e, E: Executor<'e, Database = Postgres>>(
+    sql: &'static str,
+    executor: E,
+    request: ReserveRequest<'_>,
+    lock_wait: Duration,
+) -> Result<Reservation, sqlx::Error> {
     let id = request.identity;
-    let row: PgRow = sqlx::query(RESERVE_SQL)
+    let row: PgRow = sqlx::query(sql)
         .bind(&id.tenant)
         .bind(&id.scope)
         .bind(&id.key)
@@ -210,9 +253,8 @@ async fn reserve_with<'e, E: Executor<'e, Database = Postgres>>(
         .bind(millis_i64(request.ttl))
         .bind(millis_i64(lock_wait))
         .fetch_one(executor)
-        .await
-        .map_err(err("reserve"))?;
-    decode_reservation(&row).map_err(err("reserve"))
+        .await?;
+    decode_reservation(&row)
 }
 
 fn decode_reservation(row: &PgRow) -> Result<Reservation, sqlx::Error> {
@@ -298,7 +340,7 @@ impl Store for PgStore {
     }
 
     async fn reserve(&self, request: ReserveRequest<'_>) -> Result<Reservation, StoreError> {
-        reserve_with(&self.pool, request, self.lock_wait).await
+        reserve_autocommit(&self.pool, request, self.lock_wait).await
     }
 
     async fn complete(
