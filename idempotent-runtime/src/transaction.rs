@@ -51,6 +51,44 @@ pub trait TransactionalConnection: Send {
     ) -> Result<bool, StoreError>;
 }
 
+/// A sqlx transaction holds idempotency records wherever its connection can:
+/// `tx = tx` works for `&mut sqlx::Transaction<'_, DB>` as well as for the
+/// connection itself.
+#[async_trait::async_trait]
+impl<DB> TransactionalConnection for sqlx::Transaction<'_, DB>
+where
+    DB: sqlx::Database,
+    DB::Connection: TransactionalConnection,
+{
+    async fn reserve_in_transaction(
+        &mut self,
+        request: ReserveRequest<'_>,
+        lock_wait: Duration,
+    ) -> Result<Reservation, StoreError> {
+        (**self).reserve_in_transaction(request, lock_wait).await
+    }
+
+    async fn complete_in_transaction(
+        &mut self,
+        identity: &Identity,
+        token: &OwnerToken,
+        outcome: &StoredOutcome,
+        ttl: Duration,
+    ) -> Result<bool, StoreError> {
+        (**self)
+            .complete_in_transaction(identity, token, outcome, ttl)
+            .await
+    }
+
+    async fn release_in_transaction(
+        &mut self,
+        identity: &Identity,
+        token: &OwnerToken,
+    ) -> Result<bool, StoreError> {
+        (**self).release_in_transaction(identity, token).await
+    }
+}
+
 struct InTransaction<'c, C: ?Sized>(&'c mut C);
 
 impl<C: TransactionalConnection + ?Sized> Reserver for InTransaction<'_, C> {

@@ -527,32 +527,3 @@ impl TransactionalConnection for sqlx::PgConnection {
         release_with(&mut *self, identity, token).await
     }
 }
-
-#[async_trait::async_trait]
-impl TransactionalConnection for sqlx::Transaction<'_, Postgres> {
-    async fn reserve_in_transaction(
-        &mut self,
-        request: ReserveRequest<'_>,
-        lock_wait: Duration,
-    ) -> Result<Reservation, StoreError> {
-        reserve_with(&mut **self, request, lock_wait).await
-    }
-
-    async fn complete_in_transaction(
-        &mut self,
-        identity: &Identity,
-        token: &OwnerToken,
-        outcome: &StoredOutcome,
-        ttl: Duration,
-    ) -> Result<bool, StoreError> {
-        complete_with(&mut **self, identity, token, outcome, ttl).await
-    }
-
-    async fn release_in_transaction(
-        &mut self,
-        identity: &Identity,
-        token: &OwnerToken,
-    ) -> Result<bool, StoreError> {
-        release_with(&mut **self, identity, token).await
-    }
-}

@@ -10,7 +10,7 @@
 //! then answers `InProgress`.
 
 use super::*;
-use sqlx::{Executor, Sqlite, SqliteConnection};
+use sqlx::{Executor, SqliteConnection};
 
 use super::sqlite::{complete_on, release_on, reserve_in};
 
@@ -96,34 +96,5 @@ impl crate::transaction::TransactionalConnection for SqliteConnection {
         token: &OwnerToken,
     ) -> Result<bool, StoreError> {
         release_on(&mut *self, identity, token).await
-    }
-}
-
-#[async_trait::async_trait]
-impl crate::transaction::TransactionalConnection for sqlx::Transaction<'_, Sqlite> {
-    async fn reserve_in_transaction(
-        &mut self,
-        request: ReserveRequest<'_>,
-        lock_wait: Duration,
-    ) -> Result<Reservation, StoreError> {
-        reserve_on(&mut **self, request, lock_wait).await
-    }
-
-    async fn complete_in_transaction(
-        &mut self,
-        identity: &Identity,
-        token: &OwnerToken,
-        outcome: &StoredOutcome,
-        ttl: Duration,
-    ) -> Result<bool, StoreError> {
-        complete_on(&mut **self, identity, token, outcome, ttl).await
-    }
-
-    async fn release_in_transaction(
-        &mut self,
-        identity: &Identity,
-        token: &OwnerToken,
-    ) -> Result<bool, StoreError> {
-        release_on(&mut **self, identity, token).await
     }
 }
