@@ -315,3 +315,67 @@ fn the_binary_runs_end_to_end() {
         "renamed to orders.place"
     );
 }
+
+mod common;
+
+/// `audit` and `purge` take PostgreSQL and MySQL/MariaDB URLs too. The servers
+/// are shared with other tests, so this plants a scope no one else uses and
+/// asserts only on it.
+#[tokio::test]
+async fn audit_and_purge_work_on_server_urls() {
+    let pg = common::servers::pg_store_or_skip()
+        .await
+        .map(|s| (common::servers::pg_url(), Box::new(s) as Box<dyn Store>));
+    let my = common::servers::mysql_store_or_skip()
+        .await
+        .map(|s| (common::servers::mysql_url(), Box::new(s) as Box<dyn Store>));
+    let dir = Scratch::new();
+    let manifest = dir.file("idempotent.toml", MANIFEST);
+    for (url, store) in pg.into_iter().chain(my) {
+        let scope = format!("cli.{}", uuid::Uuid::new_v4().simple());
+        plant(&*store, &scope, Duration::from_secs(3600)).await;
+        let expired = plant(&*store, &scope, Duration::from_millis(1)).await;
+        wait_expired(&*store, &expired).await;
+
+        let out = run_from([
+            "idempotent",
+            "audit",
+            "--database-url",
+            &url,
+            "--manifest",
+            &manifest,
+            "--json",
+        ])
+        .await
+        .unwrap_or_else(|e| panic!("audit on {url}: {e}"));
+        let json: serde_json::Value = serde_json::from_str(&out).expect("JSON");
+        let row = json["scopes"]
+            .as_array()
+            .expect("scopes")
+            .iter()
+            .find(|s| s["scope"] == scope.as_str())
+            .unwrap_or_else(|| panic!("{scope} missing from the audit of {url}"))
+            .clone();
+        assert_eq!(
+            row["status"], "orphan",
+            "the manifest does not declare it ({url})"
+        );
+        assert_eq!(row["complete"], 1, "{url}");
+        assert!(row["expired"].as_u64().unwrap_or(0) >= 1, "{url}: {row}");
+
+        run_from([
+            "idempotent",
+            "purge",
+            "--database-url",
+            &url,
+            "--batch",
+            "500",
+        ])
+        .await
+        .unwrap_or_else(|e| panic!("purge on {url}: {e}"));
+        assert!(
+            store.fetch(&expired).await.expect("fetch").is_none(),
+            "purge removed the expired record ({url})"
+        );
+    }
+}
