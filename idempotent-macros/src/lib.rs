@@ -51,7 +51,10 @@ use proc_macro::TokenStream;
 /// - **`store = <expr>`** — where records live: `store = self.store`,
 ///   `store = store` (for `store: &S` with `S: Store`, `&dyn Store`,
 ///   `Arc<dyn Store>`, ...). Without it, the store set with
-///   `idempotent_runtime::set_default_store` is used.
+///   `idempotent_runtime::set_default_store` is used. In an `&mut self`
+///   method the body needs `self` mutably while the store is in use, so hand
+///   the call its own handle: `store = self.store.clone()` (stores are cheap
+///   handles to a shared pool or map).
 /// - **`tx = <parameter>`** — transactional mode: `tx = tx` for
 ///   `tx: &mut sqlx::Transaction<'_, Postgres>` (or a connection). The reservation
 ///   and the recorded result are written in that transaction and commit or roll
