@@ -223,6 +223,52 @@ async fn hand_mysql(pool: &MySqlPool, key: &str, amount: u64) -> sqlx::Result<u6
     Ok(value)
 }
 
+/// Exactly the statements `PgStore` sends, written by hand: the reservation
+/// function and the fenced completing `UPDATE` on `idempotency_records`. The
+/// ratio of the annotated function to this is the framework's own cost
+/// (fingerprint, serialization, owner token, engine); issue 3's target.
+async fn hand_pg_store_statements(pool: &PgPool, key: &str, amount: u64) -> sqlx::Result<u64> {
+    use sqlx::Row;
+    let owner = uuid::Uuid::new_v4().simple().to_string();
+    let row = sqlx::query(
+        "SELECT outcome, took_over, is_error, result, lease_remaining_ms \
+         FROM idempotency_reserve_autocommit($1, $2, $3, $4, $5, $6, $7, $8)",
+    )
+    .bind("")
+    .bind("bench.hand_same")
+    .bind(key)
+    .bind(None::<String>)
+    .bind(&owner)
+    .bind(30_000i64)
+    .bind(86_400_000i64)
+    .bind(100i64)
+    .fetch_one(pool)
+    .await?;
+    let outcome: String = row.try_get("outcome")?;
+    if outcome != "acquired" {
+        let result: Option<Vec<u8>> = row.try_get("result")?;
+        return Ok(serde_json::from_slice(&result.unwrap_or_default()).unwrap_or(0));
+    }
+    let value = amount + 1;
+    sqlx::query(
+        "UPDATE idempotency_records SET state = 'complete', owner_token = NULL, \
+         is_error = $5, result = $6, lease_expires_at = NULL, \
+         expires_at = idempotency_now_ms() + $7, updated_at = idempotency_now_ms() \
+         WHERE tenant = $1 AND scope = $2 AND key = $3 \
+         AND state = 'in_progress' AND owner_token = $4",
+    )
+    .bind("")
+    .bind("bench.hand_same")
+    .bind(key)
+    .bind(&owner)
+    .bind(false)
+    .bind(serde_json::to_vec(&value).unwrap_or_default())
+    .bind(86_400_000i64)
+    .execute(pool)
+    .await?;
+    Ok(value)
+}
+
 /// The same statements on a table shaped like `idempotency_records` (primary
 /// key (tenant, scope, key), an index on `expires_at`): what the schema costs,
 /// apart from what the framework costs.
@@ -337,8 +383,7 @@ impl Report {
     fn ratio(&self, name: &str, baseline: &str) {
         let get = |n: &str| self.rows.iter().find(|r| r.0 == n).map(|r| r.1);
         if let (Some(a), Some(b)) = (get(name), get(baseline)) {
-            let label = "  annotated vs the same schema by hand";
-            println!("{label:<44} {:>20} {:>6.2}x of {baseline}", "", a / b);
+            println!("  -> {:.2}x: {name} / {baseline}", a / b);
         }
     }
 }
@@ -464,7 +509,12 @@ async fn main() {
     if r.wants("postgres") {
         let url = std::env::var("IDEMPOTENT_PG_URL")
             .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
-        match (PgStore::connect(&url).await, PgPool::connect(&url).await) {
+        // The baseline's pool is as large as the store's (16), so both get the same parallelism.
+        let pool = sqlx::postgres::PgPoolOptions::new()
+            .max_connections(16)
+            .connect(&url)
+            .await;
+        match (PgStore::connect(&url).await, pool) {
             (Ok(store), Ok(pool)) => {
                 pg_schema(&pool).await.expect("schema");
                 pg_full_schema(&pool).await.expect("schema");
@@ -513,6 +563,20 @@ async fn main() {
                         &tag("annotated, fresh keys"),
                         &tag("hand-written, records' schema, fresh"),
                     );
+                    let same = tag("hand-written sqlx, the store's statements, fresh");
+                    let p = pool.clone();
+                    let pre = format!("{run}-s{concurrency}");
+                    let v = measure(n, concurrency, move |i| {
+                        let (p, k) = (p.clone(), fresh(&pre, i));
+                        async move {
+                            hand_pg_store_statements(&p, &k, i as u64)
+                                .await
+                                .expect("hand pg, store statements");
+                        }
+                    })
+                    .await;
+                    r.add(&same, v, Some(&hand_fresh));
+                    r.ratio(&tag("annotated, fresh keys"), &same);
                     let p = pool.clone();
                     let pre = format!("{run}-h{concurrency}");
                     let v = measure(n, concurrency, move |i| {
@@ -535,6 +599,20 @@ async fn main() {
                     })
                     .await;
                     r.add(&tag("annotated, replays"), v, Some(&hand_replay));
+                    let same = tag("hand-written sqlx, the store's statements, replays");
+                    let p = pool.clone();
+                    let pre = format!("{run}-s{concurrency}");
+                    let v = measure(n, concurrency, move |i| {
+                        let (p, k) = (p.clone(), fresh(&pre, i % 500));
+                        async move {
+                            hand_pg_store_statements(&p, &k, 0)
+                                .await
+                                .expect("hand pg, store statements");
+                        }
+                    })
+                    .await;
+                    r.add(&same, v, Some(&hand_replay));
+                    r.ratio(&tag("annotated, replays"), &same);
                 }
 
                 // Transactional mode vs separate mode, with a body that writes a
@@ -589,7 +667,10 @@ async fn main() {
             .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into());
         match (
             MySqlStore::connect(&url).await,
-            MySqlPool::connect(&url).await,
+            sqlx::mysql::MySqlPoolOptions::new()
+                .max_connections(16)
+                .connect(&url)
+                .await,
         ) {
             (Ok(store), Ok(pool)) => {
                 mysql_schema(&pool).await.expect("schema");
