@@ -276,6 +276,30 @@ impl<'s> AsDynStore for dyn Store + 's {
     }
 }
 
+/// Runs a dropped call's release on the current Tokio runtime without waiting
+/// for it (the SQL stores' [`Store::release_detached`]). Without a runtime, or
+/// when the release fails, the record stays reserved until its lease runs out;
+/// both are logged.
+pub(crate) fn release_in_background<F, Fut>(identity: Identity, release: F)
+where
+    F: FnOnce(Identity) -> Fut,
+    Fut: std::future::Future<Output = Result<bool, StoreError>> + Send + 'static,
+{
+    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+        tracing::error!(target: "idempotent", scope = %identity.scope, key = %identity.key_digest(),
+            "no Tokio runtime to release a dropped call's record; it stays reserved until its lease runs out");
+        return;
+    };
+    let (scope, digest) = (identity.scope.clone(), identity.key_digest());
+    let release = release(identity);
+    runtime.spawn(async move {
+        if let Err(e) = release.await {
+            tracing::error!(target: "idempotent", %scope, key = %digest, error = %e,
+                "could not release a dropped call's record; it stays reserved until its lease runs out");
+        }
+    });
+}
+
 /// Milliseconds as a `Duration`, negative values as zero.
 pub(crate) fn millis_to_duration(ms: i64) -> Duration {
     Duration::from_millis(ms.max(0) as u64)

@@ -369,16 +369,8 @@ impl Store for MySqlStore {
 
     fn release_detached(&self, identity: Identity, token: OwnerToken) {
         let pool = self.pool.clone();
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            tracing::warn!(target: "idempotent", scope = %identity.scope, key = %identity.key_digest(),
-                "no Tokio runtime to release a dropped call's record; it stays until its lease expires");
-            return;
-        };
-        runtime.spawn(async move {
-            if let Err(e) = release_with(&pool, &identity, &token).await {
-                tracing::warn!(target: "idempotent", scope = %identity.scope, key = %identity.key_digest(), error = %e,
-                    "releasing a dropped call's record failed; it stays until its lease expires");
-            }
+        release_in_background(identity, move |id| async move {
+            release_with(&pool, &id, &token).await
         });
     }
 

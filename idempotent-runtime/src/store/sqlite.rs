@@ -549,26 +549,10 @@ impl Store for SqliteStore {
     }
 
     fn release_detached(&self, identity: Identity, token: OwnerToken) {
-        match tokio::runtime::Handle::try_current() {
-            Ok(handle) => {
-                let store = self.clone();
-                handle.spawn(async move {
-                    if let Err(e) = store.release_now(&identity, &token).await {
-                        tracing::error!(
-                            scope = %identity.scope,
-                            key_digest = %identity.key_digest(),
-                            error = %e,
-                            "could not release a cancelled call's record; it stays reserved until its lease runs out"
-                        );
-                    }
-                });
-            }
-            Err(_) => tracing::error!(
-                scope = %identity.scope,
-                key_digest = %identity.key_digest(),
-                "no Tokio runtime to release a cancelled call's record on; it stays reserved until its lease runs out"
-            ),
-        }
+        let store = self.clone();
+        release_in_background(identity, move |id| async move {
+            store.release_now(&id, &token).await
+        });
     }
 
     async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError> {
