@@ -162,6 +162,42 @@ pub enum Error {
         limit: usize,
     },
 
+    /// Transactional mode (`tx = ...`) was given a connection that is not inside
+    /// a transaction (autocommit). The reservation would commit at once with
+    /// nothing renewing its lease, so the call is refused before anything runs.
+    #[error("scope `{scope}`: `tx = ...` was given a {store} connection that is not inside a transaction; \
+             begin one (`pool.begin()` or `conn.begin()`) and pass it, or leave out `tx = ...` to use store mode")]
+    NotInTransaction {
+        /// The scope of the call.
+        scope: String,
+        /// Which store's connection: `postgres`, `mysql`, `sqlite`.
+        store: &'static str,
+    },
+
+    /// SQLite transactional mode: the caller's transaction read the database
+    /// before another connection wrote to it, so SQLite will never let it write
+    /// (`SQLITE_BUSY_SNAPSHOT`). Retrying inside that transaction cannot help;
+    /// nothing ran.
+    #[error("scope `{scope}`: the SQLite transaction passed as `tx = ...` read the database before another \
+             connection wrote to it, so it can no longer write (SQLITE_BUSY_SNAPSHOT). Roll it back and retry, \
+             and begin transactions that call idempotent functions with `BEGIN IMMEDIATE` \
+             (`pool.begin_with(\"BEGIN IMMEDIATE\")`)")]
+    StaleSnapshot {
+        /// The scope of the call.
+        scope: String,
+    },
+
+    /// The result (or recorded error) would not come back equal from the
+    /// store, e.g. it holds a non-finite float, which JSON cannot represent.
+    /// Nothing was recorded and the key was released (rule 12).
+    #[error("the result in scope `{scope}` cannot be recorded faithfully: {message}; nothing was recorded")]
+    ResultNotFaithful {
+        /// The scope of the call.
+        scope: String,
+        /// What would not survive the round trip, and where.
+        message: String,
+    },
+
     /// No `store = ...` was given and no default store was set.
     #[error("no idempotency store for scope `{scope}`: call idempotent_runtime::set_default_store(...) at startup, or pass `store = ...` in the attribute")]
     NoDefaultStore {
