@@ -251,14 +251,16 @@ async fn pg_duplicate_of_an_open_transaction_is_in_progress_and_never_blocks() {
     assert_eq!(pg_charges(&pool, &tenant).await, 1, "one business row");
 }
 
+/// `tx = conn` on a `&mut PgConnection` that is inside a transaction (begun
+/// by sqlx); an autocommit connection is refused (tests/transactional_edges.rs).
 #[tokio::test]
-async fn pg_plain_connection_works_too() {
+async fn pg_connection_inside_a_transaction_works_too() {
     let Some(store) = pg_store_or_skip().await else {
         return;
     };
     let tenant = fresh_tenant();
-    let mut conn = store.pool().acquire().await.expect("acquire");
-    let conn: &mut sqlx::PgConnection = &mut conn;
+    let mut tx = store.pool().begin().await.expect("begin");
+    let conn: &mut sqlx::PgConnection = &mut tx;
     assert_eq!(
         pg_charge_on_connection(conn, &tenant, "k")
             .await
@@ -268,6 +270,7 @@ async fn pg_plain_connection_works_too() {
     let (replay, outcome) = with_outcome(pg_charge_on_connection(conn, &tenant, "k")).await;
     assert_eq!(replay.expect("replays"), 3);
     assert_eq!(outcome, Some(Outcome::Replayed));
+    tx.commit().await.expect("commit");
 }
 
 // ---------------------------------------------------------------- MariaDB / MySQL

@@ -360,7 +360,7 @@ pub(crate) trait Reserver: Send {
         &'a mut self,
         request: ReserveRequest<'a>,
         lock_wait: Duration,
-    ) -> futures_util::future::BoxFuture<'a, Result<Reservation, crate::error::StoreError>>;
+    ) -> futures_util::future::BoxFuture<'a, Result<Reservation, Error>>;
 }
 
 impl Reserver for &dyn Store {
@@ -368,8 +368,8 @@ impl Reserver for &dyn Store {
         &'a mut self,
         request: ReserveRequest<'a>,
         _lock_wait: Duration,
-    ) -> futures_util::future::BoxFuture<'a, Result<Reservation, crate::error::StoreError>> {
-        self.reserve(request)
+    ) -> futures_util::future::BoxFuture<'a, Result<Reservation, Error>> {
+        Box::pin(async move { Ok(self.reserve(request).await?) })
     }
 }
 

@@ -7,6 +7,11 @@
 //! row lock (bounded by `in_progress = wait(...)`) or is refused (`reject`).
 //! If the process dies, the database rolls the transaction back and the
 //! reservation disappears with the business writes.
+//!
+//! That only holds inside a transaction. On a connection in autocommit mode the
+//! reservation would commit at once and nothing would renew its lease, so a
+//! body outliving the lease could run twice (DESIGN.md rule 15). Such a call is
+//! refused with [`Error::NotInTransaction`] before anything is written.
 
 use crate::engine::{
     decode_replay, report, reserve, ErrorHandling, IdempotentReturn, Outcome, Reserved, Reserver,
@@ -25,14 +30,23 @@ use std::time::Duration;
 /// types of each SQL store.
 #[async_trait::async_trait]
 pub trait TransactionalConnection: Send {
+    /// The store the records belong to, for messages: `postgres`, `mysql`, `sqlite`.
+    fn store_name(&self) -> &'static str;
+
+    /// Whether the connection is inside a transaction now: one begun through
+    /// sqlx (`pool.begin()`, `conn.begin()`) or with a plain `BEGIN`.
+    async fn in_transaction(&mut self) -> Result<bool, StoreError>;
+
     /// Like [`Store::reserve`](crate::Store::reserve), in this transaction.
     /// Waits at most `lock_wait` for a row locked by another transaction;
-    /// when that runs out, answers `InProgress`.
+    /// when that runs out, answers `InProgress`. Errors are
+    /// [`Error::Store`], or an error saying why this transaction cannot hold
+    /// a reservation (e.g. [`Error::StaleSnapshot`] on SQLite).
     async fn reserve_in_transaction(
         &mut self,
         request: ReserveRequest<'_>,
         lock_wait: Duration,
-    ) -> Result<Reservation, StoreError>;
+    ) -> Result<Reservation, Error>;
 
     /// Like [`Store::complete`](crate::Store::complete), in this transaction.
     async fn complete_in_transaction(
@@ -60,11 +74,19 @@ where
     DB: sqlx::Database,
     DB::Connection: TransactionalConnection,
 {
+    fn store_name(&self) -> &'static str {
+        (**self).store_name()
+    }
+
+    async fn in_transaction(&mut self) -> Result<bool, StoreError> {
+        (**self).in_transaction().await
+    }
+
     async fn reserve_in_transaction(
         &mut self,
         request: ReserveRequest<'_>,
         lock_wait: Duration,
-    ) -> Result<Reservation, StoreError> {
+    ) -> Result<Reservation, Error> {
         (**self).reserve_in_transaction(request, lock_wait).await
     }
 
@@ -96,7 +118,7 @@ impl<C: TransactionalConnection + ?Sized> Reserver for InTransaction<'_, C> {
         &'a mut self,
         request: ReserveRequest<'a>,
         lock_wait: Duration,
-    ) -> futures_util::future::BoxFuture<'a, Result<Reservation, StoreError>> {
+    ) -> futures_util::future::BoxFuture<'a, Result<Reservation, Error>> {
         self.0.reserve_in_transaction(request, lock_wait)
     }
 }
@@ -143,6 +165,19 @@ where
         Ok(v) => v,
         Err(e) => return TransactionStep::Return(R::from_result(Err(e.into()))),
     };
+    match connection.in_transaction().await {
+        Ok(true) => {}
+        Ok(false) => {
+            tracing::warn!(target: "idempotent", scope = spec.scope, key = %identity.key_digest(),
+                "refused: tx = ... was given a connection that is not inside a transaction");
+            return TransactionStep::Return(R::from_result(Err(Error::NotInTransaction {
+                scope: spec.scope.to_owned(),
+                store: connection.store_name(),
+            }
+            .into())));
+        }
+        Err(e) => return TransactionStep::Return(R::from_result(Err(Error::Store(e).into()))),
+    }
     let token = OwnerToken::new();
     let request = ReserveRequest {
         identity: &identity,

@@ -488,12 +488,44 @@ fn lock_wait_seconds(lock_wait: Duration) -> u64 {
 /// ```
 #[async_trait::async_trait]
 impl TransactionalConnection for sqlx::MySqlConnection {
+    fn store_name(&self) -> &'static str {
+        STORE
+    }
+
+    /// A transaction begun through sqlx is known without a round trip.
+    /// Otherwise the server is asked: `@@in_transaction` (MariaDB, MySQL 8.0.x
+    /// has none: then only `autocommit = 0` counts), or `autocommit = 0`, where
+    /// every statement opens a transaction that lasts until `COMMIT`.
+    async fn in_transaction(&mut self) -> Result<bool, StoreError> {
+        const OP: &str = "check for an open transaction";
+        if sqlx::Connection::is_in_transaction(self) {
+            return Ok(true);
+        }
+        const UNKNOWN_SYSTEM_VARIABLE: &str = "1193";
+        let asked: Result<i64, sqlx::Error> =
+            sqlx::query_scalar("SELECT CAST(@@autocommit = 0 OR @@in_transaction = 1 AS SIGNED)")
+                .fetch_one(&mut *self)
+                .await;
+        let open = match asked {
+            Err(sqlx::Error::Database(e))
+                if e.code().as_deref() == Some(UNKNOWN_SYSTEM_VARIABLE) =>
+            {
+                sqlx::query_scalar("SELECT CAST(@@autocommit = 0 AS SIGNED)")
+                    .fetch_one(&mut *self)
+                    .await
+                    .map_err(err(OP))?
+            }
+            other => other.map_err(err(OP))?,
+        };
+        Ok(open != 0)
+    }
+
     async fn reserve_in_transaction(
         &mut self,
         request: ReserveRequest<'_>,
         lock_wait: Duration,
-    ) -> Result<Reservation, StoreError> {
-        reserve_with(&mut *self, request, lock_wait_seconds(lock_wait), false).await
+    ) -> Result<Reservation, Error> {
+        Ok(reserve_with(&mut *self, request, lock_wait_seconds(lock_wait), false).await?)
     }
 
     async fn complete_in_transaction(

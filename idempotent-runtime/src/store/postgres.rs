@@ -482,6 +482,15 @@ fn snapshot(row: &PgRow) -> Result<RecordSnapshot, sqlx::Error> {
 
 // ---------------------------------------------------------------- transactional mode
 
+/// Whether the connection's transaction began before the statement asking (a
+/// simple-protocol query: in autocommit it is its own transaction).
+async fn started_before_this_statement(conn: &mut sqlx::PgConnection) -> Result<bool, sqlx::Error> {
+    let row: PgRow = conn
+        .fetch_one("SELECT transaction_timestamp() <> statement_timestamp()")
+        .await?;
+    row.try_get::<bool, _>(0)
+}
+
 /// Transactional mode on a PostgreSQL connection: the reservation and the
 /// recorded result are statements in whatever transaction the connection is in.
 ///
@@ -493,12 +502,28 @@ fn snapshot(row: &PgRow) -> Result<RecordSnapshot, sqlx::Error> {
 /// ```
 #[async_trait::async_trait]
 impl TransactionalConnection for sqlx::PgConnection {
+    fn store_name(&self) -> &'static str {
+        STORE
+    }
+
+    /// A transaction begun through sqlx is known without a round trip. Otherwise
+    /// the server is asked, with a simple-protocol query: in autocommit that
+    /// query is its own transaction, which started with it (the two timestamps
+    /// are equal); after a plain `BEGIN` the transaction started earlier.
+    async fn in_transaction(&mut self) -> Result<bool, StoreError> {
+        const OP: &str = "check for an open transaction";
+        if sqlx::Connection::is_in_transaction(self) {
+            return Ok(true);
+        }
+        started_before_this_statement(self).await.map_err(err(OP))
+    }
+
     async fn reserve_in_transaction(
         &mut self,
         request: ReserveRequest<'_>,
         lock_wait: Duration,
-    ) -> Result<Reservation, StoreError> {
-        reserve_with(&mut *self, request, lock_wait).await
+    ) -> Result<Reservation, Error> {
+        Ok(reserve_with(&mut *self, request, lock_wait).await?)
     }
 
     async fn complete_in_transaction(

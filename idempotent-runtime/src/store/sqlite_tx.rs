@@ -10,6 +10,7 @@
 //! then answers `InProgress`.
 
 use super::*;
+use crate::error::Error;
 use sqlx::{Executor, SqliteConnection};
 
 use super::sqlite::{complete_on, release_on, reserve_in};
@@ -72,12 +73,33 @@ async fn reserve_on(
 /// ```
 #[async_trait::async_trait]
 impl crate::transaction::TransactionalConnection for SqliteConnection {
+    fn store_name(&self) -> &'static str {
+        "sqlite"
+    }
+
+    /// SQLite itself knows: `sqlite3_get_autocommit` is zero inside a
+    /// transaction, whether sqlx began it or a plain `BEGIN` did. No round trip.
+    async fn in_transaction(&mut self) -> Result<bool, StoreError> {
+        if sqlx::Connection::is_in_transaction(self) {
+            return Ok(true);
+        }
+        let mut handle = self
+            .lock_handle()
+            .await
+            .map_err(err("check for an open transaction"))?;
+        // SAFETY: the handle is a live connection, locked for our exclusive use
+        // while `handle` is held; sqlite3_get_autocommit only reads its state.
+        let autocommit =
+            unsafe { libsqlite3_sys::sqlite3_get_autocommit(handle.as_raw_handle().as_ptr()) };
+        Ok(autocommit == 0)
+    }
+
     async fn reserve_in_transaction(
         &mut self,
         request: ReserveRequest<'_>,
         lock_wait: Duration,
-    ) -> Result<Reservation, StoreError> {
-        reserve_on(self, request, lock_wait).await
+    ) -> Result<Reservation, Error> {
+        Ok(reserve_on(self, request, lock_wait).await?)
     }
 
     async fn complete_in_transaction(
