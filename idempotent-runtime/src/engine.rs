@@ -11,7 +11,7 @@ use serde::{de::DeserializeOwned, Serialize};
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::pin::pin;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, RwLock};
 use std::task::Poll;
 use std::time::Duration;
@@ -199,19 +199,28 @@ pub struct Call<'a> {
     pub fingerprint: Result<Option<Fingerprint>, Error>,
 }
 
-/// Releases the record if the call is dropped (cancelled) while it owns it.
+/// Releases the record if the call is dropped (cancelled) while it owns it,
+/// or while a reservation statement that may acquire it is in flight (rule 14):
+/// the store carries the release out, not the caller's runtime.
 struct ReleaseOnDrop<'a> {
     store: &'a dyn Store,
     identity: &'a Identity,
     token: &'a OwnerToken,
-    armed: bool,
+    /// Set while a reservation is in flight and while the call owns the record.
+    armed: AtomicBool,
+}
+
+impl ReleaseOnDrop<'_> {
+    fn arm(&self, armed: bool) {
+        self.armed.store(armed, Ordering::Relaxed);
+    }
 }
 
 impl Drop for ReleaseOnDrop<'_> {
     fn drop(&mut self) {
-        if self.armed {
+        if *self.armed.get_mut() {
             tracing::info!(target: "idempotent", scope = %self.identity.scope, key = %self.identity.key_digest(),
-                "call dropped mid-way; releasing its record");
+                "call ended while it held (or may have held) its record; the store releases it");
             self.store
                 .release_detached(self.identity.clone(), self.token.clone());
         }
@@ -253,7 +262,13 @@ where
         lease: spec.lease,
         ttl: spec.ttl,
     };
-    let took_over = match reserve(store, request, spec).await? {
+    let guard = ReleaseOnDrop {
+        store,
+        identity: &identity,
+        token: &token,
+        armed: AtomicBool::new(false),
+    };
+    let took_over = match reserve(store, request, spec, Some(&guard.armed)).await? {
         Reserved::Acquired { took_over } => took_over,
         Reserved::Replay(outcome) => {
             METRICS.replayed.fetch_add(1, Ordering::Relaxed);
@@ -267,21 +282,16 @@ where
         tracing::warn!(target: "idempotent", scope = spec.scope, key = %digest, "took over a record whose lease had expired");
     }
 
-    let mut guard = ReleaseOnDrop {
-        store,
-        identity: &identity,
-        token: &token,
-        armed: true,
-    };
     let result = match run_with_heartbeat(store, &identity, &token, spec.lease, body).await {
         Ok(r) => r.into_result(),
         Err(panic) => {
-            guard.armed = false;
+            guard.arm(false);
             release_logged(store, &identity, &token).await;
             std::panic::resume_unwind(panic);
         }
     };
-    guard.armed = false;
+    // The body ran: from here on a dropped call must not free the key for a re-run.
+    guard.arm(false);
     METRICS.executed.fetch_add(1, Ordering::Relaxed);
     report(Outcome::Executed);
 
@@ -374,11 +384,19 @@ impl Reserver for &dyn Store {
 }
 
 /// Reserves, waiting (bounded) while another owner runs, per the in-progress policy.
+/// `in_flight`, when given, is set while a reservation statement is under way
+/// and stays set when it acquired (the call's release-on-drop guard).
 pub(crate) async fn reserve(
     mut store: impl Reserver,
     request: ReserveRequest<'_>,
     spec: &'static ScopeInfo,
+    in_flight: Option<&AtomicBool>,
 ) -> Result<Reserved, Error> {
+    let flight = |on: bool| {
+        if let Some(flag) = in_flight {
+            flag.store(on, Ordering::Relaxed);
+        }
+    };
     let deadline = match spec.in_progress {
         InProgressPolicy::Wait(d) => Some(Instant::now() + d),
         InProgressPolicy::Reject => None,
@@ -388,7 +406,13 @@ pub(crate) async fn reserve(
         let lock_wait = deadline.map_or(Duration::ZERO, |d| {
             d.saturating_duration_since(Instant::now())
         });
-        match store.reserve_once(request, lock_wait).await? {
+        flight(true);
+        let answer = store.reserve_once(request, lock_wait).await;
+        // Acquired: the call owns the record. Failed: the statement may still
+        // have landed (a connection cut after the server committed), so the
+        // guard releases whatever this token may own when the call returns.
+        flight(matches!(answer, Ok(Reservation::Acquired { .. }) | Err(_)));
+        match answer? {
             Reservation::Acquired { took_over } => return Ok(Reserved::Acquired { took_over }),
             Reservation::Completed(outcome) => return Ok(Reserved::Replay(outcome)),
             Reservation::FingerprintMismatch => {

@@ -13,6 +13,7 @@ pub(crate) struct Counters {
     pub heartbeats: AtomicU64,
     pub heartbeat_failures: AtomicU64,
     pub purged: AtomicU64,
+    pub release_failures: AtomicU64,
 }
 
 pub(crate) static METRICS: Counters = Counters {
@@ -25,6 +26,7 @@ pub(crate) static METRICS: Counters = Counters {
     heartbeats: AtomicU64::new(0),
     heartbeat_failures: AtomicU64::new(0),
     purged: AtomicU64::new(0),
+    release_failures: AtomicU64::new(0),
 };
 
 /// A copy of the counters since the process started. Export them to your
@@ -56,6 +58,9 @@ pub struct Snapshot {
     pub heartbeat_failures: u64,
     /// Records deleted by purges.
     pub purged: u64,
+    /// Dropped calls whose record could not be released (it stays reserved
+    /// until its lease runs out); each is also logged.
+    pub release_failures: u64,
 }
 
 /// Reads the counters.
@@ -72,5 +77,6 @@ pub fn snapshot() -> Snapshot {
         heartbeats: r(&m.heartbeats),
         heartbeat_failures: r(&m.heartbeat_failures),
         purged: r(&m.purged),
+        release_failures: r(&m.release_failures),
     }
 }

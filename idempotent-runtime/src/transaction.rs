@@ -186,7 +186,7 @@ where
         lease: spec.lease,
         ttl: spec.ttl,
     };
-    match reserve(InTransaction(connection), request, spec).await {
+    match reserve(InTransaction(connection), request, spec, None).await {
         Ok(Reserved::Acquired { .. }) => TransactionStep::Run(HeldInTransaction {
             spec,
             identity,

@@ -15,6 +15,8 @@ pub mod memory;
 pub mod mysql;
 #[cfg(feature = "postgres")]
 pub mod postgres;
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+pub(crate) mod releaser;
 #[cfg(feature = "sqlite")]
 pub mod sqlite;
 #[cfg(feature = "sqlite")]
@@ -207,8 +209,13 @@ pub trait Store: Send + Sync {
     ) -> Result<bool, StoreError>;
 
     /// Starts a release that must not wait for the caller: used when a call is
-    /// dropped mid-way (its future cancelled). Implementations release at once
-    /// when they can, or spawn the release on the current Tokio runtime.
+    /// dropped mid-way (its future cancelled), also while its reservation was
+    /// still in flight. It must not depend on the caller's runtime, which may be
+    /// shutting down: implementations release at once when they can, or hand
+    /// the release to something they own (the SQL stores' background releaser),
+    /// and try again for a few seconds while `token` owns nothing yet (the
+    /// reservation may land late). A release that cannot be made is logged and
+    /// counted (`metrics::snapshot().release_failures`).
     fn release_detached(&self, identity: Identity, token: OwnerToken);
 
     /// Deletes up to `batch` expired records; returns how many were deleted.
@@ -274,30 +281,6 @@ impl<'s> AsDynStore for dyn Store + 's {
     fn as_dyn_store(&self) -> &dyn Store {
         self
     }
-}
-
-/// Runs a dropped call's release on the current Tokio runtime without waiting
-/// for it (the SQL stores' [`Store::release_detached`]). Without a runtime, or
-/// when the release fails, the record stays reserved until its lease runs out;
-/// both are logged.
-pub(crate) fn release_in_background<F, Fut>(identity: Identity, release: F)
-where
-    F: FnOnce(Identity) -> Fut,
-    Fut: std::future::Future<Output = Result<bool, StoreError>> + Send + 'static,
-{
-    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-        tracing::error!(target: "idempotent", scope = %identity.scope, key = %identity.key_digest(),
-            "no Tokio runtime to release a dropped call's record; it stays reserved until its lease runs out");
-        return;
-    };
-    let (scope, digest) = (identity.scope.clone(), identity.key_digest());
-    let release = release(identity);
-    runtime.spawn(async move {
-        if let Err(e) = release.await {
-            tracing::error!(target: "idempotent", %scope, key = %digest, error = %e,
-                "could not release a dropped call's record; it stays reserved until its lease runs out");
-        }
-    });
 }
 
 /// Milliseconds as a `Duration`, negative values as zero.

@@ -65,6 +65,7 @@ static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("migrations/mysql");
 #[derive(Debug, Clone)]
 pub struct MySqlStore {
     pool: MySqlPool,
+    releaser: std::sync::Arc<releaser::Releaser>,
 }
 
 impl MySqlStore {
@@ -116,13 +117,35 @@ impl MySqlStore {
         migrate(&pool)
             .await
             .map_err(|e| StoreError::new(STORE, "migrate", e))?;
-        Ok(MySqlStore { pool })
+        Ok(MySqlStore {
+            releaser: std::sync::Arc::new(background_releaser(&pool)),
+            pool,
+        })
     }
 
     /// The pool the store uses.
     pub fn pool(&self) -> &MySqlPool {
         &self.pool
     }
+}
+
+/// The releaser of dropped calls: its own small pool on its own runtime, with
+/// the store pool's connection options.
+fn background_releaser(pool: &MySqlPool) -> releaser::Releaser {
+    let options = pool.connect_options();
+    releaser::Releaser::new(
+        STORE,
+        Box::new(move || {
+            let pool = MySqlPoolOptions::new()
+                .max_connections(2)
+                .acquire_timeout(ACQUIRE_TIMEOUT)
+                .connect_lazy_with((*options).clone());
+            std::sync::Arc::new(move |identity, token| {
+                let pool = pool.clone();
+                Box::pin(async move { release_with(&pool, &identity, &token).await })
+            })
+        }),
+    )
 }
 
 /// Applies the embedded migrations once, under `GET_LOCK`, recording them in
@@ -368,10 +391,7 @@ impl Store for MySqlStore {
     }
 
     fn release_detached(&self, identity: Identity, token: OwnerToken) {
-        let pool = self.pool.clone();
-        release_in_background(identity, move |id| async move {
-            release_with(&pool, &id, &token).await
-        });
+        self.releaser.release(identity, token);
     }
 
     async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError> {

@@ -64,6 +64,7 @@ static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("migrations/postgres")
 pub struct PgStore {
     pool: PgPool,
     lock_wait: Duration,
+    releaser: std::sync::Arc<releaser::Releaser>,
 }
 
 impl PgStore {
@@ -112,6 +113,7 @@ impl PgStore {
             .await
             .map_err(|e| StoreError::new(STORE, "migrate", e))?;
         Ok(PgStore {
+            releaser: std::sync::Arc::new(background_releaser(&pool)),
             pool,
             lock_wait: DEFAULT_LOCK_WAIT,
         })
@@ -139,6 +141,25 @@ impl PgStore {
     pub fn pool(&self) -> &PgPool {
         &self.pool
     }
+}
+
+/// The releaser of dropped calls: its own small pool on its own runtime, with
+/// the store pool's connection options.
+fn background_releaser(pool: &PgPool) -> releaser::Releaser {
+    let options = pool.connect_options();
+    releaser::Releaser::new(
+        STORE,
+        Box::new(move || {
+            let pool = PgPoolOptions::new()
+                .max_connections(2)
+                .acquire_timeout(ACQUIRE_TIMEOUT)
+                .connect_lazy_with((*options).clone());
+            std::sync::Arc::new(move |identity, token| {
+                let pool = pool.clone();
+                Box::pin(async move { release_with(&pool, &identity, &token).await })
+            })
+        }),
+    )
 }
 
 /// Applies the embedded migrations once, under an advisory lock, recording
@@ -381,10 +402,7 @@ impl Store for PgStore {
     }
 
     fn release_detached(&self, identity: Identity, token: OwnerToken) {
-        let pool = self.pool.clone();
-        release_in_background(identity, move |id| async move {
-            release_with(&pool, &id, &token).await
-        });
+        self.releaser.release(identity, token);
     }
 
     async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError> {

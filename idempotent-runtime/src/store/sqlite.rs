@@ -186,6 +186,9 @@ pub struct SqliteStore {
     /// Serializes this process's writes so they queue here, not in SQLite's
     /// busy handler. Other processes are handled by the busy timeout.
     write_gate: Arc<tokio::sync::Mutex<()>>,
+    /// Carries out the releases of dropped calls (rule 14). SQLite connections
+    /// run on threads of their own, so it shares the store's pool.
+    releaser: Arc<super::releaser::Releaser>,
 }
 
 impl SqliteStore {
@@ -255,9 +258,26 @@ impl SqliteStore {
     /// applied to this database differs from the one this version ships.
     pub async fn from_pool(pool: SqlitePool) -> Result<Self, Error> {
         migrate(&pool).await?;
+        let write_gate = Arc::new(tokio::sync::Mutex::new(()));
+        let releaser = {
+            let (pool, write_gate) = (pool.clone(), write_gate.clone());
+            super::releaser::Releaser::new(
+                STORE,
+                Box::new(move || {
+                    Arc::new(move |identity, token| {
+                        let (pool, write_gate) = (pool.clone(), write_gate.clone());
+                        Box::pin(async move {
+                            let _gate = write_gate.lock().await;
+                            release_on(&pool, &identity, &token).await
+                        })
+                    })
+                }),
+            )
+        };
         Ok(SqliteStore {
             pool,
-            write_gate: Arc::new(tokio::sync::Mutex::new(())),
+            write_gate,
+            releaser: Arc::new(releaser),
         })
     }
 
@@ -549,10 +569,7 @@ impl Store for SqliteStore {
     }
 
     fn release_detached(&self, identity: Identity, token: OwnerToken) {
-        let store = self.clone();
-        release_in_background(identity, move |id| async move {
-            store.release_now(&id, &token).await
-        });
+        self.releaser.release(identity, token);
     }
 
     async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError> {
