@@ -6,14 +6,17 @@
 //! acquires) and then never answers, like a connection whose response is held
 //! up after the server committed. The caller gives up (its future is
 //! dropped); the record must then be released by the store, not left in
-//! progress for the whole lease.
+//! progress for the whole lease. With `Stall::Complete` the completion never
+//! starts: the body has run, so the store must record the result (a retry
+//! replays it) instead of freeing the key for a second run.
 
 mod common;
 
 use common::servers::{fresh_tenant, mysql_store_or_skip, pg_store_or_skip};
 use idempotent_runtime::{
-    idempotent, Error, Identity, MemoryStore, OwnerToken, RecordSnapshot, Reservation,
-    ReserveRequest, ScopeStats, SqliteStore, Store, StoreError, StoredOutcome,
+    idempotent, with_outcome, Error, Identity, MemoryStore, Outcome, OwnerToken, RecordSnapshot,
+    RecordState, Reservation, ReserveRequest, ScopeStats, SqliteStore, Store, StoreError,
+    StoredOutcome,
 };
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -24,10 +27,19 @@ use tokio::sync::Notify;
 /// background); generous, and only ever waited for by polling.
 const RELEASE_BOUND: Duration = Duration::from_secs(20);
 
+#[derive(PartialEq)]
+enum Stall {
+    /// After the real reservation acquired.
+    Reserve,
+    /// Before the real completion is sent.
+    Complete,
+}
+
 struct Stalling {
     inner: Arc<dyn Store>,
-    /// Notified once the inner reservation has been made.
-    reserved: Notify,
+    stall: Stall,
+    /// Notified once the call reached the stall.
+    stalled: Notify,
 }
 
 #[async_trait::async_trait]
@@ -37,9 +49,9 @@ impl Store for Stalling {
     }
     async fn reserve(&self, r: ReserveRequest<'_>) -> Result<Reservation, StoreError> {
         let answer = self.inner.reserve(r).await;
-        self.reserved.notify_one();
-        if matches!(answer, Ok(Reservation::Acquired { .. })) {
+        if self.stall == Stall::Reserve && matches!(answer, Ok(Reservation::Acquired { .. })) {
             // The answer never arrives.
+            self.stalled.notify_one();
             std::future::pending::<()>().await;
         }
         answer
@@ -51,6 +63,10 @@ impl Store for Stalling {
         o: &StoredOutcome,
         ttl: Duration,
     ) -> Result<bool, StoreError> {
+        if self.stall == Stall::Complete {
+            self.stalled.notify_one();
+            std::future::pending::<()>().await;
+        }
         self.inner.complete(i, t, o, ttl).await
     }
     async fn release(&self, i: &Identity, t: &OwnerToken) -> Result<bool, StoreError> {
@@ -66,6 +82,9 @@ impl Store for Stalling {
     }
     fn release_detached(&self, i: Identity, t: OwnerToken) {
         self.inner.release_detached(i, t)
+    }
+    fn complete_detached(&self, i: Identity, t: OwnerToken, o: StoredOutcome, ttl: Duration) {
+        self.inner.complete_detached(i, t, o, ttl)
     }
     async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError> {
         self.inner.purge_expired(batch).await
@@ -121,14 +140,15 @@ async fn released_within_bound(store: &dyn Store, id: &Identity) {
 async fn dropped_while_reserving(inner: Arc<dyn Store>) {
     let stalling = Stalling {
         inner: inner.clone(),
-        reserved: Notify::new(),
+        stall: Stall::Reserve,
+        stalled: Notify::new(),
     };
     let tenant = fresh_tenant();
     let runs = AtomicUsize::new(0);
     let id = Identity::new(&tenant, "cancel.charge", "k").expect("identity");
     tokio::select! {
         answer = charge(&stalling, &tenant, "k", &runs) => panic!("the stalled call answered: {answer:?}"),
-        () = stalling.reserved.notified() => {} // the reservation landed; give up now
+        () = stalling.stalled.notified() => {} // the reservation landed; give up now
     }
     released_within_bound(inner.as_ref(), &id).await;
     assert_eq!(
@@ -142,6 +162,38 @@ async fn dropped_while_reserving(inner: Arc<dyn Store>) {
         1,
         "the body ran once, after the release"
     );
+}
+
+/// The body ran, the completion never got going, the caller gave up: the
+/// store records the result, so a retry replays it and the body ran once.
+async fn dropped_while_completing(inner: Arc<dyn Store>) {
+    let stalling = Stalling {
+        inner: inner.clone(),
+        stall: Stall::Complete,
+        stalled: Notify::new(),
+    };
+    let tenant = fresh_tenant();
+    let runs = AtomicUsize::new(0);
+    let id = Identity::new(&tenant, "cancel.charge", "k").expect("identity");
+    tokio::select! {
+        answer = charge(&stalling, &tenant, "k", &runs) => panic!("the stalled call answered: {answer:?}"),
+        () = stalling.stalled.notified() => {} // the body ran; give up while recording
+    }
+    let deadline = tokio::time::Instant::now() + RELEASE_BOUND;
+    loop {
+        let record = inner.fetch(&id).await.expect("fetch");
+        match record {
+            Some(r) if r.state == RecordState::Complete => break,
+            other if tokio::time::Instant::now() >= deadline => {
+                panic!("the dropped call's result was not recorded: {other:?}")
+            }
+            _ => tokio::time::sleep(Duration::from_millis(20)).await,
+        }
+    }
+    let (answer, outcome) = with_outcome(charge(inner.as_ref(), &tenant, "k", &runs)).await;
+    assert_eq!(answer.expect("replays"), 7);
+    assert_eq!(outcome, Some(Outcome::Replayed));
+    assert_eq!(runs.load(Ordering::SeqCst), 1, "the body ran once");
 }
 
 /// A call holding its record on a runtime that is shut down: the release is
@@ -174,6 +226,32 @@ async fn sqlite() -> Arc<dyn Store> {
             .await
             .expect("open"),
     )
+}
+
+#[tokio::test]
+async fn memory_dropped_while_completing_is_recorded() {
+    dropped_while_completing(Arc::new(MemoryStore::new())).await;
+}
+
+#[tokio::test]
+async fn sqlite_dropped_while_completing_is_recorded() {
+    dropped_while_completing(sqlite().await).await;
+}
+
+#[tokio::test]
+async fn postgres_dropped_while_completing_is_recorded() {
+    let Some(store) = pg_store_or_skip().await else {
+        return;
+    };
+    dropped_while_completing(Arc::new(store)).await;
+}
+
+#[tokio::test]
+async fn mysql_dropped_while_completing_is_recorded() {
+    let Some(store) = mysql_store_or_skip().await else {
+        return;
+    };
+    dropped_while_completing(Arc::new(store)).await;
 }
 
 #[tokio::test]

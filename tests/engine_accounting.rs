@@ -82,6 +82,10 @@ impl Store for Counting {
         self.calls.release.fetch_add(1, Ordering::SeqCst);
         self.inner.release_detached(i, t)
     }
+    fn complete_detached(&self, i: Identity, t: OwnerToken, o: StoredOutcome, ttl: Duration) {
+        self.calls.complete.fetch_add(1, Ordering::SeqCst);
+        self.inner.complete_detached(i, t, o, ttl)
+    }
     async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError> {
         self.inner.purge_expired(batch).await
     }

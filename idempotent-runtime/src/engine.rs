@@ -199,30 +199,39 @@ pub struct Call<'a> {
     pub fingerprint: Result<Option<Fingerprint>, Error>,
 }
 
-/// Releases the record if the call is dropped (cancelled) while it owns it,
-/// or while a reservation statement that may acquire it is in flight (rule 14):
-/// the store carries the release out, not the caller's runtime.
-struct ReleaseOnDrop<'a> {
+/// Finishes the record of a call that is dropped (cancelled) mid-way (rule 14);
+/// the store carries the work out, not the caller's runtime:
+/// * dropped while a reservation that may acquire the record is in flight, or
+///   while the body runs: the record is released, so a retry runs again;
+/// * dropped while the result is being recorded: the body has run, so the
+///   result is recorded (freeing the key would let a retry run it twice).
+struct FinishOnDrop<'a> {
     store: &'a dyn Store,
     identity: &'a Identity,
     token: &'a OwnerToken,
     /// Set while a reservation is in flight and while the call owns the record.
     armed: AtomicBool,
+    /// The outcome being recorded, while its completion is under way.
+    completing: Option<(StoredOutcome, Duration)>,
 }
 
-impl ReleaseOnDrop<'_> {
+impl FinishOnDrop<'_> {
     fn arm(&self, armed: bool) {
         self.armed.store(armed, Ordering::Relaxed);
     }
 }
 
-impl Drop for ReleaseOnDrop<'_> {
+impl Drop for FinishOnDrop<'_> {
     fn drop(&mut self) {
+        let (identity, token) = (self.identity.clone(), self.token.clone());
         if *self.armed.get_mut() {
-            tracing::info!(target: "idempotent", scope = %self.identity.scope, key = %self.identity.key_digest(),
+            tracing::info!(target: "idempotent", scope = %identity.scope, key = %identity.key_digest(),
                 "call ended while it held (or may have held) its record; the store releases it");
-            self.store
-                .release_detached(self.identity.clone(), self.token.clone());
+            self.store.release_detached(identity, token);
+        } else if let Some((outcome, ttl)) = self.completing.take() {
+            tracing::info!(target: "idempotent", scope = %identity.scope, key = %identity.key_digest(),
+                "call dropped while recording its result; the store records it");
+            self.store.complete_detached(identity, token, outcome, ttl);
         }
     }
 }
@@ -262,11 +271,12 @@ where
         lease: spec.lease,
         ttl: spec.ttl,
     };
-    let guard = ReleaseOnDrop {
+    let mut guard = FinishOnDrop {
         store,
         identity: &identity,
         token: &token,
         armed: AtomicBool::new(false),
+        completing: None,
     };
     let took_over = match reserve(store, request, spec, Some(&guard.armed)).await? {
         Reserved::Acquired { took_over } => took_over,
@@ -290,58 +300,33 @@ where
             std::panic::resume_unwind(panic);
         }
     };
-    // The body ran: from here on a dropped call must not free the key for a re-run.
-    guard.arm(false);
     METRICS.executed.fetch_add(1, Ordering::Relaxed);
     report(Outcome::Executed);
 
-    let stored = match &result {
-        Ok(value) => match serde_json::to_vec(value) {
-            Ok(bytes) => StoredOutcome {
-                is_error: false,
-                payload: bytes,
-            },
-            Err(e) => {
-                release_logged(store, &identity, &token).await;
-                return Err(Error::ResultEncoding {
-                    scope: spec.scope.to_owned(),
-                    message: e.to_string(),
-                }
-                .into());
-            }
-        },
-        Err(e) => match errors.record(e) {
-            None => {
-                release_logged(store, &identity, &token).await;
-                tracing::info!(target: "idempotent", scope = spec.scope, key = %digest, "executed; error released");
-                return result;
-            }
-            Some(Ok(bytes)) => StoredOutcome {
-                is_error: true,
-                payload: bytes,
-            },
-            Some(Err(message)) => {
-                release_logged(store, &identity, &token).await;
-                return Err(Error::ResultEncoding {
-                    scope: spec.scope.to_owned(),
-                    message,
-                }
-                .into());
-            }
-        },
-    };
-    if stored.payload.len() > MAX_RESULT_BYTES {
-        release_logged(store, &identity, &token).await;
-        return Err(Error::ResultTooLarge {
-            scope: spec.scope.to_owned(),
-            size: stored.payload.len(),
-            limit: MAX_RESULT_BYTES,
+    let stored = match outcome_to_record::<R, H>(spec, &result, &errors) {
+        Ok(Some(stored)) => stored,
+        Ok(None) => {
+            release_logged(store, &identity, &token).await;
+            guard.arm(false);
+            tracing::info!(target: "idempotent", scope = spec.scope, key = %digest, "executed; error released");
+            return result;
         }
-        .into());
-    }
-    match store.complete(&identity, &token, &stored, spec.ttl).await {
+        Err(e) => {
+            release_logged(store, &identity, &token).await;
+            guard.arm(false);
+            return Err(e.into());
+        }
+    };
+    // The body ran and its result is recordable: from here on a dropped call
+    // records it rather than freeing the key for a re-run.
+    guard.arm(false);
+    let recorded_error = stored.is_error;
+    let stored = &guard.completing.insert((stored, spec.ttl)).0;
+    let completed = store.complete(&identity, &token, stored, spec.ttl).await;
+    guard.completing = None;
+    match completed {
         Ok(true) => {
-            tracing::info!(target: "idempotent", scope = spec.scope, key = %digest, recorded_error = stored.is_error, "executed");
+            tracing::info!(target: "idempotent", scope = spec.scope, key = %digest, recorded_error, "executed");
             result
         }
         Ok(false) => {
@@ -442,6 +427,42 @@ pub(crate) async fn reserve(
             }
         }
     }
+}
+
+/// What a finished body's result becomes: `Ok(Some(outcome))` to record,
+/// `Ok(None)` to release the key (an error the policy does not record), or an
+/// error when it cannot be recorded faithfully (the key is then released and
+/// the caller gets the error). Shared by store mode and transactional mode.
+pub(crate) fn outcome_to_record<R: IdempotentReturn, H: ErrorHandling<R::Failure>>(
+    spec: &'static ScopeInfo,
+    result: &Result<R::Value, R::Failure>,
+    errors: &H,
+) -> Result<Option<StoredOutcome>, Error> {
+    let encoding = |message: String| Error::ResultEncoding {
+        scope: spec.scope.to_owned(),
+        message,
+    };
+    let stored = match result {
+        Ok(value) => StoredOutcome {
+            is_error: false,
+            payload: serde_json::to_vec(value).map_err(|e| encoding(e.to_string()))?,
+        },
+        Err(e) => match errors.record(e) {
+            None => return Ok(None),
+            Some(bytes) => StoredOutcome {
+                is_error: true,
+                payload: bytes.map_err(encoding)?,
+            },
+        },
+    };
+    if stored.payload.len() > MAX_RESULT_BYTES {
+        return Err(Error::ResultTooLarge {
+            scope: spec.scope.to_owned(),
+            size: stored.payload.len(),
+            limit: MAX_RESULT_BYTES,
+        });
+    }
+    Ok(Some(stored))
 }
 
 pub(crate) fn decode_replay<R: IdempotentReturn, H: ErrorHandling<R::Failure>>(

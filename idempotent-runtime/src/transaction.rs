@@ -14,7 +14,8 @@
 //! refused with [`Error::NotInTransaction`] before anything is written.
 
 use crate::engine::{
-    decode_replay, report, reserve, ErrorHandling, IdempotentReturn, Outcome, Reserved, Reserver,
+    decode_replay, outcome_to_record, report, reserve, ErrorHandling, IdempotentReturn, Outcome,
+    Reserved, Reserver,
 };
 use crate::error::{Error, StoreError};
 use crate::fingerprint::Fingerprint;
@@ -223,47 +224,14 @@ where
     METRICS.executed.fetch_add(1, Ordering::Relaxed);
     report(Outcome::Executed);
     let result = result.into_result();
-    let encoded = match &result {
-        Ok(v) => serde_json::to_vec(v)
-            .map(|payload| {
-                Some(StoredOutcome {
-                    is_error: false,
-                    payload,
-                })
-            })
-            .map_err(|e| e.to_string()),
-        Err(e) => match errors.record(e) {
-            None => Ok(None),
-            Some(r) => r.map(|payload| {
-                Some(StoredOutcome {
-                    is_error: true,
-                    payload,
-                })
-            }),
-        },
-    };
-    let stored = match encoded {
-        Ok(Some(s)) if s.payload.len() > crate::engine::MAX_RESULT_BYTES => {
-            Err(Error::ResultTooLarge {
-                scope: spec.scope.to_owned(),
-                size: s.payload.len(),
-                limit: crate::engine::MAX_RESULT_BYTES,
-            })
-        }
-        Ok(s) => Ok(s),
-        Err(message) => Err(Error::ResultEncoding {
-            scope: spec.scope.to_owned(),
-            message,
-        }),
-    };
-    let stored = match stored {
-        Ok(Some(s)) => s,
-        Ok(None) | Err(_) => {
+    let stored = match outcome_to_record::<R, H>(spec, &result, errors) {
+        Ok(Some(stored)) => stored,
+        refused => {
             // Release: the key is free whether the caller commits or rolls back.
             if let Err(e) = connection.release_in_transaction(&identity, &token).await {
                 return R::from_result(Err(Error::Store(e).into()));
             }
-            return R::from_result(match stored {
+            return R::from_result(match refused {
                 Err(e) => Err(e.into()),
                 Ok(_) => result,
             });

@@ -92,6 +92,31 @@ impl MemoryStore {
         }
         owned
     }
+
+    fn complete_now(
+        &self,
+        identity: &Identity,
+        token: &OwnerToken,
+        outcome: &StoredOutcome,
+        ttl: Duration,
+    ) -> bool {
+        let now = self.now_ms();
+        let mut records = self.records();
+        match records.get_mut(identity) {
+            Some(r)
+                if r.state == RecordState::InProgress
+                    && r.owner_token.as_deref() == Some(token.as_str()) =>
+            {
+                r.state = RecordState::Complete;
+                r.owner_token = None;
+                r.outcome = Some(outcome.clone());
+                r.expires_at_ms = now.saturating_add(duration_to_millis(ttl));
+                r.lease_expires_at_ms = now;
+                true
+            }
+            _ => false,
+        }
+    }
 }
 
 fn is_expired(r: &Record, now: i64) -> bool {
@@ -160,22 +185,7 @@ impl Store for MemoryStore {
         outcome: &StoredOutcome,
         ttl: Duration,
     ) -> Result<bool, StoreError> {
-        let now = self.now_ms();
-        let mut records = self.records();
-        match records.get_mut(identity) {
-            Some(r)
-                if r.state == RecordState::InProgress
-                    && r.owner_token.as_deref() == Some(token.as_str()) =>
-            {
-                r.state = RecordState::Complete;
-                r.owner_token = None;
-                r.outcome = Some(outcome.clone());
-                r.expires_at_ms = now.saturating_add(duration_to_millis(ttl));
-                r.lease_expires_at_ms = now;
-                Ok(true)
-            }
-            _ => Ok(false),
-        }
+        Ok(self.complete_now(identity, token, outcome, ttl))
     }
 
     async fn release(&self, identity: &Identity, token: &OwnerToken) -> Result<bool, StoreError> {
@@ -204,6 +214,16 @@ impl Store for MemoryStore {
 
     fn release_detached(&self, identity: Identity, token: OwnerToken) {
         self.release_now(&identity, &token);
+    }
+
+    fn complete_detached(
+        &self,
+        identity: Identity,
+        token: OwnerToken,
+        outcome: StoredOutcome,
+        ttl: Duration,
+    ) {
+        self.complete_now(&identity, &token, &outcome, ttl);
     }
 
     async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError> {

@@ -10,13 +10,13 @@ use crate::fingerprint::Fingerprint;
 use crate::identity::Identity;
 use std::time::Duration;
 
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+pub(crate) mod detached;
 pub mod memory;
 #[cfg(feature = "mysql")]
 pub mod mysql;
 #[cfg(feature = "postgres")]
 pub mod postgres;
-#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
-pub(crate) mod releaser;
 #[cfg(feature = "sqlite")]
 pub mod sqlite;
 #[cfg(feature = "sqlite")]
@@ -218,6 +218,20 @@ pub trait Store: Send + Sync {
     /// counted (`metrics::snapshot().release_failures`).
     fn release_detached(&self, identity: Identity, token: OwnerToken);
 
+    /// Records a result without waiting for the caller: used when a call is
+    /// dropped while its completion was under way (its body has already run,
+    /// so freeing the key would let a retry run it again). Like
+    /// [`release_detached`](Store::release_detached) it must not depend on the
+    /// caller's runtime; it is fenced by `token` like
+    /// [`complete`](Store::complete).
+    fn complete_detached(
+        &self,
+        identity: Identity,
+        token: OwnerToken,
+        outcome: StoredOutcome,
+        ttl: Duration,
+    );
+
     /// Deletes up to `batch` expired records; returns how many were deleted.
     /// An in-progress record is deleted only when both its lease and its
     /// retention have run out.
@@ -249,6 +263,9 @@ macro_rules! delegate_store {
             }
             fn release_detached(&self, identity: Identity, token: OwnerToken) {
                 (**self).release_detached(identity, token)
+            }
+            fn complete_detached(&self, identity: Identity, token: OwnerToken, outcome: StoredOutcome, ttl: Duration) {
+                (**self).complete_detached(identity, token, outcome, ttl)
             }
             async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError> {
                 (**self).purge_expired(batch).await

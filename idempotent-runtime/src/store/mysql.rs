@@ -65,7 +65,7 @@ static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("migrations/mysql");
 #[derive(Debug, Clone)]
 pub struct MySqlStore {
     pool: MySqlPool,
-    releaser: std::sync::Arc<releaser::Releaser>,
+    detached: std::sync::Arc<detached::Detached>,
 }
 
 impl MySqlStore {
@@ -118,7 +118,7 @@ impl MySqlStore {
             .await
             .map_err(|e| StoreError::new(STORE, "migrate", e))?;
         Ok(MySqlStore {
-            releaser: std::sync::Arc::new(background_releaser(&pool)),
+            detached: std::sync::Arc::new(background_worker(&pool)),
             pool,
         })
     }
@@ -129,20 +129,27 @@ impl MySqlStore {
     }
 }
 
-/// The releaser of dropped calls: its own small pool on its own runtime, with
-/// the store pool's connection options.
-fn background_releaser(pool: &MySqlPool) -> releaser::Releaser {
+/// The worker that finishes dropped calls' records: its own small pool on its
+/// own runtime, with the store pool's connection options.
+fn background_worker(pool: &MySqlPool) -> detached::Detached {
     let options = pool.connect_options();
-    releaser::Releaser::new(
+    detached::Detached::new(
         STORE,
         Box::new(move || {
             let pool = MySqlPoolOptions::new()
                 .max_connections(2)
                 .acquire_timeout(ACQUIRE_TIMEOUT)
                 .connect_lazy_with((*options).clone());
-            std::sync::Arc::new(move |identity, token| {
+            std::sync::Arc::new(move |identity, token, work| {
                 let pool = pool.clone();
-                Box::pin(async move { release_with(&pool, &identity, &token).await })
+                Box::pin(async move {
+                    match work {
+                        detached::Work::Release => release_with(&pool, &identity, &token).await,
+                        detached::Work::Complete(outcome, ttl) => {
+                            complete_with(&pool, &identity, &token, &outcome, ttl).await
+                        }
+                    }
+                })
             })
         }),
     )
@@ -391,7 +398,19 @@ impl Store for MySqlStore {
     }
 
     fn release_detached(&self, identity: Identity, token: OwnerToken) {
-        self.releaser.release(identity, token);
+        self.detached
+            .hand_over(identity, token, detached::Work::Release);
+    }
+
+    fn complete_detached(
+        &self,
+        identity: Identity,
+        token: OwnerToken,
+        outcome: StoredOutcome,
+        ttl: Duration,
+    ) {
+        self.detached
+            .hand_over(identity, token, detached::Work::Complete(outcome, ttl));
     }
 
     async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError> {

@@ -186,9 +186,9 @@ pub struct SqliteStore {
     /// Serializes this process's writes so they queue here, not in SQLite's
     /// busy handler. Other processes are handled by the busy timeout.
     write_gate: Arc<tokio::sync::Mutex<()>>,
-    /// Carries out the releases of dropped calls (rule 14). SQLite connections
+    /// Finishes the records of dropped calls (rule 14). SQLite connections
     /// run on threads of their own, so it shares the store's pool.
-    releaser: Arc<super::releaser::Releaser>,
+    detached: Arc<super::detached::Detached>,
 }
 
 impl SqliteStore {
@@ -259,16 +259,22 @@ impl SqliteStore {
     pub async fn from_pool(pool: SqlitePool) -> Result<Self, Error> {
         migrate(&pool).await?;
         let write_gate = Arc::new(tokio::sync::Mutex::new(()));
-        let releaser = {
+        let detached = {
+            use super::detached::{Detached, Work};
             let (pool, write_gate) = (pool.clone(), write_gate.clone());
-            super::releaser::Releaser::new(
+            Detached::new(
                 STORE,
                 Box::new(move || {
-                    Arc::new(move |identity, token| {
+                    Arc::new(move |identity, token, work| {
                         let (pool, write_gate) = (pool.clone(), write_gate.clone());
                         Box::pin(async move {
                             let _gate = write_gate.lock().await;
-                            release_on(&pool, &identity, &token).await
+                            match work {
+                                Work::Release => release_on(&pool, &identity, &token).await,
+                                Work::Complete(outcome, ttl) => {
+                                    complete_on(&pool, &identity, &token, &outcome, ttl).await
+                                }
+                            }
                         })
                     })
                 }),
@@ -277,7 +283,7 @@ impl SqliteStore {
         Ok(SqliteStore {
             pool,
             write_gate,
-            releaser: Arc::new(releaser),
+            detached: Arc::new(detached),
         })
     }
 
@@ -569,7 +575,22 @@ impl Store for SqliteStore {
     }
 
     fn release_detached(&self, identity: Identity, token: OwnerToken) {
-        self.releaser.release(identity, token);
+        self.detached
+            .hand_over(identity, token, super::detached::Work::Release);
+    }
+
+    fn complete_detached(
+        &self,
+        identity: Identity,
+        token: OwnerToken,
+        outcome: StoredOutcome,
+        ttl: Duration,
+    ) {
+        self.detached.hand_over(
+            identity,
+            token,
+            super::detached::Work::Complete(outcome, ttl),
+        );
     }
 
     async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError> {

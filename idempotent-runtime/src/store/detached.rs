@@ -1,0 +1,253 @@
+//! The records of dropped calls, finished by something the store owns
+//! (DESIGN.md rule 14).
+//!
+//! A call dropped mid-way (its future cancelled: a client gone, a timeout, a
+//! runtime shutting down) cannot await its own release, or the recording of a
+//! result its body already produced. Spawning that work on the caller's
+//! runtime loses it when the runtime is shutting down, which is exactly when
+//! many calls are dropped. So each SQL store owns a [`Detached`] worker: one
+//! background thread with a runtime of its own, started on first use and
+//! stopped (after finishing what it was handed) when the last handle to the
+//! store is dropped. It opens its own connections (a connection belongs to the
+//! runtime that opened it) and carries the work out:
+//!
+//! * **release** — the call was dropped while it held the record, or while its
+//!   reservation statement was in flight (or failed: a connection cut after the
+//!   server committed). The statement may land after the first attempt has
+//!   found nothing, so a release that finds nothing (fenced by the owner token,
+//!   it can never free someone else's record) is tried again over
+//!   [`RETRY_AFTER`].
+//! * **complete** — the call was dropped while recording its result: the body
+//!   has run, so freeing the key would let a retry run it again. The result is
+//!   recorded instead (fenced by the token), and retries replay it.
+//!
+//! Work that cannot be done is logged and counted (`release_failures`); the
+//! lease bounds the damage.
+
+use crate::error::StoreError;
+use crate::identity::Identity;
+use crate::metrics::METRICS;
+use crate::store::{OwnerToken, StoredOutcome};
+use futures_util::future::BoxFuture;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::sync::mpsc;
+
+/// Pauses before each further attempt when a release found nothing to release
+/// (the reservation may still be in flight) or when an attempt failed: about
+/// 9 s in all.
+pub(crate) const RETRY_AFTER: [Duration; 4] = [
+    Duration::from_millis(100),
+    Duration::from_millis(400),
+    Duration::from_millis(1_600),
+    Duration::from_millis(6_400),
+];
+
+/// What the worker does for one dropped call.
+#[derive(Debug, Clone)]
+pub(crate) enum Work {
+    /// Delete the in-progress record `token` owns.
+    Release,
+    /// Record this outcome, kept for the ttl.
+    Complete(StoredOutcome, Duration),
+}
+
+/// Carries out one piece of [`Work`] on the worker's own connections:
+/// `Ok(true)` when it was done, `Ok(false)` when `token` owns nothing (never
+/// reserved, already released or completed, or taken over).
+pub(crate) type WriteFn = Arc<
+    dyn Fn(Identity, OwnerToken, Work) -> BoxFuture<'static, Result<bool, StoreError>>
+        + Send
+        + Sync,
+>;
+
+/// Opens what the worker needs on its own runtime (e.g. a small pool) and
+/// returns the write to run. Called once, on the worker's thread.
+pub(crate) type OpenFn = Box<dyn FnOnce() -> WriteFn + Send>;
+
+type Job = (Identity, OwnerToken, Work);
+
+/// A store's background worker for dropped calls. Cheap to create: the thread
+/// starts with the first job handed to it.
+pub(crate) struct Detached {
+    store: &'static str,
+    state: Mutex<State>,
+}
+
+enum State {
+    Idle(Option<OpenFn>),
+    Running(mpsc::UnboundedSender<Job>),
+}
+
+impl std::fmt::Debug for Detached {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Detached")
+            .field("store", &self.store)
+            .finish()
+    }
+}
+
+impl Detached {
+    /// A worker for `store` whose connections `open` makes on its thread.
+    pub(crate) fn new(store: &'static str, open: OpenFn) -> Self {
+        Detached {
+            store,
+            state: Mutex::new(State::Idle(Some(open))),
+        }
+    }
+
+    /// Hands `work` on `identity` (owned by `token`) to the background thread.
+    /// Never blocks and never needs the caller's runtime.
+    pub(crate) fn hand_over(&self, identity: Identity, token: OwnerToken, work: Work) {
+        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        if let State::Idle(open) = &mut *state {
+            match open.take().map(|open| start(self.store, open)) {
+                Some(Ok(sender)) => *state = State::Running(sender),
+                Some(Err(e)) => {
+                    // Stays idle without an opener: every later job is logged as lost.
+                    tracing::error!(target: "idempotent", store = self.store, error = %e,
+                        "could not start the background thread for dropped calls");
+                }
+                None => {}
+            }
+        }
+        let sent = match &*state {
+            State::Running(sender) => sender.send((identity, token, work)).map_err(|e| e.0),
+            State::Idle(_) => Err((identity, token, work)),
+        };
+        if let Err((identity, _, work)) = sent {
+            lost(
+                self.store,
+                &identity,
+                &work,
+                "the background thread is not running",
+            );
+        }
+    }
+}
+
+fn start(store: &'static str, open: OpenFn) -> std::io::Result<mpsc::UnboundedSender<Job>> {
+    let (sender, mut jobs) = mpsc::unbounded_channel::<Job>();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    std::thread::Builder::new()
+        .name(format!("idempotent-{store}-detached"))
+        .spawn(move || {
+            runtime.block_on(async move {
+                let write = open();
+                let mut running = tokio::task::JoinSet::new();
+                while let Some((identity, token, work)) = jobs.recv().await {
+                    running.spawn(with_retries(store, write.clone(), identity, token, work));
+                    while running.try_join_next().is_some() {}
+                }
+                // Every handle to the store is gone: finish what was handed over.
+                while running.join_next().await.is_some() {}
+            });
+        })?;
+    Ok(sender)
+}
+
+async fn with_retries(
+    store: &'static str,
+    write: WriteFn,
+    identity: Identity,
+    token: OwnerToken,
+    work: Work,
+) {
+    let mut last_error = None;
+    for pause in std::iter::once(Duration::ZERO).chain(RETRY_AFTER) {
+        tokio::time::sleep(pause).await;
+        match write(identity.clone(), token.clone(), work.clone()).await {
+            Ok(true) => {
+                tracing::info!(target: "idempotent", store, scope = %identity.scope,
+                    key = %identity.key_digest(), work = work.name(), "finished a dropped call's record");
+                return;
+            }
+            // A completion that finds nothing will never find anything: the
+            // record was taken over, or the dropped statement itself landed.
+            Ok(false) if matches!(work, Work::Complete(..)) => {
+                tracing::warn!(target: "idempotent", store, scope = %identity.scope,
+                    key = %identity.key_digest(),
+                    "a dropped call's result could not be recorded: its record is no longer its own");
+                return;
+            }
+            Ok(false) => last_error = None,
+            Err(e) => {
+                tracing::warn!(target: "idempotent", store, scope = %identity.scope,
+                    key = %identity.key_digest(), work = work.name(), error = %e,
+                    "finishing a dropped call's record failed; trying again");
+                last_error = Some(e);
+            }
+        }
+    }
+    match last_error {
+        // Nothing to release: the dropped call's reservation never landed, or
+        // its record was already released or taken over.
+        None => tracing::debug!(target: "idempotent", store, scope = %identity.scope,
+            key = %identity.key_digest(), "a dropped call held no record; nothing to release"),
+        Some(e) => lost(store, &identity, &work, &e.to_string()),
+    }
+}
+
+impl Work {
+    fn name(&self) -> &'static str {
+        match self {
+            Work::Release => "release",
+            Work::Complete(..) => "complete",
+        }
+    }
+}
+
+fn lost(store: &'static str, identity: &Identity, work: &Work, why: &str) {
+    METRICS.release_failures.fetch_add(1, Ordering::Relaxed);
+    tracing::error!(target: "idempotent", store, scope = %identity.scope, key = %identity.key_digest(),
+        work = work.name(), reason = why,
+        "could not finish a dropped call's record; it stays in progress until its lease runs out");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicUsize;
+
+    /// The release happens on the releaser's own runtime even when the runtime
+    /// that handed it over is gone, and is tried again while it finds nothing.
+    #[test]
+    fn releases_after_the_callers_runtime_is_gone_and_retries_while_nothing_is_found() {
+        let attempts = Arc::new(AtomicUsize::new(0));
+        let (done_tx, done_rx) = std::sync::mpsc::channel::<usize>();
+        let counted = attempts.clone();
+        let detached = Detached::new(
+            "test",
+            Box::new(move || {
+                let done_tx = Mutex::new(done_tx);
+                Arc::new(move |_, _, _| {
+                    let n = counted.fetch_add(1, Ordering::SeqCst) + 1;
+                    let done = done_tx.lock().ok().map(|tx| tx.clone());
+                    Box::pin(async move {
+                        // The reservation "lands" before the second attempt.
+                        let released = n >= 2;
+                        if let (true, Some(tx)) = (released, done) {
+                            let _ = tx.send(n);
+                        }
+                        Ok(released)
+                    })
+                })
+            }),
+        );
+        let caller = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .expect("runtime");
+        caller.block_on(async {
+            let id = Identity::new("t", "releaser.test", "k").expect("identity");
+            detached.hand_over(id, OwnerToken::new(), Work::Release);
+        });
+        drop(caller);
+        let n = done_rx
+            .recv_timeout(Duration::from_secs(30))
+            .expect("released in the background");
+        assert_eq!(n, 2, "one empty attempt, then the release");
+    }
+}
