@@ -162,6 +162,13 @@ pub(crate) fn plain_ident(expr: &Expr) -> Option<&Ident> {
     }
 }
 
+/// Whether `tenant = <expr>` is the `shared` opt-out: the bare identifier
+/// `shared`, nothing else. `tenant = (shared)` is an expression naming a
+/// parameter called `shared`, so parentheses are deliberately not looked through.
+fn is_shared_opt_out(expr: &Expr) -> bool {
+    matches!(expr, Expr::Path(p) if p.qself.is_none() && p.attrs.is_empty() && p.path.is_ident("shared"))
+}
+
 fn parse_duration_lit(expr: &Expr, kind: Kind, name: &str, errs: &mut Errs) -> Option<Duration> {
     let Some(lit) = lit_str(expr) else {
         errs.push(
@@ -334,9 +341,10 @@ pub(crate) fn validate(raw: RawArgs, func: &ItemFn, attr_span: Span) -> Result<S
             },
             "key" => key = Some(expr),
             "tenant" => {
-                tenant = Some(match plain_ident(&expr) {
-                    Some(id) if id == "shared" => Tenant::Shared,
-                    _ => Tenant::Expr(expr),
+                tenant = Some(if is_shared_opt_out(&expr) {
+                    Tenant::Shared
+                } else {
+                    Tenant::Expr(expr)
                 })
             }
             "store" => store = Some(expr),
@@ -762,6 +770,30 @@ mod tests {
             ),
         );
         assert!(err.contains("`tx` must name a parameter"), "{err}");
+    }
+
+    #[test]
+    fn only_bare_shared_opts_out() {
+        let f = quote!(
+            async fn f(shared: &str, key: &str, n: u8) -> Result<u8, E> {
+                todo!()
+            }
+        );
+        let spec = check(quote!(scope = "a", key = key, tenant = shared), f.clone()).unwrap();
+        assert!(matches!(spec.tenant, Tenant::Shared));
+        // With the opt-out, a parameter called `shared` is an ordinary argument.
+        assert_eq!(names(&spec), ["shared", "n"]);
+        for tenant in [
+            quote!((shared)),
+            quote!((shared)),
+            quote!(shared.to_owned()),
+        ] {
+            let spec = check(quote!(scope = "a", key = key, tenant = #tenant), f.clone()).unwrap();
+            assert!(matches!(spec.tenant, Tenant::Expr(_)), "{tenant}");
+        }
+        // `(shared)` names the parameter directly: left out of the fingerprint.
+        let spec = check(quote!(scope = "a", key = key, tenant = (shared)), f).unwrap();
+        assert_eq!(names(&spec), ["n"]);
     }
 
     #[test]

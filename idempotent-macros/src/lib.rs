@@ -43,8 +43,10 @@ use proc_macro::TokenStream;
 ///   over the parameters that is `Display`: `key = key`, `key = req.idempotency_key`.
 /// - **`tenant = <expr>`** or **`tenant = shared`** — whose key it is (`Display`):
 ///   `tenant = account.id`. The same key from two tenants is two records.
-///   `shared` opts out: keys are global to the scope. (A parameter that is
-///   itself called `shared` is written `tenant = (shared)`.)
+///   `shared` opts out: keys are global to the scope. Only the bare identifier
+///   `shared` is the opt-out; anything else, `(shared)` included, is an
+///   expression over the parameters, so a parameter that is itself called
+///   `shared` is written `tenant = (shared)`.
 ///
 /// Optional:
 ///
@@ -86,7 +88,7 @@ use proc_macro::TokenStream;
 /// Every parameter is fingerprinted (and must be `Serialize`) except: `self`;
 /// parameters listed in `skip(...)`; and a parameter named *directly* by `key`,
 /// `tenant`, `store` or `tx` — the expression is exactly that identifier
-/// (`key = key`). An expression that only starts with it (`tenant = account.id`)
+/// (`key = key`, or in parentheses: `tenant = (shared)`). An expression that only starts with it (`tenant = account.id`)
 /// does not exclude `account`: skip it explicitly if it should not count.
 /// A parameter written as a pattern (`(a, b): (u8, u8)`) cannot be named, so it
 /// must be bound to a name, or the fingerprint turned off.
