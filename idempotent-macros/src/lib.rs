@@ -114,6 +114,32 @@ use proc_macro::TokenStream;
 /// crate claiming one scope are a compile error naming both; across crates,
 /// `idempotent_runtime::registry::validate()` reports it at run time.
 ///
+/// # Through `macro_rules!`
+///
+/// Arguments passed through a `macro_rules!` metavariable behave exactly as if
+/// written directly, whatever the fragment (`$s:literal`, `$e:expr`,
+/// `$p:path`, `$i:ident`, `$t:tt`), and so does a whole attribute built by a
+/// macro (`#[idempotent($($args)*)]`):
+///
+/// ```ignore
+/// macro_rules! endpoint {
+///     ($scope:literal, $key:expr, $($f:tt)*) => {
+///         #[idempotent(scope = $scope, key = $key, tenant = shared, ttl = "1h")]
+///         $($f)*
+///     };
+/// }
+/// endpoint!("orders.cancel", key, async fn cancel(key: &str) -> Result<(), Error> { Ok(()) });
+/// ```
+///
+/// `key = $k` given `key` names the parameter directly (and leaves it out of the
+/// fingerprint); a bad value (`scope = $s` given `"Bad.Scope"`) is reported at
+/// the value where the macro is called. `tenant = $t` given `shared` is the
+/// opt-out, as `tenant = shared` is, whether `$t` is an `ident` or an `expr`;
+/// given `(shared)` it is the parameter. As `macro_rules!` hygiene goes, an
+/// argument naming a parameter must come from where the parameter is written:
+/// a `key` written inside the macro does not see a parameter `key` written by
+/// its caller.
+///
 /// # The generated code
 ///
 /// The body is run by `idempotent_runtime`'s engine as an `async move` block
