@@ -294,6 +294,73 @@ async fn default_store_is_used_without_store_argument() {
     assert_eq!((v.unwrap(), o), (9, Some(Outcome::Replayed)));
 }
 
+// ---- a parameter called `shared` as the tenant: `tenant = (shared)`
+// Only the bare identifier `shared` is the opt-out; in parentheses it is an
+// expression over the parameters, so every tenant has its own namespace.
+#[idempotent(scope = "shapes.tenant_named_shared", key = key, tenant = (shared), store = store,
+             fingerprint = false)]
+async fn tenant_named_shared(
+    store: &MemoryStore,
+    shared: &str,
+    key: &str,
+    runs: &AtomicUsize,
+) -> Result<String, Error> {
+    runs.fetch_add(1, Ordering::SeqCst);
+    Ok(format!("for {shared}"))
+}
+
+// The same function with the bare opt-out: `shared` is then just an argument.
+#[idempotent(scope = "shapes.tenant_shared_opt_out", key = key, tenant = shared, store = store,
+             fingerprint = false)]
+async fn tenant_shared_opt_out(
+    store: &MemoryStore,
+    shared: &str,
+    key: &str,
+    runs: &AtomicUsize,
+) -> Result<String, Error> {
+    runs.fetch_add(1, Ordering::SeqCst);
+    Ok(format!("for {shared}"))
+}
+
+#[tokio::test]
+async fn parenthesized_shared_is_the_parameter_not_the_opt_out() {
+    let store = MemoryStore::new();
+    let runs = AtomicUsize::new(0);
+    let (a, oa) = with_outcome(tenant_named_shared(&store, "acme", "k", &runs)).await;
+    let (b, ob) = with_outcome(tenant_named_shared(&store, "globex", "k", &runs)).await;
+    assert_eq!(a.unwrap(), "for acme");
+    assert_eq!(b.unwrap(), "for globex", "another tenant is another record");
+    assert_eq!((oa, ob), (Some(Outcome::Executed), Some(Outcome::Executed)));
+    assert_eq!(runs.load(Ordering::SeqCst), 2, "each tenant's body ran");
+    // Each tenant replays its own result.
+    let (a2, oa2) = with_outcome(tenant_named_shared(&store, "acme", "k", &runs)).await;
+    let (b2, ob2) = with_outcome(tenant_named_shared(&store, "globex", "k", &runs)).await;
+    assert_eq!(
+        (a2.unwrap(), oa2),
+        ("for acme".to_owned(), Some(Outcome::Replayed))
+    );
+    assert_eq!(
+        (b2.unwrap(), ob2),
+        ("for globex".to_owned(), Some(Outcome::Replayed))
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+}
+
+#[tokio::test]
+async fn bare_shared_is_one_namespace() {
+    let store = MemoryStore::new();
+    let runs = AtomicUsize::new(0);
+    let a = tenant_shared_opt_out(&store, "acme", "k", &runs).await;
+    let (b, ob) = with_outcome(tenant_shared_opt_out(&store, "globex", "k", &runs)).await;
+    assert_eq!(a.unwrap(), "for acme");
+    // The key is global to the scope: the second caller gets the first's result.
+    assert_eq!(
+        (b.unwrap(), ob),
+        ("for acme".to_owned(), Some(Outcome::Replayed))
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
 // ---- the registry
 fn registered(scope: &str) -> &'static ScopeInfo {
     registry::scopes()
@@ -339,11 +406,14 @@ fn registry_lists_every_function_with_file_line_and_policies() {
         ["input"]
     );
 
+    assert!(!registered("shapes.tenant_named_shared").shared_tenant);
+    assert!(registered("shapes.tenant_shared_opt_out").shared_tenant);
+
     let ours: Vec<_> = registry::scopes()
         .into_iter()
         .filter(|s| s.scope.starts_with("shapes."))
         .collect();
-    assert_eq!(ours.len(), 9, "{ours:#?}");
+    assert_eq!(ours.len(), 11, "{ours:#?}");
     assert!(
         ours.windows(2).all(|w| w[0].scope <= w[1].scope),
         "sorted by scope"

@@ -3,6 +3,15 @@
 //! Parsing is lenient about shape (`name = expr`, `name(...)` or a bare name)
 //! so that validation can look at every argument and report every mistake at
 //! once, each spanned at the offending token.
+//!
+//! An argument passed through a `macro_rules!` metavariable (`scope = $s` with
+//! `$s:literal`, `key = $k` with `$k:expr`, `$p:path`, `$t:ty`) arrives wrapped
+//! in an invisible (`Delimiter::None`) group, which syn parses as
+//! `Expr::Group`. Every check of an argument's shape goes through `ungroup`
+//! first, so such an argument behaves exactly as if written directly, and
+//! messages are spanned at the user's token inside the group (the group's own
+//! span is the `$s` in the macro's definition). Identifiers inside a group
+//! (`skip($a)`, an argument's name) are seen through by syn's cursor itself.
 
 use crate::duration::{self, Kind};
 use crate::scope;
@@ -144,8 +153,24 @@ impl Errs {
     }
 }
 
+/// `expr` without the invisible groups `macro_rules!` wraps around a
+/// metavariable (`$s:literal`, `$e:expr`, `$p:path`); nested macros can leave
+/// several, one inside the other.
+pub(crate) fn ungroup(mut expr: &Expr) -> &Expr {
+    while let Expr::Group(g) = expr {
+        expr = &g.expr;
+    }
+    expr
+}
+
+/// Where to point at for a mistake in `expr`: the user's tokens, not an
+/// invisible group's span (which is the metavariable in the macro's definition).
+fn span_of(expr: &Expr) -> Span {
+    ungroup(expr).span()
+}
+
 fn lit_str(expr: &Expr) -> Option<&LitStr> {
-    match expr {
+    match ungroup(expr) {
         Expr::Lit(ExprLit {
             lit: Lit::Str(s), ..
         }) => Some(s),
@@ -153,19 +178,30 @@ fn lit_str(expr: &Expr) -> Option<&LitStr> {
     }
 }
 
-/// The identifier when `expr` is exactly a single identifier (`key`, not `req.key`).
+/// The identifier when `expr` is exactly a single identifier (`key`, not
+/// `req.key`), possibly in parentheses or passed through a metavariable.
 pub(crate) fn plain_ident(expr: &Expr) -> Option<&Ident> {
-    match expr {
+    match ungroup(expr) {
         Expr::Path(p) if p.qself.is_none() && p.attrs.is_empty() => p.path.get_ident(),
         Expr::Paren(p) => plain_ident(&p.expr),
         _ => None,
     }
 }
 
+/// Whether `tenant = <expr>` is the `shared` opt-out: the bare identifier
+/// `shared`, nothing else. `tenant = (shared)` is an expression naming a
+/// parameter called `shared`, so parentheses are deliberately not looked through.
+/// A metavariable's invisible group is: `tenant = $t` with `$t:expr` given
+/// `shared` is the opt-out, as `tenant = shared` written directly is (and as
+/// `$t:ident` is, which arrives without a group).
+fn is_shared_opt_out(expr: &Expr) -> bool {
+    matches!(ungroup(expr), Expr::Path(p) if p.qself.is_none() && p.attrs.is_empty() && p.path.is_ident("shared"))
+}
+
 fn parse_duration_lit(expr: &Expr, kind: Kind, name: &str, errs: &mut Errs) -> Option<Duration> {
     let Some(lit) = lit_str(expr) else {
         errs.push(
-            expr.span(),
+            span_of(expr),
             format!("`{name}` takes a duration in a string literal, e.g. `{name} = \"30s\"`"),
         );
         return None;
@@ -209,17 +245,21 @@ pub(crate) fn params(func: &ItemFn) -> Vec<Param> {
         .collect()
 }
 
+/// `ty` without the invisible groups around a `$t:ty` metavariable.
+fn ungroup_type(mut ty: &Type) -> &Type {
+    while let Type::Group(g) = ty {
+        ty = &g.elem;
+    }
+    ty
+}
+
 /// Whether the return type's last path segment is `Result` (so `io::Result<T>`
 /// and `anyhow::Result<T>` are accepted; the runtime's trait bounds check the rest).
 fn returns_result(output: &ReturnType) -> bool {
     let ReturnType::Type(_, ty) = output else {
         return false;
     };
-    let mut ty: &Type = ty;
-    while let Type::Group(g) = ty {
-        ty = &g.elem;
-    }
-    matches!(ty, Type::Path(p) if p.qself.is_none()
+    matches!(ungroup_type(ty), Type::Path(p) if p.qself.is_none()
         && p.path.segments.last().is_some_and(|s| s.ident == "Result"))
 }
 
@@ -238,7 +278,7 @@ pub(crate) fn validate(raw: RawArgs, func: &ItemFn, attr_span: Span) -> Result<S
     }
     if !returns_result(&sig.output) {
         let span = match &sig.output {
-            ReturnType::Type(_, ty) => ty.span(),
+            ReturnType::Type(_, ty) => ungroup_type(ty).span(),
             ReturnType::Default => sig.paren_token.span.join(),
         };
         errs.push(
@@ -327,16 +367,17 @@ pub(crate) fn validate(raw: RawArgs, func: &ItemFn, attr_span: Span) -> Result<S
                     scope_arg = Some(lit.clone());
                 }
                 None => errs.push(
-                    expr.span(),
+                    span_of(&expr),
                     "`scope` must be a string literal, e.g. `scope = \"payments.charge\"`; \
                      the scope is checked when the code compiles, so it cannot be computed",
                 ),
             },
             "key" => key = Some(expr),
             "tenant" => {
-                tenant = Some(match plain_ident(&expr) {
-                    Some(id) if id == "shared" => Tenant::Shared,
-                    _ => Tenant::Expr(expr),
+                tenant = Some(if is_shared_opt_out(&expr) {
+                    Tenant::Shared
+                } else {
+                    Tenant::Expr(expr)
                 })
             }
             "store" => store = Some(expr),
@@ -345,7 +386,7 @@ pub(crate) fn validate(raw: RawArgs, func: &ItemFn, attr_span: Span) -> Result<S
                     tx = Some(id.clone())
                 }
                 _ => errs.push(
-                    expr.span(),
+                    span_of(&expr),
                     format!(
                         "`tx` must name a parameter of this function holding the transaction \
                          or connection, e.g. `tx = tx` for `tx: &mut sqlx::Transaction<'_, Postgres>`; \
@@ -354,12 +395,12 @@ pub(crate) fn validate(raw: RawArgs, func: &ItemFn, attr_span: Span) -> Result<S
                     ),
                 ),
             },
-            "fingerprint" => match &expr {
+            "fingerprint" => match ungroup(&expr) {
                 Expr::Lit(ExprLit {
                     lit: Lit::Bool(b), ..
                 }) => fingerprint = Some((name, b.value)),
                 _ => errs.push(
-                    expr.span(),
+                    span_of(&expr),
                     "`fingerprint` is `true` or `false`: `fingerprint = false` turns the \
                      fingerprint off",
                 ),
@@ -376,10 +417,10 @@ pub(crate) fn validate(raw: RawArgs, func: &ItemFn, attr_span: Span) -> Result<S
                     errors = e
                 }
             }
-            "crate" => match &expr {
+            "crate" => match ungroup(&expr) {
                 Expr::Path(p) if p.qself.is_none() => krate = Some(p.path.to_token_stream()),
                 _ => errs.push(
-                    expr.span(),
+                    span_of(&expr),
                     "`crate` takes the path of the runtime crate, e.g. `crate = ::my_idempotent`",
                 ),
             },
@@ -411,7 +452,7 @@ pub(crate) fn validate(raw: RawArgs, func: &ItemFn, attr_span: Span) -> Result<S
             "`tx` and `store` cannot be used together: with `tx` the records live in the \
              transaction's database; remove `store`",
         );
-        e.combine(syn::Error::new(store.span(), "`store` given here"));
+        e.combine(syn::Error::new(span_of(store), "`store` given here"));
         errs.add(e);
     }
     let fingerprint_on = fingerprint.as_ref().is_none_or(|(_, on)| *on);
@@ -554,16 +595,17 @@ fn parse_in_progress(expr: &Expr, errs: &mut Errs) -> Option<InProgress> {
     const HELP: &str =
         "`in_progress` is `wait(\"10s\")` (wait up to that long for the first call's result) \
          or `reject` (refuse a concurrent duplicate at once)";
-    match expr {
+    match ungroup(expr) {
         Expr::Path(p) if p.path.is_ident("reject") => Some(InProgress::Reject),
         Expr::Path(p) if p.path.is_ident("wait") => {
             errs.push(
-                expr.span(),
+                span_of(expr),
                 "`wait` needs a duration: `in_progress = wait(\"10s\")`",
             );
             None
         }
-        Expr::Call(call) if matches!(&*call.func, Expr::Path(p) if p.path.is_ident("wait")) => {
+        Expr::Call(call) if matches!(ungroup(&call.func), Expr::Path(p) if p.path.is_ident("wait")) =>
+        {
             if call.args.len() != 1 {
                 errs.push(
                     call.paren_token.span.join(),
@@ -574,7 +616,7 @@ fn parse_in_progress(expr: &Expr, errs: &mut Errs) -> Option<InProgress> {
             parse_duration_lit(&call.args[0], Kind::Wait, "wait", errs).map(InProgress::Wait)
         }
         _ => {
-            errs.push(expr.span(), HELP);
+            errs.push(span_of(expr), HELP);
             None
         }
     }
@@ -584,11 +626,11 @@ fn parse_errors(expr: &Expr, errs: &mut Errs) -> Option<Errors> {
     const HELP: &str = "`errors` is `release` (an Err frees the key; the default), `record` \
                         (an Err is recorded and replayed) or `record_if(path::to::predicate)` \
                         (record the errors for which `predicate(&e)` is true)";
-    match expr {
+    match ungroup(expr) {
         Expr::Path(p) if p.path.is_ident("release") => Some(Errors::Release),
         Expr::Path(p) if p.path.is_ident("record") => Some(Errors::Record),
-        Expr::Call(call) if matches!(&*call.func, Expr::Path(p) if p.path.is_ident("record_if")) => {
-            match (call.args.len(), call.args.first()) {
+        Expr::Call(call) if matches!(ungroup(&call.func), Expr::Path(p) if p.path.is_ident("record_if")) => {
+            match (call.args.len(), call.args.first().map(ungroup)) {
                 (1, Some(Expr::Path(p))) if p.qself.is_none() => {
                     Some(Errors::RecordIf(p.path.clone()))
                 }
@@ -603,7 +645,7 @@ fn parse_errors(expr: &Expr, errs: &mut Errs) -> Option<Errors> {
             }
         }
         _ => {
-            errs.push(expr.span(), HELP);
+            errs.push(span_of(expr), HELP);
             None
         }
     }
@@ -762,6 +804,131 @@ mod tests {
             ),
         );
         assert!(err.contains("`tx` must name a parameter"), "{err}");
+    }
+
+    #[test]
+    fn only_bare_shared_opts_out() {
+        let f = quote!(
+            async fn f(shared: &str, key: &str, n: u8) -> Result<u8, E> {
+                todo!()
+            }
+        );
+        let spec = check(quote!(scope = "a", key = key, tenant = shared), f.clone()).unwrap();
+        assert!(matches!(spec.tenant, Tenant::Shared));
+        // With the opt-out, a parameter called `shared` is an ordinary argument.
+        assert_eq!(names(&spec), ["shared", "n"]);
+        for tenant in [
+            quote!((shared)),
+            quote!((shared)),
+            quote!(shared.to_owned()),
+        ] {
+            let spec = check(quote!(scope = "a", key = key, tenant = #tenant), f.clone()).unwrap();
+            assert!(matches!(spec.tenant, Tenant::Expr(_)), "{tenant}");
+        }
+        // `(shared)` names the parameter directly: left out of the fingerprint.
+        let spec = check(quote!(scope = "a", key = key, tenant = (shared)), f).unwrap();
+        assert_eq!(names(&spec), ["n"]);
+    }
+
+    /// What `macro_rules!` hands over for `$x:literal`, `$x:expr`, `$x:path`.
+    fn invisible(tokens: TokenStream) -> TokenStream {
+        let group = proc_macro2::Group::new(proc_macro2::Delimiter::None, tokens);
+        quote!(#group)
+    }
+
+    #[test]
+    fn metavariable_groups_are_looked_through() {
+        let f = quote!(
+            async fn f(conn: &mut C, tenant: &str, key: &str, note: &str, n: u8) -> Result<u8, E> {
+                todo!()
+            }
+        );
+        let scope = invisible(quote!("a.b"));
+        // A metavariable handed on to another macro: a group in a group.
+        let key = invisible(invisible(quote!(key)));
+        let tenant = invisible(quote!(tenant));
+        let tx = invisible(quote!(conn));
+        let ttl = invisible(quote!("1h"));
+        let lease = invisible(quote!("2s"));
+        let wait = invisible(quote!("3s"));
+        let fp = invisible(quote!(true));
+        let pred = invisible(quote!(E::is_final));
+        let krate = invisible(quote!(::rt));
+        let note = invisible(quote!(note));
+        let spec = check(
+            quote!(scope = #scope, key = #key, tenant = #tenant, tx = #tx, ttl = #ttl,
+                   lease = #lease, in_progress = wait(#wait), fingerprint = #fp,
+                   errors = record_if(#pred), crate = #krate, skip(#note)),
+            f.clone(),
+        )
+        .unwrap();
+        assert_eq!(spec.scope.value(), "a.b");
+        assert!(matches!(spec.tenant, Tenant::Expr(_)));
+        assert_eq!(
+            spec.tx.as_ref().map(|t| t.to_string()).as_deref(),
+            Some("conn")
+        );
+        assert_eq!(spec.ttl, Some(Duration::from_secs(3600)));
+        assert_eq!(spec.lease, Some(Duration::from_secs(2)));
+        assert!(matches!(spec.in_progress, InProgress::Wait(d) if d == Duration::from_secs(3)));
+        assert!(spec.fingerprint);
+        assert!(matches!(&spec.errors, Errors::RecordIf(p) if path_text(p) == "E::is_final"));
+        assert_eq!(spec.krate.to_string(), ":: rt");
+        // key, tenant and tx are named directly; note is skipped.
+        assert_eq!(names(&spec), ["n"]);
+
+        // Whole values in a group: `in_progress = $p`, `errors = $e`.
+        let shared = invisible(quote!(shared));
+        let reject = invisible(quote!(reject));
+        let record = invisible(quote!(record));
+        let off = invisible(quote!(false));
+        let spec = check(
+            quote!(scope = "a", key = key, tenant = #shared, in_progress = #reject,
+                   errors = #record, fingerprint = #off),
+            f.clone(),
+        )
+        .unwrap();
+        assert!(
+            matches!(spec.tenant, Tenant::Shared),
+            "`$t:expr` given `shared`"
+        );
+        assert!(matches!(spec.in_progress, InProgress::Reject));
+        assert!(matches!(spec.errors, Errors::Record));
+        assert!(!spec.fingerprint);
+        let wait = invisible(quote!(wait("4s")));
+        let record_if = invisible(quote!(record_if(E::is_final)));
+        let spec = check(
+            quote!(scope = "a", key = key, tenant = tenant, in_progress = #wait,
+                   errors = #record_if),
+            f.clone(),
+        )
+        .unwrap();
+        assert!(matches!(spec.in_progress, InProgress::Wait(d) if d == Duration::from_secs(4)));
+        assert!(matches!(spec.errors, Errors::RecordIf(_)));
+
+        // `(shared)` in a group is still the parameter, not the opt-out.
+        let paren = invisible(quote!((shared)));
+        let spec = check(quote!(scope = "a", key = key, tenant = #paren), f.clone()).unwrap();
+        assert!(matches!(spec.tenant, Tenant::Expr(_)));
+
+        // A bad value in a group is checked like one written directly.
+        let bad = invisible(quote!("Bad.Scope"));
+        let zero = invisible(quote!("0s"));
+        let no = invisible(quote!("no"));
+        let nothere = invisible(quote!(nothere));
+        let err = check_err(
+            quote!(scope = #bad, key = key, tenant = tenant, ttl = #zero, fingerprint = #no,
+                   tx = #nothere),
+            f,
+        );
+        for expected in [
+            "uppercase",
+            "`ttl` must be longer than zero",
+            "`fingerprint` is `true` or `false`",
+            "`tx` must name a parameter",
+        ] {
+            assert!(err.contains(expected), "missing {expected:?} in:\n{err}");
+        }
     }
 
     #[test]

@@ -4,7 +4,7 @@
 
 use crate::args::{self, Errors, InProgress, RawArgs, Spec, Tenant};
 use crate::{claims, manifest};
-use proc_macro2::{Span, TokenStream};
+use proc_macro2::{Ident, Span, TokenStream};
 use quote::{quote, quote_spanned};
 use std::path::PathBuf;
 use std::time::Duration;
@@ -191,15 +191,20 @@ pub(crate) fn generate(func: &ItemFn, spec: &Spec, resolved: &Resolved) -> Token
     let fingerprint = if spec.fingerprinted.is_empty() {
         quote!(::core::result::Result::Ok(::core::option::Option::None))
     } else {
-        // Spanned at each parameter, so "`T` is not Serialize" points at it.
+        // Spanned at each parameter, so "`T` is not Serialize" points at it. The
+        // builder's name keeps the attribute's span, as where it is declared: a
+        // function written at a `macro_rules!` call site and an attribute written
+        // in the macro are two hygiene contexts, and a name spanned at the
+        // parameter would not see a binding spanned at the attribute.
+        let builder = Ident::new("__idempotent_fp", Span::call_site());
         let arguments = spec.fingerprinted.iter().map(|name| {
             let text = name.to_string();
-            quote_spanned!(name.span()=> __idempotent_fp.argument(#text, &#name);)
+            quote_spanned!(name.span()=> #builder.argument(#text, &#name);)
         });
         quote!({
-            let mut __idempotent_fp = #krate::__private::FingerprintBuilder::new();
+            let mut #builder = #krate::__private::FingerprintBuilder::new();
             #(#arguments)*
-            __idempotent_fp.finish()
+            #builder.finish()
         })
     };
 

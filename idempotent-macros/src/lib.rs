@@ -43,8 +43,10 @@ use proc_macro::TokenStream;
 ///   over the parameters that is `Display`: `key = key`, `key = req.idempotency_key`.
 /// - **`tenant = <expr>`** or **`tenant = shared`** — whose key it is (`Display`):
 ///   `tenant = account.id`. The same key from two tenants is two records.
-///   `shared` opts out: keys are global to the scope. (A parameter that is
-///   itself called `shared` is written `tenant = (shared)`.)
+///   `shared` opts out: keys are global to the scope. Only the bare identifier
+///   `shared` is the opt-out; anything else, `(shared)` included, is an
+///   expression over the parameters, so a parameter that is itself called
+///   `shared` is written `tenant = (shared)`.
 ///
 /// Optional:
 ///
@@ -86,7 +88,7 @@ use proc_macro::TokenStream;
 /// Every parameter is fingerprinted (and must be `Serialize`) except: `self`;
 /// parameters listed in `skip(...)`; and a parameter named *directly* by `key`,
 /// `tenant`, `store` or `tx` — the expression is exactly that identifier
-/// (`key = key`). An expression that only starts with it (`tenant = account.id`)
+/// (`key = key`, or in parentheses: `tenant = (shared)`). An expression that only starts with it (`tenant = account.id`)
 /// does not exclude `account`: skip it explicitly if it should not count.
 /// A parameter written as a pattern (`(a, b): (u8, u8)`) cannot be named, so it
 /// must be bound to a name, or the fingerprint turned off.
@@ -111,6 +113,32 @@ use proc_macro::TokenStream;
 /// Editing the manifest rebuilds the crates that use it. Two functions of one
 /// crate claiming one scope are a compile error naming both; across crates,
 /// `idempotent_runtime::registry::validate()` reports it at run time.
+///
+/// # Through `macro_rules!`
+///
+/// Arguments passed through a `macro_rules!` metavariable behave exactly as if
+/// written directly, whatever the fragment (`$s:literal`, `$e:expr`,
+/// `$p:path`, `$i:ident`, `$t:tt`), and so does a whole attribute built by a
+/// macro (`#[idempotent($($args)*)]`):
+///
+/// ```ignore
+/// macro_rules! endpoint {
+///     ($scope:literal, $key:expr, $($f:tt)*) => {
+///         #[idempotent(scope = $scope, key = $key, tenant = shared, ttl = "1h")]
+///         $($f)*
+///     };
+/// }
+/// endpoint!("orders.cancel", key, async fn cancel(key: &str) -> Result<(), Error> { Ok(()) });
+/// ```
+///
+/// `key = $k` given `key` names the parameter directly (and leaves it out of the
+/// fingerprint); a bad value (`scope = $s` given `"Bad.Scope"`) is reported at
+/// the value where the macro is called. `tenant = $t` given `shared` is the
+/// opt-out, as `tenant = shared` is, whether `$t` is an `ident` or an `expr`;
+/// given `(shared)` it is the parameter. As `macro_rules!` hygiene goes, an
+/// argument naming a parameter must come from where the parameter is written:
+/// a `key` written inside the macro does not see a parameter `key` written by
+/// its caller.
 ///
 /// # The generated code
 ///
