@@ -1,5 +1,6 @@
 //! Shared helpers for the integration tests.
 #![allow(dead_code)]
 
+pub mod proxy;
 pub mod servers;
 pub mod wire;
