@@ -323,7 +323,7 @@ where
     let recorded_error = stored.is_error;
     let stored = &guard.completing.insert((stored, spec.ttl)).0;
     let completed = store.complete(&identity, &token, stored, spec.ttl).await;
-    guard.completing = None;
+    let unrecorded = guard.completing.take();
     match completed {
         Ok(true) => {
             tracing::info!(target: "idempotent", scope = spec.scope, key = %digest, recorded_error, "executed");
@@ -336,8 +336,14 @@ where
             Err(Error::LeaseLost(identity.context()).into())
         }
         Err(e) => {
+            // The body ran: keep trying to record its result in the background
+            // (fenced by the token), so a retry replays it instead of running
+            // the body again once the lease runs out.
             tracing::error!(target: "idempotent", scope = spec.scope, key = %digest, error = %e,
-                "the body ran but its result could not be recorded");
+                "the body ran but its result could not be recorded yet; the store keeps trying");
+            if let Some((outcome, ttl)) = unrecorded {
+                store.complete_detached(identity.clone(), token.clone(), outcome, ttl);
+            }
             Err(Error::Store(e).into())
         }
     }

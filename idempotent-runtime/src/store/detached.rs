@@ -17,9 +17,10 @@
 //!   found nothing, so a release that finds nothing (fenced by the owner token,
 //!   it can never free someone else's record) is tried again over
 //!   [`RETRY_AFTER`].
-//! * **complete** — the call was dropped while recording its result: the body
-//!   has run, so freeing the key would let a retry run it again. The result is
-//!   recorded instead (fenced by the token), and retries replay it.
+//! * **complete** — the call was dropped while recording its result, or the
+//!   recording failed (a connection cut): the body has run, so freeing the key
+//!   would let a retry run it again. The result is recorded instead (fenced by
+//!   the token), and retries replay it.
 //!
 //! Work that cannot be done is logged and counted (`release_failures`); the
 //! lease bounds the damage.
@@ -170,7 +171,7 @@ async fn with_retries(
             Ok(false) if matches!(work, Work::Complete(..)) => {
                 tracing::warn!(target: "idempotent", store, scope = %identity.scope,
                     key = %identity.key_digest(),
-                    "a dropped call's result could not be recorded: its record is no longer its own");
+                    "a dropped call's record is no longer in progress under its token (already recorded, or taken over)");
                 return;
             }
             Ok(false) => last_error = None,
