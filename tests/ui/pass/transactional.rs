@@ -17,11 +17,23 @@ pub struct FakeTx {
 
 // What `#[async_trait]` would generate.
 impl TransactionalConnection for FakeTx {
+    fn store_name(&self) -> &'static str {
+        "fake"
+    }
+
+    fn in_transaction<'a, 't>(&'a mut self) -> BoxFuture<'t, Result<bool, StoreError>>
+    where
+        'a: 't,
+        Self: 't,
+    {
+        Box::pin(async { Ok(true) })
+    }
+
     fn reserve_in_transaction<'a, 'b, 't>(
         &'a mut self,
         request: ReserveRequest<'b>,
         _lock_wait: Duration,
-    ) -> BoxFuture<'t, Result<Reservation, StoreError>>
+    ) -> BoxFuture<'t, Result<Reservation, Error>>
     where
         'a: 't,
         'b: 't,
@@ -29,7 +41,7 @@ impl TransactionalConnection for FakeTx {
     {
         Box::pin(async move {
             self.statements += 1;
-            self.store.reserve(request).await
+            Ok(self.store.reserve(request).await?)
         })
     }
 
