@@ -259,7 +259,12 @@ fn answer_line(key: &str, result: Result<String, Error>, outcome: Option<Outcome
 macro_rules! tx_round {
     ($pool:expr, $call:ident, $tenant:expr, $key:expr, $pace:expr) => {{
         match $pool.begin().await {
-            Err(e) => format!("error {} begin:{} {}", $key, sqlx_code(&e), one_line(&e.to_string())),
+            Err(e) => format!(
+                "error {} begin:{} {}",
+                $key,
+                sqlx_code(&e),
+                one_line(&e.to_string())
+            ),
             Ok(mut tx) => {
                 let (result, outcome) = with_outcome($call(&mut tx, $tenant, $key, $pace)).await;
                 match result {
@@ -373,7 +378,7 @@ async fn main() {
             (Db::My(pool), true) => tx_round!(pool, tx_call_mysql, tenant, &key, pace),
         };
         phase(&line);
-        sleep_ms(rng.range(5, 40)).await;
+        sleep_ms(rng.range(20, 80)).await;
     }
     phase("done");
 }
