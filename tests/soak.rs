@@ -27,7 +27,8 @@
 //! Bounds (per run; there are four runs): `IDEMPOTENT_SOAK_CALLS` calls
 //! (default 300), `IDEMPOTENT_SOAK_KILLS` kills (default max(10, calls/30)),
 //! `IDEMPOTENT_SOAK_SECONDS` for the kill phase (default 8; workers stop at
-//! that deadline too), `IDEMPOTENT_SOAK_WORKERS` processes at once (default 6).
+//! that deadline too), `IDEMPOTENT_SOAK_WORKERS` processes at once (default 6),
+//! `IDEMPOTENT_SOAK_KEYS` hot keys per one-second epoch (default 8).
 //! No assertion depends on timing; the counts are printed at the end of each run.
 
 mod common;
@@ -110,7 +111,7 @@ impl Bounds {
             calls_per_worker: 40,
             kills: env_number("IDEMPOTENT_SOAK_KILLS").unwrap_or((calls / 30).max(10)),
             seconds: env_number("IDEMPOTENT_SOAK_SECONDS").unwrap_or(8) as u64,
-            keys: 8,
+            keys: env_number("IDEMPOTENT_SOAK_KEYS").unwrap_or(8).max(1),
             epoch_ms: 1000,
         }
     }
@@ -456,6 +457,8 @@ struct Printed {
     refused: usize,
     errors: BTreeMap<String, usize>,
     error_keys: BTreeSet<String>,
+    /// Every error line's key and kind.
+    error_lines: Vec<(String, String)>,
     error_samples: BTreeMap<String, String>,
     keys: BTreeSet<String>,
     /// Killed workers: (pid, phase, key, attempt, last line).
@@ -492,6 +495,7 @@ fn gather(finished: &[Finished]) -> Printed {
                 "error" => {
                     *p.errors.entry(word(2)).or_default() += 1;
                     p.error_keys.insert(word(1));
+                    p.error_lines.push((word(1), word(2)));
                     p.error_samples
                         .entry(word(2))
                         .or_insert_with(|| line.clone());
@@ -648,15 +652,22 @@ async fn found(
     all
 }
 
-/// Checks the invariants; returns the violations and the count of keys with
-/// (explained) extra effects and of extra effects.
-fn check(
-    mode: Mode,
-    printed: &Printed,
-    found: &BTreeMap<String, Found>,
-) -> (Vec<String>, usize, usize) {
+/// Extra effects the rules allow (store mode): each belongs to an attempt
+/// whose process was killed inside the body.
+#[derive(Debug, Default, PartialEq, Eq)]
+struct Extras {
+    /// Keys with a complete record and more effects than that one.
+    keys: usize,
+    /// Their effects beyond the recorded one.
+    effects: usize,
+    /// Effects of keys left without a complete record (the record in progress or absent).
+    unrecorded: usize,
+}
+
+/// Checks the invariants; returns the violations and the allowed extra effects.
+fn check(mode: Mode, printed: &Printed, found: &BTreeMap<String, Found>) -> (Vec<String>, Extras) {
     let mut violations = Vec::new();
-    let (mut keys_with_extra, mut extra) = (0, 0);
+    let mut extras = Extras::default();
     let fate = |a: &str| {
         printed
             .attempt_fate
@@ -790,14 +801,16 @@ fn check(
                         ));
                     }
                 }
-                if extras_here > 0 && recorded.is_some() {
-                    keys_with_extra += 1;
+                if recorded.is_none() {
+                    extras.unrecorded += extras_here;
+                } else if extras_here > 0 {
+                    extras.keys += 1;
+                    extras.effects += extras_here;
                 }
-                extra += extras_here;
             }
         }
     }
-    (violations, keys_with_extra, extra)
+    (violations, extras)
 }
 
 // --------------------------------------------------------------- the runs
@@ -870,7 +883,7 @@ fn soak(backend: Backend, mode: Mode) {
         scope(backend, mode),
         &printed.keys,
     ));
-    let (violations, keys_with_extra, extra) = check(mode, &printed, &found);
+    let (violations, extras) = check(mode, &printed, &found);
 
     let mut kills_by_phase: BTreeMap<&str, usize> = BTreeMap::new();
     for (_, phase, ..) in &printed.kills {
@@ -889,8 +902,8 @@ fn soak(backend: Backend, mode: Mode) {
         "soak {label}: {:.1}s, {} workers started; calls {}, executed {}, replayed {}, \
          in-progress refusals {}, errors {:?}; kills {} ({targeted} targeted, {random} random) \
          by phase {kills_by_phase:?}; keys {}, effects {effects}, complete records {complete}, \
-         in-progress records left {in_progress}, keys with explained extra effects \
-         {keys_with_extra} ({extra} extra effects)",
+         in-progress records left {in_progress}, keys with explained extra effects {} \
+         ({} extra effects; {} more on keys left without a complete record)",
         started.elapsed().as_secs_f64(),
         fleet.finished.len(),
         printed.calls,
@@ -900,9 +913,31 @@ fn soak(backend: Backend, mode: Mode) {
         printed.errors,
         printed.kills.len(),
         found.len(),
+        extras.keys,
+        extras.effects,
+        extras.unrecorded,
     );
     for sample in printed.error_samples.values() {
         println!("soak {label}: error sample: {sample}");
+    }
+    if !printed.error_lines.is_empty() {
+        // Whether an error came on a key one of whose owners was killed mid-call
+        // (mid-transaction in transactional mode): the rollback that a waiting
+        // duplicate saw.
+        let after_kill = printed
+            .error_lines
+            .iter()
+            .filter(|(key, _)| {
+                printed.kills.iter().any(|(_, ph, k, _, _)| {
+                    k.as_deref() == Some(key.as_str())
+                        && matches!(ph.as_str(), "call" | "reserved" | "effect" | "recorded")
+                })
+            })
+            .count();
+        println!(
+            "soak {label}: {after_kill} of {} errors came on a key whose owner was killed mid-call",
+            printed.error_lines.len()
+        );
     }
     assert!(
         violations.is_empty(),
@@ -971,7 +1006,17 @@ fn the_checks_catch_violations() {
         ..Printed::default()
     };
     killed.kills.push(kill("effect", "k", Some("a0")));
-    assert_eq!(check(Mode::Store, &killed, &two), (vec![], 1, 1));
+    assert_eq!(
+        check(Mode::Store, &killed, &two),
+        (
+            vec![],
+            Extras {
+                keys: 1,
+                effects: 1,
+                unrecorded: 0
+            }
+        )
+    );
     let mut elsewhere = Printed {
         executed: printed.executed.clone(),
         ..Printed::default()

@@ -120,7 +120,14 @@ fn db_code(e: &(dyn std::error::Error + 'static)) -> String {
 
 fn sqlx_code(e: &sqlx::Error) -> String {
     match e {
-        sqlx::Error::Database(d) => d.code().map(|c| c.into_owned()).unwrap_or("db".into()),
+        sqlx::Error::Database(d) => {
+            let state = d.code().map(|c| c.into_owned()).unwrap_or("db".into());
+            match d.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>() {
+                // MySQL's own error number first (1213 deadlock, 1205 lock wait timeout).
+                Some(my) => format!("{}/{state}", my.number()),
+                None => state,
+            }
+        }
         sqlx::Error::Io(_) => "io".into(),
         sqlx::Error::PoolTimedOut => "pool-timeout".into(),
         sqlx::Error::PoolClosed => "pool-closed".into(),
