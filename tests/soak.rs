@@ -426,7 +426,7 @@ fn run_fleet(fleet: &mut Fleet, bounds: &Bounds) -> (usize, usize) {
         }
         std::thread::sleep(Duration::from_millis(50 + rng.below(200)));
         turn += 1;
-        if turn % 3 == 0 {
+        if turn.is_multiple_of(3) {
             random += usize::from(fleet.kill_random(&mut rng));
         } else {
             // Aim first at the phases no kill has landed in yet.
@@ -448,6 +448,14 @@ fn run_fleet(fleet: &mut Fleet, bounds: &Bounds) -> (usize, usize) {
 
 // ------------------------------------------------------------ the checks
 
+/// A killed worker, by the last line it printed.
+struct Kill {
+    phase: String,
+    key: Option<String>,
+    /// The attempt it was inside (`reserved`, `effect`, `recorded`).
+    attempt: Option<String>,
+}
+
 /// What the workers printed, gathered over one run.
 #[derive(Default)]
 struct Printed {
@@ -461,8 +469,7 @@ struct Printed {
     error_lines: Vec<(String, String)>,
     error_samples: BTreeMap<String, String>,
     keys: BTreeSet<String>,
-    /// Killed workers: (pid, phase, key, attempt, last line).
-    kills: Vec<(u32, String, Option<String>, Option<String>, String)>,
+    kills: Vec<Kill>,
     /// What became of each attempt: the worker's answer line after it, or the kill.
     attempt_fate: BTreeMap<String, String>,
 }
@@ -520,7 +527,11 @@ fn gather(finished: &[Finished]) -> Printed {
                 p.attempt_fate
                     .insert(a, format!("pid {} killed after {last:?}", f.pid));
             }
-            p.kills.push((f.pid, phase, key, attempt, last));
+            p.kills.push(Kill {
+                phase,
+                key,
+                attempt,
+            });
         }
     }
     p
@@ -681,8 +692,8 @@ fn check(mode: Mode, printed: &Printed, found: &BTreeMap<String, Found>) -> (Vec
             printed
                 .kills
                 .iter()
-                .filter(|(_, ph, k, _, _)| k.as_deref() == Some(key) && phases.contains(&&**ph))
-                .filter_map(|(_, _, _, a, _)| a.as_deref())
+                .filter(|k| k.key.as_deref() == Some(key) && phases.contains(&k.phase.as_str()))
+                .filter_map(|k| k.attempt.as_deref())
                 .collect()
         };
         let recorded = match &f.record {
@@ -699,9 +710,9 @@ fn check(mode: Mode, printed: &Printed, found: &BTreeMap<String, Found>) -> (Vec
                         f.effects
                     )),
                     Mode::Store => {
-                        let by_kill = printed.kills.iter().any(|(_, ph, k, _, _)| {
-                            k.as_deref() == Some(key)
-                                && matches!(ph.as_str(), "call" | "reserved" | "effect")
+                        let by_kill = printed.kills.iter().any(|k| {
+                            k.key.as_deref() == Some(key)
+                                && matches!(k.phase.as_str(), "call" | "reserved" | "effect")
                         });
                         if !by_kill && !printed.error_keys.contains(key) {
                             violations.push(format!(
@@ -886,8 +897,8 @@ fn soak(backend: Backend, mode: Mode) {
     let (violations, extras) = check(mode, &printed, &found);
 
     let mut kills_by_phase: BTreeMap<&str, usize> = BTreeMap::new();
-    for (_, phase, ..) in &printed.kills {
-        *kills_by_phase.entry(phase).or_default() += 1;
+    for kill in &printed.kills {
+        *kills_by_phase.entry(&kill.phase).or_default() += 1;
     }
     let effects: usize = found.values().map(|f| f.effects.len()).sum();
     let complete = found
@@ -928,9 +939,12 @@ fn soak(backend: Backend, mode: Mode) {
             .error_lines
             .iter()
             .filter(|(key, _)| {
-                printed.kills.iter().any(|(_, ph, k, _, _)| {
-                    k.as_deref() == Some(key.as_str())
-                        && matches!(ph.as_str(), "call" | "reserved" | "effect" | "recorded")
+                printed.kills.iter().any(|k| {
+                    k.key.as_deref() == Some(key.as_str())
+                        && matches!(
+                            k.phase.as_str(),
+                            "call" | "reserved" | "effect" | "recorded"
+                        )
                 })
             })
             .count();
@@ -977,14 +991,10 @@ fn the_checks_catch_violations() {
         record,
         effects: effects.iter().map(|s| s.to_string()).collect(),
     };
-    let kill = |phase: &str, key: &str, attempt: Option<&str>| {
-        (
-            1,
-            phase.to_owned(),
-            Some(key.to_owned()),
-            attempt.map(str::to_owned),
-            String::new(),
-        )
+    let kill = |phase: &str, key: &str, attempt: Option<&str>| Kill {
+        phase: phase.to_owned(),
+        key: Some(key.to_owned()),
+        attempt: attempt.map(str::to_owned),
     };
     let mut printed = Printed::default();
     printed.executed.push(("k".into(), "a1".into()));
