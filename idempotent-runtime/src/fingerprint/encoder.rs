@@ -114,6 +114,21 @@ impl Encoder {
         }
     }
 
+    /// Empties the encoder for reuse, keeping its buffers' capacity.
+    pub(crate) fn reset(&mut self) {
+        self.mode = Mode::Canonical;
+        self.out.clear();
+        self.keys.clear();
+        self.entries.clear();
+        self.scratch.clear();
+        self.extended = false;
+    }
+
+    /// The memory its buffers hold.
+    pub(crate) fn capacity(&self) -> usize {
+        self.out.capacity() + self.keys.capacity() + self.scratch.capacity()
+    }
+
     pub(crate) fn set_mode(&mut self, mode: Mode) {
         self.mode = mode;
     }

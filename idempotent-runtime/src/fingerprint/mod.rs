@@ -86,6 +86,7 @@ use crate::error::Error;
 use encoder::{Encoder, Mode};
 use serde::Serialize;
 use sha2::{Digest, Sha256};
+use std::cell::Cell;
 use std::ops::Range;
 
 /// The newest version of the canonical form this build writes. Values that
@@ -169,7 +170,7 @@ impl Fingerprint {
     pub fn of<T: Serialize + ?Sized>(value: &T) -> Result<Self, Error> {
         let mut b = FingerprintBuilder::new();
         b.argument("value", value);
-        if let Some(e) = b.error {
+        if let Some(e) = b.error.take() {
             return Err(e);
         }
         Ok(b.digest())
@@ -194,13 +195,21 @@ impl std::fmt::Display for Fingerprint {
 /// b.argument("amount", &10u32);
 /// assert_eq!(a.finish().unwrap(), b.finish().unwrap());
 /// ```
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct FingerprintBuilder {
-    /// Holds every argument's canonical bytes (and, after them, the v1
-    /// bytes of those that needed an extension), back to back.
+    /// Buffers, taken from (and given back to) the thread's spare.
+    work: Workspace,
+    error: Option<Error>,
+}
+
+/// Everything a builder writes into. One spare per thread is kept, so a
+/// fingerprint allocates no buffers once a thread has made one.
+#[derive(Debug, Default)]
+struct Workspace {
+    /// Holds every argument's name and canonical bytes (and, after them, the
+    /// v1 bytes of those that needed an extension), back to back.
     encoder: Encoder,
     arguments: Vec<Argument>,
-    error: Option<Error>,
 }
 
 #[derive(Debug)]
@@ -213,6 +222,49 @@ struct Argument {
     extended: bool,
     /// For an extended argument: its v1 bytes, or `None` if v1 could not write it.
     legacy: Option<Range<usize>>,
+}
+
+thread_local! {
+    static SPARE: Cell<Option<Workspace>> = const { Cell::new(None) };
+}
+
+/// A spare holding more than this is dropped rather than kept for the next call.
+const SPARE_LIMIT: usize = 64 * 1024;
+
+impl Workspace {
+    fn take() -> Self {
+        SPARE
+            .try_with(Cell::take)
+            .ok()
+            .flatten()
+            .unwrap_or_default()
+    }
+
+    fn give_back(&mut self) {
+        let mut work = std::mem::take(self);
+        if work.encoder.capacity() > SPARE_LIMIT {
+            return;
+        }
+        work.encoder.reset();
+        work.arguments.clear();
+        // During thread teardown there is nowhere to keep it: it is dropped.
+        let _ = SPARE.try_with(|spare| spare.set(Some(work)));
+    }
+}
+
+impl Default for FingerprintBuilder {
+    fn default() -> Self {
+        FingerprintBuilder {
+            work: Workspace::take(),
+            error: None,
+        }
+    }
+}
+
+impl Drop for FingerprintBuilder {
+    fn drop(&mut self) {
+        self.work.give_back();
+    }
 }
 
 impl FingerprintBuilder {
@@ -228,7 +280,7 @@ impl FingerprintBuilder {
         if self.error.is_some() {
             return;
         }
-        let enc = &mut self.encoder;
+        let enc = &mut self.work.encoder;
         let name_start = enc.bytes().len();
         enc.clear_extended();
         let written = name.serialize(&mut *enc).and_then(|_| {
@@ -265,8 +317,8 @@ impl FingerprintBuilder {
         } else {
             None
         };
-        self.arguments.retain(|a| a.name != name);
-        self.arguments.push(Argument {
+        self.work.arguments.retain(|a| a.name != name);
+        self.work.arguments.push(Argument {
             name,
             quoted_name,
             canonical,
@@ -277,29 +329,27 @@ impl FingerprintBuilder {
 
     /// The fingerprint, or `None` when no argument was added (a call with
     /// nothing to fingerprint has no fingerprint and cannot be contradicted).
-    pub fn finish(self) -> Result<Option<Fingerprint>, Error> {
-        if let Some(e) = self.error {
+    pub fn finish(mut self) -> Result<Option<Fingerprint>, Error> {
+        if let Some(e) = self.error.take() {
             return Err(e);
         }
-        if self.arguments.is_empty() {
+        if self.work.arguments.is_empty() {
             return Ok(None);
         }
         Ok(Some(self.digest()))
     }
 
-    fn digest(mut self) -> Fingerprint {
-        self.arguments.sort_by(|a, b| a.name.cmp(b.name));
-        let bytes = self.encoder.bytes();
-        let extended = self.arguments.iter().any(|a| a.extended);
+    fn digest(&mut self) -> Fingerprint {
+        let Workspace { encoder, arguments } = &mut self.work;
+        arguments.sort_by(|a, b| a.name.cmp(b.name));
+        let bytes = encoder.bytes();
+        let extended = arguments.iter().any(|a| a.extended);
         let version = if extended { CANONICAL_VERSION } else { V1 };
-        let value = hash(version, &self.arguments, bytes, |a| &a.canonical);
+        let value = hash(version, arguments, bytes, |a| &a.canonical);
         // The v1 fingerprint, if v1 could write every argument.
-        let v1_writable = self
-            .arguments
-            .iter()
-            .all(|a| !a.extended || a.legacy.is_some());
+        let v1_writable = arguments.iter().all(|a| !a.extended || a.legacy.is_some());
         let legacy = (extended && v1_writable).then(|| {
-            hash(V1, &self.arguments, bytes, |a| match &a.legacy {
+            hash(V1, arguments, bytes, |a| match &a.legacy {
                 Some(v1) if a.extended => v1,
                 _ => &a.canonical,
             })
@@ -330,7 +380,15 @@ fn hash<'a>(
         hasher.update(&bytes[form(argument).clone()]);
     }
     hasher.update(b"}");
-    format!("{version}:{}", hex::encode(hasher.finalize()))
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    let mut out = String::with_capacity(version.len() + 1 + 64);
+    out.push_str(version);
+    out.push(':');
+    for byte in hasher.finalize() {
+        out.push(char::from(HEX[usize::from(byte >> 4)]));
+        out.push(char::from(HEX[usize::from(byte & 0xf)]));
+    }
+    out
 }
 
 #[cfg(test)]

@@ -1302,6 +1302,54 @@ fn unserializable_argument_is_reported_by_name_and_path() {
 }
 
 #[test]
+fn a_failed_panicked_or_nested_fingerprint_leaves_no_trace_in_the_next() {
+    let value: HashMap<(u8, u8), HashSet<&str>> = [((1, 2), ["b", "a"].into())].into();
+    let expected = fp(&value);
+    assert_eq!(expected.version(), "v2");
+
+    // A Serialize that fails half-way through, after a good argument.
+    let mut b = FingerprintBuilder::new();
+    b.argument("ok", &value);
+    b.argument("broken", &(HashSet::from([1u8, 2]), Broken));
+    assert!(b.finish().is_err());
+    assert_eq!(fp(&value), expected);
+
+    // A Serialize that panics the second time: in the legacy (v1) pass.
+    struct PanicsSecondTime(std::cell::Cell<u8>);
+    impl Serialize for PanicsSecondTime {
+        fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+            self.0.set(self.0.get() + 1);
+            assert!(self.0.get() < 2, "serialize panicked on purpose");
+            HashSet::from([1u8, 2]).serialize(s)
+        }
+    }
+    let caught = std::panic::catch_unwind(|| {
+        let mut b = FingerprintBuilder::new();
+        b.argument("x", &value);
+        b.argument("y", &PanicsSecondTime(0.into()));
+    });
+    assert!(caught.is_err());
+    assert_eq!(fp(&value), expected);
+
+    // A fingerprint made while another is being made (a Serialize that fingerprints).
+    struct Nested;
+    impl Serialize for Nested {
+        fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+            let inner = fp(&HashSet::from(["q", "p"]));
+            s.serialize_str(inner.as_str())
+        }
+    }
+    let mut outer = FingerprintBuilder::new();
+    outer.argument("value", &value);
+    outer.argument("nested", &Nested);
+    let mut same = FingerprintBuilder::new();
+    same.argument("nested", fp(&HashSet::from(["p", "q"])).as_str());
+    same.argument("value", &value);
+    assert_eq!(outer.finish().unwrap(), same.finish().unwrap());
+    assert_eq!(fp(&value), expected);
+}
+
+#[test]
 fn a_repeated_argument_name_keeps_the_last_value() {
     let mut b = FingerprintBuilder::new();
     b.argument("a", &f64::NAN);
