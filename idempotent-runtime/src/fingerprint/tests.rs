@@ -1466,3 +1466,70 @@ fn faithful_check_accepts_what_json_carries_and_leaves_encoding_errors_alone() {
         Ok(())
     );
 }
+
+// ---------------------------------------------------------------------------
+// Speed: printed, never asserted. Run by hand, in release mode:
+// cargo test --release -p idempotent-runtime --lib fingerprint::tests::timing -- --ignored --nocapture
+
+#[test]
+#[ignore = "timing, run by hand in release mode"]
+fn timing_old_vs_new_for_four_field_structs() {
+    #[derive(Serialize)]
+    struct Flat {
+        amount_cents: u64,
+        currency: &'static str,
+        customer_id: u64,
+        capture: bool,
+    }
+    #[derive(Serialize)]
+    struct Charge {
+        amount_cents: u64,
+        currency: String,
+        description: String,
+        metadata: BTreeMap<String, String>,
+    }
+    let flat = Flat {
+        amount_cents: 12_345,
+        currency: "EUR",
+        customer_id: 987_654_321,
+        capture: true,
+    };
+    let charge = Charge {
+        amount_cents: 12_345,
+        currency: "EUR".into(),
+        description: "Order #1234: 2 × widget".into(),
+        metadata: [
+            ("order".into(), "1234".into()),
+            ("channel".into(), "web".into()),
+        ]
+        .into(),
+    };
+    fn time(label: &str, f: &dyn Fn() -> usize) {
+        let rounds = 100_000;
+        let mut best = std::time::Duration::MAX;
+        let mut keep = 0usize;
+        for _ in 0..5 {
+            let start = std::time::Instant::now();
+            for _ in 0..rounds {
+                keep = keep.wrapping_add(std::hint::black_box(f()));
+            }
+            best = best.min(start.elapsed() / rounds);
+        }
+        println!("{label:<40} {best:>10?} per call (best of 5; {keep})");
+    }
+    time("flat: v1 (to_value + sort)", &|| {
+        v1::of(&flat).unwrap().len()
+    });
+    time("flat: v2 (canonical serializer)", &|| {
+        fp(&flat).as_str().len()
+    });
+    time("charge: v1 (to_value + sort)", &|| {
+        v1::of(&charge).unwrap().len()
+    });
+    time("charge: v2 (canonical serializer)", &|| {
+        fp(&charge).as_str().len()
+    });
+    time("charge: check_faithful_json", &|| {
+        usize::from(check_faithful_json(&charge).is_ok())
+    });
+}
