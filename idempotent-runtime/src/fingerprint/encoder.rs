@@ -35,10 +35,9 @@ const RAW_VALUE_TOKEN: &str = "$serde_json::private::RawValue";
 /// iteration order is not part of their value. Their `Serialize` must go
 /// through [`Serializer::collect_seq`] for the name to be seen.
 pub(crate) const UNORDERED_COLLECTIONS: &[&str] = &[
-    "HashSet",    // std, hashbrown, im (im does not use collect_seq; see the module doc)
-    "AHashSet",   // ahash
-    "IndexSet",   // indexmap: insertion-ordered, but its equality ignores order
-    "DashSet",    // dashmap (current versions do not use collect_seq; see the module doc)
+    "HashSet", // std, hashbrown, ahash's AHashSet (delegates to std's); not im (see the module doc)
+    "IndexSet", // indexmap: insertion-ordered, but its equality ignores order
+    "DashSet", // dashmap (current versions do not use collect_seq; see the module doc)
     "BinaryHeap", // std: iterates in heap layout, which depends on insertion history
 ];
 

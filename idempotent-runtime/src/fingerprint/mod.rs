@@ -37,9 +37,10 @@
 //!
 //! Map members are sorted by the text of v1 keys (as in v1), then the other
 //! keys by their canonical bytes; members with the same key by their bytes.
-//! A string key is always written quoted and a key v1 refused never is
-//! (`Some("a")` is written `"a"`, like every `Some(x)` whose `x` is not
-//! null-like), so a tuple key `(1, 2)` never meets the string key `"[1,2]"`.
+//! A string key is always written quoted; a key v1 refused is written as its
+//! canonical bytes, which are quoted only when it is `Some` of a string (read
+//! as that string, like every `Some(x)` whose `x` is not null-like). So a
+//! tuple key `(1, 2)` (`[1,2]`) never meets the string key `"[1,2]"`.
 //! As in v1, the JSON reading of a value is what counts: integer widths,
 //! `Some(x)` vs `x` (for `x` not null-like), and the number key `1` vs the
 //! string key `"1"` alone in a map are not told apart; a parameter has one
@@ -49,9 +50,9 @@
 //! `HashSet` calls [`serde::Serializer::collect_seq`] exactly as `Vec`'s does,
 //! so the canonical serializer looks at the iterated collection's type name.
 //! A base name (last path segment, generics stripped) of `HashSet` (std,
-//! hashbrown), `AHashSet`, `IndexSet` (indexmap, whose equality ignores
-//! order), `DashSet` or `BinaryHeap` (whose iteration order is its heap
-//! layout) is unordered; `Vec`, `VecDeque`, slices, arrays, `BTreeSet` (whose
+//! hashbrown; ahash's `AHashSet` serializes as std's), `IndexSet` (indexmap,
+//! whose equality ignores order), `DashSet` or `BinaryHeap` (whose iteration
+//! order is its heap layout) is unordered; `Vec`, `VecDeque`, slices, arrays, `BTreeSet` (whose
 //! order is already deterministic, so it stays v1) and everything else keep
 //! their order. *Limitation:* a collection whose `Serialize` does not go
 //! through `collect_seq`, or whose type is named otherwise, is written in its
