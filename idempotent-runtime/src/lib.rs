@@ -54,7 +54,7 @@ pub mod __private;
 pub use connect::connect_url;
 pub use engine::{default_store, set_default_store, with_outcome, Outcome, MAX_RESULT_BYTES};
 pub use error::{Error, KeyProblem, RecordContext, StoreError};
-pub use fingerprint::{Fingerprint, FingerprintBuilder};
+pub use fingerprint::{check_faithful_json, Fingerprint, FingerprintBuilder};
 pub use idempotent_macros::idempotent;
 pub use identity::{validate_key, validate_tenant, Identity};
 pub use registry::{ErrorPolicy, InProgressPolicy, ScopeInfo};

@@ -1,0 +1,1226 @@
+//! The serializer behind the canonical form (see the module doc of
+//! [`crate::fingerprint`] for the rules) and behind [`check_faithful_json`].
+//!
+//! One [`serde::Serializer`], three modes:
+//!
+//! - [`Mode::Canonical`] writes the current form (v2), noting in
+//!   [`Encoder::extended`] whether anything needed v2's extensions;
+//! - [`Mode::Legacy`] writes exactly what v1 wrote (`serde_json::to_value`
+//!   followed by sorted objects), lossy parts included, and fails where v1
+//!   failed: this is the "legacy" fingerprint old records are compared with;
+//! - [`Mode::Check`] writes nothing and fails on the first value JSON cannot
+//!   carry faithfully (rule 12).
+//!
+//! Bytes go straight into one buffer. Maps, structs and unordered sets are
+//! written in arrival order first; their entries' positions are kept on a
+//! stack, and only when they are not already in canonical order is the
+//! region rewritten, sorted.
+//!
+//! [`check_faithful_json`]: super::check_faithful_json
+
+use serde::ser::{
+    self, Error as _, Serialize, SerializeMap, SerializeSeq, SerializeStruct,
+    SerializeStructVariant, SerializeTuple, SerializeTupleStruct, SerializeTupleVariant,
+    Serializer,
+};
+use serde_json::ser::{CompactFormatter, Formatter};
+use std::fmt;
+use std::io;
+
+/// The struct name serde_json's `RawValue` serializes under; v1 parsed it
+/// back into a JSON value, so its text is canonicalised, not hashed verbatim.
+const RAW_VALUE_TOKEN: &str = "$serde_json::private::RawValue";
+
+/// Base names (last path segment, generics stripped) of collections whose
+/// iteration order is not part of their value. Their `Serialize` must go
+/// through [`Serializer::collect_seq`] for the name to be seen.
+pub(crate) const UNORDERED_COLLECTIONS: &[&str] = &[
+    "HashSet", // std, hashbrown, ahash's AHashSet (delegates to std's); not im (see the module doc)
+    "IndexSet", // indexmap: insertion-ordered, but its equality ignores order
+    "DashSet", // dashmap (current versions do not use collect_seq; see the module doc)
+    "BinaryHeap", // std: iterates in heap layout, which depends on insertion history
+];
+
+/// Whether `type_name` (from [`std::any::type_name`]) names an unordered collection.
+pub(crate) fn is_unordered(type_name: &str) -> bool {
+    let mut t = type_name.trim_start();
+    while let Some(rest) = t.strip_prefix('&') {
+        t = rest.trim_start();
+        t = t.strip_prefix("mut ").unwrap_or(t);
+    }
+    let path = t.split('<').next().unwrap_or(t);
+    let base = path.rsplit("::").next().unwrap_or(path).trim();
+    UNORDERED_COLLECTIONS.contains(&base)
+}
+
+/// What the encoder is for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub(crate) enum Mode {
+    /// The canonical form this build writes (v2, which is v1 wherever v1 was faithful).
+    #[default]
+    Canonical,
+    /// Exactly v1's bytes, lossy parts included; an error where v1 failed.
+    Legacy,
+    /// No output; an error on the first value JSON would not round-trip.
+    Check,
+}
+
+/// How a value was written when it was a map key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) enum KeyKind {
+    /// A string, char or unit variant: written as a JSON string (v1).
+    Text,
+    /// A number or bool: written as a JSON string of its text (v1), or bare
+    /// when the map also holds a text key with the same text (v2).
+    Scalar,
+    /// Anything v1 refused as a key: written as its canonical bytes (v2).
+    /// Also what the main serializer answers, since it writes everything else.
+    Other,
+}
+
+/// One element of an unordered collection or one member of a map/struct, as
+/// written: `out[start..end]`, its key being `out[start..start + key_len]`
+/// and its sort key `keys[key_start..key_end]`.
+#[derive(Debug, Clone, Copy)]
+struct Entry {
+    start: usize,
+    end: usize,
+    key_start: usize,
+    key_end: usize,
+    key_len: usize,
+    kind: KeyKind,
+}
+
+/// The serializer. See the module doc.
+#[derive(Debug, Default)]
+pub(crate) struct Encoder {
+    mode: Mode,
+    out: Vec<u8>,
+    /// Sort keys of the open maps' entries (a stack, like `entries`).
+    keys: Vec<u8>,
+    /// Entries of the open maps, structs and unordered collections.
+    entries: Vec<Entry>,
+    /// Where a region being sorted is copied while it is rewritten.
+    scratch: Vec<u8>,
+    extended: bool,
+}
+
+impl Encoder {
+    pub(crate) fn new(mode: Mode) -> Self {
+        Encoder {
+            mode,
+            ..Encoder::default()
+        }
+    }
+
+    /// Empties the encoder for reuse, keeping its buffers' capacity.
+    pub(crate) fn reset(&mut self) {
+        self.mode = Mode::Canonical;
+        self.out.clear();
+        self.keys.clear();
+        self.entries.clear();
+        self.scratch.clear();
+        self.extended = false;
+    }
+
+    /// The memory its buffers hold.
+    pub(crate) fn capacity(&self) -> usize {
+        self.out.capacity() + self.keys.capacity() + self.scratch.capacity()
+    }
+
+    pub(crate) fn set_mode(&mut self, mode: Mode) {
+        self.mode = mode;
+    }
+
+    /// Everything written so far.
+    pub(crate) fn bytes(&self) -> &[u8] {
+        &self.out
+    }
+
+    /// Drops everything written after `len` bytes and any half-written
+    /// container (after an error).
+    pub(crate) fn truncate(&mut self, len: usize) {
+        self.out.truncate(len);
+        self.keys.clear();
+        self.entries.clear();
+    }
+
+    /// Whether a v2 extension was needed since the flag was last cleared.
+    pub(crate) fn extended(&self) -> bool {
+        self.extended
+    }
+
+    pub(crate) fn clear_extended(&mut self) {
+        self.extended = false;
+    }
+
+    fn writes(&self) -> bool {
+        self.mode != Mode::Check
+    }
+
+    fn put(&mut self, bytes: &[u8]) {
+        if self.writes() {
+            self.out.extend_from_slice(bytes);
+        }
+    }
+
+    fn put_byte(&mut self, byte: u8) {
+        if self.writes() {
+            self.out.push(byte);
+        }
+    }
+
+    /// A JSON string, escaped exactly as serde_json escapes it (v1 used serde_json).
+    fn put_str(&mut self, s: &str) -> Result<(), EncodeError> {
+        if self.writes() {
+            serde_json::to_writer(&mut self.out, s).map_err(EncodeError::custom)?;
+        }
+        Ok(())
+    }
+
+    /// A number (or other scalar) through serde_json's formatter, so the text is v1's.
+    fn put_with(
+        &mut self,
+        write: impl FnOnce(&mut Vec<u8>) -> io::Result<()>,
+    ) -> Result<KeyKind, EncodeError> {
+        if self.writes() {
+            write(&mut self.out).map_err(EncodeError::custom)?;
+        }
+        Ok(KeyKind::Other)
+    }
+
+    fn float(&mut self, value: f64) -> Result<KeyKind, EncodeError> {
+        if value.is_finite() {
+            return self.put_with(|w| CompactFormatter.write_f64(w, value));
+        }
+        match self.mode {
+            Mode::Canonical => {
+                self.extended = true;
+                self.put(non_finite_token(value));
+            }
+            Mode::Legacy => self.put(b"null"),
+            Mode::Check => return Err(EncodeError::new(Problem::NonFinite(value))),
+        }
+        Ok(KeyKind::Other)
+    }
+
+    /// An integer beyond 64 bits: exact digits (v2); v1 could not write it.
+    fn wide_integer(
+        &mut self,
+        write: impl FnOnce(&mut Vec<u8>) -> io::Result<()>,
+    ) -> Result<KeyKind, EncodeError> {
+        match self.mode {
+            Mode::Legacy => Err(EncodeError::new(Problem::NotInV1(
+                "an integer outside the 64-bit range",
+            ))),
+            Mode::Canonical => {
+                self.extended = true;
+                self.put_with(write)
+            }
+            Mode::Check => Ok(KeyKind::Other),
+        }
+    }
+
+    /// Puts the unordered collection's elements `entries[first..]`, written
+    /// from `region` on, in byte order.
+    fn sort_elements(&mut self, first: usize, region: usize) {
+        let Encoder {
+            out,
+            entries,
+            scratch,
+            ..
+        } = self;
+        let elements = &mut entries[first..];
+        let in_order = elements
+            .windows(2)
+            .all(|w| out[w[0].start..w[0].end] <= out[w[1].start..w[1].end]);
+        if in_order {
+            return;
+        }
+        scratch.clear();
+        scratch.extend_from_slice(&out[region..]);
+        let bytes = |e: &Entry| &scratch[e.start - region..e.end - region];
+        elements.sort_by(|a, b| bytes(a).cmp(bytes(b)));
+        out.truncate(region);
+        for (i, e) in elements.iter().enumerate() {
+            if i > 0 {
+                out.push(b',');
+            }
+            out.extend_from_slice(bytes(e));
+        }
+    }
+
+    /// Puts the map's entries `entries[first..]`, written from `region` on,
+    /// in canonical order: by key text (v1 keys) then by key bytes (other
+    /// keys). Entries with the same key are kept (v2, typed keys) or reduced
+    /// to the last one (v1, which stored them in a map).
+    fn sort_entries(&mut self, first: usize, region: usize) {
+        let mode = self.mode;
+        let Encoder {
+            out,
+            keys,
+            entries,
+            scratch,
+            extended,
+            ..
+        } = self;
+        let members = &mut entries[first..];
+        let sort_key = |e: &Entry| (e.kind == KeyKind::Other, &keys[e.key_start..e.key_end]);
+        if members
+            .windows(2)
+            .all(|w| sort_key(&w[0]) < sort_key(&w[1]))
+        {
+            return; // already in order, no repeated key: the bytes are final
+        }
+        scratch.clear();
+        scratch.extend_from_slice(&out[region..]);
+        let bytes = |e: &Entry| &scratch[e.start - region..e.end - region];
+        if mode == Mode::Legacy {
+            // Stable: entries with one key stay in arrival order, the last one wins.
+            members.sort_by(|a, b| sort_key(a).cmp(&sort_key(b)));
+        } else {
+            members.sort_by(|a, b| {
+                sort_key(a)
+                    .cmp(&sort_key(b))
+                    .then_with(|| bytes(a).cmp(bytes(b)))
+                    // `"1":x` from a string and from a number are written apart below.
+                    .then_with(|| a.kind.cmp(&b.kind))
+            });
+        }
+        let repeated = members
+            .windows(2)
+            .any(|w| sort_key(&w[0]) == sort_key(&w[1]));
+        let typed = repeated && mode == Mode::Canonical;
+        if typed {
+            *extended = true;
+        }
+        out.truncate(region);
+        let mut written = 0;
+        for (i, e) in members.iter().enumerate() {
+            if mode == Mode::Legacy
+                && members
+                    .get(i + 1)
+                    .is_some_and(|next| sort_key(next) == sort_key(e))
+            {
+                continue; // v1 kept only the last value of a repeated key
+            }
+            if written > 0 {
+                out.push(b',');
+            }
+            let b = bytes(e);
+            if typed && e.kind == KeyKind::Scalar {
+                // `"1":v` → `1:v`: a number key, told apart from the string "1".
+                out.extend_from_slice(&b[1..e.key_len - 1]);
+                out.extend_from_slice(&b[e.key_len..]);
+            } else {
+                out.extend_from_slice(b);
+            }
+            written += 1;
+        }
+    }
+}
+
+/// `inf`, `-inf` and `nan`: not JSON, so no finite number, string or other
+/// value is ever written this way. Every NaN is the one value `nan`.
+fn non_finite_token(value: f64) -> &'static [u8] {
+    if value.is_nan() {
+        b"nan"
+    } else if value > 0.0 {
+        b"inf"
+    } else {
+        b"-inf"
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Errors
+
+/// Why a value could not be encoded, and where (built while the error
+/// unwinds, so a successful encoding pays nothing for paths).
+#[derive(Debug)]
+pub(crate) struct EncodeError {
+    problem: Problem,
+    /// Innermost first.
+    path: Vec<Segment>,
+}
+
+#[derive(Debug)]
+enum Problem {
+    /// The value's own `Serialize` failed (or, never in practice, a write).
+    Custom(String),
+    /// A non-finite float (only in [`Mode::Check`]).
+    NonFinite(f64),
+    /// Something v1 could not write (only in [`Mode::Legacy`]).
+    NotInV1(&'static str),
+}
+
+#[derive(Debug)]
+enum Segment {
+    Field(&'static str),
+    Index(usize),
+    Key(String),
+}
+
+impl EncodeError {
+    fn new(problem: Problem) -> Self {
+        EncodeError {
+            problem,
+            path: Vec::new(),
+        }
+    }
+
+    fn at(mut self, segment: Segment) -> Self {
+        self.path.push(segment);
+        self
+    }
+
+    fn in_variant(self, variant: Option<&'static str>) -> Self {
+        match variant {
+            Some(v) => self.at(Segment::Field(v)),
+            None => self,
+        }
+    }
+
+    /// Whether this is a rule-12 refusal (rather than the value's own
+    /// `Serialize` failing, which the recording serializer reports itself).
+    pub(crate) fn is_not_faithful(&self) -> bool {
+        matches!(self.problem, Problem::NonFinite(_))
+    }
+
+    fn path(&self) -> String {
+        let mut s = String::new();
+        for segment in self.path.iter().rev() {
+            match segment {
+                Segment::Field(name) => {
+                    if !s.is_empty() {
+                        s.push('.');
+                    }
+                    s.push_str(name);
+                }
+                Segment::Index(i) => s.push_str(&format!("[{i}]")),
+                Segment::Key(k) => {
+                    s.push('[');
+                    s.push_str(k);
+                    s.push(']');
+                }
+            }
+        }
+        s
+    }
+}
+
+impl fmt::Display for EncodeError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let path = self.path();
+        match &self.problem {
+            Problem::NonFinite(v) => {
+                if path.is_empty() {
+                    f.write_str("the value")?;
+                } else {
+                    write!(f, "`{path}`")?;
+                }
+                write!(
+                    f,
+                    " is the non-finite float {v}, which JSON cannot represent (it would replay as null)"
+                )
+            }
+            Problem::Custom(m) => write_at(f, m, &path),
+            Problem::NotInV1(m) => write_at(f, m, &path),
+        }
+    }
+}
+
+fn write_at(f: &mut fmt::Formatter<'_>, message: &str, path: &str) -> fmt::Result {
+    f.write_str(message)?;
+    if !path.is_empty() {
+        write!(f, " (at `{path}`)")?;
+    }
+    Ok(())
+}
+
+impl std::error::Error for EncodeError {}
+
+impl ser::Error for EncodeError {
+    fn custom<T: fmt::Display>(msg: T) -> Self {
+        EncodeError::new(Problem::Custom(msg.to_string()))
+    }
+}
+
+/// A map key's text for an error path, rendered only when an error needs it.
+fn render_key<K: ?Sized + Serialize>(key: &K) -> String {
+    let mut enc = Encoder::new(Mode::Canonical);
+    match key.serialize(KeySerializer { enc: &mut enc }) {
+        Ok(_) => String::from_utf8_lossy(&enc.out).into_owned(),
+        Err(_) => "?".to_owned(),
+    }
+}
+
+// ---------------------------------------------------------------------------
+// The serializer
+
+type Result<T, E = EncodeError> = std::result::Result<T, E>;
+
+macro_rules! via {
+    ($($method:ident($ty:ty) => $write:ident as $wide:ty;)*) => {$(
+        fn $method(self, v: $ty) -> Result<KeyKind> {
+            self.put_with(|w| CompactFormatter.$write(w, <$wide>::from(v)))
+        }
+    )*};
+}
+
+impl<'a> Serializer for &'a mut Encoder {
+    type Ok = KeyKind;
+    type Error = EncodeError;
+    type SerializeSeq = Seq<'a>;
+    type SerializeTuple = Seq<'a>;
+    type SerializeTupleStruct = Seq<'a>;
+    type SerializeTupleVariant = Seq<'a>;
+    type SerializeMap = Map<'a>;
+    type SerializeStruct = Map<'a>;
+    type SerializeStructVariant = Map<'a>;
+
+    fn serialize_bool(self, v: bool) -> Result<KeyKind> {
+        self.put(if v { b"true" } else { b"false" });
+        Ok(KeyKind::Other)
+    }
+
+    via! {
+        serialize_i8(i8) => write_i64 as i64;
+        serialize_i16(i16) => write_i64 as i64;
+        serialize_i32(i32) => write_i64 as i64;
+        serialize_i64(i64) => write_i64 as i64;
+        serialize_u8(u8) => write_u64 as u64;
+        serialize_u16(u16) => write_u64 as u64;
+        serialize_u32(u32) => write_u64 as u64;
+        serialize_u64(u64) => write_u64 as u64;
+    }
+
+    fn serialize_i128(self, v: i128) -> Result<KeyKind> {
+        if let Ok(v) = i64::try_from(v) {
+            self.serialize_i64(v)
+        } else if let Ok(v) = u64::try_from(v) {
+            self.serialize_u64(v)
+        } else {
+            self.wide_integer(|w| CompactFormatter.write_i128(w, v))
+        }
+    }
+
+    fn serialize_u128(self, v: u128) -> Result<KeyKind> {
+        match u64::try_from(v) {
+            Ok(v) => self.serialize_u64(v),
+            Err(_) => self.wide_integer(|w| CompactFormatter.write_u128(w, v)),
+        }
+    }
+
+    fn serialize_f32(self, v: f32) -> Result<KeyKind> {
+        // serde_json::to_value widens f32 to f64 (0.1f32 → 0.10000000149011612).
+        self.float(f64::from(v))
+    }
+
+    fn serialize_f64(self, v: f64) -> Result<KeyKind> {
+        self.float(v)
+    }
+
+    fn serialize_char(self, v: char) -> Result<KeyKind> {
+        self.put_str(v.encode_utf8(&mut [0; 4]))?;
+        Ok(KeyKind::Other)
+    }
+
+    fn serialize_str(self, v: &str) -> Result<KeyKind> {
+        self.put_str(v)?;
+        Ok(KeyKind::Other)
+    }
+
+    fn serialize_bytes(self, v: &[u8]) -> Result<KeyKind> {
+        // v1: an array of numbers.
+        self.put_byte(b'[');
+        for (i, b) in v.iter().enumerate() {
+            if i > 0 {
+                self.put_byte(b',');
+            }
+            self.serialize_u8(*b)?;
+        }
+        self.put_byte(b']');
+        Ok(KeyKind::Other)
+    }
+
+    fn serialize_none(self) -> Result<KeyKind> {
+        self.put(b"null");
+        Ok(KeyKind::Other)
+    }
+
+    fn serialize_some<T: ?Sized + Serialize>(self, value: &T) -> Result<KeyKind> {
+        let start = self.out.len();
+        value.serialize(&mut *self)?;
+        if self.mode == Mode::Canonical {
+            // v1 wrote `Some(x)` as `x`: fine unless `x` itself reads as
+            // `None` (`null`) or as another such wrapper.
+            let inner = &self.out[start..];
+            if inner == b"null" || inner.first() == Some(&b'?') {
+                self.out.insert(start, b'?');
+                self.extended = true;
+            }
+        }
+        Ok(KeyKind::Other)
+    }
+
+    fn serialize_unit(self) -> Result<KeyKind> {
+        self.serialize_none()
+    }
+
+    fn serialize_unit_struct(self, _name: &'static str) -> Result<KeyKind> {
+        self.serialize_none()
+    }
+
+    fn serialize_unit_variant(
+        self,
+        _name: &'static str,
+        _index: u32,
+        variant: &'static str,
+    ) -> Result<KeyKind> {
+        self.serialize_str(variant)
+    }
+
+    fn serialize_newtype_struct<T: ?Sized + Serialize>(
+        self,
+        _name: &'static str,
+        value: &T,
+    ) -> Result<KeyKind> {
+        value.serialize(self)
+    }
+
+    fn serialize_newtype_variant<T: ?Sized + Serialize>(
+        self,
+        _name: &'static str,
+        _index: u32,
+        variant: &'static str,
+        value: &T,
+    ) -> Result<KeyKind> {
+        self.put_byte(b'{');
+        self.put_str(variant)?;
+        self.put_byte(b':');
+        value
+            .serialize(&mut *self)
+            .map_err(|e| e.at(Segment::Field(variant)))?;
+        self.put_byte(b'}');
+        Ok(KeyKind::Other)
+    }
+
+    fn serialize_seq(self, _len: Option<usize>) -> Result<Seq<'a>> {
+        Seq::begin(self, None, false)
+    }
+
+    fn serialize_tuple(self, _len: usize) -> Result<Seq<'a>> {
+        Seq::begin(self, None, false)
+    }
+
+    fn serialize_tuple_struct(self, _name: &'static str, _len: usize) -> Result<Seq<'a>> {
+        Seq::begin(self, None, false)
+    }
+
+    fn serialize_tuple_variant(
+        self,
+        _name: &'static str,
+        _index: u32,
+        variant: &'static str,
+        _len: usize,
+    ) -> Result<Seq<'a>> {
+        Seq::begin(self, Some(variant), false)
+    }
+
+    fn serialize_map(self, _len: Option<usize>) -> Result<Map<'a>> {
+        Map::begin(self, None, false)
+    }
+
+    fn serialize_struct(self, name: &'static str, _len: usize) -> Result<Map<'a>> {
+        let raw = name == RAW_VALUE_TOKEN && self.writes();
+        Map::begin(self, None, raw)
+    }
+
+    fn serialize_struct_variant(
+        self,
+        _name: &'static str,
+        _index: u32,
+        variant: &'static str,
+        _len: usize,
+    ) -> Result<Map<'a>> {
+        Map::begin(self, Some(variant), false)
+    }
+
+    /// `HashSet` and friends serialize through here, exactly like `Vec`:
+    /// the collection's type name is the only way to tell them apart.
+    fn collect_seq<I>(self, iter: I) -> Result<KeyKind>
+    where
+        I: IntoIterator,
+        I::Item: Serialize,
+    {
+        let unordered = self.mode == Mode::Canonical && is_unordered(std::any::type_name::<I>());
+        let mut seq = Seq::begin(self, None, unordered)?;
+        for item in iter {
+            seq.element(&item)?;
+        }
+        seq.finish()
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Sequences
+
+/// A sequence, tuple or (with `variant`) tuple variant being written.
+pub(crate) struct Seq<'a> {
+    enc: &'a mut Encoder,
+    count: usize,
+    variant: Option<&'static str>,
+    /// For an unordered collection: its first entry and where its elements start.
+    unordered: Option<(usize, usize)>,
+}
+
+impl<'a> Seq<'a> {
+    fn begin(enc: &'a mut Encoder, variant: Option<&'static str>, unordered: bool) -> Result<Self> {
+        if let Some(v) = variant {
+            enc.put_byte(b'{');
+            enc.put_str(v)?;
+            enc.put_byte(b':');
+        }
+        enc.put_byte(b'[');
+        let unordered = unordered.then_some((enc.entries.len(), enc.out.len()));
+        Ok(Seq {
+            enc,
+            count: 0,
+            variant,
+            unordered,
+        })
+    }
+
+    fn element<T: ?Sized + Serialize>(&mut self, value: &T) -> Result<()> {
+        if self.count > 0 {
+            self.enc.put_byte(b',');
+        }
+        let start = self.enc.out.len();
+        if let Err(e) = value.serialize(&mut *self.enc) {
+            return Err(e.at(Segment::Index(self.count)).in_variant(self.variant));
+        }
+        if self.unordered.is_some() {
+            let end = self.enc.out.len();
+            self.enc.entries.push(Entry {
+                start,
+                end,
+                key_start: 0,
+                key_end: 0,
+                key_len: 0,
+                kind: KeyKind::Other,
+            });
+        }
+        self.count += 1;
+        Ok(())
+    }
+
+    fn finish(self) -> Result<KeyKind> {
+        if let Some((first, region)) = self.unordered {
+            if self.enc.entries.len() - first >= 2 {
+                // With two elements or more, v1's bytes depended on iteration order.
+                self.enc.extended = true;
+                self.enc.sort_elements(first, region);
+            }
+            self.enc.entries.truncate(first);
+        }
+        self.enc.put_byte(b']');
+        if self.variant.is_some() {
+            self.enc.put_byte(b'}');
+        }
+        Ok(KeyKind::Other)
+    }
+}
+
+macro_rules! seq_impl {
+    ($($trait:ident :: $method:ident),*) => {$(
+        impl $trait for Seq<'_> {
+            type Ok = KeyKind;
+            type Error = EncodeError;
+            fn $method<T: ?Sized + Serialize>(&mut self, value: &T) -> Result<()> {
+                self.element(value)
+            }
+            fn end(self) -> Result<KeyKind> {
+                self.finish()
+            }
+        }
+    )*};
+}
+
+seq_impl!(
+    SerializeSeq::serialize_element,
+    SerializeTuple::serialize_element,
+    SerializeTupleStruct::serialize_field,
+    SerializeTupleVariant::serialize_field
+);
+
+// ---------------------------------------------------------------------------
+// Maps and structs
+
+/// A key written, its value not yet.
+#[derive(Debug, Clone, Copy)]
+struct Pending {
+    start: usize,
+    key_start: usize,
+    key_end: usize,
+    key_len: usize,
+    kind: KeyKind,
+}
+
+/// A map, struct or (with `variant`) struct variant being written.
+pub(crate) struct Map<'a> {
+    enc: &'a mut Encoder,
+    count: usize,
+    variant: Option<&'static str>,
+    first: usize,
+    keys_base: usize,
+    region: usize,
+    pending: Option<Pending>,
+    /// serde_json's `RawValue`: its one field is JSON text to canonicalise.
+    raw: bool,
+}
+
+impl<'a> Map<'a> {
+    fn begin(enc: &'a mut Encoder, variant: Option<&'static str>, raw: bool) -> Result<Self> {
+        if let Some(v) = variant {
+            enc.put_byte(b'{');
+            enc.put_str(v)?;
+            enc.put_byte(b':');
+        }
+        if !raw {
+            enc.put_byte(b'{');
+        }
+        Ok(Map {
+            first: enc.entries.len(),
+            keys_base: enc.keys.len(),
+            region: enc.out.len(),
+            enc,
+            count: 0,
+            variant,
+            pending: None,
+            raw,
+        })
+    }
+
+    fn separator(&mut self) {
+        if self.count > 0 {
+            self.enc.put_byte(b',');
+        }
+    }
+
+    fn key<K: ?Sized + Serialize>(&mut self, key: &K) -> Result<Pending> {
+        self.separator();
+        let enc = &mut *self.enc;
+        let start = enc.out.len();
+        let key_start = enc.keys.len();
+        let kind = key
+            .serialize(KeySerializer { enc: &mut *enc })
+            .map_err(|e| {
+                e.at(Segment::Key(format!("key #{}", self.count)))
+                    .in_variant(self.variant)
+            })?;
+        let key_len = enc.out.len() - start;
+        if kind == KeyKind::Other {
+            enc.keys.extend_from_slice(&enc.out[start..]);
+        }
+        enc.put_byte(b':');
+        Ok(Pending {
+            start,
+            key_start,
+            key_end: enc.keys.len(),
+            key_len,
+            kind,
+        })
+    }
+
+    fn field_key(&mut self, name: &'static str) -> Result<Pending> {
+        self.separator();
+        let enc = &mut *self.enc;
+        let start = enc.out.len();
+        let key_start = enc.keys.len();
+        enc.put_str(name)?;
+        enc.keys.extend_from_slice(name.as_bytes());
+        let key_len = enc.out.len() - start;
+        enc.put_byte(b':');
+        Ok(Pending {
+            start,
+            key_start,
+            key_end: enc.keys.len(),
+            key_len,
+            kind: KeyKind::Text,
+        })
+    }
+
+    fn value<T: ?Sized + Serialize>(
+        &mut self,
+        key: Pending,
+        value: &T,
+        segment: impl FnOnce(&Encoder) -> Segment,
+    ) -> Result<()> {
+        if let Err(e) = value.serialize(&mut *self.enc) {
+            return Err(e.at(segment(&*self.enc)).in_variant(self.variant));
+        }
+        self.enc.entries.push(Entry {
+            start: key.start,
+            end: self.enc.out.len(),
+            key_start: key.key_start,
+            key_end: key.key_end,
+            key_len: key.key_len,
+            kind: key.kind,
+        });
+        self.count += 1;
+        Ok(())
+    }
+
+    fn written_key(enc: &Encoder, key: Pending) -> Segment {
+        let text = &enc.out[key.start..key.start + key.key_len];
+        Segment::Key(String::from_utf8_lossy(text).into_owned())
+    }
+
+    fn entry<K: ?Sized + Serialize, V: ?Sized + Serialize>(
+        &mut self,
+        key: &K,
+        value: &V,
+    ) -> Result<()> {
+        if self.enc.mode == Mode::Check {
+            // Keys are not walked: JSON keys are strings and numbers, and
+            // serde_json itself refuses the rest when recording.
+            return value
+                .serialize(&mut *self.enc)
+                .map(|_| ())
+                .map_err(|e| e.at(Segment::Key(render_key(key))).in_variant(self.variant));
+        }
+        let pending = self.key(key)?;
+        self.value(pending, value, |enc| Map::written_key(enc, pending))
+    }
+
+    fn field<T: ?Sized + Serialize>(&mut self, name: &'static str, value: &T) -> Result<()> {
+        if self.raw {
+            return self.raw_value(value);
+        }
+        if self.enc.mode == Mode::Check {
+            return value
+                .serialize(&mut *self.enc)
+                .map(|_| ())
+                .map_err(|e| e.at(Segment::Field(name)).in_variant(self.variant));
+        }
+        let pending = self.field_key(name)?;
+        self.value(pending, value, |_| Segment::Field(name))
+    }
+
+    /// serde_json's `RawValue`: v1 parsed the text into a JSON value, so it
+    /// is written canonically (sorted members, no whitespace) here too.
+    fn raw_value<T: ?Sized + Serialize>(&mut self, value: &T) -> Result<()> {
+        let enc = &mut *self.enc;
+        let start = enc.out.len();
+        let key_start = enc.keys.len();
+        // The field is the JSON text; the key serializer hands strings back raw.
+        value.serialize(KeySerializer { enc: &mut *enc })?;
+        let parsed = std::str::from_utf8(&enc.keys[key_start..])
+            .map_err(EncodeError::custom)
+            .and_then(|text| {
+                serde_json::from_str::<serde_json::Value>(text).map_err(EncodeError::custom)
+            });
+        enc.out.truncate(start);
+        enc.keys.truncate(key_start);
+        parsed?.serialize(&mut *enc)?;
+        Ok(())
+    }
+
+    fn finish(self) -> Result<KeyKind> {
+        if self.enc.mode != Mode::Check && !self.raw {
+            if self.enc.entries.len() - self.first >= 2 {
+                self.enc.sort_entries(self.first, self.region);
+            }
+            self.enc.entries.truncate(self.first);
+            self.enc.keys.truncate(self.keys_base);
+        }
+        if !self.raw {
+            self.enc.put_byte(b'}');
+        }
+        if self.variant.is_some() {
+            self.enc.put_byte(b'}');
+        }
+        Ok(KeyKind::Other)
+    }
+}
+
+impl SerializeMap for Map<'_> {
+    type Ok = KeyKind;
+    type Error = EncodeError;
+
+    fn serialize_key<T: ?Sized + Serialize>(&mut self, key: &T) -> Result<()> {
+        if self.enc.mode != Mode::Check {
+            self.pending = Some(self.key(key)?);
+        }
+        Ok(())
+    }
+
+    fn serialize_value<T: ?Sized + Serialize>(&mut self, value: &T) -> Result<()> {
+        if self.enc.mode == Mode::Check {
+            let entry = self.count;
+            self.count += 1;
+            return value.serialize(&mut *self.enc).map(|_| ()).map_err(|e| {
+                e.at(Segment::Key(format!("key #{entry}")))
+                    .in_variant(self.variant)
+            });
+        }
+        match self.pending.take() {
+            Some(pending) => self.value(pending, value, |enc| Map::written_key(enc, pending)),
+            None => Err(ser::Error::custom(
+                "serialize_value was called before serialize_key",
+            )),
+        }
+    }
+
+    fn serialize_entry<K: ?Sized + Serialize, V: ?Sized + Serialize>(
+        &mut self,
+        key: &K,
+        value: &V,
+    ) -> Result<()> {
+        self.entry(key, value)
+    }
+
+    fn end(self) -> Result<KeyKind> {
+        self.finish()
+    }
+}
+
+impl SerializeStruct for Map<'_> {
+    type Ok = KeyKind;
+    type Error = EncodeError;
+
+    fn serialize_field<T: ?Sized + Serialize>(
+        &mut self,
+        name: &'static str,
+        value: &T,
+    ) -> Result<()> {
+        self.field(name, value)
+    }
+
+    fn end(self) -> Result<KeyKind> {
+        self.finish()
+    }
+}
+
+impl SerializeStructVariant for Map<'_> {
+    type Ok = KeyKind;
+    type Error = EncodeError;
+
+    fn serialize_field<T: ?Sized + Serialize>(
+        &mut self,
+        name: &'static str,
+        value: &T,
+    ) -> Result<()> {
+        self.field(name, value)
+    }
+
+    fn end(self) -> Result<KeyKind> {
+        self.finish()
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Map keys
+
+/// Writes a map key: strings, chars and unit variants as JSON strings,
+/// numbers and bools as JSON strings of their text (both as v1, which used
+/// serde_json's key rules), anything else as its canonical bytes (v2; v1
+/// refused them). Keeps the text (or the bytes) as the entry's sort key.
+struct KeySerializer<'a> {
+    enc: &'a mut Encoder,
+}
+
+impl<'a> KeySerializer<'a> {
+    fn text(self, s: &str) -> Result<KeyKind> {
+        self.enc.put_str(s)?;
+        self.enc.keys.extend_from_slice(s.as_bytes());
+        Ok(KeyKind::Text)
+    }
+
+    fn scalar(self, write: impl FnOnce(&mut Vec<u8>) -> io::Result<()>) -> Result<KeyKind> {
+        let enc = self.enc;
+        let start = enc.keys.len();
+        write(&mut enc.keys).map_err(EncodeError::custom)?;
+        enc.out.push(b'"');
+        enc.out.extend_from_slice(&enc.keys[start..]);
+        enc.out.push(b'"');
+        Ok(KeyKind::Scalar)
+    }
+
+    /// A key v1 refused: written by the main serializer (v2) or an error (v1).
+    fn other(self) -> Result<&'a mut Encoder> {
+        match self.enc.mode {
+            Mode::Legacy => Err(EncodeError::new(Problem::NotInV1(
+                "a map key that is not a string, number, bool or unit variant",
+            ))),
+            _ => {
+                self.enc.extended = true;
+                Ok(self.enc)
+            }
+        }
+    }
+}
+
+macro_rules! key_via {
+    ($($method:ident($ty:ty) => $write:ident as $wide:ty;)*) => {$(
+        fn $method(self, v: $ty) -> Result<KeyKind> {
+            self.scalar(|w| CompactFormatter.$write(w, <$wide>::from(v)))
+        }
+    )*};
+}
+
+impl<'a> Serializer for KeySerializer<'a> {
+    type Ok = KeyKind;
+    type Error = EncodeError;
+    type SerializeSeq = Seq<'a>;
+    type SerializeTuple = Seq<'a>;
+    type SerializeTupleStruct = Seq<'a>;
+    type SerializeTupleVariant = Seq<'a>;
+    type SerializeMap = Map<'a>;
+    type SerializeStruct = Map<'a>;
+    type SerializeStructVariant = Map<'a>;
+
+    fn serialize_bool(self, v: bool) -> Result<KeyKind> {
+        self.scalar(|w| {
+            w.extend_from_slice(if v { b"true" } else { b"false" });
+            Ok(())
+        })
+    }
+
+    key_via! {
+        serialize_i8(i8) => write_i64 as i64;
+        serialize_i16(i16) => write_i64 as i64;
+        serialize_i32(i32) => write_i64 as i64;
+        serialize_i64(i64) => write_i64 as i64;
+        serialize_i128(i128) => write_i128 as i128;
+        serialize_u8(u8) => write_u64 as u64;
+        serialize_u16(u16) => write_u64 as u64;
+        serialize_u32(u32) => write_u64 as u64;
+        serialize_u64(u64) => write_u64 as u64;
+        serialize_u128(u128) => write_u128 as u128;
+    }
+
+    fn serialize_f32(self, v: f32) -> Result<KeyKind> {
+        if v.is_finite() {
+            // serde_json writes f32 keys at f32 precision (values are widened).
+            self.scalar(|w| CompactFormatter.write_f32(w, v))
+        } else {
+            self.other()?.serialize_f32(v)
+        }
+    }
+
+    fn serialize_f64(self, v: f64) -> Result<KeyKind> {
+        if v.is_finite() {
+            self.scalar(|w| CompactFormatter.write_f64(w, v))
+        } else {
+            self.other()?.serialize_f64(v)
+        }
+    }
+
+    fn serialize_char(self, v: char) -> Result<KeyKind> {
+        self.text(v.encode_utf8(&mut [0; 4]))
+    }
+
+    fn serialize_str(self, v: &str) -> Result<KeyKind> {
+        self.text(v)
+    }
+
+    fn serialize_bytes(self, v: &[u8]) -> Result<KeyKind> {
+        self.other()?.serialize_bytes(v)
+    }
+
+    fn serialize_none(self) -> Result<KeyKind> {
+        self.other()?.serialize_none()
+    }
+
+    fn serialize_some<T: ?Sized + Serialize>(self, value: &T) -> Result<KeyKind> {
+        self.other()?.serialize_some(value)
+    }
+
+    fn serialize_unit(self) -> Result<KeyKind> {
+        self.other()?.serialize_unit()
+    }
+
+    fn serialize_unit_struct(self, name: &'static str) -> Result<KeyKind> {
+        self.other()?.serialize_unit_struct(name)
+    }
+
+    fn serialize_unit_variant(
+        self,
+        _name: &'static str,
+        _index: u32,
+        variant: &'static str,
+    ) -> Result<KeyKind> {
+        self.text(variant)
+    }
+
+    fn serialize_newtype_struct<T: ?Sized + Serialize>(
+        self,
+        _name: &'static str,
+        value: &T,
+    ) -> Result<KeyKind> {
+        value.serialize(self)
+    }
+
+    fn serialize_newtype_variant<T: ?Sized + Serialize>(
+        self,
+        name: &'static str,
+        index: u32,
+        variant: &'static str,
+        value: &T,
+    ) -> Result<KeyKind> {
+        self.other()?
+            .serialize_newtype_variant(name, index, variant, value)
+    }
+
+    fn serialize_seq(self, len: Option<usize>) -> Result<Seq<'a>> {
+        self.other()?.serialize_seq(len)
+    }
+
+    fn serialize_tuple(self, len: usize) -> Result<Seq<'a>> {
+        self.other()?.serialize_tuple(len)
+    }
+
+    fn serialize_tuple_struct(self, name: &'static str, len: usize) -> Result<Seq<'a>> {
+        self.other()?.serialize_tuple_struct(name, len)
+    }
+
+    fn serialize_tuple_variant(
+        self,
+        name: &'static str,
+        index: u32,
+        variant: &'static str,
+        len: usize,
+    ) -> Result<Seq<'a>> {
+        self.other()?
+            .serialize_tuple_variant(name, index, variant, len)
+    }
+
+    fn serialize_map(self, len: Option<usize>) -> Result<Map<'a>> {
+        self.other()?.serialize_map(len)
+    }
+
+    fn serialize_struct(self, name: &'static str, len: usize) -> Result<Map<'a>> {
+        self.other()?.serialize_struct(name, len)
+    }
+
+    fn serialize_struct_variant(
+        self,
+        name: &'static str,
+        index: u32,
+        variant: &'static str,
+        len: usize,
+    ) -> Result<Map<'a>> {
+        self.other()?
+            .serialize_struct_variant(name, index, variant, len)
+    }
+
+    fn collect_seq<I>(self, iter: I) -> Result<KeyKind>
+    where
+        I: IntoIterator,
+        I::Item: Serialize,
+    {
+        self.other()?.collect_seq(iter)
+    }
+}

@@ -1,0 +1,396 @@
+//! The canonical fingerprint of a call's arguments.
+//!
+//! A fingerprint is `<version>:<lowercase hex SHA-256 of the canonical bytes>`.
+//! The canonical bytes of the fingerprinted arguments are one object
+//! `{"<parameter name>":<value>,...}` with members sorted by name, every value
+//! written by the rules below. They depend on no map or set iteration order,
+//! struct field order, process, platform or restart.
+//!
+//! # Version 1 (`v1`)
+//!
+//! A value is written as serde_json's `to_value` sees it (so with serde_json's
+//! rules for keys and numbers): every object's members sorted by key (byte
+//! order of the unescaped key), no whitespace, numbers as serde_json writes
+//! them (`f32` widened to `f64` first: `0.1f32` is `0.10000000149011612`),
+//! strings JSON-escaped. v1 is not faithful everywhere: it writes `inf`,
+//! `-inf` and `NaN` all as `null`, `Some(x)` as `x` (so `Some(None)` and
+//! `Some(())` read as `None`), sets in their iteration order (a `HashSet`'s
+//! changes from one instance to the next), refuses map keys that are not
+//! strings, numbers, bools or unit variants (a `(u8, u8)` key) and integers
+//! beyond 64 bits, and keeps only the last of two keys with the same text.
+//!
+//! # Version 2 (`v2`, [`CANONICAL_VERSION`])
+//!
+//! **v2 extends v1: a value v1 represented faithfully is written with exactly
+//! v1's bytes, and a fingerprint made only of such values keeps the `v1:`
+//! label**, so fingerprints stored by earlier versions still match. A
+//! fingerprint is labelled `v2:` when some argument needed an extension:
+//!
+//! | value | v1 | v2 |
+//! |---|---|---|
+//! | an unordered set with ≥ 2 elements (see below) | iteration order | elements sorted by their canonical bytes |
+//! | `f64`/`f32` infinity, negative infinity, NaN | `null` (all three) | `inf`, `-inf`, `nan` (bare words: no number or string is written so) |
+//! | `Some(x)` where `x` is written `null` or starts with `?` | `null` | `?` then `x`: `Some(None)` → `?null`, `Some(Some(None))` → `??null` |
+//! | an integer outside the `i64`/`u64` range | error | its exact digits |
+//! | a map key v1 refused (tuple, struct, sequence, `Option`, unit, bytes, a non-finite float, an enum variant with data) | error | the key's canonical bytes, not quoted: `{[1,2]:3}` |
+//! | two keys of one map with the same text (the string `"1"` and the number `1`) | the last one only | both; number and bool keys bare: `{"1":"a",1:"b"}` |
+//!
+//! Map members are sorted by the text of v1 keys (as in v1), then the other
+//! keys by their canonical bytes; members with the same key by their bytes.
+//! A string key is always written quoted; a key v1 refused is written as its
+//! canonical bytes, which are quoted only when it is `Some` of a string (read
+//! as that string, like every `Some(x)` whose `x` is not null-like). So a
+//! tuple key `(1, 2)` (`[1,2]`) never meets the string key `"[1,2]"`.
+//! As in v1, the JSON reading of a value is what counts: integer widths,
+//! `Some(x)` vs `x` (for `x` not null-like), and the number key `1` vs the
+//! string key `"1"` alone in a map are not told apart; a parameter has one
+//! type, and these only meet inside `#[serde(untagged)]` enums.
+//!
+//! **Unordered sets** are recognised by type: serde's `Serialize` for
+//! `HashSet` calls [`serde::Serializer::collect_seq`] exactly as `Vec`'s does,
+//! so the canonical serializer looks at the iterated collection's type name.
+//! A base name (last path segment, generics stripped) of `HashSet` (std,
+//! hashbrown; ahash's `AHashSet` serializes as std's), `IndexSet` (indexmap,
+//! whose equality ignores order), `DashSet` or `BinaryHeap` (whose iteration
+//! order is its heap layout) is unordered; `Vec`, `VecDeque`, slices, arrays, `BTreeSet` (whose
+//! order is already deterministic, so it stays v1) and everything else keep
+//! their order. *Limitation:* a collection whose `Serialize` does not go
+//! through `collect_seq`, or whose type is named otherwise, is written in its
+//! own iteration order: current `dashmap` (`DashSet` calls `serialize_seq`),
+//! `im::HashSet`, and custom wrappers. Fingerprint such a field as a
+//! `BTreeSet`, or skip it. Maps of every kind are sorted, in v1 and v2.
+//!
+//! # Legacy fingerprints
+//!
+//! When a fingerprint is labelled `v2` and v1 could have written the same
+//! arguments (possibly lossily: non-finite floats as `null`, sets in their
+//! iteration order), [`Fingerprint::legacy`] is the v1 fingerprint v1 would
+//! have made for them. A record stored by an older version carries a `v1:`
+//! fingerprint; a reservation refused as a mismatch is retried once with the
+//! legacy fingerprint, so the old record is compared by v1's rules. The v1
+//! form is only computed for arguments that needed an extension.
+//!
+//! Fingerprints assume serde_json without its `arbitrary_precision` feature
+//! (as v1 did: with it, serde_json writes numbers differently).
+//!
+//! # Results
+//!
+//! [`check_faithful_json`] (rule 12) uses the same serializer to tell
+//! whether a result would come back equal from serde_json.
+
+mod encoder;
+mod faithful;
+
+pub use faithful::check_faithful_json;
+
+use crate::error::Error;
+use encoder::{Encoder, Mode};
+use serde::Serialize;
+use sha2::{Digest, Sha256};
+use std::cell::Cell;
+use std::ops::Range;
+
+/// The newest version of the canonical form this build writes. Values that
+/// v1 represented faithfully are still labelled `v1` (see the module doc).
+pub const CANONICAL_VERSION: &str = "v2";
+
+/// The first canonical form, still the label of every value it represents faithfully.
+const V1: &str = "v1";
+
+/// A versioned fingerprint, e.g. `v1:9f86d0...`.
+///
+/// Equality and hashing look at [`as_str`](Self::as_str) only.
+///
+/// ```
+/// use idempotent_runtime::Fingerprint;
+/// let plain = Fingerprint::of(&1.5f64).unwrap();
+/// assert_eq!(plain.version(), "v1"); // v1 already wrote 1.5 faithfully
+/// assert!(plain.legacy().is_none());
+///
+/// let inf = Fingerprint::of(&f64::INFINITY).unwrap();
+/// assert_eq!(inf.version(), "v2"); // v1 wrote it as `null`
+/// let legacy = inf.legacy().unwrap(); // what v1 made of it
+/// assert_eq!(legacy, Fingerprint::of(&None::<f64>).unwrap());
+/// ```
+#[derive(Debug, Clone)]
+pub struct Fingerprint {
+    value: String,
+    legacy: Option<String>,
+}
+
+impl PartialEq for Fingerprint {
+    fn eq(&self, other: &Self) -> bool {
+        self.value == other.value
+    }
+}
+
+impl Eq for Fingerprint {}
+
+impl std::hash::Hash for Fingerprint {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.value.hash(state);
+    }
+}
+
+impl Fingerprint {
+    /// The fingerprint as stored: `<version>:<hex sha-256>`.
+    pub fn as_str(&self) -> &str {
+        &self.value
+    }
+
+    /// The canonical-form version this fingerprint was made with.
+    pub fn version(&self) -> &str {
+        self.value.split(':').next().unwrap_or_default()
+    }
+
+    /// Wraps a stored fingerprint string.
+    pub fn from_stored(s: impl Into<String>) -> Self {
+        Fingerprint {
+            value: s.into(),
+            legacy: None,
+        }
+    }
+
+    /// The `v1` fingerprint an older version made for the same arguments,
+    /// when it differs from this one: `Some` only for a `v2` fingerprint
+    /// whose arguments v1 could write (lossily). A record stored with it
+    /// is compared by v1's rules (see the module doc).
+    pub fn legacy(&self) -> Option<Fingerprint> {
+        self.legacy.as_deref().map(Fingerprint::from_stored)
+    }
+
+    /// Fingerprints the canonical bytes of `value` (as one argument named `value`).
+    ///
+    /// ```
+    /// use idempotent_runtime::Fingerprint;
+    /// use std::collections::HashSet;
+    /// let a: HashSet<&str> = ["eur", "usd", "gbp"].into();
+    /// let b: HashSet<&str> = ["gbp", "eur", "usd"].into();
+    /// assert_eq!(Fingerprint::of(&a).unwrap(), Fingerprint::of(&b).unwrap());
+    /// ```
+    pub fn of<T: Serialize + ?Sized>(value: &T) -> Result<Self, Error> {
+        let mut b = FingerprintBuilder::new();
+        b.argument("value", value);
+        if let Some(e) = b.error.take() {
+            return Err(e);
+        }
+        Ok(b.digest())
+    }
+}
+
+impl std::fmt::Display for Fingerprint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.value)
+    }
+}
+
+/// Collects named arguments and produces their [`Fingerprint`].
+///
+/// ```
+/// use idempotent_runtime::FingerprintBuilder;
+/// let mut a = FingerprintBuilder::new();
+/// a.argument("amount", &10u32);
+/// a.argument("currency", "EUR");
+/// let mut b = FingerprintBuilder::new();
+/// b.argument("currency", "EUR");
+/// b.argument("amount", &10u32);
+/// assert_eq!(a.finish().unwrap(), b.finish().unwrap());
+/// ```
+#[derive(Debug)]
+pub struct FingerprintBuilder {
+    /// Buffers, taken from (and given back to) the thread's spare.
+    work: Workspace,
+    error: Option<Error>,
+}
+
+/// Everything a builder writes into. One spare per thread is kept, so a
+/// fingerprint allocates no buffers once a thread has made one.
+#[derive(Debug, Default)]
+struct Workspace {
+    /// Holds every argument's name and canonical bytes (and, after them, the
+    /// v1 bytes of those that needed an extension), back to back.
+    encoder: Encoder,
+    arguments: Vec<Argument>,
+}
+
+#[derive(Debug)]
+struct Argument {
+    name: &'static str,
+    /// The name as a JSON string.
+    quoted_name: Range<usize>,
+    canonical: Range<usize>,
+    /// Whether the canonical bytes needed a v2 extension.
+    extended: bool,
+    /// For an extended argument: its v1 bytes, or `None` if v1 could not write it.
+    legacy: Option<Range<usize>>,
+}
+
+thread_local! {
+    static SPARE: Cell<Option<Workspace>> = const { Cell::new(None) };
+}
+
+/// A spare holding more than this is dropped rather than kept for the next call.
+const SPARE_LIMIT: usize = 64 * 1024;
+
+impl Workspace {
+    fn take() -> Self {
+        SPARE
+            .try_with(Cell::take)
+            .ok()
+            .flatten()
+            .unwrap_or_default()
+    }
+
+    fn give_back(&mut self) {
+        let mut work = std::mem::take(self);
+        if work.encoder.capacity() > SPARE_LIMIT {
+            return;
+        }
+        work.encoder.reset();
+        work.arguments.clear();
+        // During thread teardown there is nowhere to keep it: it is dropped.
+        let _ = SPARE.try_with(|spare| spare.set(Some(work)));
+    }
+}
+
+impl Default for FingerprintBuilder {
+    fn default() -> Self {
+        FingerprintBuilder {
+            work: Workspace::take(),
+            error: None,
+        }
+    }
+}
+
+impl Drop for FingerprintBuilder {
+    fn drop(&mut self) {
+        self.work.give_back();
+    }
+}
+
+impl FingerprintBuilder {
+    /// An empty builder.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Adds one named argument. A value that cannot be fingerprinted (its
+    /// `Serialize` fails) is kept as an error and reported by
+    /// [`finish`](Self::finish). A second argument with the same name replaces the first.
+    pub fn argument<T: Serialize + ?Sized>(&mut self, name: &'static str, value: &T) {
+        if self.error.is_some() {
+            return;
+        }
+        let enc = &mut self.work.encoder;
+        let name_start = enc.bytes().len();
+        enc.clear_extended();
+        let written = name.serialize(&mut *enc).and_then(|_| {
+            let start = enc.bytes().len();
+            value.serialize(&mut *enc).map(|_| start)
+        });
+        let start = match written {
+            Ok(start) => start,
+            Err(e) => {
+                enc.truncate(name_start);
+                self.error = Some(Error::Fingerprint {
+                    argument: name.to_owned(),
+                    message: e.to_string(),
+                });
+                return;
+            }
+        };
+        let quoted_name = name_start..start;
+        let canonical = start..enc.bytes().len();
+        let extended = enc.extended();
+        // Only when the extension was used is there a v1 form worth computing.
+        let legacy = if extended {
+            enc.set_mode(Mode::Legacy);
+            let legacy_start = enc.bytes().len();
+            let written = value.serialize(&mut *enc);
+            enc.set_mode(Mode::Canonical);
+            match written {
+                Ok(_) => Some(legacy_start..enc.bytes().len()),
+                Err(_) => {
+                    enc.truncate(legacy_start);
+                    None
+                }
+            }
+        } else {
+            None
+        };
+        self.work.arguments.retain(|a| a.name != name);
+        self.work.arguments.push(Argument {
+            name,
+            quoted_name,
+            canonical,
+            extended,
+            legacy,
+        });
+    }
+
+    /// The fingerprint, or `None` when no argument was added (a call with
+    /// nothing to fingerprint has no fingerprint and cannot be contradicted).
+    pub fn finish(mut self) -> Result<Option<Fingerprint>, Error> {
+        if let Some(e) = self.error.take() {
+            return Err(e);
+        }
+        if self.work.arguments.is_empty() {
+            return Ok(None);
+        }
+        Ok(Some(self.digest()))
+    }
+
+    fn digest(&mut self) -> Fingerprint {
+        let Workspace { encoder, arguments } = &mut self.work;
+        arguments.sort_by(|a, b| a.name.cmp(b.name));
+        let bytes = encoder.bytes();
+        let extended = arguments.iter().any(|a| a.extended);
+        let version = if extended { CANONICAL_VERSION } else { V1 };
+        let value = hash(version, arguments, bytes, |a| &a.canonical);
+        // The v1 fingerprint, if v1 could write every argument.
+        let v1_writable = arguments.iter().all(|a| !a.extended || a.legacy.is_some());
+        let legacy = (extended && v1_writable).then(|| {
+            hash(V1, arguments, bytes, |a| match &a.legacy {
+                Some(v1) if a.extended => v1,
+                _ => &a.canonical,
+            })
+        });
+        Fingerprint {
+            legacy: legacy.filter(|legacy| *legacy != value),
+            value,
+        }
+    }
+}
+
+/// `<version>:<hex sha-256>` of `{"name":<bytes>,...}` (arguments sorted by
+/// name), each argument's bytes being `bytes[form(argument)]`.
+fn hash<'a>(
+    version: &str,
+    arguments: &'a [Argument],
+    bytes: &[u8],
+    form: impl Fn(&'a Argument) -> &'a Range<usize>,
+) -> String {
+    let mut hasher = Sha256::new();
+    hasher.update(b"{");
+    for (i, argument) in arguments.iter().enumerate() {
+        if i > 0 {
+            hasher.update(b",");
+        }
+        hasher.update(&bytes[argument.quoted_name.clone()]);
+        hasher.update(b":");
+        hasher.update(&bytes[form(argument).clone()]);
+    }
+    hasher.update(b"}");
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    let mut out = String::with_capacity(version.len() + 1 + 64);
+    out.push_str(version);
+    out.push(':');
+    for byte in hasher.finalize() {
+        out.push(char::from(HEX[usize::from(byte >> 4)]));
+        out.push(char::from(HEX[usize::from(byte & 0xf)]));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests;

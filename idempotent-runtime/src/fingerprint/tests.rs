@@ -1,0 +1,1535 @@
+use super::encoder::{is_unordered, Encoder, Mode};
+use super::*;
+use proptest::prelude::*;
+use serde::ser::{SerializeMap, SerializeStruct, SerializeStructVariant};
+use serde::ser::{SerializeTuple, SerializeTupleStruct, SerializeTupleVariant, Serializer};
+use std::collections::{BTreeMap, BTreeSet, BinaryHeap, HashMap, HashSet};
+
+/// The v1 implementation as it shipped (serde_json::to_value, then objects
+/// written with sorted members): the reference v2 must agree with wherever
+/// v1 was faithful, and the legacy form must agree with everywhere.
+mod v1 {
+    use serde::Serialize;
+    use serde_json::Value;
+    use sha2::{Digest, Sha256};
+    use std::collections::BTreeMap;
+
+    pub fn canonical<T: Serialize + ?Sized>(value: &T) -> Result<Vec<u8>, serde_json::Error> {
+        let value = serde_json::to_value(value)?;
+        let mut out = Vec::new();
+        write_canonical(&mut out, &value);
+        Ok(out)
+    }
+
+    /// The v1 `FingerprintBuilder`: `Ok(None)` without arguments, `Err` when v1 could not.
+    #[derive(Default)]
+    pub struct Builder {
+        arguments: BTreeMap<&'static str, Value>,
+        error: Option<String>,
+    }
+
+    impl Builder {
+        pub fn argument<T: Serialize + ?Sized>(&mut self, name: &'static str, value: &T) {
+            if self.error.is_some() {
+                return;
+            }
+            match serde_json::to_value(value) {
+                Ok(v) => {
+                    self.arguments.insert(name, v);
+                }
+                Err(e) => self.error = Some(e.to_string()),
+            }
+        }
+
+        pub fn finish(self) -> Result<Option<String>, String> {
+            if let Some(e) = self.error {
+                return Err(e);
+            }
+            if self.arguments.is_empty() {
+                return Ok(None);
+            }
+            let mut bytes = Vec::with_capacity(128);
+            bytes.push(b'{');
+            for (i, (name, value)) in self.arguments.iter().enumerate() {
+                if i > 0 {
+                    bytes.push(b',');
+                }
+                write_string(&mut bytes, name);
+                bytes.push(b':');
+                write_canonical(&mut bytes, value);
+            }
+            bytes.push(b'}');
+            Ok(Some(format!("v1:{}", hex::encode(Sha256::digest(&bytes)))))
+        }
+    }
+
+    /// `Fingerprint::of` as v1 computed it.
+    pub fn of<T: Serialize + ?Sized>(value: &T) -> Result<String, String> {
+        let mut b = Builder::default();
+        b.argument("value", value);
+        b.finish().map(|f| f.expect("one argument"))
+    }
+
+    fn write_string(out: &mut Vec<u8>, s: &str) {
+        serde_json::to_writer(&mut *out, s).expect("writing a string into memory");
+    }
+
+    fn write_canonical(out: &mut Vec<u8>, value: &Value) {
+        match value {
+            Value::Object(map) => {
+                let mut members: Vec<(&String, &Value)> = map.iter().collect();
+                members.sort_by(|a, b| a.0.as_bytes().cmp(b.0.as_bytes()));
+                out.push(b'{');
+                for (i, (k, v)) in members.into_iter().enumerate() {
+                    if i > 0 {
+                        out.push(b',');
+                    }
+                    write_string(out, k);
+                    out.push(b':');
+                    write_canonical(out, v);
+                }
+                out.push(b'}');
+            }
+            Value::Array(items) => {
+                out.push(b'[');
+                for (i, v) in items.iter().enumerate() {
+                    if i > 0 {
+                        out.push(b',');
+                    }
+                    write_canonical(out, v);
+                }
+                out.push(b']');
+            }
+            scalar => {
+                serde_json::to_writer(&mut *out, scalar).expect("writing a scalar into memory")
+            }
+        }
+    }
+}
+
+/// The canonical (v2) bytes of a value and whether they needed the extension.
+fn canonical<T: Serialize + ?Sized>(value: &T) -> (String, bool) {
+    let mut enc = Encoder::new(Mode::Canonical);
+    value
+        .serialize(&mut enc)
+        .expect("every value has a canonical form");
+    (text(enc.bytes()), enc.extended())
+}
+
+fn v2<T: Serialize + ?Sized>(value: &T) -> String {
+    canonical(value).0
+}
+
+/// The bytes the legacy (v1) mode writes, or why it cannot.
+fn legacy<T: Serialize + ?Sized>(value: &T) -> Result<String, String> {
+    let mut enc = Encoder::new(Mode::Legacy);
+    value.serialize(&mut enc).map_err(|e| e.to_string())?;
+    Ok(text(enc.bytes()))
+}
+
+fn reference<T: Serialize + ?Sized>(value: &T) -> Result<String, String> {
+    v1::canonical(value)
+        .map(|b| text(&b))
+        .map_err(|e| e.to_string())
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8(bytes.to_vec()).expect("the canonical form is UTF-8")
+}
+
+fn fp<T: Serialize + ?Sized>(value: &T) -> Fingerprint {
+    Fingerprint::of(value).expect("fingerprintable")
+}
+
+fn sha(bytes: &str) -> String {
+    hex::encode(Sha256::digest(bytes.as_bytes()))
+}
+
+// ---------------------------------------------------------------------------
+// A value of the whole serde data model, serialized by hand so that every
+// Serializer method is exercised (including serialize_key/serialize_value
+// apart, and a collection whose type is named like an unordered set).
+
+#[derive(Debug, Clone)]
+pub(super) enum M {
+    Unit,
+    UnitStruct,
+    None,
+    Bool(bool),
+    I64(i64),
+    U64(u64),
+    I128(i128),
+    U128(u128),
+    F64(f64),
+    F32(f32),
+    Str(String),
+    Char(char),
+    Bytes(Vec<u8>),
+    Newtype(Box<M>),
+    Some(Box<M>),
+    Seq(Vec<M>),
+    Tuple(Vec<M>),
+    TupleStruct(Vec<M>),
+    /// Serialized through `collect_seq` of a type named `HashSet`.
+    Set(Vec<M>),
+    /// Through `serialize_entry`.
+    StrMap(Vec<(String, M)>),
+    /// Through `serialize_key` + `serialize_value`.
+    IntMap(Vec<(i64, M)>),
+    AnyMap(Vec<(M, M)>),
+    Struct(Vec<(&'static str, M)>),
+    UnitVariant(&'static str),
+    NewtypeVariant(&'static str, Box<M>),
+    TupleVariant(&'static str, Vec<M>),
+    StructVariant(&'static str, Vec<(&'static str, M)>),
+}
+
+/// A collection named like std's, to reach the unordered path from `M`.
+mod named {
+    /// Its type name ends in `HashSet`, so it is treated as unordered.
+    pub(super) struct HashSet<'a>(pub(super) &'a [super::M]);
+    impl<'a> IntoIterator for HashSet<'a> {
+        type Item = &'a super::M;
+        type IntoIter = std::slice::Iter<'a, super::M>;
+        fn into_iter(self) -> Self::IntoIter {
+            self.0.iter()
+        }
+    }
+}
+
+impl Serialize for M {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self {
+            M::Unit => s.serialize_unit(),
+            M::UnitStruct => s.serialize_unit_struct("Unit"),
+            M::None => s.serialize_none(),
+            M::Bool(v) => s.serialize_bool(*v),
+            M::I64(v) => s.serialize_i64(*v),
+            M::U64(v) => s.serialize_u64(*v),
+            M::I128(v) => s.serialize_i128(*v),
+            M::U128(v) => s.serialize_u128(*v),
+            M::F64(v) => s.serialize_f64(*v),
+            M::F32(v) => s.serialize_f32(*v),
+            M::Str(v) => s.serialize_str(v),
+            M::Char(v) => s.serialize_char(*v),
+            M::Bytes(v) => s.serialize_bytes(v),
+            M::Newtype(v) => s.serialize_newtype_struct("Newtype", v),
+            M::Some(v) => s.serialize_some(v),
+            M::Seq(v) => s.collect_seq(v),
+            M::Tuple(v) => {
+                let mut t = s.serialize_tuple(v.len())?;
+                for x in v {
+                    t.serialize_element(x)?;
+                }
+                t.end()
+            }
+            M::TupleStruct(v) => {
+                let mut t = s.serialize_tuple_struct("TupleStruct", v.len())?;
+                for x in v {
+                    t.serialize_field(x)?;
+                }
+                t.end()
+            }
+            M::Set(v) => s.collect_seq(named::HashSet(v)),
+            M::StrMap(v) => {
+                let mut m = s.serialize_map(Some(v.len()))?;
+                for (k, x) in v {
+                    m.serialize_entry(k, x)?;
+                }
+                m.end()
+            }
+            M::IntMap(v) => {
+                let mut m = s.serialize_map(None)?;
+                for (k, x) in v {
+                    m.serialize_key(k)?;
+                    m.serialize_value(x)?;
+                }
+                m.end()
+            }
+            M::AnyMap(v) => {
+                let mut m = s.serialize_map(Some(v.len()))?;
+                for (k, x) in v {
+                    m.serialize_entry(k, x)?;
+                }
+                m.end()
+            }
+            M::Struct(v) => {
+                let mut m = s.serialize_struct("Struct", v.len())?;
+                for (k, x) in v {
+                    m.serialize_field(k, x)?;
+                }
+                m.end()
+            }
+            M::UnitVariant(name) => s.serialize_unit_variant("E", 0, name),
+            M::NewtypeVariant(name, v) => s.serialize_newtype_variant("E", 1, name, v),
+            M::TupleVariant(name, v) => {
+                let mut t = s.serialize_tuple_variant("E", 2, name, v.len())?;
+                for x in v {
+                    t.serialize_field(x)?;
+                }
+                t.end()
+            }
+            M::StructVariant(name, v) => {
+                let mut m = s.serialize_struct_variant("E", 3, name, v.len())?;
+                for (k, x) in v {
+                    m.serialize_field(k, x)?;
+                }
+                m.end()
+            }
+        }
+    }
+}
+
+impl M {
+    /// Written `null` by v1 (and by v2 outside `Some`).
+    fn null_like(&self) -> bool {
+        match self {
+            M::Unit | M::UnitStruct | M::None => true,
+            M::Newtype(x) => x.null_like(),
+            _ => false,
+        }
+    }
+
+    /// A non-finite float anywhere except in map keys.
+    fn has_non_finite_value(&self) -> bool {
+        match self {
+            M::F64(v) => !v.is_finite(),
+            M::F32(v) => !v.is_finite(),
+            M::Newtype(x) | M::Some(x) | M::NewtypeVariant(_, x) => x.has_non_finite_value(),
+            M::Seq(v) | M::Tuple(v) | M::TupleStruct(v) | M::Set(v) | M::TupleVariant(_, v) => {
+                v.iter().any(M::has_non_finite_value)
+            }
+            M::StrMap(v) => v.iter().any(|(_, x)| x.has_non_finite_value()),
+            M::IntMap(v) => v.iter().any(|(_, x)| x.has_non_finite_value()),
+            M::AnyMap(v) => v.iter().any(|(_, x)| x.has_non_finite_value()),
+            M::Struct(v) | M::StructVariant(_, v) => {
+                v.iter().any(|(_, x)| x.has_non_finite_value())
+            }
+            _ => false,
+        }
+    }
+
+    /// The same value with every set's and map's entries in another order
+    /// (sequences keep theirs): `pick` chooses a rotation.
+    fn reordered(&self, pick: &mut impl FnMut() -> usize) -> M {
+        fn rotate<T: Clone>(v: &[T], by: usize) -> Vec<T> {
+            let mut v = v.to_vec();
+            if !v.is_empty() {
+                let n = v.len();
+                v.rotate_left(by % n);
+                if by % 2 == 1 {
+                    v.reverse();
+                }
+            }
+            v
+        }
+        match self {
+            M::Newtype(x) => M::Newtype(Box::new(x.reordered(pick))),
+            M::Some(x) => M::Some(Box::new(x.reordered(pick))),
+            M::NewtypeVariant(n, x) => M::NewtypeVariant(n, Box::new(x.reordered(pick))),
+            M::Seq(v) => M::Seq(v.iter().map(|x| x.reordered(pick)).collect()),
+            M::Tuple(v) => M::Tuple(v.iter().map(|x| x.reordered(pick)).collect()),
+            M::TupleStruct(v) => M::TupleStruct(v.iter().map(|x| x.reordered(pick)).collect()),
+            M::TupleVariant(n, v) => {
+                M::TupleVariant(n, v.iter().map(|x| x.reordered(pick)).collect())
+            }
+            M::Set(v) => {
+                let inner: Vec<M> = v.iter().map(|x| x.reordered(pick)).collect();
+                M::Set(rotate(&inner, pick()))
+            }
+            M::StrMap(v) => {
+                let inner: Vec<_> = v
+                    .iter()
+                    .map(|(k, x)| (k.clone(), x.reordered(pick)))
+                    .collect();
+                M::StrMap(rotate(&inner, pick()))
+            }
+            M::IntMap(v) => {
+                let inner: Vec<_> = v.iter().map(|(k, x)| (*k, x.reordered(pick))).collect();
+                M::IntMap(rotate(&inner, pick()))
+            }
+            M::AnyMap(v) => {
+                let inner: Vec<_> = v
+                    .iter()
+                    .map(|(k, x)| (k.reordered(pick), x.reordered(pick)))
+                    .collect();
+                M::AnyMap(rotate(&inner, pick()))
+            }
+            M::Struct(v) => {
+                let inner: Vec<_> = v.iter().map(|(k, x)| (*k, x.reordered(pick))).collect();
+                M::Struct(rotate(&inner, pick()))
+            }
+            M::StructVariant(n, v) => {
+                let inner: Vec<_> = v.iter().map(|(k, x)| (*k, x.reordered(pick))).collect();
+                M::StructVariant(n, rotate(&inner, pick()))
+            }
+            other => other.clone(),
+        }
+    }
+}
+
+/// Field and variant names, with characters JSON escapes and non-ASCII ones.
+const NAMES: &[&str] = &[
+    "a", "b", "amount", "z", "a b", "a!", "é", "\"q", "\\", "\n", "\u{1}", "", "😀", "\u{7f}",
+];
+
+fn name() -> impl Strategy<Value = &'static str> {
+    prop::sample::select(NAMES)
+}
+
+fn string() -> impl Strategy<Value = String> {
+    prop_oneof![
+        "[a-c \"\\\\/]{0,4}",
+        "[\\x00-\\x1f\\x7f]{0,3}",
+        "[é€😀\u{2028}\u{fffd}a]{0,3}",
+        any::<String>(),
+    ]
+}
+
+fn finite_f64() -> impl Strategy<Value = f64> {
+    prop_oneof![
+        Just(0.0),
+        Just(-0.0),
+        Just(0.1),
+        Just(1e300),
+        Just(f64::MIN_POSITIVE / 4.0),
+        Just(f64::MAX),
+        any::<f64>().prop_filter("finite", |v| v.is_finite()),
+    ]
+}
+
+fn finite_f32() -> impl Strategy<Value = f32> {
+    prop_oneof![
+        Just(0.1f32),
+        Just(-0.0f32),
+        Just(f32::MAX),
+        any::<f32>().prop_filter("finite", |v| v.is_finite()),
+    ]
+}
+
+fn any_f64() -> impl Strategy<Value = f64> {
+    prop_oneof![
+        Just(f64::INFINITY),
+        Just(f64::NEG_INFINITY),
+        Just(f64::NAN),
+        Just(-f64::NAN),
+        finite_f64(),
+    ]
+}
+
+/// Scalars v1 writes faithfully.
+fn faithful_leaf() -> impl Strategy<Value = M> {
+    prop_oneof![
+        Just(M::Unit),
+        Just(M::UnitStruct),
+        Just(M::None),
+        any::<bool>().prop_map(M::Bool),
+        any::<i64>().prop_map(M::I64),
+        any::<u64>().prop_map(M::U64),
+        any::<i64>().prop_map(|v| M::I128(v.into())),
+        any::<u64>().prop_map(|v| M::U128(v.into())),
+        finite_f64().prop_map(M::F64),
+        finite_f32().prop_map(M::F32),
+        string().prop_map(M::Str),
+        any::<char>().prop_map(M::Char),
+        prop::collection::vec(any::<u8>(), 0..4).prop_map(M::Bytes),
+        name().prop_map(M::UnitVariant),
+    ]
+}
+
+/// Map keys v1 accepts, all of one kind per map so their texts are distinct.
+fn faithful_keys() -> impl Strategy<Value = Vec<M>> {
+    prop_oneof![
+        prop::collection::btree_set(any::<bool>(), 0..3)
+            .prop_map(|s| s.into_iter().map(M::Bool).collect()),
+        prop::collection::btree_set(any::<char>(), 0..3)
+            .prop_map(|s| s.into_iter().map(M::Char).collect()),
+        prop::collection::btree_set(any::<u128>(), 0..3)
+            .prop_map(|s| s.into_iter().map(M::U128).collect()),
+        prop::collection::btree_set(any::<i128>(), 0..3).prop_map(|s| s
+            .into_iter()
+            .map(|v| M::Newtype(Box::new(M::I128(v))))
+            .collect()),
+        prop::collection::vec(finite_f64(), 0..3).prop_map(|v| {
+            let bits: BTreeSet<u64> = v.into_iter().map(f64::to_bits).collect();
+            bits.into_iter()
+                .map(|b| M::F64(f64::from_bits(b)))
+                .collect()
+        }),
+        prop::collection::vec(finite_f32(), 0..3).prop_map(|v| {
+            let bits: BTreeSet<u32> = v.into_iter().map(f32::to_bits).collect();
+            bits.into_iter()
+                .map(|b| M::F32(f32::from_bits(b)))
+                .collect()
+        }),
+        prop::sample::subsequence(NAMES, 0..4)
+            .prop_map(|v| v.into_iter().map(M::UnitVariant).collect()),
+    ]
+}
+
+fn shuffled<T: Clone + std::fmt::Debug>(
+    v: impl Strategy<Value = Vec<T>>,
+) -> impl Strategy<Value = Vec<T>> {
+    v.prop_shuffle()
+}
+
+/// Struct fields: distinct names, in any order.
+fn fields_of(inner: BoxedStrategy<M>) -> impl Strategy<Value = Vec<(&'static str, M)>> {
+    shuffled(
+        prop::sample::subsequence(NAMES, 0..5)
+            .prop_flat_map(move |names| {
+                let n = names.len();
+                (Just(names), prop::collection::vec(inner.clone(), n))
+            })
+            .prop_map(|(names, values)| names.into_iter().zip(values).collect::<Vec<_>>()),
+    )
+}
+
+/// Values v1 represented faithfully: v2 must write exactly v1's bytes for them.
+fn faithful() -> impl Strategy<Value = M> {
+    faithful_leaf().prop_recursive(4, 48, 5, |inner| {
+        let fields = fields_of(inner.clone());
+        let fields_for_variant = fields_of(inner.clone());
+        let inner = inner.clone();
+        prop_oneof![
+            inner.clone().prop_map(|x| M::Newtype(Box::new(x))),
+            inner
+                .clone()
+                .prop_filter("not null-like", |x| !x.null_like())
+                .prop_map(|x| M::Some(Box::new(x))),
+            prop::collection::vec(inner.clone(), 0..4).prop_map(M::Seq),
+            prop::collection::vec(inner.clone(), 0..4).prop_map(M::Tuple),
+            prop::collection::vec(inner.clone(), 0..4).prop_map(M::TupleStruct),
+            prop::collection::vec(inner.clone(), 0..2).prop_map(M::Set),
+            shuffled(
+                prop::collection::btree_map(string(), inner.clone(), 0..4)
+                    .prop_map(|m| m.into_iter().collect())
+            )
+            .prop_map(M::StrMap),
+            shuffled(
+                prop::collection::btree_map(any::<i64>(), inner.clone(), 0..4)
+                    .prop_map(|m| m.into_iter().collect())
+            )
+            .prop_map(M::IntMap),
+            shuffled(faithful_keys().prop_flat_map(move |keys| {
+                let n = keys.len();
+                (Just(keys), prop::collection::vec(inner.clone(), n))
+                    .prop_map(|(k, v)| k.into_iter().zip(v).collect::<Vec<_>>())
+            }))
+            .prop_map(M::AnyMap),
+            fields.prop_map(M::Struct),
+            (name(), prop::collection::vec(faithful_leaf(), 0..3))
+                .prop_map(|(n, v)| M::TupleVariant(n, v)),
+            (name(), faithful_leaf()).prop_map(|(n, v)| M::NewtypeVariant(n, Box::new(v))),
+            (name(), fields_for_variant).prop_map(|(n, v)| M::StructVariant(n, v)),
+        ]
+    })
+}
+
+/// Anything: non-finite floats, `Some` of null-likes, sets of any size, maps
+/// with repeated keys and keys of any shape, integers beyond 64 bits.
+fn wide() -> impl Strategy<Value = M> {
+    let leaf = prop_oneof![
+        4 => faithful_leaf(),
+        1 => any_f64().prop_map(M::F64),
+        1 => prop_oneof![Just(f32::INFINITY), Just(f32::NEG_INFINITY), Just(f32::NAN)].prop_map(M::F32),
+        1 => any::<u128>().prop_map(M::U128),
+        1 => any::<i128>().prop_map(M::I128),
+    ];
+    leaf.prop_recursive(4, 48, 5, |inner| {
+        prop_oneof![
+            inner.clone().prop_map(|x| M::Newtype(Box::new(x))),
+            inner.clone().prop_map(|x| M::Some(Box::new(x))),
+            prop::collection::vec(inner.clone(), 0..4).prop_map(M::Seq),
+            prop::collection::vec(inner.clone(), 0..4).prop_map(M::Tuple),
+            prop::collection::vec(inner.clone(), 0..5).prop_map(M::Set),
+            // Repeated keys are likely with this alphabet.
+            prop::collection::vec(("[ab1]{0,1}", inner.clone()), 0..4).prop_map(M::StrMap),
+            prop::collection::vec((0i64..3, inner.clone()), 0..4).prop_map(M::IntMap),
+            prop::collection::vec((inner.clone(), inner.clone()), 0..4).prop_map(M::AnyMap),
+            prop::collection::vec((name(), inner.clone()), 0..4).prop_map(M::Struct),
+            (name(), prop::collection::vec(inner.clone(), 0..3))
+                .prop_map(|(n, v)| M::TupleVariant(n, v)),
+            (name(), inner.clone()).prop_map(|(n, v)| M::NewtypeVariant(n, Box::new(v))),
+            (name(), prop::collection::vec((name(), inner.clone()), 0..3))
+                .prop_map(|(n, v)| M::StructVariant(n, v)),
+        ]
+    })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
+
+    /// Compatibility: where v1 was faithful, v2 writes v1's bytes and label.
+    #[test]
+    fn v2_writes_v1_bytes_where_v1_was_faithful(m in faithful()) {
+        let (bytes, extended) = canonical(&m);
+        prop_assert_eq!(&bytes, &reference(&m).unwrap());
+        prop_assert!(!extended, "needed no extension: {}", bytes);
+        let f = fp(&m);
+        prop_assert_eq!(f.as_str(), v1::of(&m).unwrap());
+        prop_assert_eq!(f.version(), "v1");
+        prop_assert!(f.legacy().is_none());
+    }
+
+    /// The legacy form is exactly v1, lossy parts and refusals included, and
+    /// `legacy()` is the fingerprint v1 made.
+    #[test]
+    fn legacy_form_is_exactly_v1(m in wide()) {
+        match (legacy(&m), reference(&m)) {
+            (Ok(ours), Ok(theirs)) => prop_assert_eq!(ours, theirs),
+            (Err(_), Err(_)) => {}
+            (ours, theirs) => prop_assert!(false, "legacy {:?} but v1 {:?}", ours, theirs),
+        }
+        let f = fp(&m);
+        let old = v1::of(&m);
+        if f.version() == "v1" {
+            prop_assert_eq!(f.as_str(), old.unwrap());
+            prop_assert!(f.legacy().is_none());
+        } else {
+            prop_assert_eq!(f.version(), "v2");
+            prop_assert_eq!(f.legacy().map(|l| l.as_str().to_owned()), old.ok());
+        }
+    }
+
+    /// Sets and maps in any order give the same bytes.
+    #[test]
+    fn v2_ignores_set_and_map_order(m in wide(), seed in any::<u64>()) {
+        let mut state = seed;
+        let mut pick = || {
+            state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            (state >> 33) as usize
+        };
+        let other = m.reordered(&mut pick);
+        prop_assert_eq!(canonical(&m), canonical(&other));
+        prop_assert_eq!(fp(&m), fp(&other));
+    }
+
+    /// Rule 12's check refuses exactly the values with a non-finite float.
+    #[test]
+    fn faithful_check_refuses_exactly_non_finite_floats(m in wide()) {
+        let verdict = check_faithful_json(&m);
+        prop_assert_eq!(verdict.is_err(), m.has_non_finite_value(), "{:?}", verdict);
+        if let Err(message) = verdict {
+            prop_assert!(message.contains("non-finite float"), "{}", message);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Bug 1: order-dependent serializations
+
+proptest! {
+    #[test]
+    fn equal_hash_sets_fingerprint_equal(items in prop::collection::vec("[a-z]{0,4}", 0..12)) {
+        let forward: HashSet<String> = items.iter().cloned().collect();
+        let backward: HashSet<String> = items.iter().rev().cloned().collect();
+        prop_assert_eq!(fp(&forward), fp(&backward));
+        let mut bigger = forward.clone();
+        if bigger.insert("new!".to_owned()) {
+            prop_assert_ne!(fp(&forward), fp(&bigger));
+        }
+    }
+
+    #[test]
+    fn equal_hash_maps_with_any_key_type_fingerprint_equal(
+        entries in prop::collection::vec(((any::<u8>(), any::<u8>()), any::<i32>()), 0..12)
+    ) {
+        let forward: HashMap<(u8, u8), i32> = entries.iter().cloned().collect();
+        let backward: HashMap<(u8, u8), i32> = forward.iter().map(|(k, v)| (*k, *v)).collect::<Vec<_>>().into_iter().rev().collect();
+        prop_assert_eq!(fp(&forward), fp(&backward));
+        let tree: BTreeMap<(u8, u8), i32> = forward.iter().map(|(k, v)| (*k, *v)).collect();
+        prop_assert_eq!(fp(&forward), fp(&tree));
+    }
+
+    #[test]
+    fn nested_unordered_collections_fingerprint_equal(
+        entries in prop::collection::vec(("[a-c]{1,2}", prop::collection::vec(any::<i8>(), 0..4)), 0..6)
+    ) {
+        let build = |rev: bool| -> HashMap<String, HashSet<Vec<i8>>> {
+            let mut m: HashMap<String, HashSet<Vec<i8>>> = HashMap::new();
+            let mut items = entries.clone();
+            if rev {
+                items.reverse();
+            }
+            for (k, v) in items {
+                m.entry(k).or_default().insert(v);
+            }
+            m
+        };
+        prop_assert_eq!(fp(&build(false)), fp(&build(true)));
+    }
+
+    #[test]
+    fn binary_heaps_with_equal_elements_fingerprint_equal(items in prop::collection::vec(any::<u16>(), 0..16)) {
+        let a: BinaryHeap<u16> = items.iter().copied().collect();
+        let mut sorted = items.clone();
+        sorted.sort_unstable();
+        let b: BinaryHeap<u16> = sorted.into_iter().collect();
+        prop_assert_eq!(fp(&a), fp(&b));
+    }
+
+    #[test]
+    fn map_iteration_order_does_not_matter(entries in proptest::collection::vec(("[a-z]{0,6}", any::<i64>()), 0..20)) {
+        let hash: HashMap<String, i64> = entries.iter().cloned().collect();
+        let tree: BTreeMap<String, i64> = entries.iter().cloned().collect();
+        let mut rev: Vec<(String, i64)> = tree.clone().into_iter().collect();
+        rev.reverse();
+        // A HashMap built in reverse order iterates differently but is the same value.
+        let hash_rev: HashMap<String, i64> = rev.into_iter().collect();
+        let f1 = fp(&hash);
+        prop_assert_eq!(&f1, &fp(&tree));
+        prop_assert_eq!(&f1, &fp(&hash_rev));
+        prop_assert_eq!(f1.version(), "v1");
+    }
+}
+
+#[test]
+fn unordered_collections_are_recognised_by_type_name() {
+    fn name_of<T: ?Sized>(_: &T) -> &'static str {
+        std::any::type_name::<T>()
+    }
+    let set: HashSet<u8> = HashSet::new();
+    let heap: BinaryHeap<u8> = BinaryHeap::new();
+    assert!(is_unordered(name_of(&&set)));
+    assert!(is_unordered(name_of(&&heap)));
+    assert!(is_unordered(
+        "&indexmap::set::IndexSet<alloc::string::String>"
+    ));
+    assert!(is_unordered(
+        "&hashbrown::set::HashSet<u8, foldhash::fast::RandomState>"
+    ));
+    assert!(is_unordered("&mut dashmap::set::DashSet<u8>"));
+    assert!(is_unordered(
+        "std::collections::hash::set::HashSet<alloc::vec::Vec<u8>>"
+    ));
+    for ordered in [
+        name_of(&&Vec::<HashSet<u8>>::new()),
+        name_of(&&BTreeSet::<u8>::new()),
+        name_of(&&std::collections::VecDeque::<u8>::new()),
+        name_of(&&[0u8; 3]),
+        name_of(&&[0u8][..]),
+        "&std::iter::Map<std::collections::hash::set::Iter<u8>, F>",
+        "&my::HashSetLike<u8>",
+    ] {
+        assert!(!is_unordered(ordered), "{ordered}");
+    }
+}
+
+#[test]
+fn a_single_element_set_and_a_btree_set_stay_v1() {
+    let one: HashSet<&str> = ["x"].into();
+    assert_eq!(canonical(&one), (r#"["x"]"#.to_owned(), false));
+    let tree: BTreeSet<i32> = [3, -1, 20].into();
+    assert_eq!(canonical(&tree), ("[-1,3,20]".to_owned(), false));
+    let empty: HashSet<u8> = HashSet::new();
+    assert_eq!(canonical(&empty), ("[]".to_owned(), false));
+}
+
+#[test]
+fn tuple_keyed_map_is_fingerprinted_now() {
+    let mut m = HashMap::new();
+    m.insert((1u8, 2u8), 3u8);
+    m.insert((0u8, 9u8), 4u8);
+    let f = fp(&m);
+    assert_eq!(f.version(), "v2");
+    assert!(
+        f.legacy().is_none(),
+        "v1 could not write it, so no v1 record exists"
+    );
+    assert_eq!(v2(&m), "{[0,9]:4,[1,2]:3}");
+    let mut other = m.clone();
+    other.insert((0, 9), 5);
+    assert_ne!(f, fp(&other));
+}
+
+#[derive(Serialize, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Debug)]
+#[serde(untagged)]
+enum LooseKey {
+    Number(u8),
+    Text(String),
+    Pair(u8, u8),
+}
+
+#[test]
+fn a_structured_key_never_meets_a_string_key_of_the_same_text() {
+    let text = HashMap::from([(LooseKey::Text("[1,2]".into()), 0u8)]);
+    let pair = HashMap::from([(LooseKey::Pair(1, 2), 0u8)]);
+    assert_eq!(v2(&text), r#"{"[1,2]":0}"#);
+    assert_eq!(v2(&pair), "{[1,2]:0}");
+    assert_ne!(fp(&text), fp(&pair));
+    // v1 keys sort before the others, each kind by its own text.
+    let both: HashMap<LooseKey, u8> = [
+        (LooseKey::Pair(1, 2), 1),
+        (LooseKey::Text("b".into()), 2),
+        (LooseKey::Number(7), 3),
+    ]
+    .into();
+    assert_eq!(v2(&both), r#"{"7":3,"b":2,[1,2]:1}"#);
+}
+
+fn loose(k: &LooseKey) -> M {
+    match k {
+        LooseKey::Number(n) => M::U64((*n).into()),
+        LooseKey::Text(t) => M::Str(t.clone()),
+        LooseKey::Pair(a, b) => M::Tuple(vec![M::U64((*a).into()), M::U64((*b).into())]),
+    }
+}
+
+#[test]
+fn a_number_key_and_a_string_key_with_the_same_text_are_both_kept() {
+    let a: HashMap<LooseKey, &str> = [
+        (LooseKey::Number(1), "n"),
+        (LooseKey::Text("1".into()), "t"),
+    ]
+    .into();
+    let b: HashMap<LooseKey, &str> = [
+        (LooseKey::Number(1), "t"),
+        (LooseKey::Text("1".into()), "n"),
+    ]
+    .into();
+    // Same key text: members in the order of their v1 bytes (`"1":"n"` < `"1":"t"`).
+    assert_eq!(v2(&a), r#"{1:"n","1":"t"}"#);
+    assert_eq!(v2(&b), r#"{"1":"n",1:"t"}"#);
+    assert_ne!(fp(&a), fp(&b));
+    assert_eq!(fp(&a).version(), "v2");
+    // v1 kept one of the two (whichever came last), so a legacy exists.
+    assert!(fp(&a).legacy().is_some());
+    // Same key text and same value: still one order, whatever the arrival order.
+    let same = |first: LooseKey, second: LooseKey| {
+        let mut m = BTreeMap::new();
+        m.insert(first, 0u8);
+        m.insert(second, 0u8);
+        // BTreeMap iterates in key order; serialize its entries both ways round.
+        let entries: Vec<(LooseKey, u8)> = m.into_iter().collect();
+        let forward = M::AnyMap(
+            entries
+                .iter()
+                .map(|(k, v)| (loose(k), M::U64((*v).into())))
+                .collect(),
+        );
+        let backward = M::AnyMap(
+            entries
+                .iter()
+                .rev()
+                .map(|(k, v)| (loose(k), M::U64((*v).into())))
+                .collect(),
+        );
+        (v2(&forward), v2(&backward))
+    };
+    let (forward, backward) = same(LooseKey::Number(1), LooseKey::Text("1".into()));
+    assert_eq!(forward, r#"{"1":0,1:0}"#);
+    assert_eq!(forward, backward);
+    // Alone in a map, the number key is written as v1 wrote it.
+    let alone: HashMap<LooseKey, &str> = [(LooseKey::Number(1), "n")].into();
+    assert_eq!(canonical(&alone), (r#"{"1":"n"}"#.to_owned(), false));
+}
+
+// ---------------------------------------------------------------------------
+// Bug 2: values that collided
+
+#[test]
+fn infinities_nan_and_none_are_four_values() {
+    let values = [
+        None,
+        Some(f64::INFINITY),
+        Some(f64::NEG_INFINITY),
+        Some(f64::NAN),
+        Some(0.0),
+        Some(-0.0),
+    ];
+    let prints: Vec<Fingerprint> = values.iter().map(fp).collect();
+    for (i, a) in prints.iter().enumerate() {
+        for (j, b) in prints.iter().enumerate() {
+            assert_eq!(i == j, a == b, "{:?} vs {:?}", values[i], values[j]);
+        }
+    }
+    // Every NaN is one value.
+    assert_eq!(fp(&f64::NAN), fp(&-f64::NAN));
+    assert_eq!(fp(&f32::NAN), fp(&f64::NAN));
+    assert_eq!(fp(&f32::INFINITY), fp(&f64::INFINITY));
+}
+
+#[test]
+fn nested_options_and_units_are_distinct() {
+    let units = [fp(&None::<()>), fp(&Some(()))];
+    assert_ne!(units[0], units[1]);
+    let nested = [
+        fp(&None::<Option<Option<u8>>>),
+        fp(&Some(None::<Option<u8>>)),
+        fp(&Some(Some(None::<u8>))),
+        fp(&Some(Some(Some(0u8)))),
+    ];
+    for i in 0..nested.len() {
+        for j in i + 1..nested.len() {
+            assert_ne!(nested[i], nested[j], "{i} vs {j}");
+        }
+    }
+    #[derive(Serialize)]
+    struct Empty;
+    #[derive(Serialize)]
+    struct Wrapper(Option<u8>);
+    assert_ne!(fp(&None::<Empty>), fp(&Some(Empty)));
+    assert_ne!(fp(&None::<Wrapper>), fp(&Some(Wrapper(None))));
+    // `Some(x)` with a non-null `x` is still written as v1 wrote it.
+    assert_eq!(canonical(&Some(Some(5u8))), ("5".to_owned(), false));
+}
+
+#[derive(Serialize, Debug, Clone)]
+enum Kind {
+    A,
+    B(u8),
+    C(u8, f64),
+    D { x: Option<f32> },
+}
+
+#[derive(Serialize, Debug, Clone)]
+struct Order {
+    tags: HashSet<String>,
+    limits: HashMap<(u8, u8), Option<f64>>,
+    price: Option<Option<f64>>,
+    unit: Option<()>,
+    kind: Kind,
+}
+
+/// `Order` with every unordered part ordered and NaN made comparable.
+fn normal(o: &Order) -> impl PartialEq + std::fmt::Debug {
+    fn bits(v: f64) -> u64 {
+        if v.is_nan() {
+            f64::NAN.to_bits()
+        } else {
+            v.to_bits()
+        }
+    }
+    let kind = match &o.kind {
+        Kind::A => (0, 0, 0, None),
+        Kind::B(b) => (1, *b, 0, None),
+        Kind::C(b, v) => (2, *b, bits(*v), None),
+        Kind::D { x } => (3, 0, 0, Some(x.map(|v| bits(v.into())))),
+    };
+    (
+        o.tags.iter().cloned().collect::<BTreeSet<_>>(),
+        o.limits
+            .iter()
+            .map(|(k, v)| (*k, v.map(bits)))
+            .collect::<BTreeMap<_, _>>(),
+        o.price.map(|p| p.map(bits)),
+        o.unit,
+        kind,
+    )
+}
+
+fn small_f64() -> impl Strategy<Value = f64> {
+    prop::sample::select(vec![
+        f64::INFINITY,
+        f64::NEG_INFINITY,
+        f64::NAN,
+        0.0,
+        -0.0,
+        1.5,
+    ])
+}
+
+fn order() -> impl Strategy<Value = Order> {
+    let kind = prop_oneof![
+        Just(Kind::A),
+        (0u8..2).prop_map(Kind::B),
+        (0u8..2, small_f64()).prop_map(|(b, v)| Kind::C(b, v)),
+        prop::option::of(small_f64().prop_map(|v| v as f32)).prop_map(|x| Kind::D { x }),
+    ];
+    (
+        prop::collection::hash_set(prop::sample::select(vec!["a", "b", "c"]), 0..3),
+        prop::collection::hash_map((0u8..2, 0u8..2), prop::option::of(small_f64()), 0..3),
+        prop::option::of(prop::option::of(small_f64())),
+        prop::option::of(Just(())),
+        kind,
+    )
+        .prop_map(|(tags, limits, price, unit, kind)| Order {
+            tags: tags.into_iter().map(str::to_owned).collect(),
+            limits,
+            price,
+            unit,
+            kind,
+        })
+}
+
+/// The same value, every collection rebuilt (new hasher state, other order).
+fn rebuilt(o: &Order) -> Order {
+    let mut tags: Vec<String> = o.tags.iter().cloned().collect();
+    tags.reverse();
+    let mut limits: Vec<_> = o.limits.iter().map(|(k, v)| (*k, *v)).collect();
+    limits.reverse();
+    Order {
+        tags: tags.into_iter().collect(),
+        limits: limits.into_iter().collect(),
+        ..o.clone()
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 1024, ..ProptestConfig::default() })]
+
+    /// Fingerprints are equal exactly when the values are.
+    #[test]
+    fn any_change_of_a_value_changes_the_fingerprint(a in order(), other in order(), same in any::<bool>()) {
+        let b = if same { rebuilt(&a) } else { other };
+        prop_assert_eq!(fp(&a) == fp(&b), normal(&a) == normal(&b), "{:?} vs {:?}", a, b);
+    }
+
+    #[test]
+    fn any_struct_field_change_changes_the_fingerprint(
+        x in any::<u32>(), y in ".{0,12}", dx in 1u32.., other in ".{0,12}"
+    ) {
+        let base = fp(&A { x, y: y.clone() });
+        prop_assert_ne!(&base, &fp(&A { x: x.wrapping_add(dx), y: y.clone() }));
+        if other != y {
+            prop_assert_ne!(&base, &fp(&A { x, y: other }));
+        }
+    }
+
+    #[test]
+    fn argument_names_and_split_matter(a in any::<i32>(), b in any::<i32>()) {
+        let mut one = FingerprintBuilder::new();
+        one.argument("a", &a);
+        one.argument("b", &b);
+        let mut swapped = FingerprintBuilder::new();
+        swapped.argument("a", &b);
+        swapped.argument("b", &a);
+        let one = one.finish().unwrap();
+        if a != b {
+            prop_assert_ne!(one, swapped.finish().unwrap());
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Known values
+
+#[derive(Serialize)]
+struct A {
+    x: u32,
+    y: String,
+}
+#[derive(Serialize)]
+struct B {
+    y: String,
+    x: u32,
+}
+
+#[test]
+fn field_order_does_not_matter() {
+    let a = fp(&A {
+        x: 1,
+        y: "z".into(),
+    });
+    let b = fp(&B {
+        y: "z".into(),
+        x: 1,
+    });
+    assert_eq!(a, b);
+    assert_eq!(a.version(), "v1");
+}
+
+#[test]
+fn known_value_is_stable_across_builds() {
+    // Pinned: if this changes, the canonical form changed and needs a new version.
+    let f = fp(&A {
+        x: 1,
+        y: "z".into(),
+    });
+    let mut h = Sha256::new();
+    h.update(br#"{"value":{"x":1,"y":"z"}}"#);
+    assert_eq!(f.as_str(), format!("v1:{}", hex::encode(h.finalize())));
+}
+
+#[test]
+fn v1_known_values() {
+    #[derive(Serialize)]
+    enum E {
+        Unit,
+        New(i8),
+        Tuple(u8, bool),
+        Struct { b: (), a: char },
+    }
+    #[derive(Serialize)]
+    struct Everything {
+        float: f64,
+        single: f32,
+        neg_zero: f64,
+        big: f64,
+        text: &'static str,
+        bytes: serde_bytes_like::Bytes,
+        map: BTreeMap<u32, &'static str>,
+        f32_keys: BTreeMap<u8, ()>,
+        e: Vec<E>,
+        wide: i128,
+    }
+    mod serde_bytes_like {
+        pub struct Bytes(pub &'static [u8]);
+        impl serde::Serialize for Bytes {
+            fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+                s.serialize_bytes(self.0)
+            }
+        }
+    }
+    let value = Everything {
+        float: 0.1,
+        single: 0.1,
+        neg_zero: -0.0,
+        big: 1e300,
+        text: "a\"\\\n\u{1}é😀\u{7f}",
+        bytes: serde_bytes_like::Bytes(&[0, 255]),
+        map: [(10, "x"), (9, "y")].into(),
+        f32_keys: [(1, ())].into(),
+        e: vec![
+            E::Unit,
+            E::New(-1),
+            E::Tuple(2, true),
+            E::Struct { b: (), a: 'c' },
+        ],
+        wide: -5,
+    };
+    let expected = concat!(
+        r#"{"big":1e+300,"bytes":[0,255],"e":["Unit",{"New":-1},{"Tuple":[2,true]},{"Struct":{"a":"c","b":null}}],"#,
+        r#""f32_keys":{"1":null},"float":0.1,"map":{"10":"x","9":"y"},"neg_zero":-0.0,"#,
+        r#""single":0.10000000149011612,"text":"a\"\\\n\u0001é😀"#,
+        "\u{7f}",
+        r#"","wide":-5}"#
+    );
+    assert_eq!(reference(&value).unwrap(), expected);
+    assert_eq!(canonical(&value), (expected.to_owned(), false));
+    // serde_json widens f32 values (not f32 keys).
+    let keys: BTreeMap<String, f32> = [("k".into(), 0.1)].into();
+    assert_eq!(v2(&keys), r#"{"k":0.10000000149011612}"#);
+    assert_eq!(v2(&HashMap::from([(OrderedF32(0.1), 1u8)])), r#"{"0.1":1}"#);
+    assert_eq!(
+        reference(&HashMap::from([(OrderedF32(0.1), 1u8)])).unwrap(),
+        r#"{"0.1":1}"#
+    );
+}
+
+/// An f32 map key (f32 is not `Hash`).
+#[derive(PartialEq)]
+struct OrderedF32(f32);
+impl Eq for OrderedF32 {}
+impl std::hash::Hash for OrderedF32 {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.0.to_bits().hash(state)
+    }
+}
+impl Serialize for OrderedF32 {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_f32(self.0)
+    }
+}
+
+#[test]
+fn v2_known_values() {
+    // Pinned: if one of these changes, v2 changed and needs a new version.
+    let set: HashSet<&str> = ["b", "a", "c"].into();
+    assert_eq!(canonical(&set), (r#"["a","b","c"]"#.to_owned(), true));
+    assert_eq!(v2(&f64::INFINITY), "inf");
+    assert_eq!(v2(&f64::NEG_INFINITY), "-inf");
+    assert_eq!(v2(&f64::NAN), "nan");
+    assert_eq!(v2(&f32::NEG_INFINITY), "-inf");
+    assert_eq!(v2(&Some(None::<u8>)), "?null");
+    assert_eq!(v2(&Some(Some(None::<u8>))), "??null");
+    assert_eq!(v2(&Some(())), "?null");
+    assert_eq!(v2(&u128::MAX), "340282366920938463463374607431768211455");
+    assert_eq!(v2(&i128::MIN), "-170141183460469231731687303715884105728");
+    let keys: HashMap<Option<u8>, u8> = [(None, 1), (Some(2), 3)].into();
+    assert_eq!(v2(&keys), "{2:3,null:1}");
+    let set_of_sets: HashSet<Vec<i32>> = [vec![10], vec![9, 1], vec![]].into();
+    assert_eq!(v2(&set_of_sets), "[[10],[9,1],[]]");
+
+    // One full fingerprint, pinned as a hash.
+    #[derive(Serialize)]
+    struct Request {
+        tags: HashSet<&'static str>,
+        ratio: f64,
+        limit: Option<Option<u32>>,
+    }
+    let request = Request {
+        tags: ["y", "x"].into(),
+        ratio: f64::NEG_INFINITY,
+        limit: Some(None),
+    };
+    let bytes = r#"{"value":{"limit":?null,"ratio":-inf,"tags":["x","y"]}}"#;
+    let f = fp(&request);
+    assert_eq!(f.as_str(), format!("v2:{}", sha(bytes)));
+    assert_eq!(
+        f.as_str(),
+        "v2:6733dbf2bcd58c6281a1f093f9ace5f0880f85b09ebec34e591c7774ef76f9b8"
+    );
+}
+
+#[test]
+fn raw_json_values_are_canonicalised_as_v1_did() {
+    /// What serde_json's `RawValue` does when serialized.
+    struct Raw(&'static str);
+    impl Serialize for Raw {
+        fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+            let mut st = s.serialize_struct("$serde_json::private::RawValue", 1)?;
+            st.serialize_field("$serde_json::private::RawValue", self.0)?;
+            st.end()
+        }
+    }
+    let raw = Raw(r#" { "b" : [1, 2.5, null], "a" : "x" } "#);
+    assert_eq!(
+        canonical(&raw),
+        (r#"{"a":"x","b":[1,2.5,null]}"#.to_owned(), false)
+    );
+    // serde_json (with `raw_value`, which sqlx turns on) parsed it the same way.
+    assert_eq!(reference(&raw).unwrap(), r#"{"a":"x","b":[1,2.5,null]}"#);
+}
+
+// ---------------------------------------------------------------------------
+// Legacy
+
+#[test]
+fn legacy_is_the_v1_fingerprint_of_the_same_arguments() {
+    let inf = fp(&f64::INFINITY);
+    assert_eq!(inf.version(), "v2");
+    let legacy = inf.legacy().expect("v1 wrote infinity as null");
+    assert_eq!(legacy.as_str(), v1::of(&f64::INFINITY).unwrap());
+    assert_eq!(legacy, fp(&None::<f64>)); // v1's collision, kept for old records only
+    assert_eq!(legacy.version(), "v1");
+    assert!(legacy.legacy().is_none());
+
+    // Several arguments: only the extended one is rewritten in v1.
+    let set: HashSet<u8> = [3, 1, 2].into();
+    let mut new = FingerprintBuilder::new();
+    let mut old = v1::Builder::default();
+    for b in [&mut new as &mut dyn Arguments, &mut old] {
+        b.add("amount", &10u32);
+        b.add("tags", &set);
+        b.add("ratio", &f64::NAN);
+    }
+    let new = new.finish().unwrap().unwrap();
+    assert_eq!(new.version(), "v2");
+    assert_eq!(
+        new.legacy().unwrap().as_str(),
+        old.finish().unwrap().unwrap()
+    );
+
+    // Nothing v1 could write: no legacy.
+    assert!(fp(&u128::MAX).legacy().is_none());
+    assert!(fp(&HashMap::from([((1u8, 2u8), 3u8)])).legacy().is_none());
+    // Nothing extended: no legacy.
+    assert!(fp(&1.5f64).legacy().is_none());
+}
+
+/// Both builders behind one interface, so a test feeds them the same arguments.
+trait Arguments {
+    fn add(&mut self, name: &'static str, value: &dyn ErasedValue);
+}
+trait ErasedValue {
+    fn add_to_builder(&self, name: &'static str, b: &mut FingerprintBuilder);
+    fn add_to_v1(&self, name: &'static str, b: &mut v1::Builder);
+}
+impl<T: Serialize> ErasedValue for T {
+    fn add_to_builder(&self, name: &'static str, b: &mut FingerprintBuilder) {
+        b.argument(name, self);
+    }
+    fn add_to_v1(&self, name: &'static str, b: &mut v1::Builder) {
+        b.argument(name, self);
+    }
+}
+impl Arguments for FingerprintBuilder {
+    fn add(&mut self, name: &'static str, value: &dyn ErasedValue) {
+        value.add_to_builder(name, self);
+    }
+}
+impl Arguments for v1::Builder {
+    fn add(&mut self, name: &'static str, value: &dyn ErasedValue) {
+        value.add_to_v1(name, self);
+    }
+}
+
+#[test]
+fn equality_and_hash_ignore_the_legacy() {
+    let f = fp(&f64::INFINITY);
+    let stored = Fingerprint::from_stored(f.as_str());
+    assert!(f.legacy().is_some() && stored.legacy().is_none());
+    assert_eq!(f, stored);
+    let set: HashSet<Fingerprint> = [f.clone()].into();
+    assert!(set.contains(&stored));
+    assert_eq!(f.to_string(), f.as_str());
+}
+
+// ---------------------------------------------------------------------------
+// Builder behaviour and errors
+
+#[test]
+fn no_arguments_means_no_fingerprint() {
+    assert!(FingerprintBuilder::new().finish().unwrap().is_none());
+}
+
+/// A value whose `Serialize` fails, somewhere inside.
+struct Broken;
+impl Serialize for Broken {
+    fn serialize<S: Serializer>(&self, _: S) -> Result<S::Ok, S::Error> {
+        Err(serde::ser::Error::custom("the lock was poisoned"))
+    }
+}
+
+#[test]
+fn unserializable_argument_is_reported_by_name_and_path() {
+    #[derive(Serialize)]
+    struct Outer {
+        items: Vec<BTreeMap<&'static str, Broken>>,
+    }
+    let mut b = FingerprintBuilder::new();
+    b.argument("fine", &1u8);
+    b.argument(
+        "weird",
+        &Outer {
+            items: vec![BTreeMap::new(), [("k", Broken)].into()],
+        },
+    );
+    b.argument("later", &2u8);
+    match b.finish() {
+        Err(Error::Fingerprint { argument, message }) => {
+            assert_eq!(argument, "weird");
+            assert_eq!(message, r#"the lock was poisoned (at `items[1]["k"]`)"#);
+        }
+        other => panic!("expected a fingerprint error, got {other:?}"),
+    }
+    assert!(matches!(
+        Fingerprint::of(&Broken),
+        Err(Error::Fingerprint { .. })
+    ));
+}
+
+#[test]
+fn a_failed_panicked_or_nested_fingerprint_leaves_no_trace_in_the_next() {
+    let value: HashMap<(u8, u8), HashSet<&str>> = [((1, 2), ["b", "a"].into())].into();
+    let expected = fp(&value);
+    assert_eq!(expected.version(), "v2");
+
+    // A Serialize that fails half-way through, after a good argument.
+    let mut b = FingerprintBuilder::new();
+    b.argument("ok", &value);
+    b.argument("broken", &(HashSet::from([1u8, 2]), Broken));
+    assert!(b.finish().is_err());
+    assert_eq!(fp(&value), expected);
+
+    // A Serialize that panics the second time: in the legacy (v1) pass.
+    struct PanicsSecondTime(std::cell::Cell<u8>);
+    impl Serialize for PanicsSecondTime {
+        fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+            self.0.set(self.0.get() + 1);
+            assert!(self.0.get() < 2, "serialize panicked on purpose");
+            HashSet::from([1u8, 2]).serialize(s)
+        }
+    }
+    let caught = std::panic::catch_unwind(|| {
+        let mut b = FingerprintBuilder::new();
+        b.argument("x", &value);
+        b.argument("y", &PanicsSecondTime(0.into()));
+    });
+    assert!(caught.is_err());
+    assert_eq!(fp(&value), expected);
+
+    // A fingerprint made while another is being made (a Serialize that fingerprints).
+    struct Nested;
+    impl Serialize for Nested {
+        fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+            let inner = fp(&HashSet::from(["q", "p"]));
+            s.serialize_str(inner.as_str())
+        }
+    }
+    let mut outer = FingerprintBuilder::new();
+    outer.argument("value", &value);
+    outer.argument("nested", &Nested);
+    let mut same = FingerprintBuilder::new();
+    same.argument("nested", fp(&HashSet::from(["p", "q"])).as_str());
+    same.argument("value", &value);
+    assert_eq!(outer.finish().unwrap(), same.finish().unwrap());
+    assert_eq!(fp(&value), expected);
+}
+
+#[test]
+fn a_repeated_argument_name_keeps_the_last_value() {
+    let mut b = FingerprintBuilder::new();
+    b.argument("a", &f64::NAN);
+    b.argument("a", &1u8);
+    let mut only = FingerprintBuilder::new();
+    only.argument("a", &1u8);
+    let f = b.finish().unwrap().unwrap();
+    assert_eq!(f, only.finish().unwrap().unwrap());
+    assert_eq!(f.version(), "v1");
+    assert!(f.legacy().is_none());
+}
+
+// ---------------------------------------------------------------------------
+// Rule 12
+
+#[test]
+fn faithful_check_names_what_and_where() {
+    #[derive(Serialize)]
+    struct Line {
+        price: f32,
+    }
+    #[derive(Serialize)]
+    enum Payment {
+        Card { amount: f64 },
+        Split(f64, f64),
+        Cash(f64),
+    }
+    #[derive(Serialize)]
+    struct Receipt {
+        lines: Vec<Line>,
+        totals: BTreeMap<&'static str, f64>,
+        by_id: BTreeMap<u32, Option<f64>>,
+        payment: Payment,
+    }
+    let fine = || Receipt {
+        lines: vec![Line { price: 1.0 }, Line { price: -0.0 }],
+        totals: [("EUR", 2.5)].into(),
+        by_id: [(7, None)].into(),
+        payment: Payment::Card { amount: 1e300 },
+    };
+    assert_eq!(check_faithful_json(&fine()), Ok(()));
+    let suffix = ", which JSON cannot represent (it would replay as null)";
+    let cases: Vec<(Receipt, &str)> = vec![
+        (
+            Receipt {
+                lines: vec![Line { price: 0.0 }, Line { price: f32::NAN }],
+                ..fine()
+            },
+            "`lines[1].price` is the non-finite float NaN",
+        ),
+        (
+            Receipt {
+                totals: [("EUR", f64::INFINITY)].into(),
+                ..fine()
+            },
+            r#"`totals["EUR"]` is the non-finite float inf"#,
+        ),
+        (
+            Receipt {
+                by_id: [(7, Some(f64::NEG_INFINITY))].into(),
+                ..fine()
+            },
+            r#"`by_id["7"]` is the non-finite float -inf"#,
+        ),
+        (
+            Receipt {
+                payment: Payment::Card { amount: f64::NAN },
+                ..fine()
+            },
+            "`payment.Card.amount` is the non-finite float NaN",
+        ),
+        (
+            Receipt {
+                payment: Payment::Split(1.0, f64::INFINITY),
+                ..fine()
+            },
+            "`payment.Split[1]` is the non-finite float inf",
+        ),
+        (
+            Receipt {
+                payment: Payment::Cash(f64::INFINITY),
+                ..fine()
+            },
+            "`payment.Cash` is the non-finite float inf",
+        ),
+    ];
+    for (receipt, expected) in cases {
+        assert_eq!(
+            check_faithful_json(&receipt),
+            Err(format!("{expected}{suffix}"))
+        );
+    }
+    assert_eq!(
+        check_faithful_json(&f64::NAN),
+        Err(format!("the value is the non-finite float NaN{suffix}"))
+    );
+    assert_eq!(
+        check_faithful_json(&HashMap::from([(1u8, [0.0, f64::INFINITY])])),
+        Err(format!("`[\"1\"][1]` is the non-finite float inf{suffix}"))
+    );
+}
+
+#[test]
+fn faithful_check_accepts_what_json_carries_and_leaves_encoding_errors_alone() {
+    assert_eq!(
+        check_faithful_json(&(u128::MAX, Some(()), "x", [0.1f32])),
+        Ok(())
+    );
+    // Not a faithfulness problem: the recording serializer reports it.
+    assert_eq!(check_faithful_json(&vec![Broken]), Ok(()));
+    // Keys are serde_json's business (a non-finite key is its error, not a null).
+    assert_eq!(
+        check_faithful_json(&HashMap::from([(OrderedF32(f32::NAN), 1u8)])),
+        Ok(())
+    );
+}
+
+// ---------------------------------------------------------------------------
+// Speed: printed, never asserted. Run by hand, in release mode:
+// cargo test --release -p idempotent-runtime --lib fingerprint::tests::timing -- --ignored --nocapture
+
+#[test]
+#[ignore = "timing, run by hand in release mode"]
+fn timing_old_vs_new_for_four_field_structs() {
+    #[derive(Serialize)]
+    struct Flat {
+        amount_cents: u64,
+        currency: &'static str,
+        customer_id: u64,
+        capture: bool,
+    }
+    #[derive(Serialize)]
+    struct Charge {
+        amount_cents: u64,
+        currency: String,
+        description: String,
+        metadata: BTreeMap<String, String>,
+    }
+    let flat = Flat {
+        amount_cents: 12_345,
+        currency: "EUR",
+        customer_id: 987_654_321,
+        capture: true,
+    };
+    let charge = Charge {
+        amount_cents: 12_345,
+        currency: "EUR".into(),
+        description: "Order #1234: 2 × widget".into(),
+        metadata: [
+            ("order".into(), "1234".into()),
+            ("channel".into(), "web".into()),
+        ]
+        .into(),
+    };
+    fn time(label: &str, f: &dyn Fn() -> usize) {
+        let rounds = 100_000;
+        let mut best = std::time::Duration::MAX;
+        let mut keep = 0usize;
+        for _ in 0..5 {
+            let start = std::time::Instant::now();
+            for _ in 0..rounds {
+                keep = keep.wrapping_add(std::hint::black_box(f()));
+            }
+            best = best.min(start.elapsed() / rounds);
+        }
+        println!("{label:<40} {best:>10?} per call (best of 5; {keep})");
+    }
+    time("flat: v1 (to_value + sort)", &|| {
+        v1::of(&flat).unwrap().len()
+    });
+    time("flat: v2 (canonical serializer)", &|| {
+        fp(&flat).as_str().len()
+    });
+    time("charge: v1 (to_value + sort)", &|| {
+        v1::of(&charge).unwrap().len()
+    });
+    time("charge: v2 (canonical serializer)", &|| {
+        fp(&charge).as_str().len()
+    });
+    time("charge: check_faithful_json", &|| {
+        usize::from(check_faithful_json(&charge).is_ok())
+    });
+}
