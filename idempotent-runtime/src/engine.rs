@@ -123,6 +123,10 @@ pub trait ErrorHandling<E> {
     fn record(&self, error: &E) -> Option<Result<Vec<u8>, String>>;
     /// Rebuild a recorded error for a replay.
     fn replay(&self, payload: &[u8]) -> Result<E, String>;
+    /// Rule 12 for a recorded error: `Err` when it would not replay equal.
+    fn check_faithful(&self, _error: &E) -> Result<(), String> {
+        Ok(())
+    }
 }
 
 /// `errors = release` (the default): every `Err` releases the key.
@@ -150,6 +154,9 @@ impl<E: Serialize + DeserializeOwned> ErrorHandling<E> for RecordErrors {
     fn record(&self, error: &E) -> Option<Result<Vec<u8>, String>> {
         Some(serde_json::to_vec(error).map_err(|e| e.to_string()))
     }
+    fn check_faithful(&self, error: &E) -> Result<(), String> {
+        crate::fingerprint::check_faithful_json(error)
+    }
     fn replay(&self, payload: &[u8]) -> Result<E, String> {
         serde_json::from_slice(payload).map_err(|e| e.to_string())
     }
@@ -162,6 +169,9 @@ pub struct RecordErrorsIf<F>(pub F);
 impl<E: Serialize + DeserializeOwned, F: Fn(&E) -> bool> ErrorHandling<E> for RecordErrorsIf<F> {
     fn record(&self, error: &E) -> Option<Result<Vec<u8>, String>> {
         (self.0)(error).then(|| serde_json::to_vec(error).map_err(|e| e.to_string()))
+    }
+    fn check_faithful(&self, error: &E) -> Result<(), String> {
+        crate::fingerprint::check_faithful_json(error)
     }
     fn replay(&self, payload: &[u8]) -> Result<E, String> {
         serde_json::from_slice(payload).map_err(|e| e.to_string())
@@ -388,6 +398,12 @@ pub(crate) async fn reserve(
             flag.store(on, Ordering::Relaxed);
         }
     };
+    // Rule 6: a record made with an older canonical form is compared by that
+    // form's rules. The legacy fingerprint exists only for arguments whose
+    // current form differs from the old one; it is tried once, on a mismatch.
+    let legacy = request.fingerprint.and_then(Fingerprint::legacy);
+    let mut legacy_tried = legacy.is_none();
+    let mut request = request;
     let deadline = match spec.in_progress {
         InProgressPolicy::Wait(d) => Some(Instant::now() + d),
         InProgressPolicy::Reject => None,
@@ -406,6 +422,10 @@ pub(crate) async fn reserve(
         match answer? {
             Reservation::Acquired { took_over } => return Ok(Reserved::Acquired { took_over }),
             Reservation::Completed(outcome) => return Ok(Reserved::Replay(outcome)),
+            Reservation::FingerprintMismatch if !legacy_tried => {
+                request.fingerprint = legacy.as_ref();
+                legacy_tried = true;
+            }
             Reservation::FingerprintMismatch => {
                 METRICS.mismatched.fetch_add(1, Ordering::Relaxed);
                 tracing::warn!(target: "idempotent", scope = spec.scope, key = %request.identity.key_digest(),
@@ -448,17 +468,31 @@ pub(crate) fn outcome_to_record<R: IdempotentReturn, H: ErrorHandling<R::Failure
         scope: spec.scope.to_owned(),
         message,
     };
+    // Rule 12: a value that would not replay equal is refused, never recorded
+    // as something else (JSON has no non-finite floats: serde_json writes null).
+    let faithful = |check: Result<(), String>| {
+        check.map_err(|message| Error::ResultNotFaithful {
+            scope: spec.scope.to_owned(),
+            message,
+        })
+    };
     let stored = match result {
-        Ok(value) => StoredOutcome {
-            is_error: false,
-            payload: serde_json::to_vec(value).map_err(|e| encoding(e.to_string()))?,
-        },
+        Ok(value) => {
+            faithful(crate::fingerprint::check_faithful_json(value))?;
+            StoredOutcome {
+                is_error: false,
+                payload: serde_json::to_vec(value).map_err(|e| encoding(e.to_string()))?,
+            }
+        }
         Err(e) => match errors.record(e) {
             None => return Ok(None),
-            Some(bytes) => StoredOutcome {
-                is_error: true,
-                payload: bytes.map_err(encoding)?,
-            },
+            Some(bytes) => {
+                faithful(errors.check_faithful(e))?;
+                StoredOutcome {
+                    is_error: true,
+                    payload: bytes.map_err(encoding)?,
+                }
+            }
         },
     };
     if stored.payload.len() > MAX_RESULT_BYTES {
