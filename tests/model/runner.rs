@@ -52,6 +52,16 @@ pub enum Op {
         lease: Dur,
         ttl: Dur,
     },
+    /// A reservation presenting a token already offered (the engine never
+    /// does: each call makes a fresh one); the model's answer is the same as
+    /// for a fresh token. Only generated with `IDEMPOTENT_MODEL_REUSE_TOKENS=1`.
+    ReserveAs {
+        id: usize,
+        tok: Tok,
+        fp: Fp,
+        lease: Dur,
+        ttl: Dur,
+    },
     Complete {
         id: usize,
         tok: Tok,
@@ -101,8 +111,11 @@ fn outcome() -> impl Strategy<Value = Outcome> {
         .prop_map(|(is_error, payload)| out(is_error, &payload))
 }
 
-pub fn op() -> impl Strategy<Value = Op> {
+/// One step: weighted towards reservations, where most of the rules are.
+pub fn op(reuse_tokens: bool) -> impl Strategy<Value = Op> {
     prop_oneof![
+        if reuse_tokens { 2 } else { 0 } => (ident(), tok(), fp(), dur(), dur())
+            .prop_map(|(id, tok, fp, lease, ttl)| Op::ReserveAs { id, tok, fp, lease, ttl }),
         6 => (ident(), fp(), dur(), dur())
             .prop_map(|(id, fp, lease, ttl)| Op::Reserve { id, fp, lease, ttl }),
         3 => (ident(), tok(), outcome(), dur())
@@ -214,25 +227,17 @@ impl<'s> World<'s> {
     pub async fn step(&mut self, op: &Op) -> Result<(), String> {
         match *op {
             Op::Reserve { id, fp, lease, ttl } => {
-                let token = OwnerToken::new();
-                self.offered[id].push(token.clone());
-                let got = self
-                    .store
-                    .reserve(ReserveRequest {
-                        identity: &self.ids[id],
-                        fingerprint: self.fingerprint(fp),
-                        token: &token,
-                        lease: lease.duration(),
-                        ttl: ttl.duration(),
-                    })
-                    .await
-                    .map_err(store_err("reserve"))?;
-                let want = self.recs[id].reserve(token.as_str(), fp, lease, ttl);
-                if matches!(want, Answer::Acquired { .. }) {
-                    self.owners[id].push(token);
-                }
-                check_answer(&want, &got)?;
-                self.observe(id).await
+                self.reserve(id, OwnerToken::new(), fp, lease, ttl).await
+            }
+            Op::ReserveAs {
+                id,
+                tok,
+                fp,
+                lease,
+                ttl,
+            } => {
+                let token = self.token(id, tok);
+                self.reserve(id, token, fp, lease, ttl).await
             }
             Op::Complete {
                 id,
@@ -283,6 +288,36 @@ impl<'s> World<'s> {
             Op::Fetch { id } => self.observe(id).await,
             Op::Stats => self.stats().await,
         }
+    }
+
+    async fn reserve(
+        &mut self,
+        id: usize,
+        token: OwnerToken,
+        fp: Fp,
+        lease: Dur,
+        ttl: Dur,
+    ) -> Result<(), String> {
+        if !self.offered[id].contains(&token) {
+            self.offered[id].push(token.clone());
+        }
+        let got = self
+            .store
+            .reserve(ReserveRequest {
+                identity: &self.ids[id],
+                fingerprint: self.fingerprint(fp),
+                token: &token,
+                lease: lease.duration(),
+                ttl: ttl.duration(),
+            })
+            .await
+            .map_err(store_err("reserve"))?;
+        let want = self.recs[id].reserve(token.as_str(), fp, lease, ttl);
+        if matches!(want, Answer::Acquired { .. }) {
+            self.owners[id].push(token);
+        }
+        check_answer(&want, &got)?;
+        self.observe(id).await
     }
 
     /// Takes the model's answer when the store agrees; on a shared store, a
@@ -569,34 +604,47 @@ fn env_u32(name: &str, default: u32) -> u32 {
     }
 }
 
-/// Cases per store (`IDEMPOTENT_MODEL_CASES`, default 128).
+/// Sequences per store (`IDEMPOTENT_MODEL_CASES` overrides it).
 pub const DEFAULT_CASES: u32 = 128;
 /// The longest sequence (`IDEMPOTENT_MODEL_STEPS`, default 60; lengths are uniform in 1..=that).
 pub const DEFAULT_MAX_STEPS: u32 = 60;
 
+/// A store opened for the model test.
+pub struct Fixture<S> {
+    pub store: S,
+    /// Nothing but this test uses the store's database, so every count is
+    /// exact; otherwise (a database shared with other tests) our expired
+    /// records may be purged by others at any time.
+    pub private: bool,
+    /// Runs after the test, once the store is dropped (drops a private database).
+    pub teardown: Option<BoxFuture<'static, ()>>,
+}
+
+impl<S> Fixture<S> {
+    pub fn private(store: S) -> Self {
+        Fixture {
+            store,
+            private: true,
+            teardown: None,
+        }
+    }
+}
+
 /// A store the model test runs on.
 pub trait Target: Store + Sized + 'static {
-    /// Nothing but this test uses the store (exact purge and stats counts).
-    const PRIVATE: bool;
-
-    /// Deletes a finished case's records, so a shared database does not
-    /// accumulate them (their ttl is an hour).
+    /// Deletes a finished case's records from a shared database, so it does
+    /// not accumulate them (their ttl is an hour).
     fn forget<'a>(&'a self, names: &'a Names) -> BoxFuture<'a, Result<(), String>> {
         let _ = names;
         Box::pin(async { Ok(()) })
     }
 }
 
-impl Target for MemoryStore {
-    const PRIVATE: bool = true;
-}
+impl Target for MemoryStore {}
 
-impl Target for SqliteStore {
-    const PRIVATE: bool = true;
-}
+impl Target for SqliteStore {}
 
 impl Target for PgStore {
-    const PRIVATE: bool = false;
     fn forget<'a>(&'a self, names: &'a Names) -> BoxFuture<'a, Result<(), String>> {
         Box::pin(async move {
             sqlx::query("DELETE FROM idempotency_records WHERE tenant = ANY($1)")
@@ -610,7 +658,6 @@ impl Target for PgStore {
 }
 
 impl Target for MySqlStore {
-    const PRIVATE: bool = false;
     fn forget<'a>(&'a self, names: &'a Names) -> BoxFuture<'a, Result<(), String>> {
         Box::pin(async move {
             sqlx::query("DELETE FROM idempotency_records WHERE tenant IN (?, ?)")
@@ -624,27 +671,32 @@ impl Target for MySqlStore {
     }
 }
 
-/// Runs one sequence on a fresh case of `store`, then forgets its records.
-pub async fn run_case<S: Target>(store: &S, ops: &[Op]) -> Result<(), String> {
+/// Runs one sequence on a fresh case of `store`, then (on a shared database)
+/// deletes its records.
+pub async fn run_case<S: Target>(store: &S, private: bool, ops: &[Op]) -> Result<(), String> {
     let names = Names::fresh();
-    let result = run_sequence(store, S::PRIVATE, &names, ops).await;
+    let result = run_sequence(store, private, &names, ops).await;
+    if private {
+        return result;
+    }
     let forgotten = store.forget(&names).await;
     result.and(forgotten)
 }
 
-/// The model test for one store: `make` opens it (inside the test's runtime),
-/// `None` when its server is unreachable (the helper has said so loudly).
-pub fn run_model<F, Fut, S>(name: &str, make: F)
+/// The model test for one store: `open` opens it (inside the test's
+/// runtime), `None` when its server is unreachable (after a loud SKIPPED line).
+pub fn run_model<F, Fut, S>(name: &str, default_cases: u32, open: F)
 where
     F: FnOnce() -> Fut,
-    Fut: Future<Output = Option<S>>,
+    Fut: Future<Output = Option<Fixture<S>>>,
     S: Target,
 {
     let rt = runtime();
-    let Some(store) = rt.block_on(make()) else {
+    let Some(fixture) = rt.block_on(open()) else {
         return;
     };
-    let cases = env_u32("IDEMPOTENT_MODEL_CASES", DEFAULT_CASES);
+    let (store, private) = (fixture.store, fixture.private);
+    let cases = env_u32("IDEMPOTENT_MODEL_CASES", default_cases);
     let max_steps = env_u32("IDEMPOTENT_MODEL_STEPS", DEFAULT_MAX_STEPS).max(1) as usize;
     let seed = match std::env::var("IDEMPOTENT_MODEL_SEED") {
         Ok(v) => v.parse().expect("IDEMPOTENT_MODEL_SEED is a u64"),
@@ -659,23 +711,30 @@ where
     let steps = AtomicU64::new(0);
     let runs = AtomicU64::new(0);
     let started = std::time::Instant::now();
-    let strategy = proptest::collection::vec(op(), 1..=max_steps);
+    let reuse_tokens = env_u32("IDEMPOTENT_MODEL_REUSE_TOKENS", 0) == 1;
+    let strategy = proptest::collection::vec(op(reuse_tokens), 1..=max_steps);
     let result = TestRunner::new(config).run(&strategy, |ops| {
         runs.fetch_add(1, Ordering::Relaxed);
         steps.fetch_add(ops.len() as u64, Ordering::Relaxed);
-        rt.block_on(run_case(&store, &ops))
+        rt.block_on(run_case(&store, private, &ops))
             .map_err(TestCaseError::fail)
     });
-    rt.block_on(async move { drop(store) });
+    let elapsed = started.elapsed();
+    rt.block_on(async move {
+        drop(store);
+        if let Some(teardown) = fixture.teardown {
+            teardown.await;
+        }
+    });
     let (runs, steps) = (runs.into_inner(), steps.into_inner());
+    let db = if private { "private" } else { "shared" };
     match result {
         Ok(()) => println!(
-            "model[{name}]: {runs} sequences, {steps} steps agreed with the model \
-             in {:.1?} (seed {seed})",
-            started.elapsed()
+            "model[{name}, {db} database]: {runs} sequences, {steps} steps agreed with the model \
+             in {elapsed:.1?} (seed {seed})"
         ),
         Err(TestError::Fail(why, ops)) => panic!(
-            "model[{name}]: the store disagrees with the model (seed {seed}, \
+            "model[{name}, {db} database]: the store disagrees with the model (seed {seed}, \
              {runs} sequences / {steps} steps run, shrinking included).\n\
              Shortest sequence found ({} ops):\n{}\n{why}",
             ops.len(),
@@ -685,22 +744,27 @@ where
     }
 }
 
-/// Runs one fixed sequence (a regression test) on `store`.
-#[allow(dead_code)] // used by the regression tests as they are added
-pub fn replay<F, Fut, S>(make: F, ops: &[Op])
+/// Runs one fixed sequence (a regression test) on a store.
+pub fn replay<F, Fut, S>(open: F, ops: &[Op])
 where
     F: FnOnce() -> Fut,
-    Fut: Future<Output = Option<S>>,
+    Fut: Future<Output = Option<Fixture<S>>>,
     S: Target,
 {
     let rt = runtime();
-    rt.block_on(async {
-        if let Some(store) = make().await {
-            if let Err(e) = run_case(&store, ops).await {
-                panic!("{} disagrees with the model: {e}", store.name());
-            }
+    let result = rt.block_on(async {
+        let fixture = open().await?;
+        let result = run_case(&fixture.store, fixture.private, ops).await;
+        let name = fixture.store.name();
+        drop(fixture.store);
+        if let Some(teardown) = fixture.teardown {
+            teardown.await;
         }
+        Some(result.map_err(|e| format!("{name} disagrees with the model: {e}")))
     });
+    if let Some(Err(e)) = result {
+        panic!("{e}");
+    }
 }
 
 fn runtime() -> tokio::runtime::Runtime {
