@@ -632,8 +632,8 @@ impl<S> Fixture<S> {
 
 /// A store the model test runs on.
 pub trait Target: Store + Sized + 'static {
-    /// Deletes a finished case's records from a shared database, so it does
-    /// not accumulate them (their ttl is an hour).
+    /// Deletes a finished case's records, so the database does not accumulate
+    /// them (their ttl is an hour) and later cases cost what the first did.
     fn forget<'a>(&'a self, names: &'a Names) -> BoxFuture<'a, Result<(), String>> {
         let _ = names;
         Box::pin(async { Ok(()) })
@@ -642,7 +642,19 @@ pub trait Target: Store + Sized + 'static {
 
 impl Target for MemoryStore {}
 
-impl Target for SqliteStore {}
+impl Target for SqliteStore {
+    fn forget<'a>(&'a self, names: &'a Names) -> BoxFuture<'a, Result<(), String>> {
+        Box::pin(async move {
+            sqlx::query("DELETE FROM idempotency_records WHERE tenant IN (?1, ?2)")
+                .bind(&names.tenants[0])
+                .bind(&names.tenants[1])
+                .execute(self.pool())
+                .await
+                .map(drop)
+                .map_err(|e| format!("deleting the case's records: {e}"))
+        })
+    }
+}
 
 impl Target for PgStore {
     fn forget<'a>(&'a self, names: &'a Names) -> BoxFuture<'a, Result<(), String>> {
@@ -671,14 +683,10 @@ impl Target for MySqlStore {
     }
 }
 
-/// Runs one sequence on a fresh case of `store`, then (on a shared database)
-/// deletes its records.
+/// Runs one sequence on a fresh case of `store`, then deletes its records.
 pub async fn run_case<S: Target>(store: &S, private: bool, ops: &[Op]) -> Result<(), String> {
     let names = Names::fresh();
     let result = run_sequence(store, private, &names, ops).await;
-    if private {
-        return result;
-    }
     let forgotten = store.forget(&names).await;
     result.and(forgotten)
 }
@@ -727,14 +735,18 @@ where
         }
     });
     let (runs, steps) = (runs.into_inner(), steps.into_inner());
-    let db = if private { "private" } else { "shared" };
+    let db = if private {
+        "private store"
+    } else {
+        "shared database"
+    };
     match result {
         Ok(()) => println!(
-            "model[{name}, {db} database]: {runs} sequences, {steps} steps agreed with the model \
+            "model[{name}, {db}]: {runs} sequences, {steps} steps agreed with the model \
              in {elapsed:.1?} (seed {seed})"
         ),
         Err(TestError::Fail(why, ops)) => panic!(
-            "model[{name}, {db} database]: the store disagrees with the model (seed {seed}, \
+            "model[{name}, {db}]: the store disagrees with the model (seed {seed}, \
              {runs} sequences / {steps} steps run, shrinking included).\n\
              Shortest sequence found ({} ops):\n{}\n{why}",
             ops.len(),
