@@ -17,7 +17,11 @@
 //! shared databases) of 1 to `IDEMPOTENT_MODEL_STEPS` steps (default 60);
 //! `IDEMPOTENT_MODEL_SEED` replays a run whose seed a failure printed. A
 //! failure prints the shortest sequence proptest shrank it to, as Rust for a
-//! regression test below.
+//! regression test below. `IDEMPOTENT_MODEL_REUSE_TOKENS=1` adds reservations
+//! that present an already-offered token (which the engine never does).
+//!
+//! The `known_bug_<store>_*` tests fail on the store they name until it is
+//! fixed: the model says what DESIGN.md asks, not what that store does.
 
 mod common;
 #[path = "model/runner.rs"]
