@@ -255,6 +255,75 @@ pub async fn unfingerprinted(
     Ok(receipt(runs, amount))
 }
 
+/// A float argument: `+inf`, `-inf`, `NaN` and a finite value are four requests.
+#[idempotent(scope = "contract.float", key = key, tenant = tenant, store = store, skip(runs))]
+pub async fn float_charge(
+    store: &dyn Store,
+    tenant: &str,
+    key: &str,
+    amount: f64,
+    runs: &AtomicUsize,
+) -> Result<u64, Error> {
+    Ok(runs.fetch_add(1, Ordering::SeqCst) as u64 + 1)
+}
+
+/// An optional float: `None` is a fifth value, distinct from `NaN`.
+#[idempotent(scope = "contract.maybe_float", key = key, tenant = tenant, store = store, skip(runs))]
+pub async fn maybe_float_charge(
+    store: &dyn Store,
+    tenant: &str,
+    key: &str,
+    amount: Option<f64>,
+    runs: &AtomicUsize,
+) -> Result<u64, Error> {
+    Ok(runs.fetch_add(1, Ordering::SeqCst) as u64 + 1)
+}
+
+/// A set argument: equal sets are one request, whatever their iteration order.
+#[idempotent(scope = "contract.set", key = key, tenant = tenant, store = store, skip(runs))]
+pub async fn set_charge(
+    store: &dyn Store,
+    tenant: &str,
+    key: &str,
+    items: std::collections::HashSet<String>,
+    by_item: std::collections::HashMap<(u8, String), u32>,
+    runs: &AtomicUsize,
+) -> Result<u64, Error> {
+    Ok(runs.fetch_add(1, Ordering::SeqCst) as u64 + 1)
+}
+
+/// Returns a value JSON cannot carry (rule 12).
+#[idempotent(scope = "contract.non_finite", key = key, tenant = tenant, store = store, skip(runs))]
+pub async fn non_finite_result(
+    store: &dyn Store,
+    tenant: &str,
+    key: &str,
+    runs: &AtomicUsize,
+) -> Result<f64, Error> {
+    runs.fetch_add(1, Ordering::SeqCst);
+    Ok(f64::INFINITY)
+}
+
+/// Equal sets and maps built in different orders, each with its own hasher state.
+pub fn set_args(
+    n: usize,
+    reversed: bool,
+) -> (
+    std::collections::HashSet<String>,
+    std::collections::HashMap<(u8, String), u32>,
+) {
+    let mut order: Vec<usize> = (0..n).collect();
+    if reversed {
+        order.reverse();
+    }
+    let items = order.iter().map(|i| format!("item-{i}")).collect();
+    let by_item = order
+        .iter()
+        .map(|i| ((*i as u8 % 3, format!("sku-{i}")), *i as u32))
+        .collect();
+    (items, by_item)
+}
+
 // ---- the tests ------------------------------------------------------------------
 
 #[macro_export]
@@ -685,6 +754,91 @@ macro_rules! contract_tests {
                 }
             }
             assert_eq!(runs.load(Ordering::SeqCst), tenants.len() * keys.len(), "all replayed");
+        }
+        /// Rule 6: `+inf`, `-inf`, `NaN` and `None` are four different values, so
+        /// reusing a key for another of them is a mismatch, never a replay.
+        #[tokio::test]
+        async fn non_finite_floats_and_none_are_different_requests() {
+            let Some(store) = store().await else { return };
+            let (t, runs) = (fresh_tenant(), AtomicUsize::new(0));
+            assert_eq!(float_charge(&*store, &t, "k", f64::INFINITY, &runs).await.unwrap(), 1);
+            assert_eq!(float_charge(&*store, &t, "k", f64::INFINITY, &runs).await.unwrap(), 1, "replayed");
+            for other in [f64::NEG_INFINITY, f64::NAN, 0.0] {
+                let got = float_charge(&*store, &t, "k", other, &runs).await;
+                assert!(matches!(got, Err(Error::FingerprintMismatch(_))), "{other}: {got:?}");
+            }
+            assert_eq!(maybe_float_charge(&*store, &t, "m", Some(f64::NAN), &runs).await.unwrap(), 2);
+            let got = maybe_float_charge(&*store, &t, "m", None, &runs).await;
+            assert!(matches!(got, Err(Error::FingerprintMismatch(_))), "None after NaN: {got:?}");
+            assert_eq!(maybe_float_charge(&*store, &t, "m", Some(f64::NAN), &runs).await.unwrap(), 2, "NaN replays NaN");
+            assert_eq!(runs.load(Ordering::SeqCst), 2);
+        }
+
+        /// Rule 6: equal sets (and maps with non-string keys) are one request
+        /// whatever their iteration order: every retry replays.
+        #[tokio::test]
+        async fn equal_sets_are_one_request() {
+            let Some(store) = store().await else { return };
+            let (t, runs) = (fresh_tenant(), AtomicUsize::new(0));
+            let (items, by_item) = set_args(24, false);
+            assert_eq!(set_charge(&*store, &t, "k", items, by_item, &runs).await.unwrap(), 1);
+            for attempt in 0..8 {
+                let (items, by_item) = set_args(24, attempt % 2 == 0);
+                let got = set_charge(&*store, &t, "k", items, by_item, &runs).await;
+                assert_eq!(got.unwrap(), 1, "retry {attempt} replays");
+            }
+            let (mut items, by_item) = set_args(24, false);
+            items.insert("one more".to_owned());
+            let got = set_charge(&*store, &t, "k", items, by_item, &runs).await;
+            assert!(matches!(got, Err(Error::FingerprintMismatch(_))), "{got:?}");
+            assert_eq!(runs.load(Ordering::SeqCst), 1);
+        }
+
+        /// Rule 12: a result that would not replay equal is refused when it is
+        /// recorded, naming the scope; nothing is recorded and the key is free.
+        #[tokio::test]
+        async fn a_non_finite_result_is_refused_not_recorded_as_null() {
+            let Some(store) = store().await else { return };
+            let (t, runs) = (fresh_tenant(), AtomicUsize::new(0));
+            let err = non_finite_result(&*store, &t, "k", &runs).await.unwrap_err();
+            assert!(matches!(err, Error::ResultNotFaithful { ref scope, .. } if scope == "contract.non_finite"), "{err:?}");
+            assert!(err.to_string().contains("non-finite"), "{err}");
+            assert!(store.fetch(&id(&t, "contract.non_finite", "k")).await.unwrap().is_none(), "released");
+            let again = non_finite_result(&*store, &t, "k", &runs).await;
+            assert!(matches!(again, Err(Error::ResultNotFaithful { .. })), "{again:?}");
+            assert_eq!(runs.load(Ordering::SeqCst), 2, "the key was free: the retry ran");
+        }
+
+        /// Rule 6: a record made by an older version (canonical form v1, where a
+        /// non-finite float was written as null) is compared by v1's rules: the
+        /// retry with the same `+inf` replays instead of being a mismatch.
+        #[tokio::test]
+        async fn a_record_made_with_the_v1_form_is_compared_by_v1_rules() {
+            let Some(store) = store().await else { return };
+            let (t, runs) = (fresh_tenant(), AtomicUsize::new(0));
+            let identity = id(&t, "contract.float", "old");
+            // What v1 stored for `amount = +inf`: the fingerprint of `amount = null`.
+            let mut v1 = idempotent_runtime::FingerprintBuilder::new();
+            v1.argument("amount", &None::<f64>);
+            let v1 = v1.finish().unwrap().expect("a fingerprint");
+            assert_eq!(v1.version(), "v1");
+            let token = idempotent_runtime::OwnerToken::new();
+            let request = idempotent_runtime::ReserveRequest {
+                identity: &identity,
+                fingerprint: Some(&v1),
+                token: &token,
+                lease: Duration::from_secs(60),
+                ttl: Duration::from_secs(3600),
+            };
+            assert!(matches!(store.reserve(request).await.unwrap(), idempotent_runtime::Reservation::Acquired { .. }));
+            let outcome = idempotent_runtime::StoredOutcome { is_error: false, payload: b"41".to_vec() };
+            assert!(store.complete(&identity, &token, &outcome, Duration::from_secs(3600)).await.unwrap());
+            let (got, how) = with_outcome(float_charge(&*store, &t, "old", f64::INFINITY, &runs)).await;
+            assert_eq!(got.unwrap(), 41);
+            assert_eq!(how, Some(Outcome::Replayed));
+            let got = float_charge(&*store, &t, "old", 2.5, &runs).await;
+            assert!(matches!(got, Err(Error::FingerprintMismatch(_))), "{got:?}");
+            assert_eq!(runs.load(Ordering::SeqCst), 0);
         }
     };
 }
