@@ -10,6 +10,7 @@
 //! * When a transactional owner rolls back, exactly one of its waiting
 //!   duplicates takes the key; none dies of a deadlock (1213), and every
 //!   waiter's own earlier writes survive.
+//! * A row held by an open transaction never stalls the purge of the others.
 //!
 //! Where a test waits on a lock it waits for the server to *show* the waiters
 //! (`information_schema.PROCESSLIST` / `INNODB_TRX`), never for a sleep. Stores
@@ -675,4 +676,103 @@ async fn an_owner_rollback_hands_the_key_to_one_waiter_without_deadlocks() {
             .map(|s| s.state),
         Some(idempotent_runtime::RecordState::Complete)
     );
+}
+
+// ---------------------------------------------------------------- rule 16: purge skips held rows
+
+/// Purges in batches of two until `gone` are all gone (bounded); every batch
+/// must succeed (a guarded session fails after `GUARD_S` seconds on a lock).
+async fn purge_until_gone(guarded: &MySqlStore, gone: &[&Identity]) {
+    for _ in 0..50 {
+        guarded
+            .purge_expired(2)
+            .await
+            .expect("the purge does not wait for a held row");
+        let mut left = 0;
+        for identity in gone {
+            left += usize::from(guarded.fetch(identity).await.expect("fetch").is_some());
+        }
+        if left == 0 {
+            return;
+        }
+    }
+    panic!("the purge did not get to the expired records");
+}
+
+/// Expired records are planted with expiry times in 1970, so they are the
+/// first a purge in expiry order meets (and this test's purges delete little
+/// else on a shared server). The oldest is held by an open transaction.
+#[tokio::test]
+async fn the_purge_skips_a_row_held_by_an_open_transaction() {
+    let Some(store) = mysql_store_or_skip().await else {
+        return;
+    };
+    let guarded = guarded_store(4).await;
+    let tenant = fresh_tenant();
+    let identity = |k: &str| Identity::new(&tenant, "mysql_edges.purge", k).expect("identity");
+    let now_ms: i64 = sqlx::query_scalar(
+        "SELECT CAST(UNIX_TIMESTAMP() * 1000 + FLOOR(MICROSECOND(NOW(6)) / 1000) AS SIGNED)",
+    )
+    .fetch_one(store.pool())
+    .await
+    .expect("clock");
+    // (key, state, lease_expires_at, expires_at)
+    let rows = [
+        ("held", "complete", None, 1_000),
+        ("complete-1", "complete", None, 1_001),
+        ("complete-2", "complete", None, 1_002),
+        ("complete-3", "complete", None, 1_003),
+        ("abandoned", "in_progress", Some(1_004), 1_004),
+        ("leased", "in_progress", Some(now_ms + 600_000), 1_005),
+    ];
+    for (key, state, lease, expires) in rows {
+        sqlx::query(
+            "INSERT INTO idempotency_records
+                 (tenant, scope, `key`, state, fingerprint, owner_token, is_error, result,
+                  lease_expires_at, expires_at, created_at, updated_at)
+             VALUES (?, 'mysql_edges.purge', ?, ?, NULL, ?, 0, ?, ?, ?, ?, ?)",
+        )
+        .bind(&tenant)
+        .bind(key)
+        .bind(state)
+        .bind((state == "in_progress").then(|| OwnerToken::new().as_str().to_owned()))
+        .bind((state == "complete").then_some(&b"1"[..]))
+        .bind(lease)
+        .bind(expires)
+        .bind(expires)
+        .bind(expires)
+        .execute(store.pool())
+        .await
+        .expect("plant");
+    }
+    let (held, leased) = (identity("held"), identity("leased"));
+    let others = ["complete-1", "complete-2", "complete-3", "abandoned"].map(identity);
+
+    let mut holder = store.pool().begin().await.expect("begin");
+    sqlx::query(
+        "SELECT state FROM idempotency_records WHERE tenant = ? AND scope = ? AND `key` = ? FOR UPDATE",
+    )
+    .bind(&held.tenant)
+    .bind(&held.scope)
+    .bind(&held.key)
+    .fetch_one(&mut *holder)
+    .await
+    .expect("lock the oldest expired row");
+
+    purge_until_gone(&guarded, &others.iter().collect::<Vec<_>>()).await;
+    assert!(
+        store.fetch(&held).await.expect("fetch").is_some(),
+        "the held row is left alone"
+    );
+    holder.rollback().await.expect("rollback");
+    purge_until_gone(&guarded, &[&held]).await;
+    assert!(
+        store.fetch(&leased).await.expect("fetch").is_some(),
+        "a live lease is never purged, even past its ttl"
+    );
+    sqlx::query("DELETE FROM idempotency_records WHERE tenant = ?")
+        .bind(&tenant)
+        .execute(store.pool())
+        .await
+        .expect("clean up");
 }

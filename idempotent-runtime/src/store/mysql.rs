@@ -23,6 +23,10 @@
 //!   fenced (`INSERT`, or `UPDATE … WHERE` the state decided on still holds;
 //!   when it no longer does, the record is read again and decided again).
 //! * `complete`, `release`, `heartbeat`: one statement each, fenced by the owner token.
+//! * `purge_expired`: one `CALL idempotency_purge(batch)`: the batch's primary
+//!   keys are selected `FOR UPDATE SKIP LOCKED` and deleted in one short
+//!   transaction, so a row held by an open transaction is skipped, never
+//!   waited for (DESIGN.md rule 16).
 //!
 //! # Lock waits
 //!
@@ -394,19 +398,14 @@ impl Store for MySqlStore {
     }
 
     async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError> {
-        let sql = format!(
-            "DELETE FROM idempotency_records
-              WHERE expires_at <= {NOW_MS}
-                AND (state = 'complete' OR lease_expires_at <= {NOW_MS})
-              ORDER BY expires_at
-              LIMIT ?"
-        );
-        let done = sqlx::query(&sql)
+        let row: MySqlRow = sqlx::query("CALL idempotency_purge(?)")
             .bind(i64::from(batch))
-            .execute(&self.pool)
+            .fetch_one(&self.pool)
             .await
             .map_err(err("purge expired records"))?;
-        Ok(done.rows_affected())
+        // By position, like the reservation's answer.
+        let deleted: Option<i64> = row.try_get(0).map_err(err("purge expired records"))?;
+        Ok(deleted.unwrap_or(0).max(0) as u64)
     }
 
     async fn fetch(&self, identity: &Identity) -> Result<Option<RecordSnapshot>, StoreError> {
