@@ -13,7 +13,7 @@
 //! * A row held by an open transaction never stalls the purge of the others.
 //!
 //! Where a test waits on a lock it waits for the server to *show* the waiters
-//! (`information_schema.PROCESSLIST` / `INNODB_TRX`), never for a sleep. Stores
+//! (`information_schema.PROCESSLIST`), never for a sleep. Stores
 //! whose sessions wait at most a few seconds for a row lock turn a lock that
 //! should not be there into a quick failure instead of a 50 s hang; nothing
 //! asserts how long anything took.
@@ -350,7 +350,7 @@ async fn an_expired_lease_released_to_eight_callers_is_taken_over_once() {
 
 // ---------------------------------------------------------------- rule 15: answers take no lock
 
-/// Reserves in `tx` and expects `want`.
+/// Reserves in `tx` with a fresh token and a long lease and ttl.
 async fn in_tx(
     tx: &mut sqlx::Transaction<'_, MySql>,
     identity: &Identity,

@@ -46,7 +46,10 @@
 //! as complete (DESIGN.md rule 15). The caller's REPEATABLE READ snapshot may
 //! be older than the record: then the plain read sees nothing, the insert
 //! meets the committed record and holds a shared lock on it, which nobody
-//! reading it plainly waits for. Only one reserver of an identity at a time
+//! reading it plainly waits for. (A record *in progress* in that old snapshot
+//! is answered from it, `InProgress`, until the snapshot's lease has run out
+//! by the database clock; then the latest version is read under a lock.)
+//! Only one reserver of an identity at a time
 //! waits on its row lock, so a transactional owner's rollback hands the key
 //! to one waiter instead of deadlocking several (error 1213 would roll back
 //! a waiter's whole transaction).
