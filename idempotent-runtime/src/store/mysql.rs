@@ -14,21 +14,45 @@
 //!
 //! # Round trips
 //!
-//! * `reserve`: one `CALL idempotency_reserve(…)`: a stored procedure that
-//!   inserts the record or locks the existing one, reads it under the lock and
-//!   decides (acquire, replace expired, take over, replay, in progress,
-//!   mismatch), in a transaction of its own.
+//! * `reserve`: one `CALL idempotency_reserve_v2(…)` (migration 0002), a
+//!   stored procedure that first reads the record plainly, without a lock: a
+//!   live complete record is replayed, a live record with another fingerprint
+//!   is a mismatch, a live lease is in progress. Only an absent or expired
+//!   record, or one whose lease ran out, goes on to a write: under a
+//!   user-level lock (`GET_LOCK`) per identity, held only for the CALL, and
+//!   fenced (`INSERT`, or `UPDATE … WHERE` the state decided on still holds;
+//!   when it no longer does, the record is read again and decided again).
 //! * `complete`, `release`, `heartbeat`: one statement each, fenced by the owner token.
+//! * `purge_expired`: one `CALL idempotency_purge(batch)`: the batch's primary
+//!   keys are selected `FOR UPDATE SKIP LOCKED` and deleted in one short
+//!   transaction, so a row held by an open transaction is skipped, never
+//!   waited for (DESIGN.md rule 16).
 //!
 //! # Lock waits
 //!
 //! InnoDB waits for row locks in whole seconds (`innodb_lock_wait_timeout`).
-//! A reservation made through the store waits at most 1 s for a row held by
-//! another transaction (a concurrent reservation's, which takes well under a
-//! millisecond, or a transactional-mode owner's, which answers `InProgress`
-//! when the second runs out). In transactional mode the
-//! wait is the whole seconds left of `in_progress = wait(...)`, rounded down;
-//! the engine polls for the rest.
+//! A reservation made through the store waits at most 1 s in all, for the
+//! identity's `GET_LOCK` and then for a row held by another transaction (a
+//! concurrent reservation's, which takes well under a millisecond, or a
+//! transactional-mode owner's, which answers `InProgress` when the second
+//! runs out). In transactional mode the wait is the whole seconds left of
+//! `in_progress = wait(...)`, rounded down; the engine polls for the rest.
+//! Replays, mismatches and live leases never wait: they take no lock.
+//!
+//! # Transactional mode
+//!
+//! The procedure runs in the caller's transaction. A replay, mismatch or
+//! in-progress answer holds no lock, so others still see a complete record
+//! as complete (DESIGN.md rule 15). The caller's REPEATABLE READ snapshot may
+//! be older than the record: then the plain read sees nothing, the insert
+//! meets the committed record and holds a shared lock on it, which nobody
+//! reading it plainly waits for. (A record *in progress* in that old snapshot
+//! is answered from it, `InProgress`, until the snapshot's lease has run out
+//! by the database clock; then the latest version is read under a lock.)
+//! Only one reserver of an identity at a time
+//! waits on its row lock, so a transactional owner's rollback hands the key
+//! to one waiter instead of deadlocking several (error 1213 would roll back
+//! a waiter's whole transaction).
 
 use super::*;
 use crate::error::Error;
@@ -46,6 +70,8 @@ pub const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(5);
 /// its fingerprint) instead of a bare `InProgress`; a row held by a
 /// transactional-mode owner answers `InProgress` after at most this.
 const STORE_LOCK_WAIT_S: u64 = 1;
+/// The longest lock wait InnoDB takes (`innodb_lock_wait_timeout` tops out at 2^30 s).
+const MAX_LOCK_WAIT_S: u64 = 1 << 30;
 const MIGRATION_LOCK: &str = "idempotent_runtime.migrate";
 /// The database clock in milliseconds since the epoch, independent of the session time zone.
 const NOW_MS: &str = "(UNIX_TIMESTAMP() * 1000 + FLOOR(MICROSECOND(NOW(6)) / 1000))";
@@ -254,7 +280,7 @@ async fn reserve_with<'e, E: Executor<'e, Database = MySql>>(
     own_transaction: bool,
 ) -> Result<Reservation, StoreError> {
     let id = request.identity;
-    let row: MySqlRow = sqlx::query("CALL idempotency_reserve(?, ?, ?, ?, ?, ?, ?, ?, ?)")
+    let row: MySqlRow = sqlx::query("CALL idempotency_reserve_v2(?, ?, ?, ?, ?, ?, ?, ?, ?)")
         .bind(id.tenant.as_bytes())
         .bind(id.scope.as_bytes())
         .bind(id.key.as_bytes())
@@ -262,7 +288,7 @@ async fn reserve_with<'e, E: Executor<'e, Database = MySql>>(
         .bind(request.token.as_str().as_bytes())
         .bind(duration_to_millis(request.lease))
         .bind(duration_to_millis(request.ttl))
-        .bind(i64::try_from(lock_wait_s).unwrap_or(i64::MAX))
+        .bind(i64::try_from(lock_wait_s.min(MAX_LOCK_WAIT_S)).unwrap_or(0))
         .bind(i8::from(own_transaction))
         .fetch_one(executor)
         .await
@@ -414,19 +440,14 @@ impl Store for MySqlStore {
     }
 
     async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError> {
-        let sql = format!(
-            "DELETE FROM idempotency_records
-              WHERE expires_at <= {NOW_MS}
-                AND (state = 'complete' OR lease_expires_at <= {NOW_MS})
-              ORDER BY expires_at
-              LIMIT ?"
-        );
-        let done = sqlx::query(&sql)
+        let row: MySqlRow = sqlx::query("CALL idempotency_purge(?)")
             .bind(i64::from(batch))
-            .execute(&self.pool)
+            .fetch_one(&self.pool)
             .await
             .map_err(err("purge expired records"))?;
-        Ok(done.rows_affected())
+        // By position, like the reservation's answer.
+        let deleted: Option<i64> = row.try_get(0).map_err(err("purge expired records"))?;
+        Ok(deleted.unwrap_or(0).max(0) as u64)
     }
 
     async fn fetch(&self, identity: &Identity) -> Result<Option<RecordSnapshot>, StoreError> {
