@@ -20,8 +20,9 @@
 //! regression test below. `IDEMPOTENT_MODEL_REUSE_TOKENS=1` adds reservations
 //! that present an already-offered token (which the engine never does).
 //!
-//! The `known_bug_<store>_*` tests fail on the store they name until it is
-//! fixed: the model says what DESIGN.md asks, not what that store does.
+//! The `owner_token_*` regressions were found by the model on MySQL/MariaDB
+//! (fixed in migration 0002): the model says what DESIGN.md asks, not what a
+//! store happens to do.
 
 mod common;
 #[path = "model/runner.rs"]
@@ -347,41 +348,41 @@ regression!(
     ]
 );
 
-// ---------------------------------------------------------------- known store bugs
+// ---------------------------------------------------------------- found on MySQL
 //
-// KNOWN BUG, FAILS ON MYSQL/MARIADB until the store is fixed (reported with
-// the model test): `idempotency_reserve` (migrations/mysql/0001) answers
-// `Acquired { took_over: false }` whenever the row's owner token equals the
-// request's, before it looks at the fingerprint, the lease or the ttl, and
-// without writing the request's fingerprint, lease or ttl (the branch is meant
-// for "my INSERT just made this row"). Every other store answers as for any
-// other token. The engine always offers a fresh token per call, so it does
-// not reach this today; any other caller of `Store::reserve` does. The random
-// runs include such reservations with `IDEMPOTENT_MODEL_REUSE_TOKENS=1`.
+// Found by the model on MySQL/MariaDB: `idempotency_reserve` (migration 0001)
+// answered `Acquired { took_over: false }` whenever the row's owner token
+// equalled the request's, before it looked at the fingerprint, the lease or
+// the ttl, and without writing the request's fingerprint, lease or ttl (the
+// branch was meant for "my INSERT just made this row"). Every other store
+// answers as for any other token; `idempotency_reserve_v2` (0002) now does
+// too. The engine always offers a fresh token per call, so it never reached
+// this; any other caller of `Store::reserve` did. The random runs include such
+// reservations with `IDEMPOTENT_MODEL_REUSE_TOKENS=1`.
 
 regression!(
-    /// KNOWN BUG on MySQL: the owner's own token on its live record is
-    /// `InProgress` (memory, SQLite, PostgreSQL); MySQL answers `Acquired`.
-    known_bug_mysql_reserve_again_with_the_owner_token: vec![
+    /// Found on MySQL: the owner's own token on its live record is
+    /// `InProgress`; MySQL answered `Acquired`.
+    owner_token_on_a_live_lease_is_in_progress: vec![
         Reserve { id: 0, fp: A, lease: Long, ttl: Long },
         ReserveAs { id: 0, tok: Current, fp: A, lease: Long, ttl: Long },
     ]
 );
 
 regression!(
-    /// KNOWN BUG on MySQL: rule 7, another fingerprint is a mismatch whoever
-    /// asks; MySQL answers `Acquired` and keeps the old fingerprint.
-    known_bug_mysql_owner_token_skips_the_fingerprint_check: vec![
+    /// Found on MySQL: rule 7, another fingerprint is a mismatch whoever
+    /// asks; MySQL answered `Acquired` and kept the old fingerprint.
+    owner_token_with_another_fingerprint_is_a_mismatch: vec![
         Reserve { id: 0, fp: A, lease: Long, ttl: Long },
         ReserveAs { id: 0, tok: Current, fp: B, lease: Long, ttl: Long },
     ]
 );
 
 regression!(
-    /// KNOWN BUG on MySQL: rules 3, 16, an expired record acquired again gets
-    /// the request's lease and ttl; MySQL answers `Acquired` but leaves the
-    /// record expired, so the next caller acquires it too.
-    known_bug_mysql_owner_token_acquires_an_expired_record_without_a_lease: vec![
+    /// Found on MySQL: rules 3, 16, an expired record acquired again gets
+    /// the request's lease and ttl; MySQL answered `Acquired` but left the
+    /// record expired, so the next caller acquired it too.
+    owner_token_on_an_expired_record_gets_a_fresh_lease: vec![
         Reserve { id: 0, fp: A, lease: Zero, ttl: Zero },
         ReserveAs { id: 0, tok: Current, fp: A, lease: Long, ttl: Long },
         Reserve { id: 0, fp: A, lease: Long, ttl: Long },
@@ -389,10 +390,10 @@ regression!(
 );
 
 regression!(
-    /// KNOWN BUG on MySQL: rule 10, a record whose lease ran out is taken over
-    /// (`took_over: true`) with a fresh lease; MySQL answers
-    /// `took_over: false` and leaves the lease run out.
-    known_bug_mysql_owner_token_takeover_keeps_the_dead_lease: vec![
+    /// Found on MySQL: rule 10, a record whose lease ran out is taken over
+    /// (`took_over: true`) with a fresh lease; MySQL answered
+    /// `took_over: false` and left the lease run out.
+    owner_token_takeover_gets_a_fresh_lease: vec![
         Reserve { id: 0, fp: A, lease: Zero, ttl: Long },
         ReserveAs { id: 0, tok: Current, fp: A, lease: Long, ttl: Long },
     ]

@@ -55,6 +55,7 @@ BEGIN
     DECLARE v_lease_remaining BIGINT DEFAULT NULL;
     DECLARE v_latest TINYINT DEFAULT 0;
     DECLARE v_dup TINYINT DEFAULT 0;
+    DECLARE v_inserted TINYINT DEFAULT 0;  -- this CALL's INSERT made the record
     DECLARE v_timed_out TINYINT DEFAULT 0;  -- an InnoDB lock wait ran out (1205)
     DECLARE v_busy TINYINT DEFAULT 0;       -- the GET_LOCK wait ran out
     DECLARE v_locked TINYINT DEFAULT 0;
@@ -123,7 +124,10 @@ BEGIN
         -- Decide on what was read.
         IF v_found = 0 THEN
             SET v_decision = 'insert';
-        ELSEIF v_state = 'in_progress' AND v_token = p_token THEN
+        ELSEIF v_inserted = 1 AND v_state = 'in_progress' AND v_token = p_token THEN
+            -- Only a record this CALL inserted is ours by its token: a caller
+            -- presenting a token that already owns the record is judged like
+            -- any other request (fingerprint, lease, ttl).
             SET v_decision = 'acquired';
         ELSEIF v_expires <= v_now AND (v_state = 'complete' OR v_lease <= v_now) THEN
             SET v_decision = 'replace';
@@ -186,6 +190,7 @@ BEGIN
                 LEAVE decide;
             END IF;
             IF v_dup = 0 THEN
+                SET v_inserted = 1;
                 -- Since the read; more than a few ms means the insert waited.
                 SET v_elapsed_ms = UNIX_TIMESTAMP() * 1000 + FLOOR(MICROSECOND(NOW(6)) / 1000) - v_now;
                 IF v_elapsed_ms <= 50 THEN
