@@ -19,8 +19,11 @@ use std::time::{Duration, Instant};
 const LONG: Duration = Duration::from_secs(3600);
 const BLINK: Duration = Duration::from_millis(1);
 const SHORT_TTL: Duration = Duration::from_millis(40);
-const STREAM_KEYS: u64 = 1500;
-const STREAM_FOR: Duration = Duration::from_secs(2);
+const STREAM_KEYS: u64 = 600;
+const STREAM_BATCH: u64 = 50;
+/// How long the purger may take to clear a batch's expired records: generous,
+/// only ever reached when the purger stopped working.
+const SETTLE_BOUND: Duration = Duration::from_secs(20);
 
 fn unique(prefix: &str) -> String {
     format!("{prefix}.{}", uuid::Uuid::new_v4().simple())
@@ -76,31 +79,41 @@ async fn records_in(store: &dyn Store, scope: &str) -> u64 {
         .sum()
 }
 
-/// Completes short-lived keys for up to `STREAM_FOR` or `STREAM_KEYS` keys;
-/// returns (keys written, the largest record count seen in the scope).
-async fn stream(store: &dyn Store, scope: &str) -> (u64, u64) {
-    let started = Instant::now();
-    let mut written = 0;
+/// Completes `STREAM_KEYS` short-lived keys in batches of `STREAM_BATCH`;
+/// returns the largest record count seen in the scope. With `settle`, after
+/// each batch it waits (bounded by `SETTLE_BOUND`) until the scope holds no
+/// more than one batch: the purger must keep removing what expired.
+async fn stream(store: &dyn Store, scope: &str, settle: bool) -> u64 {
     let mut peak = 0;
-    while written < STREAM_KEYS && started.elapsed() < STREAM_FOR {
-        plant(store, scope, LONG, LONG, Some(SHORT_TTL)).await;
-        written += 1;
-        if written % 25 == 0 {
-            peak = peak.max(records_in(store, scope).await);
+    for _ in 0..STREAM_KEYS / STREAM_BATCH {
+        for _ in 0..STREAM_BATCH {
+            plant(store, scope, LONG, LONG, Some(SHORT_TTL)).await;
         }
-        tokio::time::sleep(Duration::from_millis(1)).await;
+        let mut count = records_in(store, scope).await;
+        peak = peak.max(count);
+        if settle {
+            let since = Instant::now();
+            while count > STREAM_BATCH {
+                assert!(
+                    since.elapsed() < SETTLE_BOUND,
+                    "the purger left {count} records in the scope for {SETTLE_BOUND:?}"
+                );
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                count = records_in(store, scope).await;
+            }
+        }
     }
-    (written, peak.max(records_in(store, scope).await))
+    peak.max(records_in(store, scope).await)
 }
 
 async fn bounded_with_the_purger_and_growing_without(store: Arc<dyn Store>) {
     // Without a purger every record stays, expired or not.
     let scope = unique("purge.stream_unpurged");
-    let (written, peak) = stream(&*store, &scope).await;
-    assert!(written >= 200, "the stream wrote only {written} keys");
-    assert_eq!(peak, written, "without a purger nothing is deleted");
+    let peak = stream(&*store, &scope, false).await;
+    assert_eq!(peak, STREAM_KEYS, "without a purger nothing is deleted");
 
-    // With one, old records go while new ones arrive.
+    // With one, old records go while new ones arrive: the scope never holds
+    // much more than the batch being written.
     purge_all(&*store, 1000).await.expect("clean slate");
     let scope = unique("purge.stream_purged");
     let purger = Purger::spawn(
@@ -110,12 +123,11 @@ async fn bounded_with_the_purger_and_growing_without(store: Arc<dyn Store>) {
             batch: 200,
         },
     );
-    let (written, peak) = stream(&*store, &scope).await;
+    let peak = stream(&*store, &scope, true).await;
     let stats = purger.shutdown().await;
-    assert!(written >= 200, "the stream wrote only {written} keys");
     assert!(
-        peak <= written / 3,
-        "with the purger running the scope peaked at {peak} of {written} records"
+        peak <= 2 * STREAM_BATCH,
+        "with the purger running the scope peaked at {peak} of {STREAM_KEYS} records"
     );
     assert!(stats.runs >= 2 && stats.deleted > 0, "{stats:?}");
     assert_eq!(stats.last_error, None);

@@ -715,7 +715,11 @@ pub async fn expired_record_counts_as_absent<S: Store + Clone + 'static>(store: 
     acquire(&store, &abandoned, Some(&fp("a")), SHORT, SHORT).await;
     let holder = acquire(&store, &held, Some(&fp("a")), LONG, SHORT).await;
     tokio::time::sleep(PAST_SHORT).await;
-    assert!(fetch(&store, &complete).await.unwrap().is_expired());
+    // On a shared database another test's purge may already have deleted it:
+    // absent and expired are the same answer (rule 16).
+    assert!(fetch(&store, &complete)
+        .await
+        .is_none_or(|snap| snap.is_expired()));
     for identity in [&complete, &abandoned] {
         let token = OwnerToken::new();
         assert_eq!(
