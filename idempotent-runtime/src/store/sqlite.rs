@@ -411,8 +411,9 @@ async fn migrate(pool: &SqlitePool) -> Result<(), StoreError> {
             }
             None => {}
         }
-        sqlx::raw_sql(&migration.sql)
-            .execute(&mut *tx)
+        // Through the `Executor` trait, not `RawSql::execute`, whose future is
+        // not `Send` for every lifetime (and would make `connect` unspawnable).
+        sqlx::Executor::execute(&mut *tx, sqlx::raw_sql(&migration.sql))
             .await
             .map_err(err(OP))?;
         sqlx::query(&format!(
