@@ -5,7 +5,11 @@
 //! will never let write (rule 15).
 
 use idempotent_runtime::SqliteStore;
+use sqlx::sqlite::SqliteConnectOptions;
+use sqlx::{Connection, Executor, SqliteConnection};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
 
 // ------------------------------------------------------------------ helpers
 
@@ -24,6 +28,68 @@ fn remove(path: &Path) {
     for suffix in ["", "-wal", "-shm", "-journal"] {
         let _ = std::fs::remove_file(format!("{}{suffix}", path.display()));
     }
+}
+
+/// What one opener saw: the applied migration versions, the journal mode, and
+/// whether the records table exists. Every opener of one file must see the same.
+async fn schema_seen(store: &SqliteStore) -> String {
+    let versions: Vec<i64> =
+        sqlx::query_scalar("SELECT version FROM _idempotent_migrations ORDER BY version")
+            .fetch_all(store.pool())
+            .await
+            .expect("the migrations table exists");
+    let journal: String = sqlx::query_scalar("PRAGMA journal_mode")
+        .fetch_one(store.pool())
+        .await
+        .expect("journal mode");
+    let tables: i64 = sqlx::query_scalar(
+        "SELECT COUNT(*) FROM sqlite_master WHERE type = 'table' AND name = 'idempotency_records'",
+    )
+    .fetch_one(store.pool())
+    .await
+    .expect("sqlite_master");
+    let versions: Vec<String> = versions.iter().map(i64::to_string).collect();
+    format!(
+        "versions={} journal={journal} records_table={tables}",
+        versions.join(",")
+    )
+}
+
+/// The schema a single, uncontended open of a new file produces.
+async fn expected_schema() -> String {
+    let path = fresh_path();
+    let store = SqliteStore::connect(&url(&path)).await.expect("open alone");
+    let seen = schema_seen(&store).await;
+    store.pool().close().await;
+    remove(&path);
+    assert!(seen.contains("journal=wal") && seen.contains("records_table=1"));
+    seen
+}
+
+/// Opens `url` from `tasks` tasks released together; each returns what it saw.
+async fn open_from_tasks(url: &str, tasks: usize) -> Vec<Result<String, String>> {
+    let barrier = Arc::new(tokio::sync::Barrier::new(tasks));
+    let handles: Vec<_> = (0..tasks)
+        .map(|_| {
+            let (url, barrier) = (url.to_owned(), barrier.clone());
+            tokio::spawn(async move {
+                barrier.wait().await;
+                match SqliteStore::connect(&url).await {
+                    Ok(store) => {
+                        let seen = schema_seen(&store).await;
+                        store.pool().close().await;
+                        Ok(seen)
+                    }
+                    Err(e) => Err(e.to_string()),
+                }
+            })
+        })
+        .collect();
+    let mut seen = Vec::new();
+    for h in handles {
+        seen.push(h.await.expect("opener task"));
+    }
+    seen
 }
 
 // ------------------------------------------------ (1) opening a new file at once
@@ -46,4 +112,306 @@ async fn connect_and_from_pool_can_be_spawned() {
         .expect("from_pool in a spawned task");
     again.pool().close().await;
     remove(&path);
+}
+
+/// The root cause of "database is locked" on a brand-new file, shown without
+/// any race: another connection holds the write lock (here a plain
+/// `BEGIN IMMEDIATE`, in the other process this is its own switch to WAL).
+/// SQLite answers `PRAGMA journal_mode = WAL` with SQLITE_BUSY at once, without
+/// consulting the busy timeout, because the switch upgrades a read transaction.
+/// `connect` must wait it out (bounded), not fail.
+#[tokio::test]
+async fn switching_to_wal_waits_for_another_writer() {
+    use tracing_subscriber::layer::SubscriberExt;
+
+    let path = fresh_path();
+    let mut holder = SqliteConnection::connect_with(
+        &SqliteConnectOptions::new()
+            .filename(&path)
+            .create_if_missing(true),
+    )
+    .await
+    .expect("the other connection");
+    holder
+        .execute("BEGIN IMMEDIATE; CREATE TABLE other_app (id INTEGER PRIMARY KEY)")
+        .await
+        .expect("hold the write lock");
+
+    // Handshake: the store says when it met the lock and is waiting.
+    let met_the_lock = Arc::new(tokio::sync::Notify::new());
+    let _log = tracing::subscriber::set_default(tracing_subscriber::registry().with(NotifyOn {
+        needle: MET_THE_LOCK,
+        notify: met_the_lock.clone(),
+    }));
+    let u = url(&path);
+    let mut opening = tokio::spawn(async move { SqliteStore::connect(&u).await });
+    tokio::select! {
+        _ = met_the_lock.notified() => {}
+        finished = &mut opening => panic!(
+            "connect finished while another connection held the lock, instead of waiting: {:?}",
+            finished.expect("task").map(|_| "opened")
+        ),
+    }
+    holder.execute("COMMIT").await.expect("release the lock");
+    let store = opening
+        .await
+        .expect("task")
+        .expect("opens once the lock is free");
+    let seen = schema_seen(&store).await;
+    assert!(
+        seen.contains("journal=wal") && seen.contains("records_table=1"),
+        "{seen}"
+    );
+    let other: i64 =
+        sqlx::query_scalar("SELECT COUNT(*) FROM sqlite_master WHERE name = 'other_app'")
+            .fetch_one(store.pool())
+            .await
+            .unwrap();
+    assert_eq!(other, 1, "the other connection's write survives");
+    store.pool().close().await;
+    holder.close().await.unwrap();
+    remove(&path);
+}
+
+/// Many tasks open one brand-new file at once, 30 rounds: every open
+/// succeeds and every opener sees the same, fully migrated, WAL schema.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_tasks_open_one_new_file_at_once() {
+    let expected = expected_schema().await;
+    for round in 0..30 {
+        let path = fresh_path();
+        for (i, seen) in open_from_tasks(&url(&path), 16)
+            .await
+            .into_iter()
+            .enumerate()
+        {
+            assert_eq!(
+                seen.as_deref(),
+                Ok(expected.as_str()),
+                "round {round}, opener {i}"
+            );
+        }
+        remove(&path);
+    }
+}
+
+/// The environment variable that turns `child_process_opens_the_shared_file`
+/// into a child: it names the file to open.
+const CHILD_ENV: &str = "IDEMPOTENT_SQLITE_EDGES_CHILD_DB";
+const CHILD_TEST: &str = "child_process_opens_the_shared_file";
+const CHILD_TASKS: usize = 4;
+/// What the store logs when it meets another connection's lock while
+/// switching a file to WAL (and waits).
+const MET_THE_LOCK: &str = "switching to WAL";
+
+/// Not a test by itself: a child process of
+/// `many_processes_open_one_new_file_at_once` (selected by `CHILD_ENV`). It
+/// says `ready`, waits for `go` on stdin (the start barrier), opens the file
+/// from a few tasks at once and prints what each saw. It also says `waiting`
+/// the first time the store reports meeting another process's lock.
+#[test]
+fn child_process_opens_the_shared_file() {
+    use std::io::{BufRead, Write};
+    use tracing_subscriber::layer::SubscriberExt;
+    let Ok(path) = std::env::var(CHILD_ENV) else {
+        return;
+    };
+    let waiting = Arc::new(tokio::sync::Notify::new());
+    tracing::subscriber::set_global_default(tracing_subscriber::registry().with(NotifyOn {
+        needle: MET_THE_LOCK,
+        notify: waiting.clone(),
+    }))
+    .expect("the child's subscriber");
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    println!("child: ready");
+    std::io::stdout().flush().unwrap();
+    let mut go = String::new();
+    std::io::stdin().lock().read_line(&mut go).unwrap();
+    assert_eq!(go.trim(), "go");
+    rt.spawn(async move {
+        waiting.notified().await;
+        println!("child: waiting");
+        std::io::stdout().flush().unwrap();
+    });
+    for seen in rt.block_on(open_from_tasks(&url(Path::new(&path)), CHILD_TASKS)) {
+        match seen {
+            Ok(seen) => println!("child: opened {seen}"),
+            Err(e) => println!("child: failed {e}"),
+        }
+    }
+    std::io::stdout().flush().unwrap();
+}
+
+/// One child process of `many_processes_open_one_new_file_at_once`.
+struct ChildOpener {
+    process: tokio::process::Child,
+    stdin: tokio::process::ChildStdin,
+    lines: tokio::io::Lines<tokio::io::BufReader<tokio::process::ChildStdout>>,
+    seen: Vec<Result<String, String>>,
+}
+
+impl ChildOpener {
+    async fn start(exe: &Path, path: &Path) -> ChildOpener {
+        use tokio::io::AsyncBufReadExt;
+        let mut process = tokio::process::Command::new(exe)
+            .args([CHILD_TEST, "--exact", "--nocapture", "--test-threads=1"])
+            .env(CHILD_ENV, path)
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("start a child process");
+        let stdin = process.stdin.take().unwrap();
+        let lines = tokio::io::BufReader::new(process.stdout.take().unwrap()).lines();
+        let mut child = ChildOpener {
+            process,
+            stdin,
+            lines,
+            seen: Vec::new(),
+        };
+        // Handshake: the child is up and waiting for the start signal.
+        child.read_until("ready").await;
+        child
+    }
+
+    async fn go(&mut self) {
+        use tokio::io::AsyncWriteExt;
+        self.stdin.write_all(b"go\n").await.unwrap();
+        self.stdin.flush().await.unwrap();
+    }
+
+    /// Reads the child's lines (collecting what its openers saw) until it says
+    /// `word`, or until it has reported every opener; true if it said `word`.
+    async fn read_until(&mut self, word: &str) -> bool {
+        while self.seen.len() < CHILD_TASKS {
+            let line = self
+                .lines
+                .next_line()
+                .await
+                .unwrap()
+                .expect("the child's output");
+            // libtest may print "test <name> ... " on the same line first.
+            let Some(at) = line.find("child: ") else {
+                continue;
+            };
+            let said = &line[at + "child: ".len()..];
+            if let Some(s) = said.strip_prefix("opened ") {
+                self.seen.push(Ok(s.to_owned()));
+            } else if let Some(e) = said.strip_prefix("failed ") {
+                self.seen.push(Err(e.to_owned()));
+            } else if said == word {
+                return true;
+            }
+        }
+        false
+    }
+
+    async fn finish(mut self) -> Vec<Result<String, String>> {
+        self.read_until("(every opener reported)").await;
+        assert!(
+            self.process.wait().await.unwrap().success(),
+            "a child process failed"
+        );
+        self.seen
+    }
+}
+
+/// Several OS processes (and tasks in this one) open one brand-new file at the
+/// same moment, 30 rounds: all open, all see one schema. The children are this
+/// test binary, re-run with `--exact child_process_opens_the_shared_file`.
+///
+/// In every other round this process first holds the new file's write lock
+/// (as a process busy switching it to WAL would) and lets go only once every
+/// child has reported meeting it: before the fix, every opener then failed
+/// with "database is locked"; now they wait, and then all switch together.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_processes_open_one_new_file_at_once() {
+    const CHILDREN: usize = 4;
+    let expected = expected_schema().await;
+    let exe = std::env::current_exe().expect("the test binary");
+    for round in 0..30 {
+        let path = fresh_path();
+        let hold_first = round % 2 == 0;
+        let one_round = async {
+            let mut holder = None;
+            if hold_first {
+                let mut conn = SqliteConnection::connect_with(
+                    &SqliteConnectOptions::new()
+                        .filename(&path)
+                        .create_if_missing(true),
+                )
+                .await
+                .expect("the holder");
+                conn.execute("BEGIN IMMEDIATE; CREATE TABLE other_app (id INTEGER PRIMARY KEY)")
+                    .await
+                    .expect("hold the write lock");
+                holder = Some(conn);
+            }
+            let mut children = Vec::new();
+            for _ in 0..CHILDREN {
+                children.push(ChildOpener::start(&exe, &path).await);
+            }
+            // Start everyone at once.
+            for child in &mut children {
+                child.go().await;
+            }
+            let mut seen = Vec::new();
+            if let Some(mut holder) = holder {
+                for child in &mut children {
+                    // Each child either waits for the lock, or has given up.
+                    child.read_until("waiting").await;
+                }
+                holder.execute("COMMIT").await.expect("let go of the lock");
+                holder.close().await.unwrap();
+            } else {
+                seen.extend(open_from_tasks(&url(&path), CHILD_TASKS).await);
+            }
+            for child in children {
+                seen.extend(child.finish().await);
+            }
+            seen
+        };
+        // A guard against a hung child, not a timing assertion.
+        let seen = tokio::time::timeout(Duration::from_secs(120), one_round)
+            .await
+            .unwrap_or_else(|_| panic!("round {round}: the openers did not finish"));
+        let openers = if hold_first { CHILDREN } else { CHILDREN + 1 } * CHILD_TASKS;
+        assert_eq!(seen.len(), openers, "round {round}: every opener reported");
+        for (i, s) in seen.iter().enumerate() {
+            assert_eq!(
+                s.as_deref(),
+                Ok(expected.as_str()),
+                "round {round} (holder first: {hold_first}), opener {i}"
+            );
+        }
+        remove(&path);
+    }
+}
+
+/// A tracing layer that wakes `notify` when an event's message contains `needle`.
+struct NotifyOn {
+    needle: &'static str,
+    notify: Arc<tokio::sync::Notify>,
+}
+
+impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for NotifyOn {
+    fn on_event(&self, event: &tracing::Event<'_>, _: tracing_subscriber::layer::Context<'_, S>) {
+        struct Message(String);
+        impl tracing::field::Visit for Message {
+            fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+                if field.name() == "message" {
+                    self.0 = format!("{value:?}");
+                }
+            }
+        }
+        let mut message = Message(String::new());
+        event.record(&mut message);
+        if message.0.contains(self.needle) {
+            self.notify.notify_one();
+        }
+    }
 }

@@ -11,7 +11,7 @@
 
 use super::*;
 use crate::error::Error;
-use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions};
+use sqlx::sqlite::{SqliteConnectOptions, SqlitePool, SqlitePoolOptions};
 use sqlx::Row;
 use std::str::FromStr;
 use std::sync::Arc;
@@ -196,7 +196,8 @@ impl SqliteStore {
     /// or `sqlite::memory:` for a private in-memory database (every clone of
     /// the store sees the same one; it is gone when the store is dropped).
     /// File databases use WAL journaling and a busy timeout, so several
-    /// processes can share one file.
+    /// processes can share one file; several processes may also open (create
+    /// and migrate) one brand-new file at the same moment.
     ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), idempotent_runtime::Error> {
@@ -225,10 +226,22 @@ impl SqliteStore {
                 .connect_with(options)
                 .await
         } else {
-            SqlitePoolOptions::new()
-                .max_connections(MAX_FILE_CONNECTIONS)
-                .connect_with(options.journal_mode(SqliteJournalMode::Wal))
+            // WAL is a property of the file: switch it once, waiting out other
+            // processes doing the same, before the pool opens its connections
+            // (which then find the file in WAL mode and need no switch).
+            let mut first: sqlx::SqliteConnection = sqlx::Connection::connect_with(&options)
                 .await
+                .map_err(err("open the database"))?;
+            switch_to_wal(&mut first)
+                .await
+                .map_err(err("switch the database to WAL journaling"))?;
+            let pool = SqlitePoolOptions::new()
+                .max_connections(MAX_FILE_CONNECTIONS)
+                .connect_with(options)
+                .await;
+            // Closed only now, so the WAL files are not removed and recreated in between.
+            let _ = sqlx::Connection::close(first).await;
+            pool
         }
         .map_err(|e| StoreError::new(STORE, "open the database", e))?;
         Self::from_pool(pool).await
@@ -371,6 +384,64 @@ pub(super) async fn reserve_in(
     Ok(Reservation::InProgress {
         lease_remaining: Duration::ZERO,
     })
+}
+
+/// SQLITE_BUSY or SQLITE_LOCKED, with any extended code: another connection
+/// holds a lock this statement needs.
+pub(super) fn is_busy(e: &sqlx::Error) -> bool {
+    matches!(primary_code(e), Some(5 | 6))
+}
+
+/// The SQLite result code of a database error (extended, as sqlx enables
+/// extended result codes), e.g. 5 SQLITE_BUSY, 517 SQLITE_BUSY_SNAPSHOT.
+pub(super) fn result_code(e: &sqlx::Error) -> Option<i64> {
+    match e {
+        sqlx::Error::Database(db) => db.code().and_then(|c| c.parse::<i64>().ok()),
+        _ => None,
+    }
+}
+
+/// The primary result code (the low byte of the extended one).
+fn primary_code(e: &sqlx::Error) -> Option<i64> {
+    result_code(e).map(|c| c & 0xff)
+}
+
+/// Switches the file `conn` is open on to WAL journaling (a property of the
+/// file, kept across connections and restarts).
+///
+/// SQLite does not consult the busy handler for this switch when another
+/// connection holds the write lock: the switch first reads the file header
+/// (a read transaction) and then upgrades to a write, and an upgrade from a
+/// read transaction answers `SQLITE_BUSY` at once, since waiting while holding
+/// the read lock could deadlock. Two processes opening a brand-new file at the
+/// same moment both switch, and the loser got "database is locked" (with
+/// `journal_mode` in the pool's options, every new pooled connection ran the
+/// switch). Here a busy switch is retried, with a bounded backoff: once the
+/// other side has switched, the retry only reads the header and finds WAL.
+async fn switch_to_wal(conn: &mut sqlx::SqliteConnection) -> Result<(), sqlx::Error> {
+    let deadline = tokio::time::Instant::now() + BUSY_TIMEOUT;
+    let mut pause = Duration::from_millis(1);
+    let mode = loop {
+        match sqlx::query_scalar::<_, String>("PRAGMA journal_mode = WAL")
+            .fetch_one(&mut *conn)
+            .await
+        {
+            Err(e) if is_busy(&e) && tokio::time::Instant::now() + pause < deadline => {
+                tracing::debug!(target: "idempotent", error = %e,
+                    "sqlite: another connection holds the lock while switching to WAL; retrying");
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(Duration::from_millis(50));
+            }
+            other => break other?,
+        }
+    };
+    if !mode.eq_ignore_ascii_case("wal") {
+        // E.g. a file system without shared-memory support: SQLite keeps the
+        // rollback journal, which is slower but still correct with a busy timeout.
+        tracing::warn!(target: "idempotent", journal_mode = %mode,
+            "sqlite: the database could not be switched to WAL journaling; concurrent use will be slower");
+    }
+    Ok(())
 }
 
 /// Applies the embedded migrations that this database has not seen, in one
