@@ -4,10 +4,11 @@
 //! moment"), and transactional mode in a caller's transaction that SQLite
 //! will never let write (rule 15).
 
-use idempotent_runtime::SqliteStore;
-use sqlx::sqlite::SqliteConnectOptions;
-use sqlx::{Connection, Executor, SqliteConnection};
+use idempotent_runtime::{idempotent, with_outcome, Error, Identity, Outcome, SqliteStore, Store};
+use sqlx::sqlite::{SqliteConnectOptions, SqlitePoolOptions};
+use sqlx::{Connection, Executor, Sqlite, SqliteConnection};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -414,4 +415,267 @@ impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for NotifyOn {
             self.notify.notify_one();
         }
     }
+}
+
+// ------------------------------------- (2) transactions SQLite never lets write
+
+#[idempotent(scope = "sqlite_edges.charge", key = key, tenant = tenant, tx = tx, skip(runs),
+             in_progress = wait("10s"))]
+async fn charge(
+    tx: &mut sqlx::Transaction<'_, Sqlite>,
+    tenant: &str,
+    key: &str,
+    runs: &AtomicUsize,
+) -> Result<u64, Error> {
+    runs.fetch_add(1, Ordering::SeqCst);
+    sqlx::query("INSERT INTO charges (tenant, idem_key) VALUES (?1, ?2)")
+        .bind(tenant)
+        .bind(key)
+        .execute(&mut **tx)
+        .await
+        .expect("the business write");
+    Ok(500)
+}
+
+/// The same, with a short wait: for the cases that must end in `InProgress`.
+#[idempotent(scope = "sqlite_edges.charge_short_wait", key = key, tenant = tenant, tx = tx,
+             skip(runs), in_progress = wait("300ms"))]
+async fn charge_short_wait(
+    tx: &mut sqlx::Transaction<'_, Sqlite>,
+    tenant: &str,
+    key: &str,
+    runs: &AtomicUsize,
+) -> Result<u64, Error> {
+    runs.fetch_add(1, Ordering::SeqCst);
+    sqlx::query("INSERT INTO charges (tenant, idem_key) VALUES (?1, ?2)")
+        .bind(tenant)
+        .bind(key)
+        .execute(&mut **tx)
+        .await
+        .expect("the business write");
+    Ok(500)
+}
+
+fn fresh_tenant() -> String {
+    format!("t-{}", uuid::Uuid::new_v4().simple())
+}
+
+async fn create_charges(pool: &sqlx::SqlitePool) {
+    sqlx::query(
+        "CREATE TABLE IF NOT EXISTS charges (tenant TEXT NOT NULL, idem_key TEXT NOT NULL)",
+    )
+    .execute(pool)
+    .await
+    .expect("ddl");
+}
+
+/// A write by another connection, committed.
+async fn commit_a_write_elsewhere(pool: &sqlx::SqlitePool) {
+    sqlx::query("INSERT INTO charges (tenant, idem_key) VALUES ('someone-else', 'x')")
+        .execute(pool)
+        .await
+        .expect("another connection's write");
+}
+
+fn assert_stale_snapshot(answer: Result<u64, Error>, scope: &str) {
+    match answer {
+        Err(e @ Error::StaleSnapshot { .. }) => {
+            let Error::StaleSnapshot { scope: s } = &e else {
+                unreachable!()
+            };
+            assert_eq!(s, scope);
+            let message = e.to_string();
+            assert!(
+                message.contains("BEGIN IMMEDIATE") && message.contains("Roll it back"),
+                "the error says what to do: {message}"
+            );
+        }
+        other => panic!("expected StaleSnapshot, got {other:?}"),
+    }
+}
+
+/// A deferred transaction (sqlx's `begin()`) that read before another
+/// connection committed can never write (SQLITE_BUSY_SNAPSHOT): a brand-new
+/// key is refused at once with `StaleSnapshot`, not `InProgress` after the
+/// wait; nothing runs, nothing is recorded. The same work in a transaction
+/// begun with `BEGIN IMMEDIATE` runs.
+#[tokio::test]
+async fn a_stale_snapshot_is_refused_and_begin_immediate_works() {
+    let path = fresh_path();
+    let store = SqliteStore::connect(&url(&path)).await.expect("open");
+    let pool = store.pool().clone();
+    create_charges(&pool).await;
+    let tenant = fresh_tenant();
+    let runs = AtomicUsize::new(0);
+    let id = Identity::new(&tenant, "sqlite_edges.charge", "brand-new").unwrap();
+
+    let mut tx = pool.begin().await.expect("deferred begin");
+    let _: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM charges")
+        .fetch_one(&mut *tx)
+        .await
+        .expect("read: the transaction now holds a snapshot");
+    commit_a_write_elsewhere(&pool).await;
+    let (answer, outcome) = with_outcome(charge(&mut tx, &tenant, "brand-new", &runs)).await;
+    assert_stale_snapshot(answer, "sqlite_edges.charge");
+    assert_eq!(outcome, None, "neither executed nor replayed");
+    assert_eq!(runs.load(Ordering::SeqCst), 0, "the body did not run");
+    tx.rollback().await.expect("rollback");
+    assert_eq!(store.fetch(&id).await.unwrap(), None, "nothing recorded");
+
+    let mut tx = pool
+        .begin_with("BEGIN IMMEDIATE")
+        .await
+        .expect("immediate begin");
+    let _: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM charges")
+        .fetch_one(&mut *tx)
+        .await
+        .expect("read");
+    let (answer, outcome) = with_outcome(charge(&mut tx, &tenant, "brand-new", &runs)).await;
+    assert_eq!(answer.expect("runs"), 500);
+    assert_eq!(outcome, Some(Outcome::Executed));
+    tx.commit().await.expect("commit");
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+
+    // A retry in a fresh transaction replays.
+    let mut tx = pool.begin_with("BEGIN IMMEDIATE").await.unwrap();
+    let (answer, outcome) = with_outcome(charge(&mut tx, &tenant, "brand-new", &runs)).await;
+    assert_eq!(answer.expect("replays"), 500);
+    assert_eq!(outcome, Some(Outcome::Replayed));
+    tx.commit().await.unwrap();
+    assert_eq!(runs.load(Ordering::SeqCst), 1, "the body ran once");
+    pool.close().await;
+    remove(&path);
+}
+
+/// Another connection holding the write lock in an open transaction is a
+/// genuine wait, not a stale snapshot: `InProgress` once the wait bound is
+/// over, both for a deferred transaction that has not read (SQLite's busy
+/// handler waits) and for one that has (SQLite answers at once; the wait
+/// policy retries). Once the holder rolls back, the same transactions write.
+#[tokio::test]
+async fn a_concurrent_write_lock_holder_gives_in_progress() {
+    let path = fresh_path();
+    let store = SqliteStore::connect(&url(&path)).await.expect("open");
+    let pool = store.pool().clone();
+    create_charges(&pool).await;
+    let tenant = fresh_tenant();
+    let runs = AtomicUsize::new(0);
+
+    for read_first in [false, true] {
+        let key = format!("held-{read_first}");
+        let mut tx = pool.begin().await.expect("deferred begin");
+        if read_first {
+            let _: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM charges")
+                .fetch_one(&mut *tx)
+                .await
+                .expect("read");
+        }
+        let mut holder = pool.acquire().await.expect("the holder's connection");
+        holder
+            .execute(
+                "BEGIN IMMEDIATE; INSERT INTO charges (tenant, idem_key) VALUES ('holder', 'h')",
+            )
+            .await
+            .expect("hold the write lock");
+        match charge_short_wait(&mut tx, &tenant, &key, &runs).await {
+            Err(Error::InProgress { scope, .. }) => {
+                assert_eq!(scope, "sqlite_edges.charge_short_wait")
+            }
+            other => panic!("read_first={read_first}: expected InProgress, got {other:?}"),
+        }
+        assert_eq!(runs.load(Ordering::SeqCst), 0);
+        holder
+            .execute("ROLLBACK")
+            .await
+            .expect("the holder gives up");
+        drop(holder);
+        // Nothing was committed meanwhile, so even the snapshot is still good.
+        let (answer, outcome) =
+            with_outcome(charge_short_wait(&mut tx, &tenant, &key, &runs)).await;
+        assert_eq!(
+            answer.expect("runs once the lock is free"),
+            500,
+            "read_first={read_first}"
+        );
+        assert_eq!(outcome, Some(Outcome::Executed));
+        tx.commit().await.expect("commit");
+        runs.store(0, Ordering::SeqCst);
+    }
+    pool.close().await;
+    remove(&path);
+}
+
+/// `from_pool` on an application's pool without WAL (rollback journal): a
+/// deferred transaction that has read holds a shared lock that the write lock
+/// holder needs for its commit, so waiting is a deadlock. Refused at once with
+/// `StaleSnapshot`; after the rollback the holder commits. A deferred
+/// transaction that has not read yet is a genuine wait: `InProgress`.
+#[tokio::test]
+async fn rollback_journal_read_then_write_is_refused_not_deadlocked() {
+    let path = fresh_path();
+    let pool = SqlitePoolOptions::new()
+        .max_connections(4)
+        .connect_with(
+            SqliteConnectOptions::new()
+                .filename(&path)
+                .create_if_missing(true),
+        )
+        .await
+        .expect("the application's pool, default journal");
+    let store = SqliteStore::from_pool(pool.clone())
+        .await
+        .expect("from_pool");
+    let journal: String = sqlx::query_scalar("PRAGMA journal_mode")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(journal, "delete", "a rollback-journal database");
+    create_charges(&pool).await;
+    let tenant = fresh_tenant();
+    let runs = AtomicUsize::new(0);
+
+    // Not read yet: SQLite's busy handler waits, then it is InProgress.
+    let mut tx = pool.begin().await.expect("deferred begin");
+    let mut holder = pool.acquire().await.unwrap();
+    holder
+        .execute("BEGIN IMMEDIATE; INSERT INTO charges (tenant, idem_key) VALUES ('holder', 'h')")
+        .await
+        .expect("hold the write lock");
+    match charge_short_wait(&mut tx, &tenant, "k", &runs).await {
+        Err(Error::InProgress { .. }) => {}
+        other => panic!("expected InProgress, got {other:?}"),
+    }
+    holder.execute("ROLLBACK").await.unwrap();
+    tx.rollback().await.unwrap();
+
+    // Read first: a deadlock, refused at once.
+    let mut tx = pool.begin().await.expect("deferred begin");
+    let _: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM charges")
+        .fetch_one(&mut *tx)
+        .await
+        .expect("read: holds the shared lock");
+    holder
+        .execute("BEGIN IMMEDIATE; INSERT INTO charges (tenant, idem_key) VALUES ('holder', 'h')")
+        .await
+        .expect("hold the write lock");
+    let answer = charge(&mut tx, &tenant, "k", &runs).await;
+    assert_stale_snapshot(answer, "sqlite_edges.charge");
+    assert_eq!(runs.load(Ordering::SeqCst), 0);
+    tx.rollback().await.unwrap();
+    holder
+        .execute("COMMIT")
+        .await
+        .expect("the holder can commit now");
+    drop(holder);
+
+    let mut tx = pool.begin_with("BEGIN IMMEDIATE").await.unwrap();
+    assert_eq!(
+        charge(&mut tx, &tenant, "k", &runs).await.expect("runs"),
+        500
+    );
+    tx.commit().await.unwrap();
+    let id = Identity::new(&tenant, "sqlite_edges.charge", "k").unwrap();
+    assert!(store.fetch(&id).await.unwrap().is_some());
+    pool.close().await;
+    remove(&path);
 }

@@ -402,7 +402,7 @@ pub(super) fn result_code(e: &sqlx::Error) -> Option<i64> {
 }
 
 /// The primary result code (the low byte of the extended one).
-fn primary_code(e: &sqlx::Error) -> Option<i64> {
+pub(super) fn primary_code(e: &sqlx::Error) -> Option<i64> {
     result_code(e).map(|c| c & 0xff)
 }
 
