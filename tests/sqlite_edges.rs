@@ -393,6 +393,21 @@ async fn many_processes_open_one_new_file_at_once() {
     }
 }
 
+/// The `message` field of a tracing event.
+fn message_of(event: &tracing::Event<'_>) -> String {
+    struct Message(String);
+    impl tracing::field::Visit for Message {
+        fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+            if field.name() == "message" {
+                self.0 = format!("{value:?}");
+            }
+        }
+    }
+    let mut message = Message(String::new());
+    event.record(&mut message);
+    message.0
+}
+
 /// A tracing layer that wakes `notify` when an event's message contains `needle`.
 struct NotifyOn {
     needle: &'static str,
@@ -401,17 +416,7 @@ struct NotifyOn {
 
 impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for NotifyOn {
     fn on_event(&self, event: &tracing::Event<'_>, _: tracing_subscriber::layer::Context<'_, S>) {
-        struct Message(String);
-        impl tracing::field::Visit for Message {
-            fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
-                if field.name() == "message" {
-                    self.0 = format!("{value:?}");
-                }
-            }
-        }
-        let mut message = Message(String::new());
-        event.record(&mut message);
-        if message.0.contains(self.needle) {
+        if message_of(event).contains(self.needle) {
             self.notify.notify_one();
         }
     }
@@ -677,5 +682,62 @@ async fn rollback_journal_read_then_write_is_refused_not_deadlocked() {
     let id = Identity::new(&tenant, "sqlite_edges.charge", "k").unwrap();
     assert!(store.fetch(&id).await.unwrap().is_some());
     pool.close().await;
+    remove(&path);
+}
+
+// ------------------------------------------ (3) pools the store cannot fix
+
+/// A tracing layer that keeps every event's message.
+#[derive(Clone, Default)]
+struct Messages(Arc<std::sync::Mutex<Vec<String>>>);
+
+impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Messages {
+    fn on_event(&self, event: &tracing::Event<'_>, _: tracing_subscriber::layer::Context<'_, S>) {
+        self.0.lock().unwrap().push(message_of(event));
+    }
+}
+
+/// `from_pool` on a pool without a busy timeout: every write that meets
+/// another connection's lock would fail at once with "database is locked".
+/// The store cannot change the application's pool, so it says so when it is
+/// made; a store opened with `connect` says nothing.
+#[tokio::test]
+async fn from_pool_warns_about_a_pool_without_busy_timeout() {
+    use tracing_subscriber::layer::SubscriberExt;
+    let messages = Messages::default();
+    let _log =
+        tracing::subscriber::set_default(tracing_subscriber::registry().with(messages.clone()));
+    let warned = || {
+        messages
+            .0
+            .lock()
+            .unwrap()
+            .iter()
+            .any(|m| m.contains("no busy timeout"))
+    };
+
+    let path = fresh_path();
+    let store = SqliteStore::connect(&url(&path)).await.expect("connect");
+    assert!(!warned(), "connect sets a busy timeout");
+    store.pool().close().await;
+
+    let pool = SqlitePoolOptions::new()
+        .max_connections(2)
+        .connect_with(
+            SqliteConnectOptions::new()
+                .filename(&path)
+                .busy_timeout(Duration::ZERO),
+        )
+        .await
+        .expect("the application's pool");
+    let store = SqliteStore::from_pool(pool)
+        .await
+        .expect("from_pool still works");
+    assert!(
+        warned(),
+        "the warning names the problem: {:?}",
+        messages.0.lock().unwrap()
+    );
+    store.pool().close().await;
     remove(&path);
 }

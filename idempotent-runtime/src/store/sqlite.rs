@@ -253,7 +253,26 @@ impl SqliteStore {
     /// The migrations are recorded in their own table, `_idempotent_migrations`,
     /// so they do not interfere with the application's sqlx migrations. For
     /// concurrent use, configure the pool with WAL journaling and a busy timeout
-    /// (as [`connect`](Self::connect) does).
+    /// (as [`connect`](Self::connect) does). What to know about such a pool:
+    ///
+    /// - Busy timeout: without one (`busy_timeout(Duration::ZERO)`) every write
+    ///   that meets another connection's lock fails at once with "database is
+    ///   locked"; the store logs a warning when it finds the pool so configured.
+    /// - WAL: `journal_mode(Wal)` in the pool's options runs the switch on
+    ///   every new connection, and SQLite does not wait for a switch that
+    ///   meets another connection's lock: pools of several processes creating
+    ///   one brand-new file at once can fail with "database is locked". Open it once with `connect` (which waits
+    ///   the switch out), or switch the file before the pools are made.
+    ///   Without WAL (the rollback journal) the store works, more slowly.
+    /// - Transactional mode (`tx = ...`): begin the transactions with
+    ///   `BEGIN IMMEDIATE`. A deferred transaction that has read before
+    ///   another connection wrote can never write, and is refused with
+    ///   [`Error::StaleSnapshot`].
+    /// - In-memory databases with shared cache (`sqlite::memory:`) and more than
+    ///   one connection: sqlx waits for another connection's table lock
+    ///   without a bound, so `in_progress = wait(...)` and `reject` are not
+    ///   honoured there. Use `connect("sqlite::memory:")` (one connection) or
+    ///   `max_connections(1)`.
     ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -268,6 +287,16 @@ impl SqliteStore {
     /// applied to this database differs from the one this version ships.
     pub async fn from_pool(pool: SqlitePool) -> Result<Self, Error> {
         migrate(&pool).await?;
+        let busy_timeout: i64 = sqlx::query_scalar("PRAGMA busy_timeout")
+            .fetch_one(&pool)
+            .await
+            .map_err(err("read the busy timeout"))?;
+        if busy_timeout <= 0 {
+            tracing::warn!(target: "idempotent",
+                "sqlite: the pool's connections have no busy timeout, so a write that meets another \
+                 connection's lock fails at once with \"database is locked\"; set one with \
+                 SqliteConnectOptions::busy_timeout");
+        }
         Ok(SqliteStore {
             pool,
             write_gate: Arc::new(tokio::sync::Mutex::new(())),
