@@ -685,6 +685,82 @@ async fn rollback_journal_read_then_write_is_refused_not_deadlocked() {
     remove(&path);
 }
 
+/// The same, waiting up to 2 s: long enough to be dropped while it waits.
+#[idempotent(scope = "sqlite_edges.charge_dropped", key = key, tenant = tenant, tx = tx,
+             in_progress = wait("2s"))]
+async fn charge_dropped(
+    tx: &mut sqlx::Transaction<'_, Sqlite>,
+    tenant: &str,
+    key: &str,
+) -> Result<u64, Error> {
+    let _ = tx;
+    Ok(500)
+}
+
+/// A transactional call sets the connection's busy timeout to its wait bound
+/// for the reservation and puts it back after. A call dropped while it waits
+/// for the lock cannot put it back; it used to leave the pooled connection
+/// with the wait bound (0 for `reject`) as its busy timeout, so later writes
+/// on it failed with "database is locked" much sooner than configured. The
+/// connection gets its timeout back when it returns to the store's pool.
+#[tokio::test]
+async fn a_dropped_call_does_not_leave_the_busy_timeout_changed() {
+    use tracing_subscriber::layer::SubscriberExt;
+    let path = fresh_path();
+    let store = SqliteStore::connect(&url(&path)).await.expect("open");
+    let pool = store.pool().clone();
+    let configured: i64 = sqlx::query_scalar("PRAGMA busy_timeout")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+
+    let reserving = Arc::new(tokio::sync::Notify::new());
+    let _log = tracing::subscriber::set_default(tracing_subscriber::registry().with(NotifyOn {
+        needle: "reserving in the caller's transaction",
+        notify: reserving.clone(),
+    }));
+    let mut holder = pool.acquire().await.unwrap();
+    holder
+        .execute("BEGIN IMMEDIATE; DELETE FROM idempotency_records WHERE tenant = 'nobody'")
+        .await
+        .expect("hold the write lock");
+    let tenant = fresh_tenant();
+    let mut tx = pool.begin().await.expect("deferred begin");
+    {
+        let call = charge_dropped(&mut tx, &tenant, "k");
+        tokio::pin!(call);
+        tokio::select! {
+            // Handshake: the call has set its timeout and is about to wait.
+            _ = reserving.notified() => {}
+            answer = &mut call => panic!("the call should wait for the lock, got {answer:?}"),
+        }
+        // Dropped here, while it waits.
+    }
+    holder.execute("ROLLBACK").await.unwrap();
+    drop(holder);
+    tx.rollback().await.expect("the caller gives up too");
+
+    // As many connections as the pool may have, so the one the call used is
+    // among them (once it is back): all have the configured timeout.
+    let mut connections = Vec::new();
+    for _ in 0..pool.options().get_max_connections() {
+        connections.push(pool.acquire().await.unwrap());
+    }
+    for conn in &mut connections {
+        let busy: i64 = sqlx::query_scalar("PRAGMA busy_timeout")
+            .fetch_one(&mut **conn)
+            .await
+            .unwrap();
+        assert_eq!(
+            busy, configured,
+            "a pooled connection kept a dropped call's timeout"
+        );
+    }
+    drop(connections);
+    pool.close().await;
+    remove(&path);
+}
+
 // ------------------------------------------ (3) pools the store cannot fix
 
 /// A tracing layer that keeps every event's message.

@@ -218,7 +218,7 @@ impl SqliteStore {
             // A shared-cache in-memory database lives as long as one connection
             // to it is open: keep exactly one, forever, so every caller sees
             // the same records and none are lost to an idle timeout.
-            SqlitePoolOptions::new()
+            pool_options()
                 .max_connections(1)
                 .min_connections(1)
                 .idle_timeout(None)
@@ -235,7 +235,7 @@ impl SqliteStore {
             switch_to_wal(&mut first)
                 .await
                 .map_err(err("switch the database to WAL journaling"))?;
-            let pool = SqlitePoolOptions::new()
+            let pool = pool_options()
                 .max_connections(MAX_FILE_CONNECTIONS)
                 .connect_with(options)
                 .await;
@@ -267,7 +267,10 @@ impl SqliteStore {
     /// - Transactional mode (`tx = ...`): begin the transactions with
     ///   `BEGIN IMMEDIATE`. A deferred transaction that has read before
     ///   another connection wrote can never write, and is refused with
-    ///   [`Error::StaleSnapshot`].
+    ///   [`Error::StaleSnapshot`]. A call dropped while it waits for the lock
+    ///   leaves its connection's busy timeout at the call's wait bound until
+    ///   the next transactional call on that connection; pools made by
+    ///   `connect` restore it when the connection is released.
     /// - In-memory databases with shared cache (`sqlite::memory:`) and more than
     ///   one connection: sqlx waits for another connection's table lock
     ///   without a bound, so `in_progress = wait(...)` and `reject` are not
@@ -412,6 +415,15 @@ pub(super) async fn reserve_in(
     // The record's lease ended just as we looked: tell the caller to come back at once.
     Ok(Reservation::InProgress {
         lease_remaining: Duration::ZERO,
+    })
+}
+
+/// The options of the pools [`SqliteStore::connect`] makes: a connection
+/// whose busy timeout a dropped transactional call left changed gets it back
+/// when it returns to the pool (or is closed if that fails).
+fn pool_options() -> SqlitePoolOptions {
+    SqlitePoolOptions::new().after_release(|conn, _| {
+        Box::pin(async move { Ok(super::sqlite_tx::restore_busy_timeout(conn).await.is_ok()) })
     })
 }
 
