@@ -1,8 +1,13 @@
-//! SQLite at its edges: opening one brand-new file from many tasks and many
-//! OS processes at the same moment (DESIGN.md §5: migrations apply themselves
-//! "also when several processes open a brand-new database at the same
-//! moment"), and transactional mode in a caller's transaction that SQLite
-//! will never let write (rule 15).
+//! SQLite at its edges:
+//! 1. opening one brand-new file from many tasks and many OS processes at the
+//!    same moment (DESIGN.md §5: migrations apply themselves "also when
+//!    several processes open a brand-new database at the same moment");
+//! 2. transactional mode in a caller's transaction that SQLite will never let
+//!    write, and in one that only has to wait (rule 15); a call dropped while
+//!    it waits;
+//! 3. an application's pool (`from_pool`) the store cannot configure.
+//!
+//! Waits are handshakes on the store's own log events, never sleeps.
 
 use idempotent_runtime::{idempotent, with_outcome, Error, Identity, Outcome, SqliteStore, Store};
 use sqlx::sqlite::{SqliteConnectOptions, SqlitePoolOptions};
@@ -93,6 +98,85 @@ async fn open_from_tasks(url: &str, tasks: usize) -> Vec<Result<String, String>>
     seen
 }
 
+/// The store's tracing events, captured process-wide by one global
+/// subscriber (a thread-local one misses events whose callsite another test
+/// thread registered first, so `cargo test` would see the handshakes fail).
+mod capture {
+    use std::sync::{Arc, Mutex, Once};
+    use tracing_subscriber::layer::SubscriberExt;
+
+    type Listener = (Vec<String>, Arc<tokio::sync::Notify>);
+    static LISTENERS: Mutex<Vec<Listener>> = Mutex::new(Vec::new());
+    static EVENTS: Mutex<Vec<String>> = Mutex::new(Vec::new());
+
+    struct Capture;
+
+    impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Capture {
+        fn register_callsite(
+            &self,
+            metadata: &'static tracing::Metadata<'static>,
+        ) -> tracing::subscriber::Interest {
+            if metadata.target().starts_with("idempotent") {
+                tracing::subscriber::Interest::always()
+            } else {
+                tracing::subscriber::Interest::never()
+            }
+        }
+
+        fn on_event(
+            &self,
+            event: &tracing::Event<'_>,
+            _: tracing_subscriber::layer::Context<'_, S>,
+        ) {
+            struct Render(String);
+            impl tracing::field::Visit for Render {
+                fn record_debug(
+                    &mut self,
+                    field: &tracing::field::Field,
+                    value: &dyn std::fmt::Debug,
+                ) {
+                    self.0.push_str(&format!(" {}={value:?}", field.name()));
+                }
+            }
+            let mut rendered = Render(String::new());
+            event.record(&mut rendered);
+            for (parts, notify) in LISTENERS.lock().unwrap().iter() {
+                if parts.iter().all(|p| rendered.0.contains(p.as_str())) {
+                    notify.notify_one();
+                }
+            }
+            EVENTS.lock().unwrap().push(rendered.0);
+        }
+    }
+
+    fn install() {
+        static ONCE: Once = Once::new();
+        ONCE.call_once(|| {
+            tracing::subscriber::set_global_default(tracing_subscriber::registry().with(Capture))
+                .expect("the capturing subscriber");
+        });
+    }
+
+    /// Woken (once per event) by every store event whose message and fields contain all of `parts`.
+    pub fn notify_on(parts: &[&str]) -> Arc<tokio::sync::Notify> {
+        install();
+        let notify = Arc::new(tokio::sync::Notify::new());
+        let parts = parts.iter().map(|p| (*p).to_owned()).collect();
+        LISTENERS.lock().unwrap().push((parts, notify.clone()));
+        notify
+    }
+
+    /// Whether any store event so far contained all of `parts`.
+    pub fn seen(parts: &[&str]) -> bool {
+        install();
+        EVENTS
+            .lock()
+            .unwrap()
+            .iter()
+            .any(|e| parts.iter().all(|p| e.contains(p)))
+    }
+}
+
 // ------------------------------------------------ (1) opening a new file at once
 
 /// `connect` and `from_pool` can be spawned: their futures are `Send` (the
@@ -123,8 +207,6 @@ async fn connect_and_from_pool_can_be_spawned() {
 /// `connect` must wait it out (bounded), not fail.
 #[tokio::test]
 async fn switching_to_wal_waits_for_another_writer() {
-    use tracing_subscriber::layer::SubscriberExt;
-
     let path = fresh_path();
     let mut holder = SqliteConnection::connect_with(
         &SqliteConnectOptions::new()
@@ -138,12 +220,8 @@ async fn switching_to_wal_waits_for_another_writer() {
         .await
         .expect("hold the write lock");
 
-    // Handshake: the store says when it met the lock and is waiting.
-    let met_the_lock = Arc::new(tokio::sync::Notify::new());
-    let _log = tracing::subscriber::set_default(tracing_subscriber::registry().with(NotifyOn {
-        needle: MET_THE_LOCK,
-        notify: met_the_lock.clone(),
-    }));
+    // Handshake: the store says when it met the lock on this file and is waiting.
+    let met_the_lock = capture::notify_on(&[MET_THE_LOCK, &path.display().to_string()]);
     let u = url(&path);
     let mut opening = tokio::spawn(async move { SqliteStore::connect(&u).await });
     tokio::select! {
@@ -213,16 +291,10 @@ const MET_THE_LOCK: &str = "switching to WAL";
 #[test]
 fn child_process_opens_the_shared_file() {
     use std::io::{BufRead, Write};
-    use tracing_subscriber::layer::SubscriberExt;
     let Ok(path) = std::env::var(CHILD_ENV) else {
         return;
     };
-    let waiting = Arc::new(tokio::sync::Notify::new());
-    tracing::subscriber::set_global_default(tracing_subscriber::registry().with(NotifyOn {
-        needle: MET_THE_LOCK,
-        notify: waiting.clone(),
-    }))
-    .expect("the child's subscriber");
+    let waiting = capture::notify_on(&[MET_THE_LOCK, &path]);
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -390,35 +462,6 @@ async fn many_processes_open_one_new_file_at_once() {
             );
         }
         remove(&path);
-    }
-}
-
-/// The `message` field of a tracing event.
-fn message_of(event: &tracing::Event<'_>) -> String {
-    struct Message(String);
-    impl tracing::field::Visit for Message {
-        fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
-            if field.name() == "message" {
-                self.0 = format!("{value:?}");
-            }
-        }
-    }
-    let mut message = Message(String::new());
-    event.record(&mut message);
-    message.0
-}
-
-/// A tracing layer that wakes `notify` when an event's message contains `needle`.
-struct NotifyOn {
-    needle: &'static str,
-    notify: Arc<tokio::sync::Notify>,
-}
-
-impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for NotifyOn {
-    fn on_event(&self, event: &tracing::Event<'_>, _: tracing_subscriber::layer::Context<'_, S>) {
-        if message_of(event).contains(self.needle) {
-            self.notify.notify_one();
-        }
     }
 }
 
@@ -705,7 +748,6 @@ async fn charge_dropped(
 /// connection gets its timeout back when it returns to the store's pool.
 #[tokio::test]
 async fn a_dropped_call_does_not_leave_the_busy_timeout_changed() {
-    use tracing_subscriber::layer::SubscriberExt;
     let path = fresh_path();
     let store = SqliteStore::connect(&url(&path)).await.expect("open");
     let pool = store.pool().clone();
@@ -714,11 +756,10 @@ async fn a_dropped_call_does_not_leave_the_busy_timeout_changed() {
         .await
         .unwrap();
 
-    let reserving = Arc::new(tokio::sync::Notify::new());
-    let _log = tracing::subscriber::set_default(tracing_subscriber::registry().with(NotifyOn {
-        needle: "reserving in the caller's transaction",
-        notify: reserving.clone(),
-    }));
+    let reserving = capture::notify_on(&[
+        "reserving in the caller's transaction",
+        "sqlite_edges.charge_dropped",
+    ]);
     let mut holder = pool.acquire().await.unwrap();
     holder
         .execute("BEGIN IMMEDIATE; DELETE FROM idempotency_records WHERE tenant = 'nobody'")
@@ -763,38 +804,19 @@ async fn a_dropped_call_does_not_leave_the_busy_timeout_changed() {
 
 // ------------------------------------------ (3) pools the store cannot fix
 
-/// A tracing layer that keeps every event's message.
-#[derive(Clone, Default)]
-struct Messages(Arc<std::sync::Mutex<Vec<String>>>);
-
-impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Messages {
-    fn on_event(&self, event: &tracing::Event<'_>, _: tracing_subscriber::layer::Context<'_, S>) {
-        self.0.lock().unwrap().push(message_of(event));
-    }
-}
-
 /// `from_pool` on a pool without a busy timeout: every write that meets
 /// another connection's lock would fail at once with "database is locked".
 /// The store cannot change the application's pool, so it says so when it is
 /// made; a store opened with `connect` says nothing.
 #[tokio::test]
 async fn from_pool_warns_about_a_pool_without_busy_timeout() {
-    use tracing_subscriber::layer::SubscriberExt;
-    let messages = Messages::default();
-    let _log =
-        tracing::subscriber::set_default(tracing_subscriber::registry().with(messages.clone()));
-    let warned = || {
-        messages
-            .0
-            .lock()
-            .unwrap()
-            .iter()
-            .any(|m| m.contains("no busy timeout"))
-    };
-
     let path = fresh_path();
+    let file = path.display().to_string();
     let store = SqliteStore::connect(&url(&path)).await.expect("connect");
-    assert!(!warned(), "connect sets a busy timeout");
+    assert!(
+        !capture::seen(&["no busy timeout", &file]),
+        "connect sets a busy timeout"
+    );
     store.pool().close().await;
 
     let pool = SqlitePoolOptions::new()
@@ -810,9 +832,8 @@ async fn from_pool_warns_about_a_pool_without_busy_timeout() {
         .await
         .expect("from_pool still works");
     assert!(
-        warned(),
-        "the warning names the problem: {:?}",
-        messages.0.lock().unwrap()
+        capture::seen(&["no busy timeout", &file]),
+        "the warning names the problem and the file"
     );
     store.pool().close().await;
     remove(&path);

@@ -232,7 +232,7 @@ impl SqliteStore {
             let mut first: sqlx::SqliteConnection = sqlx::Connection::connect_with(&options)
                 .await
                 .map_err(err("open the database"))?;
-            switch_to_wal(&mut first)
+            switch_to_wal(&mut first, &options.get_filename().display().to_string())
                 .await
                 .map_err(err("switch the database to WAL journaling"))?;
             let pool = pool_options()
@@ -295,7 +295,8 @@ impl SqliteStore {
             .await
             .map_err(err("read the busy timeout"))?;
         if busy_timeout <= 0 {
-            tracing::warn!(target: "idempotent",
+            let file = pool.connect_options().get_filename().display().to_string();
+            tracing::warn!(target: "idempotent", file,
                 "sqlite: the pool's connections have no busy timeout, so a write that meets another \
                  connection's lock fails at once with \"database is locked\"; set one with \
                  SqliteConnectOptions::busy_timeout");
@@ -447,8 +448,8 @@ pub(super) fn primary_code(e: &sqlx::Error) -> Option<i64> {
     result_code(e).map(|c| c & 0xff)
 }
 
-/// Switches the file `conn` is open on to WAL journaling (a property of the
-/// file, kept across connections and restarts).
+/// Switches `file`, which `conn` is open on, to WAL journaling (a property of
+/// the file, kept across connections and restarts).
 ///
 /// SQLite does not consult the busy handler for this switch when another
 /// connection holds the write lock: the switch first reads the file header
@@ -459,7 +460,7 @@ pub(super) fn primary_code(e: &sqlx::Error) -> Option<i64> {
 /// `journal_mode` in the pool's options, every new pooled connection ran the
 /// switch). Here a busy switch is retried, with a bounded backoff: once the
 /// other side has switched, the retry only reads the header and finds WAL.
-async fn switch_to_wal(conn: &mut sqlx::SqliteConnection) -> Result<(), sqlx::Error> {
+async fn switch_to_wal(conn: &mut sqlx::SqliteConnection, file: &str) -> Result<(), sqlx::Error> {
     let deadline = tokio::time::Instant::now() + BUSY_TIMEOUT;
     let mut pause = Duration::from_millis(1);
     let mode = loop {
@@ -468,7 +469,7 @@ async fn switch_to_wal(conn: &mut sqlx::SqliteConnection) -> Result<(), sqlx::Er
             .await
         {
             Err(e) if is_busy(&e) && tokio::time::Instant::now() + pause < deadline => {
-                tracing::debug!(target: "idempotent", error = %e,
+                tracing::debug!(target: "idempotent", file, error = %e,
                     "sqlite: another connection holds the lock while switching to WAL; retrying");
                 tokio::time::sleep(pause).await;
                 pause = (pause * 2).min(Duration::from_millis(50));
@@ -479,7 +480,7 @@ async fn switch_to_wal(conn: &mut sqlx::SqliteConnection) -> Result<(), sqlx::Er
     if !mode.eq_ignore_ascii_case("wal") {
         // E.g. a file system without shared-memory support: SQLite keeps the
         // rollback journal, which is slower but still correct with a busy timeout.
-        tracing::warn!(target: "idempotent", journal_mode = %mode,
+        tracing::warn!(target: "idempotent", file, journal_mode = %mode,
             "sqlite: the database could not be switched to WAL journaling; concurrent use will be slower");
     }
     Ok(())
