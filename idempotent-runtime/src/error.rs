@@ -175,12 +175,13 @@ pub enum Error {
     },
 
     /// SQLite transactional mode: the caller's transaction read the database
-    /// before another connection wrote to it, so SQLite will never let it write
-    /// (`SQLITE_BUSY_SNAPSHOT`). Retrying inside that transaction cannot help;
-    /// nothing ran.
-    #[error("scope `{scope}`: the SQLite transaction passed as `tx = ...` read the database before another \
-             connection wrote to it, so it can no longer write (SQLITE_BUSY_SNAPSHOT). Roll it back and retry, \
-             and begin transactions that call idempotent functions with `BEGIN IMMEDIATE` \
+    /// before it tried to write, and SQLite will never let it write now: another
+    /// connection wrote since its snapshot (`SQLITE_BUSY_SNAPSHOT`), or, without
+    /// WAL, another writer waits for its read lock. Retrying inside that
+    /// transaction cannot help; nothing ran.
+    #[error("scope `{scope}`: the SQLite transaction passed as `tx = ...` read the database before writing, \
+             and SQLite will not let it write any more (another connection wrote since, or waits for its read lock). \
+             Roll it back and retry, and begin transactions that call idempotent functions with `BEGIN IMMEDIATE` \
              (`pool.begin_with(\"BEGIN IMMEDIATE\")`)")]
     StaleSnapshot {
         /// The scope of the call.

@@ -11,7 +11,7 @@
 
 use super::*;
 use crate::error::Error;
-use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions};
+use sqlx::sqlite::{SqliteConnectOptions, SqlitePool, SqlitePoolOptions};
 use sqlx::Row;
 use std::str::FromStr;
 use std::sync::Arc;
@@ -199,7 +199,8 @@ impl SqliteStore {
     /// or `sqlite::memory:` for a private in-memory database (every clone of
     /// the store sees the same one; it is gone when the store is dropped).
     /// File databases use WAL journaling and a busy timeout, so several
-    /// processes can share one file.
+    /// processes can share one file; several processes may also open (create
+    /// and migrate) one brand-new file at the same moment.
     ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), idempotent_runtime::Error> {
@@ -220,7 +221,7 @@ impl SqliteStore {
             // A shared-cache in-memory database lives as long as one connection
             // to it is open: keep exactly one, forever, so every caller sees
             // the same records and none are lost to an idle timeout.
-            SqlitePoolOptions::new()
+            pool_options()
                 .max_connections(1)
                 .min_connections(1)
                 .idle_timeout(None)
@@ -228,10 +229,22 @@ impl SqliteStore {
                 .connect_with(options)
                 .await
         } else {
-            SqlitePoolOptions::new()
-                .max_connections(MAX_FILE_CONNECTIONS)
-                .connect_with(options.journal_mode(SqliteJournalMode::Wal))
+            // WAL is a property of the file: switch it once, waiting out other
+            // processes doing the same, before the pool opens its connections
+            // (which then find the file in WAL mode and need no switch).
+            let mut first: sqlx::SqliteConnection = sqlx::Connection::connect_with(&options)
                 .await
+                .map_err(err("open the database"))?;
+            switch_to_wal(&mut first, &options.get_filename().display().to_string())
+                .await
+                .map_err(err("switch the database to WAL journaling"))?;
+            let pool = pool_options()
+                .max_connections(MAX_FILE_CONNECTIONS)
+                .connect_with(options)
+                .await;
+            // Closed only now, so the WAL files are not removed and recreated in between.
+            let _ = sqlx::Connection::close(first).await;
+            pool
         }
         .map_err(|e| StoreError::new(STORE, "open the database", e))?;
         Self::from_pool(pool).await
@@ -243,7 +256,29 @@ impl SqliteStore {
     /// The migrations are recorded in their own table, `_idempotent_migrations`,
     /// so they do not interfere with the application's sqlx migrations. For
     /// concurrent use, configure the pool with WAL journaling and a busy timeout
-    /// (as [`connect`](Self::connect) does).
+    /// (as [`connect`](Self::connect) does). What to know about such a pool:
+    ///
+    /// - Busy timeout: without one (`busy_timeout(Duration::ZERO)`) every write
+    ///   that meets another connection's lock fails at once with "database is
+    ///   locked"; the store logs a warning when it finds the pool so configured.
+    /// - WAL: `journal_mode(Wal)` in the pool's options runs the switch on
+    ///   every new connection, and SQLite does not wait for a switch that
+    ///   meets another connection's lock: pools of several processes creating
+    ///   one brand-new file at once can fail with "database is locked". Open it once with `connect` (which waits
+    ///   the switch out), or switch the file before the pools are made.
+    ///   Without WAL (the rollback journal) the store works, more slowly.
+    /// - Transactional mode (`tx = ...`): begin the transactions with
+    ///   `BEGIN IMMEDIATE`. A deferred transaction that has read before
+    ///   another connection wrote can never write, and is refused with
+    ///   [`Error::StaleSnapshot`]. A call dropped while it waits for the lock
+    ///   leaves its connection's busy timeout at the call's wait bound until
+    ///   the next transactional call on that connection; pools made by
+    ///   `connect` restore it when the connection is released.
+    /// - In-memory databases with shared cache (`sqlite::memory:`) and more than
+    ///   one connection: sqlx waits for another connection's table lock
+    ///   without a bound, so `in_progress = wait(...)` and `reject` are not
+    ///   honoured there. Use `connect("sqlite::memory:")` (one connection) or
+    ///   `max_connections(1)`.
     ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -258,6 +293,17 @@ impl SqliteStore {
     /// applied to this database differs from the one this version ships.
     pub async fn from_pool(pool: SqlitePool) -> Result<Self, Error> {
         migrate(&pool).await?;
+        let busy_timeout: i64 = sqlx::query_scalar("PRAGMA busy_timeout")
+            .fetch_one(&pool)
+            .await
+            .map_err(err("read the busy timeout"))?;
+        if busy_timeout <= 0 {
+            let file = pool.connect_options().get_filename().display().to_string();
+            tracing::warn!(target: "idempotent", file,
+                "sqlite: the pool's connections have no busy timeout, so a write that meets another \
+                 connection's lock fails at once with \"database is locked\"; set one with \
+                 SqliteConnectOptions::busy_timeout");
+        }
         let write_gate = Arc::new(tokio::sync::Mutex::new(()));
         let detached = {
             use super::detached::{Detached, Work};
@@ -399,6 +445,73 @@ pub(super) async fn reserve_in(
     })
 }
 
+/// The options of the pools [`SqliteStore::connect`] makes: a connection
+/// whose busy timeout a dropped transactional call left changed gets it back
+/// when it returns to the pool (or is closed if that fails).
+fn pool_options() -> SqlitePoolOptions {
+    SqlitePoolOptions::new().after_release(|conn, _| {
+        Box::pin(async move { Ok(super::sqlite_tx::restore_busy_timeout(conn).await.is_ok()) })
+    })
+}
+
+/// SQLITE_BUSY or SQLITE_LOCKED, with any extended code: another connection
+/// holds a lock this statement needs.
+pub(super) fn is_busy(e: &sqlx::Error) -> bool {
+    matches!(primary_code(e), Some(5 | 6))
+}
+
+/// The SQLite result code of a database error (extended, as sqlx enables
+/// extended result codes), e.g. 5 SQLITE_BUSY, 517 SQLITE_BUSY_SNAPSHOT.
+pub(super) fn result_code(e: &sqlx::Error) -> Option<i64> {
+    match e {
+        sqlx::Error::Database(db) => db.code().and_then(|c| c.parse::<i64>().ok()),
+        _ => None,
+    }
+}
+
+/// The primary result code (the low byte of the extended one).
+pub(super) fn primary_code(e: &sqlx::Error) -> Option<i64> {
+    result_code(e).map(|c| c & 0xff)
+}
+
+/// Switches `file`, which `conn` is open on, to WAL journaling (a property of
+/// the file, kept across connections and restarts).
+///
+/// SQLite does not consult the busy handler for this switch when another
+/// connection holds the write lock: the switch first reads the file header
+/// (a read transaction) and then upgrades to a write, and an upgrade from a
+/// read transaction answers `SQLITE_BUSY` at once, since waiting while holding
+/// the read lock could deadlock. Two processes opening a brand-new file at the
+/// same moment both switch, and the loser got "database is locked" (with
+/// `journal_mode` in the pool's options, every new pooled connection ran the
+/// switch). Here a busy switch is retried, with a bounded backoff: once the
+/// other side has switched, the retry only reads the header and finds WAL.
+async fn switch_to_wal(conn: &mut sqlx::SqliteConnection, file: &str) -> Result<(), sqlx::Error> {
+    let deadline = tokio::time::Instant::now() + BUSY_TIMEOUT;
+    let mut pause = Duration::from_millis(1);
+    let mode = loop {
+        match sqlx::query_scalar::<_, String>("PRAGMA journal_mode = WAL")
+            .fetch_one(&mut *conn)
+            .await
+        {
+            Err(e) if is_busy(&e) && tokio::time::Instant::now() + pause < deadline => {
+                tracing::debug!(target: "idempotent", file, error = %e,
+                    "sqlite: another connection holds the lock while switching to WAL; retrying");
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(Duration::from_millis(50));
+            }
+            other => break other?,
+        }
+    };
+    if !mode.eq_ignore_ascii_case("wal") {
+        // E.g. a file system without shared-memory support: SQLite keeps the
+        // rollback journal, which is slower but still correct with a busy timeout.
+        tracing::warn!(target: "idempotent", file, journal_mode = %mode,
+            "sqlite: the database could not be switched to WAL journaling; concurrent use will be slower");
+    }
+    Ok(())
+}
+
 /// Applies the embedded migrations that this database has not seen, in one
 /// `BEGIN IMMEDIATE` transaction so two processes opening a new file at once
 /// do not both apply them.
@@ -437,8 +550,9 @@ async fn migrate(pool: &SqlitePool) -> Result<(), StoreError> {
             }
             None => {}
         }
-        sqlx::raw_sql(&migration.sql)
-            .execute(&mut *tx)
+        // Through the `Executor` trait, not `RawSql::execute`, whose future is
+        // not `Send` for every lifetime (and would make `connect` unspawnable).
+        sqlx::Executor::execute(&mut *tx, sqlx::raw_sql(&migration.sql))
             .await
             .map_err(err(OP))?;
         sqlx::query(&format!(

@@ -7,58 +7,213 @@
 //! has written the reservation, another connection's writes wait for it. A
 //! duplicate in another transaction waits at most `lock_wait` (the
 //! connection's `busy_timeout`, set for the statement and restored after) and
-//! then answers `InProgress`.
+//! then answers `InProgress`. A call dropped while it waits cannot restore the
+//! timeout itself; the connection gets it back from the next reservation on
+//! it, or, in a pool made by `SqliteStore::connect`, when it is released.
+//!
+//! The reservation is the transaction's first write. A deferred transaction
+//! (`BEGIN`, sqlx's `begin()`) that has already *read* holds a snapshot, and
+//! SQLite lets it upgrade to a writer only if the snapshot is still the
+//! newest; it never waits for that upgrade (waiting while holding a read lock
+//! could deadlock), so the busy timeout does not apply. The answers:
+//!
+//! * `SQLITE_BUSY_SNAPSHOT` (517): another connection committed since the
+//!   snapshot was taken. This transaction can never write: refused with
+//!   [`Error::StaleSnapshot`], whatever the wait policy.
+//! * `SQLITE_BUSY` with a snapshot held, in WAL mode: another connection holds
+//!   the write lock now. If it rolls back, a retry can still write; if it
+//!   commits, the retry gets `SQLITE_BUSY_SNAPSHOT`. Answered `InProgress`, so
+//!   the caller's wait policy retries within its bound.
+//! * `SQLITE_BUSY` with a snapshot held, in rollback-journal mode: the other
+//!   writer cannot commit while this transaction holds its shared lock, so
+//!   waiting only blocks it: a deadlock, refused with [`Error::StaleSnapshot`].
+//!
+//! Transactions begun with `BEGIN IMMEDIATE` (`pool.begin_with("BEGIN
+//! IMMEDIATE")`) take the write lock up front and never meet any of this.
 
 use super::*;
 use crate::error::Error;
-use sqlx::{Executor, SqliteConnection};
+use sqlx::SqliteConnection;
 
-use super::sqlite::{complete_on, release_on, reserve_in};
+use super::sqlite::{complete_on, is_busy, primary_code, release_on, reserve_in, result_code};
+
+/// Extended result code: a WAL snapshot is older than the newest commit.
+const SQLITE_BUSY_SNAPSHOT: i64 = 517;
 
 fn err(operation: &'static str) -> impl FnOnce(sqlx::Error) -> StoreError {
     move |e| StoreError::new("sqlite", operation, e)
 }
 
-/// SQLITE_BUSY / SQLITE_LOCKED (and their extended codes): another
-/// transaction holds the write lock.
-fn is_busy(e: &sqlx::Error) -> bool {
-    match e {
-        sqlx::Error::Database(db) => db
-            .code()
-            .and_then(|c| c.parse::<i64>().ok())
-            .is_some_and(|c| matches!(c & 0xff, 5 | 6)),
-        _ => false,
+/// What a lock conflict on the reservation's write means for this transaction.
+enum Conflict {
+    /// Another transaction holds the lock; waiting (and retrying) can help.
+    Wait,
+    /// This transaction can never take the write lock: it must roll back.
+    Never,
+}
+
+/// Classifies a busy/locked error from the reservation's first write on `conn`.
+async fn classify(conn: &mut SqliteConnection, e: &sqlx::Error) -> Result<Conflict, StoreError> {
+    const OP: &str = "reserve";
+    if result_code(e) == Some(SQLITE_BUSY_SNAPSHOT) {
+        return Ok(Conflict::Never);
     }
+    // SQLITE_LOCKED (shared cache) never uses the busy handler either, but a
+    // retry after the other connection's transaction ends succeeds.
+    if primary_code(e) != Some(5) {
+        return Ok(Conflict::Wait);
+    }
+    // A failed first write leaves the transaction in the state it was in
+    // before: READ when it already held a snapshot (SQLite answered at once),
+    // NONE when it did not (the busy handler waited `lock_wait`).
+    let state = {
+        let mut handle = conn.lock_handle().await.map_err(err(OP))?;
+        // SAFETY: the handle is a live connection, locked for our exclusive use
+        // while `handle` is held; sqlite3_txn_state only reads its state.
+        unsafe {
+            libsqlite3_sys::sqlite3_txn_state(handle.as_raw_handle().as_ptr(), c"main".as_ptr())
+        }
+    };
+    if state != libsqlite3_sys::SQLITE_TXN_READ {
+        return Ok(Conflict::Wait);
+    }
+    let journal: String = sqlx::query_scalar("PRAGMA journal_mode")
+        .fetch_one(&mut *conn)
+        .await
+        .map_err(err(OP))?;
+    Ok(if journal.eq_ignore_ascii_case("wal") {
+        Conflict::Wait
+    } else {
+        Conflict::Never
+    })
+}
+
+/// Connections whose busy timeout a reservation changed and did not restore,
+/// because the call was dropped while it waited for the lock: the raw handle's
+/// address, and the timeout (ms) the connection had before. Restored by the
+/// next reservation on the connection, and by pools made by
+/// [`SqliteStore::connect`](crate::SqliteStore::connect) when the connection
+/// is released (see [`restore_busy_timeout`]).
+static CHANGED_TIMEOUTS: std::sync::LazyLock<
+    std::sync::Mutex<std::collections::HashMap<usize, i32>>,
+> = std::sync::LazyLock::new(Default::default);
+
+/// Whether `CHANGED_TIMEOUTS` may be non-empty: the pools' release hook reads
+/// only this on the common path.
+static ANY_CHANGED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+fn changed_timeouts() -> std::sync::MutexGuard<'static, std::collections::HashMap<usize, i32>> {
+    CHANGED_TIMEOUTS
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// Sets `conn`'s busy timeout to `ms`, remembering what to restore. `current`
+/// is the timeout read from the connection; if an earlier, dropped call left
+/// it changed, the timeout from before that call is the one kept.
+async fn set_busy_timeout(
+    conn: &mut SqliteConnection,
+    current: i32,
+    ms: i32,
+) -> Result<(usize, i32), sqlx::Error> {
+    let mut handle = conn.lock_handle().await?;
+    let raw = handle.as_raw_handle().as_ptr();
+    let key = raw as usize;
+    let original = {
+        let mut changed = changed_timeouts();
+        let original = *changed.entry(key).or_insert(current);
+        ANY_CHANGED.store(true, std::sync::atomic::Ordering::SeqCst);
+        original
+    };
+    // SAFETY: the handle is a live connection, locked for our exclusive use
+    // while `handle` is held.
+    unsafe { libsqlite3_sys::sqlite3_busy_timeout(raw, ms) };
+    Ok((key, original))
+}
+
+/// Puts back the busy timeout `set_busy_timeout` changed.
+async fn put_back_busy_timeout(
+    conn: &mut SqliteConnection,
+    key: usize,
+    original: i32,
+) -> Result<(), sqlx::Error> {
+    let mut handle = conn.lock_handle().await?;
+    let raw = handle.as_raw_handle().as_ptr();
+    // SAFETY: as in `set_busy_timeout`.
+    unsafe { libsqlite3_sys::sqlite3_busy_timeout(raw, original) };
+    let mut changed = changed_timeouts();
+    changed.remove(&key);
+    if changed.is_empty() {
+        ANY_CHANGED.store(false, std::sync::atomic::Ordering::SeqCst);
+    }
+    Ok(())
+}
+
+/// For a pool's release hook: if a dropped transactional call left this
+/// connection's busy timeout changed, restores it. Costs one atomic load when
+/// no call was dropped. On error the connection should be closed.
+pub(super) async fn restore_busy_timeout(conn: &mut SqliteConnection) -> Result<(), sqlx::Error> {
+    if !ANY_CHANGED.load(std::sync::atomic::Ordering::SeqCst) {
+        return Ok(());
+    }
+    let mut handle = conn.lock_handle().await?;
+    let raw = handle.as_raw_handle().as_ptr();
+    let original = {
+        let mut changed = changed_timeouts();
+        let original = changed.remove(&(raw as usize));
+        if changed.is_empty() {
+            ANY_CHANGED.store(false, std::sync::atomic::Ordering::SeqCst);
+        }
+        original
+    };
+    if let Some(ms) = original {
+        tracing::debug!(target: "idempotent", busy_timeout_ms = ms,
+            "sqlite: restored the busy timeout a dropped transactional call had changed");
+        // SAFETY: as in `set_busy_timeout`.
+        unsafe { libsqlite3_sys::sqlite3_busy_timeout(raw, ms) };
+    }
+    Ok(())
 }
 
 async fn reserve_on(
     conn: &mut SqliteConnection,
     request: ReserveRequest<'_>,
     lock_wait: Duration,
-) -> Result<Reservation, StoreError> {
+) -> Result<Reservation, Error> {
     const OP: &str = "reserve";
-    let previous: i64 = sqlx::query_scalar("PRAGMA busy_timeout")
+    let current: i64 = sqlx::query_scalar("PRAGMA busy_timeout")
         .fetch_one(&mut *conn)
         .await
         .map_err(err(OP))?;
-    conn.execute(
-        format!(
-            "PRAGMA busy_timeout = {}",
-            duration_to_millis(lock_wait).min(i64::from(i32::MAX))
-        )
-        .as_str(),
-    )
-    .await
-    .map_err(err(OP))?;
+    let clamp = |ms: i64| i32::try_from(ms.clamp(0, i64::from(i32::MAX))).unwrap_or(i32::MAX);
+    // Changed through the C API, not a PRAGMA, to learn the connection's
+    // identity too: a call dropped while it waits cannot put the timeout back
+    // itself, so the change is remembered until someone does.
+    let (key, original) =
+        set_busy_timeout(conn, clamp(current), clamp(duration_to_millis(lock_wait)))
+            .await
+            .map_err(err(OP))?;
+    tracing::trace!(target: "idempotent", scope = %request.identity.scope, lock_wait_ms = duration_to_millis(lock_wait),
+        "sqlite: reserving in the caller's transaction");
     let answer = reserve_in(conn, request).await;
-    conn.execute(format!("PRAGMA busy_timeout = {previous}").as_str())
+    put_back_busy_timeout(conn, key, original)
         .await
         .map_err(err(OP))?;
     match answer {
-        Err(e) if is_busy(&e) => Ok(Reservation::InProgress {
-            lease_remaining: request.lease,
-        }),
-        other => other.map_err(err(OP)),
+        Err(e) if is_busy(&e) => match classify(conn, &e).await? {
+            Conflict::Wait => Ok(Reservation::InProgress {
+                lease_remaining: request.lease,
+            }),
+            Conflict::Never => {
+                let id = request.identity;
+                tracing::warn!(target: "idempotent", scope = %id.scope, key = %id.key_digest(), error = %e,
+                    "refused: the caller's SQLite transaction cannot write (begin it with BEGIN IMMEDIATE)");
+                Err(Error::StaleSnapshot {
+                    scope: id.scope.clone(),
+                })
+            }
+        },
+        other => Ok(other.map_err(err(OP))?),
     }
 }
 
@@ -99,7 +254,7 @@ impl crate::transaction::TransactionalConnection for SqliteConnection {
         request: ReserveRequest<'_>,
         lock_wait: Duration,
     ) -> Result<Reservation, Error> {
-        Ok(reserve_on(self, request, lock_wait).await?)
+        reserve_on(self, request, lock_wait).await
     }
 
     async fn complete_in_transaction(
