@@ -197,8 +197,14 @@ async fn dropped_while_completing(inner: Arc<dyn Store>) {
 }
 
 /// A call holding its record on a runtime that is shut down: the release is
-/// made by the store, not by the dead runtime.
-fn dropped_by_runtime_shutdown(inner: Arc<dyn Store>, tenant: &str) {
+/// made by the store, not by the dead runtime. `check` reads the record from
+/// the checking runtime (a PostgreSQL/MariaDB connection belongs to the
+/// runtime that opened it, so the caller's own pool is not used for that).
+fn dropped_by_runtime_shutdown(
+    inner: Arc<dyn Store>,
+    check: impl FnOnce() -> std::pin::Pin<Box<dyn std::future::Future<Output = Arc<dyn Store>>>>,
+    tenant: &str,
+) {
     let id = Identity::new(tenant, "cancel.forever", "k").expect("identity");
     let doomed = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
@@ -216,7 +222,10 @@ fn dropped_by_runtime_shutdown(inner: Arc<dyn Store>, tenant: &str) {
         .enable_all()
         .build()
         .expect("runtime");
-    checker.block_on(released_within_bound(inner.as_ref(), &id));
+    checker.block_on(async {
+        let check = check().await;
+        released_within_bound(check.as_ref(), &id).await
+    });
 }
 
 async fn sqlite() -> Arc<dyn Store> {
@@ -281,43 +290,70 @@ async fn mysql_dropped_while_reserving_is_released() {
 }
 
 /// The store is opened on one runtime and the call runs on another that is
-/// shut down mid-call (a worker draining, a CLI exiting).
-fn shutdown_case(open: impl std::future::Future<Output = Option<Arc<dyn Store>>>) {
+/// shut down mid-call (a worker draining, a CLI exiting). `reconnect` opens
+/// the store the check reads through on the checking runtime; `false` reads
+/// through the same store (memory, and SQLite, whose connections run on
+/// threads of their own).
+fn shutdown_case<F, Fut>(open: F, reconnect: bool)
+where
+    F: Fn() -> Fut + 'static,
+    Fut: std::future::Future<Output = Option<Arc<dyn Store>>> + 'static,
+{
     let home = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .expect("runtime");
-    let Some(store) = home.block_on(open) else {
+    let Some(store) = home.block_on(open()) else {
         return;
     };
-    dropped_by_runtime_shutdown(store, &fresh_tenant());
+    let same = store.clone();
+    dropped_by_runtime_shutdown(
+        store,
+        move || {
+            Box::pin(async move {
+                if reconnect {
+                    open().await.expect("the server was reachable a moment ago")
+                } else {
+                    same
+                }
+            })
+        },
+        &fresh_tenant(),
+    );
     drop(home);
 }
 
 #[test]
 fn memory_call_dropped_by_runtime_shutdown_is_released() {
-    shutdown_case(async { Some(Arc::new(MemoryStore::new()) as Arc<dyn Store>) });
+    let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+    shutdown_case(move || std::future::ready(Some(store.clone())), false);
 }
 
 #[test]
 fn sqlite_call_dropped_by_runtime_shutdown_is_released() {
-    shutdown_case(async { Some(sqlite().await) });
+    shutdown_case(|| async { Some(sqlite().await) }, false);
 }
 
 #[test]
 fn postgres_call_dropped_by_runtime_shutdown_is_released() {
-    shutdown_case(async {
-        pg_store_or_skip()
-            .await
-            .map(|s| Arc::new(s) as Arc<dyn Store>)
-    });
+    shutdown_case(
+        || async {
+            pg_store_or_skip()
+                .await
+                .map(|s| Arc::new(s) as Arc<dyn Store>)
+        },
+        true,
+    );
 }
 
 #[test]
 fn mysql_call_dropped_by_runtime_shutdown_is_released() {
-    shutdown_case(async {
-        mysql_store_or_skip()
-            .await
-            .map(|s| Arc::new(s) as Arc<dyn Store>)
-    });
+    shutdown_case(
+        || async {
+            mysql_store_or_skip()
+                .await
+                .map(|s| Arc::new(s) as Arc<dyn Store>)
+        },
+        true,
+    );
 }
