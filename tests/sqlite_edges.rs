@@ -838,3 +838,48 @@ async fn from_pool_warns_about_a_pool_without_busy_timeout() {
     store.pool().close().await;
     remove(&path);
 }
+
+/// Rule 15: a replay inside a transaction that has read takes no write lock,
+/// so while that transaction stays open another transactional caller of the
+/// same key replays too, instead of waiting on the lock and being told the
+/// record is in progress.
+#[tokio::test]
+async fn a_replay_in_an_open_transaction_leaves_other_callers_free() {
+    let path = fresh_path();
+    let store = SqliteStore::connect(&url(&path)).await.expect("open");
+    let pool = store.pool().clone();
+    create_charges(&pool).await;
+    let tenant = fresh_tenant();
+    let runs = AtomicUsize::new(0);
+
+    let mut first = pool.begin_with("BEGIN IMMEDIATE").await.expect("begin");
+    assert_eq!(
+        charge_short_wait(&mut first, &tenant, "k", &runs)
+            .await
+            .expect("runs"),
+        500
+    );
+    first.commit().await.expect("commit");
+
+    // A deferred transaction that has read, then replays, and stays open.
+    let mut open = pool.begin().await.expect("deferred begin");
+    let _: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM charges")
+        .fetch_one(&mut *open)
+        .await
+        .expect("read");
+    let (answer, outcome) = with_outcome(charge_short_wait(&mut open, &tenant, "k", &runs)).await;
+    assert_eq!(answer.expect("replays"), 500);
+    assert_eq!(outcome, Some(Outcome::Replayed));
+
+    // Meanwhile another transaction, deferred and without a prior read (it
+    // writes first), gets the replay too: the open one holds no write lock.
+    let mut other = pool.begin().await.expect("deferred begin");
+    let (answer, outcome) = with_outcome(charge_short_wait(&mut other, &tenant, "k", &runs)).await;
+    assert_eq!(answer.expect("replays, not InProgress"), 500);
+    assert_eq!(outcome, Some(Outcome::Replayed));
+    other.commit().await.expect("commit");
+    open.commit().await.expect("commit");
+    assert_eq!(runs.load(Ordering::SeqCst), 1, "the body ran once");
+    pool.close().await;
+    remove(&path);
+}

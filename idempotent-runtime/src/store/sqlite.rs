@@ -570,6 +570,26 @@ async fn migrate(pool: &SqlitePool) -> Result<(), StoreError> {
     tx.commit().await.map_err(err(OP))
 }
 
+/// Reads the record and answers from that read alone, when it can: a live
+/// record gives a replay, a mismatch or a live lease; `None` when it is absent,
+/// expired or its lease ran out (a write is due).
+pub(super) async fn answer_from_a_read<'e, E: sqlx::Executor<'e, Database = sqlx::Sqlite>>(
+    executor: E,
+    request: ReserveRequest<'_>,
+) -> Result<Option<Reservation>, sqlx::Error> {
+    let id = request.identity;
+    let row = sqlx::query(EXISTING_SQL)
+        .bind(&id.tenant)
+        .bind(&id.scope)
+        .bind(&id.key)
+        .fetch_optional(executor)
+        .await?;
+    Ok(row
+        .map(|row| judge(&row, request.fingerprint.map(Fingerprint::as_str)))
+        .transpose()?
+        .flatten())
+}
+
 /// What an existing row (read with `EXISTING_SQL`) answers to a request with
 /// `fingerprint`; `None` when the row is expired or its lease ran out, so the
 /// caller must go through the conditional upsert.
@@ -615,24 +635,12 @@ impl Store for SqliteStore {
 
     async fn reserve(&self, request: ReserveRequest<'_>) -> Result<Reservation, StoreError> {
         const OP: &str = "reserve";
-        let id = request.identity;
-        let fingerprint = request.fingerprint.map(Fingerprint::as_str);
-
         // Fast path, one read and no write lock: a live record that answers
         // the request by itself (replay, mismatch, or a live lease). Replays
         // and waiting duplicates never queue behind writers.
-        let existing = sqlx::query(EXISTING_SQL)
-            .bind(&id.tenant)
-            .bind(&id.scope)
-            .bind(&id.key)
-            .fetch_optional(&self.pool)
+        if let Some(answer) = answer_from_a_read(&self.pool, request)
             .await
-            .map_err(err(OP))?;
-        if let Some(answer) = existing
-            .map(|row| judge(&row, fingerprint))
-            .transpose()
             .map_err(err(OP))?
-            .flatten()
         {
             return Ok(answer);
         }

@@ -66,15 +66,7 @@ async fn classify(conn: &mut SqliteConnection, e: &sqlx::Error) -> Result<Confli
     // A failed first write leaves the transaction in the state it was in
     // before: READ when it already held a snapshot (SQLite answered at once),
     // NONE when it did not (the busy handler waited `lock_wait`).
-    let state = {
-        let mut handle = conn.lock_handle().await.map_err(err(OP))?;
-        // SAFETY: the handle is a live connection, locked for our exclusive use
-        // while `handle` is held; sqlite3_txn_state only reads its state.
-        unsafe {
-            libsqlite3_sys::sqlite3_txn_state(handle.as_raw_handle().as_ptr(), c"main".as_ptr())
-        }
-    };
-    if state != libsqlite3_sys::SQLITE_TXN_READ {
+    if txn_state(conn).await.map_err(err(OP))? != libsqlite3_sys::SQLITE_TXN_READ {
         return Ok(Conflict::Wait);
     }
     let journal: String = sqlx::query_scalar("PRAGMA journal_mode")
@@ -175,12 +167,39 @@ pub(super) async fn restore_busy_timeout(conn: &mut SqliteConnection) -> Result<
     Ok(())
 }
 
+/// The transaction's state on the main database: `SQLITE_TXN_NONE`, `_READ`
+/// (it holds a snapshot) or `_WRITE`.
+async fn txn_state(conn: &mut SqliteConnection) -> Result<i32, sqlx::Error> {
+    let mut handle = conn.lock_handle().await?;
+    // SAFETY: the handle is a live connection, locked for our exclusive use
+    // while `handle` is held; sqlite3_txn_state only reads its state.
+    Ok(unsafe {
+        libsqlite3_sys::sqlite3_txn_state(handle.as_raw_handle().as_ptr(), c"main".as_ptr())
+    })
+}
+
 async fn reserve_on(
     conn: &mut SqliteConnection,
     request: ReserveRequest<'_>,
     lock_wait: Duration,
 ) -> Result<Reservation, Error> {
     const OP: &str = "reserve";
+    // Rule 15: a transaction that already holds a snapshot answers a replay or
+    // a mismatch from a read, without taking the database's write lock (which
+    // would make every other transactional caller wait, and see the record
+    // "in progress"). A complete record does not change until it expires, so
+    // even an older snapshot answers it rightly. A transaction without a
+    // snapshot writes first: reading first would give it a snapshot that
+    // another writer could make stale before its write.
+    if txn_state(conn).await.map_err(err(OP))? == libsqlite3_sys::SQLITE_TXN_READ {
+        if let Some(answer @ (Reservation::Completed(_) | Reservation::FingerprintMismatch)) =
+            super::sqlite::answer_from_a_read(&mut *conn, request)
+                .await
+                .map_err(err(OP))?
+        {
+            return Ok(answer);
+        }
+    }
     let current: i64 = sqlx::query_scalar("PRAGMA busy_timeout")
         .fetch_one(&mut *conn)
         .await
