@@ -5,6 +5,7 @@
 //! Nothing here depends on timing: tests await handshakes
 //! ([`Gateway::wait_entered`], [`TestServer::wait_arrivals`]); every wait is
 //! bounded by [`WAIT_LIMIT`] and fails the test with what it was waiting for.
+#![allow(dead_code)]
 
 use axum::extract::{Path, Request, State};
 use axum::http::{HeaderMap, StatusCode};
@@ -131,7 +132,12 @@ pub struct Shop {
     pub notes_calls: AtomicUsize,
     pub refund_calls: AtomicUsize,
     pub store: Arc<dyn Store>,
+    /// The next this many requests are answered 503 before they reach the layer.
+    pub fail_next: AtomicUsize,
+    /// The `Idempotency-Key` of every request that arrived, in order.
+    pub seen_keys: Mutex<Vec<String>>,
     arrivals: watch::Sender<usize>,
+    conflicts: watch::Sender<usize>,
 }
 
 impl Shop {
@@ -176,7 +182,10 @@ impl TestServer {
             notes_calls: AtomicUsize::new(0),
             refund_calls: AtomicUsize::new(0),
             store: store.clone(),
+            fail_next: AtomicUsize::new(0),
+            seen_keys: Mutex::new(Vec::new()),
             arrivals: watch::channel(0).0,
+            conflicts: watch::channel(0).0,
         });
         let layer = configure(
             IdempotencyLayer::builder("test.payments", store.clone())
@@ -233,11 +242,37 @@ impl TestServer {
         .await
         .expect("server alive");
     }
+
+    /// Waits until the server has answered `n` requests with 409.
+    pub async fn wait_conflicts(&self, n: usize) {
+        let mut rx = self.shop.conflicts.subscribe();
+        bounded(&format!("{n} 409 answer(s)"), rx.wait_for(|&v| v >= n))
+            .await
+            .expect("server alive");
+    }
 }
 
 async fn count_arrivals(State(shop): State<Arc<Shop>>, request: Request, next: Next) -> Response {
+    if let Some(key) = request
+        .headers()
+        .get("idempotency-key")
+        .and_then(|v| v.to_str().ok())
+    {
+        shop.seen_keys.lock().expect("keys").push(key.to_owned());
+    }
     shop.arrivals.send_modify(|v| *v += 1);
-    next.run(request).await
+    let failing = shop
+        .fail_next
+        .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+        .is_ok();
+    if failing {
+        return (StatusCode::SERVICE_UNAVAILABLE, "flaky: try again").into_response();
+    }
+    let response = next.run(request).await;
+    if response.status() == StatusCode::CONFLICT {
+        shop.conflicts.send_modify(|v| *v += 1);
+    }
+    response
 }
 
 /// Stands in for real authentication: `X-Account-Id` names the caller.
