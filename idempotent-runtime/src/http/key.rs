@@ -315,6 +315,44 @@ mod tests {
         ));
     }
 
+    #[tokio::test]
+    async fn the_extractor_and_its_optional_form() {
+        let parts = |key: Option<&str>| {
+            let mut b = axum::http::Request::builder();
+            if let Some(k) = key {
+                b = b.header(IDEMPOTENCY_KEY, k);
+            }
+            b.body(()).unwrap().into_parts().0
+        };
+        let required = |key| async move {
+            <IdempotencyKey as FromRequestParts<()>>::from_request_parts(&mut parts(key), &()).await
+        };
+        let optional = |key| async move {
+            <IdempotencyKey as OptionalFromRequestParts<()>>::from_request_parts(
+                &mut parts(key),
+                &(),
+            )
+            .await
+        };
+        assert_eq!(required(Some("\"k\"")).await.unwrap().as_str(), "k");
+        assert_eq!(required(None).await, Err(KeyRejection::Missing));
+        assert_eq!(optional(None).await, Ok(None));
+        assert_eq!(
+            optional(Some("k")).await,
+            Ok(Some(IdempotencyKey("k".into())))
+        );
+        assert!(matches!(
+            optional(Some("a b")).await,
+            Err(KeyRejection::Malformed { .. })
+        ));
+        let response = KeyRejection::Missing.into_response();
+        assert_eq!(response.status(), 400);
+        assert_eq!(
+            response.headers()["content-type"],
+            "application/problem+json"
+        );
+    }
+
     #[test]
     fn repeated_header_is_refused() {
         let mut h = HeaderMap::new();
