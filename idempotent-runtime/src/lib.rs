@@ -38,6 +38,8 @@ pub mod connect;
 pub mod engine;
 pub mod error;
 pub mod fingerprint;
+#[cfg(feature = "http")]
+pub mod http;
 pub mod identity;
 #[cfg(feature = "manifest")]
 pub mod manifest;

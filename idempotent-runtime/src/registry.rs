@@ -98,6 +98,20 @@ pub struct Registration(pub &'static ScopeInfo);
 
 inventory::collect!(Registration);
 
+/// Scopes registered while the program runs (e.g. one per HTTP layer built),
+/// next to the ones `inventory` collects at startup.
+static RUNTIME: std::sync::Mutex<Vec<&'static ScopeInfo>> = std::sync::Mutex::new(Vec::new());
+
+/// Registers a scope described at run time rather than by an attribute
+/// (the HTTP layer does this once per layer it builds). It is listed by
+/// [`scopes`] and checked by [`validate`] like every other.
+pub fn register_runtime(info: &'static ScopeInfo) {
+    RUNTIME
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+        .push(info);
+}
+
 /// Every annotated function linked into this binary, sorted by scope, then function.
 ///
 /// ```
@@ -110,6 +124,13 @@ pub fn scopes() -> Vec<&'static ScopeInfo> {
         .into_iter()
         .map(|r| r.0)
         .collect();
+    all.extend(
+        RUNTIME
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .iter()
+            .copied(),
+    );
     all.sort_by(|a, b| {
         (a.scope, a.function, a.file, a.line).cmp(&(b.scope, b.function, b.file, b.line))
     });

@@ -1,0 +1,435 @@
+//! A payment API over HTTP, made safe to retry by `IdempotencyLayer`.
+//!
+//! ```text
+//! cargo run --example http_payments
+//! ```
+//!
+//! * Store: a SQLite file (`$TMPDIR/idempotent-http-payments.db`), or
+//!   PostgreSQL when `DATABASE_URL` is set. Charges are rows in the same
+//!   database (`http_charges`, `http_refunds`).
+//! * Address: `IDEMPOTENT_HTTP_ADDR` (default `127.0.0.1:3000`); prints
+//!   `listening on http://ADDR` once it accepts connections.
+//! * `IDEMPOTENT_LEASE_MS`: the lease of a running charge (default 30000),
+//!   to try a crash by hand: kill the server during a slow charge, restart
+//!   it, and retry after the lease.
+//!
+//! Routes (the tenant is the `X-Account-Id` header, standing in for real
+//! authentication; without it the answer is 401):
+//!
+//! * `POST /payments` `{"amount_cents": 450, "currency": "EUR", "delay_ms": 0}`
+//!   with `Idempotency-Key` → 201, `Location: /payments/<charge_id>`;
+//!   `delay_ms` makes the simulated gateway slow.
+//! * `GET /payments/<charge_id>` → the charge, to its own account only.
+//! * `POST /refunds` `{"charge_id": "..."}` with `Idempotency-Key`: the
+//!   extractor style — the handler calls an `#[idempotent]` function.
+
+use axum::extract::{Path, Request, State};
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Extension, Json, Router};
+use idempotent_runtime::http::problem::Problem;
+use idempotent_runtime::http::{IdempotencyKey, IdempotencyLayer, MarkReplayed};
+use idempotent_runtime::purge::{Purger, PurgerConfig};
+use idempotent_runtime::{idempotent, with_outcome, Error, PgStore, SqliteStore, Store};
+use serde::{Deserialize, Serialize};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// The authenticated caller (here: whatever `X-Account-Id` says).
+#[derive(Debug, Clone)]
+struct AccountId(String);
+
+impl std::fmt::Display for AccountId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+#[derive(Debug, Deserialize)]
+struct ChargeRequest {
+    amount_cents: u64,
+    currency: String,
+    /// How long the simulated gateway takes, in milliseconds.
+    #[serde(default)]
+    delay_ms: u64,
+}
+
+#[derive(Debug, Serialize)]
+struct Charge {
+    charge_id: String,
+    amount_cents: u64,
+    currency: String,
+}
+
+#[derive(Debug, Deserialize, Serialize)]
+struct RefundRequest {
+    charge_id: String,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+struct Refund {
+    refund_id: String,
+    charge_id: String,
+    amount_cents: u64,
+}
+
+/// The database of the charges: the same one the idempotency records live in.
+#[derive(Clone)]
+enum Db {
+    Sqlite(sqlx::SqlitePool),
+    Postgres(sqlx::PgPool),
+}
+
+const SCHEMA: [&str; 2] = [
+    "CREATE TABLE IF NOT EXISTS http_charges (charge_id TEXT PRIMARY KEY, account TEXT NOT NULL, \
+     amount_cents BIGINT NOT NULL, currency TEXT NOT NULL)",
+    "CREATE TABLE IF NOT EXISTS http_refunds (refund_id TEXT PRIMARY KEY, charge_id TEXT NOT NULL, \
+     account TEXT NOT NULL)",
+];
+
+impl Db {
+    async fn migrate(&self) -> Result<(), sqlx::Error> {
+        for statement in SCHEMA {
+            match self {
+                Db::Sqlite(p) => sqlx::query(statement).execute(p).await.map(drop)?,
+                Db::Postgres(p) => sqlx::query(statement).execute(p).await.map(drop)?,
+            }
+        }
+        Ok(())
+    }
+
+    async fn insert_charge(&self, account: &str, charge: &Charge) -> Result<(), sqlx::Error> {
+        let amount = i64::try_from(charge.amount_cents).unwrap_or(i64::MAX);
+        match self {
+            Db::Sqlite(p) => sqlx::query("INSERT INTO http_charges VALUES (?, ?, ?, ?)")
+                .bind(&charge.charge_id)
+                .bind(account)
+                .bind(amount)
+                .bind(&charge.currency)
+                .execute(p)
+                .await
+                .map(drop),
+            Db::Postgres(p) => sqlx::query("INSERT INTO http_charges VALUES ($1, $2, $3, $4)")
+                .bind(&charge.charge_id)
+                .bind(account)
+                .bind(amount)
+                .bind(&charge.currency)
+                .execute(p)
+                .await
+                .map(drop),
+        }
+    }
+
+    async fn charge(&self, account: &str, charge_id: &str) -> Result<Option<Charge>, sqlx::Error> {
+        let row: Option<(String, i64, String)> = match self {
+            Db::Sqlite(p) => {
+                sqlx::query_as("SELECT charge_id, amount_cents, currency FROM http_charges WHERE account = ? AND charge_id = ?")
+                    .bind(account).bind(charge_id).fetch_optional(p).await?
+            }
+            Db::Postgres(p) => {
+                sqlx::query_as("SELECT charge_id, amount_cents, currency FROM http_charges WHERE account = $1 AND charge_id = $2")
+                    .bind(account).bind(charge_id).fetch_optional(p).await?
+            }
+        };
+        Ok(row.map(|(charge_id, amount, currency)| Charge {
+            charge_id,
+            amount_cents: u64::try_from(amount).unwrap_or_default(),
+            currency,
+        }))
+    }
+
+    async fn insert_refund(
+        &self,
+        refund_id: &str,
+        charge_id: &str,
+        account: &str,
+    ) -> Result<(), sqlx::Error> {
+        match self {
+            Db::Sqlite(p) => sqlx::query("INSERT INTO http_refunds VALUES (?, ?, ?)")
+                .bind(refund_id)
+                .bind(charge_id)
+                .bind(account)
+                .execute(p)
+                .await
+                .map(drop),
+            Db::Postgres(p) => sqlx::query("INSERT INTO http_refunds VALUES ($1, $2, $3)")
+                .bind(refund_id)
+                .bind(charge_id)
+                .bind(account)
+                .execute(p)
+                .await
+                .map(drop),
+        }
+    }
+}
+
+struct App {
+    db: Db,
+    store: Arc<dyn Store>,
+}
+
+type Shared = Arc<App>;
+
+fn problem(status: StatusCode, slug: &str, title: &str, detail: impl Into<String>) -> Response {
+    Problem::new(
+        status,
+        &format!("urn:example:payments:{slug}"),
+        title,
+        detail,
+    )
+    .into_response()
+}
+
+/// Stands in for authentication: `X-Account-Id` names the caller.
+async fn authenticate(mut request: Request, next: Next) -> Response {
+    let account = request
+        .headers()
+        .get("x-account-id")
+        .and_then(|v| v.to_str().ok())
+        .map(str::trim)
+        .filter(|v| !v.is_empty())
+        .map(str::to_owned);
+    match account {
+        Some(account) => {
+            request.extensions_mut().insert(AccountId(account));
+            next.run(request).await
+        }
+        None => problem(
+            StatusCode::UNAUTHORIZED,
+            "unauthenticated",
+            "Not authenticated",
+            "Send an X-Account-Id header naming your account.",
+        ),
+    }
+}
+
+/// The simulated card gateway.
+async fn gateway_charge(account: &str, amount_cents: u64, currency: &str, delay: Duration) {
+    tracing::info!(
+        account,
+        amount_cents,
+        currency,
+        delay_ms = delay.as_millis() as u64,
+        "gateway: charging"
+    );
+    tokio::time::sleep(delay).await;
+    tracing::info!(account, amount_cents, currency, "gateway: charged");
+}
+
+async fn create_payment(
+    State(app): State<Shared>,
+    Extension(account): Extension<AccountId>,
+    Json(request): Json<ChargeRequest>,
+) -> Response {
+    if request.amount_cents == 0 {
+        return problem(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "invalid-amount",
+            "Invalid amount",
+            "amount_cents must be a positive whole number of cents.",
+        );
+    }
+    if request.currency.len() != 3 || !request.currency.bytes().all(|b| b.is_ascii_uppercase()) {
+        return problem(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "invalid-currency",
+            "Invalid currency",
+            "currency must be an ISO 4217 code of three capital letters, e.g. \"EUR\".",
+        );
+    }
+    let delay = Duration::from_millis(request.delay_ms.min(600_000));
+    gateway_charge(&account.0, request.amount_cents, &request.currency, delay).await;
+    let charge = Charge {
+        charge_id: format!("ch_{}", uuid::Uuid::new_v4().simple()),
+        amount_cents: request.amount_cents,
+        currency: request.currency,
+    };
+    if let Err(e) = app.db.insert_charge(&account.0, &charge).await {
+        tracing::error!(error = %e, "could not record the charge");
+        // A 5xx releases the idempotency key: the client's retry runs again.
+        return problem(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "database",
+            "Database unavailable",
+            "The charge could not be recorded. Retry with the same Idempotency-Key.",
+        );
+    }
+    tracing::info!(account = %account, charge_id = %charge.charge_id, "charge recorded");
+    let mut headers = HeaderMap::new();
+    if let Ok(location) = format!("/payments/{}", charge.charge_id).parse() {
+        headers.insert(header::LOCATION, location);
+    }
+    (StatusCode::CREATED, headers, Json(charge)).into_response()
+}
+
+async fn get_payment(
+    State(app): State<Shared>,
+    Extension(account): Extension<AccountId>,
+    Path(charge_id): Path<String>,
+) -> Response {
+    match app.db.charge(&account.0, &charge_id).await {
+        Ok(Some(charge)) => Json(charge).into_response(),
+        Ok(None) => problem(
+            StatusCode::NOT_FOUND,
+            "not-found",
+            "No such charge",
+            "This account has no charge with that id.",
+        ),
+        Err(e) => {
+            tracing::error!(error = %e, "could not read the charge");
+            problem(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "database",
+                "Database unavailable",
+                "Try again later.",
+            )
+        }
+    }
+}
+
+/// Why a refund failed.
+#[derive(Debug, thiserror::Error)]
+enum RefundError {
+    #[error("no charge {0} on this account")]
+    NoSuchCharge(String),
+    #[error("database: {0}")]
+    Database(#[from] sqlx::Error),
+    #[error(transparent)]
+    Idempotency(#[from] Error),
+}
+
+impl IntoResponse for RefundError {
+    fn into_response(self) -> Response {
+        match self {
+            RefundError::NoSuchCharge(id) => problem(
+                StatusCode::NOT_FOUND,
+                "not-found",
+                "No such charge",
+                format!("This account has no charge {id}; refund one of your own charges."),
+            ),
+            RefundError::Database(e) => {
+                tracing::error!(error = %e, "refund failed");
+                problem(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "database",
+                    "Database unavailable",
+                    "Retry with the same Idempotency-Key.",
+                )
+            }
+            // Rule 22's statuses: 409 + Retry-After, 422, 400, 503, ...
+            RefundError::Idempotency(e) => e.into_response(),
+        }
+    }
+}
+
+/// Refunds a charge once per (account, key): the extractor style, where the
+/// handler passes the key to an `#[idempotent]` function.
+#[idempotent(scope = "payments.refund", key = key, tenant = account, store = app.store, skip(app))]
+async fn refund(
+    app: &App,
+    account: &str,
+    key: &str,
+    charge_id: &str,
+) -> Result<Refund, RefundError> {
+    let charge = app
+        .db
+        .charge(account, charge_id)
+        .await?
+        .ok_or_else(|| RefundError::NoSuchCharge(charge_id.to_owned()))?;
+    let refund_id = format!("re_{}", uuid::Uuid::new_v4().simple());
+    app.db.insert_refund(&refund_id, charge_id, account).await?;
+    Ok(Refund {
+        refund_id,
+        charge_id: charge.charge_id,
+        amount_cents: charge.amount_cents,
+    })
+}
+
+async fn create_refund(
+    State(app): State<Shared>,
+    Extension(account): Extension<AccountId>,
+    key: IdempotencyKey,
+    Json(request): Json<RefundRequest>,
+) -> Result<(StatusCode, MarkReplayed, Json<Refund>), RefundError> {
+    let (result, outcome) =
+        with_outcome(refund(&app, &account.0, key.as_str(), &request.charge_id)).await;
+    Ok((StatusCode::CREATED, MarkReplayed(outcome), Json(result?)))
+}
+
+async fn open_store() -> Result<(Db, Arc<dyn Store>, String), Box<dyn std::error::Error>> {
+    match std::env::var("DATABASE_URL") {
+        Ok(url) if !url.is_empty() => {
+            let store = PgStore::connect(&url).await?;
+            let db = Db::Postgres(store.pool().clone());
+            Ok((db, Arc::new(store), "PostgreSQL (DATABASE_URL)".to_owned()))
+        }
+        _ => {
+            let path = std::env::temp_dir().join("idempotent-http-payments.db");
+            let store = SqliteStore::connect(&format!("sqlite://{}", path.display())).await?;
+            let db = Db::Sqlite(store.pool().clone());
+            Ok((db, Arc::new(store), format!("SQLite ({})", path.display())))
+        }
+    }
+}
+
+/// Builds the application: the routes, the idempotency layer, authentication.
+fn router(app: Shared, lease: Duration) -> Result<Router, Box<dyn std::error::Error>> {
+    let payments = IdempotencyLayer::builder("payments.charge", app.store.clone())
+        .tenant_from_extension::<AccountId>()
+        .lease(lease)
+        .build()?;
+    Ok(Router::new()
+        .route("/payments", post(create_payment))
+        .route("/payments/{charge_id}", get(get_payment))
+        .route_layer(payments)
+        .route("/refunds", post(create_refund))
+        // Authentication runs first (outermost), so the layer sees the tenant.
+        .layer(middleware::from_fn(authenticate))
+        .with_state(app))
+}
+
+#[tokio::main]
+pub async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .init();
+    let addr =
+        std::env::var("IDEMPOTENT_HTTP_ADDR").unwrap_or_else(|_| "127.0.0.1:3000".to_owned());
+    let lease = match std::env::var("IDEMPOTENT_LEASE_MS") {
+        Ok(ms) => Duration::from_millis(
+            ms.parse()
+                .map_err(|e| format!("IDEMPOTENT_LEASE_MS={ms:?}: {e}"))?,
+        ),
+        Err(_) => Duration::from_secs(30),
+    };
+
+    let (db, store, described) = open_store().await?;
+    db.migrate().await?;
+    tracing::info!("store: {described}; lease {lease:?}");
+    // Retention really runs: expired records are deleted in the background.
+    let purger = Purger::spawn(
+        store.clone(),
+        PurgerConfig {
+            interval: Duration::from_secs(60),
+            batch: 1000,
+        },
+    );
+    let app = router(Arc::new(App { db, store }), lease)?;
+
+    let listener = tokio::net::TcpListener::bind(&addr)
+        .await
+        .map_err(|e| format!("cannot listen on {addr}: {e} (set IDEMPOTENT_HTTP_ADDR)"))?;
+    println!("listening on http://{}", listener.local_addr()?);
+    axum::serve(listener, app)
+        .with_graceful_shutdown(async {
+            let _ = tokio::signal::ctrl_c().await;
+        })
+        .await?;
+    purger.shutdown().await;
+    Ok(())
+}

@@ -1,0 +1,480 @@
+//! A client for APIs on the `Idempotency-Key` convention that retries safely.
+//!
+//! The rule it is built around: **a key belongs to an operation, not to an
+//! attempt**. Make one [`Intent`] when the operation is decided (the user
+//! opens the checkout, a job picks up an order), and call [`Intent::send`]
+//! as often as needed: every attempt, inside `send` and across calls to it,
+//! carries the same key. A second operation is a second `Intent`, with a new
+//! key. There is no way to change an intent's key, and the retry loop lives
+//! inside `send`, so "a new key on every retry" cannot be written by
+//! accident.
+//!
+//! ```no_run
+//! use idempotent_runtime::http::{IdempotentClient, RetryPolicy};
+//! use reqwest::Method;
+//!
+//! # async fn demo() -> Result<(), idempotent_runtime::http::ClientError> {
+//! let client = IdempotentClient::new(reqwest::Client::new());
+//! // Once per operation: the key is minted here.
+//! let charge = client
+//!     .intent(Method::POST, "http://127.0.0.1:3000/payments")?
+//!     .header("x-account-id", "acct_alice")?
+//!     .json(&serde_json::json!({"amount_cents": 450, "currency": "EUR"}))?;
+//! let answer = charge.send().await?;          // retried with the same key
+//! println!("{} (replayed: {}, attempts: {})", answer.status(), answer.is_replayed(), answer.attempts());
+//! # Ok(()) }
+//! ```
+//!
+//! Retries: connection errors, timeouts, 5xx, and 409 (a request with the
+//! key still running; its `Retry-After` is honoured). No retries on any
+//! other 4xx: those answers are final and returned as they are. Backoff is
+//! exponential with jitter, bounded by [`RetryPolicy`].
+//!
+//! The client sends no TLS of its own: `idempotent-runtime` depends on
+//! reqwest without default features. For `https://` URLs, enable a TLS
+//! feature of reqwest in your own `Cargo.toml` (e.g. `reqwest = { version =
+//! "0.13", features = ["rustls"] }`); cargo unifies the features.
+
+use super::key::IDEMPOTENCY_KEY;
+use super::problem::{Problem, PROBLEM_JSON};
+use super::REPLAYED;
+use bytes::Bytes;
+use reqwest::header::{HeaderMap, HeaderName, HeaderValue, CONTENT_TYPE, RETRY_AFTER};
+use reqwest::{Method, StatusCode, Url};
+use std::time::Duration;
+
+/// How [`Intent::send`] retries.
+///
+/// ```
+/// use idempotent_runtime::http::RetryPolicy;
+/// use std::time::Duration;
+/// let patient = RetryPolicy { max_attempts: 10, max_backoff: Duration::from_secs(30), ..RetryPolicy::default() };
+/// assert_eq!(patient.initial_backoff, Duration::from_millis(100));
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RetryPolicy {
+    /// Attempts in all, the first included (default 6). At least 1.
+    pub max_attempts: u32,
+    /// The backoff before the first retry (default 100 ms); doubles per retry.
+    pub initial_backoff: Duration,
+    /// The largest backoff (default 5 s).
+    pub max_backoff: Duration,
+    /// The longest `Retry-After` honoured (default 60 s); a longer one is cut to this.
+    pub max_retry_after: Duration,
+    /// A timeout for each attempt, answer body included (default 30 s).
+    pub attempt_timeout: Option<Duration>,
+}
+
+impl Default for RetryPolicy {
+    fn default() -> Self {
+        RetryPolicy {
+            max_attempts: 6,
+            initial_backoff: Duration::from_millis(100),
+            max_backoff: Duration::from_secs(5),
+            max_retry_after: Duration::from_secs(60),
+            attempt_timeout: Some(Duration::from_secs(30)),
+        }
+    }
+}
+
+impl RetryPolicy {
+    /// The pause before retry number `retry` (1 for the first retry): the
+    /// exponential backoff with "equal jitter" (between half and all of it),
+    /// or the server's `Retry-After` when that is longer (capped at
+    /// [`max_retry_after`](Self::max_retry_after)).
+    pub fn delay(&self, retry: u32, retry_after: Option<Duration>) -> Duration {
+        let exp = 2u32.saturating_pow(retry.saturating_sub(1));
+        let base = self
+            .initial_backoff
+            .saturating_mul(exp)
+            .min(self.max_backoff);
+        let half = base / 2;
+        let jitter = Duration::from_nanos(fastrand::u64(
+            0..=u64::try_from(half.as_nanos()).unwrap_or(u64::MAX),
+        ));
+        let backoff = half + jitter;
+        match retry_after {
+            Some(server) => server.min(self.max_retry_after).max(backoff),
+            None => backoff,
+        }
+    }
+}
+
+/// What an [`Intent`] could not do.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ClientError {
+    /// The URL could not be parsed.
+    #[error("invalid URL {url:?}: {reason}")]
+    InvalidUrl {
+        /// The URL given.
+        url: String,
+        /// Why it was refused.
+        reason: String,
+    },
+    /// A header name or value is not valid HTTP.
+    #[error("invalid header {name:?}: {reason}")]
+    InvalidHeader {
+        /// The header's name as given.
+        name: String,
+        /// Why it was refused.
+        reason: String,
+    },
+    /// A key given to [`IdempotentClient::intent_with_key`] cannot be sent
+    /// as a bare `Idempotency-Key` header.
+    #[error("the idempotency key cannot be sent: {0}")]
+    InvalidKey(String),
+    /// The request body could not be serialized as JSON.
+    #[error("the request body could not be serialized as JSON: {0}")]
+    Serialize(#[source] serde_json::Error),
+    /// reqwest refused to build or send the request for a reason retrying
+    /// cannot fix (e.g. a redirect loop).
+    #[error("the request failed and retrying cannot help: {0}")]
+    Request(#[source] reqwest::Error),
+    /// Every attempt ended in a retryable failure. **The outcome is unknown**:
+    /// the operation may or may not have happened. Retry the same intent
+    /// later ([`Intent::send`] again, or [`IdempotentClient::intent_with_key`]
+    /// with the saved key): never make a new intent for this operation.
+    #[error(
+        "gave up after {attempts} attempt(s), the last one {last}; the outcome is unknown: \
+             send the same intent again later (same key), never a new one for this operation"
+    )]
+    RetriesExhausted {
+        /// How many attempts were made.
+        attempts: u32,
+        /// How the last attempt ended.
+        last: LastAttempt,
+    },
+    /// The answer's body is not the JSON the caller asked for.
+    #[error("the answer's body is not the expected JSON: {0}")]
+    Decode(#[source] serde_json::Error),
+}
+
+/// How the last attempt of an exhausted [`Intent::send`] ended.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum LastAttempt {
+    /// The server answered with a retryable status (5xx, or 409).
+    Status {
+        /// The status.
+        status: StatusCode,
+        /// The problem+json body, when the answer had one.
+        problem: Option<Problem>,
+    },
+    /// The connection failed or timed out.
+    Transport(reqwest::Error),
+}
+
+impl std::fmt::Display for LastAttempt {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            LastAttempt::Status {
+                status,
+                problem: Some(p),
+            } => write!(f, "answered {status}: {}", p.detail),
+            LastAttempt::Status { status, .. } => write!(f, "answered {status}"),
+            LastAttempt::Transport(e) => write!(f, "failed: {e}"),
+        }
+    }
+}
+
+/// The final answer to an [`Intent`].
+#[derive(Debug, Clone)]
+pub struct IdempotentResponse {
+    status: StatusCode,
+    headers: HeaderMap,
+    body: Bytes,
+    attempts: u32,
+}
+
+impl IdempotentResponse {
+    /// The status of the answer.
+    pub fn status(&self) -> StatusCode {
+        self.status
+    }
+
+    /// The headers of the answer.
+    pub fn headers(&self) -> &HeaderMap {
+        &self.headers
+    }
+
+    /// The body of the answer.
+    pub fn body(&self) -> &Bytes {
+        &self.body
+    }
+
+    /// Whether the server answered from its record (`Idempotent-Replayed:
+    /// true`): the operation had already been carried out, by an earlier
+    /// attempt whose answer was lost or by a concurrent one.
+    pub fn is_replayed(&self) -> bool {
+        self.headers
+            .get(REPLAYED)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| v.trim().eq_ignore_ascii_case("true"))
+    }
+
+    /// How many attempts it took (1: no retry).
+    pub fn attempts(&self) -> u32 {
+        self.attempts
+    }
+
+    /// The body as JSON of type `T`.
+    pub fn json<T: serde::de::DeserializeOwned>(&self) -> Result<T, ClientError> {
+        serde_json::from_slice(&self.body).map_err(ClientError::Decode)
+    }
+
+    /// The problem+json body, when the answer is one.
+    pub fn problem(&self) -> Option<Problem> {
+        problem_of(&self.headers, &self.body)
+    }
+}
+
+fn problem_of(headers: &HeaderMap, body: &[u8]) -> Option<Problem> {
+    let ct = headers.get(CONTENT_TYPE)?.to_str().ok()?;
+    if !ct
+        .split(';')
+        .next()
+        .is_some_and(|e| e.trim().eq_ignore_ascii_case(PROBLEM_JSON))
+    {
+        return None;
+    }
+    serde_json::from_slice(body).ok()
+}
+
+/// A reqwest client that sends [`Intent`]s with retries.
+#[derive(Debug, Clone, Default)]
+pub struct IdempotentClient {
+    http: reqwest::Client,
+    policy: RetryPolicy,
+}
+
+impl IdempotentClient {
+    /// Wraps a reqwest client with the default [`RetryPolicy`].
+    pub fn new(http: reqwest::Client) -> Self {
+        IdempotentClient {
+            http,
+            policy: RetryPolicy::default(),
+        }
+    }
+
+    /// Uses `policy` for every intent made from now on.
+    pub fn with_policy(mut self, policy: RetryPolicy) -> Self {
+        self.policy = policy;
+        self
+    }
+
+    /// The retry policy.
+    pub fn policy(&self) -> &RetryPolicy {
+        &self.policy
+    }
+
+    /// A new operation: mints a fresh key (a UUID v4) that every attempt of
+    /// this intent will carry. Make it once per operation, outside any loop.
+    pub fn intent(&self, method: Method, url: &str) -> Result<Intent, ClientError> {
+        self.intent_with_key(method, url, uuid::Uuid::new_v4().to_string())
+    }
+
+    /// Resumes an operation whose key was saved (e.g. with the order, before
+    /// the first attempt), after a restart of the calling program. The key
+    /// must be a bare token: visible ASCII, no `"`, `\`, `,` or `;`, 1–255 bytes.
+    pub fn intent_with_key(
+        &self,
+        method: Method,
+        url: &str,
+        key: impl Into<String>,
+    ) -> Result<Intent, ClientError> {
+        let key = key.into();
+        let header = super::key::parse_key(key.as_bytes())
+            .ok()
+            .filter(|parsed| *parsed == key)
+            .and_then(|_| HeaderValue::from_str(&key).ok())
+            .ok_or_else(|| {
+                ClientError::InvalidKey(
+                    "use 1 to 255 visible ASCII characters without `\"`, `\\`, `,`, `;` or spaces \
+                     (e.g. a UUID)"
+                        .to_owned(),
+                )
+            })?;
+        let url = Url::parse(url).map_err(|e| ClientError::InvalidUrl {
+            url: url.to_owned(),
+            reason: e.to_string(),
+        })?;
+        Ok(Intent {
+            client: self.clone(),
+            method,
+            url,
+            key,
+            key_header: header,
+            headers: HeaderMap::new(),
+            body: None,
+        })
+    }
+}
+
+/// One logical operation against an idempotent API: its key is fixed when
+/// the intent is made, and every attempt of [`send`](Self::send) carries it.
+#[derive(Debug, Clone)]
+pub struct Intent {
+    client: IdempotentClient,
+    method: Method,
+    url: Url,
+    key: String,
+    key_header: HeaderValue,
+    headers: HeaderMap,
+    body: Option<Bytes>,
+}
+
+impl Intent {
+    /// The idempotency key of this operation. Save it with the operation if
+    /// the program may restart before it is answered
+    /// ([`IdempotentClient::intent_with_key`] resumes it).
+    pub fn key(&self) -> &str {
+        &self.key
+    }
+
+    /// Adds a header to every attempt. An `Idempotency-Key` given here is
+    /// ignored: the intent's own key is always the one sent.
+    pub fn header(mut self, name: &str, value: &str) -> Result<Self, ClientError> {
+        let invalid = |reason: String| ClientError::InvalidHeader {
+            name: name.to_owned(),
+            reason,
+        };
+        let n = HeaderName::from_bytes(name.as_bytes()).map_err(|e| invalid(e.to_string()))?;
+        let v = HeaderValue::from_str(value).map_err(|e| invalid(e.to_string()))?;
+        if n != IDEMPOTENCY_KEY {
+            self.headers.append(n, v);
+        }
+        Ok(self)
+    }
+
+    /// Sets a JSON body (serialized once, so every attempt sends the same bytes).
+    pub fn json<T: serde::Serialize + ?Sized>(mut self, body: &T) -> Result<Self, ClientError> {
+        let bytes = serde_json::to_vec(body).map_err(ClientError::Serialize)?;
+        self.headers
+            .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+        self.body = Some(Bytes::from(bytes));
+        Ok(self)
+    }
+
+    /// Sets a raw body; set its `Content-Type` with [`header`](Self::header).
+    pub fn body(mut self, body: impl Into<Bytes>) -> Self {
+        self.body = Some(body.into());
+        self
+    }
+
+    /// Sends the request, retrying with the same key per the client's
+    /// [`RetryPolicy`]. Returns the first final answer (2xx, 3xx, 4xx other
+    /// than 409), or [`ClientError::RetriesExhausted`] when every attempt
+    /// failed retryably. Calling it again later is a further retry of the
+    /// same operation, with the same key.
+    pub async fn send(&self) -> Result<IdempotentResponse, ClientError> {
+        let policy = &self.client.policy;
+        let max_attempts = policy.max_attempts.max(1);
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            let last = match self.attempt().await {
+                Ok((status, headers, body)) => {
+                    if !(status.is_server_error() || status == StatusCode::CONFLICT) {
+                        return Ok(IdempotentResponse {
+                            status,
+                            headers,
+                            body,
+                            attempts: attempt,
+                        });
+                    }
+                    let retry_after = headers
+                        .get(RETRY_AFTER)
+                        .and_then(|v| v.to_str().ok())
+                        .and_then(|v| v.trim().parse::<u64>().ok())
+                        .map(Duration::from_secs);
+                    let problem = problem_of(&headers, &body);
+                    (LastAttempt::Status { status, problem }, retry_after)
+                }
+                Err(e) if e.is_builder() || e.is_redirect() => {
+                    return Err(ClientError::Request(e));
+                }
+                Err(e) => (LastAttempt::Transport(e), None),
+            };
+            let (last, retry_after) = last;
+            if attempt >= max_attempts {
+                tracing::warn!(target: "idempotent", method = %self.method, url = %self.url, attempts = attempt,
+                    last = %last, "giving up; the outcome is unknown");
+                return Err(ClientError::RetriesExhausted {
+                    attempts: attempt,
+                    last,
+                });
+            }
+            let delay = policy.delay(attempt, retry_after);
+            tracing::info!(target: "idempotent", method = %self.method, url = %self.url, attempt,
+                last = %last, delay_ms = delay.as_millis() as u64, "retrying with the same idempotency key");
+            tokio::time::sleep(delay).await;
+        }
+    }
+
+    async fn attempt(&self) -> Result<(StatusCode, HeaderMap, Bytes), reqwest::Error> {
+        let mut request = self
+            .client
+            .http
+            .request(self.method.clone(), self.url.clone())
+            .headers(self.headers.clone())
+            .header(IDEMPOTENCY_KEY, self.key_header.clone());
+        if let Some(body) = &self.body {
+            request = request.body(body.clone());
+        }
+        if let Some(timeout) = self.client.policy.attempt_timeout {
+            request = request.timeout(timeout);
+        }
+        let response = request.send().await?;
+        let status = response.status();
+        let headers = response.headers().clone();
+        let body = response.bytes().await?;
+        Ok((status, headers, body))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn delays_grow_are_jittered_and_honour_retry_after() {
+        let p = RetryPolicy::default();
+        for retry in 1..=10 {
+            let d = p.delay(retry, None);
+            let base = (p.initial_backoff * 2u32.pow(retry - 1)).min(p.max_backoff);
+            assert!(
+                d >= base / 2 && d <= base,
+                "retry {retry}: {d:?} vs {base:?}"
+            );
+        }
+        assert_eq!(
+            p.delay(1, Some(Duration::from_secs(2))),
+            Duration::from_secs(2)
+        );
+        assert_eq!(
+            p.delay(1, Some(Duration::from_secs(3600))),
+            p.max_retry_after
+        );
+        assert!(p.delay(u32::MAX, None) <= p.max_backoff);
+    }
+
+    #[test]
+    fn each_intent_has_its_own_key_and_keeps_it() {
+        let c = IdempotentClient::default();
+        let a = c.intent(Method::POST, "http://127.0.0.1:1/x").unwrap();
+        let b = c.intent(Method::POST, "http://127.0.0.1:1/x").unwrap();
+        assert_ne!(a.key(), b.key());
+        let a2 = a.clone().header("Idempotency-Key", "other").unwrap();
+        assert_eq!(a2.key(), a.key());
+        assert!(a2.headers.get(IDEMPOTENCY_KEY).is_none());
+        assert!(matches!(
+            c.intent_with_key(Method::POST, "http://h/x", "has space"),
+            Err(ClientError::InvalidKey(_))
+        ));
+        assert!(matches!(
+            c.intent(Method::POST, "not a url"),
+            Err(ClientError::InvalidUrl { .. })
+        ));
+    }
+}

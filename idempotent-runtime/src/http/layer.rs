@@ -1,0 +1,818 @@
+//! [`IdempotencyLayer`]: the tower layer that makes a route idempotent.
+
+use super::fingerprint::request_fingerprint;
+use super::key::{key_from_headers, KeyRejection};
+use super::problem::{types, Problem};
+use super::REPLAYED;
+use crate::engine::{execute, with_outcome, Call, Outcome, ReleaseErrors, StoreRef};
+use crate::error::Error;
+use crate::identity::Identity;
+use crate::registry::{ErrorPolicy, InProgressPolicy, ScopeInfo};
+use crate::store::Store;
+use axum::body::Body;
+use axum::http::request::Parts;
+use axum::http::{
+    header, HeaderMap, HeaderName, HeaderValue, Method, Request, Response, StatusCode,
+};
+use axum::response::IntoResponse;
+use bytes::Bytes;
+use futures_util::future::BoxFuture;
+use http_body_util::{BodyExt, LengthLimitError, Limited};
+use serde::{Deserialize, Serialize};
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+/// The default cap on a buffered request body: 1 MiB.
+pub const DEFAULT_MAX_BODY_BYTES: usize = 1024 * 1024;
+
+/// The response headers recorded and replayed by default (besides the
+/// status and the body): `Content-Type`, `Location`, `Content-Location`,
+/// `Content-Language`, `ETag` and `Last-Modified`.
+pub const DEFAULT_RECORDED_HEADERS: [HeaderName; 6] = [
+    header::CONTENT_TYPE,
+    header::LOCATION,
+    header::CONTENT_LOCATION,
+    header::CONTENT_LANGUAGE,
+    header::ETAG,
+    header::LAST_MODIFIED,
+];
+
+type TenantFn = dyn Fn(&Parts) -> Option<String> + Send + Sync;
+type StatusFn = dyn Fn(StatusCode) -> bool + Send + Sync;
+
+/// What was wrong with an [`IdempotencyLayerBuilder`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum LayerConfigError {
+    /// The scope is not lowercase segments `[a-z0-9_-]+` joined by `.`, ≤ 128 bytes.
+    #[error("scope {scope:?} is not a valid scope: {problem}")]
+    InvalidScope {
+        /// The scope given.
+        scope: String,
+        /// What is wrong with it.
+        problem: String,
+    },
+    /// Neither `tenant_from_extension` nor `tenant_from` was called.
+    #[error(
+        "scope `{scope}`: the layer needs to know whose key a request carries; call \
+             `tenant_from_extension::<YourPrincipal>()` (set by your authentication) or \
+             `tenant_from(|parts| ...)` on the builder"
+    )]
+    NoTenant {
+        /// The scope of the layer.
+        scope: String,
+    },
+    /// The lease is zero.
+    #[error("scope `{scope}`: the lease must be longer than zero")]
+    ZeroLease {
+        /// The scope of the layer.
+        scope: String,
+    },
+}
+
+/// Configures an [`IdempotencyLayer`]; made by [`IdempotencyLayer::builder`].
+#[must_use = "call .build() to get the layer"]
+pub struct IdempotencyLayerBuilder {
+    store: Arc<dyn Store>,
+    scope: String,
+    tenant: Option<Arc<TenantFn>>,
+    key_required: bool,
+    lease: Duration,
+    ttl: Duration,
+    in_progress: InProgressPolicy,
+    max_body_bytes: usize,
+    max_response_bytes: usize,
+    recorded_headers: Vec<HeaderName>,
+    record_client_errors: bool,
+    record_server_errors: bool,
+    record_when: Option<Arc<StatusFn>>,
+}
+
+impl IdempotencyLayerBuilder {
+    /// Takes the tenant from a request extension of type `T`, put there by
+    /// your authentication middleware (which must run before this layer).
+    /// The tenant is `T`'s `Display` form. A request without the extension is
+    /// refused with 401: it is never served from a shared namespace.
+    pub fn tenant_from_extension<T>(mut self) -> Self
+    where
+        T: std::fmt::Display + Clone + Send + Sync + 'static,
+    {
+        self.tenant = Some(Arc::new(|parts: &Parts| {
+            parts.extensions.get::<T>().map(|t| t.to_string())
+        }));
+        self
+    }
+
+    /// Takes the tenant from the request's parts (method, URI, headers,
+    /// extensions). `None` refuses the request with 401.
+    ///
+    /// Only use values your authentication has verified: a tenant taken from
+    /// an unauthenticated header lets one caller read another's answers.
+    pub fn tenant_from<F>(mut self, tenant: F) -> Self
+    where
+        F: Fn(&Parts) -> Option<String> + Send + Sync + 'static,
+    {
+        self.tenant = Some(Arc::new(tenant));
+        self
+    }
+
+    /// Requests without an `Idempotency-Key` pass through to the handler
+    /// unprotected, instead of being refused with 400 (the default). A
+    /// malformed key is still refused.
+    pub fn key_optional(mut self) -> Self {
+        self.key_required = false;
+        self
+    }
+
+    /// The lease of a running request (default 30 s), renewed every
+    /// `lease / 3` while the handler runs. After a crash, a retry can take
+    /// the key over once the lease has run out.
+    pub fn lease(mut self, lease: Duration) -> Self {
+        self.lease = lease;
+        self
+    }
+
+    /// How long a recorded answer is replayed (default 24 h).
+    pub fn ttl(mut self, ttl: Duration) -> Self {
+        self.ttl = ttl;
+        self
+    }
+
+    /// A duplicate that arrives while the first request runs waits up to
+    /// `bound` for its answer and replays it (default 10 s); still running
+    /// after that, it gets 409 with `Retry-After`.
+    pub fn wait(mut self, bound: Duration) -> Self {
+        self.in_progress = InProgressPolicy::Wait(bound);
+        self
+    }
+
+    /// A duplicate that arrives while the first request runs gets 409 with
+    /// `Retry-After` at once, without waiting.
+    pub fn reject_in_progress(mut self) -> Self {
+        self.in_progress = InProgressPolicy::Reject;
+        self
+    }
+
+    /// The largest request body buffered for the fingerprint (default
+    /// [`DEFAULT_MAX_BODY_BYTES`]); a larger one is refused with 413.
+    pub fn max_body_bytes(mut self, limit: usize) -> Self {
+        self.max_body_bytes = limit;
+        self
+    }
+
+    /// The largest response body recorded (default and at most
+    /// [`MAX_RESULT_BYTES`](crate::MAX_RESULT_BYTES), 8 MiB). A larger answer
+    /// cannot be recorded: the key is released and the client gets 500.
+    pub fn max_response_bytes(mut self, limit: usize) -> Self {
+        self.max_response_bytes = limit.min(crate::engine::MAX_RESULT_BYTES);
+        self
+    }
+
+    /// Also records and replays this response header (besides
+    /// [`DEFAULT_RECORDED_HEADERS`]). Recorded headers are stored with the
+    /// answer: do not add ones that hold secrets (e.g. `Set-Cookie`).
+    pub fn record_header(mut self, name: HeaderName) -> Self {
+        if !self.recorded_headers.contains(&name) {
+            self.recorded_headers.push(name);
+        }
+        self
+    }
+
+    /// Whether 4xx answers of the handler are recorded as the final answer
+    /// for their key (default `true`). `408` and `429` are never recorded by
+    /// the default rule: they say "try again", so replaying them would be wrong.
+    pub fn record_client_errors(mut self, record: bool) -> Self {
+        self.record_client_errors = record;
+        self
+    }
+
+    /// Whether 5xx answers of the handler are recorded (default `false`: a
+    /// 5xx releases the key, so a retry runs the handler again).
+    pub fn record_server_errors(mut self, record: bool) -> Self {
+        self.record_server_errors = record;
+        self
+    }
+
+    /// Replaces the rule for which statuses are recorded: `true` records the
+    /// answer, `false` passes it through and releases the key.
+    pub fn record_when<F>(mut self, rule: F) -> Self
+    where
+        F: Fn(StatusCode) -> bool + Send + Sync + 'static,
+    {
+        self.record_when = Some(Arc::new(rule));
+        self
+    }
+
+    /// Checks the configuration and makes the layer.
+    ///
+    /// A layer's scope is described by a [`ScopeInfo`] like an annotated
+    /// function's; it is allocated once here and lives for the rest of the
+    /// program (leaked: a few hundred bytes per layer built — build layers
+    /// at startup, not per request). It is registered, so
+    /// [`registry::scopes`](crate::registry::scopes) and audits list it,
+    /// with the place `build()` was called from.
+    #[track_caller]
+    pub fn build(self) -> Result<IdempotencyLayer, LayerConfigError> {
+        if let Some(problem) = scope_problem(&self.scope) {
+            return Err(LayerConfigError::InvalidScope {
+                scope: self.scope,
+                problem,
+            });
+        }
+        let Some(tenant) = self.tenant else {
+            return Err(LayerConfigError::NoTenant { scope: self.scope });
+        };
+        if self.lease.is_zero() {
+            return Err(LayerConfigError::ZeroLease { scope: self.scope });
+        }
+        let caller = std::panic::Location::caller();
+        let errors = match (
+            &self.record_when,
+            self.record_client_errors,
+            self.record_server_errors,
+        ) {
+            (Some(_), ..) => "record_when(custom rule)",
+            (None, true, false) => "release 5xx, record 4xx",
+            (None, true, true) => "record 4xx and 5xx",
+            (None, false, false) => "release 4xx and 5xx",
+            (None, false, true) => "release 4xx, record 5xx",
+        };
+        let spec: &'static ScopeInfo = Box::leak(Box::new(ScopeInfo::__new(
+            Box::leak(self.scope.into_boxed_str()),
+            "idempotent_runtime::http::IdempotencyLayer",
+            caller.file(),
+            caller.line(),
+            self.ttl,
+            self.lease,
+            self.in_progress,
+            ErrorPolicy::RecordIf(errors),
+            false,
+            true,
+            &["method", "target", "body"],
+            false,
+        )));
+        crate::registry::register_runtime(spec);
+        Ok(IdempotencyLayer {
+            config: Arc::new(Config {
+                store: self.store,
+                spec,
+                tenant,
+                key_required: self.key_required,
+                max_body_bytes: self.max_body_bytes,
+                max_response_bytes: self.max_response_bytes,
+                recorded_headers: self.recorded_headers,
+                record_client_errors: self.record_client_errors,
+                record_server_errors: self.record_server_errors,
+                record_when: self.record_when,
+            }),
+        })
+    }
+}
+
+fn scope_problem(scope: &str) -> Option<String> {
+    if scope.is_empty() {
+        return Some("it is empty; name the operation, e.g. `payments.charge`".into());
+    }
+    if scope.len() > 128 {
+        return Some(format!(
+            "it is {} bytes long; the limit is 128",
+            scope.len()
+        ));
+    }
+    if scope.split('.').any(str::is_empty) {
+        return Some("it has an empty segment; join non-empty segments with single dots".into());
+    }
+    scope
+        .chars()
+        .find(|c| !matches!(c, 'a'..='z' | '0'..='9' | '_' | '-' | '.'))
+        .map(|c| format!("it contains {c:?}; use lowercase letters, digits, `_` and `-` in segments joined by `.`"))
+}
+
+struct Config {
+    store: Arc<dyn Store>,
+    spec: &'static ScopeInfo,
+    tenant: Arc<TenantFn>,
+    key_required: bool,
+    max_body_bytes: usize,
+    max_response_bytes: usize,
+    recorded_headers: Vec<HeaderName>,
+    record_client_errors: bool,
+    record_server_errors: bool,
+    record_when: Option<Arc<StatusFn>>,
+}
+
+impl Config {
+    fn records(&self, status: StatusCode) -> bool {
+        if let Some(rule) = &self.record_when {
+            return rule(status);
+        }
+        if status.is_server_error() {
+            self.record_server_errors
+        } else if status.is_client_error() {
+            self.record_client_errors
+                && status != StatusCode::REQUEST_TIMEOUT
+                && status != StatusCode::TOO_MANY_REQUESTS
+        } else {
+            true
+        }
+    }
+}
+
+/// A tower layer that makes the routes it wraps idempotent on the
+/// `Idempotency-Key` convention (DESIGN.md rule 22).
+///
+/// For every request that is not `GET`, `HEAD`, `OPTIONS` or `TRACE`:
+///
+/// 1. reads the `Idempotency-Key` (bare token or RFC 8941 quoted string;
+///    missing → 400, or pass through with [`key_optional`](IdempotencyLayerBuilder::key_optional));
+/// 2. finds the tenant (missing → 401), so the record is
+///    (tenant, scope, key) and a replay is never served to another tenant;
+/// 3. buffers the body up to a cap (over it → 413) and fingerprints method,
+///    target and body, JSON canonicalised ([`request_fingerprint`](super::request_fingerprint));
+/// 4. runs the handler as the body of an idempotent call — the same
+///    reservation, lease, heartbeat, fencing and retention as `#[idempotent]`
+///    functions, in the same store;
+/// 5. records the status, the body and the allow-listed headers
+///    ([`DEFAULT_RECORDED_HEADERS`]), and replays them to every retry with
+///    `Idempotent-Replayed: true`.
+///
+/// Same key with a different request → 422; still running after the wait
+/// bound → 409 with `Retry-After`; the store down → 503. A 5xx from the
+/// handler releases the key (configurable). Every refusal is
+/// `application/problem+json`.
+///
+/// ```
+/// use axum::{routing::post, Extension, Router};
+/// use idempotent_runtime::http::IdempotencyLayer;
+/// use idempotent_runtime::MemoryStore;
+///
+/// #[derive(Clone)]
+/// struct AccountId(String);
+/// impl std::fmt::Display for AccountId {
+///     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result { f.write_str(&self.0) }
+/// }
+///
+/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let layer = IdempotencyLayer::builder("payments.charge", MemoryStore::new())
+///     .tenant_from_extension::<AccountId>()       // set by your authentication
+///     .build()?;
+/// let app: Router = Router::new()
+///     .route("/payments", post(|| async { (axum::http::StatusCode::CREATED, "charged") }).route_layer(layer));
+///     // .layer(your_auth_layer) — it must run before (outside) the idempotency layer
+/// # Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct IdempotencyLayer {
+    config: Arc<Config>,
+}
+
+impl std::fmt::Debug for IdempotencyLayer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("IdempotencyLayer")
+            .field("scope", &self.config.spec.scope)
+            .field("store", &self.config.store.name())
+            .finish_non_exhaustive()
+    }
+}
+
+impl IdempotencyLayer {
+    /// Starts configuring a layer for `scope` (lowercase segments joined by
+    /// dots, e.g. `payments.charge`) on `store` (any [`Store`]; an
+    /// `Arc<dyn Store>` works too).
+    pub fn builder(
+        scope: impl Into<String>,
+        store: impl Store + 'static,
+    ) -> IdempotencyLayerBuilder {
+        IdempotencyLayerBuilder {
+            store: Arc::new(store),
+            scope: scope.into(),
+            tenant: None,
+            key_required: true,
+            lease: Duration::from_secs(30),
+            ttl: Duration::from_secs(24 * 60 * 60),
+            in_progress: InProgressPolicy::Wait(Duration::from_secs(10)),
+            max_body_bytes: DEFAULT_MAX_BODY_BYTES,
+            max_response_bytes: crate::engine::MAX_RESULT_BYTES,
+            recorded_headers: DEFAULT_RECORDED_HEADERS.to_vec(),
+            record_client_errors: true,
+            record_server_errors: false,
+            record_when: None,
+        }
+    }
+
+    /// What this layer registered: its scope, lease, ttl and policies.
+    pub fn scope_info(&self) -> &'static ScopeInfo {
+        self.config.spec
+    }
+}
+
+impl<S> tower_layer::Layer<S> for IdempotencyLayer {
+    type Service = IdempotencyService<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        IdempotencyService {
+            inner,
+            config: self.config.clone(),
+        }
+    }
+}
+
+/// The service made by [`IdempotencyLayer`] around an inner service.
+#[derive(Clone)]
+pub struct IdempotencyService<S> {
+    inner: S,
+    config: Arc<Config>,
+}
+
+impl<S> std::fmt::Debug for IdempotencyService<S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("IdempotencyService")
+            .field("scope", &self.config.spec.scope)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Whether a method passes through untouched: `GET`, `HEAD`, `OPTIONS`, `TRACE`.
+pub fn is_safe_method(method: &Method) -> bool {
+    matches!(
+        *method,
+        Method::GET | Method::HEAD | Method::OPTIONS | Method::TRACE
+    )
+}
+
+/// Why the handler's answer is not the call's recorded value.
+enum Failure<E> {
+    /// The engine refused or failed (problem+json of rule 22).
+    Engine(Error),
+    /// The inner service failed; its error goes back to the caller.
+    Inner(E),
+    /// An answer the policy does not record (e.g. a 5xx): passed through, key released.
+    Passthrough(Response<Body>),
+    /// The answer could not be recorded (body too large or unreadable): key released.
+    Unrecordable(Problem),
+}
+
+impl<E> From<Error> for Failure<E> {
+    fn from(e: Error) -> Self {
+        Failure::Engine(e)
+    }
+}
+
+impl<S, ResBody> tower_service::Service<Request<Body>> for IdempotencyService<S>
+where
+    S: tower_service::Service<Request<Body>, Response = Response<ResBody>> + Clone + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    ResBody: http_body::Body<Data = Bytes> + Send + 'static,
+    ResBody::Error: Into<axum::BoxError>,
+{
+    type Response = Response<Body>;
+    type Error = S::Error;
+    type Future = BoxFuture<'static, Result<Response<Body>, S::Error>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: Request<Body>) -> Self::Future {
+        // The clone is not ready; the ready one goes into the future.
+        let clone = self.inner.clone();
+        let inner = std::mem::replace(&mut self.inner, clone);
+        let config = self.config.clone();
+        Box::pin(handle(config, inner, request))
+    }
+}
+
+async fn handle<S, ResBody>(
+    config: Arc<Config>,
+    mut inner: S,
+    request: Request<Body>,
+) -> Result<Response<Body>, S::Error>
+where
+    S: tower_service::Service<Request<Body>, Response = Response<ResBody>> + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    ResBody: http_body::Body<Data = Bytes> + Send + 'static,
+    ResBody::Error: Into<axum::BoxError>,
+{
+    if is_safe_method(request.method()) {
+        return inner.call(request).await.map(|r| r.map(Body::new));
+    }
+    let spec = config.spec;
+    let key = match key_from_headers(request.headers()) {
+        Ok(Some(key)) => key,
+        Ok(None) if !config.key_required => {
+            return inner.call(request).await.map(|r| r.map(Body::new));
+        }
+        Ok(None) => return Ok(KeyRejection::Missing.into_response()),
+        Err(rejection) => return Ok(rejection.into_response()),
+    };
+    let (parts, body) = request.into_parts();
+    let Some(tenant) = (config.tenant)(&parts) else {
+        tracing::info!(target: "idempotent", scope = spec.scope, "refused: no tenant for the request");
+        return Ok(missing_tenant().into_response());
+    };
+    let identity = match Identity::new(tenant, spec.scope, key) {
+        Ok(identity) => identity,
+        Err(e) => return Ok(e.into_response()),
+    };
+
+    // The one copy of the body: buffered for the fingerprint, then handed
+    // to the handler as the same (reference-counted) bytes.
+    let declared = parts
+        .headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|len| len > config.max_body_bytes as u64) {
+        return Ok(body_too_large(config.max_body_bytes).into_response());
+    }
+    let bytes = match Limited::new(body, config.max_body_bytes).collect().await {
+        Ok(collected) => collected.to_bytes(),
+        Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => {
+            return Ok(body_too_large(config.max_body_bytes).into_response());
+        }
+        Err(e) => {
+            tracing::info!(target: "idempotent", scope = spec.scope, error = %e, "request body could not be read");
+            return Ok(Problem::new(
+                StatusCode::BAD_REQUEST,
+                types::BODY_UNREADABLE,
+                "Request body could not be read",
+                "The request body ended early or was malformed. Send the request again with \
+                 the same Idempotency-Key.",
+            )
+            .into_response());
+        }
+    };
+    let target = parts
+        .uri
+        .path_and_query()
+        .map_or_else(|| parts.uri.path(), |pq| pq.as_str());
+    let fingerprint = request_fingerprint(&parts.method, target, &parts.headers, &bytes);
+    let request = Request::from_parts(parts, Body::from(bytes));
+
+    let call = Call {
+        spec,
+        store: Ok(StoreRef::Borrowed(config.store.as_ref())),
+        identity: Ok(identity),
+        fingerprint: Ok(Some(fingerprint)),
+    };
+    let run = run_handler(&config, inner, request);
+    let (result, outcome) = with_outcome(execute::<Result<Recorded, Failure<S::Error>>, _, _>(
+        call,
+        ReleaseErrors,
+        run,
+    ))
+    .await;
+    match result {
+        Ok(recorded) => Ok(recorded.into_response(outcome == Some(Outcome::Replayed))),
+        Err(Failure::Passthrough(response)) => Ok(response),
+        Err(Failure::Inner(e)) => Err(e),
+        Err(Failure::Engine(e)) => Ok(e.into_response()),
+        Err(Failure::Unrecordable(problem)) => Ok(problem.into_response()),
+    }
+}
+
+/// The body of the idempotent call: the handler, then its answer collected for recording.
+async fn run_handler<S, ResBody>(
+    config: &Config,
+    mut inner: S,
+    request: Request<Body>,
+) -> Result<Recorded, Failure<S::Error>>
+where
+    S: tower_service::Service<Request<Body>, Response = Response<ResBody>>,
+    ResBody: http_body::Body<Data = Bytes> + Send + 'static,
+    ResBody::Error: Into<axum::BoxError>,
+{
+    let response = inner.call(request).await.map_err(Failure::Inner)?;
+    let status = response.status();
+    if !config.records(status) {
+        tracing::info!(target: "idempotent", scope = config.spec.scope, status = status.as_u16(),
+            "answer not recorded by the layer's rule; the key is released");
+        return Err(Failure::Passthrough(response.map(Body::new)));
+    }
+    let (parts, body) = response.into_parts();
+    let body = match Limited::new(body, config.max_response_bytes)
+        .collect()
+        .await
+    {
+        Ok(collected) => collected.to_bytes(),
+        Err(e) => {
+            let too_large = e.downcast_ref::<LengthLimitError>().is_some();
+            tracing::error!(target: "idempotent", scope = config.spec.scope, error = %e,
+                "the handler's answer could not be recorded; the key is released");
+            return Err(Failure::Unrecordable(Problem::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                types::RESPONSE_NOT_RECORDED,
+                "Answer could not be recorded",
+                if too_large {
+                    format!(
+                        "The answer is larger than the {} bytes this route records, so it could \
+                         not be kept for retries and the key was released. Contact the service's \
+                         operators; a retry runs the request again.",
+                        config.max_response_bytes
+                    )
+                } else {
+                    "The answer's body failed while it was being read, so it could not be \
+                     recorded and the key was released. A retry runs the request again."
+                        .to_owned()
+                },
+            )));
+        }
+    };
+    let recorded_headers = config
+        .recorded_headers
+        .iter()
+        .flat_map(|name| {
+            parts
+                .headers
+                .get_all(name)
+                .iter()
+                .map(move |v| (name.clone(), v.clone()))
+        })
+        .collect();
+    Ok(Recorded {
+        status: parts.status,
+        headers: recorded_headers,
+        body,
+        live: Some(parts.headers),
+    })
+}
+
+fn missing_tenant() -> Problem {
+    Problem::new(
+        StatusCode::UNAUTHORIZED,
+        types::MISSING_TENANT,
+        "Caller not identified",
+        "This request changes state and its Idempotency-Key belongs to a caller, but the request \
+         does not say who the caller is. Authenticate (send your credentials or account id) and \
+         send the request again with the same key.",
+    )
+}
+
+fn body_too_large(limit: usize) -> Problem {
+    Problem::new(
+        StatusCode::PAYLOAD_TOO_LARGE,
+        types::BODY_TOO_LARGE,
+        "Request body too large",
+        format!(
+            "The request body is larger than the {limit} bytes this route accepts. Send a smaller \
+             body; this request was not processed."
+        ),
+    )
+}
+
+// ---------------------------------------------------------------- the recorded answer
+
+/// The handler's answer as recorded: status, allow-listed headers and body.
+/// The first answer also keeps every header the handler set (`live`), which
+/// is not recorded.
+struct Recorded {
+    status: StatusCode,
+    headers: Vec<(HeaderName, HeaderValue)>,
+    body: Bytes,
+    live: Option<HeaderMap>,
+}
+
+impl Recorded {
+    fn into_response(self, replayed: bool) -> Response<Body> {
+        let mut response = Response::new(Body::from(self.body));
+        *response.status_mut() = self.status;
+        let headers = response.headers_mut();
+        match self.live {
+            Some(mut live) => {
+                // The body is buffered now: its length is known again.
+                live.remove(header::CONTENT_LENGTH);
+                live.remove(header::TRANSFER_ENCODING);
+                *headers = live;
+            }
+            None => {
+                for (name, value) in self.headers {
+                    headers.append(name, value);
+                }
+            }
+        }
+        if replayed {
+            headers.insert(REPLAYED.clone(), HeaderValue::from_static("true"));
+        }
+        response
+    }
+}
+
+/// Bytes in the record: text as is, anything else as base64.
+#[derive(Serialize, Deserialize)]
+enum StoredBytes<'a> {
+    #[serde(rename = "t")]
+    Text(std::borrow::Cow<'a, str>),
+    #[serde(rename = "b64")]
+    Base64(String),
+}
+
+impl<'a> StoredBytes<'a> {
+    fn of(bytes: &'a [u8]) -> Self {
+        match std::str::from_utf8(bytes) {
+            Ok(text) => StoredBytes::Text(text.into()),
+            Err(_) => {
+                use base64::Engine as _;
+                StoredBytes::Base64(base64::engine::general_purpose::STANDARD.encode(bytes))
+            }
+        }
+    }
+
+    fn into_bytes(self) -> Result<Bytes, String> {
+        match self {
+            StoredBytes::Text(text) => Ok(Bytes::from(text.into_owned())),
+            StoredBytes::Base64(b64) => {
+                use base64::Engine as _;
+                base64::engine::general_purpose::STANDARD
+                    .decode(b64)
+                    .map(Bytes::from)
+                    .map_err(|e| e.to_string())
+            }
+        }
+    }
+}
+
+#[derive(Serialize, Deserialize)]
+struct StoredResponse<'a> {
+    #[serde(rename = "status")]
+    status: u16,
+    #[serde(rename = "headers")]
+    headers: Vec<(std::borrow::Cow<'a, str>, StoredBytes<'a>)>,
+    #[serde(rename = "body")]
+    body: StoredBytes<'a>,
+}
+
+impl Serialize for Recorded {
+    fn serialize<Ser: serde::Serializer>(&self, serializer: Ser) -> Result<Ser::Ok, Ser::Error> {
+        StoredResponse {
+            status: self.status.as_u16(),
+            headers: self
+                .headers
+                .iter()
+                .map(|(n, v)| (n.as_str().into(), StoredBytes::of(v.as_bytes())))
+                .collect(),
+            body: StoredBytes::of(&self.body),
+        }
+        .serialize(serializer)
+    }
+}
+
+impl<'de> Deserialize<'de> for Recorded {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        use serde::de::Error as _;
+        let stored = StoredResponse::deserialize(deserializer)?;
+        let status = StatusCode::from_u16(stored.status).map_err(D::Error::custom)?;
+        let mut headers = Vec::with_capacity(stored.headers.len());
+        for (name, value) in stored.headers {
+            let name = HeaderName::from_bytes(name.as_bytes()).map_err(D::Error::custom)?;
+            let value = value.into_bytes().map_err(D::Error::custom)?;
+            let value = HeaderValue::from_maybe_shared(value).map_err(D::Error::custom)?;
+            headers.push((name, value));
+        }
+        Ok(Recorded {
+            status,
+            headers,
+            body: stored.body.into_bytes().map_err(D::Error::custom)?,
+            live: None,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn recorded_answers_round_trip_text_and_binary() {
+        for body in [&b"{\"a\":1}"[..], &[0xff, 0x00, 0x80][..], b""] {
+            let r = Recorded {
+                status: StatusCode::CREATED,
+                headers: vec![
+                    (header::LOCATION, HeaderValue::from_static("/payments/1")),
+                    (
+                        header::CONTENT_TYPE,
+                        HeaderValue::from_bytes(b"text/x; q=\xe9").unwrap(),
+                    ),
+                ],
+                body: Bytes::copy_from_slice(body),
+                live: None,
+            };
+            let json = serde_json::to_vec(&r).unwrap();
+            let back: Recorded = serde_json::from_slice(&json).unwrap();
+            assert_eq!(back.status, r.status);
+            assert_eq!(back.headers, r.headers);
+            assert_eq!(back.body, r.body);
+        }
+    }
+
+    #[test]
+    fn scopes_are_checked() {
+        assert!(scope_problem("payments.charge").is_none());
+        assert!(scope_problem("Payments").is_some());
+        assert!(scope_problem("a..b").is_some());
+        assert!(scope_problem("").is_some());
+        assert!(scope_problem(&"a".repeat(129)).is_some());
+    }
+}

@@ -1,0 +1,247 @@
+//! `application/problem+json` (RFC 9457) answers, and the HTTP status of every
+//! [`Error`](crate::Error) (DESIGN.md rule 22).
+//!
+//! Every refusal the layer and the extractor make is a [`Problem`]: a JSON
+//! object with a `type` (one of the URNs in [`types`]), a `title`, the
+//! `status` and a `detail` that tells the client what to do. Clients can
+//! branch on `type`; people read `detail`.
+
+use crate::error::Error;
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use serde::{Deserialize, Serialize};
+use std::time::Duration;
+
+/// The media type of every error body: `application/problem+json`.
+pub const PROBLEM_JSON: &str = "application/problem+json";
+
+/// The `type` URIs of the problems this crate answers with. Stable: clients
+/// may match on them.
+pub mod types {
+    /// No `Idempotency-Key` header on a route that requires one (400).
+    pub const MISSING_KEY: &str = "urn:idempotent:problem:missing-key";
+    /// The `Idempotency-Key` header is not a bare token or a quoted string,
+    /// or the key is empty, too long or holds a control character (400).
+    pub const INVALID_KEY: &str = "urn:idempotent:problem:invalid-key";
+    /// The route could not tell who the caller is (401).
+    pub const MISSING_TENANT: &str = "urn:idempotent:problem:missing-tenant";
+    /// The tenant value is empty, too long or holds a control character (400).
+    pub const INVALID_TENANT: &str = "urn:idempotent:problem:invalid-tenant";
+    /// The key was used before with a different request (422).
+    pub const KEY_REUSED: &str = "urn:idempotent:problem:key-reused";
+    /// A request with the same key is still running (409 + `Retry-After`).
+    pub const IN_PROGRESS: &str = "urn:idempotent:problem:in-progress";
+    /// The request body is larger than the route buffers (413).
+    pub const BODY_TOO_LARGE: &str = "urn:idempotent:problem:body-too-large";
+    /// The request body could not be read (400).
+    pub const BODY_UNREADABLE: &str = "urn:idempotent:problem:body-unreadable";
+    /// The idempotency store is unavailable (503).
+    pub const STORE_UNAVAILABLE: &str = "urn:idempotent:problem:store-unavailable";
+    /// The request ran, but its lease was lost to another attempt, so its
+    /// answer was not recorded (500).
+    pub const LEASE_LOST: &str = "urn:idempotent:problem:lease-lost";
+    /// The response could not be recorded (too large, not serializable) (500).
+    pub const RESPONSE_NOT_RECORDED: &str = "urn:idempotent:problem:response-not-recorded";
+    /// A server-side misconfiguration or bug (500).
+    pub const SERVER_ERROR: &str = "urn:idempotent:problem:server-error";
+}
+
+/// One `application/problem+json` body (RFC 9457).
+///
+/// ```
+/// use idempotent_runtime::http::problem::{types, Problem};
+/// use axum::http::StatusCode;
+/// let p = Problem::new(StatusCode::BAD_REQUEST, types::MISSING_KEY, "Idempotency-Key required",
+///                      "send an Idempotency-Key header");
+/// assert_eq!(p.status, 400);
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Problem {
+    /// A URI naming the kind of problem (one of [`types`]).
+    #[serde(rename = "type")]
+    pub problem_type: String,
+    /// A short summary of the kind of problem, the same for every occurrence.
+    pub title: String,
+    /// The HTTP status code.
+    pub status: u16,
+    /// What went wrong this time and what the client should do about it.
+    pub detail: String,
+    /// For 409 in-progress answers: seconds to wait before retrying (the same
+    /// number as the `Retry-After` header).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub retry_after: Option<u64>,
+}
+
+impl Problem {
+    /// A problem with the given status, type, title and detail.
+    pub fn new(
+        status: StatusCode,
+        problem_type: &str,
+        title: impl Into<String>,
+        detail: impl Into<String>,
+    ) -> Self {
+        Problem {
+            problem_type: problem_type.to_owned(),
+            title: title.into(),
+            status: status.as_u16(),
+            detail: detail.into(),
+            retry_after: None,
+        }
+    }
+
+    /// The status as a [`StatusCode`] (500 if the number is not a status).
+    pub fn status_code(&self) -> StatusCode {
+        StatusCode::from_u16(self.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR)
+    }
+}
+
+impl IntoResponse for Problem {
+    fn into_response(self) -> Response {
+        let status = self.status_code();
+        let retry_after = self.retry_after;
+        // Serializing a struct of strings and integers cannot fail; keep a
+        // valid body even if it somehow did.
+        let body = serde_json::to_vec(&self).unwrap_or_else(|_| {
+            br#"{"type":"urn:idempotent:problem:server-error","title":"Internal error","status":500,"detail":"the error could not be described"}"#.to_vec()
+        });
+        let mut response = (status, body).into_response();
+        let headers = response.headers_mut();
+        headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON));
+        if let Some(secs) = retry_after {
+            headers.insert(header::RETRY_AFTER, HeaderValue::from(secs));
+        }
+        response
+    }
+}
+
+/// A `Retry-After` value in whole seconds: rounded up, at least 1.
+///
+/// ```
+/// use idempotent_runtime::http::problem::retry_after_secs;
+/// use std::time::Duration;
+/// assert_eq!(retry_after_secs(Duration::from_millis(1)), 1);
+/// assert_eq!(retry_after_secs(Duration::from_millis(2500)), 3);
+/// assert_eq!(retry_after_secs(Duration::from_secs(30)), 30);
+/// ```
+pub fn retry_after_secs(d: Duration) -> u64 {
+    let secs = d.as_secs() + u64::from(d.subsec_nanos() > 0);
+    secs.max(1)
+}
+
+/// The problem an [`Error`] becomes in an HTTP answer (rule 22):
+///
+/// | error | status |
+/// |---|---|
+/// | `InvalidKey`, `InvalidTenant` | 400 |
+/// | `FingerprintMismatch` | 422 |
+/// | `InProgress` | 409 + `Retry-After` (whole seconds, ≥ 1) |
+/// | `Store`, `StaleSnapshot` | 503 |
+/// | everything else (`LeaseLost`, `ResultTooLarge`, `NoDefaultStore`, ...) | 500 |
+///
+/// The detail of a 5xx does not repeat server internals (database messages):
+/// those are logged, not sent to the client.
+pub fn problem_for(error: &Error) -> Problem {
+    use types::*;
+    match error {
+        Error::InvalidKey(problem) => Problem::new(
+            StatusCode::BAD_REQUEST,
+            INVALID_KEY,
+            "Invalid Idempotency-Key",
+            format!(
+                "The Idempotency-Key was refused: {problem}. Send 1 to 255 bytes without control \
+                 characters, e.g. a UUID made once per operation."
+            ),
+        ),
+        Error::InvalidTenant(problem) => Problem::new(
+            StatusCode::BAD_REQUEST,
+            INVALID_TENANT,
+            "Invalid caller identity",
+            format!(
+                "The caller's identity (tenant) was refused: {problem}. Check the credentials \
+                 or account id sent with the request."
+            ),
+        ),
+        Error::FingerprintMismatch(_) => Problem::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            KEY_REUSED,
+            "Idempotency-Key reused for a different request",
+            "This Idempotency-Key was already used with a different request (method, path or \
+             body). A retry must repeat the original request exactly; a new operation needs a \
+             new key.",
+        ),
+        Error::InProgress { retry_after, .. } => {
+            let secs = retry_after_secs(*retry_after);
+            let mut p = Problem::new(
+                StatusCode::CONFLICT,
+                IN_PROGRESS,
+                "A request with this Idempotency-Key is still in progress",
+                format!(
+                    "The first request with this Idempotency-Key has not finished yet. Retry the \
+                     same request with the same key after {secs} second(s) to get its answer."
+                ),
+            );
+            p.retry_after = Some(secs);
+            p
+        }
+        Error::Store(_) | Error::StaleSnapshot { .. } => Problem::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            STORE_UNAVAILABLE,
+            "Idempotency store unavailable",
+            "The server could not reach its idempotency store, so the request was not \
+             processed safely. Retry later with the same Idempotency-Key.",
+        ),
+        Error::LeaseLost(_) => Problem::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            LEASE_LOST,
+            "Answer not recorded",
+            "The request ran for longer than its lease and another attempt took it over, so this \
+             answer was not recorded. Retry with the same Idempotency-Key to get the recorded \
+             answer.",
+        ),
+        Error::ResultEncoding { .. }
+        | Error::ResultTooLarge { .. }
+        | Error::ResultNotFaithful { .. } => Problem::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            RESPONSE_NOT_RECORDED,
+            "Answer could not be recorded",
+            "The server could not record its answer for this Idempotency-Key, so the key was \
+             released. This is a server problem; contact the service's operators before \
+             retrying.",
+        ),
+        Error::Fingerprint { .. }
+        | Error::ReplayDecoding { .. }
+        | Error::NoDefaultStore { .. }
+        | Error::NotInTransaction { .. } => Problem::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            SERVER_ERROR,
+            "Internal server error",
+            "The server's idempotency handling is misconfigured; the request did not run. \
+             Contact the service's operators; retrying will not help until it is fixed.",
+        ),
+    }
+}
+
+/// Under the `http` feature, `?` on an [`Error`] in an axum handler answers
+/// with the status of rule 22 and a problem+json body (see [`problem_for`]).
+/// Server-side failures are logged here with their full message.
+///
+/// ```
+/// use axum::response::IntoResponse;
+/// use idempotent_runtime::Error;
+/// use std::time::Duration;
+/// let e = Error::InProgress { scope: "payments.charge".into(), retry_after: Duration::from_millis(1500) };
+/// let response = e.into_response();
+/// assert_eq!(response.status(), 409);
+/// assert_eq!(response.headers()["retry-after"], "2");
+/// assert_eq!(response.headers()["content-type"], "application/problem+json");
+/// ```
+impl IntoResponse for Error {
+    fn into_response(self) -> Response {
+        let problem = problem_for(&self);
+        if problem.status >= 500 {
+            tracing::error!(target: "idempotent", error = %self, status = problem.status,
+                "idempotency failure answered as a server error");
+        }
+        problem.into_response()
+    }
+}
