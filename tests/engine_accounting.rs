@@ -27,6 +27,8 @@ struct Counting {
     inner: MemoryStore,
     calls: Calls,
     fail_heartbeats: AtomicBool,
+    fail_releases: AtomicBool,
+    detached_releases: AtomicUsize,
 }
 
 impl Counting {
@@ -35,6 +37,8 @@ impl Counting {
             inner: MemoryStore::new(),
             calls: Calls::default(),
             fail_heartbeats: AtomicBool::new(false),
+            fail_releases: AtomicBool::new(false),
+            detached_releases: AtomicUsize::new(0),
         }
     }
     fn counts(&self) -> [usize; 4] {
@@ -64,6 +68,9 @@ impl Store for Counting {
     }
     async fn release(&self, i: &Identity, t: &OwnerToken) -> Result<bool, StoreError> {
         self.calls.release.fetch_add(1, Ordering::SeqCst);
+        if self.fail_releases.load(Ordering::SeqCst) {
+            return Err(StoreError::new("counting", "release", "injected failure"));
+        }
         self.inner.release(i, t).await
     }
     async fn heartbeat(
@@ -80,6 +87,7 @@ impl Store for Counting {
     }
     fn release_detached(&self, i: Identity, t: OwnerToken) {
         self.calls.release.fetch_add(1, Ordering::SeqCst);
+        self.detached_releases.fetch_add(1, Ordering::SeqCst);
         self.inner.release_detached(i, t)
     }
     fn complete_detached(&self, i: Identity, t: OwnerToken, o: StoredOutcome, ttl: Duration) {
@@ -107,6 +115,34 @@ async fn quick(store: &Counting, tenant: &str, key: &str, amount: u64) -> Result
 async fn slow(store: &Counting, tenant: &str, key: &str, pause_ms: u64) -> Result<u64, Error> {
     tokio::time::sleep(Duration::from_millis(pause_ms)).await;
     Ok(pause_ms)
+}
+
+#[idempotent(scope = "accounting.failing", key = key, tenant = tenant, store = store)]
+async fn failing(store: &Counting, tenant: &str, key: &str) -> Result<u64, Error> {
+    Err(Error::NoDefaultStore {
+        scope: "the body's own error".into(),
+    })
+}
+
+/// Rule 14: a release that fails (the body's error is released by default) is
+/// not left to the lease: the store is handed it to retry in the background.
+#[tokio::test]
+async fn a_failed_release_is_handed_to_the_store() {
+    let store = Counting::new();
+    store.fail_releases.store(true, Ordering::SeqCst);
+    assert!(failing(&store, "t", "k").await.is_err());
+    assert_eq!(store.detached_releases.load(Ordering::SeqCst), 1);
+    let id = Identity::new("t", "accounting.failing", "k").unwrap();
+    assert_eq!(
+        store.inner.fetch(&id).await.unwrap(),
+        None,
+        "the key is free"
+    );
+
+    // A release that works is not handed over a second time.
+    store.fail_releases.store(false, Ordering::SeqCst);
+    assert!(failing(&store, "t", "k2").await.is_err());
+    assert_eq!(store.detached_releases.load(Ordering::SeqCst), 1);
 }
 
 #[tokio::test]

@@ -305,8 +305,7 @@ where
     let result = match run_with_heartbeat(store, &identity, &token, spec.lease, body).await {
         Ok(r) => r.into_result(),
         Err(panic) => {
-            guard.arm(false);
-            release_logged(store, &identity, &token).await;
+            release(store, &guard).await;
             std::panic::resume_unwind(panic);
         }
     };
@@ -316,14 +315,12 @@ where
     let stored = match outcome_to_record::<R, H>(spec, &result, &errors) {
         Ok(Some(stored)) => stored,
         Ok(None) => {
-            release_logged(store, &identity, &token).await;
-            guard.arm(false);
+            release(store, &guard).await;
             tracing::info!(target: "idempotent", scope = spec.scope, key = %digest, "executed; error released");
             return result;
         }
         Err(e) => {
-            release_logged(store, &identity, &token).await;
-            guard.arm(false);
+            release(store, &guard).await;
             return Err(e.into());
         }
     };
@@ -524,16 +521,21 @@ pub(crate) fn decode_replay<R: IdempotentReturn, H: ErrorHandling<R::Failure>>(
     }
 }
 
-async fn release_logged(store: &dyn Store, identity: &Identity, token: &OwnerToken) {
+/// Releases the call's record now. The guard stays armed until the release
+/// has been made, so a call dropped while it waits, or a release that fails,
+/// is handed to the store's background worker when the guard drops (rule 14).
+async fn release(store: &dyn Store, guard: &FinishOnDrop<'_>) {
+    let (identity, token) = (guard.identity, guard.token);
     match store.release(identity, token).await {
-        Ok(true) => {}
+        Ok(true) => guard.arm(false),
         Ok(false) => {
+            guard.arm(false);
             tracing::warn!(target: "idempotent", scope = %identity.scope, key = %identity.key_digest(),
                 "release found the record owned by someone else (lease lost); left it alone")
         }
         Err(e) => {
-            tracing::error!(target: "idempotent", scope = %identity.scope, key = %identity.key_digest(), error = %e,
-                "release failed; the record stays in progress until its lease expires")
+            tracing::warn!(target: "idempotent", scope = %identity.scope, key = %identity.key_digest(), error = %e,
+                "release failed; the store retries it in the background")
         }
     }
 }

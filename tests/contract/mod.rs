@@ -292,6 +292,19 @@ pub async fn set_charge(
     Ok(runs.fetch_add(1, Ordering::SeqCst) as u64 + 1)
 }
 
+/// Only a set: the one argument kind whose v1 form was lossless but
+/// order-dependent, so old records of it are compared by v1's rules.
+#[idempotent(scope = "contract.set_only", key = key, tenant = tenant, store = store, skip(runs))]
+pub async fn set_only_charge(
+    store: &dyn Store,
+    tenant: &str,
+    key: &str,
+    items: std::collections::HashSet<String>,
+    runs: &AtomicUsize,
+) -> Result<u64, Error> {
+    Ok(runs.fetch_add(1, Ordering::SeqCst) as u64 + 1)
+}
+
 /// Returns a value JSON cannot carry (rule 12).
 #[idempotent(scope = "contract.non_finite", key = key, tenant = tenant, store = store, skip(runs))]
 pub async fn non_finite_result(
@@ -809,18 +822,21 @@ macro_rules! contract_tests {
             assert_eq!(runs.load(Ordering::SeqCst), 2, "the key was free: the retry ran");
         }
 
-        /// Rule 6: a record made by an older version (canonical form v1, where a
-        /// non-finite float was written as null) is compared by v1's rules: the
-        /// retry with the same `+inf` replays instead of being a mismatch.
+        /// Rule 6: a record made by an older version (canonical form v1, which
+        /// wrote a set in its iteration order) is compared by v1's rules: the
+        /// retry with that same set replays instead of being a mismatch. Where
+        /// v1 was lossy (`+inf` written as `null`, like `None`) there is no such
+        /// comparison: a new `None` record is never replayed to `+inf` (rule 7).
         #[tokio::test]
         async fn a_record_made_with_the_v1_form_is_compared_by_v1_rules() {
             let Some(store) = store().await else { return };
             let (t, runs) = (fresh_tenant(), AtomicUsize::new(0));
-            let identity = id(&t, "contract.float", "old");
-            // What v1 stored for `amount = +inf`: the fingerprint of `amount = null`.
-            let mut v1 = idempotent_runtime::FingerprintBuilder::new();
-            v1.argument("amount", &None::<f64>);
-            let v1 = v1.finish().unwrap().expect("a fingerprint");
+            let identity = id(&t, "contract.set_only", "old");
+            let items: std::collections::HashSet<String> = (0..16).map(|i| format!("item-{i}")).collect();
+            // What v1 stored for this set: its fingerprint in iteration order.
+            let mut current = idempotent_runtime::FingerprintBuilder::new();
+            current.argument("items", &items);
+            let v1 = current.finish().unwrap().expect("a fingerprint").legacy().expect("a v1 form");
             assert_eq!(v1.version(), "v1");
             let token = idempotent_runtime::OwnerToken::new();
             let request = idempotent_runtime::ReserveRequest {
@@ -833,12 +849,19 @@ macro_rules! contract_tests {
             assert!(matches!(store.reserve(request).await.unwrap(), idempotent_runtime::Reservation::Acquired { .. }));
             let outcome = idempotent_runtime::StoredOutcome { is_error: false, payload: b"41".to_vec() };
             assert!(store.complete(&identity, &token, &outcome, Duration::from_secs(3600)).await.unwrap());
-            let (got, how) = with_outcome(float_charge(&*store, &t, "old", f64::INFINITY, &runs)).await;
+            let (got, how) = with_outcome(set_only_charge(&*store, &t, "old", items.clone(), &runs)).await;
             assert_eq!(got.unwrap(), 41);
             assert_eq!(how, Some(Outcome::Replayed));
-            let got = float_charge(&*store, &t, "old", 2.5, &runs).await;
+            let mut other = items.clone();
+            other.insert("one more".into());
+            let got = set_only_charge(&*store, &t, "old", other, &runs).await;
             assert!(matches!(got, Err(Error::FingerprintMismatch(_))), "{got:?}");
             assert_eq!(runs.load(Ordering::SeqCst), 0);
+
+            // Lossy in v1: `None` recorded now, then `+inf` with the same key.
+            assert_eq!(maybe_float_charge(&*store, &t, "lossy", None, &runs).await.unwrap(), 1);
+            let got = maybe_float_charge(&*store, &t, "lossy", Some(f64::INFINITY), &runs).await;
+            assert!(matches!(got, Err(Error::FingerprintMismatch(_))), "+inf is not None: {got:?}");
         }
     };
 }

@@ -103,6 +103,10 @@ pub(crate) struct Encoder {
     /// Where a region being sorted is copied while it is rewritten.
     scratch: Vec<u8>,
     extended: bool,
+    /// An extension was used for a value v1 wrote *lossily* (a non-finite
+    /// float, `Some(null)`, two keys with the same text): v1's bytes for it
+    /// are shared with another value, so they cannot stand for it.
+    lossy: bool,
 }
 
 impl Encoder {
@@ -121,6 +125,7 @@ impl Encoder {
         self.entries.clear();
         self.scratch.clear();
         self.extended = false;
+        self.lossy = false;
     }
 
     /// The memory its buffers hold.
@@ -150,8 +155,14 @@ impl Encoder {
         self.extended
     }
 
+    /// Whether an extension stood for a value v1 wrote lossily.
+    pub(crate) fn lossy(&self) -> bool {
+        self.lossy
+    }
+
     pub(crate) fn clear_extended(&mut self) {
         self.extended = false;
+        self.lossy = false;
     }
 
     fn writes(&self) -> bool {
@@ -196,6 +207,7 @@ impl Encoder {
         match self.mode {
             Mode::Canonical => {
                 self.extended = true;
+                self.lossy = true;
                 self.put(non_finite_token(value));
             }
             Mode::Legacy => self.put(b"null"),
@@ -262,6 +274,7 @@ impl Encoder {
             entries,
             scratch,
             extended,
+            lossy,
             ..
         } = self;
         let members = &mut entries[first..];
@@ -293,6 +306,7 @@ impl Encoder {
         let typed = repeated && mode == Mode::Canonical;
         if typed {
             *extended = true;
+            *lossy = true;
         }
         out.truncate(region);
         let mut written = 0;
@@ -559,6 +573,7 @@ impl<'a> Serializer for &'a mut Encoder {
             if inner == b"null" || inner.first() == Some(&b'?') {
                 self.out.insert(start, b'?');
                 self.extended = true;
+                self.lossy = true;
             }
         }
         Ok(KeyKind::Other)

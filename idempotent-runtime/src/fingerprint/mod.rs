@@ -62,13 +62,18 @@
 //!
 //! # Legacy fingerprints
 //!
-//! When a fingerprint is labelled `v2` and v1 could have written the same
-//! arguments (possibly lossily: non-finite floats as `null`, sets in their
-//! iteration order), [`Fingerprint::legacy`] is the v1 fingerprint v1 would
-//! have made for them. A record stored by an older version carries a `v1:`
-//! fingerprint; a reservation refused as a mismatch is retried once with the
-//! legacy fingerprint, so the old record is compared by v1's rules. The v1
-//! form is only computed for arguments that needed an extension.
+//! When a fingerprint is labelled `v2` only because of set order (v1 wrote a
+//! set in its iteration order), [`Fingerprint::legacy`] is the v1 fingerprint
+//! v1 would have made for the same arguments in this process. A record stored
+//! by an older version carries a `v1:` fingerprint; a reservation refused as a
+//! mismatch is retried once with the legacy fingerprint, so the old record is
+//! compared by v1's rules. Where v1 was *lossy* (a non-finite float written as
+//! `null`, `Some(None)` as `null`, two map keys with one text) there is no
+//! legacy fingerprint: v1's bytes there are shared with another value (`+inf`
+//! and `None` both wrote `null`), and matching them could replay another
+//! request's answer. A retry of such an old record is a mismatch, the safe
+//! answer. The v1 form is only computed for arguments that needed an
+//! extension.
 //!
 //! Fingerprints assume serde_json without its `arbitrary_precision` feature
 //! (as v1 did: with it, serde_json writes numbers differently).
@@ -108,9 +113,13 @@ const V1: &str = "v1";
 /// assert!(plain.legacy().is_none());
 ///
 /// let inf = Fingerprint::of(&f64::INFINITY).unwrap();
-/// assert_eq!(inf.version(), "v2"); // v1 wrote it as `null`
-/// let legacy = inf.legacy().unwrap(); // what v1 made of it
-/// assert_eq!(legacy, Fingerprint::of(&None::<f64>).unwrap());
+/// assert_eq!(inf.version(), "v2"); // v1 wrote it as `null`, like `None`
+/// assert!(inf.legacy().is_none()); // so v1's form cannot stand for it
+///
+/// let set: std::collections::HashSet<u8> = [1, 2, 3].into();
+/// let sorted = Fingerprint::of(&set).unwrap();
+/// assert_eq!(sorted.version(), "v2"); // v1 wrote it in iteration order
+/// assert!(sorted.legacy().is_some()); // what v1 made of it, here
 /// ```
 #[derive(Debug, Clone)]
 pub struct Fingerprint {
@@ -152,9 +161,9 @@ impl Fingerprint {
     }
 
     /// The `v1` fingerprint an older version made for the same arguments,
-    /// when it differs from this one: `Some` only for a `v2` fingerprint
-    /// whose arguments v1 could write (lossily). A record stored with it
-    /// is compared by v1's rules (see the module doc).
+    /// when it differs from this one: `Some` only for a `v2` fingerprint whose
+    /// arguments v1 wrote without loss but order-dependently (sets). A record
+    /// stored with it is compared by v1's rules (see the module doc).
     pub fn legacy(&self) -> Option<Fingerprint> {
         self.legacy.as_deref().map(Fingerprint::from_stored)
     }
@@ -302,8 +311,12 @@ impl FingerprintBuilder {
         let quoted_name = name_start..start;
         let canonical = start..enc.bytes().len();
         let extended = enc.extended();
-        // Only when the extension was used is there a v1 form worth computing.
-        let legacy = if extended {
+        // Only when the extension was used is there a v1 form worth computing,
+        // and only when v1's form stood for this value alone (set order): a
+        // lossy v1 form (a non-finite float written as null, ...) is shared
+        // with another value, so matching it could replay another request's
+        // answer (rule 7).
+        let legacy = if extended && !enc.lossy() {
             enc.set_mode(Mode::Legacy);
             let legacy_start = enc.bytes().len();
             let written = value.serialize(&mut *enc);
