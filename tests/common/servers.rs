@@ -85,11 +85,19 @@ pub async fn nats_or_skip() -> Option<async_nats::jetstream::Context> {
             .connect(url.as_str())
             .await
             .map_err(|e| e.to_string())?;
-        let js = async_nats::jetstream::new(client);
-        js.query_account()
+        // The account info request answers only where JetStream is enabled.
+        let not_available =
+            |why: String| format!("JetStream is not available ({why}); start nats-server with -js");
+        let info = client
+            .request("$JS.API.INFO", "".into())
             .await
-            .map_err(|e| format!("JetStream is not available ({e}); start nats-server with -js"))?;
-        Ok::<_, String>(js)
+            .map_err(|e| not_available(e.to_string()))?;
+        let info: serde_json::Value =
+            serde_json::from_slice(&info.payload).map_err(|e| not_available(e.to_string()))?;
+        if let Some(error) = info.get("error") {
+            return Err(not_available(error.to_string()));
+        }
+        Ok::<_, String>(async_nats::jetstream::new(client))
     };
     match tokio::time::timeout(std::time::Duration::from_secs(10), connected).await {
         Ok(Ok(js)) => Some(js),
