@@ -4,8 +4,12 @@
 //! consumer (the redelivery storm) and SIGKILLs one mid-way.
 //!
 //! ```text
-//! idempotent-nats-worker <pg_url> <nats_url> <stream> <durable> <tenant> <deadline_ms>
+//! idempotent-nats-worker <pg_url> <nats_url> <stream> <durable> <tenant> <deadline_ms> <hold_after>
 //! ```
+//!
+//! With `hold_after` > 0, the body after that many bodies of this process
+//! prints its `begin` line with `hold` and then sleeps for a minute: the test
+//! SIGKILLs the worker on that line, so the kill lands mid-body for certain.
 //!
 //! The key is the message's `Nats-Msg-Id`; the scope is `nats.storm.billing`.
 //! The body writes one effect row `(tenant, 'storm', msg_id, pid)` to
@@ -24,7 +28,7 @@
 //!
 //! ```text
 //! ready <pid>
-//! begin <msg_id> <delivered>                        the body runs (effect written, not committed)
+//! begin <msg_id> <delivered> [hold]                 the body runs (effect written, not committed)
 //! delivery <msg_id> <delivered> <verdict> <disposition>   after settling (`lost` when not settled)
 //! error <message>
 //! ```
@@ -74,6 +78,10 @@ impl AsIdempotencyError for WorkerError {
     }
 }
 
+/// Bodies begun in this process, and the one (1-based) that holds; 0: none.
+static BEGUN: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+static HOLD_AT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
 fn say(line: &str) {
     let mut out = std::io::stdout().lock();
     let _ = writeln!(out, "{line}");
@@ -101,7 +109,13 @@ async fn bill(
     .bind(i64::from(pid))
     .execute(&mut **tx)
     .await?;
-    say(&format!("begin {msg_id} {delivered}"));
+    let nth = BEGUN.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
+    if nth == HOLD_AT.load(std::sync::atomic::Ordering::SeqCst) {
+        say(&format!("begin {msg_id} {delivered} hold"));
+        tokio::time::sleep(Duration::from_secs(60)).await;
+    } else {
+        say(&format!("begin {msg_id} {delivered}"));
+    }
     let pause = if order.slow { 1500 } else { 200 };
     tokio::time::sleep(Duration::from_millis(pause)).await;
     Ok(Billed { pid })
@@ -142,10 +156,14 @@ async fn deliver(pool: &sqlx::PgPool, tenant: &str, message: jetstream::Message)
 #[tokio::main]
 async fn main() {
     let args: Vec<String> = std::env::args().collect();
-    let [_, pg_url, nats_url, stream, durable, tenant, deadline_ms] = &args[..] else {
-        eprintln!("usage: idempotent-nats-worker <pg_url> <nats_url> <stream> <durable> <tenant> <deadline_ms>");
+    let [_, pg_url, nats_url, stream, durable, tenant, deadline_ms, hold_after] = &args[..] else {
+        eprintln!("usage: idempotent-nats-worker <pg_url> <nats_url> <stream> <durable> <tenant> <deadline_ms> <hold_after>");
         std::process::exit(2);
     };
+    let hold_after: usize = hold_after.parse().expect("hold_after is a number");
+    if hold_after > 0 {
+        HOLD_AT.store(hold_after + 1, std::sync::atomic::Ordering::SeqCst);
+    }
     let deadline_ms: u64 = deadline_ms.parse().expect("deadline_ms is a number");
     let now_ms = SystemTime::now()
         .duration_since(UNIX_EPOCH)
