@@ -35,6 +35,7 @@ pub mod audit;
 #[cfg(feature = "cli")]
 pub mod cli;
 pub mod connect;
+pub mod consumer;
 pub mod engine;
 pub mod error;
 pub mod fingerprint;

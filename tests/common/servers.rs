@@ -1,7 +1,7 @@
-//! Reaching the PostgreSQL and MariaDB/MySQL servers the tests run against.
+//! Reaching the PostgreSQL, MariaDB/MySQL and NATS servers the tests run against.
 //!
-//! URLs come from `IDEMPOTENT_PG_URL` / `IDEMPOTENT_MYSQL_URL`, defaulting to
-//! the local servers. An unreachable server fails the test when
+//! URLs come from `IDEMPOTENT_PG_URL` / `IDEMPOTENT_MYSQL_URL` /
+//! `IDEMPOTENT_NATS_URL`, defaulting to the local servers. An unreachable server fails the test when
 //! `IDEMPOTENT_REQUIRE_SERVERS=1` (CI); otherwise the test prints a loud
 //! SKIPPED line and passes.
 #![allow(dead_code)]
@@ -13,6 +13,10 @@ pub const DEFAULT_PG_URL: &str = "postgres://postgres@127.0.0.1:5432/test";
 /// The default MariaDB URL of the development machines.
 pub const DEFAULT_MYSQL_URL: &str = "mysql://root@127.0.0.1:3306/test";
 
+/// The default NATS URL of the development machines (JetStream enabled:
+/// `nats-server -js -a 127.0.0.1 -p 4222`).
+pub const DEFAULT_NATS_URL: &str = "nats://127.0.0.1:4222";
+
 /// The PostgreSQL URL the tests use.
 pub fn pg_url() -> String {
     std::env::var("IDEMPOTENT_PG_URL").unwrap_or_else(|_| DEFAULT_PG_URL.to_owned())
@@ -21,6 +25,11 @@ pub fn pg_url() -> String {
 /// The MySQL/MariaDB URL the tests use.
 pub fn mysql_url() -> String {
     std::env::var("IDEMPOTENT_MYSQL_URL").unwrap_or_else(|_| DEFAULT_MYSQL_URL.to_owned())
+}
+
+/// The NATS URL the tests use.
+pub fn nats_url() -> String {
+    std::env::var("IDEMPOTENT_NATS_URL").unwrap_or_else(|_| DEFAULT_NATS_URL.to_owned())
 }
 
 /// Whether an unreachable server must fail the run.
@@ -60,6 +69,49 @@ pub async fn mysql_store_or_skip() -> Option<MySqlStore> {
         Ok(store) => Some(store),
         Err(e) => {
             unreachable("MySQL/MariaDB", "IDEMPOTENT_MYSQL_URL", &url, &e);
+            None
+        }
+    }
+}
+
+/// A JetStream context on the test NATS server, or `None` (after a loud
+/// SKIPPED line). A server that answers but has JetStream disabled counts as
+/// unreachable.
+pub async fn nats_or_skip() -> Option<async_nats::jetstream::Context> {
+    let url = nats_url();
+    let connected = async {
+        let client = async_nats::ConnectOptions::new()
+            .connection_timeout(std::time::Duration::from_secs(5))
+            .connect(url.as_str())
+            .await
+            .map_err(|e| e.to_string())?;
+        // The account info request answers only where JetStream is enabled.
+        let not_available =
+            |why: String| format!("JetStream is not available ({why}); start nats-server with -js");
+        let info = client
+            .request("$JS.API.INFO", "".into())
+            .await
+            .map_err(|e| not_available(e.to_string()))?;
+        let info: serde_json::Value =
+            serde_json::from_slice(&info.payload).map_err(|e| not_available(e.to_string()))?;
+        if let Some(error) = info.get("error") {
+            return Err(not_available(error.to_string()));
+        }
+        Ok::<_, String>(async_nats::jetstream::new(client))
+    };
+    match tokio::time::timeout(std::time::Duration::from_secs(10), connected).await {
+        Ok(Ok(js)) => Some(js),
+        Ok(Err(e)) => {
+            unreachable("NATS (JetStream)", "IDEMPOTENT_NATS_URL", &url, &e);
+            None
+        }
+        Err(_) => {
+            unreachable(
+                "NATS (JetStream)",
+                "IDEMPOTENT_NATS_URL",
+                &url,
+                &"no answer within 10 s",
+            );
             None
         }
     }

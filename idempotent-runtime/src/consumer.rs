@@ -1,0 +1,408 @@
+//! Message consumers: what to tell the broker about one delivery.
+//!
+//! A broker delivers a message at least once: after a lost ack, a consumer
+//! crash, an `ack_wait` that ran out, or a producer that published twice. An
+//! `#[idempotent]` handler keyed by the producer's message id runs once per
+//! message however often it arrives; this module turns each answer of such a
+//! handler into a [`Disposition`] (ack, nak with a delay, or term), without
+//! any broker in sight, so the mapping is the same for every broker and can be
+//! tested on its own. [`nats`] (feature `nats`) applies it to NATS JetStream.
+//!
+//! | the handler's answer | [`Verdict`] | [`Disposition`] |
+//! |---|---|---|
+//! | `Ok(_)`, the body ran | `Executed` | `Ack` |
+//! | `Ok(_)` or a recorded `Err(_)`, replayed | `Replayed` | `Ack` (no second effect) |
+//! | `Error::InProgress { retry_after }` | `InProgress` | `Nak(Some(retry_after))` |
+//! | any other `Err(_)`: the body failed and the key was released, the store failed, the lease was lost | `Failed` | `Nak(None)` |
+//! | `Error::FingerprintMismatch`: same message id, different payload | `Mismatch` | `Term` (poison) |
+//! | no key on the message | `MissingKey` | `Term`; the handler is not called |
+//! | `Error::InvalidKey` / `Error::InvalidTenant` | `InvalidKey` | `Term` |
+//!
+//! Give consumer handlers `in_progress = reject`: a duplicate delivery that
+//! finds the message still running is declined at once (and redelivered after
+//! the running call's lease), instead of holding a worker while it waits.
+//!
+//! The scope names the *consumer* (`orders.consumer.billing`), never only the
+//! stream: two consumers of one stream are two units of work, and each must
+//! process every message once. Sharing one scope between them makes the second
+//! one silently skip every message the first has seen.
+//!
+//! ```
+//! use idempotent_runtime::consumer::{handle, Disposition, Verdict};
+//! use idempotent_runtime::{idempotent, Error, MemoryStore};
+//!
+//! #[idempotent(scope = "docs.consumer.billing", key = key, tenant = shared, store = store,
+//!              in_progress = reject)]
+//! async fn bill(store: &MemoryStore, key: &str, payload: &[u8]) -> Result<usize, Error> {
+//!     Ok(payload.len()) // the effect: written once per message id
+//! }
+//!
+//! # #[tokio::main(flavor = "current_thread")] async fn main() {
+//! let store = MemoryStore::new();
+//! let first = handle(Some("msg-1"), |key| bill(&store, key, b"order 1")).await;
+//! let again = handle(Some("msg-1"), |key| bill(&store, key, b"order 1")).await;
+//! let poison = handle(Some("msg-1"), |key| bill(&store, key, b"order 2")).await;
+//! let no_key = handle(None, |key| bill(&store, key, b"order 3")).await;
+//! assert_eq!((first.verdict, first.disposition()), (Verdict::Executed, Disposition::Ack));
+//! assert_eq!((again.verdict, again.disposition()), (Verdict::Replayed, Disposition::Ack));
+//! assert_eq!((poison.verdict, poison.disposition()), (Verdict::Mismatch, Disposition::Term));
+//! assert_eq!((no_key.verdict, no_key.disposition()), (Verdict::MissingKey, Disposition::Term));
+//! # }
+//! ```
+//!
+//! A recorded error (`errors = record`) is the final answer for its key: its
+//! replay is acked. Its *first* execution cannot be told apart from a released
+//! error, so it is nak'd once; the redelivery replays it and is acked.
+
+use crate::engine::{with_outcome, Outcome};
+use crate::error::Error;
+use std::future::Future;
+use std::time::Duration;
+
+#[cfg(feature = "nats")]
+pub mod nats;
+
+/// What to tell the broker about one delivery.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Disposition {
+    /// The message is done (its body ran now, or before): acknowledge it. A
+    /// redelivery would only replay the recorded answer.
+    Ack,
+    /// Not done: deliver it again, after the delay when one is given (`None`:
+    /// the broker's own redelivery timing).
+    Nak(Option<Duration>),
+    /// The message can never be processed as sent (no key, an invalid key, or
+    /// the same key with a different payload): stop delivering it. Log it.
+    Term,
+}
+
+impl std::fmt::Display for Disposition {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Disposition::Ack => f.write_str("ack"),
+            Disposition::Nak(None) => f.write_str("nak"),
+            Disposition::Nak(Some(d)) => write!(f, "nak({}ms)", d.as_millis()),
+            Disposition::Term => f.write_str("term"),
+        }
+    }
+}
+
+/// How one delivery was answered; decides its [`Disposition`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Verdict {
+    /// The body ran in this delivery and the handler returned `Ok`.
+    Executed,
+    /// The recorded answer was replayed (a duplicate or a redelivery); the body did not run.
+    Replayed,
+    /// Another delivery of the same message is running it (`Error::InProgress`).
+    InProgress {
+        /// When the running call's lease runs out: when to try again.
+        retry_after: Duration,
+    },
+    /// Not done: the body failed and the key was released, or the store
+    /// failed, or the lease was lost. A redelivery tries again.
+    Failed,
+    /// Same message id, different payload (`Error::FingerprintMismatch`): a
+    /// poison message. The record is untouched.
+    Mismatch,
+    /// The message carries no key, so it is never processed.
+    MissingKey,
+    /// The key or the tenant was refused (`Error::InvalidKey` / `InvalidTenant`).
+    InvalidKey,
+}
+
+impl Verdict {
+    /// What to tell the broker.
+    pub fn disposition(self) -> Disposition {
+        match self {
+            Verdict::Executed | Verdict::Replayed => Disposition::Ack,
+            Verdict::InProgress { retry_after } => Disposition::Nak(Some(retry_after)),
+            Verdict::Failed => Disposition::Nak(None),
+            Verdict::Mismatch | Verdict::MissingKey | Verdict::InvalidKey => Disposition::Term,
+        }
+    }
+
+    /// A short lowercase name: `executed`, `replayed`, `in-progress`, `failed`,
+    /// `mismatch`, `missing-key`, `invalid-key`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Verdict::Executed => "executed",
+            Verdict::Replayed => "replayed",
+            Verdict::InProgress { .. } => "in-progress",
+            Verdict::Failed => "failed",
+            Verdict::Mismatch => "mismatch",
+            Verdict::MissingKey => "missing-key",
+            Verdict::InvalidKey => "invalid-key",
+        }
+    }
+}
+
+impl std::fmt::Display for Verdict {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Finds the framework's [`Error`] inside a handler's error type, so a
+/// refusal (in progress, mismatch, bad key) can be told from the body's own
+/// failures. Implemented for [`Error`], `std::io::Error` and boxed errors;
+/// for your own error enum it is one match arm:
+///
+/// ```
+/// use idempotent_runtime::{consumer::AsIdempotencyError, Error};
+///
+/// #[derive(Debug, thiserror::Error)]
+/// enum BillingError {
+///     #[error("ledger unavailable")]
+///     Ledger,
+///     #[error(transparent)]
+///     Idempotency(#[from] Error),
+/// }
+///
+/// impl AsIdempotencyError for BillingError {
+///     fn as_idempotency_error(&self) -> Option<&Error> {
+///         match self {
+///             BillingError::Idempotency(e) => Some(e),
+///             _ => None,
+///         }
+///     }
+/// }
+/// ```
+pub trait AsIdempotencyError {
+    /// The framework's error, when this is one.
+    fn as_idempotency_error(&self) -> Option<&Error>;
+}
+
+impl AsIdempotencyError for Error {
+    fn as_idempotency_error(&self) -> Option<&Error> {
+        Some(self)
+    }
+}
+
+impl AsIdempotencyError for std::io::Error {
+    fn as_idempotency_error(&self) -> Option<&Error> {
+        self.get_ref().and_then(|e| e.downcast_ref::<Error>())
+    }
+}
+
+impl AsIdempotencyError for Box<dyn std::error::Error + Send + Sync + 'static> {
+    fn as_idempotency_error(&self) -> Option<&Error> {
+        self.downcast_ref::<Error>()
+    }
+}
+
+impl AsIdempotencyError for Box<dyn std::error::Error + 'static> {
+    fn as_idempotency_error(&self) -> Option<&Error> {
+        self.downcast_ref::<Error>()
+    }
+}
+
+/// The verdict on a handler's answer: its result and the [`Outcome`] that
+/// [`with_outcome`] reported for it.
+///
+/// A refusal by the framework (in progress, mismatch, bad key) decides first;
+/// then a replay (of a result, or of a recorded error) is `Replayed`; then
+/// `Ok` is `Executed` (also when the handler made no idempotent call at all)
+/// and any other `Err` is `Failed`.
+pub fn classify<T, E: AsIdempotencyError>(
+    result: &Result<T, E>,
+    outcome: Option<Outcome>,
+) -> Verdict {
+    let error = match result {
+        Ok(_) if outcome == Some(Outcome::Replayed) => return Verdict::Replayed,
+        Ok(_) => return Verdict::Executed,
+        Err(e) => e,
+    };
+    match error.as_idempotency_error() {
+        Some(Error::InProgress { retry_after, .. }) => Verdict::InProgress {
+            retry_after: *retry_after,
+        },
+        Some(Error::FingerprintMismatch(_)) => Verdict::Mismatch,
+        Some(Error::InvalidKey(_) | Error::InvalidTenant(_)) => Verdict::InvalidKey,
+        _ if outcome == Some(Outcome::Replayed) => Verdict::Replayed,
+        _ => Verdict::Failed,
+    }
+}
+
+/// One delivery, handled: the verdict and, when the handler was called, its result.
+#[derive(Debug)]
+pub struct Handled<T, E> {
+    /// How the delivery was answered.
+    pub verdict: Verdict,
+    /// The handler's result; `None` when it was not called (no key).
+    pub result: Option<Result<T, E>>,
+}
+
+impl<T, E> Handled<T, E> {
+    /// What to tell the broker.
+    pub fn disposition(&self) -> Disposition {
+        self.verdict.disposition()
+    }
+
+    /// The framework's error behind the verdict, if any (for logs: it names
+    /// the scope and a digest of the key, never the key).
+    pub fn idempotency_error(&self) -> Option<&Error>
+    where
+        E: AsIdempotencyError,
+    {
+        self.result.as_ref()?.as_ref().err()?.as_idempotency_error()
+    }
+}
+
+/// Handles one delivery: without a key the handler is not called
+/// ([`Verdict::MissingKey`]); otherwise `handler(key)` runs inside
+/// [`with_outcome`] and its answer is [`classify`]'d. The handler is
+/// typically a closure calling an `#[idempotent]` function with
+/// `key = key`; in transactional mode it also commits. This function does not
+/// log; [`nats::process`] does.
+pub async fn handle<'k, F, Fut, T, E>(key: Option<&'k str>, handler: F) -> Handled<T, E>
+where
+    F: FnOnce(&'k str) -> Fut,
+    Fut: Future<Output = Result<T, E>>,
+    E: AsIdempotencyError,
+{
+    let Some(key) = key else {
+        return Handled {
+            verdict: Verdict::MissingKey,
+            result: None,
+        };
+    };
+    let (result, outcome) = with_outcome(handler(key)).await;
+    Handled {
+        verdict: classify(&result, outcome),
+        result: Some(result),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::{KeyProblem, RecordContext, StoreError};
+
+    fn ctx() -> RecordContext {
+        RecordContext {
+            scope: "orders.consumer.billing".into(),
+            key_digest: "0123456789abcdef".into(),
+        }
+    }
+
+    fn err(e: Error) -> Result<(), Error> {
+        Err(e)
+    }
+
+    #[test]
+    fn complete_answers_are_acked() {
+        assert_eq!(
+            classify(&Ok::<_, Error>(1), Some(Outcome::Executed)),
+            Verdict::Executed
+        );
+        assert_eq!(
+            classify(&Ok::<_, Error>(1), Some(Outcome::Replayed)),
+            Verdict::Replayed
+        );
+        assert_eq!(classify(&Ok::<_, Error>(1), None), Verdict::Executed);
+        for v in [Verdict::Executed, Verdict::Replayed] {
+            assert_eq!(v.disposition(), Disposition::Ack);
+        }
+    }
+
+    #[test]
+    fn a_replayed_recorded_error_is_acked_a_fresh_error_is_nakd() {
+        let e: Result<(), std::io::Error> = Err(std::io::Error::other("declined"));
+        assert_eq!(
+            classify(&e, Some(Outcome::Replayed)).disposition(),
+            Disposition::Ack
+        );
+        assert_eq!(
+            classify(&e, Some(Outcome::Executed)).disposition(),
+            Disposition::Nak(None)
+        );
+    }
+
+    #[test]
+    fn in_progress_is_nakd_with_its_retry_after() {
+        let r = err(Error::InProgress {
+            scope: "orders.consumer.billing".into(),
+            retry_after: Duration::from_millis(1500),
+        });
+        let v = classify(&r, None);
+        assert_eq!(
+            v,
+            Verdict::InProgress {
+                retry_after: Duration::from_millis(1500)
+            }
+        );
+        assert_eq!(
+            v.disposition(),
+            Disposition::Nak(Some(Duration::from_millis(1500)))
+        );
+    }
+
+    #[test]
+    fn a_mismatch_is_poison() {
+        let v = classify(&err(Error::FingerprintMismatch(ctx())), None);
+        assert_eq!((v, v.disposition()), (Verdict::Mismatch, Disposition::Term));
+    }
+
+    #[test]
+    fn bad_keys_are_poison() {
+        for e in [
+            Error::InvalidKey(KeyProblem::Empty),
+            Error::InvalidTenant(KeyProblem::TooLong {
+                len: 300,
+                limit: 255,
+            }),
+        ] {
+            let v = classify(&err(e), None);
+            assert_eq!(
+                (v, v.disposition()),
+                (Verdict::InvalidKey, Disposition::Term)
+            );
+        }
+    }
+
+    #[test]
+    fn released_and_store_errors_are_nakd() {
+        for e in [
+            Error::Store(StoreError::new("postgres", "reserve", "connection refused")),
+            Error::LeaseLost(ctx()),
+            Error::NoDefaultStore {
+                scope: "a.b".into(),
+            },
+        ] {
+            assert_eq!(
+                classify(&err(e), Some(Outcome::Executed)).disposition(),
+                Disposition::Nak(None)
+            );
+        }
+        // The body's own error, released (it is not a framework error at all).
+        let own: Result<(), std::io::Error> = Err(std::io::Error::other("ledger down"));
+        assert_eq!(classify(&own, Some(Outcome::Executed)), Verdict::Failed);
+    }
+
+    #[test]
+    fn framework_errors_are_found_inside_io_and_boxed_errors() {
+        let io: std::io::Error = Error::FingerprintMismatch(ctx()).into();
+        assert_eq!(classify(&Err::<(), _>(io), None), Verdict::Mismatch);
+        let boxed: Box<dyn std::error::Error + Send + Sync> = Box::new(Error::InProgress {
+            scope: "a.b".into(),
+            retry_after: Duration::from_secs(2),
+        });
+        assert_eq!(
+            classify(&Err::<(), _>(boxed), None).disposition(),
+            Disposition::Nak(Some(Duration::from_secs(2)))
+        );
+    }
+
+    #[test]
+    fn dispositions_print_short() {
+        assert_eq!(Disposition::Ack.to_string(), "ack");
+        assert_eq!(Disposition::Nak(None).to_string(), "nak");
+        assert_eq!(
+            Disposition::Nak(Some(Duration::from_millis(250))).to_string(),
+            "nak(250ms)"
+        );
+        assert_eq!(Disposition::Term.to_string(), "term");
+    }
+}
