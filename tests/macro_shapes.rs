@@ -309,17 +309,18 @@ async fn tenant_named_shared(
     Ok(format!("for {shared}"))
 }
 
-// The same function with the bare opt-out: `shared` is then just an argument.
+// The same function with the bare opt-out. (A parameter may not be called
+// `shared` then: the word would mean two things; see tests/ui/shared_is_also_a_parameter.rs.)
 #[idempotent(scope = "shapes.tenant_shared_opt_out", key = key, tenant = shared, store = store,
              fingerprint = false)]
 async fn tenant_shared_opt_out(
     store: &MemoryStore,
-    shared: &str,
+    who: &str,
     key: &str,
     runs: &AtomicUsize,
 ) -> Result<String, Error> {
     runs.fetch_add(1, Ordering::SeqCst);
-    Ok(format!("for {shared}"))
+    Ok(format!("for {who}"))
 }
 
 #[tokio::test]

@@ -375,6 +375,17 @@ pub(crate) fn validate(raw: RawArgs, func: &ItemFn, attr_span: Span) -> Result<S
             "key" => key = Some(expr),
             "tenant" => {
                 tenant = Some(if is_shared_opt_out(&expr) {
+                    // A parameter called `shared` would make the bare word mean
+                    // two things: refuse rather than silently merge tenants.
+                    if params.iter().any(|p| p.name.as_ref().is_some_and(|n| n == "shared")) {
+                        errs.push(
+                            span_of(&expr),
+                            "`tenant = shared` is the opt-out (one namespace for every tenant), \
+                             but this function also has a parameter called `shared`; \
+                             write `tenant = (shared)` to use the parameter as the tenant, \
+                             or rename the parameter",
+                        );
+                    }
                     Tenant::Shared
                 } else {
                     Tenant::Expr(expr)
@@ -813,10 +824,19 @@ mod tests {
                 todo!()
             }
         );
-        let spec = check(quote!(scope = "a", key = key, tenant = shared), f.clone()).unwrap();
+        // The bare word with a parameter called `shared` means two things: refused.
+        let err = check_err(quote!(scope = "a", key = key, tenant = shared), f.clone());
+        assert!(err.contains("write `tenant = (shared)`"), "{err}");
+        let spec = check(
+            quote!(scope = "a", key = key, tenant = shared),
+            quote!(
+                async fn f(key: &str, n: u8) -> Result<u8, E> {
+                    todo!()
+                }
+            ),
+        )
+        .unwrap();
         assert!(matches!(spec.tenant, Tenant::Shared));
-        // With the opt-out, a parameter called `shared` is an ordinary argument.
-        assert_eq!(names(&spec), ["shared", "n"]);
         for tenant in [
             quote!((shared)),
             quote!((shared)),

@@ -107,6 +107,11 @@ pub(crate) struct Encoder {
     /// float, `Some(null)`, two keys with the same text): v1's bytes for it
     /// are shared with another value, so they cannot stand for it.
     lossy: bool,
+    /// Check mode writes nothing: the number of values written so far, and
+    /// that number right after the latest `null`, tell `serialize_some`
+    /// whether its value was a bare `null`.
+    written: u64,
+    null_written_at: u64,
 }
 
 impl Encoder {
@@ -170,12 +175,14 @@ impl Encoder {
     }
 
     fn put(&mut self, bytes: &[u8]) {
+        self.written += 1;
         if self.writes() {
             self.out.extend_from_slice(bytes);
         }
     }
 
     fn put_byte(&mut self, byte: u8) {
+        self.written += 1;
         if self.writes() {
             self.out.push(byte);
         }
@@ -183,6 +190,7 @@ impl Encoder {
 
     /// A JSON string, escaped exactly as serde_json escapes it (v1 used serde_json).
     fn put_str(&mut self, s: &str) -> Result<(), EncodeError> {
+        self.written += 1;
         if self.writes() {
             serde_json::to_writer(&mut self.out, s).map_err(EncodeError::custom)?;
         }
@@ -194,6 +202,7 @@ impl Encoder {
         &mut self,
         write: impl FnOnce(&mut Vec<u8>) -> io::Result<()>,
     ) -> Result<KeyKind, EncodeError> {
+        self.written += 1;
         if self.writes() {
             write(&mut self.out).map_err(EncodeError::custom)?;
         }
@@ -364,6 +373,9 @@ enum Problem {
     Custom(String),
     /// A non-finite float (only in [`Mode::Check`]).
     NonFinite(f64),
+    /// `Some(x)` where `x` writes `null`, e.g. `Some(None)` (only in
+    /// [`Mode::Check`]): JSON writes it as `null`, which replays as `None`.
+    NullInSome,
     /// Something v1 could not write (only in [`Mode::Legacy`]).
     NotInV1(&'static str),
 }
@@ -398,7 +410,7 @@ impl EncodeError {
     /// Whether this is a rule-12 refusal (rather than the value's own
     /// `Serialize` failing, which the recording serializer reports itself).
     pub(crate) fn is_not_faithful(&self) -> bool {
-        matches!(self.problem, Problem::NonFinite(_))
+        matches!(self.problem, Problem::NonFinite(_) | Problem::NullInSome)
     }
 
     fn path(&self) -> String {
@@ -436,6 +448,16 @@ impl fmt::Display for EncodeError {
                 write!(
                     f,
                     " is the non-finite float {v}, which JSON cannot represent (it would replay as null)"
+                )
+            }
+            Problem::NullInSome => {
+                if path.is_empty() {
+                    f.write_str("the value")?;
+                } else {
+                    write!(f, "`{path}`")?;
+                }
+                f.write_str(
+                    " is `Some` of a value JSON writes as null (e.g. `Some(None)`), which would replay as `None`",
                 )
             }
             Problem::Custom(m) => write_at(f, m, &path),
@@ -560,12 +582,20 @@ impl<'a> Serializer for &'a mut Encoder {
 
     fn serialize_none(self) -> Result<KeyKind> {
         self.put(b"null");
+        self.null_written_at = self.written;
         Ok(KeyKind::Other)
     }
 
     fn serialize_some<T: ?Sized + Serialize>(self, value: &T) -> Result<KeyKind> {
         let start = self.out.len();
+        let before = self.written;
         value.serialize(&mut *self)?;
+        if self.mode == Mode::Check
+            && self.written == before + 1
+            && self.null_written_at == self.written
+        {
+            return Err(EncodeError::new(Problem::NullInSome));
+        }
         if self.mode == Mode::Canonical {
             // v1 wrote `Some(x)` as `x`: fine unless `x` itself reads as
             // `None` (`null`) or as another such wrapper.

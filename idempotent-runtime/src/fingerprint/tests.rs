@@ -295,6 +295,8 @@ impl M {
         match self {
             M::F64(v) => !v.is_finite(),
             M::F32(v) => !v.is_finite(),
+            // `Some` of a value written as `null` would replay as `None`.
+            M::Some(x) if x.writes_null() => true,
             M::Newtype(x) | M::Some(x) | M::NewtypeVariant(_, x) => x.has_non_finite_value(),
             M::Seq(v) | M::Tuple(v) | M::TupleStruct(v) | M::Set(v) | M::TupleVariant(_, v) => {
                 v.iter().any(M::has_non_finite_value)
@@ -305,6 +307,16 @@ impl M {
             M::Struct(v) | M::StructVariant(_, v) => {
                 v.iter().any(|(_, x)| x.has_non_finite_value())
             }
+            _ => false,
+        }
+    }
+
+    /// Whether serde_json writes this value as a bare `null`.
+    fn writes_null(&self) -> bool {
+        match self {
+            M::None | M::Unit | M::UnitStruct => true,
+            M::Newtype(x) => x.writes_null(),
+            M::Some(x) => x.writes_null(),
             _ => false,
         }
     }
@@ -608,13 +620,17 @@ proptest! {
         prop_assert_eq!(fp(&m), fp(&other));
     }
 
-    /// Rule 12's check refuses exactly the values with a non-finite float.
+    /// Rule 12's check refuses exactly the values with a non-finite float or
+    /// a `Some` of a value written as `null`.
     #[test]
     fn faithful_check_refuses_exactly_non_finite_floats(m in wide()) {
         let verdict = check_faithful_json(&m);
         prop_assert_eq!(verdict.is_err(), m.has_non_finite_value(), "{:?}", verdict);
         if let Err(message) = verdict {
-            prop_assert!(message.contains("non-finite float"), "{}", message);
+            prop_assert!(
+                message.contains("non-finite float") || message.contains("replay as `None`"),
+                "{}", message
+            );
         }
     }
 }
@@ -1474,7 +1490,7 @@ fn faithful_check_names_what_and_where() {
 #[test]
 fn faithful_check_accepts_what_json_carries_and_leaves_encoding_errors_alone() {
     assert_eq!(
-        check_faithful_json(&(u128::MAX, Some(()), "x", [0.1f32])),
+        check_faithful_json(&(u128::MAX, Some(1u8), "x", [0.1f32])),
         Ok(())
     );
     // Not a faithfulness problem: the recording serializer reports it.
@@ -1551,4 +1567,28 @@ fn timing_old_vs_new_for_four_field_structs() {
     time("charge: check_faithful_json", &|| {
         usize::from(check_faithful_json(&charge).is_ok())
     });
+}
+
+/// Rule 12: `Some(x)` where `x` is written as `null` replays as `None`, so it
+/// is refused too (`Option<Option<T>>`, `Option<()>`); `None` and `Some(v)` of
+/// anything else are fine, at any depth.
+#[test]
+fn faithful_check_refuses_some_of_a_null() {
+    #[derive(Serialize)]
+    struct Patch {
+        limit: Option<Option<u32>>,
+        flag: Option<()>,
+    }
+    let ok = |limit, flag| check_faithful_json(&Patch { limit, flag });
+    assert_eq!(ok(None, None), Ok(()));
+    assert_eq!(ok(Some(Some(3)), None), Ok(()));
+    let refused = ok(Some(None), None).expect_err("Some(None) replays as None");
+    assert!(
+        refused.contains("`limit`") && refused.contains("replay as `None`"),
+        "{refused}"
+    );
+    let refused = ok(None, Some(())).expect_err("Some(()) replays as None");
+    assert!(refused.contains("`flag`"), "{refused}");
+    assert!(check_faithful_json(&Some(Some(None::<u8>))).is_err());
+    assert!(check_faithful_json(&vec![Some(1u8), None]).is_ok());
 }
