@@ -415,7 +415,10 @@ pub(crate) async fn reserve(
         // Acquired: the call owns the record. Failed: the statement may still
         // have landed (a connection cut after the server committed), so the
         // guard releases whatever this token may own when the call returns.
-        flight(matches!(answer, Ok(Reservation::Acquired { .. }) | Err(_)));
+        flight(match &answer {
+            Ok(reservation) => matches!(reservation, Reservation::Acquired { .. }),
+            Err(e) => statement_may_have_landed(e),
+        });
         match answer? {
             Reservation::Acquired { took_over } => return Ok(Reserved::Acquired { took_over }),
             Reservation::Completed(outcome) => return Ok(Reserved::Replay(outcome)),
@@ -450,6 +453,19 @@ pub(crate) async fn reserve(
             }
         }
     }
+}
+
+/// Whether a failed reservation may still have written the record: not when
+/// it never reached the database (no connection could be had from the pool),
+/// so an outage does not turn every refused call into background releases.
+fn statement_may_have_landed(e: &Error) -> bool {
+    let Error::Store(store) = e else {
+        return false;
+    };
+    !matches!(
+        store.source.downcast_ref::<sqlx::Error>(),
+        Some(sqlx::Error::PoolTimedOut | sqlx::Error::PoolClosed | sqlx::Error::Configuration(_))
+    )
 }
 
 /// What a finished body's result becomes: `Ok(Some(outcome))` to record,

@@ -86,15 +86,27 @@ async fn classify(conn: &mut SqliteConnection, e: &sqlx::Error) -> Result<Confli
 /// next reservation on the connection, and by pools made by
 /// [`SqliteStore::connect`](crate::SqliteStore::connect) when the connection
 /// is released (see [`restore_busy_timeout`]).
+///
+/// A connection closed while still listed may have its address reused by a
+/// new one, so each entry also keeps the timeout the reservation set: an entry
+/// whose set timeout is not the connection's current one is stale and ignored.
 static CHANGED_TIMEOUTS: std::sync::LazyLock<
-    std::sync::Mutex<std::collections::HashMap<usize, i32>>,
+    std::sync::Mutex<std::collections::HashMap<usize, ChangedTimeout>>,
 > = std::sync::LazyLock::new(Default::default);
+
+/// A busy timeout a reservation changed: what it was, and what it was set to.
+#[derive(Clone, Copy)]
+struct ChangedTimeout {
+    original: i32,
+    set_to: i32,
+}
 
 /// Whether `CHANGED_TIMEOUTS` may be non-empty: the pools' release hook reads
 /// only this on the common path.
 static ANY_CHANGED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
-fn changed_timeouts() -> std::sync::MutexGuard<'static, std::collections::HashMap<usize, i32>> {
+fn changed_timeouts(
+) -> std::sync::MutexGuard<'static, std::collections::HashMap<usize, ChangedTimeout>> {
     CHANGED_TIMEOUTS
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -113,9 +125,17 @@ async fn set_busy_timeout(
     let key = raw as usize;
     let original = {
         let mut changed = changed_timeouts();
-        let original = *changed.entry(key).or_insert(current);
+        let entry = changed.entry(key).or_insert(ChangedTimeout {
+            original: current,
+            set_to: current,
+        });
+        if entry.set_to != current {
+            // Left by a connection that was closed at this address: not ours.
+            entry.original = current;
+        }
+        entry.set_to = ms;
         ANY_CHANGED.store(true, std::sync::atomic::Ordering::SeqCst);
-        original
+        entry.original
     };
     // SAFETY: the handle is a live connection, locked for our exclusive use
     // while `handle` is held.
@@ -148,15 +168,21 @@ pub(super) async fn restore_busy_timeout(conn: &mut SqliteConnection) -> Result<
     if !ANY_CHANGED.load(std::sync::atomic::Ordering::SeqCst) {
         return Ok(());
     }
+    let current: i64 = sqlx::query_scalar("PRAGMA busy_timeout")
+        .fetch_one(&mut *conn)
+        .await?;
     let mut handle = conn.lock_handle().await?;
     let raw = handle.as_raw_handle().as_ptr();
     let original = {
         let mut changed = changed_timeouts();
-        let original = changed.remove(&(raw as usize));
+        let entry = changed.remove(&(raw as usize));
         if changed.is_empty() {
             ANY_CHANGED.store(false, std::sync::atomic::Ordering::SeqCst);
         }
-        original
+        // A stale entry (another connection at this address) is dropped unused.
+        entry
+            .filter(|e| i64::from(e.set_to) == current)
+            .map(|e| e.original)
     };
     if let Some(ms) = original {
         tracing::debug!(target: "idempotent", busy_timeout_ms = ms,
