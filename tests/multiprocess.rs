@@ -294,7 +294,7 @@ async fn crash_before_commit(backend: Backend) {
     }
     assert_eq!(
         answer,
-        Reservation::Acquired { took_over: false },
+        Reservation::FRESH,
         "no record survives the crash; the retry executes"
     );
     assert!(store.release(&identity, &token).await.expect("release"));

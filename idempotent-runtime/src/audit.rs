@@ -414,6 +414,7 @@ mod tests {
             stuck,
             expired,
             oldest_created_at_ms: Some(1_700_000_000_000),
+            ..ScopeStats::default()
         }
     }
 

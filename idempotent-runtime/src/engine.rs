@@ -420,7 +420,7 @@ pub(crate) async fn reserve(
         // guard releases whatever this token may own when the call returns.
         flight(matches!(answer, Ok(Reservation::Acquired { .. }) | Err(_)));
         match answer? {
-            Reservation::Acquired { took_over } => return Ok(Reserved::Acquired { took_over }),
+            Reservation::Acquired { took_over, .. } => return Ok(Reserved::Acquired { took_over }),
             Reservation::Completed(outcome) => return Ok(Reserved::Replay(outcome)),
             Reservation::FingerprintMismatch if !legacy_tried => {
                 request.fingerprint = legacy.as_ref();

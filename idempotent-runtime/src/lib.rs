@@ -66,6 +66,6 @@ pub use store::postgres::PgStore;
 #[cfg(feature = "sqlite")]
 pub use store::sqlite::SqliteStore;
 pub use store::{
-    OwnerToken, RecordSnapshot, RecordState, Reservation, ReserveRequest, ScopeStats, Store,
-    StoredOutcome,
+    ForcedRelease, OwnerToken, RecordSnapshot, RecordState, Reservation, ReserveRequest,
+    ScopeStats, Store, StoredOutcome,
 };

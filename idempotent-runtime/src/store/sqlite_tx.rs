@@ -283,7 +283,7 @@ impl crate::transaction::TransactionalConnection for SqliteConnection {
         outcome: &StoredOutcome,
         ttl: Duration,
     ) -> Result<bool, StoreError> {
-        complete_on(&mut *self, identity, token, outcome, ttl).await
+        complete_on(&mut *self, identity, token, outcome, ttl, false).await
     }
 
     async fn release_in_transaction(
