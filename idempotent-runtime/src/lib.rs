@@ -43,6 +43,7 @@ pub mod identity;
 pub mod manifest;
 pub mod metrics;
 pub mod purge;
+pub mod recovery;
 pub mod registry;
 pub mod store;
 mod table;
@@ -57,6 +58,7 @@ pub use error::{Error, KeyProblem, RecordContext, StoreError};
 pub use fingerprint::{check_faithful_json, Fingerprint, FingerprintBuilder};
 pub use idempotent_macros::idempotent;
 pub use identity::{validate_key, validate_tenant, Identity};
+pub use recovery::{Recovery, Takeover};
 pub use registry::{ErrorPolicy, InProgressPolicy, ScopeInfo};
 pub use store::memory::MemoryStore;
 #[cfg(feature = "mysql")]
