@@ -6,7 +6,7 @@
 //! signals that it reached the crash point, and is then leaked
 //! (`std::mem::forget`), so nothing runs after that point: no completion, no
 //! release-on-drop, no heartbeat. That is what a killed process leaves behind
-//! (the multi-process tests in `tests/recovery_processes.rs` do the same with
+//! (`tests/multiprocess.rs` does the same across OS processes, with
 //! SIGKILL). The retry waits (`in_progress = wait`) until the leaked owner's
 //! lease runs out on the store's clock, then takes the record over: no test
 //! sleeps.
