@@ -67,6 +67,20 @@ pub trait TransactionalConnection: Send {
         identity: &Identity,
         token: &OwnerToken,
     ) -> Result<bool, StoreError>;
+
+    /// Like [`Store::complete_recovered`](crate::Store::complete_recovered),
+    /// in this transaction: records a `recover` hook's answer (rule 20). The
+    /// default records it like any outcome, without the recovered mark.
+    async fn complete_recovered_in_transaction(
+        &mut self,
+        identity: &Identity,
+        token: &OwnerToken,
+        outcome: &StoredOutcome,
+        ttl: Duration,
+    ) -> Result<bool, StoreError> {
+        self.complete_in_transaction(identity, token, outcome, ttl)
+            .await
+    }
 }
 
 /// A sqlx transaction holds idempotency records wherever its connection can:
@@ -112,6 +126,18 @@ where
         token: &OwnerToken,
     ) -> Result<bool, StoreError> {
         (**self).release_in_transaction(identity, token).await
+    }
+
+    async fn complete_recovered_in_transaction(
+        &mut self,
+        identity: &Identity,
+        token: &OwnerToken,
+        outcome: &StoredOutcome,
+        ttl: Duration,
+    ) -> Result<bool, StoreError> {
+        (**self)
+            .complete_recovered_in_transaction(identity, token, outcome, ttl)
+            .await
     }
 }
 
@@ -317,7 +343,7 @@ where
         Err(e) => return (Err(e.into()), CallOutcome::Failed),
     };
     match connection
-        .complete_in_transaction(identity, token, &stored, spec.ttl)
+        .complete_recovered_in_transaction(identity, token, &stored, spec.ttl)
         .await
     {
         Ok(true) => (result, CallOutcome::Recovered),

@@ -633,6 +633,16 @@ impl TransactionalConnection for sqlx::PgConnection {
         complete_with(&mut *self, identity, token, outcome, ttl, false).await
     }
 
+    async fn complete_recovered_in_transaction(
+        &mut self,
+        identity: &Identity,
+        token: &OwnerToken,
+        outcome: &StoredOutcome,
+        ttl: Duration,
+    ) -> Result<bool, StoreError> {
+        complete_with(&mut *self, identity, token, outcome, ttl, true).await
+    }
+
     async fn release_in_transaction(
         &mut self,
         identity: &Identity,
