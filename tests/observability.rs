@@ -306,11 +306,14 @@ fn metrics_count_every_event_by_scope_and_outcome() {
 /// The fields of each `idempotent_call` span in the order they were opened,
 /// and every event with the index of the span it was in. (Span ids are
 /// reused once a span closes, so spans are told apart by their index.)
+/// One event: its level, the index of its span, its fields.
+type CapturedEvent = (tracing::Level, Option<usize>, BTreeMap<String, String>);
+
 #[derive(Clone, Default)]
 struct Captured {
     spans: Arc<Mutex<Vec<BTreeMap<String, String>>>>,
     open: Arc<Mutex<HashMap<u64, usize>>>,
-    events: Arc<Mutex<Vec<(tracing::Level, Option<usize>, BTreeMap<String, String>)>>>,
+    events: Arc<Mutex<Vec<CapturedEvent>>>,
 }
 
 struct Fields<'a>(&'a mut BTreeMap<String, String>);
