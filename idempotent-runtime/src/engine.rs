@@ -453,23 +453,24 @@ where
             // releasing it would let a retry run the body blind.
             guard.arm(false);
             let answer = run_with_heartbeat(store, spec, &identity, &token, spec.lease, hook).await;
-            match answer {
+            let answered = match answer {
                 Err(panic) => {
                     end_lease_logged(store, &identity, &token).await;
                     std::panic::resume_unwind(panic);
                 }
-                Ok(Ok(Recovery::Run)) => {
+                Ok(Ok(Recovery::Run)) => None,
+                Ok(Ok(Recovery::Completed(v))) => Some(Ok(v)),
+                Ok(Err(e)) => Some(Err(e)),
+            };
+            match answered {
+                None => {
                     tracing::info!(target: "idempotent", scope = spec.scope, key = %digest,
                         attempt = acquired.attempt, "the recover hook answered Run: running the body");
                     guard.arm(true);
                 }
-                Ok(answer) => {
+                Some(result) => {
                     METRICS.recovered.fetch_add(1, Ordering::Relaxed);
                     report(Outcome::Recovered);
-                    let result = answer.map(|r| match r {
-                        Recovery::Completed(v) => v,
-                        Recovery::Run => unreachable!("handled above"),
-                    });
                     return finish::<R, H>(
                         store,
                         spec,

@@ -57,6 +57,8 @@ pub enum Ask {
     FailTimes(u32),
     /// Fail with `Declined` (a final answer `errors = record` keeps).
     Decline,
+    /// Panic once, then look it up.
+    PanicOnce,
 }
 
 /// One question the hook was asked.
@@ -138,13 +140,18 @@ pub async fn charge_happened(takeover: &Takeover) -> Result<Recovery<Receipt>, P
         previous_started_ms: takeover.previous_attempt_started_at_ms(),
     });
     let ask = w.ask.get(&tenant).copied().unwrap_or(Ask::Gateway);
+    if ask == Ask::PanicOnce {
+        w.ask.insert(tenant, Ask::Gateway);
+        drop(w);
+        panic!("the recover hook panicked on purpose");
+    }
     match ask {
         Ask::FailTimes(n) if n > 0 => {
             w.ask.insert(tenant, Ask::FailTimes(n - 1));
             Err(PayError::GatewayUnreachable)
         }
         Ask::Decline => Err(PayError::Declined),
-        Ask::Gateway | Ask::FailTimes(_) => Ok(
+        Ask::Gateway | Ask::FailTimes(_) | Ask::PanicOnce => Ok(
             match w
                 .charges
                 .get(&(tenant, takeover.key().to_owned()))
@@ -403,6 +410,30 @@ macro_rules! recovery_tests {
             assert_eq!(charges(&tenant, "order-3").len(), 1);
             let done = store.fetch(&identity).await.unwrap().expect("the record");
             assert_eq!((done.state, done.attempt, done.recovered), (RecordState::Complete, 3, true));
+        }
+
+        /// Rule 20: a hook that panics leaves the record in progress, its
+        /// lease ended (the panic propagates); the next call asks again.
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn a_panicking_hook_keeps_the_record_for_the_next_takeover() {
+            let Some(store) = store().await else { return };
+            let tenant = fresh_tenant(Ask::PanicOnce);
+            let c = Crash::default();
+            crash(charge(&*store, &tenant, "order-6", 3, Some((&c, When::AfterCharge))), &c).await;
+            let panicked = {
+                let (store, tenant) = (store.clone(), tenant.clone());
+                tokio::spawn(async move { charge(&*store, &tenant, "order-6", 3, None).await }).await
+            };
+            assert!(panicked.is_err_and(|e| e.is_panic()), "the hook's panic propagates");
+            let identity = id(&tenant, "recovery.charge", "order-6");
+            let kept = store.fetch(&identity).await.unwrap().expect("the record is kept");
+            assert_eq!((kept.state, kept.attempt), (RecordState::InProgress, 2));
+            assert!(kept.lease_expires_at_ms.is_some_and(|l| l <= kept.now_ms), "{kept:?}");
+            let (got, outcome) = with_outcome(charge(&*store, &tenant, "order-6", 3, None)).await;
+            assert_eq!(outcome, Some(Outcome::Recovered));
+            assert_eq!(got.unwrap(), charges(&tenant, "order-6")[0]);
+            assert_eq!(asked(&tenant).iter().map(|a| a.attempt).collect::<Vec<_>>(), [2, 3]);
+            assert_eq!(bodies(&tenant), 1);
         }
 
         /// Rule 20 with `errors = record`: the hook's error is recorded as the
