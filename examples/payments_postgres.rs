@@ -109,6 +109,7 @@ fn describe(outcome: Option<Outcome>) -> &'static str {
     match outcome {
         Some(Outcome::Executed) => "executed",
         Some(Outcome::Replayed) => "replayed",
+        Some(Outcome::Recovered) => "recovered",
         None => "refused",
     }
 }

@@ -86,6 +86,22 @@ impl Store for Stalling {
     fn complete_detached(&self, i: Identity, t: OwnerToken, o: StoredOutcome, ttl: Duration) {
         self.inner.complete_detached(i, t, o, ttl)
     }
+    async fn complete_recovered(
+        &self,
+        i: &Identity,
+        t: &OwnerToken,
+        o: &StoredOutcome,
+        ttl: Duration,
+    ) -> Result<bool, StoreError> {
+        self.inner.complete_recovered(i, t, o, ttl).await
+    }
+    async fn force_release(
+        &self,
+        i: &Identity,
+        require_expired_lease: bool,
+    ) -> Result<idempotent_runtime::ForcedRelease, StoreError> {
+        self.inner.force_release(i, require_expired_lease).await
+    }
     async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError> {
         self.inner.purge_expired(batch).await
     }

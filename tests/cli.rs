@@ -379,3 +379,304 @@ async fn audit_and_purge_work_on_server_urls() {
         );
     }
 }
+
+/// A record left in progress by attempt 2, whose lease has run out (two
+/// reservations with a zero lease: the second takes the first over).
+async fn plant_stuck(store: &dyn Store, scope: &str, tenant: &str, key: &str) -> Identity {
+    let identity = Identity::new(tenant, scope, key).expect("identity");
+    for attempt in [1, 2] {
+        let token = OwnerToken::new();
+        let r = store
+            .reserve(ReserveRequest {
+                identity: &identity,
+                fingerprint: Some(&idempotent_runtime::Fingerprint::of(&1).expect("fp")),
+                token: &token,
+                lease: Duration::ZERO,
+                ttl: Duration::from_secs(3600),
+            })
+            .await
+            .expect("reserve");
+        assert!(
+            matches!(r, Reservation::Acquired { attempt: a, .. } if a == attempt),
+            "{r:?}"
+        );
+    }
+    identity
+}
+
+/// A record whose owner's lease is live for an hour.
+async fn plant_running(store: &dyn Store, scope: &str, tenant: &str, key: &str) -> Identity {
+    let identity = Identity::new(tenant, scope, key).expect("identity");
+    let token = OwnerToken::new();
+    let r = store
+        .reserve(ReserveRequest {
+            identity: &identity,
+            fingerprint: None,
+            token: &token,
+            lease: Duration::from_secs(3600),
+            ttl: Duration::from_secs(3600),
+        })
+        .await
+        .expect("reserve");
+    assert_eq!(r, Reservation::FRESH);
+    identity
+}
+
+/// `inspect` and `release` on one store, by URL: every case, with its output.
+async fn inspect_and_release_on(url: &str, store: &dyn Store) {
+    let scope = format!("cli.ops.{}", uuid::Uuid::new_v4().simple());
+    let tenant = format!("cli-{}", uuid::Uuid::new_v4().simple());
+    let stuck = plant_stuck(store, &scope, &tenant, "stuck-key").await;
+    let running = plant_running(store, &scope, &tenant, "running-key").await;
+    // A complete record under a key of its own.
+    let done = {
+        let identity =
+            Identity::new(tenant.as_str(), scope.as_str(), "done-key").expect("identity");
+        let token = OwnerToken::new();
+        store
+            .reserve(ReserveRequest {
+                identity: &identity,
+                fingerprint: None,
+                token: &token,
+                lease: Duration::from_secs(60),
+                ttl: Duration::from_secs(3600),
+            })
+            .await
+            .expect("reserve");
+        let outcome = StoredOutcome {
+            is_error: false,
+            payload: br#"{"card":"4242 secret"}"#.to_vec(),
+        };
+        assert!(store
+            .complete(&identity, &token, &outcome, Duration::from_secs(3600))
+            .await
+            .expect("complete"));
+        identity
+    };
+    let args = |cmd: &str, key: &str, more: &[&str]| -> Vec<String> {
+        let mut v: Vec<String> = [
+            "idempotent",
+            cmd,
+            "--database-url",
+            url,
+            "--scope",
+            &scope,
+            "--tenant",
+            &tenant,
+            "--key",
+            key,
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        v.extend(more.iter().map(|s| s.to_string()));
+        v
+    };
+
+    // inspect: state, attempt, lease, expiry, fingerprint version; no result.
+    let table = run_from(args("inspect", "stuck-key", &[]))
+        .await
+        .unwrap_or_else(|e| panic!("inspect on {url}: {e}"));
+    let line = |name: &str| {
+        table
+            .lines()
+            .find(|l| l.starts_with(name))
+            .unwrap_or_else(|| panic!("no {name} line in\n{table}"))
+            .to_owned()
+    };
+    assert!(line("state").contains("STUCK"), "{table}");
+    assert!(
+        line("attempt ").contains("2 (taken over 1 time(s)"),
+        "{table}"
+    );
+    assert!(line("lease").contains(" ago)"), "{table}");
+    assert!(line("expires").contains("(in "), "{table}");
+    assert!(line("fingerprint").contains("version v1"), "{table}");
+    assert!(line("key digest").contains(&stuck.key_digest()), "{table}");
+    assert!(
+        !table.contains("stuck-key"),
+        "the raw key is not printed: {table}"
+    );
+
+    let json: serde_json::Value = serde_json::from_str(
+        &run_from(args("inspect", "done-key", &["--json"]))
+            .await
+            .expect("inspect --json"),
+    )
+    .expect("JSON");
+    assert_eq!(json["state"], "complete", "{json}");
+    assert_eq!(json["attempt"], 1);
+    assert_eq!(json["fingerprint_version"], serde_json::Value::Null);
+    assert_eq!(json["result_bytes"], 22);
+    assert!(
+        json.get("result").is_none(),
+        "no result without --show-result: {json}"
+    );
+    let hidden = run_from(args("inspect", "done-key", &[]))
+        .await
+        .expect("inspect");
+    assert!(!hidden.contains("4242"), "{hidden}");
+    assert!(
+        hidden.contains("not shown (pass --show-result)"),
+        "{hidden}"
+    );
+    let shown = run_from(args("inspect", "done-key", &["--show-result"]))
+        .await
+        .expect("inspect --show-result");
+    assert!(shown.contains(r#"{"card":"4242 secret"}"#), "{shown}");
+
+    // release: a complete record is refused, and left as it was.
+    let before = store.fetch(&done).await.expect("fetch").expect("done");
+    let refused = run_from(args("release", "done-key", &["--reason", "INC-1"]))
+        .await
+        .expect_err("a complete record is never released");
+    assert!(
+        matches!(refused, CliError::ReleaseRefused { .. }),
+        "{refused}"
+    );
+    assert!(
+        refused.to_string().contains("the record is complete"),
+        "{refused}"
+    );
+    let refused = run_from(args(
+        "release",
+        "done-key",
+        &["--reason", "INC-1", "--even-if-running"],
+    ))
+    .await
+    .expect_err("not even with --even-if-running");
+    assert!(
+        refused.to_string().contains("the record is complete"),
+        "{refused}"
+    );
+    let after = store
+        .fetch(&done)
+        .await
+        .expect("fetch")
+        .expect("done is kept");
+    assert_eq!(
+        (after.state, &after.outcome),
+        (before.state, &before.outcome)
+    );
+
+    // A live lease is refused unless --even-if-running.
+    let refused = run_from(args("release", "running-key", &["--reason", "INC-2"]))
+        .await
+        .expect_err("the owner may be running");
+    assert!(
+        refused.to_string().contains("--even-if-running"),
+        "{refused}"
+    );
+    assert!(store.fetch(&running).await.expect("fetch").is_some());
+
+    // An empty reason is refused before anything happens.
+    let e = run_from(args("release", "stuck-key", &["--reason", "  "]))
+        .await
+        .expect_err("a reason is required");
+    assert!(matches!(e, CliError::NoReason), "{e}");
+    let e = run_from(args("release", "stuck-key", &[]))
+        .await
+        .expect_err("--reason is required");
+    assert!(matches!(e, CliError::Usage(_)), "{e}");
+
+    // The stuck record is released; the reason is printed.
+    let out = run_from(args(
+        "release",
+        "stuck-key",
+        &["--reason", "INC-3: owner host is gone"],
+    ))
+    .await
+    .unwrap_or_else(|e| panic!("release on {url}: {e}"));
+    assert!(
+        out.contains("attempt 2") && out.contains("reason: INC-3: owner host is gone"),
+        "{out}"
+    );
+    assert!(store.fetch(&stuck).await.expect("fetch").is_none());
+    let gone = run_from(args("inspect", "stuck-key", &[]))
+        .await
+        .expect_err("released");
+    assert!(matches!(gone, CliError::NoRecord { .. }), "{gone}");
+
+    let json: serde_json::Value = serde_json::from_str(
+        &run_from(args(
+            "release",
+            "running-key",
+            &["--reason", "INC-4", "--even-if-running", "--json"],
+        ))
+        .await
+        .expect("release --even-if-running"),
+    )
+    .expect("JSON");
+    assert_eq!(
+        (json["released"].clone(), json["attempt"].clone()),
+        (true.into(), 1.into())
+    );
+    assert_eq!(json["reason"], "INC-4");
+    assert!(store.fetch(&running).await.expect("fetch").is_none());
+}
+
+#[tokio::test]
+async fn inspect_and_release_on_sqlite() {
+    let dir = Scratch::new();
+    let url = dir.db_url();
+    let store = SqliteStore::connect(&url).await.expect("sqlite file");
+    inspect_and_release_on(&url, &store).await;
+
+    // `tenant = shared` records are named with --shared.
+    let identity = Identity::shared("cli.shared", "k").expect("identity");
+    let token = OwnerToken::new();
+    store
+        .reserve(ReserveRequest {
+            identity: &identity,
+            fingerprint: None,
+            token: &token,
+            lease: Duration::from_secs(60),
+            ttl: Duration::from_secs(60),
+        })
+        .await
+        .expect("reserve");
+    let out = run_from([
+        "idempotent",
+        "inspect",
+        "--database-url",
+        &url,
+        "--scope",
+        "cli.shared",
+        "--shared",
+        "--key",
+        "k",
+    ])
+    .await
+    .expect("inspect --shared");
+    assert!(
+        out.contains("(shared)") && out.contains("lease live"),
+        "{out}"
+    );
+    let e = run_from([
+        "idempotent",
+        "inspect",
+        "--database-url",
+        &url,
+        "--scope",
+        "cli.shared",
+        "--key",
+        "k",
+    ])
+    .await
+    .expect_err("--tenant or --shared is required");
+    assert!(matches!(e, CliError::Usage(_)), "{e}");
+}
+
+#[tokio::test]
+async fn inspect_and_release_on_postgres() {
+    if let Some(store) = common::servers::pg_store_or_skip().await {
+        inspect_and_release_on(&common::servers::pg_url(), &store).await;
+    }
+}
+
+#[tokio::test]
+async fn inspect_and_release_on_mariadb() {
+    if let Some(store) = common::servers::mysql_store_or_skip().await {
+        inspect_and_release_on(&common::servers::mysql_url(), &store).await;
+    }
+}

@@ -94,6 +94,23 @@ impl Store for Counting {
         self.calls.complete.fetch_add(1, Ordering::SeqCst);
         self.inner.complete_detached(i, t, o, ttl)
     }
+    async fn complete_recovered(
+        &self,
+        i: &Identity,
+        t: &OwnerToken,
+        o: &StoredOutcome,
+        ttl: Duration,
+    ) -> Result<bool, StoreError> {
+        self.calls.complete.fetch_add(1, Ordering::SeqCst);
+        self.inner.complete_recovered(i, t, o, ttl).await
+    }
+    async fn force_release(
+        &self,
+        i: &Identity,
+        require_expired_lease: bool,
+    ) -> Result<idempotent_runtime::ForcedRelease, StoreError> {
+        self.inner.force_release(i, require_expired_lease).await
+    }
     async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError> {
         self.inner.purge_expired(batch).await
     }

@@ -625,6 +625,22 @@ impl Store for DownStore {
     fn name(&self) -> &'static str {
         "down"
     }
+    async fn complete_recovered(
+        &self,
+        _: &Identity,
+        _: &OwnerToken,
+        _: &StoredOutcome,
+        _: Duration,
+    ) -> Result<bool, StoreError> {
+        Err(down("complete"))
+    }
+    async fn force_release(
+        &self,
+        _: &Identity,
+        _: bool,
+    ) -> Result<idempotent_runtime::ForcedRelease, StoreError> {
+        Err(down("release"))
+    }
     async fn reserve(&self, _: ReserveRequest<'_>) -> Result<Reservation, StoreError> {
         Err(down("reserve"))
     }
@@ -686,6 +702,23 @@ struct Counting {
 impl Store for Counting {
     fn name(&self) -> &'static str {
         "counting"
+    }
+    async fn complete_recovered(
+        &self,
+        i: &Identity,
+        t: &OwnerToken,
+        o: &StoredOutcome,
+        ttl: Duration,
+    ) -> Result<bool, StoreError> {
+        self.complete.fetch_add(1, Ordering::SeqCst);
+        self.inner.complete_recovered(i, t, o, ttl).await
+    }
+    async fn force_release(
+        &self,
+        i: &Identity,
+        require_expired_lease: bool,
+    ) -> Result<idempotent_runtime::ForcedRelease, StoreError> {
+        self.inner.force_release(i, require_expired_lease).await
     }
     async fn reserve(&self, r: ReserveRequest<'_>) -> Result<Reservation, StoreError> {
         self.reserve.fetch_add(1, Ordering::SeqCst);

@@ -1,6 +1,8 @@
 //! Many OS processes on one identity, and a process killed while it holds a
 //! lease, on PostgreSQL and on MariaDB. Exactly-once is proven by counting the
-//! side-effect rows the bodies wrote in the same database.
+//! side-effect rows the bodies wrote in the same database. Rule 20 across
+//! processes: a holder SIGKILLed after (or before) its side effect, and a
+//! retry in another process whose `recover` hook asks the database.
 
 mod common;
 
@@ -294,7 +296,7 @@ async fn crash_before_commit(backend: Backend) {
     }
     assert_eq!(
         answer,
-        Reservation::Acquired { took_over: false },
+        Reservation::FRESH,
         "no record survives the crash; the retry executes"
     );
     assert!(store.release(&identity, &token).await.expect("release"));
@@ -329,4 +331,140 @@ async fn crash_between_body_and_commit_leaves_nothing_postgres() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn crash_between_body_and_commit_leaves_nothing_mariadb() {
     crash_before_commit(Backend::MySql).await;
+}
+
+/// Starts a holder in `mode`, waits until it reports `holding` (its body
+/// reached the crash point), and SIGKILLs it. Returns its pid.
+async fn kill_holder(backend: Backend, mode: &str, tenant: &str, key: &str) -> u32 {
+    let mut holder = spawn(backend, mode, tenant, key, 0);
+    let pid = holder.id();
+    let stdout = holder.stdout.take().expect("piped stdout");
+    let first = tokio::task::spawn_blocking(move || {
+        let mut line = String::new();
+        let _ = BufReader::new(stdout).read_line(&mut line);
+        line
+    })
+    .await
+    .expect("join");
+    assert_eq!(
+        first.trim(),
+        "holding",
+        "the holder reached its crash point"
+    );
+    holder.kill().expect("SIGKILL the holder");
+    let _ = holder.wait();
+    pid
+}
+
+/// Runs one `recover-retry` worker to the end; returns its output lines.
+async fn retry(backend: Backend, tenant: &str, key: &str) -> Vec<String> {
+    let child = spawn(backend, "recover-retry", tenant, key, 0);
+    let out = tokio::task::spawn_blocking(move || collect(vec![child]))
+        .await
+        .expect("join");
+    out[0].lines().map(str::to_owned).collect()
+}
+
+async fn record_of(
+    store: &dyn Store,
+    tenant: &str,
+    key: &str,
+) -> idempotent_runtime::RecordSnapshot {
+    let identity =
+        idempotent_runtime::Identity::new(tenant, "worker.recover", key).expect("identity");
+    store
+        .fetch(&identity)
+        .await
+        .expect("fetch")
+        .expect("the record")
+}
+
+/// Rule 20 across processes: the holder wrote its side effect and was killed
+/// before recording it. A retry in another process takes the record over as
+/// attempt 2; its hook finds the side effect and answers `Completed`: the
+/// retry returns the killed holder's result, and there is exactly one side effect.
+async fn crash_after_side_effect_recovered(backend: Backend) {
+    let Some(store) = prepare(backend).await else {
+        return;
+    };
+    let tenant = fresh_tenant();
+    let key = "recover-after";
+    let holder = kill_holder(backend, "recover-hold-after", &tenant, key).await;
+    assert_eq!(
+        side_effects(backend, &tenant).await,
+        1,
+        "the holder's side effect"
+    );
+
+    let lines = retry(backend, &tenant, key).await;
+    assert_eq!(
+        lines,
+        vec!["asked 2".to_owned(), format!("recovered {holder}")],
+        "the hook is asked once, as attempt 2, and the holder's result is returned"
+    );
+    assert_eq!(
+        side_effects(backend, &tenant).await,
+        1,
+        "exactly one side effect"
+    );
+    let record = record_of(&*store, &tenant, key).await;
+    assert_eq!(
+        (record.state, record.attempt, record.recovered),
+        (idempotent_runtime::RecordState::Complete, 2, true)
+    );
+    // A later retry replays; the hook is not asked again.
+    let again = retry(backend, &tenant, key).await;
+    assert_eq!(again, vec![format!("replayed {holder}")]);
+}
+
+/// Rule 20 across processes: the holder was killed before its side effect.
+/// The retry's hook finds nothing and answers `Run`: the body runs again, as
+/// attempt 2, and there is exactly one side effect (the retry's).
+async fn crash_before_side_effect_runs_again(backend: Backend) {
+    let Some(store) = prepare(backend).await else {
+        return;
+    };
+    let tenant = fresh_tenant();
+    let key = "recover-before";
+    let holder = kill_holder(backend, "recover-hold-before", &tenant, key).await;
+    assert_eq!(side_effects(backend, &tenant).await, 0);
+
+    let lines = retry(backend, &tenant, key).await;
+    assert_eq!(lines.len(), 2, "{lines:?}");
+    assert_eq!(lines[0], "asked 2");
+    let executor: u32 = lines[1]
+        .strip_prefix("executed ")
+        .and_then(|pid| pid.parse().ok())
+        .unwrap_or_else(|| panic!("the retry runs the body: {lines:?}"));
+    assert_ne!(executor, holder);
+    assert_eq!(
+        side_effects(backend, &tenant).await,
+        1,
+        "the retry's side effect only"
+    );
+    let record = record_of(&*store, &tenant, key).await;
+    assert_eq!(
+        (record.state, record.attempt, record.recovered),
+        (idempotent_runtime::RecordState::Complete, 2, false)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_after_side_effect_is_recovered_postgres() {
+    crash_after_side_effect_recovered(Backend::Pg).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_after_side_effect_is_recovered_mariadb() {
+    crash_after_side_effect_recovered(Backend::MySql).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_before_side_effect_runs_again_as_attempt_2_postgres() {
+    crash_before_side_effect_runs_again(Backend::Pg).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_before_side_effect_runs_again_as_attempt_2_mariadb() {
+    crash_before_side_effect_runs_again(Backend::MySql).await;
 }

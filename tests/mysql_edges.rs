@@ -210,7 +210,7 @@ async fn released_to_eight_callers(lease_expired: bool, callers: [Via; 8]) {
             .reserve(request(&identity, Some(&f), &planted, short, LONG))
             .await
             .expect("plant");
-        assert_eq!(got, Reservation::Acquired { took_over: false });
+        assert_eq!(got, Reservation::FRESH);
         until_clock(&store, &identity, |s| {
             s.lease_expires_at_ms.is_some_and(|l| l <= s.now_ms)
         })
@@ -220,7 +220,7 @@ async fn released_to_eight_callers(lease_expired: bool, callers: [Via; 8]) {
             .reserve(request(&identity, Some(&f), &planted, LONG, LONG))
             .await
             .expect("plant");
-        assert_eq!(got, Reservation::Acquired { took_over: false });
+        assert_eq!(got, Reservation::FRESH);
         assert!(store
             .complete(&identity, &planted, &ok(b"1"), Duration::from_millis(1))
             .await
@@ -313,11 +313,14 @@ async fn released_to_eight_callers(lease_expired: bool, callers: [Via; 8]) {
         1,
         "exactly one caller acquires the released record: {answers:?}"
     );
-    assert_eq!(
-        winners[0].2,
-        Reservation::Acquired {
-            took_over: lease_expired
-        }
+    assert!(
+        matches!(
+            winners[0].2,
+            Reservation::Acquired { took_over, attempt, .. }
+                if took_over == lease_expired && attempt == if lease_expired { 2 } else { 1 }
+        ),
+        "{:?}",
+        winners[0].2
     );
     for (via, _, got) in &answers {
         assert!(
@@ -408,7 +411,7 @@ async fn a_replay_or_mismatch_inside_an_open_transaction_takes_no_lock() {
         .reserve(request(&identity, Some(&a), &token, LONG, LONG))
         .await
         .expect("reserve");
-    assert_eq!(got, Reservation::Acquired { took_over: false });
+    assert_eq!(got, Reservation::FRESH);
     assert!(store
         .complete(&identity, &token, &ok(b"7"), LONG)
         .await
@@ -451,7 +454,7 @@ async fn an_in_progress_answer_inside_an_open_transaction_takes_no_lock() {
         .reserve(request(&identity, Some(&a), &owner, LONG, LONG))
         .await
         .expect("reserve");
-    assert_eq!(got, Reservation::Acquired { took_over: false });
+    assert_eq!(got, Reservation::FRESH);
 
     let mut refused = store.pool().begin().await.expect("begin");
     assert!(matches!(
@@ -513,7 +516,7 @@ async fn a_snapshot_older_than_the_record_still_replays_and_blocks_no_one() {
         .reserve(request(&identity, Some(&a), &token, LONG, LONG))
         .await
         .expect("reserve");
-    assert_eq!(got, Reservation::Acquired { took_over: false });
+    assert_eq!(got, Reservation::FRESH);
     assert!(store
         .complete(&identity, &token, &ok(b"9"), LONG)
         .await

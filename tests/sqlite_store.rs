@@ -109,18 +109,12 @@ async fn records_survive_reopening() {
     {
         let store = SqliteStore::connect(&url(&path)).await.unwrap();
         let token = OwnerToken::new();
-        assert_eq!(
-            reserve(&store, &id, &token).await,
-            Reservation::Acquired { took_over: false }
-        );
+        assert_eq!(reserve(&store, &id, &token).await, Reservation::FRESH);
         assert!(store.complete(&id, &token, &outcome, LONG).await.unwrap());
         // An in-progress record too: its owner is still the owner after a reopen.
         let running = identity("running");
         let owner = OwnerToken::new();
-        assert_eq!(
-            reserve(&store, &running, &owner).await,
-            Reservation::Acquired { took_over: false }
-        );
+        assert_eq!(reserve(&store, &running, &owner).await, Reservation::FRESH);
         store.pool().close().await;
     }
     let store = SqliteStore::connect(&url(&path)).await.unwrap();
@@ -161,7 +155,7 @@ async fn two_stores_on_one_file_give_one_acquirer() {
         for t in tasks {
             let (token, got) = t.await.expect("task");
             match got {
-                Reservation::Acquired { took_over } => {
+                Reservation::Acquired { took_over, .. } => {
                     assert!(!took_over);
                     acquired.push(token);
                 }
@@ -211,10 +205,7 @@ async fn from_pool_migrates_the_applications_database() {
         .expect("from_pool");
     let id = identity("from-pool");
     let token = OwnerToken::new();
-    assert_eq!(
-        reserve(&store, &id, &token).await,
-        Reservation::Acquired { took_over: false }
-    );
+    assert_eq!(reserve(&store, &id, &token).await, Reservation::FRESH);
     // The application's own table is untouched and shares the database.
     sqlx::query("INSERT INTO charges (amount) VALUES (500)")
         .execute(&pool)
@@ -241,10 +232,7 @@ async fn memory_database_is_one_database_for_every_clone() {
     let clone = store.clone();
     let id = identity("memory");
     let token = OwnerToken::new();
-    assert_eq!(
-        reserve(&store, &id, &token).await,
-        Reservation::Acquired { took_over: false }
-    );
+    assert_eq!(reserve(&store, &id, &token).await, Reservation::FRESH);
     assert!(matches!(
         reserve(&clone, &id, &OwnerToken::new()).await,
         Reservation::InProgress { .. }
@@ -253,7 +241,7 @@ async fn memory_database_is_one_database_for_every_clone() {
     let other = SqliteStore::connect("sqlite::memory:").await.unwrap();
     assert_eq!(
         reserve(&other, &id, &OwnerToken::new()).await,
-        Reservation::Acquired { took_over: false }
+        Reservation::FRESH
     );
 }
 
@@ -326,10 +314,7 @@ fn release_detached_without_a_runtime_does_not_panic() {
         let store = SqliteStore::connect(&url(&path)).await.unwrap();
         let id = identity("no-runtime");
         let token = OwnerToken::new();
-        assert_eq!(
-            reserve(&store, &id, &token).await,
-            Reservation::Acquired { took_over: false }
-        );
+        assert_eq!(reserve(&store, &id, &token).await, Reservation::FRESH);
         (store, id, token)
     });
     let (s, i, t) = (store.clone(), id.clone(), token.clone());

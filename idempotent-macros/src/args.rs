@@ -37,6 +37,8 @@ pub(crate) const KNOWN: &[&str] = &[
     "lease",
     "in_progress",
     "errors",
+    "recover",
+    "shared_scope",
     "crate",
 ];
 
@@ -127,6 +129,10 @@ pub(crate) struct Spec {
     pub lease: Option<Duration>,
     pub in_progress: InProgress,
     pub errors: Errors,
+    /// `recover = path`: asked before a takeover re-runs the body (rule 20).
+    pub recover: Option<Path>,
+    /// `shared_scope`: the scope is claimed by several functions on purpose (rule 21).
+    pub shared_scope: bool,
     pub krate: TokenStream,
     /// The parameters that go into the fingerprint, in declaration order.
     pub fingerprinted: Vec<Ident>,
@@ -303,6 +309,8 @@ pub(crate) fn validate(raw: RawArgs, func: &ItemFn, attr_span: Span) -> Result<S
     let mut lease = None;
     let mut in_progress = InProgress::Wait(Duration::from_secs(10));
     let mut errors = Errors::Release;
+    let mut recover: Option<Path> = None;
+    let mut shared_scope = false;
     let mut krate: Option<TokenStream> = None;
 
     for RawArg { name, value } in raw.0 {
@@ -346,6 +354,18 @@ pub(crate) fn validate(raw: RawArgs, func: &ItemFn, attr_span: Span) -> Result<S
                 errs.push(
                     name.span(),
                     "`skip` lists parameter names in parentheses: `skip(a, b)`",
+                );
+                continue;
+            }
+            ("shared_scope", RawValue::Bare) => {
+                shared_scope = true;
+                continue;
+            }
+            ("shared_scope", _) => {
+                errs.push(
+                    name.span(),
+                    "`shared_scope` is a flag and takes no value: write `shared_scope` alone, on \
+                     every function that claims the scope on purpose",
                 );
                 continue;
             }
@@ -428,6 +448,17 @@ pub(crate) fn validate(raw: RawArgs, func: &ItemFn, attr_span: Span) -> Result<S
                     errors = e
                 }
             }
+            "recover" => match ungroup(&expr) {
+                Expr::Path(p) if p.qself.is_none() && p.attrs.is_empty() => {
+                    recover = Some(p.path.clone())
+                }
+                _ => errs.push(
+                    span_of(&expr),
+                    "`recover` takes the path of an `async fn(&idempotent_runtime::Takeover) -> \
+                     Result<idempotent_runtime::Recovery<T>, E>` (T and E this function's), e.g. \
+                     `recover = charge_happened`",
+                ),
+            },
             "crate" => match ungroup(&expr) {
                 Expr::Path(p) if p.qself.is_none() => krate = Some(p.path.to_token_stream()),
                 _ => errs.push(
@@ -559,6 +590,8 @@ pub(crate) fn validate(raw: RawArgs, func: &ItemFn, attr_span: Span) -> Result<S
             lease,
             in_progress,
             errors,
+            recover,
+            shared_scope,
             krate: krate.unwrap_or_else(|| quote::quote!(::idempotent_runtime)),
             fingerprinted,
         }),
@@ -597,6 +630,8 @@ fn example_for(name: &str) -> &'static str {
         "lease" => "`lease = \"30s\"`",
         "in_progress" => "`in_progress = wait(\"10s\")` or `in_progress = reject`",
         "errors" => "`errors = release`, `errors = record` or `errors = record_if(path::to::predicate)`",
+        "recover" => "`recover = path::to::hook`, an `async fn(&Takeover) -> Result<Recovery<T>, E>` asked before a takeover re-runs the body",
+        "shared_scope" => "`shared_scope` (a flag, no value)",
         "crate" => "`crate = ::path::to::idempotent_runtime`",
         _ => "see the #[idempotent] documentation",
     }
@@ -966,6 +1001,59 @@ mod tests {
         )
         .unwrap();
         assert!(!spec.fingerprint && spec.fingerprinted.is_empty());
+    }
+
+    #[test]
+    fn recover_and_shared_scope() {
+        let spec = check(
+            quote!(
+                scope = "a",
+                key = key,
+                tenant = shared,
+                recover = Self::charge_happened,
+                shared_scope
+            ),
+            quote!(
+                async fn f(&self, key: &str) -> Result<u8, E> {
+                    todo!()
+                }
+            ),
+        )
+        .unwrap();
+        assert!(spec.shared_scope);
+        assert_eq!(
+            spec.recover.as_ref().map(path_text).as_deref(),
+            Some("Self::charge_happened")
+        );
+        let spec = check(
+            quote!(scope = "a", key = key, tenant = shared),
+            quote!(
+                async fn f(key: &str) -> Result<u8, E> {
+                    todo!()
+                }
+            ),
+        )
+        .unwrap();
+        assert!(!spec.shared_scope && spec.recover.is_none());
+        let err = check_err(
+            quote!(
+                scope = "a",
+                key = key,
+                tenant = shared,
+                recover = 1 + 2,
+                shared_scope = yes
+            ),
+            quote!(
+                async fn f(key: &str) -> Result<u8, E> {
+                    todo!()
+                }
+            ),
+        );
+        assert!(
+            err.contains("`recover` takes the path of an `async fn"),
+            "{err}"
+        );
+        assert!(err.contains("`shared_scope` is a flag"), "{err}");
     }
 
     #[test]

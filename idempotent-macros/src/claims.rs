@@ -1,15 +1,20 @@
-//! Two functions claiming one scope in one crate (DESIGN.md rule 18).
+//! Functions claiming one scope in one crate (DESIGN.md rules 18 and 21).
 //!
 //! The compiler expands every `#[idempotent]` of a crate in one process, so a
 //! process-wide table keyed by (crate, scope) sees every claim. The same
 //! function expanding twice (rust-analyzer, re-expansion) is not a duplicate:
 //! a site is identified by its file and function name.
 //!
+//! A scope has one claimant, or several that all say `shared_scope` (rule 21)
+//! and agree on what they fingerprint (the parameter names: the canonical
+//! form is computed over names and values) and on their ttl.
+//!
 //! Limitation: claims in *different* crates are not visible here; the runtime's
 //! `registry::validate()` reports them when the program starts.
 
 use std::collections::HashMap;
 use std::sync::{Mutex, OnceLock};
+use std::time::Duration;
 
 /// Where a scope was claimed.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -19,7 +24,34 @@ pub(crate) struct Site {
     pub line: usize,
 }
 
-type Table = HashMap<(String, String), Site>;
+impl std::fmt::Display for Site {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "`{}` ({}:{})", self.function, self.file, self.line)
+    }
+}
+
+/// One function's claim on a scope.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Claim {
+    pub site: Site,
+    /// The function says `shared_scope`.
+    pub shared: bool,
+    /// The fingerprinted parameter names, sorted; `None` with `fingerprint = false`.
+    pub fingerprint: Option<Vec<String>>,
+    /// The ttl, after the manifest's default.
+    pub ttl: Duration,
+}
+
+/// Why a claim is refused.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Refusal {
+    /// Not every claimant says `shared_scope`. `others` are the earlier claimants.
+    Duplicate { others: Vec<Claim> },
+    /// Every claimant says `shared_scope`, but this one disagrees with `other`.
+    Disagree { other: Box<Claim>, what: String },
+}
+
+type Table = HashMap<(String, String), Vec<Claim>>;
 
 fn table() -> &'static Mutex<Table> {
     static TABLE: OnceLock<Mutex<Table>> = OnceLock::new();
@@ -32,21 +64,67 @@ pub(crate) fn current_crate() -> String {
     format!("{}/{}", get("CARGO_PKG_NAME"), get("CARGO_CRATE_NAME"))
 }
 
-/// Records `site` as the owner of `scope` in `krate`; returns the other site if
-/// another function already owns it.
-pub(crate) fn claim(krate: &str, scope: &str, site: Site) -> Result<(), Site> {
+fn shape(fingerprint: &Option<Vec<String>>) -> String {
+    match fingerprint {
+        None => "nothing (`fingerprint = false`)".to_owned(),
+        Some(names) if names.is_empty() => "no parameter".to_owned(),
+        Some(names) => format!("({})", names.join(", ")),
+    }
+}
+
+fn human(d: Duration) -> String {
+    humantime::format_duration(d).to_string()
+}
+
+/// What `a` and `b`, both sharing a scope, disagree on.
+fn disagreement(a: &Claim, b: &Claim) -> Option<String> {
+    if a.fingerprint != b.fingerprint {
+        return Some(format!(
+            "they fingerprint different parameters: {} vs {}. The fingerprint is computed over the \
+             parameters' names and values, so the same request through both would be refused as a \
+             mismatch; give the parameters the same names (or `skip(...)` the extra ones)",
+            shape(&a.fingerprint),
+            shape(&b.fingerprint)
+        ));
+    }
+    (a.ttl != b.ttl).then(|| {
+        format!(
+            "their ttl differs: {} vs {}. Whether a duplicate is recognised would depend on which \
+             of them recorded it; give both the same `ttl`",
+            human(a.ttl),
+            human(b.ttl)
+        )
+    })
+}
+
+/// Records `claim` on `scope` in `krate`; refuses it when another function
+/// already claims the scope and not every claimant says `shared_scope`, or
+/// when they all do but this one disagrees with another. A refused claim is
+/// still recorded, so a further claimant's error names every site.
+pub(crate) fn claim(krate: &str, scope: &str, claim: Claim) -> Result<(), Refusal> {
     let mut table = table().lock().unwrap_or_else(|p| p.into_inner());
-    let key = (krate.to_owned(), scope.to_owned());
-    match table.get_mut(&key) {
-        Some(existing) if existing.file == site.file && existing.function == site.function => {
-            *existing = site; // the same function, expanded again (maybe after an edit)
-            Ok(())
-        }
-        Some(existing) => Err(existing.clone()),
-        None => {
-            table.insert(key, site);
-            Ok(())
-        }
+    let claims = table
+        .entry((krate.to_owned(), scope.to_owned()))
+        .or_default();
+    // The same function, expanded again (maybe after an edit).
+    claims.retain(|c| !(c.site.file == claim.site.file && c.site.function == claim.site.function));
+    let others = claims.clone();
+    claims.push(claim.clone());
+    if others.is_empty() {
+        return Ok(());
+    }
+    if !claim.shared || others.iter().any(|c| !c.shared) {
+        return Err(Refusal::Duplicate { others });
+    }
+    match others
+        .iter()
+        .find_map(|o| disagreement(o, &claim).map(|what| (o.clone(), what)))
+    {
+        Some((other, what)) => Err(Refusal::Disagree {
+            other: Box::new(other),
+            what,
+        }),
+        None => Ok(()),
     }
 }
 
@@ -62,14 +140,57 @@ mod tests {
         }
     }
 
+    fn plain(function: &str, line: usize) -> Claim {
+        Claim {
+            site: site(function, line),
+            shared: false,
+            fingerprint: Some(vec!["order".into()]),
+            ttl: Duration::from_secs(3600),
+        }
+    }
+
+    fn shared(function: &str, line: usize) -> Claim {
+        Claim {
+            shared: true,
+            ..plain(function, line)
+        }
+    }
+
     #[test]
     fn second_function_is_refused_same_function_is_not() {
-        assert_eq!(claim("t/a", "x.y", site("first", 3)), Ok(()));
-        assert_eq!(claim("t/a", "x.y", site("first", 5)), Ok(()));
+        assert_eq!(claim("t/a", "x.y", plain("first", 3)), Ok(()));
+        assert_eq!(claim("t/a", "x.y", plain("first", 5)), Ok(()));
         assert_eq!(
-            claim("t/a", "x.y", site("second", 9)),
-            Err(site("first", 5))
+            claim("t/a", "x.y", plain("second", 9)),
+            Err(Refusal::Duplicate {
+                others: vec![plain("first", 5)]
+            })
         );
-        assert_eq!(claim("t/b", "x.y", site("second", 9)), Ok(()));
+        assert_eq!(claim("t/b", "x.y", plain("second", 9)), Ok(()));
+    }
+
+    #[test]
+    fn shared_scopes_need_every_claimant_to_agree() {
+        assert_eq!(claim("t/s", "r.s", shared("http", 1)), Ok(()));
+        assert_eq!(claim("t/s", "r.s", shared("queue", 2)), Ok(()));
+        // A third claimant without the flag names both others.
+        assert_eq!(
+            claim("t/s", "r.s", plain("cron", 3)),
+            Err(Refusal::Duplicate {
+                others: vec![shared("http", 1), shared("queue", 2)]
+            })
+        );
+        let mut other_ttl = shared("late", 4);
+        other_ttl.ttl = Duration::from_secs(60);
+        assert!(matches!(
+            claim("t/t", "r.t", shared("http", 1)).and(claim("t/t", "r.t", other_ttl)),
+            Err(Refusal::Disagree { other, what }) if other.site.function == "http" && what.contains("ttl")
+        ));
+        let mut other_fp = shared("late", 4);
+        other_fp.fingerprint = None;
+        assert!(matches!(
+            claim("t/u", "r.u", shared("http", 1)).and(claim("t/u", "r.u", other_fp)),
+            Err(Refusal::Disagree { what, .. }) if what.contains("fingerprint = false")
+        ));
     }
 }

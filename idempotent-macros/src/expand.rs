@@ -8,6 +8,7 @@ use proc_macro2::{Ident, Span, TokenStream};
 use quote::{quote, quote_spanned};
 use std::path::PathBuf;
 use std::time::Duration;
+use syn::spanned::Spanned;
 use syn::ItemFn;
 
 const DEFAULT_TTL: Duration = Duration::from_secs(24 * 60 * 60);
@@ -94,22 +95,71 @@ fn compile_time_checks(func: &ItemFn, spec: &Spec) -> Result<Resolved, syn::Erro
             file: span.file(),
             line: span.line(),
         };
-        if let Err(first) = claims::claim(&claims::current_crate(), &scope, site.clone()) {
-            errs.push(
+        let claim = claims::Claim {
+            site: site.clone(),
+            shared: spec.shared_scope,
+            fingerprint: spec.fingerprint.then(|| {
+                let mut names: Vec<String> =
+                    spec.fingerprinted.iter().map(|i| i.to_string()).collect();
+                names.sort();
+                names
+            }),
+            ttl: resolved.ttl,
+        };
+        match claims::claim(&claims::current_crate(), &scope, claim) {
+            Ok(()) => {}
+            Err(claims::Refusal::Duplicate { others }) => {
+                errs.push(spec.scope.span(), duplicate_message(&scope, &others, &site))
+            }
+            Err(claims::Refusal::Disagree { other, what }) => errs.push(
                 spec.scope.span(),
                 format!(
-                    "scope `{scope}` is claimed by two functions in this crate: `{}` ({}:{}) \
-                     and `{}` ({}:{}). Records are identified by scope, so the two would \
-                     replay each other's results; give each function its own scope",
-                    first.function, first.file, first.line, site.function, site.file, site.line
+                    "scope `{scope}` is shared (`shared_scope`) by {} and {}, but {what}",
+                    other.site, site
                 ),
-            );
+            ),
         }
     }
     match errs.into_error() {
         Some(e) => Err(e),
         None => Ok(resolved),
     }
+}
+
+/// The duplicate-scope error (rule 18), naming every site; with a hint about
+/// `shared_scope` (rule 21) when some claimants already say it.
+fn duplicate_message(scope: &str, others: &[claims::Claim], site: &claims::Site) -> String {
+    let mut sites: Vec<String> = others.iter().map(|c| c.site.to_string()).collect();
+    sites.push(site.to_string());
+    let last = sites.pop().unwrap_or_default();
+    let count = if sites.len() == 1 {
+        "two functions".to_owned()
+    } else {
+        format!("{} functions", sites.len() + 1)
+    };
+    let listed = format!("{} and {last}", sites.join(", "));
+    let shared: Vec<String> = others
+        .iter()
+        .filter(|c| c.shared)
+        .map(|c| c.site.to_string())
+        .collect();
+    let hint = if shared.is_empty() {
+        "give each function its own scope, or, if they are meant to share one deduplication \
+         boundary (e.g. an HTTP handler and a queue consumer of one business event), write \
+         `shared_scope` on every one of them"
+            .to_owned()
+    } else {
+        let verb = if shared.len() == 1 { "says" } else { "say" };
+        format!(
+            "{} {verb} `shared_scope`, so sharing is meant: write `shared_scope` on every \
+             claimant, or give this function its own scope",
+            shared.join(" and ")
+        )
+    };
+    format!(
+        "scope `{scope}` is claimed by {count} in this crate: {listed}. Records are identified by \
+         scope, so they would replay each other's results; {hint}"
+    )
 }
 
 fn duration(krate: &TokenStream, d: Duration) -> TokenStream {
@@ -208,6 +258,26 @@ pub(crate) fn generate(func: &ItemFn, spec: &Spec, resolved: &Resolved) -> Token
         })
     };
 
+    let recover_name = spec.recover.as_ref().map(|p| {
+        let text = args::path_text(p);
+        quote!(.__recover(#text))
+    });
+    let shared_scope = spec.shared_scope.then(|| quote!(.__shared_scope()));
+    let recover = match &spec.recover {
+        None => quote!(#krate::__private::NoRecover),
+        Some(path) => {
+            // One binding, named with the attribute's span and used inside the
+            // path's span, so it is the same name under any hygiene.
+            let takeover = Ident::new("__idempotent_takeover", Span::call_site());
+            let ask = quote_spanned!(path.span()=> #path(&#takeover).await);
+            quote!(#krate::__private::RecoverWith(
+                move |#takeover: #krate::__private::Takeover| async move {
+                    #krate::__private::recovery::<#ret>(#ask)
+                }
+            ))
+        }
+    };
+
     let prelude = quote! {
         static __IDEMPOTENT_SCOPE: #krate::__private::ScopeInfo = #krate::__private::ScopeInfo::__new(
             #scope,
@@ -222,7 +292,7 @@ pub(crate) fn generate(func: &ItemFn, spec: &Spec, resolved: &Resolved) -> Token
             #fingerprinted,
             &[#(#fp_names),*],
             #shared,
-        );
+        )#recover_name #shared_scope;
         #krate::__private::inventory::submit! {
             #krate::__private::Registration(&__IDEMPOTENT_SCOPE)
         }
@@ -254,9 +324,10 @@ pub(crate) fn generate(func: &ItemFn, spec: &Spec, resolved: &Resolved) -> Token
                     identity: #identity,
                     fingerprint: #fingerprint,
                 };
-                #krate::__private::execute::<#ret, _, _>(
+                #krate::__private::execute::<#ret, _, _, _>(
                     __idempotent_call,
                     #error_handling,
+                    #recover,
                     #krate::__private::body::<#ret, _>(async move #block),
                 )
                 .await
@@ -270,9 +341,10 @@ pub(crate) fn generate(func: &ItemFn, spec: &Spec, resolved: &Resolved) -> Token
                 fingerprint: #fingerprint,
             };
             let __idempotent_errors = #error_handling;
-            let __idempotent_held = match #krate::__private::begin_in_transaction::<#ret, _, _>(
+            let __idempotent_held = match #krate::__private::begin_in_transaction::<#ret, _, _, _>(
                 __idempotent_call,
                 &__idempotent_errors,
+                #recover,
                 &mut *#tx,
             )
             .await
@@ -283,8 +355,11 @@ pub(crate) fn generate(func: &ItemFn, spec: &Spec, resolved: &Resolved) -> Token
                 #krate::__private::TransactionStep::Run(__idempotent_held) => __idempotent_held,
             };
             // Not `move`: the transaction is used again after the body.
-            let __idempotent_result: #ret =
-                #krate::__private::body::<#ret, _>(async #block).await;
+            let __idempotent_result: #ret = #krate::__private::in_span(
+                &__idempotent_held,
+                #krate::__private::body::<#ret, _>(async #block),
+            )
+            .await;
             #krate::__private::finish_in_transaction::<#ret, _, _>(
                 __idempotent_held,
                 &__idempotent_errors,

@@ -38,7 +38,8 @@ use proc_macro::TokenStream;
 /// - **`scope = "payments.charge"`** — a string literal naming the operation.
 ///   Lowercase segments of `a-z`, `0-9`, `_`, `-` joined by single dots, at most
 ///   128 bytes. It is part of every record's identity: keep it when you rename
-///   the function. Two functions of one crate may not share a scope.
+///   the function. Two functions of one crate may not share a scope, unless
+///   both say `shared_scope`.
 /// - **`key = <expr>`** — the client-supplied idempotency key, any expression
 ///   over the parameters that is `Display`: `key = key`, `key = req.idempotency_key`.
 /// - **`tenant = <expr>`** or **`tenant = shared`** — whose key it is (`Display`):
@@ -80,6 +81,26 @@ use proc_macro::TokenStream;
 ///   free the key so a retry runs again; record `e` as the final answer (then
 ///   `E: Serialize + DeserializeOwned`); or record only the errors for which
 ///   `predicate(&e)` returns `true`.
+/// - **`recover = path::to::hook`** — asked before a takeover re-runs the body
+///   (rule 20). When a call takes over a record whose previous owner's lease
+///   expired (the owner crashed, maybe after the side effect and before
+///   recording it), `hook` is called first, with the
+///   `&idempotent_runtime::Takeover` (tenant, scope, key, attempt number,
+///   when the previous attempt started). It is an
+///   `async fn(&Takeover) -> Result<idempotent_runtime::Recovery<T>, E>`
+///   with this function's `T` and `E`: `Ok(Recovery::Run)` runs the body;
+///   `Ok(Recovery::Completed(v))` records `v` and returns it without running
+///   the body; `Err(e)` is handled by `errors = ...` (recorded, or, released,
+///   the record is kept for the next takeover to ask again), and the body
+///   does not run. It is never called on a fresh reservation, a replay or
+///   after a release. See `idempotent_runtime::recovery`.
+/// - **`shared_scope`** — a flag: this function claims its scope together
+///   with others on purpose (rule 21), e.g. an HTTP handler and a queue
+///   consumer that both process "refund order 8891" and must deduplicate
+///   against each other. Every claimant must say so, and they must
+///   fingerprint the same parameter names and have the same `ttl`; otherwise
+///   it is a compile error naming the sites (across crates,
+///   `registry::validate()` reports it).
 /// - **`crate = ::path::to::idempotent_runtime`** — where the runtime is, if
 ///   you renamed or re-exported it.
 ///
@@ -111,8 +132,10 @@ use proc_macro::TokenStream;
 /// ```
 ///
 /// Editing the manifest rebuilds the crates that use it. Two functions of one
-/// crate claiming one scope are a compile error naming both; across crates,
-/// `idempotent_runtime::registry::validate()` reports it at run time.
+/// crate claiming one scope are a compile error naming both, unless every
+/// claimant says `shared_scope` (and they agree on fingerprint and ttl);
+/// across crates, `idempotent_runtime::registry::validate()` reports it at
+/// run time.
 ///
 /// # Through `macro_rules!`
 ///

@@ -2,11 +2,13 @@
 //! names here may change in any release.
 
 pub use crate::engine::{
-    execute, Call, IdempotentReturn, RecordErrors, RecordErrorsIf, ReleaseErrors, StoreRef,
+    execute, recovery, Call, IdempotentReturn, NoRecover, RecordErrors, RecordErrorsIf,
+    RecoverWith, ReleaseErrors, StoreRef,
 };
 pub use crate::fingerprint::FingerprintBuilder;
+pub use crate::recovery::{Recovery, Takeover};
 pub use crate::transaction::{
-    begin_in_transaction, finish_in_transaction, HeldInTransaction, TransactionStep,
+    begin_in_transaction, finish_in_transaction, in_span, HeldInTransaction, TransactionStep,
     TransactionalCall, TransactionalConnection,
 };
 

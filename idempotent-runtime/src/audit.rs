@@ -7,6 +7,13 @@
 //! leaves behind. Declared scopes without records are listed as *unused*
 //! (informational).
 //!
+//! Uncertain outcomes (rule 20) show per scope too: *taken over* counts the
+//! records whose expired lease some call took over (the previous attempt may
+//! have done the work; a scope where this keeps growing has owners that keep
+//! dying or bodies that outlive their lease), *recovered* the complete ones
+//! whose answer a `recover` hook gave instead of the body. A scope several
+//! functions share on purpose (rule 21, `shared_scope`) lists every claimant.
+//!
 //! ```
 //! use idempotent_runtime::{audit, MemoryStore, registry::Format};
 //! # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), idempotent_runtime::Error> {
@@ -144,6 +151,11 @@ pub struct ScopeAudit {
     pub oldest_created_at_ms: Option<i64>,
     /// The same, as RFC 3339 (UTC, seconds).
     pub oldest_created_at: Option<String>,
+    /// Records within retention whose expired lease was taken over at least
+    /// once (their attempt number is above 1).
+    pub taken_over: u64,
+    /// Complete records whose answer a `recover` hook gave (the body did not run).
+    pub recovered: u64,
 }
 
 impl ScopeAudit {
@@ -177,6 +189,10 @@ pub struct AuditSummary {
     pub stuck: u64,
     /// Expired, unpurged records in all scopes.
     pub expired: u64,
+    /// Taken-over records in all scopes.
+    pub taken_over: u64,
+    /// Recovered records in all scopes.
+    pub recovered: u64,
 }
 
 impl AuditReport {
@@ -208,6 +224,8 @@ impl AuditReport {
             records: self.scopes.iter().map(ScopeAudit::total).sum(),
             stuck: self.scopes.iter().map(|s| s.stuck).sum(),
             expired: self.scopes.iter().map(|s| s.expired).sum(),
+            taken_over: self.scopes.iter().map(|s| s.taken_over).sum(),
+            recovered: self.scopes.iter().map(|s| s.recovered).sum(),
         }
     }
 
@@ -246,6 +264,8 @@ impl AuditReport {
                             s.in_progress.to_string(),
                             s.stuck.to_string(),
                             s.expired.to_string(),
+                            s.taken_over.to_string(),
+                            s.recovered.to_string(),
                             s.oldest_created_at.clone().unwrap_or_else(|| "-".into()),
                             match (&s.retired_reason, s.claimed_by.is_empty()) {
                                 (Some(r), _) => format!("retired: {r}"),
@@ -263,6 +283,8 @@ impl AuditReport {
                         "in_progress",
                         "stuck",
                         "expired",
+                        "taken_over",
+                        "recovered",
                         "oldest",
                         "claimed by",
                     ],
@@ -280,6 +302,13 @@ impl AuditReport {
                     out.push_str(
                         "expired: run `idempotent purge` or a background Purger to delete them.\n",
                     );
+                }
+                if sum.taken_over > 0 {
+                    out.push_str(&format!(
+                        "taken over: {} record(s) whose owner's lease ran out were taken over ({} answered by a recover hook); \
+                         the previous attempt may have done the work. `idempotent inspect` shows a record's attempt.\n",
+                        sum.taken_over, sum.recovered
+                    ));
                 }
                 out
             }
@@ -362,8 +391,12 @@ fn build_report(store: &str, stats: Vec<ScopeStats>, known: &[KnownScope]) -> Au
             expired: 0,
             oldest_created_at_ms: None,
             oldest_created_at: None,
+            taken_over: 0,
+            recovered: 0,
         });
         entry.complete += s.complete;
+        entry.taken_over += s.taken_over;
+        entry.recovered += s.recovered;
         entry.in_progress += s.in_progress;
         entry.stuck += s.stuck;
         entry.expired += s.expired;
@@ -388,6 +421,8 @@ fn build_report(store: &str, stats: Vec<ScopeStats>, known: &[KnownScope]) -> Au
                     expired: 0,
                     oldest_created_at_ms: None,
                     oldest_created_at: None,
+                    taken_over: 0,
+                    recovered: 0,
                 });
         }
     }
@@ -414,6 +449,7 @@ mod tests {
             stuck,
             expired,
             oldest_created_at_ms: Some(1_700_000_000_000),
+            ..ScopeStats::default()
         }
     }
 
@@ -454,6 +490,27 @@ mod tests {
         let json: serde_json::Value = serde_json::from_str(&r.render(Format::Json)).unwrap();
         assert_eq!(json["summary"]["orphan_scopes"], 2);
         assert_eq!(json["scopes"][3]["status"], "orphan");
+    }
+
+    #[test]
+    fn takeovers_and_recoveries_are_reported_per_scope() {
+        let known = [KnownScope::claimed("a.pay", "app::pay")];
+        let mut pay = stats("a.pay", 4, 1, 0);
+        pay.taken_over = 3;
+        pay.recovered = 2;
+        let r = build_report("memory", vec![pay, stats("a.other", 1, 0, 0)], &known);
+        let entry = r.scope("a.pay").expect("a.pay");
+        assert_eq!((entry.taken_over, entry.recovered), (3, 2));
+        assert_eq!((r.summary().taken_over, r.summary().recovered), (3, 2));
+        let table = r.render(Format::Table);
+        let header = table.lines().next().unwrap();
+        let row = table.lines().find(|l| l.starts_with("a.pay")).unwrap();
+        let col = header.find("taken_over").unwrap();
+        assert_eq!(&row[col..col + 1], "3", "{table}");
+        assert!(table.contains("3 record(s) whose owner's lease ran out were taken over (2 answered by a recover hook)"), "{table}");
+        let json: serde_json::Value = serde_json::from_str(&r.render(Format::Json)).unwrap();
+        assert_eq!(json["scopes"][1]["recovered"], 2);
+        assert_eq!(json["summary"]["taken_over"], 3);
     }
 
     #[test]

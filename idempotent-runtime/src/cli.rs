@@ -5,7 +5,17 @@
 //! idempotent scopes [--manifest idempotent.toml] [--json]
 //! idempotent audit  --database-url URL [--manifest idempotent.toml] [--json]
 //! idempotent purge  --database-url URL [--batch 1000] [--json]
+//! idempotent inspect --database-url URL --scope S (--tenant T | --shared) --key K [--show-result] [--json]
+//! idempotent release --database-url URL --scope S (--tenant T | --shared) --key K --reason "..." [--even-if-running] [--json]
 //! ```
+//!
+//! `inspect` shows one record: state, attempt (rule 20), lease, retention,
+//! fingerprint version; never the recorded result unless `--show-result` is
+//! given (results can hold personal data). `release` frees a stuck
+//! in-progress record (its owner is gone and nobody will finish it): it
+//! refuses a complete record, and one whose lease is still live unless
+//! `--even-if-running`, and logs the reason (a `warn` event, target
+//! `idempotent::operator`) and prints it.
 //!
 //! `--database-url` may also come from `DATABASE_URL`, which keeps passwords
 //! out of the process list.
@@ -21,14 +31,17 @@
 
 use crate::audit::{audit, KnownScope};
 use crate::connect::{connect_url, ConnectError};
+use crate::identity::Identity;
 use crate::manifest::{Manifest, ManifestError};
 use crate::purge::{purge_all, DEFAULT_BATCH};
 use crate::registry::Format;
-use clap::{Parser, Subcommand};
+use crate::store::{ForcedRelease, RecordSnapshot, RecordState};
+use clap::{Args, Parser, Subcommand};
 use std::path::PathBuf;
+use std::time::{Duration, UNIX_EPOCH};
 
 /// Inspect and maintain idempotency records: list the scopes of a manifest,
-/// audit a store against it, purge expired records.
+/// audit a store against it, purge expired records, inspect or release one record.
 #[derive(Debug, Parser)]
 #[command(name = "idempotent", version, about)]
 pub struct Cli {
@@ -74,6 +87,67 @@ pub enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Show one record: state, attempt, lease, retention, fingerprint
+    /// version. The recorded result is left out unless --show-result.
+    Inspect {
+        /// Which record.
+        #[command(flatten)]
+        record: RecordArgs,
+        /// Also print the recorded result (it may hold personal data).
+        #[arg(long)]
+        show_result: bool,
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Free a stuck in-progress record so the key can run again. Refuses a
+    /// complete record (its result is the key's answer), and a record whose
+    /// lease is live unless --even-if-running. The reason is logged.
+    Release {
+        /// Which record.
+        #[command(flatten)]
+        record: RecordArgs,
+        /// Why (logged with the release): a ticket, what was checked.
+        #[arg(long)]
+        reason: String,
+        /// Release even while the owner's lease is live (the owner may be
+        /// running the body: only when you know it is gone).
+        #[arg(long)]
+        even_if_running: bool,
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+/// Which record `inspect` and `release` act on.
+#[derive(Debug, Args)]
+pub struct RecordArgs {
+    /// The store: sqlite:PATH, postgres://..., mysql://... or mariadb://...
+    #[arg(long, env = "DATABASE_URL")]
+    pub database_url: String,
+    /// The scope, e.g. payments.charge.
+    #[arg(long)]
+    pub scope: String,
+    /// The tenant (the `tenant = ...` value of the call).
+    #[arg(long, required_unless_present = "shared", conflicts_with = "shared")]
+    pub tenant: Option<String>,
+    /// The record is in the shared namespace (`tenant = shared`).
+    #[arg(long)]
+    pub shared: bool,
+    /// The client's idempotency key.
+    #[arg(long)]
+    pub key: String,
+}
+
+impl RecordArgs {
+    fn identity(&self) -> Result<Identity, CliError> {
+        let identity = match &self.tenant {
+            Some(tenant) => Identity::new(tenant.as_str(), self.scope.as_str(), self.key.as_str()),
+            None => Identity::shared(self.scope.as_str(), self.key.as_str()),
+        };
+        Ok(identity?)
+    }
 }
 
 /// Why a command failed. Each message says what to fix.
@@ -93,6 +167,28 @@ pub enum CliError {
     /// The store failed during the command.
     #[error(transparent)]
     Store(#[from] crate::Error),
+    /// `inspect` or `release` found no record with that identity.
+    #[error("no record in scope `{scope}` for that tenant and key (key digest {key_digest}): it never existed, \
+             was released, or expired and was purged; check --scope, --tenant (or --shared) and --key")]
+    NoRecord {
+        /// The scope asked for.
+        scope: String,
+        /// The digest of the identity asked for (the logs carry the same one).
+        key_digest: String,
+    },
+    /// `release` refused: the record is complete, or its lease is live.
+    #[error("release refused (scope `{scope}`, key digest {key_digest}): {why}")]
+    ReleaseRefused {
+        /// The scope.
+        scope: String,
+        /// The digest of the identity.
+        key_digest: String,
+        /// Why, and what to do instead.
+        why: String,
+    },
+    /// `release` was given an empty `--reason`.
+    #[error("--reason must say why the record is released (a ticket, what was checked); it is logged with the release")]
+    NoReason,
 }
 
 fn format(json: bool) -> Format {
@@ -138,6 +234,299 @@ pub async fn run(cli: Cli) -> Result<String, CliError> {
                 .map_err(crate::Error::from)?;
             Ok(render_purge(store.name(), deleted, batch, format(json)))
         }
+        Command::Inspect {
+            record,
+            show_result,
+            json,
+        } => {
+            let identity = record.identity()?;
+            let store = connect_url(&record.database_url).await?;
+            let snapshot = store
+                .fetch(&identity)
+                .await
+                .map_err(crate::Error::from)?
+                .ok_or_else(|| no_record(&identity))?;
+            Ok(render_inspect(
+                store.name(),
+                &identity,
+                &snapshot,
+                show_result,
+                format(json),
+            ))
+        }
+        Command::Release {
+            record,
+            reason,
+            even_if_running,
+            json,
+        } => {
+            let reason = reason.trim().to_owned();
+            if reason.is_empty() {
+                return Err(CliError::NoReason);
+            }
+            let identity = record.identity()?;
+            let store = connect_url(&record.database_url).await?;
+            let answer = store
+                .force_release(&identity, !even_if_running)
+                .await
+                .map_err(crate::Error::from)?;
+            let refused = |why: String| CliError::ReleaseRefused {
+                scope: identity.scope.clone(),
+                key_digest: identity.key_digest(),
+                why,
+            };
+            match answer {
+                ForcedRelease::Released { attempt } => {
+                    tracing::warn!(target: "idempotent::operator", store = store.name(),
+                        scope = %identity.scope, key = %identity.key_digest(), attempt, reason = %reason,
+                        "an operator released an in-progress record; the next call with this key runs as attempt 1");
+                    Ok(render_release(
+                        store.name(),
+                        &identity,
+                        attempt,
+                        &reason,
+                        format(json),
+                    ))
+                }
+                ForcedRelease::Complete => {
+                    tracing::warn!(target: "idempotent::operator", store = store.name(),
+                        scope = %identity.scope, key = %identity.key_digest(), reason = %reason,
+                        "an operator's release was refused: the record is complete");
+                    Err(refused(
+                        "the record is complete: its recorded result is the answer for this key, and \
+                         deleting it would let a retry run the body again. It expires with its ttl \
+                         (`idempotent inspect` shows when); use a new key for new work"
+                            .to_owned(),
+                    ))
+                }
+                ForcedRelease::LeaseLive { lease_remaining } => {
+                    tracing::warn!(target: "idempotent::operator", store = store.name(),
+                        scope = %identity.scope, key = %identity.key_digest(), reason = %reason,
+                        "an operator's release was refused: the lease is live");
+                    Err(refused(format!(
+                        "its owner's lease is live for another {}: the owner may be running the body \
+                         right now. Wait until the lease runs out, or pass --even-if-running if you \
+                         know the owner is gone",
+                        crate::registry::human(lease_remaining.max(Duration::from_millis(1)))
+                    )))
+                }
+                ForcedRelease::Absent => Err(no_record(&identity)),
+            }
+        }
+    }
+}
+
+fn no_record(identity: &Identity) -> CliError {
+    CliError::NoRecord {
+        scope: identity.scope.clone(),
+        key_digest: identity.key_digest(),
+    }
+}
+
+fn time(ms: i64) -> String {
+    humantime::format_rfc3339_millis(UNIX_EPOCH + Duration::from_millis(ms.max(0) as u64))
+        .to_string()
+}
+
+/// How far `ms` is from `now_ms`: "in 29s" or "12s ago" (whole seconds from
+/// 10 s on: milliseconds there are noise).
+fn relative(ms: i64, now_ms: i64) -> String {
+    let d = |x: i64| {
+        let x = x.unsigned_abs();
+        let x = if x >= 10_000 {
+            (x + 500) / 1000 * 1000
+        } else {
+            x
+        };
+        crate::registry::human(Duration::from_millis(x))
+    };
+    if ms > now_ms {
+        format!("in {}", d(ms - now_ms))
+    } else {
+        format!("{} ago", d(now_ms - ms))
+    }
+}
+
+/// What `inspect` prints: one record, without the result unless asked.
+fn render_inspect(
+    store: &str,
+    identity: &Identity,
+    s: &RecordSnapshot,
+    show_result: bool,
+    format: Format,
+) -> String {
+    let state = match (s.state, s.is_expired()) {
+        (_, true) => "expired (counts as absent; not purged yet)",
+        (RecordState::Complete, false) => "complete",
+        (RecordState::InProgress, false) if s.lease_expires_at_ms.is_some_and(|l| l > s.now_ms) => {
+            "in progress (lease live)"
+        }
+        (RecordState::InProgress, false) => {
+            "in progress, STUCK (lease expired: the next call takes it over)"
+        }
+    };
+    let fingerprint_version = s
+        .fingerprint
+        .as_deref()
+        .map(|f| f.split_once(':').map_or(f, |(v, _)| v).to_owned());
+    let result = s.outcome.as_ref().map(|o| {
+        (
+            o.is_error,
+            o.payload.len(),
+            String::from_utf8_lossy(&o.payload).into_owned(),
+        )
+    });
+    match format {
+        Format::Json => {
+            let mut out = serde_json::json!({
+                "store": store,
+                "scope": identity.scope,
+                "tenant": identity.tenant,
+                "key_digest": identity.key_digest(),
+                "state": s.state.as_str(),
+                "expired": s.is_expired(),
+                "attempt": s.attempt,
+                "attempt_started_at_ms": s.attempt_started_at_ms,
+                "created_at_ms": s.created_at_ms,
+                "lease_expires_at_ms": s.lease_expires_at_ms,
+                "expires_at_ms": s.expires_at_ms,
+                "now_ms": s.now_ms,
+                "fingerprint_version": fingerprint_version,
+                "recovered": s.recovered,
+                "result_bytes": result.as_ref().map(|r| r.1),
+                "recorded_error": result.as_ref().map(|r| r.0),
+            });
+            if show_result {
+                out["result"] = serde_json::json!(result.as_ref().map(|r| r.2.clone()));
+            }
+            crate::registry::to_json(&out)
+        }
+        Format::Table => {
+            let mut rows = vec![
+                ("store", store.to_owned()),
+                ("scope", identity.scope.clone()),
+                (
+                    "tenant",
+                    if identity.tenant.is_empty() {
+                        "(shared)".to_owned()
+                    } else {
+                        identity.tenant.clone()
+                    },
+                ),
+                ("key digest", identity.key_digest()),
+                ("state", state.to_owned()),
+                (
+                    "attempt",
+                    if s.attempt > 1 {
+                        format!(
+                            "{} (taken over {} time(s) after an owner's lease expired)",
+                            s.attempt,
+                            s.attempt - 1
+                        )
+                    } else {
+                        s.attempt.to_string()
+                    },
+                ),
+                (
+                    "attempt started",
+                    format!(
+                        "{} ({})",
+                        time(s.attempt_started_at_ms),
+                        relative(s.attempt_started_at_ms, s.now_ms)
+                    ),
+                ),
+                (
+                    "created",
+                    format!(
+                        "{} ({})",
+                        time(s.created_at_ms),
+                        relative(s.created_at_ms, s.now_ms)
+                    ),
+                ),
+                (
+                    "lease",
+                    match s.lease_expires_at_ms {
+                        Some(l) => format!("{} ({})", time(l), relative(l, s.now_ms)),
+                        None => "-".to_owned(),
+                    },
+                ),
+                (
+                    "expires",
+                    format!(
+                        "{} ({})",
+                        time(s.expires_at_ms),
+                        relative(s.expires_at_ms, s.now_ms)
+                    ),
+                ),
+                (
+                    "fingerprint",
+                    fingerprint_version
+                        .map(|v| format!("version {v}"))
+                        .unwrap_or_else(|| "none".to_owned()),
+                ),
+                (
+                    "recovered",
+                    if s.recovered {
+                        "yes (a recover hook answered; the body did not run)"
+                    } else {
+                        "no"
+                    }
+                    .to_owned(),
+                ),
+            ];
+            match (&result, show_result) {
+                (None, _) => rows.push(("result", "-".to_owned())),
+                (Some((is_error, len, _)), false) => rows.push((
+                    "result",
+                    format!(
+                        "{} of {len} bytes, not shown (pass --show-result)",
+                        if *is_error {
+                            "a recorded error"
+                        } else {
+                            "a value"
+                        }
+                    ),
+                )),
+                (Some((is_error, _, text)), true) => {
+                    rows.push((
+                        "recorded error",
+                        if *is_error { "yes" } else { "no" }.to_owned(),
+                    ));
+                    rows.push(("result", text.clone()));
+                }
+            }
+            let rows: Vec<Vec<String>> = rows
+                .into_iter()
+                .map(|(k, v)| vec![k.to_owned(), v])
+                .collect();
+            crate::table::render(&["field", "value"], &rows)
+        }
+    }
+}
+
+/// What `release` prints.
+fn render_release(
+    store: &str,
+    identity: &Identity,
+    attempt: u32,
+    reason: &str,
+    format: Format,
+) -> String {
+    match format {
+        Format::Json => crate::registry::to_json(&serde_json::json!({
+            "store": store,
+            "scope": identity.scope,
+            "key_digest": identity.key_digest(),
+            "released": true,
+            "attempt": attempt,
+            "reason": reason,
+        })),
+        Format::Table => format!(
+            "released the in-progress record (store {store}, scope `{}`, key digest {}, attempt {attempt}); \
+             the next call with this key runs as a fresh attempt 1\nreason: {reason}\n",
+            identity.scope,
+            identity.key_digest()
+        ),
     }
 }
 

@@ -3,7 +3,8 @@
 use crate::error::Error;
 use crate::fingerprint::Fingerprint;
 use crate::identity::Identity;
-use crate::metrics::METRICS;
+use crate::metrics::{CallOutcome, METRICS};
+use crate::recovery::{Recovery, Takeover};
 use crate::registry::{InProgressPolicy, ScopeInfo};
 use crate::store::{OwnerToken, Reservation, ReserveRequest, Store, StoredOutcome};
 use futures_util::FutureExt;
@@ -16,6 +17,7 @@ use std::sync::{Arc, RwLock};
 use std::task::Poll;
 use std::time::Duration;
 use tokio::time::{sleep_until, Instant};
+use tracing::Instrument;
 
 /// The largest serialized result (or recorded error) a call may record, in bytes.
 pub const MAX_RESULT_BYTES: usize = 8 * 1024 * 1024;
@@ -57,6 +59,10 @@ pub enum Outcome {
     Executed,
     /// The body did not run: the recorded result (or recorded error) was returned.
     Replayed,
+    /// The call took over a record whose previous owner's lease had expired,
+    /// and its `recover` hook answered instead of the body (rule 20):
+    /// `Recovery::Completed(v)` (recorded and returned) or an error.
+    Recovered,
 }
 
 tokio::task_local! {
@@ -246,31 +252,153 @@ impl Drop for FinishOnDrop<'_> {
     }
 }
 
-/// Runs one idempotent call. The generated code calls this through `__private`.
-pub async fn execute<R, H, Fut>(call: Call<'_>, errors: H, body: Fut) -> R
-where
-    R: IdempotentReturn,
-    H: ErrorHandling<R::Failure>,
-    Fut: Future<Output = R>,
-{
-    R::from_result(execute_inner(call, errors, body).await)
+// ---------------------------------------------------------------- recover hooks (rule 20)
+
+/// A function's `recover = ...` hook, or [`NoRecover`]. The generated code
+/// passes one of these to [`execute`] and [`begin_in_transaction`](crate::__private::begin_in_transaction).
+pub trait Recover<T, E> {
+    /// The hook's future.
+    type Future: Future<Output = Result<Recovery<T>, E>>;
+    /// Calls the hook for a takeover; `None` when there is no hook.
+    fn ask(self, takeover: Takeover) -> Option<Self::Future>;
 }
 
-async fn execute_inner<R, H, Fut>(
-    call: Call<'_>,
-    errors: H,
-    body: Fut,
-) -> Result<R::Value, R::Failure>
+/// No `recover = ...`: a takeover runs the body again (logged and counted).
+#[derive(Debug, Clone, Copy)]
+pub struct NoRecover;
+
+impl<T, E> Recover<T, E> for NoRecover {
+    type Future = std::future::Ready<Result<Recovery<T>, E>>;
+    fn ask(self, _: Takeover) -> Option<Self::Future> {
+        None
+    }
+}
+
+/// `recover = path`: the generated code wraps a closure that owns the
+/// [`Takeover`] and calls `path(&takeover)`.
+#[derive(Debug, Clone, Copy)]
+pub struct RecoverWith<F>(pub F);
+
+impl<T, E, F, Fut> Recover<T, E> for RecoverWith<F>
+where
+    F: FnOnce(Takeover) -> Fut,
+    Fut: Future<Output = Result<Recovery<T>, E>>,
+{
+    type Future = Fut;
+    fn ask(self, takeover: Takeover) -> Option<Fut> {
+        Some((self.0)(takeover))
+    }
+}
+
+/// Pins a hook's answer to the function's own `T` and `E`, so a hook of the
+/// wrong type is reported at the `recover = path` the user wrote.
+pub fn recovery<R: IdempotentReturn>(
+    answer: Result<Recovery<R::Value>, R::Failure>,
+) -> Result<Recovery<R::Value>, R::Failure> {
+    answer
+}
+
+/// Logs and counts a takeover (rule 20: every takeover, with its attempt).
+pub(crate) fn note_takeover(
+    spec: &'static ScopeInfo,
+    identity: &Identity,
+    attempt: u32,
+    previous_started_ms: Option<i64>,
+) {
+    crate::metrics::takeover(spec.scope, attempt);
+    let previous_started = previous_started_ms.map(|ms| {
+        humantime::format_rfc3339_millis(
+            std::time::UNIX_EPOCH + Duration::from_millis(u64::try_from(ms).unwrap_or(0)),
+        )
+        .to_string()
+    });
+    match spec.recover {
+        Some(hook) => {
+            tracing::warn!(target: "idempotent", scope = spec.scope, key = %identity.key_digest(),
+            attempt, previous_attempt_started_at = previous_started.as_deref().unwrap_or("?"), recover = hook,
+            "took over a record whose lease had expired; the previous attempt may have done the work: asking the recover hook")
+        }
+        None => {
+            tracing::warn!(target: "idempotent", scope = spec.scope, key = %identity.key_digest(),
+            attempt, previous_attempt_started_at = previous_started.as_deref().unwrap_or("?"),
+            "took over a record whose lease had expired; running the body again although the previous attempt \
+             may have done the work (give the function `recover = ...` to check first)")
+        }
+    }
+}
+
+// ---------------------------------------------------------------- the call
+
+/// Runs one idempotent call. The generated code calls this through `__private`.
+pub async fn execute<R, H, C, Fut>(call: Call<'_>, errors: H, recover: C, body: Fut) -> R
 where
     R: IdempotentReturn,
     H: ErrorHandling<R::Failure>,
+    C: Recover<R::Value, R::Failure>,
     Fut: Future<Output = R>,
 {
     let spec = call.spec;
-    let identity = call.identity?;
-    let store_ref = call.store?;
+    let span = tracing::info_span!(target: "idempotent", "idempotent_call",
+        scope = spec.scope, key = tracing::field::Empty, store = tracing::field::Empty,
+        attempt = tracing::field::Empty, outcome = tracing::field::Empty);
+    if let Ok(identity) = &call.identity {
+        span.record("key", identity.key_digest().as_str());
+    }
+    let (result, outcome) = execute_inner(call, errors, recover, body, &span)
+        .instrument(span.clone())
+        .await;
+    crate::metrics::call(spec.scope, outcome);
+    span.record("outcome", outcome.as_str());
+    R::from_result(result)
+}
+
+/// The outcome label of a call that failed with `error`.
+pub(crate) fn failure_outcome(error: &Error) -> CallOutcome {
+    match error {
+        Error::FingerprintMismatch(_) => CallOutcome::Mismatch,
+        Error::InProgress { .. } => CallOutcome::InProgress,
+        Error::LeaseLost(_) => CallOutcome::LeaseLost,
+        _ => CallOutcome::Failed,
+    }
+}
+
+type Answered<R> = (
+    Result<<R as IdempotentReturn>::Value, <R as IdempotentReturn>::Failure>,
+    CallOutcome,
+);
+
+async fn execute_inner<R, H, C, Fut>(
+    call: Call<'_>,
+    errors: H,
+    recover: C,
+    body: Fut,
+    span: &tracing::Span,
+) -> Answered<R>
+where
+    R: IdempotentReturn,
+    H: ErrorHandling<R::Failure>,
+    C: Recover<R::Value, R::Failure>,
+    Fut: Future<Output = R>,
+{
+    let fail = |e: Error| {
+        let outcome = failure_outcome(&e);
+        (Err(e.into()), outcome)
+    };
+    let spec = call.spec;
+    let identity = match call.identity {
+        Ok(identity) => identity,
+        Err(e) => return fail(e),
+    };
+    let store_ref = match call.store {
+        Ok(store) => store,
+        Err(e) => return fail(e),
+    };
     let store = store_ref.get();
-    let fingerprint = call.fingerprint?;
+    span.record("store", store.name());
+    let fingerprint = match call.fingerprint {
+        Ok(fingerprint) => fingerprint,
+        Err(e) => return fail(e),
+    };
     let token = OwnerToken::new();
     let digest = identity.key_digest();
 
@@ -288,76 +416,230 @@ where
         armed: AtomicBool::new(false),
         completing: None,
     };
-    let took_over = match reserve(store, request, spec, Some(&guard.armed)).await? {
-        Reserved::Acquired { took_over } => took_over,
-        Reserved::Replay(outcome) => {
+    let reserving = Instant::now();
+    let reserved = reserve(store, request, spec, Some(&guard.armed)).await;
+    crate::metrics::reserve_time(spec.scope, reserve_label(&reserved), reserving.elapsed());
+    let acquired = match reserved {
+        Ok(Reserved::Acquired(acquired)) => acquired,
+        Ok(Reserved::Replay(outcome)) => {
             METRICS.replayed.fetch_add(1, Ordering::Relaxed);
             tracing::info!(target: "idempotent", scope = spec.scope, key = %digest, store = store.name(), "replayed");
             report(Outcome::Replayed);
-            return decode_replay::<R, H>(spec, &errors, outcome);
+            return match decode_replay::<R, H>(spec, &errors, outcome) {
+                // A recorded error replayed is a replay too.
+                Ok(v) => (Ok(v), CallOutcome::Replayed),
+                Err(e) => (Err(e), CallOutcome::Replayed),
+            };
         }
+        Err(e) => return fail(e),
     };
-    if took_over {
-        METRICS.taken_over.fetch_add(1, Ordering::Relaxed);
-        tracing::warn!(target: "idempotent", scope = spec.scope, key = %digest, "took over a record whose lease had expired");
+    span.record("attempt", acquired.attempt);
+
+    if acquired.took_over {
+        note_takeover(
+            spec,
+            &identity,
+            acquired.attempt,
+            acquired.previous_started_ms,
+        );
+        let takeover = Takeover::from_store(
+            identity.clone(),
+            acquired.attempt,
+            acquired.previous_started_ms.unwrap_or(0),
+        );
+        if let Some(hook) = recover.ask(takeover) {
+            // While the hook runs, a dropped call leaves the record in
+            // progress (its lease runs out, the next call asks again):
+            // releasing it would let a retry run the body blind.
+            guard.arm(false);
+            let answer = run_with_heartbeat(store, spec, &identity, &token, spec.lease, hook).await;
+            let answered = match answer {
+                Err(panic) => {
+                    end_lease_logged(store, &identity, &token).await;
+                    std::panic::resume_unwind(panic);
+                }
+                Ok(Ok(Recovery::Run)) => None,
+                Ok(Ok(Recovery::Completed(v))) => Some(Ok(v)),
+                Ok(Err(e)) => Some(Err(e)),
+            };
+            match answered {
+                None => {
+                    tracing::info!(target: "idempotent", scope = spec.scope, key = %digest,
+                        attempt = acquired.attempt, "the recover hook answered Run: running the body");
+                    guard.arm(true);
+                }
+                Some(result) => {
+                    METRICS.recovered.fetch_add(1, Ordering::Relaxed);
+                    report(Outcome::Recovered);
+                    return finish::<R, H>(
+                        store,
+                        spec,
+                        &mut guard,
+                        &errors,
+                        result,
+                        Finished::Recovered,
+                    )
+                    .await;
+                }
+            }
+        }
     }
 
-    let result = match run_with_heartbeat(store, &identity, &token, spec.lease, body).await {
+    let running = Instant::now();
+    let ran = run_with_heartbeat(store, spec, &identity, &token, spec.lease, body).await;
+    let result = match ran {
         Ok(r) => r.into_result(),
         Err(panic) => {
+            crate::metrics::body_time(spec.scope, "panic", running.elapsed());
             release(store, &guard).await;
             std::panic::resume_unwind(panic);
         }
     };
+    crate::metrics::body_time(
+        spec.scope,
+        if result.is_ok() { "ok" } else { "err" },
+        running.elapsed(),
+    );
     METRICS.executed.fetch_add(1, Ordering::Relaxed);
     report(Outcome::Executed);
+    finish::<R, H>(store, spec, &mut guard, &errors, result, Finished::Executed).await
+}
 
-    let stored = match outcome_to_record::<R, H>(spec, &result, &errors) {
+/// Whose answer [`finish`] records.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Finished {
+    /// The body ran.
+    Executed,
+    /// The recover hook answered; the body did not run.
+    Recovered,
+}
+
+/// Records (or releases) the answer of a call that owns its record: the
+/// body's result, or a recover hook's.
+///
+/// A hook's answer that is not recorded (an error the policy releases, or a
+/// value that cannot be recorded) does not free the key: the record stays in
+/// progress with its lease ended, so the next call takes it over and asks the
+/// hook again instead of running the body blind (rule 20).
+async fn finish<R, H>(
+    store: &dyn Store,
+    spec: &'static ScopeInfo,
+    guard: &mut FinishOnDrop<'_>,
+    errors: &H,
+    result: Result<R::Value, R::Failure>,
+    by: Finished,
+) -> Answered<R>
+where
+    R: IdempotentReturn,
+    H: ErrorHandling<R::Failure>,
+{
+    let (identity, token) = (guard.identity, guard.token);
+    let digest = identity.key_digest();
+    let done = match by {
+        Finished::Executed => CallOutcome::Executed,
+        Finished::Recovered => CallOutcome::Recovered,
+    };
+    let stored = match outcome_to_record::<R, H>(spec, &result, errors) {
         Ok(Some(stored)) => stored,
         Ok(None) => {
-            release(store, &guard).await;
-            tracing::info!(target: "idempotent", scope = spec.scope, key = %digest, "executed; error released");
-            return result;
+            match by {
+                Finished::Executed => {
+                    release(store, guard).await;
+                    tracing::info!(target: "idempotent", scope = spec.scope, key = %digest, "executed; error released");
+                }
+                Finished::Recovered => {
+                    end_lease_logged(store, identity, token).await;
+                    guard.arm(false);
+                    tracing::warn!(target: "idempotent", scope = spec.scope, key = %digest,
+                        "the recover hook answered an error that is not recorded; the record stays in progress \
+                         (lease ended) so the next call asks the hook again");
+                }
+            }
+            return (result, done);
         }
         Err(e) => {
-            release(store, &guard).await;
-            return Err(e.into());
+            match by {
+                Finished::Executed => release(store, guard).await,
+                Finished::Recovered => {
+                    end_lease_logged(store, identity, token).await;
+                    guard.arm(false);
+                }
+            }
+            return (Err(e.into()), CallOutcome::Failed);
         }
     };
-    // The body ran and its result is recordable: from here on a dropped call
-    // records it rather than freeing the key for a re-run.
+    // The answer is recordable: from here on a dropped call records it rather
+    // than freeing the key for a re-run.
     guard.arm(false);
     let recorded_error = stored.is_error;
     let stored = &guard.completing.insert((stored, spec.ttl)).0;
-    let completed = store.complete(&identity, &token, stored, spec.ttl).await;
+    let completed = match by {
+        Finished::Executed => store.complete(identity, token, stored, spec.ttl).await,
+        Finished::Recovered => {
+            store
+                .complete_recovered(identity, token, stored, spec.ttl)
+                .await
+        }
+    };
     let unrecorded = guard.completing.take();
     match completed {
         Ok(true) => {
-            tracing::info!(target: "idempotent", scope = spec.scope, key = %digest, recorded_error, "executed");
-            result
+            match by {
+                Finished::Executed => {
+                    tracing::info!(target: "idempotent", scope = spec.scope, key = %digest, recorded_error, "executed")
+                }
+                Finished::Recovered => {
+                    tracing::info!(target: "idempotent", scope = spec.scope, key = %digest, recorded_error,
+                    "recovered: the recover hook's answer was recorded; the body did not run")
+                }
+            }
+            (result, done)
         }
         Ok(false) => {
             METRICS.lease_lost.fetch_add(1, Ordering::Relaxed);
             tracing::error!(target: "idempotent", scope = spec.scope, key = %digest,
-                "lease lost: another caller took the record over while the body ran; result not recorded");
-            Err(Error::LeaseLost(identity.context()).into())
+                "lease lost: another caller took the record over meanwhile; this answer was not recorded");
+            (
+                Err(Error::LeaseLost(identity.context()).into()),
+                CallOutcome::LeaseLost,
+            )
         }
         Err(e) => {
-            // The body ran: keep trying to record its result in the background
+            // The answer is final: keep trying to record it in the background
             // (fenced by the token), so a retry replays it instead of running
             // the body again once the lease runs out.
             tracing::error!(target: "idempotent", scope = spec.scope, key = %digest, error = %e,
-                "the body ran but its result could not be recorded yet; the store keeps trying");
+                "the answer could not be recorded yet; the store keeps trying");
             if let Some((outcome, ttl)) = unrecorded {
                 store.complete_detached(identity.clone(), token.clone(), outcome, ttl);
             }
-            Err(Error::Store(e).into())
+            (Err(Error::Store(e).into()), CallOutcome::Failed)
         }
     }
 }
 
+/// What the reservation histogram's `outcome` label says.
+fn reserve_label(reserved: &Result<Reserved, Error>) -> &'static str {
+    match reserved {
+        Ok(Reserved::Acquired(a)) if a.took_over => "took_over",
+        Ok(Reserved::Acquired(_)) => "acquired",
+        Ok(Reserved::Replay(_)) => "replayed",
+        Err(Error::InProgress { .. }) => "in_progress",
+        Err(Error::FingerprintMismatch(_)) => "mismatch",
+        Err(_) => "error",
+    }
+}
+
+/// A reservation the call now owns.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Acquired {
+    pub took_over: bool,
+    pub attempt: u32,
+    pub previous_started_ms: Option<i64>,
+}
+
 pub(crate) enum Reserved {
-    Acquired { took_over: bool },
+    Acquired(Acquired),
     Replay(StoredOutcome),
 }
 
@@ -420,7 +702,17 @@ pub(crate) async fn reserve(
             Err(e) => statement_may_have_landed(e),
         });
         match answer? {
-            Reservation::Acquired { took_over } => return Ok(Reserved::Acquired { took_over }),
+            Reservation::Acquired {
+                took_over,
+                attempt,
+                previous_attempt_started_at_ms,
+            } => {
+                return Ok(Reserved::Acquired(Acquired {
+                    took_over,
+                    attempt,
+                    previous_started_ms: previous_attempt_started_at_ms,
+                }))
+            }
             Reservation::Completed(outcome) => return Ok(Reserved::Replay(outcome)),
             Reservation::FingerprintMismatch if !legacy_tried => {
                 request.fingerprint = legacy.as_ref();
@@ -537,6 +829,22 @@ pub(crate) fn decode_replay<R: IdempotentReturn, H: ErrorHandling<R::Failure>>(
     }
 }
 
+/// Ends the lease of a record this call owns, without deleting it: the next
+/// call takes it over (and asks the recover hook again) at once.
+pub(crate) async fn end_lease_logged(store: &dyn Store, identity: &Identity, token: &OwnerToken) {
+    match store.heartbeat(identity, token, Duration::ZERO).await {
+        Ok(true) => {}
+        Ok(false) => {
+            tracing::warn!(target: "idempotent", scope = %identity.scope, key = %identity.key_digest(),
+                "ending the lease found the record owned by someone else (lease lost); left it alone")
+        }
+        Err(e) => {
+            tracing::error!(target: "idempotent", scope = %identity.scope, key = %identity.key_digest(), error = %e,
+                "ending the lease failed; the record stays in progress until its lease expires")
+        }
+    }
+}
+
 /// Releases the call's record now. The guard stays armed until the release
 /// has been made, so a call dropped while it waits, or a release that fails,
 /// is handed to the store's background worker when the guard drops (rule 14).
@@ -562,6 +870,7 @@ type PanicPayload = Box<dyn std::any::Any + Send + 'static>;
 /// Nothing is spawned: when this future stops being polled, renewal stops too.
 async fn run_with_heartbeat<R, Fut: Future<Output = R>>(
     store: &dyn Store,
+    spec: &'static ScopeInfo,
     identity: &Identity,
     token: &OwnerToken,
     lease: Duration,
@@ -581,7 +890,7 @@ async fn run_with_heartbeat<R, Fut: Future<Output = R>>(
                     return Poll::Pending;
                 };
                 beat = None;
-                note_heartbeat(identity, result);
+                note_heartbeat(spec, identity, result);
                 timer.as_mut().reset(Instant::now() + period);
             }
             if timer.as_mut().poll(cx).is_pending() {
@@ -593,18 +902,22 @@ async fn run_with_heartbeat<R, Fut: Future<Output = R>>(
     .await
 }
 
-fn note_heartbeat(identity: &Identity, result: Result<bool, crate::error::StoreError>) {
+fn note_heartbeat(
+    spec: &'static ScopeInfo,
+    identity: &Identity,
+    result: Result<bool, crate::error::StoreError>,
+) {
     match result {
         Ok(true) => {
             METRICS.heartbeats.fetch_add(1, Ordering::Relaxed);
         }
         Ok(false) => {
-            METRICS.heartbeat_failures.fetch_add(1, Ordering::Relaxed);
+            crate::metrics::heartbeat_failed(spec.scope);
             tracing::error!(target: "idempotent", scope = %identity.scope, key = %identity.key_digest(),
                 "heartbeat: the lease was lost to another caller; this call's result will not be recorded");
         }
         Err(e) => {
-            METRICS.heartbeat_failures.fetch_add(1, Ordering::Relaxed);
+            crate::metrics::heartbeat_failed(spec.scope);
             tracing::warn!(target: "idempotent", scope = %identity.scope, key = %identity.key_digest(), error = %e,
                 "heartbeat failed; will try again");
         }
@@ -643,7 +956,10 @@ mod tests {
                 f.finish()
             },
         };
-        execute::<Result<u32, Error>, _, _>(c, ReleaseErrors, async move { Ok(amount * 2) }).await
+        execute::<Result<u32, Error>, _, _, _>(c, ReleaseErrors, NoRecover, async move {
+            Ok(amount * 2)
+        })
+        .await
     }
 
     fn assert_send<T: Send>(t: T) -> T {
@@ -672,7 +988,10 @@ mod tests {
             fingerprint: Ok(None),
         };
         if default_store().is_none() {
-            let r = execute::<Result<u32, Error>, _, _>(c, ReleaseErrors, async { Ok(1) }).await;
+            let r = execute::<Result<u32, Error>, _, _, _>(c, ReleaseErrors, NoRecover, async {
+                Ok(1)
+            })
+            .await;
             let e = r.unwrap_err();
             assert!(matches!(e, Error::NoDefaultStore { .. }));
             assert!(e.to_string().contains("set_default_store"));

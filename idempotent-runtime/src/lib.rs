@@ -46,6 +46,7 @@ pub mod identity;
 pub mod manifest;
 pub mod metrics;
 pub mod purge;
+pub mod recovery;
 pub mod registry;
 pub mod store;
 mod table;
@@ -60,6 +61,7 @@ pub use error::{Error, KeyProblem, RecordContext, StoreError};
 pub use fingerprint::{check_faithful_json, Fingerprint, FingerprintBuilder};
 pub use idempotent_macros::idempotent;
 pub use identity::{validate_key, validate_tenant, Identity};
+pub use recovery::{Recovery, Takeover};
 pub use registry::{ErrorPolicy, InProgressPolicy, ScopeInfo};
 pub use store::memory::MemoryStore;
 #[cfg(feature = "mysql")]
@@ -69,6 +71,6 @@ pub use store::postgres::PgStore;
 #[cfg(feature = "sqlite")]
 pub use store::sqlite::SqliteStore;
 pub use store::{
-    OwnerToken, RecordSnapshot, RecordState, Reservation, ReserveRequest, ScopeStats, Store,
-    StoredOutcome,
+    ForcedRelease, OwnerToken, RecordSnapshot, RecordState, Reservation, ReserveRequest,
+    ScopeStats, Store, StoredOutcome,
 };

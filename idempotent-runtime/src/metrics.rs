@@ -1,11 +1,75 @@
-//! Process-wide counters of what the engine did.
+//! What the engine did, for operators: metrics through the [`metrics`] crate
+//! facade, and process-wide counters ([`snapshot`]).
+//!
+//! # Metrics (the `metrics` facade)
+//!
+//! The runtime reports through the [`metrics`](https://docs.rs/metrics) facade,
+//! so the exporter is the application's choice: install a recorder
+//! (`metrics-exporter-prometheus`, an OpenTelemetry or StatsD bridge, ...)
+//! once at startup and these appear; without one, every update is a no-op.
+//! Labels are the scope and an outcome (or the store), **never** a key or a
+//! tenant: label values stay few, and keys, which can be guessable secrets,
+//! never reach a metrics backend.
+//!
+//! | name | kind | labels | what it counts |
+//! |---|---|---|---|
+//! | `idempotent_calls_total` | counter | `scope`, `outcome` | calls, by what the caller got (below) |
+//! | `idempotent_takeovers_total` | counter | `scope`, `attempt` | takeovers of an expired lease (rule 20); `attempt` is `2`, `3`, `4` or `5+` |
+//! | `idempotent_heartbeat_failures_total` | counter | `scope` | lease renewals that failed (store error, or the lease was lost) |
+//! | `idempotent_purged_total` | counter | `store` | expired records deleted by purges |
+//! | `idempotent_release_failures_total` | counter | `store` | dropped calls whose record could not be released |
+//! | `idempotent_reserve_duration_seconds` | histogram | `scope`, `outcome` | how long the reservation took, waits for a running duplicate included |
+//! | `idempotent_body_duration_seconds` | histogram | `scope`, `outcome` | how long the body ran; `outcome` is `ok`, `err` or `panic` |
+//!
+//! `outcome` of `idempotent_calls_total`, one per call:
+//!
+//! | outcome | the caller got |
+//! |---|---|
+//! | `executed` | the body's result (recorded, or a released error) |
+//! | `replayed` | a recorded result (or recorded error) |
+//! | `recovered` | the `recover` hook's answer (rule 20): the body did not run |
+//! | `mismatch` | `Error::FingerprintMismatch` |
+//! | `in_progress` | `Error::InProgress` (refused, or waited its bound) |
+//! | `lease_lost` | `Error::LeaseLost`: the body ran, its result was not recorded |
+//! | `failed` | another idempotency error: the store failed, the key was invalid, the result could not be recorded, ... |
+//!
+//! `outcome` of `idempotent_reserve_duration_seconds`: `acquired`,
+//! `took_over`, `replayed`, `in_progress`, `mismatch` or `error`.
+//!
+//! A rising `idempotent_takeovers_total` with `attempt="3"` or more is
+//! repeated uncertainty: the same keys keep being taken over (a body that
+//! outlives its lease, a crash loop, a `recover` hook that keeps failing).
+//! `idempotent audit` shows which scopes hold such records, and
+//! `idempotent inspect` one record's attempt.
+//!
+//! # Process-wide counters
+//!
+//! [`snapshot`] reads the same events as plain totals for the whole process,
+//! without labels: handy in tests and for a quick log line.
 
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+/// Counter: calls by scope and outcome.
+pub const CALLS: &str = "idempotent_calls_total";
+/// Counter: takeovers of an expired lease by scope and attempt.
+pub const TAKEOVERS: &str = "idempotent_takeovers_total";
+/// Counter: failed lease renewals by scope.
+pub const HEARTBEAT_FAILURES: &str = "idempotent_heartbeat_failures_total";
+/// Counter: records deleted by purges, by store.
+pub const PURGED: &str = "idempotent_purged_total";
+/// Counter: dropped calls whose record could not be released, by store.
+pub const RELEASE_FAILURES: &str = "idempotent_release_failures_total";
+/// Histogram (seconds): reservation time by scope and outcome.
+pub const RESERVE_SECONDS: &str = "idempotent_reserve_duration_seconds";
+/// Histogram (seconds): body time by scope and outcome.
+pub const BODY_SECONDS: &str = "idempotent_body_duration_seconds";
 
 #[derive(Debug, Default)]
 pub(crate) struct Counters {
     pub executed: AtomicU64,
     pub replayed: AtomicU64,
+    pub recovered: AtomicU64,
     pub refused_in_progress: AtomicU64,
     pub mismatched: AtomicU64,
     pub lease_lost: AtomicU64,
@@ -19,6 +83,7 @@ pub(crate) struct Counters {
 pub(crate) static METRICS: Counters = Counters {
     executed: AtomicU64::new(0),
     replayed: AtomicU64::new(0),
+    recovered: AtomicU64::new(0),
     refused_in_progress: AtomicU64::new(0),
     mismatched: AtomicU64::new(0),
     lease_lost: AtomicU64::new(0),
@@ -29,9 +94,82 @@ pub(crate) static METRICS: Counters = Counters {
     release_failures: AtomicU64::new(0),
 };
 
-/// A copy of the counters since the process started. Export them to your
-/// metrics system periodically; a rising `heartbeat_failures` or `lease_lost`
-/// means bodies outlive their leases or the store is struggling.
+/// What a call ended with, for `idempotent_calls_total`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum CallOutcome {
+    Executed,
+    Replayed,
+    Recovered,
+    Mismatch,
+    InProgress,
+    LeaseLost,
+    Failed,
+}
+
+impl CallOutcome {
+    pub(crate) fn as_str(self) -> &'static str {
+        match self {
+            CallOutcome::Executed => "executed",
+            CallOutcome::Replayed => "replayed",
+            CallOutcome::Recovered => "recovered",
+            CallOutcome::Mismatch => "mismatch",
+            CallOutcome::InProgress => "in_progress",
+            CallOutcome::LeaseLost => "lease_lost",
+            CallOutcome::Failed => "failed",
+        }
+    }
+}
+
+/// Counts one call (the facade only; the process counters are counted where
+/// the events happen, as before).
+pub(crate) fn call(scope: &'static str, outcome: CallOutcome) {
+    metrics::counter!(CALLS, "scope" => scope, "outcome" => outcome.as_str()).increment(1);
+}
+
+/// Counts a takeover of an expired lease as attempt `attempt`.
+pub(crate) fn takeover(scope: &'static str, attempt: u32) {
+    METRICS.taken_over.fetch_add(1, Ordering::Relaxed);
+    let attempt = match attempt {
+        0..=2 => "2",
+        3 => "3",
+        4 => "4",
+        _ => "5+",
+    };
+    metrics::counter!(TAKEOVERS, "scope" => scope, "attempt" => attempt).increment(1);
+}
+
+/// Counts a failed heartbeat.
+pub(crate) fn heartbeat_failed(scope: &'static str) {
+    METRICS.heartbeat_failures.fetch_add(1, Ordering::Relaxed);
+    metrics::counter!(HEARTBEAT_FAILURES, "scope" => scope).increment(1);
+}
+
+/// Counts purged records.
+pub(crate) fn purged(store: &'static str, n: u64) {
+    METRICS.purged.fetch_add(n, Ordering::Relaxed);
+    metrics::counter!(PURGED, "store" => store).increment(n);
+}
+
+/// Counts a dropped call's release that could not be made.
+pub(crate) fn release_failed(store: &'static str) {
+    METRICS.release_failures.fetch_add(1, Ordering::Relaxed);
+    metrics::counter!(RELEASE_FAILURES, "store" => store).increment(1);
+}
+
+/// Records how long a reservation took.
+pub(crate) fn reserve_time(scope: &'static str, outcome: &'static str, took: Duration) {
+    metrics::histogram!(RESERVE_SECONDS, "scope" => scope, "outcome" => outcome).record(took);
+}
+
+/// Records how long a body ran.
+pub(crate) fn body_time(scope: &'static str, outcome: &'static str, took: Duration) {
+    metrics::histogram!(BODY_SECONDS, "scope" => scope, "outcome" => outcome).record(took);
+}
+
+/// A copy of the counters since the process started, without labels. For
+/// per-scope numbers, install a `metrics` recorder (see the module docs); a
+/// rising `heartbeat_failures` or `lease_lost` means bodies outlive their
+/// leases or the store is struggling.
 ///
 /// ```
 /// let m = idempotent_runtime::metrics::snapshot();
@@ -44,6 +182,9 @@ pub struct Snapshot {
     pub executed: u64,
     /// Calls answered from a recorded result.
     pub replayed: u64,
+    /// Takeovers answered by a `recover` hook (`Recovery::Completed`, or an
+    /// error): the body did not run.
+    pub recovered: u64,
     /// Calls refused with `Error::InProgress`.
     pub refused_in_progress: u64,
     /// Calls refused with `Error::FingerprintMismatch`.
@@ -70,6 +211,7 @@ pub fn snapshot() -> Snapshot {
     Snapshot {
         executed: r(&m.executed),
         replayed: r(&m.replayed),
+        recovered: r(&m.recovered),
         refused_in_progress: r(&m.refused_in_progress),
         mismatched: r(&m.mismatched),
         lease_lost: r(&m.lease_lost),

@@ -22,9 +22,7 @@
 //! ```
 
 use crate::error::StoreError;
-use crate::metrics::METRICS;
 use crate::store::Store;
-use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::watch;
@@ -65,7 +63,7 @@ async fn run(
     for batches in 1..=MAX_BATCHES_PER_RUN {
         let deleted = store.purge_expired(batch).await?;
         total += deleted;
-        METRICS.purged.fetch_add(deleted, Ordering::Relaxed);
+        crate::metrics::purged(store.name(), deleted);
         if deleted < u64::from(batch) || stop.is_some_and(|s| *s.borrow()) {
             return Ok((total, batches));
         }

@@ -55,6 +55,14 @@ pub struct ScopeInfo {
     pub fingerprinted_parameters: &'static [&'static str],
     /// Whether the tenant is `shared` (no per-caller namespace).
     pub shared_tenant: bool,
+    /// The `recover = path` hook asked before a takeover re-runs the body
+    /// (rule 20), as written; `None` without one.
+    pub recover: Option<&'static str>,
+    /// `shared_scope`: this function claims its scope together with others on
+    /// purpose (rule 21), e.g. an HTTP handler and a queue consumer that both
+    /// process "refund order 8891". Every claimant must say so, and they must
+    /// agree on what they fingerprint and on their ttl ([`validate`]).
+    pub shared_scope: bool,
 }
 
 impl ScopeInfo {
@@ -88,7 +96,34 @@ impl ScopeInfo {
             fingerprinted,
             fingerprinted_parameters,
             shared_tenant,
+            recover: None,
+            shared_scope: false,
         }
+    }
+
+    /// Used by the generated code: `recover = path`.
+    #[doc(hidden)]
+    pub const fn __recover(mut self, hook: &'static str) -> Self {
+        self.recover = Some(hook);
+        self
+    }
+
+    /// Used by the generated code: `shared_scope`.
+    #[doc(hidden)]
+    pub const fn __shared_scope(mut self) -> Self {
+        self.shared_scope = true;
+        self
+    }
+
+    /// The fingerprinted parameters, sorted: what decides whether two
+    /// functions make the same fingerprint for the same arguments (the
+    /// canonical form sorts arguments by name). `None` with `fingerprint = false`.
+    pub fn fingerprint_shape(&self) -> Option<Vec<&'static str>> {
+        self.fingerprinted.then(|| {
+            let mut names = self.fingerprinted_parameters.to_vec();
+            names.sort_unstable();
+            names
+        })
     }
 }
 
@@ -172,6 +207,69 @@ pub struct DuplicateScope {
     pub scope: &'static str,
     /// Every function claiming it, in registry order (at least two).
     pub sites: Vec<Site>,
+    /// The sites that said `shared_scope` (the others did not).
+    pub shared: Vec<Site>,
+}
+
+/// What two claimants of a shared scope (rule 21) disagree on.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Disagreement {
+    /// They fingerprint different parameters (or one not at all), so the same
+    /// request through the two would be refused as a mismatch.
+    Fingerprint {
+        /// The first site's fingerprinted parameters, sorted (`None`: off).
+        first: Option<Vec<&'static str>>,
+        /// The second site's.
+        second: Option<Vec<&'static str>>,
+    },
+    /// They keep completed records for different ttls, so whether a duplicate
+    /// is recognised would depend on which path recorded it.
+    Ttl {
+        /// The first site's ttl.
+        first: Duration,
+        /// The second site's ttl.
+        second: Duration,
+    },
+}
+
+impl std::fmt::Display for Disagreement {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let shape = |s: &Option<Vec<&str>>| match s {
+            None => "nothing (fingerprint = false)".to_owned(),
+            Some(v) if v.is_empty() => "no parameter".to_owned(),
+            Some(v) => format!("({})", v.join(", ")),
+        };
+        match self {
+            Disagreement::Fingerprint { first, second } => write!(
+                f,
+                "they fingerprint different parameters: {} vs {}",
+                shape(first),
+                shape(second)
+            ),
+            Disagreement::Ttl { first, second } => {
+                write!(
+                    f,
+                    "their ttl differs: {} vs {}",
+                    human(*first),
+                    human(*second)
+                )
+            }
+        }
+    }
+}
+
+/// Two claimants of one shared scope that disagree.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct SharedScopeConflict {
+    /// The shared scope.
+    pub scope: &'static str,
+    /// The first claimant (registry order).
+    pub first: Site,
+    /// The claimant that disagrees with it.
+    pub second: Site,
+    /// What they disagree on.
+    pub disagreement: Disagreement,
 }
 
 /// What [`validate`] found wrong with the registry.
@@ -182,6 +280,25 @@ pub enum RegistryError {
     /// replay each other's results. Each entry names every claiming site.
     #[error("{}", describe_duplicates(.0))]
     DuplicateScopes(Vec<DuplicateScope>),
+    /// Functions that share a scope on purpose (`shared_scope`, rule 21)
+    /// disagree on what they fingerprint or on their ttl.
+    #[error("{}", describe_conflicts(.0))]
+    SharedScopeConflicts(Vec<SharedScopeConflict>),
+}
+
+fn describe_conflicts(conflicts: &[SharedScopeConflict]) -> String {
+    let mut out = format!(
+        "{} disagreement(s) between functions sharing a scope; functions that claim one scope \
+         together must fingerprint the same parameter names and keep records for the same ttl:",
+        conflicts.len()
+    );
+    for c in conflicts {
+        out.push_str(&format!(
+            "\n  scope `{}`: {} and {}: {}",
+            c.scope, c.first, c.second, c.disagreement
+        ));
+    }
+    out
 }
 
 fn describe_duplicates(duplicates: &[DuplicateScope]) -> String {
@@ -196,13 +313,24 @@ fn describe_duplicates(duplicates: &[DuplicateScope]) -> String {
             out.push_str(if i == 0 { " " } else { " and " });
             out.push_str(&site.to_string());
         }
+        if !d.shared.is_empty() {
+            out.push_str(&format!(
+                " ({} of them say `shared_scope`; if sharing is meant, every claimant must say so)",
+                d.shared.len()
+            ));
+        }
     }
     out
 }
 
 /// Checks the registry of this binary: every scope must be claimed by exactly
-/// one function. The macro already refuses two claims it can see in one
-/// crate; this catches claims from different crates linked into one binary.
+/// one function, or (rule 21) by several that all say `shared_scope` and
+/// agree on what they fingerprint and on their ttl. The macro already refuses
+/// what it can see in one crate; this catches claims from different crates
+/// linked into one binary. Duplicates are reported first
+/// ([`RegistryError::DuplicateScopes`]); once there are none, disagreements
+/// between the claimants of shared scopes
+/// ([`RegistryError::SharedScopeConflicts`]).
 ///
 /// Call it at startup (or in a test) and refuse to start on an error:
 ///
@@ -222,25 +350,67 @@ pub fn validate() -> Result<(), RegistryError> {
 /// assert!(validate_infos(&[]).is_ok());
 /// ```
 pub fn validate_infos(infos: &[&ScopeInfo]) -> Result<(), RegistryError> {
-    let mut by_scope: std::collections::BTreeMap<&'static str, Vec<Site>> = Default::default();
+    let mut by_scope: std::collections::BTreeMap<&'static str, Vec<&ScopeInfo>> =
+        Default::default();
     for info in infos {
-        let sites = by_scope.entry(info.scope).or_default();
-        let site = Site::of(info);
+        let claims = by_scope.entry(info.scope).or_default();
         // The same function registered twice is not a conflict.
-        if !sites.contains(&site) {
-            sites.push(site);
+        if !claims.iter().any(|c| Site::of(c) == Site::of(info)) {
+            claims.push(info);
         }
     }
-    let duplicates: Vec<DuplicateScope> = by_scope
-        .into_iter()
-        .filter(|(_, sites)| sites.len() > 1)
-        .map(|(scope, sites)| DuplicateScope { scope, sites })
-        .collect();
-    if duplicates.is_empty() {
-        Ok(())
-    } else {
-        Err(RegistryError::DuplicateScopes(duplicates))
+    let mut duplicates = Vec::new();
+    let mut conflicts = Vec::new();
+    for (scope, claims) in by_scope {
+        if claims.len() < 2 {
+            continue;
+        }
+        if !claims.iter().all(|c| c.shared_scope) {
+            duplicates.push(DuplicateScope {
+                scope,
+                sites: claims.iter().map(|c| Site::of(c)).collect(),
+                shared: claims
+                    .iter()
+                    .filter(|c| c.shared_scope)
+                    .map(|c| Site::of(c))
+                    .collect(),
+            });
+            continue;
+        }
+        let first = claims[0];
+        for other in &claims[1..] {
+            if let Some(disagreement) = disagreement(first, other) {
+                conflicts.push(SharedScopeConflict {
+                    scope,
+                    first: Site::of(first),
+                    second: Site::of(other),
+                    disagreement,
+                });
+            }
+        }
     }
+    if !duplicates.is_empty() {
+        Err(RegistryError::DuplicateScopes(duplicates))
+    } else if !conflicts.is_empty() {
+        Err(RegistryError::SharedScopeConflicts(conflicts))
+    } else {
+        Ok(())
+    }
+}
+
+/// What two claimants of a shared scope disagree on, if anything.
+fn disagreement(a: &ScopeInfo, b: &ScopeInfo) -> Option<Disagreement> {
+    let (fa, fb) = (a.fingerprint_shape(), b.fingerprint_shape());
+    if fa != fb {
+        return Some(Disagreement::Fingerprint {
+            first: fa,
+            second: fb,
+        });
+    }
+    (a.ttl != b.ttl).then_some(Disagreement::Ttl {
+        first: a.ttl,
+        second: b.ttl,
+    })
 }
 
 /// How a listing is printed: an aligned text table, or JSON.
@@ -296,6 +466,8 @@ struct ScopeRow<'a> {
     fingerprinted: bool,
     fingerprinted_parameters: &'a [&'a str],
     shared_tenant: bool,
+    recover: Option<&'a str>,
+    shared_scope: bool,
 }
 
 impl serde::Serialize for ScopeInfo {
@@ -315,6 +487,8 @@ impl serde::Serialize for ScopeInfo {
             fingerprinted: self.fingerprinted,
             fingerprinted_parameters: self.fingerprinted_parameters,
             shared_tenant: self.shared_tenant,
+            recover: self.recover,
+            shared_scope: self.shared_scope,
         }
         .serialize(serializer)
     }
@@ -337,7 +511,8 @@ pub fn render(format: Format) -> String {
 ///
 /// Table columns: scope, function, file:line, ttl, lease, in_progress,
 /// errors, tx, fingerprinted params (`-` for none, `off` when
-/// `fingerprint = false`).
+/// `fingerprint = false`), recover (the hook, or `-`), shared (`yes` for a
+/// scope claimed with `shared_scope`; every claimant has its own row).
 pub fn render_infos(infos: &[&ScopeInfo], format: Format) -> String {
     match format {
         Format::Json => to_json(&infos),
@@ -361,6 +536,8 @@ pub fn render_infos(infos: &[&ScopeInfo], format: Format) -> String {
                         } else {
                             i.fingerprinted_parameters.join(", ")
                         },
+                        i.recover.unwrap_or("-").to_owned(),
+                        if i.shared_scope { "yes" } else { "-" }.to_owned(),
                     ]
                 })
                 .collect();
@@ -375,6 +552,8 @@ pub fn render_infos(infos: &[&ScopeInfo], format: Format) -> String {
                     "errors",
                     "tx",
                     "fingerprinted params",
+                    "recover",
+                    "shared",
                 ],
                 &rows,
             )

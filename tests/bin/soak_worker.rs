@@ -257,6 +257,9 @@ fn answer_line(key: &str, result: Result<String, Error>, outcome: Option<Outcome
         (Ok(a), Some(Outcome::Replayed)) => format!("replayed {key} {a}"),
         (Ok(a), Some(Outcome::Executed)) => format!("executed {key} {a}"),
         (Ok(a), None) => format!("error {key} NoOutcome the call reported no outcome ({a})"),
+        (Ok(a), Some(Outcome::Recovered)) => {
+            format!("error {key} Recovered no recover hook is set, yet one answered ({a})")
+        }
         (Err(Error::InProgress { .. }), _) => format!("refused {key}"),
         (Err(e), _) => format!("error {key} {} {}", kind(&e), one_line(&e.to_string())),
     }

@@ -20,8 +20,19 @@
 //!   `worker.tx_mysql`); the body writes a business row in the caller's
 //!   transaction, the result is recorded in it, then the worker prints
 //!   `before-commit` and sleeps until killed (the commit never happens).
+//! * `recover-hold-after` / `recover-hold-before` (rule 20, scope
+//!   `worker.recover`, lease 2 s, `recover = side_effect_happened`): the body
+//!   writes its side-effect row and then prints `holding` (after), or prints
+//!   `holding` before writing it (before), and sleeps until killed.
+//! * `recover-retry`: the same function, waiting up to 60 s: it takes the
+//!   killed holder's record over and its hook looks the side effect up in
+//!   the database by (tenant, key). The hook prints `asked <attempt>`; the
+//!   call prints `recovered <pid>` (the pid that wrote the side effect) when
+//!   the hook found it, `executed <pid>` when the body ran again.
 
-use idempotent_runtime::{idempotent, with_outcome, Error, MySqlStore, Outcome, PgStore, Store};
+use idempotent_runtime::{
+    idempotent, with_outcome, Error, MySqlStore, Outcome, PgStore, Recovery, Store, Takeover,
+};
 use serde::{Deserialize, Serialize};
 use std::io::Write;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -35,6 +46,77 @@ struct Done {
 enum Db {
     Pg(sqlx::PgPool),
     My(sqlx::MySqlPool),
+}
+
+/// The database, for the recover hook (a plain `async fn(&Takeover)`).
+static DB: std::sync::OnceLock<Db> = std::sync::OnceLock::new();
+
+/// Rule 20: did the crashed attempt write its side effect? Asked by the key.
+async fn side_effect_happened(takeover: &Takeover) -> Result<Recovery<Done>, Error> {
+    println!("asked {}", takeover.attempt());
+    let _ = std::io::stdout().flush();
+    let db = DB.get().expect("the database is set before any call");
+    let wrote =
+        |e: sqlx::Error| idempotent_runtime::StoreError::new("test", "look up the side effect", e);
+    let pid: Option<i64> = match db {
+        Db::Pg(p) => sqlx::query_scalar(
+            "SELECT pid FROM idempotent_test_side_effects WHERE tenant = $1 AND idem_key = $2 LIMIT 1",
+        )
+        .bind(takeover.tenant())
+        .bind(takeover.key())
+        .fetch_optional(p)
+        .await
+        .map_err(wrote)?,
+        Db::My(p) => sqlx::query_scalar(
+            "SELECT pid FROM idempotent_test_side_effects WHERE tenant = ? AND idem_key = ? LIMIT 1",
+        )
+        .bind(takeover.tenant())
+        .bind(takeover.key())
+        .fetch_optional(p)
+        .await
+        .map_err(wrote)?,
+    };
+    Ok(match pid {
+        Some(pid) => Recovery::Completed(Done {
+            pid: u32::try_from(pid).unwrap_or(0),
+        }),
+        None => Recovery::Run,
+    })
+}
+
+/// When a holder stops for good.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Hold {
+    No,
+    AfterSideEffect,
+    BeforeSideEffect,
+}
+
+async fn hold_here() {
+    println!("holding");
+    let _ = std::io::stdout().flush();
+    tokio::time::sleep(Duration::from_secs(600)).await;
+}
+
+#[idempotent(scope = "worker.recover", key = key, tenant = tenant, store = store, skip(db, hold),
+             lease = "2s", in_progress = wait("60s"), recover = side_effect_happened)]
+async fn recoverable(
+    store: &dyn Store,
+    db: &Db,
+    tenant: &str,
+    key: &str,
+    hold: Hold,
+) -> Result<Done, Error> {
+    if hold == Hold::BeforeSideEffect {
+        hold_here().await;
+    }
+    db.side_effect(tenant, key, "recover").await?;
+    if hold == Hold::AfterSideEffect {
+        hold_here().await;
+    }
+    Ok(Done {
+        pid: std::process::id(),
+    })
 }
 
 impl Db {
@@ -170,6 +252,7 @@ async fn tx_crash(db: &Db, tenant: &str, key: &str) -> Result<(), String> {
 fn report(result: Result<Done, Error>, outcome: Option<Outcome>) {
     match (result, outcome) {
         (Ok(d), Some(Outcome::Replayed)) => println!("replayed {}", d.pid),
+        (Ok(d), Some(Outcome::Recovered)) => println!("recovered {}", d.pid),
         (Ok(d), _) => println!("executed {}", d.pid),
         (Err(Error::InProgress { .. }), _) => println!("in_progress"),
         (Err(e), _) => println!("error {e}"),
@@ -221,6 +304,16 @@ async fn main() {
         }
         "hold" | "takeover" => {
             let (r, o) = with_outcome(crashable(&*store, &db, tenant, key, mode == "hold")).await;
+            report(r, o);
+        }
+        "recover-hold-after" | "recover-hold-before" | "recover-retry" => {
+            let _ = DB.set(db.clone());
+            let hold = match mode.as_str() {
+                "recover-hold-after" => Hold::AfterSideEffect,
+                "recover-hold-before" => Hold::BeforeSideEffect,
+                _ => Hold::No,
+            };
+            let (r, o) = with_outcome(recoverable(&*store, &db, tenant, key, hold)).await;
             report(r, o);
         }
         "tx-crash" => {

@@ -51,11 +51,7 @@ pub async fn awkward_identities_match_exactly(store: &dyn Store) {
             let id = Identity::new(tenant.as_str(), "wire.exact", key).expect("valid identity");
             let token = OwnerToken::new();
             let answer = store.reserve(request(&id, &token)).await.expect("reserve");
-            assert_eq!(
-                answer,
-                Reservation::Acquired { took_over: false },
-                "fresh: {tenant:?} {key:?}"
-            );
+            assert_eq!(answer, Reservation::FRESH, "fresh: {tenant:?} {key:?}");
             let payload = serde_json::to_vec(&(tenant, key)).expect("json");
             let outcome = StoredOutcome {
                 is_error: false,

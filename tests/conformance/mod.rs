@@ -22,8 +22,8 @@
 #![allow(dead_code)]
 
 use idempotent_runtime::{
-    Fingerprint, Identity, OwnerToken, RecordSnapshot, RecordState, Reservation, ReserveRequest,
-    Store, StoredOutcome,
+    Fingerprint, ForcedRelease, Identity, OwnerToken, RecordSnapshot, RecordState, Reservation,
+    ReserveRequest, Store, StoredOutcome,
 };
 use std::time::Duration;
 
@@ -106,10 +106,23 @@ pub async fn acquire<S: Store + ?Sized>(
     let got = reserve(store, identity, fingerprint, &token, lease, ttl).await;
     assert_eq!(
         got,
-        Reservation::Acquired { took_over: false },
+        Reservation::FRESH,
         "a free identity is acquired fresh: {identity:?}"
     );
     token
+}
+
+/// Asserts a takeover (rule 10) as attempt `attempt` (rule 20): `took_over`,
+/// the attempt number, and when the previous attempt started.
+pub fn assert_takeover(got: &Reservation, attempt: u32) {
+    match got {
+        Reservation::Acquired {
+            took_over: true,
+            attempt: a,
+            previous_attempt_started_at_ms: Some(started),
+        } if *a == attempt && *started > 0 => {}
+        other => panic!("expected a takeover as attempt {attempt}, got {other:?}"),
+    }
 }
 
 /// Acquires and completes an identity with `payload`; returns the token it had.
@@ -250,7 +263,7 @@ pub async fn reserve_is_atomic_under_concurrency<S: Store + Clone + 'static>(sto
             .collect();
         assert_eq!(winners.len(), 1, "round {round}: exactly one acquires");
         let (winner_fp, winner_token, winner) = winners[0];
-        assert_eq!(*winner, Reservation::Acquired { took_over: false });
+        assert_eq!(*winner, Reservation::FRESH);
         for (f, _, r) in &results {
             if matches!(r, Reservation::Acquired { .. }) {
                 continue;
@@ -307,7 +320,7 @@ pub async fn takeover_is_atomic_under_concurrency<S: Store + Clone + 'static>(st
         );
         let token = OwnerToken::new();
         let got = reserve(&store, &identity, Some(&fp("f")), &token, SHORT, LONG).await;
-        assert_eq!(got, Reservation::Acquired { took_over: false });
+        assert_eq!(got, Reservation::FRESH);
         identities.push(identity);
     }
     tokio::time::sleep(PAST_SHORT).await;
@@ -318,7 +331,7 @@ pub async fn takeover_is_atomic_under_concurrency<S: Store + Clone + 'static>(st
             .filter(|(_, _, r)| matches!(r, Reservation::Acquired { .. }))
             .collect();
         assert_eq!(winners.len(), 1, "round {round}: exactly one takes over");
-        assert_eq!(winners[0].2, Reservation::Acquired { took_over: true });
+        assert_takeover(&winners[0].2, 2);
         assert!(results.iter().all(|(_, _, r)| matches!(
             r,
             Reservation::Acquired { .. } | Reservation::InProgress { .. }
@@ -621,9 +634,9 @@ pub async fn expired_lease_is_taken_over<S: Store + Clone + 'static>(store: S) {
     let stale = acquire(&store, &identity, Some(&f), SHORT, LONG).await;
     tokio::time::sleep(PAST_SHORT).await;
     let fresh = OwnerToken::new();
-    assert_eq!(
-        reserve(&store, &identity, Some(&f), &fresh, LONG, LONG).await,
-        Reservation::Acquired { took_over: true }
+    assert_takeover(
+        &reserve(&store, &identity, Some(&f), &fresh, LONG, LONG).await,
+        2,
     );
     let taken = fetch(&store, &identity).await.unwrap();
     assert_eq!(taken.state, RecordState::InProgress);
@@ -657,9 +670,9 @@ pub async fn expired_lease_is_taken_over<S: Store + Clone + 'static>(store: S) {
     let other = id(&identity.tenant, "conformance.takeover", "k2");
     acquire(&store, &other, Some(&f), SHORT, LONG).await;
     tokio::time::sleep(PAST_SHORT).await;
-    assert_eq!(
-        reserve(&store, &other, None, &OwnerToken::new(), LONG, LONG).await,
-        Reservation::Acquired { took_over: true }
+    assert_takeover(
+        &reserve(&store, &other, None, &OwnerToken::new(), LONG, LONG).await,
+        2,
     );
 }
 
@@ -724,7 +737,7 @@ pub async fn expired_record_counts_as_absent<S: Store + Clone + 'static>(store: 
         let token = OwnerToken::new();
         assert_eq!(
             reserve(&store, identity, Some(&fp("b")), &token, LONG, LONG).await,
-            Reservation::Acquired { took_over: false },
+            Reservation::FRESH,
             "{}",
             identity.key
         );
@@ -975,7 +988,7 @@ pub async fn extreme_durations_are_accepted<S: Store + Clone + 'static>(store: S
     let token = OwnerToken::new();
     assert_eq!(
         reserve(&store, &forever, None, &token, Duration::MAX, Duration::MAX).await,
-        Reservation::Acquired { took_over: false }
+        Reservation::FRESH
     );
     match reserve(&store, &forever, None, &OwnerToken::new(), LONG, LONG).await {
         Reservation::InProgress { lease_remaining } => {
@@ -1003,16 +1016,16 @@ pub async fn extreme_durations_are_accepted<S: Store + Clone + 'static>(store: S
     // A zero lease has run out at once: the next caller takes over.
     let zero = id(&tenant, "conformance.durations", "zero-lease");
     acquire(&store, &zero, None, Duration::ZERO, LONG).await;
-    assert_eq!(
-        reserve(&store, &zero, None, &OwnerToken::new(), LONG, LONG).await,
-        Reservation::Acquired { took_over: true }
+    assert_takeover(
+        &reserve(&store, &zero, None, &OwnerToken::new(), LONG, LONG).await,
+        2,
     );
     // A zero ttl: the completed record is expired at once and counts as absent.
     let gone = id(&tenant, "conformance.durations", "zero-ttl");
     record(&store, &gone, None, &ok(b"2"), Duration::ZERO).await;
     assert_eq!(
         reserve(&store, &gone, None, &OwnerToken::new(), LONG, LONG).await,
-        Reservation::Acquired { took_over: false }
+        Reservation::FRESH
     );
 }
 
@@ -1073,6 +1086,244 @@ pub async fn scope_stats_count_by_state<S: Store + Clone + 'static>(store: S) {
     );
 }
 
+// ---------------------------------------------------------------- rule 20
+
+/// Rule 20: a record keeps its attempt number. Attempt 1 on a fresh record,
+/// 2 on the first takeover of an expired lease (with when attempt 1 started),
+/// 3 on the next, and back to 1 when an expired record is replaced or a
+/// released key is reserved again. The number stays with the completed record.
+pub async fn attempts_are_counted_in_the_record<S: Store + Clone + 'static>(store: S) {
+    let tenant = fresh_tenant();
+    let identity = id(&tenant, "conformance.attempts", "k");
+    let f = fp("a");
+    acquire(&store, &identity, Some(&f), SHORT, LONG).await;
+    let first = fetch(&store, &identity).await.unwrap();
+    assert_eq!(first.attempt, 1, "a fresh record is attempt 1: {first:?}");
+    assert!(first.attempt_started_at_ms <= first.now_ms);
+    assert_eq!(first.created_at_ms, first.attempt_started_at_ms);
+
+    tokio::time::sleep(PAST_SHORT).await;
+    let second = OwnerToken::new();
+    let got = reserve(&store, &identity, Some(&f), &second, SHORT, LONG).await;
+    assert_takeover(&got, 2);
+    let Reservation::Acquired {
+        previous_attempt_started_at_ms: Some(previous),
+        ..
+    } = got
+    else {
+        unreachable!("checked by assert_takeover");
+    };
+    assert_eq!(
+        previous, first.attempt_started_at_ms,
+        "the takeover reports when attempt 1 started"
+    );
+    let taken = fetch(&store, &identity).await.unwrap();
+    assert_eq!(taken.attempt, 2, "{taken:?}");
+    assert!(taken.attempt_started_at_ms > first.attempt_started_at_ms);
+    assert_eq!(
+        taken.created_at_ms, first.created_at_ms,
+        "still the same record"
+    );
+
+    tokio::time::sleep(PAST_SHORT).await;
+    let third = OwnerToken::new();
+    let got = reserve(&store, &identity, None, &third, LONG, LONG).await;
+    assert_takeover(&got, 3);
+    assert!(matches!(
+        got,
+        Reservation::Acquired { previous_attempt_started_at_ms: Some(p), .. }
+            if p == taken.attempt_started_at_ms
+    ));
+    // Completion keeps the attempt that completed it; replays do not count.
+    assert!(store
+        .complete(&identity, &third, &ok(b"3"), SHORT)
+        .await
+        .unwrap());
+    assert_eq!(
+        reserve(&store, &identity, Some(&f), &OwnerToken::new(), LONG, LONG).await,
+        Reservation::Completed(ok(b"3"))
+    );
+    let done = fetch(&store, &identity).await.unwrap();
+    assert_eq!((done.state, done.attempt), (RecordState::Complete, 3));
+    assert!(!done.recovered);
+
+    // The record expires (ttl SHORT): replacing it starts again at attempt 1.
+    tokio::time::sleep(PAST_SHORT).await;
+    assert_eq!(
+        reserve(&store, &identity, Some(&f), &OwnerToken::new(), LONG, LONG).await,
+        Reservation::FRESH,
+        "an expired record is replaced, not taken over"
+    );
+    assert_eq!(fetch(&store, &identity).await.unwrap().attempt, 1);
+
+    // An abandoned reservation (lease and ttl both run out) is replaced too.
+    let abandoned = id(&tenant, "conformance.attempts", "abandoned");
+    acquire(&store, &abandoned, None, SHORT, SHORT).await;
+    tokio::time::sleep(PAST_SHORT).await;
+    assert_eq!(
+        reserve(&store, &abandoned, None, &OwnerToken::new(), LONG, LONG).await,
+        Reservation::FRESH
+    );
+
+    // A released key starts again at attempt 1.
+    let released = id(&tenant, "conformance.attempts", "released");
+    acquire(&store, &released, None, SHORT, LONG).await;
+    tokio::time::sleep(PAST_SHORT).await;
+    let owner = OwnerToken::new();
+    assert_takeover(
+        &reserve(&store, &released, None, &owner, LONG, LONG).await,
+        2,
+    );
+    assert!(store.release(&released, &owner).await.unwrap());
+    assert_eq!(
+        reserve(&store, &released, None, &OwnerToken::new(), LONG, LONG).await,
+        Reservation::FRESH
+    );
+}
+
+/// Rule 20: `complete_recovered` is `complete`, fenced the same way, and marks
+/// the record recovered; scope statistics count taken-over and recovered records.
+pub async fn recovered_completions_are_marked_and_counted<S: Store + Clone + 'static>(store: S) {
+    let tenant = fresh_tenant();
+    let scope = fresh_scope("conformance.recovered");
+    let key = |k: &str| id(&tenant, &scope, k);
+    // Taken over, then completed by a recover hook.
+    acquire(&store, &key("recovered"), None, SHORT, LONG).await;
+    // Taken over, then completed by the body.
+    acquire(&store, &key("rerun"), None, SHORT, LONG).await;
+    // Never taken over.
+    record(&store, &key("plain"), None, &ok(b"1"), LONG).await;
+    tokio::time::sleep(PAST_SHORT).await;
+    let (t1, t2) = (OwnerToken::new(), OwnerToken::new());
+    assert_takeover(
+        &reserve(&store, &key("recovered"), None, &t1, LONG, LONG).await,
+        2,
+    );
+    assert_takeover(
+        &reserve(&store, &key("rerun"), None, &t2, LONG, LONG).await,
+        2,
+    );
+    // Fenced like complete: a stale token changes nothing.
+    assert!(!store
+        .complete_recovered(&key("recovered"), &OwnerToken::new(), &ok(b"\"x\""), LONG)
+        .await
+        .unwrap());
+    assert!(store
+        .complete_recovered(&key("recovered"), &t1, &ok(b"\"found\""), LONG)
+        .await
+        .unwrap());
+    assert!(store
+        .complete(&key("rerun"), &t2, &ok(b"\"ran\""), LONG)
+        .await
+        .unwrap());
+    let recovered = fetch(&store, &key("recovered")).await.unwrap();
+    assert_eq!(
+        (recovered.state, recovered.attempt, recovered.recovered),
+        (RecordState::Complete, 2, true)
+    );
+    assert_eq!(recovered.outcome, Some(ok(b"\"found\"")));
+    assert!(!fetch(&store, &key("rerun")).await.unwrap().recovered);
+    // A second completion is refused: the record is complete.
+    assert!(!store
+        .complete_recovered(&key("recovered"), &t1, &ok(b"\"again\""), LONG)
+        .await
+        .unwrap());
+    assert_eq!(
+        reserve(
+            &store,
+            &key("recovered"),
+            None,
+            &OwnerToken::new(),
+            LONG,
+            LONG
+        )
+        .await,
+        Reservation::Completed(ok(b"\"found\""))
+    );
+
+    let stats = store.scope_stats().await.expect("scope_stats succeeds");
+    let mine = stats
+        .iter()
+        .find(|s| s.scope == scope)
+        .unwrap_or_else(|| panic!("no stats for {scope}"));
+    assert_eq!(mine.complete, 3, "{mine:?}");
+    assert_eq!(mine.taken_over, 2, "{mine:?}");
+    assert_eq!(mine.recovered, 1, "{mine:?}");
+}
+
+/// The operator's release (`idempotent release`): an in-progress record is
+/// deleted without its owner's token; a complete record never is; with
+/// `require_expired_lease`, neither is one whose lease is live.
+pub async fn force_release_frees_only_in_progress_records<S: Store + Clone + 'static>(store: S) {
+    let tenant = fresh_tenant();
+    let stuck = id(&tenant, "conformance.force_release", "stuck");
+    let running = id(&tenant, "conformance.force_release", "running");
+    let done = id(&tenant, "conformance.force_release", "done");
+    let absent = id(&tenant, "conformance.force_release", "absent");
+    acquire(&store, &stuck, None, SHORT, LONG).await;
+    let owner = acquire(&store, &running, None, LONG, LONG).await;
+    record(&store, &done, None, &ok(b"\"kept\""), LONG).await;
+    tokio::time::sleep(PAST_SHORT).await;
+    // A stuck record taken over once (attempt 2), then stuck again.
+    assert_takeover(
+        &reserve(&store, &stuck, None, &OwnerToken::new(), SHORT, LONG).await,
+        2,
+    );
+    tokio::time::sleep(PAST_SHORT).await;
+
+    let before = fetch(&store, &done).await.unwrap();
+    for require in [true, false] {
+        assert_eq!(
+            store.force_release(&done, require).await.unwrap(),
+            ForcedRelease::Complete,
+            "a complete record is refused"
+        );
+    }
+    assert_same_record(
+        &before,
+        &fetch(&store, &done).await.unwrap(),
+        "refused release",
+    );
+    assert_eq!(
+        store.force_release(&absent, true).await.unwrap(),
+        ForcedRelease::Absent
+    );
+    match store.force_release(&running, true).await.unwrap() {
+        ForcedRelease::LeaseLive { lease_remaining } => {
+            assert!(lease_remaining > LONG / 2, "{lease_remaining:?}")
+        }
+        other => panic!("a live lease is refused when it must have run out: {other:?}"),
+    }
+    assert_eq!(
+        fetch(&store, &running)
+            .await
+            .unwrap()
+            .owner_token
+            .as_deref(),
+        Some(owner.as_str())
+    );
+    assert_eq!(
+        store.force_release(&stuck, true).await.unwrap(),
+        ForcedRelease::Released { attempt: 2 }
+    );
+    assert!(fetch(&store, &stuck).await.is_none());
+    assert_eq!(
+        store.force_release(&running, false).await.unwrap(),
+        ForcedRelease::Released { attempt: 1 },
+        "without the requirement a live lease is released too"
+    );
+    // The owner's own operations now find nothing; the key is fresh.
+    assert!(!store.heartbeat(&running, &owner, LONG).await.unwrap());
+    assert!(!store
+        .complete(&running, &owner, &ok(b"1"), LONG)
+        .await
+        .unwrap());
+    assert_eq!(
+        reserve(&store, &stuck, None, &OwnerToken::new(), LONG, LONG).await,
+        Reservation::FRESH
+    );
+}
+
 // ---------------------------------------------------------------- the macro
 
 /// Generates one `#[tokio::test]` per rule for the store made by `$make`, an
@@ -1101,6 +1352,9 @@ macro_rules! store_conformance_tests {
             unusual_keys_and_tenants_are_exact,
             extreme_durations_are_accepted,
             scope_stats_count_by_state,
+            attempts_are_counted_in_the_record,
+            recovered_completions_are_marked_and_counted,
+            force_release_frees_only_in_progress_records,
         );
     };
     (@tests $make:expr; $($name:ident),* $(,)?) => {

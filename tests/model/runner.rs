@@ -68,6 +68,13 @@ pub enum Op {
         outcome: Outcome,
         ttl: Dur,
     },
+    /// `complete_recovered`: a recover hook's answer (rule 20).
+    CompleteRecovered {
+        id: usize,
+        tok: Tok,
+        outcome: Outcome,
+        ttl: Dur,
+    },
     Release {
         id: usize,
         tok: Tok,
@@ -120,6 +127,8 @@ pub fn op(reuse_tokens: bool) -> impl Strategy<Value = Op> {
             .prop_map(|(id, fp, lease, ttl)| Op::Reserve { id, fp, lease, ttl }),
         3 => (ident(), tok(), outcome(), dur())
             .prop_map(|(id, tok, outcome, ttl)| Op::Complete { id, tok, outcome, ttl }),
+        1 => (ident(), tok(), outcome(), dur())
+            .prop_map(|(id, tok, outcome, ttl)| Op::CompleteRecovered { id, tok, outcome, ttl }),
         2 => (ident(), tok()).prop_map(|(id, tok)| Op::Release { id, tok }),
         2 => (ident(), tok(), dur()).prop_map(|(id, tok, lease)| Op::Heartbeat { id, tok, lease }),
         1 => Just(Op::Purge),
@@ -244,22 +253,13 @@ impl<'s> World<'s> {
                 tok,
                 ref outcome,
                 ttl,
-            } => {
-                let token = self.token(id, tok);
-                let stored = StoredOutcome {
-                    is_error: outcome.is_error,
-                    payload: outcome.payload.clone(),
-                };
-                let got = self
-                    .store
-                    .complete(&self.ids[id], &token, &stored, ttl.duration())
-                    .await
-                    .map_err(store_err("complete"))?;
-                let mut after = self.recs[id].clone();
-                let want = after.complete(token.as_str(), outcome, ttl);
-                self.settle(id, after, want, got, "complete")?;
-                self.observe(id).await
-            }
+            } => self.complete(id, tok, outcome, ttl, false).await,
+            Op::CompleteRecovered {
+                id,
+                tok,
+                ref outcome,
+                ttl,
+            } => self.complete(id, tok, outcome, ttl, true).await,
             Op::Release { id, tok } => {
                 let token = self.token(id, tok);
                 let got = self
@@ -288,6 +288,37 @@ impl<'s> World<'s> {
             Op::Fetch { id } => self.observe(id).await,
             Op::Stats => self.stats().await,
         }
+    }
+
+    async fn complete(
+        &mut self,
+        id: usize,
+        tok: Tok,
+        outcome: &Outcome,
+        ttl: Dur,
+        recovered: bool,
+    ) -> Result<(), String> {
+        let token = self.token(id, tok);
+        let stored = StoredOutcome {
+            is_error: outcome.is_error,
+            payload: outcome.payload.clone(),
+        };
+        let (identity, ttl_d) = (&self.ids[id], ttl.duration());
+        let got = if recovered {
+            self.store
+                .complete_recovered(identity, &token, &stored, ttl_d)
+                .await
+                .map_err(store_err("complete_recovered"))?
+        } else {
+            self.store
+                .complete(identity, &token, &stored, ttl_d)
+                .await
+                .map_err(store_err("complete"))?
+        };
+        let mut after = self.recs[id].clone();
+        let want = after.complete(token.as_str(), outcome, ttl, recovered);
+        self.settle(id, after, want, got, "complete")?;
+        self.observe(id).await
     }
 
     async fn reserve(
@@ -379,6 +410,7 @@ impl<'s> World<'s> {
                 fp,
                 lease_expired,
                 ttl_expired,
+                attempt,
             } => {
                 let lease_out = s.lease_expires_at_ms.map(|l| l <= s.now_ms);
                 if s.state != RecordState::InProgress {
@@ -393,6 +425,10 @@ impl<'s> World<'s> {
                     Some("lease expiry")
                 } else if ttl_out != *ttl_expired {
                     Some("ttl expiry")
+                } else if s.attempt != *attempt {
+                    Some("attempt")
+                } else if s.recovered {
+                    Some("an in-progress record is marked recovered")
                 } else {
                     None
                 }
@@ -401,6 +437,8 @@ impl<'s> World<'s> {
                 outcome,
                 fp,
                 ttl_expired,
+                attempt,
+                recovered,
             } => {
                 if s.state != RecordState::Complete {
                     Some("state")
@@ -416,6 +454,10 @@ impl<'s> World<'s> {
                     Some("a complete record has a lease")
                 } else if ttl_out != *ttl_expired {
                     Some("ttl expiry")
+                } else if s.attempt != *attempt {
+                    Some("attempt")
+                } else if s.recovered != *recovered {
+                    Some("recovered")
                 } else {
                     None
                 }
@@ -519,6 +561,17 @@ impl<'s> World<'s> {
                     )
             });
             let expired = count(&|r| r.expired());
+            let taken_over = count(&|r| r.live() && r.attempt() > 1);
+            let recovered = count(&|r| {
+                r.live()
+                    && matches!(
+                        r,
+                        Rec::Complete {
+                            recovered: true,
+                            ..
+                        }
+                    )
+            });
             let (g_complete, g_in_progress, g_stuck, g_expired, g_oldest) =
                 got.map_or((0, 0, 0, 0, None), |s| {
                     (
@@ -529,6 +582,7 @@ impl<'s> World<'s> {
                         s.oldest_created_at_ms,
                     )
                 });
+            let (g_taken_over, g_recovered) = got.map_or((0, 0), |s| (s.taken_over, s.recovered));
             let expired_ok = if self.private {
                 g_expired == expired
             } else {
@@ -540,10 +594,13 @@ impl<'s> World<'s> {
                 || g_stuck != stuck
                 || !expired_ok
                 || g_oldest.is_some() != (present > 0)
+                || g_taken_over != taken_over
+                || g_recovered != recovered
             {
                 return Err(format!(
                     "scope_stats for {scope}: store {got:?}; model complete {complete}, \
-                     in_progress {in_progress}, stuck {stuck}, expired {expired}"
+                     in_progress {in_progress}, stuck {stuck}, expired {expired}, \
+                     taken_over {taken_over}, recovered {recovered}"
                 ));
             }
         }
@@ -553,7 +610,19 @@ impl<'s> World<'s> {
 
 fn check_answer(want: &Answer, got: &Reservation) -> Result<(), String> {
     let agrees = match (want, got) {
-        (Answer::Acquired { took_over: a }, Reservation::Acquired { took_over: b }) => a == b,
+        (
+            Answer::Acquired { attempt: want },
+            Reservation::Acquired {
+                took_over,
+                attempt,
+                previous_attempt_started_at_ms,
+            },
+        ) => {
+            // Rule 20: the attempt number, and the previous start exactly on a takeover.
+            want == attempt
+                && *took_over == (*want > 1)
+                && previous_attempt_started_at_ms.is_some() == *took_over
+        }
         (Answer::Completed(o), Reservation::Completed(s)) => *o == out(s.is_error, &s.payload),
         (Answer::InProgress, Reservation::InProgress { lease_remaining }) => {
             !lease_remaining.is_zero() && *lease_remaining <= LONG

@@ -9,21 +9,24 @@
 //!   complete {outcome, fingerprint, ttl run out?}.
 //! * Expired = complete with its ttl run out, or in progress with both its
 //!   lease and its ttl run out (rule 16). An expired record counts as absent.
-//! * reserve: absent or expired → `Acquired { took_over: false }`, a fresh
-//!   in-progress record with the request's token, fingerprint, lease and ttl.
+//! * reserve: absent or expired → `Acquired { took_over: false, attempt: 1 }`,
+//!   a fresh in-progress record with the request's token, fingerprint, lease
+//!   and ttl.
 //!   Otherwise (live): both fingerprints present and different →
 //!   `FingerprintMismatch`, untouched (rules 7, 8; also for an in-progress
 //!   record whose lease ran out). Complete → `Completed(outcome)` (rule 5).
 //!   In progress with a live lease → `InProgress` (rule 4), also when its ttl
 //!   ran out. In progress with its lease run out (ttl live) → taken over,
-//!   `Acquired { took_over: true }`: the request's token, fingerprint, lease
+//!   `Acquired { took_over: true, attempt: n + 1 }` (rule 20: the record's
+//!   attempt number counts takeovers): the request's token, fingerprint, lease
 //!   and ttl replace the old ones (rule 10).
 //! * complete / release / heartbeat succeed only for an in-progress record
 //!   whose owner is the presented token (rule 10); otherwise they answer
 //!   `false` and change nothing. The owner's token is honoured even after its
 //!   lease (and ttl) ran out, as long as nobody took the record over. complete
-//!   keeps the record's fingerprint and sets the ttl from now; release deletes
-//!   the record; heartbeat sets the lease from now and leaves the ttl alone.
+//!   keeps the record's fingerprint and attempt number and sets the ttl from
+//!   now (complete_recovered also marks it recovered); release deletes the
+//!   record; heartbeat sets the lease from now and leaves the ttl alone.
 //! * purge deletes exactly the expired records (rule 16).
 
 use std::time::Duration;
@@ -91,8 +94,9 @@ pub fn out(is_error: bool, payload: &[u8]) -> Outcome {
 /// What the model expects a reservation to answer.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Answer {
+    /// `took_over` is `attempt > 1`.
     Acquired {
-        took_over: bool,
+        attempt: u32,
     },
     Completed(Outcome),
     /// Any positive `lease_remaining` of at most [`LONG`].
@@ -109,11 +113,17 @@ pub enum Rec {
         fp: Fp,
         lease_expired: bool,
         ttl_expired: bool,
+        /// Rule 20: 1, +1 per takeover.
+        attempt: u32,
     },
     Complete {
         outcome: Outcome,
         fp: Fp,
         ttl_expired: bool,
+        /// The attempt that completed it.
+        attempt: u32,
+        /// Completed by `complete_recovered`.
+        recovered: bool,
     },
 }
 
@@ -143,6 +153,14 @@ impl Rec {
         }
     }
 
+    /// The record's attempt number (0 when absent).
+    pub fn attempt(&self) -> u32 {
+        match self {
+            Rec::Absent => 0,
+            Rec::InProgress { attempt, .. } | Rec::Complete { attempt, .. } => *attempt,
+        }
+    }
+
     /// The current owner's token (in progress only).
     pub fn owner(&self) -> Option<&str> {
         match self {
@@ -153,15 +171,16 @@ impl Rec {
 
     /// Rules 3–8, 10, 16.
     pub fn reserve(&mut self, token: &str, fp: Fp, lease: Dur, ttl: Dur) -> Answer {
-        let fresh = Rec::InProgress {
+        let fresh = |attempt: u32| Rec::InProgress {
             owner: token.to_owned(),
             fp,
             lease_expired: lease.runs_out(),
             ttl_expired: ttl.runs_out(),
+            attempt,
         };
         if !self.live() {
-            *self = fresh;
-            return Answer::Acquired { took_over: false };
+            *self = fresh(1);
+            return Answer::Acquired { attempt: 1 };
         }
         if conflict(self.fp(), fp) {
             return Answer::Mismatch;
@@ -173,14 +192,15 @@ impl Rec {
                 ..
             } => Answer::InProgress,
             _ => {
-                *self = fresh;
-                Answer::Acquired { took_over: true }
+                let attempt = self.attempt() + 1;
+                *self = fresh(attempt);
+                Answer::Acquired { attempt }
             }
         }
     }
 
-    /// Rules 10, 12, 16.
-    pub fn complete(&mut self, token: &str, outcome: &Outcome, ttl: Dur) -> bool {
+    /// Rules 10, 12, 16 (and 20: `recovered` for complete_recovered).
+    pub fn complete(&mut self, token: &str, outcome: &Outcome, ttl: Dur, recovered: bool) -> bool {
         if self.owner() != Some(token) {
             return false;
         }
@@ -188,6 +208,8 @@ impl Rec {
             outcome: outcome.clone(),
             fp: self.fp(),
             ttl_expired: ttl.runs_out(),
+            attempt: self.attempt(),
+            recovered,
         };
         true
     }

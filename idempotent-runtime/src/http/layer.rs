@@ -559,9 +559,10 @@ where
         fingerprint: Ok(Some(fingerprint)),
     };
     let run = run_handler(&config, inner, request);
-    let (result, outcome) = with_outcome(execute::<Result<Recorded, Failure<S::Error>>, _, _>(
+    let (result, outcome) = with_outcome(execute::<Result<Recorded, Failure<S::Error>>, _, _, _>(
         call,
         ReleaseErrors,
+        crate::engine::NoRecover,
         run,
     ))
     .await;

@@ -27,10 +27,8 @@
 
 use crate::error::StoreError;
 use crate::identity::Identity;
-use crate::metrics::METRICS;
 use crate::store::{OwnerToken, StoredOutcome};
 use futures_util::future::BoxFuture;
-use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::mpsc;
@@ -202,7 +200,7 @@ impl Work {
 }
 
 fn lost(store: &'static str, identity: &Identity, work: &Work, why: &str) {
-    METRICS.release_failures.fetch_add(1, Ordering::Relaxed);
+    crate::metrics::release_failed(store);
     tracing::error!(target: "idempotent", store, scope = %identity.scope, key = %identity.key_digest(),
         work = work.name(), reason = why,
         "could not finish a dropped call's record; it stays in progress until its lease runs out");
@@ -211,7 +209,7 @@ fn lost(store: &'static str, identity: &Identity, work: &Work, why: &str) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::sync::atomic::AtomicUsize;
+    use std::sync::atomic::{AtomicUsize, Ordering};
 
     /// The release happens on the releaser's own runtime even when the runtime
     /// that handed it over is gone, and is tried again while it finds nothing.

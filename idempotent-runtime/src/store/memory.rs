@@ -14,6 +14,10 @@ struct Record {
     lease_expires_at_ms: i64,
     expires_at_ms: i64,
     created_at_ms: i64,
+    /// Rule 20: 1, +1 per takeover of an expired lease.
+    attempt: u32,
+    attempt_started_at_ms: i64,
+    recovered: bool,
 }
 
 #[derive(Debug)]
@@ -99,6 +103,7 @@ impl MemoryStore {
         token: &OwnerToken,
         outcome: &StoredOutcome,
         ttl: Duration,
+        recovered: bool,
     ) -> bool {
         let now = self.now_ms();
         let mut records = self.records();
@@ -112,6 +117,7 @@ impl MemoryStore {
                 r.outcome = Some(outcome.clone());
                 r.expires_at_ms = now.saturating_add(duration_to_millis(ttl));
                 r.lease_expires_at_ms = now;
+                r.recovered = recovered;
                 true
             }
             _ => false,
@@ -134,7 +140,9 @@ impl Store for MemoryStore {
 
     async fn reserve(&self, request: ReserveRequest<'_>) -> Result<Reservation, StoreError> {
         let now = self.now_ms();
-        let fresh = |took_over: bool, created_at_ms: i64| {
+        // `previous`: the record taken over (rule 20 counts the attempts).
+        let fresh = |previous: Option<&Record>| {
+            let attempt = previous.map_or(1, |p| p.attempt.saturating_add(1));
             (
                 Record {
                     state: RecordState::InProgress,
@@ -143,15 +151,18 @@ impl Store for MemoryStore {
                     outcome: None,
                     lease_expires_at_ms: now + duration_to_millis(request.lease),
                     expires_at_ms: now.saturating_add(duration_to_millis(request.ttl)),
-                    created_at_ms,
+                    created_at_ms: previous.map_or(now, |p| p.created_at_ms),
+                    attempt,
+                    attempt_started_at_ms: now,
+                    recovered: false,
                 },
-                Reservation::Acquired { took_over },
+                Reservation::acquired(attempt, previous.map(|p| p.attempt_started_at_ms)),
             )
         };
         let mut records = self.records();
         let (record, answer) = match records.get(request.identity) {
-            None => fresh(false, now),
-            Some(r) if is_expired(r, now) => fresh(false, now),
+            None => fresh(None),
+            Some(r) if is_expired(r, now) => fresh(None),
             Some(r)
                 if fingerprints_conflict(
                     r.fingerprint.as_deref(),
@@ -172,7 +183,7 @@ impl Store for MemoryStore {
                     lease_remaining: millis_to_duration(r.lease_expires_at_ms - now),
                 })
             }
-            Some(r) => fresh(true, r.created_at_ms),
+            Some(r) => fresh(Some(r)),
         };
         records.insert(request.identity.clone(), record);
         Ok(answer)
@@ -185,7 +196,40 @@ impl Store for MemoryStore {
         outcome: &StoredOutcome,
         ttl: Duration,
     ) -> Result<bool, StoreError> {
-        Ok(self.complete_now(identity, token, outcome, ttl))
+        Ok(self.complete_now(identity, token, outcome, ttl, false))
+    }
+
+    async fn complete_recovered(
+        &self,
+        identity: &Identity,
+        token: &OwnerToken,
+        outcome: &StoredOutcome,
+        ttl: Duration,
+    ) -> Result<bool, StoreError> {
+        Ok(self.complete_now(identity, token, outcome, ttl, true))
+    }
+
+    async fn force_release(
+        &self,
+        identity: &Identity,
+        require_expired_lease: bool,
+    ) -> Result<ForcedRelease, StoreError> {
+        let now = self.now_ms();
+        let mut records = self.records();
+        let answer = match records.get(identity) {
+            None => ForcedRelease::Absent,
+            Some(r) if r.state == RecordState::Complete => ForcedRelease::Complete,
+            Some(r) if require_expired_lease && r.lease_expires_at_ms > now => {
+                ForcedRelease::LeaseLive {
+                    lease_remaining: millis_to_duration(r.lease_expires_at_ms - now),
+                }
+            }
+            Some(r) => ForcedRelease::Released { attempt: r.attempt },
+        };
+        if matches!(answer, ForcedRelease::Released { .. }) {
+            records.remove(identity);
+        }
+        Ok(answer)
     }
 
     async fn release(&self, identity: &Identity, token: &OwnerToken) -> Result<bool, StoreError> {
@@ -223,7 +267,7 @@ impl Store for MemoryStore {
         outcome: StoredOutcome,
         ttl: Duration,
     ) {
-        self.complete_now(&identity, &token, &outcome, ttl);
+        self.complete_now(&identity, &token, &outcome, ttl, false);
     }
 
     async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError> {
@@ -252,6 +296,10 @@ impl Store for MemoryStore {
                 .then_some(r.lease_expires_at_ms),
             expires_at_ms: r.expires_at_ms,
             now_ms: now,
+            created_at_ms: r.created_at_ms,
+            attempt: r.attempt,
+            attempt_started_at_ms: r.attempt_started_at_ms,
+            recovered: r.recovered,
         }))
     }
 
@@ -265,6 +313,10 @@ impl Store for MemoryStore {
                     scope: id.scope.clone(),
                     ..Default::default()
                 });
+            if !is_expired(r, now) {
+                s.taken_over += u64::from(r.attempt > 1);
+                s.recovered += u64::from(r.recovered && r.state == RecordState::Complete);
+            }
             if is_expired(r, now) {
                 s.expired += 1;
             } else if r.state == RecordState::Complete {

@@ -78,9 +78,23 @@ pub struct StoredOutcome {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Reservation {
     /// The caller's token now owns the record; run the body.
+    ///
+    /// The three fields always agree: `took_over` is `attempt > 1`, and
+    /// `previous_attempt_started_at_ms` is `Some` exactly when `took_over`
+    /// (DESIGN.md rule 20).
     Acquired {
-        /// `true` when an expired lease (or an expired record) was taken over.
+        /// `true` when an in-progress record whose lease had run out was taken
+        /// over (rule 10): its previous owner may have done the work. A record
+        /// that had expired altogether (rule 16) is replaced, not taken over.
         took_over: bool,
+        /// Which attempt at this record the caller now owns: 1 for a fresh
+        /// record (and for one that replaced an expired record), 2 for the
+        /// first takeover, counting up with every further takeover. Kept in
+        /// the record, so it survives restarts and process boundaries.
+        attempt: u32,
+        /// On a takeover: when the attempt taken over had started, in ms since
+        /// the Unix epoch on the store's clock.
+        previous_attempt_started_at_ms: Option<i64>,
     },
     /// The record is complete and its fingerprint agrees: replay this.
     Completed(StoredOutcome),
@@ -91,6 +105,41 @@ pub enum Reservation {
     },
     /// A live record exists with a different fingerprint. Nothing was changed.
     FingerprintMismatch,
+}
+
+impl Reservation {
+    /// What a reservation of a free (absent or expired) identity answers:
+    /// attempt 1, not a takeover.
+    ///
+    /// ```
+    /// use idempotent_runtime::Reservation;
+    /// assert!(matches!(Reservation::FRESH, Reservation::Acquired { attempt: 1, took_over: false, .. }));
+    /// ```
+    pub const FRESH: Reservation = Reservation::Acquired {
+        took_over: false,
+        attempt: 1,
+        previous_attempt_started_at_ms: None,
+    };
+
+    /// An acquisition of attempt `attempt`: fresh for 1, a takeover of an
+    /// attempt that started at `previous_attempt_started_at_ms` otherwise.
+    /// The constructor stores use, so the fields always agree.
+    pub fn acquired(attempt: u32, previous_attempt_started_at_ms: Option<i64>) -> Reservation {
+        let attempt = attempt.max(1);
+        let took_over = attempt > 1;
+        Reservation::Acquired {
+            took_over,
+            attempt,
+            previous_attempt_started_at_ms: if took_over {
+                // Stores fall back to the record's creation time; 0 (the
+                // epoch) only if even that is missing, so a takeover is
+                // never reported without a start time.
+                Some(previous_attempt_started_at_ms.unwrap_or(0))
+            } else {
+                None
+            },
+        }
+    }
 }
 
 /// The state of a record.
@@ -139,6 +188,17 @@ pub struct RecordSnapshot {
     pub expires_at_ms: i64,
     /// The store's clock when this snapshot was taken.
     pub now_ms: i64,
+    /// When the record was created (by its first attempt), ms since the epoch.
+    pub created_at_ms: i64,
+    /// The record's attempt number (rule 20): 1 unless an expired lease was
+    /// taken over, +1 for every takeover. For a complete record, the attempt
+    /// that completed it.
+    pub attempt: u32,
+    /// When the current (or, complete, the completing) attempt took the record.
+    pub attempt_started_at_ms: i64,
+    /// Whether the recorded outcome came from a `recover` hook
+    /// ([`Store::complete_recovered`]) rather than from the body.
+    pub recovered: bool,
 }
 
 impl RecordSnapshot {
@@ -165,6 +225,35 @@ pub struct ScopeStats {
     pub expired: u64,
     /// Creation time of the oldest record, ms since the epoch on the store's clock.
     pub oldest_created_at_ms: Option<i64>,
+    /// Records within retention (complete, in progress or stuck) whose
+    /// attempt number is above 1: an expired lease was taken over at least
+    /// once (rule 20). Repeated uncertainty shows here.
+    pub taken_over: u64,
+    /// Complete records, within retention, whose outcome a `recover` hook
+    /// gave instead of the body.
+    pub recovered: u64,
+}
+
+/// The answer of [`Store::force_release`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ForcedRelease {
+    /// The in-progress record was deleted: the key is free and the next call
+    /// runs as a fresh attempt 1.
+    Released {
+        /// The attempt number the deleted record had.
+        attempt: u32,
+    },
+    /// Refused: the record is complete. Its result is the answer for the key;
+    /// deleting it would let a retry run the body again.
+    Complete,
+    /// Refused (only when the lease had to have run out): a live owner holds
+    /// the record and may be running the body right now.
+    LeaseLive {
+        /// Time left on the lease, by the store's clock.
+        lease_remaining: Duration,
+    },
+    /// There is no record with this identity.
+    Absent,
 }
 
 /// The interface every backend implements. The conformance suite in `tests/`
@@ -232,6 +321,33 @@ pub trait Store: Send + Sync {
         ttl: Duration,
     );
 
+    /// Like [`complete`](Store::complete), and marks the record as answered
+    /// by a `recover` hook (rule 20: the body did not run; the hook found
+    /// that a previous attempt had done the work). Audits count such records.
+    async fn complete_recovered(
+        &self,
+        identity: &Identity,
+        token: &OwnerToken,
+        outcome: &StoredOutcome,
+        ttl: Duration,
+    ) -> Result<bool, StoreError>;
+
+    /// An operator's release (`idempotent release`): deletes the record if it
+    /// is **in progress**, without presenting the owner's token, so a key
+    /// stuck behind a record nobody will finish is free again. Never deletes
+    /// a complete record ([`ForcedRelease::Complete`]). With
+    /// `require_expired_lease`, a record whose lease is still live is left
+    /// alone too ([`ForcedRelease::LeaseLive`]): its owner may be running.
+    ///
+    /// This bypasses fencing on purpose: if the owner is in fact alive, its
+    /// completion is then refused (`LeaseLost`) and a retry runs the body
+    /// again. It is for a person who has checked, not for code paths.
+    async fn force_release(
+        &self,
+        identity: &Identity,
+        require_expired_lease: bool,
+    ) -> Result<ForcedRelease, StoreError>;
+
     /// Deletes up to `batch` expired records; returns how many were deleted.
     /// An in-progress record is deleted only when both its lease and its
     /// retention have run out.
@@ -266,6 +382,12 @@ macro_rules! delegate_store {
             }
             fn complete_detached(&self, identity: Identity, token: OwnerToken, outcome: StoredOutcome, ttl: Duration) {
                 (**self).complete_detached(identity, token, outcome, ttl)
+            }
+            async fn complete_recovered(&self, identity: &Identity, token: &OwnerToken, outcome: &StoredOutcome, ttl: Duration) -> Result<bool, StoreError> {
+                (**self).complete_recovered(identity, token, outcome, ttl).await
+            }
+            async fn force_release(&self, identity: &Identity, require_expired_lease: bool) -> Result<ForcedRelease, StoreError> {
+                (**self).force_release(identity, require_expired_lease).await
             }
             async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError> {
                 (**self).purge_expired(batch).await
@@ -323,6 +445,21 @@ pub fn duration_to_millis(d: Duration) -> i64 {
     i64::try_from(d.as_millis())
         .unwrap_or(i64::MAX)
         .min(MAX_DURATION_MILLIS)
+}
+
+/// What a [`Store::force_release`] that deleted nothing answers, from a read
+/// of the record made right after.
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+pub(crate) fn refused_release(snapshot: Option<RecordSnapshot>) -> ForcedRelease {
+    match snapshot {
+        None => ForcedRelease::Absent,
+        Some(s) if s.state == RecordState::Complete => ForcedRelease::Complete,
+        Some(s) => ForcedRelease::LeaseLive {
+            lease_remaining: millis_to_duration(
+                s.lease_expires_at_ms.unwrap_or(s.now_ms) - s.now_ms,
+            ),
+        },
+    }
 }
 
 /// Whether two fingerprints contradict each other: only when both exist and differ.

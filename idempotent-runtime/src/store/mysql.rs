@@ -14,7 +14,8 @@
 //!
 //! # Round trips
 //!
-//! * `reserve`: one `CALL idempotency_reserve_v2(…)` (migration 0002), a
+//! * `reserve`: one `CALL idempotency_reserve_v3(…)` (migration 0004; v2, of
+//!   migration 0002, plus the attempt number of rule 20), a
 //!   stored procedure that first reads the record plainly, without a lock: a
 //!   live complete record is replayed, a live record with another fingerprint
 //!   is a mismatch, a live lease is in progress. Only an absent or expired
@@ -172,7 +173,7 @@ fn background_worker(pool: &MySqlPool) -> detached::Detached {
                     match work {
                         detached::Work::Release => release_with(&pool, &identity, &token).await,
                         detached::Work::Complete(outcome, ttl) => {
-                            complete_with(&pool, &identity, &token, &outcome, ttl).await
+                            complete_with(&pool, &identity, &token, &outcome, ttl, false).await
                         }
                     }
                 })
@@ -280,7 +281,7 @@ async fn reserve_with<'e, E: Executor<'e, Database = MySql>>(
     own_transaction: bool,
 ) -> Result<Reservation, StoreError> {
     let id = request.identity;
-    let row: MySqlRow = sqlx::query("CALL idempotency_reserve_v2(?, ?, ?, ?, ?, ?, ?, ?, ?)")
+    let row: MySqlRow = sqlx::query("CALL idempotency_reserve_v3(?, ?, ?, ?, ?, ?, ?, ?, ?)")
         .bind(id.tenant.as_bytes())
         .bind(id.scope.as_bytes())
         .bind(id.key.as_bytes())
@@ -304,9 +305,13 @@ fn decode_reservation(row: &MySqlRow) -> Result<Reservation, sqlx::Error> {
         Ok(row.try_get::<Option<i64>, _>(index)?.unwrap_or(0) != 0)
     };
     Ok(match outcome.as_str() {
-        "acquired" => Reservation::Acquired {
-            took_over: flag(1)?,
-        },
+        "acquired" => {
+            let attempt = row.try_get::<Option<i64>, _>(5)?.unwrap_or(1);
+            Reservation::acquired(
+                u32::try_from(attempt).unwrap_or(1),
+                row.try_get::<Option<i64>, _>(6)?,
+            )
+        }
         "completed" => Reservation::Completed(StoredOutcome {
             is_error: flag(2)?,
             payload: row
@@ -325,17 +330,20 @@ fn decode_reservation(row: &MySqlRow) -> Result<Reservation, sqlx::Error> {
     })
 }
 
+/// Records the outcome, fenced by the token; `recovered` marks an outcome a
+/// `recover` hook gave (rule 20).
 async fn complete_with<'e, E: Executor<'e, Database = MySql>>(
     executor: E,
     identity: &Identity,
     token: &OwnerToken,
     outcome: &StoredOutcome,
     ttl: Duration,
+    recovered: bool,
 ) -> Result<bool, StoreError> {
     let sql = format!(
         "UPDATE idempotency_records SET state = 'complete', owner_token = NULL,
                 is_error = ?, result = ?, lease_expires_at = NULL,
-                expires_at = {NOW_MS} + ?, updated_at = {NOW_MS}
+                expires_at = {NOW_MS} + ?, updated_at = {NOW_MS}, recovered = ?
           WHERE tenant = ? AND scope = ? AND `key` = ?
             AND state = 'in_progress' AND owner_token = ?"
     );
@@ -343,6 +351,7 @@ async fn complete_with<'e, E: Executor<'e, Database = MySql>>(
         .bind(outcome.is_error)
         .bind(&outcome.payload)
         .bind(duration_to_millis(ttl))
+        .bind(recovered)
         .bind(identity.tenant.as_bytes())
         .bind(identity.scope.as_bytes())
         .bind(identity.key.as_bytes())
@@ -392,7 +401,58 @@ impl Store for MySqlStore {
         outcome: &StoredOutcome,
         ttl: Duration,
     ) -> Result<bool, StoreError> {
-        complete_with(&self.pool, identity, token, outcome, ttl).await
+        complete_with(&self.pool, identity, token, outcome, ttl, false).await
+    }
+
+    async fn complete_recovered(
+        &self,
+        identity: &Identity,
+        token: &OwnerToken,
+        outcome: &StoredOutcome,
+        ttl: Duration,
+    ) -> Result<bool, StoreError> {
+        complete_with(&self.pool, identity, token, outcome, ttl, true).await
+    }
+
+    async fn force_release(
+        &self,
+        identity: &Identity,
+        require_expired_lease: bool,
+    ) -> Result<ForcedRelease, StoreError> {
+        const OP: &str = "release a record for an operator";
+        // Read the attempt and delete in one short transaction, the row locked.
+        let mut tx = self.pool.begin().await.map_err(err(OP))?;
+        let sql = format!(
+            "SELECT CAST(attempt AS SIGNED), CAST(COALESCE(state = 'in_progress'
+                    AND (? = 0 OR lease_expires_at <= {NOW_MS}), 0) AS SIGNED)
+               FROM idempotency_records WHERE tenant = ? AND scope = ? AND `key` = ?
+                FOR UPDATE"
+        );
+        let row: Option<(i64, i64)> = sqlx::query_as(&sql)
+            .bind(require_expired_lease)
+            .bind(identity.tenant.as_bytes())
+            .bind(identity.scope.as_bytes())
+            .bind(identity.key.as_bytes())
+            .fetch_optional(&mut *tx)
+            .await
+            .map_err(err(OP))?;
+        if let Some((attempt, 1)) = row {
+            sqlx::query(
+                "DELETE FROM idempotency_records WHERE tenant = ? AND scope = ? AND `key` = ?",
+            )
+            .bind(identity.tenant.as_bytes())
+            .bind(identity.scope.as_bytes())
+            .bind(identity.key.as_bytes())
+            .execute(&mut *tx)
+            .await
+            .map_err(err(OP))?;
+            tx.commit().await.map_err(err(OP))?;
+            return Ok(ForcedRelease::Released {
+                attempt: u32::try_from(attempt).unwrap_or(1),
+            });
+        }
+        tx.rollback().await.map_err(err(OP))?;
+        Ok(refused_release(self.fetch(identity).await?))
     }
 
     async fn release(&self, identity: &Identity, token: &OwnerToken) -> Result<bool, StoreError> {
@@ -453,7 +513,9 @@ impl Store for MySqlStore {
     async fn fetch(&self, identity: &Identity) -> Result<Option<RecordSnapshot>, StoreError> {
         let sql = format!(
             "SELECT state, fingerprint, owner_token, is_error, result, lease_expires_at,
-                    expires_at, CAST({NOW_MS} AS SIGNED) AS now_ms
+                    expires_at, CAST({NOW_MS} AS SIGNED) AS now_ms, created_at,
+                    CAST(attempt AS SIGNED) AS attempt,
+                    COALESCE(attempt_started_at, created_at) AS attempt_started_at, recovered
                FROM idempotency_records WHERE tenant = ? AND scope = ? AND `key` = ?"
         );
         let row = sqlx::query(&sql)
@@ -475,30 +537,37 @@ impl Store for MySqlStore {
                     CAST(SUM(NOT expired AND state = 'in_progress' AND lease_expires_at > now_ms) AS SIGNED),
                     CAST(SUM(NOT expired AND state = 'in_progress' AND lease_expires_at <= now_ms) AS SIGNED),
                     CAST(SUM(expired) AS SIGNED),
-                    MIN(created_at)
+                    MIN(created_at),
+                    CAST(SUM(NOT expired AND attempt > 1) AS SIGNED),
+                    CAST(SUM(NOT expired AND state = 'complete' AND recovered = 1) AS SIGNED)
                FROM (SELECT r.scope, r.state, r.lease_expires_at, r.created_at, n.now_ms,
+                            r.attempt, r.recovered,
                             (r.expires_at <= n.now_ms
                              AND (r.state = 'complete' OR r.lease_expires_at <= n.now_ms)) AS expired
                        FROM idempotency_records r
                        CROSS JOIN (SELECT CAST({NOW_MS} AS SIGNED) AS now_ms) n) s
               GROUP BY scope ORDER BY scope"
         );
-        type StatsRow = (Vec<u8>, i64, i64, i64, i64, Option<i64>);
+        type StatsRow = (Vec<u8>, i64, i64, i64, i64, Option<i64>, i64, i64);
         let rows: Vec<StatsRow> = sqlx::query_as(&sql)
             .fetch_all(&self.pool)
             .await
             .map_err(err("count records per scope"))?;
         rows.into_iter()
-            .map(|(scope, complete, in_progress, stuck, expired, oldest)| {
-                Ok(ScopeStats {
-                    scope: text(Some(scope))?.unwrap_or_default(),
-                    complete: complete.max(0) as u64,
-                    in_progress: in_progress.max(0) as u64,
-                    stuck: stuck.max(0) as u64,
-                    expired: expired.max(0) as u64,
-                    oldest_created_at_ms: oldest,
-                })
-            })
+            .map(
+                |(scope, complete, in_progress, stuck, expired, oldest, taken_over, recovered)| {
+                    Ok(ScopeStats {
+                        scope: text(Some(scope))?.unwrap_or_default(),
+                        complete: complete.max(0) as u64,
+                        in_progress: in_progress.max(0) as u64,
+                        stuck: stuck.max(0) as u64,
+                        expired: expired.max(0) as u64,
+                        oldest_created_at_ms: oldest,
+                        taken_over: taken_over.max(0) as u64,
+                        recovered: recovered.max(0) as u64,
+                    })
+                },
+            )
             .collect::<Result<_, sqlx::Error>>()
             .map_err(err("count records per scope"))
     }
@@ -526,6 +595,10 @@ fn snapshot(row: &MySqlRow) -> Result<RecordSnapshot, sqlx::Error> {
         },
         expires_at_ms: row.try_get("expires_at")?,
         now_ms: row.try_get("now_ms")?,
+        created_at_ms: row.try_get("created_at")?,
+        attempt: u32::try_from(row.try_get::<i64, _>("attempt")?).unwrap_or(1),
+        attempt_started_at_ms: row.try_get("attempt_started_at")?,
+        recovered: row.try_get::<bool, _>("recovered")?,
     })
 }
 
@@ -595,7 +668,17 @@ impl TransactionalConnection for sqlx::MySqlConnection {
         outcome: &StoredOutcome,
         ttl: Duration,
     ) -> Result<bool, StoreError> {
-        complete_with(&mut *self, identity, token, outcome, ttl).await
+        complete_with(&mut *self, identity, token, outcome, ttl, false).await
+    }
+
+    async fn complete_recovered_in_transaction(
+        &mut self,
+        identity: &Identity,
+        token: &OwnerToken,
+        outcome: &StoredOutcome,
+        ttl: Duration,
+    ) -> Result<bool, StoreError> {
+        complete_with(&mut *self, identity, token, outcome, ttl, true).await
     }
 
     async fn release_in_transaction(

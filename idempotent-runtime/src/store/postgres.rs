@@ -160,7 +160,7 @@ fn background_worker(pool: &PgPool) -> detached::Detached {
                     match work {
                         detached::Work::Release => release_with(&pool, &identity, &token).await,
                         detached::Work::Complete(outcome, ttl) => {
-                            complete_with(&pool, &identity, &token, &outcome, ttl).await
+                            complete_with(&pool, &identity, &token, &outcome, ttl, false).await
                         }
                     }
                 })
@@ -226,12 +226,14 @@ fn millis_i64(d: Duration) -> i64 {
 
 /// In a caller's transaction: a lock timeout is caught in a subtransaction
 /// inside the function, so the caller's transaction stays usable.
-const RESERVE_SQL: &str = "SELECT outcome, took_over, is_error, result, lease_remaining_ms \
+const RESERVE_SQL: &str = "SELECT outcome, took_over, is_error, result, lease_remaining_ms, \
+     attempt_number, previous_attempt_started_at \
      FROM idempotency_reserve($1, $2, $3, $4, $5, $6, $7, $8)";
 /// Through the store (the statement is its own transaction): no subtransaction;
 /// a lock timeout fails the statement with SQLSTATE 55P03, answered as `InProgress`.
 const RESERVE_AUTOCOMMIT_SQL: &str =
-    "SELECT outcome, took_over, is_error, result, lease_remaining_ms \
+    "SELECT outcome, took_over, is_error, result, lease_remaining_ms, \
+     attempt_number, previous_attempt_started_at \
      FROM idempotency_reserve_autocommit($1, $2, $3, $4, $5, $6, $7, $8)";
 /// `lock_not_available`: `lock_timeout` ran out.
 const LOCK_NOT_AVAILABLE: &str = "55P03";
@@ -288,11 +290,15 @@ async fn reserve_statement<'e, E: Executor<'e, Database = Postgres>>(
 fn decode_reservation(row: &PgRow) -> Result<Reservation, sqlx::Error> {
     let outcome: String = row.try_get("outcome")?;
     Ok(match outcome.as_str() {
-        "acquired" => Reservation::Acquired {
-            took_over: row
-                .try_get::<Option<bool>, _>("took_over")?
-                .unwrap_or(false),
-        },
+        "acquired" => {
+            let attempt = row
+                .try_get::<Option<i32>, _>("attempt_number")?
+                .unwrap_or(1);
+            Reservation::acquired(
+                u32::try_from(attempt).unwrap_or(1),
+                row.try_get::<Option<i64>, _>("previous_attempt_started_at")?,
+            )
+        }
         "completed" => Reservation::Completed(StoredOutcome {
             is_error: row.try_get::<Option<bool>, _>("is_error")?.unwrap_or(false),
             payload: row
@@ -314,17 +320,21 @@ fn decode_reservation(row: &PgRow) -> Result<Reservation, sqlx::Error> {
     })
 }
 
+/// Records the outcome, fenced by the token; `recovered` marks an outcome a
+/// `recover` hook gave (rule 20).
 async fn complete_with<'e, E: Executor<'e, Database = Postgres>>(
     executor: E,
     identity: &Identity,
     token: &OwnerToken,
     outcome: &StoredOutcome,
     ttl: Duration,
+    recovered: bool,
 ) -> Result<bool, StoreError> {
     let done = sqlx::query(
         "UPDATE idempotency_records SET state = 'complete', owner_token = NULL,
                 is_error = $5, result = $6, lease_expires_at = NULL,
-                expires_at = idempotency_now_ms() + $7, updated_at = idempotency_now_ms()
+                expires_at = idempotency_now_ms() + $7, updated_at = idempotency_now_ms(),
+                recovered = $8
           WHERE tenant = $1 AND scope = $2 AND key = $3
             AND state = 'in_progress' AND owner_token = $4",
     )
@@ -335,6 +345,7 @@ async fn complete_with<'e, E: Executor<'e, Database = Postgres>>(
     .bind(outcome.is_error)
     .bind(&outcome.payload)
     .bind(millis_i64(ttl))
+    .bind(recovered)
     .execute(executor)
     .await
     .map_err(err("complete"))?;
@@ -378,7 +389,44 @@ impl Store for PgStore {
         outcome: &StoredOutcome,
         ttl: Duration,
     ) -> Result<bool, StoreError> {
-        complete_with(&self.pool, identity, token, outcome, ttl).await
+        complete_with(&self.pool, identity, token, outcome, ttl, false).await
+    }
+
+    async fn complete_recovered(
+        &self,
+        identity: &Identity,
+        token: &OwnerToken,
+        outcome: &StoredOutcome,
+        ttl: Duration,
+    ) -> Result<bool, StoreError> {
+        complete_with(&self.pool, identity, token, outcome, ttl, true).await
+    }
+
+    async fn force_release(
+        &self,
+        identity: &Identity,
+        require_expired_lease: bool,
+    ) -> Result<ForcedRelease, StoreError> {
+        const OP: &str = "release a record for an operator";
+        let deleted: Option<i32> = sqlx::query_scalar(
+            "DELETE FROM idempotency_records
+              WHERE tenant = $1 AND scope = $2 AND key = $3 AND state = 'in_progress'
+                AND (NOT $4 OR lease_expires_at <= idempotency_now_ms())
+             RETURNING attempt",
+        )
+        .bind(&identity.tenant)
+        .bind(&identity.scope)
+        .bind(&identity.key)
+        .bind(require_expired_lease)
+        .fetch_optional(&self.pool)
+        .await
+        .map_err(err(OP))?;
+        if let Some(attempt) = deleted {
+            return Ok(ForcedRelease::Released {
+                attempt: u32::try_from(attempt).unwrap_or(1),
+            });
+        }
+        Ok(refused_release(self.fetch(identity).await?))
     }
 
     async fn release(&self, identity: &Identity, token: &OwnerToken) -> Result<bool, StoreError> {
@@ -444,7 +492,8 @@ impl Store for PgStore {
     async fn fetch(&self, identity: &Identity) -> Result<Option<RecordSnapshot>, StoreError> {
         let row = sqlx::query(
             "SELECT state, fingerprint, owner_token, is_error, result, lease_expires_at,
-                    expires_at, idempotency_now_ms() AS now_ms
+                    expires_at, idempotency_now_ms() AS now_ms, created_at, attempt,
+                    COALESCE(attempt_started_at, created_at) AS attempt_started_at, recovered
                FROM idempotency_records WHERE tenant = $1 AND scope = $2 AND key = $3",
         )
         .bind(&identity.tenant)
@@ -459,14 +508,17 @@ impl Store for PgStore {
     }
 
     async fn scope_stats(&self) -> Result<Vec<ScopeStats>, StoreError> {
-        let rows: Vec<(String, i64, i64, i64, i64, Option<i64>)> = sqlx::query_as(
+        type StatsRow = (String, i64, i64, i64, i64, Option<i64>, i64, i64);
+        let rows: Vec<StatsRow> = sqlx::query_as(
             "WITH n AS (SELECT idempotency_now_ms() AS now_ms)
              SELECT scope,
                     count(*) FILTER (WHERE NOT expired AND state = 'complete'),
                     count(*) FILTER (WHERE NOT expired AND state = 'in_progress' AND lease_expires_at > now_ms),
                     count(*) FILTER (WHERE NOT expired AND state = 'in_progress' AND lease_expires_at <= now_ms),
                     count(*) FILTER (WHERE expired),
-                    min(created_at)
+                    min(created_at),
+                    count(*) FILTER (WHERE NOT expired AND attempt > 1),
+                    count(*) FILTER (WHERE NOT expired AND state = 'complete' AND recovered)
                FROM (SELECT r.*, n.now_ms,
                             (r.expires_at <= n.now_ms
                              AND (r.state = 'complete' OR r.lease_expires_at <= n.now_ms)) AS expired
@@ -479,13 +531,17 @@ impl Store for PgStore {
         Ok(rows
             .into_iter()
             .map(
-                |(scope, complete, in_progress, stuck, expired, oldest)| ScopeStats {
-                    scope,
-                    complete: complete.max(0) as u64,
-                    in_progress: in_progress.max(0) as u64,
-                    stuck: stuck.max(0) as u64,
-                    expired: expired.max(0) as u64,
-                    oldest_created_at_ms: oldest,
+                |(scope, complete, in_progress, stuck, expired, oldest, taken_over, recovered)| {
+                    ScopeStats {
+                        scope,
+                        complete: complete.max(0) as u64,
+                        in_progress: in_progress.max(0) as u64,
+                        stuck: stuck.max(0) as u64,
+                        expired: expired.max(0) as u64,
+                        oldest_created_at_ms: oldest,
+                        taken_over: taken_over.max(0) as u64,
+                        recovered: recovered.max(0) as u64,
+                    }
                 },
             )
             .collect())
@@ -514,6 +570,10 @@ fn snapshot(row: &PgRow) -> Result<RecordSnapshot, sqlx::Error> {
         },
         expires_at_ms: row.try_get("expires_at")?,
         now_ms: row.try_get("now_ms")?,
+        created_at_ms: row.try_get("created_at")?,
+        attempt: u32::try_from(row.try_get::<i32, _>("attempt")?).unwrap_or(1),
+        attempt_started_at_ms: row.try_get("attempt_started_at")?,
+        recovered: row.try_get("recovered")?,
     })
 }
 
@@ -570,7 +630,17 @@ impl TransactionalConnection for sqlx::PgConnection {
         outcome: &StoredOutcome,
         ttl: Duration,
     ) -> Result<bool, StoreError> {
-        complete_with(&mut *self, identity, token, outcome, ttl).await
+        complete_with(&mut *self, identity, token, outcome, ttl, false).await
+    }
+
+    async fn complete_recovered_in_transaction(
+        &mut self,
+        identity: &Identity,
+        token: &OwnerToken,
+        outcome: &StoredOutcome,
+        ttl: Duration,
+    ) -> Result<bool, StoreError> {
+        complete_with(&mut *self, identity, token, outcome, ttl, true).await
     }
 
     async fn release_in_transaction(

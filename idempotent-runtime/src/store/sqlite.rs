@@ -57,14 +57,17 @@ macro_rules! row_expired {
 const RESERVE_SQL: &str = concat!(
     "INSERT INTO idempotency_records ",
     "(tenant, scope, key, state, fingerprint, owner_token, lease_expires_at, expires_at, ",
-    "created_at, completed_at, takeover_count, is_error, result) ",
+    "created_at, completed_at, takeover_count, is_error, result, ",
+    "attempt_started_at, previous_attempt_started_at, recovered) ",
     "VALUES (?1, ?2, ?3, 'in_progress', ?4, ?5, ",
     now_ms!(),
     " + ?6, ",
     now_ms!(),
     " + ?7, ",
     now_ms!(),
-    ", NULL, 0, 0, NULL) ",
+    ", NULL, 0, 0, NULL, ",
+    now_ms!(),
+    ", NULL, 0) ",
     "ON CONFLICT (tenant, scope, key) DO UPDATE SET ",
     "state = 'in_progress', ",
     "fingerprint = excluded.fingerprint, ",
@@ -78,6 +81,13 @@ const RESERVE_SQL: &str = concat!(
     "takeover_count = CASE WHEN ",
     row_expired!(),
     " THEN 0 ELSE takeover_count + 1 END, ",
+    // Rule 20: when the attempt taken over had started (the SET expressions
+    // all read the row as it was before this update).
+    "previous_attempt_started_at = CASE WHEN ",
+    row_expired!(),
+    " THEN NULL ELSE COALESCE(attempt_started_at, created_at) END, ",
+    "attempt_started_at = excluded.attempt_started_at, ",
+    "recovered = 0, ",
     "is_error = 0, ",
     "result = NULL ",
     "WHERE ",
@@ -86,7 +96,7 @@ const RESERVE_SQL: &str = concat!(
     now_ms!(),
     " AND (fingerprint IS NULL OR excluded.fingerprint IS NULL ",
     "OR fingerprint = excluded.fingerprint)) ",
-    "RETURNING takeover_count"
+    "RETURNING takeover_count, previous_attempt_started_at"
 );
 
 const EXISTING_SQL: &str = concat!(
@@ -104,7 +114,7 @@ const COMPLETE_SQL: &str = concat!(
     now_ms!(),
     ", expires_at = ",
     now_ms!(),
-    " + ?5, is_error = ?6, result = ?7 ",
+    " + ?5, is_error = ?6, result = ?7, recovered = ?8 ",
     "WHERE tenant = ?1 AND scope = ?2 AND key = ?3 ",
     "AND state = 'in_progress' AND owner_token = ?4"
 );
@@ -133,7 +143,19 @@ const PURGE_SQL: &str = concat!(
 const FETCH_SQL: &str = concat!(
     "SELECT state, fingerprint, owner_token, is_error, result, lease_expires_at, expires_at, ",
     now_ms!(),
-    " AS now_ms FROM idempotency_records WHERE tenant = ?1 AND scope = ?2 AND key = ?3"
+    " AS now_ms, created_at, takeover_count + 1 AS attempt, ",
+    "COALESCE(attempt_started_at, created_at) AS attempt_started_at, recovered ",
+    "FROM idempotency_records WHERE tenant = ?1 AND scope = ?2 AND key = ?3"
+);
+
+/// The operator's release (rule 20's escape hatch): an in-progress record,
+/// with `?4 = 1` only once its lease ran out. Returns its attempt number.
+const FORCE_RELEASE_SQL: &str = concat!(
+    "DELETE FROM idempotency_records ",
+    "WHERE tenant = ?1 AND scope = ?2 AND key = ?3 AND state = 'in_progress' ",
+    "AND (?4 = 0 OR lease_expires_at <= ",
+    now_ms!(),
+    ") RETURNING takeover_count + 1"
 );
 
 const SCOPE_STATS_SQL: &str = concat!(
@@ -144,8 +166,11 @@ const SCOPE_STATS_SQL: &str = concat!(
     "SUM(CASE WHEN expired = 0 AND state = 'in_progress' AND lease_expires_at <= now_ms ",
     "THEN 1 ELSE 0 END) AS stuck, ",
     "SUM(expired) AS expired, ",
-    "MIN(created_at) AS oldest ",
-    "FROM (SELECT scope, state, lease_expires_at, created_at, now_ms, ",
+    "MIN(created_at) AS oldest, ",
+    "SUM(CASE WHEN expired = 0 AND takeover_count > 0 THEN 1 ELSE 0 END) AS taken_over, ",
+    "SUM(CASE WHEN expired = 0 AND state = 'complete' AND recovered = 1 THEN 1 ELSE 0 END) ",
+    "AS recovered ",
+    "FROM (SELECT scope, state, lease_expires_at, created_at, now_ms, takeover_count, recovered, ",
     "(expires_at <= now_ms AND (state = 'complete' OR COALESCE(lease_expires_at, 0) <= now_ms)) ",
     "AS expired ",
     "FROM idempotency_records, (SELECT ",
@@ -318,7 +343,8 @@ impl SqliteStore {
                             match work {
                                 Work::Release => release_on(&pool, &identity, &token).await,
                                 Work::Complete(outcome, ttl) => {
-                                    complete_on(&pool, &identity, &token, &outcome, ttl).await
+                                    complete_on(&pool, &identity, &token, &outcome, ttl, false)
+                                        .await
                                 }
                             }
                         })
@@ -359,12 +385,14 @@ impl SqliteStore {
 
 /// Completes the record, fenced by `token`, on a pool or on the caller's
 /// connection (transactional mode).
+/// `recovered` marks an outcome a `recover` hook gave (rule 20).
 pub(super) async fn complete_on<'e, E: sqlx::Executor<'e, Database = sqlx::Sqlite>>(
     executor: E,
     identity: &Identity,
     token: &OwnerToken,
     outcome: &StoredOutcome,
     ttl: Duration,
+    recovered: bool,
 ) -> Result<bool, StoreError> {
     let done = sqlx::query(COMPLETE_SQL)
         .bind(&identity.tenant)
@@ -374,6 +402,7 @@ pub(super) async fn complete_on<'e, E: sqlx::Executor<'e, Database = sqlx::Sqlit
         .bind(ms(ttl))
         .bind(outcome.is_error)
         .bind(&outcome.payload[..])
+        .bind(recovered)
         .execute(executor)
         .await
         .map_err(err("complete"))?;
@@ -410,7 +439,7 @@ pub(super) async fn reserve_in(
     // Two passes at most: a lease that runs out between the upsert and the
     // read is taken over on the second pass.
     for _ in 0..2 {
-        let acquired: Option<i64> = sqlx::query_scalar(RESERVE_SQL)
+        let acquired: Option<(i64, Option<i64>)> = sqlx::query_as(RESERVE_SQL)
             .bind(&id.tenant)
             .bind(&id.scope)
             .bind(&id.key)
@@ -420,10 +449,9 @@ pub(super) async fn reserve_in(
             .bind(ms(request.ttl))
             .fetch_optional(&mut *conn)
             .await?;
-        if let Some(takeovers) = acquired {
-            return Ok(Reservation::Acquired {
-                took_over: takeovers > 0,
-            });
+        if let Some((takeovers, previous_started)) = acquired {
+            let attempt = u32::try_from(takeovers.saturating_add(1)).unwrap_or(u32::MAX);
+            return Ok(Reservation::acquired(attempt, previous_started));
         }
         let row = sqlx::query(EXISTING_SQL)
             .bind(&id.tenant)
@@ -670,7 +698,43 @@ impl Store for SqliteStore {
         ttl: Duration,
     ) -> Result<bool, StoreError> {
         let _gate = self.write_gate.lock().await;
-        complete_on(&self.pool, identity, token, outcome, ttl).await
+        complete_on(&self.pool, identity, token, outcome, ttl, false).await
+    }
+
+    async fn complete_recovered(
+        &self,
+        identity: &Identity,
+        token: &OwnerToken,
+        outcome: &StoredOutcome,
+        ttl: Duration,
+    ) -> Result<bool, StoreError> {
+        let _gate = self.write_gate.lock().await;
+        complete_on(&self.pool, identity, token, outcome, ttl, true).await
+    }
+
+    async fn force_release(
+        &self,
+        identity: &Identity,
+        require_expired_lease: bool,
+    ) -> Result<ForcedRelease, StoreError> {
+        const OP: &str = "release a record for an operator";
+        let deleted: Option<i64> = {
+            let _gate = self.write_gate.lock().await;
+            sqlx::query_scalar(FORCE_RELEASE_SQL)
+                .bind(&identity.tenant)
+                .bind(&identity.scope)
+                .bind(&identity.key)
+                .bind(require_expired_lease)
+                .fetch_optional(&self.pool)
+                .await
+                .map_err(err(OP))?
+        };
+        if let Some(attempt) = deleted {
+            return Ok(ForcedRelease::Released {
+                attempt: u32::try_from(attempt).unwrap_or(1),
+            });
+        }
+        Ok(refused_release(self.fetch(identity).await?))
     }
 
     async fn release(&self, identity: &Identity, token: &OwnerToken) -> Result<bool, StoreError> {
@@ -753,6 +817,10 @@ impl Store for SqliteStore {
             lease_expires_at_ms: row.try_get("lease_expires_at").map_err(err(OP))?,
             expires_at_ms: row.try_get("expires_at").map_err(err(OP))?,
             now_ms: row.try_get("now_ms").map_err(err(OP))?,
+            created_at_ms: row.try_get("created_at").map_err(err(OP))?,
+            attempt: u32::try_from(row.try_get::<i64, _>("attempt").map_err(err(OP))?).unwrap_or(1),
+            attempt_started_at_ms: row.try_get("attempt_started_at").map_err(err(OP))?,
+            recovered: row.try_get("recovered").map_err(err(OP))?,
         }))
     }
 
@@ -775,6 +843,8 @@ impl Store for SqliteStore {
                     stuck: count(row, "stuck")?,
                     expired: count(row, "expired")?,
                     oldest_created_at_ms: row.try_get("oldest").map_err(err(OP))?,
+                    taken_over: count(row, "taken_over")?,
+                    recovered: count(row, "recovered")?,
                 })
             })
             .collect()

@@ -310,7 +310,17 @@ impl crate::transaction::TransactionalConnection for SqliteConnection {
         outcome: &StoredOutcome,
         ttl: Duration,
     ) -> Result<bool, StoreError> {
-        complete_on(&mut *self, identity, token, outcome, ttl).await
+        complete_on(&mut *self, identity, token, outcome, ttl, false).await
+    }
+
+    async fn complete_recovered_in_transaction(
+        &mut self,
+        identity: &Identity,
+        token: &OwnerToken,
+        outcome: &StoredOutcome,
+        ttl: Duration,
+    ) -> Result<bool, StoreError> {
+        complete_on(&mut *self, identity, token, outcome, ttl, true).await
     }
 
     async fn release_in_transaction(

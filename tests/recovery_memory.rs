@@ -1,0 +1,3 @@
+//! Rule 20 (`recover = ...`) on [`MemoryStore`](idempotent_runtime::MemoryStore).
+mod recovery;
+recovery_tests!(async { Some(idempotent_runtime::MemoryStore::new()) });

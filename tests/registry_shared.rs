@@ -1,0 +1,261 @@
+//! Rule 21: several functions may claim one scope on purpose, when every one
+//! says `shared_scope`; the registry lists every claimant and the audit shows
+//! them. A claimant from another crate (a registration submitted by hand,
+//! exactly as generated code does) joins them; `registry::validate()` accepts
+//! the agreeing claimants and refuses disagreeing ones, naming both sites.
+//! (Its own test binary: the registry of a binary is global.)
+
+use idempotent_runtime::__private::{
+    inventory, ErrorPolicy, InProgressPolicy, Registration, ScopeInfo,
+};
+use idempotent_runtime::registry::{self, Disagreement, Format, RegistryError};
+use idempotent_runtime::{audit, idempotent, with_outcome, Error, MemoryStore, Outcome};
+use std::time::Duration;
+
+/// The foreground path: an HTTP handler refunding an order.
+#[idempotent(scope = "shared_test.refund_order", key = order, tenant = shop, store = store,
+             shared_scope, skip(request_id))]
+async fn refund_http(
+    store: &MemoryStore,
+    shop: &str,
+    order: &str,
+    amount: u64,
+    request_id: &str,
+) -> Result<String, Error> {
+    let _ = request_id;
+    Ok(format!("refunded {amount} (http)"))
+}
+const HTTP_LINE: u32 = line!() - 10;
+
+/// The background path: a queue consumer delivering "refund order 8891".
+#[idempotent(scope = "shared_test.refund_order", key = order, tenant = shop, store = store,
+             shared_scope, skip(delivery))]
+async fn refund_from_queue(
+    store: &MemoryStore,
+    shop: &str,
+    order: &str,
+    amount: u64,
+    delivery: u64,
+) -> Result<String, Error> {
+    let _ = delivery;
+    Ok(format!("refunded {amount} (queue)"))
+}
+const QUEUE_LINE: u32 = line!() - 10;
+
+// The same boundary claimed by a function of another crate, in agreement.
+static BATCH: ScopeInfo = ScopeInfo::__new(
+    "shared_test.refund_order",
+    "billing_batch::refunds::run",
+    "billing-batch/src/refunds.rs",
+    77,
+    Duration::from_secs(24 * 3600),
+    Duration::from_secs(30),
+    InProgressPolicy::Reject,
+    ErrorPolicy::Release,
+    false,
+    true,
+    &["amount"],
+    false,
+)
+.__shared_scope();
+inventory::submit! { Registration(&BATCH) }
+
+fn claimants() -> Vec<&'static ScopeInfo> {
+    registry::scopes()
+        .into_iter()
+        .filter(|i| i.scope == "shared_test.refund_order")
+        .collect()
+}
+
+#[tokio::test]
+async fn foreground_and_background_share_one_boundary() {
+    let store = MemoryStore::new();
+    let (first, o1) = with_outcome(refund_http(&store, "shop-1", "order-8891", 500, "req-1")).await;
+    let (second, o2) =
+        with_outcome(refund_from_queue(&store, "shop-1", "order-8891", 500, 3)).await;
+    assert_eq!(o1, Some(Outcome::Executed));
+    assert_eq!(
+        o2,
+        Some(Outcome::Replayed),
+        "the queue's delivery is the same refund"
+    );
+    assert_eq!(first.unwrap(), second.unwrap());
+    // A different amount under the same order is a mismatch on either path.
+    assert!(matches!(
+        refund_from_queue(&store, "shop-1", "order-8891", 900, 4).await,
+        Err(Error::FingerprintMismatch(_))
+    ));
+}
+
+#[test]
+fn the_registry_lists_every_claimant_and_validates() {
+    registry::validate().expect("the shared claimants agree");
+    let all = claimants();
+    let functions: Vec<&str> = all.iter().map(|i| i.function).collect();
+    assert_eq!(
+        functions,
+        [
+            "billing_batch::refunds::run",
+            concat!(module_path!(), "::refund_from_queue"),
+            concat!(module_path!(), "::refund_http"),
+        ]
+    );
+    assert!(all.iter().all(|i| i.shared_scope));
+    let http = all
+        .iter()
+        .find(|i| i.function.ends_with("refund_http"))
+        .unwrap();
+    assert_eq!((http.file, http.line), (file!(), HTTP_LINE));
+    let queue = all
+        .iter()
+        .find(|i| i.function.ends_with("refund_from_queue"))
+        .unwrap();
+    assert_eq!(queue.line, QUEUE_LINE);
+
+    let table = registry::render(Format::Table);
+    let header = table.lines().next().unwrap();
+    let col = header.find("shared").expect("a shared column");
+    let rows: Vec<&str> = table
+        .lines()
+        .filter(|l| l.starts_with("shared_test.refund_order"))
+        .collect();
+    assert_eq!(rows.len(), 3, "{table}");
+    assert!(rows.iter().all(|r| r[col..].starts_with("yes")), "{table}");
+    let json: serde_json::Value = serde_json::from_str(&registry::render(Format::Json)).unwrap();
+    let shared = json
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|r| r["scope"] == "shared_test.refund_order" && r["shared_scope"] == true)
+        .count();
+    assert_eq!(shared, 3);
+}
+
+#[tokio::test]
+async fn the_audit_shows_every_claimant() {
+    let store = MemoryStore::new();
+    refund_http(&store, "shop-2", "order-1", 1, "r")
+        .await
+        .unwrap();
+    let report = audit::audit_registry(&store).await.unwrap();
+    let entry = report
+        .scope("shared_test.refund_order")
+        .expect("the shared scope");
+    assert_eq!(entry.complete, 1);
+    assert_eq!(entry.claimed_by.len(), 3, "{entry:?}");
+    let table = report.render(Format::Table);
+    let row = table
+        .lines()
+        .find(|l| l.starts_with("shared_test.refund_order"))
+        .unwrap();
+    for claimant in [
+        "billing_batch::refunds::run",
+        "refund_http",
+        "refund_from_queue",
+    ] {
+        assert!(row.contains(claimant), "{row}");
+    }
+}
+
+fn variant(
+    line: u32,
+    ttl: Duration,
+    fingerprinted: &'static [&'static str],
+    shared: bool,
+) -> ScopeInfo {
+    let info = ScopeInfo::__new(
+        "shared_test.other",
+        "other_crate::consumer::refund",
+        "other-crate/src/consumer.rs",
+        line,
+        ttl,
+        Duration::from_secs(30),
+        InProgressPolicy::Reject,
+        ErrorPolicy::Release,
+        false,
+        true,
+        fingerprinted,
+        false,
+    );
+    if shared {
+        info.__shared_scope()
+    } else {
+        info
+    }
+}
+
+#[test]
+fn disagreeing_claimants_are_refused_naming_both_sites() {
+    let here = ScopeInfo::__new(
+        "shared_test.other",
+        "app::http::refund",
+        "app/src/http.rs",
+        40,
+        Duration::from_secs(3600),
+        Duration::from_secs(30),
+        InProgressPolicy::Wait(Duration::from_secs(10)),
+        ErrorPolicy::Release,
+        false,
+        true,
+        &["amount", "order"],
+        false,
+    )
+    .__shared_scope();
+
+    // Same names in another order, same ttl: they agree.
+    let agreeing = variant(12, Duration::from_secs(3600), &["order", "amount"], true);
+    registry::validate_infos(&[&here, &agreeing]).expect("order of parameters does not matter");
+
+    let longer = variant(
+        12,
+        Duration::from_secs(7 * 24 * 3600),
+        &["order", "amount"],
+        true,
+    );
+    let err = registry::validate_infos(&[&here, &longer]).unwrap_err();
+    let RegistryError::SharedScopeConflicts(conflicts) = &err else {
+        panic!("{err:?}")
+    };
+    assert_eq!(conflicts.len(), 1);
+    assert!(matches!(
+        conflicts[0].disagreement,
+        Disagreement::Ttl { .. }
+    ));
+    let message = err.to_string();
+    assert!(
+        message.contains("`app::http::refund` at app/src/http.rs:40"),
+        "{message}"
+    );
+    assert!(
+        message.contains("`other_crate::consumer::refund` at other-crate/src/consumer.rs:12"),
+        "{message}"
+    );
+    assert!(message.contains("1h vs 7days"), "{message}");
+
+    let fewer = variant(12, Duration::from_secs(3600), &["order"], true);
+    let err = registry::validate_infos(&[&here, &fewer]).unwrap_err();
+    let message = err.to_string();
+    assert!(message.contains("(amount, order) vs (order)"), "{message}");
+
+    // A claimant without the flag is the duplicate-scope error, naming all sites.
+    let unflagged = variant(90, Duration::from_secs(3600), &["order", "amount"], false);
+    let err = registry::validate_infos(&[&here, &agreeing, &agreeing, &unflagged]).unwrap_err();
+    let RegistryError::DuplicateScopes(dups) = &err else {
+        panic!("{err:?}")
+    };
+    assert_eq!(
+        dups[0].sites.len(),
+        3,
+        "the same site registered twice counts once"
+    );
+    assert_eq!(dups[0].shared.len(), 2);
+    let message = err.to_string();
+    for site in [
+        "app/src/http.rs:40",
+        "other-crate/src/consumer.rs:12",
+        "other-crate/src/consumer.rs:90",
+    ] {
+        assert!(message.contains(site), "{site} in {message}");
+    }
+    assert!(message.contains("every claimant must say so"), "{message}");
+}

@@ -1,0 +1,14 @@
+// Rule 21: claimants of a shared scope must fingerprint the same parameter names.
+use idempotent_runtime::{idempotent, Error};
+
+#[idempotent(scope = "refunds.order", key = order, tenant = shared, shared_scope)]
+async fn refund_http(order: &str, amount: u64, reason: String) -> Result<u8, Error> {
+    Ok(1)
+}
+
+#[idempotent(scope = "refunds.order", key = order, tenant = shared, shared_scope)]
+async fn refund_queue(order: &str, amount_cents: u64) -> Result<u8, Error> {
+    Ok(2)
+}
+
+fn main() {}
