@@ -230,9 +230,13 @@ async fn crash_before_the_charge_then_retry(database_url: Option<&str>) {
         1,
         "exactly one charge"
     );
-    second
+    let takeover = second
         .wait_line("took over a record whose lease had expired")
         .await;
+    assert!(
+        takeover.contains("attempt=2"),
+        "the takeover is logged with its attempt number: {takeover}"
+    );
     assert!(second.printed("gateway: charged"));
 
     // And from now on it replays.
