@@ -22,6 +22,7 @@
 //! * `GET /payments/<charge_id>` → the charge, to its own account only.
 //! * `POST /refunds` `{"charge_id": "..."}` with `Idempotency-Key`: the
 //!   extractor style — the handler calls an `#[idempotent]` function.
+//! * `GET /metrics` → the runtime's metrics in Prometheus text (no auth).
 
 use axum::extract::{Path, Request, State};
 use axum::http::{header, HeaderMap, StatusCode};
@@ -375,7 +376,11 @@ async fn open_store() -> Result<(Db, Arc<dyn Store>, String), Box<dyn std::error
 }
 
 /// Builds the application: the routes, the idempotency layer, authentication.
-fn router(app: Shared, lease: Duration) -> Result<Router, Box<dyn std::error::Error>> {
+fn router(
+    app: Shared,
+    lease: Duration,
+    metrics: metrics_exporter_prometheus::PrometheusHandle,
+) -> Result<Router, Box<dyn std::error::Error>> {
     let payments = IdempotencyLayer::builder("payments.charge", app.store.clone())
         .tenant_from_extension::<AccountId>()
         .lease(lease)
@@ -387,6 +392,12 @@ fn router(app: Shared, lease: Duration) -> Result<Router, Box<dyn std::error::Er
         .route("/refunds", post(create_refund))
         // Authentication runs first (outermost), so the layer sees the tenant.
         .layer(middleware::from_fn(authenticate))
+        // Operators' view, outside authentication: the runtime's counters and
+        // histograms (by scope and outcome, never key or tenant) for Prometheus.
+        .route(
+            "/metrics",
+            get(move || std::future::ready(metrics.render())),
+        )
         .with_state(app))
 }
 
@@ -419,7 +430,8 @@ pub async fn main() -> Result<(), Box<dyn std::error::Error>> {
             batch: 1000,
         },
     );
-    let app = router(Arc::new(App { db, store }), lease)?;
+    let metrics = metrics_exporter_prometheus::PrometheusBuilder::new().install_recorder()?;
+    let app = router(Arc::new(App { db, store }), lease, metrics)?;
 
     let listener = tokio::net::TcpListener::bind(&addr)
         .await

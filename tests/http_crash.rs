@@ -244,6 +244,18 @@ async fn crash_before_the_charge_then_retry(database_url: Option<&str>) {
     assert!(again.is_replayed());
     assert_eq!(again.body(), answer.body());
     assert_eq!(charges_of(&count_url, &account).await, 1);
+    // What operators see: the example exposes the runtime's metrics.
+    let metrics = reqwest::get(format!("{}/metrics", second.base))
+        .await
+        .expect("GET /metrics")
+        .text()
+        .await
+        .expect("metrics text");
+    assert!(
+        metrics.contains("idempotent_calls_total") && metrics.contains("payments.charge"),
+        "{metrics}"
+    );
+    assert!(!metrics.contains(&account), "no tenant in metrics labels");
     second.kill().await;
     let _ = std::fs::remove_dir_all(&tmp);
 }
