@@ -490,6 +490,37 @@ pub async fn release_detached_frees_the_key<S: Store + Clone + 'static>(store: S
     assert_eq!(snap.owner_token.as_deref(), Some(owner.as_str()));
 }
 
+/// Rules 10 and 14: a detached completion (a call dropped while recording its
+/// result) records the outcome for the current owner, and one presented with
+/// a token that does not own the record changes nothing.
+pub async fn complete_detached_records_and_is_fenced<S: Store + Clone + 'static>(store: S) {
+    let tenant = fresh_tenant();
+    let identity = id(&tenant, "conformance.complete_detached", "k");
+    let owner = acquire(&store, &identity, None, LONG, LONG).await;
+    store.complete_detached(
+        identity.clone(),
+        OwnerToken::new(),
+        ok(b"\"stranger\""),
+        LONG,
+    );
+    store.complete_detached(identity.clone(), owner.clone(), ok(b"\"owner\""), LONG);
+    let mut recorded = None;
+    for _ in 0..250 {
+        match fetch(&store, &identity).await {
+            Some(snap) if snap.state == RecordState::Complete => {
+                recorded = snap.outcome;
+                break;
+            }
+            _ => tokio::time::sleep(Duration::from_millis(20)).await,
+        }
+    }
+    assert_eq!(
+        recorded,
+        Some(ok(b"\"owner\"")),
+        "the owner's detached completion is recorded; the stranger's is not"
+    );
+}
+
 // ---------------------------------------------------------------- rules 7, 8
 
 /// Rule 7: a complete record and another fingerprint: mismatch, record untouched.
@@ -1341,6 +1372,7 @@ macro_rules! store_conformance_tests {
             recorded_error_round_trips,
             release_frees_the_key,
             release_detached_frees_the_key,
+            complete_detached_records_and_is_fenced,
             fingerprint_mismatch_on_complete_record,
             fingerprint_mismatch_on_in_progress_record,
             missing_fingerprint_is_not_contradicted,
