@@ -651,6 +651,20 @@ pub(crate) trait Reserver: Send {
         request: ReserveRequest<'a>,
         lock_wait: Duration,
     ) -> futures_util::future::BoxFuture<'a, Result<Reservation, Error>>;
+
+    /// Waits until the record found in progress may have changed, at most
+    /// `max_wait` (see [`Store::wait_for_change`]). The default polls.
+    fn wait_for_change<'a>(
+        &'a self,
+        identity: &'a Identity,
+        max_wait: Duration,
+        round: u32,
+    ) -> futures_util::future::BoxFuture<'a, ()> {
+        let _ = identity;
+        Box::pin(tokio::time::sleep(
+            crate::store::polling_backoff(round).min(max_wait),
+        ))
+    }
 }
 
 impl Reserver for &dyn Store {
@@ -660,6 +674,15 @@ impl Reserver for &dyn Store {
         _lock_wait: Duration,
     ) -> futures_util::future::BoxFuture<'a, Result<Reservation, Error>> {
         Box::pin(async move { Ok(self.reserve(request).await?) })
+    }
+
+    fn wait_for_change<'a>(
+        &'a self,
+        identity: &'a Identity,
+        max_wait: Duration,
+        round: u32,
+    ) -> futures_util::future::BoxFuture<'a, ()> {
+        Store::wait_for_change(*self, identity, max_wait, round)
     }
 }
 
@@ -687,7 +710,7 @@ pub(crate) async fn reserve(
         InProgressPolicy::Wait(d) => Some(Instant::now() + d),
         InProgressPolicy::Reject => None,
     };
-    let mut pause = Duration::from_millis(5);
+    let mut waits: u32 = 0;
     loop {
         let lock_wait = deadline.map_or(Duration::ZERO, |d| {
             d.saturating_duration_since(Instant::now())
@@ -728,9 +751,16 @@ pub(crate) async fn reserve(
                 let now = Instant::now();
                 match deadline {
                     Some(deadline) if now < deadline => {
-                        let wake = (now + pause).min(deadline);
-                        sleep_until(wake).await;
-                        pause = (pause * 2).min(Duration::from_millis(100));
+                        // Until the record changes (the store may be told),
+                        // the lease runs out (its owner may be gone), or the
+                        // wait bound is reached, whichever comes first.
+                        let max_wait = (deadline - now)
+                            .min(lease_remaining)
+                            .max(Duration::from_millis(1));
+                        store
+                            .wait_for_change(request.identity, max_wait, waits)
+                            .await;
+                        waits = waits.saturating_add(1);
                     }
                     _ => {
                         METRICS.refused_in_progress.fetch_add(1, Ordering::Relaxed);

@@ -348,6 +348,21 @@ pub trait Store: Send + Sync {
         require_expired_lease: bool,
     ) -> Result<ForcedRelease, StoreError>;
 
+    /// Waits, after [`reserve`](Store::reserve) found the record of `identity`
+    /// in progress, until the record may have changed (completed, released,
+    /// its lease ended) or `max_wait` has passed; the caller then reserves
+    /// again. Returning early is always allowed: the caller re-checks.
+    ///
+    /// `round` counts this call's earlier waits (0 for the first). The
+    /// default polls: it sleeps [`polling_backoff`]`(round)`, at most
+    /// `max_wait`. Stores that learn of changes (PostgreSQL's `LISTEN/NOTIFY`,
+    /// the in-process notification of the memory and SQLite stores) return
+    /// as soon as the record changes, and poll only as a fallback.
+    async fn wait_for_change(&self, identity: &Identity, max_wait: Duration, round: u32) {
+        let _ = identity;
+        tokio::time::sleep(polling_backoff(round).min(max_wait)).await
+    }
+
     /// Deletes up to `batch` expired records; returns how many were deleted.
     /// An in-progress record is deleted only when both its lease and its
     /// retention have run out.
@@ -392,6 +407,9 @@ macro_rules! delegate_store {
             async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError> {
                 (**self).purge_expired(batch).await
             }
+            async fn wait_for_change(&self, identity: &Identity, max_wait: Duration, round: u32) {
+                (**self).wait_for_change(identity, max_wait, round).await
+            }
             async fn fetch(&self, identity: &Identity) -> Result<Option<RecordSnapshot>, StoreError> {
                 (**self).fetch(identity).await
             }
@@ -420,6 +438,21 @@ impl<'s> AsDynStore for dyn Store + 's {
     fn as_dyn_store(&self) -> &dyn Store {
         self
     }
+}
+
+/// The pause before the `round`-th re-check of a record found in progress,
+/// for stores that cannot be told when a record changes: 5 ms, doubling
+/// every round, at most 100 ms.
+///
+/// ```
+/// use idempotent_runtime::store::polling_backoff;
+/// use std::time::Duration;
+/// assert_eq!(polling_backoff(0), Duration::from_millis(5));
+/// assert_eq!(polling_backoff(1), Duration::from_millis(10));
+/// assert_eq!(polling_backoff(40), Duration::from_millis(100));
+/// ```
+pub fn polling_backoff(round: u32) -> Duration {
+    Duration::from_millis(5u64.saturating_mul(1u64 << round.min(16)).min(100))
 }
 
 /// Milliseconds as a `Duration`, negative values as zero.
