@@ -7,6 +7,7 @@ use crate::metrics::{CallOutcome, METRICS};
 use crate::recovery::{Recovery, Takeover};
 use crate::registry::{InProgressPolicy, ScopeInfo};
 use crate::store::{OwnerToken, Reservation, ReserveRequest, Store, StoredOutcome};
+use futures_util::future::BoxFuture;
 use futures_util::FutureExt;
 use serde::{de::DeserializeOwned, Serialize};
 use std::future::Future;
@@ -241,11 +242,11 @@ impl Drop for FinishOnDrop<'_> {
     fn drop(&mut self) {
         let (identity, token) = (self.identity.clone(), self.token.clone());
         if *self.armed.get_mut() {
-            tracing::info!(target: "idempotent", scope = %identity.scope, key = %identity.key_digest(),
+            tracing::info!(target: "idempotent", scope = %identity.scope, key = %identity.log_digest(),
                 "call ended while it held (or may have held) its record; the store releases it");
             self.store.release_detached(identity, token);
         } else if let Some((outcome, ttl)) = self.completing.take() {
-            tracing::info!(target: "idempotent", scope = %identity.scope, key = %identity.key_digest(),
+            tracing::info!(target: "idempotent", scope = %identity.scope, key = %identity.log_digest(),
                 "call dropped while recording its result; the store records it");
             self.store.complete_detached(identity, token, outcome, ttl);
         }
@@ -314,12 +315,12 @@ pub(crate) fn note_takeover(
     });
     match spec.recover {
         Some(hook) => {
-            tracing::warn!(target: "idempotent", scope = spec.scope, key = %identity.key_digest(),
+            tracing::warn!(target: "idempotent", scope = spec.scope, key = %identity.log_digest(),
             attempt, previous_attempt_started_at = previous_started.as_deref().unwrap_or("?"), recover = hook,
             "took over a record whose lease had expired; the previous attempt may have done the work: asking the recover hook")
         }
         None => {
-            tracing::warn!(target: "idempotent", scope = spec.scope, key = %identity.key_digest(),
+            tracing::warn!(target: "idempotent", scope = spec.scope, key = %identity.log_digest(),
             attempt, previous_attempt_started_at = previous_started.as_deref().unwrap_or("?"),
             "took over a record whose lease had expired; running the body again although the previous attempt \
              may have done the work (give the function `recover = ...` to check first)")
@@ -341,7 +342,7 @@ where
     let span = tracing::info_span!(target: "idempotent", "idempotent_call",
         scope = spec.scope, key = tracing::field::Empty, store = tracing::field::Empty,
         attempt = tracing::field::Empty, outcome = tracing::field::Empty);
-    if let Ok(identity) = &call.identity {
+    if let (Ok(identity), false) = (&call.identity, span.is_disabled()) {
         span.record("key", identity.key_digest().as_str());
     }
     let (result, outcome) = execute_inner(call, errors, recover, body, &span)
@@ -362,7 +363,7 @@ pub(crate) fn failure_outcome(error: &Error) -> CallOutcome {
     }
 }
 
-type Answered<R> = (
+pub(crate) type Answered<R> = (
     Result<<R as IdempotentReturn>::Value, <R as IdempotentReturn>::Failure>,
     CallOutcome,
 );
@@ -400,7 +401,7 @@ where
         Err(e) => return fail(e),
     };
     let token = OwnerToken::new();
-    let digest = identity.key_digest();
+    let digest = identity.log_digest();
 
     let request = ReserveRequest {
         identity: &identity,
@@ -422,31 +423,13 @@ where
     let acquired = match reserved {
         Ok(Reserved::Acquired(acquired)) => acquired,
         Ok(Reserved::Replay(outcome)) => {
-            METRICS.replayed.fetch_add(1, Ordering::Relaxed);
-            tracing::info!(target: "idempotent", scope = spec.scope, key = %digest, store = store.name(), "replayed");
-            report(Outcome::Replayed);
-            return match decode_replay::<R, H>(spec, &errors, outcome) {
-                // A recorded error replayed is a replay too.
-                Ok(v) => (Ok(v), CallOutcome::Replayed),
-                Err(e) => (Err(e), CallOutcome::Replayed),
-            };
+            return replay::<R, H>(spec, &errors, &identity, store.name(), outcome)
         }
         Err(e) => return fail(e),
     };
     span.record("attempt", acquired.attempt);
 
-    if acquired.took_over {
-        note_takeover(
-            spec,
-            &identity,
-            acquired.attempt,
-            acquired.previous_started_ms,
-        );
-        let takeover = Takeover::from_store(
-            identity.clone(),
-            acquired.attempt,
-            acquired.previous_started_ms.unwrap_or(0),
-        );
+    if let Some(takeover) = acquired.takeover(spec, &identity) {
         if let Some(hook) = recover.ask(takeover) {
             // While the hook runs, a dropped call leaves the record in
             // progress (its lease runs out, the next call asks again):
@@ -458,9 +441,7 @@ where
                     end_lease_logged(store, &identity, &token).await;
                     std::panic::resume_unwind(panic);
                 }
-                Ok(Ok(Recovery::Run)) => None,
-                Ok(Ok(Recovery::Completed(v))) => Some(Ok(v)),
-                Ok(Err(e)) => Some(Err(e)),
+                Ok(answer) => hook_answer(answer),
             };
             match answered {
                 None => {
@@ -471,10 +452,14 @@ where
                 Some(result) => {
                     METRICS.recovered.fetch_add(1, Ordering::Relaxed);
                     report(Outcome::Recovered);
-                    return finish::<R, H>(
+                    let mut sink = StoreSink {
                         store,
+                        guard: &mut guard,
+                    };
+                    return settle::<R, H>(
                         spec,
-                        &mut guard,
+                        &identity,
+                        &mut sink,
                         &errors,
                         result,
                         Finished::Recovered,
@@ -502,29 +487,125 @@ where
     );
     METRICS.executed.fetch_add(1, Ordering::Relaxed);
     report(Outcome::Executed);
-    finish::<R, H>(store, spec, &mut guard, &errors, result, Finished::Executed).await
+    let mut sink = StoreSink {
+        store,
+        guard: &mut guard,
+    };
+    settle::<R, H>(
+        spec,
+        &identity,
+        &mut sink,
+        &errors,
+        result,
+        Finished::Executed,
+    )
+    .await
 }
 
-/// Whose answer [`finish`] records.
+/// Whose answer [`settle`] records.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Finished {
+pub(crate) enum Finished {
     /// The body ran.
     Executed,
     /// The recover hook answered; the body did not run.
     Recovered,
 }
 
-/// Records (or releases) the answer of a call that owns its record: the
-/// body's result, or a recover hook's.
+impl Finished {
+    fn outcome(self) -> CallOutcome {
+        match self {
+            Finished::Executed => CallOutcome::Executed,
+            Finished::Recovered => CallOutcome::Recovered,
+        }
+    }
+}
+
+/// Where a held reservation's record is written: the store, under the
+/// call's drop guard (store mode), or the caller's transaction
+/// (transactional mode). Every write is fenced by the call's owner token.
+pub(crate) trait RecordSink: Send {
+    /// Frees the key: the answer is not recorded and a retry runs again.
+    /// An error is what the caller gets instead of the answer.
+    fn release(&mut self) -> BoxFuture<'_, Result<(), Error>>;
+
+    /// Leaves the record in progress for the next call to take over (a
+    /// recover hook's answer that is not recorded: rule 20).
+    fn keep_for_takeover(&mut self) -> BoxFuture<'_, ()>;
+
+    /// Records the answer. `Ok(false)`: another owner holds the record now.
+    fn record(
+        &mut self,
+        stored: StoredOutcome,
+        ttl: Duration,
+        by: Finished,
+    ) -> BoxFuture<'_, Result<bool, crate::error::StoreError>>;
+}
+
+/// Store mode's [`RecordSink`]: writes through the store, and keeps the
+/// call's [`FinishOnDrop`] guard in step, so a call dropped mid-write is
+/// finished by the store (rule 14).
+struct StoreSink<'g, 'a> {
+    store: &'a dyn Store,
+    guard: &'g mut FinishOnDrop<'a>,
+}
+
+impl RecordSink for StoreSink<'_, '_> {
+    fn release(&mut self) -> BoxFuture<'_, Result<(), Error>> {
+        Box::pin(async move {
+            release(self.store, self.guard).await;
+            Ok(())
+        })
+    }
+
+    fn keep_for_takeover(&mut self) -> BoxFuture<'_, ()> {
+        Box::pin(async move {
+            end_lease_logged(self.store, self.guard.identity, self.guard.token).await;
+            self.guard.arm(false);
+        })
+    }
+
+    fn record(
+        &mut self,
+        stored: StoredOutcome,
+        ttl: Duration,
+        by: Finished,
+    ) -> BoxFuture<'_, Result<bool, crate::error::StoreError>> {
+        Box::pin(async move {
+            let (store, identity, token) = (self.store, self.guard.identity, self.guard.token);
+            // The answer is recordable: from here on a dropped call records
+            // it rather than freeing the key for a re-run.
+            self.guard.arm(false);
+            let stored = &self.guard.completing.insert((stored, ttl)).0;
+            let written = match by {
+                Finished::Executed => store.complete(identity, token, stored, ttl).await,
+                Finished::Recovered => store.complete_recovered(identity, token, stored, ttl).await,
+            };
+            let unrecorded = self.guard.completing.take();
+            if let (Err(e), Some((outcome, ttl))) = (&written, unrecorded) {
+                // The answer is final: keep trying to record it in the
+                // background (fenced by the token), so a retry replays it
+                // instead of running the body again once the lease runs out.
+                tracing::error!(target: "idempotent", scope = %identity.scope, key = %identity.log_digest(), error = %e,
+                    "the answer could not be recorded yet; the store keeps trying");
+                store.complete_detached(identity.clone(), token.clone(), outcome, ttl);
+            }
+            written
+        })
+    }
+}
+
+/// Records (or releases) the answer of a call that holds its record — the
+/// body's result, or a recover hook's — through `sink`. Shared by store mode
+/// and transactional mode.
 ///
 /// A hook's answer that is not recorded (an error the policy releases, or a
 /// value that cannot be recorded) does not free the key: the record stays in
-/// progress with its lease ended, so the next call takes it over and asks the
-/// hook again instead of running the body blind (rule 20).
-async fn finish<R, H>(
-    store: &dyn Store,
+/// progress, so the next call takes it over and asks the hook again instead
+/// of running the body blind (rule 20).
+pub(crate) async fn settle<R, H>(
     spec: &'static ScopeInfo,
-    guard: &mut FinishOnDrop<'_>,
+    identity: &Identity,
+    sink: &mut dyn RecordSink,
     errors: &H,
     result: Result<R::Value, R::Failure>,
     by: Finished,
@@ -533,88 +614,46 @@ where
     R: IdempotentReturn,
     H: ErrorHandling<R::Failure>,
 {
-    let (identity, token) = (guard.identity, guard.token);
-    let digest = identity.key_digest();
-    let done = match by {
-        Finished::Executed => CallOutcome::Executed,
-        Finished::Recovered => CallOutcome::Recovered,
-    };
-    let stored = match outcome_to_record::<R, H>(spec, &result, errors) {
-        Ok(Some(stored)) => stored,
-        Ok(None) => {
-            match by {
-                Finished::Executed => {
-                    release(store, guard).await;
-                    tracing::info!(target: "idempotent", scope = spec.scope, key = %digest, "executed; error released");
-                }
-                Finished::Recovered => {
-                    end_lease_logged(store, identity, token).await;
-                    guard.arm(false);
-                    tracing::warn!(target: "idempotent", scope = spec.scope, key = %digest,
-                        "the recover hook answered an error that is not recorded; the record stays in progress \
-                         (lease ended) so the next call asks the hook again");
+    let digest = identity.log_digest();
+    let unrecorded = match outcome_to_record::<R, H>(spec, &result, errors) {
+        Ok(Some(stored)) => {
+            let recorded_error = stored.is_error;
+            let written = sink.record(stored, spec.ttl, by).await;
+            if matches!(written, Ok(true)) {
+                match by {
+                    Finished::Executed => {
+                        tracing::info!(target: "idempotent", scope = spec.scope, key = %digest, recorded_error, "executed")
+                    }
+                    Finished::Recovered => {
+                        tracing::info!(target: "idempotent", scope = spec.scope, key = %digest, recorded_error,
+                            "recovered: the recover hook's answer was recorded; the body did not run")
+                    }
                 }
             }
-            return (result, done);
+            return after_completion::<R>(written, identity, result, by.outcome());
         }
-        Err(e) => {
-            match by {
-                Finished::Executed => release(store, guard).await,
-                Finished::Recovered => {
-                    end_lease_logged(store, identity, token).await;
-                    guard.arm(false);
-                }
-            }
-            return (Err(e.into()), CallOutcome::Failed);
-        }
+        Ok(None) => None,
+        Err(e) => Some(e),
     };
-    // The answer is recordable: from here on a dropped call records it rather
-    // than freeing the key for a re-run.
-    guard.arm(false);
-    let recorded_error = stored.is_error;
-    let stored = &guard.completing.insert((stored, spec.ttl)).0;
-    let completed = match by {
-        Finished::Executed => store.complete(identity, token, stored, spec.ttl).await,
+    match by {
+        Finished::Executed => {
+            if let Err(e) = sink.release().await {
+                return (Err(e.into()), CallOutcome::Failed);
+            }
+            if unrecorded.is_none() {
+                tracing::info!(target: "idempotent", scope = spec.scope, key = %digest, "executed; error released");
+            }
+        }
         Finished::Recovered => {
-            store
-                .complete_recovered(identity, token, stored, spec.ttl)
-                .await
+            sink.keep_for_takeover().await;
+            tracing::warn!(target: "idempotent", scope = spec.scope, key = %digest,
+                "the recover hook's answer is not recorded; the record stays in progress \
+                 so the next call asks the hook again");
         }
-    };
-    let unrecorded = guard.completing.take();
-    match completed {
-        Ok(true) => {
-            match by {
-                Finished::Executed => {
-                    tracing::info!(target: "idempotent", scope = spec.scope, key = %digest, recorded_error, "executed")
-                }
-                Finished::Recovered => {
-                    tracing::info!(target: "idempotent", scope = spec.scope, key = %digest, recorded_error,
-                    "recovered: the recover hook's answer was recorded; the body did not run")
-                }
-            }
-            (result, done)
-        }
-        Ok(false) => {
-            METRICS.lease_lost.fetch_add(1, Ordering::Relaxed);
-            tracing::error!(target: "idempotent", scope = spec.scope, key = %digest,
-                "lease lost: another caller took the record over meanwhile; this answer was not recorded");
-            (
-                Err(Error::LeaseLost(identity.context()).into()),
-                CallOutcome::LeaseLost,
-            )
-        }
-        Err(e) => {
-            // The answer is final: keep trying to record it in the background
-            // (fenced by the token), so a retry replays it instead of running
-            // the body again once the lease runs out.
-            tracing::error!(target: "idempotent", scope = spec.scope, key = %digest, error = %e,
-                "the answer could not be recorded yet; the store keeps trying");
-            if let Some((outcome, ttl)) = unrecorded {
-                store.complete_detached(identity.clone(), token.clone(), outcome, ttl);
-            }
-            (Err(Error::Store(e).into()), CallOutcome::Failed)
-        }
+    }
+    match unrecorded {
+        None => (result, by.outcome()),
+        Some(e) => (Err(e.into()), CallOutcome::Failed),
     }
 }
 
@@ -636,6 +675,79 @@ pub(crate) struct Acquired {
     pub took_over: bool,
     pub attempt: u32,
     pub previous_started_ms: Option<i64>,
+}
+
+impl Acquired {
+    /// On a takeover (rule 20): logs and counts it, and returns what the
+    /// `recover` hook is asked with. `None` for a fresh record.
+    pub(crate) fn takeover(
+        &self,
+        spec: &'static ScopeInfo,
+        identity: &Identity,
+    ) -> Option<Takeover> {
+        if !self.took_over {
+            return None;
+        }
+        note_takeover(spec, identity, self.attempt, self.previous_started_ms);
+        Some(Takeover::from_store(
+            identity.clone(),
+            self.attempt,
+            self.previous_started_ms.unwrap_or(0),
+        ))
+    }
+}
+
+/// A recover hook's answer: `None` to run the body, `Some(result)` to record
+/// and return instead of running it.
+pub(crate) fn hook_answer<T, E>(answer: Result<Recovery<T>, E>) -> Option<Result<T, E>> {
+    match answer {
+        Ok(Recovery::Run) => None,
+        Ok(Recovery::Completed(v)) => Some(Ok(v)),
+        Err(e) => Some(Err(e)),
+    }
+}
+
+/// Answers a reservation that found the record complete: counts and logs the
+/// replay and decodes the recorded result (a recorded error replayed is a
+/// replay too). Shared by store mode and transactional mode.
+pub(crate) fn replay<R: IdempotentReturn, H: ErrorHandling<R::Failure>>(
+    spec: &'static ScopeInfo,
+    errors: &H,
+    identity: &Identity,
+    store: &'static str,
+    outcome: StoredOutcome,
+) -> Answered<R> {
+    METRICS.replayed.fetch_add(1, Ordering::Relaxed);
+    tracing::info!(target: "idempotent", scope = spec.scope, key = %identity.log_digest(), store, "replayed");
+    report(Outcome::Replayed);
+    (
+        decode_replay::<R, H>(spec, errors, outcome),
+        CallOutcome::Replayed,
+    )
+}
+
+/// The caller's answer once a fenced write of `result` (completion) was
+/// tried: `result` itself when it was written, `LeaseLost` when another
+/// owner holds the record now, the store's error otherwise.
+pub(crate) fn after_completion<R: IdempotentReturn>(
+    written: Result<bool, crate::error::StoreError>,
+    identity: &Identity,
+    result: Result<R::Value, R::Failure>,
+    done: CallOutcome,
+) -> Answered<R> {
+    match written {
+        Ok(true) => (result, done),
+        Ok(false) => {
+            METRICS.lease_lost.fetch_add(1, Ordering::Relaxed);
+            tracing::error!(target: "idempotent", scope = %identity.scope, key = %identity.log_digest(),
+                "lease lost: another caller took the record over meanwhile; this answer was not recorded");
+            (
+                Err(Error::LeaseLost(identity.context()).into()),
+                CallOutcome::LeaseLost,
+            )
+        }
+        Err(e) => (Err(Error::Store(e).into()), CallOutcome::Failed),
+    }
 }
 
 pub(crate) enum Reserved {
@@ -743,7 +855,7 @@ pub(crate) async fn reserve(
             }
             Reservation::FingerprintMismatch => {
                 METRICS.mismatched.fetch_add(1, Ordering::Relaxed);
-                tracing::warn!(target: "idempotent", scope = spec.scope, key = %request.identity.key_digest(),
+                tracing::warn!(target: "idempotent", scope = spec.scope, key = %request.identity.log_digest(),
                     "refused: key reused with different arguments");
                 return Err(Error::FingerprintMismatch(request.identity.context()));
             }
@@ -764,7 +876,7 @@ pub(crate) async fn reserve(
                     }
                     _ => {
                         METRICS.refused_in_progress.fetch_add(1, Ordering::Relaxed);
-                        tracing::info!(target: "idempotent", scope = spec.scope, key = %request.identity.key_digest(),
+                        tracing::info!(target: "idempotent", scope = spec.scope, key = %request.identity.log_digest(),
                             "refused: a call with the same key is in progress");
                         return Err(Error::InProgress {
                             scope: spec.scope.to_owned(),
@@ -865,11 +977,11 @@ pub(crate) async fn end_lease_logged(store: &dyn Store, identity: &Identity, tok
     match store.heartbeat(identity, token, Duration::ZERO).await {
         Ok(true) => {}
         Ok(false) => {
-            tracing::warn!(target: "idempotent", scope = %identity.scope, key = %identity.key_digest(),
+            tracing::warn!(target: "idempotent", scope = %identity.scope, key = %identity.log_digest(),
                 "ending the lease found the record owned by someone else (lease lost); left it alone")
         }
         Err(e) => {
-            tracing::error!(target: "idempotent", scope = %identity.scope, key = %identity.key_digest(), error = %e,
+            tracing::error!(target: "idempotent", scope = %identity.scope, key = %identity.log_digest(), error = %e,
                 "ending the lease failed; the record stays in progress until its lease expires")
         }
     }
@@ -884,11 +996,11 @@ async fn release(store: &dyn Store, guard: &FinishOnDrop<'_>) {
         Ok(true) => guard.arm(false),
         Ok(false) => {
             guard.arm(false);
-            tracing::warn!(target: "idempotent", scope = %identity.scope, key = %identity.key_digest(),
+            tracing::warn!(target: "idempotent", scope = %identity.scope, key = %identity.log_digest(),
                 "release found the record owned by someone else (lease lost); left it alone")
         }
         Err(e) => {
-            tracing::warn!(target: "idempotent", scope = %identity.scope, key = %identity.key_digest(), error = %e,
+            tracing::warn!(target: "idempotent", scope = %identity.scope, key = %identity.log_digest(), error = %e,
                 "release failed; the store retries it in the background")
         }
     }
@@ -907,13 +1019,17 @@ async fn run_with_heartbeat<R, Fut: Future<Output = R>>(
     body: Fut,
 ) -> Result<R, PanicPayload> {
     let period = (lease / 3).max(Duration::from_millis(1));
+    let started = Instant::now();
     let mut body = pin!(AssertUnwindSafe(body).catch_unwind());
-    let mut timer = pin!(sleep_until(Instant::now() + period));
+    // The timer is made the first time the body is pending: a body that
+    // finishes in its first poll costs no timer (fast bodies never heartbeat).
+    let mut timer: Option<std::pin::Pin<Box<tokio::time::Sleep>>> = None;
     let mut beat: Option<futures_util::future::BoxFuture<'_, _>> = None;
     std::future::poll_fn(|cx| {
         if let Poll::Ready(out) = body.as_mut().poll(cx) {
             return Poll::Ready(out);
         }
+        let timer = timer.get_or_insert_with(|| Box::pin(sleep_until(started + period)));
         loop {
             if let Some(f) = beat.as_mut() {
                 let Poll::Ready(result) = f.as_mut().poll(cx) else {
@@ -943,12 +1059,12 @@ fn note_heartbeat(
         }
         Ok(false) => {
             crate::metrics::heartbeat_failed(spec.scope);
-            tracing::error!(target: "idempotent", scope = %identity.scope, key = %identity.key_digest(),
+            tracing::error!(target: "idempotent", scope = %identity.scope, key = %identity.log_digest(),
                 "heartbeat: the lease was lost to another caller; this call's result will not be recorded");
         }
         Err(e) => {
             crate::metrics::heartbeat_failed(spec.scope);
-            tracing::warn!(target: "idempotent", scope = %identity.scope, key = %identity.key_digest(), error = %e,
+            tracing::warn!(target: "idempotent", scope = %identity.scope, key = %identity.log_digest(), error = %e,
                 "heartbeat failed; will try again");
         }
     }

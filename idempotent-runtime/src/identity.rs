@@ -103,6 +103,12 @@ impl Identity {
         hex::encode(&h.finalize()[..8])
     }
 
+    /// [`key_digest`](Self::key_digest), computed only when it is displayed:
+    /// for log fields (`key = %identity.log_digest()`) that are usually off.
+    pub(crate) fn log_digest(&self) -> LogDigest<'_> {
+        LogDigest(self)
+    }
+
     /// The context carried by errors about this record (scope and digest, never the raw key).
     pub fn context(&self) -> crate::error::RecordContext {
         crate::error::RecordContext {
@@ -147,5 +153,14 @@ mod tests {
         assert_eq!(d.len(), 16);
         assert!(d.chars().all(|c| c.is_ascii_hexdigit()));
         assert!(!d.contains("4242") && !format!("{:?}", secret.context()).contains("sk_live"));
+    }
+}
+
+/// An identity's [`Identity::key_digest`], computed when displayed.
+pub(crate) struct LogDigest<'a>(&'a Identity);
+
+impl std::fmt::Display for LogDigest<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0.key_digest())
     }
 }

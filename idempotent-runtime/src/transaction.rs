@@ -14,16 +14,16 @@
 //! refused with [`Error::NotInTransaction`] before anything is written.
 
 use crate::engine::{
-    decode_replay, failure_outcome, note_takeover, outcome_to_record, report, reserve,
-    ErrorHandling, IdempotentReturn, Outcome, Recover, Reserved, Reserver,
+    failure_outcome, hook_answer, replay, report, reserve, settle, ErrorHandling, Finished,
+    IdempotentReturn, Outcome, RecordSink, Recover, Reserved, Reserver,
 };
 use crate::error::{Error, StoreError};
 use crate::fingerprint::Fingerprint;
 use crate::identity::Identity;
 use crate::metrics::{CallOutcome, METRICS};
-use crate::recovery::{Recovery, Takeover};
 use crate::registry::ScopeInfo;
 use crate::store::{OwnerToken, Reservation, ReserveRequest, StoredOutcome};
+use futures_util::future::BoxFuture;
 use std::future::Future;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
@@ -248,11 +248,13 @@ where
         Ok(v) => v,
         Err(e) => return fail(e),
     };
-    span.record("key", identity.key_digest().as_str());
+    if !span.is_disabled() {
+        span.record("key", identity.key_digest().as_str());
+    }
     match connection.in_transaction().await {
         Ok(true) => {}
         Ok(false) => {
-            tracing::warn!(target: "idempotent", scope = spec.scope, key = %identity.key_digest(),
+            tracing::warn!(target: "idempotent", scope = spec.scope, key = %identity.log_digest(),
                 "refused: tx = ... was given a connection that is not inside a transaction");
             return fail(Error::NotInTransaction {
                 scope: spec.scope.to_owned(),
@@ -272,38 +274,30 @@ where
     let acquired = match reserve(InTransaction(&mut *connection), request, spec, None).await {
         Ok(Reserved::Acquired(acquired)) => acquired,
         Ok(Reserved::Replay(outcome)) => {
-            METRICS.replayed.fetch_add(1, Ordering::Relaxed);
-            tracing::info!(target: "idempotent", scope = spec.scope, key = %identity.key_digest(), "replayed (transactional)");
-            report(Outcome::Replayed);
-            let replay = decode_replay::<R, H>(spec, errors, outcome);
-            return early::<R>(spec, &span, replay, CallOutcome::Replayed);
+            let (replayed, outcome) =
+                replay::<R, H>(spec, errors, &identity, connection.store_name(), outcome);
+            return early::<R>(spec, &span, replayed, outcome);
         }
         Err(e) => return fail(e),
     };
     span.record("attempt", acquired.attempt);
-    if acquired.took_over {
-        note_takeover(
-            spec,
-            &identity,
-            acquired.attempt,
-            acquired.previous_started_ms,
-        );
-        let takeover = Takeover::from_store(
-            identity.clone(),
-            acquired.attempt,
-            acquired.previous_started_ms.unwrap_or(0),
-        );
+    if let Some(takeover) = acquired.takeover(spec, &identity) {
         if let Some(hook) = recover.ask(takeover) {
-            let answer = match hook.await {
-                Ok(Recovery::Run) => None,
-                Ok(Recovery::Completed(v)) => Some(Ok(v)),
-                Err(e) => Some(Err(e)),
-            };
-            if let Some(result) = answer {
+            if let Some(result) = hook_answer(hook.await) {
                 METRICS.recovered.fetch_add(1, Ordering::Relaxed);
                 report(Outcome::Recovered);
-                let (result, outcome) = record_recovered::<R, H, C>(
-                    spec, errors, connection, &identity, &token, result,
+                let mut sink = TransactionSink {
+                    connection,
+                    identity: &identity,
+                    token: &token,
+                };
+                let (result, outcome) = settle::<R, H>(
+                    spec,
+                    &identity,
+                    &mut sink,
+                    errors,
+                    result,
+                    Finished::Recovered,
                 )
                 .await;
                 return early::<R>(spec, &span, result, outcome);
@@ -318,40 +312,53 @@ where
     })
 }
 
-/// Records a recover hook's answer in the caller's transaction.
-async fn record_recovered<R, H, C>(
-    spec: &'static ScopeInfo,
-    errors: &H,
-    connection: &mut C,
-    identity: &Identity,
-    token: &OwnerToken,
-    result: Result<R::Value, R::Failure>,
-) -> (Result<R::Value, R::Failure>, CallOutcome)
-where
-    R: IdempotentReturn,
-    H: ErrorHandling<R::Failure>,
-    C: TransactionalConnection + ?Sized,
-{
-    let stored = match outcome_to_record::<R, H>(spec, &result, errors) {
-        Ok(Some(stored)) => stored,
-        Ok(None) => {
-            tracing::warn!(target: "idempotent", scope = spec.scope, key = %identity.key_digest(),
-                "the recover hook answered an error that is not recorded; the record stays in progress \
-                 so the next call asks the hook again");
-            return (result, CallOutcome::Recovered);
-        }
-        Err(e) => return (Err(e.into()), CallOutcome::Failed),
-    };
-    match connection
-        .complete_recovered_in_transaction(identity, token, &stored, spec.ttl)
-        .await
-    {
-        Ok(true) => (result, CallOutcome::Recovered),
-        Ok(false) => (
-            Err(Error::LeaseLost(identity.context()).into()),
-            CallOutcome::LeaseLost,
-        ),
-        Err(e) => (Err(Error::Store(e).into()), CallOutcome::Failed),
+/// Transactional mode's [`RecordSink`]: writes in the caller's transaction.
+/// Nothing is finished on drop: a transaction that is not committed takes
+/// the reservation with it.
+struct TransactionSink<'c, C: ?Sized> {
+    connection: &'c mut C,
+    identity: &'c Identity,
+    token: &'c OwnerToken,
+}
+
+impl<C: TransactionalConnection + ?Sized> RecordSink for TransactionSink<'_, C> {
+    fn release(&mut self) -> BoxFuture<'_, Result<(), Error>> {
+        Box::pin(async move {
+            // The key is free whether the caller commits or rolls back.
+            self.connection
+                .release_in_transaction(self.identity, self.token)
+                .await
+                .map(|_| ())
+                .map_err(Error::Store)
+        })
+    }
+
+    fn keep_for_takeover(&mut self) -> BoxFuture<'_, ()> {
+        // The record stays as the takeover wrote it; its lease runs out.
+        Box::pin(async {})
+    }
+
+    fn record(
+        &mut self,
+        stored: StoredOutcome,
+        ttl: Duration,
+        by: Finished,
+    ) -> BoxFuture<'_, Result<bool, StoreError>> {
+        Box::pin(async move {
+            let (identity, token) = (self.identity, self.token);
+            match by {
+                Finished::Executed => {
+                    self.connection
+                        .complete_in_transaction(identity, token, &stored, ttl)
+                        .await
+                }
+                Finished::Recovered => {
+                    self.connection
+                        .complete_recovered_in_transaction(identity, token, &stored, ttl)
+                        .await
+                }
+            }
+        })
     }
 }
 
@@ -396,29 +403,18 @@ where
     } = held;
     METRICS.executed.fetch_add(1, Ordering::Relaxed);
     report(Outcome::Executed);
-    let result = result.into_result();
-    let stored = match outcome_to_record::<R, H>(spec, &result, errors) {
-        Ok(Some(stored)) => stored,
-        refused => {
-            // Release: the key is free whether the caller commits or rolls back.
-            if let Err(e) = connection.release_in_transaction(&identity, &token).await {
-                return (Err(Error::Store(e).into()), CallOutcome::Failed);
-            }
-            return match refused {
-                Err(e) => (Err(e.into()), CallOutcome::Failed),
-                Ok(_) => (result, CallOutcome::Executed),
-            };
-        }
+    let mut sink = TransactionSink {
+        connection,
+        identity: &identity,
+        token: &token,
     };
-    match connection
-        .complete_in_transaction(&identity, &token, &stored, spec.ttl)
-        .await
-    {
-        Ok(true) => (result, CallOutcome::Executed),
-        Ok(false) => (
-            Err(Error::LeaseLost(identity.context()).into()),
-            CallOutcome::LeaseLost,
-        ),
-        Err(e) => (Err(Error::Store(e).into()), CallOutcome::Failed),
-    }
+    settle::<R, H>(
+        spec,
+        &identity,
+        &mut sink,
+        errors,
+        result.into_result(),
+        Finished::Executed,
+    )
+    .await
 }

@@ -28,9 +28,25 @@ pub mod sqlite_tx;
 pub struct OwnerToken(String);
 
 impl OwnerToken {
-    /// A fresh random token.
+    /// A fresh token, unique across processes and restarts: 64 random bits
+    /// drawn once per process, then a per-process counter (32 hex
+    /// characters, like a UUID without dashes). Cheaper than a random UUID
+    /// per call (no system call on the hot path).
+    ///
+    /// ```
+    /// use idempotent_runtime::OwnerToken;
+    /// let (a, b) = (OwnerToken::new(), OwnerToken::new());
+    /// assert_ne!(a, b);
+    /// assert_eq!(a.as_str().len(), 32);
+    /// ```
     pub fn new() -> Self {
-        OwnerToken(uuid::Uuid::new_v4().simple().to_string())
+        use std::sync::atomic::{AtomicU64, Ordering};
+        use std::sync::OnceLock;
+        static PROCESS: OnceLock<u64> = OnceLock::new();
+        static COUNTER: AtomicU64 = AtomicU64::new(0);
+        let process = *PROCESS.get_or_init(|| uuid::Uuid::new_v4().as_u64_pair().0);
+        let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+        OwnerToken(format!("{process:016x}{n:016x}"))
     }
 
     /// The token as stored.
