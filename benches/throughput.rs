@@ -9,7 +9,12 @@
 //!
 //! PostgreSQL also compares transactional mode (`tx = tx`, inside the caller's
 //! transaction) with separate mode (`store = ...`) for a body writing a business
-//! row; MySQL/MariaDB repeats the annotated vs hand-written comparison.
+//! row. MySQL/MariaDB compares the annotated function, at 1 and 16 callers,
+//! with the floors: for fresh keys the two hand-written statements
+//! (`INSERT IGNORE`, then the completing `UPDATE`), for replays one
+//! hand-written primary-key `SELECT`; beside them the reservation procedure
+//! called by hand for every reservation (what the store did before its plain
+//! read came first).
 //!
 //! Each scenario runs a bounded number of calls (and at most a few seconds);
 //! the figures are calls per second and ratios against the baseline named on
@@ -178,23 +183,24 @@ async fn hand_pg(pool: &PgPool, key: &str, amount: u64) -> sqlx::Result<u64> {
 
 const MY_NOW: &str = "(UNIX_TIMESTAMP() * 1000 + FLOOR(MICROSECOND(NOW(6)) / 1000))";
 
+/// A table shaped like `idempotency_records` (the store's migrations made it).
 async fn mysql_schema(pool: &MySqlPool) -> sqlx::Result<()> {
-    sqlx::query(
-        "CREATE TABLE IF NOT EXISTS bench_records (`key` VARBINARY(255) PRIMARY KEY, \
-         state VARCHAR(16) NOT NULL, owner VARBINARY(64), lease_expires_at BIGINT, \
-         expires_at BIGINT NOT NULL, result LONGBLOB) ENGINE = InnoDB",
-    )
-    .execute(pool)
-    .await?;
+    sqlx::query("CREATE TABLE IF NOT EXISTS bench_my_records LIKE idempotency_records")
+        .execute(pool)
+        .await?;
     Ok(())
 }
 
-/// The same by hand on MySQL/MariaDB: insert-or-ignore, read on conflict, update to complete.
-async fn hand_mysql(pool: &MySqlPool, key: &str, amount: u64) -> sqlx::Result<u64> {
+/// The floor for fresh keys on MySQL/MariaDB: the two statements a
+/// hand-written reservation needs at the least, `INSERT IGNORE` to reserve and
+/// an `UPDATE` fenced by the owner to complete (a duplicate would read instead).
+async fn hand_mysql_fresh(pool: &MySqlPool, key: &str, amount: u64) -> sqlx::Result<u64> {
     let owner = uuid::Uuid::new_v4().simple().to_string();
     let inserted = sqlx::query(&format!(
-        "INSERT IGNORE INTO bench_records (`key`, state, owner, lease_expires_at, expires_at) \
-         VALUES (?, 'in_progress', ?, {MY_NOW} + 30000, {MY_NOW} + 86400000)"
+        "INSERT IGNORE INTO bench_my_records (tenant, scope, `key`, state, owner_token, \
+         lease_expires_at, expires_at, created_at, updated_at, attempt, attempt_started_at) \
+         VALUES ('', 'bench.hand', ?, 'in_progress', ?, {MY_NOW} + 30000, {MY_NOW} + 86400000, \
+         {MY_NOW}, {MY_NOW}, 1, {MY_NOW})"
     ))
     .bind(key)
     .bind(&owner)
@@ -202,22 +208,66 @@ async fn hand_mysql(pool: &MySqlPool, key: &str, amount: u64) -> sqlx::Result<u6
     .await?
     .rows_affected()
         == 1;
-    if !inserted {
-        let result: Option<Vec<u8>> =
-            sqlx::query_scalar("SELECT result FROM bench_records WHERE `key` = ?")
-                .bind(key)
-                .fetch_one(pool)
-                .await?;
-        return Ok(serde_json::from_slice(&result.unwrap_or_default()).unwrap_or(0));
-    }
+    assert!(inserted, "fresh keys are fresh");
     let value = amount + 1;
     sqlx::query(&format!(
-        "UPDATE bench_records SET state = 'complete', owner = NULL, result = ?, \
-         expires_at = {MY_NOW} + 86400000 WHERE `key` = ? AND owner = ?"
+        "UPDATE bench_my_records SET state = 'complete', owner_token = NULL, is_error = 0, \
+         result = ?, lease_expires_at = NULL, expires_at = {MY_NOW} + 86400000, \
+         updated_at = {MY_NOW} \
+         WHERE tenant = '' AND scope = 'bench.hand' AND `key` = ? \
+         AND state = 'in_progress' AND owner_token = ?"
     ))
     .bind(serde_json::to_vec(&value).unwrap_or_default())
     .bind(key)
     .bind(&owner)
+    .execute(pool)
+    .await?;
+    Ok(value)
+}
+
+/// The floor for replays: one hand-written primary-key `SELECT`.
+async fn hand_mysql_replay(pool: &MySqlPool, key: &str) -> sqlx::Result<u64> {
+    let result: Option<Vec<u8>> = sqlx::query_scalar(
+        "SELECT result FROM bench_my_records WHERE tenant = '' AND scope = 'bench.hand' AND `key` = ?",
+    )
+    .bind(key)
+    .fetch_one(pool)
+    .await?;
+    Ok(serde_json::from_slice(&result.unwrap_or_default()).unwrap_or(0))
+}
+
+/// What every reservation cost before the plain read came first: the
+/// reservation procedure by hand (then, for a fresh key, the completing
+/// `UPDATE`), on the store's own table.
+async fn hand_mysql_procedure(pool: &MySqlPool, key: &str, amount: u64) -> sqlx::Result<u64> {
+    use sqlx::Row;
+    let owner = uuid::Uuid::new_v4().simple().to_string();
+    let row = sqlx::query(
+        "CALL idempotency_reserve_v4(?, ?, ?, NULL, ?, 30000, 86400000, 1, 1, 1, \
+         @b1, @b2, @b3, @b4, @b5, @b6, @b7)",
+    )
+    .bind(&b""[..])
+    .bind(&b"bench.hand_procedure"[..])
+    .bind(key.as_bytes())
+    .bind(owner.as_bytes())
+    .fetch_one(pool)
+    .await?;
+    let outcome: Vec<u8> = row.try_get_unchecked(0)?;
+    if outcome != b"acquired" {
+        let result: Option<Vec<u8>> = row.try_get_unchecked(3)?;
+        return Ok(serde_json::from_slice(&result.unwrap_or_default()).unwrap_or(0));
+    }
+    let value = amount + 1;
+    sqlx::query(&format!(
+        "UPDATE idempotency_records SET state = 'complete', owner_token = NULL, is_error = 0, \
+         result = ?, lease_expires_at = NULL, expires_at = {MY_NOW} + 86400000, \
+         updated_at = {MY_NOW}, recovered = 0 \
+         WHERE tenant = '' AND scope = 'bench.hand_procedure' AND `key` = ? \
+         AND state = 'in_progress' AND owner_token = ?"
+    ))
+    .bind(serde_json::to_vec(&value).unwrap_or_default())
+    .bind(key.as_bytes())
+    .bind(owner.as_bytes())
     .execute(pool)
     .await?;
     Ok(value)
@@ -674,23 +724,25 @@ async fn main() {
         ) {
             (Ok(store), Ok(pool)) => {
                 mysql_schema(&pool).await.expect("schema");
-                for concurrency in [1usize, 32] {
+                for concurrency in [1usize, 16] {
                     let n = if concurrency == 1 { 2_000 } else { 10_000 };
                     let tag = |what: &str| format!("mysql x{concurrency}: {what}");
-                    let (hand_fresh, hand_replay) = (
-                        tag("hand-written sqlx, fresh keys"),
-                        tag("hand-written sqlx, replays"),
+                    let (floor_fresh, floor_replay) = (
+                        tag("floor: insert-ignore + update, fresh"),
+                        tag("floor: PK select, replays"),
                     );
                     let p = pool.clone();
                     let pre = format!("{run}-h{concurrency}");
                     let v = measure(n, concurrency, move |i| {
                         let (p, k) = (p.clone(), fresh(&pre, i));
                         async move {
-                            hand_mysql(&p, &k, i as u64).await.expect("hand mysql");
+                            hand_mysql_fresh(&p, &k, i as u64)
+                                .await
+                                .expect("hand mysql");
                         }
                     })
                     .await;
-                    r.add(&hand_fresh, v, None);
+                    r.add(&floor_fresh, v, None);
                     let s = store.clone();
                     let pre = format!("{run}-a{concurrency}");
                     let v = measure(n, concurrency, move |i| {
@@ -700,29 +752,54 @@ async fn main() {
                         }
                     })
                     .await;
-                    r.add(&tag("annotated, fresh keys"), v, Some(&hand_fresh));
+                    r.add(&tag("annotated, fresh keys"), v, Some(&floor_fresh));
                     let p = pool.clone();
-                    let pre = format!("{run}-h{concurrency}");
+                    let pre = format!("{run}-p{concurrency}");
                     let v = measure(n, concurrency, move |i| {
-                        let (p, k) = (p.clone(), fresh(&pre, i % 500));
+                        let (p, k) = (p.clone(), fresh(&pre, i));
                         async move {
-                            hand_mysql(&p, &k, 0).await.expect("hand mysql");
+                            hand_mysql_procedure(&p, &k, i as u64)
+                                .await
+                                .expect("procedure mysql");
                         }
                     })
                     .await;
-                    r.add(&hand_replay, v, None);
+                    r.add(&tag("procedure + update, fresh"), v, Some(&floor_fresh));
+                    // Replays of the first 50 keys each scenario recorded above.
+                    let p = pool.clone();
+                    let pre = format!("{run}-h{concurrency}");
+                    let v = measure(n, concurrency, move |i| {
+                        let (p, k) = (p.clone(), fresh(&pre, i % 50));
+                        async move {
+                            hand_mysql_replay(&p, &k).await.expect("hand mysql replay");
+                        }
+                    })
+                    .await;
+                    r.add(&floor_replay, v, None);
                     let s = store.clone();
                     let pre = format!("{run}-a{concurrency}");
                     let v = measure(n, concurrency, move |i| {
-                        let (s, k) = (s.clone(), fresh(&pre, i % 500));
+                        let (s, k) = (s.clone(), fresh(&pre, i % 50));
                         async move {
-                            annotated(&s, &k, (i % 500) as u64)
+                            annotated(&s, &k, (i % 50) as u64)
                                 .await
                                 .expect("annotated mysql replay");
                         }
                     })
                     .await;
-                    r.add(&tag("annotated, replays"), v, Some(&hand_replay));
+                    r.add(&tag("annotated, replays"), v, Some(&floor_replay));
+                    let p = pool.clone();
+                    let pre = format!("{run}-p{concurrency}");
+                    let v = measure(n, concurrency, move |i| {
+                        let (p, k) = (p.clone(), fresh(&pre, i % 50));
+                        async move {
+                            hand_mysql_procedure(&p, &k, 0)
+                                .await
+                                .expect("procedure mysql replay");
+                        }
+                    })
+                    .await;
+                    r.add(&tag("procedure, replays"), v, Some(&floor_replay));
                 }
             }
             (Err(e), _) => println!("mysql: SKIPPED ({e})"),

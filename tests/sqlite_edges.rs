@@ -40,7 +40,7 @@ fn remove(path: &Path) {
 /// whether the records table exists. Every opener of one file must see the same.
 async fn schema_seen(store: &SqliteStore) -> String {
     let versions: Vec<i64> =
-        sqlx::query_scalar("SELECT version FROM _idempotent_migrations ORDER BY version")
+        sqlx::query_scalar("SELECT version FROM idempotency_schema_migrations ORDER BY version")
             .fetch_all(store.pool())
             .await
             .expect("the migrations table exists");
@@ -461,6 +461,83 @@ async fn many_processes_open_one_new_file_at_once() {
                 "round {round} (holder first: {hold_first}), opener {i}"
             );
         }
+        remove(&path);
+    }
+}
+
+/// A file an older runtime set up, its history in `_idempotent_migrations`
+/// (the SQLite store's table before the one migration runner).
+async fn legacy_file(path: &Path) {
+    let store = SqliteStore::connect(&url(path)).await.expect("open");
+    store
+        .pool()
+        .execute("ALTER TABLE idempotency_schema_migrations RENAME TO _idempotent_migrations")
+        .await
+        .expect("make the history the legacy one");
+    store.pool().close().await;
+}
+
+/// Every (version, checksum, applied_at) row of one history table.
+async fn history(path: &Path, table: &str) -> Vec<(i64, Vec<u8>, i64)> {
+    let mut conn = SqliteConnection::connect(&url(path))
+        .await
+        .expect("connect");
+    let rows = sqlx::query_as(&format!(
+        "SELECT version, checksum, applied_at FROM {table} ORDER BY version"
+    ))
+    .fetch_all(&mut conn)
+    .await
+    .expect("read the history");
+    conn.close().await.unwrap();
+    rows
+}
+
+/// A file whose history an older runtime kept in `_idempotent_migrations`
+/// opens, from several OS processes and tasks at the same moment: the history
+/// is copied once into `idempotency_schema_migrations` (row for row: nothing
+/// is applied again, which would fail on the columns migration 0002 adds),
+/// and the legacy table is left as it was for older runtimes sharing the file.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_legacy_history_is_copied_once_when_many_processes_open_the_file() {
+    const CHILDREN: usize = 3;
+    let expected = expected_schema().await;
+    let exe = std::env::current_exe().expect("the test binary");
+    for round in 0..5 {
+        let path = fresh_path();
+        legacy_file(&path).await;
+        let legacy = history(&path, "_idempotent_migrations").await;
+        assert!(!legacy.is_empty());
+        let one_round = async {
+            let mut children = Vec::new();
+            for _ in 0..CHILDREN {
+                children.push(ChildOpener::start(&exe, &path).await);
+            }
+            for child in &mut children {
+                child.go().await;
+            }
+            let mut seen = open_from_tasks(&url(&path), CHILD_TASKS).await;
+            for child in children {
+                seen.extend(child.finish().await);
+            }
+            seen
+        };
+        // A guard against a hung child, not a timing assertion.
+        let seen = tokio::time::timeout(Duration::from_secs(120), one_round)
+            .await
+            .unwrap_or_else(|_| panic!("round {round}: the openers did not finish"));
+        assert_eq!(seen.len(), (CHILDREN + 1) * CHILD_TASKS, "round {round}");
+        for (i, s) in seen.iter().enumerate() {
+            assert_eq!(
+                s.as_deref(),
+                Ok(expected.as_str()),
+                "round {round}, opener {i}"
+            );
+        }
+        assert_eq!(
+            history(&path, "idempotency_schema_migrations").await,
+            legacy
+        );
+        assert_eq!(history(&path, "_idempotent_migrations").await, legacy);
         remove(&path);
     }
 }

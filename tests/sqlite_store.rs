@@ -48,7 +48,7 @@ async fn reserve(store: &SqliteStore, id: &Identity, token: &OwnerToken) -> Rese
 }
 
 async fn migrations_applied(store: &SqliteStore) -> Vec<i64> {
-    sqlx::query_scalar("SELECT version FROM _idempotent_migrations ORDER BY version")
+    sqlx::query_scalar("SELECT version FROM idempotency_schema_migrations ORDER BY version")
         .fetch_all(store.pool())
         .await
         .expect("the migrations table exists")
@@ -249,7 +249,7 @@ async fn memory_database_is_one_database_for_every_clone() {
 async fn a_changed_migration_is_refused_on_open() {
     let path = fresh_path();
     let store = SqliteStore::connect(&url(&path)).await.unwrap();
-    sqlx::query("UPDATE _idempotent_migrations SET checksum = x'00'")
+    sqlx::query("UPDATE idempotency_schema_migrations SET checksum = x'00'")
         .execute(store.pool())
         .await
         .unwrap();

@@ -13,10 +13,14 @@ use std::time::Duration;
 #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
 pub(crate) mod detached;
 pub mod memory;
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+pub mod migrate;
 #[cfg(feature = "mysql")]
 pub mod mysql;
 #[cfg(feature = "postgres")]
 pub mod postgres;
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+pub(crate) mod rows;
 #[cfg(feature = "sqlite")]
 pub mod sqlite;
 #[cfg(feature = "sqlite")]

@@ -9,20 +9,24 @@
 //! `LONGBLOB`. Times are `BIGINT` milliseconds since the epoch on the
 //! database's clock (`UNIX_TIMESTAMP()` and `NOW(6)`, both independent of the
 //! session time zone). Migrations (`migrations/mysql`) are embedded and applied
-//! on open under `GET_LOCK`, so many processes may open at once; they are
-//! recorded in `idempotency_schema_migrations`.
+//! on open under `GET_LOCK` (by the runner in `store/migrate.rs`), so many
+//! processes may open at once; they are recorded in `idempotency_schema_migrations`.
 //!
 //! # Round trips
 //!
-//! * `reserve`: one `CALL idempotency_reserve_v3(…)` (migration 0004; v2, of
-//!   migration 0002, plus the attempt number of rule 20), a
-//!   stored procedure that first reads the record plainly, without a lock: a
-//!   live complete record is replayed, a live record with another fingerprint
-//!   is a mismatch, a live lease is in progress. Only an absent or expired
-//!   record, or one whose lease ran out, goes on to a write: under a
-//!   user-level lock (`GET_LOCK`) per identity, held only for the CALL, and
-//!   fenced (`INSERT`, or `UPDATE … WHERE` the state decided on still holds;
-//!   when it no longer does, the record is read again and decided again).
+//! * `reserve` through the store: a plain prepared primary-key `SELECT`
+//!   first, without a lock: a live complete record is replayed, a live record
+//!   with another fingerprint is a mismatch, a live lease is in progress, all
+//!   answered from that one read (a replay costs what a hand-written `SELECT`
+//!   costs). Only an absent or expired record, or one whose lease ran out,
+//!   goes on to the write path, one `CALL idempotency_reserve_v4(…)`
+//!   (migration 0005: the one reservation body; v2 and v3 are wrappers kept
+//!   for older processes), a stored procedure that reads the record again and
+//!   writes under a user-level lock (`GET_LOCK`) per identity, held only for
+//!   the CALL, fenced (`INSERT`, or `UPDATE … WHERE` the state decided on
+//!   still holds; when it no longer does, the record is read again and
+//!   decided again). In transactional mode the procedure is the only
+//!   statement: it makes the same plain read first.
 //! * `complete`, `release`, `heartbeat`: one statement each, fenced by the owner token.
 //! * `purge_expired`: one `CALL idempotency_purge(batch)`: the batch's primary
 //!   keys are selected `FOR UPDATE SKIP LOCKED` and deleted in one short
@@ -143,7 +147,7 @@ impl MySqlStore {
     pub async fn from_pool(pool: MySqlPool) -> Result<Self, Error> {
         migrate(&pool)
             .await
-            .map_err(|e| StoreError::new(STORE, "migrate", e))?;
+            .map_err(|e| StoreError::new(STORE, "apply migrations", e))?;
         Ok(MySqlStore {
             detached: std::sync::Arc::new(background_worker(&pool)),
             pool,
@@ -185,67 +189,82 @@ fn background_worker(pool: &MySqlPool) -> detached::Detached {
 /// Applies the embedded migrations once, under `GET_LOCK`, recording them in
 /// `idempotency_schema_migrations`. MySQL DDL is not transactional, so every
 /// statement is written to be safe to run again.
-async fn migrate(pool: &MySqlPool) -> Result<(), sqlx::Error> {
-    let mut conn = pool.acquire().await?;
-    let locked: Option<i64> = sqlx::query_scalar("SELECT GET_LOCK(?, 60)")
-        .bind(MIGRATION_LOCK)
-        .fetch_one(&mut *conn)
-        .await?;
-    if locked != Some(1) {
-        return Err(sqlx::Error::Protocol(
-            "timed out after 60 s waiting for another process to finish the idempotency migrations"
-                .to_owned(),
-        ));
-    }
-    let result = apply_migrations(&mut conn).await;
-    let unlocked = sqlx::query("SELECT RELEASE_LOCK(?)")
-        .bind(MIGRATION_LOCK)
-        .execute(&mut *conn)
-        .await;
-    result.and(unlocked.map(drop))
+async fn migrate(pool: &MySqlPool) -> Result<(), migrate::MigrationError> {
+    let mut backend = MigrationConnection(pool.acquire().await?);
+    migrate::run(&mut backend, &MIGRATOR).await
 }
 
-async fn apply_migrations(conn: &mut sqlx::MySqlConnection) -> Result<(), sqlx::Error> {
-    conn.execute(
-        "CREATE TABLE IF NOT EXISTS idempotency_schema_migrations (
-             version BIGINT PRIMARY KEY,
-             description VARCHAR(255) NOT NULL,
-             checksum VARBINARY(64) NOT NULL,
-             applied_at TIMESTAMP(3) NOT NULL DEFAULT CURRENT_TIMESTAMP(3)
-         ) ENGINE = InnoDB",
-    )
-    .await?;
-    let applied: Vec<(i64, Vec<u8>)> =
-        sqlx::query_as("SELECT version, checksum FROM idempotency_schema_migrations")
-            .fetch_all(&mut *conn)
+/// The migration runner's view of MySQL/MariaDB: one pooled connection.
+struct MigrationConnection(sqlx::pool::PoolConnection<MySql>);
+
+#[async_trait::async_trait]
+impl migrate::MigrationBackend for MigrationConnection {
+    async fn lock(&mut self) -> Result<(), migrate::MigrationError> {
+        let locked: Option<i64> = sqlx::query_scalar("SELECT GET_LOCK(?, ?)")
+            .bind(MIGRATION_LOCK)
+            .bind(migrate::LOCK_TIMEOUT.as_secs() as i64)
+            .fetch_one(&mut *self.0)
             .await?;
-    for m in MIGRATOR.iter() {
-        if m.migration_type.is_down_migration() {
-            continue;
+        match locked {
+            Some(1) => Ok(()),
+            _ => Err(migrate::MigrationError::LockTimeout),
         }
-        match applied.iter().find(|(v, _)| *v == m.version) {
-            Some((_, sum)) if sum.as_slice() == &*m.checksum => continue,
-            Some(_) => {
-                return Err(sqlx::Error::Protocol(format!(
-                    "idempotency migration {} ({}) was changed after it was applied",
-                    m.version, m.description
-                )))
-            }
-            None => {}
+    }
+
+    async fn create_history(&mut self) -> Result<(), sqlx::Error> {
+        self.0
+            .execute(
+                "CREATE TABLE IF NOT EXISTS idempotency_schema_migrations (
+                     version BIGINT PRIMARY KEY,
+                     description VARCHAR(255) NOT NULL,
+                     checksum VARBINARY(64) NOT NULL,
+                     applied_at TIMESTAMP(3) NOT NULL DEFAULT CURRENT_TIMESTAMP(3)
+                 ) ENGINE = InnoDB",
+            )
+            .await
+            .map(drop)
+    }
+
+    async fn applied(&mut self) -> Result<Vec<(i64, Vec<u8>)>, sqlx::Error> {
+        sqlx::query_as("SELECT version, checksum FROM idempotency_schema_migrations")
+            .fetch_all(&mut *self.0)
+            .await
+    }
+
+    async fn execute(&mut self, sql: &str) -> Result<(), sqlx::Error> {
+        for statement in split_statements(sql) {
+            // Through the `Executor` trait: `RawSql::execute`'s future is not
+            // `Send` for every lifetime (and `connect` must be spawnable).
+            Executor::execute(&mut *self.0, sqlx::raw_sql(statement)).await?;
         }
-        for statement in split_statements(&m.sql) {
-            sqlx::raw_sql(statement).execute(&mut *conn).await?;
-        }
+        Ok(())
+    }
+
+    async fn record(
+        &mut self,
+        version: i64,
+        description: &str,
+        checksum: &[u8],
+    ) -> Result<(), sqlx::Error> {
         sqlx::query(
             "INSERT INTO idempotency_schema_migrations (version, description, checksum) VALUES (?, ?, ?)",
         )
-        .bind(m.version)
-        .bind(&*m.description)
-        .bind(&*m.checksum)
-        .execute(&mut *conn)
-        .await?;
+        .bind(version)
+        .bind(description)
+        .bind(checksum)
+        .execute(&mut *self.0)
+        .await
+        .map(drop)
     }
-    Ok(())
+
+    /// Every statement committed on its own (DDL is not transactional).
+    async fn unlock(&mut self, _done: bool) -> Result<(), sqlx::Error> {
+        sqlx::query("SELECT RELEASE_LOCK(?)")
+            .bind(MIGRATION_LOCK)
+            .execute(&mut *self.0)
+            .await
+            .map(drop)
+    }
 }
 
 /// Splits a migration on lines reading `-- @@statement`.
@@ -274,6 +293,62 @@ fn text(bytes: Option<Vec<u8>>) -> Result<Option<String>, sqlx::Error> {
         .transpose()
 }
 
+/// The store's first read of a reservation: answers replays, mismatches and
+/// live leases (decoded by [`rows::Columns::answer`]) without a procedure call
+/// or a lock. `autocommit` guards the answer: on a connection left with
+/// autocommit off the read would run in an old snapshot, so the procedure
+/// (which turns autocommit on for its statements) answers instead.
+const READ_SQL: &str = concat!(
+    "SELECT state, CONVERT(fingerprint USING utf8mb4) AS fingerprint, is_error, result, ",
+    "CAST(lease_expires_at - (UNIX_TIMESTAMP() * 1000 + FLOOR(MICROSECOND(NOW(6)) / 1000)) ",
+    "AS SIGNED) AS lease_remaining, ",
+    "CAST(COALESCE(expires_at <= (UNIX_TIMESTAMP() * 1000 + FLOOR(MICROSECOND(NOW(6)) / 1000)) ",
+    "AND (state = 'complete' OR lease_expires_at <= ",
+    "(UNIX_TIMESTAMP() * 1000 + FLOOR(MICROSECOND(NOW(6)) / 1000))), 0) AS SIGNED) AS expired, ",
+    "CAST(@@SESSION.autocommit AS SIGNED) AS autocommit ",
+    "FROM idempotency_records WHERE tenant = ? AND scope = ? AND `key` = ?"
+);
+
+/// A reservation through the store: the plain read, and the procedure only
+/// when the read answers nothing (absent, expired, lease run out).
+async fn reserve_through_store(
+    pool: &MySqlPool,
+    request: ReserveRequest<'_>,
+) -> Result<Reservation, StoreError> {
+    let id = request.identity;
+    let row = sqlx::query(READ_SQL)
+        .bind(id.tenant.as_bytes())
+        .bind(id.scope.as_bytes())
+        .bind(id.key.as_bytes())
+        .fetch_optional(pool)
+        .await
+        .map_err(err("reserve"))?;
+    if let Some(row) = row {
+        let fingerprint = request.fingerprint.map(Fingerprint::as_str);
+        let answer = if row
+            .try_get::<i64, _>("autocommit")
+            .map_err(err("reserve"))?
+            == 1
+        {
+            rows::Columns(&row)
+                .answer(fingerprint)
+                .map_err(err("reserve"))?
+        } else {
+            None
+        };
+        if let Some(answer) = answer {
+            return Ok(answer);
+        }
+    }
+    reserve_with(pool, request, STORE_LOCK_WAIT_S, true).await
+}
+
+/// The reservation procedure (`idempotency_reserve_v4`): its answer as one
+/// row (the `1` before the OUT arguments), which the session variables also get.
+const RESERVE_SQL: &str = "CALL idempotency_reserve_v4(?, ?, ?, ?, ?, ?, ?, ?, ?, 1, \
+     @idempotency_outcome, @idempotency_took_over, @idempotency_is_error, @idempotency_result, \
+     @idempotency_lease_remaining_ms, @idempotency_attempt_number, @idempotency_previous_started)";
+
 async fn reserve_with<'e, E: Executor<'e, Database = MySql>>(
     executor: E,
     request: ReserveRequest<'_>,
@@ -281,7 +356,7 @@ async fn reserve_with<'e, E: Executor<'e, Database = MySql>>(
     own_transaction: bool,
 ) -> Result<Reservation, StoreError> {
     let id = request.identity;
-    let row: MySqlRow = sqlx::query("CALL idempotency_reserve_v3(?, ?, ?, ?, ?, ?, ?, ?, ?)")
+    let row: MySqlRow = sqlx::query(RESERVE_SQL)
         .bind(id.tenant.as_bytes())
         .bind(id.scope.as_bytes())
         .bind(id.key.as_bytes())
@@ -305,19 +380,14 @@ fn decode_reservation(row: &MySqlRow) -> Result<Reservation, sqlx::Error> {
         Ok(row.try_get::<Option<i64>, _>(index)?.unwrap_or(0) != 0)
     };
     Ok(match outcome.as_str() {
-        "acquired" => {
-            let attempt = row.try_get::<Option<i64>, _>(5)?.unwrap_or(1);
-            Reservation::acquired(
-                u32::try_from(attempt).unwrap_or(1),
-                row.try_get::<Option<i64>, _>(6)?,
-            )
-        }
-        "completed" => Reservation::Completed(StoredOutcome {
-            is_error: flag(2)?,
-            payload: row
-                .try_get_unchecked::<Option<Vec<u8>>, _>(3)?
-                .unwrap_or_else(|| b"null".to_vec()),
-        }),
+        "acquired" => Reservation::acquired(
+            rows::attempt_number(row.try_get::<Option<i64>, _>(5)?.unwrap_or(1)),
+            row.try_get::<Option<i64>, _>(6)?,
+        ),
+        "completed" => Reservation::Completed(rows::stored_outcome(
+            flag(2)?,
+            row.try_get_unchecked::<Option<Vec<u8>>, _>(3)?,
+        )),
         "in_progress" => Reservation::InProgress {
             lease_remaining: millis_to_duration(row.try_get::<Option<i64>, _>(4)?.unwrap_or(0)),
         },
@@ -391,7 +461,7 @@ impl Store for MySqlStore {
     }
 
     async fn reserve(&self, request: ReserveRequest<'_>) -> Result<Reservation, StoreError> {
-        reserve_with(&self.pool, request, STORE_LOCK_WAIT_S, true).await
+        reserve_through_store(&self.pool, request).await
     }
 
     async fn complete(
@@ -448,7 +518,7 @@ impl Store for MySqlStore {
             .map_err(err(OP))?;
             tx.commit().await.map_err(err(OP))?;
             return Ok(ForcedRelease::Released {
-                attempt: u32::try_from(attempt).unwrap_or(1),
+                attempt: rows::attempt_number(attempt),
             });
         }
         tx.rollback().await.map_err(err(OP))?;
@@ -512,8 +582,9 @@ impl Store for MySqlStore {
 
     async fn fetch(&self, identity: &Identity) -> Result<Option<RecordSnapshot>, StoreError> {
         let sql = format!(
-            "SELECT state, fingerprint, owner_token, is_error, result, lease_expires_at,
-                    expires_at, CAST({NOW_MS} AS SIGNED) AS now_ms, created_at,
+            "SELECT state, CONVERT(fingerprint USING utf8mb4) AS fingerprint,
+                    CONVERT(owner_token USING utf8mb4) AS owner_token, is_error, result,
+                    lease_expires_at, expires_at, CAST({NOW_MS} AS SIGNED) AS now_ms, created_at,
                     CAST(attempt AS SIGNED) AS attempt,
                     COALESCE(attempt_started_at, created_at) AS attempt_started_at, recovered
                FROM idempotency_records WHERE tenant = ? AND scope = ? AND `key` = ?"
@@ -525,81 +596,43 @@ impl Store for MySqlStore {
             .fetch_optional(&self.pool)
             .await
             .map_err(err("fetch"))?;
-        row.map(|row| snapshot(&row))
+        row.map(|row| rows::Columns(&row).snapshot())
             .transpose()
             .map_err(err("fetch"))
     }
 
     async fn scope_stats(&self) -> Result<Vec<ScopeStats>, StoreError> {
+        const OP: &str = "count records per scope";
         let sql = format!(
-            "SELECT scope,
-                    CAST(SUM(NOT expired AND state = 'complete') AS SIGNED),
-                    CAST(SUM(NOT expired AND state = 'in_progress' AND lease_expires_at > now_ms) AS SIGNED),
-                    CAST(SUM(NOT expired AND state = 'in_progress' AND lease_expires_at <= now_ms) AS SIGNED),
-                    CAST(SUM(expired) AS SIGNED),
-                    MIN(created_at),
-                    CAST(SUM(NOT expired AND attempt > 1) AS SIGNED),
+            "SELECT CONVERT(s.scope USING utf8mb4) AS scope,
+                    CAST(SUM(NOT expired AND state = 'complete') AS SIGNED) AS complete,
+                    CAST(SUM(NOT expired AND state = 'in_progress' AND lease_expires_at > now_ms)
+                         AS SIGNED) AS in_progress,
+                    CAST(SUM(NOT expired AND state = 'in_progress' AND lease_expires_at <= now_ms)
+                         AS SIGNED) AS stuck,
+                    CAST(SUM(expired) AS SIGNED) AS expired,
+                    MIN(created_at) AS oldest,
+                    CAST(SUM(NOT expired AND attempt > 1) AS SIGNED) AS taken_over,
                     CAST(SUM(NOT expired AND state = 'complete' AND recovered = 1) AS SIGNED)
+                         AS recovered
                FROM (SELECT r.scope, r.state, r.lease_expires_at, r.created_at, n.now_ms,
                             r.attempt, r.recovered,
                             (r.expires_at <= n.now_ms
                              AND (r.state = 'complete' OR r.lease_expires_at <= n.now_ms)) AS expired
                        FROM idempotency_records r
                        CROSS JOIN (SELECT CAST({NOW_MS} AS SIGNED) AS now_ms) n) s
-              GROUP BY scope ORDER BY scope"
+              GROUP BY s.scope ORDER BY s.scope"
         );
-        type StatsRow = (Vec<u8>, i64, i64, i64, i64, Option<i64>, i64, i64);
-        let rows: Vec<StatsRow> = sqlx::query_as(&sql)
+        let found = sqlx::query(&sql)
             .fetch_all(&self.pool)
             .await
-            .map_err(err("count records per scope"))?;
-        rows.into_iter()
-            .map(
-                |(scope, complete, in_progress, stuck, expired, oldest, taken_over, recovered)| {
-                    Ok(ScopeStats {
-                        scope: text(Some(scope))?.unwrap_or_default(),
-                        complete: complete.max(0) as u64,
-                        in_progress: in_progress.max(0) as u64,
-                        stuck: stuck.max(0) as u64,
-                        expired: expired.max(0) as u64,
-                        oldest_created_at_ms: oldest,
-                        taken_over: taken_over.max(0) as u64,
-                        recovered: recovered.max(0) as u64,
-                    })
-                },
-            )
+            .map_err(err(OP))?;
+        found
+            .iter()
+            .map(|row| rows::Columns(row).scope_stats())
             .collect::<Result<_, sqlx::Error>>()
-            .map_err(err("count records per scope"))
+            .map_err(err(OP))
     }
-}
-
-fn snapshot(row: &MySqlRow) -> Result<RecordSnapshot, sqlx::Error> {
-    let state: String = row.try_get("state")?;
-    let state = RecordState::parse(&state)
-        .ok_or_else(|| sqlx::Error::Protocol(format!("unknown record state `{state}`")))?;
-    let result: Option<Vec<u8>> = row.try_get("result")?;
-    Ok(RecordSnapshot {
-        state,
-        fingerprint: text(row.try_get("fingerprint")?)?,
-        owner_token: text(row.try_get("owner_token")?)?,
-        outcome: match state {
-            RecordState::Complete => Some(StoredOutcome {
-                is_error: row.try_get::<bool, _>("is_error")?,
-                payload: result.unwrap_or_else(|| b"null".to_vec()),
-            }),
-            RecordState::InProgress => None,
-        },
-        lease_expires_at_ms: match state {
-            RecordState::InProgress => row.try_get("lease_expires_at")?,
-            RecordState::Complete => None,
-        },
-        expires_at_ms: row.try_get("expires_at")?,
-        now_ms: row.try_get("now_ms")?,
-        created_at_ms: row.try_get("created_at")?,
-        attempt: u32::try_from(row.try_get::<i64, _>("attempt")?).unwrap_or(1),
-        attempt_started_at_ms: row.try_get("attempt_started_at")?,
-        recovered: row.try_get::<bool, _>("recovered")?,
-    })
 }
 
 // ---------------------------------------------------------------- transactional mode

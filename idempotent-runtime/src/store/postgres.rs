@@ -111,7 +111,7 @@ impl PgStore {
     pub async fn from_pool(pool: PgPool) -> Result<Self, Error> {
         migrate(&pool)
             .await
-            .map_err(|e| StoreError::new(STORE, "migrate", e))?;
+            .map_err(|e| StoreError::new(STORE, "apply migrations", e))?;
         Ok(PgStore {
             detached: std::sync::Arc::new(background_worker(&pool)),
             pool,
@@ -169,51 +169,105 @@ fn background_worker(pool: &PgPool) -> detached::Detached {
     )
 }
 
-/// Applies the embedded migrations once, under an advisory lock, recording
-/// them in `idempotency_schema_migrations`.
-async fn migrate(pool: &PgPool) -> Result<(), sqlx::Error> {
-    let mut tx = pool.begin().await?;
-    sqlx::query("SELECT pg_advisory_xact_lock($1)")
-        .bind(MIGRATION_LOCK)
-        .execute(&mut *tx)
-        .await?;
-    tx.execute(
-        "CREATE TABLE IF NOT EXISTS idempotency_schema_migrations (
-             version BIGINT PRIMARY KEY,
-             description TEXT NOT NULL,
-             checksum BYTEA NOT NULL,
-             applied_at TIMESTAMPTZ NOT NULL DEFAULT clock_timestamp())",
+/// Applies the embedded migrations once, in one transaction under an
+/// advisory lock (waited for at most 60 s), recording them in
+/// `idempotency_schema_migrations`.
+async fn migrate(pool: &PgPool) -> Result<(), migrate::MigrationError> {
+    migrate::run(
+        &mut MigrationTransaction(Some(pool.begin().await?)),
+        &MIGRATOR,
     )
-    .await?;
-    let applied: Vec<(i64, Vec<u8>)> =
-        sqlx::query_as("SELECT version, checksum FROM idempotency_schema_migrations")
-            .fetch_all(&mut *tx)
+    .await
+}
+
+/// The migration runner's view of PostgreSQL: one transaction for the whole run.
+struct MigrationTransaction(Option<sqlx::Transaction<'static, Postgres>>);
+
+impl MigrationTransaction {
+    fn tx(&mut self) -> Result<&mut sqlx::PgConnection, sqlx::Error> {
+        self.0.as_deref_mut().ok_or(sqlx::Error::PoolClosed)
+    }
+}
+
+#[async_trait::async_trait]
+impl migrate::MigrationBackend for MigrationTransaction {
+    /// The advisory lock, waited for at most `LOCK_TIMEOUT` (`lock_timeout`
+    /// for that statement only; the migrations run with the session's own).
+    async fn lock(&mut self) -> Result<(), migrate::MigrationError> {
+        const LOCK_TIMED_OUT: &str = "55P03";
+        let tx = self.tx()?;
+        let own: String = sqlx::query_scalar("SELECT current_setting('lock_timeout')")
+            .fetch_one(&mut *tx)
             .await?;
-    for m in MIGRATOR.iter() {
-        if m.migration_type.is_down_migration() {
-            continue;
-        }
-        match applied.iter().find(|(v, _)| *v == m.version) {
-            Some((_, sum)) if sum.as_slice() == &*m.checksum => continue,
-            Some(_) => {
-                return Err(sqlx::Error::Protocol(format!(
-                    "idempotency migration {} ({}) was changed after it was applied",
-                    m.version, m.description
-                )))
+        let wait = format!("{}s", migrate::LOCK_TIMEOUT.as_secs());
+        let set = "SELECT set_config('lock_timeout', $1, true)";
+        sqlx::query(set).bind(&wait).execute(&mut *tx).await?;
+        match sqlx::query("SELECT pg_advisory_xact_lock($1)")
+            .bind(MIGRATION_LOCK)
+            .execute(&mut *tx)
+            .await
+        {
+            Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some(LOCK_TIMED_OUT) => {
+                return Err(migrate::MigrationError::LockTimeout)
             }
-            None => {}
-        }
-        sqlx::raw_sql(&m.sql).execute(&mut *tx).await?;
+            other => other?,
+        };
+        sqlx::query(set).bind(&own).execute(&mut *tx).await?;
+        Ok(())
+    }
+
+    async fn create_history(&mut self) -> Result<(), sqlx::Error> {
+        let tx = self.tx()?;
+        tx.execute(
+            "CREATE TABLE IF NOT EXISTS idempotency_schema_migrations (
+                 version BIGINT PRIMARY KEY,
+                 description TEXT NOT NULL,
+                 checksum BYTEA NOT NULL,
+                 applied_at TIMESTAMPTZ NOT NULL DEFAULT clock_timestamp())",
+        )
+        .await
+        .map(drop)
+    }
+
+    async fn applied(&mut self) -> Result<Vec<(i64, Vec<u8>)>, sqlx::Error> {
+        sqlx::query_as("SELECT version, checksum FROM idempotency_schema_migrations")
+            .fetch_all(self.tx()?)
+            .await
+    }
+
+    async fn execute(&mut self, sql: &str) -> Result<(), sqlx::Error> {
+        // Through the `Executor` trait: `RawSql::execute`'s future is not
+        // `Send` for every lifetime (and `connect` must be spawnable).
+        Executor::execute(self.tx()?, sqlx::raw_sql(sql))
+            .await
+            .map(drop)
+    }
+
+    async fn record(
+        &mut self,
+        version: i64,
+        description: &str,
+        checksum: &[u8],
+    ) -> Result<(), sqlx::Error> {
         sqlx::query(
             "INSERT INTO idempotency_schema_migrations (version, description, checksum) VALUES ($1, $2, $3)",
         )
-        .bind(m.version)
-        .bind(&*m.description)
-        .bind(&*m.checksum)
-        .execute(&mut *tx)
-        .await?;
+        .bind(version)
+        .bind(description)
+        .bind(checksum)
+        .execute(self.tx()?)
+        .await
+        .map(drop)
     }
-    tx.commit().await
+
+    /// Commits, or rolls back everything the run did.
+    async fn unlock(&mut self, done: bool) -> Result<(), sqlx::Error> {
+        match self.0.take() {
+            Some(tx) if done => tx.commit().await,
+            Some(tx) => tx.rollback().await,
+            None => Ok(()),
+        }
+    }
 }
 
 fn err(operation: &'static str) -> impl FnOnce(sqlx::Error) -> StoreError {
@@ -492,7 +546,8 @@ impl Store for PgStore {
     async fn fetch(&self, identity: &Identity) -> Result<Option<RecordSnapshot>, StoreError> {
         let row = sqlx::query(
             "SELECT state, fingerprint, owner_token, is_error, result, lease_expires_at,
-                    expires_at, idempotency_now_ms() AS now_ms, created_at, attempt,
+                    expires_at, idempotency_now_ms() AS now_ms, created_at,
+                    attempt::bigint AS attempt,
                     COALESCE(attempt_started_at, created_at) AS attempt_started_at, recovered
                FROM idempotency_records WHERE tenant = $1 AND scope = $2 AND key = $3",
         )
@@ -502,23 +557,23 @@ impl Store for PgStore {
         .fetch_optional(&self.pool)
         .await
         .map_err(err("fetch"))?;
-        row.map(|row| snapshot(&row))
+        row.map(|row| rows::Columns(&row).snapshot())
             .transpose()
             .map_err(err("fetch"))
     }
 
     async fn scope_stats(&self) -> Result<Vec<ScopeStats>, StoreError> {
-        type StatsRow = (String, i64, i64, i64, i64, Option<i64>, i64, i64);
-        let rows: Vec<StatsRow> = sqlx::query_as(
+        const OP: &str = "count records per scope";
+        let found = sqlx::query(
             "WITH n AS (SELECT idempotency_now_ms() AS now_ms)
              SELECT scope,
-                    count(*) FILTER (WHERE NOT expired AND state = 'complete'),
-                    count(*) FILTER (WHERE NOT expired AND state = 'in_progress' AND lease_expires_at > now_ms),
-                    count(*) FILTER (WHERE NOT expired AND state = 'in_progress' AND lease_expires_at <= now_ms),
-                    count(*) FILTER (WHERE expired),
-                    min(created_at),
-                    count(*) FILTER (WHERE NOT expired AND attempt > 1),
-                    count(*) FILTER (WHERE NOT expired AND state = 'complete' AND recovered)
+                    count(*) FILTER (WHERE NOT expired AND state = 'complete') AS complete,
+                    count(*) FILTER (WHERE NOT expired AND state = 'in_progress' AND lease_expires_at > now_ms) AS in_progress,
+                    count(*) FILTER (WHERE NOT expired AND state = 'in_progress' AND lease_expires_at <= now_ms) AS stuck,
+                    count(*) FILTER (WHERE expired) AS expired,
+                    min(created_at) AS oldest,
+                    count(*) FILTER (WHERE NOT expired AND attempt > 1) AS taken_over,
+                    count(*) FILTER (WHERE NOT expired AND state = 'complete' AND recovered) AS recovered
                FROM (SELECT r.*, n.now_ms,
                             (r.expires_at <= n.now_ms
                              AND (r.state = 'complete' OR r.lease_expires_at <= n.now_ms)) AS expired
@@ -527,54 +582,13 @@ impl Store for PgStore {
         )
         .fetch_all(&self.pool)
         .await
-        .map_err(err("count records per scope"))?;
-        Ok(rows
-            .into_iter()
-            .map(
-                |(scope, complete, in_progress, stuck, expired, oldest, taken_over, recovered)| {
-                    ScopeStats {
-                        scope,
-                        complete: complete.max(0) as u64,
-                        in_progress: in_progress.max(0) as u64,
-                        stuck: stuck.max(0) as u64,
-                        expired: expired.max(0) as u64,
-                        oldest_created_at_ms: oldest,
-                        taken_over: taken_over.max(0) as u64,
-                        recovered: recovered.max(0) as u64,
-                    }
-                },
-            )
-            .collect())
+        .map_err(err(OP))?;
+        found
+            .iter()
+            .map(|row| rows::Columns(row).scope_stats())
+            .collect::<Result<_, sqlx::Error>>()
+            .map_err(err(OP))
     }
-}
-
-fn snapshot(row: &PgRow) -> Result<RecordSnapshot, sqlx::Error> {
-    let state: String = row.try_get("state")?;
-    let state = RecordState::parse(&state)
-        .ok_or_else(|| sqlx::Error::Protocol(format!("unknown record state `{state}`")))?;
-    let result: Option<Vec<u8>> = row.try_get("result")?;
-    Ok(RecordSnapshot {
-        state,
-        fingerprint: row.try_get("fingerprint")?,
-        owner_token: row.try_get("owner_token")?,
-        outcome: match state {
-            RecordState::Complete => Some(StoredOutcome {
-                is_error: row.try_get("is_error")?,
-                payload: result.unwrap_or_else(|| b"null".to_vec()),
-            }),
-            RecordState::InProgress => None,
-        },
-        lease_expires_at_ms: match state {
-            RecordState::InProgress => row.try_get("lease_expires_at")?,
-            RecordState::Complete => None,
-        },
-        expires_at_ms: row.try_get("expires_at")?,
-        now_ms: row.try_get("now_ms")?,
-        created_at_ms: row.try_get("created_at")?,
-        attempt: u32::try_from(row.try_get::<i32, _>("attempt")?).unwrap_or(1),
-        attempt_started_at_ms: row.try_get("attempt_started_at")?,
-        recovered: row.try_get("recovered")?,
-    })
 }
 
 // ---------------------------------------------------------------- transactional mode

@@ -24,10 +24,10 @@ const BUSY_TIMEOUT: Duration = Duration::from_secs(10);
 /// Connections in the pool of a file database opened with [`SqliteStore::connect`].
 const MAX_FILE_CONNECTIONS: u32 = 8;
 
-/// The table our own migrations are recorded in. Not `_sqlx_migrations`, so a
-/// database shared with the application's own sqlx migrations (see
-/// [`SqliteStore::from_pool`]) keeps the two histories apart.
-const MIGRATIONS_TABLE: &str = "_idempotent_migrations";
+/// Where versions before 0.x's one migration runner recorded their
+/// migrations; copied once into `idempotency_schema_migrations` and left in
+/// place for older runtimes that share the file.
+const LEGACY_MIGRATIONS_TABLE: &str = "_idempotent_migrations";
 
 /// The migrations, embedded at compile time from `migrations/sqlite`.
 static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations/sqlite");
@@ -278,7 +278,7 @@ impl SqliteStore {
     /// Uses an existing pool (e.g. the application's own) and applies the
     /// store's migrations to its database.
     ///
-    /// The migrations are recorded in their own table, `_idempotent_migrations`,
+    /// The migrations are recorded in their own table, `idempotency_schema_migrations`,
     /// so they do not interfere with the application's sqlx migrations. For
     /// concurrent use, configure the pool with WAL journaling and a busy timeout
     /// (as [`connect`](Self::connect) does). What to know about such a pool:
@@ -544,58 +544,124 @@ async fn switch_to_wal(conn: &mut sqlx::SqliteConnection, file: &str) -> Result<
 /// `BEGIN IMMEDIATE` transaction so two processes opening a new file at once
 /// do not both apply them.
 async fn migrate(pool: &SqlitePool) -> Result<(), StoreError> {
-    const OP: &str = "apply migrations";
-    let mut tx = pool.begin_with("BEGIN IMMEDIATE").await.map_err(err(OP))?;
-    sqlx::query(&format!(
-        "CREATE TABLE IF NOT EXISTS {MIGRATIONS_TABLE} (\
-         version INTEGER PRIMARY KEY, description TEXT NOT NULL, \
-         checksum BLOB NOT NULL, applied_at INTEGER NOT NULL)"
-    ))
-    .execute(&mut *tx)
-    .await
-    .map_err(err(OP))?;
-    let applied: Vec<(i64, Vec<u8>)> =
-        sqlx::query_as(&format!("SELECT version, checksum FROM {MIGRATIONS_TABLE}"))
-            .fetch_all(&mut *tx)
-            .await
-            .map_err(err(OP))?;
-    for migration in MIGRATOR.iter() {
-        if migration.migration_type.is_down_migration() {
-            continue;
-        }
-        match applied.iter().find(|(v, _)| *v == migration.version) {
-            Some((_, checksum)) if checksum[..] == migration.checksum[..] => continue,
-            Some(_) => {
-                return Err(StoreError::new(
-                    STORE,
-                    OP,
-                    format!(
-                        "migration {} ({}) was applied to this database with different contents; \
-                         the database was set up by an incompatible version of idempotent-runtime",
-                        migration.version, migration.description
-                    ),
-                ))
+    let mut backend = MigrationTransaction {
+        pool: pool.clone(),
+        tx: None,
+    };
+    super::migrate::run(&mut backend, &MIGRATOR)
+        .await
+        .map_err(|e| StoreError::new(STORE, "apply migrations", e))
+}
+
+/// The migration runner's view of SQLite: one `BEGIN IMMEDIATE` transaction
+/// (the database's write lock) for the whole run.
+struct MigrationTransaction {
+    pool: SqlitePool,
+    tx: Option<sqlx::Transaction<'static, sqlx::Sqlite>>,
+}
+
+impl MigrationTransaction {
+    fn tx(&mut self) -> Result<&mut sqlx::SqliteConnection, sqlx::Error> {
+        self.tx.as_deref_mut().ok_or(sqlx::Error::PoolClosed)
+    }
+}
+
+#[async_trait::async_trait]
+impl super::migrate::MigrationBackend for MigrationTransaction {
+    /// The write lock, waited for (beyond the busy timeout) up to `LOCK_TIMEOUT`.
+    async fn lock(&mut self) -> Result<(), super::migrate::MigrationError> {
+        let deadline = tokio::time::Instant::now() + super::migrate::LOCK_TIMEOUT;
+        loop {
+            match self.pool.begin_with("BEGIN IMMEDIATE").await {
+                Ok(tx) => {
+                    self.tx = Some(tx);
+                    return Ok(());
+                }
+                Err(e) if is_busy(&e) && tokio::time::Instant::now() < deadline => {
+                    tokio::time::sleep(Duration::from_millis(50)).await
+                }
+                Err(e) if is_busy(&e) => return Err(super::migrate::MigrationError::LockTimeout),
+                Err(e) => return Err(e.into()),
             }
-            None => {}
         }
+    }
+
+    /// Creates the history table; a file whose history is in the legacy
+    /// table gets it copied, once (the write lock is held, so of several
+    /// processes opening the file at once the first copies, the rest find
+    /// the table).
+    async fn create_history(&mut self) -> Result<(), sqlx::Error> {
+        let tx = self.tx()?;
+        let tables: Vec<String> = sqlx::query_scalar(
+            "SELECT name FROM sqlite_master WHERE type = 'table' AND name IN (?1, ?2)",
+        )
+        .bind(super::migrate::HISTORY_TABLE)
+        .bind(LEGACY_MIGRATIONS_TABLE)
+        .fetch_all(&mut *tx)
+        .await?;
+        if tables.iter().any(|t| t == super::migrate::HISTORY_TABLE) {
+            return Ok(());
+        }
+        sqlx::query(
+            "CREATE TABLE idempotency_schema_migrations (\
+             version INTEGER PRIMARY KEY, description TEXT NOT NULL, \
+             checksum BLOB NOT NULL, applied_at INTEGER NOT NULL)",
+        )
+        .execute(&mut *tx)
+        .await?;
+        if tables.iter().any(|t| t == LEGACY_MIGRATIONS_TABLE) {
+            sqlx::query(&format!(
+                "INSERT INTO idempotency_schema_migrations \
+                 (version, description, checksum, applied_at) \
+                 SELECT version, description, checksum, applied_at FROM {LEGACY_MIGRATIONS_TABLE}"
+            ))
+            .execute(&mut *tx)
+            .await?;
+        }
+        Ok(())
+    }
+
+    async fn applied(&mut self) -> Result<Vec<(i64, Vec<u8>)>, sqlx::Error> {
+        sqlx::query_as("SELECT version, checksum FROM idempotency_schema_migrations")
+            .fetch_all(self.tx()?)
+            .await
+    }
+
+    async fn execute(&mut self, sql: &str) -> Result<(), sqlx::Error> {
         // Through the `Executor` trait, not `RawSql::execute`, whose future is
         // not `Send` for every lifetime (and would make `connect` unspawnable).
-        sqlx::Executor::execute(&mut *tx, sqlx::raw_sql(&migration.sql))
+        sqlx::Executor::execute(self.tx()?, sqlx::raw_sql(sql))
             .await
-            .map_err(err(OP))?;
-        sqlx::query(&format!(
-            "INSERT INTO {MIGRATIONS_TABLE} (version, description, checksum, applied_at) \
-             VALUES (?1, ?2, ?3, {})",
-            now_ms!()
-        ))
-        .bind(migration.version)
-        .bind(&*migration.description)
-        .bind(&*migration.checksum)
-        .execute(&mut *tx)
-        .await
-        .map_err(err(OP))?;
+            .map(drop)
     }
-    tx.commit().await.map_err(err(OP))
+
+    async fn record(
+        &mut self,
+        version: i64,
+        description: &str,
+        checksum: &[u8],
+    ) -> Result<(), sqlx::Error> {
+        sqlx::query(concat!(
+            "INSERT INTO idempotency_schema_migrations (version, description, checksum, applied_at) ",
+            "VALUES (?1, ?2, ?3, ",
+            now_ms!(),
+            ")"
+        ))
+        .bind(version)
+        .bind(description)
+        .bind(checksum)
+        .execute(self.tx()?)
+        .await
+        .map(drop)
+    }
+
+    async fn unlock(&mut self, done: bool) -> Result<(), sqlx::Error> {
+        match self.tx.take() {
+            Some(tx) if done => tx.commit().await,
+            Some(tx) => tx.rollback().await,
+            None => Ok(()),
+        }
+    }
 }
 
 /// Reads the record and answers from that read alone, when it can: a live
@@ -804,24 +870,7 @@ impl Store for SqliteStore {
         else {
             return Ok(None);
         };
-        let state: String = row.try_get("state").map_err(err(OP))?;
-        let state = RecordState::parse(&state)
-            .ok_or_else(|| StoreError::new(STORE, OP, format!("unknown record state {state:?}")))?;
-        let is_error: bool = row.try_get("is_error").map_err(err(OP))?;
-        let result: Option<Vec<u8>> = row.try_get("result").map_err(err(OP))?;
-        Ok(Some(RecordSnapshot {
-            state,
-            fingerprint: row.try_get("fingerprint").map_err(err(OP))?,
-            owner_token: row.try_get("owner_token").map_err(err(OP))?,
-            outcome: (state == RecordState::Complete).then(|| outcome_from(is_error, result)),
-            lease_expires_at_ms: row.try_get("lease_expires_at").map_err(err(OP))?,
-            expires_at_ms: row.try_get("expires_at").map_err(err(OP))?,
-            now_ms: row.try_get("now_ms").map_err(err(OP))?,
-            created_at_ms: row.try_get("created_at").map_err(err(OP))?,
-            attempt: u32::try_from(row.try_get::<i64, _>("attempt").map_err(err(OP))?).unwrap_or(1),
-            attempt_started_at_ms: row.try_get("attempt_started_at").map_err(err(OP))?,
-            recovered: row.try_get("recovered").map_err(err(OP))?,
-        }))
+        rows::Columns(&row).snapshot().map(Some).map_err(err(OP))
     }
 
     async fn scope_stats(&self) -> Result<Vec<ScopeStats>, StoreError> {
@@ -830,23 +879,8 @@ impl Store for SqliteStore {
             .fetch_all(&self.pool)
             .await
             .map_err(err(OP))?;
-        let count = |row: &sqlx::sqlite::SqliteRow, column: &str| -> Result<u64, StoreError> {
-            let n: i64 = row.try_get(column).map_err(err(OP))?;
-            Ok(u64::try_from(n).unwrap_or(0))
-        };
         rows.iter()
-            .map(|row| {
-                Ok(ScopeStats {
-                    scope: row.try_get("scope").map_err(err(OP))?,
-                    complete: count(row, "complete")?,
-                    in_progress: count(row, "in_progress")?,
-                    stuck: count(row, "stuck")?,
-                    expired: count(row, "expired")?,
-                    oldest_created_at_ms: row.try_get("oldest").map_err(err(OP))?,
-                    taken_over: count(row, "taken_over")?,
-                    recovered: count(row, "recovered")?,
-                })
-            })
+            .map(|row| rows::Columns(row).scope_stats().map_err(err(OP)))
             .collect()
     }
 }
