@@ -87,7 +87,7 @@ pub enum DurationError {
         kind: DurationKind,
     },
     /// Shorter than [`DurationKind::minimum`].
-    #[error("{kind} is {}, below the minimum of {}{}", format_duration(*.value), format_duration(*.minimum),
+    #[error("{kind} is {}, below the minimum of {}{}", humantime::format_duration(*.value), humantime::format_duration(*.minimum),
         if *.kind == DurationKind::Lease { " (the lease is renewed every lease/3; shorter leases would hammer the store)" } else { "" })]
     BelowMinimum {
         /// Which duration.
