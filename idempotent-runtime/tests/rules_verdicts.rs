@@ -68,10 +68,18 @@ async fn cli_verdict(path: &Path) -> Result<Manifest, String> {
     Manifest::load(path).map_err(|e| panic!("the CLI accepted what load refuses: {e}"))
 }
 
-fn assert_verdict(what: &str, verdict: &str, got: Result<Option<u64>, String>, millis: Option<u64>) {
+fn assert_verdict(
+    what: &str,
+    verdict: &str,
+    got: Result<Option<u64>, String>,
+    millis: Option<u64>,
+) {
     match (verdict.strip_prefix("error: "), got) {
         (None, Ok(value)) => {
-            assert_eq!(verdict, "ok", "{what}: a verdict is \"ok\" or \"error: ...\"");
+            assert_eq!(
+                verdict, "ok",
+                "{what}: a verdict is \"ok\" or \"error: ...\""
+            );
             if let Some(expected) = millis {
                 assert_eq!(value, Some(expected), "{what}");
             }
