@@ -4,7 +4,7 @@
 //! poison these tests.)
 
 use idempotent_runtime::__private::{
-    inventory, ErrorPolicy, InProgressPolicy, Registration, ScopeInfo,
+    inventory, ErrorPolicy, InProgressPolicy, Registration, ScopeInfo, ScopeSpec,
 };
 use idempotent_runtime::registry::{self, Format};
 use idempotent_runtime::{idempotent, Error};
@@ -27,20 +27,22 @@ mod nested {
 }
 
 // A registration as another crate's generated code would submit it.
-static HAND_MADE: ScopeInfo = ScopeInfo::__new(
-    "registry_test.hand_made",
-    "other_crate::shipping::dispatch",
-    "other-crate/src/shipping.rs",
-    42,
-    Duration::from_secs(7 * 24 * 3600),
-    Duration::from_secs(90),
-    InProgressPolicy::Wait(Duration::from_secs(10)),
-    ErrorPolicy::RecordIf("other_crate::is_final"),
-    true,
-    true,
-    &["order", "address"],
-    false,
-);
+static HAND_MADE: ScopeInfo = ScopeInfo::new(ScopeSpec {
+    scope: "registry_test.hand_made",
+    function: "other_crate::shipping::dispatch",
+    file: "other-crate/src/shipping.rs",
+    line: 42,
+    ttl: Duration::from_secs(7 * 24 * 3600),
+    lease: Duration::from_secs(90),
+    in_progress: InProgressPolicy::Wait(Duration::from_secs(10)),
+    errors: ErrorPolicy::RecordIf("other_crate::is_final"),
+    transactional: true,
+    fingerprinted: true,
+    fingerprinted_parameters: &["order", "address"],
+    shared_tenant: false,
+    recover: None,
+    shared_scope: false,
+});
 inventory::submit! { Registration(&HAND_MADE) }
 
 fn find(scope: &str) -> &'static ScopeInfo {

@@ -4,7 +4,7 @@
 //! (Its own test binary: the duplicate would fail every other registry test.)
 
 use idempotent_runtime::__private::{
-    inventory, ErrorPolicy, InProgressPolicy, Registration, ScopeInfo,
+    inventory, ErrorPolicy, InProgressPolicy, Registration, ScopeInfo, ScopeSpec,
 };
 use idempotent_runtime::registry::{self, RegistryError};
 use idempotent_runtime::{idempotent, Error};
@@ -16,37 +16,41 @@ async fn place(key: &str, sku: &str) -> Result<String, Error> {
 }
 const PLACE_LINE: u32 = line!() - 3;
 
-static OTHER_CRATE: ScopeInfo = ScopeInfo::__new(
-    "dup_test.orders.place",
-    "legacy_orders::api::place_order",
-    "legacy-orders/src/api.rs",
-    120,
-    Duration::from_secs(24 * 3600),
-    Duration::from_secs(30),
-    InProgressPolicy::Reject,
-    ErrorPolicy::Release,
-    false,
-    true,
-    &["sku"],
-    true,
-);
+static OTHER_CRATE: ScopeInfo = ScopeInfo::new(ScopeSpec {
+    scope: "dup_test.orders.place",
+    function: "legacy_orders::api::place_order",
+    file: "legacy-orders/src/api.rs",
+    line: 120,
+    ttl: Duration::from_secs(24 * 3600),
+    lease: Duration::from_secs(30),
+    in_progress: InProgressPolicy::Reject,
+    errors: ErrorPolicy::Release,
+    transactional: false,
+    fingerprinted: true,
+    fingerprinted_parameters: &["sku"],
+    shared_tenant: true,
+    recover: None,
+    shared_scope: false,
+});
 inventory::submit! { Registration(&OTHER_CRATE) }
 
 // A scope claimed once is not reported.
-static LONE: ScopeInfo = ScopeInfo::__new(
-    "dup_test.orders.cancel",
-    "legacy_orders::api::cancel",
-    "legacy-orders/src/api.rs",
-    200,
-    Duration::from_secs(24 * 3600),
-    Duration::from_secs(30),
-    InProgressPolicy::Reject,
-    ErrorPolicy::Release,
-    false,
-    true,
-    &[],
-    true,
-);
+static LONE: ScopeInfo = ScopeInfo::new(ScopeSpec {
+    scope: "dup_test.orders.cancel",
+    function: "legacy_orders::api::cancel",
+    file: "legacy-orders/src/api.rs",
+    line: 200,
+    ttl: Duration::from_secs(24 * 3600),
+    lease: Duration::from_secs(30),
+    in_progress: InProgressPolicy::Reject,
+    errors: ErrorPolicy::Release,
+    transactional: false,
+    fingerprinted: true,
+    fingerprinted_parameters: &[],
+    shared_tenant: true,
+    recover: None,
+    shared_scope: false,
+});
 inventory::submit! { Registration(&LONE) }
 
 #[test]

@@ -6,7 +6,7 @@
 //! (Its own test binary: the registry of a binary is global.)
 
 use idempotent_runtime::__private::{
-    inventory, ErrorPolicy, InProgressPolicy, Registration, ScopeInfo,
+    inventory, ErrorPolicy, InProgressPolicy, Registration, ScopeInfo, ScopeSpec,
 };
 use idempotent_runtime::registry::{self, Disagreement, Format, RegistryError};
 use idempotent_runtime::{audit, idempotent, with_outcome, Error, MemoryStore, Outcome};
@@ -43,21 +43,22 @@ async fn refund_from_queue(
 const QUEUE_LINE: u32 = line!() - 10;
 
 // The same boundary claimed by a function of another crate, in agreement.
-static BATCH: ScopeInfo = ScopeInfo::__new(
-    "shared_test.refund_order",
-    "billing_batch::refunds::run",
-    "billing-batch/src/refunds.rs",
-    77,
-    Duration::from_secs(24 * 3600),
-    Duration::from_secs(30),
-    InProgressPolicy::Reject,
-    ErrorPolicy::Release,
-    false,
-    true,
-    &["amount"],
-    false,
-)
-.__shared_scope();
+static BATCH: ScopeInfo = ScopeInfo::new(ScopeSpec {
+    scope: "shared_test.refund_order",
+    function: "billing_batch::refunds::run",
+    file: "billing-batch/src/refunds.rs",
+    line: 77,
+    ttl: Duration::from_secs(24 * 3600),
+    lease: Duration::from_secs(30),
+    in_progress: InProgressPolicy::Reject,
+    errors: ErrorPolicy::Release,
+    transactional: false,
+    fingerprinted: true,
+    fingerprinted_parameters: &["amount"],
+    shared_tenant: false,
+    recover: None,
+    shared_scope: true,
+});
 inventory::submit! { Registration(&BATCH) }
 
 fn claimants() -> Vec<&'static ScopeInfo> {
@@ -163,44 +164,42 @@ fn variant(
     fingerprinted: &'static [&'static str],
     shared: bool,
 ) -> ScopeInfo {
-    let info = ScopeInfo::__new(
-        "shared_test.other",
-        "other_crate::consumer::refund",
-        "other-crate/src/consumer.rs",
+    ScopeInfo::new(ScopeSpec {
+        scope: "shared_test.other",
+        function: "other_crate::consumer::refund",
+        file: "other-crate/src/consumer.rs",
         line,
         ttl,
-        Duration::from_secs(30),
-        InProgressPolicy::Reject,
-        ErrorPolicy::Release,
-        false,
-        true,
-        fingerprinted,
-        false,
-    );
-    if shared {
-        info.__shared_scope()
-    } else {
-        info
-    }
+        lease: Duration::from_secs(30),
+        in_progress: InProgressPolicy::Reject,
+        errors: ErrorPolicy::Release,
+        transactional: false,
+        fingerprinted: true,
+        fingerprinted_parameters: fingerprinted,
+        shared_tenant: false,
+        recover: None,
+        shared_scope: shared,
+    })
 }
 
 #[test]
 fn disagreeing_claimants_are_refused_naming_both_sites() {
-    let here = ScopeInfo::__new(
-        "shared_test.other",
-        "app::http::refund",
-        "app/src/http.rs",
-        40,
-        Duration::from_secs(3600),
-        Duration::from_secs(30),
-        InProgressPolicy::Wait(Duration::from_secs(10)),
-        ErrorPolicy::Release,
-        false,
-        true,
-        &["amount", "order"],
-        false,
-    )
-    .__shared_scope();
+    let here = ScopeInfo::new(ScopeSpec {
+        scope: "shared_test.other",
+        function: "app::http::refund",
+        file: "app/src/http.rs",
+        line: 40,
+        ttl: Duration::from_secs(3600),
+        lease: Duration::from_secs(30),
+        in_progress: InProgressPolicy::Wait(Duration::from_secs(10)),
+        errors: ErrorPolicy::Release,
+        transactional: false,
+        fingerprinted: true,
+        fingerprinted_parameters: &["amount", "order"],
+        shared_tenant: false,
+        recover: None,
+        shared_scope: true,
+    });
 
     // Same names in another order, same ttl: they agree.
     let agreeing = variant(12, Duration::from_secs(3600), &["order", "amount"], true);

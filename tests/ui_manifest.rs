@@ -22,6 +22,9 @@ fn ui_manifest() {
         t.compile_fail("tests/ui-manifest/*.rs");
         t.pass("tests/ui-manifest/pass/*.rs");
     });
+    with_manifest(&dir.join("bad-entries/idempotent.toml"), |t| {
+        t.compile_fail("tests/ui-manifest/bad-entries/*.rs");
+    });
     with_manifest(&dir.join("broken/idempotent.toml"), |t| {
         t.compile_fail("tests/ui-manifest/broken/*.rs");
     });

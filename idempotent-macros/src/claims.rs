@@ -73,7 +73,7 @@ fn shape(fingerprint: &Option<Vec<String>>) -> String {
 }
 
 fn human(d: Duration) -> String {
-    humantime::format_duration(d).to_string()
+    idempotent_rules::duration::format_duration(d)
 }
 
 /// What `a` and `b`, both sharing a scope, disagree on.
@@ -126,6 +126,42 @@ pub(crate) fn claim(krate: &str, scope: &str, claim: Claim) -> Result<(), Refusa
         }),
         None => Ok(()),
     }
+}
+
+/// The duplicate-scope error (rule 18), naming every site; with a hint about
+/// `shared_scope` (rule 21) when some claimants already say it.
+pub(crate) fn duplicate_message(scope: &str, others: &[Claim], site: &Site) -> String {
+    let mut sites: Vec<String> = others.iter().map(|c| c.site.to_string()).collect();
+    sites.push(site.to_string());
+    let last = sites.pop().unwrap_or_default();
+    let count = if sites.len() == 1 {
+        "two functions".to_owned()
+    } else {
+        format!("{} functions", sites.len() + 1)
+    };
+    let listed = format!("{} and {last}", sites.join(", "));
+    let shared: Vec<String> = others
+        .iter()
+        .filter(|c| c.shared)
+        .map(|c| c.site.to_string())
+        .collect();
+    let hint = if shared.is_empty() {
+        "give each function its own scope, or, if they are meant to share one deduplication \
+         boundary (e.g. an HTTP handler and a queue consumer of one business event), write \
+         `shared_scope` on every one of them"
+            .to_owned()
+    } else {
+        let verb = if shared.len() == 1 { "says" } else { "say" };
+        format!(
+            "{} {verb} `shared_scope`, so sharing is meant: write `shared_scope` on every \
+             claimant, or give this function its own scope",
+            shared.join(" and ")
+        )
+    };
+    format!(
+        "scope `{scope}` is claimed by {count} in this crate: {listed}. Records are identified by \
+         scope, so they would replay each other's results; {hint}"
+    )
 }
 
 #[cfg(test)]

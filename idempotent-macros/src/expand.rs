@@ -1,23 +1,21 @@
 //! Code generation. The signature, attributes and visibility are re-emitted as
-//! written (original spans); only the body is wrapped, and everything the
-//! wrapper does is a call into `idempotent_runtime::__private`.
+//! written (original spans); the body is wrapped as the tokens it was written
+//! with (never parsed, so rustc reports its syntax errors itself), and
+//! everything the wrapper does is a call into `idempotent_runtime::__private`.
 
-use crate::args::{self, Errors, InProgress, RawArgs, Spec, Tenant};
-use crate::{claims, manifest};
+use crate::attr::{self, Errors, InProgress, Tenant};
+use crate::check::{self, Env, Spec};
+use crate::item::MaybeItemFn;
 use proc_macro2::{Ident, Span, TokenStream};
 use quote::{quote, quote_spanned};
-use std::path::PathBuf;
 use std::time::Duration;
 use syn::spanned::Spanned;
-use syn::ItemFn;
 
-const DEFAULT_TTL: Duration = Duration::from_secs(24 * 60 * 60);
-const DEFAULT_LEASE: Duration = Duration::from_secs(30);
-
-/// The whole macro: on any error, the original item plus every error, so one
-/// mistake does not cascade into "function not found" errors elsewhere.
+/// The whole macro: parse, validate, generate. On any error, the original
+/// item plus every error (tokio-macros style), so one mistake does not cascade
+/// into "function not found" errors elsewhere.
 pub(crate) fn entry(attr: TokenStream, item: TokenStream) -> TokenStream {
-    let func: ItemFn = match syn::parse2(item.clone()) {
+    let func: MaybeItemFn = match syn::parse2(item.clone()) {
         Ok(f) => f,
         Err(e) => {
             let e = syn::Error::new(
@@ -30,16 +28,9 @@ pub(crate) fn entry(attr: TokenStream, item: TokenStream) -> TokenStream {
             return with_error(item, e);
         }
     };
-    let raw: RawArgs = match syn::parse2(attr) {
-        Ok(raw) => raw,
-        Err(e) => return with_error(item, e),
-    };
-    let spec = match args::validate(raw, &func, Span::call_site()) {
-        Ok(spec) => spec,
-        Err(e) => return with_error(item, e),
-    };
-    match compile_time_checks(&func, &spec) {
-        Ok(resolved) => generate(&func, &spec, &resolved),
+    let env = Env::from_compiler(&func);
+    match check::validate(attr, Span::call_site(), &func, &env) {
+        Ok(spec) => generate(&func, &spec),
         Err(e) => with_error(item, e),
     }
 }
@@ -49,117 +40,6 @@ pub(crate) fn entry(attr: TokenStream, item: TokenStream) -> TokenStream {
 fn with_error(item: TokenStream, error: syn::Error) -> TokenStream {
     let error = error.to_compile_error();
     quote!(#[allow(unused_variables)] #item #error)
-}
-
-/// What the manifest added.
-pub(crate) struct Resolved {
-    ttl: Duration,
-    lease: Duration,
-    manifest: Option<PathBuf>,
-}
-
-/// The manifest (membership, retirement, defaults) and the one-function-per-scope rule.
-fn compile_time_checks(func: &ItemFn, spec: &Spec) -> Result<Resolved, syn::Error> {
-    let scope = spec.scope.value();
-    let mut errs = args::Errs::default();
-    let mut resolved = Resolved {
-        ttl: spec.ttl.unwrap_or(DEFAULT_TTL),
-        lease: spec.lease.unwrap_or(DEFAULT_LEASE),
-        manifest: None,
-    };
-    match manifest::locate() {
-        Err(message) => errs.push(spec.scope.span(), message),
-        Ok(None) => {}
-        Ok(Some(path)) => {
-            match manifest::load(&path).and_then(|m| manifest::check(&m, &scope, &path)) {
-                Ok(defaults) => {
-                    resolved.ttl = spec.ttl.or(defaults.ttl).unwrap_or(DEFAULT_TTL);
-                    resolved.lease = spec.lease.or(defaults.lease).unwrap_or(DEFAULT_LEASE);
-                }
-                Err(message) => errs.push(spec.scope.span(), message),
-            }
-            resolved.manifest = Some(path);
-        }
-    }
-    // A function under `#[cfg]` may have a twin under the opposite cfg claiming
-    // the same scope; only claim functions that are certainly compiled.
-    let has_cfg = func.attrs.iter().any(|a| a.path().is_ident("cfg"));
-    // Without cargo's crate name (a tool expanding outside cargo) claims from
-    // different crates could not be told apart; skip rather than misreport.
-    let in_cargo = std::env::var_os("CARGO_CRATE_NAME").is_some();
-    if proc_macro::is_available() && !has_cfg && in_cargo {
-        let name = &func.sig.ident;
-        let span = name.span().unwrap();
-        let site = claims::Site {
-            function: name.to_string(),
-            file: span.file(),
-            line: span.line(),
-        };
-        let claim = claims::Claim {
-            site: site.clone(),
-            shared: spec.shared_scope,
-            fingerprint: spec.fingerprint.then(|| {
-                let mut names: Vec<String> =
-                    spec.fingerprinted.iter().map(|i| i.to_string()).collect();
-                names.sort();
-                names
-            }),
-            ttl: resolved.ttl,
-        };
-        match claims::claim(&claims::current_crate(), &scope, claim) {
-            Ok(()) => {}
-            Err(claims::Refusal::Duplicate { others }) => {
-                errs.push(spec.scope.span(), duplicate_message(&scope, &others, &site))
-            }
-            Err(claims::Refusal::Disagree { other, what }) => errs.push(
-                spec.scope.span(),
-                format!(
-                    "scope `{scope}` is shared (`shared_scope`) by {} and {}, but {what}",
-                    other.site, site
-                ),
-            ),
-        }
-    }
-    match errs.into_error() {
-        Some(e) => Err(e),
-        None => Ok(resolved),
-    }
-}
-
-/// The duplicate-scope error (rule 18), naming every site; with a hint about
-/// `shared_scope` (rule 21) when some claimants already say it.
-fn duplicate_message(scope: &str, others: &[claims::Claim], site: &claims::Site) -> String {
-    let mut sites: Vec<String> = others.iter().map(|c| c.site.to_string()).collect();
-    sites.push(site.to_string());
-    let last = sites.pop().unwrap_or_default();
-    let count = if sites.len() == 1 {
-        "two functions".to_owned()
-    } else {
-        format!("{} functions", sites.len() + 1)
-    };
-    let listed = format!("{} and {last}", sites.join(", "));
-    let shared: Vec<String> = others
-        .iter()
-        .filter(|c| c.shared)
-        .map(|c| c.site.to_string())
-        .collect();
-    let hint = if shared.is_empty() {
-        "give each function its own scope, or, if they are meant to share one deduplication \
-         boundary (e.g. an HTTP handler and a queue consumer of one business event), write \
-         `shared_scope` on every one of them"
-            .to_owned()
-    } else {
-        let verb = if shared.len() == 1 { "says" } else { "say" };
-        format!(
-            "{} {verb} `shared_scope`, so sharing is meant: write `shared_scope` on every \
-             claimant, or give this function its own scope",
-            shared.join(" and ")
-        )
-    };
-    format!(
-        "scope `{scope}` is claimed by {count} in this crate: {listed}. Records are identified by \
-         scope, so they would replay each other's results; {hint}"
-    )
 }
 
 fn duration(krate: &TokenStream, d: Duration) -> TokenStream {
@@ -173,14 +53,16 @@ fn duration(krate: &TokenStream, d: Duration) -> TokenStream {
     }
 }
 
-pub(crate) fn generate(func: &ItemFn, spec: &Spec, resolved: &Resolved) -> TokenStream {
+pub(crate) fn generate(func: &MaybeItemFn, spec: &Spec) -> TokenStream {
     let krate = &spec.krate;
-    let ItemFn {
-        attrs,
+    let MaybeItemFn {
+        outer_attrs,
+        inner_attrs,
         vis,
         sig,
-        block,
+        ..
     } = func;
+    let block = func.block();
     let name = &sig.ident;
     let name_text = name.to_string();
     let scope = &spec.scope;
@@ -191,8 +73,8 @@ pub(crate) fn generate(func: &ItemFn, spec: &Spec, resolved: &Resolved) -> Token
 
     let file = quote_spanned!(name.span()=> file!());
     let line = quote_spanned!(name.span()=> line!());
-    let ttl = duration(krate, resolved.ttl);
-    let lease = duration(krate, resolved.lease);
+    let ttl = duration(krate, spec.ttl);
+    let lease = duration(krate, spec.lease);
     let in_progress = match spec.in_progress {
         InProgress::Wait(d) => {
             let d = duration(krate, d);
@@ -210,7 +92,7 @@ pub(crate) fn generate(func: &ItemFn, spec: &Spec, resolved: &Resolved) -> Token
             quote!(#krate::__private::RecordErrors),
         ),
         Errors::RecordIf(path) => {
-            let text = args::path_text(path);
+            let text = attr::path_text(path);
             (
                 quote!(#krate::__private::ErrorPolicy::RecordIf(#text)),
                 quote!(#krate::__private::RecordErrorsIf(#path)),
@@ -219,10 +101,10 @@ pub(crate) fn generate(func: &ItemFn, spec: &Spec, resolved: &Resolved) -> Token
     };
     let transactional = spec.tx.is_some();
     let fingerprinted = spec.fingerprint;
-    let shared = matches!(spec.tenant, Tenant::Shared);
+    let shared = matches!(spec.tenant, Tenant::Shared(_));
     let fp_names: Vec<String> = spec.fingerprinted.iter().map(|i| i.to_string()).collect();
 
-    let manifest_tracking = resolved.manifest.as_ref().map(|p| {
+    let manifest_tracking = spec.manifest.as_ref().map(|p| {
         let p = p.display().to_string();
         quote!(
             const _: &[u8] = ::core::include_bytes!(#p);
@@ -231,7 +113,7 @@ pub(crate) fn generate(func: &ItemFn, spec: &Spec, resolved: &Resolved) -> Token
 
     let key = &spec.key;
     let identity = match &spec.tenant {
-        Tenant::Shared => {
+        Tenant::Shared(_) => {
             quote!(#krate::__private::shared_identity(&__IDEMPOTENT_SCOPE, &(#key)))
         }
         Tenant::Expr(tenant) => {
@@ -258,11 +140,14 @@ pub(crate) fn generate(func: &ItemFn, spec: &Spec, resolved: &Resolved) -> Token
         })
     };
 
-    let recover_name = spec.recover.as_ref().map(|p| {
-        let text = args::path_text(p);
-        quote!(.__recover(#text))
-    });
-    let shared_scope = spec.shared_scope.then(|| quote!(.__shared_scope()));
+    let recover_name = match &spec.recover {
+        Some(p) => {
+            let text = attr::path_text(p);
+            quote!(::core::option::Option::Some(#text))
+        }
+        None => quote!(::core::option::Option::None),
+    };
+    let shared_scope = spec.shared_scope;
     let recover = match &spec.recover {
         None => quote!(#krate::__private::NoRecover),
         Some(path) => {
@@ -279,20 +164,23 @@ pub(crate) fn generate(func: &ItemFn, spec: &Spec, resolved: &Resolved) -> Token
     };
 
     let prelude = quote! {
-        static __IDEMPOTENT_SCOPE: #krate::__private::ScopeInfo = #krate::__private::ScopeInfo::__new(
-            #scope,
-            ::core::concat!(::core::module_path!(), "::", #name_text),
-            #file,
-            #line,
-            #ttl,
-            #lease,
-            #in_progress,
-            #error_policy,
-            #transactional,
-            #fingerprinted,
-            &[#(#fp_names),*],
-            #shared,
-        )#recover_name #shared_scope;
+        static __IDEMPOTENT_SCOPE: #krate::__private::ScopeInfo =
+            #krate::__private::ScopeInfo::new(#krate::__private::ScopeSpec {
+                scope: #scope,
+                function: ::core::concat!(::core::module_path!(), "::", #name_text),
+                file: #file,
+                line: #line,
+                ttl: #ttl,
+                lease: #lease,
+                in_progress: #in_progress,
+                errors: #error_policy,
+                transactional: #transactional,
+                fingerprinted: #fingerprinted,
+                fingerprinted_parameters: &[#(#fp_names),*],
+                shared_tenant: #shared,
+                recover: #recover_name,
+                shared_scope: #shared_scope,
+            });
         #krate::__private::inventory::submit! {
             #krate::__private::Registration(&__IDEMPOTENT_SCOPE)
         }
@@ -371,8 +259,9 @@ pub(crate) fn generate(func: &ItemFn, spec: &Spec, resolved: &Resolved) -> Token
     };
 
     quote! {
-        #(#attrs)*
+        #(#outer_attrs)*
         #vis #sig {
+            #(#inner_attrs)*
             #body
         }
     }

@@ -4,12 +4,12 @@
 //! This crate only parses and validates the attribute and emits calls into
 //! `idempotent_runtime::__private`; all run-time behaviour lives in the runtime.
 
-mod args;
+mod attr;
+mod check;
 mod claims;
-mod duration;
+mod ctxt;
 mod expand;
-mod manifest;
-mod scope;
+mod item;
 
 use proc_macro::TokenStream;
 

@@ -17,7 +17,7 @@ pub use crate::transaction::{
 pub fn body<R, F: core::future::Future<Output = R>>(body: F) -> F {
     body
 }
-pub use crate::registry::{ErrorPolicy, InProgressPolicy, Registration, ScopeInfo};
+pub use crate::registry::{ErrorPolicy, InProgressPolicy, Registration, ScopeInfo, ScopeSpec};
 pub use crate::store::{AsDynStore, Store};
 pub use core::time::Duration;
 pub use inventory;

@@ -17,6 +17,12 @@
 //! `--even-if-running`, and logs the reason (a `warn` event, target
 //! `idempotent::operator`) and prints it.
 //!
+//! Without `--manifest`, `scopes` and `audit` find the manifest the way the
+//! `#[idempotent]` macro does, starting from the current directory:
+//! `IDEMPOTENT_MANIFEST`, else `./idempotent.toml`, else `idempotent.toml` at
+//! the workspace root ([`crate::manifest::locate`]). The manifest is checked by
+//! the same rules as the macro's, so both accept and refuse the same files.
+//!
 //! `--database-url` may also come from `DATABASE_URL`, which keeps passwords
 //! out of the process list.
 //!
@@ -32,7 +38,7 @@
 use crate::audit::{audit, KnownScope};
 use crate::connect::{connect_url, ConnectError};
 use crate::identity::Identity;
-use crate::manifest::{Manifest, ManifestError};
+use crate::manifest::{Manifest, ManifestError, ENV_VAR, FILE_NAME};
 use crate::purge::{purge_all, DEFAULT_BATCH};
 use crate::registry::Format;
 use crate::store::{ForcedRelease, RecordSnapshot, RecordState};
@@ -55,9 +61,11 @@ pub struct Cli {
 pub enum Command {
     /// List the scopes a manifest declares and the names it retired.
     Scopes {
-        /// The scope manifest.
-        #[arg(long, default_value = Manifest::FILE_NAME)]
-        manifest: PathBuf,
+        /// The scope manifest. Default: the one the macro finds, looked for
+        /// from the current directory (IDEMPOTENT_MANIFEST, else
+        /// ./idempotent.toml, else idempotent.toml at the workspace root).
+        #[arg(long)]
+        manifest: Option<PathBuf>,
         /// Print JSON instead of a table.
         #[arg(long)]
         json: bool,
@@ -69,8 +77,9 @@ pub enum Command {
         #[arg(long, env = "DATABASE_URL")]
         database_url: String,
         /// The scope manifest whose declared scopes count as claimed.
-        #[arg(long, default_value = Manifest::FILE_NAME)]
-        manifest: PathBuf,
+        /// Default: found as for `scopes`.
+        #[arg(long)]
+        manifest: Option<PathBuf>,
         /// Print JSON instead of a table.
         #[arg(long)]
         json: bool,
@@ -161,6 +170,14 @@ pub enum CliError {
     /// The manifest could not be read.
     #[error(transparent)]
     Manifest(#[from] ManifestError),
+    /// No `--manifest` was given and none was found where the macro looks.
+    #[error("no scope manifest found: {ENV_VAR} is not set and there is no {FILE_NAME} in {} \
+             or at the root of its workspace; pass --manifest PATH or run from the project's directory",
+             .searched_from.display())]
+    NoManifest {
+        /// The directory the lookup started from (the current directory).
+        searched_from: PathBuf,
+    },
     /// The store could not be opened.
     #[error(transparent)]
     Connect(#[from] ConnectError),
@@ -212,13 +229,16 @@ where
 /// Runs a parsed command; returns what it prints on stdout.
 pub async fn run(cli: Cli) -> Result<String, CliError> {
     match cli.command {
-        Command::Scopes { manifest, json } => Ok(Manifest::load(&manifest)?.render(format(json))),
+        Command::Scopes { manifest, json } => Ok(crate::manifest::render(
+            &load_manifest(manifest)?,
+            format(json),
+        )),
         Command::Audit {
             database_url,
             manifest,
             json,
         } => {
-            let manifest = Manifest::load(&manifest)?;
+            let manifest = load_manifest(manifest)?;
             let store = connect_url(&database_url).await?;
             let report = audit(&*store, &KnownScope::from_manifest(&manifest)).await?;
             Ok(report.render(format(json)))
@@ -314,6 +334,21 @@ pub async fn run(cli: Cli) -> Result<String, CliError> {
             }
         }
     }
+}
+
+/// The manifest named by `--manifest`, else the one [`crate::manifest::locate`]
+/// finds from the current directory: the lookup order the macro uses.
+pub fn load_manifest(explicit: Option<PathBuf>) -> Result<Manifest, CliError> {
+    let path = match explicit {
+        Some(path) => path,
+        None => {
+            let here = std::env::current_dir().unwrap_or_else(|_| PathBuf::from("."));
+            crate::manifest::locate(Some(&here))?.ok_or(CliError::NoManifest {
+                searched_from: here,
+            })?
+        }
+    };
+    Ok(Manifest::load(path)?)
 }
 
 fn no_record(identity: &Identity) -> CliError {

@@ -1076,20 +1076,22 @@ mod tests {
     use crate::registry::ErrorPolicy;
     use crate::MemoryStore;
 
-    static SPEC: ScopeInfo = ScopeInfo::__new(
-        "engine.test",
-        "engine::tests::f",
-        file!(),
-        line!(),
-        Duration::from_secs(60),
-        Duration::from_millis(300),
-        InProgressPolicy::Reject,
-        ErrorPolicy::Release,
-        false,
-        true,
-        &["amount"],
-        false,
-    );
+    static SPEC: ScopeInfo = ScopeInfo::new(crate::registry::ScopeSpec {
+        scope: "engine.test",
+        function: "engine::tests::f",
+        file: file!(),
+        line: line!(),
+        ttl: Duration::from_secs(60),
+        lease: Duration::from_millis(300),
+        in_progress: InProgressPolicy::Reject,
+        errors: ErrorPolicy::Release,
+        transactional: false,
+        fingerprinted: true,
+        fingerprinted_parameters: &["amount"],
+        shared_tenant: false,
+        recover: None,
+        shared_scope: false,
+    });
 
     async fn call(store: &MemoryStore, key: &str, amount: u32) -> Result<u32, Error> {
         let c = Call {

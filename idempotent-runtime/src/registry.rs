@@ -65,24 +65,84 @@ pub struct ScopeInfo {
     pub shared_scope: bool,
 }
 
+/// Everything needed to describe one claimant of a scope, by name: what
+/// [`ScopeInfo::new`] (and the code `#[idempotent]` generates) builds a
+/// [`ScopeInfo`] from. The fields mean what [`ScopeInfo`]'s fields of the
+/// same names mean.
+///
+/// ```
+/// use idempotent_runtime::registry::{ErrorPolicy, InProgressPolicy, ScopeInfo, ScopeSpec};
+/// use std::time::Duration;
+/// static CHARGE: ScopeInfo = ScopeInfo::new(ScopeSpec {
+///     scope: "payments.charge",
+///     function: "billing::charge",
+///     file: file!(),
+///     line: line!(),
+///     ttl: Duration::from_secs(24 * 3600),
+///     lease: Duration::from_secs(30),
+///     in_progress: InProgressPolicy::Wait(Duration::from_secs(10)),
+///     errors: ErrorPolicy::Release,
+///     transactional: false,
+///     fingerprinted: true,
+///     fingerprinted_parameters: &["req"],
+///     shared_tenant: false,
+///     recover: None,
+///     shared_scope: false,
+/// });
+/// assert_eq!(CHARGE.scope, "payments.charge");
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ScopeSpec {
+    /// The scope string, e.g. `payments.charge`.
+    pub scope: &'static str,
+    /// The function's path, `module::path::function`.
+    pub function: &'static str,
+    /// Source file of the function.
+    pub file: &'static str,
+    /// Line of the function's name.
+    pub line: u32,
+    /// Retention of a completed record.
+    pub ttl: Duration,
+    /// Lease of an in-progress record.
+    pub lease: Duration,
+    /// What a concurrent duplicate gets.
+    pub in_progress: InProgressPolicy,
+    /// What an `Err` does.
+    pub errors: ErrorPolicy,
+    /// `tx = ...`: reservation and completion in the caller's transaction.
+    pub transactional: bool,
+    /// `false` with `fingerprint = false`.
+    pub fingerprinted: bool,
+    /// The parameters that go into the fingerprint, in declaration order.
+    pub fingerprinted_parameters: &'static [&'static str],
+    /// `tenant = shared`.
+    pub shared_tenant: bool,
+    /// The `recover = path` hook, as written.
+    pub recover: Option<&'static str>,
+    /// `shared_scope` (rule 21).
+    pub shared_scope: bool,
+}
+
 impl ScopeInfo {
-    /// Used by the generated code. `const` so it can live in a `static`.
-    #[doc(hidden)]
-    #[allow(clippy::too_many_arguments)]
-    pub const fn __new(
-        scope: &'static str,
-        function: &'static str,
-        file: &'static str,
-        line: u32,
-        ttl: Duration,
-        lease: Duration,
-        in_progress: InProgressPolicy,
-        errors: ErrorPolicy,
-        transactional: bool,
-        fingerprinted: bool,
-        fingerprinted_parameters: &'static [&'static str],
-        shared_tenant: bool,
-    ) -> Self {
+    /// Builds the description of one claimant. `const`, so it can live in a
+    /// `static` (the generated code puts one in each annotated function).
+    pub const fn new(spec: ScopeSpec) -> Self {
+        let ScopeSpec {
+            scope,
+            function,
+            file,
+            line,
+            ttl,
+            lease,
+            in_progress,
+            errors,
+            transactional,
+            fingerprinted,
+            fingerprinted_parameters,
+            shared_tenant,
+            recover,
+            shared_scope,
+        } = spec;
         ScopeInfo {
             scope,
             function,
@@ -96,23 +156,9 @@ impl ScopeInfo {
             fingerprinted,
             fingerprinted_parameters,
             shared_tenant,
-            recover: None,
-            shared_scope: false,
+            recover,
+            shared_scope,
         }
-    }
-
-    /// Used by the generated code: `recover = path`.
-    #[doc(hidden)]
-    pub const fn __recover(mut self, hook: &'static str) -> Self {
-        self.recover = Some(hook);
-        self
-    }
-
-    /// Used by the generated code: `shared_scope`.
-    #[doc(hidden)]
-    pub const fn __shared_scope(mut self) -> Self {
-        self.shared_scope = true;
-        self
     }
 
     /// The fingerprinted parameters, sorted: what decides whether two
@@ -124,6 +170,12 @@ impl ScopeInfo {
             names.sort_unstable();
             names
         })
+    }
+}
+
+impl From<ScopeSpec> for ScopeInfo {
+    fn from(spec: ScopeSpec) -> Self {
+        ScopeInfo::new(spec)
     }
 }
 
@@ -442,11 +494,10 @@ impl std::fmt::Display for ErrorPolicy {
     }
 }
 
-/// A duration the way the attribute spells it: `24h`, `30s`, `1m 30s`.
+/// A duration the way the attribute spells it: `24h`, `30s`, `1m 30s`
+/// (the rule is `idempotent_rules::duration::format_duration`).
 pub(crate) fn human(d: Duration) -> String {
-    // Sub-millisecond noise would make `1s 200us` out of a configured `1s`.
-    let d = Duration::from_millis(u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
-    humantime::format_duration(d).to_string()
+    idempotent_rules::duration::format_duration(d)
 }
 
 /// The serialized form of a [`ScopeInfo`] (durations as text and as milliseconds).

@@ -15,3 +15,21 @@ fn charge(key: &str, amount: u64) -> u64 {
 }
 
 fn main() {}
+
+#[idempotent(scope = "payments.refund", key = key, tenant = shared)]
+async fn refund(key: &str) -> Result<u8, idempotent_runtime::Error> {
+    Ok(1)
+}
+
+// A second claimant of one scope, with mistakes of its own: the duplicate is
+// reported together with them, in one round.
+#[idempotent(
+    scope = "payments.refund",
+    key = key,
+    tenant = shared,
+    lease = "5ms",
+    skip(nope)
+)]
+async fn refund_again(key: &str) -> Result<u8, idempotent_runtime::Error> {
+    Ok(2)
+}

@@ -7,7 +7,7 @@ use super::REPLAYED;
 use crate::engine::{execute, with_outcome, Call, Outcome, ReleaseErrors, StoreRef};
 use crate::error::Error;
 use crate::identity::Identity;
-use crate::registry::{ErrorPolicy, InProgressPolicy, ScopeInfo};
+use crate::registry::{ErrorPolicy, InProgressPolicy, ScopeInfo, ScopeSpec};
 use crate::store::Store;
 use axum::body::Body;
 use axum::http::request::Parts;
@@ -238,20 +238,22 @@ impl IdempotencyLayerBuilder {
             (None, false, false) => "release 4xx and 5xx",
             (None, false, true) => "release 4xx, record 5xx",
         };
-        let spec: &'static ScopeInfo = Box::leak(Box::new(ScopeInfo::__new(
-            Box::leak(self.scope.into_boxed_str()),
-            "idempotent_runtime::http::IdempotencyLayer",
-            caller.file(),
-            caller.line(),
-            self.ttl,
-            self.lease,
-            self.in_progress,
-            ErrorPolicy::RecordIf(errors),
-            false,
-            true,
-            &["method", "target", "body"],
-            false,
-        )));
+        let spec: &'static ScopeInfo = Box::leak(Box::new(ScopeInfo::new(ScopeSpec {
+            scope: Box::leak(self.scope.into_boxed_str()),
+            function: "idempotent_runtime::http::IdempotencyLayer",
+            file: caller.file(),
+            line: caller.line(),
+            ttl: self.ttl,
+            lease: self.lease,
+            in_progress: self.in_progress,
+            errors: ErrorPolicy::RecordIf(errors),
+            transactional: false,
+            fingerprinted: true,
+            fingerprinted_parameters: &["method", "target", "body"],
+            shared_tenant: false,
+            recover: None,
+            shared_scope: false,
+        })));
         crate::registry::register_runtime(spec);
         Ok(IdempotencyLayer {
             config: Arc::new(Config {

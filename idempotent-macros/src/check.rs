@@ -1,0 +1,466 @@
+//! Checks across arguments and against the function, after [`crate::attr`]
+//! has read each argument on its own: the function's shape, `key`/`tenant`/
+//! `skip`/`tx` against the parameters, `tx` with `store`, `fingerprint =
+//! false` with `skip`, the scope manifest (membership, retirement, defaults)
+//! and the one-function-per-scope rule (`shared_scope`). Every mistake goes
+//! into the same [`Ctxt`] as the argument errors, so all are reported in one
+//! round.
+
+use crate::attr::{self, span_of, Attr, Errors, InProgress, Tenant};
+use crate::claims;
+use crate::ctxt::Ctxt;
+use crate::item::MaybeItemFn;
+use idempotent_rules::duration::{DEFAULT_LEASE, DEFAULT_TTL};
+use idempotent_rules::manifest::{self, Manifest, ManifestError};
+use idempotent_rules::scope::nearest;
+use proc_macro2::{Span, TokenStream};
+use std::path::PathBuf;
+use std::time::Duration;
+use syn::spanned::Spanned;
+use syn::{Expr, FnArg, Ident, LitStr, Pat, Path, ReturnType, Signature, Type};
+
+/// Everything the attribute and the function declare, checked: what
+/// [`crate::expand`] generates code from.
+pub(crate) struct Spec {
+    pub scope: LitStr,
+    pub key: Expr,
+    pub tenant: Tenant,
+    pub store: Option<Expr>,
+    pub tx: Option<Ident>,
+    pub fingerprint: bool,
+    /// The attribute's `ttl`, else the manifest's, else 24h.
+    pub ttl: Duration,
+    /// The attribute's `lease`, else the manifest's, else 30s.
+    pub lease: Duration,
+    pub in_progress: InProgress,
+    pub errors: Errors,
+    /// `recover = path`: asked before a takeover re-runs the body (rule 20).
+    pub recover: Option<Path>,
+    /// `shared_scope`: the scope is claimed by several functions on purpose (rule 21).
+    pub shared_scope: bool,
+    pub krate: TokenStream,
+    /// The parameters that go into the fingerprint, in declaration order.
+    pub fingerprinted: Vec<Ident>,
+    /// The manifest file, so the generated code can make cargo rebuild when it changes.
+    pub manifest: Option<PathBuf>,
+}
+
+/// What the checks need from outside the attribute: the scope manifest and
+/// where this function's claim on its scope is recorded. Built from the
+/// compiler's environment by [`Env::from_compiler`]; tests build their own.
+pub(crate) struct Env {
+    /// `None`: no manifest (only the format is checked). `Some(Err)`: it could
+    /// not be found (`IDEMPOTENT_MANIFEST` names nothing) or read, or breaks the rules.
+    pub manifest: Option<Result<Manifest, ManifestError>>,
+    /// The manifest's path, when one was found.
+    pub manifest_path: Option<PathBuf>,
+    /// Where to record the claim (crate, file, line); `None`: not checked.
+    pub claim: Option<ClaimPlace>,
+}
+
+/// The crate being compiled and where the function is.
+pub(crate) struct ClaimPlace {
+    pub krate: String,
+    pub file: String,
+    pub line: usize,
+}
+
+impl Env {
+    /// The manifest found by the one lookup order (`idempotent_rules::manifest::locate`,
+    /// from the crate's directory), and the claim place when the compiler gives it.
+    pub fn from_compiler(item: &MaybeItemFn) -> Env {
+        let crate_dir = std::env::var_os("CARGO_MANIFEST_DIR").map(PathBuf::from);
+        let (manifest, manifest_path) = match manifest::locate(crate_dir.as_deref()) {
+            Err(e) => (Some(Err(e)), None),
+            Ok(None) => (None, None),
+            Ok(Some(path)) => (Some(Manifest::load(&path)), Some(path)),
+        };
+        // A function under `#[cfg]` may have a twin under the opposite cfg claiming
+        // the same scope; only claim functions that are certainly compiled.
+        let has_cfg = item.outer_attrs.iter().any(|a| a.path().is_ident("cfg"));
+        // Without cargo's crate name (a tool expanding outside cargo) claims from
+        // different crates could not be told apart; skip rather than misreport.
+        let in_cargo = std::env::var_os("CARGO_CRATE_NAME").is_some();
+        let claim = (proc_macro::is_available() && !has_cfg && in_cargo).then(|| {
+            let span = item.sig.ident.span().unwrap();
+            ClaimPlace {
+                krate: claims::current_crate(),
+                file: span.file(),
+                line: span.line(),
+            }
+        });
+        Env {
+            manifest,
+            manifest_path,
+            claim,
+        }
+    }
+
+    /// No manifest, no claims.
+    #[cfg(test)]
+    pub fn none() -> Env {
+        Env {
+            manifest: None,
+            manifest_path: None,
+            claim: None,
+        }
+    }
+}
+
+/// The macro's validation entry point: reads the attribute and checks it
+/// against the function and `env`. Every mistake is reported, in one round.
+pub(crate) fn validate(
+    attr_tokens: TokenStream,
+    attr_span: Span,
+    item: &MaybeItemFn,
+    env: &Env,
+) -> Result<Spec, syn::Error> {
+    let cx = Ctxt::new();
+    signature(&cx, &item.sig);
+    let attr = attr::parse(&cx, attr_tokens, attr_span);
+    let spec = cross(&cx, attr, &item.sig, env);
+    cx.check()?;
+    spec.ok_or_else(|| syn::Error::new(attr_span, "missing `scope`, `key` or `tenant`"))
+}
+
+/// A parameter of the annotated function, as far as the fingerprint cares.
+struct Param {
+    /// `None` for a pattern (`(a, b): (u8, u8)`, `_`).
+    name: Option<Ident>,
+    /// Where to point at in messages.
+    span: Span,
+    is_self: bool,
+    /// `_: T`
+    is_wildcard: bool,
+}
+
+fn params(sig: &Signature) -> Vec<Param> {
+    sig.inputs
+        .iter()
+        .map(|input| match input {
+            FnArg::Receiver(r) => Param {
+                name: Some(Ident::new("self", r.self_token.span)),
+                span: r.span(),
+                is_self: true,
+                is_wildcard: false,
+            },
+            FnArg::Typed(t) => match &*t.pat {
+                Pat::Ident(p) if p.subpat.is_none() => Param {
+                    name: Some(p.ident.clone()),
+                    span: p.ident.span(),
+                    is_self: p.ident == "self",
+                    is_wildcard: false,
+                },
+                other => Param {
+                    name: None,
+                    span: other.span(),
+                    is_self: false,
+                    is_wildcard: matches!(other, Pat::Wild(_)),
+                },
+            },
+        })
+        .collect()
+}
+
+fn param_list(params: &[Param]) -> String {
+    let names: Vec<String> = params
+        .iter()
+        .map(|p| match &p.name {
+            Some(n) => format!("`{n}`"),
+            None => "(a pattern)".to_owned(),
+        })
+        .collect();
+    if names.is_empty() {
+        "(none)".to_owned()
+    } else {
+        names.join(", ")
+    }
+}
+
+/// `ty` without the invisible groups around a `$t:ty` metavariable.
+fn ungroup_type(mut ty: &Type) -> &Type {
+    while let Type::Group(g) = ty {
+        ty = &g.elem;
+    }
+    ty
+}
+
+/// Whether the return type's last path segment is `Result` (so `io::Result<T>`
+/// and `anyhow::Result<T>` are accepted; the runtime's trait bounds check the rest).
+fn returns_result(output: &ReturnType) -> bool {
+    let ReturnType::Type(_, ty) = output else {
+        return false;
+    };
+    matches!(ungroup_type(ty), Type::Path(p) if p.qself.is_none()
+        && p.path.segments.last().is_some_and(|s| s.ident == "Result"))
+}
+
+/// The function itself: `async`, returning a `Result`.
+fn signature(cx: &Ctxt, sig: &Signature) {
+    if sig.asyncness.is_none() {
+        cx.error(
+            sig.fn_token.span,
+            "#[idempotent] works on `async fn` only: the reservation and the recorded result \
+             are store calls that must be awaited; make this function `async`",
+        );
+    }
+    if !returns_result(&sig.output) {
+        let span = match &sig.output {
+            ReturnType::Type(_, ty) => ungroup_type(ty).span(),
+            ReturnType::Default => sig.paren_token.span.join(),
+        };
+        cx.error(
+            span,
+            "#[idempotent] functions must return `Result<T, E>` (T: Serialize + Deserialize, \
+             E: From<idempotent_runtime::Error>), so a refusal or a store failure can be \
+             returned as an error; change the return type",
+        );
+    }
+}
+
+/// Everything that involves more than one argument, the parameters, the
+/// manifest or other functions. Returns the spec when every required
+/// argument was readable (errors, if any, are in `cx`).
+fn cross(cx: &Ctxt, attr: Attr, sig: &Signature, env: &Env) -> Option<Spec> {
+    let params = params(sig);
+
+    // `tenant = shared` with a parameter called `shared` would make the bare
+    // word mean two things: refuse rather than silently merge tenants.
+    if let Some(Tenant::Shared(span)) = &attr.tenant {
+        if params
+            .iter()
+            .any(|p| p.name.as_ref().is_some_and(|n| n == "shared"))
+        {
+            cx.error(
+                *span,
+                "`tenant = shared` is the opt-out (one namespace for every tenant), but this \
+                 function also has a parameter called `shared`; write `tenant = (shared)` to use \
+                 the parameter as the tenant, or rename the parameter",
+            );
+        }
+    }
+
+    // `tx` names a parameter.
+    let tx: Option<Ident> = attr
+        .tx
+        .as_ref()
+        .and_then(|expr| match attr::plain_ident(expr) {
+            Some(id)
+                if params
+                    .iter()
+                    .any(|p| !p.is_self && p.name.as_ref() == Some(id)) =>
+            {
+                Some(id.clone())
+            }
+            _ => {
+                cx.error(
+                    span_of(expr),
+                    format!(
+                        "`tx` must name a parameter of this function holding the transaction \
+                     or connection, e.g. `tx = tx` for `tx: &mut sqlx::Transaction<'_, Postgres>`; \
+                     parameters: {}",
+                        param_list(&params)
+                    ),
+                );
+                None
+            }
+        });
+
+    // `tx` with `store`.
+    if let (Some(tx), Some(store)) = (&attr.tx, &attr.store) {
+        let mut e = syn::Error::new(
+            span_of(tx),
+            "`tx` and `store` cannot be used together: with `tx` the records live in the \
+             transaction's database; remove `store`",
+        );
+        e.combine(syn::Error::new(span_of(store), "`store` given here"));
+        cx.syn_error(e);
+    }
+
+    // `fingerprint = false` with `skip`.
+    let fingerprint_on = attr.fingerprint.as_ref().is_none_or(|(_, on)| *on);
+    if let (Some((fp_name, false)), Some((skip_name, _))) = (&attr.fingerprint, &attr.skip) {
+        let mut e = syn::Error::new(
+            skip_name.span(),
+            "`skip(...)` has no effect with `fingerprint = false` (nothing is fingerprinted); \
+             remove one of them",
+        );
+        e.combine(syn::Error::new(
+            fp_name.span(),
+            "`fingerprint = false` given here",
+        ));
+        cx.syn_error(e);
+    }
+
+    // `skip` names parameters.
+    let skipped: Vec<Ident> = attr.skip.map(|(_, names)| names).unwrap_or_default();
+    for (i, name) in skipped.iter().enumerate() {
+        if skipped[..i].contains(name) {
+            cx.error(name.span(), format!("`{name}` is listed twice in `skip`"));
+            continue;
+        }
+        if !params.iter().any(|p| p.name.as_ref() == Some(name)) {
+            let named: Vec<String> = params
+                .iter()
+                .filter_map(|p| p.name.as_ref().map(|n| n.to_string()))
+                .collect();
+            let hint = nearest(&name.to_string(), named.iter().map(String::as_str), Some(3))
+                .map(|s| format!("did you mean `{s}`? "))
+                .unwrap_or_default();
+            cx.error(
+                name.span(),
+                format!(
+                    "`skip` names `{name}`, but `{}` has no parameter `{name}`; {hint}parameters: {}",
+                    sig.ident,
+                    param_list(&params)
+                ),
+            );
+        }
+    }
+
+    // Which parameters are fingerprinted: all but `self`, the skipped ones and
+    // those named directly by `key`, `tenant`, `store` or `tx`.
+    let named_directly: Vec<&Ident> = [
+        attr.key.as_ref().and_then(attr::plain_ident),
+        match &attr.tenant {
+            Some(Tenant::Expr(e)) => attr::plain_ident(e),
+            _ => None,
+        },
+        attr.store.as_ref().and_then(attr::plain_ident),
+        tx.as_ref(),
+    ]
+    .into_iter()
+    .flatten()
+    .collect();
+    let mut fingerprinted = Vec::new();
+    if fingerprint_on {
+        for p in &params {
+            if p.is_self {
+                continue;
+            }
+            match &p.name {
+                Some(n) if named_directly.contains(&n) || skipped.contains(n) => {}
+                Some(n) => fingerprinted.push(n.clone()),
+                None if p.is_wildcard => cx.error(
+                    p.span,
+                    "a `_` parameter cannot be fingerprinted because it has no name; name it \
+                     (`_unused: u8`) and list it in `skip(...)` if it is not part of the \
+                     request, or turn the fingerprint off with `fingerprint = false`",
+                ),
+                None => cx.error(
+                    p.span,
+                    "this parameter is a pattern, so #[idempotent] cannot name it in the \
+                     fingerprint; bind it to a name (`pair: (u8, u8)`) and destructure it in \
+                     the body, or turn the fingerprint off with `fingerprint = false`",
+                ),
+            }
+        }
+    }
+
+    // The manifest: membership, retirement, defaults. Only a well-formed scope
+    // is looked up (a malformed one has its own error already).
+    let valid_scope = attr
+        .scope
+        .as_ref()
+        .and_then(|(lit, valid)| valid.then_some(lit));
+    let mut ttl = attr.ttl;
+    let mut lease = attr.lease;
+    if let (Some(lit), Some(manifest)) = (valid_scope, &env.manifest) {
+        match manifest {
+            Err(e) => cx.error(lit.span(), e),
+            Ok(m) => match m.check_scope(&lit.value()) {
+                Ok(defaults) => {
+                    ttl = ttl.or(defaults.ttl);
+                    lease = lease.or(defaults.lease);
+                }
+                Err(e) => cx.error(lit.span(), e),
+            },
+        }
+    }
+    let ttl = ttl.unwrap_or(DEFAULT_TTL);
+    let lease = lease.unwrap_or(DEFAULT_LEASE);
+
+    // One function per scope in this crate, unless every claimant says
+    // `shared_scope` and they agree (rules 18 and 21).
+    if let (Some(lit), Some(place)) = (valid_scope, &env.claim) {
+        claim(
+            cx,
+            lit,
+            place,
+            sig,
+            attr.shared_scope,
+            fingerprint_on,
+            &fingerprinted,
+            ttl,
+        );
+    }
+
+    let (Some((scope, _)), Some(key), Some(tenant)) = (attr.scope, attr.key, attr.tenant) else {
+        return None;
+    };
+    Some(Spec {
+        scope,
+        key,
+        tenant,
+        store: attr.store,
+        tx,
+        fingerprint: fingerprint_on,
+        ttl,
+        lease,
+        in_progress: attr.in_progress,
+        errors: attr.errors,
+        recover: attr.recover,
+        shared_scope: attr.shared_scope,
+        krate: attr
+            .krate
+            .unwrap_or_else(|| quote::quote!(::idempotent_runtime)),
+        fingerprinted,
+        manifest: env.manifest_path.clone(),
+    })
+}
+
+#[allow(clippy::too_many_arguments)]
+fn claim(
+    cx: &Ctxt,
+    lit: &LitStr,
+    place: &ClaimPlace,
+    sig: &Signature,
+    shared: bool,
+    fingerprint_on: bool,
+    fingerprinted: &[Ident],
+    ttl: Duration,
+) {
+    let scope = lit.value();
+    let site = claims::Site {
+        function: sig.ident.to_string(),
+        file: place.file.clone(),
+        line: place.line,
+    };
+    let claim = claims::Claim {
+        site: site.clone(),
+        shared,
+        fingerprint: fingerprint_on.then(|| {
+            let mut names: Vec<String> = fingerprinted.iter().map(|i| i.to_string()).collect();
+            names.sort();
+            names
+        }),
+        ttl,
+    };
+    match claims::claim(&place.krate, &scope, claim) {
+        Ok(()) => {}
+        Err(claims::Refusal::Duplicate { others }) => cx.error(
+            lit.span(),
+            claims::duplicate_message(&scope, &others, &site),
+        ),
+        Err(claims::Refusal::Disagree { other, what }) => cx.error(
+            lit.span(),
+            format!(
+                "scope `{scope}` is shared (`shared_scope`) by {} and {}, but {what}",
+                other.site, site
+            ),
+        ),
+    }
+}
+
+#[cfg(test)]
+mod tests;
