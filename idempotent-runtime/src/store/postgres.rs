@@ -904,7 +904,7 @@ struct Watcher {
 }
 
 enum WatchState {
-    Idle(Option<PgConnectOptions>),
+    Idle(Option<Box<PgConnectOptions>>),
     Running(#[allow(dead_code)] tokio::sync::oneshot::Sender<()>),
 }
 
@@ -953,7 +953,7 @@ impl Watcher {
     fn new(options: PgConnectOptions) -> Self {
         Watcher {
             shared: std::sync::Arc::new(WatchShared::default()),
-            state: std::sync::Mutex::new(WatchState::Idle(Some(options))),
+            state: std::sync::Mutex::new(WatchState::Idle(Some(Box::new(options)))),
         }
     }
 
@@ -985,7 +985,7 @@ impl Watcher {
             return; // could not start before; waiters poll
         };
         let (stop, stopped) = tokio::sync::oneshot::channel();
-        match spawn_listener(options, self.shared.clone(), stopped) {
+        match spawn_listener(*options, self.shared.clone(), stopped) {
             Ok(()) => *state = WatchState::Running(stop),
             Err(e) => tracing::error!(target: "idempotent", store = STORE, error = %e,
                 "could not start the listener thread; waiting duplicates poll"),
