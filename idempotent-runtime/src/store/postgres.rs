@@ -15,16 +15,38 @@
 //!
 //! # Round trips
 //!
-//! * `reserve`: one statement, `SELECT … FROM idempotency_reserve_autocommit(…)`
-//!   (through the store) or `idempotency_reserve(…)` (in a caller's
-//!   transaction), a plpgsql function that answers every case (acquire,
-//!   replace an expired record, take over an expired lease, replay, in
-//!   progress, mismatch). The transactional variant catches a lock timeout in
-//!   a subtransaction so the caller's transaction stays usable; the store's
-//!   statement is its own transaction, needs no subtransaction, and answers a
-//!   lock timeout (SQLSTATE 55P03) as `InProgress`.
+//! * `reserve` (store mode): one plain SQL statement, prepared once per
+//!   connection: a plain read of the record answers a replay, a refusal (in
+//!   progress) or a mismatch, and for an absent record an `INSERT … ON CONFLICT
+//!   DO NOTHING` in the same statement acquires it. A replay costs a primary
+//!   key lookup and takes no lock. Only what needs a decision under the row
+//!   lock (replacing an expired record, taking over an expired lease, a race
+//!   with a concurrent insert) takes a second statement, the plpgsql function
+//!   `idempotency_reserve_autocommit`.
+//! * `reserve_in_transaction`: one statement, a plain read that answers
+//!   replays, refusals and mismatches without a lock (rule 15), gated so that
+//!   only otherwise does it call `idempotency_reserve`, the same decisions in
+//!   a subtransaction that catches a lock timeout so the caller's transaction
+//!   stays usable. Both functions are wrappers over one body
+//!   (`idempotency_reserve_core`, migration 0004).
 //! * `complete`, `release`, `heartbeat`: one `UPDATE`/`DELETE` each, fenced by
 //!   the owner token.
+//!
+//! # Waiting duplicates
+//!
+//! A duplicate that finds the record in progress and may wait
+//! ([`Store::wait_for_change`]) is woken by `LISTEN/NOTIFY`: the store keeps
+//! one listening connection (on a background thread with its own runtime,
+//! started by the first waiter); the waiter registers, marks the record
+//! (`waiting = TRUE`), and a trigger on the table notifies when a marked
+//! record completes, is released or deleted, or changes owner — at the
+//! writer's commit, whichever process or mode wrote it. Unmarked records never
+//! notify, so the path without waiters pays nothing (NOTIFY takes a
+//! database-wide lock at commit). A waiter polls instead (5 ms doubling to
+//! 100 ms) when the listener is not connected, when the record is not visible
+//! yet (a transactional-mode owner's uncommitted reservation) or locked by
+//! another transaction; a marked waiter with no news reserves again at the
+//! lease's end or after [`WAIT_SLICE`], whichever is first.
 //!
 //! # Rows held by other transactions
 //!
@@ -39,6 +61,7 @@ use crate::error::Error;
 use crate::transaction::TransactionalConnection;
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions, PgRow};
 use sqlx::{Executor, Postgres, Row};
+use std::collections::HashMap;
 use std::str::FromStr;
 
 const STORE: &str = "postgres";
@@ -65,6 +88,7 @@ pub struct PgStore {
     pool: PgPool,
     lock_wait: Duration,
     detached: std::sync::Arc<detached::Detached>,
+    watcher: std::sync::Arc<Watcher>,
 }
 
 impl PgStore {
@@ -114,6 +138,7 @@ impl PgStore {
             .map_err(|e| StoreError::new(STORE, "apply migrations", e))?;
         Ok(PgStore {
             detached: std::sync::Arc::new(background_worker(&pool)),
+            watcher: std::sync::Arc::new(Watcher::new((*pool.connect_options()).clone())),
             pool,
             lock_wait: DEFAULT_LOCK_WAIT,
         })
@@ -278,56 +303,152 @@ fn millis_i64(d: Duration) -> i64 {
     duration_to_millis(d)
 }
 
-/// In a caller's transaction: a lock timeout is caught in a subtransaction
-/// inside the function, so the caller's transaction stays usable.
-const RESERVE_SQL: &str = "SELECT outcome, took_over, is_error, result, lease_remaining_ms, \
-     attempt_number, previous_attempt_started_at \
-     FROM idempotency_reserve($1, $2, $3, $4, $5, $6, $7, $8)";
-/// Through the store (the statement is its own transaction): no subtransaction;
-/// a lock timeout fails the statement with SQLSTATE 55P03, answered as `InProgress`.
+/// The store's reservation, one plain statement (prepared once per
+/// connection, cached by sqlx) that answers what needs no row lock: a plain
+/// read of the record (`cur`) decides replay, in progress and mismatch; when
+/// there is no record, the `INSERT … ON CONFLICT DO NOTHING` acquires it. The
+/// insert only runs for an absent record (its source row exists only then),
+/// and only then is `lock_timeout` set (for the statement's own transaction):
+/// a conflicting row inserted by an uncommitted transaction is waited for at
+/// most `$8` ms, then the statement fails with 55P03 (in progress).
+///
+/// `other` (an expired record to replace, an expired lease to take over) and
+/// an empty answer (a concurrent reservation inserted the row after this
+/// statement's snapshot) go to `idempotency_reserve_autocommit`, which decides
+/// under the row lock.
+const RESERVE_STORE_SQL: &str = "\
+WITH cur AS MATERIALIZED (
+    SELECT state, fingerprint, is_error, result, lease_expires_at, expires_at,
+           idempotency_now_ms() AS now_ms
+      FROM idempotency_records
+     WHERE tenant = $1 AND scope = $2 AND key = $3),
+ins AS (
+    INSERT INTO idempotency_records
+        (tenant, scope, key, state, fingerprint, owner_token, lease_expires_at,
+         expires_at, created_at, updated_at, attempt, attempt_started_at)
+    SELECT $1, $2, $3, 'in_progress', $4, $5, n + $6, n + $7, n, n, 1, n
+      FROM (SELECT idempotency_now_ms() AS n) c
+     WHERE CASE WHEN EXISTS (SELECT 1 FROM cur) THEN FALSE
+                ELSE set_config('lock_timeout', greatest($8::BIGINT, 1)::TEXT || 'ms', TRUE) IS NOT NULL
+           END
+    ON CONFLICT DO NOTHING
+    RETURNING 1)
+SELECT 'acquired' AS outcome, FALSE AS took_over, NULL::BOOLEAN AS is_error,
+       NULL::BYTEA AS result, NULL::BIGINT AS lease_remaining_ms,
+       1 AS attempt_number, NULL::BIGINT AS previous_attempt_started_at
+  FROM ins
+UNION ALL
+SELECT CASE WHEN c.expires_at <= c.now_ms
+                 AND (c.state = 'complete' OR c.lease_expires_at <= c.now_ms) THEN 'other'
+            WHEN c.fingerprint IS NOT NULL AND $4::TEXT IS NOT NULL
+                 AND c.fingerprint <> $4::TEXT THEN 'mismatch'
+            WHEN c.state = 'complete' THEN 'completed'
+            WHEN c.lease_expires_at > c.now_ms THEN 'in_progress'
+            ELSE 'other' END,
+       FALSE, c.is_error, CASE WHEN c.state = 'complete' THEN c.result END,
+       c.lease_expires_at - c.now_ms, NULL::INT, NULL::BIGINT
+  FROM cur c";
+
+/// The store's fallback for what needs a decision under the row lock: the
+/// plpgsql function, no subtransaction; a lock timeout fails the statement
+/// with SQLSTATE 55P03, answered as `InProgress`.
 const RESERVE_AUTOCOMMIT_SQL: &str =
     "SELECT outcome, took_over, is_error, result, lease_remaining_ms, \
      attempt_number, previous_attempt_started_at \
      FROM idempotency_reserve_autocommit($1, $2, $3, $4, $5, $6, $7, $8)";
+
+/// In a caller's transaction, one statement: a plain read (`d`) answers a
+/// replay, a refusal or a mismatch, taking no lock (rule 15) and no
+/// subtransaction; only when it cannot (no record, or an expired one) does
+/// the gated branch call `idempotency_reserve`, which catches a lock timeout
+/// in a subtransaction so the caller's transaction stays usable. The gate is
+/// an uncorrelated condition, so PostgreSQL evaluates it once, before the
+/// function scan, and never calls the function otherwise.
+const RESERVE_TX_SQL: &str = "\
+WITH d AS MATERIALIZED (
+    SELECT CASE WHEN c.expires_at <= c.now_ms
+                     AND (c.state = 'complete' OR c.lease_expires_at <= c.now_ms) THEN NULL
+                WHEN c.fingerprint IS NOT NULL AND $4::TEXT IS NOT NULL
+                     AND c.fingerprint <> $4::TEXT THEN 'mismatch'
+                WHEN c.state = 'complete' THEN 'completed'
+                WHEN c.lease_expires_at > c.now_ms THEN 'in_progress'
+           END AS outcome,
+           c.is_error, c.result, c.lease_expires_at - c.now_ms AS lease_remaining_ms
+      FROM (SELECT state, fingerprint, is_error, result, lease_expires_at, expires_at,
+                   idempotency_now_ms() AS now_ms
+              FROM idempotency_records
+             WHERE tenant = $1 AND scope = $2 AND key = $3) c)
+SELECT d.outcome, FALSE AS took_over, d.is_error,
+       CASE WHEN d.outcome = 'completed' THEN d.result END AS result,
+       d.lease_remaining_ms, NULL::INT AS attempt_number,
+       NULL::BIGINT AS previous_attempt_started_at
+  FROM d WHERE d.outcome IS NOT NULL
+UNION ALL
+SELECT f.outcome, f.took_over, f.is_error, f.result, f.lease_remaining_ms,
+       f.attempt_number, f.previous_attempt_started_at
+  FROM idempotency_reserve($1, $2, $3, $4, $5, $6, $7, $8) f
+ WHERE NOT EXISTS (SELECT 1 FROM d WHERE d.outcome IS NOT NULL)";
+
 /// `lock_not_available`: `lock_timeout` ran out.
 const LOCK_NOT_AVAILABLE: &str = "55P03";
 
+/// In a caller's transaction (see [`RESERVE_TX_SQL`]).
 async fn reserve_with<'e, E: Executor<'e, Database = Postgres>>(
     executor: E,
     request: ReserveRequest<'_>,
     lock_wait: Duration,
 ) -> Result<Reservation, StoreError> {
-    reserve_statement(RESERVE_SQL, executor, request, lock_wait)
+    reserve_statement(RESERVE_TX_SQL, executor, request, lock_wait)
         .await
+        .and_then(|answer| {
+            answer.ok_or_else(|| {
+                sqlx::Error::Protocol("the reservation statement answered nothing".into())
+            })
+        })
         .map_err(err("reserve"))
 }
 
-/// The store's reservation: one statement in its own transaction. A row held
-/// by another transaction past `lock_wait` is a call in progress; its remaining
-/// time is unknown, so the requested lease is the estimate (as in `idempotency_reserve`).
+/// The store's reservation: one statement in its own transaction (see
+/// [`RESERVE_STORE_SQL`]), and for takeovers, expired records and races a
+/// second one, the plpgsql function. A row held by another transaction past
+/// `lock_wait` is a call in progress; its remaining time is unknown, so the
+/// requested lease is the estimate (as in `idempotency_reserve`).
 async fn reserve_autocommit(
     pool: &PgPool,
     request: ReserveRequest<'_>,
     lock_wait: Duration,
 ) -> Result<Reservation, StoreError> {
-    match reserve_statement(RESERVE_AUTOCOMMIT_SQL, pool, request, lock_wait).await {
+    let answer = match reserve_statement(RESERVE_STORE_SQL, pool, request, lock_wait).await {
+        Ok(Some(reservation)) => Ok(Some(reservation)),
+        Ok(None) => reserve_statement(RESERVE_AUTOCOMMIT_SQL, pool, request, lock_wait).await,
+        Err(e) => Err(e),
+    };
+    match answer {
+        Ok(Some(reservation)) => Ok(reservation),
+        Ok(None) => Err(StoreError::new(
+            STORE,
+            "reserve",
+            "idempotency_reserve_autocommit answered nothing; is migration 0004 applied?",
+        )),
         Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some(LOCK_NOT_AVAILABLE) => {
             Ok(Reservation::InProgress {
                 lease_remaining: request.lease,
             })
         }
-        other => other.map_err(err("reserve")),
+        Err(e) => Err(err("reserve")(e)),
     }
 }
 
+/// Runs one reservation statement; `None` when it answered no row or
+/// `other` (a case it leaves to the plpgsql function).
 async fn reserve_statement<'e, E: Executor<'e, Database = Postgres>>(
     sql: &'static str,
     executor: E,
     request: ReserveRequest<'_>,
     lock_wait: Duration,
-) -> Result<Reservation, sqlx::Error> {
+) -> Result<Option<Reservation>, sqlx::Error> {
     let id = request.identity;
-    let row: PgRow = sqlx::query(sql)
+    let row: Option<PgRow> = sqlx::query(sql)
         .bind(&id.tenant)
         .bind(&id.scope)
         .bind(&id.key)
@@ -336,14 +457,17 @@ async fn reserve_statement<'e, E: Executor<'e, Database = Postgres>>(
         .bind(millis_i64(request.lease))
         .bind(millis_i64(request.ttl))
         .bind(millis_i64(lock_wait))
-        .fetch_one(executor)
+        .fetch_optional(executor)
         .await?;
-    decode_reservation(&row)
+    row.as_ref()
+        .map(decode_reservation)
+        .transpose()
+        .map(Option::flatten)
 }
 
-fn decode_reservation(row: &PgRow) -> Result<Reservation, sqlx::Error> {
+fn decode_reservation(row: &PgRow) -> Result<Option<Reservation>, sqlx::Error> {
     let outcome: String = row.try_get("outcome")?;
-    Ok(match outcome.as_str() {
+    Ok(Some(match outcome.as_str() {
         "acquired" => {
             let attempt = row
                 .try_get::<Option<i32>, _>("attempt_number")?
@@ -366,12 +490,13 @@ fn decode_reservation(row: &PgRow) -> Result<Reservation, sqlx::Error> {
             ),
         },
         "mismatch" => Reservation::FingerprintMismatch,
+        "other" => return Ok(None),
         other => {
             return Err(sqlx::Error::Protocol(format!(
                 "idempotency_reserve answered an unknown outcome `{other}`"
             )))
         }
-    })
+    }))
 }
 
 /// Records the outcome, fenced by the token; `recovered` marks an outcome a
@@ -388,7 +513,7 @@ async fn complete_with<'e, E: Executor<'e, Database = Postgres>>(
         "UPDATE idempotency_records SET state = 'complete', owner_token = NULL,
                 is_error = $5, result = $6, lease_expires_at = NULL,
                 expires_at = idempotency_now_ms() + $7, updated_at = idempotency_now_ms(),
-                recovered = $8
+                recovered = $8, waiting = FALSE
           WHERE tenant = $1 AND scope = $2 AND key = $3
             AND state = 'in_progress' AND owner_token = $4",
     )
@@ -524,6 +649,13 @@ impl Store for PgStore {
     ) {
         self.detached
             .hand_over(identity, token, detached::Work::Complete(outcome, ttl));
+    }
+
+    /// Woken by `LISTEN/NOTIFY` when the record completes, is released or
+    /// changes owner (in any process); polls only when the listener cannot
+    /// help (module documentation, "Waiting duplicates").
+    async fn wait_for_change(&self, identity: &Identity, max_wait: Duration, round: u32) {
+        self.wait_with_listener(identity, max_wait, round).await
     }
 
     async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError> {
@@ -663,5 +795,350 @@ impl TransactionalConnection for sqlx::PgConnection {
         token: &OwnerToken,
     ) -> Result<bool, StoreError> {
         release_with(&mut *self, identity, token).await
+    }
+}
+
+// ---------------------------------------------------------------- waiting duplicates
+
+/// The channel the table's trigger notifies on (migration 0004).
+const WAIT_CHANNEL: &str = "idempotency_records";
+/// The longest a marked waiter sleeps without news before it reserves again:
+/// the fallback for a listener connection that died without the store
+/// noticing (a half-open TCP connection delivers nothing and reports nothing).
+pub const WAIT_SLICE: Duration = Duration::from_secs(5);
+/// How long a waiter waits for the store's listener to be listening (its
+/// first connection, or a reconnection) before it falls back to polling.
+const LISTENER_READY_WAIT: Duration = Duration::from_secs(1);
+/// The pause between attempts to (re)connect the listener.
+const LISTENER_RECONNECT_PAUSE: Duration = Duration::from_millis(500);
+
+/// The payload of the notification sent when a record somebody waits for
+/// completes, is released or deleted, or changes owner: a hex SHA-256 over
+/// the length-prefixed tenant and scope and the key (the same as the SQL
+/// function `idempotency_wait_key`; the identity itself could exceed
+/// NOTIFY's payload limit). Lengths count characters, as PostgreSQL's
+/// `length(text)` does.
+///
+/// ```
+/// use idempotent_runtime::{store::postgres::wait_key, Identity};
+/// let id = Identity::new("acme", "payments.charge", "k-1").unwrap();
+/// assert_eq!(wait_key(&id).len(), 64);
+/// ```
+pub fn wait_key(identity: &Identity) -> String {
+    use sha2::{Digest, Sha256};
+    let mut hash = Sha256::new();
+    for part in [&identity.tenant, &identity.scope] {
+        hash.update(part.chars().count().to_string());
+        hash.update(":");
+        hash.update(part);
+    }
+    hash.update(&identity.key);
+    hex::encode(hash.finalize())
+}
+
+/// Marks the record as waited for (so its next change notifies) and reports
+/// what the mark found. One statement in its own transaction: the `UPDATE`
+/// skips a row locked by another transaction (a transactional-mode owner
+/// holds it until it commits; waiting for it would hold a pooled connection),
+/// and the plain read beside it tells a changed record from a locked one.
+const MARK_WAITING_SQL: &str = "\
+WITH marked AS (
+    UPDATE idempotency_records SET waiting = TRUE
+     WHERE ctid = (SELECT ctid FROM idempotency_records
+                    WHERE tenant = $1 AND scope = $2 AND key = $3 AND state = 'in_progress'
+                    FOR NO KEY UPDATE SKIP LOCKED)
+    RETURNING idempotency_wait_key(tenant, scope, key) AS wait_key,
+              lease_expires_at - idempotency_now_ms() AS lease_remaining_ms)
+SELECT m.wait_key, m.lease_remaining_ms, r.state,
+       r.lease_expires_at - idempotency_now_ms() AS seen_remaining_ms
+  FROM (SELECT 1) one
+  LEFT JOIN marked m ON TRUE
+  LEFT JOIN idempotency_records r ON r.tenant = $1 AND r.scope = $2 AND r.key = $3";
+
+/// What marking a record as waited for found.
+enum Mark {
+    /// Marked: its next change notifies `wait_key`; the lease has this long to run.
+    Marked {
+        wait_key: String,
+        lease_remaining: Duration,
+    },
+    /// The record is complete, gone past its lease, or otherwise worth a new
+    /// reservation right away.
+    Changed,
+    /// Not marked (absent in this snapshot, e.g. a transactional owner's
+    /// uncommitted reservation, or locked by another transaction): poll.
+    Unmarked,
+}
+
+async fn mark_waiting(pool: &PgPool, identity: &Identity) -> Result<Mark, sqlx::Error> {
+    let row: PgRow = sqlx::query(MARK_WAITING_SQL)
+        .bind(&identity.tenant)
+        .bind(&identity.scope)
+        .bind(&identity.key)
+        .fetch_one(pool)
+        .await?;
+    if let Some(wait_key) = row.try_get::<Option<String>, _>("wait_key")? {
+        let remaining: Option<i64> = row.try_get("lease_remaining_ms")?;
+        return Ok(match remaining {
+            Some(ms) if ms > 0 => Mark::Marked {
+                wait_key,
+                lease_remaining: millis_to_duration(ms),
+            },
+            _ => Mark::Changed,
+        });
+    }
+    let state: Option<String> = row.try_get("state")?;
+    let seen_remaining: Option<i64> = row.try_get("seen_remaining_ms")?;
+    Ok(match state.as_deref() {
+        Some("complete") => Mark::Changed,
+        Some(_) if seen_remaining.is_none_or(|ms| ms <= 0) => Mark::Changed,
+        _ => Mark::Unmarked,
+    })
+}
+
+/// The pause of a waiter the listener cannot help: the engine's polling
+/// backoff (5 ms doubling to 100 ms), within `max_wait`.
+fn poll(round: u32, max_wait: Duration) -> tokio::time::Sleep {
+    tokio::time::sleep(polling_backoff(round).min(max_wait))
+}
+
+/// The store's one `LISTEN` connection and the waiters it wakes.
+///
+/// The connection lives on a background thread with a runtime of its own
+/// (like the worker for dropped calls, `detached.rs`), so it never depends on
+/// a caller's runtime, started by the first waiter and stopped when the last
+/// handle to the store is dropped. Waiters register by wait key before they
+/// mark the record, and the thread wakes those whose key a notification
+/// names. When the connection is lost, every waiter is woken (a notification
+/// may have been lost with it) and reserves again; while it is down, waiters
+/// poll.
+struct Watcher {
+    shared: std::sync::Arc<WatchShared>,
+    state: std::sync::Mutex<WatchState>,
+}
+
+enum WatchState {
+    Idle(Option<Box<PgConnectOptions>>),
+    Running(#[allow(dead_code)] tokio::sync::oneshot::Sender<()>),
+}
+
+#[derive(Default)]
+struct WatchShared {
+    /// Waiters per wait key: how many, and the `Notify` they wait on.
+    waiters: std::sync::Mutex<HashMap<String, (usize, std::sync::Arc<tokio::sync::Notify>)>>,
+    /// Woken when the connection was lost (notifications may have been lost).
+    reset: tokio::sync::Notify,
+    /// Whether `LISTEN` is in effect on a live connection.
+    listening: tokio::sync::watch::Sender<bool>,
+}
+
+impl std::fmt::Debug for Watcher {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Watcher")
+            .field("listening", &*self.shared.listening.borrow())
+            .finish()
+    }
+}
+
+/// A waiter's registration; unregisters when dropped.
+struct Registration {
+    shared: std::sync::Arc<WatchShared>,
+    key: String,
+    notify: std::sync::Arc<tokio::sync::Notify>,
+}
+
+impl Drop for Registration {
+    fn drop(&mut self) {
+        let mut waiters = self
+            .shared
+            .waiters
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        if let Some(entry) = waiters.get_mut(&self.key) {
+            entry.0 -= 1;
+            if entry.0 == 0 {
+                waiters.remove(&self.key);
+            }
+        }
+    }
+}
+
+impl Watcher {
+    fn new(options: PgConnectOptions) -> Self {
+        Watcher {
+            shared: std::sync::Arc::new(WatchShared::default()),
+            state: std::sync::Mutex::new(WatchState::Idle(Some(Box::new(options)))),
+        }
+    }
+
+    /// Registers a waiter for `key`, starting the listener thread if needed.
+    fn register(&self, key: String) -> Registration {
+        self.start();
+        let mut waiters = self
+            .shared
+            .waiters
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        let entry = waiters
+            .entry(key.clone())
+            .or_insert_with(|| (0, std::sync::Arc::new(tokio::sync::Notify::new())));
+        entry.0 += 1;
+        Registration {
+            shared: self.shared.clone(),
+            key,
+            notify: entry.1.clone(),
+        }
+    }
+
+    fn start(&self) {
+        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let WatchState::Idle(options) = &mut *state else {
+            return;
+        };
+        let Some(options) = options.take() else {
+            return; // could not start before; waiters poll
+        };
+        let (stop, stopped) = tokio::sync::oneshot::channel();
+        match spawn_listener(*options, self.shared.clone(), stopped) {
+            Ok(()) => *state = WatchState::Running(stop),
+            Err(e) => tracing::error!(target: "idempotent", store = STORE, error = %e,
+                "could not start the listener thread; waiting duplicates poll"),
+        }
+    }
+
+    /// Waits (at most `within`) until `LISTEN` is in effect.
+    async fn ready(&self, within: Duration) -> bool {
+        let mut listening = self.shared.listening.subscribe();
+        let on = async move { listening.wait_for(|on| *on).await.is_ok() };
+        matches!(tokio::time::timeout(within, on).await, Ok(true))
+    }
+}
+
+fn spawn_listener(
+    options: PgConnectOptions,
+    shared: std::sync::Arc<WatchShared>,
+    mut stopped: tokio::sync::oneshot::Receiver<()>,
+) -> std::io::Result<()> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    std::thread::Builder::new()
+        .name(format!("idempotent-{STORE}-listener"))
+        .spawn(move || {
+            runtime.block_on(async move {
+                tokio::select! {
+                    _ = &mut stopped => {}
+                    _ = listen(options, &shared) => {}
+                }
+                shared.listening.send_replace(false);
+                shared.reset.notify_waiters();
+            })
+        })?;
+    Ok(())
+}
+
+/// Listens until the thread is stopped, reconnecting when the connection fails.
+async fn listen(options: PgConnectOptions, shared: &WatchShared) {
+    // The listener's own pool (one connection, on this thread's runtime),
+    // used by `PgListener` to reconnect.
+    let pool = PgPoolOptions::new()
+        .max_connections(1)
+        .max_lifetime(None)
+        .idle_timeout(None)
+        .acquire_timeout(ACQUIRE_TIMEOUT)
+        .connect_lazy_with(options);
+    loop {
+        let mut listener = match connect_listener(&pool).await {
+            Ok(listener) => listener,
+            Err(e) => {
+                tracing::warn!(target: "idempotent", store = STORE, error = %e,
+                    "the listener for waiting duplicates could not connect; they poll meanwhile");
+                tokio::time::sleep(LISTENER_RECONNECT_PAUSE).await;
+                continue;
+            }
+        };
+        shared.listening.send_replace(true);
+        loop {
+            match listener.try_recv().await {
+                Ok(Some(notification)) => {
+                    let waiters = shared.waiters.lock().unwrap_or_else(|p| p.into_inner());
+                    if let Some((_, notify)) = waiters.get(notification.payload()) {
+                        notify.notify_waiters();
+                    }
+                }
+                // The connection was lost and `PgListener` has reconnected and
+                // listens again: what was sent in between is lost, so every
+                // current waiter reserves again.
+                Ok(None) => {
+                    tracing::info!(target: "idempotent", store = STORE,
+                        "the listener for waiting duplicates reconnected; waking every waiter");
+                    shared.reset.notify_waiters();
+                }
+                Err(e) => {
+                    shared.listening.send_replace(false);
+                    shared.reset.notify_waiters();
+                    tracing::warn!(target: "idempotent", store = STORE, error = %e,
+                        "the listener for waiting duplicates lost its connection; they poll meanwhile");
+                    break;
+                }
+            }
+        }
+        drop(listener);
+        tokio::time::sleep(LISTENER_RECONNECT_PAUSE).await;
+    }
+}
+
+async fn connect_listener(pool: &PgPool) -> Result<sqlx::postgres::PgListener, sqlx::Error> {
+    let mut listener = sqlx::postgres::PgListener::connect_with(pool).await?;
+    listener.ignore_pool_close_event(true);
+    listener.listen(WAIT_CHANNEL).await?;
+    Ok(listener)
+}
+
+impl PgStore {
+    /// [`Store::wait_for_change`] with `LISTEN/NOTIFY`: register, make sure
+    /// the listener listens, mark the record (the re-check that decides to
+    /// wait: a record that changed before the mark is answered at once), then
+    /// wait for its notification, at most `max_wait`, the lease's end or
+    /// [`WAIT_SLICE`]. Registration comes before the mark, so a change right
+    /// after the mark is never missed.
+    async fn wait_with_listener(&self, identity: &Identity, max_wait: Duration, round: u32) {
+        let started = tokio::time::Instant::now();
+        let key = wait_key(identity);
+        let registration = self.watcher.register(key.clone());
+        let changed = registration.notify.notified();
+        let reset = self.watcher.shared.reset.notified();
+        tokio::pin!(changed, reset);
+        changed.as_mut().enable();
+        reset.as_mut().enable();
+        if !self.watcher.ready(max_wait.min(LISTENER_READY_WAIT)).await {
+            let left = max_wait.saturating_sub(started.elapsed());
+            return poll(round, left).await;
+        }
+        let left = max_wait.saturating_sub(started.elapsed());
+        let wait = match mark_waiting(&self.pool, identity).await {
+            Ok(Mark::Marked {
+                wait_key,
+                lease_remaining,
+            }) if wait_key == key => left.min(lease_remaining).min(WAIT_SLICE),
+            Ok(Mark::Marked { .. }) => {
+                tracing::error!(target: "idempotent", store = STORE,
+                    "idempotency_wait_key in the database disagrees with this build's wait key; \
+                     waiting duplicates poll (check the migrations)");
+                return poll(round, left).await;
+            }
+            Ok(Mark::Changed) => return,
+            Ok(Mark::Unmarked) => return poll(round, left).await,
+            Err(e) => {
+                tracing::debug!(target: "idempotent", store = STORE, error = %e,
+                    "could not mark a record as waited for; polling");
+                return poll(round, left).await;
+            }
+        };
+        tokio::select! {
+            _ = &mut changed => {}
+            _ = &mut reset => {}
+            _ = tokio::time::sleep(wait) => {}
+        }
     }
 }

@@ -1,0 +1,455 @@
+//! Waiting duplicates on [`PgStore`]: a duplicate that finds the record in
+//! progress (`in_progress = wait(...)`) is woken by `LISTEN/NOTIFY` when the
+//! record completes or is released, in this process or another (another
+//! pool), instead of polling; and where the listener cannot help (a
+//! transactional-mode owner's uncommitted reservation, an owner that died) it
+//! still gets the right answer.
+//!
+//! Every holder is held by a handshake (its body waits for the test to let it
+//! go). The test lets it go only once the duplicate is known to wait: its
+//! mark is on the record (`waiting = TRUE`), and then some more time passes,
+//! so a polling duplicate would have reserved dozens of times. A store
+//! wrapper counts each call's reservations.
+
+mod common;
+
+use common::servers::{fresh_tenant, pg_store_or_skip, pg_url};
+use idempotent_runtime::store::postgres::wait_key;
+use idempotent_runtime::{
+    idempotent, with_outcome, Error, ForcedRelease, Identity, Outcome, OwnerToken, PgStore,
+    RecordSnapshot, Reservation, ReserveRequest, ScopeStats, Store, StoreError, StoredOutcome,
+};
+use sqlx::Postgres;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+use tokio::sync::Notify;
+
+/// How long a holder keeps the record after the duplicate is known to wait:
+/// with the old polling (at most 100 ms apart) that would be ~20 reservations.
+const HOLD_AFTER_WAITING: Duration = Duration::from_secs(2);
+
+/// A store that counts reservations and forwards everything (including
+/// `wait_for_change`) to the `PgStore` inside.
+struct Counting {
+    inner: PgStore,
+    reserves: AtomicUsize,
+}
+
+impl Counting {
+    fn new(inner: PgStore) -> Self {
+        Counting {
+            inner,
+            reserves: AtomicUsize::new(0),
+        }
+    }
+    fn reserves(&self) -> usize {
+        self.reserves.load(Ordering::SeqCst)
+    }
+}
+
+#[async_trait::async_trait]
+impl Store for Counting {
+    fn name(&self) -> &'static str {
+        self.inner.name()
+    }
+    async fn reserve(&self, request: ReserveRequest<'_>) -> Result<Reservation, StoreError> {
+        self.reserves.fetch_add(1, Ordering::SeqCst);
+        self.inner.reserve(request).await
+    }
+    async fn complete(
+        &self,
+        identity: &Identity,
+        token: &OwnerToken,
+        outcome: &StoredOutcome,
+        ttl: Duration,
+    ) -> Result<bool, StoreError> {
+        self.inner.complete(identity, token, outcome, ttl).await
+    }
+    async fn release(&self, identity: &Identity, token: &OwnerToken) -> Result<bool, StoreError> {
+        self.inner.release(identity, token).await
+    }
+    async fn heartbeat(
+        &self,
+        identity: &Identity,
+        token: &OwnerToken,
+        lease: Duration,
+    ) -> Result<bool, StoreError> {
+        self.inner.heartbeat(identity, token, lease).await
+    }
+    fn release_detached(&self, identity: Identity, token: OwnerToken) {
+        self.inner.release_detached(identity, token)
+    }
+    fn complete_detached(
+        &self,
+        identity: Identity,
+        token: OwnerToken,
+        outcome: StoredOutcome,
+        ttl: Duration,
+    ) {
+        self.inner.complete_detached(identity, token, outcome, ttl)
+    }
+    async fn complete_recovered(
+        &self,
+        identity: &Identity,
+        token: &OwnerToken,
+        outcome: &StoredOutcome,
+        ttl: Duration,
+    ) -> Result<bool, StoreError> {
+        self.inner
+            .complete_recovered(identity, token, outcome, ttl)
+            .await
+    }
+    async fn force_release(
+        &self,
+        identity: &Identity,
+        require_expired_lease: bool,
+    ) -> Result<ForcedRelease, StoreError> {
+        self.inner
+            .force_release(identity, require_expired_lease)
+            .await
+    }
+    async fn wait_for_change(&self, identity: &Identity, max_wait: Duration, round: u32) {
+        self.inner.wait_for_change(identity, max_wait, round).await
+    }
+    async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError> {
+        self.inner.purge_expired(batch).await
+    }
+    async fn fetch(&self, identity: &Identity) -> Result<Option<RecordSnapshot>, StoreError> {
+        self.inner.fetch(identity).await
+    }
+    async fn scope_stats(&self) -> Result<Vec<ScopeStats>, StoreError> {
+        self.inner.scope_stats().await
+    }
+}
+
+/// Holds a body open: it notifies `reached` once it runs, then waits for `go`.
+#[derive(Default)]
+struct Hold {
+    reached: Notify,
+    go: Notify,
+}
+
+impl Hold {
+    async fn here(&self) {
+        self.reached.notify_one();
+        self.go.notified().await;
+    }
+}
+
+#[idempotent(scope = "waiting.pg.charge", key = key, tenant = tenant, store = store,
+             skip(hold, runs), in_progress = wait("10s"))]
+async fn charge(
+    store: &dyn Store,
+    tenant: &str,
+    key: &str,
+    amount: u64,
+    hold: Option<&Hold>,
+    runs: &AtomicUsize,
+) -> Result<u64, Error> {
+    runs.fetch_add(1, Ordering::SeqCst);
+    if let Some(hold) = hold {
+        hold.here().await;
+    }
+    Ok(amount * 10)
+}
+
+/// `Err` (released, the default error policy) when `fail` is set.
+#[idempotent(scope = "waiting.pg.fallible", key = key, tenant = tenant, store = store,
+             skip(hold, runs, fail), in_progress = wait("10s"))]
+async fn fallible(
+    store: &dyn Store,
+    tenant: &str,
+    key: &str,
+    amount: u64,
+    hold: Option<&Hold>,
+    runs: &AtomicUsize,
+    fail: bool,
+) -> Result<u64, Error> {
+    runs.fetch_add(1, Ordering::SeqCst);
+    if let Some(hold) = hold {
+        hold.here().await;
+    }
+    if fail {
+        return Err(StoreError::new("test", "the body", "failed on purpose").into());
+    }
+    Ok(amount * 10)
+}
+
+#[idempotent(scope = "waiting.pg.in_tx", key = key, tenant = tenant, tx = tx, skip(runs),
+             in_progress = wait("10s"), shared_scope)]
+async fn charge_in_tx(
+    tx: &mut sqlx::Transaction<'_, Postgres>,
+    tenant: &str,
+    key: &str,
+    amount: u64,
+    runs: &AtomicUsize,
+) -> Result<u64, Error> {
+    let _ = &tx;
+    runs.fetch_add(1, Ordering::SeqCst);
+    Ok(amount * 10)
+}
+
+/// Waits until a duplicate's mark is on the record: it registered with the
+/// listener and waits for a notification.
+async fn until_marked(pool: &sqlx::PgPool, identity: &Identity) {
+    loop {
+        let marked: Option<bool> = sqlx::query_scalar(
+            "SELECT waiting FROM idempotency_records WHERE tenant = $1 AND scope = $2 AND key = $3",
+        )
+        .bind(&identity.tenant)
+        .bind(&identity.scope)
+        .bind(&identity.key)
+        .fetch_optional(pool)
+        .await
+        .expect("read the mark");
+        if marked == Some(true) {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// The owner (on `owner_store`) holds the record; the duplicate (on
+/// `dup_store`) waits and replays once the owner completes.
+async fn woken_by_completion(owner_store: PgStore, dup_store: PgStore) {
+    let (tenant, key) = (fresh_tenant(), "order-1".to_owned());
+    let identity = Identity::new(&tenant, "waiting.pg.charge", &key).expect("identity");
+    let owner = Counting::new(owner_store.clone());
+    let dup = Counting::new(dup_store);
+    let (hold, runs) = (Hold::default(), AtomicUsize::new(0));
+    let owner_call = charge(&owner, &tenant, &key, 7, Some(&hold), &runs);
+    let duplicate = async {
+        hold.reached.notified().await;
+        let dup_call = with_outcome(charge(&dup, &tenant, &key, 7, None, &runs));
+        let release = async {
+            until_marked(owner_store.pool(), &identity).await;
+            tokio::time::sleep(HOLD_AFTER_WAITING).await;
+            hold.go.notify_one();
+        };
+        let (answer, ()) = tokio::join!(dup_call, release);
+        answer
+    };
+    let (owned, (replayed, outcome)) = tokio::join!(owner_call, duplicate);
+    assert_eq!(owned.expect("owner"), 70);
+    assert_eq!(replayed.expect("duplicate"), 70, "the duplicate replays");
+    assert_eq!(outcome, Some(Outcome::Replayed));
+    assert_eq!(runs.load(Ordering::SeqCst), 1, "the body ran once");
+    assert_eq!(owner.reserves(), 1);
+    assert!(
+        dup.reserves() <= 3,
+        "a woken duplicate reserves a few times, not on every poll: {} reservations",
+        dup.reserves()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiting_duplicate_is_woken_by_the_completion() {
+    let Some(store) = pg_store_or_skip().await else {
+        return;
+    };
+    woken_by_completion(store.clone(), store).await;
+}
+
+/// Two stores, two pools, two listeners: as two processes sharing the database.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_duplicate_in_another_process_is_woken_by_the_completion() {
+    let Some(owner) = pg_store_or_skip().await else {
+        return;
+    };
+    let other = PgStore::connect(&pg_url()).await.expect("second store");
+    woken_by_completion(owner, other).await;
+}
+
+/// The owner fails (`errors = release`): the waiting duplicate, in another
+/// store, is woken by the release and runs the body itself.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiting_duplicate_is_woken_by_a_release_and_acquires() {
+    let Some(owner_store) = pg_store_or_skip().await else {
+        return;
+    };
+    let dup_store = PgStore::connect(&pg_url()).await.expect("second store");
+    let (tenant, key) = (fresh_tenant(), "order-2".to_owned());
+    let identity = Identity::new(&tenant, "waiting.pg.fallible", &key).expect("identity");
+    let owner = Counting::new(owner_store.clone());
+    let dup = Counting::new(dup_store);
+    let (hold, runs) = (Hold::default(), AtomicUsize::new(0));
+    let owner_call = fallible(&owner, &tenant, &key, 3, Some(&hold), &runs, true);
+    let duplicate = async {
+        hold.reached.notified().await;
+        let dup_call = with_outcome(fallible(&dup, &tenant, &key, 3, None, &runs, false));
+        let release = async {
+            until_marked(owner_store.pool(), &identity).await;
+            tokio::time::sleep(HOLD_AFTER_WAITING).await;
+            hold.go.notify_one();
+        };
+        let (answer, ()) = tokio::join!(dup_call, release);
+        answer
+    };
+    let (owned, (acquired, outcome)) = tokio::join!(owner_call, duplicate);
+    assert!(owned.is_err(), "the owner's body failed");
+    assert_eq!(acquired.expect("duplicate"), 30);
+    assert_eq!(
+        outcome,
+        Some(Outcome::Executed),
+        "the duplicate ran the body"
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+    assert!(
+        dup.reserves() <= 3,
+        "a woken duplicate reserves a few times: {} reservations",
+        dup.reserves()
+    );
+    let record = owner_store.fetch(&identity).await.expect("fetch");
+    assert_eq!(
+        record.and_then(|r| r.outcome).map(|o| o.payload),
+        Some(b"30".to_vec())
+    );
+}
+
+/// The listener cannot help while the owner is a transactional-mode call:
+/// its reservation is uncommitted, invisible to the duplicate's mark. The
+/// duplicate polls, and replays once the owner's transaction commits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transactional_owner_falls_back_to_polling_and_still_replays() {
+    let Some(store) = pg_store_or_skip().await else {
+        return;
+    };
+    let (tenant, key) = (fresh_tenant(), "order-3".to_owned());
+    let runs = AtomicUsize::new(0);
+    let dup = Counting::new(store.clone());
+    let mut tx = store.pool().begin().await.expect("begin");
+    let owned = charge_in_tx(&mut tx, &tenant, &key, 5, &runs)
+        .await
+        .expect("owner in its transaction");
+    assert_eq!(owned, 50);
+    // The duplicate goes through the store in scope waiting.pg.in_tx.
+    #[idempotent(scope = "waiting.pg.in_tx", key = key, tenant = tenant, store = store,
+                 skip(runs), in_progress = wait("10s"), shared_scope)]
+    async fn charge_through_store(
+        store: &dyn Store,
+        tenant: &str,
+        key: &str,
+        amount: u64,
+        runs: &AtomicUsize,
+    ) -> Result<u64, Error> {
+        runs.fetch_add(1, Ordering::SeqCst);
+        Ok(amount * 10)
+    }
+    let duplicate = with_outcome(charge_through_store(&dup, &tenant, &key, 5, &runs));
+    let commit = async {
+        // The duplicate has found the record in progress at least twice
+        // (a reservation, a poll, another reservation) before the commit.
+        while dup.reserves() < 2 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        tx.commit().await.expect("commit");
+    };
+    let ((replayed, outcome), ()) = tokio::join!(duplicate, commit);
+    assert_eq!(replayed.expect("duplicate"), 50);
+    assert_eq!(outcome, Some(Outcome::Replayed));
+    assert_eq!(runs.load(Ordering::SeqCst), 1, "the body ran once");
+}
+
+/// The listener cannot help when the owner died: nothing completes the
+/// record. The duplicate waits until the lease runs out and takes it over.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_owners_record_is_taken_over_at_the_end_of_its_lease() {
+    let Some(store) = pg_store_or_skip().await else {
+        return;
+    };
+    let (tenant, key) = (fresh_tenant(), "order-4".to_owned());
+    // A record held by an owner that will never come back, for 1.5 s more.
+    sqlx::query(
+        "INSERT INTO idempotency_records (tenant, scope, key, state, owner_token, \
+         lease_expires_at, expires_at, created_at, updated_at) \
+         VALUES ($1, 'waiting.pg.charge', $2, 'in_progress', 'gone', \
+                 idempotency_now_ms() + 1500, idempotency_now_ms() + 86400000, \
+                 idempotency_now_ms(), idempotency_now_ms())",
+    )
+    .bind(&tenant)
+    .bind(&key)
+    .execute(store.pool())
+    .await
+    .expect("a dead owner's record");
+    let dup = Counting::new(store.clone());
+    let runs = AtomicUsize::new(0);
+    let (answer, outcome) = with_outcome(charge(&dup, &tenant, &key, 9, None, &runs)).await;
+    assert_eq!(answer.expect("taken over"), 90);
+    assert_eq!(outcome, Some(Outcome::Executed));
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    assert!(
+        dup.reserves() <= 3,
+        "the duplicate waited for the lease, not polling: {} reservations",
+        dup.reserves()
+    );
+    let identity = Identity::new(&tenant, "waiting.pg.charge", &key).expect("identity");
+    let record = store
+        .fetch(&identity)
+        .await
+        .expect("fetch")
+        .expect("record");
+    assert_eq!(record.attempt, 2, "a takeover (rule 20)");
+}
+
+/// Only a record somebody waits for notifies (the fresh path pays no NOTIFY),
+/// and the notification's payload is the record's wait key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_records_with_waiters_notify_and_the_payload_is_the_wait_key() {
+    let Some(store) = pg_store_or_skip().await else {
+        return;
+    };
+    let tenant = fresh_tenant();
+    let unmarked = Identity::new(&tenant, "waiting.pg.charge", "quiet").expect("identity");
+    let marked = Identity::new(&tenant, "waiting.pg.charge", "watched").expect("identity");
+    let mut listener = sqlx::postgres::PgListener::connect(&pg_url())
+        .await
+        .expect("listener");
+    listener
+        .listen("idempotency_records")
+        .await
+        .expect("listen");
+
+    // A record without waiters completes, then one with a waiter.
+    let runs = AtomicUsize::new(0);
+    charge(&store, &tenant, &unmarked.key, 1, None, &runs)
+        .await
+        .expect("unwatched call");
+    let hold = Hold::default();
+    let owner_call = charge(&store, &tenant, &marked.key, 2, Some(&hold), &runs);
+    let duplicate = async {
+        hold.reached.notified().await;
+        let dup_call = charge(&store, &tenant, &marked.key, 2, None, &runs);
+        let release = async {
+            until_marked(store.pool(), &marked).await;
+            hold.go.notify_one();
+        };
+        let (answer, ()) = tokio::join!(dup_call, release);
+        answer
+    };
+    let (owned, replayed) = tokio::join!(owner_call, duplicate);
+    assert_eq!(owned.expect("owner"), 20);
+    assert_eq!(replayed.expect("duplicate"), 20);
+
+    // Notifications arrive in commit order: the first of ours must be the
+    // watched record's (other tests may notify on the same channel).
+    let (quiet, watched) = (wait_key(&unmarked), wait_key(&marked));
+    let sql_key: String = sqlx::query_scalar("SELECT idempotency_wait_key($1, $2, $3)")
+        .bind(&marked.tenant)
+        .bind(&marked.scope)
+        .bind(&marked.key)
+        .fetch_one(store.pool())
+        .await
+        .expect("wait key in SQL");
+    assert_eq!(sql_key, watched, "Rust and SQL compute the same wait key");
+    loop {
+        let notification = listener.recv().await.expect("a notification");
+        assert_ne!(
+            notification.payload(),
+            quiet,
+            "a record nobody waited for must not notify"
+        );
+        if notification.payload() == watched {
+            break;
+        }
+    }
+}
