@@ -987,7 +987,8 @@ impl Store for SqliteStore {
         // Fast path, one read and no write lock: a live record that answers
         // the request by itself (replay, mismatch, or a live lease). Replays
         // and waiting duplicates never queue behind writers.
-        if let Some(answer) = answer_from_a_read(&self.pool, request)
+        let mut conn = self.pool.acquire().await.map_err(err(OP))?;
+        if let Some(answer) = answer_from_a_read(&mut *conn, request)
             .await
             .map_err(err(OP))?
         {
@@ -998,9 +999,19 @@ impl Store for SqliteStore {
         // conditional upsert is one autocommit statement: SQLite takes the
         // write lock for it as for `BEGIN IMMEDIATE` (waiting in the busy
         // handler, never failing on a stale snapshot, since an autocommit
-        // statement holds none), and decides atomically.
-        let _gate = self.write_gate.lock().await;
-        let mut conn = self.pool.acquire().await.map_err(err(OP))?;
+        // statement holds none), and decides atomically. The read's
+        // connection is kept when the gate is free; a call that must queue
+        // for the gate gives it back meanwhile, so queued writers never hold
+        // the connections that replays need.
+        let _gate = match self.write_gate.try_lock() {
+            Ok(gate) => gate,
+            Err(_) => {
+                drop(conn);
+                let gate = self.write_gate.lock().await;
+                conn = self.pool.acquire().await.map_err(err(OP))?;
+                gate
+            }
+        };
         reserve_in(&mut conn, request).await.map_err(err(OP))
     }
 
