@@ -507,68 +507,90 @@ async fn main() {
         );
     }
 
+    // SQLite at equal durability: the store and the hand-written baseline
+    // run with the same `synchronous` level (FULL: every commit is fsynced;
+    // NORMAL in WAL mode: commits reach the OS, synced at checkpoints), on
+    // pools of the same size, each level on a file of its own.
     if r.wants("sqlite") {
-        let path = std::env::temp_dir().join(format!("idempotent-bench-{run}.db"));
-        let url = format!("sqlite://{}?mode=rwc", path.display());
-        let store = SqliteStore::connect(&url).await.expect("open sqlite");
-        let pool = SqlitePool::connect(&url).await.expect("open sqlite pool");
-        sqlite_schema(&pool).await.expect("schema");
-        let n = 5_000;
-        let p = pool.clone();
-        let v = measure(n, 1, move |i| {
-            let p = p.clone();
-            async move {
-                hand_sqlite(&p, &fresh("h", i), i as u64)
-                    .await
-                    .expect("hand sqlite");
+        use idempotent_runtime::store::sqlite::Synchronous;
+        use sqlx::sqlite::{SqliteConnectOptions, SqlitePoolOptions, SqliteSynchronous};
+        use std::str::FromStr;
+        for (level, hand_level, label) in [
+            (Synchronous::Full, SqliteSynchronous::Full, "FULL"),
+            (Synchronous::Normal, SqliteSynchronous::Normal, "NORMAL"),
+        ] {
+            let path = std::env::temp_dir().join(format!("idempotent-bench-{run}-{label}.db"));
+            let url = format!("sqlite://{}?mode=rwc", path.display());
+            let store = SqliteStore::builder(&url)
+                .synchronous(level)
+                .connect()
+                .await
+                .expect("open sqlite");
+            let options = SqliteConnectOptions::from_str(&url)
+                .expect("sqlite url")
+                .busy_timeout(Duration::from_secs(10))
+                .synchronous(hand_level);
+            // As many connections as the store's pool (8).
+            let pool = SqlitePoolOptions::new()
+                .max_connections(8)
+                .connect_with(options)
+                .await
+                .expect("open sqlite pool");
+            sqlite_schema(&pool).await.expect("schema");
+            for concurrency in [1usize, 16] {
+                let n = if concurrency == 1 { 3_000 } else { 8_000 };
+                let tag = |what: &str| format!("sqlite {label} x{concurrency}: {what}");
+                let (hand_fresh, hand_replay) = (
+                    tag("hand-written sqlx, fresh keys"),
+                    tag("hand-written sqlx, replays"),
+                );
+                let p = pool.clone();
+                let pre = format!("h{concurrency}");
+                let v = measure(n, concurrency, move |i| {
+                    let (p, k) = (p.clone(), fresh(&pre, i));
+                    async move {
+                        hand_sqlite(&p, &k, i as u64).await.expect("hand sqlite");
+                    }
+                })
+                .await;
+                r.add(&hand_fresh, v, None);
+                let s = store.clone();
+                let pre = format!("a{concurrency}");
+                let v = measure(n, concurrency, move |i| {
+                    let (s, k) = (s.clone(), fresh(&pre, i));
+                    async move {
+                        annotated(&s, &k, i as u64).await.expect("annotated sqlite");
+                    }
+                })
+                .await;
+                r.add(&tag("annotated, fresh keys"), v, Some(&hand_fresh));
+                let p = pool.clone();
+                let pre = format!("h{concurrency}");
+                let v = measure(n, concurrency, move |i| {
+                    let (p, k) = (p.clone(), fresh(&pre, i % 500));
+                    async move {
+                        hand_sqlite(&p, &k, 0).await.expect("hand sqlite");
+                    }
+                })
+                .await;
+                r.add(&hand_replay, v, None);
+                let s = store.clone();
+                let pre = format!("a{concurrency}");
+                let v = measure(n, concurrency, move |i| {
+                    let (s, k) = (s.clone(), fresh(&pre, i % 500));
+                    async move {
+                        annotated(&s, &k, (i % 500) as u64)
+                            .await
+                            .expect("annotated sqlite replay");
+                    }
+                })
+                .await;
+                r.add(&tag("annotated, replays"), v, Some(&hand_replay));
             }
-        })
-        .await;
-        r.add("sqlite: hand-written sqlx, fresh keys", v, None);
-        let s = store.clone();
-        let v = measure(n, 1, move |i| {
-            let s = s.clone();
-            async move {
-                annotated(&s, &fresh("a", i), i as u64)
-                    .await
-                    .expect("annotated sqlite");
+            drop((store, pool));
+            for suffix in ["", "-wal", "-shm"] {
+                let _ = std::fs::remove_file(format!("{}{suffix}", path.display()));
             }
-        })
-        .await;
-        r.add(
-            "sqlite: annotated, fresh keys",
-            v,
-            Some("sqlite: hand-written sqlx, fresh keys"),
-        );
-        let p = pool.clone();
-        let v = measure(n, 1, move |i| {
-            let p = p.clone();
-            async move {
-                hand_sqlite(&p, &fresh("h", i % 500), 0)
-                    .await
-                    .expect("hand sqlite");
-            }
-        })
-        .await;
-        r.add("sqlite: hand-written sqlx, replays", v, None);
-        let s = store.clone();
-        let v = measure(n, 1, move |i| {
-            let s = s.clone();
-            async move {
-                annotated(&s, &fresh("a", i % 500), (i % 500) as u64)
-                    .await
-                    .expect("annotated sqlite replay");
-            }
-        })
-        .await;
-        r.add(
-            "sqlite: annotated, replays",
-            v,
-            Some("sqlite: hand-written sqlx, replays"),
-        );
-        drop((store, pool));
-        for suffix in ["", "-wal", "-shm"] {
-            let _ = std::fs::remove_file(format!("{}{suffix}", path.display()));
         }
     }
 

@@ -1,11 +1,18 @@
 //! [`MemoryStore`]: records in a map inside this process.
+//!
+//! Every operation takes the map's lock once. A waiting duplicate
+//! ([`Store::wait_for_change`]) listens on a `Notify` kept in the record it
+//! waits on: a completion, release or takeover replaces or removes the record
+//! and wakes its waiters in the same critical section, so there is nothing to
+//! poll and nothing left behind when the record goes.
 
 use super::*;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use tokio::sync::Notify;
 
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 struct Record {
     state: RecordState,
     fingerprint: Option<String>,
@@ -18,6 +25,18 @@ struct Record {
     attempt: u32,
     attempt_started_at_ms: i64,
     recovered: bool,
+    /// The duplicates waiting for this record to change, made by the first of
+    /// them. Taken (and woken) by every change that could end their wait.
+    waiters: Option<Arc<Notify>>,
+}
+
+impl Record {
+    /// Wakes (and forgets) the duplicates waiting on this record.
+    fn wake_waiters(&mut self) {
+        if let Some(waiters) = self.waiters.take() {
+            waiters.notify_waiters();
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -88,11 +107,11 @@ impl MemoryStore {
 
     fn release_now(&self, identity: &Identity, token: &OwnerToken) -> bool {
         let mut records = self.records();
-        let owned = records.get(identity).is_some_and(|r| {
-            r.state == RecordState::InProgress && r.owner_token.as_deref() == Some(token.as_str())
-        });
+        let owned = records.get(identity).is_some_and(|r| r.owned_by(token));
         if owned {
-            records.remove(identity);
+            if let Some(mut r) = records.remove(identity) {
+                r.wake_waiters();
+            }
         }
         owned
     }
@@ -108,20 +127,25 @@ impl MemoryStore {
         let now = self.now_ms();
         let mut records = self.records();
         match records.get_mut(identity) {
-            Some(r)
-                if r.state == RecordState::InProgress
-                    && r.owner_token.as_deref() == Some(token.as_str()) =>
-            {
+            Some(r) if r.owned_by(token) => {
                 r.state = RecordState::Complete;
                 r.owner_token = None;
                 r.outcome = Some(outcome.clone());
                 r.expires_at_ms = now.saturating_add(duration_to_millis(ttl));
                 r.lease_expires_at_ms = now;
                 r.recovered = recovered;
+                r.wake_waiters();
                 true
             }
             _ => false,
         }
+    }
+}
+
+impl Record {
+    /// In progress and owned by `token` (fencing, rule 10).
+    fn owned_by(&self, token: &OwnerToken) -> bool {
+        self.state == RecordState::InProgress && self.owner_token.as_deref() == Some(token.as_str())
     }
 }
 
@@ -140,53 +164,75 @@ impl Store for MemoryStore {
 
     async fn reserve(&self, request: ReserveRequest<'_>) -> Result<Reservation, StoreError> {
         let now = self.now_ms();
-        // `previous`: the record taken over (rule 20 counts the attempts).
-        let fresh = |previous: Option<&Record>| {
-            let attempt = previous.map_or(1, |p| p.attempt.saturating_add(1));
-            (
+        let lease_expires_at_ms = now.saturating_add(duration_to_millis(request.lease));
+        let expires_at_ms = now.saturating_add(duration_to_millis(request.ttl));
+        let fingerprint = request.fingerprint.map(Fingerprint::as_str);
+        let mut records = self.records();
+        let Some(r) = records.get_mut(request.identity) else {
+            records.insert(
+                request.identity.clone(),
                 Record {
                     state: RecordState::InProgress,
-                    fingerprint: request.fingerprint.map(|f| f.as_str().to_owned()),
+                    fingerprint: fingerprint.map(str::to_owned),
                     owner_token: Some(request.token.as_str().to_owned()),
                     outcome: None,
-                    lease_expires_at_ms: now + duration_to_millis(request.lease),
-                    expires_at_ms: now.saturating_add(duration_to_millis(request.ttl)),
-                    created_at_ms: previous.map_or(now, |p| p.created_at_ms),
-                    attempt,
+                    lease_expires_at_ms,
+                    expires_at_ms,
+                    created_at_ms: now,
+                    attempt: 1,
                     attempt_started_at_ms: now,
                     recovered: false,
+                    waiters: None,
                 },
-                Reservation::acquired(attempt, previous.map(|p| p.attempt_started_at_ms)),
-            )
+            );
+            return Ok(Reservation::FRESH);
         };
-        let mut records = self.records();
-        let (record, answer) = match records.get(request.identity) {
-            None => fresh(None),
-            Some(r) if is_expired(r, now) => fresh(None),
-            Some(r)
-                if fingerprints_conflict(
-                    r.fingerprint.as_deref(),
-                    request.fingerprint.map(Fingerprint::as_str),
-                ) =>
-            {
-                return Ok(Reservation::FingerprintMismatch)
-            }
-            Some(r) if r.state == RecordState::Complete => {
-                let outcome = r.outcome.clone().unwrap_or(StoredOutcome {
-                    is_error: false,
-                    payload: b"null".to_vec(),
-                });
-                return Ok(Reservation::Completed(outcome));
-            }
-            Some(r) if r.lease_expires_at_ms > now => {
-                return Ok(Reservation::InProgress {
-                    lease_remaining: millis_to_duration(r.lease_expires_at_ms - now),
-                })
-            }
-            Some(r) => fresh(Some(r)),
+        // `taken_over`: the attempt whose lease ran out, and when it started
+        // (rule 20 counts the attempts); `None` for an expired record, which
+        // counts as absent and is replaced by attempt 1.
+        let taken_over = if is_expired(r, now) {
+            None
+        } else if fingerprints_conflict(r.fingerprint.as_deref(), fingerprint) {
+            return Ok(Reservation::FingerprintMismatch);
+        } else if r.state == RecordState::Complete {
+            let outcome = r.outcome.clone().unwrap_or(StoredOutcome {
+                is_error: false,
+                payload: b"null".to_vec(),
+            });
+            return Ok(Reservation::Completed(outcome));
+        } else if r.lease_expires_at_ms > now {
+            return Ok(Reservation::InProgress {
+                lease_remaining: millis_to_duration(r.lease_expires_at_ms - now),
+            });
+        } else {
+            Some((r.attempt, r.attempt_started_at_ms))
         };
-        records.insert(request.identity.clone(), record);
-        Ok(answer)
+        // Replaced in place: the identity stays the map's key, no clone.
+        let attempt = taken_over.map_or(1, |(a, _)| a.saturating_add(1));
+        if taken_over.is_none() {
+            r.created_at_ms = now;
+        }
+        r.state = RecordState::InProgress;
+        match (&mut r.fingerprint, fingerprint) {
+            (Some(stored), Some(f)) => f.clone_into(stored),
+            (stored, f) => *stored = f.map(str::to_owned),
+        }
+        match &mut r.owner_token {
+            Some(stored) => request.token.as_str().clone_into(stored),
+            stored => *stored = Some(request.token.as_str().to_owned()),
+        }
+        r.outcome = None;
+        r.lease_expires_at_ms = lease_expires_at_ms;
+        r.expires_at_ms = expires_at_ms;
+        r.attempt = attempt;
+        r.attempt_started_at_ms = now;
+        r.recovered = false;
+        // Whoever waited on the old lease re-checks (and finds the new one).
+        r.wake_waiters();
+        Ok(Reservation::acquired(
+            attempt,
+            taken_over.map(|(_, started)| started),
+        ))
     }
 
     async fn complete(
@@ -227,7 +273,9 @@ impl Store for MemoryStore {
             Some(r) => ForcedRelease::Released { attempt: r.attempt },
         };
         if matches!(answer, ForcedRelease::Released { .. }) {
-            records.remove(identity);
+            if let Some(mut r) = records.remove(identity) {
+                r.wake_waiters();
+            }
         }
         Ok(answer)
     }
@@ -245,11 +293,8 @@ impl Store for MemoryStore {
         let now = self.now_ms();
         let mut records = self.records();
         match records.get_mut(identity) {
-            Some(r)
-                if r.state == RecordState::InProgress
-                    && r.owner_token.as_deref() == Some(token.as_str()) =>
-            {
-                r.lease_expires_at_ms = now + duration_to_millis(lease);
+            Some(r) if r.owned_by(token) => {
+                r.lease_expires_at_ms = now.saturating_add(duration_to_millis(lease));
                 Ok(true)
             }
             _ => Ok(false),
@@ -273,16 +318,51 @@ impl Store for MemoryStore {
     async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError> {
         let now = self.now_ms();
         let mut records = self.records();
-        let doomed: Vec<Identity> = records
-            .iter()
-            .filter(|(_, r)| is_expired(r, now))
-            .map(|(id, _)| id.clone())
-            .take(batch as usize)
-            .collect();
-        for id in &doomed {
-            records.remove(id);
+        let mut left = batch;
+        records.retain(|_, r| {
+            if left == 0 || !is_expired(r, now) {
+                return true;
+            }
+            left -= 1;
+            r.wake_waiters();
+            false
+        });
+        Ok(u64::from(batch - left))
+    }
+
+    /// Waits until the record is completed, released, taken over or
+    /// purged (woken by that change, at once), or until its lease runs out or
+    /// `max_wait` passes, whichever comes first. Every change is made in this
+    /// process, so there is no polling: `round` is not used.
+    ///
+    /// The check of the record and the registration as a waiter happen under
+    /// the same lock as every change, so no change is missed in between.
+    async fn wait_for_change(&self, identity: &Identity, max_wait: Duration, round: u32) {
+        let _ = round;
+        let now = self.now_ms();
+        let waiters: Arc<Notify>;
+        let remaining: Duration;
+        let notified;
+        {
+            let mut records = self.records();
+            match records.get_mut(identity) {
+                Some(r)
+                    if r.state == RecordState::InProgress
+                        && r.lease_expires_at_ms > now
+                        && !is_expired(r, now) =>
+                {
+                    remaining = millis_to_duration(r.lease_expires_at_ms - now);
+                    waiters = r.waiters.get_or_insert_with(Default::default).clone();
+                }
+                // Changed since the caller looked: reserve again now.
+                _ => return,
+            }
+            // Made while the lock is held: `notify_waiters` wakes every
+            // `Notified` made before it, and a change calls it only under
+            // this lock.
+            notified = waiters.notified();
         }
-        Ok(doomed.len() as u64)
+        let _ = tokio::time::timeout(max_wait.min(remaining), notified).await;
     }
 
     async fn fetch(&self, identity: &Identity) -> Result<Option<RecordSnapshot>, StoreError> {
@@ -332,5 +412,46 @@ impl Store for MemoryStore {
             );
         }
         Ok(by_scope.into_values().collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The `Notify` a waiter put in the record goes with the change that
+    /// woke it; a finished wait leaves nothing behind.
+    #[tokio::test]
+    async fn a_completion_wakes_the_waiter_and_forgets_it() {
+        let store = MemoryStore::new();
+        let id = Identity::new("t", "unit.wait", "k").expect("identity");
+        let token = OwnerToken::new();
+        let request = ReserveRequest {
+            identity: &id,
+            fingerprint: None,
+            token: &token,
+            lease: Duration::from_secs(30),
+            ttl: Duration::from_secs(60),
+        };
+        assert_eq!(store.reserve(request).await.ok(), Some(Reservation::FRESH));
+        let has_waiters = || {
+            store
+                .records()
+                .get(&id)
+                .is_some_and(|r| r.waiters.is_some())
+        };
+        let waiter = store.wait_for_change(&id, Duration::from_secs(10), 0);
+        let complete = async {
+            while !has_waiters() {
+                tokio::task::yield_now().await;
+            }
+            let outcome = StoredOutcome {
+                is_error: false,
+                payload: b"1".to_vec(),
+            };
+            assert!(store.complete_now(&id, &token, &outcome, Duration::from_secs(60), false));
+        };
+        tokio::join!(waiter, complete);
+        assert!(!has_waiters(), "the completion took the waiters' Notify");
     }
 }

@@ -4,17 +4,32 @@
 //! time decision (lease expiry, retention) is computed by the SQL statements
 //! themselves on SQLite's clock; the application's clock is never passed in.
 //!
-//! Writes start with `BEGIN IMMEDIATE` (or are single autocommit statements),
-//! so concurrent reservations queue on SQLite's write lock instead of failing
-//! with a lock upgrade; within one process they also queue on an async gate so
-//! they do not spin in SQLite's busy handler.
+//! Per call, the store sends what DESIGN.md §5 calls the floor: a reservation
+//! is one read when the record answers by itself (replay, mismatch, live
+//! lease; no write lock), and for a new key the read and one conditional
+//! upsert (`INSERT … ON CONFLICT … DO UPDATE … WHERE … RETURNING`, a single
+//! autocommit statement: SQLite takes the write lock for it with the busy
+//! handler, as for `BEGIN IMMEDIATE`); completion is one fenced `UPDATE`.
+//! Within one process, writes also queue on an async gate so they do not spin
+//! in SQLite's busy handler.
+//!
+//! Durability is chosen with [`Synchronous`] (FULL by default); see
+//! [`SqliteStore::builder`].
+//!
+//! Waiting duplicates ([`Store::wait_for_change`]) are woken at once by a
+//! completion or release made through any handle of the same store in this
+//! process; changes by other processes (or by other `SqliteStore`s opened on
+//! the same file) are seen by a fallback poll, [`fallback_poll`].
 
 use super::*;
 use crate::error::Error;
 use sqlx::sqlite::{SqliteConnectOptions, SqlitePool, SqlitePoolOptions};
 use sqlx::Row;
+use std::collections::HashMap;
+use std::hash::BuildHasher;
 use std::str::FromStr;
 use std::sync::Arc;
+use tokio::sync::Notify;
 
 const STORE: &str = "sqlite";
 
@@ -188,6 +203,227 @@ fn ms(d: Duration) -> i64 {
     duration_to_millis(d)
 }
 
+/// The owner of an in-progress record and what is left of its lease (ms;
+/// no row when the record is not in progress): what a waiting duplicate
+/// looks at (one primary-key read, no write lock).
+const LEASE_REMAINING_SQL: &str = concat!(
+    "SELECT owner_token, lease_expires_at - ",
+    now_ms!(),
+    " FROM idempotency_records ",
+    "WHERE tenant = ?1 AND scope = ?2 AND key = ?3 AND state = 'in_progress'"
+);
+
+/// SQLite's `synchronous` level on the store's connections: how durable a
+/// recorded result (and a reservation) is once the call that wrote it returns.
+///
+/// The level is a trade between the cost of a commit and what a crash can
+/// take back. "Lost" below means: after the crash the database is as it was
+/// before the lost commits (consistent, never corrupt); a lost completion makes
+/// the key look in progress or absent again, so a retry may run the body again.
+///
+/// | level | process crash (kill, panic, OOM) | OS crash or power loss |
+/// |---|---|---|
+/// | [`Full`](Self::Full) (default) | nothing lost | nothing lost |
+/// | [`Normal`](Self::Normal), WAL mode | nothing lost | the last commits may be lost |
+///
+/// [`SqliteStore::connect`] uses `Full`. Choose with [`SqliteStore::builder`]:
+///
+/// ```
+/// use idempotent_runtime::store::sqlite::Synchronous;
+/// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), idempotent_runtime::Error> {
+/// # let dir = std::env::temp_dir().join(format!("idempotent-doc-sync-{}", std::process::id()));
+/// # std::fs::create_dir_all(&dir).unwrap();
+/// # let url = format!("sqlite://{}", dir.join("orders.db").display());
+/// let store = idempotent_runtime::SqliteStore::builder(&url)
+///     .synchronous(Synchronous::Normal)
+///     .connect()
+///     .await?;
+/// # let _ = store; Ok(()) }
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[non_exhaustive]
+pub enum Synchronous {
+    /// `PRAGMA synchronous = FULL`: every commit is synced to stable storage
+    /// (the WAL file is fsynced) before the statement returns. A recorded
+    /// result survives a process crash, an OS crash and a power loss, as far
+    /// as the storage honours fsync. The default.
+    #[default]
+    Full,
+    /// `PRAGMA synchronous = NORMAL`, in WAL mode: commits are written to the
+    /// WAL file but synced only at checkpoints. A recorded result survives a
+    /// process crash (the data is in the OS's page cache); an OS crash or power
+    /// loss may roll back the most recent commits (the database stays
+    /// consistent). Commits are cheaper, since they do not wait for the disk.
+    ///
+    /// Only in WAL mode is NORMAL safe from corruption. If the file cannot be
+    /// switched to WAL (e.g. a file system without shared memory),
+    /// [`SqliteStoreBuilder::connect`] uses `Full` instead and logs a warning.
+    Normal,
+}
+
+impl Synchronous {
+    /// The value as `PRAGMA synchronous` takes it: `FULL` or `NORMAL`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Synchronous::Full => "FULL",
+            Synchronous::Normal => "NORMAL",
+        }
+    }
+
+    /// The level from `PRAGMA synchronous`'s answer (0 OFF, 1 NORMAL, 2 FULL,
+    /// 3 EXTRA); `None` for OFF, which this store never sets, and unknown
+    /// values. EXTRA is at least as durable as FULL and reported as `Full`.
+    pub fn from_pragma(value: i64) -> Option<Synchronous> {
+        match value {
+            1 => Some(Synchronous::Normal),
+            2 | 3 => Some(Synchronous::Full),
+            _ => None,
+        }
+    }
+
+    fn sqlx(self) -> sqlx::sqlite::SqliteSynchronous {
+        match self {
+            Synchronous::Full => sqlx::sqlite::SqliteSynchronous::Full,
+            Synchronous::Normal => sqlx::sqlite::SqliteSynchronous::Normal,
+        }
+    }
+}
+
+/// Opens a [`SqliteStore`] with options beyond the URL; made by
+/// [`SqliteStore::builder`]. `SqliteStore::connect(url)` is
+/// `SqliteStore::builder(url).connect()`.
+#[derive(Debug, Clone)]
+#[must_use = "a builder does nothing until `connect` is awaited"]
+pub struct SqliteStoreBuilder {
+    url: String,
+    synchronous: Synchronous,
+}
+
+impl SqliteStoreBuilder {
+    /// The `synchronous` level set on every connection the store opens
+    /// (default [`Synchronous::Full`]). See [`Synchronous`] for what each
+    /// level guarantees. Has no effect on what survives for in-memory
+    /// databases, which nothing survives.
+    pub fn synchronous(mut self, level: Synchronous) -> Self {
+        self.synchronous = level;
+        self
+    }
+
+    /// Opens (creating it if missing) the database and applies the store's
+    /// migrations; see [`SqliteStore::connect`].
+    ///
+    /// # Errors
+    /// [`Error::Store`] when the URL is malformed, the file cannot be opened
+    /// or created, or the migrations fail.
+    pub async fn connect(self) -> Result<SqliteStore, Error> {
+        SqliteStore::open(&self.url, self.synchronous).await
+    }
+}
+
+/// The longest pause between two looks at a record that a waiting duplicate
+/// found in progress, when no change in this process wakes it: changes made
+/// by other processes (or by another `SqliteStore` opened on the same file,
+/// or committed in a caller's transaction) are seen this late at most.
+pub const FALLBACK_POLL_MAX: Duration = Duration::from_millis(250);
+
+/// The pause before the `round`-th fallback look at a record found in
+/// progress ([`Store::wait_for_change`] of [`SqliteStore`]): 20 ms, doubling
+/// every round, at most [`FALLBACK_POLL_MAX`]. A change made through the same
+/// store in this process wakes the waiter at once instead.
+///
+/// ```
+/// use idempotent_runtime::store::sqlite::{fallback_poll, FALLBACK_POLL_MAX};
+/// use std::time::Duration;
+/// assert_eq!(fallback_poll(0), Duration::from_millis(20));
+/// assert_eq!(fallback_poll(1), Duration::from_millis(40));
+/// assert_eq!(fallback_poll(30), FALLBACK_POLL_MAX);
+/// ```
+pub fn fallback_poll(round: u32) -> Duration {
+    Duration::from_millis(20u64.saturating_mul(1u64 << round.min(16))).min(FALLBACK_POLL_MAX)
+}
+
+/// Shards of [`Waiters`]: waits on different identities rarely share a lock.
+const WAITER_SHARDS: usize = 16;
+
+/// The duplicates of this process waiting for a record to change, per
+/// identity. An entry lives while someone waits on it: the last waiter to
+/// leave removes it.
+#[derive(Debug, Default)]
+struct Waiters {
+    shards: [std::sync::Mutex<HashMap<Identity, WaitSlot>>; WAITER_SHARDS],
+    hasher: std::collections::hash_map::RandomState,
+}
+
+#[derive(Debug)]
+struct WaitSlot {
+    notify: Arc<Notify>,
+    waiting: usize,
+}
+
+impl Waiters {
+    fn shard(&self, identity: &Identity) -> std::sync::MutexGuard<'_, HashMap<Identity, WaitSlot>> {
+        let i = (self.hasher.hash_one(identity) as usize) % WAITER_SHARDS;
+        // The maps are only ever changed by single inserts, removals and
+        // counter updates, so a poisoned lock still holds a usable map.
+        self.shards[i]
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Wakes everyone waiting on `identity` (called after the change is
+    /// committed). Costs one uncontended lock when no one waits.
+    fn notify(&self, identity: &Identity) {
+        if let Some(slot) = self.shard(identity).get(identity) {
+            slot.notify.notify_waiters();
+        }
+    }
+
+    /// Joins the waiters of `identity`; the answer's `Notify` is to be
+    /// listened on, and [`leave`](Self::leave) called when done.
+    fn join(&self, identity: &Identity) -> Arc<Notify> {
+        let mut shard = self.shard(identity);
+        let slot = match shard.get_mut(identity) {
+            Some(slot) => slot,
+            None => shard.entry(identity.clone()).or_insert_with(|| WaitSlot {
+                notify: Arc::new(Notify::new()),
+                waiting: 0,
+            }),
+        };
+        slot.waiting += 1;
+        slot.notify.clone()
+    }
+
+    fn leave(&self, identity: &Identity) {
+        let mut shard = self.shard(identity);
+        if let Some(slot) = shard.get_mut(identity) {
+            slot.waiting = slot.waiting.saturating_sub(1);
+            if slot.waiting == 0 {
+                shard.remove(identity);
+            }
+        }
+    }
+
+    #[cfg(test)]
+    fn len(&self) -> usize {
+        self.shards
+            .iter()
+            .map(|s| s.lock().map_or(0, |m| m.len()))
+            .sum()
+    }
+}
+
+/// Leaves [`Waiters`] when dropped, also when the waiting call is cancelled.
+struct Waiting<'a> {
+    waiters: &'a Waiters,
+    identity: &'a Identity,
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.waiters.leave(self.identity);
+    }
+}
+
 /// The embedded SQLite store: the default for single-machine services and the
 /// store the README's example runs on. Records survive restarts; several
 /// processes may share one database file. Cloning gives another handle to the
@@ -214,6 +450,9 @@ pub struct SqliteStore {
     /// Finishes the records of dropped calls (rule 14). SQLite connections
     /// run on threads of their own, so it shares the store's pool.
     detached: Arc<super::detached::Detached>,
+    /// This process's waiting duplicates, woken by this store's completions
+    /// and releases.
+    waiters: Arc<Waiters>,
 }
 
 impl SqliteStore {
@@ -225,7 +464,9 @@ impl SqliteStore {
     /// the store sees the same one; it is gone when the store is dropped).
     /// File databases use WAL journaling and a busy timeout, so several
     /// processes can share one file; several processes may also open (create
-    /// and migrate) one brand-new file at the same moment.
+    /// and migrate) one brand-new file at the same moment. Connections use
+    /// `synchronous = FULL` ([`Synchronous::Full`]: a recorded result survives
+    /// power loss); to choose another level, use [`builder`](Self::builder).
     ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), idempotent_runtime::Error> {
@@ -237,10 +478,25 @@ impl SqliteStore {
     /// [`Error::Store`] when the URL is malformed, the file cannot be opened
     /// or created, or the migrations fail.
     pub async fn connect(url: &str) -> Result<Self, Error> {
-        let options = SqliteConnectOptions::from_str(url)
+        Self::open(url, Synchronous::Full).await
+    }
+
+    /// Options beyond the URL, e.g. the durability level:
+    /// `SqliteStore::builder(url).synchronous(Synchronous::Normal).connect().await`.
+    /// See [`Synchronous`].
+    pub fn builder(url: &str) -> SqliteStoreBuilder {
+        SqliteStoreBuilder {
+            url: url.to_owned(),
+            synchronous: Synchronous::Full,
+        }
+    }
+
+    async fn open(url: &str, synchronous: Synchronous) -> Result<Self, Error> {
+        let mut options = SqliteConnectOptions::from_str(url)
             .map_err(|e| StoreError::new(STORE, "parse the connection URL", e))?
             .create_if_missing(true)
-            .busy_timeout(BUSY_TIMEOUT);
+            .busy_timeout(BUSY_TIMEOUT)
+            .synchronous(synchronous.sqlx());
         let in_memory = url.contains(":memory:") || url.contains("mode=memory");
         let pool = if in_memory {
             // A shared-cache in-memory database lives as long as one connection
@@ -260,9 +516,17 @@ impl SqliteStore {
             let mut first: sqlx::SqliteConnection = sqlx::Connection::connect_with(&options)
                 .await
                 .map_err(err("open the database"))?;
-            switch_to_wal(&mut first, &options.get_filename().display().to_string())
+            let file = options.get_filename().display().to_string();
+            let wal = switch_to_wal(&mut first, &file)
                 .await
                 .map_err(err("switch the database to WAL journaling"))?;
+            if !wal && synchronous == Synchronous::Normal {
+                // NORMAL is only safe from corruption in WAL mode.
+                tracing::warn!(target: "idempotent", file,
+                    "sqlite: synchronous = NORMAL was asked for, but the database is not in WAL mode; \
+                     using FULL");
+                options = options.synchronous(Synchronous::Full.sqlx());
+            }
             let pool = pool_options()
                 .max_connections(MAX_FILE_CONNECTIONS)
                 .connect_with(options)
@@ -277,6 +541,14 @@ impl SqliteStore {
 
     /// Uses an existing pool (e.g. the application's own) and applies the
     /// store's migrations to its database.
+    ///
+    /// Durability is the pool's: the store leaves the `synchronous` level
+    /// the pool's connect options set (sqlx's default is FULL, as
+    /// [`Synchronous::Full`]) untouched, since the pool's connections also
+    /// carry the application's own writes. Set it with
+    /// `SqliteConnectOptions::synchronous`. A pool whose connections run
+    /// with `synchronous = OFF` (a commit may be lost, and the file corrupted,
+    /// on an OS crash or power loss) gets a warning in the log.
     ///
     /// The migrations are recorded in their own table, `idempotency_schema_migrations`,
     /// so they do not interfere with the application's sqlx migrations. For
@@ -322,31 +594,49 @@ impl SqliteStore {
             .fetch_one(&pool)
             .await
             .map_err(err("read the busy timeout"))?;
+        let file = pool.connect_options().get_filename().display().to_string();
         if busy_timeout <= 0 {
-            let file = pool.connect_options().get_filename().display().to_string();
             tracing::warn!(target: "idempotent", file,
                 "sqlite: the pool's connections have no busy timeout, so a write that meets another \
                  connection's lock fails at once with \"database is locked\"; set one with \
                  SqliteConnectOptions::busy_timeout");
         }
+        let synchronous: i64 = sqlx::query_scalar("PRAGMA synchronous")
+            .fetch_one(&pool)
+            .await
+            .map_err(err("read the synchronous level"))?;
+        if synchronous == 0 {
+            tracing::warn!(target: "idempotent", file,
+                "sqlite: the pool's connections run with synchronous = OFF: a recorded result may be \
+                 lost, and the database corrupted, on an OS crash or power loss; set \
+                 SqliteConnectOptions::synchronous to FULL (or NORMAL in WAL mode)");
+        }
         let write_gate = Arc::new(tokio::sync::Mutex::new(()));
+        let waiters = Arc::new(Waiters::default());
         let detached = {
             use super::detached::{Detached, Work};
-            let (pool, write_gate) = (pool.clone(), write_gate.clone());
+            let (pool, write_gate, waiters) = (pool.clone(), write_gate.clone(), waiters.clone());
             Detached::new(
                 STORE,
                 Box::new(move || {
                     Arc::new(move |identity, token, work| {
-                        let (pool, write_gate) = (pool.clone(), write_gate.clone());
+                        let (pool, write_gate, waiters) =
+                            (pool.clone(), write_gate.clone(), waiters.clone());
                         Box::pin(async move {
-                            let _gate = write_gate.lock().await;
-                            match work {
-                                Work::Release => release_on(&pool, &identity, &token).await,
-                                Work::Complete(outcome, ttl) => {
-                                    complete_on(&pool, &identity, &token, &outcome, ttl, false)
-                                        .await
+                            let done = {
+                                let _gate = write_gate.lock().await;
+                                match work {
+                                    Work::Release => release_on(&pool, &identity, &token).await,
+                                    Work::Complete(outcome, ttl) => {
+                                        complete_on(&pool, &identity, &token, &outcome, ttl, false)
+                                            .await
+                                    }
                                 }
+                            };
+                            if matches!(done, Ok(true)) {
+                                waiters.notify(&identity);
                             }
+                            done
                         })
                     })
                 }),
@@ -356,6 +646,7 @@ impl SqliteStore {
             pool,
             write_gate,
             detached: Arc::new(detached),
+            waiters,
         })
     }
 
@@ -378,8 +669,32 @@ impl SqliteStore {
         identity: &Identity,
         token: &OwnerToken,
     ) -> Result<bool, StoreError> {
-        let _gate = self.write_gate.lock().await;
-        release_on(&self.pool, identity, token).await
+        let released = {
+            let _gate = self.write_gate.lock().await;
+            release_on(&self.pool, identity, token).await?
+        };
+        if released {
+            self.waiters.notify(identity);
+        }
+        Ok(released)
+    }
+
+    async fn complete_now(
+        &self,
+        identity: &Identity,
+        token: &OwnerToken,
+        outcome: &StoredOutcome,
+        ttl: Duration,
+        recovered: bool,
+    ) -> Result<bool, StoreError> {
+        let completed = {
+            let _gate = self.write_gate.lock().await;
+            complete_on(&self.pool, identity, token, outcome, ttl, recovered).await?
+        };
+        if completed {
+            self.waiters.notify(identity);
+        }
+        Ok(completed)
     }
 }
 
@@ -426,10 +741,13 @@ pub(super) async fn release_on<'e, E: sqlx::Executor<'e, Database = sqlx::Sqlite
     Ok(done.rows_affected() > 0)
 }
 
-/// The write path of a reservation, on a connection already inside a write
-/// transaction (the store's `BEGIN IMMEDIATE`, or the caller's own in
-/// transactional mode): one conditional upsert decides atomically; when it
-/// does not acquire, the row it met is read and judged.
+/// The write path of a reservation, on a connection in autocommit (the
+/// store's: each statement is its own transaction) or inside the caller's
+/// transaction (transactional mode): one conditional upsert decides
+/// atomically; when it does not acquire, the row it met is read and judged.
+/// In autocommit the row may change between the two statements; that is
+/// harmless, since only the upsert ever acquires: a row that is gone or
+/// expired by the time it is read gets a second upsert.
 pub(super) async fn reserve_in(
     conn: &mut sqlx::SqliteConnection,
     request: ReserveRequest<'_>,
@@ -514,7 +832,9 @@ pub(super) fn primary_code(e: &sqlx::Error) -> Option<i64> {
 /// `journal_mode` in the pool's options, every new pooled connection ran the
 /// switch). Here a busy switch is retried, with a bounded backoff: once the
 /// other side has switched, the retry only reads the header and finds WAL.
-async fn switch_to_wal(conn: &mut sqlx::SqliteConnection, file: &str) -> Result<(), sqlx::Error> {
+///
+/// Answers whether the file is in WAL mode now.
+async fn switch_to_wal(conn: &mut sqlx::SqliteConnection, file: &str) -> Result<bool, sqlx::Error> {
     let deadline = tokio::time::Instant::now() + BUSY_TIMEOUT;
     let mut pause = Duration::from_millis(1);
     let mode = loop {
@@ -536,8 +856,9 @@ async fn switch_to_wal(conn: &mut sqlx::SqliteConnection, file: &str) -> Result<
         // rollback journal, which is slower but still correct with a busy timeout.
         tracing::warn!(target: "idempotent", file, journal_mode = %mode,
             "sqlite: the database could not be switched to WAL journaling; concurrent use will be slower");
+        return Ok(false);
     }
-    Ok(())
+    Ok(true)
 }
 
 /// Applies the embedded migrations that this database has not seen, in one
@@ -732,28 +1053,32 @@ impl Store for SqliteStore {
         // Fast path, one read and no write lock: a live record that answers
         // the request by itself (replay, mismatch, or a live lease). Replays
         // and waiting duplicates never queue behind writers.
-        if let Some(answer) = answer_from_a_read(&self.pool, request)
+        let mut conn = self.pool.acquire().await.map_err(err(OP))?;
+        if let Some(answer) = answer_from_a_read(&mut *conn, request)
             .await
             .map_err(err(OP))?
         {
             return Ok(answer);
         }
 
-        // Write path: absent, expired, or a lease that ran out, under the write lock.
-        let _gate = self.write_gate.lock().await;
-        let mut tx = self
-            .pool
-            .begin_with("BEGIN IMMEDIATE")
-            .await
-            .map_err(err(OP))?;
-        let answer = reserve_in(&mut tx, request).await.map_err(err(OP))?;
-        if matches!(answer, Reservation::Acquired { .. }) {
-            tx.commit().await.map_err(err(OP))?;
-        } else {
-            // Nothing was written: end the transaction without a commit.
-            tx.rollback().await.map_err(err(OP))?;
-        }
-        Ok(answer)
+        // Write path: absent, expired, or a lease that ran out. The
+        // conditional upsert is one autocommit statement: SQLite takes the
+        // write lock for it as for `BEGIN IMMEDIATE` (waiting in the busy
+        // handler, never failing on a stale snapshot, since an autocommit
+        // statement holds none), and decides atomically. The read's
+        // connection is kept when the gate is free; a call that must queue
+        // for the gate gives it back meanwhile, so queued writers never hold
+        // the connections that replays need.
+        let _gate = match self.write_gate.try_lock() {
+            Ok(gate) => gate,
+            Err(_) => {
+                drop(conn);
+                let gate = self.write_gate.lock().await;
+                conn = self.pool.acquire().await.map_err(err(OP))?;
+                gate
+            }
+        };
+        reserve_in(&mut conn, request).await.map_err(err(OP))
     }
 
     async fn complete(
@@ -763,8 +1088,8 @@ impl Store for SqliteStore {
         outcome: &StoredOutcome,
         ttl: Duration,
     ) -> Result<bool, StoreError> {
-        let _gate = self.write_gate.lock().await;
-        complete_on(&self.pool, identity, token, outcome, ttl, false).await
+        self.complete_now(identity, token, outcome, ttl, false)
+            .await
     }
 
     async fn complete_recovered(
@@ -774,8 +1099,7 @@ impl Store for SqliteStore {
         outcome: &StoredOutcome,
         ttl: Duration,
     ) -> Result<bool, StoreError> {
-        let _gate = self.write_gate.lock().await;
-        complete_on(&self.pool, identity, token, outcome, ttl, true).await
+        self.complete_now(identity, token, outcome, ttl, true).await
     }
 
     async fn force_release(
@@ -796,6 +1120,7 @@ impl Store for SqliteStore {
                 .map_err(err(OP))?
         };
         if let Some(attempt) = deleted {
+            self.waiters.notify(identity);
             return Ok(ForcedRelease::Released {
                 attempt: u32::try_from(attempt).unwrap_or(1),
             });
@@ -845,6 +1170,74 @@ impl Store for SqliteStore {
         );
     }
 
+    /// Woken at once when this store (any clone of it, in this process)
+    /// completes or releases the record, its detached worker finishes it, or
+    /// an operator's [`force_release`](Store::force_release) through it
+    /// frees it. Other processes, other `SqliteStore`s on the same file and
+    /// completions committed in a caller's transaction (transactional mode:
+    /// the store cannot see the caller's commit, so it is not told) are seen
+    /// by a fallback look at the record (one primary-key read, no write lock)
+    /// after [`fallback_poll`] pauses (20 ms doubling, at most
+    /// [`FALLBACK_POLL_MAX`]). Returns when the record is no longer held by
+    /// the owner first seen (completed, released, taken over), when its lease
+    /// runs out, or after `max_wait`; the caller reserves only then.
+    ///
+    /// A waiter joins before it looks at the record, so a change made between
+    /// the reservation that found it in progress and the wait is not missed:
+    /// the look sees it, or the change's notification wakes the waiter.
+    async fn wait_for_change(&self, identity: &Identity, max_wait: Duration, round: u32) {
+        let deadline = tokio::time::Instant::now() + max_wait;
+        let notify = self.waiters.join(identity);
+        let _waiting = Waiting {
+            waiters: &self.waiters,
+            identity,
+        };
+        let notified = notify.notified();
+        tokio::pin!(notified);
+        notified.as_mut().enable();
+        let mut owner: Option<String> = None;
+        let mut look = round;
+        loop {
+            let held: Result<Option<(Option<String>, Option<i64>)>, _> =
+                sqlx::query_as(LEASE_REMAINING_SQL)
+                    .bind(&identity.tenant)
+                    .bind(&identity.scope)
+                    .bind(&identity.key)
+                    .fetch_optional(&self.pool)
+                    .await;
+            let lease_left = match held {
+                // Completed or released: reserve again now.
+                Ok(None) => return,
+                Ok(Some((token, remaining))) => {
+                    let remaining = remaining.unwrap_or(0);
+                    // Its lease ran out, or a new owner took it: reserve again.
+                    if remaining <= 0 || (owner.is_some() && owner != token) {
+                        return;
+                    }
+                    owner = token;
+                    millis_to_duration(remaining)
+                }
+                // The reservation that follows reports the store's trouble.
+                Err(e) => {
+                    tracing::debug!(target: "idempotent", scope = %identity.scope, error = %e,
+                        "sqlite: could not look at a record while waiting");
+                    return;
+                }
+            };
+            let now = tokio::time::Instant::now();
+            if now >= deadline {
+                return;
+            }
+            let pause = fallback_poll(look)
+                .min(deadline - now)
+                .min(lease_left.max(Duration::from_millis(1)));
+            if tokio::time::timeout(pause, notified.as_mut()).await.is_ok() {
+                return;
+            }
+            look = look.saturating_add(1);
+        }
+    }
+
     async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError> {
         if batch == 0 {
             return Ok(0);
@@ -882,5 +1275,125 @@ impl Store for SqliteStore {
         rows.iter()
             .map(|row| rows::Columns(row).scope_stats().map_err(err(OP)))
             .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn file_url() -> String {
+        let dir = std::env::temp_dir().join("idempotent-sqlite-unit");
+        std::fs::create_dir_all(&dir).expect("create the temp dir");
+        let file = dir.join(format!("{}.db", uuid::Uuid::new_v4().simple()));
+        format!("sqlite://{}", file.display())
+    }
+
+    /// `PRAGMA synchronous` on several of the pool's connections at once.
+    async fn levels(pool: &SqlitePool) -> Vec<i64> {
+        let mut conns = Vec::new();
+        for _ in 0..3 {
+            conns.push(pool.acquire().await.expect("a connection"));
+        }
+        let mut levels = Vec::new();
+        for conn in &mut conns {
+            levels.push(
+                sqlx::query_scalar("PRAGMA synchronous")
+                    .fetch_one(&mut **conn)
+                    .await
+                    .expect("read the level"),
+            );
+        }
+        levels
+    }
+
+    #[tokio::test]
+    async fn connect_runs_full_and_the_builder_sets_normal() {
+        let full = SqliteStore::connect(&file_url()).await.expect("open");
+        assert_eq!(
+            levels(full.pool()).await,
+            [2, 2, 2],
+            "FULL on every connection"
+        );
+        let normal = SqliteStore::builder(&file_url())
+            .synchronous(Synchronous::Normal)
+            .connect()
+            .await
+            .expect("open");
+        assert_eq!(
+            levels(normal.pool()).await,
+            [1, 1, 1],
+            "NORMAL on every connection"
+        );
+        let journal: String = sqlx::query_scalar("PRAGMA journal_mode")
+            .fetch_one(normal.pool())
+            .await
+            .expect("journal mode");
+        assert_eq!(journal, "wal", "NORMAL is only used in WAL mode");
+        assert_eq!(Synchronous::from_pragma(1), Some(Synchronous::Normal));
+        assert_eq!(Synchronous::from_pragma(3), Some(Synchronous::Full));
+        assert_eq!(Synchronous::from_pragma(0), None);
+    }
+
+    #[tokio::test]
+    async fn from_pool_keeps_the_pools_level() {
+        let options = SqliteConnectOptions::from_str(&file_url())
+            .expect("url")
+            .create_if_missing(true)
+            .synchronous(sqlx::sqlite::SqliteSynchronous::Normal);
+        let pool = SqlitePoolOptions::new()
+            .max_connections(3)
+            .connect_with(options)
+            .await
+            .expect("pool");
+        let store = SqliteStore::from_pool(pool).await.expect("store");
+        assert_eq!(levels(store.pool()).await, [1, 1, 1]);
+    }
+
+    fn request<'a>(id: &'a Identity, token: &'a OwnerToken) -> ReserveRequest<'a> {
+        ReserveRequest {
+            identity: id,
+            fingerprint: None,
+            token,
+            lease: Duration::from_secs(30),
+            ttl: Duration::from_secs(60),
+        }
+    }
+
+    /// A waiter leaves no entry behind, whether it was woken or dropped.
+    #[tokio::test]
+    async fn waiters_leave_no_entry_behind() {
+        let store = SqliteStore::connect("sqlite::memory:").await.expect("open");
+        let id = Identity::new("t", "unit.wait", "k").expect("identity");
+        let token = OwnerToken::new();
+        assert!(matches!(
+            store.reserve(request(&id, &token)).await,
+            Ok(Reservation::Acquired { .. })
+        ));
+        // Dropped mid-wait.
+        let dropped = tokio::time::timeout(
+            Duration::from_millis(1),
+            store.wait_for_change(&id, Duration::from_secs(10), 0),
+        )
+        .await;
+        assert!(dropped.is_err(), "the record is still held");
+        assert_eq!(store.waiters.len(), 0, "a dropped waiter left");
+        // Woken by the completion.
+        let waiter = store.wait_for_change(&id, Duration::from_secs(10), 0);
+        let complete = async {
+            while store.waiters.len() == 0 {
+                tokio::task::yield_now().await;
+            }
+            let outcome = StoredOutcome {
+                is_error: false,
+                payload: b"1".to_vec(),
+            };
+            assert!(store
+                .complete(&id, &token, &outcome, Duration::from_secs(60))
+                .await
+                .expect("complete"));
+        };
+        tokio::join!(waiter, complete);
+        assert_eq!(store.waiters.len(), 0, "a woken waiter left");
     }
 }

@@ -30,6 +30,16 @@
 //!
 //! Transactions begun with `BEGIN IMMEDIATE` (`pool.begin_with("BEGIN
 //! IMMEDIATE")`) take the write lock up front and never meet any of this.
+//!
+//! A completion or release written here does not wake the duplicates waiting
+//! in a [`SqliteStore`](crate::SqliteStore) of this process
+//! ([`Store::wait_for_change`]): it is part of the caller's transaction,
+//! which may still roll back, and the store does not see the caller's commit.
+//! Such waiters see the committed change by their fallback look at the
+//! record ([`fallback_poll`](super::sqlite::fallback_poll), at most
+//! [`FALLBACK_POLL_MAX`](super::sqlite::FALLBACK_POLL_MAX) late). Waiting
+//! duplicates in transactional mode itself retry their reservation under
+//! the engine's polling backoff.
 
 use super::*;
 use crate::error::Error;

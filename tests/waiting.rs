@@ -1,0 +1,367 @@
+//! Waiting duplicates (rule 4) are woken by the change they wait for, not by
+//! polling: `Store::wait_for_change` of the memory and SQLite stores.
+//!
+//! Each test holds a record with a call whose body waits on a channel the
+//! test releases. A duplicate with `in_progress = wait("10s")` arrives while
+//! it is held; the test releases the holder only once the duplicate has
+//! entered its wait (a handshake through the store wrapper below), and holds
+//! on a little longer so that a polling wait would have to look many times.
+//! The duplicate then replays the result (or, when the holder's error
+//! releases the record, acquires and runs), having reserved only a few
+//! times: once to find the record in progress, once after the change.
+//!
+//! `Counting` wraps a real store, counts `reserve` calls and reports when a
+//! duplicate enters `wait_for_change` (which it forwards).
+
+use idempotent_runtime::{
+    idempotent, Error, ForcedRelease, Identity, MemoryStore, OwnerToken, RecordSnapshot,
+    Reservation, ReserveRequest, ScopeStats, SqliteStore, Store, StoreError, StoredOutcome,
+};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+use tokio::sync::{watch, Notify};
+
+/// How long the holder keeps the record after the duplicate started waiting.
+/// Not a synchronization (the handshake is): the time a polling wait would
+/// spend looking again and again (the default backoff looks about 8 times
+/// in 400 ms, the SQLite fallback poll is not a reservation at all).
+const HOLD: Duration = Duration::from_millis(400);
+
+/// At most this many reservations by the duplicate: one that finds the record
+/// in progress, one after the change, and one spare.
+const FEW: usize = 3;
+
+struct Counting<S> {
+    inner: S,
+    reserves: AtomicUsize,
+    /// How many times a duplicate has entered `wait_for_change`.
+    waits: watch::Sender<usize>,
+}
+
+impl<S> Counting<S> {
+    fn new(inner: S) -> Self {
+        Counting {
+            inner,
+            reserves: AtomicUsize::new(0),
+            waits: watch::Sender::new(0),
+        }
+    }
+    fn reserves(&self) -> usize {
+        self.reserves.load(Ordering::SeqCst)
+    }
+    /// Until duplicates have entered `wait_for_change` `n` times in all.
+    async fn waited(&self, n: usize) {
+        let _ = self.waits.subscribe().wait_for(|w| *w >= n).await;
+    }
+}
+
+#[async_trait::async_trait]
+impl<S: Store> Store for Counting<S> {
+    fn name(&self) -> &'static str {
+        self.inner.name()
+    }
+    async fn reserve(&self, r: ReserveRequest<'_>) -> Result<Reservation, StoreError> {
+        self.reserves.fetch_add(1, Ordering::SeqCst);
+        self.inner.reserve(r).await
+    }
+    async fn complete(
+        &self,
+        i: &Identity,
+        t: &OwnerToken,
+        o: &StoredOutcome,
+        ttl: Duration,
+    ) -> Result<bool, StoreError> {
+        self.inner.complete(i, t, o, ttl).await
+    }
+    async fn release(&self, i: &Identity, t: &OwnerToken) -> Result<bool, StoreError> {
+        self.inner.release(i, t).await
+    }
+    async fn heartbeat(
+        &self,
+        i: &Identity,
+        t: &OwnerToken,
+        lease: Duration,
+    ) -> Result<bool, StoreError> {
+        self.inner.heartbeat(i, t, lease).await
+    }
+    fn release_detached(&self, i: Identity, t: OwnerToken) {
+        self.inner.release_detached(i, t)
+    }
+    fn complete_detached(&self, i: Identity, t: OwnerToken, o: StoredOutcome, ttl: Duration) {
+        self.inner.complete_detached(i, t, o, ttl)
+    }
+    async fn complete_recovered(
+        &self,
+        i: &Identity,
+        t: &OwnerToken,
+        o: &StoredOutcome,
+        ttl: Duration,
+    ) -> Result<bool, StoreError> {
+        self.inner.complete_recovered(i, t, o, ttl).await
+    }
+    async fn force_release(
+        &self,
+        i: &Identity,
+        require_expired_lease: bool,
+    ) -> Result<ForcedRelease, StoreError> {
+        self.inner.force_release(i, require_expired_lease).await
+    }
+    async fn wait_for_change(&self, i: &Identity, max_wait: Duration, round: u32) {
+        self.waits.send_modify(|w| *w += 1);
+        self.inner.wait_for_change(i, max_wait, round).await
+    }
+    async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError> {
+        self.inner.purge_expired(batch).await
+    }
+    async fn fetch(&self, i: &Identity) -> Result<Option<RecordSnapshot>, StoreError> {
+        self.inner.fetch(i).await
+    }
+    async fn scope_stats(&self) -> Result<Vec<ScopeStats>, StoreError> {
+        self.inner.scope_stats().await
+    }
+}
+
+/// What a call's body does: counts its runs, says it started, waits for
+/// `go`, then succeeds or fails (its error releases the record).
+#[derive(Default)]
+struct Gate {
+    runs: AtomicUsize,
+    started: watch::Sender<bool>,
+    go: Notify,
+    fail: bool,
+}
+
+impl Gate {
+    /// Until the body has started.
+    async fn started(&self) {
+        let _ = self.started.subscribe().wait_for(|s| *s).await;
+    }
+    fn failing() -> Self {
+        Gate {
+            fail: true,
+            ..Gate::default()
+        }
+    }
+    /// A gate whose body does not wait.
+    fn open() -> Self {
+        let gate = Gate::default();
+        gate.go.notify_one();
+        gate
+    }
+}
+
+#[idempotent(scope = "waiting.held", key = key, tenant = tenant, store = store,
+             in_progress = wait("10s"), skip(gate))]
+async fn held(store: &dyn Store, tenant: &str, key: &str, gate: &Gate) -> Result<u64, Error> {
+    gate.runs.fetch_add(1, Ordering::SeqCst);
+    gate.started.send_replace(true);
+    gate.go.notified().await;
+    if gate.fail {
+        return Err(Error::NoDefaultStore {
+            scope: "the holder's own error".into(),
+        });
+    }
+    Ok(7)
+}
+
+fn tenant() -> String {
+    uuid::Uuid::new_v4().simple().to_string()
+}
+
+/// The holder runs through `holder_store`, the duplicate through `dup`; the
+/// holder completes (or, with `fail`, releases) after the duplicate waits.
+/// Returns the duplicate's answer, its reservations, and both gates.
+async fn duplicate_while_held<H: Store, D: Store>(
+    holder_store: &H,
+    dup: &Counting<D>,
+    fail: bool,
+) -> (Result<u64, Error>, usize, Gate, Gate) {
+    let tenant = tenant();
+    let holder_gate = if fail {
+        Gate::failing()
+    } else {
+        Gate::default()
+    };
+    let dup_gate = Gate::open();
+    let holder = held(holder_store, &tenant, "k", &holder_gate);
+    let waits_before = *dup.waits.borrow();
+    let duplicate = async {
+        holder_gate.started().await;
+        let before = dup.reserves();
+        let answer = held(dup, &tenant, "k", &dup_gate).await;
+        (answer, dup.reserves() - before)
+    };
+    let release = async {
+        holder_gate.started().await;
+        dup.waited(waits_before + 1).await;
+        tokio::time::sleep(HOLD).await;
+        holder_gate.go.notify_one();
+    };
+    let (held_answer, (answer, reserves), ()) = tokio::join!(holder, duplicate, release);
+    if fail {
+        assert!(held_answer.is_err(), "the holder's body failed");
+    } else {
+        assert_eq!(held_answer.expect("the holder completes"), 7);
+    }
+    (answer, reserves, holder_gate, dup_gate)
+}
+
+fn assert_replayed(answer: Result<u64, Error>, reserves: usize, gates: (&Gate, &Gate)) {
+    assert_eq!(answer.expect("the duplicate replays"), 7);
+    assert_eq!(
+        gates.0.runs.load(Ordering::SeqCst),
+        1,
+        "the holder ran once"
+    );
+    assert_eq!(
+        gates.1.runs.load(Ordering::SeqCst),
+        0,
+        "the duplicate's body did not run"
+    );
+    assert!(
+        reserves <= FEW,
+        "the duplicate was woken by the completion, not by polling: {reserves} reservations"
+    );
+}
+
+fn assert_acquired_after_release(
+    answer: Result<u64, Error>,
+    reserves: usize,
+    gates: (&Gate, &Gate),
+) {
+    assert_eq!(answer.expect("the duplicate runs once the key is free"), 7);
+    assert_eq!(gates.0.runs.load(Ordering::SeqCst), 1);
+    assert_eq!(
+        gates.1.runs.load(Ordering::SeqCst),
+        1,
+        "the duplicate acquired the released record and ran"
+    );
+    assert!(
+        reserves <= FEW,
+        "the duplicate was woken by the release, not by polling: {reserves} reservations"
+    );
+}
+
+fn sqlite_url() -> String {
+    let dir = std::env::temp_dir().join("idempotent-waiting");
+    std::fs::create_dir_all(&dir).expect("create the temp dir");
+    format!(
+        "sqlite://{}",
+        dir.join(format!("{}.db", uuid::Uuid::new_v4().simple()))
+            .display()
+    )
+}
+
+#[tokio::test]
+async fn memory_a_waiting_duplicate_is_woken_by_the_completion() {
+    let store = Counting::new(MemoryStore::new());
+    let (answer, reserves, h, d) = duplicate_while_held(&store, &store, false).await;
+    assert_replayed(answer, reserves, (&h, &d));
+}
+
+#[tokio::test]
+async fn memory_a_waiting_duplicate_is_woken_by_the_release_and_acquires() {
+    let store = Counting::new(MemoryStore::new());
+    let (answer, reserves, h, d) = duplicate_while_held(&store, &store, true).await;
+    assert_acquired_after_release(answer, reserves, (&h, &d));
+}
+
+#[tokio::test]
+async fn sqlite_a_waiting_duplicate_is_woken_by_the_completion() {
+    let store = Counting::new(SqliteStore::connect(&sqlite_url()).await.expect("open"));
+    let (answer, reserves, h, d) = duplicate_while_held(&store, &store, false).await;
+    assert_replayed(answer, reserves, (&h, &d));
+}
+
+#[tokio::test]
+async fn sqlite_a_waiting_duplicate_is_woken_by_the_release_and_acquires() {
+    let store = Counting::new(SqliteStore::connect(&sqlite_url()).await.expect("open"));
+    let (answer, reserves, h, d) = duplicate_while_held(&store, &store, true).await;
+    assert_acquired_after_release(answer, reserves, (&h, &d));
+}
+
+/// Two stores on one file stand for two processes: the holder's store cannot
+/// tell the duplicate's. The duplicate's fallback look at the record sees
+/// the change, and it still reserves only a few times.
+#[tokio::test]
+async fn sqlite_two_stores_on_one_file_fall_back_to_looking() {
+    let url = sqlite_url();
+    let holder = SqliteStore::connect(&url).await.expect("open");
+    let dup = Counting::new(SqliteStore::connect(&url).await.expect("open again"));
+    let (answer, reserves, h, d) = duplicate_while_held(&holder, &dup, false).await;
+    assert_replayed(answer, reserves, (&h, &d));
+
+    let (answer, reserves, h, d) = duplicate_while_held(&holder, &dup, true).await;
+    assert_acquired_after_release(answer, reserves, (&h, &d));
+}
+
+/// Many duplicates wait on one record; one completion wakes them all, and
+/// every one replays.
+#[tokio::test]
+async fn sqlite_many_waiters_are_all_woken() {
+    let store = Counting::new(SqliteStore::connect(&sqlite_url()).await.expect("open"));
+    let tenant = tenant();
+    let holder_gate = Gate::default();
+    let dup_gate = Gate::open();
+    const DUPLICATES: usize = 8;
+    let holder = held(&store, &tenant, "k", &holder_gate);
+    let duplicates = async {
+        holder_gate.started().await;
+        let calls = (0..DUPLICATES).map(|_| held(&store, &tenant, "k", &dup_gate));
+        futures_util::future::join_all(calls).await
+    };
+    let release = async {
+        holder_gate.started().await;
+        store.waited(DUPLICATES).await;
+        holder_gate.go.notify_one();
+    };
+    let (first, answers, ()) = tokio::join!(holder, duplicates, release);
+    assert_eq!(first.expect("holder"), 7);
+    for answer in answers {
+        assert_eq!(answer.expect("every duplicate replays"), 7);
+    }
+    assert_eq!(dup_gate.runs.load(Ordering::SeqCst), 0);
+    assert!(
+        store.reserves() <= 1 + DUPLICATES * FEW,
+        "{} reservations",
+        store.reserves()
+    );
+}
+
+/// A duplicate dropped while it waits (its caller gave up) leaves nothing
+/// behind; the holder completes and a later duplicate replays.
+async fn a_dropped_waiter_is_harmless<S: Store>(store: &Counting<S>) {
+    let tenant = tenant();
+    let holder_gate = Gate::default();
+    let dup_gate = Gate::open();
+    let holder = held(store, &tenant, "k", &holder_gate);
+    let drop_a_waiter = async {
+        holder_gate.started().await;
+        let before = *store.waits.borrow();
+        tokio::select! {
+            _ = held(store, &tenant, "k", &dup_gate) => {
+                panic!("the duplicate cannot finish while the record is held")
+            }
+            () = store.waited(before + 1) => {}
+        }
+        holder_gate.go.notify_one();
+    };
+    let (first, ()) = tokio::join!(holder, drop_a_waiter);
+    assert_eq!(first.expect("holder"), 7);
+    assert_eq!(
+        held(store, &tenant, "k", &dup_gate).await.expect("replay"),
+        7
+    );
+    assert_eq!(dup_gate.runs.load(Ordering::SeqCst), 0);
+}
+
+#[tokio::test]
+async fn memory_a_dropped_waiter_is_harmless() {
+    a_dropped_waiter_is_harmless(&Counting::new(MemoryStore::new())).await;
+}
+
+#[tokio::test]
+async fn sqlite_a_dropped_waiter_is_harmless() {
+    let store = Counting::new(SqliteStore::connect(&sqlite_url()).await.expect("open"));
+    a_dropped_waiter_is_harmless(&store).await;
+}
