@@ -277,31 +277,73 @@ async fn mistakes_are_reported_with_what_to_fix() {
     assert!(matches!(e, CliError::Usage(_)), "{e}");
 }
 
-/// The real binary, built and run once through cargo.
+/// The real binary, built by cargo and run once.
+///
+/// It is built with the features of the README's test command
+/// (`--workspace --all-features`, and `--tests` so dev-dependencies count as
+/// they do there): cargo then finds every dependency fresh and only builds the
+/// binary itself. (`cargo run -p idempotent-runtime --features cli` resolves
+/// other features and recompiled the runtime and half its dependencies: minutes
+/// on a cold machine.)
 #[test]
 fn the_binary_runs_end_to_end() {
     let dir = Scratch::new();
     let manifest = dir.file("idempotent.toml", MANIFEST);
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    let out = std::process::Command::new(cargo)
+    let mut build = std::process::Command::new(cargo);
+    // What cargo sets for this test process (CARGO_MANIFEST_DIR, CARGO_PKG_*,
+    // ...) must not reach the inner cargo: build scripts watch some of them
+    // (`rerun-if-env-changed`; ring's watches CARGO_MANIFEST_DIR and
+    // CARGO_PKG_NAME), and a changed value reruns them and rebuilds every crate
+    // above them, here and again in the next outer build.
+    for (name, _) in std::env::vars() {
+        let set_by_cargo = name.starts_with("CARGO_PKG_")
+            || name.starts_with("CARGO_BIN_EXE_")
+            || [
+                "CARGO_MANIFEST_DIR",
+                "CARGO_MANIFEST_PATH",
+                "CARGO_CRATE_NAME",
+                "CARGO_BIN_NAME",
+                "CARGO_PRIMARY_PACKAGE",
+                "CARGO_TARGET_TMPDIR",
+                "OUT_DIR",
+            ]
+            .contains(&name.as_str());
+        if set_by_cargo {
+            build.env_remove(name);
+        }
+    }
+    let build = build
         .args([
-            "run",
+            "build",
             "--quiet",
-            "-p",
-            "idempotent-runtime",
-            "--features",
-            "cli",
+            "--workspace",
+            "--all-features",
+            "--tests",
             "--bin",
             "idempotent",
-            "--",
-            "scopes",
-            "--json",
-            "--manifest",
-            &manifest,
+            "--message-format=json",
         ])
         .current_dir(env!("CARGO_MANIFEST_DIR"))
         .output()
         .expect("cargo runs");
+    assert!(
+        build.status.success(),
+        "cargo build: exit {:?}\nstderr: {}",
+        build.status,
+        String::from_utf8_lossy(&build.stderr)
+    );
+    let binary = String::from_utf8_lossy(&build.stdout)
+        .lines()
+        .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
+        // Not the binary's unit-test harness, which `--tests` builds too.
+        .filter(|m| m["target"]["name"] == "idempotent" && m["profile"]["test"] == false)
+        .find_map(|m| m["executable"].as_str().map(PathBuf::from))
+        .expect("cargo reports the built binary");
+    let out = std::process::Command::new(&binary)
+        .args(["scopes", "--json", "--manifest", &manifest])
+        .output()
+        .expect("the binary runs");
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
         out.status.success(),
