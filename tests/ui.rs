@@ -1,15 +1,73 @@
 //! Every compile error `#[idempotent]` can produce, with its message
-//! (`tests/ui/*.rs` + `.stderr`), and the shapes that must compile
-//! (`tests/ui/pass/*.rs`). Regenerate the expected output with
-//! `TRYBUILD=overwrite cargo test --test ui`, then read every changed `.stderr`.
+//! (`tests/ui/*.rs` + `.stderr`), the shapes that must compile
+//! (`tests/ui/pass/*.rs`), and the scope-manifest checks (DESIGN.md rule 18,
+//! `tests/ui-manifest/`): the attribute's scope must be declared in
+//! `idempotent.toml` and not retired; the manifest's `ttl`/`lease` are
+//! defaults. The manifest is supplied through `IDEMPOTENT_MANIFEST`.
 //!
-//! Scope-manifest errors live in `tests/ui_manifest.rs`.
+//! One driver binary for both: trybuild builds one test crate (with every
+//! dependency of this package) under `target/tests/trybuild/`, and both tests
+//! share it. The dependencies are built without debug info
+//! (`CARGO_PROFILE_DEV_DEBUG=0` for trybuild's cargo): the cases' messages do
+//! not depend on it, and it is most of the build's cost.
+//!
+//! The environment variable is process-wide, so the two tests hold one lock
+//! (under `cargo test` they share a process; nextest runs each alone).
+//! Regenerate the expected output with `TRYBUILD=overwrite cargo test --test ui`,
+//! then read every changed `.stderr`.
+
+use std::path::Path;
+use std::sync::{Mutex, MutexGuard};
+
+/// Held while a test sets the environment and runs its cases.
+fn exclusive() -> MutexGuard<'static, ()> {
+    static LOCK: Mutex<()> = Mutex::new(());
+    let guard = LOCK.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    // Read by the cargo that trybuild starts, not by this process.
+    std::env::set_var("CARGO_PROFILE_DEV_DEBUG", "0");
+    guard
+}
+
+/// Runs the cases `run` adds with `IDEMPOTENT_MANIFEST` set to `manifest`
+/// (unset with `None`).
+fn with_manifest(manifest: Option<&Path>, run: impl FnOnce(&trybuild::TestCases)) {
+    match manifest {
+        Some(manifest) => std::env::set_var("IDEMPOTENT_MANIFEST", manifest),
+        None => std::env::remove_var("IDEMPOTENT_MANIFEST"),
+    }
+    let t = trybuild::TestCases::new();
+    run(&t);
+    drop(t); // trybuild runs the cases here, while the variable is set
+    std::env::remove_var("IDEMPOTENT_MANIFEST");
+}
 
 #[test]
 fn ui() {
+    let _lock = exclusive();
     // These cases must not see a scope manifest.
-    std::env::remove_var("IDEMPOTENT_MANIFEST");
-    let t = trybuild::TestCases::new();
-    t.compile_fail("tests/ui/*.rs");
-    t.pass("tests/ui/pass/*.rs");
+    with_manifest(None, |t| {
+        t.compile_fail("tests/ui/*.rs");
+        t.pass("tests/ui/pass/*.rs");
+    });
+}
+
+/// One test function for every manifest on purpose: the cases run one after
+/// another with a different manifest each.
+#[test]
+fn ui_manifest() {
+    let _lock = exclusive();
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/ui-manifest");
+    with_manifest(Some(&dir.join("idempotent.toml")), |t| {
+        t.compile_fail("tests/ui-manifest/*.rs");
+        t.pass("tests/ui-manifest/pass/*.rs");
+    });
+    with_manifest(Some(&dir.join("bad-entries/idempotent.toml")), |t| {
+        t.compile_fail("tests/ui-manifest/bad-entries/*.rs");
+    });
+    with_manifest(Some(&dir.join("broken/idempotent.toml")), |t| {
+        t.compile_fail("tests/ui-manifest/broken/*.rs");
+    });
+    with_manifest(Some(&dir.join("missing/no-such-manifest.toml")), |t| {
+        t.compile_fail("tests/ui-manifest/missing/*.rs");
+    });
 }

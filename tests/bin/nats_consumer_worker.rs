@@ -1,6 +1,6 @@
 //! The NATS consumer worker: one OS process pulling from a durable JetStream
 //! consumer and billing every message once, in transactional mode on
-//! PostgreSQL. `tests/nats_consumer.rs` runs two of these on one durable
+//! PostgreSQL. `tests/nats/nats_consumer.rs` runs two of these on one durable
 //! consumer (the redelivery storm) and SIGKILLs one mid-way.
 //!
 //! ```text

@@ -1,6 +1,6 @@
 //! The soak worker: one OS process looping over random keys of one tenant,
 //! making idempotent calls against PostgreSQL or MariaDB until its call count
-//! or its deadline runs out. `tests/soak.rs` keeps several of these running and
+//! or its deadline runs out. `tests/multiprocess/soak.rs` keeps several of these running and
 //! SIGKILLs them at random points.
 //!
 //! ```text

@@ -1,0 +1,422 @@
+//! Every shape `#[idempotent]` accepts, run against `MemoryStore`: the first
+//! call executes, a retry replays, fingerprints include exactly the right
+//! parameters, and every function is registered with its file and line.
+//!
+//! Each function here has its own scope: one crate may not reuse a scope.
+
+use idempotent_runtime::registry::{self, ScopeInfo};
+use idempotent_runtime::{
+    idempotent, with_outcome, Error, ErrorPolicy, InProgressPolicy, MemoryStore, Outcome, Store,
+};
+use serde::{Deserialize, Serialize};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+struct Receipt {
+    id: u64,
+    amount: u64,
+}
+
+#[derive(Serialize)]
+struct Account {
+    id: u32,
+}
+
+// ---- a free function: tenant from a field, key by name, a skipped argument
+const FREE_LINE: u32 = line!() + 2;
+#[idempotent(scope = "shapes.free", key = key, tenant = account.id, store = store, skip(runs))]
+async fn free(
+    store: &MemoryStore,
+    account: &Account,
+    key: &str,
+    amount: u64,
+    runs: &AtomicUsize,
+) -> Result<Receipt, Error> {
+    let id = runs.fetch_add(1, Ordering::SeqCst) as u64 + 1;
+    Ok(Receipt { id, amount })
+}
+
+#[tokio::test]
+async fn free_function_executes_then_replays() {
+    let store = MemoryStore::new();
+    let account = Account { id: 7 };
+    let runs = AtomicUsize::new(0);
+    let (first, o1) = with_outcome(free(&store, &account, "k1", 100, &runs)).await;
+    // `runs` is skipped: another counter does not change the fingerprint.
+    let other_runs = AtomicUsize::new(50);
+    let (again, o2) = with_outcome(free(&store, &account, "k1", 100, &other_runs)).await;
+    assert_eq!(first.unwrap(), Receipt { id: 1, amount: 100 });
+    assert_eq!(again.unwrap(), Receipt { id: 1, amount: 100 });
+    assert_eq!((o1, o2), (Some(Outcome::Executed), Some(Outcome::Replayed)));
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    assert_eq!(other_runs.load(Ordering::SeqCst), 50);
+
+    // `amount` is fingerprinted: the same key with another amount is refused.
+    let mismatch = free(&store, &account, "k1", 999, &runs).await;
+    assert!(
+        matches!(mismatch, Err(Error::FingerprintMismatch(_))),
+        "{mismatch:?}"
+    );
+    // Another tenant is another record.
+    let other_tenant = free(&store, &Account { id: 8 }, "k1", 999, &runs).await;
+    assert_eq!(other_tenant.unwrap(), Receipt { id: 2, amount: 999 });
+}
+
+// ---- a method on &self, store and tenant from fields
+struct Service {
+    store: MemoryStore,
+    tenant: String,
+    runs: AtomicUsize,
+}
+
+impl Service {
+    #[idempotent(scope = "shapes.method", key = key, tenant = self.tenant, store = self.store,
+                 in_progress = reject, lease = "2s")]
+    async fn charge(&self, key: String, amount: u64) -> Result<Receipt, Error> {
+        let id = self.runs.fetch_add(1, Ordering::SeqCst) as u64 + 1;
+        Ok(Receipt { id, amount })
+    }
+}
+
+#[tokio::test]
+async fn method_on_self_executes_then_replays() {
+    let service = Service {
+        store: MemoryStore::new(),
+        tenant: "t".into(),
+        runs: AtomicUsize::new(0),
+    };
+    let (a, o1) = with_outcome(service.charge("k".into(), 5)).await;
+    let (b, o2) = with_outcome(service.charge("k".into(), 5)).await;
+    assert_eq!(a.unwrap(), b.unwrap());
+    assert_eq!((o1, o2), (Some(Outcome::Executed), Some(Outcome::Replayed)));
+    assert!(matches!(
+        service.charge("k".into(), 6).await,
+        Err(Error::FingerprintMismatch(_))
+    ));
+    assert_eq!(service.runs.load(Ordering::SeqCst), 1);
+}
+
+// ---- a generic function with `store = store`, and `?` converting errors
+#[derive(Debug, Serialize, Deserialize, PartialEq)]
+enum AppError {
+    Idempotent(String),
+    Parse(String),
+}
+
+impl From<Error> for AppError {
+    fn from(e: Error) -> Self {
+        AppError::Idempotent(e.to_string())
+    }
+}
+
+impl From<std::num::ParseIntError> for AppError {
+    fn from(e: std::num::ParseIntError) -> Self {
+        AppError::Parse(e.to_string())
+    }
+}
+
+#[idempotent(scope = "shapes.generic", key = key, tenant = shared, store = store)]
+async fn generic<S>(store: &S, key: &str, input: String) -> Result<u32, AppError>
+where
+    S: Store,
+{
+    let n: u32 = input.parse()?; // `?` converts through From, as in the original function
+    if n == 0 {
+        return Ok(1000); // `return` returns from the body
+    }
+    Ok(n * 2)
+}
+
+#[tokio::test]
+async fn generic_function_with_store_parameter() {
+    let store = MemoryStore::new();
+    assert_eq!(generic(&store, "g1", "21".into()).await, Ok(42));
+    assert_eq!(generic(&store, "g0", "0".into()).await, Ok(1000));
+    let (replay, outcome) = with_outcome(generic(&store, "g1", "21".into())).await;
+    assert_eq!((replay, outcome), (Ok(42), Some(Outcome::Replayed)));
+    assert!(matches!(
+        generic(&store, "g2", "x".into()).await,
+        Err(AppError::Parse(_))
+    ));
+    // The error was released (the default): the key is free for a retry.
+    assert_eq!(generic(&store, "g2", "3".into()).await, Ok(6));
+}
+
+// ---- &dyn Store and Arc<dyn Store>
+#[idempotent(scope = "shapes.dyn_store", key = key, tenant = tenant, store = store)]
+async fn dyn_store(store: &dyn Store, tenant: u64, key: &str, value: u8) -> Result<u8, Error> {
+    Ok(value)
+}
+
+// An owned store the body also uses: name a clone, so the body can take the
+// original (and skip it: only a plain `store = store` leaves it out of the fingerprint).
+#[idempotent(scope = "shapes.arc_store", key = key, tenant = shared, store = store.clone(), skip(store))]
+async fn arc_store(store: Arc<dyn Store>, key: &str) -> Result<String, Error> {
+    Ok(store.name().to_owned())
+}
+
+#[tokio::test]
+async fn dyn_and_arc_stores() {
+    let store = MemoryStore::new();
+    assert_eq!(dyn_store(&store, 1, "d", 3).await.unwrap(), 3);
+    let (v, o) = with_outcome(dyn_store(&store, 1, "d", 3)).await;
+    assert_eq!((v.unwrap(), o), (3, Some(Outcome::Replayed)));
+    let arc: Arc<dyn Store> = Arc::new(MemoryStore::new());
+    assert_eq!(arc_store(arc.clone(), "a").await.unwrap(), "memory");
+    let (_, o) = with_outcome(arc_store(arc, "a")).await;
+    assert_eq!(o, Some(Outcome::Replayed));
+}
+
+// ---- fingerprint = false: a reused key is never refused for its arguments
+#[idempotent(scope = "shapes.no_fingerprint", key = key, tenant = shared, store = store,
+             fingerprint = false)]
+async fn unfingerprinted(store: &MemoryStore, key: &str, amount: u64) -> Result<u64, Error> {
+    Ok(amount)
+}
+
+#[tokio::test]
+async fn fingerprint_false_replays_whatever_the_arguments() {
+    let store = MemoryStore::new();
+    assert_eq!(unfingerprinted(&store, "n", 1).await.unwrap(), 1);
+    let (v, o) = with_outcome(unfingerprinted(&store, "n", 2)).await;
+    assert_eq!((v.unwrap(), o), (1, Some(Outcome::Replayed)));
+}
+
+// ---- shared tenant, errors = record_if, crate = path
+mod renamed {
+    pub use idempotent_runtime::*;
+}
+
+#[derive(Debug, Serialize, Deserialize, PartialEq)]
+enum PayError {
+    Declined,
+    Busy,
+    Idempotent(String),
+}
+
+impl From<Error> for PayError {
+    fn from(e: Error) -> Self {
+        PayError::Idempotent(e.to_string())
+    }
+}
+
+impl PayError {
+    fn is_final(&self) -> bool {
+        matches!(self, PayError::Declined)
+    }
+}
+
+#[idempotent(scope = "shapes.record_if", key = key, tenant = shared, store = store, skip(runs),
+             errors = record_if(PayError::is_final), crate = crate::macro_shapes::renamed, ttl = "1h")]
+async fn pay(
+    store: &MemoryStore,
+    key: &str,
+    fail: Option<bool>,
+    runs: &AtomicUsize,
+) -> Result<u8, PayError> {
+    runs.fetch_add(1, Ordering::SeqCst);
+    match fail {
+        Some(true) => Err(PayError::Declined),
+        Some(false) => Err(PayError::Busy),
+        None => Ok(1),
+    }
+}
+
+#[tokio::test]
+async fn record_if_records_final_errors_only() {
+    let store = MemoryStore::new();
+    let runs = AtomicUsize::new(0);
+    assert_eq!(
+        pay(&store, "busy", Some(false), &runs).await,
+        Err(PayError::Busy)
+    );
+    assert_eq!(
+        pay(&store, "busy", Some(false), &runs).await,
+        Err(PayError::Busy)
+    );
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        2,
+        "Busy is released: the retry ran"
+    );
+    assert_eq!(
+        pay(&store, "final", Some(true), &runs).await,
+        Err(PayError::Declined)
+    );
+    let (again, o) = with_outcome(pay(&store, "final", Some(true), &runs)).await;
+    assert_eq!(
+        (again, o),
+        (Err(PayError::Declined), Some(Outcome::Replayed))
+    );
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        3,
+        "Declined is recorded: replayed"
+    );
+}
+
+// ---- an async fn in a trait impl
+trait Charger {
+    async fn charge(&self, key: &str, amount: u64) -> Result<u64, PayError>;
+}
+
+struct Gateway(MemoryStore);
+
+impl Charger for Gateway {
+    #[idempotent(scope = "shapes.trait_impl", key = key, tenant = shared, store = self.0,
+                 errors = record)]
+    async fn charge(&self, key: &str, amount: u64) -> Result<u64, PayError> {
+        Ok(amount + 1)
+    }
+}
+
+#[tokio::test]
+async fn trait_impl_method() {
+    let gateway = Gateway(MemoryStore::new());
+    assert_eq!(gateway.charge("t", 1).await.unwrap(), 2);
+    let (v, o) = with_outcome(gateway.charge("t", 1)).await;
+    assert_eq!((v.unwrap(), o), (2, Some(Outcome::Replayed)));
+}
+
+// ---- the default store
+#[idempotent(scope = "shapes.default_store", key = key, tenant = tenant)]
+async fn with_default(tenant: &str, key: &str) -> Result<u8, Error> {
+    Ok(9)
+}
+
+#[tokio::test]
+async fn default_store_is_used_without_store_argument() {
+    idempotent_runtime::set_default_store(MemoryStore::new());
+    assert_eq!(with_default("t", "k").await.unwrap(), 9);
+    let (v, o) = with_outcome(with_default("t", "k")).await;
+    assert_eq!((v.unwrap(), o), (9, Some(Outcome::Replayed)));
+}
+
+// ---- a parameter called `shared` as the tenant: `tenant = (shared)`
+// Only the bare identifier `shared` is the opt-out; in parentheses it is an
+// expression over the parameters, so every tenant has its own namespace.
+#[idempotent(scope = "shapes.tenant_named_shared", key = key, tenant = (shared), store = store,
+             fingerprint = false)]
+async fn tenant_named_shared(
+    store: &MemoryStore,
+    shared: &str,
+    key: &str,
+    runs: &AtomicUsize,
+) -> Result<String, Error> {
+    runs.fetch_add(1, Ordering::SeqCst);
+    Ok(format!("for {shared}"))
+}
+
+// The same function with the bare opt-out. (A parameter may not be called
+// `shared` then: the word would mean two things; see tests/ui/shared_is_also_a_parameter.rs.)
+#[idempotent(scope = "shapes.tenant_shared_opt_out", key = key, tenant = shared, store = store,
+             fingerprint = false)]
+async fn tenant_shared_opt_out(
+    store: &MemoryStore,
+    who: &str,
+    key: &str,
+    runs: &AtomicUsize,
+) -> Result<String, Error> {
+    runs.fetch_add(1, Ordering::SeqCst);
+    Ok(format!("for {who}"))
+}
+
+#[tokio::test]
+async fn parenthesized_shared_is_the_parameter_not_the_opt_out() {
+    let store = MemoryStore::new();
+    let runs = AtomicUsize::new(0);
+    let (a, oa) = with_outcome(tenant_named_shared(&store, "acme", "k", &runs)).await;
+    let (b, ob) = with_outcome(tenant_named_shared(&store, "globex", "k", &runs)).await;
+    assert_eq!(a.unwrap(), "for acme");
+    assert_eq!(b.unwrap(), "for globex", "another tenant is another record");
+    assert_eq!((oa, ob), (Some(Outcome::Executed), Some(Outcome::Executed)));
+    assert_eq!(runs.load(Ordering::SeqCst), 2, "each tenant's body ran");
+    // Each tenant replays its own result.
+    let (a2, oa2) = with_outcome(tenant_named_shared(&store, "acme", "k", &runs)).await;
+    let (b2, ob2) = with_outcome(tenant_named_shared(&store, "globex", "k", &runs)).await;
+    assert_eq!(
+        (a2.unwrap(), oa2),
+        ("for acme".to_owned(), Some(Outcome::Replayed))
+    );
+    assert_eq!(
+        (b2.unwrap(), ob2),
+        ("for globex".to_owned(), Some(Outcome::Replayed))
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+}
+
+#[tokio::test]
+async fn bare_shared_is_one_namespace() {
+    let store = MemoryStore::new();
+    let runs = AtomicUsize::new(0);
+    let a = tenant_shared_opt_out(&store, "acme", "k", &runs).await;
+    let (b, ob) = with_outcome(tenant_shared_opt_out(&store, "globex", "k", &runs)).await;
+    assert_eq!(a.unwrap(), "for acme");
+    // The key is global to the scope: the second caller gets the first's result.
+    assert_eq!(
+        (b.unwrap(), ob),
+        ("for acme".to_owned(), Some(Outcome::Replayed))
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+// ---- the registry
+fn registered(scope: &str) -> &'static ScopeInfo {
+    registry::scopes()
+        .into_iter()
+        .find(|s| s.scope == scope)
+        .unwrap_or_else(|| panic!("{scope} is not registered"))
+}
+
+#[test]
+fn registry_lists_every_function_with_file_line_and_policies() {
+    let free = registered("shapes.free");
+    assert_eq!(free.function, concat!(module_path!(), "::free"));
+    assert_eq!(free.file, file!());
+    assert_eq!(free.line, FREE_LINE);
+    // `tenant = account.id` does not exclude `account` (only `tenant = account` would).
+    assert_eq!(free.fingerprinted_parameters, ["account", "amount"]);
+    assert!(free.fingerprinted && !free.shared_tenant && !free.transactional);
+    assert_eq!(free.ttl, Duration::from_secs(24 * 3600));
+    assert_eq!(free.lease, Duration::from_secs(30));
+    assert_eq!(
+        free.in_progress,
+        InProgressPolicy::Wait(Duration::from_secs(10))
+    );
+    assert_eq!(free.errors, ErrorPolicy::Release);
+
+    let method = registered("shapes.method");
+    assert_eq!(method.function, concat!(module_path!(), "::charge"));
+    assert_eq!(method.fingerprinted_parameters, ["amount"]);
+    assert_eq!(method.in_progress, InProgressPolicy::Reject);
+    assert_eq!(method.lease, Duration::from_secs(2));
+
+    let pay = registered("shapes.record_if");
+    assert_eq!(pay.errors, ErrorPolicy::RecordIf("PayError::is_final"));
+    assert_eq!(pay.fingerprinted_parameters, ["fail"]);
+    assert!(pay.shared_tenant);
+    assert_eq!(pay.ttl, Duration::from_secs(3600));
+
+    let off = registered("shapes.no_fingerprint");
+    assert!(!off.fingerprinted && off.fingerprinted_parameters.is_empty());
+    assert_eq!(registered("shapes.trait_impl").errors, ErrorPolicy::Record);
+    assert_eq!(
+        registered("shapes.generic").fingerprinted_parameters,
+        ["input"]
+    );
+
+    assert!(!registered("shapes.tenant_named_shared").shared_tenant);
+    assert!(registered("shapes.tenant_shared_opt_out").shared_tenant);
+
+    let ours: Vec<_> = registry::scopes()
+        .into_iter()
+        .filter(|s| s.scope.starts_with("shapes."))
+        .collect();
+    assert_eq!(ours.len(), 11, "{ours:#?}");
+    assert!(
+        ours.windows(2).all(|w| w[0].scope <= w[1].scope),
+        "sorted by scope"
+    );
+}

@@ -1,0 +1,22 @@
+//! Layer: the attribute. The behaviour contract through `#[idempotent]`
+//! functions (`contract`) on every store, one module per store, and the
+//! shapes and arguments the attribute accepts (`macro_shapes`,
+//! `macro_rules_args`) and transactional mode (`transactional`).
+//!
+//! `macro_shapes` sets the process-wide default store, so tests that need
+//! none set (`operations::engine_accounting`, `http::http_server`) live in
+//! other binaries.
+
+#[path = "../common/mod.rs"]
+mod common;
+#[macro_use]
+mod contract;
+
+mod memory;
+mod mysql;
+mod postgres;
+mod sqlite;
+
+mod macro_rules_args;
+mod macro_shapes;
+mod transactional;

@@ -1,0 +1,4 @@
+//! The behaviour contract on [`PgStore`](idempotent_runtime::PgStore), against the
+//! server at `IDEMPOTENT_PG_URL` (default: the local PostgreSQL).
+use crate::common;
+contract_tests!(common::servers::pg_store_or_skip());

@@ -1,0 +1,505 @@
+//! Transactional mode (`tx = ...`, DESIGN.md rule 15) on PostgreSQL, MariaDB
+//! and SQLite: the reservation and the recorded result are statements in the
+//! caller's transaction and commit or roll back with the business writes.
+//!
+//! Every call goes through the real attribute, `#[idempotent(..., tx = tx)]`,
+//! on functions taking `tx: &mut sqlx::Transaction<'_, DB>` (or a plain
+//! connection). A test that needs a reservation held open mid-body passes a
+//! [`Hold`]: the body says it has started, then waits until it is let go.
+
+use crate::common;
+
+use common::servers::{fresh_tenant, mysql_store_or_skip, pg_store_or_skip};
+use idempotent_runtime::{
+    idempotent, with_outcome, Error, Identity, Outcome, OwnerToken, RecordState, Reservation,
+    ReserveRequest, Store,
+};
+use sqlx::{MySql, Postgres, Sqlite};
+use std::future::Future;
+use std::time::Duration;
+use tokio::sync::Notify;
+
+type Answer = Result<u64, Error>;
+
+/// Holds a body open: it notifies `reached` once the reservation is held,
+/// then waits for `go`.
+#[derive(Default)]
+struct Hold {
+    reached: Notify,
+    go: Notify,
+}
+
+async fn hold_here(hold: Option<&Hold>) {
+    if let Some(hold) = hold {
+        hold.reached.notify_one();
+        hold.go.notified().await;
+    }
+}
+
+/// Runs `owner` (a call whose body holds on `hold`) and, once the body is
+/// running, `check`; then lets the body finish. Returns the owner's answer.
+async fn while_held(
+    hold: &Hold,
+    owner: impl Future<Output = Answer>,
+    check: impl Future<Output = ()>,
+) -> Answer {
+    let checker = async {
+        hold.reached.notified().await;
+        check.await;
+        hold.go.notify_one();
+    };
+    let (answer, ()) = tokio::join!(owner, checker);
+    answer
+}
+
+fn identity(tenant: &str, key: &str) -> Identity {
+    Identity::new(tenant, "tx.charge", key).expect("identity")
+}
+
+fn my_identity(tenant: &str, key: &str) -> Identity {
+    Identity::new(tenant, "tx.charge_mysql", key).expect("identity")
+}
+
+/// The business table the bodies write to, in each database.
+const PG_DDL: &str = "CREATE TABLE IF NOT EXISTS idempotent_test_charges (
+    tenant TEXT NOT NULL, idem_key TEXT NOT NULL, amount BIGINT NOT NULL)";
+const MY_DDL: &str = "CREATE TABLE IF NOT EXISTS idempotent_test_charges (
+    tenant VARCHAR(100) NOT NULL, idem_key VARCHAR(255) NOT NULL, amount BIGINT NOT NULL) ENGINE = InnoDB";
+
+// ---------------------------------------------------------------- PostgreSQL
+
+#[idempotent(scope = "tx.charge", key = key, tenant = tenant, tx = tx, skip(hold),
+             ttl = "1h", in_progress = wait("2s"))]
+async fn pg_charge_in(
+    tx: &mut sqlx::Transaction<'_, Postgres>,
+    tenant: &str,
+    key: &str,
+    amount: i64,
+    hold: Option<&Hold>,
+) -> Result<u64, Error> {
+    sqlx::query(
+        "INSERT INTO idempotent_test_charges (tenant, idem_key, amount) VALUES ($1, $2, $3)",
+    )
+    .bind(tenant)
+    .bind(key)
+    .bind(amount)
+    .execute(&mut **tx)
+    .await
+    .expect("business write");
+    hold_here(hold).await;
+    Ok(amount as u64)
+}
+
+#[idempotent(scope = "tx.charge_reject", key = key, tenant = tenant, tx = tx, skip(hold),
+             ttl = "1h", in_progress = reject)]
+async fn pg_charge_or_reject(
+    tx: &mut sqlx::Transaction<'_, Postgres>,
+    tenant: &str,
+    key: &str,
+    hold: Option<&Hold>,
+) -> Result<u64, Error> {
+    hold_here(hold).await;
+    Ok(1)
+}
+
+#[idempotent(scope = "tx.charge_conn", key = key, tenant = tenant, tx = conn, ttl = "1h")]
+async fn pg_charge_on_connection(
+    conn: &mut sqlx::PgConnection,
+    tenant: &str,
+    key: &str,
+) -> Result<u64, Error> {
+    let one: i32 = sqlx::query_scalar("SELECT 1")
+        .fetch_one(&mut *conn)
+        .await
+        .expect("the body uses the connection");
+    Ok(one as u64 + 2)
+}
+
+async fn pg_charge(pool: &sqlx::PgPool, tenant: &str, key: &str, commit: bool) -> Answer {
+    let mut tx = pool.begin().await.expect("begin");
+    let result = pg_charge_in(&mut tx, tenant, key, 500, None).await;
+    if commit {
+        tx.commit().await.expect("commit");
+    } else {
+        tx.rollback().await.expect("rollback");
+    }
+    result
+}
+
+async fn pg_charges(pool: &sqlx::PgPool, tenant: &str) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM idempotent_test_charges WHERE tenant = $1")
+        .bind(tenant)
+        .fetch_one(pool)
+        .await
+        .expect("count")
+}
+
+#[tokio::test]
+async fn pg_rollback_leaves_no_record_commit_leaves_one_of_each() {
+    let Some(store) = pg_store_or_skip().await else {
+        return;
+    };
+    let pool = store.pool().clone();
+    sqlx::query(PG_DDL).execute(&pool).await.expect("ddl");
+    let tenant = fresh_tenant();
+
+    assert_eq!(
+        pg_charge(&pool, &tenant, "k", false).await.expect("runs"),
+        500
+    );
+    assert_eq!(
+        store.fetch(&identity(&tenant, "k")).await.expect("fetch"),
+        None
+    );
+    assert_eq!(
+        pg_charges(&pool, &tenant).await,
+        0,
+        "rolled back with the record"
+    );
+
+    assert_eq!(
+        pg_charge(&pool, &tenant, "k", true)
+            .await
+            .expect("retry executes"),
+        500
+    );
+    let (replay, outcome) = with_outcome(pg_charge(&pool, &tenant, "k", true)).await;
+    assert_eq!(replay.expect("replays"), 500);
+    assert_eq!(outcome, Some(Outcome::Replayed));
+    assert_eq!(pg_charges(&pool, &tenant).await, 1, "one business row");
+    let record = store
+        .fetch(&identity(&tenant, "k"))
+        .await
+        .expect("fetch")
+        .expect("one record");
+    assert_eq!(record.state, RecordState::Complete);
+}
+
+#[tokio::test]
+async fn pg_duplicate_of_an_open_transaction_is_in_progress_and_never_blocks() {
+    let Some(store) = pg_store_or_skip().await else {
+        return;
+    };
+    let pool = store.pool().clone();
+    sqlx::query(PG_DDL).execute(&pool).await.expect("ddl");
+    let tenant = fresh_tenant();
+
+    // `in_progress = reject`: a duplicate in another transaction is refused at
+    // once, and that transaction stays usable.
+    let hold = Hold::default();
+    let owner = async {
+        let mut owner = pool.begin().await.expect("begin");
+        let answer = pg_charge_or_reject(&mut owner, &tenant, "k", Some(&hold)).await;
+        owner.commit().await.expect("commit");
+        answer
+    };
+    let check = async {
+        let mut other = pool.begin().await.expect("begin");
+        let refused = pg_charge_or_reject(&mut other, &tenant, "k", None).await;
+        assert!(
+            matches!(refused, Err(Error::InProgress { .. })),
+            "{refused:?}"
+        );
+        let one: i32 = sqlx::query_scalar("SELECT 1")
+            .fetch_one(&mut *other)
+            .await
+            .expect("the duplicate's transaction is still usable");
+        assert_eq!(one, 1);
+        other.rollback().await.expect("rollback");
+    };
+    assert_eq!(while_held(&hold, owner, check).await.expect("owner"), 1);
+
+    // `in_progress = wait("2s")`: the store (no transaction) answers InProgress
+    // instead of waiting on the row lock; a duplicate in another transaction
+    // waits, bounded, then gets InProgress.
+    let hold = Hold::default();
+    let owner = async {
+        let mut owner = pool.begin().await.expect("begin");
+        let answer = pg_charge_in(&mut owner, &tenant, "k", 7, Some(&hold)).await;
+        owner.commit().await.expect("commit");
+        answer
+    };
+    let check = async {
+        let token = OwnerToken::new();
+        let id = identity(&tenant, "k");
+        let request = ReserveRequest {
+            identity: &id,
+            fingerprint: None,
+            token: &token,
+            lease: Duration::from_secs(30),
+            ttl: Duration::from_secs(3600),
+        };
+        assert!(matches!(
+            store.reserve(request).await.expect("reserve"),
+            Reservation::InProgress { .. }
+        ));
+        let mut waiting = pool.begin().await.expect("begin");
+        let waited = pg_charge_in(&mut waiting, &tenant, "k", 7, None).await;
+        assert!(
+            matches!(waited, Err(Error::InProgress { .. })),
+            "{waited:?}"
+        );
+        waiting.rollback().await.expect("rollback");
+    };
+    assert_eq!(while_held(&hold, owner, check).await.expect("owner"), 7);
+
+    let mut after = pool.begin().await.expect("begin");
+    let (replay, outcome) = with_outcome(pg_charge_in(&mut after, &tenant, "k", 7, None)).await;
+    assert_eq!(replay.expect("replays"), 7);
+    assert_eq!(outcome, Some(Outcome::Replayed));
+    after.commit().await.expect("commit");
+    assert_eq!(pg_charges(&pool, &tenant).await, 1, "one business row");
+}
+
+/// `tx = conn` on a `&mut PgConnection` that is inside a transaction (begun
+/// by sqlx); an autocommit connection is refused (tests/transactional_edges.rs).
+#[tokio::test]
+async fn pg_connection_inside_a_transaction_works_too() {
+    let Some(store) = pg_store_or_skip().await else {
+        return;
+    };
+    let tenant = fresh_tenant();
+    let mut tx = store.pool().begin().await.expect("begin");
+    let conn: &mut sqlx::PgConnection = &mut tx;
+    assert_eq!(
+        pg_charge_on_connection(conn, &tenant, "k")
+            .await
+            .expect("ok"),
+        3
+    );
+    let (replay, outcome) = with_outcome(pg_charge_on_connection(conn, &tenant, "k")).await;
+    assert_eq!(replay.expect("replays"), 3);
+    assert_eq!(outcome, Some(Outcome::Replayed));
+    tx.commit().await.expect("commit");
+}
+
+// ---------------------------------------------------------------- MariaDB / MySQL
+
+#[idempotent(scope = "tx.charge_mysql", key = key, tenant = tenant, tx = tx, skip(hold),
+             ttl = "1h", in_progress = wait("2s"))]
+async fn my_charge_in(
+    tx: &mut sqlx::Transaction<'_, MySql>,
+    tenant: &str,
+    key: &str,
+    amount: i64,
+    hold: Option<&Hold>,
+) -> Result<u64, Error> {
+    sqlx::query("INSERT INTO idempotent_test_charges (tenant, idem_key, amount) VALUES (?, ?, ?)")
+        .bind(tenant)
+        .bind(key)
+        .bind(amount)
+        .execute(&mut **tx)
+        .await
+        .expect("business write");
+    hold_here(hold).await;
+    Ok(amount as u64)
+}
+
+#[idempotent(scope = "tx.charge_mysql_reject", key = key, tenant = tenant, tx = tx, skip(hold),
+             ttl = "1h", in_progress = reject)]
+async fn my_charge_or_reject(
+    tx: &mut sqlx::Transaction<'_, MySql>,
+    tenant: &str,
+    key: &str,
+    hold: Option<&Hold>,
+) -> Result<u64, Error> {
+    hold_here(hold).await;
+    Ok(1)
+}
+
+async fn my_charge(pool: &sqlx::MySqlPool, tenant: &str, key: &str, commit: bool) -> Answer {
+    let mut tx = pool.begin().await.expect("begin");
+    let result = my_charge_in(&mut tx, tenant, key, 500, None).await;
+    if commit {
+        tx.commit().await.expect("commit");
+    } else {
+        tx.rollback().await.expect("rollback");
+    }
+    result
+}
+
+async fn my_charges(pool: &sqlx::MySqlPool, tenant: &str) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM idempotent_test_charges WHERE tenant = ?")
+        .bind(tenant)
+        .fetch_one(pool)
+        .await
+        .expect("count")
+}
+
+#[tokio::test]
+async fn mysql_rollback_leaves_no_record_commit_leaves_one_of_each() {
+    let Some(store) = mysql_store_or_skip().await else {
+        return;
+    };
+    let pool = store.pool().clone();
+    sqlx::query(MY_DDL).execute(&pool).await.expect("ddl");
+    let tenant = fresh_tenant();
+
+    assert_eq!(
+        my_charge(&pool, &tenant, "k", false).await.expect("runs"),
+        500
+    );
+    assert_eq!(
+        store
+            .fetch(&my_identity(&tenant, "k"))
+            .await
+            .expect("fetch"),
+        None
+    );
+    assert_eq!(
+        my_charges(&pool, &tenant).await,
+        0,
+        "rolled back with the record"
+    );
+
+    assert_eq!(
+        my_charge(&pool, &tenant, "k", true)
+            .await
+            .expect("retry executes"),
+        500
+    );
+    let (replay, outcome) = with_outcome(my_charge(&pool, &tenant, "k", true)).await;
+    assert_eq!(replay.expect("replays"), 500);
+    assert_eq!(outcome, Some(Outcome::Replayed));
+    assert_eq!(my_charges(&pool, &tenant).await, 1, "one business row");
+    let record = store
+        .fetch(&my_identity(&tenant, "k"))
+        .await
+        .expect("fetch")
+        .expect("one record");
+    assert_eq!(record.state, RecordState::Complete);
+}
+
+#[tokio::test]
+async fn mysql_duplicate_of_an_open_transaction_is_in_progress_and_never_blocks() {
+    let Some(store) = mysql_store_or_skip().await else {
+        return;
+    };
+    let pool = store.pool().clone();
+    sqlx::query(MY_DDL).execute(&pool).await.expect("ddl");
+    let tenant = fresh_tenant();
+
+    let hold = Hold::default();
+    let owner = async {
+        let mut owner = pool.begin().await.expect("begin");
+        let answer = my_charge_or_reject(&mut owner, &tenant, "k", Some(&hold)).await;
+        owner.commit().await.expect("commit");
+        answer
+    };
+    let check = async {
+        let mut other = pool.begin().await.expect("begin");
+        let refused = my_charge_or_reject(&mut other, &tenant, "k", None).await;
+        assert!(
+            matches!(refused, Err(Error::InProgress { .. })),
+            "{refused:?}"
+        );
+        let one: i32 = sqlx::query_scalar("SELECT 1")
+            .fetch_one(&mut *other)
+            .await
+            .expect("the duplicate's transaction is still usable");
+        assert_eq!(one, 1);
+        other.rollback().await.expect("rollback");
+    };
+    assert_eq!(while_held(&hold, owner, check).await.expect("owner"), 1);
+
+    let hold = Hold::default();
+    let owner = async {
+        let mut owner = pool.begin().await.expect("begin");
+        let answer = my_charge_in(&mut owner, &tenant, "k", 7, Some(&hold)).await;
+        owner.commit().await.expect("commit");
+        answer
+    };
+    let check = async {
+        let token = OwnerToken::new();
+        let id = my_identity(&tenant, "k");
+        let request = ReserveRequest {
+            identity: &id,
+            fingerprint: None,
+            token: &token,
+            lease: Duration::from_secs(30),
+            ttl: Duration::from_secs(3600),
+        };
+        assert!(matches!(
+            store.reserve(request).await.expect("reserve"),
+            Reservation::InProgress { .. }
+        ));
+        let mut waiting = pool.begin().await.expect("begin");
+        let waited = my_charge_in(&mut waiting, &tenant, "k", 7, None).await;
+        assert!(
+            matches!(waited, Err(Error::InProgress { .. })),
+            "{waited:?}"
+        );
+        waiting.rollback().await.expect("rollback");
+    };
+    assert_eq!(while_held(&hold, owner, check).await.expect("owner"), 7);
+
+    let mut after = pool.begin().await.expect("begin");
+    let (replay, outcome) = with_outcome(my_charge_in(&mut after, &tenant, "k", 7, None)).await;
+    assert_eq!(replay.expect("replays"), 7);
+    assert_eq!(outcome, Some(Outcome::Replayed));
+    after.commit().await.expect("commit");
+    assert_eq!(my_charges(&pool, &tenant).await, 1, "one business row");
+}
+
+// ---------------------------------------------------------------- SQLite
+
+#[idempotent(scope = "tx.charge_sqlite", key = key, tenant = tenant, tx = tx, ttl = "1h")]
+async fn sqlite_charge_in(
+    tx: &mut sqlx::Transaction<'_, Sqlite>,
+    tenant: &str,
+    key: &str,
+) -> Result<u64, Error> {
+    sqlx::query("INSERT INTO idempotent_test_charges VALUES (?1, ?2, 500)")
+        .bind(tenant)
+        .bind(key)
+        .execute(&mut **tx)
+        .await
+        .expect("write");
+    Ok(500)
+}
+
+#[tokio::test]
+async fn sqlite_rollback_leaves_no_record_commit_replays() {
+    let dir = std::env::temp_dir().join(format!("idempotent-tx-{}", uuid::Uuid::new_v4()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let url = format!("sqlite:{}?mode=rwc", dir.join("tx.db").display());
+    let store = idempotent_runtime::SqliteStore::connect(&url)
+        .await
+        .expect("open");
+    let pool = store.pool().clone();
+    sqlx::query("CREATE TABLE IF NOT EXISTS idempotent_test_charges (tenant TEXT, idem_key TEXT, amount INTEGER)")
+        .execute(&pool)
+        .await
+        .expect("ddl");
+    let tenant = fresh_tenant();
+    let sqlite_identity = Identity::new(&tenant, "tx.charge_sqlite", "k").expect("identity");
+    let mut outcomes = Vec::new();
+    for commit in [false, true, true] {
+        let mut tx = pool.begin().await.expect("begin");
+        let (answer, outcome) = with_outcome(sqlite_charge_in(&mut tx, &tenant, "k")).await;
+        assert_eq!(answer.expect("runs or replays"), 500);
+        outcomes.push(outcome);
+        if commit {
+            tx.commit().await.expect("commit");
+        } else {
+            tx.rollback().await.expect("rollback");
+            assert_eq!(store.fetch(&sqlite_identity).await.expect("fetch"), None);
+        }
+    }
+    assert_eq!(
+        outcomes,
+        [
+            Some(Outcome::Executed),
+            Some(Outcome::Executed),
+            Some(Outcome::Replayed)
+        ]
+    );
+    let charges: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM idempotent_test_charges WHERE tenant = ?1")
+            .bind(&tenant)
+            .fetch_one(&pool)
+            .await
+            .expect("count");
+    assert_eq!(charges, 1);
+    let _ = std::fs::remove_dir_all(&dir);
+}

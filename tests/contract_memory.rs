@@ -1,3 +1,0 @@
-//! The behaviour contract on [`MemoryStore`].
-mod contract;
-contract_tests!(async { Some(idempotent_runtime::MemoryStore::new()) });

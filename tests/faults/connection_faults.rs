@@ -1,0 +1,995 @@
+//! Connection-level faults, injected (DESIGN §6): the store's connections run
+//! through an in-process TCP proxy (`common::proxy`) that cuts one statement's
+//! request or response, stalls the server, or slows every chunk, on
+//! PostgreSQL and on MariaDB.
+//!
+//! Each scenario checks the behaviour contract (DESIGN §4):
+//! (a) every failure is a typed `idempotent_runtime::Error` (a call that hangs
+//!     or panics fails the test);
+//! (b) the body runs at most once per key: a reservation whose answer was
+//!     lost is released by the store (rule 14), and a result whose completion
+//!     was cut is recorded by the store in the background, so a retry replays
+//!     it; only a lost heartbeat may lead to a second run, reported as
+//!     `LeaseLost`;
+//! (c) nothing is lost or corrupted: the record ends complete with exactly
+//!     the recorded result; a final retry converges to one answer every later
+//!     retry replays; a bystander record of the same tenant is untouched.
+//!
+//! One-shot faults are aimed with a needle: bound parameters cross the wire
+//! verbatim, so the key picks out the reservation, the owner token the
+//! heartbeat and the result the completion. Every wait is a proxy handshake or
+//! a bounded poll of the database; the only time-based waits let a lease run
+//! out. Each test prints its counts (`cargo nextest run --test
+//! connection_faults --no-capture`).
+
+use crate::common;
+
+use common::proxy::{Direction, FaultProxy, Stall, Trip, WAIT_LIMIT};
+use common::servers::{fresh_tenant, mysql_store_or_skip, mysql_url, pg_store_or_skip, pg_url};
+use idempotent_runtime::{
+    idempotent, metrics, with_outcome, Error, Identity, MySqlStore, Outcome, PgStore,
+    RecordSnapshot, RecordState, Store,
+};
+use sqlx::mysql::{MySqlConnectOptions, MySqlPoolOptions};
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use std::collections::{BTreeMap, HashMap};
+use std::future::Future;
+use std::pin::pin;
+use std::str::FromStr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::sync::Notify;
+use tokio::time::Instant;
+
+/// A single call that takes longer than this has hung.
+const CALL_LIMIT: Duration = Duration::from_secs(60);
+/// A whole scenario that takes longer than this has hung.
+const SCENARIO_LIMIT: Duration = Duration::from_secs(240);
+/// The proxied pool's acquire timeout: a pool that cannot get a connection says so.
+const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(3);
+/// DESIGN rule 14's release is awaited this long after a stall is lifted.
+const RELEASE_LIMIT: Duration = Duration::from_secs(15);
+/// The one fingerprinted argument: every record carries a fingerprint.
+const AMOUNT: u32 = 1250;
+
+// ---------------------------------------------------------------- the functions under test
+
+/// The workhorse: a short lease (1 s, heartbeat every ~333 ms) and a duplicate
+/// that waits up to 5 s, so a retry outwaits an orphaned lease and takes over.
+#[idempotent(scope = "faults.conn.call", key = key, tenant = tenant, store = store, skip(rig),
+             lease = "1s", in_progress = wait("5s"))]
+async fn guarded(
+    store: &dyn Store,
+    rig: &Rig,
+    tenant: &str,
+    key: &str,
+    amount: u32,
+) -> Result<String, Error> {
+    rig.body(key, amount).await
+}
+
+/// For the dropped-call tests: a long lease (so lease expiry cannot pass for a
+/// release within the 15 s bound) and no waiting.
+#[idempotent(scope = "faults.conn.dropped", key = key, tenant = tenant, store = store, skip(rig),
+             lease = "30s", in_progress = reject)]
+async fn abandoned(
+    store: &dyn Store,
+    rig: &Rig,
+    tenant: &str,
+    key: &str,
+    amount: u32,
+) -> Result<String, Error> {
+    rig.body(key, amount).await
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Function {
+    Guarded,
+    Abandoned,
+}
+
+impl Function {
+    fn scope(self) -> &'static str {
+        match self {
+            Function::Guarded => "faults.conn.call",
+            Function::Abandoned => "faults.conn.dropped",
+        }
+    }
+}
+
+/// What the next body run for a key does besides returning its answer.
+#[derive(Debug, Clone, Copy)]
+enum Plan {
+    /// Arms a cut of the completion's request (the needle is the result).
+    CutCompletionRequest,
+    /// Arms a cut of the completion's response.
+    CutCompletionResponse,
+    /// Arms a cut of the next heartbeat (the needle is the owner token), lets
+    /// the duplicate start, and returns after a later heartbeat renewed the lease.
+    CutHeartbeat,
+    /// Returns after the lease was renewed this many times.
+    OutliveHeartbeats(usize),
+}
+
+// ---------------------------------------------------------------- the rig
+
+#[derive(Debug, Default)]
+struct Tally {
+    calls: usize,
+    executed: usize,
+    replayed: usize,
+    errors: BTreeMap<&'static str, usize>,
+}
+
+fn kind(e: &Error) -> &'static str {
+    match e {
+        Error::Store(_) => "Store",
+        Error::InProgress { .. } => "InProgress",
+        Error::LeaseLost(_) => "LeaseLost",
+        Error::FingerprintMismatch(_) => "FingerprintMismatch",
+        _ => "other",
+    }
+}
+
+/// One test's world: a proxy in front of the server, a store whose pool goes
+/// through it, a direct store (no proxy) for inspection, a fresh tenant.
+struct Rig {
+    backend: &'static str,
+    test: &'static str,
+    proxy: FaultProxy,
+    store: Arc<dyn Store>,
+    direct: Arc<dyn Store>,
+    tenant: String,
+    plans: Mutex<HashMap<String, Plan>>,
+    /// The answer each body run returned, per key, in order.
+    runs: Mutex<BTreeMap<String, Vec<String>>>,
+    trips: Mutex<Vec<Trip>>,
+    started: Notify,
+    tally: Mutex<Tally>,
+    notes: Mutex<Vec<String>>,
+    metrics_at_start: metrics::Snapshot,
+    bystander: Mutex<Option<(Identity, RecordSnapshot)>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn comparable(mut snapshot: RecordSnapshot) -> RecordSnapshot {
+    snapshot.now_ms = 0;
+    snapshot
+}
+
+impl Rig {
+    async fn postgres(test: &'static str) -> Option<Rig> {
+        let direct = pg_store_or_skip().await?;
+        let options = PgConnectOptions::from_str(&pg_url()).expect("PostgreSQL URL");
+        let upstream = format!("{}:{}", options.get_host(), options.get_port());
+        let proxy = FaultProxy::start(&upstream).await.expect("proxy");
+        let pool = PgPoolOptions::new()
+            .max_connections(2)
+            .acquire_timeout(ACQUIRE_TIMEOUT)
+            .connect_with(
+                options
+                    .host("127.0.0.1")
+                    .port(proxy.port())
+                    .application_name("idempotent-connection-faults"),
+            )
+            .await
+            .expect("a pool through the proxy");
+        // The migrations run through the proxy, in pass-through mode.
+        let store = PgStore::from_pool(pool)
+            .await
+            .expect("migrations through the proxy");
+        Some(Rig::new("postgres", test, proxy, Arc::new(store), Arc::new(direct)).await)
+    }
+
+    async fn mariadb(test: &'static str) -> Option<Rig> {
+        let direct = mysql_store_or_skip().await?;
+        let url = mysql_url();
+        let url = match url.strip_prefix("mariadb://") {
+            Some(rest) => format!("mysql://{rest}"),
+            None => url,
+        };
+        let options = MySqlConnectOptions::from_str(&url).expect("MySQL URL");
+        let upstream = format!("{}:{}", options.get_host(), options.get_port());
+        let proxy = FaultProxy::start(&upstream).await.expect("proxy");
+        let pool = MySqlPoolOptions::new()
+            .max_connections(2)
+            .acquire_timeout(ACQUIRE_TIMEOUT)
+            .connect_with(options.host("127.0.0.1").port(proxy.port()))
+            .await
+            .expect("a pool through the proxy");
+        let store = MySqlStore::from_pool(pool)
+            .await
+            .expect("migrations through the proxy");
+        Some(Rig::new("mariadb", test, proxy, Arc::new(store), Arc::new(direct)).await)
+    }
+
+    async fn new(
+        backend: &'static str,
+        test: &'static str,
+        proxy: FaultProxy,
+        store: Arc<dyn Store>,
+        direct: Arc<dyn Store>,
+    ) -> Rig {
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+            .with_test_writer()
+            .try_init();
+        let rig = Rig {
+            backend,
+            test,
+            proxy,
+            store,
+            direct,
+            tenant: fresh_tenant(),
+            plans: Mutex::default(),
+            runs: Mutex::default(),
+            trips: Mutex::default(),
+            started: Notify::new(),
+            tally: Mutex::default(),
+            notes: Mutex::default(),
+            metrics_at_start: metrics::snapshot(),
+            bystander: Mutex::default(),
+        };
+        // A bystander record of the same tenant, made before any fault: it
+        // must come out of the test exactly as it went in.
+        let key = rig.key("bystander");
+        let (answer, _) = rig.call(&key).await;
+        answer.expect("the bystander call, before any fault");
+        let id = rig.identity(Function::Guarded, &key);
+        let snapshot = rig.fetch_id(&id).await.expect("the bystander record");
+        *lock(&rig.bystander) = Some((id, comparable(snapshot)));
+        rig
+    }
+
+    fn key(&self, label: &str) -> String {
+        format!("{label}-{}", uuid::Uuid::new_v4().simple())
+    }
+
+    fn identity(&self, function: Function, key: &str) -> Identity {
+        Identity::new(self.tenant.as_str(), function.scope(), key).expect("identity")
+    }
+
+    async fn fetch_id(&self, id: &Identity) -> Option<RecordSnapshot> {
+        self.direct
+            .fetch(id)
+            .await
+            .expect("fetch, not through the proxy")
+    }
+
+    async fn fetch(&self, function: Function, key: &str) -> Option<RecordSnapshot> {
+        self.fetch_id(&self.identity(function, key)).await
+    }
+
+    /// Polls until the record is gone (released in the background), bounded
+    /// by [`RELEASE_LIMIT`]; fails the test otherwise.
+    async fn wait_released(&self, function: Function, key: &str) {
+        let since = Instant::now();
+        loop {
+            match self.fetch(function, key).await {
+                None => return,
+                Some(r) if since.elapsed() >= RELEASE_LIMIT => panic!(
+                    "DESIGN rule 14: the record was not released within {RELEASE_LIMIT:?}: {r:?}"
+                ),
+                Some(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+            }
+        }
+    }
+
+    fn plan(&self, key: &str, plan: Plan) {
+        lock(&self.plans).insert(key.to_owned(), plan);
+    }
+
+    /// The answers the body returned for `key`, one per run.
+    fn runs(&self, key: &str) -> Vec<String> {
+        lock(&self.runs).get(key).cloned().unwrap_or_default()
+    }
+
+    fn note(&self, note: impl Into<String>) {
+        let note = note.into();
+        println!("[{} {}] {note}", self.backend, self.test);
+        lock(&self.notes).push(note);
+    }
+
+    fn keep(&self, trip: Trip) -> Trip {
+        lock(&self.trips).push(trip.clone());
+        trip
+    }
+
+    fn trip(&self, index: usize) -> Trip {
+        lock(&self.trips)
+            .get(index)
+            .cloned()
+            .expect("the body armed a fault")
+    }
+
+    /// The body of both functions.
+    async fn body(&self, key: &str, amount: u32) -> Result<String, Error> {
+        assert_eq!(amount, AMOUNT);
+        let answer = format!("answer-{}", uuid::Uuid::new_v4().simple());
+        lock(&self.runs)
+            .entry(key.to_owned())
+            .or_default()
+            .push(answer.clone());
+        let plan = lock(&self.plans).remove(key);
+        match plan {
+            None => {}
+            Some(Plan::CutCompletionRequest) => {
+                self.keep(self.proxy.cut_on_next_request_containing(&answer));
+            }
+            Some(Plan::CutCompletionResponse) => {
+                self.keep(self.proxy.cut_on_next_response_containing(&answer));
+            }
+            Some(Plan::CutHeartbeat) => {
+                let token = self.own_token(key).await;
+                let trip = self.keep(self.proxy.cut_on_next_request_containing(&token));
+                self.started.notify_one();
+                trip.cut().await;
+                self.await_renewal(key, &token).await;
+            }
+            Some(Plan::OutliveHeartbeats(n)) => {
+                let token = self.own_token(key).await;
+                for _ in 0..n {
+                    self.await_renewal(key, &token).await;
+                }
+            }
+        }
+        Ok(answer)
+    }
+
+    /// The token of the in-progress record this body runs under.
+    async fn own_token(&self, key: &str) -> String {
+        let record = self
+            .fetch(Function::Guarded, key)
+            .await
+            .expect("a body runs under an in-progress record");
+        assert_eq!(record.state, RecordState::InProgress);
+        record
+            .owner_token
+            .expect("an in-progress record has an owner")
+    }
+
+    /// Returns once a heartbeat has extended the lease past what it is now
+    /// (or the record is no longer this owner's: taken over). Bounded.
+    async fn await_renewal(&self, key: &str, token: &str) {
+        let lease_of = |r: &Option<RecordSnapshot>| {
+            r.as_ref()
+                .filter(|r| r.owner_token.as_deref() == Some(token))
+                .and_then(|r| r.lease_expires_at_ms)
+        };
+        let Some(now) = lease_of(&self.fetch(Function::Guarded, key).await) else {
+            return;
+        };
+        let deadline = Instant::now() + WAIT_LIMIT;
+        loop {
+            match lease_of(&self.fetch(Function::Guarded, key).await) {
+                Some(lease) if lease <= now => {}
+                _ => return,
+            }
+            assert!(
+                Instant::now() < deadline,
+                "no heartbeat renewed the lease within {WAIT_LIMIT:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Runs a call (bounded) and tallies what it got.
+    async fn settle(
+        &self,
+        call: impl Future<Output = Result<String, Error>>,
+    ) -> (Result<String, Error>, Option<Outcome>) {
+        let (answer, outcome) = tokio::time::timeout(CALL_LIMIT, with_outcome(call))
+            .await
+            .unwrap_or_else(|_| panic!("a call hung for {CALL_LIMIT:?}"));
+        let mut tally = lock(&self.tally);
+        tally.calls += 1;
+        match (&answer, outcome) {
+            (Ok(_), Some(Outcome::Replayed)) => tally.replayed += 1,
+            (Ok(_), _) => tally.executed += 1,
+            (Err(e), _) => *tally.errors.entry(kind(e)).or_default() += 1,
+        }
+        (answer, outcome)
+    }
+
+    async fn call(&self, key: &str) -> (Result<String, Error>, Option<Outcome>) {
+        self.call_fn(Function::Guarded, key).await
+    }
+
+    async fn call_fn(
+        &self,
+        function: Function,
+        key: &str,
+    ) -> (Result<String, Error>, Option<Outcome>) {
+        let store = self.store.as_ref();
+        match function {
+            Function::Guarded => {
+                self.settle(guarded(store, self, &self.tenant, key, AMOUNT))
+                    .await
+            }
+            Function::Abandoned => {
+                self.settle(abandoned(store, self, &self.tenant, key, AMOUNT))
+                    .await
+            }
+        }
+    }
+
+    /// Retries (bounded) until a call answers, then checks that the answer is
+    /// recorded and that every later retry replays it. Returns the answer.
+    async fn converge(&self, function: Function, key: &str) -> String {
+        let mut answer = None;
+        for _ in 0..8 {
+            match self.call_fn(function, key).await {
+                (Ok(v), _) => {
+                    answer = Some(v);
+                    break;
+                }
+                (Err(Error::Store(_) | Error::InProgress { .. }), _) => continue,
+                (Err(e), _) => panic!("a retry got {e:?}"),
+            }
+        }
+        let answer = answer.expect("retries converge to an answer");
+        for _ in 0..3 {
+            let (again, outcome) = self.call_fn(function, key).await;
+            assert_eq!(again.expect("a later retry"), answer);
+            assert_eq!(outcome, Some(Outcome::Replayed), "a later retry replays");
+        }
+        let record = self
+            .fetch(function, key)
+            .await
+            .expect("the answer is recorded");
+        assert_eq!(record.state, RecordState::Complete);
+        assert!(record.fingerprint.is_some(), "the fingerprint is kept");
+        let outcome = record.outcome.expect("a complete record has an outcome");
+        assert!(!outcome.is_error);
+        assert_eq!(
+            outcome.payload,
+            serde_json::to_vec(&answer).expect("json"),
+            "the record holds exactly the answer"
+        );
+        assert!(
+            self.runs(key).contains(&answer),
+            "the recorded answer is one a body run returned"
+        );
+        answer
+    }
+
+    /// The end of every test: the bystander is untouched; print the counts.
+    async fn finish(&self) {
+        let (id, before) = lock(&self.bystander).clone().expect("bystander");
+        let after = self.fetch_id(&id).await.map(comparable);
+        assert_eq!(
+            after.as_ref(),
+            Some(&before),
+            "another identity's record was touched"
+        );
+        let tally = lock(&self.tally);
+        let runs = lock(&self.runs);
+        let bodies: usize = runs.values().map(Vec::len).sum();
+        let per_key: Vec<String> = runs
+            .iter()
+            .filter(|(k, _)| !k.starts_with("bystander-"))
+            .map(|(k, v)| format!("{}={}", k.split('-').next().unwrap_or(k), v.len()))
+            .collect();
+        let stats = self.proxy.stats();
+        let m = metrics::snapshot();
+        let s = &self.metrics_at_start;
+        println!(
+            "[{} {}] calls={} executed={} replayed={} errors={:?} | bodies run={} ({}) | \
+             proxy: connections={} cuts={} stalled_chunks={} bytes to server={} to client={} | \
+             metrics (this process, since the rig): heartbeats+{} heartbeat_failures+{} taken_over+{} lease_lost+{}",
+            self.backend,
+            self.test,
+            tally.calls,
+            tally.executed,
+            tally.replayed,
+            tally.errors,
+            bodies,
+            per_key.join(" "),
+            stats.connections,
+            stats.cuts,
+            stats.stalled_chunks,
+            stats.bytes_to_server,
+            stats.bytes_to_client,
+            m.heartbeats - s.heartbeats,
+            m.heartbeat_failures - s.heartbeat_failures,
+            m.taken_over - s.taken_over,
+            m.lease_lost - s.lease_lost,
+        );
+    }
+}
+
+fn assert_store_error(answer: &Result<String, Error>, what: &str) {
+    match answer {
+        Err(Error::Store(e)) => println!("    {what}: Error::Store({e})"),
+        other => panic!("{what}: expected Error::Store, got {other:?}"),
+    }
+}
+
+async fn run(rig: &Rig, scenario: impl Future<Output = ()>) {
+    if tokio::time::timeout(SCENARIO_LIMIT, scenario)
+        .await
+        .is_err()
+    {
+        panic!("the scenario hung for {SCENARIO_LIMIT:?}");
+    }
+    rig.finish().await;
+}
+
+macro_rules! on_both_servers {
+    ($($name:ident),* $(,)?) => {$(
+        mod $name {
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn postgres() {
+                if let Some(rig) = super::Rig::postgres(stringify!($name)).await {
+                    super::run(&rig, super::$name(&rig)).await;
+                }
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn mariadb() {
+                if let Some(rig) = super::Rig::mariadb(stringify!($name)).await {
+                    super::run(&rig, super::$name(&rig)).await;
+                }
+            }
+        }
+    )*};
+}
+
+on_both_servers!(
+    reservation_request_cut,
+    reservation_response_cut,
+    completion_request_cut,
+    completion_response_cut,
+    heartbeat_cut,
+    dropped_while_reservation_answer_stalled,
+    dropped_while_reservation_request_stalled,
+    slow_connection,
+);
+
+// ---------------------------------------------------------------- scenarios
+
+/// The reservation never reaches the server: the caller gets `Error::Store`,
+/// there is no record, and a retry runs the body once.
+async fn reservation_request_cut(rig: &Rig) {
+    let key = rig.key("reservation");
+    let trip = rig.proxy.cut_on_next_request_containing(&key);
+    let (first, _) = rig.call(&key).await;
+    assert_store_error(&first, "reservation request cut");
+    assert!(trip.has_cut());
+    assert!(rig.runs(&key).is_empty(), "the body must not run");
+    assert_eq!(
+        rig.fetch(Function::Guarded, &key).await,
+        None,
+        "the reservation never reached the server"
+    );
+
+    let answer = rig.converge(Function::Guarded, &key).await;
+    assert_eq!(rig.runs(&key), vec![answer], "the retry ran the body once");
+}
+
+/// The reservation committed but its answer was cut: the caller got an error
+/// and the body must not have run. The record is in progress under a token
+/// nobody holds; a retry sees it in progress until the 1 s lease runs out,
+/// takes it over and runs the body exactly once.
+async fn reservation_response_cut(rig: &Rig) {
+    let key = rig.key("reservation");
+    let trip = rig.proxy.cut_on_next_response_containing(&key);
+    let (first, _) = rig.call(&key).await;
+    assert_store_error(&first, "reservation response cut");
+    assert!(trip.has_fired() && trip.has_cut());
+    assert!(rig.runs(&key).is_empty(), "the body must not run");
+    // The reservation committed under this call's token, but the call never
+    // learned it: rule 14, the store releases what the token may own.
+    rig.wait_released(Function::Guarded, &key).await;
+
+    let before = metrics::snapshot();
+    let answer = rig.converge(Function::Guarded, &key).await;
+    assert_eq!(
+        rig.runs(&key),
+        vec![answer],
+        "the retry ran the body exactly once"
+    );
+    assert_eq!(
+        metrics::snapshot().taken_over,
+        before.taken_over,
+        "no takeover: the orphaned reservation was released, not waited out"
+    );
+    rig.note("reservation committed, answer cut → body not run; the store released the orphan; retry ran once");
+}
+
+/// The body ran; its completion never reached the server. The caller gets
+/// `Error::Store`; the store keeps trying to record the result in the
+/// background, so a retry replays it and the body never runs a second time.
+async fn completion_request_cut(rig: &Rig) {
+    let key = rig.key("completion");
+    rig.plan(&key, Plan::CutCompletionRequest);
+    let (first, _) = rig.call(&key).await;
+    assert_store_error(&first, "completion request cut");
+    assert!(rig.trip(0).has_cut());
+    assert_eq!(rig.runs(&key).len(), 1, "the body ran once");
+    rig.note(
+        "completion request cut → the store records the result in the background → retries replay",
+    );
+
+    let answer = rig.converge(Function::Guarded, &key).await;
+    let runs = rig.runs(&key);
+    assert_eq!(
+        runs,
+        vec![answer],
+        "no re-run: the first run's answer is the recorded one"
+    );
+}
+
+/// The completion committed but its answer was cut: the caller gets
+/// `Error::Store`, the record is complete with the body's answer, and every
+/// retry replays it; the body ran once.
+async fn completion_response_cut(rig: &Rig) {
+    let key = rig.key("completion");
+    rig.plan(&key, Plan::CutCompletionResponse);
+    let (first, _) = rig.call(&key).await;
+    assert_store_error(&first, "completion response cut");
+    assert!(rig.trip(0).has_cut());
+    let runs = rig.runs(&key);
+    assert_eq!(runs.len(), 1, "the body ran once");
+    let record = rig
+        .fetch(Function::Guarded, &key)
+        .await
+        .expect("the record");
+    assert_eq!(
+        record.state,
+        RecordState::Complete,
+        "the completion committed before its answer was cut"
+    );
+    rig.note("completion committed, answer cut → record complete → retries replay");
+
+    let answer = rig.converge(Function::Guarded, &key).await;
+    assert_eq!(answer, runs[0], "the retry replays the first run's answer");
+    assert_eq!(rig.runs(&key).len(), 1, "and the body did not run again");
+}
+
+/// A long body under a 1 s lease: one heartbeat is cut. The failure is
+/// counted, a later heartbeat renews the lease, and a duplicate waiting
+/// meanwhile replays. If the lease lapsed instead and the duplicate took over,
+/// the owner must be told `LeaseLost`: never a silent double run.
+async fn heartbeat_cut(rig: &Rig) {
+    let key = rig.key("heartbeat");
+    rig.plan(&key, Plan::CutHeartbeat);
+    let before = metrics::snapshot();
+    let owner = rig.call(&key);
+    let duplicate = async {
+        tokio::time::timeout(WAIT_LIMIT, rig.started.notified())
+            .await
+            .expect("the owner's body started");
+        rig.call(&key).await
+    };
+    let ((owner, _), (duplicate, duplicate_outcome)) = tokio::join!(owner, duplicate);
+    let after = metrics::snapshot();
+    assert!(rig.trip(0).has_cut(), "a heartbeat was cut");
+    assert!(
+        after.heartbeat_failures > before.heartbeat_failures,
+        "the failed heartbeat is counted"
+    );
+    let runs = rig.runs(&key);
+    let recorded = match (&owner, runs.len()) {
+        (Ok(answer), 1) => {
+            match &duplicate {
+                Ok(d) => {
+                    assert_eq!(d, answer);
+                    assert_eq!(duplicate_outcome, Some(Outcome::Replayed));
+                }
+                Err(Error::InProgress { .. }) => {}
+                Err(e) => panic!("the duplicate got {e:?}"),
+            }
+            rig.note(format!(
+                "heartbeat cut, lease renewed by the next heartbeat → owner completed, duplicate {}",
+                if duplicate.is_ok() { "replayed" } else { "refused InProgress" }
+            ));
+            answer.clone()
+        }
+        (Err(Error::LeaseLost(_)), 2) => {
+            assert_eq!(
+                duplicate.as_ref().expect("the duplicate took over"),
+                &runs[1]
+            );
+            rig.note("heartbeat cut, lease lapsed → duplicate took over; owner told LeaseLost (reported double run)");
+            runs[1].clone()
+        }
+        _ => panic!(
+            "owner got {owner:?} with {} body runs, duplicate got {duplicate:?}: \
+             a second run must be reported to the owner as LeaseLost",
+            runs.len()
+        ),
+    };
+    assert_eq!(rig.converge(Function::Guarded, &key).await, recorded);
+    assert_eq!(rig.runs(&key).len(), runs.len(), "no run after the answer");
+}
+
+/// DESIGN rule 14, answer stalled: the reservation reaches the server and
+/// commits, its answer is held, and the caller gives up.
+async fn dropped_while_reservation_answer_stalled(rig: &Rig) {
+    dropped_during_stall(rig, Stall::ToClientOnly).await;
+}
+
+/// DESIGN rule 14, request stalled: the reservation is held in the proxy when
+/// the caller gives up, and reaches the server only after the stall is lifted.
+async fn dropped_while_reservation_request_stalled(rig: &Rig) {
+    dropped_during_stall(rig, Stall::Both).await;
+}
+
+/// DESIGN rule 14: "a future dropped mid-way (including while its reservation
+/// is still in flight) releases the record"; the store hands the release to
+/// something it owns. After the stall is lifted the record must be gone
+/// within 15 s (its 30 s lease cannot pass for a release), and a new call
+/// runs the body once.
+///
+/// KNOWN TO FAIL until rule 14's fix lands in the engine (being made in
+/// parallel): the engine arms its release-on-drop guard only after the
+/// reservation returns, so a call dropped while its reservation is in flight
+/// leaves the record in progress for its whole lease.
+async fn dropped_during_stall(rig: &Rig, mode: Stall) {
+    let key = rig.key("dropped");
+    let trip = rig.proxy.stall_on_next_request_containing(&key, mode);
+    {
+        let mut call = pin!(abandoned(
+            rig.store.as_ref(),
+            rig,
+            &rig.tenant,
+            &key,
+            AMOUNT
+        ));
+        let held = match mode {
+            Stall::Both => Direction::ToServer,
+            Stall::ToClientOnly => Direction::ToClient,
+        };
+        tokio::select! {
+            answer = call.as_mut() => panic!("the call finished while the proxy held its reservation: {answer:?}"),
+            _ = rig.proxy.wait_held(held) => {}
+        }
+        // The caller gives up, as callers do: a timeout around the call.
+        // Nothing can finish while the proxy holds the bytes, so it fires.
+        let gave_up = tokio::time::timeout(Duration::from_millis(200), call.as_mut()).await;
+        assert!(
+            gave_up.is_err(),
+            "the call cannot finish during the stall: {gave_up:?}"
+        );
+        // `call` is dropped here, its reservation in flight.
+    }
+    {
+        let mut tally = lock(&rig.tally);
+        tally.calls += 1;
+        *tally.errors.entry("dropped by the caller").or_default() += 1;
+    }
+    assert!(trip.has_fired());
+    assert!(
+        rig.runs(&key).is_empty(),
+        "the dropped call's body never ran"
+    );
+    let during = rig.fetch(Function::Abandoned, &key).await;
+    rig.proxy.release_stall();
+    // The held reservation now runs on the server (with `Stall::Both` it
+    // only gets there now): wait until its answer is back at the proxy, so
+    // an absent record below means released, not "not arrived yet".
+    trip.settled().await;
+
+    let released_at = Instant::now();
+    let mut last;
+    loop {
+        last = rig.fetch(Function::Abandoned, &key).await;
+        if last.is_none() || released_at.elapsed() >= RELEASE_LIMIT {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    rig.note(format!(
+        "stall {mode:?}: record during the stall: {}; {:?} after the stall was lifted: {}",
+        describe(&during),
+        released_at.elapsed(),
+        describe(&last)
+    ));
+    assert!(
+        last.is_none(),
+        "DESIGN rule 14: a call dropped while its reservation was in flight must release the record; \
+         {RELEASE_LIMIT:?} after the stall was lifted it is still there: {last:?}"
+    );
+
+    let (fresh, outcome) = rig.call_fn(Function::Abandoned, &key).await;
+    let fresh = fresh.expect("a new call after the release");
+    assert_eq!(outcome, Some(Outcome::Executed));
+    assert_eq!(rig.runs(&key), vec![fresh.clone()], "it ran the body once");
+    assert_eq!(rig.converge(Function::Abandoned, &key).await, fresh);
+}
+
+fn describe(record: &Option<RecordSnapshot>) -> String {
+    match record {
+        None => "absent".into(),
+        Some(r) => format!(
+            "{:?}, lease {} ms from now",
+            r.state,
+            r.lease_expires_at_ms.map_or(0, |l| l - r.now_ms)
+        ),
+    }
+}
+
+/// Every chunk delayed 20 ms: fresh calls, replays, concurrent duplicates and
+/// a body that outlives two heartbeats all behave exactly as without delay.
+async fn slow_connection(rig: &Rig) {
+    rig.proxy.slow(Duration::from_millis(20));
+
+    let first = rig.key("slow");
+    let (answer, outcome) = rig.call(&first).await;
+    let answer = answer.expect("a call over a slow link");
+    assert_eq!(outcome, Some(Outcome::Executed));
+    let (again, outcome) = rig.call(&first).await;
+    assert_eq!(again.expect("a replay over a slow link"), answer);
+    assert_eq!(outcome, Some(Outcome::Replayed));
+
+    let contended = rig.key("contended");
+    let answers = futures::future::join_all((0..4).map(|_| rig.call(&contended))).await;
+    let runs = rig.runs(&contended);
+    assert_eq!(runs.len(), 1, "four concurrent duplicates, one body run");
+    let mut executed = 0;
+    for (a, o) in &answers {
+        assert_eq!(a.as_ref().expect("every duplicate answers"), &runs[0]);
+        executed += usize::from(*o == Some(Outcome::Executed));
+    }
+    assert_eq!(executed, 1, "one executed, the others replayed");
+
+    let long = rig.key("long");
+    rig.plan(&long, Plan::OutliveHeartbeats(2));
+    let (answer, outcome) = rig.call(&long).await;
+    answer.expect("a body renewed twice over a slow link");
+    assert_eq!(outcome, Some(Outcome::Executed));
+
+    rig.proxy.pass_through();
+    for key in [&first, &contended, &long] {
+        rig.converge(Function::Guarded, key).await;
+        assert_eq!(rig.runs(key).len(), 1, "one body run per key");
+    }
+    assert_eq!(rig.proxy.stats().cuts, 0);
+    assert!(
+        lock(&rig.tally).errors.is_empty(),
+        "no errors over a slow link"
+    );
+}
+
+// ---------------------------------------------------------------- the proxy itself
+
+/// A server that records what it receives and answers each chunk with "ok:" + chunk.
+async fn echo_server() -> (
+    std::net::SocketAddr,
+    Arc<Mutex<Vec<u8>>>,
+    tokio::task::JoinHandle<()>,
+) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let received = Arc::new(Mutex::new(Vec::new()));
+    let seen = received.clone();
+    let task = tokio::spawn(async move {
+        while let Ok((mut socket, _)) = listener.accept().await {
+            let seen = seen.clone();
+            tokio::spawn(async move {
+                let mut buf = [0u8; 1024];
+                while let Ok(n @ 1..) = socket.read(&mut buf).await {
+                    lock(&seen).extend_from_slice(&buf[..n]);
+                    let mut reply = b"ok:".to_vec();
+                    reply.extend_from_slice(&buf[..n]);
+                    if socket.write_all(&reply).await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    (addr, received, task)
+}
+
+async fn read_some(stream: &mut tokio::net::TcpStream) -> Vec<u8> {
+    use tokio::io::AsyncReadExt;
+    let mut buf = [0u8; 1024];
+    let n = tokio::time::timeout(WAIT_LIMIT, stream.read(&mut buf))
+        .await
+        .expect("bounded read")
+        .unwrap_or(0);
+    buf[..n].to_vec()
+}
+
+#[tokio::test]
+async fn proxy_cuts_exactly_the_request_or_response_it_is_aimed_at() {
+    use tokio::io::AsyncWriteExt;
+    let (addr, received, _server) = echo_server().await;
+    let proxy = FaultProxy::start(&addr.to_string()).await.expect("proxy");
+    let mut client = tokio::net::TcpStream::connect(proxy.addr())
+        .await
+        .expect("connect");
+
+    client.write_all(b"ping").await.expect("write");
+    assert_eq!(read_some(&mut client).await, b"ok:ping");
+
+    // A request cut aimed at "SECRET": other traffic passes, the matching
+    // chunk is dropped (needle split across two writes) and the connection closed.
+    let trip = proxy.cut_on_next_request_containing("SECRET");
+    client.write_all(b"hello").await.expect("write");
+    assert_eq!(read_some(&mut client).await, b"ok:hello");
+    assert!(!trip.has_fired());
+    let before = lock(&received).len();
+    client.write_all(b"xxSEC").await.expect("write");
+    assert_eq!(read_some(&mut client).await, b"ok:xxSEC");
+    client.write_all(b"RETyy").await.expect("write");
+    trip.cut().await;
+    assert_eq!(
+        read_some(&mut client).await,
+        b"",
+        "closed, nothing forwarded"
+    );
+    assert_eq!(&lock(&received)[before..], b"xxSEC");
+    assert_eq!(proxy.stats().cuts, 1);
+
+    // A response cut: the server gets the request, the client gets nothing.
+    let mut client = tokio::net::TcpStream::connect(proxy.addr())
+        .await
+        .expect("connect");
+    let trip = proxy.cut_on_next_response();
+    client.write_all(b"commit").await.expect("write");
+    trip.cut().await;
+    assert_eq!(read_some(&mut client).await, b"");
+    assert!(lock(&received).ends_with(b"commit"), "the server got it");
+
+    // A plain request cut: whatever the client sends next.
+    let mut client = tokio::net::TcpStream::connect(proxy.addr())
+        .await
+        .expect("connect");
+    let before = lock(&received).len();
+    let trip = proxy.cut_on_next_request();
+    client.write_all(b"anything").await.expect("write");
+    trip.cut().await;
+    trip.settled().await;
+    assert_eq!(read_some(&mut client).await, b"");
+    assert_eq!(lock(&received).len(), before, "nothing reached the server");
+    let stats = proxy.stats();
+    assert_eq!((stats.connections, stats.cuts), (3, 3));
+}
+
+#[tokio::test]
+async fn proxy_stalls_until_released_and_keeps_order() {
+    use tokio::io::AsyncWriteExt;
+    let (addr, received, _server) = echo_server().await;
+    let proxy = FaultProxy::start(&addr.to_string()).await.expect("proxy");
+    let mut client = tokio::net::TcpStream::connect(proxy.addr())
+        .await
+        .expect("connect");
+
+    // Server → client only: the request arrives, its answer is held.
+    proxy.stall(Stall::ToClientOnly);
+    client.write_all(b"one").await.expect("write");
+    proxy.wait_held(Direction::ToClient).await;
+    assert_eq!(lock(&received).as_slice(), b"one");
+    proxy.release_stall();
+    assert_eq!(read_some(&mut client).await, b"ok:one");
+
+    // Both ways, started by a needle: the matching chunk itself is held.
+    let trip = proxy.stall_on_next_request_containing("two", Stall::Both);
+    client.write_all(b"two").await.expect("write");
+    trip.request_seen().await;
+    proxy.wait_held(Direction::ToServer).await;
+    assert_eq!(lock(&received).as_slice(), b"one");
+    assert!(!trip.has_cut());
+    proxy.release_stall();
+    trip.settled().await;
+    assert_eq!(read_some(&mut client).await, b"ok:two");
+    assert_eq!(lock(&received).as_slice(), b"onetwo");
+
+    proxy.slow(Duration::from_millis(5));
+    client.write_all(b"three").await.expect("write");
+    assert_eq!(read_some(&mut client).await, b"ok:three");
+    proxy.pass_through();
+    let stats = proxy.stats();
+    assert_eq!(stats.cuts, 0);
+    assert_eq!(stats.stalled_chunks, 2);
+    assert_eq!(stats.bytes_to_server, 11);
+}

@@ -1,0 +1,14 @@
+//! Layer: faults. Connections cut, stalled and killed (`connection_faults`,
+//! `postgres_faults`, `mysql_faults`), bad input on the wire
+//! (`postgres_wire`, `mysql_wire`), and calls dropped mid-flight
+//! (`cancellation`).
+
+#[path = "../common/mod.rs"]
+mod common;
+
+mod cancellation;
+mod connection_faults;
+mod mysql_faults;
+mod mysql_wire;
+mod postgres_faults;
+mod postgres_wire;

@@ -1,0 +1,120 @@
+//! Database faults on MariaDB/MySQL: a killed connection surfaces as
+//! `Error::Store`; a closed port fails fast and says where.
+
+use crate::common;
+
+use common::servers::{fresh_tenant, mysql_store_or_skip};
+use idempotent_runtime::{Error, Identity, MySqlStore, OwnerToken, ReserveRequest, Store};
+use sqlx::mysql::MySqlPoolOptions;
+use std::time::Duration;
+
+#[tokio::test]
+async fn connect_to_a_closed_port_fails_fast_and_says_where() {
+    let attempt = tokio::time::timeout(
+        Duration::from_secs(60),
+        MySqlStore::connect("mysql://root@127.0.0.1:1/test"),
+    )
+    .await
+    .expect("connect gives up on its own (acquire timeout), it does not hang");
+    let message = attempt.expect_err("nothing listens on port 1").to_string();
+    assert!(message.contains("127.0.0.1:1"), "{message}");
+    assert!(message.contains("mysql"), "{message}");
+}
+
+#[tokio::test]
+async fn a_killed_connection_surfaces_as_a_store_error_and_the_next_call_succeeds() {
+    let Some(admin) = mysql_store_or_skip().await else {
+        return;
+    };
+    let pool = MySqlPoolOptions::new()
+        .max_connections(1)
+        .test_before_acquire(false)
+        .acquire_timeout(Duration::from_secs(5))
+        .connect(&common::servers::mysql_url())
+        .await
+        .expect("pool");
+    let store = MySqlStore::from_pool(pool).await.expect("store");
+    let connection_id: u64 = sqlx::query_scalar("SELECT CONNECTION_ID()")
+        .fetch_one(store.pool())
+        .await
+        .expect("id");
+
+    // Make the kill land *during* a statement: another transaction holds the
+    // record's row lock, so the store's reservation waits on it (up to InnoDB's
+    // 1 s), and the connection is killed while it waits. (Killing an idle
+    // pooled connection is not enough: the pool may replace it unnoticed.)
+    let id = Identity::new(fresh_tenant(), "faults.kill", "k").expect("identity");
+    let holder_token = OwnerToken::new();
+    let token = OwnerToken::new();
+    let request = ReserveRequest {
+        identity: &id,
+        fingerprint: None,
+        token: &token,
+        lease: Duration::from_secs(30),
+        ttl: Duration::from_secs(3600),
+    };
+    let mut holder = admin.pool().begin().await.expect("holder transaction");
+    let held = idempotent_runtime::transaction::TransactionalConnection::reserve_in_transaction(
+        &mut holder,
+        ReserveRequest {
+            token: &holder_token,
+            ..request
+        },
+        Duration::from_secs(1),
+    )
+    .await
+    .expect("the holder reserves in its transaction");
+    assert!(matches!(
+        held,
+        idempotent_runtime::Reservation::Acquired { .. }
+    ));
+    let waiting = {
+        let (store, id, token) = (store.clone(), id.clone(), token.clone());
+        tokio::spawn(async move {
+            store
+                .reserve(ReserveRequest {
+                    identity: &id,
+                    fingerprint: None,
+                    token: &token,
+                    lease: Duration::from_secs(30),
+                    ttl: Duration::from_secs(3600),
+                })
+                .await
+        })
+    };
+    // Kill it once the server shows it waiting on the lock (bounded).
+    for _ in 0..100 {
+        let state: Option<String> =
+            sqlx::query_scalar("SELECT STATE FROM information_schema.PROCESSLIST WHERE ID = ?")
+                .bind(connection_id)
+                .fetch_optional(admin.pool())
+                .await
+                .expect("processlist")
+                .flatten();
+        if state.is_some_and(|s| !s.is_empty()) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    sqlx::query(&format!("KILL CONNECTION {connection_id}"))
+        .execute(admin.pool())
+        .await
+        .expect("kill");
+    let failed = waiting.await.expect("task");
+    holder.rollback().await.expect("holder rolls back");
+    let message = Error::from(failed.expect_err("the killed statement fails")).to_string();
+    assert!(message.contains("mysql store failed"), "{message}");
+
+    let mut next = store.reserve(request).await;
+    for _ in 0..3 {
+        if next.is_ok() {
+            break;
+        }
+        next = store.reserve(request).await;
+    }
+    assert!(matches!(
+        next.expect("the next call succeeds"),
+        idempotent_runtime::Reservation::Acquired { .. }
+    ));
+    assert!(store.release(&id, &token).await.expect("release"));
+}

@@ -1,0 +1,243 @@
+//! The retrying client (`IdempotentClient`, `Intent`) against the layer on
+//! loopback: flaky servers (503s, connections cut before the request or after
+//! the charge) end in exactly one charge; a new intent is a new charge; 409
+//! is retried after `Retry-After`; other 4xx are not retried.
+
+use crate::common;
+use crate::http_app;
+
+use common::proxy::FaultProxy;
+use common::servers::fresh_tenant;
+use http_app::{bounded, TestServer};
+use idempotent_runtime::http::client::LastAttempt;
+use idempotent_runtime::http::{ClientError, IdempotentClient, Intent, RetryPolicy};
+use idempotent_runtime::{MemoryStore, Store};
+use reqwest::Method;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+fn fast() -> RetryPolicy {
+    RetryPolicy {
+        max_attempts: 5,
+        initial_backoff: Duration::from_millis(10),
+        max_backoff: Duration::from_millis(50),
+        ..RetryPolicy::default()
+    }
+}
+
+fn client() -> IdempotentClient {
+    IdempotentClient::new(reqwest::Client::new()).with_policy(fast())
+}
+
+fn charge(client: &IdempotentClient, base: &str, account: &str) -> Intent {
+    client
+        .intent(Method::POST, &format!("{base}/payments"))
+        .expect("intent")
+        .header("x-account-id", account)
+        .expect("header")
+        .json(&serde_json::json!({"amount_cents": 450, "currency": "EUR"}))
+        .expect("body")
+}
+
+fn memory() -> Arc<dyn Store> {
+    Arc::new(MemoryStore::new())
+}
+
+#[tokio::test]
+async fn first_attempts_answered_503_end_in_exactly_one_charge() {
+    let server = TestServer::start(memory(), |b| b).await;
+    let a = fresh_tenant();
+    server.shop.fail_next.store(3, Ordering::SeqCst);
+    let intent = charge(&client(), &server.base, &a);
+    let answer = intent.send().await.expect("answered");
+    assert_eq!(answer.status(), 201);
+    assert_eq!(answer.attempts(), 4);
+    assert!(!answer.is_replayed());
+    assert_eq!(server.shop.charges_of(&a).len(), 1);
+    let keys = server.shop.seen_keys.lock().unwrap().clone();
+    assert_eq!(
+        keys,
+        vec![intent.key().to_owned(); 4],
+        "every attempt carried the intent's key"
+    );
+}
+
+#[tokio::test]
+async fn a_connection_cut_after_the_charge_is_retried_and_replayed() {
+    let server = TestServer::start(memory(), |b| b).await;
+    let proxy = FaultProxy::start(&server.addr.to_string())
+        .await
+        .expect("proxy");
+    let base = format!("http://{}", proxy.addr());
+    let a = fresh_tenant();
+    // The server charges and answers; the answer never reaches the client.
+    let trip = proxy.cut_on_next_response_containing("POST /payments");
+    let intent = charge(&client(), &base, &a);
+    let answer = intent.send().await.expect("answered");
+    assert!(trip.has_cut(), "the first answer was cut");
+    assert_eq!(answer.status(), 201);
+    assert!(
+        answer.is_replayed(),
+        "the retry got the recorded answer of the first attempt"
+    );
+    assert!(answer.attempts() >= 2);
+    assert_eq!(server.shop.charges_of(&a).len(), 1, "exactly one charge");
+    assert_eq!(server.shop.gateway.calls(), 1);
+}
+
+#[tokio::test]
+async fn a_connection_cut_before_the_request_arrives_is_retried_and_runs_once() {
+    let server = TestServer::start(memory(), |b| b).await;
+    let proxy = FaultProxy::start(&server.addr.to_string())
+        .await
+        .expect("proxy");
+    let base = format!("http://{}", proxy.addr());
+    let a = fresh_tenant();
+    let trip = proxy.cut_on_next_request_containing("POST /payments");
+    let answer = charge(&client(), &base, &a).send().await.expect("answered");
+    assert!(trip.has_cut());
+    assert_eq!(answer.status(), 201);
+    assert!(
+        !answer.is_replayed(),
+        "the first attempt never reached the server"
+    );
+    assert_eq!(server.shop.charges_of(&a).len(), 1);
+}
+
+#[tokio::test]
+async fn a_new_intent_is_a_new_key_and_a_second_charge() {
+    let server = TestServer::start(memory(), |b| b).await;
+    let a = fresh_tenant();
+    let c = client();
+    let first = charge(&c, &server.base, &a);
+    let r1 = first.send().await.unwrap();
+    // Sending the same intent again is a retry: replayed.
+    let r1_again = first.send().await.unwrap();
+    assert!(r1_again.is_replayed());
+    assert_eq!(r1_again.body(), r1.body());
+    // A second intent (the user pressed "pay" again): a second charge.
+    let second = charge(&c, &server.base, &a);
+    assert_ne!(second.key(), first.key());
+    let r2 = second.send().await.unwrap();
+    assert!(!r2.is_replayed());
+    assert_ne!(r2.body(), r1.body());
+    assert_eq!(server.shop.charges_of(&a).len(), 2);
+}
+
+#[tokio::test]
+async fn a_409_is_retried_after_its_retry_after_and_ends_in_the_replay() {
+    // Duplicates are refused at once, and the lease (hence Retry-After) is 1 s.
+    let server = TestServer::start(memory(), |b| {
+        b.reject_in_progress().lease(Duration::from_secs(1))
+    })
+    .await;
+    let a = fresh_tenant();
+    server.shop.gateway.hold();
+    let intent = charge(&client(), &server.base, &a);
+    let first = tokio::spawn({
+        let intent = intent.clone();
+        async move { intent.send().await }
+    });
+    server.shop.gateway.wait_entered(1).await;
+    // The same operation sent again while the first attempt still runs.
+    let duplicate = tokio::spawn({
+        let intent = intent.clone();
+        async move { intent.send().await }
+    });
+    server.wait_conflicts(1).await;
+    server.shop.gateway.release();
+    let first = bounded("the first send", first).await.unwrap().unwrap();
+    let duplicate = bounded("the duplicate send", duplicate)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(first.status(), 201);
+    assert_eq!(duplicate.status(), 201);
+    assert!(duplicate.attempts() >= 2, "the 409 was retried");
+    assert!(duplicate.is_replayed());
+    assert_eq!(duplicate.body(), first.body());
+    assert_eq!(server.shop.charges_of(&a).len(), 1);
+}
+
+#[tokio::test]
+async fn other_4xx_answers_are_final_and_not_retried() {
+    let server = TestServer::start(memory(), |b| b).await;
+    let a = fresh_tenant();
+    let c = client();
+    let intent = c
+        .intent(Method::POST, &server.url("/status/404"))
+        .unwrap()
+        .header("x-account-id", &a)
+        .unwrap()
+        .json(&serde_json::json!({}))
+        .unwrap();
+    let r = intent.send().await.unwrap();
+    assert_eq!((r.status().as_u16(), r.attempts()), (404, 1));
+
+    // The same key for a different request: 422, with its problem, once.
+    let reused = c
+        .intent_with_key(Method::POST, &server.url("/status/404"), intent.key())
+        .unwrap()
+        .header("x-account-id", &a)
+        .unwrap()
+        .json(&serde_json::json!({"other": true}))
+        .unwrap();
+    let r = reused.send().await.unwrap();
+    assert_eq!((r.status().as_u16(), r.attempts()), (422, 1));
+    let problem = r.problem().expect("problem+json");
+    assert_eq!(
+        problem.problem_type,
+        idempotent_runtime::http::problem::types::KEY_REUSED
+    );
+    assert_eq!(server.shop.status_calls.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test]
+async fn retries_are_bounded_and_the_error_says_to_keep_the_key() {
+    let server = TestServer::start(memory(), |b| b).await;
+    let a = fresh_tenant();
+    let c = IdempotentClient::new(reqwest::Client::new()).with_policy(RetryPolicy {
+        max_attempts: 3,
+        ..fast()
+    });
+    let intent = c
+        .intent(Method::POST, &server.url("/status/503"))
+        .unwrap()
+        .header("x-account-id", &a)
+        .unwrap()
+        .json(&serde_json::json!({}))
+        .unwrap();
+    let e = intent.send().await.unwrap_err();
+    match &e {
+        ClientError::RetriesExhausted {
+            attempts: 3,
+            last: LastAttempt::Status { status, .. },
+        } => {
+            assert_eq!(status.as_u16(), 503)
+        }
+        other => panic!("expected RetriesExhausted after 3 attempts, got {other:?}"),
+    }
+    assert!(e.to_string().contains("same intent"), "{e}");
+    assert_eq!(
+        server.shop.status_calls.load(Ordering::SeqCst),
+        3,
+        "5xx released the key each time"
+    );
+
+    // Nothing listening: connection errors are retried, then reported.
+    let closed = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let dead = format!("http://{}", closed.local_addr().unwrap());
+    drop(closed);
+    let e = charge(&c, &dead, &a).send().await.unwrap_err();
+    assert!(
+        matches!(
+            e,
+            ClientError::RetriesExhausted {
+                attempts: 3,
+                last: LastAttempt::Transport(_)
+            }
+        ),
+        "{e:?}"
+    );
+}

@@ -1,0 +1,277 @@
+//! The example server (`examples/http_payments.rs`, built as the bin
+//! `idempotent-http-payments`) is SIGKILLed while a slow charge is waiting on
+//! the gateway, before anything is charged. After a restart, the client's
+//! retry with the same key waits out the lease (409 + Retry-After), takes the
+//! record over and charges exactly once; the takeover is in the new server's
+//! log. On a SQLite file and, when reachable, on PostgreSQL.
+
+use crate::common;
+
+use common::servers::{fresh_tenant, pg_url, servers_required};
+use idempotent_runtime::http::{IdempotentClient, RetryPolicy};
+use reqwest::Method;
+use std::path::Path;
+use std::process::Stdio;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::{Child, Command};
+use tokio::sync::watch;
+
+const WAIT_LIMIT: Duration = Duration::from_secs(120);
+
+/// A running example server and everything it printed.
+struct Server {
+    child: Child,
+    base: String,
+    lines: Arc<Mutex<Vec<String>>>,
+    seen: watch::Receiver<usize>,
+}
+
+impl Server {
+    async fn start(tmp: &Path, database_url: Option<&str>) -> Server {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_idempotent-http-payments"));
+        command
+            .env("IDEMPOTENT_HTTP_ADDR", "127.0.0.1:0")
+            .env("IDEMPOTENT_LEASE_MS", "1500")
+            .env("TMPDIR", tmp)
+            .env("RUST_LOG", "info")
+            .env("NO_COLOR", "1")
+            .env_remove("DATABASE_URL")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true);
+        if let Some(url) = database_url {
+            command.env("DATABASE_URL", url);
+        }
+        let mut child = command.spawn().expect("start the example server");
+        let lines = Arc::new(Mutex::new(Vec::new()));
+        let (tx, seen) = watch::channel(0usize);
+        let tx = Arc::new(tx);
+        for stream in [
+            Box::new(child.stdout.take().expect("stdout"))
+                as Box<dyn tokio::io::AsyncRead + Unpin + Send>,
+            Box::new(child.stderr.take().expect("stderr")),
+        ] {
+            let (lines, tx) = (lines.clone(), tx.clone());
+            tokio::spawn(async move {
+                let mut reader = BufReader::new(stream).lines();
+                while let Ok(Some(line)) = reader.next_line().await {
+                    eprintln!("[server] {line}");
+                    lines.lock().expect("lines").push(line);
+                    tx.send_modify(|n| *n += 1);
+                }
+            });
+        }
+        let mut server = Server {
+            child,
+            base: String::new(),
+            lines,
+            seen,
+        };
+        let line = server.wait_line("listening on http://").await;
+        server.base = line
+            .split("listening on ")
+            .nth(1)
+            .expect("address")
+            .trim()
+            .to_owned();
+        server
+    }
+
+    /// Waits for a printed line containing `needle` and returns it.
+    async fn wait_line(&mut self, needle: &str) -> String {
+        let lines = self.lines.clone();
+        let found = tokio::time::timeout(
+            WAIT_LIMIT,
+            self.seen.wait_for(|_| {
+                lines
+                    .lock()
+                    .expect("lines")
+                    .iter()
+                    .any(|l| l.contains(needle))
+            }),
+        )
+        .await;
+        assert!(
+            matches!(found, Ok(Ok(_))),
+            "the server never printed {needle:?}; it printed:\n{}",
+            self.lines.lock().expect("lines").join("\n")
+        );
+        let all = self.lines.lock().expect("lines");
+        all.iter()
+            .find(|l| l.contains(needle))
+            .cloned()
+            .unwrap_or_default()
+    }
+
+    fn printed(&self, needle: &str) -> bool {
+        self.lines
+            .lock()
+            .expect("lines")
+            .iter()
+            .any(|l| l.contains(needle))
+    }
+
+    async fn kill(&mut self) {
+        self.child.start_kill().expect("SIGKILL");
+        let status = tokio::time::timeout(WAIT_LIMIT, self.child.wait())
+            .await
+            .expect("the server exits")
+            .expect("wait");
+        use std::os::unix::process::ExitStatusExt;
+        assert_eq!(status.signal(), Some(9), "killed by SIGKILL");
+    }
+}
+
+async fn charges_of(database_url: &str, account: &str) -> i64 {
+    let q = if database_url.starts_with("sqlite") {
+        "SELECT COUNT(*) FROM http_charges WHERE account = ?"
+    } else {
+        "SELECT COUNT(*) FROM http_charges WHERE account = $1"
+    };
+    if database_url.starts_with("sqlite") {
+        let pool = sqlx::SqlitePool::connect(database_url)
+            .await
+            .expect("open the SQLite file");
+        sqlx::query_scalar(q)
+            .bind(account)
+            .fetch_one(&pool)
+            .await
+            .expect("count")
+    } else {
+        let pool = sqlx::PgPool::connect(database_url)
+            .await
+            .expect("PostgreSQL");
+        sqlx::query_scalar(q)
+            .bind(account)
+            .fetch_one(&pool)
+            .await
+            .expect("count")
+    }
+}
+
+async fn crash_before_the_charge_then_retry(database_url: Option<&str>) {
+    let tmp = std::env::temp_dir().join(format!(
+        "idempotent-http-crash-{}",
+        uuid::Uuid::new_v4().simple()
+    ));
+    std::fs::create_dir_all(&tmp).expect("temp dir");
+    let count_url = match database_url {
+        Some(url) => url.to_owned(),
+        None => format!(
+            "sqlite://{}",
+            tmp.join("idempotent-http-payments.db").display()
+        ),
+    };
+    let account = fresh_tenant();
+    // Slow enough that the kill lands while the gateway waits.
+    let body = serde_json::json!({"amount_cents": 1234, "currency": "EUR", "delay_ms": 4000});
+
+    let mut first = Server::start(&tmp, database_url).await;
+    // The application gives up after one attempt (its outcome is unknown)
+    // but keeps the key, as an app saves it with the order.
+    let impatient = IdempotentClient::new(reqwest::Client::new()).with_policy(RetryPolicy {
+        max_attempts: 1,
+        ..RetryPolicy::default()
+    });
+    let intent = impatient
+        .intent(Method::POST, &format!("{}/payments", first.base))
+        .unwrap()
+        .header("x-account-id", &account)
+        .unwrap()
+        .json(&body)
+        .unwrap();
+    let saved_key = intent.key().to_owned();
+    let attempt = tokio::spawn(async move { intent.send().await });
+    first.wait_line("gateway: charging").await;
+    first.kill().await;
+    let lost = tokio::time::timeout(WAIT_LIMIT, attempt)
+        .await
+        .expect("attempt ends")
+        .expect("task");
+    assert!(
+        lost.is_err(),
+        "the connection died with the server: {lost:?}"
+    );
+    assert_eq!(
+        charges_of(&count_url, &account).await,
+        0,
+        "killed before anything was charged"
+    );
+
+    let mut second = Server::start(&tmp, database_url).await;
+    let patient = IdempotentClient::new(reqwest::Client::new()).with_policy(RetryPolicy {
+        max_attempts: 30,
+        ..RetryPolicy::default()
+    });
+    let resumed = patient
+        .intent_with_key(
+            Method::POST,
+            &format!("{}/payments", second.base),
+            saved_key,
+        )
+        .unwrap()
+        .header("x-account-id", &account)
+        .unwrap()
+        .json(&body)
+        .unwrap();
+    let answer = tokio::time::timeout(WAIT_LIMIT, resumed.send())
+        .await
+        .expect("the retry is answered")
+        .expect("the retry succeeds");
+    assert_eq!(answer.status(), 201);
+    assert!(
+        !answer.is_replayed(),
+        "nothing was recorded before the crash: the retry ran"
+    );
+    assert_eq!(
+        charges_of(&count_url, &account).await,
+        1,
+        "exactly one charge"
+    );
+    let takeover = second
+        .wait_line("took over a record whose lease had expired")
+        .await;
+    assert!(
+        takeover.contains("attempt=2"),
+        "the takeover is logged with its attempt number: {takeover}"
+    );
+    assert!(second.printed("gateway: charged"));
+
+    // And from now on it replays.
+    let again = resumed.send().await.expect("replay");
+    assert!(again.is_replayed());
+    assert_eq!(again.body(), answer.body());
+    assert_eq!(charges_of(&count_url, &account).await, 1);
+    // What operators see: the example exposes the runtime's metrics.
+    let metrics = reqwest::get(format!("{}/metrics", second.base))
+        .await
+        .expect("GET /metrics")
+        .text()
+        .await
+        .expect("metrics text");
+    assert!(
+        metrics.contains("idempotent_calls_total") && metrics.contains("payments.charge"),
+        "{metrics}"
+    );
+    assert!(!metrics.contains(&account), "no tenant in metrics labels");
+    second.kill().await;
+    let _ = std::fs::remove_dir_all(&tmp);
+}
+
+#[tokio::test]
+async fn sigkill_during_a_slow_charge_then_retry_after_restart_charges_once_sqlite() {
+    crash_before_the_charge_then_retry(None).await;
+}
+
+#[tokio::test]
+async fn sigkill_during_a_slow_charge_then_retry_after_restart_charges_once_postgres() {
+    let url = pg_url();
+    if let Err(e) = sqlx::PgPool::connect(&url).await {
+        assert!(!servers_required(), "PostgreSQL unreachable at {url}: {e}");
+        eprintln!("\n!!!!!!!! SKIPPED: PostgreSQL is unreachable at {url} ({e}); set IDEMPOTENT_PG_URL or start the server.\n");
+        return;
+    }
+    crash_before_the_charge_then_retry(Some(&url)).await;
+}

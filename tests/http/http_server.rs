@@ -1,0 +1,913 @@
+//! `IdempotencyLayer` over real HTTP on loopback (DESIGN.md rule 22): every
+//! case with its status, headers and problem+json body; 50 concurrent
+//! duplicates; tenant isolation; the extractor and `IntoResponse`.
+
+use crate::common;
+use crate::http_app;
+
+use common::servers::{fresh_tenant, pg_store_or_skip};
+use http_app::{bounded, expect_problem, Charge, TestServer};
+use idempotent_runtime::http::problem::types;
+use idempotent_runtime::store::{
+    OwnerToken, RecordSnapshot, Reservation, ReserveRequest, ScopeStats, StoredOutcome,
+};
+use idempotent_runtime::{Identity, MemoryStore, SqliteStore, Store, StoreError};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+const BODY: &str = r#"{"amount_cents":450,"currency":"EUR"}"#;
+
+fn client() -> reqwest::Client {
+    reqwest::Client::builder()
+        .pool_max_idle_per_host(64)
+        .build()
+        .expect("client")
+}
+
+async fn post(
+    server: &TestServer,
+    path: &str,
+    account: Option<&str>,
+    key: Option<&str>,
+    body: &str,
+) -> reqwest::Response {
+    let mut request = client()
+        .post(server.url(path))
+        .header("content-type", "application/json")
+        .body(body.to_owned());
+    if let Some(account) = account {
+        request = request.header("x-account-id", account);
+    }
+    if let Some(key) = key {
+        request = request.header("idempotency-key", key);
+    }
+    request.send().await.expect("request")
+}
+
+async fn json(response: reqwest::Response) -> serde_json::Value {
+    serde_json::from_slice(&response.bytes().await.expect("body")).expect("JSON body")
+}
+
+fn memory() -> Arc<dyn Store> {
+    Arc::new(MemoryStore::new())
+}
+
+async fn sqlite() -> Arc<dyn Store> {
+    let path = std::env::temp_dir().join(format!(
+        "idempotent-http-{}.db",
+        uuid::Uuid::new_v4().simple()
+    ));
+    Arc::new(
+        SqliteStore::connect(&format!("sqlite://{}", path.display()))
+            .await
+            .expect("SQLite file"),
+    )
+}
+
+/// Memory, a SQLite file and PostgreSQL (when reachable).
+async fn every_store() -> Vec<(&'static str, Arc<dyn Store>)> {
+    let mut stores = vec![("memory", memory()), ("sqlite", sqlite().await)];
+    if let Some(pg) = pg_store_or_skip().await {
+        stores.push(("postgres", Arc::new(pg)));
+    }
+    stores
+}
+
+fn replayed(response: &reqwest::Response) -> bool {
+    response
+        .headers()
+        .get("idempotent-replayed")
+        .is_some_and(|v| v == "true")
+}
+
+// ---------------------------------------------------------------- keys
+
+#[tokio::test]
+async fn missing_key_is_400_with_a_problem_and_nothing_runs() {
+    let server = TestServer::start(memory(), |b| b).await;
+    let a = fresh_tenant();
+    let r = post(&server, "/payments", Some(&a), None, BODY).await;
+    let p = expect_problem(r, 400, types::MISSING_KEY).await;
+    assert!(p["detail"].as_str().unwrap().contains("Idempotency-Key"));
+    assert_eq!(server.shop.gateway.calls(), 0);
+}
+
+#[tokio::test]
+async fn malformed_and_invalid_keys_are_400() {
+    let server = TestServer::start(memory(), |b| b).await;
+    let a = fresh_tenant();
+    let long = "k".repeat(256);
+    for bad in [
+        r#""unterminated"#,
+        "two words",
+        r#""a";p=1"#,
+        r#""""#,
+        long.as_str(),
+        "a,b",
+    ] {
+        let r = post(&server, "/payments", Some(&a), Some(bad), BODY).await;
+        let p = expect_problem(r, 400, types::INVALID_KEY).await;
+        assert!(
+            !p["detail"].as_str().unwrap().contains(&long),
+            "the raw key is not echoed"
+        );
+    }
+    // The header twice.
+    let r = client()
+        .post(server.url("/payments"))
+        .header("x-account-id", &a)
+        .header("content-type", "application/json")
+        .header("idempotency-key", "one")
+        .header("idempotency-key", "two")
+        .body(BODY)
+        .send()
+        .await
+        .expect("request");
+    let p = expect_problem(r, 400, types::INVALID_KEY).await;
+    assert!(p["detail"].as_str().unwrap().contains("exactly once"));
+    assert_eq!(server.shop.gateway.calls(), 0);
+}
+
+#[tokio::test]
+async fn a_bare_key_and_the_same_key_quoted_are_one_key() {
+    let server = TestServer::start(memory(), |b| b).await;
+    let a = fresh_tenant();
+    let first = post(&server, "/payments", Some(&a), Some("key-1"), BODY).await;
+    assert_eq!(first.status(), 201);
+    let quoted = post(&server, "/payments", Some(&a), Some(r#""key-1""#), BODY).await;
+    assert_eq!(quoted.status(), 201);
+    assert!(replayed(&quoted));
+    assert_eq!(server.shop.gateway.calls(), 1);
+}
+
+// ---------------------------------------------------------------- record and replay
+
+#[tokio::test]
+async fn a_retry_replays_status_body_and_allow_listed_headers() {
+    let server = TestServer::start(memory(), |b| b).await;
+    let a = fresh_tenant();
+    let first = post(&server, "/payments", Some(&a), Some("k1"), BODY).await;
+    assert_eq!(first.status(), 201);
+    assert!(!replayed(&first));
+    assert_eq!(first.headers()["x-live-only"], "first answer");
+    let location = first.headers()["location"].clone();
+    let content_type = first.headers()["content-type"].clone();
+    let body = first.bytes().await.unwrap();
+    let charge: Charge = serde_json::from_slice(&body).unwrap();
+    assert_eq!(location, format!("/payments/{}", charge.charge_id).as_str());
+
+    let retry = post(&server, "/payments", Some(&a), Some("k1"), BODY).await;
+    assert_eq!(retry.status(), 201);
+    assert_eq!(retry.headers()["idempotent-replayed"], "true");
+    assert_eq!(retry.headers()["location"], location);
+    assert_eq!(retry.headers()["content-type"], content_type);
+    assert!(
+        retry.headers().get("x-live-only").is_none(),
+        "only allow-listed headers are recorded"
+    );
+    assert_eq!(retry.bytes().await.unwrap(), body);
+    assert_eq!(server.shop.gateway.calls(), 1);
+    assert_eq!(server.shop.charges_of(&a).len(), 1);
+}
+
+#[tokio::test]
+async fn same_key_with_a_different_amount_is_422_and_the_record_is_untouched() {
+    let server = TestServer::start(memory(), |b| b).await;
+    let a = fresh_tenant();
+    let first = json(post(&server, "/payments", Some(&a), Some("k1"), BODY).await).await;
+    let other = r#"{"amount_cents":50000,"currency":"EUR"}"#;
+    let r = post(&server, "/payments", Some(&a), Some("k1"), other).await;
+    let p = expect_problem(r, 422, types::KEY_REUSED).await;
+    assert!(p["detail"].as_str().unwrap().contains("new key"));
+    // Another route with the same key is another request too.
+    let r = post(&server, "/status/201", Some(&a), Some("k1"), BODY).await;
+    expect_problem(r, 422, types::KEY_REUSED).await;
+    // The original still replays.
+    let retry = post(&server, "/payments", Some(&a), Some("k1"), BODY).await;
+    assert!(replayed(&retry));
+    assert_eq!(json(retry).await, first);
+    assert_eq!(server.shop.gateway.calls(), 1);
+}
+
+#[tokio::test]
+async fn json_bodies_differing_only_in_key_order_or_whitespace_are_one_request() {
+    let server = TestServer::start(memory(), |b| b).await;
+    let a = fresh_tenant();
+    let first = json(post(&server, "/payments", Some(&a), Some("k1"), BODY).await).await;
+    for same in [
+        "{ \"currency\" : \"EUR\",\n  \"amount_cents\" : 450 }",
+        "\t{\"currency\":\"EUR\",\"amount_cents\":450.0}\r\n",
+        r#"{"amount_cents":4.5e2,"currency":"\u0045UR"}"#,
+    ] {
+        let r = post(&server, "/payments", Some(&a), Some("k1"), same).await;
+        assert_eq!(r.status(), 201, "{same}");
+        assert!(replayed(&r), "{same}");
+        assert_eq!(json(r).await, first);
+    }
+    let changed = r#"{"currency":"EUR","amount_cents":451}"#;
+    let r = post(&server, "/payments", Some(&a), Some("k1"), changed).await;
+    expect_problem(r, 422, types::KEY_REUSED).await;
+    assert_eq!(server.shop.gateway.calls(), 1);
+}
+
+#[tokio::test]
+async fn other_bodies_are_fingerprinted_as_raw_bytes() {
+    let server = TestServer::start(memory(), |b| b).await;
+    let a = fresh_tenant();
+    let send = |body: &'static str| {
+        client()
+            .post(server.url("/status/201"))
+            .header("x-account-id", &a)
+            .header("idempotency-key", "raw")
+            .header("content-type", "text/plain")
+            .body(body)
+            .send()
+    };
+    assert_eq!(send("a b").await.unwrap().status(), 201);
+    assert!(replayed(&send("a b").await.unwrap()));
+    expect_problem(send("a  b").await.unwrap(), 422, types::KEY_REUSED).await;
+}
+
+// ---------------------------------------------------------------- in progress
+
+#[tokio::test]
+async fn still_running_after_the_wait_bound_is_409_with_retry_after() {
+    let server = TestServer::start(memory(), |b| b.wait(Duration::from_millis(20))).await;
+    let a = fresh_tenant();
+    server.shop.gateway.hold();
+    let first = tokio::spawn({
+        let (url, a) = (server.url("/payments"), a.clone());
+        async move {
+            client()
+                .post(url)
+                .header("x-account-id", a)
+                .header("idempotency-key", "slow")
+                .header("content-type", "application/json")
+                .body(BODY)
+                .send()
+                .await
+                .expect("first request")
+        }
+    });
+    server.shop.gateway.wait_entered(1).await;
+    let r = post(&server, "/payments", Some(&a), Some("slow"), BODY).await;
+    let retry_after: u64 = r.headers()["retry-after"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!((1..=30).contains(&retry_after), "Retry-After {retry_after}");
+    let p = expect_problem(r, 409, types::IN_PROGRESS).await;
+    assert_eq!(p["retry_after"], retry_after);
+
+    server.shop.gateway.release();
+    let first = bounded("the first request", first).await.unwrap();
+    assert_eq!(first.status(), 201);
+    let first = json(first).await;
+    let retry = post(&server, "/payments", Some(&a), Some("slow"), BODY).await;
+    assert!(replayed(&retry));
+    assert_eq!(json(retry).await, first);
+    assert_eq!(server.shop.gateway.calls(), 1);
+}
+
+#[tokio::test]
+async fn retry_after_is_whole_seconds_and_at_least_one() {
+    let server = TestServer::start(memory(), |b| {
+        b.reject_in_progress().lease(Duration::from_millis(600))
+    })
+    .await;
+    let a = fresh_tenant();
+    server.shop.gateway.hold();
+    let first = tokio::spawn({
+        let (url, a) = (server.url("/payments"), a.clone());
+        async move {
+            client()
+                .post(url)
+                .header("x-account-id", a)
+                .header("idempotency-key", "short-lease")
+                .header("content-type", "application/json")
+                .body(BODY)
+                .send()
+                .await
+                .expect("first request")
+        }
+    });
+    server.shop.gateway.wait_entered(1).await;
+    let r = post(&server, "/payments", Some(&a), Some("short-lease"), BODY).await;
+    assert_eq!(r.headers()["retry-after"], "1");
+    expect_problem(r, 409, types::IN_PROGRESS).await;
+    server.shop.gateway.release();
+    assert_eq!(
+        bounded("the first request", first).await.unwrap().status(),
+        201
+    );
+}
+
+// ---------------------------------------------------------------- statuses
+
+#[tokio::test]
+async fn handler_4xx_is_recorded_and_5xx_releases_the_key() {
+    let server = TestServer::start(memory(), |b| b).await;
+    let a = fresh_tenant();
+    let first = post(&server, "/status/404", Some(&a), Some("k404"), "{}").await;
+    assert_eq!(first.status(), 404);
+    let first = json(first).await;
+    let again = post(&server, "/status/404", Some(&a), Some("k404"), "{}").await;
+    assert_eq!(again.status(), 404);
+    assert!(replayed(&again));
+    assert_eq!(json(again).await, first);
+
+    let before = server.shop.status_calls.load(Ordering::SeqCst);
+    let r = post(&server, "/status/503", Some(&a), Some("k503"), "{}").await;
+    assert_eq!(r.status(), 503);
+    assert!(!replayed(&r));
+    let r = post(&server, "/status/503", Some(&a), Some("k503"), "{}").await;
+    assert_eq!(r.status(), 503);
+    assert!(
+        !replayed(&r),
+        "a 5xx released the key: the retry ran the handler again"
+    );
+    assert_eq!(server.shop.status_calls.load(Ordering::SeqCst), before + 2);
+
+    // 408 and 429 say "try again": never recorded by the default rule.
+    for code in ["408", "429"] {
+        let path = format!("/status/{code}");
+        post(&server, &path, Some(&a), Some(code), "{}").await;
+        let r = post(&server, &path, Some(&a), Some(code), "{}").await;
+        assert!(!replayed(&r), "{code} is not recorded");
+    }
+}
+
+#[tokio::test]
+async fn which_statuses_are_recorded_is_configurable() {
+    let server = TestServer::start(memory(), |b| {
+        b.record_server_errors(true).record_client_errors(false)
+    })
+    .await;
+    let a = fresh_tenant();
+    post(&server, "/status/500", Some(&a), Some("k500"), "{}").await;
+    let r = post(&server, "/status/500", Some(&a), Some("k500"), "{}").await;
+    assert_eq!(r.status(), 500);
+    assert!(replayed(&r), "5xx recorded when asked");
+    post(&server, "/status/400", Some(&a), Some("k400"), "{}").await;
+    let r = post(&server, "/status/400", Some(&a), Some("k400"), "{}").await;
+    assert!(!replayed(&r), "4xx released when asked");
+
+    let custom = TestServer::start(memory(), |b| b.record_when(|s| s.as_u16() == 202)).await;
+    post(&custom, "/status/201", Some(&a), Some("c"), "{}").await;
+    assert!(!replayed(
+        &post(&custom, "/status/201", Some(&a), Some("c"), "{}").await
+    ));
+    post(&custom, "/status/202", Some(&a), Some("d"), "{}").await;
+    assert!(replayed(
+        &post(&custom, "/status/202", Some(&a), Some("d"), "{}").await
+    ));
+}
+
+// ---------------------------------------------------------------- pass-through
+
+#[tokio::test]
+async fn safe_methods_pass_through() {
+    let server = TestServer::start(memory(), |b| b).await;
+    let a = fresh_tenant();
+    let charge: Charge = serde_json::from_value(
+        json(post(&server, "/payments", Some(&a), Some("k1"), BODY).await).await,
+    )
+    .unwrap();
+    let url = server.url(&format!("/payments/{}", charge.charge_id));
+    for _ in 0..2 {
+        // No key needed, and a key does not make a GET replay.
+        let r = client()
+            .get(&url)
+            .header("x-account-id", &a)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        let r = client()
+            .get(&url)
+            .header("x-account-id", &a)
+            .header("idempotency-key", "k1")
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        assert!(!replayed(&r));
+        assert_eq!(
+            serde_json::from_value::<Charge>(json(r).await).unwrap(),
+            charge
+        );
+    }
+    let head = client()
+        .head(&url)
+        .header("x-account-id", &a)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(head.status(), 200);
+    // Another account cannot read it.
+    let r = client()
+        .get(&url)
+        .header("x-account-id", fresh_tenant())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 404);
+}
+
+#[tokio::test]
+async fn a_route_with_an_optional_key_passes_requests_without_one_through() {
+    let server = TestServer::start(memory(), |b| b).await;
+    let a = fresh_tenant();
+    for _ in 0..2 {
+        let r = post(&server, "/notes", Some(&a), None, "{}").await;
+        assert_eq!(r.status(), 201);
+        assert!(!replayed(&r));
+    }
+    assert_eq!(server.shop.notes_calls.load(Ordering::SeqCst), 2);
+    post(&server, "/notes", Some(&a), Some("n1"), "{}").await;
+    assert!(replayed(
+        &post(&server, "/notes", Some(&a), Some("n1"), "{}").await
+    ));
+    assert_eq!(server.shop.notes_calls.load(Ordering::SeqCst), 3);
+    // A malformed key is refused even where keys are optional.
+    let r = post(&server, "/notes", Some(&a), Some(r#""open"#), "{}").await;
+    expect_problem(r, 400, types::INVALID_KEY).await;
+}
+
+// ---------------------------------------------------------------- tenant
+
+#[tokio::test]
+async fn a_request_without_a_tenant_is_refused_with_401() {
+    let server = TestServer::start(memory(), |b| b).await;
+    let r = post(&server, "/payments", None, Some("k1"), BODY).await;
+    let p = expect_problem(r, 401, types::MISSING_TENANT).await;
+    assert!(p["detail"].as_str().unwrap().contains("Authenticate"));
+    let r = post(
+        &server,
+        "/payments",
+        Some(&"a".repeat(300)),
+        Some("k1"),
+        BODY,
+    )
+    .await;
+    expect_problem(r, 400, types::INVALID_TENANT).await;
+    assert_eq!(server.shop.gateway.calls(), 0);
+}
+
+#[tokio::test]
+async fn the_same_key_from_two_accounts_is_two_charges_on_every_store() {
+    for (name, store) in every_store().await {
+        let server = TestServer::start(store, |b| b).await;
+        let (a, b) = (fresh_tenant(), fresh_tenant());
+        let ra = post(&server, "/payments", Some(&a), Some("order-1"), BODY).await;
+        let a_location = ra.headers()["location"].clone();
+        let a_body = ra.bytes().await.unwrap();
+        let rb = post(&server, "/payments", Some(&b), Some("order-1"), BODY).await;
+        assert_eq!(rb.status(), 201, "{name}");
+        assert!(
+            !replayed(&rb),
+            "{name}: B's request ran, it is not A's replay"
+        );
+        assert_ne!(rb.headers()["location"], a_location, "{name}");
+        let b_body = rb.bytes().await.unwrap();
+        assert_ne!(b_body, a_body, "{name}");
+        let (ca, cb): (Charge, Charge) = (
+            serde_json::from_slice(&a_body).unwrap(),
+            serde_json::from_slice(&b_body).unwrap(),
+        );
+        assert_eq!(
+            (ca.account.as_str(), cb.account.as_str()),
+            (a.as_str(), b.as_str())
+        );
+        // Each account's retry replays its own answer, never the other's.
+        for (account, body, location) in [
+            (&a, &a_body, &a_location),
+            (
+                &b,
+                &b_body,
+                &format!("/payments/{}", cb.charge_id).parse().unwrap(),
+            ),
+        ] {
+            let r = post(&server, "/payments", Some(account), Some("order-1"), BODY).await;
+            assert!(replayed(&r), "{name}");
+            assert_eq!(&r.headers()["location"], location, "{name}");
+            assert_eq!(&r.bytes().await.unwrap(), body, "{name}");
+        }
+        // B with the key and a different amount: a mismatch against B's record only.
+        let other = r#"{"amount_cents":1,"currency":"EUR"}"#;
+        expect_problem(
+            post(&server, "/payments", Some(&b), Some("order-1"), other).await,
+            422,
+            types::KEY_REUSED,
+        )
+        .await;
+        assert_eq!(server.shop.charges_of(&a).len(), 1, "{name}");
+        assert_eq!(server.shop.charges_of(&b).len(), 1, "{name}");
+        assert_eq!(server.shop.gateway.calls(), 2, "{name}");
+    }
+}
+
+// ---------------------------------------------------------------- the seeds' scenario
+
+#[tokio::test]
+async fn fifty_concurrent_identical_posts_make_one_charge_on_every_store() {
+    const N: usize = 50;
+    for (name, store) in every_store().await {
+        // The wait bound only has to outlast the test's own handshakes.
+        let server = TestServer::start(store, |b| b.wait(Duration::from_secs(120))).await;
+        let a = fresh_tenant();
+        server.shop.gateway.hold();
+        let http = client();
+        let mut tasks = Vec::new();
+        for _ in 0..N {
+            let request = http
+                .post(server.url("/payments"))
+                .header("x-account-id", &a)
+                .header("idempotency-key", "checkout-42")
+                .header("content-type", "application/json")
+                .body(BODY);
+            tasks.push(tokio::spawn(async move {
+                let r = request.send().await.expect("request");
+                let replayed = replayed(&r);
+                let status = r.status().as_u16();
+                let location = r.headers().get("location").cloned();
+                (status, replayed, location, r.bytes().await.expect("body"))
+            }));
+        }
+        // Every request reached the server and one is at the gateway: let it charge.
+        server.wait_arrivals(N).await;
+        server.shop.gateway.wait_entered(1).await;
+        server.shop.gateway.release();
+        let mut answers = Vec::new();
+        for t in tasks {
+            answers.push(bounded("an answer", t).await.expect("task"));
+        }
+        assert_eq!(server.shop.gateway.calls(), 1, "{name}: one gateway call");
+        assert_eq!(
+            server.shop.charges_of(&a).len(),
+            1,
+            "{name}: one charge row"
+        );
+        let (status, _, location, body) = answers[0].clone();
+        for (s, _, l, b) in &answers {
+            assert_eq!(
+                (*s, l, b),
+                (status, &location, &body),
+                "{name}: all answers alike"
+            );
+        }
+        assert_eq!(status, 201, "{name}");
+        let executed = answers.iter().filter(|(_, r, ..)| !r).count();
+        assert_eq!(executed, 1, "{name}: one executed, {} replayed", N - 1);
+    }
+}
+
+// ---------------------------------------------------------------- body cap
+
+#[tokio::test]
+async fn a_body_over_the_cap_is_413_with_or_without_a_content_length() {
+    let server = TestServer::start(memory(), |b| b.max_body_bytes(1024)).await;
+    let a = fresh_tenant();
+    let big = format!(
+        r#"{{"amount_cents":1,"currency":"EUR","pad":"{}"}}"#,
+        "x".repeat(2000)
+    );
+    let r = post(&server, "/payments", Some(&a), Some("big"), &big).await;
+    let p = expect_problem(r, 413, types::BODY_TOO_LARGE).await;
+    assert!(p["detail"].as_str().unwrap().contains("1024"));
+
+    // Chunked, no Content-Length: written by hand on a raw connection.
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut conn = tokio::net::TcpStream::connect(server.addr).await.unwrap();
+    let head = format!(
+        "POST /payments HTTP/1.1\r\nhost: x\r\nx-account-id: {a}\r\nidempotency-key: chunked\r\n\
+         content-type: application/json\r\ntransfer-encoding: chunked\r\nconnection: close\r\n\r\n"
+    );
+    conn.write_all(head.as_bytes()).await.unwrap();
+    for _ in 0..3 {
+        let chunk = "y".repeat(600);
+        conn.write_all(format!("{:x}\r\n{chunk}\r\n", chunk.len()).as_bytes())
+            .await
+            .unwrap();
+    }
+    conn.write_all(b"0\r\n\r\n").await.unwrap();
+    let mut answer = Vec::new();
+    bounded("the 413 answer", conn.read_to_end(&mut answer))
+        .await
+        .unwrap();
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(answer.starts_with("HTTP/1.1 413"), "{answer}");
+    assert!(answer.contains("application/problem+json"), "{answer}");
+    assert_eq!(server.shop.gateway.calls(), 0);
+    // Under the cap is fine.
+    assert_eq!(
+        post(&server, "/payments", Some(&a), Some("small"), BODY)
+            .await
+            .status(),
+        201
+    );
+}
+
+// ---------------------------------------------------------------- store
+
+/// A store that is down: every operation fails.
+struct DownStore;
+
+fn down(operation: &'static str) -> StoreError {
+    StoreError::new("down", operation, "connection refused")
+}
+
+#[async_trait::async_trait]
+impl Store for DownStore {
+    fn name(&self) -> &'static str {
+        "down"
+    }
+    async fn complete_recovered(
+        &self,
+        _: &Identity,
+        _: &OwnerToken,
+        _: &StoredOutcome,
+        _: Duration,
+    ) -> Result<bool, StoreError> {
+        Err(down("complete"))
+    }
+    async fn force_release(
+        &self,
+        _: &Identity,
+        _: bool,
+    ) -> Result<idempotent_runtime::ForcedRelease, StoreError> {
+        Err(down("release"))
+    }
+    async fn reserve(&self, _: ReserveRequest<'_>) -> Result<Reservation, StoreError> {
+        Err(down("reserve"))
+    }
+    async fn complete(
+        &self,
+        _: &Identity,
+        _: &OwnerToken,
+        _: &StoredOutcome,
+        _: Duration,
+    ) -> Result<bool, StoreError> {
+        Err(down("complete"))
+    }
+    async fn release(&self, _: &Identity, _: &OwnerToken) -> Result<bool, StoreError> {
+        Err(down("release"))
+    }
+    async fn heartbeat(
+        &self,
+        _: &Identity,
+        _: &OwnerToken,
+        _: Duration,
+    ) -> Result<bool, StoreError> {
+        Err(down("heartbeat"))
+    }
+    fn release_detached(&self, _: Identity, _: OwnerToken) {}
+    fn complete_detached(&self, _: Identity, _: OwnerToken, _: StoredOutcome, _: Duration) {}
+    async fn purge_expired(&self, _: u32) -> Result<u64, StoreError> {
+        Err(down("purge"))
+    }
+    async fn fetch(&self, _: &Identity) -> Result<Option<RecordSnapshot>, StoreError> {
+        Err(down("fetch"))
+    }
+    async fn scope_stats(&self) -> Result<Vec<ScopeStats>, StoreError> {
+        Err(down("stats"))
+    }
+}
+
+#[tokio::test]
+async fn a_store_that_is_down_is_503_and_nothing_runs() {
+    let server = TestServer::start(Arc::new(DownStore), |b| b).await;
+    let r = post(&server, "/payments", Some(&fresh_tenant()), Some("k"), BODY).await;
+    let p = expect_problem(r, 503, types::STORE_UNAVAILABLE).await;
+    assert!(
+        !p["detail"].as_str().unwrap().contains("connection refused"),
+        "internals stay in the logs"
+    );
+    assert_eq!(server.shop.gateway.calls(), 0);
+}
+
+/// Counts the store operations the layer makes.
+#[derive(Default)]
+struct Counting {
+    inner: MemoryStore,
+    reserve: AtomicUsize,
+    complete: AtomicUsize,
+    other: AtomicUsize,
+}
+
+#[async_trait::async_trait]
+impl Store for Counting {
+    fn name(&self) -> &'static str {
+        "counting"
+    }
+    async fn complete_recovered(
+        &self,
+        i: &Identity,
+        t: &OwnerToken,
+        o: &StoredOutcome,
+        ttl: Duration,
+    ) -> Result<bool, StoreError> {
+        self.complete.fetch_add(1, Ordering::SeqCst);
+        self.inner.complete_recovered(i, t, o, ttl).await
+    }
+    async fn force_release(
+        &self,
+        i: &Identity,
+        require_expired_lease: bool,
+    ) -> Result<idempotent_runtime::ForcedRelease, StoreError> {
+        self.inner.force_release(i, require_expired_lease).await
+    }
+    async fn reserve(&self, r: ReserveRequest<'_>) -> Result<Reservation, StoreError> {
+        self.reserve.fetch_add(1, Ordering::SeqCst);
+        self.inner.reserve(r).await
+    }
+    async fn complete(
+        &self,
+        i: &Identity,
+        t: &OwnerToken,
+        o: &StoredOutcome,
+        ttl: Duration,
+    ) -> Result<bool, StoreError> {
+        self.complete.fetch_add(1, Ordering::SeqCst);
+        self.inner.complete(i, t, o, ttl).await
+    }
+    async fn release(&self, i: &Identity, t: &OwnerToken) -> Result<bool, StoreError> {
+        self.other.fetch_add(1, Ordering::SeqCst);
+        self.inner.release(i, t).await
+    }
+    async fn heartbeat(
+        &self,
+        i: &Identity,
+        t: &OwnerToken,
+        l: Duration,
+    ) -> Result<bool, StoreError> {
+        self.other.fetch_add(1, Ordering::SeqCst);
+        self.inner.heartbeat(i, t, l).await
+    }
+    fn release_detached(&self, i: Identity, t: OwnerToken) {
+        self.other.fetch_add(1, Ordering::SeqCst);
+        self.inner.release_detached(i, t)
+    }
+    fn complete_detached(&self, i: Identity, t: OwnerToken, o: StoredOutcome, ttl: Duration) {
+        self.other.fetch_add(1, Ordering::SeqCst);
+        self.inner.complete_detached(i, t, o, ttl)
+    }
+    async fn purge_expired(&self, b: u32) -> Result<u64, StoreError> {
+        self.inner.purge_expired(b).await
+    }
+    async fn fetch(&self, i: &Identity) -> Result<Option<RecordSnapshot>, StoreError> {
+        self.other.fetch_add(1, Ordering::SeqCst);
+        self.inner.fetch(i).await
+    }
+    async fn scope_stats(&self) -> Result<Vec<ScopeStats>, StoreError> {
+        self.inner.scope_stats().await
+    }
+}
+
+#[tokio::test]
+async fn the_layer_costs_one_reservation_and_one_completion_and_a_replay_one_reservation() {
+    let store = Arc::new(Counting::default());
+    let server = TestServer::start(store.clone(), |b| b).await;
+    let a = fresh_tenant();
+    let counts = || {
+        (
+            store.reserve.load(Ordering::SeqCst),
+            store.complete.load(Ordering::SeqCst),
+            store.other.load(Ordering::SeqCst),
+        )
+    };
+    post(&server, "/payments", Some(&a), Some("k1"), BODY).await;
+    assert_eq!(counts(), (1, 1, 0), "fresh: reserve + complete");
+    post(&server, "/payments", Some(&a), Some("k1"), BODY).await;
+    assert_eq!(counts(), (2, 1, 0), "replay: one reservation");
+    client()
+        .get(server.url("/payments/ch_1"))
+        .header("x-account-id", &a)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(counts(), (2, 1, 0), "a GET touches no store");
+}
+
+// ---------------------------------------------------------------- registry
+
+#[tokio::test]
+async fn the_layer_registers_its_scope() {
+    let server = TestServer::start(memory(), |b| b.lease(Duration::from_secs(7))).await;
+    let info = server.layer.scope_info();
+    assert_eq!(info.scope, "test.payments");
+    assert_eq!(info.lease, Duration::from_secs(7));
+    assert!(info.file.ends_with("http.rs"), "{}", info.file);
+    assert!(idempotent_runtime::registry::scopes()
+        .iter()
+        .any(|s| std::ptr::eq(*s, info)));
+}
+
+#[test]
+fn a_layer_without_a_tenant_or_with_a_bad_scope_is_refused_at_build() {
+    use idempotent_runtime::http::{IdempotencyLayer, LayerConfigError};
+    let e = IdempotencyLayer::builder("x.y", MemoryStore::new())
+        .build()
+        .unwrap_err();
+    assert!(matches!(e, LayerConfigError::NoTenant { .. }));
+    assert!(e.to_string().contains("tenant_from_extension"));
+    let e = IdempotencyLayer::builder("Bad Scope", MemoryStore::new())
+        .tenant_from(|_| None)
+        .build()
+        .unwrap_err();
+    assert!(matches!(e, LayerConfigError::InvalidScope { .. }));
+}
+
+// ---------------------------------------------------------------- extractor and IntoResponse
+
+#[tokio::test]
+async fn the_extractor_route_answers_like_the_layer() {
+    let server = TestServer::start(memory(), |b| b).await;
+    let a = fresh_tenant();
+    let body = r#"{"charge_id":"ch_1"}"#;
+    let r = post(&server, "/refunds", Some(&a), None, body).await;
+    expect_problem(r, 400, types::MISSING_KEY).await;
+    let r = post(&server, "/refunds", Some(&a), Some(r#""bad"#), body).await;
+    expect_problem(r, 400, types::INVALID_KEY).await;
+
+    let first = post(&server, "/refunds", Some(&a), Some(r#""refund-1""#), body).await;
+    assert_eq!(first.status(), 201);
+    assert!(!replayed(&first));
+    let first = json(first).await;
+    let again = post(&server, "/refunds", Some(&a), Some("refund-1"), body).await;
+    assert_eq!(again.status(), 201);
+    assert!(replayed(&again), "MarkReplayed sets the header");
+    assert_eq!(json(again).await, first);
+    assert_eq!(server.shop.refund_calls.load(Ordering::SeqCst), 1);
+
+    // `?` on Error::FingerprintMismatch answers 422 problem+json.
+    let r = post(
+        &server,
+        "/refunds",
+        Some(&a),
+        Some("refund-1"),
+        r#"{"charge_id":"ch_2"}"#,
+    )
+    .await;
+    expect_problem(r, 422, types::KEY_REUSED).await;
+    // ... and on Error::InvalidTenant, 400.
+    let r = post(&server, "/refunds", None, Some("refund-2"), body).await;
+    expect_problem(r, 400, types::INVALID_TENANT).await;
+}
+
+#[test]
+fn every_error_has_its_status() {
+    use axum::response::IntoResponse;
+    use idempotent_runtime::{Error, KeyProblem, RecordContext};
+    let ctx = RecordContext {
+        scope: "a.b".into(),
+        key_digest: "0123456789abcdef".into(),
+    };
+    let cases: Vec<(Error, u16)> = vec![
+        (Error::InvalidKey(KeyProblem::Empty), 400),
+        (Error::InvalidTenant(KeyProblem::Empty), 400),
+        (Error::FingerprintMismatch(ctx.clone()), 422),
+        (
+            Error::InProgress {
+                scope: "a.b".into(),
+                retry_after: Duration::from_millis(10),
+            },
+            409,
+        ),
+        (Error::Store(down("reserve")), 503),
+        (
+            Error::StaleSnapshot {
+                scope: "a.b".into(),
+            },
+            503,
+        ),
+        (Error::LeaseLost(ctx), 500),
+        (
+            Error::ResultTooLarge {
+                scope: "a.b".into(),
+                size: 9,
+                limit: 8,
+            },
+            500,
+        ),
+        (
+            Error::NoDefaultStore {
+                scope: "a.b".into(),
+            },
+            500,
+        ),
+    ];
+    for (error, status) in cases {
+        let text = error.to_string();
+        let r = error.into_response();
+        assert_eq!(r.status().as_u16(), status, "{text}");
+        assert_eq!(r.headers()["content-type"], "application/problem+json");
+        assert_eq!(
+            r.headers().contains_key("retry-after"),
+            status == 409,
+            "{text}"
+        );
+    }
+}

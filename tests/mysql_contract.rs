@@ -1,5 +1,0 @@
-//! The behaviour contract on [`MySqlStore`](idempotent_runtime::MySqlStore), against the
-//! server at `IDEMPOTENT_MYSQL_URL` (default: the local MariaDB).
-mod common;
-mod contract;
-contract_tests!(common::servers::mysql_store_or_skip());

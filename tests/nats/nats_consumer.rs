@@ -1,0 +1,1035 @@
+//! Message consumers on NATS JetStream (`idempotent_runtime::consumer`).
+//!
+//! * `mapping_*`: how each answer of a real `#[idempotent]` handler maps to a
+//!   disposition (no broker needed; MemoryStore).
+//! * `jetstream_full_loop_*`: one consumer on the real JetStream server and a
+//!   SQLite file: every mapping end to end, including what the server does next
+//!   (a nak'd message comes back, a term'd one never does).
+//! * `redelivery_storm_*`: two worker processes (`tests/bin/nats_consumer_worker.rs`)
+//!   share one durable consumer with a 1 s `ack_wait`, messages are published
+//!   twice, some fail, some lose their ack, some outlive `ack_wait`, and one
+//!   worker is SIGKILLed in its third body: exactly one effect per message id
+//!   (transactional mode on PostgreSQL).
+//! * `two_consumers_*`: two durables of one stream with two scopes each process
+//!   every message once (two records per message id, never one); a third
+//!   durable that shares billing's scope shows the silent skip.
+//!
+//! Every test has its own stream, durables and tenant, and deletes its stream
+//! (and its rows) at the end. NATS is found at `IDEMPOTENT_NATS_URL`
+//! (default `nats://127.0.0.1:4222`), PostgreSQL at `IDEMPOTENT_PG_URL`.
+
+use crate::common;
+
+use async_nats::jetstream::{self, consumer::pull, consumer::PullConsumer, stream};
+use common::servers::{fresh_tenant, nats_or_skip, nats_url, pg_store_or_skip, pg_url};
+use futures_util::StreamExt;
+use idempotent_runtime::consumer::nats::{message_key, process};
+use idempotent_runtime::consumer::{handle, Disposition, Verdict};
+use idempotent_runtime::{idempotent, Error, MemoryStore, PgStore, SqliteStore};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use tokio::sync::Semaphore;
+use tokio::time::Instant;
+
+const WORKER: &str = env!("CARGO_BIN_EXE_idempotent-nats-worker");
+
+// ---------------------------------------------------------------- the mapping, through real handlers
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+struct Order {
+    order_id: String,
+    amount_cents: u64,
+}
+
+fn order(id: &str, amount_cents: u64) -> Order {
+    Order {
+        order_id: id.into(),
+        amount_cents,
+    }
+}
+
+#[derive(Debug, thiserror::Error, Serialize, Deserialize)]
+enum BillError {
+    #[error("the ledger is down")]
+    LedgerDown,
+    #[error("{0}")]
+    #[serde(skip)]
+    Idempotency(#[from] Error),
+}
+
+impl idempotent_runtime::consumer::AsIdempotencyError for BillError {
+    fn as_idempotency_error(&self) -> Option<&Error> {
+        match self {
+            BillError::Idempotency(e) => Some(e),
+            BillError::LedgerDown => None,
+        }
+    }
+}
+
+/// A handler for the mapping tests: counts its effects, fails while `down`,
+/// and (when gated) says it has entered the body, then waits for the gate.
+struct Ledger {
+    store: MemoryStore,
+    effects: AtomicUsize,
+    down: std::sync::atomic::AtomicBool,
+    entered: Semaphore,
+    gate: Option<Semaphore>,
+}
+
+impl Ledger {
+    fn new(gated: bool) -> Self {
+        Ledger {
+            store: MemoryStore::new(),
+            effects: AtomicUsize::new(0),
+            down: false.into(),
+            entered: Semaphore::new(0),
+            gate: gated.then(|| Semaphore::new(0)),
+        }
+    }
+
+    #[idempotent(scope = "nats.mapping.billing", key = msg_id, tenant = shared, store = self.store,
+                 in_progress = reject, lease = "5s")]
+    async fn bill(&self, msg_id: &str, order: &Order) -> Result<u64, BillError> {
+        if self.down.load(Ordering::SeqCst) {
+            return Err(BillError::LedgerDown);
+        }
+        self.entered.add_permits(1);
+        if let Some(gate) = &self.gate {
+            let _ = tokio::time::timeout(Duration::from_secs(20), gate.acquire()).await;
+        }
+        self.effects.fetch_add(1, Ordering::SeqCst);
+        Ok(order.amount_cents)
+    }
+
+    /// `errors = record`: a declined order's error is its final answer.
+    #[idempotent(scope = "nats.mapping.declines", key = msg_id, tenant = shared, store = self.store,
+                 in_progress = reject, errors = record)]
+    async fn decline(&self, msg_id: &str, order: &Order) -> Result<u64, BillError> {
+        self.effects.fetch_add(1, Ordering::SeqCst);
+        let _ = order;
+        Err(BillError::LedgerDown)
+    }
+}
+
+#[tokio::test]
+async fn mapping_executed_and_replayed_are_acked_with_one_effect() {
+    let ledger = Ledger::new(false);
+    let o = order("o-1", 100);
+    let first = handle(Some("m-1"), |k| ledger.bill(k, &o)).await;
+    let again = handle(Some("m-1"), |k| ledger.bill(k, &o)).await;
+    assert_eq!(
+        (first.verdict, first.disposition()),
+        (Verdict::Executed, Disposition::Ack)
+    );
+    assert_eq!(
+        (again.verdict, again.disposition()),
+        (Verdict::Replayed, Disposition::Ack)
+    );
+    assert_eq!(again.result.unwrap().unwrap(), 100);
+    assert_eq!(ledger.effects.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test]
+async fn mapping_in_progress_is_nakd_with_the_retry_after() {
+    let ledger = Arc::new(Ledger::new(true));
+    let o = order("o-2", 200);
+    let running = {
+        let (ledger, o) = (ledger.clone(), o.clone());
+        tokio::spawn(async move { handle(Some("m-2"), |k| ledger.bill(k, &o)).await.verdict })
+    };
+    // Once the first delivery's body runs (it holds the record), the duplicate arrives.
+    tokio::time::timeout(Duration::from_secs(20), ledger.entered.acquire())
+        .await
+        .expect("the first delivery's body started")
+        .unwrap()
+        .forget();
+    let duplicate = handle(Some("m-2"), |k| ledger.bill(k, &o)).await;
+    let Disposition::Nak(Some(delay)) = duplicate.disposition() else {
+        panic!("expected nak with a delay, got {:?}", duplicate.verdict);
+    };
+    assert!(
+        delay > Duration::ZERO && delay <= Duration::from_secs(5),
+        "{delay:?}"
+    );
+    ledger.gate.as_ref().unwrap().add_permits(1);
+    assert_eq!(running.await.unwrap(), Verdict::Executed);
+    let later = handle(Some("m-2"), |k| ledger.bill(k, &o)).await;
+    assert_eq!(later.disposition(), Disposition::Ack);
+    assert_eq!(ledger.effects.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test]
+async fn mapping_released_error_is_nakd_and_the_redelivery_runs() {
+    let ledger = Ledger::new(false);
+    let o = order("o-3", 300);
+    ledger.down.store(true, Ordering::SeqCst);
+    let failed = handle(Some("m-3"), |k| ledger.bill(k, &o)).await;
+    assert_eq!(
+        (failed.verdict, failed.disposition()),
+        (Verdict::Failed, Disposition::Nak(None))
+    );
+    ledger.down.store(false, Ordering::SeqCst);
+    let retry = handle(Some("m-3"), |k| ledger.bill(k, &o)).await;
+    assert_eq!(
+        (retry.verdict, retry.disposition()),
+        (Verdict::Executed, Disposition::Ack)
+    );
+    assert_eq!(ledger.effects.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test]
+async fn mapping_mismatch_missing_and_invalid_keys_are_termed() {
+    let ledger = Ledger::new(false);
+    let (sent, resent) = (order("o-4", 400), order("o-4", 99_999));
+    let first = handle(Some("m-4"), |k| ledger.bill(k, &sent)).await;
+    assert_eq!(first.disposition(), Disposition::Ack);
+    let poison = handle(Some("m-4"), |k| ledger.bill(k, &resent)).await;
+    assert_eq!(
+        (poison.verdict, poison.disposition()),
+        (Verdict::Mismatch, Disposition::Term)
+    );
+    assert!(matches!(
+        poison.idempotency_error(),
+        Some(Error::FingerprintMismatch(_))
+    ));
+
+    let called = AtomicUsize::new(0);
+    let other = order("o-5", 1);
+    let no_key = handle(None, |k| {
+        called.fetch_add(1, Ordering::SeqCst);
+        ledger.bill(k, &other)
+    })
+    .await;
+    assert_eq!(
+        (no_key.verdict, no_key.disposition()),
+        (Verdict::MissingKey, Disposition::Term)
+    );
+    assert_eq!(
+        called.load(Ordering::SeqCst),
+        0,
+        "a message without a key is never processed"
+    );
+
+    for bad in ["", "line\nbreak"] {
+        let h = handle(Some(bad), |k| ledger.bill(k, &other)).await;
+        assert_eq!(
+            (h.verdict, h.disposition()),
+            (Verdict::InvalidKey, Disposition::Term)
+        );
+    }
+    assert_eq!(ledger.effects.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test]
+async fn mapping_recorded_error_is_nakd_once_then_acked() {
+    let ledger = Ledger::new(false);
+    let o = order("o-7", 700);
+    let first = handle(Some("m-7"), |k| ledger.decline(k, &o)).await;
+    // The first execution of a recorded error looks like a released one...
+    assert_eq!(first.disposition(), Disposition::Nak(None));
+    // ...and its redelivery replays the final answer: acked, no second effect.
+    let again = handle(Some("m-7"), |k| ledger.decline(k, &o)).await;
+    assert_eq!(
+        (again.verdict, again.disposition()),
+        (Verdict::Replayed, Disposition::Ack)
+    );
+    assert!(matches!(again.result, Some(Err(BillError::LedgerDown))));
+    assert_eq!(ledger.effects.load(Ordering::SeqCst), 1);
+}
+
+// ---------------------------------------------------------------- JetStream helpers
+
+/// A fresh stream (its own name and subject) with a short duplicate window,
+/// deleted when the test ends (also when it fails).
+struct TestStream {
+    js: jetstream::Context,
+    name: String,
+    subject: String,
+    deleted: bool,
+}
+
+impl Drop for TestStream {
+    /// A test that failed (or timed out) before `delete` still removes its
+    /// stream: from a thread of its own, bounded, on a connection of its own.
+    fn drop(&mut self) {
+        if self.deleted {
+            return;
+        }
+        let name = std::mem::take(&mut self.name);
+        let _ = std::thread::spawn(move || {
+            let Ok(rt) = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            else {
+                return;
+            };
+            rt.block_on(async {
+                let _ = tokio::time::timeout(Duration::from_secs(5), async {
+                    let client = async_nats::connect(nats_url().as_str()).await.ok()?;
+                    jetstream::new(client).delete_stream(&name).await.ok()
+                })
+                .await;
+            });
+        })
+        .join();
+    }
+}
+
+impl TestStream {
+    async fn create(js: &jetstream::Context, label: &str) -> TestStream {
+        let id = uuid::Uuid::new_v4().simple().to_string();
+        let name = format!("IDEM_{label}_{id}");
+        let subject = format!("idem.{}.{id}", label.to_lowercase());
+        js.create_stream(stream::Config {
+            name: name.clone(),
+            subjects: vec![subject.clone()],
+            // Short, so a producer retry published after it is stored and
+            // delivered: the duplicates the consumer itself must recognise.
+            duplicate_window: Duration::from_millis(100),
+            max_age: Duration::from_secs(3600),
+            ..Default::default()
+        })
+        .await
+        .expect("create the stream");
+        TestStream {
+            js: js.clone(),
+            name,
+            subject,
+            deleted: false,
+        }
+    }
+
+    async fn durable(&self, name: &str, ack_wait: Duration) -> PullConsumer {
+        self.js
+            .get_stream(&self.name)
+            .await
+            .expect("get the stream")
+            .create_consumer(pull::Config {
+                durable_name: Some(name.into()),
+                ack_policy: jetstream::consumer::AckPolicy::Explicit,
+                ack_wait,
+                max_ack_pending: 256,
+                ..Default::default()
+            })
+            .await
+            .expect("create the durable consumer")
+    }
+
+    /// Publishes with `Nats-Msg-Id`; a publish dropped by the duplicate window
+    /// is repeated until the stream stores it (bounded).
+    async fn publish(&self, msg_id: &str, payload: Vec<u8>) -> u64 {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let ack = self
+                .js
+                .send_publish(
+                    self.subject.clone(),
+                    jetstream::message::PublishMessage::build()
+                        .payload(payload.clone().into())
+                        .message_id(msg_id),
+                )
+                .await
+                .expect("publish")
+                .await
+                .expect("publish acknowledged");
+            if !ack.duplicate {
+                return ack.sequence;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "JetStream kept dropping {msg_id} as a duplicate"
+            );
+            tokio::time::sleep(Duration::from_millis(30)).await;
+        }
+    }
+
+    /// Publishes without `Nats-Msg-Id`.
+    async fn publish_without_id(&self, payload: Vec<u8>) -> u64 {
+        self.js
+            .publish(self.subject.clone(), payload.into())
+            .await
+            .expect("publish")
+            .await
+            .expect("publish acknowledged")
+            .sequence
+    }
+
+    async fn delete(mut self) {
+        self.js
+            .delete_stream(&self.name)
+            .await
+            .expect("delete the stream");
+        self.deleted = true;
+    }
+}
+
+/// Whether every message of the durable has been delivered and settled.
+async fn settled(consumer: &PullConsumer) -> bool {
+    match consumer.get_info().await {
+        Ok(info) => info.num_pending == 0 && info.num_ack_pending == 0,
+        Err(_) => false,
+    }
+}
+
+fn json<T: Serialize>(value: &T) -> Vec<u8> {
+    serde_json::to_vec(value).expect("serialize")
+}
+
+// ---------------------------------------------------------------- one consumer, every mapping, on JetStream
+
+struct Billing {
+    db: sqlx::SqlitePool,
+    store: SqliteStore,
+    /// Orders that fail their first attempt (released: nak).
+    fail_once: std::sync::Mutex<std::collections::HashSet<String>>,
+    /// The gated order waits here until a duplicate delivery found it in progress.
+    gate: Arc<Semaphore>,
+}
+
+impl Billing {
+    #[idempotent(scope = "nats.loop.billing", key = msg_id, tenant = tenant, store = self.store,
+                 in_progress = reject, lease = "2s")]
+    async fn bill(&self, tenant: &str, msg_id: &str, order: &Order) -> Result<u64, BillError> {
+        if self.fail_once.lock().unwrap().remove(&order.order_id) {
+            return Err(BillError::LedgerDown);
+        }
+        if order.order_id == "gated" {
+            // Bounded: a missing duplicate fails the counts, it does not hang.
+            let _ = tokio::time::timeout(Duration::from_secs(20), self.gate.acquire()).await;
+        }
+        sqlx::query("INSERT INTO effects (msg_id) VALUES (?)")
+            .bind(msg_id)
+            .execute(&self.db)
+            .await
+            .map_err(|e| Error::Store(idempotent_runtime::StoreError::new("test", "effect", e)))?;
+        Ok(order.amount_cents)
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jetstream_full_loop_acks_naks_and_terms_as_mapped() {
+    let Some(js) = nats_or_skip().await else {
+        return;
+    };
+    tokio::time::timeout(Duration::from_secs(120), full_loop(js))
+        .await
+        .expect("the full loop finished within 120 s");
+}
+
+async fn full_loop(js: jetstream::Context) {
+    let tenant = fresh_tenant();
+    let dir = std::env::temp_dir().join(format!("idempotent-nats-loop-{}", uuid::Uuid::new_v4()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let url = format!("sqlite://{}?mode=rwc", dir.join("loop.db").display());
+    let db = sqlx::SqlitePool::connect(&url).await.unwrap();
+    sqlx::query("CREATE TABLE effects (msg_id TEXT NOT NULL)")
+        .execute(&db)
+        .await
+        .unwrap();
+    let billing = Arc::new(Billing {
+        store: SqliteStore::from_pool(db.clone()).await.unwrap(),
+        db,
+        fail_once: std::sync::Mutex::new(["o-3".to_owned()].into()),
+        gate: Arc::new(Semaphore::new(0)),
+    });
+
+    let stream = TestStream::create(&js, "LOOP").await;
+    // A long ack_wait: every redelivery here comes from a nak, none from a timeout.
+    let consumer = stream.durable("loop", Duration::from_secs(60)).await;
+    stream.publish("m-1", json(&order("o-1", 100))).await;
+    stream.publish("m-1", json(&order("o-1", 100))).await; // a producer retry, after the window
+    stream.publish("m-2", json(&order("o-2", 200))).await;
+    let poison_seq = stream.publish("m-2", json(&order("o-2", 99_999))).await; // same id, other payload
+    let no_id_seq = stream.publish_without_id(json(&order("o-x", 1))).await;
+    stream.publish("m-3", json(&order("o-3", 300))).await; // fails once
+    stream.publish("m-4", json(&order("gated", 400))).await;
+    stream.publish("m-4", json(&order("gated", 400))).await; // arrives while the first runs
+    let stored = 8;
+
+    // Deliveries are handled one at a time, except the gated order's, which
+    // run in the background (a consumer with a few workers).
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<(u64, i64, Verdict, Disposition)>();
+    let handle_one = {
+        let (billing, tenant) = (billing.clone(), tenant.clone());
+        move |message: jetstream::Message| {
+            let (billing, tenant, tx) = (billing.clone(), tenant.clone(), tx.clone());
+            async move {
+                let info = message
+                    .info()
+                    .map(|i| (i.stream_sequence, i.delivered))
+                    .unwrap();
+                let order: Order = serde_json::from_slice(&message.payload).unwrap();
+                let handled = process(&message, |k| billing.bill(&tenant, k, &order))
+                    .await
+                    .expect("settle the delivery");
+                if matches!(handled.verdict, Verdict::InProgress { .. }) {
+                    billing.gate.add_permits(1);
+                }
+                let _ = tx.send((info.0, info.1, handled.verdict, handled.disposition()));
+            }
+        }
+    };
+    let mut messages = consumer
+        .stream()
+        .max_messages_per_batch(1)
+        .messages()
+        .await
+        .unwrap();
+    let mut background = tokio::task::JoinSet::new();
+    let mut seen: Vec<(u64, i64, Verdict, Disposition)> = Vec::new();
+    loop {
+        while let Ok(d) = rx.try_recv() {
+            seen.push(d);
+        }
+        if background.is_empty() && settled(&consumer).await {
+            break;
+        }
+        let Ok(next) = tokio::time::timeout(Duration::from_millis(200), messages.next()).await
+        else {
+            while background.try_join_next().is_some() {}
+            continue;
+        };
+        let message = next
+            .expect("the message stream goes on")
+            .expect("a message");
+        if message_key(&message) == Some("m-4") {
+            background.spawn(handle_one(message));
+        } else {
+            handle_one(message).await;
+        }
+    }
+    while let Ok(d) = rx.try_recv() {
+        seen.push(d);
+    }
+
+    let mut verdicts: BTreeMap<&str, usize> = BTreeMap::new();
+    for (_, _, v, _) in &seen {
+        *verdicts.entry(v.as_str()).or_default() += 1;
+    }
+    let effects: Vec<(String, i64)> =
+        sqlx::query_as("SELECT msg_id, COUNT(*) FROM effects GROUP BY msg_id ORDER BY msg_id")
+            .fetch_all(&billing.db)
+            .await
+            .unwrap();
+    println!(
+        "full loop: {stored} stored messages, {} deliveries, verdicts {verdicts:?}, effects {effects:?}",
+        seen.len()
+    );
+    // m-4's duplicate is nak'd with a delay at least once while the first
+    // runs (more often only on a machine so slow that the first outlives the delay).
+    let in_progress = verdicts.get("in-progress").copied().unwrap_or(0);
+    assert!(in_progress >= 1, "deliveries: {seen:?}");
+    let expected: BTreeMap<&str, usize> = [
+        ("executed", 4),              // m-1, m-2, m-3 (second delivery), m-4 (the gated one)
+        ("replayed", 2), // the producer retry of m-1; m-4's duplicate, redelivered after its nak
+        ("failed", 1),   // m-3's first delivery: released, nak'd, redelivered
+        ("in-progress", in_progress), // m-4's duplicate while the first ran: nak'd with a delay
+        ("mismatch", 1), // m-2 with another payload: term
+        ("missing-key", 1), // no Nats-Msg-Id: term, never processed
+    ]
+    .into();
+    assert_eq!(verdicts, expected, "deliveries: {seen:?}");
+    for (seq, _, verdict, disposition) in &seen {
+        let want = match verdict {
+            Verdict::Executed | Verdict::Replayed => Disposition::Ack,
+            Verdict::InProgress { retry_after } => {
+                assert!(*retry_after > Duration::ZERO && *retry_after <= Duration::from_secs(2));
+                Disposition::Nak(Some(*retry_after))
+            }
+            Verdict::Failed => Disposition::Nak(None),
+            _ => Disposition::Term,
+        };
+        assert_eq!(*disposition, want, "stream sequence {seq}");
+    }
+    // A term'd message is never delivered again.
+    for seq in [poison_seq, no_id_seq] {
+        let deliveries = seen.iter().filter(|d| d.0 == seq).count();
+        assert_eq!(
+            deliveries, 1,
+            "stream sequence {seq} was delivered {deliveries} times"
+        );
+    }
+    let want_effects: Vec<(String, i64)> = ["m-1", "m-2", "m-3", "m-4"]
+        .iter()
+        .map(|k| (k.to_string(), 1))
+        .collect();
+    assert_eq!(effects, want_effects);
+
+    stream.delete().await;
+    billing.db.close().await;
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+// ---------------------------------------------------------------- two consumers of one stream
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct Event {
+    n: u32,
+}
+
+async fn effect(
+    pool: &sqlx::PgPool,
+    tenant: &str,
+    consumer: &str,
+    msg_id: &str,
+) -> Result<(), Error> {
+    sqlx::query(
+        "INSERT INTO idempotent_test_nats_effects (tenant, consumer, msg_id, pid) VALUES ($1, $2, $3, $4)",
+    )
+    .bind(tenant)
+    .bind(consumer)
+    .bind(msg_id)
+    .bind(i64::from(std::process::id()))
+    .execute(pool)
+    .await
+    .map(drop)
+    .map_err(|e| idempotent_runtime::StoreError::new("test", "effect", e).into())
+}
+
+#[idempotent(scope = "nats.two.billing", key = msg_id, tenant = tenant, store = store, skip(pool),
+             in_progress = reject)]
+async fn two_billing(
+    store: &PgStore,
+    pool: &sqlx::PgPool,
+    tenant: &str,
+    msg_id: &str,
+    event: &Event,
+) -> Result<u32, Error> {
+    effect(pool, tenant, "billing", msg_id).await?;
+    Ok(event.n)
+}
+
+#[idempotent(scope = "nats.two.shipping", key = msg_id, tenant = tenant, store = store, skip(pool),
+             in_progress = reject)]
+async fn two_shipping(
+    store: &PgStore,
+    pool: &sqlx::PgPool,
+    tenant: &str,
+    msg_id: &str,
+    event: &Event,
+) -> Result<u32, Error> {
+    effect(pool, tenant, "shipping", msg_id).await?;
+    Ok(event.n)
+}
+
+#[derive(Clone, Copy)]
+enum Which {
+    Billing,
+    Shipping,
+}
+
+/// Runs one durable until every message is delivered and settled; returns its verdict counts.
+async fn consume(
+    consumer: PullConsumer,
+    which: Which,
+    store: PgStore,
+    tenant: String,
+) -> BTreeMap<&'static str, usize> {
+    let mut counts = BTreeMap::new();
+    let mut messages = consumer
+        .stream()
+        .max_messages_per_batch(4)
+        .messages()
+        .await
+        .unwrap();
+    loop {
+        if settled(&consumer).await {
+            return counts;
+        }
+        let Ok(next) = tokio::time::timeout(Duration::from_millis(200), messages.next()).await
+        else {
+            continue;
+        };
+        let message = next
+            .expect("the message stream goes on")
+            .expect("a message");
+        let event: Event = serde_json::from_slice(&message.payload).unwrap();
+        let (store, pool) = (&store, store.pool());
+        let handled = process(&message, |k| async {
+            match which {
+                Which::Billing => two_billing(store, pool, &tenant, k, &event).await,
+                Which::Shipping => two_shipping(store, pool, &tenant, k, &event).await,
+            }
+        })
+        .await
+        .expect("settle the delivery");
+        *counts.entry(handled.verdict.as_str()).or_default() += 1;
+    }
+}
+
+async fn create_effects_table(store: &PgStore) {
+    sqlx::raw_sql(
+        "CREATE TABLE IF NOT EXISTS idempotent_test_nats_effects (
+             tenant TEXT NOT NULL, consumer TEXT NOT NULL, msg_id TEXT NOT NULL, pid BIGINT NOT NULL)",
+    )
+    .execute(store.pool())
+    .await
+    .expect("create the effects table");
+}
+
+async fn delete_rows(store: &PgStore, tenant: &str) {
+    for sql in [
+        "DELETE FROM idempotent_test_nats_effects WHERE tenant = $1",
+        "DELETE FROM idempotency_records WHERE tenant = $1",
+    ] {
+        sqlx::query(sql)
+            .bind(tenant)
+            .execute(store.pool())
+            .await
+            .expect("clean up");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_consumers_of_one_stream_each_process_every_message_once() {
+    let Some(js) = nats_or_skip().await else {
+        return;
+    };
+    let Some(store) = pg_store_or_skip().await else {
+        return;
+    };
+    tokio::time::timeout(Duration::from_secs(120), two_consumers(js, store))
+        .await
+        .expect("the two consumers finished within 120 s");
+}
+
+async fn two_consumers(js: jetstream::Context, store: PgStore) {
+    create_effects_table(&store).await;
+    let tenant = fresh_tenant();
+    let stream = TestStream::create(&js, "TWO").await;
+    let billing = stream.durable("billing", Duration::from_secs(30)).await;
+    let shipping = stream.durable("shipping", Duration::from_secs(30)).await;
+    const IDS: u32 = 10;
+    // The second round republishes every id (producer retries the stream keeps).
+    for _round in 0..2 {
+        for n in 0..IDS {
+            stream.publish(&format!("ev-{n}"), json(&Event { n })).await;
+        }
+    }
+    let published = 2 * IDS as usize;
+
+    let (b, s) = tokio::join!(
+        tokio::spawn(consume(
+            billing,
+            Which::Billing,
+            store.clone(),
+            tenant.clone()
+        )),
+        tokio::spawn(consume(
+            shipping,
+            Which::Shipping,
+            store.clone(),
+            tenant.clone()
+        )),
+    );
+    let (b, s) = (b.unwrap(), s.unwrap());
+
+    let rows: Vec<(String, String, i64)> = sqlx::query_as(
+        "SELECT consumer, msg_id, COUNT(*) FROM idempotent_test_nats_effects WHERE tenant = $1
+         GROUP BY consumer, msg_id ORDER BY consumer, msg_id",
+    )
+    .bind(&tenant)
+    .fetch_all(store.pool())
+    .await
+    .unwrap();
+    let records: Vec<(String, i64)> = sqlx::query_as(
+        "SELECT scope, COUNT(*) FROM idempotency_records WHERE tenant = $1 AND state = 'complete'
+         GROUP BY scope ORDER BY scope",
+    )
+    .bind(&tenant)
+    .fetch_all(store.pool())
+    .await
+    .unwrap();
+
+    // The bug this guards against: a third durable that shares billing's scope
+    // (one dedup boundary for two consumers) skips everything, silently.
+    let replica = stream
+        .durable("billing-replica", Duration::from_secs(30))
+        .await;
+    let r = consume(replica, Which::Billing, store.clone(), tenant.clone()).await;
+    let effects_after: i64 =
+        sqlx::query_scalar("SELECT COUNT(*) FROM idempotent_test_nats_effects WHERE tenant = $1")
+            .bind(&tenant)
+            .fetch_one(store.pool())
+            .await
+            .unwrap();
+
+    println!(
+        "two consumers: {IDS} message ids, {published} stored messages; billing {b:?}; shipping {s:?}; \
+         effects {} (billing {}, shipping {}); complete records {records:?}; \
+         a third durable sharing billing's scope: {r:?}, effects after it {effects_after}",
+        rows.len(),
+        rows.iter().filter(|r| r.0 == "billing").count(),
+        rows.iter().filter(|r| r.0 == "shipping").count(),
+    );
+    for n in 0..IDS {
+        let id = format!("ev-{n}");
+        for consumer in ["billing", "shipping"] {
+            let count = rows
+                .iter()
+                .find(|r| r.0 == consumer && r.1 == id)
+                .map_or(0, |r| r.2);
+            assert_eq!(count, 1, "{consumer} has {count} effects for {id}");
+        }
+    }
+    assert_eq!(rows.len(), 2 * IDS as usize);
+    assert_eq!(
+        records,
+        vec![
+            ("nats.two.billing".to_owned(), i64::from(IDS)),
+            ("nats.two.shipping".to_owned(), i64::from(IDS))
+        ],
+        "two records per message id, one per consumer"
+    );
+    for counts in [&b, &s] {
+        assert_eq!(counts.get("executed"), Some(&(IDS as usize)), "{counts:?}");
+        assert!(counts.values().sum::<usize>() >= published, "{counts:?}");
+    }
+    assert_eq!(
+        r.get("executed"),
+        None,
+        "the shared-scope durable ran nothing: {r:?}"
+    );
+    assert_eq!(r.get("replayed"), Some(&published), "{r:?}");
+    assert_eq!(effects_after, 2 * i64::from(IDS));
+
+    stream.delete().await;
+    delete_rows(&store, &tenant).await;
+}
+
+// ---------------------------------------------------------------- the redelivery storm, many processes
+
+/// The worker processes of a test; killed and reaped when the test ends, however it ends.
+struct Workers(Vec<Child>);
+
+impl Drop for Workers {
+    fn drop(&mut self) {
+        for child in &mut self.0 {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+/// Starts a worker whose stdout lines arrive on `lines` tagged with `index`;
+/// with `hold_after` > 0 its next body after that many holds (see the worker).
+fn spawn_worker(
+    index: usize,
+    hold_after: usize,
+    stream: &str,
+    tenant: &str,
+    lines: &tokio::sync::mpsc::UnboundedSender<(usize, String)>,
+) -> Child {
+    let deadline = now_ms() + 180_000;
+    let mut child = Command::new(WORKER)
+        .args([
+            pg_url(),
+            nats_url(),
+            stream.to_owned(),
+            "storm".to_owned(),
+            tenant.to_owned(),
+            deadline.to_string(),
+            hold_after.to_string(),
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("start the NATS worker process");
+    let out = child.stdout.take().expect("piped stdout");
+    let lines = lines.clone();
+    std::thread::spawn(move || {
+        for line in BufReader::new(out).lines().map_while(Result::ok) {
+            if lines.send((index, line)).is_err() {
+                break;
+            }
+        }
+    });
+    child
+}
+
+#[derive(Debug, Default)]
+struct StormCounts {
+    deliveries: usize,
+    acks: usize,
+    naks: usize,
+    terms: usize,
+    lost_acks: usize,
+    verdicts: BTreeMap<String, usize>,
+    max_delivered: i64,
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redelivery_storm_two_processes_one_killed_one_effect_per_message() {
+    let Some(js) = nats_or_skip().await else {
+        return;
+    };
+    let Some(store) = pg_store_or_skip().await else {
+        return;
+    };
+    tokio::time::timeout(Duration::from_secs(150), storm(js, store))
+        .await
+        .expect("the storm settled within 150 s");
+}
+
+async fn storm(js: jetstream::Context, store: PgStore) {
+    #[derive(Serialize)]
+    struct StormOrder {
+        n: u32,
+        slow: bool,
+        fail_first: bool,
+        lose_first_ack: bool,
+    }
+    create_effects_table(&store).await;
+    let tenant = fresh_tenant();
+    let stream = TestStream::create(&js, "STORM").await;
+    let consumer = stream.durable("storm", Duration::from_secs(1)).await;
+    const IDS: u32 = 16;
+    let payload = |n: u32| {
+        json(&StormOrder {
+            n,
+            slow: n % 4 == 1,
+            fail_first: n % 5 == 2,
+            lose_first_ack: n % 6 == 3,
+        })
+    };
+    // Every id twice: the second round is a producer retry the stream keeps.
+    for _round in 0..2 {
+        for n in 0..IDS {
+            stream.publish(&format!("st-{n}"), payload(n)).await;
+        }
+    }
+    let published = 2 * IDS as usize;
+
+    let (lines_tx, mut lines) = tokio::sync::mpsc::unbounded_channel();
+    let mut workers = Workers(vec![
+        spawn_worker(0, 2, &stream.name, &tenant, &lines_tx),
+        spawn_worker(1, 0, &stream.name, &tenant, &lines_tx),
+    ]);
+    let mut counts = StormCounts::default();
+    let mut kills = 0;
+    // The message whose body worker 0 was running when it was killed, and
+    // whether worker 0 still reported finishing it (then it was not mid-body).
+    let mut killed_key: Option<String> = None;
+    let mut killed_mid_body = false;
+    let mut next_check = Instant::now();
+    loop {
+        match tokio::time::timeout(Duration::from_millis(100), lines.recv()).await {
+            Ok(Some((worker, line))) => {
+                let words: Vec<&str> = line.split_whitespace().collect();
+                match words.as_slice() {
+                    ["begin", _, _] => {}
+                    ["begin", key, _, "hold"] => {
+                        // SIGKILL worker 0 in the middle of its third body (it
+                        // holds, so the kill lands mid-body): its transaction
+                        // (effect and reservation) is rolled back, and the
+                        // message is redelivered to the others.
+                        if worker == 0 && kills == 0 {
+                            workers.0[0].kill().expect("SIGKILL worker 0");
+                            let _ = workers.0[0].wait();
+                            kills += 1;
+                            killed_key = Some(key.to_string());
+                            killed_mid_body = true;
+                            workers
+                                .0
+                                .push(spawn_worker(2, 0, &stream.name, &tenant, &lines_tx));
+                        }
+                    }
+                    ["delivery", key, delivered, verdict, disposition] => {
+                        if worker == 0 && killed_key.as_deref() == Some(*key) {
+                            killed_mid_body = false;
+                        }
+                        counts.deliveries += 1;
+                        counts.max_delivered =
+                            counts.max_delivered.max(delivered.parse().unwrap_or(0));
+                        *counts.verdicts.entry(verdict.to_string()).or_default() += 1;
+                        match *disposition {
+                            "ack" => counts.acks += 1,
+                            "term" => counts.terms += 1,
+                            "lost" => counts.lost_acks += 1,
+                            d if d.starts_with("nak") => counts.naks += 1,
+                            other => panic!("worker {worker}: unexpected disposition {other}"),
+                        }
+                    }
+                    ["ready", _] => {}
+                    _ => eprintln!("worker {worker}: {line}"),
+                }
+            }
+            Ok(None) => panic!("every worker's output ended"),
+            Err(_) => {}
+        }
+        if Instant::now() >= next_check {
+            next_check = Instant::now() + Duration::from_millis(500);
+            let effect_ids: i64 = sqlx::query_scalar(
+                "SELECT COUNT(DISTINCT msg_id) FROM idempotent_test_nats_effects WHERE tenant = $1",
+            )
+            .bind(&tenant)
+            .fetch_one(store.pool())
+            .await
+            .unwrap();
+            if effect_ids == i64::from(IDS) && settled(&consumer).await {
+                break;
+            }
+        }
+    }
+    drop(workers);
+
+    let per_id: Vec<(String, i64)> = sqlx::query_as(
+        "SELECT msg_id, COUNT(*) FROM idempotent_test_nats_effects WHERE tenant = $1 GROUP BY msg_id ORDER BY msg_id",
+    )
+    .bind(&tenant)
+    .fetch_all(store.pool())
+    .await
+    .unwrap();
+    let effects: i64 = per_id.iter().map(|r| r.1).sum();
+    let complete: i64 = sqlx::query_scalar(
+        "SELECT COUNT(*) FROM idempotency_records WHERE tenant = $1 AND scope = 'nats.storm.billing' AND state = 'complete'",
+    )
+    .bind(&tenant)
+    .fetch_one(store.pool())
+    .await
+    .unwrap();
+    println!(
+        "redelivery storm: messages {IDS} ids ({published} stored), deliveries {}, acks {}, naks {}, terms {}, \
+         lost acks {}, verdicts {:?}, most deliveries of one message {}, effects {effects}, \
+         complete records {complete}, kills {kills} (mid-body of {killed_key:?}: {killed_mid_body})",
+        counts.deliveries,
+        counts.acks,
+        counts.naks,
+        counts.terms,
+        counts.lost_acks,
+        counts.verdicts,
+        counts.max_delivered,
+    );
+    for (id, count) in &per_id {
+        assert_eq!(*count, 1, "{id} has {count} effects");
+    }
+    assert_eq!(
+        per_id.len(),
+        IDS as usize,
+        "every message id has its effect: {per_id:?}"
+    );
+    assert_eq!(
+        complete,
+        i64::from(IDS),
+        "every message id has a complete record"
+    );
+    assert_eq!(kills, 1, "worker 0 was killed once");
+    assert!(killed_mid_body, "the kill landed while a body ran");
+    assert!(counts.max_delivered >= 2, "messages were redelivered");
+    assert_eq!(counts.terms, 0, "nothing here is poison");
+
+    stream.delete().await;
+    delete_rows(&store, &tenant).await;
+}

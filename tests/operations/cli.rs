@@ -1,0 +1,724 @@
+//! The `idempotent` command line: `scopes`, `audit` and `purge`, through the
+//! library functions the binary is a thin `main` over, on a real SQLite file;
+//! plus one end-to-end run of the built binary.
+
+use idempotent_runtime::cli::{run_from, CliError};
+use idempotent_runtime::{
+    Identity, OwnerToken, Reservation, ReserveRequest, SqliteStore, Store, StoredOutcome,
+};
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// A scratch directory removed when dropped.
+struct Scratch(PathBuf);
+
+impl Scratch {
+    fn new() -> Self {
+        let dir = std::env::temp_dir().join(format!("idempotent-cli-{}", uuid::Uuid::new_v4()));
+        std::fs::create_dir_all(&dir).expect("scratch dir");
+        Scratch(dir)
+    }
+    fn file(&self, name: &str, contents: &str) -> String {
+        let path = self.0.join(name);
+        std::fs::write(&path, contents).expect("write scratch file");
+        path.to_string_lossy().into_owned()
+    }
+    fn db_url(&self) -> String {
+        format!("sqlite://{}", self.0.join("idem.db").display())
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+const MANIFEST: &str = r#"
+[scopes."orders.place"]
+description = "placing an order"
+ttl = "24h"
+
+[scopes."orders.cancel"]
+lease = "45s"
+
+[retired."orders.place_v1"]
+reason = "renamed to orders.place"
+"#;
+
+async fn plant(store: &dyn Store, scope: &str, ttl: Duration) -> Identity {
+    let identity =
+        Identity::new("cli-tenant", scope, uuid::Uuid::new_v4().to_string()).expect("identity");
+    let token = OwnerToken::new();
+    let r = store
+        .reserve(ReserveRequest {
+            identity: &identity,
+            fingerprint: None,
+            token: &token,
+            lease: Duration::from_secs(60),
+            ttl: Duration::from_secs(3600),
+        })
+        .await
+        .expect("reserve");
+    assert!(matches!(r, Reservation::Acquired { .. }), "{r:?}");
+    let outcome = StoredOutcome {
+        is_error: false,
+        payload: b"1".to_vec(),
+    };
+    assert!(store
+        .complete(&identity, &token, &outcome, ttl)
+        .await
+        .expect("complete"));
+    identity
+}
+
+async fn wait_expired(store: &dyn Store, id: &Identity) {
+    for _ in 0..500 {
+        let snap = store.fetch(id).await.expect("fetch").expect("present");
+        if snap.is_expired() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    panic!("the planted record did not expire within 2.5 s");
+}
+
+#[tokio::test]
+async fn scopes_lists_declared_and_retired_names() {
+    let dir = Scratch::new();
+    let manifest = dir.file("idempotent.toml", MANIFEST);
+
+    let table = run_from(["idempotent", "scopes", "--manifest", &manifest])
+        .await
+        .expect("scopes");
+    let lines: Vec<&str> = table.lines().collect();
+    assert!(lines[0].starts_with("scope"), "{table}");
+    let place = lines
+        .iter()
+        .find(|l| l.starts_with("orders.place "))
+        .expect("orders.place row");
+    assert!(
+        place.contains("declared") && place.contains("1day") && place.contains("placing an order")
+    );
+    let retired = lines
+        .iter()
+        .find(|l| l.starts_with("orders.place_v1"))
+        .expect("retired row");
+    assert!(retired.contains("retired") && retired.contains("renamed to orders.place"));
+    // Aligned: the status column starts at the same place on every row.
+    let col = lines[0].find("status").expect("status header");
+    for l in &lines[2..] {
+        assert!(
+            l[col..].starts_with("declared") || l[col..].starts_with("retired"),
+            "{l}"
+        );
+    }
+
+    let json: serde_json::Value = serde_json::from_str(
+        &run_from(["idempotent", "scopes", "--manifest", &manifest, "--json"])
+            .await
+            .expect("scopes --json"),
+    )
+    .expect("JSON");
+    assert_eq!(json["scopes"]["orders.cancel"]["lease"], "45s");
+    assert_eq!(
+        json["retired"]["orders.place_v1"]["reason"],
+        "renamed to orders.place"
+    );
+}
+
+#[tokio::test]
+async fn audit_reports_orphans_retired_and_expired_records() {
+    let dir = Scratch::new();
+    let manifest = dir.file("idempotent.toml", MANIFEST);
+    let url = dir.db_url();
+    let store = SqliteStore::connect(&url).await.expect("sqlite file");
+    plant(&store, "orders.place", Duration::from_secs(3600)).await;
+    plant(&store, "orders.place_v1", Duration::from_secs(3600)).await;
+    plant(&store, "billing.refund", Duration::from_secs(3600)).await;
+    let expired = plant(&store, "orders.place", Duration::from_millis(1)).await;
+    wait_expired(&store, &expired).await;
+
+    let out = run_from([
+        "idempotent",
+        "audit",
+        "--database-url",
+        &url,
+        "--manifest",
+        &manifest,
+        "--json",
+    ])
+    .await
+    .expect("audit");
+    let json: serde_json::Value = serde_json::from_str(&out).expect("JSON");
+    let scope = |name: &str| {
+        json["scopes"]
+            .as_array()
+            .expect("scopes")
+            .iter()
+            .find(|s| s["scope"] == name)
+            .unwrap_or_else(|| panic!("{name} missing from {out}"))
+            .clone()
+    };
+    assert_eq!(json["store"], "sqlite");
+    assert_eq!(scope("orders.place")["status"], "claimed");
+    assert_eq!(scope("orders.place")["complete"], 1);
+    assert_eq!(scope("orders.place")["expired"], 1);
+    assert_eq!(scope("orders.place_v1")["status"], "retired");
+    assert_eq!(scope("billing.refund")["status"], "orphan");
+    assert_eq!(scope("orders.cancel")["status"], "unused");
+    assert_eq!(json["summary"]["orphan_scopes"], 2);
+
+    let table = run_from([
+        "idempotent",
+        "audit",
+        "--database-url",
+        &url,
+        "--manifest",
+        &manifest,
+    ])
+    .await
+    .expect("audit table");
+    let orphan = table
+        .lines()
+        .find(|l| l.starts_with("billing.refund"))
+        .expect("orphan row");
+    assert!(orphan.contains("ORPHAN"), "{table}");
+    assert!(table.contains("2 orphan scope(s)"), "{table}");
+}
+
+#[tokio::test]
+async fn purge_deletes_expired_records_only() {
+    let dir = Scratch::new();
+    let url = dir.db_url();
+    let store = SqliteStore::connect(&url).await.expect("sqlite file");
+    let live = plant(&store, "orders.place", Duration::from_secs(3600)).await;
+    let mut expired = Vec::new();
+    for _ in 0..5 {
+        expired.push(plant(&store, "orders.place", Duration::from_millis(1)).await);
+    }
+    for id in &expired {
+        wait_expired(&store, id).await;
+    }
+
+    let out = run_from([
+        "idempotent",
+        "purge",
+        "--database-url",
+        &url,
+        "--batch",
+        "2",
+        "--json",
+    ])
+    .await
+    .expect("purge");
+    let json: serde_json::Value = serde_json::from_str(&out).expect("JSON");
+    assert_eq!(json["deleted"], 5, "{out}");
+    assert_eq!(json["batch"], 2);
+    assert!(store.fetch(&live).await.expect("fetch").is_some());
+    for id in &expired {
+        assert!(store.fetch(id).await.expect("fetch").is_none());
+    }
+
+    let again = run_from(["idempotent", "purge", "--database-url", &url])
+        .await
+        .expect("purge table");
+    let row = again.lines().nth(2).expect("one row");
+    assert!(row.starts_with("sqlite") && row.contains(" 0 "), "{again}");
+}
+
+#[tokio::test]
+async fn mistakes_are_reported_with_what_to_fix() {
+    let missing = run_from([
+        "idempotent",
+        "scopes",
+        "--manifest",
+        "/nonexistent/idempotent.toml",
+    ])
+    .await
+    .expect_err("no such file");
+    assert!(matches!(missing, CliError::Manifest(_)));
+    assert!(
+        missing.to_string().contains("/nonexistent/idempotent.toml"),
+        "{missing}"
+    );
+
+    let dir = Scratch::new();
+    let bad = dir.file("bad.toml", "[scopes.\"Orders.Place\"]\n");
+    let e = run_from(["idempotent", "scopes", "--manifest", &bad])
+        .await
+        .expect_err("bad scope name");
+    assert!(e.to_string().contains("Orders.Place"), "{e}");
+
+    let manifest = dir.file("idempotent.toml", MANIFEST);
+    let e = run_from([
+        "idempotent",
+        "audit",
+        "--database-url",
+        "redis://localhost",
+        "--manifest",
+        &manifest,
+    ])
+    .await
+    .expect_err("unsupported scheme");
+    assert!(matches!(e, CliError::Connect(_)));
+    assert!(e.to_string().contains("sqlite:"), "{e}");
+
+    let e = run_from([
+        "idempotent",
+        "purge",
+        "--database-url",
+        "sqlite::memory:",
+        "--batch",
+        "0",
+    ])
+    .await
+    .expect_err("batch 0");
+    assert!(matches!(e, CliError::Usage(_)), "{e}");
+}
+
+/// The real binary, built by cargo and run once.
+///
+/// It is built with the features of the README's test command
+/// (`--workspace --all-features`, and `--tests` so dev-dependencies count as
+/// they do there): cargo then finds every dependency fresh and only builds the
+/// binary itself. (`cargo run -p idempotent-runtime --features cli` resolves
+/// other features and recompiled the runtime and half its dependencies: minutes
+/// on a cold machine.)
+#[test]
+fn the_binary_runs_end_to_end() {
+    let dir = Scratch::new();
+    let manifest = dir.file("idempotent.toml", MANIFEST);
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let mut build = std::process::Command::new(cargo);
+    // What cargo sets for this test process (CARGO_MANIFEST_DIR, CARGO_PKG_*,
+    // ...) must not reach the inner cargo: build scripts watch some of them
+    // (`rerun-if-env-changed`; ring's watches CARGO_MANIFEST_DIR and
+    // CARGO_PKG_NAME), and a changed value reruns them and rebuilds every crate
+    // above them, here and again in the next outer build.
+    for (name, _) in std::env::vars() {
+        let set_by_cargo = name.starts_with("CARGO_PKG_")
+            || name.starts_with("CARGO_BIN_EXE_")
+            || [
+                "CARGO_MANIFEST_DIR",
+                "CARGO_MANIFEST_PATH",
+                "CARGO_CRATE_NAME",
+                "CARGO_BIN_NAME",
+                "CARGO_PRIMARY_PACKAGE",
+                "CARGO_TARGET_TMPDIR",
+                "OUT_DIR",
+            ]
+            .contains(&name.as_str());
+        if set_by_cargo {
+            build.env_remove(name);
+        }
+    }
+    let build = build
+        .args([
+            "build",
+            "--quiet",
+            "--workspace",
+            "--all-features",
+            "--tests",
+            "--bin",
+            "idempotent",
+            "--message-format=json",
+        ])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .expect("cargo runs");
+    assert!(
+        build.status.success(),
+        "cargo build: exit {:?}\nstderr: {}",
+        build.status,
+        String::from_utf8_lossy(&build.stderr)
+    );
+    let binary = String::from_utf8_lossy(&build.stdout)
+        .lines()
+        .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
+        // Not the binary's unit-test harness, which `--tests` builds too.
+        .filter(|m| m["target"]["name"] == "idempotent" && m["profile"]["test"] == false)
+        .find_map(|m| m["executable"].as_str().map(PathBuf::from))
+        .expect("cargo reports the built binary");
+    let out = std::process::Command::new(&binary)
+        .args(["scopes", "--json", "--manifest", &manifest])
+        .output()
+        .expect("the binary runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "exit {:?}\nstdout: {stdout}\nstderr: {}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let json: serde_json::Value = serde_json::from_str(&stdout).expect("JSON on stdout");
+    assert_eq!(
+        json["retired"]["orders.place_v1"]["reason"],
+        "renamed to orders.place"
+    );
+}
+
+use crate::common;
+
+/// `audit` and `purge` take PostgreSQL and MySQL/MariaDB URLs too. The servers
+/// are shared with other tests, so this plants a scope no one else uses and
+/// asserts only on it.
+#[tokio::test]
+async fn audit_and_purge_work_on_server_urls() {
+    let pg = common::servers::pg_store_or_skip()
+        .await
+        .map(|s| (common::servers::pg_url(), Box::new(s) as Box<dyn Store>));
+    let my = common::servers::mysql_store_or_skip()
+        .await
+        .map(|s| (common::servers::mysql_url(), Box::new(s) as Box<dyn Store>));
+    let dir = Scratch::new();
+    let manifest = dir.file("idempotent.toml", MANIFEST);
+    for (url, store) in pg.into_iter().chain(my) {
+        let scope = format!("cli.{}", uuid::Uuid::new_v4().simple());
+        plant(&*store, &scope, Duration::from_secs(3600)).await;
+        let expired = plant(&*store, &scope, Duration::from_millis(1)).await;
+        wait_expired(&*store, &expired).await;
+
+        let out = run_from([
+            "idempotent",
+            "audit",
+            "--database-url",
+            &url,
+            "--manifest",
+            &manifest,
+            "--json",
+        ])
+        .await
+        .unwrap_or_else(|e| panic!("audit on {url}: {e}"));
+        let json: serde_json::Value = serde_json::from_str(&out).expect("JSON");
+        let row = json["scopes"]
+            .as_array()
+            .expect("scopes")
+            .iter()
+            .find(|s| s["scope"] == scope.as_str())
+            .unwrap_or_else(|| panic!("{scope} missing from the audit of {url}"))
+            .clone();
+        assert_eq!(
+            row["status"], "orphan",
+            "the manifest does not declare it ({url})"
+        );
+        assert_eq!(row["complete"], 1, "{url}");
+        assert!(row["expired"].as_u64().unwrap_or(0) >= 1, "{url}: {row}");
+
+        run_from([
+            "idempotent",
+            "purge",
+            "--database-url",
+            &url,
+            "--batch",
+            "500",
+        ])
+        .await
+        .unwrap_or_else(|e| panic!("purge on {url}: {e}"));
+        assert!(
+            store.fetch(&expired).await.expect("fetch").is_none(),
+            "purge removed the expired record ({url})"
+        );
+    }
+}
+
+/// A record left in progress by attempt 2, whose lease has run out (two
+/// reservations with a zero lease: the second takes the first over).
+async fn plant_stuck(store: &dyn Store, scope: &str, tenant: &str, key: &str) -> Identity {
+    let identity = Identity::new(tenant, scope, key).expect("identity");
+    for attempt in [1, 2] {
+        let token = OwnerToken::new();
+        let r = store
+            .reserve(ReserveRequest {
+                identity: &identity,
+                fingerprint: Some(&idempotent_runtime::Fingerprint::of(&1).expect("fp")),
+                token: &token,
+                lease: Duration::ZERO,
+                ttl: Duration::from_secs(3600),
+            })
+            .await
+            .expect("reserve");
+        assert!(
+            matches!(r, Reservation::Acquired { attempt: a, .. } if a == attempt),
+            "{r:?}"
+        );
+    }
+    identity
+}
+
+/// A record whose owner's lease is live for an hour.
+async fn plant_running(store: &dyn Store, scope: &str, tenant: &str, key: &str) -> Identity {
+    let identity = Identity::new(tenant, scope, key).expect("identity");
+    let token = OwnerToken::new();
+    let r = store
+        .reserve(ReserveRequest {
+            identity: &identity,
+            fingerprint: None,
+            token: &token,
+            lease: Duration::from_secs(3600),
+            ttl: Duration::from_secs(3600),
+        })
+        .await
+        .expect("reserve");
+    assert_eq!(r, Reservation::FRESH);
+    identity
+}
+
+/// `inspect` and `release` on one store, by URL: every case, with its output.
+async fn inspect_and_release_on(url: &str, store: &dyn Store) {
+    let scope = format!("cli.ops.{}", uuid::Uuid::new_v4().simple());
+    let tenant = format!("cli-{}", uuid::Uuid::new_v4().simple());
+    let stuck = plant_stuck(store, &scope, &tenant, "stuck-key").await;
+    let running = plant_running(store, &scope, &tenant, "running-key").await;
+    // A complete record under a key of its own.
+    let done = {
+        let identity =
+            Identity::new(tenant.as_str(), scope.as_str(), "done-key").expect("identity");
+        let token = OwnerToken::new();
+        store
+            .reserve(ReserveRequest {
+                identity: &identity,
+                fingerprint: None,
+                token: &token,
+                lease: Duration::from_secs(60),
+                ttl: Duration::from_secs(3600),
+            })
+            .await
+            .expect("reserve");
+        let outcome = StoredOutcome {
+            is_error: false,
+            payload: br#"{"card":"4242 secret"}"#.to_vec(),
+        };
+        assert!(store
+            .complete(&identity, &token, &outcome, Duration::from_secs(3600))
+            .await
+            .expect("complete"));
+        identity
+    };
+    let args = |cmd: &str, key: &str, more: &[&str]| -> Vec<String> {
+        let mut v: Vec<String> = [
+            "idempotent",
+            cmd,
+            "--database-url",
+            url,
+            "--scope",
+            &scope,
+            "--tenant",
+            &tenant,
+            "--key",
+            key,
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        v.extend(more.iter().map(|s| s.to_string()));
+        v
+    };
+
+    // inspect: state, attempt, lease, expiry, fingerprint version; no result.
+    let table = run_from(args("inspect", "stuck-key", &[]))
+        .await
+        .unwrap_or_else(|e| panic!("inspect on {url}: {e}"));
+    let line = |name: &str| {
+        table
+            .lines()
+            .find(|l| l.starts_with(name))
+            .unwrap_or_else(|| panic!("no {name} line in\n{table}"))
+            .to_owned()
+    };
+    assert!(line("state").contains("STUCK"), "{table}");
+    assert!(
+        line("attempt ").contains("2 (taken over 1 time(s)"),
+        "{table}"
+    );
+    assert!(line("lease").contains(" ago)"), "{table}");
+    assert!(line("expires").contains("(in "), "{table}");
+    assert!(line("fingerprint").contains("version v1"), "{table}");
+    assert!(line("key digest").contains(&stuck.key_digest()), "{table}");
+    assert!(
+        !table.contains("stuck-key"),
+        "the raw key is not printed: {table}"
+    );
+
+    let json: serde_json::Value = serde_json::from_str(
+        &run_from(args("inspect", "done-key", &["--json"]))
+            .await
+            .expect("inspect --json"),
+    )
+    .expect("JSON");
+    assert_eq!(json["state"], "complete", "{json}");
+    assert_eq!(json["attempt"], 1);
+    assert_eq!(json["fingerprint_version"], serde_json::Value::Null);
+    assert_eq!(json["result_bytes"], 22);
+    assert!(
+        json.get("result").is_none(),
+        "no result without --show-result: {json}"
+    );
+    let hidden = run_from(args("inspect", "done-key", &[]))
+        .await
+        .expect("inspect");
+    assert!(!hidden.contains("4242"), "{hidden}");
+    assert!(
+        hidden.contains("not shown (pass --show-result)"),
+        "{hidden}"
+    );
+    let shown = run_from(args("inspect", "done-key", &["--show-result"]))
+        .await
+        .expect("inspect --show-result");
+    assert!(shown.contains(r#"{"card":"4242 secret"}"#), "{shown}");
+
+    // release: a complete record is refused, and left as it was.
+    let before = store.fetch(&done).await.expect("fetch").expect("done");
+    let refused = run_from(args("release", "done-key", &["--reason", "INC-1"]))
+        .await
+        .expect_err("a complete record is never released");
+    assert!(
+        matches!(refused, CliError::ReleaseRefused { .. }),
+        "{refused}"
+    );
+    assert!(
+        refused.to_string().contains("the record is complete"),
+        "{refused}"
+    );
+    let refused = run_from(args(
+        "release",
+        "done-key",
+        &["--reason", "INC-1", "--even-if-running"],
+    ))
+    .await
+    .expect_err("not even with --even-if-running");
+    assert!(
+        refused.to_string().contains("the record is complete"),
+        "{refused}"
+    );
+    let after = store
+        .fetch(&done)
+        .await
+        .expect("fetch")
+        .expect("done is kept");
+    assert_eq!(
+        (after.state, &after.outcome),
+        (before.state, &before.outcome)
+    );
+
+    // A live lease is refused unless --even-if-running.
+    let refused = run_from(args("release", "running-key", &["--reason", "INC-2"]))
+        .await
+        .expect_err("the owner may be running");
+    assert!(
+        refused.to_string().contains("--even-if-running"),
+        "{refused}"
+    );
+    assert!(store.fetch(&running).await.expect("fetch").is_some());
+
+    // An empty reason is refused before anything happens.
+    let e = run_from(args("release", "stuck-key", &["--reason", "  "]))
+        .await
+        .expect_err("a reason is required");
+    assert!(matches!(e, CliError::NoReason), "{e}");
+    let e = run_from(args("release", "stuck-key", &[]))
+        .await
+        .expect_err("--reason is required");
+    assert!(matches!(e, CliError::Usage(_)), "{e}");
+
+    // The stuck record is released; the reason is printed.
+    let out = run_from(args(
+        "release",
+        "stuck-key",
+        &["--reason", "INC-3: owner host is gone"],
+    ))
+    .await
+    .unwrap_or_else(|e| panic!("release on {url}: {e}"));
+    assert!(
+        out.contains("attempt 2") && out.contains("reason: INC-3: owner host is gone"),
+        "{out}"
+    );
+    assert!(store.fetch(&stuck).await.expect("fetch").is_none());
+    let gone = run_from(args("inspect", "stuck-key", &[]))
+        .await
+        .expect_err("released");
+    assert!(matches!(gone, CliError::NoRecord { .. }), "{gone}");
+
+    let json: serde_json::Value = serde_json::from_str(
+        &run_from(args(
+            "release",
+            "running-key",
+            &["--reason", "INC-4", "--even-if-running", "--json"],
+        ))
+        .await
+        .expect("release --even-if-running"),
+    )
+    .expect("JSON");
+    assert_eq!(
+        (json["released"].clone(), json["attempt"].clone()),
+        (true.into(), 1.into())
+    );
+    assert_eq!(json["reason"], "INC-4");
+    assert!(store.fetch(&running).await.expect("fetch").is_none());
+}
+
+#[tokio::test]
+async fn inspect_and_release_on_sqlite() {
+    let dir = Scratch::new();
+    let url = dir.db_url();
+    let store = SqliteStore::connect(&url).await.expect("sqlite file");
+    inspect_and_release_on(&url, &store).await;
+
+    // `tenant = shared` records are named with --shared.
+    let identity = Identity::shared("cli.shared", "k").expect("identity");
+    let token = OwnerToken::new();
+    store
+        .reserve(ReserveRequest {
+            identity: &identity,
+            fingerprint: None,
+            token: &token,
+            lease: Duration::from_secs(60),
+            ttl: Duration::from_secs(60),
+        })
+        .await
+        .expect("reserve");
+    let out = run_from([
+        "idempotent",
+        "inspect",
+        "--database-url",
+        &url,
+        "--scope",
+        "cli.shared",
+        "--shared",
+        "--key",
+        "k",
+    ])
+    .await
+    .expect("inspect --shared");
+    assert!(
+        out.contains("(shared)") && out.contains("lease live"),
+        "{out}"
+    );
+    let e = run_from([
+        "idempotent",
+        "inspect",
+        "--database-url",
+        &url,
+        "--scope",
+        "cli.shared",
+        "--key",
+        "k",
+    ])
+    .await
+    .expect_err("--tenant or --shared is required");
+    assert!(matches!(e, CliError::Usage(_)), "{e}");
+}
+
+#[tokio::test]
+async fn inspect_and_release_on_postgres() {
+    if let Some(store) = common::servers::pg_store_or_skip().await {
+        inspect_and_release_on(&common::servers::pg_url(), &store).await;
+    }
+}
+
+#[tokio::test]
+async fn inspect_and_release_on_mariadb() {
+    if let Some(store) = common::servers::mysql_store_or_skip().await {
+        inspect_and_release_on(&common::servers::mysql_url(), &store).await;
+    }
+}

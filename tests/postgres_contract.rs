@@ -1,5 +1,0 @@
-//! The behaviour contract on [`PgStore`](idempotent_runtime::PgStore), against the
-//! server at `IDEMPOTENT_PG_URL` (default: the local PostgreSQL).
-mod common;
-mod contract;
-contract_tests!(common::servers::pg_store_or_skip());

@@ -1,0 +1,15 @@
+//! Layer: rule 20, uncertain outcomes (`recover = ...`). The suite
+//! (`recovery`) on every store, one module per store, and transactional mode
+//! (`transactional`).
+
+#[path = "../common/mod.rs"]
+mod common;
+#[macro_use]
+mod recovery;
+
+mod memory;
+mod mysql;
+mod postgres;
+mod sqlite;
+
+mod transactional;

@@ -1,0 +1,201 @@
+//! Rule 20 in transactional mode (`tx = ...` with `recover = ...`): a call
+//! whose transaction takes over a stuck record asks the hook first; the
+//! hook's answer is recorded in the caller's transaction (marked recovered)
+//! and commits or rolls back with it. On SQLite and PostgreSQL.
+//!
+//! The stuck record is planted through the store: an in-progress record whose
+//! lease has run out (a zero lease), as a crashed store-mode owner of the same
+//! scope would leave it.
+
+use crate::common;
+
+use idempotent_runtime::{
+    idempotent, with_outcome, Error, Identity, Outcome, OwnerToken, RecordState, Recovery,
+    Reservation, ReserveRequest, SqliteStore, Store, Takeover,
+};
+use std::collections::HashMap;
+use std::sync::{LazyLock, Mutex};
+use std::time::Duration;
+
+/// The attempts the hook was asked about, per tenant.
+static ASKED: LazyLock<Mutex<HashMap<String, Vec<u32>>>> = LazyLock::new(Default::default);
+
+fn asked(tenant: &str) -> Vec<u32> {
+    ASKED
+        .lock()
+        .unwrap()
+        .get(tenant)
+        .cloned()
+        .unwrap_or_default()
+}
+
+/// Keys starting with `found-` were charged by the crashed attempt.
+async fn found_by_key(takeover: &Takeover) -> Result<Recovery<String>, Error> {
+    ASKED
+        .lock()
+        .unwrap()
+        .entry(takeover.tenant().to_owned())
+        .or_default()
+        .push(takeover.attempt());
+    Ok(if takeover.key().starts_with("found-") {
+        Recovery::Completed(format!("recovered {}", takeover.key()))
+    } else {
+        Recovery::Run
+    })
+}
+
+#[idempotent(scope = "rtx.sqlite", key = key, tenant = tenant, tx = tx, recover = found_by_key)]
+async fn sqlite_charge(
+    tx: &mut sqlx::Transaction<'_, sqlx::Sqlite>,
+    tenant: &str,
+    key: &str,
+) -> Result<String, Error> {
+    Ok(format!("ran {key}"))
+}
+
+#[idempotent(scope = "rtx.pg", key = key, tenant = tenant, tx = tx, recover = found_by_key)]
+async fn pg_charge(
+    tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
+    tenant: &str,
+    key: &str,
+) -> Result<String, Error> {
+    Ok(format!("ran {key}"))
+}
+
+async fn plant_stuck(store: &dyn Store, identity: &Identity) {
+    let token = OwnerToken::new();
+    let got = store
+        .reserve(ReserveRequest {
+            identity,
+            fingerprint: None,
+            token: &token,
+            lease: Duration::ZERO,
+            ttl: Duration::from_secs(3600),
+        })
+        .await
+        .expect("reserve");
+    assert_eq!(got, Reservation::FRESH);
+}
+
+fn tenant() -> String {
+    format!("rtx-{}", uuid::Uuid::new_v4().simple())
+}
+
+async fn state(store: &dyn Store, identity: &Identity) -> (RecordState, u32, bool) {
+    let s = store.fetch(identity).await.expect("fetch").expect("record");
+    (s.state, s.attempt, s.recovered)
+}
+
+#[tokio::test]
+async fn sqlite_transaction_records_the_hooks_answer() {
+    let path = std::env::temp_dir().join(format!("idempotent-rtx-{}.db", uuid::Uuid::new_v4()));
+    let store = SqliteStore::connect(&format!("sqlite://{}?mode=rwc", path.display()))
+        .await
+        .expect("sqlite");
+    let t = tenant();
+    let found = Identity::new(t.as_str(), "rtx.sqlite", "found-1").unwrap();
+    let missing = Identity::new(t.as_str(), "rtx.sqlite", "missing-1").unwrap();
+    plant_stuck(&store, &found).await;
+    plant_stuck(&store, &missing).await;
+
+    // Rolled back: the takeover and the recorded answer vanish together.
+    let mut tx = store.pool().begin_with("BEGIN IMMEDIATE").await.unwrap();
+    let (got, o) = with_outcome(sqlite_charge(&mut tx, &t, "found-1")).await;
+    assert_eq!(
+        (got.unwrap(), o),
+        ("recovered found-1".to_owned(), Some(Outcome::Recovered))
+    );
+    tx.rollback().await.unwrap();
+    assert_eq!(
+        state(&store, &found).await,
+        (RecordState::InProgress, 1, false)
+    );
+
+    // Committed: complete, attempt 2, recovered; then replayed.
+    let mut tx = store.pool().begin_with("BEGIN IMMEDIATE").await.unwrap();
+    let (got, o) = with_outcome(sqlite_charge(&mut tx, &t, "found-1")).await;
+    assert_eq!(
+        (got.unwrap(), o),
+        ("recovered found-1".to_owned(), Some(Outcome::Recovered))
+    );
+    tx.commit().await.unwrap();
+    assert_eq!(
+        state(&store, &found).await,
+        (RecordState::Complete, 2, true)
+    );
+    assert_eq!(
+        asked(&t),
+        [2, 2],
+        "asked as attempt 2, in both transactions"
+    );
+    let mut tx = store.pool().begin_with("BEGIN IMMEDIATE").await.unwrap();
+    let (got, o) = with_outcome(sqlite_charge(&mut tx, &t, "found-1")).await;
+    assert_eq!(
+        (got.unwrap(), o),
+        ("recovered found-1".to_owned(), Some(Outcome::Replayed))
+    );
+    tx.commit().await.unwrap();
+    assert_eq!(asked(&t), [2, 2], "a replay does not ask");
+
+    // Run: the body runs in the transaction, as attempt 2.
+    let mut tx = store.pool().begin_with("BEGIN IMMEDIATE").await.unwrap();
+    let (got, o) = with_outcome(sqlite_charge(&mut tx, &t, "missing-1")).await;
+    assert_eq!(
+        (got.unwrap(), o),
+        ("ran missing-1".to_owned(), Some(Outcome::Executed))
+    );
+    tx.commit().await.unwrap();
+    assert_eq!(
+        state(&store, &missing).await,
+        (RecordState::Complete, 2, false)
+    );
+    assert_eq!(asked(&t), [2, 2, 2]);
+}
+
+#[tokio::test]
+async fn postgres_transaction_records_the_hooks_answer() {
+    let Some(store) = common::servers::pg_store_or_skip().await else {
+        return;
+    };
+    let t = tenant();
+    let found = Identity::new(t.as_str(), "rtx.pg", "found-1").unwrap();
+    let missing = Identity::new(t.as_str(), "rtx.pg", "missing-1").unwrap();
+    plant_stuck(&store, &found).await;
+    plant_stuck(&store, &missing).await;
+
+    let mut tx = store.pool().begin().await.unwrap();
+    let (got, o) = with_outcome(pg_charge(&mut tx, &t, "found-1")).await;
+    assert_eq!(
+        (got.unwrap(), o),
+        ("recovered found-1".to_owned(), Some(Outcome::Recovered))
+    );
+    tx.rollback().await.unwrap();
+    assert_eq!(
+        state(&store, &found).await,
+        (RecordState::InProgress, 1, false)
+    );
+
+    let mut tx = store.pool().begin().await.unwrap();
+    let (got, o) = with_outcome(pg_charge(&mut tx, &t, "found-1")).await;
+    assert_eq!(
+        (got.unwrap(), o),
+        ("recovered found-1".to_owned(), Some(Outcome::Recovered))
+    );
+    tx.commit().await.unwrap();
+    assert_eq!(
+        state(&store, &found).await,
+        (RecordState::Complete, 2, true)
+    );
+
+    let mut tx = store.pool().begin().await.unwrap();
+    let (got, o) = with_outcome(pg_charge(&mut tx, &t, "missing-1")).await;
+    assert_eq!(
+        (got.unwrap(), o),
+        ("ran missing-1".to_owned(), Some(Outcome::Executed))
+    );
+    tx.commit().await.unwrap();
+    assert_eq!(
+        state(&store, &missing).await,
+        (RecordState::Complete, 2, false)
+    );
+}

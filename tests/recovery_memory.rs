@@ -1,3 +1,0 @@
-//! Rule 20 (`recover = ...`) on [`MemoryStore`](idempotent_runtime::MemoryStore).
-mod recovery;
-recovery_tests!(async { Some(idempotent_runtime::MemoryStore::new()) });

@@ -1,5 +1,0 @@
-//! Rule 20 (`recover = ...`) on [`MySqlStore`](idempotent_runtime::MySqlStore),
-//! against the server at `IDEMPOTENT_MYSQL_URL` (default: the local MariaDB).
-mod common;
-mod recovery;
-recovery_tests!(common::servers::mysql_store_or_skip());

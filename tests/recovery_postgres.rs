@@ -1,5 +1,0 @@
-//! Rule 20 (`recover = ...`) on [`PgStore`](idempotent_runtime::PgStore), against
-//! the server at `IDEMPOTENT_PG_URL` (default: the local PostgreSQL).
-mod common;
-mod recovery;
-recovery_tests!(common::servers::pg_store_or_skip());

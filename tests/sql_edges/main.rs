@@ -1,0 +1,16 @@
+//! Layer: the SQL stores at their edges. MariaDB's locking (`mysql_edges`),
+//! SQLite's opening, locking and pools (`sqlite_edges`, `sqlite_store`), and
+//! transactional mode given a connection outside a transaction
+//! (`transactional_edges`).
+//!
+//! `sqlite_edges` installs the one global tracing subscriber of this binary
+//! and re-runs this binary as child processes
+//! (`sqlite_edges::child_process_opens_the_shared_file`).
+
+#[path = "../common/mod.rs"]
+mod common;
+
+mod mysql_edges;
+mod sqlite_edges;
+mod sqlite_store;
+mod transactional_edges;

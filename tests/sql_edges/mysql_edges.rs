@@ -1,0 +1,781 @@
+//! MariaDB/MySQL at the edges of the locking rules (DESIGN.md rules 3, 10, 15, 16).
+//!
+//! * An expired record whose row lock is released to eight waiting callers at
+//!   once is acquired by exactly one of them, whether they reserve through the
+//!   store, inside transactions, or through `reserve_in_transaction` on an
+//!   autocommit connection (every write of the procedure is fenced).
+//! * A replay, a mismatch or an in-progress answer inside an open transaction
+//!   holds no lock that makes the record look in progress to anyone else, even
+//!   when the transaction's snapshot is older than the record.
+//! * When a transactional owner rolls back, exactly one of its waiting
+//!   duplicates takes the key; none dies of a deadlock (1213), and every
+//!   waiter's own earlier writes survive.
+//! * A row held by an open transaction never stalls the purge of the others.
+//!
+//! Where a test waits on a lock it waits for the server to *show* the waiters
+//! (`information_schema.PROCESSLIST`), never for a sleep. Stores
+//! whose sessions wait at most a few seconds for a row lock turn a lock that
+//! should not be there into a quick failure instead of a 50 s hang; nothing
+//! asserts how long anything took.
+
+use crate::common;
+
+use common::servers::{fresh_tenant, mysql_store_or_skip, mysql_url};
+use idempotent_runtime::transaction::TransactionalConnection;
+use idempotent_runtime::{
+    idempotent, with_outcome, Error, Fingerprint, Identity, MySqlStore, Outcome, OwnerToken,
+    Reservation, ReserveRequest, Store, StoredOutcome,
+};
+use sqlx::mysql::{MySqlPool, MySqlPoolOptions};
+use sqlx::{Executor, MySql};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::Notify;
+
+const LONG: Duration = Duration::from_secs(3600);
+/// How long a guarded session waits for a row lock before failing (a guard
+/// against hangs, not a timing assertion).
+const GUARD_S: u64 = 3;
+/// The lock wait given to transactional reservations that must wait.
+const WAIT: Duration = Duration::from_secs(30);
+
+fn fp(value: &str) -> Fingerprint {
+    Fingerprint::of(value).expect("fingerprint")
+}
+
+fn ok(payload: &[u8]) -> StoredOutcome {
+    StoredOutcome {
+        is_error: false,
+        payload: payload.to_vec(),
+    }
+}
+
+fn request<'a>(
+    identity: &'a Identity,
+    fingerprint: Option<&'a Fingerprint>,
+    token: &'a OwnerToken,
+    lease: Duration,
+    ttl: Duration,
+) -> ReserveRequest<'a> {
+    ReserveRequest {
+        identity,
+        fingerprint,
+        token,
+        lease,
+        ttl,
+    }
+}
+
+/// A pool whose sessions wait at most `GUARD_S` seconds for a row lock.
+async fn guarded_pool(max_connections: u32) -> MySqlPool {
+    MySqlPoolOptions::new()
+        .max_connections(max_connections)
+        .acquire_timeout(Duration::from_secs(10))
+        .after_connect(|conn, _| {
+            Box::pin(async move {
+                conn.execute(format!("SET SESSION innodb_lock_wait_timeout = {GUARD_S}").as_str())
+                    .await?;
+                Ok(())
+            })
+        })
+        .connect(&mysql_url())
+        .await
+        .expect("guarded pool")
+}
+
+/// A store on a [`guarded_pool`].
+async fn guarded_store(max_connections: u32) -> MySqlStore {
+    MySqlStore::from_pool(guarded_pool(max_connections).await)
+        .await
+        .expect("guarded store")
+}
+
+async fn connection_id<'e, E: Executor<'e, Database = MySql>>(executor: E) -> u64 {
+    sqlx::query_scalar("SELECT CONNECTION_ID()")
+        .fetch_one(executor)
+        .await
+        .expect("connection id")
+}
+
+/// How many of the sessions `ids` are waiting on a lock: a user-level lock
+/// (`GET_LOCK`), or a statement on the records table that has been running
+/// for 100 ms or more (a primary-key statement that takes that long is
+/// waiting on a row lock). (`INNODB_TRX` is no help: MariaDB leaves out some
+/// transactions waiting on a lock before their first write.)
+async fn waiting(admin: &MySqlPool, ids: &[u64]) -> usize {
+    let list = ids.iter().map(u64::to_string).collect::<Vec<_>>().join(",");
+    let query = |elapsed: &str| {
+        format!(
+            "SELECT CAST(COUNT(*) AS SIGNED) FROM information_schema.PROCESSLIST
+              WHERE ID IN ({list})
+                AND (STATE = 'User lock'
+                     OR (INFO LIKE '%idempotency_records%' AND {elapsed}))"
+        )
+    };
+    // MariaDB has TIME_MS; MySQL only whole seconds.
+    let n: Result<i64, sqlx::Error> = sqlx::query_scalar(&query("TIME_MS >= 100"))
+        .fetch_one(admin)
+        .await;
+    let n = match n {
+        Ok(n) => n,
+        Err(_) => sqlx::query_scalar(&query("TIME >= 1"))
+            .fetch_one(admin)
+            .await
+            .expect("processlist"),
+    };
+    n as usize
+}
+
+/// Waits (bounded) until every session in `ids` is waiting on a lock or its
+/// task has finished (`finished` counts those).
+async fn until_all_wait_or_finish(admin: &MySqlPool, ids: &[u64], finished: &AtomicUsize) {
+    for _ in 0..3000 {
+        // Read `finished` first: a task counted here has left its lock wait,
+        // so it cannot be counted twice.
+        let done = finished.load(Ordering::SeqCst);
+        if done + waiting(admin, ids).await >= ids.len() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("the callers did not all reach their lock waits");
+}
+
+/// Polls the store's clock until `check` holds for the record (bounded).
+async fn until_clock(
+    store: &MySqlStore,
+    identity: &Identity,
+    check: impl Fn(&idempotent_runtime::RecordSnapshot) -> bool,
+) {
+    for _ in 0..1000 {
+        let snap = store
+            .fetch(identity)
+            .await
+            .expect("fetch")
+            .expect("present");
+        if check(&snap) {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    panic!("the database clock did not pass the planted expiry");
+}
+
+// ---------------------------------------------------------------- rule 3 / 10: fenced writes
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Via {
+    /// `Store::reserve` (the procedure in its own transaction).
+    Store,
+    /// `reserve_in_transaction` on a connection in autocommit mode: the
+    /// procedure's statements each commit on their own.
+    Autocommit,
+    /// `reserve_in_transaction` inside a transaction, committed right after.
+    Transaction,
+}
+
+/// Eight callers on autocommit connections: each statement of the procedure
+/// commits on its own, so only fenced writes keep them from all acquiring.
+const AUTOCOMMIT: [Via; 8] = [Via::Autocommit; 8];
+/// Every way in, interleaved.
+const MIXED: [Via; 8] = [
+    Via::Autocommit,
+    Via::Store,
+    Via::Transaction,
+    Via::Autocommit,
+    Via::Store,
+    Via::Transaction,
+    Via::Autocommit,
+    Via::Transaction,
+];
+
+/// An expired record (or an in-progress one whose lease ran out) is held by
+/// another transaction's row lock while eight callers line up behind it, one
+/// at a time in the order given; the lock is released with all of them
+/// waiting (a store caller may have answered `InProgress` by then: it waits
+/// at most 1 s). Exactly one acquires.
+async fn released_to_eight_callers(lease_expired: bool, callers: [Via; 8]) {
+    let Some(store) = mysql_store_or_skip().await else {
+        return;
+    };
+    let admin = store.pool().clone();
+    let tenant = fresh_tenant();
+    let identity = Identity::new(&tenant, "mysql_edges.fence", "k").expect("identity");
+    let f = fp("same");
+    let planted = OwnerToken::new();
+    if lease_expired {
+        let short = Duration::from_millis(1);
+        let got = store
+            .reserve(request(&identity, Some(&f), &planted, short, LONG))
+            .await
+            .expect("plant");
+        assert_eq!(got, Reservation::FRESH);
+        until_clock(&store, &identity, |s| {
+            s.lease_expires_at_ms.is_some_and(|l| l <= s.now_ms)
+        })
+        .await;
+    } else {
+        let got = store
+            .reserve(request(&identity, Some(&f), &planted, LONG, LONG))
+            .await
+            .expect("plant");
+        assert_eq!(got, Reservation::FRESH);
+        assert!(store
+            .complete(&identity, &planted, &ok(b"1"), Duration::from_millis(1))
+            .await
+            .expect("complete"));
+        until_clock(&store, &identity, |s| s.is_expired()).await;
+    }
+
+    let mut holder = admin.begin().await.expect("holder");
+    sqlx::query(
+        "SELECT state FROM idempotency_records WHERE tenant = ? AND scope = ? AND `key` = ? FOR UPDATE",
+    )
+    .bind(&identity.tenant)
+    .bind(&identity.scope)
+    .bind(&identity.key)
+    .fetch_one(&mut *holder)
+    .await
+    .expect("the holder locks the expired row");
+
+    let finished = Arc::new(AtomicUsize::new(0));
+    let mut ids = Vec::new();
+    let mut tasks = Vec::new();
+    for via in callers {
+        let (identity, f, done) = (identity.clone(), f.clone(), finished.clone());
+        let token = OwnerToken::new();
+        match via {
+            Via::Store => {
+                let pool = MySqlPoolOptions::new()
+                    .max_connections(1)
+                    .connect(&mysql_url())
+                    .await
+                    .expect("pool of one");
+                let own = MySqlStore::from_pool(pool).await.expect("store");
+                ids.push(connection_id(own.pool()).await);
+                tasks.push(tokio::spawn(async move {
+                    let got = own
+                        .reserve(request(&identity, Some(&f), &token, LONG, LONG))
+                        .await
+                        .expect("reserve through the store");
+                    done.fetch_add(1, Ordering::SeqCst);
+                    (via, token, got)
+                }));
+            }
+            Via::Autocommit => {
+                let mut conn = admin.acquire().await.expect("connection");
+                ids.push(connection_id(&mut *conn).await);
+                tasks.push(tokio::spawn(async move {
+                    let got = conn
+                        .reserve_in_transaction(
+                            request(&identity, Some(&f), &token, LONG, LONG),
+                            WAIT,
+                        )
+                        .await
+                        .expect("reserve on an autocommit connection");
+                    done.fetch_add(1, Ordering::SeqCst);
+                    (via, token, got)
+                }));
+            }
+            Via::Transaction => {
+                let mut tx = admin.begin().await.expect("begin");
+                ids.push(connection_id(&mut *tx).await);
+                tasks.push(tokio::spawn(async move {
+                    let got = tx
+                        .reserve_in_transaction(
+                            request(&identity, Some(&f), &token, LONG, LONG),
+                            WAIT,
+                        )
+                        .await
+                        .expect("reserve in a transaction");
+                    tx.commit().await.expect("commit");
+                    done.fetch_add(1, Ordering::SeqCst);
+                    (via, token, got)
+                }));
+            }
+        }
+        // One at a time, so they queue on the lock in this order.
+        until_all_wait_or_finish(&admin, &ids, &finished).await;
+    }
+    holder.commit().await.expect("the holder lets go");
+
+    let mut answers = Vec::new();
+    for task in tasks {
+        answers.push(task.await.expect("caller"));
+    }
+    let winners: Vec<_> = answers
+        .iter()
+        .filter(|(_, _, got)| matches!(got, Reservation::Acquired { .. }))
+        .collect();
+    assert_eq!(
+        winners.len(),
+        1,
+        "exactly one caller acquires the released record: {answers:?}"
+    );
+    assert!(
+        matches!(
+            winners[0].2,
+            Reservation::Acquired { took_over, attempt, .. }
+                if took_over == lease_expired && attempt == if lease_expired { 2 } else { 1 }
+        ),
+        "{:?}",
+        winners[0].2
+    );
+    for (via, _, got) in &answers {
+        assert!(
+            matches!(
+                got,
+                Reservation::Acquired { .. } | Reservation::InProgress { .. }
+            ),
+            "{via:?}: {got:?}"
+        );
+    }
+    let snap = store
+        .fetch(&identity)
+        .await
+        .expect("fetch")
+        .expect("record");
+    assert_eq!(snap.owner_token.as_deref(), Some(winners[0].1.as_str()));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_expired_record_released_to_eight_callers_is_acquired_once() {
+    released_to_eight_callers(false, AUTOCOMMIT).await;
+    released_to_eight_callers(false, MIXED).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_expired_lease_released_to_eight_callers_is_taken_over_once() {
+    released_to_eight_callers(true, AUTOCOMMIT).await;
+    released_to_eight_callers(true, MIXED).await;
+}
+
+// ---------------------------------------------------------------- rule 15: answers take no lock
+
+/// Reserves in `tx` with a fresh token and a long lease and ttl.
+async fn in_tx(
+    tx: &mut sqlx::Transaction<'_, MySql>,
+    identity: &Identity,
+    fingerprint: Option<&Fingerprint>,
+    lock_wait: Duration,
+) -> Reservation {
+    let token = OwnerToken::new();
+    tx.reserve_in_transaction(
+        request(identity, fingerprint, &token, LONG, LONG),
+        lock_wait,
+    )
+    .await
+    .expect("reserve in a transaction")
+}
+
+/// With the transactions in `open` still open, a caller through a store and
+/// one in a fresh transaction replay `payload` at once (their sessions would
+/// fail after `GUARD_S` seconds on a row lock).
+async fn others_replay(
+    guarded: &MySqlStore,
+    identity: &Identity,
+    fingerprint: &Fingerprint,
+    payload: &[u8],
+) {
+    let token = OwnerToken::new();
+    let through_store = guarded
+        .reserve(request(identity, Some(fingerprint), &token, LONG, LONG))
+        .await
+        .expect("reserve through the store");
+    assert_eq!(
+        through_store,
+        Reservation::Completed(ok(payload)),
+        "through the store"
+    );
+    let mut other = guarded.pool().begin().await.expect("begin");
+    let in_other = in_tx(&mut other, identity, Some(fingerprint), WAIT).await;
+    other.rollback().await.expect("rollback");
+    assert_eq!(
+        in_other,
+        Reservation::Completed(ok(payload)),
+        "in another transaction"
+    );
+}
+
+#[tokio::test]
+async fn a_replay_or_mismatch_inside_an_open_transaction_takes_no_lock() {
+    let Some(store) = mysql_store_or_skip().await else {
+        return;
+    };
+    let guarded = guarded_store(4).await;
+    let identity = Identity::new(fresh_tenant(), "mysql_edges.answers", "k").expect("identity");
+    let (a, b) = (fp("a"), fp("b"));
+    let token = OwnerToken::new();
+    let got = store
+        .reserve(request(&identity, Some(&a), &token, LONG, LONG))
+        .await
+        .expect("reserve");
+    assert_eq!(got, Reservation::FRESH);
+    assert!(store
+        .complete(&identity, &token, &ok(b"7"), LONG)
+        .await
+        .expect("complete"));
+
+    let mut replaying = store.pool().begin().await.expect("begin");
+    assert_eq!(
+        in_tx(&mut replaying, &identity, Some(&a), WAIT).await,
+        Reservation::Completed(ok(b"7"))
+    );
+    let mut mismatching = store.pool().begin().await.expect("begin");
+    assert_eq!(
+        in_tx(&mut mismatching, &identity, Some(&b), WAIT).await,
+        Reservation::FingerprintMismatch
+    );
+    // Both transactions are still open.
+    others_replay(&guarded, &identity, &a, b"7").await;
+    let token = OwnerToken::new();
+    assert_eq!(
+        guarded
+            .reserve(request(&identity, Some(&b), &token, LONG, LONG))
+            .await
+            .expect("reserve"),
+        Reservation::FingerprintMismatch
+    );
+    replaying.commit().await.expect("commit");
+    mismatching.commit().await.expect("commit");
+}
+
+#[tokio::test]
+async fn an_in_progress_answer_inside_an_open_transaction_takes_no_lock() {
+    let Some(store) = mysql_store_or_skip().await else {
+        return;
+    };
+    let guarded = guarded_store(4).await;
+    let identity = Identity::new(fresh_tenant(), "mysql_edges.answers", "k").expect("identity");
+    let (a, b) = (fp("a"), fp("b"));
+    let owner = OwnerToken::new();
+    let got = store
+        .reserve(request(&identity, Some(&a), &owner, LONG, LONG))
+        .await
+        .expect("reserve");
+    assert_eq!(got, Reservation::FRESH);
+
+    let mut refused = store.pool().begin().await.expect("begin");
+    assert!(matches!(
+        in_tx(&mut refused, &identity, Some(&a), Duration::ZERO).await,
+        Reservation::InProgress { .. }
+    ));
+    let mut mismatching = store.pool().begin().await.expect("begin");
+    assert_eq!(
+        in_tx(&mut mismatching, &identity, Some(&b), Duration::ZERO).await,
+        Reservation::FingerprintMismatch
+    );
+    // With both transactions open, the owner renews and completes (its
+    // session would fail on a row lock after GUARD_S seconds) and the
+    // others replay.
+    assert!(guarded
+        .heartbeat(&identity, &owner, LONG)
+        .await
+        .expect("heartbeat"));
+    assert!(guarded
+        .complete(&identity, &owner, &ok(b"8"), LONG)
+        .await
+        .expect("the owner completes while the duplicates' transactions are open"));
+    others_replay(&guarded, &identity, &a, b"8").await;
+    refused.commit().await.expect("commit");
+    mismatching.commit().await.expect("commit");
+}
+
+/// A consistent read that fixes the transaction's REPEATABLE READ snapshot.
+async fn snapshot_now(tx: &mut sqlx::Transaction<'_, MySql>, tenant: &str) {
+    let n: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM idempotency_records WHERE tenant = ?")
+        .bind(tenant)
+        .fetch_one(&mut **tx)
+        .await
+        .expect("a consistent read");
+    assert_eq!(n, 0);
+}
+
+/// The caller's REPEATABLE READ snapshot is older than the record: its plain
+/// read sees nothing, the insert meets the committed record. The answer is
+/// still right, and what it holds does not make the record look in progress.
+#[tokio::test]
+async fn a_snapshot_older_than_the_record_still_replays_and_blocks_no_one() {
+    let Some(store) = mysql_store_or_skip().await else {
+        return;
+    };
+    let guarded = guarded_store(4).await;
+    let tenant = fresh_tenant();
+    let identity = Identity::new(&tenant, "mysql_edges.snapshot", "k").expect("identity");
+    let (a, b) = (fp("a"), fp("b"));
+    let mut stale_same = store.pool().begin().await.expect("begin");
+    snapshot_now(&mut stale_same, &tenant).await;
+    let mut stale_other = store.pool().begin().await.expect("begin");
+    snapshot_now(&mut stale_other, &tenant).await;
+    let mut stale_third = store.pool().begin().await.expect("begin");
+    snapshot_now(&mut stale_third, &tenant).await;
+
+    let token = OwnerToken::new();
+    let got = store
+        .reserve(request(&identity, Some(&a), &token, LONG, LONG))
+        .await
+        .expect("reserve");
+    assert_eq!(got, Reservation::FRESH);
+    assert!(store
+        .complete(&identity, &token, &ok(b"9"), LONG)
+        .await
+        .expect("complete"));
+
+    assert_eq!(
+        in_tx(&mut stale_same, &identity, Some(&a), WAIT).await,
+        Reservation::Completed(ok(b"9")),
+        "a stale snapshot still replays the committed record"
+    );
+    assert_eq!(
+        in_tx(&mut stale_other, &identity, Some(&b), WAIT).await,
+        Reservation::FingerprintMismatch,
+        "and still sees the mismatch"
+    );
+    others_replay(&guarded, &identity, &a, b"9").await;
+    assert_eq!(
+        in_tx(&mut stale_third, &identity, Some(&a), WAIT).await,
+        Reservation::Completed(ok(b"9")),
+        "a third stale transaction replays too"
+    );
+    for tx in [stale_same, stale_other, stale_third] {
+        tx.commit().await.expect("commit");
+    }
+}
+
+// ---------------------------------------------------------------- rule 15: rollback without deadlocks
+
+const EDGES_DDL: &str = "CREATE TABLE IF NOT EXISTS idempotent_edges_writes (
+    tenant VARCHAR(100) NOT NULL, what VARCHAR(100) NOT NULL) ENGINE = InnoDB";
+
+#[derive(Default)]
+struct Hold {
+    reached: Notify,
+    go: Notify,
+}
+
+#[idempotent(scope = "mysql_edges.rollback", key = key, tenant = tenant, tx = tx, skip(hold),
+             ttl = "1h", in_progress = wait("60s"))]
+async fn charge(
+    tx: &mut sqlx::Transaction<'_, MySql>,
+    tenant: &str,
+    key: &str,
+    hold: Option<&Hold>,
+) -> Result<u64, Error> {
+    sqlx::query("INSERT INTO idempotent_edges_writes (tenant, what) VALUES (?, 'body')")
+        .bind(tenant)
+        .execute(&mut **tx)
+        .await
+        .map_err(|e| Error::Store(idempotent_runtime::StoreError::new("mysql", "body", e)))?;
+    if let Some(hold) = hold {
+        hold.reached.notify_one();
+        hold.go.notified().await;
+    }
+    Ok(42)
+}
+
+async fn writes(pool: &MySqlPool, tenant: &str, what: &str) -> i64 {
+    sqlx::query_scalar("SELECT COUNT(*) FROM idempotent_edges_writes WHERE tenant = ? AND what = ?")
+        .bind(tenant)
+        .bind(what)
+        .fetch_one(pool)
+        .await
+        .expect("count")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_owner_rollback_hands_the_key_to_one_waiter_without_deadlocks() {
+    let Some(store) = mysql_store_or_skip().await else {
+        return;
+    };
+    let pool = MySqlPoolOptions::new()
+        .max_connections(12)
+        .connect(&mysql_url())
+        .await
+        .expect("pool");
+    sqlx::query(EDGES_DDL).execute(&pool).await.expect("ddl");
+    let tenant = fresh_tenant();
+
+    let hold = Arc::new(Hold::default());
+    let owner = {
+        let (pool, tenant, hold) = (pool.clone(), tenant.clone(), hold.clone());
+        tokio::spawn(async move {
+            let mut tx = pool.begin().await.expect("begin");
+            let answer = charge(&mut tx, &tenant, "k", Some(&hold)).await;
+            tx.rollback().await.expect("the owner rolls back");
+            answer
+        })
+    };
+    hold.reached.notified().await;
+
+    const WAITERS: usize = 8;
+    let finished = Arc::new(AtomicUsize::new(0));
+    let (id_tx, mut id_rx) = tokio::sync::mpsc::unbounded_channel();
+    let mut waiters = Vec::new();
+    for i in 0..WAITERS {
+        let (pool, tenant, finished, id_tx) = (
+            pool.clone(),
+            tenant.clone(),
+            finished.clone(),
+            id_tx.clone(),
+        );
+        waiters.push(tokio::spawn(async move {
+            let mut tx = pool.begin().await.expect("begin");
+            sqlx::query("INSERT INTO idempotent_edges_writes (tenant, what) VALUES (?, ?)")
+                .bind(&tenant)
+                .bind(format!("before-{i}"))
+                .execute(&mut *tx)
+                .await
+                .expect("the waiter's own write");
+            id_tx.send(connection_id(&mut *tx).await).expect("send");
+            let (answer, outcome) = with_outcome(charge(&mut tx, &tenant, "k", None)).await;
+            let committed = tx.commit().await;
+            finished.fetch_add(1, Ordering::SeqCst);
+            (answer, outcome, committed)
+        }));
+    }
+    let mut ids = Vec::new();
+    for _ in 0..WAITERS {
+        ids.push(id_rx.recv().await.expect("id"));
+    }
+    until_all_wait_or_finish(&pool, &ids, &finished).await;
+    assert_eq!(
+        finished.load(Ordering::SeqCst),
+        0,
+        "no waiter answers while the owner holds the key"
+    );
+    hold.go.notify_one();
+    assert_eq!(
+        owner.await.expect("owner").expect("the owner's body ran"),
+        42
+    );
+
+    let mut executed = 0;
+    for waiter in waiters {
+        let (answer, outcome, committed) = waiter.await.expect("waiter");
+        committed.expect("every waiter's transaction is still alive and commits");
+        match answer {
+            Ok(42) if outcome == Some(Outcome::Executed) => executed += 1,
+            Ok(42) if outcome == Some(Outcome::Replayed) => {}
+            Err(Error::InProgress { .. }) => {}
+            other => panic!("a waiter got {other:?} ({outcome:?})"),
+        }
+    }
+    assert_eq!(executed, 1, "exactly one waiter took the key over");
+    for i in 0..WAITERS {
+        assert_eq!(
+            writes(&pool, &tenant, &format!("before-{i}")).await,
+            1,
+            "waiter {i}'s own earlier write survived"
+        );
+    }
+    assert_eq!(writes(&pool, &tenant, "body").await, 1, "one body's write");
+    let identity = Identity::new(&tenant, "mysql_edges.rollback", "k").expect("identity");
+    assert_eq!(
+        store
+            .fetch(&identity)
+            .await
+            .expect("fetch")
+            .map(|s| s.state),
+        Some(idempotent_runtime::RecordState::Complete)
+    );
+}
+
+// ---------------------------------------------------------------- rule 16: purge skips held rows
+
+/// Purges in batches of two until `gone` are all gone (bounded); every batch
+/// must succeed (a guarded session fails after `GUARD_S` seconds on a lock).
+async fn purge_until_gone(guarded: &MySqlStore, gone: &[&Identity]) {
+    for _ in 0..50 {
+        guarded
+            .purge_expired(2)
+            .await
+            .expect("the purge does not wait for a held row");
+        let mut left = 0;
+        for identity in gone {
+            left += usize::from(guarded.fetch(identity).await.expect("fetch").is_some());
+        }
+        if left == 0 {
+            return;
+        }
+    }
+    panic!("the purge did not get to the expired records");
+}
+
+/// Expired records are planted with expiry times in 1970, so they are the
+/// first a purge in expiry order meets (and this test's purges delete little
+/// else on a shared server). The oldest is held by an open transaction.
+#[tokio::test]
+async fn the_purge_skips_a_row_held_by_an_open_transaction() {
+    let Some(store) = mysql_store_or_skip().await else {
+        return;
+    };
+    let guarded = guarded_store(4).await;
+    let tenant = fresh_tenant();
+    let identity = |k: &str| Identity::new(&tenant, "mysql_edges.purge", k).expect("identity");
+    let now_ms: i64 = sqlx::query_scalar(
+        "SELECT CAST(UNIX_TIMESTAMP() * 1000 + FLOOR(MICROSECOND(NOW(6)) / 1000) AS SIGNED)",
+    )
+    .fetch_one(store.pool())
+    .await
+    .expect("clock");
+    // (key, state, lease_expires_at, expires_at)
+    let rows = [
+        ("held", "complete", None, 1_000),
+        ("complete-1", "complete", None, 1_001),
+        ("complete-2", "complete", None, 1_002),
+        ("complete-3", "complete", None, 1_003),
+        ("abandoned", "in_progress", Some(1_004), 1_004),
+        ("leased", "in_progress", Some(now_ms + 600_000), 1_005),
+    ];
+    for (key, state, lease, expires) in rows {
+        sqlx::query(
+            "INSERT INTO idempotency_records
+                 (tenant, scope, `key`, state, fingerprint, owner_token, is_error, result,
+                  lease_expires_at, expires_at, created_at, updated_at)
+             VALUES (?, 'mysql_edges.purge', ?, ?, NULL, ?, 0, ?, ?, ?, ?, ?)",
+        )
+        .bind(&tenant)
+        .bind(key)
+        .bind(state)
+        .bind((state == "in_progress").then(|| OwnerToken::new().as_str().to_owned()))
+        .bind((state == "complete").then_some(&b"1"[..]))
+        .bind(lease)
+        .bind(expires)
+        .bind(expires)
+        .bind(expires)
+        .execute(store.pool())
+        .await
+        .expect("plant");
+    }
+    let (held, leased) = (identity("held"), identity("leased"));
+    let others = ["complete-1", "complete-2", "complete-3", "abandoned"].map(identity);
+
+    let mut holder = store.pool().begin().await.expect("begin");
+    sqlx::query(
+        "SELECT state FROM idempotency_records WHERE tenant = ? AND scope = ? AND `key` = ? FOR UPDATE",
+    )
+    .bind(&held.tenant)
+    .bind(&held.scope)
+    .bind(&held.key)
+    .fetch_one(&mut *holder)
+    .await
+    .expect("lock the oldest expired row");
+
+    purge_until_gone(&guarded, &others.iter().collect::<Vec<_>>()).await;
+    assert!(
+        store.fetch(&held).await.expect("fetch").is_some(),
+        "the held row is left alone"
+    );
+    holder.rollback().await.expect("rollback");
+    purge_until_gone(&guarded, &[&held]).await;
+    assert!(
+        store.fetch(&leased).await.expect("fetch").is_some(),
+        "a live lease is never purged, even past its ttl"
+    );
+    sqlx::query("DELETE FROM idempotency_records WHERE tenant = ?")
+        .bind(&tenant)
+        .execute(store.pool())
+        .await
+        .expect("clean up");
+}

@@ -1,0 +1,962 @@
+//! SQLite at its edges:
+//! 1. opening one brand-new file from many tasks and many OS processes at the
+//!    same moment (DESIGN.md §5: migrations apply themselves "also when
+//!    several processes open a brand-new database at the same moment");
+//! 2. transactional mode in a caller's transaction that SQLite will never let
+//!    write, and in one that only has to wait (rule 15); a call dropped while
+//!    it waits;
+//! 3. an application's pool (`from_pool`) the store cannot configure.
+//!
+//! Waits are handshakes on the store's own log events, never sleeps.
+
+use idempotent_runtime::{idempotent, with_outcome, Error, Identity, Outcome, SqliteStore, Store};
+use sqlx::sqlite::{SqliteConnectOptions, SqlitePoolOptions};
+use sqlx::{Connection, Executor, Sqlite, SqliteConnection};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+// ------------------------------------------------------------------ helpers
+
+/// A fresh database file path (the file does not exist yet).
+fn fresh_path() -> PathBuf {
+    let dir = std::env::temp_dir().join("idempotent-sqlite-edges-tests");
+    std::fs::create_dir_all(&dir).expect("create the temp dir");
+    dir.join(format!("{}.db", uuid::Uuid::new_v4().simple()))
+}
+
+fn url(path: &Path) -> String {
+    format!("sqlite://{}", path.display())
+}
+
+fn remove(path: &Path) {
+    for suffix in ["", "-wal", "-shm", "-journal"] {
+        let _ = std::fs::remove_file(format!("{}{suffix}", path.display()));
+    }
+}
+
+/// What one opener saw: the applied migration versions, the journal mode, and
+/// whether the records table exists. Every opener of one file must see the same.
+async fn schema_seen(store: &SqliteStore) -> String {
+    let versions: Vec<i64> =
+        sqlx::query_scalar("SELECT version FROM idempotency_schema_migrations ORDER BY version")
+            .fetch_all(store.pool())
+            .await
+            .expect("the migrations table exists");
+    let journal: String = sqlx::query_scalar("PRAGMA journal_mode")
+        .fetch_one(store.pool())
+        .await
+        .expect("journal mode");
+    let tables: i64 = sqlx::query_scalar(
+        "SELECT COUNT(*) FROM sqlite_master WHERE type = 'table' AND name = 'idempotency_records'",
+    )
+    .fetch_one(store.pool())
+    .await
+    .expect("sqlite_master");
+    let versions: Vec<String> = versions.iter().map(i64::to_string).collect();
+    format!(
+        "versions={} journal={journal} records_table={tables}",
+        versions.join(",")
+    )
+}
+
+/// The schema a single, uncontended open of a new file produces.
+async fn expected_schema() -> String {
+    let path = fresh_path();
+    let store = SqliteStore::connect(&url(&path)).await.expect("open alone");
+    let seen = schema_seen(&store).await;
+    store.pool().close().await;
+    remove(&path);
+    assert!(seen.contains("journal=wal") && seen.contains("records_table=1"));
+    seen
+}
+
+/// Opens `url` from `tasks` tasks released together; each returns what it saw.
+async fn open_from_tasks(url: &str, tasks: usize) -> Vec<Result<String, String>> {
+    let barrier = Arc::new(tokio::sync::Barrier::new(tasks));
+    let handles: Vec<_> = (0..tasks)
+        .map(|_| {
+            let (url, barrier) = (url.to_owned(), barrier.clone());
+            tokio::spawn(async move {
+                barrier.wait().await;
+                match SqliteStore::connect(&url).await {
+                    Ok(store) => {
+                        let seen = schema_seen(&store).await;
+                        store.pool().close().await;
+                        Ok(seen)
+                    }
+                    Err(e) => Err(e.to_string()),
+                }
+            })
+        })
+        .collect();
+    let mut seen = Vec::new();
+    for h in handles {
+        seen.push(h.await.expect("opener task"));
+    }
+    seen
+}
+
+/// The store's tracing events, captured process-wide by one global
+/// subscriber (a thread-local one misses events whose callsite another test
+/// thread registered first, so `cargo test` would see the handshakes fail).
+mod capture {
+    use std::sync::{Arc, Mutex, Once};
+    use tracing_subscriber::layer::SubscriberExt;
+
+    type Listener = (Vec<String>, Arc<tokio::sync::Notify>);
+    static LISTENERS: Mutex<Vec<Listener>> = Mutex::new(Vec::new());
+    static EVENTS: Mutex<Vec<String>> = Mutex::new(Vec::new());
+
+    struct Capture;
+
+    impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Capture {
+        fn register_callsite(
+            &self,
+            metadata: &'static tracing::Metadata<'static>,
+        ) -> tracing::subscriber::Interest {
+            if metadata.target().starts_with("idempotent") {
+                tracing::subscriber::Interest::always()
+            } else {
+                tracing::subscriber::Interest::never()
+            }
+        }
+
+        fn on_event(
+            &self,
+            event: &tracing::Event<'_>,
+            _: tracing_subscriber::layer::Context<'_, S>,
+        ) {
+            struct Render(String);
+            impl tracing::field::Visit for Render {
+                fn record_debug(
+                    &mut self,
+                    field: &tracing::field::Field,
+                    value: &dyn std::fmt::Debug,
+                ) {
+                    self.0.push_str(&format!(" {}={value:?}", field.name()));
+                }
+            }
+            let mut rendered = Render(String::new());
+            event.record(&mut rendered);
+            for (parts, notify) in LISTENERS.lock().unwrap().iter() {
+                if parts.iter().all(|p| rendered.0.contains(p.as_str())) {
+                    notify.notify_one();
+                }
+            }
+            EVENTS.lock().unwrap().push(rendered.0);
+        }
+    }
+
+    fn install() {
+        static ONCE: Once = Once::new();
+        ONCE.call_once(|| {
+            tracing::subscriber::set_global_default(tracing_subscriber::registry().with(Capture))
+                .expect("the capturing subscriber");
+        });
+    }
+
+    /// Woken (once per event) by every store event whose message and fields contain all of `parts`.
+    pub fn notify_on(parts: &[&str]) -> Arc<tokio::sync::Notify> {
+        install();
+        let notify = Arc::new(tokio::sync::Notify::new());
+        let parts = parts.iter().map(|p| (*p).to_owned()).collect();
+        LISTENERS.lock().unwrap().push((parts, notify.clone()));
+        notify
+    }
+
+    /// Whether any store event so far contained all of `parts`.
+    pub fn seen(parts: &[&str]) -> bool {
+        install();
+        EVENTS
+            .lock()
+            .unwrap()
+            .iter()
+            .any(|e| parts.iter().all(|p| e.contains(p)))
+    }
+}
+
+// ------------------------------------------------ (1) opening a new file at once
+
+/// `connect` and `from_pool` can be spawned: their futures are `Send` (the
+/// migration runner used to hold a non-`Send` sqlx future, which made
+/// `tokio::spawn(SqliteStore::connect(..))` fail to compile).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connect_and_from_pool_can_be_spawned() {
+    let path = fresh_path();
+    let u = url(&path);
+    let store = tokio::spawn(async move { SqliteStore::connect(&u).await })
+        .await
+        .expect("task")
+        .expect("connect in a spawned task");
+    let pool = store.pool().clone();
+    let again = tokio::spawn(async move { SqliteStore::from_pool(pool).await })
+        .await
+        .expect("task")
+        .expect("from_pool in a spawned task");
+    again.pool().close().await;
+    remove(&path);
+}
+
+/// The root cause of "database is locked" on a brand-new file, shown without
+/// any race: another connection holds the write lock (here a plain
+/// `BEGIN IMMEDIATE`, in the other process this is its own switch to WAL).
+/// SQLite answers `PRAGMA journal_mode = WAL` with SQLITE_BUSY at once, without
+/// consulting the busy timeout, because the switch upgrades a read transaction.
+/// `connect` must wait it out (bounded), not fail.
+#[tokio::test]
+async fn switching_to_wal_waits_for_another_writer() {
+    let path = fresh_path();
+    let mut holder = SqliteConnection::connect_with(
+        &SqliteConnectOptions::new()
+            .filename(&path)
+            .create_if_missing(true),
+    )
+    .await
+    .expect("the other connection");
+    holder
+        .execute("BEGIN IMMEDIATE; CREATE TABLE other_app (id INTEGER PRIMARY KEY)")
+        .await
+        .expect("hold the write lock");
+
+    // Handshake: the store says when it met the lock on this file and is waiting.
+    let met_the_lock = capture::notify_on(&[MET_THE_LOCK, &path.display().to_string()]);
+    let u = url(&path);
+    let mut opening = tokio::spawn(async move { SqliteStore::connect(&u).await });
+    tokio::select! {
+        _ = met_the_lock.notified() => {}
+        finished = &mut opening => panic!(
+            "connect finished while another connection held the lock, instead of waiting: {:?}",
+            finished.expect("task").map(|_| "opened")
+        ),
+    }
+    holder.execute("COMMIT").await.expect("release the lock");
+    let store = opening
+        .await
+        .expect("task")
+        .expect("opens once the lock is free");
+    let seen = schema_seen(&store).await;
+    assert!(
+        seen.contains("journal=wal") && seen.contains("records_table=1"),
+        "{seen}"
+    );
+    let other: i64 =
+        sqlx::query_scalar("SELECT COUNT(*) FROM sqlite_master WHERE name = 'other_app'")
+            .fetch_one(store.pool())
+            .await
+            .unwrap();
+    assert_eq!(other, 1, "the other connection's write survives");
+    store.pool().close().await;
+    holder.close().await.unwrap();
+    remove(&path);
+}
+
+/// Many tasks open one brand-new file at once, 30 rounds: every open
+/// succeeds and every opener sees the same, fully migrated, WAL schema.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_tasks_open_one_new_file_at_once() {
+    let expected = expected_schema().await;
+    for round in 0..30 {
+        let path = fresh_path();
+        for (i, seen) in open_from_tasks(&url(&path), 16)
+            .await
+            .into_iter()
+            .enumerate()
+        {
+            assert_eq!(
+                seen.as_deref(),
+                Ok(expected.as_str()),
+                "round {round}, opener {i}"
+            );
+        }
+        remove(&path);
+    }
+}
+
+/// The environment variable that turns `child_process_opens_the_shared_file`
+/// into a child: it names the file to open.
+const CHILD_ENV: &str = "IDEMPOTENT_SQLITE_EDGES_CHILD_DB";
+const CHILD_TEST: &str = "sqlite_edges::child_process_opens_the_shared_file";
+const CHILD_TASKS: usize = 4;
+/// What the store logs when it meets another connection's lock while
+/// switching a file to WAL (and waits).
+const MET_THE_LOCK: &str = "switching to WAL";
+
+/// Not a test by itself: a child process of
+/// `many_processes_open_one_new_file_at_once` (selected by `CHILD_ENV`). It
+/// says `ready`, waits for `go` on stdin (the start barrier), opens the file
+/// from a few tasks at once and prints what each saw. It also says `waiting`
+/// the first time the store reports meeting another process's lock.
+#[test]
+fn child_process_opens_the_shared_file() {
+    use std::io::{BufRead, Write};
+    let Ok(path) = std::env::var(CHILD_ENV) else {
+        return;
+    };
+    let waiting = capture::notify_on(&[MET_THE_LOCK, &path]);
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    println!("child: ready");
+    std::io::stdout().flush().unwrap();
+    let mut go = String::new();
+    std::io::stdin().lock().read_line(&mut go).unwrap();
+    assert_eq!(go.trim(), "go");
+    rt.spawn(async move {
+        waiting.notified().await;
+        println!("child: waiting");
+        std::io::stdout().flush().unwrap();
+    });
+    for seen in rt.block_on(open_from_tasks(&url(Path::new(&path)), CHILD_TASKS)) {
+        match seen {
+            Ok(seen) => println!("child: opened {seen}"),
+            Err(e) => println!("child: failed {e}"),
+        }
+    }
+    std::io::stdout().flush().unwrap();
+}
+
+/// One child process of `many_processes_open_one_new_file_at_once`.
+struct ChildOpener {
+    process: tokio::process::Child,
+    stdin: tokio::process::ChildStdin,
+    lines: tokio::io::Lines<tokio::io::BufReader<tokio::process::ChildStdout>>,
+    seen: Vec<Result<String, String>>,
+}
+
+impl ChildOpener {
+    async fn start(exe: &Path, path: &Path) -> ChildOpener {
+        use tokio::io::AsyncBufReadExt;
+        let mut process = tokio::process::Command::new(exe)
+            .args([CHILD_TEST, "--exact", "--nocapture", "--test-threads=1"])
+            .env(CHILD_ENV, path)
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("start a child process");
+        let stdin = process.stdin.take().unwrap();
+        let lines = tokio::io::BufReader::new(process.stdout.take().unwrap()).lines();
+        let mut child = ChildOpener {
+            process,
+            stdin,
+            lines,
+            seen: Vec::new(),
+        };
+        // Handshake: the child is up and waiting for the start signal.
+        child.read_until("ready").await;
+        child
+    }
+
+    async fn go(&mut self) {
+        use tokio::io::AsyncWriteExt;
+        self.stdin.write_all(b"go\n").await.unwrap();
+        self.stdin.flush().await.unwrap();
+    }
+
+    /// Reads the child's lines (collecting what its openers saw) until it says
+    /// `word`, or until it has reported every opener; true if it said `word`.
+    async fn read_until(&mut self, word: &str) -> bool {
+        while self.seen.len() < CHILD_TASKS {
+            let line = self
+                .lines
+                .next_line()
+                .await
+                .unwrap()
+                .expect("the child's output");
+            // libtest may print "test <name> ... " on the same line first.
+            let Some(at) = line.find("child: ") else {
+                continue;
+            };
+            let said = &line[at + "child: ".len()..];
+            if let Some(s) = said.strip_prefix("opened ") {
+                self.seen.push(Ok(s.to_owned()));
+            } else if let Some(e) = said.strip_prefix("failed ") {
+                self.seen.push(Err(e.to_owned()));
+            } else if said == word {
+                return true;
+            }
+        }
+        false
+    }
+
+    async fn finish(mut self) -> Vec<Result<String, String>> {
+        self.read_until("(every opener reported)").await;
+        assert!(
+            self.process.wait().await.unwrap().success(),
+            "a child process failed"
+        );
+        self.seen
+    }
+}
+
+/// Several OS processes (and tasks in this one) open one brand-new file at the
+/// same moment, 30 rounds: all open, all see one schema. The children are this
+/// test binary, re-run with `--exact child_process_opens_the_shared_file`.
+///
+/// In every other round this process first holds the new file's write lock
+/// (as a process busy switching it to WAL would) and lets go only once every
+/// child has reported meeting it: before the fix, every opener then failed
+/// with "database is locked"; now they wait, and then all switch together.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_processes_open_one_new_file_at_once() {
+    const CHILDREN: usize = 4;
+    let expected = expected_schema().await;
+    let exe = std::env::current_exe().expect("the test binary");
+    for round in 0..30 {
+        let path = fresh_path();
+        let hold_first = round % 2 == 0;
+        let one_round = async {
+            let mut holder = None;
+            if hold_first {
+                let mut conn = SqliteConnection::connect_with(
+                    &SqliteConnectOptions::new()
+                        .filename(&path)
+                        .create_if_missing(true),
+                )
+                .await
+                .expect("the holder");
+                conn.execute("BEGIN IMMEDIATE; CREATE TABLE other_app (id INTEGER PRIMARY KEY)")
+                    .await
+                    .expect("hold the write lock");
+                holder = Some(conn);
+            }
+            let mut children = Vec::new();
+            for _ in 0..CHILDREN {
+                children.push(ChildOpener::start(&exe, &path).await);
+            }
+            // Start everyone at once.
+            for child in &mut children {
+                child.go().await;
+            }
+            let mut seen = Vec::new();
+            if let Some(mut holder) = holder {
+                for child in &mut children {
+                    // Each child either waits for the lock, or has given up.
+                    child.read_until("waiting").await;
+                }
+                holder.execute("COMMIT").await.expect("let go of the lock");
+                holder.close().await.unwrap();
+            } else {
+                seen.extend(open_from_tasks(&url(&path), CHILD_TASKS).await);
+            }
+            for child in children {
+                seen.extend(child.finish().await);
+            }
+            seen
+        };
+        // A guard against a hung child, not a timing assertion.
+        let seen = tokio::time::timeout(Duration::from_secs(120), one_round)
+            .await
+            .unwrap_or_else(|_| panic!("round {round}: the openers did not finish"));
+        let openers = if hold_first { CHILDREN } else { CHILDREN + 1 } * CHILD_TASKS;
+        assert_eq!(seen.len(), openers, "round {round}: every opener reported");
+        for (i, s) in seen.iter().enumerate() {
+            assert_eq!(
+                s.as_deref(),
+                Ok(expected.as_str()),
+                "round {round} (holder first: {hold_first}), opener {i}"
+            );
+        }
+        remove(&path);
+    }
+}
+
+/// A file an older runtime set up, its history in `_idempotent_migrations`
+/// (the SQLite store's table before the one migration runner).
+async fn legacy_file(path: &Path) {
+    let store = SqliteStore::connect(&url(path)).await.expect("open");
+    store
+        .pool()
+        .execute("ALTER TABLE idempotency_schema_migrations RENAME TO _idempotent_migrations")
+        .await
+        .expect("make the history the legacy one");
+    store.pool().close().await;
+}
+
+/// Every (version, checksum, applied_at) row of one history table.
+async fn history(path: &Path, table: &str) -> Vec<(i64, Vec<u8>, i64)> {
+    let mut conn = SqliteConnection::connect(&url(path))
+        .await
+        .expect("connect");
+    let rows = sqlx::query_as(&format!(
+        "SELECT version, checksum, applied_at FROM {table} ORDER BY version"
+    ))
+    .fetch_all(&mut conn)
+    .await
+    .expect("read the history");
+    conn.close().await.unwrap();
+    rows
+}
+
+/// A file whose history an older runtime kept in `_idempotent_migrations`
+/// opens, from several OS processes and tasks at the same moment: the history
+/// is copied once into `idempotency_schema_migrations` (row for row: nothing
+/// is applied again, which would fail on the columns migration 0002 adds),
+/// and the legacy table is left as it was for older runtimes sharing the file.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_legacy_history_is_copied_once_when_many_processes_open_the_file() {
+    const CHILDREN: usize = 3;
+    let expected = expected_schema().await;
+    let exe = std::env::current_exe().expect("the test binary");
+    for round in 0..5 {
+        let path = fresh_path();
+        legacy_file(&path).await;
+        let legacy = history(&path, "_idempotent_migrations").await;
+        assert!(!legacy.is_empty());
+        let one_round = async {
+            let mut children = Vec::new();
+            for _ in 0..CHILDREN {
+                children.push(ChildOpener::start(&exe, &path).await);
+            }
+            for child in &mut children {
+                child.go().await;
+            }
+            let mut seen = open_from_tasks(&url(&path), CHILD_TASKS).await;
+            for child in children {
+                seen.extend(child.finish().await);
+            }
+            seen
+        };
+        // A guard against a hung child, not a timing assertion.
+        let seen = tokio::time::timeout(Duration::from_secs(120), one_round)
+            .await
+            .unwrap_or_else(|_| panic!("round {round}: the openers did not finish"));
+        assert_eq!(seen.len(), (CHILDREN + 1) * CHILD_TASKS, "round {round}");
+        for (i, s) in seen.iter().enumerate() {
+            assert_eq!(
+                s.as_deref(),
+                Ok(expected.as_str()),
+                "round {round}, opener {i}"
+            );
+        }
+        assert_eq!(
+            history(&path, "idempotency_schema_migrations").await,
+            legacy
+        );
+        assert_eq!(history(&path, "_idempotent_migrations").await, legacy);
+        remove(&path);
+    }
+}
+
+// ------------------------------------- (2) transactions SQLite never lets write
+
+#[idempotent(scope = "sqlite_edges.charge", key = key, tenant = tenant, tx = tx, skip(runs),
+             in_progress = wait("10s"))]
+async fn charge(
+    tx: &mut sqlx::Transaction<'_, Sqlite>,
+    tenant: &str,
+    key: &str,
+    runs: &AtomicUsize,
+) -> Result<u64, Error> {
+    runs.fetch_add(1, Ordering::SeqCst);
+    sqlx::query("INSERT INTO charges (tenant, idem_key) VALUES (?1, ?2)")
+        .bind(tenant)
+        .bind(key)
+        .execute(&mut **tx)
+        .await
+        .expect("the business write");
+    Ok(500)
+}
+
+/// The same, with a short wait: for the cases that must end in `InProgress`.
+#[idempotent(scope = "sqlite_edges.charge_short_wait", key = key, tenant = tenant, tx = tx,
+             skip(runs), in_progress = wait("300ms"))]
+async fn charge_short_wait(
+    tx: &mut sqlx::Transaction<'_, Sqlite>,
+    tenant: &str,
+    key: &str,
+    runs: &AtomicUsize,
+) -> Result<u64, Error> {
+    runs.fetch_add(1, Ordering::SeqCst);
+    sqlx::query("INSERT INTO charges (tenant, idem_key) VALUES (?1, ?2)")
+        .bind(tenant)
+        .bind(key)
+        .execute(&mut **tx)
+        .await
+        .expect("the business write");
+    Ok(500)
+}
+
+fn fresh_tenant() -> String {
+    format!("t-{}", uuid::Uuid::new_v4().simple())
+}
+
+async fn create_charges(pool: &sqlx::SqlitePool) {
+    sqlx::query(
+        "CREATE TABLE IF NOT EXISTS charges (tenant TEXT NOT NULL, idem_key TEXT NOT NULL)",
+    )
+    .execute(pool)
+    .await
+    .expect("ddl");
+}
+
+/// A write by another connection, committed.
+async fn commit_a_write_elsewhere(pool: &sqlx::SqlitePool) {
+    sqlx::query("INSERT INTO charges (tenant, idem_key) VALUES ('someone-else', 'x')")
+        .execute(pool)
+        .await
+        .expect("another connection's write");
+}
+
+fn assert_stale_snapshot(answer: Result<u64, Error>, scope: &str) {
+    match answer {
+        Err(e @ Error::StaleSnapshot { .. }) => {
+            let Error::StaleSnapshot { scope: s } = &e else {
+                unreachable!()
+            };
+            assert_eq!(s, scope);
+            let message = e.to_string();
+            assert!(
+                message.contains("BEGIN IMMEDIATE") && message.contains("Roll it back"),
+                "the error says what to do: {message}"
+            );
+        }
+        other => panic!("expected StaleSnapshot, got {other:?}"),
+    }
+}
+
+/// A deferred transaction (sqlx's `begin()`) that read before another
+/// connection committed can never write (SQLITE_BUSY_SNAPSHOT): a brand-new
+/// key is refused at once with `StaleSnapshot`, not `InProgress` after the
+/// wait; nothing runs, nothing is recorded. The same work in a transaction
+/// begun with `BEGIN IMMEDIATE` runs.
+#[tokio::test]
+async fn a_stale_snapshot_is_refused_and_begin_immediate_works() {
+    let path = fresh_path();
+    let store = SqliteStore::connect(&url(&path)).await.expect("open");
+    let pool = store.pool().clone();
+    create_charges(&pool).await;
+    let tenant = fresh_tenant();
+    let runs = AtomicUsize::new(0);
+    let id = Identity::new(&tenant, "sqlite_edges.charge", "brand-new").unwrap();
+
+    let mut tx = pool.begin().await.expect("deferred begin");
+    let _: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM charges")
+        .fetch_one(&mut *tx)
+        .await
+        .expect("read: the transaction now holds a snapshot");
+    commit_a_write_elsewhere(&pool).await;
+    let (answer, outcome) = with_outcome(charge(&mut tx, &tenant, "brand-new", &runs)).await;
+    assert_stale_snapshot(answer, "sqlite_edges.charge");
+    assert_eq!(outcome, None, "neither executed nor replayed");
+    assert_eq!(runs.load(Ordering::SeqCst), 0, "the body did not run");
+    tx.rollback().await.expect("rollback");
+    assert_eq!(store.fetch(&id).await.unwrap(), None, "nothing recorded");
+
+    let mut tx = pool
+        .begin_with("BEGIN IMMEDIATE")
+        .await
+        .expect("immediate begin");
+    let _: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM charges")
+        .fetch_one(&mut *tx)
+        .await
+        .expect("read");
+    let (answer, outcome) = with_outcome(charge(&mut tx, &tenant, "brand-new", &runs)).await;
+    assert_eq!(answer.expect("runs"), 500);
+    assert_eq!(outcome, Some(Outcome::Executed));
+    tx.commit().await.expect("commit");
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+
+    // A retry in a fresh transaction replays.
+    let mut tx = pool.begin_with("BEGIN IMMEDIATE").await.unwrap();
+    let (answer, outcome) = with_outcome(charge(&mut tx, &tenant, "brand-new", &runs)).await;
+    assert_eq!(answer.expect("replays"), 500);
+    assert_eq!(outcome, Some(Outcome::Replayed));
+    tx.commit().await.unwrap();
+    assert_eq!(runs.load(Ordering::SeqCst), 1, "the body ran once");
+    pool.close().await;
+    remove(&path);
+}
+
+/// Another connection holding the write lock in an open transaction is a
+/// genuine wait, not a stale snapshot: `InProgress` once the wait bound is
+/// over, both for a deferred transaction that has not read (SQLite's busy
+/// handler waits) and for one that has (SQLite answers at once; the wait
+/// policy retries). Once the holder rolls back, the same transactions write.
+#[tokio::test]
+async fn a_concurrent_write_lock_holder_gives_in_progress() {
+    let path = fresh_path();
+    let store = SqliteStore::connect(&url(&path)).await.expect("open");
+    let pool = store.pool().clone();
+    create_charges(&pool).await;
+    let tenant = fresh_tenant();
+    let runs = AtomicUsize::new(0);
+
+    for read_first in [false, true] {
+        let key = format!("held-{read_first}");
+        let mut tx = pool.begin().await.expect("deferred begin");
+        if read_first {
+            let _: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM charges")
+                .fetch_one(&mut *tx)
+                .await
+                .expect("read");
+        }
+        let mut holder = pool.acquire().await.expect("the holder's connection");
+        holder
+            .execute(
+                "BEGIN IMMEDIATE; INSERT INTO charges (tenant, idem_key) VALUES ('holder', 'h')",
+            )
+            .await
+            .expect("hold the write lock");
+        match charge_short_wait(&mut tx, &tenant, &key, &runs).await {
+            Err(Error::InProgress { scope, .. }) => {
+                assert_eq!(scope, "sqlite_edges.charge_short_wait")
+            }
+            other => panic!("read_first={read_first}: expected InProgress, got {other:?}"),
+        }
+        assert_eq!(runs.load(Ordering::SeqCst), 0);
+        holder
+            .execute("ROLLBACK")
+            .await
+            .expect("the holder gives up");
+        drop(holder);
+        // Nothing was committed meanwhile, so even the snapshot is still good.
+        let (answer, outcome) =
+            with_outcome(charge_short_wait(&mut tx, &tenant, &key, &runs)).await;
+        assert_eq!(
+            answer.expect("runs once the lock is free"),
+            500,
+            "read_first={read_first}"
+        );
+        assert_eq!(outcome, Some(Outcome::Executed));
+        tx.commit().await.expect("commit");
+        runs.store(0, Ordering::SeqCst);
+    }
+    pool.close().await;
+    remove(&path);
+}
+
+/// `from_pool` on an application's pool without WAL (rollback journal): a
+/// deferred transaction that has read holds a shared lock that the write lock
+/// holder needs for its commit, so waiting is a deadlock. Refused at once with
+/// `StaleSnapshot`; after the rollback the holder commits. A deferred
+/// transaction that has not read yet is a genuine wait: `InProgress`.
+#[tokio::test]
+async fn rollback_journal_read_then_write_is_refused_not_deadlocked() {
+    let path = fresh_path();
+    let pool = SqlitePoolOptions::new()
+        .max_connections(4)
+        .connect_with(
+            SqliteConnectOptions::new()
+                .filename(&path)
+                .create_if_missing(true),
+        )
+        .await
+        .expect("the application's pool, default journal");
+    let store = SqliteStore::from_pool(pool.clone())
+        .await
+        .expect("from_pool");
+    let journal: String = sqlx::query_scalar("PRAGMA journal_mode")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(journal, "delete", "a rollback-journal database");
+    create_charges(&pool).await;
+    let tenant = fresh_tenant();
+    let runs = AtomicUsize::new(0);
+
+    // Not read yet: SQLite's busy handler waits, then it is InProgress.
+    let mut tx = pool.begin().await.expect("deferred begin");
+    let mut holder = pool.acquire().await.unwrap();
+    holder
+        .execute("BEGIN IMMEDIATE; INSERT INTO charges (tenant, idem_key) VALUES ('holder', 'h')")
+        .await
+        .expect("hold the write lock");
+    match charge_short_wait(&mut tx, &tenant, "k", &runs).await {
+        Err(Error::InProgress { .. }) => {}
+        other => panic!("expected InProgress, got {other:?}"),
+    }
+    holder.execute("ROLLBACK").await.unwrap();
+    tx.rollback().await.unwrap();
+
+    // Read first: a deadlock, refused at once.
+    let mut tx = pool.begin().await.expect("deferred begin");
+    let _: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM charges")
+        .fetch_one(&mut *tx)
+        .await
+        .expect("read: holds the shared lock");
+    holder
+        .execute("BEGIN IMMEDIATE; INSERT INTO charges (tenant, idem_key) VALUES ('holder', 'h')")
+        .await
+        .expect("hold the write lock");
+    let answer = charge(&mut tx, &tenant, "k", &runs).await;
+    assert_stale_snapshot(answer, "sqlite_edges.charge");
+    assert_eq!(runs.load(Ordering::SeqCst), 0);
+    tx.rollback().await.unwrap();
+    holder
+        .execute("COMMIT")
+        .await
+        .expect("the holder can commit now");
+    drop(holder);
+
+    let mut tx = pool.begin_with("BEGIN IMMEDIATE").await.unwrap();
+    assert_eq!(
+        charge(&mut tx, &tenant, "k", &runs).await.expect("runs"),
+        500
+    );
+    tx.commit().await.unwrap();
+    let id = Identity::new(&tenant, "sqlite_edges.charge", "k").unwrap();
+    assert!(store.fetch(&id).await.unwrap().is_some());
+    pool.close().await;
+    remove(&path);
+}
+
+/// The same, waiting up to 2 s: long enough to be dropped while it waits.
+#[idempotent(scope = "sqlite_edges.charge_dropped", key = key, tenant = tenant, tx = tx,
+             in_progress = wait("2s"))]
+async fn charge_dropped(
+    tx: &mut sqlx::Transaction<'_, Sqlite>,
+    tenant: &str,
+    key: &str,
+) -> Result<u64, Error> {
+    let _ = tx;
+    Ok(500)
+}
+
+/// A transactional call sets the connection's busy timeout to its wait bound
+/// for the reservation and puts it back after. A call dropped while it waits
+/// for the lock cannot put it back; it used to leave the pooled connection
+/// with the wait bound (0 for `reject`) as its busy timeout, so later writes
+/// on it failed with "database is locked" much sooner than configured. The
+/// connection gets its timeout back when it returns to the store's pool.
+#[tokio::test]
+async fn a_dropped_call_does_not_leave_the_busy_timeout_changed() {
+    let path = fresh_path();
+    let store = SqliteStore::connect(&url(&path)).await.expect("open");
+    let pool = store.pool().clone();
+    let configured: i64 = sqlx::query_scalar("PRAGMA busy_timeout")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+
+    let reserving = capture::notify_on(&[
+        "reserving in the caller's transaction",
+        "sqlite_edges.charge_dropped",
+    ]);
+    let mut holder = pool.acquire().await.unwrap();
+    holder
+        .execute("BEGIN IMMEDIATE; DELETE FROM idempotency_records WHERE tenant = 'nobody'")
+        .await
+        .expect("hold the write lock");
+    let tenant = fresh_tenant();
+    let mut tx = pool.begin().await.expect("deferred begin");
+    {
+        let call = charge_dropped(&mut tx, &tenant, "k");
+        tokio::pin!(call);
+        tokio::select! {
+            // Handshake: the call has set its timeout and is about to wait.
+            _ = reserving.notified() => {}
+            answer = &mut call => panic!("the call should wait for the lock, got {answer:?}"),
+        }
+        // Dropped here, while it waits.
+    }
+    holder.execute("ROLLBACK").await.unwrap();
+    drop(holder);
+    tx.rollback().await.expect("the caller gives up too");
+
+    // As many connections as the pool may have, so the one the call used is
+    // among them (once it is back): all have the configured timeout.
+    let mut connections = Vec::new();
+    for _ in 0..pool.options().get_max_connections() {
+        connections.push(pool.acquire().await.unwrap());
+    }
+    for conn in &mut connections {
+        let busy: i64 = sqlx::query_scalar("PRAGMA busy_timeout")
+            .fetch_one(&mut **conn)
+            .await
+            .unwrap();
+        assert_eq!(
+            busy, configured,
+            "a pooled connection kept a dropped call's timeout"
+        );
+    }
+    drop(connections);
+    pool.close().await;
+    remove(&path);
+}
+
+// ------------------------------------------ (3) pools the store cannot fix
+
+/// `from_pool` on a pool without a busy timeout: every write that meets
+/// another connection's lock would fail at once with "database is locked".
+/// The store cannot change the application's pool, so it says so when it is
+/// made; a store opened with `connect` says nothing.
+#[tokio::test]
+async fn from_pool_warns_about_a_pool_without_busy_timeout() {
+    let path = fresh_path();
+    let file = path.display().to_string();
+    let store = SqliteStore::connect(&url(&path)).await.expect("connect");
+    assert!(
+        !capture::seen(&["no busy timeout", &file]),
+        "connect sets a busy timeout"
+    );
+    store.pool().close().await;
+
+    let pool = SqlitePoolOptions::new()
+        .max_connections(2)
+        .connect_with(
+            SqliteConnectOptions::new()
+                .filename(&path)
+                .busy_timeout(Duration::ZERO),
+        )
+        .await
+        .expect("the application's pool");
+    let store = SqliteStore::from_pool(pool)
+        .await
+        .expect("from_pool still works");
+    assert!(
+        capture::seen(&["no busy timeout", &file]),
+        "the warning names the problem and the file"
+    );
+    store.pool().close().await;
+    remove(&path);
+}
+
+/// Rule 15: a replay inside a transaction that has read takes no write lock,
+/// so while that transaction stays open another transactional caller of the
+/// same key replays too, instead of waiting on the lock and being told the
+/// record is in progress.
+#[tokio::test]
+async fn a_replay_in_an_open_transaction_leaves_other_callers_free() {
+    let path = fresh_path();
+    let store = SqliteStore::connect(&url(&path)).await.expect("open");
+    let pool = store.pool().clone();
+    create_charges(&pool).await;
+    let tenant = fresh_tenant();
+    let runs = AtomicUsize::new(0);
+
+    let mut first = pool.begin_with("BEGIN IMMEDIATE").await.expect("begin");
+    assert_eq!(
+        charge_short_wait(&mut first, &tenant, "k", &runs)
+            .await
+            .expect("runs"),
+        500
+    );
+    first.commit().await.expect("commit");
+
+    // A deferred transaction that has read, then replays, and stays open.
+    let mut open = pool.begin().await.expect("deferred begin");
+    let _: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM charges")
+        .fetch_one(&mut *open)
+        .await
+        .expect("read");
+    let (answer, outcome) = with_outcome(charge_short_wait(&mut open, &tenant, "k", &runs)).await;
+    assert_eq!(answer.expect("replays"), 500);
+    assert_eq!(outcome, Some(Outcome::Replayed));
+
+    // Meanwhile another transaction, deferred and without a prior read (it
+    // writes first), gets the replay too: the open one holds no write lock.
+    let mut other = pool.begin().await.expect("deferred begin");
+    let (answer, outcome) = with_outcome(charge_short_wait(&mut other, &tenant, "k", &runs)).await;
+    assert_eq!(answer.expect("replays, not InProgress"), 500);
+    assert_eq!(outcome, Some(Outcome::Replayed));
+    other.commit().await.expect("commit");
+    open.commit().await.expect("commit");
+    assert_eq!(runs.load(Ordering::SeqCst), 1, "the body ran once");
+    pool.close().await;
+    remove(&path);
+}

@@ -1,0 +1,231 @@
+//! Transactional mode at its edges (DESIGN.md rule 15): `tx = conn` given a
+//! connection that is *not* inside a transaction. The reservation would commit
+//! at once and nothing would renew its lease, so a body outliving its lease
+//! could run twice. Every SQL store refuses such a call with
+//! `Error::NotInTransaction` before anything is written; a connection inside a
+//! transaction begun with a plain `BEGIN` (not through sqlx) is accepted.
+
+use crate::common;
+
+use common::servers::{fresh_tenant, mysql_store_or_skip, pg_store_or_skip};
+use idempotent_runtime::{idempotent, with_outcome, Error, Identity, Outcome, Store};
+use sqlx::Executor;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+/// The body outlives its 300 ms lease (the case that ran twice before).
+const BODY: Duration = Duration::from_millis(1200);
+
+#[idempotent(scope = "tx_edges.pg", key = key, tenant = tenant, tx = conn, skip(runs),
+             lease = "300ms", in_progress = wait("5s"))]
+async fn pg_on_connection(
+    conn: &mut sqlx::PgConnection,
+    tenant: &str,
+    key: &str,
+    runs: &AtomicUsize,
+) -> Result<u64, Error> {
+    runs.fetch_add(1, Ordering::SeqCst);
+    tokio::time::sleep(BODY).await;
+    let one: i32 = sqlx::query_scalar("SELECT 1")
+        .fetch_one(&mut *conn)
+        .await
+        .map_err(|e| Error::Store(idempotent_runtime::StoreError::new("postgres", "body", e)))?;
+    Ok(one as u64)
+}
+
+#[idempotent(scope = "tx_edges.mysql", key = key, tenant = tenant, tx = conn, skip(runs),
+             lease = "300ms", in_progress = wait("5s"))]
+async fn my_on_connection(
+    conn: &mut sqlx::MySqlConnection,
+    tenant: &str,
+    key: &str,
+    runs: &AtomicUsize,
+) -> Result<u64, Error> {
+    runs.fetch_add(1, Ordering::SeqCst);
+    tokio::time::sleep(BODY).await;
+    let one: i32 = sqlx::query_scalar("SELECT 1")
+        .fetch_one(&mut *conn)
+        .await
+        .map_err(|e| Error::Store(idempotent_runtime::StoreError::new("mysql", "body", e)))?;
+    Ok(one as u64)
+}
+
+#[idempotent(scope = "tx_edges.sqlite", key = key, tenant = tenant, tx = conn, skip(runs),
+             lease = "300ms", in_progress = wait("5s"))]
+async fn sqlite_on_connection(
+    conn: &mut sqlx::SqliteConnection,
+    tenant: &str,
+    key: &str,
+    runs: &AtomicUsize,
+) -> Result<u64, Error> {
+    runs.fetch_add(1, Ordering::SeqCst);
+    tokio::time::sleep(BODY).await;
+    let one: i32 = sqlx::query_scalar("SELECT 1")
+        .fetch_one(&mut *conn)
+        .await
+        .map_err(|e| Error::Store(idempotent_runtime::StoreError::new("sqlite", "body", e)))?;
+    Ok(one as u64)
+}
+
+fn assert_refused(answer: &Result<u64, Error>, store: &str) {
+    match answer {
+        Err(e @ Error::NotInTransaction { store: s, .. }) => {
+            assert_eq!(*s, store);
+            let message = e.to_string();
+            assert!(
+                message.contains("not inside a transaction") && message.contains("begin"),
+                "the error says what to do: {message}"
+            );
+        }
+        other => panic!("expected NotInTransaction, got {other:?}"),
+    }
+}
+
+/// Two callers on two autocommit connections, at once, on one identity: both
+/// are refused, no body runs, nothing is written.
+macro_rules! two_autocommit_callers {
+    ($pool:expr, $call:ident, $scope:literal, $store:literal, $store_value:expr) => {{
+        let pool = $pool;
+        let tenant = fresh_tenant();
+        let runs = AtomicUsize::new(0);
+        let mut first = pool.acquire().await.expect("acquire");
+        let mut second = pool.acquire().await.expect("acquire");
+        let (a, b) = tokio::join!(
+            $call(&mut first, &tenant, "k", &runs),
+            $call(&mut second, &tenant, "k", &runs)
+        );
+        assert_refused(&a, $store);
+        assert_refused(&b, $store);
+        assert_eq!(runs.load(Ordering::SeqCst), 0, "no body ran");
+        let id = Identity::new(&tenant, $scope, "k").expect("identity");
+        assert_eq!(
+            $store_value.fetch(&id).await.expect("fetch"),
+            None,
+            "nothing was written"
+        );
+    }};
+}
+
+/// A plain `BEGIN` (not sqlx's `begin()`) is a transaction too: the call runs,
+/// and after `COMMIT` a retry on the same connection replays.
+macro_rules! plain_begin_is_accepted {
+    ($pool:expr, $call:ident, $store_value:expr) => {{
+        let pool = $pool;
+        let tenant = fresh_tenant();
+        let runs = AtomicUsize::new(0);
+        let mut conn = pool.acquire().await.expect("acquire");
+        conn.execute("BEGIN").await.expect("BEGIN");
+        let (answer, outcome) = with_outcome($call(&mut conn, &tenant, "k", &runs)).await;
+        assert_eq!(answer.expect("runs"), 1);
+        assert_eq!(outcome, Some(Outcome::Executed));
+        conn.execute("COMMIT").await.expect("COMMIT");
+        conn.execute("BEGIN").await.expect("BEGIN");
+        let (answer, outcome) = with_outcome($call(&mut conn, &tenant, "k", &runs)).await;
+        assert_eq!(answer.expect("replays"), 1);
+        assert_eq!(outcome, Some(Outcome::Replayed));
+        conn.execute("COMMIT").await.expect("COMMIT");
+        assert_eq!(runs.load(Ordering::SeqCst), 1, "the body ran once");
+        let _ = &$store_value;
+    }};
+}
+
+#[tokio::test]
+async fn pg_autocommit_connection_is_refused() {
+    let Some(store) = pg_store_or_skip().await else {
+        return;
+    };
+    two_autocommit_callers!(
+        store.pool(),
+        pg_on_connection,
+        "tx_edges.pg",
+        "postgres",
+        store
+    );
+}
+
+#[tokio::test]
+async fn pg_plain_begin_is_a_transaction() {
+    let Some(store) = pg_store_or_skip().await else {
+        return;
+    };
+    plain_begin_is_accepted!(store.pool(), pg_on_connection, store);
+}
+
+#[tokio::test]
+async fn mysql_autocommit_connection_is_refused() {
+    let Some(store) = mysql_store_or_skip().await else {
+        return;
+    };
+    two_autocommit_callers!(
+        store.pool(),
+        my_on_connection,
+        "tx_edges.mysql",
+        "mysql",
+        store
+    );
+}
+
+#[tokio::test]
+async fn mysql_plain_begin_is_a_transaction() {
+    let Some(store) = mysql_store_or_skip().await else {
+        return;
+    };
+    plain_begin_is_accepted!(store.pool(), my_on_connection, store);
+}
+
+/// `SET autocommit = 0`: every statement opens a transaction that lasts until
+/// COMMIT, so the reservation commits with the caller's writes: accepted.
+#[tokio::test]
+async fn mysql_autocommit_off_is_a_transaction() {
+    let Some(store) = mysql_store_or_skip().await else {
+        return;
+    };
+    let tenant = fresh_tenant();
+    let runs = AtomicUsize::new(0);
+    let mut conn = store.pool().acquire().await.expect("acquire");
+    conn.execute("SET autocommit = 0")
+        .await
+        .expect("autocommit off");
+    let answer = my_on_connection(&mut conn, &tenant, "k", &runs).await;
+    conn.execute("ROLLBACK").await.expect("ROLLBACK");
+    conn.execute("SET autocommit = 1")
+        .await
+        .expect("autocommit on");
+    assert_eq!(answer.expect("runs"), 1);
+    let id = Identity::new(&tenant, "tx_edges.mysql", "k").expect("identity");
+    assert_eq!(
+        store.fetch(&id).await.expect("fetch"),
+        None,
+        "rolled back with the caller"
+    );
+}
+
+async fn sqlite_store() -> (idempotent_runtime::SqliteStore, std::path::PathBuf) {
+    let dir = std::env::temp_dir().join(format!("idempotent-tx-edges-{}", uuid::Uuid::new_v4()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let url = format!("sqlite:{}?mode=rwc", dir.join("edges.db").display());
+    let store = idempotent_runtime::SqliteStore::connect(&url)
+        .await
+        .expect("open");
+    (store, dir)
+}
+
+#[tokio::test]
+async fn sqlite_autocommit_connection_is_refused() {
+    let (store, dir) = sqlite_store().await;
+    two_autocommit_callers!(
+        store.pool(),
+        sqlite_on_connection,
+        "tx_edges.sqlite",
+        "sqlite",
+        store
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test]
+async fn sqlite_plain_begin_is_a_transaction() {
+    let (store, dir) = sqlite_store().await;
+    plain_begin_is_accepted!(store.pool(), sqlite_on_connection, store);
+    let _ = std::fs::remove_dir_all(&dir);
+}
