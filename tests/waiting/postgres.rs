@@ -11,9 +11,7 @@
 //! so a polling duplicate would have reserved dozens of times. A store
 //! wrapper counts each call's reservations.
 
-mod common;
-
-use common::servers::{fresh_tenant, pg_store_or_skip, pg_url};
+use crate::common::servers::{fresh_tenant, pg_store_or_skip, pg_url};
 use idempotent_runtime::store::postgres::wait_key;
 use idempotent_runtime::{
     idempotent, with_outcome, Error, ForcedRelease, Identity, Outcome, OwnerToken, PgStore,

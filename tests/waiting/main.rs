@@ -1,0 +1,11 @@
+//! Layer: waiting duplicates (rule 4). A duplicate that finds the record in
+//! progress is woken by the change it waits for, not by polling: in-process
+//! notification for the memory and SQLite stores (`in_process`), and
+//! PostgreSQL's `LISTEN/NOTIFY` (`postgres`). Each test counts the store
+//! round trips made during the wait.
+
+#[path = "../common/mod.rs"]
+mod common;
+
+mod in_process;
+mod postgres;
