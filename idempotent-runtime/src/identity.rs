@@ -52,11 +52,11 @@ pub fn validate_tenant(tenant: &str) -> Result<(), Error> {
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Identity {
     /// Whose key this is; [`SHARED_TENANT`] for `tenant = shared`.
-    pub tenant: String,
+    pub(crate) tenant: String,
     /// The unit of work, e.g. `payments.charge`.
-    pub scope: String,
+    pub(crate) scope: String,
     /// The client-supplied key.
-    pub key: String,
+    pub(crate) key: String,
 }
 
 impl Identity {
@@ -93,6 +93,22 @@ impl Identity {
         })
     }
 
+    /// Whose key this is; [`SHARED_TENANT`] for `tenant = shared`.
+    pub fn tenant(&self) -> &str {
+        &self.tenant
+    }
+
+    /// The unit of work, e.g. `payments.charge`.
+    pub fn scope(&self) -> &str {
+        &self.scope
+    }
+
+    /// The client-supplied key. Never log it: use
+    /// [`key_digest`](Self::key_digest).
+    pub fn key(&self) -> &str {
+        &self.key
+    }
+
     /// A short digest of the whole identity, safe to log: 16 hex characters of SHA-256.
     pub fn key_digest(&self) -> String {
         let mut h = Sha256::new();
@@ -115,6 +131,15 @@ impl Identity {
             scope: self.scope.clone(),
             key_digest: self.key_digest(),
         }
+    }
+}
+
+/// An identity's [`Identity::key_digest`], computed when displayed.
+pub(crate) struct LogDigest<'a>(&'a Identity);
+
+impl std::fmt::Display for LogDigest<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0.key_digest())
     }
 }
 
@@ -153,14 +178,5 @@ mod tests {
         assert_eq!(d.len(), 16);
         assert!(d.chars().all(|c| c.is_ascii_hexdigit()));
         assert!(!d.contains("4242") && !format!("{:?}", secret.context()).contains("sk_live"));
-    }
-}
-
-/// An identity's [`Identity::key_digest`], computed when displayed.
-pub(crate) struct LogDigest<'a>(&'a Identity);
-
-impl std::fmt::Display for LogDigest<'_> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.0.key_digest())
     }
 }

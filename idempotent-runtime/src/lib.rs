@@ -36,7 +36,7 @@ pub mod audit;
 pub mod cli;
 pub mod connect;
 pub mod consumer;
-pub mod engine;
+mod engine;
 pub mod error;
 pub mod fingerprint;
 #[cfg(feature = "http")]
@@ -50,7 +50,7 @@ pub mod recovery;
 pub mod registry;
 pub mod store;
 mod table;
-pub mod transaction;
+mod transaction;
 
 #[doc(hidden)]
 pub mod __private;
@@ -74,3 +74,4 @@ pub use store::{
     ForcedRelease, OwnerToken, RecordSnapshot, RecordState, Reservation, ReserveRequest,
     ScopeStats, Store, StoredOutcome,
 };
+pub use transaction::TransactionalConnection;

@@ -54,7 +54,7 @@ async fn a_killed_connection_surfaces_as_a_store_error_and_the_next_call_succeed
         ttl: Duration::from_secs(3600),
     };
     let mut holder = admin.pool().begin().await.expect("holder transaction");
-    let held = idempotent_runtime::transaction::TransactionalConnection::reserve_in_transaction(
+    let held = idempotent_runtime::TransactionalConnection::reserve_in_transaction(
         &mut holder,
         ReserveRequest {
             token: &holder_token,

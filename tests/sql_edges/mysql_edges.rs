@@ -21,7 +21,7 @@
 use crate::common;
 
 use common::servers::{fresh_tenant, mysql_store_or_skip, mysql_url};
-use idempotent_runtime::transaction::TransactionalConnection;
+use idempotent_runtime::TransactionalConnection;
 use idempotent_runtime::{
     idempotent, with_outcome, Error, Fingerprint, Identity, MySqlStore, Outcome, OwnerToken,
     Reservation, ReserveRequest, Store, StoredOutcome,
@@ -232,9 +232,9 @@ async fn released_to_eight_callers(lease_expired: bool, callers: [Via; 8]) {
     sqlx::query(
         "SELECT state FROM idempotency_records WHERE tenant = ? AND scope = ? AND `key` = ? FOR UPDATE",
     )
-    .bind(&identity.tenant)
-    .bind(&identity.scope)
-    .bind(&identity.key)
+    .bind(identity.tenant())
+    .bind(identity.scope())
+    .bind(identity.key())
     .fetch_one(&mut *holder)
     .await
     .expect("the holder locks the expired row");
@@ -755,9 +755,9 @@ async fn the_purge_skips_a_row_held_by_an_open_transaction() {
     sqlx::query(
         "SELECT state FROM idempotency_records WHERE tenant = ? AND scope = ? AND `key` = ? FOR UPDATE",
     )
-    .bind(&held.tenant)
-    .bind(&held.scope)
-    .bind(&held.key)
+    .bind(held.tenant())
+    .bind(held.scope())
+    .bind(held.key())
     .fetch_one(&mut *holder)
     .await
     .expect("lock the oldest expired row");

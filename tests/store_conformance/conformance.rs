@@ -427,7 +427,7 @@ pub async fn recorded_error_round_trips<S: Store + Clone + 'static>(store: S) {
         Some(failed)
     );
     // And an Ok outcome next to it is not an error.
-    let other = id(&identity.tenant, "conformance.recorded_error", "k2");
+    let other = id(identity.tenant(), "conformance.recorded_error", "k2");
     record(&store, &other, None, &ok(b"null"), LONG).await;
     assert_eq!(
         reserve(&store, &other, None, &OwnerToken::new(), LONG, LONG).await,
@@ -593,12 +593,12 @@ pub async fn fingerprint_mismatch_on_in_progress_record<S: Store + Clone + 'stat
             .await,
             Reservation::FingerprintMismatch,
             "{}",
-            identity.key
+            identity.key()
         );
         assert_same_record(
             &before,
             &fetch(&store, identity).await.unwrap(),
-            &identity.key,
+            identity.key(),
         );
     }
 }
@@ -698,7 +698,7 @@ pub async fn expired_lease_is_taken_over<S: Store + Clone + 'static>(store: S) {
         Reservation::Completed(ok(b"\"fresh\""))
     );
     // A takeover without a fingerprint is allowed too (rule 8).
-    let other = id(&identity.tenant, "conformance.takeover", "k2");
+    let other = id(identity.tenant(), "conformance.takeover", "k2");
     acquire(&store, &other, Some(&f), SHORT, LONG).await;
     tokio::time::sleep(PAST_SHORT).await;
     assert_takeover(
@@ -770,7 +770,7 @@ pub async fn expired_record_counts_as_absent<S: Store + Clone + 'static>(store: 
             reserve(&store, identity, Some(&fp("b")), &token, LONG, LONG).await,
             Reservation::FRESH,
             "{}",
-            identity.key
+            identity.key()
         );
         let snap = fetch(&store, identity).await.unwrap();
         assert_eq!(snap.state, RecordState::InProgress);
@@ -863,7 +863,7 @@ pub async fn purge_deletes_only_expired_records<S: Store + Clone + 'static>(stor
         assert!(
             fetch(&store, identity).await.is_some(),
             "purge must not delete the live record {}",
-            identity.key
+            identity.key()
         );
     }
     assert_eq!(

@@ -194,9 +194,9 @@ async fn until_marked(pool: &sqlx::PgPool, identity: &Identity) {
         let marked: Option<bool> = sqlx::query_scalar(
             "SELECT waiting FROM idempotency_records WHERE tenant = $1 AND scope = $2 AND key = $3",
         )
-        .bind(&identity.tenant)
-        .bind(&identity.scope)
-        .bind(&identity.key)
+        .bind(identity.tenant())
+        .bind(identity.scope())
+        .bind(identity.key())
         .fetch_optional(pool)
         .await
         .expect("read the mark");
@@ -409,14 +409,14 @@ async fn only_records_with_waiters_notify_and_the_payload_is_the_wait_key() {
 
     // A record without waiters completes, then one with a waiter.
     let runs = AtomicUsize::new(0);
-    charge(&store, &tenant, &unmarked.key, 1, None, &runs)
+    charge(&store, &tenant, unmarked.key(), 1, None, &runs)
         .await
         .expect("unwatched call");
     let hold = Hold::default();
-    let owner_call = charge(&store, &tenant, &marked.key, 2, Some(&hold), &runs);
+    let owner_call = charge(&store, &tenant, marked.key(), 2, Some(&hold), &runs);
     let duplicate = async {
         hold.reached.notified().await;
-        let dup_call = charge(&store, &tenant, &marked.key, 2, None, &runs);
+        let dup_call = charge(&store, &tenant, marked.key(), 2, None, &runs);
         let release = async {
             until_marked(store.pool(), &marked).await;
             hold.go.notify_one();
@@ -432,9 +432,9 @@ async fn only_records_with_waiters_notify_and_the_payload_is_the_wait_key() {
     // watched record's (other tests may notify on the same channel).
     let (quiet, watched) = (wait_key(&unmarked), wait_key(&marked));
     let sql_key: String = sqlx::query_scalar("SELECT idempotency_wait_key($1, $2, $3)")
-        .bind(&marked.tenant)
-        .bind(&marked.scope)
-        .bind(&marked.key)
+        .bind(marked.tenant())
+        .bind(marked.scope())
+        .bind(marked.key())
         .fetch_one(store.pool())
         .await
         .expect("wait key in SQL");

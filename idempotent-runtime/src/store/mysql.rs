@@ -647,7 +647,7 @@ fn lock_wait_seconds(lock_wait: Duration) -> u64 {
 /// recorded result are statements in the connection's current transaction.
 ///
 /// ```no_run
-/// use idempotent_runtime::transaction::TransactionalConnection;
+/// use idempotent_runtime::TransactionalConnection;
 /// fn assert_tx<C: TransactionalConnection + ?Sized>() {}
 /// assert_tx::<sqlx::MySqlConnection>();
 /// assert_tx::<sqlx::Transaction<'static, sqlx::MySql>>();

@@ -738,7 +738,7 @@ async fn started_before_this_statement(conn: &mut sqlx::PgConnection) -> Result<
 /// recorded result are statements in whatever transaction the connection is in.
 ///
 /// ```no_run
-/// use idempotent_runtime::transaction::TransactionalConnection;
+/// use idempotent_runtime::TransactionalConnection;
 /// fn assert_tx<C: TransactionalConnection + ?Sized>() {}
 /// assert_tx::<sqlx::PgConnection>();
 /// assert_tx::<sqlx::Transaction<'static, sqlx::Postgres>>();

@@ -277,7 +277,7 @@ async fn reserve_on(
 /// recorded result are statements in the connection's current transaction.
 ///
 /// ```no_run
-/// use idempotent_runtime::transaction::TransactionalConnection;
+/// use idempotent_runtime::TransactionalConnection;
 /// fn assert_tx<C: TransactionalConnection + ?Sized>() {}
 /// assert_tx::<sqlx::SqliteConnection>();
 /// assert_tx::<sqlx::Transaction<'static, sqlx::Sqlite>>();
