@@ -1019,7 +1019,6 @@ async fn run_with_heartbeat<R, Fut: Future<Output = R>>(
     body: Fut,
 ) -> Result<R, PanicPayload> {
     let period = (lease / 3).max(Duration::from_millis(1));
-    let started = Instant::now();
     let mut body = pin!(AssertUnwindSafe(body).catch_unwind());
     // The timer is made the first time the body is pending: a body that
     // finishes in its first poll costs no timer (fast bodies never heartbeat).
@@ -1029,7 +1028,7 @@ async fn run_with_heartbeat<R, Fut: Future<Output = R>>(
         if let Poll::Ready(out) = body.as_mut().poll(cx) {
             return Poll::Ready(out);
         }
-        let timer = timer.get_or_insert_with(|| Box::pin(sleep_until(started + period)));
+        let timer = timer.get_or_insert_with(|| Box::pin(sleep_until(Instant::now() + period)));
         loop {
             if let Some(f) = beat.as_mut() {
                 let Poll::Ready(result) = f.as_mut().poll(cx) else {

@@ -1,4 +1,5 @@
 //! Layer: the SQL stores at their edges. MariaDB's locking (`mysql_edges`),
+//! PostgreSQL reservations meeting a short-lived row lock (`postgres_edges`),
 //! SQLite's opening, locking and pools (`sqlite_edges`, `sqlite_store`), and
 //! transactional mode given a connection outside a transaction
 //! (`transactional_edges`).
@@ -11,6 +12,7 @@
 mod common;
 
 mod mysql_edges;
+mod postgres_edges;
 mod sqlite_edges;
 mod sqlite_store;
 mod transactional_edges;

@@ -214,7 +214,9 @@ impl IdempotencyLayerBuilder {
     /// with the place `build()` was called from.
     #[track_caller]
     pub fn build(self) -> Result<IdempotencyLayer, LayerConfigError> {
-        if let Some(problem) = scope_problem(&self.scope) {
+        // The same rule the attribute checks when it compiles.
+        if let Err(problem) = idempotent_rules::scope::check_scope(&self.scope) {
+            let problem = problem.to_string();
             return Err(LayerConfigError::InvalidScope {
                 scope: self.scope,
                 problem,
@@ -270,25 +272,6 @@ impl IdempotencyLayerBuilder {
             }),
         })
     }
-}
-
-fn scope_problem(scope: &str) -> Option<String> {
-    if scope.is_empty() {
-        return Some("it is empty; name the operation, e.g. `payments.charge`".into());
-    }
-    if scope.len() > 128 {
-        return Some(format!(
-            "it is {} bytes long; the limit is 128",
-            scope.len()
-        ));
-    }
-    if scope.split('.').any(str::is_empty) {
-        return Some("it has an empty segment; join non-empty segments with single dots".into());
-    }
-    scope
-        .chars()
-        .find(|c| !matches!(c, 'a'..='z' | '0'..='9' | '_' | '-' | '.'))
-        .map(|c| format!("it contains {c:?}; use lowercase letters, digits, `_` and `-` in segments joined by `.`"))
 }
 
 struct Config {

@@ -413,15 +413,35 @@ async fn reserve_with<'e, E: Executor<'e, Database = Postgres>>(
 /// second one, the plpgsql function. A row held by another transaction past
 /// `lock_wait` is a call in progress; its remaining time is unknown, so the
 /// requested lease is the estimate (as in `idempotency_reserve`).
+/// How many times a store-mode reservation that met a row lock tries again
+/// before it answers `InProgress`. A lock on a record that is not in
+/// progress is short-lived (a purge deleting the expired record, a takeover
+/// writing it): trying again finds it gone or replaced, instead of sending
+/// the caller away with a made-up `retry_after`.
+const LOCK_TIMEOUT_TRIES: u32 = 3;
+
 async fn reserve_autocommit(
     pool: &PgPool,
     request: ReserveRequest<'_>,
     lock_wait: Duration,
 ) -> Result<Reservation, StoreError> {
-    let answer = match reserve_statement(RESERVE_STORE_SQL, pool, request, lock_wait).await {
-        Ok(Some(reservation)) => Ok(Some(reservation)),
-        Ok(None) => reserve_statement(RESERVE_AUTOCOMMIT_SQL, pool, request, lock_wait).await,
-        Err(e) => Err(e),
+    let mut tries = 0;
+    let answer = loop {
+        tries += 1;
+        let answer = match reserve_statement(RESERVE_STORE_SQL, pool, request, lock_wait).await {
+            Ok(Some(reservation)) => Ok(Some(reservation)),
+            Ok(None) => reserve_statement(RESERVE_AUTOCOMMIT_SQL, pool, request, lock_wait).await,
+            Err(e) => Err(e),
+        };
+        match &answer {
+            Err(sqlx::Error::Database(e))
+                if e.code().as_deref() == Some(LOCK_NOT_AVAILABLE)
+                    && tries < LOCK_TIMEOUT_TRIES =>
+            {
+                continue
+            }
+            _ => break answer,
+        }
     };
     match answer {
         Ok(Some(reservation)) => Ok(reservation),

@@ -1,0 +1,112 @@
+//! PostgreSQL edges of the store-mode reservation.
+//!
+//! A row lock on a record that is *not* in progress is short-lived: a purge
+//! deleting the expired record, another call replacing it. A reservation that
+//! meets one longer than its `lock_wait` tries again instead of answering
+//! `InProgress` with a made-up `retry_after` (seen as a flaky conformance
+//! test while another test's purge was deleting expired records).
+//! Deterministic: the test holds the lock itself and lets it go only once it
+//! has seen the reservation wait a second time (its statement restarted).
+
+use crate::common::servers::{fresh_tenant, pg_store_or_skip, pg_url};
+use idempotent_runtime::{Identity, OwnerToken, Reservation, ReserveRequest, Store};
+use sqlx::Connection;
+use std::time::{Duration, Instant};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lock_on_an_expired_record_is_waited_out_not_answered_in_progress() {
+    let Some(store) = pg_store_or_skip().await else {
+        return;
+    };
+    let identity = Identity::new(fresh_tenant(), "edges.pg_expired_locked", "k").expect("identity");
+    let short = Duration::from_millis(50);
+    let first = OwnerToken::new();
+    let abandoned = store
+        .reserve(ReserveRequest {
+            identity: &identity,
+            fingerprint: None,
+            token: &first,
+            lease: short,
+            ttl: short,
+        })
+        .await
+        .expect("reserve");
+    assert_eq!(abandoned, Reservation::FRESH);
+    // Lease and retention run out on the database's clock.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    // Another session locks the expired row (as a purge deleting it would).
+    let mut locker = sqlx::PgConnection::connect(&pg_url())
+        .await
+        .expect("connect");
+    let locker_pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut locker)
+        .await
+        .expect("pid");
+    sqlx::query("BEGIN")
+        .execute(&mut locker)
+        .await
+        .expect("begin");
+    sqlx::query(
+        "SELECT 1 FROM idempotency_records WHERE tenant = $1 AND scope = $2 AND key = $3 FOR UPDATE",
+    )
+    .bind(identity.tenant())
+    .bind(identity.scope())
+    .bind(identity.key())
+    .fetch_one(&mut locker)
+    .await
+    .expect("lock the row");
+
+    let reserving = {
+        let (store, identity) = (store.clone(), identity.clone());
+        tokio::spawn(async move {
+            let token = OwnerToken::new();
+            store
+                .reserve(ReserveRequest {
+                    identity: &identity,
+                    fingerprint: None,
+                    token: &token,
+                    lease: Duration::from_secs(300),
+                    ttl: Duration::from_secs(300),
+                })
+                .await
+        })
+    };
+
+    // Handshake: two different statements of the reservation seen blocked by
+    // the locker (the first timed out after `lock_wait`, the second waits).
+    let mut monitor = sqlx::PgConnection::connect(&pg_url())
+        .await
+        .expect("connect");
+    let mut starts = std::collections::BTreeSet::new();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while starts.len() < 2 && !reserving.is_finished() && Instant::now() < deadline {
+        let blocked: Vec<String> = sqlx::query_scalar(
+            "SELECT query_start::text FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))",
+        )
+        .bind(locker_pid)
+        .fetch_all(&mut monitor)
+        .await
+        .expect("pg_stat_activity");
+        starts.extend(blocked);
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    sqlx::query("ROLLBACK")
+        .execute(&mut locker)
+        .await
+        .expect("rollback");
+
+    let answer = reserving.await.expect("task").expect("reserve");
+    assert_eq!(
+        answer,
+        Reservation::FRESH,
+        "an expired record held only briefly by another session is replaced \
+         (blocked statements seen: {})",
+        starts.len()
+    );
+    assert_eq!(
+        starts.len(),
+        2,
+        "the reservation tried again after its lock wait"
+    );
+}
