@@ -794,11 +794,13 @@ mod tests {
     }
 
     #[test]
-    fn scopes_are_checked() {
-        assert!(scope_problem("payments.charge").is_none());
-        assert!(scope_problem("Payments").is_some());
-        assert!(scope_problem("a..b").is_some());
-        assert!(scope_problem("").is_some());
-        assert!(scope_problem(&"a".repeat(129)).is_some());
+    fn layers_with_a_bad_scope_are_refused() {
+        for bad in ["Payments", "a..b", "", &"a".repeat(129)] {
+            let built = IdempotencyLayer::builder(bad, crate::MemoryStore::new()).build();
+            assert!(
+                matches!(built, Err(LayerConfigError::InvalidScope { .. })),
+                "{bad:?}"
+            );
+        }
     }
 }
