@@ -17,6 +17,7 @@
 //! (split on `-- @@statement` lines), SQLite in one `BEGIN IMMEDIATE`
 //! transaction. Every lock is waited for at most [`LOCK_TIMEOUT`].
 
+use sha2::{Digest, Sha384};
 use std::time::Duration;
 
 /// The table every SQL store records its applied migrations in. Not
@@ -53,6 +54,67 @@ pub enum MigrationError {
     Database(#[from] sqlx::Error),
 }
 
+/// One migration a store ships: its file under `migrations/<backend>/`,
+/// embedded when the crate compiles (see [`embedded_migrations!`]).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Migration {
+    /// The number the file name starts with.
+    pub version: i64,
+    /// The rest of the file name, without `.sql`, `_` read as a space.
+    pub description: &'static str,
+    /// The file's contents.
+    pub sql: &'static str,
+}
+
+impl Migration {
+    /// SHA-384 of the file's contents: what the history table records, the
+    /// same bytes sqlx's migrator computed for the versions that used it.
+    pub fn checksum(&self) -> Vec<u8> {
+        Sha384::digest(self.sql.as_bytes()).to_vec()
+    }
+}
+
+/// The migrations of one backend, in version order: `(version, "file name",
+/// "description")` under `migrations/<dir>/`, each file embedded with
+/// `include_str!`. A unit test checks every list against its directory (a file
+/// not listed, a version or description that does not follow from the file
+/// name, or a list out of order fails it).
+macro_rules! embedded_migrations {
+    ($dir:literal: $(($version:literal, $file:literal, $description:literal)),+ $(,)?) => {
+        &[$($crate::store::migrate::Migration {
+            version: $version,
+            description: $description,
+            sql: include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/migrations/", $dir, "/", $file)),
+        }),+]
+    };
+}
+
+/// PostgreSQL's migrations (`migrations/postgres`).
+#[cfg(feature = "postgres")]
+pub(crate) static POSTGRES: &[Migration] = embedded_migrations!("postgres":
+    (1, "0001_idempotency_records.sql", "idempotency records"),
+    (2, "0002_reserve_autocommit.sql", "reserve autocommit"),
+    (3, "0003_attempts.sql", "attempts"),
+    (4, "0004_one_reservation_body_and_waiters.sql", "one reservation body and waiters"),
+);
+
+/// MySQL/MariaDB's migrations (`migrations/mysql`).
+#[cfg(feature = "mysql")]
+pub(crate) static MYSQL: &[Migration] = embedded_migrations!("mysql":
+    (1, "0001_idempotency_records.sql", "idempotency records"),
+    (2, "0002_reserve_fenced.sql", "reserve fenced"),
+    (3, "0003_purge_skip_locked.sql", "purge skip locked"),
+    (4, "0004_attempts.sql", "attempts"),
+    (5, "0005_one_reserve_body.sql", "one reserve body"),
+);
+
+/// SQLite's migrations (`migrations/sqlite`).
+#[cfg(feature = "sqlite")]
+pub(crate) static SQLITE: &[Migration] = embedded_migrations!("sqlite":
+    (1, "0001_idempotency_records.sql", "idempotency records"),
+    (2, "0002_attempts.sql", "attempts"),
+);
+
 /// What the runner needs from one backend, on one connection held for the
 /// whole run.
 #[async_trait::async_trait]
@@ -77,14 +139,14 @@ pub(crate) trait MigrationBackend: Send {
     async fn unlock(&mut self, done: bool) -> Result<(), sqlx::Error>;
 }
 
-/// Applies the up migrations of `migrator` that the database has not seen,
-/// under `backend`'s lock.
+/// Applies the `migrations` that the database has not seen, under
+/// `backend`'s lock.
 pub(crate) async fn run(
     backend: &mut impl MigrationBackend,
-    migrator: &sqlx::migrate::Migrator,
+    migrations: &[Migration],
 ) -> Result<(), MigrationError> {
     backend.lock().await?;
-    let result = apply_pending(backend, migrator).await;
+    let result = apply_pending(backend, migrations).await;
     let unlocked = backend.unlock(result.is_ok()).await;
     result?;
     Ok(unlocked?)
@@ -92,16 +154,14 @@ pub(crate) async fn run(
 
 async fn apply_pending(
     backend: &mut impl MigrationBackend,
-    migrator: &sqlx::migrate::Migrator,
+    migrations: &[Migration],
 ) -> Result<(), MigrationError> {
     backend.create_history().await?;
     let applied = backend.applied().await?;
-    for m in migrator.iter() {
-        if m.migration_type.is_down_migration() {
-            continue;
-        }
+    for m in migrations {
+        let checksum = m.checksum();
         match applied.iter().find(|(v, _)| *v == m.version) {
-            Some((_, sum)) if sum[..] == m.checksum[..] => continue,
+            Some((_, sum)) if sum[..] == checksum[..] => continue,
             Some(_) => {
                 return Err(MigrationError::Changed {
                     version: m.version,
@@ -110,10 +170,85 @@ async fn apply_pending(
             }
             None => {}
         }
-        backend.execute(&m.sql).await?;
-        backend
-            .record(m.version, &m.description, &m.checksum)
-            .await?;
+        backend.execute(m.sql).await?;
+        backend.record(m.version, m.description, &checksum).await?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Migration;
+    use std::path::Path;
+
+    /// What sqlx's migrator made of a file name: the number before the first
+    /// `_`, and the rest without `.sql`, `_` read as a space.
+    fn from_file_name(name: &str) -> (i64, String) {
+        let (version, rest) = name.split_once('_').expect("<version>_<description>.sql");
+        let description = rest.trim_end_matches(".sql").replace('_', " ");
+        (version.parse().expect("a numeric version"), description)
+    }
+
+    fn check(dir: &str, listed: &[Migration]) {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("migrations")
+            .join(dir);
+        let mut files: Vec<(i64, String, String)> = std::fs::read_dir(&path)
+            .expect("the migrations directory")
+            .map(|entry| entry.expect("a directory entry").path())
+            .filter(|p| p.extension().is_some_and(|e| e == "sql"))
+            .map(|p| {
+                let name = p
+                    .file_name()
+                    .expect("a file name")
+                    .to_string_lossy()
+                    .into_owned();
+                let (version, description) = from_file_name(&name);
+                let sql = std::fs::read_to_string(&p).expect("a readable migration");
+                (version, description, sql)
+            })
+            .collect();
+        files.sort_by_key(|(version, _, _)| *version);
+        let listed: Vec<(i64, String, String)> = listed
+            .iter()
+            .map(|m| (m.version, m.description.to_owned(), m.sql.to_owned()))
+            .collect();
+        assert_eq!(
+            listed, files,
+            "migrations/{dir}: the embedded list and the files differ"
+        );
+    }
+
+    #[cfg(feature = "postgres")]
+    #[test]
+    fn the_postgres_list_is_the_directory() {
+        check("postgres", super::POSTGRES);
+    }
+
+    #[cfg(feature = "mysql")]
+    #[test]
+    fn the_mysql_list_is_the_directory() {
+        check("mysql", super::MYSQL);
+    }
+
+    #[cfg(feature = "sqlite")]
+    #[test]
+    fn the_sqlite_list_is_the_directory() {
+        check("sqlite", super::SQLITE);
+    }
+
+    /// The checksum of a migration is SHA-384 of its text: the bytes sqlx's
+    /// migrator recorded, so databases migrated by older versions still open.
+    #[test]
+    fn the_checksum_is_sha384_of_the_text() {
+        let m = Migration {
+            version: 1,
+            description: "x",
+            sql: "SELECT 1;\n",
+        };
+        assert_eq!(
+            hex::encode(m.checksum()),
+            "24454095d8d7876ca8e842f34296ca645c83e0f7b50f048c99db4b2ff4da659267afc4ef3e994f3d74e18c741165d931"
+        );
+    }
 }

@@ -81,8 +81,6 @@ const MIGRATION_LOCK: &str = "idempotent_runtime.migrate";
 /// The database clock in milliseconds since the epoch, independent of the session time zone.
 const NOW_MS: &str = "(UNIX_TIMESTAMP() * 1000 + FLOOR(MICROSECOND(NOW(6)) / 1000))";
 
-static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("migrations/mysql");
-
 /// A store in MySQL 8 or MariaDB: many instances of a service share one
 /// database. Cloning gives another handle to the same pool.
 ///
@@ -191,7 +189,7 @@ fn background_worker(pool: &MySqlPool) -> detached::Detached {
 /// statement is written to be safe to run again.
 async fn migrate(pool: &MySqlPool) -> Result<(), migrate::MigrationError> {
     let mut backend = MigrationConnection(pool.acquire().await?);
-    migrate::run(&mut backend, &MIGRATOR).await
+    migrate::run(&mut backend, super::migrate::MYSQL).await
 }
 
 /// The migration runner's view of MySQL/MariaDB: one pooled connection.

@@ -71,8 +71,6 @@ const DEFAULT_LOCK_WAIT: Duration = Duration::from_millis(100);
 /// `pg_advisory_xact_lock` key held while migrations run ("idempotnt").
 const MIGRATION_LOCK: i64 = 0x6964_656d_706f_746e;
 
-static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("migrations/postgres");
-
 /// A store in PostgreSQL: many instances of a service share one database.
 /// Cloning gives another handle to the same pool.
 ///
@@ -200,7 +198,7 @@ fn background_worker(pool: &PgPool) -> detached::Detached {
 async fn migrate(pool: &PgPool) -> Result<(), migrate::MigrationError> {
     migrate::run(
         &mut MigrationTransaction(Some(pool.begin().await?)),
-        &MIGRATOR,
+        super::migrate::POSTGRES,
     )
     .await
 }

@@ -44,9 +44,6 @@ const MAX_FILE_CONNECTIONS: u32 = 8;
 /// place for older runtimes that share the file.
 const LEGACY_MIGRATIONS_TABLE: &str = "_idempotent_migrations";
 
-/// The migrations, embedded at compile time from `migrations/sqlite`.
-static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations/sqlite");
-
 /// The database's clock, in ms since the Unix epoch. SQLite evaluates `'now'`
 /// once per statement, so every use within one statement agrees.
 macro_rules! now_ms {
@@ -869,7 +866,7 @@ async fn migrate(pool: &SqlitePool) -> Result<(), StoreError> {
         pool: pool.clone(),
         tx: None,
     };
-    super::migrate::run(&mut backend, &MIGRATOR)
+    super::migrate::run(&mut backend, super::migrate::SQLITE)
         .await
         .map_err(|e| StoreError::new(STORE, "apply migrations", e))
 }

@@ -1,14 +1,18 @@
 // `tx = tx`: reservation and completion go through the caller's connection,
 // and the connection is usable again after the body. The connection here is a
 // test-only stand-in over MemoryStore (the SQL stores provide real ones).
-use futures::future::BoxFuture;
 use idempotent_runtime::__private::TransactionalConnection;
 use idempotent_runtime::error::StoreError;
 use idempotent_runtime::{
     idempotent, Error, Identity, MemoryStore, OwnerToken, Reservation, ReserveRequest, Store,
     StoredOutcome,
 };
+use std::future::Future;
+use std::pin::Pin;
 use std::time::Duration;
+
+/// What `futures::future::BoxFuture` is.
+type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
 pub struct FakeTx {
     store: MemoryStore,

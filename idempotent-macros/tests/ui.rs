@@ -5,19 +5,32 @@
 //! `idempotent.toml` and not retired; the manifest's `ttl`/`lease` are
 //! defaults. The manifest is supplied through `IDEMPOTENT_MANIFEST`.
 //!
-//! One driver binary for both: trybuild builds one test crate (with every
-//! dependency of this package) under `target/tests/trybuild/`, and both tests
-//! share it. The dependencies are built without debug info
+//! The cases live with the workspace's cross-crate tests (`tests/ui/`,
+//! `tests/ui-manifest/` at the top of the workspace); the driver lives here,
+//! in the macro's own package, because trybuild builds its test crate with
+//! every dependency of the package the driver belongs to: here that is the
+//! runtime without any store driver, serde and tokio, a fraction of the
+//! suite package's dependencies (sqlx's drivers, axum, NATS, reqwest, ...).
+//! One driver binary for both tests: they share one test crate under
+//! `target/tests/trybuild/`. The dependencies are built without debug info
 //! (`CARGO_PROFILE_DEV_DEBUG=0` for trybuild's cargo): the cases' messages do
-//! not depend on it, and it is most of the build's cost.
+//! not depend on it, and it is much of the build's cost.
 //!
 //! The environment variable is process-wide, so the two tests hold one lock
 //! (under `cargo test` they share a process; nextest runs each alone).
-//! Regenerate the expected output with `TRYBUILD=overwrite cargo test --test ui`,
+//! Regenerate the expected output with
+//! `TRYBUILD=overwrite cargo test -p idempotent-macros --test ui`,
 //! then read every changed `.stderr`.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::{Mutex, MutexGuard};
+
+/// Where the cases are: `tests/ui` and `tests/ui-manifest` here are links to
+/// the workspace's own, so trybuild sees them inside this package and
+/// reports `tests/ui/<case>.rs:<line>:<column>` locations.
+fn cases() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests")
+}
 
 /// Held while a test sets the environment and runs its cases.
 fn exclusive() -> MutexGuard<'static, ()> {
@@ -46,8 +59,8 @@ fn ui() {
     let _lock = exclusive();
     // These cases must not see a scope manifest.
     with_manifest(None, |t| {
-        t.compile_fail("tests/ui/*.rs");
-        t.pass("tests/ui/pass/*.rs");
+        t.compile_fail(cases().join("ui/*.rs"));
+        t.pass(cases().join("ui/pass/*.rs"));
     });
 }
 
@@ -56,18 +69,18 @@ fn ui() {
 #[test]
 fn ui_manifest() {
     let _lock = exclusive();
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/ui-manifest");
+    let dir = cases().join("ui-manifest");
     with_manifest(Some(&dir.join("idempotent.toml")), |t| {
-        t.compile_fail("tests/ui-manifest/*.rs");
-        t.pass("tests/ui-manifest/pass/*.rs");
+        t.compile_fail(dir.join("*.rs"));
+        t.pass(dir.join("pass/*.rs"));
     });
     with_manifest(Some(&dir.join("bad-entries/idempotent.toml")), |t| {
-        t.compile_fail("tests/ui-manifest/bad-entries/*.rs");
+        t.compile_fail(dir.join("bad-entries/*.rs"));
     });
     with_manifest(Some(&dir.join("broken/idempotent.toml")), |t| {
-        t.compile_fail("tests/ui-manifest/broken/*.rs");
+        t.compile_fail(dir.join("broken/*.rs"));
     });
     with_manifest(Some(&dir.join("missing/no-such-manifest.toml")), |t| {
-        t.compile_fail("tests/ui-manifest/missing/*.rs");
+        t.compile_fail(dir.join("missing/*.rs"));
     });
 }
