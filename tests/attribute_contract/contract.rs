@@ -606,22 +606,31 @@ macro_rules! contract_tests {
             let Some(store) = store().await else { return };
             let t = fresh_tenant();
             let runs = AtomicUsize::new(0);
-            let call = slow_charge(&*store, &t, "k", 1, &runs, 60_000);
-            // Give the body time to start, then drop the call (as a timeout or a
-            // disconnected client would).
-            let timed_out = tokio::time::timeout(Duration::from_millis(300), call).await;
-            assert!(timed_out.is_err());
+            let mut call = Box::pin(slow_charge(&*store, &t, "k", 1, &runs, 60_000));
+            // Drive the call until its body has started (a handshake on the run
+            // counter, not a guess at how long the reservation takes), then drop
+            // it, as a timeout or a disconnected client would.
+            let started_by = tokio::time::Instant::now() + Duration::from_secs(30);
+            while runs.load(Ordering::SeqCst) == 0 {
+                assert!(tokio::time::Instant::now() < started_by, "the body did not start in 30 s");
+                if let Ok(r) = tokio::time::timeout(Duration::from_millis(5), call.as_mut()).await {
+                    panic!("a 60 s body finished: {r:?}");
+                }
+            }
+            drop(call);
             assert_eq!(runs.load(Ordering::SeqCst), 1, "the body had started");
             let rid = id(&t, "contract.slow", "k");
             let mut released = false;
-            for _ in 0..100 {
+            // Bounded well below the 30 s lease: only a release frees the key
+            // this early (an expired lease leaves the record in place).
+            for _ in 0..750 {
                 if store.fetch(&rid).await.unwrap().is_none() {
                     released = true;
                     break;
                 }
                 tokio::time::sleep(Duration::from_millis(20)).await;
             }
-            assert!(released, "the dropped call's record was not released (lease is 30 s, we waited 2 s)");
+            assert!(released, "the dropped call's record was not released (lease is 30 s, we waited 15 s)");
             slow_charge(&*store, &t, "k", 1, &runs, 0).await.expect("a retry runs at once");
             assert_eq!(runs.load(Ordering::SeqCst), 2);
         }
