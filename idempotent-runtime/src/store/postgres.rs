@@ -58,7 +58,6 @@
 
 use super::*;
 use crate::error::Error;
-use crate::transaction::TransactionalConnection;
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions, PgRow};
 use sqlx::{Executor, Postgres, Row};
 use std::collections::HashMap;
@@ -752,68 +751,46 @@ async fn started_before_this_statement(conn: &mut sqlx::PgConnection) -> Result<
     row.try_get::<bool, _>(0)
 }
 
-/// Transactional mode on a PostgreSQL connection: the reservation and the
-/// recorded result are statements in whatever transaction the connection is in.
-///
-/// ```no_run
-/// use idempotent_runtime::TransactionalConnection;
-/// fn assert_tx<C: TransactionalConnection + ?Sized>() {}
-/// assert_tx::<sqlx::PgConnection>();
-/// assert_tx::<sqlx::Transaction<'static, sqlx::Postgres>>();
-/// ```
-#[async_trait::async_trait]
-impl TransactionalConnection for sqlx::PgConnection {
-    fn store_name(&self) -> &'static str {
-        STORE
+crate::transaction::transactional_connection! {
+    /// Transactional mode on a PostgreSQL connection: the reservation and the
+    /// recorded result are statements in whatever transaction the connection is in.
+    ///
+    /// ```no_run
+    /// use idempotent_runtime::TransactionalConnection;
+    /// fn assert_tx<C: TransactionalConnection + ?Sized>() {}
+    /// assert_tx::<sqlx::PgConnection>();
+    /// assert_tx::<sqlx::Transaction<'static, sqlx::Postgres>>();
+    /// ```
+    impl for sqlx::PgConnection {
+        store: STORE,
+        in_transaction: in_transaction,
+        reserve: reserve_in_transaction,
+        complete: complete_with,
+        release: release_with,
     }
+}
 
-    /// A transaction begun through sqlx is known without a round trip. Otherwise
-    /// the server is asked, with a simple-protocol query: in autocommit that
-    /// query is its own transaction, which started with it (the two timestamps
-    /// are equal); after a plain `BEGIN` the transaction started earlier.
-    async fn in_transaction(&mut self) -> Result<bool, StoreError> {
-        const OP: &str = "check for an open transaction";
-        if sqlx::Connection::is_in_transaction(self) {
-            return Ok(true);
-        }
-        started_before_this_statement(self).await.map_err(err(OP))
+/// Whether the connection is in a transaction. A transaction begun through
+/// sqlx is known without a round trip. Otherwise the server is asked, with a
+/// simple-protocol query: in autocommit that query is its own transaction,
+/// which started with it (the two timestamps are equal); after a plain
+/// `BEGIN` the transaction started earlier.
+async fn in_transaction(conn: &mut sqlx::PgConnection) -> Result<bool, StoreError> {
+    if sqlx::Connection::is_in_transaction(conn) {
+        return Ok(true);
     }
+    started_before_this_statement(conn)
+        .await
+        .map_err(err("check for an open transaction"))
+}
 
-    async fn reserve_in_transaction(
-        &mut self,
-        request: ReserveRequest<'_>,
-        lock_wait: Duration,
-    ) -> Result<Reservation, Error> {
-        Ok(reserve_with(&mut *self, request, lock_wait).await?)
-    }
-
-    async fn complete_in_transaction(
-        &mut self,
-        identity: &Identity,
-        token: &OwnerToken,
-        outcome: &StoredOutcome,
-        ttl: Duration,
-    ) -> Result<bool, StoreError> {
-        complete_with(&mut *self, identity, token, outcome, ttl, false).await
-    }
-
-    async fn complete_recovered_in_transaction(
-        &mut self,
-        identity: &Identity,
-        token: &OwnerToken,
-        outcome: &StoredOutcome,
-        ttl: Duration,
-    ) -> Result<bool, StoreError> {
-        complete_with(&mut *self, identity, token, outcome, ttl, true).await
-    }
-
-    async fn release_in_transaction(
-        &mut self,
-        identity: &Identity,
-        token: &OwnerToken,
-    ) -> Result<bool, StoreError> {
-        release_with(&mut *self, identity, token).await
-    }
+/// The reservation in the connection's transaction.
+async fn reserve_in_transaction(
+    conn: &mut sqlx::PgConnection,
+    request: ReserveRequest<'_>,
+    lock_wait: Duration,
+) -> Result<Reservation, Error> {
+    Ok(reserve_with(conn, request, lock_wait).await?)
 }
 
 // ---------------------------------------------------------------- waiting duplicates
