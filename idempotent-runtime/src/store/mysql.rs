@@ -61,13 +61,11 @@
 
 use super::*;
 use crate::error::Error;
-use sqlx::mysql::{MySqlConnectOptions, MySqlPool, MySqlPoolOptions, MySqlRow};
+use sqlx::mysql::{MySqlPool, MySqlRow};
 use sqlx::{Executor, MySql, Row};
-use std::str::FromStr;
 
 const STORE: &str = "mysql";
-/// How long `connect` and every statement wait for a pooled connection.
-pub const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(5);
+pub use super::server::ACQUIRE_TIMEOUT;
 /// Whole seconds a reservation through the store waits for a row lock: the
 /// smallest non-zero InnoDB wait. Concurrent reservations hold a new row's lock
 /// for well under a millisecond, so a duplicate sees the committed record (and
@@ -111,24 +109,10 @@ impl MySqlStore {
             Some(rest) => format!("mysql://{rest}"),
             None => url.to_owned(),
         };
-        let options = MySqlConnectOptions::from_str(&url)
-            .map_err(|e| StoreError::new(STORE, "connect", format!("bad database URL: {e}")))?;
-        let (host, port) = (options.get_host().to_owned(), options.get_port());
-        let pool = MySqlPoolOptions::new()
-            .max_connections(16)
-            .acquire_timeout(ACQUIRE_TIMEOUT)
-            .connect_with(options)
-            .await
-            .map_err(|e| {
-                StoreError::new(
-                    STORE,
-                    "connect",
-                    format!(
-                        "could not connect to the MySQL/MariaDB server at {host}:{port} \
-                         within {ACQUIRE_TIMEOUT:?}: {e}"
-                    ),
-                )
-            })?;
+        let pool = server::connect::<MySql>(STORE, "MySQL/MariaDB", &url, |options| {
+            format!("{}:{}", options.get_host(), options.get_port())
+        })
+        .await?;
         Self::from_pool(pool).await
     }
 
@@ -157,29 +141,20 @@ impl MySqlStore {
     }
 }
 
-/// The worker that finishes dropped calls' records: its own small pool on its
-/// own runtime, with the store pool's connection options.
+/// The worker that finishes dropped calls' records with the store's fenced
+/// writes (module `server`).
 fn background_worker(pool: &MySqlPool) -> detached::Detached {
-    let options = pool.connect_options();
-    detached::Detached::new(
+    server::background_worker(
         STORE,
-        Box::new(move || {
-            let pool = MySqlPoolOptions::new()
-                .max_connections(2)
-                .acquire_timeout(ACQUIRE_TIMEOUT)
-                .connect_lazy_with((*options).clone());
-            std::sync::Arc::new(move |identity, token, work| {
-                let pool = pool.clone();
-                Box::pin(async move {
-                    match work {
-                        detached::Work::Release => release_with(&pool, &identity, &token).await,
-                        detached::Work::Complete(outcome, ttl) => {
-                            complete_with(&pool, &identity, &token, &outcome, ttl, false).await
-                        }
-                    }
-                })
-            })
-        }),
+        pool,
+        |pool, identity, token| {
+            Box::pin(async move { release_with(&pool, &identity, &token).await })
+        },
+        |pool, identity, token, outcome, ttl| {
+            Box::pin(
+                async move { complete_with(&pool, &identity, &token, &outcome, ttl, false).await },
+            )
+        },
     )
 }
 

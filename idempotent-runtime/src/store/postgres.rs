@@ -61,11 +61,9 @@ use crate::error::Error;
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions, PgRow};
 use sqlx::{Executor, Postgres, Row};
 use std::collections::HashMap;
-use std::str::FromStr;
 
 const STORE: &str = "postgres";
-/// How long `connect` and every statement wait for a pooled connection.
-pub const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(5);
+pub use super::server::ACQUIRE_TIMEOUT;
 const DEFAULT_LOCK_WAIT: Duration = Duration::from_millis(100);
 /// `pg_advisory_xact_lock` key held while migrations run ("idempotnt").
 const MIGRATION_LOCK: i64 = 0x6964_656d_706f_746e;
@@ -99,24 +97,10 @@ impl PgStore {
     /// # Ok(()) }
     /// ```
     pub async fn connect(url: &str) -> Result<Self, Error> {
-        let options = PgConnectOptions::from_str(url)
-            .map_err(|e| StoreError::new(STORE, "connect", format!("bad database URL: {e}")))?;
-        let (host, port) = (options.get_host().to_owned(), options.get_port());
-        let pool = PgPoolOptions::new()
-            .max_connections(16)
-            .acquire_timeout(ACQUIRE_TIMEOUT)
-            .connect_with(options)
-            .await
-            .map_err(|e| {
-                StoreError::new(
-                    STORE,
-                    "connect",
-                    format!(
-                        "could not connect to the PostgreSQL server at {host}:{port} \
-                         within {ACQUIRE_TIMEOUT:?}: {e}"
-                    ),
-                )
-            })?;
+        let pool = server::connect::<Postgres>(STORE, "PostgreSQL", url, |options| {
+            format!("{}:{}", options.get_host(), options.get_port())
+        })
+        .await?;
         Self::from_pool(pool).await
     }
 
@@ -165,29 +149,20 @@ impl PgStore {
     }
 }
 
-/// The worker that finishes dropped calls' records: its own small pool on its
-/// own runtime, with the store pool's connection options.
+/// The worker that finishes dropped calls' records with the store's fenced
+/// writes (module `server`).
 fn background_worker(pool: &PgPool) -> detached::Detached {
-    let options = pool.connect_options();
-    detached::Detached::new(
+    server::background_worker(
         STORE,
-        Box::new(move || {
-            let pool = PgPoolOptions::new()
-                .max_connections(2)
-                .acquire_timeout(ACQUIRE_TIMEOUT)
-                .connect_lazy_with((*options).clone());
-            std::sync::Arc::new(move |identity, token, work| {
-                let pool = pool.clone();
-                Box::pin(async move {
-                    match work {
-                        detached::Work::Release => release_with(&pool, &identity, &token).await,
-                        detached::Work::Complete(outcome, ttl) => {
-                            complete_with(&pool, &identity, &token, &outcome, ttl, false).await
-                        }
-                    }
-                })
-            })
-        }),
+        pool,
+        |pool, identity, token| {
+            Box::pin(async move { release_with(&pool, &identity, &token).await })
+        },
+        |pool, identity, token, outcome, ttl| {
+            Box::pin(
+                async move { complete_with(&pool, &identity, &token, &outcome, ttl, false).await },
+            )
+        },
     )
 }
 
