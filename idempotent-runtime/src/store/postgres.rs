@@ -171,18 +171,18 @@ fn background_worker(pool: &PgPool) -> detached::Detached {
 /// `idempotency_schema_migrations`.
 async fn migrate(pool: &PgPool) -> Result<(), migrate::MigrationError> {
     migrate::run(
-        &mut MigrationTransaction(Some(pool.begin().await?)),
+        &mut MigrationTransaction(migrate::OneTransaction::new(Some(pool.begin().await?))),
         super::migrate::POSTGRES,
     )
     .await
 }
 
 /// The migration runner's view of PostgreSQL: one transaction for the whole run.
-struct MigrationTransaction(Option<sqlx::Transaction<'static, Postgres>>);
+struct MigrationTransaction(migrate::OneTransaction<Postgres>);
 
 impl MigrationTransaction {
     fn tx(&mut self) -> Result<&mut sqlx::PgConnection, sqlx::Error> {
-        self.0.as_deref_mut().ok_or(sqlx::Error::PoolClosed)
+        self.0.connection()
     }
 }
 
@@ -227,17 +227,11 @@ impl migrate::MigrationBackend for MigrationTransaction {
     }
 
     async fn applied(&mut self) -> Result<Vec<(i64, Vec<u8>)>, sqlx::Error> {
-        sqlx::query_as("SELECT version, checksum FROM idempotency_schema_migrations")
-            .fetch_all(self.tx()?)
-            .await
+        self.0.applied().await
     }
 
     async fn execute(&mut self, sql: &str) -> Result<(), sqlx::Error> {
-        // Through the `Executor` trait: `RawSql::execute`'s future is not
-        // `Send` for every lifetime (and `connect` must be spawnable).
-        Executor::execute(self.tx()?, sqlx::raw_sql(sql))
-            .await
-            .map(drop)
+        self.0.execute(sql).await
     }
 
     async fn record(
@@ -259,11 +253,7 @@ impl migrate::MigrationBackend for MigrationTransaction {
 
     /// Commits, or rolls back everything the run did.
     async fn unlock(&mut self, done: bool) -> Result<(), sqlx::Error> {
-        match self.0.take() {
-            Some(tx) if done => tx.commit().await,
-            Some(tx) => tx.rollback().await,
-            None => Ok(()),
-        }
+        self.0.finish(done).await
     }
 }
 
