@@ -979,22 +979,14 @@ fn spawn_listener(
     shared: std::sync::Arc<WatchShared>,
     mut stopped: tokio::sync::oneshot::Receiver<()>,
 ) -> std::io::Result<()> {
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()?;
-    std::thread::Builder::new()
-        .name(format!("idempotent-{STORE}-listener"))
-        .spawn(move || {
-            runtime.block_on(async move {
-                tokio::select! {
-                    _ = &mut stopped => {}
-                    _ = listen(options, &shared) => {}
-                }
-                shared.listening.send_replace(false);
-                shared.reset.notify_waiters();
-            })
-        })?;
-    Ok(())
+    detached::spawn_with_runtime(format!("idempotent-{STORE}-listener"), async move {
+        tokio::select! {
+            _ = &mut stopped => {}
+            _ = listen(options, &shared) => {}
+        }
+        shared.listening.send_replace(false);
+        shared.reset.notify_waiters();
+    })
 }
 
 /// Listens until the thread is stopped, reconnecting when the connection fails.
