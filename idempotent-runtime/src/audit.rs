@@ -159,6 +159,29 @@ pub struct ScopeAudit {
 }
 
 impl ScopeAudit {
+    /// A scope's entry before any of its records are counted.
+    fn empty(
+        scope: String,
+        status: ScopeStatus,
+        claimed_by: Vec<String>,
+        retired_reason: Option<String>,
+    ) -> Self {
+        ScopeAudit {
+            scope,
+            status,
+            claimed_by,
+            retired_reason,
+            complete: 0,
+            in_progress: 0,
+            stuck: 0,
+            expired: 0,
+            oldest_created_at_ms: None,
+            oldest_created_at: None,
+            taken_over: 0,
+            recovered: 0,
+        }
+    }
+
     /// All records of the scope, whatever their state.
     pub fn total(&self) -> u64 {
         self.complete + self.in_progress + self.stuck + self.expired
@@ -380,19 +403,8 @@ fn build_report(store: &str, stats: Vec<ScopeStats>, known: &[KnownScope]) -> Au
         if total == 0 && status != ScopeStatus::Unused {
             continue;
         }
-        let entry = by_scope.entry(s.scope.clone()).or_insert(ScopeAudit {
-            scope: s.scope.clone(),
-            status,
-            claimed_by,
-            retired_reason,
-            complete: 0,
-            in_progress: 0,
-            stuck: 0,
-            expired: 0,
-            oldest_created_at_ms: None,
-            oldest_created_at: None,
-            taken_over: 0,
-            recovered: 0,
+        let entry = by_scope.entry(s.scope.clone()).or_insert_with(|| {
+            ScopeAudit::empty(s.scope.clone(), status, claimed_by, retired_reason)
         });
         entry.complete += s.complete;
         entry.taken_over += s.taken_over;
@@ -408,22 +420,9 @@ fn build_report(store: &str, stats: Vec<ScopeStats>, known: &[KnownScope]) -> Au
     }
     for (scope, claim) in claims {
         if let Claim::Claimed { by } = claim {
-            by_scope
-                .entry(scope.to_owned())
-                .or_insert_with(|| ScopeAudit {
-                    scope: scope.to_owned(),
-                    status: ScopeStatus::Unused,
-                    claimed_by: by,
-                    retired_reason: None,
-                    complete: 0,
-                    in_progress: 0,
-                    stuck: 0,
-                    expired: 0,
-                    oldest_created_at_ms: None,
-                    oldest_created_at: None,
-                    taken_over: 0,
-                    recovered: 0,
-                });
+            by_scope.entry(scope.to_owned()).or_insert_with(|| {
+                ScopeAudit::empty(scope.to_owned(), ScopeStatus::Unused, by, None)
+            });
         }
     }
     AuditReport {

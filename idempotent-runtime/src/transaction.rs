@@ -83,6 +83,77 @@ pub trait TransactionalConnection: Send {
     }
 }
 
+/// Implements [`TransactionalConnection`] for a SQL store's sqlx connection
+/// type from the store's own functions, so every store maps the trait the
+/// same way: `in_transaction(conn)` tells an open transaction,
+/// `reserve(conn, request, lock_wait)` reserves in it, and the store's fenced
+/// writes, `complete(conn, identity, token, outcome, ttl, recovered)` and
+/// `release(conn, identity, token)` (the ones it also runs on its pool),
+/// record or release on the connection itself.
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+macro_rules! transactional_connection {
+    (
+        $(#[$attr:meta])*
+        impl for $conn:ty {
+            store: $store:expr,
+            in_transaction: $in_transaction:path,
+            reserve: $reserve:path,
+            complete: $complete:path,
+            release: $release:path $(,)?
+        }
+    ) => {
+        $(#[$attr])*
+        #[async_trait::async_trait]
+        impl $crate::transaction::TransactionalConnection for $conn {
+            fn store_name(&self) -> &'static str {
+                $store
+            }
+
+            async fn in_transaction(&mut self) -> Result<bool, $crate::error::StoreError> {
+                $in_transaction(self).await
+            }
+
+            async fn reserve_in_transaction(
+                &mut self,
+                request: $crate::store::ReserveRequest<'_>,
+                lock_wait: std::time::Duration,
+            ) -> Result<$crate::store::Reservation, $crate::error::Error> {
+                $reserve(self, request, lock_wait).await
+            }
+
+            async fn complete_in_transaction(
+                &mut self,
+                identity: &$crate::identity::Identity,
+                token: &$crate::store::OwnerToken,
+                outcome: &$crate::store::StoredOutcome,
+                ttl: std::time::Duration,
+            ) -> Result<bool, $crate::error::StoreError> {
+                $complete(self, identity, token, outcome, ttl, false).await
+            }
+
+            async fn complete_recovered_in_transaction(
+                &mut self,
+                identity: &$crate::identity::Identity,
+                token: &$crate::store::OwnerToken,
+                outcome: &$crate::store::StoredOutcome,
+                ttl: std::time::Duration,
+            ) -> Result<bool, $crate::error::StoreError> {
+                $complete(self, identity, token, outcome, ttl, true).await
+            }
+
+            async fn release_in_transaction(
+                &mut self,
+                identity: &$crate::identity::Identity,
+                token: &$crate::store::OwnerToken,
+            ) -> Result<bool, $crate::error::StoreError> {
+                $release(self, identity, token).await
+            }
+        }
+    };
+}
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+pub(crate) use transactional_connection;
+
 /// A sqlx transaction holds idempotency records wherever its connection can:
 /// `tx = tx` works for `&mut sqlx::Transaction<'_, DB>` as well as for the
 /// connection itself.

@@ -1031,39 +1031,26 @@ impl SerializeMap for Map<'_> {
     }
 }
 
-impl SerializeStruct for Map<'_> {
-    type Ok = KeyKind;
-    type Error = EncodeError;
-
-    fn serialize_field<T: ?Sized + Serialize>(
-        &mut self,
-        name: &'static str,
-        value: &T,
-    ) -> Result<()> {
-        self.field(name, value)
-    }
-
-    fn end(self) -> Result<KeyKind> {
-        self.finish()
-    }
+macro_rules! struct_impl {
+    ($($trait:ident),*) => {$(
+        impl $trait for Map<'_> {
+            type Ok = KeyKind;
+            type Error = EncodeError;
+            fn serialize_field<T: ?Sized + Serialize>(
+                &mut self,
+                name: &'static str,
+                value: &T,
+            ) -> Result<()> {
+                self.field(name, value)
+            }
+            fn end(self) -> Result<KeyKind> {
+                self.finish()
+            }
+        }
+    )*};
 }
 
-impl SerializeStructVariant for Map<'_> {
-    type Ok = KeyKind;
-    type Error = EncodeError;
-
-    fn serialize_field<T: ?Sized + Serialize>(
-        &mut self,
-        name: &'static str,
-        value: &T,
-    ) -> Result<()> {
-        self.field(name, value)
-    }
-
-    fn end(self) -> Result<KeyKind> {
-        self.finish()
-    }
-}
+struct_impl!(SerializeStruct, SerializeStructVariant);
 
 // ---------------------------------------------------------------------------
 // Map keys

@@ -276,49 +276,46 @@ impl<'a> Parser<'a> {
             b't' => self.literal(b"true"),
             b'f' => self.literal(b"false"),
             b'"' => self.string().map(Node::String),
-            b'[' => {
-                self.pos += 1;
-                let mut items = Vec::new();
-                self.ws();
-                if self.eat(b']').is_some() {
-                    return Some(Node::Array(items));
-                }
-                loop {
-                    self.ws();
-                    items.push(self.value(depth + 1)?);
-                    self.ws();
-                    if self.eat(b',').is_none() {
-                        self.eat(b']')?;
-                        return Some(Node::Array(items));
-                    }
-                }
-            }
-            b'{' => {
-                self.pos += 1;
-                let mut members = Vec::new();
-                self.ws();
-                if self.eat(b'}').is_some() {
-                    return Some(Node::Object(members));
-                }
-                loop {
-                    self.ws();
-                    if self.peek()? != b'"' {
+            b'[' => self.list(b']', |p| p.value(depth + 1)).map(Node::Array),
+            b'{' => self
+                .list(b'}', |p| {
+                    if p.peek()? != b'"' {
                         return None;
                     }
-                    let key = self.string()?;
-                    self.ws();
-                    self.eat(b':')?;
-                    self.ws();
-                    members.push((key, self.value(depth + 1)?));
-                    self.ws();
-                    if self.eat(b',').is_none() {
-                        self.eat(b'}')?;
-                        return Some(Node::Object(members));
-                    }
-                }
-            }
+                    let key = p.string()?;
+                    p.ws();
+                    p.eat(b':')?;
+                    p.ws();
+                    Some((key, p.value(depth + 1)?))
+                })
+                .map(Node::Object),
             b'-' | b'0'..=b'9' => self.number().map(Node::Number),
             _ => None,
+        }
+    }
+
+    /// The items of an array or object, after its opening bracket (at
+    /// `self.pos`) up to `close`: none, or `item`s separated by commas, with
+    /// white space around each.
+    fn list<T>(
+        &mut self,
+        close: u8,
+        mut item: impl FnMut(&mut Self) -> Option<T>,
+    ) -> Option<Vec<T>> {
+        self.pos += 1;
+        let mut items = Vec::new();
+        self.ws();
+        if self.eat(close).is_some() {
+            return Some(items);
+        }
+        loop {
+            self.ws();
+            items.push(item(self)?);
+            self.ws();
+            if self.eat(b',').is_none() {
+                self.eat(close)?;
+                return Some(items);
+            }
         }
     }
 

@@ -128,24 +128,33 @@ impl Detached {
 
 fn start(store: &'static str, open: OpenFn) -> std::io::Result<mpsc::UnboundedSender<Job>> {
     let (sender, mut jobs) = mpsc::unbounded_channel::<Job>();
+    spawn_with_runtime(format!("idempotent-{store}-detached"), async move {
+        let write = open();
+        let mut running = tokio::task::JoinSet::new();
+        while let Some((identity, token, work)) = jobs.recv().await {
+            running.spawn(with_retries(store, write.clone(), identity, token, work));
+            while running.try_join_next().is_some() {}
+        }
+        // Every handle to the store is gone: finish what was handed over.
+        while running.join_next().await.is_some() {}
+    })?;
+    Ok(sender)
+}
+
+/// Runs `work` on a new thread called `name`, on a current-thread runtime of
+/// its own, so it outlives whatever runtime started it. Either failing to
+/// start is the error.
+pub(crate) fn spawn_with_runtime(
+    name: String,
+    work: impl std::future::Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
     std::thread::Builder::new()
-        .name(format!("idempotent-{store}-detached"))
-        .spawn(move || {
-            runtime.block_on(async move {
-                let write = open();
-                let mut running = tokio::task::JoinSet::new();
-                while let Some((identity, token, work)) = jobs.recv().await {
-                    running.spawn(with_retries(store, write.clone(), identity, token, work));
-                    while running.try_join_next().is_some() {}
-                }
-                // Every handle to the store is gone: finish what was handed over.
-                while running.join_next().await.is_some() {}
-            });
-        })?;
-    Ok(sender)
+        .name(name)
+        .spawn(move || runtime.block_on(work))?;
+    Ok(())
 }
 
 async fn with_retries(

@@ -139,6 +139,59 @@ pub(crate) trait MigrationBackend: Send {
     async fn unlock(&mut self, done: bool) -> Result<(), sqlx::Error>;
 }
 
+/// A migration run inside one transaction (PostgreSQL, SQLite): the run's
+/// statements go to its connection, and [`finish`](Self::finish) commits
+/// it, or rolls back everything the run did.
+#[cfg(any(feature = "postgres", feature = "sqlite"))]
+pub(crate) struct OneTransaction<DB: sqlx::Database>(Option<sqlx::Transaction<'static, DB>>);
+
+#[cfg(any(feature = "postgres", feature = "sqlite"))]
+impl<DB> OneTransaction<DB>
+where
+    DB: sqlx::Database,
+    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+{
+    /// The run's transaction, once it is begun.
+    pub fn new(tx: Option<sqlx::Transaction<'static, DB>>) -> Self {
+        OneTransaction(tx)
+    }
+
+    /// The transaction's connection; an error before it is begun or after
+    /// it is finished.
+    pub fn connection(&mut self) -> Result<&mut DB::Connection, sqlx::Error> {
+        self.0.as_deref_mut().ok_or(sqlx::Error::PoolClosed)
+    }
+
+    /// The (version, checksum) pairs recorded in [`HISTORY_TABLE`].
+    pub async fn applied(&mut self) -> Result<Vec<(i64, Vec<u8>)>, sqlx::Error>
+    where
+        for<'r> (i64, Vec<u8>): sqlx::FromRow<'r, DB::Row>,
+        for<'q> DB::Arguments<'q>: sqlx::IntoArguments<'q, DB>,
+    {
+        sqlx::query_as("SELECT version, checksum FROM idempotency_schema_migrations")
+            .fetch_all(self.connection()?)
+            .await
+    }
+
+    /// Runs one migration's SQL, all its statements at once.
+    pub async fn execute(&mut self, sql: &str) -> Result<(), sqlx::Error> {
+        // Through the `Executor` trait, not `RawSql::execute`, whose future is
+        // not `Send` for every lifetime (and would make `connect` unspawnable).
+        sqlx::Executor::execute(self.connection()?, sqlx::raw_sql(sql))
+            .await
+            .map(drop)
+    }
+
+    /// Commits the run when `done`, otherwise rolls it back.
+    pub async fn finish(&mut self, done: bool) -> Result<(), sqlx::Error> {
+        match self.0.take() {
+            Some(tx) if done => tx.commit().await,
+            Some(tx) => tx.rollback().await,
+            None => Ok(()),
+        }
+    }
+}
+
 /// Applies the `migrations` that the database has not seen, under
 /// `backend`'s lock.
 pub(crate) async fn run(

@@ -21,6 +21,8 @@ pub mod mysql;
 pub mod postgres;
 #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
 pub(crate) mod rows;
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+pub(crate) mod server;
 #[cfg(feature = "sqlite")]
 pub mod sqlite;
 #[cfg(feature = "sqlite")]

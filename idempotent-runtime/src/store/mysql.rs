@@ -61,14 +61,11 @@
 
 use super::*;
 use crate::error::Error;
-use crate::transaction::TransactionalConnection;
-use sqlx::mysql::{MySqlConnectOptions, MySqlPool, MySqlPoolOptions, MySqlRow};
+use sqlx::mysql::{MySqlPool, MySqlRow};
 use sqlx::{Executor, MySql, Row};
-use std::str::FromStr;
 
 const STORE: &str = "mysql";
-/// How long `connect` and every statement wait for a pooled connection.
-pub const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(5);
+pub use super::server::ACQUIRE_TIMEOUT;
 /// Whole seconds a reservation through the store waits for a row lock: the
 /// smallest non-zero InnoDB wait. Concurrent reservations hold a new row's lock
 /// for well under a millisecond, so a duplicate sees the committed record (and
@@ -112,24 +109,10 @@ impl MySqlStore {
             Some(rest) => format!("mysql://{rest}"),
             None => url.to_owned(),
         };
-        let options = MySqlConnectOptions::from_str(&url)
-            .map_err(|e| StoreError::new(STORE, "connect", format!("bad database URL: {e}")))?;
-        let (host, port) = (options.get_host().to_owned(), options.get_port());
-        let pool = MySqlPoolOptions::new()
-            .max_connections(16)
-            .acquire_timeout(ACQUIRE_TIMEOUT)
-            .connect_with(options)
-            .await
-            .map_err(|e| {
-                StoreError::new(
-                    STORE,
-                    "connect",
-                    format!(
-                        "could not connect to the MySQL/MariaDB server at {host}:{port} \
-                         within {ACQUIRE_TIMEOUT:?}: {e}"
-                    ),
-                )
-            })?;
+        let pool = server::connect::<MySql>(STORE, "MySQL/MariaDB", &url, |options| {
+            format!("{}:{}", options.get_host(), options.get_port())
+        })
+        .await?;
         Self::from_pool(pool).await
     }
 
@@ -158,29 +141,20 @@ impl MySqlStore {
     }
 }
 
-/// The worker that finishes dropped calls' records: its own small pool on its
-/// own runtime, with the store pool's connection options.
+/// The worker that finishes dropped calls' records with the store's fenced
+/// writes (module `server`).
 fn background_worker(pool: &MySqlPool) -> detached::Detached {
-    let options = pool.connect_options();
-    detached::Detached::new(
+    server::background_worker(
         STORE,
-        Box::new(move || {
-            let pool = MySqlPoolOptions::new()
-                .max_connections(2)
-                .acquire_timeout(ACQUIRE_TIMEOUT)
-                .connect_lazy_with((*options).clone());
-            std::sync::Arc::new(move |identity, token, work| {
-                let pool = pool.clone();
-                Box::pin(async move {
-                    match work {
-                        detached::Work::Release => release_with(&pool, &identity, &token).await,
-                        detached::Work::Complete(outcome, ttl) => {
-                            complete_with(&pool, &identity, &token, &outcome, ttl, false).await
-                        }
-                    }
-                })
-            })
-        }),
+        pool,
+        |pool, identity, token| {
+            Box::pin(async move { release_with(&pool, &identity, &token).await })
+        },
+        |pool, identity, token, outcome, ttl| {
+            Box::pin(
+                async move { complete_with(&pool, &identity, &token, &outcome, ttl, false).await },
+            )
+        },
     )
 }
 
@@ -641,84 +615,60 @@ fn lock_wait_seconds(lock_wait: Duration) -> u64 {
     lock_wait.as_secs()
 }
 
-/// Transactional mode on a MySQL/MariaDB connection: the reservation and the
-/// recorded result are statements in the connection's current transaction.
-///
-/// ```no_run
-/// use idempotent_runtime::TransactionalConnection;
-/// fn assert_tx<C: TransactionalConnection + ?Sized>() {}
-/// assert_tx::<sqlx::MySqlConnection>();
-/// assert_tx::<sqlx::Transaction<'static, sqlx::MySql>>();
-/// ```
-#[async_trait::async_trait]
-impl TransactionalConnection for sqlx::MySqlConnection {
-    fn store_name(&self) -> &'static str {
-        STORE
+crate::transaction::transactional_connection! {
+    /// Transactional mode on a MySQL/MariaDB connection: the reservation and the
+    /// recorded result are statements in the connection's current transaction.
+    ///
+    /// ```no_run
+    /// use idempotent_runtime::TransactionalConnection;
+    /// fn assert_tx<C: TransactionalConnection + ?Sized>() {}
+    /// assert_tx::<sqlx::MySqlConnection>();
+    /// assert_tx::<sqlx::Transaction<'static, sqlx::MySql>>();
+    /// ```
+    impl for sqlx::MySqlConnection {
+        store: STORE,
+        in_transaction: in_transaction,
+        reserve: reserve_in_transaction,
+        complete: complete_with,
+        release: release_with,
     }
+}
 
-    /// A transaction begun through sqlx is known without a round trip.
-    /// Otherwise the server is asked: `@@in_transaction` (MariaDB, MySQL 8.0.x
-    /// has none: then only `autocommit = 0` counts), or `autocommit = 0`, where
-    /// every statement opens a transaction that lasts until `COMMIT`.
-    async fn in_transaction(&mut self) -> Result<bool, StoreError> {
-        const OP: &str = "check for an open transaction";
-        if sqlx::Connection::is_in_transaction(self) {
-            return Ok(true);
+/// Whether the connection is in a transaction. A transaction begun through
+/// sqlx is known without a round trip. Otherwise the server is asked:
+/// `@@in_transaction` (MariaDB, MySQL 8.0.x has none: then only
+/// `autocommit = 0` counts), or `autocommit = 0`, where every statement opens
+/// a transaction that lasts until `COMMIT`.
+async fn in_transaction(conn: &mut sqlx::MySqlConnection) -> Result<bool, StoreError> {
+    const OP: &str = "check for an open transaction";
+    if sqlx::Connection::is_in_transaction(conn) {
+        return Ok(true);
+    }
+    const UNKNOWN_SYSTEM_VARIABLE: &str = "1193";
+    let asked: Result<i64, sqlx::Error> =
+        sqlx::query_scalar("SELECT CAST(@@autocommit = 0 OR @@in_transaction = 1 AS SIGNED)")
+            .fetch_one(&mut *conn)
+            .await;
+    let open = match asked {
+        Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some(UNKNOWN_SYSTEM_VARIABLE) => {
+            sqlx::query_scalar("SELECT CAST(@@autocommit = 0 AS SIGNED)")
+                .fetch_one(&mut *conn)
+                .await
+                .map_err(err(OP))?
         }
-        const UNKNOWN_SYSTEM_VARIABLE: &str = "1193";
-        let asked: Result<i64, sqlx::Error> =
-            sqlx::query_scalar("SELECT CAST(@@autocommit = 0 OR @@in_transaction = 1 AS SIGNED)")
-                .fetch_one(&mut *self)
-                .await;
-        let open = match asked {
-            Err(sqlx::Error::Database(e))
-                if e.code().as_deref() == Some(UNKNOWN_SYSTEM_VARIABLE) =>
-            {
-                sqlx::query_scalar("SELECT CAST(@@autocommit = 0 AS SIGNED)")
-                    .fetch_one(&mut *self)
-                    .await
-                    .map_err(err(OP))?
-            }
-            other => other.map_err(err(OP))?,
-        };
-        Ok(open != 0)
-    }
+        other => other.map_err(err(OP))?,
+    };
+    Ok(open != 0)
+}
 
-    async fn reserve_in_transaction(
-        &mut self,
-        request: ReserveRequest<'_>,
-        lock_wait: Duration,
-    ) -> Result<Reservation, Error> {
-        Ok(reserve_with(&mut *self, request, lock_wait_seconds(lock_wait), false).await?)
-    }
-
-    async fn complete_in_transaction(
-        &mut self,
-        identity: &Identity,
-        token: &OwnerToken,
-        outcome: &StoredOutcome,
-        ttl: Duration,
-    ) -> Result<bool, StoreError> {
-        complete_with(&mut *self, identity, token, outcome, ttl, false).await
-    }
-
-    async fn complete_recovered_in_transaction(
-        &mut self,
-        identity: &Identity,
-        token: &OwnerToken,
-        outcome: &StoredOutcome,
-        ttl: Duration,
-    ) -> Result<bool, StoreError> {
-        complete_with(&mut *self, identity, token, outcome, ttl, true).await
-    }
-
-    async fn release_in_transaction(
-        &mut self,
-        identity: &Identity,
-        token: &OwnerToken,
-    ) -> Result<bool, StoreError> {
-        release_with(&mut *self, identity, token).await
-    }
+/// The reservation in the connection's transaction, waiting for a row lock
+/// for the whole seconds of `lock_wait`.
+async fn reserve_in_transaction(
+    conn: &mut sqlx::MySqlConnection,
+    request: ReserveRequest<'_>,
+    lock_wait: Duration,
+) -> Result<Reservation, Error> {
+    Ok(reserve_with(conn, request, lock_wait_seconds(lock_wait), false).await?)
 }
 
 #[cfg(test)]

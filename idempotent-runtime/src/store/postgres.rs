@@ -58,15 +58,12 @@
 
 use super::*;
 use crate::error::Error;
-use crate::transaction::TransactionalConnection;
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions, PgRow};
 use sqlx::{Executor, Postgres, Row};
 use std::collections::HashMap;
-use std::str::FromStr;
 
 const STORE: &str = "postgres";
-/// How long `connect` and every statement wait for a pooled connection.
-pub const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(5);
+pub use super::server::ACQUIRE_TIMEOUT;
 const DEFAULT_LOCK_WAIT: Duration = Duration::from_millis(100);
 /// `pg_advisory_xact_lock` key held while migrations run ("idempotnt").
 const MIGRATION_LOCK: i64 = 0x6964_656d_706f_746e;
@@ -100,24 +97,10 @@ impl PgStore {
     /// # Ok(()) }
     /// ```
     pub async fn connect(url: &str) -> Result<Self, Error> {
-        let options = PgConnectOptions::from_str(url)
-            .map_err(|e| StoreError::new(STORE, "connect", format!("bad database URL: {e}")))?;
-        let (host, port) = (options.get_host().to_owned(), options.get_port());
-        let pool = PgPoolOptions::new()
-            .max_connections(16)
-            .acquire_timeout(ACQUIRE_TIMEOUT)
-            .connect_with(options)
-            .await
-            .map_err(|e| {
-                StoreError::new(
-                    STORE,
-                    "connect",
-                    format!(
-                        "could not connect to the PostgreSQL server at {host}:{port} \
-                         within {ACQUIRE_TIMEOUT:?}: {e}"
-                    ),
-                )
-            })?;
+        let pool = server::connect::<Postgres>(STORE, "PostgreSQL", url, |options| {
+            format!("{}:{}", options.get_host(), options.get_port())
+        })
+        .await?;
         Self::from_pool(pool).await
     }
 
@@ -166,29 +149,20 @@ impl PgStore {
     }
 }
 
-/// The worker that finishes dropped calls' records: its own small pool on its
-/// own runtime, with the store pool's connection options.
+/// The worker that finishes dropped calls' records with the store's fenced
+/// writes (module `server`).
 fn background_worker(pool: &PgPool) -> detached::Detached {
-    let options = pool.connect_options();
-    detached::Detached::new(
+    server::background_worker(
         STORE,
-        Box::new(move || {
-            let pool = PgPoolOptions::new()
-                .max_connections(2)
-                .acquire_timeout(ACQUIRE_TIMEOUT)
-                .connect_lazy_with((*options).clone());
-            std::sync::Arc::new(move |identity, token, work| {
-                let pool = pool.clone();
-                Box::pin(async move {
-                    match work {
-                        detached::Work::Release => release_with(&pool, &identity, &token).await,
-                        detached::Work::Complete(outcome, ttl) => {
-                            complete_with(&pool, &identity, &token, &outcome, ttl, false).await
-                        }
-                    }
-                })
-            })
-        }),
+        pool,
+        |pool, identity, token| {
+            Box::pin(async move { release_with(&pool, &identity, &token).await })
+        },
+        |pool, identity, token, outcome, ttl| {
+            Box::pin(
+                async move { complete_with(&pool, &identity, &token, &outcome, ttl, false).await },
+            )
+        },
     )
 }
 
@@ -197,18 +171,18 @@ fn background_worker(pool: &PgPool) -> detached::Detached {
 /// `idempotency_schema_migrations`.
 async fn migrate(pool: &PgPool) -> Result<(), migrate::MigrationError> {
     migrate::run(
-        &mut MigrationTransaction(Some(pool.begin().await?)),
+        &mut MigrationTransaction(migrate::OneTransaction::new(Some(pool.begin().await?))),
         super::migrate::POSTGRES,
     )
     .await
 }
 
 /// The migration runner's view of PostgreSQL: one transaction for the whole run.
-struct MigrationTransaction(Option<sqlx::Transaction<'static, Postgres>>);
+struct MigrationTransaction(migrate::OneTransaction<Postgres>);
 
 impl MigrationTransaction {
     fn tx(&mut self) -> Result<&mut sqlx::PgConnection, sqlx::Error> {
-        self.0.as_deref_mut().ok_or(sqlx::Error::PoolClosed)
+        self.0.connection()
     }
 }
 
@@ -253,17 +227,11 @@ impl migrate::MigrationBackend for MigrationTransaction {
     }
 
     async fn applied(&mut self) -> Result<Vec<(i64, Vec<u8>)>, sqlx::Error> {
-        sqlx::query_as("SELECT version, checksum FROM idempotency_schema_migrations")
-            .fetch_all(self.tx()?)
-            .await
+        self.0.applied().await
     }
 
     async fn execute(&mut self, sql: &str) -> Result<(), sqlx::Error> {
-        // Through the `Executor` trait: `RawSql::execute`'s future is not
-        // `Send` for every lifetime (and `connect` must be spawnable).
-        Executor::execute(self.tx()?, sqlx::raw_sql(sql))
-            .await
-            .map(drop)
+        self.0.execute(sql).await
     }
 
     async fn record(
@@ -285,11 +253,7 @@ impl migrate::MigrationBackend for MigrationTransaction {
 
     /// Commits, or rolls back everything the run did.
     async fn unlock(&mut self, done: bool) -> Result<(), sqlx::Error> {
-        match self.0.take() {
-            Some(tx) if done => tx.commit().await,
-            Some(tx) => tx.rollback().await,
-            None => Ok(()),
-        }
+        self.0.finish(done).await
     }
 }
 
@@ -752,68 +716,46 @@ async fn started_before_this_statement(conn: &mut sqlx::PgConnection) -> Result<
     row.try_get::<bool, _>(0)
 }
 
-/// Transactional mode on a PostgreSQL connection: the reservation and the
-/// recorded result are statements in whatever transaction the connection is in.
-///
-/// ```no_run
-/// use idempotent_runtime::TransactionalConnection;
-/// fn assert_tx<C: TransactionalConnection + ?Sized>() {}
-/// assert_tx::<sqlx::PgConnection>();
-/// assert_tx::<sqlx::Transaction<'static, sqlx::Postgres>>();
-/// ```
-#[async_trait::async_trait]
-impl TransactionalConnection for sqlx::PgConnection {
-    fn store_name(&self) -> &'static str {
-        STORE
+crate::transaction::transactional_connection! {
+    /// Transactional mode on a PostgreSQL connection: the reservation and the
+    /// recorded result are statements in whatever transaction the connection is in.
+    ///
+    /// ```no_run
+    /// use idempotent_runtime::TransactionalConnection;
+    /// fn assert_tx<C: TransactionalConnection + ?Sized>() {}
+    /// assert_tx::<sqlx::PgConnection>();
+    /// assert_tx::<sqlx::Transaction<'static, sqlx::Postgres>>();
+    /// ```
+    impl for sqlx::PgConnection {
+        store: STORE,
+        in_transaction: in_transaction,
+        reserve: reserve_in_transaction,
+        complete: complete_with,
+        release: release_with,
     }
+}
 
-    /// A transaction begun through sqlx is known without a round trip. Otherwise
-    /// the server is asked, with a simple-protocol query: in autocommit that
-    /// query is its own transaction, which started with it (the two timestamps
-    /// are equal); after a plain `BEGIN` the transaction started earlier.
-    async fn in_transaction(&mut self) -> Result<bool, StoreError> {
-        const OP: &str = "check for an open transaction";
-        if sqlx::Connection::is_in_transaction(self) {
-            return Ok(true);
-        }
-        started_before_this_statement(self).await.map_err(err(OP))
+/// Whether the connection is in a transaction. A transaction begun through
+/// sqlx is known without a round trip. Otherwise the server is asked, with a
+/// simple-protocol query: in autocommit that query is its own transaction,
+/// which started with it (the two timestamps are equal); after a plain
+/// `BEGIN` the transaction started earlier.
+async fn in_transaction(conn: &mut sqlx::PgConnection) -> Result<bool, StoreError> {
+    if sqlx::Connection::is_in_transaction(conn) {
+        return Ok(true);
     }
+    started_before_this_statement(conn)
+        .await
+        .map_err(err("check for an open transaction"))
+}
 
-    async fn reserve_in_transaction(
-        &mut self,
-        request: ReserveRequest<'_>,
-        lock_wait: Duration,
-    ) -> Result<Reservation, Error> {
-        Ok(reserve_with(&mut *self, request, lock_wait).await?)
-    }
-
-    async fn complete_in_transaction(
-        &mut self,
-        identity: &Identity,
-        token: &OwnerToken,
-        outcome: &StoredOutcome,
-        ttl: Duration,
-    ) -> Result<bool, StoreError> {
-        complete_with(&mut *self, identity, token, outcome, ttl, false).await
-    }
-
-    async fn complete_recovered_in_transaction(
-        &mut self,
-        identity: &Identity,
-        token: &OwnerToken,
-        outcome: &StoredOutcome,
-        ttl: Duration,
-    ) -> Result<bool, StoreError> {
-        complete_with(&mut *self, identity, token, outcome, ttl, true).await
-    }
-
-    async fn release_in_transaction(
-        &mut self,
-        identity: &Identity,
-        token: &OwnerToken,
-    ) -> Result<bool, StoreError> {
-        release_with(&mut *self, identity, token).await
-    }
+/// The reservation in the connection's transaction.
+async fn reserve_in_transaction(
+    conn: &mut sqlx::PgConnection,
+    request: ReserveRequest<'_>,
+    lock_wait: Duration,
+) -> Result<Reservation, Error> {
+    Ok(reserve_with(conn, request, lock_wait).await?)
 }
 
 // ---------------------------------------------------------------- waiting duplicates
@@ -1037,22 +979,14 @@ fn spawn_listener(
     shared: std::sync::Arc<WatchShared>,
     mut stopped: tokio::sync::oneshot::Receiver<()>,
 ) -> std::io::Result<()> {
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()?;
-    std::thread::Builder::new()
-        .name(format!("idempotent-{STORE}-listener"))
-        .spawn(move || {
-            runtime.block_on(async move {
-                tokio::select! {
-                    _ = &mut stopped => {}
-                    _ = listen(options, &shared) => {}
-                }
-                shared.listening.send_replace(false);
-                shared.reset.notify_waiters();
-            })
-        })?;
-    Ok(())
+    detached::spawn_with_runtime(format!("idempotent-{STORE}-listener"), async move {
+        tokio::select! {
+            _ = &mut stopped => {}
+            _ = listen(options, &shared) => {}
+        }
+        shared.listening.send_replace(false);
+        shared.reset.notify_waiters();
+    })
 }
 
 /// Listens until the thread is stopped, reconnecting when the connection fails.

@@ -864,7 +864,7 @@ async fn switch_to_wal(conn: &mut sqlx::SqliteConnection, file: &str) -> Result<
 async fn migrate(pool: &SqlitePool) -> Result<(), StoreError> {
     let mut backend = MigrationTransaction {
         pool: pool.clone(),
-        tx: None,
+        tx: super::migrate::OneTransaction::new(None),
     };
     super::migrate::run(&mut backend, super::migrate::SQLITE)
         .await
@@ -875,12 +875,12 @@ async fn migrate(pool: &SqlitePool) -> Result<(), StoreError> {
 /// (the database's write lock) for the whole run.
 struct MigrationTransaction {
     pool: SqlitePool,
-    tx: Option<sqlx::Transaction<'static, sqlx::Sqlite>>,
+    tx: super::migrate::OneTransaction<sqlx::Sqlite>,
 }
 
 impl MigrationTransaction {
     fn tx(&mut self) -> Result<&mut sqlx::SqliteConnection, sqlx::Error> {
-        self.tx.as_deref_mut().ok_or(sqlx::Error::PoolClosed)
+        self.tx.connection()
     }
 }
 
@@ -892,7 +892,7 @@ impl super::migrate::MigrationBackend for MigrationTransaction {
         loop {
             match self.pool.begin_with("BEGIN IMMEDIATE").await {
                 Ok(tx) => {
-                    self.tx = Some(tx);
+                    self.tx = super::migrate::OneTransaction::new(Some(tx));
                     return Ok(());
                 }
                 Err(e) if is_busy(&e) && tokio::time::Instant::now() < deadline => {
@@ -940,17 +940,11 @@ impl super::migrate::MigrationBackend for MigrationTransaction {
     }
 
     async fn applied(&mut self) -> Result<Vec<(i64, Vec<u8>)>, sqlx::Error> {
-        sqlx::query_as("SELECT version, checksum FROM idempotency_schema_migrations")
-            .fetch_all(self.tx()?)
-            .await
+        self.tx.applied().await
     }
 
     async fn execute(&mut self, sql: &str) -> Result<(), sqlx::Error> {
-        // Through the `Executor` trait, not `RawSql::execute`, whose future is
-        // not `Send` for every lifetime (and would make `connect` unspawnable).
-        sqlx::Executor::execute(self.tx()?, sqlx::raw_sql(sql))
-            .await
-            .map(drop)
+        self.tx.execute(sql).await
     }
 
     async fn record(
@@ -974,11 +968,7 @@ impl super::migrate::MigrationBackend for MigrationTransaction {
     }
 
     async fn unlock(&mut self, done: bool) -> Result<(), sqlx::Error> {
-        match self.tx.take() {
-            Some(tx) if done => tx.commit().await,
-            Some(tx) => tx.rollback().await,
-            None => Ok(()),
-        }
+        self.tx.finish(done).await
     }
 }
 

@@ -273,71 +273,39 @@ async fn reserve_on(
     }
 }
 
-/// Transactional mode on a SQLite connection: the reservation and the
-/// recorded result are statements in the connection's current transaction.
-///
-/// ```no_run
-/// use idempotent_runtime::TransactionalConnection;
-/// fn assert_tx<C: TransactionalConnection + ?Sized>() {}
-/// assert_tx::<sqlx::SqliteConnection>();
-/// assert_tx::<sqlx::Transaction<'static, sqlx::Sqlite>>();
-/// ```
-#[async_trait::async_trait]
-impl crate::transaction::TransactionalConnection for SqliteConnection {
-    fn store_name(&self) -> &'static str {
-        "sqlite"
+crate::transaction::transactional_connection! {
+    /// Transactional mode on a SQLite connection: the reservation and the
+    /// recorded result are statements in the connection's current transaction.
+    ///
+    /// ```no_run
+    /// use idempotent_runtime::TransactionalConnection;
+    /// fn assert_tx<C: TransactionalConnection + ?Sized>() {}
+    /// assert_tx::<sqlx::SqliteConnection>();
+    /// assert_tx::<sqlx::Transaction<'static, sqlx::Sqlite>>();
+    /// ```
+    impl for SqliteConnection {
+        store: "sqlite",
+        in_transaction: in_transaction,
+        reserve: reserve_on,
+        complete: complete_on,
+        release: release_on,
     }
+}
 
-    /// SQLite itself knows: `sqlite3_get_autocommit` is zero inside a
-    /// transaction, whether sqlx began it or a plain `BEGIN` did. No round trip.
-    async fn in_transaction(&mut self) -> Result<bool, StoreError> {
-        if sqlx::Connection::is_in_transaction(self) {
-            return Ok(true);
-        }
-        let mut handle = self
-            .lock_handle()
-            .await
-            .map_err(err("check for an open transaction"))?;
-        // SAFETY: the handle is a live connection, locked for our exclusive use
-        // while `handle` is held; sqlite3_get_autocommit only reads its state.
-        let autocommit =
-            unsafe { libsqlite3_sys::sqlite3_get_autocommit(handle.as_raw_handle().as_ptr()) };
-        Ok(autocommit == 0)
+/// Whether the connection is in a transaction. SQLite itself knows:
+/// `sqlite3_get_autocommit` is zero inside a transaction, whether sqlx began
+/// it or a plain `BEGIN` did. No round trip.
+async fn in_transaction(conn: &mut SqliteConnection) -> Result<bool, StoreError> {
+    if sqlx::Connection::is_in_transaction(conn) {
+        return Ok(true);
     }
-
-    async fn reserve_in_transaction(
-        &mut self,
-        request: ReserveRequest<'_>,
-        lock_wait: Duration,
-    ) -> Result<Reservation, Error> {
-        reserve_on(self, request, lock_wait).await
-    }
-
-    async fn complete_in_transaction(
-        &mut self,
-        identity: &Identity,
-        token: &OwnerToken,
-        outcome: &StoredOutcome,
-        ttl: Duration,
-    ) -> Result<bool, StoreError> {
-        complete_on(&mut *self, identity, token, outcome, ttl, false).await
-    }
-
-    async fn complete_recovered_in_transaction(
-        &mut self,
-        identity: &Identity,
-        token: &OwnerToken,
-        outcome: &StoredOutcome,
-        ttl: Duration,
-    ) -> Result<bool, StoreError> {
-        complete_on(&mut *self, identity, token, outcome, ttl, true).await
-    }
-
-    async fn release_in_transaction(
-        &mut self,
-        identity: &Identity,
-        token: &OwnerToken,
-    ) -> Result<bool, StoreError> {
-        release_on(&mut *self, identity, token).await
-    }
+    let mut handle = conn
+        .lock_handle()
+        .await
+        .map_err(err("check for an open transaction"))?;
+    // SAFETY: the handle is a live connection, locked for our exclusive use
+    // while `handle` is held; sqlite3_get_autocommit only reads its state.
+    let autocommit =
+        unsafe { libsqlite3_sys::sqlite3_get_autocommit(handle.as_raw_handle().as_ptr()) };
+    Ok(autocommit == 0)
 }
