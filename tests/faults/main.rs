@@ -11,4 +11,5 @@ mod connection_faults;
 mod mysql_faults;
 mod mysql_wire;
 mod postgres_faults;
+mod pool_pings;
 mod postgres_wire;
