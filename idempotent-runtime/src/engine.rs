@@ -240,17 +240,43 @@ impl FinishOnDrop<'_> {
 
 impl Drop for FinishOnDrop<'_> {
     fn drop(&mut self) {
-        let (identity, token) = (self.identity.clone(), self.token.clone());
+        // Cloned only when there is something to hand over: most calls end
+        // disarmed, with nothing left to finish.
         if *self.armed.get_mut() {
+            let (identity, token) = (self.identity.clone(), self.token.clone());
             tracing::info!(target: "idempotent", scope = %identity.scope, key = %identity.log_digest(),
                 "call ended while it held (or may have held) its record; the store releases it");
             self.store.release_detached(identity, token);
         } else if let Some((outcome, ttl)) = self.completing.take() {
+            let (identity, token) = (self.identity.clone(), self.token.clone());
             tracing::info!(target: "idempotent", scope = %identity.scope, key = %identity.log_digest(),
                 "call dropped while recording its result; the store records it");
             self.store.complete_detached(identity, token, outcome, ttl);
         }
     }
+}
+
+/// A fresh owner token for a call, of the form [`OwnerToken::new`] makes (64
+/// random bits drawn once per process, then a per-process counter: 32 hex
+/// characters), written by hand: `format!` with padded hex was a tenth of
+/// an in-memory call. Its own random prefix keeps its tokens apart from
+/// those `OwnerToken::new` makes in this process (as from other processes').
+fn new_token() -> OwnerToken {
+    use std::sync::atomic::AtomicU64;
+    use std::sync::OnceLock;
+    static PROCESS: OnceLock<u64> = OnceLock::new();
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    let process = *PROCESS.get_or_init(|| uuid::Uuid::new_v4().as_u64_pair().0);
+    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+    let mut text = [0u8; 32];
+    for (digits, word) in text.chunks_exact_mut(16).zip([process, n]) {
+        for (i, digit) in digits.iter_mut().enumerate() {
+            *digit = HEX[((word >> (60 - 4 * i)) & 0xf) as usize];
+        }
+    }
+    // Hex digits only: always UTF-8.
+    OwnerToken::from_stored(std::str::from_utf8(&text).unwrap_or_default())
 }
 
 // ---------------------------------------------------------------- recover hooks (rule 20)
@@ -400,7 +426,7 @@ where
         Ok(fingerprint) => fingerprint,
         Err(e) => return fail(e),
     };
-    let token = OwnerToken::new();
+    let token = new_token();
     let digest = identity.log_digest();
 
     let request = ReserveRequest {
@@ -1111,6 +1137,20 @@ mod tests {
 
     fn assert_send<T: Send>(t: T) -> T {
         t
+    }
+
+    #[test]
+    fn call_tokens_are_unique_and_shaped_like_owner_tokens() {
+        let (a, b, other) = (new_token(), new_token(), OwnerToken::new());
+        for t in [&a, &b, &other] {
+            assert_eq!(t.as_str().len(), 32);
+            assert!(t.as_str().bytes().all(|c| c.is_ascii_digit() || (b'a'..=b'f').contains(&c)));
+        }
+        assert_ne!(a, b);
+        assert_eq!(a.as_str()[..16], b.as_str()[..16]);
+        let n = |t: &OwnerToken| u64::from_str_radix(&t.as_str()[16..], 16).expect("hex");
+        assert!(n(&b) > n(&a));
+        assert_ne!(a.as_str()[..16], other.as_str()[..16]);
     }
 
     #[tokio::test]
