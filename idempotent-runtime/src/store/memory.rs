@@ -7,7 +7,10 @@
 //! poll and nothing left behind when the record goes.
 
 use super::*;
-use std::collections::HashMap;
+use foldhash::fast::SeedableRandomState;
+use foldhash::SharedSeed;
+use hashbrown::hash_table::{Entry, HashTable};
+use std::hash::BuildHasher;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 use tokio::sync::Notify;
@@ -39,9 +42,22 @@ impl Record {
     }
 }
 
+/// One record with its identity, and the identity's hash (computed once per
+/// operation, before the lock is taken; the table never hashes again, not
+/// even when it grows).
+#[derive(Debug)]
+struct Slot {
+    hash: u64,
+    identity: Identity,
+    record: Record,
+}
+
 #[derive(Debug)]
 struct Inner {
-    records: Mutex<HashMap<Identity, Record>>,
+    records: Mutex<HashTable<Slot>>,
+    /// Keyed per store from the OS's randomness (identities are client
+    /// input: their hashes must not be predictable).
+    hasher: SeedableRandomState,
     epoch_ms: i64,
     started: Instant,
 }
@@ -74,7 +90,11 @@ impl MemoryStore {
             .unwrap_or(0);
         MemoryStore {
             inner: Arc::new(Inner {
-                records: Mutex::new(HashMap::new()),
+                records: Mutex::new(HashTable::new()),
+                hasher: SeedableRandomState::with_seed(
+                    uuid::Uuid::new_v4().as_u64_pair().0,
+                    SharedSeed::global_random(),
+                ),
                 epoch_ms,
                 started: Instant::now(),
             }),
@@ -96,7 +116,11 @@ impl MemoryStore {
         self.inner.epoch_ms + self.inner.started.elapsed().as_millis() as i64
     }
 
-    fn records(&self) -> MutexGuard<'_, HashMap<Identity, Record>> {
+    fn hash(&self, identity: &Identity) -> u64 {
+        self.inner.hasher.hash_one(identity)
+    }
+
+    fn records(&self) -> MutexGuard<'_, HashTable<Slot>> {
         // A panic while the lock was held cannot leave a record half-written
         // (every update is a single assignment), so a poisoned lock is usable.
         self.inner
@@ -106,14 +130,15 @@ impl MemoryStore {
     }
 
     fn release_now(&self, identity: &Identity, token: &OwnerToken) -> bool {
+        let hash = self.hash(identity);
         let mut records = self.records();
-        let owned = records.get(identity).is_some_and(|r| r.owned_by(token));
-        if owned {
-            if let Some(mut r) = records.remove(identity) {
-                r.wake_waiters();
+        match records.find_entry(hash, |s| s.identity == *identity) {
+            Ok(slot) if slot.get().record.owned_by(token) => {
+                slot.remove().0.record.wake_waiters();
+                true
             }
+            _ => false,
         }
-        owned
     }
 
     fn complete_now(
@@ -125,8 +150,9 @@ impl MemoryStore {
         recovered: bool,
     ) -> bool {
         let now = self.now_ms();
+        let hash = self.hash(identity);
         let mut records = self.records();
-        match records.get_mut(identity) {
+        match find_mut(&mut records, hash, identity) {
             Some(r) if r.owned_by(token) => {
                 r.state = RecordState::Complete;
                 r.owner_token = None;
@@ -149,6 +175,22 @@ impl Record {
     }
 }
 
+fn find<'a>(records: &'a HashTable<Slot>, hash: u64, identity: &Identity) -> Option<&'a Record> {
+    records
+        .find(hash, |s| s.identity == *identity)
+        .map(|s| &s.record)
+}
+
+fn find_mut<'a>(
+    records: &'a mut HashTable<Slot>,
+    hash: u64,
+    identity: &Identity,
+) -> Option<&'a mut Record> {
+    records
+        .find_mut(hash, |s| s.identity == *identity)
+        .map(|s| &mut s.record)
+}
+
 fn is_expired(r: &Record, now: i64) -> bool {
     match r.state {
         RecordState::Complete => r.expires_at_ms <= now,
@@ -167,11 +209,16 @@ impl Store for MemoryStore {
         let lease_expires_at_ms = now.saturating_add(duration_to_millis(request.lease));
         let expires_at_ms = now.saturating_add(duration_to_millis(request.ttl));
         let fingerprint = request.fingerprint.map(Fingerprint::as_str);
+        let identity = request.identity;
+        let hash = self.hash(identity);
         let mut records = self.records();
-        let Some(r) = records.get_mut(request.identity) else {
-            records.insert(
-                request.identity.clone(),
-                Record {
+        let r = match records.entry(hash, |s| s.identity == *identity, |s| s.hash) {
+            Entry::Occupied(slot) => &mut slot.into_mut().record,
+            Entry::Vacant(slot) => {
+                slot.insert(Slot {
+                    hash,
+                    identity: identity.clone(),
+                    record: Record {
                     state: RecordState::InProgress,
                     fingerprint: fingerprint.map(str::to_owned),
                     owner_token: Some(request.token.as_str().to_owned()),
@@ -181,11 +228,12 @@ impl Store for MemoryStore {
                     created_at_ms: now,
                     attempt: 1,
                     attempt_started_at_ms: now,
-                    recovered: false,
-                    waiters: None,
-                },
-            );
-            return Ok(Reservation::FRESH);
+                        recovered: false,
+                        waiters: None,
+                    },
+                });
+                return Ok(Reservation::FRESH);
+            }
         };
         // `taken_over`: the attempt whose lease ran out, and when it started
         // (rule 20 counts the attempts); `None` for an expired record, which
@@ -261,8 +309,9 @@ impl Store for MemoryStore {
         require_expired_lease: bool,
     ) -> Result<ForcedRelease, StoreError> {
         let now = self.now_ms();
+        let hash = self.hash(identity);
         let mut records = self.records();
-        let answer = match records.get(identity) {
+        let answer = match find(&records, hash, identity) {
             None => ForcedRelease::Absent,
             Some(r) if r.state == RecordState::Complete => ForcedRelease::Complete,
             Some(r) if require_expired_lease && r.lease_expires_at_ms > now => {
@@ -273,8 +322,8 @@ impl Store for MemoryStore {
             Some(r) => ForcedRelease::Released { attempt: r.attempt },
         };
         if matches!(answer, ForcedRelease::Released { .. }) {
-            if let Some(mut r) = records.remove(identity) {
-                r.wake_waiters();
+            if let Ok(slot) = records.find_entry(hash, |s| s.identity == *identity) {
+                slot.remove().0.record.wake_waiters();
             }
         }
         Ok(answer)
@@ -291,8 +340,9 @@ impl Store for MemoryStore {
         lease: Duration,
     ) -> Result<bool, StoreError> {
         let now = self.now_ms();
+        let hash = self.hash(identity);
         let mut records = self.records();
-        match records.get_mut(identity) {
+        match find_mut(&mut records, hash, identity) {
             Some(r) if r.owned_by(token) => {
                 r.lease_expires_at_ms = now.saturating_add(duration_to_millis(lease));
                 Ok(true)
@@ -319,7 +369,8 @@ impl Store for MemoryStore {
         let now = self.now_ms();
         let mut records = self.records();
         let mut left = batch;
-        records.retain(|_, r| {
+        records.retain(|slot| {
+            let r = &mut slot.record;
             if left == 0 || !is_expired(r, now) {
                 return true;
             }
@@ -344,8 +395,9 @@ impl Store for MemoryStore {
         let remaining: Duration;
         let notified;
         {
+            let hash = self.hash(identity);
             let mut records = self.records();
-            match records.get_mut(identity) {
+            match find_mut(&mut records, hash, identity) {
                 Some(r)
                     if r.state == RecordState::InProgress
                         && r.lease_expires_at_ms > now
@@ -367,7 +419,8 @@ impl Store for MemoryStore {
 
     async fn fetch(&self, identity: &Identity) -> Result<Option<RecordSnapshot>, StoreError> {
         let now = self.now_ms();
-        Ok(self.records().get(identity).map(|r| RecordSnapshot {
+        let hash = self.hash(identity);
+        Ok(find(&self.records(), hash, identity).map(|r| RecordSnapshot {
             state: r.state,
             fingerprint: r.fingerprint.clone(),
             owner_token: r.owner_token.clone(),
@@ -386,7 +439,8 @@ impl Store for MemoryStore {
     async fn scope_stats(&self) -> Result<Vec<ScopeStats>, StoreError> {
         let now = self.now_ms();
         let mut by_scope: std::collections::BTreeMap<String, ScopeStats> = Default::default();
-        for (id, r) in self.records().iter() {
+        for slot in self.records().iter() {
+            let (id, r) = (&slot.identity, &slot.record);
             let s = by_scope
                 .entry(id.scope.clone())
                 .or_insert_with(|| ScopeStats {
@@ -435,10 +489,7 @@ mod tests {
         };
         assert_eq!(store.reserve(request).await.ok(), Some(Reservation::FRESH));
         let has_waiters = || {
-            store
-                .records()
-                .get(&id)
-                .is_some_and(|r| r.waiters.is_some())
+            find(&store.records(), store.hash(&id), &id).is_some_and(|r| r.waiters.is_some())
         };
         let waiter = store.wait_for_change(&id, Duration::from_secs(10), 0);
         let complete = async {
