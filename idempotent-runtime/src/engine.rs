@@ -444,8 +444,13 @@ where
         completing: None,
     };
     let reserving = Instant::now();
-    let reserved = reserve(store, request, spec, Some(&guard.armed)).await;
-    crate::metrics::reserve_time(spec.scope, reserve_label(&reserved), reserving.elapsed());
+    let reserved = reserve_from(store, request, spec, Some(&guard.armed), reserving).await;
+    let reserved_at = Instant::now();
+    crate::metrics::reserve_time(
+        spec.scope,
+        reserve_label(&reserved),
+        reserved_at - reserving,
+    );
     let acquired = match reserved {
         Ok(Reserved::Acquired(acquired)) => acquired,
         Ok(Reserved::Replay(outcome)) => {
@@ -496,7 +501,13 @@ where
         }
     }
 
-    let running = Instant::now();
+    // The body starts as the reservation ends, unless a takeover was handled
+    // in between (one clock read less per call).
+    let running = if acquired.took_over {
+        Instant::now()
+    } else {
+        reserved_at
+    };
     let ran = run_with_heartbeat(store, spec, &identity, &token, spec.lease, body).await;
     let result = match ran {
         Ok(r) => r.into_result(),
@@ -790,6 +801,12 @@ pub(crate) trait Reserver: Send {
         lock_wait: Duration,
     ) -> futures_util::future::BoxFuture<'a, Result<Reservation, Error>>;
 
+    /// The store itself, when this is one: [`reserve`] then awaits its
+    /// reservation directly rather than through a second boxed future.
+    fn as_store(&self) -> Option<&dyn Store> {
+        None
+    }
+
     /// Waits until the record found in progress may have changed, at most
     /// `max_wait` (see [`Store::wait_for_change`]). The default polls.
     fn wait_for_change<'a>(
@@ -814,6 +831,10 @@ impl Reserver for &dyn Store {
         Box::pin(async move { Ok(self.reserve(request).await?) })
     }
 
+    fn as_store(&self) -> Option<&dyn Store> {
+        Some(*self)
+    }
+
     fn wait_for_change<'a>(
         &'a self,
         identity: &'a Identity,
@@ -828,10 +849,22 @@ impl Reserver for &dyn Store {
 /// `in_flight`, when given, is set while a reservation statement is under way
 /// and stays set when it acquired (the call's release-on-drop guard).
 pub(crate) async fn reserve(
+    store: impl Reserver,
+    request: ReserveRequest<'_>,
+    spec: &'static ScopeInfo,
+    in_flight: Option<&AtomicBool>,
+) -> Result<Reserved, Error> {
+    reserve_from(store, request, spec, in_flight, Instant::now()).await
+}
+
+/// [`reserve`], started at `started` (the caller's clock reading: the wait
+/// bound runs from there).
+async fn reserve_from(
     mut store: impl Reserver,
     request: ReserveRequest<'_>,
     spec: &'static ScopeInfo,
     in_flight: Option<&AtomicBool>,
+    started: Instant,
 ) -> Result<Reserved, Error> {
     let flight = |on: bool| {
         if let Some(flag) = in_flight {
@@ -845,16 +878,20 @@ pub(crate) async fn reserve(
     let mut legacy_tried = legacy.is_none();
     let mut request = request;
     let deadline = match spec.in_progress {
-        InProgressPolicy::Wait(d) => Some(Instant::now() + d),
+        InProgressPolicy::Wait(d) => Some(started + d),
         InProgressPolicy::Reject => None,
     };
     let mut waits: u32 = 0;
+    // The clock when this round's reservation starts: read again only after
+    // something took time (a wait, a statement that was answered).
+    let mut now = started;
     loop {
-        let lock_wait = deadline.map_or(Duration::ZERO, |d| {
-            d.saturating_duration_since(Instant::now())
-        });
+        let lock_wait = deadline.map_or(Duration::ZERO, |d| d.saturating_duration_since(now));
         flight(true);
-        let answer = store.reserve_once(request, lock_wait).await;
+        let answer = match store.as_store() {
+            Some(direct) => direct.reserve(request).await.map_err(Error::from),
+            None => store.reserve_once(request, lock_wait).await,
+        };
         // Acquired: the call owns the record. Failed: the statement may still
         // have landed (a connection cut after the server committed), so the
         // guard releases whatever this token may own when the call returns.
@@ -878,6 +915,7 @@ pub(crate) async fn reserve(
             Reservation::FingerprintMismatch if !legacy_tried => {
                 request.fingerprint = legacy.as_ref();
                 legacy_tried = true;
+                now = Instant::now();
             }
             Reservation::FingerprintMismatch => {
                 METRICS.mismatched.fetch_add(1, Ordering::Relaxed);
@@ -886,7 +924,7 @@ pub(crate) async fn reserve(
                 return Err(Error::FingerprintMismatch(request.identity.context()));
             }
             Reservation::InProgress { lease_remaining } => {
-                let now = Instant::now();
+                now = Instant::now();
                 match deadline {
                     Some(deadline) if now < deadline => {
                         // Until the record changes (the store may be told),
@@ -899,6 +937,7 @@ pub(crate) async fn reserve(
                             .wait_for_change(request.identity, max_wait, waits)
                             .await;
                         waits = waits.saturating_add(1);
+                        now = Instant::now();
                     }
                     _ => {
                         METRICS.refused_in_progress.fetch_add(1, Ordering::Relaxed);

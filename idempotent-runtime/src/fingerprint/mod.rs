@@ -395,13 +395,16 @@ fn hash<'a>(
     }
     hasher.update(b"}");
     const HEX: &[u8; 16] = b"0123456789abcdef";
+    let mut hex = [0u8; 64];
+    for (digits, byte) in hex.chunks_exact_mut(2).zip(hasher.finalize()) {
+        digits[0] = HEX[usize::from(byte >> 4)];
+        digits[1] = HEX[usize::from(byte & 0xf)];
+    }
     let mut out = String::with_capacity(version.len() + 1 + 64);
     out.push_str(version);
     out.push(':');
-    for byte in hasher.finalize() {
-        out.push(char::from(HEX[usize::from(byte >> 4)]));
-        out.push(char::from(HEX[usize::from(byte & 0xf)]));
-    }
+    // Hex digits only: always UTF-8.
+    out.push_str(std::str::from_utf8(&hex).unwrap_or_default());
     out
 }
 
