@@ -18,8 +18,8 @@ use tokio::sync::Notify;
 #[derive(Debug)]
 struct Record {
     state: RecordState,
-    fingerprint: Option<String>,
-    owner_token: Option<String>,
+    fingerprint: Option<Text<FINGERPRINT_BYTES>>,
+    owner_token: Option<Text<TOKEN_BYTES>>,
     outcome: Option<StoredOutcome>,
     lease_expires_at_ms: i64,
     expires_at_ms: i64,
@@ -31,6 +31,47 @@ struct Record {
     /// The duplicates waiting for this record to change, made by the first of
     /// them. Taken (and woken) by every change that could end their wait.
     waiters: Option<Arc<Notify>>,
+}
+
+/// A fingerprint as this build makes it: `v1:` or `v2:` and 64 hex digits.
+const FINGERPRINT_BYTES: usize = 67;
+/// An owner token as the engine makes it: 32 hex digits.
+const TOKEN_BYTES: usize = 32;
+
+/// Text kept in the record itself when it is at most `N` bytes (a token, a
+/// fingerprint: two allocations less per reservation), on the heap otherwise.
+#[derive(Debug, Clone)]
+enum Text<const N: usize> {
+    Inline { len: u8, bytes: [u8; N] },
+    Heap(Box<str>),
+}
+
+impl<const N: usize> Text<N> {
+    fn new(text: &str) -> Self {
+        match u8::try_from(text.len()) {
+            Ok(len) if text.len() <= N => {
+                let mut bytes = [0; N];
+                bytes[..text.len()].copy_from_slice(text.as_bytes());
+                Text::Inline { len, bytes }
+            }
+            _ => Text::Heap(text.into()),
+        }
+    }
+
+    fn as_bytes(&self) -> &[u8] {
+        match self {
+            Text::Inline { len, bytes } => &bytes[..usize::from(*len)],
+            Text::Heap(text) => text.as_bytes(),
+        }
+    }
+
+    fn as_str(&self) -> &str {
+        match self {
+            // Copied from a `&str` whole, so always UTF-8.
+            Text::Inline { .. } => std::str::from_utf8(self.as_bytes()).unwrap_or_default(),
+            Text::Heap(text) => text,
+        }
+    }
 }
 
 impl Record {
@@ -132,7 +173,7 @@ impl MemoryStore {
     fn release_now(&self, identity: &Identity, token: &OwnerToken) -> bool {
         let hash = self.hash(identity);
         let mut records = self.records();
-        match records.find_entry(hash, |s| s.identity == *identity) {
+        match records.find_entry(hash, |s| s.hash == hash && s.identity == *identity) {
             Ok(slot) if slot.get().record.owned_by(token) => {
                 slot.remove().0.record.wake_waiters();
                 true
@@ -171,13 +212,16 @@ impl MemoryStore {
 impl Record {
     /// In progress and owned by `token` (fencing, rule 10).
     fn owned_by(&self, token: &OwnerToken) -> bool {
-        self.state == RecordState::InProgress && self.owner_token.as_deref() == Some(token.as_str())
+        self.state == RecordState::InProgress && self
+                .owner_token
+                .as_ref()
+                .is_some_and(|t| t.as_bytes() == token.as_str().as_bytes())
     }
 }
 
 fn find<'a>(records: &'a HashTable<Slot>, hash: u64, identity: &Identity) -> Option<&'a Record> {
     records
-        .find(hash, |s| s.identity == *identity)
+        .find(hash, |s| s.hash == hash && s.identity == *identity)
         .map(|s| &s.record)
 }
 
@@ -187,8 +231,14 @@ fn find_mut<'a>(
     identity: &Identity,
 ) -> Option<&'a mut Record> {
     records
-        .find_mut(hash, |s| s.identity == *identity)
+        .find_mut(hash, |s| s.hash == hash && s.identity == *identity)
         .map(|s| &mut s.record)
+}
+
+/// [`fingerprints_conflict`] (rule 8: both exist and differ), on the stored
+/// bytes without reading them back as text.
+fn conflict(stored: Option<&Text<FINGERPRINT_BYTES>>, incoming: Option<&str>) -> bool {
+    matches!((stored, incoming), (Some(a), Some(b)) if a.as_bytes() != b.as_bytes())
 }
 
 fn is_expired(r: &Record, now: i64) -> bool {
@@ -212,7 +262,7 @@ impl Store for MemoryStore {
         let identity = request.identity;
         let hash = self.hash(identity);
         let mut records = self.records();
-        let r = match records.entry(hash, |s| s.identity == *identity, |s| s.hash) {
+        let r = match records.entry(hash, |s| s.hash == hash && s.identity == *identity, |s| s.hash) {
             Entry::Occupied(slot) => &mut slot.into_mut().record,
             Entry::Vacant(slot) => {
                 slot.insert(Slot {
@@ -220,8 +270,8 @@ impl Store for MemoryStore {
                     identity: identity.clone(),
                     record: Record {
                     state: RecordState::InProgress,
-                    fingerprint: fingerprint.map(str::to_owned),
-                    owner_token: Some(request.token.as_str().to_owned()),
+                    fingerprint: fingerprint.map(Text::new),
+                    owner_token: Some(Text::new(request.token.as_str())),
                     outcome: None,
                     lease_expires_at_ms,
                     expires_at_ms,
@@ -240,7 +290,7 @@ impl Store for MemoryStore {
         // counts as absent and is replaced by attempt 1.
         let taken_over = if is_expired(r, now) {
             None
-        } else if fingerprints_conflict(r.fingerprint.as_deref(), fingerprint) {
+        } else if conflict(r.fingerprint.as_ref(), fingerprint) {
             return Ok(Reservation::FingerprintMismatch);
         } else if r.state == RecordState::Complete {
             let outcome = r.outcome.clone().unwrap_or(StoredOutcome {
@@ -261,14 +311,8 @@ impl Store for MemoryStore {
             r.created_at_ms = now;
         }
         r.state = RecordState::InProgress;
-        match (&mut r.fingerprint, fingerprint) {
-            (Some(stored), Some(f)) => f.clone_into(stored),
-            (stored, f) => *stored = f.map(str::to_owned),
-        }
-        match &mut r.owner_token {
-            Some(stored) => request.token.as_str().clone_into(stored),
-            stored => *stored = Some(request.token.as_str().to_owned()),
-        }
+        r.fingerprint = fingerprint.map(Text::new);
+        r.owner_token = Some(Text::new(request.token.as_str()));
         r.outcome = None;
         r.lease_expires_at_ms = lease_expires_at_ms;
         r.expires_at_ms = expires_at_ms;
@@ -322,7 +366,7 @@ impl Store for MemoryStore {
             Some(r) => ForcedRelease::Released { attempt: r.attempt },
         };
         if matches!(answer, ForcedRelease::Released { .. }) {
-            if let Ok(slot) = records.find_entry(hash, |s| s.identity == *identity) {
+            if let Ok(slot) = records.find_entry(hash, |s| s.hash == hash && s.identity == *identity) {
                 slot.remove().0.record.wake_waiters();
             }
         }
@@ -422,8 +466,8 @@ impl Store for MemoryStore {
         let hash = self.hash(identity);
         Ok(find(&self.records(), hash, identity).map(|r| RecordSnapshot {
             state: r.state,
-            fingerprint: r.fingerprint.clone(),
-            owner_token: r.owner_token.clone(),
+            fingerprint: r.fingerprint.as_ref().map(|t| t.as_str().to_owned()),
+            owner_token: r.owner_token.as_ref().map(|t| t.as_str().to_owned()),
             outcome: r.outcome.clone(),
             lease_expires_at_ms: (r.state == RecordState::InProgress)
                 .then_some(r.lease_expires_at_ms),
@@ -472,6 +516,29 @@ impl Store for MemoryStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn text_keeps_what_it_was_given_inline_or_not() {
+        for text in ["", "a", "ключ-🔑", &"x".repeat(4), &"y".repeat(5), &"z".repeat(300)] {
+            let t = Text::<4>::new(text);
+            assert_eq!(t.as_str(), text);
+            assert_eq!(t.as_bytes(), text.as_bytes());
+            assert_eq!(matches!(t, Text::Inline { .. }), text.len() <= 4);
+        }
+        let token = OwnerToken::new();
+        assert!(matches!(Text::<TOKEN_BYTES>::new(token.as_str()), Text::Inline { .. }));
+        let fp = Fingerprint::of(&1u8).expect("fingerprint");
+        assert!(matches!(Text::<FINGERPRINT_BYTES>::new(fp.as_str()), Text::Inline { .. }));
+        let other = Fingerprint::of(&2u8).expect("fingerprint");
+        for stored in [None, Some(fp.as_str()), Some(other.as_str())] {
+            for incoming in [None, Some(fp.as_str()), Some(other.as_str())] {
+                assert_eq!(
+                    conflict(stored.map(Text::new).as_ref(), incoming),
+                    fingerprints_conflict(stored, incoming)
+                );
+            }
+        }
+    }
 
     /// The `Notify` a waiter put in the record goes with the change that
     /// woke it; a finished wait leaves nothing behind.
