@@ -375,8 +375,19 @@ where
         .instrument(span.clone())
         .await;
     crate::metrics::call(spec.scope, outcome);
-    span.record("outcome", outcome.as_str());
+    if recordable(&span) {
+        span.record("outcome", outcome.as_str());
+    }
     R::from_result(result)
+}
+
+/// Whether a value recorded into the call's span can reach anyone: a
+/// subscriber that enabled the span, or a `log` logger listening at INFO
+/// (tracing's `log` compatibility writes records of disabled spans to it,
+/// and only at or below `log::max_level()`). Otherwise the record is skipped:
+/// it would be built and dropped unseen on every call.
+fn recordable(span: &tracing::Span) -> bool {
+    !span.is_disabled() || log::max_level() >= log::LevelFilter::Info
 }
 
 /// The outcome label of a call that failed with `error`.
@@ -421,7 +432,9 @@ where
         Err(e) => return fail(e),
     };
     let store = store_ref.get();
-    span.record("store", store.name());
+    if recordable(span) {
+        span.record("store", store.name());
+    }
     let fingerprint = match call.fingerprint {
         Ok(fingerprint) => fingerprint,
         Err(e) => return fail(e),
@@ -458,7 +471,9 @@ where
         }
         Err(e) => return fail(e),
     };
-    span.record("attempt", acquired.attempt);
+    if recordable(span) {
+        span.record("attempt", acquired.attempt);
+    }
 
     if let Some(takeover) = acquired.takeover(spec, &identity) {
         if let Some(hook) = recover.ask(takeover) {
