@@ -422,7 +422,11 @@ mod tests {
                 key.name(),
                 labels.join(","),
                 metadata.target(),
-                metadata.level().as_str()
+                if *metadata.level() == Level::INFO {
+                    "INFO"
+                } else {
+                    "not INFO"
+                }
             ));
         }
     }
