@@ -266,15 +266,13 @@ fn new_token() -> OwnerToken {
     use std::sync::OnceLock;
     static PROCESS: OnceLock<u64> = OnceLock::new();
     static COUNTER: AtomicU64 = AtomicU64::new(0);
-    const HEX: &[u8; 16] = b"0123456789abcdef";
     let process = *PROCESS.get_or_init(|| uuid::Uuid::new_v4().as_u64_pair().0);
     let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+    let mut bytes = [0u8; 16];
+    bytes[..8].copy_from_slice(&process.to_be_bytes());
+    bytes[8..].copy_from_slice(&n.to_be_bytes());
     let mut text = [0u8; 32];
-    for (digits, word) in text.chunks_exact_mut(16).zip([process, n]) {
-        for (i, digit) in digits.iter_mut().enumerate() {
-            *digit = HEX[((word >> (60 - 4 * i)) & 0xf) as usize];
-        }
-    }
+    crate::fingerprint::write_hex(&bytes, &mut text);
     // Hex digits only: always UTF-8.
     OwnerToken::from_stored(std::str::from_utf8(&text).unwrap_or_default())
 }
