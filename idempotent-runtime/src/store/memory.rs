@@ -89,8 +89,51 @@ impl Record {
 #[derive(Debug)]
 struct Slot {
     hash: u64,
-    identity: Identity,
+    identity: StoredIdentity,
     record: Record,
+}
+
+/// An identity as the store keeps it: tenant, scope and key back to back in
+/// one allocation (one heap object to compare on a lookup, not three).
+#[derive(Debug)]
+struct StoredIdentity {
+    tenant_len: usize,
+    scope_len: usize,
+    text: Box<str>,
+}
+
+impl StoredIdentity {
+    fn new(identity: &Identity) -> Self {
+        let (tenant, scope, key) = (&identity.tenant, &identity.scope, &identity.key);
+        let mut text = String::with_capacity(tenant.len() + scope.len() + key.len());
+        for part in [tenant, scope, key] {
+            text.push_str(part);
+        }
+        StoredIdentity {
+            tenant_len: tenant.len(),
+            scope_len: scope.len(),
+            text: text.into_boxed_str(),
+        }
+    }
+
+    /// Whether this is `identity` (all three parts equal).
+    fn is(&self, identity: &Identity) -> bool {
+        let (t, s) = (self.tenant_len, self.tenant_len + self.scope_len);
+        let text = self.text.as_bytes();
+        t == identity.tenant.len()
+            && s - t == identity.scope.len()
+            && text.len() - s == identity.key.len()
+            && text[s..] == *identity.key.as_bytes()
+            && text[t..s] == *identity.scope.as_bytes()
+            && text[..t] == *identity.tenant.as_bytes()
+    }
+
+    fn scope(&self) -> &str {
+        // The parts were whole `str`s, so their bounds are character bounds.
+        self.text
+            .get(self.tenant_len..self.tenant_len + self.scope_len)
+            .unwrap_or_default()
+    }
 }
 
 #[derive(Debug)]
@@ -173,7 +216,7 @@ impl MemoryStore {
     fn release_now(&self, identity: &Identity, token: &OwnerToken) -> bool {
         let hash = self.hash(identity);
         let mut records = self.records();
-        match records.find_entry(hash, |s| s.hash == hash && s.identity == *identity) {
+        match records.find_entry(hash, |s| s.hash == hash && s.identity.is(identity)) {
             Ok(slot) if slot.get().record.owned_by(token) => {
                 slot.remove().0.record.wake_waiters();
                 true
@@ -221,7 +264,7 @@ impl Record {
 
 fn find<'a>(records: &'a HashTable<Slot>, hash: u64, identity: &Identity) -> Option<&'a Record> {
     records
-        .find(hash, |s| s.hash == hash && s.identity == *identity)
+        .find(hash, |s| s.hash == hash && s.identity.is(identity))
         .map(|s| &s.record)
 }
 
@@ -231,7 +274,7 @@ fn find_mut<'a>(
     identity: &Identity,
 ) -> Option<&'a mut Record> {
     records
-        .find_mut(hash, |s| s.hash == hash && s.identity == *identity)
+        .find_mut(hash, |s| s.hash == hash && s.identity.is(identity))
         .map(|s| &mut s.record)
 }
 
@@ -262,12 +305,12 @@ impl Store for MemoryStore {
         let identity = request.identity;
         let hash = self.hash(identity);
         let mut records = self.records();
-        let r = match records.entry(hash, |s| s.hash == hash && s.identity == *identity, |s| s.hash) {
+        let r = match records.entry(hash, |s| s.hash == hash && s.identity.is(identity), |s| s.hash) {
             Entry::Occupied(slot) => &mut slot.into_mut().record,
             Entry::Vacant(slot) => {
                 slot.insert(Slot {
                     hash,
-                    identity: identity.clone(),
+                    identity: StoredIdentity::new(identity),
                     record: Record {
                     state: RecordState::InProgress,
                     fingerprint: fingerprint.map(Text::new),
@@ -366,7 +409,7 @@ impl Store for MemoryStore {
             Some(r) => ForcedRelease::Released { attempt: r.attempt },
         };
         if matches!(answer, ForcedRelease::Released { .. }) {
-            if let Ok(slot) = records.find_entry(hash, |s| s.hash == hash && s.identity == *identity) {
+            if let Ok(slot) = records.find_entry(hash, |s| s.hash == hash && s.identity.is(identity)) {
                 slot.remove().0.record.wake_waiters();
             }
         }
@@ -486,9 +529,9 @@ impl Store for MemoryStore {
         for slot in self.records().iter() {
             let (id, r) = (&slot.identity, &slot.record);
             let s = by_scope
-                .entry(id.scope.clone())
+                .entry(id.scope().to_owned())
                 .or_insert_with(|| ScopeStats {
-                    scope: id.scope.clone(),
+                    scope: id.scope().to_owned(),
                     ..Default::default()
                 });
             if !is_expired(r, now) {
@@ -516,6 +559,30 @@ impl Store for MemoryStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_stored_identity_is_its_identity_only() {
+        let parts = [("", "s", "k"), ("t", "s", "k"), ("ts", "", "k"), ("t", "sk", ""), ("t", "s", "kk")];
+        let ids: Vec<Identity> = parts
+            .iter()
+            .map(|(t, s, k)| Identity {
+                tenant: (*t).to_owned(),
+                scope: (*s).to_owned(),
+                key: (*k).to_owned(),
+            })
+            .collect();
+        for (i, a) in ids.iter().enumerate() {
+            let stored = StoredIdentity::new(a);
+            assert_eq!(stored.scope(), a.scope);
+            for (j, b) in ids.iter().enumerate() {
+                assert_eq!(stored.is(b), i == j, "{a:?} / {b:?}");
+            }
+        }
+        let id = Identity::new("アカウント", "payments.charge", "ключ-🔑").expect("identity");
+        let stored = StoredIdentity::new(&id);
+        assert!(stored.is(&id));
+        assert_eq!(stored.scope(), "payments.charge");
+    }
 
     #[test]
     fn text_keeps_what_it_was_given_inline_or_not() {
