@@ -1196,7 +1196,10 @@ mod tests {
         let (a, b, other) = (new_token(), new_token(), OwnerToken::new());
         for t in [&a, &b, &other] {
             assert_eq!(t.as_str().len(), 32);
-            assert!(t.as_str().bytes().all(|c| c.is_ascii_digit() || (b'a'..=b'f').contains(&c)));
+            assert!(t
+                .as_str()
+                .bytes()
+                .all(|c| c.is_ascii_digit() || (b'a'..=b'f').contains(&c)));
         }
         assert_ne!(a, b);
         assert_eq!(a.as_str()[..16], b.as_str()[..16]);

@@ -185,10 +185,8 @@ pub(crate) fn reserve_time(scope: &'static str, outcome: &'static str, took: Dur
             let key = &ScopeKeys::of(scope).reserve[i];
             metrics::with_recorder(|r| r.register_histogram(key, &METADATA)).record(took);
         }
-        None => {
-            metrics::histogram!(RESERVE_SECONDS, "scope" => scope, "outcome" => outcome)
-                .record(took)
-        }
+        None => metrics::histogram!(RESERVE_SECONDS, "scope" => scope, "outcome" => outcome)
+            .record(took),
     }
 }
 
@@ -209,7 +207,8 @@ pub(crate) fn body_time(scope: &'static str, outcome: &'static str, took: Durati
 
 /// What `metrics::counter!` and `histogram!` would have passed from this
 /// module (target and module path `idempotent_runtime::metrics`, level INFO).
-static METADATA: Metadata<'static> = Metadata::new(module_path!(), Level::INFO, Some(module_path!()));
+static METADATA: Metadata<'static> =
+    Metadata::new(module_path!(), Level::INFO, Some(module_path!()));
 
 /// The `outcome` labels of [`RESERVE_SECONDS`].
 const RESERVE_OUTCOMES: [&str; 6] = [
@@ -271,7 +270,8 @@ impl ScopeKeys {
             return keys;
         }
         let mut all = ALL.write().unwrap_or_else(|poisoned| poisoned.into_inner());
-        all.entry(scope).or_insert_with(|| Box::leak(Box::new(ScopeKeys::new(scope))))
+        all.entry(scope)
+            .or_insert_with(|| Box::leak(Box::new(ScopeKeys::new(scope))))
     }
 
     fn new(scope: &'static str) -> ScopeKeys {
@@ -397,9 +397,27 @@ mod tests {
     struct Seen(Arc<Mutex<Vec<String>>>);
 
     impl metrics::Recorder for Seen {
-        fn describe_counter(&self, _: metrics::KeyName, _: Option<metrics::Unit>, _: metrics::SharedString) {}
-        fn describe_gauge(&self, _: metrics::KeyName, _: Option<metrics::Unit>, _: metrics::SharedString) {}
-        fn describe_histogram(&self, _: metrics::KeyName, _: Option<metrics::Unit>, _: metrics::SharedString) {}
+        fn describe_counter(
+            &self,
+            _: metrics::KeyName,
+            _: Option<metrics::Unit>,
+            _: metrics::SharedString,
+        ) {
+        }
+        fn describe_gauge(
+            &self,
+            _: metrics::KeyName,
+            _: Option<metrics::Unit>,
+            _: metrics::SharedString,
+        ) {
+        }
+        fn describe_histogram(
+            &self,
+            _: metrics::KeyName,
+            _: Option<metrics::Unit>,
+            _: metrics::SharedString,
+        ) {
+        }
         fn register_counter(&self, key: &Key, metadata: &Metadata<'_>) -> metrics::Counter {
             self.note(key, metadata);
             metrics::Counter::noop()
@@ -416,7 +434,10 @@ mod tests {
 
     impl Seen {
         fn note(&self, key: &Key, metadata: &Metadata<'_>) {
-            let labels: Vec<String> = key.labels().map(|l| format!("{}={}", l.key(), l.value())).collect();
+            let labels: Vec<String> = key
+                .labels()
+                .map(|l| format!("{}={}", l.key(), l.value()))
+                .collect();
             self.0.lock().expect("lock").push(format!(
                 "{} {} {} {}",
                 key.name(),

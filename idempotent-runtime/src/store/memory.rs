@@ -255,7 +255,8 @@ impl MemoryStore {
 impl Record {
     /// In progress and owned by `token` (fencing, rule 10).
     fn owned_by(&self, token: &OwnerToken) -> bool {
-        self.state == RecordState::InProgress && self
+        self.state == RecordState::InProgress
+            && self
                 .owner_token
                 .as_ref()
                 .is_some_and(|t| t.as_bytes() == token.as_str().as_bytes())
@@ -305,22 +306,26 @@ impl Store for MemoryStore {
         let identity = request.identity;
         let hash = self.hash(identity);
         let mut records = self.records();
-        let r = match records.entry(hash, |s| s.hash == hash && s.identity.is(identity), |s| s.hash) {
+        let r = match records.entry(
+            hash,
+            |s| s.hash == hash && s.identity.is(identity),
+            |s| s.hash,
+        ) {
             Entry::Occupied(slot) => &mut slot.into_mut().record,
             Entry::Vacant(slot) => {
                 slot.insert(Slot {
                     hash,
                     identity: StoredIdentity::new(identity),
                     record: Record {
-                    state: RecordState::InProgress,
-                    fingerprint: fingerprint.map(Text::new),
-                    owner_token: Some(Text::new(request.token.as_str())),
-                    outcome: None,
-                    lease_expires_at_ms,
-                    expires_at_ms,
-                    created_at_ms: now,
-                    attempt: 1,
-                    attempt_started_at_ms: now,
+                        state: RecordState::InProgress,
+                        fingerprint: fingerprint.map(Text::new),
+                        owner_token: Some(Text::new(request.token.as_str())),
+                        outcome: None,
+                        lease_expires_at_ms,
+                        expires_at_ms,
+                        created_at_ms: now,
+                        attempt: 1,
+                        attempt_started_at_ms: now,
                         recovered: false,
                         waiters: None,
                     },
@@ -409,7 +414,9 @@ impl Store for MemoryStore {
             Some(r) => ForcedRelease::Released { attempt: r.attempt },
         };
         if matches!(answer, ForcedRelease::Released { .. }) {
-            if let Ok(slot) = records.find_entry(hash, |s| s.hash == hash && s.identity.is(identity)) {
+            if let Ok(slot) =
+                records.find_entry(hash, |s| s.hash == hash && s.identity.is(identity))
+            {
                 slot.remove().0.record.wake_waiters();
             }
         }
@@ -507,20 +514,22 @@ impl Store for MemoryStore {
     async fn fetch(&self, identity: &Identity) -> Result<Option<RecordSnapshot>, StoreError> {
         let now = self.now_ms();
         let hash = self.hash(identity);
-        Ok(find(&self.records(), hash, identity).map(|r| RecordSnapshot {
-            state: r.state,
-            fingerprint: r.fingerprint.as_ref().map(|t| t.as_str().to_owned()),
-            owner_token: r.owner_token.as_ref().map(|t| t.as_str().to_owned()),
-            outcome: r.outcome.clone(),
-            lease_expires_at_ms: (r.state == RecordState::InProgress)
-                .then_some(r.lease_expires_at_ms),
-            expires_at_ms: r.expires_at_ms,
-            now_ms: now,
-            created_at_ms: r.created_at_ms,
-            attempt: r.attempt,
-            attempt_started_at_ms: r.attempt_started_at_ms,
-            recovered: r.recovered,
-        }))
+        Ok(
+            find(&self.records(), hash, identity).map(|r| RecordSnapshot {
+                state: r.state,
+                fingerprint: r.fingerprint.as_ref().map(|t| t.as_str().to_owned()),
+                owner_token: r.owner_token.as_ref().map(|t| t.as_str().to_owned()),
+                outcome: r.outcome.clone(),
+                lease_expires_at_ms: (r.state == RecordState::InProgress)
+                    .then_some(r.lease_expires_at_ms),
+                expires_at_ms: r.expires_at_ms,
+                now_ms: now,
+                created_at_ms: r.created_at_ms,
+                attempt: r.attempt,
+                attempt_started_at_ms: r.attempt_started_at_ms,
+                recovered: r.recovered,
+            }),
+        )
     }
 
     async fn scope_stats(&self) -> Result<Vec<ScopeStats>, StoreError> {
@@ -562,7 +571,13 @@ mod tests {
 
     #[test]
     fn a_stored_identity_is_its_identity_only() {
-        let parts = [("", "s", "k"), ("t", "s", "k"), ("ts", "", "k"), ("t", "sk", ""), ("t", "s", "kk")];
+        let parts = [
+            ("", "s", "k"),
+            ("t", "s", "k"),
+            ("ts", "", "k"),
+            ("t", "sk", ""),
+            ("t", "s", "kk"),
+        ];
         let ids: Vec<Identity> = parts
             .iter()
             .map(|(t, s, k)| Identity {
@@ -586,16 +601,29 @@ mod tests {
 
     #[test]
     fn text_keeps_what_it_was_given_inline_or_not() {
-        for text in ["", "a", "ключ-🔑", &"x".repeat(4), &"y".repeat(5), &"z".repeat(300)] {
+        for text in [
+            "",
+            "a",
+            "ключ-🔑",
+            &"x".repeat(4),
+            &"y".repeat(5),
+            &"z".repeat(300),
+        ] {
             let t = Text::<4>::new(text);
             assert_eq!(t.as_str(), text);
             assert_eq!(t.as_bytes(), text.as_bytes());
             assert_eq!(matches!(t, Text::Inline { .. }), text.len() <= 4);
         }
         let token = OwnerToken::new();
-        assert!(matches!(Text::<TOKEN_BYTES>::new(token.as_str()), Text::Inline { .. }));
+        assert!(matches!(
+            Text::<TOKEN_BYTES>::new(token.as_str()),
+            Text::Inline { .. }
+        ));
         let fp = Fingerprint::of(&1u8).expect("fingerprint");
-        assert!(matches!(Text::<FINGERPRINT_BYTES>::new(fp.as_str()), Text::Inline { .. }));
+        assert!(matches!(
+            Text::<FINGERPRINT_BYTES>::new(fp.as_str()),
+            Text::Inline { .. }
+        ));
         let other = Fingerprint::of(&2u8).expect("fingerprint");
         for stored in [None, Some(fp.as_str()), Some(other.as_str())] {
             for incoming in [None, Some(fp.as_str()), Some(other.as_str())] {
@@ -622,9 +650,8 @@ mod tests {
             ttl: Duration::from_secs(60),
         };
         assert_eq!(store.reserve(request).await.ok(), Some(Reservation::FRESH));
-        let has_waiters = || {
-            find(&store.records(), store.hash(&id), &id).is_some_and(|r| r.waiters.is_some())
-        };
+        let has_waiters =
+            || find(&store.records(), store.hash(&id), &id).is_some_and(|r| r.waiters.is_some());
         let waiter = store.wait_for_change(&id, Duration::from_secs(10), 0);
         let complete = async {
             while !has_waiters() {
