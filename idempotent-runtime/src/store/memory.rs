@@ -85,12 +85,14 @@ impl Record {
 
 /// One record with its identity, and the identity's hash (computed once per
 /// operation, before the lock is taken; the table never hashes again, not
-/// even when it grows).
+/// even when it grows). The record is boxed: a slot of 48 bytes rather than
+/// some 250 makes the table's growth (every slot moved into fresh pages)
+/// cheaper than the allocation, under a load of fresh keys.
 #[derive(Debug)]
 struct Slot {
     hash: u64,
     identity: StoredIdentity,
-    record: Record,
+    record: Box<Record>,
 }
 
 /// An identity as the store keeps it: tenant, scope and key back to back in
@@ -266,7 +268,7 @@ impl Record {
 fn find<'a>(records: &'a HashTable<Slot>, hash: u64, identity: &Identity) -> Option<&'a Record> {
     records
         .find(hash, |s| s.hash == hash && s.identity.is(identity))
-        .map(|s| &s.record)
+        .map(|s| &*s.record)
 }
 
 fn find_mut<'a>(
@@ -276,7 +278,7 @@ fn find_mut<'a>(
 ) -> Option<&'a mut Record> {
     records
         .find_mut(hash, |s| s.hash == hash && s.identity.is(identity))
-        .map(|s| &mut s.record)
+        .map(|s| &mut *s.record)
 }
 
 /// [`fingerprints_conflict`] (rule 8: both exist and differ), on the stored
@@ -311,12 +313,12 @@ impl Store for MemoryStore {
             |s| s.hash == hash && s.identity.is(identity),
             |s| s.hash,
         ) {
-            Entry::Occupied(slot) => &mut slot.into_mut().record,
+            Entry::Occupied(slot) => &mut *slot.into_mut().record,
             Entry::Vacant(slot) => {
                 slot.insert(Slot {
                     hash,
                     identity: StoredIdentity::new(identity),
-                    record: Record {
+                    record: Box::new(Record {
                         state: RecordState::InProgress,
                         fingerprint: fingerprint.map(Text::new),
                         owner_token: Some(Text::new(request.token.as_str())),
@@ -328,7 +330,7 @@ impl Store for MemoryStore {
                         attempt_started_at_ms: now,
                         recovered: false,
                         waiters: None,
-                    },
+                    }),
                 });
                 return Ok(Reservation::FRESH);
             }
