@@ -240,17 +240,41 @@ impl FinishOnDrop<'_> {
 
 impl Drop for FinishOnDrop<'_> {
     fn drop(&mut self) {
-        let (identity, token) = (self.identity.clone(), self.token.clone());
+        // Cloned only when there is something to hand over: most calls end
+        // disarmed, with nothing left to finish.
         if *self.armed.get_mut() {
+            let (identity, token) = (self.identity.clone(), self.token.clone());
             tracing::info!(target: "idempotent", scope = %identity.scope, key = %identity.log_digest(),
                 "call ended while it held (or may have held) its record; the store releases it");
             self.store.release_detached(identity, token);
         } else if let Some((outcome, ttl)) = self.completing.take() {
+            let (identity, token) = (self.identity.clone(), self.token.clone());
             tracing::info!(target: "idempotent", scope = %identity.scope, key = %identity.log_digest(),
                 "call dropped while recording its result; the store records it");
             self.store.complete_detached(identity, token, outcome, ttl);
         }
     }
+}
+
+/// A fresh owner token for a call, of the form [`OwnerToken::new`] makes (64
+/// random bits drawn once per process, then a per-process counter: 32 hex
+/// characters), written by hand: `format!` with padded hex was a tenth of
+/// an in-memory call. Its own random prefix keeps its tokens apart from
+/// those `OwnerToken::new` makes in this process (as from other processes').
+fn new_token() -> OwnerToken {
+    use std::sync::atomic::AtomicU64;
+    use std::sync::OnceLock;
+    static PROCESS: OnceLock<u64> = OnceLock::new();
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let process = *PROCESS.get_or_init(|| uuid::Uuid::new_v4().as_u64_pair().0);
+    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+    let mut bytes = [0u8; 16];
+    bytes[..8].copy_from_slice(&process.to_be_bytes());
+    bytes[8..].copy_from_slice(&n.to_be_bytes());
+    let mut text = [0u8; 32];
+    crate::fingerprint::write_hex(&bytes, &mut text);
+    // Hex digits only: always UTF-8.
+    OwnerToken::from_stored(std::str::from_utf8(&text).unwrap_or_default())
 }
 
 // ---------------------------------------------------------------- recover hooks (rule 20)
@@ -349,8 +373,19 @@ where
         .instrument(span.clone())
         .await;
     crate::metrics::call(spec.scope, outcome);
-    span.record("outcome", outcome.as_str());
+    if recordable(&span) {
+        span.record("outcome", outcome.as_str());
+    }
     R::from_result(result)
+}
+
+/// Whether a value recorded into the call's span can reach anyone: a
+/// subscriber that enabled the span, or a `log` logger listening at INFO
+/// (tracing's `log` compatibility writes records of disabled spans to it,
+/// and only at or below `log::max_level()`). Otherwise the record is skipped:
+/// it would be built and dropped unseen on every call.
+fn recordable(span: &tracing::Span) -> bool {
+    !span.is_disabled() || log::max_level() >= log::LevelFilter::Info
 }
 
 /// The outcome label of a call that failed with `error`.
@@ -395,12 +430,14 @@ where
         Err(e) => return fail(e),
     };
     let store = store_ref.get();
-    span.record("store", store.name());
+    if recordable(span) {
+        span.record("store", store.name());
+    }
     let fingerprint = match call.fingerprint {
         Ok(fingerprint) => fingerprint,
         Err(e) => return fail(e),
     };
-    let token = OwnerToken::new();
+    let token = new_token();
     let digest = identity.log_digest();
 
     let request = ReserveRequest {
@@ -418,8 +455,13 @@ where
         completing: None,
     };
     let reserving = Instant::now();
-    let reserved = reserve(store, request, spec, Some(&guard.armed)).await;
-    crate::metrics::reserve_time(spec.scope, reserve_label(&reserved), reserving.elapsed());
+    let reserved = reserve_from(store, request, spec, Some(&guard.armed), reserving).await;
+    let reserved_at = Instant::now();
+    crate::metrics::reserve_time(
+        spec.scope,
+        reserve_label(&reserved),
+        reserved_at - reserving,
+    );
     let acquired = match reserved {
         Ok(Reserved::Acquired(acquired)) => acquired,
         Ok(Reserved::Replay(outcome)) => {
@@ -427,7 +469,9 @@ where
         }
         Err(e) => return fail(e),
     };
-    span.record("attempt", acquired.attempt);
+    if recordable(span) {
+        span.record("attempt", acquired.attempt);
+    }
 
     if let Some(takeover) = acquired.takeover(spec, &identity) {
         if let Some(hook) = recover.ask(takeover) {
@@ -470,7 +514,13 @@ where
         }
     }
 
-    let running = Instant::now();
+    // The body starts as the reservation ends, unless a takeover was handled
+    // in between (one clock read less per call).
+    let running = if acquired.took_over {
+        Instant::now()
+    } else {
+        reserved_at
+    };
     let ran = run_with_heartbeat(store, spec, &identity, &token, spec.lease, body).await;
     let result = match ran {
         Ok(r) => r.into_result(),
@@ -764,6 +814,12 @@ pub(crate) trait Reserver: Send {
         lock_wait: Duration,
     ) -> futures_util::future::BoxFuture<'a, Result<Reservation, Error>>;
 
+    /// The store itself, when this is one: [`reserve`] then awaits its
+    /// reservation directly rather than through a second boxed future.
+    fn as_store(&self) -> Option<&dyn Store> {
+        None
+    }
+
     /// Waits until the record found in progress may have changed, at most
     /// `max_wait` (see [`Store::wait_for_change`]). The default polls.
     fn wait_for_change<'a>(
@@ -788,6 +844,10 @@ impl Reserver for &dyn Store {
         Box::pin(async move { Ok(self.reserve(request).await?) })
     }
 
+    fn as_store(&self) -> Option<&dyn Store> {
+        Some(*self)
+    }
+
     fn wait_for_change<'a>(
         &'a self,
         identity: &'a Identity,
@@ -802,10 +862,22 @@ impl Reserver for &dyn Store {
 /// `in_flight`, when given, is set while a reservation statement is under way
 /// and stays set when it acquired (the call's release-on-drop guard).
 pub(crate) async fn reserve(
+    store: impl Reserver,
+    request: ReserveRequest<'_>,
+    spec: &'static ScopeInfo,
+    in_flight: Option<&AtomicBool>,
+) -> Result<Reserved, Error> {
+    reserve_from(store, request, spec, in_flight, Instant::now()).await
+}
+
+/// [`reserve`], started at `started` (the caller's clock reading: the wait
+/// bound runs from there).
+async fn reserve_from(
     mut store: impl Reserver,
     request: ReserveRequest<'_>,
     spec: &'static ScopeInfo,
     in_flight: Option<&AtomicBool>,
+    started: Instant,
 ) -> Result<Reserved, Error> {
     let flight = |on: bool| {
         if let Some(flag) = in_flight {
@@ -819,16 +891,20 @@ pub(crate) async fn reserve(
     let mut legacy_tried = legacy.is_none();
     let mut request = request;
     let deadline = match spec.in_progress {
-        InProgressPolicy::Wait(d) => Some(Instant::now() + d),
+        InProgressPolicy::Wait(d) => Some(started + d),
         InProgressPolicy::Reject => None,
     };
     let mut waits: u32 = 0;
+    // The clock when this round's reservation starts: read again only after
+    // something took time (a wait, a statement that was answered).
+    let mut now = started;
     loop {
-        let lock_wait = deadline.map_or(Duration::ZERO, |d| {
-            d.saturating_duration_since(Instant::now())
-        });
+        let lock_wait = deadline.map_or(Duration::ZERO, |d| d.saturating_duration_since(now));
         flight(true);
-        let answer = store.reserve_once(request, lock_wait).await;
+        let answer = match store.as_store() {
+            Some(direct) => direct.reserve(request).await.map_err(Error::from),
+            None => store.reserve_once(request, lock_wait).await,
+        };
         // Acquired: the call owns the record. Failed: the statement may still
         // have landed (a connection cut after the server committed), so the
         // guard releases whatever this token may own when the call returns.
@@ -852,6 +928,7 @@ pub(crate) async fn reserve(
             Reservation::FingerprintMismatch if !legacy_tried => {
                 request.fingerprint = legacy.as_ref();
                 legacy_tried = true;
+                now = Instant::now();
             }
             Reservation::FingerprintMismatch => {
                 METRICS.mismatched.fetch_add(1, Ordering::Relaxed);
@@ -860,7 +937,7 @@ pub(crate) async fn reserve(
                 return Err(Error::FingerprintMismatch(request.identity.context()));
             }
             Reservation::InProgress { lease_remaining } => {
-                let now = Instant::now();
+                now = Instant::now();
                 match deadline {
                     Some(deadline) if now < deadline => {
                         // Until the record changes (the store may be told),
@@ -873,6 +950,7 @@ pub(crate) async fn reserve(
                             .wait_for_change(request.identity, max_wait, waits)
                             .await;
                         waits = waits.saturating_add(1);
+                        now = Instant::now();
                     }
                     _ => {
                         METRICS.refused_in_progress.fetch_add(1, Ordering::Relaxed);
@@ -1111,6 +1189,23 @@ mod tests {
 
     fn assert_send<T: Send>(t: T) -> T {
         t
+    }
+
+    #[test]
+    fn call_tokens_are_unique_and_shaped_like_owner_tokens() {
+        let (a, b, other) = (new_token(), new_token(), OwnerToken::new());
+        for t in [&a, &b, &other] {
+            assert_eq!(t.as_str().len(), 32);
+            assert!(t
+                .as_str()
+                .bytes()
+                .all(|c| c.is_ascii_digit() || (b'a'..=b'f').contains(&c)));
+        }
+        assert_ne!(a, b);
+        assert_eq!(a.as_str()[..16], b.as_str()[..16]);
+        let n = |t: &OwnerToken| u64::from_str_radix(&t.as_str()[16..], 16).expect("hex");
+        assert!(n(&b) > n(&a));
+        assert_ne!(a.as_str()[..16], other.as_str()[..16]);
     }
 
     #[tokio::test]

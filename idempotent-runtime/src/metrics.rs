@@ -47,7 +47,11 @@
 //! [`snapshot`] reads the same events as plain totals for the whole process,
 //! without labels: handy in tests and for a quick log line.
 
+use metrics::{Key, Label, Level, Metadata};
+use std::cell::Cell;
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::RwLock;
 use std::time::Duration;
 
 /// Counter: calls by scope and outcome.
@@ -96,6 +100,7 @@ pub(crate) static METRICS: Counters = Counters {
 
 /// What a call ended with, for `idempotent_calls_total`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(usize)]
 pub(crate) enum CallOutcome {
     Executed,
     Replayed,
@@ -107,6 +112,17 @@ pub(crate) enum CallOutcome {
 }
 
 impl CallOutcome {
+    /// Every outcome, in declaration order (`ALL[o as usize] == o`).
+    const ALL: [CallOutcome; 7] = [
+        CallOutcome::Executed,
+        CallOutcome::Replayed,
+        CallOutcome::Recovered,
+        CallOutcome::Mismatch,
+        CallOutcome::InProgress,
+        CallOutcome::LeaseLost,
+        CallOutcome::Failed,
+    ];
+
     pub(crate) fn as_str(self) -> &'static str {
         match self {
             CallOutcome::Executed => "executed",
@@ -123,7 +139,8 @@ impl CallOutcome {
 /// Counts one call (the facade only; the process counters are counted where
 /// the events happen, as before).
 pub(crate) fn call(scope: &'static str, outcome: CallOutcome) {
-    metrics::counter!(CALLS, "scope" => scope, "outcome" => outcome.as_str()).increment(1);
+    let key = &ScopeKeys::of(scope).calls[outcome as usize];
+    metrics::with_recorder(|r| r.register_counter(key, &METADATA)).increment(1);
 }
 
 /// Counts a takeover of an expired lease as attempt `attempt`.
@@ -163,12 +180,115 @@ pub(crate) fn release_failed(store: &'static str) {
 
 /// Records how long a reservation took.
 pub(crate) fn reserve_time(scope: &'static str, outcome: &'static str, took: Duration) {
-    metrics::histogram!(RESERVE_SECONDS, "scope" => scope, "outcome" => outcome).record(took);
+    match RESERVE_OUTCOMES.iter().position(|o| *o == outcome) {
+        Some(i) => {
+            let key = &ScopeKeys::of(scope).reserve[i];
+            metrics::with_recorder(|r| r.register_histogram(key, &METADATA)).record(took);
+        }
+        None => metrics::histogram!(RESERVE_SECONDS, "scope" => scope, "outcome" => outcome)
+            .record(took),
+    }
 }
 
 /// Records how long a body ran.
 pub(crate) fn body_time(scope: &'static str, outcome: &'static str, took: Duration) {
-    metrics::histogram!(BODY_SECONDS, "scope" => scope, "outcome" => outcome).record(took);
+    match BODY_OUTCOMES.iter().position(|o| *o == outcome) {
+        Some(i) => {
+            let key = &ScopeKeys::of(scope).body[i];
+            metrics::with_recorder(|r| r.register_histogram(key, &METADATA)).record(took);
+        }
+        None => {
+            metrics::histogram!(BODY_SECONDS, "scope" => scope, "outcome" => outcome).record(took)
+        }
+    }
+}
+
+// ---------------------------------------------------------------- per-call keys
+
+/// What `metrics::counter!` and `histogram!` would have passed from this
+/// module (target and module path `idempotent_runtime::metrics`, level INFO).
+static METADATA: Metadata<'static> =
+    Metadata::new(module_path!(), Level::INFO, Some(module_path!()));
+
+/// The `outcome` labels of [`RESERVE_SECONDS`].
+const RESERVE_OUTCOMES: [&str; 6] = [
+    "acquired",
+    "took_over",
+    "replayed",
+    "in_progress",
+    "mismatch",
+    "error",
+];
+
+/// The `outcome` labels of [`BODY_SECONDS`].
+const BODY_OUTCOMES: [&str; 3] = ["ok", "err", "panic"];
+
+/// The keys of one scope's per-call metrics, made the first time the scope
+/// is seen and kept for the life of the process (one per scope name: a few
+/// hundred bytes). The keys, with their hashes, are what the macros would
+/// build on every call (same names, labels and label order), so a recorder
+/// sees no difference; but nothing is allocated or hashed per call.
+///
+/// Only keys are kept, never handles: every update still asks the current
+/// recorder (`metrics::with_recorder`), so a recorder installed after the
+/// first calls (or a local one) gets every later update.
+struct ScopeKeys {
+    scope: &'static str,
+    /// By `CallOutcome as usize`.
+    calls: [Key; CallOutcome::ALL.len()],
+    /// By position in [`RESERVE_OUTCOMES`].
+    reserve: [Key; RESERVE_OUTCOMES.len()],
+    /// By position in [`BODY_OUTCOMES`].
+    body: [Key; BODY_OUTCOMES.len()],
+}
+
+impl ScopeKeys {
+    fn of(scope: &'static str) -> &'static ScopeKeys {
+        thread_local! {
+            /// The keys this thread used last: a call's metrics, and most
+            /// threads' calls, are of one scope after another.
+            static LAST: Cell<Option<&'static ScopeKeys>> = const { Cell::new(None) };
+        }
+        let last = LAST.try_with(Cell::get).ok().flatten();
+        if let Some(keys) = last.filter(|k| std::ptr::eq(k.scope, scope) || k.scope == scope) {
+            return keys;
+        }
+        let keys = Self::shared(scope);
+        let _ = LAST.try_with(|l| l.set(Some(keys)));
+        keys
+    }
+
+    fn shared(scope: &'static str) -> &'static ScopeKeys {
+        static ALL: RwLock<BTreeMap<&'static str, &'static ScopeKeys>> =
+            RwLock::new(BTreeMap::new());
+        let found = ALL
+            .read()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .get(scope)
+            .copied();
+        if let Some(keys) = found {
+            return keys;
+        }
+        let mut all = ALL.write().unwrap_or_else(|poisoned| poisoned.into_inner());
+        all.entry(scope)
+            .or_insert_with(|| Box::leak(Box::new(ScopeKeys::new(scope))))
+    }
+
+    fn new(scope: &'static str) -> ScopeKeys {
+        let key = |name: &'static str, outcome: &'static str| {
+            let labels: &'static [Label] = Box::leak(Box::new([
+                Label::from_static_parts("scope", scope),
+                Label::from_static_parts("outcome", outcome),
+            ]));
+            Key::from_static_parts(name, labels)
+        };
+        ScopeKeys {
+            scope,
+            calls: CallOutcome::ALL.map(|o| key(CALLS, o.as_str())),
+            reserve: RESERVE_OUTCOMES.map(|o| key(RESERVE_SECONDS, o)),
+            body: BODY_OUTCOMES.map(|o| key(BODY_SECONDS, o)),
+        }
+    }
 }
 
 /// A copy of the counters since the process started, without labels. For
@@ -225,5 +345,134 @@ pub fn snapshot() -> Snapshot {
         heartbeat_failures: r(&m.heartbeat_failures),
         purged: r(&m.purged),
         release_failures: r(&m.release_failures),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::{Arc, Mutex};
+
+    #[test]
+    fn outcomes_index_their_keys() {
+        for (i, o) in CallOutcome::ALL.iter().enumerate() {
+            assert_eq!(*o as usize, i);
+        }
+    }
+
+    /// The cached keys are the keys the macros build on every call.
+    #[test]
+    fn cached_keys_are_the_macros_keys() {
+        let keys = ScopeKeys::of("metrics.unit");
+        let built = |name: &'static str, outcome: &'static str| {
+            Key::from_parts(
+                name,
+                vec![
+                    Label::new("scope", "metrics.unit"),
+                    Label::new("outcome", outcome),
+                ],
+            )
+        };
+        for o in CallOutcome::ALL {
+            let key = &keys.calls[o as usize];
+            assert_eq!(*key, built(CALLS, o.as_str()));
+            assert_eq!(key.get_hash(), built(CALLS, o.as_str()).get_hash());
+        }
+        for (i, o) in RESERVE_OUTCOMES.iter().enumerate() {
+            assert_eq!(keys.reserve[i], built(RESERVE_SECONDS, o));
+        }
+        for (i, o) in BODY_OUTCOMES.iter().enumerate() {
+            assert_eq!(keys.body[i], built(BODY_SECONDS, o));
+        }
+        // Another thread, and another string with the same text, find the same keys.
+        let other: &'static str = Box::leak(String::from("metrics.unit").into_boxed_str());
+        let again = std::thread::spawn(move || ScopeKeys::of(other) as *const ScopeKeys as usize)
+            .join()
+            .expect("thread");
+        assert_eq!(again, keys as *const ScopeKeys as usize);
+    }
+
+    /// Remembers the keys registered with it.
+    #[derive(Default)]
+    struct Seen(Arc<Mutex<Vec<String>>>);
+
+    impl metrics::Recorder for Seen {
+        fn describe_counter(
+            &self,
+            _: metrics::KeyName,
+            _: Option<metrics::Unit>,
+            _: metrics::SharedString,
+        ) {
+        }
+        fn describe_gauge(
+            &self,
+            _: metrics::KeyName,
+            _: Option<metrics::Unit>,
+            _: metrics::SharedString,
+        ) {
+        }
+        fn describe_histogram(
+            &self,
+            _: metrics::KeyName,
+            _: Option<metrics::Unit>,
+            _: metrics::SharedString,
+        ) {
+        }
+        fn register_counter(&self, key: &Key, metadata: &Metadata<'_>) -> metrics::Counter {
+            self.note(key, metadata);
+            metrics::Counter::noop()
+        }
+        fn register_gauge(&self, key: &Key, metadata: &Metadata<'_>) -> metrics::Gauge {
+            self.note(key, metadata);
+            metrics::Gauge::noop()
+        }
+        fn register_histogram(&self, key: &Key, metadata: &Metadata<'_>) -> metrics::Histogram {
+            self.note(key, metadata);
+            metrics::Histogram::noop()
+        }
+    }
+
+    impl Seen {
+        fn note(&self, key: &Key, metadata: &Metadata<'_>) {
+            let labels: Vec<String> = key
+                .labels()
+                .map(|l| format!("{}={}", l.key(), l.value()))
+                .collect();
+            self.0.lock().expect("lock").push(format!(
+                "{} {} {} {}",
+                key.name(),
+                labels.join(","),
+                metadata.target(),
+                if *metadata.level() == Level::INFO {
+                    "INFO"
+                } else {
+                    "not INFO"
+                }
+            ));
+        }
+    }
+
+    /// Keys made before a recorder exists still reach one installed later.
+    #[test]
+    fn a_recorder_installed_after_the_first_calls_sees_every_later_call() {
+        call("metrics.late", CallOutcome::Executed);
+        reserve_time("metrics.late", "acquired", Duration::from_millis(1));
+        body_time("metrics.late", "ok", Duration::from_millis(1));
+        let seen = Seen::default();
+        let log = seen.0.clone();
+        metrics::with_local_recorder(&seen, || {
+            call("metrics.late", CallOutcome::Replayed);
+            reserve_time("metrics.late", "replayed", Duration::from_millis(1));
+            body_time("metrics.late", "err", Duration::from_millis(1));
+        });
+        let target = "idempotent_runtime::metrics";
+        assert_eq!(
+            *log.lock().expect("lock"),
+            [
+                format!("{CALLS} scope=metrics.late,outcome=replayed {target} INFO"),
+                format!("{RESERVE_SECONDS} scope=metrics.late,outcome=replayed {target} INFO"),
+                format!("{BODY_SECONDS} scope=metrics.late,outcome=err {target} INFO"),
+            ]
+        );
     }
 }

@@ -383,26 +383,82 @@ fn hash<'a>(
     bytes: &[u8],
     form: impl Fn(&'a Argument) -> &'a Range<usize>,
 ) -> String {
-    let mut hasher = Sha256::new();
-    hasher.update(b"{");
+    let mut hasher = Buffered::default();
+    hasher.put(b"{");
     for (i, argument) in arguments.iter().enumerate() {
         if i > 0 {
-            hasher.update(b",");
+            hasher.put(b",");
         }
-        hasher.update(&bytes[argument.quoted_name.clone()]);
-        hasher.update(b":");
-        hasher.update(&bytes[form(argument).clone()]);
+        hasher.put(&bytes[argument.quoted_name.clone()]);
+        hasher.put(b":");
+        hasher.put(&bytes[form(argument).clone()]);
     }
-    hasher.update(b"}");
-    const HEX: &[u8; 16] = b"0123456789abcdef";
+    hasher.put(b"}");
+    let mut hex = [0u8; 64];
+    write_hex(&hasher.finish(), &mut hex);
     let mut out = String::with_capacity(version.len() + 1 + 64);
     out.push_str(version);
     out.push(':');
-    for byte in hasher.finalize() {
-        out.push(char::from(HEX[usize::from(byte >> 4)]));
-        out.push(char::from(HEX[usize::from(byte & 0xf)]));
-    }
+    // Hex digits only: always UTF-8.
+    out.push_str(std::str::from_utf8(&hex).unwrap_or_default());
     out
+}
+
+/// SHA-256 fed through a small buffer: the canonical form arrives in many
+/// short pieces (braces, names, colons, values), and the hasher's own
+/// buffering costs more per piece than a copy. The bytes hashed are the same.
+struct Buffered {
+    hasher: Sha256,
+    buffer: [u8; 128],
+    len: usize,
+}
+
+impl Default for Buffered {
+    fn default() -> Self {
+        Buffered {
+            hasher: Sha256::new(),
+            buffer: [0; 128],
+            len: 0,
+        }
+    }
+}
+
+impl Buffered {
+    fn put(&mut self, bytes: &[u8]) {
+        if self.len + bytes.len() > self.buffer.len() {
+            self.hasher.update(&self.buffer[..self.len]);
+            self.len = 0;
+            if bytes.len() > self.buffer.len() {
+                self.hasher.update(bytes);
+                return;
+            }
+        }
+        self.buffer[self.len..self.len + bytes.len()].copy_from_slice(bytes);
+        self.len += bytes.len();
+    }
+
+    fn finish(mut self) -> [u8; 32] {
+        self.hasher.update(&self.buffer[..self.len]);
+        self.hasher.finalize().into()
+    }
+}
+
+/// Writes `bytes` as lowercase hex digits into `out` (twice as long).
+pub(crate) fn write_hex(bytes: &[u8], out: &mut [u8]) {
+    /// Every byte's two digits.
+    const DIGITS: [[u8; 2]; 256] = {
+        const HEX: &[u8; 16] = b"0123456789abcdef";
+        let mut table = [[0u8; 2]; 256];
+        let mut i = 0;
+        while i < 256 {
+            table[i] = [HEX[i >> 4], HEX[i & 0xf]];
+            i += 1;
+        }
+        table
+    };
+    for (pair, byte) in out.chunks_exact_mut(2).zip(bytes) {
+        pair.copy_from_slice(&DIGITS[usize::from(*byte)]);
+    }
 }
 
 #[cfg(test)]

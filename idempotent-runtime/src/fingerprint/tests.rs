@@ -1592,3 +1592,41 @@ fn faithful_check_refuses_some_of_a_null() {
     assert!(check_faithful_json(&Some(Some(None::<u8>))).is_err());
     assert!(check_faithful_json(&vec![Some(1u8), None]).is_ok());
 }
+
+/// Fixed vectors (SHA-256 of the canonical bytes, computed outside this
+/// crate): fingerprints must not change from one build to the next, however
+/// the bytes are fed to the hasher (short forms, and forms longer than its
+/// buffer).
+#[test]
+fn fingerprints_are_fixed() {
+    fn of<T: Serialize + ?Sized>(value: &T) -> String {
+        Fingerprint::of(value).unwrap().as_str().to_owned()
+    }
+    assert_eq!(
+        of(&1u8),
+        "v1:48208f9428d64634bd8e28ff345bf0eab60d53c18fa2fbdb0b9bc1e84df2b5f6"
+    );
+    assert_eq!(
+        of(&"a".repeat(300)),
+        "v1:6ebf63e7bf6af0e60095a489d8e51941d4e9122096cf7e834a9921eb2d6d24c9"
+    );
+    assert_eq!(
+        of(&"b".repeat(120)),
+        "v1:1aef3e305f5eab495fca9151eb375e1b0e9faf2a276b1f4e1415db2f3914e8ba"
+    );
+    let mut b = FingerprintBuilder::new();
+    b.argument("currency", "EUR");
+    b.argument("amount", &10u32);
+    assert_eq!(
+        b.finish().unwrap().unwrap().as_str(),
+        "v1:5f19111fbbc74b0d131074d03b389a0125fea1f9d6f001532dad555dc57ca8af"
+    );
+}
+
+#[test]
+fn hex_digits_of_every_byte() {
+    let bytes: Vec<u8> = (0..=255).collect();
+    let mut out = vec![0u8; 512];
+    write_hex(&bytes, &mut out);
+    assert_eq!(out, hex::encode(&bytes).into_bytes());
+}

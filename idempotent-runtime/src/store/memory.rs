@@ -7,7 +7,10 @@
 //! poll and nothing left behind when the record goes.
 
 use super::*;
-use std::collections::HashMap;
+use foldhash::fast::SeedableRandomState;
+use foldhash::SharedSeed;
+use hashbrown::hash_table::{Entry, HashTable};
+use std::hash::BuildHasher;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 use tokio::sync::Notify;
@@ -15,8 +18,8 @@ use tokio::sync::Notify;
 #[derive(Debug)]
 struct Record {
     state: RecordState,
-    fingerprint: Option<String>,
-    owner_token: Option<String>,
+    fingerprint: Option<Text<FINGERPRINT_BYTES>>,
+    owner_token: Option<Text<TOKEN_BYTES>>,
     outcome: Option<StoredOutcome>,
     lease_expires_at_ms: i64,
     expires_at_ms: i64,
@@ -30,6 +33,47 @@ struct Record {
     waiters: Option<Arc<Notify>>,
 }
 
+/// A fingerprint as this build makes it: `v1:` or `v2:` and 64 hex digits.
+const FINGERPRINT_BYTES: usize = 67;
+/// An owner token as the engine makes it: 32 hex digits.
+const TOKEN_BYTES: usize = 32;
+
+/// Text kept in the record itself when it is at most `N` bytes (a token, a
+/// fingerprint: two allocations less per reservation), on the heap otherwise.
+#[derive(Debug, Clone)]
+enum Text<const N: usize> {
+    Inline { len: u8, bytes: [u8; N] },
+    Heap(Box<str>),
+}
+
+impl<const N: usize> Text<N> {
+    fn new(text: &str) -> Self {
+        match u8::try_from(text.len()) {
+            Ok(len) if text.len() <= N => {
+                let mut bytes = [0; N];
+                bytes[..text.len()].copy_from_slice(text.as_bytes());
+                Text::Inline { len, bytes }
+            }
+            _ => Text::Heap(text.into()),
+        }
+    }
+
+    fn as_bytes(&self) -> &[u8] {
+        match self {
+            Text::Inline { len, bytes } => &bytes[..usize::from(*len)],
+            Text::Heap(text) => text.as_bytes(),
+        }
+    }
+
+    fn as_str(&self) -> &str {
+        match self {
+            // Copied from a `&str` whole, so always UTF-8.
+            Text::Inline { .. } => std::str::from_utf8(self.as_bytes()).unwrap_or_default(),
+            Text::Heap(text) => text,
+        }
+    }
+}
+
 impl Record {
     /// Wakes (and forgets) the duplicates waiting on this record.
     fn wake_waiters(&mut self) {
@@ -39,9 +83,67 @@ impl Record {
     }
 }
 
+/// One record with its identity, and the identity's hash (computed once per
+/// operation, before the lock is taken; the table never hashes again, not
+/// even when it grows). The record is boxed: a slot of 48 bytes rather than
+/// some 250 makes the table's growth (every slot moved into fresh pages)
+/// cheaper than the allocation, under a load of fresh keys.
+#[derive(Debug)]
+struct Slot {
+    hash: u64,
+    identity: StoredIdentity,
+    record: Box<Record>,
+}
+
+/// An identity as the store keeps it: tenant, scope and key back to back in
+/// one allocation (one heap object to compare on a lookup, not three).
+#[derive(Debug)]
+struct StoredIdentity {
+    tenant_len: usize,
+    scope_len: usize,
+    text: Box<str>,
+}
+
+impl StoredIdentity {
+    fn new(identity: &Identity) -> Self {
+        let (tenant, scope, key) = (&identity.tenant, &identity.scope, &identity.key);
+        let mut text = String::with_capacity(tenant.len() + scope.len() + key.len());
+        for part in [tenant, scope, key] {
+            text.push_str(part);
+        }
+        StoredIdentity {
+            tenant_len: tenant.len(),
+            scope_len: scope.len(),
+            text: text.into_boxed_str(),
+        }
+    }
+
+    /// Whether this is `identity` (all three parts equal).
+    fn is(&self, identity: &Identity) -> bool {
+        let (t, s) = (self.tenant_len, self.tenant_len + self.scope_len);
+        let text = self.text.as_bytes();
+        t == identity.tenant.len()
+            && s - t == identity.scope.len()
+            && text.len() - s == identity.key.len()
+            && text[s..] == *identity.key.as_bytes()
+            && text[t..s] == *identity.scope.as_bytes()
+            && text[..t] == *identity.tenant.as_bytes()
+    }
+
+    fn scope(&self) -> &str {
+        // The parts were whole `str`s, so their bounds are character bounds.
+        self.text
+            .get(self.tenant_len..self.tenant_len + self.scope_len)
+            .unwrap_or_default()
+    }
+}
+
 #[derive(Debug)]
 struct Inner {
-    records: Mutex<HashMap<Identity, Record>>,
+    records: Mutex<HashTable<Slot>>,
+    /// Keyed per store from the OS's randomness (identities are client
+    /// input: their hashes must not be predictable).
+    hasher: SeedableRandomState,
     epoch_ms: i64,
     started: Instant,
 }
@@ -74,7 +176,11 @@ impl MemoryStore {
             .unwrap_or(0);
         MemoryStore {
             inner: Arc::new(Inner {
-                records: Mutex::new(HashMap::new()),
+                records: Mutex::new(HashTable::new()),
+                hasher: SeedableRandomState::with_seed(
+                    uuid::Uuid::new_v4().as_u64_pair().0,
+                    SharedSeed::global_random(),
+                ),
                 epoch_ms,
                 started: Instant::now(),
             }),
@@ -96,7 +202,11 @@ impl MemoryStore {
         self.inner.epoch_ms + self.inner.started.elapsed().as_millis() as i64
     }
 
-    fn records(&self) -> MutexGuard<'_, HashMap<Identity, Record>> {
+    fn hash(&self, identity: &Identity) -> u64 {
+        self.inner.hasher.hash_one(identity)
+    }
+
+    fn records(&self) -> MutexGuard<'_, HashTable<Slot>> {
         // A panic while the lock was held cannot leave a record half-written
         // (every update is a single assignment), so a poisoned lock is usable.
         self.inner
@@ -106,14 +216,15 @@ impl MemoryStore {
     }
 
     fn release_now(&self, identity: &Identity, token: &OwnerToken) -> bool {
+        let hash = self.hash(identity);
         let mut records = self.records();
-        let owned = records.get(identity).is_some_and(|r| r.owned_by(token));
-        if owned {
-            if let Some(mut r) = records.remove(identity) {
-                r.wake_waiters();
+        match records.find_entry(hash, |s| s.hash == hash && s.identity.is(identity)) {
+            Ok(slot) if slot.get().record.owned_by(token) => {
+                slot.remove().0.record.wake_waiters();
+                true
             }
+            _ => false,
         }
-        owned
     }
 
     fn complete_now(
@@ -125,8 +236,9 @@ impl MemoryStore {
         recovered: bool,
     ) -> bool {
         let now = self.now_ms();
+        let hash = self.hash(identity);
         let mut records = self.records();
-        match records.get_mut(identity) {
+        match find_mut(&mut records, hash, identity) {
             Some(r) if r.owned_by(token) => {
                 r.state = RecordState::Complete;
                 r.owner_token = None;
@@ -145,8 +257,34 @@ impl MemoryStore {
 impl Record {
     /// In progress and owned by `token` (fencing, rule 10).
     fn owned_by(&self, token: &OwnerToken) -> bool {
-        self.state == RecordState::InProgress && self.owner_token.as_deref() == Some(token.as_str())
+        self.state == RecordState::InProgress
+            && self
+                .owner_token
+                .as_ref()
+                .is_some_and(|t| t.as_bytes() == token.as_str().as_bytes())
     }
+}
+
+fn find<'a>(records: &'a HashTable<Slot>, hash: u64, identity: &Identity) -> Option<&'a Record> {
+    records
+        .find(hash, |s| s.hash == hash && s.identity.is(identity))
+        .map(|s| &*s.record)
+}
+
+fn find_mut<'a>(
+    records: &'a mut HashTable<Slot>,
+    hash: u64,
+    identity: &Identity,
+) -> Option<&'a mut Record> {
+    records
+        .find_mut(hash, |s| s.hash == hash && s.identity.is(identity))
+        .map(|s| &mut *s.record)
+}
+
+/// [`fingerprints_conflict`] (rule 8: both exist and differ), on the stored
+/// bytes without reading them back as text.
+fn conflict(stored: Option<&Text<FINGERPRINT_BYTES>>, incoming: Option<&str>) -> bool {
+    matches!((stored, incoming), (Some(a), Some(b)) if a.as_bytes() != b.as_bytes())
 }
 
 fn is_expired(r: &Record, now: i64) -> bool {
@@ -167,32 +305,42 @@ impl Store for MemoryStore {
         let lease_expires_at_ms = now.saturating_add(duration_to_millis(request.lease));
         let expires_at_ms = now.saturating_add(duration_to_millis(request.ttl));
         let fingerprint = request.fingerprint.map(Fingerprint::as_str);
+        let identity = request.identity;
+        let hash = self.hash(identity);
         let mut records = self.records();
-        let Some(r) = records.get_mut(request.identity) else {
-            records.insert(
-                request.identity.clone(),
-                Record {
-                    state: RecordState::InProgress,
-                    fingerprint: fingerprint.map(str::to_owned),
-                    owner_token: Some(request.token.as_str().to_owned()),
-                    outcome: None,
-                    lease_expires_at_ms,
-                    expires_at_ms,
-                    created_at_ms: now,
-                    attempt: 1,
-                    attempt_started_at_ms: now,
-                    recovered: false,
-                    waiters: None,
-                },
-            );
-            return Ok(Reservation::FRESH);
+        let r = match records.entry(
+            hash,
+            |s| s.hash == hash && s.identity.is(identity),
+            |s| s.hash,
+        ) {
+            Entry::Occupied(slot) => &mut *slot.into_mut().record,
+            Entry::Vacant(slot) => {
+                slot.insert(Slot {
+                    hash,
+                    identity: StoredIdentity::new(identity),
+                    record: Box::new(Record {
+                        state: RecordState::InProgress,
+                        fingerprint: fingerprint.map(Text::new),
+                        owner_token: Some(Text::new(request.token.as_str())),
+                        outcome: None,
+                        lease_expires_at_ms,
+                        expires_at_ms,
+                        created_at_ms: now,
+                        attempt: 1,
+                        attempt_started_at_ms: now,
+                        recovered: false,
+                        waiters: None,
+                    }),
+                });
+                return Ok(Reservation::FRESH);
+            }
         };
         // `taken_over`: the attempt whose lease ran out, and when it started
         // (rule 20 counts the attempts); `None` for an expired record, which
         // counts as absent and is replaced by attempt 1.
         let taken_over = if is_expired(r, now) {
             None
-        } else if fingerprints_conflict(r.fingerprint.as_deref(), fingerprint) {
+        } else if conflict(r.fingerprint.as_ref(), fingerprint) {
             return Ok(Reservation::FingerprintMismatch);
         } else if r.state == RecordState::Complete {
             let outcome = r.outcome.clone().unwrap_or(StoredOutcome {
@@ -213,14 +361,8 @@ impl Store for MemoryStore {
             r.created_at_ms = now;
         }
         r.state = RecordState::InProgress;
-        match (&mut r.fingerprint, fingerprint) {
-            (Some(stored), Some(f)) => f.clone_into(stored),
-            (stored, f) => *stored = f.map(str::to_owned),
-        }
-        match &mut r.owner_token {
-            Some(stored) => request.token.as_str().clone_into(stored),
-            stored => *stored = Some(request.token.as_str().to_owned()),
-        }
+        r.fingerprint = fingerprint.map(Text::new);
+        r.owner_token = Some(Text::new(request.token.as_str()));
         r.outcome = None;
         r.lease_expires_at_ms = lease_expires_at_ms;
         r.expires_at_ms = expires_at_ms;
@@ -261,8 +403,9 @@ impl Store for MemoryStore {
         require_expired_lease: bool,
     ) -> Result<ForcedRelease, StoreError> {
         let now = self.now_ms();
+        let hash = self.hash(identity);
         let mut records = self.records();
-        let answer = match records.get(identity) {
+        let answer = match find(&records, hash, identity) {
             None => ForcedRelease::Absent,
             Some(r) if r.state == RecordState::Complete => ForcedRelease::Complete,
             Some(r) if require_expired_lease && r.lease_expires_at_ms > now => {
@@ -273,8 +416,10 @@ impl Store for MemoryStore {
             Some(r) => ForcedRelease::Released { attempt: r.attempt },
         };
         if matches!(answer, ForcedRelease::Released { .. }) {
-            if let Some(mut r) = records.remove(identity) {
-                r.wake_waiters();
+            if let Ok(slot) =
+                records.find_entry(hash, |s| s.hash == hash && s.identity.is(identity))
+            {
+                slot.remove().0.record.wake_waiters();
             }
         }
         Ok(answer)
@@ -291,8 +436,9 @@ impl Store for MemoryStore {
         lease: Duration,
     ) -> Result<bool, StoreError> {
         let now = self.now_ms();
+        let hash = self.hash(identity);
         let mut records = self.records();
-        match records.get_mut(identity) {
+        match find_mut(&mut records, hash, identity) {
             Some(r) if r.owned_by(token) => {
                 r.lease_expires_at_ms = now.saturating_add(duration_to_millis(lease));
                 Ok(true)
@@ -319,7 +465,8 @@ impl Store for MemoryStore {
         let now = self.now_ms();
         let mut records = self.records();
         let mut left = batch;
-        records.retain(|_, r| {
+        records.retain(|slot| {
+            let r = &mut slot.record;
             if left == 0 || !is_expired(r, now) {
                 return true;
             }
@@ -344,8 +491,9 @@ impl Store for MemoryStore {
         let remaining: Duration;
         let notified;
         {
+            let hash = self.hash(identity);
             let mut records = self.records();
-            match records.get_mut(identity) {
+            match find_mut(&mut records, hash, identity) {
                 Some(r)
                     if r.state == RecordState::InProgress
                         && r.lease_expires_at_ms > now
@@ -367,30 +515,34 @@ impl Store for MemoryStore {
 
     async fn fetch(&self, identity: &Identity) -> Result<Option<RecordSnapshot>, StoreError> {
         let now = self.now_ms();
-        Ok(self.records().get(identity).map(|r| RecordSnapshot {
-            state: r.state,
-            fingerprint: r.fingerprint.clone(),
-            owner_token: r.owner_token.clone(),
-            outcome: r.outcome.clone(),
-            lease_expires_at_ms: (r.state == RecordState::InProgress)
-                .then_some(r.lease_expires_at_ms),
-            expires_at_ms: r.expires_at_ms,
-            now_ms: now,
-            created_at_ms: r.created_at_ms,
-            attempt: r.attempt,
-            attempt_started_at_ms: r.attempt_started_at_ms,
-            recovered: r.recovered,
-        }))
+        let hash = self.hash(identity);
+        Ok(
+            find(&self.records(), hash, identity).map(|r| RecordSnapshot {
+                state: r.state,
+                fingerprint: r.fingerprint.as_ref().map(|t| t.as_str().to_owned()),
+                owner_token: r.owner_token.as_ref().map(|t| t.as_str().to_owned()),
+                outcome: r.outcome.clone(),
+                lease_expires_at_ms: (r.state == RecordState::InProgress)
+                    .then_some(r.lease_expires_at_ms),
+                expires_at_ms: r.expires_at_ms,
+                now_ms: now,
+                created_at_ms: r.created_at_ms,
+                attempt: r.attempt,
+                attempt_started_at_ms: r.attempt_started_at_ms,
+                recovered: r.recovered,
+            }),
+        )
     }
 
     async fn scope_stats(&self) -> Result<Vec<ScopeStats>, StoreError> {
         let now = self.now_ms();
         let mut by_scope: std::collections::BTreeMap<String, ScopeStats> = Default::default();
-        for (id, r) in self.records().iter() {
+        for slot in self.records().iter() {
+            let (id, r) = (&slot.identity, &slot.record);
             let s = by_scope
-                .entry(id.scope.clone())
+                .entry(id.scope().to_owned())
                 .or_insert_with(|| ScopeStats {
-                    scope: id.scope.clone(),
+                    scope: id.scope().to_owned(),
                     ..Default::default()
                 });
             if !is_expired(r, now) {
@@ -419,6 +571,72 @@ impl Store for MemoryStore {
 mod tests {
     use super::*;
 
+    #[test]
+    fn a_stored_identity_is_its_identity_only() {
+        let parts = [
+            ("", "s", "k"),
+            ("t", "s", "k"),
+            ("ts", "", "k"),
+            ("t", "sk", ""),
+            ("t", "s", "kk"),
+        ];
+        let ids: Vec<Identity> = parts
+            .iter()
+            .map(|(t, s, k)| Identity {
+                tenant: (*t).to_owned(),
+                scope: (*s).to_owned(),
+                key: (*k).to_owned(),
+            })
+            .collect();
+        for (i, a) in ids.iter().enumerate() {
+            let stored = StoredIdentity::new(a);
+            assert_eq!(stored.scope(), a.scope);
+            for (j, b) in ids.iter().enumerate() {
+                assert_eq!(stored.is(b), i == j, "{a:?} / {b:?}");
+            }
+        }
+        let id = Identity::new("アカウント", "payments.charge", "ключ-🔑").expect("identity");
+        let stored = StoredIdentity::new(&id);
+        assert!(stored.is(&id));
+        assert_eq!(stored.scope(), "payments.charge");
+    }
+
+    #[test]
+    fn text_keeps_what_it_was_given_inline_or_not() {
+        for text in [
+            "",
+            "a",
+            "ключ-🔑",
+            &"x".repeat(4),
+            &"y".repeat(5),
+            &"z".repeat(300),
+        ] {
+            let t = Text::<4>::new(text);
+            assert_eq!(t.as_str(), text);
+            assert_eq!(t.as_bytes(), text.as_bytes());
+            assert_eq!(matches!(t, Text::Inline { .. }), text.len() <= 4);
+        }
+        let token = OwnerToken::new();
+        assert!(matches!(
+            Text::<TOKEN_BYTES>::new(token.as_str()),
+            Text::Inline { .. }
+        ));
+        let fp = Fingerprint::of(&1u8).expect("fingerprint");
+        assert!(matches!(
+            Text::<FINGERPRINT_BYTES>::new(fp.as_str()),
+            Text::Inline { .. }
+        ));
+        let other = Fingerprint::of(&2u8).expect("fingerprint");
+        for stored in [None, Some(fp.as_str()), Some(other.as_str())] {
+            for incoming in [None, Some(fp.as_str()), Some(other.as_str())] {
+                assert_eq!(
+                    conflict(stored.map(Text::new).as_ref(), incoming),
+                    fingerprints_conflict(stored, incoming)
+                );
+            }
+        }
+    }
+
     /// The `Notify` a waiter put in the record goes with the change that
     /// woke it; a finished wait leaves nothing behind.
     #[tokio::test]
@@ -434,12 +652,8 @@ mod tests {
             ttl: Duration::from_secs(60),
         };
         assert_eq!(store.reserve(request).await.ok(), Some(Reservation::FRESH));
-        let has_waiters = || {
-            store
-                .records()
-                .get(&id)
-                .is_some_and(|r| r.waiters.is_some())
-        };
+        let has_waiters =
+            || find(&store.records(), store.hash(&id), &id).is_some_and(|r| r.waiters.is_some());
         let waiter = store.wait_for_change(&id, Duration::from_secs(10), 0);
         let complete = async {
             while !has_waiters() {
