@@ -256,27 +256,6 @@ impl Drop for FinishOnDrop<'_> {
     }
 }
 
-/// A fresh owner token for a call, of the form [`OwnerToken::new`] makes (64
-/// random bits drawn once per process, then a per-process counter: 32 hex
-/// characters), written by hand: `format!` with padded hex was a tenth of
-/// an in-memory call. Its own random prefix keeps its tokens apart from
-/// those `OwnerToken::new` makes in this process (as from other processes').
-fn new_token() -> OwnerToken {
-    use std::sync::atomic::AtomicU64;
-    use std::sync::OnceLock;
-    static PROCESS: OnceLock<u64> = OnceLock::new();
-    static COUNTER: AtomicU64 = AtomicU64::new(0);
-    let process = *PROCESS.get_or_init(|| uuid::Uuid::new_v4().as_u64_pair().0);
-    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-    let mut bytes = [0u8; 16];
-    bytes[..8].copy_from_slice(&process.to_be_bytes());
-    bytes[8..].copy_from_slice(&n.to_be_bytes());
-    let mut text = [0u8; 32];
-    crate::fingerprint::write_hex(&bytes, &mut text);
-    // Hex digits only: always UTF-8.
-    OwnerToken::from_stored(std::str::from_utf8(&text).unwrap_or_default())
-}
-
 // ---------------------------------------------------------------- recover hooks (rule 20)
 
 /// A function's `recover = ...` hook, or [`NoRecover`]. The generated code
@@ -437,7 +416,7 @@ where
         Ok(fingerprint) => fingerprint,
         Err(e) => return fail(e),
     };
-    let token = new_token();
+    let token = OwnerToken::new();
     let digest = identity.log_digest();
 
     let request = ReserveRequest {
@@ -1192,9 +1171,9 @@ mod tests {
     }
 
     #[test]
-    fn call_tokens_are_unique_and_shaped_like_owner_tokens() {
-        let (a, b, other) = (new_token(), new_token(), OwnerToken::new());
-        for t in [&a, &b, &other] {
+    fn owner_tokens_are_unique_hex_with_one_prefix_per_process() {
+        let (a, b) = (OwnerToken::new(), OwnerToken::new());
+        for t in [&a, &b] {
             assert_eq!(t.as_str().len(), 32);
             assert!(t
                 .as_str()
@@ -1205,7 +1184,6 @@ mod tests {
         assert_eq!(a.as_str()[..16], b.as_str()[..16]);
         let n = |t: &OwnerToken| u64::from_str_radix(&t.as_str()[16..], 16).expect("hex");
         assert!(n(&b) > n(&a));
-        assert_ne!(a.as_str()[..16], other.as_str()[..16]);
     }
 
     #[tokio::test]

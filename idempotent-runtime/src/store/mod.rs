@@ -54,7 +54,15 @@ impl OwnerToken {
         static COUNTER: AtomicU64 = AtomicU64::new(0);
         let process = *PROCESS.get_or_init(|| uuid::Uuid::new_v4().as_u64_pair().0);
         let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-        OwnerToken(format!("{process:016x}{n:016x}"))
+        let mut bytes = [0u8; 16];
+        bytes[..8].copy_from_slice(&process.to_be_bytes());
+        bytes[8..].copy_from_slice(&n.to_be_bytes());
+        // Written by hand: `format!` with padded hex was a tenth of an
+        // in-memory call.
+        let mut text = [0u8; 32];
+        crate::fingerprint::write_hex(&bytes, &mut text);
+        // Hex digits only: always UTF-8.
+        OwnerToken(String::from_utf8_lossy(&text).into_owned())
     }
 
     /// The token as stored.
