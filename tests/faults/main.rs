@@ -10,6 +10,6 @@ mod cancellation;
 mod connection_faults;
 mod mysql_faults;
 mod mysql_wire;
-mod postgres_faults;
 mod pool_pings;
+mod postgres_faults;
 mod postgres_wire;

@@ -779,3 +779,90 @@ async fn the_purge_skips_a_row_held_by_an_open_transaction() {
         .await
         .expect("clean up");
 }
+
+// ------------------------------------------- a fresh key through the store (MariaDB's plain insert)
+
+/// A store-mode reservation of a key whose record a transactional-mode owner
+/// has inserted but not committed: the plain read does not see it, the insert
+/// meets its row lock, and the answer is "in progress" after the store's 1 s
+/// lock wait — not a wait of `innodb_lock_wait_timeout` (50 s by default; the
+/// bound below is only a guard against a hang), and never a second owner.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fresh_key_behind_an_uncommitted_transactional_owner_is_in_progress() {
+    let Some(store) = mysql_store_or_skip().await else {
+        return;
+    };
+    let identity = Identity::new(fresh_tenant(), "edges.fresh_behind_tx", "k").expect("identity");
+    let f = fp("a");
+    let mut tx = store.pool().begin().await.expect("begin");
+    assert!(matches!(
+        in_tx(&mut tx, &identity, Some(&f), WAIT).await,
+        Reservation::Acquired { .. }
+    ));
+    let token = OwnerToken::new();
+    let answer = tokio::time::timeout(
+        Duration::from_secs(20),
+        store.reserve(request(&identity, Some(&f), &token, LONG, LONG)),
+    )
+    .await
+    .expect("the store's reservation waits at most its lock wait")
+    .expect("reserve");
+    assert!(
+        matches!(answer, Reservation::InProgress { .. }),
+        "{answer:?}"
+    );
+    tx.rollback().await.expect("rollback");
+    // The owner rolled back: the key is free, and the store reserves it.
+    assert!(matches!(
+        store
+            .reserve(request(&identity, Some(&f), &token, LONG, LONG))
+            .await
+            .expect("reserve"),
+        Reservation::Acquired { attempt: 1, .. }
+    ));
+}
+
+/// A store opened on a pool whose sessions have autocommit off: a fresh key's
+/// record is committed (other sessions see it, and a second caller is refused),
+/// not left in the session's open transaction.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fresh_key_on_an_autocommit_off_session_is_committed() {
+    let Some(admin) = mysql_store_or_skip().await else {
+        return;
+    };
+    let pool = MySqlPoolOptions::new()
+        .max_connections(1)
+        .after_connect(|conn, _| {
+            Box::pin(async move {
+                conn.execute("SET SESSION autocommit = 0").await?;
+                Ok(())
+            })
+        })
+        .connect(&mysql_url())
+        .await
+        .expect("pool");
+    let store = MySqlStore::from_pool(pool).await.expect("store");
+    let identity = Identity::new(fresh_tenant(), "edges.autocommit_off", "k").expect("identity");
+    let f = fp("a");
+    let token = OwnerToken::new();
+    assert!(matches!(
+        store
+            .reserve(request(&identity, Some(&f), &token, LONG, LONG))
+            .await
+            .expect("reserve"),
+        Reservation::Acquired { attempt: 1, .. }
+    ));
+    let seen = admin.fetch(&identity).await.expect("fetch");
+    assert!(
+        seen.is_some(),
+        "the record is committed, visible to other sessions"
+    );
+    let other = OwnerToken::new();
+    assert!(matches!(
+        admin
+            .reserve(request(&identity, Some(&f), &other, LONG, LONG))
+            .await
+            .expect("reserve"),
+        Reservation::InProgress { .. }
+    ));
+}

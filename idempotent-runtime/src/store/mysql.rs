@@ -92,6 +92,10 @@ const NOW_MS: &str = "(UNIX_TIMESTAMP() * 1000 + FLOOR(MICROSECOND(NOW(6)) / 100
 pub struct MySqlStore {
     pool: MySqlPool,
     detached: std::sync::Arc<detached::Detached>,
+    /// The server is MariaDB, which bounds a statement's lock wait with
+    /// `SET STATEMENT`: a fresh key is then inserted by one plain statement
+    /// ([`INSERT_FRESH_SQL`]) instead of the procedure.
+    mariadb: bool,
 }
 
 impl MySqlStore {
@@ -129,8 +133,13 @@ impl MySqlStore {
         migrate(&pool)
             .await
             .map_err(|e| StoreError::new(STORE, "apply migrations", e))?;
+        let version: String = sqlx::query_scalar("SELECT VERSION()")
+            .fetch_one(&pool)
+            .await
+            .map_err(err("read the server version"))?;
         Ok(MySqlStore {
             detached: std::sync::Arc::new(background_worker(&pool)),
+            mariadb: version.contains("MariaDB"),
             pool,
         })
     }
@@ -281,11 +290,79 @@ const READ_SQL: &str = concat!(
     "FROM idempotency_records WHERE tenant = ? AND scope = ? AND `key` = ?"
 );
 
-/// A reservation through the store: the plain read, and the procedure only
-/// when the read answers nothing (absent, expired, lease run out).
+/// MariaDB's reservation of a key the read found absent: one plain insert
+/// of the in-progress record, exactly as the procedure inserts it, its lock
+/// wait bounded like the procedure's (`STORE_LOCK_WAIT_S`, 1 s: a
+/// transactional-mode owner's uncommitted record is waited for that long,
+/// then the call is in progress). It inserts nothing on a session with
+/// autocommit off (the row would stay in an open transaction); the
+/// procedure answers then, as it does when the key was taken in between
+/// (a duplicate-key error).
+const INSERT_FRESH_SQL: &str = concat!(
+    "SET STATEMENT innodb_lock_wait_timeout = 1 FOR ",
+    "INSERT INTO idempotency_records ",
+    "(tenant, scope, `key`, state, fingerprint, owner_token, is_error, result, ",
+    "lease_expires_at, expires_at, created_at, updated_at, attempt, attempt_started_at, recovered) ",
+    "SELECT ?, ?, ?, 'in_progress', ?, ?, 0, NULL, c.n + ?, c.n + ?, c.n, c.n, 1, c.n, 0 ",
+    "FROM (SELECT UNIX_TIMESTAMP() * 1000 + FLOOR(MICROSECOND(NOW(6)) / 1000) AS n) c ",
+    "WHERE @@SESSION.autocommit = 1"
+);
+const _: () = assert!(
+    STORE_LOCK_WAIT_S == 1,
+    "INSERT_FRESH_SQL spells the lock wait"
+);
+
+/// MySQL's error numbers for a duplicate key and a lock wait that ran out.
+const ER_DUP_ENTRY: u16 = 1062;
+const ER_LOCK_WAIT_TIMEOUT: u16 = 1205;
+
+/// [`INSERT_FRESH_SQL`]: `Some` when it answered (acquired, or in progress
+/// behind a lock), `None` when the procedure must decide.
+async fn insert_fresh(
+    pool: &MySqlPool,
+    request: ReserveRequest<'_>,
+) -> Result<Option<Reservation>, StoreError> {
+    let id = request.identity;
+    let inserted = sqlx::query(INSERT_FRESH_SQL)
+        .bind(id.tenant.as_bytes())
+        .bind(id.scope.as_bytes())
+        .bind(id.key.as_bytes())
+        .bind(request.fingerprint.map(|f| f.as_str().as_bytes()))
+        .bind(request.token.as_str().as_bytes())
+        .bind(duration_to_millis(request.lease))
+        .bind(duration_to_millis(request.ttl))
+        .execute(pool)
+        .await;
+    match inserted {
+        Ok(done) if done.rows_affected() == 1 => Ok(Some(Reservation::acquired(1, None))),
+        Ok(_) => Ok(None),
+        Err(sqlx::Error::Database(e)) => {
+            let number = e
+                .try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>()
+                .map(|e| e.number());
+            if number == Some(ER_LOCK_WAIT_TIMEOUT) {
+                // As the procedure answers it: a call in progress, its
+                // remaining time unknown.
+                Ok(Some(Reservation::InProgress {
+                    lease_remaining: request.lease,
+                }))
+            } else if number == Some(ER_DUP_ENTRY) {
+                Ok(None)
+            } else {
+                Err(StoreError::new(STORE, "reserve", sqlx::Error::Database(e)))
+            }
+        }
+        Err(e) => Err(err("reserve")(e)),
+    }
+}
+
+/// A reservation through the store: the plain read, then for an absent key
+/// on MariaDB the plain insert, and the procedure only for what is left
+/// (expired, lease run out, taken in between, MySQL).
 async fn reserve_through_store(
     pool: &MySqlPool,
     request: ReserveRequest<'_>,
+    mariadb: bool,
 ) -> Result<Reservation, StoreError> {
     let id = request.identity;
     let row = sqlx::query(READ_SQL)
@@ -309,6 +386,10 @@ async fn reserve_through_store(
             None
         };
         if let Some(answer) = answer {
+            return Ok(answer);
+        }
+    } else if mariadb {
+        if let Some(answer) = insert_fresh(pool, request).await? {
             return Ok(answer);
         }
     }
@@ -433,7 +514,7 @@ impl Store for MySqlStore {
     }
 
     async fn reserve(&self, request: ReserveRequest<'_>) -> Result<Reservation, StoreError> {
-        reserve_through_store(&self.pool, request).await
+        reserve_through_store(&self.pool, request, self.mariadb).await
     }
 
     async fn complete(
