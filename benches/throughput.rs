@@ -391,25 +391,6 @@ async fn pg_pk_select(pool: &PgPool, key: &str) -> sqlx::Result<u64> {
 
 const MAX_TIME: Duration = Duration::from_secs(4);
 
-/// The floors' pools hand out connections as the stores' own pools do: no
-/// ping before a statement on a connection used in the last second (sqlx's
-/// default pings every time, a round trip the stores do not pay either).
-fn same_pool_policy<DB: sqlx::Database>(
-    options: sqlx::pool::PoolOptions<DB>,
-) -> sqlx::pool::PoolOptions<DB> {
-    use sqlx::Connection;
-    options
-        .test_before_acquire(false)
-        .before_acquire(|conn, meta| {
-            Box::pin(async move {
-                if meta.idle_for >= Duration::from_secs(1) {
-                    conn.ping().await?;
-                }
-                Ok(true)
-            })
-        })
-}
-
 /// Runs `call(i)` for i in 0..calls across `concurrency` tasks (bounded by
 /// `MAX_TIME`); returns calls per second.
 async fn measure<F, Fut>(calls: usize, concurrency: usize, call: F) -> f64
@@ -550,7 +531,7 @@ async fn main() {
                 .busy_timeout(Duration::from_secs(10))
                 .synchronous(hand_level);
             // As many connections as the store's pool (8).
-            let pool = same_pool_policy(SqlitePoolOptions::new())
+            let pool = SqlitePoolOptions::new()
                 .max_connections(8)
                 .connect_with(options)
                 .await
@@ -617,7 +598,7 @@ async fn main() {
         let url = std::env::var("IDEMPOTENT_PG_URL")
             .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
         // The baseline's pool is as large as the store's (16), so both get the same parallelism.
-        let pool = same_pool_policy(sqlx::postgres::PgPoolOptions::new())
+        let pool = sqlx::postgres::PgPoolOptions::new()
             .max_connections(16)
             .connect(&url)
             .await;
@@ -814,7 +795,7 @@ async fn main() {
             .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into());
         match (
             MySqlStore::connect(&url).await,
-            same_pool_policy(sqlx::mysql::MySqlPoolOptions::new())
+            sqlx::mysql::MySqlPoolOptions::new()
                 .max_connections(16)
                 .connect(&url)
                 .await,

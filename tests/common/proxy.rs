@@ -202,8 +202,6 @@ struct Control {
     stall: Option<Stall>,
     delay: Option<Duration>,
     trap: Option<Trap>,
-    /// Needles whose requests are counted ([`FaultProxy::count_requests_containing`]).
-    tallies: Vec<(Vec<u8>, Arc<AtomicU64>)>,
 }
 
 #[derive(Default)]
@@ -291,14 +289,6 @@ impl Shared {
             Direction::ToServer => {
                 let trap = {
                     let mut control = self.control();
-                    for (needle, count) in &control.tallies {
-                        let from = fresh.saturating_sub(needle.len().saturating_sub(1));
-                        let seen = window[from..]
-                            .windows(needle.len())
-                            .filter(|w| w == needle)
-                            .count();
-                        count.fetch_add(seen as u64, Ordering::SeqCst);
-                    }
                     if !control
                         .trap
                         .as_ref()
@@ -468,17 +458,6 @@ impl FaultProxy {
         }
         self.shared.bump();
         Trip { signal }
-    }
-
-    /// Counts, from now on, the occurrences of `needle` in what clients send
-    /// (a statement's text, a ping's marker). Nothing is changed or held.
-    pub fn count_requests_containing(&self, needle: impl AsRef<[u8]>) -> Arc<AtomicU64> {
-        let count = Arc::new(AtomicU64::new(0));
-        self.shared
-            .control()
-            .tallies
-            .push((needle.as_ref().to_vec(), count.clone()));
-        count
     }
 
     /// The next bytes any client sends are dropped and that connection is

@@ -10,6 +10,5 @@ mod cancellation;
 mod connection_faults;
 mod mysql_faults;
 mod mysql_wire;
-mod pool_pings;
 mod postgres_faults;
 mod postgres_wire;

@@ -17,8 +17,6 @@ pub mod memory;
 pub mod migrate;
 #[cfg(feature = "mysql")]
 pub mod mysql;
-#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
-pub(crate) mod pool;
 #[cfg(feature = "postgres")]
 pub mod postgres;
 #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]

@@ -20,8 +20,7 @@ pub const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(5);
 type ConnectOptions<DB> = <<DB as Database>::Connection as sqlx::Connection>::Options;
 
 /// Connects a pool of 16 connections to the server `url` names, waiting at
-/// most [`ACQUIRE_TIMEOUT`], handing connections out without a ping unless
-/// idle for a while ([`super::pool`]). A bad URL, or a server that does not answer in
+/// most [`ACQUIRE_TIMEOUT`]. A bad URL, or a server that does not answer in
 /// time, is a `StoreError` of `store` naming the `server` and its
 /// `address(options)` (host and port), never a hang.
 pub(crate) async fn connect<DB: Database>(
@@ -33,7 +32,7 @@ pub(crate) async fn connect<DB: Database>(
     let options = ConnectOptions::<DB>::from_str(url)
         .map_err(|e| StoreError::new(store, "connect", format!("bad database URL: {e}")))?;
     let address = address(&options);
-    super::pool::options::<DB>()
+    PoolOptions::<DB>::new()
         .max_connections(16)
         .acquire_timeout(ACQUIRE_TIMEOUT)
         .connect_with(options)

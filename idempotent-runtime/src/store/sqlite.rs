@@ -788,12 +788,11 @@ pub(super) async fn reserve_in(
     })
 }
 
-/// The options of the pools [`SqliteStore::connect`] makes: handed out
-/// without a ping unless idle for a while ([`super::pool`]), and a connection
+/// The options of the pools [`SqliteStore::connect`] makes: a connection
 /// whose busy timeout a dropped transactional call left changed gets it back
 /// when it returns to the pool (or is closed if that fails).
 fn pool_options() -> SqlitePoolOptions {
-    super::pool::options::<sqlx::Sqlite>().after_release(|conn, _| {
+    SqlitePoolOptions::new().after_release(|conn, _| {
         Box::pin(async move { Ok(super::sqlite_tx::restore_busy_timeout(conn).await.is_ok()) })
     })
 }
