@@ -783,10 +783,12 @@ async fn the_purge_skips_a_row_held_by_an_open_transaction() {
 // ------------------------------------------- a fresh key through the store (MariaDB's plain insert)
 
 /// A store-mode reservation of a key whose record a transactional-mode owner
-/// has inserted but not committed: the plain read does not see it, the insert
-/// meets its row lock, and the answer is "in progress" after the store's 1 s
-/// lock wait — not a wait of `innodb_lock_wait_timeout` (50 s by default; the
-/// bound below is only a guard against a hang), and never a second owner.
+/// has inserted but not committed: the plain read does not see it, MariaDB's
+/// plain insert does not wait for its row lock (it leaves the key to the
+/// procedure, which waits one reserver at a time under GET_LOCK), and the
+/// answer is "in progress" after the store's 1 s lock wait — not a wait of
+/// `innodb_lock_wait_timeout` (50 s by default; the bound below is only a
+/// guard against a hang), and never a second owner.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fresh_key_behind_an_uncommitted_transactional_owner_is_in_progress() {
     let Some(store) = mysql_store_or_skip().await else {

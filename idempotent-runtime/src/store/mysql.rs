@@ -130,13 +130,9 @@ impl MySqlStore {
     /// # Ok(()) }
     /// ```
     pub async fn from_pool(pool: MySqlPool) -> Result<Self, Error> {
-        migrate(&pool)
+        let version = migrate(&pool)
             .await
             .map_err(|e| StoreError::new(STORE, "apply migrations", e))?;
-        let version: String = sqlx::query_scalar("SELECT VERSION()")
-            .fetch_one(&pool)
-            .await
-            .map_err(err("read the server version"))?;
         Ok(MySqlStore {
             detached: std::sync::Arc::new(background_worker(&pool)),
             mariadb: version.contains("MariaDB"),
@@ -170,9 +166,15 @@ fn background_worker(pool: &MySqlPool) -> detached::Detached {
 /// Applies the embedded migrations once, under `GET_LOCK`, recording them in
 /// `idempotency_schema_migrations`. MySQL DDL is not transactional, so every
 /// statement is written to be safe to run again.
-async fn migrate(pool: &MySqlPool) -> Result<(), migrate::MigrationError> {
+///
+/// Returns the server's version string (read on the same connection, so
+/// opening a store takes one connection from the pool, once).
+async fn migrate(pool: &MySqlPool) -> Result<String, migrate::MigrationError> {
     let mut backend = MigrationConnection(pool.acquire().await?);
-    migrate::run(&mut backend, super::migrate::MYSQL).await
+    migrate::run(&mut backend, super::migrate::MYSQL).await?;
+    Ok(sqlx::query_scalar("SELECT VERSION()")
+        .fetch_one(&mut *backend.0)
+        .await?)
 }
 
 /// The migration runner's view of MySQL/MariaDB: one pooled connection.
@@ -291,15 +293,17 @@ const READ_SQL: &str = concat!(
 );
 
 /// MariaDB's reservation of a key the read found absent: one plain insert
-/// of the in-progress record, exactly as the procedure inserts it, its lock
-/// wait bounded like the procedure's (`STORE_LOCK_WAIT_S`, 1 s: a
-/// transactional-mode owner's uncommitted record is waited for that long,
-/// then the call is in progress). It inserts nothing on a session with
-/// autocommit off (the row would stay in an open transaction); the
-/// procedure answers then, as it does when the key was taken in between
-/// (a duplicate-key error).
+/// of the in-progress record, as the procedure inserts it. It never waits for
+/// a row lock (`SET STATEMENT innodb_lock_wait_timeout = 0`): a key another
+/// session holds uncommitted (a transactional-mode owner) goes to the
+/// procedure, which waits for it one reserver at a time under `GET_LOCK`
+/// (so a rollback hands the key to one waiter, no deadlock between waiters)
+/// and brings the lease of an insert that waited up to date. It inserts
+/// nothing on a session with autocommit off (the row would stay in an open
+/// transaction); the procedure answers then too, as it does when the key was
+/// taken in between (a duplicate-key error).
 const INSERT_FRESH_SQL: &str = concat!(
-    "SET STATEMENT innodb_lock_wait_timeout = 1 FOR ",
+    "SET STATEMENT innodb_lock_wait_timeout = 0 FOR ",
     "INSERT INTO idempotency_records ",
     "(tenant, scope, `key`, state, fingerprint, owner_token, is_error, result, ",
     "lease_expires_at, expires_at, created_at, updated_at, attempt, attempt_started_at, recovered) ",
@@ -307,17 +311,13 @@ const INSERT_FRESH_SQL: &str = concat!(
     "FROM (SELECT UNIX_TIMESTAMP() * 1000 + FLOOR(MICROSECOND(NOW(6)) / 1000) AS n) c ",
     "WHERE @@SESSION.autocommit = 1"
 );
-const _: () = assert!(
-    STORE_LOCK_WAIT_S == 1,
-    "INSERT_FRESH_SQL spells the lock wait"
-);
 
 /// MySQL's error numbers for a duplicate key and a lock wait that ran out.
 const ER_DUP_ENTRY: u16 = 1062;
 const ER_LOCK_WAIT_TIMEOUT: u16 = 1205;
 
-/// [`INSERT_FRESH_SQL`]: `Some` when it answered (acquired, or in progress
-/// behind a lock), `None` when the procedure must decide.
+/// [`INSERT_FRESH_SQL`]: `Some(Acquired)` when it inserted the record,
+/// `None` when the procedure must decide.
 async fn insert_fresh(
     pool: &MySqlPool,
     request: ReserveRequest<'_>,
@@ -340,13 +340,7 @@ async fn insert_fresh(
             let number = e
                 .try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>()
                 .map(|e| e.number());
-            if number == Some(ER_LOCK_WAIT_TIMEOUT) {
-                // As the procedure answers it: a call in progress, its
-                // remaining time unknown.
-                Ok(Some(Reservation::InProgress {
-                    lease_remaining: request.lease,
-                }))
-            } else if number == Some(ER_DUP_ENTRY) {
+            if matches!(number, Some(ER_LOCK_WAIT_TIMEOUT | ER_DUP_ENTRY)) {
                 Ok(None)
             } else {
                 Err(StoreError::new(STORE, "reserve", sqlx::Error::Database(e)))
