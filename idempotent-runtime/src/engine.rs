@@ -953,10 +953,23 @@ fn statement_may_have_landed(e: &Error) -> bool {
     let Error::Store(store) = e else {
         return false;
     };
-    !matches!(
+    !never_reached_the_database(store)
+}
+
+/// A SQL store's error from before any statement was sent: no connection
+/// could be had from the pool, or the pool was misconfigured or closed.
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+fn never_reached_the_database(store: &crate::error::StoreError) -> bool {
+    matches!(
         store.source.downcast_ref::<sqlx::Error>(),
         Some(sqlx::Error::PoolTimedOut | sqlx::Error::PoolClosed | sqlx::Error::Configuration(_))
     )
+}
+
+/// Without a SQL store, every store error may have landed.
+#[cfg(not(any(feature = "sqlite", feature = "postgres", feature = "mysql")))]
+fn never_reached_the_database(_: &crate::error::StoreError) -> bool {
+    false
 }
 
 /// What a finished body's result becomes: `Ok(Some(outcome))` to record,

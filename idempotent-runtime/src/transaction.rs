@@ -157,6 +157,7 @@ pub(crate) use transactional_connection;
 /// A sqlx transaction holds idempotency records wherever its connection can:
 /// `tx = tx` works for `&mut sqlx::Transaction<'_, DB>` as well as for the
 /// connection itself.
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
 #[async_trait::async_trait]
 impl<DB> TransactionalConnection for sqlx::Transaction<'_, DB>
 where

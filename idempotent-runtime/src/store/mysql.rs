@@ -316,14 +316,15 @@ const INSERT_FRESH_SQL: &str = concat!(
 const ER_DUP_ENTRY: u16 = 1062;
 const ER_LOCK_WAIT_TIMEOUT: u16 = 1205;
 
-/// [`INSERT_FRESH_SQL`]: `Some(Acquired)` when it inserted the record,
-/// `None` when the procedure must decide.
-async fn insert_fresh(
-    pool: &MySqlPool,
-    request: ReserveRequest<'_>,
-) -> Result<Option<Reservation>, StoreError> {
+/// Binds a reservation's first seven arguments, in the order the procedure
+/// and [`INSERT_FRESH_SQL`] take them: tenant, scope, key, fingerprint,
+/// owner token, lease and ttl (ms).
+fn bind_request<'q>(
+    query: sqlx::query::Query<'q, MySql, sqlx::mysql::MySqlArguments>,
+    request: ReserveRequest<'q>,
+) -> sqlx::query::Query<'q, MySql, sqlx::mysql::MySqlArguments> {
     let id = request.identity;
-    let inserted = sqlx::query(INSERT_FRESH_SQL)
+    query
         .bind(id.tenant.as_bytes())
         .bind(id.scope.as_bytes())
         .bind(id.key.as_bytes())
@@ -331,6 +332,15 @@ async fn insert_fresh(
         .bind(request.token.as_str().as_bytes())
         .bind(duration_to_millis(request.lease))
         .bind(duration_to_millis(request.ttl))
+}
+
+/// [`INSERT_FRESH_SQL`]: `Some(Acquired)` when it inserted the record,
+/// `None` when the procedure must decide.
+async fn insert_fresh(
+    pool: &MySqlPool,
+    request: ReserveRequest<'_>,
+) -> Result<Option<Reservation>, StoreError> {
+    let inserted = bind_request(sqlx::query(INSERT_FRESH_SQL), request)
         .execute(pool)
         .await;
     match inserted {
@@ -402,15 +412,7 @@ async fn reserve_with<'e, E: Executor<'e, Database = MySql>>(
     lock_wait_s: u64,
     own_transaction: bool,
 ) -> Result<Reservation, StoreError> {
-    let id = request.identity;
-    let row: MySqlRow = sqlx::query(RESERVE_SQL)
-        .bind(id.tenant.as_bytes())
-        .bind(id.scope.as_bytes())
-        .bind(id.key.as_bytes())
-        .bind(request.fingerprint.map(|f| f.as_str().as_bytes()))
-        .bind(request.token.as_str().as_bytes())
-        .bind(duration_to_millis(request.lease))
-        .bind(duration_to_millis(request.ttl))
+    let row: MySqlRow = bind_request(sqlx::query(RESERVE_SQL), request)
         .bind(i64::try_from(lock_wait_s.min(MAX_LOCK_WAIT_S)).unwrap_or(0))
         .bind(i8::from(own_transaction))
         .fetch_one(executor)
