@@ -868,3 +868,53 @@ async fn a_fresh_key_on_an_autocommit_off_session_is_committed() {
         Reservation::InProgress { .. }
     ));
 }
+
+/// Four store-mode callers of a key a transactional-mode owner holds
+/// uncommitted, the owner rolling back while they wait: none gets an error (no
+/// InnoDB deadlock between waiters: they wait one at a time under GET_LOCK,
+/// and the plain insert never queues on the row), and at most one acquires.
+/// The others answer in progress (the store's lock wait ran out) or acquire
+/// nothing; whatever the timing, an error fails the test.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn store_callers_behind_an_owner_that_rolls_back_get_no_errors() {
+    let Some(admin) = mysql_store_or_skip().await else {
+        return;
+    };
+    let identity = Identity::new(fresh_tenant(), "edges.fresh_rollback", "k").expect("identity");
+    let f = fp("a");
+    let mut tx = admin.pool().begin().await.expect("begin");
+    assert!(matches!(
+        in_tx(&mut tx, &identity, Some(&f), WAIT).await,
+        Reservation::Acquired { .. }
+    ));
+    let finished = Arc::new(AtomicUsize::new(0));
+    let (mut ids, mut tasks) = (Vec::new(), Vec::new());
+    for _ in 0..4 {
+        let own = guarded_store(1).await;
+        ids.push(connection_id(own.pool()).await);
+        let (identity, f, finished) = (identity.clone(), f.clone(), finished.clone());
+        tasks.push(tokio::spawn(async move {
+            let token = OwnerToken::new();
+            let got = own
+                .reserve(request(&identity, Some(&f), &token, LONG, LONG))
+                .await;
+            finished.fetch_add(1, Ordering::SeqCst);
+            got
+        }));
+    }
+    until_all_wait_or_finish(admin.pool(), &ids, &finished).await;
+    tx.rollback().await.expect("the owner rolls back");
+    let mut acquired = 0;
+    for task in tasks {
+        match task
+            .await
+            .expect("task")
+            .expect("no store error for a caller behind a rollback")
+        {
+            Reservation::Acquired { .. } => acquired += 1,
+            Reservation::InProgress { .. } => {}
+            other => panic!("a waiter got {other:?}"),
+        }
+    }
+    assert!(acquired <= 1, "{acquired} callers acquired one key");
+}
