@@ -34,18 +34,96 @@ async fn a_killed_connection_surfaces_as_a_store_error_and_the_next_call_succeed
         .await
         .expect("pool");
     let store = MySqlStore::from_pool(pool).await.expect("store");
-    let connection_id: u64 = sqlx::query_scalar("SELECT CONNECTION_ID()")
-        .fetch_one(store.pool())
-        .await
-        .expect("id");
+    let mut connection_id = next_connection_id(&store).await;
 
     // Make the kill land *during* a statement: another transaction holds the
-    // record's row lock, so the store's reservation waits on it (up to InnoDB's
-    // 1 s), and the connection is killed while it waits. (Killing an idle
-    // pooled connection is not enough: the pool may replace it unnoticed.)
-    let id = Identity::new(fresh_tenant(), "faults.kill", "k").expect("identity");
-    let holder_token = OwnerToken::new();
+    // record's row lock, so the store's reservation waits on it (up to its
+    // 1 s lock wait, in the procedure), and the connection is killed while it
+    // waits. (Killing an idle pooled connection is not enough: the pool may
+    // replace it unnoticed.) The kill is sent once the server shows the
+    // statement waiting for a lock; on a loaded machine it can still arrive
+    // after the wait ran out, when the store has rightly answered InProgress
+    // (the holder has the record): then the scenario runs again on a new key.
+    let tenant = fresh_tenant();
     let token = OwnerToken::new();
+    let mut failed = None;
+    for round in 0..5 {
+        let id = Identity::new(&tenant, "faults.kill", format!("k{round}")).expect("identity");
+        let request = ReserveRequest {
+            identity: &id,
+            fingerprint: None,
+            token: &token,
+            lease: Duration::from_secs(30),
+            ttl: Duration::from_secs(3600),
+        };
+        let holder_token = OwnerToken::new();
+        let mut holder = admin.pool().begin().await.expect("holder transaction");
+        let held = idempotent_runtime::TransactionalConnection::reserve_in_transaction(
+            &mut holder,
+            ReserveRequest {
+                token: &holder_token,
+                ..request
+            },
+            Duration::from_secs(1),
+        )
+        .await
+        .expect("the holder reserves in its transaction");
+        assert!(matches!(
+            held,
+            idempotent_runtime::Reservation::Acquired { .. }
+        ));
+        let waiting = {
+            let (store, id, token) = (store.clone(), id.clone(), token.clone());
+            tokio::spawn(async move {
+                store
+                    .reserve(ReserveRequest {
+                        identity: &id,
+                        fingerprint: None,
+                        token: &token,
+                        lease: Duration::from_secs(30),
+                        ttl: Duration::from_secs(3600),
+                    })
+                    .await
+            })
+        };
+        // Kill it once the server shows it waiting for the row lock
+        // (`Update`) or for the procedure's named lock (`User lock`); bounded.
+        for _ in 0..200 {
+            let state: Option<String> =
+                sqlx::query_scalar("SELECT STATE FROM information_schema.PROCESSLIST WHERE ID = ?")
+                    .bind(connection_id)
+                    .fetch_optional(admin.pool())
+                    .await
+                    .expect("processlist")
+                    .flatten();
+            if state.is_some_and(|s| s == "Update" || s == "User lock") {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        sqlx::query(&format!("KILL CONNECTION {connection_id}"))
+            .execute(admin.pool())
+            .await
+            .expect("kill");
+        let answer = waiting.await.expect("task");
+        holder.rollback().await.expect("holder rolls back");
+        match answer {
+            Err(e) => {
+                failed = Some((e, id));
+                break;
+            }
+            Ok(idempotent_runtime::Reservation::InProgress { .. }) => {
+                // The kill came after the answer; the connection is gone
+                // now, so find the pool's next one for the next round.
+                connection_id = next_connection_id(&store).await;
+            }
+            Ok(other) => panic!("a held record answered {other:?}"),
+        }
+    }
+    let (failed, id) = failed.expect("in one of five rounds the kill lands during the statement");
+    let message = Error::from(failed).to_string();
+    assert!(message.contains("mysql store failed"), "{message}");
+
     let request = ReserveRequest {
         identity: &id,
         fingerprint: None,
@@ -53,58 +131,6 @@ async fn a_killed_connection_surfaces_as_a_store_error_and_the_next_call_succeed
         lease: Duration::from_secs(30),
         ttl: Duration::from_secs(3600),
     };
-    let mut holder = admin.pool().begin().await.expect("holder transaction");
-    let held = idempotent_runtime::TransactionalConnection::reserve_in_transaction(
-        &mut holder,
-        ReserveRequest {
-            token: &holder_token,
-            ..request
-        },
-        Duration::from_secs(1),
-    )
-    .await
-    .expect("the holder reserves in its transaction");
-    assert!(matches!(
-        held,
-        idempotent_runtime::Reservation::Acquired { .. }
-    ));
-    let waiting = {
-        let (store, id, token) = (store.clone(), id.clone(), token.clone());
-        tokio::spawn(async move {
-            store
-                .reserve(ReserveRequest {
-                    identity: &id,
-                    fingerprint: None,
-                    token: &token,
-                    lease: Duration::from_secs(30),
-                    ttl: Duration::from_secs(3600),
-                })
-                .await
-        })
-    };
-    // Kill it once the server shows it waiting on the lock (bounded).
-    for _ in 0..100 {
-        let state: Option<String> =
-            sqlx::query_scalar("SELECT STATE FROM information_schema.PROCESSLIST WHERE ID = ?")
-                .bind(connection_id)
-                .fetch_optional(admin.pool())
-                .await
-                .expect("processlist")
-                .flatten();
-        if state.is_some_and(|s| !s.is_empty()) {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    sqlx::query(&format!("KILL CONNECTION {connection_id}"))
-        .execute(admin.pool())
-        .await
-        .expect("kill");
-    let failed = waiting.await.expect("task");
-    holder.rollback().await.expect("holder rolls back");
-    let message = Error::from(failed.expect_err("the killed statement fails")).to_string();
-    assert!(message.contains("mysql store failed"), "{message}");
-
     let mut next = store.reserve(request).await;
     for _ in 0..3 {
         if next.is_ok() {
@@ -117,4 +143,18 @@ async fn a_killed_connection_surfaces_as_a_store_error_and_the_next_call_succeed
         idempotent_runtime::Reservation::Acquired { .. }
     ));
     assert!(store.release(&id, &token).await.expect("release"));
+}
+
+/// The id of the (only) connection of `store`'s pool, replacing a killed one
+/// first: the first statement on a dead connection fails, the next opens anew.
+async fn next_connection_id(store: &MySqlStore) -> u64 {
+    for _ in 0..3 {
+        if let Ok(id) = sqlx::query_scalar("SELECT CONNECTION_ID()")
+            .fetch_one(store.pool())
+            .await
+        {
+            return id;
+        }
+    }
+    panic!("the pool opens a new connection after a killed one")
 }
