@@ -1089,6 +1089,10 @@ async fn run_with_heartbeat<R, Fut: Future<Output = R>>(
     body: Fut,
 ) -> Result<R, PanicPayload> {
     let period = (lease / 3).max(Duration::from_millis(1));
+    // The first renewal is due a period after the body starts, whatever its
+    // first poll costs: a first poll that blocks for most of the lease finds
+    // the renewal overdue when it returns Pending, and renews at once.
+    let first_due = Instant::now() + period;
     let mut body = pin!(AssertUnwindSafe(body).catch_unwind());
     // The timer is made the first time the body is pending: a body that
     // finishes in its first poll costs no timer (fast bodies never heartbeat).
@@ -1098,7 +1102,7 @@ async fn run_with_heartbeat<R, Fut: Future<Output = R>>(
         if let Poll::Ready(out) = body.as_mut().poll(cx) {
             return Poll::Ready(out);
         }
-        let timer = timer.get_or_insert_with(|| Box::pin(sleep_until(Instant::now() + period)));
+        let timer = timer.get_or_insert_with(|| Box::pin(sleep_until(first_due)));
         loop {
             if let Some(f) = beat.as_mut() {
                 let Poll::Ready(result) = f.as_mut().poll(cx) else {
@@ -1181,6 +1185,87 @@ mod tests {
 
     fn assert_send<T: Send>(t: T) -> T {
         t
+    }
+
+    static SLOW_FIRST_POLL: ScopeInfo = ScopeInfo::new(crate::registry::ScopeSpec {
+        scope: "engine.slow_first_poll",
+        function: "engine::tests::slow",
+        file: file!(),
+        line: line!(),
+        ttl: Duration::from_secs(60),
+        lease: Duration::from_secs(3),
+        in_progress: InProgressPolicy::Reject,
+        errors: ErrorPolicy::Release,
+        transactional: false,
+        fingerprinted: false,
+        fingerprinted_parameters: &[],
+        shared_tenant: false,
+        recover: None,
+        shared_scope: false,
+    });
+
+    /// The first renewal is due a period (lease / 3) after the body starts,
+    /// not after its first poll: a body whose first poll blocks for longer
+    /// (synchronous work before its first await) is renewed as soon as it
+    /// is pending. Otherwise a first poll longer than 2/3 of the lease lets
+    /// the lease run out before the first renewal, and a duplicate takes
+    /// the record over while the body still runs (it would run twice).
+    /// Deterministic: the memory store answers at once, so one poll of the
+    /// call reserves, runs the body's first poll, and renews if it is due.
+    #[test]
+    fn a_first_poll_longer_than_a_period_is_renewed_when_it_returns_pending() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        rt.block_on(async {
+            let store = MemoryStore::new();
+            let (go, wait) = tokio::sync::oneshot::channel::<()>();
+            let c = Call {
+                spec: &SLOW_FIRST_POLL,
+                store: Ok(StoreRef::Borrowed(&store)),
+                identity: Identity::new("tenant", SLOW_FIRST_POLL.scope, "k"),
+                fingerprint: Ok(None),
+            };
+            let identity = Identity::new("tenant", SLOW_FIRST_POLL.scope, "k").expect("identity");
+            let mut call = std::pin::pin!(execute::<Result<u32, Error>, _, _, _>(
+                c,
+                ReleaseErrors,
+                NoRecover,
+                async move {
+                    // Synchronous work past a period (1 s of the 3 s lease).
+                    std::thread::sleep(Duration::from_millis(1_200));
+                    let _ = wait.await;
+                    Ok(1)
+                },
+            ));
+            // Poll the call, letting the runtime turn its timer between polls
+            // (its clock stood still during the blocking first poll), until
+            // the record shows the renewal. Without it, the first renewal
+            // would come a whole period after the first poll (at 2.2 s):
+            // these few turns take far less than that.
+            let mut lease_left = 0;
+            for _ in 0..100 {
+                let polled = std::future::poll_fn(|cx| Poll::Ready(call.as_mut().poll(cx))).await;
+                assert!(polled.is_pending(), "the body waits for `go`");
+                let record = store
+                    .fetch(&identity)
+                    .await
+                    .expect("fetch")
+                    .expect("record");
+                lease_left = record.lease_expires_at_ms.expect("in progress") - record.now_ms;
+                if lease_left > 2_500 {
+                    break;
+                }
+                tokio::task::yield_now().await;
+            }
+            assert!(
+                lease_left > 2_500,
+                "renewed as soon as the body was pending: {lease_left} ms of the lease left"
+            );
+            let _ = go.send(());
+            assert_eq!(call.await.expect("the call"), 1);
+        });
     }
 
     #[test]

@@ -365,3 +365,73 @@ async fn sqlite_a_dropped_waiter_is_harmless() {
     let store = Counting::new(SqliteStore::connect(&sqlite_url()).await.expect("open"));
     a_dropped_waiter_is_harmless(&store).await;
 }
+
+#[idempotent(scope = "waiting.ended", key = key, tenant = tenant, store = store,
+             in_progress = wait("60s"), skip(gate))]
+async fn after_an_ended_lease(
+    store: &dyn Store,
+    tenant: &str,
+    key: &str,
+    gate: &Gate,
+) -> Result<u64, Error> {
+    gate.runs.fetch_add(1, Ordering::SeqCst);
+    Ok(7)
+}
+
+/// The owner ends its lease early (a heartbeat with no lease left, what the
+/// engine does when a `recover` hook's answer is not recorded, so that the
+/// next call takes over at once): a duplicate already waiting looks again
+/// and takes the record over, instead of sleeping until the end of the
+/// lease it saw (30 s) or of its wait bound (60 s). The 20 s limit only
+/// turns a missed wake-up into a failure instead of a long wait.
+async fn woken_by_an_ended_lease<S: Store>(store: &Counting<S>) {
+    let tenant = tenant();
+    let identity = Identity::new(&tenant, "waiting.ended", "k").expect("identity");
+    let token = OwnerToken::new();
+    let held = store
+        .reserve(ReserveRequest {
+            identity: &identity,
+            fingerprint: None,
+            token: &token,
+            lease: Duration::from_secs(30),
+            ttl: Duration::from_secs(3600),
+        })
+        .await
+        .expect("the owner reserves");
+    assert!(matches!(held, Reservation::Acquired { .. }), "{held:?}");
+    let gate = Gate::open();
+    let waits_before = *store.waits.borrow();
+    let duplicate = after_an_ended_lease(store, &tenant, "k", &gate);
+    let end = async {
+        store.waited(waits_before + 1).await;
+        let ended = store
+            .heartbeat(&identity, &token, Duration::ZERO)
+            .await
+            .expect("heartbeat");
+        assert!(ended, "the owner still held its record");
+    };
+    let (answer, ()) = tokio::time::timeout(Duration::from_secs(20), async {
+        tokio::join!(duplicate, end)
+    })
+    .await
+    .expect("the waiting duplicate was woken by the end of the lease");
+    assert_eq!(answer.expect("the duplicate takes the record over"), 7);
+    assert_eq!(gate.runs.load(Ordering::SeqCst), 1, "its body ran once");
+    let record = store
+        .fetch(&identity)
+        .await
+        .expect("fetch")
+        .expect("the record");
+    assert_eq!(record.attempt, 2, "a takeover (rule 20)");
+}
+
+#[tokio::test]
+async fn memory_a_waiting_duplicate_is_woken_by_an_ended_lease() {
+    woken_by_an_ended_lease(&Counting::new(MemoryStore::new())).await;
+}
+
+#[tokio::test]
+async fn sqlite_a_waiting_duplicate_is_woken_by_an_ended_lease() {
+    let store = SqliteStore::connect(&sqlite_url()).await.expect("open");
+    woken_by_an_ended_lease(&Counting::new(store)).await;
+}

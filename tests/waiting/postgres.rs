@@ -451,3 +451,90 @@ async fn only_records_with_waiters_notify_and_the_payload_is_the_wait_key() {
         }
     }
 }
+
+/// The owner ends its lease early (a heartbeat with no lease left, what the
+/// engine does when a `recover` hook's answer is not recorded): a record a
+/// duplicate waits for notifies, so the duplicate looks again at once
+/// instead of at the end of the lease it saw. Renewals (longer leases) do
+/// not notify.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_ended_lease_notifies_the_waiters_and_a_renewal_does_not() {
+    let Some(store) = pg_store_or_skip().await else {
+        return;
+    };
+    let tenant = fresh_tenant();
+    let identity = Identity::new(&tenant, "waiting.pg.charge", "ended").expect("identity");
+    let token = OwnerToken::new();
+    let held = store
+        .reserve(ReserveRequest {
+            identity: &identity,
+            fingerprint: None,
+            token: &token,
+            lease: Duration::from_secs(30),
+            ttl: Duration::from_secs(3600),
+        })
+        .await
+        .expect("the owner reserves");
+    assert!(matches!(held, Reservation::Acquired { .. }), "{held:?}");
+    sqlx::query(
+        "UPDATE idempotency_records SET waiting = TRUE \
+         WHERE tenant = $1 AND scope = $2 AND key = $3",
+    )
+    .bind(identity.tenant())
+    .bind(identity.scope())
+    .bind(identity.key())
+    .execute(store.pool())
+    .await
+    .expect("a waiter's mark");
+    let mut listener = sqlx::postgres::PgListener::connect(&pg_url())
+        .await
+        .expect("listener");
+    listener
+        .listen("idempotency_records")
+        .await
+        .expect("listen");
+    let watched = wait_key(&identity);
+
+    // A renewal, a marker, then the end of the lease. Notifications arrive in
+    // commit order, so the record's first one must come after the marker: the
+    // renewal sent none, the ended lease one.
+    assert!(store
+        .heartbeat(&identity, &token, Duration::from_secs(60))
+        .await
+        .expect("renew"));
+    let marker = format!("marker-{tenant}");
+    sqlx::query("SELECT pg_notify('idempotency_records', $1)")
+        .bind(&marker)
+        .execute(store.pool())
+        .await
+        .expect("the marker");
+    assert!(store
+        .heartbeat(&identity, &token, Duration::ZERO)
+        .await
+        .expect("end the lease"));
+    let mut seen_marker = false;
+    tokio::time::timeout(Duration::from_secs(20), async {
+        loop {
+            let n = listener.recv().await.expect("a notification");
+            if n.payload() == marker {
+                seen_marker = true;
+            } else if n.payload() == watched {
+                assert!(seen_marker, "the renewal notified the waiters");
+                return;
+            }
+        }
+    })
+    .await
+    .expect("the ended lease notified the waiters");
+    let lease_left: i64 = sqlx::query_scalar(
+        "SELECT lease_expires_at - idempotency_now_ms() FROM idempotency_records \
+         WHERE tenant = $1 AND scope = $2 AND key = $3",
+    )
+    .bind(identity.tenant())
+    .bind(identity.scope())
+    .bind(identity.key())
+    .fetch_one(store.pool())
+    .await
+    .expect("the lease");
+    assert!(lease_left <= 0, "the lease ended: {lease_left} ms left");
+}

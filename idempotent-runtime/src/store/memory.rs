@@ -440,7 +440,15 @@ impl Store for MemoryStore {
         let mut records = self.records();
         match find_mut(&mut records, hash, identity) {
             Some(r) if r.owned_by(token) => {
-                r.lease_expires_at_ms = now.saturating_add(duration_to_millis(lease));
+                let until = now.saturating_add(duration_to_millis(lease));
+                let shortened = until < r.lease_expires_at_ms;
+                r.lease_expires_at_ms = until;
+                if shortened {
+                    // A lease ended early (the engine ends one so the next
+                    // call takes over at once): waiters sleep until the old
+                    // end, so they look again now.
+                    r.wake_waiters();
+                }
                 Ok(true)
             }
             _ => Ok(false),

@@ -96,6 +96,7 @@ pub(crate) static POSTGRES: &[Migration] = embedded_migrations!("postgres":
     (2, "0002_reserve_autocommit.sql", "reserve autocommit"),
     (3, "0003_attempts.sql", "attempts"),
     (4, "0004_one_reservation_body_and_waiters.sql", "one reservation body and waiters"),
+    (5, "0005_wake_on_ended_lease.sql", "wake on ended lease"),
 );
 
 /// MySQL/MariaDB's migrations (`migrations/mysql`).

@@ -1135,7 +1135,14 @@ impl Store for SqliteStore {
             .execute(&self.pool)
             .await
             .map_err(err("heartbeat"))?;
-        Ok(done.rows_affected() > 0)
+        let renewed = done.rows_affected() > 0;
+        if renewed {
+            // The lease may have been shortened (ended early so the next call
+            // takes over at once); waiters in this process sleep until the
+            // end they last saw, so they look again (a read each).
+            self.waiters.notify(identity);
+        }
+        Ok(renewed)
     }
 
     fn release_detached(&self, identity: Identity, token: OwnerToken) {
