@@ -485,6 +485,36 @@ pub fn polling_backoff(round: u32) -> Duration {
     Duration::from_millis(5u64.saturating_mul(1u64 << round.min(16)).min(100))
 }
 
+/// The most records one purge statement of a SQL store deletes.
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+pub(crate) const PURGE_CHUNK: u32 = 500;
+
+/// Purges up to `batch` records with `delete(n)` (one statement deleting at
+/// most `n`, in its own short transaction), [`PURGE_CHUNK`] at a time, until
+/// `batch` are gone or a statement finds fewer than it asked for. A purge
+/// holds the rows it deletes locked until its statement commits; one
+/// statement for a large batch would hold thousands of expired records at
+/// once, and a reservation of one of them would wait behind it and answer
+/// `InProgress` for a record nobody is running.
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+pub(crate) async fn purge_in_chunks<F, Fut>(batch: u32, mut delete: F) -> Result<u64, StoreError>
+where
+    F: FnMut(u32) -> Fut,
+    Fut: std::future::Future<Output = Result<u64, StoreError>>,
+{
+    let (mut deleted, mut left) = (0u64, batch);
+    while left > 0 {
+        let chunk = left.min(PURGE_CHUNK);
+        let gone = delete(chunk).await?;
+        deleted = deleted.saturating_add(gone);
+        if gone < u64::from(chunk) {
+            break;
+        }
+        left -= chunk;
+    }
+    Ok(deleted)
+}
+
 /// Milliseconds as a `Duration`, negative values as zero.
 pub(crate) fn millis_to_duration(ms: i64) -> Duration {
     Duration::from_millis(ms.max(0) as u64)
@@ -528,4 +558,62 @@ pub(crate) fn refused_release(snapshot: Option<RecordSnapshot>) -> ForcedRelease
 /// Whether two fingerprints contradict each other: only when both exist and differ.
 pub fn fingerprints_conflict(stored: Option<&str>, incoming: Option<&str>) -> bool {
     matches!((stored, incoming), (Some(a), Some(b)) if a != b)
+}
+
+#[cfg(all(test, any(feature = "sqlite", feature = "postgres", feature = "mysql")))]
+mod tests {
+    use super::{purge_in_chunks, PURGE_CHUNK};
+    use std::cell::RefCell;
+
+    /// Runs `purge_in_chunks(batch)` against a table of `expired` records;
+    /// answers what was deleted and the size of each statement.
+    fn purge(batch: u32, expired: u64) -> (u64, Vec<u32>) {
+        let asked = RefCell::new(Vec::new());
+        let left = RefCell::new(expired);
+        let deleted = futures_util::FutureExt::now_or_never(purge_in_chunks(batch, |n| {
+            asked.borrow_mut().push(n);
+            let gone = u64::from(n).min(*left.borrow());
+            *left.borrow_mut() -= gone;
+            async move { Ok(gone) }
+        }))
+        .expect("ready at once")
+        .expect("no error");
+        (deleted, asked.into_inner())
+    }
+
+    #[test]
+    fn a_large_purge_runs_as_statements_of_at_most_one_chunk() {
+        let c = PURGE_CHUNK;
+        assert_eq!(
+            purge(2 * c + 7, 10 * u64::from(c)),
+            (u64::from(2 * c + 7), vec![c, c, 7])
+        );
+        // Stops at the first statement that finds fewer than it asked for.
+        assert_eq!(
+            purge(u32::MAX, u64::from(c) + 3),
+            (u64::from(c) + 3, vec![c, c])
+        );
+        assert_eq!(purge(3, 100), (3, vec![3]));
+        assert_eq!(purge(0, 100), (0, vec![]));
+        assert_eq!(purge(c, 0), (0, vec![c]));
+    }
+
+    #[test]
+    fn a_failing_statement_ends_the_purge_with_its_error() {
+        let calls = RefCell::new(0);
+        let answer = futures_util::FutureExt::now_or_never(purge_in_chunks(u32::MAX, |n| {
+            *calls.borrow_mut() += 1;
+            let first = *calls.borrow() == 1;
+            async move {
+                if first {
+                    Ok(u64::from(n))
+                } else {
+                    Err(crate::error::StoreError::new("test", "purge", "down"))
+                }
+            }
+        }))
+        .expect("ready at once");
+        assert!(answer.is_err());
+        assert_eq!(*calls.borrow(), 2);
+    }
 }

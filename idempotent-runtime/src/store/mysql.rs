@@ -619,14 +619,17 @@ impl Store for MySqlStore {
     }
 
     async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError> {
-        let row: MySqlRow = sqlx::query("CALL idempotency_purge(?)")
-            .bind(i64::from(batch))
-            .fetch_one(&self.pool)
-            .await
-            .map_err(err("purge expired records"))?;
-        // By position, like the reservation's answer.
-        let deleted: Option<i64> = row.try_get(0).map_err(err("purge expired records"))?;
-        Ok(deleted.unwrap_or(0).max(0) as u64)
+        super::purge_in_chunks(batch, |chunk| async move {
+            let row: MySqlRow = sqlx::query("CALL idempotency_purge(?)")
+                .bind(i64::from(chunk))
+                .fetch_one(&self.pool)
+                .await
+                .map_err(err("purge expired records"))?;
+            // By position, like the reservation's answer.
+            let deleted: Option<i64> = row.try_get(0).map_err(err("purge expired records"))?;
+            Ok(deleted.unwrap_or(0).max(0) as u64)
+        })
+        .await
     }
 
     async fn fetch(&self, identity: &Identity) -> Result<Option<RecordSnapshot>, StoreError> {

@@ -641,20 +641,23 @@ impl Store for PgStore {
     }
 
     async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError> {
-        let done = sqlx::query(
-            "DELETE FROM idempotency_records WHERE ctid IN (
-                 SELECT ctid FROM idempotency_records
-                  WHERE expires_at <= idempotency_now_ms()
-                    AND (state = 'complete' OR lease_expires_at <= idempotency_now_ms())
-                  ORDER BY expires_at
-                  LIMIT $1
-                  FOR UPDATE SKIP LOCKED)",
-        )
-        .bind(i64::from(batch))
-        .execute(&self.pool)
+        super::purge_in_chunks(batch, |chunk| async move {
+            let done = sqlx::query(
+                "DELETE FROM idempotency_records WHERE ctid IN (
+                     SELECT ctid FROM idempotency_records
+                      WHERE expires_at <= idempotency_now_ms()
+                        AND (state = 'complete' OR lease_expires_at <= idempotency_now_ms())
+                      ORDER BY expires_at
+                      LIMIT $1
+                      FOR UPDATE SKIP LOCKED)",
+            )
+            .bind(i64::from(chunk))
+            .execute(&self.pool)
+            .await
+            .map_err(err("purge expired records"))?;
+            Ok(done.rows_affected())
+        })
         .await
-        .map_err(err("purge expired records"))?;
-        Ok(done.rows_affected())
     }
 
     async fn fetch(&self, identity: &Identity) -> Result<Option<RecordSnapshot>, StoreError> {

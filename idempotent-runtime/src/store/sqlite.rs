@@ -1233,16 +1233,18 @@ impl Store for SqliteStore {
     }
 
     async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError> {
-        if batch == 0 {
-            return Ok(0);
-        }
-        let _gate = self.write_gate.lock().await;
-        let done = sqlx::query(PURGE_SQL)
-            .bind(i64::from(batch))
-            .execute(&self.pool)
-            .await
-            .map_err(err("purge expired records"))?;
-        Ok(done.rows_affected())
+        // The write gate is taken for each chunk, so other writers get in
+        // between.
+        super::purge_in_chunks(batch, |chunk| async move {
+            let _gate = self.write_gate.lock().await;
+            let done = sqlx::query(PURGE_SQL)
+                .bind(i64::from(chunk))
+                .execute(&self.pool)
+                .await
+                .map_err(err("purge expired records"))?;
+            Ok(done.rows_affected())
+        })
+        .await
     }
 
     async fn fetch(&self, identity: &Identity) -> Result<Option<RecordSnapshot>, StoreError> {
