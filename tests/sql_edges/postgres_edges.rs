@@ -9,8 +9,8 @@
 //! has seen the reservation wait a second time (its statement restarted).
 
 use crate::common::servers::{fresh_tenant, pg_store_or_skip, pg_url};
-use idempotent_runtime::{Identity, OwnerToken, Reservation, ReserveRequest, Store};
-use sqlx::Connection;
+use idempotent_runtime::{Identity, OwnerToken, PgStore, Reservation, ReserveRequest, Store};
+use sqlx::{Connection, Executor};
 use std::time::{Duration, Instant};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -121,5 +121,61 @@ async fn a_lock_on_an_expired_record_is_waited_out_not_answered_in_progress() {
         starts.len(),
         2,
         "the reservation tried again after its lock wait"
+    );
+}
+
+/// Migrations on a database whose default isolation is REPEATABLE READ
+/// (DESIGN.md §5: they apply themselves, also when several processes open a
+/// brand-new database at the same moment). The runner's transaction is READ
+/// COMMITTED: under the database's default it took its snapshot at its first
+/// statement, before waiting for the advisory lock, so a process that waited
+/// read the history without what the lock holder had just committed, applied
+/// the migrations again and failed to open (3 of 4 opens, every round).
+#[tokio::test]
+async fn concurrent_first_opens_migrate_once_under_a_repeatable_read_default() {
+    let admin_url = pg_url();
+    let Ok(mut admin) = sqlx::PgConnection::connect(&admin_url).await else {
+        eprintln!("SKIPPED: PostgreSQL unreachable");
+        return;
+    };
+    let mut failures = Vec::new();
+    for round in 0..3 {
+        let db = format!("review2_mig_{}", uuid::Uuid::new_v4().simple());
+        admin
+            .execute(format!("CREATE DATABASE {db}").as_str())
+            .await
+            .expect("create database");
+        admin
+            .execute(
+                format!(
+                    "ALTER DATABASE {db} SET default_transaction_isolation = 'repeatable read'"
+                )
+                .as_str(),
+            )
+            .await
+            .expect("alter database");
+        let url = match admin_url.rsplit_once('/') {
+            Some((base, _)) => format!("{base}/{db}"),
+            None => panic!("url {admin_url}"),
+        };
+        let opened = futures::future::join_all((0..4).map(|_| {
+            let url = url.clone();
+            tokio::spawn(async move { PgStore::connect(&url).await.map(drop) })
+        }))
+        .await;
+        for r in opened {
+            if let Err(e) = r.expect("join") {
+                failures.push(format!("round {round}: {e}"));
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        admin
+            .execute(format!("DROP DATABASE {db} WITH (FORCE)").as_str())
+            .await
+            .expect("drop database");
+    }
+    assert!(
+        failures.is_empty(),
+        "concurrent first opens failed: {failures:#?}"
     );
 }

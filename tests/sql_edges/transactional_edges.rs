@@ -129,6 +129,85 @@ macro_rules! plain_begin_is_accepted {
     }};
 }
 
+/// A transaction sqlx began, ended by a statement sent as a query (`end`:
+/// a `COMMIT`, or on MySQL a statement that commits implicitly, such as
+/// `TRUNCATE`): sqlx still counts it as open, the server does not. The call
+/// is refused as on an autocommit connection (it used to be accepted: the
+/// reservation committed at once with no lease renewal, and a duplicate
+/// could take it over while the body ran).
+macro_rules! ended_behind_sqlx_is_refused {
+    ($pool:expr, $end:expr, $call:ident, $scope:literal, $store:literal, $store_value:expr) => {{
+        let pool = $pool;
+        let tenant = fresh_tenant();
+        let runs = AtomicUsize::new(0);
+        let mut tx = pool.begin().await.expect("begin");
+        tx.execute($end).await.expect("the statement that ends it");
+        assert!(
+            sqlx::Connection::is_in_transaction(&*tx),
+            "sqlx still counts the transaction"
+        );
+        let answer = $call(&mut tx, &tenant, "k", &runs).await;
+        let _ = tx.rollback().await;
+        assert_refused(&answer, $store);
+        assert_eq!(runs.load(Ordering::SeqCst), 0, "no body ran");
+        let id = Identity::new(&tenant, $scope, "k").expect("identity");
+        assert_eq!(
+            $store_value.fetch(&id).await.expect("fetch"),
+            None,
+            "nothing was written"
+        );
+    }};
+}
+
+#[tokio::test]
+async fn pg_a_transaction_ended_by_a_commit_query_is_refused() {
+    let Some(store) = pg_store_or_skip().await else {
+        return;
+    };
+    ended_behind_sqlx_is_refused!(
+        store.pool(),
+        "COMMIT",
+        pg_on_connection,
+        "tx_edges.pg",
+        "postgres",
+        store
+    );
+}
+
+#[tokio::test]
+async fn mysql_a_transaction_ended_by_an_implicit_commit_is_refused() {
+    let Some(store) = mysql_store_or_skip().await else {
+        return;
+    };
+    store
+        .pool()
+        .execute("CREATE TABLE IF NOT EXISTS tx_edges_scratch (id INT)")
+        .await
+        .expect("scratch table");
+    ended_behind_sqlx_is_refused!(
+        store.pool(),
+        "TRUNCATE TABLE tx_edges_scratch",
+        my_on_connection,
+        "tx_edges.mysql",
+        "mysql",
+        store
+    );
+}
+
+#[tokio::test]
+async fn sqlite_a_transaction_ended_by_a_commit_query_is_refused() {
+    let (store, dir) = sqlite_store().await;
+    ended_behind_sqlx_is_refused!(
+        store.pool(),
+        "COMMIT",
+        sqlite_on_connection,
+        "tx_edges.sqlite",
+        "sqlite",
+        store
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[tokio::test]
 async fn pg_autocommit_connection_is_refused() {
     let Some(store) = pg_store_or_skip().await else {

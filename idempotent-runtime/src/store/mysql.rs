@@ -312,9 +312,17 @@ const INSERT_FRESH_SQL: &str = concat!(
     "WHERE @@SESSION.autocommit = 1"
 );
 
-/// MySQL's error numbers for a duplicate key and a lock wait that ran out.
+/// MySQL's error numbers for a duplicate key, a lock wait that ran out and
+/// a system variable the server does not have (`@@in_transaction` on MySQL 8).
 const ER_DUP_ENTRY: u16 = 1062;
 const ER_LOCK_WAIT_TIMEOUT: u16 = 1205;
+const ER_UNKNOWN_SYSTEM_VARIABLE: u16 = 1193;
+
+/// A MySQL error's number (`DatabaseError::code` is its SQLSTATE).
+fn error_number(e: &dyn sqlx::error::DatabaseError) -> Option<u16> {
+    e.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>()
+        .map(|e| e.number())
+}
 
 /// Binds a reservation's first seven arguments, in the order the procedure
 /// and [`INSERT_FRESH_SQL`] take them: tenant, scope, key, fingerprint,
@@ -347,10 +355,7 @@ async fn insert_fresh(
         Ok(done) if done.rows_affected() == 1 => Ok(Some(Reservation::acquired(1, None))),
         Ok(_) => Ok(None),
         Err(sqlx::Error::Database(e)) => {
-            let number = e
-                .try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>()
-                .map(|e| e.number());
-            if matches!(number, Some(ER_LOCK_WAIT_TIMEOUT | ER_DUP_ENTRY)) {
+            if matches!(error_number(&*e), Some(ER_LOCK_WAIT_TIMEOUT | ER_DUP_ENTRY)) {
                 Ok(None)
             } else {
                 Err(StoreError::new(STORE, "reserve", sqlx::Error::Database(e)))
@@ -714,23 +719,23 @@ crate::transaction::transactional_connection! {
     }
 }
 
-/// Whether the connection is in a transaction. A transaction begun through
-/// sqlx is known without a round trip. Otherwise the server is asked:
-/// `@@in_transaction` (MariaDB, MySQL 8.0.x has none: then only
+/// Whether the connection is in a transaction, as the server sees it:
+/// `@@in_transaction` (MariaDB; MySQL 8.0.x has none, then only
 /// `autocommit = 0` counts), or `autocommit = 0`, where every statement opens
-/// a transaction that lasts until `COMMIT`.
+/// a transaction that lasts until `COMMIT`. Always asked, never taken from
+/// sqlx's count of the transactions it began: a statement that commits
+/// implicitly (DDL, `TRUNCATE`, `LOCK TABLES`, ...) or a deadlock ends the
+/// server's transaction while sqlx still counts it, and a reservation made
+/// then would commit at once, with no lease renewal, so a duplicate could
+/// take it over while the body runs.
 async fn in_transaction(conn: &mut sqlx::MySqlConnection) -> Result<bool, StoreError> {
     const OP: &str = "check for an open transaction";
-    if sqlx::Connection::is_in_transaction(conn) {
-        return Ok(true);
-    }
-    const UNKNOWN_SYSTEM_VARIABLE: &str = "1193";
     let asked: Result<i64, sqlx::Error> =
         sqlx::query_scalar("SELECT CAST(@@autocommit = 0 OR @@in_transaction = 1 AS SIGNED)")
             .fetch_one(&mut *conn)
             .await;
     let open = match asked {
-        Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some(UNKNOWN_SYSTEM_VARIABLE) => {
+        Err(sqlx::Error::Database(e)) if error_number(&*e) == Some(ER_UNKNOWN_SYSTEM_VARIABLE) => {
             sqlx::query_scalar("SELECT CAST(@@autocommit = 0 AS SIGNED)")
                 .fetch_one(&mut *conn)
                 .await

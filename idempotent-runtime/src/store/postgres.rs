@@ -171,7 +171,15 @@ fn background_worker(pool: &PgPool) -> detached::Detached {
 /// `idempotency_schema_migrations`.
 async fn migrate(pool: &PgPool) -> Result<(), migrate::MigrationError> {
     migrate::run(
-        &mut MigrationTransaction(migrate::OneTransaction::new(Some(pool.begin().await?))),
+        &mut MigrationTransaction(migrate::OneTransaction::new(Some(
+            // READ COMMITTED whatever the database's default: the history is
+            // read after the advisory lock is granted, and must see what the
+            // process that held it committed (under REPEATABLE READ the
+            // snapshot would be older than the lock, and a second process
+            // opening a new database would apply the migrations again).
+            pool.begin_with("BEGIN ISOLATION LEVEL READ COMMITTED")
+                .await?,
+        ))),
         super::migrate::POSTGRES,
     )
     .await
@@ -738,15 +746,14 @@ crate::transaction::transactional_connection! {
     }
 }
 
-/// Whether the connection is in a transaction. A transaction begun through
-/// sqlx is known without a round trip. Otherwise the server is asked, with a
-/// simple-protocol query: in autocommit that query is its own transaction,
-/// which started with it (the two timestamps are equal); after a plain
-/// `BEGIN` the transaction started earlier.
+/// Whether the connection is in a transaction, as the server sees it, asked
+/// with a simple-protocol query: in autocommit that query is its own
+/// transaction, which started with it (the two timestamps are equal); inside
+/// a transaction (begun by sqlx or by a plain `BEGIN`) it started earlier.
+/// Always asked, never taken from sqlx's count of the transactions it began:
+/// a `COMMIT` sent as a query ends the server's transaction while sqlx still
+/// counts it, and a reservation made then would commit at once.
 async fn in_transaction(conn: &mut sqlx::PgConnection) -> Result<bool, StoreError> {
-    if sqlx::Connection::is_in_transaction(conn) {
-        return Ok(true);
-    }
     started_before_this_statement(conn)
         .await
         .map_err(err("check for an open transaction"))

@@ -294,11 +294,10 @@ crate::transaction::transactional_connection! {
 
 /// Whether the connection is in a transaction. SQLite itself knows:
 /// `sqlite3_get_autocommit` is zero inside a transaction, whether sqlx began
-/// it or a plain `BEGIN` did. No round trip.
+/// it or a plain `BEGIN` did. No round trip. Never taken from sqlx's count of
+/// the transactions it began: a `COMMIT` sent as a query ends the
+/// transaction while sqlx still counts it.
 async fn in_transaction(conn: &mut SqliteConnection) -> Result<bool, StoreError> {
-    if sqlx::Connection::is_in_transaction(conn) {
-        return Ok(true);
-    }
     let mut handle = conn
         .lock_handle()
         .await
