@@ -230,6 +230,13 @@ struct FinishOnDrop<'a> {
     armed: AtomicBool,
     /// The outcome being recorded, while its completion is under way.
     completing: Option<(StoredOutcome, Duration)>,
+    /// The scope has a `recover` hook, and the reservation's answer has not
+    /// come back (in flight, or lost): the record may be a takeover of an
+    /// owner that died after its side effect. Releasing it would make the
+    /// next call a fresh attempt that runs the body without asking the hook
+    /// (rule 20), so it is left in progress instead: its lease runs out and
+    /// the next call takes it over and asks.
+    keep_unanswered: bool,
 }
 
 impl FinishOnDrop<'_> {
@@ -242,7 +249,11 @@ impl Drop for FinishOnDrop<'_> {
     fn drop(&mut self) {
         // Cloned only when there is something to hand over: most calls end
         // disarmed, with nothing left to finish.
-        if *self.armed.get_mut() {
+        if *self.armed.get_mut() && self.keep_unanswered {
+            tracing::info!(target: "idempotent", scope = %self.identity.scope, key = %self.identity.log_digest(),
+                "call ended before its reservation answered; the record (if it landed) is left in progress \
+                 for the next call to take over and ask the recover hook");
+        } else if *self.armed.get_mut() {
             let (identity, token) = (self.identity.clone(), self.token.clone());
             tracing::info!(target: "idempotent", scope = %identity.scope, key = %identity.log_digest(),
                 "call ended while it held (or may have held) its record; the store releases it");
@@ -432,9 +443,18 @@ where
         token: &token,
         armed: AtomicBool::new(false),
         completing: None,
+        keep_unanswered: spec.recover.is_some(),
     };
     let reserving = Instant::now();
     let reserved = reserve_from(store, request, spec, Some(&guard.armed), reserving).await;
+    if guard.keep_unanswered && guard.armed.load(Ordering::Relaxed) && reserved.is_err() {
+        // The reservation failed but may have landed, possibly as a takeover:
+        // end its lease (fenced by this call's token; nothing if it never
+        // landed) so the next call takes it over and asks the hook at once.
+        end_lease_logged(store, &identity, &token).await;
+        guard.arm(false);
+    }
+    guard.keep_unanswered = false;
     let reserved_at = Instant::now();
     crate::metrics::reserve_time(
         spec.scope,

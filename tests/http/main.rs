@@ -9,4 +9,5 @@ mod http_app;
 
 mod http_client;
 mod http_crash;
+mod http_edges;
 mod http_server;

@@ -13,3 +13,5 @@ mod postgres;
 mod sqlite;
 
 mod transactional;
+
+mod lost_answers;

@@ -25,9 +25,11 @@
 //! # Ok(()) }
 //! ```
 //!
-//! Retries: connection errors, timeouts, 5xx, and 409 (a request with the
-//! key still running; its `Retry-After` is honoured). No retries on any
-//! other 4xx: those answers are final and returned as they are. Backoff is
+//! Retries: connection errors, timeouts, 5xx, and a 409 that says the request
+//! with this key is still running (the layer's `in-progress` problem, or a
+//! 409 with `Retry-After` and no problem body; its `Retry-After` is
+//! honoured). Any other 4xx, a handler's own 409 included, is final and
+//! returned as it is. Backoff is
 //! exponential with jitter, bounded by [`RetryPolicy`].
 //!
 //! The client sends no TLS of its own: `idempotent-runtime` depends on
@@ -154,7 +156,7 @@ pub enum ClientError {
 #[derive(Debug)]
 #[non_exhaustive]
 pub enum LastAttempt {
-    /// The server answered with a retryable status (5xx, or 409).
+    /// The server answered with a retryable status (5xx, or a 409 in progress).
     Status {
         /// The status.
         status: StatusCode,
@@ -226,6 +228,24 @@ impl IdempotentResponse {
     /// The problem+json body, when the answer is one.
     pub fn problem(&self) -> Option<Problem> {
         problem_of(&self.headers, &self.body)
+    }
+}
+
+/// Whether a 409 says the request with this key is still running (worth
+/// retrying), rather than being the handler's own final 409: the layer's
+/// `in-progress` problem, or (another server's convention) a `Retry-After`
+/// without a problem body. A replayed answer is final whatever it says.
+fn still_running(headers: &HeaderMap, body: &[u8]) -> bool {
+    let replayed = headers
+        .get(REPLAYED)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.trim().eq_ignore_ascii_case("true"));
+    if replayed {
+        return false;
+    }
+    match problem_of(headers, body) {
+        Some(problem) => problem.problem_type == super::problem::types::IN_PROGRESS,
+        None => headers.contains_key(RETRY_AFTER),
     }
 }
 
@@ -364,7 +384,7 @@ impl Intent {
 
     /// Sends the request, retrying with the same key per the client's
     /// [`RetryPolicy`]. Returns the first final answer (2xx, 3xx, 4xx other
-    /// than 409), or [`ClientError::RetriesExhausted`] when every attempt
+    /// than a 409 in progress), or [`ClientError::RetriesExhausted`] when every attempt
     /// failed retryably. Calling it again later is a further retry of the
     /// same operation, with the same key.
     pub async fn send(&self) -> Result<IdempotentResponse, ClientError> {
@@ -375,7 +395,9 @@ impl Intent {
             attempt += 1;
             let last = match self.attempt().await {
                 Ok((status, headers, body)) => {
-                    if !(status.is_server_error() || status == StatusCode::CONFLICT) {
+                    if !(status.is_server_error()
+                        || (status == StatusCode::CONFLICT && still_running(&headers, &body)))
+                    {
                         return Ok(IdempotentResponse {
                             status,
                             headers,

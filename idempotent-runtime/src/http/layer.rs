@@ -26,6 +26,13 @@ use std::time::Duration;
 /// The default cap on a buffered request body: 1 MiB.
 pub const DEFAULT_MAX_BODY_BYTES: usize = 1024 * 1024;
 
+/// The largest response body the layer records, by default and at most:
+/// half of [`MAX_RESULT_BYTES`](crate::MAX_RESULT_BYTES). The record keeps a
+/// binary body base64-encoded (4/3 of its size) and a text body JSON-escaped,
+/// so a body up to this size fits the record (text full of characters that
+/// need escaping excepted: its answer is then not recorded, as a larger one).
+pub const DEFAULT_MAX_RESPONSE_BYTES: usize = crate::engine::MAX_RESULT_BYTES / 2;
+
 /// The response headers recorded and replayed by default (besides the
 /// status and the body): `Content-Type`, `Location`, `Content-Location`,
 /// `Content-Language`, `ETag` and `Last-Modified`.
@@ -162,10 +169,10 @@ impl IdempotencyLayerBuilder {
     }
 
     /// The largest response body recorded (default and at most
-    /// [`MAX_RESULT_BYTES`](crate::MAX_RESULT_BYTES), 8 MiB). A larger answer
-    /// cannot be recorded: the key is released and the client gets 500.
+    /// [`DEFAULT_MAX_RESPONSE_BYTES`], 4 MiB). A larger answer cannot be
+    /// recorded: the key is released and the client gets 500.
     pub fn max_response_bytes(mut self, limit: usize) -> Self {
-        self.max_response_bytes = limit.min(crate::engine::MAX_RESULT_BYTES);
+        self.max_response_bytes = limit.min(DEFAULT_MAX_RESPONSE_BYTES);
         self
     }
 
@@ -378,7 +385,7 @@ impl IdempotencyLayer {
             ttl: Duration::from_secs(24 * 60 * 60),
             in_progress: InProgressPolicy::Wait(Duration::from_secs(10)),
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
-            max_response_bytes: crate::engine::MAX_RESULT_BYTES,
+            max_response_bytes: DEFAULT_MAX_RESPONSE_BYTES,
             recorded_headers: DEFAULT_RECORDED_HEADERS.to_vec(),
             record_client_errors: true,
             record_server_errors: false,
@@ -530,10 +537,16 @@ where
             .into_response());
         }
     };
-    let target = parts
-        .uri
+    // The URI the client sent: under `Router::nest` the request's own URI has
+    // the prefix stripped (`/accounts/{a}/transfers` seen as `/transfers`),
+    // and two accounts' requests with one key would look the same.
+    let uri = parts
+        .extensions
+        .get::<axum::extract::OriginalUri>()
+        .map_or(&parts.uri, |original| &original.0);
+    let target = uri
         .path_and_query()
-        .map_or_else(|| parts.uri.path(), |pq| pq.as_str());
+        .map_or_else(|| uri.path(), |pq| pq.as_str());
     let fingerprint = request_fingerprint(&parts.method, target, &parts.headers, &bytes);
     let request = Request::from_parts(parts, Body::from(bytes));
 

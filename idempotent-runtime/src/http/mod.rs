@@ -43,7 +43,7 @@ pub use fingerprint::{
 pub use key::{key_from_headers, parse_key, IdempotencyKey, KeyRejection, IDEMPOTENCY_KEY};
 pub use layer::{
     is_safe_method, IdempotencyLayer, IdempotencyLayerBuilder, IdempotencyService,
-    LayerConfigError, DEFAULT_MAX_BODY_BYTES, DEFAULT_RECORDED_HEADERS,
+    LayerConfigError, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_RESPONSE_BYTES, DEFAULT_RECORDED_HEADERS,
 };
 pub use problem::{Problem, PROBLEM_JSON};
 

@@ -1,0 +1,229 @@
+//! HTTP edges: a handler's own 409 is final for the client, a router nested
+//! under a prefix fingerprints the path the client sent, and a binary answer
+//! under the layer's response cap is recorded (its record is base64).
+
+use crate::common;
+use axum::extract::Extension;
+use axum::http::StatusCode;
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use axum::Router;
+use common::servers::fresh_tenant;
+use idempotent_runtime::http::{
+    ClientError, IdempotencyLayer, IdempotentClient, RetryPolicy, DEFAULT_MAX_RESPONSE_BYTES,
+};
+use idempotent_runtime::MemoryStore;
+use reqwest::Method;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+#[derive(Clone)]
+struct Account(String);
+
+impl std::fmt::Display for Account {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+async fn authenticate(mut request: axum::extract::Request, next: Next) -> Response {
+    if let Some(a) = request
+        .headers()
+        .get("x-account-id")
+        .and_then(|v| v.to_str().ok())
+    {
+        let a = Account(a.to_owned());
+        request.extensions_mut().insert(a);
+    }
+    next.run(request).await
+}
+
+async fn serve(app: Router) -> (String, tokio::task::JoinHandle<()>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let task = tokio::spawn(async move {
+        axum::serve(listener, app).await.expect("serve");
+    });
+    (format!("http://{addr}"), task)
+}
+
+fn layer(scope: &str) -> IdempotencyLayer {
+    IdempotencyLayer::builder(scope, MemoryStore::new())
+        .tenant_from_extension::<Account>()
+        .build()
+        .expect("layer")
+}
+
+/// A handler's own 409 ("this resource already exists") is a 4xx the layer
+/// records as the key's final answer, and replays to every retry with
+/// `Idempotent-Replayed: true`. The client retries every 409 as if it were
+/// the layer's in-progress refusal: it re-sends a final answer until its
+/// attempts run out and then reports `RetriesExhausted` ("the outcome is
+/// unknown") for an operation whose outcome the server stated on the first
+/// attempt.
+#[tokio::test]
+async fn the_client_does_not_retry_a_final_409_from_the_handler() {
+    let calls = Arc::new(AtomicUsize::new(0));
+    let counted = calls.clone();
+    let app = Router::new()
+        .route(
+            "/accounts",
+            post(move || {
+                let counted = counted.clone();
+                async move {
+                    counted.fetch_add(1, Ordering::SeqCst);
+                    (StatusCode::CONFLICT, "an account with this e-mail exists").into_response()
+                }
+            }),
+        )
+        .route_layer(layer("review3.client409"))
+        .layer(middleware::from_fn(authenticate));
+    let (base, _task) = serve(app).await;
+    let client = IdempotentClient::new(reqwest::Client::new()).with_policy(RetryPolicy {
+        max_attempts: 4,
+        initial_backoff: Duration::from_millis(5),
+        max_backoff: Duration::from_millis(10),
+        ..RetryPolicy::default()
+    });
+    let intent = client
+        .intent(Method::POST, &format!("{base}/accounts"))
+        .unwrap()
+        .header("x-account-id", &fresh_tenant())
+        .unwrap()
+        .json(&serde_json::json!({"email": "a@example.com"}))
+        .unwrap();
+    let answer = intent.send().await;
+    assert_eq!(calls.load(Ordering::SeqCst), 1, "the handler ran once");
+    match answer {
+        Ok(a) => {
+            assert_eq!(a.status(), 409);
+            assert_eq!(a.attempts(), 1, "a final 409 is not retried");
+        }
+        Err(ClientError::RetriesExhausted { attempts, last }) => panic!(
+            "the client retried a recorded, final 409 {attempts} times and reported the \
+             outcome as unknown (last: {last})"
+        ),
+        Err(e) => panic!("{e}"),
+    }
+}
+
+/// Rule 22: same key, different path → 422. A router nested under a prefix
+/// with a path parameter (`/accounts/{account}/transfers`) sees the URI with
+/// the prefix stripped; the layer fingerprints that stripped URI, so a
+/// request for account B with the key already used for account A is served
+/// A's recorded answer (and B's transfer never runs).
+#[tokio::test]
+async fn a_different_path_under_a_nested_prefix_is_422_not_a_replay() {
+    let calls = Arc::new(AtomicUsize::new(0));
+    let counted = calls.clone();
+    let transfers = Router::new()
+        .route(
+            "/transfers",
+            post(
+                move |axum::extract::Path(account): axum::extract::Path<String>,
+                      Extension(_who): Extension<Account>| {
+                    let counted = counted.clone();
+                    async move {
+                        counted.fetch_add(1, Ordering::SeqCst);
+                        (StatusCode::CREATED, format!("transfer from {account}")).into_response()
+                    }
+                },
+            ),
+        )
+        .route_layer(layer("review3.nested"));
+    let app = Router::new()
+        .nest("/accounts/{account}", transfers)
+        .layer(middleware::from_fn(authenticate));
+    let (base, _task) = serve(app).await;
+    let http = reqwest::Client::new();
+    let tenant = fresh_tenant();
+    let send = |account: &'static str| {
+        http.post(format!("{base}/accounts/{account}/transfers"))
+            .header("x-account-id", &tenant)
+            .header("idempotency-key", "k-1")
+            .header("content-type", "application/json")
+            .body(r#"{"amount_cents":100}"#)
+            .send()
+    };
+    let a = send("acct-a").await.unwrap();
+    assert_eq!(a.status(), 201);
+    assert_eq!(a.text().await.unwrap(), "transfer from acct-a");
+    let b = send("acct-b").await.unwrap();
+    let status = b.status();
+    let replayed = b.headers().get("idempotent-replayed").cloned();
+    let body = b.text().await.unwrap();
+    assert_eq!(
+        status,
+        422,
+        "a different path with the same key must be refused; got {status} \
+         (replayed: {replayed:?}) with body {body:?}; handler calls: {}",
+        calls.load(Ordering::SeqCst)
+    );
+}
+
+/// README: the recorded body may be up to `max_response_bytes` (8 MiB at
+/// most); only a larger answer releases the key and answers 500. A binary
+/// answer of 7 MiB is under the cap, but it is stored base64 inside the
+/// JSON record (4/3 larger), which the engine refuses as over
+/// MAX_RESULT_BYTES: the client gets 500 after the handler ran, the key is
+/// released, and the retry runs the handler again.
+#[tokio::test]
+async fn a_binary_answer_under_the_cap_is_recorded() {
+    let calls = Arc::new(AtomicUsize::new(0));
+    let counted = calls.clone();
+    let app = Router::new()
+        .route(
+            "/exports",
+            post(move || {
+                let counted = counted.clone();
+                async move {
+                    counted.fetch_add(1, Ordering::SeqCst);
+                    (
+                        StatusCode::CREATED,
+                        [("content-type", "application/octet-stream")],
+                        vec![0xffu8; DEFAULT_MAX_RESPONSE_BYTES - 1],
+                    )
+                        .into_response()
+                }
+            }),
+        )
+        .route_layer(layer("review3.binary"))
+        .layer(middleware::from_fn(authenticate));
+    let (base, _task) = serve(app).await;
+    let http = reqwest::Client::new();
+    let tenant = fresh_tenant();
+    let send = || {
+        http.post(format!("{base}/exports"))
+            .header("x-account-id", &tenant)
+            .header("idempotency-key", "export-1")
+            .body("{}")
+            .send()
+    };
+    let first = send().await.unwrap();
+    let status = first.status();
+    let text = if status.is_success() {
+        String::new()
+    } else {
+        first.text().await.unwrap()
+    };
+    assert_eq!(status, 201, "just under the layer's cap: {text}");
+    let again = send().await.unwrap();
+    assert_eq!(again.status(), 201);
+    assert_eq!(
+        again
+            .headers()
+            .get("idempotent-replayed")
+            .map(|v| v.as_bytes()),
+        Some(&b"true"[..])
+    );
+    let body = again.bytes().await.unwrap();
+    assert!(
+        body.len() == DEFAULT_MAX_RESPONSE_BYTES - 1 && body.iter().all(|b| *b == 0xff),
+        "the replay carries the recorded bytes"
+    );
+    assert_eq!(calls.load(Ordering::SeqCst), 1, "the retry replays");
+}

@@ -1,0 +1,208 @@
+//! Lost answers: a takeover whose reservation may have landed but whose
+//! answer never reached the call (a connection cut after the server
+//! committed, or the call dropped while the statement was in flight) must not
+//! free the record: the next call would run the body as a fresh attempt 1
+//! without asking the recover hook (rule 20, README "Uncertain outcomes").
+//! The record is kept (its lease ended, or left to run out when the call was
+//! dropped) and the next call takes it over and asks.
+
+use crate::recovery::*;
+use idempotent_runtime::store::{
+    OwnerToken, RecordSnapshot, Reservation, ReserveRequest, ScopeStats, StoredOutcome,
+};
+use idempotent_runtime::{ForcedRelease, Identity, MemoryStore, Store, StoreError};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+/// Delegates to a memory store; when armed, a reservation that *took over*
+/// a record lands in the store, but the call is told the connection was cut.
+struct CutAfterTakeover {
+    inner: MemoryStore,
+    armed: AtomicBool,
+    /// When set, the next `complete_recovered` fails (a connection cut
+    /// before the statement reached the server).
+    fail_recovered: AtomicBool,
+    /// When set, a reservation that took over lands, and its answer never
+    /// comes back (the call is dropped while it waits: a client hung up).
+    hang: AtomicBool,
+}
+
+#[async_trait::async_trait]
+impl Store for CutAfterTakeover {
+    fn name(&self) -> &'static str {
+        "cut-after-takeover"
+    }
+    async fn reserve(&self, request: ReserveRequest<'_>) -> Result<Reservation, StoreError> {
+        let answer = self.inner.reserve(request).await?;
+        if let Reservation::Acquired {
+            took_over: true, ..
+        } = answer
+        {
+            if self.hang.swap(false, Ordering::SeqCst) {
+                std::future::pending::<()>().await;
+            }
+            if self.armed.swap(false, Ordering::SeqCst) {
+                return Err(StoreError::new(
+                    "cut-after-takeover",
+                    "reserve",
+                    "connection reset by peer (after the server committed)",
+                ));
+            }
+        }
+        Ok(answer)
+    }
+    async fn complete(
+        &self,
+        i: &Identity,
+        t: &OwnerToken,
+        o: &StoredOutcome,
+        ttl: Duration,
+    ) -> Result<bool, StoreError> {
+        self.inner.complete(i, t, o, ttl).await
+    }
+    async fn complete_recovered(
+        &self,
+        i: &Identity,
+        t: &OwnerToken,
+        o: &StoredOutcome,
+        ttl: Duration,
+    ) -> Result<bool, StoreError> {
+        if self.fail_recovered.swap(false, Ordering::SeqCst) {
+            return Err(StoreError::new(
+                "cut-after-takeover",
+                "complete",
+                "connection reset",
+            ));
+        }
+        self.inner.complete_recovered(i, t, o, ttl).await
+    }
+    async fn release(&self, i: &Identity, t: &OwnerToken) -> Result<bool, StoreError> {
+        self.inner.release(i, t).await
+    }
+    async fn heartbeat(
+        &self,
+        i: &Identity,
+        t: &OwnerToken,
+        l: Duration,
+    ) -> Result<bool, StoreError> {
+        self.inner.heartbeat(i, t, l).await
+    }
+    fn release_detached(&self, i: Identity, t: OwnerToken) {
+        self.inner.release_detached(i, t)
+    }
+    fn complete_detached(&self, i: Identity, t: OwnerToken, o: StoredOutcome, ttl: Duration) {
+        self.inner.complete_detached(i, t, o, ttl)
+    }
+    async fn force_release(&self, i: &Identity, r: bool) -> Result<ForcedRelease, StoreError> {
+        self.inner.force_release(i, r).await
+    }
+    async fn wait_for_change(&self, i: &Identity, max_wait: Duration, round: u32) {
+        self.inner.wait_for_change(i, max_wait, round).await
+    }
+    async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError> {
+        self.inner.purge_expired(batch).await
+    }
+    async fn fetch(&self, i: &Identity) -> Result<Option<RecordSnapshot>, StoreError> {
+        self.inner.fetch(i).await
+    }
+    async fn scope_stats(&self) -> Result<Vec<ScopeStats>, StoreError> {
+        self.inner.scope_stats().await
+    }
+}
+
+/// The owner charged the card and died. The retry's takeover lands in the
+/// store, but its answer is lost (a store error the engine treats as "may
+/// have landed"). The call's drop guard then *releases* (deletes) the
+/// taken-over record, so the next call is a fresh attempt 1: the recover
+/// hook is never asked and the card is charged a second time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_takeover_whose_answer_was_lost_does_not_free_the_record_for_a_blind_rerun() {
+    let store = CutAfterTakeover {
+        inner: MemoryStore::new(),
+        armed: AtomicBool::new(false),
+        fail_recovered: AtomicBool::new(false),
+        hang: AtomicBool::new(false),
+    };
+    let tenant = fresh_tenant(Ask::Gateway);
+    let c = Crash::default();
+    crash(
+        charge(
+            &store,
+            &tenant,
+            "order-r3",
+            500,
+            Some((&c, When::AfterCharge)),
+        ),
+        &c,
+    )
+    .await;
+    assert_eq!(
+        charges(&tenant, "order-r3").len(),
+        1,
+        "the first attempt charged"
+    );
+
+    // The retry takes the record over (attempt 2); its answer is lost.
+    store.armed.store(true, Ordering::SeqCst);
+    let cut = charge(&store, &tenant, "order-r3", 500, None).await;
+    assert!(matches!(cut, Err(PayError::Idempotency(_))), "{cut:?}");
+    // Let the store's background work (release_detached) run.
+    tokio::time::sleep(Duration::from_millis(50)).await;
+
+    // The next retry: the previous attempts may have charged; the hook must
+    // be asked before anything runs.
+    let again = charge(&store, &tenant, "order-r3", 500, None).await;
+    let asked_attempts: Vec<u32> = asked(&tenant).iter().map(|a| a.attempt).collect();
+    assert_eq!(
+        charges(&tenant, "order-r3").len(),
+        1,
+        "the card was charged twice (answer {again:?}; hook asked for attempts {asked_attempts:?}, \
+         bodies run {})",
+        bodies(&tenant)
+    );
+    assert!(
+        !asked_attempts.is_empty(),
+        "the recover hook was never asked"
+    );
+}
+
+/// The same through a drop: the retry's takeover lands, and the call is
+/// dropped while it waits for the answer (its HTTP client hung up). The drop
+/// guard releases the taken-over record; the next call runs blind.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_takeover_dropped_in_flight_does_not_free_the_record_for_a_blind_rerun() {
+    let store = CutAfterTakeover {
+        inner: MemoryStore::new(),
+        armed: AtomicBool::new(false),
+        fail_recovered: AtomicBool::new(false),
+        hang: AtomicBool::new(false),
+    };
+    let tenant = fresh_tenant(Ask::Gateway);
+    let c = Crash::default();
+    crash(
+        charge(
+            &store,
+            &tenant,
+            "order-r3c",
+            500,
+            Some((&c, When::AfterCharge)),
+        ),
+        &c,
+    )
+    .await;
+    store.hang.store(true, Ordering::SeqCst);
+    let dropped = tokio::time::timeout(
+        Duration::from_secs(2),
+        charge(&store, &tenant, "order-r3c", 500, None),
+    )
+    .await;
+    assert!(dropped.is_err(), "the call was dropped in flight");
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let again = charge(&store, &tenant, "order-r3c", 500, None).await;
+    let asked_attempts: Vec<u32> = asked(&tenant).iter().map(|a| a.attempt).collect();
+    assert_eq!(
+        charges(&tenant, "order-r3c").len(),
+        1,
+        "the card was charged twice (answer {again:?}; hook asked for attempts {asked_attempts:?})"
+    );
+}
