@@ -228,8 +228,9 @@ struct FinishOnDrop<'a> {
     token: &'a OwnerToken,
     /// Set while a reservation is in flight and while the call owns the record.
     armed: AtomicBool,
-    /// The outcome being recorded, while its completion is under way.
-    completing: Option<(StoredOutcome, Duration)>,
+    /// The outcome being recorded, while its completion is under way, and
+    /// whether a recover hook gave it (the record is then marked recovered).
+    completing: Option<(StoredOutcome, Duration, bool)>,
     /// The scope has a `recover` hook, and the reservation's answer has not
     /// come back (in flight, or lost): the record may be a takeover of an
     /// owner that died after its side effect. Releasing it would make the
@@ -258,11 +259,11 @@ impl Drop for FinishOnDrop<'_> {
             tracing::info!(target: "idempotent", scope = %identity.scope, key = %identity.log_digest(),
                 "call ended while it held (or may have held) its record; the store releases it");
             self.store.release_detached(identity, token);
-        } else if let Some((outcome, ttl)) = self.completing.take() {
+        } else if let Some((outcome, ttl, recovered)) = self.completing.take() {
             let (identity, token) = (self.identity.clone(), self.token.clone());
             tracing::info!(target: "idempotent", scope = %identity.scope, key = %identity.log_digest(),
                 "call dropped while recording its result; the store records it");
-            self.store.complete_detached(identity, token, outcome, ttl);
+            complete_detached(self.store, identity, token, outcome, ttl, recovered);
         }
     }
 }
@@ -624,19 +625,28 @@ impl RecordSink for StoreSink<'_, '_> {
             // The answer is recordable: from here on a dropped call records
             // it rather than freeing the key for a re-run.
             self.guard.arm(false);
-            let stored = &self.guard.completing.insert((stored, ttl)).0;
-            let written = match by {
-                Finished::Executed => store.complete(identity, token, stored, ttl).await,
-                Finished::Recovered => store.complete_recovered(identity, token, stored, ttl).await,
+            let recovered = matches!(by, Finished::Recovered);
+            let stored = &self.guard.completing.insert((stored, ttl, recovered)).0;
+            let written = if recovered {
+                store.complete_recovered(identity, token, stored, ttl).await
+            } else {
+                store.complete(identity, token, stored, ttl).await
             };
             let unrecorded = self.guard.completing.take();
-            if let (Err(e), Some((outcome, ttl))) = (&written, unrecorded) {
+            if let (Err(e), Some((outcome, ttl, recovered))) = (&written, unrecorded) {
                 // The answer is final: keep trying to record it in the
                 // background (fenced by the token), so a retry replays it
                 // instead of running the body again once the lease runs out.
                 tracing::error!(target: "idempotent", scope = %identity.scope, key = %identity.log_digest(), error = %e,
                     "the answer could not be recorded yet; the store keeps trying");
-                store.complete_detached(identity.clone(), token.clone(), outcome, ttl);
+                complete_detached(
+                    store,
+                    identity.clone(),
+                    token.clone(),
+                    outcome,
+                    ttl,
+                    recovered,
+                );
             }
             written
         })
@@ -1058,6 +1068,23 @@ pub(crate) fn decode_replay<R: IdempotentReturn, H: ErrorHandling<R::Failure>>(
         }
     } else {
         serde_json::from_slice(&outcome.payload).map_err(|e| failed(e.to_string()).into())
+    }
+}
+
+/// Hands a completion to the store's background work, keeping the recovered
+/// mark of a recover hook's answer (rule 20).
+fn complete_detached(
+    store: &dyn Store,
+    identity: Identity,
+    token: OwnerToken,
+    outcome: StoredOutcome,
+    ttl: Duration,
+    recovered: bool,
+) {
+    if recovered {
+        store.complete_recovered_detached(identity, token, outcome, ttl);
+    } else {
+        store.complete_detached(identity, token, outcome, ttl);
     }
 }
 

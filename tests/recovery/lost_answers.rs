@@ -93,6 +93,15 @@ impl Store for CutAfterTakeover {
     fn complete_detached(&self, i: Identity, t: OwnerToken, o: StoredOutcome, ttl: Duration) {
         self.inner.complete_detached(i, t, o, ttl)
     }
+    fn complete_recovered_detached(
+        &self,
+        i: Identity,
+        t: OwnerToken,
+        o: StoredOutcome,
+        ttl: Duration,
+    ) {
+        self.inner.complete_recovered_detached(i, t, o, ttl)
+    }
     async fn force_release(&self, i: &Identity, r: bool) -> Result<ForcedRelease, StoreError> {
         self.inner.force_release(i, r).await
     }
@@ -204,5 +213,47 @@ async fn a_takeover_dropped_in_flight_does_not_free_the_record_for_a_blind_rerun
         charges(&tenant, "order-r3c").len(),
         1,
         "the card was charged twice (answer {again:?}; hook asked for attempts {asked_attempts:?})"
+    );
+}
+
+/// A recover hook's answer whose completion fails is handed to the store's
+/// background completion, which keeps the *recovered* mark (it used the
+/// plain completion: `inspect` and the audit's `recovered` column then said
+/// the body produced the answer).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_recovered_answer_completed_in_the_background_keeps_its_recovered_mark() {
+    let store = CutAfterTakeover {
+        inner: MemoryStore::new(),
+        armed: AtomicBool::new(false),
+        fail_recovered: AtomicBool::new(false),
+        hang: AtomicBool::new(false),
+    };
+    let tenant = fresh_tenant(Ask::Gateway);
+    let c = Crash::default();
+    crash(
+        charge(
+            &store,
+            &tenant,
+            "order-r3b",
+            500,
+            Some((&c, When::AfterCharge)),
+        ),
+        &c,
+    )
+    .await;
+    store.fail_recovered.store(true, Ordering::SeqCst);
+    let _ = charge(&store, &tenant, "order-r3b", 500, None).await;
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert_eq!(
+        bodies(&tenant),
+        1,
+        "the hook answered; the body did not run again"
+    );
+    let identity = Identity::new(tenant.as_str(), "recovery.charge", "order-r3b").unwrap();
+    let record = store.fetch(&identity).await.unwrap().expect("the record");
+    assert_eq!(
+        (record.state, record.recovered),
+        (idempotent_runtime::RecordState::Complete, true),
+        "{record:?}"
     );
 }

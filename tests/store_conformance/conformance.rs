@@ -521,6 +521,34 @@ pub async fn complete_detached_records_and_is_fenced<S: Store + Clone + 'static>
     );
 }
 
+/// Rule 20 with rule 14: a recover hook's answer handed to the store's
+/// background completion is recorded marked *recovered*, as
+/// `complete_recovered` marks it, and a plain detached completion is not.
+pub async fn complete_recovered_detached_keeps_the_mark<S: Store + Clone + 'static>(store: S) {
+    let tenant = fresh_tenant();
+    for (key, recovered) in [("recovered", true), ("plain", false)] {
+        let identity = id(&tenant, "conformance.complete_recovered_detached", key);
+        let owner = acquire(&store, &identity, None, LONG, LONG).await;
+        if recovered {
+            store.complete_recovered_detached(identity.clone(), owner, ok(b"1"), LONG);
+        } else {
+            store.complete_detached(identity.clone(), owner, ok(b"1"), LONG);
+        }
+        let mut done = None;
+        for _ in 0..250 {
+            match fetch(&store, &identity).await {
+                Some(snap) if snap.state == RecordState::Complete => {
+                    done = Some(snap);
+                    break;
+                }
+                _ => tokio::time::sleep(Duration::from_millis(20)).await,
+            }
+        }
+        let done = done.expect("the detached completion is recorded");
+        assert_eq!(done.recovered, recovered, "{key}: {done:?}");
+    }
+}
+
 // ---------------------------------------------------------------- rules 7, 8
 
 /// Rule 7: a complete record and another fingerprint: mismatch, record untouched.
@@ -1373,6 +1401,7 @@ macro_rules! store_conformance_tests {
             release_frees_the_key,
             release_detached_frees_the_key,
             complete_detached_records_and_is_fenced,
+            complete_recovered_detached_keeps_the_mark,
             fingerprint_mismatch_on_complete_record,
             fingerprint_mismatch_on_in_progress_record,
             missing_fingerprint_is_not_contradicted,

@@ -48,8 +48,9 @@ pub(crate) const RETRY_AFTER: [Duration; 4] = [
 pub(crate) enum Work {
     /// Delete the in-progress record `token` owns.
     Release,
-    /// Record this outcome, kept for the ttl.
-    Complete(StoredOutcome, Duration),
+    /// Record this outcome, kept for the ttl; `true`: a recover hook's
+    /// answer, marked recovered.
+    Complete(StoredOutcome, Duration, bool),
 }
 
 /// Carries out one piece of [`Work`] on the worker's own connections:

@@ -469,6 +469,16 @@ impl Store for MemoryStore {
         self.complete_now(&identity, &token, &outcome, ttl, false);
     }
 
+    fn complete_recovered_detached(
+        &self,
+        identity: Identity,
+        token: OwnerToken,
+        outcome: StoredOutcome,
+        ttl: Duration,
+    ) {
+        self.complete_now(&identity, &token, &outcome, ttl, true);
+    }
+
     async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError> {
         let now = self.now_ms();
         let mut records = self.records();

@@ -351,6 +351,21 @@ pub trait Store: Send + Sync {
         ttl: Duration,
     );
 
+    /// Like [`complete_detached`](Store::complete_detached), for an answer a
+    /// `recover` hook gave: the record is marked recovered, as
+    /// [`complete_recovered`](Store::complete_recovered) marks it. The default
+    /// records it without the mark (a store written before this method
+    /// existed); the built-in stores keep the mark.
+    fn complete_recovered_detached(
+        &self,
+        identity: Identity,
+        token: OwnerToken,
+        outcome: StoredOutcome,
+        ttl: Duration,
+    ) {
+        self.complete_detached(identity, token, outcome, ttl)
+    }
+
     /// Like [`complete`](Store::complete), and marks the record as answered
     /// by a `recover` hook (rule 20: the body did not run; the hook found
     /// that a previous attempt had done the work). Audits count such records.
@@ -427,6 +442,9 @@ macro_rules! delegate_store {
             }
             fn complete_detached(&self, identity: Identity, token: OwnerToken, outcome: StoredOutcome, ttl: Duration) {
                 (**self).complete_detached(identity, token, outcome, ttl)
+            }
+            fn complete_recovered_detached(&self, identity: Identity, token: OwnerToken, outcome: StoredOutcome, ttl: Duration) {
+                (**self).complete_recovered_detached(identity, token, outcome, ttl)
             }
             async fn complete_recovered(&self, identity: &Identity, token: &OwnerToken, outcome: &StoredOutcome, ttl: Duration) -> Result<bool, StoreError> {
                 (**self).complete_recovered(identity, token, outcome, ttl).await

@@ -155,10 +155,10 @@ fn background_worker(pool: &MySqlPool) -> detached::Detached {
         |pool, identity, token| {
             Box::pin(async move { release_with(&pool, &identity, &token).await })
         },
-        |pool, identity, token, outcome, ttl| {
-            Box::pin(
-                async move { complete_with(&pool, &identity, &token, &outcome, ttl, false).await },
-            )
+        |pool, identity, token, outcome, ttl, recovered| {
+            Box::pin(async move {
+                complete_with(&pool, &identity, &token, &outcome, ttl, recovered).await
+            })
         },
     )
 }
@@ -619,8 +619,25 @@ impl Store for MySqlStore {
         outcome: StoredOutcome,
         ttl: Duration,
     ) {
-        self.detached
-            .hand_over(identity, token, detached::Work::Complete(outcome, ttl));
+        self.detached.hand_over(
+            identity,
+            token,
+            detached::Work::Complete(outcome, ttl, false),
+        );
+    }
+
+    fn complete_recovered_detached(
+        &self,
+        identity: Identity,
+        token: OwnerToken,
+        outcome: StoredOutcome,
+        ttl: Duration,
+    ) {
+        self.detached.hand_over(
+            identity,
+            token,
+            detached::Work::Complete(outcome, ttl, true),
+        );
     }
 
     async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError> {

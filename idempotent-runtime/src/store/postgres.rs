@@ -158,10 +158,10 @@ fn background_worker(pool: &PgPool) -> detached::Detached {
         |pool, identity, token| {
             Box::pin(async move { release_with(&pool, &identity, &token).await })
         },
-        |pool, identity, token, outcome, ttl| {
-            Box::pin(
-                async move { complete_with(&pool, &identity, &token, &outcome, ttl, false).await },
-            )
+        |pool, identity, token, outcome, ttl, recovered| {
+            Box::pin(async move {
+                complete_with(&pool, &identity, &token, &outcome, ttl, recovered).await
+            })
         },
     )
 }
@@ -637,8 +637,25 @@ impl Store for PgStore {
         outcome: StoredOutcome,
         ttl: Duration,
     ) {
-        self.detached
-            .hand_over(identity, token, detached::Work::Complete(outcome, ttl));
+        self.detached.hand_over(
+            identity,
+            token,
+            detached::Work::Complete(outcome, ttl, false),
+        );
+    }
+
+    fn complete_recovered_detached(
+        &self,
+        identity: Identity,
+        token: OwnerToken,
+        outcome: StoredOutcome,
+        ttl: Duration,
+    ) {
+        self.detached.hand_over(
+            identity,
+            token,
+            detached::Work::Complete(outcome, ttl, true),
+        );
     }
 
     /// Woken by `LISTEN/NOTIFY` when the record completes, is released or

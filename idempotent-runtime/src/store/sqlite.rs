@@ -624,9 +624,11 @@ impl SqliteStore {
                                 let _gate = write_gate.lock().await;
                                 match work {
                                     Work::Release => release_on(&pool, &identity, &token).await,
-                                    Work::Complete(outcome, ttl) => {
-                                        complete_on(&pool, &identity, &token, &outcome, ttl, false)
-                                            .await
+                                    Work::Complete(outcome, ttl, recovered) => {
+                                        complete_on(
+                                            &pool, &identity, &token, &outcome, ttl, recovered,
+                                        )
+                                        .await
                                     }
                                 }
                             };
@@ -1160,7 +1162,21 @@ impl Store for SqliteStore {
         self.detached.hand_over(
             identity,
             token,
-            super::detached::Work::Complete(outcome, ttl),
+            super::detached::Work::Complete(outcome, ttl, false),
+        );
+    }
+
+    fn complete_recovered_detached(
+        &self,
+        identity: Identity,
+        token: OwnerToken,
+        outcome: StoredOutcome,
+        ttl: Duration,
+    ) {
+        self.detached.hand_over(
+            identity,
+            token,
+            super::detached::Work::Complete(outcome, ttl, true),
         );
     }
 
