@@ -378,18 +378,27 @@ async fn reserve_with<'e, E: Executor<'e, Database = Postgres>>(
         .map_err(err("reserve"))
 }
 
+/// How many times a store-mode reservation that met a row lock tries again
+/// before it answers `InProgress`, when the lock was met inserting a fresh
+/// record (another transaction's uncommitted insert of the key: a
+/// transactional-mode owner, whose call is in progress).
+const LOCK_TIMEOUT_TRIES: u32 = 3;
+
+/// The same when the lock was met on an existing record the read found
+/// expired (or replaced in between): such a lock is short-lived (a purge
+/// deleting the record, another reservation replacing it), so trying for
+/// longer finds it gone or replaced, instead of sending the caller away with
+/// a made-up `retry_after`. A transactional-mode owner that took the expired
+/// record over holds it for its whole call: then this many waits of
+/// `lock_wait` (2 s at the default 100 ms) pass before `InProgress`.
+const EXPIRED_RECORD_LOCK_TRIES: u32 = 20;
+
 /// The store's reservation: one statement in its own transaction (see
 /// [`RESERVE_STORE_SQL`]), and for takeovers, expired records and races a
 /// second one, the plpgsql function. A row held by another transaction past
-/// `lock_wait` is a call in progress; its remaining time is unknown, so the
-/// requested lease is the estimate (as in `idempotency_reserve`).
-/// How many times a store-mode reservation that met a row lock tries again
-/// before it answers `InProgress`. A lock on a record that is not in
-/// progress is short-lived (a purge deleting the expired record, a takeover
-/// writing it): trying again finds it gone or replaced, instead of sending
-/// the caller away with a made-up `retry_after`.
-const LOCK_TIMEOUT_TRIES: u32 = 3;
-
+/// `lock_wait` (and the tries above) is a call in progress; its remaining
+/// time is unknown, so the requested lease is the estimate (as in
+/// `idempotency_reserve`).
 async fn reserve_autocommit(
     pool: &PgPool,
     request: ReserveRequest<'_>,
@@ -398,15 +407,18 @@ async fn reserve_autocommit(
     let mut tries = 0;
     let answer = loop {
         tries += 1;
-        let answer = match reserve_statement(RESERVE_STORE_SQL, pool, request, lock_wait).await {
-            Ok(Some(reservation)) => Ok(Some(reservation)),
-            Ok(None) => reserve_statement(RESERVE_AUTOCOMMIT_SQL, pool, request, lock_wait).await,
-            Err(e) => Err(e),
-        };
+        let (answer, allowed) =
+            match reserve_statement(RESERVE_STORE_SQL, pool, request, lock_wait).await {
+                Ok(Some(reservation)) => (Ok(Some(reservation)), LOCK_TIMEOUT_TRIES),
+                Ok(None) => (
+                    reserve_statement(RESERVE_AUTOCOMMIT_SQL, pool, request, lock_wait).await,
+                    EXPIRED_RECORD_LOCK_TRIES,
+                ),
+                Err(e) => (Err(e), LOCK_TIMEOUT_TRIES),
+            };
         match &answer {
             Err(sqlx::Error::Database(e))
-                if e.code().as_deref() == Some(LOCK_NOT_AVAILABLE)
-                    && tries < LOCK_TIMEOUT_TRIES =>
+                if e.code().as_deref() == Some(LOCK_NOT_AVAILABLE) && tries < allowed =>
             {
                 continue
             }
