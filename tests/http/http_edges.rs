@@ -60,13 +60,13 @@ fn layer(scope: &str) -> IdempotencyLayer {
 
 /// A handler's own 409 ("this resource already exists") is a 4xx the layer
 /// records as the key's final answer, and replays to every retry with
-/// `Idempotent-Replayed: true`. The client retries every 409 as if it were
-/// the layer's in-progress refusal: it re-sends a final answer until its
-/// attempts run out and then reports `RetriesExhausted` ("the outcome is
-/// unknown") for an operation whose outcome the server stated on the first
-/// attempt.
+/// `Idempotent-Replayed: true`. The client retried every 409 as if it were
+/// the layer's in-progress refusal: it re-sent a final answer until its
+/// attempts ran out and then reported `RetriesExhausted` ("the outcome is
+/// unknown") for an operation whose outcome the server had stated. Now a
+/// replayed 409 is final.
 #[tokio::test]
-async fn the_client_does_not_retry_a_final_409_from_the_handler() {
+async fn the_client_returns_a_replayed_409_as_final() {
     let calls = Arc::new(AtomicUsize::new(0));
     let counted = calls.clone();
     let app = Router::new()
@@ -101,7 +101,11 @@ async fn the_client_does_not_retry_a_final_409_from_the_handler() {
     match answer {
         Ok(a) => {
             assert_eq!(a.status(), 409);
-            assert_eq!(a.attempts(), 1, "a final 409 is not retried");
+            // A fresh 409 looks like a request still running (the IETF
+            // draft's form): retried once, it comes back replayed, and that
+            // answer is final.
+            assert_eq!(a.attempts(), 2, "the replayed 409 is final");
+            assert!(a.is_replayed());
         }
         Err(ClientError::RetriesExhausted { attempts, last }) => panic!(
             "the client retried a recorded, final 409 {attempts} times and reported the \
@@ -226,4 +230,110 @@ async fn a_binary_answer_under_the_cap_is_recorded() {
         "the replay carries the recorded bytes"
     );
     assert_eq!(calls.load(Ordering::SeqCst), 1, "the retry replays");
+}
+
+/// README / `DEFAULT_MAX_RESPONSE_BYTES`: an answer up to the layer's cap
+/// (4 MiB) is recorded, "a larger answer releases the key". A *text* body is
+/// stored JSON-escaped, and escaping doubles a backslash or a quote (and
+/// makes a control character six bytes), so a text answer under the cap can
+/// exceed MAX_RESULT_BYTES (8 MiB): the handler runs, the engine refuses the
+/// record, the key is released, the client gets 500, and its retry runs the
+/// handler a second time. Here: control characters, half the cap.
+#[tokio::test]
+async fn a_text_answer_under_the_cap_is_recorded() {
+    let calls = Arc::new(AtomicUsize::new(0));
+    let counted = calls.clone();
+    // 2 MiB of control characters (e.g. NUL-separated text): 12 MiB escaped.
+    let size = DEFAULT_MAX_RESPONSE_BYTES / 2;
+    let app = Router::new()
+        .route(
+            "/exports",
+            post(move || {
+                let counted = counted.clone();
+                async move {
+                    counted.fetch_add(1, Ordering::SeqCst);
+                    (
+                        StatusCode::CREATED,
+                        [("content-type", "text/plain")],
+                        "\u{1}".repeat(size),
+                    )
+                        .into_response()
+                }
+            }),
+        )
+        .route_layer(layer("review4.text"))
+        .layer(middleware::from_fn(authenticate));
+    let (base, _task) = serve(app).await;
+    let http = reqwest::Client::new();
+    let tenant = fresh_tenant();
+    let send = || {
+        http.post(format!("{base}/exports"))
+            .header("x-account-id", &tenant)
+            .header("idempotency-key", "export-text-1")
+            .body("{}")
+            .send()
+    };
+    let first = send().await.unwrap();
+    let status = first.status();
+    let text = if status.is_success() {
+        String::new()
+    } else {
+        first.text().await.unwrap()
+    };
+    let again = send().await.unwrap().status();
+    assert_eq!(
+        (status, again, calls.load(Ordering::SeqCst)),
+        (StatusCode::CREATED, StatusCode::CREATED, 1),
+        "an answer of {size} bytes (half the cap) was not recorded and the retry ran the \
+         handler again: {text}"
+    );
+}
+
+/// The client against a server that follows the IETF draft
+/// (draft-ietf-httpapi-idempotency-key-header, "Error Scenarios"): a request
+/// still being processed gets 409 with an `application/problem+json` body of
+/// the server's own type, and no `Retry-After`. That is the "still running"
+/// answer the client exists to retry; `still_running` only knows the layer's
+/// own problem type, so it returns the 409 as final after one attempt and
+/// the caller is told "conflict" for an operation that then completes.
+#[tokio::test]
+async fn the_client_retries_an_in_progress_409_in_the_ietf_draft_form() {
+    let calls = Arc::new(AtomicUsize::new(0));
+    let counted = calls.clone();
+    let app = Router::new().route(
+        "/payments",
+        post(move || {
+            let counted = counted.clone();
+            async move {
+                if counted.fetch_add(1, Ordering::SeqCst) == 0 {
+                    (
+                        StatusCode::CONFLICT,
+                        [("content-type", "application/problem+json")],
+                        r#"{"type":"https://developer.example.com/idempotency","title":"A request is outstanding for this Idempotency-Key","detail":"A request with the same Idempotency-Key for the same operation is being processed or is outstanding."}"#,
+                    )
+                        .into_response()
+                } else {
+                    (StatusCode::CREATED, "paid").into_response()
+                }
+            }
+        }),
+    );
+    let (base, _task) = serve(app).await;
+    let client = IdempotentClient::new(reqwest::Client::new()).with_policy(RetryPolicy {
+        max_attempts: 4,
+        initial_backoff: Duration::from_millis(5),
+        max_backoff: Duration::from_millis(10),
+        ..RetryPolicy::default()
+    });
+    let intent = client
+        .intent(Method::POST, &format!("{base}/payments"))
+        .unwrap()
+        .json(&serde_json::json!({"amount": 1}))
+        .unwrap();
+    let answer = intent.send().await.expect("an answer");
+    assert_eq!(
+        (answer.status().as_u16(), answer.attempts()),
+        (201, 2),
+        "the in-progress 409 was returned as final"
+    );
 }

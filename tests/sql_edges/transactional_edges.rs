@@ -308,3 +308,111 @@ async fn sqlite_plain_begin_is_a_transaction() {
     plain_begin_is_accepted!(store.pool(), sqlite_on_connection, store);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A TCP proxy to MariaDB that makes it look like MySQL 8.0 for one thing:
+/// the system variable `@@in_transaction` does not exist (MySQL has none; it
+/// is MariaDB's). Every client byte string `@@in_transaction` is rewritten to
+/// `@@in_transactioX` (same length, so packets stay valid), which the server
+/// refuses with error 1193, as MySQL 8 does for `@@in_transaction`.
+async fn mysql8_lookalike(upstream: &str) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let port = listener.local_addr().expect("addr").port();
+    let upstream = upstream.to_owned();
+    tokio::spawn(async move {
+        loop {
+            let Ok((client, _)) = listener.accept().await else {
+                return;
+            };
+            let upstream = upstream.clone();
+            tokio::spawn(async move {
+                let Ok(server) = tokio::net::TcpStream::connect(&upstream).await else {
+                    return;
+                };
+                let (mut cr, mut cw) = client.into_split();
+                let (mut sr, mut sw) = server.into_split();
+                let up = async move {
+                    let mut buf = vec![0u8; 64 * 1024];
+                    loop {
+                        let n = match cr.read(&mut buf).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => n,
+                        };
+                        let chunk = &mut buf[..n];
+                        let needle = b"@@in_transaction";
+                        let mut i = 0;
+                        while i + needle.len() <= chunk.len() {
+                            if &chunk[i..i + needle.len()] == needle {
+                                chunk[i + needle.len() - 1] = b'X';
+                                i += needle.len();
+                            } else {
+                                i += 1;
+                            }
+                        }
+                        if sw.write_all(chunk).await.is_err() {
+                            return;
+                        }
+                    }
+                };
+                let down = async move {
+                    let _ = tokio::io::copy(&mut sr, &mut cw).await;
+                };
+                tokio::join!(up, down);
+            });
+        }
+    });
+    format!("127.0.0.1:{port}")
+}
+
+/// Rule 15 on MySQL 8.0 (no `@@in_transaction`): a transaction begun through
+/// sqlx (`pool.begin()`, the way the README shows) must be accepted. The
+/// check now always asks the server, and on MySQL 8 the fallback only counts
+/// `autocommit = 0`, so every sqlx transaction (autocommit stays 1 under
+/// `BEGIN`) is refused with `NotInTransaction`: transactional mode cannot be
+/// used at all on MySQL 8. (Before, sqlx's own count answered for these.)
+#[tokio::test]
+async fn mysql8_a_transaction_begun_through_sqlx_is_accepted() {
+    let Some(_reachable) = mysql_store_or_skip().await else {
+        return;
+    };
+    // mysql://user[:pass]@host:port/db[?query]
+    let url = common::servers::mysql_url();
+    let (scheme_user, rest) = url.rsplit_once('@').expect("user@host");
+    let (upstream, path) = rest.split_once('/').expect("host/db");
+    let upstream = if upstream.contains(':') {
+        upstream.to_owned()
+    } else {
+        format!("{upstream}:3306")
+    };
+    let proxy = mysql8_lookalike(&upstream).await;
+    let sep = if path.contains('?') { '&' } else { '?' };
+    let via = format!("{scheme_user}@{proxy}/{path}{sep}ssl-mode=disabled");
+    let store = idempotent_runtime::MySqlStore::connect(&via)
+        .await
+        .expect("open through the proxy");
+    // The proxy does what MySQL 8 does: the variable is unknown (1193).
+    let asked: Result<i64, sqlx::Error> =
+        sqlx::query_scalar("SELECT CAST(@@in_transaction AS SIGNED)")
+            .fetch_one(store.pool())
+            .await;
+    match asked {
+        Err(sqlx::Error::Database(e)) => assert!(
+            e.message().contains("Unknown system variable"),
+            "{}",
+            e.message()
+        ),
+        other => panic!("the proxy should hide @@in_transaction: {other:?}"),
+    }
+    let tenant = fresh_tenant();
+    let runs = AtomicUsize::new(0);
+    let mut tx = store.pool().begin().await.expect("begin");
+    let answer = my_on_connection(&mut tx, &tenant, "k", &runs).await;
+    let _ = tx.rollback().await;
+    assert_eq!(
+        answer.expect("a sqlx transaction on MySQL 8 runs the call"),
+        1
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}

@@ -25,11 +25,11 @@
 //! # Ok(()) }
 //! ```
 //!
-//! Retries: connection errors, timeouts, 5xx, and a 409 that says the request
-//! with this key is still running (the layer's `in-progress` problem, or a
-//! 409 with `Retry-After` and no problem body; its `Retry-After` is
-//! honoured). Any other 4xx, a handler's own 409 included, is final and
-//! returned as it is. Backoff is
+//! Retries: connection errors, timeouts, 5xx, and a 409 that is not a replay
+//! (a request with the key still running; its `Retry-After` is honoured). A
+//! replayed answer (`Idempotent-Replayed: true`), a 409 included, and every
+//! other 4xx are final and returned as they are: a handler's own 409 costs
+//! one retry, which comes back replayed. Backoff is
 //! exponential with jitter, bounded by [`RetryPolicy`].
 //!
 //! The client sends no TLS of its own: `idempotent-runtime` depends on
@@ -156,7 +156,7 @@ pub enum ClientError {
 #[derive(Debug)]
 #[non_exhaustive]
 pub enum LastAttempt {
-    /// The server answered with a retryable status (5xx, or a 409 in progress).
+    /// The server answered with a retryable status (5xx, or a 409 that is not a replay).
     Status {
         /// The status.
         status: StatusCode,
@@ -231,22 +231,18 @@ impl IdempotentResponse {
     }
 }
 
-/// Whether a 409 says the request with this key is still running (worth
-/// retrying), rather than being the handler's own final 409: the layer's
-/// `in-progress` problem, or (another server's convention) a `Retry-After`
-/// without a problem body. A replayed answer is final whatever it says.
-fn still_running(headers: &HeaderMap, body: &[u8]) -> bool {
-    let replayed = headers
+/// Whether a 409 may say the request with this key is still running (worth
+/// retrying): any 409 but a replayed one. A replay (`Idempotent-Replayed:
+/// true`) is the key's recorded, final answer, whatever it says. A fresh 409
+/// cannot be told apart: the layer's in-progress problem, another server's
+/// (the IETF draft's problem type is the server's own, without
+/// `Retry-After`) and a handler's own 409 look alike; the retry settles it
+/// (a handler's recorded 409 comes back replayed).
+fn still_running(headers: &HeaderMap) -> bool {
+    !headers
         .get(REPLAYED)
         .and_then(|v| v.to_str().ok())
-        .is_some_and(|v| v.trim().eq_ignore_ascii_case("true"));
-    if replayed {
-        return false;
-    }
-    match problem_of(headers, body) {
-        Some(problem) => problem.problem_type == super::problem::types::IN_PROGRESS,
-        None => headers.contains_key(RETRY_AFTER),
-    }
+        .is_some_and(|v| v.trim().eq_ignore_ascii_case("true"))
 }
 
 fn problem_of(headers: &HeaderMap, body: &[u8]) -> Option<Problem> {
@@ -384,7 +380,7 @@ impl Intent {
 
     /// Sends the request, retrying with the same key per the client's
     /// [`RetryPolicy`]. Returns the first final answer (2xx, 3xx, 4xx other
-    /// than a 409 in progress), or [`ClientError::RetriesExhausted`] when every attempt
+    /// than a 409 that is not a replay), or [`ClientError::RetriesExhausted`] when every attempt
     /// failed retryably. Calling it again later is a further retry of the
     /// same operation, with the same key.
     pub async fn send(&self) -> Result<IdempotentResponse, ClientError> {
@@ -396,7 +392,7 @@ impl Intent {
             let last = match self.attempt().await {
                 Ok((status, headers, body)) => {
                     if !(status.is_server_error()
-                        || (status == StatusCode::CONFLICT && still_running(&headers, &body)))
+                        || (status == StatusCode::CONFLICT && still_running(&headers)))
                     {
                         return Ok(IdempotentResponse {
                             status,

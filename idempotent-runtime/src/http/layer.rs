@@ -699,7 +699,10 @@ impl Recorded {
     }
 }
 
-/// Bytes in the record: text as is, anything else as base64.
+/// Bytes in the record: text as is (JSON-escaped in the record), anything
+/// else, and text that escaping would make larger than base64, as base64. A
+/// body is stored in at most 4/3 of its size, so one up to
+/// [`DEFAULT_MAX_RESPONSE_BYTES`] always fits the record.
 #[derive(Serialize, Deserialize)]
 enum StoredBytes<'a> {
     #[serde(rename = "t")]
@@ -711,8 +714,10 @@ enum StoredBytes<'a> {
 impl<'a> StoredBytes<'a> {
     fn of(bytes: &'a [u8]) -> Self {
         match std::str::from_utf8(bytes) {
-            Ok(text) => StoredBytes::Text(text.into()),
-            Err(_) => {
+            Ok(text) if json_escaped_len(text) <= bytes.len().div_ceil(3) * 4 => {
+                StoredBytes::Text(text.into())
+            }
+            _ => {
                 use base64::Engine as _;
                 StoredBytes::Base64(base64::engine::general_purpose::STANDARD.encode(bytes))
             }
@@ -731,6 +736,17 @@ impl<'a> StoredBytes<'a> {
             }
         }
     }
+}
+
+/// The length of `text` as a JSON string's contents (serde_json's escapes).
+fn json_escaped_len(text: &str) -> usize {
+    text.bytes()
+        .map(|b| match b {
+            b'"' | b'\\' | b'\n' | b'\r' | b'\t' | 0x08 | 0x0c => 2,
+            0..=0x1f => 6,
+            _ => 1,
+        })
+        .sum()
 }
 
 #[derive(Serialize, Deserialize)]
@@ -782,6 +798,37 @@ impl<'de> Deserialize<'de> for Recorded {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_escaped_length_is_serde_jsons() {
+        let mut every_byte = String::new();
+        for c in 0u8..=0x7f {
+            every_byte.push(c as char);
+        }
+        for text in [
+            "",
+            "plain",
+            "quote \" and \\ back",
+            "é ü 漢字 \u{1F600}",
+            &every_byte,
+        ] {
+            let json = serde_json::to_string(text).expect("json");
+            assert_eq!(super::json_escaped_len(text), json.len() - 2, "{text:?}");
+        }
+    }
+
+    #[test]
+    fn text_that_escaping_would_grow_past_base64_is_stored_as_base64() {
+        assert!(matches!(
+            super::StoredBytes::of(b"{\"a\":1}"),
+            super::StoredBytes::Text(_)
+        ));
+        let controls = "\u{1}".repeat(300);
+        assert!(matches!(
+            super::StoredBytes::of(controls.as_bytes()),
+            super::StoredBytes::Base64(_)
+        ));
+    }
 
     #[test]
     fn recorded_answers_round_trip_text_and_binary() {

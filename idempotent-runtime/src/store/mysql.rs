@@ -737,14 +737,16 @@ crate::transaction::transactional_connection! {
 }
 
 /// Whether the connection is in a transaction, as the server sees it:
-/// `@@in_transaction` (MariaDB; MySQL 8.0.x has none, then only
-/// `autocommit = 0` counts), or `autocommit = 0`, where every statement opens
-/// a transaction that lasts until `COMMIT`. Always asked, never taken from
-/// sqlx's count of the transactions it began: a statement that commits
+/// `@@in_transaction` (MariaDB), or `autocommit = 0`, where every statement
+/// opens a transaction that lasts until `COMMIT`. Asked every time, not taken
+/// from sqlx's count of the transactions it began: a statement that commits
 /// implicitly (DDL, `TRUNCATE`, `LOCK TABLES`, ...) or a deadlock ends the
 /// server's transaction while sqlx still counts it, and a reservation made
 /// then would commit at once, with no lease renewal, so a duplicate could
-/// take it over while the body runs.
+/// take it over while the body runs. MySQL 8.0 has no `@@in_transaction`:
+/// there a transaction begun through sqlx (autocommit stays on under
+/// `BEGIN`) can only be known from sqlx's count, so on MySQL 8 an implicit
+/// commit inside such a transaction is not detected.
 async fn in_transaction(conn: &mut sqlx::MySqlConnection) -> Result<bool, StoreError> {
     const OP: &str = "check for an open transaction";
     let asked: Result<i64, sqlx::Error> =
@@ -753,6 +755,9 @@ async fn in_transaction(conn: &mut sqlx::MySqlConnection) -> Result<bool, StoreE
             .await;
     let open = match asked {
         Err(sqlx::Error::Database(e)) if error_number(&*e) == Some(ER_UNKNOWN_SYSTEM_VARIABLE) => {
+            if sqlx::Connection::is_in_transaction(conn) {
+                return Ok(true);
+            }
             sqlx::query_scalar("SELECT CAST(@@autocommit = 0 AS SIGNED)")
                 .fetch_one(&mut *conn)
                 .await
