@@ -58,6 +58,7 @@ async fn a_lock_on_an_expired_record_is_waited_out_not_answered_in_progress() {
     .expect("lock the row");
     // Lease and retention run out on the database's clock (a plain read is
     // not blocked by the lock).
+    let mut expired = false;
     for _ in 0..1000 {
         let snapshot = store
             .fetch(&identity)
@@ -65,10 +66,12 @@ async fn a_lock_on_an_expired_record_is_waited_out_not_answered_in_progress() {
             .expect("fetch")
             .expect("record");
         if snapshot.is_expired() {
+            expired = true;
             break;
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
+    assert!(expired, "the record's lease and retention ran out");
 
     let reserving = {
         let (store, identity) = (store.clone(), identity.clone());
