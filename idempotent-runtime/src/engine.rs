@@ -829,6 +829,13 @@ pub(crate) trait Reserver: Send {
         None
     }
 
+    /// Frees a record this reservation just acquired (fenced by `token`).
+    fn release_acquired<'a>(
+        &'a mut self,
+        identity: &'a Identity,
+        token: &'a OwnerToken,
+    ) -> futures_util::future::BoxFuture<'a, Result<bool, Error>>;
+
     /// Waits until the record found in progress may have changed, at most
     /// `max_wait` (see [`Store::wait_for_change`]). The default polls.
     fn wait_for_change<'a>(
@@ -855,6 +862,14 @@ impl Reserver for &dyn Store {
 
     fn as_store(&self) -> Option<&dyn Store> {
         Some(*self)
+    }
+
+    fn release_acquired<'a>(
+        &'a mut self,
+        identity: &'a Identity,
+        token: &'a OwnerToken,
+    ) -> futures_util::future::BoxFuture<'a, Result<bool, Error>> {
+        Box::pin(async move { Ok(self.release(identity, token).await?) })
     }
 
     fn wait_for_change<'a>(
@@ -896,7 +911,10 @@ async fn reserve_from(
     // Rule 6: a record made with an older canonical form is compared by that
     // form's rules. The legacy fingerprint exists only for arguments whose
     // current form differs from the old one; it is tried once, on a mismatch.
-    let legacy = request.fingerprint.and_then(Fingerprint::legacy);
+    // The legacy form only compares with an old record: a record this call
+    // creates always carries the current one (`current`).
+    let current = request.fingerprint;
+    let legacy = current.and_then(Fingerprint::legacy);
     let mut legacy_tried = legacy.is_none();
     let mut request = request;
     let deadline = match spec.in_progress {
@@ -922,6 +940,22 @@ async fn reserve_from(
             Err(e) => statement_may_have_landed(e),
         });
         match answer? {
+            Reservation::Acquired {
+                took_over: false, ..
+            } if legacy.is_some() && request.fingerprint == legacy.as_ref() => {
+                // The old record went away between the two statements: this
+                // call created a new one with the legacy fingerprint, which a
+                // retry with the same arguments in another order (a set)
+                // would not match. Free it and reserve again with the current
+                // form. (A takeover of the old record keeps it: that record
+                // is the old version's, and rule 20 needs its history.)
+                store
+                    .release_acquired(request.identity, request.token)
+                    .await?;
+                flight(false);
+                request.fingerprint = current;
+                now = Instant::now();
+            }
             Reservation::Acquired {
                 took_over,
                 attempt,

@@ -223,6 +223,14 @@ impl<C: TransactionalConnection + ?Sized> Reserver for InTransaction<'_, C> {
     ) -> futures_util::future::BoxFuture<'a, Result<Reservation, Error>> {
         self.0.reserve_in_transaction(request, lock_wait)
     }
+
+    fn release_acquired<'a>(
+        &'a mut self,
+        identity: &'a Identity,
+        token: &'a OwnerToken,
+    ) -> futures_util::future::BoxFuture<'a, Result<bool, Error>> {
+        Box::pin(async move { Ok(self.0.release_in_transaction(identity, token).await?) })
+    }
 }
 
 /// What the generated code prepares for a transactional call.

@@ -1,0 +1,159 @@
+//! The legacy (v1) fingerprint is only a way to *compare* with a record an
+//! older version made (rule 6). After a mismatch the engine tries it once;
+//! when the conflicting record went away between the two statements (its
+//! owner's body failed and released it), that reservation creates a record,
+//! and it must carry the current fingerprint: with the order-dependent v1
+//! fingerprint of one HashSet instance, a legitimate retry of the same
+//! request (the same set, iterated in another order: another process,
+//! another instance) was refused as a mismatch.
+
+use idempotent_runtime::{
+    idempotent, Error, Fingerprint, ForcedRelease, Identity, MemoryStore, OwnerToken,
+    RecordSnapshot, Reservation, ReserveRequest, ScopeStats, Store, StoreError, StoredOutcome,
+};
+use std::collections::hash_map::RandomState;
+use std::collections::HashSet;
+use std::sync::Mutex;
+use std::time::Duration;
+
+/// A memory store where a rival owns the record with other arguments and
+/// releases it (its body failed) right after our first reservation was
+/// answered "mismatch".
+struct RivalReleases {
+    inner: MemoryStore,
+    rival: Mutex<Option<(Identity, OwnerToken)>>,
+}
+
+#[async_trait::async_trait]
+impl Store for RivalReleases {
+    fn name(&self) -> &'static str {
+        "rival"
+    }
+    async fn reserve(&self, r: ReserveRequest<'_>) -> Result<Reservation, StoreError> {
+        let answer = self.inner.reserve(r).await?;
+        if answer == Reservation::FingerprintMismatch {
+            let rival = self.rival.lock().unwrap().take();
+            if let Some((identity, token)) = rival {
+                assert!(self.inner.release(&identity, &token).await?);
+            }
+        }
+        Ok(answer)
+    }
+    async fn complete(
+        &self,
+        i: &Identity,
+        t: &OwnerToken,
+        o: &StoredOutcome,
+        ttl: Duration,
+    ) -> Result<bool, StoreError> {
+        self.inner.complete(i, t, o, ttl).await
+    }
+    async fn release(&self, i: &Identity, t: &OwnerToken) -> Result<bool, StoreError> {
+        self.inner.release(i, t).await
+    }
+    async fn heartbeat(
+        &self,
+        i: &Identity,
+        t: &OwnerToken,
+        l: Duration,
+    ) -> Result<bool, StoreError> {
+        self.inner.heartbeat(i, t, l).await
+    }
+    fn release_detached(&self, i: Identity, t: OwnerToken) {
+        self.inner.release_detached(i, t)
+    }
+    fn complete_detached(&self, i: Identity, t: OwnerToken, o: StoredOutcome, ttl: Duration) {
+        self.inner.complete_detached(i, t, o, ttl)
+    }
+    async fn complete_recovered(
+        &self,
+        i: &Identity,
+        t: &OwnerToken,
+        o: &StoredOutcome,
+        ttl: Duration,
+    ) -> Result<bool, StoreError> {
+        self.inner.complete_recovered(i, t, o, ttl).await
+    }
+    async fn force_release(&self, i: &Identity, e: bool) -> Result<ForcedRelease, StoreError> {
+        self.inner.force_release(i, e).await
+    }
+    async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError> {
+        self.inner.purge_expired(batch).await
+    }
+    async fn fetch(&self, i: &Identity) -> Result<Option<RecordSnapshot>, StoreError> {
+        self.inner.fetch(i).await
+    }
+    async fn scope_stats(&self) -> Result<Vec<ScopeStats>, StoreError> {
+        self.inner.scope_stats().await
+    }
+}
+
+#[idempotent(scope = "review5.legacy", key = key, tenant = tenant, store = store)]
+async fn subscribe(
+    store: &RivalReleases,
+    tenant: &str,
+    key: &str,
+    topics: HashSet<u32, RandomState>,
+) -> Result<usize, Error> {
+    Ok(topics.len())
+}
+
+fn topics() -> HashSet<u32, RandomState> {
+    let mut s = HashSet::with_hasher(RandomState::new());
+    s.extend(0..32);
+    s
+}
+
+#[tokio::test]
+async fn a_record_made_after_a_legacy_retry_carries_the_current_fingerprint() {
+    let store = RivalReleases {
+        inner: MemoryStore::new(),
+        rival: Mutex::new(None),
+    };
+    let id = Identity::new("t1", "review5.legacy", "k1").unwrap();
+    // The rival: same identity, other arguments, in progress.
+    let rival_fp = Fingerprint::of(&"other arguments").unwrap();
+    let rival_token = OwnerToken::new();
+    let r = store
+        .inner
+        .reserve(ReserveRequest {
+            identity: &id,
+            fingerprint: Some(&rival_fp),
+            token: &rival_token,
+            lease: Duration::from_secs(30),
+            ttl: Duration::from_secs(3600),
+        })
+        .await
+        .unwrap();
+    assert!(matches!(r, Reservation::Acquired { .. }));
+    *store.rival.lock().unwrap() = Some((id.clone(), rival_token));
+
+    let first = topics();
+    assert_eq!(
+        subscribe(&store, "t1", "k1", first.clone()).await.unwrap(),
+        32
+    );
+
+    // The same request again, with the set iterated in another order.
+    let again = (0..100)
+        .map(|_| topics())
+        .find(|s| s.iter().ne(first.iter()))
+        .expect("another iteration order");
+    assert_eq!(again, first);
+    let retry = subscribe(&store, "t1", "k1", again).await;
+    assert!(
+        matches!(retry, Ok(32)),
+        "a legitimate retry was refused: {retry:?}"
+    );
+    let stored = store
+        .fetch(&id)
+        .await
+        .unwrap()
+        .unwrap()
+        .fingerprint
+        .unwrap();
+    assert!(
+        stored.starts_with("v2:"),
+        "the new record was made with the legacy v1 fingerprint: {stored}"
+    );
+}
