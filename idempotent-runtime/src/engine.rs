@@ -235,8 +235,8 @@ struct FinishOnDrop<'a> {
     /// come back (in flight, or lost): the record may be a takeover of an
     /// owner that died after its side effect. Releasing it would make the
     /// next call a fresh attempt that runs the body without asking the hook
-    /// (rule 20), so it is left in progress instead: its lease runs out and
-    /// the next call takes it over and asks.
+    /// (rule 20), so its lease is ended instead: the next call takes it over
+    /// and asks.
     keep_unanswered: bool,
 }
 
@@ -251,9 +251,11 @@ impl Drop for FinishOnDrop<'_> {
         // Cloned only when there is something to hand over: most calls end
         // disarmed, with nothing left to finish.
         if *self.armed.get_mut() && self.keep_unanswered {
-            tracing::info!(target: "idempotent", scope = %self.identity.scope, key = %self.identity.log_digest(),
-                "call ended before its reservation answered; the record (if it landed) is left in progress \
-                 for the next call to take over and ask the recover hook");
+            let (identity, token) = (self.identity.clone(), self.token.clone());
+            tracing::info!(target: "idempotent", scope = %identity.scope, key = %identity.log_digest(),
+                "call ended before its reservation answered; the store ends the lease of the record (if it \
+                 landed), for the next call to take over and ask the recover hook");
+            self.store.end_lease_detached(identity, token);
         } else if *self.armed.get_mut() {
             let (identity, token) = (self.identity.clone(), self.token.clone());
             tracing::info!(target: "idempotent", scope = %identity.scope, key = %identity.log_digest(),

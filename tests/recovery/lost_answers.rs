@@ -3,8 +3,8 @@
 //! committed, or the call dropped while the statement was in flight) must not
 //! free the record: the next call would run the body as a fresh attempt 1
 //! without asking the recover hook (rule 20, README "Uncertain outcomes").
-//! The record is kept (its lease ended, or left to run out when the call was
-//! dropped) and the next call takes it over and asks.
+//! The record is kept with its lease ended, and the next call takes it over
+//! and asks.
 
 use crate::recovery::*;
 use idempotent_runtime::store::{
@@ -92,6 +92,9 @@ impl Store for CutAfterTakeover {
     }
     fn complete_detached(&self, i: Identity, t: OwnerToken, o: StoredOutcome, ttl: Duration) {
         self.inner.complete_detached(i, t, o, ttl)
+    }
+    fn end_lease_detached(&self, i: Identity, t: OwnerToken) {
+        self.inner.end_lease_detached(i, t)
     }
     fn complete_recovered_detached(
         &self,

@@ -521,6 +521,45 @@ pub async fn complete_detached_records_and_is_fenced<S: Store + Clone + 'static>
     );
 }
 
+/// Rule 20 with rule 14: a call in a scope with a recover hook, dropped while
+/// its reservation was in flight, has the store end its lease without
+/// deleting the record; the next call takes it over at once (attempt 2). A
+/// stranger's token ends nothing.
+pub async fn end_lease_detached_keeps_the_record_for_a_takeover<S: Store + Clone + 'static>(
+    store: S,
+) {
+    let tenant = fresh_tenant();
+    let identity = id(&tenant, "conformance.end_lease_detached", "k");
+    let owner = acquire(&store, &identity, None, LONG, LONG).await;
+    store.end_lease_detached(identity.clone(), OwnerToken::new());
+    store.end_lease_detached(identity.clone(), owner.clone());
+    let mut ended = None;
+    for _ in 0..250 {
+        match fetch(&store, &identity).await {
+            Some(snap) if snap.lease_expires_at_ms.is_some_and(|l| l <= snap.now_ms) => {
+                ended = Some(snap);
+                break;
+            }
+            _ => tokio::time::sleep(Duration::from_millis(20)).await,
+        }
+    }
+    let ended = ended.expect("the owner's lease was ended");
+    assert_eq!(ended.state, RecordState::InProgress, "the record is kept");
+    assert_eq!(ended.owner_token.as_deref(), Some(owner.as_str()));
+    let got = reserve(&store, &identity, None, &OwnerToken::new(), LONG, LONG).await;
+    assert!(
+        matches!(
+            got,
+            Reservation::Acquired {
+                took_over: true,
+                attempt: 2,
+                ..
+            }
+        ),
+        "the next call takes the record over: {got:?}"
+    );
+}
+
 /// Rule 20 with rule 14: a recover hook's answer handed to the store's
 /// background completion is recorded marked *recovered*, as
 /// `complete_recovered` marks it, and a plain detached completion is not.
@@ -1402,6 +1441,7 @@ macro_rules! store_conformance_tests {
             release_detached_frees_the_key,
             complete_detached_records_and_is_fenced,
             complete_recovered_detached_keeps_the_mark,
+            end_lease_detached_keeps_the_record_for_a_takeover,
             fingerprint_mismatch_on_complete_record,
             fingerprint_mismatch_on_in_progress_record,
             missing_fingerprint_is_not_contradicted,

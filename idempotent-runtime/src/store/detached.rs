@@ -48,6 +48,9 @@ pub(crate) const RETRY_AFTER: [Duration; 4] = [
 pub(crate) enum Work {
     /// Delete the in-progress record `token` owns.
     Release,
+    /// End the lease of the in-progress record `token` owns (kept, for the
+    /// next call to take over).
+    EndLease,
     /// Record this outcome, kept for the ttl; `true`: a recover hook's
     /// answer, marked recovered.
     Complete(StoredOutcome, Duration, bool),
@@ -204,6 +207,7 @@ impl Work {
     fn name(&self) -> &'static str {
         match self {
             Work::Release => "release",
+            Work::EndLease => "end lease",
             Work::Complete(..) => "complete",
         }
     }

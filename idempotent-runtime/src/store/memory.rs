@@ -215,6 +215,28 @@ impl MemoryStore {
             .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
+    /// Renews (or, with a shorter lease, ends early) the lease `token` owns.
+    fn heartbeat_now(&self, identity: &Identity, token: &OwnerToken, lease: Duration) -> bool {
+        let now = self.now_ms();
+        let hash = self.hash(identity);
+        let mut records = self.records();
+        match find_mut(&mut records, hash, identity) {
+            Some(r) if r.owned_by(token) => {
+                let until = now.saturating_add(duration_to_millis(lease));
+                let shortened = until < r.lease_expires_at_ms;
+                r.lease_expires_at_ms = until;
+                if shortened {
+                    // A lease ended early (the engine ends one so the next
+                    // call takes over at once): waiters sleep until the old
+                    // end, so they look again now.
+                    r.wake_waiters();
+                }
+                true
+            }
+            _ => false,
+        }
+    }
+
     fn release_now(&self, identity: &Identity, token: &OwnerToken) -> bool {
         let hash = self.hash(identity);
         let mut records = self.records();
@@ -435,24 +457,11 @@ impl Store for MemoryStore {
         token: &OwnerToken,
         lease: Duration,
     ) -> Result<bool, StoreError> {
-        let now = self.now_ms();
-        let hash = self.hash(identity);
-        let mut records = self.records();
-        match find_mut(&mut records, hash, identity) {
-            Some(r) if r.owned_by(token) => {
-                let until = now.saturating_add(duration_to_millis(lease));
-                let shortened = until < r.lease_expires_at_ms;
-                r.lease_expires_at_ms = until;
-                if shortened {
-                    // A lease ended early (the engine ends one so the next
-                    // call takes over at once): waiters sleep until the old
-                    // end, so they look again now.
-                    r.wake_waiters();
-                }
-                Ok(true)
-            }
-            _ => Ok(false),
-        }
+        Ok(self.heartbeat_now(identity, token, lease))
+    }
+
+    fn end_lease_detached(&self, identity: Identity, token: OwnerToken) {
+        self.heartbeat_now(&identity, &token, Duration::ZERO);
     }
 
     fn release_detached(&self, identity: Identity, token: OwnerToken) {

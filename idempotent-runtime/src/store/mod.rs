@@ -351,6 +351,20 @@ pub trait Store: Send + Sync {
         ttl: Duration,
     );
 
+    /// Ends the lease of the in-progress record `token` owns, without waiting
+    /// for the caller and without deleting the record: the next call takes
+    /// it over at once (and asks its `recover` hook). Used when a call in a
+    /// scope with a hook is dropped while its reservation is in flight: the
+    /// record may be a takeover of an owner that died after its side effect,
+    /// so it must not be released. Fenced by `token` like
+    /// [`heartbeat`](Store::heartbeat); must not depend on the caller's
+    /// runtime. The default does nothing: the lease then runs out by itself
+    /// (a store written before this method existed); the built-in stores
+    /// end it.
+    fn end_lease_detached(&self, identity: Identity, token: OwnerToken) {
+        let _ = (identity, token);
+    }
+
     /// Like [`complete_detached`](Store::complete_detached), for an answer a
     /// `recover` hook gave: the record is marked recovered, as
     /// [`complete_recovered`](Store::complete_recovered) marks it. The default
@@ -445,6 +459,9 @@ macro_rules! delegate_store {
             }
             fn complete_recovered_detached(&self, identity: Identity, token: OwnerToken, outcome: StoredOutcome, ttl: Duration) {
                 (**self).complete_recovered_detached(identity, token, outcome, ttl)
+            }
+            fn end_lease_detached(&self, identity: Identity, token: OwnerToken) {
+                (**self).end_lease_detached(identity, token)
             }
             async fn complete_recovered(&self, identity: &Identity, token: &OwnerToken, outcome: &StoredOutcome, ttl: Duration) -> Result<bool, StoreError> {
                 (**self).complete_recovered(identity, token, outcome, ttl).await

@@ -155,6 +155,9 @@ fn background_worker(pool: &MySqlPool) -> detached::Detached {
         |pool, identity, token| {
             Box::pin(async move { release_with(&pool, &identity, &token).await })
         },
+        |pool, identity, token| {
+            Box::pin(async move { heartbeat_with(&pool, &identity, &token, Duration::ZERO).await })
+        },
         |pool, identity, token, outcome, ttl, recovered| {
             Box::pin(async move {
                 complete_with(&pool, &identity, &token, &outcome, ttl, recovered).await
@@ -488,6 +491,31 @@ async fn complete_with<'e, E: Executor<'e, Database = MySql>>(
     Ok(done.rows_affected() == 1)
 }
 
+/// Renews (or, with a shorter lease, ends early) the lease `token` owns.
+async fn heartbeat_with<'e, E: Executor<'e, Database = MySql>>(
+    executor: E,
+    identity: &Identity,
+    token: &OwnerToken,
+    lease: Duration,
+) -> Result<bool, StoreError> {
+    let sql = format!(
+        "UPDATE idempotency_records
+            SET lease_expires_at = {NOW_MS} + ?, updated_at = {NOW_MS}
+          WHERE tenant = ? AND scope = ? AND `key` = ?
+            AND state = 'in_progress' AND owner_token = ?"
+    );
+    let done = sqlx::query(&sql)
+        .bind(duration_to_millis(lease))
+        .bind(identity.tenant.as_bytes())
+        .bind(identity.scope.as_bytes())
+        .bind(identity.key.as_bytes())
+        .bind(token.as_str().as_bytes())
+        .execute(executor)
+        .await
+        .map_err(err("heartbeat"))?;
+    Ok(done.rows_affected() == 1)
+}
+
 async fn release_with<'e, E: Executor<'e, Database = MySql>>(
     executor: E,
     identity: &Identity,
@@ -589,22 +617,12 @@ impl Store for MySqlStore {
         token: &OwnerToken,
         lease: Duration,
     ) -> Result<bool, StoreError> {
-        let sql = format!(
-            "UPDATE idempotency_records
-                SET lease_expires_at = {NOW_MS} + ?, updated_at = {NOW_MS}
-              WHERE tenant = ? AND scope = ? AND `key` = ?
-                AND state = 'in_progress' AND owner_token = ?"
-        );
-        let done = sqlx::query(&sql)
-            .bind(duration_to_millis(lease))
-            .bind(identity.tenant.as_bytes())
-            .bind(identity.scope.as_bytes())
-            .bind(identity.key.as_bytes())
-            .bind(token.as_str().as_bytes())
-            .execute(&self.pool)
-            .await
-            .map_err(err("heartbeat"))?;
-        Ok(done.rows_affected() == 1)
+        heartbeat_with(&self.pool, identity, token, lease).await
+    }
+
+    fn end_lease_detached(&self, identity: Identity, token: OwnerToken) {
+        self.detached
+            .hand_over(identity, token, detached::Work::EndLease);
     }
 
     fn release_detached(&self, identity: Identity, token: OwnerToken) {

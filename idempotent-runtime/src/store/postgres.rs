@@ -158,6 +158,9 @@ fn background_worker(pool: &PgPool) -> detached::Detached {
         |pool, identity, token| {
             Box::pin(async move { release_with(&pool, &identity, &token).await })
         },
+        |pool, identity, token| {
+            Box::pin(async move { heartbeat_with(&pool, &identity, &token, Duration::ZERO).await })
+        },
         |pool, identity, token, outcome, ttl, recovered| {
             Box::pin(async move {
                 complete_with(&pool, &identity, &token, &outcome, ttl, recovered).await
@@ -533,6 +536,30 @@ async fn complete_with<'e, E: Executor<'e, Database = Postgres>>(
     Ok(done.rows_affected() == 1)
 }
 
+/// Renews (or, with a shorter lease, ends early) the lease `token` owns.
+async fn heartbeat_with<'e, E: Executor<'e, Database = Postgres>>(
+    executor: E,
+    identity: &Identity,
+    token: &OwnerToken,
+    lease: Duration,
+) -> Result<bool, StoreError> {
+    let done = sqlx::query(
+        "UPDATE idempotency_records
+            SET lease_expires_at = idempotency_now_ms() + $5, updated_at = idempotency_now_ms()
+          WHERE tenant = $1 AND scope = $2 AND key = $3
+            AND state = 'in_progress' AND owner_token = $4",
+    )
+    .bind(&identity.tenant)
+    .bind(&identity.scope)
+    .bind(&identity.key)
+    .bind(token.as_str())
+    .bind(millis_i64(lease))
+    .execute(executor)
+    .await
+    .map_err(err("heartbeat"))?;
+    Ok(done.rows_affected() == 1)
+}
+
 async fn release_with<'e, E: Executor<'e, Database = Postgres>>(
     executor: E,
     identity: &Identity,
@@ -620,21 +647,12 @@ impl Store for PgStore {
         token: &OwnerToken,
         lease: Duration,
     ) -> Result<bool, StoreError> {
-        let done = sqlx::query(
-            "UPDATE idempotency_records
-                SET lease_expires_at = idempotency_now_ms() + $5, updated_at = idempotency_now_ms()
-              WHERE tenant = $1 AND scope = $2 AND key = $3
-                AND state = 'in_progress' AND owner_token = $4",
-        )
-        .bind(&identity.tenant)
-        .bind(&identity.scope)
-        .bind(&identity.key)
-        .bind(token.as_str())
-        .bind(millis_i64(lease))
-        .execute(&self.pool)
-        .await
-        .map_err(err("heartbeat"))?;
-        Ok(done.rows_affected() == 1)
+        heartbeat_with(&self.pool, identity, token, lease).await
+    }
+
+    fn end_lease_detached(&self, identity: Identity, token: OwnerToken) {
+        self.detached
+            .hand_over(identity, token, detached::Work::EndLease);
     }
 
     fn release_detached(&self, identity: Identity, token: OwnerToken) {

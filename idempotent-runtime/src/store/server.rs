@@ -55,13 +55,16 @@ type Written = BoxFuture<'static, Result<bool, StoreError>>;
 
 /// The worker that finishes dropped calls' records: its own small pool (two
 /// connections) on its own runtime, with the store pool's connection
-/// options. `release` frees a dropped call's record; `complete` records the
+/// options. `release` frees a dropped call's record; `end_lease` ends its
+/// lease and keeps it (a call in a scope with a recover hook, dropped while
+/// its reservation was in flight); `complete` records the
 /// outcome of one dropped while its result was being recorded (marked
 /// recovered when a recover hook gave it).
 pub(crate) fn background_worker<DB: Database>(
     store: &'static str,
     pool: &Pool<DB>,
     release: fn(Pool<DB>, Identity, OwnerToken) -> Written,
+    end_lease: fn(Pool<DB>, Identity, OwnerToken) -> Written,
     complete: fn(Pool<DB>, Identity, OwnerToken, StoredOutcome, Duration, bool) -> Written,
 ) -> Detached {
     let options = pool.connect_options();
@@ -74,6 +77,7 @@ pub(crate) fn background_worker<DB: Database>(
                 .connect_lazy_with((*options).clone());
             Arc::new(move |identity, token, work| match work {
                 Work::Release => release(pool.clone(), identity, token),
+                Work::EndLease => end_lease(pool.clone(), identity, token),
                 Work::Complete(outcome, ttl, recovered) => {
                     complete(pool.clone(), identity, token, outcome, ttl, recovered)
                 }

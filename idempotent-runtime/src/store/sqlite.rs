@@ -624,6 +624,9 @@ impl SqliteStore {
                                 let _gate = write_gate.lock().await;
                                 match work {
                                     Work::Release => release_on(&pool, &identity, &token).await,
+                                    Work::EndLease => {
+                                        heartbeat_on(&pool, &identity, &token, Duration::ZERO).await
+                                    }
                                     Work::Complete(outcome, ttl, recovered) => {
                                         complete_on(
                                             &pool, &identity, &token, &outcome, ttl, recovered,
@@ -724,6 +727,25 @@ pub(super) async fn complete_on<'e, E: sqlx::Executor<'e, Database = sqlx::Sqlit
 }
 
 /// Deletes the in-progress record, fenced by `token`.
+/// Renews (or, with a shorter lease, ends early) the lease `token` owns.
+async fn heartbeat_on<'e, E: sqlx::Executor<'e, Database = sqlx::Sqlite>>(
+    executor: E,
+    identity: &Identity,
+    token: &OwnerToken,
+    lease: Duration,
+) -> Result<bool, StoreError> {
+    let done = sqlx::query(HEARTBEAT_SQL)
+        .bind(&identity.tenant)
+        .bind(&identity.scope)
+        .bind(&identity.key)
+        .bind(token.as_str())
+        .bind(ms(lease))
+        .execute(executor)
+        .await
+        .map_err(err("heartbeat"))?;
+    Ok(done.rows_affected() > 0)
+}
+
 pub(super) async fn release_on<'e, E: sqlx::Executor<'e, Database = sqlx::Sqlite>>(
     executor: E,
     identity: &Identity,
@@ -1128,16 +1150,7 @@ impl Store for SqliteStore {
         lease: Duration,
     ) -> Result<bool, StoreError> {
         let _gate = self.write_gate.lock().await;
-        let done = sqlx::query(HEARTBEAT_SQL)
-            .bind(&identity.tenant)
-            .bind(&identity.scope)
-            .bind(&identity.key)
-            .bind(token.as_str())
-            .bind(ms(lease))
-            .execute(&self.pool)
-            .await
-            .map_err(err("heartbeat"))?;
-        let renewed = done.rows_affected() > 0;
+        let renewed = heartbeat_on(&self.pool, identity, token, lease).await?;
         if renewed {
             // The lease may have been shortened (ended early so the next call
             // takes over at once); waiters in this process sleep until the
@@ -1150,6 +1163,11 @@ impl Store for SqliteStore {
     fn release_detached(&self, identity: Identity, token: OwnerToken) {
         self.detached
             .hand_over(identity, token, super::detached::Work::Release);
+    }
+
+    fn end_lease_detached(&self, identity: Identity, token: OwnerToken) {
+        self.detached
+            .hand_over(identity, token, super::detached::Work::EndLease);
     }
 
     fn complete_detached(
