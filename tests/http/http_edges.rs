@@ -177,45 +177,13 @@ async fn a_different_path_under_a_nested_prefix_is_422_not_a_replay() {
 /// released, and the retry runs the handler again.
 #[tokio::test]
 async fn a_binary_answer_under_the_cap_is_recorded() {
-    let calls = Arc::new(AtomicUsize::new(0));
-    let counted = calls.clone();
-    let app = Router::new()
-        .route(
-            "/exports",
-            post(move || {
-                let counted = counted.clone();
-                async move {
-                    counted.fetch_add(1, Ordering::SeqCst);
-                    (
-                        StatusCode::CREATED,
-                        [("content-type", "application/octet-stream")],
-                        vec![0xffu8; DEFAULT_MAX_RESPONSE_BYTES - 1],
-                    )
-                        .into_response()
-                }
-            }),
-        )
-        .route_layer(layer("review3.binary"))
-        .layer(middleware::from_fn(authenticate));
-    let (base, _task) = serve(app).await;
-    let http = reqwest::Client::new();
-    let tenant = fresh_tenant();
-    let send = || {
-        http.post(format!("{base}/exports"))
-            .header("x-account-id", &tenant)
-            .header("idempotency-key", "export-1")
-            .body("{}")
-            .send()
-    };
-    let first = send().await.unwrap();
-    let status = first.status();
-    let text = if status.is_success() {
-        String::new()
-    } else {
-        first.text().await.unwrap()
-    };
+    let (status, text, again, calls) = answered_twice(
+        "review3.binary",
+        "application/octet-stream",
+        vec![0xffu8; DEFAULT_MAX_RESPONSE_BYTES - 1],
+    )
+    .await;
     assert_eq!(status, 201, "just under the layer's cap: {text}");
-    let again = send().await.unwrap();
     assert_eq!(again.status(), 201);
     assert_eq!(
         again
@@ -229,7 +197,7 @@ async fn a_binary_answer_under_the_cap_is_recorded() {
         body.len() == DEFAULT_MAX_RESPONSE_BYTES - 1 && body.iter().all(|b| *b == 0xff),
         "the replay carries the recorded bytes"
     );
-    assert_eq!(calls.load(Ordering::SeqCst), 1, "the retry replays");
+    assert_eq!(calls, 1, "the retry replays");
 }
 
 /// README / `DEFAULT_MAX_RESPONSE_BYTES`: an answer up to the layer's cap
@@ -241,48 +209,17 @@ async fn a_binary_answer_under_the_cap_is_recorded() {
 /// handler a second time. Here: control characters, half the cap.
 #[tokio::test]
 async fn a_text_answer_under_the_cap_is_recorded() {
-    let calls = Arc::new(AtomicUsize::new(0));
-    let counted = calls.clone();
     // 2 MiB of control characters (e.g. NUL-separated text): 12 MiB escaped.
     let size = DEFAULT_MAX_RESPONSE_BYTES / 2;
-    let app = Router::new()
-        .route(
-            "/exports",
-            post(move || {
-                let counted = counted.clone();
-                async move {
-                    counted.fetch_add(1, Ordering::SeqCst);
-                    (
-                        StatusCode::CREATED,
-                        [("content-type", "text/plain")],
-                        "\u{1}".repeat(size),
-                    )
-                        .into_response()
-                }
-            }),
-        )
-        .route_layer(layer("review4.text"))
-        .layer(middleware::from_fn(authenticate));
-    let (base, _task) = serve(app).await;
-    let http = reqwest::Client::new();
-    let tenant = fresh_tenant();
-    let send = || {
-        http.post(format!("{base}/exports"))
-            .header("x-account-id", &tenant)
-            .header("idempotency-key", "export-text-1")
-            .body("{}")
-            .send()
-    };
-    let first = send().await.unwrap();
-    let status = first.status();
-    let text = if status.is_success() {
-        String::new()
-    } else {
-        first.text().await.unwrap()
-    };
-    let again = send().await.unwrap().status();
+    let (status, text, again, calls) = answered_twice(
+        "review4.text",
+        "text/plain",
+        "\u{1}".repeat(size).into_bytes(),
+    )
+    .await;
+    let again = again.status();
     assert_eq!(
-        (status, again, calls.load(Ordering::SeqCst)),
+        (status, again, calls),
         (StatusCode::CREATED, StatusCode::CREATED, 1),
         "an answer of {size} bytes (half the cap) was not recorded and the retry ran the \
          handler again: {text}"
@@ -336,4 +273,48 @@ async fn the_client_retries_an_in_progress_409_in_the_ietf_draft_form() {
         (201, 2),
         "the in-progress 409 was returned as final"
     );
+}
+
+/// Serves `body` (as `content_type`, status 201) behind the layer on `scope`
+/// and sends one request twice with one key: the first answer's status and
+/// (when it failed) its text, the second answer, and how often the handler ran.
+async fn answered_twice(
+    scope: &str,
+    content_type: &'static str,
+    body: Vec<u8>,
+) -> (StatusCode, String, reqwest::Response, usize) {
+    let calls = Arc::new(AtomicUsize::new(0));
+    let counted = calls.clone();
+    let app = Router::new()
+        .route(
+            "/exports",
+            post(move || {
+                let (counted, body) = (counted.clone(), body.clone());
+                async move {
+                    counted.fetch_add(1, Ordering::SeqCst);
+                    (StatusCode::CREATED, [("content-type", content_type)], body).into_response()
+                }
+            }),
+        )
+        .route_layer(layer(scope))
+        .layer(middleware::from_fn(authenticate));
+    let (base, _task) = serve(app).await;
+    let http = reqwest::Client::new();
+    let tenant = fresh_tenant();
+    let send = || {
+        http.post(format!("{base}/exports"))
+            .header("x-account-id", &tenant)
+            .header("idempotency-key", "export-1")
+            .body("{}")
+            .send()
+    };
+    let first = send().await.unwrap();
+    let status = first.status();
+    let text = if status.is_success() {
+        String::new()
+    } else {
+        first.text().await.unwrap()
+    };
+    let again = send().await.unwrap();
+    (status, text, again, calls.load(Ordering::SeqCst))
 }

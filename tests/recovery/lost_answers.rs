@@ -124,30 +124,12 @@ impl Store for CutAfterTakeover {
 
 /// The owner charged the card and died. The retry's takeover lands in the
 /// store, but its answer is lost (a store error the engine treats as "may
-/// have landed"). The call's drop guard then *releases* (deletes) the
-/// taken-over record, so the next call is a fresh attempt 1: the recover
-/// hook is never asked and the card is charged a second time.
+/// have landed"). The record is kept with its lease ended, so the next call
+/// takes it over and asks the hook (releasing it made that call a fresh
+/// attempt 1 that charged the card a second time).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_takeover_whose_answer_was_lost_does_not_free_the_record_for_a_blind_rerun() {
-    let store = CutAfterTakeover {
-        inner: MemoryStore::new(),
-        armed: AtomicBool::new(false),
-        fail_recovered: AtomicBool::new(false),
-        hang: AtomicBool::new(false),
-    };
-    let tenant = fresh_tenant(Ask::Gateway);
-    let c = Crash::default();
-    crash(
-        charge(
-            &store,
-            &tenant,
-            "order-r3",
-            500,
-            Some((&c, When::AfterCharge)),
-        ),
-        &c,
-    )
-    .await;
+    let (store, tenant) = owner_died_after_charging("order-r3").await;
     assert_eq!(
         charges(&tenant, "order-r3").len(),
         1,
@@ -179,29 +161,11 @@ async fn a_takeover_whose_answer_was_lost_does_not_free_the_record_for_a_blind_r
 }
 
 /// The same through a drop: the retry's takeover lands, and the call is
-/// dropped while it waits for the answer (its HTTP client hung up). The drop
-/// guard releases the taken-over record; the next call runs blind.
+/// dropped while it waits for the answer (its HTTP client hung up). The store
+/// ends the record's lease instead of releasing it; the next call asks.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_takeover_dropped_in_flight_does_not_free_the_record_for_a_blind_rerun() {
-    let store = CutAfterTakeover {
-        inner: MemoryStore::new(),
-        armed: AtomicBool::new(false),
-        fail_recovered: AtomicBool::new(false),
-        hang: AtomicBool::new(false),
-    };
-    let tenant = fresh_tenant(Ask::Gateway);
-    let c = Crash::default();
-    crash(
-        charge(
-            &store,
-            &tenant,
-            "order-r3c",
-            500,
-            Some((&c, When::AfterCharge)),
-        ),
-        &c,
-    )
-    .await;
+    let (store, tenant) = owner_died_after_charging("order-r3c").await;
     store.hang.store(true, Ordering::SeqCst);
     let dropped = tokio::time::timeout(
         Duration::from_secs(2),
@@ -225,25 +189,7 @@ async fn a_takeover_dropped_in_flight_does_not_free_the_record_for_a_blind_rerun
 /// the body produced the answer).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_recovered_answer_completed_in_the_background_keeps_its_recovered_mark() {
-    let store = CutAfterTakeover {
-        inner: MemoryStore::new(),
-        armed: AtomicBool::new(false),
-        fail_recovered: AtomicBool::new(false),
-        hang: AtomicBool::new(false),
-    };
-    let tenant = fresh_tenant(Ask::Gateway);
-    let c = Crash::default();
-    crash(
-        charge(
-            &store,
-            &tenant,
-            "order-r3b",
-            500,
-            Some((&c, When::AfterCharge)),
-        ),
-        &c,
-    )
-    .await;
+    let (store, tenant) = owner_died_after_charging("order-r3b").await;
     store.fail_recovered.store(true, Ordering::SeqCst);
     let _ = charge(&store, &tenant, "order-r3b", 500, None).await;
     tokio::time::sleep(Duration::from_millis(50)).await;
@@ -259,4 +205,23 @@ async fn a_recovered_answer_completed_in_the_background_keeps_its_recovered_mark
         (idempotent_runtime::RecordState::Complete, true),
         "{record:?}"
     );
+}
+
+/// A store whose record of `key` was left by an owner that charged the card
+/// and died before recording the receipt (its lease runs out).
+async fn owner_died_after_charging(key: &str) -> (CutAfterTakeover, String) {
+    let store = CutAfterTakeover {
+        inner: MemoryStore::new(),
+        armed: AtomicBool::new(false),
+        fail_recovered: AtomicBool::new(false),
+        hang: AtomicBool::new(false),
+    };
+    let tenant = fresh_tenant(Ask::Gateway);
+    let c = Crash::default();
+    crash(
+        charge(&store, &tenant, key, 500, Some((&c, When::AfterCharge))),
+        &c,
+    )
+    .await;
+    (store, tenant)
 }
