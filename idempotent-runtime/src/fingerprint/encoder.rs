@@ -275,7 +275,15 @@ impl Encoder {
     /// in canonical order: by key text (v1 keys) then by key bytes (other
     /// keys). Entries with the same key are kept (v2, typed keys) or reduced
     /// to the last one (v1, which stored them in a map).
-    fn sort_entries(&mut self, first: usize, region: usize) {
+    ///
+    /// With `repeats_in_arrival_order` (a map of unknown length: what serde
+    /// writes for a struct with `#[serde(flatten)]`), entries with the same
+    /// key *and* key kind keep the order they arrived in. Such a map repeats a
+    /// key only when two sources hold it (a field and a flattened map, or two
+    /// flattened maps), and which value came from which is part of the value;
+    /// a map type's own entries have distinct keys, so its iteration order
+    /// still does not count.
+    fn sort_entries(&mut self, first: usize, region: usize, repeats_in_arrival_order: bool) {
         let mode = self.mode;
         let Encoder {
             out,
@@ -313,6 +321,9 @@ impl Encoder {
             .windows(2)
             .any(|w| sort_key(&w[0]) == sort_key(&w[1]));
         let typed = repeated && mode == Mode::Canonical;
+        if typed && repeats_in_arrival_order {
+            restore_arrival_order_of_repeats(members, sort_key);
+        }
         if typed {
             *extended = true;
             *lossy = true;
@@ -340,6 +351,34 @@ impl Encoder {
             }
             written += 1;
         }
+    }
+}
+
+/// Within each run of `members` (sorted) that shares one sort key, puts the
+/// entries of each key kind that occurs more than once back in arrival order
+/// (entries are written in arrival order, so `start` is it), in the places
+/// that kind holds in the run. With no repeated key and kind, nothing moves.
+fn restore_arrival_order_of_repeats<K: Eq>(members: &mut [Entry], sort_key: impl Fn(&Entry) -> K) {
+    let mut run_start = 0;
+    while run_start < members.len() {
+        let key = sort_key(&members[run_start]);
+        let run_len = members[run_start..]
+            .iter()
+            .take_while(|e| sort_key(e) == key)
+            .count();
+        let run = &mut members[run_start..run_start + run_len];
+        for kind in [KeyKind::Text, KeyKind::Scalar, KeyKind::Other] {
+            let places: Vec<usize> = (0..run.len()).filter(|&i| run[i].kind == kind).collect();
+            if places.len() < 2 {
+                continue;
+            }
+            let mut arrived: Vec<Entry> = places.iter().map(|&i| run[i]).collect();
+            arrived.sort_by_key(|e| e.start);
+            for (&place, entry) in places.iter().zip(arrived) {
+                run[place] = entry;
+            }
+        }
+        run_start += run_len;
     }
 }
 
@@ -673,8 +712,11 @@ impl<'a> Serializer for &'a mut Encoder {
         Seq::begin(self, Some(variant), false)
     }
 
-    fn serialize_map(self, _len: Option<usize>) -> Result<Map<'a>> {
-        Map::begin(self, None, false)
+    fn serialize_map(self, len: Option<usize>) -> Result<Map<'a>> {
+        let mut map = Map::begin(self, None, false)?;
+        // serde writes a struct with `#[serde(flatten)]` as a map of unknown length.
+        map.repeats_in_arrival_order = len.is_none();
+        Ok(map)
     }
 
     fn serialize_struct(self, name: &'static str, _len: usize) -> Result<Map<'a>> {
@@ -823,6 +865,8 @@ pub(crate) struct Map<'a> {
     pending: Option<Pending>,
     /// serde_json's `RawValue`: its one field is JSON text to canonicalise.
     raw: bool,
+    /// See [`Encoder::sort_entries`].
+    repeats_in_arrival_order: bool,
 }
 
 impl<'a> Map<'a> {
@@ -844,6 +888,7 @@ impl<'a> Map<'a> {
             variant,
             pending: None,
             raw,
+            repeats_in_arrival_order: false,
         })
     }
 
@@ -975,7 +1020,8 @@ impl<'a> Map<'a> {
     fn finish(self) -> Result<KeyKind> {
         if self.enc.mode != Mode::Check && !self.raw {
             if self.enc.entries.len() - self.first >= 2 {
-                self.enc.sort_entries(self.first, self.region);
+                self.enc
+                    .sort_entries(self.first, self.region, self.repeats_in_arrival_order);
             }
             self.enc.entries.truncate(self.first);
             self.enc.keys.truncate(self.keys_base);

@@ -36,7 +36,16 @@
 //! | two keys of one map with the same text (the string `"1"` and the number `1`) | the last one only | both; number and bool keys bare: `{"1":"a",1:"b"}` |
 //!
 //! Map members are sorted by the text of v1 keys (as in v1), then the other
-//! keys by their canonical bytes; members with the same key by their bytes.
+//! keys by their canonical bytes; members with the same key by their bytes,
+//! except in a map of unknown length (serde's form of a struct with
+//! `#[serde(flatten)]` fields), where members with the same key and key kind
+//! stay in the order they were written: there a repeated key comes from two
+//! sources (a field and a flattened map, or two flattened maps), and which
+//! value came from which is part of the value (`{amount: 1, extras:
+//! {"amount": 2}}` is not `{amount: 2, extras: {"amount": 1}}`). Builds before
+//! this rule sorted those members by their bytes too; a record one of them
+//! made for such a value carries the lossy form, so its retry is a mismatch
+//! (the safe answer), as for v1's lossy forms below.
 //! A string key is always written quoted; a key v1 refused is written as its
 //! canonical bytes, which are quoted only when it is `Some` of a string (read
 //! as that string, like every `Some(x)` whose `x` is not null-like). So a

@@ -357,8 +357,13 @@ impl M {
                 M::StrMap(rotate(&inner, pick()))
             }
             M::IntMap(v) => {
-                let inner: Vec<_> = v.iter().map(|(k, x)| (*k, x.reordered(pick))).collect();
-                M::IntMap(rotate(&inner, pick()))
+                // A map of unknown length (what `#[serde(flatten)]` writes): a
+                // repeated key comes from two sources, and which value came
+                // first is part of the value, so only distinct keys move.
+                let mut inner: Vec<_> = v.iter().map(|(k, x)| (*k, x.reordered(pick))).collect();
+                let by = pick() as i64;
+                inner.sort_by_key(|(k, _)| k.wrapping_add(by) % 3);
+                M::IntMap(inner)
             }
             M::AnyMap(v) => {
                 let inner: Vec<_> = v
@@ -842,6 +847,72 @@ fn a_number_key_and_a_string_key_with_the_same_text_are_both_kept() {
     // Alone in a map, the number key is written as v1 wrote it.
     let alone: HashMap<LooseKey, &str> = [(LooseKey::Number(1), "n")].into();
     assert_eq!(canonical(&alone), (r#"{"1":"n"}"#.to_owned(), false));
+}
+
+/// A struct with a flattened map: serde writes it as a map of unknown length,
+/// the struct's own fields and the map's entries together.
+#[derive(Serialize, Clone, Debug)]
+struct WithExtras {
+    amount: u32,
+    #[serde(flatten)]
+    extras: HashMap<String, u32>,
+    #[serde(flatten)]
+    labels: HashMap<u32, u32>,
+}
+
+#[test]
+fn a_field_and_a_flattened_entry_with_the_same_name_are_not_interchangeable() {
+    let request = |amount, extra| WithExtras {
+        amount,
+        extras: HashMap::from([("amount".to_owned(), extra), ("note".to_owned(), 9)]),
+        labels: HashMap::new(),
+    };
+    // The same two numbers, but which is the field and which the extra differs.
+    let (a, b) = (request(1, 2), request(2, 1));
+    assert_ne!(fp(&a), fp(&b), "{} vs {}", v2(&a), v2(&b));
+    assert_eq!(v2(&a), r#"{"amount":1,"amount":2,"note":9}"#);
+    assert_eq!(fp(&a), fp(&request(1, 2)));
+    // Two flattened maps holding one key text (a string key and a number key).
+    let labelled = |text, number| WithExtras {
+        amount: 0,
+        extras: HashMap::from([("7".to_owned(), text)]),
+        labels: HashMap::from([(7, number)]),
+    };
+    assert_ne!(fp(&labelled(1, 2)), fp(&labelled(2, 1)));
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+    /// The flattened maps' own iteration order still does not count, with or
+    /// without a key that repeats a field's name.
+    #[test]
+    fn flattened_maps_fingerprint_equal_in_any_iteration_order(
+        amount in any::<u32>(),
+        extras in prop::collection::vec(("(amount|a|b|c|[0-9])", any::<u32>()), 0..8),
+        labels in prop::collection::vec((0u32..10, any::<u32>()), 0..8),
+    ) {
+        let mut e1 = HashMap::new();
+        let mut l1 = HashMap::new();
+        for (k, v) in &extras {
+            e1.entry(k.clone()).or_insert(*v);
+        }
+        for (k, v) in &labels {
+            l1.entry(*k).or_insert(*v);
+        }
+        // The same entries, inserted the other way round into maps of another
+        // capacity (and hasher keys): another iteration order.
+        let mut e2 = HashMap::with_capacity(64);
+        let mut l2 = HashMap::with_capacity(64);
+        for (k, v) in e1.iter().collect::<Vec<_>>().into_iter().rev() {
+            e2.insert(k.clone(), *v);
+        }
+        for (k, v) in l1.iter().collect::<Vec<_>>().into_iter().rev() {
+            l2.insert(*k, *v);
+        }
+        let one = WithExtras { amount, extras: e1, labels: l1 };
+        let other = WithExtras { amount, extras: e2, labels: l2 };
+        prop_assert_eq!(fp(&one), fp(&other));
+    }
 }
 
 // ---------------------------------------------------------------------------
