@@ -14,12 +14,18 @@
 //!
 //! # Round trips
 //!
-//! * `reserve` through the store: a plain prepared primary-key `SELECT`
-//!   first, without a lock: a live complete record is replayed, a live record
-//!   with another fingerprint is a mismatch, a live lease is in progress, all
-//!   answered from that one read (a replay costs what a hand-written `SELECT`
-//!   costs). Only an absent or expired record, or one whose lease ran out,
-//!   goes on to the write path, one `CALL idempotency_reserve_v4(…)`
+//! * `reserve` through the store on MariaDB: one prepared statement,
+//!   `INSERT … SELECT … ON DUPLICATE KEY UPDATE` (a no-op) `RETURNING` the
+//!   row, that never waits for a row lock: a fresh key is inserted, and an
+//!   existing record comes back as it is, so a live complete record is
+//!   replayed, a live record with another fingerprint is a mismatch, a live
+//!   lease is in progress, all answered by that one statement (a fresh key
+//!   costs what a hand-written `INSERT IGNORE` costs, a replay what a
+//!   primary-key `SELECT` costs). On MySQL (no `RETURNING`) a plain
+//!   primary-key `SELECT` comes first, without a lock, and answers the same.
+//!   Only an expired record, a lease that ran out, a row another session
+//!   holds locked, or (MySQL) an absent key goes on to the write path, one
+//!   `CALL idempotency_reserve_v4(…)`
 //!   (migration 0005: the one reservation body; v2 and v3 are wrappers kept
 //!   for older processes), a stored procedure that reads the record again and
 //!   writes under a user-level lock (`GET_LOCK`) per identity, held only for
@@ -42,7 +48,9 @@
 //! transactional-mode owner's, which answers `InProgress` when the second
 //! runs out). In transactional mode the wait is the whole seconds left of
 //! `in_progress = wait(...)`, rounded down; the engine polls for the rest.
-//! Replays, mismatches and live leases never wait: they take no lock.
+//! Replays, mismatches and live leases never wait: on MySQL they take no
+//! lock; on MariaDB the one statement holds the row only while it runs, and
+//! when another session holds it the procedure answers from a plain read.
 //!
 //! # Transactional mode
 //!
@@ -93,8 +101,8 @@ pub struct MySqlStore {
     pool: MySqlPool,
     detached: std::sync::Arc<detached::Detached>,
     /// The server is MariaDB, which bounds a statement's lock wait with
-    /// `SET STATEMENT`: a fresh key is then inserted by one plain statement
-    /// ([`INSERT_FRESH_SQL`]) instead of the procedure.
+    /// `SET STATEMENT` and has `INSERT … RETURNING`: a reservation is then one
+    /// plain statement ([`INSERT_OR_READ_SQL`]) for a fresh key and a replay alike.
     mariadb: bool,
 }
 
@@ -295,24 +303,37 @@ const READ_SQL: &str = concat!(
     "FROM idempotency_records WHERE tenant = ? AND scope = ? AND `key` = ?"
 );
 
-/// MariaDB's reservation of a key the read found absent: one plain insert
-/// of the in-progress record, as the procedure inserts it. It never waits for
-/// a row lock (`SET STATEMENT innodb_lock_wait_timeout = 0`): a key another
-/// session holds uncommitted (a transactional-mode owner) goes to the
-/// procedure, which waits for it one reserver at a time under `GET_LOCK`
-/// (so a rollback hands the key to one waiter, no deadlock between waiters)
-/// and brings the lease of an insert that waited up to date. It inserts
-/// nothing on a session with autocommit off (the row would stay in an open
-/// transaction); the procedure answers then too, as it does when the key was
-/// taken in between (a duplicate-key error).
-const INSERT_FRESH_SQL: &str = concat!(
+/// MariaDB's reservation through the store, in one statement: the insert of
+/// the in-progress record, or, when the key exists, the existing record
+/// (`ON DUPLICATE KEY UPDATE` that changes nothing, `RETURNING` the row). A
+/// fresh key then costs one statement, as a hand-written `INSERT IGNORE`
+/// does, and a replay one, as a primary-key `SELECT` does; the returned
+/// columns are [`READ_SQL`]'s, decoded by [`rows::Columns::answer`], plus the
+/// owner token (ours: we inserted). It never waits for a row lock
+/// (`SET STATEMENT innodb_lock_wait_timeout = 0`): a key another session holds
+/// (a transactional-mode owner, uncommitted, or a concurrent reservation's
+/// statement) goes to the procedure, which waits for it one reserver at a
+/// time under `GET_LOCK` (so a rollback hands the key to one waiter, no
+/// deadlock between waiters). It inserts and returns nothing on a session
+/// with autocommit off (the row would stay in an open transaction); the
+/// procedure answers then too, as it does for an expired record or a lease
+/// that ran out.
+const INSERT_OR_READ_SQL: &str = concat!(
     "SET STATEMENT innodb_lock_wait_timeout = 0 FOR ",
     "INSERT INTO idempotency_records ",
     "(tenant, scope, `key`, state, fingerprint, owner_token, is_error, result, ",
     "lease_expires_at, expires_at, created_at, updated_at, attempt, attempt_started_at, recovered) ",
     "SELECT ?, ?, ?, 'in_progress', ?, ?, 0, NULL, c.n + ?, c.n + ?, c.n, c.n, 1, c.n, 0 ",
     "FROM (SELECT UNIX_TIMESTAMP() * 1000 + FLOOR(MICROSECOND(NOW(6)) / 1000) AS n) c ",
-    "WHERE @@SESSION.autocommit = 1"
+    "WHERE @@SESSION.autocommit = 1 ",
+    "ON DUPLICATE KEY UPDATE tenant = idempotency_records.tenant ",
+    "RETURNING state, CONVERT(fingerprint USING utf8mb4) AS fingerprint, is_error, result, ",
+    "CAST(lease_expires_at - (UNIX_TIMESTAMP() * 1000 + FLOOR(MICROSECOND(NOW(6)) / 1000)) ",
+    "AS SIGNED) AS lease_remaining, ",
+    "CAST(COALESCE(expires_at <= (UNIX_TIMESTAMP() * 1000 + FLOOR(MICROSECOND(NOW(6)) / 1000)) ",
+    "AND (state = 'complete' OR lease_expires_at <= ",
+    "(UNIX_TIMESTAMP() * 1000 + FLOOR(MICROSECOND(NOW(6)) / 1000))), 0) AS SIGNED) AS expired, ",
+    "owner_token"
 );
 
 /// MySQL's error numbers for a duplicate key, a lock wait that ran out and
@@ -328,7 +349,7 @@ fn error_number(e: &dyn sqlx::error::DatabaseError) -> Option<u16> {
 }
 
 /// Binds a reservation's first seven arguments, in the order the procedure
-/// and [`INSERT_FRESH_SQL`] take them: tenant, scope, key, fingerprint,
+/// and [`INSERT_OR_READ_SQL`] take them: tenant, scope, key, fingerprint,
 /// owner token, lease and ttl (ms).
 fn bind_request<'q>(
     query: sqlx::query::Query<'q, MySql, sqlx::mysql::MySqlArguments>,
@@ -345,37 +366,61 @@ fn bind_request<'q>(
         .bind(duration_to_millis(request.ttl))
 }
 
-/// [`INSERT_FRESH_SQL`]: `Some(Acquired)` when it inserted the record,
-/// `None` when the procedure must decide.
-async fn insert_fresh(
+/// [`INSERT_OR_READ_SQL`]: `Some(Acquired)` when it inserted the record, the
+/// existing record's answer when a plain read answers it, `None` when the
+/// procedure must decide.
+async fn insert_or_read(
     pool: &MySqlPool,
     request: ReserveRequest<'_>,
 ) -> Result<Option<Reservation>, StoreError> {
-    let inserted = bind_request(sqlx::query(INSERT_FRESH_SQL), request)
-        .execute(pool)
+    let found = bind_request(sqlx::query(INSERT_OR_READ_SQL), request)
+        .fetch_optional(pool)
         .await;
-    match inserted {
-        Ok(done) if done.rows_affected() == 1 => Ok(Some(Reservation::acquired(1, None))),
-        Ok(_) => Ok(None),
+    let row = match found {
+        Ok(Some(row)) => row,
+        Ok(None) => return Ok(None), // autocommit is off
         Err(sqlx::Error::Database(e)) => {
-            if matches!(error_number(&*e), Some(ER_LOCK_WAIT_TIMEOUT | ER_DUP_ENTRY)) {
+            return if matches!(error_number(&*e), Some(ER_LOCK_WAIT_TIMEOUT | ER_DUP_ENTRY)) {
                 Ok(None)
             } else {
                 Err(StoreError::new(STORE, "reserve", sqlx::Error::Database(e)))
-            }
+            };
         }
-        Err(e) => Err(err("reserve")(e)),
+        Err(e) => return Err(err("reserve")(e)),
+    };
+    // By position: sqlx takes a prepared statement's column names from its
+    // prepare-time metadata, which MariaDB does not send for `RETURNING`.
+    let owner: Option<Vec<u8>> = row.try_get(6).map_err(err("reserve"))?;
+    if owner.as_deref() == Some(request.token.as_str().as_bytes()) {
+        return Ok(Some(Reservation::acquired(1, None)));
     }
+    let columns = rows::AnswerColumns {
+        state: 0,
+        fingerprint: 1,
+        is_error: 2,
+        result: 3,
+        lease_remaining: 4,
+        expired: 5,
+    };
+    rows::Columns(&row)
+        .answer_from(request.fingerprint.map(Fingerprint::as_str), columns)
+        .map_err(err("reserve"))
 }
 
-/// A reservation through the store: the plain read, then for an absent key
-/// on MariaDB the plain insert, and the procedure only for what is left
-/// (expired, lease run out, taken in between, MySQL).
+/// A reservation through the store: on MariaDB the insert-or-read statement,
+/// on MySQL the plain read; the procedure only for what is left (expired,
+/// lease run out, a row lock held, MySQL's absent keys).
 async fn reserve_through_store(
     pool: &MySqlPool,
     request: ReserveRequest<'_>,
     mariadb: bool,
 ) -> Result<Reservation, StoreError> {
+    if mariadb {
+        if let Some(answer) = insert_or_read(pool, request).await? {
+            return Ok(answer);
+        }
+        return reserve_with(pool, request, STORE_LOCK_WAIT_S, true).await;
+    }
     let id = request.identity;
     let row = sqlx::query(READ_SQL)
         .bind(id.tenant.as_bytes())
@@ -398,10 +443,6 @@ async fn reserve_through_store(
             None
         };
         if let Some(answer) = answer {
-            return Ok(answer);
-        }
-    } else if mariadb {
-        if let Some(answer) = insert_fresh(pool, request).await? {
             return Ok(answer);
         }
     }

@@ -103,24 +103,59 @@ where
         &self,
         fingerprint: Option<&str>,
     ) -> Result<Option<Reservation>, sqlx::Error> {
-        if self.0.try_get::<bool, _>("expired")? {
+        self.answer_from(fingerprint, ANSWER_COLUMNS)
+    }
+
+    /// [`answer`](Self::answer) with the columns found at `columns`: their
+    /// aliases, or their positions where the driver does not know the names
+    /// (MySQL's prepared `INSERT … RETURNING`).
+    #[cfg_attr(not(feature = "mysql"), allow(dead_code))]
+    pub(crate) fn answer_from<I: ColumnIndex<R> + Copy>(
+        &self,
+        fingerprint: Option<&str>,
+        columns: AnswerColumns<I>,
+    ) -> Result<Option<Reservation>, sqlx::Error> {
+        if self.0.try_get::<bool, _>(columns.expired)? {
             return Ok(None);
         }
-        let stored: Option<String> = self.0.try_get("fingerprint")?;
+        let stored: Option<String> = self.0.try_get(columns.fingerprint)?;
         if fingerprints_conflict(stored.as_deref(), fingerprint) {
             return Ok(Some(Reservation::FingerprintMismatch));
         }
-        if state_of(&self.0.try_get::<String, _>("state")?)? == RecordState::Complete {
+        if state_of(&self.0.try_get::<String, _>(columns.state)?)? == RecordState::Complete {
             return Ok(Some(Reservation::Completed(stored_outcome(
-                self.0.try_get("is_error")?,
-                self.0.try_get("result")?,
+                self.0.try_get(columns.is_error)?,
+                self.0.try_get(columns.result)?,
             ))));
         }
-        Ok(match self.0.try_get::<Option<i64>, _>("lease_remaining")? {
-            Some(ms) if ms > 0 => Some(Reservation::InProgress {
-                lease_remaining: millis_to_duration(ms),
-            }),
-            _ => None,
-        })
+        Ok(
+            match self.0.try_get::<Option<i64>, _>(columns.lease_remaining)? {
+                Some(ms) if ms > 0 => Some(Reservation::InProgress {
+                    lease_remaining: millis_to_duration(ms),
+                }),
+                _ => None,
+            },
+        )
     }
 }
+
+/// Where [`Columns::answer_from`] finds each column: by alias or by position.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct AnswerColumns<I> {
+    pub state: I,
+    pub fingerprint: I,
+    pub is_error: I,
+    pub result: I,
+    pub lease_remaining: I,
+    pub expired: I,
+}
+
+/// The aliases [`Columns::answer`] reads.
+const ANSWER_COLUMNS: AnswerColumns<&'static str> = AnswerColumns {
+    state: "state",
+    fingerprint: "fingerprint",
+    is_error: "is_error",
+    result: "result",
+    lease_remaining: "lease_remaining",
+    expired: "expired",
+};
