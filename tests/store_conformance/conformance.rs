@@ -246,6 +246,48 @@ async fn race<S: Store + Clone + 'static>(
 /// Rule 3: of 50 concurrent reservations of one identity exactly one acquires;
 /// the others see it in progress (or, with another fingerprint, a mismatch).
 /// Repeated over many rounds.
+/// A token is a caller's, but a store cannot tell callers apart by it: a
+/// second reservation presenting the owner's token (after the record is made,
+/// or racing it) is judged like any other request, in progress, never a
+/// second acquire (rule 3). The engine makes a fresh token per call; a Store
+/// user may not.
+pub async fn a_token_presented_twice_acquires_once<S: Store + Clone + 'static>(store: S) {
+    let tenant = fresh_tenant();
+    let f = fp("same");
+    let token = OwnerToken::new();
+    let identity = id(&tenant, "conformance.token_twice", "after");
+    assert_eq!(
+        reserve(&store, &identity, Some(&f), &token, LONG, LONG).await,
+        Reservation::FRESH
+    );
+    let again = reserve(&store, &identity, Some(&f), &token, LONG, LONG).await;
+    assert!(
+        matches!(again, Reservation::InProgress { .. }),
+        "the same token again: {again:?}"
+    );
+    for round in 0..ROUNDS {
+        let identity = id(&tenant, "conformance.token_twice", &format!("race-{round}"));
+        let tasks: Vec<_> = (0..TASKS)
+            .map(|_| {
+                let (store, identity, f, token) =
+                    (store.clone(), identity.clone(), f.clone(), token.clone());
+                tokio::spawn(async move {
+                    reserve(&store, &identity, Some(&f), &token, LONG, LONG).await
+                })
+            })
+            .collect();
+        let mut acquired = 0;
+        for task in tasks {
+            match task.await.expect("task") {
+                Reservation::Acquired { .. } => acquired += 1,
+                Reservation::InProgress { .. } => {}
+                other => panic!("round {round}: unexpected {other:?}"),
+            }
+        }
+        assert_eq!(acquired, 1, "round {round}: one token, one acquire");
+    }
+}
+
 pub async fn reserve_is_atomic_under_concurrency<S: Store + Clone + 'static>(store: S) {
     let tenant = fresh_tenant();
     for round in 0..ROUNDS {
@@ -1433,6 +1475,7 @@ macro_rules! store_conformance_tests {
             identity_separated_by_tenant,
             identity_separated_by_scope,
             reserve_is_atomic_under_concurrency,
+            a_token_presented_twice_acquires_once,
             takeover_is_atomic_under_concurrency,
             in_progress_reports_lease_remaining,
             complete_then_replay,

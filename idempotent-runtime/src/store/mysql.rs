@@ -308,8 +308,12 @@ const READ_SQL: &str = concat!(
 /// (`ON DUPLICATE KEY UPDATE` that changes nothing, `RETURNING` the row). A
 /// fresh key then costs one statement, as a hand-written `INSERT IGNORE`
 /// does, and a replay one, as a primary-key `SELECT` does; the returned
-/// columns are [`READ_SQL`]'s, decoded by [`rows::Columns::answer`], plus the
-/// owner token (ours: we inserted). It never waits for a row lock
+/// columns are [`READ_SQL`]'s, decoded by [`rows::Columns::answer`], plus
+/// whether the record existed: the session variable `@idempotency_existed`,
+/// set to 0 by the `WHERE` of the row to insert (evaluated before the insert)
+/// and to 1 by the duplicate-key branch (evaluated only when the key exists),
+/// so a record with this request's token that existed already (a token used
+/// twice) is judged like any other, as the procedure judges it. It never waits for a row lock
 /// (`SET STATEMENT innodb_lock_wait_timeout = 0`): a key another session holds
 /// (a transactional-mode owner, uncommitted, or a concurrent reservation's
 /// statement) goes to the procedure, which waits for it one reserver at a
@@ -325,15 +329,16 @@ const INSERT_OR_READ_SQL: &str = concat!(
     "lease_expires_at, expires_at, created_at, updated_at, attempt, attempt_started_at, recovered) ",
     "SELECT ?, ?, ?, 'in_progress', ?, ?, 0, NULL, c.n + ?, c.n + ?, c.n, c.n, 1, c.n, 0 ",
     "FROM (SELECT UNIX_TIMESTAMP() * 1000 + FLOOR(MICROSECOND(NOW(6)) / 1000) AS n) c ",
-    "WHERE @@SESSION.autocommit = 1 ",
-    "ON DUPLICATE KEY UPDATE tenant = idempotency_records.tenant ",
+    "WHERE @@SESSION.autocommit = 1 AND (@idempotency_existed := 0) = 0 ",
+    "ON DUPLICATE KEY UPDATE tenant = ",
+    "IF((@idempotency_existed := 1) = 1, idempotency_records.tenant, idempotency_records.tenant) ",
     "RETURNING state, CONVERT(fingerprint USING utf8mb4) AS fingerprint, is_error, result, ",
     "CAST(lease_expires_at - (UNIX_TIMESTAMP() * 1000 + FLOOR(MICROSECOND(NOW(6)) / 1000)) ",
     "AS SIGNED) AS lease_remaining, ",
     "CAST(COALESCE(expires_at <= (UNIX_TIMESTAMP() * 1000 + FLOOR(MICROSECOND(NOW(6)) / 1000)) ",
     "AND (state = 'complete' OR lease_expires_at <= ",
     "(UNIX_TIMESTAMP() * 1000 + FLOOR(MICROSECOND(NOW(6)) / 1000))), 0) AS SIGNED) AS expired, ",
-    "owner_token"
+    "CAST(@idempotency_existed AS SIGNED) AS existed"
 );
 
 /// MySQL's error numbers for a duplicate key, a lock wait that ran out and
@@ -390,8 +395,7 @@ async fn insert_or_read(
     };
     // By position: sqlx takes a prepared statement's column names from its
     // prepare-time metadata, which MariaDB does not send for `RETURNING`.
-    let owner: Option<Vec<u8>> = row.try_get(6).map_err(err("reserve"))?;
-    if owner.as_deref() == Some(request.token.as_str().as_bytes()) {
+    if row.try_get::<i64, _>(6).map_err(err("reserve"))? == 0 {
         return Ok(Some(Reservation::acquired(1, None)));
     }
     let columns = rows::AnswerColumns {
