@@ -838,6 +838,15 @@ pub(crate) trait Reserver: Send {
         token: &'a OwnerToken,
     ) -> futures_util::future::BoxFuture<'a, Result<bool, Error>>;
 
+    /// Whether a record found in progress may be waited for and asked about
+    /// again (see [`TransactionalConnection::may_wait_in_transaction`]); when
+    /// not, a duplicate that would wait is refused at once. A store: always.
+    ///
+    /// [`TransactionalConnection::may_wait_in_transaction`]: crate::TransactionalConnection::may_wait_in_transaction
+    fn may_wait<'a>(&'a mut self) -> futures_util::future::BoxFuture<'a, Result<bool, Error>> {
+        Box::pin(async { Ok(true) })
+    }
+
     /// Waits until the record found in progress may have changed, at most
     /// `max_wait` (see [`Store::wait_for_change`]). The default polls.
     fn wait_for_change<'a>(
@@ -924,6 +933,8 @@ async fn reserve_from(
         InProgressPolicy::Reject => None,
     };
     let mut waits: u32 = 0;
+    // Whether an in-progress record may be waited for: asked once, when it is.
+    let mut may_wait: Option<bool> = None;
     // The clock when this round's reservation starts: read again only after
     // something took time (a wait, a statement that was answered).
     let mut now = started;
@@ -983,8 +994,11 @@ async fn reserve_from(
             }
             Reservation::InProgress { lease_remaining } => {
                 now = Instant::now();
+                if deadline.is_some_and(|d| now < d) && may_wait.is_none() {
+                    may_wait = Some(store.may_wait().await?);
+                }
                 match deadline {
-                    Some(deadline) if now < deadline => {
+                    Some(deadline) if now < deadline && may_wait == Some(true) => {
                         // Until the record changes (the store may be told),
                         // the lease runs out (its owner may be gone), or the
                         // wait bound is reached, whichever comes first.

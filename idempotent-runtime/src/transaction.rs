@@ -52,6 +52,23 @@ pub trait TransactionalConnection: Send {
         lock_wait: Duration,
     ) -> Result<Reservation, Error>;
 
+    /// Whether a duplicate that waits (`in_progress = wait(...)`) may ask
+    /// again in this transaction after a reservation answered `InProgress`
+    /// for a record another session committed in progress (a store-mode
+    /// owner's). Only where every statement sees what others committed since,
+    /// and an in-progress answer leaves no lock behind: otherwise asking again
+    /// cannot see the owner finish (the transaction's snapshot is older), and
+    /// a lock the look took (InnoDB keeps the locks of a failed write until
+    /// commit) would keep the owner from renewing its lease, so a later look
+    /// could take the record over beside the live owner. The default, `false`,
+    /// refuses the duplicate at once with `Error::InProgress` (its
+    /// `retry_after` is the lease left), so the caller ends the transaction
+    /// and retries in a new one. A duplicate of an owner whose transaction is
+    /// still open waits on its row lock either way, within the one statement.
+    async fn may_wait_in_transaction(&mut self) -> Result<bool, StoreError> {
+        Ok(false)
+    }
+
     /// Like [`Store::complete`](crate::Store::complete), in this transaction.
     async fn complete_in_transaction(
         &mut self,
@@ -99,7 +116,8 @@ macro_rules! transactional_connection {
             in_transaction: $in_transaction:path,
             reserve: $reserve:path,
             complete: $complete:path,
-            release: $release:path $(,)?
+            release: $release:path
+            $(, may_wait: $may_wait:path)? $(,)?
         }
     ) => {
         $(#[$attr])*
@@ -120,6 +138,14 @@ macro_rules! transactional_connection {
             ) -> Result<$crate::store::Reservation, $crate::error::Error> {
                 $reserve(self, request, lock_wait).await
             }
+
+            $(
+                async fn may_wait_in_transaction(
+                    &mut self,
+                ) -> Result<bool, $crate::error::StoreError> {
+                    $may_wait(self).await
+                }
+            )?
 
             async fn complete_in_transaction(
                 &mut self,
@@ -180,6 +206,10 @@ where
         (**self).reserve_in_transaction(request, lock_wait).await
     }
 
+    async fn may_wait_in_transaction(&mut self) -> Result<bool, StoreError> {
+        (**self).may_wait_in_transaction().await
+    }
+
     async fn complete_in_transaction(
         &mut self,
         identity: &Identity,
@@ -230,6 +260,10 @@ impl<C: TransactionalConnection + ?Sized> Reserver for InTransaction<'_, C> {
         token: &'a OwnerToken,
     ) -> futures_util::future::BoxFuture<'a, Result<bool, Error>> {
         Box::pin(async move { Ok(self.0.release_in_transaction(identity, token).await?) })
+    }
+
+    fn may_wait<'a>(&'a mut self) -> futures_util::future::BoxFuture<'a, Result<bool, Error>> {
+        Box::pin(async move { Ok(self.0.may_wait_in_transaction().await?) })
     }
 }
 

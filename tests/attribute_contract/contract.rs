@@ -104,7 +104,7 @@ pub async fn slow_charge_reject(
 }
 
 #[idempotent(scope = "contract.short_lease", key = key, tenant = tenant, store = store,
-             skip(runs, pause_ms), lease = "300ms", in_progress = reject)]
+             skip(runs, pause_ms), lease = "1500ms", in_progress = reject)]
 pub async fn short_lease(
     store: &dyn Store,
     tenant: &str,
@@ -643,12 +643,15 @@ macro_rules! contract_tests {
             let runs = Arc::new(AtomicUsize::new(0));
             let first = {
                 let (store, t, runs) = (store.clone(), t.clone(), runs.clone());
-                tokio::spawn(async move { short_lease(&*store, &t, "k", &runs, 900).await })
+                tokio::spawn(async move { short_lease(&*store, &t, "k", &runs, 4500).await })
             };
             // Duplicates during the whole body are refused, never take over.
+            // (The lease is long enough that a machine busy with other tests
+            // still renews it in time: a renewal more than a second late
+            // would let a duplicate take over, rightly.)
             let mut refusals = 0;
             for _ in 0..8 {
-                tokio::time::sleep(Duration::from_millis(100)).await;
+                tokio::time::sleep(Duration::from_millis(500)).await;
                 match short_lease(&*store, &t, "k", &runs, 0).await {
                     Err(Error::InProgress { .. }) => refusals += 1,
                     Ok(_) => break, // the first finished and this replayed

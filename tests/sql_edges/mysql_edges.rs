@@ -548,6 +548,124 @@ async fn a_snapshot_older_than_the_record_still_replays_and_blocks_no_one() {
     }
 }
 
+/// What the two claimants of `mysql_edges.mixed` share.
+#[derive(Default)]
+struct Mixed {
+    runs: AtomicUsize,
+    owner_started: Notify,
+    waiter_ran: std::sync::atomic::AtomicBool,
+}
+
+/// The store-mode claimant (e.g. a background delivery): a body that runs
+/// while its lease is renewed by the heartbeat, until it has seen its lease
+/// renewed `RENEWALS` times or the other claimant's body has run.
+#[idempotent(scope = "mysql_edges.mixed", key = key, tenant = tenant, store = store,
+             skip(mixed), shared_scope, ttl = "1h", lease = "1s", in_progress = reject)]
+async fn mixed_in_store(
+    store: &dyn Store,
+    tenant: &str,
+    key: &str,
+    mixed: &Mixed,
+) -> Result<u64, Error> {
+    const RENEWALS: usize = 8;
+    mixed.runs.fetch_add(1, Ordering::SeqCst);
+    mixed.owner_started.notify_one();
+    let identity = Identity::new(tenant, "mysql_edges.mixed", key).expect("identity");
+    let mut seen = Vec::new();
+    while seen.len() < RENEWALS && !mixed.waiter_ran.load(Ordering::SeqCst) {
+        let lease = store
+            .fetch(&identity)
+            .await
+            .expect("fetch")
+            .and_then(|s| s.lease_expires_at_ms);
+        if let Some(lease) = lease {
+            if seen.last() != Some(&lease) {
+                seen.push(lease);
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    Ok(1)
+}
+
+/// The transactional claimant (e.g. the foreground request), waiting for
+/// an owner longer than the lease.
+#[idempotent(scope = "mysql_edges.mixed", key = key, tenant = tenant, tx = tx,
+             skip(mixed), shared_scope, ttl = "1h", lease = "1s", in_progress = wait("60s"))]
+async fn mixed_in_tx(
+    tx: &mut sqlx::Transaction<'_, MySql>,
+    tenant: &str,
+    key: &str,
+    mixed: &Mixed,
+) -> Result<u64, Error> {
+    let _ = (&tx, tenant, key);
+    mixed.runs.fetch_add(1, Ordering::SeqCst);
+    mixed.waiter_ran.store(true, Ordering::SeqCst);
+    Ok(2)
+}
+
+/// A store-mode owner (heartbeat every lease / 3) is running; a
+/// transactional duplicate of the same shared scope would wait for it
+/// (bound longer than the lease). Waiting inside the transaction used to
+/// run the body twice: once the lease in the duplicate's REPEATABLE READ
+/// snapshot had run out, its fenced take-over `UPDATE` failed but kept the
+/// row's exclusive lock (InnoDB keeps it until commit); the owner's next
+/// heartbeat waited on that lock, so its real lease ran out, and the
+/// duplicate's next poll took the record over beside the live owner. A
+/// transactional duplicate of a committed in-progress record is now
+/// refused at once (`may_wait_in_transaction` is false on MySQL).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_transactional_waiter_never_runs_the_body_beside_a_live_store_owner() {
+    let Some(store) = mysql_store_or_skip().await else {
+        return;
+    };
+    let tenant = fresh_tenant();
+    let key = "k";
+    let mixed = Arc::new(Mixed::default());
+    let owner = {
+        let (store, tenant, mixed) = (store.clone(), tenant.clone(), mixed.clone());
+        tokio::spawn(async move {
+            with_outcome(mixed_in_store(&store as &dyn Store, &tenant, key, &mixed)).await
+        })
+    };
+    mixed.owner_started.notified().await;
+    let waited = tokio::time::timeout(Duration::from_secs(60), async {
+        let mut tx = store.pool().begin().await.expect("begin");
+        let answer = with_outcome(mixed_in_tx(&mut tx, &tenant, key, &mixed)).await;
+        tx.commit().await.expect("commit");
+        answer
+    })
+    .await
+    .expect("the waiter answers within its bound");
+    let owned = tokio::time::timeout(Duration::from_secs(60), owner)
+        .await
+        .expect("the owner finishes")
+        .expect("owner task");
+    assert_eq!(
+        mixed.runs.load(Ordering::SeqCst),
+        1,
+        "the body ran twice: owner {owned:?}, waiter {waited:?}"
+    );
+    assert!(
+        matches!(owned, (Ok(1), Some(Outcome::Executed))),
+        "{owned:?}"
+    );
+    // Its snapshot cannot see the owner finish, and a look that locked the
+    // row would starve the owner: the waiter is refused at once (a later
+    // call, in a new transaction, replays).
+    assert!(
+        matches!(waited, (Err(Error::InProgress { .. }), None)),
+        "{waited:?}"
+    );
+    let mut tx = store.pool().begin().await.expect("begin");
+    let retried = with_outcome(mixed_in_tx(&mut tx, &tenant, key, &mixed)).await;
+    tx.commit().await.expect("commit");
+    assert!(
+        matches!(retried, (Ok(1), Some(Outcome::Replayed))),
+        "{retried:?}"
+    );
+}
+
 // ---------------------------------------------------------------- rule 15: rollback without deadlocks
 
 const EDGES_DDL: &str = "CREATE TABLE IF NOT EXISTS idempotent_edges_writes (

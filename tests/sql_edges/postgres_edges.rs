@@ -182,3 +182,328 @@ async fn concurrent_first_opens_migrate_once_under_a_repeatable_read_default() {
         "concurrent first opens failed: {failures:#?}"
     );
 }
+
+/// A transactional reservation races a store-mode takeover of an
+/// expired lease. Its plain read sees the lease run out, so
+/// `idempotency_reserve_core` locks the row (`FOR UPDATE`) to take it over;
+/// the lock waits for the other caller's takeover (what
+/// `idempotency_reserve_autocommit` does: lock the row, update it, commit),
+/// and the re-read under the lock finds the new owner's live lease: answered
+/// `InProgress`. The row lock stays with the caller's transaction (the
+/// subtransaction that took it committed into it) until migration 0006,
+/// so the new owner could neither renew its lease nor record its result
+/// until that transaction ended (rule 15: a refusal takes no lock that
+/// makes the record look in progress to others), and a duplicate waiting
+/// in that transaction could see the starved lease run out and take the
+/// record over beside the live owner.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_in_progress_answer_after_a_lost_takeover_race_keeps_no_lock() {
+    use idempotent_runtime::TransactionalConnection;
+    use std::str::FromStr;
+    let Some(store) = pg_store_or_skip().await else {
+        return;
+    };
+    // The new owner's store: its statements wait at most 3 s for a row lock
+    // (a guard against a hang, not a timing assertion).
+    let guarded_options = sqlx::postgres::PgConnectOptions::from_str(&pg_url())
+        .expect("url")
+        .options([("lock_timeout", "3s")]);
+    let guarded = PgStore::from_pool(
+        sqlx::postgres::PgPoolOptions::new()
+            .max_connections(2)
+            .connect_with(guarded_options)
+            .await
+            .expect("guarded pool"),
+    )
+    .await
+    .expect("guarded store");
+    let identity = Identity::new(fresh_tenant(), "edges.pg_takeover_race", "k").expect("identity");
+    let long = Duration::from_secs(3600);
+    let crashed = OwnerToken::new();
+    let got = store
+        .reserve(ReserveRequest {
+            identity: &identity,
+            fingerprint: None,
+            token: &crashed,
+            lease: Duration::from_millis(200),
+            ttl: long,
+        })
+        .await
+        .expect("reserve");
+    assert_eq!(got, Reservation::FRESH);
+    // The first owner crashed: its lease runs out on the database clock.
+    let mut ran_out = false;
+    for _ in 0..1000 {
+        let s = store
+            .fetch(&identity)
+            .await
+            .expect("fetch")
+            .expect("record");
+        if s.lease_expires_at_ms.is_some_and(|l| l <= s.now_ms) {
+            ran_out = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(ran_out, "the lease ran out");
+
+    // Another caller's takeover, step one: it holds the row locked.
+    let mut taker = sqlx::PgConnection::connect(&pg_url())
+        .await
+        .expect("connect");
+    let taker_pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut taker)
+        .await
+        .expect("pid");
+    sqlx::query("BEGIN")
+        .execute(&mut taker)
+        .await
+        .expect("begin");
+    sqlx::query(
+        "SELECT 1 FROM idempotency_records WHERE tenant = $1 AND scope = $2 AND key = $3 FOR UPDATE",
+    )
+    .bind(identity.tenant())
+    .bind(identity.scope())
+    .bind(identity.key())
+    .fetch_one(&mut taker)
+    .await
+    .expect("lock the row");
+
+    // The transactional duplicate reserves meanwhile.
+    let mut duplicate = sqlx::PgConnection::connect(&pg_url())
+        .await
+        .expect("connect");
+    let duplicate_pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut duplicate)
+        .await
+        .expect("pid");
+    let reserving = {
+        let identity = identity.clone();
+        tokio::spawn(async move {
+            sqlx::query("BEGIN")
+                .execute(&mut duplicate)
+                .await
+                .expect("begin");
+            let token = OwnerToken::new();
+            let answer = duplicate
+                .reserve_in_transaction(
+                    ReserveRequest {
+                        identity: &identity,
+                        fingerprint: None,
+                        token: &token,
+                        lease: long,
+                        ttl: long,
+                    },
+                    Duration::from_secs(30),
+                )
+                .await;
+            (duplicate, answer)
+        })
+    };
+    let mut monitor = sqlx::PgConnection::connect(&pg_url())
+        .await
+        .expect("connect");
+    let mut blocked = false;
+    for _ in 0..2000 {
+        let n: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity WHERE pid = $1 AND $2 = ANY(pg_blocking_pids(pid))",
+        )
+        .bind(duplicate_pid)
+        .bind(taker_pid)
+        .fetch_one(&mut monitor)
+        .await
+        .expect("pg_stat_activity");
+        if n > 0 {
+            blocked = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert!(
+        blocked,
+        "the duplicate's reservation waits for the takeover's row lock"
+    );
+
+    // Step two of the other caller's takeover: it writes its token and a
+    // fresh lease, and commits.
+    let new_owner = OwnerToken::new();
+    sqlx::query(
+        "UPDATE idempotency_records SET owner_token = $4,
+                lease_expires_at = idempotency_now_ms() + 3600000,
+                updated_at = idempotency_now_ms(), attempt = attempt + 1,
+                attempt_started_at = idempotency_now_ms()
+          WHERE tenant = $1 AND scope = $2 AND key = $3",
+    )
+    .bind(identity.tenant())
+    .bind(identity.scope())
+    .bind(identity.key())
+    .bind(new_owner.as_str())
+    .execute(&mut taker)
+    .await
+    .expect("take over");
+    sqlx::query("COMMIT")
+        .execute(&mut taker)
+        .await
+        .expect("commit");
+
+    let (mut duplicate, answer) = tokio::time::timeout(Duration::from_secs(30), reserving)
+        .await
+        .expect("the duplicate answers")
+        .expect("task");
+    // The duplicate's transaction is still open; the new owner renews and
+    // records its result.
+    let renewed = guarded.heartbeat(&identity, &new_owner, long).await;
+    let completed = guarded
+        .complete(
+            &identity,
+            &new_owner,
+            &idempotent_runtime::StoredOutcome {
+                is_error: false,
+                payload: b"1".to_vec(),
+            },
+            long,
+        )
+        .await;
+    sqlx::query("ROLLBACK")
+        .execute(&mut duplicate)
+        .await
+        .expect("rollback");
+    assert!(
+        matches!(answer, Ok(Reservation::InProgress { .. })),
+        "the new owner holds a live lease: {answer:?}"
+    );
+    assert!(
+        matches!(renewed, Ok(true)),
+        "the new owner's heartbeat is blocked by the refused duplicate's row lock: {renewed:?}"
+    );
+    assert!(
+        matches!(completed, Ok(true)),
+        "the new owner's completion is blocked by the refused duplicate's row lock: {completed:?}"
+    );
+}
+
+/// What the two claimants of `pg_edges.mixed` share.
+#[derive(Default)]
+struct Mixed {
+    runs: std::sync::atomic::AtomicUsize,
+    owner_started: tokio::sync::Notify,
+    finish: tokio::sync::Notify,
+}
+
+/// The store-mode claimant: runs until told to finish.
+#[idempotent_runtime::idempotent(scope = "pg_edges.mixed", key = key, tenant = tenant,
+    store = store, skip(mixed), shared_scope, ttl = "1h", lease = "1s", in_progress = reject)]
+async fn mixed_in_store(
+    store: &dyn Store,
+    tenant: &str,
+    key: &str,
+    mixed: &Mixed,
+) -> Result<u64, idempotent_runtime::Error> {
+    let _ = (store, tenant, key);
+    mixed.runs.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    mixed.owner_started.notify_one();
+    mixed.finish.notified().await;
+    Ok(1)
+}
+
+/// The transactional claimant, waiting for the owner.
+#[idempotent_runtime::idempotent(scope = "pg_edges.mixed", key = key, tenant = tenant, tx = tx,
+    skip(mixed), shared_scope, ttl = "1h", lease = "1s", in_progress = wait("60s"))]
+async fn mixed_in_tx(
+    tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
+    tenant: &str,
+    key: &str,
+    mixed: &Mixed,
+) -> Result<u64, idempotent_runtime::Error> {
+    let _ = (&tx, tenant, key);
+    mixed.runs.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    Ok(2)
+}
+
+/// Under READ COMMITTED (PostgreSQL's default) a transactional duplicate of
+/// a running store-mode owner waits in its transaction (rule 4): every look
+/// sees what was committed since and leaves no lock, so it replays the
+/// owner's result once recorded. The body runs once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_read_committed_transactional_duplicate_waits_for_a_store_owner_and_replays() {
+    use idempotent_runtime::{with_outcome, Outcome};
+    use std::sync::Arc;
+    let Some(store) = pg_store_or_skip().await else {
+        return;
+    };
+    let tenant = fresh_tenant();
+    let key = "k";
+    let mixed = Arc::new(Mixed::default());
+    let owner = {
+        let (store, tenant, mixed) = (store.clone(), tenant.clone(), mixed.clone());
+        tokio::spawn(async move {
+            with_outcome(mixed_in_store(&store as &dyn Store, &tenant, key, &mixed)).await
+        })
+    };
+    mixed.owner_started.notified().await;
+    let (pid_tx, pid_rx) = tokio::sync::oneshot::channel::<i32>();
+    let waiter = {
+        let (store, tenant, mixed) = (store.clone(), tenant.clone(), mixed.clone());
+        tokio::spawn(async move {
+            let mut tx = store.pool().begin().await.expect("begin");
+            let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+                .fetch_one(&mut *tx)
+                .await
+                .expect("pid");
+            let _ = pid_tx.send(pid);
+            let answer = with_outcome(mixed_in_tx(&mut tx, &tenant, key, &mixed)).await;
+            tx.commit().await.expect("commit");
+            answer
+        })
+    };
+    // Let the owner finish only once the waiter has looked and is waiting:
+    // its backend's last statement is the reservation, its transaction open.
+    let pid = pid_rx.await.expect("the waiter's backend");
+    let mut looked = false;
+    for _ in 0..3000 {
+        let n: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity WHERE pid = $1 \
+               AND state = 'idle in transaction' AND query LIKE '%FROM idempotency_records%'",
+        )
+        .bind(pid)
+        .fetch_one(store.pool())
+        .await
+        .expect("activity");
+        if n > 0 || waiter.is_finished() {
+            looked = n > 0;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    if waiter.is_finished() {
+        let early = waiter.await.expect("waiter task");
+        panic!("the waiter did not wait for the owner: {early:?}");
+    }
+    if !looked {
+        let row: (Option<String>, Option<String>) =
+            sqlx::query_as("SELECT state, query FROM pg_stat_activity WHERE pid = $1")
+                .bind(pid)
+                .fetch_one(store.pool())
+                .await
+                .expect("activity");
+        panic!("the waiter did not look: {row:?}");
+    }
+    mixed.finish.notify_one();
+    let owned = tokio::time::timeout(Duration::from_secs(60), owner)
+        .await
+        .expect("the owner finishes")
+        .expect("owner task");
+    let waited = tokio::time::timeout(Duration::from_secs(60), waiter)
+        .await
+        .expect("the waiter answers within its bound")
+        .expect("waiter task");
+    assert_eq!(mixed.runs.load(std::sync::atomic::Ordering::SeqCst), 1);
+    assert!(
+        matches!(owned, (Ok(1), Some(Outcome::Executed))),
+        "{owned:?}"
+    );
+    assert!(
+        matches!(waited, (Ok(1), Some(Outcome::Replayed))),
+        "{waited:?}"
+    );
+}

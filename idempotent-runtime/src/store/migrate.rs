@@ -97,6 +97,7 @@ pub(crate) static POSTGRES: &[Migration] = embedded_migrations!("postgres":
     (3, "0003_attempts.sql", "attempts"),
     (4, "0004_one_reservation_body_and_waiters.sql", "one reservation body and waiters"),
     (5, "0005_wake_on_ended_lease.sql", "wake on ended lease"),
+    (6, "0006_tx_answers_keep_no_lock.sql", "tx answers keep no lock"),
 );
 
 /// MySQL/MariaDB's migrations (`migrations/mysql`).

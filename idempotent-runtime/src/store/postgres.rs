@@ -790,7 +790,22 @@ crate::transaction::transactional_connection! {
         reserve: reserve_in_transaction,
         complete: complete_with,
         release: release_with,
+        may_wait: reads_what_others_commit,
     }
+}
+
+/// Whether a waiting duplicate may ask again in this transaction: under READ
+/// COMMITTED (PostgreSQL's default) each statement sees what others committed
+/// since, and an in-progress answer leaves no row lock (migration 0006), so
+/// polling sees the owner finish. Under REPEATABLE READ or SERIALIZABLE the
+/// snapshot would answer from the past every time: refused at once instead.
+async fn reads_what_others_commit(conn: &mut sqlx::PgConnection) -> Result<bool, StoreError> {
+    let row: PgRow = conn
+        .fetch_one("SELECT current_setting('transaction_isolation') = 'read committed'")
+        .await
+        .map_err(err("check the transaction's isolation level"))?;
+    row.try_get::<bool, _>(0)
+        .map_err(err("check the transaction's isolation level"))
 }
 
 /// Whether the connection is in a transaction, as the server sees it, asked
