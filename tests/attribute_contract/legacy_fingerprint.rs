@@ -157,3 +157,156 @@ async fn a_record_made_after_a_legacy_retry_carries_the_current_fingerprint() {
         "the new record was made with the legacy v1 fingerprint: {stored}"
     );
 }
+
+/// A memory store holding an older version's in-progress record (v1
+/// fingerprint). Right after our first reservation is answered "mismatch",
+/// that old owner's body fails (it releases), and a *new-version* caller with
+/// exactly our arguments reserves: the record now carries our current (v2)
+/// fingerprint.
+struct OldOwnerReplaced {
+    inner: MemoryStore,
+    old_owner: Mutex<Option<(Identity, OwnerToken)>>,
+    /// The new caller's fingerprint (ours) and token.
+    newcomer: Mutex<Option<(Fingerprint, OwnerToken)>>,
+}
+
+#[async_trait::async_trait]
+impl Store for OldOwnerReplaced {
+    fn name(&self) -> &'static str {
+        "old-owner-replaced"
+    }
+    async fn reserve(&self, r: ReserveRequest<'_>) -> Result<Reservation, StoreError> {
+        let answer = self.inner.reserve(r).await?;
+        if answer == Reservation::FingerprintMismatch {
+            let old = self.old_owner.lock().unwrap().take();
+            if let Some((identity, token)) = old {
+                assert!(self.inner.release(&identity, &token).await?);
+                let (fp, token) = self.newcomer.lock().unwrap().take().expect("newcomer");
+                let b = self
+                    .inner
+                    .reserve(ReserveRequest {
+                        identity: &identity,
+                        fingerprint: Some(&fp),
+                        token: &token,
+                        lease: Duration::from_secs(30),
+                        ttl: Duration::from_secs(3600),
+                    })
+                    .await?;
+                assert!(matches!(b, Reservation::Acquired { .. }), "{b:?}");
+            }
+        }
+        Ok(answer)
+    }
+    async fn complete(
+        &self,
+        i: &Identity,
+        t: &OwnerToken,
+        o: &StoredOutcome,
+        ttl: Duration,
+    ) -> Result<bool, StoreError> {
+        self.inner.complete(i, t, o, ttl).await
+    }
+    async fn release(&self, i: &Identity, t: &OwnerToken) -> Result<bool, StoreError> {
+        self.inner.release(i, t).await
+    }
+    async fn heartbeat(
+        &self,
+        i: &Identity,
+        t: &OwnerToken,
+        l: Duration,
+    ) -> Result<bool, StoreError> {
+        self.inner.heartbeat(i, t, l).await
+    }
+    fn release_detached(&self, i: Identity, t: OwnerToken) {
+        self.inner.release_detached(i, t)
+    }
+    fn complete_detached(&self, i: Identity, t: OwnerToken, o: StoredOutcome, ttl: Duration) {
+        self.inner.complete_detached(i, t, o, ttl)
+    }
+    async fn complete_recovered(
+        &self,
+        i: &Identity,
+        t: &OwnerToken,
+        o: &StoredOutcome,
+        ttl: Duration,
+    ) -> Result<bool, StoreError> {
+        self.inner.complete_recovered(i, t, o, ttl).await
+    }
+    async fn force_release(&self, i: &Identity, e: bool) -> Result<ForcedRelease, StoreError> {
+        self.inner.force_release(i, e).await
+    }
+    async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError> {
+        self.inner.purge_expired(batch).await
+    }
+    async fn fetch(&self, i: &Identity) -> Result<Option<RecordSnapshot>, StoreError> {
+        self.inner.fetch(i).await
+    }
+    async fn scope_stats(&self) -> Result<Vec<ScopeStats>, StoreError> {
+        self.inner.scope_stats().await
+    }
+}
+
+#[idempotent(scope = "reviewb.legacy_replaced", key = key, tenant = tenant, store = store,
+             in_progress = reject)]
+async fn subscribe_once(
+    store: &OldOwnerReplaced,
+    tenant: &str,
+    key: &str,
+    topics: HashSet<u32, RandomState>,
+) -> Result<usize, Error> {
+    Ok(topics.len())
+}
+
+/// Rule 7 (and 6): a mismatch needs two fingerprints that differ. During a
+/// rolling upgrade an old version's call holds the record with its v1
+/// fingerprint; our call (same arguments, new version) is answered
+/// "mismatch" for its v2 fingerprint and retries with the legacy (v1) one.
+/// Between the two statements the old owner's body fails and releases, and
+/// a new-version duplicate with *our exact arguments* reserves (v2). The
+/// legacy try now meets a record carrying our own current fingerprint, and
+/// the engine, having used up its one legacy try, answers
+/// `FingerprintMismatch` for a request equal to the one running: a
+/// legitimate duplicate is refused as a different request (422 / poison
+/// message) instead of being answered in progress (here: `reject`).
+#[tokio::test]
+async fn a_legacy_retry_that_meets_our_own_current_fingerprint_is_not_a_mismatch() {
+    let topics = topics();
+    let current = {
+        let mut b = idempotent_runtime::FingerprintBuilder::new();
+        b.argument("topics", &topics);
+        b.finish().unwrap().unwrap()
+    };
+    let legacy = current.legacy().expect("a set has a legacy fingerprint");
+    let store = OldOwnerReplaced {
+        inner: MemoryStore::new(),
+        old_owner: Mutex::new(None),
+        newcomer: Mutex::new(Some((current.clone(), OwnerToken::new()))),
+    };
+    let id = Identity::new("t-rb", "reviewb.legacy_replaced", "k-rb").unwrap();
+    // The old version's call: same arguments, v1 fingerprint, in progress.
+    let old_token = OwnerToken::new();
+    let r = store
+        .inner
+        .reserve(ReserveRequest {
+            identity: &id,
+            fingerprint: Some(&legacy),
+            token: &old_token,
+            lease: Duration::from_secs(30),
+            ttl: Duration::from_secs(3600),
+        })
+        .await
+        .unwrap();
+    assert!(matches!(r, Reservation::Acquired { .. }));
+    // Our arguments' v2 form differs from the stored v1 form: the first try
+    // is a mismatch, so the engine tries the legacy form next.
+    assert_ne!(current, legacy);
+    *store.old_owner.lock().unwrap() = Some((id.clone(), old_token));
+
+    let answer = subscribe_once(&store, "t-rb", "k-rb", topics.clone()).await;
+    let stored = store.fetch(&id).await.unwrap().unwrap().fingerprint;
+    assert_eq!(stored.as_deref(), Some(current.as_str()), "the record holds our own fingerprint");
+    assert!(
+        matches!(answer, Err(Error::InProgress { .. })),
+        "an identical request is running; expected InProgress, got {answer:?}"
+    );
+}

@@ -17,6 +17,7 @@ mod mysql;
 mod postgres;
 mod sqlite;
 
+mod consumer_verdicts;
 mod legacy_fingerprint;
 mod macro_rules_args;
 mod macro_shapes;

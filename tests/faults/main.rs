@@ -12,3 +12,4 @@ mod mysql_faults;
 mod mysql_wire;
 mod postgres_faults;
 mod postgres_wire;
+mod stuck_heartbeat;

@@ -318,3 +318,164 @@ async fn answered_twice(
     let again = send().await.unwrap();
     (status, text, again, calls.load(Ordering::SeqCst))
 }
+
+/// Bad configuration is refused when the layer is built, never by a panic
+/// per request: `wait(Duration::MAX)` ("wait as long as it takes") passes
+/// `build()` (only a zero lease is checked), and then every non-safe request
+/// panics in the engine (`started + d` in `reserve_from`: "overflow when
+/// adding duration to instant"), even a first request that finds no record.
+/// The connection is dropped without an answer. The stores saturate such
+/// durations; the layer (or the engine) should too, or `build()` should
+/// refuse them with a `LayerConfigError`. (`lease(Duration::MAX)` is checked
+/// alongside and answers.)
+#[tokio::test]
+async fn a_layer_built_with_unbounded_durations_answers_requests() {
+    for (name, builder) in [
+        (
+            "lease(Duration::MAX)",
+            IdempotencyLayer::builder("contract_edges.maxlease", MemoryStore::new()).lease(Duration::MAX),
+        ),
+        (
+            "wait(Duration::MAX)",
+            IdempotencyLayer::builder("contract_edges.maxwait", MemoryStore::new()).wait(Duration::MAX),
+        ),
+    ] {
+        let Ok(layer) = builder.tenant_from_extension::<Account>().build() else {
+            continue; // refused at build time: fine
+        };
+        let app = Router::new()
+            .route(
+                "/orders",
+                post(|| async { (StatusCode::CREATED, "created") }),
+            )
+            .route_layer(layer)
+            .layer(middleware::from_fn(authenticate));
+        let (base, _task) = serve(app).await;
+        let answer = tokio::time::timeout(
+            Duration::from_secs(20),
+            reqwest::Client::new()
+                .post(format!("{base}/orders"))
+                .header("x-account-id", fresh_tenant())
+                .header("idempotency-key", "k-max")
+                .send(),
+        )
+        .await
+        .expect("answered in time");
+        match answer {
+            Ok(r) => assert_eq!(r.status(), 201, "{name}"),
+            Err(e) => panic!("{name}: the request got no answer: {e}"),
+        }
+    }
+}
+
+/// Rule 22: a replay returns the recorded status, body and headers. A body
+/// is only readable with its `Content-Encoding` (a handler serving a
+/// pre-compressed document, or a compression layer inside the idempotency
+/// layer): the layer records the encoded bytes, but `Content-Encoding` is
+/// not among `DEFAULT_RECORDED_HEADERS`, so the replay sends gzip bytes
+/// labelled as plain JSON. Every client that decodes by the header (browsers,
+/// reqwest with `gzip`, curl --compressed) reads garbage on a retry.
+#[tokio::test]
+async fn a_replay_keeps_the_content_encoding_of_its_body() {
+    // The gzip of `{"ok":true}` (any bytes would do: they are never decoded here).
+    const GZIPPED: &[u8] = &[
+        0x1f, 0x8b, 0x08, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x03, 0xab, 0x56, 0xca, 0xcf, 0x56,
+        0xb2, 0x2a, 0x29, 0x2a, 0x4d, 0xad, 0x05, 0x00, 0x9c, 0x2b, 0x26, 0x5a, 0x0b, 0x00, 0x00,
+        0x00,
+    ];
+    let app = Router::new()
+        .route(
+            "/documents",
+            post(|| async {
+                (
+                    StatusCode::CREATED,
+                    [
+                        (axum::http::header::CONTENT_TYPE, "application/json"),
+                        (axum::http::header::CONTENT_ENCODING, "gzip"),
+                    ],
+                    GZIPPED,
+                )
+                    .into_response()
+            }),
+        )
+        .route_layer(layer("contract_edges.encoding"))
+        .layer(middleware::from_fn(authenticate));
+    let (base, _task) = serve(app).await;
+    let http = reqwest::Client::new();
+    let tenant = fresh_tenant();
+    let send = || {
+        http.post(format!("{base}/documents"))
+            .header("x-account-id", &tenant)
+            .header("idempotency-key", "k-enc")
+            .send()
+    };
+    let first = send().await.unwrap();
+    let first_encoding = first.headers().get("content-encoding").cloned();
+    assert_eq!(first.status(), 201);
+    assert_eq!(&first.bytes().await.unwrap()[..], GZIPPED);
+    let again = send().await.unwrap();
+    assert_eq!(again.status(), 201);
+    assert_eq!(
+        again
+            .headers()
+            .get("idempotent-replayed")
+            .map(|v| v.as_bytes()),
+        Some(&b"true"[..])
+    );
+    let again_encoding = again.headers().get("content-encoding").cloned();
+    assert_eq!(&again.bytes().await.unwrap()[..], GZIPPED, "the same bytes");
+    assert_eq!(
+        again_encoding, first_encoding,
+        "the replay's body is gzip, but it is no longer labelled so"
+    );
+}
+
+/// The client "retries that intent safely with the same key". An answer the
+/// server ran but could not record (larger than the route's
+/// `max_response_bytes`) comes back as a 500 `response-not-recorded` problem
+/// whose detail says "the key was released ... a retry runs the request
+/// again". The client retries every 5xx, so one intent runs the handler (and
+/// its side effect) once per attempt: six charges for one `send()`.
+#[tokio::test]
+async fn the_client_does_not_rerun_a_handler_whose_answer_could_not_be_recorded() {
+    let calls = Arc::new(AtomicUsize::new(0));
+    let counted = calls.clone();
+    let layer = IdempotencyLayer::builder("contract_edges.unrecordable", MemoryStore::new())
+        .tenant_from_extension::<Account>()
+        .max_response_bytes(16)
+        .build()
+        .expect("layer");
+    let app = Router::new()
+        .route(
+            "/charges",
+            post(move || {
+                let counted = counted.clone();
+                async move {
+                    counted.fetch_add(1, Ordering::SeqCst); // the side effect
+                    (StatusCode::CREATED, "a receipt longer than sixteen bytes").into_response()
+                }
+            }),
+        )
+        .route_layer(layer)
+        .layer(middleware::from_fn(authenticate));
+    let (base, _task) = serve(app).await;
+    let client = IdempotentClient::new(reqwest::Client::new()).with_policy(RetryPolicy {
+        initial_backoff: Duration::from_millis(1),
+        max_backoff: Duration::from_millis(2),
+        ..RetryPolicy::default()
+    });
+    let answer = client
+        .intent(Method::POST, &format!("{base}/charges"))
+        .unwrap()
+        .header("x-account-id", &fresh_tenant())
+        .unwrap()
+        .send()
+        .await;
+    let ran = calls.load(Ordering::SeqCst);
+    assert_eq!(
+        ran,
+        1,
+        "one intent charged {ran} times (client answer: {:?})",
+        answer.as_ref().map(|a| a.status())
+    );
+}

@@ -15,3 +15,5 @@ mod sqlite;
 mod transactional;
 
 mod lost_answers;
+
+mod lost_answer_lease;

@@ -26,7 +26,9 @@
 //! ```
 //!
 //! Retries: connection errors, timeouts, 5xx, and a 409 that is not a replay
-//! (a request with the key still running; its `Retry-After` is honoured). A
+//! (a request with the key still running; its `Retry-After` is honoured),
+//! but not a 500 `response-not-recorded` problem: the handler ran and the
+//! key was freed, so a retry would run it again. A
 //! replayed answer (`Idempotent-Replayed: true`), a 409 included, and every
 //! other 4xx are final and returned as they are: a handler's own 409 costs
 //! one retry, which comes back replayed. Backoff is
@@ -245,6 +247,14 @@ fn still_running(headers: &HeaderMap) -> bool {
         .is_some_and(|v| v.trim().eq_ignore_ascii_case("true"))
 }
 
+/// A 500 saying the handler ran but its answer could not be recorded
+/// (`response-not-recorded`): the layer freed the key, so a retry would run
+/// the handler again. Final, like a 4xx.
+fn handler_ran_unrecorded(headers: &HeaderMap, body: &[u8]) -> bool {
+    problem_of(headers, body)
+        .is_some_and(|p| p.problem_type == super::problem::types::RESPONSE_NOT_RECORDED)
+}
+
 fn problem_of(headers: &HeaderMap, body: &[u8]) -> Option<Problem> {
     let ct = headers.get(CONTENT_TYPE)?.to_str().ok()?;
     if !ct
@@ -380,7 +390,7 @@ impl Intent {
 
     /// Sends the request, retrying with the same key per the client's
     /// [`RetryPolicy`]. Returns the first final answer (2xx, 3xx, 4xx other
-    /// than a 409 that is not a replay), or [`ClientError::RetriesExhausted`] when every attempt
+    /// than a 409 that is not a replay, a 500 `response-not-recorded`), or [`ClientError::RetriesExhausted`] when every attempt
     /// failed retryably. Calling it again later is a further retry of the
     /// same operation, with the same key.
     pub async fn send(&self) -> Result<IdempotentResponse, ClientError> {
@@ -391,9 +401,10 @@ impl Intent {
             attempt += 1;
             let last = match self.attempt().await {
                 Ok((status, headers, body)) => {
-                    if !(status.is_server_error()
-                        || (status == StatusCode::CONFLICT && still_running(&headers)))
-                    {
+                    let retryable = (status.is_server_error()
+                        && !handler_ran_unrecorded(&headers, &body))
+                        || (status == StatusCode::CONFLICT && still_running(&headers));
+                    if !retryable {
                         return Ok(IdempotentResponse {
                             status,
                             headers,

@@ -34,10 +34,14 @@ pub const DEFAULT_MAX_BODY_BYTES: usize = 1024 * 1024;
 pub const DEFAULT_MAX_RESPONSE_BYTES: usize = crate::engine::MAX_RESULT_BYTES / 2;
 
 /// The response headers recorded and replayed by default (besides the
-/// status and the body): `Content-Type`, `Location`, `Content-Location`,
-/// `Content-Language`, `ETag` and `Last-Modified`.
-pub const DEFAULT_RECORDED_HEADERS: [HeaderName; 6] = [
+/// status and the body): `Content-Type`, `Content-Encoding` and
+/// `Content-Range` (the recorded body is the encoded bytes, and a partial
+/// answer's range), `Location`, `Content-Location`, `Content-Language`,
+/// `ETag` and `Last-Modified`.
+pub const DEFAULT_RECORDED_HEADERS: [HeaderName; 8] = [
     header::CONTENT_TYPE,
+    header::CONTENT_ENCODING,
+    header::CONTENT_RANGE,
     header::LOCATION,
     header::CONTENT_LOCATION,
     header::CONTENT_LANGUAGE,

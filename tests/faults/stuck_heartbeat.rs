@@ -1,0 +1,156 @@
+//! Rule 9: the lease is renewed every lease/3 for as long as the body runs,
+//! and a heartbeat that fails is visible. A heartbeat statement that never
+//! answers (a pooled connection whose peer went silent: TCP retransmits for
+//! minutes, sqlx sets no statement timeout) stops every later renewal: the
+//! engine starts the next heartbeat only when the previous one has answered
+//! (`run_with_heartbeat`). Nothing is logged or counted, the lease runs out
+//! while the body is still running and being polled, and a duplicate takes
+//! the record over and runs the body a second time.
+
+use idempotent_runtime::{
+    idempotent, Error, Identity, MemoryStore, OwnerToken, RecordSnapshot, Reservation,
+    ReserveRequest, ScopeStats, Store, StoreError, StoredOutcome,
+};
+use std::pin::pin;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::Duration;
+use tokio::sync::Notify;
+
+/// A memory store whose first heartbeat never answers.
+struct StuckHeartbeat {
+    inner: MemoryStore,
+    stuck: AtomicBool,
+    reached: Notify,
+}
+
+#[async_trait::async_trait]
+impl Store for StuckHeartbeat {
+    fn name(&self) -> &'static str {
+        "stuck-heartbeat"
+    }
+    async fn reserve(&self, r: ReserveRequest<'_>) -> Result<Reservation, StoreError> {
+        self.inner.reserve(r).await
+    }
+    async fn complete(
+        &self,
+        i: &Identity,
+        t: &OwnerToken,
+        o: &StoredOutcome,
+        ttl: Duration,
+    ) -> Result<bool, StoreError> {
+        self.inner.complete(i, t, o, ttl).await
+    }
+    async fn release(&self, i: &Identity, t: &OwnerToken) -> Result<bool, StoreError> {
+        self.inner.release(i, t).await
+    }
+    async fn heartbeat(
+        &self,
+        i: &Identity,
+        t: &OwnerToken,
+        lease: Duration,
+    ) -> Result<bool, StoreError> {
+        if self.stuck.swap(false, Ordering::SeqCst) {
+            self.reached.notify_one();
+            std::future::pending::<()>().await;
+        }
+        self.inner.heartbeat(i, t, lease).await
+    }
+    fn release_detached(&self, i: Identity, t: OwnerToken) {
+        self.inner.release_detached(i, t)
+    }
+    fn complete_detached(&self, i: Identity, t: OwnerToken, o: StoredOutcome, ttl: Duration) {
+        self.inner.complete_detached(i, t, o, ttl)
+    }
+    async fn complete_recovered(
+        &self,
+        i: &Identity,
+        t: &OwnerToken,
+        o: &StoredOutcome,
+        ttl: Duration,
+    ) -> Result<bool, StoreError> {
+        self.inner.complete_recovered(i, t, o, ttl).await
+    }
+    async fn force_release(
+        &self,
+        i: &Identity,
+        require_expired_lease: bool,
+    ) -> Result<idempotent_runtime::ForcedRelease, StoreError> {
+        self.inner.force_release(i, require_expired_lease).await
+    }
+    async fn wait_for_change(&self, i: &Identity, max_wait: Duration, round: u32) {
+        self.inner.wait_for_change(i, max_wait, round).await
+    }
+    async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError> {
+        self.inner.purge_expired(batch).await
+    }
+    async fn fetch(&self, i: &Identity) -> Result<Option<RecordSnapshot>, StoreError> {
+        self.inner.fetch(i).await
+    }
+    async fn scope_stats(&self) -> Result<Vec<ScopeStats>, StoreError> {
+        self.inner.scope_stats().await
+    }
+}
+
+/// The first run waits for `go`; any later run returns at once.
+#[idempotent(scope = "faults.stuck_heartbeat", key = key, tenant = shared, store = store,
+             skip(runs, go), lease = "300ms", in_progress = wait("30s"))]
+async fn work(
+    store: &StuckHeartbeat,
+    key: &str,
+    runs: &AtomicUsize,
+    go: &Notify,
+) -> Result<usize, Error> {
+    let n = runs.fetch_add(1, Ordering::SeqCst) + 1;
+    if n == 1 {
+        go.notified().await;
+    }
+    Ok(n)
+}
+
+/// The owner's body runs (and is polled) while its first heartbeat hangs.
+/// A duplicate arrives and waits. The owner is alive, so the duplicate must
+/// not take its record over: it may only replay the owner's answer once
+/// `go` is given. On the current code no second heartbeat is ever sent, the
+/// lease runs out after 300 ms, and the duplicate runs the body again.
+#[tokio::test]
+async fn a_heartbeat_that_never_answers_does_not_stop_the_renewals() {
+    let store = StuckHeartbeat {
+        inner: MemoryStore::new(),
+        stuck: AtomicBool::new(true),
+        reached: Notify::new(),
+    };
+    let (runs, go) = (AtomicUsize::new(0), Notify::new());
+    let mut owner = pin!(work(&store, "k-stuck", &runs, &go));
+    tokio::time::timeout(Duration::from_secs(20), async {
+        tokio::select! {
+            _ = &mut owner => panic!("the owner finished before its first heartbeat"),
+            _ = store.reached.notified() => {}
+        }
+    })
+    .await
+    .expect("the first heartbeat was sent");
+
+    // The owner keeps being polled (its body waits for `go`), and a
+    // duplicate waits. Ten leases' time is more than enough for a working
+    // renewal to show; the duplicate must still be waiting then.
+    let mut duplicate = pin!(work(&store, "k-stuck", &runs, &go));
+    let early = tokio::time::timeout(Duration::from_secs(3), async {
+        tokio::select! {
+            d = &mut duplicate => d,
+            _ = &mut owner => panic!("the owner finished without go"),
+        }
+    })
+    .await;
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        1,
+        "the body ran twice while its owner was alive and polled (duplicate answered {early:?})"
+    );
+    go.notify_one();
+    let (o, d) = tokio::time::timeout(Duration::from_secs(20), async {
+        tokio::join!(owner, duplicate)
+    })
+    .await
+    .expect("both answered");
+    assert_eq!((o.unwrap(), d.unwrap()), (1, 1));
+}
