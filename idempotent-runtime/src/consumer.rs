@@ -201,8 +201,9 @@ impl AsIdempotencyError for Box<dyn std::error::Error + 'static> {
 /// The verdict on a handler's answer: its result and the [`Outcome`] that
 /// [`with_outcome`] reported for it.
 ///
-/// A refusal by the framework (in progress, mismatch, bad key) decides first;
-/// then a replay (of a result, or of a recorded error) is `Replayed`; then
+/// A refusal by the framework (in progress, mismatch, bad key) decides first,
+/// and any other error of the framework's own is `Failed` (redelivered); then
+/// a replay (of a result, or of a recorded error) is `Replayed`; then
 /// `Ok` is `Executed` (also when the handler made no idempotent call at all)
 /// and any other `Err` is `Failed`.
 pub fn classify<T, E: AsIdempotencyError>(
@@ -220,8 +221,12 @@ pub fn classify<T, E: AsIdempotencyError>(
         },
         Some(Error::FingerprintMismatch(_)) => Verdict::Mismatch,
         Some(Error::InvalidKey(_) | Error::InvalidTenant(_)) => Verdict::InvalidKey,
-        _ if outcome == Some(Outcome::Replayed) => Verdict::Replayed,
-        _ => Verdict::Failed,
+        // The framework's own error (a store down, a lease lost...) is never a
+        // recorded answer, even after an earlier step replayed: that step's
+        // outcome says nothing of the step that failed, which has not run.
+        Some(_) => Verdict::Failed,
+        None if outcome == Some(Outcome::Replayed) => Verdict::Replayed,
+        None => Verdict::Failed,
     }
 }
 

@@ -13,13 +13,13 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 static CHARGED: AtomicUsize = AtomicUsize::new(0);
 
-#[idempotent(scope = "reviewb.consumer.reserve_stock", key = key, tenant = shared,
+#[idempotent(scope = "contract_edges.consumer.reserve_stock", key = key, tenant = shared,
              store = store, in_progress = reject)]
 async fn reserve_stock(store: &MemoryStore, key: &str) -> Result<u32, Error> {
     Ok(1)
 }
 
-#[idempotent(scope = "reviewb.consumer.charge", key = key, tenant = shared,
+#[idempotent(scope = "contract_edges.consumer.charge", key = key, tenant = shared,
              store = store, in_progress = reject)]
 async fn charge(store: &SqliteStore, key: &str) -> Result<u32, Error> {
     CHARGED.fetch_add(1, Ordering::SeqCst);
@@ -29,10 +29,14 @@ async fn charge(store: &SqliteStore, key: &str) -> Result<u32, Error> {
 #[tokio::test]
 async fn a_later_steps_store_failure_after_a_replayed_step_is_not_acked() {
     let stock = MemoryStore::new();
-    let payments = SqliteStore::connect("sqlite::memory:").await.expect("sqlite");
+    let payments = SqliteStore::connect("sqlite::memory:")
+        .await
+        .expect("sqlite");
     // An earlier delivery reserved the stock; its charge step failed (or the
     // consumer died before it): the message was not acked and comes again.
-    reserve_stock(&stock, "msg-1").await.expect("stock reserved");
+    reserve_stock(&stock, "msg-1")
+        .await
+        .expect("stock reserved");
     // The payments store is unreachable during the redelivery.
     payments.pool().close().await;
 
