@@ -454,7 +454,11 @@ where
         // The reservation failed but may have landed, possibly as a takeover:
         // end its lease (fenced by this call's token; nothing if it never
         // landed) so the next call takes it over and asks the hook at once.
-        end_lease_logged(store, &identity, &token).await;
+        if end_lease_logged(store, &identity, &token).await == EndedLease::NotOurs {
+            // Nothing of this token yet: a statement still in flight may land
+            // later, so the store's worker tries again.
+            store.end_lease_detached(identity.clone(), token.clone());
+        }
         guard.arm(false);
     }
     guard.keep_unanswered = false;
@@ -926,10 +930,14 @@ async fn reserve_from(
     // creates always carries the current one (`current`).
     let current = request.fingerprint;
     let legacy = current.and_then(Fingerprint::legacy);
-    let mut legacy_tried = legacy.is_none();
+    // Mismatches answered since the last wait (see the mismatch arm).
+    let mut mismatches: u32 = 0;
     let mut request = request;
     let deadline = match spec.in_progress {
-        InProgressPolicy::Wait(d) => Some(started + d),
+        // A bound too long for the clock (`Duration::MAX`) is a century.
+        InProgressPolicy::Wait(d) => started
+            .checked_add(d)
+            .or_else(|| started.checked_add(Duration::from_secs(100 * 365 * 24 * 3600))),
         InProgressPolicy::Reject => None,
     };
     let mut waits: u32 = 0;
@@ -981,9 +989,18 @@ async fn reserve_from(
                 }))
             }
             Reservation::Completed(outcome) => return Ok(Reserved::Replay(outcome)),
-            Reservation::FingerprintMismatch if !legacy_tried => {
-                request.fingerprint = legacy.as_ref();
-                legacy_tried = true;
+            // A mismatch with one form, when the other exists, tries the other:
+            // the record may be an old one (legacy form), or, after the legacy
+            // form was refused, one made meanwhile by a current-version call
+            // with these same arguments (current form). Three refusals in a
+            // row between two waits are final.
+            Reservation::FingerprintMismatch if legacy.is_some() && mismatches < 2 => {
+                mismatches += 1;
+                request.fingerprint = if request.fingerprint == current {
+                    legacy.as_ref()
+                } else {
+                    current
+                };
                 now = Instant::now();
             }
             Reservation::FingerprintMismatch => {
@@ -1009,6 +1026,7 @@ async fn reserve_from(
                             .wait_for_change(request.identity, max_wait, waits)
                             .await;
                         waits = waits.saturating_add(1);
+                        mismatches = 0;
                         now = Instant::now();
                     }
                     _ => {
@@ -1140,18 +1158,36 @@ fn complete_detached(
 
 /// Ends the lease of a record this call owns, without deleting it: the next
 /// call takes it over (and asks the recover hook again) at once.
-pub(crate) async fn end_lease_logged(store: &dyn Store, identity: &Identity, token: &OwnerToken) {
+pub(crate) async fn end_lease_logged(
+    store: &dyn Store,
+    identity: &Identity,
+    token: &OwnerToken,
+) -> EndedLease {
     match store.heartbeat(identity, token, Duration::ZERO).await {
-        Ok(true) => {}
+        Ok(true) => EndedLease::Ended,
         Ok(false) => {
             tracing::warn!(target: "idempotent", scope = %identity.scope, key = %identity.log_digest(),
-                "ending the lease found the record owned by someone else (lease lost); left it alone")
+                "ending the lease found the record owned by someone else (lease lost); left it alone");
+            EndedLease::NotOurs
         }
         Err(e) => {
             tracing::error!(target: "idempotent", scope = %identity.scope, key = %identity.log_digest(), error = %e,
-                "ending the lease failed; the record stays in progress until its lease expires")
+                "ending the lease failed; the store retries it in the background");
+            store.end_lease_detached(identity.clone(), token.clone());
+            EndedLease::HandedToTheStore
         }
     }
+}
+
+/// What [`end_lease_logged`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum EndedLease {
+    /// The lease is over.
+    Ended,
+    /// No record held with this token (another owner's, or none).
+    NotOurs,
+    /// It failed; the store's worker tries again.
+    HandedToTheStore,
 }
 
 /// Releases the call's record now. The guard stays armed until the release
@@ -1194,7 +1230,9 @@ async fn run_with_heartbeat<R, Fut: Future<Output = R>>(
     // The timer is made the first time the body is pending: a body that
     // finishes in its first poll costs no timer (fast bodies never heartbeat).
     let mut timer: Option<std::pin::Pin<Box<tokio::time::Sleep>>> = None;
-    let mut beat: Option<futures_util::future::BoxFuture<'_, _>> = None;
+    let mut beat: Option<
+        futures_util::future::BoxFuture<'_, Result<bool, crate::error::StoreError>>,
+    > = None;
     std::future::poll_fn(|cx| {
         if let Poll::Ready(out) = body.as_mut().poll(cx) {
             return Poll::Ready(out);
@@ -1206,13 +1244,28 @@ async fn run_with_heartbeat<R, Fut: Future<Output = R>>(
                     return Poll::Pending;
                 };
                 beat = None;
+                let failed = result.is_err();
                 note_heartbeat(spec, identity, result);
-                timer.as_mut().reset(Instant::now() + period);
+                // A renewal that failed (or never answered) is tried again
+                // soon: the lease is still running out.
+                let next = if failed { period / 4 } else { period };
+                timer.as_mut().reset(Instant::now() + next);
             }
             if timer.as_mut().poll(cx).is_pending() {
                 return Poll::Pending;
             }
-            beat = Some(store.heartbeat(identity, token, lease));
+            // Each renewal gets one period to answer: one that hangs (a
+            // connection whose peer went silent) must not stop the next.
+            let renewal = tokio::time::timeout(period, store.heartbeat(identity, token, lease));
+            beat = Some(Box::pin(async move {
+                renewal.await.unwrap_or_else(|elapsed| {
+                    Err(crate::error::StoreError::new(
+                        store.name(),
+                        "heartbeat",
+                        elapsed,
+                    ))
+                })
+            }));
         }
     })
     .await

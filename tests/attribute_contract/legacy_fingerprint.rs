@@ -246,7 +246,7 @@ impl Store for OldOwnerReplaced {
     }
 }
 
-#[idempotent(scope = "reviewb.legacy_replaced", key = key, tenant = tenant, store = store,
+#[idempotent(scope = "contract_edges.legacy_replaced", key = key, tenant = tenant, store = store,
              in_progress = reject)]
 async fn subscribe_once(
     store: &OldOwnerReplaced,
@@ -282,7 +282,7 @@ async fn a_legacy_retry_that_meets_our_own_current_fingerprint_is_not_a_mismatch
         old_owner: Mutex::new(None),
         newcomer: Mutex::new(Some((current.clone(), OwnerToken::new()))),
     };
-    let id = Identity::new("t-rb", "reviewb.legacy_replaced", "k-rb").unwrap();
+    let id = Identity::new("t-rb", "contract_edges.legacy_replaced", "k-rb").unwrap();
     // The old version's call: same arguments, v1 fingerprint, in progress.
     let old_token = OwnerToken::new();
     let r = store
@@ -304,7 +304,11 @@ async fn a_legacy_retry_that_meets_our_own_current_fingerprint_is_not_a_mismatch
 
     let answer = subscribe_once(&store, "t-rb", "k-rb", topics.clone()).await;
     let stored = store.fetch(&id).await.unwrap().unwrap().fingerprint;
-    assert_eq!(stored.as_deref(), Some(current.as_str()), "the record holds our own fingerprint");
+    assert_eq!(
+        stored.as_deref(),
+        Some(current.as_str()),
+        "the record holds our own fingerprint"
+    );
     assert!(
         matches!(answer, Err(Error::InProgress { .. })),
         "an identical request is running; expected InProgress, got {answer:?}"

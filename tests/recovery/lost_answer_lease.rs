@@ -13,8 +13,7 @@ use idempotent_runtime::store::{
     OwnerToken, RecordSnapshot, Reservation, ReserveRequest, ScopeStats, StoredOutcome,
 };
 use idempotent_runtime::{
-    idempotent, Error, ForcedRelease, Identity, MemoryStore, Recovery, Store, StoreError,
-    Takeover,
+    idempotent, Error, ForcedRelease, Identity, MemoryStore, Recovery, Store, StoreError, Takeover,
 };
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
@@ -40,7 +39,11 @@ impl Store for CutThenDown {
         {
             if self.cut.swap(false, Ordering::SeqCst) {
                 self.failing_heartbeats.store(1, Ordering::SeqCst);
-                return Err(StoreError::new("cut-then-down", "reserve", "connection reset"));
+                return Err(StoreError::new(
+                    "cut-then-down",
+                    "reserve",
+                    "connection reset",
+                ));
             }
         }
         Ok(answer)
@@ -77,7 +80,11 @@ impl Store for CutThenDown {
             .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
             .is_ok();
         if failing {
-            return Err(StoreError::new("cut-then-down", "heartbeat", "connection refused"));
+            return Err(StoreError::new(
+                "cut-then-down",
+                "heartbeat",
+                "connection refused",
+            ));
         }
         self.inner.heartbeat(i, t, l).await
     }
@@ -162,7 +169,9 @@ async fn a_lost_takeover_answer_whose_lease_could_not_be_ended_at_once_is_ended_
     let answer = tokio::time::timeout(Duration::from_secs(5), async {
         loop {
             match ship(&store, "parcel-1").await {
-                Err(Error::InProgress { .. }) => tokio::time::sleep(Duration::from_millis(50)).await,
+                Err(Error::InProgress { .. }) => {
+                    tokio::time::sleep(Duration::from_millis(50)).await
+                }
                 other => return other,
             }
         }
