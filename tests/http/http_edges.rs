@@ -333,11 +333,13 @@ async fn a_layer_built_with_unbounded_durations_answers_requests() {
     for (name, builder) in [
         (
             "lease(Duration::MAX)",
-            IdempotencyLayer::builder("contract_edges.maxlease", MemoryStore::new()).lease(Duration::MAX),
+            IdempotencyLayer::builder("contract_edges.maxlease", MemoryStore::new())
+                .lease(Duration::MAX),
         ),
         (
             "wait(Duration::MAX)",
-            IdempotencyLayer::builder("contract_edges.maxwait", MemoryStore::new()).wait(Duration::MAX),
+            IdempotencyLayer::builder("contract_edges.maxwait", MemoryStore::new())
+                .wait(Duration::MAX),
         ),
     ] {
         let Ok(layer) = builder.tenant_from_extension::<Account>().build() else {

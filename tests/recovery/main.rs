@@ -17,3 +17,5 @@ mod transactional;
 mod lost_answers;
 
 mod lost_answer_lease;
+
+mod long_bodies;

@@ -854,6 +854,40 @@ pub async fn heartbeat_extends_the_lease<S: Store + Clone + 'static>(store: S) {
         .unwrap());
 }
 
+/// Rules 16 and 20: a renewal moves the record's retention with its lease,
+/// keeping their distance, and never moves it back. A body that outlives its
+/// ttl under a renewed lease and then dies leaves a record to take over (the
+/// recover hook is asked), not one that counts as absent the moment its lease
+/// runs out.
+pub async fn heartbeat_moves_the_retention_with_the_lease<S: Store + Clone + 'static>(store: S) {
+    let identity = id(&fresh_tenant(), "conformance.heartbeat_retention", "k");
+    let lease = Duration::from_secs(60);
+    let ttl = Duration::from_secs(120);
+    let token = acquire(&store, &identity, None, lease, ttl).await;
+    let first = fetch(&store, &identity).await.expect("the record");
+    let distance = first.expires_at_ms - first.lease_expires_at_ms.expect("a lease");
+    assert!(store.heartbeat(&identity, &token, LONG).await.unwrap());
+    let renewed = fetch(&store, &identity).await.expect("the record");
+    let lease_end = renewed.lease_expires_at_ms.expect("a lease");
+    assert!(lease_end > first.lease_expires_at_ms.unwrap());
+    assert_eq!(
+        renewed.expires_at_ms - lease_end,
+        distance,
+        "the retention keeps its distance from the lease's end"
+    );
+    // A shorter renewal (the engine ends a lease with a zero one) leaves the
+    // retention where it was.
+    assert!(store
+        .heartbeat(&identity, &token, Duration::ZERO)
+        .await
+        .unwrap());
+    let ended = fetch(&store, &identity).await.expect("the record");
+    assert_eq!(ended.expires_at_ms, renewed.expires_at_ms);
+    // The lease ran out, the ttl did not: a takeover, not a fresh acquire.
+    let got = reserve(&store, &identity, None, &OwnerToken::new(), LONG, LONG).await;
+    assert_takeover(&got, 2);
+}
+
 // ---------------------------------------------------------------- rule 16
 
 /// Rule 16: an expired record counts as absent: complete records after their
@@ -1490,6 +1524,7 @@ macro_rules! store_conformance_tests {
             missing_fingerprint_is_not_contradicted,
             expired_lease_is_taken_over,
             heartbeat_extends_the_lease,
+            heartbeat_moves_the_retention_with_the_lease,
             expired_record_counts_as_absent,
             purge_deletes_only_expired_records,
             big_payload_round_trips,

@@ -224,6 +224,9 @@ impl MemoryStore {
             Some(r) if r.owned_by(token) => {
                 let until = now.saturating_add(duration_to_millis(lease));
                 let shortened = until < r.lease_expires_at_ms;
+                // The retention moves with the lease (`Store::heartbeat`).
+                let retention = r.expires_at_ms.saturating_sub(r.lease_expires_at_ms);
+                r.expires_at_ms = r.expires_at_ms.max(until.saturating_add(retention));
                 r.lease_expires_at_ms = until;
                 if shortened {
                     // A lease ended early (the engine ends one so the next

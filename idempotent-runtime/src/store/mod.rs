@@ -320,6 +320,13 @@ pub trait Store: Send + Sync {
     async fn release(&self, identity: &Identity, token: &OwnerToken) -> Result<bool, StoreError>;
 
     /// Extends the lease to `lease` from now. Returns `false` when `token` no longer owns the record.
+    ///
+    /// The record's retention (`expires_at`) moves with it, keeping its
+    /// distance from the lease's end (never moving back): an in-progress
+    /// record counts as absent only once both its lease and its ttl have run
+    /// out (rule 16), and a body that outlives its ttl under a renewed lease
+    /// and then dies must be *taken over* (rule 20: the `recover` hook is
+    /// asked), not replaced as if the key were free.
     async fn heartbeat(
         &self,
         identity: &Identity,

@@ -544,12 +544,17 @@ async fn heartbeat_with<'e, E: Executor<'e, Database = MySql>>(
     lease: Duration,
 ) -> Result<bool, StoreError> {
     let sql = format!(
+        // The record's retention moves with its lease (`Store::heartbeat`). MySQL assigns left to right, each assignment
+        // seeing the ones before it: `expires_at` first, from the old lease.
         "UPDATE idempotency_records
-            SET lease_expires_at = {NOW_MS} + ?, updated_at = {NOW_MS}
+            SET expires_at = GREATEST(expires_at,
+                    COALESCE({NOW_MS} + ? + (expires_at - lease_expires_at), expires_at)),
+                lease_expires_at = {NOW_MS} + ?, updated_at = {NOW_MS}
           WHERE tenant = ? AND scope = ? AND `key` = ?
             AND state = 'in_progress' AND owner_token = ?"
     );
     let done = sqlx::query(&sql)
+        .bind(duration_to_millis(lease))
         .bind(duration_to_millis(lease))
         .bind(identity.tenant.as_bytes())
         .bind(identity.scope.as_bytes())

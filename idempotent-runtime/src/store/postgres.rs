@@ -544,8 +544,12 @@ async fn heartbeat_with<'e, E: Executor<'e, Database = Postgres>>(
     lease: Duration,
 ) -> Result<bool, StoreError> {
     let done = sqlx::query(
+        // The record's retention moves with its lease (`Store::heartbeat`):
+        // `expires_at` keeps its distance from the lease's end.
         "UPDATE idempotency_records
-            SET lease_expires_at = idempotency_now_ms() + $5, updated_at = idempotency_now_ms()
+            SET lease_expires_at = idempotency_now_ms() + $5, updated_at = idempotency_now_ms(),
+                expires_at = GREATEST(expires_at,
+                    idempotency_now_ms() + $5 + (expires_at - lease_expires_at))
           WHERE tenant = $1 AND scope = $2 AND key = $3
             AND state = 'in_progress' AND owner_token = $4",
     )

@@ -137,10 +137,13 @@ const RELEASE_SQL: &str = concat!(
     "AND state = 'in_progress' AND owner_token = ?4"
 );
 
+/// A renewal; the record's retention moves with its lease ([`Store::heartbeat`]).
 const HEARTBEAT_SQL: &str = concat!(
     "UPDATE idempotency_records SET lease_expires_at = ",
     now_ms!(),
-    " + ?5 ",
+    " + ?5, expires_at = max(expires_at, COALESCE(",
+    now_ms!(),
+    " + ?5 + (expires_at - lease_expires_at), expires_at)) ",
     "WHERE tenant = ?1 AND scope = ?2 AND key = ?3 ",
     "AND state = 'in_progress' AND owner_token = ?4"
 );
