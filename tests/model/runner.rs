@@ -411,6 +411,7 @@ impl<'s> World<'s> {
                 lease_expired,
                 ttl_expired,
                 attempt,
+                ..
             } => {
                 let lease_out = s.lease_expires_at_ms.map(|l| l <= s.now_ms);
                 if s.state != RecordState::InProgress {

@@ -26,7 +26,8 @@
 //!   lease (and ttl) ran out, as long as nobody took the record over. complete
 //!   keeps the record's fingerprint and attempt number and sets the ttl from
 //!   now (complete_recovered also marks it recovered); release deletes the
-//!   record; heartbeat sets the lease from now and leaves the ttl alone.
+//!   record; heartbeat sets the lease from now and moves the retention with
+//!   it (keeping their distance, never moving it back).
 //! * purge deletes exactly the expired records (rule 16).
 
 use std::time::Duration;
@@ -53,6 +54,14 @@ impl Dur {
 
     fn runs_out(self) -> bool {
         self == Dur::Zero
+    }
+
+    /// In units of [`LONG`]: 0 (run out by the next statement) or 1.
+    fn units(self) -> i8 {
+        match self {
+            Dur::Zero => 0,
+            Dur::Long => 1,
+        }
     }
 }
 
@@ -113,6 +122,12 @@ pub enum Rec {
         fp: Fp,
         lease_expired: bool,
         ttl_expired: bool,
+        /// Where the lease and the retention end, in units of [`LONG`] from
+        /// the statements' common "now" (≤ 0: run out). A renewal moves the
+        /// retention with the lease (`Store::heartbeat`), so the model keeps
+        /// the two ends, not only whether they ran out.
+        lease_end: i8,
+        retention_end: i8,
         /// Rule 20: 1, +1 per takeover.
         attempt: u32,
     },
@@ -176,6 +191,8 @@ impl Rec {
             fp,
             lease_expired: lease.runs_out(),
             ttl_expired: ttl.runs_out(),
+            lease_end: lease.units(),
+            retention_end: ttl.units(),
             attempt,
         };
         if !self.live() {
@@ -229,9 +246,18 @@ impl Rec {
             Rec::InProgress {
                 owner,
                 lease_expired,
+                ttl_expired,
+                lease_end,
+                retention_end,
                 ..
             } if owner == token => {
-                *lease_expired = lease.runs_out();
+                // The retention keeps its distance from the lease's end, and
+                // never moves back.
+                let distance = *retention_end - *lease_end;
+                *lease_end = lease.units();
+                *retention_end = (*retention_end).max(*lease_end + distance);
+                *lease_expired = *lease_end <= 0;
+                *ttl_expired = *retention_end <= 0;
                 true
             }
             _ => false,
