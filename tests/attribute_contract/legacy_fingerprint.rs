@@ -7,9 +7,10 @@
 //! request (the same set, iterated in another order: another process,
 //! another instance) was refused as a mismatch.
 
+use crate::common::hooked::{Hooked, Intercept};
 use idempotent_runtime::{
-    idempotent, Error, Fingerprint, ForcedRelease, Identity, MemoryStore, OwnerToken,
-    RecordSnapshot, Reservation, ReserveRequest, ScopeStats, Store, StoreError, StoredOutcome,
+    idempotent, Error, Fingerprint, Identity, MemoryStore, OwnerToken, Reservation, ReserveRequest,
+    Store, StoreError,
 };
 use std::collections::hash_map::RandomState;
 use std::collections::HashSet;
@@ -20,77 +21,30 @@ use std::time::Duration;
 /// releases it (its body failed) right after our first reservation was
 /// answered "mismatch".
 struct RivalReleases {
-    inner: MemoryStore,
     rival: Mutex<Option<(Identity, OwnerToken)>>,
 }
 
 #[async_trait::async_trait]
-impl Store for RivalReleases {
-    fn name(&self) -> &'static str {
-        "rival"
-    }
-    async fn reserve(&self, r: ReserveRequest<'_>) -> Result<Reservation, StoreError> {
-        let answer = self.inner.reserve(r).await?;
+impl Intercept for RivalReleases {
+    async fn reserve(
+        &self,
+        inner: &MemoryStore,
+        r: ReserveRequest<'_>,
+    ) -> Result<Reservation, StoreError> {
+        let answer = inner.reserve(r).await?;
         if answer == Reservation::FingerprintMismatch {
             let rival = self.rival.lock().unwrap().take();
             if let Some((identity, token)) = rival {
-                assert!(self.inner.release(&identity, &token).await?);
+                assert!(inner.release(&identity, &token).await?);
             }
         }
         Ok(answer)
-    }
-    async fn complete(
-        &self,
-        i: &Identity,
-        t: &OwnerToken,
-        o: &StoredOutcome,
-        ttl: Duration,
-    ) -> Result<bool, StoreError> {
-        self.inner.complete(i, t, o, ttl).await
-    }
-    async fn release(&self, i: &Identity, t: &OwnerToken) -> Result<bool, StoreError> {
-        self.inner.release(i, t).await
-    }
-    async fn heartbeat(
-        &self,
-        i: &Identity,
-        t: &OwnerToken,
-        l: Duration,
-    ) -> Result<bool, StoreError> {
-        self.inner.heartbeat(i, t, l).await
-    }
-    fn release_detached(&self, i: Identity, t: OwnerToken) {
-        self.inner.release_detached(i, t)
-    }
-    fn complete_detached(&self, i: Identity, t: OwnerToken, o: StoredOutcome, ttl: Duration) {
-        self.inner.complete_detached(i, t, o, ttl)
-    }
-    async fn complete_recovered(
-        &self,
-        i: &Identity,
-        t: &OwnerToken,
-        o: &StoredOutcome,
-        ttl: Duration,
-    ) -> Result<bool, StoreError> {
-        self.inner.complete_recovered(i, t, o, ttl).await
-    }
-    async fn force_release(&self, i: &Identity, e: bool) -> Result<ForcedRelease, StoreError> {
-        self.inner.force_release(i, e).await
-    }
-    async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError> {
-        self.inner.purge_expired(batch).await
-    }
-    async fn fetch(&self, i: &Identity) -> Result<Option<RecordSnapshot>, StoreError> {
-        self.inner.fetch(i).await
-    }
-    async fn scope_stats(&self) -> Result<Vec<ScopeStats>, StoreError> {
-        self.inner.scope_stats().await
     }
 }
 
 #[idempotent(scope = "review5.legacy", key = key, tenant = tenant, store = store)]
 async fn subscribe(
-    store: &RivalReleases,
+    store: &Hooked<RivalReleases>,
     tenant: &str,
     key: &str,
     topics: HashSet<u32, RandomState>,
@@ -106,10 +60,9 @@ fn topics() -> HashSet<u32, RandomState> {
 
 #[tokio::test]
 async fn a_record_made_after_a_legacy_retry_carries_the_current_fingerprint() {
-    let store = RivalReleases {
-        inner: MemoryStore::new(),
+    let store = Hooked::new(RivalReleases {
         rival: Mutex::new(None),
-    };
+    });
     let id = Identity::new("t1", "review5.legacy", "k1").unwrap();
     // The rival: same identity, other arguments, in progress.
     let rival_fp = Fingerprint::of(&"other arguments").unwrap();
@@ -164,26 +117,25 @@ async fn a_record_made_after_a_legacy_retry_carries_the_current_fingerprint() {
 /// exactly our arguments reserves: the record now carries our current (v2)
 /// fingerprint.
 struct OldOwnerReplaced {
-    inner: MemoryStore,
     old_owner: Mutex<Option<(Identity, OwnerToken)>>,
     /// The new caller's fingerprint (ours) and token.
     newcomer: Mutex<Option<(Fingerprint, OwnerToken)>>,
 }
 
 #[async_trait::async_trait]
-impl Store for OldOwnerReplaced {
-    fn name(&self) -> &'static str {
-        "old-owner-replaced"
-    }
-    async fn reserve(&self, r: ReserveRequest<'_>) -> Result<Reservation, StoreError> {
-        let answer = self.inner.reserve(r).await?;
+impl Intercept for OldOwnerReplaced {
+    async fn reserve(
+        &self,
+        inner: &MemoryStore,
+        r: ReserveRequest<'_>,
+    ) -> Result<Reservation, StoreError> {
+        let answer = inner.reserve(r).await?;
         if answer == Reservation::FingerprintMismatch {
             let old = self.old_owner.lock().unwrap().take();
             if let Some((identity, token)) = old {
-                assert!(self.inner.release(&identity, &token).await?);
+                assert!(inner.release(&identity, &token).await?);
                 let (fp, token) = self.newcomer.lock().unwrap().take().expect("newcomer");
-                let b = self
-                    .inner
+                let b = inner
                     .reserve(ReserveRequest {
                         identity: &identity,
                         fingerprint: Some(&fp),
@@ -197,59 +149,12 @@ impl Store for OldOwnerReplaced {
         }
         Ok(answer)
     }
-    async fn complete(
-        &self,
-        i: &Identity,
-        t: &OwnerToken,
-        o: &StoredOutcome,
-        ttl: Duration,
-    ) -> Result<bool, StoreError> {
-        self.inner.complete(i, t, o, ttl).await
-    }
-    async fn release(&self, i: &Identity, t: &OwnerToken) -> Result<bool, StoreError> {
-        self.inner.release(i, t).await
-    }
-    async fn heartbeat(
-        &self,
-        i: &Identity,
-        t: &OwnerToken,
-        l: Duration,
-    ) -> Result<bool, StoreError> {
-        self.inner.heartbeat(i, t, l).await
-    }
-    fn release_detached(&self, i: Identity, t: OwnerToken) {
-        self.inner.release_detached(i, t)
-    }
-    fn complete_detached(&self, i: Identity, t: OwnerToken, o: StoredOutcome, ttl: Duration) {
-        self.inner.complete_detached(i, t, o, ttl)
-    }
-    async fn complete_recovered(
-        &self,
-        i: &Identity,
-        t: &OwnerToken,
-        o: &StoredOutcome,
-        ttl: Duration,
-    ) -> Result<bool, StoreError> {
-        self.inner.complete_recovered(i, t, o, ttl).await
-    }
-    async fn force_release(&self, i: &Identity, e: bool) -> Result<ForcedRelease, StoreError> {
-        self.inner.force_release(i, e).await
-    }
-    async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError> {
-        self.inner.purge_expired(batch).await
-    }
-    async fn fetch(&self, i: &Identity) -> Result<Option<RecordSnapshot>, StoreError> {
-        self.inner.fetch(i).await
-    }
-    async fn scope_stats(&self) -> Result<Vec<ScopeStats>, StoreError> {
-        self.inner.scope_stats().await
-    }
 }
 
 #[idempotent(scope = "contract_edges.legacy_replaced", key = key, tenant = tenant, store = store,
              in_progress = reject)]
 async fn subscribe_once(
-    store: &OldOwnerReplaced,
+    store: &Hooked<OldOwnerReplaced>,
     tenant: &str,
     key: &str,
     topics: HashSet<u32, RandomState>,
@@ -277,11 +182,10 @@ async fn a_legacy_retry_that_meets_our_own_current_fingerprint_is_not_a_mismatch
         b.finish().unwrap().unwrap()
     };
     let legacy = current.legacy().expect("a set has a legacy fingerprint");
-    let store = OldOwnerReplaced {
-        inner: MemoryStore::new(),
+    let store = Hooked::new(OldOwnerReplaced {
         old_owner: Mutex::new(None),
         newcomer: Mutex::new(Some((current.clone(), OwnerToken::new()))),
-    };
+    });
     let id = Identity::new("t-rb", "contract_edges.legacy_replaced", "k-rb").unwrap();
     // The old version's call: same arguments, v1 fingerprint, in progress.
     let old_token = OwnerToken::new();

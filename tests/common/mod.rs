@@ -1,6 +1,7 @@
 //! Shared helpers for the integration tests.
 #![allow(dead_code)]
 
+pub mod hooked;
 pub mod proxy;
 pub mod servers;
 pub mod wire;

@@ -7,10 +7,8 @@
 //! while the body is still running and being polled, and a duplicate takes
 //! the record over and runs the body a second time.
 
-use idempotent_runtime::{
-    idempotent, Error, Identity, MemoryStore, OwnerToken, RecordSnapshot, Reservation,
-    ReserveRequest, ScopeStats, Store, StoreError, StoredOutcome,
-};
+use crate::common::hooked::{Hooked, Intercept};
+use idempotent_runtime::{idempotent, Error, Identity, MemoryStore, OwnerToken, Store, StoreError};
 use std::pin::pin;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
@@ -18,33 +16,15 @@ use tokio::sync::Notify;
 
 /// A memory store whose first heartbeat never answers.
 struct StuckHeartbeat {
-    inner: MemoryStore,
     stuck: AtomicBool,
     reached: Notify,
 }
 
 #[async_trait::async_trait]
-impl Store for StuckHeartbeat {
-    fn name(&self) -> &'static str {
-        "stuck-heartbeat"
-    }
-    async fn reserve(&self, r: ReserveRequest<'_>) -> Result<Reservation, StoreError> {
-        self.inner.reserve(r).await
-    }
-    async fn complete(
-        &self,
-        i: &Identity,
-        t: &OwnerToken,
-        o: &StoredOutcome,
-        ttl: Duration,
-    ) -> Result<bool, StoreError> {
-        self.inner.complete(i, t, o, ttl).await
-    }
-    async fn release(&self, i: &Identity, t: &OwnerToken) -> Result<bool, StoreError> {
-        self.inner.release(i, t).await
-    }
+impl Intercept for StuckHeartbeat {
     async fn heartbeat(
         &self,
+        inner: &MemoryStore,
         i: &Identity,
         t: &OwnerToken,
         lease: Duration,
@@ -53,41 +33,7 @@ impl Store for StuckHeartbeat {
             self.reached.notify_one();
             std::future::pending::<()>().await;
         }
-        self.inner.heartbeat(i, t, lease).await
-    }
-    fn release_detached(&self, i: Identity, t: OwnerToken) {
-        self.inner.release_detached(i, t)
-    }
-    fn complete_detached(&self, i: Identity, t: OwnerToken, o: StoredOutcome, ttl: Duration) {
-        self.inner.complete_detached(i, t, o, ttl)
-    }
-    async fn complete_recovered(
-        &self,
-        i: &Identity,
-        t: &OwnerToken,
-        o: &StoredOutcome,
-        ttl: Duration,
-    ) -> Result<bool, StoreError> {
-        self.inner.complete_recovered(i, t, o, ttl).await
-    }
-    async fn force_release(
-        &self,
-        i: &Identity,
-        require_expired_lease: bool,
-    ) -> Result<idempotent_runtime::ForcedRelease, StoreError> {
-        self.inner.force_release(i, require_expired_lease).await
-    }
-    async fn wait_for_change(&self, i: &Identity, max_wait: Duration, round: u32) {
-        self.inner.wait_for_change(i, max_wait, round).await
-    }
-    async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError> {
-        self.inner.purge_expired(batch).await
-    }
-    async fn fetch(&self, i: &Identity) -> Result<Option<RecordSnapshot>, StoreError> {
-        self.inner.fetch(i).await
-    }
-    async fn scope_stats(&self) -> Result<Vec<ScopeStats>, StoreError> {
-        self.inner.scope_stats().await
+        inner.heartbeat(i, t, lease).await
     }
 }
 
@@ -95,7 +41,7 @@ impl Store for StuckHeartbeat {
 #[idempotent(scope = "faults.stuck_heartbeat", key = key, tenant = shared, store = store,
              skip(runs, go), lease = "300ms", in_progress = wait("30s"))]
 async fn work(
-    store: &StuckHeartbeat,
+    store: &Hooked<StuckHeartbeat>,
     key: &str,
     runs: &AtomicUsize,
     go: &Notify,
@@ -114,11 +60,10 @@ async fn work(
 /// lease runs out after 300 ms, and the duplicate runs the body again.
 #[tokio::test]
 async fn a_heartbeat_that_never_answers_does_not_stop_the_renewals() {
-    let store = StuckHeartbeat {
-        inner: MemoryStore::new(),
+    let store = Hooked::new(StuckHeartbeat {
         stuck: AtomicBool::new(true),
         reached: Notify::new(),
-    };
+    });
     let (runs, go) = (AtomicUsize::new(0), Notify::new());
     let mut owner = pin!(work(&store, "k-stuck", &runs, &go));
     tokio::time::timeout(Duration::from_secs(20), async {

@@ -9,11 +9,10 @@
 //! retries (`release_detached`); `end_lease_detached` exists for exactly
 //! this, but is only used when the call is dropped.
 
-use idempotent_runtime::store::{
-    OwnerToken, RecordSnapshot, Reservation, ReserveRequest, ScopeStats, StoredOutcome,
-};
+use crate::common::hooked::{Hooked, Intercept};
+use idempotent_runtime::store::{OwnerToken, Reservation, ReserveRequest};
 use idempotent_runtime::{
-    idempotent, Error, ForcedRelease, Identity, MemoryStore, Recovery, Store, StoreError, Takeover,
+    idempotent, Error, Identity, MemoryStore, Recovery, Store, StoreError, Takeover,
 };
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
@@ -21,18 +20,18 @@ use std::time::Duration;
 /// A takeover lands but its answer is lost, and the next heartbeat (the
 /// engine's "end the lease") fails too: the store is briefly unreachable.
 struct CutThenDown {
-    inner: MemoryStore,
     cut: AtomicBool,
     failing_heartbeats: AtomicUsize,
 }
 
 #[async_trait::async_trait]
-impl Store for CutThenDown {
-    fn name(&self) -> &'static str {
-        "cut-then-down"
-    }
-    async fn reserve(&self, r: ReserveRequest<'_>) -> Result<Reservation, StoreError> {
-        let answer = self.inner.reserve(r).await?;
+impl Intercept for CutThenDown {
+    async fn reserve(
+        &self,
+        inner: &MemoryStore,
+        r: ReserveRequest<'_>,
+    ) -> Result<Reservation, StoreError> {
+        let answer = inner.reserve(r).await?;
         if let Reservation::Acquired {
             took_over: true, ..
         } = answer
@@ -48,29 +47,9 @@ impl Store for CutThenDown {
         }
         Ok(answer)
     }
-    async fn complete(
-        &self,
-        i: &Identity,
-        t: &OwnerToken,
-        o: &StoredOutcome,
-        ttl: Duration,
-    ) -> Result<bool, StoreError> {
-        self.inner.complete(i, t, o, ttl).await
-    }
-    async fn complete_recovered(
-        &self,
-        i: &Identity,
-        t: &OwnerToken,
-        o: &StoredOutcome,
-        ttl: Duration,
-    ) -> Result<bool, StoreError> {
-        self.inner.complete_recovered(i, t, o, ttl).await
-    }
-    async fn release(&self, i: &Identity, t: &OwnerToken) -> Result<bool, StoreError> {
-        self.inner.release(i, t).await
-    }
     async fn heartbeat(
         &self,
+        inner: &MemoryStore,
         i: &Identity,
         t: &OwnerToken,
         l: Duration,
@@ -86,40 +65,7 @@ impl Store for CutThenDown {
                 "connection refused",
             ));
         }
-        self.inner.heartbeat(i, t, l).await
-    }
-    fn release_detached(&self, i: Identity, t: OwnerToken) {
-        self.inner.release_detached(i, t)
-    }
-    fn complete_detached(&self, i: Identity, t: OwnerToken, o: StoredOutcome, ttl: Duration) {
-        self.inner.complete_detached(i, t, o, ttl)
-    }
-    fn end_lease_detached(&self, i: Identity, t: OwnerToken) {
-        self.inner.end_lease_detached(i, t)
-    }
-    fn complete_recovered_detached(
-        &self,
-        i: Identity,
-        t: OwnerToken,
-        o: StoredOutcome,
-        ttl: Duration,
-    ) {
-        self.inner.complete_recovered_detached(i, t, o, ttl)
-    }
-    async fn force_release(&self, i: &Identity, r: bool) -> Result<ForcedRelease, StoreError> {
-        self.inner.force_release(i, r).await
-    }
-    async fn wait_for_change(&self, i: &Identity, max_wait: Duration, round: u32) {
-        self.inner.wait_for_change(i, max_wait, round).await
-    }
-    async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError> {
-        self.inner.purge_expired(batch).await
-    }
-    async fn fetch(&self, i: &Identity) -> Result<Option<RecordSnapshot>, StoreError> {
-        self.inner.fetch(i).await
-    }
-    async fn scope_stats(&self) -> Result<Vec<ScopeStats>, StoreError> {
-        self.inner.scope_stats().await
+        inner.heartbeat(i, t, l).await
     }
 }
 
@@ -132,17 +78,16 @@ async fn nothing_happened(_: &Takeover) -> Result<Recovery<u32>, Error> {
 
 #[idempotent(scope = "recovery.lost_answer_lease", key = key, tenant = shared, store = store,
              lease = "30s", in_progress = reject, recover = nothing_happened)]
-async fn ship(store: &CutThenDown, key: &str) -> Result<u32, Error> {
+async fn ship(store: &Hooked<CutThenDown>, key: &str) -> Result<u32, Error> {
     Ok(7)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lost_takeover_answer_whose_lease_could_not_be_ended_at_once_is_ended_later() {
-    let store = CutThenDown {
-        inner: MemoryStore::new(),
+    let store = Hooked::new(CutThenDown {
         cut: AtomicBool::new(false),
         failing_heartbeats: AtomicUsize::new(0),
-    };
+    });
     let id = Identity::shared("recovery.lost_answer_lease", "parcel-1").unwrap();
     // A crashed owner's record whose lease has run out.
     let r = store
