@@ -29,6 +29,17 @@ pub trait Intercept: Send + Sync + 'static {
     ) -> Result<bool, StoreError> {
         inner.heartbeat(i, t, lease).await
     }
+
+    async fn complete_recovered(
+        &self,
+        inner: &MemoryStore,
+        i: &Identity,
+        t: &OwnerToken,
+        o: &StoredOutcome,
+        ttl: Duration,
+    ) -> Result<bool, StoreError> {
+        inner.complete_recovered(i, t, o, ttl).await
+    }
 }
 
 /// A [`MemoryStore`] with a test's [`Intercept`] in front of it.
@@ -85,7 +96,9 @@ impl<I: Intercept> Store for Hooked<I> {
         o: &StoredOutcome,
         ttl: Duration,
     ) -> Result<bool, StoreError> {
-        self.inner.complete_recovered(i, t, o, ttl).await
+        self.intercept
+            .complete_recovered(&self.inner, i, t, o, ttl)
+            .await
     }
     async fn release(&self, i: &Identity, t: &OwnerToken) -> Result<bool, StoreError> {
         self.inner.release(i, t).await

@@ -6,18 +6,16 @@
 //! The record is kept with its lease ended, and the next call takes it over
 //! and asks.
 
+use crate::common::hooked::{Hooked, Intercept};
 use crate::recovery::*;
-use idempotent_runtime::store::{
-    OwnerToken, RecordSnapshot, Reservation, ReserveRequest, ScopeStats, StoredOutcome,
-};
-use idempotent_runtime::{ForcedRelease, Identity, MemoryStore, Store, StoreError};
+use idempotent_runtime::store::{OwnerToken, Reservation, ReserveRequest, StoredOutcome};
+use idempotent_runtime::{Identity, MemoryStore, Store, StoreError};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 /// Delegates to a memory store; when armed, a reservation that *took over*
 /// a record lands in the store, but the call is told the connection was cut.
 struct CutAfterTakeover {
-    inner: MemoryStore,
     armed: AtomicBool,
     /// When set, the next `complete_recovered` fails (a connection cut
     /// before the statement reached the server).
@@ -28,12 +26,13 @@ struct CutAfterTakeover {
 }
 
 #[async_trait::async_trait]
-impl Store for CutAfterTakeover {
-    fn name(&self) -> &'static str {
-        "cut-after-takeover"
-    }
-    async fn reserve(&self, request: ReserveRequest<'_>) -> Result<Reservation, StoreError> {
-        let answer = self.inner.reserve(request).await?;
+impl Intercept for CutAfterTakeover {
+    async fn reserve(
+        &self,
+        inner: &MemoryStore,
+        request: ReserveRequest<'_>,
+    ) -> Result<Reservation, StoreError> {
+        let answer = inner.reserve(request).await?;
         if let Reservation::Acquired {
             took_over: true, ..
         } = answer
@@ -51,17 +50,9 @@ impl Store for CutAfterTakeover {
         }
         Ok(answer)
     }
-    async fn complete(
-        &self,
-        i: &Identity,
-        t: &OwnerToken,
-        o: &StoredOutcome,
-        ttl: Duration,
-    ) -> Result<bool, StoreError> {
-        self.inner.complete(i, t, o, ttl).await
-    }
     async fn complete_recovered(
         &self,
+        inner: &MemoryStore,
         i: &Identity,
         t: &OwnerToken,
         o: &StoredOutcome,
@@ -74,51 +65,7 @@ impl Store for CutAfterTakeover {
                 "connection reset",
             ));
         }
-        self.inner.complete_recovered(i, t, o, ttl).await
-    }
-    async fn release(&self, i: &Identity, t: &OwnerToken) -> Result<bool, StoreError> {
-        self.inner.release(i, t).await
-    }
-    async fn heartbeat(
-        &self,
-        i: &Identity,
-        t: &OwnerToken,
-        l: Duration,
-    ) -> Result<bool, StoreError> {
-        self.inner.heartbeat(i, t, l).await
-    }
-    fn release_detached(&self, i: Identity, t: OwnerToken) {
-        self.inner.release_detached(i, t)
-    }
-    fn complete_detached(&self, i: Identity, t: OwnerToken, o: StoredOutcome, ttl: Duration) {
-        self.inner.complete_detached(i, t, o, ttl)
-    }
-    fn end_lease_detached(&self, i: Identity, t: OwnerToken) {
-        self.inner.end_lease_detached(i, t)
-    }
-    fn complete_recovered_detached(
-        &self,
-        i: Identity,
-        t: OwnerToken,
-        o: StoredOutcome,
-        ttl: Duration,
-    ) {
-        self.inner.complete_recovered_detached(i, t, o, ttl)
-    }
-    async fn force_release(&self, i: &Identity, r: bool) -> Result<ForcedRelease, StoreError> {
-        self.inner.force_release(i, r).await
-    }
-    async fn wait_for_change(&self, i: &Identity, max_wait: Duration, round: u32) {
-        self.inner.wait_for_change(i, max_wait, round).await
-    }
-    async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError> {
-        self.inner.purge_expired(batch).await
-    }
-    async fn fetch(&self, i: &Identity) -> Result<Option<RecordSnapshot>, StoreError> {
-        self.inner.fetch(i).await
-    }
-    async fn scope_stats(&self) -> Result<Vec<ScopeStats>, StoreError> {
-        self.inner.scope_stats().await
+        inner.complete_recovered(i, t, o, ttl).await
     }
 }
 
@@ -209,13 +156,12 @@ async fn a_recovered_answer_completed_in_the_background_keeps_its_recovered_mark
 
 /// A store whose record of `key` was left by an owner that charged the card
 /// and died before recording the receipt (its lease runs out).
-async fn owner_died_after_charging(key: &str) -> (CutAfterTakeover, String) {
-    let store = CutAfterTakeover {
-        inner: MemoryStore::new(),
+async fn owner_died_after_charging(key: &str) -> (Hooked<CutAfterTakeover>, String) {
+    let store = Hooked::new(CutAfterTakeover {
         armed: AtomicBool::new(false),
         fail_recovered: AtomicBool::new(false),
         hang: AtomicBool::new(false),
-    };
+    });
     let tenant = fresh_tenant(Ask::Gateway);
     let c = Crash::default();
     crash(
