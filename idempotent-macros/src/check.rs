@@ -392,6 +392,7 @@ fn cross(cx: &Ctxt, attr: Attr, sig: &Signature, env: &Env) -> Option<Spec> {
             fingerprint_on,
             &fingerprinted,
             ttl,
+            attr.recover.is_some(),
         );
     }
 
@@ -429,6 +430,7 @@ fn claim(
     fingerprint_on: bool,
     fingerprinted: &[Ident],
     ttl: Duration,
+    recovers: bool,
 ) {
     let scope = lit.value();
     let site = claims::Site {
@@ -445,6 +447,7 @@ fn claim(
             names
         }),
         ttl,
+        recovers,
     };
     match claims::claim(&place.krate, &scope, claim) {
         Ok(()) => {}

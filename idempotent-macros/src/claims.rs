@@ -7,7 +7,8 @@
 //!
 //! A scope has one claimant, or several that all say `shared_scope` (rule 21)
 //! and agree on what they fingerprint (the parameter names: the canonical
-//! form is computed over names and values) and on their ttl.
+//! form is computed over names and values), on their ttl and on whether
+//! they ask a `recover` hook.
 //!
 //! Limitation: claims in *different* crates are not visible here; the runtime's
 //! `registry::validate()` reports them when the program starts.
@@ -40,6 +41,8 @@ pub(crate) struct Claim {
     pub fingerprint: Option<Vec<String>>,
     /// The ttl, after the manifest's default.
     pub ttl: Duration,
+    /// The function has a `recover = ...` hook (rule 20).
+    pub recovers: bool,
 }
 
 /// Why a claim is refused.
@@ -87,12 +90,21 @@ fn disagreement(a: &Claim, b: &Claim) -> Option<String> {
             shape(&b.fingerprint)
         ));
     }
-    (a.ttl != b.ttl).then(|| {
-        format!(
+    if a.ttl != b.ttl {
+        return Some(format!(
             "their ttl differs: {} vs {}. Whether a duplicate is recognised would depend on which \
              of them recorded it; give both the same `ttl`",
             human(a.ttl),
             human(b.ttl)
+        ));
+    }
+    (a.recovers != b.recovers).then(|| {
+        let with = if a.recovers { a } else { b };
+        format!(
+            "only `{}` asks a `recover` hook before taking over a crashed attempt: after its \
+             crash, the other would run the body again blind (rule 20); give every claimant a \
+             `recover` hook, or none",
+            with.site.function
         )
     })
 }
@@ -182,6 +194,7 @@ mod tests {
             shared: false,
             fingerprint: Some(vec!["order".into()]),
             ttl: Duration::from_secs(3600),
+            recovers: false,
         }
     }
 
@@ -227,6 +240,12 @@ mod tests {
         assert!(matches!(
             claim("t/u", "r.u", shared("http", 1)).and(claim("t/u", "r.u", other_fp)),
             Err(Refusal::Disagree { what, .. }) if what.contains("fingerprint = false")
+        ));
+        let mut with_hook = shared("late", 4);
+        with_hook.recovers = true;
+        assert!(matches!(
+            claim("t/v", "r.v", shared("http", 1)).and(claim("t/v", "r.v", with_hook)),
+            Err(Refusal::Disagree { what, .. }) if what.contains("only `late` asks a `recover` hook")
         ));
     }
 }

@@ -133,7 +133,8 @@ use proc_macro::TokenStream;
 ///
 /// Editing the manifest rebuilds the crates that use it. Two functions of one
 /// crate claiming one scope are a compile error naming both, unless every
-/// claimant says `shared_scope` (and they agree on fingerprint and ttl);
+/// claimant says `shared_scope` (and they agree on fingerprint, ttl and
+/// whether they have a `recover` hook);
 /// across crates, `idempotent_runtime::registry::validate()` reports it at
 /// run time.
 ///

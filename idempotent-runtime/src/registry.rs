@@ -61,7 +61,8 @@ pub struct ScopeInfo {
     /// `shared_scope`: this function claims its scope together with others on
     /// purpose (rule 21), e.g. an HTTP handler and a queue consumer that both
     /// process "refund order 8891". Every claimant must say so, and they must
-    /// agree on what they fingerprint and on their ttl ([`validate`]).
+    /// agree on what they fingerprint, on their ttl and on whether they ask a
+    /// `recover` hook ([`validate`]).
     pub shared_scope: bool,
 }
 
@@ -283,6 +284,15 @@ pub enum Disagreement {
         /// The second site's ttl.
         second: Duration,
     },
+    /// One asks a `recover` hook before it takes over a crashed attempt and
+    /// the other does not: the other would run the body again blind after the
+    /// first one's crash (rule 20).
+    Recover {
+        /// The first site's hook, as written (`None`: none).
+        first: Option<&'static str>,
+        /// The second site's.
+        second: Option<&'static str>,
+    },
 }
 
 impl std::fmt::Display for Disagreement {
@@ -305,6 +315,20 @@ impl std::fmt::Display for Disagreement {
                     "their ttl differs: {} vs {}",
                     human(*first),
                     human(*second)
+                )
+            }
+            Disagreement::Recover { first, second } => {
+                let hook = |h: &Option<&str>| match h {
+                    Some(path) => format!("`recover = {path}`"),
+                    None => "no recover hook".to_owned(),
+                };
+                write!(
+                    f,
+                    "one asks a recover hook before taking over a crashed attempt and the other \
+                     does not ({} vs {}): the one without would run the body again blind after \
+                     the other's crash; give every claimant a `recover` hook, or none",
+                    hook(first),
+                    hook(second)
                 )
             }
         }
@@ -333,7 +357,8 @@ pub enum RegistryError {
     #[error("{}", describe_duplicates(.0))]
     DuplicateScopes(Vec<DuplicateScope>),
     /// Functions that share a scope on purpose (`shared_scope`, rule 21)
-    /// disagree on what they fingerprint or on their ttl.
+    /// disagree on what they fingerprint, on their ttl, or on asking a
+    /// `recover` hook.
     #[error("{}", describe_conflicts(.0))]
     SharedScopeConflicts(Vec<SharedScopeConflict>),
 }
@@ -377,7 +402,8 @@ fn describe_duplicates(duplicates: &[DuplicateScope]) -> String {
 
 /// Checks the registry of this binary: every scope must be claimed by exactly
 /// one function, or (rule 21) by several that all say `shared_scope` and
-/// agree on what they fingerprint and on their ttl. The macro already refuses
+/// agree on what they fingerprint, on their ttl and on asking a `recover`
+/// hook. The macro already refuses
 /// what it can see in one crate; this catches claims from different crates
 /// linked into one binary. Duplicates are reported first
 /// ([`RegistryError::DuplicateScopes`]); once there are none, disagreements
@@ -459,9 +485,15 @@ fn disagreement(a: &ScopeInfo, b: &ScopeInfo) -> Option<Disagreement> {
             second: fb,
         });
     }
-    (a.ttl != b.ttl).then_some(Disagreement::Ttl {
-        first: a.ttl,
-        second: b.ttl,
+    if a.ttl != b.ttl {
+        return Some(Disagreement::Ttl {
+            first: a.ttl,
+            second: b.ttl,
+        });
+    }
+    (a.recover.is_some() != b.recover.is_some()).then_some(Disagreement::Recover {
+        first: a.recover,
+        second: b.recover,
     })
 }
 

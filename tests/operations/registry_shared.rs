@@ -231,6 +231,25 @@ fn disagreeing_claimants_are_refused_naming_both_sites() {
     );
     assert!(message.contains("1h vs 7days"), "{message}");
 
+    // One asks a recover hook, the other does not.
+    let mut hooked = variant(12, Duration::from_secs(3600), &["order", "amount"], true);
+    hooked.recover = Some("app::refunds::look_up");
+    let err = registry::validate_infos(&[&here, &hooked]).unwrap_err();
+    let RegistryError::SharedScopeConflicts(conflicts) = &err else {
+        panic!("{err:?}")
+    };
+    assert!(matches!(
+        conflicts[0].disagreement,
+        Disagreement::Recover {
+            first: None,
+            second: Some("app::refunds::look_up")
+        }
+    ));
+    assert!(
+        err.to_string().contains("run the body again blind"),
+        "{err}"
+    );
+
     let fewer = variant(12, Duration::from_secs(3600), &["order"], true);
     let err = registry::validate_infos(&[&here, &fewer]).unwrap_err();
     let message = err.to_string();

@@ -371,22 +371,21 @@ fn bind_request<'q>(
         .bind(duration_to_millis(request.ttl))
 }
 
-/// [`INSERT_OR_READ_SQL`]: `Some(Acquired)` when it inserted the record, the
-/// existing record's answer when a plain read answers it, `None` when the
-/// procedure must decide.
+/// [`INSERT_OR_READ_SQL`]: `Acquired` when it inserted the record, the
+/// existing record's answer when a plain read answers it, or what to do next.
 async fn insert_or_read(
     pool: &MySqlPool,
     request: ReserveRequest<'_>,
-) -> Result<Option<Reservation>, StoreError> {
+) -> Result<InsertOrRead, StoreError> {
     let found = bind_request(sqlx::query(INSERT_OR_READ_SQL), request)
         .fetch_optional(pool)
         .await;
     let row = match found {
         Ok(Some(row)) => row,
-        Ok(None) => return Ok(None), // autocommit is off
+        Ok(None) => return Ok(InsertOrRead::Decide), // autocommit is off
         Err(sqlx::Error::Database(e)) => {
             return if matches!(error_number(&*e), Some(ER_LOCK_WAIT_TIMEOUT | ER_DUP_ENTRY)) {
-                Ok(None)
+                Ok(InsertOrRead::Held)
             } else {
                 Err(StoreError::new(STORE, "reserve", sqlx::Error::Database(e)))
             };
@@ -396,7 +395,7 @@ async fn insert_or_read(
     // By position: sqlx takes a prepared statement's column names from its
     // prepare-time metadata, which MariaDB does not send for `RETURNING`.
     if row.try_get::<i64, _>(6).map_err(err("reserve"))? == 0 {
-        return Ok(Some(Reservation::acquired(1, None)));
+        return Ok(InsertOrRead::Answered(Reservation::acquired(1, None)));
     }
     let columns = rows::AnswerColumns {
         state: 0,
@@ -406,24 +405,40 @@ async fn insert_or_read(
         lease_remaining: 4,
         expired: 5,
     };
-    rows::Columns(&row)
+    Ok(rows::Columns(&row)
         .answer_from(request.fingerprint.map(Fingerprint::as_str), columns)
-        .map_err(err("reserve"))
+        .map_err(err("reserve"))?
+        .map_or(InsertOrRead::Decide, InsertOrRead::Answered))
 }
 
-/// A reservation through the store: on MariaDB the insert-or-read statement,
-/// on MySQL the plain read; the procedure only for what is left (expired,
-/// lease run out, a row lock held, MySQL's absent keys).
+/// What [`insert_or_read`] found.
+enum InsertOrRead {
+    /// Inserted, or the existing record answers.
+    Answered(Reservation),
+    /// Another session holds the row: a plain read may still answer (a
+    /// replay whose row a concurrent duplicate's statement holds).
+    Held,
+    /// Expired, a lease that ran out, or autocommit off: the procedure decides.
+    Decide,
+}
+
+/// A reservation through the store: on MariaDB the insert-or-read statement
+/// (and when another session holds the row, the plain read), on MySQL the
+/// plain read; the procedure only for what is left (expired, lease run out,
+/// a row held by an open transaction, MySQL's absent keys).
 async fn reserve_through_store(
     pool: &MySqlPool,
     request: ReserveRequest<'_>,
     mariadb: bool,
 ) -> Result<Reservation, StoreError> {
     if mariadb {
-        if let Some(answer) = insert_or_read(pool, request).await? {
-            return Ok(answer);
+        match insert_or_read(pool, request).await? {
+            InsertOrRead::Answered(answer) => return Ok(answer),
+            InsertOrRead::Decide => {
+                return reserve_with(pool, request, STORE_LOCK_WAIT_S, true).await
+            }
+            InsertOrRead::Held => {} // the plain read below, then the procedure
         }
-        return reserve_with(pool, request, STORE_LOCK_WAIT_S, true).await;
     }
     let id = request.identity;
     let row = sqlx::query(READ_SQL)
