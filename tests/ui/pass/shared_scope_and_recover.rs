@@ -1,5 +1,6 @@
 // Rule 21: an HTTP handler and a queue consumer share one deduplication
-// boundary on purpose, and agree on what they fingerprint and their ttl.
+// boundary on purpose, and agree on what they fingerprint, their ttl and
+// asking a recover hook.
 // Rule 20: `recover = path` on a free function, a method and in
 // transactional mode.
 use idempotent_runtime::{idempotent, Error, MemoryStore, Recovery, Takeover};
@@ -15,7 +16,7 @@ pub async fn refund_http(order: &str, amount: u64, _trace: &str) -> Result<u64, 
 }
 
 #[idempotent(scope = "refunds.order", key = order, tenant = shared, shared_scope,
-             ttl = "7d", skip(delivery))]
+             ttl = "7d", skip(delivery), recover = refund_happened)]
 pub async fn refund_from_queue(order: &str, amount: u64, delivery: u32, _trace: &str) -> Result<u64, Error> {
     let _ = delivery;
     Ok(amount)
