@@ -1230,42 +1230,73 @@ async fn run_with_heartbeat<R, Fut: Future<Output = R>>(
     // The timer is made the first time the body is pending: a body that
     // finishes in its first poll costs no timer (fast bodies never heartbeat).
     let mut timer: Option<std::pin::Pin<Box<tokio::time::Sleep>>> = None;
-    let mut beat: Option<
-        futures_util::future::BoxFuture<'_, Result<bool, crate::error::StoreError>>,
-    > = None;
+    type Renewal<'a> = futures_util::future::BoxFuture<'a, Result<bool, crate::error::StoreError>>;
+    // The renewal in flight, and when it has had its period.
+    let mut beat: Option<Renewal<'_>> = None;
+    let mut beat_due: Option<std::pin::Pin<Box<tokio::time::Sleep>>> = None;
+    // A renewal that outlived its period (a connection whose peer went silent,
+    // a row another transaction holds). It is polled until it answers, never
+    // dropped: its statement would go on holding a pooled connection on the
+    // server. One more renewal may start beside it; never a third.
+    let mut late: Option<Renewal<'_>> = None;
     std::future::poll_fn(|cx| {
         if let Poll::Ready(out) = body.as_mut().poll(cx) {
             return Poll::Ready(out);
         }
         let timer = timer.get_or_insert_with(|| Box::pin(sleep_until(first_due)));
         loop {
+            if let Some(f) = late.as_mut() {
+                if let Poll::Ready(result) = f.as_mut().poll(cx) {
+                    late = None;
+                    // Its failure was counted when it ran late; a success or a
+                    // lost lease still counts.
+                    if result.is_ok() {
+                        note_heartbeat(spec, identity, result);
+                    }
+                }
+            }
             if let Some(f) = beat.as_mut() {
-                let Poll::Ready(result) = f.as_mut().poll(cx) else {
-                    return Poll::Pending;
-                };
-                beat = None;
-                let failed = result.is_err();
-                note_heartbeat(spec, identity, result);
-                // A renewal that failed (or never answered) is tried again
-                // soon: the lease is still running out.
-                let next = if failed { period / 4 } else { period };
-                timer.as_mut().reset(Instant::now() + next);
+                if let Poll::Ready(result) = f.as_mut().poll(cx) {
+                    beat = None;
+                    let failed = result.is_err();
+                    note_heartbeat(spec, identity, result);
+                    // A renewal that failed is tried again soon: the lease is
+                    // still running out.
+                    let next = if failed { period / 4 } else { period };
+                    timer.as_mut().reset(Instant::now() + next);
+                } else {
+                    let due = beat_due.get_or_insert_with(|| Box::pin(tokio::time::sleep(period)));
+                    if due.as_mut().poll(cx).is_pending() {
+                        return Poll::Pending;
+                    }
+                    note_heartbeat(
+                        spec,
+                        identity,
+                        Err(crate::error::StoreError::new(
+                            store.name(),
+                            "heartbeat",
+                            "no answer within a renewal period (lease / 3)",
+                        )),
+                    );
+                    if late.is_none() {
+                        // Keep it, and try another renewal soon.
+                        late = beat.take();
+                        timer.as_mut().reset(Instant::now() + period / 4);
+                    } else {
+                        // Two in flight already: wait for one of them.
+                        due.as_mut().reset(Instant::now() + period);
+                        continue;
+                    }
+                }
             }
             if timer.as_mut().poll(cx).is_pending() {
                 return Poll::Pending;
             }
-            // Each renewal gets one period to answer: one that hangs (a
-            // connection whose peer went silent) must not stop the next.
-            let renewal = tokio::time::timeout(period, store.heartbeat(identity, token, lease));
-            beat = Some(Box::pin(async move {
-                renewal.await.unwrap_or_else(|elapsed| {
-                    Err(crate::error::StoreError::new(
-                        store.name(),
-                        "heartbeat",
-                        elapsed,
-                    ))
-                })
-            }));
+            beat = Some(store.heartbeat(identity, token, lease));
+            match beat_due.as_mut() {
+                Some(due) => due.as_mut().reset(Instant::now() + period),
+                None => beat_due = Some(Box::pin(tokio::time::sleep(period))),
+            }
         }
     })
     .await

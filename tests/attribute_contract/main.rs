@@ -18,6 +18,8 @@ mod postgres;
 mod sqlite;
 
 mod consumer_verdicts;
+mod fingerprint_multimap;
+mod heartbeat_pool;
 mod legacy_fingerprint;
 mod macro_rules_args;
 mod macro_shapes;

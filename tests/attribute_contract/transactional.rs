@@ -503,3 +503,38 @@ async fn sqlite_rollback_leaves_no_record_commit_replays() {
     assert_eq!(charges, 1);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+// ---------------------------------------------------------------- a wait bound longer than lock_timeout allows
+
+/// A long but valid wait bound (`wait("30days")`, accepted by the attribute)
+/// in transactional mode on PostgreSQL: the engine passes the whole wait left
+/// as the reservation's lock wait, which becomes `lock_timeout` in
+/// milliseconds; PostgreSQL refuses more than 2^31 - 1 ms, so a fresh key's
+/// reservation failed (and aborted the caller's transaction) until the store
+/// capped the statement's lock wait there.
+#[idempotent(scope = "tx.long_wait_bound", key = key, tenant = tenant, tx = tx,
+             ttl = "1h", in_progress = wait("30days"))]
+async fn pg_charge_long_wait(
+    tx: &mut sqlx::Transaction<'_, Postgres>,
+    tenant: &str,
+    key: &str,
+) -> Result<u64, Error> {
+    Ok(7)
+}
+
+#[tokio::test]
+async fn pg_a_long_wait_bound_does_not_break_a_fresh_reservation_in_a_transaction() {
+    let Some(store) = pg_store_or_skip().await else {
+        return;
+    };
+    let tenant = fresh_tenant();
+    let mut tx = store.pool().begin().await.expect("begin");
+    let first = tokio::time::timeout(
+        Duration::from_secs(30),
+        pg_charge_long_wait(&mut tx, &tenant, "k-long-wait"),
+    )
+    .await
+    .expect("answers");
+    assert_eq!(first.expect("a fresh key is acquired and runs"), 7);
+    tx.commit().await.expect("commit");
+}

@@ -89,6 +89,11 @@ struct Entry {
     key_end: usize,
     key_len: usize,
     kind: KeyKind,
+    /// The Rust type of the key as written (`std::any::type_name`): in a map
+    /// of unknown length, entries with one key from *different* sources (a
+    /// struct's field, `str`, and a flattened map's key, e.g. `String`) have
+    /// different key types.
+    key_type: &'static str,
 }
 
 /// The serializer. See the module doc.
@@ -278,11 +283,11 @@ impl Encoder {
     ///
     /// With `repeats_in_arrival_order` (a map of unknown length: what serde
     /// writes for a struct with `#[serde(flatten)]`), entries with the same
-    /// key *and* key kind keep the order they arrived in. Such a map repeats a
-    /// key only when two sources hold it (a field and a flattened map, or two
-    /// flattened maps), and which value came from which is part of the value;
-    /// a map type's own entries have distinct keys, so its iteration order
-    /// still does not count.
+    /// key *and* key kind from different sources (different key types: a
+    /// field and a flattened map's entry) keep the order they arrived in:
+    /// which value came from which is part of the value. Repeats from one
+    /// source (one key type) are sorted by their bytes, so a set's iteration
+    /// order does not count.
     fn sort_entries(&mut self, first: usize, region: usize, repeats_in_arrival_order: bool) {
         let mode = self.mode;
         let Encoder {
@@ -357,7 +362,11 @@ impl Encoder {
 /// Within each run of `members` (sorted) that shares one sort key, puts the
 /// entries of each key kind that occurs more than once back in arrival order
 /// (entries are written in arrival order, so `start` is it), in the places
-/// that kind holds in the run. With no repeated key and kind, nothing moves.
+/// that kind holds in the run, when they come from different sources (their
+/// key types differ: a struct's field and a flattened map's entry). Repeats of
+/// one key type come from one source (a multimap written as repeated entries,
+/// perhaps in a set's iteration order) and stay sorted by their bytes. With no
+/// repeated key and kind, nothing moves.
 fn restore_arrival_order_of_repeats<K: Eq>(members: &mut [Entry], sort_key: impl Fn(&Entry) -> K) {
     let mut run_start = 0;
     while run_start < members.len() {
@@ -369,7 +378,10 @@ fn restore_arrival_order_of_repeats<K: Eq>(members: &mut [Entry], sort_key: impl
         let run = &mut members[run_start..run_start + run_len];
         for kind in [KeyKind::Text, KeyKind::Scalar, KeyKind::Other] {
             let places: Vec<usize> = (0..run.len()).filter(|&i| run[i].kind == kind).collect();
-            if places.len() < 2 {
+            let one_source = places
+                .windows(2)
+                .all(|w| run[w[0]].key_type == run[w[1]].key_type);
+            if places.len() < 2 || one_source {
                 continue;
             }
             let mut arrived: Vec<Entry> = places.iter().map(|&i| run[i]).collect();
@@ -796,6 +808,7 @@ impl<'a> Seq<'a> {
                 key_end: 0,
                 key_len: 0,
                 kind: KeyKind::Other,
+                key_type: "",
             });
         }
         self.count += 1;
@@ -852,6 +865,7 @@ struct Pending {
     key_end: usize,
     key_len: usize,
     kind: KeyKind,
+    key_type: &'static str,
 }
 
 /// A map, struct or (with `variant`) struct variant being written.
@@ -920,6 +934,7 @@ impl<'a> Map<'a> {
             key_end: enc.keys.len(),
             key_len,
             kind,
+            key_type: std::any::type_name::<K>(),
         })
     }
 
@@ -938,6 +953,7 @@ impl<'a> Map<'a> {
             key_end: enc.keys.len(),
             key_len,
             kind: KeyKind::Text,
+            key_type: "str",
         })
     }
 
@@ -957,6 +973,7 @@ impl<'a> Map<'a> {
             key_end: key.key_end,
             key_len: key.key_len,
             kind: key.kind,
+            key_type: key.key_type,
         });
         self.count += 1;
         Ok(())

@@ -39,13 +39,18 @@
 //! keys by their canonical bytes; members with the same key by their bytes,
 //! except in a map of unknown length (serde's form of a struct with
 //! `#[serde(flatten)]` fields), where members with the same key and key kind
-//! stay in the order they were written: there a repeated key comes from two
-//! sources (a field and a flattened map, or two flattened maps), and which
-//! value came from which is part of the value (`{amount: 1, extras:
-//! {"amount": 2}}` is not `{amount: 2, extras: {"amount": 1}}`). Builds before
-//! this rule sorted those members by their bytes too; a record one of them
-//! made for such a value carries the lossy form, so its retry is a mismatch
-//! (the safe answer), as for v1's lossy forms below.
+//! written with *different key types* stay in the order they were written:
+//! there the repeated key comes from two sources (a field, `str`, and a
+//! flattened map's `String` key), and which value came from which is part of
+//! the value (`{amount: 1, extras: {"amount": 2}}` is not `{amount: 2,
+//! extras: {"amount": 1}}`). Repeats written with one key type come from one
+//! source (a multimap written as repeated entries, perhaps in a set's order)
+//! and are sorted by their bytes. Builds before this rule sorted all of them
+//! by their bytes; a record one of them made for such a value carries the
+//! lossy form, so its retry is a mismatch (the safe answer), as for v1's lossy
+//! forms below. *Limitation:* a flattened *struct* whose field repeats a field
+//! of the outer struct writes both keys as `str`, so those two values are
+//! still not told apart: do not give them one name.
 //! A string key is always written quoted; a key v1 refused is written as its
 //! canonical bytes, which are quoted only when it is `Some` of a string (read
 //! as that string, like every `Some(x)` whose `x` is not null-like). So a

@@ -362,6 +362,9 @@ SELECT f.outcome, f.took_over, f.is_error, f.result, f.lease_remaining_ms,
   FROM idempotency_reserve($1, $2, $3, $4, $5, $6, $7, $8) f
  WHERE NOT EXISTS (SELECT 1 FROM d WHERE d.outcome IS NOT NULL)";
 
+/// The longest `lock_timeout` PostgreSQL accepts, in ms.
+const MAX_LOCK_TIMEOUT_MS: i64 = i32::MAX as i64;
+
 /// `lock_not_available`: `lock_timeout` ran out.
 const LOCK_NOT_AVAILABLE: &str = "55P03";
 
@@ -461,7 +464,10 @@ async fn reserve_statement<'e, E: Executor<'e, Database = Postgres>>(
         .bind(request.token.as_str())
         .bind(millis_i64(request.lease))
         .bind(millis_i64(request.ttl))
-        .bind(millis_i64(lock_wait))
+        // `lock_timeout` takes at most 2^31 - 1 ms (24.8 days); a longer wait
+        // (`in_progress = wait("30days")`) waits that long per statement, and
+        // the engine asks again for the rest.
+        .bind(millis_i64(lock_wait).min(MAX_LOCK_TIMEOUT_MS))
         .fetch_optional(executor)
         .await?;
     row.as_ref()
