@@ -12,8 +12,8 @@
 //! ```
 //!
 //! A manifest is valid as a whole or not at all: unknown keys, a name that is
-//! not a scope ([`check_scope`](crate::scope::check_scope)), a duration that
-//! [`parse_duration`](crate::duration::parse_duration) refuses, or a name that
+//! not a scope ([`check_scope`]), a duration that
+//! [`parse_duration`] refuses, or a name that
 //! is both declared and retired make it invalid, with every problem listed.
 //! The macro and the command line give the same verdict on the same file.
 //!

@@ -48,7 +48,9 @@ pub fn is_json_content_type(value: &str) -> bool {
             .is_some_and(|(_, suffix)| suffix.eq_ignore_ascii_case("json"))
 }
 
-/// The fingerprint of a request: see the [module documentation](self).
+/// The fingerprint of a request: SHA-256 over its method, request target
+/// (path and query, as sent) and body, a JSON body in a canonical form
+/// (members sorted, numbers as exact decimals), labelled `http1:`.
 ///
 /// ```
 /// use axum::http::{HeaderMap, Method};

@@ -1,5 +1,5 @@
 //! `application/problem+json` (RFC 9457) answers, and the HTTP status of every
-//! [`Error`](crate::Error) (DESIGN.md rule 22).
+//! [`crate::Error`] (DESIGN.md rule 22).
 //!
 //! Every refusal the layer and the extractor make is a [`Problem`]: a JSON
 //! object with a `type` (one of the URNs in [`types`]), a `title`, the

@@ -11,7 +11,7 @@
 //! The runner holds the backend's migration lock from before it reads the
 //! history until after the last migration is recorded, so several processes
 //! opening one brand-new database at once apply each migration once. What
-//! differs per backend is behind [`MigrationBackend`]: PostgreSQL applies them
+//! differs per backend is behind `MigrationBackend`: PostgreSQL applies them
 //! in one transaction under a transaction-level advisory lock, MySQL/MariaDB
 //! (whose DDL is not transactional) under `GET_LOCK`, statement by statement
 //! (split on `-- @@statement` lines), SQLite in one `BEGIN IMMEDIATE`
