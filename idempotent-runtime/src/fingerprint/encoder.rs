@@ -359,14 +359,15 @@ impl Encoder {
     }
 }
 
-/// Within each run of `members` (sorted) that shares one sort key, puts the
-/// entries of each key kind that occurs more than once back in arrival order
-/// (entries are written in arrival order, so `start` is it), in the places
-/// that kind holds in the run, when they come from different sources (their
-/// key types differ: a struct's field and a flattened map's entry). Repeats of
-/// one key type come from one source (a multimap written as repeated entries,
-/// perhaps in a set's iteration order) and stay sorted by their bytes. With no
-/// repeated key and kind, nothing moves.
+/// Within each run of `members` (sorted) that shares one sort key, orders the
+/// entries of each key kind that occurs more than once by their source, when
+/// they come from different sources (their key types differ: a struct's field
+/// and a flattened map's entry): sources in the order they were written
+/// (entries are written in arrival order, so `start` is it), each source's
+/// entries by their bytes, in the places that kind holds in the run. Repeats
+/// of one key type come from one source (a multimap written as repeated
+/// entries, perhaps in a set's iteration order) and stay sorted by their
+/// bytes. With no repeated key and kind, nothing moves.
 fn restore_arrival_order_of_repeats<K: Eq>(members: &mut [Entry], sort_key: impl Fn(&Entry) -> K) {
     let mut run_start = 0;
     while run_start < members.len() {
@@ -384,9 +385,24 @@ fn restore_arrival_order_of_repeats<K: Eq>(members: &mut [Entry], sort_key: impl
             if places.len() < 2 || one_source {
                 continue;
             }
+            // Sources in the order they were written (a source's first entry
+            // says where it stands); one source's entries keep their order by
+            // bytes (the run is sorted so), since their own order is a
+            // collection's iteration order.
             let mut arrived: Vec<Entry> = places.iter().map(|&i| run[i]).collect();
-            arrived.sort_by_key(|e| e.start);
-            for (&place, entry) in places.iter().zip(arrived) {
+            let source_at = |key_type: &str| {
+                arrived
+                    .iter()
+                    .filter(|e| e.key_type == key_type)
+                    .map(|e| e.start)
+                    .min()
+                    .unwrap_or(usize::MAX)
+            };
+            let order: Vec<usize> = arrived.iter().map(|e| source_at(e.key_type)).collect();
+            let mut indexed: Vec<(usize, Entry)> =
+                order.into_iter().zip(arrived.iter().copied()).collect();
+            indexed.sort_by_key(|(source, _)| *source); // stable
+            for (&place, (_, entry)) in places.iter().zip(indexed) {
                 run[place] = entry;
             }
         }

@@ -881,6 +881,51 @@ fn a_field_and_a_flattened_entry_with_the_same_name_are_not_interchangeable() {
     assert_ne!(fp(&labelled(1, 2)), fp(&labelled(2, 1)));
 }
 
+/// A key type with two values of one text (both written as the string "x").
+#[derive(Serialize, Clone, Debug, PartialEq, Eq, Hash)]
+#[serde(untagged)]
+enum SameTextKey {
+    Name(String),
+    Code(String),
+}
+
+#[derive(Serialize, Clone, Debug)]
+struct FieldAndSameTextKeys {
+    x: u32,
+    #[serde(flatten)]
+    extras: HashMap<SameTextKey, u32>,
+}
+
+/// Equal values, maps iterated in another order: a field "x" beside a
+/// flattened map holding two keys written "x". The field and the map are two
+/// sources, in their written order; the map's two entries are one source,
+/// ordered by their bytes, not by the map's iteration order.
+#[test]
+fn iteration_order_does_not_count_beside_a_field_of_the_same_name() {
+    let entries = [
+        (SameTextKey::Name("x".into()), 1u32),
+        (SameTextKey::Code("x".into()), 2u32),
+    ];
+    let order = |m: &HashMap<SameTextKey, u32>| m.values().copied().collect::<Vec<_>>();
+    let first: HashMap<_, _> = entries.iter().cloned().collect();
+    // Another map (other hasher keys) with the same entries, iterated the other way.
+    let other = (0..1000)
+        .map(|_| entries.iter().cloned().rev().collect::<HashMap<_, _>>())
+        .find(|m| order(m) != order(&first))
+        .expect("some hasher iterates the two keys the other way");
+    assert_eq!(first, other, "equal maps");
+    let a = FieldAndSameTextKeys {
+        x: 0,
+        extras: first,
+    };
+    let b = FieldAndSameTextKeys {
+        x: 0,
+        extras: other,
+    };
+    assert_eq!(fp(&a), fp(&b), "equal values: {} vs {}", v2(&a), v2(&b));
+    assert_eq!(v2(&a), r#"{"x":0,"x":1,"x":2}"#);
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(64))]
     /// The flattened maps' own iteration order still does not count, with or
