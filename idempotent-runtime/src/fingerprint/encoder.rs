@@ -389,7 +389,7 @@ fn restore_arrival_order_of_repeats<K: Eq>(members: &mut [Entry], sort_key: impl
             // says where it stands); one source's entries keep their order by
             // bytes (the run is sorted so), since their own order is a
             // collection's iteration order.
-            let mut arrived: Vec<Entry> = places.iter().map(|&i| run[i]).collect();
+            let arrived: Vec<Entry> = places.iter().map(|&i| run[i]).collect();
             let source_at = |key_type: &str| {
                 arrived
                     .iter()
