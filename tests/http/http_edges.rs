@@ -83,12 +83,7 @@ async fn the_client_returns_a_replayed_409_as_final() {
         .route_layer(layer("review3.client409"))
         .layer(middleware::from_fn(authenticate));
     let (base, _task) = serve(app).await;
-    let client = IdempotentClient::new(reqwest::Client::new()).with_policy(RetryPolicy {
-        max_attempts: 4,
-        initial_backoff: Duration::from_millis(5),
-        max_backoff: Duration::from_millis(10),
-        ..RetryPolicy::default()
-    });
+    let client = fast_retrying_client(4);
     let intent = client
         .intent(Method::POST, &format!("{base}/accounts"))
         .unwrap()
@@ -256,12 +251,7 @@ async fn the_client_retries_an_in_progress_409_in_the_ietf_draft_form() {
         }),
     );
     let (base, _task) = serve(app).await;
-    let client = IdempotentClient::new(reqwest::Client::new()).with_policy(RetryPolicy {
-        max_attempts: 4,
-        initial_backoff: Duration::from_millis(5),
-        max_backoff: Duration::from_millis(10),
-        ..RetryPolicy::default()
-    });
+    let client = fast_retrying_client(4);
     let intent = client
         .intent(Method::POST, &format!("{base}/payments"))
         .unwrap()
@@ -461,11 +451,7 @@ async fn the_client_does_not_rerun_a_handler_whose_answer_could_not_be_recorded(
         .route_layer(layer)
         .layer(middleware::from_fn(authenticate));
     let (base, _task) = serve(app).await;
-    let client = IdempotentClient::new(reqwest::Client::new()).with_policy(RetryPolicy {
-        initial_backoff: Duration::from_millis(1),
-        max_backoff: Duration::from_millis(2),
-        ..RetryPolicy::default()
-    });
+    let client = fast_retrying_client(RetryPolicy::default().max_attempts);
     let answer = client
         .intent(Method::POST, &format!("{base}/charges"))
         .unwrap()
@@ -480,4 +466,14 @@ async fn the_client_does_not_rerun_a_handler_whose_answer_could_not_be_recorded(
         "one intent charged {ran} times (client answer: {:?})",
         answer.as_ref().map(|a| a.status())
     );
+}
+
+/// A client that retries at once (a few ms of backoff), at most `max_attempts` times.
+fn fast_retrying_client(max_attempts: u32) -> IdempotentClient {
+    IdempotentClient::new(reqwest::Client::new()).with_policy(RetryPolicy {
+        max_attempts,
+        initial_backoff: Duration::from_millis(1),
+        max_backoff: Duration::from_millis(10),
+        ..RetryPolicy::default()
+    })
 }

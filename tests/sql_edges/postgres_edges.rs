@@ -43,19 +43,7 @@ async fn a_lock_on_an_expired_record_is_waited_out_not_answered_in_progress() {
         .await
         .expect("reserve");
     assert_eq!(abandoned, Reservation::FRESH);
-    sqlx::query("BEGIN")
-        .execute(&mut locker)
-        .await
-        .expect("begin");
-    sqlx::query(
-        "SELECT 1 FROM idempotency_records WHERE tenant = $1 AND scope = $2 AND key = $3 FOR UPDATE",
-    )
-    .bind(identity.tenant())
-    .bind(identity.scope())
-    .bind(identity.key())
-    .fetch_one(&mut locker)
-    .await
-    .expect("lock the row");
+    lock_row_in_transaction(&mut locker, &identity).await;
     // Lease and retention run out on the database's clock (a plain read is
     // not blocked by the lock).
     let mut expired = false;
@@ -255,19 +243,7 @@ async fn an_in_progress_answer_after_a_lost_takeover_race_keeps_no_lock() {
         .fetch_one(&mut taker)
         .await
         .expect("pid");
-    sqlx::query("BEGIN")
-        .execute(&mut taker)
-        .await
-        .expect("begin");
-    sqlx::query(
-        "SELECT 1 FROM idempotency_records WHERE tenant = $1 AND scope = $2 AND key = $3 FOR UPDATE",
-    )
-    .bind(identity.tenant())
-    .bind(identity.scope())
-    .bind(identity.key())
-    .fetch_one(&mut taker)
-    .await
-    .expect("lock the row");
+    lock_row_in_transaction(&mut taker, &identity).await;
 
     // The transactional duplicate reserves meanwhile.
     let mut duplicate = sqlx::PgConnection::connect(&pg_url())
@@ -506,4 +482,21 @@ async fn a_read_committed_transactional_duplicate_waits_for_a_store_owner_and_re
         matches!(waited, (Ok(1), Some(Outcome::Replayed))),
         "{waited:?}"
     );
+}
+
+/// Begins a transaction on `conn` and locks `identity`'s record in it.
+async fn lock_row_in_transaction(conn: &mut sqlx::PgConnection, identity: &Identity) {
+    sqlx::query("BEGIN")
+        .execute(&mut *conn)
+        .await
+        .expect("begin");
+    sqlx::query(
+        "SELECT 1 FROM idempotency_records WHERE tenant = $1 AND scope = $2 AND key = $3 FOR UPDATE",
+    )
+    .bind(identity.tenant())
+    .bind(identity.scope())
+    .bind(identity.key())
+    .fetch_one(&mut *conn)
+    .await
+    .expect("lock the row");
 }
