@@ -264,3 +264,49 @@ mod tests {
         assert_eq!(n, 2, "one empty attempt, then the release");
     }
 }
+
+/// The detached methods of [`Store`](crate::Store) for a store with a
+/// `detached: Arc<Detached>` field: each hands its work to the store's worker
+/// ([`Detached::hand_over`]). Written once for the SQL stores.
+macro_rules! hand_over_to_the_worker {
+    () => {
+        fn release_detached(&self, identity: Identity, token: OwnerToken) {
+            self.detached
+                .hand_over(identity, token, $crate::store::detached::Work::Release);
+        }
+
+        fn end_lease_detached(&self, identity: Identity, token: OwnerToken) {
+            self.detached
+                .hand_over(identity, token, $crate::store::detached::Work::EndLease);
+        }
+
+        fn complete_detached(
+            &self,
+            identity: Identity,
+            token: OwnerToken,
+            outcome: StoredOutcome,
+            ttl: Duration,
+        ) {
+            self.detached.hand_over(
+                identity,
+                token,
+                $crate::store::detached::Work::Complete(outcome, ttl, false),
+            );
+        }
+
+        fn complete_recovered_detached(
+            &self,
+            identity: Identity,
+            token: OwnerToken,
+            outcome: StoredOutcome,
+            ttl: Duration,
+        ) {
+            self.detached.hand_over(
+                identity,
+                token,
+                $crate::store::detached::Work::Complete(outcome, ttl, true),
+            );
+        }
+    };
+}
+pub(crate) use hand_over_to_the_worker;

@@ -685,43 +685,7 @@ impl Store for MySqlStore {
         heartbeat_with(&self.pool, identity, token, lease).await
     }
 
-    fn end_lease_detached(&self, identity: Identity, token: OwnerToken) {
-        self.detached
-            .hand_over(identity, token, detached::Work::EndLease);
-    }
-
-    fn release_detached(&self, identity: Identity, token: OwnerToken) {
-        self.detached
-            .hand_over(identity, token, detached::Work::Release);
-    }
-
-    fn complete_detached(
-        &self,
-        identity: Identity,
-        token: OwnerToken,
-        outcome: StoredOutcome,
-        ttl: Duration,
-    ) {
-        self.detached.hand_over(
-            identity,
-            token,
-            detached::Work::Complete(outcome, ttl, false),
-        );
-    }
-
-    fn complete_recovered_detached(
-        &self,
-        identity: Identity,
-        token: OwnerToken,
-        outcome: StoredOutcome,
-        ttl: Duration,
-    ) {
-        self.detached.hand_over(
-            identity,
-            token,
-            detached::Work::Complete(outcome, ttl, true),
-        );
-    }
+    crate::store::detached::hand_over_to_the_worker!();
 
     async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError> {
         super::purge_in_chunks(batch, |chunk| async move {

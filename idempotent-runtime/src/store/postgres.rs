@@ -660,43 +660,7 @@ impl Store for PgStore {
         heartbeat_with(&self.pool, identity, token, lease).await
     }
 
-    fn end_lease_detached(&self, identity: Identity, token: OwnerToken) {
-        self.detached
-            .hand_over(identity, token, detached::Work::EndLease);
-    }
-
-    fn release_detached(&self, identity: Identity, token: OwnerToken) {
-        self.detached
-            .hand_over(identity, token, detached::Work::Release);
-    }
-
-    fn complete_detached(
-        &self,
-        identity: Identity,
-        token: OwnerToken,
-        outcome: StoredOutcome,
-        ttl: Duration,
-    ) {
-        self.detached.hand_over(
-            identity,
-            token,
-            detached::Work::Complete(outcome, ttl, false),
-        );
-    }
-
-    fn complete_recovered_detached(
-        &self,
-        identity: Identity,
-        token: OwnerToken,
-        outcome: StoredOutcome,
-        ttl: Duration,
-    ) {
-        self.detached.hand_over(
-            identity,
-            token,
-            detached::Work::Complete(outcome, ttl, true),
-        );
-    }
+    crate::store::detached::hand_over_to_the_worker!();
 
     /// Woken by `LISTEN/NOTIFY` when the record completes, is released or
     /// changes owner (in any process); polls only when the listener cannot

@@ -1163,43 +1163,7 @@ impl Store for SqliteStore {
         Ok(renewed)
     }
 
-    fn release_detached(&self, identity: Identity, token: OwnerToken) {
-        self.detached
-            .hand_over(identity, token, super::detached::Work::Release);
-    }
-
-    fn end_lease_detached(&self, identity: Identity, token: OwnerToken) {
-        self.detached
-            .hand_over(identity, token, super::detached::Work::EndLease);
-    }
-
-    fn complete_detached(
-        &self,
-        identity: Identity,
-        token: OwnerToken,
-        outcome: StoredOutcome,
-        ttl: Duration,
-    ) {
-        self.detached.hand_over(
-            identity,
-            token,
-            super::detached::Work::Complete(outcome, ttl, false),
-        );
-    }
-
-    fn complete_recovered_detached(
-        &self,
-        identity: Identity,
-        token: OwnerToken,
-        outcome: StoredOutcome,
-        ttl: Duration,
-    ) {
-        self.detached.hand_over(
-            identity,
-            token,
-            super::detached::Work::Complete(outcome, ttl, true),
-        );
-    }
+    crate::store::detached::hand_over_to_the_worker!();
 
     /// Woken at once when this store (any clone of it, in this process)
     /// completes or releases the record, its detached worker finishes it, or
