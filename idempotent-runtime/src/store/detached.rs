@@ -220,51 +220,6 @@ fn lost(store: &'static str, identity: &Identity, work: &Work, why: &str) {
         "could not finish a dropped call's record; it stays in progress until its lease runs out");
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use std::sync::atomic::{AtomicUsize, Ordering};
-
-    /// The release happens on the releaser's own runtime even when the runtime
-    /// that handed it over is gone, and is tried again while it finds nothing.
-    #[test]
-    fn releases_after_the_callers_runtime_is_gone_and_retries_while_nothing_is_found() {
-        let attempts = Arc::new(AtomicUsize::new(0));
-        let (done_tx, done_rx) = std::sync::mpsc::channel::<usize>();
-        let counted = attempts.clone();
-        let detached = Detached::new(
-            "test",
-            Box::new(move || {
-                let done_tx = Mutex::new(done_tx);
-                Arc::new(move |_, _, _| {
-                    let n = counted.fetch_add(1, Ordering::SeqCst) + 1;
-                    let done = done_tx.lock().ok().map(|tx| tx.clone());
-                    Box::pin(async move {
-                        // The reservation "lands" before the second attempt.
-                        let released = n >= 2;
-                        if let (true, Some(tx)) = (released, done) {
-                            let _ = tx.send(n);
-                        }
-                        Ok(released)
-                    })
-                })
-            }),
-        );
-        let caller = tokio::runtime::Builder::new_current_thread()
-            .build()
-            .expect("runtime");
-        caller.block_on(async {
-            let id = Identity::new("t", "releaser.test", "k").expect("identity");
-            detached.hand_over(id, OwnerToken::new(), Work::Release);
-        });
-        drop(caller);
-        let n = done_rx
-            .recv_timeout(Duration::from_secs(30))
-            .expect("released in the background");
-        assert_eq!(n, 2, "one empty attempt, then the release");
-    }
-}
-
 /// The detached methods of [`Store`](crate::Store) for a store with a
 /// `detached: Arc<Detached>` field: each hands its work to the store's worker
 /// ([`Detached::hand_over`]). Written once for the SQL stores.
@@ -310,3 +265,48 @@ macro_rules! hand_over_to_the_worker {
     };
 }
 pub(crate) use hand_over_to_the_worker;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    /// The release happens on the releaser's own runtime even when the runtime
+    /// that handed it over is gone, and is tried again while it finds nothing.
+    #[test]
+    fn releases_after_the_callers_runtime_is_gone_and_retries_while_nothing_is_found() {
+        let attempts = Arc::new(AtomicUsize::new(0));
+        let (done_tx, done_rx) = std::sync::mpsc::channel::<usize>();
+        let counted = attempts.clone();
+        let detached = Detached::new(
+            "test",
+            Box::new(move || {
+                let done_tx = Mutex::new(done_tx);
+                Arc::new(move |_, _, _| {
+                    let n = counted.fetch_add(1, Ordering::SeqCst) + 1;
+                    let done = done_tx.lock().ok().map(|tx| tx.clone());
+                    Box::pin(async move {
+                        // The reservation "lands" before the second attempt.
+                        let released = n >= 2;
+                        if let (true, Some(tx)) = (released, done) {
+                            let _ = tx.send(n);
+                        }
+                        Ok(released)
+                    })
+                })
+            }),
+        );
+        let caller = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .expect("runtime");
+        caller.block_on(async {
+            let id = Identity::new("t", "releaser.test", "k").expect("identity");
+            detached.hand_over(id, OwnerToken::new(), Work::Release);
+        });
+        drop(caller);
+        let n = done_rx
+            .recv_timeout(Duration::from_secs(30))
+            .expect("released in the background");
+        assert_eq!(n, 2, "one empty attempt, then the release");
+    }
+}
