@@ -281,14 +281,13 @@ impl Encoder {
     /// keys). Entries with the same key are kept (v2, typed keys) or reduced
     /// to the last one (v1, which stored them in a map).
     ///
-    /// With `repeats_in_arrival_order` (a map of unknown length: what serde
-    /// writes for a struct with `#[serde(flatten)]`), entries with the same
-    /// key *and* key kind from different sources (different key types: a
-    /// field and a flattened map's entry) keep the order they arrived in:
+    /// Entries with the same key *and* key kind from different sources
+    /// (different key types: a field and a flattened map's entry, an internal
+    /// tag and its content map's entry) keep their sources' written order:
     /// which value came from which is part of the value. Repeats from one
     /// source (one key type) are sorted by their bytes, so a set's iteration
     /// order does not count.
-    fn sort_entries(&mut self, first: usize, region: usize, repeats_in_arrival_order: bool) {
+    fn sort_entries(&mut self, first: usize, region: usize) {
         let mode = self.mode;
         let Encoder {
             out,
@@ -326,7 +325,7 @@ impl Encoder {
             .windows(2)
             .any(|w| sort_key(&w[0]) == sort_key(&w[1]));
         let typed = repeated && mode == Mode::Canonical;
-        if typed && repeats_in_arrival_order {
+        if typed {
             restore_arrival_order_of_repeats(members, sort_key);
         }
         if typed {
@@ -740,11 +739,8 @@ impl<'a> Serializer for &'a mut Encoder {
         Seq::begin(self, Some(variant), false)
     }
 
-    fn serialize_map(self, len: Option<usize>) -> Result<Map<'a>> {
-        let mut map = Map::begin(self, None, false)?;
-        // serde writes a struct with `#[serde(flatten)]` as a map of unknown length.
-        map.repeats_in_arrival_order = len.is_none();
-        Ok(map)
+    fn serialize_map(self, _len: Option<usize>) -> Result<Map<'a>> {
+        Map::begin(self, None, false)
     }
 
     fn serialize_struct(self, name: &'static str, _len: usize) -> Result<Map<'a>> {
@@ -895,8 +891,6 @@ pub(crate) struct Map<'a> {
     pending: Option<Pending>,
     /// serde_json's `RawValue`: its one field is JSON text to canonicalise.
     raw: bool,
-    /// See [`Encoder::sort_entries`].
-    repeats_in_arrival_order: bool,
 }
 
 impl<'a> Map<'a> {
@@ -918,7 +912,6 @@ impl<'a> Map<'a> {
             variant,
             pending: None,
             raw,
-            repeats_in_arrival_order: false,
         })
     }
 
@@ -1053,8 +1046,7 @@ impl<'a> Map<'a> {
     fn finish(self) -> Result<KeyKind> {
         if self.enc.mode != Mode::Check && !self.raw {
             if self.enc.entries.len() - self.first >= 2 {
-                self.enc
-                    .sort_entries(self.first, self.region, self.repeats_in_arrival_order);
+                self.enc.sort_entries(self.first, self.region);
             }
             self.enc.entries.truncate(self.first);
             self.enc.keys.truncate(self.keys_base);

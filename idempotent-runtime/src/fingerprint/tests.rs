@@ -1746,3 +1746,35 @@ fn hex_digits_of_every_byte() {
     write_hex(&bytes, &mut out);
     assert_eq!(out, hex::encode(&bytes).into_bytes());
 }
+
+/// An internally tagged enum whose content is a map: serde writes the tag
+/// (a `str` key) and the map's entries (`String` keys) into one map of known
+/// length, so a content entry named like the tag repeats its key.
+#[derive(Serialize, Debug)]
+#[serde(tag = "type")]
+enum Tagged {
+    Card(HashMap<String, String>),
+    Bank(HashMap<String, String>),
+}
+
+#[test]
+fn a_tag_and_a_content_entry_with_the_tags_name_are_not_interchangeable() {
+    let card = Tagged::Card(HashMap::from([("type".to_owned(), "Bank".to_owned())]));
+    let bank = Tagged::Bank(HashMap::from([("type".to_owned(), "Card".to_owned())]));
+    assert_ne!(fp(&card), fp(&bank), "{} vs {}", v2(&card), v2(&bank));
+    assert_eq!(v2(&card), r#"{"type":"Card","type":"Bank"}"#);
+    // The content map's own order still does not count.
+    let many = |pairs: &[(&str, &str)]| {
+        Tagged::Card(
+            pairs
+                .iter()
+                .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                .collect(),
+        )
+    };
+    let a = many(&[("type", "x"), ("a", "1"), ("b", "2"), ("c", "3")]);
+    for _ in 0..8 {
+        let b = many(&[("c", "3"), ("b", "2"), ("a", "1"), ("type", "x")]);
+        assert_eq!(fp(&a), fp(&b));
+    }
+}
