@@ -360,13 +360,18 @@ impl Encoder {
 
 /// Within each run of `members` (sorted) that shares one sort key, orders the
 /// entries of each key kind that occurs more than once by their source, when
-/// they come from different sources (their key types differ: a struct's field
-/// and a flattened map's entry): sources in the order they were written
+/// they come from different sources: sources in the order they were written
 /// (entries are written in arrival order, so `start` is it), each source's
-/// entries by their bytes, in the places that kind holds in the run. Repeats
-/// of one key type come from one source (a multimap written as repeated
-/// entries, perhaps in a set's iteration order) and stay sorted by their
-/// bytes. With no repeated key and kind, nothing moves.
+/// entries by their bytes, in the places that kind holds in the run. A
+/// source is a key type (a flattened map's `String` keys beside a struct's
+/// field), except that every entry with a `str` key is a source of its own:
+/// such a key is a name from a type's definition (a struct's field, also
+/// within a flattened struct; an internal tag), written in declaration
+/// order, whereas a collection's keys are written as its key type or a
+/// reference to it (`&str`, `String`). Repeats of one other key type come from
+/// one source (a multimap written as repeated entries, perhaps in a set's
+/// iteration order) and stay sorted by their bytes. With no repeated key and
+/// kind, nothing moves.
 fn restore_arrival_order_of_repeats<K: Eq>(members: &mut [Entry], sort_key: impl Fn(&Entry) -> K) {
     let mut run_start = 0;
     while run_start < members.len() {
@@ -378,9 +383,9 @@ fn restore_arrival_order_of_repeats<K: Eq>(members: &mut [Entry], sort_key: impl
         let run = &mut members[run_start..run_start + run_len];
         for kind in [KeyKind::Text, KeyKind::Scalar, KeyKind::Other] {
             let places: Vec<usize> = (0..run.len()).filter(|&i| run[i].kind == kind).collect();
-            let one_source = places
-                .windows(2)
-                .all(|w| run[w[0]].key_type == run[w[1]].key_type);
+            let one_source = places.windows(2).all(|w| {
+                run[w[0]].key_type == run[w[1]].key_type && run[w[0]].key_type != NAME_KEY_TYPE
+            });
             if places.len() < 2 || one_source {
                 continue;
             }
@@ -389,15 +394,18 @@ fn restore_arrival_order_of_repeats<K: Eq>(members: &mut [Entry], sort_key: impl
             // bytes (the run is sorted so), since their own order is a
             // collection's iteration order.
             let arrived: Vec<Entry> = places.iter().map(|&i| run[i]).collect();
-            let source_at = |key_type: &str| {
+            let source_at = |entry: &Entry| {
+                if entry.key_type == NAME_KEY_TYPE {
+                    return entry.start;
+                }
                 arrived
                     .iter()
-                    .filter(|e| e.key_type == key_type)
+                    .filter(|e| e.key_type == entry.key_type)
                     .map(|e| e.start)
                     .min()
                     .unwrap_or(usize::MAX)
             };
-            let order: Vec<usize> = arrived.iter().map(|e| source_at(e.key_type)).collect();
+            let order: Vec<usize> = arrived.iter().map(source_at).collect();
             let mut indexed: Vec<(usize, Entry)> =
                 order.into_iter().zip(arrived.iter().copied()).collect();
             indexed.sort_by_key(|(source, _)| *source); // stable
@@ -408,6 +416,11 @@ fn restore_arrival_order_of_repeats<K: Eq>(members: &mut [Entry], sort_key: impl
         run_start += run_len;
     }
 }
+
+/// The key type of a name from a type's definition: serde passes a struct's
+/// field names (also in a flattened struct) and an internal tag to
+/// `serialize_entry` as `str` (see [`restore_arrival_order_of_repeats`]).
+const NAME_KEY_TYPE: &str = "str";
 
 /// `inf`, `-inf` and `nan`: not JSON, so no finite number, string or other
 /// value is ever written this way. Every NaN is the one value `nan`.
@@ -962,7 +975,7 @@ impl<'a> Map<'a> {
             key_end: enc.keys.len(),
             key_len,
             kind: KeyKind::Text,
-            key_type: "str",
+            key_type: NAME_KEY_TYPE,
         })
     }
 

@@ -37,24 +37,24 @@
 //!
 //! Map members are sorted by the text of v1 keys (as in v1), then the other
 //! keys by their canonical bytes; members with the same key by their bytes,
-//! except that members with the same key and key kind written with
-//! *different key types* stay in the order they were written: there the
-//! repeated key comes from two sources (a struct's field, `str`, and a
-//! `#[serde(flatten)]` map's `String` key; an internal tag, `str`, and a
-//! `String` key of the content map of `#[serde(tag = "type")]`), and which
-//! value came from which is part of the value (`{amount: 1, extras: {"amount":
-//! 2}}` is not `{amount: 2, extras: {"amount": 1}}`): sources in written
-//! order, each source's members by their bytes. Repeats written with one key
-//! type come from one source (a multimap written as repeated entries, perhaps
-//! in a set's order) and are sorted by their bytes. Builds before this rule
-//! sorted all of them by their bytes (and before that, all but those of
-//! flattened structs); a record one of them made for such a value carries the
-//! lossy form, so its retry is a mismatch (the safe answer), as for v1's lossy
-//! forms below. The sources are told apart by key type only, so these repeats
-//! are still not told apart (two such values share a fingerprint; avoid the
-//! repeated name): a flattened *struct* whose field repeats a field of the
-//! outer struct (both `str`), and two flattened maps of one key type holding
-//! one key.
+//! except that members with the same key and key kind from *different
+//! sources* stay in the order their sources were written, each source's
+//! members by their bytes: which value came from which is part of the value
+//! (`{amount: 1, extras: {"amount": 2}}` is not `{amount: 2, extras:
+//! {"amount": 1}}`). A source is a key type (a `#[serde(flatten)]` map's
+//! `String` keys beside a struct's field; an internal tag beside the content
+//! map of `#[serde(tag = "type")]`), except that each `str` key is a source of
+//! its own: serde writes a type's own names as `str` (a struct's fields, also
+//! those of a flattened struct, and an internal tag), in declaration order,
+//! while a collection's keys arrive as its key type or a reference to it
+//! (`String`, `&str`). Repeats of one other key type come from one source (a
+//! multimap written as repeated entries, perhaps in a set's order) and are
+//! sorted by their bytes. Earlier builds sorted some or all of these repeats by
+//! their bytes; a record one of them made for such a value carries the lossy
+//! form, so its retry is a mismatch (the safe answer), as for v1's lossy forms
+//! below. Two flattened maps of one key type holding one key are one source
+//! by this rule and still not told apart (two such values share a
+//! fingerprint; avoid the repeated key).
 //! A string key is always written quoted; a key v1 refused is written as its
 //! canonical bytes, which are quoted only when it is `Some` of a string (read
 //! as that string, like every `Some(x)` whose `x` is not null-like). So a

@@ -564,12 +564,13 @@ fn wide() -> impl Strategy<Value = M> {
             prop::collection::vec(("[ab1]{0,1}", inner.clone()), 0..4).prop_map(M::StrMap),
             prop::collection::vec((0i64..3, inner.clone()), 0..4).prop_map(M::IntMap),
             prop::collection::vec((inner.clone(), inner.clone()), 0..4).prop_map(M::AnyMap),
-            prop::collection::vec((name(), inner.clone()), 0..4).prop_map(M::Struct),
+            // A struct's field names are distinct, as in Rust (repeated names
+            // are flatten's, written in declaration order: see the tests below).
+            fields_of(inner.clone().boxed()).prop_map(M::Struct),
             (name(), prop::collection::vec(inner.clone(), 0..3))
                 .prop_map(|(n, v)| M::TupleVariant(n, v)),
             (name(), inner.clone()).prop_map(|(n, v)| M::NewtypeVariant(n, Box::new(v))),
-            (name(), prop::collection::vec((name(), inner.clone()), 0..3))
-                .prop_map(|(n, v)| M::StructVariant(n, v)),
+            (name(), fields_of(inner.clone().boxed())).prop_map(|(n, v)| M::StructVariant(n, v)),
         ]
     })
 }
@@ -1777,4 +1778,34 @@ fn a_tag_and_a_content_entry_with_the_tags_name_are_not_interchangeable() {
         let b = many(&[("c", "3"), ("b", "2"), ("a", "1"), ("type", "x")]);
         assert_eq!(fp(&a), fp(&b));
     }
+}
+
+#[derive(Serialize, Debug)]
+struct Limits {
+    amount: u32,
+    currency: &'static str,
+}
+
+/// A flattened struct whose field repeats an outer field's name: both names
+/// are `str` keys from the types' definitions, written in declaration order.
+#[derive(Serialize, Debug)]
+struct WithLimits {
+    amount: u32,
+    #[serde(flatten)]
+    limits: Limits,
+}
+
+#[test]
+fn a_field_and_a_flattened_structs_field_of_the_same_name_are_not_interchangeable() {
+    let request = |amount, limit| WithLimits {
+        amount,
+        limits: Limits {
+            amount: limit,
+            currency: "EUR",
+        },
+    };
+    let (a, b) = (request(1, 2), request(2, 1));
+    assert_ne!(fp(&a), fp(&b), "{} vs {}", v2(&a), v2(&b));
+    assert_eq!(v2(&a), r#"{"amount":1,"amount":2,"currency":"EUR"}"#);
+    assert_eq!(fp(&a), fp(&request(1, 2)));
 }
