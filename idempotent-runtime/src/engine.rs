@@ -433,13 +433,7 @@ where
     let token = OwnerToken::new();
     let digest = identity.log_digest();
 
-    let request = ReserveRequest {
-        identity: &identity,
-        fingerprint: fingerprint.as_ref(),
-        token: &token,
-        lease: spec.lease,
-        ttl: spec.ttl,
-    };
+    let request = reserve_request(spec, &identity, fingerprint.as_ref(), &token);
     let mut guard = FinishOnDrop {
         store,
         identity: &identity,
@@ -900,6 +894,29 @@ impl Reserver for &dyn Store {
 /// Reserves, waiting (bounded) while another owner runs, per the in-progress policy.
 /// `in_flight`, when given, is set while a reservation statement is under way
 /// and stays set when it acquired (the call's release-on-drop guard).
+/// The reservation a call of `spec` asks for, in store mode and in
+/// transactional mode. The in-progress record is kept for the scope's ttl
+/// *after its lease* (and, with the heartbeat keeping that distance, after
+/// every renewed lease): the record of an owner that died stays to be taken
+/// over (rule 20) for ttl after its lease ran out, however the two compare.
+/// Counted from the reservation, a ttl shorter than the lease would run out
+/// first, and the dead owner's record would count as absent (rule 16) when its
+/// lease did: a blind re-run instead of a takeover.
+pub(crate) fn reserve_request<'a>(
+    spec: &ScopeInfo,
+    identity: &'a Identity,
+    fingerprint: Option<&'a Fingerprint>,
+    token: &'a OwnerToken,
+) -> ReserveRequest<'a> {
+    ReserveRequest {
+        identity,
+        fingerprint,
+        token,
+        lease: spec.lease,
+        ttl: spec.lease.saturating_add(spec.ttl),
+    }
+}
+
 pub(crate) async fn reserve(
     store: impl Reserver,
     request: ReserveRequest<'_>,

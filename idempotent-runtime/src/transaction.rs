@@ -14,8 +14,8 @@
 //! refused with [`Error::NotInTransaction`] before anything is written.
 
 use crate::engine::{
-    failure_outcome, hook_answer, replay, report, reserve, settle, ErrorHandling, Finished,
-    IdempotentReturn, Outcome, RecordSink, Recover, Reserved, Reserver,
+    failure_outcome, hook_answer, replay, report, reserve, reserve_request, settle, ErrorHandling,
+    Finished, IdempotentReturn, Outcome, RecordSink, Recover, Reserved, Reserver,
 };
 use crate::error::{Error, StoreError};
 use crate::fingerprint::Fingerprint;
@@ -378,13 +378,7 @@ where
         Err(e) => return fail(Error::Store(e)),
     }
     let token = OwnerToken::new();
-    let request = ReserveRequest {
-        identity: &identity,
-        fingerprint: fingerprint.as_ref(),
-        token: &token,
-        lease: spec.lease,
-        ttl: spec.ttl,
-    };
+    let request = reserve_request(spec, &identity, fingerprint.as_ref(), &token);
     let acquired = match reserve(InTransaction(&mut *connection), request, spec, None).await {
         Ok(Reserved::Acquired(acquired)) => acquired,
         Ok(Reserved::Replay(outcome)) => {

@@ -130,3 +130,76 @@ async fn outlived_ttl_then_died(store: &dyn Store) {
     assert_eq!(asked, vec![2], "the hook is asked once, as attempt 2");
     assert_eq!(retry.expect("recovered"), 1);
 }
+
+/// A ttl shorter than the lease (each is checked only against its own
+/// minimum). The first attempt charges at once and dies.
+#[idempotent(scope = "recovery.short_ttl", key = key, tenant = shared, store = store,
+             skip(die), lease = "300ms", ttl = "50ms", in_progress = wait("30s"),
+             recover = look_up)]
+async fn short_ttl_job(store: &dyn Store, key: &str, die: Option<&Died>) -> Result<u32, Error> {
+    let _ = store;
+    let n = {
+        let mut g = gateway();
+        let n = g.charges.entry(key.to_owned()).or_default();
+        *n += 1;
+        *n
+    };
+    if let Some(died) = die {
+        died.reached.notify_one();
+        std::future::pending::<()>().await;
+    }
+    Ok(n)
+}
+
+/// The record of an owner that died is kept for its ttl *after its lease ran
+/// out*, so the retry that waited the lease out takes it over (attempt 2) and
+/// asks the hook. When the retention was counted from the reservation, a ttl
+/// shorter than the lease had run out before the lease did: the record counted
+/// as absent, the retry was a fresh attempt 1 and charged a second time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crashed_owner_with_a_ttl_shorter_than_its_lease_is_taken_over_not_rerun_blind() {
+    crashed_with_a_short_ttl(&MemoryStore::new()).await;
+}
+
+/// The same on SQLite.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_sqlite_a_crashed_owner_with_a_ttl_shorter_than_its_lease_is_taken_over() {
+    let store = SqliteStore::connect("sqlite::memory:")
+        .await
+        .expect("sqlite");
+    crashed_with_a_short_ttl(&store).await;
+}
+
+async fn crashed_with_a_short_ttl(store: &dyn Store) {
+    let key = format!("job-{}", uuid::Uuid::new_v4().simple());
+    let died = Died::default();
+    {
+        let mut call = Box::pin(short_ttl_job(store, &key, Some(&died)));
+        tokio::time::timeout(Duration::from_secs(20), async {
+            tokio::select! {
+                _ = &mut call => panic!("the call finished instead of dying"),
+                _ = died.reached.notified() => {}
+            }
+        })
+        .await
+        .expect("the first attempt reached its side effect");
+        std::mem::forget(call);
+    }
+    let retry = tokio::time::timeout(Duration::from_secs(20), short_ttl_job(store, &key, None))
+        .await
+        .expect("the retry answered");
+    let (charges, asked) = {
+        let g = gateway();
+        (
+            g.charges.get(&key).copied(),
+            g.asked.get(&key).cloned().unwrap_or_default(),
+        )
+    };
+    assert_eq!(
+        charges,
+        Some(1),
+        "charged twice: the retry ran the body blind (answer {retry:?}, hook asked for attempts {asked:?})"
+    );
+    assert_eq!(asked, vec![2], "the hook is asked once, as attempt 2");
+    assert_eq!(retry.expect("recovered"), 1);
+}

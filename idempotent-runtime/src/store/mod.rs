@@ -91,7 +91,11 @@ pub struct ReserveRequest<'a> {
     pub token: &'a OwnerToken,
     /// How long the lease lasts before someone else may take the record over.
     pub lease: Duration,
-    /// Retention; an in-progress record is purgeable only after both its lease and this have run out.
+    /// How long from now the in-progress record is kept: it counts as absent,
+    /// and is purgeable, only after both its lease and this have run out (a
+    /// renewal keeps this time's distance from the lease's end). The engine
+    /// asks for the lease plus the scope's ttl, so a dead owner's record stays
+    /// for ttl after its lease ran out, to be taken over (rule 20).
     pub ttl: Duration,
 }
 
