@@ -328,3 +328,46 @@ fn release_detached_without_a_runtime_does_not_panic() {
     });
     remove(&path);
 }
+
+/// §5: an in-memory store outlives the runtime that made
+/// it (a store shared by several `#[tokio::test]`s, each on a runtime of its
+/// own, or set as the process-wide default). A record completed on one
+/// runtime is replayed on the next: the store's one connection, whose loss
+/// takes the in-memory database with it, must not be closed when a runtime
+/// ends right after a call.
+#[test]
+fn an_in_memory_store_keeps_its_records_across_runtimes() {
+    let runtime = || {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime")
+    };
+    let store =
+        runtime().block_on(async { SqliteStore::connect("sqlite::memory:").await.expect("open") });
+    let id = identity("across-runtimes");
+    let token = OwnerToken::new();
+    runtime().block_on(async {
+        assert_eq!(reserve(&store, &id, &token).await, Reservation::FRESH);
+    });
+    runtime().block_on(async {
+        let done = store
+            .complete(
+                &id,
+                &token,
+                &StoredOutcome {
+                    is_error: false,
+                    payload: b"42".to_vec(),
+                },
+                LONG,
+            )
+            .await
+            .expect("complete");
+        assert!(done);
+    });
+    let replay = runtime().block_on(async { store.fetch(&id).await });
+    assert!(
+        matches!(replay, Ok(Some(_))),
+        "the completed record is still there on the next runtime: got {replay:?}"
+    );
+}

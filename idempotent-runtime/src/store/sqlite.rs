@@ -453,6 +453,15 @@ pub struct SqliteStore {
     /// This process's waiting duplicates, woken by this store's completions
     /// and releases.
     waiters: Arc<Waiters>,
+    /// An in-memory database opened by [`connect`](Self::connect): one
+    /// connection of the store's own, outside the pool, that keeps the
+    /// database alive exactly as long as the store (a shared-cache in-memory
+    /// database is gone when its last connection closes). The pool's one
+    /// connection is not enough: sqlx returns a connection to its pool from a
+    /// task on the runtime of the call, and closes it when that runtime has
+    /// ended (a store shared by several `#[tokio::test]`s, each on a runtime
+    /// of its own), taking every record with it.
+    keeps_in_memory_database: Option<Arc<std::sync::Mutex<sqlx::SqliteConnection>>>,
 }
 
 impl SqliteStore {
@@ -498,7 +507,12 @@ impl SqliteStore {
             .busy_timeout(BUSY_TIMEOUT)
             .synchronous(synchronous.sqlx());
         let in_memory = url.contains(":memory:") || url.contains("mode=memory");
+        let mut keeper = None;
         let pool = if in_memory {
+            let own: sqlx::SqliteConnection = sqlx::Connection::connect_with(&options)
+                .await
+                .map_err(err("open the database"))?;
+            keeper = Some(Arc::new(std::sync::Mutex::new(own)));
             // A shared-cache in-memory database lives as long as one connection
             // to it is open: keep exactly one, forever, so every caller sees
             // the same records and none are lost to an idle timeout.
@@ -536,7 +550,9 @@ impl SqliteStore {
             pool
         }
         .map_err(|e| StoreError::new(STORE, "open the database", e))?;
-        Self::from_pool(pool).await
+        let mut store = Self::from_pool(pool).await?;
+        store.keeps_in_memory_database = keeper;
+        Ok(store)
     }
 
     /// Uses an existing pool (e.g. the application's own) and applies the
@@ -652,6 +668,7 @@ impl SqliteStore {
             write_gate,
             detached: Arc::new(detached),
             waiters,
+            keeps_in_memory_database: None,
         })
     }
 
