@@ -960,3 +960,102 @@ async fn a_replay_in_an_open_transaction_leaves_other_callers_free() {
     pool.close().await;
     remove(&path);
 }
+
+#[idempotent(scope = "sqlite_edges.charge_amount", key = key, tenant = tenant, tx = tx,
+             in_progress = wait("300ms"))]
+async fn charge_amount(
+    tx: &mut sqlx::Transaction<'_, Sqlite>,
+    tenant: &str,
+    key: &str,
+    amount: u64,
+) -> Result<u64, Error> {
+    sqlx::query("INSERT INTO charges (tenant, idem_key) VALUES (?1, ?2)")
+        .bind(tenant)
+        .bind(key)
+        .execute(&mut **tx)
+        .await
+        .expect("the business write");
+    Ok(amount)
+}
+
+/// Rule 15: a *mismatch* answered inside a deferred transaction
+/// that has read (the case the existing replay test covers for replays)
+/// takes no write lock either: another transactional caller of the same
+/// completed key still gets its replay while that transaction stays open.
+#[tokio::test]
+async fn a_mismatch_in_an_open_transaction_leaves_other_callers_free() {
+    let path = fresh_path();
+    let store = SqliteStore::connect(&url(&path)).await.expect("open");
+    let pool = store.pool().clone();
+    create_charges(&pool).await;
+    let tenant = fresh_tenant();
+
+    let mut first = pool.begin_with("BEGIN IMMEDIATE").await.expect("begin");
+    assert_eq!(
+        charge_amount(&mut first, &tenant, "k", 5)
+            .await
+            .expect("runs"),
+        5
+    );
+    first.commit().await.expect("commit");
+
+    let mut open = pool.begin().await.expect("deferred begin");
+    let _: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM charges")
+        .fetch_one(&mut *open)
+        .await
+        .expect("read");
+    let mismatch = charge_amount(&mut open, &tenant, "k", 6).await;
+    assert!(
+        matches!(mismatch, Err(Error::FingerprintMismatch(_))),
+        "same key, other amount: {mismatch:?}"
+    );
+
+    let mut other = pool.begin().await.expect("deferred begin");
+    let (answer, outcome) = with_outcome(charge_amount(&mut other, &tenant, "k", 5)).await;
+    other.rollback().await.expect("rollback");
+    open.rollback().await.expect("rollback");
+    assert_eq!(
+        answer.expect("a replay, not InProgress: the open mismatch must hold no write lock"),
+        5
+    );
+    assert_eq!(outcome, Some(Outcome::Replayed));
+    pool.close().await;
+    remove(&path);
+}
+
+/// Rules 7 and 15: the same key with other arguments, in a deferred
+/// transaction that has read before another connection committed, is a
+/// mismatch (the record is complete and cannot change until it expires), not
+/// a `StaleSnapshot` refusal telling the caller to retry the transaction.
+#[tokio::test]
+async fn a_mismatch_in_a_stale_transaction_is_a_mismatch() {
+    let path = fresh_path();
+    let store = SqliteStore::connect(&url(&path)).await.expect("open");
+    let pool = store.pool().clone();
+    create_charges(&pool).await;
+    let tenant = fresh_tenant();
+
+    let mut first = pool.begin_with("BEGIN IMMEDIATE").await.expect("begin");
+    assert_eq!(
+        charge_amount(&mut first, &tenant, "k", 5)
+            .await
+            .expect("runs"),
+        5
+    );
+    first.commit().await.expect("commit");
+
+    let mut open = pool.begin().await.expect("deferred begin");
+    let _: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM charges")
+        .fetch_one(&mut *open)
+        .await
+        .expect("read");
+    commit_a_write_elsewhere(&pool).await;
+    let answer = charge_amount(&mut open, &tenant, "k", 6).await;
+    open.rollback().await.expect("rollback");
+    assert!(
+        matches!(answer, Err(Error::FingerprintMismatch(_))),
+        "same key, other amount: {answer:?}"
+    );
+    pool.close().await;
+    remove(&path);
+}

@@ -1023,17 +1023,52 @@ pub(super) async fn answer_from_a_read<'e, E: sqlx::Executor<'e, Database = sqlx
     executor: E,
     request: ReserveRequest<'_>,
 ) -> Result<Option<Reservation>, sqlx::Error> {
+    Ok(read_and_judge(executor, request)
+        .await?
+        .map(|(answer, _)| answer))
+}
+
+/// The answer of a read that no later commit can change, however old the
+/// reading transaction's snapshot: a complete record that has not expired
+/// answers a replay or a mismatch (it does not change until it expires).
+/// `None` for anything else (absent, expired, in progress), which goes the
+/// write path.
+pub(super) async fn settled_answer_from_a_read<
+    'e,
+    E: sqlx::Executor<'e, Database = sqlx::Sqlite>,
+>(
+    executor: E,
+    request: ReserveRequest<'_>,
+) -> Result<Option<Reservation>, sqlx::Error> {
+    Ok(read_and_judge(executor, request)
+        .await?
+        .and_then(|(answer, complete)| complete.then_some(answer)))
+}
+
+/// Reads the record and judges it ([`judge`]); with the answer, whether the
+/// record is complete.
+async fn read_and_judge<'e, E: sqlx::Executor<'e, Database = sqlx::Sqlite>>(
+    executor: E,
+    request: ReserveRequest<'_>,
+) -> Result<Option<(Reservation, bool)>, sqlx::Error> {
     let id = request.identity;
-    let row = sqlx::query(EXISTING_SQL)
+    let Some(row) = sqlx::query(EXISTING_SQL)
         .bind(&id.tenant)
         .bind(&id.scope)
         .bind(&id.key)
         .fetch_optional(executor)
-        .await?;
-    Ok(row
-        .map(|row| judge(&row, request.fingerprint.map(Fingerprint::as_str)))
-        .transpose()?
-        .flatten())
+        .await?
+    else {
+        return Ok(None);
+    };
+    let Some(answer) = judge(&row, request.fingerprint.map(Fingerprint::as_str))? else {
+        return Ok(None);
+    };
+    let state: String = row.try_get("state")?;
+    Ok(Some((
+        answer,
+        RecordState::parse(&state) == Some(RecordState::Complete),
+    )))
 }
 
 /// What an existing row (read with `EXISTING_SQL`) answers to a request with

@@ -221,18 +221,19 @@ async fn reserve_on(
 ) -> Result<Reservation, Error> {
     const OP: &str = "reserve";
     // Rule 15: a transaction that already holds a snapshot answers a replay
-    // from a read, without taking the database's write lock (which would make
-    // every other transactional caller wait, and see the record "in
-    // progress"). A complete record does not change until it expires, so even
-    // an older snapshot answers it rightly; an in-progress one may have been
-    // released or completed since, so it goes the write path. A transaction
-    // without a snapshot writes first: reading first would give it a snapshot
-    // that another writer could make stale before its write.
+    // or a mismatch of a complete record from a read, without taking the
+    // database's write lock (which would make every other transactional
+    // caller wait, and see the record "in progress"), and without a write
+    // that a stale snapshot would refuse. A complete record does not change
+    // until it expires, so even an older snapshot answers it rightly; an
+    // in-progress one may have been released or completed since, so it goes
+    // the write path. A transaction without a snapshot writes first: reading
+    // first would give it a snapshot that another writer could make stale
+    // before its write.
     if txn_state(conn).await.map_err(err(OP))? == libsqlite3_sys::SQLITE_TXN_READ {
-        if let Some(answer @ Reservation::Completed(_)) =
-            super::sqlite::answer_from_a_read(&mut *conn, request)
-                .await
-                .map_err(err(OP))?
+        if let Some(answer) = super::sqlite::settled_answer_from_a_read(&mut *conn, request)
+            .await
+            .map_err(err(OP))?
         {
             return Ok(answer);
         }
