@@ -1041,3 +1041,139 @@ async fn store_callers_behind_an_owner_that_rolls_back_get_no_errors() {
     }
     assert!(acquired <= 1, "{acquired} callers acquired one key");
 }
+
+// ---------------------------------------------------------------- one server, two databases
+
+/// A store on a second database of the test server, `<database>_second`.
+async fn store_on_a_second_database(first: &MySqlStore) -> MySqlStore {
+    let url = mysql_url();
+    let (server, db) = url.rsplit_once('/').expect("a database in the URL");
+    let second = format!("{}_second", db.split('?').next().unwrap_or(db));
+    first
+        .pool()
+        .execute(format!("CREATE DATABASE IF NOT EXISTS `{second}`").as_str())
+        .await
+        .expect("create the second database");
+    MySqlStore::connect(&format!("{server}/{second}"))
+        .await
+        .expect("a store on the second database")
+}
+
+/// In `store`'s database: a transactional owner holds a new row of
+/// `identity`, and a duplicate in another transaction waits for it inside the
+/// reservation procedure, holding the identity's user-level lock (seen with
+/// `IS_USED_LOCK`: a handshake, not a sleep). Returns the owner's transaction
+/// and the waiter, to end once the other database has answered.
+async fn hold_the_reservation_lock(
+    store: &MySqlStore,
+    identity: &Identity,
+    f: &Fingerprint,
+) -> (
+    sqlx::Transaction<'static, MySql>,
+    tokio::task::JoinHandle<Reservation>,
+) {
+    let mut owner = store.pool().begin().await.expect("begin");
+    assert_eq!(
+        in_tx(&mut owner, identity, Some(f), Duration::ZERO).await,
+        Reservation::FRESH
+    );
+    let (pool, waiter_identity, waiter_f) = (store.pool().clone(), identity.clone(), f.clone());
+    let (session_tx, session_rx) = tokio::sync::oneshot::channel();
+    let waiter = tokio::spawn(async move {
+        let mut dup = pool.begin().await.expect("begin");
+        let _ = session_tx.send(connection_id(&mut *dup).await);
+        let answer = in_tx(&mut dup, &waiter_identity, Some(&waiter_f), WAIT).await;
+        dup.rollback().await.expect("rollback");
+        answer
+    });
+    let session = session_rx.await.expect("the duplicate's session");
+    for _ in 0..3000 {
+        let holder: Option<u64> = sqlx::query_scalar(
+            "SELECT CAST(IS_USED_LOCK(CONCAT('idempotency:', LEFT(SHA2(CONCAT(
+                 LENGTH(DATABASE()), ':', DATABASE(),
+                 LENGTH(?), ':', ?, LENGTH(?), ':', ?, ?), 256), 52))) AS UNSIGNED)",
+        )
+        .bind(identity.tenant().as_bytes())
+        .bind(identity.tenant().as_bytes())
+        .bind(identity.scope().as_bytes())
+        .bind(identity.scope().as_bytes())
+        .bind(identity.key().as_bytes())
+        .fetch_one(store.pool())
+        .await
+        .expect("IS_USED_LOCK");
+        if holder == Some(session) {
+            return (owner, waiter);
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("the duplicate never reached its lock wait");
+}
+
+/// Rules 1 and 3: two databases of one MariaDB server are two stores. A
+/// reservation of (tenant, scope, key) waiting in database A does not hold up
+/// the same identity in database B, where it is free: `GET_LOCK` names belong
+/// to the whole server, and the procedure's lock name left the database out,
+/// so B's transactional reservation (no wait) was refused `InProgress`.
+#[tokio::test]
+async fn a_fresh_key_is_free_beside_a_waiter_of_the_same_identity_in_another_database() {
+    let Some(store_a) = mysql_store_or_skip().await else {
+        return;
+    };
+    let store_b = store_on_a_second_database(&store_a).await;
+    let identity = Identity::new(fresh_tenant(), "mysql_edges.two_databases", "k").expect("id");
+    let f = fp("a");
+    let (owner, waiter) = hold_the_reservation_lock(&store_a, &identity, &f).await;
+    let mut in_b = store_b.pool().begin().await.expect("begin");
+    let answer = in_tx(&mut in_b, &identity, Some(&f), Duration::ZERO).await;
+    in_b.rollback().await.expect("rollback");
+    owner.rollback().await.expect("rollback the owner in A");
+    let _ = waiter.await.expect("the waiter in A");
+    assert_eq!(
+        answer,
+        Reservation::FRESH,
+        "B has no record of this identity"
+    );
+}
+
+/// The same for a store-mode takeover of an expired lease in database B
+/// (the procedure's write path): it waited a second for A's lock and was
+/// refused `InProgress`.
+#[tokio::test]
+async fn a_takeover_is_not_held_up_by_a_waiter_of_the_same_identity_in_another_database() {
+    let Some(store_a) = mysql_store_or_skip().await else {
+        return;
+    };
+    let store_b = store_on_a_second_database(&store_a).await;
+    let identity = Identity::new(fresh_tenant(), "mysql_edges.two_databases", "k").expect("id");
+    let f = fp("a");
+    // Database B: a record whose lease ran out (its owner crashed).
+    let crashed = OwnerToken::new();
+    let short = Duration::from_millis(1);
+    assert_eq!(
+        store_b
+            .reserve(request(&identity, Some(&f), &crashed, short, LONG))
+            .await
+            .expect("reserve in B"),
+        Reservation::FRESH
+    );
+    until_clock(&store_b, &identity, |s| {
+        s.lease_expires_at_ms.is_some_and(|l| l <= s.now_ms)
+    })
+    .await;
+    let (owner, waiter) = hold_the_reservation_lock(&store_a, &identity, &f).await;
+    let takeover = store_b
+        .reserve(request(&identity, Some(&f), &OwnerToken::new(), LONG, LONG))
+        .await;
+    owner.rollback().await.expect("rollback the owner in A");
+    let _ = waiter.await.expect("the waiter in A");
+    assert!(
+        matches!(
+            takeover,
+            Ok(Reservation::Acquired {
+                took_over: true,
+                ..
+            })
+        ),
+        "B's expired lease is taken over, whatever A's sessions do: got {takeover:?}"
+    );
+}

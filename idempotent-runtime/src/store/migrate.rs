@@ -108,6 +108,7 @@ pub(crate) static MYSQL: &[Migration] = embedded_migrations!("mysql":
     (3, "0003_purge_skip_locked.sql", "purge skip locked"),
     (4, "0004_attempts.sql", "attempts"),
     (5, "0005_one_reserve_body.sql", "one reserve body"),
+    (6, "0006_lock_name_per_database.sql", "lock name per database"),
 );
 
 /// SQLite's migrations (`migrations/sqlite`).
