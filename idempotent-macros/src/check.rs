@@ -383,17 +383,23 @@ fn cross(cx: &Ctxt, attr: Attr, sig: &Signature, env: &Env) -> Option<Spec> {
     // One function per scope in this crate, unless every claimant says
     // `shared_scope` and they agree (rules 18 and 21).
     if let (Some(lit), Some(place)) = (valid_scope, &env.claim) {
-        claim(
-            cx,
-            lit,
-            place,
-            sig,
-            attr.shared_scope,
-            fingerprint_on,
-            &fingerprinted,
+        let claim_of_this_function = claims::Claim {
+            site: claims::Site {
+                function: sig.ident.to_string(),
+                file: place.file.clone(),
+                line: place.line,
+            },
+            shared: attr.shared_scope,
+            fingerprint: fingerprint_on.then(|| {
+                let mut names: Vec<String> = fingerprinted.iter().map(|i| i.to_string()).collect();
+                names.sort();
+                names
+            }),
             ttl,
-            attr.recover.is_some(),
-        );
+            recovers: attr.recover.is_some(),
+            shared_tenant: matches!(attr.tenant, Some(Tenant::Shared(_))),
+        };
+        claim(cx, lit, place, claim_of_this_function);
     }
 
     let (Some((scope, _)), Some(key), Some(tenant)) = (attr.scope, attr.key, attr.tenant) else {
@@ -420,35 +426,10 @@ fn cross(cx: &Ctxt, attr: Attr, sig: &Signature, env: &Env) -> Option<Spec> {
     })
 }
 
-#[allow(clippy::too_many_arguments)]
-fn claim(
-    cx: &Ctxt,
-    lit: &LitStr,
-    place: &ClaimPlace,
-    sig: &Signature,
-    shared: bool,
-    fingerprint_on: bool,
-    fingerprinted: &[Ident],
-    ttl: Duration,
-    recovers: bool,
-) {
+/// Records `claim` on its scope and reports a refusal (rules 18 and 21).
+fn claim(cx: &Ctxt, lit: &LitStr, place: &ClaimPlace, claim: claims::Claim) {
     let scope = lit.value();
-    let site = claims::Site {
-        function: sig.ident.to_string(),
-        file: place.file.clone(),
-        line: place.line,
-    };
-    let claim = claims::Claim {
-        site: site.clone(),
-        shared,
-        fingerprint: fingerprint_on.then(|| {
-            let mut names: Vec<String> = fingerprinted.iter().map(|i| i.to_string()).collect();
-            names.sort();
-            names
-        }),
-        ttl,
-        recovers,
-    };
+    let site = claim.site.clone();
     match claims::claim(&place.krate, &scope, claim) {
         Ok(()) => {}
         Err(claims::Refusal::Duplicate { others }) => cx.error(

@@ -7,8 +7,8 @@
 //!
 //! A scope has one claimant, or several that all say `shared_scope` (rule 21)
 //! and agree on what they fingerprint (the parameter names: the canonical
-//! form is computed over names and values), on their ttl and on whether
-//! they ask a `recover` hook.
+//! form is computed over names and values), on their ttl, on whether they
+//! ask a `recover` hook and on whether their tenant is `shared`.
 //!
 //! Limitation: claims in *different* crates are not visible here; the runtime's
 //! `registry::validate()` reports them when the program starts.
@@ -43,6 +43,8 @@ pub(crate) struct Claim {
     pub ttl: Duration,
     /// The function has a `recover = ...` hook (rule 20).
     pub recovers: bool,
+    /// The function says `tenant = shared` (one namespace for every tenant).
+    pub shared_tenant: bool,
 }
 
 /// Why a claim is refused.
@@ -98,13 +100,23 @@ fn disagreement(a: &Claim, b: &Claim) -> Option<String> {
             human(b.ttl)
         ));
     }
-    (a.recovers != b.recovers).then(|| {
+    if a.recovers != b.recovers {
         let with = if a.recovers { a } else { b };
-        format!(
+        return Some(format!(
             "only `{}` asks a `recover` hook before taking over a crashed attempt: after its \
              crash, the other would run the body again blind (rule 20); give every claimant a \
              `recover` hook, or none",
             with.site.function
+        ));
+    }
+    (a.shared_tenant != b.shared_tenant).then(|| {
+        let shared = if a.shared_tenant { a } else { b };
+        format!(
+            "only `{}` says `tenant = shared`: its records are one namespace for every tenant, \
+             the other's one per tenant, so one event through both would be two records and \
+             run twice; give every claimant the same `tenant` (`shared` on all, or a tenant \
+             expression on all)",
+            shared.site.function
         )
     })
 }
@@ -195,6 +207,7 @@ mod tests {
             fingerprint: Some(vec!["order".into()]),
             ttl: Duration::from_secs(3600),
             recovers: false,
+            shared_tenant: false,
         }
     }
 
@@ -246,6 +259,12 @@ mod tests {
         assert!(matches!(
             claim("t/v", "r.v", shared("http", 1)).and(claim("t/v", "r.v", with_hook)),
             Err(Refusal::Disagree { what, .. }) if what.contains("only `late` asks a `recover` hook")
+        ));
+        let mut one_namespace = shared("late", 4);
+        one_namespace.shared_tenant = true;
+        assert!(matches!(
+            claim("t/w", "r.w", shared("http", 1)).and(claim("t/w", "r.w", one_namespace)),
+            Err(Refusal::Disagree { what, .. }) if what.contains("only `late` says `tenant = shared`")
         ));
     }
 }

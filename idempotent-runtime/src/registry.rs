@@ -61,8 +61,8 @@ pub struct ScopeInfo {
     /// `shared_scope`: this function claims its scope together with others on
     /// purpose (rule 21), e.g. an HTTP handler and a queue consumer that both
     /// process "refund order 8891". Every claimant must say so, and they must
-    /// agree on what they fingerprint, on their ttl and on whether they ask a
-    /// `recover` hook ([`validate`]).
+    /// agree on what they fingerprint, on their ttl, on whether they ask a
+    /// `recover` hook and on whether the tenant is `shared` ([`validate`]).
     pub shared_scope: bool,
 }
 
@@ -293,6 +293,15 @@ pub enum Disagreement {
         /// The second site's.
         second: Option<&'static str>,
     },
+    /// One keeps one namespace for every tenant (`tenant = shared`) and the
+    /// other one per tenant: their records of one event are two identities,
+    /// so the event through both runs twice (rule 3).
+    SharedTenant {
+        /// Whether the first site says `tenant = shared`.
+        first: bool,
+        /// Whether the second site does.
+        second: bool,
+    },
 }
 
 impl std::fmt::Display for Disagreement {
@@ -331,6 +340,23 @@ impl std::fmt::Display for Disagreement {
                     hook(second)
                 )
             }
+            Disagreement::SharedTenant { first, second } => {
+                let namespace = |shared: &bool| {
+                    if *shared {
+                        "`tenant = shared`"
+                    } else {
+                        "a tenant per caller"
+                    }
+                };
+                write!(
+                    f,
+                    "one keeps one namespace for every tenant and the other one per tenant ({} \
+                     vs {}): their records of one event are two identities, so the event \
+                     through both would run twice; give every claimant the same `tenant`",
+                    namespace(first),
+                    namespace(second)
+                )
+            }
         }
     }
 }
@@ -357,8 +383,8 @@ pub enum RegistryError {
     #[error("{}", describe_duplicates(.0))]
     DuplicateScopes(Vec<DuplicateScope>),
     /// Functions that share a scope on purpose (`shared_scope`, rule 21)
-    /// disagree on what they fingerprint, on their ttl, or on asking a
-    /// `recover` hook.
+    /// disagree on what they fingerprint, on their ttl, on asking a
+    /// `recover` hook, or on `tenant = shared`.
     #[error("{}", describe_conflicts(.0))]
     SharedScopeConflicts(Vec<SharedScopeConflict>),
 }
@@ -402,8 +428,8 @@ fn describe_duplicates(duplicates: &[DuplicateScope]) -> String {
 
 /// Checks the registry of this binary: every scope must be claimed by exactly
 /// one function, or (rule 21) by several that all say `shared_scope` and
-/// agree on what they fingerprint, on their ttl and on asking a `recover`
-/// hook. The macro already refuses
+/// agree on what they fingerprint, on their ttl, on asking a `recover`
+/// hook and on `tenant = shared`. The macro already refuses
 /// what it can see in one crate; this catches claims from different crates
 /// linked into one binary. Duplicates are reported first
 /// ([`RegistryError::DuplicateScopes`]); once there are none, disagreements
@@ -491,9 +517,15 @@ fn disagreement(a: &ScopeInfo, b: &ScopeInfo) -> Option<Disagreement> {
             second: b.ttl,
         });
     }
-    (a.recover.is_some() != b.recover.is_some()).then_some(Disagreement::Recover {
-        first: a.recover,
-        second: b.recover,
+    if a.recover.is_some() != b.recover.is_some() {
+        return Some(Disagreement::Recover {
+            first: a.recover,
+            second: b.recover,
+        });
+    }
+    (a.shared_tenant != b.shared_tenant).then_some(Disagreement::SharedTenant {
+        first: a.shared_tenant,
+        second: b.shared_tenant,
     })
 }
 

@@ -250,6 +250,23 @@ fn disagreeing_claimants_are_refused_naming_both_sites() {
         "{err}"
     );
 
+    // One keeps one namespace for every tenant (`tenant = shared`), the other
+    // one per tenant: one event through both never meets its record.
+    let mut one_namespace = variant(12, Duration::from_secs(3600), &["order", "amount"], true);
+    one_namespace.shared_tenant = true;
+    let err = registry::validate_infos(&[&here, &one_namespace]).unwrap_err();
+    let RegistryError::SharedScopeConflicts(conflicts) = &err else {
+        panic!("{err:?}")
+    };
+    assert!(matches!(
+        conflicts[0].disagreement,
+        Disagreement::SharedTenant {
+            first: false,
+            second: true
+        }
+    ));
+    assert!(err.to_string().contains("run twice"), "{err}");
+
     let fewer = variant(12, Duration::from_secs(3600), &["order"], true);
     let err = registry::validate_infos(&[&here, &fewer]).unwrap_err();
     let message = err.to_string();
