@@ -422,6 +422,17 @@ fn restore_arrival_order_of_repeats<K: Eq>(members: &mut [Entry], sort_key: impl
 /// `serialize_entry` as `str` (see [`restore_arrival_order_of_repeats`]).
 const NAME_KEY_TYPE: &str = "str";
 
+/// Whether `parsed`, read from the JSON `text`, holds all of it: the two have
+/// one canonical form (exact decimals, repeated members kept), so no number
+/// was rounded and no member dropped.
+fn holds_exactly(text: &str, parsed: &serde_json::Value) -> bool {
+    let written = serde_json::to_vec(parsed).unwrap_or_default();
+    match super::json::canonical_json(text.as_bytes()) {
+        Some(exact) => super::json::canonical_json(&written).is_some_and(|read| read == exact),
+        None => false,
+    }
+}
+
 /// `inf`, `-inf` and `nan`: not JSON, so no finite number, string or other
 /// value is ever written this way. Every NaN is the one value `nan`.
 fn non_finite_token(value: f64) -> &'static [u8] {
@@ -457,6 +468,8 @@ enum Problem {
     NullInSome,
     /// Something v1 could not write (only in [`Mode::Legacy`]).
     NotInV1(&'static str),
+    /// Raw JSON text (`RawValue`) that a `serde_json::Value` cannot hold.
+    LossyRawJson,
 }
 
 #[derive(Debug)]
@@ -541,6 +554,13 @@ impl fmt::Display for EncodeError {
             }
             Problem::Custom(m) => write_at(f, m, &path),
             Problem::NotInV1(m) => write_at(f, m, &path),
+            Problem::LossyRawJson => write_at(
+                f,
+                "raw JSON text (`RawValue`) holds a number beyond `f64`'s precision or a repeated \
+                 member, which its canonical form cannot tell apart from other text; pass the \
+                 value parsed into a type of your own, or `skip` it",
+                &path,
+            ),
         }
     }
 }
@@ -1038,7 +1058,10 @@ impl<'a> Map<'a> {
     }
 
     /// serde_json's `RawValue`: v1 parsed the text into a JSON value, so it
-    /// is written canonically (sorted members, no whitespace) here too.
+    /// is written canonically (sorted members, no whitespace) here too. Text
+    /// that a `serde_json::Value` cannot hold (a number beyond `f64`'s
+    /// precision, a repeated member) is an error: read as a `Value`, texts that
+    /// differ there would be one value (rule 6).
     fn raw_value<T: ?Sized + Serialize>(&mut self, value: &T) -> Result<()> {
         let enc = &mut *self.enc;
         let start = enc.out.len();
@@ -1048,7 +1071,13 @@ impl<'a> Map<'a> {
         let parsed = std::str::from_utf8(&enc.keys[key_start..])
             .map_err(EncodeError::custom)
             .and_then(|text| {
-                serde_json::from_str::<serde_json::Value>(text).map_err(EncodeError::custom)
+                let parsed =
+                    serde_json::from_str::<serde_json::Value>(text).map_err(EncodeError::custom)?;
+                if holds_exactly(text, &parsed) {
+                    Ok(parsed)
+                } else {
+                    Err(EncodeError::new(Problem::LossyRawJson))
+                }
             });
         enc.out.truncate(start);
         enc.keys.truncate(key_start);

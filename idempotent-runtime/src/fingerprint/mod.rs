@@ -63,6 +63,14 @@
 //! `Some(x)` vs `x` (for `x` not null-like), and the number key `1` vs the
 //! string key `"1"` alone in a map are not told apart; a parameter has one
 //! type, and these only meet inside `#[serde(untagged)]` enums.
+//! Likewise the variants of an untagged enum that serde writes alike are one
+//! value (`Refund { amount: 1 }` and `Charge { amount: 1 }`, or two unit
+//! variants): when such an enum is an argument, tag it (serde's default, or
+//! `#[serde(tag = "...")]`). A flattened `Option` that is `None` and one that
+//! is `Some` of nothing (an empty map, a struct whose fields are all skipped)
+//! are one value too. serde_json's `RawValue` is read as a `serde_json::Value`,
+//! as in v1; text a `Value` cannot hold exactly (a number beyond `f64`'s
+//! precision, a repeated member) is an error, never a collision.
 //!
 //! **Unordered sets** are recognised by type: serde's `Serialize` for
 //! `HashSet` calls [`serde::Serializer::collect_seq`] exactly as `Vec`'s does,
@@ -103,6 +111,7 @@
 
 mod encoder;
 mod faithful;
+pub(crate) mod json;
 
 pub use faithful::check_faithful_json;
 

@@ -1299,17 +1299,18 @@ fn v2_known_values() {
     );
 }
 
+/// What serde_json's `RawValue` does when serialized.
+struct Raw(&'static str);
+impl Serialize for Raw {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let mut st = s.serialize_struct("$serde_json::private::RawValue", 1)?;
+        st.serialize_field("$serde_json::private::RawValue", self.0)?;
+        st.end()
+    }
+}
+
 #[test]
 fn raw_json_values_are_canonicalised_as_v1_did() {
-    /// What serde_json's `RawValue` does when serialized.
-    struct Raw(&'static str);
-    impl Serialize for Raw {
-        fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-            let mut st = s.serialize_struct("$serde_json::private::RawValue", 1)?;
-            st.serialize_field("$serde_json::private::RawValue", self.0)?;
-            st.end()
-        }
-    }
     let raw = Raw(r#" { "b" : [1, 2.5, null], "a" : "x" } "#);
     assert_eq!(
         canonical(&raw),
@@ -1317,6 +1318,34 @@ fn raw_json_values_are_canonicalised_as_v1_did() {
     );
     // serde_json (with `raw_value`, which sqlx turns on) parsed it the same way.
     assert_eq!(reference(&raw).unwrap(), r#"{"a":"x","b":[1,2.5,null]}"#);
+}
+
+/// Rule 6: raw JSON text that a `serde_json::Value` cannot hold (a number
+/// beyond `f64`'s precision, a repeated member) is an error, never a
+/// collision: read as a `Value` (as v1 did), texts that differ in a digit,
+/// or in a member the reading drops, were one fingerprint.
+#[test]
+fn raw_json_a_value_cannot_hold_is_an_error_not_a_collision() {
+    for lossy in [
+        r#"{"amount":12345678901234567890123}"#,
+        "0.10000000000000000001",
+        r#"{"to":"alice","to":"mallory"}"#,
+        r#"[{"a":{"b":1,"b":2}}]"#,
+    ] {
+        let refused = Fingerprint::of(&Raw(lossy)).expect_err(lossy).to_string();
+        assert!(refused.contains("raw JSON"), "{lossy}: {refused}");
+    }
+    // What a `Value` holds exactly is fingerprinted as before, spelling aside.
+    for (a, b) in [
+        ("0.1", " 0.1 "),
+        ("1.0", "1.0"),
+        (r#"{"b":1.50,"a":[-0.0]}"#, r#"{"a":[-0.0],"b":1.5}"#),
+        (r#""é""#, r#""é""#),
+        ("12345678901234567890", "12345678901234567890"),
+    ] {
+        assert_eq!(fp(&Raw(a)), fp(&Raw(b)), "{a} vs {b}");
+    }
+    assert_ne!(fp(&Raw("0.1")), fp(&Raw("0.2")));
 }
 
 // ---------------------------------------------------------------------------
