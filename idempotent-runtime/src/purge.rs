@@ -4,7 +4,12 @@
 //! A record is purgeable when its retention (`ttl`) has run out; an
 //! in-progress record only when both its lease and its retention have run
 //! out (DESIGN rule 16). Stores decide that on their own clock, so a purge
-//! never deletes a live record.
+//! never deletes a live record. On PostgreSQL and MySQL a record held by an
+//! open transaction is skipped (`SKIP LOCKED`), never waited for. SQLite has
+//! one write lock for the whole database: while a caller's transaction that
+//! has written holds it, the purge waits for it like every other write (the
+//! store's busy timeout), and fails then; the [`Purger`] tries again at its
+//! next run.
 //!
 //! ```
 //! use idempotent_runtime::{purge::{Purger, PurgerConfig}, MemoryStore};
