@@ -111,13 +111,17 @@ pub(crate) fn generate(func: &MaybeItemFn, spec: &Spec) -> TokenStream {
         )
     });
 
+    // The key and the tenant are borrowed with their own spans, so a type
+    // that is not `Display` is reported at the expression, not the attribute.
     let key = &spec.key;
+    let key = quote_spanned!(key.span()=> &(#key));
     let identity = match &spec.tenant {
         Tenant::Shared(_) => {
-            quote!(#krate::__private::shared_identity(&__IDEMPOTENT_SCOPE, &(#key)))
+            quote!(#krate::__private::shared_identity(&__IDEMPOTENT_SCOPE, #key))
         }
         Tenant::Expr(tenant) => {
-            quote!(#krate::__private::identity(&__IDEMPOTENT_SCOPE, &(#tenant), &(#key)))
+            let tenant = quote_spanned!(tenant.span()=> &(#tenant));
+            quote!(#krate::__private::identity(&__IDEMPOTENT_SCOPE, #tenant, #key))
         }
     };
     let fingerprint = if spec.fingerprinted.is_empty() {
@@ -192,10 +196,15 @@ pub(crate) fn generate(func: &MaybeItemFn, spec: &Spec) -> TokenStream {
         None => {
             let store = match &spec.store {
                 None => quote!(#krate::__private::default_store(&__IDEMPOTENT_SCOPE)),
-                Some(_) => quote!({
-                    use #krate::__private::AsDynStore as _;
-                    #krate::__private::store(__idempotent_store.as_dyn_store())
-                }),
+                Some(expr) => {
+                    // Spanned at the expression: a value that is not a store
+                    // is reported there.
+                    let as_dyn_store = syn::Ident::new("as_dyn_store", expr.span());
+                    quote!({
+                        use #krate::__private::AsDynStore as _;
+                        #krate::__private::store(__idempotent_store.#as_dyn_store())
+                    })
+                }
             };
             // `&(expr)` keeps a place expression (`self.store`) borrowed rather than
             // moved, and extends a temporary's life (`store = handle.clone()`).
@@ -221,41 +230,46 @@ pub(crate) fn generate(func: &MaybeItemFn, spec: &Spec) -> TokenStream {
                 .await
             }
         }
-        Some(tx) => quote! {
-            #prelude
-            let __idempotent_call = #krate::__private::TransactionalCall {
-                spec: &__IDEMPOTENT_SCOPE,
-                identity: #identity,
-                fingerprint: #fingerprint,
-            };
-            let __idempotent_errors = #error_handling;
-            let __idempotent_held = match #krate::__private::begin_in_transaction::<#ret, _, _, _>(
-                __idempotent_call,
-                &__idempotent_errors,
-                #recover,
-                &mut *#tx,
-            )
-            .await
-            {
-                #krate::__private::TransactionStep::Return(__idempotent_early) => {
-                    return __idempotent_early
-                }
-                #krate::__private::TransactionStep::Run(__idempotent_held) => __idempotent_held,
-            };
-            // Not `move`: the transaction is used again after the body.
-            let __idempotent_result: #ret = #krate::__private::in_span(
-                &__idempotent_held,
-                #krate::__private::body::<#ret, _>(async #block),
-            )
-            .await;
-            #krate::__private::finish_in_transaction::<#ret, _, _>(
-                __idempotent_held,
-                &__idempotent_errors,
-                &mut *#tx,
-                __idempotent_result,
-            )
-            .await
-        },
+        Some(tx) => {
+            // Spanned at the parameter: a value that is not a transaction or
+            // connection is reported there.
+            let tx = quote_spanned!(tx.span()=> &mut *#tx);
+            quote! {
+                #prelude
+                let __idempotent_call = #krate::__private::TransactionalCall {
+                    spec: &__IDEMPOTENT_SCOPE,
+                    identity: #identity,
+                    fingerprint: #fingerprint,
+                };
+                let __idempotent_errors = #error_handling;
+                let __idempotent_held = match #krate::__private::begin_in_transaction::<#ret, _, _, _>(
+                    __idempotent_call,
+                    &__idempotent_errors,
+                    #recover,
+                    #tx,
+                )
+                .await
+                {
+                    #krate::__private::TransactionStep::Return(__idempotent_early) => {
+                        return __idempotent_early
+                    }
+                    #krate::__private::TransactionStep::Run(__idempotent_held) => __idempotent_held,
+                };
+                // Not `move`: the transaction is used again after the body.
+                let __idempotent_result: #ret = #krate::__private::in_span(
+                    &__idempotent_held,
+                    #krate::__private::body::<#ret, _>(async #block),
+                )
+                .await;
+                #krate::__private::finish_in_transaction::<#ret, _, _>(
+                    __idempotent_held,
+                    &__idempotent_errors,
+                    #tx,
+                    __idempotent_result,
+                )
+                .await
+            }
+        }
     };
 
     quote! {
