@@ -978,18 +978,19 @@ async fn charge_amount(
     Ok(amount)
 }
 
-/// Rule 15: a *mismatch* answered inside a deferred transaction
-/// that has read (the case the existing replay test covers for replays)
-/// takes no write lock either: another transactional caller of the same
-/// completed key still gets its replay while that transaction stays open.
-#[tokio::test]
-async fn a_mismatch_in_an_open_transaction_leaves_other_callers_free() {
+/// A file database where key "k" was charged 5 (committed), and a deferred
+/// transaction, left open, that has read (it holds a snapshot).
+async fn charged_then_read_in_a_deferred_transaction() -> (
+    PathBuf,
+    sqlx::SqlitePool,
+    String,
+    sqlx::Transaction<'static, Sqlite>,
+) {
     let path = fresh_path();
     let store = SqliteStore::connect(&url(&path)).await.expect("open");
     let pool = store.pool().clone();
     create_charges(&pool).await;
     let tenant = fresh_tenant();
-
     let mut first = pool.begin_with("BEGIN IMMEDIATE").await.expect("begin");
     assert_eq!(
         charge_amount(&mut first, &tenant, "k", 5)
@@ -998,12 +999,21 @@ async fn a_mismatch_in_an_open_transaction_leaves_other_callers_free() {
         5
     );
     first.commit().await.expect("commit");
-
     let mut open = pool.begin().await.expect("deferred begin");
     let _: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM charges")
         .fetch_one(&mut *open)
         .await
         .expect("read");
+    (path, pool, tenant, open)
+}
+
+/// Rule 15: a *mismatch* answered inside a deferred transaction
+/// that has read (the case the existing replay test covers for replays)
+/// takes no write lock either: another transactional caller of the same
+/// completed key still gets its replay while that transaction stays open.
+#[tokio::test]
+async fn a_mismatch_in_an_open_transaction_leaves_other_callers_free() {
+    let (path, pool, tenant, mut open) = charged_then_read_in_a_deferred_transaction().await;
     let mismatch = charge_amount(&mut open, &tenant, "k", 6).await;
     assert!(
         matches!(mismatch, Err(Error::FingerprintMismatch(_))),
@@ -1029,26 +1039,7 @@ async fn a_mismatch_in_an_open_transaction_leaves_other_callers_free() {
 /// a `StaleSnapshot` refusal telling the caller to retry the transaction.
 #[tokio::test]
 async fn a_mismatch_in_a_stale_transaction_is_a_mismatch() {
-    let path = fresh_path();
-    let store = SqliteStore::connect(&url(&path)).await.expect("open");
-    let pool = store.pool().clone();
-    create_charges(&pool).await;
-    let tenant = fresh_tenant();
-
-    let mut first = pool.begin_with("BEGIN IMMEDIATE").await.expect("begin");
-    assert_eq!(
-        charge_amount(&mut first, &tenant, "k", 5)
-            .await
-            .expect("runs"),
-        5
-    );
-    first.commit().await.expect("commit");
-
-    let mut open = pool.begin().await.expect("deferred begin");
-    let _: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM charges")
-        .fetch_one(&mut *open)
-        .await
-        .expect("read");
+    let (path, pool, tenant, mut open) = charged_then_read_in_a_deferred_transaction().await;
     commit_a_write_elsewhere(&pool).await;
     let answer = charge_amount(&mut open, &tenant, "k", 6).await;
     open.rollback().await.expect("rollback");
