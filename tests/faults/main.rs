@@ -11,5 +11,6 @@ mod connection_faults;
 mod mysql_faults;
 mod mysql_wire;
 mod postgres_faults;
+mod postgres_session_settings;
 mod postgres_wire;
 mod stuck_heartbeat;

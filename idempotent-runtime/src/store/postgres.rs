@@ -359,7 +359,13 @@ SELECT d.outcome, FALSE AS took_over, d.is_error,
 UNION ALL
 SELECT f.outcome, f.took_over, f.is_error, f.result, f.lease_remaining_ms,
        f.attempt_number, f.previous_attempt_started_at
-  FROM idempotency_reserve($1, $2, $3, $4, $5, $6, $7, $8) f
+  FROM idempotency_reserve($1, $2, $3, $4, $5, $6, $7,
+           -- The statement's lock wait stays under half the session's
+           -- `statement_timeout` (0: none): a statement the server cancels
+           -- would abort the caller's transaction, where a lock timeout is
+           -- caught and answered `in_progress` (the engine asks again).
+           LEAST($8::BIGINT, COALESCE(NULLIF((EXTRACT(EPOCH FROM
+               current_setting('statement_timeout')::INTERVAL) * 500)::BIGINT, 0), $8::BIGINT))) f
  WHERE NOT EXISTS (SELECT 1 FROM d WHERE d.outcome IS NOT NULL)";
 
 /// The longest `lock_timeout` PostgreSQL accepts, in ms.
@@ -367,6 +373,11 @@ const MAX_LOCK_TIMEOUT_MS: i64 = i32::MAX as i64;
 
 /// `lock_not_available`: `lock_timeout` ran out.
 const LOCK_NOT_AVAILABLE: &str = "55P03";
+
+/// `serialization_failure`: under REPEATABLE READ or SERIALIZABLE (a
+/// database's or a pool's default), an insert met a row committed after the
+/// statement's snapshot. In autocommit a new statement has a new snapshot.
+const SERIALIZATION_FAILURE: &str = "40001";
 
 /// In a caller's transaction (see [`RESERVE_TX_SQL`]).
 async fn reserve_with<'e, E: Executor<'e, Database = Postgres>>(
@@ -425,6 +436,14 @@ async fn reserve_autocommit(
         match &answer {
             Err(sqlx::Error::Database(e))
                 if e.code().as_deref() == Some(LOCK_NOT_AVAILABLE) && tries < allowed =>
+            {
+                continue
+            }
+            // The row another reservation committed meanwhile: the next
+            // statement sees it (a replay, a refusal or a mismatch).
+            Err(sqlx::Error::Database(e))
+                if e.code().as_deref() == Some(SERIALIZATION_FAILURE)
+                    && tries < EXPIRED_RECORD_LOCK_TRIES =>
             {
                 continue
             }

@@ -1,0 +1,242 @@
+//! PostgreSQL sessions set up by the application: a `statement_timeout`
+//! shorter than a transactional duplicate's wait, and a database whose
+//! default isolation is REPEATABLE READ. Each test makes a database of its
+//! own (the settings are the database's or the session's) and drops it.
+
+use crate::common;
+
+use common::servers::{fresh_tenant, pg_url};
+use idempotent_runtime::{idempotent, with_outcome, Error, Outcome, PgStore};
+use sqlx::{Connection, Executor};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::Notify;
+
+/// A bound for polling loops (never a timing assertion: each loop ends on
+/// the condition it waits for; the bound only keeps a broken run from hanging).
+const GUARD: Duration = Duration::from_secs(40);
+
+/// A brand-new database on the test server, dropped by [`drop_database`].
+async fn fresh_database() -> Option<(sqlx::PgConnection, String, String)> {
+    let admin_url = pg_url();
+    let Ok(mut admin) = sqlx::PgConnection::connect(&admin_url).await else {
+        eprintln!("SKIPPED: PostgreSQL unreachable");
+        return None;
+    };
+    let db = format!("pg_settings_{}", uuid::Uuid::new_v4().simple());
+    admin
+        .execute(format!("CREATE DATABASE {db}").as_str())
+        .await
+        .expect("create database");
+    let url = match admin_url.rsplit_once('/') {
+        Some((base, _)) => format!("{base}/{db}"),
+        None => panic!("url {admin_url}"),
+    };
+    Some((admin, db, url))
+}
+
+async fn drop_database(mut admin: sqlx::PgConnection, db: &str) {
+    let _ = admin
+        .execute(format!("DROP DATABASE {db} WITH (FORCE)").as_str())
+        .await;
+}
+
+#[idempotent(scope = "pg_settings.tx_statement_timeout", key = key, tenant = tenant, tx = tx,
+             skip(started, finish), in_progress = wait("2s"))]
+async fn held_in_transaction(
+    tx: &mut sqlx::PgConnection,
+    tenant: &str,
+    key: &str,
+    started: &Notify,
+    finish: &Notify,
+) -> Result<u32, Error> {
+    started.notify_one();
+    finish.notified().await;
+    Ok(1)
+}
+
+/// Rule 4 / 15 and the README ("A concurrent duplicate waits on that lock
+/// within its `in_progress` bound, then gets `Error::InProgress`, and its own
+/// transaction stays usable") on a session whose `statement_timeout` (a
+/// common production setting, here 300 ms) is shorter than the wait bound
+/// (2 s). The duplicate's reservation waits for the owner's row lock inside
+/// one statement with `lock_timeout` = the whole bound; the server cancels
+/// the statement first (57014, not caught by `idempotency_reserve`), so the
+/// duplicate gets `Error::Store` and its transaction is aborted.
+/// Deterministic: the owner's transaction stays open until the duplicate
+/// has answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tx_duplicate_under_a_short_statement_timeout_gets_in_progress_and_a_usable_tx() {
+    let Some((admin, db, url)) = fresh_database().await else {
+        return;
+    };
+    drop(PgStore::connect(&url).await.expect("migrate"));
+    let tenant = fresh_tenant();
+    let (started, finish) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
+    let owner = {
+        let (url, tenant, started, finish) =
+            (url.clone(), tenant.clone(), started.clone(), finish.clone());
+        tokio::spawn(async move {
+            let mut conn = sqlx::PgConnection::connect(&url).await.expect("connect");
+            let mut tx = conn.begin().await.expect("begin");
+            let answer = held_in_transaction(&mut tx, &tenant, "k", &started, &finish).await;
+            tx.commit().await.expect("commit");
+            answer
+        })
+    };
+    started.notified().await; // the owner holds the reservation, uncommitted
+    let options = <sqlx::postgres::PgConnectOptions as std::str::FromStr>::from_str(&url)
+        .expect("url")
+        .options([("statement_timeout", "300ms")]);
+    let mut conn = sqlx::PgConnection::connect_with(&options)
+        .await
+        .expect("connect");
+    let mut tx = conn.begin().await.expect("begin");
+    let never = Notify::new();
+    let answer = held_in_transaction(&mut tx, &tenant, "k", &never, &never).await;
+    let usable = sqlx::query_scalar::<_, i32>("SELECT 1")
+        .fetch_one(&mut *tx)
+        .await;
+    let _ = tx.rollback().await;
+    finish.notify_one();
+    assert_eq!(owner.await.expect("owner").expect("owner's call"), 1);
+    drop(conn);
+    drop_database(admin, &db).await;
+    assert!(
+        matches!(answer, Err(Error::InProgress { .. })),
+        "the duplicate should be refused in progress, got {answer:?}"
+    );
+    assert!(
+        usable.is_ok(),
+        "the duplicate's transaction should stay usable: {usable:?}"
+    );
+}
+
+#[idempotent(scope = "pg_settings.rr_default", key = key, tenant = tenant, store = store,
+             skip(runs), in_progress = wait("5s"), shared_scope)]
+async fn rr_charge(
+    store: &PgStore,
+    tenant: &str,
+    key: &str,
+    runs: &AtomicUsize,
+) -> Result<u32, Error> {
+    runs.fetch_add(1, Ordering::SeqCst);
+    Ok(9)
+}
+
+#[idempotent(scope = "pg_settings.rr_default", key = key, tenant = tenant, tx = tx,
+             skip(runs, started, finish), in_progress = wait("5s"), shared_scope)]
+async fn rr_charge_tx(
+    tx: &mut sqlx::PgConnection,
+    tenant: &str,
+    key: &str,
+    runs: &AtomicUsize,
+    started: &Notify,
+    finish: &Notify,
+) -> Result<u32, Error> {
+    runs.fetch_add(1, Ordering::SeqCst);
+    started.notify_one();
+    finish.notified().await;
+    Ok(9)
+}
+
+/// Rule 4 (a duplicate waits and replays) in store mode on a database whose
+/// default isolation is REPEATABLE READ (`ALTER DATABASE … SET
+/// default_transaction_isolation`, or the same in a pool's options). The
+/// store's reservation statement reads the record in its snapshot, finds
+/// none, and inserts; the insert meets another caller's row, committed
+/// after the snapshot, and under REPEATABLE READ `ON CONFLICT DO NOTHING`
+/// raises 40001 (could not serialize access) instead of doing nothing. The
+/// store answers `Error::Store` for a duplicate that should have replayed.
+/// Deterministic: the other caller is a transactional call (a `shared_scope`
+/// is not needed: the store does not know who holds the row) whose
+/// uncommitted insert the store's statement waits for; it commits only once
+/// the test has seen the statement blocked on it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_mode_duplicate_replays_under_a_repeatable_read_default() {
+    let Some((admin, db, url)) = fresh_database().await else {
+        return;
+    };
+    {
+        let mut setup = sqlx::PgConnection::connect(&url).await.expect("connect");
+        setup
+            .execute(
+                format!(
+                    "ALTER DATABASE {db} SET default_transaction_isolation = 'repeatable read'"
+                )
+                .as_str(),
+            )
+            .await
+            .expect("alter database");
+    }
+    let store = PgStore::connect(&url)
+        .await
+        .expect("store")
+        .with_lock_wait(Duration::from_secs(20));
+    let tenant = fresh_tenant();
+    let runs = AtomicUsize::new(0);
+    let (started, finish) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
+    let mut owner_conn = sqlx::PgConnection::connect(&url).await.expect("connect");
+    let owner_pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut owner_conn)
+        .await
+        .expect("pid");
+    let owner_runs = Arc::new(AtomicUsize::new(0));
+    let owner = {
+        let (tenant, started, finish, owner_runs) = (
+            tenant.clone(),
+            started.clone(),
+            finish.clone(),
+            owner_runs.clone(),
+        );
+        tokio::spawn(async move {
+            // The owner's own transaction is READ COMMITTED (explicitly).
+            let mut tx = owner_conn
+                .begin_with("BEGIN ISOLATION LEVEL READ COMMITTED")
+                .await
+                .expect("begin");
+            let answer = rr_charge_tx(&mut tx, &tenant, "k", &owner_runs, &started, &finish).await;
+            tx.commit().await.expect("commit");
+            answer
+        })
+    };
+    started.notified().await; // the owner's insert is in, uncommitted
+    let duplicate = {
+        let (store, tenant) = (store.clone(), tenant.clone());
+        tokio::spawn(async move {
+            let runs = AtomicUsize::new(0);
+            let answer = with_outcome(rr_charge(&store, &tenant, "k", &runs)).await;
+            (answer, runs.load(Ordering::SeqCst))
+        })
+    };
+    // Handshake: the store's statement is blocked on the owner's transaction.
+    let mut monitor = sqlx::PgConnection::connect(&url).await.expect("connect");
+    let deadline = tokio::time::Instant::now() + GUARD;
+    loop {
+        let blocked: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))",
+        )
+        .bind(owner_pid)
+        .fetch_one(&mut monitor)
+        .await
+        .expect("pg_stat_activity");
+        if blocked > 0 || duplicate.is_finished() {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "never blocked");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    finish.notify_one();
+    assert_eq!(owner.await.expect("owner").expect("owner's call"), 9);
+    let ((answer, outcome), dup_runs) = duplicate.await.expect("duplicate");
+    drop(monitor);
+    drop(store);
+    drop_database(admin, &db).await;
+    assert_eq!(owner_runs.load(Ordering::SeqCst) + dup_runs, 1);
+    let _ = runs;
+    assert!(
+        matches!(answer, Ok(9)) && outcome == Some(Outcome::Replayed),
+        "the duplicate should replay the owner's answer, got {answer:?} ({outcome:?})"
+    );
+}
