@@ -6,7 +6,9 @@
 use crate::common;
 
 use common::servers::{fresh_tenant, pg_url};
-use idempotent_runtime::{idempotent, with_outcome, Error, Outcome, PgStore};
+use idempotent_runtime::{
+    idempotent, with_outcome, Error, Identity, Outcome, PgStore, RecordState, Store,
+};
 use sqlx::{Connection, Executor};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -239,4 +241,129 @@ async fn a_store_mode_duplicate_replays_under_a_repeatable_read_default() {
         matches!(answer, Ok(9)) && outcome == Some(Outcome::Replayed),
         "the duplicate should replay the owner's answer, got {answer:?} ({outcome:?})"
     );
+}
+
+#[idempotent(scope = "pg_settings.outage", key = key, tenant = tenant, store = store,
+             skip(runs, started, go), lease = "30s")]
+async fn charge_through_outage(
+    store: &PgStore,
+    tenant: &str,
+    key: &str,
+    runs: &AtomicUsize,
+    started: &Notify,
+    go: &Notify,
+) -> Result<u32, Error> {
+    runs.fetch_add(1, Ordering::SeqCst);
+    started.notify_one();
+    go.notified().await;
+    Ok(11)
+}
+
+/// Rules 3 and 5 when recording the result fails for longer than the store's
+/// worker first schedule of tries (about 9 s), as in a failover, and the
+/// outage is over within the lease. The stand-in for the outage is
+/// deterministic: the test holds the record's row lock in its own transaction
+/// and the store's sessions (pool and worker alike) have a `lock_timeout` of
+/// 50 ms, so every completion fails until the test lets go, 10 s after the
+/// first one failed (by the database's clock). The record stays in progress
+/// under the call's token, so the worker goes on trying and records the
+/// result; the retry replays it. The worker used to give up after its
+/// schedule, and the retry took the record over at the end of the lease and
+/// ran the body again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_completion_that_fails_through_a_longer_outage_is_still_recorded() {
+    let Some((admin, db, url)) = fresh_database().await else {
+        return;
+    };
+    let options = <sqlx::postgres::PgConnectOptions as std::str::FromStr>::from_str(&url)
+        .expect("url")
+        .options([("lock_timeout", "50ms")]);
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(4)
+        .connect_with(options)
+        .await
+        .expect("pool");
+    let store = PgStore::from_pool(pool).await.expect("store");
+    let tenant = fresh_tenant();
+    let runs = AtomicUsize::new(0);
+    let id = Identity::new(&tenant, "pg_settings.outage", "k").expect("identity");
+    let mut locker = sqlx::PgConnection::connect(&url).await.expect("connect");
+    let (started, go) = (Notify::new(), Notify::new());
+    let call = charge_through_outage(&store, &tenant, "k", &runs, &started, &go);
+    tokio::pin!(call);
+    tokio::select! {
+        answer = &mut call => panic!("answered before the body started: {answer:?}"),
+        () = started.notified() => {}
+    }
+    // The record is committed in progress: lock its row, then let the body end.
+    locker.execute("BEGIN").await.expect("begin");
+    sqlx::query(
+        "SELECT 1 FROM idempotency_records WHERE tenant = $1 AND scope = $2 AND key = $3 FOR UPDATE",
+    )
+    .bind(&tenant)
+    .bind("pg_settings.outage")
+    .bind("k")
+    .execute(&mut locker)
+    .await
+    .expect("lock the row");
+    go.notify_one();
+    let first = call.await;
+    assert!(
+        matches!(first, Err(Error::Store(_))),
+        "recording failed: {first:?}"
+    );
+    // The outage lasts 10 s by the database's clock.
+    let failed_at = store
+        .fetch(&id)
+        .await
+        .expect("fetch")
+        .expect("record")
+        .now_ms;
+    let deadline = tokio::time::Instant::now() + GUARD;
+    while store
+        .fetch(&id)
+        .await
+        .expect("fetch")
+        .expect("record")
+        .now_ms
+        < failed_at + 10_000
+    {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the clock stood still"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    locker.execute("ROLLBACK").await.expect("rollback");
+    // Over: the worker's next try records the result (or the lease runs out).
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let r = store.fetch(&id).await.expect("fetch").expect("record");
+        if r.state == RecordState::Complete
+            || r.lease_expires_at_ms.is_some_and(|at| at <= r.now_ms)
+        {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "neither recorded nor expired"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let go_at_once = Notify::new();
+    go_at_once.notify_one();
+    let (again, outcome) = with_outcome(charge_through_outage(
+        &store,
+        &tenant,
+        "k",
+        &runs,
+        &Notify::new(),
+        &go_at_once,
+    ))
+    .await;
+    let ran = runs.load(Ordering::SeqCst);
+    drop_database(admin, &db).await;
+    assert_eq!(ran, 1, "the body ran again: retry {again:?} ({outcome:?})");
+    assert_eq!(again.expect("replayed"), 11);
+    assert_eq!(outcome, Some(Outcome::Replayed));
 }

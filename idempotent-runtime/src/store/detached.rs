@@ -22,6 +22,10 @@
 //!   would let a retry run it again. The result is recorded instead (fenced by
 //!   the token), and retries replay it.
 //!
+//! A completion that keeps failing (a failover, an outage) is tried on after
+//! that, every few seconds, for as long as the record's ttl (at most
+//! [`COMPLETE_TRIED_FOR`]), until it lands or finds the record taken over.
+//!
 //! Work that cannot be done is logged and counted (`release_failures`); the
 //! lease bounds the damage.
 
@@ -42,6 +46,14 @@ pub(crate) const RETRY_AFTER: [Duration; 4] = [
     Duration::from_millis(1_600),
     Duration::from_millis(6_400),
 ];
+
+/// How long a completion that keeps failing is tried for (after
+/// [`RETRY_AFTER`], every last pause), at most: the record stays in progress
+/// under the call's token until someone takes it over (then the fenced write
+/// finds nothing and the worker stops), so recording the result late is still
+/// right, and giving up would let a retry run the body again after the lease.
+/// Bounded by the record's ttl too.
+pub(crate) const COMPLETE_TRIED_FOR: Duration = Duration::from_secs(3600);
 
 /// What the worker does for one dropped call.
 #[derive(Debug, Clone)]
@@ -169,7 +181,26 @@ async fn with_retries(
     work: Work,
 ) {
     let mut last_error = None;
-    for pause in std::iter::once(Duration::ZERO).chain(RETRY_AFTER) {
+    // A completion goes on being tried after the schedule while it fails.
+    let keep_trying = match &work {
+        Work::Complete(_, ttl, _) => {
+            Some(tokio::time::Instant::now() + COMPLETE_TRIED_FOR.min(*ttl))
+        }
+        Work::Release | Work::EndLease => None,
+    };
+    let last_pause = RETRY_AFTER[RETRY_AFTER.len() - 1];
+    let pauses = std::iter::once(Duration::ZERO)
+        .chain(RETRY_AFTER)
+        .chain(std::iter::repeat(last_pause));
+    for (attempt, pause) in pauses.enumerate() {
+        let scheduled = attempt <= RETRY_AFTER.len();
+        let failing = last_error.is_some();
+        if !scheduled
+            && !(failing
+                && keep_trying.is_some_and(|until| tokio::time::Instant::now() + pause < until))
+        {
+            break;
+        }
         tokio::time::sleep(pause).await;
         match write(identity.clone(), token.clone(), work.clone()).await {
             Ok(true) => {
