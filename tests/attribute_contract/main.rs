@@ -23,4 +23,5 @@ mod heartbeat_pool;
 mod legacy_fingerprint;
 mod macro_rules_args;
 mod macro_shapes;
+mod replay_floats;
 mod transactional;

@@ -287,7 +287,11 @@ impl Encoder {
     /// which value came from which is part of the value. Repeats from one
     /// source (one key type) are sorted by their bytes, so a set's iteration
     /// order does not count.
-    fn sort_entries(&mut self, first: usize, region: usize) {
+    ///
+    /// `unknown_length`: the map's length was not given (`serialize_map(None)`,
+    /// serde's form of a struct with `#[serde(flatten)]` fields), where every
+    /// `str` key is a source of its own (see [`restore_arrival_order_of_repeats`]).
+    fn sort_entries(&mut self, first: usize, region: usize, unknown_length: bool) {
         let mode = self.mode;
         let Encoder {
             out,
@@ -326,7 +330,7 @@ impl Encoder {
             .any(|w| sort_key(&w[0]) == sort_key(&w[1]));
         let typed = repeated && mode == Mode::Canonical;
         if typed {
-            restore_arrival_order_of_repeats(members, sort_key);
+            restore_arrival_order_of_repeats(members, sort_key, unknown_length);
         }
         if typed {
             *extended = true;
@@ -364,15 +368,19 @@ impl Encoder {
 /// (entries are written in arrival order, so `start` is it), each source's
 /// entries by their bytes, in the places that kind holds in the run. A
 /// source is a key type (a flattened map's `String` keys beside a struct's
-/// field), except that every entry with a `str` key is a source of its own:
-/// such a key is a name from a type's definition (a struct's field, also
-/// within a flattened struct; an internal tag), written in declaration
-/// order, whereas a collection's keys are written as its key type or a
-/// reference to it (`&str`, `String`). Repeats of one other key type come from
-/// one source (a multimap written as repeated entries, perhaps in a set's
-/// iteration order) and stay sorted by their bytes. With no repeated key and
-/// kind, nothing moves.
-fn restore_arrival_order_of_repeats<K: Eq>(members: &mut [Entry], sort_key: impl Fn(&Entry) -> K) {
+/// field; an internal tag beside its content map's keys), except that with
+/// `names_are_sources` (a map of unknown length: serde's form of a struct with
+/// `#[serde(flatten)]` fields) every entry with a `str` key is a source of its
+/// own: there such a key is a name from a type's definition (a struct's
+/// field, also within a flattened struct), written in declaration order.
+/// Repeats of one key type otherwise come from one source (a multimap written
+/// as repeated entries, perhaps in a set's iteration order) and stay sorted
+/// by their bytes. With no repeated key and kind, nothing moves.
+fn restore_arrival_order_of_repeats<K: Eq>(
+    members: &mut [Entry],
+    sort_key: impl Fn(&Entry) -> K,
+    names_are_sources: bool,
+) {
     let mut run_start = 0;
     while run_start < members.len() {
         let key = sort_key(&members[run_start]);
@@ -383,9 +391,10 @@ fn restore_arrival_order_of_repeats<K: Eq>(members: &mut [Entry], sort_key: impl
         let run = &mut members[run_start..run_start + run_len];
         for kind in [KeyKind::Text, KeyKind::Scalar, KeyKind::Other] {
             let places: Vec<usize> = (0..run.len()).filter(|&i| run[i].kind == kind).collect();
-            let one_source = places.windows(2).all(|w| {
-                run[w[0]].key_type == run[w[1]].key_type && run[w[0]].key_type != NAME_KEY_TYPE
-            });
+            let own_source = |e: &Entry| names_are_sources && e.key_type == NAME_KEY_TYPE;
+            let one_source = places
+                .windows(2)
+                .all(|w| run[w[0]].key_type == run[w[1]].key_type && !own_source(&run[w[0]]));
             if places.len() < 2 || one_source {
                 continue;
             }
@@ -395,7 +404,7 @@ fn restore_arrival_order_of_repeats<K: Eq>(members: &mut [Entry], sort_key: impl
             // collection's iteration order.
             let arrived: Vec<Entry> = places.iter().map(|&i| run[i]).collect();
             let source_at = |entry: &Entry| {
-                if entry.key_type == NAME_KEY_TYPE {
+                if own_source(entry) {
                     return entry.start;
                 }
                 arrived
@@ -419,7 +428,9 @@ fn restore_arrival_order_of_repeats<K: Eq>(members: &mut [Entry], sort_key: impl
 
 /// The key type of a name from a type's definition: serde passes a struct's
 /// field names (also in a flattened struct) and an internal tag to
-/// `serialize_entry` as `str` (see [`restore_arrival_order_of_repeats`]).
+/// `serialize_entry` as `str` (see [`restore_arrival_order_of_repeats`]); a
+/// collection's keys arrive as its key type or a reference to it (`String`,
+/// `&str`), or as `str` from a custom `Serialize`.
 const NAME_KEY_TYPE: &str = "str";
 
 /// Whether `parsed`, read from the JSON `text`, holds all of it: the two have
@@ -772,8 +783,11 @@ impl<'a> Serializer for &'a mut Encoder {
         Seq::begin(self, Some(variant), false)
     }
 
-    fn serialize_map(self, _len: Option<usize>) -> Result<Map<'a>> {
-        Map::begin(self, None, false)
+    fn serialize_map(self, len: Option<usize>) -> Result<Map<'a>> {
+        let mut map = Map::begin(self, None, false)?;
+        // serde writes a struct with `#[serde(flatten)]` as a map of unknown length.
+        map.unknown_length = len.is_none();
+        Ok(map)
     }
 
     fn serialize_struct(self, name: &'static str, _len: usize) -> Result<Map<'a>> {
@@ -924,6 +938,8 @@ pub(crate) struct Map<'a> {
     pending: Option<Pending>,
     /// serde_json's `RawValue`: its one field is JSON text to canonicalise.
     raw: bool,
+    /// See [`Encoder::sort_entries`].
+    unknown_length: bool,
 }
 
 impl<'a> Map<'a> {
@@ -945,6 +961,7 @@ impl<'a> Map<'a> {
             variant,
             pending: None,
             raw,
+            unknown_length: false,
         })
     }
 
@@ -1088,7 +1105,8 @@ impl<'a> Map<'a> {
     fn finish(self) -> Result<KeyKind> {
         if self.enc.mode != Mode::Check && !self.raw {
             if self.enc.entries.len() - self.first >= 2 {
-                self.enc.sort_entries(self.first, self.region);
+                self.enc
+                    .sort_entries(self.first, self.region, self.unknown_length);
             }
             self.enc.entries.truncate(self.first);
             self.enc.keys.truncate(self.keys_base);

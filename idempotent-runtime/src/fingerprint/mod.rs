@@ -43,13 +43,16 @@
 //! (`{amount: 1, extras: {"amount": 2}}` is not `{amount: 2, extras:
 //! {"amount": 1}}`). A source is a key type (a `#[serde(flatten)]` map's
 //! `String` keys beside a struct's field; an internal tag beside the content
-//! map of `#[serde(tag = "type")]`), except that each `str` key is a source of
-//! its own: serde writes a type's own names as `str` (a struct's fields, also
-//! those of a flattened struct, and an internal tag), in declaration order,
+//! map of `#[serde(tag = "type")]`), except that in a map of unknown length
+//! (serde's form of a struct with `#[serde(flatten)]` fields) each `str` key
+//! is a source of its own: there serde writes a type's own names as `str` (a
+//! struct's fields, also those of a flattened struct), in declaration order,
 //! while a collection's keys arrive as its key type or a reference to it
-//! (`String`, `&str`). Repeats of one other key type come from one source (a
-//! multimap written as repeated entries, perhaps in a set's order) and are
-//! sorted by their bytes. Earlier builds sorted some or all of these repeats by
+//! (`String`, `&str`). Repeats of one key type otherwise come from one source
+//! (a multimap written as repeated entries, perhaps in a set's order) and are
+//! sorted by their bytes; a multimap that writes its keys as `str` into a map
+//! of unknown length is read as names (its set's order would count: give the
+//! map its length). Earlier builds sorted some or all of these repeats by
 //! their bytes; a record one of them made for such a value carries the lossy
 //! form, so its retry is a mismatch (the safe answer), as for v1's lossy forms
 //! below. Two flattened maps of one key type holding one key are one source

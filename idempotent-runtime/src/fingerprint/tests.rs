@@ -1838,3 +1838,59 @@ fn a_field_and_a_flattened_structs_field_of_the_same_name_are_not_interchangeabl
     assert_eq!(v2(&a), r#"{"amount":1,"amount":2,"currency":"EUR"}"#);
     assert_eq!(fp(&a), fp(&request(1, 2)));
 }
+
+/// A multimap kept in a `HashSet` and written as repeated entries whose keys
+/// are passed as `&str` (`k.as_str()`, so serde's key type is `str`, as for a
+/// struct's field names): one source, whose entries arrive in the set's
+/// iteration order, which must not count (rule 6). Only in a map of unknown
+/// length (serde's form of `#[serde(flatten)]`) is each `str` key a source of
+/// its own.
+struct StrKeyedMultimap(HashSet<(String, u32)>);
+
+impl Serialize for StrKeyedMultimap {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let mut m = s.serialize_map(Some(self.0.len()))?;
+        for (k, v) in &self.0 {
+            m.serialize_entry(k.as_str(), v)?;
+        }
+        m.end()
+    }
+}
+
+#[test]
+fn a_str_keyed_multimap_does_not_depend_on_its_sets_iteration_order() {
+    let labels = || {
+        StrKeyedMultimap(HashSet::from([
+            ("env".to_owned(), 1),
+            ("env".to_owned(), 2),
+            ("env".to_owned(), 3),
+        ]))
+    };
+    let order = |m: &StrKeyedMultimap| m.0.iter().map(|(_, v)| *v).collect::<Vec<_>>();
+    let first = labels();
+    // Each HashSet has its own RandomState: among 64 sets of the same
+    // entries, one iterates in another order (all alike: p = (1/6)^63).
+    let other = (0..64)
+        .map(|_| labels())
+        .find(|m| order(m) != order(&first))
+        .expect("a set that iterates in another order");
+    assert_eq!(fp(&first), fp(&other), "{} vs {}", v2(&first), v2(&other));
+}
+
+/// A `RawValue` holding a float exactly as serde_json writes it (the shortest
+/// text of an `f64`) is JSON a `Value` holds; it is fingerprinted, not refused
+/// as lossy (serde_json's parser reads such texts back exactly only with its
+/// `float_roundtrip` feature, which the runtime turns on).
+#[test]
+fn raw_json_with_a_float_serde_json_writes_is_not_refused() {
+    let x: f64 = "1.0715660391465826e-75".parse().expect("a float");
+    let text = serde_json::to_string(&serde_json::json!({ "rate": x })).expect("json");
+    assert_eq!(text, r#"{"rate":1.0715660391465826e-75}"#);
+    let raw = serde_json::value::RawValue::from_string(text.clone()).expect("raw");
+    let answer = Fingerprint::of(&raw);
+    assert!(
+        answer.is_ok(),
+        "{text}: {:?}",
+        answer.err().map(|e| e.to_string())
+    );
+}
