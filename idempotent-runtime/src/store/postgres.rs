@@ -107,6 +107,12 @@ impl PgStore {
     /// Uses an existing pool (the application's own) and applies the migrations.
     /// Give the pool an `acquire_timeout` so a stopped server fails fast.
     ///
+    /// The store finishes the records of dropped calls on connections of its
+    /// own, opened with the pool's connect options: session settings the
+    /// records table depends on (`search_path`, a role) belong in those
+    /// options (`PgConnectOptions::options([("search_path", "app")])`), not in
+    /// an `after_connect` hook, which those connections do not run.
+    ///
     /// ```no_run
     /// # #[tokio::main] async fn main() -> Result<(), idempotent_runtime::Error> {
     /// let pool = sqlx::PgPool::connect("postgres://postgres@127.0.0.1/app").await.unwrap();
