@@ -194,11 +194,9 @@ async fn with_retries(
         .chain(std::iter::repeat(last_pause));
     for (attempt, pause) in pauses.enumerate() {
         let scheduled = attempt <= RETRY_AFTER.len();
-        let failing = last_error.is_some();
-        if !scheduled
-            && !(failing
-                && keep_trying.is_some_and(|until| tokio::time::Instant::now() + pause < until))
-        {
+        let tried_on = last_error.is_some()
+            && keep_trying.is_some_and(|until| tokio::time::Instant::now() + pause < until);
+        if !scheduled && !tried_on {
             break;
         }
         tokio::time::sleep(pause).await;
