@@ -177,7 +177,6 @@ async fn a_store_mode_duplicate_replays_under_a_repeatable_read_default() {
         .expect("store")
         .with_lock_wait(Duration::from_secs(20));
     let tenant = fresh_tenant();
-    let runs = AtomicUsize::new(0);
     let (started, finish) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
     let mut owner_conn = sqlx::PgConnection::connect(&url).await.expect("connect");
     let owner_pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
@@ -236,7 +235,6 @@ async fn a_store_mode_duplicate_replays_under_a_repeatable_read_default() {
     drop(store);
     drop_database(admin, &db).await;
     assert_eq!(owner_runs.load(Ordering::SeqCst) + dup_runs, 1);
-    let _ = runs;
     assert!(
         matches!(answer, Ok(9)) && outcome == Some(Outcome::Replayed),
         "the duplicate should replay the owner's answer, got {answer:?} ({outcome:?})"

@@ -331,8 +331,6 @@ impl Encoder {
         let typed = repeated && mode == Mode::Canonical;
         if typed {
             restore_arrival_order_of_repeats(members, sort_key, unknown_length);
-        }
-        if typed {
             *extended = true;
             *lossy = true;
         }

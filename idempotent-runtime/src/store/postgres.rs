@@ -385,6 +385,11 @@ const LOCK_NOT_AVAILABLE: &str = "55P03";
 /// statement's snapshot. In autocommit a new statement has a new snapshot.
 const SERIALIZATION_FAILURE: &str = "40001";
 
+/// How many times a store-mode reservation that failed with
+/// [`SERIALIZATION_FAILURE`] is sent: each failure means a reservation of the
+/// key committed meanwhile, which the next statement sees.
+const SERIALIZATION_FAILURE_TRIES: u32 = 3;
+
 /// In a caller's transaction (see [`RESERVE_TX_SQL`]).
 async fn reserve_with<'e, E: Executor<'e, Database = Postgres>>(
     executor: E,
@@ -449,7 +454,7 @@ async fn reserve_autocommit(
             // statement sees it (a replay, a refusal or a mismatch).
             Err(sqlx::Error::Database(e))
                 if e.code().as_deref() == Some(SERIALIZATION_FAILURE)
-                    && tries < EXPIRED_RECORD_LOCK_TRIES =>
+                    && tries < SERIALIZATION_FAILURE_TRIES =>
             {
                 continue
             }
