@@ -18,7 +18,7 @@
 //! an exporter such as Prometheus).
 
 use idempotent_runtime::{
-    idempotent, with_outcome, Error, Outcome, Recovery, SqliteStore, Takeover,
+    idempotent, with_outcome, Error, Outcome, Recovery, SqliteStore, Store, Takeover,
 };
 use metrics_util::debugging::{DebugValue, DebuggingRecorder};
 use serde::{Deserialize, Serialize};
@@ -323,6 +323,11 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     for line in lines {
         println!("{line}");
     }
+    // Before exiting: calls dropped at shutdown are released by the store's
+    // background thread; wait for it, so none stays in progress for its lease.
+    svc.store
+        .finish_background_work(std::time::Duration::from_secs(5))
+        .await;
     let _ = std::fs::remove_file(&path);
     for suffix in ["-wal", "-shm"] {
         let _ = std::fs::remove_file(format!("{}{suffix}", path.display()));

@@ -6,7 +6,7 @@ use crate::identity::Identity;
 use crate::metrics::{CallOutcome, METRICS};
 use crate::recovery::{Recovery, Takeover};
 use crate::registry::{InProgressPolicy, ScopeInfo};
-use crate::store::{OwnerToken, Reservation, ReserveRequest, Store, StoredOutcome};
+use crate::store::{Fenced, OwnerToken, Reservation, ReserveRequest, Store, StoredOutcome};
 use futures_util::future::BoxFuture;
 use futures_util::FutureExt;
 use serde::{de::DeserializeOwned, Serialize};
@@ -582,13 +582,13 @@ pub(crate) trait RecordSink: Send {
     /// recover hook's answer that is not recorded: rule 20).
     fn keep_for_takeover(&mut self) -> BoxFuture<'_, ()>;
 
-    /// Records the answer. `Ok(false)`: another owner holds the record now.
+    /// Records the answer. `Ok(Fenced::NotOwner)`: another owner holds the record now.
     fn record(
         &mut self,
         stored: StoredOutcome,
         ttl: Duration,
         by: Finished,
-    ) -> BoxFuture<'_, Result<bool, crate::error::StoreError>>;
+    ) -> BoxFuture<'_, Result<Fenced, crate::error::StoreError>>;
 }
 
 /// Store mode's [`RecordSink`]: writes through the store, and keeps the
@@ -619,7 +619,7 @@ impl RecordSink for StoreSink<'_, '_> {
         stored: StoredOutcome,
         ttl: Duration,
         by: Finished,
-    ) -> BoxFuture<'_, Result<bool, crate::error::StoreError>> {
+    ) -> BoxFuture<'_, Result<Fenced, crate::error::StoreError>> {
         Box::pin(async move {
             let (store, identity, token) = (self.store, self.guard.identity, self.guard.token);
             // The answer is recordable: from here on a dropped call records
@@ -678,7 +678,7 @@ where
         Ok(Some(stored)) => {
             let recorded_error = stored.is_error;
             let written = sink.record(stored, spec.ttl, by).await;
-            if matches!(written, Ok(true)) {
+            if matches!(written, Ok(Fenced::Written)) {
                 match by {
                     Finished::Executed => {
                         tracing::info!(target: "idempotent", scope = spec.scope, key = %digest, recorded_error, "executed")
@@ -789,14 +789,14 @@ pub(crate) fn replay<R: IdempotentReturn, H: ErrorHandling<R::Failure>>(
 /// tried: `result` itself when it was written, `LeaseLost` when another
 /// owner holds the record now, the store's error otherwise.
 pub(crate) fn after_completion<R: IdempotentReturn>(
-    written: Result<bool, crate::error::StoreError>,
+    written: Result<Fenced, crate::error::StoreError>,
     identity: &Identity,
     result: Result<R::Value, R::Failure>,
     done: CallOutcome,
 ) -> Answered<R> {
     match written {
-        Ok(true) => (result, done),
-        Ok(false) => {
+        Ok(Fenced::Written) => (result, done),
+        Ok(Fenced::NotOwner) => {
             METRICS.lease_lost.fetch_add(1, Ordering::Relaxed);
             tracing::error!(target: "idempotent", scope = %identity.scope, key = %identity.log_digest(),
                 "lease lost: another caller took the record over meanwhile; this answer was not recorded");
@@ -834,7 +834,7 @@ pub(crate) trait Reserver: Send {
         &'a mut self,
         identity: &'a Identity,
         token: &'a OwnerToken,
-    ) -> futures_util::future::BoxFuture<'a, Result<bool, Error>>;
+    ) -> futures_util::future::BoxFuture<'a, Result<Fenced, Error>>;
 
     /// Whether a record found in progress may be waited for and asked about
     /// again (see [`TransactionalConnection::may_wait_in_transaction`]); when
@@ -877,7 +877,7 @@ impl Reserver for &dyn Store {
         &'a mut self,
         identity: &'a Identity,
         token: &'a OwnerToken,
-    ) -> futures_util::future::BoxFuture<'a, Result<bool, Error>> {
+    ) -> futures_util::future::BoxFuture<'a, Result<Fenced, Error>> {
         Box::pin(async move { Ok(self.release(identity, token).await?) })
     }
 
@@ -987,7 +987,8 @@ async fn reserve_from(
                 // would not match. Free it and reserve again with the current
                 // form. (A takeover of the old record keeps it: that record
                 // is the old version's, and rule 20 needs its history.)
-                store
+                // Whoever owns it now (if not this call) is left alone: fenced.
+                let _ = store
                     .release_acquired(request.identity, request.token)
                     .await?;
                 flight(false);
@@ -1181,8 +1182,8 @@ pub(crate) async fn end_lease_logged(
     token: &OwnerToken,
 ) -> EndedLease {
     match store.heartbeat(identity, token, Duration::ZERO).await {
-        Ok(true) => EndedLease::Ended,
-        Ok(false) => {
+        Ok(Fenced::Written) => EndedLease::Ended,
+        Ok(Fenced::NotOwner) => {
             tracing::warn!(target: "idempotent", scope = %identity.scope, key = %identity.log_digest(),
                 "ending the lease found the record owned by someone else (lease lost); left it alone");
             EndedLease::NotOurs
@@ -1213,8 +1214,8 @@ pub(crate) enum EndedLease {
 async fn release(store: &dyn Store, guard: &FinishOnDrop<'_>) {
     let (identity, token) = (guard.identity, guard.token);
     match store.release(identity, token).await {
-        Ok(true) => guard.arm(false),
-        Ok(false) => {
+        Ok(Fenced::Written) => guard.arm(false),
+        Ok(Fenced::NotOwner) => {
             guard.arm(false);
             tracing::warn!(target: "idempotent", scope = %identity.scope, key = %identity.log_digest(),
                 "release found the record owned by someone else (lease lost); left it alone")
@@ -1247,7 +1248,8 @@ async fn run_with_heartbeat<R, Fut: Future<Output = R>>(
     // The timer is made the first time the body is pending: a body that
     // finishes in its first poll costs no timer (fast bodies never heartbeat).
     let mut timer: Option<std::pin::Pin<Box<tokio::time::Sleep>>> = None;
-    type Renewal<'a> = futures_util::future::BoxFuture<'a, Result<bool, crate::error::StoreError>>;
+    type Renewal<'a> =
+        futures_util::future::BoxFuture<'a, Result<Fenced, crate::error::StoreError>>;
     // The renewal in flight, and when it has had its period.
     let mut beat: Option<Renewal<'_>> = None;
     let mut beat_due: Option<std::pin::Pin<Box<tokio::time::Sleep>>> = None;
@@ -1322,13 +1324,13 @@ async fn run_with_heartbeat<R, Fut: Future<Output = R>>(
 fn note_heartbeat(
     spec: &'static ScopeInfo,
     identity: &Identity,
-    result: Result<bool, crate::error::StoreError>,
+    result: Result<Fenced, crate::error::StoreError>,
 ) {
     match result {
-        Ok(true) => {
+        Ok(Fenced::Written) => {
             METRICS.heartbeats.fetch_add(1, Ordering::Relaxed);
         }
-        Ok(false) => {
+        Ok(Fenced::NotOwner) => {
             crate::metrics::heartbeat_failed(spec.scope);
             tracing::error!(target: "idempotent", scope = %identity.scope, key = %identity.log_digest(),
                 "heartbeat: the lease was lost to another caller; this call's result will not be recorded");

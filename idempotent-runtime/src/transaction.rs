@@ -22,7 +22,7 @@ use crate::fingerprint::Fingerprint;
 use crate::identity::Identity;
 use crate::metrics::{CallOutcome, METRICS};
 use crate::registry::ScopeInfo;
-use crate::store::{OwnerToken, Reservation, ReserveRequest, StoredOutcome};
+use crate::store::{Fenced, OwnerToken, Reservation, ReserveRequest, StoredOutcome};
 use futures_util::future::BoxFuture;
 use std::future::Future;
 use std::sync::atomic::Ordering;
@@ -76,14 +76,14 @@ pub trait TransactionalConnection: Send {
         token: &OwnerToken,
         outcome: &StoredOutcome,
         ttl: Duration,
-    ) -> Result<bool, StoreError>;
+    ) -> Result<Fenced, StoreError>;
 
     /// Like [`Store::release`](crate::Store::release), in this transaction.
     async fn release_in_transaction(
         &mut self,
         identity: &Identity,
         token: &OwnerToken,
-    ) -> Result<bool, StoreError>;
+    ) -> Result<Fenced, StoreError>;
 
     /// Like [`Store::complete_recovered`](crate::Store::complete_recovered),
     /// in this transaction: records a `recover` hook's answer (rule 20). The
@@ -94,7 +94,7 @@ pub trait TransactionalConnection: Send {
         token: &OwnerToken,
         outcome: &StoredOutcome,
         ttl: Duration,
-    ) -> Result<bool, StoreError> {
+    ) -> Result<Fenced, StoreError> {
         self.complete_in_transaction(identity, token, outcome, ttl)
             .await
     }
@@ -153,7 +153,7 @@ macro_rules! transactional_connection {
                 token: &$crate::store::OwnerToken,
                 outcome: &$crate::store::StoredOutcome,
                 ttl: std::time::Duration,
-            ) -> Result<bool, $crate::error::StoreError> {
+            ) -> Result<$crate::store::Fenced, $crate::error::StoreError> {
                 $complete(self, identity, token, outcome, ttl, false).await
             }
 
@@ -163,7 +163,7 @@ macro_rules! transactional_connection {
                 token: &$crate::store::OwnerToken,
                 outcome: &$crate::store::StoredOutcome,
                 ttl: std::time::Duration,
-            ) -> Result<bool, $crate::error::StoreError> {
+            ) -> Result<$crate::store::Fenced, $crate::error::StoreError> {
                 $complete(self, identity, token, outcome, ttl, true).await
             }
 
@@ -171,7 +171,7 @@ macro_rules! transactional_connection {
                 &mut self,
                 identity: &$crate::identity::Identity,
                 token: &$crate::store::OwnerToken,
-            ) -> Result<bool, $crate::error::StoreError> {
+            ) -> Result<$crate::store::Fenced, $crate::error::StoreError> {
                 $release(self, identity, token).await
             }
         }
@@ -216,7 +216,7 @@ where
         token: &OwnerToken,
         outcome: &StoredOutcome,
         ttl: Duration,
-    ) -> Result<bool, StoreError> {
+    ) -> Result<Fenced, StoreError> {
         (**self)
             .complete_in_transaction(identity, token, outcome, ttl)
             .await
@@ -226,7 +226,7 @@ where
         &mut self,
         identity: &Identity,
         token: &OwnerToken,
-    ) -> Result<bool, StoreError> {
+    ) -> Result<Fenced, StoreError> {
         (**self).release_in_transaction(identity, token).await
     }
 
@@ -236,7 +236,7 @@ where
         token: &OwnerToken,
         outcome: &StoredOutcome,
         ttl: Duration,
-    ) -> Result<bool, StoreError> {
+    ) -> Result<Fenced, StoreError> {
         (**self)
             .complete_recovered_in_transaction(identity, token, outcome, ttl)
             .await
@@ -258,7 +258,7 @@ impl<C: TransactionalConnection + ?Sized> Reserver for InTransaction<'_, C> {
         &'a mut self,
         identity: &'a Identity,
         token: &'a OwnerToken,
-    ) -> futures_util::future::BoxFuture<'a, Result<bool, Error>> {
+    ) -> futures_util::future::BoxFuture<'a, Result<Fenced, Error>> {
         Box::pin(async move { Ok(self.0.release_in_transaction(identity, token).await?) })
     }
 
@@ -451,7 +451,7 @@ impl<C: TransactionalConnection + ?Sized> RecordSink for TransactionSink<'_, C> 
         stored: StoredOutcome,
         ttl: Duration,
         by: Finished,
-    ) -> BoxFuture<'_, Result<bool, StoreError>> {
+    ) -> BoxFuture<'_, Result<Fenced, StoreError>> {
         Box::pin(async move {
             let (identity, token) = (self.identity, self.token);
             match by {

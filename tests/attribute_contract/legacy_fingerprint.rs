@@ -9,8 +9,8 @@
 
 use crate::common::hooked::{Hooked, Intercept};
 use idempotent_runtime::{
-    idempotent, Error, Fingerprint, Identity, MemoryStore, OwnerToken, Reservation, ReserveRequest,
-    Store, StoreError,
+    idempotent, Error, Fenced, Fingerprint, Identity, MemoryStore, OwnerToken, Reservation,
+    ReserveRequest, Store, StoreError,
 };
 use std::collections::hash_map::RandomState;
 use std::collections::HashSet;
@@ -35,7 +35,7 @@ impl Intercept for RivalReleases {
         if answer == Reservation::FingerprintMismatch {
             let rival = self.rival.lock().unwrap().take();
             if let Some((identity, token)) = rival {
-                assert!(inner.release(&identity, &token).await?);
+                assert_eq!(inner.release(&identity, &token).await?, Fenced::Written);
             }
         }
         Ok(answer)
@@ -133,7 +133,7 @@ impl Intercept for OldOwnerReplaced {
         if answer == Reservation::FingerprintMismatch {
             let old = self.old_owner.lock().unwrap().take();
             if let Some((identity, token)) = old {
-                assert!(inner.release(&identity, &token).await?);
+                assert_eq!(inner.release(&identity, &token).await?, Fenced::Written);
                 let (fp, token) = self.newcomer.lock().unwrap().take().expect("newcomer");
                 let b = inner
                     .reserve(ReserveRequest {

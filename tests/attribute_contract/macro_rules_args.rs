@@ -15,8 +15,8 @@ use idempotent_runtime::__private::TransactionalConnection;
 use idempotent_runtime::error::StoreError;
 use idempotent_runtime::registry::{self, ScopeInfo};
 use idempotent_runtime::{
-    idempotent, with_outcome, Error, ErrorPolicy, Identity, InProgressPolicy, MemoryStore, Outcome,
-    OwnerToken, Reservation, ReserveRequest, Store, StoredOutcome,
+    idempotent, with_outcome, Error, ErrorPolicy, Fenced, Identity, InProgressPolicy, MemoryStore,
+    Outcome, OwnerToken, Reservation, ReserveRequest, Store, StoredOutcome,
 };
 use serde::{Deserialize, Serialize};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -418,7 +418,7 @@ impl TransactionalConnection for FakeTx {
         token: &'c OwnerToken,
         outcome: &'d StoredOutcome,
         ttl: Duration,
-    ) -> BoxFuture<'t, Result<bool, StoreError>>
+    ) -> BoxFuture<'t, Result<Fenced, StoreError>>
     where
         'a: 't,
         'b: 't,
@@ -436,7 +436,7 @@ impl TransactionalConnection for FakeTx {
         &'a mut self,
         identity: &'b Identity,
         token: &'c OwnerToken,
-    ) -> BoxFuture<'t, Result<bool, StoreError>>
+    ) -> BoxFuture<'t, Result<Fenced, StoreError>>
     where
         'a: 't,
         'b: 't,

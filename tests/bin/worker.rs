@@ -24,6 +24,11 @@
 //!   `worker.recover`, lease 2 s, `recover = side_effect_happened`): the body
 //!   writes its side-effect row and then prints `holding` (after), or prints
 //!   `holding` before writing it (before), and sleeps until killed.
+//! * `dropped-then-finish`: a `hold` call (scope `worker.crash`) is dropped
+//!   while its body runs (the task is aborted); the worker then waits for the
+//!   store's background work (`Store::finish_background_work`), prints
+//!   `unfinished <n>` and returns from `main`. The record must be released
+//!   before the process is gone.
 //! * `recover-retry`: the same function, waiting up to 60 s: it takes the
 //!   killed holder's record over and its hook looks the side effect up in
 //!   the database by (tenant, key). The hook prints `asked <attempt>`; the
@@ -120,6 +125,27 @@ async fn recoverable(
 }
 
 impl Db {
+    /// How many side effects the bodies wrote for `(tenant, key)`.
+    async fn side_effects(&self, tenant: &str, key: &str) -> i64 {
+        let counted = match self {
+            Db::Pg(p) => sqlx::query_scalar(
+                "SELECT COUNT(*) FROM idempotent_test_side_effects WHERE tenant = $1 AND idem_key = $2",
+            )
+            .bind(tenant)
+            .bind(key)
+            .fetch_one(p)
+            .await,
+            Db::My(p) => sqlx::query_scalar(
+                "SELECT COUNT(*) FROM idempotent_test_side_effects WHERE tenant = ? AND idem_key = ?",
+            )
+            .bind(tenant)
+            .bind(key)
+            .fetch_one(p)
+            .await,
+        };
+        counted.unwrap_or(0)
+    }
+
     async fn side_effect(&self, tenant: &str, key: &str, note: &str) -> Result<(), Error> {
         let pid = i64::from(std::process::id());
         let result = match self {
@@ -315,6 +341,30 @@ async fn main() {
             };
             let (r, o) = with_outcome(recoverable(&*store, &db, tenant, key, hold)).await;
             report(r, o);
+        }
+        "dropped-then-finish" => {
+            let store: std::sync::Arc<dyn Store> = store.into();
+            let call = tokio::spawn({
+                let (store, db) = (store.clone(), db.clone());
+                let (tenant, key) = (tenant.clone(), key.clone());
+                async move {
+                    let _ = crashable(&*store, &db, &tenant, &key, true).await;
+                }
+            });
+            // The body is running once its side effect is there.
+            let identity = idempotent_runtime::Identity::new(tenant, "worker.crash", key)
+                .expect("a valid identity");
+            for _ in 0..1000 {
+                if db.side_effects(tenant, key).await > 0 {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            let held = store.fetch(&identity).await.ok().flatten().is_some();
+            call.abort();
+            let _ = call.await;
+            let unfinished = store.finish_background_work(Duration::from_secs(30)).await;
+            println!("held {held} unfinished {unfinished}");
         }
         "tx-crash" => {
             if let Err(e) = tx_crash(&db, tenant, key).await {

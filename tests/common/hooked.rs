@@ -3,8 +3,8 @@
 //! not a whole `Store` impl.
 
 use idempotent_runtime::{
-    ForcedRelease, Identity, MemoryStore, OwnerToken, RecordSnapshot, Reservation, ReserveRequest,
-    ScopeStats, Store, StoreError, StoredOutcome,
+    Fenced, ForcedRelease, Identity, MemoryStore, OwnerToken, RecordSnapshot, Reservation,
+    ReserveRequest, ScopeStats, Store, StoreError, StoredOutcome,
 };
 use std::time::Duration;
 
@@ -26,7 +26,7 @@ pub trait Intercept: Send + Sync + 'static {
         i: &Identity,
         t: &OwnerToken,
         lease: Duration,
-    ) -> Result<bool, StoreError> {
+    ) -> Result<Fenced, StoreError> {
         inner.heartbeat(i, t, lease).await
     }
 
@@ -37,7 +37,7 @@ pub trait Intercept: Send + Sync + 'static {
         t: &OwnerToken,
         o: &StoredOutcome,
         ttl: Duration,
-    ) -> Result<bool, StoreError> {
+    ) -> Result<Fenced, StoreError> {
         inner.complete_recovered(i, t, o, ttl).await
     }
 }
@@ -77,7 +77,7 @@ impl<I: Intercept> Store for Hooked<I> {
         i: &Identity,
         t: &OwnerToken,
         lease: Duration,
-    ) -> Result<bool, StoreError> {
+    ) -> Result<Fenced, StoreError> {
         self.intercept.heartbeat(&self.inner, i, t, lease).await
     }
     async fn complete(
@@ -86,7 +86,7 @@ impl<I: Intercept> Store for Hooked<I> {
         t: &OwnerToken,
         o: &StoredOutcome,
         ttl: Duration,
-    ) -> Result<bool, StoreError> {
+    ) -> Result<Fenced, StoreError> {
         self.inner.complete(i, t, o, ttl).await
     }
     async fn complete_recovered(
@@ -95,12 +95,12 @@ impl<I: Intercept> Store for Hooked<I> {
         t: &OwnerToken,
         o: &StoredOutcome,
         ttl: Duration,
-    ) -> Result<bool, StoreError> {
+    ) -> Result<Fenced, StoreError> {
         self.intercept
             .complete_recovered(&self.inner, i, t, o, ttl)
             .await
     }
-    async fn release(&self, i: &Identity, t: &OwnerToken) -> Result<bool, StoreError> {
+    async fn release(&self, i: &Identity, t: &OwnerToken) -> Result<Fenced, StoreError> {
         self.inner.release(i, t).await
     }
     fn release_detached(&self, i: Identity, t: OwnerToken) {

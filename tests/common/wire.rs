@@ -3,8 +3,8 @@
 #![allow(dead_code)]
 
 use idempotent_runtime::{
-    idempotent, Error, Identity, KeyProblem, OwnerToken, Reservation, ReserveRequest, Store,
-    StoredOutcome, MAX_RESULT_BYTES,
+    idempotent, Error, Fenced, Identity, KeyProblem, OwnerToken, Reservation, ReserveRequest,
+    Store, StoredOutcome, MAX_RESULT_BYTES,
 };
 use std::time::Duration;
 
@@ -57,10 +57,13 @@ pub async fn awkward_identities_match_exactly(store: &dyn Store) {
                 is_error: false,
                 payload,
             };
-            assert!(store
-                .complete(&id, &token, &outcome, Duration::from_secs(3600))
-                .await
-                .expect("complete"));
+            assert_eq!(
+                store
+                    .complete(&id, &token, &outcome, Duration::from_secs(3600))
+                    .await
+                    .expect("complete"),
+                Fenced::Written
+            );
         }
     }
     for tenant in &tenants {
@@ -124,10 +127,13 @@ pub async fn several_megabytes_round_trip(store: &dyn Store) {
         is_error: false,
         payload: payload.clone(),
     };
-    assert!(store
-        .complete(&id, &token, &outcome, Duration::from_secs(3600))
-        .await
-        .expect("complete"));
+    assert_eq!(
+        store
+            .complete(&id, &token, &outcome, Duration::from_secs(3600))
+            .await
+            .expect("complete"),
+        Fenced::Written
+    );
     match store
         .reserve(request(&id, &OwnerToken::new()))
         .await

@@ -14,9 +14,9 @@ use crate::common;
 
 use common::servers::{fresh_tenant, mysql_store_or_skip, pg_store_or_skip};
 use idempotent_runtime::{
-    idempotent, with_outcome, Error, Identity, MemoryStore, Outcome, OwnerToken, RecordSnapshot,
-    RecordState, Reservation, ReserveRequest, ScopeStats, SqliteStore, Store, StoreError,
-    StoredOutcome,
+    idempotent, with_outcome, Error, Fenced, Identity, MemoryStore, Outcome, OwnerToken,
+    RecordSnapshot, RecordState, Reservation, ReserveRequest, ScopeStats, SqliteStore, Store,
+    StoreError, StoredOutcome,
 };
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -62,14 +62,14 @@ impl Store for Stalling {
         t: &OwnerToken,
         o: &StoredOutcome,
         ttl: Duration,
-    ) -> Result<bool, StoreError> {
+    ) -> Result<Fenced, StoreError> {
         if self.stall == Stall::Complete {
             self.stalled.notify_one();
             std::future::pending::<()>().await;
         }
         self.inner.complete(i, t, o, ttl).await
     }
-    async fn release(&self, i: &Identity, t: &OwnerToken) -> Result<bool, StoreError> {
+    async fn release(&self, i: &Identity, t: &OwnerToken) -> Result<Fenced, StoreError> {
         self.inner.release(i, t).await
     }
     async fn heartbeat(
@@ -77,7 +77,7 @@ impl Store for Stalling {
         i: &Identity,
         t: &OwnerToken,
         lease: Duration,
-    ) -> Result<bool, StoreError> {
+    ) -> Result<Fenced, StoreError> {
         self.inner.heartbeat(i, t, lease).await
     }
     fn release_detached(&self, i: Identity, t: OwnerToken) {
@@ -92,7 +92,7 @@ impl Store for Stalling {
         t: &OwnerToken,
         o: &StoredOutcome,
         ttl: Duration,
-    ) -> Result<bool, StoreError> {
+    ) -> Result<Fenced, StoreError> {
         self.inner.complete_recovered(i, t, o, ttl).await
     }
     async fn force_release(

@@ -4,7 +4,7 @@
 use crate::common;
 
 use common::servers::{fresh_tenant, mysql_store_or_skip};
-use idempotent_runtime::{Error, Identity, MySqlStore, OwnerToken, ReserveRequest, Store};
+use idempotent_runtime::{Error, Fenced, Identity, MySqlStore, OwnerToken, ReserveRequest, Store};
 use sqlx::mysql::MySqlPoolOptions;
 use std::time::Duration;
 
@@ -142,7 +142,10 @@ async fn a_killed_connection_surfaces_as_a_store_error_and_the_next_call_succeed
         next.expect("the next call succeeds"),
         idempotent_runtime::Reservation::Acquired { .. }
     ));
-    assert!(store.release(&id, &token).await.expect("release"));
+    assert_eq!(
+        store.release(&id, &token).await.expect("release"),
+        Fenced::Written
+    );
 }
 
 /// The id of the (only) connection of `store`'s pool, replacing a killed one

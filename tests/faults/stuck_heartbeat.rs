@@ -8,7 +8,9 @@
 //! the record over and runs the body a second time.
 
 use crate::common::hooked::{Hooked, Intercept};
-use idempotent_runtime::{idempotent, Error, Identity, MemoryStore, OwnerToken, Store, StoreError};
+use idempotent_runtime::{
+    idempotent, Error, Fenced, Identity, MemoryStore, OwnerToken, Store, StoreError,
+};
 use std::pin::pin;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
@@ -28,7 +30,7 @@ impl Intercept for StuckHeartbeat {
         i: &Identity,
         t: &OwnerToken,
         lease: Duration,
-    ) -> Result<bool, StoreError> {
+    ) -> Result<Fenced, StoreError> {
         if self.stuck.swap(false, Ordering::SeqCst) {
             self.reached.notify_one();
             std::future::pending::<()>().await;

@@ -11,7 +11,7 @@ use idempotent_runtime::http::problem::types;
 use idempotent_runtime::store::{
     OwnerToken, RecordSnapshot, Reservation, ReserveRequest, ScopeStats, StoredOutcome,
 };
-use idempotent_runtime::{Identity, MemoryStore, SqliteStore, Store, StoreError};
+use idempotent_runtime::{Fenced, Identity, MemoryStore, SqliteStore, Store, StoreError};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -630,7 +630,7 @@ impl Store for DownStore {
         _: &OwnerToken,
         _: &StoredOutcome,
         _: Duration,
-    ) -> Result<bool, StoreError> {
+    ) -> Result<Fenced, StoreError> {
         Err(down("complete"))
     }
     async fn force_release(
@@ -649,10 +649,10 @@ impl Store for DownStore {
         _: &OwnerToken,
         _: &StoredOutcome,
         _: Duration,
-    ) -> Result<bool, StoreError> {
+    ) -> Result<Fenced, StoreError> {
         Err(down("complete"))
     }
-    async fn release(&self, _: &Identity, _: &OwnerToken) -> Result<bool, StoreError> {
+    async fn release(&self, _: &Identity, _: &OwnerToken) -> Result<Fenced, StoreError> {
         Err(down("release"))
     }
     async fn heartbeat(
@@ -660,7 +660,7 @@ impl Store for DownStore {
         _: &Identity,
         _: &OwnerToken,
         _: Duration,
-    ) -> Result<bool, StoreError> {
+    ) -> Result<Fenced, StoreError> {
         Err(down("heartbeat"))
     }
     fn release_detached(&self, _: Identity, _: OwnerToken) {}
@@ -708,7 +708,7 @@ impl Store for Counting {
         t: &OwnerToken,
         o: &StoredOutcome,
         ttl: Duration,
-    ) -> Result<bool, StoreError> {
+    ) -> Result<Fenced, StoreError> {
         self.complete.fetch_add(1, Ordering::SeqCst);
         self.inner.complete_recovered(i, t, o, ttl).await
     }
@@ -729,11 +729,11 @@ impl Store for Counting {
         t: &OwnerToken,
         o: &StoredOutcome,
         ttl: Duration,
-    ) -> Result<bool, StoreError> {
+    ) -> Result<Fenced, StoreError> {
         self.complete.fetch_add(1, Ordering::SeqCst);
         self.inner.complete(i, t, o, ttl).await
     }
-    async fn release(&self, i: &Identity, t: &OwnerToken) -> Result<bool, StoreError> {
+    async fn release(&self, i: &Identity, t: &OwnerToken) -> Result<Fenced, StoreError> {
         self.other.fetch_add(1, Ordering::SeqCst);
         self.inner.release(i, t).await
     }
@@ -742,7 +742,7 @@ impl Store for Counting {
         i: &Identity,
         t: &OwnerToken,
         l: Duration,
-    ) -> Result<bool, StoreError> {
+    ) -> Result<Fenced, StoreError> {
         self.other.fetch_add(1, Ordering::SeqCst);
         self.inner.heartbeat(i, t, l).await
     }

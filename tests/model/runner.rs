@@ -13,7 +13,7 @@
 use super::spec::{out, Answer, Dur, Fp, Outcome, Rec, LONG};
 use futures::future::BoxFuture;
 use idempotent_runtime::{
-    Fingerprint, Identity, MemoryStore, MySqlStore, OwnerToken, PgStore, RecordSnapshot,
+    Fenced, Fingerprint, Identity, MemoryStore, MySqlStore, OwnerToken, PgStore, RecordSnapshot,
     RecordState, Reservation, ReserveRequest, SqliteStore, Store, StoredOutcome,
 };
 use proptest::prelude::*;
@@ -358,18 +358,18 @@ impl<'s> World<'s> {
         id: usize,
         after: Rec,
         want: bool,
-        got: bool,
+        got: Fenced,
         what: &str,
     ) -> Result<(), String> {
-        if want == got {
+        if want == got.is_written() {
             self.recs[id] = after;
             Ok(())
-        } else if !got && self.may_vanish(id) {
+        } else if !got.is_written() && self.may_vanish(id) {
             self.recs[id] = Rec::Absent;
             Ok(())
         } else {
             Err(format!(
-                "{what} on identity {id} answered {got}, the model expects {want}"
+                "{what} on identity {id} answered {got:?}, the model expects written = {want}"
             ))
         }
     }

@@ -7,7 +7,7 @@
 use crate::common;
 
 use common::servers::{fresh_tenant, mysql_store_or_skip, mysql_url, pg_store_or_skip, pg_url};
-use idempotent_runtime::{OwnerToken, Reservation, ReserveRequest, Store};
+use idempotent_runtime::{Fenced, OwnerToken, Reservation, ReserveRequest, Store};
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -238,6 +238,44 @@ async fn crash_then_takeover(backend: Backend) {
     assert_eq!(record.state, idempotent_runtime::RecordState::Complete);
 }
 
+/// Rule 14 at process exit: a call dropped while its body runs is released by
+/// the store's background thread. A process that waits for that work
+/// (`Store::finish_background_work`) before returning from `main` leaves the
+/// key free; without the wait the thread dies with the process and the record
+/// stays in progress for its lease.
+async fn dropped_call_released_before_exit(backend: Backend) {
+    let Some(store) = prepare(backend).await else {
+        return;
+    };
+    let tenant = fresh_tenant();
+    let key = "dropped-at-exit";
+    let child = spawn(backend, "dropped-then-finish", &tenant, key, 0);
+    let lines = tokio::task::spawn_blocking(move || collect(vec![child]))
+        .await
+        .expect("join");
+    assert!(
+        lines[0].ends_with("held true unfinished 0"),
+        "the call held its record when it was dropped, and its release was finished: {lines:?}"
+    );
+    let identity =
+        idempotent_runtime::Identity::new(&tenant, "worker.crash", key).expect("identity");
+    let record = store.fetch(&identity).await.expect("fetch");
+    assert!(
+        record.is_none(),
+        "the dropped call's record was released before its process exited: {record:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropped_call_is_released_before_the_process_exits_postgres() {
+    dropped_call_released_before_exit(Backend::Pg).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropped_call_is_released_before_the_process_exits_mariadb() {
+    dropped_call_released_before_exit(Backend::MySql).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killed_holder_is_taken_over_once_postgres() {
     crash_then_takeover(Backend::Pg).await;
@@ -299,7 +337,10 @@ async fn crash_before_commit(backend: Backend) {
         Reservation::FRESH,
         "no record survives the crash; the retry executes"
     );
-    assert!(store.release(&identity, &token).await.expect("release"));
+    assert_eq!(
+        store.release(&identity, &token).await.expect("release"),
+        Fenced::Written
+    );
     let charges: i64 = match backend {
         Backend::Pg => {
             let pool = sqlx::PgPool::connect(&pg_url()).await.expect("connect");

@@ -10,7 +10,7 @@ use crate::common;
 use idempotent_runtime::audit::{audit, KnownScope, ScopeStatus};
 use idempotent_runtime::registry::Format;
 use idempotent_runtime::{
-    Identity, MemoryStore, OwnerToken, Reservation, ReserveRequest, SqliteStore, Store,
+    Fenced, Identity, MemoryStore, OwnerToken, Reservation, ReserveRequest, SqliteStore, Store,
     StoredOutcome,
 };
 use std::time::Duration;
@@ -61,10 +61,13 @@ async fn complete(store: &dyn Store, scope: &str, ttl: Duration) -> Identity {
         is_error: false,
         payload: b"1".to_vec(),
     };
-    assert!(store
-        .complete(&identity, &token, &outcome, ttl)
-        .await
-        .expect("complete"));
+    assert_eq!(
+        store
+            .complete(&identity, &token, &outcome, ttl)
+            .await
+            .expect("complete"),
+        Fenced::Written
+    );
     identity
 }
 

@@ -4,7 +4,7 @@
 
 use idempotent_runtime::cli::{run_from, CliError};
 use idempotent_runtime::{
-    Identity, OwnerToken, Reservation, ReserveRequest, SqliteStore, Store, StoredOutcome,
+    Fenced, Identity, OwnerToken, Reservation, ReserveRequest, SqliteStore, Store, StoredOutcome,
 };
 use std::path::PathBuf;
 use std::time::Duration;
@@ -65,10 +65,13 @@ async fn plant(store: &dyn Store, scope: &str, ttl: Duration) -> Identity {
         is_error: false,
         payload: b"1".to_vec(),
     };
-    assert!(store
-        .complete(&identity, &token, &outcome, ttl)
-        .await
-        .expect("complete"));
+    assert_eq!(
+        store
+            .complete(&identity, &token, &outcome, ttl)
+            .await
+            .expect("complete"),
+        Fenced::Written
+    );
     identity
 }
 
@@ -489,10 +492,13 @@ async fn inspect_and_release_on(url: &str, store: &dyn Store) {
             is_error: false,
             payload: br#"{"card":"4242 secret"}"#.to_vec(),
         };
-        assert!(store
-            .complete(&identity, &token, &outcome, Duration::from_secs(3600))
-            .await
-            .expect("complete"));
+        assert_eq!(
+            store
+                .complete(&identity, &token, &outcome, Duration::from_secs(3600))
+                .await
+                .expect("complete"),
+            Fenced::Written
+        );
         identity
     };
     let args = |cmd: &str, key: &str, more: &[&str]| -> Vec<String> {

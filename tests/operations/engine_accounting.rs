@@ -8,7 +8,7 @@
 //! `Counting` wraps a real `MemoryStore` and counts the calls that reach it.
 
 use idempotent_runtime::{
-    idempotent, Error, Identity, MemoryStore, OwnerToken, RecordSnapshot, Reservation,
+    idempotent, Error, Fenced, Identity, MemoryStore, OwnerToken, RecordSnapshot, Reservation,
     ReserveRequest, ScopeStats, Store, StoreError, StoredOutcome,
 };
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -62,11 +62,11 @@ impl Store for Counting {
         t: &OwnerToken,
         o: &StoredOutcome,
         ttl: Duration,
-    ) -> Result<bool, StoreError> {
+    ) -> Result<Fenced, StoreError> {
         self.calls.complete.fetch_add(1, Ordering::SeqCst);
         self.inner.complete(i, t, o, ttl).await
     }
-    async fn release(&self, i: &Identity, t: &OwnerToken) -> Result<bool, StoreError> {
+    async fn release(&self, i: &Identity, t: &OwnerToken) -> Result<Fenced, StoreError> {
         self.calls.release.fetch_add(1, Ordering::SeqCst);
         if self.fail_releases.load(Ordering::SeqCst) {
             return Err(StoreError::new("counting", "release", "injected failure"));
@@ -78,7 +78,7 @@ impl Store for Counting {
         i: &Identity,
         t: &OwnerToken,
         lease: Duration,
-    ) -> Result<bool, StoreError> {
+    ) -> Result<Fenced, StoreError> {
         self.calls.heartbeat.fetch_add(1, Ordering::SeqCst);
         if self.fail_heartbeats.load(Ordering::SeqCst) {
             return Err(StoreError::new("counting", "heartbeat", "injected failure"));
@@ -100,7 +100,7 @@ impl Store for Counting {
         t: &OwnerToken,
         o: &StoredOutcome,
         ttl: Duration,
-    ) -> Result<bool, StoreError> {
+    ) -> Result<Fenced, StoreError> {
         self.calls.complete.fetch_add(1, Ordering::SeqCst);
         self.inner.complete_recovered(i, t, o, ttl).await
     }

@@ -10,7 +10,7 @@ use crate::common;
 
 use idempotent_runtime::purge::{purge_all, Purger, PurgerConfig};
 use idempotent_runtime::{
-    metrics, Identity, MemoryStore, OwnerToken, RecordState, Reservation, ReserveRequest,
+    metrics, Fenced, Identity, MemoryStore, OwnerToken, RecordState, Reservation, ReserveRequest,
     SqliteStore, Store, StoredOutcome,
 };
 use std::sync::Arc;
@@ -59,10 +59,13 @@ async fn plant(
             is_error: false,
             payload: b"\"ok\"".to_vec(),
         };
-        assert!(store
-            .complete(&identity, &token, &outcome, ttl)
-            .await
-            .expect("complete"));
+        assert_eq!(
+            store
+                .complete(&identity, &token, &outcome, ttl)
+                .await
+                .expect("complete"),
+            Fenced::Written
+        );
     }
     identity
 }

@@ -12,7 +12,7 @@
 use crate::common::hooked::{Hooked, Intercept};
 use idempotent_runtime::store::{OwnerToken, Reservation, ReserveRequest};
 use idempotent_runtime::{
-    idempotent, Error, Identity, MemoryStore, Recovery, Store, StoreError, Takeover,
+    idempotent, Error, Fenced, Identity, MemoryStore, Recovery, Store, StoreError, Takeover,
 };
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
@@ -53,7 +53,7 @@ impl Intercept for CutThenDown {
         i: &Identity,
         t: &OwnerToken,
         l: Duration,
-    ) -> Result<bool, StoreError> {
+    ) -> Result<Fenced, StoreError> {
         let failing = self
             .failing_heartbeats
             .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))

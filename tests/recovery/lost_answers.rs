@@ -9,7 +9,7 @@
 use crate::common::hooked::{Hooked, Intercept};
 use crate::recovery::*;
 use idempotent_runtime::store::{OwnerToken, Reservation, ReserveRequest, StoredOutcome};
-use idempotent_runtime::{Identity, MemoryStore, Store, StoreError};
+use idempotent_runtime::{Fenced, Identity, MemoryStore, Store, StoreError};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
@@ -57,7 +57,7 @@ impl Intercept for CutAfterTakeover {
         t: &OwnerToken,
         o: &StoredOutcome,
         ttl: Duration,
-    ) -> Result<bool, StoreError> {
+    ) -> Result<Fenced, StoreError> {
         if self.fail_recovered.swap(false, Ordering::SeqCst) {
             return Err(StoreError::new(
                 "cut-after-takeover",

@@ -23,8 +23,8 @@ use crate::common;
 use common::servers::{fresh_tenant, mysql_store_or_skip, mysql_url};
 use idempotent_runtime::TransactionalConnection;
 use idempotent_runtime::{
-    idempotent, with_outcome, Error, Fingerprint, Identity, MySqlStore, Outcome, OwnerToken,
-    Reservation, ReserveRequest, Store, StoredOutcome,
+    idempotent, with_outcome, Error, Fenced, Fingerprint, Identity, MySqlStore, Outcome,
+    OwnerToken, Reservation, ReserveRequest, Store, StoredOutcome,
 };
 use sqlx::mysql::{MySqlPool, MySqlPoolOptions};
 use sqlx::{Executor, MySql};
@@ -224,10 +224,13 @@ async fn released_to_eight_callers(lease_expired: bool, callers: [Via; 8]) {
         // Kept for a second, so the holder can lock it before it expires:
         // once expired, another test's purge of the shared table may delete
         // it first (a purge skips rows that are locked).
-        assert!(store
-            .complete(&identity, &planted, &ok(b"1"), Duration::from_secs(1))
-            .await
-            .expect("complete"));
+        assert_eq!(
+            store
+                .complete(&identity, &planted, &ok(b"1"), Duration::from_secs(1))
+                .await
+                .expect("complete"),
+            Fenced::Written
+        );
     }
 
     let mut holder = admin.begin().await.expect("holder");
@@ -417,10 +420,13 @@ async fn a_replay_or_mismatch_inside_an_open_transaction_takes_no_lock() {
         .await
         .expect("reserve");
     assert_eq!(got, Reservation::FRESH);
-    assert!(store
-        .complete(&identity, &token, &ok(b"7"), LONG)
-        .await
-        .expect("complete"));
+    assert_eq!(
+        store
+            .complete(&identity, &token, &ok(b"7"), LONG)
+            .await
+            .expect("complete"),
+        Fenced::Written
+    );
 
     let mut replaying = store.pool().begin().await.expect("begin");
     assert_eq!(
@@ -474,14 +480,20 @@ async fn an_in_progress_answer_inside_an_open_transaction_takes_no_lock() {
     // With both transactions open, the owner renews and completes (its
     // session would fail on a row lock after GUARD_S seconds) and the
     // others replay.
-    assert!(guarded
-        .heartbeat(&identity, &owner, LONG)
-        .await
-        .expect("heartbeat"));
-    assert!(guarded
-        .complete(&identity, &owner, &ok(b"8"), LONG)
-        .await
-        .expect("the owner completes while the duplicates' transactions are open"));
+    assert_eq!(
+        guarded
+            .heartbeat(&identity, &owner, LONG)
+            .await
+            .expect("heartbeat"),
+        Fenced::Written
+    );
+    assert_eq!(
+        guarded
+            .complete(&identity, &owner, &ok(b"8"), LONG)
+            .await
+            .expect("the owner completes while the duplicates' transactions are open"),
+        Fenced::Written
+    );
     others_replay(&guarded, &identity, &a, b"8").await;
     refused.commit().await.expect("commit");
     mismatching.commit().await.expect("commit");
@@ -522,10 +534,13 @@ async fn a_snapshot_older_than_the_record_still_replays_and_blocks_no_one() {
         .await
         .expect("reserve");
     assert_eq!(got, Reservation::FRESH);
-    assert!(store
-        .complete(&identity, &token, &ok(b"9"), LONG)
-        .await
-        .expect("complete"));
+    assert_eq!(
+        store
+            .complete(&identity, &token, &ok(b"9"), LONG)
+            .await
+            .expect("complete"),
+        Fenced::Written
+    );
 
     assert_eq!(
         in_tx(&mut stale_same, &identity, Some(&a), WAIT).await,

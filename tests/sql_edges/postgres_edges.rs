@@ -9,7 +9,9 @@
 //! has seen the reservation wait a second time (its statement restarted).
 
 use crate::common::servers::{fresh_tenant, pg_store_or_skip, pg_url};
-use idempotent_runtime::{Identity, OwnerToken, PgStore, Reservation, ReserveRequest, Store};
+use idempotent_runtime::{
+    Fenced, Identity, OwnerToken, PgStore, Reservation, ReserveRequest, Store,
+};
 use sqlx::{Connection, Executor};
 use std::time::{Duration, Instant};
 
@@ -349,11 +351,11 @@ async fn an_in_progress_answer_after_a_lost_takeover_race_keeps_no_lock() {
         "the new owner holds a live lease: {answer:?}"
     );
     assert!(
-        matches!(renewed, Ok(true)),
+        matches!(renewed, Ok(Fenced::Written)),
         "the new owner's heartbeat is blocked by the refused duplicate's row lock: {renewed:?}"
     );
     assert!(
-        matches!(completed, Ok(true)),
+        matches!(completed, Ok(Fenced::Written)),
         "the new owner's completion is blocked by the refused duplicate's row lock: {completed:?}"
     );
 }

@@ -3,8 +3,8 @@
 //! errors that name the store and the operation.
 
 use idempotent_runtime::{
-    Error, Fingerprint, Identity, OwnerToken, Reservation, ReserveRequest, SqliteStore, Store,
-    StoredOutcome,
+    Error, Fenced, Fingerprint, Identity, OwnerToken, Reservation, ReserveRequest, SqliteStore,
+    Store, StoredOutcome,
 };
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -110,7 +110,10 @@ async fn records_survive_reopening() {
         let store = SqliteStore::connect(&url(&path)).await.unwrap();
         let token = OwnerToken::new();
         assert_eq!(reserve(&store, &id, &token).await, Reservation::FRESH);
-        assert!(store.complete(&id, &token, &outcome, LONG).await.unwrap());
+        assert_eq!(
+            store.complete(&id, &token, &outcome, LONG).await.unwrap(),
+            Fenced::Written
+        );
         // An in-progress record too: its owner is still the owner after a reopen.
         let running = identity("running");
         let owner = OwnerToken::new();
@@ -169,10 +172,13 @@ async fn two_stores_on_one_file_give_one_acquirer() {
             is_error: false,
             payload: format!("{round}").into_bytes(),
         };
-        assert!(stores[round % 2]
-            .complete(&id, &acquired[0], &outcome, LONG)
-            .await
-            .unwrap());
+        assert_eq!(
+            stores[round % 2]
+                .complete(&id, &acquired[0], &outcome, LONG)
+                .await
+                .unwrap(),
+            Fenced::Written
+        );
         assert_eq!(
             reserve(&stores[(round + 1) % 2], &id, &OwnerToken::new()).await,
             Reservation::Completed(outcome)
@@ -363,7 +369,7 @@ fn an_in_memory_store_keeps_its_records_across_runtimes() {
             )
             .await
             .expect("complete");
-        assert!(done);
+        assert_eq!(done, Fenced::Written);
     });
     let replay = runtime().block_on(async { store.fetch(&id).await });
     assert!(

@@ -22,8 +22,8 @@
 #![allow(dead_code)]
 
 use idempotent_runtime::{
-    Fingerprint, ForcedRelease, Identity, OwnerToken, RecordSnapshot, RecordState, Reservation,
-    ReserveRequest, Store, StoredOutcome,
+    Fenced, Fingerprint, ForcedRelease, Identity, OwnerToken, RecordSnapshot, RecordState,
+    Reservation, ReserveRequest, Store, StoredOutcome,
 };
 use std::time::Duration;
 
@@ -134,11 +134,12 @@ pub async fn record<S: Store + ?Sized>(
     ttl: Duration,
 ) -> OwnerToken {
     let token = acquire(store, identity, fingerprint, LONG, ttl).await;
-    assert!(
+    assert_eq!(
         store
             .complete(identity, &token, outcome, ttl)
             .await
             .expect("complete succeeds"),
+        Fenced::Written,
         "the owner completes its record"
     );
     token
@@ -173,14 +174,20 @@ pub async fn identity_separated_by_tenant<S: Store + Clone + 'static>(store: S) 
     let ta = acquire(&store, &a, Some(&fa), LONG, LONG).await;
     // The other tenant is not in progress, and its fingerprint does not clash.
     let tb = acquire(&store, &b, Some(&fb), LONG, LONG).await;
-    assert!(store
-        .complete(&a, &ta, &ok(b"\"for a\""), LONG)
-        .await
-        .unwrap());
-    assert!(store
-        .complete(&b, &tb, &ok(b"\"for b\""), LONG)
-        .await
-        .unwrap());
+    assert_eq!(
+        store
+            .complete(&a, &ta, &ok(b"\"for a\""), LONG)
+            .await
+            .unwrap(),
+        Fenced::Written
+    );
+    assert_eq!(
+        store
+            .complete(&b, &tb, &ok(b"\"for b\""), LONG)
+            .await
+            .unwrap(),
+        Fenced::Written
+    );
     let again = OwnerToken::new();
     assert_eq!(
         reserve(&store, &a, Some(&fa), &again, LONG, LONG).await,
@@ -191,7 +198,7 @@ pub async fn identity_separated_by_tenant<S: Store + Clone + 'static>(store: S) 
         Reservation::Completed(ok(b"\"for b\""))
     );
     // Releasing or purging one never touches the other.
-    assert!(!store.release(&b, &ta).await.unwrap());
+    assert_eq!(store.release(&b, &ta).await.unwrap(), Fenced::NotOwner);
     assert!(fetch(&store, &b).await.is_some());
 }
 
@@ -202,13 +209,19 @@ pub async fn identity_separated_by_scope<S: Store + Clone + 'static>(store: S) {
     let b = id(&t, "conformance.scope_b", "same-key");
     let ta = acquire(&store, &a, Some(&fp("x")), LONG, LONG).await;
     let tb = acquire(&store, &b, Some(&fp("y")), LONG, LONG).await;
-    assert!(store.complete(&a, &ta, &ok(b"1"), LONG).await.unwrap());
+    assert_eq!(
+        store.complete(&a, &ta, &ok(b"1"), LONG).await.unwrap(),
+        Fenced::Written
+    );
     // b is still in progress although a is complete.
     assert!(matches!(
         reserve(&store, &b, Some(&fp("y")), &OwnerToken::new(), LONG, LONG).await,
         Reservation::InProgress { .. }
     ));
-    assert!(store.complete(&b, &tb, &ok(b"2"), LONG).await.unwrap());
+    assert_eq!(
+        store.complete(&b, &tb, &ok(b"2"), LONG).await.unwrap(),
+        Fenced::Written
+    );
     assert_eq!(fetch(&store, &a).await.unwrap().outcome, Some(ok(b"1")));
     assert_eq!(fetch(&store, &b).await.unwrap().outcome, Some(ok(b"2")));
     // A scope that is a prefix of another is not the same scope.
@@ -329,10 +342,13 @@ pub async fn reserve_is_atomic_under_concurrency<S: Store + Clone + 'static>(sto
             snap.fingerprint.as_deref(),
             winner_fp.as_ref().map(|f| f.as_str())
         );
-        assert!(store
-            .complete(&identity, winner_token, &ok(b"\"done\""), LONG)
-            .await
-            .unwrap());
+        assert_eq!(
+            store
+                .complete(&identity, winner_token, &ok(b"\"done\""), LONG)
+                .await
+                .unwrap(),
+            Fenced::Written
+        );
         assert_eq!(
             reserve(
                 &store,
@@ -422,10 +438,13 @@ pub async fn complete_then_replay<S: Store + Clone + 'static>(store: S) {
     let f = fp("charge 500");
     let payload = br#"{"charge_id":42,"note":"caf\u00e9 \"quoted\""}"#;
     let token = acquire(&store, &identity, Some(&f), LONG, LONG).await;
-    assert!(store
-        .complete(&identity, &token, &ok(payload), LONG)
-        .await
-        .unwrap());
+    assert_eq!(
+        store
+            .complete(&identity, &token, &ok(payload), LONG)
+            .await
+            .unwrap(),
+        Fenced::Written
+    );
     for _ in 0..3 {
         assert_eq!(
             reserve(&store, &identity, Some(&f), &OwnerToken::new(), LONG, LONG).await,
@@ -439,12 +458,21 @@ pub async fn complete_then_replay<S: Store + Clone + 'static>(store: S) {
     assert!(snap.expires_at_ms > snap.now_ms);
     assert!(!snap.is_expired());
     // The owner's token no longer owns anything: the record is complete.
-    assert!(!store
-        .complete(&identity, &token, &ok(b"\"overwrite\""), LONG)
-        .await
-        .unwrap());
-    assert!(!store.heartbeat(&identity, &token, LONG).await.unwrap());
-    assert!(!store.release(&identity, &token).await.unwrap());
+    assert_eq!(
+        store
+            .complete(&identity, &token, &ok(b"\"overwrite\""), LONG)
+            .await
+            .unwrap(),
+        Fenced::NotOwner
+    );
+    assert_eq!(
+        store.heartbeat(&identity, &token, LONG).await.unwrap(),
+        Fenced::NotOwner
+    );
+    assert_eq!(
+        store.release(&identity, &token).await.unwrap(),
+        Fenced::NotOwner
+    );
     assert_same_record(
         &snap,
         &fetch(&store, &identity).await.unwrap(),
@@ -481,20 +509,33 @@ pub async fn recorded_error_round_trips<S: Store + Clone + 'static>(store: S) {
 pub async fn release_frees_the_key<S: Store + Clone + 'static>(store: S) {
     let identity = id(&fresh_tenant(), "conformance.release", "k");
     let first = acquire(&store, &identity, Some(&fp("a")), LONG, LONG).await;
-    assert!(store.release(&identity, &first).await.unwrap());
+    assert_eq!(
+        store.release(&identity, &first).await.unwrap(),
+        Fenced::Written
+    );
     assert!(fetch(&store, &identity).await.is_none());
-    assert!(
-        !store.release(&identity, &first).await.unwrap(),
+    assert_eq!(
+        store.release(&identity, &first).await.unwrap(),
+        Fenced::NotOwner,
         "released twice"
     );
     // Free for anyone, even with another fingerprint: nothing is recorded.
     let second = acquire(&store, &identity, Some(&fp("b")), LONG, LONG).await;
-    assert!(!store.release(&identity, &first).await.unwrap());
-    assert!(!store.heartbeat(&identity, &first, LONG).await.unwrap());
-    assert!(!store
-        .complete(&identity, &first, &ok(b"1"), LONG)
-        .await
-        .unwrap());
+    assert_eq!(
+        store.release(&identity, &first).await.unwrap(),
+        Fenced::NotOwner
+    );
+    assert_eq!(
+        store.heartbeat(&identity, &first, LONG).await.unwrap(),
+        Fenced::NotOwner
+    );
+    assert_eq!(
+        store
+            .complete(&identity, &first, &ok(b"1"), LONG)
+            .await
+            .unwrap(),
+        Fenced::NotOwner
+    );
     assert_eq!(
         fetch(&store, &identity)
             .await
@@ -786,22 +827,34 @@ pub async fn expired_lease_is_taken_over<S: Store + Clone + 'static>(store: S) {
         "a fresh lease"
     );
 
-    assert!(!store
-        .complete(&identity, &stale, &ok(b"\"stale\""), LONG)
-        .await
-        .unwrap());
-    assert!(!store.heartbeat(&identity, &stale, LONG).await.unwrap());
-    assert!(!store.release(&identity, &stale).await.unwrap());
+    assert_eq!(
+        store
+            .complete(&identity, &stale, &ok(b"\"stale\""), LONG)
+            .await
+            .unwrap(),
+        Fenced::NotOwner
+    );
+    assert_eq!(
+        store.heartbeat(&identity, &stale, LONG).await.unwrap(),
+        Fenced::NotOwner
+    );
+    assert_eq!(
+        store.release(&identity, &stale).await.unwrap(),
+        Fenced::NotOwner
+    );
     assert_same_record(
         &taken,
         &fetch(&store, &identity).await.unwrap(),
         "after the stale owner",
     );
 
-    assert!(store
-        .complete(&identity, &fresh, &ok(b"\"fresh\""), LONG)
-        .await
-        .unwrap());
+    assert_eq!(
+        store
+            .complete(&identity, &fresh, &ok(b"\"fresh\""), LONG)
+            .await
+            .unwrap(),
+        Fenced::Written
+    );
     assert_eq!(
         reserve(&store, &identity, Some(&f), &OwnerToken::new(), LONG, LONG).await,
         Reservation::Completed(ok(b"\"fresh\""))
@@ -822,7 +875,10 @@ pub async fn heartbeat_extends_the_lease<S: Store + Clone + 'static>(store: S) {
     let identity = id(&fresh_tenant(), "conformance.heartbeat", "k");
     let token = acquire(&store, &identity, None, SHORT, LONG).await;
     let before = fetch(&store, &identity).await.unwrap();
-    assert!(store.heartbeat(&identity, &token, LONG).await.unwrap());
+    assert_eq!(
+        store.heartbeat(&identity, &token, LONG).await.unwrap(),
+        Fenced::Written
+    );
     let after = fetch(&store, &identity).await.unwrap();
     let lease_left = after.lease_expires_at_ms.unwrap() - after.now_ms;
     assert!(
@@ -847,11 +903,17 @@ pub async fn heartbeat_extends_the_lease<S: Store + Clone + 'static>(store: S) {
         Some(token.as_str())
     );
     // Renewing again still works, and the owner can finish.
-    assert!(store.heartbeat(&identity, &token, LONG).await.unwrap());
-    assert!(store
-        .complete(&identity, &token, &ok(b"1"), LONG)
-        .await
-        .unwrap());
+    assert_eq!(
+        store.heartbeat(&identity, &token, LONG).await.unwrap(),
+        Fenced::Written
+    );
+    assert_eq!(
+        store
+            .complete(&identity, &token, &ok(b"1"), LONG)
+            .await
+            .unwrap(),
+        Fenced::Written
+    );
 }
 
 /// Rules 16 and 20: a renewal moves the record's retention with its lease,
@@ -866,7 +928,10 @@ pub async fn heartbeat_moves_the_retention_with_the_lease<S: Store + Clone + 'st
     let token = acquire(&store, &identity, None, lease, ttl).await;
     let first = fetch(&store, &identity).await.expect("the record");
     let distance = first.expires_at_ms - first.lease_expires_at_ms.expect("a lease");
-    assert!(store.heartbeat(&identity, &token, LONG).await.unwrap());
+    assert_eq!(
+        store.heartbeat(&identity, &token, LONG).await.unwrap(),
+        Fenced::Written
+    );
     let renewed = fetch(&store, &identity).await.expect("the record");
     let lease_end = renewed.lease_expires_at_ms.expect("a lease");
     assert!(lease_end > first.lease_expires_at_ms.unwrap());
@@ -877,10 +942,13 @@ pub async fn heartbeat_moves_the_retention_with_the_lease<S: Store + Clone + 'st
     );
     // A shorter renewal (the engine ends a lease with a zero one) leaves the
     // retention where it was.
-    assert!(store
-        .heartbeat(&identity, &token, Duration::ZERO)
-        .await
-        .unwrap());
+    assert_eq!(
+        store
+            .heartbeat(&identity, &token, Duration::ZERO)
+            .await
+            .unwrap(),
+        Fenced::Written
+    );
     let ended = fetch(&store, &identity).await.expect("the record");
     assert_eq!(ended.expires_at_ms, renewed.expires_at_ms);
     // The lease ran out, the ttl did not: a takeover, not a fresh acquire.
@@ -1170,14 +1238,20 @@ pub async fn extreme_durations_are_accepted<S: Store + Clone + 'static>(store: S
         }
         other => panic!("expected InProgress, got {other:?}"),
     }
-    assert!(store
-        .heartbeat(&forever, &token, Duration::MAX)
-        .await
-        .unwrap());
-    assert!(store
-        .complete(&forever, &token, &ok(b"1"), Duration::MAX)
-        .await
-        .unwrap());
+    assert_eq!(
+        store
+            .heartbeat(&forever, &token, Duration::MAX)
+            .await
+            .unwrap(),
+        Fenced::Written
+    );
+    assert_eq!(
+        store
+            .complete(&forever, &token, &ok(b"1"), Duration::MAX)
+            .await
+            .unwrap(),
+        Fenced::Written
+    );
     let snap = fetch(&store, &forever).await.unwrap();
     assert!(!snap.is_expired());
     assert!(snap.expires_at_ms > snap.now_ms);
@@ -1309,10 +1383,13 @@ pub async fn attempts_are_counted_in_the_record<S: Store + Clone + 'static>(stor
             if p == taken.attempt_started_at_ms
     ));
     // Completion keeps the attempt that completed it; replays do not count.
-    assert!(store
-        .complete(&identity, &third, &ok(b"3"), SHORT)
-        .await
-        .unwrap());
+    assert_eq!(
+        store
+            .complete(&identity, &third, &ok(b"3"), SHORT)
+            .await
+            .unwrap(),
+        Fenced::Written
+    );
     assert_eq!(
         reserve(&store, &identity, Some(&f), &OwnerToken::new(), LONG, LONG).await,
         Reservation::Completed(ok(b"3"))
@@ -1348,7 +1425,10 @@ pub async fn attempts_are_counted_in_the_record<S: Store + Clone + 'static>(stor
         &reserve(&store, &released, None, &owner, LONG, LONG).await,
         2,
     );
-    assert!(store.release(&released, &owner).await.unwrap());
+    assert_eq!(
+        store.release(&released, &owner).await.unwrap(),
+        Fenced::Written
+    );
     assert_eq!(
         reserve(&store, &released, None, &OwnerToken::new(), LONG, LONG).await,
         Reservation::FRESH
@@ -1378,18 +1458,27 @@ pub async fn recovered_completions_are_marked_and_counted<S: Store + Clone + 'st
         2,
     );
     // Fenced like complete: a stale token changes nothing.
-    assert!(!store
-        .complete_recovered(&key("recovered"), &OwnerToken::new(), &ok(b"\"x\""), LONG)
-        .await
-        .unwrap());
-    assert!(store
-        .complete_recovered(&key("recovered"), &t1, &ok(b"\"found\""), LONG)
-        .await
-        .unwrap());
-    assert!(store
-        .complete(&key("rerun"), &t2, &ok(b"\"ran\""), LONG)
-        .await
-        .unwrap());
+    assert_eq!(
+        store
+            .complete_recovered(&key("recovered"), &OwnerToken::new(), &ok(b"\"x\""), LONG)
+            .await
+            .unwrap(),
+        Fenced::NotOwner
+    );
+    assert_eq!(
+        store
+            .complete_recovered(&key("recovered"), &t1, &ok(b"\"found\""), LONG)
+            .await
+            .unwrap(),
+        Fenced::Written
+    );
+    assert_eq!(
+        store
+            .complete(&key("rerun"), &t2, &ok(b"\"ran\""), LONG)
+            .await
+            .unwrap(),
+        Fenced::Written
+    );
     let recovered = fetch(&store, &key("recovered")).await.unwrap();
     assert_eq!(
         (recovered.state, recovered.attempt, recovered.recovered),
@@ -1398,10 +1487,13 @@ pub async fn recovered_completions_are_marked_and_counted<S: Store + Clone + 'st
     assert_eq!(recovered.outcome, Some(ok(b"\"found\"")));
     assert!(!fetch(&store, &key("rerun")).await.unwrap().recovered);
     // A second completion is refused: the record is complete.
-    assert!(!store
-        .complete_recovered(&key("recovered"), &t1, &ok(b"\"again\""), LONG)
-        .await
-        .unwrap());
+    assert_eq!(
+        store
+            .complete_recovered(&key("recovered"), &t1, &ok(b"\"again\""), LONG)
+            .await
+            .unwrap(),
+        Fenced::NotOwner
+    );
     assert_eq!(
         reserve(
             &store,
@@ -1487,11 +1579,17 @@ pub async fn force_release_frees_only_in_progress_records<S: Store + Clone + 'st
         "without the requirement a live lease is released too"
     );
     // The owner's own operations now find nothing; the key is fresh.
-    assert!(!store.heartbeat(&running, &owner, LONG).await.unwrap());
-    assert!(!store
-        .complete(&running, &owner, &ok(b"1"), LONG)
-        .await
-        .unwrap());
+    assert_eq!(
+        store.heartbeat(&running, &owner, LONG).await.unwrap(),
+        Fenced::NotOwner
+    );
+    assert_eq!(
+        store
+            .complete(&running, &owner, &ok(b"1"), LONG)
+            .await
+            .unwrap(),
+        Fenced::NotOwner
+    );
     assert_eq!(
         reserve(&store, &stuck, None, &OwnerToken::new(), LONG, LONG).await,
         Reservation::FRESH

@@ -14,7 +14,7 @@
 //! duplicate enters `wait_for_change` (which it forwards).
 
 use idempotent_runtime::{
-    idempotent, Error, ForcedRelease, Identity, MemoryStore, OwnerToken, RecordSnapshot,
+    idempotent, Error, Fenced, ForcedRelease, Identity, MemoryStore, OwnerToken, RecordSnapshot,
     Reservation, ReserveRequest, ScopeStats, SqliteStore, Store, StoreError, StoredOutcome,
 };
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -70,10 +70,10 @@ impl<S: Store> Store for Counting<S> {
         t: &OwnerToken,
         o: &StoredOutcome,
         ttl: Duration,
-    ) -> Result<bool, StoreError> {
+    ) -> Result<Fenced, StoreError> {
         self.inner.complete(i, t, o, ttl).await
     }
-    async fn release(&self, i: &Identity, t: &OwnerToken) -> Result<bool, StoreError> {
+    async fn release(&self, i: &Identity, t: &OwnerToken) -> Result<Fenced, StoreError> {
         self.inner.release(i, t).await
     }
     async fn heartbeat(
@@ -81,7 +81,7 @@ impl<S: Store> Store for Counting<S> {
         i: &Identity,
         t: &OwnerToken,
         lease: Duration,
-    ) -> Result<bool, StoreError> {
+    ) -> Result<Fenced, StoreError> {
         self.inner.heartbeat(i, t, lease).await
     }
     fn release_detached(&self, i: Identity, t: OwnerToken) {
@@ -96,7 +96,7 @@ impl<S: Store> Store for Counting<S> {
         t: &OwnerToken,
         o: &StoredOutcome,
         ttl: Duration,
-    ) -> Result<bool, StoreError> {
+    ) -> Result<Fenced, StoreError> {
         self.inner.complete_recovered(i, t, o, ttl).await
     }
     async fn force_release(
@@ -408,7 +408,7 @@ async fn woken_by_an_ended_lease<S: Store>(store: &Counting<S>) {
             .heartbeat(&identity, &token, Duration::ZERO)
             .await
             .expect("heartbeat");
-        assert!(ended, "the owner still held its record");
+        assert_eq!(ended, Fenced::Written, "the owner still held its record");
     };
     let (answer, ()) = tokio::time::timeout(Duration::from_secs(20), async {
         tokio::join!(duplicate, end)

@@ -14,7 +14,7 @@
 use crate::common::servers::{fresh_tenant, pg_store_or_skip, pg_url};
 use idempotent_runtime::store::postgres::wait_key;
 use idempotent_runtime::{
-    idempotent, with_outcome, Error, ForcedRelease, Identity, Outcome, OwnerToken, PgStore,
+    idempotent, with_outcome, Error, Fenced, ForcedRelease, Identity, Outcome, OwnerToken, PgStore,
     RecordSnapshot, Reservation, ReserveRequest, ScopeStats, Store, StoreError, StoredOutcome,
 };
 use sqlx::Postgres;
@@ -60,10 +60,10 @@ impl Store for Counting {
         token: &OwnerToken,
         outcome: &StoredOutcome,
         ttl: Duration,
-    ) -> Result<bool, StoreError> {
+    ) -> Result<Fenced, StoreError> {
         self.inner.complete(identity, token, outcome, ttl).await
     }
-    async fn release(&self, identity: &Identity, token: &OwnerToken) -> Result<bool, StoreError> {
+    async fn release(&self, identity: &Identity, token: &OwnerToken) -> Result<Fenced, StoreError> {
         self.inner.release(identity, token).await
     }
     async fn heartbeat(
@@ -71,7 +71,7 @@ impl Store for Counting {
         identity: &Identity,
         token: &OwnerToken,
         lease: Duration,
-    ) -> Result<bool, StoreError> {
+    ) -> Result<Fenced, StoreError> {
         self.inner.heartbeat(identity, token, lease).await
     }
     fn release_detached(&self, identity: Identity, token: OwnerToken) {
@@ -92,7 +92,7 @@ impl Store for Counting {
         token: &OwnerToken,
         outcome: &StoredOutcome,
         ttl: Duration,
-    ) -> Result<bool, StoreError> {
+    ) -> Result<Fenced, StoreError> {
         self.inner
             .complete_recovered(identity, token, outcome, ttl)
             .await
@@ -498,20 +498,26 @@ async fn an_ended_lease_notifies_the_waiters_and_a_renewal_does_not() {
     // A renewal, a marker, then the end of the lease. Notifications arrive in
     // commit order, so the record's first one must come after the marker: the
     // renewal sent none, the ended lease one.
-    assert!(store
-        .heartbeat(&identity, &token, Duration::from_secs(60))
-        .await
-        .expect("renew"));
+    assert_eq!(
+        store
+            .heartbeat(&identity, &token, Duration::from_secs(60))
+            .await
+            .expect("renew"),
+        Fenced::Written
+    );
     let marker = format!("marker-{tenant}");
     sqlx::query("SELECT pg_notify('idempotency_records', $1)")
         .bind(&marker)
         .execute(store.pool())
         .await
         .expect("the marker");
-    assert!(store
-        .heartbeat(&identity, &token, Duration::ZERO)
-        .await
-        .expect("end the lease"));
+    assert_eq!(
+        store
+            .heartbeat(&identity, &token, Duration::ZERO)
+            .await
+            .expect("end the lease"),
+        Fenced::Written
+    );
     let mut seen_marker = false;
     tokio::time::timeout(Duration::from_secs(20), async {
         loop {

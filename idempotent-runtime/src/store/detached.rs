@@ -31,11 +31,12 @@
 
 use crate::error::StoreError;
 use crate::identity::Identity;
-use crate::store::{OwnerToken, StoredOutcome};
+use crate::store::{Fenced, OwnerToken, StoredOutcome};
 use futures_util::future::BoxFuture;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, Notify};
 
 /// Pauses before each further attempt when a release found nothing to release
 /// (the reservation may still be in flight) or when an attempt failed: about
@@ -69,10 +70,10 @@ pub(crate) enum Work {
 }
 
 /// Carries out one piece of [`Work`] on the worker's own connections:
-/// `Ok(true)` when it was done, `Ok(false)` when `token` owns nothing (never
+/// `Ok(Fenced::Written)` when it was done, `Ok(Fenced::NotOwner)` when `token` owns nothing (never
 /// reserved, already released or completed, or taken over).
 pub(crate) type WriteFn = Arc<
-    dyn Fn(Identity, OwnerToken, Work) -> BoxFuture<'static, Result<bool, StoreError>>
+    dyn Fn(Identity, OwnerToken, Work) -> BoxFuture<'static, Result<Fenced, StoreError>>
         + Send
         + Sync,
 >;
@@ -81,14 +82,35 @@ pub(crate) type WriteFn = Arc<
 /// returns the write to run. Called once, on the worker's thread.
 pub(crate) type OpenFn = Box<dyn FnOnce() -> WriteFn + Send>;
 
-type Job = (Identity, OwnerToken, Work);
-
 /// A store's background worker for dropped calls. Cheap to create: the thread
 /// starts with the first job handed to it.
 pub(crate) struct Detached {
     store: &'static str,
     state: Mutex<State>,
+    unfinished: Arc<Unfinished>,
 }
+
+/// How many handed-over jobs are not finished yet, and a wake-up for
+/// [`Detached::finish_within`] whenever one finishes. Neither needs a
+/// runtime, so the worker's thread and any caller's runtime share it.
+#[derive(Default)]
+struct Unfinished {
+    count: AtomicUsize,
+    changed: Notify,
+}
+
+/// Counts one job as finished when dropped: when it is done, given up, or
+/// never started (the worker could not take it).
+struct Finished(Arc<Unfinished>);
+
+impl Drop for Finished {
+    fn drop(&mut self) {
+        self.0.count.fetch_sub(1, Ordering::SeqCst);
+        self.0.changed.notify_waiters();
+    }
+}
+
+type Job = (Identity, OwnerToken, Work, Finished);
 
 enum State {
     Idle(Option<OpenFn>),
@@ -109,6 +131,28 @@ impl Detached {
         Detached {
             store,
             state: Mutex::new(State::Idle(Some(open))),
+            unfinished: Arc::default(),
+        }
+    }
+
+    /// Waits until every job handed over so far is finished, or `within` has
+    /// passed; returns how many are still unfinished (0: all done). Runs on
+    /// the caller's runtime; the jobs go on on the worker's.
+    pub(crate) async fn finish_within(&self, within: Duration) -> usize {
+        let deadline = tokio::time::Instant::now() + within;
+        loop {
+            // Registered before the count is read, so a job finishing in
+            // between still wakes this wait.
+            let changed = self.unfinished.changed.notified();
+            let mut changed = std::pin::pin!(changed);
+            changed.as_mut().enable();
+            let left = self.unfinished.count.load(Ordering::SeqCst);
+            if left == 0 {
+                return 0;
+            }
+            if tokio::time::timeout_at(deadline, changed).await.is_err() {
+                return self.unfinished.count.load(Ordering::SeqCst);
+            }
         }
     }
 
@@ -127,11 +171,15 @@ impl Detached {
                 None => {}
             }
         }
+        self.unfinished.count.fetch_add(1, Ordering::SeqCst);
+        let finished = Finished(self.unfinished.clone());
         let sent = match &*state {
-            State::Running(sender) => sender.send((identity, token, work)).map_err(|e| e.0),
-            State::Idle(_) => Err((identity, token, work)),
+            State::Running(sender) => sender
+                .send((identity, token, work, finished))
+                .map_err(|e| e.0),
+            State::Idle(_) => Err((identity, token, work, finished)),
         };
-        if let Err((identity, _, work)) = sent {
+        if let Err((identity, _, work, _finished)) = sent {
             lost(
                 self.store,
                 &identity,
@@ -147,8 +195,12 @@ fn start(store: &'static str, open: OpenFn) -> std::io::Result<mpsc::UnboundedSe
     spawn_with_runtime(format!("idempotent-{store}-detached"), async move {
         let write = open();
         let mut running = tokio::task::JoinSet::new();
-        while let Some((identity, token, work)) = jobs.recv().await {
-            running.spawn(with_retries(store, write.clone(), identity, token, work));
+        while let Some((identity, token, work, finished)) = jobs.recv().await {
+            let job = with_retries(store, write.clone(), identity, token, work);
+            running.spawn(async move {
+                job.await;
+                drop(finished);
+            });
             while running.try_join_next().is_some() {}
         }
         // Every handle to the store is gone: finish what was handed over.
@@ -201,20 +253,20 @@ async fn with_retries(
         }
         tokio::time::sleep(pause).await;
         match write(identity.clone(), token.clone(), work.clone()).await {
-            Ok(true) => {
+            Ok(Fenced::Written) => {
                 tracing::info!(target: "idempotent", store, scope = %identity.scope,
                     key = %identity.key_digest(), work = work.name(), "finished a dropped call's record");
                 return;
             }
             // A completion that finds nothing will never find anything: the
             // record was taken over, or the dropped statement itself landed.
-            Ok(false) if matches!(work, Work::Complete(..)) => {
+            Ok(Fenced::NotOwner) if matches!(work, Work::Complete(..)) => {
                 tracing::warn!(target: "idempotent", store, scope = %identity.scope,
                     key = %identity.key_digest(),
                     "a dropped call's record is no longer in progress under its token (already recorded, or taken over)");
                 return;
             }
-            Ok(false) => last_error = None,
+            Ok(Fenced::NotOwner) => last_error = None,
             Err(e) => {
                 tracing::warn!(target: "idempotent", store, scope = %identity.scope,
                     key = %identity.key_digest(), work = work.name(), error = %e,
@@ -254,6 +306,19 @@ fn lost(store: &'static str, identity: &Identity, work: &Work, why: &str) {
 /// ([`Detached::hand_over`]). Written once for the SQL stores.
 macro_rules! hand_over_to_the_worker {
     () => {
+        // Written as `#[async_trait]` expands an `async fn`: this macro is
+        // expanded after the attribute has rewritten the impl.
+        fn finish_background_work<'life0, 'async_trait>(
+            &'life0 self,
+            within: Duration,
+        ) -> ::core::pin::Pin<Box<dyn ::core::future::Future<Output = usize> + Send + 'async_trait>>
+        where
+            'life0: 'async_trait,
+            Self: 'async_trait,
+        {
+            Box::pin(self.detached.finish_within(within))
+        }
+
         fn release_detached(&self, identity: Identity, token: OwnerToken) {
             self.detached
                 .hand_over(identity, token, $crate::store::detached::Work::Release);
@@ -320,7 +385,7 @@ mod tests {
                         if let (true, Some(tx)) = (released, done) {
                             let _ = tx.send(n);
                         }
-                        Ok(released)
+                        Ok(Fenced::from_owned(released))
                     })
                 })
             }),
@@ -337,5 +402,47 @@ mod tests {
             .recv_timeout(Duration::from_secs(30))
             .expect("released in the background");
         assert_eq!(n, 2, "one empty attempt, then the release");
+    }
+
+    /// `finish_within` counts the work not yet done: a job held up counts as
+    /// unfinished when the wait ends, and once it is done the wait returns 0.
+    #[test]
+    fn finish_within_waits_for_the_handed_over_work() {
+        let gate = Arc::new(tokio::sync::Semaphore::new(0));
+        let held = gate.clone();
+        let detached = Detached::new(
+            "test",
+            Box::new(move || {
+                Arc::new(move |_, _, _| {
+                    let held = held.clone();
+                    Box::pin(async move {
+                        let _pass = held.acquire().await;
+                        Ok(Fenced::Written)
+                    })
+                })
+            }),
+        );
+        let caller = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .expect("runtime");
+        caller.block_on(async {
+            assert_eq!(
+                detached.finish_within(Duration::ZERO).await,
+                0,
+                "nothing handed over yet"
+            );
+            for key in ["a", "b"] {
+                let id = Identity::new("t", "releaser.test", key).expect("identity");
+                detached.hand_over(id, OwnerToken::new(), Work::Release);
+            }
+            assert_eq!(
+                detached.finish_within(Duration::from_millis(50)).await,
+                2,
+                "both jobs wait at the gate"
+            );
+            gate.add_permits(2);
+            assert_eq!(detached.finish_within(Duration::from_secs(30)).await, 0);
+        });
     }
 }

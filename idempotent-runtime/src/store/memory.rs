@@ -408,8 +408,10 @@ impl Store for MemoryStore {
         token: &OwnerToken,
         outcome: &StoredOutcome,
         ttl: Duration,
-    ) -> Result<bool, StoreError> {
-        Ok(self.complete_now(identity, token, outcome, ttl, false))
+    ) -> Result<Fenced, StoreError> {
+        Ok(Fenced::from_owned(
+            self.complete_now(identity, token, outcome, ttl, false),
+        ))
     }
 
     async fn complete_recovered(
@@ -418,8 +420,10 @@ impl Store for MemoryStore {
         token: &OwnerToken,
         outcome: &StoredOutcome,
         ttl: Duration,
-    ) -> Result<bool, StoreError> {
-        Ok(self.complete_now(identity, token, outcome, ttl, true))
+    ) -> Result<Fenced, StoreError> {
+        Ok(Fenced::from_owned(
+            self.complete_now(identity, token, outcome, ttl, true),
+        ))
     }
 
     async fn force_release(
@@ -450,8 +454,8 @@ impl Store for MemoryStore {
         Ok(answer)
     }
 
-    async fn release(&self, identity: &Identity, token: &OwnerToken) -> Result<bool, StoreError> {
-        Ok(self.release_now(identity, token))
+    async fn release(&self, identity: &Identity, token: &OwnerToken) -> Result<Fenced, StoreError> {
+        Ok(Fenced::from_owned(self.release_now(identity, token)))
     }
 
     async fn heartbeat(
@@ -459,8 +463,10 @@ impl Store for MemoryStore {
         identity: &Identity,
         token: &OwnerToken,
         lease: Duration,
-    ) -> Result<bool, StoreError> {
-        Ok(self.heartbeat_now(identity, token, lease))
+    ) -> Result<Fenced, StoreError> {
+        Ok(Fenced::from_owned(
+            self.heartbeat_now(identity, token, lease),
+        ))
     }
 
     fn end_lease_detached(&self, identity: Identity, token: OwnerToken) {

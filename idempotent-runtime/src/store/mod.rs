@@ -176,6 +176,44 @@ impl Reservation {
     }
 }
 
+/// What a write fenced by the owner token did: [`Store::complete`],
+/// [`Store::complete_recovered`], [`Store::release`] and [`Store::heartbeat`]
+/// change a record only while the token presented still owns it (rule 10).
+///
+/// ```
+/// use idempotent_runtime::Fenced;
+/// // A store implementation reports whether its conditional write matched a row:
+/// let rows_affected = 1;
+/// assert_eq!(Fenced::from_owned(rows_affected == 1), Fenced::Written);
+/// assert!(!Fenced::NotOwner.is_written());
+/// ```
+#[must_use = "a fenced write that found another owner changed nothing: the caller no longer holds the record"]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fenced {
+    /// The token owned the record, and the write was made.
+    Written,
+    /// The token no longer owns the record (another caller took it over after
+    /// its lease ran out, an operator released it, or it is gone): nothing
+    /// was changed. For the caller this is a lost lease.
+    NotOwner,
+}
+
+impl Fenced {
+    /// [`Fenced::Written`] when the token owned the record, [`Fenced::NotOwner`] otherwise.
+    pub fn from_owned(owned: bool) -> Fenced {
+        if owned {
+            Fenced::Written
+        } else {
+            Fenced::NotOwner
+        }
+    }
+
+    /// `true` for [`Fenced::Written`].
+    pub fn is_written(self) -> bool {
+        self == Fenced::Written
+    }
+}
+
 /// The state of a record.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum RecordState {
@@ -309,21 +347,22 @@ pub trait Store: Send + Sync {
     /// request's token, fingerprint and a fresh lease replace the old ones.
     async fn reserve(&self, request: ReserveRequest<'_>) -> Result<Reservation, StoreError>;
 
-    /// Records the outcome and keeps it for `ttl`. Returns `false` (and changes
-    /// nothing) when `token` no longer owns the record.
+    /// Records the outcome and keeps it for `ttl`. Returns [`Fenced::NotOwner`]
+    /// (and changes nothing) when `token` no longer owns the record.
     async fn complete(
         &self,
         identity: &Identity,
         token: &OwnerToken,
         outcome: &StoredOutcome,
         ttl: Duration,
-    ) -> Result<bool, StoreError>;
+    ) -> Result<Fenced, StoreError>;
 
-    /// Deletes the in-progress record so the key is free. Returns `false` (and
-    /// changes nothing) when `token` no longer owns it.
-    async fn release(&self, identity: &Identity, token: &OwnerToken) -> Result<bool, StoreError>;
+    /// Deletes the in-progress record so the key is free. Returns
+    /// [`Fenced::NotOwner`] (and changes nothing) when `token` no longer owns it.
+    async fn release(&self, identity: &Identity, token: &OwnerToken) -> Result<Fenced, StoreError>;
 
-    /// Extends the lease to `lease` from now. Returns `false` when `token` no longer owns the record.
+    /// Extends the lease to `lease` from now. Returns [`Fenced::NotOwner`]
+    /// (and changes nothing) when `token` no longer owns the record.
     ///
     /// The record's retention (`expires_at`) moves with it, keeping its
     /// distance from the lease's end (never moving back): an in-progress
@@ -336,7 +375,7 @@ pub trait Store: Send + Sync {
         identity: &Identity,
         token: &OwnerToken,
         lease: Duration,
-    ) -> Result<bool, StoreError>;
+    ) -> Result<Fenced, StoreError>;
 
     /// Starts a release that must not wait for the caller: used when a call is
     /// dropped mid-way (its future cancelled), also while its reservation was
@@ -400,7 +439,7 @@ pub trait Store: Send + Sync {
         token: &OwnerToken,
         outcome: &StoredOutcome,
         ttl: Duration,
-    ) -> Result<bool, StoreError>;
+    ) -> Result<Fenced, StoreError>;
 
     /// An operator's release (`idempotent release`): deletes the record if it
     /// is **in progress**, without presenting the owner's token, so a key
@@ -433,6 +472,40 @@ pub trait Store: Send + Sync {
         tokio::time::sleep(polling_backoff(round).min(max_wait)).await
     }
 
+    /// Waits until the work this store was handed for dropped calls is done
+    /// (rule 14: the releases, lease ends and completions it finishes in the
+    /// background, [`release_detached`](Store::release_detached) and the
+    /// others), for at most `within`. Returns how many pieces of that work are
+    /// still unfinished: 0 when all are done.
+    ///
+    /// Call it before the process exits. The SQL stores finish dropped calls on
+    /// a background thread of their own; returning from `main` ends that thread
+    /// with whatever it still holds, and those records then stay in progress
+    /// until their lease runs out (a retry waits that long, or takes the record
+    /// over). Calls made after this returns are served as usual. The default
+    /// returns 0 at once: a store that finishes such work before
+    /// `release_detached` returns (the memory store) has nothing to wait for.
+    ///
+    /// ```no_run
+    /// # async fn serve() {}
+    /// # async fn run() -> Result<(), idempotent_runtime::Error> {
+    /// use idempotent_runtime::{SqliteStore, Store};
+    /// use std::time::Duration;
+    ///
+    /// let store = SqliteStore::connect("sqlite://payments.db").await?;
+    /// serve().await; // until a shutdown signal; in-flight calls are dropped
+    /// let unfinished = store.finish_background_work(Duration::from_secs(10)).await;
+    /// if unfinished > 0 {
+    ///     eprintln!("{unfinished} dropped calls stay in progress until their lease runs out");
+    /// }
+    /// # Ok(())
+    /// # }
+    /// ```
+    async fn finish_background_work(&self, within: Duration) -> usize {
+        let _ = within;
+        0
+    }
+
     /// Deletes up to `batch` expired records; returns how many were deleted.
     /// An in-progress record is deleted only when both its lease and its
     /// retention have run out.
@@ -453,13 +526,13 @@ macro_rules! delegate_store {
             async fn reserve(&self, request: ReserveRequest<'_>) -> Result<Reservation, StoreError> {
                 (**self).reserve(request).await
             }
-            async fn complete(&self, identity: &Identity, token: &OwnerToken, outcome: &StoredOutcome, ttl: Duration) -> Result<bool, StoreError> {
+            async fn complete(&self, identity: &Identity, token: &OwnerToken, outcome: &StoredOutcome, ttl: Duration) -> Result<Fenced, StoreError> {
                 (**self).complete(identity, token, outcome, ttl).await
             }
-            async fn release(&self, identity: &Identity, token: &OwnerToken) -> Result<bool, StoreError> {
+            async fn release(&self, identity: &Identity, token: &OwnerToken) -> Result<Fenced, StoreError> {
                 (**self).release(identity, token).await
             }
-            async fn heartbeat(&self, identity: &Identity, token: &OwnerToken, lease: Duration) -> Result<bool, StoreError> {
+            async fn heartbeat(&self, identity: &Identity, token: &OwnerToken, lease: Duration) -> Result<Fenced, StoreError> {
                 (**self).heartbeat(identity, token, lease).await
             }
             fn release_detached(&self, identity: Identity, token: OwnerToken) {
@@ -474,11 +547,14 @@ macro_rules! delegate_store {
             fn end_lease_detached(&self, identity: Identity, token: OwnerToken) {
                 (**self).end_lease_detached(identity, token)
             }
-            async fn complete_recovered(&self, identity: &Identity, token: &OwnerToken, outcome: &StoredOutcome, ttl: Duration) -> Result<bool, StoreError> {
+            async fn complete_recovered(&self, identity: &Identity, token: &OwnerToken, outcome: &StoredOutcome, ttl: Duration) -> Result<Fenced, StoreError> {
                 (**self).complete_recovered(identity, token, outcome, ttl).await
             }
             async fn force_release(&self, identity: &Identity, require_expired_lease: bool) -> Result<ForcedRelease, StoreError> {
                 (**self).force_release(identity, require_expired_lease).await
+            }
+            async fn finish_background_work(&self, within: Duration) -> usize {
+                (**self).finish_background_work(within).await
             }
             async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError> {
                 (**self).purge_expired(batch).await

@@ -526,7 +526,7 @@ async fn complete_with<'e, E: Executor<'e, Database = MySql>>(
     outcome: &StoredOutcome,
     ttl: Duration,
     recovered: bool,
-) -> Result<bool, StoreError> {
+) -> Result<Fenced, StoreError> {
     let sql = format!(
         "UPDATE idempotency_records SET state = 'complete', owner_token = NULL,
                 is_error = ?, result = ?, lease_expires_at = NULL,
@@ -548,7 +548,7 @@ async fn complete_with<'e, E: Executor<'e, Database = MySql>>(
         .map_err(err("complete"))?;
     // The connection reports rows *matched* (CLIENT_FOUND_ROWS), so an
     // identical rewrite still counts as owning the record.
-    Ok(done.rows_affected() == 1)
+    Ok(Fenced::from_owned(done.rows_affected() == 1))
 }
 
 /// Renews (or, with a shorter lease, ends early) the lease `token` owns.
@@ -557,7 +557,7 @@ async fn heartbeat_with<'e, E: Executor<'e, Database = MySql>>(
     identity: &Identity,
     token: &OwnerToken,
     lease: Duration,
-) -> Result<bool, StoreError> {
+) -> Result<Fenced, StoreError> {
     let sql = format!(
         // The record's retention moves with its lease (`Store::heartbeat`). MySQL assigns left to right, each assignment
         // seeing the ones before it: `expires_at` first, from the old lease.
@@ -578,14 +578,14 @@ async fn heartbeat_with<'e, E: Executor<'e, Database = MySql>>(
         .execute(executor)
         .await
         .map_err(err("heartbeat"))?;
-    Ok(done.rows_affected() == 1)
+    Ok(Fenced::from_owned(done.rows_affected() == 1))
 }
 
 async fn release_with<'e, E: Executor<'e, Database = MySql>>(
     executor: E,
     identity: &Identity,
     token: &OwnerToken,
-) -> Result<bool, StoreError> {
+) -> Result<Fenced, StoreError> {
     let done = sqlx::query(
         "DELETE FROM idempotency_records
           WHERE tenant = ? AND scope = ? AND `key` = ?
@@ -598,7 +598,7 @@ async fn release_with<'e, E: Executor<'e, Database = MySql>>(
     .execute(executor)
     .await
     .map_err(err("release"))?;
-    Ok(done.rows_affected() == 1)
+    Ok(Fenced::from_owned(done.rows_affected() == 1))
 }
 
 #[async_trait::async_trait]
@@ -617,7 +617,7 @@ impl Store for MySqlStore {
         token: &OwnerToken,
         outcome: &StoredOutcome,
         ttl: Duration,
-    ) -> Result<bool, StoreError> {
+    ) -> Result<Fenced, StoreError> {
         complete_with(&self.pool, identity, token, outcome, ttl, false).await
     }
 
@@ -627,7 +627,7 @@ impl Store for MySqlStore {
         token: &OwnerToken,
         outcome: &StoredOutcome,
         ttl: Duration,
-    ) -> Result<bool, StoreError> {
+    ) -> Result<Fenced, StoreError> {
         complete_with(&self.pool, identity, token, outcome, ttl, true).await
     }
 
@@ -672,7 +672,7 @@ impl Store for MySqlStore {
         Ok(refused_release(self.fetch(identity).await?))
     }
 
-    async fn release(&self, identity: &Identity, token: &OwnerToken) -> Result<bool, StoreError> {
+    async fn release(&self, identity: &Identity, token: &OwnerToken) -> Result<Fenced, StoreError> {
         release_with(&self.pool, identity, token).await
     }
 
@@ -681,7 +681,7 @@ impl Store for MySqlStore {
         identity: &Identity,
         token: &OwnerToken,
         lease: Duration,
-    ) -> Result<bool, StoreError> {
+    ) -> Result<Fenced, StoreError> {
         heartbeat_with(&self.pool, identity, token, lease).await
     }
 

@@ -549,7 +549,7 @@ async fn complete_with<'e, E: Executor<'e, Database = Postgres>>(
     outcome: &StoredOutcome,
     ttl: Duration,
     recovered: bool,
-) -> Result<bool, StoreError> {
+) -> Result<Fenced, StoreError> {
     let done = sqlx::query(
         "UPDATE idempotency_records SET state = 'complete', owner_token = NULL,
                 is_error = $5, result = $6, lease_expires_at = NULL,
@@ -569,7 +569,7 @@ async fn complete_with<'e, E: Executor<'e, Database = Postgres>>(
     .execute(executor)
     .await
     .map_err(err("complete"))?;
-    Ok(done.rows_affected() == 1)
+    Ok(Fenced::from_owned(done.rows_affected() == 1))
 }
 
 /// Renews (or, with a shorter lease, ends early) the lease `token` owns.
@@ -578,7 +578,7 @@ async fn heartbeat_with<'e, E: Executor<'e, Database = Postgres>>(
     identity: &Identity,
     token: &OwnerToken,
     lease: Duration,
-) -> Result<bool, StoreError> {
+) -> Result<Fenced, StoreError> {
     let done = sqlx::query(
         // The record's retention moves with its lease (`Store::heartbeat`):
         // `expires_at` keeps its distance from the lease's end.
@@ -597,14 +597,14 @@ async fn heartbeat_with<'e, E: Executor<'e, Database = Postgres>>(
     .execute(executor)
     .await
     .map_err(err("heartbeat"))?;
-    Ok(done.rows_affected() == 1)
+    Ok(Fenced::from_owned(done.rows_affected() == 1))
 }
 
 async fn release_with<'e, E: Executor<'e, Database = Postgres>>(
     executor: E,
     identity: &Identity,
     token: &OwnerToken,
-) -> Result<bool, StoreError> {
+) -> Result<Fenced, StoreError> {
     let done = sqlx::query(
         "DELETE FROM idempotency_records
           WHERE tenant = $1 AND scope = $2 AND key = $3
@@ -617,7 +617,7 @@ async fn release_with<'e, E: Executor<'e, Database = Postgres>>(
     .execute(executor)
     .await
     .map_err(err("release"))?;
-    Ok(done.rows_affected() == 1)
+    Ok(Fenced::from_owned(done.rows_affected() == 1))
 }
 
 #[async_trait::async_trait]
@@ -636,7 +636,7 @@ impl Store for PgStore {
         token: &OwnerToken,
         outcome: &StoredOutcome,
         ttl: Duration,
-    ) -> Result<bool, StoreError> {
+    ) -> Result<Fenced, StoreError> {
         complete_with(&self.pool, identity, token, outcome, ttl, false).await
     }
 
@@ -646,7 +646,7 @@ impl Store for PgStore {
         token: &OwnerToken,
         outcome: &StoredOutcome,
         ttl: Duration,
-    ) -> Result<bool, StoreError> {
+    ) -> Result<Fenced, StoreError> {
         complete_with(&self.pool, identity, token, outcome, ttl, true).await
     }
 
@@ -677,7 +677,7 @@ impl Store for PgStore {
         Ok(refused_release(self.fetch(identity).await?))
     }
 
-    async fn release(&self, identity: &Identity, token: &OwnerToken) -> Result<bool, StoreError> {
+    async fn release(&self, identity: &Identity, token: &OwnerToken) -> Result<Fenced, StoreError> {
         release_with(&self.pool, identity, token).await
     }
 
@@ -686,7 +686,7 @@ impl Store for PgStore {
         identity: &Identity,
         token: &OwnerToken,
         lease: Duration,
-    ) -> Result<bool, StoreError> {
+    ) -> Result<Fenced, StoreError> {
         heartbeat_with(&self.pool, identity, token, lease).await
     }
 

@@ -5,7 +5,7 @@
 use super::detached::{Detached, Work};
 use crate::error::StoreError;
 use crate::identity::Identity;
-use crate::store::{OwnerToken, StoredOutcome};
+use crate::store::{Fenced, OwnerToken, StoredOutcome};
 use futures_util::future::BoxFuture;
 use sqlx::pool::PoolOptions;
 use sqlx::{Database, Pool};
@@ -50,8 +50,8 @@ pub(crate) async fn connect<DB: Database>(
 }
 
 /// One of a store's fenced writes, run on the worker's pool for a dropped
-/// call: `Ok(true)` when done, `Ok(false)` when the token owns nothing.
-type Written = BoxFuture<'static, Result<bool, StoreError>>;
+/// call: `Ok(Fenced::Written)` when done, `Ok(Fenced::NotOwner)` when the token owns nothing.
+type Written = BoxFuture<'static, Result<Fenced, StoreError>>;
 
 /// The worker that finishes dropped calls' records: its own small pool (two
 /// connections) on its own runtime, with the store pool's connection

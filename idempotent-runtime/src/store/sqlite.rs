@@ -654,7 +654,7 @@ impl SqliteStore {
                                     }
                                 }
                             };
-                            if matches!(done, Ok(true)) {
+                            if matches!(done, Ok(Fenced::Written)) {
                                 waiters.notify(&identity);
                             }
                             done
@@ -690,12 +690,12 @@ impl SqliteStore {
         &self,
         identity: &Identity,
         token: &OwnerToken,
-    ) -> Result<bool, StoreError> {
+    ) -> Result<Fenced, StoreError> {
         let released = {
             let _gate = self.write_gate.lock().await;
             release_on(&self.pool, identity, token).await?
         };
-        if released {
+        if released.is_written() {
             self.waiters.notify(identity);
         }
         Ok(released)
@@ -708,12 +708,12 @@ impl SqliteStore {
         outcome: &StoredOutcome,
         ttl: Duration,
         recovered: bool,
-    ) -> Result<bool, StoreError> {
+    ) -> Result<Fenced, StoreError> {
         let completed = {
             let _gate = self.write_gate.lock().await;
             complete_on(&self.pool, identity, token, outcome, ttl, recovered).await?
         };
-        if completed {
+        if completed.is_written() {
             self.waiters.notify(identity);
         }
         Ok(completed)
@@ -730,7 +730,7 @@ pub(super) async fn complete_on<'e, E: sqlx::Executor<'e, Database = sqlx::Sqlit
     outcome: &StoredOutcome,
     ttl: Duration,
     recovered: bool,
-) -> Result<bool, StoreError> {
+) -> Result<Fenced, StoreError> {
     let done = sqlx::query(COMPLETE_SQL)
         .bind(&identity.tenant)
         .bind(&identity.scope)
@@ -743,7 +743,7 @@ pub(super) async fn complete_on<'e, E: sqlx::Executor<'e, Database = sqlx::Sqlit
         .execute(executor)
         .await
         .map_err(err("complete"))?;
-    Ok(done.rows_affected() > 0)
+    Ok(Fenced::from_owned(done.rows_affected() > 0))
 }
 
 /// Deletes the in-progress record, fenced by `token`.
@@ -753,7 +753,7 @@ async fn heartbeat_on<'e, E: sqlx::Executor<'e, Database = sqlx::Sqlite>>(
     identity: &Identity,
     token: &OwnerToken,
     lease: Duration,
-) -> Result<bool, StoreError> {
+) -> Result<Fenced, StoreError> {
     let done = sqlx::query(HEARTBEAT_SQL)
         .bind(&identity.tenant)
         .bind(&identity.scope)
@@ -763,14 +763,14 @@ async fn heartbeat_on<'e, E: sqlx::Executor<'e, Database = sqlx::Sqlite>>(
         .execute(executor)
         .await
         .map_err(err("heartbeat"))?;
-    Ok(done.rows_affected() > 0)
+    Ok(Fenced::from_owned(done.rows_affected() > 0))
 }
 
 pub(super) async fn release_on<'e, E: sqlx::Executor<'e, Database = sqlx::Sqlite>>(
     executor: E,
     identity: &Identity,
     token: &OwnerToken,
-) -> Result<bool, StoreError> {
+) -> Result<Fenced, StoreError> {
     let done = sqlx::query(RELEASE_SQL)
         .bind(&identity.tenant)
         .bind(&identity.scope)
@@ -779,7 +779,7 @@ pub(super) async fn release_on<'e, E: sqlx::Executor<'e, Database = sqlx::Sqlite
         .execute(executor)
         .await
         .map_err(err("release"))?;
-    Ok(done.rows_affected() > 0)
+    Ok(Fenced::from_owned(done.rows_affected() > 0))
 }
 
 /// The write path of a reservation, on a connection in autocommit (the
@@ -1153,7 +1153,7 @@ impl Store for SqliteStore {
         token: &OwnerToken,
         outcome: &StoredOutcome,
         ttl: Duration,
-    ) -> Result<bool, StoreError> {
+    ) -> Result<Fenced, StoreError> {
         self.complete_now(identity, token, outcome, ttl, false)
             .await
     }
@@ -1164,7 +1164,7 @@ impl Store for SqliteStore {
         token: &OwnerToken,
         outcome: &StoredOutcome,
         ttl: Duration,
-    ) -> Result<bool, StoreError> {
+    ) -> Result<Fenced, StoreError> {
         self.complete_now(identity, token, outcome, ttl, true).await
     }
 
@@ -1194,7 +1194,7 @@ impl Store for SqliteStore {
         Ok(refused_release(self.fetch(identity).await?))
     }
 
-    async fn release(&self, identity: &Identity, token: &OwnerToken) -> Result<bool, StoreError> {
+    async fn release(&self, identity: &Identity, token: &OwnerToken) -> Result<Fenced, StoreError> {
         self.release_now(identity, token).await
     }
 
@@ -1203,10 +1203,10 @@ impl Store for SqliteStore {
         identity: &Identity,
         token: &OwnerToken,
         lease: Duration,
-    ) -> Result<bool, StoreError> {
+    ) -> Result<Fenced, StoreError> {
         let _gate = self.write_gate.lock().await;
         let renewed = heartbeat_on(&self.pool, identity, token, lease).await?;
-        if renewed {
+        if renewed.is_written() {
             // The lease may have been shortened (ended early so the next call
             // takes over at once); waiters in this process sleep until the
             // end they last saw, so they look again (a read each).
@@ -1440,7 +1440,8 @@ mod tests {
             assert!(store
                 .complete(&id, &token, &outcome, Duration::from_secs(60))
                 .await
-                .expect("complete"));
+                .expect("complete")
+                .is_written());
         };
         tokio::join!(waiter, complete);
         assert_eq!(store.waiters.len(), 0, "a woken waiter left");

@@ -3,7 +3,7 @@
 // test-only stand-in over MemoryStore (the SQL stores provide real ones).
 use idempotent_runtime::__private::TransactionalConnection;
 use idempotent_runtime::error::StoreError;
-use idempotent_runtime::{
+use idempotent_runtime::{Fenced, 
     idempotent, Error, Identity, MemoryStore, OwnerToken, Reservation, ReserveRequest, Store,
     StoredOutcome,
 };
@@ -55,7 +55,7 @@ impl TransactionalConnection for FakeTx {
         token: &'c OwnerToken,
         outcome: &'d StoredOutcome,
         ttl: Duration,
-    ) -> BoxFuture<'t, Result<bool, StoreError>>
+    ) -> BoxFuture<'t, Result<Fenced, StoreError>>
     where
         'a: 't,
         'b: 't,
@@ -73,7 +73,7 @@ impl TransactionalConnection for FakeTx {
         &'a mut self,
         identity: &'b Identity,
         token: &'c OwnerToken,
-    ) -> BoxFuture<'t, Result<bool, StoreError>>
+    ) -> BoxFuture<'t, Result<Fenced, StoreError>>
     where
         'a: 't,
         'b: 't,
