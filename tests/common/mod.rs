@@ -3,5 +3,6 @@
 
 pub mod hooked;
 pub mod proxy;
+pub mod records;
 pub mod servers;
 pub mod wire;

@@ -9,10 +9,7 @@ use crate::common;
 
 use idempotent_runtime::audit::{audit, KnownScope, ScopeStatus};
 use idempotent_runtime::registry::Format;
-use idempotent_runtime::{
-    Fenced, Identity, MemoryStore, OwnerToken, Reservation, ReserveRequest, SqliteStore, Store,
-    StoredOutcome,
-};
+use idempotent_runtime::{Identity, MemoryStore, SqliteStore, Store};
 use std::time::Duration;
 
 const LONG: Duration = Duration::from_secs(3600);
@@ -24,51 +21,12 @@ fn unique(prefix: &str) -> String {
 
 /// Creates an in-progress record and returns its identity.
 async fn reserve(store: &dyn Store, scope: &str, lease: Duration, ttl: Duration) -> Identity {
-    let identity = Identity::new("audit-tenant", scope, uuid::Uuid::new_v4().to_string())
-        .expect("valid identity");
-    let token = OwnerToken::new();
-    let r = store
-        .reserve(ReserveRequest {
-            identity: &identity,
-            fingerprint: None,
-            token: &token,
-            lease,
-            ttl,
-        })
-        .await
-        .expect("reserve");
-    assert!(matches!(r, Reservation::Acquired { .. }), "{r:?}");
-    identity
+    common::records::plant(store, "audit-tenant", scope, lease, ttl, None).await
 }
 
 /// A complete record kept for `ttl`.
 async fn complete(store: &dyn Store, scope: &str, ttl: Duration) -> Identity {
-    let identity = Identity::new("audit-tenant", scope, uuid::Uuid::new_v4().to_string())
-        .expect("valid identity");
-    let token = OwnerToken::new();
-    let r = store
-        .reserve(ReserveRequest {
-            identity: &identity,
-            fingerprint: None,
-            token: &token,
-            lease: LONG,
-            ttl: LONG,
-        })
-        .await
-        .expect("reserve");
-    assert!(matches!(r, Reservation::Acquired { .. }), "{r:?}");
-    let outcome = StoredOutcome {
-        is_error: false,
-        payload: b"1".to_vec(),
-    };
-    assert_eq!(
-        store
-            .complete(&identity, &token, &outcome, ttl)
-            .await
-            .expect("complete"),
-        Fenced::Written
-    );
-    identity
+    common::records::plant(store, "audit-tenant", scope, LONG, LONG, Some(ttl)).await
 }
 
 /// Waits (bounded) until, by the store's clock, the lease of `identity` ran out

@@ -46,33 +46,10 @@ lease = "45s"
 reason = "renamed to orders.place"
 "#;
 
+/// A complete record of a fresh key of `scope`, kept for `ttl`.
 async fn plant(store: &dyn Store, scope: &str, ttl: Duration) -> Identity {
-    let identity =
-        Identity::new("cli-tenant", scope, uuid::Uuid::new_v4().to_string()).expect("identity");
-    let token = OwnerToken::new();
-    let r = store
-        .reserve(ReserveRequest {
-            identity: &identity,
-            fingerprint: None,
-            token: &token,
-            lease: Duration::from_secs(60),
-            ttl: Duration::from_secs(3600),
-        })
-        .await
-        .expect("reserve");
-    assert!(matches!(r, Reservation::Acquired { .. }), "{r:?}");
-    let outcome = StoredOutcome {
-        is_error: false,
-        payload: b"1".to_vec(),
-    };
-    assert_eq!(
-        store
-            .complete(&identity, &token, &outcome, ttl)
-            .await
-            .expect("complete"),
-        Fenced::Written
-    );
-    identity
+    let (lease, reserved) = (Duration::from_secs(60), Duration::from_secs(3600));
+    common::records::plant(store, "cli-tenant", scope, lease, reserved, Some(ttl)).await
 }
 
 async fn wait_expired(store: &dyn Store, id: &Identity) {

@@ -9,10 +9,7 @@
 use crate::common;
 
 use idempotent_runtime::purge::{purge_all, Purger, PurgerConfig};
-use idempotent_runtime::{
-    metrics, Fenced, Identity, MemoryStore, OwnerToken, RecordState, Reservation, ReserveRequest,
-    SqliteStore, Store, StoredOutcome,
-};
+use idempotent_runtime::{metrics, Identity, MemoryStore, RecordState, SqliteStore, Store};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -29,10 +26,6 @@ fn unique(prefix: &str) -> String {
     format!("{prefix}.{}", uuid::Uuid::new_v4().simple())
 }
 
-fn new_identity(scope: &str) -> Identity {
-    Identity::new("purge-tenant", scope, uuid::Uuid::new_v4().to_string()).expect("identity")
-}
-
 /// Reserves a fresh identity; completes it with `complete_ttl` if given.
 async fn plant(
     store: &dyn Store,
@@ -41,33 +34,7 @@ async fn plant(
     ttl: Duration,
     complete_ttl: Option<Duration>,
 ) -> Identity {
-    let identity = new_identity(scope);
-    let token = OwnerToken::new();
-    let r = store
-        .reserve(ReserveRequest {
-            identity: &identity,
-            fingerprint: None,
-            token: &token,
-            lease,
-            ttl,
-        })
-        .await
-        .expect("reserve");
-    assert!(matches!(r, Reservation::Acquired { .. }), "{r:?}");
-    if let Some(ttl) = complete_ttl {
-        let outcome = StoredOutcome {
-            is_error: false,
-            payload: b"\"ok\"".to_vec(),
-        };
-        assert_eq!(
-            store
-                .complete(&identity, &token, &outcome, ttl)
-                .await
-                .expect("complete"),
-            Fenced::Written
-        );
-    }
-    identity
+    common::records::plant(store, "purge-tenant", scope, lease, ttl, complete_ttl).await
 }
 
 /// All records of `scope`, whatever their state.
