@@ -174,18 +174,26 @@ pub enum Error {
         store: &'static str,
     },
 
-    /// SQLite transactional mode: the caller's transaction read the database
-    /// before it tried to write, and SQLite will never let it write now: another
-    /// connection wrote since its snapshot (`SQLITE_BUSY_SNAPSHOT`), or, without
-    /// WAL, another writer waits for its read lock. Retrying inside that
-    /// transaction cannot help; nothing ran.
-    #[error("scope `{scope}`: the SQLite transaction passed as `tx = ...` read the database before writing, \
-             and SQLite will not let it write any more (another connection wrote since, or waits for its read lock). \
-             Roll it back and retry, and begin transactions that call idempotent functions with `BEGIN IMMEDIATE` \
-             (`pool.begin_with(\"BEGIN IMMEDIATE\")`)")]
+    /// Transactional mode: the caller's transaction can never write this
+    /// call's record, because of what it saw before. Nothing ran, and the
+    /// transaction is still usable; retrying inside it cannot help, a new
+    /// transaction replays the record (or runs the call).
+    ///
+    /// * SQLite: the transaction read the database before it tried to write,
+    ///   and another connection wrote since its snapshot
+    ///   (`SQLITE_BUSY_SNAPSHOT`), or, without WAL, another writer waits for
+    ///   its read lock.
+    /// * PostgreSQL: the transaction runs at REPEATABLE READ or SERIALIZABLE,
+    ///   and another transaction committed this record after its snapshot was
+    ///   taken (SQLSTATE 40001), so it can neither see nor write it.
+    #[error("scope `{scope}`: the {store} transaction passed as `tx = ...` cannot write this call's record: {}; \
+             nothing ran. Roll it back and retry in a new transaction, and {}",
+             stale_snapshot_cause(store), stale_snapshot_advice(store))]
     StaleSnapshot {
         /// The scope of the call.
         scope: String,
+        /// Which store's connection: `postgres` or `sqlite`.
+        store: &'static str,
     },
 
     /// The result (or recorded error) would not come back equal from the
@@ -218,5 +226,32 @@ pub enum Error {
 impl From<Error> for std::io::Error {
     fn from(e: Error) -> Self {
         std::io::Error::other(e)
+    }
+}
+
+/// Why a transaction cannot write the record ([`Error::StaleSnapshot`]).
+fn stale_snapshot_cause(store: &str) -> &'static str {
+    match store {
+        "postgres" => {
+            "its snapshot (REPEATABLE READ or SERIALIZABLE) is older than the record another transaction \
+             committed, so it can neither see nor write it"
+        }
+        _ => {
+            "it read the database before writing, and SQLite will not let it write any more \
+             (another connection wrote since, or waits for its read lock)"
+        }
+    }
+}
+
+/// What to do about it ([`Error::StaleSnapshot`]).
+fn stale_snapshot_advice(store: &str) -> &'static str {
+    match store {
+        "postgres" => {
+            "run transactions that call idempotent functions at READ COMMITTED (PostgreSQL's default)"
+        }
+        _ => {
+            "begin transactions that call idempotent functions with `BEGIN IMMEDIATE` \
+             (`pool.begin_with(\"BEGIN IMMEDIATE\")`)"
+        }
     }
 }

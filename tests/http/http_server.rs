@@ -880,6 +880,7 @@ fn every_error_has_its_status() {
         (
             Error::StaleSnapshot {
                 scope: "a.b".into(),
+                store: "sqlite",
             },
             503,
         ),

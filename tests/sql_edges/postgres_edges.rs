@@ -502,3 +502,77 @@ async fn lock_row_in_transaction(conn: &mut sqlx::PgConnection, identity: &Ident
     .await
     .expect("lock the row");
 }
+
+/// A transactional charge whose body counts its runs.
+#[idempotent_runtime::idempotent(scope = "pg_edges.snapshot", key = key, tenant = tenant, tx = tx,
+    skip(runs), ttl = "1h", in_progress = reject)]
+async fn snapshot_charge(
+    tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
+    tenant: &str,
+    key: &str,
+    runs: &std::sync::atomic::AtomicUsize,
+) -> Result<u64, idempotent_runtime::Error> {
+    let _ = (&tx, tenant, key);
+    runs.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    Ok(7)
+}
+
+/// Rule 15 under REPEATABLE READ and SERIALIZABLE: a transaction whose
+/// snapshot is older than the record another transaction committed can
+/// neither see nor write it (inserting the key fails with 40001). It is
+/// refused with `StaleSnapshot`, its own transaction stays usable (the
+/// reservation's subtransaction is undone: migration 0007), the body does
+/// not run, and a new transaction replays. Before 0007 the 40001 escaped as
+/// `Error::Store` and aborted the caller's transaction (25P02).
+#[tokio::test]
+async fn a_transaction_older_than_the_record_is_refused_and_stays_usable() {
+    use idempotent_runtime::Error;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let Some(store) = pg_store_or_skip().await else {
+        return;
+    };
+    let pool = store.pool();
+    for begin in [
+        "BEGIN ISOLATION LEVEL REPEATABLE READ",
+        "BEGIN ISOLATION LEVEL SERIALIZABLE",
+    ] {
+        let (tenant, key, runs) = (fresh_tenant(), "k", AtomicUsize::new(0));
+        let mut late = pool.begin_with(begin).await.expect("begin");
+        sqlx::query("SELECT 1")
+            .execute(&mut *late)
+            .await
+            .expect("the snapshot is taken");
+        let mut first = pool.begin().await.expect("begin");
+        let charged = snapshot_charge(&mut first, &tenant, key, &runs).await;
+        assert!(matches!(charged, Ok(7)), "{charged:?}");
+        first.commit().await.expect("commit");
+
+        let answer = snapshot_charge(&mut late, &tenant, key, &runs).await;
+        assert!(
+            matches!(
+                answer,
+                Err(Error::StaleSnapshot {
+                    store: "postgres",
+                    ..
+                })
+            ),
+            "{begin}: {answer:?}"
+        );
+        let message = answer.err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(
+            message.contains("READ COMMITTED") && message.contains("Roll it back"),
+            "the error says what to do: {message}"
+        );
+        sqlx::query("SELECT 1")
+            .execute(&mut *late)
+            .await
+            .expect("the caller's transaction is still usable");
+        late.rollback().await.expect("rollback");
+
+        let mut again = pool.begin_with(begin).await.expect("begin");
+        let replayed = snapshot_charge(&mut again, &tenant, key, &runs).await;
+        again.commit().await.expect("commit");
+        assert!(matches!(replayed, Ok(7)), "{begin}: {replayed:?}");
+        assert_eq!(runs.load(Ordering::SeqCst), 1, "{begin}: the body ran once");
+    }
+}

@@ -605,10 +605,10 @@ async fn commit_a_write_elsewhere(pool: &sqlx::SqlitePool) {
 fn assert_stale_snapshot(answer: Result<u64, Error>, scope: &str) {
     match answer {
         Err(e @ Error::StaleSnapshot { .. }) => {
-            let Error::StaleSnapshot { scope: s } = &e else {
+            let Error::StaleSnapshot { scope: s, store } = &e else {
                 unreachable!()
             };
-            assert_eq!(s, scope);
+            assert_eq!((s.as_str(), *store), (scope, "sqlite"));
             let message = e.to_string();
             assert!(
                 message.contains("BEGIN IMMEDIATE") && message.contains("Roll it back"),

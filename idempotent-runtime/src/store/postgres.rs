@@ -390,20 +390,36 @@ const SERIALIZATION_FAILURE: &str = "40001";
 /// key committed meanwhile, which the next statement sees.
 const SERIALIZATION_FAILURE_TRIES: u32 = 3;
 
-/// In a caller's transaction (see [`RESERVE_TX_SQL`]).
-async fn reserve_with<'e, E: Executor<'e, Database = Postgres>>(
-    executor: E,
+/// In a caller's transaction (see [`RESERVE_TX_SQL`]). A transaction whose
+/// snapshot is older than the record (REPEATABLE READ or SERIALIZABLE,
+/// migration 0007) is refused with [`Error::StaleSnapshot`]; the
+/// reservation's subtransaction was undone, so the transaction stays usable.
+async fn reserve_in_transaction(
+    conn: &mut sqlx::PgConnection,
     request: ReserveRequest<'_>,
     lock_wait: Duration,
-) -> Result<Reservation, StoreError> {
-    reserve_statement(RESERVE_TX_SQL, executor, request, lock_wait)
+) -> Result<Reservation, Error> {
+    match reserve_statement(RESERVE_TX_SQL, conn, request, lock_wait)
         .await
-        .and_then(|answer| {
-            answer.ok_or_else(|| {
-                sqlx::Error::Protocol("the reservation statement answered nothing".into())
+        .map_err(err("reserve"))?
+    {
+        Answer::Reserved(reservation) => Ok(reservation),
+        Answer::StaleSnapshot => {
+            let id = request.identity;
+            tracing::warn!(target: "idempotent", scope = %id.scope, key = %id.key_digest(),
+                "refused: the caller's transaction (REPEATABLE READ or SERIALIZABLE) is older than the record");
+            Err(Error::StaleSnapshot {
+                scope: id.scope.clone(),
+                store: STORE,
             })
-        })
-        .map_err(err("reserve"))
+        }
+        Answer::Other => Err(StoreError::new(
+            STORE,
+            "reserve",
+            "the reservation statement answered nothing",
+        )
+        .into()),
+    }
 }
 
 /// How many times a store-mode reservation that met a row lock tries again
@@ -437,12 +453,11 @@ async fn reserve_autocommit(
         tries += 1;
         let (answer, allowed) =
             match reserve_statement(RESERVE_STORE_SQL, pool, request, lock_wait).await {
-                Ok(Some(reservation)) => (Ok(Some(reservation)), LOCK_TIMEOUT_TRIES),
-                Ok(None) => (
+                Ok(Answer::Other) => (
                     reserve_statement(RESERVE_AUTOCOMMIT_SQL, pool, request, lock_wait).await,
                     EXPIRED_RECORD_LOCK_TRIES,
                 ),
-                Err(e) => (Err(e), LOCK_TIMEOUT_TRIES),
+                answer => (answer, LOCK_TIMEOUT_TRIES),
             };
         match &answer {
             Err(sqlx::Error::Database(e))
@@ -462,8 +477,9 @@ async fn reserve_autocommit(
         }
     };
     match answer {
-        Ok(Some(reservation)) => Ok(reservation),
-        Ok(None) => Err(StoreError::new(
+        Ok(Answer::Reserved(reservation)) => Ok(reservation),
+        // Autocommit statements take a fresh snapshot each: never answered.
+        Ok(Answer::StaleSnapshot | Answer::Other) => Err(StoreError::new(
             STORE,
             "reserve",
             "idempotency_reserve_autocommit answered nothing; is migration 0004 applied?",
@@ -477,14 +493,24 @@ async fn reserve_autocommit(
     }
 }
 
-/// Runs one reservation statement; `None` when it answered no row or
-/// `other` (a case it leaves to the plpgsql function).
+/// What one reservation statement answered.
+enum Answer {
+    /// A reservation's answer.
+    Reserved(Reservation),
+    /// No row, or `other`: a case the statement leaves to the plpgsql function.
+    Other,
+    /// `stale_snapshot` (transactional mode, migration 0007): the caller's
+    /// snapshot is older than the record another transaction committed.
+    StaleSnapshot,
+}
+
+/// Runs one reservation statement.
 async fn reserve_statement<'e, E: Executor<'e, Database = Postgres>>(
     sql: &'static str,
     executor: E,
     request: ReserveRequest<'_>,
     lock_wait: Duration,
-) -> Result<Option<Reservation>, sqlx::Error> {
+) -> Result<Answer, sqlx::Error> {
     let id = request.identity;
     let row: Option<PgRow> = sqlx::query(sql)
         .bind(&id.tenant)
@@ -500,15 +526,15 @@ async fn reserve_statement<'e, E: Executor<'e, Database = Postgres>>(
         .bind(millis_i64(lock_wait).min(MAX_LOCK_TIMEOUT_MS))
         .fetch_optional(executor)
         .await?;
-    row.as_ref()
-        .map(decode_reservation)
-        .transpose()
-        .map(Option::flatten)
+    match row {
+        Some(row) => decode_reservation(&row),
+        None => Ok(Answer::Other),
+    }
 }
 
-fn decode_reservation(row: &PgRow) -> Result<Option<Reservation>, sqlx::Error> {
+fn decode_reservation(row: &PgRow) -> Result<Answer, sqlx::Error> {
     let outcome: String = row.try_get("outcome")?;
-    Ok(Some(match outcome.as_str() {
+    Ok(Answer::Reserved(match outcome.as_str() {
         "acquired" => {
             let attempt = row
                 .try_get::<Option<i32>, _>("attempt_number")?
@@ -531,7 +557,8 @@ fn decode_reservation(row: &PgRow) -> Result<Option<Reservation>, sqlx::Error> {
             ),
         },
         "mismatch" => Reservation::FingerprintMismatch,
-        "other" => return Ok(None),
+        "other" => return Ok(Answer::Other),
+        "stale_snapshot" => return Ok(Answer::StaleSnapshot),
         other => {
             return Err(sqlx::Error::Protocol(format!(
                 "idempotency_reserve answered an unknown outcome `{other}`"
@@ -826,13 +853,6 @@ async fn in_transaction(conn: &mut sqlx::PgConnection) -> Result<bool, StoreErro
 }
 
 /// The reservation in the connection's transaction.
-async fn reserve_in_transaction(
-    conn: &mut sqlx::PgConnection,
-    request: ReserveRequest<'_>,
-    lock_wait: Duration,
-) -> Result<Reservation, Error> {
-    Ok(reserve_with(conn, request, lock_wait).await?)
-}
 
 // ---------------------------------------------------------------- waiting duplicates
 

@@ -267,6 +267,7 @@ async fn reserve_on(
                     "refused: the caller's SQLite transaction cannot write (begin it with BEGIN IMMEDIATE)");
                 Err(Error::StaleSnapshot {
                     scope: id.scope.clone(),
+                    store: "sqlite",
                 })
             }
         },
