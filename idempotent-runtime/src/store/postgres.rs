@@ -852,8 +852,6 @@ async fn in_transaction(conn: &mut sqlx::PgConnection) -> Result<bool, StoreErro
         .map_err(err("check for an open transaction"))
 }
 
-/// The reservation in the connection's transaction.
-
 // ---------------------------------------------------------------- waiting duplicates
 
 /// The channel the table's trigger notifies on (migration 0004).
