@@ -1,7 +1,8 @@
 //! Layer: faults. Connections cut, stalled and killed (`connection_faults`,
 //! `postgres_faults`, `mysql_faults`), bad input on the wire
-//! (`postgres_wire`, `mysql_wire`), and calls dropped mid-flight
-//! (`cancellation`).
+//! (`postgres_wire`, `mysql_wire`), calls dropped mid-flight
+//! (`cancellation`), and stores used from runtimes other than their own
+//! (`runtimes`).
 
 #[path = "../common/mod.rs"]
 mod common;
@@ -13,4 +14,5 @@ mod mysql_wire;
 mod postgres_faults;
 mod postgres_session_settings;
 mod postgres_wire;
+mod runtimes;
 mod stuck_heartbeat;

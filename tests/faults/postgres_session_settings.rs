@@ -1,7 +1,8 @@
 //! PostgreSQL sessions set up by the application: a `statement_timeout`
-//! shorter than a transactional duplicate's wait, and a database whose
-//! default isolation is REPEATABLE READ. Each test makes a database of its
-//! own (the settings are the database's or the session's) and drops it.
+//! shorter than a transactional duplicate's wait, a database whose default
+//! isolation is REPEATABLE READ, and a `search_path` set by the pool's
+//! `after_connect` hook. Each test makes a database of its own (the settings
+//! are the database's or the session's) and drops it.
 
 use crate::common;
 
@@ -364,4 +365,81 @@ async fn a_completion_that_fails_through_a_longer_outage_is_still_recorded() {
     assert_eq!(ran, 1, "the body ran again: retry {again:?} ({outcome:?})");
     assert_eq!(again.expect("replayed"), 11);
     assert_eq!(outcome, Some(Outcome::Replayed));
+}
+
+#[idempotent(scope = "pg_settings.after_connect", key = key, tenant = tenant, store = store,
+             skip(started), lease = "1h")]
+async fn held_forever(
+    store: &PgStore,
+    tenant: &str,
+    key: &str,
+    started: &Notify,
+) -> Result<u32, Error> {
+    started.notify_one();
+    std::future::pending::<()>().await;
+    Ok(0)
+}
+
+/// Rule 14 on a pool whose `after_connect` hook sets the `search_path` (the
+/// records table lives in schema `app`, not in `public`): a call dropped
+/// while it holds its record is released by the store's background worker,
+/// whose connections run the pool's hooks too; otherwise its release would
+/// look for the record in `public` and the key would stay taken for the
+/// whole lease (here an hour).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_call_is_released_in_the_schema_the_after_connect_hook_sets() {
+    let Some((admin, db, url)) = fresh_database().await else {
+        return;
+    };
+    {
+        let mut conn = sqlx::PgConnection::connect(&url).await.expect("connect");
+        conn.execute("CREATE SCHEMA app").await.expect("schema");
+    }
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(4)
+        .acquire_timeout(Duration::from_secs(5))
+        .after_connect(|conn, _| {
+            Box::pin(async move {
+                conn.execute("SET search_path TO app").await?;
+                Ok(())
+            })
+        })
+        .connect(&url)
+        .await
+        .expect("pool");
+    let store = PgStore::from_pool(pool.clone()).await.expect("store");
+    let in_app: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM pg_tables WHERE schemaname = 'app' AND tablename = 'idempotency_records'",
+    )
+    .fetch_one(&pool)
+    .await
+    .expect("catalog");
+    assert_eq!(in_app, 1, "the migrations ran in the hook's schema");
+
+    let tenant = fresh_tenant();
+    let id = Identity::new(&tenant, "pg_settings.after_connect", "k").expect("identity");
+    let started = Notify::new();
+    tokio::select! {
+        answer = held_forever(&store, &tenant, "k", &started) => panic!("the held call answered: {answer:?}"),
+        () = started.notified() => {} // the call holds its record; drop it now
+    }
+    let deadline = tokio::time::Instant::now() + GUARD;
+    let released = loop {
+        let fetched = tokio::time::timeout(GUARD, store.fetch(&id))
+            .await
+            .expect("fetch hung")
+            .expect("fetch");
+        match fetched {
+            None => break true,
+            Some(_) if tokio::time::Instant::now() >= deadline => break false,
+            Some(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+        }
+    };
+    drop(store);
+    pool.close().await;
+    drop_database(admin, &db).await;
+    assert!(
+        released,
+        "the dropped call's record in schema app was not released within {GUARD:?}"
+    );
 }

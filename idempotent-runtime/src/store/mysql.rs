@@ -98,7 +98,7 @@ const NOW_MS: &str = "(UNIX_TIMESTAMP() * 1000 + FLOOR(MICROSECOND(NOW(6)) / 100
 /// ```
 #[derive(Debug, Clone)]
 pub struct MySqlStore {
-    pool: MySqlPool,
+    pools: std::sync::Arc<server::RuntimePools<MySql>>,
     detached: std::sync::Arc<detached::Detached>,
     /// The server is MariaDB, which bounds a statement's lock wait with
     /// `SET STATEMENT` and has `INSERT … RETURNING`: a reservation is then one
@@ -144,13 +144,16 @@ impl MySqlStore {
         Ok(MySqlStore {
             detached: std::sync::Arc::new(background_worker(&pool)),
             mariadb: version.contains("MariaDB"),
-            pool,
+            pools: std::sync::Arc::new(server::RuntimePools::new(pool)),
         })
     }
 
-    /// The pool the store uses.
+    /// The pool the store was opened with. Calls on the runtime it was opened
+    /// on use it; calls on other runtimes use a pool of their runtime's own,
+    /// made with the same options (a connection belongs to the runtime that
+    /// opened it).
     pub fn pool(&self) -> &MySqlPool {
-        &self.pool
+        self.pools.home()
     }
 }
 
@@ -608,7 +611,7 @@ impl Store for MySqlStore {
     }
 
     async fn reserve(&self, request: ReserveRequest<'_>) -> Result<Reservation, StoreError> {
-        reserve_through_store(&self.pool, request, self.mariadb).await
+        reserve_through_store(&self.pools.current(), request, self.mariadb).await
     }
 
     async fn complete(
@@ -618,7 +621,7 @@ impl Store for MySqlStore {
         outcome: &StoredOutcome,
         ttl: Duration,
     ) -> Result<Fenced, StoreError> {
-        complete_with(&self.pool, identity, token, outcome, ttl, false).await
+        complete_with(&*self.pools.current(), identity, token, outcome, ttl, false).await
     }
 
     async fn complete_recovered(
@@ -628,7 +631,7 @@ impl Store for MySqlStore {
         outcome: &StoredOutcome,
         ttl: Duration,
     ) -> Result<Fenced, StoreError> {
-        complete_with(&self.pool, identity, token, outcome, ttl, true).await
+        complete_with(&*self.pools.current(), identity, token, outcome, ttl, true).await
     }
 
     async fn force_release(
@@ -638,7 +641,7 @@ impl Store for MySqlStore {
     ) -> Result<ForcedRelease, StoreError> {
         const OP: &str = "release a record for an operator";
         // Read the attempt and delete in one short transaction, the row locked.
-        let mut tx = self.pool.begin().await.map_err(err(OP))?;
+        let mut tx = self.pools.current().begin().await.map_err(err(OP))?;
         let sql = format!(
             "SELECT CAST(attempt AS SIGNED), CAST(COALESCE(state = 'in_progress'
                     AND (? = 0 OR lease_expires_at <= {NOW_MS}), 0) AS SIGNED)
@@ -673,7 +676,7 @@ impl Store for MySqlStore {
     }
 
     async fn release(&self, identity: &Identity, token: &OwnerToken) -> Result<Fenced, StoreError> {
-        release_with(&self.pool, identity, token).await
+        release_with(&*self.pools.current(), identity, token).await
     }
 
     async fn heartbeat(
@@ -682,7 +685,7 @@ impl Store for MySqlStore {
         token: &OwnerToken,
         lease: Duration,
     ) -> Result<Fenced, StoreError> {
-        heartbeat_with(&self.pool, identity, token, lease).await
+        heartbeat_with(&*self.pools.current(), identity, token, lease).await
     }
 
     crate::store::detached::hand_over_to_the_worker!();
@@ -691,7 +694,7 @@ impl Store for MySqlStore {
         super::purge_in_chunks(batch, |chunk| async move {
             let row: MySqlRow = sqlx::query("CALL idempotency_purge(?)")
                 .bind(i64::from(chunk))
-                .fetch_one(&self.pool)
+                .fetch_one(&*self.pools.current())
                 .await
                 .map_err(err("purge expired records"))?;
             // By position, like the reservation's answer.
@@ -714,7 +717,7 @@ impl Store for MySqlStore {
             .bind(identity.tenant.as_bytes())
             .bind(identity.scope.as_bytes())
             .bind(identity.key.as_bytes())
-            .fetch_optional(&self.pool)
+            .fetch_optional(&*self.pools.current())
             .await
             .map_err(err("fetch"))?;
         row.map(|row| rows::Columns(&row).snapshot())
@@ -745,7 +748,7 @@ impl Store for MySqlStore {
               GROUP BY s.scope ORDER BY s.scope"
         );
         let found = sqlx::query(&sql)
-            .fetch_all(&self.pool)
+            .fetch_all(&*self.pools.current())
             .await
             .map_err(err(OP))?;
         found

@@ -80,7 +80,7 @@ const MIGRATION_LOCK: i64 = 0x6964_656d_706f_746e;
 /// ```
 #[derive(Debug, Clone)]
 pub struct PgStore {
-    pool: PgPool,
+    pools: std::sync::Arc<server::RuntimePools<Postgres>>,
     lock_wait: Duration,
     detached: std::sync::Arc<detached::Detached>,
     watcher: std::sync::Arc<Watcher>,
@@ -107,11 +107,15 @@ impl PgStore {
     /// Uses an existing pool (the application's own) and applies the migrations.
     /// Give the pool an `acquire_timeout` so a stopped server fails fast.
     ///
-    /// The store finishes the records of dropped calls on connections of its
-    /// own, opened with the pool's connect options: session settings the
-    /// records table depends on (`search_path`, a role) belong in those
-    /// options (`PgConnectOptions::options([("search_path", "app")])`), not in
-    /// an `after_connect` hook, which those connections do not run.
+    /// The store opens connections of its own with the pool's connect options
+    /// and pool options, hooks included: for the records of dropped calls (on
+    /// a background thread), and for calls made on a runtime other than the
+    /// one `from_pool` ran on (a connection belongs to the runtime that
+    /// opened it). Session settings the records table depends on
+    /// (`search_path`, a role) may be in the connect options
+    /// (`PgConnectOptions::options([("search_path", "app")])`) or in an
+    /// `after_connect` hook. Call `from_pool` on the runtime the pool was
+    /// made on.
     ///
     /// ```no_run
     /// # #[tokio::main] async fn main() -> Result<(), idempotent_runtime::Error> {
@@ -126,7 +130,7 @@ impl PgStore {
         Ok(PgStore {
             detached: std::sync::Arc::new(background_worker(&pool)),
             watcher: std::sync::Arc::new(Watcher::new((*pool.connect_options()).clone())),
-            pool,
+            pools: std::sync::Arc::new(server::RuntimePools::new(pool)),
             lock_wait: DEFAULT_LOCK_WAIT,
         })
     }
@@ -149,9 +153,12 @@ impl PgStore {
         self.lock_wait
     }
 
-    /// The pool the store uses.
+    /// The pool the store was opened with. Calls on the runtime it was opened
+    /// on use it; calls on other runtimes use a pool of their runtime's own,
+    /// made with the same options (a connection belongs to the runtime that
+    /// opened it).
     pub fn pool(&self) -> &PgPool {
-        &self.pool
+        self.pools.home()
     }
 }
 
@@ -654,7 +661,7 @@ impl Store for PgStore {
     }
 
     async fn reserve(&self, request: ReserveRequest<'_>) -> Result<Reservation, StoreError> {
-        reserve_autocommit(&self.pool, request, self.lock_wait).await
+        reserve_autocommit(&self.pools.current(), request, self.lock_wait).await
     }
 
     async fn complete(
@@ -664,7 +671,7 @@ impl Store for PgStore {
         outcome: &StoredOutcome,
         ttl: Duration,
     ) -> Result<Fenced, StoreError> {
-        complete_with(&self.pool, identity, token, outcome, ttl, false).await
+        complete_with(&*self.pools.current(), identity, token, outcome, ttl, false).await
     }
 
     async fn complete_recovered(
@@ -674,7 +681,7 @@ impl Store for PgStore {
         outcome: &StoredOutcome,
         ttl: Duration,
     ) -> Result<Fenced, StoreError> {
-        complete_with(&self.pool, identity, token, outcome, ttl, true).await
+        complete_with(&*self.pools.current(), identity, token, outcome, ttl, true).await
     }
 
     async fn force_release(
@@ -693,7 +700,7 @@ impl Store for PgStore {
         .bind(&identity.scope)
         .bind(&identity.key)
         .bind(require_expired_lease)
-        .fetch_optional(&self.pool)
+        .fetch_optional(&*self.pools.current())
         .await
         .map_err(err(OP))?;
         if let Some(attempt) = deleted {
@@ -705,7 +712,7 @@ impl Store for PgStore {
     }
 
     async fn release(&self, identity: &Identity, token: &OwnerToken) -> Result<Fenced, StoreError> {
-        release_with(&self.pool, identity, token).await
+        release_with(&*self.pools.current(), identity, token).await
     }
 
     async fn heartbeat(
@@ -714,7 +721,7 @@ impl Store for PgStore {
         token: &OwnerToken,
         lease: Duration,
     ) -> Result<Fenced, StoreError> {
-        heartbeat_with(&self.pool, identity, token, lease).await
+        heartbeat_with(&*self.pools.current(), identity, token, lease).await
     }
 
     crate::store::detached::hand_over_to_the_worker!();
@@ -738,7 +745,7 @@ impl Store for PgStore {
                       FOR UPDATE SKIP LOCKED)",
             )
             .bind(i64::from(chunk))
-            .execute(&self.pool)
+            .execute(&*self.pools.current())
             .await
             .map_err(err("purge expired records"))?;
             Ok(done.rows_affected())
@@ -757,7 +764,7 @@ impl Store for PgStore {
         .bind(&identity.tenant)
         .bind(&identity.scope)
         .bind(&identity.key)
-        .fetch_optional(&self.pool)
+        .fetch_optional(&*self.pools.current())
         .await
         .map_err(err("fetch"))?;
         row.map(|row| rows::Columns(&row).snapshot())
@@ -783,7 +790,7 @@ impl Store for PgStore {
                        FROM idempotency_records r CROSS JOIN n) s
               GROUP BY scope ORDER BY scope",
         )
-        .fetch_all(&self.pool)
+        .fetch_all(&*self.pools.current())
         .await
         .map_err(err(OP))?;
         found
@@ -1162,7 +1169,7 @@ impl PgStore {
             return poll(round, left).await;
         }
         let left = max_wait.saturating_sub(started.elapsed());
-        let wait = match mark_waiting(&self.pool, identity).await {
+        let wait = match mark_waiting(&self.pools.current(), identity).await {
             Ok(Mark::Marked {
                 wait_key,
                 lease_remaining,

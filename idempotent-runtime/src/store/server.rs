@@ -1,6 +1,23 @@
 //! What the two server stores, PostgreSQL and MySQL/MariaDB, share: opening
-//! their pool on a URL, and the background worker that finishes dropped
-//! calls' records on a small pool of its own.
+//! their pool on a URL, a pool per runtime ([`RuntimePools`]), and the
+//! background worker that finishes dropped calls' records on a small pool of
+//! its own.
+//!
+//! # Connections belong to a runtime
+//!
+//! A pooled connection's socket is registered with the I/O driver of the
+//! runtime that opened it, and only that driver reports it ready. Used from
+//! another runtime it works while its own runtime drives I/O, answers nothing
+//! (a statement hangs, an acquire times out) while that runtime is alive but
+//! idle (a current-thread runtime no one is blocking on), and fails ("A Tokio
+//! 1.x context was found, but it is being shutdown") once that runtime is
+//! gone, even in the middle of a statement. The common way to get there is a
+//! `static` store shared by many `#[tokio::test]`s, each on a runtime of its
+//! own that ends with the test. So a store never hands one runtime's
+//! connections to another: calls on the runtime the store was opened on use
+//! the pool it was opened with, and calls on any other runtime use a pool of
+//! that runtime's own, made with the same options on first use and dropped
+//! (its connections closed) when that runtime shuts down.
 
 use super::detached::{Detached, Work};
 use crate::error::StoreError;
@@ -9,9 +26,13 @@ use crate::store::{Fenced, OwnerToken, StoredOutcome};
 use futures_util::future::BoxFuture;
 use sqlx::pool::PoolOptions;
 use sqlx::{Database, Pool};
+use std::borrow::Cow;
+use std::collections::HashMap;
 use std::str::FromStr;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
+use tokio::runtime::{Handle, Id};
 
 /// How long `connect` and every statement wait for a pooled connection.
 pub const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(5);
@@ -49,15 +70,121 @@ pub(crate) async fn connect<DB: Database>(
         })
 }
 
+/// A store's pools, one per runtime (module docs): the pool the store was
+/// opened with, for the runtime it was opened on, and one made with the same
+/// options for each other runtime the store is used from.
+pub(crate) struct RuntimePools<DB: Database> {
+    /// The pool the store was opened with.
+    home: Pool<DB>,
+    /// The runtime the store was opened on, while it runs (`None`: opened
+    /// outside a runtime).
+    home_runtime: Option<(Id, Arc<AtomicBool>)>,
+    /// The pools of the other runtimes, each removed when its runtime shuts down.
+    others: Arc<Mutex<HashMap<Id, Pool<DB>>>>,
+}
+
+impl<DB: Database> std::fmt::Debug for RuntimePools<DB> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RuntimePools")
+            .field("home", &self.home)
+            .field(
+                "other_runtimes",
+                &self.others.try_lock().map(|o| o.len()).ok(),
+            )
+            .finish()
+    }
+}
+
+impl<DB: Database> RuntimePools<DB> {
+    /// Pools for a store opened with `pool` on the current runtime.
+    pub(crate) fn new(pool: Pool<DB>) -> Self {
+        let home_runtime = Handle::try_current().ok().map(|runtime| {
+            let alive = Arc::new(AtomicBool::new(true));
+            let flag = alive.clone();
+            // Dropped when the runtime shuts down: from then on its id never
+            // selects the pool it opened (ids of finished runtimes may be reused).
+            on_shutdown(&runtime, move || flag.store(false, Ordering::Release));
+            (runtime.id(), alive)
+        });
+        RuntimePools {
+            home: pool,
+            home_runtime,
+            others: Arc::new(Mutex::new(HashMap::new())),
+        }
+    }
+
+    /// The pool the store was opened with.
+    pub(crate) fn home(&self) -> &Pool<DB> {
+        &self.home
+    }
+
+    /// The pool for the runtime the caller runs on. Outside a runtime (a
+    /// statement polled by another executor), the pool the store was opened with.
+    pub(crate) fn current(&self) -> Cow<'_, Pool<DB>> {
+        let Ok(runtime) = Handle::try_current() else {
+            return Cow::Borrowed(&self.home);
+        };
+        let id = runtime.id();
+        if let Some((home, alive)) = &self.home_runtime {
+            if *home == id && alive.load(Ordering::Acquire) {
+                return Cow::Borrowed(&self.home);
+            }
+        }
+        let mut others = self.others.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(pool) = others.get(&id) {
+            return Cow::Owned(pool.clone());
+        }
+        // Lazy: connections are opened by this runtime's own statements.
+        let pool = self
+            .home
+            .options()
+            .clone()
+            .connect_lazy_with((*self.home.connect_options()).clone());
+        others.insert(id, pool.clone());
+        drop(others);
+        let others = Arc::downgrade(&self.others);
+        on_shutdown(&runtime, move || forget(&others, id));
+        Cow::Owned(pool)
+    }
+}
+
+/// Drops the pool of runtime `id` (closing its idle connections), if the
+/// store is still there.
+fn forget<DB: Database>(others: &Weak<Mutex<HashMap<Id, Pool<DB>>>>, id: Id) {
+    if let Some(others) = others.upgrade() {
+        let removed = others.lock().unwrap_or_else(|p| p.into_inner()).remove(&id);
+        drop(removed); // outside the lock
+    }
+}
+
+/// Runs `then` when `runtime` shuts down: a task that never finishes holds
+/// it, and a runtime drops its tasks when it shuts down.
+fn on_shutdown(runtime: &Handle, then: impl FnOnce() + Send + 'static) {
+    struct OnDrop<F: FnOnce()>(Option<F>);
+    impl<F: FnOnce()> Drop for OnDrop<F> {
+        fn drop(&mut self) {
+            if let Some(then) = self.0.take() {
+                then();
+            }
+        }
+    }
+    let guard = OnDrop(Some(then));
+    runtime.spawn(async move {
+        let _guard = guard;
+        std::future::pending::<()>().await;
+    });
+}
+
 /// One of a store's fenced writes, run on the worker's pool for a dropped
 /// call: `Ok(Fenced::Written)` when done, `Ok(Fenced::NotOwner)` when the token owns nothing.
 type Written = BoxFuture<'static, Result<Fenced, StoreError>>;
 
 /// The worker that finishes dropped calls' records: its own small pool (two
-/// connections) on its own runtime, with the store pool's connection
-/// options. `release` frees a dropped call's record; `end_lease` ends its
-/// lease and keeps it (a call in a scope with a recover hook, dropped while
-/// its reservation was in flight); `complete` records the
+/// connections) on its own runtime, with the store pool's connect options
+/// and pool options (its `after_connect`, `before_acquire` and
+/// `after_release` hooks too). `release` frees a dropped call's record;
+/// `end_lease` ends its lease and keeps it (a call in a scope with a recover
+/// hook, dropped while its reservation was in flight); `complete` records the
 /// outcome of one dropped while its result was being recorded (marked
 /// recovered when a recover hook gave it).
 pub(crate) fn background_worker<DB: Database>(
@@ -67,14 +194,19 @@ pub(crate) fn background_worker<DB: Database>(
     end_lease: fn(Pool<DB>, Identity, OwnerToken) -> Written,
     complete: fn(Pool<DB>, Identity, OwnerToken, StoredOutcome, Duration, bool) -> Written,
 ) -> Detached {
+    // The pool's own options, hooks included (an `after_connect` that sets a
+    // `search_path` or a role applies to these connections too), sized down.
+    let pool_options = pool
+        .options()
+        .clone()
+        .max_connections(2)
+        .min_connections(0)
+        .acquire_timeout(ACQUIRE_TIMEOUT);
     let options = pool.connect_options();
     Detached::new(
         store,
         Box::new(move || {
-            let pool = PoolOptions::<DB>::new()
-                .max_connections(2)
-                .acquire_timeout(ACQUIRE_TIMEOUT)
-                .connect_lazy_with((*options).clone());
+            let pool = pool_options.connect_lazy_with((*options).clone());
             Arc::new(move |identity, token, work| match work {
                 Work::Release => release(pool.clone(), identity, token),
                 Work::EndLease => end_lease(pool.clone(), identity, token),
