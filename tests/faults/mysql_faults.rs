@@ -1,5 +1,6 @@
 //! Database faults on MariaDB/MySQL: a killed connection surfaces as
-//! `Error::Store`; a closed port fails fast and says where.
+//! `Error::Store`; a closed port fails fast and says where; a dropped call is
+//! released in the database a pool's `after_connect` hook picks.
 
 use crate::common;
 
@@ -160,4 +161,82 @@ async fn next_connection_id(store: &MySqlStore) -> u64 {
         }
     }
     panic!("the pool opens a new connection after a killed one")
+}
+
+#[idempotent_runtime::idempotent(scope = "mysql_faults.after_connect", key = key, tenant = tenant,
+                                 store = store, skip(started), lease = "1h")]
+async fn held_forever(
+    store: &MySqlStore,
+    tenant: &str,
+    key: &str,
+    started: &tokio::sync::Notify,
+) -> Result<u32, Error> {
+    started.notify_one();
+    std::future::pending::<()>().await;
+    Ok(0)
+}
+
+/// Rule 14 on a pool whose `after_connect` hook picks the database (`USE`),
+/// not the URL: a call dropped while it holds its record is released by the
+/// store's background worker, whose connections run the pool's hooks too;
+/// otherwise its release would look in the URL's database and the key would
+/// stay taken for the whole lease (here an hour).
+#[tokio::test]
+async fn a_dropped_call_is_released_in_the_database_the_after_connect_hook_uses() {
+    use sqlx::Executor;
+    let Some(admin) = mysql_store_or_skip().await else {
+        return;
+    };
+    let db = format!("after_connect_{}", uuid::Uuid::new_v4().simple());
+    admin
+        .pool()
+        .execute(format!("CREATE DATABASE {db}").as_str())
+        .await
+        .expect("create database");
+    let use_db = format!("USE {db}");
+    let pool = MySqlPoolOptions::new()
+        .max_connections(4)
+        .acquire_timeout(Duration::from_secs(5))
+        .after_connect(move |conn, _| {
+            let use_db = use_db.clone();
+            Box::pin(async move {
+                conn.execute(use_db.as_str()).await?;
+                Ok(())
+            })
+        })
+        .connect(&common::servers::mysql_url())
+        .await
+        .expect("pool");
+    let store = MySqlStore::from_pool(pool.clone()).await.expect("store");
+
+    let tenant = fresh_tenant();
+    let id = Identity::new(&tenant, "mysql_faults.after_connect", "k").expect("identity");
+    let started = tokio::sync::Notify::new();
+    tokio::select! {
+        answer = held_forever(&store, &tenant, "k", &started) => panic!("the held call answered: {answer:?}"),
+        () = started.notified() => {} // the call holds its record; drop it now
+    }
+    let bound = Duration::from_secs(40);
+    let deadline = tokio::time::Instant::now() + bound;
+    let released = loop {
+        let fetched = tokio::time::timeout(bound, store.fetch(&id))
+            .await
+            .expect("fetch hung")
+            .expect("fetch");
+        match fetched {
+            None => break true,
+            Some(_) if tokio::time::Instant::now() >= deadline => break false,
+            Some(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+        }
+    };
+    drop(store);
+    pool.close().await;
+    let _ = admin
+        .pool()
+        .execute(format!("DROP DATABASE {db}").as_str())
+        .await;
+    assert!(
+        released,
+        "the dropped call's record in database {db} was not released within {bound:?}"
+    );
 }
