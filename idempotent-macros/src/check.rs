@@ -398,6 +398,7 @@ fn cross(cx: &Ctxt, attr: Attr, sig: &Signature, env: &Env) -> Option<Spec> {
             ttl,
             recovers: attr.recover.is_some(),
             shared_tenant: matches!(attr.tenant, Some(Tenant::Shared(_))),
+            records_errors: !matches!(attr.errors, Errors::Release),
         };
         claim(cx, lit, place, claim_of_this_function);
     }

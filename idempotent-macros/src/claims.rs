@@ -8,7 +8,8 @@
 //! A scope has one claimant, or several that all say `shared_scope` (rule 21)
 //! and agree on what they fingerprint (the parameter names: the canonical
 //! form is computed over names and values), on their ttl, on whether they
-//! ask a `recover` hook and on whether their tenant is `shared`.
+//! ask a `recover` hook, on whether their tenant is `shared` and on whether
+//! they record errors.
 //!
 //! Limitation: claims in *different* crates are not visible here; the runtime's
 //! `registry::validate()` reports them when the program starts.
@@ -45,6 +46,8 @@ pub(crate) struct Claim {
     pub recovers: bool,
     /// The function says `tenant = shared` (one namespace for every tenant).
     pub shared_tenant: bool,
+    /// The function may record an `Err` (`errors = record` or `record_if`).
+    pub records_errors: bool,
 }
 
 /// Why a claim is refused.
@@ -109,14 +112,24 @@ fn disagreement(a: &Claim, b: &Claim) -> Option<String> {
             with.site.function
         ));
     }
-    (a.shared_tenant != b.shared_tenant).then(|| {
+    if a.shared_tenant != b.shared_tenant {
         let shared = if a.shared_tenant { a } else { b };
-        format!(
+        return Some(format!(
             "only `{}` says `tenant = shared`: its records are one namespace for every tenant, \
              the other's one per tenant, so one event through both would be two records and \
              run twice; give every claimant the same `tenant` (`shared` on all, or a tenant \
              expression on all)",
             shared.site.function
+        ));
+    }
+    (a.records_errors != b.records_errors).then(|| {
+        let (recording, releasing) = if a.records_errors { (a, b) } else { (b, a) };
+        format!(
+            "only `{}` records errors (`errors = record` or `record_if`): a retry through `{}` \
+             (`errors = release`) of an event whose error was recorded could neither replay it \
+             nor run, and would be refused until the record expires; give every claimant an \
+             error policy that records, or `release` on all",
+            recording.site.function, releasing.site.function
         )
     })
 }
@@ -208,6 +221,7 @@ mod tests {
             ttl: Duration::from_secs(3600),
             recovers: false,
             shared_tenant: false,
+            records_errors: false,
         }
     }
 
@@ -265,6 +279,12 @@ mod tests {
         assert!(matches!(
             claim("t/w", "r.w", shared("http", 1)).and(claim("t/w", "r.w", one_namespace)),
             Err(Refusal::Disagree { what, .. }) if what.contains("only `late` says `tenant = shared`")
+        ));
+        let mut recording = shared("late", 4);
+        recording.records_errors = true;
+        assert!(matches!(
+            claim("t/x", "r.x", shared("http", 1)).and(claim("t/x", "r.x", recording)),
+            Err(Refusal::Disagree { what, .. }) if what.contains("only `late` records errors")
         ));
     }
 }

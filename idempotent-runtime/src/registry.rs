@@ -302,6 +302,18 @@ pub enum Disagreement {
         /// Whether the second site does.
         second: bool,
     },
+    /// One may record an `Err` (`errors = record` or `record_if`) and the
+    /// other releases every error: a retry through the releasing one of an
+    /// event whose error the other recorded can neither replay it nor run,
+    /// and is refused until the record expires.
+    ErrorPolicy {
+        /// The first site's policy.
+        #[serde(serialize_with = "as_text")]
+        first: ErrorPolicy,
+        /// The second site's.
+        #[serde(serialize_with = "as_text")]
+        second: ErrorPolicy,
+    },
 }
 
 impl std::fmt::Display for Disagreement {
@@ -355,6 +367,18 @@ impl std::fmt::Display for Disagreement {
                      through both would run twice; give every claimant the same `tenant`",
                     namespace(first),
                     namespace(second)
+                )
+            }
+            Disagreement::ErrorPolicy { first, second } => {
+                let policy = |p: &ErrorPolicy| format!("`errors = {p}`");
+                write!(
+                    f,
+                    "one records errors and the other releases them ({} vs {}): a retry through \
+                     the releasing one of an event whose error was recorded could neither replay \
+                     it nor run, and would be refused until the record expires; give every \
+                     claimant an error policy that records, or `release` on all",
+                    policy(first),
+                    policy(second)
                 )
             }
         }
@@ -523,9 +547,16 @@ fn disagreement(a: &ScopeInfo, b: &ScopeInfo) -> Option<Disagreement> {
             second: b.recover,
         });
     }
-    (a.shared_tenant != b.shared_tenant).then_some(Disagreement::SharedTenant {
-        first: a.shared_tenant,
-        second: b.shared_tenant,
+    if a.shared_tenant != b.shared_tenant {
+        return Some(Disagreement::SharedTenant {
+            first: a.shared_tenant,
+            second: b.shared_tenant,
+        });
+    }
+    let records = |p: ErrorPolicy| !matches!(p, ErrorPolicy::Release);
+    (records(a.errors) != records(b.errors)).then_some(Disagreement::ErrorPolicy {
+        first: a.errors,
+        second: b.errors,
     })
 }
 
@@ -556,6 +587,11 @@ impl std::fmt::Display for ErrorPolicy {
             ErrorPolicy::RecordIf(p) => write!(f, "record_if({p})"),
         }
     }
+}
+
+/// Serializes a policy as the attribute spells it (`release`, `record_if(path)`).
+fn as_text<S: serde::Serializer>(policy: &ErrorPolicy, to: S) -> Result<S::Ok, S::Error> {
+    to.collect_str(policy)
 }
 
 /// A duration the way the attribute spells it: `24h`, `30s`, `1m 30s`

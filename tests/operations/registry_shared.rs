@@ -267,6 +267,31 @@ fn disagreeing_claimants_are_refused_naming_both_sites() {
     ));
     assert!(err.to_string().contains("run twice"), "{err}");
 
+    // One records errors, the other releases them: a retry through the
+    // releasing one of a recorded error could neither replay it nor run.
+    let mut recording = variant(12, Duration::from_secs(3600), &["order", "amount"], true);
+    recording.errors = ErrorPolicy::RecordIf("app::refunds::is_final");
+    let err = registry::validate_infos(&[&here, &recording]).unwrap_err();
+    let RegistryError::SharedScopeConflicts(conflicts) = &err else {
+        panic!("{err:?}")
+    };
+    assert!(matches!(
+        conflicts[0].disagreement,
+        Disagreement::ErrorPolicy {
+            first: ErrorPolicy::Release,
+            second: ErrorPolicy::RecordIf("app::refunds::is_final")
+        }
+    ));
+    assert!(
+        err.to_string()
+            .contains("`errors = release` vs `errors = record_if(app::refunds::is_final)`"),
+        "{err}"
+    );
+    // Two policies that both record agree.
+    let mut here_recording = here.clone();
+    here_recording.errors = ErrorPolicy::Record;
+    assert!(registry::validate_infos(&[&here_recording, &recording]).is_ok());
+
     let fewer = variant(12, Duration::from_secs(3600), &["order"], true);
     let err = registry::validate_infos(&[&here, &fewer]).unwrap_err();
     let message = err.to_string();
