@@ -6,14 +6,12 @@
 //! a site is identified by its file and function name.
 //!
 //! A scope has one claimant, or several that all say `shared_scope` (rule 21)
-//! and agree on what they fingerprint (the parameter names: the canonical
-//! form is computed over names and values), on their ttl, on whether they
-//! ask a `recover` hook, on whether their tenant is `shared` and on whether
-//! they record errors.
+//! and agree on the terms `idempotent_rules::shared_scope` lists.
 //!
 //! Limitation: claims in *different* crates are not visible here; the runtime's
 //! `registry::validate()` reports them when the program starts.
 
+use idempotent_rules::shared_scope::{first_difference, Difference, Terms};
 use std::collections::HashMap;
 use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
@@ -84,53 +82,64 @@ fn human(d: Duration) -> String {
     idempotent_rules::duration::format_duration(d)
 }
 
-/// What `a` and `b`, both sharing a scope, disagree on.
+impl Claim {
+    /// What rule 21 compares.
+    fn terms(&self) -> Terms<'_> {
+        Terms {
+            fingerprint: self
+                .fingerprint
+                .as_ref()
+                .map(|names| names.iter().map(String::as_str).collect()),
+            ttl: self.ttl,
+            recovers: self.recovers,
+            shared_tenant: self.shared_tenant,
+            records_errors: self.records_errors,
+        }
+    }
+}
+
+/// What `a` and `b`, both sharing a scope, disagree on (the rule:
+/// `idempotent_rules::shared_scope`), said for the compile error.
 fn disagreement(a: &Claim, b: &Claim) -> Option<String> {
-    if a.fingerprint != b.fingerprint {
-        return Some(format!(
+    let pick = |of: fn(&Claim) -> bool| if of(a) { a } else { b };
+    Some(match first_difference(&a.terms(), &b.terms())? {
+        Difference::Fingerprint => format!(
             "they fingerprint different parameters: {} vs {}. The fingerprint is computed over the \
              parameters' names and values, so the same request through both would be refused as a \
              mismatch; give the parameters the same names (or `skip(...)` the extra ones)",
             shape(&a.fingerprint),
             shape(&b.fingerprint)
-        ));
-    }
-    if a.ttl != b.ttl {
-        return Some(format!(
+        ),
+        Difference::Ttl => format!(
             "their ttl differs: {} vs {}. Whether a duplicate is recognised would depend on which \
              of them recorded it; give both the same `ttl`",
             human(a.ttl),
             human(b.ttl)
-        ));
-    }
-    if a.recovers != b.recovers {
-        let with = if a.recovers { a } else { b };
-        return Some(format!(
+        ),
+        Difference::Recover => format!(
             "only `{}` asks a `recover` hook before taking over a crashed attempt: after its \
              crash, the other would run the body again blind (rule 20); give every claimant a \
              `recover` hook, or none",
-            with.site.function
-        ));
-    }
-    if a.shared_tenant != b.shared_tenant {
-        let shared = if a.shared_tenant { a } else { b };
-        return Some(format!(
+            pick(|c| c.recovers).site.function
+        ),
+        Difference::SharedTenant => format!(
             "only `{}` says `tenant = shared`: its records are one namespace for every tenant, \
              the other's one per tenant, so one event through both would be two records and \
              run twice; give every claimant the same `tenant` (`shared` on all, or a tenant \
              expression on all)",
-            shared.site.function
-        ));
-    }
-    (a.records_errors != b.records_errors).then(|| {
-        let (recording, releasing) = if a.records_errors { (a, b) } else { (b, a) };
-        format!(
-            "only `{}` records errors (`errors = record` or `record_if`): a retry through `{}` \
-             (`errors = release`) of an event whose error was recorded could neither replay it \
-             nor run, and would be refused until the record expires; give every claimant an \
-             error policy that records, or `release` on all",
-            recording.site.function, releasing.site.function
-        )
+            pick(|c| c.shared_tenant).site.function
+        ),
+        Difference::ErrorPolicy => {
+            let recording = pick(|c| c.records_errors);
+            let releasing = if std::ptr::eq(recording, a) { b } else { a };
+            format!(
+                "only `{}` records errors (`errors = record` or `record_if`): a retry through `{}` \
+                 (`errors = release`) of an event whose error was recorded could neither replay it \
+                 nor run, and would be refused until the record expires; give every claimant an \
+                 error policy that records, or `release` on all",
+                recording.site.function, releasing.site.function
+            )
+        }
     })
 }
 

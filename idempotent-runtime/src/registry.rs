@@ -4,6 +4,7 @@
 //! (through `inventory`), so the scopes a binary claims can be listed and
 //! compared with what a store holds.
 
+use idempotent_rules::shared_scope::{first_difference, Difference, Terms};
 use std::time::Duration;
 
 /// What a duplicate gets while the first call is still running.
@@ -159,6 +160,17 @@ impl ScopeInfo {
             shared_tenant,
             recover,
             shared_scope,
+        }
+    }
+
+    /// What rule 21 compares between claimants of a shared scope.
+    fn terms(&self) -> Terms<'static> {
+        Terms {
+            fingerprint: self.fingerprint_shape(),
+            ttl: self.ttl,
+            recovers: self.recover.is_some(),
+            shared_tenant: self.shared_tenant,
+            records_errors: !matches!(self.errors, ErrorPolicy::Release),
         }
     }
 
@@ -526,37 +538,30 @@ pub fn validate_infos(infos: &[&ScopeInfo]) -> Result<(), RegistryError> {
     }
 }
 
-/// What two claimants of a shared scope disagree on, if anything.
+/// What two claimants of a shared scope disagree on, if anything (the rule:
+/// `idempotent_rules::shared_scope`).
 fn disagreement(a: &ScopeInfo, b: &ScopeInfo) -> Option<Disagreement> {
-    let (fa, fb) = (a.fingerprint_shape(), b.fingerprint_shape());
-    if fa != fb {
-        return Some(Disagreement::Fingerprint {
-            first: fa,
-            second: fb,
-        });
-    }
-    if a.ttl != b.ttl {
-        return Some(Disagreement::Ttl {
+    Some(match first_difference(&a.terms(), &b.terms())? {
+        Difference::Fingerprint => Disagreement::Fingerprint {
+            first: a.fingerprint_shape(),
+            second: b.fingerprint_shape(),
+        },
+        Difference::Ttl => Disagreement::Ttl {
             first: a.ttl,
             second: b.ttl,
-        });
-    }
-    if a.recover.is_some() != b.recover.is_some() {
-        return Some(Disagreement::Recover {
+        },
+        Difference::Recover => Disagreement::Recover {
             first: a.recover,
             second: b.recover,
-        });
-    }
-    if a.shared_tenant != b.shared_tenant {
-        return Some(Disagreement::SharedTenant {
+        },
+        Difference::SharedTenant => Disagreement::SharedTenant {
             first: a.shared_tenant,
             second: b.shared_tenant,
-        });
-    }
-    let records = |p: ErrorPolicy| !matches!(p, ErrorPolicy::Release);
-    (records(a.errors) != records(b.errors)).then_some(Disagreement::ErrorPolicy {
-        first: a.errors,
-        second: b.errors,
+        },
+        Difference::ErrorPolicy => Disagreement::ErrorPolicy {
+            first: a.errors,
+            second: b.errors,
+        },
     })
 }
 

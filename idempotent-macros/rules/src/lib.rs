@@ -7,7 +7,8 @@
 //!   minimums and defaults;
 //! - [`manifest`]: the scope manifest `idempotent.toml` (declared and retired
 //!   scopes, per-scope `ttl` and `lease`) and the one order in which it is
-//!   looked for.
+//!   looked for;
+//! - [`shared_scope`]: what every claimant of a shared scope must agree on.
 //!
 //! Every check returns a typed error whose message says what to change. Use it
 //! through `idempotent-runtime` (`idempotent_runtime::manifest`); this crate
@@ -16,3 +17,4 @@
 pub mod duration;
 pub mod manifest;
 pub mod scope;
+pub mod shared_scope;
