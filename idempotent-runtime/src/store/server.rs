@@ -81,6 +81,9 @@ pub(crate) struct RuntimePools<DB: Database> {
     home_runtime: Option<(Id, Arc<AtomicBool>)>,
     /// The pools of the other runtimes, each removed when its runtime shuts down.
     others: Arc<Mutex<HashMap<Id, Pool<DB>>>>,
+    /// Dropped with the store: ends the tasks [`on_shutdown`] left on the
+    /// runtimes it was used from (nothing is ever sent).
+    gone: tokio::sync::watch::Sender<()>,
 }
 
 impl<DB: Database> std::fmt::Debug for RuntimePools<DB> {
@@ -98,18 +101,22 @@ impl<DB: Database> std::fmt::Debug for RuntimePools<DB> {
 impl<DB: Database> RuntimePools<DB> {
     /// Pools for a store opened with `pool` on the current runtime.
     pub(crate) fn new(pool: Pool<DB>) -> Self {
+        let (gone, _) = tokio::sync::watch::channel(());
         let home_runtime = Handle::try_current().ok().map(|runtime| {
             let alive = Arc::new(AtomicBool::new(true));
             let flag = alive.clone();
             // Dropped when the runtime shuts down: from then on its id never
             // selects the pool it opened (ids of finished runtimes may be reused).
-            on_shutdown(&runtime, move || flag.store(false, Ordering::Release));
+            on_shutdown(&runtime, gone.subscribe(), move || {
+                flag.store(false, Ordering::Release)
+            });
             (runtime.id(), alive)
         });
         RuntimePools {
             home: pool,
             home_runtime,
             others: Arc::new(Mutex::new(HashMap::new())),
+            gone,
         }
     }
 
@@ -143,7 +150,7 @@ impl<DB: Database> RuntimePools<DB> {
         others.insert(id, pool.clone());
         drop(others);
         let others = Arc::downgrade(&self.others);
-        on_shutdown(&runtime, move || forget(&others, id));
+        on_shutdown(&runtime, self.gone.subscribe(), move || forget(&others, id));
         Cow::Owned(pool)
     }
 }
@@ -157,9 +164,15 @@ fn forget<DB: Database>(others: &Weak<Mutex<HashMap<Id, Pool<DB>>>>, id: Id) {
     }
 }
 
-/// Runs `then` when `runtime` shuts down: a task that never finishes holds
-/// it, and a runtime drops its tasks when it shuts down.
-fn on_shutdown(runtime: &Handle, then: impl FnOnce() + Send + 'static) {
+/// Runs `then` when `runtime` shuts down: a task that lasts as long as the
+/// store holds it, and a runtime drops its tasks when it shuts down. When the
+/// store is dropped first (`gone` closes), the task ends and `then` runs
+/// then, so a runtime that outlives many stores keeps no task per store.
+fn on_shutdown(
+    runtime: &Handle,
+    mut gone: tokio::sync::watch::Receiver<()>,
+    then: impl FnOnce() + Send + 'static,
+) {
     struct OnDrop<F: FnOnce()>(Option<F>);
     impl<F: FnOnce()> Drop for OnDrop<F> {
         fn drop(&mut self) {
@@ -171,7 +184,8 @@ fn on_shutdown(runtime: &Handle, then: impl FnOnce() + Send + 'static) {
     let guard = OnDrop(Some(then));
     runtime.spawn(async move {
         let _guard = guard;
-        std::future::pending::<()>().await;
+        // Nothing is ever sent: this ends when the store's sender is dropped.
+        while gone.changed().await.is_ok() {}
     });
 }
 
