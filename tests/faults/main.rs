@@ -14,6 +14,6 @@ mod mysql_wire;
 mod postgres_faults;
 mod postgres_session_settings;
 mod postgres_wire;
-mod r6_review;
+mod runtime_pools;
 mod runtimes;
 mod stuck_heartbeat;

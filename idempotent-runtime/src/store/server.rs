@@ -141,11 +141,14 @@ impl<DB: Database> RuntimePools<DB> {
         if let Some(pool) = others.get(&id) {
             return Cow::Owned(pool.clone());
         }
-        // Lazy: connections are opened by this runtime's own statements.
+        // Lazy, and nothing opened ahead: connections are opened by this
+        // runtime's own statements, as many as it uses at once (at most the
+        // pool's `max_connections` per runtime).
         let pool = self
             .home
             .options()
             .clone()
+            .min_connections(0)
             .connect_lazy_with((*self.home.connect_options()).clone());
         others.insert(id, pool.clone());
         drop(others);
