@@ -485,6 +485,8 @@ pub trait Store: Send + Sync {
     /// over). Calls made after this returns are served as usual. The default
     /// returns 0 at once: a store that finishes such work before
     /// `release_detached` returns (the memory store) has nothing to wait for.
+    /// A store that wraps another must forward this call (as `Arc<S>` and
+    /// `Box<S>` do), or the wrapped store's work is reported done.
     ///
     /// ```no_run
     /// # async fn serve() {}
