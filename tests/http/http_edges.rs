@@ -468,6 +468,47 @@ async fn the_client_does_not_rerun_a_handler_whose_answer_could_not_be_recorded(
     );
 }
 
+/// A replayed answer is final whatever its status: a layer that records 5xx
+/// answers replays the first 503 to the retry, and the client returns it
+/// (`is_replayed`, two attempts) instead of retrying replays until it gives
+/// up and reports the outcome unknown.
+#[tokio::test]
+async fn the_client_returns_a_replayed_5xx_as_final() {
+    let calls = Arc::new(AtomicUsize::new(0));
+    let counted = calls.clone();
+    let layer = IdempotencyLayer::builder("contract_edges.recorded_5xx", MemoryStore::new())
+        .tenant_from_extension::<Account>()
+        .record_server_errors(true)
+        .build()
+        .expect("layer");
+    let app = Router::new()
+        .route(
+            "/charges",
+            post(move || {
+                let counted = counted.clone();
+                async move {
+                    counted.fetch_add(1, Ordering::SeqCst);
+                    (StatusCode::SERVICE_UNAVAILABLE, "gateway down").into_response()
+                }
+            }),
+        )
+        .route_layer(layer)
+        .layer(middleware::from_fn(authenticate));
+    let (base, _task) = serve(app).await;
+    let answer = fast_retrying_client(RetryPolicy::default().max_attempts)
+        .intent(Method::POST, &format!("{base}/charges"))
+        .unwrap()
+        .header("x-account-id", &fresh_tenant())
+        .unwrap()
+        .send()
+        .await
+        .expect("a replayed 503 is a final answer");
+    assert_eq!(answer.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert!(answer.is_replayed(), "the second attempt is the replay");
+    assert_eq!(answer.attempts(), 2);
+    assert_eq!(calls.load(Ordering::SeqCst), 1, "the handler ran once");
+}
+
 /// A client that retries at once (a few ms of backoff), at most `max_attempts` times.
 fn fast_retrying_client(max_attempts: u32) -> IdempotentClient {
     IdempotentClient::new(reqwest::Client::new()).with_policy(RetryPolicy {

@@ -211,10 +211,7 @@ impl IdempotentResponse {
     /// true`): the operation had already been carried out, by an earlier
     /// attempt whose answer was lost or by a concurrent one.
     pub fn is_replayed(&self) -> bool {
-        self.headers
-            .get(REPLAYED)
-            .and_then(|v| v.to_str().ok())
-            .is_some_and(|v| v.trim().eq_ignore_ascii_case("true"))
+        replayed(&self.headers)
     }
 
     /// How many attempts it took (1: no retry).
@@ -233,15 +230,26 @@ impl IdempotentResponse {
     }
 }
 
-/// Whether a 409 may say the request with this key is still running (worth
-/// retrying): any 409 but a replayed one. A replay (`Idempotent-Replayed:
-/// true`) is the key's recorded, final answer, whatever it says. A fresh 409
-/// cannot be told apart: the layer's in-progress problem, another server's
-/// (the IETF draft's problem type is the server's own, without
-/// `Retry-After`) and a handler's own 409 look alike; the retry settles it
-/// (a handler's recorded 409 comes back replayed).
-fn still_running(headers: &HeaderMap) -> bool {
-    !headers
+/// Whether an answer is worth another attempt with the same key. A replay
+/// (`Idempotent-Replayed: true`) never is: it is the key's recorded, final
+/// answer, whatever its status (a recorded 5xx or 409 included). Of fresh
+/// answers: a 5xx, but not a 500 `response-not-recorded` (the handler ran;
+/// a retry would run it again); and a 409, which may say the request with
+/// this key is still running. A fresh 409 cannot be told apart: the layer's
+/// in-progress problem, another server's (the IETF draft's problem type is
+/// the server's own, without `Retry-After`) and a handler's own 409 look
+/// alike; the retry settles it (a handler's recorded 409 comes back replayed).
+fn worth_retrying(status: StatusCode, headers: &HeaderMap, body: &[u8]) -> bool {
+    if replayed(headers) {
+        return false;
+    }
+    (status.is_server_error() && !handler_ran_unrecorded(headers, body))
+        || status == StatusCode::CONFLICT
+}
+
+/// The answer says `Idempotent-Replayed: true`.
+fn replayed(headers: &HeaderMap) -> bool {
+    headers
         .get(REPLAYED)
         .and_then(|v| v.to_str().ok())
         .is_some_and(|v| v.trim().eq_ignore_ascii_case("true"))
@@ -389,8 +397,9 @@ impl Intent {
     }
 
     /// Sends the request, retrying with the same key per the client's
-    /// [`RetryPolicy`]. Returns the first final answer (2xx, 3xx, 4xx other
-    /// than a 409 that is not a replay, a 500 `response-not-recorded`), or [`ClientError::RetriesExhausted`] when every attempt
+    /// [`RetryPolicy`]. Returns the first final answer (a replay, whatever
+    /// its status; 2xx, 3xx, 4xx other than a fresh 409; a 500
+    /// `response-not-recorded`), or [`ClientError::RetriesExhausted`] when every attempt
     /// failed retryably. Calling it again later is a further retry of the
     /// same operation, with the same key.
     pub async fn send(&self) -> Result<IdempotentResponse, ClientError> {
@@ -401,10 +410,7 @@ impl Intent {
             attempt += 1;
             let last = match self.attempt().await {
                 Ok((status, headers, body)) => {
-                    let retryable = (status.is_server_error()
-                        && !handler_ran_unrecorded(&headers, &body))
-                        || (status == StatusCode::CONFLICT && still_running(&headers));
-                    if !retryable {
+                    if !worth_retrying(status, &headers, &body) {
                         return Ok(IdempotentResponse {
                             status,
                             headers,
