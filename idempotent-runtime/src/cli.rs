@@ -42,8 +42,10 @@ use crate::manifest::{Manifest, ManifestError, ENV_VAR, FILE_NAME};
 use crate::purge::{purge_all, DEFAULT_BATCH};
 use crate::registry::Format;
 use crate::store::{ForcedRelease, RecordSnapshot, RecordState};
+use crate::Store;
 use clap::{Args, Parser, Subcommand};
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::{Duration, UNIX_EPOCH};
 
 /// Inspect and maintain idempotency records: list the scopes of a manifest,
@@ -151,6 +153,8 @@ pub struct RecordArgs {
 
 impl RecordArgs {
     fn identity(&self) -> Result<Identity, CliError> {
+        // A scope the attribute would refuse names no record.
+        idempotent_rules::scope::check_scope(&self.scope).map_err(CliError::BadScope)?;
         let identity = match &self.tenant {
             Some(tenant) => Identity::new(tenant.as_str(), self.scope.as_str(), self.key.as_str()),
             None => Identity::shared(self.scope.as_str(), self.key.as_str()),
@@ -181,6 +185,18 @@ pub enum CliError {
     /// The store could not be opened.
     #[error(transparent)]
     Connect(#[from] ConnectError),
+    /// A `sqlite:` URL names a file that does not exist: the command line
+    /// opens stores, it never creates one (a mistyped path would otherwise
+    /// look like an empty, healthy store).
+    #[error("there is no SQLite database at {}; check the path in --database-url \
+             (the command line never creates a database)", .path.display())]
+    NoSqliteDatabase {
+        /// The file the URL names.
+        path: PathBuf,
+    },
+    /// `--scope` is not a scope the attribute accepts, so no record has it.
+    #[error("--scope: {0}")]
+    BadScope(idempotent_rules::scope::ScopeError),
     /// The store failed during the command.
     #[error(transparent)]
     Store(#[from] crate::Error),
@@ -226,6 +242,28 @@ where
     run(Cli::try_parse_from(args)?).await
 }
 
+/// Opens the store a URL names, as [`connect_url`] does, but never creates a
+/// SQLite file: an operator's mistyped path is an error, not a new database.
+async fn open_store(url: &str) -> Result<Arc<dyn Store>, CliError> {
+    #[cfg(feature = "sqlite")]
+    if url
+        .get(..7)
+        .is_some_and(|scheme| scheme.eq_ignore_ascii_case("sqlite:"))
+    {
+        use std::str::FromStr;
+        if let Ok(options) = sqlx::sqlite::SqliteConnectOptions::from_str(url) {
+            let path = options.get_filename();
+            let in_memory = path.as_os_str() == ":memory:";
+            if !in_memory && !path.exists() {
+                return Err(CliError::NoSqliteDatabase {
+                    path: path.to_path_buf(),
+                });
+            }
+        }
+    }
+    Ok(connect_url(url).await?)
+}
+
 /// Runs a parsed command; returns what it prints on stdout.
 pub async fn run(cli: Cli) -> Result<String, CliError> {
     match cli.command {
@@ -239,7 +277,7 @@ pub async fn run(cli: Cli) -> Result<String, CliError> {
             json,
         } => {
             let manifest = load_manifest(manifest)?;
-            let store = connect_url(&database_url).await?;
+            let store = open_store(&database_url).await?;
             let report = audit(&*store, &KnownScope::from_manifest(&manifest)).await?;
             Ok(report.render(format(json)))
         }
@@ -248,7 +286,7 @@ pub async fn run(cli: Cli) -> Result<String, CliError> {
             batch,
             json,
         } => {
-            let store = connect_url(&database_url).await?;
+            let store = open_store(&database_url).await?;
             let deleted = purge_all(&*store, batch)
                 .await
                 .map_err(crate::Error::from)?;
@@ -260,7 +298,7 @@ pub async fn run(cli: Cli) -> Result<String, CliError> {
             json,
         } => {
             let identity = record.identity()?;
-            let store = connect_url(&record.database_url).await?;
+            let store = open_store(&record.database_url).await?;
             let snapshot = store
                 .fetch(&identity)
                 .await
@@ -285,7 +323,7 @@ pub async fn run(cli: Cli) -> Result<String, CliError> {
                 return Err(CliError::NoReason);
             }
             let identity = record.identity()?;
-            let store = connect_url(&record.database_url).await?;
+            let store = open_store(&record.database_url).await?;
             let answer = store
                 .force_release(&identity, !even_if_running)
                 .await

@@ -255,6 +255,62 @@ async fn mistakes_are_reported_with_what_to_fix() {
     .await
     .expect_err("batch 0");
     assert!(matches!(e, CliError::Usage(_)), "{e}");
+
+    // A mistyped SQLite path is an error, and no database is created there:
+    // an empty new file would look like a healthy store with nothing in it.
+    let typo = dir.0.join("typo.db");
+    let url = format!("sqlite:{}", typo.display());
+    for command in [
+        vec![
+            "idempotent",
+            "audit",
+            "--database-url",
+            &url,
+            "--manifest",
+            &manifest,
+        ],
+        vec!["idempotent", "purge", "--database-url", &url],
+        vec![
+            "idempotent",
+            "inspect",
+            "--database-url",
+            &url,
+            "--scope",
+            "orders.place",
+            "--tenant",
+            "t",
+            "--key",
+            "k",
+        ],
+    ] {
+        let e = run_from(command.clone())
+            .await
+            .expect_err("no database at that path");
+        assert!(
+            matches!(e, CliError::NoSqliteDatabase { .. }),
+            "{command:?}: {e}"
+        );
+        assert!(e.to_string().contains("typo.db"), "{e}");
+        assert!(!typo.exists(), "{command:?} created {}", typo.display());
+    }
+
+    // A scope the attribute refuses names no record: said, with the rule.
+    let e = run_from([
+        "idempotent",
+        "inspect",
+        "--database-url",
+        "sqlite::memory:",
+        "--scope",
+        "Orders.Place",
+        "--tenant",
+        "t",
+        "--key",
+        "k",
+    ])
+    .await
+    .expect_err("not a scope");
+    assert!(matches!(e, CliError::BadScope(_)), "{e}");
+    assert!(e.to_string().contains("--scope"), "{e}");
 }
 
 /// The real binary, built by cargo and run once.
