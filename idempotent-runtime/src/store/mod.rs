@@ -482,7 +482,15 @@ pub trait Store: Send + Sync {
     /// a background thread of their own; returning from `main` ends that thread
     /// with whatever it still holds, and those records then stay in progress
     /// until their lease runs out (a retry waits that long, or takes the record
-    /// over). Calls made after this returns are served as usual. The default
+    /// over). Calls made after this returns are served as usual.
+    ///
+    /// It waits for work already handed over: let the dropped calls be
+    /// dropped first (await aborted tasks, or shut the serving runtime down
+    /// with `shutdown_timeout` or by dropping it; `shutdown_background` does
+    /// not wait for that). A release of a call dropped while its reservation
+    /// was in flight is tried for about 9 s while it finds nothing (the
+    /// reservation may still land), so give `within` that much when such
+    /// drops are likely. The default
     /// returns 0 at once: a store that finishes such work before
     /// `release_detached` returns (the memory store) has nothing to wait for.
     /// A store that wraps another must forward this call (as `Arc<S>` and
