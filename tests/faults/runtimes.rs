@@ -157,19 +157,26 @@ async fn one_test_settled(store: &dyn Store, label: &str) {
     settle().await;
 }
 
+/// Runtime A opens the store (`None`: its server is not reachable) and makes
+/// one test's calls on it; returns both, A still alive.
+fn opened_on_runtime_a(open: Open) -> Option<(tokio::runtime::Runtime, Arc<dyn Store>)> {
+    let a = test_runtime();
+    let store = a.block_on(open())?;
+    a.block_on(one_test_settled(
+        store.as_ref(),
+        "runtime A (opened the store)",
+    ));
+    Some((a, store))
+}
+
 /// Opens the store on runtime A, uses it there, drops A; then runtimes B, C,
 /// D (one after the other, each dropped at its end, like separate tests)
 /// each make a call and its replay through the same store.
 fn sequence_after_the_opening_runtime_is_gone(open: Open) {
     within_deadline(move || {
-        let a = test_runtime();
-        let Some(store) = a.block_on(open()) else {
+        let Some((a, store)) = opened_on_runtime_a(open) else {
             return;
         };
-        a.block_on(one_test_settled(
-            store.as_ref(),
-            "runtime A (opened the store)",
-        ));
         drop(a);
         for label in ["runtime B", "runtime C", "runtime D"] {
             let runtime = test_runtime();
@@ -183,14 +190,9 @@ fn sequence_after_the_opening_runtime_is_gone(open: Open) {
 /// on it, so its I/O driver does not run): runtime B, then C, use the store.
 fn while_the_opening_runtime_is_idle(open: Open) {
     within_deadline(move || {
-        let a = test_runtime();
-        let Some(store) = a.block_on(open()) else {
+        let Some((a, store)) = opened_on_runtime_a(open) else {
             return;
         };
-        a.block_on(one_test_settled(
-            store.as_ref(),
-            "runtime A (opened the store)",
-        ));
         for label in ["runtime B", "runtime C"] {
             let runtime = test_runtime();
             runtime.block_on(one_test_settled(store.as_ref(), label));
@@ -206,14 +208,9 @@ fn while_the_opening_runtime_is_idle(open: Open) {
 /// store and runs the body; runtime D replays it.
 fn dropped_call_after_the_opening_runtime_is_gone(open: Open) {
     within_deadline(move || {
-        let a = test_runtime();
-        let Some(store) = a.block_on(open()) else {
+        let Some((a, store)) = opened_on_runtime_a(open) else {
             return;
         };
-        a.block_on(one_test_settled(
-            store.as_ref(),
-            "runtime A (opened the store)",
-        ));
         drop(a);
 
         let tenant = fresh_tenant();
@@ -264,14 +261,9 @@ fn dropped_call_after_the_opening_runtime_is_gone(open: Open) {
 /// start and end while others are using connections.
 fn parallel_test_runtimes(open: Open) {
     within_deadline(move || {
-        let a = test_runtime();
-        let Some(store) = a.block_on(open()) else {
+        let Some((a, store)) = opened_on_runtime_a(open) else {
             return;
         };
-        a.block_on(one_test_settled(
-            store.as_ref(),
-            "runtime A (opened the store)",
-        ));
         drop(a);
         let threads: Vec<_> = (0..4)
             .map(|thread| {
