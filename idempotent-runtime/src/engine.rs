@@ -6,7 +6,9 @@ use crate::identity::Identity;
 use crate::metrics::{CallOutcome, METRICS};
 use crate::recovery::{Recovery, Takeover};
 use crate::registry::{InProgressPolicy, ScopeInfo};
-use crate::store::{Fenced, OwnerToken, Reservation, ReserveRequest, Store, StoredOutcome};
+use crate::store::{
+    AnsweredBy, Fenced, OwnerToken, Reservation, ReserveRequest, Store, StoredOutcome,
+};
 use futures_util::future::BoxFuture;
 use futures_util::FutureExt;
 use serde::{de::DeserializeOwned, Serialize};
@@ -230,7 +232,7 @@ struct FinishOnDrop<'a> {
     armed: AtomicBool,
     /// The outcome being recorded, while its completion is under way, and
     /// whether a recover hook gave it (the record is then marked recovered).
-    completing: Option<(StoredOutcome, Duration, bool)>,
+    completing: Option<(StoredOutcome, Duration, AnsweredBy)>,
     /// The scope has a `recover` hook, and the reservation's answer has not
     /// come back (in flight, or lost): the record may be a takeover of an
     /// owner that died after its side effect. Releasing it would make the
@@ -261,11 +263,12 @@ impl Drop for FinishOnDrop<'_> {
             tracing::info!(target: "idempotent", scope = %identity.scope, key = %identity.log_digest(),
                 "call ended while it held (or may have held) its record; the store releases it");
             self.store.release_detached(identity, token);
-        } else if let Some((outcome, ttl, recovered)) = self.completing.take() {
+        } else if let Some((outcome, ttl, by)) = self.completing.take() {
             let (identity, token) = (self.identity.clone(), self.token.clone());
             tracing::info!(target: "idempotent", scope = %identity.scope, key = %identity.log_digest(),
                 "call dropped while recording its result; the store records it");
-            complete_detached(self.store, identity, token, outcome, ttl, recovered);
+            self.store
+                .complete_detached(identity, token, outcome, ttl, by);
         }
     }
 }
@@ -506,7 +509,7 @@ where
                         &mut sink,
                         &errors,
                         result,
-                        Finished::Recovered,
+                        AnsweredBy::RecoverHook,
                     )
                     .await;
                 }
@@ -547,26 +550,16 @@ where
         &mut sink,
         &errors,
         result,
-        Finished::Executed,
+        AnsweredBy::Body,
     )
     .await
 }
 
-/// Whose answer [`settle`] records.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Finished {
-    /// The body ran.
-    Executed,
-    /// The recover hook answered; the body did not run.
-    Recovered,
-}
-
-impl Finished {
-    fn outcome(self) -> CallOutcome {
-        match self {
-            Finished::Executed => CallOutcome::Executed,
-            Finished::Recovered => CallOutcome::Recovered,
-        }
+/// What the outcome label says for an answer [`settle`] records.
+fn call_outcome(by: AnsweredBy) -> CallOutcome {
+    match by {
+        AnsweredBy::Body => CallOutcome::Executed,
+        AnsweredBy::RecoverHook => CallOutcome::Recovered,
     }
 }
 
@@ -587,7 +580,7 @@ pub(crate) trait RecordSink: Send {
         &mut self,
         stored: StoredOutcome,
         ttl: Duration,
-        by: Finished,
+        by: AnsweredBy,
     ) -> BoxFuture<'_, Result<Fenced, crate::error::StoreError>>;
 }
 
@@ -618,35 +611,23 @@ impl RecordSink for StoreSink<'_, '_> {
         &mut self,
         stored: StoredOutcome,
         ttl: Duration,
-        by: Finished,
+        by: AnsweredBy,
     ) -> BoxFuture<'_, Result<Fenced, crate::error::StoreError>> {
         Box::pin(async move {
             let (store, identity, token) = (self.store, self.guard.identity, self.guard.token);
             // The answer is recordable: from here on a dropped call records
             // it rather than freeing the key for a re-run.
             self.guard.arm(false);
-            let recovered = matches!(by, Finished::Recovered);
-            let stored = &self.guard.completing.insert((stored, ttl, recovered)).0;
-            let written = if recovered {
-                store.complete_recovered(identity, token, stored, ttl).await
-            } else {
-                store.complete(identity, token, stored, ttl).await
-            };
+            let stored = &self.guard.completing.insert((stored, ttl, by)).0;
+            let written = store.complete(identity, token, stored, ttl, by).await;
             let unrecorded = self.guard.completing.take();
-            if let (Err(e), Some((outcome, ttl, recovered))) = (&written, unrecorded) {
+            if let (Err(e), Some((outcome, ttl, by))) = (&written, unrecorded) {
                 // The answer is final: keep trying to record it in the
                 // background (fenced by the token), so a retry replays it
                 // instead of running the body again once the lease runs out.
                 tracing::error!(target: "idempotent", scope = %identity.scope, key = %identity.log_digest(), error = %e,
                     "the answer could not be recorded yet; the store keeps trying");
-                complete_detached(
-                    store,
-                    identity.clone(),
-                    token.clone(),
-                    outcome,
-                    ttl,
-                    recovered,
-                );
+                store.complete_detached(identity.clone(), token.clone(), outcome, ttl, by);
             }
             written
         })
@@ -667,7 +648,7 @@ pub(crate) async fn settle<R, H>(
     sink: &mut dyn RecordSink,
     errors: &H,
     result: Result<R::Value, R::Failure>,
-    by: Finished,
+    by: AnsweredBy,
 ) -> Answered<R>
 where
     R: IdempotentReturn,
@@ -680,22 +661,22 @@ where
             let written = sink.record(stored, spec.ttl, by).await;
             if matches!(written, Ok(Fenced::Written)) {
                 match by {
-                    Finished::Executed => {
+                    AnsweredBy::Body => {
                         tracing::info!(target: "idempotent", scope = spec.scope, key = %digest, recorded_error, "executed")
                     }
-                    Finished::Recovered => {
+                    AnsweredBy::RecoverHook => {
                         tracing::info!(target: "idempotent", scope = spec.scope, key = %digest, recorded_error,
                             "recovered: the recover hook's answer was recorded; the body did not run")
                     }
                 }
             }
-            return after_completion::<R>(written, identity, result, by.outcome());
+            return after_completion::<R>(written, identity, result, call_outcome(by));
         }
         Ok(None) => None,
         Err(e) => Some(e),
     };
     match by {
-        Finished::Executed => {
+        AnsweredBy::Body => {
             if let Err(e) = sink.release().await {
                 return (Err(e.into()), CallOutcome::Failed);
             }
@@ -703,7 +684,7 @@ where
                 tracing::info!(target: "idempotent", scope = spec.scope, key = %digest, "executed; error released");
             }
         }
-        Finished::Recovered => {
+        AnsweredBy::RecoverHook => {
             sink.keep_for_takeover().await;
             tracing::warn!(target: "idempotent", scope = spec.scope, key = %digest,
                 "the recover hook's answer is not recorded; the record stays in progress \
@@ -711,7 +692,7 @@ where
         }
     }
     match unrecorded {
-        None => (result, by.outcome()),
+        None => (result, call_outcome(by)),
         Some(e) => (Err(e.into()), CallOutcome::Failed),
     }
 }
@@ -1154,23 +1135,6 @@ pub(crate) fn decode_replay<R: IdempotentReturn, H: ErrorHandling<R::Failure>>(
         }
     } else {
         serde_json::from_slice(&outcome.payload).map_err(|e| failed(e.to_string()).into())
-    }
-}
-
-/// Hands a completion to the store's background work, keeping the recovered
-/// mark of a recover hook's answer (rule 20).
-fn complete_detached(
-    store: &dyn Store,
-    identity: Identity,
-    token: OwnerToken,
-    outcome: StoredOutcome,
-    ttl: Duration,
-    recovered: bool,
-) {
-    if recovered {
-        store.complete_recovered_detached(identity, token, outcome, ttl);
-    } else {
-        store.complete_detached(identity, token, outcome, ttl);
     }
 }
 

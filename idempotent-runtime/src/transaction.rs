@@ -15,14 +15,14 @@
 
 use crate::engine::{
     failure_outcome, hook_answer, replay, report, reserve, reserve_request, settle, ErrorHandling,
-    Finished, IdempotentReturn, Outcome, RecordSink, Recover, Reserved, Reserver,
+    IdempotentReturn, Outcome, RecordSink, Recover, Reserved, Reserver,
 };
 use crate::error::{Error, StoreError};
 use crate::fingerprint::Fingerprint;
 use crate::identity::Identity;
 use crate::metrics::{CallOutcome, METRICS};
 use crate::registry::ScopeInfo;
-use crate::store::{Fenced, OwnerToken, Reservation, ReserveRequest, StoredOutcome};
+use crate::store::{AnsweredBy, Fenced, OwnerToken, Reservation, ReserveRequest, StoredOutcome};
 use futures_util::future::BoxFuture;
 use std::future::Future;
 use std::sync::atomic::Ordering;
@@ -69,13 +69,15 @@ pub trait TransactionalConnection: Send {
         Ok(false)
     }
 
-    /// Like [`Store::complete`](crate::Store::complete), in this transaction.
+    /// Like [`Store::complete`](crate::Store::complete), in this transaction
+    /// (`by`: the body's answer, or a `recover` hook's, marked recovered).
     async fn complete_in_transaction(
         &mut self,
         identity: &Identity,
         token: &OwnerToken,
         outcome: &StoredOutcome,
         ttl: Duration,
+        by: AnsweredBy,
     ) -> Result<Fenced, StoreError>;
 
     /// Like [`Store::release`](crate::Store::release), in this transaction.
@@ -84,20 +86,6 @@ pub trait TransactionalConnection: Send {
         identity: &Identity,
         token: &OwnerToken,
     ) -> Result<Fenced, StoreError>;
-
-    /// Like [`Store::complete_recovered`](crate::Store::complete_recovered),
-    /// in this transaction: records a `recover` hook's answer (rule 20). The
-    /// default records it like any outcome, without the recovered mark.
-    async fn complete_recovered_in_transaction(
-        &mut self,
-        identity: &Identity,
-        token: &OwnerToken,
-        outcome: &StoredOutcome,
-        ttl: Duration,
-    ) -> Result<Fenced, StoreError> {
-        self.complete_in_transaction(identity, token, outcome, ttl)
-            .await
-    }
 }
 
 /// Implements [`TransactionalConnection`] for a SQL store's sqlx connection
@@ -153,18 +141,10 @@ macro_rules! transactional_connection {
                 token: &$crate::store::OwnerToken,
                 outcome: &$crate::store::StoredOutcome,
                 ttl: std::time::Duration,
+                by: $crate::store::AnsweredBy,
             ) -> Result<$crate::store::Fenced, $crate::error::StoreError> {
-                $complete(self, identity, token, outcome, ttl, false).await
-            }
-
-            async fn complete_recovered_in_transaction(
-                &mut self,
-                identity: &$crate::identity::Identity,
-                token: &$crate::store::OwnerToken,
-                outcome: &$crate::store::StoredOutcome,
-                ttl: std::time::Duration,
-            ) -> Result<$crate::store::Fenced, $crate::error::StoreError> {
-                $complete(self, identity, token, outcome, ttl, true).await
+                let recovered = by == $crate::store::AnsweredBy::RecoverHook;
+                $complete(self, identity, token, outcome, ttl, recovered).await
             }
 
             async fn release_in_transaction(
@@ -216,9 +196,10 @@ where
         token: &OwnerToken,
         outcome: &StoredOutcome,
         ttl: Duration,
+        by: AnsweredBy,
     ) -> Result<Fenced, StoreError> {
         (**self)
-            .complete_in_transaction(identity, token, outcome, ttl)
+            .complete_in_transaction(identity, token, outcome, ttl, by)
             .await
     }
 
@@ -228,18 +209,6 @@ where
         token: &OwnerToken,
     ) -> Result<Fenced, StoreError> {
         (**self).release_in_transaction(identity, token).await
-    }
-
-    async fn complete_recovered_in_transaction(
-        &mut self,
-        identity: &Identity,
-        token: &OwnerToken,
-        outcome: &StoredOutcome,
-        ttl: Duration,
-    ) -> Result<Fenced, StoreError> {
-        (**self)
-            .complete_recovered_in_transaction(identity, token, outcome, ttl)
-            .await
     }
 }
 
@@ -405,7 +374,7 @@ where
                     &mut sink,
                     errors,
                     result,
-                    Finished::Recovered,
+                    AnsweredBy::RecoverHook,
                 )
                 .await;
                 return early::<R>(spec, &span, result, outcome);
@@ -450,22 +419,13 @@ impl<C: TransactionalConnection + ?Sized> RecordSink for TransactionSink<'_, C> 
         &mut self,
         stored: StoredOutcome,
         ttl: Duration,
-        by: Finished,
+        by: AnsweredBy,
     ) -> BoxFuture<'_, Result<Fenced, StoreError>> {
         Box::pin(async move {
             let (identity, token) = (self.identity, self.token);
-            match by {
-                Finished::Executed => {
-                    self.connection
-                        .complete_in_transaction(identity, token, &stored, ttl)
-                        .await
-                }
-                Finished::Recovered => {
-                    self.connection
-                        .complete_recovered_in_transaction(identity, token, &stored, ttl)
-                        .await
-                }
-            }
+            self.connection
+                .complete_in_transaction(identity, token, &stored, ttl, by)
+                .await
         })
     }
 }
@@ -522,7 +482,7 @@ where
         &mut sink,
         errors,
         result.into_result(),
-        Finished::Executed,
+        AnsweredBy::Body,
     )
     .await
 }

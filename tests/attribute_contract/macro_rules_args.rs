@@ -15,8 +15,8 @@ use idempotent_runtime::__private::TransactionalConnection;
 use idempotent_runtime::error::StoreError;
 use idempotent_runtime::registry::{self, ScopeInfo};
 use idempotent_runtime::{
-    idempotent, with_outcome, Error, ErrorPolicy, Fenced, Identity, InProgressPolicy, MemoryStore,
-    Outcome, OwnerToken, Reservation, ReserveRequest, Store, StoredOutcome,
+    idempotent, with_outcome, AnsweredBy, Error, ErrorPolicy, Fenced, Identity, InProgressPolicy,
+    MemoryStore, Outcome, OwnerToken, Reservation, ReserveRequest, Store, StoredOutcome,
 };
 use serde::{Deserialize, Serialize};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -418,6 +418,7 @@ impl TransactionalConnection for FakeTx {
         token: &'c OwnerToken,
         outcome: &'d StoredOutcome,
         ttl: Duration,
+        by: AnsweredBy,
     ) -> BoxFuture<'t, Result<Fenced, StoreError>>
     where
         'a: 't,
@@ -428,7 +429,7 @@ impl TransactionalConnection for FakeTx {
     {
         Box::pin(async move {
             self.statements += 1;
-            self.store.complete(identity, token, outcome, ttl).await
+            self.store.complete(identity, token, outcome, ttl, by).await
         })
     }
 

@@ -3,8 +3,8 @@
 //! not a whole `Store` impl.
 
 use idempotent_runtime::{
-    Fenced, ForcedRelease, Identity, MemoryStore, OwnerToken, RecordSnapshot, Reservation,
-    ReserveRequest, ScopeStats, Store, StoreError, StoredOutcome,
+    AnsweredBy, Fenced, ForcedRelease, Identity, MemoryStore, OwnerToken, RecordSnapshot,
+    Reservation, ReserveRequest, ScopeStats, Store, StoreError, StoredOutcome,
 };
 use std::time::Duration;
 
@@ -30,15 +30,16 @@ pub trait Intercept: Send + Sync + 'static {
         inner.heartbeat(i, t, lease).await
     }
 
-    async fn complete_recovered(
+    async fn complete(
         &self,
         inner: &MemoryStore,
         i: &Identity,
         t: &OwnerToken,
         o: &StoredOutcome,
         ttl: Duration,
+        by: AnsweredBy,
     ) -> Result<Fenced, StoreError> {
-        inner.complete_recovered(i, t, o, ttl).await
+        inner.complete(i, t, o, ttl, by).await
     }
 }
 
@@ -86,19 +87,9 @@ impl<I: Intercept> Store for Hooked<I> {
         t: &OwnerToken,
         o: &StoredOutcome,
         ttl: Duration,
+        by: AnsweredBy,
     ) -> Result<Fenced, StoreError> {
-        self.inner.complete(i, t, o, ttl).await
-    }
-    async fn complete_recovered(
-        &self,
-        i: &Identity,
-        t: &OwnerToken,
-        o: &StoredOutcome,
-        ttl: Duration,
-    ) -> Result<Fenced, StoreError> {
-        self.intercept
-            .complete_recovered(&self.inner, i, t, o, ttl)
-            .await
+        self.intercept.complete(&self.inner, i, t, o, ttl, by).await
     }
     async fn release(&self, i: &Identity, t: &OwnerToken) -> Result<Fenced, StoreError> {
         self.inner.release(i, t).await
@@ -106,17 +97,15 @@ impl<I: Intercept> Store for Hooked<I> {
     fn release_detached(&self, i: Identity, t: OwnerToken) {
         self.inner.release_detached(i, t)
     }
-    fn complete_detached(&self, i: Identity, t: OwnerToken, o: StoredOutcome, ttl: Duration) {
-        self.inner.complete_detached(i, t, o, ttl)
-    }
-    fn complete_recovered_detached(
+    fn complete_detached(
         &self,
         i: Identity,
         t: OwnerToken,
         o: StoredOutcome,
         ttl: Duration,
+        by: AnsweredBy,
     ) {
-        self.inner.complete_recovered_detached(i, t, o, ttl)
+        self.inner.complete_detached(i, t, o, ttl, by)
     }
     fn end_lease_detached(&self, i: Identity, t: OwnerToken) {
         self.inner.end_lease_detached(i, t)

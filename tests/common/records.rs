@@ -2,7 +2,7 @@
 //! (audit, CLI, purge): no annotated function, just the states they inspect.
 
 use idempotent_runtime::{
-    Fenced, Identity, OwnerToken, Reservation, ReserveRequest, Store, StoredOutcome,
+    AnsweredBy, Fenced, Identity, OwnerToken, Reservation, ReserveRequest, Store, StoredOutcome,
 };
 use std::time::Duration;
 
@@ -37,7 +37,7 @@ pub async fn plant(
         };
         assert_eq!(
             store
-                .complete(&identity, &token, &outcome, ttl)
+                .complete(&identity, &token, &outcome, ttl, AnsweredBy::Body)
                 .await
                 .expect("complete"),
             Fenced::Written

@@ -3,8 +3,8 @@
 #![allow(dead_code)]
 
 use idempotent_runtime::{
-    idempotent, Error, Fenced, Identity, KeyProblem, OwnerToken, Reservation, ReserveRequest,
-    Store, StoredOutcome, MAX_RESULT_BYTES,
+    idempotent, AnsweredBy, Error, Fenced, Identity, KeyProblem, OwnerToken, Reservation,
+    ReserveRequest, Store, StoredOutcome, MAX_RESULT_BYTES,
 };
 use std::time::Duration;
 
@@ -59,7 +59,13 @@ pub async fn awkward_identities_match_exactly(store: &dyn Store) {
             };
             assert_eq!(
                 store
-                    .complete(&id, &token, &outcome, Duration::from_secs(3600))
+                    .complete(
+                        &id,
+                        &token,
+                        &outcome,
+                        Duration::from_secs(3600),
+                        AnsweredBy::Body
+                    )
                     .await
                     .expect("complete"),
                 Fenced::Written
@@ -129,7 +135,13 @@ pub async fn several_megabytes_round_trip(store: &dyn Store) {
     };
     assert_eq!(
         store
-            .complete(&id, &token, &outcome, Duration::from_secs(3600))
+            .complete(
+                &id,
+                &token,
+                &outcome,
+                Duration::from_secs(3600),
+                AnsweredBy::Body
+            )
             .await
             .expect("complete"),
         Fenced::Written

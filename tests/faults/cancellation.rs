@@ -14,9 +14,9 @@ use crate::common;
 
 use common::servers::{fresh_tenant, mysql_store_or_skip, pg_store_or_skip};
 use idempotent_runtime::{
-    idempotent, with_outcome, Error, Fenced, Identity, MemoryStore, Outcome, OwnerToken,
-    RecordSnapshot, RecordState, Reservation, ReserveRequest, ScopeStats, SqliteStore, Store,
-    StoreError, StoredOutcome,
+    idempotent, with_outcome, AnsweredBy, Error, Fenced, Identity, MemoryStore, Outcome,
+    OwnerToken, RecordSnapshot, RecordState, Reservation, ReserveRequest, ScopeStats, SqliteStore,
+    Store, StoreError, StoredOutcome,
 };
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -62,12 +62,13 @@ impl Store for Stalling {
         t: &OwnerToken,
         o: &StoredOutcome,
         ttl: Duration,
+        by: AnsweredBy,
     ) -> Result<Fenced, StoreError> {
         if self.stall == Stall::Complete {
             self.stalled.notify_one();
             std::future::pending::<()>().await;
         }
-        self.inner.complete(i, t, o, ttl).await
+        self.inner.complete(i, t, o, ttl, by).await
     }
     async fn release(&self, i: &Identity, t: &OwnerToken) -> Result<Fenced, StoreError> {
         self.inner.release(i, t).await
@@ -83,17 +84,15 @@ impl Store for Stalling {
     fn release_detached(&self, i: Identity, t: OwnerToken) {
         self.inner.release_detached(i, t)
     }
-    fn complete_detached(&self, i: Identity, t: OwnerToken, o: StoredOutcome, ttl: Duration) {
-        self.inner.complete_detached(i, t, o, ttl)
-    }
-    async fn complete_recovered(
+    fn complete_detached(
         &self,
-        i: &Identity,
-        t: &OwnerToken,
-        o: &StoredOutcome,
+        i: Identity,
+        t: OwnerToken,
+        o: StoredOutcome,
         ttl: Duration,
-    ) -> Result<Fenced, StoreError> {
-        self.inner.complete_recovered(i, t, o, ttl).await
+        by: AnsweredBy,
+    ) {
+        self.inner.complete_detached(i, t, o, ttl, by)
     }
     async fn force_release(
         &self,

@@ -11,7 +11,9 @@ use idempotent_runtime::http::problem::types;
 use idempotent_runtime::store::{
     OwnerToken, RecordSnapshot, Reservation, ReserveRequest, ScopeStats, StoredOutcome,
 };
-use idempotent_runtime::{Fenced, Identity, MemoryStore, SqliteStore, Store, StoreError};
+use idempotent_runtime::{
+    AnsweredBy, Fenced, Identity, MemoryStore, SqliteStore, Store, StoreError,
+};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -624,15 +626,6 @@ impl Store for DownStore {
     fn name(&self) -> &'static str {
         "down"
     }
-    async fn complete_recovered(
-        &self,
-        _: &Identity,
-        _: &OwnerToken,
-        _: &StoredOutcome,
-        _: Duration,
-    ) -> Result<Fenced, StoreError> {
-        Err(down("complete"))
-    }
     async fn force_release(
         &self,
         _: &Identity,
@@ -649,6 +642,7 @@ impl Store for DownStore {
         _: &OwnerToken,
         _: &StoredOutcome,
         _: Duration,
+        _: AnsweredBy,
     ) -> Result<Fenced, StoreError> {
         Err(down("complete"))
     }
@@ -664,7 +658,15 @@ impl Store for DownStore {
         Err(down("heartbeat"))
     }
     fn release_detached(&self, _: Identity, _: OwnerToken) {}
-    fn complete_detached(&self, _: Identity, _: OwnerToken, _: StoredOutcome, _: Duration) {}
+    fn complete_detached(
+        &self,
+        _: Identity,
+        _: OwnerToken,
+        _: StoredOutcome,
+        _: Duration,
+        _: AnsweredBy,
+    ) {
+    }
     async fn purge_expired(&self, _: u32) -> Result<u64, StoreError> {
         Err(down("purge"))
     }
@@ -702,16 +704,6 @@ impl Store for Counting {
     fn name(&self) -> &'static str {
         "counting"
     }
-    async fn complete_recovered(
-        &self,
-        i: &Identity,
-        t: &OwnerToken,
-        o: &StoredOutcome,
-        ttl: Duration,
-    ) -> Result<Fenced, StoreError> {
-        self.complete.fetch_add(1, Ordering::SeqCst);
-        self.inner.complete_recovered(i, t, o, ttl).await
-    }
     async fn force_release(
         &self,
         i: &Identity,
@@ -729,9 +721,10 @@ impl Store for Counting {
         t: &OwnerToken,
         o: &StoredOutcome,
         ttl: Duration,
+        by: AnsweredBy,
     ) -> Result<Fenced, StoreError> {
         self.complete.fetch_add(1, Ordering::SeqCst);
-        self.inner.complete(i, t, o, ttl).await
+        self.inner.complete(i, t, o, ttl, by).await
     }
     async fn release(&self, i: &Identity, t: &OwnerToken) -> Result<Fenced, StoreError> {
         self.other.fetch_add(1, Ordering::SeqCst);
@@ -750,9 +743,16 @@ impl Store for Counting {
         self.other.fetch_add(1, Ordering::SeqCst);
         self.inner.release_detached(i, t)
     }
-    fn complete_detached(&self, i: Identity, t: OwnerToken, o: StoredOutcome, ttl: Duration) {
+    fn complete_detached(
+        &self,
+        i: Identity,
+        t: OwnerToken,
+        o: StoredOutcome,
+        ttl: Duration,
+        by: AnsweredBy,
+    ) {
         self.other.fetch_add(1, Ordering::SeqCst);
-        self.inner.complete_detached(i, t, o, ttl)
+        self.inner.complete_detached(i, t, o, ttl, by)
     }
     async fn purge_expired(&self, b: u32) -> Result<u64, StoreError> {
         self.inner.purge_expired(b).await

@@ -13,8 +13,8 @@
 use super::spec::{out, Answer, Dur, Fp, Outcome, Rec, LONG};
 use futures::future::BoxFuture;
 use idempotent_runtime::{
-    Fenced, Fingerprint, Identity, MemoryStore, MySqlStore, OwnerToken, PgStore, RecordSnapshot,
-    RecordState, Reservation, ReserveRequest, SqliteStore, Store, StoredOutcome,
+    AnsweredBy, Fenced, Fingerprint, Identity, MemoryStore, MySqlStore, OwnerToken, PgStore,
+    RecordSnapshot, RecordState, Reservation, ReserveRequest, SqliteStore, Store, StoredOutcome,
 };
 use proptest::prelude::*;
 use proptest::test_runner::{Config, RngSeed, TestCaseError, TestError, TestRunner};
@@ -68,7 +68,7 @@ pub enum Op {
         outcome: Outcome,
         ttl: Dur,
     },
-    /// `complete_recovered`: a recover hook's answer (rule 20).
+    /// `AnsweredBy::RecoverHook`: a recover hook's answer (rule 20).
     CompleteRecovered {
         id: usize,
         tok: Tok,
@@ -304,17 +304,16 @@ impl<'s> World<'s> {
             payload: outcome.payload.clone(),
         };
         let (identity, ttl_d) = (&self.ids[id], ttl.duration());
-        let got = if recovered {
-            self.store
-                .complete_recovered(identity, &token, &stored, ttl_d)
-                .await
-                .map_err(store_err("complete_recovered"))?
+        let by = if recovered {
+            AnsweredBy::RecoverHook
         } else {
-            self.store
-                .complete(identity, &token, &stored, ttl_d)
-                .await
-                .map_err(store_err("complete"))?
+            AnsweredBy::Body
         };
+        let got = self
+            .store
+            .complete(identity, &token, &stored, ttl_d, by)
+            .await
+            .map_err(store_err("complete"))?;
         let mut after = self.recs[id].clone();
         let want = after.complete(token.as_str(), outcome, ttl, recovered);
         self.settle(id, after, want, got, "complete")?;

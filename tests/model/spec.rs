@@ -25,7 +25,7 @@
 //!   `false` and change nothing. The owner's token is honoured even after its
 //!   lease (and ttl) ran out, as long as nobody took the record over. complete
 //!   keeps the record's fingerprint and attempt number and sets the ttl from
-//!   now (complete_recovered also marks it recovered); release deletes the
+//!   now (a recover hook's answer also marks it recovered); release deletes the
 //!   record; heartbeat sets the lease from now and moves the retention with
 //!   it (keeping their distance, never moving it back).
 //! * purge deletes exactly the expired records (rule 16).
@@ -137,7 +137,7 @@ pub enum Rec {
         ttl_expired: bool,
         /// The attempt that completed it.
         attempt: u32,
-        /// Completed by `complete_recovered`.
+        /// Completed with `AnsweredBy::RecoverHook`.
         recovered: bool,
     },
 }
@@ -216,7 +216,7 @@ impl Rec {
         }
     }
 
-    /// Rules 10, 12, 16 (and 20: `recovered` for complete_recovered).
+    /// Rules 10, 12, 16 (and 20: `recovered` for a recover hook's answer).
     pub fn complete(&mut self, token: &str, outcome: &Outcome, ttl: Dur, recovered: bool) -> bool {
         if self.owner() != Some(token) {
             return false;

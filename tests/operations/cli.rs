@@ -4,7 +4,8 @@
 
 use idempotent_runtime::cli::{run_from, CliError};
 use idempotent_runtime::{
-    Fenced, Identity, OwnerToken, Reservation, ReserveRequest, SqliteStore, Store, StoredOutcome,
+    AnsweredBy, Fenced, Identity, OwnerToken, Reservation, ReserveRequest, SqliteStore, Store,
+    StoredOutcome,
 };
 use std::path::PathBuf;
 use std::time::Duration;
@@ -527,7 +528,13 @@ async fn inspect_and_release_on(url: &str, store: &dyn Store) {
         };
         assert_eq!(
             store
-                .complete(&identity, &token, &outcome, Duration::from_secs(3600))
+                .complete(
+                    &identity,
+                    &token,
+                    &outcome,
+                    Duration::from_secs(3600),
+                    AnsweredBy::Body
+                )
                 .await
                 .expect("complete"),
             Fenced::Written

@@ -8,8 +8,8 @@
 //! `Counting` wraps a real `MemoryStore` and counts the calls that reach it.
 
 use idempotent_runtime::{
-    idempotent, Error, Fenced, Identity, MemoryStore, OwnerToken, RecordSnapshot, Reservation,
-    ReserveRequest, ScopeStats, Store, StoreError, StoredOutcome,
+    idempotent, AnsweredBy, Error, Fenced, Identity, MemoryStore, OwnerToken, RecordSnapshot,
+    Reservation, ReserveRequest, ScopeStats, Store, StoreError, StoredOutcome,
 };
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -62,9 +62,10 @@ impl Store for Counting {
         t: &OwnerToken,
         o: &StoredOutcome,
         ttl: Duration,
+        by: AnsweredBy,
     ) -> Result<Fenced, StoreError> {
         self.calls.complete.fetch_add(1, Ordering::SeqCst);
-        self.inner.complete(i, t, o, ttl).await
+        self.inner.complete(i, t, o, ttl, by).await
     }
     async fn release(&self, i: &Identity, t: &OwnerToken) -> Result<Fenced, StoreError> {
         self.calls.release.fetch_add(1, Ordering::SeqCst);
@@ -90,19 +91,16 @@ impl Store for Counting {
         self.detached_releases.fetch_add(1, Ordering::SeqCst);
         self.inner.release_detached(i, t)
     }
-    fn complete_detached(&self, i: Identity, t: OwnerToken, o: StoredOutcome, ttl: Duration) {
-        self.calls.complete.fetch_add(1, Ordering::SeqCst);
-        self.inner.complete_detached(i, t, o, ttl)
-    }
-    async fn complete_recovered(
+    fn complete_detached(
         &self,
-        i: &Identity,
-        t: &OwnerToken,
-        o: &StoredOutcome,
+        i: Identity,
+        t: OwnerToken,
+        o: StoredOutcome,
         ttl: Duration,
-    ) -> Result<Fenced, StoreError> {
+        by: AnsweredBy,
+    ) {
         self.calls.complete.fetch_add(1, Ordering::SeqCst);
-        self.inner.complete_recovered(i, t, o, ttl).await
+        self.inner.complete_detached(i, t, o, ttl, by)
     }
     async fn force_release(
         &self,

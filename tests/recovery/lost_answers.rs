@@ -9,7 +9,7 @@
 use crate::common::hooked::{Hooked, Intercept};
 use crate::recovery::*;
 use idempotent_runtime::store::{OwnerToken, Reservation, ReserveRequest, StoredOutcome};
-use idempotent_runtime::{Fenced, Identity, MemoryStore, Store, StoreError};
+use idempotent_runtime::{AnsweredBy, Fenced, Identity, MemoryStore, Store, StoreError};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
@@ -17,7 +17,7 @@ use std::time::Duration;
 /// a record lands in the store, but the call is told the connection was cut.
 struct CutAfterTakeover {
     armed: AtomicBool,
-    /// When set, the next `complete_recovered` fails (a connection cut
+    /// When set, the next completion of a recover hook's answer fails (a connection cut
     /// before the statement reached the server).
     fail_recovered: AtomicBool,
     /// When set, a reservation that took over lands, and its answer never
@@ -50,22 +50,23 @@ impl Intercept for CutAfterTakeover {
         }
         Ok(answer)
     }
-    async fn complete_recovered(
+    async fn complete(
         &self,
         inner: &MemoryStore,
         i: &Identity,
         t: &OwnerToken,
         o: &StoredOutcome,
         ttl: Duration,
+        by: AnsweredBy,
     ) -> Result<Fenced, StoreError> {
-        if self.fail_recovered.swap(false, Ordering::SeqCst) {
+        if by == AnsweredBy::RecoverHook && self.fail_recovered.swap(false, Ordering::SeqCst) {
             return Err(StoreError::new(
                 "cut-after-takeover",
                 "complete",
                 "connection reset",
             ));
         }
-        inner.complete_recovered(i, t, o, ttl).await
+        inner.complete(i, t, o, ttl, by).await
     }
 }
 

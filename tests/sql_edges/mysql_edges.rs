@@ -23,8 +23,8 @@ use crate::common;
 use common::servers::{fresh_tenant, mysql_store_or_skip, mysql_url};
 use idempotent_runtime::TransactionalConnection;
 use idempotent_runtime::{
-    idempotent, with_outcome, Error, Fenced, Fingerprint, Identity, MySqlStore, Outcome,
-    OwnerToken, Reservation, ReserveRequest, Store, StoredOutcome,
+    idempotent, with_outcome, AnsweredBy, Error, Fenced, Fingerprint, Identity, MySqlStore,
+    Outcome, OwnerToken, Reservation, ReserveRequest, Store, StoredOutcome,
 };
 use sqlx::mysql::{MySqlPool, MySqlPoolOptions};
 use sqlx::{Executor, MySql};
@@ -226,7 +226,13 @@ async fn released_to_eight_callers(lease_expired: bool, callers: [Via; 8]) {
         // it first (a purge skips rows that are locked).
         assert_eq!(
             store
-                .complete(&identity, &planted, &ok(b"1"), Duration::from_secs(1))
+                .complete(
+                    &identity,
+                    &planted,
+                    &ok(b"1"),
+                    Duration::from_secs(1),
+                    AnsweredBy::Body
+                )
                 .await
                 .expect("complete"),
             Fenced::Written
@@ -422,7 +428,7 @@ async fn a_replay_or_mismatch_inside_an_open_transaction_takes_no_lock() {
     assert_eq!(got, Reservation::FRESH);
     assert_eq!(
         store
-            .complete(&identity, &token, &ok(b"7"), LONG)
+            .complete(&identity, &token, &ok(b"7"), LONG, AnsweredBy::Body)
             .await
             .expect("complete"),
         Fenced::Written
@@ -489,7 +495,7 @@ async fn an_in_progress_answer_inside_an_open_transaction_takes_no_lock() {
     );
     assert_eq!(
         guarded
-            .complete(&identity, &owner, &ok(b"8"), LONG)
+            .complete(&identity, &owner, &ok(b"8"), LONG, AnsweredBy::Body)
             .await
             .expect("the owner completes while the duplicates' transactions are open"),
         Fenced::Written
@@ -536,7 +542,7 @@ async fn a_snapshot_older_than_the_record_still_replays_and_blocks_no_one() {
     assert_eq!(got, Reservation::FRESH);
     assert_eq!(
         store
-            .complete(&identity, &token, &ok(b"9"), LONG)
+            .complete(&identity, &token, &ok(b"9"), LONG, AnsweredBy::Body)
             .await
             .expect("complete"),
         Fenced::Written

@@ -10,7 +10,7 @@
 
 use crate::common::servers::{fresh_tenant, pg_store_or_skip, pg_url};
 use idempotent_runtime::{
-    Fenced, Identity, OwnerToken, PgStore, Reservation, ReserveRequest, Store,
+    AnsweredBy, Fenced, Identity, OwnerToken, PgStore, Reservation, ReserveRequest, Store,
 };
 use sqlx::{Connection, Executor};
 use std::time::{Duration, Instant};
@@ -340,6 +340,7 @@ async fn an_in_progress_answer_after_a_lost_takeover_race_keeps_no_lock() {
                 payload: b"1".to_vec(),
             },
             long,
+            AnsweredBy::Body,
         )
         .await;
     sqlx::query("ROLLBACK")

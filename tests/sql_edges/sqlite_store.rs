@@ -3,8 +3,8 @@
 //! errors that name the store and the operation.
 
 use idempotent_runtime::{
-    Error, Fenced, Fingerprint, Identity, OwnerToken, Reservation, ReserveRequest, SqliteStore,
-    Store, StoredOutcome,
+    AnsweredBy, Error, Fenced, Fingerprint, Identity, OwnerToken, Reservation, ReserveRequest,
+    SqliteStore, Store, StoredOutcome,
 };
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -111,7 +111,10 @@ async fn records_survive_reopening() {
         let token = OwnerToken::new();
         assert_eq!(reserve(&store, &id, &token).await, Reservation::FRESH);
         assert_eq!(
-            store.complete(&id, &token, &outcome, LONG).await.unwrap(),
+            store
+                .complete(&id, &token, &outcome, LONG, AnsweredBy::Body)
+                .await
+                .unwrap(),
             Fenced::Written
         );
         // An in-progress record too: its owner is still the owner after a reopen.
@@ -174,7 +177,7 @@ async fn two_stores_on_one_file_give_one_acquirer() {
         };
         assert_eq!(
             stores[round % 2]
-                .complete(&id, &acquired[0], &outcome, LONG)
+                .complete(&id, &acquired[0], &outcome, LONG, AnsweredBy::Body)
                 .await
                 .unwrap(),
             Fenced::Written
@@ -366,6 +369,7 @@ fn an_in_memory_store_keeps_its_records_across_runtimes() {
                     payload: b"42".to_vec(),
                 },
                 LONG,
+                AnsweredBy::Body,
             )
             .await
             .expect("complete");

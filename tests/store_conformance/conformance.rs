@@ -22,8 +22,8 @@
 #![allow(dead_code)]
 
 use idempotent_runtime::{
-    Fenced, Fingerprint, ForcedRelease, Identity, OwnerToken, RecordSnapshot, RecordState,
-    Reservation, ReserveRequest, Store, StoredOutcome,
+    AnsweredBy, Fenced, Fingerprint, ForcedRelease, Identity, OwnerToken, RecordSnapshot,
+    RecordState, Reservation, ReserveRequest, Store, StoredOutcome,
 };
 use std::time::Duration;
 
@@ -136,7 +136,7 @@ pub async fn record<S: Store + ?Sized>(
     let token = acquire(store, identity, fingerprint, LONG, ttl).await;
     assert_eq!(
         store
-            .complete(identity, &token, outcome, ttl)
+            .complete(identity, &token, outcome, ttl, AnsweredBy::Body)
             .await
             .expect("complete succeeds"),
         Fenced::Written,
@@ -176,14 +176,14 @@ pub async fn identity_separated_by_tenant<S: Store + Clone + 'static>(store: S) 
     let tb = acquire(&store, &b, Some(&fb), LONG, LONG).await;
     assert_eq!(
         store
-            .complete(&a, &ta, &ok(b"\"for a\""), LONG)
+            .complete(&a, &ta, &ok(b"\"for a\""), LONG, AnsweredBy::Body)
             .await
             .unwrap(),
         Fenced::Written
     );
     assert_eq!(
         store
-            .complete(&b, &tb, &ok(b"\"for b\""), LONG)
+            .complete(&b, &tb, &ok(b"\"for b\""), LONG, AnsweredBy::Body)
             .await
             .unwrap(),
         Fenced::Written
@@ -210,7 +210,10 @@ pub async fn identity_separated_by_scope<S: Store + Clone + 'static>(store: S) {
     let ta = acquire(&store, &a, Some(&fp("x")), LONG, LONG).await;
     let tb = acquire(&store, &b, Some(&fp("y")), LONG, LONG).await;
     assert_eq!(
-        store.complete(&a, &ta, &ok(b"1"), LONG).await.unwrap(),
+        store
+            .complete(&a, &ta, &ok(b"1"), LONG, AnsweredBy::Body)
+            .await
+            .unwrap(),
         Fenced::Written
     );
     // b is still in progress although a is complete.
@@ -219,7 +222,10 @@ pub async fn identity_separated_by_scope<S: Store + Clone + 'static>(store: S) {
         Reservation::InProgress { .. }
     ));
     assert_eq!(
-        store.complete(&b, &tb, &ok(b"2"), LONG).await.unwrap(),
+        store
+            .complete(&b, &tb, &ok(b"2"), LONG, AnsweredBy::Body)
+            .await
+            .unwrap(),
         Fenced::Written
     );
     assert_eq!(fetch(&store, &a).await.unwrap().outcome, Some(ok(b"1")));
@@ -344,7 +350,13 @@ pub async fn reserve_is_atomic_under_concurrency<S: Store + Clone + 'static>(sto
         );
         assert_eq!(
             store
-                .complete(&identity, winner_token, &ok(b"\"done\""), LONG)
+                .complete(
+                    &identity,
+                    winner_token,
+                    &ok(b"\"done\""),
+                    LONG,
+                    AnsweredBy::Body
+                )
                 .await
                 .unwrap(),
             Fenced::Written
@@ -440,7 +452,7 @@ pub async fn complete_then_replay<S: Store + Clone + 'static>(store: S) {
     let token = acquire(&store, &identity, Some(&f), LONG, LONG).await;
     assert_eq!(
         store
-            .complete(&identity, &token, &ok(payload), LONG)
+            .complete(&identity, &token, &ok(payload), LONG, AnsweredBy::Body)
             .await
             .unwrap(),
         Fenced::Written
@@ -460,7 +472,13 @@ pub async fn complete_then_replay<S: Store + Clone + 'static>(store: S) {
     // The owner's token no longer owns anything: the record is complete.
     assert_eq!(
         store
-            .complete(&identity, &token, &ok(b"\"overwrite\""), LONG)
+            .complete(
+                &identity,
+                &token,
+                &ok(b"\"overwrite\""),
+                LONG,
+                AnsweredBy::Body
+            )
             .await
             .unwrap(),
         Fenced::NotOwner
@@ -531,7 +549,7 @@ pub async fn release_frees_the_key<S: Store + Clone + 'static>(store: S) {
     );
     assert_eq!(
         store
-            .complete(&identity, &first, &ok(b"1"), LONG)
+            .complete(&identity, &first, &ok(b"1"), LONG, AnsweredBy::Body)
             .await
             .unwrap(),
         Fenced::NotOwner
@@ -585,8 +603,15 @@ pub async fn complete_detached_records_and_is_fenced<S: Store + Clone + 'static>
         OwnerToken::new(),
         ok(b"\"stranger\""),
         LONG,
+        AnsweredBy::Body,
     );
-    store.complete_detached(identity.clone(), owner.clone(), ok(b"\"owner\""), LONG);
+    store.complete_detached(
+        identity.clone(),
+        owner.clone(),
+        ok(b"\"owner\""),
+        LONG,
+        AnsweredBy::Body,
+    );
     let mut recorded = None;
     for _ in 0..250 {
         match fetch(&store, &identity).await {
@@ -645,16 +670,22 @@ pub async fn end_lease_detached_keeps_the_record_for_a_takeover<S: Store + Clone
 
 /// Rule 20 with rule 14: a recover hook's answer handed to the store's
 /// background completion is recorded marked *recovered*, as
-/// `complete_recovered` marks it, and a plain detached completion is not.
-pub async fn complete_recovered_detached_keeps_the_mark<S: Store + Clone + 'static>(store: S) {
+/// `complete` with `AnsweredBy::RecoverHook` marks it, and a plain detached completion is not.
+pub async fn a_detached_recover_hook_answer_keeps_the_mark<S: Store + Clone + 'static>(store: S) {
     let tenant = fresh_tenant();
     for (key, recovered) in [("recovered", true), ("plain", false)] {
-        let identity = id(&tenant, "conformance.complete_recovered_detached", key);
+        let identity = id(&tenant, "conformance.detached_recovered", key);
         let owner = acquire(&store, &identity, None, LONG, LONG).await;
         if recovered {
-            store.complete_recovered_detached(identity.clone(), owner, ok(b"1"), LONG);
+            store.complete_detached(
+                identity.clone(),
+                owner,
+                ok(b"1"),
+                LONG,
+                AnsweredBy::RecoverHook,
+            );
         } else {
-            store.complete_detached(identity.clone(), owner, ok(b"1"), LONG);
+            store.complete_detached(identity.clone(), owner, ok(b"1"), LONG, AnsweredBy::Body);
         }
         let mut done = None;
         for _ in 0..250 {
@@ -829,7 +860,7 @@ pub async fn expired_lease_is_taken_over<S: Store + Clone + 'static>(store: S) {
 
     assert_eq!(
         store
-            .complete(&identity, &stale, &ok(b"\"stale\""), LONG)
+            .complete(&identity, &stale, &ok(b"\"stale\""), LONG, AnsweredBy::Body)
             .await
             .unwrap(),
         Fenced::NotOwner
@@ -850,7 +881,7 @@ pub async fn expired_lease_is_taken_over<S: Store + Clone + 'static>(store: S) {
 
     assert_eq!(
         store
-            .complete(&identity, &fresh, &ok(b"\"fresh\""), LONG)
+            .complete(&identity, &fresh, &ok(b"\"fresh\""), LONG, AnsweredBy::Body)
             .await
             .unwrap(),
         Fenced::Written
@@ -909,7 +940,7 @@ pub async fn heartbeat_extends_the_lease<S: Store + Clone + 'static>(store: S) {
     );
     assert_eq!(
         store
-            .complete(&identity, &token, &ok(b"1"), LONG)
+            .complete(&identity, &token, &ok(b"1"), LONG, AnsweredBy::Body)
             .await
             .unwrap(),
         Fenced::Written
@@ -1247,7 +1278,7 @@ pub async fn extreme_durations_are_accepted<S: Store + Clone + 'static>(store: S
     );
     assert_eq!(
         store
-            .complete(&forever, &token, &ok(b"1"), Duration::MAX)
+            .complete(&forever, &token, &ok(b"1"), Duration::MAX, AnsweredBy::Body)
             .await
             .unwrap(),
         Fenced::Written
@@ -1385,7 +1416,7 @@ pub async fn attempts_are_counted_in_the_record<S: Store + Clone + 'static>(stor
     // Completion keeps the attempt that completed it; replays do not count.
     assert_eq!(
         store
-            .complete(&identity, &third, &ok(b"3"), SHORT)
+            .complete(&identity, &third, &ok(b"3"), SHORT, AnsweredBy::Body)
             .await
             .unwrap(),
         Fenced::Written
@@ -1435,7 +1466,7 @@ pub async fn attempts_are_counted_in_the_record<S: Store + Clone + 'static>(stor
     );
 }
 
-/// Rule 20: `complete_recovered` is `complete`, fenced the same way, and marks
+/// Rule 20: `complete` with `AnsweredBy::RecoverHook` is fenced the same way, and marks
 /// the record recovered; scope statistics count taken-over and recovered records.
 pub async fn recovered_completions_are_marked_and_counted<S: Store + Clone + 'static>(store: S) {
     let tenant = fresh_tenant();
@@ -1460,21 +1491,33 @@ pub async fn recovered_completions_are_marked_and_counted<S: Store + Clone + 'st
     // Fenced like complete: a stale token changes nothing.
     assert_eq!(
         store
-            .complete_recovered(&key("recovered"), &OwnerToken::new(), &ok(b"\"x\""), LONG)
+            .complete(
+                &key("recovered"),
+                &OwnerToken::new(),
+                &ok(b"\"x\""),
+                LONG,
+                AnsweredBy::RecoverHook
+            )
             .await
             .unwrap(),
         Fenced::NotOwner
     );
     assert_eq!(
         store
-            .complete_recovered(&key("recovered"), &t1, &ok(b"\"found\""), LONG)
+            .complete(
+                &key("recovered"),
+                &t1,
+                &ok(b"\"found\""),
+                LONG,
+                AnsweredBy::RecoverHook
+            )
             .await
             .unwrap(),
         Fenced::Written
     );
     assert_eq!(
         store
-            .complete(&key("rerun"), &t2, &ok(b"\"ran\""), LONG)
+            .complete(&key("rerun"), &t2, &ok(b"\"ran\""), LONG, AnsweredBy::Body)
             .await
             .unwrap(),
         Fenced::Written
@@ -1489,7 +1532,13 @@ pub async fn recovered_completions_are_marked_and_counted<S: Store + Clone + 'st
     // A second completion is refused: the record is complete.
     assert_eq!(
         store
-            .complete_recovered(&key("recovered"), &t1, &ok(b"\"again\""), LONG)
+            .complete(
+                &key("recovered"),
+                &t1,
+                &ok(b"\"again\""),
+                LONG,
+                AnsweredBy::RecoverHook
+            )
             .await
             .unwrap(),
         Fenced::NotOwner
@@ -1585,7 +1634,7 @@ pub async fn force_release_frees_only_in_progress_records<S: Store + Clone + 'st
     );
     assert_eq!(
         store
-            .complete(&running, &owner, &ok(b"1"), LONG)
+            .complete(&running, &owner, &ok(b"1"), LONG, AnsweredBy::Body)
             .await
             .unwrap(),
         Fenced::NotOwner
@@ -1615,7 +1664,7 @@ macro_rules! store_conformance_tests {
             release_frees_the_key,
             release_detached_frees_the_key,
             complete_detached_records_and_is_fenced,
-            complete_recovered_detached_keeps_the_mark,
+            a_detached_recover_hook_answer_keeps_the_mark,
             end_lease_detached_keeps_the_record_for_a_takeover,
             fingerprint_mismatch_on_complete_record,
             fingerprint_mismatch_on_in_progress_record,

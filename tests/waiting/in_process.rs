@@ -14,8 +14,9 @@
 //! duplicate enters `wait_for_change` (which it forwards).
 
 use idempotent_runtime::{
-    idempotent, Error, Fenced, ForcedRelease, Identity, MemoryStore, OwnerToken, RecordSnapshot,
-    Reservation, ReserveRequest, ScopeStats, SqliteStore, Store, StoreError, StoredOutcome,
+    idempotent, AnsweredBy, Error, Fenced, ForcedRelease, Identity, MemoryStore, OwnerToken,
+    RecordSnapshot, Reservation, ReserveRequest, ScopeStats, SqliteStore, Store, StoreError,
+    StoredOutcome,
 };
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
@@ -70,8 +71,9 @@ impl<S: Store> Store for Counting<S> {
         t: &OwnerToken,
         o: &StoredOutcome,
         ttl: Duration,
+        by: AnsweredBy,
     ) -> Result<Fenced, StoreError> {
-        self.inner.complete(i, t, o, ttl).await
+        self.inner.complete(i, t, o, ttl, by).await
     }
     async fn release(&self, i: &Identity, t: &OwnerToken) -> Result<Fenced, StoreError> {
         self.inner.release(i, t).await
@@ -87,17 +89,15 @@ impl<S: Store> Store for Counting<S> {
     fn release_detached(&self, i: Identity, t: OwnerToken) {
         self.inner.release_detached(i, t)
     }
-    fn complete_detached(&self, i: Identity, t: OwnerToken, o: StoredOutcome, ttl: Duration) {
-        self.inner.complete_detached(i, t, o, ttl)
-    }
-    async fn complete_recovered(
+    fn complete_detached(
         &self,
-        i: &Identity,
-        t: &OwnerToken,
-        o: &StoredOutcome,
+        i: Identity,
+        t: OwnerToken,
+        o: StoredOutcome,
         ttl: Duration,
-    ) -> Result<Fenced, StoreError> {
-        self.inner.complete_recovered(i, t, o, ttl).await
+        by: AnsweredBy,
+    ) {
+        self.inner.complete_detached(i, t, o, ttl, by)
     }
     async fn force_release(
         &self,

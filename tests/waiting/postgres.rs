@@ -14,8 +14,9 @@
 use crate::common::servers::{fresh_tenant, pg_store_or_skip, pg_url};
 use idempotent_runtime::store::postgres::wait_key;
 use idempotent_runtime::{
-    idempotent, with_outcome, Error, Fenced, ForcedRelease, Identity, Outcome, OwnerToken, PgStore,
-    RecordSnapshot, Reservation, ReserveRequest, ScopeStats, Store, StoreError, StoredOutcome,
+    idempotent, with_outcome, AnsweredBy, Error, Fenced, ForcedRelease, Identity, Outcome,
+    OwnerToken, PgStore, RecordSnapshot, Reservation, ReserveRequest, ScopeStats, Store,
+    StoreError, StoredOutcome,
 };
 use sqlx::Postgres;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -60,8 +61,9 @@ impl Store for Counting {
         token: &OwnerToken,
         outcome: &StoredOutcome,
         ttl: Duration,
+        by: AnsweredBy,
     ) -> Result<Fenced, StoreError> {
-        self.inner.complete(identity, token, outcome, ttl).await
+        self.inner.complete(identity, token, outcome, ttl, by).await
     }
     async fn release(&self, identity: &Identity, token: &OwnerToken) -> Result<Fenced, StoreError> {
         self.inner.release(identity, token).await
@@ -83,19 +85,10 @@ impl Store for Counting {
         token: OwnerToken,
         outcome: StoredOutcome,
         ttl: Duration,
+        by: AnsweredBy,
     ) {
-        self.inner.complete_detached(identity, token, outcome, ttl)
-    }
-    async fn complete_recovered(
-        &self,
-        identity: &Identity,
-        token: &OwnerToken,
-        outcome: &StoredOutcome,
-        ttl: Duration,
-    ) -> Result<Fenced, StoreError> {
         self.inner
-            .complete_recovered(identity, token, outcome, ttl)
-            .await
+            .complete_detached(identity, token, outcome, ttl, by)
     }
     async fn force_release(
         &self,

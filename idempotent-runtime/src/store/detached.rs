@@ -335,25 +335,13 @@ macro_rules! hand_over_to_the_worker {
             token: OwnerToken,
             outcome: StoredOutcome,
             ttl: Duration,
+            by: $crate::store::AnsweredBy,
         ) {
+            let recovered = by == $crate::store::AnsweredBy::RecoverHook;
             self.detached.hand_over(
                 identity,
                 token,
-                $crate::store::detached::Work::Complete(outcome, ttl, false),
-            );
-        }
-
-        fn complete_recovered_detached(
-            &self,
-            identity: Identity,
-            token: OwnerToken,
-            outcome: StoredOutcome,
-            ttl: Duration,
-        ) {
-            self.detached.hand_over(
-                identity,
-                token,
-                $crate::store::detached::Work::Complete(outcome, ttl, true),
+                $crate::store::detached::Work::Complete(outcome, ttl, recovered),
             );
         }
     };

@@ -408,22 +408,15 @@ impl Store for MemoryStore {
         token: &OwnerToken,
         outcome: &StoredOutcome,
         ttl: Duration,
+        by: AnsweredBy,
     ) -> Result<Fenced, StoreError> {
-        Ok(Fenced::from_owned(
-            self.complete_now(identity, token, outcome, ttl, false),
-        ))
-    }
-
-    async fn complete_recovered(
-        &self,
-        identity: &Identity,
-        token: &OwnerToken,
-        outcome: &StoredOutcome,
-        ttl: Duration,
-    ) -> Result<Fenced, StoreError> {
-        Ok(Fenced::from_owned(
-            self.complete_now(identity, token, outcome, ttl, true),
-        ))
+        Ok(Fenced::from_owned(self.complete_now(
+            identity,
+            token,
+            outcome,
+            ttl,
+            by == AnsweredBy::RecoverHook,
+        )))
     }
 
     async fn force_release(
@@ -483,18 +476,15 @@ impl Store for MemoryStore {
         token: OwnerToken,
         outcome: StoredOutcome,
         ttl: Duration,
+        by: AnsweredBy,
     ) {
-        self.complete_now(&identity, &token, &outcome, ttl, false);
-    }
-
-    fn complete_recovered_detached(
-        &self,
-        identity: Identity,
-        token: OwnerToken,
-        outcome: StoredOutcome,
-        ttl: Duration,
-    ) {
-        self.complete_now(&identity, &token, &outcome, ttl, true);
+        self.complete_now(
+            &identity,
+            &token,
+            &outcome,
+            ttl,
+            by == AnsweredBy::RecoverHook,
+        );
     }
 
     async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError> {

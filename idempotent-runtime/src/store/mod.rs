@@ -176,8 +176,19 @@ impl Reservation {
     }
 }
 
+/// Who gave the answer a completion records ([`Store::complete`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AnsweredBy {
+    /// The function's body ran and returned it.
+    Body,
+    /// A `recover` hook (rule 20): it found that a crashed attempt had done
+    /// the work, and the body did not run. The record is marked recovered;
+    /// audits count such records.
+    RecoverHook,
+}
+
 /// What a write fenced by the owner token did: [`Store::complete`],
-/// [`Store::complete_recovered`], [`Store::release`] and [`Store::heartbeat`]
+/// [`Store::release`] and [`Store::heartbeat`]
 /// change a record only while the token presented still owns it (rule 10).
 ///
 /// ```
@@ -269,7 +280,7 @@ pub struct RecordSnapshot {
     /// When the current (or, complete, the completing) attempt took the record.
     pub attempt_started_at_ms: i64,
     /// Whether the recorded outcome came from a `recover` hook
-    /// ([`Store::complete_recovered`]) rather than from the body.
+    /// ([`AnsweredBy::RecoverHook`]) rather than from the body.
     pub recovered: bool,
 }
 
@@ -347,14 +358,17 @@ pub trait Store: Send + Sync {
     /// request's token, fingerprint and a fresh lease replace the old ones.
     async fn reserve(&self, request: ReserveRequest<'_>) -> Result<Reservation, StoreError>;
 
-    /// Records the outcome and keeps it for `ttl`. Returns [`Fenced::NotOwner`]
-    /// (and changes nothing) when `token` no longer owns the record.
+    /// Records the outcome and keeps it for `ttl`; `by` says who gave it (an
+    /// answer of a `recover` hook marks the record recovered, which audits
+    /// count). Returns [`Fenced::NotOwner`] (and changes nothing) when `token`
+    /// no longer owns the record.
     async fn complete(
         &self,
         identity: &Identity,
         token: &OwnerToken,
         outcome: &StoredOutcome,
         ttl: Duration,
+        by: AnsweredBy,
     ) -> Result<Fenced, StoreError>;
 
     /// Deletes the in-progress record so the key is free. Returns
@@ -399,6 +413,7 @@ pub trait Store: Send + Sync {
         token: OwnerToken,
         outcome: StoredOutcome,
         ttl: Duration,
+        by: AnsweredBy,
     );
 
     /// Ends the lease of the in-progress record `token` owns, without waiting
@@ -414,32 +429,6 @@ pub trait Store: Send + Sync {
     fn end_lease_detached(&self, identity: Identity, token: OwnerToken) {
         let _ = (identity, token);
     }
-
-    /// Like [`complete_detached`](Store::complete_detached), for an answer a
-    /// `recover` hook gave: the record is marked recovered, as
-    /// [`complete_recovered`](Store::complete_recovered) marks it. The default
-    /// records it without the mark (a store written before this method
-    /// existed); the built-in stores keep the mark.
-    fn complete_recovered_detached(
-        &self,
-        identity: Identity,
-        token: OwnerToken,
-        outcome: StoredOutcome,
-        ttl: Duration,
-    ) {
-        self.complete_detached(identity, token, outcome, ttl)
-    }
-
-    /// Like [`complete`](Store::complete), and marks the record as answered
-    /// by a `recover` hook (rule 20: the body did not run; the hook found
-    /// that a previous attempt had done the work). Audits count such records.
-    async fn complete_recovered(
-        &self,
-        identity: &Identity,
-        token: &OwnerToken,
-        outcome: &StoredOutcome,
-        ttl: Duration,
-    ) -> Result<Fenced, StoreError>;
 
     /// An operator's release (`idempotent release`): deletes the record if it
     /// is **in progress**, without presenting the owner's token, so a key
@@ -536,8 +525,8 @@ macro_rules! delegate_store {
             async fn reserve(&self, request: ReserveRequest<'_>) -> Result<Reservation, StoreError> {
                 (**self).reserve(request).await
             }
-            async fn complete(&self, identity: &Identity, token: &OwnerToken, outcome: &StoredOutcome, ttl: Duration) -> Result<Fenced, StoreError> {
-                (**self).complete(identity, token, outcome, ttl).await
+            async fn complete(&self, identity: &Identity, token: &OwnerToken, outcome: &StoredOutcome, ttl: Duration, by: AnsweredBy) -> Result<Fenced, StoreError> {
+                (**self).complete(identity, token, outcome, ttl, by).await
             }
             async fn release(&self, identity: &Identity, token: &OwnerToken) -> Result<Fenced, StoreError> {
                 (**self).release(identity, token).await
@@ -548,17 +537,11 @@ macro_rules! delegate_store {
             fn release_detached(&self, identity: Identity, token: OwnerToken) {
                 (**self).release_detached(identity, token)
             }
-            fn complete_detached(&self, identity: Identity, token: OwnerToken, outcome: StoredOutcome, ttl: Duration) {
-                (**self).complete_detached(identity, token, outcome, ttl)
-            }
-            fn complete_recovered_detached(&self, identity: Identity, token: OwnerToken, outcome: StoredOutcome, ttl: Duration) {
-                (**self).complete_recovered_detached(identity, token, outcome, ttl)
+            fn complete_detached(&self, identity: Identity, token: OwnerToken, outcome: StoredOutcome, ttl: Duration, by: AnsweredBy) {
+                (**self).complete_detached(identity, token, outcome, ttl, by)
             }
             fn end_lease_detached(&self, identity: Identity, token: OwnerToken) {
                 (**self).end_lease_detached(identity, token)
-            }
-            async fn complete_recovered(&self, identity: &Identity, token: &OwnerToken, outcome: &StoredOutcome, ttl: Duration) -> Result<Fenced, StoreError> {
-                (**self).complete_recovered(identity, token, outcome, ttl).await
             }
             async fn force_release(&self, identity: &Identity, require_expired_lease: bool) -> Result<ForcedRelease, StoreError> {
                 (**self).force_release(identity, require_expired_lease).await

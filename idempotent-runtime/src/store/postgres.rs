@@ -670,18 +670,17 @@ impl Store for PgStore {
         token: &OwnerToken,
         outcome: &StoredOutcome,
         ttl: Duration,
+        by: AnsweredBy,
     ) -> Result<Fenced, StoreError> {
-        complete_with(&*self.pools.current(), identity, token, outcome, ttl, false).await
-    }
-
-    async fn complete_recovered(
-        &self,
-        identity: &Identity,
-        token: &OwnerToken,
-        outcome: &StoredOutcome,
-        ttl: Duration,
-    ) -> Result<Fenced, StoreError> {
-        complete_with(&*self.pools.current(), identity, token, outcome, ttl, true).await
+        complete_with(
+            &*self.pools.current(),
+            identity,
+            token,
+            outcome,
+            ttl,
+            by == AnsweredBy::RecoverHook,
+        )
+        .await
     }
 
     async fn force_release(

@@ -1153,19 +1153,10 @@ impl Store for SqliteStore {
         token: &OwnerToken,
         outcome: &StoredOutcome,
         ttl: Duration,
+        by: AnsweredBy,
     ) -> Result<Fenced, StoreError> {
-        self.complete_now(identity, token, outcome, ttl, false)
+        self.complete_now(identity, token, outcome, ttl, by == AnsweredBy::RecoverHook)
             .await
-    }
-
-    async fn complete_recovered(
-        &self,
-        identity: &Identity,
-        token: &OwnerToken,
-        outcome: &StoredOutcome,
-        ttl: Duration,
-    ) -> Result<Fenced, StoreError> {
-        self.complete_now(identity, token, outcome, ttl, true).await
     }
 
     async fn force_release(
@@ -1438,7 +1429,13 @@ mod tests {
                 payload: b"1".to_vec(),
             };
             assert!(store
-                .complete(&id, &token, &outcome, Duration::from_secs(60))
+                .complete(
+                    &id,
+                    &token,
+                    &outcome,
+                    Duration::from_secs(60),
+                    AnsweredBy::Body
+                )
                 .await
                 .expect("complete")
                 .is_written());

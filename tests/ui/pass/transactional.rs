@@ -3,7 +3,7 @@
 // test-only stand-in over MemoryStore (the SQL stores provide real ones).
 use idempotent_runtime::__private::TransactionalConnection;
 use idempotent_runtime::error::StoreError;
-use idempotent_runtime::{Fenced, 
+use idempotent_runtime::{AnsweredBy, Fenced, 
     idempotent, Error, Identity, MemoryStore, OwnerToken, Reservation, ReserveRequest, Store,
     StoredOutcome,
 };
@@ -55,6 +55,7 @@ impl TransactionalConnection for FakeTx {
         token: &'c OwnerToken,
         outcome: &'d StoredOutcome,
         ttl: Duration,
+        by: AnsweredBy,
     ) -> BoxFuture<'t, Result<Fenced, StoreError>>
     where
         'a: 't,
@@ -65,7 +66,7 @@ impl TransactionalConnection for FakeTx {
     {
         Box::pin(async move {
             self.statements += 1;
-            self.store.complete(identity, token, outcome, ttl).await
+            self.store.complete(identity, token, outcome, ttl, by).await
         })
     }
 
