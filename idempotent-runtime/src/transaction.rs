@@ -143,7 +143,7 @@ macro_rules! transactional_connection {
                 ttl: std::time::Duration,
                 by: $crate::store::AnsweredBy,
             ) -> Result<$crate::store::Fenced, $crate::error::StoreError> {
-                let recovered = by == $crate::store::AnsweredBy::RecoverHook;
+                let recovered = by.marks_recovered();
                 $complete(self, identity, token, outcome, ttl, recovered).await
             }
 

@@ -337,7 +337,7 @@ macro_rules! hand_over_to_the_worker {
             ttl: Duration,
             by: $crate::store::AnsweredBy,
         ) {
-            let recovered = by == $crate::store::AnsweredBy::RecoverHook;
+            let recovered = by.marks_recovered();
             self.detached.hand_over(
                 identity,
                 token,

@@ -415,7 +415,7 @@ impl Store for MemoryStore {
             token,
             outcome,
             ttl,
-            by == AnsweredBy::RecoverHook,
+            by.marks_recovered(),
         )))
     }
 
@@ -478,13 +478,7 @@ impl Store for MemoryStore {
         ttl: Duration,
         by: AnsweredBy,
     ) {
-        self.complete_now(
-            &identity,
-            &token,
-            &outcome,
-            ttl,
-            by == AnsweredBy::RecoverHook,
-        );
+        self.complete_now(&identity, &token, &outcome, ttl, by.marks_recovered());
     }
 
     async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError> {

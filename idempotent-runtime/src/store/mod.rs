@@ -187,6 +187,14 @@ pub enum AnsweredBy {
     RecoverHook,
 }
 
+impl AnsweredBy {
+    /// Whether the record is marked recovered: the answer is a `recover`
+    /// hook's (what the stores keep in their `recovered` column).
+    pub fn marks_recovered(self) -> bool {
+        self == AnsweredBy::RecoverHook
+    }
+}
+
 /// What a write fenced by the owner token did: [`Store::complete`],
 /// [`Store::release`] and [`Store::heartbeat`]
 /// change a record only while the token presented still owns it (rule 10).

@@ -628,7 +628,7 @@ impl Store for MySqlStore {
             token,
             outcome,
             ttl,
-            by == AnsweredBy::RecoverHook,
+            by.marks_recovered(),
         )
         .await
     }

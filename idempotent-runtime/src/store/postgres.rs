@@ -678,7 +678,7 @@ impl Store for PgStore {
             token,
             outcome,
             ttl,
-            by == AnsweredBy::RecoverHook,
+            by.marks_recovered(),
         )
         .await
     }

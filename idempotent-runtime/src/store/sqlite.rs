@@ -1155,7 +1155,7 @@ impl Store for SqliteStore {
         ttl: Duration,
         by: AnsweredBy,
     ) -> Result<Fenced, StoreError> {
-        self.complete_now(identity, token, outcome, ttl, by == AnsweredBy::RecoverHook)
+        self.complete_now(identity, token, outcome, ttl, by.marks_recovered())
             .await
     }
 
