@@ -54,7 +54,7 @@
 //! replay is acked. Its *first* execution cannot be told apart from a released
 //! error, so it is nak'd once; the redelivery replays it and is acked.
 
-use crate::engine::{with_outcome, Outcome};
+use crate::engine::{with_report, Outcome, Reported};
 use crate::error::Error;
 use std::future::Future;
 use std::time::Duration;
@@ -199,19 +199,38 @@ impl AsIdempotencyError for Box<dyn std::error::Error + 'static> {
 }
 
 /// The verdict on a handler's answer: its result and the [`Outcome`] that
-/// [`with_outcome`] reported for it.
+/// [`with_outcome`](crate::with_outcome) reported for it.
 ///
 /// A refusal by the framework (in progress, mismatch, bad key) decides first,
 /// and any other error of the framework's own is `Failed` (redelivered); then
 /// a replay (of a result, or of a recorded error) is `Replayed`; then
 /// `Ok` is `Executed` (also when the handler made no idempotent call at all)
 /// and any other `Err` is `Failed`.
+///
+/// An [`Outcome`] alone does not say whether a replay was of a result or of
+/// a recorded error, so here an `Err` of the handler's own after a replay is
+/// taken for the replayed recorded error (`Replayed`). [`handle`] knows which
+/// it was: there an `Err` after a replayed *result* (a later step of the
+/// handler failed) is `Failed` and the message is redelivered. Prefer
+/// [`handle`] for handlers of more than one step.
 pub fn classify<T, E: AsIdempotencyError>(
     result: &Result<T, E>,
     outcome: Option<Outcome>,
 ) -> Verdict {
+    verdict(
+        result,
+        outcome.map(|outcome| Reported {
+            outcome,
+            replayed_error: result.is_err(),
+        }),
+    )
+}
+
+/// [`classify`], knowing whether the replay was of a recorded error.
+fn verdict<T, E: AsIdempotencyError>(result: &Result<T, E>, reported: Option<Reported>) -> Verdict {
+    let replayed = reported.is_some_and(|r| r.outcome == Outcome::Replayed);
     let error = match result {
-        Ok(_) if outcome == Some(Outcome::Replayed) => return Verdict::Replayed,
+        Ok(_) if replayed => return Verdict::Replayed,
         Ok(_) => return Verdict::Executed,
         Err(e) => e,
     };
@@ -225,7 +244,10 @@ pub fn classify<T, E: AsIdempotencyError>(
         // recorded answer, even after an earlier step replayed: that step's
         // outcome says nothing of the step that failed, which has not run.
         Some(_) => Verdict::Failed,
-        None if outcome == Some(Outcome::Replayed) => Verdict::Replayed,
+        // The handler's own error is a recorded answer only when the last
+        // idempotent call replayed a recorded error; after a replayed result
+        // it is a later step's failure, which has to run again.
+        None if replayed && reported.is_some_and(|r| r.replayed_error) => Verdict::Replayed,
         None => Verdict::Failed,
     }
 }
@@ -257,7 +279,11 @@ impl<T, E> Handled<T, E> {
 
 /// Handles one delivery: without a key the handler is not called
 /// ([`Verdict::MissingKey`]); otherwise `handler(key)` runs inside
-/// [`with_outcome`] and its answer is [`classify`]'d. The handler is
+/// [`with_outcome`](crate::with_outcome) and its answer is [`classify`]'d, knowing whether the
+/// last idempotent call replayed a result or a recorded error: an `Err` of
+/// the handler's own after a replayed result is a later step's failure
+/// (`Failed`, redelivered), after a replayed recorded error it is that
+/// answer (`Replayed`, acked). The handler is
 /// typically a closure calling an `#[idempotent]` function with
 /// `key = key`; in transactional mode it also commits. This function does not
 /// log; [`nats::process`] does.
@@ -273,9 +299,9 @@ where
             result: None,
         };
     };
-    let (result, outcome) = with_outcome(handler(key)).await;
+    let (result, reported) = with_report(handler(key)).await;
     Handled {
-        verdict: classify(&result, outcome),
+        verdict: verdict(&result, reported),
         result: Some(result),
     }
 }

@@ -68,8 +68,18 @@ pub enum Outcome {
     Recovered,
 }
 
+/// What the last idempotent call that finished in a [`with_outcome`] scope
+/// reported: its [`Outcome`] and, for a replay, whether it replayed a
+/// recorded error (the consumer's verdict needs to know: an `Err` after a
+/// replayed *result* came from a later step, which failed).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Reported {
+    pub(crate) outcome: Outcome,
+    pub(crate) replayed_error: bool,
+}
+
 tokio::task_local! {
-    static OUTCOME: std::cell::Cell<Option<Outcome>>;
+    static OUTCOME: std::cell::Cell<Option<Reported>>;
 }
 
 /// Runs `future` and reports how the outermost idempotent call in it was
@@ -88,6 +98,12 @@ tokio::task_local! {
 /// # }
 /// ```
 pub async fn with_outcome<F: Future>(future: F) -> (F::Output, Option<Outcome>) {
+    let (out, reported) = with_report(future).await;
+    (out, reported.map(|r| r.outcome))
+}
+
+/// [`with_outcome`], with what the call reported whole.
+pub(crate) async fn with_report<F: Future>(future: F) -> (F::Output, Option<Reported>) {
     OUTCOME
         .scope(std::cell::Cell::new(None), async move {
             let out = future.await;
@@ -97,8 +113,15 @@ pub async fn with_outcome<F: Future>(future: F) -> (F::Output, Option<Outcome>) 
 }
 
 pub(crate) fn report(outcome: Outcome) {
+    report_whole(Reported {
+        outcome,
+        replayed_error: false,
+    });
+}
+
+fn report_whole(reported: Reported) {
     // Outside `with_outcome` there is nobody to tell; that is fine.
-    let _ = OUTCOME.try_with(|c| c.set(Some(outcome)));
+    let _ = OUTCOME.try_with(|c| c.set(Some(reported)));
 }
 
 // ---------------------------------------------------------------- return types and error policies
@@ -759,7 +782,10 @@ pub(crate) fn replay<R: IdempotentReturn, H: ErrorHandling<R::Failure>>(
 ) -> Answered<R> {
     METRICS.replayed.fetch_add(1, Ordering::Relaxed);
     tracing::info!(target: "idempotent", scope = spec.scope, key = %identity.log_digest(), store, "replayed");
-    report(Outcome::Replayed);
+    report_whole(Reported {
+        outcome: Outcome::Replayed,
+        replayed_error: outcome.is_error,
+    });
     (
         decode_replay::<R, H>(spec, errors, outcome),
         CallOutcome::Replayed,

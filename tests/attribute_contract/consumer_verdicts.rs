@@ -6,8 +6,12 @@
 //! that outcome is `Replayed` — even when the error is the framework's own
 //! store error from a later step that never ran. The message is acked and
 //! never redelivered: the charge is lost.
+//!
+//! The same for a later step of the handler's own (not an idempotent call)
+//! that fails after a replayed step: its error is not a recorded answer.
+//! Only the replay of a recorded error (`errors = record`) is acked.
 
-use idempotent_runtime::consumer::{handle, Disposition, Verdict};
+use idempotent_runtime::consumer::{handle, AsIdempotencyError, Disposition, Verdict};
 use idempotent_runtime::{idempotent, Error, MemoryStore, SqliteStore};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -55,5 +59,91 @@ async fn a_later_steps_store_failure_after_a_replayed_step_is_not_acked() {
         (handled.verdict, handled.disposition()),
         (Verdict::Failed, Disposition::Nak(None)),
         "the charge never ran, yet the message is acked and will not be redelivered"
+    );
+}
+
+/// A handler's error: its own steps' failures, or the framework's.
+#[derive(Debug, thiserror::Error, serde::Serialize, serde::Deserialize)]
+enum ShippingError {
+    #[error("the address was refused")]
+    AddressRefused,
+    #[error("the carrier is unreachable")]
+    CarrierDown,
+    #[error(transparent)]
+    #[serde(skip)]
+    Idempotency(#[from] Error),
+}
+
+impl AsIdempotencyError for ShippingError {
+    fn as_idempotency_error(&self) -> Option<&Error> {
+        match self {
+            ShippingError::Idempotency(e) => Some(e),
+            _ => None,
+        }
+    }
+}
+
+#[idempotent(scope = "contract_edges.consumer.pack", key = key, tenant = shared,
+             store = store, in_progress = reject)]
+async fn pack(store: &MemoryStore, key: &str) -> Result<u32, ShippingError> {
+    Ok(3)
+}
+
+/// A final refusal, recorded: its replay is the answer to every redelivery.
+#[idempotent(scope = "contract_edges.consumer.label", key = key, tenant = shared,
+             store = store, in_progress = reject, errors = record)]
+async fn label(store: &MemoryStore, key: &str) -> Result<u32, ShippingError> {
+    Err(ShippingError::AddressRefused)
+}
+
+#[tokio::test]
+async fn a_later_plain_steps_failure_after_a_replayed_step_is_redelivered() {
+    let store = MemoryStore::new();
+    // The first delivery packed the parcel; the hand-over to the carrier (a
+    // plain step) failed, so the message comes again.
+    pack(&store, "msg-2").await.expect("packed");
+
+    let handled = handle(Some("msg-2"), |key| async {
+        pack(&store, key).await?; // replayed
+        Err::<u32, _>(ShippingError::CarrierDown) // the carrier is still down
+    })
+    .await;
+    assert!(
+        matches!(handled.result, Some(Err(ShippingError::CarrierDown))),
+        "{:?}",
+        handled.result
+    );
+    assert_eq!(
+        (handled.verdict, handled.disposition()),
+        (Verdict::Failed, Disposition::Nak(None)),
+        "the hand-over never succeeded: the message must come again"
+    );
+}
+
+#[tokio::test]
+async fn a_replayed_recorded_error_is_acked_even_after_a_replayed_step() {
+    let store = MemoryStore::new();
+    let first = handle(Some("msg-3"), |key| async {
+        pack(&store, key).await?;
+        label(&store, key).await
+    })
+    .await;
+    // The refusal was recorded by this delivery's body: the body ran.
+    assert_eq!(first.verdict, Verdict::Failed, "{:?}", first.result);
+
+    let again = handle(Some("msg-3"), |key| async {
+        pack(&store, key).await?; // replayed result
+        label(&store, key).await // replayed recorded error
+    })
+    .await;
+    assert!(
+        matches!(again.result, Some(Err(ShippingError::AddressRefused))),
+        "{:?}",
+        again.result
+    );
+    assert_eq!(
+        (again.verdict, again.disposition()),
+        (Verdict::Replayed, Disposition::Ack),
+        "the recorded refusal is the final answer: redelivering it changes nothing"
     );
 }
