@@ -140,7 +140,9 @@ async fn pg_rollback_leaves_no_record_commit_leaves_one_of_each() {
         return;
     };
     let pool = store.pool().clone();
-    sqlx::query(PG_DDL).execute(&pool).await.expect("ddl");
+    common::servers::pg_create_tables(&pool, PG_DDL)
+        .await
+        .expect("ddl");
     let tenant = fresh_tenant();
 
     assert_eq!(
@@ -181,7 +183,9 @@ async fn pg_duplicate_of_an_open_transaction_is_in_progress_and_never_blocks() {
         return;
     };
     let pool = store.pool().clone();
-    sqlx::query(PG_DDL).execute(&pool).await.expect("ddl");
+    common::servers::pg_create_tables(&pool, PG_DDL)
+        .await
+        .expect("ddl");
     let tenant = fresh_tenant();
 
     // `in_progress = reject`: a duplicate in another transaction is refused at

@@ -121,3 +121,22 @@ pub async fn nats_or_skip() -> Option<async_nats::jetstream::Context> {
 pub fn fresh_tenant() -> String {
     format!("t-{}", uuid::Uuid::new_v4())
 }
+
+/// Creates the tables a test writes to, on PostgreSQL (`ddl`: one or more
+/// `CREATE TABLE IF NOT EXISTS` statements). That statement is not safe
+/// against itself: two test binaries creating one table at the same moment
+/// (a fresh database, nextest running binaries side by side) make one of
+/// them fail with a catalog unique violation (`pg_type_typname_nsp_index`).
+/// Here the DDL runs after one advisory lock, in one simple-query message
+/// (which PostgreSQL runs as one transaction, so the lock is held to its
+/// end): creations take turns and the second finds the table.
+pub async fn pg_create_tables(pool: &sqlx::PgPool, ddl: &str) -> Result<(), sqlx::Error> {
+    /// The lock every test's DDL takes ("idem-ddl").
+    const TEST_DDL_LOCK: i64 = 0x6964_656d_2d64_646c;
+    sqlx::raw_sql(&format!(
+        "SELECT pg_advisory_xact_lock({TEST_DDL_LOCK}); {ddl}"
+    ))
+    .execute(pool)
+    .await
+    .map(drop)
+}

@@ -41,13 +41,13 @@ async fn prepare(backend: Backend) -> Option<Box<dyn Store>> {
     match backend {
         Backend::Pg => {
             let store = pg_store_or_skip().await?;
-            sqlx::raw_sql(
+            common::servers::pg_create_tables(
+                store.pool(),
                 "CREATE TABLE IF NOT EXISTS idempotent_test_side_effects (
                      tenant TEXT NOT NULL, idem_key TEXT NOT NULL, pid BIGINT NOT NULL, note TEXT NOT NULL);
                  CREATE TABLE IF NOT EXISTS idempotent_test_charges (
                      tenant TEXT NOT NULL, idem_key TEXT NOT NULL, amount BIGINT NOT NULL)",
             )
-            .execute(store.pool())
             .await
             .expect("create the side-effect tables");
             Some(Box::new(store))

@@ -544,18 +544,12 @@ struct Found {
 }
 
 async fn ensure_effects_table(store: &dyn AnyPool) {
-    // Two runs may create the table at the same moment; CREATE TABLE IF NOT
-    // EXISTS can then fail once on PostgreSQL (a catalog unique violation).
-    for attempt in 0.. {
-        match store.create_effects_table().await {
-            Ok(()) => return,
-            Err(e) if attempt < 5 => {
-                eprintln!("creating idempotent_soak_effects: {e}; retrying");
-                tokio::time::sleep(Duration::from_millis(200)).await;
-            }
-            Err(e) => panic!("create idempotent_soak_effects: {e}"),
-        }
-    }
+    // Two runs may create the table at the same moment: on PostgreSQL the
+    // creation takes an advisory lock (`pg_create_tables`).
+    store
+        .create_effects_table()
+        .await
+        .expect("create idempotent_soak_effects");
 }
 
 /// The two databases' pools, behind one face.
@@ -569,16 +563,12 @@ trait AnyPool {
 
 impl AnyPool for sqlx::PgPool {
     fn create_effects_table(&self) -> futures::future::BoxFuture<'_, Result<(), sqlx::Error>> {
-        Box::pin(async move {
-            sqlx::query(
-                "CREATE TABLE IF NOT EXISTS idempotent_soak_effects (
-                     tenant TEXT NOT NULL, idem_key TEXT NOT NULL,
-                     attempt TEXT NOT NULL, pid BIGINT NOT NULL)",
-            )
-            .execute(self)
-            .await
-            .map(drop)
-        })
+        Box::pin(common::servers::pg_create_tables(
+            self,
+            "CREATE TABLE IF NOT EXISTS idempotent_soak_effects (
+                 tenant TEXT NOT NULL, idem_key TEXT NOT NULL,
+                 attempt TEXT NOT NULL, pid BIGINT NOT NULL)",
+        ))
     }
     fn effects(
         &self,

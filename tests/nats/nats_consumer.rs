@@ -663,11 +663,11 @@ async fn consume(
 }
 
 async fn create_effects_table(store: &PgStore) {
-    sqlx::raw_sql(
+    common::servers::pg_create_tables(
+        store.pool(),
         "CREATE TABLE IF NOT EXISTS idempotent_test_nats_effects (
              tenant TEXT NOT NULL, consumer TEXT NOT NULL, msg_id TEXT NOT NULL, pid BIGINT NOT NULL)",
     )
-    .execute(store.pool())
     .await
     .expect("create the effects table");
 }
