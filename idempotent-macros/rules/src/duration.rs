@@ -18,7 +18,9 @@ pub enum DurationKind {
     /// `ttl`: retention of a completed record. At least 1ms.
     Ttl,
     /// `lease`: renewed every lease/3 while the body runs. At least 10ms, so
-    /// the heartbeat does not hammer the store.
+    /// the heartbeat does not hammer the store. That floor is not a safe
+    /// value: a lease must be far longer than a renewal can take on a loaded
+    /// store, or a second caller takes the record over while the body runs.
     Lease,
     /// `wait(...)`: how long a duplicate waits. At least 1ms (zero is `reject`).
     Wait,
