@@ -520,6 +520,33 @@ fn decode_reservation(row: &MySqlRow) -> Result<Reservation, sqlx::Error> {
     })
 }
 
+/// Binds, after what `statement` bound so far, the record `token` owns: its
+/// `WHERE tenant = ? AND scope = ? AND `key` = ? ... AND owner_token = ?`.
+fn on_owned_record<'q>(
+    statement: sqlx::query::Query<'q, MySql, sqlx::mysql::MySqlArguments>,
+    identity: &'q Identity,
+    token: &'q OwnerToken,
+) -> sqlx::query::Query<'q, MySql, sqlx::mysql::MySqlArguments> {
+    statement
+        .bind(identity.tenant.as_bytes())
+        .bind(identity.scope.as_bytes())
+        .bind(identity.key.as_bytes())
+        .bind(token.as_str().as_bytes())
+}
+
+/// Runs a write fenced by the owner token: `Written` when it matched the
+/// record, `NotOwner` when the token no longer owns it. The connection
+/// reports rows *matched* (CLIENT_FOUND_ROWS), so an identical rewrite still
+/// counts as owning the record.
+async fn fenced<'e, E: Executor<'e, Database = MySql>>(
+    operation: &'static str,
+    statement: sqlx::query::Query<'_, MySql, sqlx::mysql::MySqlArguments>,
+    executor: E,
+) -> Result<Fenced, StoreError> {
+    let done = statement.execute(executor).await.map_err(err(operation))?;
+    Ok(Fenced::from_owned(done.rows_affected() == 1))
+}
+
 /// Records the outcome, fenced by the token; `recovered` marks an outcome a
 /// `recover` hook gave (rule 20).
 async fn complete_with<'e, E: Executor<'e, Database = MySql>>(
@@ -537,21 +564,17 @@ async fn complete_with<'e, E: Executor<'e, Database = MySql>>(
           WHERE tenant = ? AND scope = ? AND `key` = ?
             AND state = 'in_progress' AND owner_token = ?"
     );
-    let done = sqlx::query(&sql)
+    let statement = sqlx::query(&sql)
         .bind(outcome.is_error)
         .bind(&outcome.payload)
         .bind(duration_to_millis(ttl))
-        .bind(recovered)
-        .bind(identity.tenant.as_bytes())
-        .bind(identity.scope.as_bytes())
-        .bind(identity.key.as_bytes())
-        .bind(token.as_str().as_bytes())
-        .execute(executor)
-        .await
-        .map_err(err("complete"))?;
-    // The connection reports rows *matched* (CLIENT_FOUND_ROWS), so an
-    // identical rewrite still counts as owning the record.
-    Ok(Fenced::from_owned(done.rows_affected() == 1))
+        .bind(recovered);
+    fenced(
+        "complete",
+        on_owned_record(statement, identity, token),
+        executor,
+    )
+    .await
 }
 
 /// Renews (or, with a shorter lease, ends early) the lease `token` owns.
@@ -571,17 +594,15 @@ async fn heartbeat_with<'e, E: Executor<'e, Database = MySql>>(
           WHERE tenant = ? AND scope = ? AND `key` = ?
             AND state = 'in_progress' AND owner_token = ?"
     );
-    let done = sqlx::query(&sql)
+    let statement = sqlx::query(&sql)
         .bind(duration_to_millis(lease))
-        .bind(duration_to_millis(lease))
-        .bind(identity.tenant.as_bytes())
-        .bind(identity.scope.as_bytes())
-        .bind(identity.key.as_bytes())
-        .bind(token.as_str().as_bytes())
-        .execute(executor)
-        .await
-        .map_err(err("heartbeat"))?;
-    Ok(Fenced::from_owned(done.rows_affected() == 1))
+        .bind(duration_to_millis(lease));
+    fenced(
+        "heartbeat",
+        on_owned_record(statement, identity, token),
+        executor,
+    )
+    .await
 }
 
 async fn release_with<'e, E: Executor<'e, Database = MySql>>(
@@ -589,19 +610,17 @@ async fn release_with<'e, E: Executor<'e, Database = MySql>>(
     identity: &Identity,
     token: &OwnerToken,
 ) -> Result<Fenced, StoreError> {
-    let done = sqlx::query(
+    let statement = sqlx::query(
         "DELETE FROM idempotency_records
           WHERE tenant = ? AND scope = ? AND `key` = ?
             AND state = 'in_progress' AND owner_token = ?",
+    );
+    fenced(
+        "release",
+        on_owned_record(statement, identity, token),
+        executor,
     )
-    .bind(identity.tenant.as_bytes())
-    .bind(identity.scope.as_bytes())
-    .bind(identity.key.as_bytes())
-    .bind(token.as_str().as_bytes())
-    .execute(executor)
     .await
-    .map_err(err("release"))?;
-    Ok(Fenced::from_owned(done.rows_affected() == 1))
 }
 
 #[async_trait::async_trait]

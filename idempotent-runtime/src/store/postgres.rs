@@ -574,6 +574,31 @@ fn decode_reservation(row: &PgRow) -> Result<Answer, sqlx::Error> {
     }))
 }
 
+/// A statement on the record `token` owns: `$1`–`$3` name the record and
+/// `$4` is the owner token; the caller binds the rest from `$5`.
+fn on_owned_record<'q>(
+    sql: &'q str,
+    identity: &'q Identity,
+    token: &'q OwnerToken,
+) -> sqlx::query::Query<'q, Postgres, sqlx::postgres::PgArguments> {
+    sqlx::query(sql)
+        .bind(&identity.tenant)
+        .bind(&identity.scope)
+        .bind(&identity.key)
+        .bind(token.as_str())
+}
+
+/// Runs a write fenced by the owner token: `Written` when it touched the
+/// record, `NotOwner` when the token no longer owns it.
+async fn fenced<'e, E: Executor<'e, Database = Postgres>>(
+    operation: &'static str,
+    statement: sqlx::query::Query<'_, Postgres, sqlx::postgres::PgArguments>,
+    executor: E,
+) -> Result<Fenced, StoreError> {
+    let done = statement.execute(executor).await.map_err(err(operation))?;
+    Ok(Fenced::from_owned(done.rows_affected() == 1))
+}
+
 /// Records the outcome, fenced by the token; `recovered` marks an outcome a
 /// `recover` hook gave (rule 20).
 async fn complete_with<'e, E: Executor<'e, Database = Postgres>>(
@@ -584,26 +609,18 @@ async fn complete_with<'e, E: Executor<'e, Database = Postgres>>(
     ttl: Duration,
     recovered: bool,
 ) -> Result<Fenced, StoreError> {
-    let done = sqlx::query(
-        "UPDATE idempotency_records SET state = 'complete', owner_token = NULL,
+    const SQL: &str = "UPDATE idempotency_records SET state = 'complete', owner_token = NULL,
                 is_error = $5, result = $6, lease_expires_at = NULL,
                 expires_at = idempotency_now_ms() + $7, updated_at = idempotency_now_ms(),
                 recovered = $8, waiting = FALSE
           WHERE tenant = $1 AND scope = $2 AND key = $3
-            AND state = 'in_progress' AND owner_token = $4",
-    )
-    .bind(&identity.tenant)
-    .bind(&identity.scope)
-    .bind(&identity.key)
-    .bind(token.as_str())
-    .bind(outcome.is_error)
-    .bind(&outcome.payload)
-    .bind(millis_i64(ttl))
-    .bind(recovered)
-    .execute(executor)
-    .await
-    .map_err(err("complete"))?;
-    Ok(Fenced::from_owned(done.rows_affected() == 1))
+            AND state = 'in_progress' AND owner_token = $4";
+    let statement = on_owned_record(SQL, identity, token)
+        .bind(outcome.is_error)
+        .bind(&outcome.payload)
+        .bind(millis_i64(ttl))
+        .bind(recovered);
+    fenced("complete", statement, executor).await
 }
 
 /// Renews (or, with a shorter lease, ends early) the lease `token` owns.
@@ -613,25 +630,16 @@ async fn heartbeat_with<'e, E: Executor<'e, Database = Postgres>>(
     token: &OwnerToken,
     lease: Duration,
 ) -> Result<Fenced, StoreError> {
-    let done = sqlx::query(
-        // The record's retention moves with its lease (`Store::heartbeat`):
-        // `expires_at` keeps its distance from the lease's end.
-        "UPDATE idempotency_records
+    // The record's retention moves with its lease (`Store::heartbeat`):
+    // `expires_at` keeps its distance from the lease's end.
+    const SQL: &str = "UPDATE idempotency_records
             SET lease_expires_at = idempotency_now_ms() + $5, updated_at = idempotency_now_ms(),
                 expires_at = GREATEST(expires_at,
                     idempotency_now_ms() + $5 + (expires_at - lease_expires_at))
           WHERE tenant = $1 AND scope = $2 AND key = $3
-            AND state = 'in_progress' AND owner_token = $4",
-    )
-    .bind(&identity.tenant)
-    .bind(&identity.scope)
-    .bind(&identity.key)
-    .bind(token.as_str())
-    .bind(millis_i64(lease))
-    .execute(executor)
-    .await
-    .map_err(err("heartbeat"))?;
-    Ok(Fenced::from_owned(done.rows_affected() == 1))
+            AND state = 'in_progress' AND owner_token = $4";
+    let statement = on_owned_record(SQL, identity, token).bind(millis_i64(lease));
+    fenced("heartbeat", statement, executor).await
 }
 
 async fn release_with<'e, E: Executor<'e, Database = Postgres>>(
@@ -639,19 +647,10 @@ async fn release_with<'e, E: Executor<'e, Database = Postgres>>(
     identity: &Identity,
     token: &OwnerToken,
 ) -> Result<Fenced, StoreError> {
-    let done = sqlx::query(
-        "DELETE FROM idempotency_records
+    const SQL: &str = "DELETE FROM idempotency_records
           WHERE tenant = $1 AND scope = $2 AND key = $3
-            AND state = 'in_progress' AND owner_token = $4",
-    )
-    .bind(&identity.tenant)
-    .bind(&identity.scope)
-    .bind(&identity.key)
-    .bind(token.as_str())
-    .execute(executor)
-    .await
-    .map_err(err("release"))?;
-    Ok(Fenced::from_owned(done.rows_affected() == 1))
+            AND state = 'in_progress' AND owner_token = $4";
+    fenced("release", on_owned_record(SQL, identity, token), executor).await
 }
 
 #[async_trait::async_trait]
