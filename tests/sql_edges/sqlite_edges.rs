@@ -252,6 +252,43 @@ async fn switching_to_wal_waits_for_another_writer() {
     remove(&path);
 }
 
+/// A database already migrated opens, and is read, while an application
+/// transaction holds the write lock: opening reads the migration history
+/// without the lock (WAL readers never wait for a writer) and takes it only
+/// when something is pending. Before, every open (the CLI's `inspect` and
+/// `audit` too) waited 60 s for the lock and failed with "timed out waiting
+/// for another process to finish the idempotency migrations".
+#[tokio::test]
+async fn a_migrated_file_opens_and_reads_while_another_connection_writes() {
+    let path = fresh_path();
+    let first = SqliteStore::connect(&url(&path)).await.expect("migrate");
+    let id = Identity::new("t", "edges.open_while_locked", "k").expect("identity");
+    first.pool().close().await;
+    let mut holder = SqliteConnection::connect_with(&SqliteConnectOptions::new().filename(&path))
+        .await
+        .expect("the application's connection");
+    holder
+        .execute("BEGIN IMMEDIATE; CREATE TABLE app_orders (id INTEGER PRIMARY KEY)")
+        .await
+        .expect("hold the write lock");
+
+    // Bounded only to report a hang as a failure (the old wait was 60 s).
+    let opened = tokio::time::timeout(Duration::from_secs(30), SqliteStore::connect(&url(&path)))
+        .await
+        .expect("opening a migrated file waited for the write lock")
+        .expect("opens while another connection writes");
+    let record = opened
+        .fetch(&id)
+        .await
+        .expect("a read while the lock is held");
+    assert!(record.is_none(), "{record:?}");
+
+    holder.execute("COMMIT").await.expect("release the lock");
+    opened.pool().close().await;
+    holder.close().await.expect("close");
+    remove(&path);
+}
+
 /// Many tasks open one brand-new file at once, 30 rounds: every open
 /// succeeds and every opener sees the same, fully migrated, WAL schema.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -10,7 +10,9 @@
 //!
 //! The runner holds the backend's migration lock from before it reads the
 //! history until after the last migration is recorded, so several processes
-//! opening one brand-new database at once apply each migration once. What
+//! opening one brand-new database at once apply each migration once. (SQLite
+//! reads the history first without it, and takes it only when something is
+//! pending: see `MigrationBackend::applied_without_lock`.) What
 //! differs per backend is behind `MigrationBackend`: PostgreSQL applies them
 //! in one transaction under a transaction-level advisory lock, MySQL/MariaDB
 //! (whose DDL is not transactional) under `GET_LOCK`, statement by statement
@@ -141,6 +143,16 @@ pub(crate) trait MigrationBackend: Send {
     /// Lets go of the lock: commits what was done when `done`, otherwise
     /// rolls back what can be rolled back.
     async fn unlock(&mut self, done: bool) -> Result<(), sqlx::Error>;
+    /// The history, read *without* the migration lock, where taking the lock
+    /// costs others something; `None` (the default) when the backend does
+    /// not. SQLite's lock is the database's only write lock: an application
+    /// transaction that writes holds it, and every process opening the store
+    /// (the CLI included) would wait for it although nothing is pending. A
+    /// database found up to date is not locked at all; one with anything
+    /// pending (or no history yet) is migrated under the lock as before.
+    async fn applied_without_lock(&mut self) -> Option<Vec<(i64, Vec<u8>)>> {
+        None
+    }
 }
 
 /// A migration run inside one transaction (PostgreSQL, SQLite): the run's
@@ -202,6 +214,11 @@ pub(crate) async fn run(
     backend: &mut impl MigrationBackend,
     migrations: &[Migration],
 ) -> Result<(), MigrationError> {
+    if let Some(applied) = backend.applied_without_lock().await {
+        if pending(&applied, migrations)?.is_empty() {
+            return Ok(());
+        }
+    }
     backend.lock().await?;
     let result = apply_pending(backend, migrations).await;
     let unlocked = backend.unlock(result.is_ok()).await;
@@ -215,22 +232,35 @@ async fn apply_pending(
 ) -> Result<(), MigrationError> {
     backend.create_history().await?;
     let applied = backend.applied().await?;
+    for m in pending(&applied, migrations)? {
+        backend.execute(m.sql).await?;
+        backend
+            .record(m.version, m.description, &m.checksum())
+            .await?;
+    }
+    Ok(())
+}
+
+/// The `migrations` not in the history `applied`, in order; an error when
+/// one that is there was recorded with other contents.
+fn pending<'m>(
+    applied: &[(i64, Vec<u8>)],
+    migrations: &'m [Migration],
+) -> Result<Vec<&'m Migration>, MigrationError> {
+    let mut pending = Vec::new();
     for m in migrations {
-        let checksum = m.checksum();
         match applied.iter().find(|(v, _)| *v == m.version) {
-            Some((_, sum)) if sum[..] == checksum[..] => continue,
+            Some((_, sum)) if sum[..] == m.checksum()[..] => {}
             Some(_) => {
                 return Err(MigrationError::Changed {
                     version: m.version,
                     description: m.description.to_string(),
                 })
             }
-            None => {}
+            None => pending.push(m),
         }
-        backend.execute(m.sql).await?;
-        backend.record(m.version, m.description, &checksum).await?;
     }
-    Ok(())
+    Ok(pending)
 }
 
 #[cfg(test)]
