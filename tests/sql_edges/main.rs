@@ -12,6 +12,7 @@
 mod common;
 
 mod mysql_edges;
+mod operator_release;
 mod postgres_edges;
 mod sqlite_edges;
 mod sqlite_store;

@@ -678,6 +678,25 @@ pub(crate) fn refused_release(snapshot: Option<RecordSnapshot>) -> ForcedRelease
     }
 }
 
+/// How long an operator's [`Store::force_release`] waits for a record another
+/// transaction holds (a transactional-mode call in progress) before it says
+/// so, instead of waiting for that transaction to end.
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+pub(crate) const OPERATOR_LOCK_WAIT: Duration = Duration::from_secs(1);
+
+/// What a [`Store::force_release`] answers when another open transaction
+/// held the record past [`OPERATOR_LOCK_WAIT`].
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+pub(crate) fn held_by_a_transaction(store: &'static str, operation: &'static str) -> StoreError {
+    StoreError::new(
+        store,
+        operation,
+        "the record is held by another open transaction (a transactional-mode call in \
+         progress, or its caller has not committed yet), so it cannot be released now: \
+         retry once that transaction has ended (`inspect` shows the record as it stands)",
+    )
+}
+
 /// Whether two fingerprints contradict each other: only when both exist and differ.
 pub fn fingerprints_conflict(stored: Option<&str>, incoming: Option<&str>) -> bool {
     matches!((stored, incoming), (Some(a), Some(b)) if a != b)

@@ -688,7 +688,16 @@ impl Store for PgStore {
         require_expired_lease: bool,
     ) -> Result<ForcedRelease, StoreError> {
         const OP: &str = "release a record for an operator";
-        let deleted: Option<i32> = sqlx::query_scalar(
+        // A row another transaction holds (a transactional-mode takeover in
+        // progress) is waited for at most OPERATOR_LOCK_WAIT, not until that
+        // transaction ends.
+        let mut tx = self.pools.current().begin().await.map_err(err(OP))?;
+        sqlx::query("SELECT set_config('lock_timeout', $1, TRUE)")
+            .bind(format!("{}ms", OPERATOR_LOCK_WAIT.as_millis()))
+            .execute(&mut *tx)
+            .await
+            .map_err(err(OP))?;
+        let deleted: Result<Option<i32>, sqlx::Error> = sqlx::query_scalar(
             "DELETE FROM idempotency_records
               WHERE tenant = $1 AND scope = $2 AND key = $3 AND state = 'in_progress'
                 AND (NOT $4 OR lease_expires_at <= idempotency_now_ms())
@@ -698,9 +707,16 @@ impl Store for PgStore {
         .bind(&identity.scope)
         .bind(&identity.key)
         .bind(require_expired_lease)
-        .fetch_optional(&*self.pools.current())
-        .await
-        .map_err(err(OP))?;
+        .fetch_optional(&mut *tx)
+        .await;
+        let deleted = match deleted {
+            Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some(LOCK_NOT_AVAILABLE) => {
+                tx.rollback().await.map_err(err(OP))?;
+                return Err(held_by_a_transaction(STORE, OP));
+            }
+            other => other.map_err(err(OP))?,
+        };
+        tx.commit().await.map_err(err(OP))?;
         if let Some(attempt) = deleted {
             return Ok(ForcedRelease::Released {
                 attempt: u32::try_from(attempt).unwrap_or(1),
