@@ -121,7 +121,7 @@ async fn mysql_a_record_a_transaction_holds_is_reported_not_waited_for() {
     );
 
     // A transactional caller's record, not committed yet: the same answer,
-    // and the session's own lock wait is restored on the pooled connection.
+    // and no pooled connection keeps the operator's shortened lock wait.
     let mut tx = store.pool().begin().await.expect("caller's transaction");
     charge_in_tx(&mut tx, &tenant, "uncommitted")
         .await

@@ -661,17 +661,18 @@ impl Store for MySqlStore {
         // Read the attempt and delete in one short transaction, the row
         // locked. A row another transaction holds (a transactional-mode call
         // in progress, its insert uncommitted) is waited for at most
-        // OPERATOR_LOCK_WAIT, not `innodb_lock_wait_timeout` (50 s by default):
-        // the session's value is set for the read and restored after it.
-        let mut tx = self.pools.current().begin().await.map_err(err(OP))?;
-        sqlx::query(
-            "SET @idempotency_operator_wait = @@SESSION.innodb_lock_wait_timeout, \
-                 SESSION innodb_lock_wait_timeout = ?",
-        )
-        .bind(OPERATOR_LOCK_WAIT.as_secs().max(1))
-        .execute(&mut *tx)
-        .await
-        .map_err(err(OP))?;
+        // OPERATOR_LOCK_WAIT, not `innodb_lock_wait_timeout` (50 s by default).
+        // The session's wait is shortened for that, on a connection closed
+        // afterwards instead of returned to the pool with it, whatever
+        // happens (this call dropped halfway included).
+        let mut conn = self.pools.current().acquire().await.map_err(err(OP))?;
+        conn.close_on_drop();
+        sqlx::query("SET SESSION innodb_lock_wait_timeout = ?")
+            .bind(OPERATOR_LOCK_WAIT.as_secs().max(1))
+            .execute(&mut *conn)
+            .await
+            .map_err(err(OP))?;
+        let mut tx = sqlx::Connection::begin(&mut *conn).await.map_err(err(OP))?;
         let sql = format!(
             "SELECT CAST(attempt AS SIGNED), CAST(COALESCE(state = 'in_progress'
                     AND (? = 0 OR lease_expires_at <= {NOW_MS}), 0) AS SIGNED)
@@ -685,19 +686,13 @@ impl Store for MySqlStore {
             .bind(identity.key.as_bytes())
             .fetch_optional(&mut *tx)
             .await;
-        let restored =
-            sqlx::query("SET SESSION innodb_lock_wait_timeout = @idempotency_operator_wait")
-                .execute(&mut *tx)
-                .await;
         let row = match row {
             Err(sqlx::Error::Database(e)) if error_number(&*e) == Some(ER_LOCK_WAIT_TIMEOUT) => {
                 tx.rollback().await.map_err(err(OP))?;
-                restored.map_err(err(OP))?;
                 return Err(held_by_a_transaction(STORE, OP));
             }
             other => other.map_err(err(OP))?,
         };
-        restored.map_err(err(OP))?;
         if let Some((attempt, 1)) = row {
             sqlx::query(
                 "DELETE FROM idempotency_records WHERE tenant = ? AND scope = ? AND `key` = ?",
@@ -714,6 +709,7 @@ impl Store for MySqlStore {
             });
         }
         tx.rollback().await.map_err(err(OP))?;
+        drop(conn);
         Ok(refused_release(self.fetch(identity).await?))
     }
 
