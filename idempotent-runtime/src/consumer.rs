@@ -244,9 +244,9 @@ fn verdict<T, E: AsIdempotencyError>(result: &Result<T, E>, reported: Option<Rep
         // recorded answer, even after an earlier step replayed: that step's
         // outcome says nothing of the step that failed, which has not run.
         Some(_) => Verdict::Failed,
-        // The handler's own error is a recorded answer only when the last
-        // idempotent call replayed a recorded error; after a replayed result
-        // it is a later step's failure, which has to run again.
+        // The handler's own error after a replay is a recorded answer only
+        // when a recorded error was among the replays; after replays of
+        // results only it is a later step's failure, which has to run again.
         None if replayed && reported.is_some_and(|r| r.replayed_error) => Verdict::Replayed,
         None => Verdict::Failed,
     }
@@ -280,10 +280,13 @@ impl<T, E> Handled<T, E> {
 /// Handles one delivery: without a key the handler is not called
 /// ([`Verdict::MissingKey`]); otherwise `handler(key)` runs inside
 /// [`with_outcome`](crate::with_outcome) and its answer is [`classify`]'d, knowing whether the
-/// last idempotent call replayed a result or a recorded error: an `Err` of
-/// the handler's own after a replayed result is a later step's failure
-/// (`Failed`, redelivered), after a replayed recorded error it is that
-/// answer (`Replayed`, acked). The handler is
+/// handler's replays were of results only or included a recorded error: an
+/// `Err` of the handler's own when the last idempotent call replayed is that
+/// recorded answer (`Replayed`, acked) if a recorded error was replayed, and
+/// otherwise a later step's failure (`Failed`, redelivered). (A handler that
+/// swallows a replayed recorded error and then fails a step of its own is
+/// taken for the recorded answer: return the error you replayed, or handle
+/// it without an `Err`.) The handler is
 /// typically a closure calling an `#[idempotent]` function with
 /// `key = key`; in transactional mode it also commits. This function does not
 /// log; [`nats::process`] does.

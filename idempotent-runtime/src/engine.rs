@@ -68,10 +68,12 @@ pub enum Outcome {
     Recovered,
 }
 
-/// What the last idempotent call that finished in a [`with_outcome`] scope
-/// reported: its [`Outcome`] and, for a replay, whether it replayed a
-/// recorded error (the consumer's verdict needs to know: an `Err` after a
-/// replayed *result* came from a later step, which failed).
+/// What the idempotent calls that finished in a [`with_outcome`] scope
+/// reported: the last one's [`Outcome`], and whether any of them replayed a
+/// recorded error (the consumer's verdict needs to know: an `Err` of the
+/// handler's own after replays of results only came from a later step, which
+/// failed; with a recorded error among the replays it is that answer, in
+/// whatever order the calls finished).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Reported {
     pub(crate) outcome: Outcome,
@@ -121,7 +123,13 @@ pub(crate) fn report(outcome: Outcome) {
 
 fn report_whole(reported: Reported) {
     // Outside `with_outcome` there is nobody to tell; that is fine.
-    let _ = OUTCOME.try_with(|c| c.set(Some(reported)));
+    let _ = OUTCOME.try_with(|c| {
+        let replayed_error = reported.replayed_error || c.get().is_some_and(|r| r.replayed_error);
+        c.set(Some(Reported {
+            outcome: reported.outcome,
+            replayed_error,
+        }))
+    });
 }
 
 // ---------------------------------------------------------------- return types and error policies

@@ -147,3 +147,30 @@ async fn a_replayed_recorded_error_is_acked_even_after_a_replayed_step() {
         "the recorded refusal is the final answer: redelivering it changes nothing"
     );
 }
+
+#[tokio::test]
+async fn a_replayed_recorded_error_is_acked_whatever_step_replays_after_it() {
+    let store = MemoryStore::new();
+    let handler = |key: &'static str| {
+        let store = &store;
+        async move {
+            let refusal = label(store, key).await; // the recorded refusal
+            pack(store, key).await?; // a step after it, replayed Ok on redelivery
+            refusal
+        }
+    };
+    let first = handle(Some("msg-4"), handler).await;
+    assert_eq!(first.verdict, Verdict::Failed, "{:?}", first.result);
+
+    let again = handle(Some("msg-4"), handler).await;
+    assert!(
+        matches!(again.result, Some(Err(ShippingError::AddressRefused))),
+        "{:?}",
+        again.result
+    );
+    assert_eq!(
+        (again.verdict, again.disposition()),
+        (Verdict::Replayed, Disposition::Ack),
+        "the recorded refusal is the answer, though a result replayed after it"
+    );
+}
