@@ -987,9 +987,10 @@ impl super::migrate::MigrationBackend for MigrationTransaction {
         self.tx.applied().await
     }
 
-    /// A plain read on the pool (WAL: never waits for a writer); `None` when
-    /// there is no history table yet, or the read failed (the locked run
-    /// reports what is wrong).
+    /// A plain read on the pool (in WAL mode it never waits for a writer; a
+    /// rollback-journal pool of the user's may wait its busy timeout);
+    /// `None` when there is no history table yet, or the read failed (the
+    /// locked run reports what is wrong).
     async fn applied_without_lock(&mut self) -> Option<Vec<(i64, Vec<u8>)>> {
         sqlx::query_as("SELECT version, checksum FROM idempotency_schema_migrations")
             .fetch_all(&self.pool)
