@@ -11,7 +11,7 @@
 //! that fails after a replayed step: its error is not a recorded answer.
 //! Only the replay of a recorded error (`errors = record`) is acked.
 
-use idempotent_runtime::consumer::{handle, AsIdempotencyError, Disposition, Verdict};
+use idempotent_runtime::consumer::{handle, AsIdempotencyError, Disposition, Handled, Verdict};
 use idempotent_runtime::{idempotent, Error, MemoryStore, SqliteStore};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -120,6 +120,21 @@ async fn a_later_plain_steps_failure_after_a_replayed_step_is_redelivered() {
     );
 }
 
+/// A redelivery answered with the recorded refusal: the handler returned it,
+/// and the message is acked.
+fn assert_recorded_refusal_acked(handled: &Handled<u32, ShippingError>, why: &str) {
+    assert!(
+        matches!(handled.result, Some(Err(ShippingError::AddressRefused))),
+        "{:?}",
+        handled.result
+    );
+    assert_eq!(
+        (handled.verdict, handled.disposition()),
+        (Verdict::Replayed, Disposition::Ack),
+        "{why}"
+    );
+}
+
 #[tokio::test]
 async fn a_replayed_recorded_error_is_acked_even_after_a_replayed_step() {
     let store = MemoryStore::new();
@@ -136,15 +151,9 @@ async fn a_replayed_recorded_error_is_acked_even_after_a_replayed_step() {
         label(&store, key).await // replayed recorded error
     })
     .await;
-    assert!(
-        matches!(again.result, Some(Err(ShippingError::AddressRefused))),
-        "{:?}",
-        again.result
-    );
-    assert_eq!(
-        (again.verdict, again.disposition()),
-        (Verdict::Replayed, Disposition::Ack),
-        "the recorded refusal is the final answer: redelivering it changes nothing"
+    assert_recorded_refusal_acked(
+        &again,
+        "the recorded refusal is the final answer: redelivering it changes nothing",
     );
 }
 
@@ -163,14 +172,8 @@ async fn a_replayed_recorded_error_is_acked_whatever_step_replays_after_it() {
     assert_eq!(first.verdict, Verdict::Failed, "{:?}", first.result);
 
     let again = handle(Some("msg-4"), handler).await;
-    assert!(
-        matches!(again.result, Some(Err(ShippingError::AddressRefused))),
-        "{:?}",
-        again.result
-    );
-    assert_eq!(
-        (again.verdict, again.disposition()),
-        (Verdict::Replayed, Disposition::Ack),
-        "the recorded refusal is the answer, though a result replayed after it"
+    assert_recorded_refusal_acked(
+        &again,
+        "the recorded refusal is the answer, though a result replayed after it",
     );
 }
