@@ -6,7 +6,8 @@
 
 use idempotent_runtime::registry::{self, ScopeInfo};
 use idempotent_runtime::{
-    idempotent, with_outcome, Error, ErrorPolicy, InProgressPolicy, MemoryStore, Outcome, Store,
+    idempotent, with_outcome, Error, ErrorPolicy, InProgressPolicy, MemoryStore, Outcome, Recovery,
+    Store, Takeover,
 };
 use serde::{Deserialize, Serialize};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -362,6 +363,139 @@ async fn bare_shared_is_one_namespace() {
     assert_eq!(runs.load(Ordering::SeqCst), 1);
 }
 
+// ---- a `Result` alias (`pay::Result<T>`: the last path segment is
+// `Result`) with `errors = record` and `crate = path`
+mod pay {
+    pub type Result<T> = std::result::Result<T, super::PayError>;
+}
+
+#[idempotent(scope = "shapes.result_alias", key = key, tenant = shared, store = store,
+             skip(runs), errors = record, crate = crate::macro_shapes::renamed)]
+async fn declined(store: &MemoryStore, key: &str, runs: &AtomicUsize) -> pay::Result<u8> {
+    runs.fetch_add(1, Ordering::SeqCst);
+    Err(PayError::Declined)
+}
+
+#[tokio::test]
+async fn result_alias_with_recorded_errors() {
+    let store = MemoryStore::new();
+    let runs = AtomicUsize::new(0);
+    assert_eq!(declined(&store, "k", &runs).await, Err(PayError::Declined));
+    let (again, o) = with_outcome(declined(&store, "k", &runs)).await;
+    assert_eq!(
+        (again, o),
+        (Err(PayError::Declined), Some(Outcome::Replayed))
+    );
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        1,
+        "the recorded error replayed"
+    );
+}
+
+// ---- lifetime parameters, every optional argument, and the function's own
+// doc comments and attributes after the attribute
+struct Trace<'a>(&'a str);
+
+#[idempotent(
+    scope = "shapes.lifetimes",
+    key = key,
+    tenant = account.id,
+    store = store,
+    skip(account, trace),
+    ttl = "7d",
+    lease = "45s",
+    in_progress = wait("2s"),
+    errors = release
+)]
+/// Doc comments and other attributes are kept.
+#[allow(clippy::needless_lifetimes)]
+async fn with_lifetimes<'a, 'b>(
+    store: &'a MemoryStore,
+    account: &'a Account,
+    key: &'b str,
+    amount: u64,
+    trace: Option<Trace<'b>>,
+) -> Result<Receipt, Error> {
+    Ok(Receipt {
+        id: u64::from(account.id),
+        amount: amount + trace.map_or(0, |t| t.0.len() as u64),
+    })
+}
+
+#[tokio::test]
+async fn lifetimes_and_every_optional_argument() {
+    let store = MemoryStore::new();
+    let account = Account { id: 3 };
+    let first = with_lifetimes(&store, &account, "k", 5, None).await;
+    assert_eq!(first.unwrap(), Receipt { id: 3, amount: 5 });
+    // `trace` is skipped: another trace replays the first answer.
+    let (again, o) = with_outcome(with_lifetimes(&store, &account, "k", 5, Some(Trace("x")))).await;
+    assert_eq!(
+        (again.unwrap(), o),
+        (Receipt { id: 3, amount: 5 }, Some(Outcome::Replayed))
+    );
+}
+
+// ---- `recover = path`: a free function in a shared scope (rule 21: both
+// claimants ask the same hook), and an associated function on a method
+async fn refund_happened(_: &Takeover) -> Result<Recovery<u64>, Error> {
+    Ok(Recovery::Run)
+}
+
+#[idempotent(scope = "shapes.shared_refund", key = order, tenant = shared, store = store,
+             shared_scope, ttl = "7d", recover = refund_happened)]
+async fn refund_http(store: &MemoryStore, order: &str, amount: u64) -> Result<u64, Error> {
+    Ok(amount)
+}
+
+#[idempotent(scope = "shapes.shared_refund", key = order, tenant = shared, store = store,
+             shared_scope, ttl = "7d", skip(delivery), recover = refund_happened)]
+async fn refund_from_queue(
+    store: &MemoryStore,
+    order: &str,
+    amount: u64,
+    delivery: u32,
+) -> Result<u64, Error> {
+    Ok(amount + u64::from(delivery))
+}
+
+#[tokio::test]
+async fn shared_scope_claimants_answer_each_other() {
+    let store = MemoryStore::new();
+    assert_eq!(refund_http(&store, "o", 10).await.unwrap(), 10);
+    // The queue's redelivery of the same refund gets the HTTP call's answer.
+    let (v, o) = with_outcome(refund_from_queue(&store, "o", 10, 7)).await;
+    assert_eq!((v.unwrap(), o), (10, Some(Outcome::Replayed)));
+}
+
+struct Charges {
+    store: MemoryStore,
+}
+
+impl Charges {
+    async fn charge_happened(t: &Takeover) -> Result<Recovery<String>, Error> {
+        Ok(Recovery::Completed(format!("attempt {}", t.attempt())))
+    }
+
+    #[idempotent(scope = "shapes.recover_method", key = key, tenant = shared, store = self.store,
+                 recover = Self::charge_happened)]
+    async fn charge(&self, key: &str) -> Result<String, Error> {
+        Ok(key.to_owned())
+    }
+}
+
+#[tokio::test]
+async fn recover_hook_as_an_associated_function() {
+    let charges = Charges {
+        store: MemoryStore::new(),
+    };
+    // No earlier attempt: the hook is not asked and the body runs.
+    assert_eq!(charges.charge("k").await.unwrap(), "k");
+    let (v, o) = with_outcome(charges.charge("k")).await;
+    assert_eq!((v.unwrap(), o), ("k".to_owned(), Some(Outcome::Replayed)));
+}
+
 // ---- the registry
 fn registered(scope: &str) -> &'static ScopeInfo {
     registry::scopes()
@@ -410,11 +544,26 @@ fn registry_lists_every_function_with_file_line_and_policies() {
     assert!(!registered("shapes.tenant_named_shared").shared_tenant);
     assert!(registered("shapes.tenant_shared_opt_out").shared_tenant);
 
+    let lifetimes = registered("shapes.lifetimes");
+    assert_eq!(lifetimes.fingerprinted_parameters, ["amount"]);
+    assert_eq!(lifetimes.ttl, Duration::from_secs(7 * 24 * 3600));
+    assert_eq!(lifetimes.lease, Duration::from_secs(45));
+    assert_eq!(
+        lifetimes.in_progress,
+        InProgressPolicy::Wait(Duration::from_secs(2))
+    );
+    assert_eq!(lifetimes.errors, ErrorPolicy::Release);
+    assert_eq!(
+        registered("shapes.result_alias").errors,
+        ErrorPolicy::Record
+    );
+
     let ours: Vec<_> = registry::scopes()
         .into_iter()
         .filter(|s| s.scope.starts_with("shapes."))
         .collect();
-    assert_eq!(ours.len(), 11, "{ours:#?}");
+    // 15 scopes; the shared scope is listed once per claimant.
+    assert_eq!(ours.len(), 16, "{ours:#?}");
     assert!(
         ours.windows(2).all(|w| w[0].scope <= w[1].scope),
         "sorted by scope"
