@@ -4,7 +4,7 @@
 //! and `lease` are the defaults of every function in the scope, and a value
 //! written in the attribute overrides them. What the manifest may not contain,
 //! and the scopes it refuses, are compile errors: those cases are trybuild's
-//! (`idempotent-macros/tests/ui.rs`).
+//! (`tests/ui.rs`).
 
 use idempotent_runtime::{idempotent, Error};
 
@@ -28,8 +28,7 @@ pub async fn cancel_v2(key: &str) -> Result<u8, Error> {
     Ok(3)
 }
 
-#[cfg(test)]
-mod tests {
+mod registered {
     use idempotent_runtime::registry::{self, ScopeInfo};
     use std::time::Duration;
 

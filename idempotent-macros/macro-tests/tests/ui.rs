@@ -6,17 +6,17 @@
 //!
 //! Only compile errors are checked here. The shapes that must compile are
 //! ordinary tests that also run them (`tests/attribute_contract/macro_shapes.rs`,
-//! `macro_rules_args.rs`), and the manifest's defaults are checked on a crate
-//! that has a manifest (`idempotent-macros/manifest-tests`): a passing
+//! `macro_rules_args.rs`), and the manifest's defaults are checked on this
+//! package's own library, which has a manifest (`src/lib.rs`): a passing
 //! trybuild case costs a full build of its dependencies, a failing one only
 //! a check.
 //!
 //! The cases live with the workspace's cross-crate tests (`tests/ui/`,
-//! `tests/ui-manifest/` at the top of the workspace); the driver lives here,
-//! in the macro's own package, because trybuild builds its test crate with
-//! every dependency of the package the driver belongs to: here that is the
-//! runtime without any store driver, serde and tokio, a fraction of the
-//! suite package's dependencies (sqlx's drivers, axum, NATS, reqwest, ...).
+//! `tests/ui-manifest/` at the top of the workspace); the driver lives in
+//! this small package because trybuild builds its test crate with every
+//! dependency of the package the driver belongs to: here that is the runtime
+//! without any store driver, serde and tokio, a fraction of the suite
+//! package's dependencies (sqlx's drivers, axum, NATS, reqwest, ...).
 //! One driver binary for both tests: they share one test crate under
 //! `target/tests/trybuild/`. The dependencies are built without debug info
 //! (`CARGO_PROFILE_DEV_DEBUG=0` for trybuild's cargo): the cases' messages do
@@ -25,7 +25,7 @@
 //! The environment variable is process-wide, so the two tests hold one lock
 //! (under `cargo test` they share a process; nextest runs each alone).
 //! Regenerate the expected output with
-//! `TRYBUILD=overwrite cargo test -p idempotent-macros --test ui`,
+//! `TRYBUILD=overwrite cargo test -p idempotent-macro-tests --test ui`,
 //! then read every changed `.stderr`.
 
 use std::path::{Path, PathBuf};
