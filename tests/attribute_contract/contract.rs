@@ -103,17 +103,20 @@ pub async fn slow_charge_reject(
     Ok(r)
 }
 
+/// Runs until the test opens `gate` by closing it (a closed semaphore lets
+/// every waiter through at once, and every later one).
 #[idempotent(scope = "contract.short_lease", key = key, tenant = tenant, store = store,
-             skip(runs, pause_ms), lease = "1500ms", in_progress = reject)]
+             skip(runs, gate), lease = "1500ms", in_progress = reject)]
 pub async fn short_lease(
     store: &dyn Store,
     tenant: &str,
     key: &str,
     runs: &AtomicUsize,
-    pause_ms: u64,
+    gate: &tokio::sync::Semaphore,
 ) -> Result<Receipt, Error> {
     let r = receipt(runs, 1);
-    tokio::time::sleep(std::time::Duration::from_millis(pause_ms)).await;
+    // Err once closed: that is the signal.
+    let _ = gate.acquire().await;
     Ok(r)
 }
 
@@ -189,7 +192,10 @@ pub async fn may_panic(
     Ok(r)
 }
 
-#[idempotent(scope = "contract.ttl", key = key, tenant = tenant, store = store, skip(runs), ttl = "400ms")]
+// Long enough that the retry right after the first call replays even on a
+// loaded machine (a stall past the ttl between the two calls would execute
+// it again), short enough to wait out.
+#[idempotent(scope = "contract.ttl", key = key, tenant = tenant, store = store, skip(runs), ttl = "2s")]
 pub async fn short_ttl(
     store: &dyn Store,
     tenant: &str,
@@ -641,24 +647,39 @@ macro_rules! contract_tests {
             let Some(store) = store().await else { return };
             let t = fresh_tenant();
             let runs = Arc::new(AtomicUsize::new(0));
+            // The owner's body runs until the gate opens: the test, not a
+            // timer, decides that it is still running when each duplicate comes.
+            let gate = Arc::new(tokio::sync::Semaphore::new(0));
             let first = {
-                let (store, t, runs) = (store.clone(), t.clone(), runs.clone());
-                tokio::spawn(async move { short_lease(&*store, &t, "k", &runs, 4500).await })
+                let (store, t, runs, gate) = (store.clone(), t.clone(), runs.clone(), gate.clone());
+                tokio::spawn(async move { short_lease(&*store, &t, "k", &runs, &gate).await })
             };
-            // Duplicates during the whole body are refused, never take over.
+            for _ in 0..1000 {
+                if runs.load(Ordering::SeqCst) == 1 { break; }
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            assert_eq!(runs.load(Ordering::SeqCst), 1, "the owner's body is running");
+            // Duplicates through three leases' time are refused, never take over.
             // (The lease is long enough that a machine busy with other tests
             // still renews it in time: a renewal more than a second late
             // would let a duplicate take over, rightly.)
-            let mut refusals = 0;
-            for _ in 0..8 {
+            let started = std::time::Instant::now();
+            while started.elapsed() < Duration::from_millis(4500) {
                 tokio::time::sleep(Duration::from_millis(500)).await;
-                match short_lease(&*store, &t, "k", &runs, 0).await {
-                    Err(Error::InProgress { .. }) => refusals += 1,
-                    Ok(_) => break, // the first finished and this replayed
-                    Err(e) => panic!("unexpected {e:?}"),
-                }
+                // A duplicate that took the record over would run the body
+                // and wait on the gate: bounded, so that shows as a failure.
+                let duplicate = tokio::time::timeout(
+                    Duration::from_secs(30),
+                    short_lease(&*store, &t, "k", &runs, &gate),
+                )
+                .await
+                .expect("a duplicate answered (one that took over would wait on the gate)");
+                assert!(
+                    matches!(duplicate, Err(Error::InProgress { .. })),
+                    "a duplicate during the owner's body got {duplicate:?}"
+                );
             }
-            assert!(refusals >= 5, "the lease was held through the body ({refusals} refusals)");
+            gate.close();
             first.await.unwrap().expect("the owner completes: it never lost the lease");
             assert_eq!(runs.load(Ordering::SeqCst), 1, "nobody took over a live lease");
         }
@@ -704,7 +725,7 @@ macro_rules! contract_tests {
             let runs = AtomicUsize::new(0);
             let first = short_ttl(&*store, &t, "k", &runs).await.unwrap();
             assert_eq!(short_ttl(&*store, &t, "k", &runs).await.unwrap(), first);
-            tokio::time::sleep(Duration::from_millis(900)).await;
+            tokio::time::sleep(Duration::from_millis(2500)).await;
             let later = short_ttl(&*store, &t, "k", &runs).await.unwrap();
             assert_ne!(later, first);
             assert_eq!(runs.load(Ordering::SeqCst), 2);

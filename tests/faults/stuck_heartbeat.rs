@@ -41,7 +41,7 @@ impl Intercept for StuckHeartbeat {
 
 /// The first run waits for `go`; any later run returns at once.
 #[idempotent(scope = "faults.stuck_heartbeat", key = key, tenant = shared, store = store,
-             skip(runs, go), lease = "300ms", in_progress = wait("30s"))]
+             skip(runs, go), lease = "3s", in_progress = wait("60s"))]
 async fn work(
     store: &Hooked<StuckHeartbeat>,
     key: &str,
@@ -58,8 +58,15 @@ async fn work(
 /// The owner's body runs (and is polled) while its first heartbeat hangs.
 /// A duplicate arrives and waits. The owner is alive, so the duplicate must
 /// not take its record over: it may only replay the owner's answer once
-/// `go` is given. On the current code no second heartbeat is ever sent, the
-/// lease runs out after 300 ms, and the duplicate runs the body again.
+/// `go` is given. Without a renewal beside the hung one, the lease runs out
+/// after 3 s and the duplicate runs the body again.
+///
+/// The lease is long enough for a loaded machine: the spare renewal goes out
+/// a quarter period after the hung one is given up (2.25 periods into the
+/// lease), so a shorter lease leaves the owner only a few milliseconds of
+/// scheduling delay before a duplicate may take the record over (75 ms at
+/// 300 ms, enough to fail now and then with eight test processes on two
+/// cores).
 #[tokio::test]
 async fn a_heartbeat_that_never_answers_does_not_stop_the_renewals() {
     let store = Hooked::new(StuckHeartbeat {
@@ -78,10 +85,10 @@ async fn a_heartbeat_that_never_answers_does_not_stop_the_renewals() {
     .expect("the first heartbeat was sent");
 
     // The owner keeps being polled (its body waits for `go`), and a
-    // duplicate waits. Ten leases' time is more than enough for a working
+    // duplicate waits. Three leases' time is more than enough for a working
     // renewal to show; the duplicate must still be waiting then.
     let mut duplicate = pin!(work(&store, "k-stuck", &runs, &go));
-    let early = tokio::time::timeout(Duration::from_secs(3), async {
+    let early = tokio::time::timeout(Duration::from_secs(9), async {
         tokio::select! {
             d = &mut duplicate => d,
             _ = &mut owner => panic!("the owner finished without go"),

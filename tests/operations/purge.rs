@@ -117,12 +117,16 @@ async fn stream_on_sqlite() {
 }
 
 /// Waits (bounded) until every one of `ids` counts as expired on the store's clock
-/// (for `lease_only`, until their leases ran out).
+/// (for `lease_only`, until their leases ran out). A record that is gone
+/// counts: on a shared server another test's purge may have deleted it, which
+/// it only does once the record expired.
 async fn wait_for_clock(store: &dyn Store, ids: &[&Identity], lease_only: bool) {
     for _ in 0..500 {
         let mut all = true;
         for id in ids {
-            let snap = store.fetch(id).await.expect("fetch").expect("present");
+            let Some(snap) = store.fetch(id).await.expect("fetch") else {
+                continue;
+            };
             all &= if lease_only {
                 snap.lease_expires_at_ms.is_some_and(|l| l <= snap.now_ms)
             } else {
@@ -151,7 +155,13 @@ async fn never_deletes_a_live_record(store: Arc<dyn Store>) {
 
     let before = metrics::snapshot().purged;
     let deleted = purge_all(&*store, 1).await.expect("purge");
-    assert!(deleted >= 2, "deleted {deleted}");
+    // This test's store alone holds these records on memory and in-memory
+    // SQLite: the two expired ones are this purge's to delete. On a shared
+    // server another test's purge may delete them first, or hold them locked
+    // (SKIP LOCKED), so there only what remains afterwards is asserted.
+    if matches!(store.name(), "memory" | "sqlite") {
+        assert!(deleted >= 2, "deleted {deleted}");
+    }
     assert!(metrics::snapshot().purged >= before + deleted);
     // And a background purger on top of it, for a few runs. (Batches of 100:
     // on a shared server other tests' expired records are purged too, and
