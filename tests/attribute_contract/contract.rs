@@ -669,7 +669,7 @@ macro_rules! contract_tests {
                 // A duplicate that took the record over would run the body
                 // and wait on the gate: bounded, so that shows as a failure.
                 let duplicate = tokio::time::timeout(
-                    Duration::from_secs(30),
+                    Duration::from_secs(10),
                     short_lease(&*store, &t, "k", &runs, &gate),
                 )
                 .await

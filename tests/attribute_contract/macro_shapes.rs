@@ -557,6 +557,18 @@ fn registry_lists_every_function_with_file_line_and_policies() {
         registered("shapes.result_alias").errors,
         ErrorPolicy::Record
     );
+    assert_eq!(
+        registered("shapes.recover_method").recover,
+        Some("Self::charge_happened")
+    );
+    let refunds: Vec<_> = registry::scopes()
+        .into_iter()
+        .filter(|s| s.scope == "shapes.shared_refund")
+        .collect();
+    assert_eq!(refunds.len(), 2, "both claimants are listed");
+    assert!(refunds
+        .iter()
+        .all(|s| s.shared_scope && s.recover == Some("refund_happened")));
 
     let ours: Vec<_> = registry::scopes()
         .into_iter()

@@ -21,9 +21,10 @@ pub async fn cancel(key: &str) -> Result<u8, Error> {
     Ok(2)
 }
 
-/// Never compiled: a `cfg`'d-out twin of a scope is not a duplicate.
-#[cfg(any())]
+/// Never compiled: a `cfg`'d-out twin of a scope is not a duplicate. The
+/// attribute comes first, so the macro sees the function, `cfg` and all.
 #[idempotent(scope = "orders.cancel", key = key, tenant = shared, lease = "9s")]
+#[cfg(any())]
 pub async fn cancel_v2(key: &str) -> Result<u8, Error> {
     Ok(3)
 }

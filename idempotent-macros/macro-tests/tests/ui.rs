@@ -6,8 +6,8 @@
 //!
 //! Only compile errors are checked here. The shapes that must compile are
 //! ordinary tests that also run them (`tests/attribute_contract/macro_shapes.rs`,
-//! `macro_rules_args.rs`), and the manifest's defaults are checked on this
-//! package's own library, which has a manifest (`src/lib.rs`): a passing
+//! `macro_rules_args.rs`), and the manifest's defaults are checked on code
+//! compiled with this package's manifest (`tests/manifest_defaults.rs`): a passing
 //! trybuild case costs a full build of its dependencies, a failing one only
 //! a check.
 //!
