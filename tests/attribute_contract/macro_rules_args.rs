@@ -346,6 +346,43 @@ async fn skip_through_metavariables() {
     assert_eq!((v, o), (Err(PayError::Declined), Some(Outcome::Replayed)));
 }
 
+// ---- `$x:path` for the policy keywords themselves (`errors = record`,
+// `in_progress = reject`), not only inside `record_if(...)`
+macro_rules! with_policy_paths {
+    ($scope:literal, $key:ident, $store:ident, $errors:path, $in_progress:path; $($f:tt)*) => {
+        #[idempotent(scope = $scope, key = $key, tenant = shared, store = $store,
+                     errors = $errors, in_progress = $in_progress)]
+        $($f)*
+    };
+}
+
+with_policy_paths!("rules.policy_paths", key, store, record, reject;
+    async fn policy_paths(store: &MemoryStore, key: &str, fail: bool) -> Result<u8, PayError> {
+        if fail {
+            return Err(PayError::Declined);
+        }
+        Ok(1)
+    }
+);
+
+#[tokio::test]
+async fn policy_keywords_through_path_metavariables() {
+    let store = MemoryStore::new();
+    assert_eq!(
+        policy_paths(&store, "e", true).await,
+        Err(PayError::Declined)
+    );
+    // `errors = $errors` with `record` as a path: the error is replayed.
+    let (again, o) = with_outcome(policy_paths(&store, "e", true)).await;
+    assert_eq!(
+        (again, o),
+        (Err(PayError::Declined), Some(Outcome::Replayed))
+    );
+    let registered = registered("rules.policy_paths");
+    assert_eq!(registered.errors, ErrorPolicy::Record);
+    assert_eq!(registered.in_progress, InProgressPolicy::Reject);
+}
+
 // ---- the whole attribute from `$($args:tt)*`
 macro_rules! attribute {
     ([$($args:tt)*] $($f:tt)*) => {

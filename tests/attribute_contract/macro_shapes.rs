@@ -364,16 +364,25 @@ async fn bare_shared_is_one_namespace() {
 }
 
 // ---- a `Result` alias (`pay::Result<T>`: the last path segment is
-// `Result`) with `errors = record` and `crate = path`
+// `Result`) with `errors = record`, `errors = record_if(..)` and a runtime
+// re-exported under another path (`crate = path`)
 mod pay {
     pub type Result<T> = std::result::Result<T, super::PayError>;
 }
 
-#[idempotent(scope = "shapes.result_alias", key = key, tenant = shared, store = store,
+// The attribute itself is named through the re-exporting module too.
+#[renamed::idempotent(scope = "shapes.result_alias", key = key, tenant = shared, store = store,
              skip(runs), errors = record, crate = crate::macro_shapes::renamed)]
 async fn declined(store: &MemoryStore, key: &str, runs: &AtomicUsize) -> pay::Result<u8> {
     runs.fetch_add(1, Ordering::SeqCst);
     Err(PayError::Declined)
+}
+
+#[idempotent(scope = "shapes.result_alias_record_if", key = key, tenant = shared,
+             store = store, skip(runs), errors = record_if(PayError::is_final))]
+async fn busy(store: &MemoryStore, key: &str, runs: &AtomicUsize) -> pay::Result<u8> {
+    runs.fetch_add(1, Ordering::SeqCst);
+    Err(PayError::Busy)
 }
 
 #[tokio::test]
@@ -390,6 +399,16 @@ async fn result_alias_with_recorded_errors() {
         runs.load(Ordering::SeqCst),
         1,
         "the recorded error replayed"
+    );
+    // `record_if` through the alias: Busy is not final, so it is released
+    // and the retry runs.
+    let busy_runs = AtomicUsize::new(0);
+    assert_eq!(busy(&store, "b", &busy_runs).await, Err(PayError::Busy));
+    assert_eq!(busy(&store, "b", &busy_runs).await, Err(PayError::Busy));
+    assert_eq!(
+        busy_runs.load(Ordering::SeqCst),
+        2,
+        "released, not recorded"
     );
 }
 
@@ -574,8 +593,8 @@ fn registry_lists_every_function_with_file_line_and_policies() {
         .into_iter()
         .filter(|s| s.scope.starts_with("shapes."))
         .collect();
-    // 15 scopes; the shared scope is listed once per claimant.
-    assert_eq!(ours.len(), 16, "{ours:#?}");
+    // 16 scopes; the shared scope is listed once per claimant.
+    assert_eq!(ours.len(), 17, "{ours:#?}");
     assert!(
         ours.windows(2).all(|w| w[0].scope <= w[1].scope),
         "sorted by scope"
