@@ -507,43 +507,43 @@ where
         span.record("attempt", acquired.attempt);
     }
 
-    if let Some(takeover) = acquired.takeover(spec, &identity) {
-        if let Some(hook) = recover.ask(takeover) {
-            // While the hook runs, a dropped call leaves the record in
-            // progress (its lease runs out, the next call asks again):
-            // releasing it would let a retry run the body blind.
-            guard.arm(false);
-            let answer = run_with_heartbeat(store, spec, &identity, &token, spec.lease, hook).await;
-            let answered = match answer {
-                Err(panic) => {
-                    end_lease_logged(store, &identity, &token).await;
-                    std::panic::resume_unwind(panic);
-                }
-                Ok(answer) => hook_answer(answer),
-            };
-            match answered {
-                None => {
-                    tracing::info!(target: "idempotent", scope = spec.scope, key = %digest,
-                        attempt = acquired.attempt, "the recover hook answered Run: running the body");
-                    guard.arm(true);
-                }
-                Some(result) => {
-                    METRICS.recovered.fetch_add(1, Ordering::Relaxed);
-                    report(Outcome::Recovered);
-                    let mut sink = StoreSink {
-                        store,
-                        guard: &mut guard,
-                    };
-                    return settle::<R, H>(
-                        spec,
-                        &identity,
-                        &mut sink,
-                        &errors,
-                        result,
-                        AnsweredBy::RecoverHook,
-                    )
-                    .await;
-                }
+    if let Some(takeover) = acquired.takeover(spec, &identity)
+        && let Some(hook) = recover.ask(takeover)
+    {
+        // While the hook runs, a dropped call leaves the record in
+        // progress (its lease runs out, the next call asks again):
+        // releasing it would let a retry run the body blind.
+        guard.arm(false);
+        let answer = run_with_heartbeat(store, spec, &identity, &token, spec.lease, hook).await;
+        let answered = match answer {
+            Err(panic) => {
+                end_lease_logged(store, &identity, &token).await;
+                std::panic::resume_unwind(panic);
+            }
+            Ok(answer) => hook_answer(answer),
+        };
+        match answered {
+            None => {
+                tracing::info!(target: "idempotent", scope = spec.scope, key = %digest,
+                    attempt = acquired.attempt, "the recover hook answered Run: running the body");
+                guard.arm(true);
+            }
+            Some(result) => {
+                METRICS.recovered.fetch_add(1, Ordering::Relaxed);
+                report(Outcome::Recovered);
+                let mut sink = StoreSink {
+                    store,
+                    guard: &mut guard,
+                };
+                return settle::<R, H>(
+                    spec,
+                    &identity,
+                    &mut sink,
+                    &errors,
+                    result,
+                    AnsweredBy::RecoverHook,
+                )
+                .await;
             }
         }
     }
@@ -1262,14 +1262,14 @@ async fn run_with_heartbeat<R, Fut: Future<Output = R>>(
         }
         let timer = timer.get_or_insert_with(|| Box::pin(sleep_until(first_due)));
         loop {
-            if let Some(f) = late.as_mut() {
-                if let Poll::Ready(result) = f.as_mut().poll(cx) {
-                    late = None;
-                    // Its failure was counted when it ran late; a success or a
-                    // lost lease still counts.
-                    if result.is_ok() {
-                        note_heartbeat(spec, identity, result);
-                    }
+            if let Some(f) = late.as_mut()
+                && let Poll::Ready(result) = f.as_mut().poll(cx)
+            {
+                late = None;
+                // Its failure was counted when it ran late; a success or a
+                // lost lease still counts.
+                if result.is_ok() {
+                    note_heartbeat(spec, identity, result);
                 }
             }
             if let Some(f) = beat.as_mut() {

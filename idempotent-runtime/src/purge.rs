@@ -229,12 +229,11 @@ impl PurgerHandle {
     /// Returns the final statistics once the task has ended.
     pub async fn shutdown(mut self) -> PurgerStats {
         let _ = self.stop.send(true);
-        if let Some(task) = self.task.take() {
-            if let Err(e) = task.await {
-                if e.is_panic() {
-                    tracing::error!("idempotency purger task panicked: {e}");
-                }
-            }
+        if let Some(task) = self.task.take()
+            && let Err(e) = task.await
+            && e.is_panic()
+        {
+            tracing::error!("idempotency purger task panicked: {e}");
         }
         self.stats()
     }

@@ -358,28 +358,27 @@ where
         Err(e) => return fail(e),
     };
     span.record("attempt", acquired.attempt);
-    if let Some(takeover) = acquired.takeover(spec, &identity) {
-        if let Some(hook) = recover.ask(takeover) {
-            if let Some(result) = hook_answer(hook.await) {
-                METRICS.recovered.fetch_add(1, Ordering::Relaxed);
-                report(Outcome::Recovered);
-                let mut sink = TransactionSink {
-                    connection,
-                    identity: &identity,
-                    token: &token,
-                };
-                let (result, outcome) = settle::<R, H>(
-                    spec,
-                    &identity,
-                    &mut sink,
-                    errors,
-                    result,
-                    AnsweredBy::RecoverHook,
-                )
-                .await;
-                return early::<R>(spec, &span, result, outcome);
-            }
-        }
+    if let Some(takeover) = acquired.takeover(spec, &identity)
+        && let Some(hook) = recover.ask(takeover)
+        && let Some(result) = hook_answer(hook.await)
+    {
+        METRICS.recovered.fetch_add(1, Ordering::Relaxed);
+        report(Outcome::Recovered);
+        let mut sink = TransactionSink {
+            connection,
+            identity: &identity,
+            token: &token,
+        };
+        let (result, outcome) = settle::<R, H>(
+            spec,
+            &identity,
+            &mut sink,
+            errors,
+            result,
+            AnsweredBy::RecoverHook,
+        )
+        .await;
+        return early::<R>(spec, &span, result, outcome);
     }
     TransactionStep::Run(HeldInTransaction {
         spec,

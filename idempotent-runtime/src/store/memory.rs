@@ -437,12 +437,11 @@ impl Store for MemoryStore {
             }
             Some(r) => ForcedRelease::Released { attempt: r.attempt },
         };
-        if matches!(answer, ForcedRelease::Released { .. }) {
-            if let Ok(slot) =
+        if matches!(answer, ForcedRelease::Released { .. })
+            && let Ok(slot) =
                 records.find_entry(hash, |s| s.hash == hash && s.identity.is(identity))
-            {
-                slot.remove().0.record.wake_waiters();
-            }
+        {
+            slot.remove().0.record.wake_waiters();
         }
         Ok(answer)
     }

@@ -214,10 +214,10 @@ pub(crate) async fn run(
     backend: &mut impl MigrationBackend,
     migrations: &[Migration],
 ) -> Result<(), MigrationError> {
-    if let Some(applied) = backend.applied_without_lock().await {
-        if pending(&applied, migrations)?.is_empty() {
-            return Ok(());
-        }
+    if let Some(applied) = backend.applied_without_lock().await
+        && pending(&applied, migrations)?.is_empty()
+    {
+        return Ok(());
     }
     backend.lock().await?;
     let result = apply_pending(backend, migrations).await;

@@ -132,10 +132,11 @@ impl<DB: Database> RuntimePools<DB> {
             return Cow::Borrowed(&self.home);
         };
         let id = runtime.id();
-        if let Some((home, alive)) = &self.home_runtime {
-            if *home == id && alive.load(Ordering::Acquire) {
-                return Cow::Borrowed(&self.home);
-            }
+        if let Some((home, alive)) = &self.home_runtime
+            && *home == id
+            && alive.load(Ordering::Acquire)
+        {
+            return Cow::Borrowed(&self.home);
         }
         let mut others = self.others.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(pool) = others.get(&id) {

@@ -230,13 +230,12 @@ async fn reserve_on(
     // the write path. A transaction without a snapshot writes first: reading
     // first would give it a snapshot that another writer could make stale
     // before its write.
-    if txn_state(conn).await.map_err(err(OP))? == libsqlite3_sys::SQLITE_TXN_READ {
-        if let Some(answer) = super::sqlite::settled_answer_from_a_read(&mut *conn, request)
+    if txn_state(conn).await.map_err(err(OP))? == libsqlite3_sys::SQLITE_TXN_READ
+        && let Some(answer) = super::sqlite::settled_answer_from_a_read(&mut *conn, request)
             .await
             .map_err(err(OP))?
-        {
-            return Ok(answer);
-        }
+    {
+        return Ok(answer);
     }
     let current: i64 = sqlx::query_scalar("PRAGMA busy_timeout")
         .fetch_one(&mut *conn)
