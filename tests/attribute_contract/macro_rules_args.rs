@@ -378,9 +378,9 @@ async fn policy_keywords_through_path_metavariables() {
         (again, o),
         (Err(PayError::Declined), Some(Outcome::Replayed))
     );
-    let registered = registered("rules.policy_paths");
-    assert_eq!(registered.errors, ErrorPolicy::Record);
-    assert_eq!(registered.in_progress, InProgressPolicy::Reject);
+    let info = registered("rules.policy_paths");
+    assert_eq!(info.errors, ErrorPolicy::Record);
+    assert_eq!(info.in_progress, InProgressPolicy::Reject);
 }
 
 // ---- the whole attribute from `$($args:tt)*`
