@@ -16,10 +16,11 @@
 //! # Round trips
 //!
 //! * `reserve` (store mode): one plain SQL statement, prepared once per
-//!   connection: a plain read of the record answers a replay, a refusal (in
-//!   progress) or a mismatch, and for an absent record an `INSERT … ON CONFLICT
-//!   DO NOTHING` in the same statement acquires it. A replay costs a primary
-//!   key lookup and takes no lock. Only what needs a decision under the row
+//!   connection: a primary-key read of the record answers a replay, a refusal
+//!   (in progress) or a mismatch, and for an absent record the same statement
+//!   calls `idempotency_acquire_absent` (migration 0008), an `INSERT … ON
+//!   CONFLICT DO NOTHING`. A replay costs a primary key lookup, writes
+//!   nothing and takes no lock. Only what needs a decision under the row
 //!   lock (replacing an expired record, taking over an expired lease, a race
 //!   with a concurrent insert) takes a second statement, the plpgsql function
 //!   `idempotency_reserve_autocommit`.
@@ -290,50 +291,39 @@ fn millis_i64(d: Duration) -> i64 {
 }
 
 /// The store's reservation, one plain statement (prepared once per
-/// connection, cached by sqlx) that answers what needs no row lock: a plain
-/// read of the record (`cur`) decides replay, in progress and mismatch; when
-/// there is no record, the `INSERT … ON CONFLICT DO NOTHING` acquires it. The
-/// insert only runs for an absent record (its source row exists only then),
-/// and only then is `lock_timeout` set (for the statement's own transaction):
-/// a conflicting row inserted by an uncommitted transaction is waited for at
-/// most `$8` ms, then the statement fails with 55P03 (in progress).
+/// connection, cached by sqlx): a primary-key read of the record decides
+/// replay, in progress and mismatch, as a hand-written `SELECT` would. Only
+/// when there is no record does it call `idempotency_acquire_absent`
+/// (migration 0008), which inserts the reservation (`ON CONFLICT DO
+/// NOTHING`) and sets `lock_timeout` for the statement's own transaction: a
+/// conflicting row inserted by an uncommitted transaction is waited for at
+/// most `$8` ms, then the statement fails with 55P03 (in progress). A
+/// `CASE` evaluates its branches lazily, and the function is volatile, so
+/// it never runs when the record exists: a replay reads and writes nothing.
 ///
-/// `other` (an expired record to replace, an expired lease to take over) and
-/// an empty answer (a concurrent reservation inserted the row after this
-/// statement's snapshot) go to `idempotency_reserve_autocommit`, which decides
-/// under the row lock.
+/// The clock is read once (`OFFSET 0` keeps the subquery from being
+/// flattened into the expressions that use it). `other` (an expired record
+/// to replace, an expired lease to take over, a concurrent reservation that
+/// inserted the row first) goes to `idempotency_reserve_autocommit`, which
+/// decides under the row lock.
 const RESERVE_STORE_SQL: &str = "\
-WITH cur AS MATERIALIZED (
-    SELECT state, fingerprint, is_error, result, lease_expires_at, expires_at,
-           idempotency_now_ms() AS now_ms
-      FROM idempotency_records
-     WHERE tenant = $1 AND scope = $2 AND key = $3),
-ins AS (
-    INSERT INTO idempotency_records
-        (tenant, scope, key, state, fingerprint, owner_token, lease_expires_at,
-         expires_at, created_at, updated_at, attempt, attempt_started_at)
-    SELECT $1, $2, $3, 'in_progress', $4, $5, n + $6, n + $7, n, n, 1, n
-      FROM (SELECT idempotency_now_ms() AS n) c
-     WHERE CASE WHEN EXISTS (SELECT 1 FROM cur) THEN FALSE
-                ELSE set_config('lock_timeout', greatest($8::BIGINT, 1)::TEXT || 'ms', TRUE) IS NOT NULL
-           END
-    ON CONFLICT DO NOTHING
-    RETURNING 1)
-SELECT 'acquired' AS outcome, FALSE AS took_over, NULL::BOOLEAN AS is_error,
-       NULL::BYTEA AS result, NULL::BIGINT AS lease_remaining_ms,
+SELECT CASE WHEN r.state IS NULL THEN
+                 CASE WHEN idempotency_acquire_absent($1, $2, $3, $4, $5, $6, $7,
+                                                      $8, c.now_ms)
+                      THEN 'acquired' ELSE 'other' END
+            WHEN r.expires_at <= c.now_ms
+                 AND (r.state = 'complete' OR r.lease_expires_at <= c.now_ms) THEN 'other'
+            WHEN r.fingerprint IS NOT NULL AND $4::TEXT IS NOT NULL
+                 AND r.fingerprint <> $4::TEXT THEN 'mismatch'
+            WHEN r.state = 'complete' THEN 'completed'
+            WHEN r.lease_expires_at > c.now_ms THEN 'in_progress'
+            ELSE 'other' END AS outcome,
+       FALSE AS took_over, r.is_error,
+       CASE WHEN r.state = 'complete' THEN r.result END AS result,
+       r.lease_expires_at - c.now_ms AS lease_remaining_ms,
        1 AS attempt_number, NULL::BIGINT AS previous_attempt_started_at
-  FROM ins
-UNION ALL
-SELECT CASE WHEN c.expires_at <= c.now_ms
-                 AND (c.state = 'complete' OR c.lease_expires_at <= c.now_ms) THEN 'other'
-            WHEN c.fingerprint IS NOT NULL AND $4::TEXT IS NOT NULL
-                 AND c.fingerprint <> $4::TEXT THEN 'mismatch'
-            WHEN c.state = 'complete' THEN 'completed'
-            WHEN c.lease_expires_at > c.now_ms THEN 'in_progress'
-            ELSE 'other' END,
-       FALSE, c.is_error, CASE WHEN c.state = 'complete' THEN c.result END,
-       c.lease_expires_at - c.now_ms, NULL::INT, NULL::BIGINT
-  FROM cur c";
+  FROM (SELECT idempotency_now_ms() AS now_ms OFFSET 0) c
+  LEFT JOIN idempotency_records r ON r.tenant = $1 AND r.scope = $2 AND r.key = $3";
 
 /// The store's fallback for what needs a decision under the row lock: the
 /// plpgsql function, no subtransaction; a lock timeout fails the statement
