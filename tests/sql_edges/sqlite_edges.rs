@@ -1087,3 +1087,142 @@ async fn a_mismatch_in_a_stale_transaction_is_a_mismatch() {
     pool.close().await;
     remove(&path);
 }
+
+/// Rule 15, for a deferred transaction that has *not* read (sqlx's `begin()`
+/// and then the call, the usual shape): its replay and its mismatch used to
+/// be answered by the write path, which left the transaction holding the
+/// database's write lock until it ended, so every other transactional caller
+/// of the completed key waited out its wait bound and was told the record
+/// was in progress. Now both are answered by a read beside the transaction.
+#[tokio::test]
+async fn a_replay_in_a_transaction_that_has_not_read_leaves_other_callers_free() {
+    let path = fresh_path();
+    let store = SqliteStore::connect(&url(&path)).await.expect("open");
+    let pool = store.pool().clone();
+    create_charges(&pool).await;
+    let tenant = fresh_tenant();
+    let mut first = pool.begin().await.expect("deferred begin");
+    assert_eq!(
+        charge_amount(&mut first, &tenant, "k", 5)
+            .await
+            .expect("runs"),
+        5
+    );
+    first.commit().await.expect("commit");
+
+    // Kept open after its replay, then after its mismatch.
+    let mut replayed = pool.begin().await.expect("deferred begin");
+    let (answer, outcome) = with_outcome(charge_amount(&mut replayed, &tenant, "k", 5)).await;
+    assert_eq!(
+        (answer.expect("replays"), outcome),
+        (5, Some(Outcome::Replayed))
+    );
+    let mut mismatched = pool.begin().await.expect("deferred begin");
+    let mismatch = charge_amount(&mut mismatched, &tenant, "k", 6).await;
+    assert!(
+        matches!(mismatch, Err(Error::FingerprintMismatch(_))),
+        "same key, other amount: {mismatch:?}"
+    );
+
+    let mut other = pool.begin().await.expect("deferred begin");
+    let (answer, outcome) = with_outcome(charge_amount(&mut other, &tenant, "k", 5)).await;
+    assert_eq!(
+        answer.expect("a replay, not InProgress: the open transactions hold no write lock"),
+        5
+    );
+    assert_eq!(outcome, Some(Outcome::Replayed));
+    // And a plain write by anyone else goes through while both stay open.
+    commit_a_write_elsewhere(&pool).await;
+    other.commit().await.expect("commit");
+    replayed.commit().await.expect("commit");
+    mismatched.rollback().await.expect("rollback");
+    pool.close().await;
+    remove(&path);
+}
+
+/// Rule 15: a transactional refusal (the key is in progress in store mode)
+/// takes no lock either. It used to leave the refused caller's transaction
+/// holding the write lock, so the owner, whose body had run, could not
+/// record its result while that transaction stayed open: its completion
+/// failed with "database is locked" after the busy timeout. Now the owner
+/// completes at once, and the refused caller's retry replays.
+#[tokio::test]
+async fn a_refusal_in_an_open_transaction_leaves_the_owner_free_to_record_its_result() {
+    use idempotent_runtime::{
+        AnsweredBy, Fenced, OwnerToken, Reservation, ReserveRequest, StoredOutcome,
+    };
+    let path = fresh_path();
+    let store = SqliteStore::connect(&url(&path)).await.expect("open");
+    let pool = store.pool().clone();
+    create_charges(&pool).await;
+    let tenant = fresh_tenant();
+    let runs = AtomicUsize::new(0);
+    let id = Identity::new(&tenant, "sqlite_edges.charge_short_wait", "k").unwrap();
+
+    // A store-mode owner holds the key, its body running.
+    let token = OwnerToken::new();
+    let reserved = store
+        .reserve(ReserveRequest {
+            identity: &id,
+            fingerprint: None,
+            token: &token,
+            lease: Duration::from_secs(60),
+            ttl: Duration::from_secs(3600),
+        })
+        .await
+        .expect("reserve");
+    assert!(
+        matches!(reserved, Reservation::Acquired { .. }),
+        "{reserved:?}"
+    );
+
+    let mut left_open = Vec::new();
+    for read_first in [false, true] {
+        let mut refused = pool.begin().await.expect("deferred begin");
+        if read_first {
+            let _: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM charges")
+                .fetch_one(&mut *refused)
+                .await
+                .expect("read");
+        }
+        match charge_short_wait(&mut refused, &tenant, "k", &runs).await {
+            Err(Error::InProgress { scope, .. }) => {
+                assert_eq!(scope, "sqlite_edges.charge_short_wait")
+            }
+            other => panic!("read_first={read_first}: expected InProgress, got {other:?}"),
+        }
+        // Left open, as a caller that has not rolled back yet.
+        left_open.push(refused);
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 0, "the duplicate did not run");
+
+    // The owner records its result while the refused transactions are open.
+    let outcome = StoredOutcome {
+        is_error: false,
+        payload: b"500".to_vec(),
+    };
+    assert_eq!(
+        store
+            .complete(
+                &id,
+                &token,
+                &outcome,
+                Duration::from_secs(3600),
+                AnsweredBy::Body
+            )
+            .await
+            .expect("the owner's completion is not blocked by a refused caller"),
+        Fenced::Written
+    );
+    let mut retry = pool.begin().await.expect("deferred begin");
+    let (answer, outcome) = with_outcome(charge_short_wait(&mut retry, &tenant, "k", &runs)).await;
+    assert_eq!(answer.expect("the retry replays the owner's result"), 500);
+    assert_eq!(outcome, Some(Outcome::Replayed));
+    retry.commit().await.expect("commit");
+    assert_eq!(runs.load(Ordering::SeqCst), 0);
+    for refused in left_open {
+        refused.rollback().await.expect("rollback");
+    }
+    pool.close().await;
+    remove(&path);
+}

@@ -28,6 +28,17 @@
 //!   writer cannot commit while this transaction holds its shared lock, so
 //!   waiting only blocks it: a deadlock, refused with [`Error::StaleSnapshot`].
 //!
+//! A replay, a refusal (in progress) or a mismatch takes no lock (rule 15):
+//! before anything is written in the caller's transaction, the record is read
+//! on a connection beside it (one per database file, kept for the next call),
+//! which sees what others committed and leaves the caller's transaction as it
+//! was: no snapshot, no write lock that would make the record look in
+//! progress to every other caller until the transaction ends, or keep a
+//! store-mode owner from recording its result. Only an absent or expired
+//! record, or an ended lease, goes the write path below. An in-memory
+//! database has no such reader: there a transaction that has read answers a
+//! complete record from its own snapshot, and otherwise writes.
+//!
 //! Transactions begun with `BEGIN IMMEDIATE` (`pool.begin_with("BEGIN
 //! IMMEDIATE")`) take the write lock up front and never meet any of this.
 //!
@@ -44,6 +55,7 @@
 use super::*;
 use crate::error::Error;
 use sqlx::SqliteConnection;
+use std::sync::Arc;
 
 use super::sqlite::{complete_on, is_busy, primary_code, release_on, reserve_in, result_code};
 
@@ -214,28 +226,165 @@ async fn txn_state(conn: &mut SqliteConnection) -> Result<i32, sqlx::Error> {
     })
 }
 
+/// Readers beside callers' transactions: one connection per database file
+/// (at most [`MAX_READER_FILES`] files), opened on first use, reading only.
+/// The map's lock is held only to find a file's slot; each slot's lock is
+/// held across its one read.
+static READERS_BESIDE: std::sync::LazyLock<
+    std::sync::Mutex<std::collections::HashMap<String, ReaderSlot>>,
+> = std::sync::LazyLock::new(Default::default);
+
+/// One database file's reader: `None` until opened (or after a failed read).
+type ReaderSlot = Arc<tokio::sync::Mutex<Option<Reader>>>;
+
+/// How many database files keep a reader; past that, the idle ones are closed.
+const MAX_READER_FILES: usize = 16;
+
+/// How long a reader waits for a lock (rollback-journal mode only: a writer
+/// committing). Past it, the call goes the write path as if it had no reader.
+const READER_BUSY_TIMEOUT: Duration = Duration::from_millis(200);
+
+/// A connection reading one database file, and which file it opened: a file
+/// replaced at the same path (deleted and created again) gets a new reader,
+/// never one that still reads the old file.
+struct Reader {
+    conn: SqliteConnection,
+    file: Option<FileIdentity>,
+}
+
+/// The device and inode of a file, where the platform has them.
+type FileIdentity = (u64, u64);
+
+fn file_identity(path: &str) -> Option<FileIdentity> {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::MetadataExt;
+        std::fs::metadata(path).ok().map(|m| (m.dev(), m.ino()))
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = path;
+        None
+    }
+}
+
+/// The file of the connection's main database; `None` for an in-memory or
+/// temporary one, which no other connection can read. No round trip.
+async fn main_file(conn: &mut SqliteConnection) -> Result<Option<String>, sqlx::Error> {
+    let mut handle = conn.lock_handle().await?;
+    // SAFETY: the handle is a live connection, locked for our exclusive use
+    // while `handle` is held; the returned string is owned by SQLite and
+    // valid until the database is detached or closed, and copied at once.
+    let name = unsafe {
+        let ptr =
+            libsqlite3_sys::sqlite3_db_filename(handle.as_raw_handle().as_ptr(), c"main".as_ptr());
+        if ptr.is_null() {
+            return Ok(None);
+        }
+        std::ffi::CStr::from_ptr(ptr)
+            .to_str()
+            .ok()
+            .map(str::to_owned)
+    };
+    Ok(name.filter(|n| !n.is_empty()))
+}
+
+/// The answer of a read of what other connections committed, made on a
+/// connection beside the caller's (see [`READERS_BESIDE`]): a replay, a
+/// mismatch, or a live lease (`InProgress`). `None` when the record is
+/// absent, expired or its lease ran out (a write is due), when the database
+/// is in memory, and when the read fails (logged; the write path decides).
+async fn read_beside(
+    conn: &mut SqliteConnection,
+    request: ReserveRequest<'_>,
+) -> Option<Reservation> {
+    let file = match main_file(conn).await {
+        Ok(Some(file)) => file,
+        Ok(None) => return None,
+        Err(e) => {
+            tracing::debug!(target: "idempotent", error = %e, "sqlite: the database's file is unknown");
+            return None;
+        }
+    };
+    let slot = {
+        let mut readers = READERS_BESIDE
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if !readers.contains_key(&file) && readers.len() >= MAX_READER_FILES {
+            // Closes the readers nobody is using now (dropped with their slot).
+            readers.retain(|_, slot| Arc::strong_count(slot) > 1);
+        }
+        readers.entry(file.clone()).or_default().clone()
+    };
+    let mut reader = slot.lock().await;
+    let identity = file_identity(&file);
+    if reader.as_ref().is_none_or(|r| r.file != identity) {
+        let options = sqlx::sqlite::SqliteConnectOptions::new()
+            .filename(&file)
+            .create_if_missing(false)
+            .busy_timeout(READER_BUSY_TIMEOUT)
+            .pragma("query_only", "ON");
+        match sqlx::Connection::connect_with(&options).await {
+            Ok(conn) => {
+                *reader = Some(Reader {
+                    conn,
+                    file: identity,
+                })
+            }
+            Err(e) => {
+                tracing::debug!(target: "idempotent", file, error = %e,
+                    "sqlite: could not open a reader beside the transaction");
+                *reader = None;
+                return None;
+            }
+        }
+    }
+    let open = reader.as_mut()?;
+    match super::sqlite::answer_from_a_read(&mut open.conn, request).await {
+        Ok(answer) => answer,
+        Err(e) => {
+            tracing::debug!(target: "idempotent", file, error = %e,
+                "sqlite: the read beside the transaction failed; deciding by the write path");
+            // Not kept: the next call opens a fresh one.
+            *reader = None;
+            None
+        }
+    }
+}
+
 async fn reserve_on(
     conn: &mut SqliteConnection,
     request: ReserveRequest<'_>,
     lock_wait: Duration,
 ) -> Result<Reservation, Error> {
     const OP: &str = "reserve";
-    // Rule 15: a transaction that already holds a snapshot answers a replay
-    // or a mismatch of a complete record from a read, without taking the
-    // database's write lock (which would make every other transactional
-    // caller wait, and see the record "in progress"), and without a write
-    // that a stale snapshot would refuse. A complete record does not change
-    // until it expires, so even an older snapshot answers it rightly; an
-    // in-progress one may have been released or completed since, so it goes
-    // the write path. A transaction without a snapshot writes first: reading
-    // first would give it a snapshot that another writer could make stale
-    // before its write.
-    if txn_state(conn).await.map_err(err(OP))? == libsqlite3_sys::SQLITE_TXN_READ
-        && let Some(answer) = super::sqlite::settled_answer_from_a_read(&mut *conn, request)
-            .await
-            .map_err(err(OP))?
-    {
-        return Ok(answer);
+    // Rule 15: a replay, a refusal or a mismatch takes no lock. The caller's
+    // transaction would keep the database's write lock until it ends: every
+    // other transactional caller would wait for it and be told the record is
+    // in progress, and a store-mode owner could not record its result. A
+    // transaction that already holds it (it has written) takes nothing new.
+    let state = txn_state(conn).await.map_err(err(OP))?;
+    if state != libsqlite3_sys::SQLITE_TXN_WRITE {
+        // First, what others committed, read beside the transaction: it
+        // leaves the transaction as it was (no snapshot, no lock), and it is
+        // current, so a live in-progress record answers too.
+        if let Some(answer) = read_beside(conn, request).await {
+            return Ok(answer);
+        }
+        // No reader beside it (an in-memory database): a transaction that
+        // holds a snapshot answers a complete record from its own read. A
+        // complete record does not change until it expires, so even an older
+        // snapshot answers it rightly; an in-progress one may have been
+        // released or completed since, so it goes the write path. One without
+        // a snapshot writes first: a read would give it a snapshot that
+        // another writer could make stale before its write.
+        if state == libsqlite3_sys::SQLITE_TXN_READ
+            && let Some(answer) = super::sqlite::settled_answer_from_a_read(&mut *conn, request)
+                .await
+                .map_err(err(OP))?
+        {
+            return Ok(answer);
+        }
     }
     let current: i64 = sqlx::query_scalar("PRAGMA busy_timeout")
         .fetch_one(&mut *conn)
