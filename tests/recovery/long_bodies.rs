@@ -83,16 +83,34 @@ async fn long_job(store: &dyn Store, key: &str, die: Option<&Died>) -> Result<u3
 /// counted the record as absent, lease and ttl both over).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_body_that_outlived_its_ttl_and_died_is_taken_over_not_rerun_blind() {
-    died_then_retried(&MemoryStore::new(), Job::OutlivesItsTtl).await;
+    let store = MemoryStore::new();
+    died_then_retried(&store, &store, Job::OutlivesItsTtl).await;
 }
 
 /// The same on SQLite (the SQL stores decide "expired" the same way).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn on_sqlite_a_body_that_outlived_its_ttl_and_died_is_taken_over_not_rerun_blind() {
-    let store = SqliteStore::connect("sqlite::memory:")
-        .await
-        .expect("sqlite");
-    died_then_retried(&store, Job::OutlivesItsTtl).await;
+    on_sqlite(Job::OutlivesItsTtl).await;
+}
+
+/// `died_then_retried` on one SQLite file, as two processes would see it:
+/// the attempt that dies uses one store, the retry another. A dead process
+/// takes its store with it; a leaked future does not, and may have been
+/// leaked in the middle of a heartbeat, holding the store's write gate and
+/// one of its connections for ever (with one in-memory store for both, that
+/// hung the retry: a test artefact, not a takeover failure).
+async fn on_sqlite(job: Job) {
+    let path = std::env::temp_dir().join(format!(
+        "idempotent-long-bodies-{}.db",
+        uuid::Uuid::new_v4().simple()
+    ));
+    let url = format!("sqlite://{}", path.display());
+    let dying = SqliteStore::connect(&url).await.expect("sqlite");
+    let retrying = SqliteStore::connect(&url).await.expect("sqlite");
+    died_then_retried(&dying, &retrying, job).await;
+    for suffix in ["", "-wal", "-shm"] {
+        let _ = std::fs::remove_file(format!("{}{suffix}", path.display()));
+    }
 }
 
 /// Which of the two jobs a test runs.
@@ -112,11 +130,11 @@ async fn run(job: Job, store: &dyn Store, key: &str, die: Option<&Died>) -> Resu
 /// The first attempt of `job` charges and dies (its future is leaked: no
 /// completion, no release, no heartbeat); the retry must take the record over
 /// as attempt 2 and ask the hook, which finds the charge.
-async fn died_then_retried(store: &dyn Store, job: Job) {
+async fn died_then_retried(dying: &dyn Store, retrying: &dyn Store, job: Job) {
     let key = format!("job-{}", uuid::Uuid::new_v4().simple());
     let died = Died::default();
     {
-        let mut call = Box::pin(run(job, store, &key, Some(&died)));
+        let mut call = Box::pin(run(job, dying, &key, Some(&died)));
         tokio::time::timeout(Duration::from_secs(20), async {
             tokio::select! {
                 _ = &mut call => panic!("the call finished instead of dying"),
@@ -129,7 +147,7 @@ async fn died_then_retried(store: &dyn Store, job: Job) {
     }
     assert_eq!(gateway().charges.get(&key).copied(), Some(1));
 
-    let retry = tokio::time::timeout(Duration::from_secs(20), run(job, store, &key, None))
+    let retry = tokio::time::timeout(Duration::from_secs(20), run(job, retrying, &key, None))
         .await
         .expect("the retry answered");
     let (charges, asked) = {
@@ -175,14 +193,12 @@ async fn short_ttl_job(store: &dyn Store, key: &str, die: Option<&Died>) -> Resu
 /// as absent, the retry was a fresh attempt 1 and charged a second time.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_crashed_owner_with_a_ttl_shorter_than_its_lease_is_taken_over_not_rerun_blind() {
-    died_then_retried(&MemoryStore::new(), Job::TtlShorterThanLease).await;
+    let store = MemoryStore::new();
+    died_then_retried(&store, &store, Job::TtlShorterThanLease).await;
 }
 
 /// The same on SQLite.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn on_sqlite_a_crashed_owner_with_a_ttl_shorter_than_its_lease_is_taken_over() {
-    let store = SqliteStore::connect("sqlite::memory:")
-        .await
-        .expect("sqlite");
-    died_then_retried(&store, Job::TtlShorterThanLease).await;
+    on_sqlite(Job::TtlShorterThanLease).await;
 }
