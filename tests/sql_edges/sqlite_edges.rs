@@ -1015,14 +1015,8 @@ async fn charge_amount(
     Ok(amount)
 }
 
-/// A file database where key "k" was charged 5 (committed), and a deferred
-/// transaction, left open, that has read (it holds a snapshot).
-async fn charged_then_read_in_a_deferred_transaction() -> (
-    PathBuf,
-    sqlx::SqlitePool,
-    String,
-    sqlx::Transaction<'static, Sqlite>,
-) {
+/// A file database where key "k" was charged 5 (committed).
+async fn charged() -> (PathBuf, sqlx::SqlitePool, String) {
     let path = fresh_path();
     let store = SqliteStore::connect(&url(&path)).await.expect("open");
     let pool = store.pool().clone();
@@ -1036,6 +1030,18 @@ async fn charged_then_read_in_a_deferred_transaction() -> (
         5
     );
     first.commit().await.expect("commit");
+    (path, pool, tenant)
+}
+
+/// The same, and a deferred transaction, left open, that has read (it holds
+/// a snapshot).
+async fn charged_then_read_in_a_deferred_transaction() -> (
+    PathBuf,
+    sqlx::SqlitePool,
+    String,
+    sqlx::Transaction<'static, Sqlite>,
+) {
+    let (path, pool, tenant) = charged().await;
     let mut open = pool.begin().await.expect("deferred begin");
     let _: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM charges")
         .fetch_one(&mut *open)
@@ -1096,19 +1102,7 @@ async fn a_mismatch_in_a_stale_transaction_is_a_mismatch() {
 /// was in progress. Now both are answered by a read beside the transaction.
 #[tokio::test]
 async fn a_replay_in_a_transaction_that_has_not_read_leaves_other_callers_free() {
-    let path = fresh_path();
-    let store = SqliteStore::connect(&url(&path)).await.expect("open");
-    let pool = store.pool().clone();
-    create_charges(&pool).await;
-    let tenant = fresh_tenant();
-    let mut first = pool.begin().await.expect("deferred begin");
-    assert_eq!(
-        charge_amount(&mut first, &tenant, "k", 5)
-            .await
-            .expect("runs"),
-        5
-    );
-    first.commit().await.expect("commit");
+    let (path, pool, tenant) = charged().await;
 
     // Kept open after its replay, then after its mismatch.
     let mut replayed = pool.begin().await.expect("deferred begin");
