@@ -149,7 +149,9 @@ mod capture {
         }
     }
 
-    fn install() {
+    /// Installs the capturing subscriber (once per process): events before
+    /// it are not seen.
+    pub fn install() {
         static ONCE: Once = Once::new();
         ONCE.call_once(|| {
             tracing::subscriber::set_global_default(tracing_subscriber::registry().with(Capture))
@@ -164,6 +166,17 @@ mod capture {
         let parts = parts.iter().map(|p| (*p).to_owned()).collect();
         LISTENERS.lock().unwrap().push((parts, notify.clone()));
         notify
+    }
+
+    /// How many store events so far contained all of `parts`.
+    pub fn count(parts: &[&str]) -> usize {
+        install();
+        EVENTS
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|e| parts.iter().all(|p| e.contains(p)))
+            .count()
     }
 
     /// Whether any store event so far contained all of `parts`.
@@ -1217,6 +1230,116 @@ async fn a_refusal_in_an_open_transaction_leaves_the_owner_free_to_record_its_re
     for refused in left_open {
         refused.rollback().await.expect("rollback");
     }
+    pool.close().await;
+    remove(&path);
+}
+
+/// A pool that holds its file in `locking_mode = EXCLUSIVE` keeps every
+/// other connection out, the reader beside the transaction included: its
+/// read waits out its busy timeout and fails. That happens once; later calls
+/// on the file decide in the transaction at once instead of waiting again
+/// (and opening a new reader) each time. The answers are right either way.
+#[tokio::test]
+async fn a_file_held_exclusively_is_not_read_beside_on_every_call() {
+    capture::install();
+    let path = fresh_path();
+    SqliteStore::connect(&url(&path))
+        .await
+        .expect("create")
+        .pool()
+        .close()
+        .await;
+    let pool = SqlitePoolOptions::new()
+        .max_connections(1)
+        .connect_with(
+            SqliteConnectOptions::new()
+                .filename(&path)
+                .locking_mode(sqlx::sqlite::SqliteLockingMode::Exclusive),
+        )
+        .await
+        .expect("an exclusive pool");
+    let _store = SqliteStore::from_pool(pool.clone())
+        .await
+        .expect("from_pool");
+    create_charges(&pool).await;
+    let tenant = fresh_tenant();
+    let file = path.display().to_string();
+    let failed = ["read beside the transaction failed", file.as_str()];
+    let mut outcomes = Vec::new();
+    for _ in 0..5 {
+        let mut tx = pool.begin().await.expect("deferred begin");
+        let (answer, outcome) = with_outcome(charge_amount(&mut tx, &tenant, "k", 5)).await;
+        assert_eq!(answer.expect("runs or replays"), 5);
+        outcomes.push(outcome);
+        tx.commit().await.expect("commit");
+    }
+    assert_eq!(outcomes[0], Some(Outcome::Executed));
+    assert!(
+        outcomes[1..].iter().all(|o| *o == Some(Outcome::Replayed)),
+        "{outcomes:?}"
+    );
+    assert_eq!(
+        capture::count(&failed),
+        1,
+        "the locked-out reader is tried once, not on every call"
+    );
+    pool.close().await;
+    remove(&path);
+}
+
+/// A database file renamed over while a connection still has the old one
+/// open: the path now names another database. The reader beside the
+/// transaction would read that one, and answered a replay from it for a key
+/// the caller's own database has never seen. It is not used for a moved
+/// file: the call decides in the caller's own database, as it did before
+/// there was a reader.
+#[tokio::test]
+async fn a_file_renamed_over_an_open_database_is_not_read_beside() {
+    // Rollback journal, one connection, kept open on the original file.
+    let one_open_connection = |path: &Path| {
+        SqlitePoolOptions::new()
+            .max_connections(1)
+            .min_connections(1)
+            .idle_timeout(None)
+            .max_lifetime(None)
+            .connect_with(
+                SqliteConnectOptions::new()
+                    .filename(path)
+                    .create_if_missing(true),
+            )
+    };
+    let path = fresh_path();
+    let pool = one_open_connection(&path).await.expect("the caller's pool");
+    let _store = SqliteStore::from_pool(pool.clone())
+        .await
+        .expect("from_pool");
+    create_charges(&pool).await;
+    // Another file, where key k was charged.
+    let other_path = fresh_path();
+    let other = one_open_connection(&other_path)
+        .await
+        .expect("another pool");
+    SqliteStore::from_pool(other.clone())
+        .await
+        .expect("from_pool");
+    create_charges(&other).await;
+    let tenant = fresh_tenant();
+    let mut tx = other.begin().await.expect("begin");
+    assert_eq!(
+        charge_amount(&mut tx, &tenant, "k", 5).await.expect("runs"),
+        5
+    );
+    tx.commit().await.expect("commit");
+    other.close().await;
+    std::fs::rename(&other_path, &path).expect("rename over the open database");
+
+    let mut tx = pool.begin().await.expect("deferred begin");
+    let answer = with_outcome(charge_amount(&mut tx, &tenant, "k", 5)).await;
+    let _ = tx.rollback().await;
+    assert!(
+        !matches!(answer, (Ok(_), Some(Outcome::Replayed))),
+        "a replay from the file now at the path, not the caller's database: {answer:?}"
+    );
     pool.close().await;
     remove(&path);
 }

@@ -226,58 +226,88 @@ async fn txn_state(conn: &mut SqliteConnection) -> Result<i32, sqlx::Error> {
     })
 }
 
-/// Readers beside callers' transactions: one connection per database file
-/// (at most [`MAX_READER_FILES`] files), opened on first use, reading only.
-/// The map's lock is held only to find a file's slot; each slot's lock is
-/// held across its one read.
+/// Readers beside callers' transactions: one connection per database file,
+/// opened on first use, reading only. The map's lock is held only to find a
+/// file's slot; each slot's lock is held across its one read.
 static READERS_BESIDE: std::sync::LazyLock<
-    std::sync::Mutex<std::collections::HashMap<String, ReaderSlot>>,
+    std::sync::Mutex<std::collections::HashMap<String, ReaderEntry>>,
 > = std::sync::LazyLock::new(Default::default);
 
-/// One database file's reader: `None` until opened (or after a failed read).
-type ReaderSlot = Arc<tokio::sync::Mutex<Option<Reader>>>;
+/// A file's reader, and when a call last asked for it.
+struct ReaderEntry {
+    slot: Arc<tokio::sync::Mutex<ReaderState>>,
+    last_used: std::time::Instant,
+}
 
-/// How many database files keep a reader; past that, the idle ones are closed.
+/// How many database files keep a reader; past that, the least recently used
+/// idle one is closed.
 const MAX_READER_FILES: usize = 16;
 
+/// A reader no call has asked for this long is closed (one left on a deleted
+/// file would keep its descriptors).
+const READER_IDLE: Duration = Duration::from_secs(60);
+
 /// How long a reader waits for a lock (rollback-journal mode only: a writer
-/// committing). Past it, the call goes the write path as if it had no reader.
+/// committing). Past it, the call decides in the caller's transaction.
 const READER_BUSY_TIMEOUT: Duration = Duration::from_millis(200);
 
-/// A connection reading one database file, and which file it opened: a file
-/// replaced at the same path (deleted and created again) gets a new reader,
-/// never one that still reads the old file.
-struct Reader {
-    conn: SqliteConnection,
-    file: Option<FileIdentity>,
+/// Where a file's reader stands.
+#[derive(Default)]
+enum ReaderState {
+    /// Not opened yet (or dropped after an error).
+    #[default]
+    Closed,
+    Open(SqliteConnection),
+    /// The caller's connection holds the file in `locking_mode = EXCLUSIVE`,
+    /// which keeps every other connection out: no reader until this time.
+    LockedOut(std::time::Instant),
 }
 
-/// The device and inode of a file, where the platform has them.
-type FileIdentity = (u64, u64);
+/// How long a file held in `locking_mode = EXCLUSIVE` goes without a reader
+/// before it is tried again.
+const LOCKED_OUT_FOR: Duration = Duration::from_secs(60);
 
-fn file_identity(path: &str) -> Option<FileIdentity> {
-    #[cfg(unix)]
-    {
-        use std::os::unix::fs::MetadataExt;
-        std::fs::metadata(path).ok().map(|m| (m.dev(), m.ino()))
-    }
-    #[cfg(not(unix))]
-    {
-        let _ = path;
-        None
-    }
+/// What the read beside the caller's transaction found.
+enum Beside {
+    /// A replay, a mismatch, or a live lease (`InProgress`).
+    Answer(Reservation),
+    /// Nothing a read settles (absent, expired, an ended lease): a write is due.
+    WriteDue,
+    /// No reader for this database: in memory, moved or deleted under the
+    /// caller's connection, locked out, or the read failed (logged).
+    NoReader,
 }
 
-/// The file of the connection's main database; `None` for an in-memory or
-/// temporary one, which no other connection can read. No round trip.
-async fn main_file(conn: &mut SqliteConnection) -> Result<Option<String>, sqlx::Error> {
+/// Whether SQLite says the database file `handle` opened has been renamed,
+/// moved or deleted since (`SQLITE_FCNTL_HAS_MOVED`); `true` when it cannot
+/// tell. The path then names another file, or none.
+fn has_moved(handle: *mut libsqlite3_sys::sqlite3) -> bool {
+    let mut moved: std::os::raw::c_int = 0;
+    // SAFETY: `handle` is a live connection, locked for the caller's exclusive
+    // use; the file control only writes the file's state into `moved`.
+    let rc = unsafe {
+        libsqlite3_sys::sqlite3_file_control(
+            handle,
+            c"main".as_ptr(),
+            libsqlite3_sys::SQLITE_FCNTL_HAS_MOVED,
+            (&raw mut moved).cast(),
+        )
+    };
+    rc != libsqlite3_sys::SQLITE_OK || moved != 0
+}
+
+/// The file of the connection's main database, when another connection
+/// opening that path reads the same database: `None` for an in-memory or
+/// temporary one, and for a file moved or deleted since the connection opened
+/// it. No round trip.
+async fn shared_file(conn: &mut SqliteConnection) -> Result<Option<String>, sqlx::Error> {
     let mut handle = conn.lock_handle().await?;
+    let raw = handle.as_raw_handle().as_ptr();
     // SAFETY: the handle is a live connection, locked for our exclusive use
     // while `handle` is held; the returned string is owned by SQLite and
     // valid until the database is detached or closed, and copied at once.
     let name = unsafe {
-        let ptr =
-            libsqlite3_sys::sqlite3_db_filename(handle.as_raw_handle().as_ptr(), c"main".as_ptr());
+        let ptr = libsqlite3_sys::sqlite3_db_filename(raw, c"main".as_ptr());
         if ptr.is_null() {
             return Ok(None);
         }
@@ -286,70 +316,113 @@ async fn main_file(conn: &mut SqliteConnection) -> Result<Option<String>, sqlx::
             .ok()
             .map(str::to_owned)
     };
-    Ok(name.filter(|n| !n.is_empty()))
+    Ok(name.filter(|n| !n.is_empty() && !has_moved(raw)))
 }
 
-/// The answer of a read of what other connections committed, made on a
-/// connection beside the caller's (see [`READERS_BESIDE`]): a replay, a
-/// mismatch, or a live lease (`InProgress`). `None` when the record is
-/// absent, expired or its lease ran out (a write is due), when the database
-/// is in memory, and when the read fails (logged; the write path decides).
-async fn read_beside(
-    conn: &mut SqliteConnection,
-    request: ReserveRequest<'_>,
-) -> Option<Reservation> {
-    let file = match main_file(conn).await {
+/// The slot of `file`'s reader. Closes the readers idle for [`READER_IDLE`],
+/// and when the map is full, the least recently used idle one.
+fn reader_slot(file: &str) -> Arc<tokio::sync::Mutex<ReaderState>> {
+    let now = std::time::Instant::now();
+    let mut readers = READERS_BESIDE
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let idle = |e: &ReaderEntry| Arc::strong_count(&e.slot) == 1;
+    readers.retain(|_, e| !idle(e) || now.duration_since(e.last_used) < READER_IDLE);
+    if !readers.contains_key(file) && readers.len() >= MAX_READER_FILES {
+        let oldest = readers
+            .iter()
+            .filter(|(_, e)| idle(e))
+            .min_by_key(|(_, e)| e.last_used)
+            .map(|(f, _)| f.clone());
+        if let Some(oldest) = oldest {
+            readers.remove(&oldest);
+        }
+    }
+    let entry = readers
+        .entry(file.to_owned())
+        .or_insert_with(|| ReaderEntry {
+            slot: Arc::default(),
+            last_used: now,
+        });
+    entry.last_used = now;
+    entry.slot.clone()
+}
+
+/// Reads the record on a connection beside the caller's (see
+/// [`READERS_BESIDE`]): it sees what others committed, and leaves the
+/// caller's transaction as it was.
+async fn read_beside(conn: &mut SqliteConnection, request: ReserveRequest<'_>) -> Beside {
+    let file = match shared_file(conn).await {
         Ok(Some(file)) => file,
-        Ok(None) => return None,
+        Ok(None) => return Beside::NoReader,
         Err(e) => {
             tracing::debug!(target: "idempotent", error = %e, "sqlite: the database's file is unknown");
-            return None;
+            return Beside::NoReader;
         }
     };
-    let slot = {
-        let mut readers = READERS_BESIDE
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if !readers.contains_key(&file) && readers.len() >= MAX_READER_FILES {
-            // Closes the readers nobody is using now (dropped with their slot).
-            readers.retain(|_, slot| Arc::strong_count(slot) > 1);
+    let slot = reader_slot(&file);
+    let mut state = slot.lock().await;
+    if let ReaderState::LockedOut(until) = *state {
+        if std::time::Instant::now() < until {
+            return Beside::NoReader;
         }
-        readers.entry(file.clone()).or_default().clone()
-    };
-    let mut reader = slot.lock().await;
-    let identity = file_identity(&file);
-    if reader.as_ref().is_none_or(|r| r.file != identity) {
+        *state = ReaderState::Closed;
+    }
+    // A reader whose file was replaced at the path (deleted and created
+    // again) reads another database than the caller's: opened again.
+    if let ReaderState::Open(reader) = &mut *state {
+        let moved = match reader.lock_handle().await {
+            Ok(mut handle) => has_moved(handle.as_raw_handle().as_ptr()),
+            Err(_) => true,
+        };
+        if moved {
+            *state = ReaderState::Closed;
+        }
+    }
+    if matches!(*state, ReaderState::Closed) {
         let options = sqlx::sqlite::SqliteConnectOptions::new()
             .filename(&file)
             .create_if_missing(false)
             .busy_timeout(READER_BUSY_TIMEOUT)
             .pragma("query_only", "ON");
         match sqlx::Connection::connect_with(&options).await {
-            Ok(conn) => {
-                *reader = Some(Reader {
-                    conn,
-                    file: identity,
-                })
-            }
-            Err(e) => {
-                tracing::debug!(target: "idempotent", file, error = %e,
-                    "sqlite: could not open a reader beside the transaction");
-                *reader = None;
-                return None;
-            }
+            Ok(reader) => *state = ReaderState::Open(reader),
+            Err(e) => return reader_failed(conn, &mut state, &file, &e).await,
         }
     }
-    let open = reader.as_mut()?;
-    match super::sqlite::answer_from_a_read(&mut open.conn, request).await {
-        Ok(answer) => answer,
-        Err(e) => {
-            tracing::debug!(target: "idempotent", file, error = %e,
-                "sqlite: the read beside the transaction failed; deciding by the write path");
-            // Not kept: the next call opens a fresh one.
-            *reader = None;
-            None
-        }
+    let ReaderState::Open(reader) = &mut *state else {
+        return Beside::NoReader;
+    };
+    match super::sqlite::answer_from_a_read(reader, request).await {
+        Ok(Some(answer)) => Beside::Answer(answer),
+        Ok(None) => Beside::WriteDue,
+        Err(e) => reader_failed(conn, &mut state, &file, &e).await,
     }
+}
+
+/// After the reader of `file` failed to open or read: when the caller's
+/// connection holds the file in `locking_mode = EXCLUSIVE`, every reader
+/// would wait out its busy timeout and fail, so there is none for
+/// [`LOCKED_OUT_FOR`]; otherwise (a writer committing in rollback-journal
+/// mode, a broken connection) the next call tries a fresh one.
+async fn reader_failed(
+    conn: &mut SqliteConnection,
+    state: &mut ReaderState,
+    file: &str,
+    e: &sqlx::Error,
+) -> Beside {
+    let mode: Result<String, _> = sqlx::query_scalar("PRAGMA locking_mode")
+        .fetch_one(&mut *conn)
+        .await;
+    let exclusive = mode.is_ok_and(|m| m.eq_ignore_ascii_case("exclusive"));
+    tracing::debug!(target: "idempotent", file, error = %e, exclusive,
+        "sqlite: the read beside the transaction failed; deciding in the transaction");
+    *state = if exclusive {
+        ReaderState::LockedOut(std::time::Instant::now() + LOCKED_OUT_FOR)
+    } else {
+        ReaderState::Closed
+    };
+    Beside::NoReader
 }
 
 async fn reserve_on(
@@ -368,22 +441,26 @@ async fn reserve_on(
         // First, what others committed, read beside the transaction: it
         // leaves the transaction as it was (no snapshot, no lock), and it is
         // current, so a live in-progress record answers too.
-        if let Some(answer) = read_beside(conn, request).await {
-            return Ok(answer);
-        }
-        // No reader beside it (an in-memory database): a transaction that
-        // holds a snapshot answers a complete record from its own read. A
-        // complete record does not change until it expires, so even an older
-        // snapshot answers it rightly; an in-progress one may have been
-        // released or completed since, so it goes the write path. One without
-        // a snapshot writes first: a read would give it a snapshot that
-        // another writer could make stale before its write.
-        if state == libsqlite3_sys::SQLITE_TXN_READ
-            && let Some(answer) = super::sqlite::settled_answer_from_a_read(&mut *conn, request)
-                .await
-                .map_err(err(OP))?
-        {
-            return Ok(answer);
+        match read_beside(conn, request).await {
+            Beside::Answer(answer) => return Ok(answer),
+            Beside::WriteDue => {}
+            // No reader (an in-memory database): a transaction that holds a
+            // snapshot answers a complete record from its own read. A
+            // complete record does not change until it expires, so even an
+            // older snapshot answers it rightly; an in-progress one may have
+            // been released or completed since, so it goes the write path.
+            // One without a snapshot writes first: a read would give it a
+            // snapshot that another writer could make stale before its write.
+            Beside::NoReader => {
+                if state == libsqlite3_sys::SQLITE_TXN_READ
+                    && let Some(answer) =
+                        super::sqlite::settled_answer_from_a_read(&mut *conn, request)
+                            .await
+                            .map_err(err(OP))?
+                {
+                    return Ok(answer);
+                }
+            }
         }
     }
     let current: i64 = sqlx::query_scalar("PRAGMA busy_timeout")
