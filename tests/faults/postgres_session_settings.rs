@@ -443,3 +443,115 @@ async fn a_dropped_call_is_released_in_the_schema_the_after_connect_hook_sets() 
         "the dropped call's record in schema app was not released within {GUARD:?}"
     );
 }
+
+/// Rules 3 and 4 in store mode on a database whose default isolation is
+/// REPEATABLE READ: the owner's completion meets a row another session
+/// changed after the statement's snapshot (a waiting duplicate marking the
+/// record, `waiting = TRUE`, at that moment). PostgreSQL answers 40001, and
+/// the owner, whose body had run, got `Error::Store`. The same statement
+/// again has a new snapshot and records the result. Deterministic: the test
+/// changes the row in a transaction of its own, and commits it only once the
+/// completion is blocked on it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_completion_meeting_a_concurrent_mark_is_recorded_under_a_repeatable_read_default() {
+    use idempotent_runtime::{AnsweredBy, Fenced, OwnerToken, ReserveRequest, StoredOutcome};
+    let Some((admin, db, url)) = fresh_database().await else {
+        return;
+    };
+    {
+        let mut setup = sqlx::PgConnection::connect(&url).await.expect("connect");
+        setup
+            .execute(
+                format!(
+                    "ALTER DATABASE {db} SET default_transaction_isolation = 'repeatable read'"
+                )
+                .as_str(),
+            )
+            .await
+            .expect("alter database");
+    }
+    let store = PgStore::connect(&url).await.expect("store");
+    let identity = Identity::new(fresh_tenant(), "pg_settings.rr_complete", "k").expect("identity");
+    let token = OwnerToken::new();
+    let reserved = store
+        .reserve(ReserveRequest {
+            identity: &identity,
+            fingerprint: None,
+            token: &token,
+            lease: Duration::from_secs(60),
+            ttl: Duration::from_secs(3600),
+        })
+        .await
+        .expect("reserve");
+    assert!(matches!(
+        reserved,
+        idempotent_runtime::Reservation::Acquired { .. }
+    ));
+
+    // Another session changes the row, and holds it until the completion waits.
+    let mut marker = sqlx::PgConnection::connect(&url).await.expect("connect");
+    let marker_pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut marker)
+        .await
+        .expect("pid");
+    marker.execute("BEGIN").await.expect("begin");
+    sqlx::query(
+        "UPDATE idempotency_records SET waiting = TRUE
+          WHERE tenant = $1 AND scope = $2 AND key = $3",
+    )
+    .bind(identity.tenant())
+    .bind(identity.scope())
+    .bind(identity.key())
+    .execute(&mut marker)
+    .await
+    .expect("mark");
+    let completion = {
+        let (store, identity, token) = (store.clone(), identity.clone(), token.clone());
+        tokio::spawn(async move {
+            let outcome = StoredOutcome {
+                is_error: false,
+                payload: b"7".to_vec(),
+            };
+            store
+                .complete(
+                    &identity,
+                    &token,
+                    &outcome,
+                    Duration::from_secs(3600),
+                    AnsweredBy::Body,
+                )
+                .await
+        })
+    };
+    let mut monitor = sqlx::PgConnection::connect(&url).await.expect("connect");
+    let deadline = tokio::time::Instant::now() + GUARD;
+    loop {
+        let blocked: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))",
+        )
+        .bind(marker_pid)
+        .fetch_one(&mut monitor)
+        .await
+        .expect("pg_stat_activity");
+        if blocked > 0 || completion.is_finished() {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "never blocked");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    marker.execute("COMMIT").await.expect("commit the mark");
+    let answer = completion.await.expect("join");
+    let record = store
+        .fetch(&identity)
+        .await
+        .expect("fetch")
+        .expect("record");
+    drop((monitor, marker));
+    drop(store);
+    drop_database(admin, &db).await;
+    assert_eq!(
+        answer.expect("the owner's result is recorded, not an error"),
+        Fenced::Written
+    );
+    assert_eq!(record.state, RecordState::Complete);
+}

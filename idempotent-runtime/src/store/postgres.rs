@@ -170,14 +170,22 @@ fn background_worker(pool: &PgPool) -> detached::Detached {
         STORE,
         pool,
         |pool, identity, token| {
-            Box::pin(async move { release_with(&pool, &identity, &token).await })
+            Box::pin(
+                async move { in_own_transaction(|| release_with(&pool, &identity, &token)).await },
+            )
         },
         |pool, identity, token| {
-            Box::pin(async move { heartbeat_with(&pool, &identity, &token, Duration::ZERO).await })
+            Box::pin(async move {
+                in_own_transaction(|| heartbeat_with(&pool, &identity, &token, Duration::ZERO))
+                    .await
+            })
         },
         |pool, identity, token, outcome, ttl, recovered| {
             Box::pin(async move {
-                complete_with(&pool, &identity, &token, &outcome, ttl, recovered).await
+                in_own_transaction(|| {
+                    complete_with(&pool, &identity, &token, &outcome, ttl, recovered)
+                })
+                .await
             })
         },
     )
@@ -589,6 +597,39 @@ async fn fenced<'e, E: Executor<'e, Database = Postgres>>(
     Ok(Fenced::from_owned(done.rows_affected() == 1))
 }
 
+/// How many times a store-mode fenced write that failed with
+/// [`SERIALIZATION_FAILURE`] is sent (see [`in_own_transaction`]).
+const FENCED_WRITE_TRIES: u32 = 5;
+
+/// Runs a store-mode fenced write (`write`: the same statement each time),
+/// each statement its own transaction. Under REPEATABLE READ or
+/// SERIALIZABLE as the database's or the pool's default, an `UPDATE` or
+/// `DELETE` of a row another transaction changed after the statement's
+/// snapshot fails with 40001: a duplicate marking the record as waited for
+/// (`waiting = TRUE`) at that moment was enough, and the owner, whose body
+/// had run, got `Error::Store` instead of its result being recorded. The
+/// statement sent again has a new snapshot; fenced by the owner token, it
+/// is safe to repeat.
+async fn in_own_transaction<Fut>(write: impl Fn() -> Fut) -> Result<Fenced, StoreError>
+where
+    Fut: std::future::Future<Output = Result<Fenced, StoreError>>,
+{
+    let mut tries = 0;
+    loop {
+        tries += 1;
+        match write().await {
+            Err(e) if tries < FENCED_WRITE_TRIES && is_serialization_failure(&e) => continue,
+            answer => return answer,
+        }
+    }
+}
+
+/// Whether the statement behind `e` failed with [`SERIALIZATION_FAILURE`].
+fn is_serialization_failure(e: &StoreError) -> bool {
+    matches!(e.source.downcast_ref::<sqlx::Error>(),
+        Some(sqlx::Error::Database(d)) if d.code().as_deref() == Some(SERIALIZATION_FAILURE))
+}
+
 /// Records the outcome, fenced by the token; `recovered` marks an outcome a
 /// `recover` hook gave (rule 20).
 async fn complete_with<'e, E: Executor<'e, Database = Postgres>>(
@@ -661,15 +702,9 @@ impl Store for PgStore {
         ttl: Duration,
         by: AnsweredBy,
     ) -> Result<Fenced, StoreError> {
-        complete_with(
-            &*self.pools.current(),
-            identity,
-            token,
-            outcome,
-            ttl,
-            by.marks_recovered(),
-        )
-        .await
+        let pool = self.pools.current();
+        let recovered = by.marks_recovered();
+        in_own_transaction(|| complete_with(&*pool, identity, token, outcome, ttl, recovered)).await
     }
 
     async fn force_release(
@@ -716,7 +751,8 @@ impl Store for PgStore {
     }
 
     async fn release(&self, identity: &Identity, token: &OwnerToken) -> Result<Fenced, StoreError> {
-        release_with(&*self.pools.current(), identity, token).await
+        let pool = self.pools.current();
+        in_own_transaction(|| release_with(&*pool, identity, token)).await
     }
 
     async fn heartbeat(
@@ -725,7 +761,8 @@ impl Store for PgStore {
         token: &OwnerToken,
         lease: Duration,
     ) -> Result<Fenced, StoreError> {
-        heartbeat_with(&*self.pools.current(), identity, token, lease).await
+        let pool = self.pools.current();
+        in_own_transaction(|| heartbeat_with(&*pool, identity, token, lease)).await
     }
 
     crate::store::detached::hand_over_to_the_worker!();
