@@ -39,6 +39,20 @@ async fn fresh_database() -> Option<(sqlx::PgConnection, String, String)> {
     Some((admin, db, url))
 }
 
+/// The same, whose sessions' default isolation is REPEATABLE READ.
+async fn fresh_repeatable_read_database() -> Option<(sqlx::PgConnection, String, String)> {
+    let (admin, db, url) = fresh_database().await?;
+    let mut setup = sqlx::PgConnection::connect(&url).await.expect("connect");
+    setup
+        .execute(
+            format!("ALTER DATABASE {db} SET default_transaction_isolation = 'repeatable read'")
+                .as_str(),
+        )
+        .await
+        .expect("alter database");
+    Some((admin, db, url))
+}
+
 async fn drop_database(mut admin: sqlx::PgConnection, db: &str) {
     let _ = admin
         .execute(format!("DROP DATABASE {db} WITH (FORCE)").as_str())
@@ -158,21 +172,9 @@ async fn rr_charge_tx(
 /// the test has seen the statement blocked on it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_store_mode_duplicate_replays_under_a_repeatable_read_default() {
-    let Some((admin, db, url)) = fresh_database().await else {
+    let Some((admin, db, url)) = fresh_repeatable_read_database().await else {
         return;
     };
-    {
-        let mut setup = sqlx::PgConnection::connect(&url).await.expect("connect");
-        setup
-            .execute(
-                format!(
-                    "ALTER DATABASE {db} SET default_transaction_isolation = 'repeatable read'"
-                )
-                .as_str(),
-            )
-            .await
-            .expect("alter database");
-    }
     let store = PgStore::connect(&url)
         .await
         .expect("store")
@@ -455,21 +457,9 @@ async fn a_dropped_call_is_released_in_the_schema_the_after_connect_hook_sets() 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_completion_meeting_a_concurrent_mark_is_recorded_under_a_repeatable_read_default() {
     use idempotent_runtime::{AnsweredBy, Fenced, OwnerToken, ReserveRequest, StoredOutcome};
-    let Some((admin, db, url)) = fresh_database().await else {
+    let Some((admin, db, url)) = fresh_repeatable_read_database().await else {
         return;
     };
-    {
-        let mut setup = sqlx::PgConnection::connect(&url).await.expect("connect");
-        setup
-            .execute(
-                format!(
-                    "ALTER DATABASE {db} SET default_transaction_isolation = 'repeatable read'"
-                )
-                .as_str(),
-            )
-            .await
-            .expect("alter database");
-    }
     let store = PgStore::connect(&url).await.expect("store");
     let identity = Identity::new(fresh_tenant(), "pg_settings.rr_complete", "k").expect("identity");
     let token = OwnerToken::new();
