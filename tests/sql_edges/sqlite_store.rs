@@ -193,6 +193,53 @@ async fn two_stores_on_one_file_give_one_acquirer() {
     remove(&path);
 }
 
+/// A call future kept alive but never polled again while it holds the
+/// store's turn to write (here a heartbeat, polled once: parked in a
+/// `select!` loop, or leaked) does not stop this process's other writes:
+/// after a second they write without waiting for it. Before, every later
+/// reservation and completion through the store waited for ever.
+#[tokio::test]
+async fn a_write_kept_alive_but_never_polled_again_does_not_stop_other_writes() {
+    let path = fresh_path();
+    let store = SqliteStore::connect(&url(&path)).await.expect("open");
+    let (parked_id, parked_token) = (identity("parked"), OwnerToken::new());
+    assert!(matches!(
+        reserve(&store, &parked_id, &parked_token).await,
+        Reservation::Acquired { .. }
+    ));
+    let mut parked = Box::pin(store.heartbeat(&parked_id, &parked_token, LONG));
+    // One poll: the heartbeat takes the (free) write turn at once and waits
+    // for its statement; it is never polled again (until it is dropped,
+    // below, so the pool can close).
+    assert!(futures::poll!(parked.as_mut()).is_pending());
+
+    let (other, token) = (identity("written-meanwhile"), OwnerToken::new());
+    let outcome = StoredOutcome {
+        is_error: false,
+        payload: b"7".to_vec(),
+    };
+    let written = tokio::time::timeout(Duration::from_secs(60), async {
+        assert!(matches!(
+            reserve(&store, &other, &token).await,
+            Reservation::Acquired { .. }
+        ));
+        store
+            .complete(&other, &token, &outcome, LONG, AnsweredBy::Body)
+            .await
+            .expect("complete")
+    })
+    .await
+    .expect("other writes go on while a parked future holds the write turn");
+    assert_eq!(written, Fenced::Written);
+    assert_eq!(
+        reserve(&store, &other, &OwnerToken::new()).await,
+        Reservation::Completed(outcome)
+    );
+    drop(parked);
+    store.pool().close().await;
+    remove(&path);
+}
+
 #[tokio::test]
 async fn from_pool_migrates_the_applications_database() {
     let path = fresh_path();

@@ -11,7 +11,9 @@
 //! autocommit statement: SQLite takes the write lock for it with the busy
 //! handler, as for `BEGIN IMMEDIATE`); completion is one fenced `UPDATE`.
 //! Within one process, writes also queue on an async gate so they do not spin
-//! in SQLite's busy handler.
+//! in SQLite's busy handler; a holder that keeps its turn for a second (a
+//! call future no longer polled) is written past, so it cannot stop the
+//! process's writes (`write_gate.rs`).
 //!
 //! Durability is chosen with [`Synchronous`] (FULL by default); see
 //! [`SqliteStore::builder`].
@@ -446,7 +448,7 @@ pub struct SqliteStore {
     pool: SqlitePool,
     /// Serializes this process's writes so they queue here, not in SQLite's
     /// busy handler. Other processes are handled by the busy timeout.
-    write_gate: Arc<tokio::sync::Mutex<()>>,
+    write_gate: Arc<super::write_gate::WriteGate>,
     /// Finishes the records of dropped calls (rule 14). SQLite connections
     /// run on threads of their own, so it shares the store's pool.
     detached: Arc<super::detached::Detached>,
@@ -627,7 +629,7 @@ impl SqliteStore {
                  lost, and the database corrupted, on an OS crash or power loss; set \
                  SqliteConnectOptions::synchronous to FULL (or NORMAL in WAL mode)");
         }
-        let write_gate = Arc::new(tokio::sync::Mutex::new(()));
+        let write_gate = Arc::new(super::write_gate::WriteGate::default());
         let waiters = Arc::new(Waiters::default());
         let detached = {
             use super::detached::{Detached, Work};
@@ -640,7 +642,7 @@ impl SqliteStore {
                             (pool.clone(), write_gate.clone(), waiters.clone());
                         Box::pin(async move {
                             let done = {
-                                let _gate = write_gate.lock().await;
+                                let _turn = write_gate.turn().await;
                                 match work {
                                     Work::Release => release_on(&pool, &identity, &token).await,
                                     Work::EndLease => {
@@ -692,7 +694,7 @@ impl SqliteStore {
         token: &OwnerToken,
     ) -> Result<Fenced, StoreError> {
         let released = {
-            let _gate = self.write_gate.lock().await;
+            let _turn = self.write_gate.turn().await;
             release_on(&self.pool, identity, token).await?
         };
         if released.is_written() {
@@ -710,7 +712,7 @@ impl SqliteStore {
         recovered: bool,
     ) -> Result<Fenced, StoreError> {
         let completed = {
-            let _gate = self.write_gate.lock().await;
+            let _turn = self.write_gate.turn().await;
             complete_on(&self.pool, identity, token, outcome, ttl, recovered).await?
         };
         if completed.is_written() {
@@ -1146,13 +1148,13 @@ impl Store for SqliteStore {
         // connection is kept when the gate is free; a call that must queue
         // for the gate gives it back meanwhile, so queued writers never hold
         // the connections that replays need.
-        let _gate = match self.write_gate.try_lock() {
-            Ok(gate) => gate,
-            Err(_) => {
+        let _turn = match self.write_gate.try_turn() {
+            Some(turn) => turn,
+            None => {
                 drop(conn);
-                let gate = self.write_gate.lock().await;
+                let turn = self.write_gate.turn().await;
                 conn = self.pool.acquire().await.map_err(err(OP))?;
-                gate
+                turn
             }
         };
         reserve_in(&mut conn, request).await.map_err(err(OP))
@@ -1177,7 +1179,7 @@ impl Store for SqliteStore {
     ) -> Result<ForcedRelease, StoreError> {
         const OP: &str = "release a record for an operator";
         let deleted: Option<i64> = {
-            let _gate = self.write_gate.lock().await;
+            let _turn = self.write_gate.turn().await;
             sqlx::query_scalar(FORCE_RELEASE_SQL)
                 .bind(&identity.tenant)
                 .bind(&identity.scope)
@@ -1206,7 +1208,9 @@ impl Store for SqliteStore {
         token: &OwnerToken,
         lease: Duration,
     ) -> Result<Fenced, StoreError> {
-        let _gate = self.write_gate.lock().await;
+        // A renewal every lease / 3 leaves two thirds of the lease: a stalled
+        // holder of the write turn is written past well within it.
+        let _turn = self.write_gate.turn_within(lease).await;
         let renewed = heartbeat_on(&self.pool, identity, token, lease).await?;
         if renewed.is_written() {
             // The lease may have been shortened (ended early so the next call
@@ -1291,7 +1295,7 @@ impl Store for SqliteStore {
         // The write gate is taken for each chunk, so other writers get in
         // between.
         super::purge_in_chunks(batch, |chunk| async move {
-            let _gate = self.write_gate.lock().await;
+            let _turn = self.write_gate.turn().await;
             let done = sqlx::query(PURGE_SQL)
                 .bind(i64::from(chunk))
                 .execute(&self.pool)
