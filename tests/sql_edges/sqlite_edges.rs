@@ -1343,3 +1343,71 @@ async fn a_file_renamed_over_an_open_database_is_not_read_beside() {
     pool.close().await;
     remove(&path);
 }
+
+/// A transactional call kept alive but never polled again while it reads
+/// beside its transaction (the file's one reader, made to wait here by
+/// another connection holding the file exclusively for a moment) does not
+/// stop the other transactional calls on that file: they decide without the
+/// reader after a second. Before, they waited for as long as the parked call
+/// lived.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_parked_while_reading_beside_does_not_stop_the_others() {
+    let path = fresh_path();
+    let options = SqliteConnectOptions::new()
+        .filename(&path)
+        .create_if_missing(true)
+        .journal_mode(sqlx::sqlite::SqliteJournalMode::Delete)
+        .busy_timeout(Duration::from_secs(10));
+    let pool = SqlitePoolOptions::new()
+        .max_connections(4)
+        .connect_with(options.clone())
+        .await
+        .expect("pool");
+    let _store = SqliteStore::from_pool(pool.clone())
+        .await
+        .expect("from_pool");
+    create_charges(&pool).await;
+    let tenant = fresh_tenant();
+    // The first call opens the file's reader.
+    let mut warm = pool.begin().await.expect("begin");
+    assert_eq!(
+        charge_amount(&mut warm, &tenant, "warm", 1)
+            .await
+            .expect("warm"),
+        1
+    );
+    warm.rollback().await.expect("rollback");
+
+    let mut parked_tx = pool.begin().await.expect("begin");
+    let mut holder = SqliteConnection::connect_with(&options)
+        .await
+        .expect("holder");
+    holder
+        .execute("BEGIN EXCLUSIVE")
+        .await
+        .expect("hold the file");
+    let mut parked = Box::pin(charge_amount(&mut parked_tx, &tenant, "parked", 2));
+    // Polled for 50 ms: its read beside waits on the holder (up to 200 ms),
+    // keeping the reader; then it is never polled again.
+    assert!(
+        tokio::time::timeout(Duration::from_millis(50), &mut parked)
+            .await
+            .is_err(),
+        "the parked call waits on the reader"
+    );
+    holder.close().await.expect("let go of the file");
+
+    let mut other_tx = pool.begin().await.expect("begin");
+    let answer = tokio::time::timeout(
+        Duration::from_secs(60),
+        charge_amount(&mut other_tx, &tenant, "other", 3),
+    )
+    .await
+    .expect("another key's call is answered while the parked call lives");
+    assert_eq!(answer.expect("runs"), 3);
+    other_tx.commit().await.expect("commit");
+    drop(parked);
+    parked_tx.rollback().await.expect("rollback");
+    pool.close().await;
+    remove(&path);
+}

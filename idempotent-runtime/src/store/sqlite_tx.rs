@@ -251,6 +251,12 @@ const READER_IDLE: Duration = Duration::from_secs(60);
 /// committing). Past it, the call decides in the caller's transaction.
 const READER_BUSY_TIMEOUT: Duration = Duration::from_millis(200);
 
+/// How long a call waits for its turn at a file's reader. A read holds the
+/// turn for at most its opening and [`READER_BUSY_TIMEOUT`]; past this, the
+/// holder is a call no longer polled, and the call decides without the
+/// reader (in the caller's transaction, as with no reader at all).
+const READER_TURN_WAIT: Duration = Duration::from_secs(1);
+
 /// Where a file's reader stands.
 #[derive(Default)]
 enum ReaderState {
@@ -361,7 +367,15 @@ async fn read_beside(conn: &mut SqliteConnection, request: ReserveRequest<'_>) -
         }
     };
     let slot = reader_slot(&file);
-    let mut state = slot.lock().await;
+    // One read at a time per file; a call that has kept the reader past
+    // any read's length is not being polled (parked, leaked): decided
+    // without the reader, instead of waiting for as long as that call lives.
+    let Ok(mut state) = tokio::time::timeout(READER_TURN_WAIT, slot.lock()).await else {
+        tracing::debug!(target: "idempotent", file,
+            "sqlite: the reader beside the transaction is kept by a call no longer polled; \
+             deciding in the transaction");
+        return Beside::NoReader;
+    };
     if let ReaderState::LockedOut(until) = *state {
         if std::time::Instant::now() < until {
             return Beside::NoReader;
