@@ -968,16 +968,12 @@ async fn a_fresh_key_behind_an_uncommitted_transactional_owner_is_in_progress() 
     ));
 }
 
-/// A store opened on a pool whose sessions have autocommit off: a fresh key's
-/// record is committed (other sessions see it, and a second caller is refused),
-/// not left in the session's open transaction.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_fresh_key_on_an_autocommit_off_session_is_committed() {
-    let Some(admin) = mysql_store_or_skip().await else {
-        return;
-    };
+/// A store on a pool whose sessions have autocommit off (`SET SESSION
+/// autocommit = 0` in `after_connect`, as a server's `autocommit = 0` does),
+/// with `connections` connections.
+async fn autocommit_off_store(connections: u32) -> MySqlStore {
     let pool = MySqlPoolOptions::new()
-        .max_connections(1)
+        .max_connections(connections)
         .after_connect(|conn, _| {
             Box::pin(async move {
                 conn.execute("SET SESSION autocommit = 0").await?;
@@ -987,7 +983,18 @@ async fn a_fresh_key_on_an_autocommit_off_session_is_committed() {
         .connect(&mysql_url())
         .await
         .expect("pool");
-    let store = MySqlStore::from_pool(pool).await.expect("store");
+    MySqlStore::from_pool(pool).await.expect("store")
+}
+
+/// A store opened on a pool whose sessions have autocommit off: a fresh key's
+/// record is committed (other sessions see it, and a second caller is refused),
+/// not left in the session's open transaction.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fresh_key_on_an_autocommit_off_session_is_committed() {
+    let Some(admin) = mysql_store_or_skip().await else {
+        return;
+    };
+    let store = autocommit_off_store(1).await;
     let identity = Identity::new(fresh_tenant(), "edges.autocommit_off", "k").expect("identity");
     let f = fp("a");
     let token = OwnerToken::new();
@@ -1011,6 +1018,123 @@ async fn a_fresh_key_on_an_autocommit_off_session_is_committed() {
             .expect("reserve"),
         Reservation::InProgress { .. }
     ));
+}
+
+/// The same pool: a completion and a release are committed too. Before, they
+/// stayed in the session's open transaction: other sessions saw the record in
+/// progress, and when the connection closed the completion was rolled back,
+/// so once the lease ran out a retry ran the body again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn completions_and_releases_on_an_autocommit_off_session_are_committed() {
+    let Some(admin) = mysql_store_or_skip().await else {
+        return;
+    };
+    let store = autocommit_off_store(2).await;
+    let tenant = fresh_tenant();
+    let (completed, released) = (
+        Identity::new(&tenant, "edges.autocommit_off", "completed").expect("identity"),
+        Identity::new(&tenant, "edges.autocommit_off", "released").expect("identity"),
+    );
+    let f = fp("a");
+    for (identity, complete) in [(&completed, true), (&released, false)] {
+        let token = OwnerToken::new();
+        assert!(matches!(
+            store
+                .reserve(request(identity, Some(&f), &token, LONG, LONG))
+                .await
+                .expect("reserve"),
+            Reservation::Acquired { .. }
+        ));
+        assert_eq!(
+            store
+                .heartbeat(identity, &token, LONG)
+                .await
+                .expect("heartbeat"),
+            Fenced::Written
+        );
+        let done = if complete {
+            store
+                .complete(identity, &token, &ok(b"7"), LONG, AnsweredBy::Body)
+                .await
+        } else {
+            store.release(identity, &token).await
+        };
+        assert_eq!(done.expect("fenced write"), Fenced::Written);
+    }
+    // The store's connections close: whatever they left uncommitted is gone.
+    store.pool().close().await;
+    assert_eq!(
+        admin
+            .reserve(request(
+                &completed,
+                Some(&f),
+                &OwnerToken::new(),
+                LONG,
+                LONG
+            ))
+            .await
+            .expect("reserve"),
+        Reservation::Completed(ok(b"7")),
+        "other sessions replay the committed completion"
+    );
+    assert!(
+        admin.fetch(&released).await.expect("fetch").is_none(),
+        "the release is committed: the key is free"
+    );
+}
+
+/// A pool whose sessions read uncommitted data (`READ UNCOMMITTED`) is
+/// refused when the store opens, saying why: its plain reads would replay a
+/// result that a transactional-mode caller has recorded but not committed,
+/// and that may still roll back. Before, the store opened, replayed such a
+/// result, and after the rollback the key ran again with another answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pool_that_reads_uncommitted_data_is_refused() {
+    if mysql_store_or_skip().await.is_none() {
+        return;
+    }
+    let pool = MySqlPoolOptions::new()
+        .max_connections(1)
+        .after_connect(|conn, _| {
+            Box::pin(async move {
+                conn.execute("SET SESSION TRANSACTION ISOLATION LEVEL READ UNCOMMITTED")
+                    .await?;
+                Ok(())
+            })
+        })
+        .connect(&mysql_url())
+        .await
+        .expect("pool");
+    let refused = MySqlStore::from_pool(pool).await.expect_err("refused");
+    assert!(
+        matches!(&refused, Error::Store(e) if e.to_string().contains("READ UNCOMMITTED")),
+        "{refused}"
+    );
+}
+
+/// The same in transactional mode: a call in a READ UNCOMMITTED transaction
+/// is refused before anything is read or written, and its body does not run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transaction_that_reads_uncommitted_data_is_refused() {
+    let Some(store) = mysql_store_or_skip().await else {
+        return;
+    };
+    let identity = Identity::new(fresh_tenant(), "mysql_edges.rollback", "k").expect("identity");
+    let mut conn = store.pool().acquire().await.expect("connection");
+    conn.execute("SET SESSION TRANSACTION ISOLATION LEVEL READ UNCOMMITTED")
+        .await
+        .expect("isolation");
+    let mut tx = sqlx::Connection::begin(&mut *conn).await.expect("begin");
+    let refused = charge(&mut tx, identity.tenant(), identity.key(), None)
+        .await
+        .expect_err("refused");
+    assert!(
+        matches!(&refused, Error::Store(e) if e.to_string().contains("READ UNCOMMITTED")),
+        "{refused}"
+    );
+    tx.rollback().await.expect("rollback");
+    conn.close_on_drop();
+    assert!(store.fetch(&identity).await.expect("fetch").is_none());
 }
 
 /// Four store-mode callers of a key a transactional-mode owner holds

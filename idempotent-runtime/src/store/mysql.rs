@@ -104,6 +104,13 @@ pub struct MySqlStore {
     /// `SET STATEMENT` and has `INSERT … RETURNING`: a reservation is then one
     /// plain statement ([`INSERT_OR_READ_SQL`]) for a fresh key and a replay alike.
     mariadb: bool,
+    /// The pool's sessions run with autocommit off (the server's
+    /// `autocommit = 0`, or the pool's `after_connect`), read when the store
+    /// opens: every fenced write then runs in an explicit transaction,
+    /// committed before the call goes on. Without one, a completion would
+    /// stay in the session's open transaction, unseen by others and rolled
+    /// back when the connection closes, and a retry would run the body again.
+    commits_explicitly: bool,
 }
 
 impl MySqlStore {
@@ -138,12 +145,20 @@ impl MySqlStore {
     /// # Ok(()) }
     /// ```
     pub async fn from_pool(pool: MySqlPool) -> Result<Self, Error> {
-        let version = migrate(&pool)
+        let Opened {
+            version,
+            autocommit,
+            isolation,
+        } = migrate(&pool)
             .await
             .map_err(|e| StoreError::new(STORE, "apply migrations", e))?;
+        if reads_uncommitted(&isolation) {
+            return Err(StoreError::new(STORE, "open", READ_UNCOMMITTED_REFUSED).into());
+        }
         Ok(MySqlStore {
             detached: std::sync::Arc::new(background_worker(&pool)),
             mariadb: version.contains("MariaDB"),
+            commits_explicitly: !autocommit,
             pools: std::sync::Arc::new(server::RuntimePools::new(pool)),
         })
     }
@@ -157,21 +172,56 @@ impl MySqlStore {
     }
 }
 
+/// Runs `$write` (a fenced write, on the executor `$on`): on the pool (`&MySqlPool`)
+/// itself, or, when `$explicitly` (autocommit off), in a transaction of its
+/// own, committed before it answers.
+macro_rules! committed {
+    ($pool:expr, $explicitly:expr, $op:literal, |$on:ident| $write:expr) => {{
+        if $explicitly {
+            let mut tx = $pool.begin().await.map_err(err($op))?;
+            let done = {
+                let $on = &mut *tx;
+                $write.await?
+            };
+            tx.commit().await.map_err(err($op))?;
+            Ok(done)
+        } else {
+            let $on = $pool;
+            $write.await
+        }
+    }};
+}
+
 /// The worker that finishes dropped calls' records with the store's fenced
-/// writes (module `server`).
+/// writes (module `server`). It runs each in a transaction of its own, so it
+/// is committed whatever the pool's autocommit (a rare path: two round trips
+/// more are nothing here).
 fn background_worker(pool: &MySqlPool) -> detached::Detached {
     server::background_worker(
         STORE,
         pool,
         |pool, identity, token| {
-            Box::pin(async move { release_with(&pool, &identity, &token).await })
+            Box::pin(async move {
+                committed!(&pool, true, "release", |on| release_with(
+                    on, &identity, &token
+                ))
+            })
         },
         |pool, identity, token| {
-            Box::pin(async move { heartbeat_with(&pool, &identity, &token, Duration::ZERO).await })
+            Box::pin(async move {
+                committed!(&pool, true, "heartbeat", |on| heartbeat_with(
+                    on,
+                    &identity,
+                    &token,
+                    Duration::ZERO
+                ))
+            })
         },
         |pool, identity, token, outcome, ttl, recovered| {
             Box::pin(async move {
-                complete_with(&pool, &identity, &token, &outcome, ttl, recovered).await
+                committed!(&pool, true, "complete", |on| complete_with(
+                    on, &identity, &token, &outcome, ttl, recovered
+                ))
             })
         },
     )
@@ -181,14 +231,63 @@ fn background_worker(pool: &MySqlPool) -> detached::Detached {
 /// `idempotency_schema_migrations`. MySQL DDL is not transactional, so every
 /// statement is written to be safe to run again.
 ///
-/// Returns the server's version string (read on the same connection, so
-/// opening a store takes one connection from the pool, once).
-async fn migrate(pool: &MySqlPool) -> Result<String, migrate::MigrationError> {
+/// Returns what the store needs to know of the server and the pool's
+/// sessions (read on the same connection, so opening a store takes one
+/// connection from the pool, once).
+async fn migrate(pool: &MySqlPool) -> Result<Opened, migrate::MigrationError> {
     let mut backend = MigrationConnection(pool.acquire().await?);
     migrate::run(&mut backend, super::migrate::MYSQL).await?;
-    Ok(sqlx::query_scalar("SELECT VERSION()")
-        .fetch_one(&mut *backend.0)
-        .await?)
+    let (version, autocommit): (String, i64) =
+        sqlx::query_as("SELECT VERSION(), CAST(@@SESSION.autocommit AS SIGNED)")
+            .fetch_one(&mut *backend.0)
+            .await?;
+    let isolation = session_isolation(&mut backend.0).await?;
+    Ok(Opened {
+        version,
+        autocommit: autocommit == 1,
+        isolation,
+    })
+}
+
+/// The session's transaction isolation: `@@transaction_isolation` (MySQL 8,
+/// MariaDB 11.1), or `@@tx_isolation` (MariaDB before 11.1).
+async fn session_isolation(conn: &mut sqlx::MySqlConnection) -> Result<String, sqlx::Error> {
+    match sqlx::query_scalar("SELECT @@SESSION.transaction_isolation")
+        .fetch_one(&mut *conn)
+        .await
+    {
+        Err(sqlx::Error::Database(e)) if error_number(&*e) == Some(ER_UNKNOWN_SYSTEM_VARIABLE) => {
+            sqlx::query_scalar("SELECT @@SESSION.tx_isolation")
+                .fetch_one(conn)
+                .await
+        }
+        other => other,
+    }
+}
+
+/// Whether sessions at `isolation` (`@@tx_isolation`) read what other
+/// transactions have not committed. The store cannot work on them: it would
+/// replay a result whose transaction may still roll back, and tell a client
+/// the work was done when it never was.
+fn reads_uncommitted(isolation: &str) -> bool {
+    isolation.eq_ignore_ascii_case("READ-UNCOMMITTED")
+}
+
+/// What a store opened on a pool (or a call in a transaction) that reads
+/// uncommitted data is told.
+const READ_UNCOMMITTED_REFUSED: &str =
+    "the session's transaction isolation is READ UNCOMMITTED: it would replay results of \
+     transactions that may still roll back. Use READ COMMITTED or stronger for the store's \
+     pool (and for transactions that call in transactional mode)";
+
+/// What [`migrate`] read of the server and the pool's sessions.
+struct Opened {
+    /// `VERSION()`: MariaDB's says so.
+    version: String,
+    /// The sessions' `autocommit`.
+    autocommit: bool,
+    /// The sessions' transaction isolation, as `@@tx_isolation` spells it.
+    isolation: String,
 }
 
 /// The migration runner's view of MySQL/MariaDB: one pooled connection.
@@ -250,8 +349,10 @@ impl migrate::MigrationBackend for MigrationConnection {
         .bind(description)
         .bind(checksum)
         .execute(&mut *self.0)
-        .await
-        .map(drop)
+        .await?;
+        // Committed now also on a session with autocommit off (nothing to
+        // commit otherwise), so another process does not wait on its lock.
+        self.0.execute("COMMIT").await.map(drop)
     }
 
     /// Every statement committed on its own (DDL is not transactional).
@@ -641,15 +742,10 @@ impl Store for MySqlStore {
         ttl: Duration,
         by: AnsweredBy,
     ) -> Result<Fenced, StoreError> {
-        complete_with(
-            &*self.pools.current(),
-            identity,
-            token,
-            outcome,
-            ttl,
-            by.marks_recovered(),
-        )
-        .await
+        let pool = self.pools.current();
+        committed!(&*pool, self.commits_explicitly, "complete", |on| {
+            complete_with(on, identity, token, outcome, ttl, by.marks_recovered())
+        })
     }
 
     async fn force_release(
@@ -714,7 +810,10 @@ impl Store for MySqlStore {
     }
 
     async fn release(&self, identity: &Identity, token: &OwnerToken) -> Result<Fenced, StoreError> {
-        release_with(&*self.pools.current(), identity, token).await
+        let pool = self.pools.current();
+        committed!(&*pool, self.commits_explicitly, "release", |on| {
+            release_with(on, identity, token)
+        })
     }
 
     async fn heartbeat(
@@ -723,7 +822,10 @@ impl Store for MySqlStore {
         token: &OwnerToken,
         lease: Duration,
     ) -> Result<Fenced, StoreError> {
-        heartbeat_with(&*self.pools.current(), identity, token, lease).await
+        let pool = self.pools.current();
+        committed!(&*pool, self.commits_explicitly, "heartbeat", |on| {
+            heartbeat_with(on, identity, token, lease)
+        })
     }
 
     crate::store::detached::hand_over_to_the_worker!();
@@ -835,24 +937,32 @@ crate::transaction::transactional_connection! {
 /// there a transaction begun through sqlx (autocommit stays on under
 /// `BEGIN`) can only be known from sqlx's count, so on MySQL 8 an implicit
 /// commit inside such a transaction is not detected.
+///
+/// A transaction that reads uncommitted data is refused
+/// ([`READ_UNCOMMITTED_REFUSED`]): read in the same round trip.
 async fn in_transaction(conn: &mut sqlx::MySqlConnection) -> Result<bool, StoreError> {
     const OP: &str = "check for an open transaction";
-    let asked: Result<i64, sqlx::Error> =
-        sqlx::query_scalar("SELECT CAST(@@autocommit = 0 OR @@in_transaction = 1 AS SIGNED)")
-            .fetch_one(&mut *conn)
-            .await;
-    let open = match asked {
+    let asked: Result<(i64, String), sqlx::Error> = sqlx::query_as(
+        "SELECT CAST(@@autocommit = 0 OR @@in_transaction = 1 AS SIGNED), @@tx_isolation",
+    )
+    .fetch_one(&mut *conn)
+    .await;
+    let (open, isolation) = match asked {
+        // MySQL 8: no `@@in_transaction`; sqlx's count, or autocommit off.
         Err(sqlx::Error::Database(e)) if error_number(&*e) == Some(ER_UNKNOWN_SYSTEM_VARIABLE) => {
-            if sqlx::Connection::is_in_transaction(conn) {
-                return Ok(true);
-            }
-            sqlx::query_scalar("SELECT CAST(@@autocommit = 0 AS SIGNED)")
+            let autocommit_off: i64 = sqlx::query_scalar("SELECT CAST(@@autocommit = 0 AS SIGNED)")
                 .fetch_one(&mut *conn)
                 .await
-                .map_err(err(OP))?
+                .map_err(err(OP))?;
+            let isolation = session_isolation(conn).await.map_err(err(OP))?;
+            let open = autocommit_off != 0 || sqlx::Connection::is_in_transaction(conn);
+            (i64::from(open), isolation)
         }
         other => other.map_err(err(OP))?,
     };
+    if reads_uncommitted(&isolation) {
+        return Err(StoreError::new(STORE, OP, READ_UNCOMMITTED_REFUSED));
+    }
     Ok(open != 0)
 }
 
