@@ -1411,3 +1411,106 @@ async fn a_call_parked_while_reading_beside_does_not_stop_the_others() {
     pool.close().await;
     remove(&path);
 }
+
+/// A connection that never waits for a lock: `BEGIN IMMEDIATE` on it tells
+/// whether anyone holds the database's write lock at this moment.
+async fn write_lock_is_free(path: &Path) -> bool {
+    let mut probe = SqliteConnection::connect_with(
+        &SqliteConnectOptions::new()
+            .filename(path)
+            .busy_timeout(Duration::ZERO),
+    )
+    .await
+    .expect("probe");
+    let free = probe.execute("BEGIN IMMEDIATE").await.is_ok();
+    if free {
+        probe.execute("ROLLBACK").await.expect("rollback");
+    }
+    probe.close().await.expect("close");
+    free
+}
+
+/// Rule 15: a duplicate that waited for a transactional owner and, once the
+/// owner committed, replays, holds no lock in its still open transaction.
+/// It used to wait in SQLite's busy handler inside its transaction, which
+/// then held the database's write lock after the replay: every other writer
+/// (store-mode owners recording their results included) waited for it until
+/// it ended. Polled for 100 ms, the duplicate is known to be waiting.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_duplicate_that_waited_for_its_owner_replays_without_a_lock() {
+    let path = fresh_path();
+    let store = SqliteStore::connect(&url(&path)).await.expect("open");
+    let pool = store.pool().clone();
+    create_charges(&pool).await;
+    let tenant = fresh_tenant();
+    let runs = AtomicUsize::new(0);
+    let mut owner = pool.begin().await.expect("begin");
+    assert_eq!(
+        charge(&mut owner, &tenant, "k", &runs).await.expect("runs"),
+        500
+    );
+    let mut duplicate = pool.begin().await.expect("deferred begin");
+    let mut waiting = Box::pin(with_outcome(charge(&mut duplicate, &tenant, "k", &runs)));
+    assert!(
+        tokio::time::timeout(Duration::from_millis(100), &mut waiting)
+            .await
+            .is_err(),
+        "the duplicate waits for the owner's transaction"
+    );
+    owner.commit().await.expect("commit");
+    let (answer, outcome) = waiting.await;
+    assert_eq!(
+        (answer.expect("replays"), outcome),
+        (500, Some(Outcome::Replayed))
+    );
+    assert!(
+        write_lock_is_free(&path).await,
+        "the replayed duplicate's open transaction holds no write lock"
+    );
+    duplicate.rollback().await.expect("rollback");
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    pool.close().await;
+    remove(&path);
+}
+
+/// Rule 4: a transaction that has read (it holds a snapshot) meets another
+/// connection's write lock. SQLite answers it at once, and it used to be
+/// refused at once with `InProgress`, whatever its wait policy (here
+/// `wait("10s")`), though no record of its key existed. It now tries again
+/// within its bound, and writes once the other writer rolls back. Polled for
+/// 100 ms, the call is known to be waiting when the writer rolls back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transaction_that_has_read_waits_for_another_writer_within_its_bound() {
+    let path = fresh_path();
+    let store = SqliteStore::connect(&url(&path)).await.expect("open");
+    let pool = store.pool().clone();
+    create_charges(&pool).await;
+    let tenant = fresh_tenant();
+    let runs = AtomicUsize::new(0);
+    let mut tx = pool.begin().await.expect("deferred begin");
+    let _: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM charges")
+        .fetch_one(&mut *tx)
+        .await
+        .expect("read first");
+    let mut writer = SqliteConnection::connect_with(&SqliteConnectOptions::new().filename(&path))
+        .await
+        .expect("writer");
+    writer
+        .execute("BEGIN IMMEDIATE; INSERT INTO charges VALUES ('someone-else', 'x')")
+        .await
+        .expect("hold the write lock");
+    let mut waiting = Box::pin(charge(&mut tx, &tenant, "k", &runs));
+    assert!(
+        tokio::time::timeout(Duration::from_millis(100), &mut waiting)
+            .await
+            .is_err(),
+        "waits within its bound instead of being refused at once"
+    );
+    writer.execute("ROLLBACK").await.expect("rollback");
+    assert_eq!(waiting.await.expect("runs once the writer is gone"), 500);
+    tx.commit().await.expect("commit");
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    writer.close().await.expect("close");
+    pool.close().await;
+    remove(&path);
+}

@@ -5,11 +5,15 @@
 //!
 //! SQLite locks the whole database, not a row: once the caller's transaction
 //! has written the reservation, another connection's writes wait for it. A
-//! duplicate in another transaction waits at most `lock_wait` (the
-//! connection's `busy_timeout`, set for the statement and restored after) and
-//! then answers `InProgress`. A call dropped while it waits cannot restore the
-//! timeout itself; the connection gets it back from the next reservation on
-//! it, or, in a pool made by `SqliteStore::connect`, when it is released.
+//! duplicate in another transaction does not wait inside its statement (that
+//! would leave its transaction holding the write lock even when the wait ends
+//! in a replay): its write is tried with the connection's `busy_timeout` at 0
+//! (set for the statement and put back after), and tried again within
+//! `lock_wait`, reading beside the transaction between tries, so an owner
+//! that commits meanwhile is replayed without a lock. Past `lock_wait` it
+//! answers `InProgress`. A call dropped during a try cannot put the timeout
+//! back itself; the connection gets it back from the next reservation on it,
+//! or, in a pool made by `SqliteStore::connect`, when it is released.
 //!
 //! The reservation is the transaction's first write. A deferred transaction
 //! (`BEGIN`, sqlx's `begin()`) that has already *read* holds a snapshot, and
@@ -22,8 +26,8 @@
 //!   [`Error::StaleSnapshot`], whatever the wait policy.
 //! * `SQLITE_BUSY` with a snapshot held, in WAL mode: another connection holds
 //!   the write lock now. If it rolls back, a retry can still write; if it
-//!   commits, the retry gets `SQLITE_BUSY_SNAPSHOT`. Answered `InProgress`, so
-//!   the caller's wait policy retries within its bound.
+//!   commits, the retry gets `SQLITE_BUSY_SNAPSHOT`. Tried again within the
+//!   caller's wait policy, then answered `InProgress`.
 //! * `SQLITE_BUSY` with a snapshot held, in rollback-journal mode: the other
 //!   writer cannot commit while this transaction holds its shared lock, so
 //!   waiting only blocks it: a deadlock, refused with [`Error::StaleSnapshot`].
@@ -86,8 +90,8 @@ async fn classify(conn: &mut SqliteConnection, e: &sqlx::Error) -> Result<Confli
         return Ok(Conflict::Wait);
     }
     // A failed first write leaves the transaction in the state it was in
-    // before: READ when it already held a snapshot (SQLite answered at once),
-    // NONE when it did not (the busy handler waited `lock_wait`).
+    // before: READ when it already held a snapshot, NONE when it did not
+    // (another connection holds the lock: trying again can help).
     if txn_state(conn).await.map_err(err(OP))? != libsqlite3_sys::SQLITE_TXN_READ {
         return Ok(Conflict::Wait);
     }
@@ -477,41 +481,73 @@ async fn reserve_on(
             }
         }
     }
+    // The write is tried without waiting in SQLite's busy handler (busy
+    // timeout 0), and tried again within `lock_wait`. Waiting inside the
+    // statement would end with the caller's transaction holding the
+    // database's write lock even when the wait ends in a replay, a mismatch
+    // or a live lease (the owner committed meanwhile): that lock would make
+    // the record look in progress to every other caller until the
+    // transaction ends (rule 15). Between tries, what others committed is
+    // read beside the transaction, so such answers take no lock. And a
+    // transaction holding a snapshot is answered at once by SQLite (it never
+    // waits to upgrade): tried again, it writes once the other writer rolls
+    // back, within the caller's wait policy.
+    let deadline = tokio::time::Instant::now() + lock_wait;
+    let mut round = 0;
+    loop {
+        let e = match write_without_waiting(conn, request).await? {
+            Err(e) if is_busy(&e) => e,
+            other => return Ok(other.map_err(err(OP))?),
+        };
+        if let Conflict::Never = classify(conn, &e).await? {
+            let id = request.identity;
+            tracing::warn!(target: "idempotent", scope = %id.scope, key = %id.key_digest(), error = %e,
+                "refused: the caller's SQLite transaction cannot write (begin it with BEGIN IMMEDIATE)");
+            return Err(Error::StaleSnapshot {
+                scope: id.scope.clone(),
+                store: "sqlite",
+            });
+        }
+        let now = tokio::time::Instant::now();
+        if now >= deadline {
+            return Ok(Reservation::InProgress {
+                lease_remaining: request.lease,
+            });
+        }
+        tokio::time::sleep(polling_backoff(round).min(deadline - now)).await;
+        round = round.saturating_add(1);
+        if state != libsqlite3_sys::SQLITE_TXN_WRITE
+            && let Beside::Answer(answer) = read_beside(conn, request).await
+        {
+            return Ok(answer);
+        }
+    }
+}
+
+/// One try of the reservation's write in the caller's transaction, with the
+/// connection's busy timeout at 0 for it (a lock held by another connection
+/// answers `SQLITE_BUSY` at once) and put back after.
+async fn write_without_waiting(
+    conn: &mut SqliteConnection,
+    request: ReserveRequest<'_>,
+) -> Result<Result<Reservation, sqlx::Error>, Error> {
+    const OP: &str = "reserve";
     let current: i64 = sqlx::query_scalar("PRAGMA busy_timeout")
         .fetch_one(&mut *conn)
         .await
         .map_err(err(OP))?;
-    let clamp = |ms: i64| i32::try_from(ms.clamp(0, i64::from(i32::MAX))).unwrap_or(i32::MAX);
+    let current = i32::try_from(current.clamp(0, i64::from(i32::MAX))).unwrap_or(i32::MAX);
     // Changed through the C API, not a PRAGMA, to learn the connection's
-    // identity too: a call dropped while it waits cannot put the timeout back
+    // identity too: a call dropped before it is put back cannot put it back
     // itself, so the change is remembered until someone does.
-    let (key, original) =
-        set_busy_timeout(conn, clamp(current), clamp(duration_to_millis(lock_wait)))
-            .await
-            .map_err(err(OP))?;
-    tracing::trace!(target: "idempotent", scope = %request.identity.scope, lock_wait_ms = duration_to_millis(lock_wait),
+    let (key, original) = set_busy_timeout(conn, current, 0).await.map_err(err(OP))?;
+    tracing::trace!(target: "idempotent", scope = %request.identity.scope,
         "sqlite: reserving in the caller's transaction");
     let answer = reserve_in(conn, request).await;
     put_back_busy_timeout(conn, key, original)
         .await
         .map_err(err(OP))?;
-    match answer {
-        Err(e) if is_busy(&e) => match classify(conn, &e).await? {
-            Conflict::Wait => Ok(Reservation::InProgress {
-                lease_remaining: request.lease,
-            }),
-            Conflict::Never => {
-                let id = request.identity;
-                tracing::warn!(target: "idempotent", scope = %id.scope, key = %id.key_digest(), error = %e,
-                    "refused: the caller's SQLite transaction cannot write (begin it with BEGIN IMMEDIATE)");
-                Err(Error::StaleSnapshot {
-                    scope: id.scope.clone(),
-                    store: "sqlite",
-                })
-            }
-        },
-        other => Ok(other.map_err(err(OP))?),
-    }
+    Ok(answer)
 }
 
 crate::transaction::transactional_connection! {
