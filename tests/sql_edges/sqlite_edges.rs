@@ -277,13 +277,8 @@ async fn a_migrated_file_opens_and_reads_while_another_connection_writes() {
     let first = SqliteStore::connect(&url(&path)).await.expect("migrate");
     let id = Identity::new("t", "edges.open_while_locked", "k").expect("identity");
     first.pool().close().await;
-    let mut holder = SqliteConnection::connect_with(&SqliteConnectOptions::new().filename(&path))
-        .await
-        .expect("the application's connection");
-    holder
-        .execute("BEGIN IMMEDIATE; CREATE TABLE app_orders (id INTEGER PRIMARY KEY)")
-        .await
-        .expect("hold the write lock");
+    let mut holder =
+        holding_the_write_lock(&path, "CREATE TABLE app_orders (id INTEGER PRIMARY KEY)").await;
 
     // Bounded only to report a hang as a failure (the old wait was 60 s).
     let opened = tokio::time::timeout(Duration::from_secs(30), SqliteStore::connect(&url(&path)))
@@ -644,6 +639,49 @@ async fn create_charges(pool: &sqlx::SqlitePool) {
     .expect("ddl");
 }
 
+/// Migrates `pool`'s database (through a store opened on it, then dropped:
+/// transactional mode needs only the table) and creates `charges`; returns
+/// a fresh tenant.
+async fn migrated_with_charges(pool: &sqlx::SqlitePool) -> String {
+    SqliteStore::from_pool(pool.clone())
+        .await
+        .expect("from_pool");
+    create_charges(pool).await;
+    fresh_tenant()
+}
+
+/// A fresh database file opened by the store, with `charges`: its path, the
+/// store's pool and a fresh tenant.
+async fn fresh_file_with_charges() -> (PathBuf, sqlx::SqlitePool, String) {
+    let path = fresh_path();
+    let store = SqliteStore::connect(&url(&path)).await.expect("open");
+    let pool = store.pool().clone();
+    create_charges(&pool).await;
+    (path, pool, fresh_tenant())
+}
+
+/// Polls `call` for `ms` milliseconds and keeps it: whether it is still
+/// waiting (has not finished).
+async fn still_waiting_after<F: std::future::Future + Unpin>(call: &mut F, ms: u64) -> bool {
+    tokio::time::timeout(Duration::from_millis(ms), call)
+        .await
+        .is_err()
+}
+
+/// A connection of its own to the file at `path`, in a `BEGIN IMMEDIATE`
+/// transaction that has run `write` (uncommitted): it holds the database's
+/// write lock until it commits, rolls back or closes.
+async fn holding_the_write_lock(path: &Path, write: &str) -> SqliteConnection {
+    let mut holder = SqliteConnection::connect_with(&SqliteConnectOptions::new().filename(path))
+        .await
+        .expect("another connection");
+    holder
+        .execute(format!("BEGIN IMMEDIATE; {write}").as_str())
+        .await
+        .expect("hold the write lock");
+    holder
+}
+
 /// A write by another connection, committed.
 async fn commit_a_write_elsewhere(pool: &sqlx::SqlitePool) {
     sqlx::query("INSERT INTO charges (tenant, idem_key) VALUES ('someone-else', 'x')")
@@ -729,11 +767,7 @@ async fn a_stale_snapshot_is_refused_and_begin_immediate_works() {
 /// policy retries). Once the holder rolls back, the same transactions write.
 #[tokio::test]
 async fn a_concurrent_write_lock_holder_gives_in_progress() {
-    let path = fresh_path();
-    let store = SqliteStore::connect(&url(&path)).await.expect("open");
-    let pool = store.pool().clone();
-    create_charges(&pool).await;
-    let tenant = fresh_tenant();
+    let (path, pool, tenant) = fresh_file_with_charges().await;
     let runs = AtomicUsize::new(0);
 
     for read_first in [false, true] {
@@ -972,11 +1006,7 @@ async fn from_pool_warns_about_a_pool_without_busy_timeout() {
 /// record is in progress.
 #[tokio::test]
 async fn a_replay_in_an_open_transaction_leaves_other_callers_free() {
-    let path = fresh_path();
-    let store = SqliteStore::connect(&url(&path)).await.expect("open");
-    let pool = store.pool().clone();
-    create_charges(&pool).await;
-    let tenant = fresh_tenant();
+    let (path, pool, tenant) = fresh_file_with_charges().await;
     let runs = AtomicUsize::new(0);
 
     let mut first = pool.begin_with("BEGIN IMMEDIATE").await.expect("begin");
@@ -1030,11 +1060,7 @@ async fn charge_amount(
 
 /// A file database where key "k" was charged 5 (committed).
 async fn charged() -> (PathBuf, sqlx::SqlitePool, String) {
-    let path = fresh_path();
-    let store = SqliteStore::connect(&url(&path)).await.expect("open");
-    let pool = store.pool().clone();
-    create_charges(&pool).await;
-    let tenant = fresh_tenant();
+    let (path, pool, tenant) = fresh_file_with_charges().await;
     let mut first = pool.begin_with("BEGIN IMMEDIATE").await.expect("begin");
     assert_eq!(
         charge_amount(&mut first, &tenant, "k", 5)
@@ -1258,11 +1284,7 @@ async fn a_file_held_exclusively_is_not_read_beside_on_every_call() {
         )
         .await
         .expect("an exclusive pool");
-    let _store = SqliteStore::from_pool(pool.clone())
-        .await
-        .expect("from_pool");
-    create_charges(&pool).await;
-    let tenant = fresh_tenant();
+    let tenant = migrated_with_charges(&pool).await;
     let file = path.display().to_string();
     let failed = ["read beside the transaction failed", file.as_str()];
     let mut outcomes = Vec::new();
@@ -1363,11 +1385,7 @@ async fn a_call_parked_while_reading_beside_does_not_stop_the_others() {
         .connect_with(options.clone())
         .await
         .expect("pool");
-    let _store = SqliteStore::from_pool(pool.clone())
-        .await
-        .expect("from_pool");
-    create_charges(&pool).await;
-    let tenant = fresh_tenant();
+    let tenant = migrated_with_charges(&pool).await;
     // The first call opens the file's reader.
     let mut warm = pool.begin().await.expect("begin");
     assert_eq!(
@@ -1390,9 +1408,7 @@ async fn a_call_parked_while_reading_beside_does_not_stop_the_others() {
     // Polled for 50 ms: its read beside waits on the holder (up to 200 ms),
     // keeping the reader; then it is never polled again.
     assert!(
-        tokio::time::timeout(Duration::from_millis(50), &mut parked)
-            .await
-            .is_err(),
+        still_waiting_after(&mut parked, 50).await,
         "the parked call waits on the reader"
     );
     holder.close().await.expect("let go of the file");
@@ -1438,11 +1454,7 @@ async fn write_lock_is_free(path: &Path) -> bool {
 /// it ended. Polled for 100 ms, the duplicate is known to be waiting.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_duplicate_that_waited_for_its_owner_replays_without_a_lock() {
-    let path = fresh_path();
-    let store = SqliteStore::connect(&url(&path)).await.expect("open");
-    let pool = store.pool().clone();
-    create_charges(&pool).await;
-    let tenant = fresh_tenant();
+    let (path, pool, tenant) = fresh_file_with_charges().await;
     let runs = AtomicUsize::new(0);
     let mut owner = pool.begin().await.expect("begin");
     assert_eq!(
@@ -1452,9 +1464,7 @@ async fn a_duplicate_that_waited_for_its_owner_replays_without_a_lock() {
     let mut duplicate = pool.begin().await.expect("deferred begin");
     let mut waiting = Box::pin(with_outcome(charge(&mut duplicate, &tenant, "k", &runs)));
     assert!(
-        tokio::time::timeout(Duration::from_millis(100), &mut waiting)
-            .await
-            .is_err(),
+        still_waiting_after(&mut waiting, 100).await,
         "the duplicate waits for the owner's transaction"
     );
     owner.commit().await.expect("commit");
@@ -1481,29 +1491,18 @@ async fn a_duplicate_that_waited_for_its_owner_replays_without_a_lock() {
 /// 100 ms, the call is known to be waiting when the writer rolls back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_transaction_that_has_read_waits_for_another_writer_within_its_bound() {
-    let path = fresh_path();
-    let store = SqliteStore::connect(&url(&path)).await.expect("open");
-    let pool = store.pool().clone();
-    create_charges(&pool).await;
-    let tenant = fresh_tenant();
+    let (path, pool, tenant) = fresh_file_with_charges().await;
     let runs = AtomicUsize::new(0);
     let mut tx = pool.begin().await.expect("deferred begin");
     let _: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM charges")
         .fetch_one(&mut *tx)
         .await
         .expect("read first");
-    let mut writer = SqliteConnection::connect_with(&SqliteConnectOptions::new().filename(&path))
-        .await
-        .expect("writer");
-    writer
-        .execute("BEGIN IMMEDIATE; INSERT INTO charges VALUES ('someone-else', 'x')")
-        .await
-        .expect("hold the write lock");
+    let mut writer =
+        holding_the_write_lock(&path, "INSERT INTO charges VALUES ('someone-else', 'x')").await;
     let mut waiting = Box::pin(charge(&mut tx, &tenant, "k", &runs));
     assert!(
-        tokio::time::timeout(Duration::from_millis(100), &mut waiting)
-            .await
-            .is_err(),
+        still_waiting_after(&mut waiting, 100).await,
         "waits within its bound instead of being refused at once"
     );
     writer.execute("ROLLBACK").await.expect("rollback");
