@@ -1029,7 +1029,37 @@ async fn completions_and_releases_on_an_autocommit_off_session_are_committed() {
     let Some(admin) = mysql_store_or_skip().await else {
         return;
     };
-    let store = autocommit_off_store(2).await;
+    writes_are_committed(autocommit_off_store(2).await, &admin).await;
+}
+
+/// The same when a session of the store's pool is turned to autocommit off
+/// after the store opened (by the application sharing the pool): each write
+/// finds out for itself, not from what the store saw when it opened.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_turned_to_autocommit_off_after_the_store_opened_still_commits() {
+    let Some(admin) = mysql_store_or_skip().await else {
+        return;
+    };
+    let pool = MySqlPoolOptions::new()
+        .max_connections(1)
+        .connect(&mysql_url())
+        .await
+        .expect("pool");
+    let store = MySqlStore::from_pool(pool.clone()).await.expect("store");
+    let mut session = pool.acquire().await.expect("the pool's one session");
+    session
+        .execute("SET SESSION autocommit = 0")
+        .await
+        .expect("autocommit off");
+    drop(session);
+    writes_are_committed(store, &admin).await;
+}
+
+/// Through `store`: a reservation, a heartbeat and a completion of one key,
+/// a reservation, a heartbeat and a release of another; then the store's
+/// pool closes (whatever its sessions left uncommitted is rolled back), and
+/// `admin` must see the completion and the release.
+async fn writes_are_committed(store: MySqlStore, admin: &MySqlStore) {
     let tenant = fresh_tenant();
     let (completed, released) = (
         Identity::new(&tenant, "edges.autocommit_off", "completed").expect("identity"),
@@ -1060,8 +1090,15 @@ async fn completions_and_releases_on_an_autocommit_off_session_are_committed() {
             store.release(identity, &token).await
         };
         assert_eq!(done.expect("fenced write"), Fenced::Written);
+        // A stale token is still refused (and changes nothing).
+        assert_eq!(
+            store
+                .heartbeat(identity, &OwnerToken::new(), LONG)
+                .await
+                .expect("heartbeat"),
+            Fenced::NotOwner
+        );
     }
-    // The store's connections close: whatever they left uncommitted is gone.
     store.pool().close().await;
     assert_eq!(
         admin

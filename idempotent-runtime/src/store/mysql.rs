@@ -104,13 +104,6 @@ pub struct MySqlStore {
     /// `SET STATEMENT` and has `INSERT … RETURNING`: a reservation is then one
     /// plain statement ([`INSERT_OR_READ_SQL`]) for a fresh key and a replay alike.
     mariadb: bool,
-    /// The pool's sessions run with autocommit off (the server's
-    /// `autocommit = 0`, or the pool's `after_connect`), read when the store
-    /// opens: every fenced write then runs in an explicit transaction,
-    /// committed before the call goes on. Without one, a completion would
-    /// stay in the session's open transaction, unseen by others and rolled
-    /// back when the connection closes, and a retry would run the body again.
-    commits_explicitly: bool,
 }
 
 impl MySqlStore {
@@ -145,11 +138,7 @@ impl MySqlStore {
     /// # Ok(()) }
     /// ```
     pub async fn from_pool(pool: MySqlPool) -> Result<Self, Error> {
-        let Opened {
-            version,
-            autocommit,
-            isolation,
-        } = migrate(&pool)
+        let Opened { version, isolation } = migrate(&pool)
             .await
             .map_err(|e| StoreError::new(STORE, "apply migrations", e))?;
         if reads_uncommitted(&isolation) {
@@ -158,7 +147,6 @@ impl MySqlStore {
         Ok(MySqlStore {
             detached: std::sync::Arc::new(background_worker(&pool)),
             mariadb: version.contains("MariaDB"),
-            commits_explicitly: !autocommit,
             pools: std::sync::Arc::new(server::RuntimePools::new(pool)),
         })
     }
@@ -172,44 +160,75 @@ impl MySqlStore {
     }
 }
 
-/// Runs `$write` (a fenced write, on the executor `$on`): on the pool (`&MySqlPool`)
-/// itself, or, when `$explicitly` (autocommit off), in a transaction of its
-/// own, committed before it answers.
+/// Runs a fenced write of the store (`$write`, on the executor `$on`, with
+/// `$commit` its [`Commit`]) on the pool (`&MySqlPool`), committed whatever
+/// the session's autocommit: first as one autocommit statement; when that
+/// matched nothing (not the owner, or a session with autocommit off, where
+/// the statement is a no-op that reads and locks nothing), again in a
+/// transaction of its own, whose answer is final. Without that, on a session
+/// with autocommit off a completion would stay in the session's open
+/// transaction, unseen by others and rolled back when the connection closes,
+/// and after the lease a retry would run the body again.
 macro_rules! committed {
-    ($pool:expr, $explicitly:expr, $op:literal, |$on:ident| $write:expr) => {{
-        if $explicitly {
-            let mut tx = $pool.begin().await.map_err(err($op))?;
+    ($pool:expr, $op:literal, |$on:ident, $commit:ident| $write:expr) => {{
+        let pool: &MySqlPool = $pool;
+        let done = {
+            let ($on, $commit) = (pool, Commit::Autocommit);
+            $write.await?
+        };
+        if done.is_written() {
+            Ok(done)
+        } else {
+            let mut tx = pool.begin().await.map_err(err($op))?;
             let done = {
-                let $on = &mut *tx;
+                let ($on, $commit) = (&mut *tx, Commit::WithTheTransaction);
                 $write.await?
             };
             tx.commit().await.map_err(err($op))?;
             Ok(done)
-        } else {
-            let $on = $pool;
-            $write.await
         }
     }};
 }
 
+/// How a fenced write is committed.
+#[derive(Debug, Clone, Copy)]
+enum Commit {
+    /// With the transaction it runs in: the caller's (transactional mode),
+    /// or one of the store's own.
+    WithTheTransaction,
+    /// As one autocommit statement; a no-op on a session with autocommit off.
+    Autocommit,
+}
+
+impl Commit {
+    /// The condition the write's `WHERE` ends with. MySQL folds the session
+    /// variable into a constant: with autocommit off the statement is an
+    /// "impossible WHERE" that reads and locks no row.
+    fn condition(self) -> &'static str {
+        match self {
+            Commit::WithTheTransaction => "",
+            Commit::Autocommit => " AND @@SESSION.autocommit = 1",
+        }
+    }
+}
+
 /// The worker that finishes dropped calls' records with the store's fenced
-/// writes (module `server`). It runs each in a transaction of its own, so it
-/// is committed whatever the pool's autocommit (a rare path: two round trips
-/// more are nothing here).
+/// writes (module `server`).
 fn background_worker(pool: &MySqlPool) -> detached::Detached {
     server::background_worker(
         STORE,
         pool,
         |pool, identity, token| {
             Box::pin(async move {
-                committed!(&pool, true, "release", |on| release_with(
-                    on, &identity, &token
+                committed!(&pool, "release", |on, commit| release_as(
+                    commit, on, &identity, &token
                 ))
             })
         },
         |pool, identity, token| {
             Box::pin(async move {
-                committed!(&pool, true, "heartbeat", |on| heartbeat_with(
+                committed!(&pool, "heartbeat", |on, commit| heartbeat_as(
+                    commit,
                     on,
                     &identity,
                     &token,
@@ -219,8 +238,8 @@ fn background_worker(pool: &MySqlPool) -> detached::Detached {
         },
         |pool, identity, token, outcome, ttl, recovered| {
             Box::pin(async move {
-                committed!(&pool, true, "complete", |on| complete_with(
-                    on, &identity, &token, &outcome, ttl, recovered
+                committed!(&pool, "complete", |on, commit| complete_as(
+                    commit, on, &identity, &token, &outcome, ttl, recovered
                 ))
             })
         },
@@ -237,16 +256,11 @@ fn background_worker(pool: &MySqlPool) -> detached::Detached {
 async fn migrate(pool: &MySqlPool) -> Result<Opened, migrate::MigrationError> {
     let mut backend = MigrationConnection(pool.acquire().await?);
     migrate::run(&mut backend, super::migrate::MYSQL).await?;
-    let (version, autocommit): (String, i64) =
-        sqlx::query_as("SELECT VERSION(), CAST(@@SESSION.autocommit AS SIGNED)")
-            .fetch_one(&mut *backend.0)
-            .await?;
+    let version: String = sqlx::query_scalar("SELECT VERSION()")
+        .fetch_one(&mut *backend.0)
+        .await?;
     let isolation = session_isolation(&mut backend.0).await?;
-    Ok(Opened {
-        version,
-        autocommit: autocommit == 1,
-        isolation,
-    })
+    Ok(Opened { version, isolation })
 }
 
 /// The session's transaction isolation: `@@transaction_isolation` (MySQL 8,
@@ -266,7 +280,10 @@ async fn session_isolation(conn: &mut sqlx::MySqlConnection) -> Result<String, s
 }
 
 /// Whether sessions at `isolation` (`@@tx_isolation`) read what other
-/// transactions have not committed. The store cannot work on them: it would
+/// transactions have not committed. The session's level: one set with `SET
+/// TRANSACTION` for the next transaction only does not show in it (the
+/// server tells it only once the transaction has touched a table, and only
+/// with the PROCESS privilege), so such a transaction is not seen. The store cannot work on them: it would
 /// replay a result whose transaction may still roll back, and tell a client
 /// the work was done when it never was.
 fn reads_uncommitted(isolation: &str) -> bool {
@@ -284,8 +301,6 @@ const READ_UNCOMMITTED_REFUSED: &str =
 struct Opened {
     /// `VERSION()`: MariaDB's says so.
     version: String,
-    /// The sessions' `autocommit`.
-    autocommit: bool,
     /// The sessions' transaction isolation, as `@@tx_isolation` spells it.
     isolation: String,
 }
@@ -648,9 +663,23 @@ async fn fenced<'e, E: Executor<'e, Database = MySql>>(
     Ok(Fenced::from_owned(done.rows_affected() == 1))
 }
 
+/// Records the outcome in the caller's transaction (transactional mode).
+async fn complete_with<'e, E: Executor<'e, Database = MySql>>(
+    executor: E,
+    identity: &Identity,
+    token: &OwnerToken,
+    outcome: &StoredOutcome,
+    ttl: Duration,
+    recovered: bool,
+) -> Result<Fenced, StoreError> {
+    let commit = Commit::WithTheTransaction;
+    complete_as(commit, executor, identity, token, outcome, ttl, recovered).await
+}
+
 /// Records the outcome, fenced by the token; `recovered` marks an outcome a
 /// `recover` hook gave (rule 20).
-async fn complete_with<'e, E: Executor<'e, Database = MySql>>(
+async fn complete_as<'e, E: Executor<'e, Database = MySql>>(
+    commit: Commit,
     executor: E,
     identity: &Identity,
     token: &OwnerToken,
@@ -663,7 +692,8 @@ async fn complete_with<'e, E: Executor<'e, Database = MySql>>(
                 is_error = ?, result = ?, lease_expires_at = NULL,
                 expires_at = {NOW_MS} + ?, updated_at = {NOW_MS}, recovered = ?
           WHERE tenant = ? AND scope = ? AND `key` = ?
-            AND state = 'in_progress' AND owner_token = ?"
+            AND state = 'in_progress' AND owner_token = ?{}",
+        commit.condition()
     );
     let statement = sqlx::query(&sql)
         .bind(outcome.is_error)
@@ -679,7 +709,8 @@ async fn complete_with<'e, E: Executor<'e, Database = MySql>>(
 }
 
 /// Renews (or, with a shorter lease, ends early) the lease `token` owns.
-async fn heartbeat_with<'e, E: Executor<'e, Database = MySql>>(
+async fn heartbeat_as<'e, E: Executor<'e, Database = MySql>>(
+    commit: Commit,
     executor: E,
     identity: &Identity,
     token: &OwnerToken,
@@ -693,7 +724,8 @@ async fn heartbeat_with<'e, E: Executor<'e, Database = MySql>>(
                     COALESCE({NOW_MS} + ? + (expires_at - lease_expires_at), expires_at)),
                 lease_expires_at = {NOW_MS} + ?, updated_at = {NOW_MS}
           WHERE tenant = ? AND scope = ? AND `key` = ?
-            AND state = 'in_progress' AND owner_token = ?"
+            AND state = 'in_progress' AND owner_token = ?{}",
+        commit.condition()
     );
     let statement = sqlx::query(&sql)
         .bind(duration_to_millis(lease))
@@ -706,16 +738,29 @@ async fn heartbeat_with<'e, E: Executor<'e, Database = MySql>>(
     .await
 }
 
+/// Deletes the in-progress record in the caller's transaction (transactional mode).
 async fn release_with<'e, E: Executor<'e, Database = MySql>>(
     executor: E,
     identity: &Identity,
     token: &OwnerToken,
 ) -> Result<Fenced, StoreError> {
-    let statement = sqlx::query(
+    release_as(Commit::WithTheTransaction, executor, identity, token).await
+}
+
+/// Deletes the in-progress record `token` owns, freeing the key.
+async fn release_as<'e, E: Executor<'e, Database = MySql>>(
+    commit: Commit,
+    executor: E,
+    identity: &Identity,
+    token: &OwnerToken,
+) -> Result<Fenced, StoreError> {
+    let sql = format!(
         "DELETE FROM idempotency_records
           WHERE tenant = ? AND scope = ? AND `key` = ?
-            AND state = 'in_progress' AND owner_token = ?",
+            AND state = 'in_progress' AND owner_token = ?{}",
+        commit.condition()
     );
+    let statement = sqlx::query(&sql);
     fenced(
         "release",
         on_owned_record(statement, identity, token),
@@ -743,8 +788,9 @@ impl Store for MySqlStore {
         by: AnsweredBy,
     ) -> Result<Fenced, StoreError> {
         let pool = self.pools.current();
-        committed!(&*pool, self.commits_explicitly, "complete", |on| {
-            complete_with(on, identity, token, outcome, ttl, by.marks_recovered())
+        let recovered = by.marks_recovered();
+        committed!(&pool, "complete", |on, commit| {
+            complete_as(commit, on, identity, token, outcome, ttl, recovered)
         })
     }
 
@@ -811,8 +857,8 @@ impl Store for MySqlStore {
 
     async fn release(&self, identity: &Identity, token: &OwnerToken) -> Result<Fenced, StoreError> {
         let pool = self.pools.current();
-        committed!(&*pool, self.commits_explicitly, "release", |on| {
-            release_with(on, identity, token)
+        committed!(&pool, "release", |on, commit| {
+            release_as(commit, on, identity, token)
         })
     }
 
@@ -823,8 +869,8 @@ impl Store for MySqlStore {
         lease: Duration,
     ) -> Result<Fenced, StoreError> {
         let pool = self.pools.current();
-        committed!(&*pool, self.commits_explicitly, "heartbeat", |on| {
-            heartbeat_with(on, identity, token, lease)
+        committed!(&pool, "heartbeat", |on, commit| {
+            heartbeat_as(commit, on, identity, token, lease)
         })
     }
 
