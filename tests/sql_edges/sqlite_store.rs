@@ -240,6 +240,71 @@ async fn a_write_kept_alive_but_never_polled_again_does_not_stop_other_writes() 
     remove(&path);
 }
 
+/// Writers of this process queued behind another connection's write lock
+/// (held here for seconds, as by another process or a long transaction)
+/// wait for their turn without holding the pool's connections, so a replay,
+/// one read, is answered meanwhile. More writers (12) than the pool has
+/// connections (8); the lock is held past the second after which queued
+/// writers once went past the turn, each into SQLite's busy handler holding a
+/// connection, and replays waited for the lock too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn writers_queued_behind_a_held_lock_leave_replays_their_connections() {
+    use sqlx::{Connection, Executor};
+    let path = fresh_path();
+    let store = SqliteStore::connect(&url(&path)).await.expect("open");
+    let (done, token) = (identity("complete"), OwnerToken::new());
+    reserve(&store, &done, &token).await;
+    let outcome = StoredOutcome {
+        is_error: false,
+        payload: b"5".to_vec(),
+    };
+    assert_eq!(
+        store
+            .complete(&done, &token, &outcome, LONG, AnsweredBy::Body)
+            .await
+            .expect("complete"),
+        Fenced::Written
+    );
+
+    let mut holder = sqlx::SqliteConnection::connect(&url(&path))
+        .await
+        .expect("another connection");
+    holder
+        .execute("BEGIN IMMEDIATE")
+        .await
+        .expect("hold the lock");
+    let writers: Vec<_> = (0..12)
+        .map(|i| {
+            let store = store.clone();
+            tokio::spawn(async move {
+                reserve(
+                    &store,
+                    &identity(&format!("queued-{i}")),
+                    &OwnerToken::new(),
+                )
+                .await
+            })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let replay = tokio::time::timeout(
+        Duration::from_secs(5),
+        reserve(&store, &done, &OwnerToken::new()),
+    )
+    .await
+    .expect("the replay is answered while the writers wait for the lock");
+    assert_eq!(replay, Reservation::Completed(outcome));
+    holder.execute("ROLLBACK").await.expect("let go");
+    for writer in writers {
+        assert!(matches!(
+            writer.await.expect("writer"),
+            Reservation::Acquired { .. }
+        ));
+    }
+    store.pool().close().await;
+    remove(&path);
+}
+
 #[tokio::test]
 async fn from_pool_migrates_the_applications_database() {
     let path = fresh_path();

@@ -27,8 +27,6 @@ pub(crate) mod server;
 pub mod sqlite;
 #[cfg(feature = "sqlite")]
 pub mod sqlite_tx;
-#[cfg(feature = "sqlite")]
-mod write_gate;
 
 /// A random token naming the current owner of an in-progress record.
 /// Completion, release and heartbeat must present it (fencing).

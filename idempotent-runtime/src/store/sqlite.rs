@@ -11,9 +11,10 @@
 //! autocommit statement: SQLite takes the write lock for it with the busy
 //! handler, as for `BEGIN IMMEDIATE`); completion is one fenced `UPDATE`.
 //! Within one process, writes also queue on an async gate so they do not spin
-//! in SQLite's busy handler; a holder that keeps its turn for a second (a
-//! call future no longer polled) is written past, so it cannot stop the
-//! process's writes (`write_gate.rs`).
+//! in SQLite's busy handler (nor hold pool connections while they queue).
+//! Each write takes its turn in a task of its own ([`SqliteStore::write_in_turn`]),
+//! so a call future kept alive but no longer polled never keeps the turn
+//! from the process's other writes.
 //!
 //! Durability is chosen with [`Synchronous`] (FULL by default); see
 //! [`SqliteStore::builder`].
@@ -448,7 +449,7 @@ pub struct SqliteStore {
     pool: SqlitePool,
     /// Serializes this process's writes so they queue here, not in SQLite's
     /// busy handler. Other processes are handled by the busy timeout.
-    write_gate: Arc<super::write_gate::WriteGate>,
+    write_gate: Arc<tokio::sync::Mutex<()>>,
     /// Finishes the records of dropped calls (rule 14). SQLite connections
     /// run on threads of their own, so it shares the store's pool.
     detached: Arc<super::detached::Detached>,
@@ -629,7 +630,7 @@ impl SqliteStore {
                  lost, and the database corrupted, on an OS crash or power loss; set \
                  SqliteConnectOptions::synchronous to FULL (or NORMAL in WAL mode)");
         }
-        let write_gate = Arc::new(super::write_gate::WriteGate::default());
+        let write_gate = Arc::new(tokio::sync::Mutex::new(()));
         let waiters = Arc::new(Waiters::default());
         let detached = {
             use super::detached::{Detached, Work};
@@ -642,7 +643,7 @@ impl SqliteStore {
                             (pool.clone(), write_gate.clone(), waiters.clone());
                         Box::pin(async move {
                             let done = {
-                                let _turn = write_gate.turn().await;
+                                let _turn = write_gate.lock().await;
                                 match work {
                                     Work::Release => release_on(&pool, &identity, &token).await,
                                     Work::EndLease => {
@@ -688,15 +689,43 @@ impl SqliteStore {
         &self.pool
     }
 
+    /// Runs `write` on the store's pool in this process's turn to write, in
+    /// a task of its own: the turn is held only by a task the runtime polls
+    /// to its end, never by the caller's future. A caller kept alive but no
+    /// longer polled (parked in a `select!` loop, leaked) would otherwise keep
+    /// the turn, and every other write in the process would wait for it for
+    /// as long as it lives. A write under way when its caller is dropped
+    /// finishes (as a statement sent to SQLite does anyway).
+    async fn write_in_turn<T, W, F>(
+        &self,
+        operation: &'static str,
+        write: W,
+    ) -> Result<T, StoreError>
+    where
+        T: Send + 'static,
+        W: FnOnce(SqlitePool) -> F + Send + 'static,
+        F: std::future::Future<Output = Result<T, StoreError>> + Send + 'static,
+    {
+        let (gate, pool) = (self.write_gate.clone(), self.pool.clone());
+        tokio::spawn(async move {
+            let _turn = gate.lock().await;
+            write(pool).await
+        })
+        .await
+        .map_err(|e| StoreError::new(STORE, operation, e))?
+    }
+
     async fn release_now(
         &self,
         identity: &Identity,
         token: &OwnerToken,
     ) -> Result<Fenced, StoreError> {
-        let released = {
-            let _turn = self.write_gate.turn().await;
-            release_on(&self.pool, identity, token).await?
-        };
+        let (id, token) = (identity.clone(), token.clone());
+        let released = self
+            .write_in_turn("release", move |pool| async move {
+                release_on(&pool, &id, &token).await
+            })
+            .await?;
         if released.is_written() {
             self.waiters.notify(identity);
         }
@@ -711,10 +740,12 @@ impl SqliteStore {
         ttl: Duration,
         recovered: bool,
     ) -> Result<Fenced, StoreError> {
-        let completed = {
-            let _turn = self.write_gate.turn().await;
-            complete_on(&self.pool, identity, token, outcome, ttl, recovered).await?
-        };
+        let (id, token, outcome) = (identity.clone(), token.clone(), outcome.clone());
+        let completed = self
+            .write_in_turn("complete", move |pool| async move {
+                complete_on(&pool, &id, &token, &outcome, ttl, recovered).await
+            })
+            .await?;
         if completed.is_written() {
             self.waiters.notify(identity);
         }
@@ -1148,16 +1179,33 @@ impl Store for SqliteStore {
         // connection is kept when the gate is free; a call that must queue
         // for the gate gives it back meanwhile, so queued writers never hold
         // the connections that replays need.
-        let _turn = match self.write_gate.try_turn() {
-            Some(turn) => turn,
-            None => {
-                drop(conn);
-                let turn = self.write_gate.turn().await;
-                conn = self.pool.acquire().await.map_err(err(OP))?;
-                turn
-            }
-        };
-        reserve_in(&mut conn, request).await.map_err(err(OP))
+        // In a task of its own (see `write_in_turn`), with the request's
+        // parts owned.
+        let (gate, pool) = (self.write_gate.clone(), self.pool.clone());
+        let (identity, token) = (request.identity.clone(), request.token.clone());
+        let fingerprint = request.fingerprint.cloned();
+        let (lease, ttl) = (request.lease, request.ttl);
+        tokio::spawn(async move {
+            let _turn = match gate.try_lock() {
+                Ok(turn) => turn,
+                Err(_) => {
+                    drop(conn);
+                    let turn = gate.lock().await;
+                    conn = pool.acquire().await.map_err(err(OP))?;
+                    turn
+                }
+            };
+            let request = ReserveRequest {
+                identity: &identity,
+                fingerprint: fingerprint.as_ref(),
+                token: &token,
+                lease,
+                ttl,
+            };
+            reserve_in(&mut conn, request).await.map_err(err(OP))
+        })
+        .await
+        .map_err(|e| StoreError::new(STORE, OP, e))?
     }
 
     async fn complete(
@@ -1178,17 +1226,19 @@ impl Store for SqliteStore {
         require_expired_lease: bool,
     ) -> Result<ForcedRelease, StoreError> {
         const OP: &str = "release a record for an operator";
-        let deleted: Option<i64> = {
-            let _turn = self.write_gate.turn().await;
-            sqlx::query_scalar(FORCE_RELEASE_SQL)
-                .bind(&identity.tenant)
-                .bind(&identity.scope)
-                .bind(&identity.key)
-                .bind(require_expired_lease)
-                .fetch_optional(&self.pool)
-                .await
-                .map_err(err(OP))?
-        };
+        let id = identity.clone();
+        let deleted: Option<i64> = self
+            .write_in_turn(OP, move |pool| async move {
+                sqlx::query_scalar(FORCE_RELEASE_SQL)
+                    .bind(&id.tenant)
+                    .bind(&id.scope)
+                    .bind(&id.key)
+                    .bind(require_expired_lease)
+                    .fetch_optional(&pool)
+                    .await
+                    .map_err(err(OP))
+            })
+            .await?;
         if let Some(attempt) = deleted {
             self.waiters.notify(identity);
             return Ok(ForcedRelease::Released {
@@ -1208,10 +1258,12 @@ impl Store for SqliteStore {
         token: &OwnerToken,
         lease: Duration,
     ) -> Result<Fenced, StoreError> {
-        // A renewal every lease / 3 leaves two thirds of the lease: a stalled
-        // holder of the write turn is written past well within it.
-        let _turn = self.write_gate.turn_within(lease).await;
-        let renewed = heartbeat_on(&self.pool, identity, token, lease).await?;
+        let (id, token_owned) = (identity.clone(), token.clone());
+        let renewed = self
+            .write_in_turn("heartbeat", move |pool| async move {
+                heartbeat_on(&pool, &id, &token_owned, lease).await
+            })
+            .await?;
         if renewed.is_written() {
             // The lease may have been shortened (ended early so the next call
             // takes over at once); waiters in this process sleep until the
@@ -1294,14 +1346,16 @@ impl Store for SqliteStore {
     async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError> {
         // The write gate is taken for each chunk, so other writers get in
         // between.
-        super::purge_in_chunks(batch, |chunk| async move {
-            let _turn = self.write_gate.turn().await;
-            let done = sqlx::query(PURGE_SQL)
-                .bind(i64::from(chunk))
-                .execute(&self.pool)
-                .await
-                .map_err(err("purge expired records"))?;
-            Ok(done.rows_affected())
+        const OP: &str = "purge expired records";
+        super::purge_in_chunks(batch, |chunk| {
+            self.write_in_turn(OP, move |pool| async move {
+                let done = sqlx::query(PURGE_SQL)
+                    .bind(i64::from(chunk))
+                    .execute(&pool)
+                    .await
+                    .map_err(err(OP))?;
+                Ok(done.rows_affected())
+            })
         })
         .await
     }
