@@ -195,10 +195,11 @@ async fn two_stores_on_one_file_give_one_acquirer() {
 
 /// A call future kept alive but never polled again while it holds the
 /// store's turn to write (here a heartbeat, polled once: parked in a
-/// `select!` loop, or leaked) does not stop this process's other writes:
-/// after a second they write without waiting for it. Before, every later
-/// reservation and completion through the store waited for ever.
-#[tokio::test]
+/// `select!` loop, or leaked) does not stop this process's other writes: on a
+/// multi-threaded runtime the write takes the turn in a task of its own.
+/// Before, every later reservation and completion through the store waited
+/// for ever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_write_kept_alive_but_never_polled_again_does_not_stop_other_writes() {
     let path = fresh_path();
     let store = SqliteStore::connect(&url(&path)).await.expect("open");
@@ -302,6 +303,50 @@ async fn writers_queued_behind_a_held_lock_leave_replays_their_connections() {
         ));
     }
     store.pool().close().await;
+    remove(&path);
+}
+
+/// A current-thread runtime that nobody drives (`Runtime::block_on` is not
+/// running): a call made through `Handle::block_on` from another thread
+/// writes in its own future there, so it finishes. A write handed to a task
+/// of its own would never run, and the call waited for ever.
+#[test]
+fn writes_through_the_handle_of_an_undriven_current_thread_runtime_finish() {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let path = fresh_path();
+    let store = runtime
+        .block_on(SqliteStore::connect(&url(&path)))
+        .expect("open");
+    let handle = runtime.handle().clone();
+    let (done, answer) = std::sync::mpsc::channel();
+    let caller = std::thread::spawn(move || {
+        let (id, token) = (identity("through-the-handle"), OwnerToken::new());
+        let written = handle.block_on(async {
+            reserve(&store, &id, &token).await;
+            store
+                .complete(
+                    &id,
+                    &token,
+                    &StoredOutcome {
+                        is_error: false,
+                        payload: b"1".to_vec(),
+                    },
+                    LONG,
+                    AnsweredBy::Body,
+                )
+                .await
+        });
+        let _ = done.send(written.map_err(|e| e.to_string()));
+    });
+    let written = answer
+        .recv_timeout(Duration::from_secs(60))
+        .expect("the call finishes");
+    assert_eq!(written, Ok(Fenced::Written));
+    caller.join().expect("caller");
+    drop(runtime);
     remove(&path);
 }
 

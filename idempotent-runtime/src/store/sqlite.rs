@@ -12,9 +12,9 @@
 //! handler, as for `BEGIN IMMEDIATE`); completion is one fenced `UPDATE`.
 //! Within one process, writes also queue on an async gate so they do not spin
 //! in SQLite's busy handler (nor hold pool connections while they queue).
-//! Each write takes its turn in a task of its own ([`SqliteStore::write_in_turn`]),
-//! so a call future kept alive but no longer polled never keeps the turn
-//! from the process's other writes.
+//! On a multi-threaded runtime each write takes its turn in a task of its
+//! own (`beside_the_caller`), so a call future kept alive but no longer
+//! polled never keeps the turn from the process's other writes.
 //!
 //! Durability is chosen with [`Synchronous`] (FULL by default); see
 //! [`SqliteStore::builder`].
@@ -689,13 +689,8 @@ impl SqliteStore {
         &self.pool
     }
 
-    /// Runs `write` on the store's pool in this process's turn to write, in
-    /// a task of its own: the turn is held only by a task the runtime polls
-    /// to its end, never by the caller's future. A caller kept alive but no
-    /// longer polled (parked in a `select!` loop, leaked) would otherwise keep
-    /// the turn, and every other write in the process would wait for it for
-    /// as long as it lives. A write under way when its caller is dropped
-    /// finishes (as a statement sent to SQLite does anyway).
+    /// Runs `write` on the store's pool in this process's turn to write
+    /// (see [`beside_the_caller`]).
     async fn write_in_turn<T, W, F>(
         &self,
         operation: &'static str,
@@ -707,12 +702,11 @@ impl SqliteStore {
         F: std::future::Future<Output = Result<T, StoreError>> + Send + 'static,
     {
         let (gate, pool) = (self.write_gate.clone(), self.pool.clone());
-        tokio::spawn(async move {
+        beside_the_caller(operation, async move {
             let _turn = gate.lock().await;
             write(pool).await
         })
         .await
-        .map_err(|e| StoreError::new(STORE, operation, e))?
     }
 
     async fn release_now(
@@ -751,6 +745,31 @@ impl SqliteStore {
         }
         Ok(completed)
     }
+}
+
+/// Runs `write`, a store write that takes the process's write turn, where no
+/// caller's future can keep that turn: in a task of its own on a
+/// multi-threaded runtime, polled to its end whatever its caller does. A
+/// caller kept alive but no longer polled (parked in a `select!` loop,
+/// leaked) would otherwise keep the turn, and every other write in the
+/// process would wait for it for as long as it lives. A write under way when
+/// its caller is dropped finishes (as a statement sent to SQLite does
+/// anyway). On a current-thread runtime (or outside one) it runs in the
+/// caller's future: there a task of its own runs only while someone drives
+/// the runtime (`Handle::block_on` from another thread does not), so a
+/// spawned write could wait for ever.
+async fn beside_the_caller<T: Send + 'static>(
+    operation: &'static str,
+    write: impl std::future::Future<Output = Result<T, StoreError>> + Send + 'static,
+) -> Result<T, StoreError> {
+    let multi_threaded = tokio::runtime::Handle::try_current()
+        .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
+    if !multi_threaded {
+        return write.await;
+    }
+    tokio::spawn(write)
+        .await
+        .map_err(|e| StoreError::new(STORE, operation, e))?
 }
 
 /// Completes the record, fenced by `token`, on a pool or on the caller's
@@ -1179,13 +1198,13 @@ impl Store for SqliteStore {
         // connection is kept when the gate is free; a call that must queue
         // for the gate gives it back meanwhile, so queued writers never hold
         // the connections that replays need.
-        // In a task of its own (see `write_in_turn`), with the request's
+        // Beside the caller (see `beside_the_caller`), with the request's
         // parts owned.
         let (gate, pool) = (self.write_gate.clone(), self.pool.clone());
         let (identity, token) = (request.identity.clone(), request.token.clone());
         let fingerprint = request.fingerprint.cloned();
         let (lease, ttl) = (request.lease, request.ttl);
-        tokio::spawn(async move {
+        beside_the_caller(OP, async move {
             let _turn = match gate.try_lock() {
                 Ok(turn) => turn,
                 Err(_) => {
@@ -1205,7 +1224,6 @@ impl Store for SqliteStore {
             reserve_in(&mut conn, request).await.map_err(err(OP))
         })
         .await
-        .map_err(|e| StoreError::new(STORE, OP, e))?
     }
 
     async fn complete(
