@@ -7,7 +7,7 @@ use crate::metrics::{CallOutcome, METRICS};
 use crate::recovery::{Recovery, Takeover};
 use crate::registry::{InProgressPolicy, ScopeInfo};
 use crate::store::{
-    AnsweredBy, Fenced, OwnerToken, Reservation, ReserveRequest, Store, StoredOutcome,
+    AnsweredBy, Completion, Fenced, OwnerToken, Reservation, ReserveRequest, Store, StoredOutcome,
 };
 use futures_util::future::BoxFuture;
 use futures_util::FutureExt;
@@ -295,11 +295,17 @@ impl Drop for FinishOnDrop<'_> {
                 "call ended while it held (or may have held) its record; the store releases it");
             self.store.release_detached(identity, token);
         } else if let Some((outcome, ttl, by)) = self.completing.take() {
-            let (identity, token) = (self.identity.clone(), self.token.clone());
+            let (identity, token) = (&self.identity, &self.token);
             tracing::info!(target: "idempotent", scope = %identity.scope, key = %identity.log_digest(),
                 "call dropped while recording its result; the store records it");
-            self.store
-                .complete_detached(identity, token, outcome, ttl, by);
+            let outcome = &outcome;
+            self.store.complete_detached(Completion {
+                identity,
+                token,
+                outcome,
+                ttl,
+                by,
+            });
         }
     }
 }
@@ -649,8 +655,16 @@ impl RecordSink for StoreSink<'_, '_> {
             // The answer is recordable: from here on a dropped call records
             // it rather than freeing the key for a re-run.
             self.guard.arm(false);
-            let stored = &self.guard.completing.insert((stored, ttl, by)).0;
-            let written = store.complete(identity, token, stored, ttl, by).await;
+            let outcome = &self.guard.completing.insert((stored, ttl, by)).0;
+            let written = store
+                .complete(Completion {
+                    identity,
+                    token,
+                    outcome,
+                    ttl,
+                    by,
+                })
+                .await;
             let unrecorded = self.guard.completing.take();
             if let (Err(e), Some((outcome, ttl, by))) = (&written, unrecorded) {
                 // The answer is final: keep trying to record it in the
@@ -658,7 +672,14 @@ impl RecordSink for StoreSink<'_, '_> {
                 // instead of running the body again once the lease runs out.
                 tracing::error!(target: "idempotent", scope = %identity.scope, key = %identity.log_digest(), error = %e,
                     "the answer could not be recorded yet; the store keeps trying");
-                store.complete_detached(identity.clone(), token.clone(), outcome, ttl, by);
+                let outcome = &outcome;
+                store.complete_detached(Completion {
+                    identity,
+                    token,
+                    outcome,
+                    ttl,
+                    by,
+                });
             }
             written
         })

@@ -71,7 +71,7 @@ pub use store::postgres::PgStore;
 #[cfg(feature = "sqlite")]
 pub use store::sqlite::SqliteStore;
 pub use store::{
-    AnsweredBy, Fenced, ForcedRelease, OwnerToken, RecordSnapshot, RecordState, Reservation,
-    ReserveRequest, ScopeStats, Store, StoredOutcome,
+    AnsweredBy, Completion, Fenced, ForcedRelease, OwnerToken, RecordSnapshot, RecordState,
+    Reservation, ReserveRequest, ScopeStats, Store, StoredOutcome,
 };
 pub use transaction::TransactionalConnection;

@@ -22,7 +22,9 @@ use crate::fingerprint::Fingerprint;
 use crate::identity::Identity;
 use crate::metrics::{CallOutcome, METRICS};
 use crate::registry::ScopeInfo;
-use crate::store::{AnsweredBy, Fenced, OwnerToken, Reservation, ReserveRequest, StoredOutcome};
+use crate::store::{
+    AnsweredBy, Completion, Fenced, OwnerToken, Reservation, ReserveRequest, StoredOutcome,
+};
 use futures_util::future::BoxFuture;
 use std::future::Future;
 use std::sync::atomic::Ordering;
@@ -73,11 +75,7 @@ pub trait TransactionalConnection: Send {
     /// (`by`: the body's answer, or a `recover` hook's, marked recovered).
     async fn complete_in_transaction(
         &mut self,
-        identity: &Identity,
-        token: &OwnerToken,
-        outcome: &StoredOutcome,
-        ttl: Duration,
-        by: AnsweredBy,
+        completion: Completion<'_>,
     ) -> Result<Fenced, StoreError>;
 
     /// Like [`Store::release`](crate::Store::release), in this transaction.
@@ -92,7 +90,7 @@ pub trait TransactionalConnection: Send {
 /// type from the store's own functions, so every store maps the trait the
 /// same way: `in_transaction(conn)` tells an open transaction,
 /// `reserve(conn, request, lock_wait)` reserves in it, and the store's fenced
-/// writes, `complete(conn, identity, token, outcome, ttl, recovered)` and
+/// writes, `complete(conn, completion)` and
 /// `release(conn, identity, token)` (the ones it also runs on its pool),
 /// record or release on the connection itself.
 #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
@@ -137,14 +135,9 @@ macro_rules! transactional_connection {
 
             async fn complete_in_transaction(
                 &mut self,
-                identity: &$crate::identity::Identity,
-                token: &$crate::store::OwnerToken,
-                outcome: &$crate::store::StoredOutcome,
-                ttl: std::time::Duration,
-                by: $crate::store::AnsweredBy,
+                completion: $crate::store::Completion<'_>,
             ) -> Result<$crate::store::Fenced, $crate::error::StoreError> {
-                let recovered = by.marks_recovered();
-                $complete(self, identity, token, outcome, ttl, recovered).await
+                $complete(self, completion).await
             }
 
             async fn release_in_transaction(
@@ -192,15 +185,9 @@ where
 
     async fn complete_in_transaction(
         &mut self,
-        identity: &Identity,
-        token: &OwnerToken,
-        outcome: &StoredOutcome,
-        ttl: Duration,
-        by: AnsweredBy,
+        completion: Completion<'_>,
     ) -> Result<Fenced, StoreError> {
-        (**self)
-            .complete_in_transaction(identity, token, outcome, ttl, by)
-            .await
+        (**self).complete_in_transaction(completion).await
     }
 
     async fn release_in_transaction(
@@ -421,9 +408,15 @@ impl<C: TransactionalConnection + ?Sized> RecordSink for TransactionSink<'_, C> 
         by: AnsweredBy,
     ) -> BoxFuture<'_, Result<Fenced, StoreError>> {
         Box::pin(async move {
-            let (identity, token) = (self.identity, self.token);
+            let (identity, token, outcome) = (self.identity, self.token, &stored);
             self.connection
-                .complete_in_transaction(identity, token, &stored, ttl, by)
+                .complete_in_transaction(Completion {
+                    identity,
+                    token,
+                    outcome,
+                    ttl,
+                    by,
+                })
                 .await
         })
     }

@@ -541,7 +541,7 @@ macro_rules! contract_tests {
             assert!(matches!(store.reserve(req).await.unwrap(), idempotent_runtime::Reservation::Acquired { .. }));
             let old = Receipt { charge_id: "ch_legacy".into(), amount: 7 };
             let outcome = idempotent_runtime::StoredOutcome { is_error: false, payload: serde_json::to_vec(&old).unwrap() };
-            assert_eq!(store.complete(&legacy, &token, &outcome, Duration::from_secs(3600), idempotent_runtime::AnsweredBy::Body).await.unwrap(), idempotent_runtime::Fenced::Written);
+            assert_eq!(store.complete(idempotent_runtime::Completion::by_body(&legacy, &token, &outcome, Duration::from_secs(3600))).await.unwrap(), idempotent_runtime::Fenced::Written);
             assert_eq!(charge(&*store, &t, "legacy", 12345, &runs).await.unwrap(), old);
             assert_eq!(runs.load(Ordering::SeqCst), 1);
         }
@@ -881,7 +881,7 @@ macro_rules! contract_tests {
             };
             assert!(matches!(store.reserve(request).await.unwrap(), idempotent_runtime::Reservation::Acquired { .. }));
             let outcome = idempotent_runtime::StoredOutcome { is_error: false, payload: b"41".to_vec() };
-            assert_eq!(store.complete(&identity, &token, &outcome, Duration::from_secs(3600), idempotent_runtime::AnsweredBy::Body).await.unwrap(), idempotent_runtime::Fenced::Written);
+            assert_eq!(store.complete(idempotent_runtime::Completion::by_body(&identity, &token, &outcome, Duration::from_secs(3600))).await.unwrap(), idempotent_runtime::Fenced::Written);
             let (got, how) = with_outcome(set_only_charge(&*store, &t, "old", items.clone(), &runs)).await;
             assert_eq!(got.unwrap(), 41);
             assert_eq!(how, Some(Outcome::Replayed));

@@ -15,8 +15,8 @@ use idempotent_runtime::__private::TransactionalConnection;
 use idempotent_runtime::error::StoreError;
 use idempotent_runtime::registry::{self, ScopeInfo};
 use idempotent_runtime::{
-    idempotent, with_outcome, AnsweredBy, Error, ErrorPolicy, Fenced, Identity, InProgressPolicy,
-    MemoryStore, Outcome, OwnerToken, Reservation, ReserveRequest, Store, StoredOutcome,
+    idempotent, with_outcome, Completion, Error, ErrorPolicy, Fenced, Identity, InProgressPolicy,
+    MemoryStore, Outcome, OwnerToken, Reservation, ReserveRequest, Store,
 };
 use serde::{Deserialize, Serialize};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -449,24 +449,18 @@ impl TransactionalConnection for FakeTx {
         })
     }
 
-    fn complete_in_transaction<'a, 'b, 'c, 'd, 't>(
+    fn complete_in_transaction<'a, 'b, 't>(
         &'a mut self,
-        identity: &'b Identity,
-        token: &'c OwnerToken,
-        outcome: &'d StoredOutcome,
-        ttl: Duration,
-        by: AnsweredBy,
+        completion: Completion<'b>,
     ) -> BoxFuture<'t, Result<Fenced, StoreError>>
     where
         'a: 't,
         'b: 't,
-        'c: 't,
-        'd: 't,
         Self: 't,
     {
         Box::pin(async move {
             self.statements += 1;
-            self.store.complete(identity, token, outcome, ttl, by).await
+            self.store.complete(completion).await
         })
     }
 

@@ -3,8 +3,8 @@
 //! not a whole `Store` impl.
 
 use idempotent_runtime::{
-    AnsweredBy, Fenced, ForcedRelease, Identity, MemoryStore, OwnerToken, RecordSnapshot,
-    Reservation, ReserveRequest, ScopeStats, Store, StoreError, StoredOutcome,
+    Completion, Fenced, ForcedRelease, Identity, MemoryStore, OwnerToken, RecordSnapshot,
+    Reservation, ReserveRequest, ScopeStats, Store, StoreError,
 };
 use std::time::Duration;
 
@@ -33,13 +33,9 @@ pub trait Intercept: Send + Sync + 'static {
     async fn complete(
         &self,
         inner: &MemoryStore,
-        i: &Identity,
-        t: &OwnerToken,
-        o: &StoredOutcome,
-        ttl: Duration,
-        by: AnsweredBy,
+        completion: Completion<'_>,
     ) -> Result<Fenced, StoreError> {
-        inner.complete(i, t, o, ttl, by).await
+        inner.complete(completion).await
     }
 }
 
@@ -81,15 +77,8 @@ impl<I: Intercept> Store for Hooked<I> {
     ) -> Result<Fenced, StoreError> {
         self.intercept.heartbeat(&self.inner, i, t, lease).await
     }
-    async fn complete(
-        &self,
-        i: &Identity,
-        t: &OwnerToken,
-        o: &StoredOutcome,
-        ttl: Duration,
-        by: AnsweredBy,
-    ) -> Result<Fenced, StoreError> {
-        self.intercept.complete(&self.inner, i, t, o, ttl, by).await
+    async fn complete(&self, completion: Completion<'_>) -> Result<Fenced, StoreError> {
+        self.intercept.complete(&self.inner, completion).await
     }
     async fn release(&self, i: &Identity, t: &OwnerToken) -> Result<Fenced, StoreError> {
         self.inner.release(i, t).await
@@ -97,15 +86,8 @@ impl<I: Intercept> Store for Hooked<I> {
     fn release_detached(&self, i: Identity, t: OwnerToken) {
         self.inner.release_detached(i, t)
     }
-    fn complete_detached(
-        &self,
-        i: Identity,
-        t: OwnerToken,
-        o: StoredOutcome,
-        ttl: Duration,
-        by: AnsweredBy,
-    ) {
-        self.inner.complete_detached(i, t, o, ttl, by)
+    fn complete_detached(&self, completion: Completion<'_>) {
+        self.inner.complete_detached(completion)
     }
     fn end_lease_detached(&self, i: Identity, t: OwnerToken) {
         self.inner.end_lease_detached(i, t)

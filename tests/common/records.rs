@@ -2,7 +2,7 @@
 //! (audit, CLI, purge): no annotated function, just the states they inspect.
 
 use idempotent_runtime::{
-    AnsweredBy, Fenced, Identity, OwnerToken, Reservation, ReserveRequest, Store, StoredOutcome,
+    Completion, Fenced, Identity, OwnerToken, Reservation, ReserveRequest, Store, StoredOutcome,
 };
 use std::time::Duration;
 
@@ -37,7 +37,7 @@ pub async fn plant(
         };
         assert_eq!(
             store
-                .complete(&identity, &token, &outcome, ttl, AnsweredBy::Body)
+                .complete(Completion::by_body(&identity, &token, &outcome, ttl))
                 .await
                 .expect("complete"),
             Fenced::Written

@@ -3,7 +3,7 @@
 #![allow(dead_code)]
 
 use idempotent_runtime::{
-    idempotent, AnsweredBy, Error, Fenced, Identity, KeyProblem, OwnerToken, Reservation,
+    idempotent, Completion, Error, Fenced, Identity, KeyProblem, OwnerToken, Reservation,
     ReserveRequest, Store, StoredOutcome, MAX_RESULT_BYTES,
 };
 use std::time::Duration;
@@ -59,13 +59,12 @@ pub async fn awkward_identities_match_exactly(store: &dyn Store) {
             };
             assert_eq!(
                 store
-                    .complete(
+                    .complete(Completion::by_body(
                         &id,
                         &token,
                         &outcome,
-                        Duration::from_secs(3600),
-                        AnsweredBy::Body
-                    )
+                        Duration::from_secs(3600)
+                    ))
                     .await
                     .expect("complete"),
                 Fenced::Written
@@ -135,13 +134,12 @@ pub async fn several_megabytes_round_trip(store: &dyn Store) {
     };
     assert_eq!(
         store
-            .complete(
+            .complete(Completion::by_body(
                 &id,
                 &token,
                 &outcome,
-                Duration::from_secs(3600),
-                AnsweredBy::Body
-            )
+                Duration::from_secs(3600)
+            ))
             .await
             .expect("complete"),
         Fenced::Written

@@ -14,9 +14,9 @@ use crate::common;
 
 use common::servers::{fresh_tenant, mysql_store_or_skip, pg_store_or_skip};
 use idempotent_runtime::{
-    idempotent, with_outcome, AnsweredBy, Error, Fenced, Identity, MemoryStore, Outcome,
+    idempotent, with_outcome, Completion, Error, Fenced, Identity, MemoryStore, Outcome,
     OwnerToken, RecordSnapshot, RecordState, Reservation, ReserveRequest, ScopeStats, SqliteStore,
-    Store, StoreError, StoredOutcome,
+    Store, StoreError,
 };
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -56,19 +56,12 @@ impl Store for Stalling {
         }
         answer
     }
-    async fn complete(
-        &self,
-        i: &Identity,
-        t: &OwnerToken,
-        o: &StoredOutcome,
-        ttl: Duration,
-        by: AnsweredBy,
-    ) -> Result<Fenced, StoreError> {
+    async fn complete(&self, completion: Completion<'_>) -> Result<Fenced, StoreError> {
         if self.stall == Stall::Complete {
             self.stalled.notify_one();
             std::future::pending::<()>().await;
         }
-        self.inner.complete(i, t, o, ttl, by).await
+        self.inner.complete(completion).await
     }
     async fn release(&self, i: &Identity, t: &OwnerToken) -> Result<Fenced, StoreError> {
         self.inner.release(i, t).await
@@ -84,15 +77,8 @@ impl Store for Stalling {
     fn release_detached(&self, i: Identity, t: OwnerToken) {
         self.inner.release_detached(i, t)
     }
-    fn complete_detached(
-        &self,
-        i: Identity,
-        t: OwnerToken,
-        o: StoredOutcome,
-        ttl: Duration,
-        by: AnsweredBy,
-    ) {
-        self.inner.complete_detached(i, t, o, ttl, by)
+    fn complete_detached(&self, completion: Completion<'_>) {
+        self.inner.complete_detached(completion)
     }
     async fn force_release(
         &self,

@@ -8,7 +8,7 @@ use crate::common;
 
 use common::servers::{fresh_tenant, pg_url};
 use idempotent_runtime::{
-    idempotent, with_outcome, Error, Identity, Outcome, PgStore, RecordState, Store,
+    idempotent, with_outcome, Completion, Error, Identity, Outcome, PgStore, RecordState, Store,
 };
 use sqlx::{Connection, Executor};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -456,7 +456,7 @@ async fn a_dropped_call_is_released_in_the_schema_the_after_connect_hook_sets() 
 /// completion is blocked on it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_completion_meeting_a_concurrent_mark_is_recorded_under_a_repeatable_read_default() {
-    use idempotent_runtime::{AnsweredBy, Fenced, OwnerToken, ReserveRequest, StoredOutcome};
+    use idempotent_runtime::{Fenced, OwnerToken, ReserveRequest, StoredOutcome};
     let Some((admin, db, url)) = fresh_repeatable_read_database().await else {
         return;
     };
@@ -503,13 +503,12 @@ async fn a_completion_meeting_a_concurrent_mark_is_recorded_under_a_repeatable_r
                 payload: b"7".to_vec(),
             };
             store
-                .complete(
+                .complete(Completion::by_body(
                     &identity,
                     &token,
                     &outcome,
                     Duration::from_secs(3600),
-                    AnsweredBy::Body,
-                )
+                ))
                 .await
         })
     };

@@ -9,10 +9,10 @@ use common::servers::{fresh_tenant, pg_store_or_skip};
 use http_app::{bounded, expect_problem, Charge, TestServer};
 use idempotent_runtime::http::problem::types;
 use idempotent_runtime::store::{
-    OwnerToken, RecordSnapshot, Reservation, ReserveRequest, ScopeStats, StoredOutcome,
+    OwnerToken, RecordSnapshot, Reservation, ReserveRequest, ScopeStats,
 };
 use idempotent_runtime::{
-    AnsweredBy, Fenced, Identity, MemoryStore, SqliteStore, Store, StoreError,
+    Completion, Fenced, Identity, MemoryStore, SqliteStore, Store, StoreError,
 };
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -636,14 +636,7 @@ impl Store for DownStore {
     async fn reserve(&self, _: ReserveRequest<'_>) -> Result<Reservation, StoreError> {
         Err(down("reserve"))
     }
-    async fn complete(
-        &self,
-        _: &Identity,
-        _: &OwnerToken,
-        _: &StoredOutcome,
-        _: Duration,
-        _: AnsweredBy,
-    ) -> Result<Fenced, StoreError> {
+    async fn complete(&self, _: Completion<'_>) -> Result<Fenced, StoreError> {
         Err(down("complete"))
     }
     async fn release(&self, _: &Identity, _: &OwnerToken) -> Result<Fenced, StoreError> {
@@ -658,15 +651,7 @@ impl Store for DownStore {
         Err(down("heartbeat"))
     }
     fn release_detached(&self, _: Identity, _: OwnerToken) {}
-    fn complete_detached(
-        &self,
-        _: Identity,
-        _: OwnerToken,
-        _: StoredOutcome,
-        _: Duration,
-        _: AnsweredBy,
-    ) {
-    }
+    fn complete_detached(&self, _: Completion<'_>) {}
     async fn purge_expired(&self, _: u32) -> Result<u64, StoreError> {
         Err(down("purge"))
     }
@@ -715,16 +700,9 @@ impl Store for Counting {
         self.reserve.fetch_add(1, Ordering::SeqCst);
         self.inner.reserve(r).await
     }
-    async fn complete(
-        &self,
-        i: &Identity,
-        t: &OwnerToken,
-        o: &StoredOutcome,
-        ttl: Duration,
-        by: AnsweredBy,
-    ) -> Result<Fenced, StoreError> {
+    async fn complete(&self, completion: Completion<'_>) -> Result<Fenced, StoreError> {
         self.complete.fetch_add(1, Ordering::SeqCst);
-        self.inner.complete(i, t, o, ttl, by).await
+        self.inner.complete(completion).await
     }
     async fn release(&self, i: &Identity, t: &OwnerToken) -> Result<Fenced, StoreError> {
         self.other.fetch_add(1, Ordering::SeqCst);
@@ -743,16 +721,9 @@ impl Store for Counting {
         self.other.fetch_add(1, Ordering::SeqCst);
         self.inner.release_detached(i, t)
     }
-    fn complete_detached(
-        &self,
-        i: Identity,
-        t: OwnerToken,
-        o: StoredOutcome,
-        ttl: Duration,
-        by: AnsweredBy,
-    ) {
+    fn complete_detached(&self, completion: Completion<'_>) {
         self.other.fetch_add(1, Ordering::SeqCst);
-        self.inner.complete_detached(i, t, o, ttl, by)
+        self.inner.complete_detached(completion)
     }
     async fn purge_expired(&self, b: u32) -> Result<u64, StoreError> {
         self.inner.purge_expired(b).await

@@ -13,8 +13,9 @@
 use super::spec::{out, Answer, Dur, Fp, Outcome, Rec, LONG};
 use futures::future::BoxFuture;
 use idempotent_runtime::{
-    AnsweredBy, Fenced, Fingerprint, Identity, MemoryStore, MySqlStore, OwnerToken, PgStore,
-    RecordSnapshot, RecordState, Reservation, ReserveRequest, SqliteStore, Store, StoredOutcome,
+    AnsweredBy, Completion, Fenced, Fingerprint, Identity, MemoryStore, MySqlStore, OwnerToken,
+    PgStore, RecordSnapshot, RecordState, Reservation, ReserveRequest, SqliteStore, Store,
+    StoredOutcome,
 };
 use proptest::prelude::*;
 use proptest::test_runner::{Config, RngSeed, TestCaseError, TestError, TestRunner};
@@ -311,7 +312,13 @@ impl<'s> World<'s> {
         };
         let got = self
             .store
-            .complete(identity, &token, &stored, ttl_d, by)
+            .complete(Completion {
+                identity,
+                token: &token,
+                outcome: &stored,
+                ttl: ttl_d,
+                by,
+            })
             .await
             .map_err(store_err("complete"))?;
         let mut after = self.recs[id].clone();

@@ -4,7 +4,7 @@
 
 use idempotent_runtime::cli::{run_from, CliError};
 use idempotent_runtime::{
-    AnsweredBy, Fenced, Identity, OwnerToken, Reservation, ReserveRequest, SqliteStore, Store,
+    Completion, Fenced, Identity, OwnerToken, Reservation, ReserveRequest, SqliteStore, Store,
     StoredOutcome,
 };
 use std::path::PathBuf;
@@ -528,13 +528,12 @@ async fn inspect_and_release_on(url: &str, store: &dyn Store) {
         };
         assert_eq!(
             store
-                .complete(
+                .complete(Completion::by_body(
                     &identity,
                     &token,
                     &outcome,
-                    Duration::from_secs(3600),
-                    AnsweredBy::Body
-                )
+                    Duration::from_secs(3600)
+                ))
                 .await
                 .expect("complete"),
             Fenced::Written

@@ -8,8 +8,8 @@
 //! `Counting` wraps a real `MemoryStore` and counts the calls that reach it.
 
 use idempotent_runtime::{
-    idempotent, AnsweredBy, Error, Fenced, Identity, MemoryStore, OwnerToken, RecordSnapshot,
-    Reservation, ReserveRequest, ScopeStats, Store, StoreError, StoredOutcome,
+    idempotent, Completion, Error, Fenced, Identity, MemoryStore, OwnerToken, RecordSnapshot,
+    Reservation, ReserveRequest, ScopeStats, Store, StoreError,
 };
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -56,16 +56,9 @@ impl Store for Counting {
         self.calls.reserve.fetch_add(1, Ordering::SeqCst);
         self.inner.reserve(r).await
     }
-    async fn complete(
-        &self,
-        i: &Identity,
-        t: &OwnerToken,
-        o: &StoredOutcome,
-        ttl: Duration,
-        by: AnsweredBy,
-    ) -> Result<Fenced, StoreError> {
+    async fn complete(&self, completion: Completion<'_>) -> Result<Fenced, StoreError> {
         self.calls.complete.fetch_add(1, Ordering::SeqCst);
-        self.inner.complete(i, t, o, ttl, by).await
+        self.inner.complete(completion).await
     }
     async fn release(&self, i: &Identity, t: &OwnerToken) -> Result<Fenced, StoreError> {
         self.calls.release.fetch_add(1, Ordering::SeqCst);
@@ -91,16 +84,9 @@ impl Store for Counting {
         self.detached_releases.fetch_add(1, Ordering::SeqCst);
         self.inner.release_detached(i, t)
     }
-    fn complete_detached(
-        &self,
-        i: Identity,
-        t: OwnerToken,
-        o: StoredOutcome,
-        ttl: Duration,
-        by: AnsweredBy,
-    ) {
+    fn complete_detached(&self, completion: Completion<'_>) {
         self.calls.complete.fetch_add(1, Ordering::SeqCst);
-        self.inner.complete_detached(i, t, o, ttl, by)
+        self.inner.complete_detached(completion)
     }
     async fn force_release(
         &self,

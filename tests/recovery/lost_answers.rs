@@ -8,8 +8,10 @@
 
 use crate::common::hooked::{Hooked, Intercept};
 use crate::recovery::*;
-use idempotent_runtime::store::{OwnerToken, Reservation, ReserveRequest, StoredOutcome};
-use idempotent_runtime::{AnsweredBy, Fenced, Identity, MemoryStore, Store, StoreError};
+use idempotent_runtime::store::{Reservation, ReserveRequest};
+use idempotent_runtime::{
+    AnsweredBy, Completion, Fenced, Identity, MemoryStore, Store, StoreError,
+};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
@@ -53,12 +55,9 @@ impl Intercept for CutAfterTakeover {
     async fn complete(
         &self,
         inner: &MemoryStore,
-        i: &Identity,
-        t: &OwnerToken,
-        o: &StoredOutcome,
-        ttl: Duration,
-        by: AnsweredBy,
+        completion: Completion<'_>,
     ) -> Result<Fenced, StoreError> {
+        let Completion { by, .. } = completion;
         if by == AnsweredBy::RecoverHook && self.fail_recovered.swap(false, Ordering::SeqCst) {
             return Err(StoreError::new(
                 "cut-after-takeover",
@@ -66,7 +65,7 @@ impl Intercept for CutAfterTakeover {
                 "connection reset",
             ));
         }
-        inner.complete(i, t, o, ttl, by).await
+        inner.complete(completion).await
     }
 }
 

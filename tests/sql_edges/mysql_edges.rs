@@ -23,7 +23,7 @@ use crate::common;
 use common::servers::{fresh_tenant, mysql_store_or_skip, mysql_url};
 use idempotent_runtime::TransactionalConnection;
 use idempotent_runtime::{
-    idempotent, with_outcome, AnsweredBy, Error, Fenced, Fingerprint, Identity, MySqlStore,
+    idempotent, with_outcome, Completion, Error, Fenced, Fingerprint, Identity, MySqlStore,
     Outcome, OwnerToken, Reservation, ReserveRequest, Store, StoredOutcome,
 };
 use sqlx::mysql::{MySqlPool, MySqlPoolOptions};
@@ -226,13 +226,12 @@ async fn released_to_eight_callers(lease_expired: bool, callers: [Via; 8]) {
         // it first (a purge skips rows that are locked).
         assert_eq!(
             store
-                .complete(
+                .complete(Completion::by_body(
                     &identity,
                     &planted,
                     &ok(b"1"),
-                    Duration::from_secs(1),
-                    AnsweredBy::Body
-                )
+                    Duration::from_secs(1)
+                ))
                 .await
                 .expect("complete"),
             Fenced::Written
@@ -428,7 +427,7 @@ async fn a_replay_or_mismatch_inside_an_open_transaction_takes_no_lock() {
     assert_eq!(got, Reservation::FRESH);
     assert_eq!(
         store
-            .complete(&identity, &token, &ok(b"7"), LONG, AnsweredBy::Body)
+            .complete(Completion::by_body(&identity, &token, &ok(b"7"), LONG))
             .await
             .expect("complete"),
         Fenced::Written
@@ -495,7 +494,7 @@ async fn an_in_progress_answer_inside_an_open_transaction_takes_no_lock() {
     );
     assert_eq!(
         guarded
-            .complete(&identity, &owner, &ok(b"8"), LONG, AnsweredBy::Body)
+            .complete(Completion::by_body(&identity, &owner, &ok(b"8"), LONG))
             .await
             .expect("the owner completes while the duplicates' transactions are open"),
         Fenced::Written
@@ -542,7 +541,7 @@ async fn a_snapshot_older_than_the_record_still_replays_and_blocks_no_one() {
     assert_eq!(got, Reservation::FRESH);
     assert_eq!(
         store
-            .complete(&identity, &token, &ok(b"9"), LONG, AnsweredBy::Body)
+            .complete(Completion::by_body(&identity, &token, &ok(b"9"), LONG))
             .await
             .expect("complete"),
         Fenced::Written
@@ -1084,7 +1083,7 @@ async fn writes_are_committed(store: MySqlStore, admin: &MySqlStore) {
         );
         let done = if complete {
             store
-                .complete(identity, &token, &ok(b"7"), LONG, AnsweredBy::Body)
+                .complete(Completion::by_body(identity, &token, &ok(b"7"), LONG))
                 .await
         } else {
             store.release(identity, &token).await

@@ -10,7 +10,7 @@
 
 use crate::common::servers::{fresh_tenant, pg_store_or_skip, pg_url};
 use idempotent_runtime::{
-    AnsweredBy, Fenced, Identity, OwnerToken, PgStore, Reservation, ReserveRequest, Store,
+    Completion, Fenced, Identity, OwnerToken, PgStore, Reservation, ReserveRequest, Store,
 };
 use sqlx::{Connection, Executor};
 use std::time::{Duration, Instant};
@@ -332,7 +332,7 @@ async fn an_in_progress_answer_after_a_lost_takeover_race_keeps_no_lock() {
     // records its result.
     let renewed = guarded.heartbeat(&identity, &new_owner, long).await;
     let completed = guarded
-        .complete(
+        .complete(Completion::by_body(
             &identity,
             &new_owner,
             &idempotent_runtime::StoredOutcome {
@@ -340,8 +340,7 @@ async fn an_in_progress_answer_after_a_lost_takeover_race_keeps_no_lock() {
                 payload: b"1".to_vec(),
             },
             long,
-            AnsweredBy::Body,
-        )
+        ))
         .await;
     sqlx::query("ROLLBACK")
         .execute(&mut duplicate)

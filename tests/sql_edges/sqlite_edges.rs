@@ -9,7 +9,9 @@
 //!
 //! Waits are handshakes on the store's own log events, never sleeps.
 
-use idempotent_runtime::{idempotent, with_outcome, Error, Identity, Outcome, SqliteStore, Store};
+use idempotent_runtime::{
+    idempotent, with_outcome, Completion, Error, Identity, Outcome, SqliteStore, Store,
+};
 use sqlx::sqlite::{SqliteConnectOptions, SqlitePoolOptions};
 use sqlx::{Connection, Executor, Sqlite, SqliteConnection};
 use std::path::{Path, PathBuf};
@@ -1181,9 +1183,7 @@ async fn a_replay_in_a_transaction_that_has_not_read_leaves_other_callers_free()
 /// completes at once, and the refused caller's retry replays.
 #[tokio::test]
 async fn a_refusal_in_an_open_transaction_leaves_the_owner_free_to_record_its_result() {
-    use idempotent_runtime::{
-        AnsweredBy, Fenced, OwnerToken, Reservation, ReserveRequest, StoredOutcome,
-    };
+    use idempotent_runtime::{Fenced, OwnerToken, Reservation, ReserveRequest, StoredOutcome};
     let path = fresh_path();
     let store = SqliteStore::connect(&url(&path)).await.expect("open");
     let pool = store.pool().clone();
@@ -1236,13 +1236,12 @@ async fn a_refusal_in_an_open_transaction_leaves_the_owner_free_to_record_its_re
     };
     assert_eq!(
         store
-            .complete(
+            .complete(Completion::by_body(
                 &id,
                 &token,
                 &outcome,
-                Duration::from_secs(3600),
-                AnsweredBy::Body
-            )
+                Duration::from_secs(3600)
+            ))
             .await
             .expect("the owner's completion is not blocked by a refused caller"),
         Fenced::Written

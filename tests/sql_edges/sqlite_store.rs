@@ -3,7 +3,7 @@
 //! errors that name the store and the operation.
 
 use idempotent_runtime::{
-    AnsweredBy, Error, Fenced, Fingerprint, Identity, OwnerToken, Reservation, ReserveRequest,
+    Completion, Error, Fenced, Fingerprint, Identity, OwnerToken, Reservation, ReserveRequest,
     SqliteStore, Store, StoredOutcome,
 };
 use std::path::PathBuf;
@@ -112,7 +112,7 @@ async fn records_survive_reopening() {
         assert_eq!(reserve(&store, &id, &token).await, Reservation::FRESH);
         assert_eq!(
             store
-                .complete(&id, &token, &outcome, LONG, AnsweredBy::Body)
+                .complete(Completion::by_body(&id, &token, &outcome, LONG))
                 .await
                 .unwrap(),
             Fenced::Written
@@ -177,7 +177,7 @@ async fn two_stores_on_one_file_give_one_acquirer() {
         };
         assert_eq!(
             stores[round % 2]
-                .complete(&id, &acquired[0], &outcome, LONG, AnsweredBy::Body)
+                .complete(Completion::by_body(&id, &acquired[0], &outcome, LONG))
                 .await
                 .unwrap(),
             Fenced::Written
@@ -225,7 +225,7 @@ async fn a_write_kept_alive_but_never_polled_again_does_not_stop_other_writes() 
             Reservation::Acquired { .. }
         ));
         store
-            .complete(&other, &token, &outcome, LONG, AnsweredBy::Body)
+            .complete(Completion::by_body(&other, &token, &outcome, LONG))
             .await
             .expect("complete")
     })
@@ -261,7 +261,7 @@ async fn writers_queued_behind_a_held_lock_leave_replays_their_connections() {
     };
     assert_eq!(
         store
-            .complete(&done, &token, &outcome, LONG, AnsweredBy::Body)
+            .complete(Completion::by_body(&done, &token, &outcome, LONG))
             .await
             .expect("complete"),
         Fenced::Written
@@ -327,7 +327,7 @@ fn writes_through_the_handle_of_an_undriven_current_thread_runtime_finish() {
         let written = handle.block_on(async {
             reserve(&store, &id, &token).await;
             store
-                .complete(
+                .complete(Completion::by_body(
                     &id,
                     &token,
                     &StoredOutcome {
@@ -335,8 +335,7 @@ fn writes_through_the_handle_of_an_undriven_current_thread_runtime_finish() {
                         payload: b"1".to_vec(),
                     },
                     LONG,
-                    AnsweredBy::Body,
-                )
+                ))
                 .await
         });
         let _ = done.send(written.map_err(|e| e.to_string()));
@@ -526,7 +525,7 @@ fn an_in_memory_store_keeps_its_records_across_runtimes() {
     });
     runtime().block_on(async {
         let done = store
-            .complete(
+            .complete(Completion::by_body(
                 &id,
                 &token,
                 &StoredOutcome {
@@ -534,8 +533,7 @@ fn an_in_memory_store_keeps_its_records_across_runtimes() {
                     payload: b"42".to_vec(),
                 },
                 LONG,
-                AnsweredBy::Body,
-            )
+            ))
             .await
             .expect("complete");
         assert_eq!(done, Fenced::Written);

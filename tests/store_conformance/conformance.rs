@@ -22,8 +22,8 @@
 #![allow(dead_code)]
 
 use idempotent_runtime::{
-    AnsweredBy, Fenced, Fingerprint, ForcedRelease, Identity, OwnerToken, RecordSnapshot,
-    RecordState, Reservation, ReserveRequest, Store, StoredOutcome,
+    AnsweredBy, Completion, Fenced, Fingerprint, ForcedRelease, Identity, OwnerToken,
+    RecordSnapshot, RecordState, Reservation, ReserveRequest, Store, StoredOutcome,
 };
 use std::time::Duration;
 
@@ -136,7 +136,7 @@ pub async fn record<S: Store + ?Sized>(
     let token = acquire(store, identity, fingerprint, LONG, ttl).await;
     assert_eq!(
         store
-            .complete(identity, &token, outcome, ttl, AnsweredBy::Body)
+            .complete(Completion::by_body(identity, &token, outcome, ttl))
             .await
             .expect("complete succeeds"),
         Fenced::Written,
@@ -176,14 +176,14 @@ pub async fn identity_separated_by_tenant<S: Store + Clone + 'static>(store: S) 
     let tb = acquire(&store, &b, Some(&fb), LONG, LONG).await;
     assert_eq!(
         store
-            .complete(&a, &ta, &ok(b"\"for a\""), LONG, AnsweredBy::Body)
+            .complete(Completion::by_body(&a, &ta, &ok(b"\"for a\""), LONG))
             .await
             .unwrap(),
         Fenced::Written
     );
     assert_eq!(
         store
-            .complete(&b, &tb, &ok(b"\"for b\""), LONG, AnsweredBy::Body)
+            .complete(Completion::by_body(&b, &tb, &ok(b"\"for b\""), LONG))
             .await
             .unwrap(),
         Fenced::Written
@@ -211,7 +211,7 @@ pub async fn identity_separated_by_scope<S: Store + Clone + 'static>(store: S) {
     let tb = acquire(&store, &b, Some(&fp("y")), LONG, LONG).await;
     assert_eq!(
         store
-            .complete(&a, &ta, &ok(b"1"), LONG, AnsweredBy::Body)
+            .complete(Completion::by_body(&a, &ta, &ok(b"1"), LONG))
             .await
             .unwrap(),
         Fenced::Written
@@ -223,7 +223,7 @@ pub async fn identity_separated_by_scope<S: Store + Clone + 'static>(store: S) {
     ));
     assert_eq!(
         store
-            .complete(&b, &tb, &ok(b"2"), LONG, AnsweredBy::Body)
+            .complete(Completion::by_body(&b, &tb, &ok(b"2"), LONG))
             .await
             .unwrap(),
         Fenced::Written
@@ -350,13 +350,12 @@ pub async fn reserve_is_atomic_under_concurrency<S: Store + Clone + 'static>(sto
         );
         assert_eq!(
             store
-                .complete(
+                .complete(Completion::by_body(
                     &identity,
                     winner_token,
                     &ok(b"\"done\""),
-                    LONG,
-                    AnsweredBy::Body
-                )
+                    LONG
+                ))
                 .await
                 .unwrap(),
             Fenced::Written
@@ -452,7 +451,7 @@ pub async fn complete_then_replay<S: Store + Clone + 'static>(store: S) {
     let token = acquire(&store, &identity, Some(&f), LONG, LONG).await;
     assert_eq!(
         store
-            .complete(&identity, &token, &ok(payload), LONG, AnsweredBy::Body)
+            .complete(Completion::by_body(&identity, &token, &ok(payload), LONG))
             .await
             .unwrap(),
         Fenced::Written
@@ -472,13 +471,12 @@ pub async fn complete_then_replay<S: Store + Clone + 'static>(store: S) {
     // The owner's token no longer owns anything: the record is complete.
     assert_eq!(
         store
-            .complete(
+            .complete(Completion::by_body(
                 &identity,
                 &token,
                 &ok(b"\"overwrite\""),
-                LONG,
-                AnsweredBy::Body
-            )
+                LONG
+            ))
             .await
             .unwrap(),
         Fenced::NotOwner
@@ -549,7 +547,7 @@ pub async fn release_frees_the_key<S: Store + Clone + 'static>(store: S) {
     );
     assert_eq!(
         store
-            .complete(&identity, &first, &ok(b"1"), LONG, AnsweredBy::Body)
+            .complete(Completion::by_body(&identity, &first, &ok(b"1"), LONG))
             .await
             .unwrap(),
         Fenced::NotOwner
@@ -598,20 +596,19 @@ pub async fn complete_detached_records_and_is_fenced<S: Store + Clone + 'static>
     let tenant = fresh_tenant();
     let identity = id(&tenant, "conformance.complete_detached", "k");
     let owner = acquire(&store, &identity, None, LONG, LONG).await;
-    store.complete_detached(
-        identity.clone(),
-        OwnerToken::new(),
-        ok(b"\"stranger\""),
+    let stranger = OwnerToken::new();
+    store.complete_detached(Completion::by_body(
+        &identity,
+        &stranger,
+        &ok(b"\"stranger\""),
         LONG,
-        AnsweredBy::Body,
-    );
-    store.complete_detached(
-        identity.clone(),
-        owner.clone(),
-        ok(b"\"owner\""),
+    ));
+    store.complete_detached(Completion::by_body(
+        &identity,
+        &owner,
+        &ok(b"\"owner\""),
         LONG,
-        AnsweredBy::Body,
-    );
+    ));
     let mut recorded = None;
     for _ in 0..250 {
         match fetch(&store, &identity).await {
@@ -677,15 +674,15 @@ pub async fn a_detached_recover_hook_answer_keeps_the_mark<S: Store + Clone + 's
         let identity = id(&tenant, "conformance.detached_recovered", key);
         let owner = acquire(&store, &identity, None, LONG, LONG).await;
         if recovered {
-            store.complete_detached(
-                identity.clone(),
-                owner,
-                ok(b"1"),
-                LONG,
-                AnsweredBy::RecoverHook,
-            );
+            store.complete_detached(Completion {
+                identity: &identity,
+                token: &owner,
+                outcome: &ok(b"1"),
+                ttl: LONG,
+                by: AnsweredBy::RecoverHook,
+            });
         } else {
-            store.complete_detached(identity.clone(), owner, ok(b"1"), LONG, AnsweredBy::Body);
+            store.complete_detached(Completion::by_body(&identity, &owner, &ok(b"1"), LONG));
         }
         let mut done = None;
         for _ in 0..250 {
@@ -860,7 +857,12 @@ pub async fn expired_lease_is_taken_over<S: Store + Clone + 'static>(store: S) {
 
     assert_eq!(
         store
-            .complete(&identity, &stale, &ok(b"\"stale\""), LONG, AnsweredBy::Body)
+            .complete(Completion::by_body(
+                &identity,
+                &stale,
+                &ok(b"\"stale\""),
+                LONG
+            ))
             .await
             .unwrap(),
         Fenced::NotOwner
@@ -881,7 +883,12 @@ pub async fn expired_lease_is_taken_over<S: Store + Clone + 'static>(store: S) {
 
     assert_eq!(
         store
-            .complete(&identity, &fresh, &ok(b"\"fresh\""), LONG, AnsweredBy::Body)
+            .complete(Completion::by_body(
+                &identity,
+                &fresh,
+                &ok(b"\"fresh\""),
+                LONG
+            ))
             .await
             .unwrap(),
         Fenced::Written
@@ -940,7 +947,7 @@ pub async fn heartbeat_extends_the_lease<S: Store + Clone + 'static>(store: S) {
     );
     assert_eq!(
         store
-            .complete(&identity, &token, &ok(b"1"), LONG, AnsweredBy::Body)
+            .complete(Completion::by_body(&identity, &token, &ok(b"1"), LONG))
             .await
             .unwrap(),
         Fenced::Written
@@ -1290,7 +1297,12 @@ pub async fn extreme_durations_are_accepted<S: Store + Clone + 'static>(store: S
     );
     assert_eq!(
         store
-            .complete(&forever, &token, &ok(b"1"), Duration::MAX, AnsweredBy::Body)
+            .complete(Completion::by_body(
+                &forever,
+                &token,
+                &ok(b"1"),
+                Duration::MAX
+            ))
             .await
             .unwrap(),
         Fenced::Written
@@ -1428,7 +1440,7 @@ pub async fn attempts_are_counted_in_the_record<S: Store + Clone + 'static>(stor
     // Completion keeps the attempt that completed it; replays do not count.
     assert_eq!(
         store
-            .complete(&identity, &third, &ok(b"3"), SHORT, AnsweredBy::Body)
+            .complete(Completion::by_body(&identity, &third, &ok(b"3"), SHORT))
             .await
             .unwrap(),
         Fenced::Written
@@ -1503,33 +1515,38 @@ pub async fn recovered_completions_are_marked_and_counted<S: Store + Clone + 'st
     // Fenced like complete: a stale token changes nothing.
     assert_eq!(
         store
-            .complete(
-                &key("recovered"),
-                &OwnerToken::new(),
-                &ok(b"\"x\""),
-                LONG,
-                AnsweredBy::RecoverHook
-            )
+            .complete(Completion {
+                identity: &key("recovered"),
+                token: &OwnerToken::new(),
+                outcome: &ok(b"\"x\""),
+                ttl: LONG,
+                by: AnsweredBy::RecoverHook
+            })
             .await
             .unwrap(),
         Fenced::NotOwner
     );
     assert_eq!(
         store
-            .complete(
-                &key("recovered"),
-                &t1,
-                &ok(b"\"found\""),
-                LONG,
-                AnsweredBy::RecoverHook
-            )
+            .complete(Completion {
+                identity: &key("recovered"),
+                token: &t1,
+                outcome: &ok(b"\"found\""),
+                ttl: LONG,
+                by: AnsweredBy::RecoverHook
+            })
             .await
             .unwrap(),
         Fenced::Written
     );
     assert_eq!(
         store
-            .complete(&key("rerun"), &t2, &ok(b"\"ran\""), LONG, AnsweredBy::Body)
+            .complete(Completion::by_body(
+                &key("rerun"),
+                &t2,
+                &ok(b"\"ran\""),
+                LONG
+            ))
             .await
             .unwrap(),
         Fenced::Written
@@ -1544,13 +1561,13 @@ pub async fn recovered_completions_are_marked_and_counted<S: Store + Clone + 'st
     // A second completion is refused: the record is complete.
     assert_eq!(
         store
-            .complete(
-                &key("recovered"),
-                &t1,
-                &ok(b"\"again\""),
-                LONG,
-                AnsweredBy::RecoverHook
-            )
+            .complete(Completion {
+                identity: &key("recovered"),
+                token: &t1,
+                outcome: &ok(b"\"again\""),
+                ttl: LONG,
+                by: AnsweredBy::RecoverHook
+            })
             .await
             .unwrap(),
         Fenced::NotOwner
@@ -1646,7 +1663,7 @@ pub async fn force_release_frees_only_in_progress_records<S: Store + Clone + 'st
     );
     assert_eq!(
         store
-            .complete(&running, &owner, &ok(b"1"), LONG, AnsweredBy::Body)
+            .complete(Completion::by_body(&running, &owner, &ok(b"1"), LONG))
             .await
             .unwrap(),
         Fenced::NotOwner

@@ -14,9 +14,8 @@
 //! duplicate enters `wait_for_change` (which it forwards).
 
 use idempotent_runtime::{
-    idempotent, AnsweredBy, Error, Fenced, ForcedRelease, Identity, MemoryStore, OwnerToken,
+    idempotent, Completion, Error, Fenced, ForcedRelease, Identity, MemoryStore, OwnerToken,
     RecordSnapshot, Reservation, ReserveRequest, ScopeStats, SqliteStore, Store, StoreError,
-    StoredOutcome,
 };
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
@@ -65,15 +64,8 @@ impl<S: Store> Store for Counting<S> {
         self.reserves.fetch_add(1, Ordering::SeqCst);
         self.inner.reserve(r).await
     }
-    async fn complete(
-        &self,
-        i: &Identity,
-        t: &OwnerToken,
-        o: &StoredOutcome,
-        ttl: Duration,
-        by: AnsweredBy,
-    ) -> Result<Fenced, StoreError> {
-        self.inner.complete(i, t, o, ttl, by).await
+    async fn complete(&self, completion: Completion<'_>) -> Result<Fenced, StoreError> {
+        self.inner.complete(completion).await
     }
     async fn release(&self, i: &Identity, t: &OwnerToken) -> Result<Fenced, StoreError> {
         self.inner.release(i, t).await
@@ -89,15 +81,8 @@ impl<S: Store> Store for Counting<S> {
     fn release_detached(&self, i: Identity, t: OwnerToken) {
         self.inner.release_detached(i, t)
     }
-    fn complete_detached(
-        &self,
-        i: Identity,
-        t: OwnerToken,
-        o: StoredOutcome,
-        ttl: Duration,
-        by: AnsweredBy,
-    ) {
-        self.inner.complete_detached(i, t, o, ttl, by)
+    fn complete_detached(&self, completion: Completion<'_>) {
+        self.inner.complete_detached(completion)
     }
     async fn force_release(
         &self,

@@ -14,9 +14,9 @@
 use crate::common::servers::{fresh_tenant, pg_store_or_skip, pg_url};
 use idempotent_runtime::store::postgres::wait_key;
 use idempotent_runtime::{
-    idempotent, with_outcome, AnsweredBy, Error, Fenced, ForcedRelease, Identity, Outcome,
+    idempotent, with_outcome, Completion, Error, Fenced, ForcedRelease, Identity, Outcome,
     OwnerToken, PgStore, RecordSnapshot, Reservation, ReserveRequest, ScopeStats, Store,
-    StoreError, StoredOutcome,
+    StoreError,
 };
 use sqlx::Postgres;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -55,15 +55,8 @@ impl Store for Counting {
         self.reserves.fetch_add(1, Ordering::SeqCst);
         self.inner.reserve(request).await
     }
-    async fn complete(
-        &self,
-        identity: &Identity,
-        token: &OwnerToken,
-        outcome: &StoredOutcome,
-        ttl: Duration,
-        by: AnsweredBy,
-    ) -> Result<Fenced, StoreError> {
-        self.inner.complete(identity, token, outcome, ttl, by).await
+    async fn complete(&self, completion: Completion<'_>) -> Result<Fenced, StoreError> {
+        self.inner.complete(completion).await
     }
     async fn release(&self, identity: &Identity, token: &OwnerToken) -> Result<Fenced, StoreError> {
         self.inner.release(identity, token).await
@@ -79,16 +72,8 @@ impl Store for Counting {
     fn release_detached(&self, identity: Identity, token: OwnerToken) {
         self.inner.release_detached(identity, token)
     }
-    fn complete_detached(
-        &self,
-        identity: Identity,
-        token: OwnerToken,
-        outcome: StoredOutcome,
-        ttl: Duration,
-        by: AnsweredBy,
-    ) {
-        self.inner
-            .complete_detached(identity, token, outcome, ttl, by)
+    fn complete_detached(&self, completion: Completion<'_>) {
+        self.inner.complete_detached(completion)
     }
     async fn force_release(
         &self,

@@ -64,9 +64,9 @@ pub(crate) enum Work {
     /// End the lease of the in-progress record `token` owns (kept, for the
     /// next call to take over).
     EndLease,
-    /// Record this outcome, kept for the ttl; `true`: a recover hook's
-    /// answer, marked recovered.
-    Complete(StoredOutcome, Duration, bool),
+    /// Record this outcome, kept for the ttl, given by the body or a
+    /// recover hook ([`Completion`](crate::store::Completion)'s fields).
+    Complete(StoredOutcome, Duration, crate::store::AnsweredBy),
 }
 
 /// Carries out one piece of [`Work`] on the worker's own connections:
@@ -329,19 +329,15 @@ macro_rules! hand_over_to_the_worker {
                 .hand_over(identity, token, $crate::store::detached::Work::EndLease);
         }
 
-        fn complete_detached(
-            &self,
-            identity: Identity,
-            token: OwnerToken,
-            outcome: StoredOutcome,
-            ttl: Duration,
-            by: $crate::store::AnsweredBy,
-        ) {
-            let recovered = by.marks_recovered();
+        fn complete_detached(&self, completion: $crate::store::Completion<'_>) {
             self.detached.hand_over(
-                identity,
-                token,
-                $crate::store::detached::Work::Complete(outcome, ttl, recovered),
+                completion.identity.clone(),
+                completion.token.clone(),
+                $crate::store::detached::Work::Complete(
+                    completion.outcome.clone(),
+                    completion.ttl,
+                    completion.by,
+                ),
             );
         }
     };

@@ -252,25 +252,18 @@ impl MemoryStore {
         }
     }
 
-    fn complete_now(
-        &self,
-        identity: &Identity,
-        token: &OwnerToken,
-        outcome: &StoredOutcome,
-        ttl: Duration,
-        recovered: bool,
-    ) -> bool {
+    fn complete_now(&self, completion: Completion<'_>) -> bool {
         let now = self.now_ms();
-        let hash = self.hash(identity);
+        let hash = self.hash(completion.identity);
         let mut records = self.records();
-        match find_mut(&mut records, hash, identity) {
-            Some(r) if r.owned_by(token) => {
+        match find_mut(&mut records, hash, completion.identity) {
+            Some(r) if r.owned_by(completion.token) => {
                 r.state = RecordState::Complete;
                 r.owner_token = None;
-                r.outcome = Some(outcome.clone());
-                r.expires_at_ms = now.saturating_add(duration_to_millis(ttl));
+                r.outcome = Some(completion.outcome.clone());
+                r.expires_at_ms = now.saturating_add(duration_to_millis(completion.ttl));
                 r.lease_expires_at_ms = now;
-                r.recovered = recovered;
+                r.recovered = completion.marks_recovered();
                 r.wake_waiters();
                 true
             }
@@ -402,21 +395,8 @@ impl Store for MemoryStore {
         ))
     }
 
-    async fn complete(
-        &self,
-        identity: &Identity,
-        token: &OwnerToken,
-        outcome: &StoredOutcome,
-        ttl: Duration,
-        by: AnsweredBy,
-    ) -> Result<Fenced, StoreError> {
-        Ok(Fenced::from_owned(self.complete_now(
-            identity,
-            token,
-            outcome,
-            ttl,
-            by.marks_recovered(),
-        )))
+    async fn complete(&self, completion: Completion<'_>) -> Result<Fenced, StoreError> {
+        Ok(Fenced::from_owned(self.complete_now(completion)))
     }
 
     async fn force_release(
@@ -469,15 +449,8 @@ impl Store for MemoryStore {
         self.release_now(&identity, &token);
     }
 
-    fn complete_detached(
-        &self,
-        identity: Identity,
-        token: OwnerToken,
-        outcome: StoredOutcome,
-        ttl: Duration,
-        by: AnsweredBy,
-    ) {
-        self.complete_now(&identity, &token, &outcome, ttl, by.marks_recovered());
+    fn complete_detached(&self, completion: Completion<'_>) {
+        self.complete_now(completion);
     }
 
     async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError> {
@@ -682,7 +655,12 @@ mod tests {
                 is_error: false,
                 payload: b"1".to_vec(),
             };
-            assert!(store.complete_now(&id, &token, &outcome, Duration::from_secs(60), false));
+            assert!(store.complete_now(Completion::by_body(
+                &id,
+                &token,
+                &outcome,
+                Duration::from_secs(60)
+            )));
         };
         tokio::join!(waiter, complete);
         assert!(!has_waiters(), "the completion took the waiters' Notify");

@@ -176,6 +176,57 @@ impl Reservation {
     }
 }
 
+/// What [`Store::complete`] records: the outcome for the record `token`
+/// owns, kept for `ttl`, and who gave it.
+///
+/// ```
+/// use idempotent_runtime::{AnsweredBy, Completion, Identity, OwnerToken, StoredOutcome};
+/// use std::time::Duration;
+/// let identity = Identity::new("acct_1", "payments.charge", "order-1")?;
+/// let token = OwnerToken::new();
+/// let outcome = StoredOutcome { is_error: false, payload: b"42".to_vec() };
+/// let completion = Completion::by_body(&identity, &token, &outcome, Duration::from_secs(3600));
+/// assert_eq!(completion.by, AnsweredBy::Body);
+/// assert!(!completion.marks_recovered());
+/// # Ok::<(), idempotent_runtime::Error>(())
+/// ```
+#[derive(Debug, Clone, Copy)]
+pub struct Completion<'a> {
+    /// The record's identity.
+    pub identity: &'a Identity,
+    /// The token that must still own the record (rule 10).
+    pub token: &'a OwnerToken,
+    /// The outcome to record.
+    pub outcome: &'a StoredOutcome,
+    /// How long the completed record is kept (its retention, rule 16).
+    pub ttl: Duration,
+    /// Who gave the answer: the body, or a `recover` hook (rule 20).
+    pub by: AnsweredBy,
+}
+
+impl<'a> Completion<'a> {
+    /// A completion with the body's answer.
+    pub fn by_body(
+        identity: &'a Identity,
+        token: &'a OwnerToken,
+        outcome: &'a StoredOutcome,
+        ttl: Duration,
+    ) -> Self {
+        Completion {
+            identity,
+            token,
+            outcome,
+            ttl,
+            by: AnsweredBy::Body,
+        }
+    }
+
+    /// Whether the record is to be marked recovered ([`AnsweredBy::marks_recovered`]).
+    pub fn marks_recovered(&self) -> bool {
+        self.by.marks_recovered()
+    }
+}
+
 /// Who gave the answer a completion records ([`Store::complete`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum AnsweredBy {
@@ -368,16 +419,9 @@ pub trait Store: Send + Sync {
 
     /// Records the outcome and keeps it for `ttl`; `by` says who gave it (an
     /// answer of a `recover` hook marks the record recovered, which audits
-    /// count). Returns [`Fenced::NotOwner`] (and changes nothing) when `token`
-    /// no longer owns the record.
-    async fn complete(
-        &self,
-        identity: &Identity,
-        token: &OwnerToken,
-        outcome: &StoredOutcome,
-        ttl: Duration,
-        by: AnsweredBy,
-    ) -> Result<Fenced, StoreError>;
+    /// count). Returns [`Fenced::NotOwner`] (and changes nothing) when the
+    /// completion's token no longer owns the record.
+    async fn complete(&self, completion: Completion<'_>) -> Result<Fenced, StoreError>;
 
     /// Deletes the in-progress record so the key is free. Returns
     /// [`Fenced::NotOwner`] (and changes nothing) when `token` no longer owns it.
@@ -415,14 +459,7 @@ pub trait Store: Send + Sync {
     /// [`release_detached`](Store::release_detached) it must not depend on the
     /// caller's runtime; it is fenced by `token` like
     /// [`complete`](Store::complete).
-    fn complete_detached(
-        &self,
-        identity: Identity,
-        token: OwnerToken,
-        outcome: StoredOutcome,
-        ttl: Duration,
-        by: AnsweredBy,
-    );
+    fn complete_detached(&self, completion: Completion<'_>);
 
     /// Ends the lease of the in-progress record `token` owns, without waiting
     /// for the caller and without deleting the record: the next call takes
@@ -533,8 +570,8 @@ macro_rules! delegate_store {
             async fn reserve(&self, request: ReserveRequest<'_>) -> Result<Reservation, StoreError> {
                 (**self).reserve(request).await
             }
-            async fn complete(&self, identity: &Identity, token: &OwnerToken, outcome: &StoredOutcome, ttl: Duration, by: AnsweredBy) -> Result<Fenced, StoreError> {
-                (**self).complete(identity, token, outcome, ttl, by).await
+            async fn complete(&self, completion: Completion<'_>) -> Result<Fenced, StoreError> {
+                (**self).complete(completion).await
             }
             async fn release(&self, identity: &Identity, token: &OwnerToken) -> Result<Fenced, StoreError> {
                 (**self).release(identity, token).await
@@ -545,8 +582,8 @@ macro_rules! delegate_store {
             fn release_detached(&self, identity: Identity, token: OwnerToken) {
                 (**self).release_detached(identity, token)
             }
-            fn complete_detached(&self, identity: Identity, token: OwnerToken, outcome: StoredOutcome, ttl: Duration, by: AnsweredBy) {
-                (**self).complete_detached(identity, token, outcome, ttl, by)
+            fn complete_detached(&self, completion: Completion<'_>) {
+                (**self).complete_detached(completion)
             }
             fn end_lease_detached(&self, identity: Identity, token: OwnerToken) {
                 (**self).end_lease_detached(identity, token)

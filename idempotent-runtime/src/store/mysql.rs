@@ -236,10 +236,18 @@ fn background_worker(pool: &MySqlPool) -> detached::Detached {
                 ))
             })
         },
-        |pool, identity, token, outcome, ttl, recovered| {
+        |pool, identity, token, outcome, ttl, by| {
             Box::pin(async move {
+                let (identity, token, outcome) = (&identity, &token, &outcome);
+                let completion = Completion {
+                    identity,
+                    token,
+                    outcome,
+                    ttl,
+                    by,
+                };
                 committed!(&pool, "complete", |on, commit| complete_as(
-                    commit, on, &identity, &token, &outcome, ttl, recovered
+                    commit, on, completion
                 ))
             })
         },
@@ -666,27 +674,25 @@ async fn fenced<'e, E: Executor<'e, Database = MySql>>(
 /// Records the outcome in the caller's transaction (transactional mode).
 async fn complete_with<'e, E: Executor<'e, Database = MySql>>(
     executor: E,
-    identity: &Identity,
-    token: &OwnerToken,
-    outcome: &StoredOutcome,
-    ttl: Duration,
-    recovered: bool,
+    completion: Completion<'_>,
 ) -> Result<Fenced, StoreError> {
-    let commit = Commit::WithTheTransaction;
-    complete_as(commit, executor, identity, token, outcome, ttl, recovered).await
+    complete_as(Commit::WithTheTransaction, executor, completion).await
 }
 
-/// Records the outcome, fenced by the token; `recovered` marks an outcome a
-/// `recover` hook gave (rule 20).
+/// Records the outcome, fenced by the token; an outcome a `recover` hook
+/// gave is marked recovered (rule 20).
 async fn complete_as<'e, E: Executor<'e, Database = MySql>>(
     commit: Commit,
     executor: E,
-    identity: &Identity,
-    token: &OwnerToken,
-    outcome: &StoredOutcome,
-    ttl: Duration,
-    recovered: bool,
+    completion: Completion<'_>,
 ) -> Result<Fenced, StoreError> {
+    let Completion {
+        identity,
+        token,
+        outcome,
+        ttl,
+        ..
+    } = completion;
     let sql = format!(
         "UPDATE idempotency_records SET state = 'complete', owner_token = NULL,
                 is_error = ?, result = ?, lease_expires_at = NULL,
@@ -699,7 +705,7 @@ async fn complete_as<'e, E: Executor<'e, Database = MySql>>(
         .bind(outcome.is_error)
         .bind(&outcome.payload)
         .bind(duration_to_millis(ttl))
-        .bind(recovered);
+        .bind(completion.marks_recovered());
     fenced(
         "complete",
         on_owned_record(statement, identity, token),
@@ -779,19 +785,11 @@ impl Store for MySqlStore {
         reserve_through_store(&self.pools.current(), request, self.mariadb).await
     }
 
-    async fn complete(
-        &self,
-        identity: &Identity,
-        token: &OwnerToken,
-        outcome: &StoredOutcome,
-        ttl: Duration,
-        by: AnsweredBy,
-    ) -> Result<Fenced, StoreError> {
+    async fn complete(&self, completion: Completion<'_>) -> Result<Fenced, StoreError> {
         let pool = self.pools.current();
-        let recovered = by.marks_recovered();
-        committed!(&pool, "complete", |on, commit| {
-            complete_as(commit, on, identity, token, outcome, ttl, recovered)
-        })
+        committed!(&pool, "complete", |on, commit| complete_as(
+            commit, on, completion
+        ))
     }
 
     async fn force_release(

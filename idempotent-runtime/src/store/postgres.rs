@@ -180,12 +180,17 @@ fn background_worker(pool: &PgPool) -> detached::Detached {
                     .await
             })
         },
-        |pool, identity, token, outcome, ttl, recovered| {
+        |pool, identity, token, outcome, ttl, by| {
             Box::pin(async move {
-                in_own_transaction(|| {
-                    complete_with(&pool, &identity, &token, &outcome, ttl, recovered)
-                })
-                .await
+                let (identity, token, outcome) = (&identity, &token, &outcome);
+                let completion = Completion {
+                    identity,
+                    token,
+                    outcome,
+                    ttl,
+                    by,
+                };
+                in_own_transaction(|| complete_with(&pool, completion)).await
             })
         },
     )
@@ -630,16 +635,19 @@ fn is_serialization_failure(e: &StoreError) -> bool {
         Some(sqlx::Error::Database(d)) if d.code().as_deref() == Some(SERIALIZATION_FAILURE))
 }
 
-/// Records the outcome, fenced by the token; `recovered` marks an outcome a
-/// `recover` hook gave (rule 20).
+/// Records the outcome, fenced by the token; an outcome a `recover` hook
+/// gave is marked recovered (rule 20).
 async fn complete_with<'e, E: Executor<'e, Database = Postgres>>(
     executor: E,
-    identity: &Identity,
-    token: &OwnerToken,
-    outcome: &StoredOutcome,
-    ttl: Duration,
-    recovered: bool,
+    completion: Completion<'_>,
 ) -> Result<Fenced, StoreError> {
+    let Completion {
+        identity,
+        token,
+        outcome,
+        ttl,
+        ..
+    } = completion;
     const SQL: &str = "UPDATE idempotency_records SET state = 'complete', owner_token = NULL,
                 is_error = $5, result = $6, lease_expires_at = NULL,
                 expires_at = idempotency_now_ms() + $7, updated_at = idempotency_now_ms(),
@@ -650,7 +658,7 @@ async fn complete_with<'e, E: Executor<'e, Database = Postgres>>(
         .bind(outcome.is_error)
         .bind(&outcome.payload)
         .bind(millis_i64(ttl))
-        .bind(recovered);
+        .bind(completion.marks_recovered());
     fenced("complete", statement, executor).await
 }
 
@@ -694,17 +702,9 @@ impl Store for PgStore {
         reserve_autocommit(&self.pools.current(), request, self.lock_wait).await
     }
 
-    async fn complete(
-        &self,
-        identity: &Identity,
-        token: &OwnerToken,
-        outcome: &StoredOutcome,
-        ttl: Duration,
-        by: AnsweredBy,
-    ) -> Result<Fenced, StoreError> {
+    async fn complete(&self, completion: Completion<'_>) -> Result<Fenced, StoreError> {
         let pool = self.pools.current();
-        let recovered = by.marks_recovered();
-        in_own_transaction(|| complete_with(&*pool, identity, token, outcome, ttl, recovered)).await
+        in_own_transaction(|| complete_with(&*pool, completion)).await
     }
 
     async fn force_release(

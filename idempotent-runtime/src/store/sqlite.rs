@@ -649,9 +649,18 @@ impl SqliteStore {
                                     Work::EndLease => {
                                         heartbeat_on(&pool, &identity, &token, Duration::ZERO).await
                                     }
-                                    Work::Complete(outcome, ttl, recovered) => {
+                                    Work::Complete(outcome, ttl, by) => {
+                                        let (identity, token) = (&identity, &token);
+                                        let outcome = &outcome;
                                         complete_on(
-                                            &pool, &identity, &token, &outcome, ttl, recovered,
+                                            &pool,
+                                            Completion {
+                                                identity,
+                                                token,
+                                                outcome,
+                                                ttl,
+                                                by,
+                                            },
                                         )
                                         .await
                                     }
@@ -726,22 +735,31 @@ impl SqliteStore {
         Ok(released)
     }
 
-    async fn complete_now(
-        &self,
-        identity: &Identity,
-        token: &OwnerToken,
-        outcome: &StoredOutcome,
-        ttl: Duration,
-        recovered: bool,
-    ) -> Result<Fenced, StoreError> {
-        let (id, token, outcome) = (identity.clone(), token.clone(), outcome.clone());
+    async fn complete_now(&self, completion: Completion<'_>) -> Result<Fenced, StoreError> {
+        let (id, token, outcome) = (
+            completion.identity.clone(),
+            completion.token.clone(),
+            completion.outcome.clone(),
+        );
+        let (ttl, by) = (completion.ttl, completion.by);
         let completed = self
             .write_in_turn("complete", move |pool| async move {
-                complete_on(&pool, &id, &token, &outcome, ttl, recovered).await
+                let (identity, token, outcome) = (&id, &token, &outcome);
+                complete_on(
+                    &pool,
+                    Completion {
+                        identity,
+                        token,
+                        outcome,
+                        ttl,
+                        by,
+                    },
+                )
+                .await
             })
             .await?;
         if completed.is_written() {
-            self.waiters.notify(identity);
+            self.waiters.notify(completion.identity);
         }
         Ok(completed)
     }
@@ -772,17 +790,20 @@ async fn beside_the_caller<T: Send + 'static>(
         .map_err(|e| StoreError::new(STORE, operation, e))?
 }
 
-/// Completes the record, fenced by `token`, on a pool or on the caller's
-/// connection (transactional mode).
-/// `recovered` marks an outcome a `recover` hook gave (rule 20).
+/// Completes the record, fenced by its token, on a pool or on the caller's
+/// connection (transactional mode). An outcome a `recover` hook gave is
+/// marked recovered (rule 20).
 pub(super) async fn complete_on<'e, E: sqlx::Executor<'e, Database = sqlx::Sqlite>>(
     executor: E,
-    identity: &Identity,
-    token: &OwnerToken,
-    outcome: &StoredOutcome,
-    ttl: Duration,
-    recovered: bool,
+    completion: Completion<'_>,
 ) -> Result<Fenced, StoreError> {
+    let Completion {
+        identity,
+        token,
+        outcome,
+        ttl,
+        ..
+    } = completion;
     let done = sqlx::query(COMPLETE_SQL)
         .bind(&identity.tenant)
         .bind(&identity.scope)
@@ -791,7 +812,7 @@ pub(super) async fn complete_on<'e, E: sqlx::Executor<'e, Database = sqlx::Sqlit
         .bind(ms(ttl))
         .bind(outcome.is_error)
         .bind(&outcome.payload[..])
-        .bind(recovered)
+        .bind(completion.marks_recovered())
         .execute(executor)
         .await
         .map_err(err("complete"))?;
@@ -1226,16 +1247,8 @@ impl Store for SqliteStore {
         .await
     }
 
-    async fn complete(
-        &self,
-        identity: &Identity,
-        token: &OwnerToken,
-        outcome: &StoredOutcome,
-        ttl: Duration,
-        by: AnsweredBy,
-    ) -> Result<Fenced, StoreError> {
-        self.complete_now(identity, token, outcome, ttl, by.marks_recovered())
-            .await
+    async fn complete(&self, completion: Completion<'_>) -> Result<Fenced, StoreError> {
+        self.complete_now(completion).await
     }
 
     async fn force_release(
@@ -1516,13 +1529,12 @@ mod tests {
                 payload: b"1".to_vec(),
             };
             assert!(store
-                .complete(
+                .complete(Completion::by_body(
                     &id,
                     &token,
                     &outcome,
-                    Duration::from_secs(60),
-                    AnsweredBy::Body
-                )
+                    Duration::from_secs(60)
+                ))
                 .await
                 .expect("complete")
                 .is_written());
