@@ -7,7 +7,7 @@ use crate::metrics::{CallOutcome, METRICS};
 use crate::recovery::{Recovery, Takeover};
 use crate::registry::{InProgressPolicy, ScopeInfo};
 use crate::store::{
-    AnsweredBy, Completion, Fenced, OwnerToken, Reservation, ReserveRequest, Store, StoredOutcome,
+    Answer, AnsweredBy, Fenced, OwnerToken, Reservation, ReserveRequest, Store, StoredOutcome,
 };
 use futures_util::future::BoxFuture;
 use futures_util::FutureExt;
@@ -263,7 +263,7 @@ struct FinishOnDrop<'a> {
     armed: AtomicBool,
     /// The outcome being recorded, while its completion is under way, and
     /// whether a recover hook gave it (the record is then marked recovered).
-    completing: Option<(StoredOutcome, Duration, AnsweredBy)>,
+    completing: Option<Answer>,
     /// The scope has a `recover` hook, and the reservation's answer has not
     /// come back (in flight, or lost): the record may be a takeover of an
     /// owner that died after its side effect. Releasing it would make the
@@ -294,18 +294,12 @@ impl Drop for FinishOnDrop<'_> {
             tracing::info!(target: "idempotent", scope = %identity.scope, key = %identity.log_digest(),
                 "call ended while it held (or may have held) its record; the store releases it");
             self.store.release_detached(identity, token);
-        } else if let Some((outcome, ttl, by)) = self.completing.take() {
+        } else if let Some(answer) = self.completing.take() {
             let (identity, token) = (&self.identity, &self.token);
             tracing::info!(target: "idempotent", scope = %identity.scope, key = %identity.log_digest(),
                 "call dropped while recording its result; the store records it");
-            let outcome = &outcome;
-            self.store.complete_detached(Completion {
-                identity,
-                token,
-                outcome,
-                ttl,
-                by,
-            });
+            self.store
+                .complete_detached(answer.completing(identity, token));
         }
     }
 }
@@ -613,12 +607,8 @@ pub(crate) trait RecordSink: Send {
     fn keep_for_takeover(&mut self) -> BoxFuture<'_, ()>;
 
     /// Records the answer. `Ok(Fenced::NotOwner)`: another owner holds the record now.
-    fn record(
-        &mut self,
-        stored: StoredOutcome,
-        ttl: Duration,
-        by: AnsweredBy,
-    ) -> BoxFuture<'_, Result<Fenced, crate::error::StoreError>>;
+    fn record(&mut self, answer: Answer)
+        -> BoxFuture<'_, Result<Fenced, crate::error::StoreError>>;
 }
 
 /// Store mode's [`RecordSink`]: writes through the store, and keeps the
@@ -646,40 +636,23 @@ impl RecordSink for StoreSink<'_, '_> {
 
     fn record(
         &mut self,
-        stored: StoredOutcome,
-        ttl: Duration,
-        by: AnsweredBy,
+        answer: Answer,
     ) -> BoxFuture<'_, Result<Fenced, crate::error::StoreError>> {
         Box::pin(async move {
             let (store, identity, token) = (self.store, self.guard.identity, self.guard.token);
             // The answer is recordable: from here on a dropped call records
             // it rather than freeing the key for a re-run.
             self.guard.arm(false);
-            let outcome = &self.guard.completing.insert((stored, ttl, by)).0;
-            let written = store
-                .complete(Completion {
-                    identity,
-                    token,
-                    outcome,
-                    ttl,
-                    by,
-                })
-                .await;
+            let answer = self.guard.completing.insert(answer);
+            let written = store.complete(answer.completing(identity, token)).await;
             let unrecorded = self.guard.completing.take();
-            if let (Err(e), Some((outcome, ttl, by))) = (&written, unrecorded) {
+            if let (Err(e), Some(answer)) = (&written, unrecorded) {
                 // The answer is final: keep trying to record it in the
                 // background (fenced by the token), so a retry replays it
                 // instead of running the body again once the lease runs out.
                 tracing::error!(target: "idempotent", scope = %identity.scope, key = %identity.log_digest(), error = %e,
                     "the answer could not be recorded yet; the store keeps trying");
-                let outcome = &outcome;
-                store.complete_detached(Completion {
-                    identity,
-                    token,
-                    outcome,
-                    ttl,
-                    by,
-                });
+                store.complete_detached(answer.completing(identity, token));
             }
             written
         })
@@ -710,7 +683,14 @@ where
     let unrecorded = match outcome_to_record::<R, H>(spec, &result, errors) {
         Ok(Some(stored)) => {
             let recorded_error = stored.is_error;
-            let written = sink.record(stored, spec.ttl, by).await;
+            let ttl = spec.ttl;
+            let written = sink
+                .record(Answer {
+                    outcome: stored,
+                    ttl,
+                    by,
+                })
+                .await;
             if matches!(written, Ok(Fenced::Written)) {
                 match by {
                     AnsweredBy::Body => {

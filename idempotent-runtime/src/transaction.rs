@@ -23,7 +23,7 @@ use crate::identity::Identity;
 use crate::metrics::{CallOutcome, METRICS};
 use crate::registry::ScopeInfo;
 use crate::store::{
-    AnsweredBy, Completion, Fenced, OwnerToken, Reservation, ReserveRequest, StoredOutcome,
+    Answer, AnsweredBy, Completion, Fenced, OwnerToken, Reservation, ReserveRequest,
 };
 use futures_util::future::BoxFuture;
 use std::future::Future;
@@ -401,23 +401,10 @@ impl<C: TransactionalConnection + ?Sized> RecordSink for TransactionSink<'_, C> 
         Box::pin(async {})
     }
 
-    fn record(
-        &mut self,
-        stored: StoredOutcome,
-        ttl: Duration,
-        by: AnsweredBy,
-    ) -> BoxFuture<'_, Result<Fenced, StoreError>> {
+    fn record(&mut self, answer: Answer) -> BoxFuture<'_, Result<Fenced, StoreError>> {
         Box::pin(async move {
-            let (identity, token, outcome) = (self.identity, self.token, &stored);
-            self.connection
-                .complete_in_transaction(Completion {
-                    identity,
-                    token,
-                    outcome,
-                    ttl,
-                    by,
-                })
-                .await
+            let completion = answer.completing(self.identity, self.token);
+            self.connection.complete_in_transaction(completion).await
         })
     }
 }

@@ -31,7 +31,7 @@
 
 use crate::error::StoreError;
 use crate::identity::Identity;
-use crate::store::{Fenced, OwnerToken, StoredOutcome};
+use crate::store::{Fenced, OwnerToken};
 use futures_util::future::BoxFuture;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -64,9 +64,8 @@ pub(crate) enum Work {
     /// End the lease of the in-progress record `token` owns (kept, for the
     /// next call to take over).
     EndLease,
-    /// Record this outcome, kept for the ttl, given by the body or a
-    /// recover hook ([`Completion`](crate::store::Completion)'s fields).
-    Complete(StoredOutcome, Duration, crate::store::AnsweredBy),
+    /// Record this answer.
+    Complete(crate::store::Answer),
 }
 
 /// Carries out one piece of [`Work`] on the worker's own connections:
@@ -235,8 +234,8 @@ async fn with_retries(
     let mut last_error = None;
     // A completion goes on being tried after the schedule while it fails.
     let keep_trying = match &work {
-        Work::Complete(_, ttl, _) => {
-            Some(tokio::time::Instant::now() + COMPLETE_TRIED_FOR.min(*ttl))
+        Work::Complete(answer) => {
+            Some(tokio::time::Instant::now() + COMPLETE_TRIED_FOR.min(answer.ttl))
         }
         Work::Release | Work::EndLease => None,
     };
@@ -333,11 +332,7 @@ macro_rules! hand_over_to_the_worker {
             self.detached.hand_over(
                 completion.identity.clone(),
                 completion.token.clone(),
-                $crate::store::detached::Work::Complete(
-                    completion.outcome.clone(),
-                    completion.ttl,
-                    completion.by,
-                ),
+                $crate::store::detached::Work::Complete(completion.answer()),
             );
         }
     };

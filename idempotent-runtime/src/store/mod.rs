@@ -225,6 +225,44 @@ impl<'a> Completion<'a> {
     pub fn marks_recovered(&self) -> bool {
         self.by.marks_recovered()
     }
+
+    /// What is recorded, owned, without whose record it is: for work that
+    /// outlives the caller's borrows (a detached completion).
+    pub(crate) fn answer(&self) -> Answer {
+        Answer {
+            outcome: self.outcome.clone(),
+            ttl: self.ttl,
+            by: self.by,
+        }
+    }
+}
+
+/// The part of a [`Completion`] that says what is recorded, owned: kept by a
+/// call while its result is being recorded, and by a store's background
+/// worker that records it for a dropped call.
+#[derive(Debug, Clone)]
+pub(crate) struct Answer {
+    pub(crate) outcome: StoredOutcome,
+    pub(crate) ttl: Duration,
+    pub(crate) by: AnsweredBy,
+}
+
+impl Answer {
+    /// This answer, recorded on `identity`'s record `token` owns.
+    pub(crate) fn completing<'a>(
+        &'a self,
+        identity: &'a Identity,
+        token: &'a OwnerToken,
+    ) -> Completion<'a> {
+        let Answer { outcome, ttl, by } = self;
+        Completion {
+            identity,
+            token,
+            outcome,
+            ttl: *ttl,
+            by: *by,
+        }
+    }
 }
 
 /// Who gave the answer a completion records ([`Store::complete`]).

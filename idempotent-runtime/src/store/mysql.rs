@@ -236,16 +236,9 @@ fn background_worker(pool: &MySqlPool) -> detached::Detached {
                 ))
             })
         },
-        |pool, identity, token, outcome, ttl, by| {
+        |pool, identity, token, answer| {
             Box::pin(async move {
-                let (identity, token, outcome) = (&identity, &token, &outcome);
-                let completion = Completion {
-                    identity,
-                    token,
-                    outcome,
-                    ttl,
-                    by,
-                };
+                let completion = answer.completing(&identity, &token);
                 committed!(&pool, "complete", |on, commit| complete_as(
                     commit, on, completion
                 ))
@@ -686,13 +679,6 @@ async fn complete_as<'e, E: Executor<'e, Database = MySql>>(
     executor: E,
     completion: Completion<'_>,
 ) -> Result<Fenced, StoreError> {
-    let Completion {
-        identity,
-        token,
-        outcome,
-        ttl,
-        ..
-    } = completion;
     let sql = format!(
         "UPDATE idempotency_records SET state = 'complete', owner_token = NULL,
                 is_error = ?, result = ?, lease_expires_at = NULL,
@@ -702,13 +688,13 @@ async fn complete_as<'e, E: Executor<'e, Database = MySql>>(
         commit.condition()
     );
     let statement = sqlx::query(&sql)
-        .bind(outcome.is_error)
-        .bind(&outcome.payload)
-        .bind(duration_to_millis(ttl))
+        .bind(completion.outcome.is_error)
+        .bind(&completion.outcome.payload)
+        .bind(duration_to_millis(completion.ttl))
         .bind(completion.marks_recovered());
     fenced(
         "complete",
-        on_owned_record(statement, identity, token),
+        on_owned_record(statement, completion.identity, completion.token),
         executor,
     )
     .await

@@ -180,16 +180,9 @@ fn background_worker(pool: &PgPool) -> detached::Detached {
                     .await
             })
         },
-        |pool, identity, token, outcome, ttl, by| {
+        |pool, identity, token, answer| {
             Box::pin(async move {
-                let (identity, token, outcome) = (&identity, &token, &outcome);
-                let completion = Completion {
-                    identity,
-                    token,
-                    outcome,
-                    ttl,
-                    by,
-                };
+                let completion = answer.completing(&identity, &token);
                 in_own_transaction(|| complete_with(&pool, completion)).await
             })
         },
@@ -641,23 +634,16 @@ async fn complete_with<'e, E: Executor<'e, Database = Postgres>>(
     executor: E,
     completion: Completion<'_>,
 ) -> Result<Fenced, StoreError> {
-    let Completion {
-        identity,
-        token,
-        outcome,
-        ttl,
-        ..
-    } = completion;
     const SQL: &str = "UPDATE idempotency_records SET state = 'complete', owner_token = NULL,
                 is_error = $5, result = $6, lease_expires_at = NULL,
                 expires_at = idempotency_now_ms() + $7, updated_at = idempotency_now_ms(),
                 recovered = $8, waiting = FALSE
           WHERE tenant = $1 AND scope = $2 AND key = $3
             AND state = 'in_progress' AND owner_token = $4";
-    let statement = on_owned_record(SQL, identity, token)
-        .bind(outcome.is_error)
-        .bind(&outcome.payload)
-        .bind(millis_i64(ttl))
+    let statement = on_owned_record(SQL, completion.identity, completion.token)
+        .bind(completion.outcome.is_error)
+        .bind(&completion.outcome.payload)
+        .bind(millis_i64(completion.ttl))
         .bind(completion.marks_recovered());
     fenced("complete", statement, executor).await
 }

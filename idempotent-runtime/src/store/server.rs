@@ -22,7 +22,7 @@
 use super::detached::{Detached, Work};
 use crate::error::StoreError;
 use crate::identity::Identity;
-use crate::store::{AnsweredBy, Fenced, OwnerToken, StoredOutcome};
+use crate::store::{Answer, Fenced, OwnerToken};
 use futures_util::future::BoxFuture;
 use sqlx::pool::PoolOptions;
 use sqlx::{Database, Pool};
@@ -210,7 +210,7 @@ pub(crate) fn background_worker<DB: Database>(
     pool: &Pool<DB>,
     release: fn(Pool<DB>, Identity, OwnerToken) -> Written,
     end_lease: fn(Pool<DB>, Identity, OwnerToken) -> Written,
-    complete: fn(Pool<DB>, Identity, OwnerToken, StoredOutcome, Duration, AnsweredBy) -> Written,
+    complete: fn(Pool<DB>, Identity, OwnerToken, Answer) -> Written,
 ) -> Detached {
     // The pool's own options, hooks included (an `after_connect` that sets a
     // `search_path` or a role applies to these connections too), sized down.
@@ -228,9 +228,7 @@ pub(crate) fn background_worker<DB: Database>(
             Arc::new(move |identity, token, work| match work {
                 Work::Release => release(pool.clone(), identity, token),
                 Work::EndLease => end_lease(pool.clone(), identity, token),
-                Work::Complete(outcome, ttl, by) => {
-                    complete(pool.clone(), identity, token, outcome, ttl, by)
-                }
+                Work::Complete(answer) => complete(pool.clone(), identity, token, answer),
             })
         }),
     )

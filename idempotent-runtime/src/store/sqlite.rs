@@ -649,20 +649,9 @@ impl SqliteStore {
                                     Work::EndLease => {
                                         heartbeat_on(&pool, &identity, &token, Duration::ZERO).await
                                     }
-                                    Work::Complete(outcome, ttl, by) => {
-                                        let (identity, token) = (&identity, &token);
-                                        let outcome = &outcome;
-                                        complete_on(
-                                            &pool,
-                                            Completion {
-                                                identity,
-                                                token,
-                                                outcome,
-                                                ttl,
-                                                by,
-                                            },
-                                        )
-                                        .await
+                                    Work::Complete(answer) => {
+                                        let completion = answer.completing(&identity, &token);
+                                        complete_on(&pool, completion).await
                                     }
                                 }
                             };
@@ -736,26 +725,11 @@ impl SqliteStore {
     }
 
     async fn complete_now(&self, completion: Completion<'_>) -> Result<Fenced, StoreError> {
-        let (id, token, outcome) = (
-            completion.identity.clone(),
-            completion.token.clone(),
-            completion.outcome.clone(),
-        );
-        let (ttl, by) = (completion.ttl, completion.by);
+        let (id, token) = (completion.identity.clone(), completion.token.clone());
+        let answer = completion.answer();
         let completed = self
             .write_in_turn("complete", move |pool| async move {
-                let (identity, token, outcome) = (&id, &token, &outcome);
-                complete_on(
-                    &pool,
-                    Completion {
-                        identity,
-                        token,
-                        outcome,
-                        ttl,
-                        by,
-                    },
-                )
-                .await
+                complete_on(&pool, answer.completing(&id, &token)).await
             })
             .await?;
         if completed.is_written() {
@@ -797,21 +771,14 @@ pub(super) async fn complete_on<'e, E: sqlx::Executor<'e, Database = sqlx::Sqlit
     executor: E,
     completion: Completion<'_>,
 ) -> Result<Fenced, StoreError> {
-    let Completion {
-        identity,
-        token,
-        outcome,
-        ttl,
-        ..
-    } = completion;
     let done = sqlx::query(COMPLETE_SQL)
-        .bind(&identity.tenant)
-        .bind(&identity.scope)
-        .bind(&identity.key)
-        .bind(token.as_str())
-        .bind(ms(ttl))
-        .bind(outcome.is_error)
-        .bind(&outcome.payload[..])
+        .bind(&completion.identity.tenant)
+        .bind(&completion.identity.scope)
+        .bind(&completion.identity.key)
+        .bind(completion.token.as_str())
+        .bind(ms(completion.ttl))
+        .bind(completion.outcome.is_error)
+        .bind(&completion.outcome.payload[..])
         .bind(completion.marks_recovered())
         .execute(executor)
         .await
