@@ -1,6 +1,7 @@
 //! Layer: HTTP. The server-side layer (`http_server`), the retrying client
-//! (`http_client`), and the example server SIGKILLed and restarted
-//! (`http_crash`). `http_app` is the shared test application.
+//! (`http_client`), the example server SIGKILLed and restarted
+//! (`http_crash`), and the trailers and extensions of the first answer and
+//! of a replay (`http_trailers`). `http_app` is the shared test application.
 
 #[path = "../common/mod.rs"]
 mod common;
@@ -11,3 +12,4 @@ mod http_client;
 mod http_crash;
 mod http_edges;
 mod http_server;
+mod http_trailers;

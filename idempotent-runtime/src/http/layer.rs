@@ -17,7 +17,8 @@ use axum::http::{
 use axum::response::IntoResponse;
 use bytes::Bytes;
 use futures_util::future::BoxFuture;
-use http_body_util::{BodyExt, LengthLimitError, Limited};
+use http_body::Frame;
+use http_body_util::{BodyExt, LengthLimitError, Limited, StreamBody};
 use serde::{Deserialize, Serialize};
 use std::sync::Arc;
 use std::task::{Context, Poll};
@@ -37,7 +38,8 @@ pub const DEFAULT_MAX_RESPONSE_BYTES: usize = crate::engine::MAX_RESULT_BYTES / 
 /// status and the body): `Content-Type`, `Content-Encoding` and
 /// `Content-Range` (the recorded body is the encoded bytes, and a partial
 /// answer's range), `Location`, `Content-Location`, `Content-Language`,
-/// `ETag` and `Last-Modified`.
+/// `ETag` and `Last-Modified`. The same allow-list picks the trailers
+/// recorded (none of these is one).
 pub const DEFAULT_RECORDED_HEADERS: [HeaderName; 8] = [
     header::CONTENT_TYPE,
     header::CONTENT_ENCODING,
@@ -181,8 +183,10 @@ impl IdempotencyLayerBuilder {
     }
 
     /// Also records and replays this response header (besides
-    /// [`DEFAULT_RECORDED_HEADERS`]). Recorded headers are stored with the
-    /// answer: do not add ones that hold secrets (e.g. `Set-Cookie`).
+    /// [`DEFAULT_RECORDED_HEADERS`]), and a trailer of that name (e.g.
+    /// `grpc-status`, `grpc-message`). Recorded headers and trailers are
+    /// stored with the answer: do not add ones that hold secrets (e.g.
+    /// `Set-Cookie`).
     pub fn record_header(mut self, name: HeaderName) -> Self {
         if !self.recorded_headers.contains(&name) {
             self.recorded_headers.push(name);
@@ -329,9 +333,18 @@ impl Config {
 /// 4. runs the handler as the body of an idempotent call — the same
 ///    reservation, lease, heartbeat, fencing and retention as `#[idempotent]`
 ///    functions, in the same store;
-/// 5. records the status, the body and the allow-listed headers
-///    ([`DEFAULT_RECORDED_HEADERS`]), and replays them to every retry with
-///    `Idempotent-Replayed: true`.
+/// 5. records the status, the body and the allow-listed headers and
+///    trailers ([`DEFAULT_RECORDED_HEADERS`],
+///    [`record_header`](IdempotencyLayerBuilder::record_header)), and replays
+///    them to every retry with `Idempotent-Replayed: true`.
+///
+/// The first answer is the handler's own: its status, every header, its
+/// trailers (e.g. gRPC's `grpc-status`) and its response extensions reach
+/// the caller and the middleware outside this layer unchanged, only the body
+/// buffered. A replay has the recorded status, body, headers and trailers
+/// only: extensions are never recorded (they are not serializable), so
+/// middleware outside the layer that reads a response extension finds none
+/// on a replay.
 ///
 /// Same key with a different request → 422; still running after the wait
 /// bound → 409 with `Retry-After`; the store down → 503. A 5xx from the
@@ -596,11 +609,14 @@ where
         return Err(Failure::Passthrough(response.map(Body::new)));
     }
     let (parts, body) = response.into_parts();
-    let body = match Limited::new(body, config.max_response_bytes)
+    let (body, trailers) = match Limited::new(body, config.max_response_bytes)
         .collect()
         .await
     {
-        Ok(collected) => collected.to_bytes(),
+        Ok(collected) => {
+            let trailers = collected.trailers().filter(|t| !t.is_empty()).cloned();
+            (collected.to_bytes(), trailers)
+        }
         Err(e) => {
             let too_large = e.downcast_ref::<LengthLimitError>().is_some();
             tracing::error!(target: "idempotent", scope = config.spec.scope, error = %e,
@@ -624,23 +640,28 @@ where
             )));
         }
     };
-    let recorded_headers = config
-        .recorded_headers
+    Ok(Recorded {
+        status: parts.status,
+        headers: allow_listed(&config.recorded_headers, &parts.headers),
+        body,
+        trailers: trailers
+            .as_ref()
+            .map(|t| allow_listed(&config.recorded_headers, t))
+            .unwrap_or_default(),
+        live: Some(Live { parts, trailers }),
+    })
+}
+
+/// The fields of `map` named in `names`, in the order of `names`.
+fn allow_listed(names: &[HeaderName], map: &HeaderMap) -> Vec<(HeaderName, HeaderValue)> {
+    names
         .iter()
         .flat_map(|name| {
-            parts
-                .headers
-                .get_all(name)
+            map.get_all(name)
                 .iter()
                 .map(move |v| (name.clone(), v.clone()))
         })
-        .collect();
-    Ok(Recorded {
-        status: parts.status,
-        headers: recorded_headers,
-        body,
-        live: Some(parts.headers),
-    })
+        .collect()
 }
 
 fn missing_tenant() -> Problem {
@@ -668,38 +689,84 @@ fn body_too_large(limit: usize) -> Problem {
 
 // ---------------------------------------------------------------- the recorded answer
 
-/// The handler's answer as recorded: status, allow-listed headers and body.
-/// The first answer also keeps every header the handler set (`live`), which
-/// is not recorded.
+/// The handler's answer as recorded: status, allow-listed headers, body and
+/// allow-listed trailers. The first answer also keeps what is not recorded
+/// (`live`): every header, the trailers and the extensions the handler set.
 struct Recorded {
     status: StatusCode,
     headers: Vec<(HeaderName, HeaderValue)>,
     body: Bytes,
-    live: Option<HeaderMap>,
+    trailers: Vec<(HeaderName, HeaderValue)>,
+    live: Option<Live>,
+}
+
+/// The handler's own answer, less its body (buffered into the record): what
+/// the first answer passes on unchanged and a replay does not have.
+struct Live {
+    /// Status, version, every header and the extensions.
+    parts: axum::http::response::Parts,
+    /// Every trailer, if the body had any.
+    trailers: Option<HeaderMap>,
 }
 
 impl Recorded {
     fn into_response(self, replayed: bool) -> Response<Body> {
-        let mut response = Response::new(Body::from(self.body));
-        *response.status_mut() = self.status;
-        let headers = response.headers_mut();
-        match self.live {
-            Some(mut live) => {
+        let mut response = match self.live {
+            Some(Live {
+                mut parts,
+                trailers,
+            }) => {
                 // The body is buffered now: its length is known again.
-                live.remove(header::CONTENT_LENGTH);
-                live.remove(header::TRANSFER_ENCODING);
-                *headers = live;
+                parts.headers.remove(header::CONTENT_LENGTH);
+                parts.headers.remove(header::TRANSFER_ENCODING);
+                Response::from_parts(parts, body_with_trailers(self.body, trailers))
             }
             None => {
+                let trailers = (!self.trailers.is_empty()).then(|| {
+                    let mut map = HeaderMap::with_capacity(self.trailers.len());
+                    for (name, value) in self.trailers {
+                        map.append(name, value);
+                    }
+                    map
+                });
+                let mut headers = HeaderMap::with_capacity(self.headers.len());
                 for (name, value) in self.headers {
                     headers.append(name, value);
                 }
+                if let Some(trailers) = &trailers {
+                    // HTTP/1.1 sends only the trailers the head announces.
+                    headers.remove(header::TRAILER);
+                    for name in trailers.keys() {
+                        headers.append(header::TRAILER, HeaderValue::from(name.clone()));
+                    }
+                }
+                let mut response = Response::new(body_with_trailers(self.body, trailers));
+                *response.status_mut() = self.status;
+                *response.headers_mut() = headers;
+                response
             }
-        }
+        };
         if replayed {
-            headers.insert(REPLAYED.clone(), HeaderValue::from_static("true"));
+            response
+                .headers_mut()
+                .insert(REPLAYED.clone(), HeaderValue::from_static("true"));
         }
         response
+    }
+}
+
+/// `data`, then `trailers` if there are any. Without trailers the body's
+/// length is exact (sent as `Content-Length`); with them it is not, so
+/// HTTP/1.1 sends it chunked, the only framing that carries trailers.
+fn body_with_trailers(data: Bytes, trailers: Option<HeaderMap>) -> Body {
+    match trailers {
+        None => Body::from(data),
+        Some(trailers) => {
+            let frames = [Frame::data(data), Frame::trailers(trailers)];
+            Body::new(StreamBody::new(futures_util::stream::iter(
+                frames.map(Ok::<_, std::convert::Infallible>),
+            )))
+        }
     }
 }
 
@@ -761,18 +828,41 @@ struct StoredResponse<'a> {
     headers: Vec<(std::borrow::Cow<'a, str>, StoredBytes<'a>)>,
     #[serde(rename = "body")]
     body: StoredBytes<'a>,
+    /// Absent in records without trailers, as in those written before
+    /// trailers were recorded.
+    #[serde(rename = "trailers", default, skip_serializing_if = "Vec::is_empty")]
+    trailers: Vec<(std::borrow::Cow<'a, str>, StoredBytes<'a>)>,
+}
+
+fn stored_fields(
+    fields: &[(HeaderName, HeaderValue)],
+) -> Vec<(std::borrow::Cow<'_, str>, StoredBytes<'_>)> {
+    fields
+        .iter()
+        .map(|(n, v)| (n.as_str().into(), StoredBytes::of(v.as_bytes())))
+        .collect()
+}
+
+fn decoded_fields<E: serde::de::Error>(
+    stored: Vec<(std::borrow::Cow<'_, str>, StoredBytes<'_>)>,
+) -> Result<Vec<(HeaderName, HeaderValue)>, E> {
+    let mut fields = Vec::with_capacity(stored.len());
+    for (name, value) in stored {
+        let name = HeaderName::from_bytes(name.as_bytes()).map_err(E::custom)?;
+        let value = value.into_bytes().map_err(E::custom)?;
+        let value = HeaderValue::from_maybe_shared(value).map_err(E::custom)?;
+        fields.push((name, value));
+    }
+    Ok(fields)
 }
 
 impl Serialize for Recorded {
     fn serialize<Ser: serde::Serializer>(&self, serializer: Ser) -> Result<Ser::Ok, Ser::Error> {
         StoredResponse {
             status: self.status.as_u16(),
-            headers: self
-                .headers
-                .iter()
-                .map(|(n, v)| (n.as_str().into(), StoredBytes::of(v.as_bytes())))
-                .collect(),
+            headers: stored_fields(&self.headers),
             body: StoredBytes::of(&self.body),
+            trailers: stored_fields(&self.trailers),
         }
         .serialize(serializer)
     }
@@ -782,18 +872,11 @@ impl<'de> Deserialize<'de> for Recorded {
     fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
         use serde::de::Error as _;
         let stored = StoredResponse::deserialize(deserializer)?;
-        let status = StatusCode::from_u16(stored.status).map_err(D::Error::custom)?;
-        let mut headers = Vec::with_capacity(stored.headers.len());
-        for (name, value) in stored.headers {
-            let name = HeaderName::from_bytes(name.as_bytes()).map_err(D::Error::custom)?;
-            let value = value.into_bytes().map_err(D::Error::custom)?;
-            let value = HeaderValue::from_maybe_shared(value).map_err(D::Error::custom)?;
-            headers.push((name, value));
-        }
         Ok(Recorded {
-            status,
-            headers,
+            status: StatusCode::from_u16(stored.status).map_err(D::Error::custom)?,
+            headers: decoded_fields(stored.headers)?,
             body: stored.body.into_bytes().map_err(D::Error::custom)?,
+            trailers: decoded_fields(stored.trailers)?,
             live: None,
         })
     }
@@ -847,6 +930,10 @@ mod tests {
                     ),
                 ],
                 body: Bytes::copy_from_slice(body),
+                trailers: vec![(
+                    HeaderName::from_static("grpc-status"),
+                    HeaderValue::from_static("0"),
+                )],
                 live: None,
             };
             let json = serde_json::to_vec(&r).unwrap();
@@ -854,7 +941,50 @@ mod tests {
             assert_eq!(back.status, r.status);
             assert_eq!(back.headers, r.headers);
             assert_eq!(back.body, r.body);
+            assert_eq!(back.trailers, r.trailers);
         }
+    }
+
+    /// A record written before trailers were recorded (no `trailers` field)
+    /// still decodes, and one without trailers is written as before.
+    #[test]
+    fn records_without_trailers_keep_the_earlier_format() {
+        let earlier = r#"{"status":201,"headers":[["location",{"t":"/payments/1"}]],"body":{"t":"{\"a\":1}"}}"#;
+        let r: Recorded = serde_json::from_str(earlier).expect("an earlier record decodes");
+        assert_eq!(r.status, StatusCode::CREATED);
+        assert_eq!(
+            r.headers,
+            vec![(header::LOCATION, HeaderValue::from_static("/payments/1"))]
+        );
+        assert_eq!(&r.body[..], b"{\"a\":1}");
+        assert!(r.trailers.is_empty());
+        assert_eq!(serde_json::to_string(&r).expect("json"), earlier);
+    }
+
+    #[tokio::test]
+    async fn a_replay_announces_and_sends_its_recorded_trailers() {
+        let r = Recorded {
+            status: StatusCode::OK,
+            headers: vec![(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("application/grpc"),
+            )],
+            body: Bytes::from_static(b"\0\0\0\0\0"),
+            trailers: vec![(
+                HeaderName::from_static("grpc-status"),
+                HeaderValue::from_static("0"),
+            )],
+            live: None,
+        };
+        let response = r.into_response(true);
+        assert_eq!(response.headers()[header::TRAILER], "grpc-status");
+        assert_eq!(response.headers()[&REPLAYED], "true");
+        let collected = response.into_body().collect().await.expect("body");
+        assert_eq!(
+            collected.trailers().and_then(|t| t.get("grpc-status")),
+            Some(&HeaderValue::from_static("0"))
+        );
+        assert_eq!(&collected.to_bytes()[..], b"\0\0\0\0\0");
     }
 
     #[test]

@@ -24,8 +24,8 @@
 //! | malformed or invalid key | 400 `invalid-key` |
 //! | no tenant for the request | 401 `missing-tenant` |
 //! | body over the cap | 413 `body-too-large` |
-//! | first request | the handler's answer; 2xx–4xx recorded, 5xx releases the key |
-//! | retry, same request | the recorded status, body and headers + `Idempotent-Replayed: true` |
+//! | first request | the handler's answer (headers, trailers, extensions); 2xx–4xx recorded, 5xx releases the key |
+//! | retry, same request | the recorded status, body, allow-listed headers and trailers + `Idempotent-Replayed: true` |
 //! | same key, different method, target or body | 422 `key-reused` |
 //! | still running after the wait bound | 409 `in-progress` + `Retry-After` (s, ≥ 1) |
 //! | store unavailable | 503 `store-unavailable` |
