@@ -675,6 +675,86 @@ async fn a_store_that_is_down_is_503_and_nothing_runs() {
     assert_eq!(server.shop.gateway.calls(), 0);
 }
 
+/// A store whose completions fail while it answers everything else: the
+/// handler runs, then its answer cannot be recorded at once (the detached
+/// completion the engine hands over does record it).
+struct CompletionsFail(MemoryStore);
+
+#[async_trait::async_trait]
+impl Store for CompletionsFail {
+    fn name(&self) -> &'static str {
+        "completions-fail"
+    }
+    async fn force_release(
+        &self,
+        i: &Identity,
+        require_expired_lease: bool,
+    ) -> Result<idempotent_runtime::ForcedRelease, StoreError> {
+        self.0.force_release(i, require_expired_lease).await
+    }
+    async fn reserve(&self, r: ReserveRequest<'_>) -> Result<Reservation, StoreError> {
+        self.0.reserve(r).await
+    }
+    async fn complete(&self, _: Completion<'_>) -> Result<Fenced, StoreError> {
+        Err(down("complete"))
+    }
+    async fn release(&self, i: &Identity, t: &OwnerToken) -> Result<Fenced, StoreError> {
+        self.0.release(i, t).await
+    }
+    async fn heartbeat(
+        &self,
+        i: &Identity,
+        t: &OwnerToken,
+        l: Duration,
+    ) -> Result<Fenced, StoreError> {
+        self.0.heartbeat(i, t, l).await
+    }
+    fn release_detached(&self, i: Identity, t: OwnerToken) {
+        self.0.release_detached(i, t)
+    }
+    fn complete_detached(&self, completion: Completion<'_>) {
+        self.0.complete_detached(completion)
+    }
+    async fn purge_expired(&self, b: u32) -> Result<u64, StoreError> {
+        self.0.purge_expired(b).await
+    }
+    async fn fetch(&self, i: &Identity) -> Result<Option<RecordSnapshot>, StoreError> {
+        self.0.fetch(i).await
+    }
+    async fn scope_stats(&self) -> Result<Vec<ScopeStats>, StoreError> {
+        self.0.scope_stats().await
+    }
+}
+
+/// A handler that ran is never reported as "not processed": the client is
+/// told its request was processed and to retry with the same key, and that
+/// retry replays the answer (recorded in the background) without a second run.
+#[tokio::test]
+async fn an_answer_that_could_not_be_recorded_yet_is_503_saying_the_request_was_processed() {
+    let server = TestServer::start(Arc::new(CompletionsFail(MemoryStore::new())), |b| b).await;
+    let a = fresh_tenant();
+    let r = post(&server, "/payments", Some(&a), Some("k"), BODY).await;
+    assert_eq!(r.headers()["retry-after"], "1");
+    let p = expect_problem(r, 503, types::ANSWER_NOT_RECORDED_YET).await;
+    let detail = p["detail"].as_str().unwrap();
+    assert!(detail.contains("was processed"), "{detail}");
+    assert!(detail.contains("same Idempotency-Key"), "{detail}");
+    assert!(
+        !detail.contains("connection refused"),
+        "internals stay in the logs"
+    );
+    assert_eq!(server.shop.gateway.calls(), 1);
+
+    let retry = post(&server, "/payments", Some(&a), Some("k"), BODY).await;
+    assert_eq!(retry.status(), 201);
+    assert!(replayed(&retry));
+    assert_eq!(
+        server.shop.gateway.calls(),
+        1,
+        "the retry did not run the handler again"
+    );
+}
+
 /// Counts the store operations the layer makes.
 #[derive(Default)]
 struct Counting {

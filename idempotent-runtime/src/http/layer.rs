@@ -585,6 +585,11 @@ where
         Ok(recorded) => Ok(recorded.into_response(outcome == Some(Outcome::Replayed))),
         Err(Failure::Passthrough(response)) => Ok(response),
         Err(Failure::Inner(e)) => Err(e),
+        // The handler ran; only the recording of its answer failed. Saying
+        // "not processed" would invite a retry with a new key.
+        Err(Failure::Engine(Error::Store(_))) if outcome == Some(Outcome::Executed) => {
+            Ok(answer_not_recorded_yet().into_response())
+        }
         Err(Failure::Engine(e)) => Ok(e.into_response()),
         Err(Failure::Unrecordable(problem)) => Ok(problem.into_response()),
     }
@@ -662,6 +667,22 @@ fn allow_listed(names: &[HeaderName], map: &HeaderMap) -> Vec<(HeaderName, Heade
                 .map(move |v| (name.clone(), v.clone()))
         })
         .collect()
+}
+
+/// The handler ran, but the store failed while its answer was being
+/// recorded. The engine goes on recording it in the background (the record
+/// stays in progress meanwhile), so a retry with the same key gets it.
+fn answer_not_recorded_yet() -> Problem {
+    let mut problem = Problem::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        types::ANSWER_NOT_RECORDED_YET,
+        "Processed; answer not recorded yet",
+        "The request was processed, but the server could not record its answer in its \
+         idempotency store yet and goes on trying. Do not send it again with a new key: retry \
+         later with the same Idempotency-Key to get the answer.",
+    );
+    problem.retry_after = Some(1);
+    problem
 }
 
 fn missing_tenant() -> Problem {

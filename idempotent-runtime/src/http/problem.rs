@@ -37,6 +37,10 @@ pub mod types {
     pub const BODY_UNREADABLE: &str = "urn:idempotent:problem:body-unreadable";
     /// The idempotency store is unavailable (503).
     pub const STORE_UNAVAILABLE: &str = "urn:idempotent:problem:store-unavailable";
+    /// The request ran, but the store failed as its answer was being
+    /// recorded; the server goes on trying to record it, and a retry with the
+    /// same key gets it once it is (503 + `Retry-After`).
+    pub const ANSWER_NOT_RECORDED_YET: &str = "urn:idempotent:problem:answer-not-recorded-yet";
     /// The request ran, but its lease was lost to another attempt, so its
     /// answer was not recorded (500).
     pub const LEASE_LOST: &str = "urn:idempotent:problem:lease-lost";
