@@ -195,8 +195,9 @@ impl IdempotencyLayerBuilder {
     }
 
     /// Whether 4xx answers of the handler are recorded as the final answer
-    /// for their key (default `true`). `408` and `429` are never recorded by
-    /// the default rule: they say "try again", so replaying them would be wrong.
+    /// for their key (default `true`). `408`, `423`, `425` and `429` are never
+    /// recorded by the default rule: they say "not processed, try again", so
+    /// replaying them would refuse every retry.
     pub fn record_client_errors(mut self, record: bool) -> Self {
         self.record_client_errors = record;
         self
@@ -302,6 +303,19 @@ struct Config {
     record_when: Option<Arc<StatusFn>>,
 }
 
+/// The 4xx answers that say "not processed, send it again": 408 Request
+/// Timeout, 423 Locked, 425 Too Early and 429 Too Many Requests. Recording
+/// one would answer every retry with it for the record's ttl.
+fn says_try_again(status: StatusCode) -> bool {
+    matches!(
+        status,
+        StatusCode::REQUEST_TIMEOUT
+            | StatusCode::LOCKED
+            | StatusCode::TOO_EARLY
+            | StatusCode::TOO_MANY_REQUESTS
+    )
+}
+
 impl Config {
     fn records(&self, status: StatusCode) -> bool {
         if let Some(rule) = &self.record_when {
@@ -310,9 +324,7 @@ impl Config {
         if status.is_server_error() {
             self.record_server_errors
         } else if status.is_client_error() {
-            self.record_client_errors
-                && status != StatusCode::REQUEST_TIMEOUT
-                && status != StatusCode::TOO_MANY_REQUESTS
+            self.record_client_errors && !says_try_again(status)
         } else {
             true
         }
