@@ -211,13 +211,7 @@ impl TestServer {
             .layer(middleware::from_fn(authenticate))
             .layer(middleware::from_fn_with_state(shop.clone(), count_arrivals))
             .with_state(shop.clone());
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("bind loopback");
-        let addr = listener.local_addr().expect("local addr");
-        let task = tokio::spawn(async move {
-            axum::serve(listener, app).await.expect("serve");
-        });
+        let (addr, task) = serve_on_loopback(app).await;
         TestServer {
             shop,
             base: format!("http://{addr}"),
@@ -275,8 +269,9 @@ async fn count_arrivals(State(shop): State<Arc<Shop>>, request: Request, next: N
     response
 }
 
-/// Stands in for real authentication: `X-Account-Id` names the caller.
-async fn authenticate(mut request: Request, next: Next) -> Response {
+/// Stands in for real authentication: `X-Account-Id` names the caller
+/// (an [`AccountId`] request extension).
+pub async fn authenticate(mut request: Request, next: Next) -> Response {
     if let Some(account) = request
         .headers()
         .get("x-account-id")
@@ -400,4 +395,37 @@ pub async fn expect_problem(
         );
     }
     body
+}
+
+/// A SQLite store on a new file in the temporary directory.
+pub async fn sqlite_file_store() -> Arc<dyn idempotent_runtime::Store> {
+    let path = std::env::temp_dir().join(format!(
+        "idempotent-http-{}.db",
+        uuid::Uuid::new_v4().simple()
+    ));
+    Arc::new(
+        idempotent_runtime::SqliteStore::connect(&format!("sqlite://{}", path.display()))
+            .await
+            .expect("SQLite file"),
+    )
+}
+
+/// Serves `app` on a free loopback port: its base URL, and the server's task.
+pub async fn serve(app: axum::Router) -> (String, tokio::task::JoinHandle<()>) {
+    let (addr, task) = serve_on_loopback(app).await;
+    (format!("http://{addr}"), task)
+}
+
+/// Serves `app` on a free loopback port: its address, and the server's task.
+pub async fn serve_on_loopback(
+    app: axum::Router,
+) -> (std::net::SocketAddr, tokio::task::JoinHandle<()>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind loopback");
+    let addr = listener.local_addr().expect("local addr");
+    let task = tokio::spawn(async move {
+        axum::serve(listener, app).await.expect("serve");
+    });
+    (addr, task)
 }

@@ -3,10 +3,11 @@
 //! under the layer's response cap is recorded (its record is base64).
 
 use crate::common;
+use crate::http_app::{authenticate, serve, AccountId};
 use axum::extract::Extension;
 use axum::http::StatusCode;
-use axum::middleware::{self, Next};
-use axum::response::{IntoResponse, Response};
+use axum::middleware::{self};
+use axum::response::IntoResponse;
 use axum::routing::post;
 use axum::Router;
 use common::servers::fresh_tenant;
@@ -19,41 +20,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-#[derive(Clone)]
-struct Account(String);
-
-impl std::fmt::Display for Account {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-
-async fn authenticate(mut request: axum::extract::Request, next: Next) -> Response {
-    if let Some(a) = request
-        .headers()
-        .get("x-account-id")
-        .and_then(|v| v.to_str().ok())
-    {
-        let a = Account(a.to_owned());
-        request.extensions_mut().insert(a);
-    }
-    next.run(request).await
-}
-
-async fn serve(app: Router) -> (String, tokio::task::JoinHandle<()>) {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let addr = listener.local_addr().expect("addr");
-    let task = tokio::spawn(async move {
-        axum::serve(listener, app).await.expect("serve");
-    });
-    (format!("http://{addr}"), task)
-}
-
 fn layer(scope: &str) -> IdempotencyLayer {
     IdempotencyLayer::builder(scope, MemoryStore::new())
-        .tenant_from_extension::<Account>()
+        .tenant_from_extension::<AccountId>()
         .build()
         .expect("layer")
 }
@@ -124,7 +93,7 @@ async fn a_different_path_under_a_nested_prefix_is_422_not_a_replay() {
             "/transfers",
             post(
                 move |axum::extract::Path(account): axum::extract::Path<String>,
-                      Extension(_who): Extension<Account>| {
+                      Extension(_who): Extension<AccountId>| {
                     let counted = counted.clone();
                     async move {
                         counted.fetch_add(1, Ordering::SeqCst);
@@ -332,7 +301,7 @@ async fn a_layer_built_with_unbounded_durations_answers_requests() {
                 .wait(Duration::MAX),
         ),
     ] {
-        let Ok(layer) = builder.tenant_from_extension::<Account>().build() else {
+        let Ok(layer) = builder.tenant_from_extension::<AccountId>().build() else {
             continue; // refused at build time: fine
         };
         let app = Router::new()
@@ -433,7 +402,7 @@ async fn the_client_does_not_rerun_a_handler_whose_answer_could_not_be_recorded(
     let calls = Arc::new(AtomicUsize::new(0));
     let counted = calls.clone();
     let layer = IdempotencyLayer::builder("contract_edges.unrecordable", MemoryStore::new())
-        .tenant_from_extension::<Account>()
+        .tenant_from_extension::<AccountId>()
         .max_response_bytes(16)
         .build()
         .expect("layer");
@@ -477,7 +446,7 @@ async fn the_client_returns_a_replayed_5xx_as_final() {
     let calls = Arc::new(AtomicUsize::new(0));
     let counted = calls.clone();
     let layer = IdempotencyLayer::builder("contract_edges.recorded_5xx", MemoryStore::new())
-        .tenant_from_extension::<Account>()
+        .tenant_from_extension::<AccountId>()
         .record_server_errors(true)
         .build()
         .expect("layer");

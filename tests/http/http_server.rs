@@ -5,15 +5,14 @@
 use crate::common;
 use crate::http_app;
 
+use common::hooked::{Hooked, Intercept};
 use common::servers::{fresh_tenant, pg_store_or_skip};
 use http_app::{bounded, expect_problem, Charge, TestServer};
 use idempotent_runtime::http::problem::types;
 use idempotent_runtime::store::{
     OwnerToken, RecordSnapshot, Reservation, ReserveRequest, ScopeStats,
 };
-use idempotent_runtime::{
-    Completion, Fenced, Identity, MemoryStore, SqliteStore, Store, StoreError,
-};
+use idempotent_runtime::{Completion, Fenced, Identity, MemoryStore, Store, StoreError};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -55,21 +54,12 @@ fn memory() -> Arc<dyn Store> {
     Arc::new(MemoryStore::new())
 }
 
-async fn sqlite() -> Arc<dyn Store> {
-    let path = std::env::temp_dir().join(format!(
-        "idempotent-http-{}.db",
-        uuid::Uuid::new_v4().simple()
-    ));
-    Arc::new(
-        SqliteStore::connect(&format!("sqlite://{}", path.display()))
-            .await
-            .expect("SQLite file"),
-    )
-}
-
 /// Memory, a SQLite file and PostgreSQL (when reachable).
 async fn every_store() -> Vec<(&'static str, Arc<dyn Store>)> {
-    let mut stores = vec![("memory", memory()), ("sqlite", sqlite().await)];
+    let mut stores = vec![
+        ("memory", memory()),
+        ("sqlite", http_app::sqlite_file_store().await),
+    ];
     if let Some(pg) = pg_store_or_skip().await {
         stores.push(("postgres", Arc::new(pg)));
     }
@@ -679,51 +669,12 @@ async fn a_store_that_is_down_is_503_and_nothing_runs() {
 /// A store whose completions fail while it answers everything else: the
 /// handler runs, then its answer cannot be recorded at once (the detached
 /// completion the engine hands over does record it).
-struct CompletionsFail(MemoryStore);
+struct CompletionsFail;
 
 #[async_trait::async_trait]
-impl Store for CompletionsFail {
-    fn name(&self) -> &'static str {
-        "completions-fail"
-    }
-    async fn force_release(
-        &self,
-        i: &Identity,
-        require_expired_lease: bool,
-    ) -> Result<idempotent_runtime::ForcedRelease, StoreError> {
-        self.0.force_release(i, require_expired_lease).await
-    }
-    async fn reserve(&self, r: ReserveRequest<'_>) -> Result<Reservation, StoreError> {
-        self.0.reserve(r).await
-    }
-    async fn complete(&self, _: Completion<'_>) -> Result<Fenced, StoreError> {
+impl Intercept for CompletionsFail {
+    async fn complete(&self, _: &MemoryStore, _: Completion<'_>) -> Result<Fenced, StoreError> {
         Err(down("complete"))
-    }
-    async fn release(&self, i: &Identity, t: &OwnerToken) -> Result<Fenced, StoreError> {
-        self.0.release(i, t).await
-    }
-    async fn heartbeat(
-        &self,
-        i: &Identity,
-        t: &OwnerToken,
-        l: Duration,
-    ) -> Result<Fenced, StoreError> {
-        self.0.heartbeat(i, t, l).await
-    }
-    fn release_detached(&self, i: Identity, t: OwnerToken) {
-        self.0.release_detached(i, t)
-    }
-    fn complete_detached(&self, completion: Completion<'_>) {
-        self.0.complete_detached(completion)
-    }
-    async fn purge_expired(&self, b: u32) -> Result<u64, StoreError> {
-        self.0.purge_expired(b).await
-    }
-    async fn fetch(&self, i: &Identity) -> Result<Option<RecordSnapshot>, StoreError> {
-        self.0.fetch(i).await
-    }
-    async fn scope_stats(&self) -> Result<Vec<ScopeStats>, StoreError> {
-        self.0.scope_stats().await
     }
 }
 
@@ -732,7 +683,7 @@ impl Store for CompletionsFail {
 /// retry replays the answer (recorded in the background) without a second run.
 #[tokio::test]
 async fn an_answer_that_could_not_be_recorded_yet_is_503_saying_the_request_was_processed() {
-    let server = TestServer::start(Arc::new(CompletionsFail(MemoryStore::new())), |b| b).await;
+    let server = TestServer::start(Arc::new(Hooked::new(CompletionsFail)), |b| b).await;
     let a = fresh_tenant();
     let r = post(&server, "/payments", Some(&a), Some("k"), BODY).await;
     assert_eq!(r.headers()["retry-after"], "1");

@@ -4,7 +4,7 @@
 //! on the memory store and a SQLite file.
 
 use crate::common;
-use crate::http_app::bounded;
+use crate::http_app::{authenticate, bounded, serve, sqlite_file_store, AccountId};
 
 use axum::body::{Body, Bytes};
 use axum::extract::Request;
@@ -17,34 +17,13 @@ use common::servers::fresh_tenant;
 use http_body::Frame;
 use http_body_util::{BodyExt, StreamBody};
 use idempotent_runtime::http::IdempotencyLayer;
-use idempotent_runtime::{MemoryStore, SqliteStore, Store};
+use idempotent_runtime::{MemoryStore, Store};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
-
-#[derive(Clone)]
-struct Account(String);
-
-impl std::fmt::Display for Account {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.0)
-    }
-}
 
 /// A response extension the handler sets for middleware further out.
 #[derive(Clone)]
 struct Marker(u32);
-
-async fn authenticate(mut request: Request, next: Next) -> Response {
-    if let Some(a) = request
-        .headers()
-        .get("x-account-id")
-        .and_then(|v| v.to_str().ok())
-    {
-        let a = Account(a.to_owned());
-        request.extensions_mut().insert(a);
-    }
-    next.run(request).await
-}
 
 /// Middleware outside the idempotency layer that reads the handler's
 /// [`Marker`] extension and shows it to the client as `X-Marker`.
@@ -58,34 +37,11 @@ async fn expose_marker(request: Request, next: Next) -> Response {
     response
 }
 
-async fn sqlite() -> Arc<dyn Store> {
-    let path = std::env::temp_dir().join(format!(
-        "idempotent-http-trailers-{}.db",
-        uuid::Uuid::new_v4().simple()
-    ));
-    Arc::new(
-        SqliteStore::connect(&format!("sqlite://{}", path.display()))
-            .await
-            .expect("SQLite file"),
-    )
-}
-
 async fn stores() -> Vec<(&'static str, Arc<dyn Store>)> {
     vec![
         ("memory", Arc::new(MemoryStore::new())),
-        ("sqlite", sqlite().await),
+        ("sqlite", sqlite_file_store().await),
     ]
-}
-
-async fn serve(app: Router) -> (String, tokio::task::JoinHandle<()>) {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let addr = listener.local_addr().expect("addr");
-    let task = tokio::spawn(async move {
-        axum::serve(listener, app).await.expect("serve");
-    });
-    (format!("http://{addr}"), task)
 }
 
 /// Sends one POST with `key` and returns the answer with its body collected
@@ -142,7 +98,7 @@ async fn trailers_reach_the_first_answer_and_allow_listed_ones_are_replayed() {
         let calls = Arc::new(AtomicUsize::new(0));
         let counted = calls.clone();
         let layer = IdempotencyLayer::builder("http_trailers.grpc", store)
-            .tenant_from_extension::<Account>()
+            .tenant_from_extension::<AccountId>()
             .record_header(HeaderName::from_static("grpc-status"))
             .build()
             .expect("layer");
@@ -233,7 +189,7 @@ async fn trailers_reach_the_first_answer_and_allow_listed_ones_are_replayed() {
 async fn the_first_answer_keeps_the_handlers_response_extensions() {
     for (store_name, store) in stores().await {
         let layer = IdempotencyLayer::builder("http_trailers.extensions", store)
-            .tenant_from_extension::<Account>()
+            .tenant_from_extension::<AccountId>()
             .build()
             .expect("layer");
         let app = Router::new()
