@@ -576,3 +576,57 @@ async fn a_transaction_older_than_the_record_is_refused_and_stays_usable() {
         assert_eq!(runs.load(Ordering::SeqCst), 1, "{begin}: the body ran once");
     }
 }
+
+/// A heartbeat reads the database's clock once: the lease's end and the
+/// retention it moves along (`Store::heartbeat`) are set from the same
+/// instant, so their distance never changes. With one clock read per use, a
+/// millisecond boundary falling between two reads of one statement moved the
+/// retention 1 ms away from the lease (seen as a flaky conformance test);
+/// a few thousand renewals meet such a boundary almost surely.
+#[tokio::test]
+async fn a_heartbeat_keeps_the_retention_exactly_its_distance_from_the_lease() {
+    let Some(store) = pg_store_or_skip().await else {
+        return;
+    };
+    let identity =
+        Identity::new(fresh_tenant(), "edges.pg_heartbeat_clock", "k").expect("identity");
+    let token = OwnerToken::new();
+    let (lease, ttl) = (Duration::from_secs(60), Duration::from_secs(120));
+    let reserved = store
+        .reserve(ReserveRequest {
+            identity: &identity,
+            fingerprint: None,
+            token: &token,
+            lease,
+            ttl,
+        })
+        .await
+        .expect("reserve");
+    assert_eq!(reserved, Reservation::FRESH);
+    let distance = |snapshot: &idempotent_runtime::RecordSnapshot| {
+        snapshot.expires_at_ms - snapshot.lease_expires_at_ms.expect("a lease")
+    };
+    let first = store
+        .fetch(&identity)
+        .await
+        .expect("fetch")
+        .expect("record");
+    let expected = distance(&first);
+    for renewal in 0..3_000 {
+        assert_eq!(
+            store
+                .heartbeat(&identity, &token, lease)
+                .await
+                .expect("heartbeat"),
+            Fenced::Written
+        );
+        if renewal % 100 == 99 {
+            let now = store
+                .fetch(&identity)
+                .await
+                .expect("fetch")
+                .expect("record");
+            assert_eq!(distance(&now), expected, "after {} renewals", renewal + 1);
+        }
+    }
+}

@@ -656,11 +656,15 @@ async fn heartbeat_with<'e, E: Executor<'e, Database = Postgres>>(
     lease: Duration,
 ) -> Result<Fenced, StoreError> {
     // The record's retention moves with its lease (`Store::heartbeat`):
-    // `expires_at` keeps its distance from the lease's end.
+    // `expires_at` keeps its distance from the lease's end. The clock is read
+    // once (`c.now_ms`): `idempotency_now_ms()` reads `clock_timestamp()`,
+    // which is read again at every use, so two uses in one statement can
+    // fall on either side of a millisecond.
     const SQL: &str = "UPDATE idempotency_records
-            SET lease_expires_at = idempotency_now_ms() + $5, updated_at = idempotency_now_ms(),
+            SET lease_expires_at = c.now_ms + $5, updated_at = c.now_ms,
                 expires_at = GREATEST(expires_at,
-                    idempotency_now_ms() + $5 + (expires_at - lease_expires_at))
+                    c.now_ms + $5 + (expires_at - lease_expires_at))
+           FROM (SELECT idempotency_now_ms() AS now_ms OFFSET 0) c
           WHERE tenant = $1 AND scope = $2 AND key = $3
             AND state = 'in_progress' AND owner_token = $4";
     let statement = on_owned_record(SQL, identity, token).bind(millis_i64(lease));
