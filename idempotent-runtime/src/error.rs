@@ -7,7 +7,7 @@ use std::time::Duration;
 #[non_exhaustive]
 pub enum KeyProblem {
     /// The value is the empty string.
-    #[error("it is empty; send a non-empty value (a UUID made when the intent was formed is a good choice)")]
+    #[error("it is empty; send a non-empty value")]
     Empty,
     /// The value is longer than the 255-byte limit.
     #[error("it is {len} bytes long; the limit is {limit} bytes")]
@@ -89,7 +89,10 @@ impl StoreError {
 #[non_exhaustive]
 pub enum Error {
     /// The idempotency key was refused before anything ran (HTTP: 400).
-    #[error("invalid idempotency key: {0}")]
+    #[error(
+        "invalid idempotency key: {0} (a good key is a UUID made once per operation, when the \
+         intent was formed, and sent again with every retry)"
+    )]
     InvalidKey(KeyProblem),
 
     /// The tenant value was refused before anything ran (HTTP: 400).
@@ -253,5 +256,24 @@ fn stale_snapshot_advice(store: &str) -> &'static str {
             "begin transactions that call idempotent functions with `BEGIN IMMEDIATE` \
              (`pool.begin_with(\"BEGIN IMMEDIATE\")`)"
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A key's message says what a good key is; a tenant's does not talk
+    /// about keys.
+    #[test]
+    fn an_empty_tenant_is_not_told_to_send_a_key() {
+        let key = Error::InvalidKey(KeyProblem::Empty).to_string();
+        assert!(key.contains("it is empty") && key.contains("UUID"), "{key}");
+        let tenant = Error::InvalidTenant(KeyProblem::Empty).to_string();
+        assert!(tenant.contains("it is empty"), "{tenant}");
+        assert!(
+            !tenant.contains("UUID") && !tenant.contains("key"),
+            "{tenant}"
+        );
     }
 }
