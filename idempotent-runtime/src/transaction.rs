@@ -84,15 +84,26 @@ pub trait TransactionalConnection: Send {
         identity: &Identity,
         token: &OwnerToken,
     ) -> Result<Fenced, StoreError>;
+
+    /// Ends the lease of the record `token` owns, in this transaction, and
+    /// keeps the record in progress (a [`Store::heartbeat`](crate::Store::heartbeat)
+    /// with a zero lease): used when a `recover` hook's answer is not
+    /// recorded, so the next call takes the record over at once and asks
+    /// again (rule 20) instead of waiting out the takeover's lease.
+    async fn end_lease_in_transaction(
+        &mut self,
+        identity: &Identity,
+        token: &OwnerToken,
+    ) -> Result<Fenced, StoreError>;
 }
 
 /// Implements [`TransactionalConnection`] for a SQL store's sqlx connection
 /// type from the store's own functions, so every store maps the trait the
 /// same way: `in_transaction(conn)` tells an open transaction,
 /// `reserve(conn, request, lock_wait)` reserves in it, and the store's fenced
-/// writes, `complete(conn, completion)` and
-/// `release(conn, identity, token)` (the ones it also runs on its pool),
-/// record or release on the connection itself.
+/// writes, `complete(conn, completion)`, `release(conn, identity, token)` and
+/// `heartbeat(conn, identity, token, lease)` (the ones it also runs on its
+/// pool), record, release or end the lease on the connection itself.
 #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
 macro_rules! transactional_connection {
     (
@@ -102,7 +113,8 @@ macro_rules! transactional_connection {
             in_transaction: $in_transaction:path,
             reserve: $reserve:path,
             complete: $complete:path,
-            release: $release:path
+            release: $release:path,
+            heartbeat: $heartbeat:path
             $(, may_wait: $may_wait:path)? $(,)?
         }
     ) => {
@@ -146,6 +158,14 @@ macro_rules! transactional_connection {
                 token: &$crate::store::OwnerToken,
             ) -> Result<$crate::store::Fenced, $crate::error::StoreError> {
                 $release(self, identity, token).await
+            }
+
+            async fn end_lease_in_transaction(
+                &mut self,
+                identity: &$crate::identity::Identity,
+                token: &$crate::store::OwnerToken,
+            ) -> Result<$crate::store::Fenced, $crate::error::StoreError> {
+                $heartbeat(self, identity, token, std::time::Duration::ZERO).await
             }
         }
     };
@@ -196,6 +216,14 @@ where
         token: &OwnerToken,
     ) -> Result<Fenced, StoreError> {
         (**self).release_in_transaction(identity, token).await
+    }
+
+    async fn end_lease_in_transaction(
+        &mut self,
+        identity: &Identity,
+        token: &OwnerToken,
+    ) -> Result<Fenced, StoreError> {
+        (**self).end_lease_in_transaction(identity, token).await
     }
 }
 
@@ -397,8 +425,30 @@ impl<C: TransactionalConnection + ?Sized> RecordSink for TransactionSink<'_, C> 
     }
 
     fn keep_for_takeover(&mut self) -> BoxFuture<'_, ()> {
-        // The record stays as the takeover wrote it; its lease runs out.
-        Box::pin(async {})
+        // The record stays in progress with its lease ended, in the caller's
+        // transaction: once it commits, the next call takes the record over
+        // at once and asks the hook again (a rollback undoes the takeover
+        // too). Not ended, the takeover's fresh lease would refuse every
+        // retry for a whole lease.
+        Box::pin(async move {
+            let (identity, token) = (self.identity, self.token);
+            match self
+                .connection
+                .end_lease_in_transaction(identity, token)
+                .await
+            {
+                Ok(Fenced::Written) => {}
+                Ok(Fenced::NotOwner) => {
+                    tracing::warn!(target: "idempotent", scope = %identity.scope, key = %identity.log_digest(),
+                        "ending the lease found the record owned by someone else; left it alone");
+                }
+                Err(e) => {
+                    tracing::error!(target: "idempotent", scope = %identity.scope, key = %identity.log_digest(), error = %e,
+                        "ending the lease in the caller's transaction failed; the record stays in \
+                         progress until its lease runs out");
+                }
+            }
+        })
     }
 
     fn record(&mut self, answer: Answer) -> BoxFuture<'_, Result<Fenced, StoreError>> {

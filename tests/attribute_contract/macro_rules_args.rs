@@ -480,6 +480,23 @@ impl TransactionalConnection for FakeTx {
             self.store.release(identity, token).await
         })
     }
+
+    fn end_lease_in_transaction<'a, 'b, 'c, 't>(
+        &'a mut self,
+        identity: &'b Identity,
+        token: &'c OwnerToken,
+    ) -> BoxFuture<'t, Result<Fenced, StoreError>>
+    where
+        'a: 't,
+        'b: 't,
+        'c: 't,
+        Self: 't,
+    {
+        Box::pin(async move {
+            self.statements += 1;
+            self.store.heartbeat(identity, token, Duration::ZERO).await
+        })
+    }
 }
 
 macro_rules! with_tx {

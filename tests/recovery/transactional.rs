@@ -11,7 +11,7 @@ use crate::common;
 
 use idempotent_runtime::{
     idempotent, with_outcome, Error, Identity, Outcome, OwnerToken, RecordState, Recovery,
-    Reservation, ReserveRequest, SqliteStore, Store, Takeover,
+    Reservation, ReserveRequest, SqliteStore, Store, StoreError, Takeover,
 };
 use std::collections::HashMap;
 use std::sync::{LazyLock, Mutex};
@@ -29,7 +29,8 @@ fn asked(tenant: &str) -> Vec<u32> {
         .unwrap_or_default()
 }
 
-/// Keys starting with `found-` were charged by the crashed attempt.
+/// Keys starting with `found-` were charged by the crashed attempt; for keys
+/// starting with `unsure-` the hook cannot tell (it fails).
 async fn found_by_key(takeover: &Takeover) -> Result<Recovery<String>, Error> {
     ASKED
         .lock()
@@ -37,6 +38,10 @@ async fn found_by_key(takeover: &Takeover) -> Result<Recovery<String>, Error> {
         .entry(takeover.tenant().to_owned())
         .or_default()
         .push(takeover.attempt());
+    if takeover.key().starts_with("unsure-") {
+        let unreachable = StoreError::new("gateway", "look the charge up", "timed out");
+        return Err(Error::Store(unreachable));
+    }
     Ok(if takeover.key().starts_with("found-") {
         Recovery::Completed(format!("recovered {}", takeover.key()))
     } else {
@@ -47,6 +52,15 @@ async fn found_by_key(takeover: &Takeover) -> Result<Recovery<String>, Error> {
 #[idempotent(scope = "rtx.sqlite", key = key, tenant = tenant, tx = tx, recover = found_by_key)]
 async fn sqlite_charge(
     tx: &mut sqlx::Transaction<'_, sqlx::Sqlite>,
+    tenant: &str,
+    key: &str,
+) -> Result<String, Error> {
+    Ok(format!("ran {key}"))
+}
+
+#[idempotent(scope = "rtx.mysql", key = key, tenant = tenant, tx = tx, recover = found_by_key)]
+async fn mysql_charge(
+    tx: &mut sqlx::Transaction<'_, sqlx::MySql>,
     tenant: &str,
     key: &str,
 ) -> Result<String, Error> {
@@ -197,5 +211,89 @@ async fn postgres_transaction_records_the_hooks_answer() {
     assert_eq!(
         state(&store, &missing).await,
         (RecordState::Complete, 2, false)
+    );
+}
+
+/// A hook that fails (its error released, the default) in a caller's
+/// transaction that then commits: the record the takeover wrote stays in
+/// progress with its lease *ended*, so the next call takes it over at once
+/// and asks again (rule 20), as in store mode, instead of being refused as
+/// in progress for a whole lease. The transactional calls are made by
+/// `call`, on the store's pool; `begin` opens the transaction.
+macro_rules! a_failing_hook_is_asked_again_at_once {
+    ($store:expr, $begin:expr, $charge:ident, $scope:literal) => {{
+        let store = $store;
+        let t = tenant();
+        let unsure = Identity::new(t.as_str(), $scope, "unsure-1").unwrap();
+        plant_stuck(&store, &unsure).await;
+        for attempt in [2, 3] {
+            let mut tx = $begin(&store).await;
+            let got = $charge(&mut tx, &t, "unsure-1").await;
+            assert!(
+                matches!(got, Err(Error::Store(_))),
+                "attempt {attempt}: {got:?}"
+            );
+            tx.commit().await.unwrap();
+            let snapshot = store.fetch(&unsure).await.unwrap().expect("record");
+            assert_eq!(
+                (snapshot.state, snapshot.attempt),
+                (RecordState::InProgress, attempt),
+                "kept for the next takeover"
+            );
+            assert!(
+                snapshot.lease_expires_at_ms.expect("a lease") <= snapshot.now_ms,
+                "attempt {attempt}: the lease was ended"
+            );
+        }
+        assert_eq!(asked(&t), [2, 3], "asked again at once, as attempt 3");
+    }};
+}
+
+#[tokio::test]
+async fn sqlite_a_failing_hook_is_asked_again_at_once() {
+    let path = std::env::temp_dir().join(format!("idempotent-rtx-{}.db", uuid::Uuid::new_v4()));
+    let store = SqliteStore::connect(&format!("sqlite://{}?mode=rwc", path.display()))
+        .await
+        .expect("sqlite");
+    a_failing_hook_is_asked_again_at_once!(
+        store,
+        |s: &SqliteStore| {
+            let pool = s.pool().clone();
+            async move { pool.begin_with("BEGIN IMMEDIATE").await.unwrap() }
+        },
+        sqlite_charge,
+        "rtx.sqlite"
+    );
+}
+
+#[tokio::test]
+async fn postgres_a_failing_hook_is_asked_again_at_once() {
+    let Some(store) = common::servers::pg_store_or_skip().await else {
+        return;
+    };
+    a_failing_hook_is_asked_again_at_once!(
+        store,
+        |s: &idempotent_runtime::PgStore| {
+            let pool = s.pool().clone();
+            async move { pool.begin().await.unwrap() }
+        },
+        pg_charge,
+        "rtx.pg"
+    );
+}
+
+#[tokio::test]
+async fn mysql_a_failing_hook_is_asked_again_at_once() {
+    let Some(store) = common::servers::mysql_store_or_skip().await else {
+        return;
+    };
+    a_failing_hook_is_asked_again_at_once!(
+        store,
+        |s: &idempotent_runtime::MySqlStore| {
+            let pool = s.pool().clone();
+            async move { pool.begin().await.unwrap() }
+        },
+        mysql_charge,
+        "rtx.mysql"
     );
 }

@@ -730,6 +730,17 @@ async fn heartbeat_as<'e, E: Executor<'e, Database = MySql>>(
     .await
 }
 
+/// Renews (or, with a zero lease, ends) the lease in the caller's
+/// transaction (transactional mode).
+async fn heartbeat_with<'e, E: Executor<'e, Database = MySql>>(
+    executor: E,
+    identity: &Identity,
+    token: &OwnerToken,
+    lease: Duration,
+) -> Result<Fenced, StoreError> {
+    heartbeat_as(Commit::WithTheTransaction, executor, identity, token, lease).await
+}
+
 /// Deletes the in-progress record in the caller's transaction (transactional mode).
 async fn release_with<'e, E: Executor<'e, Database = MySql>>(
     executor: E,
@@ -953,6 +964,7 @@ crate::transaction::transactional_connection! {
         reserve: reserve_in_transaction,
         complete: complete_with,
         release: release_with,
+        heartbeat: heartbeat_with,
     }
 }
 

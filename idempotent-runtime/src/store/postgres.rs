@@ -859,6 +859,7 @@ crate::transaction::transactional_connection! {
         reserve: reserve_in_transaction,
         complete: complete_with,
         release: release_with,
+        heartbeat: heartbeat_with,
         may_wait: reads_what_others_commit,
     }
 }

@@ -788,7 +788,7 @@ pub(super) async fn complete_on<'e, E: sqlx::Executor<'e, Database = sqlx::Sqlit
 
 /// Deletes the in-progress record, fenced by `token`.
 /// Renews (or, with a shorter lease, ends early) the lease `token` owns.
-async fn heartbeat_on<'e, E: sqlx::Executor<'e, Database = sqlx::Sqlite>>(
+pub(super) async fn heartbeat_on<'e, E: sqlx::Executor<'e, Database = sqlx::Sqlite>>(
     executor: E,
     identity: &Identity,
     token: &OwnerToken,

@@ -61,7 +61,9 @@ use crate::error::Error;
 use sqlx::SqliteConnection;
 use std::sync::Arc;
 
-use super::sqlite::{complete_on, is_busy, primary_code, release_on, reserve_in, result_code};
+use super::sqlite::{
+    complete_on, heartbeat_on, is_busy, primary_code, release_on, reserve_in, result_code,
+};
 
 /// Extended result code: a WAL snapshot is older than the newest commit.
 const SQLITE_BUSY_SNAPSHOT: i64 = 517;
@@ -566,6 +568,7 @@ crate::transaction::transactional_connection! {
         reserve: reserve_on,
         complete: complete_on,
         release: release_on,
+        heartbeat: heartbeat_on,
     }
 }
 
