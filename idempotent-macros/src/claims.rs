@@ -1,9 +1,13 @@
 //! Functions claiming one scope in one crate (DESIGN.md rules 18 and 21).
 //!
 //! The compiler expands every `#[idempotent]` of a crate in one process, so a
-//! process-wide table keyed by (crate, scope) sees every claim. The same
-//! function expanding twice (rust-analyzer, re-expansion) is not a duplicate:
-//! a site is identified by its file and function name.
+//! process-wide table keyed by (crate, scope) sees every claim. The compiler
+//! expands each function once, so there every claim is a function of its
+//! own, even two with one name in one file (methods of two types, or a
+//! `macro_rules!` stamping one function into two modules). An IDE's
+//! long-lived proc-macro server (rust-analyzer) expands a function again
+//! after every edit: there a claim from the same file and function name
+//! replaces the earlier one ([`Expansions`]).
 //!
 //! A scope has one claimant, or several that all say `shared_scope` (rule 21)
 //! and agree on the terms `idempotent_rules::shared_scope` lists.
@@ -143,17 +147,55 @@ fn disagreement(a: &Claim, b: &Claim) -> Option<String> {
     })
 }
 
+/// How often this process expands one function.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Expansions {
+    /// Once: the compiler (a new process every build).
+    Once,
+    /// Again after every edit: an IDE's long-lived proc-macro server, where
+    /// an edit may also move the function to another line.
+    AfterEveryEdit,
+}
+
+impl Expansions {
+    /// This process's: rust-analyzer's proc-macro server (its executable's
+    /// name says `rust-analyzer`) expands again; anything else is taken for
+    /// the compiler.
+    pub(crate) fn of_this_process() -> Expansions {
+        static IDE: OnceLock<bool> = OnceLock::new();
+        let ide = *IDE.get_or_init(|| {
+            std::env::current_exe().is_ok_and(|exe| {
+                exe.file_name()
+                    .is_some_and(|name| name.to_string_lossy().contains("rust-analyzer"))
+            })
+        });
+        if ide {
+            Expansions::AfterEveryEdit
+        } else {
+            Expansions::Once
+        }
+    }
+}
+
 /// Records `claim` on `scope` in `krate`; refuses it when another function
 /// already claims the scope and not every claimant says `shared_scope`, or
 /// when they all do but this one disagrees with another. A refused claim is
 /// still recorded, so a further claimant's error names every site.
 pub(crate) fn claim(krate: &str, scope: &str, claim: Claim) -> Result<(), Refusal> {
+    claim_in(Expansions::of_this_process(), krate, scope, claim)
+}
+
+fn claim_in(expansions: Expansions, krate: &str, scope: &str, claim: Claim) -> Result<(), Refusal> {
     let mut table = table().lock().unwrap_or_else(|p| p.into_inner());
     let claims = table
         .entry((krate.to_owned(), scope.to_owned()))
         .or_default();
-    // The same function, expanded again (maybe after an edit).
-    claims.retain(|c| !(c.site.file == claim.site.file && c.site.function == claim.site.function));
+    if expansions == Expansions::AfterEveryEdit {
+        // The same function, expanded again (maybe after an edit).
+        claims.retain(|c| {
+            !(c.site.file == claim.site.file && c.site.function == claim.site.function)
+        });
+    }
     let others = claims.clone();
     claims.push(claim.clone());
     if others.is_empty() {
@@ -204,9 +246,15 @@ pub(crate) fn duplicate_message(scope: &str, others: &[Claim], site: &Site) -> S
             shared.join(" and ")
         )
     };
+    let expanded_twice = if others.iter().any(|c| c.site == *site) {
+        " (one function expanded more than once, e.g. by a `macro_rules!` that stamps it into \
+         several modules: pass each expansion its own scope)"
+    } else {
+        ""
+    };
     format!(
-        "scope `{scope}` is claimed by {count} in this crate: {listed}. Records are identified by \
-         scope, so they would replay each other's results; {hint}"
+        "scope `{scope}` is claimed by {count} in this crate: {listed}{expanded_twice}. Records \
+         are identified by scope, so they would replay each other's results; {hint}"
     )
 }
 
@@ -242,16 +290,42 @@ mod tests {
     }
 
     #[test]
-    fn second_function_is_refused_same_function_is_not() {
-        assert_eq!(claim("t/a", "x.y", plain("first", 3)), Ok(()));
-        assert_eq!(claim("t/a", "x.y", plain("first", 5)), Ok(()));
+    fn second_function_is_refused_same_function_expanded_again_is_not() {
+        let ide = |krate, claim| claim_in(Expansions::AfterEveryEdit, krate, "x.y", claim);
+        assert_eq!(ide("t/a", plain("first", 3)), Ok(()));
+        assert_eq!(ide("t/a", plain("first", 5)), Ok(()));
         assert_eq!(
-            claim("t/a", "x.y", plain("second", 9)),
+            ide("t/a", plain("second", 9)),
             Err(Refusal::Duplicate {
                 others: vec![plain("first", 5)]
             })
         );
-        assert_eq!(claim("t/b", "x.y", plain("second", 9)), Ok(()));
+        assert_eq!(ide("t/b", plain("second", 9)), Ok(()));
+    }
+
+    /// The compiler expands each function once: two functions of one name in
+    /// one file (methods of two types, a `macro_rules!` stamping one function
+    /// into two modules, even at the same line) are two claimants.
+    #[test]
+    fn the_compiler_refuses_two_functions_of_one_name_in_one_file() {
+        let compiler = |claim| claim_in(Expansions::Once, "t/c", "x.z", claim);
+        assert_eq!(compiler(plain("charge", 3)), Ok(()));
+        assert_eq!(
+            compiler(plain("charge", 8)),
+            Err(Refusal::Duplicate {
+                others: vec![plain("charge", 3)]
+            })
+        );
+        assert!(matches!(
+            compiler(plain("charge", 8)),
+            Err(Refusal::Duplicate { others }) if others.len() == 2
+        ));
+    }
+
+    /// Tests run in the test harness, not in rust-analyzer.
+    #[test]
+    fn this_process_is_taken_for_the_compiler() {
+        assert_eq!(Expansions::of_this_process(), Expansions::Once);
     }
 
     #[test]
