@@ -194,6 +194,16 @@ pub enum CliError {
         /// The file the URL names.
         path: PathBuf,
     },
+    /// The database the URL names has no idempotency records table: the
+    /// command line never sets a database up (opening a store there would
+    /// create the tables, and an audit of a mistyped database name would
+    /// look like an empty, healthy store).
+    #[error(
+        "the database --database-url names holds no idempotency records (it has no \
+             `idempotency_records` table); check the URL: the command line never creates the \
+             tables, the application does when it first opens its store"
+    )]
+    NoIdempotencyTables,
     /// `--scope` is not a scope the attribute accepts, so no record has it.
     #[error("--scope: {0}")]
     BadScope(idempotent_rules::scope::ScopeError),
@@ -242,9 +252,19 @@ where
     run(Cli::try_parse_from(args)?).await
 }
 
-/// Opens the store a URL names, as [`connect_url`] does, but never creates a
-/// SQLite file: an operator's mistyped path is an error, not a new database.
+/// Opens the store a URL names, as [`connect_url`] does, but never sets a
+/// database up: a SQLite file that does not exist, or a database without the
+/// idempotency records table, is an operator's mistyped URL, not a new store.
 async fn open_store(url: &str) -> Result<Arc<dyn Store>, CliError> {
+    check_existing_sqlite_file(url)?;
+    if holds_records(url).await == Some(false) {
+        return Err(CliError::NoIdempotencyTables);
+    }
+    Ok(connect_url(url).await?)
+}
+
+/// A `sqlite:` URL must name a file that exists (or `:memory:`).
+fn check_existing_sqlite_file(url: &str) -> Result<(), CliError> {
     #[cfg(feature = "sqlite")]
     if url
         .get(..7)
@@ -261,7 +281,59 @@ async fn open_store(url: &str) -> Result<Arc<dyn Store>, CliError> {
             }
         }
     }
-    Ok(connect_url(url).await?)
+    let _ = url;
+    Ok(())
+}
+
+/// Whether the database `url` names holds the idempotency records table,
+/// read on a connection of its own before any store opens (a store applies
+/// the migrations, creating the tables). `None` when it cannot tell (no
+/// connection, an in-memory SQLite database, a store this build lacks):
+/// opening the store then says what is wrong, or finds it empty.
+async fn holds_records(url: &str) -> Option<bool> {
+    use sqlx::Connection;
+    match crate::connect::scheme_of(url).as_str() {
+        #[cfg(feature = "sqlite")]
+        "sqlite" => {
+            use std::str::FromStr;
+            let options = sqlx::sqlite::SqliteConnectOptions::from_str(url).ok()?;
+            if options.get_filename().as_os_str() == ":memory:" {
+                return None;
+            }
+            let mut conn = sqlx::SqliteConnection::connect_with(&options.read_only(true))
+                .await
+                .ok()?;
+            sqlx::query_scalar(
+                "SELECT EXISTS (SELECT 1 FROM sqlite_master \
+                  WHERE type = 'table' AND name = 'idempotency_records')",
+            )
+            .fetch_one(&mut conn)
+            .await
+            .ok()
+        }
+        #[cfg(feature = "postgres")]
+        "postgres" | "postgresql" => {
+            let mut conn = sqlx::PgConnection::connect(url).await.ok()?;
+            sqlx::query_scalar("SELECT to_regclass('idempotency_records') IS NOT NULL")
+                .fetch_one(&mut conn)
+                .await
+                .ok()
+        }
+        #[cfg(feature = "mysql")]
+        "mysql" | "mariadb" => {
+            let url = crate::connect::mysql_url(url);
+            let mut conn = sqlx::MySqlConnection::connect(&url).await.ok()?;
+            sqlx::query_scalar::<_, i64>(
+                "SELECT EXISTS (SELECT 1 FROM information_schema.tables \
+                  WHERE table_schema = DATABASE() AND table_name = 'idempotency_records')",
+            )
+            .fetch_one(&mut conn)
+            .await
+            .ok()
+            .map(|found| found == 1)
+        }
+        _ => None,
+    }
 }
 
 /// Runs a parsed command; returns what it prints on stdout.

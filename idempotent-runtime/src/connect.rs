@@ -39,15 +39,29 @@ pub enum ConnectError {
 /// # Ok(()) }
 /// ```
 pub async fn connect_url(url: &str) -> Result<Arc<dyn Store>, ConnectError> {
-    let scheme = url
-        .split_once(':')
-        .map_or(url, |(scheme, _)| scheme)
-        .to_ascii_lowercase();
+    let scheme = scheme_of(url);
     match scheme.as_str() {
         "sqlite" => connect_sqlite(url).await,
         "postgres" | "postgresql" => connect_postgres(url).await,
         "mysql" | "mariadb" => connect_mysql(url).await,
         _ => Err(ConnectError::UnsupportedScheme { scheme }),
+    }
+}
+
+/// A URL's scheme, lowercase (`sqlite`, `postgres`, `mysql`, ...).
+pub(crate) fn scheme_of(url: &str) -> String {
+    url.split_once(':')
+        .map_or(url, |(scheme, _)| scheme)
+        .to_ascii_lowercase()
+}
+
+/// A `mysql://` or `mariadb://` URL as sqlx takes it (`mysql://`): MariaDB
+/// speaks the same protocol.
+#[cfg(feature = "mysql")]
+pub(crate) fn mysql_url(url: &str) -> std::borrow::Cow<'_, str> {
+    match url.get(..10) {
+        Some(p) if p.eq_ignore_ascii_case("mariadb://") => format!("mysql://{}", &url[10..]).into(),
+        _ => url.into(),
     }
 }
 
@@ -77,12 +91,7 @@ async fn connect_postgres(_: &str) -> Result<Arc<dyn Store>, ConnectError> {
 
 #[cfg(feature = "mysql")]
 async fn connect_mysql(url: &str) -> Result<Arc<dyn Store>, ConnectError> {
-    // sqlx understands `mysql://`; MariaDB speaks the same protocol.
-    let url = match url.get(..10) {
-        Some(p) if p.eq_ignore_ascii_case("mariadb://") => format!("mysql://{}", &url[10..]),
-        _ => url.to_owned(),
-    };
-    Ok(Arc::new(crate::MySqlStore::connect(&url).await?))
+    Ok(Arc::new(crate::MySqlStore::connect(&mysql_url(url)).await?))
 }
 #[cfg(not(feature = "mysql"))]
 async fn connect_mysql(_: &str) -> Result<Arc<dyn Store>, ConnectError> {

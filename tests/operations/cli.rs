@@ -769,3 +769,98 @@ async fn inspect_and_release_on_mariadb() {
         inspect_and_release_on(&common::servers::mysql_url(), &store).await;
     }
 }
+
+/// A database without the idempotency tables (an existing empty SQLite file,
+/// a PostgreSQL search path or a MariaDB database where no store was ever
+/// opened) is refused, and nothing is created in it: opening a store applies
+/// the migrations, and an audit of a mistyped database name would report an
+/// empty, healthy store.
+#[tokio::test]
+async fn a_database_without_idempotency_tables_is_refused_and_left_as_it_was() {
+    async fn refused_everywhere(url: &str) {
+        for command in [
+            vec!["idempotent", "purge", "--database-url", url],
+            vec![
+                "idempotent",
+                "inspect",
+                "--database-url",
+                url,
+                "--scope",
+                "orders.place",
+                "--tenant",
+                "t",
+                "--key",
+                "k",
+            ],
+        ] {
+            let e = run_from(command.clone())
+                .await
+                .expect_err("no tables there");
+            assert!(
+                matches!(e, CliError::NoIdempotencyTables),
+                "{command:?}: {e}"
+            );
+            assert!(e.to_string().contains("check the URL"), "{e}");
+        }
+    }
+
+    let dir = Scratch::new();
+    let empty = dir.0.join("empty.db");
+    std::fs::File::create(&empty).expect("an empty file");
+    let url = format!("sqlite:{}", empty.display());
+    refused_everywhere(&url).await;
+    assert_eq!(
+        std::fs::metadata(&empty).expect("still there").len(),
+        0,
+        "nothing was written to the file"
+    );
+
+    if crate::common::servers::pg_store_or_skip().await.is_some() {
+        let schema = format!("cli_empty_{}", uuid::Uuid::new_v4().simple());
+        let base = crate::common::servers::pg_url();
+        let separator = if base.contains('?') { '&' } else { '?' };
+        let url = format!("{base}{separator}options=-c%20search_path%3D{schema}");
+        refused_everywhere(&url).await;
+        let mut conn = <sqlx::PgConnection as sqlx::Connection>::connect(&base)
+            .await
+            .expect("connect");
+        let created: bool = sqlx::query_scalar(
+            "SELECT EXISTS (SELECT 1 FROM information_schema.schemata WHERE schema_name = $1)",
+        )
+        .bind(&schema)
+        .fetch_one(&mut conn)
+        .await
+        .expect("schemata");
+        assert!(!created, "nothing was created for {schema}");
+    }
+
+    if crate::common::servers::mysql_store_or_skip()
+        .await
+        .is_some()
+    {
+        let database = format!("cli_empty_{}", uuid::Uuid::new_v4().simple());
+        let base = crate::common::servers::mysql_url();
+        let mut conn = <sqlx::MySqlConnection as sqlx::Connection>::connect(&base)
+            .await
+            .expect("connect");
+        sqlx::query(&format!("CREATE DATABASE {database}"))
+            .execute(&mut conn)
+            .await
+            .expect("create database");
+        let (server, _) = base.rsplit_once('/').expect("a database in the URL");
+        let url = format!("{server}/{database}");
+        refused_everywhere(&url).await;
+        let tables: i64 = sqlx::query_scalar(
+            "SELECT COUNT(*) FROM information_schema.tables WHERE table_schema = ?",
+        )
+        .bind(&database)
+        .fetch_one(&mut conn)
+        .await
+        .expect("tables");
+        sqlx::query(&format!("DROP DATABASE {database}"))
+            .execute(&mut conn)
+            .await
+            .expect("drop database");
+        assert_eq!(tables, 0, "nothing was created in {database}");
+    }
+}
