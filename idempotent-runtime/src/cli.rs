@@ -119,7 +119,7 @@ pub enum Command {
         #[command(flatten)]
         record: RecordArgs,
         /// Why (logged with the release): a ticket, what was checked.
-        #[arg(long)]
+        #[arg(long, allow_hyphen_values = true)]
         reason: String,
         /// Release even while the owner's lease is live (the owner may be
         /// running the body: only when you know it is gone).
@@ -138,16 +138,22 @@ pub struct RecordArgs {
     #[arg(long, env = "DATABASE_URL")]
     pub database_url: String,
     /// The scope, e.g. payments.charge.
-    #[arg(long)]
+    #[arg(long, allow_hyphen_values = true)]
     pub scope: String,
     /// The tenant (the `tenant = ...` value of the call).
-    #[arg(long, required_unless_present = "shared", conflicts_with = "shared")]
+    #[arg(
+        long,
+        allow_hyphen_values = true,
+        required_unless_present = "shared",
+        conflicts_with = "shared"
+    )]
     pub tenant: Option<String>,
     /// The record is in the shared namespace (`tenant = shared`).
     #[arg(long)]
     pub shared: bool,
-    /// The client's idempotency key.
-    #[arg(long)]
+    /// The client's idempotency key (a value starting with `-` is taken as
+    /// the key, as any other: keys are the client's).
+    #[arg(long, allow_hyphen_values = true)]
     pub key: String,
 }
 

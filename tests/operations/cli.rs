@@ -754,6 +754,35 @@ async fn inspect_and_release_on_sqlite() {
     .await
     .expect_err("--tenant or --shared is required");
     assert!(matches!(e, CliError::Usage(_)), "{e}");
+
+    // Keys and tenants are the client's: one starting with `-` is a value,
+    // written after its option as any other.
+    let identity = Identity::new("-tenant", "cli.hyphen", "-abc").expect("identity");
+    store
+        .reserve(ReserveRequest {
+            identity: &identity,
+            fingerprint: None,
+            token: &OwnerToken::new(),
+            lease: Duration::from_secs(60),
+            ttl: Duration::from_secs(60),
+        })
+        .await
+        .expect("reserve");
+    let out = run_from([
+        "idempotent",
+        "inspect",
+        "--database-url",
+        &url,
+        "--scope",
+        "cli.hyphen",
+        "--tenant",
+        "-tenant",
+        "--key",
+        "-abc",
+    ])
+    .await
+    .expect("a key and a tenant starting with '-'");
+    assert!(out.contains("lease live"), "{out}");
 }
 
 #[tokio::test]
