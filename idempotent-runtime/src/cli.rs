@@ -119,7 +119,7 @@ pub enum Command {
         #[command(flatten)]
         record: RecordArgs,
         /// Why (logged with the release): a ticket, what was checked.
-        #[arg(long, allow_hyphen_values = true)]
+        #[arg(long, allow_hyphen_values = true, value_parser = not_an_option)]
         reason: String,
         /// Release even while the owner's lease is live (the owner may be
         /// running the body: only when you know it is gone).
@@ -138,12 +138,13 @@ pub struct RecordArgs {
     #[arg(long, env = "DATABASE_URL")]
     pub database_url: String,
     /// The scope, e.g. payments.charge.
-    #[arg(long, allow_hyphen_values = true)]
+    #[arg(long, allow_hyphen_values = true, value_parser = not_an_option)]
     pub scope: String,
     /// The tenant (the `tenant = ...` value of the call).
     #[arg(
         long,
         allow_hyphen_values = true,
+        value_parser = not_an_option,
         required_unless_present = "shared",
         conflicts_with = "shared"
     )]
@@ -153,8 +154,38 @@ pub struct RecordArgs {
     pub shared: bool,
     /// The client's idempotency key (a value starting with `-` is taken as
     /// the key, as any other: keys are the client's).
-    #[arg(long, allow_hyphen_values = true)]
+    #[arg(long, allow_hyphen_values = true, value_parser = not_an_option)]
     pub key: String,
+}
+
+/// The long options of the command line's subcommands.
+const OPTIONS: &[&str] = &[
+    "--database-url",
+    "--manifest",
+    "--json",
+    "--batch",
+    "--show-result",
+    "--scope",
+    "--tenant",
+    "--shared",
+    "--key",
+    "--reason",
+    "--even-if-running",
+    "--help",
+];
+
+/// A value that may start with `-` (keys and tenants are the client's), but
+/// is not one of the command's own options: `--tenant --shared --key k`
+/// means an option is missing its value, not a tenant called `--shared`.
+fn not_an_option(value: &str) -> Result<String, String> {
+    let name = value.split_once('=').map_or(value, |(name, _)| name);
+    if OPTIONS.contains(&name) {
+        return Err(format!(
+            "`{value}` is one of this command's options, not a value: the option before it \
+             is missing its value"
+        ));
+    }
+    Ok(value.to_owned())
 }
 
 impl RecordArgs {
@@ -294,10 +325,22 @@ fn check_existing_sqlite_file(url: &str) -> Result<(), CliError> {
 /// Whether the database `url` names holds the idempotency records table,
 /// read on a connection of its own before any store opens (a store applies
 /// the migrations, creating the tables). `None` when it cannot tell (no
-/// connection, an in-memory SQLite database, a store this build lacks):
-/// opening the store then says what is wrong, or finds it empty.
+/// connection within the stores' own bound, [`ACQUIRE_TIMEOUT`], an in-memory
+/// SQLite database, a store this build lacks): opening the store then says
+/// what is wrong, or finds it empty.
+///
+/// [`ACQUIRE_TIMEOUT`]: crate::store::ACQUIRE_TIMEOUT
 async fn holds_records(url: &str) -> Option<bool> {
-    use sqlx::Connection;
+    let bound = crate::store::ACQUIRE_TIMEOUT;
+    tokio::time::timeout(bound, read_holds_records(url))
+        .await
+        .ok()
+        .flatten()
+}
+
+async fn read_holds_records(url: &str) -> Option<bool> {
+    #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+    use sqlx::Connection as _;
     match crate::connect::scheme_of(url).as_str() {
         #[cfg(feature = "sqlite")]
         "sqlite" => {
@@ -696,5 +739,71 @@ fn render_purge(store: &str, deleted: u64, batch: u32, format: Format) -> String
                 batch.to_string(),
             ]],
         ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    /// [`OPTIONS`] is every long option of every subcommand.
+    #[test]
+    fn the_option_list_is_the_commands_own() {
+        let mut defined: Vec<String> = Cli::command()
+            .get_subcommands()
+            .flat_map(|sub| sub.get_arguments().filter_map(|a| a.get_long()))
+            .map(|long| format!("--{long}"))
+            .chain(["--help".to_owned()])
+            .collect();
+        defined.sort();
+        defined.dedup();
+        let mut listed: Vec<String> = OPTIONS.iter().map(|o| (*o).to_owned()).collect();
+        listed.sort();
+        assert_eq!(listed, defined);
+    }
+
+    /// A value may start with `-`, but an option of the command in a value's
+    /// place means the option before it is missing its value.
+    #[test]
+    fn an_option_is_never_taken_for_a_value() {
+        let parse = |args: &[&str]| {
+            let mut all = vec!["idempotent", "inspect", "--database-url", "sqlite::memory:"];
+            all.extend_from_slice(args);
+            Cli::try_parse_from(all)
+        };
+        let ok = parse(&["--scope", "a.b", "--tenant", "-t", "--key", "-abc"]).expect("values");
+        let Command::Inspect { record, .. } = ok.command else {
+            panic!("inspect");
+        };
+        assert_eq!(
+            (record.tenant.as_deref(), record.key.as_str()),
+            (Some("-t"), "-abc")
+        );
+        for args in [
+            &["--scope", "a.b", "--tenant", "--shared", "--key", "k"][..],
+            &["--scope", "a.b", "--tenant", "t", "--key", "--json"][..],
+        ] {
+            let e = parse(args).expect_err("an option in a value's place");
+            assert!(e.to_string().contains("missing its value"), "{args:?}: {e}");
+        }
+        // Refused one way or another (here the `k` left over is).
+        parse(&["--scope", "--key", "k", "--tenant", "t"]).expect_err("--scope has no value");
+        let e = Cli::try_parse_from([
+            "idempotent",
+            "release",
+            "--database-url",
+            "sqlite::memory:",
+            "--scope",
+            "a.b",
+            "--tenant",
+            "t",
+            "--key",
+            "k",
+            "--reason",
+            "--even-if-running",
+        ])
+        .expect_err("--reason is missing its value");
+        assert!(e.to_string().contains("missing its value"), "{e}");
     }
 }

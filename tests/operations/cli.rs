@@ -893,3 +893,34 @@ async fn a_database_without_idempotency_tables_is_refused_and_left_as_it_was() {
         assert_eq!(tables, 0, "nothing was created in {database}");
     }
 }
+
+/// A server that accepts connections and never answers (paused, a proxy
+/// without a backend) is an error after the stores' own connect bound, for
+/// the look at whether the database holds records as for the store itself:
+/// never a command that hangs.
+#[tokio::test]
+async fn a_server_that_never_answers_is_an_error_not_a_hang() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind loopback");
+    let port = listener.local_addr().expect("addr").port();
+    // Accepts every connection and keeps it open without a word.
+    let silent = tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((socket, _)) = listener.accept().await {
+            held.push(socket);
+        }
+    });
+    for url in [
+        format!("postgres://idem@127.0.0.1:{port}/idem"),
+        format!("mysql://idem@127.0.0.1:{port}/idem"),
+    ] {
+        let command = ["idempotent", "purge", "--database-url", url.as_str()];
+        let answered = tokio::time::timeout(Duration::from_secs(60), run_from(command)).await;
+        let e = answered
+            .unwrap_or_else(|_| panic!("{url}: no answer in 60 s"))
+            .expect_err("nothing answers there");
+        assert!(e.to_string().contains("could not connect"), "{url}: {e}");
+    }
+    silent.abort();
+}

@@ -12,6 +12,10 @@ use std::time::Duration;
 
 #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
 pub(crate) mod detached;
+
+/// How long a server store's `connect` and every statement wait for a pooled
+/// connection (and the command line for its first look at a database).
+pub const ACQUIRE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
 pub mod memory;
 #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
 pub mod migrate;
@@ -228,6 +232,7 @@ impl<'a> Completion<'a> {
 
     /// What is recorded, owned, without whose record it is: for work that
     /// outlives the caller's borrows (a detached completion).
+    #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
     pub(crate) fn answer(&self) -> Answer {
         Answer {
             outcome: self.outcome.clone(),

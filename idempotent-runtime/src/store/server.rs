@@ -31,11 +31,9 @@ use std::collections::HashMap;
 use std::str::FromStr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, Weak};
-use std::time::Duration;
 use tokio::runtime::{Handle, Id};
 
-/// How long `connect` and every statement wait for a pooled connection.
-pub const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(5);
+pub use super::ACQUIRE_TIMEOUT;
 
 /// The connect options of a database's connections (`PgConnectOptions`, ...).
 type ConnectOptions<DB> = <<DB as Database>::Connection as sqlx::Connection>::Options;
