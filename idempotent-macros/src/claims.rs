@@ -158,15 +158,20 @@ pub(crate) enum Expansions {
 }
 
 impl Expansions {
-    /// This process's: rust-analyzer's proc-macro server (its executable's
-    /// name says `rust-analyzer`) expands again; anything else is taken for
-    /// the compiler.
+    /// This process's: an IDE's proc-macro server expands again
+    /// (rust-analyzer's, whose executable's name says `rust-analyzer`, and
+    /// the JetBrains IDEs', `intellij-rust-native-helper`); anything else is
+    /// taken for the compiler.
     pub(crate) fn of_this_process() -> Expansions {
         static IDE: OnceLock<bool> = OnceLock::new();
         let ide = *IDE.get_or_init(|| {
             std::env::current_exe().is_ok_and(|exe| {
-                exe.file_name()
-                    .is_some_and(|name| name.to_string_lossy().contains("rust-analyzer"))
+                exe.file_name().is_some_and(|name| {
+                    let name = name.to_string_lossy();
+                    ["rust-analyzer", "intellij"]
+                        .iter()
+                        .any(|ide| name.contains(ide))
+                })
             })
         });
         if ide {

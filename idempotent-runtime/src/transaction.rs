@@ -300,8 +300,8 @@ pub enum TransactionStep<R> {
 /// Reserves in the caller's transaction. On a takeover (rule 20) the
 /// `recover` hook, if any, is asked here; its answer is recorded in the
 /// transaction like a body's. A hook error that is not recorded leaves the
-/// record as the takeover wrote it (its lease runs out; the next call asks
-/// again), never deleted.
+/// record in progress with its lease ended, in the caller's transaction (the
+/// next call takes it over at once and asks again), never deleted.
 pub async fn begin_in_transaction<R, H, K, C>(
     call: TransactionalCall,
     errors: &H,
