@@ -35,6 +35,34 @@ impl Drop for Scratch {
     }
 }
 
+/// Every command that opens the store `url` names: audit (with `manifest`),
+/// purge and inspect.
+fn commands_opening<'a>(url: &'a str, manifest: &'a str) -> [Vec<&'a str>; 3] {
+    [
+        vec![
+            "idempotent",
+            "audit",
+            "--database-url",
+            url,
+            "--manifest",
+            manifest,
+        ],
+        vec!["idempotent", "purge", "--database-url", url],
+        vec![
+            "idempotent",
+            "inspect",
+            "--database-url",
+            url,
+            "--scope",
+            "orders.place",
+            "--tenant",
+            "t",
+            "--key",
+            "k",
+        ],
+    ]
+}
+
 const MANIFEST: &str = r#"
 [scopes."orders.place"]
 description = "placing an order"
@@ -261,29 +289,7 @@ async fn mistakes_are_reported_with_what_to_fix() {
     // an empty new file would look like a healthy store with nothing in it.
     let typo = dir.0.join("typo.db");
     let url = format!("sqlite:{}", typo.display());
-    for command in [
-        vec![
-            "idempotent",
-            "audit",
-            "--database-url",
-            &url,
-            "--manifest",
-            &manifest,
-        ],
-        vec!["idempotent", "purge", "--database-url", &url],
-        vec![
-            "idempotent",
-            "inspect",
-            "--database-url",
-            &url,
-            "--scope",
-            "orders.place",
-            "--tenant",
-            "t",
-            "--key",
-            "k",
-        ],
-    ] {
+    for command in commands_opening(&url, &manifest) {
         let e = run_from(command.clone())
             .await
             .expect_err("no database at that path");
@@ -807,21 +813,9 @@ async fn inspect_and_release_on_mariadb() {
 #[tokio::test]
 async fn a_database_without_idempotency_tables_is_refused_and_left_as_it_was() {
     async fn refused_everywhere(url: &str) {
-        for command in [
-            vec!["idempotent", "purge", "--database-url", url],
-            vec![
-                "idempotent",
-                "inspect",
-                "--database-url",
-                url,
-                "--scope",
-                "orders.place",
-                "--tenant",
-                "t",
-                "--key",
-                "k",
-            ],
-        ] {
+        let dir = Scratch::new();
+        let manifest = dir.file("idempotent.toml", MANIFEST);
+        for command in commands_opening(url, &manifest) {
             let e = run_from(command.clone())
                 .await
                 .expect_err("no tables there");
