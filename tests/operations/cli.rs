@@ -710,6 +710,20 @@ async fn inspect_and_release_on(url: &str, store: &dyn Store) {
     assert!(store.fetch(&running).await.expect("fetch").is_none());
 }
 
+/// Reserves `identity` with a lease of a minute: a record in progress, lease live.
+async fn hold_for_a_minute(store: &SqliteStore, identity: &Identity) {
+    let minute = Duration::from_secs(60);
+    let request = ReserveRequest {
+        identity,
+        fingerprint: None,
+        token: &OwnerToken::new(),
+        lease: minute,
+        ttl: minute,
+    };
+    let got = store.reserve(request).await.expect("reserve");
+    assert!(matches!(got, Reservation::Acquired { .. }), "{got:?}");
+}
+
 #[tokio::test]
 async fn inspect_and_release_on_sqlite() {
     let dir = Scratch::new();
@@ -718,18 +732,11 @@ async fn inspect_and_release_on_sqlite() {
     inspect_and_release_on(&url, &store).await;
 
     // `tenant = shared` records are named with --shared.
-    let identity = Identity::shared("cli.shared", "k").expect("identity");
-    let token = OwnerToken::new();
-    store
-        .reserve(ReserveRequest {
-            identity: &identity,
-            fingerprint: None,
-            token: &token,
-            lease: Duration::from_secs(60),
-            ttl: Duration::from_secs(60),
-        })
-        .await
-        .expect("reserve");
+    hold_for_a_minute(
+        &store,
+        &Identity::shared("cli.shared", "k").expect("identity"),
+    )
+    .await;
     let out = run_from([
         "idempotent",
         "inspect",
@@ -763,17 +770,11 @@ async fn inspect_and_release_on_sqlite() {
 
     // Keys and tenants are the client's: one starting with `-` is a value,
     // written after its option as any other.
-    let identity = Identity::new("-tenant", "cli.hyphen", "-abc").expect("identity");
-    store
-        .reserve(ReserveRequest {
-            identity: &identity,
-            fingerprint: None,
-            token: &OwnerToken::new(),
-            lease: Duration::from_secs(60),
-            ttl: Duration::from_secs(60),
-        })
-        .await
-        .expect("reserve");
+    hold_for_a_minute(
+        &store,
+        &Identity::new("-tenant", "cli.hyphen", "-abc").expect("identity"),
+    )
+    .await;
     let out = run_from([
         "idempotent",
         "inspect",
