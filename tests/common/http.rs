@@ -138,6 +138,9 @@ pub struct Shop {
     pub seen_keys: Mutex<Vec<String>>,
     arrivals: watch::Sender<usize>,
     conflicts: watch::Sender<usize>,
+    /// Requests whose handling by the server ended: answered, or dropped
+    /// (the client hung up).
+    ended: watch::Sender<usize>,
 }
 
 impl Shop {
@@ -186,6 +189,7 @@ impl TestServer {
             seen_keys: Mutex::new(Vec::new()),
             arrivals: watch::channel(0).0,
             conflicts: watch::channel(0).0,
+            ended: watch::channel(0).0,
         });
         let layer = configure(
             IdempotencyLayer::builder("test.payments", store.clone())
@@ -237,6 +241,15 @@ impl TestServer {
         .expect("server alive");
     }
 
+    /// Waits until the server's handling of `n` requests has ended: answered,
+    /// or dropped because the client hung up.
+    pub async fn wait_ended(&self, n: usize) {
+        let mut rx = self.shop.ended.subscribe();
+        bounded(&format!("{n} request(s) ended"), rx.wait_for(|&v| v >= n))
+            .await
+            .expect("server alive");
+    }
+
     /// Waits until the server has answered `n` requests with 409.
     pub async fn wait_conflicts(&self, n: usize) {
         let mut rx = self.shop.conflicts.subscribe();
@@ -255,6 +268,14 @@ async fn count_arrivals(State(shop): State<Arc<Shop>>, request: Request, next: N
         shop.seen_keys.lock().expect("keys").push(key.to_owned());
     }
     shop.arrivals.send_modify(|v| *v += 1);
+    /// Counts the request as ended when its handling ends, however it does.
+    struct Ends(Arc<Shop>);
+    impl Drop for Ends {
+        fn drop(&mut self) {
+            self.0.ended.send_modify(|v| *v += 1);
+        }
+    }
+    let _ends = Ends(shop.clone());
     let failing = shop
         .fail_next
         .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))

@@ -221,6 +221,49 @@ async fn other_bodies_are_fingerprinted_as_raw_bytes() {
     expect_problem(send("a  b").await.unwrap(), 422, types::KEY_REUSED).await;
 }
 
+// ---------------------------------------------------------------- the client hangs up
+
+/// A client that hangs up while its request runs (its own timeout, a proxy's)
+/// does not stop the handler: it runs to its end and its answer is recorded,
+/// so the client's retry with the same key replays it. Were the handler
+/// dropped with the connection, the key would be released and the retry
+/// would run the charge a second time. On every store.
+#[tokio::test]
+async fn a_client_that_hangs_up_mid_request_gets_the_answer_on_its_retry_not_a_second_run() {
+    for (name, store) in every_store().await {
+        let server = TestServer::start(store, |b| b).await;
+        let a = fresh_tenant();
+        server.shop.gateway.hold();
+        let first = {
+            let (url, a) = (server.url("/payments"), a.clone());
+            tokio::spawn(async move {
+                client()
+                    .post(url)
+                    .header("x-account-id", a)
+                    .header("idempotency-key", "k")
+                    .header("content-type", "application/json")
+                    .body(BODY)
+                    .send()
+                    .await
+            })
+        };
+        server.shop.gateway.wait_entered(1).await;
+        // The client hangs up; the server sees the connection end.
+        first.abort();
+        let _ = first.await;
+        server.wait_ended(1).await;
+        server.shop.gateway.release();
+        let retry = post(&server, "/payments", Some(&a), Some("k"), BODY).await;
+        assert_eq!(retry.status(), 201, "{name}");
+        assert!(
+            replayed(&retry),
+            "{name}: the retry replays the first run's answer"
+        );
+        assert_eq!(server.shop.gateway.calls(), 1, "{name}: charged once");
+        assert_eq!(server.shop.charges_of(&a).len(), 1, "{name}");
+    }
+}
+
 // ---------------------------------------------------------------- in progress
 
 #[tokio::test]

@@ -501,7 +501,35 @@ where
         let clone = self.inner.clone();
         let inner = std::mem::replace(&mut self.inner, clone);
         let config = self.config.clone();
-        Box::pin(handle(config, inner, request))
+        if is_safe_method(request.method()) {
+            return Box::pin(handle(config, inner, request));
+        }
+        Box::pin(to_the_end(handle(config, inner, request)))
+    }
+}
+
+/// Runs a request that may change state in a task of its own, so it runs to
+/// its end even when the caller stops waiting for it: a client that hangs up
+/// (its own timeout, a proxy's) drops the connection, and with it the future
+/// the server awaits. Dropped halfway, the handler would leave its side
+/// effects done and the key released (rule 14), and the client's retry with
+/// the same key would run it again; run to its end, its answer is recorded
+/// and the retry replays it. A panic propagates to the caller as before.
+/// Outside a Tokio runtime it runs in the caller's future.
+async fn to_the_end<F, T>(work: F) -> T
+where
+    F: std::future::Future<Output = T> + Send + 'static,
+    T: Send + 'static,
+{
+    if tokio::runtime::Handle::try_current().is_err() {
+        return work.await;
+    }
+    match tokio::spawn(work).await {
+        Ok(answer) => answer,
+        Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+        // Cancelled: only when the runtime shuts down, which also ends
+        // the caller.
+        Err(_) => std::future::pending().await,
     }
 }
 
