@@ -13,7 +13,8 @@
 //! | `Ok(_)`, the body ran | `Executed` | `Ack` |
 //! | `Ok(_)` or a recorded `Err(_)`, replayed | `Replayed` | `Ack` (no second effect) |
 //! | `Error::InProgress { retry_after }` | `InProgress` | `Nak(Some(retry_after))` |
-//! | any other `Err(_)`: the body failed and the key was released, the store failed, the lease was lost | `Failed` | `Nak(None)` |
+//! | any other `Err(_)`: the body failed and the key was released, the store failed, the lease was lost | `Failed` | `Nak(Some(`[`failed_retry_after`]`(n)))`: 1 s after the first delivery, doubling per delivery up to 60 s |
+//! | `Error::ResultNotFaithful` / `ResultTooLarge` / `ResultEncoding`: the body ran, its result can never be recorded | `Unrecordable` | `Term` (a redelivery would run the body again) |
 //! | `Error::FingerprintMismatch`: same message id, different payload | `Mismatch` | `Term` (poison) |
 //! | no key on the message | `MissingKey` | `Term`; the handler is not called |
 //! | `Error::InvalidKey` / `Error::InvalidTenant` | `InvalidKey` | `Term` |
@@ -110,6 +111,31 @@ pub enum Verdict {
     MissingKey,
     /// The key or the tenant was refused (`Error::InvalidKey` / `InvalidTenant`).
     InvalidKey,
+    /// The body ran, but its result can never be recorded
+    /// (`Error::ResultNotFaithful`, `ResultTooLarge`, `ResultEncoding`): the
+    /// key was released, so every redelivery would run the body again. The
+    /// message is terminated; fix the handler's result type.
+    Unrecordable,
+}
+
+/// How long a [`Verdict::Failed`] delivery waits before it is redelivered,
+/// after `deliveries` deliveries of the message (1 for the first): 1 s,
+/// doubling per delivery, at most 60 s. A failure that lasts (a store down,
+/// a bug in the handler) is then tried again at a bounded pace instead of
+/// in a tight loop.
+///
+/// ```
+/// use idempotent_runtime::consumer::failed_retry_after;
+/// use std::time::Duration;
+/// assert_eq!(failed_retry_after(1), Duration::from_secs(1));
+/// assert_eq!(failed_retry_after(3), Duration::from_secs(4));
+/// assert_eq!(failed_retry_after(40), Duration::from_secs(60));
+/// ```
+pub fn failed_retry_after(deliveries: u64) -> Duration {
+    const FIRST: Duration = Duration::from_secs(1);
+    const MOST: Duration = Duration::from_secs(60);
+    let doublings = deliveries.saturating_sub(1).min(16) as u32;
+    FIRST.saturating_mul(1 << doublings).min(MOST)
 }
 
 impl Verdict {
@@ -118,13 +144,16 @@ impl Verdict {
         match self {
             Verdict::Executed | Verdict::Replayed => Disposition::Ack,
             Verdict::InProgress { retry_after } => Disposition::Nak(Some(retry_after)),
-            Verdict::Failed => Disposition::Nak(None),
-            Verdict::Mismatch | Verdict::MissingKey | Verdict::InvalidKey => Disposition::Term,
+            Verdict::Failed => Disposition::Nak(Some(failed_retry_after(1))),
+            Verdict::Mismatch
+            | Verdict::MissingKey
+            | Verdict::InvalidKey
+            | Verdict::Unrecordable => Disposition::Term,
         }
     }
 
     /// A short lowercase name: `executed`, `replayed`, `in-progress`, `failed`,
-    /// `mismatch`, `missing-key`, `invalid-key`.
+    /// `mismatch`, `missing-key`, `invalid-key`, `unrecordable`.
     pub fn as_str(self) -> &'static str {
         match self {
             Verdict::Executed => "executed",
@@ -134,6 +163,7 @@ impl Verdict {
             Verdict::Mismatch => "mismatch",
             Verdict::MissingKey => "missing-key",
             Verdict::InvalidKey => "invalid-key",
+            Verdict::Unrecordable => "unrecordable",
         }
     }
 }
@@ -240,6 +270,11 @@ fn verdict<T, E: AsIdempotencyError>(result: &Result<T, E>, reported: Option<Rep
         },
         Some(Error::FingerprintMismatch(_)) => Verdict::Mismatch,
         Some(Error::InvalidKey(_) | Error::InvalidTenant(_)) => Verdict::InvalidKey,
+        Some(
+            Error::ResultNotFaithful { .. }
+            | Error::ResultTooLarge { .. }
+            | Error::ResultEncoding { .. },
+        ) => Verdict::Unrecordable,
         // The framework's own error (a store down, a lease lost...) is never a
         // recorded answer, even after an earlier step replayed: that step's
         // outcome says nothing of the step that failed, which has not run.
@@ -350,7 +385,7 @@ mod tests {
         );
         assert_eq!(
             classify(&e, Some(Outcome::Executed)).disposition(),
-            Disposition::Nak(None)
+            Disposition::Nak(Some(Duration::from_secs(1)))
         );
     }
 
@@ -407,12 +442,48 @@ mod tests {
         ] {
             assert_eq!(
                 classify(&err(e), Some(Outcome::Executed)).disposition(),
-                Disposition::Nak(None)
+                Disposition::Nak(Some(Duration::from_secs(1))),
+                "redelivered after a pause, never in a tight loop"
             );
         }
         // The body's own error, released (it is not a framework error at all).
         let own: Result<(), std::io::Error> = Err(std::io::Error::other("ledger down"));
         assert_eq!(classify(&own, Some(Outcome::Executed)), Verdict::Failed);
+    }
+
+    /// A result that can never be recorded: the body ran and the key was
+    /// released, so a redelivery would run it again, and again.
+    #[test]
+    fn an_unrecordable_result_is_poison() {
+        for e in [
+            Error::ResultNotFaithful {
+                scope: "a.b".into(),
+                message: "NaN".into(),
+            },
+            Error::ResultTooLarge {
+                scope: "a.b".into(),
+                size: 9 << 20,
+                limit: 8 << 20,
+            },
+            Error::ResultEncoding {
+                scope: "a.b".into(),
+                message: "a map key that is not a string".into(),
+            },
+        ] {
+            let v = classify(&err(e), Some(Outcome::Executed));
+            assert_eq!(
+                (v, v.disposition()),
+                (Verdict::Unrecordable, Disposition::Term)
+            );
+        }
+    }
+
+    #[test]
+    fn a_failing_message_waits_longer_at_every_delivery() {
+        let pauses: Vec<u64> = (1..=8).map(|n| failed_retry_after(n).as_secs()).collect();
+        assert_eq!(pauses, [1, 2, 4, 8, 16, 32, 60, 60]);
+        assert_eq!(failed_retry_after(0), Duration::from_secs(1));
+        assert_eq!(failed_retry_after(u64::MAX), Duration::from_secs(60));
     }
 
     #[test]

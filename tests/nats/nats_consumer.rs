@@ -106,6 +106,15 @@ impl Ledger {
         Ok(order.amount_cents)
     }
 
+    /// A result JSON cannot hold (`NaN`): never recordable.
+    #[idempotent(scope = "nats.mapping.ratios", key = msg_id, tenant = shared, store = self.store,
+                 in_progress = reject)]
+    async fn ratio(&self, msg_id: &str, order: &Order) -> Result<f64, BillError> {
+        self.effects.fetch_add(1, Ordering::SeqCst);
+        let _ = order;
+        Ok(f64::NAN)
+    }
+
     /// `errors = record`: a declined order's error is its final answer.
     #[idempotent(scope = "nats.mapping.declines", key = msg_id, tenant = shared, store = self.store,
                  in_progress = reject, errors = record)]
@@ -171,7 +180,10 @@ async fn mapping_released_error_is_nakd_and_the_redelivery_runs() {
     let failed = handle(Some("m-3"), |k| ledger.bill(k, &o)).await;
     assert_eq!(
         (failed.verdict, failed.disposition()),
-        (Verdict::Failed, Disposition::Nak(None))
+        (
+            Verdict::Failed,
+            Disposition::Nak(Some(Duration::from_secs(1)))
+        )
     );
     ledger.down.store(false, Ordering::SeqCst);
     let retry = handle(Some("m-3"), |k| ledger.bill(k, &o)).await;
@@ -225,13 +237,35 @@ async fn mapping_mismatch_missing_and_invalid_keys_are_termed() {
     assert_eq!(ledger.effects.load(Ordering::SeqCst), 1);
 }
 
+/// The body ran but its result can never be recorded: the key was released,
+/// so a redelivery would run the body again (in a tight loop, as long as
+/// redeliveries come). The message is terminated as poison after one run.
+#[tokio::test]
+async fn mapping_an_unrecordable_result_is_termed_after_one_run() {
+    let ledger = Ledger::new(false);
+    let o = order("o-8", 800);
+    let h = handle(Some("m-8"), |k| ledger.ratio(k, &o)).await;
+    assert_eq!(
+        (h.verdict, h.disposition()),
+        (Verdict::Unrecordable, Disposition::Term)
+    );
+    assert!(matches!(
+        h.idempotency_error(),
+        Some(Error::ResultNotFaithful { .. })
+    ));
+    assert_eq!(ledger.effects.load(Ordering::SeqCst), 1);
+}
+
 #[tokio::test]
 async fn mapping_recorded_error_is_nakd_once_then_acked() {
     let ledger = Ledger::new(false);
     let o = order("o-7", 700);
     let first = handle(Some("m-7"), |k| ledger.decline(k, &o)).await;
     // The first execution of a recorded error looks like a released one...
-    assert_eq!(first.disposition(), Disposition::Nak(None));
+    assert_eq!(
+        first.disposition(),
+        Disposition::Nak(Some(Duration::from_secs(1)))
+    );
     // ...and its redelivery replays the final answer: acked, no second effect.
     let again = handle(Some("m-7"), |k| ledger.decline(k, &o)).await;
     assert_eq!(
@@ -541,7 +575,8 @@ async fn full_loop(js: jetstream::Context) {
                 assert!(*retry_after > Duration::ZERO && *retry_after <= Duration::from_secs(2));
                 Disposition::Nak(Some(*retry_after))
             }
-            Verdict::Failed => Disposition::Nak(None),
+            // The first delivery of a failing message waits a second.
+            Verdict::Failed => Disposition::Nak(Some(Duration::from_secs(1))),
             _ => Disposition::Term,
         };
         assert_eq!(*disposition, want, "stream sequence {seq}");

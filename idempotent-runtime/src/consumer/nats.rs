@@ -32,7 +32,7 @@
 //! raw id, only the stream, the consumer, the stream sequence and the scope
 //! with a digest of the key.
 
-use super::{handle, AsIdempotencyError, Disposition, Handled};
+use super::{failed_retry_after, handle, AsIdempotencyError, Disposition, Handled, Verdict};
 use async_nats::jetstream::{self, AckKind};
 use std::future::Future;
 
@@ -80,7 +80,16 @@ where
     E: AsIdempotencyError,
 {
     let handled = handle(message_key(message), handler).await;
-    let disposition = handled.disposition();
+    let disposition = match handled.verdict {
+        // Later deliveries of a failing message wait longer.
+        Verdict::Failed => {
+            let deliveries = message
+                .info()
+                .map_or(1, |info| info.delivered.max(1) as u64);
+            Disposition::Nak(Some(failed_retry_after(deliveries)))
+        }
+        _ => handled.disposition(),
+    };
     if disposition == Disposition::Term {
         let info = message.info().ok();
         let error = handled.idempotency_error().map(|e| e.to_string());
