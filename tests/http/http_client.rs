@@ -193,6 +193,38 @@ async fn other_4xx_answers_are_final_and_not_retried() {
     assert_eq!(server.shop.status_calls.load(Ordering::SeqCst), 1);
 }
 
+/// 408, 423, 425 and 429 say "not processed, try again" (the layer does not
+/// record them): retried with the same key, as a 5xx is, within the bound.
+#[tokio::test]
+async fn try_again_answers_are_retried() {
+    let server = TestServer::start(memory(), |b| b).await;
+    let a = fresh_tenant();
+    let c = IdempotentClient::new(reqwest::Client::new()).with_policy(RetryPolicy {
+        max_attempts: 2,
+        ..fast()
+    });
+    for code in ["408", "423", "425", "429"] {
+        let before = server.shop.status_calls.load(Ordering::SeqCst);
+        let intent = c
+            .intent(Method::POST, &server.url(&format!("/status/{code}")))
+            .unwrap()
+            .header("x-account-id", &a)
+            .unwrap()
+            .json(&serde_json::json!({}))
+            .unwrap();
+        let e = intent.send().await.unwrap_err();
+        assert!(
+            matches!(e, ClientError::RetriesExhausted { attempts: 2, .. }),
+            "{code}: {e:?}"
+        );
+        assert_eq!(
+            server.shop.status_calls.load(Ordering::SeqCst),
+            before + 2,
+            "{code}: tried twice"
+        );
+    }
+}
+
 #[tokio::test]
 async fn retries_are_bounded_and_the_error_says_to_keep_the_key() {
     let server = TestServer::start(memory(), |b| b).await;

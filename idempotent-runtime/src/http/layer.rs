@@ -306,7 +306,7 @@ struct Config {
 /// The 4xx answers that say "not processed, send it again": 408 Request
 /// Timeout, 423 Locked, 425 Too Early and 429 Too Many Requests. Recording
 /// one would answer every retry with it for the record's ttl.
-fn says_try_again(status: StatusCode) -> bool {
+pub(crate) fn says_try_again(status: StatusCode) -> bool {
     matches!(
         status,
         StatusCode::REQUEST_TIMEOUT
