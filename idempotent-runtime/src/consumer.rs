@@ -13,7 +13,7 @@
 //! | `Ok(_)`, the body ran | `Executed` | `Ack` |
 //! | `Ok(_)` or a recorded `Err(_)`, replayed | `Replayed` | `Ack` (no second effect) |
 //! | `Error::InProgress { retry_after }` | `InProgress` | `Nak(Some(retry_after))` |
-//! | any other `Err(_)`: the body failed and the key was released, the store failed, the lease was lost | `Failed` | `Nak(Some(`[`failed_retry_after`]`(n)))`: 1 s after the first delivery, doubling per delivery up to 60 s |
+//! | any other `Err(_)`: the body failed and the key was released, the store failed, the lease was lost | `Failed` | `Nak(None)`; knowing the delivery count (as [`nats::process`] does), `Nak(Some(`[`failed_retry_after`]`(n)))`: 1 s after the first delivery, doubling per delivery up to 60 s |
 //! | `Error::ResultNotFaithful` / `ResultTooLarge` / `ResultEncoding`: the body ran, its result can never be recorded | `Unrecordable` | `Term` (a redelivery would run the body again) |
 //! | `Error::FingerprintMismatch`: same message id, different payload | `Mismatch` | `Term` (poison) |
 //! | no key on the message | `MissingKey` | `Term`; the handler is not called |
@@ -144,7 +144,7 @@ impl Verdict {
         match self {
             Verdict::Executed | Verdict::Replayed => Disposition::Ack,
             Verdict::InProgress { retry_after } => Disposition::Nak(Some(retry_after)),
-            Verdict::Failed => Disposition::Nak(Some(failed_retry_after(1))),
+            Verdict::Failed => Disposition::Nak(None),
             Verdict::Mismatch
             | Verdict::MissingKey
             | Verdict::InvalidKey
@@ -294,11 +294,20 @@ pub struct Handled<T, E> {
     pub verdict: Verdict,
     /// The handler's result; `None` when it was not called (no key).
     pub result: Option<Result<T, E>>,
+    /// How many times the broker has delivered the message, this delivery
+    /// included, when the broker says ([`nats::process`] does).
+    deliveries: Option<u64>,
 }
 
 impl<T, E> Handled<T, E> {
-    /// What to tell the broker.
+    /// What to tell the broker: the verdict's [`Disposition`], and for a
+    /// [`Verdict::Failed`] delivery whose delivery count is known, a nak
+    /// delayed by [`failed_retry_after`], so a failure that lasts (a store
+    /// down, a bug in the handler) is not redelivered in a tight loop.
     pub fn disposition(&self) -> Disposition {
+        if let (Verdict::Failed, Some(deliveries)) = (self.verdict, self.deliveries) {
+            return Disposition::Nak(Some(failed_retry_after(deliveries)));
+        }
         self.verdict.disposition()
     }
 
@@ -335,12 +344,14 @@ where
         return Handled {
             verdict: Verdict::MissingKey,
             result: None,
+            deliveries: None,
         };
     };
     let (result, reported) = with_report(handler(key)).await;
     Handled {
         verdict: verdict(&result, reported),
         result: Some(result),
+        deliveries: None,
     }
 }
 
@@ -385,7 +396,7 @@ mod tests {
         );
         assert_eq!(
             classify(&e, Some(Outcome::Executed)).disposition(),
-            Disposition::Nak(Some(Duration::from_secs(1)))
+            Disposition::Nak(None)
         );
     }
 
@@ -442,8 +453,7 @@ mod tests {
         ] {
             assert_eq!(
                 classify(&err(e), Some(Outcome::Executed)).disposition(),
-                Disposition::Nak(Some(Duration::from_secs(1))),
-                "redelivered after a pause, never in a tight loop"
+                Disposition::Nak(None)
             );
         }
         // The body's own error, released (it is not a framework error at all).
@@ -476,6 +486,26 @@ mod tests {
                 (Verdict::Unrecordable, Disposition::Term)
             );
         }
+    }
+
+    /// Knowing the delivery count, a failed delivery is redelivered after a
+    /// pause that grows, never in a tight loop.
+    #[test]
+    fn a_failed_delivery_with_its_count_is_nakd_with_a_growing_delay() {
+        let failed = |deliveries| Handled::<(), std::io::Error> {
+            verdict: Verdict::Failed,
+            result: None,
+            deliveries,
+        };
+        assert_eq!(failed(None).disposition(), Disposition::Nak(None));
+        assert_eq!(
+            failed(Some(1)).disposition(),
+            Disposition::Nak(Some(Duration::from_secs(1)))
+        );
+        assert_eq!(
+            failed(Some(4)).disposition(),
+            Disposition::Nak(Some(Duration::from_secs(8)))
+        );
     }
 
     #[test]

@@ -180,10 +180,7 @@ async fn mapping_released_error_is_nakd_and_the_redelivery_runs() {
     let failed = handle(Some("m-3"), |k| ledger.bill(k, &o)).await;
     assert_eq!(
         (failed.verdict, failed.disposition()),
-        (
-            Verdict::Failed,
-            Disposition::Nak(Some(Duration::from_secs(1)))
-        )
+        (Verdict::Failed, Disposition::Nak(None))
     );
     ledger.down.store(false, Ordering::SeqCst);
     let retry = handle(Some("m-3"), |k| ledger.bill(k, &o)).await;
@@ -262,10 +259,7 @@ async fn mapping_recorded_error_is_nakd_once_then_acked() {
     let o = order("o-7", 700);
     let first = handle(Some("m-7"), |k| ledger.decline(k, &o)).await;
     // The first execution of a recorded error looks like a released one...
-    assert_eq!(
-        first.disposition(),
-        Disposition::Nak(Some(Duration::from_secs(1)))
-    );
+    assert_eq!(first.disposition(), Disposition::Nak(None));
     // ...and its redelivery replays the final answer: acked, no second effect.
     let again = handle(Some("m-7"), |k| ledger.decline(k, &o)).await;
     assert_eq!(

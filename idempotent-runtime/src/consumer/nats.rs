@@ -32,7 +32,7 @@
 //! raw id, only the stream, the consumer, the stream sequence and the scope
 //! with a digest of the key.
 
-use super::{failed_retry_after, handle, AsIdempotencyError, Disposition, Handled, Verdict};
+use super::{handle, AsIdempotencyError, Disposition, Handled};
 use async_nats::jetstream::{self, AckKind};
 use std::future::Future;
 
@@ -79,17 +79,13 @@ where
     Fut: Future<Output = Result<T, E>>,
     E: AsIdempotencyError,
 {
-    let handled = handle(message_key(message), handler).await;
-    let disposition = match handled.verdict {
-        // Later deliveries of a failing message wait longer.
-        Verdict::Failed => {
-            let deliveries = message
-                .info()
-                .map_or(1, |info| info.delivered.max(1) as u64);
-            Disposition::Nak(Some(failed_retry_after(deliveries)))
-        }
-        _ => handled.disposition(),
-    };
+    let mut handled = handle(message_key(message), handler).await;
+    // A failed delivery's nak waits longer at every delivery.
+    handled.deliveries = message
+        .info()
+        .ok()
+        .map(|info| u64::try_from(info.delivered).unwrap_or(1));
+    let disposition = handled.disposition();
     if disposition == Disposition::Term {
         let info = message.info().ok();
         let error = handled.idempotency_error().map(|e| e.to_string());
