@@ -270,11 +270,13 @@ fn verdict<T, E: AsIdempotencyError>(result: &Result<T, E>, reported: Option<Rep
         },
         Some(Error::FingerprintMismatch(_)) => Verdict::Mismatch,
         Some(Error::InvalidKey(_) | Error::InvalidTenant(_)) => Verdict::InvalidKey,
+        // Only the body's own result: a recover hook's answer that cannot be
+        // recorded leaves the record for the next delivery to ask again.
         Some(
             Error::ResultNotFaithful { .. }
             | Error::ResultTooLarge { .. }
             | Error::ResultEncoding { .. },
-        ) => Verdict::Unrecordable,
+        ) if reported.is_some_and(|r| r.outcome == Outcome::Executed) => Verdict::Unrecordable,
         // The framework's own error (a store down, a lease lost...) is never a
         // recorded answer, even after an earlier step replayed: that step's
         // outcome says nothing of the step that failed, which has not run.
@@ -465,26 +467,34 @@ mod tests {
     /// released, so a redelivery would run it again, and again.
     #[test]
     fn an_unrecordable_result_is_poison() {
-        for e in [
-            Error::ResultNotFaithful {
-                scope: "a.b".into(),
-                message: "NaN".into(),
-            },
-            Error::ResultTooLarge {
-                scope: "a.b".into(),
-                size: 9 << 20,
-                limit: 8 << 20,
-            },
-            Error::ResultEncoding {
-                scope: "a.b".into(),
-                message: "a map key that is not a string".into(),
-            },
-        ] {
+        let unrecordable = || {
+            [
+                Error::ResultNotFaithful {
+                    scope: "a.b".into(),
+                    message: "NaN".into(),
+                },
+                Error::ResultTooLarge {
+                    scope: "a.b".into(),
+                    size: 9 << 20,
+                    limit: 8 << 20,
+                },
+                Error::ResultEncoding {
+                    scope: "a.b".into(),
+                    message: "a map key that is not a string".into(),
+                },
+            ]
+        };
+        for e in unrecordable() {
             let v = classify(&err(e), Some(Outcome::Executed));
             assert_eq!(
                 (v, v.disposition()),
                 (Verdict::Unrecordable, Disposition::Term)
             );
+        }
+        // A recover hook's answer: the body did not run, and the record is
+        // kept for the next delivery to ask the hook again.
+        for e in unrecordable() {
+            assert_eq!(classify(&err(e), Some(Outcome::Recovered)), Verdict::Failed);
         }
     }
 

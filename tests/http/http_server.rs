@@ -264,6 +264,68 @@ async fn a_client_that_hangs_up_mid_request_gets_the_answer_on_its_retry_not_a_s
     }
 }
 
+/// The idempotent handling runs in a task of its own, and still under the
+/// request's span: a handler's logs keep the request's trace (a request id
+/// from `TraceLayer`, an OpenTelemetry context).
+#[tokio::test]
+async fn the_handling_stays_under_the_requests_span() {
+    use tracing_subscriber::layer::{Context, SubscriberExt};
+    use tracing_subscriber::registry::LookupSpan;
+
+    /// Records each `idempotent_call` span's parent's name.
+    struct Parents(Arc<std::sync::Mutex<Vec<Option<String>>>>);
+    impl<S: tracing::Subscriber + for<'a> LookupSpan<'a>> tracing_subscriber::Layer<S> for Parents {
+        fn on_new_span(
+            &self,
+            attrs: &tracing::span::Attributes<'_>,
+            id: &tracing::span::Id,
+            cx: Context<'_, S>,
+        ) {
+            if attrs.metadata().name() != "idempotent_call" {
+                return;
+            }
+            let parent = cx
+                .span(id)
+                .and_then(|span| span.parent().map(|p| p.name().to_owned()));
+            self.0.lock().unwrap().push(parent);
+        }
+    }
+
+    let parents = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let subscriber = tracing_subscriber::registry().with(Parents(parents.clone()));
+    // The test's runtime has one thread: the server's tasks run on it.
+    let _default = tracing::subscriber::set_default(subscriber);
+    let app = axum::Router::new()
+        .route("/charges", axum::routing::post(|| async { "charged" }))
+        .route_layer(
+            idempotent_runtime::http::IdempotencyLayer::builder("test.spans", memory())
+                .tenant_from(|_| Some("t".to_owned()))
+                .build()
+                .expect("layer"),
+        )
+        .layer(axum::middleware::from_fn(
+            |request: axum::extract::Request, next: axum::middleware::Next| {
+                let span = tracing::info_span!("http_request");
+                tracing::Instrument::instrument(next.run(request), span)
+            },
+        ));
+    let (base, task) = http_app::serve(app).await;
+    let r = client()
+        .post(format!("{base}/charges"))
+        .header("idempotency-key", "k")
+        .body("{}")
+        .send()
+        .await
+        .expect("answer");
+    assert_eq!(r.status(), 200);
+    task.abort();
+    assert_eq!(
+        *parents.lock().unwrap(),
+        [Some("http_request".to_owned())],
+        "the call's span is the request's child"
+    );
+}
+
 // ---------------------------------------------------------------- in progress
 
 #[tokio::test]

@@ -239,16 +239,18 @@ impl IdempotentResponse {
 /// in-progress problem, another server's (the IETF draft's problem type is
 /// the server's own, without `Retry-After`) and a handler's own 409 look
 /// alike; the retry settles it (a handler's recorded 409 comes back replayed).
-/// And the 4xx answers that say "not processed, try again" (408 Request
-/// Timeout, 423 Locked, 425 Too Early, 429 Too Many Requests), which the
-/// layer never records; their `Retry-After` is honoured.
+/// And the 4xx answers that say "not processed, try again" (423 Locked,
+/// 425 Too Early, 429 Too Many Requests), which the layer never records;
+/// their `Retry-After` is honoured. Not 408: timeout middleware (tower-http's
+/// `TimeoutLayer`) answers 408 after dropping a handler halfway, so it may
+/// have done its work.
 fn worth_retrying(status: StatusCode, headers: &HeaderMap, body: &[u8]) -> bool {
     if replayed(headers) {
         return false;
     }
     (status.is_server_error() && !handler_ran_unrecorded(headers, body))
         || status == StatusCode::CONFLICT
-        || super::layer::says_try_again(status)
+        || (super::layer::says_try_again(status) && status != StatusCode::REQUEST_TIMEOUT)
 }
 
 /// The answer says `Idempotent-Replayed: true`.

@@ -515,7 +515,8 @@ where
 /// effects done and the key released (rule 14), and the client's retry with
 /// the same key would run it again; run to its end, its answer is recorded
 /// and the retry replays it. A panic propagates to the caller as before.
-/// Outside a Tokio runtime it runs in the caller's future.
+/// The caller's tracing span goes with it; its task-locals do not. Outside a
+/// Tokio runtime it runs in the caller's future.
 async fn to_the_end<F, T>(work: F) -> T
 where
     F: std::future::Future<Output = T> + Send + 'static,
@@ -524,7 +525,9 @@ where
     if tokio::runtime::Handle::try_current().is_err() {
         return work.await;
     }
-    match tokio::spawn(work).await {
+    // The request's span goes with it (its logs stay under the request's
+    // trace); task-locals do not.
+    match tokio::spawn(tracing::Instrument::in_current_span(work)).await {
         Ok(answer) => answer,
         Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
         // Cancelled: only when the runtime shuts down, which also ends
