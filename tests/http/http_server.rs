@@ -326,6 +326,52 @@ async fn the_handling_stays_under_the_requests_span() {
     );
 }
 
+/// Rule 14 through the layer: a handler that panics releases its key and
+/// the panic propagates (the connection ends without an answer), also now
+/// that the handling runs in a task of its own; the retry runs the handler
+/// again.
+#[tokio::test]
+async fn a_handler_that_panics_releases_the_key_and_the_panic_propagates() {
+    let calls = Arc::new(AtomicUsize::new(0));
+    let handler = {
+        let calls = calls.clone();
+        move || async move {
+            if calls.fetch_add(1, Ordering::SeqCst) == 0 {
+                panic!("the first call panics");
+            }
+            "charged"
+        }
+    };
+    let app = axum::Router::new()
+        .route("/charges", axum::routing::post(handler))
+        .route_layer(
+            idempotent_runtime::http::IdempotencyLayer::builder("test.panics", memory())
+                .tenant_from(|_| Some("t".to_owned()))
+                .build()
+                .expect("layer"),
+        );
+    let (base, task) = http_app::serve(app).await;
+    let send = || {
+        client()
+            .post(format!("{base}/charges"))
+            .header("idempotency-key", "k")
+            .body("{}")
+            .send()
+    };
+    let first = bounded("the panicking request", send()).await;
+    assert!(
+        first
+            .as_ref()
+            .map_or(true, |r| r.status().is_server_error()),
+        "the panic reached the server, not an answer: {first:?}"
+    );
+    let retry = bounded("the retry", send()).await.expect("an answer");
+    assert_eq!(retry.status(), 200);
+    assert!(!replayed(&retry), "the key was released: the retry ran");
+    assert_eq!(calls.load(Ordering::SeqCst), 2);
+    task.abort();
+}
+
 // ---------------------------------------------------------------- in progress
 
 #[tokio::test]
