@@ -530,9 +530,9 @@ where
     match tokio::spawn(tracing::Instrument::in_current_span(work)).await {
         Ok(answer) => answer,
         Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
-        // Cancelled: only when the runtime shuts down, which also ends
-        // the caller.
-        Err(_) => std::future::pending().await,
+        // Cancelled: only when the runtime shuts down, which also ends the
+        // caller; should it still be polled, it ends rather than waits for ever.
+        Err(_) => panic!("the request's task was cancelled: the runtime is shutting down"),
     }
 }
 
