@@ -380,8 +380,10 @@ fn kill_phase(last: &str) -> &str {
 }
 
 /// Runs the workers: keeps `bounds.workers` of them running until the calls
-/// are used up, killing `bounds.kills` of them along the way.
-fn run_fleet(fleet: &mut Fleet, bounds: &Bounds) -> (usize, usize) {
+/// are used up, killing `bounds.kills` of them along the way. `Err` names the
+/// workers still running well past their deadline (a hang); they are left
+/// running, so that what they wait for can be looked at before the fleet drops.
+fn run_fleet(fleet: &mut Fleet, bounds: &Bounds) -> Result<(usize, usize), String> {
     let mut rng = Rng::new();
     let kill_until = Instant::now() + Duration::from_secs(bounds.seconds);
     // A call waits at most a few seconds (wait("3s") plus statements); past
@@ -414,11 +416,11 @@ fn run_fleet(fleet: &mut Fleet, bounds: &Bounds) -> (usize, usize) {
                     )
                 })
                 .collect();
-            panic!(
+            return Err(format!(
                 "soak workers still running {}s after the deadline (the fleet is killed):\n{}",
                 (hard_stop - kill_until).as_secs(),
                 stuck.join("\n")
-            );
+            ));
         }
         if targeted + random >= bounds.kills || Instant::now() >= kill_until {
             std::thread::sleep(Duration::from_millis(20));
@@ -443,7 +445,7 @@ fn run_fleet(fleet: &mut Fleet, bounds: &Bounds) -> (usize, usize) {
             }
         }
     }
-    (targeted, random)
+    Ok((targeted, random))
 }
 
 // ------------------------------------------------------------ the checks
@@ -559,6 +561,9 @@ trait AnyPool {
         &self,
         tenant: &str,
     ) -> futures::future::BoxFuture<'_, Result<Vec<(String, String)>, sqlx::Error>>;
+    /// One line per session of the database (besides this one): what it runs
+    /// and what it waits for. Printed when the fleet hangs.
+    fn activity(&self) -> futures::future::BoxFuture<'_, Result<Vec<String>, sqlx::Error>>;
 }
 
 impl AnyPool for sqlx::PgPool {
@@ -580,6 +585,20 @@ impl AnyPool for sqlx::PgPool {
                 "SELECT idem_key, attempt FROM idempotent_soak_effects WHERE tenant = $1",
             )
             .bind(tenant)
+            .fetch_all(self)
+            .await
+        })
+    }
+    fn activity(&self) -> futures::future::BoxFuture<'_, Result<Vec<String>, sqlx::Error>> {
+        Box::pin(async move {
+            sqlx::query_scalar(
+                "SELECT format('pid %s app %s state %s wait %s/%s xact %s s blocked by %s: %s',
+                        pid, application_name, state, wait_event_type, wait_event,
+                        round(extract(epoch FROM now() - xact_start)::numeric, 1),
+                        pg_blocking_pids(pid), left(query, 300))
+                   FROM pg_stat_activity
+                  WHERE datname = current_database() AND pid <> pg_backend_pid()",
+            )
             .fetch_all(self)
             .await
         })
@@ -609,6 +628,20 @@ impl AnyPool for sqlx::MySqlPool {
                 .bind(tenant)
                 .fetch_all(self)
                 .await
+        })
+    }
+    fn activity(&self) -> futures::future::BoxFuture<'_, Result<Vec<String>, sqlx::Error>> {
+        Box::pin(async move {
+            sqlx::query_scalar(
+                "SELECT CONCAT_WS(' ', 'id', ID, 'command', COMMAND, 'time', TIME, 'state', \
+                        IFNULL(STATE, '-'), 'trx', IFNULL(t.trx_state, '-'), \
+                        IFNULL(t.trx_started, '-'), ':', LEFT(IFNULL(INFO, ''), 300)) \
+                   FROM information_schema.PROCESSLIST p \
+                   LEFT JOIN information_schema.INNODB_TRX t ON t.trx_mysql_thread_id = p.ID \
+                  WHERE p.DB = DATABASE() AND p.ID <> CONNECTION_ID()",
+            )
+            .fetch_all(self)
+            .await
         })
     }
 }
@@ -878,7 +911,17 @@ fn soak(backend: Backend, mode: Mode) {
         "soak {label}: tenant {} — {} calls, {} workers, {} kills, {}s",
         fleet.tenant, bounds.calls, bounds.workers, bounds.kills, bounds.seconds
     );
-    let (targeted, random) = run_fleet(&mut fleet, &bounds);
+    let (targeted, random) = match run_fleet(&mut fleet, &bounds) {
+        Ok(kills) => kills,
+        Err(hang) => {
+            // What the database sessions are doing and waiting for, while the
+            // stuck workers still hold them.
+            let activity = runtime.block_on(pool.activity()).unwrap_or_else(|e| {
+                vec![format!("(the server's activity could not be read: {e})")]
+            });
+            panic!("{hang}\nthe server's sessions:\n{}", activity.join("\n"));
+        }
+    };
     let printed = gather(&fleet.finished);
     let found = runtime.block_on(found(
         &*store,
