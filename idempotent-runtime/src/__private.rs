@@ -18,6 +18,10 @@ pub fn body<R, F: core::future::Future<Output = R>>(body: F) -> F {
     body
 }
 pub use crate::registry::{ErrorPolicy, InProgressPolicy, Registration, ScopeInfo, ScopeSpec};
+/// PostgreSQL's purge statement, for the test of its plan
+/// (`tests/sql_edges/postgres_edges.rs`).
+#[cfg(feature = "postgres")]
+pub use crate::store::postgres::PURGE_SQL as POSTGRES_PURGE_SQL;
 pub use crate::store::{AsDynStore, Store};
 pub use core::time::Duration;
 pub use inventory;

@@ -628,6 +628,21 @@ fn is_serialization_failure(e: &StoreError) -> bool {
         Some(sqlx::Error::Database(d)) if d.code().as_deref() == Some(SERIALIZATION_FAILURE))
 }
 
+/// One chunk of the purge (rule 16): up to `$1` expired records, oldest
+/// retention first, skipping rows other transactions hold. The clock is read
+/// once, into a constant the plan sees (`(SELECT now_ms FROM clock)`), so the
+/// `expires_at` index is searched for the expired range only: compared with
+/// `idempotency_now_ms()` itself (volatile) the condition would be a filter,
+/// and a purge that finds little to delete would walk the whole index.
+pub const PURGE_SQL: &str = "WITH clock AS MATERIALIZED (SELECT idempotency_now_ms() AS now_ms)
+    DELETE FROM idempotency_records WHERE ctid IN (
+        SELECT ctid FROM idempotency_records
+         WHERE expires_at <= (SELECT now_ms FROM clock)
+           AND (state = 'complete' OR lease_expires_at <= (SELECT now_ms FROM clock))
+         ORDER BY expires_at
+         LIMIT $1
+         FOR UPDATE SKIP LOCKED)";
+
 /// Records the outcome, fenced by the token; an outcome a `recover` hook
 /// gave is marked recovered (rule 20).
 async fn complete_with<'e, E: Executor<'e, Database = Postgres>>(
@@ -766,19 +781,11 @@ impl Store for PgStore {
 
     async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError> {
         super::purge_in_chunks(batch, |chunk| async move {
-            let done = sqlx::query(
-                "DELETE FROM idempotency_records WHERE ctid IN (
-                     SELECT ctid FROM idempotency_records
-                      WHERE expires_at <= idempotency_now_ms()
-                        AND (state = 'complete' OR lease_expires_at <= idempotency_now_ms())
-                      ORDER BY expires_at
-                      LIMIT $1
-                      FOR UPDATE SKIP LOCKED)",
-            )
-            .bind(i64::from(chunk))
-            .execute(&*self.pools.current())
-            .await
-            .map_err(err("purge expired records"))?;
+            let done = sqlx::query(PURGE_SQL)
+                .bind(i64::from(chunk))
+                .execute(&*self.pools.current())
+                .await
+                .map_err(err("purge expired records"))?;
             Ok(done.rows_affected())
         })
         .await
