@@ -74,6 +74,29 @@ pub async fn mysql_store_or_skip() -> Option<MySqlStore> {
     }
 }
 
+/// The URL of [`mysql_url`]'s server and database for a user granted only
+/// `SELECT` on that database (`idempotent_reader`, no password, created when
+/// missing through `pool`, a root connection).
+pub async fn mysql_reader_url(pool: &sqlx::MySqlPool) -> String {
+    const READER: &str = "idempotent_reader";
+    let database: String = sqlx::query_scalar("SELECT DATABASE()")
+        .fetch_one(pool)
+        .await
+        .expect("the test database's name");
+    sqlx::query(&format!("CREATE USER IF NOT EXISTS '{READER}'@'%'"))
+        .execute(pool)
+        .await
+        .expect("create the read-only user");
+    sqlx::query(&format!("GRANT SELECT ON `{database}`.* TO '{READER}'@'%'"))
+        .execute(pool)
+        .await
+        .expect("grant it SELECT");
+    let url = mysql_url();
+    let (scheme, rest) = url.split_once("://").expect("a mysql:// URL");
+    let host = rest.rsplit_once('@').map_or(rest, |(_, host)| host);
+    format!("{scheme}://{READER}@{host}")
+}
+
 /// A JetStream context on the test NATS server, or `None` (after a loud
 /// SKIPPED line). A server that answers but has JetStream disabled counts as
 /// unreachable.

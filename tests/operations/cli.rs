@@ -948,3 +948,77 @@ async fn a_server_that_never_answers_is_an_error_not_a_hang() {
     }
     silent.abort();
 }
+
+/// `audit` and `inspect` only read, so they open a database they may only
+/// read: a PostgreSQL session in read-only mode (as on a hot standby) and a
+/// MariaDB user granted nothing but `SELECT`. Opening a store whose
+/// migrations are all applied takes no lock and runs no DDL; before, every
+/// open ran `CREATE TABLE IF NOT EXISTS` for the migration history and both
+/// commands failed.
+#[tokio::test]
+async fn audit_and_inspect_work_on_a_database_they_may_only_read() {
+    let pg = common::servers::pg_store_or_skip().await.map(|s| {
+        let url = common::servers::pg_url();
+        let separator = if url.contains('?') { '&' } else { '?' };
+        let read_only = format!("{url}{separator}options=-c%20default_transaction_read_only%3Don");
+        (read_only, Box::new(s) as Box<dyn Store>)
+    });
+    let my = match common::servers::mysql_store_or_skip().await {
+        Some(s) => Some((
+            common::servers::mysql_reader_url(s.pool()).await,
+            Box::new(s) as Box<dyn Store>,
+        )),
+        None => None,
+    };
+    let dir = Scratch::new();
+    let manifest = dir.file("idempotent.toml", MANIFEST);
+    for (url, store) in pg.into_iter().chain(my) {
+        let scope = format!("cli.ro.{}", uuid::Uuid::new_v4().simple());
+        let tenant = format!("cli-{}", uuid::Uuid::new_v4().simple());
+        plant_running(&*store, &scope, &tenant, "running-key").await;
+
+        let audit = run_from([
+            "idempotent",
+            "audit",
+            "--database-url",
+            &url,
+            "--manifest",
+            &manifest,
+            "--json",
+        ])
+        .await
+        .unwrap_or_else(|e| panic!("audit on {url}: {e}"));
+        let json: serde_json::Value = serde_json::from_str(&audit).expect("JSON");
+        let row = json["scopes"]
+            .as_array()
+            .expect("scopes")
+            .iter()
+            .find(|s| s["scope"] == scope.as_str())
+            .unwrap_or_else(|| panic!("{scope} missing from the audit of {url}"))
+            .clone();
+        assert_eq!(row["in_progress"], 1, "{url}: {row}");
+
+        let shown = run_from([
+            "idempotent",
+            "inspect",
+            "--database-url",
+            &url,
+            "--scope",
+            &scope,
+            "--tenant",
+            &tenant,
+            "--key",
+            "running-key",
+        ])
+        .await
+        .unwrap_or_else(|e| panic!("inspect on {url}: {e}"));
+        assert!(
+            shown.contains("in_progress") || shown.contains("in progress"),
+            "{url}: {shown}"
+        );
+
+        // The premise: this access really may only read (a purge is refused).
+        let purge = run_from(["idempotent", "purge", "--database-url", &url]).await;
+        assert!(purge.is_err(), "a purge through {url} was not refused");
+    }
+}

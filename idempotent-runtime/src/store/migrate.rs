@@ -10,9 +10,9 @@
 //!
 //! The runner holds the backend's migration lock from before it reads the
 //! history until after the last migration is recorded, so several processes
-//! opening one brand-new database at once apply each migration once. (SQLite
-//! reads the history first without it, and takes it only when something is
-//! pending: see `MigrationBackend::applied_without_lock`.) What
+//! opening one brand-new database at once apply each migration once. (The
+//! history is read first without it, and the lock is taken only when
+//! something is pending: see `MigrationBackend::applied_without_lock`.) What
 //! differs per backend is behind `MigrationBackend`: PostgreSQL applies them
 //! in one transaction under a transaction-level advisory lock, MySQL/MariaDB
 //! (whose DDL is not transactional) under `GET_LOCK`, statement by statement
@@ -144,13 +144,14 @@ pub(crate) trait MigrationBackend: Send {
     /// Lets go of the lock: commits what was done when `done`, otherwise
     /// rolls back what can be rolled back.
     async fn unlock(&mut self, done: bool) -> Result<(), sqlx::Error>;
-    /// The history, read *without* the migration lock, where taking the lock
-    /// costs others something; `None` (the default) when the backend does
-    /// not. SQLite's lock is the database's only write lock: an application
-    /// transaction that writes holds it, and every process opening the store
-    /// (the CLI included) would wait for it although nothing is pending. A
-    /// database found up to date is not locked at all; one with anything
-    /// pending (or no history yet) is migrated under the lock as before.
+    /// The history, read *without* the migration lock; `None` (the default)
+    /// when the backend cannot read it so. A database found up to date is
+    /// neither locked nor changed: opening it takes no lock others wait for
+    /// (SQLite's is the database's only write lock, which an application
+    /// transaction that writes holds) and runs no DDL (a read-only session,
+    /// a read-only user or a standby opens it, as the command line's
+    /// `audit` and `inspect` need). One with anything pending (or no
+    /// history yet) is migrated under the lock.
     async fn applied_without_lock(&mut self) -> Option<Vec<(i64, Vec<u8>)>> {
         None
     }

@@ -343,6 +343,21 @@ impl migrate::MigrationBackend for MigrationConnection {
             .await
     }
 
+    /// A plain read before `GET_LOCK`: a database whose history is complete
+    /// is opened without a lock and without DDL (a read-only user or server
+    /// opens it). A history row is written after its migration's last
+    /// statement, so it never names a migration that is not all there.
+    /// `None` when there is no history table yet, or the read failed (the
+    /// locked run reports what is wrong). The read is followed by a
+    /// `ROLLBACK`: on a session with autocommit off it would otherwise keep
+    /// its snapshot, and the history read again under the lock would miss
+    /// what another process migrated meanwhile.
+    async fn applied_without_lock(&mut self) -> Option<Vec<(i64, Vec<u8>)>> {
+        let applied = self.applied().await.ok();
+        self.0.execute("ROLLBACK").await.ok()?;
+        applied
+    }
+
     async fn execute(&mut self, sql: &str) -> Result<(), sqlx::Error> {
         for statement in split_statements(sql) {
             // Through the `Executor` trait: `RawSql::execute`'s future is not

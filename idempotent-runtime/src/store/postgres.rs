@@ -194,35 +194,45 @@ fn background_worker(pool: &PgPool) -> detached::Detached {
 /// `idempotency_schema_migrations`.
 async fn migrate(pool: &PgPool) -> Result<(), migrate::MigrationError> {
     migrate::run(
-        &mut MigrationTransaction(migrate::OneTransaction::new(Some(
-            // READ COMMITTED whatever the database's default: the history is
-            // read after the advisory lock is granted, and must see what the
-            // process that held it committed (under REPEATABLE READ the
-            // snapshot would be older than the lock, and a second process
-            // opening a new database would apply the migrations again).
-            pool.begin_with("BEGIN ISOLATION LEVEL READ COMMITTED")
-                .await?,
-        ))),
+        &mut MigrationTransaction {
+            pool: pool.clone(),
+            tx: migrate::OneTransaction::new(None),
+        },
         super::migrate::POSTGRES,
     )
     .await
 }
 
-/// The migration runner's view of PostgreSQL: one transaction for the whole run.
-struct MigrationTransaction(migrate::OneTransaction<Postgres>);
+/// The migration runner's view of PostgreSQL: one transaction for the whole
+/// run, begun when the lock is taken.
+struct MigrationTransaction {
+    pool: PgPool,
+    tx: migrate::OneTransaction<Postgres>,
+}
 
 impl MigrationTransaction {
     fn tx(&mut self) -> Result<&mut sqlx::PgConnection, sqlx::Error> {
-        self.0.connection()
+        self.tx.connection()
     }
 }
 
 #[async_trait::async_trait]
 impl migrate::MigrationBackend for MigrationTransaction {
-    /// The advisory lock, waited for at most `LOCK_TIMEOUT` (`lock_timeout`
-    /// for that statement only; the migrations run with the session's own).
+    /// Begins the run's transaction and takes the advisory lock, waited for at
+    /// most `LOCK_TIMEOUT` (`lock_timeout` for that statement only; the
+    /// migrations run with the session's own).
     async fn lock(&mut self) -> Result<(), migrate::MigrationError> {
         const LOCK_TIMED_OUT: &str = "55P03";
+        // READ COMMITTED whatever the database's default: the history is read
+        // after the advisory lock is granted, and must see what the process
+        // that held it committed (under REPEATABLE READ the snapshot would be
+        // older than the lock, and a second process opening a new database
+        // would apply the migrations again).
+        self.tx = migrate::OneTransaction::new(Some(
+            self.pool
+                .begin_with("BEGIN ISOLATION LEVEL READ COMMITTED")
+                .await?,
+        ));
         let tx = self.tx()?;
         let own: String = sqlx::query_scalar("SELECT current_setting('lock_timeout')")
             .fetch_one(&mut *tx)
@@ -244,6 +254,28 @@ impl migrate::MigrationBackend for MigrationTransaction {
         Ok(())
     }
 
+    /// A plain read on the pool, before any transaction or lock: a database
+    /// whose history is complete is opened without a lock and without DDL
+    /// (a read-only session or a hot standby opens it). The migrations and
+    /// their history rows commit in one transaction, so the history never
+    /// names a migration that is not all there. `None` when there is no
+    /// history table yet, or the read failed (the locked run reports what is
+    /// wrong).
+    async fn applied_without_lock(&mut self) -> Option<Vec<(i64, Vec<u8>)>> {
+        let exists: bool =
+            sqlx::query_scalar("SELECT to_regclass('idempotency_schema_migrations') IS NOT NULL")
+                .fetch_one(&self.pool)
+                .await
+                .ok()?;
+        if !exists {
+            return None;
+        }
+        sqlx::query_as("SELECT version, checksum FROM idempotency_schema_migrations")
+            .fetch_all(&self.pool)
+            .await
+            .ok()
+    }
+
     async fn create_history(&mut self) -> Result<(), sqlx::Error> {
         let tx = self.tx()?;
         tx.execute(
@@ -258,11 +290,11 @@ impl migrate::MigrationBackend for MigrationTransaction {
     }
 
     async fn applied(&mut self) -> Result<Vec<(i64, Vec<u8>)>, sqlx::Error> {
-        self.0.applied().await
+        self.tx.applied().await
     }
 
     async fn execute(&mut self, sql: &str) -> Result<(), sqlx::Error> {
-        self.0.execute(sql).await
+        self.tx.execute(sql).await
     }
 
     async fn record(
@@ -284,7 +316,7 @@ impl migrate::MigrationBackend for MigrationTransaction {
 
     /// Commits, or rolls back everything the run did.
     async fn unlock(&mut self, done: bool) -> Result<(), sqlx::Error> {
-        self.0.finish(done).await
+        self.tx.finish(done).await
     }
 }
 
