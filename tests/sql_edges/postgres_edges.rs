@@ -669,3 +669,107 @@ async fn the_purge_searches_the_expiry_index_with_a_clock_read_once() {
         "the purge reads the clock for every row it looks at: {per_row:?}\n{plan}"
     );
 }
+
+/// The body of [`dropped_in_flight`]'s calls: counts its runs.
+#[idempotent_runtime::idempotent(scope = "pg_edges.dropped_in_flight", key = key, tenant = tenant,
+    store = store, skip(runs), ttl = "1h", lease = "1h", in_progress = wait("20s"))]
+async fn dropped_in_flight(
+    store: &PgStore,
+    tenant: &str,
+    key: &str,
+    runs: &std::sync::atomic::AtomicUsize,
+) -> Result<usize, idempotent_runtime::Error> {
+    let _ = (store, tenant, key);
+    Ok(runs.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1)
+}
+
+/// Rule 14 with a long `lock_wait`: a call dropped while its reservation
+/// statement waits for a row lock is released when the statement lands, even
+/// when it lands after the background worker's usual attempts (about 8.5 s).
+/// Before, the worker stopped looking then, the statement landed later and
+/// took the record for the whole lease (an hour), so every retry was refused.
+/// Deterministic: the test holds the row itself, drops the call once the
+/// server shows its statement blocked on that lock, and lets the lock go
+/// only after the worker's usual attempts are over.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_dropped_while_its_reservation_waits_long_for_a_lock_is_still_released() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let Some(store) = pg_store_or_skip().await else {
+        return;
+    };
+    let store = store.with_lock_wait(Duration::from_secs(30));
+    let tenant = fresh_tenant();
+    let runs = AtomicUsize::new(0);
+    assert_eq!(
+        dropped_in_flight(&store, &tenant, "k", &runs)
+            .await
+            .expect("first call"),
+        1
+    );
+    // The record expires: the next call replaces it under its row lock.
+    let pool = store.pool().clone();
+    sqlx::query("UPDATE idempotency_records SET expires_at = 0 WHERE tenant = $1")
+        .bind(&tenant)
+        .execute(&pool)
+        .await
+        .expect("expire the record");
+    let mut locker = sqlx::PgConnection::connect(&pg_url())
+        .await
+        .expect("connect");
+    let locker_pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut locker)
+        .await
+        .expect("pid");
+    locker.execute("BEGIN").await.expect("begin");
+    sqlx::query("SELECT 1 FROM idempotency_records WHERE tenant = $1 FOR UPDATE")
+        .bind(&tenant)
+        .execute(&mut locker)
+        .await
+        .expect("hold the row");
+
+    // The call, dropped once its statement waits for the held row.
+    {
+        let call = dropped_in_flight(&store, &tenant, "k", &runs);
+        tokio::pin!(call);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            tokio::select! {
+                answer = &mut call => panic!("the call ended while the row was held: {answer:?}"),
+                _ = tokio::time::sleep(Duration::from_millis(10)) => {}
+            }
+            let blocked: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))",
+            )
+            .bind(locker_pid)
+            .fetch_one(&pool)
+            .await
+            .expect("pg_stat_activity");
+            if blocked > 0 {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the reservation never waited for the row"
+            );
+        }
+    }
+    // Past the worker's usual attempts, it is still looking for the record.
+    assert_eq!(
+        store.finish_background_work(Duration::from_secs(10)).await,
+        1,
+        "the release stopped looking while the dropped statement could still land"
+    );
+    locker.execute("COMMIT").await.expect("let the row go");
+
+    // The statement lands (an in-progress record under the dropped call's
+    // token); the worker releases it, and a retry runs the body.
+    let (answer, outcome) =
+        idempotent_runtime::with_outcome(dropped_in_flight(&store, &tenant, "k", &runs)).await;
+    assert_eq!(answer.expect("the retry"), 2);
+    assert_eq!(outcome, Some(idempotent_runtime::Outcome::Executed));
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        2,
+        "the dropped call never ran its body"
+    );
+}

@@ -16,7 +16,8 @@
 //!   server committed). The statement may land after the first attempt has
 //!   found nothing, so a release that finds nothing (fenced by the owner token,
 //!   it can never free someone else's record) is tried again over
-//!   [`RETRY_AFTER`].
+//!   [`RETRY_AFTER`], and for as long as a statement of the store may wait
+//!   for locks before it lands ([`Detached::statements_land_within`]).
 //! * **complete** — the call was dropped while recording its result, or the
 //!   recording failed (a connection cut): the body has run, so freeing the key
 //!   would let a retry run it again. The result is recorded instead (fenced by
@@ -47,6 +48,11 @@ pub(crate) const RETRY_AFTER: [Duration; 4] = [
     Duration::from_millis(1_600),
     Duration::from_millis(6_400),
 ];
+
+/// The pause between a dropped call's release attempts once [`RETRY_AFTER`]
+/// is used up, while its statement may still land: the record it finds is
+/// in progress, refusing retries, until the next attempt.
+pub(crate) const SEARCH_PAUSE: Duration = Duration::from_secs(1);
 
 /// How long a completion that keeps failing is tried for (after
 /// [`RETRY_AFTER`], every last pause), at most: the record stays in progress
@@ -87,6 +93,10 @@ pub(crate) struct Detached {
     store: &'static str,
     state: Mutex<State>,
     unfinished: Arc<Unfinished>,
+    /// How long, in ms, a statement of the store may still land after its
+    /// call was dropped (its lock waits): a release or an end of lease
+    /// that finds nothing is tried again for at least this long.
+    lands_within_ms: std::sync::atomic::AtomicU64,
 }
 
 /// How many handed-over jobs are not finished yet, and a wake-up for
@@ -109,7 +119,14 @@ impl Drop for Finished {
     }
 }
 
-type Job = (Identity, OwnerToken, Work, Finished);
+struct Job {
+    identity: Identity,
+    token: OwnerToken,
+    work: Work,
+    /// A release or an end of lease that finds nothing is tried again until then.
+    search_until: tokio::time::Instant,
+    finished: Finished,
+}
 
 enum State {
     Idle(Option<OpenFn>),
@@ -131,7 +148,19 @@ impl Detached {
             store,
             state: Mutex::new(State::Idle(Some(open))),
             unfinished: Arc::default(),
+            lands_within_ms: std::sync::atomic::AtomicU64::new(0),
         }
+    }
+
+    /// Says that a reservation statement of the store may land as late as
+    /// `bound` after its call was dropped (it waits that long for locks at
+    /// most): a dropped call's release searches for its record at least that
+    /// long, so a statement landing after [`RETRY_AFTER`]'s attempts is still
+    /// released. The longest bound given so far holds (a store's clones share
+    /// the worker).
+    pub(crate) fn statements_land_within(&self, bound: Duration) {
+        let ms = u64::try_from(bound.as_millis()).unwrap_or(u64::MAX);
+        self.lands_within_ms.fetch_max(ms, Ordering::Relaxed);
     }
 
     /// Waits until every job handed over so far is finished, or `within` has
@@ -171,18 +200,23 @@ impl Detached {
             }
         }
         self.unfinished.count.fetch_add(1, Ordering::SeqCst);
-        let finished = Finished(self.unfinished.clone());
-        let sent = match &*state {
-            State::Running(sender) => sender
-                .send((identity, token, work, finished))
-                .map_err(|e| e.0),
-            State::Idle(_) => Err((identity, token, work, finished)),
+        let lands_within = Duration::from_millis(self.lands_within_ms.load(Ordering::Relaxed));
+        let job = Job {
+            identity,
+            token,
+            work,
+            search_until: tokio::time::Instant::now() + lands_within,
+            finished: Finished(self.unfinished.clone()),
         };
-        if let Err((identity, _, work, _finished)) = sent {
+        let sent = match &*state {
+            State::Running(sender) => sender.send(job).map_err(|e| e.0),
+            State::Idle(_) => Err(job),
+        };
+        if let Err(job) = sent {
             lost(
                 self.store,
-                &identity,
-                &work,
+                &job.identity,
+                &job.work,
                 "the background thread is not running",
             );
         }
@@ -194,8 +228,15 @@ fn start(store: &'static str, open: OpenFn) -> std::io::Result<mpsc::UnboundedSe
     spawn_with_runtime(format!("idempotent-{store}-detached"), async move {
         let write = open();
         let mut running = tokio::task::JoinSet::new();
-        while let Some((identity, token, work, finished)) = jobs.recv().await {
-            let job = with_retries(store, write.clone(), identity, token, work);
+        while let Some(job) = jobs.recv().await {
+            let Job {
+                identity,
+                token,
+                work,
+                search_until,
+                finished,
+            } = job;
+            let job = with_retries(store, write.clone(), identity, token, work, search_until);
             running.spawn(async move {
                 job.await;
                 drop(finished);
@@ -230,6 +271,7 @@ async fn with_retries(
     identity: Identity,
     token: OwnerToken,
     work: Work,
+    search_until: tokio::time::Instant,
 ) {
     let mut last_error = None;
     // A completion goes on being tried after the schedule while it fails.
@@ -247,9 +289,17 @@ async fn with_retries(
         let scheduled = attempt <= RETRY_AFTER.len();
         let tried_on = last_error.is_some()
             && keep_trying.is_some_and(|until| tokio::time::Instant::now() + pause < until);
-        if !scheduled && !tried_on {
+        // A release or an end of lease goes on looking while the dropped
+        // call's statement may still land (one more attempt after that).
+        let searching = keep_trying.is_none() && tokio::time::Instant::now() < search_until;
+        if !scheduled && !tried_on && !searching {
             break;
         }
+        let pause = if scheduled || tried_on {
+            pause
+        } else {
+            pause.min(SEARCH_PAUSE)
+        };
         tokio::time::sleep(pause).await;
         match write(identity.clone(), token.clone(), work.clone()).await {
             Ok(Fenced::Written) => {

@@ -128,8 +128,10 @@ impl PgStore {
         migrate(&pool)
             .await
             .map_err(|e| StoreError::new(STORE, "apply migrations", e))?;
+        let detached = background_worker(&pool);
+        detached.statements_land_within(reservation_lands_within(DEFAULT_LOCK_WAIT));
         Ok(PgStore {
-            detached: std::sync::Arc::new(background_worker(&pool)),
+            detached: std::sync::Arc::new(detached),
             watcher: std::sync::Arc::new(Watcher::new((*pool.connect_options()).clone())),
             pools: std::sync::Arc::new(server::RuntimePools::new(pool)),
             lock_wait: DEFAULT_LOCK_WAIT,
@@ -146,6 +148,8 @@ impl PgStore {
     /// ```
     pub fn with_lock_wait(mut self, lock_wait: Duration) -> Self {
         self.lock_wait = lock_wait;
+        self.detached
+            .statements_land_within(reservation_lands_within(lock_wait));
         self
     }
 
@@ -161,6 +165,18 @@ impl PgStore {
     pub fn pool(&self) -> &PgPool {
         self.pools.home()
     }
+}
+
+/// How late a reservation statement may land after its call was dropped
+/// (rule 14: the dropped call's release must still find its record). The
+/// statement waits for each row lock it meets at most `lock_wait`; it meets
+/// one or two (the record's, a concurrent insert of the key), a few more
+/// when a record changes under it, and a busy server adds to that.
+fn reservation_lands_within(lock_wait: Duration) -> Duration {
+    lock_wait
+        .min(Duration::from_millis(MAX_LOCK_TIMEOUT_MS as u64))
+        .saturating_mul(4)
+        .saturating_add(Duration::from_secs(5))
 }
 
 /// The worker that finishes dropped calls' records with the store's fenced
