@@ -198,7 +198,7 @@ impl<E: Serialize + DeserializeOwned> ErrorHandling<E> for RecordErrors {
         crate::fingerprint::check_faithful_json(error)
     }
     fn replay(&self, payload: &[u8]) -> Result<E, String> {
-        serde_json::from_slice(payload).map_err(|e| e.to_string())
+        serde_json::from_slice(payload).map_err(|e| replay_failure(&e))
     }
 }
 
@@ -214,7 +214,7 @@ impl<E: Serialize + DeserializeOwned, F: Fn(&E) -> bool> ErrorHandling<E> for Re
         crate::fingerprint::check_faithful_json(error)
     }
     fn replay(&self, payload: &[u8]) -> Result<E, String> {
-        serde_json::from_slice(payload).map_err(|e| e.to_string())
+        serde_json::from_slice(payload).map_err(|e| replay_failure(&e))
     }
 }
 
@@ -1169,7 +1169,30 @@ pub(crate) fn decode_replay<R: IdempotentReturn, H: ErrorHandling<R::Failure>>(
             Err(message) => Err(failed(message).into()),
         }
     } else {
-        serde_json::from_slice(&outcome.payload).map_err(|e| failed(e.to_string()).into())
+        serde_json::from_slice(&outcome.payload).map_err(|e| failed(replay_failure(&e)).into())
+    }
+}
+
+/// Why a recorded value could not be read back, without the value: serde
+/// quotes what it found (`invalid type: string "receipt for KEY-1",
+/// expected u64`), and that is recorded data, which may hold a raw key or
+/// personal data and ends up in logs (rule 2). What the type expected, and
+/// where, is kept: `invalid type, expected u64 at line 1 column 20`.
+fn replay_failure(e: &serde_json::Error) -> String {
+    let message = e.to_string();
+    if !e.is_data() {
+        return message;
+    }
+    match message.rsplit_once(", expected ") {
+        Some((found, expected)) => {
+            let kind = found
+                .split([':', '`'])
+                .next()
+                .unwrap_or_default()
+                .trim_end();
+            format!("{kind}, expected {expected}")
+        }
+        None => message,
     }
 }
 
@@ -1347,6 +1370,63 @@ mod tests {
     use super::*;
     use crate::registry::ErrorPolicy;
     use crate::MemoryStore;
+
+    /// Rule 2: a recorded value that does not fit the return type is
+    /// reported without the value (it may hold a raw key or personal data,
+    /// and the error is logged), with what the type expected.
+    #[test]
+    fn a_replay_that_does_not_fit_does_not_quote_the_recorded_value() {
+        let cases: [(&[u8], &str); 4] = [
+            (
+                br#""receipt for SECRET-KEY-4711""#,
+                "invalid type, expected u64",
+            ),
+            (br#"-7"#, "invalid value, expected u64"),
+            (
+                br#""SECRET-KEY-4711, expected u64""#,
+                "invalid type, expected u64",
+            ),
+            (
+                br#"{"amount": "SECRET-KEY-4711"}"#,
+                "invalid type, expected u64",
+            ),
+        ];
+        for (payload, shape) in cases {
+            let outcome = StoredOutcome {
+                is_error: false,
+                payload: payload.to_vec(),
+            };
+            let message =
+                match decode_replay::<Result<u64, Error>, _>(&SPEC, &ReleaseErrors, outcome) {
+                    Err(e @ Error::ReplayDecoding { .. }) => e.to_string(),
+                    other => panic!("{other:?}"),
+                };
+            assert!(!message.contains("SECRET"), "{message}");
+            assert!(!message.contains("-7"), "{message}");
+            assert!(message.contains(shape), "{message}");
+            assert!(message.contains("engine.test"), "{message}");
+        }
+        // A recorded error replayed through `errors = record`, the same.
+        let recorded = RecordErrors.replay(br#""SECRET-KEY-4711""#);
+        let message: String = match recorded {
+            Err(message) => message,
+            Ok(value) => {
+                let value: u64 = value;
+                panic!("decoded {value}")
+            }
+        };
+        assert!(!message.contains("SECRET"), "{message}");
+        // Messages that quote no recorded value stay whole.
+        let outcome = StoredOutcome {
+            is_error: false,
+            payload: b"12x".to_vec(),
+        };
+        let message = match decode_replay::<Result<u64, Error>, _>(&SPEC, &ReleaseErrors, outcome) {
+            Err(e) => e.to_string(),
+            Ok(v) => panic!("decoded {v}"),
+        };
+        assert!(message.contains("trailing characters"), "{message}");
+    }
 
     static SPEC: ScopeInfo = ScopeInfo::new(crate::registry::ScopeSpec {
         scope: "engine.test",
