@@ -49,7 +49,11 @@ pub fn validate_tenant(tenant: &str) -> Result<(), Error> {
 }
 
 /// The identity of a record. Two calls share a record only when all three parts are equal.
-#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+///
+/// Its `Debug` shows the tenant, the scope and [`key_digest`](Self::key_digest),
+/// never the raw key (rule 2: an identity in a log line or a panic message
+/// does not leak it).
+#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Identity {
     /// Whose key this is; [`SHARED_TENANT`] for `tenant = shared`.
     pub(crate) tenant: String,
@@ -111,12 +115,7 @@ impl Identity {
 
     /// A short digest of the whole identity, safe to log: 16 hex characters of SHA-256.
     pub fn key_digest(&self) -> String {
-        let mut h = Sha256::new();
-        for part in [&self.tenant, &self.scope, &self.key] {
-            h.update((part.len() as u64).to_be_bytes());
-            h.update(part.as_bytes());
-        }
-        hex::encode(&h.finalize()[..8])
+        short_digest(&[&self.tenant, &self.scope, &self.key])
     }
 
     /// [`key_digest`](Self::key_digest), computed only when it is displayed:
@@ -135,6 +134,28 @@ impl Identity {
 }
 
 /// An identity's [`Identity::key_digest`], computed when displayed.
+impl std::fmt::Debug for Identity {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Identity")
+            .field("tenant", &self.tenant)
+            .field("scope", &self.scope)
+            .field("key_digest", &self.key_digest())
+            .finish()
+    }
+}
+
+/// 16 hex characters of SHA-256 over `parts`, each prefixed with its length
+/// (so `("ab", "c")` and `("a", "bc")` differ): what logs and `Debug` show
+/// in place of a raw key.
+pub(crate) fn short_digest(parts: &[&str]) -> String {
+    let mut h = Sha256::new();
+    for part in parts {
+        h.update((part.len() as u64).to_be_bytes());
+        h.update(part.as_bytes());
+    }
+    hex::encode(&h.finalize()[..8])
+}
+
 pub(crate) struct LogDigest<'a>(&'a Identity);
 
 impl std::fmt::Display for LogDigest<'_> {
@@ -146,6 +167,20 @@ impl std::fmt::Display for LogDigest<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Rule 2: `Debug` (what `?identity` in a log line, `dbg!` or a panic
+    /// message prints) shows the digest, never the raw key.
+    #[test]
+    fn debug_shows_the_digest_not_the_key() {
+        let id = Identity::new("tenant-a", "payments.charge", "SECRET-KEY-4711").expect("identity");
+        let shown = format!("{id:?} {id:#?}");
+        assert!(!shown.contains("SECRET"), "{shown}");
+        assert!(shown.contains(&id.key_digest()), "{shown}");
+        assert!(
+            shown.contains("tenant-a") && shown.contains("payments.charge"),
+            "{shown}"
+        );
+    }
 
     #[test]
     fn key_limits() {

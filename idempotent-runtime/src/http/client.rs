@@ -353,7 +353,11 @@ impl IdempotentClient {
 
 /// One logical operation against an idempotent API: its key is fixed when
 /// the intent is made, and every attempt of [`send`](Self::send) carries it.
-#[derive(Debug, Clone)]
+///
+/// Its `Debug` shows the method, the URL, a digest of the key and the names
+/// of the extra headers: not the raw key (rule 2), nor header values (an
+/// `Authorization` header's secret), nor the body.
+#[derive(Clone)]
 pub struct Intent {
     client: IdempotentClient,
     method: Method,
@@ -362,6 +366,18 @@ pub struct Intent {
     key_header: HeaderValue,
     headers: HeaderMap,
     body: Option<Bytes>,
+}
+
+impl std::fmt::Debug for Intent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Intent")
+            .field("method", &self.method)
+            .field("url", &self.url.as_str())
+            .field("key_digest", &crate::identity::short_digest(&[&self.key]))
+            .field("headers", &self.headers.keys().collect::<Vec<_>>())
+            .field("body_bytes", &self.body.as_ref().map(Bytes::len))
+            .finish()
+    }
 }
 
 impl Intent {
@@ -477,6 +493,28 @@ impl Intent {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Rule 2: `Debug` of an intent shows neither the raw key nor header
+    /// values.
+    #[test]
+    fn debug_shows_neither_the_key_nor_header_values() {
+        let client = IdempotentClient::new(reqwest::Client::new());
+        let intent = client
+            .intent_with_key(
+                Method::POST,
+                "http://127.0.0.1:1/charges",
+                "SECRET-KEY-4711",
+            )
+            .expect("intent")
+            .header("authorization", "Bearer SECRET-TOKEN")
+            .expect("header");
+        let shown = format!("{intent:?}");
+        assert!(!shown.contains("SECRET"), "{shown}");
+        assert!(
+            shown.contains("authorization") && shown.contains("/charges"),
+            "{shown}"
+        );
+    }
 
     #[test]
     fn delays_grow_are_jittered_and_honour_retry_after() {

@@ -211,8 +211,20 @@ pub fn key_from_headers(headers: &HeaderMap) -> Result<Option<String>, KeyReject
 ///
 /// let app: Router = Router::new().route("/refunds", post(handler));
 /// ```
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+///
+/// `Display` gives the key itself (what `key = key` renders); `Debug` gives
+/// a short digest of it, so a handler traced with `#[tracing::instrument]`
+/// does not log the raw key (rule 2).
+#[derive(Clone, PartialEq, Eq, Hash)]
 pub struct IdempotencyKey(pub String);
+
+impl std::fmt::Debug for IdempotencyKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("IdempotencyKey")
+            .field("digest", &crate::identity::short_digest(&[&self.0]))
+            .finish()
+    }
+}
 
 impl IdempotencyKey {
     /// The key as a string slice.
@@ -270,6 +282,15 @@ impl<S: Send + Sync> OptionalFromRequestParts<S> for IdempotencyKey {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Rule 2: `Debug` of the extractor shows a digest; `Display` (what
+    /// `key = key` renders) stays the key.
+    #[test]
+    fn debug_shows_a_digest_and_display_the_key() {
+        let key = IdempotencyKey("SECRET-KEY-4711".to_owned());
+        assert!(!format!("{key:?}").contains("SECRET"), "{key:?}");
+        assert_eq!(key.to_string(), "SECRET-KEY-4711");
+    }
 
     #[test]
     fn bare_and_quoted_forms() {
