@@ -1173,6 +1173,65 @@ async fn a_transaction_that_reads_uncommitted_data_is_refused() {
     assert!(store.fetch(&identity).await.expect("fetch").is_none());
 }
 
+/// Rule 11 in transactional mode: the caller's session decides nothing with
+/// a clock of its own. `SET timestamp` moves `NOW()` and `UNIX_TIMESTAMP()`,
+/// which the store's statements read: two hours ahead, a complete record
+/// with a ttl of one hour looked expired and the body ran a second time. A
+/// session whose clock is set is now refused, the body not run, and once it
+/// is reset the record replays.
+#[tokio::test]
+async fn a_transaction_on_a_session_whose_clock_is_set_is_refused() {
+    let Some(store) = mysql_store_or_skip().await else {
+        return;
+    };
+    sqlx::query(EDGES_DDL)
+        .execute(store.pool())
+        .await
+        .expect("ddl");
+    let tenant = fresh_tenant();
+    let mut tx = store.pool().begin().await.expect("begin");
+    assert_eq!(
+        charge(&mut tx, &tenant, "k", None)
+            .await
+            .expect("first call"),
+        42
+    );
+    tx.commit().await.expect("commit");
+
+    let mut conn = store.pool().acquire().await.expect("connection");
+    for set in [
+        // (`UNIX_TIMESTAMP()` reads the set clock too: the server's is `SYSDATE()`.)
+        "SET timestamp = UNIX_TIMESTAMP(SYSDATE()) + 7200",
+        "SET timestamp = UNIX_TIMESTAMP(SYSDATE()) - 7200",
+    ] {
+        conn.execute(set).await.expect("set the session's clock");
+        let mut tx = sqlx::Connection::begin(&mut *conn).await.expect("begin");
+        let refused = charge(&mut tx, &tenant, "k", None)
+            .await
+            .err()
+            .unwrap_or_else(|| panic!("{set}: not refused"));
+        assert!(
+            matches!(&refused, Error::Store(e) if e.to_string().contains("SET timestamp")),
+            "{set}: {refused}"
+        );
+        tx.rollback().await.expect("rollback");
+    }
+    conn.execute("SET timestamp = DEFAULT")
+        .await
+        .expect("reset the clock");
+    let mut tx = sqlx::Connection::begin(&mut *conn).await.expect("begin");
+    let (answer, outcome) =
+        idempotent_runtime::with_outcome(charge(&mut tx, &tenant, "k", None)).await;
+    assert_eq!(answer.expect("replay"), 42);
+    assert_eq!(outcome, Some(idempotent_runtime::Outcome::Replayed));
+    tx.commit().await.expect("commit");
+    assert_eq!(
+        writes(store.pool(), &tenant, "body").await,
+        1,
+        "the body ran once"
+    );
+}
+
 /// Four store-mode callers of a key a transactional-mode owner holds
 /// uncommitted, the owner rolling back while they wait: none gets an error (no
 /// InnoDB deadlock between waiters: they wait one at a time under GET_LOCK,

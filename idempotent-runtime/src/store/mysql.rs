@@ -983,6 +983,17 @@ crate::transaction::transactional_connection! {
     }
 }
 
+/// Whether the session's clock was set (`SET timestamp = …`): `NOW()` and
+/// `UNIX_TIMESTAMP()`, which the store's statements read, then give the set
+/// time, while `SYSDATE()` goes on giving the server's. More than a second
+/// apart counts as set (a server started with `--sysdate-is-now` makes the
+/// two one, and then a set clock is not seen).
+macro_rules! clock_set {
+    () => {
+        "CAST(ABS(TIMESTAMPDIFF(MICROSECOND, NOW(6), SYSDATE(6))) > 1000000 AS SIGNED)"
+    };
+}
+
 /// Whether the connection is in a transaction, as the server sees it:
 /// `@@in_transaction` (MariaDB), or `autocommit = 0`, where every statement
 /// opens a transaction that lasts until `COMMIT`. Asked every time, not taken
@@ -996,32 +1007,45 @@ crate::transaction::transactional_connection! {
 /// commit inside such a transaction is not detected.
 ///
 /// A transaction that reads uncommitted data is refused
-/// ([`READ_UNCOMMITTED_REFUSED`]): read in the same round trip.
+/// ([`READ_UNCOMMITTED_REFUSED`]), and so is a session whose clock was set
+/// (`SET timestamp = …`, [`SESSION_CLOCK_REFUSED`]): both read in the same
+/// round trip.
 async fn in_transaction(conn: &mut sqlx::MySqlConnection) -> Result<bool, StoreError> {
     const OP: &str = "check for an open transaction";
-    let asked: Result<(i64, String), sqlx::Error> = sqlx::query_as(
-        "SELECT CAST(@@autocommit = 0 OR @@in_transaction = 1 AS SIGNED), @@tx_isolation",
-    )
+    let asked: Result<(i64, String, i64), sqlx::Error> = sqlx::query_as(concat!(
+        "SELECT CAST(@@autocommit = 0 OR @@in_transaction = 1 AS SIGNED), @@tx_isolation, ",
+        clock_set!()
+    ))
     .fetch_one(&mut *conn)
     .await;
-    let (open, isolation) = match asked {
+    let (open, isolation, clock_set) = match asked {
         // MySQL 8: no `@@in_transaction`; sqlx's count, or autocommit off.
         Err(sqlx::Error::Database(e)) if error_number(&*e) == Some(ER_UNKNOWN_SYSTEM_VARIABLE) => {
-            let autocommit_off: i64 = sqlx::query_scalar("SELECT CAST(@@autocommit = 0 AS SIGNED)")
-                .fetch_one(&mut *conn)
-                .await
-                .map_err(err(OP))?;
+            let (autocommit_off, clock_set): (i64, i64) = sqlx::query_as(concat!(
+                "SELECT CAST(@@autocommit = 0 AS SIGNED), ",
+                clock_set!()
+            ))
+            .fetch_one(&mut *conn)
+            .await
+            .map_err(err(OP))?;
             let isolation = session_isolation(conn).await.map_err(err(OP))?;
             let open = autocommit_off != 0 || sqlx::Connection::is_in_transaction(conn);
-            (i64::from(open), isolation)
+            (i64::from(open), isolation, clock_set)
         }
         other => other.map_err(err(OP))?,
     };
     if reads_uncommitted(&isolation) {
         return Err(StoreError::new(STORE, OP, READ_UNCOMMITTED_REFUSED));
     }
+    if clock_set != 0 {
+        return Err(StoreError::new(STORE, OP, SESSION_CLOCK_REFUSED));
+    }
     Ok(open != 0)
 }
+
+/// What a transactional call on a session whose clock was set is told.
+const SESSION_CLOCK_REFUSED: &str =
+    "the session's clock is set (SET timestamp = ...): leases and retention are decided on the      server's clock, and a set clock would make a complete record look expired      (or a lost lease look live). Run `SET timestamp = DEFAULT` before calling in transactional mode";
 
 /// The reservation in the connection's transaction, waiting for a row lock
 /// for the whole seconds of `lock_wait`.
