@@ -471,12 +471,23 @@ pub async fn run(cli: Cli) -> Result<String, CliError> {
                     tracing::warn!(target: "idempotent::operator", store = store.name(),
                         scope = %identity.scope, key = %identity.key_digest(), reason = %reason,
                         "an operator's release was refused: the record is complete");
-                    Err(refused(
+                    // An expired one already counts as absent (rule 16).
+                    let expired = store
+                        .fetch(&identity)
+                        .await
+                        .map_err(crate::Error::from)?
+                        .is_none_or(|snapshot| snapshot.is_expired());
+                    Err(refused(if expired {
+                        "the record is complete and has expired: it already counts as absent \
+                         (the next call with this key runs the body), and the purge deletes it; \
+                         there is nothing to release"
+                            .to_owned()
+                    } else {
                         "the record is complete: its recorded result is the answer for this key, and \
                          deleting it would let a retry run the body again. It expires with its ttl \
                          (`idempotent inspect` shows when); use a new key for new work"
-                            .to_owned(),
-                    ))
+                            .to_owned()
+                    }))
                 }
                 ForcedRelease::LeaseLive { lease_remaining } => {
                     tracing::warn!(target: "idempotent::operator", store = store.name(),

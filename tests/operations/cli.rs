@@ -208,6 +208,44 @@ async fn audit_reports_orphans_retired_and_expired_records() {
     assert!(table.contains("2 orphan scope(s)"), "{table}");
 }
 
+/// `release` of a complete record that has expired says the key is free
+/// already (the record counts as absent, rule 16), not that the recorded
+/// result is the key's answer; the record is left for the purge.
+#[tokio::test]
+async fn release_of_an_expired_complete_record_says_it_counts_as_absent() {
+    let dir = Scratch::new();
+    let url = dir.db_url();
+    let store = SqliteStore::connect(&url).await.expect("sqlite file");
+    let expired = plant(&store, "orders.place", Duration::from_millis(1)).await;
+    wait_expired(&store, &expired).await;
+    let refused = run_from([
+        "idempotent",
+        "release",
+        "--database-url",
+        &url,
+        "--scope",
+        expired.scope(),
+        "--tenant",
+        expired.tenant(),
+        "--key",
+        expired.key(),
+        "--reason",
+        "INC-2",
+    ])
+    .await
+    .expect_err("nothing to release");
+    let said = refused.to_string();
+    assert!(
+        said.contains("expired") && said.contains("nothing to release"),
+        "{said}"
+    );
+    assert!(!said.contains("is the answer for this key"), "{said}");
+    assert!(
+        store.fetch(&expired).await.expect("fetch").is_some(),
+        "left for the purge"
+    );
+}
+
 #[tokio::test]
 async fn purge_deletes_expired_records_only() {
     let dir = Scratch::new();
