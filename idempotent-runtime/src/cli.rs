@@ -292,10 +292,15 @@ where
 /// Opens the store a URL names, as [`connect_url`] does, but never sets a
 /// database up: a SQLite file that does not exist, or a database without the
 /// idempotency records table, is an operator's mistyped URL, not a new store.
+/// A server that cannot be reached is reported from the first look, within
+/// [`ACQUIRE_TIMEOUT`](crate::store::ACQUIRE_TIMEOUT), with the reason
+/// (refused, no answer), not looked for a second time by the store.
 async fn open_store(url: &str) -> Result<Arc<dyn Store>, CliError> {
     check_existing_sqlite_file(url)?;
-    if holds_records(url).await == Some(false) {
-        return Err(CliError::NoIdempotencyTables);
+    match holds_records(url).await {
+        Probe::Holds(false) => return Err(CliError::NoIdempotencyTables),
+        Probe::Unreachable(e) => return Err(crate::Error::Store(e).into()),
+        Probe::Holds(true) | Probe::CannotTell => {}
     }
     Ok(connect_url(url).await?)
 }
@@ -322,66 +327,96 @@ fn check_existing_sqlite_file(url: &str) -> Result<(), CliError> {
     Ok(())
 }
 
-/// Whether the database `url` names holds the idempotency records table,
-/// read on a connection of its own before any store opens (a store applies
-/// the migrations, creating the tables). `None` when it cannot tell (no
-/// connection within the stores' own bound, [`ACQUIRE_TIMEOUT`], an in-memory
-/// SQLite database, a store this build lacks): opening the store then says
-/// what is wrong, or finds it empty.
-///
-/// [`ACQUIRE_TIMEOUT`]: crate::store::ACQUIRE_TIMEOUT
-async fn holds_records(url: &str) -> Option<bool> {
-    let bound = crate::store::ACQUIRE_TIMEOUT;
-    tokio::time::timeout(bound, read_holds_records(url))
-        .await
-        .ok()
-        .flatten()
+/// What the first look at a database found.
+enum Probe {
+    /// It answered: whether it holds the idempotency records table.
+    Holds(bool),
+    /// No connection: refused, failed, or no answer within the bound.
+    Unreachable(crate::StoreError),
+    /// It cannot tell (an in-memory SQLite database, a store this build
+    /// lacks, a query it could not run): opening the store says what is
+    /// wrong, or finds it empty.
+    CannotTell,
 }
 
-async fn read_holds_records(url: &str) -> Option<bool> {
+/// Whether the database `url` names holds the idempotency records table,
+/// read on a connection of its own before any store opens (a store applies
+/// the migrations, creating the tables), within the stores' own bound,
+/// [`ACQUIRE_TIMEOUT`].
+///
+/// [`ACQUIRE_TIMEOUT`]: crate::store::ACQUIRE_TIMEOUT
+async fn holds_records(url: &str) -> Probe {
+    let bound = crate::store::ACQUIRE_TIMEOUT;
+    let store = match crate::connect::scheme_of(url).as_str() {
+        "postgres" | "postgresql" => "postgres",
+        "mysql" | "mariadb" => "mysql",
+        _ => "sqlite",
+    };
+    let unreachable = |why: Box<dyn std::error::Error + Send + Sync>| {
+        Probe::Unreachable(crate::StoreError::new(store, "connect", why))
+    };
+    match tokio::time::timeout(bound, read_holds_records(url)).await {
+        Ok(Ok(Some(holds))) => Probe::Holds(holds),
+        Ok(Ok(None)) => Probe::CannotTell,
+        Ok(Err(e)) => unreachable(Box::new(e)),
+        Err(_) => unreachable(
+            format!(
+                "no answer from the database server within {} s: check the host and port, \
+                 and that the server is up",
+                bound.as_secs()
+            )
+            .into(),
+        ),
+    }
+}
+
+/// `Err` when no connection could be made; `Ok(None)` when it cannot tell.
+async fn read_holds_records(url: &str) -> Result<Option<bool>, sqlx::Error> {
     #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
     use sqlx::Connection as _;
     match crate::connect::scheme_of(url).as_str() {
         #[cfg(feature = "sqlite")]
         "sqlite" => {
             use std::str::FromStr;
-            let options = sqlx::sqlite::SqliteConnectOptions::from_str(url).ok()?;
+            let Ok(options) = sqlx::sqlite::SqliteConnectOptions::from_str(url) else {
+                return Ok(None);
+            };
             if options.get_filename().as_os_str() == ":memory:" {
-                return None;
+                return Ok(None);
             }
-            let mut conn = sqlx::SqliteConnection::connect_with(&options.read_only(true))
-                .await
-                .ok()?;
-            sqlx::query_scalar(
+            let mut conn = sqlx::SqliteConnection::connect_with(&options.read_only(true)).await?;
+            Ok(sqlx::query_scalar(
                 "SELECT EXISTS (SELECT 1 FROM sqlite_master \
                   WHERE type = 'table' AND name = 'idempotency_records')",
             )
             .fetch_one(&mut conn)
             .await
-            .ok()
+            .ok())
         }
         #[cfg(feature = "postgres")]
         "postgres" | "postgresql" => {
-            let mut conn = sqlx::PgConnection::connect(url).await.ok()?;
-            sqlx::query_scalar("SELECT to_regclass('idempotency_records') IS NOT NULL")
-                .fetch_one(&mut conn)
-                .await
-                .ok()
+            let mut conn = sqlx::PgConnection::connect(url).await?;
+            Ok(
+                sqlx::query_scalar("SELECT to_regclass('idempotency_records') IS NOT NULL")
+                    .fetch_one(&mut conn)
+                    .await
+                    .ok(),
+            )
         }
         #[cfg(feature = "mysql")]
         "mysql" | "mariadb" => {
             let url = crate::connect::mysql_url(url);
-            let mut conn = sqlx::MySqlConnection::connect(&url).await.ok()?;
-            sqlx::query_scalar::<_, i64>(
+            let mut conn = sqlx::MySqlConnection::connect(&url).await?;
+            Ok(sqlx::query_scalar::<_, i64>(
                 "SELECT EXISTS (SELECT 1 FROM information_schema.tables \
                   WHERE table_schema = DATABASE() AND table_name = 'idempotency_records')",
             )
             .fetch_one(&mut conn)
             .await
             .ok()
-            .map(|found| found == 1)
+            .map(|found| found == 1))
         }
-        _ => None,
+        _ => Ok(None),
     }
 }
 

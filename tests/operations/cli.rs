@@ -982,9 +982,35 @@ async fn a_server_that_never_answers_is_an_error_not_a_hang() {
         let e = answered
             .unwrap_or_else(|_| panic!("{url}: no answer in 60 s"))
             .expect_err("nothing answers there");
-        assert!(e.to_string().contains("could not connect"), "{url}: {e}");
+        assert!(
+            e.to_string().contains("no answer from the database server"),
+            "{url}: {e}"
+        );
     }
     silent.abort();
+}
+
+/// A port nothing listens on is reported as refused, from the first look
+/// (not as a pool that timed out after a second one).
+#[tokio::test]
+async fn a_server_that_refuses_connections_is_reported_as_refused() {
+    let port = {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind loopback");
+        listener.local_addr().expect("addr").port()
+    };
+    for url in [
+        format!("postgres://idem@127.0.0.1:{port}/idem"),
+        format!("mysql://idem@127.0.0.1:{port}/idem"),
+    ] {
+        let command = ["idempotent", "purge", "--database-url", url.as_str()];
+        let e = tokio::time::timeout(Duration::from_secs(60), run_from(command))
+            .await
+            .unwrap_or_else(|_| panic!("{url}: no answer in 60 s"))
+            .expect_err("nothing listens there");
+        let said = e.to_string().to_lowercase();
+        assert!(said.contains("refused"), "{url}: {e}");
+        assert!(!said.contains("timed out"), "{url}: {e}");
+    }
 }
 
 /// `audit` and `inspect` only read, so they open a database they may only
