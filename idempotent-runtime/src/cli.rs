@@ -358,7 +358,7 @@ async fn holds_records(url: &str) -> Probe {
     match tokio::time::timeout(bound, read_holds_records(url)).await {
         Ok(Ok(Some(holds))) => Probe::Holds(holds),
         Ok(Ok(None)) => Probe::CannotTell,
-        Ok(Err(e)) => unreachable(Box::new(e)),
+        Ok(Err(e)) => unreachable(e),
         Err(_) => unreachable(
             format!(
                 "no answer from the database server within {} s: check the host and port, \
@@ -371,7 +371,9 @@ async fn holds_records(url: &str) -> Probe {
 }
 
 /// `Err` when no connection could be made; `Ok(None)` when it cannot tell.
-async fn read_holds_records(url: &str) -> Result<Option<bool>, sqlx::Error> {
+async fn read_holds_records(
+    url: &str,
+) -> Result<Option<bool>, Box<dyn std::error::Error + Send + Sync>> {
     #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
     use sqlx::Connection as _;
     match crate::connect::scheme_of(url).as_str() {
