@@ -453,6 +453,29 @@ fn the_binary_runs_end_to_end() {
 
 use crate::common;
 
+/// `audit --json` of the store `url` names: the row of `scope`.
+async fn audit_row(url: &str, manifest: &str, scope: &str) -> serde_json::Value {
+    let out = run_from([
+        "idempotent",
+        "audit",
+        "--database-url",
+        url,
+        "--manifest",
+        manifest,
+        "--json",
+    ])
+    .await
+    .unwrap_or_else(|e| panic!("audit on {url}: {e}"));
+    let json: serde_json::Value = serde_json::from_str(&out).expect("JSON");
+    json["scopes"]
+        .as_array()
+        .expect("scopes")
+        .iter()
+        .find(|s| s["scope"] == scope)
+        .unwrap_or_else(|| panic!("{scope} missing from the audit of {url}"))
+        .clone()
+}
+
 /// `audit` and `purge` take PostgreSQL and MySQL/MariaDB URLs too. The servers
 /// are shared with other tests, so this plants a scope no one else uses and
 /// asserts only on it.
@@ -482,25 +505,7 @@ async fn audit_and_purge_work_on_server_urls() {
             if !wait_expired_or_purged(&*store, &expired).await {
                 continue;
             }
-            let out = run_from([
-                "idempotent",
-                "audit",
-                "--database-url",
-                &url,
-                "--manifest",
-                &manifest,
-                "--json",
-            ])
-            .await
-            .unwrap_or_else(|e| panic!("audit on {url}: {e}"));
-            let json: serde_json::Value = serde_json::from_str(&out).expect("JSON");
-            let row = json["scopes"]
-                .as_array()
-                .expect("scopes")
-                .iter()
-                .find(|s| s["scope"] == scope.as_str())
-                .unwrap_or_else(|| panic!("{scope} missing from the audit of {url}"))
-                .clone();
+            let row = audit_row(&url, &manifest, &scope).await;
             assert_eq!(
                 row["status"], "orphan",
                 "the manifest does not declare it ({url})"
@@ -1041,25 +1046,7 @@ async fn audit_and_inspect_work_on_a_database_they_may_only_read() {
         let tenant = format!("cli-{}", uuid::Uuid::new_v4().simple());
         plant_running(&*store, &scope, &tenant, "running-key").await;
 
-        let audit = run_from([
-            "idempotent",
-            "audit",
-            "--database-url",
-            &url,
-            "--manifest",
-            &manifest,
-            "--json",
-        ])
-        .await
-        .unwrap_or_else(|e| panic!("audit on {url}: {e}"));
-        let json: serde_json::Value = serde_json::from_str(&audit).expect("JSON");
-        let row = json["scopes"]
-            .as_array()
-            .expect("scopes")
-            .iter()
-            .find(|s| s["scope"] == scope.as_str())
-            .unwrap_or_else(|| panic!("{scope} missing from the audit of {url}"))
-            .clone();
+        let row = audit_row(&url, &manifest, &scope).await;
         assert_eq!(row["in_progress"], 1, "{url}: {row}");
 
         let shown = run_from([

@@ -25,13 +25,7 @@ async fn a_lock_on_an_expired_record_is_waited_out_not_answered_in_progress() {
     // would). It locks it before it expires: once expired, another test's
     // purge of the shared table may delete it first (a purge skips rows that
     // are locked).
-    let mut locker = sqlx::PgConnection::connect(&pg_url())
-        .await
-        .expect("connect");
-    let locker_pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
-        .fetch_one(&mut locker)
-        .await
-        .expect("pid");
+    let (mut locker, locker_pid) = connection_and_pid().await;
     let short = Duration::from_secs(2);
     let first = OwnerToken::new();
     let abandoned = store
@@ -713,13 +707,7 @@ async fn a_call_dropped_while_its_reservation_waits_long_for_a_lock_is_still_rel
         .execute(&pool)
         .await
         .expect("expire the record");
-    let mut locker = sqlx::PgConnection::connect(&pg_url())
-        .await
-        .expect("connect");
-    let locker_pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
-        .fetch_one(&mut locker)
-        .await
-        .expect("pid");
+    let (mut locker, locker_pid) = connection_and_pid().await;
     locker.execute("BEGIN").await.expect("begin");
     sqlx::query("SELECT 1 FROM idempotency_records WHERE tenant = $1 FOR UPDATE")
         .bind(&tenant)
@@ -772,4 +760,16 @@ async fn a_call_dropped_while_its_reservation_waits_long_for_a_lock_is_still_rel
         2,
         "the dropped call never ran its body"
     );
+}
+
+/// A connection of its own to the test database, and its backend's pid.
+async fn connection_and_pid() -> (sqlx::PgConnection, i32) {
+    let mut conn = sqlx::PgConnection::connect(&pg_url())
+        .await
+        .expect("connect");
+    let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut conn)
+        .await
+        .expect("pid");
+    (conn, pid)
 }
