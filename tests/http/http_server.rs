@@ -974,6 +974,43 @@ fn a_layer_without_a_tenant_or_with_a_bad_scope_is_refused_at_build() {
     assert!(matches!(e, LayerConfigError::InvalidScope { .. }));
 }
 
+/// A layer's durations follow the attribute's rules: a zero ttl (which
+/// recorded nothing a retry could replay: every retry ran the handler again,
+/// and another request under the same key was not refused) and a lease under
+/// the attribute's 10 ms minimum are refused when the layer is built.
+#[test]
+fn a_layer_whose_durations_the_attribute_would_refuse_is_refused_at_build() {
+    use idempotent_runtime::http::{IdempotencyLayer, LayerConfigError};
+    let build = |ttl: Duration, lease: Duration| {
+        IdempotencyLayer::builder("x.durations", MemoryStore::new())
+            .tenant_from(|_| None)
+            .ttl(ttl)
+            .lease(lease)
+            .build()
+    };
+    let (hour, second) = (Duration::from_secs(3600), Duration::from_secs(1));
+    for (ttl, lease, says) in [
+        (Duration::ZERO, second, "`ttl` must be longer than zero"),
+        (
+            hour,
+            Duration::from_millis(5),
+            "`lease` is 5ms, below the minimum of 10ms",
+        ),
+    ] {
+        let e = build(ttl, lease)
+            .err()
+            .unwrap_or_else(|| panic!("{ttl:?} / {lease:?}"));
+        assert!(matches!(e, LayerConfigError::InvalidDuration { .. }), "{e}");
+        assert!(e.to_string().contains(says), "{e}");
+        assert!(e.to_string().contains("x.durations"), "{e}");
+    }
+    assert!(matches!(
+        build(hour, Duration::ZERO),
+        Err(LayerConfigError::ZeroLease { .. })
+    ));
+    assert!(build(Duration::from_millis(1), Duration::from_millis(10)).is_ok());
+}
+
 // ---------------------------------------------------------------- extractor and IntoResponse
 
 #[tokio::test]

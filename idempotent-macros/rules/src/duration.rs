@@ -136,6 +136,20 @@ pub fn parse_duration(text: &str, kind: DurationKind) -> Result<Duration, Durati
             text: text.to_owned(),
             reason: e.to_string(),
         })?;
+    check_duration(value, kind)
+}
+
+/// Checks a duration given as a value (a builder's `.ttl(d)`, `.lease(d)`)
+/// by the rules [`parse_duration`] applies to text: not zero, at least the
+/// kind's minimum, and storable in milliseconds.
+///
+/// ```
+/// use idempotent_rules::duration::{check_duration, DurationKind, DurationError};
+/// use std::time::Duration;
+/// assert!(check_duration(Duration::from_secs(30), DurationKind::Lease).is_ok());
+/// assert!(matches!(check_duration(Duration::ZERO, DurationKind::Ttl), Err(DurationError::Zero { .. })));
+/// ```
+pub fn check_duration(value: Duration, kind: DurationKind) -> Result<Duration, DurationError> {
     if value.is_zero() {
         return Err(DurationError::Zero { kind });
     }

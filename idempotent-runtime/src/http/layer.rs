@@ -82,6 +82,16 @@ pub enum LayerConfigError {
         /// The scope of the layer.
         scope: String,
     },
+    /// The ttl, or a lease that is not zero, breaks the rule the attribute
+    /// applies to it (a zero ttl would record nothing any retry could
+    /// replay; a lease under 10 ms is taken over while the handler runs).
+    #[error("scope `{scope}`: {problem}")]
+    InvalidDuration {
+        /// The scope of the layer.
+        scope: String,
+        /// What is wrong, as the attribute says it.
+        problem: idempotent_rules::duration::DurationError,
+    },
 }
 
 /// Configures an [`IdempotencyLayer`]; made by [`IdempotencyLayer::builder`].
@@ -243,6 +253,16 @@ impl IdempotencyLayerBuilder {
         };
         if self.lease.is_zero() {
             return Err(LayerConfigError::ZeroLease { scope: self.scope });
+        }
+        // The rules the attribute applies to `ttl = "..."` and `lease = "..."`.
+        use idempotent_rules::duration::{check_duration, DurationKind};
+        let checked = check_duration(self.ttl, DurationKind::Ttl)
+            .and_then(|_| check_duration(self.lease, DurationKind::Lease));
+        if let Err(problem) = checked {
+            return Err(LayerConfigError::InvalidDuration {
+                scope: self.scope,
+                problem,
+            });
         }
         let caller = std::panic::Location::caller();
         let errors = match (
