@@ -1125,21 +1125,35 @@ pub(crate) fn outcome_to_record<R: IdempotentReturn, H: ErrorHandling<R::Failure
             message,
         })
     };
+    // What is recorded must also read back as its own type: serde writes some
+    // values it cannot read (see `reads_back`), and such a record would
+    // answer every retry with `ReplayDecoding` until its ttl ran out.
     let stored = match result {
         Ok(value) => {
             faithful(crate::fingerprint::check_faithful_json(value))?;
+            let payload = serde_json::to_vec(value).map_err(|e| encoding(e.to_string()))?;
+            faithful(reads_back(
+                serde_json::from_slice::<R::Value>(&payload).map(drop),
+            ))?;
             StoredOutcome {
                 is_error: false,
-                payload: serde_json::to_vec(value).map_err(|e| encoding(e.to_string()))?,
+                payload,
             }
         }
         Err(e) => match errors.record(e) {
             None => return Ok(None),
             Some(bytes) => {
                 faithful(errors.check_faithful(e))?;
+                let payload = bytes.map_err(encoding)?;
+                if let Err(message) = errors.replay(&payload) {
+                    return Err(Error::ResultNotFaithful {
+                        scope: spec.scope.to_owned(),
+                        message: format!("the recorded error would not read back: {message}"),
+                    });
+                }
                 StoredOutcome {
                     is_error: true,
-                    payload: bytes.map_err(encoding)?,
+                    payload,
                 }
             }
         },
@@ -1152,6 +1166,23 @@ pub(crate) fn outcome_to_record<R: IdempotentReturn, H: ErrorHandling<R::Failure
         });
     }
     Ok(Some(stored))
+}
+
+/// Rule 12 for a value serde writes but cannot read back as its own type:
+/// `u128`/`i128` inside `#[serde(flatten)]` or an internally tagged enum
+/// (serde buffers those and its buffer has no 128-bit integers), number map
+/// keys under `#[serde(flatten)]`, a field skipped when serialized
+/// (`skip_serializing_if`) without `#[serde(default)]`.
+fn reads_back(decoded: Result<(), serde_json::Error>) -> Result<(), String> {
+    decoded.map_err(|e| {
+        format!(
+            "written as JSON it does not read back as its own type ({}): check the type's serde \
+             attributes (a 128-bit integer inside `#[serde(flatten)]` or an internally tagged \
+             enum, number map keys under `#[serde(flatten)]`, a field skipped when serialized \
+             without `#[serde(default)]`)",
+            replay_failure(&e)
+        )
+    })
 }
 
 pub(crate) fn decode_replay<R: IdempotentReturn, H: ErrorHandling<R::Failure>>(

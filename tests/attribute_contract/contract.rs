@@ -323,6 +323,73 @@ pub async fn non_finite_result(
     Ok(f64::INFINITY)
 }
 
+/// A receipt serde writes and cannot read back: a `u128` inside
+/// `#[serde(flatten)]` (serde buffers flattened content, without 128-bit
+/// integers), whatever its value.
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+pub struct FlatReceipt {
+    pub id: u64,
+    #[serde(flatten)]
+    pub money: FlatMoney,
+}
+
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+pub struct FlatMoney {
+    pub cents: u128,
+}
+
+/// Returns a [`FlatReceipt`] (rule 12).
+#[idempotent(scope = "contract.unreadable", key = key, tenant = tenant, store = store, skip(runs))]
+pub async fn unreadable_result(
+    store: &dyn Store,
+    tenant: &str,
+    key: &str,
+    runs: &AtomicUsize,
+) -> Result<FlatReceipt, Error> {
+    runs.fetch_add(1, Ordering::SeqCst);
+    Ok(FlatReceipt {
+        id: 1,
+        money: FlatMoney { cents: 500 },
+    })
+}
+
+/// An error serde writes and cannot read back: a field skipped when empty
+/// without `#[serde(default)]`.
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+pub struct Declined {
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub reason: String,
+}
+
+/// Unrecordable error type for [`unreadable_error`]: the library's errors
+/// convert into it.
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+pub enum DeclinedOr {
+    Declined(Declined),
+    Library(String),
+}
+
+impl From<Error> for DeclinedOr {
+    fn from(e: Error) -> Self {
+        DeclinedOr::Library(e.to_string())
+    }
+}
+
+/// Records its error (`errors = record`): a [`Declined`] with an empty reason.
+#[idempotent(scope = "contract.unreadable_error", key = key, tenant = tenant, store = store,
+             skip(runs), errors = record)]
+pub async fn unreadable_error(
+    store: &dyn Store,
+    tenant: &str,
+    key: &str,
+    runs: &AtomicUsize,
+) -> Result<u64, DeclinedOr> {
+    runs.fetch_add(1, Ordering::SeqCst);
+    Err(DeclinedOr::Declined(Declined {
+        reason: String::new(),
+    }))
+}
+
 /// Equal sets and maps built in different orders, each with its own hasher state.
 pub fn set_args(
     n: usize,
@@ -853,6 +920,30 @@ macro_rules! contract_tests {
             let again = non_finite_result(&*store, &t, "k", &runs).await;
             assert!(matches!(again, Err(Error::ResultNotFaithful { .. })), "{again:?}");
             assert_eq!(runs.load(Ordering::SeqCst), 2, "the key was free: the retry ran");
+        }
+
+        /// Rule 12: a result (or a recorded error) serde writes but cannot
+        /// read back as its own type is refused when it is recorded, naming
+        /// the scope; nothing is recorded and the key is free. Before, it was
+        /// recorded, and every retry got `ReplayDecoding` for the whole ttl.
+        #[tokio::test]
+        async fn a_result_that_would_not_read_back_is_refused_when_recorded() {
+            let Some(store) = store().await else { return };
+            let (t, runs) = (fresh_tenant(), AtomicUsize::new(0));
+            for round in 1..=2 {
+                let err = unreadable_result(&*store, &t, "k", &runs).await.unwrap_err();
+                assert!(matches!(err, Error::ResultNotFaithful { ref scope, .. } if scope == "contract.unreadable"), "{err:?}");
+                assert!(err.to_string().contains("u128"), "{err}");
+                assert!(store.fetch(&id(&t, "contract.unreadable", "k")).await.unwrap().is_none(), "released");
+                assert_eq!(runs.load(Ordering::SeqCst), round, "the key was free: the retry ran");
+            }
+            let runs = AtomicUsize::new(0);
+            let err = unreadable_error(&*store, &t, "k", &runs).await.unwrap_err();
+            assert!(
+                matches!(&err, DeclinedOr::Library(message) if message.contains("contract.unreadable_error") && message.contains("missing field")),
+                "{err:?}"
+            );
+            assert!(store.fetch(&id(&t, "contract.unreadable_error", "k")).await.unwrap().is_none(), "released");
         }
 
         /// Rule 6: a record made by an older version (canonical form v1, which

@@ -57,7 +57,10 @@
 //! form, so its retry is a mismatch (the safe answer), as for v1's lossy forms
 //! below. Two flattened maps of one key type holding one key are one source
 //! by this rule and still not told apart (two such values share a
-//! fingerprint; avoid the repeated key).
+//! fingerprint; avoid the repeated key). Neither is a name that only one
+//! source holds: the order of sources tells them apart only when both are
+//! there, so a field skipped when `None` and a flattened map's entry of its
+//! name, each alone, are one value.
 //! A string key is always written quoted; a key v1 refused is written as its
 //! canonical bytes, which are quoted only when it is `Some` of a string (read
 //! as that string, like every `Some(x)` whose `x` is not null-like). So a
