@@ -30,6 +30,10 @@ use std::io;
 /// The struct name serde_json's `RawValue` serializes under; v1 parsed it
 /// back into a JSON value, so its text is canonicalised, not hashed verbatim.
 const RAW_VALUE_TOKEN: &str = "$serde_json::private::RawValue";
+/// The struct name serde_json writes a `Number` as when its
+/// `arbitrary_precision` feature is on (any crate in the build may turn it
+/// on): one field, this name again, holding the number's text.
+const NUMBER_TOKEN: &str = "$serde_json::private::Number";
 
 /// Base names (last path segment, generics stripped) of collections whose
 /// iteration order is not part of their value. Their `Serialize` must go
@@ -790,7 +794,11 @@ impl<'a> Serializer for &'a mut Encoder {
 
     fn serialize_struct(self, name: &'static str, _len: usize) -> Result<Map<'a>> {
         let raw = name == RAW_VALUE_TOKEN && self.writes();
-        Map::begin(self, None, raw)
+        // v1 wrote serde_json's number token as a map (Legacy keeps that).
+        let number = name == NUMBER_TOKEN && self.mode == Mode::Canonical;
+        let mut map = Map::begin(self, None, raw || number)?;
+        map.number = number;
+        Ok(map)
     }
 
     fn serialize_struct_variant(
@@ -934,8 +942,11 @@ pub(crate) struct Map<'a> {
     keys_base: usize,
     region: usize,
     pending: Option<Pending>,
-    /// serde_json's `RawValue`: its one field is JSON text to canonicalise.
+    /// serde_json's `RawValue` (or, with `number`, its `Number` under
+    /// `arbitrary_precision`): its one field is JSON text to canonicalise.
     raw: bool,
+    /// The text is one number (see [`Map::number_value`]).
+    number: bool,
     /// See [`Encoder::sort_entries`].
     unknown_length: bool,
 }
@@ -959,6 +970,7 @@ impl<'a> Map<'a> {
             variant,
             pending: None,
             raw,
+            number: false,
             unknown_length: false,
         })
     }
@@ -1060,7 +1072,11 @@ impl<'a> Map<'a> {
 
     fn field<T: ?Sized + Serialize>(&mut self, name: &'static str, value: &T) -> Result<()> {
         if self.raw {
-            return self.raw_value(value);
+            return if self.number {
+                self.number_value(value)
+            } else {
+                self.raw_value(value)
+            };
         }
         if self.enc.mode == Mode::Check {
             return value
@@ -1097,6 +1113,44 @@ impl<'a> Map<'a> {
         enc.out.truncate(start);
         enc.keys.truncate(key_start);
         parsed?.serialize(&mut *enc)?;
+        Ok(())
+    }
+
+    /// serde_json's `Number` under its `arbitrary_precision` feature, whose
+    /// field is the number's text: written as the `u64`, `i64` or `f64` it
+    /// is, as the same `Value` is written without the feature (so turning
+    /// the feature on, in any crate of the build, changes no fingerprint).
+    /// Text none of them holds exactly (`0.10000000000000000001`, a 30-digit
+    /// integer) is an error: without the text it would be one value with
+    /// the number it rounds to (rule 6).
+    fn number_value<T: ?Sized + Serialize>(&mut self, value: &T) -> Result<()> {
+        let enc = &mut *self.enc;
+        let start = enc.out.len();
+        let key_start = enc.keys.len();
+        value.serialize(KeySerializer { enc: &mut *enc })?;
+        let text = String::from_utf8_lossy(&enc.keys[key_start..]).into_owned();
+        enc.out.truncate(start);
+        enc.keys.truncate(key_start);
+        if let Ok(n) = text.parse::<u64>() {
+            n.serialize(&mut *enc)?;
+        } else if let Ok(n) = text.parse::<i64>() {
+            n.serialize(&mut *enc)?;
+        } else {
+            let exact = text.parse::<f64>().ok().filter(|f| {
+                let written = serde_json::to_vec(f).unwrap_or_default();
+                f.is_finite()
+                    && super::json::canonical_json(&written)
+                        == super::json::canonical_json(text.as_bytes())
+            });
+            let Some(f) = exact else {
+                return Err(EncodeError::custom(
+                    "a serde_json number held as text (its `arbitrary_precision` feature) that no \
+                     u64, i64 or f64 holds exactly: its canonical form cannot tell it from the \
+                     number it rounds to; pass it as a string, or a type of your own",
+                ));
+            };
+            f.serialize(&mut *enc)?;
+        }
         Ok(())
     }
 

@@ -1894,3 +1894,55 @@ fn raw_json_with_a_float_serde_json_writes_is_not_refused() {
         answer.err().map(|e| e.to_string())
     );
 }
+
+/// What serde_json writes a `Number` as when its `arbitrary_precision`
+/// feature is on (any crate of the build may turn it on): a struct named by
+/// a private token, whose one field holds the number's text.
+struct PreciseNumber(&'static str);
+
+impl Serialize for PreciseNumber {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        const TOKEN: &str = "$serde_json::private::Number";
+        let mut number = serializer.serialize_struct(TOKEN, 1)?;
+        number.serialize_field(TOKEN, self.0)?;
+        number.end()
+    }
+}
+
+/// Rule 6 with serde_json's `arbitrary_precision`: a number held as text
+/// fingerprints as the `u64`, `i64` or `f64` it is (as without the feature),
+/// and text none of them holds exactly is an error. Before, the text was
+/// hashed as a one-member map, equal to a map a caller could pass, and every
+/// `Value` argument holding a number changed fingerprint with the feature.
+#[test]
+fn arbitrary_precision_numbers_fingerprint_as_the_number_they_are() {
+    let same = |text: &'static str, expected: Fingerprint| {
+        assert_eq!(
+            Fingerprint::of(&PreciseNumber(text)).expect(text),
+            expected,
+            "{text}"
+        );
+    };
+    same("450", Fingerprint::of(&450_u64).expect("u64"));
+    same("-7", Fingerprint::of(&-7_i64).expect("i64"));
+    same("1.0", Fingerprint::of(&1.0_f64).expect("f64"));
+    same("0.1", Fingerprint::of(&0.1_f64).expect("f64"));
+    same("1e2", Fingerprint::of(&100.0_f64).expect("f64"));
+    assert_eq!(
+        Fingerprint::of(&vec![PreciseNumber("1"), PreciseNumber("2.5")]).expect("a list"),
+        Fingerprint::of(&serde_json::json!([1, 2.5])).expect("a Value")
+    );
+    let map = HashMap::from([("$serde_json::private::Number", "1.0")]);
+    assert_ne!(
+        Fingerprint::of(&PreciseNumber("1.0")).expect("number"),
+        Fingerprint::of(&map).expect("a map with the token's name")
+    );
+    for text in [
+        "0.10000000000000000001",
+        "123456789012345678901234567890",
+        "1e400",
+    ] {
+        let e = Fingerprint::of(&PreciseNumber(text)).expect_err(text);
+        assert!(e.to_string().contains("arbitrary_precision"), "{text}: {e}");
+    }
+}
