@@ -112,6 +112,11 @@ pub(crate) struct Encoder {
     /// Where a region being sorted is copied while it is rewritten.
     scratch: Vec<u8>,
     extended: bool,
+    /// A value was written as v1 (no extension) but otherwise than earlier
+    /// builds wrote it (serde_json's `arbitrary_precision` number, once a
+    /// map): its legacy form (what they wrote) is kept to compare with their
+    /// records, while the label stays v1.
+    rewritten: bool,
     /// An extension was used for a value v1 wrote *lossily* (a non-finite
     /// float, `Some(null)`, two keys with the same text): v1's bytes for it
     /// are shared with another value, so they cannot stand for it.
@@ -139,6 +144,7 @@ impl Encoder {
         self.entries.clear();
         self.scratch.clear();
         self.extended = false;
+        self.rewritten = false;
         self.lossy = false;
     }
 
@@ -169,6 +175,12 @@ impl Encoder {
         self.extended
     }
 
+    /// Whether a value was written otherwise than earlier builds wrote it,
+    /// with no extension (see the field).
+    pub(crate) fn rewritten(&self) -> bool {
+        self.rewritten
+    }
+
     /// Whether an extension stood for a value v1 wrote lossily.
     pub(crate) fn lossy(&self) -> bool {
         self.lossy
@@ -176,6 +188,7 @@ impl Encoder {
 
     pub(crate) fn clear_extended(&mut self) {
         self.extended = false;
+        self.rewritten = false;
         self.lossy = false;
     }
 
@@ -1131,10 +1144,19 @@ impl<'a> Map<'a> {
         let text = String::from_utf8_lossy(&enc.keys[key_start..]).into_owned();
         enc.out.truncate(start);
         enc.keys.truncate(key_start);
+        // Earlier builds wrote the token's map; their records are compared
+        // with that form (rule 6).
+        enc.rewritten = true;
         if let Ok(n) = text.parse::<u64>() {
             n.serialize(&mut *enc)?;
         } else if let Ok(n) = text.parse::<i64>() {
-            n.serialize(&mut *enc)?;
+            // `-0` is serde_json's float `-0.0` (without the feature too), not
+            // the integer `0`.
+            if n == 0 {
+                (-0.0_f64).serialize(&mut *enc)?;
+            } else {
+                n.serialize(&mut *enc)?;
+            }
         } else {
             let exact = text.parse::<f64>().ok().filter(|f| {
                 let written = serde_json::to_vec(f).unwrap_or_default();

@@ -263,7 +263,11 @@ struct Argument {
     canonical: Range<usize>,
     /// Whether the canonical bytes needed a v2 extension.
     extended: bool,
-    /// For an extended argument: its v1 bytes, or `None` if v1 could not write it.
+    /// Whether its legacy bytes differ from the canonical ones: extended, or
+    /// written as v1 but otherwise than earlier builds did.
+    differs: bool,
+    /// For an argument that `differs`: its legacy bytes, or `None` if the
+    /// legacy form could not write it.
     legacy: Option<Range<usize>>,
 }
 
@@ -344,12 +348,14 @@ impl FingerprintBuilder {
         let quoted_name = name_start..start;
         let canonical = start..enc.bytes().len();
         let extended = enc.extended();
-        // Only when the extension was used is there a v1 form worth computing,
+        let differs = extended || enc.rewritten();
+        // Only when the extension was used (or a value was written otherwise
+        // than earlier builds did) is there a legacy form worth computing,
         // and only when v1's form stood for this value alone (set order): a
         // lossy v1 form (a non-finite float written as null, ...) is shared
         // with another value, so matching it could replay another request's
         // answer (rule 7).
-        let legacy = if extended && !enc.lossy() {
+        let legacy = if differs && !enc.lossy() {
             enc.set_mode(Mode::Legacy);
             let legacy_start = enc.bytes().len();
             let written = value.serialize(&mut *enc);
@@ -370,6 +376,7 @@ impl FingerprintBuilder {
             quoted_name,
             canonical,
             extended,
+            differs,
             legacy,
         });
     }
@@ -393,11 +400,12 @@ impl FingerprintBuilder {
         let extended = arguments.iter().any(|a| a.extended);
         let version = if extended { CANONICAL_VERSION } else { V1 };
         let value = hash(version, arguments, bytes, |a| &a.canonical);
-        // The v1 fingerprint, if v1 could write every argument.
-        let v1_writable = arguments.iter().all(|a| !a.extended || a.legacy.is_some());
-        let legacy = (extended && v1_writable).then(|| {
+        // The legacy fingerprint, if the legacy form could write every argument.
+        let differs = arguments.iter().any(|a| a.differs);
+        let v1_writable = arguments.iter().all(|a| !a.differs || a.legacy.is_some());
+        let legacy = (differs && v1_writable).then(|| {
             hash(V1, arguments, bytes, |a| match &a.legacy {
-                Some(v1) if a.extended => v1,
+                Some(v1) if a.differs => v1,
                 _ => &a.canonical,
             })
         });

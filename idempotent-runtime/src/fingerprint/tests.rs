@@ -1937,6 +1937,20 @@ fn arbitrary_precision_numbers_fingerprint_as_the_number_they_are() {
         Fingerprint::of(&PreciseNumber("1.0")).expect("number"),
         Fingerprint::of(&map).expect("a map with the token's name")
     );
+    // What earlier builds wrote (the token's map) is kept as the legacy
+    // form, so their records still match after an upgrade.
+    assert_eq!(
+        Fingerprint::of(&PreciseNumber("1.0"))
+            .expect("number")
+            .legacy(),
+        Some(Fingerprint::of(&map).expect("the map"))
+    );
+    // `-0` is the float `-0.0` (as serde_json reads it without the feature), not `0`.
+    same("-0", Fingerprint::of(&-0.0_f64).expect("f64"));
+    assert_ne!(
+        Fingerprint::of(&PreciseNumber("-0")).expect("-0"),
+        Fingerprint::of(&PreciseNumber("0")).expect("0")
+    );
     for text in [
         "0.10000000000000000001",
         "123456789012345678901234567890",
