@@ -1125,6 +1125,17 @@ pub(crate) fn outcome_to_record<R: IdempotentReturn, H: ErrorHandling<R::Failure
             message,
         })
     };
+    // Checked before the result is read back (which would hold it twice).
+    let too_large = |size: usize| {
+        if size > MAX_RESULT_BYTES {
+            return Err(Error::ResultTooLarge {
+                scope: spec.scope.to_owned(),
+                size,
+                limit: MAX_RESULT_BYTES,
+            });
+        }
+        Ok(())
+    };
     // What is recorded must also read back as its own type: serde writes some
     // values it cannot read (see `reads_back`), and such a record would
     // answer every retry with `ReplayDecoding` until its ttl ran out.
@@ -1132,6 +1143,7 @@ pub(crate) fn outcome_to_record<R: IdempotentReturn, H: ErrorHandling<R::Failure
         Ok(value) => {
             faithful(crate::fingerprint::check_faithful_json(value))?;
             let payload = serde_json::to_vec(value).map_err(|e| encoding(e.to_string()))?;
+            too_large(payload.len())?;
             faithful(reads_back(
                 serde_json::from_slice::<R::Value>(&payload).map(drop),
             ))?;
@@ -1145,6 +1157,7 @@ pub(crate) fn outcome_to_record<R: IdempotentReturn, H: ErrorHandling<R::Failure
             Some(bytes) => {
                 faithful(errors.check_faithful(e))?;
                 let payload = bytes.map_err(encoding)?;
+                too_large(payload.len())?;
                 if let Err(message) = errors.replay(&payload) {
                     return Err(Error::ResultNotFaithful {
                         scope: spec.scope.to_owned(),
@@ -1158,13 +1171,6 @@ pub(crate) fn outcome_to_record<R: IdempotentReturn, H: ErrorHandling<R::Failure
             }
         },
     };
-    if stored.payload.len() > MAX_RESULT_BYTES {
-        return Err(Error::ResultTooLarge {
-            scope: spec.scope.to_owned(),
-            size: stored.payload.len(),
-            limit: MAX_RESULT_BYTES,
-        });
-    }
     Ok(Some(stored))
 }
 
