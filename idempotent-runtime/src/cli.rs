@@ -359,6 +359,9 @@ async fn holds_records(url: &str) -> Probe {
         Ok(Ok(Some(holds))) => Probe::Holds(holds),
         Ok(Ok(None)) => Probe::CannotTell,
         Ok(Err(e)) => unreachable(e),
+        // A SQLite file is there: its lock is busy (another process writes);
+        // the store's own open waits for it.
+        Err(_) if store == "sqlite" => Probe::CannotTell,
         Err(_) => unreachable(
             format!(
                 "no answer from the database server within {} s: check the host and port, \

@@ -208,6 +208,58 @@ async fn audit_reports_orphans_retired_and_expired_records() {
     assert!(table.contains("2 orphan scope(s)"), "{table}");
 }
 
+/// A SQLite file another process holds locked (exclusive locking mode) for
+/// longer than the first look's bound (5 s) is waited for, as the store's
+/// own open waits for it, not reported as a server that never answers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn audit_waits_for_a_sqlite_file_another_connection_holds_locked() {
+    use sqlx::{Connection, Executor};
+    let dir = Scratch::new();
+    let manifest = dir.file("idempotent.toml", MANIFEST);
+    let url = dir.db_url();
+    let store = SqliteStore::connect(&url).await.expect("sqlite file");
+    plant(&store, "orders.place", Duration::from_secs(3600)).await;
+    drop(store);
+    let mut locker = sqlx::SqliteConnection::connect(&url)
+        .await
+        .expect("connect");
+    locker
+        .execute("PRAGMA locking_mode = EXCLUSIVE")
+        .await
+        .expect("exclusive locking mode");
+    locker
+        .execute("BEGIN EXCLUSIVE")
+        .await
+        .expect("lock the file");
+    locker
+        .execute("COMMIT")
+        .await
+        .expect("commit, keeping the lock");
+    let audit = {
+        let (url, manifest) = (url.clone(), manifest.clone());
+        tokio::spawn(async move {
+            run_from([
+                "idempotent",
+                "audit",
+                "--database-url",
+                &url,
+                "--manifest",
+                &manifest,
+                "--json",
+            ])
+            .await
+        })
+    };
+    // Past the first look's bound, then the lock goes with the connection.
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    locker.close().await.expect("close the locking connection");
+    let out = audit
+        .await
+        .expect("the audit task")
+        .expect("the audit waited for the lock");
+    assert!(out.contains("orders.place"), "{out}");
+}
+
 /// `release` of a complete record that has expired says the key is free
 /// already (the record counts as absent, rule 16), not that the recorded
 /// result is the key's answer; the record is left for the purge.
