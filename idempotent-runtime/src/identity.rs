@@ -133,7 +133,6 @@ impl Identity {
     }
 }
 
-/// An identity's [`Identity::key_digest`], computed when displayed.
 impl std::fmt::Debug for Identity {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Identity")
@@ -156,6 +155,7 @@ pub(crate) fn short_digest(parts: &[&str]) -> String {
     hex::encode(&h.finalize()[..8])
 }
 
+/// An identity's [`Identity::key_digest`], computed when displayed.
 pub(crate) struct LogDigest<'a>(&'a Identity);
 
 impl std::fmt::Display for LogDigest<'_> {

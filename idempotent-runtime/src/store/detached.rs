@@ -54,6 +54,11 @@ pub(crate) const RETRY_AFTER: [Duration; 4] = [
 /// in progress, refusing retries, until the next attempt.
 pub(crate) const SEARCH_PAUSE: Duration = Duration::from_secs(1);
 
+/// The longest a dropped call's release looks for its record (a store with
+/// a lock wait of minutes): a statement that lands later stays in progress
+/// until its lease runs out.
+pub(crate) const LONGEST_SEARCH: Duration = Duration::from_secs(600);
+
 /// How long a completion that keeps failing is tried for (after
 /// [`RETRY_AFTER`], every last pause), at most: the record stays in progress
 /// under the call's token until someone takes it over (then the fenced write
@@ -123,8 +128,9 @@ struct Job {
     identity: Identity,
     token: OwnerToken,
     work: Work,
-    /// A release or an end of lease that finds nothing is tried again until then.
-    search_until: tokio::time::Instant,
+    /// A release or an end of lease that finds nothing is tried again until
+    /// then (the real clock: the caller's runtime may have paused its own).
+    search_until: std::time::Instant,
     finished: Finished,
 }
 
@@ -200,12 +206,13 @@ impl Detached {
             }
         }
         self.unfinished.count.fetch_add(1, Ordering::SeqCst);
-        let lands_within = Duration::from_millis(self.lands_within_ms.load(Ordering::Relaxed));
+        let lands_within =
+            Duration::from_millis(self.lands_within_ms.load(Ordering::Relaxed)).min(LONGEST_SEARCH);
         let job = Job {
             identity,
             token,
             work,
-            search_until: tokio::time::Instant::now() + lands_within,
+            search_until: std::time::Instant::now() + lands_within,
             finished: Finished(self.unfinished.clone()),
         };
         let sent = match &*state {
@@ -271,7 +278,7 @@ async fn with_retries(
     identity: Identity,
     token: OwnerToken,
     work: Work,
-    search_until: tokio::time::Instant,
+    search_until: std::time::Instant,
 ) {
     let mut last_error = None;
     // A completion goes on being tried after the schedule while it fails.
@@ -291,7 +298,7 @@ async fn with_retries(
             && keep_trying.is_some_and(|until| tokio::time::Instant::now() + pause < until);
         // A release or an end of lease goes on looking while the dropped
         // call's statement may still land (one more attempt after that).
-        let searching = keep_trying.is_none() && tokio::time::Instant::now() < search_until;
+        let searching = keep_trying.is_none() && std::time::Instant::now() < search_until;
         if !scheduled && !tried_on && !searching {
             break;
         }

@@ -1044,8 +1044,11 @@ async fn in_transaction(conn: &mut sqlx::MySqlConnection) -> Result<bool, StoreE
 }
 
 /// What a transactional call on a session whose clock was set is told.
-const SESSION_CLOCK_REFUSED: &str =
-    "the session's clock is set (SET timestamp = ...): leases and retention are decided on the      server's clock, and a set clock would make a complete record look expired      (or a lost lease look live). Run `SET timestamp = DEFAULT` before calling in transactional mode";
+const SESSION_CLOCK_REFUSED: &str = concat!(
+    "the session's clock is set (SET timestamp = ...): leases and retention are decided on the ",
+    "server's clock, and a set clock would make a complete record look expired (or a lost ",
+    "lease look live). Run `SET timestamp = DEFAULT` before calling in transactional mode"
+);
 
 /// The reservation in the connection's transaction, waiting for a row lock
 /// for the whole seconds of `lock_wait`.
