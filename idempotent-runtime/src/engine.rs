@@ -1220,16 +1220,26 @@ fn replay_failure(e: &serde_json::Error) -> String {
     if !e.is_data() {
         return message;
     }
-    match message.rsplit_once(", expected ") {
-        Some((found, expected)) => {
-            let kind = found
-                .split([':', '`'])
-                .next()
-                .unwrap_or_default()
-                .trim_end();
-            format!("{kind}, expected {expected}")
-        }
-        None => message,
+    if let Some((found, expected)) = message.rsplit_once(", expected ") {
+        let kind = found
+            .split([':', '`'])
+            .next()
+            .unwrap_or_default()
+            .trim_end();
+        return format!("{kind}, expected {expected}");
+    }
+    // The type's own names, no data.
+    if message.starts_with("missing field") || message.starts_with("duplicate field") {
+        return message;
+    }
+    // Anything else (a type's own `Deserialize` or `try_from` message) may
+    // quote the value: only where it failed.
+    match e.line() {
+        0 => "the recorded value does not fit the type".to_owned(),
+        line => format!(
+            "the recorded value does not fit the type at line {line} column {}",
+            e.column()
+        ),
     }
 }
 
@@ -1443,6 +1453,19 @@ mod tests {
             assert!(message.contains(shape), "{message}");
             assert!(message.contains("engine.test"), "{message}");
         }
+        // A type's own message, which may quote the value, is not passed on.
+        #[derive(Debug)]
+        struct Picky;
+        impl<'de> serde::Deserialize<'de> for Picky {
+            fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+                let s = String::deserialize(d)?;
+                Err(serde::de::Error::custom(format!("no such account: {s}")))
+            }
+        }
+        let e = serde_json::from_slice::<Picky>(br#""SECRET-KEY-4711""#).expect_err("refused");
+        let message = replay_failure(&e);
+        assert!(!message.contains("SECRET"), "{message}");
+        assert!(message.contains("does not fit the type"), "{message}");
         // A recorded error replayed through `errors = record`, the same.
         let recorded = RecordErrors.replay(br#""SECRET-KEY-4711""#);
         let message: String = match recorded {
