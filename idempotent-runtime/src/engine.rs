@@ -1228,8 +1228,14 @@ fn replay_failure(e: &serde_json::Error) -> String {
             .trim_end();
         return format!("{kind}, expected {expected}");
     }
-    // The type's own names, no data.
-    if message.starts_with("missing field") || message.starts_with("duplicate field") {
+    // The type's own names, or serde's own words, no data.
+    let fixed = [
+        "missing field",
+        "duplicate field",
+        "u128 is not supported",
+        "i128 is not supported",
+    ];
+    if fixed.iter().any(|start| message.starts_with(start)) {
         return message;
     }
     // Anything else (a type's own `Deserialize` or `try_from` message) may
