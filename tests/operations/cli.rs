@@ -160,17 +160,7 @@ async fn audit_reports_orphans_retired_and_expired_records() {
     let expired = plant(&store, "orders.place", Duration::from_millis(1)).await;
     wait_expired(&store, &expired).await;
 
-    let out = run_from([
-        "idempotent",
-        "audit",
-        "--database-url",
-        &url,
-        "--manifest",
-        &manifest,
-        "--json",
-    ])
-    .await
-    .expect("audit");
+    let out = audit_json(&url, &manifest).await.expect("audit");
     let json: serde_json::Value = serde_json::from_str(&out).expect("JSON");
     let scope = |name: &str| {
         json["scopes"]
@@ -237,18 +227,7 @@ async fn audit_waits_for_a_sqlite_file_another_connection_holds_locked() {
         .expect("commit, keeping the lock");
     let audit = {
         let (url, manifest) = (url.clone(), manifest.clone());
-        tokio::spawn(async move {
-            run_from([
-                "idempotent",
-                "audit",
-                "--database-url",
-                &url,
-                "--manifest",
-                &manifest,
-                "--json",
-            ])
-            .await
-        })
+        tokio::spawn(async move { audit_json(&url, &manifest).await })
     };
     // Past the first look's bound, then the lock goes with the connection.
     tokio::time::sleep(Duration::from_secs(6)).await;
@@ -505,9 +484,9 @@ fn the_binary_runs_end_to_end() {
 
 use crate::common;
 
-/// `audit --json` of the store `url` names: the row of `scope`.
-async fn audit_row(url: &str, manifest: &str, scope: &str) -> serde_json::Value {
-    let out = run_from([
+/// `audit --json` of the store `url` names, against `manifest`.
+async fn audit_json(url: &str, manifest: &str) -> Result<String, CliError> {
+    run_from([
         "idempotent",
         "audit",
         "--database-url",
@@ -517,7 +496,13 @@ async fn audit_row(url: &str, manifest: &str, scope: &str) -> serde_json::Value 
         "--json",
     ])
     .await
-    .unwrap_or_else(|e| panic!("audit on {url}: {e}"));
+}
+
+/// `audit --json` of the store `url` names: the row of `scope`.
+async fn audit_row(url: &str, manifest: &str, scope: &str) -> serde_json::Value {
+    let out = audit_json(url, manifest)
+        .await
+        .unwrap_or_else(|e| panic!("audit on {url}: {e}"));
     let json: serde_json::Value = serde_json::from_str(&out).expect("JSON");
     json["scopes"]
         .as_array()
