@@ -172,13 +172,31 @@ async fn rr_charge_tx(
 /// the test has seen the statement blocked on it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_store_mode_duplicate_replays_under_a_repeatable_read_default() {
+    duplicate_replays_under_a_repeatable_read_default(Duration::from_secs(20), 1).await;
+}
+
+/// The same when the owner commits during the duplicate's third statement,
+/// after two of its lock waits ran out (short `lock_wait`): the store tried
+/// again after a serialization failure only while the count it shared with
+/// lock timeouts allowed, so there it answered `Error::Store` (SQLSTATE
+/// 40001) instead of replaying. The test lets the owner commit once it has
+/// seen three of the duplicate's statements blocked on it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_mode_duplicate_replays_when_the_owner_commits_after_lock_timeouts() {
+    duplicate_replays_under_a_repeatable_read_default(Duration::from_millis(400), 3).await;
+}
+
+/// A store-mode duplicate (`lock_wait`) of a transactional owner, on a
+/// REPEATABLE READ database; the owner commits once `statements` of the
+/// duplicate's statements have been seen blocked on it.
+async fn duplicate_replays_under_a_repeatable_read_default(lock_wait: Duration, statements: usize) {
     let Some((admin, db, url)) = fresh_repeatable_read_database().await else {
         return;
     };
     let store = PgStore::connect(&url)
         .await
         .expect("store")
-        .with_lock_wait(Duration::from_secs(20));
+        .with_lock_wait(lock_wait);
     let tenant = fresh_tenant();
     let (started, finish) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
     let mut owner_conn = sqlx::PgConnection::connect(&url).await.expect("connect");
@@ -214,18 +232,22 @@ async fn a_store_mode_duplicate_replays_under_a_repeatable_read_default() {
             (answer, runs.load(Ordering::SeqCst))
         })
     };
-    // Handshake: the store's statement is blocked on the owner's transaction.
+    // Handshake: `statements` of the store's statements (each a backend
+    // and its statement's start) have been seen blocked on the owner.
     let mut monitor = sqlx::PgConnection::connect(&url).await.expect("connect");
     let deadline = tokio::time::Instant::now() + GUARD;
+    let mut seen = std::collections::BTreeSet::new();
     loop {
-        let blocked: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))",
+        let blocked: Vec<(i32, String)> = sqlx::query_as(
+            "SELECT pid, query_start::TEXT FROM pg_stat_activity
+              WHERE $1 = ANY(pg_blocking_pids(pid))",
         )
         .bind(owner_pid)
-        .fetch_one(&mut monitor)
+        .fetch_all(&mut monitor)
         .await
         .expect("pg_stat_activity");
-        if blocked > 0 || duplicate.is_finished() {
+        seen.extend(blocked);
+        if seen.len() >= statements || duplicate.is_finished() {
             break;
         }
         assert!(tokio::time::Instant::now() < deadline, "never blocked");

@@ -499,9 +499,10 @@ async fn reserve_autocommit(
     request: ReserveRequest<'_>,
     lock_wait: Duration,
 ) -> Result<Reservation, StoreError> {
-    let mut tries = 0;
+    // Counted apart: lock timeouts used up must not leave a serialization
+    // failure (the holder committed while the statement waited) no try.
+    let (mut lock_timeouts, mut serialization_failures) = (0, 0);
     let answer = loop {
-        tries += 1;
         let (answer, allowed) =
             match reserve_statement(RESERVE_STORE_SQL, pool, request, lock_wait).await {
                 Ok(Answer::Other) => (
@@ -510,19 +511,18 @@ async fn reserve_autocommit(
                 ),
                 answer => (answer, LOCK_TIMEOUT_TRIES),
             };
-        match &answer {
-            Err(sqlx::Error::Database(e))
-                if e.code().as_deref() == Some(LOCK_NOT_AVAILABLE) && tries < allowed =>
-            {
-                continue
-            }
+        let code = match &answer {
+            Err(sqlx::Error::Database(e)) => e.code(),
+            _ => None,
+        };
+        match code.as_deref() {
+            Some(LOCK_NOT_AVAILABLE) if lock_timeouts + 1 < allowed => lock_timeouts += 1,
             // The row another reservation committed meanwhile: the next
             // statement sees it (a replay, a refusal or a mismatch).
-            Err(sqlx::Error::Database(e))
-                if e.code().as_deref() == Some(SERIALIZATION_FAILURE)
-                    && tries < SERIALIZATION_FAILURE_TRIES =>
+            Some(SERIALIZATION_FAILURE)
+                if serialization_failures + 1 < SERIALIZATION_FAILURE_TRIES =>
             {
-                continue
+                serialization_failures += 1
             }
             _ => break answer,
         }
