@@ -368,11 +368,23 @@ pub struct Intent {
     body: Option<Bytes>,
 }
 
+/// A URL as `Debug` shows it: scheme, host, port and path; no user, password
+/// or query (they can carry secrets, like a header's value).
+fn shown_url(url: &Url) -> String {
+    let mut shown = url.clone();
+    // Only URLs that cannot have them refuse these; those have none to hide.
+    let _ = shown.set_username("");
+    let _ = shown.set_password(None);
+    shown.set_query(None);
+    shown.set_fragment(None);
+    shown.to_string()
+}
+
 impl std::fmt::Debug for Intent {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Intent")
             .field("method", &self.method)
-            .field("url", &self.url.as_str())
+            .field("url", &shown_url(&self.url))
             .field("key_digest", &crate::identity::short_digest(&[&self.key]))
             .field("headers", &self.headers.keys().collect::<Vec<_>>())
             .field("body_bytes", &self.body.as_ref().map(Bytes::len))
@@ -495,14 +507,14 @@ mod tests {
     use super::*;
 
     /// Rule 2: `Debug` of an intent shows neither the raw key nor header
-    /// values.
+    /// values, nor the URL's user, password or query.
     #[test]
     fn debug_shows_neither_the_key_nor_header_values() {
         let client = IdempotentClient::new(reqwest::Client::new());
         let intent = client
             .intent_with_key(
                 Method::POST,
-                "http://127.0.0.1:1/charges",
+                "http://user:SECRET-PASSWORD@127.0.0.1:1/charges?token=SECRET-TOKEN",
                 "SECRET-KEY-4711",
             )
             .expect("intent")
