@@ -1158,12 +1158,9 @@ pub(crate) fn outcome_to_record<R: IdempotentReturn, H: ErrorHandling<R::Failure
                 faithful(errors.check_faithful(e))?;
                 let payload = bytes.map_err(encoding)?;
                 too_large(payload.len())?;
-                if let Err(message) = errors.replay(&payload) {
-                    return Err(Error::ResultNotFaithful {
-                        scope: spec.scope.to_owned(),
-                        message: format!("the recorded error would not read back: {message}"),
-                    });
-                }
+                faithful(errors.replay(&payload).map(drop).map_err(|message| {
+                    format!("the recorded error would not read back: {message}")
+                }))?;
                 StoredOutcome {
                     is_error: true,
                     payload,
