@@ -544,3 +544,59 @@ fn an_in_memory_store_keeps_its_records_across_runtimes() {
         "the completed record is still there on the next runtime: got {replay:?}"
     );
 }
+
+/// Rule 4: a reservation that meets the database's write lock held past the
+/// busy timeout (another connection's transaction, a transactional-mode
+/// owner's among them) answers `InProgress`, as on PostgreSQL, so the engine
+/// waits within the call's `in_progress` bound or refuses with
+/// `Error::InProgress`; it used to fail with `Error::Store` ("database is
+/// locked"). Once the lock is gone the same reservation acquires. The lock is
+/// held until the reservation has answered (no timing involved).
+#[tokio::test]
+async fn a_reservation_behind_a_write_lock_held_past_the_busy_timeout_is_in_progress() {
+    use sqlx::sqlite::{SqliteConnectOptions, SqlitePoolOptions};
+    use sqlx::{Connection, Executor};
+    use std::str::FromStr;
+    let path = fresh_path();
+    let options = SqliteConnectOptions::from_str(&url(&path))
+        .expect("url")
+        .create_if_missing(true)
+        .busy_timeout(Duration::from_millis(100));
+    let pool = SqlitePoolOptions::new()
+        .connect_with(options)
+        .await
+        .expect("open");
+    let store = SqliteStore::from_pool(pool).await.expect("store");
+    let mut holder = sqlx::SqliteConnection::connect(&url(&path))
+        .await
+        .expect("connect");
+    holder
+        .execute("BEGIN IMMEDIATE")
+        .await
+        .expect("take the write lock");
+    let id = identity("behind-a-lock");
+    let fp = Fingerprint::of("request").expect("fingerprint");
+    let request = |token| ReserveRequest {
+        identity: &id,
+        fingerprint: Some(&fp),
+        token,
+        lease: LONG,
+        ttl: LONG,
+    };
+    let token = OwnerToken::new();
+    match store.reserve(request(&token)).await {
+        Ok(Reservation::InProgress { lease_remaining }) => {
+            assert!(lease_remaining > Duration::ZERO, "a retry_after to give")
+        }
+        other => panic!("expected InProgress behind the lock, got {other:?}"),
+    }
+    holder.execute("COMMIT").await.expect("free the lock");
+    assert!(
+        matches!(
+            store.reserve(request(&token)).await,
+            Ok(Reservation::Acquired { .. })
+        ),
+        "the key was never taken"
+    );
+    remove(&path);
+}

@@ -420,3 +420,98 @@ async fn sqlite_a_waiting_duplicate_is_woken_by_an_ended_lease() {
     let store = SqliteStore::connect(&sqlite_url()).await.expect("open");
     woken_by_an_ended_lease(&Counting::new(store)).await;
 }
+
+/// A transactional-mode owner and a store-mode duplicate on one scope (rule 21).
+#[idempotent(scope = "waiting.tx_owner", key = key, tenant = tenant, tx = conn, shared_scope,
+             skip(gate))]
+async fn owner_in_transaction(
+    conn: &mut sqlx::SqliteConnection,
+    tenant: &str,
+    key: &str,
+    gate: &Gate,
+) -> Result<u64, Error> {
+    let _ = &conn;
+    gate.runs.fetch_add(1, Ordering::SeqCst);
+    gate.started.send_replace(true);
+    gate.go.notified().await;
+    Ok(7)
+}
+
+#[idempotent(scope = "waiting.tx_owner", key = key, tenant = tenant, store = store, shared_scope,
+             skip(gate))]
+async fn duplicate_in_store_mode(
+    store: &dyn Store,
+    tenant: &str,
+    key: &str,
+    gate: &Gate,
+) -> Result<u64, Error> {
+    gate.runs.fetch_add(1, Ordering::SeqCst);
+    Ok(8)
+}
+
+/// Rule 4 on SQLite: an owner in transactional mode holds the database's
+/// write lock until its transaction ends, and its record is invisible to
+/// others until then. A store-mode duplicate whose reservation meets that
+/// lock past the busy timeout (100 ms here, 10 s by default) is a duplicate
+/// of a call in progress: it waits within its `in_progress` bound and
+/// replays once the owner commits. (It used to fail with `Error::Store`,
+/// "database is locked", though the owner committed moments later.)
+/// Handshake: the owner finishes only once the duplicate has met the lock and
+/// entered its wait.
+#[tokio::test]
+async fn sqlite_a_store_mode_duplicate_waits_for_a_transactional_owner_past_the_busy_timeout() {
+    use sqlx::sqlite::{SqliteConnectOptions, SqlitePoolOptions};
+    use std::str::FromStr;
+    let url = sqlite_url();
+    let options = |busy: Duration| {
+        SqliteConnectOptions::from_str(&url)
+            .expect("url")
+            .create_if_missing(true)
+            .busy_timeout(busy)
+    };
+    let dup_pool = SqlitePoolOptions::new()
+        .connect_with(options(Duration::from_millis(100)))
+        .await
+        .expect("open");
+    let store = Counting::new(SqliteStore::from_pool(dup_pool).await.expect("store"));
+    let owner_pool = SqlitePoolOptions::new()
+        .connect_with(options(Duration::from_secs(10)))
+        .await
+        .expect("open again");
+    let tenant = tenant();
+    let (owner_gate, dup_gate) = (Gate::default(), Gate::open());
+    let dup_done = watch::Sender::new(false);
+    let owner = async {
+        let mut tx = owner_pool.begin().await.expect("begin");
+        let answer = owner_in_transaction(&mut tx, &tenant, "k", &owner_gate).await;
+        tx.commit().await.expect("commit");
+        answer
+    };
+    let duplicate = async {
+        owner_gate.started().await;
+        let answer = duplicate_in_store_mode(&store, &tenant, "k", &dup_gate).await;
+        dup_done.send_replace(true);
+        answer
+    };
+    let release = async {
+        owner_gate.started().await;
+        let mut done = dup_done.subscribe();
+        tokio::select! {
+            () = store.waited(1) => {}
+            _ = done.wait_for(|d| *d) => {}
+        }
+        owner_gate.go.notify_one();
+    };
+    let (owned, answer, ()) = tokio::join!(owner, duplicate, release);
+    assert_eq!(owned.expect("the owner completes"), 7);
+    assert_eq!(
+        answer.expect("the duplicate waits and replays the owner's result"),
+        7
+    );
+    assert_eq!(owner_gate.runs.load(Ordering::SeqCst), 1);
+    assert_eq!(
+        dup_gate.runs.load(Ordering::SeqCst),
+        0,
+        "the duplicate's body did not run"
+    );
+}

@@ -9,7 +9,9 @@
 //! lease; no write lock), and for a new key the read and one conditional
 //! upsert (`INSERT … ON CONFLICT … DO UPDATE … WHERE … RETURNING`, a single
 //! autocommit statement: SQLite takes the write lock for it with the busy
-//! handler, as for `BEGIN IMMEDIATE`); completion is one fenced `UPDATE`.
+//! handler, as for `BEGIN IMMEDIATE`; a lock still held when the busy
+//! timeout runs out answers `InProgress`, see `reserve`); completion is one
+//! fenced `UPDATE`.
 //! Within one process, writes also queue on an async gate so they do not spin
 //! in SQLite's busy handler (nor hold pool connections while they queue).
 //! On a multi-threaded runtime each write takes its turn in a task of its
@@ -38,6 +40,10 @@ const STORE: &str = "sqlite";
 
 /// How long a statement waits for another connection's (or process's) write lock.
 const BUSY_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The least time a store-mode reservation that met a held write lock takes
+/// before it answers `InProgress` (see [`SqliteStore`]'s `reserve`).
+const BUSY_TRY_AT_LEAST: Duration = Duration::from_millis(20);
 
 /// Connections in the pool of a file database opened with [`SqliteStore::connect`].
 const MAX_FILE_CONNECTIONS: u32 = 8;
@@ -576,7 +582,9 @@ impl SqliteStore {
     ///
     /// - Busy timeout: without one (`busy_timeout(Duration::ZERO)`) every write
     ///   that meets another connection's lock fails at once with "database is
-    ///   locked"; the store logs a warning when it finds the pool so configured.
+    ///   locked" (a reservation answers `InProgress` at once, and a waiting
+    ///   duplicate polls); the store logs a warning when it finds the pool so
+    ///   configured.
     /// - WAL: `journal_mode(Wal)` in the pool's options runs the switch on
     ///   every new connection, and SQLite does not wait for a switch that
     ///   meets another connection's lock: pools of several processes creating
@@ -1209,7 +1217,26 @@ impl Store for SqliteStore {
                 lease,
                 ttl,
             };
-            reserve_in(&mut conn, request).await.map_err(err(OP))
+            let tried = tokio::time::Instant::now();
+            match reserve_in(&mut conn, request).await {
+                // Rule 4: the write lock stayed held past the busy timeout,
+                // by another connection's transaction (a transactional-mode
+                // owner of this very key among them, whose record this call
+                // cannot see yet): answered as a call in progress, as on
+                // PostgreSQL and in SQLite's transactional mode, so the
+                // caller waits within its `in_progress` policy and tries
+                // again, or is refused with `InProgress`. Never less than a
+                // short pause per try: a connection left without a busy
+                // timeout answers at once, and must not make a waiting
+                // duplicate spin.
+                Err(e) if is_busy(&e) => {
+                    tokio::time::sleep_until(tried + BUSY_TRY_AT_LEAST).await;
+                    Ok(Reservation::InProgress {
+                        lease_remaining: lease,
+                    })
+                }
+                answer => answer.map_err(err(OP)),
+            }
         })
         .await
     }
