@@ -1533,3 +1533,75 @@ async fn a_transaction_that_has_read_waits_for_another_writer_within_its_bound()
     pool.close().await;
     remove(&path);
 }
+
+// ------------------------------------ a call parked while it holds the write turn
+
+/// On a current-thread runtime a store write runs in the caller's future,
+/// holding the process's write turn. A caller that keeps such a future alive
+/// but stops polling it (a `select!` loop that moved on) used to hold the
+/// turn for as long as the future lived: every other call of the process, on
+/// any identity, waited for it with no bound. The turn is now waited for at
+/// most the busy timeout, then the write goes ahead under SQLite's own lock.
+/// Handshake: another connection holds the write lock, so the parked
+/// reservation is seen (by its trace event) writing, turn taken; the lock is
+/// then freed, and a call on another identity must answer.
+#[tokio::test(flavor = "current_thread")]
+async fn a_call_parked_while_it_writes_does_not_hold_up_the_others() {
+    use idempotent_runtime::{Fingerprint, OwnerToken, Reservation, ReserveRequest};
+    use std::str::FromStr;
+    let path = fresh_path();
+    let options = SqliteConnectOptions::from_str(&url(&path))
+        .expect("url")
+        .create_if_missing(true)
+        .busy_timeout(Duration::from_millis(200));
+    let pool = SqlitePoolOptions::new()
+        .connect_with(options)
+        .await
+        .expect("open");
+    let store = SqliteStore::from_pool(pool).await.expect("store");
+    let writing = capture::notify_on(&["sqlite: writing the reservation", "sqlite_edges.parked"]);
+    let mut holder = SqliteConnection::connect(&url(&path))
+        .await
+        .expect("connect");
+    holder
+        .execute("BEGIN IMMEDIATE")
+        .await
+        .expect("take the write lock");
+
+    let fp = Fingerprint::of("request").expect("fingerprint");
+    let (alice, bob) = (
+        Identity::new("alice", "sqlite_edges.parked", "a1").expect("identity"),
+        Identity::new("bob", "sqlite_edges.parked", "b1").expect("identity"),
+    );
+    let (alice_token, bob_token) = (OwnerToken::new(), OwnerToken::new());
+    let request = |identity, token| ReserveRequest {
+        identity,
+        fingerprint: Some(&fp),
+        token,
+        lease: Duration::from_secs(60),
+        ttl: Duration::from_secs(60),
+    };
+    let mut parked = Box::pin(store.reserve(request(&alice, &alice_token)));
+    tokio::select! {
+        biased;
+        () = writing.notified() => {}
+        answer = &mut parked => panic!("the reservation waits for the lock: {answer:?}"),
+    }
+    // Alice's call is kept alive, never polled again; the lock is freed.
+    holder.execute("COMMIT").await.expect("free the lock");
+    let answer = tokio::time::timeout(
+        Duration::from_secs(60),
+        store.reserve(request(&bob, &bob_token)),
+    )
+    .await
+    .expect("another identity's call answers (it waited for alice's turn for ever)");
+    assert!(
+        matches!(
+            answer,
+            Ok(Reservation::Acquired { .. } | Reservation::InProgress { .. })
+        ),
+        "{answer:?}"
+    );
+    drop(parked);
+    remove(&path);
+}

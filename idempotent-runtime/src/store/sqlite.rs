@@ -455,7 +455,7 @@ pub struct SqliteStore {
     pool: SqlitePool,
     /// Serializes this process's writes so they queue here, not in SQLite's
     /// busy handler. Other processes are handled by the busy timeout.
-    write_gate: Arc<tokio::sync::Mutex<()>>,
+    write_gate: WriteGate,
     /// Finishes the records of dropped calls (rule 14). SQLite connections
     /// run on threads of their own, so it shares the store's pool.
     detached: Arc<super::detached::Detached>,
@@ -638,7 +638,7 @@ impl SqliteStore {
                  lost, and the database corrupted, on an OS crash or power loss; set \
                  SqliteConnectOptions::synchronous to FULL (or NORMAL in WAL mode)");
         }
-        let write_gate = Arc::new(tokio::sync::Mutex::new(()));
+        let write_gate = WriteGate::new(millis_to_duration(busy_timeout));
         let waiters = Arc::new(Waiters::default());
         let detached = {
             use super::detached::{Detached, Work};
@@ -651,7 +651,7 @@ impl SqliteStore {
                             (pool.clone(), write_gate.clone(), waiters.clone());
                         Box::pin(async move {
                             let done = {
-                                let _turn = write_gate.lock().await;
+                                let _turn = write_gate.take().await;
                                 match work {
                                     Work::Release => release_on(&pool, &identity, &token).await,
                                     Work::EndLease => {
@@ -709,7 +709,7 @@ impl SqliteStore {
     {
         let (gate, pool) = (self.write_gate.clone(), self.pool.clone());
         beside_the_caller(operation, async move {
-            let _turn = gate.lock().await;
+            let _turn = gate.take().await;
             write(pool).await
         })
         .await
@@ -744,6 +744,55 @@ impl SqliteStore {
             self.waiters.notify(completion.identity);
         }
         Ok(completed)
+    }
+}
+
+/// This process's turn to write: writes queue here rather than spin in
+/// SQLite's busy handler, and without holding pool connections. A turn is
+/// waited for at most `patience` (the pool's busy timeout, or the default
+/// one when it has none), as SQLite waits for a lock: a turn held longer is
+/// held by a write that is not getting anywhere, such as one in a call future
+/// kept alive but no longer polled on a current-thread runtime (where writes
+/// run in the caller's future, see [`beside_the_caller`]). The write then
+/// goes ahead without the turn, and SQLite's own lock keeps it correct, as
+/// for a write of another process; a parked call never holds up the other
+/// calls of the process for longer than that.
+#[derive(Debug, Clone)]
+struct WriteGate {
+    turn: Arc<tokio::sync::Mutex<()>>,
+    patience: Duration,
+}
+
+impl WriteGate {
+    fn new(busy_timeout: Duration) -> Self {
+        let patience = if busy_timeout.is_zero() {
+            BUSY_TIMEOUT
+        } else {
+            busy_timeout
+        };
+        WriteGate {
+            turn: Arc::new(tokio::sync::Mutex::new(())),
+            patience,
+        }
+    }
+
+    /// The turn if it is free now.
+    fn try_take(&self) -> Option<tokio::sync::OwnedMutexGuard<()>> {
+        self.turn.clone().try_lock_owned().ok()
+    }
+
+    /// The turn, waited for at most `patience`; `None` past it.
+    async fn take(&self) -> Option<tokio::sync::OwnedMutexGuard<()>> {
+        match tokio::time::timeout(self.patience, self.turn.clone().lock_owned()).await {
+            Ok(turn) => Some(turn),
+            Err(_) => {
+                tracing::warn!(target: "idempotent", waited_ms = self.patience.as_millis() as u64,
+                    "sqlite: this process's write turn stayed taken past the busy timeout (a call \
+                     future kept alive but no longer polled on a current-thread runtime?); \
+                     writing without it");
+                None
+            }
+        }
     }
 }
 
@@ -1201,15 +1250,17 @@ impl Store for SqliteStore {
         let fingerprint = request.fingerprint.cloned();
         let (lease, ttl) = (request.lease, request.ttl);
         beside_the_caller(OP, async move {
-            let _turn = match gate.try_lock() {
-                Ok(turn) => turn,
-                Err(_) => {
+            let _turn = match gate.try_take() {
+                Some(turn) => Some(turn),
+                None => {
                     drop(conn);
-                    let turn = gate.lock().await;
+                    let turn = gate.take().await;
                     conn = pool.acquire().await.map_err(err(OP))?;
                     turn
                 }
             };
+            tracing::trace!(target: "idempotent", scope = %identity.scope,
+                key = %identity.key_digest(), "sqlite: writing the reservation");
             let request = ReserveRequest {
                 identity: &identity,
                 fingerprint: fingerprint.as_ref(),
