@@ -42,6 +42,22 @@ fn with_error(item: TokenStream, error: syn::Error) -> TokenStream {
     quote!(#[allow(unused_variables)] #item #error)
 }
 
+/// The `#[cfg]`s written on the parameter `name`. rustc leaves them on an
+/// attribute macro's input; one compiled out is not there to fingerprint.
+fn cfgs_of<'a>(sig: &'a syn::Signature, name: &Ident) -> Vec<&'a syn::Attribute> {
+    sig.inputs
+        .iter()
+        .find_map(|input| match input {
+            syn::FnArg::Typed(t) => match &*t.pat {
+                syn::Pat::Ident(p) if p.ident == *name => Some(&t.attrs),
+                _ => None,
+            },
+            syn::FnArg::Receiver(_) => None,
+        })
+        .map(|attrs| attrs.iter().filter(|a| a.path().is_ident("cfg")).collect())
+        .unwrap_or_default()
+}
+
 fn duration(krate: &TokenStream, d: Duration) -> TokenStream {
     let millis = d.as_millis();
     if d.subsec_nanos().is_multiple_of(1_000_000) && u64::try_from(millis).is_ok() {
@@ -71,8 +87,8 @@ pub(crate) fn generate(func: &MaybeItemFn, spec: &Spec) -> TokenStream {
         syn::ReturnType::Default => quote!(()), // unreachable: validated to be a Result
     };
 
-    let file = quote_spanned!(name.span()=> file!());
-    let line = quote_spanned!(name.span()=> line!());
+    let file = quote_spanned!(name.span()=> ::core::file!());
+    let line = quote_spanned!(name.span()=> ::core::line!());
     let ttl = duration(krate, spec.ttl);
     let lease = duration(krate, spec.lease);
     let in_progress = match spec.in_progress {
@@ -102,7 +118,12 @@ pub(crate) fn generate(func: &MaybeItemFn, spec: &Spec) -> TokenStream {
     let transactional = spec.tx.is_some();
     let fingerprinted = spec.fingerprint;
     let shared = matches!(spec.tenant, Tenant::Shared(_));
-    let fp_names: Vec<String> = spec.fingerprinted.iter().map(|i| i.to_string()).collect();
+    // A parameter under `#[cfg]` is fingerprinted (and listed) only where it
+    // is compiled in: its `#[cfg]`s go on what names it.
+    let fp_names = spec.fingerprinted.iter().map(|name| {
+        let (text, cfgs) = (name.to_string(), cfgs_of(sig, name));
+        quote!(#(#cfgs)* #text)
+    });
 
     let manifest_tracking = spec.manifest.as_ref().map(|p| {
         let p = p.display().to_string();
@@ -134,8 +155,8 @@ pub(crate) fn generate(func: &MaybeItemFn, spec: &Spec) -> TokenStream {
         // parameter would not see a binding spanned at the attribute.
         let builder = Ident::new("__idempotent_fp", Span::call_site());
         let arguments = spec.fingerprinted.iter().map(|name| {
-            let text = name.to_string();
-            quote_spanned!(name.span()=> #builder.argument(#text, &#name);)
+            let (text, cfgs) = (name.to_string(), cfgs_of(sig, name));
+            quote_spanned!(name.span()=> #(#cfgs)* #builder.argument(#text, &#name);)
         });
         quote!({
             let mut #builder = #krate::__private::FingerprintBuilder::new();
@@ -192,6 +213,19 @@ pub(crate) fn generate(func: &MaybeItemFn, spec: &Spec) -> TokenStream {
         #manifest_tracking
     };
 
+    // The body's async block returns the function's type from its first
+    // statement on (tracing-attributes' "fake return"), so rustc checks the
+    // body's tail and `return`s against it and reports a wrong type there as
+    // "mismatched types", instead of at the attribute as an unmet bound of
+    // the block's future. Never runs.
+    let typed = quote! {
+        #[allow(unknown_lints, unreachable_code, clippy::diverging_sub_expression,
+                clippy::empty_loop, clippy::let_unit_value, clippy::needless_return)]
+        if false {
+            let __idempotent_typed: #ret = loop {};
+            return __idempotent_typed;
+        }
+    };
     let body = match &spec.tx {
         None => {
             let store = match &spec.store {
@@ -225,7 +259,7 @@ pub(crate) fn generate(func: &MaybeItemFn, spec: &Spec) -> TokenStream {
                     __idempotent_call,
                     #error_handling,
                     #recover,
-                    #krate::__private::body::<#ret, _>(async move #block),
+                    #krate::__private::body::<#ret, _>(async move { #typed #block }),
                 )
                 .await
             }
@@ -258,7 +292,7 @@ pub(crate) fn generate(func: &MaybeItemFn, spec: &Spec) -> TokenStream {
                 // Not `move`: the transaction is used again after the body.
                 let __idempotent_result: #ret = #krate::__private::in_span(
                     &__idempotent_held,
-                    #krate::__private::body::<#ret, _>(async #block),
+                    #krate::__private::body::<#ret, _>(async { #typed #block }),
                 )
                 .await;
                 #krate::__private::finish_in_transaction::<#ret, _, _>(

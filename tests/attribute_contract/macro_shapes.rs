@@ -593,10 +593,88 @@ fn registry_lists_every_function_with_file_line_and_policies() {
         .into_iter()
         .filter(|s| s.scope.starts_with("shapes."))
         .collect();
-    // 16 scopes; the shared scope is listed once per claimant.
-    assert_eq!(ours.len(), 17, "{ours:#?}");
+    // 18 scopes; the shared scope is listed once per claimant.
+    assert_eq!(ours.len(), 19, "{ours:#?}");
     assert!(
         ours.windows(2).all(|w| w[0].scope <= w[1].scope),
         "sorted by scope"
+    );
+}
+
+// ---- a parameter under `#[cfg]`: fingerprinted where it is compiled in
+// (it failed to compile when compiled out: the fingerprint named it).
+#[idempotent(scope = "shapes.cfg_param", key = key, tenant = shared, store = store)]
+async fn cfg_param(
+    store: &MemoryStore,
+    key: &str,
+    #[cfg(any())] compiled_out: u64,
+    #[cfg(not(any()))] amount: u64,
+) -> Result<u64, Error> {
+    Ok(amount)
+}
+
+#[tokio::test]
+async fn a_parameter_under_cfg_is_fingerprinted_only_where_compiled_in() {
+    let store = MemoryStore::new();
+    assert_eq!(cfg_param(&store, "k", 5).await.expect("runs"), 5);
+    assert!(
+        matches!(
+            cfg_param(&store, "k", 6).await,
+            Err(Error::FingerprintMismatch(_))
+        ),
+        "the parameter compiled in is fingerprinted"
+    );
+    let info = registry::scopes()
+        .into_iter()
+        .find(|s| s.scope == "shapes.cfg_param")
+        .expect("registered");
+    assert_eq!(info.fingerprinted_parameters, ["amount"]);
+}
+
+// ---- a body whose every path returns (its block has type `!`), under a
+// `line!` and a `file!` of the crate's own: compiles with no warning (the
+// suite denies warnings under clippy) and runs.
+mod shadowed_std_macros {
+    use super::*;
+
+    #[allow(unused_macros)]
+    macro_rules! line {
+        () => {
+            "not a line"
+        };
+    }
+    #[allow(unused_macros)]
+    macro_rules! file {
+        () => {
+            0
+        };
+    }
+
+    #[idempotent(scope = "shapes.every_path_returns", key = key, tenant = shared, store = store)]
+    pub(super) async fn every_path_returns(
+        store: &MemoryStore,
+        key: &str,
+        big: bool,
+    ) -> Result<u8, Error> {
+        if big {
+            return Ok(2);
+        } else {
+            return Ok(1);
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_body_whose_every_path_returns_runs_and_replays() {
+    let store = MemoryStore::new();
+    let first = with_outcome(shadowed_std_macros::every_path_returns(&store, "k", true)).await;
+    assert_eq!(
+        (first.0.expect("runs"), first.1),
+        (2, Some(Outcome::Executed))
+    );
+    let again = with_outcome(shadowed_std_macros::every_path_returns(&store, "k", true)).await;
+    assert_eq!(
+        (again.0.expect("replays"), again.1),
+        (2, Some(Outcome::Replayed))
     );
 }
