@@ -181,9 +181,14 @@ fn is_shared_opt_out(expr: &Expr) -> bool {
 
 fn duration_lit(cx: &Ctxt, expr: &Expr, kind: DurationKind, name: &str) -> Option<Duration> {
     let Some(lit) = lit_str(expr) else {
+        // How the argument is written: `ttl = "30s"`, but `wait("30s")`.
+        let example = match kind {
+            DurationKind::Wait => format!("`in_progress = {name}(\"30s\")`"),
+            _ => format!("`{name} = \"30s\"`"),
+        };
         cx.error(
             span_of(expr),
-            format!("`{name}` takes a duration in a string literal, e.g. `{name} = \"30s\"`"),
+            format!("`{name}` takes a duration in a string literal, e.g. {example}"),
         );
         return None;
     };

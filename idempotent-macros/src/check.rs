@@ -117,6 +117,7 @@ pub(crate) fn validate(
 ) -> Result<Spec, syn::Error> {
     let cx = Ctxt::new();
     signature(&cx, &item.sig);
+    applied_once(&cx, &item.outer_attrs);
     let attr = attr::parse(&cx, attr_tokens, attr_span);
     let spec = cross(&cx, attr, &item.sig, env);
     cx.check()?;
@@ -196,6 +197,28 @@ fn returns_result(output: &ReturnType) -> bool {
 }
 
 /// The function itself: `async`, returning a `Result`.
+/// A second `#[idempotent]` on the same function (the compiler hands this
+/// one the item with the other still on it): each would reserve its own
+/// record around the other, so one call held two keys, and a mismatch or a
+/// replay came from whichever answered first.
+fn applied_once(cx: &Ctxt, attrs: &[syn::Attribute]) {
+    for attr in attrs {
+        if attr
+            .path()
+            .segments
+            .last()
+            .is_some_and(|s| s.ident == "idempotent")
+        {
+            cx.error(
+                attr.path().span(),
+                "#[idempotent] is written twice on this function: each would reserve a record \
+                 of its own around the other; keep one (two code paths that share one \
+                 deduplication boundary are two functions with `shared_scope`)",
+            );
+        }
+    }
+}
+
 fn signature(cx: &Ctxt, sig: &Signature) {
     if sig.asyncness.is_none() {
         cx.error(
