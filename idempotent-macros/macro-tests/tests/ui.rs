@@ -89,6 +89,12 @@ fn ui_manifest() {
     with_manifest(Some(&dir.join("broken/idempotent.toml")), |t| {
         t.compile_fail(dir.join("broken/*.rs"));
     });
+    with_manifest(Some(&dir.join("bad-retired/idempotent.toml")), |t| {
+        t.compile_fail(dir.join("bad-retired/*.rs"));
+    });
+    with_manifest(Some(&dir.join("unreadable/idempotent.toml")), |t| {
+        t.compile_fail(dir.join("unreadable/*.rs"));
+    });
     with_manifest(Some(&dir.join("missing/no-such-manifest.toml")), |t| {
         t.compile_fail(dir.join("missing/*.rs"));
     });
