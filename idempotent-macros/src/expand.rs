@@ -220,7 +220,8 @@ pub(crate) fn generate(func: &MaybeItemFn, spec: &Spec) -> TokenStream {
     // the block's future. Never runs.
     let typed = quote! {
         #[allow(unknown_lints, unreachable_code, clippy::diverging_sub_expression,
-                clippy::empty_loop, clippy::let_unit_value, clippy::needless_return)]
+                clippy::empty_loop, clippy::let_unit_value, clippy::needless_return,
+                clippy::unreachable, clippy::let_with_type_underscore)]
         if false {
             let __idempotent_typed: #ret = loop {};
             return __idempotent_typed;
