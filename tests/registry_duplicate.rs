@@ -78,3 +78,68 @@ fn validate_names_both_sites_of_a_cross_crate_duplicate() {
         "{message}"
     );
 }
+
+/// Rule 18 without the application's help: the first call of any annotated
+/// function logs the cross-crate duplicate at ERROR, naming both sites (an
+/// application that never called `validate()` heard nothing, and one
+/// function's calls could replay the other's results).
+#[test]
+fn the_first_call_reports_a_cross_crate_duplicate() {
+    use std::sync::{Arc, Mutex};
+    use tracing_subscriber::layer::SubscriberExt;
+
+    #[derive(Clone, Default)]
+    struct Errors(Arc<Mutex<Vec<String>>>);
+    impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Errors {
+        fn on_event(
+            &self,
+            event: &tracing::Event<'_>,
+            _: tracing_subscriber::layer::Context<'_, S>,
+        ) {
+            struct Render(String);
+            impl tracing::field::Visit for Render {
+                fn record_debug(
+                    &mut self,
+                    field: &tracing::field::Field,
+                    value: &dyn std::fmt::Debug,
+                ) {
+                    self.0.push_str(&format!(" {}={value:?}", field.name()));
+                }
+            }
+            if *event.metadata().level() == tracing::Level::ERROR {
+                let mut rendered = Render(String::new());
+                event.record(&mut rendered);
+                self.0.lock().unwrap().push(rendered.0);
+            }
+        }
+    }
+
+    let errors = Errors::default();
+    let subscriber = tracing_subscriber::registry().with(errors.clone());
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    tracing::subscriber::with_default(subscriber, || {
+        runtime.block_on(async {
+            let _ = place("k", "sku").await;
+            let _ = place("k2", "sku").await;
+        })
+    });
+    let logged = errors.0.lock().unwrap().clone();
+    let reports: Vec<_> = logged
+        .iter()
+        .filter(|e| e.contains("dup_test.orders.place"))
+        .collect();
+    assert_eq!(
+        reports.len(),
+        1,
+        "reported once, at the first call: {logged:#?}"
+    );
+    assert!(
+        reports[0].contains("legacy_orders::api::place_order")
+            && reports[0].contains(&format!("{}::place", module_path!())),
+        "both sites are named: {}",
+        reports[0]
+    );
+}

@@ -135,8 +135,8 @@ use proc_macro::TokenStream;
 /// crate claiming one scope are a compile error naming both, unless every
 /// claimant says `shared_scope` (and they agree on fingerprint, ttl and
 /// whether they have a `recover` hook);
-/// across crates, `idempotent_runtime::registry::validate()` reports it at
-/// run time.
+/// across crates, the first annotated call of the process logs it at ERROR,
+/// and `idempotent_runtime::registry::validate()` returns it as an error.
 ///
 /// # Through `macro_rules!`
 ///

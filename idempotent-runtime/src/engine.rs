@@ -389,6 +389,7 @@ where
     C: Recover<R::Value, R::Failure>,
     Fut: Future<Output = R>,
 {
+    crate::registry::report_conflicts_once();
     let spec = call.spec;
     let span = tracing::info_span!(target: "idempotent", "idempotent_call",
         scope = spec.scope, key = tracing::field::Empty, store = tracing::field::Empty,

@@ -483,6 +483,24 @@ pub fn validate() -> Result<(), RegistryError> {
     validate_infos(&scopes())
 }
 
+/// Rule 18 across crates, without the application's help: the first call of
+/// any annotated function in the process checks the registry ([`validate`])
+/// and logs what it finds at ERROR, naming every contested scope and its
+/// sites. The calls go on (two versions of one library linked into a binary
+/// can claim one scope from the same function); [`validate`] at startup is
+/// the way to refuse to start.
+pub(crate) fn report_conflicts_once() {
+    static CHECKED: std::sync::Once = std::sync::Once::new();
+    CHECKED.call_once(|| {
+        if let Err(e) = validate() {
+            tracing::error!(target: "idempotent", error = %e,
+                "the scopes of this binary conflict across crates (which the compiler cannot \
+                 see): claimants of one scope share its records, so one function's call can \
+                 replay another's result; call registry::validate() at startup to refuse to start");
+        }
+    });
+}
+
 /// [`validate`] over an explicit list (e.g. a filtered one).
 ///
 /// ```

@@ -314,6 +314,7 @@ where
     K: Recover<R::Value, R::Failure>,
     C: TransactionalConnection + ?Sized,
 {
+    crate::registry::report_conflicts_once();
     let spec = call.spec;
     let span = tracing::info_span!(target: "idempotent", "idempotent_call",
         scope = spec.scope, key = tracing::field::Empty, store = connection.store_name(),
