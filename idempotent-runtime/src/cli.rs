@@ -178,6 +178,9 @@ const OPTIONS: &[&str] = &[
 /// is not one of the command's own options: `--tenant --shared --key k`
 /// means an option is missing its value, not a tenant called `--shared`.
 fn not_an_option(value: &str) -> Result<String, String> {
+    if let Some(attached) = value.strip_prefix(ATTACHED) {
+        return Ok(attached.to_owned());
+    }
     let name = value.split_once('=').map_or(value, |(name, _)| name);
     if OPTIONS.contains(&name) {
         return Err(format!(
@@ -286,7 +289,27 @@ where
     I: IntoIterator<Item = T>,
     T: Into<std::ffi::OsString> + Clone,
 {
-    run(Cli::try_parse_from(args)?).await
+    run(Cli::try_parse_from(
+        args.into_iter().flat_map(split_attached_values),
+    )?)
+    .await
+}
+
+/// Marks a value given as `--option=VALUE`: [`not_an_option`] takes it as it
+/// is, since it cannot be an option missing its value (`--key=--json` is the
+/// key `--json`). A NUL never comes in an argument from the OS.
+const ATTACHED: char = '\0';
+
+/// `--key=VALUE` (and `--tenant=`, `--scope=`, `--reason=`) as two arguments,
+/// the value marked [`ATTACHED`]; every other argument as it is.
+fn split_attached_values<T: Into<std::ffi::OsString>>(arg: T) -> Vec<std::ffi::OsString> {
+    let arg = arg.into();
+    if let Some((option, value)) = arg.to_str().and_then(|a| a.split_once('=')) {
+        if ["--key", "--tenant", "--scope", "--reason"].contains(&option) {
+            return vec![option.into(), format!("{ATTACHED}{value}").into()];
+        }
+    }
+    vec![arg]
 }
 
 /// Opens the store a URL names, as [`connect_url`] does, but never sets a
@@ -855,6 +878,58 @@ mod tests {
             "--even-if-running",
         ])
         .expect_err("--reason is missing its value");
+        assert!(e.to_string().contains("missing its value"), "{e}");
+    }
+
+    /// Any key is the client's, one spelled like an option too: given as
+    /// `--key=VALUE` it cannot be an option missing its value, so it is taken
+    /// (it was refused, and such a record could be neither inspected nor
+    /// released).
+    #[test]
+    fn a_value_attached_with_equals_is_taken_even_when_it_looks_like_an_option() {
+        let parse = |args: &[&str]| {
+            let mut all = vec!["idempotent", "release", "--database-url", "sqlite::memory:"];
+            all.extend_from_slice(args);
+            Cli::try_parse_from(all.into_iter().flat_map(split_attached_values))
+        };
+        let ok = parse(&[
+            "--scope=a.b",
+            "--tenant=--shared",
+            "--key=--json",
+            "--reason=--even-if-running",
+        ])
+        .expect("attached values");
+        let Command::Release { record, reason, .. } = ok.command else {
+            panic!("release");
+        };
+        assert_eq!(
+            (
+                record.scope.as_str(),
+                record.tenant.as_deref(),
+                record.key.as_str(),
+                reason.as_str()
+            ),
+            ("a.b", Some("--shared"), "--json", "--even-if-running")
+        );
+        let ok = parse(&[
+            "--scope",
+            "a.b",
+            "--tenant",
+            "t",
+            "--key=--key=x",
+            "--reason",
+            "r",
+        ])
+        .expect("a value with = in it");
+        let Command::Release { record, .. } = ok.command else {
+            panic!("release");
+        };
+        assert_eq!(record.key, "--key=x");
+        // Given apart, it is still an option missing its value.
+        let e = parse(&[
+            "--scope", "a.b", "--tenant", "t", "--key", "--json", "--reason", "r",
+        ])
+        .expect_err("missing value");
         assert!(e.to_string().contains("missing its value"), "{e}");
     }
 }
