@@ -295,6 +295,13 @@ where
     .await
 }
 
+/// The command line of this process, as the `idempotent` binary reads it
+/// (with [`run_from`]'s reading of `--key=VALUE`); prints the usage,
+/// `--help` or `--version` and exits on its own.
+pub fn parse_command_line() -> Cli {
+    Cli::parse_from(std::env::args_os().flat_map(split_attached_values))
+}
+
 /// Marks a value given as `--option=VALUE`: [`not_an_option`] takes it as it
 /// is, since it cannot be an option missing its value (`--key=--json` is the
 /// key `--json`). A NUL never comes in an argument from the OS.

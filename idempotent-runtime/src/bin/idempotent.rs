@@ -1,12 +1,11 @@
 //! `idempotent`: list scopes, audit a store, purge expired records.
 //! Run `idempotent --help`. All the logic lives in `idempotent_runtime::cli`.
 
-use clap::Parser;
-use idempotent_runtime::cli::{run, Cli};
+use idempotent_runtime::cli::{parse_command_line, run};
 use std::process::ExitCode;
 
 fn main() -> ExitCode {
-    let cli = Cli::parse(); // prints usage / --help / --version and exits on its own
+    let cli = parse_command_line(); // prints usage / --help / --version and exits on its own
     let runtime = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
