@@ -99,6 +99,21 @@ pub enum Error {
     #[error("invalid tenant: {0}")]
     InvalidTenant(KeyProblem),
 
+    /// The scope of an [`Identity`](crate::Identity) built by hand is longer
+    /// than a scope may be (the attribute and the HTTP layer check theirs
+    /// before anything runs). A store column keeps scopes of up to `limit`
+    /// bytes apart; a longer one could be cut and share a record with another.
+    #[error(
+        "invalid scope: {len} bytes, more than the {limit} a scope may have; use a shorter \
+         name (the attribute refuses such a scope when it compiles)"
+    )]
+    ScopeTooLong {
+        /// The scope's length in bytes.
+        len: usize,
+        /// The longest scope, in bytes.
+        limit: usize,
+    },
+
     /// Another call with the same identity is running and this one did not wait
     /// (or waited its bound). Retry after `retry_after` (HTTP: 409 + Retry-After).
     #[error("a call with the same idempotency key is still in progress in scope `{scope}`; retry after {retry_after:?}")]

@@ -48,6 +48,21 @@ pub fn validate_tenant(tenant: &str) -> Result<(), Error> {
     check(tenant).map_err(Error::InvalidTenant)
 }
 
+/// Rule 1: identities differ when their scopes do. A store keeps scopes of
+/// up to [`MAX_SCOPE_BYTES`](idempotent_rules::scope::MAX_SCOPE_BYTES) bytes
+/// apart (MariaDB outside strict mode cut longer ones, and two such scopes
+/// shared one record); the format itself is the attribute's to check.
+fn validate_scope_length(scope: &str) -> Result<(), Error> {
+    let limit = idempotent_rules::scope::MAX_SCOPE_BYTES;
+    if scope.len() > limit {
+        return Err(Error::ScopeTooLong {
+            len: scope.len(),
+            limit,
+        });
+    }
+    Ok(())
+}
+
 /// The identity of a record. Two calls share a record only when all three parts are equal.
 ///
 /// Its `Debug` shows the tenant, the scope and [`key_digest`](Self::key_digest),
@@ -76,23 +91,21 @@ impl Identity {
         scope: impl Into<String>,
         key: impl Into<String>,
     ) -> Result<Self, Error> {
-        let (tenant, key) = (tenant.into(), key.into());
+        let (tenant, scope, key) = (tenant.into(), scope.into(), key.into());
         validate_key(&key)?;
         validate_tenant(&tenant)?;
-        Ok(Identity {
-            tenant,
-            scope: scope.into(),
-            key,
-        })
+        validate_scope_length(&scope)?;
+        Ok(Identity { tenant, scope, key })
     }
 
     /// Builds an identity in the shared namespace (`tenant = shared`).
     pub fn shared(scope: impl Into<String>, key: impl Into<String>) -> Result<Self, Error> {
-        let key = key.into();
+        let (scope, key) = (scope.into(), key.into());
         validate_key(&key)?;
+        validate_scope_length(&scope)?;
         Ok(Identity {
             tenant: SHARED_TENANT.to_owned(),
-            scope: scope.into(),
+            scope,
             key,
         })
     }
@@ -180,6 +193,30 @@ mod tests {
             shown.contains("tenant-a") && shown.contains("payments.charge"),
             "{shown}"
         );
+    }
+
+    /// Rule 1: a scope longer than any store keeps apart is refused, so two
+    /// such scopes can never be cut to one (MariaDB outside strict mode gave
+    /// two 266-byte scopes one record).
+    #[test]
+    fn a_scope_longer_than_the_limit_is_refused() {
+        let limit = idempotent_rules::scope::MAX_SCOPE_BYTES;
+        let longest = "a".repeat(limit);
+        assert!(Identity::new("t", longest.as_str(), "k").is_ok());
+        assert!(Identity::shared(longest.as_str(), "k").is_ok());
+        let too_long = format!("{longest}.one");
+        for refused in [
+            Identity::new("t", too_long.as_str(), "k"),
+            Identity::shared(too_long.as_str(), "k"),
+        ] {
+            match refused {
+                Err(e @ Error::ScopeTooLong { len, limit: l }) => {
+                    assert_eq!((len, l), (limit + 4, limit));
+                    assert!(e.to_string().contains("shorter"), "{e}");
+                }
+                other => panic!("expected ScopeTooLong, got {other:?}"),
+            }
+        }
     }
 
     #[test]

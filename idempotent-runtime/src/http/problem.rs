@@ -215,7 +215,8 @@ pub fn problem_for(error: &Error) -> Problem {
         Error::Fingerprint { .. }
         | Error::ReplayDecoding { .. }
         | Error::NoDefaultStore { .. }
-        | Error::NotInTransaction { .. } => Problem::new(
+        | Error::NotInTransaction { .. }
+        | Error::ScopeTooLong { .. } => Problem::new(
             StatusCode::INTERNAL_SERVER_ERROR,
             SERVER_ERROR,
             "Internal server error",
