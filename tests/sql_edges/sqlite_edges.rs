@@ -1548,17 +1548,9 @@ async fn a_transaction_that_has_read_waits_for_another_writer_within_its_bound()
 #[tokio::test(flavor = "current_thread")]
 async fn a_call_parked_while_it_writes_does_not_hold_up_the_others() {
     use idempotent_runtime::{Fingerprint, OwnerToken, Reservation, ReserveRequest};
-    use std::str::FromStr;
     let path = fresh_path();
-    let options = SqliteConnectOptions::from_str(&url(&path))
-        .expect("url")
-        .create_if_missing(true)
-        .busy_timeout(Duration::from_millis(200));
-    let pool = SqlitePoolOptions::new()
-        .connect_with(options)
-        .await
-        .expect("open");
-    let store = SqliteStore::from_pool(pool).await.expect("store");
+    let store =
+        crate::sqlite_store::store_with_busy_timeout(&path, Duration::from_millis(200)).await;
     let writing = capture::notify_on(&["sqlite: writing the reservation", "sqlite_edges.parked"]);
     let mut holder = SqliteConnection::connect(&url(&path))
         .await

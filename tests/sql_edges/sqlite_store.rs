@@ -554,19 +554,9 @@ fn an_in_memory_store_keeps_its_records_across_runtimes() {
 /// held until the reservation has answered (no timing involved).
 #[tokio::test]
 async fn a_reservation_behind_a_write_lock_held_past_the_busy_timeout_is_in_progress() {
-    use sqlx::sqlite::{SqliteConnectOptions, SqlitePoolOptions};
     use sqlx::{Connection, Executor};
-    use std::str::FromStr;
     let path = fresh_path();
-    let options = SqliteConnectOptions::from_str(&url(&path))
-        .expect("url")
-        .create_if_missing(true)
-        .busy_timeout(Duration::from_millis(100));
-    let pool = SqlitePoolOptions::new()
-        .connect_with(options)
-        .await
-        .expect("open");
-    let store = SqliteStore::from_pool(pool).await.expect("store");
+    let store = store_with_busy_timeout(&path, Duration::from_millis(100)).await;
     let mut holder = sqlx::SqliteConnection::connect(&url(&path))
         .await
         .expect("connect");
@@ -599,4 +589,20 @@ async fn a_reservation_behind_a_write_lock_held_past_the_busy_timeout_is_in_prog
         "the key was never taken"
     );
     remove(&path);
+}
+
+/// A store on a new file at `path` whose pool waits `busy` for a lock (the
+/// store's own `connect` waits 10 s), and the other tests' way to hold one.
+pub(crate) async fn store_with_busy_timeout(path: &std::path::Path, busy: Duration) -> SqliteStore {
+    use sqlx::sqlite::{SqliteConnectOptions, SqlitePoolOptions};
+    use std::str::FromStr;
+    let options = SqliteConnectOptions::from_str(&url(path))
+        .expect("url")
+        .create_if_missing(true)
+        .busy_timeout(busy);
+    let pool = SqlitePoolOptions::new()
+        .connect_with(options)
+        .await
+        .expect("open");
+    SqliteStore::from_pool(pool).await.expect("store")
 }
