@@ -1552,13 +1552,7 @@ async fn a_call_parked_while_it_writes_does_not_hold_up_the_others() {
     let store =
         crate::sqlite_store::store_with_busy_timeout(&path, Duration::from_millis(200)).await;
     let writing = capture::notify_on(&["sqlite: writing the reservation", "sqlite_edges.parked"]);
-    let mut holder = SqliteConnection::connect(&url(&path))
-        .await
-        .expect("connect");
-    holder
-        .execute("BEGIN IMMEDIATE")
-        .await
-        .expect("take the write lock");
+    let mut holder = crate::sqlite_store::write_lock_held(&path).await;
 
     let fp = Fingerprint::of("request").expect("fingerprint");
     let (alice, bob) = (

@@ -554,16 +554,10 @@ fn an_in_memory_store_keeps_its_records_across_runtimes() {
 /// held until the reservation has answered (no timing involved).
 #[tokio::test]
 async fn a_reservation_behind_a_write_lock_held_past_the_busy_timeout_is_in_progress() {
-    use sqlx::{Connection, Executor};
+    use sqlx::Executor;
     let path = fresh_path();
     let store = store_with_busy_timeout(&path, Duration::from_millis(100)).await;
-    let mut holder = sqlx::SqliteConnection::connect(&url(&path))
-        .await
-        .expect("connect");
-    holder
-        .execute("BEGIN IMMEDIATE")
-        .await
-        .expect("take the write lock");
+    let mut holder = write_lock_held(&path).await;
     let id = identity("behind-a-lock");
     let fp = Fingerprint::of("request").expect("fingerprint");
     let request = |token| ReserveRequest {
@@ -605,4 +599,18 @@ pub(crate) async fn store_with_busy_timeout(path: &std::path::Path, busy: Durati
         .await
         .expect("open");
     SqliteStore::from_pool(pool).await.expect("store")
+}
+
+/// A connection of its own to the file at `path`, holding the database's
+/// write lock (`BEGIN IMMEDIATE`) until it commits or is dropped.
+pub(crate) async fn write_lock_held(path: &std::path::Path) -> sqlx::SqliteConnection {
+    use sqlx::{Connection, Executor};
+    let mut holder = sqlx::SqliteConnection::connect(&url(path))
+        .await
+        .expect("connect");
+    holder
+        .execute("BEGIN IMMEDIATE")
+        .await
+        .expect("take the write lock");
+    holder
 }
