@@ -525,6 +525,28 @@ where
         };
         match answered {
             None => {
+                // Rules 3 and 20: the body runs only while this call still
+                // owns the record. A hook that outlived its lease (its thread
+                // blocked, its process stopped) may have lost the record to
+                // another caller's takeover, which ran the body already: a
+                // fenced renewal says so before the body starts.
+                match store.heartbeat(&identity, &token, spec.lease).await {
+                    Ok(Fenced::Written) => {}
+                    Ok(Fenced::NotOwner) => {
+                        tracing::error!(target: "idempotent", scope = spec.scope, key = %digest,
+                            attempt = acquired.attempt,
+                            "the recover hook answered Run after this call had lost the record \
+                             to another caller: the body does not run");
+                        return fail(Error::LeaseLost(identity.context()));
+                    }
+                    // Ownership unknown: the body does not run blind. The
+                    // record stays in progress, its lease ended if the store
+                    // lets us, and the next call asks the hook again.
+                    Err(e) => {
+                        end_lease_logged(store, &identity, &token).await;
+                        return fail(Error::Store(e));
+                    }
+                }
                 tracing::info!(target: "idempotent", scope = spec.scope, key = %digest,
                     attempt = acquired.attempt, "the recover hook answered Run: running the body");
                 guard.arm(true);
@@ -1331,6 +1353,9 @@ async fn run_with_heartbeat<R, Fut: Future<Output = R>>(
     // dropped: its statement would go on holding a pooled connection on the
     // server. One more renewal may start beside it; never a third.
     let mut late: Option<Renewal<'_>> = None;
+    // Another caller owns the record now (fenced renewal): renewing again
+    // cannot win it back, so no more renewals are sent.
+    let mut lost = false;
     std::future::poll_fn(|cx| {
         if let Poll::Ready(out) = body.as_mut().poll(cx) {
             return Poll::Ready(out);
@@ -1344,14 +1369,14 @@ async fn run_with_heartbeat<R, Fut: Future<Output = R>>(
                 // Its failure was counted when it ran late; a success or a
                 // lost lease still counts.
                 if result.is_ok() {
-                    note_heartbeat(spec, identity, result);
+                    lost |= note_heartbeat(spec, identity, result);
                 }
             }
             if let Some(f) = beat.as_mut() {
                 if let Poll::Ready(result) = f.as_mut().poll(cx) {
                     beat = None;
                     let failed = result.is_err();
-                    note_heartbeat(spec, identity, result);
+                    lost |= note_heartbeat(spec, identity, result);
                     // A renewal that failed is tried again soon: the lease is
                     // still running out.
                     let next = if failed { period / 4 } else { period };
@@ -1381,7 +1406,7 @@ async fn run_with_heartbeat<R, Fut: Future<Output = R>>(
                     }
                 }
             }
-            if timer.as_mut().poll(cx).is_pending() {
+            if lost || timer.as_mut().poll(cx).is_pending() {
                 return Poll::Pending;
             }
             beat = Some(store.heartbeat(identity, token, lease));
@@ -1394,24 +1419,29 @@ async fn run_with_heartbeat<R, Fut: Future<Output = R>>(
     .await
 }
 
+/// Counts and logs a renewal's answer; `true` when the lease was lost.
 fn note_heartbeat(
     spec: &'static ScopeInfo,
     identity: &Identity,
     result: Result<Fenced, crate::error::StoreError>,
-) {
+) -> bool {
     match result {
         Ok(Fenced::Written) => {
             METRICS.heartbeats.fetch_add(1, Ordering::Relaxed);
+            false
         }
         Ok(Fenced::NotOwner) => {
             crate::metrics::heartbeat_failed(spec.scope);
             tracing::error!(target: "idempotent", scope = %identity.scope, key = %identity.log_digest(),
-                "heartbeat: the lease was lost to another caller; this call's result will not be recorded");
+                "heartbeat: the lease was lost to another caller; this call's result will not be \
+                 recorded, and its lease is no longer renewed");
+            true
         }
         Err(e) => {
             crate::metrics::heartbeat_failed(spec.scope);
             tracing::warn!(target: "idempotent", scope = %identity.scope, key = %identity.log_digest(), error = %e,
                 "heartbeat failed; will try again");
+            false
         }
     }
 }

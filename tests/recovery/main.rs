@@ -19,3 +19,5 @@ mod lost_answers;
 mod lost_answer_lease;
 
 mod long_bodies;
+
+mod hook_outlives_lease;

@@ -1,0 +1,249 @@
+//! Rule 20 with rule 3: a takeover's `recover` hook runs under the call's
+//! lease, renewed by the heartbeat. When the renewals do not land (a store
+//! that stopped answering, a thread blocked, a process stopped) and the hook
+//! outlives the lease, another caller takes the record over, asks its own
+//! hook and runs the body. The first hook's later `Run` used to start the
+//! body a second time; the call now confirms it still owns the record (a
+//! fenced renewal) and answers `LeaseLost` without running it.
+//!
+//! Handshakes: the first owner's renewals never land (the store wrapper
+//! holds them); the test waits until the store's clock shows its lease
+//! over, lets a second caller take over and finish, and only then lets the
+//! first hook answer.
+
+use crate::common::hooked::{Hooked, Intercept};
+use idempotent_runtime::{
+    idempotent, Error, Fenced, Identity, MemoryStore, OwnerToken, Recovery, Reservation,
+    ReserveRequest, Store, StoreError, Takeover,
+};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{LazyLock, Mutex};
+use std::time::Duration;
+use tokio::sync::Notify;
+
+const SCOPE: &str = "recovery.hook_outlives_lease";
+
+#[derive(Default)]
+struct Seen {
+    /// The attempts the hook was asked about.
+    asked: Vec<u32>,
+    /// How many times the body ran.
+    runs: u32,
+}
+
+static SEEN: LazyLock<Mutex<Seen>> = LazyLock::new(Default::default);
+/// The first takeover's hook is asking.
+static IN_HOOK: Notify = Notify::const_new();
+/// The first takeover's hook may answer.
+static ANSWER: Notify = Notify::const_new();
+
+fn seen() -> std::sync::MutexGuard<'static, Seen> {
+    SEEN.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+async fn slow_hook(takeover: &Takeover) -> Result<Recovery<u32>, Error> {
+    seen().asked.push(takeover.attempt());
+    if takeover.attempt() == 2 {
+        IN_HOOK.notify_one();
+        ANSWER.notified().await;
+    }
+    Ok(Recovery::Run)
+}
+
+#[idempotent(scope = "recovery.hook_outlives_lease", key = key, tenant = shared, store = store,
+             lease = "300ms", in_progress = reject, recover = slow_hook)]
+async fn charge(store: &dyn Store, key: &str) -> Result<u32, Error> {
+    let mut seen = seen();
+    seen.runs += 1;
+    Ok(seen.runs)
+}
+
+/// Holds every renewal of the first owner that renews (until `unstall`).
+#[derive(Default)]
+struct StallFirstRenewer {
+    first: Mutex<Option<OwnerToken>>,
+    unstall: AtomicBool,
+}
+
+#[async_trait::async_trait]
+impl Intercept for StallFirstRenewer {
+    async fn heartbeat(
+        &self,
+        inner: &MemoryStore,
+        identity: &Identity,
+        token: &OwnerToken,
+        lease: Duration,
+    ) -> Result<Fenced, StoreError> {
+        let stall = !self.unstall.load(Ordering::SeqCst) && {
+            let mut first = self.first.lock().unwrap_or_else(|p| p.into_inner());
+            first.get_or_insert_with(|| token.clone()) == token
+        };
+        if stall {
+            std::future::pending::<()>().await;
+        }
+        inner.heartbeat(identity, token, lease).await
+    }
+}
+
+/// Until the store's clock shows the record's lease over.
+async fn lease_over(store: &dyn Store, identity: &Identity) {
+    for _ in 0..2_000 {
+        let record = store.fetch(identity).await.expect("fetch").expect("record");
+        if record
+            .lease_expires_at_ms
+            .is_some_and(|end| end <= record.now_ms)
+        {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    panic!("the lease never ran out");
+}
+
+#[tokio::test]
+async fn a_hook_that_outlives_its_lease_does_not_run_the_body_after_another_takeover() {
+    let store = Hooked::new(StallFirstRenewer::default());
+    let identity = Identity::shared(SCOPE, "k").expect("identity");
+    // An owner that crashed: reserved, never finished, its lease short.
+    let crashed = store
+        .reserve(ReserveRequest {
+            identity: &identity,
+            fingerprint: None,
+            token: &OwnerToken::new(),
+            lease: Duration::from_millis(10),
+            ttl: Duration::from_secs(3600),
+        })
+        .await
+        .expect("reserve");
+    assert!(matches!(crashed, Reservation::Acquired { .. }));
+    lease_over(&store, &identity).await;
+
+    // The first takeover asks its hook, which takes longer than its lease
+    // (its renewals never land).
+    let first = charge(&store, "k");
+    let rest = async {
+        IN_HOOK.notified().await;
+        lease_over(&store, &identity).await;
+        // A second takeover asks, runs the body and records its result.
+        store.unstall.store(true, Ordering::SeqCst);
+        let second = charge(&store, "k").await;
+        ANSWER.notify_one();
+        second
+    };
+    let (first, second) = tokio::join!(first, rest);
+    assert_eq!(second.expect("the second takeover runs"), 1);
+    assert!(
+        matches!(first, Err(Error::LeaseLost(_))),
+        "the first hook's Run came after its record was lost: {first:?}"
+    );
+    let seen = seen();
+    assert_eq!(seen.asked, [2, 3], "each takeover asked its hook");
+    assert_eq!(seen.runs, 1, "the body ran once");
+    drop(seen);
+    let record = store
+        .fetch(&identity)
+        .await
+        .expect("fetch")
+        .expect("record");
+    assert_eq!(
+        serde_json::from_slice::<u32>(&record.outcome.expect("complete").payload).expect("u32"),
+        1,
+        "the second takeover's result stays recorded"
+    );
+}
+
+/// Counts one owner's renewals and what they were answered.
+#[derive(Default)]
+struct CountRenewals {
+    owner: Mutex<Option<OwnerToken>>,
+    /// Renewals of `owner` answered `NotOwner`, and those sent after the first such answer.
+    not_owner: std::sync::atomic::AtomicUsize,
+    after_lost: std::sync::atomic::AtomicUsize,
+    first_written: Notify,
+    lost: Notify,
+}
+
+#[async_trait::async_trait]
+impl Intercept for CountRenewals {
+    async fn heartbeat(
+        &self,
+        inner: &MemoryStore,
+        identity: &Identity,
+        token: &OwnerToken,
+        lease: Duration,
+    ) -> Result<Fenced, StoreError> {
+        let ours = {
+            let mut owner = self.owner.lock().unwrap_or_else(|p| p.into_inner());
+            owner.get_or_insert_with(|| token.clone()) == token
+        };
+        if ours && self.not_owner.load(Ordering::SeqCst) > 0 {
+            self.after_lost.fetch_add(1, Ordering::SeqCst);
+        }
+        let answer = inner.heartbeat(identity, token, lease).await;
+        if ours {
+            match answer {
+                Ok(Fenced::Written) => self.first_written.notify_one(),
+                Ok(Fenced::NotOwner) => {
+                    self.not_owner.fetch_add(1, Ordering::SeqCst);
+                    self.lost.notify_one();
+                }
+                Err(_) => {}
+            }
+        }
+        answer
+    }
+}
+
+static BODY_GO: Notify = Notify::const_new();
+
+#[idempotent(scope = "recovery.lost_lease_renewals", key = key, tenant = shared, store = store,
+             lease = "30ms", in_progress = reject)]
+async fn long_body(store: &dyn Store, key: &str) -> Result<u32, Error> {
+    BODY_GO.notified().await;
+    Ok(1)
+}
+
+/// A lease lost to another owner is not won back by renewing: the call stops
+/// renewing at the first `NotOwner` (it went on every lease/3 for the rest
+/// of the body, each one an ERROR log line and a counted failure). The
+/// absence of renewals is watched for 30 renewal periods.
+#[tokio::test]
+async fn a_lost_lease_is_not_renewed_again() {
+    let store = Hooked::new(CountRenewals::default());
+    let identity = Identity::shared("recovery.lost_lease_renewals", "k").expect("identity");
+    let call = long_body(&store, "k");
+    let rest = async {
+        store.first_written.notified().await;
+        // An operator frees the record and another caller takes it.
+        store
+            .force_release(&identity, false)
+            .await
+            .expect("force release");
+        let taken = store
+            .reserve(ReserveRequest {
+                identity: &identity,
+                fingerprint: None,
+                token: &OwnerToken::new(),
+                lease: Duration::from_secs(3600),
+                ttl: Duration::from_secs(3600),
+            })
+            .await
+            .expect("reserve");
+        assert!(matches!(taken, Reservation::Acquired { .. }));
+        store.lost.notified().await;
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        BODY_GO.notify_one();
+    };
+    let (answer, ()) = tokio::join!(call, rest);
+    assert!(matches!(answer, Err(Error::LeaseLost(_))), "{answer:?}");
+    assert_eq!(
+        store.not_owner.load(Ordering::SeqCst),
+        1,
+        "one renewal found the lease lost"
+    );
+    assert_eq!(
+        store.after_lost.load(Ordering::SeqCst),
+        0,
+        "no renewal after the lease was lost"
+    );
+}
