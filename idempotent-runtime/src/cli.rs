@@ -311,10 +311,10 @@ const ATTACHED: char = '\0';
 /// the value marked [`ATTACHED`]; every other argument as it is.
 fn split_attached_values<T: Into<std::ffi::OsString>>(arg: T) -> Vec<std::ffi::OsString> {
     let arg = arg.into();
-    if let Some((option, value)) = arg.to_str().and_then(|a| a.split_once('=')) {
-        if ["--key", "--tenant", "--scope", "--reason"].contains(&option) {
-            return vec![option.into(), format!("{ATTACHED}{value}").into()];
-        }
+    if let Some((option, value)) = arg.to_str().and_then(|a| a.split_once('='))
+        && ["--key", "--tenant", "--scope", "--reason"].contains(&option)
+    {
+        return vec![option.into(), format!("{ATTACHED}{value}").into()];
     }
     vec![arg]
 }

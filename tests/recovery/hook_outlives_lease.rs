@@ -136,10 +136,12 @@ async fn a_hook_that_outlives_its_lease_does_not_run_the_body_after_another_take
         matches!(first, Err(Error::LeaseLost(_))),
         "the first hook's Run came after its record was lost: {first:?}"
     );
-    let seen = seen();
-    assert_eq!(seen.asked, [2, 3], "each takeover asked its hook");
-    assert_eq!(seen.runs, 1, "the body ran once");
-    drop(seen);
+    let (asked, runs) = {
+        let seen = seen();
+        (seen.asked.clone(), seen.runs)
+    };
+    assert_eq!(asked, [2, 3], "each takeover asked its hook");
+    assert_eq!(runs, 1, "the body ran once");
     let record = store
         .fetch(&identity)
         .await
