@@ -13,9 +13,10 @@
 //! `Counting` wraps a real store, counts `reserve` calls and reports when a
 //! duplicate enters `wait_for_change` (which it forwards).
 
+use crate::counting::Counting;
 use idempotent_runtime::{
-    idempotent, Completion, Error, Fenced, ForcedRelease, Identity, MemoryStore, OwnerToken,
-    RecordSnapshot, Reservation, ReserveRequest, ScopeStats, SqliteStore, Store, StoreError,
+    idempotent, Error, Fenced, Identity, MemoryStore, OwnerToken, Reservation, ReserveRequest,
+    SqliteStore, Store,
 };
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
@@ -30,81 +31,6 @@ const HOLD: Duration = Duration::from_millis(400);
 /// At most this many reservations by the duplicate: one that finds the record
 /// in progress, one after the change, and one spare.
 const FEW: usize = 3;
-
-struct Counting<S> {
-    inner: S,
-    reserves: AtomicUsize,
-    /// How many times a duplicate has entered `wait_for_change`.
-    waits: watch::Sender<usize>,
-}
-
-impl<S> Counting<S> {
-    fn new(inner: S) -> Self {
-        Counting {
-            inner,
-            reserves: AtomicUsize::new(0),
-            waits: watch::Sender::new(0),
-        }
-    }
-    fn reserves(&self) -> usize {
-        self.reserves.load(Ordering::SeqCst)
-    }
-    /// Until duplicates have entered `wait_for_change` `n` times in all.
-    async fn waited(&self, n: usize) {
-        let _ = self.waits.subscribe().wait_for(|w| *w >= n).await;
-    }
-}
-
-#[async_trait::async_trait]
-impl<S: Store> Store for Counting<S> {
-    fn name(&self) -> &'static str {
-        self.inner.name()
-    }
-    async fn reserve(&self, r: ReserveRequest<'_>) -> Result<Reservation, StoreError> {
-        self.reserves.fetch_add(1, Ordering::SeqCst);
-        self.inner.reserve(r).await
-    }
-    async fn complete(&self, completion: Completion<'_>) -> Result<Fenced, StoreError> {
-        self.inner.complete(completion).await
-    }
-    async fn release(&self, i: &Identity, t: &OwnerToken) -> Result<Fenced, StoreError> {
-        self.inner.release(i, t).await
-    }
-    async fn heartbeat(
-        &self,
-        i: &Identity,
-        t: &OwnerToken,
-        lease: Duration,
-    ) -> Result<Fenced, StoreError> {
-        self.inner.heartbeat(i, t, lease).await
-    }
-    fn release_detached(&self, i: Identity, t: OwnerToken) {
-        self.inner.release_detached(i, t)
-    }
-    fn complete_detached(&self, completion: Completion<'_>) {
-        self.inner.complete_detached(completion)
-    }
-    async fn force_release(
-        &self,
-        i: &Identity,
-        require_expired_lease: bool,
-    ) -> Result<ForcedRelease, StoreError> {
-        self.inner.force_release(i, require_expired_lease).await
-    }
-    async fn wait_for_change(&self, i: &Identity, max_wait: Duration, round: u32) {
-        self.waits.send_modify(|w| *w += 1);
-        self.inner.wait_for_change(i, max_wait, round).await
-    }
-    async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError> {
-        self.inner.purge_expired(batch).await
-    }
-    async fn fetch(&self, i: &Identity) -> Result<Option<RecordSnapshot>, StoreError> {
-        self.inner.fetch(i).await
-    }
-    async fn scope_stats(&self) -> Result<Vec<ScopeStats>, StoreError> {
-        self.inner.scope_stats().await
-    }
-}
 
 /// What a call's body does: counts its runs, says it started, waits for
 /// `go`, then succeeds or fails (its error releases the record).

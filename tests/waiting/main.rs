@@ -7,5 +7,7 @@
 #[path = "../common/mod.rs"]
 mod common;
 
+mod counting;
 mod in_process;
 mod postgres;
+mod postgres_listener;

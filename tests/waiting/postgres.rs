@@ -12,11 +12,11 @@
 //! wrapper counts each call's reservations.
 
 use crate::common::servers::{fresh_tenant, pg_store_or_skip, pg_url};
+use crate::counting::Counting;
 use idempotent_runtime::store::postgres::wait_key;
 use idempotent_runtime::{
-    idempotent, with_outcome, Completion, Error, Fenced, ForcedRelease, Identity, Outcome,
-    OwnerToken, PgStore, RecordSnapshot, Reservation, ReserveRequest, ScopeStats, Store,
-    StoreError,
+    idempotent, with_outcome, Error, Fenced, Identity, Outcome, OwnerToken, PgStore, Reservation,
+    ReserveRequest, Store, StoreError,
 };
 use sqlx::Postgres;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -26,77 +26,6 @@ use tokio::sync::Notify;
 /// How long a holder keeps the record after the duplicate is known to wait:
 /// with the old polling (at most 100 ms apart) that would be ~20 reservations.
 const HOLD_AFTER_WAITING: Duration = Duration::from_secs(2);
-
-/// A store that counts reservations and forwards everything (including
-/// `wait_for_change`) to the `PgStore` inside.
-struct Counting {
-    inner: PgStore,
-    reserves: AtomicUsize,
-}
-
-impl Counting {
-    fn new(inner: PgStore) -> Self {
-        Counting {
-            inner,
-            reserves: AtomicUsize::new(0),
-        }
-    }
-    fn reserves(&self) -> usize {
-        self.reserves.load(Ordering::SeqCst)
-    }
-}
-
-#[async_trait::async_trait]
-impl Store for Counting {
-    fn name(&self) -> &'static str {
-        self.inner.name()
-    }
-    async fn reserve(&self, request: ReserveRequest<'_>) -> Result<Reservation, StoreError> {
-        self.reserves.fetch_add(1, Ordering::SeqCst);
-        self.inner.reserve(request).await
-    }
-    async fn complete(&self, completion: Completion<'_>) -> Result<Fenced, StoreError> {
-        self.inner.complete(completion).await
-    }
-    async fn release(&self, identity: &Identity, token: &OwnerToken) -> Result<Fenced, StoreError> {
-        self.inner.release(identity, token).await
-    }
-    async fn heartbeat(
-        &self,
-        identity: &Identity,
-        token: &OwnerToken,
-        lease: Duration,
-    ) -> Result<Fenced, StoreError> {
-        self.inner.heartbeat(identity, token, lease).await
-    }
-    fn release_detached(&self, identity: Identity, token: OwnerToken) {
-        self.inner.release_detached(identity, token)
-    }
-    fn complete_detached(&self, completion: Completion<'_>) {
-        self.inner.complete_detached(completion)
-    }
-    async fn force_release(
-        &self,
-        identity: &Identity,
-        require_expired_lease: bool,
-    ) -> Result<ForcedRelease, StoreError> {
-        self.inner
-            .force_release(identity, require_expired_lease)
-            .await
-    }
-    async fn wait_for_change(&self, identity: &Identity, max_wait: Duration, round: u32) {
-        self.inner.wait_for_change(identity, max_wait, round).await
-    }
-    async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError> {
-        self.inner.purge_expired(batch).await
-    }
-    async fn fetch(&self, identity: &Identity) -> Result<Option<RecordSnapshot>, StoreError> {
-        self.inner.fetch(identity).await
-    }
-    async fn scope_stats(&self) -> Result<Vec<ScopeStats>, StoreError> {
-        self.inner.scope_stats().await
-    }
-}
 
 /// Holds a body open: it notifies `reached` once it runs, then waits for `go`.
 #[derive(Default)]

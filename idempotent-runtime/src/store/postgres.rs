@@ -44,10 +44,17 @@
 //! writer's commit, whichever process or mode wrote it. Unmarked records never
 //! notify, so the path without waiters pays nothing (NOTIFY takes a
 //! database-wide lock at commit). A waiter polls instead (5 ms doubling to
-//! 100 ms) when the listener is not connected, when the record is not visible
-//! yet (a transactional-mode owner's uncommitted reservation) or locked by
-//! another transaction; a marked waiter with no news reserves again at the
-//! lease's end or after [`WAIT_SLICE`], whichever is first.
+//! 100 ms) when the listener is not listening (it could not connect, or its
+//! connection was lost; only its first connection is waited for, at most a
+//! second), when the record is not visible yet (a transactional-mode owner's
+//! uncommitted reservation) or locked by another transaction; a marked
+//! waiter with no news reserves again at the lease's end or after
+//! [`WAIT_SLICE`], whichever is first. A connection can die without a word
+//! (half-open: nothing closed, no error, nothing delivered), so the listener
+//! checks one that has been quiet for a second while somebody waits (30 s
+//! otherwise) with a `SELECT 1`; no answer within 2 s, and it counts as lost:
+//! every waiter is woken to look again and polls until the listener has
+//! reconnected. An outage is logged once, as a warning.
 //!
 //! # Rows held by other transactions
 //!
@@ -951,14 +958,30 @@ async fn in_transaction(conn: &mut sqlx::PgConnection) -> Result<bool, StoreErro
 /// The channel the table's trigger notifies on (migration 0004).
 const WAIT_CHANNEL: &str = "idempotency_records";
 /// The longest a marked waiter sleeps without news before it reserves again:
-/// the fallback for a listener connection that died without the store
-/// noticing (a half-open TCP connection delivers nothing and reports nothing).
+/// the last resort should a notification be lost without the listener
+/// noticing (the listener checks its connection when it has heard nothing
+/// for a second while somebody waits, and wakes every waiter when that
+/// check fails).
 pub const WAIT_SLICE: Duration = Duration::from_secs(5);
-/// How long a waiter waits for the store's listener to be listening (its
-/// first connection, or a reconnection) before it falls back to polling.
+/// How long after the listener started a waiter waits for it to be
+/// listening (its first connection) before it falls back to polling. After
+/// a failed attempt, or a lost connection, waiters poll at once.
 const LISTENER_READY_WAIT: Duration = Duration::from_secs(1);
 /// The pause between attempts to (re)connect the listener.
 const LISTENER_RECONNECT_PAUSE: Duration = Duration::from_millis(500);
+/// How long the listener may have heard nothing on its connection, while
+/// somebody waits, before it checks that the connection still answers: a
+/// half-open TCP connection (a peer or a middlebox gone, a one-way
+/// partition) delivers nothing and reports nothing, and the notifications
+/// sent meanwhile are lost.
+const QUIET_WHILE_WAITED: Duration = Duration::from_secs(1);
+/// The same, while nobody waits (keeps an idle connection honest).
+const QUIET_WHILE_IDLE: Duration = Duration::from_secs(30);
+/// How long the check of a quiet connection (`SELECT 1` on it) may take
+/// before the connection is given up as silent.
+const LISTENER_CHECK_TIMEOUT: Duration = Duration::from_secs(2);
+/// How long one attempt to connect the listener and `LISTEN` may take.
+const LISTENER_CONNECT_TIMEOUT: Duration = ACQUIRE_TIMEOUT.saturating_add(LISTENER_CHECK_TIMEOUT);
 
 /// The payload of the notification sent when a record somebody waits for
 /// completes, is released or deleted, or changes owner: a hex SHA-256 over
@@ -1057,17 +1080,34 @@ fn poll(round: u32, max_wait: Duration) -> tokio::time::Sleep {
 /// a caller's runtime, started by the first waiter and stopped when the last
 /// handle to the store is dropped. Waiters register by wait key before they
 /// mark the record, and the thread wakes those whose key a notification
-/// names. When the connection is lost, every waiter is woken (a notification
-/// may have been lost with it) and reserves again; while it is down, waiters
-/// poll.
+/// names. A connection that has been quiet for a while is checked (see
+/// [`QUIET_WHILE_WAITED`]). When the connection is lost or stops answering,
+/// every waiter is woken (a notification may have been lost with it) and
+/// reserves again; while there is no listening connection, waiters poll.
 struct Watcher {
     shared: std::sync::Arc<WatchShared>,
     state: std::sync::Mutex<WatchState>,
+    /// Until when waiters wait for the listener's first connection.
+    ready_by: std::sync::OnceLock<tokio::time::Instant>,
 }
 
 enum WatchState {
     Idle(Option<Box<PgConnectOptions>>),
     Running(#[allow(dead_code)] tokio::sync::oneshot::Sender<()>),
+}
+
+/// What the listener is doing, as waiters see it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+enum ListenerStatus {
+    /// Not started, or connecting for the first time: worth waiting for,
+    /// briefly ([`LISTENER_READY_WAIT`]).
+    #[default]
+    Starting,
+    /// `LISTEN` is in effect on a connection that answers.
+    Listening,
+    /// An attempt to connect failed, or the connection was lost or went
+    /// silent: waiters poll until it listens again.
+    Down,
 }
 
 #[derive(Default)]
@@ -1077,13 +1117,25 @@ struct WatchShared {
     /// Woken when the connection was lost (notifications may have been lost).
     reset: tokio::sync::Notify,
     /// Whether `LISTEN` is in effect on a live connection.
-    listening: tokio::sync::watch::Sender<bool>,
+    status: tokio::sync::watch::Sender<ListenerStatus>,
+    /// Told when a waiter registers while nobody else waits: a connection
+    /// that has been quiet for long is checked at once.
+    first_waiter: tokio::sync::Notify,
+}
+
+impl WatchShared {
+    fn waiters(
+        &self,
+    ) -> std::sync::MutexGuard<'_, HashMap<String, (usize, std::sync::Arc<tokio::sync::Notify>)>>
+    {
+        self.waiters.lock().unwrap_or_else(|p| p.into_inner())
+    }
 }
 
 impl std::fmt::Debug for Watcher {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Watcher")
-            .field("listening", &*self.shared.listening.borrow())
+            .field("listener", &*self.shared.status.borrow())
             .finish()
     }
 }
@@ -1097,11 +1149,7 @@ struct Registration {
 
 impl Drop for Registration {
     fn drop(&mut self) {
-        let mut waiters = self
-            .shared
-            .waiters
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
+        let mut waiters = self.shared.waiters();
         if let Some(entry) = waiters.get_mut(&self.key) {
             entry.0 -= 1;
             if entry.0 == 0 {
@@ -1116,17 +1164,17 @@ impl Watcher {
         Watcher {
             shared: std::sync::Arc::new(WatchShared::default()),
             state: std::sync::Mutex::new(WatchState::Idle(Some(Box::new(options)))),
+            ready_by: std::sync::OnceLock::new(),
         }
     }
 
     /// Registers a waiter for `key`, starting the listener thread if needed.
     fn register(&self, key: String) -> Registration {
         self.start();
-        let mut waiters = self
-            .shared
-            .waiters
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
+        let mut waiters = self.shared.waiters();
+        if waiters.is_empty() {
+            self.shared.first_waiter.notify_one();
+        }
         let entry = waiters
             .entry(key.clone())
             .or_insert_with(|| (0, std::sync::Arc::new(tokio::sync::Notify::new())));
@@ -1148,17 +1196,46 @@ impl Watcher {
         };
         let (stop, stopped) = tokio::sync::oneshot::channel();
         match spawn_listener(*options, self.shared.clone(), stopped) {
-            Ok(()) => *state = WatchState::Running(stop),
-            Err(e) => tracing::error!(target: "idempotent", store = STORE, error = %e,
-                "could not start the listener thread; waiting duplicates poll"),
+            Ok(()) => {
+                let _ = self
+                    .ready_by
+                    .set(tokio::time::Instant::now() + LISTENER_READY_WAIT);
+                *state = WatchState::Running(stop);
+            }
+            Err(e) => {
+                self.shared.status.send_replace(ListenerStatus::Down);
+                tracing::error!(target: "idempotent", store = STORE, error = %e,
+                    "could not start the listener thread; waiting duplicates poll");
+            }
         }
     }
 
-    /// Waits (at most `within`) until `LISTEN` is in effect.
-    async fn ready(&self, within: Duration) -> bool {
-        let mut listening = self.shared.listening.subscribe();
-        let on = async move { listening.wait_for(|on| *on).await.is_ok() };
-        matches!(tokio::time::timeout(within, on).await, Ok(true))
+    /// Whether `LISTEN` is in effect. Waits (at most `within`) only while
+    /// the listener makes its first connection, and at most until
+    /// [`LISTENER_READY_WAIT`] after it started: once an attempt failed or
+    /// a connection was lost, there is no telling when it will listen
+    /// again, and the waiter polls at once.
+    async fn listening(&self, within: Duration) -> bool {
+        let mut status = self.shared.status.subscribe();
+        match *status.borrow_and_update() {
+            ListenerStatus::Listening => return true,
+            ListenerStatus::Down => return false,
+            ListenerStatus::Starting => {}
+        }
+        let now = tokio::time::Instant::now();
+        let ready_by = self
+            .ready_by
+            .get()
+            .copied()
+            .unwrap_or(now + LISTENER_READY_WAIT);
+        let within = within.min(ready_by.saturating_duration_since(now));
+        let settled = async move {
+            status
+                .wait_for(|s| *s != ListenerStatus::Starting)
+                .await
+                .is_ok_and(|s| *s == ListenerStatus::Listening)
+        };
+        matches!(tokio::time::timeout(within, settled).await, Ok(true))
     }
 }
 
@@ -1172,65 +1249,144 @@ fn spawn_listener(
             _ = &mut stopped => {}
             _ = listen(options, &shared) => {}
         }
-        shared.listening.send_replace(false);
+        shared.status.send_replace(ListenerStatus::Down);
         shared.reset.notify_waiters();
     })
 }
 
-/// Listens until the thread is stopped, reconnecting when the connection fails.
+/// Listens until the thread is stopped, reconnecting when the connection
+/// fails or goes silent. An outage (attempts that fail, a connection lost
+/// or silent until the next one listens) is logged once, as a warning, and
+/// its end as information.
 async fn listen(options: PgConnectOptions, shared: &WatchShared) {
-    // The listener's own pool (one connection, on this thread's runtime),
-    // used by `PgListener` to reconnect.
-    let pool = PgPoolOptions::new()
-        .max_connections(1)
-        .max_lifetime(None)
-        .idle_timeout(None)
-        .acquire_timeout(ACQUIRE_TIMEOUT)
-        .connect_lazy_with(options);
+    // Whether the current outage was logged.
+    let mut in_outage = false;
+    let mut failed_attempts = 0u64;
     loop {
-        let mut listener = match connect_listener(&pool).await {
-            Ok(listener) => listener,
-            Err(e) => {
-                tracing::warn!(target: "idempotent", store = STORE, error = %e,
-                    "the listener for waiting duplicates could not connect; they poll meanwhile");
+        // A pool of its own for each connection (one connection, on this
+        // thread's runtime), used by `PgListener` to reconnect. Not one pool
+        // for all: a listener given up as silent is dropped, and its drop
+        // sends `UNLISTEN` on the silent connection in a task that returns
+        // the connection to its pool only when that ends (when the kernel
+        // gives the connection up), which would keep the next connection
+        // from being made.
+        let pool = PgPoolOptions::new()
+            .max_connections(1)
+            .max_lifetime(None)
+            .idle_timeout(None)
+            .acquire_timeout(ACQUIRE_TIMEOUT)
+            .connect_lazy_with(options.clone());
+        let connected = tokio::time::timeout(LISTENER_CONNECT_TIMEOUT, connect_listener(&pool));
+        let mut listener = match connected.await {
+            Ok(Ok(listener)) => listener,
+            failed => {
+                let error = match failed {
+                    Ok(Err(e)) => e.to_string(),
+                    _ => format!("no answer within {LISTENER_CONNECT_TIMEOUT:?}"),
+                };
+                failed_attempts += 1;
+                shared.status.send_replace(ListenerStatus::Down);
+                if in_outage {
+                    tracing::debug!(target: "idempotent", store = STORE, error = %error,
+                        "the listener for waiting duplicates still cannot connect");
+                } else {
+                    in_outage = true;
+                    tracing::warn!(target: "idempotent", store = STORE, error = %error,
+                        "the listener for waiting duplicates could not connect; they poll \
+                         until it does (retrying every {LISTENER_RECONNECT_PAUSE:?})");
+                }
                 tokio::time::sleep(LISTENER_RECONNECT_PAUSE).await;
                 continue;
             }
         };
-        shared.listening.send_replace(true);
-        loop {
-            match listener.try_recv().await {
-                Ok(Some(notification)) => {
-                    let waiters = shared.waiters.lock().unwrap_or_else(|p| p.into_inner());
-                    if let Some((_, notify)) = waiters.get(notification.payload()) {
-                        notify.notify_waiters();
-                    }
-                }
-                // The connection was lost and `PgListener` has reconnected and
-                // listens again: what was sent in between is lost, so every
-                // current waiter reserves again.
-                Ok(None) => {
-                    tracing::info!(target: "idempotent", store = STORE,
-                        "the listener for waiting duplicates reconnected; waking every waiter");
-                    shared.reset.notify_waiters();
-                }
-                Err(e) => {
-                    shared.listening.send_replace(false);
-                    shared.reset.notify_waiters();
-                    tracing::warn!(target: "idempotent", store = STORE, error = %e,
-                        "the listener for waiting duplicates lost its connection; they poll meanwhile");
-                    break;
-                }
-            }
+        if in_outage {
+            tracing::info!(target: "idempotent", store = STORE, failed_attempts,
+                "the listener for waiting duplicates listens again");
         }
+        failed_attempts = 0;
+        shared.status.send_replace(ListenerStatus::Listening);
+        let why = deliver(&mut listener, shared).await;
+        // Not listening from here on: waiters poll, and those asleep on the
+        // listener are woken (their notification may be lost) to look again.
+        shared.status.send_replace(ListenerStatus::Down);
+        shared.reset.notify_waiters();
+        in_outage = true;
+        tracing::warn!(target: "idempotent", store = STORE, reason = %why,
+            "the listener for waiting duplicates lost its connection; they poll until it \
+             reconnects");
         drop(listener);
         tokio::time::sleep(LISTENER_RECONNECT_PAUSE).await;
+    }
+}
+
+/// What the listener's loop waits for next.
+enum Heard {
+    Received(Result<Option<sqlx::postgres::PgNotification>, sqlx::Error>),
+    Quiet,
+    FirstWaiter,
+}
+
+/// Wakes the waiters each notification names, until the connection fails
+/// or goes silent; says why it stopped. A connection quiet for
+/// [`QUIET_WHILE_WAITED`] while somebody waits (else [`QUIET_WHILE_IDLE`])
+/// is checked with a `SELECT 1`, which must answer within
+/// [`LISTENER_CHECK_TIMEOUT`]: a half-open connection reports no error and
+/// delivers nothing. A healthy listener that hears notifications sends
+/// nothing.
+async fn deliver(listener: &mut sqlx::postgres::PgListener, shared: &WatchShared) -> String {
+    let mut heard = tokio::time::Instant::now();
+    loop {
+        let quiet = if shared.waiters().is_empty() {
+            QUIET_WHILE_IDLE
+        } else {
+            QUIET_WHILE_WAITED
+        };
+        // `try_recv` is cancel-safe while it waits for a message (sqlx reads
+        // a message into its buffer whole or not at all).
+        let next = tokio::select! {
+            received = listener.try_recv() => Heard::Received(received),
+            () = tokio::time::sleep_until(heard + quiet) => Heard::Quiet,
+            () = shared.first_waiter.notified() => Heard::FirstWaiter,
+        };
+        match next {
+            Heard::Received(Ok(Some(notification))) => {
+                heard = tokio::time::Instant::now();
+                if let Some((_, notify)) = shared.waiters().get(notification.payload()) {
+                    notify.notify_waiters();
+                }
+            }
+            // The connection was lost (`PgListener` does not reconnect by
+            // itself here: a reconnection is made, bounded, by `listen`).
+            Heard::Received(Ok(None)) => return "the connection was closed".to_owned(),
+            Heard::Received(Err(e)) => return e.to_string(),
+            Heard::Quiet => {
+                // Notifications that arrive meanwhile are buffered by the
+                // listener and delivered by the next `try_recv`.
+                let check = listener.execute("SELECT 1");
+                match tokio::time::timeout(LISTENER_CHECK_TIMEOUT, check).await {
+                    Ok(Ok(_)) => heard = tokio::time::Instant::now(),
+                    Ok(Err(e)) => return format!("checking a quiet connection: {e}"),
+                    Err(_) => {
+                        return format!(
+                            "the connection went silent (quiet for {quiet:?}, then no answer \
+                             to a check within {LISTENER_CHECK_TIMEOUT:?})"
+                        )
+                    }
+                }
+            }
+            // Look at the deadline again: now somebody waits.
+            Heard::FirstWaiter => {}
+        }
     }
 }
 
 async fn connect_listener(pool: &PgPool) -> Result<sqlx::postgres::PgListener, sqlx::Error> {
     let mut listener = sqlx::postgres::PgListener::connect_with(pool).await?;
     listener.ignore_pool_close_event(true);
+    // A lost connection ends `try_recv` with `Ok(None)`, and `listen` makes
+    // the next one, with a bound on how long that may take (a reconnection
+    // inside `try_recv` has none).
+    listener.eager_reconnect(false);
     listener.listen(WAIT_CHANNEL).await?;
     Ok(listener)
 }
@@ -1251,7 +1407,7 @@ impl PgStore {
         tokio::pin!(changed, reset);
         changed.as_mut().enable();
         reset.as_mut().enable();
-        if !self.watcher.ready(max_wait.min(LISTENER_READY_WAIT)).await {
+        if !self.watcher.listening(max_wait).await {
             let left = max_wait.saturating_sub(started.elapsed());
             return poll(round, left).await;
         }

@@ -1,0 +1,482 @@
+//! Waiting duplicates on [`PgStore`] when the store's `LISTEN` connection
+//! cannot help: it went silent (a half-open connection: nothing closed, no
+//! error, nothing delivered), or it cannot connect at all. A waiter must not
+//! trust a listener that hears nothing, and must poll at the documented
+//! backoff (5 ms doubling to 100 ms) while there is no listener, instead of
+//! waiting for one round after round.
+//!
+//! The faults are injected by a small proxy (below) that tells the listener's
+//! connection from the pool's by the `LISTEN` it sends: it can freeze the
+//! server's bytes to the listener connections open at that moment (the
+//! requests still reach the server), or cut every connection that tries to
+//! `LISTEN`. The store's other connections pass untouched.
+//!
+//! Every step is a handshake (the duplicate's mark is on the record, the
+//! duplicate made N reservations, the listener sent a new `LISTEN`). The
+//! tokio timeouts only turn a hang into a failure; each is far below the
+//! wait bound it guards (60 s) and far above what the path takes when it
+//! works (milliseconds to about three seconds).
+
+use crate::common::servers::{fresh_tenant, pg_store_or_skip, pg_url};
+use crate::counting::Counting;
+use idempotent_runtime::{idempotent, with_outcome, Error, Identity, Outcome, PgStore, Store};
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use std::net::SocketAddr;
+use std::str::FromStr;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{watch, Notify};
+
+/// What `PgListener` sends to listen on the store's channel (also when it
+/// listens again after a reconnection).
+const LISTEN: &[u8] = br#"LISTEN "idempotency_records""#;
+
+/// The longest any one step may take before the test fails. The wait bound
+/// of the calls below is 60 s; each step takes milliseconds to a few
+/// seconds when the store behaves.
+const STEP_LIMIT: Duration = Duration::from_secs(15);
+
+// ---------------------------------------------------------------- the proxy
+
+/// One proxied connection.
+struct Conn {
+    /// It sent `LISTEN`: the store's listener connection.
+    listening: AtomicBool,
+    /// Still open.
+    open: AtomicBool,
+    /// The server's bytes to the client are held while `true`.
+    frozen: watch::Sender<bool>,
+}
+
+struct ProxyShared {
+    upstream: SocketAddr,
+    conns: Mutex<Vec<Arc<Conn>>>,
+    /// Cut every connection that sends `LISTEN` (the listener cannot connect).
+    cut_listens: AtomicBool,
+    /// `LISTEN` requests forwarded to the server.
+    listens: watch::Sender<usize>,
+    /// Connections cut because they sent `LISTEN`.
+    cuts: watch::Sender<usize>,
+    shutdown: watch::Sender<bool>,
+}
+
+/// A TCP proxy on loopback in front of the test's PostgreSQL server that
+/// can fault the `LISTEN` connections only. Dropping it closes every
+/// connection.
+struct ListenerProxy {
+    port: u16,
+    shared: Arc<ProxyShared>,
+    accept: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for ListenerProxy {
+    fn drop(&mut self) {
+        self.shared.shutdown.send_replace(true);
+        self.accept.abort();
+    }
+}
+
+impl ListenerProxy {
+    async fn start() -> Self {
+        let options = PgConnectOptions::from_str(&pg_url()).expect("the test URL");
+        let upstream = tokio::net::lookup_host((options.get_host(), options.get_port()))
+            .await
+            .expect("resolve the server")
+            .next()
+            .expect("the server's address");
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let port = listener.local_addr().expect("the proxy's address").port();
+        let shared = Arc::new(ProxyShared {
+            upstream,
+            conns: Mutex::new(Vec::new()),
+            cut_listens: AtomicBool::new(false),
+            listens: watch::channel(0).0,
+            cuts: watch::channel(0).0,
+            shutdown: watch::channel(false).0,
+        });
+        let accept = tokio::spawn({
+            let shared = shared.clone();
+            async move {
+                while let Ok((client, _)) = listener.accept().await {
+                    tokio::spawn(serve(client, shared.clone()));
+                }
+            }
+        });
+        ListenerProxy {
+            port,
+            shared,
+            accept,
+        }
+    }
+
+    /// A store whose every connection (its pool's and its listener's) goes
+    /// through the proxy.
+    async fn store(&self) -> PgStore {
+        let options = PgConnectOptions::from_str(&pg_url())
+            .expect("the test URL")
+            .host("127.0.0.1")
+            .port(self.port);
+        let pool = PgPoolOptions::new()
+            .max_connections(4)
+            .acquire_timeout(Duration::from_secs(5))
+            .connect_with(options)
+            .await
+            .expect("a pool through the proxy");
+        PgStore::from_pool(pool)
+            .await
+            .expect("a store through the proxy")
+    }
+
+    /// Holds, from now on, every byte the server sends to the listener
+    /// connections open now (they were not closed, they report no error,
+    /// they just go silent). Returns how many were frozen.
+    fn freeze_listeners(&self) -> usize {
+        let conns = self.shared.conns.lock().unwrap_or_else(|p| p.into_inner());
+        let mut frozen = 0;
+        for conn in conns.iter() {
+            if conn.open.load(Ordering::SeqCst) && conn.listening.load(Ordering::SeqCst) {
+                conn.frozen.send_replace(true);
+                frozen += 1;
+            }
+        }
+        frozen
+    }
+
+    /// From now on, a connection that sends `LISTEN` is closed instead.
+    fn cut_listens(&self) {
+        self.shared.cut_listens.store(true, Ordering::SeqCst);
+    }
+
+    fn listens(&self) -> usize {
+        *self.shared.listens.borrow()
+    }
+
+    /// Waits until `n` connections in all were cut for sending `LISTEN`.
+    async fn until_cuts(&self, n: usize) {
+        let mut cuts = self.shared.cuts.subscribe();
+        let _ = cuts.wait_for(|cut| *cut >= n).await;
+    }
+
+    /// Waits until `n` `LISTEN` requests in all were forwarded.
+    async fn until_listens(&self, n: usize) {
+        let mut listens = self.shared.listens.subscribe();
+        let _ = listens.wait_for(|seen| *seen >= n).await;
+    }
+}
+
+async fn serve(client: TcpStream, shared: Arc<ProxyShared>) {
+    let mut shutdown = shared.shutdown.subscribe();
+    let Ok(server) = TcpStream::connect(shared.upstream).await else {
+        return;
+    };
+    let _ = client.set_nodelay(true);
+    let _ = server.set_nodelay(true);
+    let conn = Arc::new(Conn {
+        listening: AtomicBool::new(false),
+        open: AtomicBool::new(true),
+        frozen: watch::channel(false).0,
+    });
+    shared
+        .conns
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .push(conn.clone());
+    let (client_read, client_write) = client.into_split();
+    let (server_read, server_write) = server.into_split();
+    tokio::select! {
+        () = to_server(client_read, server_write, &shared, &conn) => {}
+        () = to_client(server_read, client_write, &conn) => {}
+        _ = shutdown.wait_for(|stop| *stop) => {}
+    }
+    conn.open.store(false, Ordering::SeqCst);
+}
+
+async fn to_server(
+    mut from: OwnedReadHalf,
+    mut to: OwnedWriteHalf,
+    shared: &ProxyShared,
+    conn: &Conn,
+) {
+    let mut buf = vec![0u8; 64 * 1024];
+    // The previous chunk's tail, so a `LISTEN` split across reads is seen.
+    let mut tail: Vec<u8> = Vec::new();
+    loop {
+        let n = match from.read(&mut buf).await {
+            Ok(0) | Err(_) => return,
+            Ok(n) => n,
+        };
+        let mut window = std::mem::take(&mut tail);
+        window.extend_from_slice(&buf[..n]);
+        let listen = window.windows(LISTEN.len()).any(|w| w == LISTEN);
+        if listen && shared.cut_listens.load(Ordering::SeqCst) {
+            shared.cuts.send_modify(|cuts| *cuts += 1);
+            return;
+        }
+        if listen {
+            conn.listening.store(true, Ordering::SeqCst);
+        }
+        if to.write_all(&buf[..n]).await.is_err() {
+            return;
+        }
+        if listen {
+            shared.listens.send_modify(|seen| *seen += 1);
+        }
+        tail = window[window.len().saturating_sub(LISTEN.len() - 1)..].to_vec();
+    }
+}
+
+async fn to_client(mut from: OwnedReadHalf, mut to: OwnedWriteHalf, conn: &Conn) {
+    let mut buf = vec![0u8; 64 * 1024];
+    let mut frozen = conn.frozen.subscribe();
+    loop {
+        let n = match from.read(&mut buf).await {
+            Ok(0) | Err(_) => return,
+            Ok(n) => n,
+        };
+        if frozen.wait_for(|frozen| !*frozen).await.is_err() {
+            return;
+        }
+        if to.write_all(&buf[..n]).await.is_err() {
+            return;
+        }
+    }
+}
+
+// ---------------------------------------------------------------- the log
+
+/// The runtime's warnings (target `idempotent`), captured process-wide: the
+/// listener runs on a thread of its own, which a scoped subscriber would
+/// not see. Each test looks only for messages no other test produces.
+mod log {
+    use std::sync::Mutex;
+    use tracing_subscriber::layer::{Context, SubscriberExt};
+    use tracing_subscriber::Layer;
+
+    static WARNINGS: Mutex<Vec<String>> = Mutex::new(Vec::new());
+
+    struct Capture;
+
+    /// Every field of an event, the message among them.
+    struct Message(String);
+
+    impl tracing::field::Visit for Message {
+        fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+            self.0.push_str(&format!("{}={value:?} ", field.name()));
+        }
+    }
+
+    impl<S: tracing::Subscriber> Layer<S> for Capture {
+        fn on_event(&self, event: &tracing::Event<'_>, _: Context<'_, S>) {
+            let meta = event.metadata();
+            if meta.target() == "idempotent" && *meta.level() == tracing::Level::WARN {
+                let mut message = Message(String::new());
+                event.record(&mut message);
+                WARNINGS
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .push(message.0);
+            }
+        }
+    }
+
+    /// Starts capturing (once per process).
+    pub fn capture() {
+        static ONCE: std::sync::Once = std::sync::Once::new();
+        ONCE.call_once(|| {
+            let filter = tracing_subscriber::filter::Targets::new()
+                .with_target("idempotent", tracing::Level::WARN);
+            let subscriber = tracing_subscriber::registry().with(Capture.with_filter(filter));
+            tracing::subscriber::set_global_default(subscriber)
+                .expect("no other global subscriber in this test binary");
+        });
+    }
+
+    /// How many warnings so far contain `text` (in any field).
+    pub fn warnings_containing(text: &str) -> usize {
+        WARNINGS
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .filter(|w| w.contains(text))
+            .count()
+    }
+}
+
+// ---------------------------------------------------------------- the calls
+
+/// Holds a body open: it notifies `reached` once it runs, then waits for `go`.
+#[derive(Default)]
+struct Hold {
+    reached: Notify,
+    go: Notify,
+}
+
+impl Hold {
+    async fn here(&self) {
+        self.reached.notify_one();
+        self.go.notified().await;
+    }
+}
+
+const SCOPE: &str = "waiting.pg_listener.charge";
+
+#[idempotent(scope = "waiting.pg_listener.charge", key = key, tenant = tenant, store = store,
+             skip(hold, runs), in_progress = wait("60s"), lease = "60s")]
+async fn charge(
+    store: &dyn Store,
+    tenant: &str,
+    key: &str,
+    amount: u64,
+    hold: Option<&Hold>,
+    runs: &AtomicUsize,
+) -> Result<u64, Error> {
+    runs.fetch_add(1, Ordering::SeqCst);
+    if let Some(hold) = hold {
+        hold.here().await;
+    }
+    Ok(amount * 10)
+}
+
+/// Waits until a duplicate's mark is on the record: it registered with a
+/// listener that was listening, and waits for a notification.
+async fn until_marked(store: &PgStore, identity: &Identity) {
+    loop {
+        let marked: Option<bool> = sqlx::query_scalar(
+            "SELECT waiting FROM idempotency_records WHERE tenant = $1 AND scope = $2 AND key = $3",
+        )
+        .bind(identity.tenant())
+        .bind(identity.scope())
+        .bind(identity.key())
+        .fetch_optional(store.pool())
+        .await
+        .expect("read the mark");
+        if marked == Some(true) {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+async fn step<T>(what: &str, future: impl std::future::Future<Output = T>) -> T {
+    tokio::time::timeout(STEP_LIMIT, future)
+        .await
+        .unwrap_or_else(|_| panic!("waited {STEP_LIMIT:?} (the wait bound is 60 s) for {what}"))
+}
+
+// ---------------------------------------------------------------- the tests
+
+/// The duplicate waits on a listening listener; then the listener's
+/// connection goes silent (the server's bytes to it are held: half-open,
+/// no error, no close) and the owner completes, so its notification never
+/// arrives. The listener must notice the silence on its own (it checks a
+/// connection that has been quiet), say it is not listening, wake the
+/// waiter (which looks at the record again and replays) and reconnect.
+/// Before, the listener trusted the connection for as long as it lived: it
+/// never reconnected, and the waiter slept out its 5 s slice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_listener_connection_is_noticed_its_waiters_answered_and_it_reconnects() {
+    let Some(owner_store) = pg_store_or_skip().await else {
+        return;
+    };
+    log::capture();
+    let proxy = ListenerProxy::start().await;
+    let dup_store = proxy.store().await;
+    let (tenant, key) = (fresh_tenant(), "silent-1".to_owned());
+    let identity = Identity::new(&tenant, SCOPE, &key).expect("identity");
+    let (hold, runs) = (Hold::default(), AtomicUsize::new(0));
+    let owner_call = charge(&owner_store, &tenant, &key, 4, Some(&hold), &runs);
+    let duplicate = async {
+        hold.reached.notified().await;
+        let dup_call = with_outcome(charge(&dup_store, &tenant, &key, 4, None, &runs));
+        let fault = async {
+            step(
+                "the duplicate's mark",
+                until_marked(&owner_store, &identity),
+            )
+            .await;
+            assert_eq!(proxy.listens(), 1, "one listener, listening once");
+            assert_eq!(
+                proxy.freeze_listeners(),
+                1,
+                "the duplicate's store has one listener connection"
+            );
+            // The owner completes now: its notification is held in the
+            // frozen connection.
+            hold.go.notify_one();
+        };
+        let (answer, ()) = tokio::join!(step("the duplicate's answer", dup_call), fault);
+        answer
+    };
+    let (owned, (replayed, outcome)) = tokio::join!(owner_call, duplicate);
+    assert_eq!(owned.expect("owner"), 40);
+    assert_eq!(replayed.expect("duplicate"), 40, "the duplicate replays");
+    assert_eq!(outcome, Some(Outcome::Replayed));
+    assert_eq!(runs.load(Ordering::SeqCst), 1, "the body ran once");
+    step(
+        "the listener to notice its silent connection and LISTEN on a new one",
+        proxy.until_listens(2),
+    )
+    .await;
+    assert_eq!(
+        log::warnings_containing("went silent"),
+        1,
+        "the silent connection is logged, once"
+    );
+}
+
+/// The listener cannot connect (every connection that tries to `LISTEN` is
+/// cut, as a role's connection limit or a broken route would refuse it).
+/// The duplicate must poll at the documented backoff (5 ms doubling to
+/// 100 ms): the owner completes once the duplicate has looked at the record
+/// 30 times, which polling does in under 3 s. Before, every round first
+/// waited up to a second for a listener that was not coming, without
+/// looking at the record (30 rounds took about 30 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiter_polls_at_the_documented_backoff_while_the_listener_cannot_connect() {
+    let Some(owner_store) = pg_store_or_skip().await else {
+        return;
+    };
+    log::capture();
+    let proxy = ListenerProxy::start().await;
+    proxy.cut_listens();
+    let dup = Counting::new(proxy.store().await);
+    let (tenant, key) = (fresh_tenant(), "no-listener-1".to_owned());
+    let (hold, runs) = (Hold::default(), AtomicUsize::new(0));
+    let owner_call = charge(&owner_store, &tenant, &key, 6, Some(&hold), &runs);
+    let duplicate = async {
+        hold.reached.notified().await;
+        let dup_call = with_outcome(charge(&dup, &tenant, &key, 6, None, &runs));
+        let release = async {
+            while dup.reserves() < 30 {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            hold.go.notify_one();
+        };
+        let (answer, ()) = tokio::join!(dup_call, release);
+        answer
+    };
+    let (owned, (replayed, outcome)) = step(
+        "the duplicate to look at the record 30 times and replay",
+        async { tokio::join!(owner_call, duplicate) },
+    )
+    .await;
+    assert_eq!(owned.expect("owner"), 60);
+    assert_eq!(replayed.expect("duplicate"), 60, "the duplicate replays");
+    assert_eq!(outcome, Some(Outcome::Replayed));
+    assert_eq!(runs.load(Ordering::SeqCst), 1, "the body ran once");
+    step(
+        "the listener to try to connect three times",
+        proxy.until_cuts(3),
+    )
+    .await;
+    assert_eq!(proxy.listens(), 0, "the listener never listened");
+    assert_eq!(
+        log::warnings_containing("could not connect"),
+        1,
+        "the outage is logged once, not at every attempt"
+    );
+}
