@@ -167,6 +167,12 @@ pub trait ErrorHandling<E> {
     fn check_faithful(&self, _error: &E) -> Result<(), String> {
         Ok(())
     }
+    /// Rule 12 for a recorded error: `payload` (what `error` was recorded as)
+    /// reads back as an equal error (see [`reads_back_equal`]).
+    fn reads_back(&self, error: &E, payload: &[u8]) -> Result<(), String> {
+        let _ = error;
+        self.replay(payload).map(drop)
+    }
 }
 
 /// `errors = release` (the default): every `Err` releases the key.
@@ -197,6 +203,9 @@ impl<E: Serialize + DeserializeOwned> ErrorHandling<E> for RecordErrors {
     fn check_faithful(&self, error: &E) -> Result<(), String> {
         crate::fingerprint::check_faithful_json(error)
     }
+    fn reads_back(&self, error: &E, payload: &[u8]) -> Result<(), String> {
+        reads_back_equal(error, payload)
+    }
     fn replay(&self, payload: &[u8]) -> Result<E, String> {
         serde_json::from_slice(payload).map_err(|e| replay_failure(&e))
     }
@@ -212,6 +221,9 @@ impl<E: Serialize + DeserializeOwned, F: Fn(&E) -> bool> ErrorHandling<E> for Re
     }
     fn check_faithful(&self, error: &E) -> Result<(), String> {
         crate::fingerprint::check_faithful_json(error)
+    }
+    fn reads_back(&self, error: &E, payload: &[u8]) -> Result<(), String> {
+        reads_back_equal(error, payload)
     }
     fn replay(&self, payload: &[u8]) -> Result<E, String> {
         serde_json::from_slice(payload).map_err(|e| replay_failure(&e))
@@ -1167,9 +1179,7 @@ pub(crate) fn outcome_to_record<R: IdempotentReturn, H: ErrorHandling<R::Failure
             faithful(crate::fingerprint::check_faithful_json(value))?;
             let payload = serde_json::to_vec(value).map_err(|e| encoding(e.to_string()))?;
             too_large(payload.len())?;
-            faithful(reads_back(
-                serde_json::from_slice::<R::Value>(&payload).map(drop),
-            ))?;
+            faithful(reads_back_equal(value, &payload))?;
             StoredOutcome {
                 is_error: false,
                 payload,
@@ -1181,7 +1191,7 @@ pub(crate) fn outcome_to_record<R: IdempotentReturn, H: ErrorHandling<R::Failure
                 faithful(errors.check_faithful(e))?;
                 let payload = bytes.map_err(encoding)?;
                 too_large(payload.len())?;
-                faithful(errors.replay(&payload).map(drop).map_err(|message| {
+                faithful(errors.reads_back(e, &payload).map_err(|message| {
                     format!("the recorded error would not read back: {message}")
                 }))?;
                 StoredOutcome {
@@ -1194,13 +1204,22 @@ pub(crate) fn outcome_to_record<R: IdempotentReturn, H: ErrorHandling<R::Failure
     Ok(Some(stored))
 }
 
-/// Rule 12 for a value serde writes but cannot read back as its own type:
-/// `u128`/`i128` inside `#[serde(flatten)]` or an internally tagged enum
-/// (serde buffers those and its buffer has no 128-bit integers), number map
-/// keys under `#[serde(flatten)]`, a field skipped when serialized
-/// (`skip_serializing_if`) without `#[serde(default)]`.
-fn reads_back(decoded: Result<(), serde_json::Error>) -> Result<(), String> {
-    decoded.map_err(|e| {
+/// Rule 12: `payload`, what `original` was written as, must read back as its
+/// own type, and as a value equal to it. serde writes some values it cannot
+/// read: `u128`/`i128` inside `#[serde(flatten)]` or an internally tagged
+/// enum (serde buffers those and its buffer has no 128-bit integers), number
+/// map keys under `#[serde(flatten)]`, a field skipped when serialized
+/// (`skip_serializing_if`) without `#[serde(default)]`. And some it reads as
+/// another value: a flattened `Option` whose `None` comes back `Some` (of a
+/// struct whose fields all have defaults, or an empty map), a field skipped
+/// when serialized whose `default` is another value. The value read back is
+/// written again: the same JSON, or (maps and sets written in another order)
+/// the same canonical form, means equal.
+pub(crate) fn reads_back_equal<T: Serialize + DeserializeOwned>(
+    original: &T,
+    payload: &[u8],
+) -> Result<(), String> {
+    let decoded: T = serde_json::from_slice(payload).map_err(|e| {
         format!(
             "written as JSON it does not read back as its own type ({}): check the type's serde \
              attributes (a 128-bit integer inside `#[serde(flatten)]` or an internally tagged \
@@ -1208,7 +1227,22 @@ fn reads_back(decoded: Result<(), serde_json::Error>) -> Result<(), String> {
              without `#[serde(default)]`)",
             replay_failure(&e)
         )
-    })
+    })?;
+    if serde_json::to_vec(&decoded).is_ok_and(|again| again == payload) {
+        return Ok(());
+    }
+    match (Fingerprint::of(original), Fingerprint::of(&decoded)) {
+        (Ok(before), Ok(after)) if before.as_str() != after.as_str() => Err(
+            "written as JSON it reads back as another value: check the type's serde attributes \
+             (`#[serde(flatten)]` on an `Option`, whose `None` reads back as `Some` when every \
+             field of the inner type has a default; a `skip_serializing_if` field whose \
+             `default` is another value)"
+                .to_owned(),
+        ),
+        // Equal; or a value the canonical form cannot write, for which
+        // reading back as its own type is what can be checked.
+        _ => Ok(()),
+    }
 }
 
 pub(crate) fn decode_replay<R: IdempotentReturn, H: ErrorHandling<R::Failure>>(

@@ -390,6 +390,89 @@ pub async fn unreadable_error(
     }))
 }
 
+/// A receipt serde reads back as *another* value: a flattened `Option` of a
+/// struct whose fields all have defaults comes back `Some` when it was
+/// `None`; a field skipped when zero comes back as its `default` (1).
+#[derive(Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct ChangingReceipt {
+    pub id: u64,
+    #[serde(flatten)]
+    pub note: Option<Note>,
+    #[serde(default = "one", skip_serializing_if = "is_zero")]
+    pub copies: u32,
+    /// Order-free parts: written again in another order, still equal.
+    pub tags: std::collections::HashSet<String>,
+    pub by_tag: std::collections::HashMap<String, u32>,
+}
+
+#[derive(Debug, PartialEq, Default, serde::Serialize, serde::Deserialize)]
+pub struct Note {
+    #[serde(default)]
+    pub text: Option<String>,
+}
+
+fn one() -> u32 {
+    1
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
+}
+
+/// Returns a [`ChangingReceipt`] (rule 12): `None` note, or zero copies,
+/// or (with neither) one that reads back equal.
+#[idempotent(scope = "contract.changing", key = key, tenant = tenant, store = store, skip(runs))]
+pub async fn changing_result(
+    store: &dyn Store,
+    tenant: &str,
+    key: &str,
+    note: bool,
+    copies: u32,
+    runs: &AtomicUsize,
+) -> Result<ChangingReceipt, Error> {
+    runs.fetch_add(1, Ordering::SeqCst);
+    let tags: std::collections::HashSet<String> = (0..16).map(|i| format!("tag-{i}")).collect();
+    Ok(ChangingReceipt {
+        id: 1,
+        note: note.then(Note::default),
+        copies,
+        by_tag: tags.iter().map(|t| (t.clone(), 1)).collect(),
+        tags,
+    })
+}
+
+/// An error that reads back as another one: its flattened `Option` is `None`.
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+pub enum ChangingError {
+    Declined {
+        code: u32,
+        #[serde(flatten)]
+        note: Option<Note>,
+    },
+    Library(String),
+}
+
+impl From<Error> for ChangingError {
+    fn from(e: Error) -> Self {
+        ChangingError::Library(e.to_string())
+    }
+}
+
+#[idempotent(scope = "contract.changing_error", key = key, tenant = tenant, store = store,
+             skip(runs), errors = record)]
+pub async fn changing_error(
+    store: &dyn Store,
+    tenant: &str,
+    key: &str,
+    runs: &AtomicUsize,
+) -> Result<u64, ChangingError> {
+    runs.fetch_add(1, Ordering::SeqCst);
+    Err(ChangingError::Declined {
+        code: 3,
+        note: None,
+    })
+}
+
 /// Equal sets and maps built in different orders, each with its own hasher state.
 pub fn set_args(
     n: usize,
@@ -944,6 +1027,34 @@ macro_rules! contract_tests {
                 "{err:?}"
             );
             assert!(store.fetch(&id(&t, "contract.unreadable_error", "k")).await.unwrap().is_none(), "released");
+        }
+
+        /// Rule 12: a result (or a recorded error) that reads back as its own
+        /// type but as *another value* is refused when it is recorded. It was
+        /// recorded, and every retry got the other value (a `None` note as
+        /// `Some`, zero copies as one). Maps and sets that come back in
+        /// another order are equal, and recorded.
+        #[tokio::test]
+        async fn a_result_that_would_read_back_as_another_value_is_refused() {
+            let Some(store) = store().await else { return };
+            let (t, runs) = (fresh_tenant(), AtomicUsize::new(0));
+            for (key, note, copies) in [("none-note", false, 2), ("zero-copies", true, 0)] {
+                let err = changing_result(&*store, &t, key, note, copies, &runs).await.unwrap_err();
+                assert!(matches!(err, Error::ResultNotFaithful { ref scope, .. } if scope == "contract.changing"), "{key}: {err:?}");
+                assert!(err.to_string().contains("another value"), "{err}");
+                assert!(store.fetch(&id(&t, "contract.changing", key)).await.unwrap().is_none(), "released");
+            }
+            let first = changing_result(&*store, &t, "equal", true, 2, &runs).await.expect("recorded");
+            let (again, how) = with_outcome(changing_result(&*store, &t, "equal", true, 2, &runs)).await;
+            assert_eq!((again.expect("replayed"), how), (first, Some(Outcome::Replayed)));
+            assert_eq!(runs.load(Ordering::SeqCst), 3);
+
+            let err = changing_error(&*store, &t, "k", &runs).await.unwrap_err();
+            assert!(
+                matches!(&err, ChangingError::Library(message) if message.contains("contract.changing_error") && message.contains("another value")),
+                "{err:?}"
+            );
+            assert!(store.fetch(&id(&t, "contract.changing_error", "k")).await.unwrap().is_none(), "released");
         }
 
         /// Rule 6: a record made by an older version (canonical form v1, which
