@@ -773,3 +773,60 @@ async fn connection_and_pid() -> (sqlx::PgConnection, i32) {
         .expect("pid");
     (conn, pid)
 }
+
+/// The body's own error, for [`declines_after_a_failed_statement`].
+#[derive(Debug)]
+enum DeclineOr {
+    Declined,
+    #[allow(dead_code)] // shown by Debug when a test fails
+    Library(idempotent_runtime::Error),
+}
+
+impl From<idempotent_runtime::Error> for DeclineOr {
+    fn from(e: idempotent_runtime::Error) -> Self {
+        DeclineOr::Library(e)
+    }
+}
+
+/// Runs a statement that fails (which aborts a PostgreSQL transaction), then
+/// declines; its error releases the key (`errors = release`).
+#[idempotent_runtime::idempotent(scope = "pg_edges.aborted", key = key, tenant = tenant, tx = tx,
+    skip(runs))]
+async fn declines_after_a_failed_statement(
+    tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
+    tenant: &str,
+    key: &str,
+    runs: &std::sync::atomic::AtomicUsize,
+) -> Result<u64, DeclineOr> {
+    runs.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    let failed = sqlx::query("SELECT 1 / 0").execute(&mut **tx).await;
+    assert!(failed.is_err(), "division by zero fails");
+    Err(DeclineOr::Declined)
+}
+
+/// Rules 13 and 15: a body whose failing statement aborted the caller's
+/// transaction, and that then returns its own error, gets that error back.
+/// The release could not run in the aborted transaction, and its store
+/// failure ("current transaction is aborted") replaced the body's error
+/// (an HTTP 503 instead of the handler's answer); the rollback the
+/// transaction must end with undoes the reservation, so the key is free:
+/// the retry runs again.
+#[tokio::test]
+async fn a_body_error_after_its_transaction_was_aborted_is_the_callers_answer() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let Some(store) = pg_store_or_skip().await else {
+        return;
+    };
+    let (tenant, runs) = (fresh_tenant(), AtomicUsize::new(0));
+    for round in 1..=2 {
+        let mut tx = store.pool().begin().await.expect("begin");
+        let answer = declines_after_a_failed_statement(&mut tx, &tenant, "k", &runs).await;
+        assert!(matches!(answer, Err(DeclineOr::Declined)), "{answer:?}");
+        tx.rollback().await.expect("rollback");
+        assert_eq!(
+            runs.load(Ordering::SeqCst),
+            round,
+            "the key was free: the retry ran"
+        );
+    }
+}

@@ -920,9 +920,36 @@ crate::transaction::transactional_connection! {
         in_transaction: in_transaction,
         reserve: reserve_in_transaction,
         complete: complete_with,
-        release: release_with,
+        release: release_in_transaction,
         heartbeat: heartbeat_with,
         may_wait: reads_what_others_commit,
+    }
+}
+
+/// PostgreSQL's SQLSTATE for a statement sent in a transaction a failed
+/// statement aborted.
+const IN_FAILED_TRANSACTION: &str = "25P02";
+
+/// Transactional mode's release: [`release_with`] in the caller's
+/// transaction. One that a failed statement in the body aborted (SQLSTATE
+/// 25P02) runs no more statements, and can only end in a rollback (its
+/// `COMMIT` rolls back too), which undoes the reservation: the key is as
+/// free as a release leaves it, so the body's own error is what the caller
+/// gets, not a store failure.
+async fn release_in_transaction(
+    conn: &mut sqlx::PgConnection,
+    identity: &Identity,
+    token: &OwnerToken,
+) -> Result<Fenced, StoreError> {
+    match release_with(&mut *conn, identity, token).await {
+        Err(e)
+            if e.source.downcast_ref::<sqlx::Error>().is_some_and(|e| {
+                matches!(e, sqlx::Error::Database(db) if db.code().as_deref() == Some(IN_FAILED_TRANSACTION))
+            }) =>
+        {
+            Ok(Fenced::Written)
+        }
+        other => other,
     }
 }
 
