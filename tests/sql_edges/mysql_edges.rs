@@ -1426,3 +1426,141 @@ async fn a_takeover_is_not_held_up_by_a_waiter_of_the_same_identity_in_another_d
         "B's expired lease is taken over, whatever A's sessions do: got {takeover:?}"
     );
 }
+
+/// Rows two transactions lock in opposite orders, and the handshakes of
+/// [`a_transaction_the_server_rolled_back_is_not_reported_as_a_takeover`].
+#[derive(Default)]
+struct Deadlock {
+    first: i64,
+    second: i64,
+    first_locked: Notify,
+    other_waits: Notify,
+    /// Whether the body's second lock was refused as a deadlock (1213).
+    victim: std::sync::atomic::AtomicBool,
+}
+
+/// Locks `first`, then (once the other transaction waits for it) `second`,
+/// which the other transaction holds: a deadlock, whose victim is this
+/// lighter transaction. The body carries on and answers `Ok`.
+#[idempotent(scope = "mysql_edges.deadlock", key = key, tenant = tenant, tx = tx, skip(rows))]
+async fn deadlocked(
+    tx: &mut sqlx::Transaction<'_, MySql>,
+    tenant: &str,
+    key: &str,
+    rows: &Deadlock,
+) -> Result<u64, Error> {
+    sqlx::query("SELECT n FROM idempotent_test_deadlock WHERE id = ? FOR UPDATE")
+        .bind(rows.first)
+        .execute(&mut **tx)
+        .await
+        .expect("lock the first row");
+    rows.first_locked.notify_one();
+    rows.other_waits.notified().await;
+    let second = sqlx::query("SELECT n FROM idempotent_test_deadlock WHERE id = ? FOR UPDATE")
+        .bind(rows.second)
+        .execute(&mut **tx)
+        .await;
+    let deadlock =
+        matches!(&second, Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("40001"));
+    rows.victim.store(deadlock, Ordering::SeqCst);
+    Ok(1)
+}
+
+/// Transactional mode on MariaDB: InnoDB rolls a deadlock's victim back
+/// whole, the reservation with it. The completion then finds no record, and
+/// the call said `LeaseLost` ("taken over by another caller"), which nobody
+/// did. It is now a store error saying the server rolled the transaction
+/// back. Handshake: the other transaction is seen waiting for the body's
+/// lock (InnoDB's lock-wait state) before the body asks for the other's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transaction_the_server_rolled_back_is_not_reported_as_a_takeover() {
+    let Some(store) = mysql_store_or_skip().await else {
+        return;
+    };
+    let pool = store.pool().clone();
+    pool.execute(
+        "CREATE TABLE IF NOT EXISTS idempotent_test_deadlock (id BIGINT PRIMARY KEY, n INT NOT NULL)",
+    )
+    .await
+    .expect("table");
+    let base = i64::from(rand_u16()) * 100 + i64::from(std::process::id() % 1000) * 10_000_000;
+    let rows = Deadlock {
+        first: base + 1,
+        second: base + 2,
+        ..Deadlock::default()
+    };
+    // The other transaction's filler rows make it the heavier one.
+    for id in base + 1..=base + 12 {
+        sqlx::query("REPLACE INTO idempotent_test_deadlock (id, n) VALUES (?, 0)")
+            .bind(id)
+            .execute(&pool)
+            .await
+            .expect("row");
+    }
+    let tenant = fresh_tenant();
+    let mut tx = pool.begin().await.expect("begin");
+    let call = deadlocked(&mut tx, &tenant, "k", &rows);
+    let other = async {
+        let mut conn = pool.acquire().await.expect("acquire");
+        let id: i64 = sqlx::query_scalar("SELECT CAST(CONNECTION_ID() AS SIGNED)")
+            .fetch_one(&mut *conn)
+            .await
+            .expect("id");
+        conn.execute("BEGIN").await.expect("begin");
+        sqlx::query("UPDATE idempotent_test_deadlock SET n = n + 1 WHERE id BETWEEN ? AND ?")
+            .bind(base + 2)
+            .bind(base + 12)
+            .execute(&mut *conn)
+            .await
+            .expect("update (locks the second row)");
+        rows.first_locked.notified().await;
+        let waiting = async {
+            for _ in 0..1_000 {
+                let state: Option<String> = sqlx::query_scalar(
+                    "SELECT trx_state FROM information_schema.innodb_trx WHERE trx_mysql_thread_id = ?",
+                )
+                .bind(id)
+                .fetch_optional(&pool)
+                .await
+                .expect("innodb_trx");
+                if state.as_deref() == Some("LOCK WAIT") {
+                    rows.other_waits.notify_one();
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            panic!("the other transaction never waited for the first row");
+        };
+        let lock_first =
+            sqlx::query("SELECT n FROM idempotent_test_deadlock WHERE id = ? FOR UPDATE")
+                .bind(base + 1)
+                .execute(&mut *conn);
+        let (locked, ()) = tokio::join!(lock_first, waiting);
+        locked.expect("the other transaction gets the first row once the victim is rolled back");
+        conn.execute("ROLLBACK").await.expect("rollback");
+    };
+    let (answer, ()) = tokio::join!(call, other);
+    assert!(
+        rows.victim.load(Ordering::SeqCst),
+        "the body's transaction was the deadlock's victim"
+    );
+    match answer {
+        Err(Error::Store(e)) => assert!(e.to_string().contains("rolled back by the server"), "{e}"),
+        other => panic!("expected a store error naming the rollback, got {other:?}"),
+    }
+    let _ = tx.rollback().await;
+    let identity = Identity::new(tenant.as_str(), "mysql_edges.deadlock", "k").expect("identity");
+    assert!(
+        store.fetch(&identity).await.expect("fetch").is_none(),
+        "nothing recorded"
+    );
+}
+
+/// A number for this test's rows, different from run to run.
+fn rand_u16() -> u16 {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.subsec_nanos())
+        .unwrap_or(0);
+    (nanos % 60_000) as u16
+}

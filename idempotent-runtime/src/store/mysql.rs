@@ -977,11 +977,41 @@ crate::transaction::transactional_connection! {
         store: STORE,
         in_transaction: in_transaction,
         reserve: reserve_in_transaction,
-        complete: complete_with,
+        complete: complete_in_transaction,
         release: release_with,
         heartbeat: heartbeat_with,
     }
 }
+
+/// Transactional mode's completion: [`complete_with`] in the caller's
+/// transaction. When it finds no record of this call's, and the session is
+/// no longer in a transaction, the server ended the caller's transaction
+/// while the body ran: InnoDB rolls back a deadlock's victim whole (and a
+/// lock wait timeout's with `innodb_rollback_on_timeout`), reservation and
+/// body's writes alike. Nobody took the record over, so that is not
+/// `LeaseLost`: it is a store error that says so; a retry in a new
+/// transaction runs again.
+async fn complete_in_transaction(
+    conn: &mut sqlx::MySqlConnection,
+    completion: Completion<'_>,
+) -> Result<Fenced, StoreError> {
+    let written = complete_with(&mut *conn, completion).await?;
+    if written == Fenced::NotOwner && !in_transaction(conn).await? {
+        return Err(StoreError::new(
+            STORE,
+            "complete",
+            TRANSACTION_ENDED_BY_THE_SERVER,
+        ));
+    }
+    Ok(written)
+}
+
+/// What a transactional call whose transaction the server rolled back is told.
+const TRANSACTION_ENDED_BY_THE_SERVER: &str = concat!(
+    "the caller's transaction was rolled back by the server while the body ran (a deadlock, ",
+    "or a lock wait timeout with innodb_rollback_on_timeout): the reservation and the body's ",
+    "writes were undone and nothing was recorded; run the call again in a new transaction"
+);
 
 /// Whether the session's clock was set (`SET timestamp = …`): `NOW()` and
 /// `UNIX_TIMESTAMP()`, which the store's statements read, then give the set
