@@ -85,6 +85,22 @@ impl Intercept for StallFirstRenewer {
     }
 }
 
+/// Takes the record for an owner of its own, with `lease`, that never
+/// finishes (as one that crashed, or another caller).
+async fn take(store: &dyn Store, identity: &Identity, lease: Duration) {
+    let taken = store
+        .reserve(ReserveRequest {
+            identity,
+            fingerprint: None,
+            token: &OwnerToken::new(),
+            lease,
+            ttl: Duration::from_secs(3600),
+        })
+        .await
+        .expect("reserve");
+    assert!(matches!(taken, Reservation::Acquired { .. }), "{taken:?}");
+}
+
 /// Until the store's clock shows the record's lease over.
 async fn lease_over(store: &dyn Store, identity: &Identity) {
     for _ in 0..2_000 {
@@ -105,17 +121,7 @@ async fn a_hook_that_outlives_its_lease_does_not_run_the_body_after_another_take
     let store = Hooked::new(StallFirstRenewer::default());
     let identity = Identity::shared(SCOPE, "k").expect("identity");
     // An owner that crashed: reserved, never finished, its lease short.
-    let crashed = store
-        .reserve(ReserveRequest {
-            identity: &identity,
-            fingerprint: None,
-            token: &OwnerToken::new(),
-            lease: Duration::from_millis(10),
-            ttl: Duration::from_secs(3600),
-        })
-        .await
-        .expect("reserve");
-    assert!(matches!(crashed, Reservation::Acquired { .. }));
+    take(&store, &identity, Duration::from_millis(10)).await;
     lease_over(&store, &identity).await;
 
     // The first takeover asks its hook, which takes longer than its lease
@@ -221,17 +227,7 @@ async fn a_lost_lease_is_not_renewed_again() {
             .force_release(&identity, false)
             .await
             .expect("force release");
-        let taken = store
-            .reserve(ReserveRequest {
-                identity: &identity,
-                fingerprint: None,
-                token: &OwnerToken::new(),
-                lease: Duration::from_secs(3600),
-                ttl: Duration::from_secs(3600),
-            })
-            .await
-            .expect("reserve");
-        assert!(matches!(taken, Reservation::Acquired { .. }));
+        take(&store, &identity, Duration::from_secs(3600)).await;
         store.lost.notified().await;
         tokio::time::sleep(Duration::from_millis(300)).await;
         BODY_GO.notify_one();
