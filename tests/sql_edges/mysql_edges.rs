@@ -1506,6 +1506,11 @@ async fn a_transaction_the_server_rolled_back_is_not_reported_as_a_takeover() {
             .fetch_one(&mut *conn)
             .await
             .expect("id");
+        // It waits for the body's lock until the deadlock frees it, however
+        // slow the server is (the pool's sessions may wait less).
+        conn.execute("SET SESSION innodb_lock_wait_timeout = 60")
+            .await
+            .expect("lock wait");
         conn.execute("BEGIN").await.expect("begin");
         sqlx::query("UPDATE idempotent_test_deadlock SET n = n + 1 WHERE id BETWEEN ? AND ?")
             .bind(base + 2)
@@ -1529,15 +1534,36 @@ async fn a_transaction_the_server_rolled_back_is_not_reported_as_a_takeover() {
                 }
                 tokio::time::sleep(Duration::from_millis(10)).await;
             }
-            panic!("the other transaction never waited for the first row");
+            let seen: Vec<(Option<String>, Option<String>, Option<String>)> = sqlx::query_as(
+                "SELECT p.STATE, p.INFO, t.trx_state FROM information_schema.PROCESSLIST p \
+                 LEFT JOIN information_schema.innodb_trx t ON t.trx_mysql_thread_id = p.ID \
+                 WHERE p.ID = ?",
+            )
+            .bind(id)
+            .fetch_all(&pool)
+            .await
+            .unwrap_or_default();
+            panic!("the other transaction never waited for the first row: {seen:?}");
         };
-        let lock_first =
-            sqlx::query("SELECT n FROM idempotent_test_deadlock WHERE id = ? FOR UPDATE")
-                .bind(base + 1)
-                .execute(&mut *conn);
-        let (locked, ()) = tokio::join!(lock_first, waiting);
-        locked.expect("the other transaction gets the first row once the victim is rolled back");
+        {
+            let lock_first =
+                sqlx::query("SELECT n FROM idempotent_test_deadlock WHERE id = ? FOR UPDATE")
+                    .bind(base + 1)
+                    .execute(&mut *conn);
+            tokio::pin!(lock_first);
+            tokio::select! {
+                biased;
+                () = waiting => {}
+                early = &mut lock_first => panic!(
+                    "the other transaction's lock on the first row ended before it was seen waiting: {early:?}"
+                ),
+            }
+            lock_first
+                .await
+                .expect("the other transaction gets the first row once the victim is rolled back");
+        }
         conn.execute("ROLLBACK").await.expect("rollback");
+        conn.close_on_drop();
     };
     let (answer, ()) = tokio::join!(call, other);
     assert!(
