@@ -570,7 +570,11 @@ async fn a_reservation_behind_a_write_lock_held_past_the_busy_timeout_is_in_prog
     let token = OwnerToken::new();
     match store.reserve(request(&token)).await {
         Ok(Reservation::InProgress { lease_remaining }) => {
-            assert!(lease_remaining > Duration::ZERO, "a retry_after to give")
+            assert!(lease_remaining > Duration::ZERO, "a retry_after to give");
+            assert!(
+                lease_remaining <= Duration::from_secs(1),
+                "the lock's holder is unknown: try again soon, not after a lease ({lease_remaining:?})"
+            );
         }
         other => panic!("expected InProgress behind the lock, got {other:?}"),
     }
@@ -613,4 +617,63 @@ pub(crate) async fn write_lock_held(path: &std::path::Path) -> sqlx::SqliteConne
         .await
         .expect("take the write lock");
     holder
+}
+
+/// Rule 3: a reservation reported `Acquired` exists. In the rollback
+/// journal (a `from_pool` pool without WAL), a write commits only once every
+/// reader is gone: a reader holding its read past the busy timeout makes the
+/// commit fail, and SQLite rolls the insert back. The reservation's row was
+/// read with `fetch_optional`, which stops at the returned row; the commit
+/// then ran when the statement was reset, its failure unseen: the call was
+/// told `Acquired` for a record that was never there, and a duplicate could
+/// acquire too. The lock is held until the reservation has answered.
+#[tokio::test]
+async fn a_reservation_whose_commit_fails_is_not_acquired() {
+    use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
+    use sqlx::{Connection, Executor};
+    use std::str::FromStr;
+    let path = fresh_path();
+    let options = SqliteConnectOptions::from_str(&url(&path))
+        .expect("url")
+        .create_if_missing(true)
+        .journal_mode(SqliteJournalMode::Delete)
+        .busy_timeout(Duration::from_millis(100));
+    let pool = SqlitePoolOptions::new()
+        .connect_with(options)
+        .await
+        .expect("open");
+    let store = SqliteStore::from_pool(pool).await.expect("store");
+    let mut reader = sqlx::SqliteConnection::connect(&url(&path))
+        .await
+        .expect("connect");
+    reader.execute("BEGIN").await.expect("begin");
+    let _: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM idempotency_records")
+        .fetch_one(&mut reader)
+        .await
+        .expect("a read that holds the database's shared lock");
+    let id = identity("commit-fails");
+    let token = OwnerToken::new();
+    let fp = Fingerprint::of("request").expect("fingerprint");
+    let request = |token| ReserveRequest {
+        identity: &id,
+        fingerprint: Some(&fp),
+        token,
+        lease: LONG,
+        ttl: LONG,
+    };
+    let answer = store.reserve(request(&token)).await;
+    reader.execute("COMMIT").await.expect("end the read");
+    let record = store.fetch(&id).await.expect("fetch");
+    assert!(
+        !matches!(answer, Ok(Reservation::Acquired { .. })) || record.is_some(),
+        "told Acquired, but the record is not there: {answer:?}"
+    );
+    assert!(
+        matches!(
+            store.reserve(request(&OwnerToken::new())).await,
+            Ok(Reservation::Acquired { .. }) | Ok(Reservation::InProgress { .. })
+        ),
+        "once the reader is gone the key can be reserved (or is held)"
+    );
+    remove(&path);
 }

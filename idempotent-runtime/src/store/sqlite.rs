@@ -45,6 +45,10 @@ const BUSY_TIMEOUT: Duration = Duration::from_secs(10);
 /// before it answers `InProgress` (see [`SqliteStore`]'s `reserve`).
 const BUSY_TRY_AT_LEAST: Duration = Duration::from_millis(20);
 
+/// When such a reservation's caller may try again (its `retry_after`, at
+/// most its lease): the lock's holder is unknown, so not a whole lease.
+const BUSY_RETRY_AFTER: Duration = Duration::from_secs(1);
+
 /// Connections in the pool of a file database opened with [`SqliteStore::connect`].
 const MAX_FILE_CONNECTIONS: u32 = 8;
 
@@ -748,15 +752,15 @@ impl SqliteStore {
 }
 
 /// This process's turn to write: writes queue here rather than spin in
-/// SQLite's busy handler, and without holding pool connections. A turn is
-/// waited for at most `patience` (the pool's busy timeout, or the default
-/// one when it has none), as SQLite waits for a lock: a turn held longer is
-/// held by a write that is not getting anywhere, such as one in a call future
-/// kept alive but no longer polled on a current-thread runtime (where writes
-/// run in the caller's future, see [`beside_the_caller`]). The write then
-/// goes ahead without the turn, and SQLite's own lock keeps it correct, as
-/// for a write of another process; a parked call never holds up the other
-/// calls of the process for longer than that.
+/// SQLite's busy handler, and without holding pool connections. On a
+/// current-thread runtime (where writes run in the caller's future, see
+/// [`beside_the_caller`]) a turn is waited for at most `patience` (the
+/// pool's busy timeout, or the default one when it has none), as SQLite
+/// waits for a lock: a turn held longer may be held by a call future kept
+/// alive but no longer polled. The write then goes ahead without the turn,
+/// and SQLite's own lock keeps it correct, as for a write of another
+/// process; a parked call never holds up the other calls of the process for
+/// longer than that.
 #[derive(Debug, Clone)]
 struct WriteGate {
     turn: Arc<tokio::sync::Mutex<()>>,
@@ -781,8 +785,17 @@ impl WriteGate {
         self.turn.clone().try_lock_owned().ok()
     }
 
-    /// The turn, waited for at most `patience`; `None` past it.
+    /// The turn; on a current-thread runtime waited for at most `patience`
+    /// (`None` past it). On a multi-threaded runtime every write runs to its
+    /// end in a task of its own ([`beside_the_caller`]), so a turn is always
+    /// given back, and a write that went ahead without it would hold a pool
+    /// connection in SQLite's busy handler, one that replays need.
     async fn take(&self) -> Option<tokio::sync::OwnedMutexGuard<()>> {
+        let multi_threaded = tokio::runtime::Handle::try_current()
+            .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
+        if multi_threaded {
+            return Some(self.turn.clone().lock_owned().await);
+        }
         match tokio::time::timeout(self.patience, self.turn.clone().lock_owned()).await {
             Ok(turn) => Some(turn),
             Err(_) => {
@@ -895,7 +908,13 @@ pub(super) async fn reserve_in(
     // Two passes at most: a lease that runs out between the upsert and the
     // read is taken over on the second pass.
     for _ in 0..2 {
-        let acquired: Option<(i64, Option<i64>)> = sqlx::query_as(RESERVE_SQL)
+        // Read to the end (`fetch_all`, one row at most), never stopped at
+        // the returned row: an autocommit statement commits when it runs to
+        // its end, and a commit that fails (in the rollback journal, a reader
+        // held past the busy timeout) rolls the insert back. Stopped early,
+        // the statement committed when it was reset, where sqlx does not see
+        // its failure, and the call was told `Acquired` for nothing.
+        let acquired: Vec<(i64, Option<i64>)> = sqlx::query_as(RESERVE_SQL)
             .bind(&id.tenant)
             .bind(&id.scope)
             .bind(&id.key)
@@ -903,9 +922,9 @@ pub(super) async fn reserve_in(
             .bind(request.token.as_str())
             .bind(ms(request.lease))
             .bind(ms(request.ttl))
-            .fetch_optional(&mut *conn)
+            .fetch_all(&mut *conn)
             .await?;
-        if let Some((takeovers, previous_started)) = acquired {
+        if let Some(&(takeovers, previous_started)) = acquired.first() {
             let attempt = u32::try_from(takeovers.saturating_add(1)).unwrap_or(u32::MAX);
             return Ok(Reservation::acquired(attempt, previous_started));
         }
@@ -1250,7 +1269,7 @@ impl Store for SqliteStore {
         let fingerprint = request.fingerprint.cloned();
         let (lease, ttl) = (request.lease, request.ttl);
         beside_the_caller(OP, async move {
-            let _turn = match gate.try_take() {
+            let turn = match gate.try_take() {
                 Some(turn) => Some(turn),
                 None => {
                     drop(conn);
@@ -1273,17 +1292,21 @@ impl Store for SqliteStore {
                 // Rule 4: the write lock stayed held past the busy timeout,
                 // by another connection's transaction (a transactional-mode
                 // owner of this very key among them, whose record this call
-                // cannot see yet): answered as a call in progress, as on
-                // PostgreSQL and in SQLite's transactional mode, so the
-                // caller waits within its `in_progress` policy and tries
-                // again, or is refused with `InProgress`. Never less than a
-                // short pause per try: a connection left without a busy
+                // cannot see yet), and nothing was written: answered as a
+                // call in progress, as on PostgreSQL and in SQLite's
+                // transactional mode, so the caller waits within its
+                // `in_progress` policy and tries again, or is refused with
+                // `InProgress`. The holder may be anyone, for any key, so
+                // the time to try again is short, not a lease. Never less
+                // than a short pause per try (the turn and the connection
+                // given back first): a connection left without a busy
                 // timeout answers at once, and must not make a waiting
                 // duplicate spin.
                 Err(e) if is_busy(&e) => {
+                    drop((turn, conn));
                     tokio::time::sleep_until(tried + BUSY_TRY_AT_LEAST).await;
                     Ok(Reservation::InProgress {
-                        lease_remaining: lease,
+                        lease_remaining: BUSY_RETRY_AFTER.min(lease),
                     })
                 }
                 answer => answer.map_err(err(OP)),
@@ -1303,19 +1326,21 @@ impl Store for SqliteStore {
     ) -> Result<ForcedRelease, StoreError> {
         const OP: &str = "release a record for an operator";
         let id = identity.clone();
-        let deleted: Option<i64> = self
+        // Read to the end, as the reservation's upsert is (see `reserve_in`):
+        // its commit's failure is then seen.
+        let deleted: Vec<i64> = self
             .write_in_turn(OP, move |pool| async move {
                 sqlx::query_scalar(FORCE_RELEASE_SQL)
                     .bind(&id.tenant)
                     .bind(&id.scope)
                     .bind(&id.key)
                     .bind(require_expired_lease)
-                    .fetch_optional(&pool)
+                    .fetch_all(&pool)
                     .await
                     .map_err(err(OP))
             })
             .await?;
-        if let Some(attempt) = deleted {
+        if let Some(&attempt) = deleted.first() {
             self.waiters.notify(identity);
             return Ok(ForcedRelease::Released {
                 attempt: u32::try_from(attempt).unwrap_or(1),
