@@ -400,9 +400,19 @@ pub struct ChangingReceipt {
     pub note: Option<Note>,
     #[serde(default = "one", skip_serializing_if = "is_zero")]
     pub copies: u32,
-    /// Order-free parts: written again in another order, still equal.
+    /// Order-free parts: written again in another order, still equal;
+    /// also through a `Serialize` that does not say it is a set.
     pub tags: std::collections::HashSet<String>,
     pub by_tag: std::collections::HashMap<String, u32>,
+    #[serde(serialize_with = "as_list")]
+    pub listed: std::collections::HashSet<String>,
+}
+
+fn as_list<S: serde::Serializer>(
+    set: &std::collections::HashSet<String>,
+    serializer: S,
+) -> Result<S::Ok, S::Error> {
+    serializer.collect_seq(set.iter())
 }
 
 #[derive(Debug, PartialEq, Default, serde::Serialize, serde::Deserialize)]
@@ -437,6 +447,7 @@ pub async fn changing_result(
         note: note.then(Note::default),
         copies,
         by_tag: tags.iter().map(|t| (t.clone(), 1)).collect(),
+        listed: tags.clone(),
         tags,
     })
 }
