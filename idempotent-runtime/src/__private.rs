@@ -17,6 +17,12 @@ pub use crate::transaction::{
 pub fn body<R, F: core::future::Future<Output = R>>(body: F) -> F {
     body
 }
+/// A value of any type, for the generated code's typing statement
+/// (`if false { return never::<R>(); }`, which fixes the body's output type
+/// to the function's). Never called.
+pub fn never<T>() -> T {
+    unreachable!("the typing statement of #[idempotent] never runs")
+}
 pub use crate::registry::{ErrorPolicy, InProgressPolicy, Registration, ScopeInfo, ScopeSpec};
 /// PostgreSQL's purge statement, for the test of its plan
 /// (`tests/sql_edges/postgres_edges.rs`).

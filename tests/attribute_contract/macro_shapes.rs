@@ -593,8 +593,8 @@ fn registry_lists_every_function_with_file_line_and_policies() {
         .into_iter()
         .filter(|s| s.scope.starts_with("shapes."))
         .collect();
-    // 18 scopes; the shared scope is listed once per claimant.
-    assert_eq!(ours.len(), 19, "{ours:#?}");
+    // 19 scopes; the shared scope is listed once per claimant.
+    assert_eq!(ours.len(), 20, "{ours:#?}");
     assert!(
         ours.windows(2).all(|w| w[0].scope <= w[1].scope),
         "sorted by scope"
@@ -676,5 +676,41 @@ async fn a_body_whose_every_path_returns_runs_and_replays() {
     assert_eq!(
         (again.0.expect("replays"), again.1),
         (2, Some(Outcome::Replayed))
+    );
+}
+
+// ---- in a module that forbids lints the generated code could trip: the
+// code allows none (an `allow` under `forbid` is an error, E0453).
+mod forbidding {
+    #![forbid(
+        unreachable_code,
+        clippy::needless_return,
+        clippy::diverging_sub_expression
+    )]
+    use super::*;
+
+    #[idempotent(scope = "shapes.forbidding", key = key, tenant = shared, store = store)]
+    pub(super) async fn early_return(store: &MemoryStore, key: &str, n: u8) -> Result<u8, Error> {
+        if n == 0 {
+            return Ok(0);
+        }
+        Ok(n)
+    }
+}
+
+#[tokio::test]
+async fn a_module_that_forbids_lints_compiles_and_runs() {
+    let store = MemoryStore::new();
+    assert_eq!(
+        forbidding::early_return(&store, "k", 3)
+            .await
+            .expect("runs"),
+        3
+    );
+    assert_eq!(
+        forbidding::early_return(&store, "k", 3)
+            .await
+            .expect("replays"),
+        3
     );
 }
