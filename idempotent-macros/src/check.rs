@@ -203,12 +203,15 @@ fn returns_result(output: &ReturnType) -> bool {
 /// replay came from whichever answered first.
 fn applied_once(cx: &Ctxt, attrs: &[syn::Attribute]) {
     for attr in attrs {
-        if attr
-            .path()
-            .segments
-            .last()
-            .is_some_and(|s| s.ident == "idempotent")
-        {
+        // `idempotent`, or a path to it through this project's crates (not
+        // another crate's attribute of the same name).
+        let segments = &attr.path().segments;
+        let ours = segments.last().is_some_and(|s| s.ident == "idempotent")
+            && (segments.len() == 1
+                || segments.first().is_some_and(|s| {
+                    s.ident == "idempotent_runtime" || s.ident == "idempotent_macros"
+                }));
+        if ours {
             cx.error(
                 attr.path().span(),
                 "#[idempotent] is written twice on this function: each would reserve a record \

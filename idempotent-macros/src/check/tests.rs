@@ -651,3 +651,31 @@ fn verdict_table_manifests() {
         }
     }
 }
+
+/// A second `#[idempotent]` on the function is refused, however its path is
+/// written; another crate's attribute of the same name is not ours.
+#[test]
+fn applied_twice_is_refused_but_not_another_crates_attribute() {
+    let attr = quote!(scope = "payments.charge", key = key, tenant = shared);
+    for ours in [
+        quote!(#[idempotent(scope = "a.b", key = key, tenant = shared)]),
+        quote!(#[idempotent_runtime::idempotent(scope = "a.b", key = key, tenant = shared)]),
+        quote!(#[::idempotent_runtime::idempotent(scope = "a.b", key = key, tenant = shared)]),
+    ] {
+        let err = check_err(
+            attr.clone(),
+            quote!(#ours async fn charge(key: &str) -> Result<u8, E> { todo!() }),
+        );
+        assert!(err.contains("written twice"), "{ours}: {err}");
+    }
+    check(
+        attr,
+        quote!(
+            #[other_crate::idempotent]
+            async fn charge(key: &str) -> Result<u8, E> {
+                todo!()
+            }
+        ),
+    )
+    .expect("another crate's attribute");
+}
