@@ -483,6 +483,25 @@ async fn handler_4xx_is_recorded_and_5xx_releases_the_key() {
     }
 }
 
+/// A 1xx answer (101 Switching Protocols) hands the connection over: there
+/// is nothing a replay could give again, so it is never recorded, whatever
+/// the rule (it was, like a 2xx).
+#[tokio::test]
+async fn an_informational_answer_is_never_recorded() {
+    let server = TestServer::start(memory(), |b| b.record_when(|_| true)).await;
+    let a = fresh_tenant();
+    let before = server.shop.status_calls.load(Ordering::SeqCst);
+    for _ in 0..2 {
+        let r = post(&server, "/status/101", Some(&a), Some("k101"), "{}").await;
+        assert!(!replayed(&r));
+    }
+    assert_eq!(
+        server.shop.status_calls.load(Ordering::SeqCst),
+        before + 2,
+        "the retry ran the handler again"
+    );
+}
+
 #[tokio::test]
 async fn which_statuses_are_recorded_is_configurable() {
     let server = TestServer::start(memory(), |b| {

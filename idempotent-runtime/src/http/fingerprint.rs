@@ -18,6 +18,14 @@
 //! * `r` + the raw bytes otherwise (not JSON, invalid JSON, nesting deeper
 //!   than 128, an exponent beyond `i64`).
 //!
+//! A JSON body may start with a UTF-8 byte order mark, which is left out. A
+//! body sent with a `Content-Encoding` other than `identity` is not read as
+//! JSON (its bytes are compressed): it is hashed raw, after `e`, the length
+//! and the encoding's name (lowercase), so the same bytes under another
+//! encoding are another request. Where these two rules changed a request's
+//! fingerprint, what earlier versions made of it is its legacy form
+//! ([`Fingerprint::legacy`]), so their records still match.
+//!
 //! The stored fingerprint is `http1:` followed by the lowercase hex digest.
 //! The body is read where it lies: the canonical form is streamed into the
 //! hash, never built as a second copy of the body.
@@ -68,30 +76,71 @@ pub fn request_fingerprint(
     headers: &HeaderMap,
     body: &[u8],
 ) -> Fingerprint {
+    let json = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(is_json_content_type);
+    let encoding = headers
+        .get(header::CONTENT_ENCODING)
+        .map(|v| {
+            String::from_utf8_lossy(v.as_bytes())
+                .trim()
+                .to_ascii_lowercase()
+        })
+        .filter(|e| !e.is_empty() && e != "identity");
+    let unmarked = body.strip_prefix(b"\xEF\xBB\xBF").unwrap_or(body);
+    let current = hashed(method, target, |hash| {
+        let canonical = match &encoding {
+            None if json => parse_json(unmarked),
+            _ => None,
+        };
+        if let Some(node) = canonical {
+            hash.update(b"j");
+            node.write(hash);
+            return;
+        }
+        if let Some(encoding) = &encoding {
+            hash.update(b"e");
+            hash.update((encoding.len() as u64).to_be_bytes());
+            hash.update(encoding.as_bytes());
+        }
+        hash.update(b"r");
+        hash.update(body);
+    });
+    // What earlier versions made of it (no encoding, a BOM kept).
+    let earlier = (encoding.is_some() || unmarked.len() != body.len()).then(|| {
+        hashed(method, target, |hash| {
+            match json.then(|| parse_json(body)).flatten() {
+                Some(node) => {
+                    hash.update(b"j");
+                    node.write(hash);
+                }
+                None => {
+                    hash.update(b"r");
+                    hash.update(body);
+                }
+            }
+        })
+    });
+    match earlier {
+        Some(earlier) if earlier != current => Fingerprint::with_legacy(current, earlier),
+        _ => Fingerprint::from_stored(current),
+    }
+}
+
+/// `http1:` and the hex SHA-256 of the method, the target and what `body`
+/// writes.
+fn hashed(method: &Method, target: &str, body: impl FnOnce(&mut Sha256)) -> String {
     let mut hash = Sha256::new();
     for part in [method.as_str().as_bytes(), target.as_bytes()] {
         hash.update((part.len() as u64).to_be_bytes());
         hash.update(part);
     }
-    let json = headers
-        .get(header::CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .is_some_and(is_json_content_type);
-    let canonical = if json { parse_json(body) } else { None };
-    match canonical {
-        Some(node) => {
-            hash.update(b"j");
-            node.write(&mut hash);
-        }
-        None => {
-            hash.update(b"r");
-            hash.update(body);
-        }
-    }
-    Fingerprint::from_stored(format!(
+    body(&mut hash);
+    format!(
         "{HTTP_FINGERPRINT_VERSION}:{}",
         hex::encode(hash.finalize())
-    ))
+    )
 }
 
 #[cfg(test)]
@@ -184,6 +233,43 @@ mod tests {
             request_fingerprint(&Method::POST, "/a", &plain, b"x y"),
             request_fingerprint(&Method::POST, "/a", &plain, b"x  y")
         );
+    }
+
+    /// Rule 7: the same bytes under another `Content-Encoding` are another
+    /// request (they were one, and the second was replayed the first's
+    /// answer); `identity` is no encoding. What earlier versions made of an
+    /// encoded request is its legacy form.
+    #[test]
+    fn the_content_encoding_is_part_of_the_request() {
+        let with = |encoding: Option<&str>| {
+            let mut headers = HeaderMap::new();
+            if let Some(e) = encoding {
+                headers.insert(header::CONTENT_ENCODING, e.parse().unwrap());
+            }
+            request_fingerprint(&Method::POST, "/a", &headers, b"abc")
+        };
+        let plain = with(None);
+        assert!(plain.legacy().is_none(), "nothing changed for it");
+        assert_eq!(plain, with(Some("identity")));
+        let br = with(Some("br"));
+        assert_ne!(plain, br);
+        assert_ne!(br, with(Some("gzip")));
+        assert_eq!(br, with(Some(" BR ")), "the name, trimmed, in any case");
+        assert_eq!(br.legacy(), Some(plain), "earlier versions ignored it");
+    }
+
+    /// A JSON body that starts with a byte order mark is the same JSON.
+    #[test]
+    fn a_byte_order_mark_before_json_is_left_out() {
+        let mut json = HeaderMap::new();
+        json.insert(header::CONTENT_TYPE, "application/json".parse().unwrap());
+        let body = br#"{"a":1}"#;
+        let marked = [&b"\xEF\xBB\xBF"[..], &body[..]].concat();
+        let plain = request_fingerprint(&Method::POST, "/a", &json, body);
+        let with_mark = request_fingerprint(&Method::POST, "/a", &json, &marked);
+        assert_eq!(plain, with_mark);
+        let earlier = with_mark.legacy().expect("earlier versions hashed it raw");
+        assert_ne!(earlier, plain);
     }
 
     fn arb_json() -> impl Strategy<Value = serde_json::Value> {

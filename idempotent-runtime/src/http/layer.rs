@@ -338,6 +338,11 @@ pub(crate) fn says_try_again(status: StatusCode) -> bool {
 
 impl Config {
     fn records(&self, status: StatusCode) -> bool {
+        // A 1xx answer (101 Switching Protocols) hands the connection over:
+        // nothing a replay could give again.
+        if status.is_informational() {
+            return false;
+        }
         if let Some(rule) = &self.record_when {
             return rule(status);
         }
