@@ -193,15 +193,6 @@ impl Fingerprint {
         }
     }
 
-    /// A fingerprint and the form earlier versions made of the same
-    /// request, compared with their records (see [`Fingerprint::legacy`]).
-    pub(crate) fn with_legacy(value: String, legacy: String) -> Self {
-        Fingerprint {
-            value,
-            legacy: Some(legacy),
-        }
-    }
-
     /// The `v1` fingerprint an older version made for the same arguments,
     /// when it differs from this one: `Some` only for a `v2` fingerprint whose
     /// arguments v1 wrote without loss but order-dependently (sets). A record

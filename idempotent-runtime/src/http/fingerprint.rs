@@ -21,10 +21,12 @@
 //! A JSON body may start with a UTF-8 byte order mark, which is left out. A
 //! body sent with a `Content-Encoding` other than `identity` is not read as
 //! JSON (its bytes are compressed): it is hashed raw, after `e`, the length
-//! and the encoding's name (lowercase), so the same bytes under another
-//! encoding are another request. Where these two rules changed a request's
-//! fingerprint, what earlier versions made of it is its legacy form
-//! ([`Fingerprint::legacy`]), so their records still match.
+//! and the encodings (every `Content-Encoding` value, lowercase, in order,
+//! joined by commas), so the same bytes under another encoding are another
+//! request. Earlier versions ignored both (lossy: an encoded request had
+//! the fingerprint of the same bytes sent plain), so there is no legacy form
+//! for them: a retry of such a request recorded by an earlier version is a
+//! mismatch until that record expires.
 //!
 //! The stored fingerprint is `http1:` followed by the lowercase hex digest.
 //! The body is read where it lies: the canonical form is streamed into the
@@ -80,16 +82,20 @@ pub fn request_fingerprint(
         .get(header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
         .is_some_and(is_json_content_type);
-    let encoding = headers
-        .get(header::CONTENT_ENCODING)
-        .map(|v| {
+    let encodings: Vec<String> = headers
+        .get_all(header::CONTENT_ENCODING)
+        .iter()
+        .flat_map(|v| {
             String::from_utf8_lossy(v.as_bytes())
-                .trim()
-                .to_ascii_lowercase()
+                .split(',')
+                .map(|e| e.trim().to_ascii_lowercase())
+                .collect::<Vec<_>>()
         })
-        .filter(|e| !e.is_empty() && e != "identity");
+        .filter(|e| !e.is_empty() && e != "identity")
+        .collect();
+    let encoding = (!encodings.is_empty()).then(|| encodings.join(","));
     let unmarked = body.strip_prefix(b"\xEF\xBB\xBF").unwrap_or(body);
-    let current = hashed(method, target, |hash| {
+    Fingerprint::from_stored(hashed(method, target, |hash| {
         let canonical = match &encoding {
             None if json => parse_json(unmarked),
             _ => None,
@@ -106,26 +112,7 @@ pub fn request_fingerprint(
         }
         hash.update(b"r");
         hash.update(body);
-    });
-    // What earlier versions made of it (no encoding, a BOM kept).
-    let earlier = (encoding.is_some() || unmarked.len() != body.len()).then(|| {
-        hashed(method, target, |hash| {
-            match json.then(|| parse_json(body)).flatten() {
-                Some(node) => {
-                    hash.update(b"j");
-                    node.write(hash);
-                }
-                None => {
-                    hash.update(b"r");
-                    hash.update(body);
-                }
-            }
-        })
-    });
-    match earlier {
-        Some(earlier) if earlier != current => Fingerprint::with_legacy(current, earlier),
-        _ => Fingerprint::from_stored(current),
-    }
+    }))
 }
 
 /// `http1:` and the hex SHA-256 of the method, the target and what `body`
@@ -237,8 +224,8 @@ mod tests {
 
     /// Rule 7: the same bytes under another `Content-Encoding` are another
     /// request (they were one, and the second was replayed the first's
-    /// answer); `identity` is no encoding. What earlier versions made of an
-    /// encoded request is its legacy form.
+    /// answer), every `Content-Encoding` header counting; `identity` is no
+    /// encoding. No legacy form: it would be the plain request's fingerprint.
     #[test]
     fn the_content_encoding_is_part_of_the_request() {
         let with = |encoding: Option<&str>| {
@@ -255,7 +242,13 @@ mod tests {
         assert_ne!(plain, br);
         assert_ne!(br, with(Some("gzip")));
         assert_eq!(br, with(Some(" BR ")), "the name, trimmed, in any case");
-        assert_eq!(br.legacy(), Some(plain), "earlier versions ignored it");
+        assert!(br.legacy().is_none());
+        let mut two = HeaderMap::new();
+        two.append(header::CONTENT_ENCODING, "gzip".parse().unwrap());
+        two.append(header::CONTENT_ENCODING, "br".parse().unwrap());
+        let gzip_br = request_fingerprint(&Method::POST, "/a", &two, b"abc");
+        assert_ne!(gzip_br, with(Some("gzip")), "every header counts");
+        assert_eq!(gzip_br, with(Some("gzip, br")));
     }
 
     /// A JSON body that starts with a byte order mark is the same JSON.
@@ -268,8 +261,7 @@ mod tests {
         let plain = request_fingerprint(&Method::POST, "/a", &json, body);
         let with_mark = request_fingerprint(&Method::POST, "/a", &json, &marked);
         assert_eq!(plain, with_mark);
-        let earlier = with_mark.legacy().expect("earlier versions hashed it raw");
-        assert_ne!(earlier, plain);
+        assert!(with_mark.legacy().is_none());
     }
 
     fn arb_json() -> impl Strategy<Value = serde_json::Value> {
