@@ -1588,6 +1588,40 @@ async fn a_call_parked_while_it_writes_does_not_hold_up_the_others() {
         ),
         "{answer:?}"
     );
+    // The same store on a multi-threaded runtime (a store may be shared by
+    // several): its writes are not held up for ever either.
+    let (shared, fp_text) = (store.clone(), "request");
+    let on_another_runtime = tokio::task::spawn_blocking(move || {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .expect("runtime");
+        runtime.block_on(async move {
+            let carol = Identity::new("carol", "sqlite_edges.parked", "c1").expect("identity");
+            let fp = Fingerprint::of(fp_text).expect("fingerprint");
+            shared
+                .reserve(ReserveRequest {
+                    identity: &carol,
+                    fingerprint: Some(&fp),
+                    token: &OwnerToken::new(),
+                    lease: Duration::from_secs(60),
+                    ttl: Duration::from_secs(60),
+                })
+                .await
+        })
+    });
+    let answer = tokio::time::timeout(Duration::from_secs(60), on_another_runtime)
+        .await
+        .expect("a call on a multi-threaded runtime answers (it waited for the turn for ever)")
+        .expect("the runtime's thread");
+    assert!(
+        matches!(
+            answer,
+            Ok(Reservation::Acquired { .. } | Reservation::InProgress { .. })
+        ),
+        "{answer:?}"
+    );
     drop(parked);
     remove(&path);
 }

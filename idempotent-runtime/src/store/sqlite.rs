@@ -752,15 +752,15 @@ impl SqliteStore {
 }
 
 /// This process's turn to write: writes queue here rather than spin in
-/// SQLite's busy handler, and without holding pool connections. On a
+/// SQLite's busy handler, and without holding pool connections. A turn is
+/// waited for at most `patience` (the pool's busy timeout, or the default
+/// one when it has none), as SQLite waits for a lock: a turn held longer may
+/// be held by a call future kept alive but no longer polled on a
 /// current-thread runtime (where writes run in the caller's future, see
-/// [`beside_the_caller`]) a turn is waited for at most `patience` (the
-/// pool's busy timeout, or the default one when it has none), as SQLite
-/// waits for a lock: a turn held longer may be held by a call future kept
-/// alive but no longer polled. The write then goes ahead without the turn,
-/// and SQLite's own lock keeps it correct, as for a write of another
-/// process; a parked call never holds up the other calls of the process for
-/// longer than that.
+/// [`beside_the_caller`]). The write then goes ahead without the turn, and
+/// SQLite's own lock keeps it correct, as for a write of another process; a
+/// parked call never holds up the other calls of the process for longer
+/// than that.
 #[derive(Debug, Clone)]
 struct WriteGate {
     turn: Arc<tokio::sync::Mutex<()>>,
@@ -785,17 +785,13 @@ impl WriteGate {
         self.turn.clone().try_lock_owned().ok()
     }
 
-    /// The turn; on a current-thread runtime waited for at most `patience`
-    /// (`None` past it). On a multi-threaded runtime every write runs to its
-    /// end in a task of its own ([`beside_the_caller`]), so a turn is always
-    /// given back, and a write that went ahead without it would hold a pool
-    /// connection in SQLite's busy handler, one that replays need.
+    /// The turn, waited for at most `patience`; `None` past it. On every
+    /// runtime: a store may be shared by several, and a turn taken on a
+    /// current-thread one by a call that is then parked would otherwise hold
+    /// up the writes of a multi-threaded one for ever. (Past the bound a
+    /// write holds a pool connection in SQLite's busy handler, one a replay
+    /// might have used: only when the turn was held that long.)
     async fn take(&self) -> Option<tokio::sync::OwnedMutexGuard<()>> {
-        let multi_threaded = tokio::runtime::Handle::try_current()
-            .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
-        if multi_threaded {
-            return Some(self.turn.clone().lock_owned().await);
-        }
         match tokio::time::timeout(self.patience, self.turn.clone().lock_owned()).await {
             Ok(turn) => Some(turn),
             Err(_) => {
