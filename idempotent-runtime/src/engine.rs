@@ -1203,8 +1203,8 @@ pub(crate) fn outcome_to_record<R: IdempotentReturn, H: ErrorHandling<R::Failure
     Ok(Some(stored))
 }
 
-/// Rule 12: `payload`, what `original` was written as, must read back as its
-/// own type, and as a value equal to it. serde writes some values it cannot
+/// Rule 12: `payload`, what a value was written as, must read back as its
+/// own type, and not as another value. serde writes some values it cannot
 /// read: `u128`/`i128` inside `#[serde(flatten)]` or an internally tagged
 /// enum (serde buffers those and its buffer has no 128-bit integers), number
 /// map keys under `#[serde(flatten)]`, a field skipped when serialized
@@ -1212,8 +1212,9 @@ pub(crate) fn outcome_to_record<R: IdempotentReturn, H: ErrorHandling<R::Failure
 /// another value: a flattened `Option` whose `None` comes back `Some` (of a
 /// struct whose fields all have defaults, or an empty map), a field skipped
 /// when serialized whose `default` is another value. The value read back is
-/// written again: the same JSON, or the same members in another order (maps
-/// and sets), means equal.
+/// written again and its object members compared ([`Members`]): a refusal
+/// releases the key and the retry runs the body again, so only a member that
+/// appears or goes counts, never what an equal value may write otherwise.
 pub(crate) fn reads_back_equal<T: Serialize + DeserializeOwned>(
     payload: &[u8],
 ) -> Result<(), String> {
@@ -1232,13 +1233,15 @@ pub(crate) fn reads_back_equal<T: Serialize + DeserializeOwned>(
     if again == payload {
         return Ok(());
     }
-    // Written again in another order (a set or a map that iterates in its
-    // own order, whatever `Serialize` it goes through): the same members.
+    // Written again otherwise: a set or a map in another order (through
+    // whatever `Serialize`, into an array or into a string), which is equal;
+    // or with members its first writing did not have, or without some it
+    // had, which is another value. Only the members are compared.
     match (
         serde_json::from_slice::<serde_json::Value>(payload),
         serde_json::from_slice::<serde_json::Value>(&again),
     ) {
-        (Ok(before), Ok(after)) if order_free(&before) != order_free(&after) => Err(
+        (Ok(before), Ok(after)) if Members::of(&before) != Members::of(&after) => Err(
             "written as JSON it reads back as another value: check the type's serde attributes \
              (`#[serde(flatten)]` on an `Option`, whose `None` reads back as `Some` when every \
              field of the inner type has a default; a `skip_serializing_if` field whose \
@@ -1249,28 +1252,31 @@ pub(crate) fn reads_back_equal<T: Serialize + DeserializeOwned>(
     }
 }
 
-/// A JSON value's text with the members of every object and array in one
-/// order (sorted): two values whose texts agree differ at most in the order
-/// of members, which is all that writing an equal value again may change.
-/// (It cannot tell a list read back reordered: serde does not reorder
-/// lists.)
-fn order_free(value: &serde_json::Value) -> String {
-    use serde_json::Value;
-    let joined = |mut parts: Vec<String>, open: char, close: char| {
-        parts.sort_unstable();
-        format!("{open}{}{close}", parts.join(","))
-    };
-    match value {
-        Value::Array(items) => joined(items.iter().map(order_free).collect(), '[', ']'),
-        Value::Object(members) => joined(
-            members
-                .iter()
-                .map(|(k, v)| format!("{}:{}", Value::String(k.clone()), order_free(v)))
-                .collect(),
-            '{',
-            '}',
-        ),
-        scalar => scalar.to_string(),
+/// The object members of a JSON value, at every depth: each object's keys,
+/// with the members of their values; the members of an array's elements
+/// merged. What serde reads back as another value shows here (a member that
+/// appears or goes); what writing an equal value again may change (the
+/// order of a set's or a map's members, the text of a string) does not.
+#[derive(Debug, Default, PartialEq)]
+struct Members(std::collections::BTreeMap<String, Members>);
+
+impl Members {
+    fn of(value: &serde_json::Value) -> Self {
+        let mut members = Members::default();
+        members.add(value);
+        members
+    }
+
+    fn add(&mut self, value: &serde_json::Value) {
+        match value {
+            serde_json::Value::Object(object) => {
+                for (key, member) in object {
+                    self.0.entry(key.clone()).or_default().add(member);
+                }
+            }
+            serde_json::Value::Array(items) => items.iter().for_each(|item| self.add(item)),
+            _ => {}
+        }
     }
 }
 

@@ -406,6 +406,29 @@ pub struct ChangingReceipt {
     pub by_tag: std::collections::HashMap<String, u32>,
     #[serde(serialize_with = "as_list")]
     pub listed: std::collections::HashSet<String>,
+    /// A set written into one string (as `serde_with::StringWithSeparator`
+    /// does), in its own order each time.
+    #[serde(serialize_with = "as_joined", deserialize_with = "from_joined")]
+    pub joined: std::collections::HashSet<String>,
+}
+
+fn as_joined<S: serde::Serializer>(
+    set: &std::collections::HashSet<String>,
+    serializer: S,
+) -> Result<S::Ok, S::Error> {
+    let parts: Vec<&str> = set.iter().map(String::as_str).collect();
+    serializer.serialize_str(&parts.join(","))
+}
+
+fn from_joined<'de, D: serde::Deserializer<'de>>(
+    deserializer: D,
+) -> Result<std::collections::HashSet<String>, D::Error> {
+    let text = <String as serde::Deserialize>::deserialize(deserializer)?;
+    Ok(text
+        .split(',')
+        .filter(|p| !p.is_empty())
+        .map(str::to_owned)
+        .collect())
 }
 
 fn as_list<S: serde::Serializer>(
@@ -448,6 +471,7 @@ pub async fn changing_result(
         copies,
         by_tag: tags.iter().map(|t| (t.clone(), 1)).collect(),
         listed: tags.clone(),
+        joined: tags.clone(),
         tags,
     })
 }
