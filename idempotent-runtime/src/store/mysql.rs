@@ -512,9 +512,12 @@ async fn insert_or_read(
     pool: &MySqlPool,
     request: ReserveRequest<'_>,
 ) -> Result<InsertOrRead, StoreError> {
+    // Read to the end (`fetch_all`, one row at most): stopped at the row,
+    // an error the server sends after it would go unseen.
     let found = bind_request(sqlx::query(INSERT_OR_READ_SQL), request)
-        .fetch_optional(pool)
-        .await;
+        .fetch_all(pool)
+        .await
+        .map(|rows| rows.into_iter().next());
     let row = match found {
         Ok(Some(row)) => row,
         Ok(None) => return Ok(InsertOrRead::Decide), // autocommit is off
@@ -1006,11 +1009,14 @@ async fn complete_in_transaction(
     Ok(written)
 }
 
-/// What a transactional call whose transaction the server rolled back is told.
+/// What a transactional call whose transaction ended under it is told.
 const TRANSACTION_ENDED_BY_THE_SERVER: &str = concat!(
-    "the caller's transaction was rolled back by the server while the body ran (a deadlock, ",
-    "or a lock wait timeout with innodb_rollback_on_timeout): the reservation and the body's ",
-    "writes were undone and nothing was recorded; run the call again in a new transaction"
+    "the caller's transaction ended while the body ran, and the record is not this call's: ",
+    "most likely rolled back by the server (a deadlock, or a lock wait timeout with ",
+    "innodb_rollback_on_timeout), which undid the reservation and the body's writes; or ",
+    "committed by a statement that commits implicitly (DDL, COMMIT), after which another ",
+    "caller may have taken the record over. Nothing was recorded: run the call again in a ",
+    "new transaction"
 );
 
 /// Whether the session's clock was set (`SET timestamp = …`): `NOW()` and
