@@ -677,3 +677,59 @@ async fn a_reservation_whose_commit_fails_is_not_acquired() {
     );
     remove(&path);
 }
+
+/// Rule 4 in the rollback journal: a connection that holds the database
+/// exclusively (a writer committing, or `BEGIN EXCLUSIVE`) keeps readers out
+/// too, so the reservation's first read met the lock, and its busy error
+/// came back as `Error::Store` ("database is locked") though the write path
+/// would have answered `InProgress`. The lock is held until the reservation
+/// has answered.
+#[tokio::test]
+async fn a_reservation_whose_read_meets_an_exclusive_lock_is_in_progress() {
+    use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
+    use sqlx::{Connection, Executor};
+    use std::str::FromStr;
+    let path = fresh_path();
+    let options = SqliteConnectOptions::from_str(&url(&path))
+        .expect("url")
+        .create_if_missing(true)
+        .journal_mode(SqliteJournalMode::Delete)
+        .busy_timeout(Duration::from_millis(100));
+    // One connection, its schema read before the lock is taken (a
+    // connection that has not read it yet fails otherwise: no such table).
+    let pool = SqlitePoolOptions::new()
+        .max_connections(1)
+        .connect_with(options)
+        .await
+        .expect("open");
+    let store = SqliteStore::from_pool(pool).await.expect("store");
+    let _ = store
+        .fetch(&identity("warm-up"))
+        .await
+        .expect("a first read");
+    let mut holder = sqlx::SqliteConnection::connect(&url(&path))
+        .await
+        .expect("connect");
+    holder
+        .execute("BEGIN EXCLUSIVE")
+        .await
+        .expect("hold the database exclusively");
+    let id = identity("read-meets-exclusive");
+    let fp = Fingerprint::of("request").expect("fingerprint");
+    let token = OwnerToken::new();
+    let answer = store
+        .reserve(ReserveRequest {
+            identity: &id,
+            fingerprint: Some(&fp),
+            token: &token,
+            lease: LONG,
+            ttl: LONG,
+        })
+        .await;
+    holder.execute("COMMIT").await.expect("free the database");
+    assert!(
+        matches!(answer, Ok(Reservation::InProgress { .. })),
+        "expected InProgress, got {answer:?}"
+    );
+    remove(&path);
+}

@@ -1243,11 +1243,15 @@ impl Store for SqliteStore {
         // the request by itself (replay, mismatch, or a live lease). Replays
         // and waiting duplicates never queue behind writers.
         let mut conn = self.pool.acquire().await.map_err(err(OP))?;
-        if let Some(answer) = answer_from_a_read(&mut *conn, request)
-            .await
-            .map_err(err(OP))?
-        {
-            return Ok(answer);
+        match answer_from_a_read(&mut *conn, request).await {
+            Ok(Some(answer)) => return Ok(answer),
+            Ok(None) => {}
+            // In the rollback journal a writer committing (or holding the
+            // database exclusively) keeps readers out too: the write path
+            // below waits for the lock as well, and past it answers
+            // `InProgress`, as a reservation that met the lock does.
+            Err(e) if is_busy(&e) => {}
+            Err(e) => return Err(err(OP)(e)),
         }
 
         // Write path: absent, expired, or a lease that ran out. The
