@@ -592,13 +592,30 @@ async fn a_reservation_behind_a_write_lock_held_past_the_busy_timeout_is_in_prog
 /// A store on a new file at `path` whose pool waits `busy` for a lock (the
 /// store's own `connect` waits 10 s), and the other tests' way to hold one.
 pub(crate) async fn store_with_busy_timeout(path: &std::path::Path, busy: Duration) -> SqliteStore {
+    store_with(path, busy, sqlx::sqlite::SqliteJournalMode::Wal, 8).await
+}
+
+/// The same in the rollback journal (a `from_pool` pool without WAL), on
+/// one connection.
+async fn rollback_journal_store(path: &std::path::Path, busy: Duration) -> SqliteStore {
+    store_with(path, busy, sqlx::sqlite::SqliteJournalMode::Delete, 1).await
+}
+
+async fn store_with(
+    path: &std::path::Path,
+    busy: Duration,
+    journal: sqlx::sqlite::SqliteJournalMode,
+    connections: u32,
+) -> SqliteStore {
     use sqlx::sqlite::{SqliteConnectOptions, SqlitePoolOptions};
     use std::str::FromStr;
     let options = SqliteConnectOptions::from_str(&url(path))
         .expect("url")
         .create_if_missing(true)
+        .journal_mode(journal)
         .busy_timeout(busy);
     let pool = SqlitePoolOptions::new()
+        .max_connections(connections)
         .connect_with(options)
         .await
         .expect("open");
@@ -629,20 +646,9 @@ pub(crate) async fn write_lock_held(path: &std::path::Path) -> sqlx::SqliteConne
 /// acquire too. The lock is held until the reservation has answered.
 #[tokio::test]
 async fn a_reservation_whose_commit_fails_is_not_acquired() {
-    use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
     use sqlx::{Connection, Executor};
-    use std::str::FromStr;
     let path = fresh_path();
-    let options = SqliteConnectOptions::from_str(&url(&path))
-        .expect("url")
-        .create_if_missing(true)
-        .journal_mode(SqliteJournalMode::Delete)
-        .busy_timeout(Duration::from_millis(100));
-    let pool = SqlitePoolOptions::new()
-        .connect_with(options)
-        .await
-        .expect("open");
-    let store = SqliteStore::from_pool(pool).await.expect("store");
+    let store = rollback_journal_store(&path, Duration::from_millis(100)).await;
     let mut reader = sqlx::SqliteConnection::connect(&url(&path))
         .await
         .expect("connect");
@@ -686,23 +692,11 @@ async fn a_reservation_whose_commit_fails_is_not_acquired() {
 /// has answered.
 #[tokio::test]
 async fn a_reservation_whose_read_meets_an_exclusive_lock_is_in_progress() {
-    use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
     use sqlx::{Connection, Executor};
-    use std::str::FromStr;
     let path = fresh_path();
-    let options = SqliteConnectOptions::from_str(&url(&path))
-        .expect("url")
-        .create_if_missing(true)
-        .journal_mode(SqliteJournalMode::Delete)
-        .busy_timeout(Duration::from_millis(100));
-    // One connection, its schema read before the lock is taken (a
-    // connection that has not read it yet fails otherwise: no such table).
-    let pool = SqlitePoolOptions::new()
-        .max_connections(1)
-        .connect_with(options)
-        .await
-        .expect("open");
-    let store = SqliteStore::from_pool(pool).await.expect("store");
+    let store = rollback_journal_store(&path, Duration::from_millis(100)).await;
+    // Its schema read before the lock is taken (a connection that has not
+    // read it yet fails otherwise: no such table).
     let _ = store
         .fetch(&identity("warm-up"))
         .await
