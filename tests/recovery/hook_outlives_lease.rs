@@ -58,10 +58,22 @@ async fn charge(store: &dyn Store, key: &str) -> Result<u32, Error> {
     Ok(seen.runs)
 }
 
+/// The owner whose renewal a store wrapper saw first: the call under test.
+#[derive(Default)]
+struct FirstRenewer(Mutex<Option<OwnerToken>>);
+
+impl FirstRenewer {
+    /// Whether `token` is that owner's (the first token asked about is).
+    fn is(&self, token: &OwnerToken) -> bool {
+        let mut first = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        first.get_or_insert_with(|| token.clone()) == token
+    }
+}
+
 /// Holds every renewal of the first owner that renews (until `unstall`).
 #[derive(Default)]
 struct StallFirstRenewer {
-    first: Mutex<Option<OwnerToken>>,
+    first: FirstRenewer,
     unstall: AtomicBool,
 }
 
@@ -74,10 +86,7 @@ impl Intercept for StallFirstRenewer {
         token: &OwnerToken,
         lease: Duration,
     ) -> Result<Fenced, StoreError> {
-        let stall = !self.unstall.load(Ordering::SeqCst) && {
-            let mut first = self.first.lock().unwrap_or_else(|p| p.into_inner());
-            first.get_or_insert_with(|| token.clone()) == token
-        };
+        let stall = !self.unstall.load(Ordering::SeqCst) && self.first.is(token);
         if stall {
             std::future::pending::<()>().await;
         }
@@ -163,7 +172,7 @@ async fn a_hook_that_outlives_its_lease_does_not_run_the_body_after_another_take
 /// Counts one owner's renewals and what they were answered.
 #[derive(Default)]
 struct CountRenewals {
-    owner: Mutex<Option<OwnerToken>>,
+    owner: FirstRenewer,
     /// Renewals of `owner` answered `NotOwner`, and those sent after the first such answer.
     not_owner: std::sync::atomic::AtomicUsize,
     after_lost: std::sync::atomic::AtomicUsize,
@@ -180,10 +189,7 @@ impl Intercept for CountRenewals {
         token: &OwnerToken,
         lease: Duration,
     ) -> Result<Fenced, StoreError> {
-        let ours = {
-            let mut owner = self.owner.lock().unwrap_or_else(|p| p.into_inner());
-            owner.get_or_insert_with(|| token.clone()) == token
-        };
+        let ours = self.owner.is(token);
         if ours && self.not_owner.load(Ordering::SeqCst) > 0 {
             self.after_lost.fetch_add(1, Ordering::SeqCst);
         }
