@@ -39,9 +39,10 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::{mpsc, Notify};
 
-/// Pauses before each further attempt when a release found nothing to release
-/// (the reservation may still be in flight) or when an attempt failed: about
-/// 9 s in all.
+/// The time from the start of one attempt to the start of the next, when a
+/// release found nothing to release (the reservation may still be in flight)
+/// or when an attempt failed: about 9 s in all. An attempt that took longer
+/// (it waited for a lock) is followed by the next at once.
 pub(crate) const RETRY_AFTER: [Duration; 4] = [
     Duration::from_millis(100),
     Duration::from_millis(400),
@@ -292,6 +293,7 @@ async fn with_retries(
     let pauses = std::iter::once(Duration::ZERO)
         .chain(RETRY_AFTER)
         .chain(std::iter::repeat(last_pause));
+    let mut attempt_started = tokio::time::Instant::now();
     for (attempt, pause) in pauses.enumerate() {
         let scheduled = attempt <= RETRY_AFTER.len();
         let tried_on = last_error.is_some()
@@ -307,7 +309,14 @@ async fn with_retries(
         } else {
             pause.min(SEARCH_PAUSE)
         };
-        tokio::time::sleep(pause).await;
+        // The pause counts from the start of the attempt before: an attempt
+        // that failed after waiting for a lock (SQLite's busy timeout, a lock
+        // wait) has waited already, and a pause after it would leave the
+        // record's lock free for others for that long, so a completion under
+        // steady contention could miss every moment the lock is free until
+        // the lease runs out and a retry runs the body again.
+        tokio::time::sleep_until(attempt_started + pause).await;
+        attempt_started = tokio::time::Instant::now();
         match write(identity.clone(), token.clone(), work.clone()).await {
             Ok(Fenced::Written) => {
                 tracing::info!(target: "idempotent", store, scope = %identity.scope,
@@ -438,6 +447,69 @@ mod tests {
             .recv_timeout(Duration::from_secs(30))
             .expect("released in the background");
         assert_eq!(n, 2, "one empty attempt, then the release");
+    }
+
+    /// A completion whose attempts fail after waiting for a lock (SQLite's
+    /// busy timeout) is tried again at once: with a pause after each, the
+    /// lock was free for others meanwhile, and under steady contention the
+    /// completion could miss it until the lease ran out (a retry then runs
+    /// the body again). An attempt that fails at once still waits out the
+    /// schedule (no spinning).
+    #[tokio::test(start_paused = true)]
+    async fn a_completion_that_waited_for_a_lock_is_tried_again_at_once() {
+        const LOCK_WAIT: Duration = Duration::from_secs(10);
+        let started = Arc::new(Mutex::new(Vec::new()));
+        let seen = started.clone();
+        let write: WriteFn = Arc::new(move |_, _, _| {
+            let seen = seen.clone();
+            Box::pin(async move {
+                let attempt = {
+                    let mut seen = seen.lock().unwrap_or_else(|p| p.into_inner());
+                    seen.push(tokio::time::Instant::now());
+                    seen.len()
+                };
+                match attempt {
+                    // Two that fail at once, then lock waits that time out.
+                    1 | 2 => Err(StoreError::new("test", "complete", "connection refused")),
+                    3..=7 => {
+                        tokio::time::sleep(LOCK_WAIT).await;
+                        Err(StoreError::new("test", "complete", "database is locked"))
+                    }
+                    _ => Ok(Fenced::Written),
+                }
+            })
+        });
+        let id = Identity::new("t", "releaser.test", "k").expect("identity");
+        let answer = crate::store::Answer {
+            outcome: crate::store::StoredOutcome {
+                is_error: false,
+                payload: b"1".to_vec(),
+            },
+            ttl: Duration::from_secs(3600),
+            by: crate::store::AnsweredBy::Body,
+        };
+        let far = std::time::Instant::now() + Duration::from_secs(3600);
+        with_retries(
+            "test",
+            write,
+            id,
+            OwnerToken::new(),
+            Work::Complete(answer),
+            far,
+        )
+        .await;
+        let started = started.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        assert_eq!(started.len(), 8, "recorded at the eighth attempt");
+        let gaps: Vec<Duration> = started.windows(2).map(|w| w[1] - w[0]).collect();
+        assert_eq!(
+            gaps[..2],
+            RETRY_AFTER[..2],
+            "quick failures wait out the schedule"
+        );
+        assert!(
+            gaps[2..].iter().all(|gap| *gap == LOCK_WAIT),
+            "each attempt after a lock wait starts when the one before ends: {gaps:?}"
+        );
     }
 
     /// `finish_within` counts the work not yet done: a job held up counts as
