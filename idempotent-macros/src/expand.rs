@@ -42,20 +42,42 @@ fn with_error(item: TokenStream, error: syn::Error) -> TokenStream {
     quote!(#[allow(unused_variables)] #item #error)
 }
 
-/// The `#[cfg]`s written on the parameter `name`. rustc leaves them on an
+/// The `#[cfg]`s written on the parameter `name`, and the `#[cfg_attr]`s
+/// that may give one (cut down to their `cfg`s). rustc leaves them on an
 /// attribute macro's input; one compiled out is not there to fingerprint.
-fn cfgs_of<'a>(sig: &'a syn::Signature, name: &Ident) -> Vec<&'a syn::Attribute> {
-    sig.inputs
-        .iter()
-        .find_map(|input| match input {
-            syn::FnArg::Typed(t) => match &*t.pat {
-                syn::Pat::Ident(p) if p.ident == *name => Some(&t.attrs),
-                _ => None,
-            },
-            syn::FnArg::Receiver(_) => None,
-        })
-        .map(|attrs| attrs.iter().filter(|a| a.path().is_ident("cfg")).collect())
-        .unwrap_or_default()
+fn cfgs_of(sig: &syn::Signature, name: &Ident) -> Vec<TokenStream> {
+    let attrs = sig.inputs.iter().find_map(|input| match input {
+        syn::FnArg::Typed(t) => match &*t.pat {
+            syn::Pat::Ident(p) if p.ident == *name => Some(&t.attrs),
+            _ => None,
+        },
+        syn::FnArg::Receiver(_) => None,
+    });
+    attrs
+        .into_iter()
+        .flatten()
+        .filter_map(|a| only_cfg(&a.meta).map(|meta| quote!(#[#meta])))
+        .collect()
+}
+
+/// `meta` if it is a `cfg`; a `cfg_attr` with only the `cfg`s it gives (at
+/// any depth), or `None` when it gives none. A `cfg_attr` that does not parse
+/// is left out: rustc reports it on the parameter.
+fn only_cfg(meta: &syn::Meta) -> Option<TokenStream> {
+    if meta.path().is_ident("cfg") {
+        return Some(quote!(#meta));
+    }
+    if !meta.path().is_ident("cfg_attr") {
+        return None;
+    }
+    let list = meta.require_list().ok()?;
+    let parts = list
+        .parse_args_with(syn::punctuated::Punctuated::<syn::Meta, syn::Token![,]>::parse_terminated)
+        .ok()?;
+    let mut parts = parts.iter();
+    let predicate = parts.next()?;
+    let kept: Vec<TokenStream> = parts.filter_map(only_cfg).collect();
+    (!kept.is_empty()).then(|| quote!(cfg_attr(#predicate, #(#kept),*)))
 }
 
 fn duration(krate: &TokenStream, d: Duration) -> TokenStream {

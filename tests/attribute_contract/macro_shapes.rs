@@ -601,34 +601,40 @@ fn registry_lists_every_function_with_file_line_and_policies() {
     );
 }
 
-// ---- a parameter under `#[cfg]`: fingerprinted where it is compiled in
-// (it failed to compile when compiled out: the fingerprint named it).
+// ---- a parameter under `#[cfg]` (or a `#[cfg_attr]` that gives one):
+// fingerprinted where it is compiled in (it failed to compile when compiled
+// out: the fingerprint named it).
 #[idempotent(scope = "shapes.cfg_param", key = key, tenant = shared, store = store)]
 async fn cfg_param(
     store: &MemoryStore,
     key: &str,
     #[cfg(any())] compiled_out: u64,
     #[cfg(not(any()))] amount: u64,
+    #[cfg_attr(all(), cfg(any()))] compiled_out_by_cfg_attr: u64,
+    #[cfg_attr(any(), cfg(any()))] currency: &str,
+    #[cfg_attr(all(), allow(unused), cfg_attr(all(), cfg(any())))] nested_out: u64,
 ) -> Result<u64, Error> {
-    Ok(amount)
+    Ok(amount + currency.len() as u64)
 }
 
 #[tokio::test]
 async fn a_parameter_under_cfg_is_fingerprinted_only_where_compiled_in() {
     let store = MemoryStore::new();
-    assert_eq!(cfg_param(&store, "k", 5).await.expect("runs"), 5);
-    assert!(
-        matches!(
-            cfg_param(&store, "k", 6).await,
-            Err(Error::FingerprintMismatch(_))
-        ),
-        "the parameter compiled in is fingerprinted"
-    );
+    assert_eq!(cfg_param(&store, "k", 5, "EUR").await.expect("runs"), 8);
+    for (amount, currency) in [(6, "EUR"), (5, "USD")] {
+        assert!(
+            matches!(
+                cfg_param(&store, "k", amount, currency).await,
+                Err(Error::FingerprintMismatch(_))
+            ),
+            "the parameters compiled in are fingerprinted"
+        );
+    }
     let info = registry::scopes()
         .into_iter()
         .find(|s| s.scope == "shapes.cfg_param")
         .expect("registered");
-    assert_eq!(info.fingerprinted_parameters, ["amount"]);
+    assert_eq!(info.fingerprinted_parameters, ["amount", "currency"]);
 }
 
 // ---- a body whose every path returns (its block has type `!`), under a
