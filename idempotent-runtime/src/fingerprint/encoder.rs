@@ -52,6 +52,11 @@ pub(crate) fn is_unordered(type_name: &str) -> bool {
         t = rest.trim_start();
         t = t.strip_prefix("mut ").unwrap_or(t);
     }
+    // A slice, an array or a tuple (`[HashSet<u8>]`) keeps its order, whatever
+    // it holds: only a path names a collection.
+    if !t.starts_with(|c: char| c.is_alphabetic() || c == '_') {
+        return false;
+    }
     let path = t.split('<').next().unwrap_or(t);
     let base = path.rsplit("::").next().unwrap_or(path).trim();
     UNORDERED_COLLECTIONS.contains(&base)

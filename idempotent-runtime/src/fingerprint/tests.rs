@@ -736,9 +736,29 @@ fn unordered_collections_are_recognised_by_type_name() {
         name_of(&&[0u8][..]),
         "&std::iter::Map<std::collections::hash::set::Iter<u8>, F>",
         "&my::HashSetLike<u8>",
+        // Slices, arrays and tuples of sets keep their order (a slice of
+        // sets was taken for a set: two orders shared a fingerprint).
+        name_of(&&[HashSet::<u8>::new()][..]),
+        name_of(&[HashSet::<u8>::new()]),
+        "&[(std::collections::hash::set::HashSet<u8>, alloc::string::String)]",
+        "&mut [std::collections::hash::set::HashSet<u8>]",
+        "(std::collections::hash::set::HashSet<u8>,)",
     ] {
         assert!(!is_unordered(ordered), "{ordered}");
     }
+}
+
+#[test]
+fn a_slice_of_sets_keeps_its_order() {
+    let (one, two): (HashSet<u8>, HashSet<u8>) = ([1].into(), [2].into());
+    let forward = [one.clone(), two.clone()];
+    let backward = [two, one];
+    assert_ne!(fp(&forward[..]), fp(&backward[..]));
+    assert_ne!(
+        fp(&Box::<[HashSet<u8>]>::from(forward.clone())),
+        fp(&Box::<[HashSet<u8>]>::from(backward.clone()))
+    );
+    assert_ne!(fp(&forward), fp(&backward));
 }
 
 #[test]
