@@ -310,10 +310,12 @@ impl Encoder {
     /// source (one key type) are sorted by their bytes, so a set's iteration
     /// order does not count.
     ///
-    /// `unknown_length`: the map's length was not given (`serialize_map(None)`,
-    /// serde's form of a struct with `#[serde(flatten)]` fields), where every
-    /// `str` key is a source of its own (see [`restore_arrival_order_of_repeats`]).
-    fn sort_entries(&mut self, first: usize, region: usize, unknown_length: bool) {
+    /// `names_are_sources`: a struct, or a map whose length was not given
+    /// (`serialize_map(None)`, serde's form of a struct with
+    /// `#[serde(flatten)]` fields), where every `str` key is a name from a
+    /// type's definition and a source of its own (see
+    /// [`restore_arrival_order_of_repeats`]).
+    fn sort_entries(&mut self, first: usize, region: usize, names_are_sources: bool) {
         let mode = self.mode;
         let Encoder {
             out,
@@ -352,7 +354,7 @@ impl Encoder {
             .any(|w| sort_key(&w[0]) == sort_key(&w[1]));
         let typed = repeated && mode == Mode::Canonical;
         if typed {
-            restore_arrival_order_of_repeats(members, sort_key, unknown_length);
+            restore_arrival_order_of_repeats(members, sort_key, names_are_sources);
             *extended = true;
             *lossy = true;
         }
@@ -389,10 +391,11 @@ impl Encoder {
 /// entries by their bytes, in the places that kind holds in the run. A
 /// source is a key type (a flattened map's `String` keys beside a struct's
 /// field; an internal tag beside its content map's keys), except that with
-/// `names_are_sources` (a map of unknown length: serde's form of a struct with
-/// `#[serde(flatten)]` fields) every entry with a `str` key is a source of its
-/// own: there such a key is a name from a type's definition (a struct's
-/// field, also within a flattened struct), written in declaration order.
+/// `names_are_sources` (a struct, or a map of unknown length: serde's form of
+/// a struct with `#[serde(flatten)]` fields) every entry with a `str` key is a
+/// source of its own: there such a key is a name from a type's definition (a
+/// struct's field, also within a flattened struct; an internal tag), written
+/// in declaration order.
 /// Repeats of one key type otherwise come from one source (a multimap written
 /// as repeated entries, perhaps in a set's iteration order) and stay sorted
 /// by their bytes. With no repeated key and kind, nothing moves.
@@ -806,7 +809,7 @@ impl<'a> Serializer for &'a mut Encoder {
     fn serialize_map(self, len: Option<usize>) -> Result<Map<'a>> {
         let mut map = Map::begin(self, None, false)?;
         // serde writes a struct with `#[serde(flatten)]` as a map of unknown length.
-        map.unknown_length = len.is_none();
+        map.names_are_sources = len.is_none();
         Ok(map)
     }
 
@@ -816,6 +819,7 @@ impl<'a> Serializer for &'a mut Encoder {
         let number = name == NUMBER_TOKEN && self.mode == Mode::Canonical;
         let mut map = Map::begin(self, None, raw || number)?;
         map.number = number;
+        map.names_are_sources = true;
         Ok(map)
     }
 
@@ -826,7 +830,9 @@ impl<'a> Serializer for &'a mut Encoder {
         variant: &'static str,
         _len: usize,
     ) -> Result<Map<'a>> {
-        Map::begin(self, Some(variant), false)
+        let mut map = Map::begin(self, Some(variant), false)?;
+        map.names_are_sources = true;
+        Ok(map)
     }
 
     /// `HashSet` and friends serialize through here, exactly like `Vec`:
@@ -965,8 +971,12 @@ pub(crate) struct Map<'a> {
     raw: bool,
     /// The text is one number (see [`Map::number_value`]).
     number: bool,
-    /// See [`Encoder::sort_entries`].
-    unknown_length: bool,
+    /// A struct's members, or a map of unknown length: see [`Encoder::sort_entries`].
+    /// A struct's fields (an internal tag among them) are `&'static str`
+    /// names written in declaration order, never a collection's iteration
+    /// order, so two with one name (an internally tagged enum's tag beside a
+    /// field of that name, two fields renamed alike) keep their order.
+    names_are_sources: bool,
 }
 
 impl<'a> Map<'a> {
@@ -989,7 +999,7 @@ impl<'a> Map<'a> {
             pending: None,
             raw,
             number: false,
-            unknown_length: false,
+            names_are_sources: false,
         })
     }
 
@@ -1185,7 +1195,7 @@ impl<'a> Map<'a> {
         if self.enc.mode != Mode::Check && !self.raw {
             if self.enc.entries.len() - self.first >= 2 {
                 self.enc
-                    .sort_entries(self.first, self.region, self.unknown_length);
+                    .sort_entries(self.first, self.region, self.names_are_sources);
             }
             self.enc.entries.truncate(self.first);
             self.enc.keys.truncate(self.keys_base);

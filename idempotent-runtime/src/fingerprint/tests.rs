@@ -1859,6 +1859,71 @@ fn a_field_and_a_flattened_structs_field_of_the_same_name_are_not_interchangeabl
     assert_eq!(fp(&a), fp(&request(1, 2)));
 }
 
+/// An internally tagged enum's newtype variant holding a struct with a field
+/// of the tag's name: serde writes the tag and the field as two members of
+/// one struct, both `str` names. They were sorted by their values, so
+/// `Refund` holding `type: "Charge"` and `Charge` holding `type: "Refund"`
+/// shared a fingerprint (the second call replayed the first's answer).
+#[derive(Serialize, Debug, Clone)]
+struct TaggedInner {
+    r#type: &'static str,
+    amount: u32,
+}
+
+#[derive(Serialize, Debug, Clone)]
+#[serde(tag = "type")]
+enum TaggedCommand {
+    Refund(TaggedInner),
+    Charge(TaggedInner),
+}
+
+#[derive(Serialize, Debug, Clone)]
+#[serde(tag = "type")]
+enum TaggedKind {
+    Card {},
+    Bank {},
+}
+
+#[derive(Serialize, Debug, Clone)]
+#[serde(tag = "type")]
+enum TaggedOuter {
+    Card(TaggedKind),
+    Bank(TaggedKind),
+}
+
+/// Two fields renamed alike: written in declaration order.
+#[derive(Serialize, Debug, Clone)]
+struct RenamedAlike {
+    #[serde(rename = "v")]
+    x: u32,
+    #[serde(rename = "v")]
+    y: u32,
+}
+
+#[test]
+fn a_structs_members_of_one_name_keep_their_order() {
+    let inner = |r#type| TaggedInner {
+        r#type,
+        amount: 100,
+    };
+    let refund = TaggedCommand::Refund(inner("Charge"));
+    let charge = TaggedCommand::Charge(inner("Refund"));
+    assert_ne!(
+        fp(&refund),
+        fp(&charge),
+        "{} vs {}",
+        v2(&refund),
+        v2(&charge)
+    );
+    assert_eq!(fp(&refund), fp(&refund.clone()));
+    let card_bank = TaggedOuter::Card(TaggedKind::Bank {});
+    let bank_card = TaggedOuter::Bank(TaggedKind::Card {});
+    assert_ne!(fp(&card_bank), fp(&bank_card));
+    let (xy, yx) = (RenamedAlike { x: 1, y: 2 }, RenamedAlike { x: 2, y: 1 });
+    assert_ne!(fp(&xy), fp(&yx));
+    assert_eq!(fp(&xy), fp(&xy.clone()));
+}
+
 /// A multimap kept in a `HashSet` and written as repeated entries whose keys
 /// are passed as `&str` (`k.as_str()`, so serde's key type is `str`, as for a
 /// struct's field names): one source, whose entries arrive in the set's
