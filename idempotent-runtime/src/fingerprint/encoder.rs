@@ -62,6 +62,12 @@ pub(crate) fn is_unordered(type_name: &str) -> bool {
     UNORDERED_COLLECTIONS.contains(&base)
 }
 
+/// How many values deep a value may be nested (each container, `Some` and
+/// newtype counts one): well beyond what serde_json reads back (128 arrays
+/// or objects), and well within a 2 MiB stack (tokio's worker threads) in a
+/// debug build.
+pub(crate) const MAX_DEPTH: u32 = 256;
+
 /// What the encoder is for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub(crate) enum Mode {
@@ -131,6 +137,8 @@ pub(crate) struct Encoder {
     /// whether its value was a bare `null`.
     written: u64,
     null_written_at: u64,
+    /// How deep the value being written is nested (see [`Encoder::nested`]).
+    depth: u32,
 }
 
 impl Encoder {
@@ -151,6 +159,7 @@ impl Encoder {
         self.extended = false;
         self.rewritten = false;
         self.lossy = false;
+        self.depth = 0;
     }
 
     /// The memory its buffers hold.
@@ -173,6 +182,21 @@ impl Encoder {
         self.out.truncate(len);
         self.keys.clear();
         self.entries.clear();
+        self.depth = 0;
+    }
+
+    /// Writes `value`, one level deeper than the value that holds it: past
+    /// [`MAX_DEPTH`] levels an error ([`Problem::TooDeep`]) rather than a
+    /// stack overflow, which aborts the process (a recursive value: a tree,
+    /// a linked list).
+    fn nested<T: ?Sized + Serialize>(&mut self, value: &T) -> Result<KeyKind> {
+        if self.depth >= MAX_DEPTH {
+            return Err(EncodeError::new(Problem::TooDeep));
+        }
+        self.depth += 1;
+        let written = value.serialize(&mut *self);
+        self.depth -= 1;
+        written
     }
 
     /// Whether a v2 extension was needed since the flag was last cleared.
@@ -504,6 +528,8 @@ enum Problem {
     NotInV1(&'static str),
     /// Raw JSON text (`RawValue`) that a `serde_json::Value` cannot hold.
     LossyRawJson,
+    /// Nested deeper than [`MAX_DEPTH`].
+    TooDeep,
 }
 
 #[derive(Debug)]
@@ -536,7 +562,10 @@ impl EncodeError {
     /// Whether this is a rule-12 refusal (rather than the value's own
     /// `Serialize` failing, which the recording serializer reports itself).
     pub(crate) fn is_not_faithful(&self) -> bool {
-        matches!(self.problem, Problem::NonFinite(_) | Problem::NullInSome)
+        matches!(
+            self.problem,
+            Problem::NonFinite(_) | Problem::NullInSome | Problem::TooDeep
+        )
     }
 
     fn path(&self) -> String {
@@ -594,6 +623,14 @@ impl fmt::Display for EncodeError {
                  member, which its canonical form cannot tell apart from other text; pass the \
                  value parsed into a type of your own, or `skip` it",
                 &path,
+            ),
+            Problem::TooDeep => write_at(
+                f,
+                &format!(
+                    "the value is nested more than {MAX_DEPTH} levels deep (a recursive value?), \
+                     deeper than can be written safely; flatten it, or `skip` it"
+                ),
+                "", // as deep as the value: too long to be of use
             ),
         }
     }
@@ -722,7 +759,7 @@ impl<'a> Serializer for &'a mut Encoder {
     fn serialize_some<T: ?Sized + Serialize>(self, value: &T) -> Result<KeyKind> {
         let start = self.out.len();
         let before = self.written;
-        value.serialize(&mut *self)?;
+        self.nested(value)?;
         if self.mode == Mode::Check
             && self.written == before + 1
             && self.null_written_at == self.written
@@ -764,7 +801,7 @@ impl<'a> Serializer for &'a mut Encoder {
         _name: &'static str,
         value: &T,
     ) -> Result<KeyKind> {
-        value.serialize(self)
+        self.nested(value)
     }
 
     fn serialize_newtype_variant<T: ?Sized + Serialize>(
@@ -777,8 +814,7 @@ impl<'a> Serializer for &'a mut Encoder {
         self.put_byte(b'{');
         self.put_str(variant)?;
         self.put_byte(b':');
-        value
-            .serialize(&mut *self)
+        self.nested(value)
             .map_err(|e| e.at(Segment::Field(variant)))?;
         self.put_byte(b'}');
         Ok(KeyKind::Other)
@@ -885,7 +921,7 @@ impl<'a> Seq<'a> {
             self.enc.put_byte(b',');
         }
         let start = self.enc.out.len();
-        if let Err(e) = value.serialize(&mut *self.enc) {
+        if let Err(e) = self.enc.nested(value) {
             return Err(e.at(Segment::Index(self.count)).in_variant(self.variant));
         }
         if self.unordered.is_some() {
@@ -1060,7 +1096,7 @@ impl<'a> Map<'a> {
         value: &T,
         segment: impl FnOnce(&Encoder) -> Segment,
     ) -> Result<()> {
-        if let Err(e) = value.serialize(&mut *self.enc) {
+        if let Err(e) = self.enc.nested(value) {
             return Err(e.at(segment(&*self.enc)).in_variant(self.variant));
         }
         self.enc.entries.push(Entry {
@@ -1089,8 +1125,9 @@ impl<'a> Map<'a> {
         if self.enc.mode == Mode::Check {
             // Keys are not walked: JSON keys are strings and numbers, and
             // serde_json itself refuses the rest when recording.
-            return value
-                .serialize(&mut *self.enc)
+            return self
+                .enc
+                .nested(value)
                 .map(|_| ())
                 .map_err(|e| e.at(Segment::Key(render_key(key))).in_variant(self.variant));
         }
@@ -1107,8 +1144,9 @@ impl<'a> Map<'a> {
             };
         }
         if self.enc.mode == Mode::Check {
-            return value
-                .serialize(&mut *self.enc)
+            return self
+                .enc
+                .nested(value)
                 .map(|_| ())
                 .map_err(|e| e.at(Segment::Field(name)).in_variant(self.variant));
         }
@@ -1225,7 +1263,7 @@ impl SerializeMap for Map<'_> {
         if self.enc.mode == Mode::Check {
             let entry = self.count;
             self.count += 1;
-            return value.serialize(&mut *self.enc).map(|_| ()).map_err(|e| {
+            return self.enc.nested(value).map(|_| ()).map_err(|e| {
                 e.at(Segment::Key(format!("key #{entry}")))
                     .in_variant(self.variant)
             });

@@ -2045,3 +2045,80 @@ fn arbitrary_precision_numbers_fingerprint_as_the_number_they_are() {
         assert!(e.to_string().contains("arbitrary_precision"), "{text}: {e}");
     }
 }
+
+/// A recursive value: each level a struct holding a map, a list and an
+/// option (the heaviest frames per level), or nothing at the end.
+#[derive(Serialize)]
+struct Tree {
+    children: BTreeMap<&'static str, Vec<Option<Box<Tree>>>>,
+}
+
+fn tree(levels: usize) -> Tree {
+    let mut t = Tree {
+        children: BTreeMap::new(),
+    };
+    for _ in 0..levels {
+        t = Tree {
+            children: BTreeMap::from([("c", vec![Some(Box::new(t))])]),
+        };
+    }
+    t
+}
+
+/// A chain of newtypes and options, with no container between its levels.
+#[derive(Serialize)]
+struct Chain(Option<Box<Chain>>);
+
+fn chain(levels: usize) -> Chain {
+    (0..levels).fold(Chain(None), |c, _| Chain(Some(Box::new(c))))
+}
+
+/// On `stack` bytes of stack, as a tokio worker thread has (2 MiB).
+fn on_a_stack_of<T: Send + 'static>(stack: usize, work: impl FnOnce() -> T + Send + 'static) -> T {
+    std::thread::Builder::new()
+        .stack_size(stack)
+        .spawn(work)
+        .expect("a thread")
+        .join()
+        .expect("no panic")
+}
+
+/// A value nested too deep is an error, for the fingerprint and for the
+/// result check, not a stack overflow that aborts the process (the encoder
+/// overflowed a 2 MiB stack at about a thousand levels in a debug build).
+#[test]
+fn a_value_nested_too_deep_is_an_error_not_a_stack_overflow() {
+    const STACK: usize = 2 << 20;
+    let (fingerprint, checked) = on_a_stack_of(STACK, || {
+        let deep = chain(20_000);
+        let answers = (
+            Fingerprint::of(&deep).map_err(|e| e.to_string()),
+            check_faithful_json(&deep),
+        );
+        // Dropped here, level by level (a small frame each).
+        drop(deep);
+        answers
+    });
+    let fingerprint = fingerprint.expect_err("too deep to fingerprint");
+    assert!(
+        fingerprint.contains("nested more than 256 levels"),
+        "{fingerprint}"
+    );
+    let checked = checked.expect_err("too deep to record");
+    assert!(checked.contains("nested more than 256 levels"), "{checked}");
+    // Trees: three values a level; the deepest allowed one fits the stack.
+    let (deepest, one_more) = on_a_stack_of(STACK, || {
+        let allowed = (encoder::MAX_DEPTH as usize - 1) / 4;
+        (
+            Fingerprint::of(&tree(allowed)).map_err(|e| e.to_string()),
+            Fingerprint::of(&tree(allowed + 1)).map_err(|e| e.to_string()),
+        )
+    });
+    assert!(deepest.is_ok(), "{deepest:?}");
+    assert!(one_more.is_err());
+    // And the encoder is usable again on the same thread.
+    assert!(on_a_stack_of(STACK, || {
+        let _ = Fingerprint::of(&chain(300));
+        Fingerprint::of(&chain(3)).is_ok()
+    }));
+}
