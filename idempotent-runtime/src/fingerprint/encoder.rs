@@ -850,7 +850,7 @@ impl<'a> Serializer for &'a mut Encoder {
     }
 
     fn serialize_struct(self, name: &'static str, _len: usize) -> Result<Map<'a>> {
-        let raw = name == RAW_VALUE_TOKEN && self.writes();
+        let raw = name == RAW_VALUE_TOKEN;
         // v1 wrote serde_json's number token as a map (Legacy keeps that).
         let number = name == NUMBER_TOKEN && self.mode == Mode::Canonical;
         let mut map = Map::begin(self, None, raw || number)?;
@@ -1139,6 +1139,8 @@ impl<'a> Map<'a> {
         if self.raw {
             return if self.number {
                 self.number_value(value)
+            } else if self.enc.mode == Mode::Check {
+                self.check_raw_value(value)
             } else {
                 self.raw_value(value)
             };
@@ -1152,6 +1154,22 @@ impl<'a> Map<'a> {
         }
         let pending = self.field_key(name)?;
         self.value(pending, value, |_| Segment::Field(name))
+    }
+
+    /// serde_json's `RawValue` in [`Mode::Check`]: one value, which counts as
+    /// a `null` when its text is `null` (so `Some` of it is refused: it would
+    /// replay as `None`). Any other text comes back as it is.
+    fn check_raw_value<T: ?Sized + Serialize>(&mut self, value: &T) -> Result<()> {
+        let enc = &mut *self.enc;
+        let key_start = enc.keys.len();
+        // The field is the JSON text; the key serializer hands strings back raw.
+        value.serialize(KeySerializer { enc: &mut *enc })?;
+        let null = std::str::from_utf8(&enc.keys[key_start..]).is_ok_and(|t| t.trim() == "null");
+        enc.keys.truncate(key_start);
+        if null {
+            enc.null_written_at = enc.written;
+        }
+        Ok(())
     }
 
     /// serde_json's `RawValue`: v1 parsed the text into a JSON value, so it

@@ -2122,3 +2122,25 @@ fn a_value_nested_too_deep_is_an_error_not_a_stack_overflow() {
         Fingerprint::of(&chain(3)).is_ok()
     }));
 }
+
+/// Rule 12: `Some` of raw JSON text `null` would replay as `None`: refused,
+/// as `Some(None)` is. Other raw text, and a bare `null`, come back as they are.
+#[test]
+fn some_raw_null_is_not_faithful() {
+    use serde_json::value::RawValue;
+    let raw = |text: &str| RawValue::from_string(text.to_owned()).expect("raw JSON");
+    for text in ["null", " null\n"] {
+        let answer = check_faithful_json(&Some(raw(text)));
+        assert!(
+            answer
+                .as_ref()
+                .is_err_and(|e| e.contains("replay as `None`")),
+            "{text:?}: {answer:?}"
+        );
+    }
+    assert!(check_faithful_json(&Some(raw("1"))).is_ok());
+    assert!(check_faithful_json(&Some(raw(r#"{"a":null}"#))).is_ok());
+    assert!(check_faithful_json(&raw("null")).is_ok());
+    assert!(check_faithful_json(&vec![Some(raw("[null]"))]).is_ok());
+    assert!(check_faithful_json(&vec![Some(raw("2")), Some(raw("null"))]).is_err());
+}
