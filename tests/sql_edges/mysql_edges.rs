@@ -923,6 +923,82 @@ async fn the_purge_skips_a_row_held_by_an_open_transaction() {
         .expect("clean up");
 }
 
+/// On a small table MariaDB reads the purge's batch with a full scan, so
+/// `SKIP LOCKED` tested only the rows themselves: one expired record whose
+/// `expires_at` index entry another transaction held in share mode (an
+/// index-only `LOCK IN SHARE MODE`) made the purge's `DELETE` wait on that
+/// entry for `innodb_lock_wait_timeout` (50 s by default), and then fail
+/// with nothing purged (hunt finding). Here the table is a database of its
+/// own (a shared one holds enough rows for the index plan) and the purge's
+/// session waits at most `GUARD_S` seconds, so a wait fails the test.
+#[tokio::test]
+async fn the_purge_skips_a_row_whose_expiry_index_entry_is_held() {
+    let Some(admin) = mysql_store_or_skip().await else {
+        return;
+    };
+    let db = format!("purge_plan_{}", uuid::Uuid::new_v4().simple());
+    admin
+        .pool()
+        .execute(format!("CREATE DATABASE `{db}`").as_str())
+        .await
+        .expect("create database");
+    let use_db = format!("USE `{db}`");
+    let pool = MySqlPoolOptions::new()
+        .max_connections(4)
+        .acquire_timeout(Duration::from_secs(10))
+        .after_connect(move |conn, _| {
+            let use_db = use_db.clone();
+            Box::pin(async move {
+                conn.execute(use_db.as_str()).await?;
+                conn.execute(format!("SET SESSION innodb_lock_wait_timeout = {GUARD_S}").as_str())
+                    .await?;
+                Ok(())
+            })
+        })
+        .connect(&mysql_url())
+        .await
+        .expect("pool");
+    let store = MySqlStore::from_pool(pool.clone()).await.expect("store");
+    for i in 0..30_i64 {
+        sqlx::query(
+            "INSERT INTO idempotency_records
+                 (tenant, scope, `key`, state, is_error, result, expires_at, created_at, updated_at)
+             VALUES ('t', 'mysql_edges.purge_plan', ?, 'complete', 0, '1', ?, 0, 0)",
+        )
+        .bind(format!("k{i}"))
+        .bind(1_000 + i)
+        .execute(&pool)
+        .await
+        .expect("plant an expired record");
+    }
+    let mut holder = pool.begin().await.expect("begin");
+    let held: i64 = sqlx::query_scalar(
+        "SELECT expires_at FROM idempotency_records FORCE INDEX (idempotency_records_expires_at)
+          WHERE expires_at = 1005 LOCK IN SHARE MODE",
+    )
+    .fetch_one(&mut *holder)
+    .await
+    .expect("hold one index entry");
+    assert_eq!(held, 1005);
+
+    let purged = store.purge_expired(1000).await;
+    holder.rollback().await.expect("rollback");
+    let then = store.purge_expired(1000).await;
+    drop(store);
+    pool.close().await;
+    admin
+        .pool()
+        .execute(format!("DROP DATABASE `{db}`").as_str())
+        .await
+        .expect("drop database");
+    assert_eq!(
+        purged.expect("the purge does not wait for a held index entry"),
+        29,
+        "every expired record but the held one"
+    );
+    assert_eq!(then.expect("purge"), 1, "the held one, once let go");
+}
+
 // ------------------------------------------- a fresh key through the store (MariaDB's plain insert)
 
 /// A store-mode reservation of a key whose record a transactional-mode owner

@@ -113,6 +113,7 @@ pub(crate) static MYSQL: &[Migration] = embedded_migrations!("mysql":
     (4, "0004_attempts.sql", "attempts"),
     (5, "0005_one_reserve_body.sql", "one reserve body"),
     (6, "0006_lock_name_per_database.sql", "lock name per database"),
+    (7, "0007_purge_through_the_expiry_index.sql", "purge through the expiry index"),
 );
 
 /// SQLite's migrations (`migrations/sqlite`).
