@@ -39,7 +39,7 @@ use crate::audit::{audit, KnownScope};
 use crate::connect::{connect_url, ConnectError};
 use crate::identity::Identity;
 use crate::manifest::{Manifest, ManifestError, ENV_VAR, FILE_NAME};
-use crate::purge::{purge_all, DEFAULT_BATCH};
+use crate::purge::{purge_until_done, DEFAULT_BATCH};
 use crate::registry::Format;
 use crate::store::{ForcedRelease, RecordSnapshot, RecordState};
 use crate::Store;
@@ -345,7 +345,9 @@ fn check_existing_sqlite_file(url: &str) -> Result<(), CliError> {
         use std::str::FromStr;
         if let Ok(options) = sqlx::sqlite::SqliteConnectOptions::from_str(url) {
             let path = options.get_filename();
-            let in_memory = path.as_os_str() == ":memory:";
+            // sqlx names `sqlite::memory:` `file:sqlx-in-memory-<n>`.
+            let in_memory = path.as_os_str() == ":memory:"
+                || path.to_string_lossy().starts_with("file:sqlx-in-memory-");
             if !in_memory && !path.exists() {
                 return Err(CliError::NoSqliteDatabase {
                     path: path.to_path_buf(),
@@ -478,7 +480,7 @@ pub async fn run(cli: Cli) -> Result<String, CliError> {
             json,
         } => {
             let store = open_store(&database_url).await?;
-            let deleted = purge_all(&*store, batch)
+            let deleted = purge_until_done(&*store, batch)
                 .await
                 .map_err(crate::Error::from)?;
             Ok(render_purge(store.name(), deleted, batch, format(json)))
@@ -598,9 +600,16 @@ fn no_record(identity: &Identity) -> CliError {
     }
 }
 
+/// `ms` since the epoch in RFC 3339; past the year 9999, which RFC 3339
+/// cannot write (a ttl or lease of thousands of years), as milliseconds.
 fn time(ms: i64) -> String {
-    humantime::format_rfc3339_millis(UNIX_EPOCH + Duration::from_millis(ms.max(0) as u64))
-        .to_string()
+    use std::fmt::Write;
+    let at = UNIX_EPOCH + Duration::from_millis(ms.max(0) as u64);
+    let mut text = String::new();
+    match write!(text, "{}", humantime::format_rfc3339_millis(at)) {
+        Ok(()) => text,
+        Err(_) => format!("{ms} ms after the Unix epoch (past the year 9999)"),
+    }
 }
 
 /// How far `ms` is from `now_ms`: "in 29s" or "12s ago" (whole seconds from
@@ -827,6 +836,33 @@ fn render_purge(store: &str, deleted: u64, batch: u32, format: Format) -> String
 mod tests {
     use super::*;
     use clap::CommandFactory;
+
+    /// `sqlite::memory:` is an in-memory database, not a missing file (sqlx
+    /// renames it, and it was refused as "no SQLite database at
+    /// file:sqlx-in-memory-0"); a missing file is still refused.
+    #[cfg(feature = "sqlite")]
+    #[test]
+    fn an_in_memory_sqlite_url_is_not_a_missing_file() {
+        assert!(check_existing_sqlite_file("sqlite::memory:").is_ok());
+        let missing = check_existing_sqlite_file("sqlite:///nonexistent/idempotent-cli-test.db");
+        assert!(matches!(missing, Err(CliError::NoSqliteDatabase { .. })));
+    }
+
+    /// A time past the year 9999 (a ttl of `9999y` is accepted) panicked
+    /// `inspect` ("a Display implementation returned an error").
+    #[test]
+    fn times_past_the_year_9999_are_written_not_a_panic() {
+        assert_eq!(time(0), "1970-01-01T00:00:00.000Z");
+        let far = 400_000_000_000_000_i64; // about the year 14645
+        assert_eq!(
+            time(far),
+            "400000000000000 ms after the Unix epoch (past the year 9999)"
+        );
+        assert_eq!(
+            time(i64::MAX).split(' ').next(),
+            Some("9223372036854775807")
+        );
+    }
 
     /// [`OPTIONS`] is every long option of every subcommand.
     #[test]

@@ -56,6 +56,28 @@ pub async fn purge_all(store: &dyn Store, batch: u32) -> Result<u64, StoreError>
     run(store, batch, None).await.map(|(deleted, _)| deleted)
 }
 
+/// Deletes every expired record now: runs of [`purge_all`] until one ends
+/// before its [`MAX_BATCHES_PER_RUN`] batches (the operator's `idempotent
+/// purge`, which a run's bound must not cut short without a word).
+pub(crate) async fn purge_until_done(store: &dyn Store, batch: u32) -> Result<u64, StoreError> {
+    until_done(store, batch, MAX_BATCHES_PER_RUN).await
+}
+
+async fn until_done(
+    store: &dyn Store,
+    batch: u32,
+    batches_per_run: u32,
+) -> Result<u64, StoreError> {
+    let mut total = 0u64;
+    loop {
+        let (deleted, batches) = run_of(store, batch, None, batches_per_run).await?;
+        total = total.saturating_add(deleted);
+        if batches < batches_per_run {
+            return Ok(total);
+        }
+    }
+}
+
 /// The batch loop shared by [`purge_all`] and the purger. Between batches
 /// (never during one) it checks `stop`. Returns (deleted, batches run).
 async fn run(
@@ -63,9 +85,19 @@ async fn run(
     batch: u32,
     stop: Option<&watch::Receiver<bool>>,
 ) -> Result<(u64, u32), StoreError> {
+    run_of(store, batch, stop, MAX_BATCHES_PER_RUN).await
+}
+
+/// [`run`], of at most `max_batches` batches.
+async fn run_of(
+    store: &dyn Store,
+    batch: u32,
+    stop: Option<&watch::Receiver<bool>>,
+    max_batches: u32,
+) -> Result<(u64, u32), StoreError> {
     let batch = batch.max(1);
     let mut total = 0u64;
-    for batches in 1..=MAX_BATCHES_PER_RUN {
+    for batches in 1..=max_batches {
         let deleted = store.purge_expired(batch).await?;
         total += deleted;
         crate::metrics::purged(store.name(), deleted);
@@ -76,9 +108,9 @@ async fn run(
     tracing::warn!(
         store = store.name(),
         deleted = total,
-        "purge stopped after {MAX_BATCHES_PER_RUN} batches of {batch}; the rest waits for the next run (raise the batch size if this repeats)"
+        "purge stopped after {max_batches} batches of {batch}; the rest waits for the next run (raise the batch size if this repeats)"
     );
-    Ok((total, MAX_BATCHES_PER_RUN))
+    Ok((total, max_batches))
 }
 
 /// How often the background purger runs and how much it deletes per statement.
@@ -250,5 +282,60 @@ impl Drop for PurgerHandle {
         if let Some(task) = self.task.take() {
             task.abort();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::identity::Identity;
+    use crate::store::{
+        Answer, AnsweredBy, OwnerToken, Reservation, ReserveRequest, StoredOutcome,
+    };
+    use crate::MemoryStore;
+
+    /// `n` complete records with a 1 ms ttl, expired once this returns.
+    async fn expired_records(store: &MemoryStore, n: usize) {
+        for i in 0..n {
+            let identity = Identity::new("t", "purge.test", &format!("k{i}")).expect("identity");
+            let token = OwnerToken::new();
+            let reserved = store
+                .reserve(ReserveRequest {
+                    identity: &identity,
+                    fingerprint: None,
+                    token: &token,
+                    lease: Duration::from_secs(30),
+                    ttl: Duration::from_millis(1),
+                })
+                .await
+                .expect("reserve");
+            assert!(matches!(reserved, Reservation::Acquired { .. }));
+            let answer = Answer {
+                outcome: StoredOutcome {
+                    is_error: false,
+                    payload: b"1".to_vec(),
+                },
+                ttl: Duration::from_millis(1),
+                by: AnsweredBy::Body,
+            };
+            store
+                .complete(answer.completing(&identity, &token))
+                .await
+                .expect("complete");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    /// The operator's purge deletes every expired record, however many runs
+    /// that takes; one run stops at its bound (here 3 batches of 2).
+    #[tokio::test]
+    async fn purge_until_done_goes_on_past_one_runs_bound() {
+        let store = MemoryStore::new();
+        expired_records(&store, 25).await;
+        let (one_run, batches) = run_of(&store, 2, None, 3).await.expect("one run");
+        assert_eq!((one_run, batches), (6, 3), "a run stops at its bound");
+        assert_eq!(until_done(&store, 2, 3).await.expect("purge"), 19);
+        assert!(store.is_empty(), "nothing expired is left");
+        assert_eq!(until_done(&store, 2, 3).await.expect("purge"), 0);
     }
 }
