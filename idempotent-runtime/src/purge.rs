@@ -297,7 +297,7 @@ mod tests {
     /// `n` complete records with a 1 ms ttl, expired once this returns.
     async fn expired_records(store: &MemoryStore, n: usize) {
         for i in 0..n {
-            let identity = Identity::new("t", "purge.test", &format!("k{i}")).expect("identity");
+            let identity = Identity::new("t", "purge.test", format!("k{i}")).expect("identity");
             let token = OwnerToken::new();
             let reserved = store
                 .reserve(ReserveRequest {
@@ -318,10 +318,11 @@ mod tests {
                 ttl: Duration::from_millis(1),
                 by: AnsweredBy::Body,
             };
-            store
+            let completed = store
                 .complete(answer.completing(&identity, &token))
                 .await
                 .expect("complete");
+            assert!(completed.is_written());
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
