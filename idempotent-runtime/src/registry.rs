@@ -34,7 +34,9 @@ pub enum ErrorPolicy {
 pub struct ScopeInfo {
     /// The scope string, e.g. `payments.charge`.
     pub scope: &'static str,
-    /// The function's path, `module::path::function`.
+    /// The function's path, `module::path::function`. For a method,
+    /// `module::path::method`: the attribute sees the method, not the `impl`
+    /// it is in (`file` and `line` tell which).
     pub function: &'static str,
     /// Source file of the function.
     pub file: &'static str,
