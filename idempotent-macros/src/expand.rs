@@ -61,8 +61,9 @@ fn cfgs_of(sig: &syn::Signature, name: &Ident) -> Vec<TokenStream> {
 }
 
 /// `meta` if it is a `cfg`; a `cfg_attr` with only the `cfg`s it gives (at
-/// any depth), or `None` when it gives none. A `cfg_attr` that does not parse
-/// is left out: rustc reports it on the parameter.
+/// any depth), or `None` when it gives none. The predicate is kept as its
+/// tokens (`true`, `feature = "x"`, `all(..)`); an attribute after it that
+/// does not parse is left out (rustc reports it on the parameter).
 fn only_cfg(meta: &syn::Meta) -> Option<TokenStream> {
     if meta.path().is_ident("cfg") {
         return Some(quote!(#meta));
@@ -71,13 +72,31 @@ fn only_cfg(meta: &syn::Meta) -> Option<TokenStream> {
         return None;
     }
     let list = meta.require_list().ok()?;
-    let parts = list
-        .parse_args_with(syn::punctuated::Punctuated::<syn::Meta, syn::Token![,]>::parse_terminated)
-        .ok()?;
-    let mut parts = parts.iter();
-    let predicate = parts.next()?;
-    let kept: Vec<TokenStream> = parts.filter_map(only_cfg).collect();
+    let mut parts = split_at_commas(list.tokens.clone()).into_iter();
+    let predicate = parts.next().filter(|p| !p.is_empty())?;
+    let kept: Vec<TokenStream> = parts
+        .filter_map(|part| syn::parse2::<syn::Meta>(part).ok())
+        .filter_map(|meta| only_cfg(&meta))
+        .collect();
     (!kept.is_empty()).then(|| quote!(cfg_attr(#predicate, #(#kept),*)))
+}
+
+/// `tokens` split at its top-level commas (a trailing comma gives no part).
+fn split_at_commas(tokens: TokenStream) -> Vec<TokenStream> {
+    let mut parts = vec![TokenStream::new()];
+    for tree in tokens {
+        match &tree {
+            proc_macro2::TokenTree::Punct(p) if p.as_char() == ',' => {
+                parts.push(TokenStream::new());
+            }
+            _ => parts
+                .last_mut()
+                .into_iter()
+                .for_each(|part| part.extend([tree.clone()])),
+        }
+    }
+    parts.retain(|part| !part.is_empty());
+    parts
 }
 
 fn duration(krate: &TokenStream, d: Duration) -> TokenStream {

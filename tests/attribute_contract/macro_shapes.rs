@@ -613,6 +613,7 @@ async fn cfg_param(
     #[cfg_attr(all(), cfg(any()))] compiled_out_by_cfg_attr: u64,
     #[cfg_attr(any(), cfg(any()))] currency: &str,
     #[cfg_attr(all(), allow(unused), cfg_attr(all(), cfg(any())))] nested_out: u64,
+    #[cfg_attr(true, cfg(false))] out_by_a_literal: u64,
 ) -> Result<u64, Error> {
     Ok(amount + currency.len() as u64)
 }
