@@ -39,7 +39,7 @@ use crate::audit::{audit, KnownScope};
 use crate::connect::{connect_url, ConnectError};
 use crate::identity::Identity;
 use crate::manifest::{Manifest, ManifestError, ENV_VAR, FILE_NAME};
-use crate::purge::{purge_until_done, DEFAULT_BATCH};
+use crate::purge::{purge_runs, DEFAULT_BATCH, MAX_BATCHES_PER_RUN};
 use crate::registry::Format;
 use crate::store::{ForcedRelease, RecordSnapshot, RecordState};
 use crate::Store;
@@ -272,7 +272,28 @@ pub enum CliError {
     /// `release` was given an empty `--reason`.
     #[error("--reason must say why the record is released (a ticket, what was checked); it is logged with the release")]
     NoReason,
+    /// `purge` deleted as many batches as one command runs, and every one
+    /// came back full: records expire as fast as they are deleted.
+    #[error(
+        "purge deleted {deleted} expired records in {runs} runs of {per_run} batches of {batch} \
+             and stopped with records left: they expire as fast as such batches delete them; \
+             run purge again with a larger --batch"
+    )]
+    PurgeIncomplete {
+        /// How many records it deleted.
+        deleted: u64,
+        /// The runs it made.
+        runs: u32,
+        /// Batches per run.
+        per_run: u32,
+        /// The batch size.
+        batch: u32,
+    },
 }
+
+/// The most runs of [`crate::purge::MAX_BATCHES_PER_RUN`] batches one `purge`
+/// command makes (a billion records in batches of 1,000).
+const PURGE_RUNS: u32 = 100;
 
 fn format(json: bool) -> Format {
     if json {
@@ -480,9 +501,17 @@ pub async fn run(cli: Cli) -> Result<String, CliError> {
             json,
         } => {
             let store = open_store(&database_url).await?;
-            let deleted = purge_until_done(&*store, batch)
+            let (deleted, done) = purge_runs(&*store, batch, PURGE_RUNS)
                 .await
                 .map_err(crate::Error::from)?;
+            if !done {
+                return Err(CliError::PurgeIncomplete {
+                    deleted,
+                    runs: PURGE_RUNS,
+                    per_run: MAX_BATCHES_PER_RUN,
+                    batch: batch.max(1),
+                });
+            }
             Ok(render_purge(store.name(), deleted, batch, format(json)))
         }
         Command::Inspect {

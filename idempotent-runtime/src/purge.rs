@@ -56,26 +56,36 @@ pub async fn purge_all(store: &dyn Store, batch: u32) -> Result<u64, StoreError>
     run(store, batch, None).await.map(|(deleted, _)| deleted)
 }
 
-/// Deletes every expired record now: runs of [`purge_all`] until one ends
-/// before its [`MAX_BATCHES_PER_RUN`] batches (the operator's `idempotent
-/// purge`, which a run's bound must not cut short without a word).
-pub(crate) async fn purge_until_done(store: &dyn Store, batch: u32) -> Result<u64, StoreError> {
-    until_done(store, batch, MAX_BATCHES_PER_RUN).await
-}
-
-async fn until_done(
+/// Deletes every expired record now (the operator's `idempotent purge`):
+/// runs of [`purge_all`] until one ends before its [`MAX_BATCHES_PER_RUN`]
+/// batches, at most `max_runs` of them. Answers how many were deleted, and
+/// whether it got to the end (`false`: records kept expiring as fast as
+/// batches of `batch` were deleted, and some may be left).
+#[cfg(any(feature = "cli", test))]
+pub(crate) async fn purge_runs(
     store: &dyn Store,
     batch: u32,
+    max_runs: u32,
+) -> Result<(u64, bool), StoreError> {
+    runs_of(store, batch, max_runs, MAX_BATCHES_PER_RUN).await
+}
+
+#[cfg(any(feature = "cli", test))]
+async fn runs_of(
+    store: &dyn Store,
+    batch: u32,
+    max_runs: u32,
     batches_per_run: u32,
-) -> Result<u64, StoreError> {
+) -> Result<(u64, bool), StoreError> {
     let mut total = 0u64;
-    loop {
+    for _ in 0..max_runs.max(1) {
         let (deleted, batches) = run_of(store, batch, None, batches_per_run).await?;
         total = total.saturating_add(deleted);
         if batches < batches_per_run {
-            return Ok(total);
+            return Ok((total, true));
         }
     }
+    Ok((total, false))
 }
 
 /// The batch loop shared by [`purge_all`] and the purger. Between batches
@@ -328,15 +338,21 @@ mod tests {
     }
 
     /// The operator's purge deletes every expired record, however many runs
-    /// that takes; one run stops at its bound (here 3 batches of 2).
+    /// that takes (one run stops at its bound, here 3 batches of 2), and
+    /// says so when it stops at its own bound of runs with records left.
     #[tokio::test]
-    async fn purge_until_done_goes_on_past_one_runs_bound() {
+    async fn purge_runs_go_on_past_one_runs_bound_and_say_when_they_stop() {
         let store = MemoryStore::new();
         expired_records(&store, 25).await;
         let (one_run, batches) = run_of(&store, 2, None, 3).await.expect("one run");
         assert_eq!((one_run, batches), (6, 3), "a run stops at its bound");
-        assert_eq!(until_done(&store, 2, 3).await.expect("purge"), 19);
+        assert_eq!(
+            runs_of(&store, 2, 2, 3).await.expect("purge"),
+            (12, false),
+            "two runs, both full: stopped with records left"
+        );
+        assert_eq!(runs_of(&store, 2, 10, 3).await.expect("purge"), (7, true));
         assert!(store.is_empty(), "nothing expired is left");
-        assert_eq!(until_done(&store, 2, 3).await.expect("purge"), 0);
+        assert_eq!(runs_of(&store, 2, 10, 3).await.expect("purge"), (0, true));
     }
 }
