@@ -159,8 +159,16 @@ impl<T: Serialize + DeserializeOwned, E: From<Error>> IdempotentReturn for Resul
 
 /// How `Err(e)` values are treated (`errors = ...` in the attribute).
 pub trait ErrorHandling<E> {
-    /// `None`: release the record. `Some(bytes)`: record the error as the final answer.
-    fn record(&self, error: &E) -> Option<Result<Vec<u8>, String>>;
+    /// Whether `error` is recorded as the final answer (`false`: the record
+    /// is released). Asked once per error.
+    fn records(&self, error: &E) -> bool;
+    /// `error` as it is recorded (JSON), asked only after [`records`] said
+    /// yes and [`check_faithful`] passed (serde_json has no guard against a
+    /// value nested deep enough to overflow the stack; the check has).
+    ///
+    /// [`records`]: ErrorHandling::records
+    /// [`check_faithful`]: ErrorHandling::check_faithful
+    fn encode(&self, error: &E) -> Result<Vec<u8>, String>;
     /// Rebuild a recorded error for a replay.
     fn replay(&self, payload: &[u8]) -> Result<E, String>;
     /// Rule 12 for a recorded error: `Err` when it would not replay equal.
@@ -179,8 +187,11 @@ pub trait ErrorHandling<E> {
 pub struct ReleaseErrors;
 
 impl<E> ErrorHandling<E> for ReleaseErrors {
-    fn record(&self, _: &E) -> Option<Result<Vec<u8>, String>> {
-        None
+    fn records(&self, _: &E) -> bool {
+        false
+    }
+    fn encode(&self, _: &E) -> Result<Vec<u8>, String> {
+        Err("errors = release records no error".to_owned())
     }
     fn replay(&self, _: &[u8]) -> Result<E, String> {
         Err(
@@ -196,8 +207,11 @@ impl<E> ErrorHandling<E> for ReleaseErrors {
 pub struct RecordErrors;
 
 impl<E: Serialize + DeserializeOwned> ErrorHandling<E> for RecordErrors {
-    fn record(&self, error: &E) -> Option<Result<Vec<u8>, String>> {
-        Some(serde_json::to_vec(error).map_err(|e| e.to_string()))
+    fn records(&self, _: &E) -> bool {
+        true
+    }
+    fn encode(&self, error: &E) -> Result<Vec<u8>, String> {
+        serde_json::to_vec(error).map_err(|e| e.to_string())
     }
     fn check_faithful(&self, error: &E) -> Result<(), String> {
         crate::fingerprint::check_faithful_json(error)
@@ -215,8 +229,11 @@ impl<E: Serialize + DeserializeOwned> ErrorHandling<E> for RecordErrors {
 pub struct RecordErrorsIf<F>(pub F);
 
 impl<E: Serialize + DeserializeOwned, F: Fn(&E) -> bool> ErrorHandling<E> for RecordErrorsIf<F> {
-    fn record(&self, error: &E) -> Option<Result<Vec<u8>, String>> {
-        (self.0)(error).then(|| serde_json::to_vec(error).map_err(|e| e.to_string()))
+    fn records(&self, error: &E) -> bool {
+        (self.0)(error)
+    }
+    fn encode(&self, error: &E) -> Result<Vec<u8>, String> {
+        serde_json::to_vec(error).map_err(|e| e.to_string())
     }
     fn check_faithful(&self, error: &E) -> Result<(), String> {
         crate::fingerprint::check_faithful_json(error)
@@ -1173,22 +1190,24 @@ pub(crate) fn outcome_to_record<R: IdempotentReturn, H: ErrorHandling<R::Failure
     // What is recorded must also read back as its own type: serde writes some
     // values it cannot read (see `reads_back`), and such a record would
     // answer every retry with `ReplayDecoding` until its ttl ran out.
-    let stored = match result {
-        Ok(value) => {
-            faithful(crate::fingerprint::check_faithful_json(value))?;
-            let payload = serde_json::to_vec(value).map_err(|e| encoding(e.to_string()))?;
-            too_large(payload.len())?;
-            faithful(reads_back_equal::<R::Value>(&payload))?;
-            StoredOutcome {
-                is_error: false,
-                payload,
+    let stored =
+        match result {
+            Ok(value) => {
+                faithful(crate::fingerprint::check_faithful_json(value))?;
+                let payload = serde_json::to_vec(value).map_err(|e| encoding(e.to_string()))?;
+                too_large(payload.len())?;
+                faithful(reads_back_equal::<R::Value>(&payload))?;
+                StoredOutcome {
+                    is_error: false,
+                    payload,
+                }
             }
-        }
-        Err(e) => match errors.record(e) {
-            None => return Ok(None),
-            Some(bytes) => {
+            Err(e) => {
+                if !errors.records(e) {
+                    return Ok(None);
+                }
                 faithful(errors.check_faithful(e))?;
-                let payload = bytes.map_err(encoding)?;
+                let payload = errors.encode(e).map_err(encoding)?;
                 too_large(payload.len())?;
                 faithful(errors.reads_back(&payload).map_err(|message| {
                     format!("the recorded error would not read back: {message}")
@@ -1198,8 +1217,7 @@ pub(crate) fn outcome_to_record<R: IdempotentReturn, H: ErrorHandling<R::Failure
                     payload,
                 }
             }
-        },
-    };
+        };
     Ok(Some(stored))
 }
 
@@ -1724,6 +1742,45 @@ mod tests {
         assert_eq!(a.as_str()[..16], b.as_str()[..16]);
         let n = |t: &OwnerToken| u64::from_str_radix(&t.as_str()[16..], 16).expect("hex");
         assert!(n(&b) > n(&a));
+    }
+
+    /// A recorded error nested too deep for serde_json to write on the
+    /// stack (a chain of options): refused as not faithful by the check,
+    /// which runs before serde_json writes it. serde_json ran first, and its
+    /// stack overflow aborted the process.
+    #[test]
+    fn a_recorded_error_too_deep_to_write_is_refused_before_it_is_written() {
+        #[derive(Serialize, serde::Deserialize, Debug)]
+        struct Deep(Option<Box<Deep>>);
+        impl From<Error> for Deep {
+            fn from(_: Error) -> Self {
+                Deep(None)
+            }
+        }
+        let answer = std::thread::Builder::new()
+            .stack_size(2 << 20)
+            .spawn(|| {
+                let deep = (0..100_000).fold(Deep(None), |d, _| Deep(Some(Box::new(d))));
+                let result: Result<u32, Deep> = Err(deep);
+                let answer =
+                    outcome_to_record::<Result<u32, Deep>, _>(&SPEC, &result, &RecordErrors)
+                        .map(|_| ());
+                // Taken apart level by level: a recursive drop would overflow too.
+                let Err(Deep(mut next)) = result else {
+                    unreachable!()
+                };
+                while let Some(mut level) = next {
+                    next = level.0.take();
+                }
+                answer
+            })
+            .expect("a thread")
+            .join()
+            .expect("no panic");
+        assert!(
+            matches!(&answer, Err(Error::ResultNotFaithful { message, .. }) if message.contains("nested more than")),
+            "{answer:?}"
+        );
     }
 
     #[tokio::test]

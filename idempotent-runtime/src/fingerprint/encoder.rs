@@ -63,10 +63,23 @@ pub(crate) fn is_unordered(type_name: &str) -> bool {
 }
 
 /// How many values deep a value may be nested (each container, `Some` and
-/// newtype counts one): well beyond what serde_json reads back (128 arrays
-/// or objects), and well within a 2 MiB stack (tokio's worker threads) in a
-/// debug build.
-pub(crate) const MAX_DEPTH: u32 = 256;
+/// newtype counts one) to be fingerprinted. The encoder's stack grows on
+/// the heap as it goes deeper (see [`Encoder::nested`]): this only bounds
+/// the memory an absurdly deep value takes.
+pub(crate) const MAX_DEPTH: u32 = 10_000;
+
+/// How deep a result (or a recorded error) may be nested, counted the same
+/// way ([`Mode::Check`]). What passes is then written by serde_json, which
+/// has no guard against a stack overflow, within a small part of a 2 MiB
+/// stack (tokio's worker threads) in a debug build. Deeper than 128 arrays
+/// and objects would not be read back anyway (serde_json's limit, which the
+/// read-back check meets).
+pub(crate) const MAX_CHECKED_DEPTH: u32 = 1_000;
+
+/// When less stack than this is left, [`Encoder::nested`] goes on in a new
+/// segment of [`STACK_SEGMENT`] bytes.
+const STACK_RED_ZONE: usize = 128 * 1024;
+const STACK_SEGMENT: usize = 1024 * 1024;
 
 /// What the encoder is for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -185,18 +198,29 @@ impl Encoder {
         self.depth = 0;
     }
 
-    /// Writes `value`, one level deeper than the value that holds it: past
-    /// [`MAX_DEPTH`] levels an error ([`Problem::TooDeep`]) rather than a
-    /// stack overflow, which aborts the process (a recursive value: a tree,
-    /// a linked list).
+    /// Writes `value`, one level deeper than the value that holds it (a
+    /// recursive value: a tree, a linked list), on more stack when little is
+    /// left, so a deep value never overflows the stack (which aborts the
+    /// process). Past [`MAX_DEPTH`] levels ([`MAX_CHECKED_DEPTH`] for a
+    /// result) it is an error ([`Problem::TooDeep`]).
     fn nested<T: ?Sized + Serialize>(&mut self, value: &T) -> Result<KeyKind> {
-        if self.depth >= MAX_DEPTH {
-            return Err(EncodeError::new(Problem::TooDeep));
+        let limit = self.depth_limit();
+        if self.depth >= limit {
+            return Err(EncodeError::new(Problem::TooDeep(limit)));
         }
         self.depth += 1;
-        let written = value.serialize(&mut *self);
+        let written = stacker::maybe_grow(STACK_RED_ZONE, STACK_SEGMENT, || {
+            value.serialize(&mut *self)
+        });
         self.depth -= 1;
         written
+    }
+
+    fn depth_limit(&self) -> u32 {
+        match self.mode {
+            Mode::Check => MAX_CHECKED_DEPTH,
+            Mode::Canonical | Mode::Legacy => MAX_DEPTH,
+        }
     }
 
     /// Whether a v2 extension was needed since the flag was last cleared.
@@ -528,8 +552,8 @@ enum Problem {
     NotInV1(&'static str),
     /// Raw JSON text (`RawValue`) that a `serde_json::Value` cannot hold.
     LossyRawJson,
-    /// Nested deeper than [`MAX_DEPTH`].
-    TooDeep,
+    /// Nested deeper than this ([`MAX_DEPTH`] or [`MAX_CHECKED_DEPTH`]).
+    TooDeep(u32),
 }
 
 #[derive(Debug)]
@@ -564,7 +588,7 @@ impl EncodeError {
     pub(crate) fn is_not_faithful(&self) -> bool {
         matches!(
             self.problem,
-            Problem::NonFinite(_) | Problem::NullInSome | Problem::TooDeep
+            Problem::NonFinite(_) | Problem::NullInSome | Problem::TooDeep(_)
         )
     }
 
@@ -624,11 +648,11 @@ impl fmt::Display for EncodeError {
                  value parsed into a type of your own, or `skip` it",
                 &path,
             ),
-            Problem::TooDeep => write_at(
+            Problem::TooDeep(limit) => write_at(
                 f,
                 &format!(
-                    "the value is nested more than {MAX_DEPTH} levels deep (a recursive value?), \
-                     deeper than can be written safely; flatten it, or `skip` it"
+                    "the value is nested more than {limit} levels deep (a recursive value?); \
+                     flatten it (an argument can also be left out with `skip`)"
                 ),
                 "", // as deep as the value: too long to be of use
             ),

@@ -2083,42 +2083,46 @@ fn on_a_stack_of<T: Send + 'static>(stack: usize, work: impl FnOnce() -> T + Sen
         .expect("no panic")
 }
 
-/// A value nested too deep is an error, for the fingerprint and for the
-/// result check, not a stack overflow that aborts the process (the encoder
-/// overflowed a 2 MiB stack at about a thousand levels in a debug build).
+/// A deep value is fingerprinted on a 2 MiB stack (tokio's worker threads),
+/// in a debug build too, where the encoder overflowed the stack and aborted
+/// the process at about a thousand levels; past the bound it is an error.
+/// A result is refused past its own, lower bound (serde_json writes it after
+/// the check, with no guard of its own), before serde_json could overflow.
 #[test]
-fn a_value_nested_too_deep_is_an_error_not_a_stack_overflow() {
+fn a_deep_value_is_fingerprinted_or_refused_never_a_stack_overflow() {
     const STACK: usize = 2 << 20;
-    let (fingerprint, checked) = on_a_stack_of(STACK, || {
-        let deep = chain(20_000);
+    let answers = on_a_stack_of(STACK, || {
+        let deep = tree(2_000); // 8,000 levels
         let answers = (
             Fingerprint::of(&deep).map_err(|e| e.to_string()),
             check_faithful_json(&deep),
+            Fingerprint::of(&chain(encoder::MAX_DEPTH as usize + 1)).map_err(|e| e.to_string()),
+            check_faithful_json(&tree(300)),
+            check_faithful_json(&tree(100)),
         );
-        // Dropped here, level by level (a small frame each).
-        drop(deep);
+        drop(deep); // level by level, a small frame each
         answers
     });
-    let fingerprint = fingerprint.expect_err("too deep to fingerprint");
+    let (deep, deep_result, too_deep, deep_result_300, result_100) = answers;
+    assert!(deep.is_ok(), "{deep:?}");
+    let deep_result = deep_result.expect_err("too deep to record");
     assert!(
-        fingerprint.contains("nested more than 256 levels"),
-        "{fingerprint}"
+        deep_result.contains("nested more than 1000 levels"),
+        "{deep_result}"
     );
-    let checked = checked.expect_err("too deep to record");
-    assert!(checked.contains("nested more than 256 levels"), "{checked}");
-    // Trees: three values a level; the deepest allowed one fits the stack.
-    let (deepest, one_more) = on_a_stack_of(STACK, || {
-        let allowed = (encoder::MAX_DEPTH as usize - 1) / 4;
-        (
-            Fingerprint::of(&tree(allowed)).map_err(|e| e.to_string()),
-            Fingerprint::of(&tree(allowed + 1)).map_err(|e| e.to_string()),
-        )
-    });
-    assert!(deepest.is_ok(), "{deepest:?}");
-    assert!(one_more.is_err());
+    let too_deep = too_deep.expect_err("past the bound");
+    assert!(
+        too_deep.contains("nested more than 10000 levels"),
+        "{too_deep}"
+    );
+    assert!(deep_result_300.is_err(), "1,200 levels: refused");
+    assert!(
+        result_100.is_ok(),
+        "400 levels: checked (the read-back refuses past 128 arrays and objects)"
+    );
     // And the encoder is usable again on the same thread.
     assert!(on_a_stack_of(STACK, || {
-        let _ = Fingerprint::of(&chain(300));
+        let _ = Fingerprint::of(&chain(encoder::MAX_DEPTH as usize + 5));
         Fingerprint::of(&chain(3)).is_ok()
     }));
 }
