@@ -444,6 +444,18 @@ fn recordable(span: &tracing::Span) -> bool {
     !span.is_disabled() || log::max_level() >= log::LevelFilter::Info
 }
 
+/// `Error::NoRuntime` when the call is polled outside a tokio runtime: the
+/// heartbeat, the waits and the SQL stores would panic there (part-way
+/// through the body, on the memory store), so nothing is reserved.
+pub(crate) fn within_a_runtime(spec: &ScopeInfo) -> Result<(), Error> {
+    match tokio::runtime::Handle::try_current() {
+        Ok(_) => Ok(()),
+        Err(_) => Err(Error::NoRuntime {
+            scope: spec.scope.to_owned(),
+        }),
+    }
+}
+
 /// The outcome label of a call that failed with `error`.
 pub(crate) fn failure_outcome(error: &Error) -> CallOutcome {
     match error {
@@ -481,6 +493,9 @@ where
         Ok(identity) => identity,
         Err(e) => return fail(e),
     };
+    if let Err(e) = within_a_runtime(spec) {
+        return fail(e);
+    }
     let store_ref = match call.store {
         Ok(store) => store,
         Err(e) => return fail(e),

@@ -231,6 +231,18 @@ pub enum Error {
         /// The scope of the call.
         scope: String,
     },
+
+    /// The call was polled outside a tokio runtime (e.g. by
+    /// `futures::executor::block_on` on a thread of its own): the lease's
+    /// heartbeat, a duplicate's wait and the SQL stores' connections need
+    /// tokio's timer and I/O. Refused before anything was reserved or run.
+    #[error("scope `{scope}`: an idempotent call needs a tokio runtime (its lease heartbeat, waits and \
+             store connections use tokio's timer and I/O), and this one was polled outside any; \
+             nothing ran. Call it from within one: #[tokio::main], Runtime::block_on or Handle::block_on")]
+    NoRuntime {
+        /// The scope of the call.
+        scope: String,
+    },
 }
 
 /// Lets `#[idempotent]` functions return `std::io::Result<T>`: the error keeps

@@ -14,8 +14,9 @@
 //! refused with [`Error::NotInTransaction`] before anything is written.
 
 use crate::engine::{
-    failure_outcome, hook_answer, replay, report, reserve, reserve_request, settle, ErrorHandling,
-    IdempotentReturn, Outcome, RecordSink, Recover, Reserved, Reserver,
+    failure_outcome, hook_answer, replay, report, reserve, reserve_request, settle,
+    within_a_runtime, ErrorHandling, IdempotentReturn, Outcome, RecordSink, Recover, Reserved,
+    Reserver,
 };
 use crate::error::{Error, StoreError};
 use crate::fingerprint::Fingerprint;
@@ -342,6 +343,9 @@ where
         let outcome = failure_outcome(&e);
         early::<R>(spec, &span, Err(e.into()), outcome)
     };
+    if let Err(e) = within_a_runtime(spec) {
+        return fail(e);
+    }
     let prepared = call.identity.and_then(|id| Ok((id, call.fingerprint?)));
     let (identity, fingerprint) = match prepared {
         Ok(v) => v,

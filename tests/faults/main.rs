@@ -1,14 +1,16 @@
 //! Layer: faults. Connections cut, stalled and killed (`connection_faults`,
 //! `postgres_faults`, `mysql_faults`), bad input on the wire
 //! (`postgres_wire`, `mysql_wire`), calls dropped mid-flight
-//! (`cancellation`), and stores used from runtimes other than their own
-//! (`runtimes`).
+//! (`cancellation`), stores used from runtimes other than their own
+//! (`runtimes`), and calls polled outside any runtime or on a paused clock
+//! (`executors`).
 
 #[path = "../common/mod.rs"]
 mod common;
 
 mod cancellation;
 mod connection_faults;
+mod executors;
 mod mysql_faults;
 mod mysql_wire;
 mod postgres_faults;

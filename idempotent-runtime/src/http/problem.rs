@@ -215,6 +215,7 @@ pub fn problem_for(error: &Error) -> Problem {
         Error::Fingerprint { .. }
         | Error::ReplayDecoding { .. }
         | Error::NoDefaultStore { .. }
+        | Error::NoRuntime { .. }
         | Error::NotInTransaction { .. }
         | Error::ScopeTooLong { .. } => Problem::new(
             StatusCode::INTERNAL_SERVER_ERROR,

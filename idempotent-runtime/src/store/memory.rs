@@ -12,7 +12,7 @@ use foldhash::SharedSeed;
 use hashbrown::hash_table::{Entry, HashTable};
 use std::hash::BuildHasher;
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::time::{SystemTime, UNIX_EPOCH};
 use tokio::sync::Notify;
 
 #[derive(Debug)]
@@ -145,12 +145,21 @@ struct Inner {
     /// input: their hashes must not be predictable).
     hasher: SeedableRandomState,
     epoch_ms: i64,
-    started: Instant,
+    /// tokio's clock, which the heartbeats follow too (see [`MemoryStore`]).
+    started: tokio::time::Instant,
 }
 
 /// An in-process store: for tests, and for single-process programs that only
 /// need protection against concurrent duplicates while they run. Nothing
 /// survives a restart. Cloning gives another handle to the same records.
+///
+/// Its clock is tokio's (`tokio::time::Instant`), the clock the lease's
+/// heartbeat runs on: in a test whose runtime has a paused clock
+/// (`start_paused`, `tokio::time::advance`) leases and retention follow the
+/// paused clock, in step with the heartbeats (with the real clock, a body
+/// blocked in `spawn_blocking`, which holds a paused clock still, lost its
+/// lease while its heartbeat waited). Share one store only between runtimes
+/// whose clocks agree.
 ///
 /// ```
 /// use idempotent_runtime::{MemoryStore, set_default_store};
@@ -182,7 +191,7 @@ impl MemoryStore {
                     SharedSeed::global_random(),
                 ),
                 epoch_ms,
-                started: Instant::now(),
+                started: tokio::time::Instant::now(),
             }),
         }
     }
@@ -197,9 +206,11 @@ impl MemoryStore {
         self.len() == 0
     }
 
-    /// The store's clock: a monotonic clock anchored at the wall time the store was made.
+    /// The store's clock: tokio's monotonic clock, anchored at the wall time
+    /// the store was made.
     fn now_ms(&self) -> i64 {
-        self.inner.epoch_ms + self.inner.started.elapsed().as_millis() as i64
+        let elapsed = tokio::time::Instant::now().saturating_duration_since(self.inner.started);
+        self.inner.epoch_ms + elapsed.as_millis() as i64
     }
 
     fn hash(&self, identity: &Identity) -> u64 {
