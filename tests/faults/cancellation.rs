@@ -344,3 +344,45 @@ fn mysql_call_dropped_by_runtime_shutdown_is_released() {
             .map(|s| Arc::new(s) as Arc<dyn Store>)
     });
 }
+
+/// A shutdown that closes the store's pool before (or just after) the calls
+/// in flight are dropped: their records are released all the same, by the
+/// store's background worker on connections of its own. On SQLite the
+/// worker used the store's pool, so every release failed once it was closed
+/// and the records stayed in progress for their lease (hunt finding).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_a_call_dropped_after_the_stores_pool_closed_is_released() {
+    let path = std::env::temp_dir().join(format!("idempotent-cancel-{}.db", uuid::Uuid::new_v4()));
+    let url = format!("sqlite://{}?mode=rwc", path.display());
+    let opened = SqliteStore::connect(&url).await.expect("open");
+    let pool = opened.pool().clone();
+    let store: Arc<dyn Store> = Arc::new(opened);
+    let tenant = fresh_tenant();
+    let id = Identity::new(&tenant, "cancel.forever", "k").expect("identity");
+    let started = Arc::new(Notify::new());
+    let call = {
+        let (store, tenant, started) = (store.clone(), tenant.clone(), started.clone());
+        tokio::spawn(async move { runs_forever(&*store, &tenant, "k", &started).await })
+    };
+    tokio::time::timeout(RELEASE_BOUND, started.notified())
+        .await
+        .expect("the call reached its body");
+    pool.close().await;
+    call.abort();
+    let _ = call.await;
+    let left = store.finish_background_work(RELEASE_BOUND).await;
+    assert_eq!(
+        left, 0,
+        "the store's work for the dropped call did not finish"
+    );
+    let reopened = SqliteStore::connect(&url).await.expect("reopen");
+    let fetched = reopened.fetch(&id).await.expect("fetch");
+    assert!(
+        fetched.is_none(),
+        "the dropped call's record was not released: {fetched:?}"
+    );
+    drop((store, reopened));
+    for suffix in ["", "-wal", "-shm"] {
+        let _ = std::fs::remove_file(format!("{}{suffix}", path.display()));
+    }
+}

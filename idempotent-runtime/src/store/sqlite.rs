@@ -460,8 +460,9 @@ pub struct SqliteStore {
     /// Serializes this process's writes so they queue here, not in SQLite's
     /// busy handler. Other processes are handled by the busy timeout.
     write_gate: WriteGate,
-    /// Finishes the records of dropped calls (rule 14). SQLite connections
-    /// run on threads of their own, so it shares the store's pool.
+    /// Finishes the records of dropped calls (rule 14), on a small pool of
+    /// its own with the store pool's options (so it works on after the
+    /// application closed the store's pool at shutdown).
     detached: Arc<super::detached::Detached>,
     /// This process's waiting duplicates, woken by this store's completions
     /// and releases.
@@ -646,10 +647,18 @@ impl SqliteStore {
         let waiters = Arc::new(Waiters::default());
         let detached = {
             use super::detached::{Detached, Work};
-            let (pool, write_gate, waiters) = (pool.clone(), write_gate.clone(), waiters.clone());
+            // The worker's own small pool, with the store pool's options (its
+            // hooks and pragmas too): the application may close the store's
+            // pool while dropped calls' records are still to be released (a
+            // shutdown), and then every release failed and the records stayed
+            // in progress for their lease.
+            let own_options = pool.options().clone().max_connections(2).min_connections(0);
+            let connect_options = pool.connect_options();
+            let (write_gate, waiters) = (write_gate.clone(), waiters.clone());
             Detached::new(
                 STORE,
                 Box::new(move || {
+                    let pool = own_options.connect_lazy_with((*connect_options).clone());
                     Arc::new(move |identity, token, work| {
                         let (pool, write_gate, waiters) =
                             (pool.clone(), write_gate.clone(), waiters.clone());
