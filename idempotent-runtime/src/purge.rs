@@ -78,10 +78,13 @@ async fn runs_of(
     batches_per_run: u32,
 ) -> Result<(u64, bool), StoreError> {
     let mut total = 0u64;
+    // A run whose every batch came back full deleted exactly this many; one
+    // that deleted fewer got to the end (also when its last batch was short).
+    let full_run = u64::from(batches_per_run) * u64::from(batch.max(1));
     for _ in 0..max_runs.max(1) {
-        let (deleted, batches) = run_of(store, batch, None, batches_per_run).await?;
+        let (deleted, _) = run_of(store, batch, None, batches_per_run).await?;
         total = total.saturating_add(deleted);
-        if batches < batches_per_run {
+        if deleted < full_run {
             return Ok((total, true));
         }
     }
@@ -353,6 +356,9 @@ mod tests {
         );
         assert_eq!(runs_of(&store, 2, 10, 3).await.expect("purge"), (7, true));
         assert!(store.is_empty(), "nothing expired is left");
+        // The last run allowed ends with a short batch: it got to the end.
+        expired_records(&store, 5).await;
+        assert_eq!(runs_of(&store, 2, 1, 3).await.expect("purge"), (5, true));
         assert_eq!(runs_of(&store, 2, 10, 3).await.expect("purge"), (0, true));
     }
 }
