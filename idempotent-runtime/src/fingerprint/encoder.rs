@@ -76,9 +76,14 @@ pub(crate) const MAX_DEPTH: u32 = 10_000;
 /// read-back check meets).
 pub(crate) const MAX_CHECKED_DEPTH: u32 = 1_000;
 
-/// When less stack than this is left, [`Encoder::nested`] goes on in a new
-/// segment of [`STACK_SEGMENT`] bytes.
-const STACK_RED_ZONE: usize = 128 * 1024;
+/// Every this many levels [`Encoder::nested`] looks at the stack left: never
+/// at the shallow levels of ordinary values (a look costs a little, and a
+/// caller already short of stack would get a new segment for each field).
+const STACK_LOOK_EVERY: u32 = 32;
+/// When less stack than this is left at a look, the encoder goes on in a
+/// new segment of [`STACK_SEGMENT`] bytes. Covers the levels until the next
+/// look (about 2 KiB each in a debug build).
+const STACK_RED_ZONE: usize = 256 * 1024;
 const STACK_SEGMENT: usize = 1024 * 1024;
 
 /// What the encoder is for.
@@ -209,9 +214,13 @@ impl Encoder {
             return Err(EncodeError::new(Problem::TooDeep(limit)));
         }
         self.depth += 1;
-        let written = stacker::maybe_grow(STACK_RED_ZONE, STACK_SEGMENT, || {
+        let written = if self.depth.is_multiple_of(STACK_LOOK_EVERY) {
+            stacker::maybe_grow(STACK_RED_ZONE, STACK_SEGMENT, || {
+                value.serialize(&mut *self)
+            })
+        } else {
             value.serialize(&mut *self)
-        });
+        };
         self.depth -= 1;
         written
     }
