@@ -386,3 +386,34 @@ async fn sqlite_a_call_dropped_after_the_stores_pool_closed_is_released() {
         let _ = std::fs::remove_file(format!("{}{suffix}", path.display()));
     }
 }
+
+/// A private in-memory database (one pooled connection, kept open) is
+/// reachable only through the store's own pool: a dropped call's record is
+/// released through it. A worker pool of its own found a new, empty database
+/// on each of its connections and gave every release up (review).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_a_call_dropped_on_a_private_in_memory_database_is_released() {
+    let options = sqlx::sqlite::SqliteConnectOptions::new().in_memory(true);
+    let pool = sqlx::sqlite::SqlitePoolOptions::new()
+        .max_connections(1)
+        .min_connections(1)
+        .idle_timeout(None)
+        .max_lifetime(None)
+        .connect_with(options)
+        .await
+        .expect("pool");
+    let store: Arc<dyn Store> = Arc::new(SqliteStore::from_pool(pool).await.expect("store"));
+    let tenant = fresh_tenant();
+    let id = Identity::new(&tenant, "cancel.forever", "k").expect("identity");
+    let started = Arc::new(Notify::new());
+    let call = {
+        let (store, tenant, started) = (store.clone(), tenant.clone(), started.clone());
+        tokio::spawn(async move { runs_forever(&*store, &tenant, "k", &started).await })
+    };
+    tokio::time::timeout(RELEASE_BOUND, started.notified())
+        .await
+        .expect("the call reached its body");
+    call.abort();
+    let _ = call.await;
+    released_within_bound(store.as_ref(), &id).await;
+}

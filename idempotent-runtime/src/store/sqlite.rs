@@ -643,22 +643,37 @@ impl SqliteStore {
                  lost, and the database corrupted, on an OS crash or power loss; set \
                  SqliteConnectOptions::synchronous to FULL (or NORMAL in WAL mode)");
         }
+        // An in-memory database has no file: `main` is listed with none.
+        let in_memory: bool = sqlx::query_scalar(
+            "SELECT COALESCE((SELECT file FROM pragma_database_list WHERE name = 'main'), '') = ''",
+        )
+        .fetch_one(&pool)
+        .await
+        .map_err(err("read the database's file"))?;
         let write_gate = WriteGate::new(millis_to_duration(busy_timeout));
         let waiters = Arc::new(Waiters::default());
         let detached = {
             use super::detached::{Detached, Work};
-            // The worker's own small pool, with the store pool's options (its
-            // hooks and pragmas too): the application may close the store's
-            // pool while dropped calls' records are still to be released (a
-            // shutdown), and then every release failed and the records stayed
-            // in progress for their lease.
+            // A file database: the worker's own small pool, with the store
+            // pool's options (its hooks and pragmas too). The application may
+            // close the store's pool while dropped calls' records are still to
+            // be released (a shutdown), and then every release failed and the
+            // records stayed in progress for their lease. An in-memory
+            // database is reachable only through the store's own connections
+            // (a private one is a new, empty database on each connection; a
+            // shared-cache one is kept to one pooled connection): there the
+            // worker uses the store's pool.
             let own_options = pool.options().clone().max_connections(2).min_connections(0);
-            let connect_options = pool.connect_options();
+            let (connect_options, stores_pool) = (pool.connect_options(), pool.clone());
             let (write_gate, waiters) = (write_gate.clone(), waiters.clone());
             Detached::new(
                 STORE,
                 Box::new(move || {
-                    let pool = own_options.connect_lazy_with((*connect_options).clone());
+                    let pool = if in_memory {
+                        stores_pool
+                    } else {
+                        own_options.connect_lazy_with((*connect_options).clone())
+                    };
                     Arc::new(move |identity, token, work| {
                         let (pool, write_gate, waiters) =
                             (pool.clone(), write_gate.clone(), waiters.clone());
