@@ -444,15 +444,34 @@ fn recordable(span: &tracing::Span) -> bool {
     !span.is_disabled() || log::max_level() >= log::LevelFilter::Info
 }
 
-/// `Error::NoRuntime` when the call is polled outside a tokio runtime: the
-/// heartbeat, the waits and the SQL stores would panic there (part-way
-/// through the body, on the memory store), so nothing is reserved.
+/// `Error::NoRuntime` when the call is polled outside a tokio runtime, or in
+/// one built without its timer (`Builder::new_current_thread().build()`
+/// without `enable_time` or `enable_all`): the heartbeat, the waits and the
+/// SQL stores would panic there, on the memory store part-way through the
+/// body (whose retry then ran it again). So nothing is reserved.
 pub(crate) fn within_a_runtime(spec: &ScopeInfo) -> Result<(), Error> {
-    match tokio::runtime::Handle::try_current() {
-        Ok(_) => Ok(()),
-        Err(_) => Err(Error::NoRuntime {
-            scope: spec.scope.to_owned(),
-        }),
+    thread_local! {
+        /// The runtime this thread last found its timer in.
+        static TIMED: std::cell::Cell<Option<tokio::runtime::Id>> =
+            const { std::cell::Cell::new(None) };
+    }
+    let refused = || Error::NoRuntime {
+        scope: spec.scope.to_owned(),
+    };
+    let runtime = tokio::runtime::Handle::try_current().map_err(|_| refused())?;
+    let id = runtime.id();
+    if TIMED.with(|timed| timed.get() == Some(id)) {
+        return Ok(());
+    }
+    // tokio has no question for it: making a timer (not polled, so never
+    // registered) panics without one.
+    let timer = std::panic::catch_unwind(|| drop(tokio::time::sleep(Duration::ZERO)));
+    match timer {
+        Ok(()) => {
+            TIMED.with(|timed| timed.set(Some(id)));
+            Ok(())
+        }
+        Err(_) => Err(refused()),
     }
 }
 

@@ -233,12 +233,16 @@ pub enum Error {
     },
 
     /// The call was polled outside a tokio runtime (e.g. by
-    /// `futures::executor::block_on` on a thread of its own): the lease's
-    /// heartbeat, a duplicate's wait and the SQL stores' connections need
-    /// tokio's timer and I/O. Refused before anything was reserved or run.
-    #[error("scope `{scope}`: an idempotent call needs a tokio runtime (its lease heartbeat, waits and \
-             store connections use tokio's timer and I/O), and this one was polled outside any; \
-             nothing ran. Call it from within one: #[tokio::main], Runtime::block_on or Handle::block_on")]
+    /// `futures::executor::block_on` on a thread of its own), or in one built
+    /// without its timer: the lease's heartbeat, a duplicate's wait and the
+    /// SQL stores' connections need tokio's timer and I/O. Refused before
+    /// anything was reserved or run.
+    #[error(
+        "scope `{scope}`: an idempotent call needs a tokio runtime with its timer and I/O enabled \
+             (its lease heartbeat, waits and store connections use them), and this one was polled \
+             outside any, or in one without a timer; nothing ran. Call it from within one: \
+             #[tokio::main], or a Runtime built with enable_all(), through block_on"
+    )]
     NoRuntime {
         /// The scope of the call.
         scope: String,

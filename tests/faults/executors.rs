@@ -148,6 +148,38 @@ fn a_call_outside_any_runtime_is_refused_before_anything_runs() {
     }
 }
 
+/// A runtime built without its timer (`enable_time`, or `enable_all`) is
+/// refused the same way: the memory store reserved, the body started, and
+/// the heartbeat's timer panicked; the unwinding released the key and the
+/// retry ran the body again (review).
+#[test]
+fn a_call_on_a_runtime_without_a_timer_is_refused_before_anything_runs() {
+    let untimed = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .expect("a runtime without its timer");
+    let store = MemoryStore::new();
+    let tenant = fresh_tenant();
+    let runs = AtomicUsize::new(0);
+    let got = untimed.block_on(plain(&store, &tenant, "k", &runs));
+    assert!(matches!(got, Err(Error::NoRuntime { .. })), "{got:?}");
+    assert_eq!(runs.load(Ordering::SeqCst), 0, "the body did not start");
+    assert!(store.is_empty(), "nothing was reserved");
+    // On a runtime with its timer the same thread's calls run.
+    let timed = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    assert_eq!(
+        timed
+            .block_on(plain(&store, &tenant, "k", &runs))
+            .expect("runs"),
+        7
+    );
+    let again = untimed.block_on(plain(&store, &tenant, "k", &runs));
+    assert!(matches!(again, Err(Error::NoRuntime { .. })), "{again:?}");
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
 #[idempotent(scope = "executors.paused", key = key, tenant = shared, store = store,
              lease = "1s", in_progress = reject, skip(runs, release))]
 async fn blocking_body(

@@ -159,7 +159,10 @@ struct Inner {
 /// paused clock, in step with the heartbeats (with the real clock, a body
 /// blocked in `spawn_blocking`, which holds a paused clock still, lost its
 /// lease while its heartbeat waited). Share one store only between runtimes
-/// whose clocks agree.
+/// whose clocks agree: not a paused test runtime and a real one (a global
+/// `set_default_store` used by tests of both kinds); a store made on a
+/// paused clock that was advanced stands still elsewhere until the real
+/// clock catches up.
 ///
 /// ```
 /// use idempotent_runtime::{MemoryStore, set_default_store};
