@@ -76,13 +76,16 @@ pub(crate) const MAX_DEPTH: u32 = 10_000;
 /// read-back check meets).
 pub(crate) const MAX_CHECKED_DEPTH: u32 = 1_000;
 
-/// Every this many levels [`Encoder::nested`] looks at the stack left: never
-/// at the shallow levels of ordinary values (a look costs a little, and a
-/// caller already short of stack would get a new segment for each field).
-const STACK_LOOK_EVERY: u32 = 32;
+/// [`Encoder::nested`] looks at the stack left each time the encoder has
+/// gone this much deeper into it since the last look: never at the shallow
+/// levels of ordinary values (a look costs a little, and a caller already
+/// short of stack would get a new segment for each field), and never less
+/// often than the stack moves, however large a level's frames (a level of a
+/// many-variant enum takes over 30 KiB in a debug build, a plain struct 2).
+const STACK_LOOK_DISTANCE: usize = 64 * 1024;
 /// When less stack than this is left at a look, the encoder goes on in a
-/// new segment of [`STACK_SEGMENT`] bytes. Covers the levels until the next
-/// look (about 2 KiB each in a debug build).
+/// new segment of [`STACK_SEGMENT`] bytes. Covers the distance until the
+/// next look and one more level.
 const STACK_RED_ZONE: usize = 256 * 1024;
 const STACK_SEGMENT: usize = 1024 * 1024;
 
@@ -157,6 +160,9 @@ pub(crate) struct Encoder {
     null_written_at: u64,
     /// How deep the value being written is nested (see [`Encoder::nested`]).
     depth: u32,
+    /// Where on the stack the encoder last looked at the stack left (an
+    /// address; 0 before the first level of a value).
+    stack_looked_at: usize,
 }
 
 impl Encoder {
@@ -178,6 +184,7 @@ impl Encoder {
         self.rewritten = false;
         self.lossy = false;
         self.depth = 0;
+        self.stack_looked_at = 0;
     }
 
     /// The memory its buffers hold.
@@ -201,6 +208,7 @@ impl Encoder {
         self.keys.clear();
         self.entries.clear();
         self.depth = 0;
+        self.stack_looked_at = 0;
     }
 
     /// Writes `value`, one level deeper than the value that holds it (a
@@ -214,13 +222,22 @@ impl Encoder {
             return Err(EncodeError::new(Problem::TooDeep(limit)));
         }
         self.depth += 1;
-        let written = if self.depth.is_multiple_of(STACK_LOOK_EVERY) {
+        let mark = 0u8;
+        let here = std::hint::black_box(&mark) as *const u8 as usize;
+        let looked_at = self.stack_looked_at;
+        let written = if looked_at == 0 {
+            // The value's first level: the caller's stack is the caller's.
+            self.stack_looked_at = here;
+            value.serialize(&mut *self)
+        } else if here.abs_diff(looked_at) >= STACK_LOOK_DISTANCE {
+            self.stack_looked_at = here;
             stacker::maybe_grow(STACK_RED_ZONE, STACK_SEGMENT, || {
                 value.serialize(&mut *self)
             })
         } else {
             value.serialize(&mut *self)
         };
+        self.stack_looked_at = looked_at;
         self.depth -= 1;
         written
     }
