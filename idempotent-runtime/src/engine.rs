@@ -451,8 +451,9 @@ fn recordable(span: &tracing::Span) -> bool {
 /// body (whose retry then ran it again). So nothing is reserved.
 pub(crate) fn within_a_runtime(spec: &ScopeInfo) -> Result<(), Error> {
     thread_local! {
-        /// The runtime this thread last found its timer in.
-        static TIMED: std::cell::Cell<Option<tokio::runtime::Id>> =
+        /// The runtime this thread last looked for a timer in, and whether
+        /// it has one (runtime ids are never reused).
+        static TIMED: std::cell::Cell<Option<(tokio::runtime::Id, bool)>> =
             const { std::cell::Cell::new(None) };
     }
     let refused = || Error::NoRuntime {
@@ -460,18 +461,23 @@ pub(crate) fn within_a_runtime(spec: &ScopeInfo) -> Result<(), Error> {
     };
     let runtime = tokio::runtime::Handle::try_current().map_err(|_| refused())?;
     let id = runtime.id();
-    if TIMED.with(|timed| timed.get() == Some(id)) {
-        return Ok(());
-    }
-    // tokio has no question for it: making a timer (not polled, so never
-    // registered) panics without one.
-    let timer = std::panic::catch_unwind(|| drop(tokio::time::sleep(Duration::ZERO)));
-    match timer {
-        Ok(()) => {
-            TIMED.with(|timed| timed.set(Some(id)));
-            Ok(())
+    let timed = match TIMED.with(|timed| timed.get()) {
+        Some((known, timed)) if known == id => timed,
+        _ => {
+            // tokio has no question for it: making a timer (not polled, so
+            // never registered) panics without one. The panic is reported
+            // once per runtime and thread; under `panic = "abort"` it ends
+            // the process (nothing was reserved).
+            let timed =
+                std::panic::catch_unwind(|| drop(tokio::time::sleep(Duration::ZERO))).is_ok();
+            TIMED.with(|cell| cell.set(Some((id, timed))));
+            timed
         }
-        Err(_) => Err(refused()),
+    };
+    if timed {
+        Ok(())
+    } else {
+        Err(refused())
     }
 }
 

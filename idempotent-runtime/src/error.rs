@@ -236,7 +236,9 @@ pub enum Error {
     /// `futures::executor::block_on` on a thread of its own), or in one built
     /// without its timer: the lease's heartbeat, a duplicate's wait and the
     /// SQL stores' connections need tokio's timer and I/O. Refused before
-    /// anything was reserved or run.
+    /// anything was reserved or run. (tokio answers a timer made without one
+    /// with a panic, which is how it is found: under `panic = "abort"` the
+    /// first call on such a runtime ends the process instead.)
     #[error(
         "scope `{scope}`: an idempotent call needs a tokio runtime with its timer and I/O enabled \
              (its lease heartbeat, waits and store connections use them), and this one was polled \
