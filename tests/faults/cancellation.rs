@@ -345,6 +345,30 @@ fn mysql_call_dropped_by_runtime_shutdown_is_released() {
     });
 }
 
+/// Starts a call that runs for ever, waits until its body runs, does
+/// `before_the_drop`, then drops the call (aborts its task). Answers the
+/// call's identity.
+async fn drop_a_call_in_its_body<F, Fut>(store: &Arc<dyn Store>, before_the_drop: F) -> Identity
+where
+    F: FnOnce() -> Fut,
+    Fut: std::future::Future<Output = ()>,
+{
+    let tenant = fresh_tenant();
+    let id = Identity::new(&tenant, "cancel.forever", "k").expect("identity");
+    let started = Arc::new(Notify::new());
+    let call = {
+        let (store, started) = (store.clone(), started.clone());
+        tokio::spawn(async move { runs_forever(&*store, &tenant, "k", &started).await })
+    };
+    tokio::time::timeout(RELEASE_BOUND, started.notified())
+        .await
+        .expect("the call reached its body");
+    before_the_drop().await;
+    call.abort();
+    let _ = call.await;
+    id
+}
+
 /// A shutdown that closes the store's pool before (or just after) the calls
 /// in flight are dropped: their records are released all the same, by the
 /// store's background worker on connections of its own. On SQLite the
@@ -357,19 +381,7 @@ async fn sqlite_a_call_dropped_after_the_stores_pool_closed_is_released() {
     let opened = SqliteStore::connect(&url).await.expect("open");
     let pool = opened.pool().clone();
     let store: Arc<dyn Store> = Arc::new(opened);
-    let tenant = fresh_tenant();
-    let id = Identity::new(&tenant, "cancel.forever", "k").expect("identity");
-    let started = Arc::new(Notify::new());
-    let call = {
-        let (store, tenant, started) = (store.clone(), tenant.clone(), started.clone());
-        tokio::spawn(async move { runs_forever(&*store, &tenant, "k", &started).await })
-    };
-    tokio::time::timeout(RELEASE_BOUND, started.notified())
-        .await
-        .expect("the call reached its body");
-    pool.close().await;
-    call.abort();
-    let _ = call.await;
+    let id = drop_a_call_in_its_body(&store, || pool.close()).await;
     let left = store.finish_background_work(RELEASE_BOUND).await;
     assert_eq!(
         left, 0,
@@ -403,17 +415,6 @@ async fn sqlite_a_call_dropped_on_a_private_in_memory_database_is_released() {
         .await
         .expect("pool");
     let store: Arc<dyn Store> = Arc::new(SqliteStore::from_pool(pool).await.expect("store"));
-    let tenant = fresh_tenant();
-    let id = Identity::new(&tenant, "cancel.forever", "k").expect("identity");
-    let started = Arc::new(Notify::new());
-    let call = {
-        let (store, tenant, started) = (store.clone(), tenant.clone(), started.clone());
-        tokio::spawn(async move { runs_forever(&*store, &tenant, "k", &started).await })
-    };
-    tokio::time::timeout(RELEASE_BOUND, started.notified())
-        .await
-        .expect("the call reached its body");
-    call.abort();
-    let _ = call.await;
+    let id = drop_a_call_in_its_body(&store, || async {}).await;
     released_within_bound(store.as_ref(), &id).await;
 }
