@@ -70,10 +70,12 @@ pub(crate) const MAX_DEPTH: u32 = 10_000;
 
 /// How deep a result (or a recorded error) may be nested, counted the same
 /// way ([`Mode::Check`]). What passes is then written by serde_json, which
-/// has no guard against a stack overflow, within a small part of a 2 MiB
-/// stack (tokio's worker threads) in a debug build. Deeper than 128 arrays
-/// and objects would not be read back anyway (serde_json's limit, which the
-/// read-back check meets).
+/// has no guard against a stack overflow: for ordinary types that fits in a
+/// small part of a 2 MiB stack (tokio's worker threads) in a debug build,
+/// though a type whose every level takes tens of KiB there (a many-variant
+/// enum) can overflow serde_json's own recursion at a few hundred levels.
+/// Deeper than 128 arrays and objects would not be read back anyway
+/// (serde_json's limit, which the read-back check meets).
 pub(crate) const MAX_CHECKED_DEPTH: u32 = 1_000;
 
 /// [`Encoder::nested`] looks at the stack left each time the encoder has
@@ -163,6 +165,11 @@ pub(crate) struct Encoder {
     /// Where on the stack the encoder last looked at the stack left (an
     /// address; 0 before the first level of a value).
     stack_looked_at: usize,
+    /// Where the level being written started (an address; 0 before the
+    /// first level of a value), and the most stack one level has taken in
+    /// this value: a look asks for room for a few of those.
+    stack_level_at: usize,
+    stack_level_max: usize,
 }
 
 impl Encoder {
@@ -185,6 +192,8 @@ impl Encoder {
         self.lossy = false;
         self.depth = 0;
         self.stack_looked_at = 0;
+        self.stack_level_at = 0;
+        self.stack_level_max = 0;
     }
 
     /// The memory its buffers hold.
@@ -209,6 +218,8 @@ impl Encoder {
         self.entries.clear();
         self.depth = 0;
         self.stack_looked_at = 0;
+        self.stack_level_at = 0;
+        self.stack_level_max = 0;
     }
 
     /// Writes `value`, one level deeper than the value that holds it (a
@@ -224,20 +235,36 @@ impl Encoder {
         self.depth += 1;
         let mark = 0u8;
         let here = std::hint::black_box(&mark) as *const u8 as usize;
-        let looked_at = self.stack_looked_at;
+        let (looked_at, level_at) = (self.stack_looked_at, self.stack_level_at);
+        // (A step of megabytes is stacker's switch to a new segment.)
+        let step = here.abs_diff(level_at);
+        if level_at != 0 && step < STACK_SEGMENT {
+            self.stack_level_max = self.stack_level_max.max(step);
+        }
+        self.stack_level_at = here;
+        // Room for the distance to the next look and a few of the largest
+        // levels seen (a level of a many-variant enum takes tens of KiB in a
+        // debug build); a level larger than the distance looks every time.
+        let room = STACK_RED_ZONE.max(STACK_LOOK_DISTANCE + 3 * self.stack_level_max);
         let written = if looked_at == 0 {
             // The value's first level: the caller's stack is the caller's.
             self.stack_looked_at = here;
             value.serialize(&mut *self)
-        } else if here.abs_diff(looked_at) >= STACK_LOOK_DISTANCE {
+        } else if here.abs_diff(looked_at) >= STACK_LOOK_DISTANCE
+            || self.stack_level_max >= STACK_LOOK_DISTANCE
+        {
             self.stack_looked_at = here;
-            stacker::maybe_grow(STACK_RED_ZONE, STACK_SEGMENT, || {
+            stacker::maybe_grow(room, STACK_SEGMENT.max(4 * room), || {
                 value.serialize(&mut *self)
             })
         } else {
             value.serialize(&mut *self)
         };
         self.stack_looked_at = looked_at;
+        self.stack_level_at = level_at;
+        if level_at == 0 {
+            self.stack_level_max = 0; // the value is written
+        }
         self.depth -= 1;
         written
     }

@@ -2077,26 +2077,30 @@ fn chain(levels: usize) -> Chain {
 /// level. serde's derived code for such an enum takes large frames (over 30
 /// KiB a level in a debug build, where a plain struct takes 2).
 macro_rules! ast {
-    ($($variant:ident),*) => {
+    ($ty:ident, $make:ident: $($variant:ident),*) => {
         #[derive(Serialize)]
-        enum Ast {
+        enum $ty {
             Leaf,
-            $($variant { name: String, weight: u64, flags: Vec<bool>, next: Box<Ast> },)*
+            $($variant { name: String, weight: u64, flags: Vec<bool>, note: Option<String>, next: Box<$ty> },)*
         }
 
-        fn ast(levels: usize) -> Ast {
-            let variants: &[fn(Ast) -> Ast] = &[$(|next| Ast::$variant {
+        fn $make(levels: usize) -> $ty {
+            let variants: &[fn($ty) -> $ty] = &[$(|next| $ty::$variant {
                 name: stringify!($variant).to_owned(),
                 weight: 1,
                 flags: vec![true],
+                note: None,
                 next: Box::new(next),
             }),*];
-            (0..levels).fold(Ast::Leaf, |next, i| variants[i % variants.len()](next))
+            (0..levels).fold($ty::Leaf, |next, i| variants[i % variants.len()](next))
         }
     };
 }
 
-ast!(A0, A1, A2, A3, A4, A5, A6, A7, A8, A9, A10, A11, A12, A13, A14, A15, A16, A17, A18, A19);
+ast!(Ast, ast: A0, A1, A2, A3, A4, A5, A6, A7, A8, A9, A10, A11, A12, A13, A14, A15, A16, A17, A18, A19);
+
+// Two hundred variants: a level's frames take about 350 KiB in a debug build.
+ast!(WideAst, wide_ast: B0, B1, B2, B3, B4, B5, B6, B7, B8, B9, B10, B11, B12, B13, B14, B15, B16, B17, B18, B19, B20, B21, B22, B23, B24, B25, B26, B27, B28, B29, B30, B31, B32, B33, B34, B35, B36, B37, B38, B39, B40, B41, B42, B43, B44, B45, B46, B47, B48, B49, B50, B51, B52, B53, B54, B55, B56, B57, B58, B59, B60, B61, B62, B63, B64, B65, B66, B67, B68, B69, B70, B71, B72, B73, B74, B75, B76, B77, B78, B79, B80, B81, B82, B83, B84, B85, B86, B87, B88, B89, B90, B91, B92, B93, B94, B95, B96, B97, B98, B99, B100, B101, B102, B103, B104, B105, B106, B107, B108, B109, B110, B111, B112, B113, B114, B115, B116, B117, B118, B119, B120, B121, B122, B123, B124, B125, B126, B127, B128, B129, B130, B131, B132, B133, B134, B135, B136, B137, B138, B139, B140, B141, B142, B143, B144, B145, B146, B147, B148, B149, B150, B151, B152, B153, B154, B155, B156, B157, B158, B159, B160, B161, B162, B163, B164, B165, B166, B167, B168, B169, B170, B171, B172, B173, B174, B175, B176, B177, B178, B179, B180, B181, B182, B183, B184, B185, B186, B187, B188, B189, B190, B191, B192, B193, B194, B195, B196, B197, B198, B199);
 
 /// On `stack` bytes of stack, as a tokio worker thread has (2 MiB).
 fn on_a_stack_of<T: Send + 'static>(stack: usize, work: impl FnOnce() -> T + Send + 'static) -> T {
@@ -2131,13 +2135,15 @@ fn a_deep_value_is_fingerprinted_or_refused_never_a_stack_overflow() {
     let (deep, deep_result, too_deep, deep_result_300, result_100) = answers;
     // Large frames a level: the stack is looked at by how far it moved, not
     // by a count of levels (a look every 32 levels let these overflow).
-    let (ast_deep, ast_result) = on_a_stack_of(STACK, || {
+    let (ast_deep, ast_result, wide_deep) = on_a_stack_of(STACK, || {
         (
             Fingerprint::of(&ast(3_000)).map_err(|e| e.to_string()),
             check_faithful_json(&ast(200)),
+            Fingerprint::of(&wide_ast(300)).map_err(|e| e.to_string()),
         )
     });
     assert!(ast_deep.is_ok(), "{ast_deep:?}");
+    assert!(wide_deep.is_ok(), "{wide_deep:?}");
     assert!(ast_result.is_ok(), "{ast_result:?}");
     assert!(deep.is_ok(), "{deep:?}");
     let deep_result = deep_result.expect_err("too deep to record");
