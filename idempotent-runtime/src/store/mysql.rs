@@ -21,8 +21,7 @@
 //!   replayed, a live record with another fingerprint is a mismatch, a live
 //!   lease is in progress, all answered by that one statement (a fresh key
 //!   costs what a hand-written `INSERT IGNORE` costs, a replay what a
-//!   primary-key `SELECT` costs; on a session with autocommit off, one
-//!   `COMMIT` more). On MySQL (no `RETURNING`) a plain
+//!   primary-key `SELECT` costs). On MySQL (no `RETURNING`) a plain
 //!   primary-key `SELECT` comes first, without a lock, and answers the same.
 //!   Only an expired record, a lease that ran out, a row another session
 //!   holds locked, or (MySQL) an absent key goes on to the write path, one
@@ -455,19 +454,21 @@ const READ_SQL: &str = concat!(
 /// statement) goes to the procedure, which waits for it one reserver at a
 /// time under `GET_LOCK` (so a rollback hands the key to one waiter, no
 /// deadlock between waiters). The row's values are plain `VALUES`: an
-/// `INSERT … SELECT` from a derived table, which carried a guard against
-/// sessions with autocommit off in its `WHERE`, cost a fifth of a replay's
-/// speed. The statement answers the session's autocommit too, and on a
-/// session with it off the store commits at once (a fresh row, or the lock
-/// the duplicate-key branch took), as the procedure's own transaction
-/// commits there; the procedure answers an expired record or a lease that
-/// ran out.
+/// `INSERT … SELECT` from a derived table, which carried the guard below in
+/// its `WHERE`, cost a fifth of a replay's speed. On a session with
+/// autocommit off the row's `state` is `NULL`, which the `NOT NULL` column
+/// refuses (error 1048, in any SQL mode for a one-row insert) before
+/// anything is written or locked: the row would stay in the session's open
+/// transaction, and a commit sent after it could be cut off by a caller
+/// dropped in between. The procedure answers then, in one `CALL`, as it does
+/// for an expired record or a lease that ran out.
 const INSERT_OR_READ_SQL: &str = concat!(
     "SET STATEMENT innodb_lock_wait_timeout = 0 FOR ",
     "INSERT INTO idempotency_records ",
     "(tenant, scope, `key`, state, fingerprint, owner_token, is_error, result, ",
     "lease_expires_at, expires_at, created_at, updated_at, attempt, attempt_started_at, recovered) ",
-    "VALUES (?, ?, ?, 'in_progress', ?, ?, IF((@idempotency_existed := 0) = 0, 0, 0), NULL, ",
+    "VALUES (?, ?, ?, IF(@@SESSION.autocommit = 1, 'in_progress', NULL), ?, ?, ",
+    "IF((@idempotency_existed := 0) = 0, 0, 0), NULL, ",
     "UNIX_TIMESTAMP() * 1000 + FLOOR(MICROSECOND(NOW(6)) / 1000) + ?, ",
     "UNIX_TIMESTAMP() * 1000 + FLOOR(MICROSECOND(NOW(6)) / 1000) + ?, ",
     "UNIX_TIMESTAMP() * 1000 + FLOOR(MICROSECOND(NOW(6)) / 1000), ",
@@ -481,13 +482,15 @@ const INSERT_OR_READ_SQL: &str = concat!(
     "CAST(COALESCE(expires_at <= (UNIX_TIMESTAMP() * 1000 + FLOOR(MICROSECOND(NOW(6)) / 1000)) ",
     "AND (state = 'complete' OR lease_expires_at <= ",
     "(UNIX_TIMESTAMP() * 1000 + FLOOR(MICROSECOND(NOW(6)) / 1000))), 0) AS SIGNED) AS expired, ",
-    "CAST(@idempotency_existed AS SIGNED) AS existed, ",
-    "CAST(@@SESSION.autocommit AS SIGNED) AS autocommit"
+    "CAST(@idempotency_existed AS SIGNED) AS existed"
 );
 
 /// MySQL's error numbers for a duplicate key, a lock wait that ran out and
 /// a system variable the server does not have (`@@in_transaction` on MySQL 8).
 const ER_DUP_ENTRY: u16 = 1062;
+/// `Column … cannot be null`: the insert-or-read statement on a session
+/// with autocommit off.
+const ER_BAD_NULL_ERROR: u16 = 1048;
 const ER_LOCK_WAIT_TIMEOUT: u16 = 1205;
 const ER_UNKNOWN_SYSTEM_VARIABLE: u16 = 1193;
 
@@ -521,16 +524,19 @@ async fn insert_or_read(
     pool: &MySqlPool,
     request: ReserveRequest<'_>,
 ) -> Result<InsertOrRead, StoreError> {
-    let mut conn = pool.acquire().await.map_err(err("reserve"))?;
     // Read to the end (`fetch_all`, one row at most): stopped at the row,
     // an error the server sends after it would go unseen.
     let found = bind_request(sqlx::query(INSERT_OR_READ_SQL), request)
-        .fetch_all(&mut *conn)
+        .fetch_all(pool)
         .await
         .map(|rows| rows.into_iter().next());
     let row = match found {
         Ok(Some(row)) => row,
         Ok(None) => return Ok(InsertOrRead::Decide),
+        // Autocommit is off (the `NULL` state): the procedure decides.
+        Err(sqlx::Error::Database(e)) if error_number(&*e) == Some(ER_BAD_NULL_ERROR) => {
+            return Ok(InsertOrRead::Decide)
+        }
         Err(sqlx::Error::Database(e)) => {
             return if matches!(error_number(&*e), Some(ER_LOCK_WAIT_TIMEOUT | ER_DUP_ENTRY)) {
                 Ok(InsertOrRead::Held)
@@ -542,14 +548,6 @@ async fn insert_or_read(
     };
     // By position: sqlx takes a prepared statement's column names from its
     // prepare-time metadata, which MariaDB does not send for `RETURNING`.
-    if row.try_get::<i64, _>(7).map_err(err("reserve"))? == 0 {
-        // Autocommit is off: the row (or its lock) is in the session's open
-        // transaction until committed.
-        sqlx::query("COMMIT")
-            .execute(&mut *conn)
-            .await
-            .map_err(err("reserve"))?;
-    }
     if row.try_get::<i64, _>(6).map_err(err("reserve"))? == 0 {
         return Ok(InsertOrRead::Answered(Reservation::acquired(1, None)));
     }
