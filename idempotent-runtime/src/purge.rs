@@ -53,7 +53,9 @@ pub const DEFAULT_BATCH: u32 = 1_000;
 /// # Ok(()) }
 /// ```
 pub async fn purge_all(store: &dyn Store, batch: u32) -> Result<u64, StoreError> {
-    run(store, batch, None).await.map(|(deleted, _)| deleted)
+    run_of(store, batch, None, MAX_BATCHES_PER_RUN)
+        .await
+        .map(|(deleted, _)| deleted)
 }
 
 /// Deletes every expired record now (the operator's `idempotent purge`):
@@ -91,17 +93,9 @@ async fn runs_of(
     Ok((total, false))
 }
 
-/// The batch loop shared by [`purge_all`] and the purger. Between batches
-/// (never during one) it checks `stop`. Returns (deleted, batches run).
-async fn run(
-    store: &dyn Store,
-    batch: u32,
-    stop: Option<&watch::Receiver<bool>>,
-) -> Result<(u64, u32), StoreError> {
-    run_of(store, batch, stop, MAX_BATCHES_PER_RUN).await
-}
-
-/// [`run`], of at most `max_batches` batches.
+/// The batch loop shared by [`purge_all`], the purger and [`purge_runs`]: at
+/// most `max_batches` batches. Between batches (never during one) it checks
+/// `stop`. Returns (deleted, batches run).
 async fn run_of(
     store: &dyn Store,
     batch: u32,
@@ -227,7 +221,7 @@ async fn purge_loop<S: Store>(
         if *stop.borrow() {
             break;
         }
-        let result = run(&store, config.batch, Some(&stop)).await;
+        let result = run_of(&store, config.batch, Some(&stop), MAX_BATCHES_PER_RUN).await;
         let mut s = stats.lock().unwrap_or_else(|p| p.into_inner());
         s.runs += 1;
         match result {
