@@ -29,13 +29,13 @@ const HOLD_AFTER_WAITING: Duration = Duration::from_secs(2);
 
 /// Holds a body open: it notifies `reached` once it runs, then waits for `go`.
 #[derive(Default)]
-struct Hold {
-    reached: Notify,
-    go: Notify,
+pub(super) struct Hold {
+    pub(super) reached: Notify,
+    pub(super) go: Notify,
 }
 
 impl Hold {
-    async fn here(&self) {
+    pub(super) async fn here(&self) {
         self.reached.notify_one();
         self.go.notified().await;
     }

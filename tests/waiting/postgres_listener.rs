@@ -29,7 +29,7 @@ use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{watch, Notify};
+use tokio::sync::watch;
 
 /// What `PgListener` sends to listen on the store's channel (also when it
 /// listens again after a reconnection).
@@ -308,19 +308,7 @@ mod log {
 
 // ---------------------------------------------------------------- the calls
 
-/// Holds a body open: it notifies `reached` once it runs, then waits for `go`.
-#[derive(Default)]
-struct Hold {
-    reached: Notify,
-    go: Notify,
-}
-
-impl Hold {
-    async fn here(&self) {
-        self.reached.notify_one();
-        self.go.notified().await;
-    }
-}
+use super::postgres::Hold;
 
 const SCOPE: &str = "waiting.pg_listener.charge";
 
