@@ -16,6 +16,8 @@
 //! | any other `Err(_)`: the body failed and the key was released, the store failed, the lease was lost | `Failed` | `Nak(None)`; knowing the delivery count (as [`nats::process`] does), `Nak(Some(`[`failed_retry_after`]`(n)))`: 1 s after the first delivery, doubling per delivery up to 60 s |
 //! | `Error::ResultNotFaithful` / `ResultTooLarge` / `ResultEncoding`: the body ran, its result can never be recorded | `Unrecordable` | `Term` (a redelivery would run the body again) |
 //! | `Error::FingerprintMismatch`: same message id, different payload | `Mismatch` | `Term` (poison) |
+//! | `Error::Fingerprint`: the payload's arguments cannot be fingerprinted | `Unfingerprintable` | `Term` (every delivery fails alike) |
+//! | `Error::ReplayDecoding`: processed before, but the recorded answer no longer decodes as the handler's type | `ReplayUndecodable` | `Term` (a nak would come back until the record expired, and then run the body again) |
 //! | no key on the message | `MissingKey` | `Term`; the handler is not called |
 //! | `Error::InvalidKey` / `Error::InvalidTenant` | `InvalidKey` | `Term` |
 //!
@@ -54,6 +56,12 @@
 //! A recorded error (`errors = record`) is the final answer for its key: its
 //! replay is acked. Its *first* execution cannot be told apart from a released
 //! error, so it is nak'd once; the redelivery replays it and is acked.
+//!
+//! The handler's idempotent call reports how it was answered to the task
+//! that runs [`handle`]. A call spawned onto another task (`tokio::spawn`)
+//! must be wrapped in [`carry_outcome`](crate::carry_outcome), or its
+//! replayed recorded error looks like a failure and is nak'd at every
+//! delivery: `tokio::spawn(carry_outcome(bill(store, key, order)))`.
 
 use crate::engine::{with_report, Outcome, Reported};
 use crate::error::Error;
@@ -72,8 +80,10 @@ pub enum Disposition {
     /// Not done: deliver it again, after the delay when one is given (`None`:
     /// the broker's own redelivery timing).
     Nak(Option<Duration>),
-    /// The message can never be processed as sent (no key, an invalid key, or
-    /// the same key with a different payload): stop delivering it. Log it.
+    /// The message can never be processed as sent (no key, an invalid key,
+    /// the same key with a different payload, a payload that cannot be
+    /// fingerprinted, a result that can never be recorded, or a recorded
+    /// answer that no longer decodes): stop delivering it. Log it.
     Term,
 }
 
@@ -116,6 +126,20 @@ pub enum Verdict {
     /// key was released, so every redelivery would run the body again. The
     /// message is terminated; fix the handler's result type.
     Unrecordable,
+    /// The handler's arguments could not be fingerprinted
+    /// (`Error::Fingerprint`, e.g. a raw JSON payload with a repeated member):
+    /// every delivery of this payload fails alike, and the body never ran. The
+    /// message is terminated.
+    Unfingerprintable,
+    /// The message was processed before, but its recorded answer no longer
+    /// decodes as the handler's result or error (`Error::ReplayDecoding`: the
+    /// type or the error policy changed while records of the old one last).
+    /// The body does not run again while the record lasts, so a redelivery
+    /// can never succeed, and once the record expired it would run the body a
+    /// second time. The message is terminated (not acked: steps of the
+    /// handler after the call did not run); fix the type, or give the new type
+    /// a new scope.
+    ReplayUndecodable,
 }
 
 /// How long a [`Verdict::Failed`] delivery waits before it is redelivered,
@@ -148,12 +172,15 @@ impl Verdict {
             Verdict::Mismatch
             | Verdict::MissingKey
             | Verdict::InvalidKey
-            | Verdict::Unrecordable => Disposition::Term,
+            | Verdict::Unrecordable
+            | Verdict::Unfingerprintable
+            | Verdict::ReplayUndecodable => Disposition::Term,
         }
     }
 
     /// A short lowercase name: `executed`, `replayed`, `in-progress`, `failed`,
-    /// `mismatch`, `missing-key`, `invalid-key`, `unrecordable`.
+    /// `mismatch`, `missing-key`, `invalid-key`, `unrecordable`,
+    /// `unfingerprintable`, `replay-undecodable`.
     pub fn as_str(self) -> &'static str {
         match self {
             Verdict::Executed => "executed",
@@ -164,6 +191,8 @@ impl Verdict {
             Verdict::MissingKey => "missing-key",
             Verdict::InvalidKey => "invalid-key",
             Verdict::Unrecordable => "unrecordable",
+            Verdict::Unfingerprintable => "unfingerprintable",
+            Verdict::ReplayUndecodable => "replay-undecodable",
         }
     }
 }
@@ -231,7 +260,8 @@ impl AsIdempotencyError for Box<dyn std::error::Error + 'static> {
 /// The verdict on a handler's answer: its result and the [`Outcome`] that
 /// [`with_outcome`](crate::with_outcome) reported for it.
 ///
-/// A refusal by the framework (in progress, mismatch, bad key) decides first,
+/// A refusal by the framework (in progress, mismatch, bad key, arguments that
+/// cannot be fingerprinted, a recorded answer that no longer decodes) decides first,
 /// and any other error of the framework's own is `Failed` (redelivered); then
 /// a replay (of a result, or of a recorded error) is `Replayed`; then
 /// `Ok` is `Executed` (also when the handler made no idempotent call at all)
@@ -270,6 +300,8 @@ fn verdict<T, E: AsIdempotencyError>(result: &Result<T, E>, reported: Option<Rep
         },
         Some(Error::FingerprintMismatch(_)) => Verdict::Mismatch,
         Some(Error::InvalidKey(_) | Error::InvalidTenant(_)) => Verdict::InvalidKey,
+        Some(Error::Fingerprint { .. }) => Verdict::Unfingerprintable,
+        Some(Error::ReplayDecoding { .. }) => Verdict::ReplayUndecodable,
         // Only the body's own result: a recover hook's answer that cannot be
         // recorded leaves the record for the next delivery to ask again.
         Some(
@@ -496,6 +528,36 @@ mod tests {
         for e in unrecordable() {
             assert_eq!(classify(&err(e), Some(Outcome::Recovered)), Verdict::Failed);
         }
+    }
+
+    /// Failures that every delivery of the message would meet alike: the
+    /// arguments cannot be fingerprinted, or the message was processed and
+    /// its recorded answer no longer decodes (also after an earlier step of
+    /// the handler replayed).
+    #[test]
+    fn unfingerprintable_arguments_and_undecodable_replays_are_poison() {
+        let fingerprint = || Error::Fingerprint {
+            argument: "payload".into(),
+            message: "a repeated member".into(),
+        };
+        let decoding = || Error::ReplayDecoding {
+            scope: "a.b".into(),
+            message: "invalid type: integer, expected a struct".into(),
+        };
+        for outcome in [None, Some(Outcome::Replayed)] {
+            let v = classify(&err(fingerprint()), outcome);
+            assert_eq!(
+                (v, v.disposition()),
+                (Verdict::Unfingerprintable, Disposition::Term)
+            );
+            let v = classify(&err(decoding()), outcome);
+            assert_eq!(
+                (v, v.disposition()),
+                (Verdict::ReplayUndecodable, Disposition::Term)
+            );
+        }
+        assert_eq!(Verdict::Unfingerprintable.as_str(), "unfingerprintable");
+        assert_eq!(Verdict::ReplayUndecodable.as_str(), "replay-undecodable");
     }
 
     /// Knowing the delivery count, a failed delivery is redelivered after a

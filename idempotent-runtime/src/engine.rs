@@ -80,8 +80,12 @@ pub(crate) struct Reported {
     pub(crate) replayed_error: bool,
 }
 
+/// Where a [`with_outcome`] scope collects what its calls reported: shared,
+/// so that [`carry_outcome`] can hand it to a future on another task.
+type ReportSlot = std::sync::Arc<std::sync::Mutex<Option<Reported>>>;
+
 tokio::task_local! {
-    static OUTCOME: std::cell::Cell<Option<Reported>>;
+    static OUTCOME: ReportSlot;
 }
 
 /// Runs `future` and reports how the outermost idempotent call in it was
@@ -106,12 +110,44 @@ pub async fn with_outcome<F: Future>(future: F) -> (F::Output, Option<Outcome>) 
 
 /// [`with_outcome`], with what the call reported whole.
 pub(crate) async fn with_report<F: Future>(future: F) -> (F::Output, Option<Reported>) {
-    OUTCOME
-        .scope(std::cell::Cell::new(None), async move {
-            let out = future.await;
-            (out, OUTCOME.with(|c| c.get()))
-        })
-        .await
+    let slot = ReportSlot::default();
+    let out = OUTCOME.scope(slot.clone(), future).await;
+    let reported = *slot
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    (out, reported)
+}
+
+/// Lets an idempotent call that runs on another task report to the
+/// [`with_outcome`] scope this is called in (and so to
+/// [`consumer::handle`](crate::consumer::handle) and
+/// [`consumer::nats::process`](crate::consumer::nats::process)). The scope is
+/// tied to its task: a call spawned with `tokio::spawn` reports to nobody, so
+/// a consumer could not tell the replay of a recorded error (acked) from a
+/// failure (nak'd), and would nak it at every delivery. Wrap the future when
+/// you spawn it. Outside a scope it is the future itself.
+///
+/// ```
+/// # use idempotent_runtime::{carry_outcome, idempotent, with_outcome, Outcome, MemoryStore, Error};
+/// #[idempotent(scope = "docs.carry", key = key, tenant = shared, store = store)]
+/// async fn work(store: MemoryStore, key: String) -> Result<u32, Error> { Ok(7) }
+/// # #[tokio::main(flavor = "current_thread")] async fn main() {
+/// let store = MemoryStore::new();
+/// let (_, first) = with_outcome(async {
+///     tokio::spawn(carry_outcome(work(store.clone(), "k".into()))).await
+/// })
+/// .await;
+/// assert_eq!(first, Some(Outcome::Executed));
+/// # }
+/// ```
+pub fn carry_outcome<F: Future>(future: F) -> impl Future<Output = F::Output> {
+    let slot = OUTCOME.try_with(ReportSlot::clone).ok();
+    async move {
+        match slot {
+            Some(slot) => OUTCOME.scope(slot, future).await,
+            None => future.await,
+        }
+    }
 }
 
 pub(crate) fn report(outcome: Outcome) {
@@ -123,12 +159,15 @@ pub(crate) fn report(outcome: Outcome) {
 
 fn report_whole(reported: Reported) {
     // Outside `with_outcome` there is nobody to tell; that is fine.
-    let _ = OUTCOME.try_with(|c| {
-        let replayed_error = reported.replayed_error || c.get().is_some_and(|r| r.replayed_error);
-        c.set(Some(Reported {
+    let _ = OUTCOME.try_with(|slot| {
+        let mut slot = slot
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let replayed_error = reported.replayed_error || slot.is_some_and(|r| r.replayed_error);
+        *slot = Some(Reported {
             outcome: reported.outcome,
             replayed_error,
-        }))
+        });
     });
 }
 

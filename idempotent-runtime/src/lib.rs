@@ -56,7 +56,9 @@ mod transaction;
 pub mod __private;
 
 pub use connect::connect_url;
-pub use engine::{default_store, set_default_store, with_outcome, Outcome, MAX_RESULT_BYTES};
+pub use engine::{
+    carry_outcome, default_store, set_default_store, with_outcome, Outcome, MAX_RESULT_BYTES,
+};
 pub use error::{Error, KeyProblem, RecordContext, StoreError};
 pub use fingerprint::{check_faithful_json, Fingerprint, FingerprintBuilder};
 pub use idempotent_macros::idempotent;

@@ -270,6 +270,133 @@ async fn mapping_recorded_error_is_nakd_once_then_acked() {
     assert_eq!(ledger.effects.load(Ordering::SeqCst), 1);
 }
 
+/// An argument whose `Serialize` always fails, as a raw JSON payload with a
+/// repeated member does: it can never be fingerprinted.
+struct Unfingerprintable;
+
+impl Serialize for Unfingerprintable {
+    fn serialize<S: serde::Serializer>(&self, _: S) -> Result<S::Ok, S::Error> {
+        Err(serde::ser::Error::custom("a repeated member"))
+    }
+}
+
+#[idempotent(scope = "nats.mapping.raw", key = msg_id, tenant = shared, store = store, skip(effects),
+             in_progress = reject)]
+async fn raw_payload(
+    store: &MemoryStore,
+    effects: &AtomicUsize,
+    msg_id: &str,
+    payload: &Unfingerprintable,
+) -> Result<u64, Error> {
+    let _ = payload;
+    Ok(effects.fetch_add(1, Ordering::SeqCst) as u64)
+}
+
+/// Every delivery of a payload that cannot be fingerprinted fails alike:
+/// terminated, not nak'd for ever, and the body never runs.
+#[tokio::test]
+async fn mapping_a_payload_that_cannot_be_fingerprinted_is_termed() {
+    let (store, effects) = (MemoryStore::new(), AtomicUsize::new(0));
+    let h = handle(Some("m-raw"), |k| {
+        raw_payload(&store, &effects, k, &Unfingerprintable)
+    })
+    .await;
+    assert_eq!(
+        (h.verdict, h.disposition()),
+        (Verdict::Unfingerprintable, Disposition::Term)
+    );
+    assert!(matches!(
+        h.idempotency_error(),
+        Some(Error::Fingerprint { .. })
+    ));
+    assert_eq!(effects.load(Ordering::SeqCst), 0);
+}
+
+/// The receipt a later version of the handler returns, under the same scope.
+#[derive(Debug, Serialize, Deserialize)]
+struct Receipt {
+    amount_cents: u64,
+    ledger_entry: String,
+}
+
+#[idempotent(scope = "nats.mapping.receipts", key = msg_id, tenant = shared, store = store,
+             in_progress = reject, shared_scope, skip(effects))]
+async fn receipt_v1(
+    store: &MemoryStore,
+    effects: &AtomicUsize,
+    msg_id: &str,
+) -> Result<u64, Error> {
+    effects.fetch_add(1, Ordering::SeqCst);
+    Ok(500)
+}
+
+#[idempotent(scope = "nats.mapping.receipts", key = msg_id, tenant = shared, store = store,
+             in_progress = reject, shared_scope, skip(effects))]
+async fn receipt_v2(
+    store: &MemoryStore,
+    effects: &AtomicUsize,
+    msg_id: &str,
+) -> Result<Receipt, Error> {
+    effects.fetch_add(1, Ordering::SeqCst);
+    Ok(Receipt {
+        amount_cents: 500,
+        ledger_entry: "e-1".into(),
+    })
+}
+
+/// A message processed by the old version of a handler, delivered again to a
+/// new version whose result type changed: its recorded answer no longer
+/// decodes, so no delivery can ever succeed while the record lasts (and once
+/// it expired, a redelivery would run the body a second time). Terminated,
+/// with the one effect.
+#[tokio::test]
+async fn mapping_a_recorded_answer_that_no_longer_decodes_is_termed() {
+    let (store, effects) = (MemoryStore::new(), AtomicUsize::new(0));
+    let first = handle(Some("m-v"), |k| receipt_v1(&store, &effects, k)).await;
+    assert_eq!(first.disposition(), Disposition::Ack);
+    let after_deploy = handle(Some("m-v"), |k| receipt_v2(&store, &effects, k)).await;
+    assert_eq!(
+        (after_deploy.verdict, after_deploy.disposition()),
+        (Verdict::ReplayUndecodable, Disposition::Term)
+    );
+    assert!(matches!(
+        after_deploy.idempotency_error(),
+        Some(Error::ReplayDecoding { .. })
+    ));
+    assert_eq!(effects.load(Ordering::SeqCst), 1);
+}
+
+/// A handler that spawns its idempotent call (to keep a panic off the
+/// consumer's loop): wrapped in `carry_outcome`, the call still reports to
+/// the delivery, so the replay of its recorded error is acked; unwrapped it
+/// reports to nobody, and that replay looks like a failure.
+#[tokio::test]
+async fn mapping_a_spawned_call_reports_its_replay_through_carry_outcome() {
+    let ledger = Arc::new(Ledger::new(false));
+    let spawned = |key: &str, carried: bool| {
+        let (ledger, key) = (ledger.clone(), key.to_owned());
+        let call = async move { ledger.decline(&key, &order("o-9", 900)).await };
+        async move {
+            let task = if carried {
+                tokio::spawn(idempotent_runtime::carry_outcome(call))
+            } else {
+                tokio::spawn(call)
+            };
+            task.await.expect("the spawned call")
+        }
+    };
+    let first = handle(Some("m-9"), |k| spawned(k, true)).await;
+    assert_eq!(first.verdict, Verdict::Failed);
+    let again = handle(Some("m-9"), |k| spawned(k, true)).await;
+    assert_eq!(
+        (again.verdict, again.disposition()),
+        (Verdict::Replayed, Disposition::Ack)
+    );
+    let unwrapped = handle(Some("m-9"), |k| spawned(k, false)).await;
+    assert_eq!(unwrapped.verdict, Verdict::Failed);
+    assert_eq!(ledger.effects.load(Ordering::SeqCst), 1);
+}
+
 // ---------------------------------------------------------------- JetStream helpers
 
 /// A fresh stream (its own name and subject) with a short duplicate window,

@@ -40,6 +40,12 @@ use std::future::Future;
 pub const MESSAGE_ID_HEADER: &str = "Nats-Msg-Id";
 
 /// The message's key: its `Nats-Msg-Id` header, if it has one.
+///
+/// As async-nats reads it: the client trims the whitespace around a header
+/// value, so ids that differ only there (`order-42 ` and `order-42`) are one
+/// key, although JetStream's duplicate window, which compares ids as sent,
+/// keeps both messages. The second is then replayed (same payload) or
+/// terminated as a mismatch; producers should not pad ids.
 pub fn message_key(message: &async_nats::Message) -> Option<&str> {
     message
         .headers
