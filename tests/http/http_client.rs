@@ -279,3 +279,80 @@ async fn retries_are_bounded_and_the_error_says_to_keep_the_key() {
         "{e:?}"
     );
 }
+
+/// A buffer the client's logs are written to, for one test.
+#[derive(Clone, Default)]
+struct Logs(Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl std::io::Write for Logs {
+    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .extend_from_slice(bytes);
+        Ok(bytes.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// Rule 2: the retry and give-up lines name the URL as `Debug` does,
+/// without its user, password or query.
+#[tokio::test]
+async fn retry_logs_show_no_password_or_query_of_the_url() {
+    let server = TestServer::start(memory(), |b| b).await;
+    let logs = Logs::default();
+    let writer = logs.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_writer(move || writer.clone())
+        .with_max_level(tracing::Level::INFO)
+        .with_ansi(false)
+        .finish();
+    let _guard = tracing::subscriber::set_default(subscriber);
+    let c = IdempotentClient::new(reqwest::Client::new()).with_policy(RetryPolicy {
+        max_attempts: 2,
+        ..fast()
+    });
+    let url = server.url("/status/503?api_token=SECRET-TOKEN").replacen(
+        "http://",
+        "http://alice:SECRET-PASS@",
+        1,
+    );
+    let e = c
+        .intent(Method::POST, &url)
+        .unwrap()
+        .header("x-account-id", &fresh_tenant())
+        .unwrap()
+        .send()
+        .await
+        .unwrap_err();
+    assert!(matches!(
+        e,
+        ClientError::RetriesExhausted { attempts: 2, .. }
+    ));
+    let written = String::from_utf8_lossy(&logs.0.lock().unwrap()).into_owned();
+    assert!(
+        written.contains("retrying with the same idempotency key")
+            && written.contains("giving up")
+            && written.contains("/status/503"),
+        "{written}"
+    );
+    assert!(!written.contains("SECRET"), "{written}");
+}
+
+/// An `https://` URL on a build whose reqwest has no TLS can never be sent:
+/// refused at once as a request error, not retried and then reported as an
+/// unknown outcome.
+#[tokio::test]
+async fn an_https_url_without_tls_is_refused_at_once() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("https://{}/payments", listener.local_addr().unwrap());
+    let e = client()
+        .intent(Method::POST, &url)
+        .unwrap()
+        .send()
+        .await
+        .unwrap_err();
+    assert!(matches!(e, ClientError::Request(_)), "{e:?}");
+}

@@ -45,7 +45,7 @@ use super::REPLAYED;
 use bytes::Bytes;
 use reqwest::header::{HeaderMap, HeaderName, HeaderValue, CONTENT_TYPE, RETRY_AFTER};
 use reqwest::{Method, StatusCode, Url};
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 /// How [`Intent::send`] retries.
 ///
@@ -226,7 +226,7 @@ impl IdempotentResponse {
 
     /// The problem+json body, when the answer is one.
     pub fn problem(&self) -> Option<Problem> {
-        problem_of(&self.headers, &self.body)
+        problem_of(self.status, &self.headers, &self.body)
     }
 }
 
@@ -248,7 +248,7 @@ fn worth_retrying(status: StatusCode, headers: &HeaderMap, body: &[u8]) -> bool 
     if replayed(headers) {
         return false;
     }
-    (status.is_server_error() && !handler_ran_unrecorded(headers, body))
+    (status.is_server_error() && !handler_ran_unrecorded(status, headers, body))
         || status == StatusCode::CONFLICT
         || (super::layer::says_try_again(status) && status != StatusCode::REQUEST_TIMEOUT)
 }
@@ -264,12 +264,14 @@ fn replayed(headers: &HeaderMap) -> bool {
 /// A 500 saying the handler ran but its answer could not be recorded
 /// (`response-not-recorded`): the layer freed the key, so a retry would run
 /// the handler again. Final, like a 4xx.
-fn handler_ran_unrecorded(headers: &HeaderMap, body: &[u8]) -> bool {
-    problem_of(headers, body)
+fn handler_ran_unrecorded(status: StatusCode, headers: &HeaderMap, body: &[u8]) -> bool {
+    problem_of(status, headers, body)
         .is_some_and(|p| p.problem_type == super::problem::types::RESPONSE_NOT_RECORDED)
 }
 
-fn problem_of(headers: &HeaderMap, body: &[u8]) -> Option<Problem> {
+/// The problem+json body of an answer; a problem that names no `status` (RFC
+/// 9457 makes it optional) gets the answer's.
+fn problem_of(status: StatusCode, headers: &HeaderMap, body: &[u8]) -> Option<Problem> {
     let ct = headers.get(CONTENT_TYPE)?.to_str().ok()?;
     if !ct
         .split(';')
@@ -278,7 +280,11 @@ fn problem_of(headers: &HeaderMap, body: &[u8]) -> Option<Problem> {
     {
         return None;
     }
-    serde_json::from_slice(body).ok()
+    let mut problem: Problem = serde_json::from_slice(body).ok()?;
+    if problem.status == 0 {
+        problem.status = status.as_u16();
+    }
+    Some(problem)
 }
 
 /// A reqwest client that sends [`Intent`]s with retries.
@@ -368,6 +374,33 @@ pub struct Intent {
     body: Option<Bytes>,
 }
 
+/// A `Retry-After` value (RFC 9110 §10.2.3): whole seconds, or an HTTP date
+/// (then the time until it, as of `now`; zero once it has passed). `None`
+/// when it is neither.
+fn retry_after(value: &str, now: SystemTime) -> Option<Duration> {
+    let value = value.trim();
+    if let Ok(secs) = value.parse::<u64>() {
+        return Some(Duration::from_secs(secs));
+    }
+    let at = httpdate::parse_http_date(value).ok()?;
+    Some(at.duration_since(now).unwrap_or(Duration::ZERO))
+}
+
+/// The request failed because its URL needs TLS and this build's reqwest has
+/// none (an `https://` URL without a TLS feature): every attempt would fail
+/// alike, before anything is sent. hyper's connector says so only in its
+/// message.
+fn needs_tls(e: &reqwest::Error) -> bool {
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(error) = source {
+        if error.to_string().contains("scheme is not http") {
+            return true;
+        }
+        source = error.source();
+    }
+    false
+}
+
 /// A URL as `Debug` shows it: scheme, host, port and path; no user, password
 /// or query (they can carry secrets, like a header's value).
 fn shown_url(url: &Url) -> String {
@@ -455,19 +488,18 @@ impl Intent {
                     let retry_after = headers
                         .get(RETRY_AFTER)
                         .and_then(|v| v.to_str().ok())
-                        .and_then(|v| v.trim().parse::<u64>().ok())
-                        .map(Duration::from_secs);
-                    let problem = problem_of(&headers, &body);
+                        .and_then(|v| retry_after(v, SystemTime::now()));
+                    let problem = problem_of(status, &headers, &body);
                     (LastAttempt::Status { status, problem }, retry_after)
                 }
-                Err(e) if e.is_builder() || e.is_redirect() => {
+                Err(e) if e.is_builder() || e.is_redirect() || needs_tls(&e) => {
                     return Err(ClientError::Request(e));
                 }
                 Err(e) => (LastAttempt::Transport(e), None),
             };
             let (last, retry_after) = last;
             if attempt >= max_attempts {
-                tracing::warn!(target: "idempotent", method = %self.method, url = %self.url, attempts = attempt,
+                tracing::warn!(target: "idempotent", method = %self.method, url = %shown_url(&self.url), attempts = attempt,
                     last = %last, "giving up; the outcome is unknown");
                 return Err(ClientError::RetriesExhausted {
                     attempts: attempt,
@@ -475,7 +507,7 @@ impl Intent {
                 });
             }
             let delay = policy.delay(attempt, retry_after);
-            tracing::info!(target: "idempotent", method = %self.method, url = %self.url, attempt,
+            tracing::info!(target: "idempotent", method = %self.method, url = %shown_url(&self.url), attempt,
                 last = %last, delay_ms = delay.as_millis() as u64, "retrying with the same idempotency key");
             tokio::time::sleep(delay).await;
         }
@@ -526,6 +558,50 @@ mod tests {
             shown.contains("authorization") && shown.contains("/charges"),
             "{shown}"
         );
+    }
+
+    /// RFC 9110 §10.2.3: `Retry-After` is whole seconds or an HTTP date.
+    #[test]
+    fn retry_after_takes_seconds_or_an_http_date() {
+        let now = httpdate::parse_http_date("Sun, 06 Nov 1994 08:49:37 GMT").expect("date");
+        assert_eq!(retry_after(" 7 ", now), Some(Duration::from_secs(7)));
+        let later = now + Duration::from_secs(4);
+        assert_eq!(
+            retry_after(&httpdate::fmt_http_date(later), now),
+            Some(Duration::from_secs(4))
+        );
+        let earlier = now - Duration::from_secs(4);
+        assert_eq!(
+            retry_after(&httpdate::fmt_http_date(earlier), now),
+            Some(Duration::ZERO)
+        );
+        assert_eq!(retry_after("soon", now), None);
+        assert_eq!(retry_after("-3", now), None);
+    }
+
+    /// RFC 9457 makes every member optional: a problem from another server
+    /// is read, with the response's status where it names none.
+    #[test]
+    fn a_problem_with_optional_members_left_out_is_read() {
+        let mut headers = HeaderMap::new();
+        headers.insert(CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON));
+        let p = problem_of(
+            StatusCode::CONFLICT,
+            &headers,
+            br#"{"title":"Conflict","detail":"try later"}"#,
+        )
+        .expect("a problem");
+        assert_eq!(
+            (p.problem_type.as_str(), p.status, p.title.as_str()),
+            ("about:blank", 409, "Conflict")
+        );
+        let p = problem_of(
+            StatusCode::FORBIDDEN,
+            &headers,
+            br#"{"type":"https://example.com/probs/out-of-credit","status":403}"#,
+        )
+        .expect("a problem");
+        assert_eq!((p.status, p.detail.as_str()), (403, ""));
     }
 
     #[test]

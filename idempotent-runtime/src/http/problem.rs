@@ -50,7 +50,10 @@ pub mod types {
     pub const SERVER_ERROR: &str = "urn:idempotent:problem:server-error";
 }
 
-/// One `application/problem+json` body (RFC 9457).
+/// One `application/problem+json` body (RFC 9457). Read from another
+/// server, the members RFC 9457 makes optional may be missing: `type` is then
+/// `about:blank`, `title` and `detail` are empty, and `status` is 0 (the
+/// retrying client puts the response's status there).
 ///
 /// ```
 /// use idempotent_runtime::http::problem::{types, Problem};
@@ -62,18 +65,26 @@ pub mod types {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Problem {
     /// A URI naming the kind of problem (one of [`types`]).
-    #[serde(rename = "type")]
+    #[serde(rename = "type", default = "about_blank")]
     pub problem_type: String,
     /// A short summary of the kind of problem, the same for every occurrence.
+    #[serde(default)]
     pub title: String,
     /// The HTTP status code.
+    #[serde(default)]
     pub status: u16,
     /// What went wrong this time and what the client should do about it.
+    #[serde(default)]
     pub detail: String,
     /// For 409 in-progress answers: seconds to wait before retrying (the same
     /// number as the `Retry-After` header).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub retry_after: Option<u64>,
+}
+
+/// RFC 9457's `type` when a problem names none.
+fn about_blank() -> String {
+    "about:blank".to_owned()
 }
 
 impl Problem {
@@ -126,9 +137,10 @@ impl IntoResponse for Problem {
 /// assert_eq!(retry_after_secs(Duration::from_millis(1)), 1);
 /// assert_eq!(retry_after_secs(Duration::from_millis(2500)), 3);
 /// assert_eq!(retry_after_secs(Duration::from_secs(30)), 30);
+/// assert_eq!(retry_after_secs(Duration::MAX), u64::MAX);
 /// ```
 pub fn retry_after_secs(d: Duration) -> u64 {
-    let secs = d.as_secs() + u64::from(d.subsec_nanos() > 0);
+    let secs = d.as_secs().saturating_add(u64::from(d.subsec_nanos() > 0));
     secs.max(1)
 }
 
