@@ -33,7 +33,9 @@ use axum::{Extension, Json, Router};
 use idempotent_runtime::http::problem::Problem;
 use idempotent_runtime::http::{IdempotencyKey, IdempotencyLayer, MarkReplayed};
 use idempotent_runtime::purge::{Purger, PurgerConfig};
-use idempotent_runtime::{idempotent, with_outcome, Error, PgStore, SqliteStore, Store};
+use idempotent_runtime::{
+    carry_outcome, idempotent, with_outcome, Error, PgStore, SqliteStore, Store,
+};
 use serde::{Deserialize, Serialize};
 use std::sync::Arc;
 use std::time::Duration;
@@ -354,8 +356,17 @@ async fn create_refund(
     key: IdempotencyKey,
     Json(request): Json<RefundRequest>,
 ) -> Result<(StatusCode, MarkReplayed, Json<Refund>), RefundError> {
-    let (result, outcome) =
-        with_outcome(refund(&app, &account.0, key.as_str(), &request.charge_id)).await;
+    // Run to its end in a task of its own: a client that hangs up drops this
+    // handler, and a refund dropped halfway would be released (rule 14) and
+    // run again by the retry. `carry_outcome` lets the spawned call still tell
+    // `with_outcome` whether it replayed.
+    let (joined, outcome) = with_outcome(async move {
+        let call = async move { refund(&app, &account.0, key.as_str(), &request.charge_id).await };
+        tokio::spawn(carry_outcome(call)).await
+    })
+    .await;
+    // A panic in the refund goes on as the handler's own.
+    let result = joined.unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic()));
     Ok((StatusCode::CREATED, MarkReplayed(outcome), Json(result?)))
 }
 

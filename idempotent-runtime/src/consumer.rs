@@ -381,7 +381,9 @@ where
             deliveries: None,
         };
     };
-    let (result, reported) = with_report(handler(key)).await;
+    // The handler is called inside the scope, so a `carry_outcome` it calls
+    // before it returns its future finds the scope too.
+    let (result, reported) = with_report(async move { handler(key).await }).await;
     Handled {
         verdict: verdict(&result, reported),
         result: Some(result),

@@ -125,7 +125,9 @@ pub(crate) async fn with_report<F: Future>(future: F) -> (F::Output, Option<Repo
 /// tied to its task: a call spawned with `tokio::spawn` reports to nobody, so
 /// a consumer could not tell the replay of a recorded error (acked) from a
 /// failure (nak'd), and would nak it at every delivery. Wrap the future when
-/// you spawn it. Outside a scope it is the future itself.
+/// you spawn it, *inside* the scope: the scope is taken when `carry_outcome`
+/// is called, not when the future is polled (outside a scope the future only
+/// runs, reporting to nobody).
 ///
 /// ```
 /// # use idempotent_runtime::{carry_outcome, idempotent, with_outcome, Outcome, MemoryStore, Error};

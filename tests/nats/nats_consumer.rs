@@ -394,6 +394,17 @@ async fn mapping_a_spawned_call_reports_its_replay_through_carry_outcome() {
     );
     let unwrapped = handle(Some("m-9"), |k| spawned(k, false)).await;
     assert_eq!(unwrapped.verdict, Verdict::Failed);
+    // Spawned by the closure itself, before it returns its future: `handle`
+    // calls the handler inside its scope, so the call still reports.
+    let eager = handle(Some("m-9"), |k| {
+        let (ledger, key) = (ledger.clone(), k.to_owned());
+        let task = tokio::spawn(idempotent_runtime::carry_outcome(async move {
+            ledger.decline(&key, &order("o-9", 900)).await
+        }));
+        async move { task.await.expect("the spawned call") }
+    })
+    .await;
+    assert_eq!(eager.verdict, Verdict::Replayed);
     assert_eq!(ledger.effects.load(Ordering::SeqCst), 1);
 }
 

@@ -194,18 +194,26 @@ pub fn key_from_headers(headers: &HeaderMap) -> Result<Option<String>, KeyReject
 /// key is optional (a malformed header is still refused).
 ///
 /// ```
-/// use axum::{routing::post, Json, Router};
+/// use axum::{routing::post, Extension, Json, Router};
 /// use idempotent_runtime::http::{IdempotencyKey, MarkReplayed};
 /// use idempotent_runtime::{idempotent, with_outcome, Error, MemoryStore};
 ///
-/// #[idempotent(scope = "docs.refunds", key = key, tenant = shared, store = store)]
-/// async fn refund(store: &MemoryStore, key: &str, amount: u64) -> Result<u64, Error> {
+/// // The key is the caller's: the tenant keeps one caller's answers from another (rule 22).
+/// #[idempotent(scope = "docs.refunds", key = key, tenant = account, store = store)]
+/// async fn refund(store: &MemoryStore, account: &str, key: &str, amount: u64) -> Result<u64, Error> {
 ///     Ok(amount)
 /// }
 ///
-/// async fn handler(key: IdempotencyKey, Json(amount): Json<u64>) -> Result<(MarkReplayed, Json<u64>), Error> {
+/// #[derive(Clone)]
+/// struct Account(String); // set by your authentication middleware
+///
+/// async fn handler(
+///     Extension(account): Extension<Account>,
+///     key: IdempotencyKey,
+///     Json(amount): Json<u64>,
+/// ) -> Result<(MarkReplayed, Json<u64>), Error> {
 ///     # let store = MemoryStore::new();
-///     let (result, outcome) = with_outcome(refund(&store, key.as_str(), amount)).await;
+///     let (result, outcome) = with_outcome(refund(&store, &account.0, key.as_str(), amount)).await;
 ///     Ok((MarkReplayed(outcome), Json(result?)))   // `?`: an Error answers with rule 22's status
 /// }
 ///

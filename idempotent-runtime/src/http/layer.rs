@@ -541,7 +541,9 @@ where
 /// the same key would run it again; run to its end, its answer is recorded
 /// and the retry replays it. A panic propagates to the caller as before.
 /// The caller's tracing span goes with it; its task-locals do not. Outside a
-/// Tokio runtime it runs in the caller's future.
+/// Tokio runtime it runs in the caller's future. A limit outside the layer
+/// (a concurrency limit, load shedding) no longer counts the request once
+/// the caller is gone; a limit inside it runs in this task and still does.
 async fn to_the_end<F, T>(work: F) -> T
 where
     F: std::future::Future<Output = T> + Send + 'static,
