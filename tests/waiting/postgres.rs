@@ -165,6 +165,66 @@ async fn a_duplicate_in_another_process_is_woken_by_the_completion() {
     woken_by_completion(owner, other).await;
 }
 
+/// Many waiters on one key lock the row in turn to mark it, so one waiter's
+/// mark can find the row locked (here by a transaction the test holds, as
+/// another waiter's mark or the owner's heartbeat would). A mark another
+/// waiter has already committed covers it: the record's next change notifies,
+/// so this waiter waits for the notification instead of polling.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiter_whose_mark_finds_the_row_locked_and_marked_waits_for_the_notification() {
+    let Some(owner_store) = pg_store_or_skip().await else {
+        return;
+    };
+    let (tenant, key) = (fresh_tenant(), "order-locked".to_owned());
+    let identity = Identity::new(&tenant, "waiting.pg.charge", &key).expect("identity");
+    let first = Counting::new(owner_store.clone());
+    let second = Counting::new(PgStore::connect(&pg_url()).await.expect("second store"));
+    let (hold, runs) = (Hold::default(), AtomicUsize::new(0));
+    let owner_call = charge(&owner_store, &tenant, &key, 5, Some(&hold), &runs);
+    let waiters = async {
+        hold.reached.notified().await;
+        let first_call = charge(&first, &tenant, &key, 5, None, &runs);
+        let second_call = async {
+            until_marked(owner_store.pool(), &identity).await;
+            // The first waiter's mark is committed; now the row is locked.
+            let mut lock = owner_store.pool().begin().await.expect("begin");
+            sqlx::query(
+                "SELECT 1 FROM idempotency_records \
+                 WHERE tenant = $1 AND scope = $2 AND key = $3 FOR NO KEY UPDATE",
+            )
+            .bind(&tenant)
+            .bind("waiting.pg.charge")
+            .bind(&key)
+            .execute(&mut *lock)
+            .await
+            .expect("lock the row");
+            let second_call = charge(&second, &tenant, &key, 5, None, &runs);
+            let release = async {
+                second.waited(1).await;
+                tokio::time::sleep(HOLD_AFTER_WAITING).await;
+                lock.rollback().await.expect("unlock the row");
+                hold.go.notify_one();
+            };
+            let (answer, ()) = tokio::join!(second_call, release);
+            answer
+        };
+        tokio::join!(first_call, second_call)
+    };
+    let (owned, (a, b)) = tokio::join!(owner_call, waiters);
+    assert_eq!(owned.expect("owner"), 50);
+    assert_eq!(
+        (a.expect("first waiter"), b.expect("second waiter")),
+        (50, 50)
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 1, "the body ran once");
+    assert!(
+        second.reserves() <= 3,
+        "the waiter behind the locked row waited for the notification instead of \
+         polling: {} reservations",
+        second.reserves()
+    );
+}
+
 /// The owner fails (`errors = release`): the waiting duplicate, in another
 /// store, is woken by the release and runs the body itself.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1038,7 +1038,10 @@ pub fn wait_key(identity: &Identity) -> String {
 /// what the mark found. One statement in its own transaction: the `UPDATE`
 /// skips a row locked by another transaction (a transactional-mode owner
 /// holds it until it commits; waiting for it would hold a pooled connection),
-/// and the plain read beside it tells a changed record from a locked one.
+/// and the plain read beside it tells a changed record from a locked one,
+/// and a record another waiter has marked already (`waiting`): its next
+/// change notifies too, so many waiters on one key, whose marks lock the row
+/// in turn, wait for the notification instead of polling.
 const MARK_WAITING_SQL: &str = "\
 WITH marked AS (
     UPDATE idempotency_records SET waiting = TRUE
@@ -1047,7 +1050,7 @@ WITH marked AS (
                     FOR NO KEY UPDATE SKIP LOCKED)
     RETURNING idempotency_wait_key(tenant, scope, key) AS wait_key,
               lease_expires_at - idempotency_now_ms() AS lease_remaining_ms)
-SELECT m.wait_key, m.lease_remaining_ms, r.state,
+SELECT m.wait_key, m.lease_remaining_ms, r.state, r.waiting AS seen_waiting,
        r.lease_expires_at - idempotency_now_ms() AS seen_remaining_ms
   FROM (SELECT 1) one
   LEFT JOIN marked m ON TRUE
@@ -1060,6 +1063,11 @@ enum Mark {
         wait_key: String,
         lease_remaining: Duration,
     },
+    /// Locked by another transaction, but already marked by another waiter,
+    /// committed: its next change notifies (the trigger looks at the last
+    /// committed `waiting`; only a completion, a release or a takeover, the
+    /// changes waited for, clear it). The lease has this long to run.
+    MarkedBefore { lease_remaining: Duration },
     /// The record is complete, gone past its lease, or otherwise worth a new
     /// reservation right away.
     Changed,
@@ -1087,9 +1095,14 @@ async fn mark_waiting(pool: &PgPool, identity: &Identity) -> Result<Mark, sqlx::
     }
     let state: Option<String> = row.try_get("state")?;
     let seen_remaining: Option<i64> = row.try_get("seen_remaining_ms")?;
-    Ok(match state.as_deref() {
-        Some("complete") => Mark::Changed,
-        Some(_) if seen_remaining.is_none_or(|ms| ms <= 0) => Mark::Changed,
+    let seen_waiting: Option<bool> = row.try_get("seen_waiting")?;
+    Ok(match (state.as_deref(), seen_remaining) {
+        (Some("complete"), _) => Mark::Changed,
+        (Some(_), None) => Mark::Changed,
+        (Some(_), Some(ms)) if ms <= 0 => Mark::Changed,
+        (Some(_), Some(ms)) if seen_waiting == Some(true) => Mark::MarkedBefore {
+            lease_remaining: millis_to_duration(ms),
+        },
         _ => Mark::Unmarked,
     })
 }
@@ -1444,6 +1457,7 @@ impl PgStore {
                 wait_key,
                 lease_remaining,
             }) if wait_key == key => left.min(lease_remaining).min(WAIT_SLICE),
+            Ok(Mark::MarkedBefore { lease_remaining }) => left.min(lease_remaining).min(WAIT_SLICE),
             Ok(Mark::Marked { .. }) => {
                 tracing::error!(target: "idempotent", store = STORE,
                     "idempotency_wait_key in the database disagrees with this build's wait key; \
