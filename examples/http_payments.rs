@@ -39,6 +39,7 @@ use idempotent_runtime::{
 use serde::{Deserialize, Serialize};
 use std::sync::Arc;
 use std::time::Duration;
+use tracing::Instrument;
 
 /// The authenticated caller (here: whatever `X-Account-Id` says).
 #[derive(Debug, Clone)]
@@ -301,6 +302,8 @@ enum RefundError {
     Database(#[from] sqlx::Error),
     #[error(transparent)]
     Idempotency(#[from] Error),
+    #[error("the server is shutting down")]
+    ShuttingDown,
 }
 
 impl IntoResponse for RefundError {
@@ -323,6 +326,12 @@ impl IntoResponse for RefundError {
             }
             // Rule 22's statuses: 409 + Retry-After, 422, 400, 503, ...
             RefundError::Idempotency(e) => e.into_response(),
+            RefundError::ShuttingDown => problem(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "shutting-down",
+                "Shutting down",
+                "Retry with the same Idempotency-Key.",
+            ),
         }
     }
 }
@@ -362,11 +371,19 @@ async fn create_refund(
     // `with_outcome` whether it replayed.
     let (joined, outcome) = with_outcome(async move {
         let call = async move { refund(&app, &account.0, key.as_str(), &request.charge_id).await };
-        tokio::spawn(carry_outcome(call)).await
+        // The request's span goes with it, so its logs stay under the request.
+        tokio::spawn(carry_outcome(call).in_current_span()).await
     })
     .await;
-    // A panic in the refund goes on as the handler's own.
-    let result = joined.unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic()));
+    let result = match joined {
+        Ok(result) => result,
+        // A panic in the refund goes on as the handler's own.
+        Err(e) => match e.try_into_panic() {
+            Ok(panic) => std::panic::resume_unwind(panic),
+            // Cancelled: only when the runtime shuts down.
+            Err(_) => return Err(RefundError::ShuttingDown),
+        },
+    };
     Ok((StatusCode::CREATED, MarkReplayed(outcome), Json(result?)))
 }
 

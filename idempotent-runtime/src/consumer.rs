@@ -16,8 +16,8 @@
 //! | any other `Err(_)`: the body failed and the key was released, the store failed, the lease was lost | `Failed` | `Nak(None)`; knowing the delivery count (as [`nats::process`] does), `Nak(Some(`[`failed_retry_after`]`(n)))`: 1 s after the first delivery, doubling per delivery up to 60 s |
 //! | `Error::ResultNotFaithful` / `ResultTooLarge` / `ResultEncoding`: the body ran, its result can never be recorded | `Unrecordable` | `Term` (a redelivery would run the body again) |
 //! | `Error::FingerprintMismatch`: same message id, different payload | `Mismatch` | `Term` (poison) |
-//! | `Error::Fingerprint`: the payload's arguments cannot be fingerprinted | `Unfingerprintable` | `Term` (every delivery fails alike) |
-//! | `Error::ReplayDecoding`: processed before, but the recorded answer no longer decodes as the handler's type | `ReplayUndecodable` | `Term` (a nak would come back until the record expired, and then run the body again) |
+//! | `Error::Fingerprint`: the payload's arguments cannot be fingerprinted | `Unfingerprintable` | `Term` (every delivery fails alike); knowing the delivery count, nak'd like `Failed` until [`DELIVERIES_BEFORE_TERM`] |
+//! | `Error::ReplayDecoding`: processed before, but the recorded answer no longer decodes as the handler's type | `ReplayUndecodable` | `Term` (naks would come back until the record expired, and then run the body again); knowing the delivery count, nak'd like `Failed` until [`DELIVERIES_BEFORE_TERM`], so a rolling deploy's other version can replay it |
 //! | no key on the message | `MissingKey` | `Term`; the handler is not called |
 //! | `Error::InvalidKey` / `Error::InvalidTenant` | `InvalidKey` | `Term` |
 //!
@@ -61,7 +61,16 @@
 //! that runs [`handle`]. A call spawned onto another task (`tokio::spawn`)
 //! must be wrapped in [`carry_outcome`](crate::carry_outcome), or its
 //! replayed recorded error looks like a failure and is nak'd at every
-//! delivery: `tokio::spawn(carry_outcome(bill(store, key, order)))`.
+//! delivery; await the task, so the message is settled after the call:
+//!
+//! ```ignore
+//! let handled = handle(Some(id), |key| {
+//!     let (store, key) = (store.clone(), key.to_owned());
+//!     let task = tokio::spawn(carry_outcome(async move { bill(&store, &key).await }));
+//!     async move { task.await.unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic())) }
+//! })
+//! .await;
+//! ```
 
 use crate::engine::{with_report, Outcome, Reported};
 use crate::error::Error;
@@ -135,10 +144,13 @@ pub enum Verdict {
     /// decodes as the handler's result or error (`Error::ReplayDecoding`: the
     /// type or the error policy changed while records of the old one last).
     /// The body does not run again while the record lasts, so a redelivery
-    /// can never succeed, and once the record expired it would run the body a
-    /// second time. The message is terminated (not acked: steps of the
-    /// handler after the call did not run); fix the type, or give the new type
-    /// a new scope.
+    /// to this version can never succeed, and once the record expired it
+    /// would run the body a second time. The message is terminated (not
+    /// acked: steps of the handler after the call did not run), after a few
+    /// deliveries when their count is known ([`Handled::disposition`]). Make
+    /// the new type read what the old one recorded (`#[serde(default)]`,
+    /// `#[serde(alias)]`, an untagged enum of both); a new scope would run
+    /// the body again for messages redelivered after the switch.
     ReplayUndecodable,
 }
 
@@ -161,6 +173,13 @@ pub fn failed_retry_after(deliveries: u64) -> Duration {
     let doublings = deliveries.saturating_sub(1).min(16) as u32;
     FIRST.saturating_mul(1 << doublings).min(MOST)
 }
+
+/// How many deliveries a message whose every delivery has failed alike
+/// ([`Verdict::Unfingerprintable`], [`Verdict::ReplayUndecodable`]) gets
+/// before it is terminated, when the delivery count is known
+/// ([`Handled::disposition`]): with the pauses of [`failed_retry_after`] in
+/// between, about four minutes.
+pub const DELIVERIES_BEFORE_TERM: u64 = 10;
 
 impl Verdict {
     /// What to tell the broker.
@@ -334,15 +353,30 @@ pub struct Handled<T, E> {
 }
 
 impl<T, E> Handled<T, E> {
-    /// What to tell the broker: the verdict's [`Disposition`], and for a
-    /// [`Verdict::Failed`] delivery whose delivery count is known, a nak
-    /// delayed by [`failed_retry_after`], so a failure that lasts (a store
-    /// down, a bug in the handler) is not redelivered in a tight loop.
+    /// What to tell the broker: the verdict's [`Disposition`], and when the
+    /// delivery count is known:
+    /// * for a [`Verdict::Failed`] delivery, a nak delayed by
+    ///   [`failed_retry_after`], so a failure that lasts (a store down, a bug
+    ///   in the handler) is not redelivered in a tight loop;
+    /// * for [`Verdict::Unfingerprintable`] and [`Verdict::ReplayUndecodable`],
+    ///   the same delayed nak until the message has been delivered
+    ///   [`DELIVERIES_BEFORE_TERM`] times, and `Term` then: during a rolling
+    ///   deploy that changes a result type, an instance of the old version
+    ///   cannot decode what the new one recorded, and the redelivery reaches
+    ///   a new one; a fingerprint that failed for a passing reason (a poisoned
+    ///   lock in an argument) is tried again.
     pub fn disposition(&self) -> Disposition {
-        if let (Verdict::Failed, Some(deliveries)) = (self.verdict, self.deliveries) {
-            return Disposition::Nak(Some(failed_retry_after(deliveries)));
+        match (self.verdict, self.deliveries) {
+            (Verdict::Failed, Some(deliveries)) => {
+                Disposition::Nak(Some(failed_retry_after(deliveries)))
+            }
+            (Verdict::Unfingerprintable | Verdict::ReplayUndecodable, Some(deliveries))
+                if deliveries < DELIVERIES_BEFORE_TERM =>
+            {
+                Disposition::Nak(Some(failed_retry_after(deliveries)))
+            }
+            _ => self.verdict.disposition(),
         }
-        self.verdict.disposition()
     }
 
     /// The framework's error behind the verdict, if any (for logs: it names
@@ -580,6 +614,33 @@ mod tests {
             failed(Some(4)).disposition(),
             Disposition::Nak(Some(Duration::from_secs(8)))
         );
+    }
+
+    /// A message that failed alike at every delivery is nak'd like a failure
+    /// for its first deliveries (a rolling deploy's other version may
+    /// replay it), and terminated at the `DELIVERIES_BEFORE_TERM`th.
+    #[test]
+    fn poison_that_fails_alike_is_terminated_after_a_few_deliveries() {
+        for verdict in [Verdict::Unfingerprintable, Verdict::ReplayUndecodable] {
+            let delivered = |deliveries| Handled::<(), std::io::Error> {
+                verdict,
+                result: None,
+                deliveries,
+            };
+            assert_eq!(
+                delivered(Some(1)).disposition(),
+                Disposition::Nak(Some(Duration::from_secs(1)))
+            );
+            assert_eq!(
+                delivered(Some(DELIVERIES_BEFORE_TERM - 1)).disposition(),
+                Disposition::Nak(Some(failed_retry_after(DELIVERIES_BEFORE_TERM - 1)))
+            );
+            assert_eq!(
+                delivered(Some(DELIVERIES_BEFORE_TERM)).disposition(),
+                Disposition::Term
+            );
+            assert_eq!(delivered(None).disposition(), Disposition::Term);
+        }
     }
 
     #[test]

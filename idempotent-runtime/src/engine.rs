@@ -88,9 +88,11 @@ tokio::task_local! {
     static OUTCOME: ReportSlot;
 }
 
-/// Runs `future` and reports how the outermost idempotent call in it was
-/// answered, without changing the function's signature.
-/// `None` when no idempotent call finished with a result (e.g. it was refused).
+/// Runs `future` and reports how the idempotent call in it was answered,
+/// without changing the function's signature: with several calls, the one
+/// that finished last (an annotated function calling another finishes after
+/// it, so that is the outermost). `None` when no idempotent call finished
+/// with a result (e.g. it was refused).
 ///
 /// ```
 /// # use idempotent_runtime::{idempotent, with_outcome, Outcome, MemoryStore, Error};
@@ -108,13 +110,19 @@ pub async fn with_outcome<F: Future>(future: F) -> (F::Output, Option<Outcome>) 
     (out, reported.map(|r| r.outcome))
 }
 
-/// [`with_outcome`], with what the call reported whole.
+/// [`with_outcome`], with what the call reported whole. What a scope saw is
+/// also reported to the scope around it, if any: a handler that uses
+/// `with_outcome` itself inside [`consumer::handle`](crate::consumer::handle)
+/// still reports its replay to the delivery.
 pub(crate) async fn with_report<F: Future>(future: F) -> (F::Output, Option<Reported>) {
     let slot = ReportSlot::default();
     let out = OUTCOME.scope(slot.clone(), future).await;
     let reported = *slot
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner);
+    if let Some(reported) = reported {
+        report_whole(reported);
+    }
     (out, reported)
 }
 
@@ -127,7 +135,8 @@ pub(crate) async fn with_report<F: Future>(future: F) -> (F::Output, Option<Repo
 /// failure (nak'd), and would nak it at every delivery. Wrap the future when
 /// you spawn it, *inside* the scope: the scope is taken when `carry_outcome`
 /// is called, not when the future is polled (outside a scope the future only
-/// runs, reporting to nobody).
+/// runs, reporting to nobody). With several calls carried into one scope,
+/// the scope reports the one that finished last.
 ///
 /// ```
 /// # use idempotent_runtime::{carry_outcome, idempotent, with_outcome, Outcome, MemoryStore, Error};

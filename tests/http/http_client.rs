@@ -331,7 +331,30 @@ async fn retry_logs_show_no_password_or_query_of_the_url() {
         e,
         ClientError::RetriesExhausted { attempts: 2, .. }
     ));
+    // Nothing listening: reqwest's own error names the URL, in the logs and
+    // in the error's text.
+    let closed = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let dead = format!(
+        "http://alice:SECRET-PASS@{}/payments?api_token=SECRET-TOKEN",
+        closed.local_addr().unwrap()
+    );
+    drop(closed);
+    let e = c
+        .intent(Method::POST, &dead)
+        .unwrap()
+        .send()
+        .await
+        .unwrap_err();
+    assert!(matches!(
+        &e,
+        ClientError::RetriesExhausted {
+            last: LastAttempt::Transport(_),
+            ..
+        }
+    ));
+    assert!(!e.to_string().contains("SECRET"), "{e}");
     let written = String::from_utf8_lossy(&logs.0.lock().unwrap()).into_owned();
+    assert!(written.contains("/payments"), "{written}");
     assert!(
         written.contains("retrying with the same idempotency key")
             && written.contains("giving up")
@@ -355,4 +378,12 @@ async fn an_https_url_without_tls_is_refused_at_once() {
         .await
         .unwrap_err();
     assert!(matches!(e, ClientError::Request(_)), "{e:?}");
+    let with_query = format!("{url}?api_token=SECRET-TOKEN");
+    let e = client()
+        .intent(Method::POST, &with_query)
+        .unwrap()
+        .send()
+        .await
+        .unwrap_err();
+    assert!(!e.to_string().contains("SECRET"), "{e}");
 }

@@ -408,6 +408,31 @@ async fn mapping_a_spawned_call_reports_its_replay_through_carry_outcome() {
     assert_eq!(ledger.effects.load(Ordering::SeqCst), 1);
 }
 
+/// A handler that uses `with_outcome` itself (as an HTTP handler would, for
+/// `MarkReplayed`): its scope passes what it saw on to the delivery's, so the
+/// replay of a recorded error is still acked.
+#[tokio::test]
+async fn mapping_a_handler_with_its_own_with_outcome_still_reports_its_replay() {
+    let ledger = Ledger::new(false);
+    let o = order("o-10", 1000);
+    let own_scope = |k: &str| {
+        let (ledger, o, k) = (&ledger, &o, k.to_owned());
+        async move {
+            let (result, outcome) = idempotent_runtime::with_outcome(ledger.decline(&k, o)).await;
+            assert!(outcome.is_some());
+            result
+        }
+    };
+    let first = handle(Some("m-10"), own_scope).await;
+    assert_eq!(first.verdict, Verdict::Failed);
+    let again = handle(Some("m-10"), own_scope).await;
+    assert_eq!(
+        (again.verdict, again.disposition()),
+        (Verdict::Replayed, Disposition::Ack)
+    );
+    assert_eq!(ledger.effects.load(Ordering::SeqCst), 1);
+}
+
 // ---------------------------------------------------------------- JetStream helpers
 
 /// A fresh stream (its own name and subject) with a short duplicate window,

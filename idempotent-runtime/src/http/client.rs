@@ -132,7 +132,8 @@ pub enum ClientError {
     #[error("the request body could not be serialized as JSON: {0}")]
     Serialize(#[source] serde_json::Error),
     /// reqwest refused to build or send the request for a reason retrying
-    /// cannot fix (e.g. a redirect loop).
+    /// cannot fix (e.g. a redirect loop, or an `https://` URL on a build
+    /// whose reqwest has no TLS feature).
     #[error("the request failed and retrying cannot help: {0}")]
     Request(#[source] reqwest::Error),
     /// Every attempt ended in a retryable failure. **The outcome is unknown**:
@@ -269,8 +270,10 @@ fn handler_ran_unrecorded(status: StatusCode, headers: &HeaderMap, body: &[u8]) 
         .is_some_and(|p| p.problem_type == super::problem::types::RESPONSE_NOT_RECORDED)
 }
 
-/// The problem+json body of an answer; a problem that names no `status` (RFC
-/// 9457 makes it optional) gets the answer's.
+/// The problem+json body of an answer, read as RFC 9457 §3.1 asks: a member
+/// missing or of the wrong type is ignored (`type` is then `about:blank`,
+/// `title` and `detail` empty, `status` the answer's, `retry_after` none),
+/// so a problem from any server is read.
 fn problem_of(status: StatusCode, headers: &HeaderMap, body: &[u8]) -> Option<Problem> {
     let ct = headers.get(CONTENT_TYPE)?.to_str().ok()?;
     if !ct
@@ -280,11 +283,25 @@ fn problem_of(status: StatusCode, headers: &HeaderMap, body: &[u8]) -> Option<Pr
     {
         return None;
     }
-    let mut problem: Problem = serde_json::from_slice(body).ok()?;
-    if problem.status == 0 {
-        problem.status = status.as_u16();
-    }
-    Some(problem)
+    let serde_json::Value::Object(members) = serde_json::from_slice(body).ok()? else {
+        return None;
+    };
+    let text = |name: &str| {
+        members
+            .get(name)
+            .and_then(|v| v.as_str())
+            .map(str::to_owned)
+    };
+    let number = |name: &str| members.get(name).and_then(serde_json::Value::as_u64);
+    Some(Problem {
+        problem_type: text("type").unwrap_or_else(|| "about:blank".to_owned()),
+        title: text("title").unwrap_or_default(),
+        status: number("status")
+            .and_then(|n| u16::try_from(n).ok())
+            .unwrap_or(status.as_u16()),
+        detail: text("detail").unwrap_or_default(),
+        retry_after: number("retry_after"),
+    })
 }
 
 /// A reqwest client that sends [`Intent`]s with retries.
@@ -401,16 +418,31 @@ fn needs_tls(e: &reqwest::Error) -> bool {
     false
 }
 
+/// reqwest's error names the request's URL in its message; it is kept as
+/// [`shown_url`] shows it, so logs and error texts carry no user, password
+/// or query (rule 2).
+fn without_secrets(mut e: reqwest::Error) -> reqwest::Error {
+    if let Some(url) = e.url_mut() {
+        hide_secrets(url);
+    }
+    e
+}
+
 /// A URL as `Debug` shows it: scheme, host, port and path; no user, password
 /// or query (they can carry secrets, like a header's value).
 fn shown_url(url: &Url) -> String {
     let mut shown = url.clone();
-    // Only URLs that cannot have them refuse these; those have none to hide.
-    let _ = shown.set_username("");
-    let _ = shown.set_password(None);
-    shown.set_query(None);
-    shown.set_fragment(None);
+    hide_secrets(&mut shown);
     shown.to_string()
+}
+
+/// Takes a URL's user, password, query and fragment out.
+fn hide_secrets(url: &mut Url) {
+    // Only URLs that cannot have them refuse these; those have none to hide.
+    let _ = url.set_username("");
+    let _ = url.set_password(None);
+    url.set_query(None);
+    url.set_fragment(None);
 }
 
 impl std::fmt::Debug for Intent {
@@ -493,9 +525,9 @@ impl Intent {
                     (LastAttempt::Status { status, problem }, retry_after)
                 }
                 Err(e) if e.is_builder() || e.is_redirect() || needs_tls(&e) => {
-                    return Err(ClientError::Request(e));
+                    return Err(ClientError::Request(without_secrets(e)));
                 }
-                Err(e) => (LastAttempt::Transport(e), None),
+                Err(e) => (LastAttempt::Transport(without_secrets(e)), None),
             };
             let (last, retry_after) = last;
             if attempt >= max_attempts {
@@ -602,6 +634,24 @@ mod tests {
         )
         .expect("a problem");
         assert_eq!((p.status, p.detail.as_str()), (403, ""));
+        // Members of the wrong type are ignored, not the whole problem.
+        let p = problem_of(
+            StatusCode::SERVICE_UNAVAILABLE,
+            &headers,
+            br#"{"type":7,"status":"503","detail":null,"title":"Down","retry_after":"5s"}"#,
+        )
+        .expect("a problem");
+        assert_eq!(
+            (
+                p.problem_type.as_str(),
+                p.status,
+                p.title.as_str(),
+                p.detail.as_str(),
+                p.retry_after
+            ),
+            ("about:blank", 503, "Down", "", None)
+        );
+        assert!(problem_of(StatusCode::CONFLICT, &headers, b"[1, 2]").is_none());
     }
 
     #[test]
