@@ -119,7 +119,10 @@ pub(crate) fn generate(func: &MaybeItemFn, spec: &Spec) -> TokenStream {
         sig,
         ..
     } = func;
-    let block = func.block();
+    // The body's statements go straight into the async block that runs them:
+    // wrapped in its own braces as the block's tail, a one-line body would
+    // draw rustc's `unused_braces` lint at the user's braces.
+    let body_tokens = &func.body;
     let name = &sig.ident;
     let name_text = name.to_string();
     let scope = &spec.scope;
@@ -298,7 +301,7 @@ pub(crate) fn generate(func: &MaybeItemFn, spec: &Spec) -> TokenStream {
                     __idempotent_call,
                     #error_handling,
                     #recover,
-                    #krate::__private::body::<#ret, _>(async move { #typed #block }),
+                    #krate::__private::body::<#ret, _>(async move { #typed #body_tokens }),
                 )
                 .await
             }
@@ -331,7 +334,7 @@ pub(crate) fn generate(func: &MaybeItemFn, spec: &Spec) -> TokenStream {
                 // Not `move`: the transaction is used again after the body.
                 let __idempotent_result: #ret = #krate::__private::in_span(
                     &__idempotent_held,
-                    #krate::__private::body::<#ret, _>(async { #typed #block }),
+                    #krate::__private::body::<#ret, _>(async { #typed #body_tokens }),
                 )
                 .await;
                 #krate::__private::finish_in_transaction::<#ret, _, _>(

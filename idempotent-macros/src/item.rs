@@ -22,15 +22,6 @@ pub(crate) struct MaybeItemFn {
     pub body: TokenStream,
 }
 
-impl MaybeItemFn {
-    /// The body as a block `{ ... }` with its original brace span.
-    pub fn block(&self) -> Group {
-        let mut group = Group::new(Delimiter::Brace, self.body.clone());
-        group.set_span(self.brace_span);
-        group
-    }
-}
-
 impl Parse for MaybeItemFn {
     fn parse(input: ParseStream) -> syn::Result<Self> {
         let outer_attrs = input.call(Attribute::parse_outer)?;

@@ -593,12 +593,26 @@ fn registry_lists_every_function_with_file_line_and_policies() {
         .into_iter()
         .filter(|s| s.scope.starts_with("shapes."))
         .collect();
-    // 19 scopes; the shared scope is listed once per claimant.
-    assert_eq!(ours.len(), 20, "{ours:#?}");
+    // 20 scopes; the shared scope is listed once per claimant.
+    assert_eq!(ours.len(), 21, "{ours:#?}");
     assert!(
         ours.windows(2).all(|w| w[0].scope <= w[1].scope),
         "sorted by scope"
     );
+}
+
+// ---- a body on one line: no lint at its braces (nested as the tail of the
+// async block that runs it, it drew rustc's `unused_braces`, an error under
+// `deny(warnings)`, and the suggested fix did not compile).
+#[rustfmt::skip]
+#[deny(unused_braces)]
+#[idempotent(scope = "shapes.one_line", key = key, tenant = shared, store = store)]
+async fn one_line(store: &MemoryStore, key: &str, amount: u64) -> Result<u64, Error> { Ok(amount + 1) }
+
+#[tokio::test]
+async fn a_body_on_one_line_compiles_under_deny_unused_braces() {
+    let store = MemoryStore::new();
+    assert_eq!(one_line(&store, "k", 1).await.expect("runs"), 2);
 }
 
 // ---- a parameter under `#[cfg]` (or a `#[cfg_attr]` that gives one):
