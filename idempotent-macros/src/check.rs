@@ -16,8 +16,21 @@ use idempotent_rules::scope::nearest;
 use proc_macro2::{Span, TokenStream};
 use std::path::PathBuf;
 use std::time::Duration;
+use syn::ext::IdentExt;
 use syn::spanned::Spanned;
 use syn::{Expr, FnArg, Ident, LitStr, Pat, Path, ReturnType, Signature, Type};
+
+/// A parameter's name as Rust reads it: `r#amount` is `amount`. What the
+/// fingerprint and the registry name it by, so a raw spelling (which
+/// `cargo fix` writes for a name that became a keyword) changes nothing.
+pub(crate) fn name_text(name: &Ident) -> String {
+    name.unraw().to_string()
+}
+
+/// Whether two identifiers name the same thing, raw or not.
+fn same_name(a: &Ident, b: &Ident) -> bool {
+    a.unraw() == b.unraw()
+}
 
 /// Everything the attribute and the function declare, checked: what
 /// [`crate::expand`] generates code from.
@@ -321,14 +334,17 @@ fn cross(cx: &Ctxt, attr: Attr, sig: &Signature, env: &Env) -> Option<Spec> {
     // `skip` names parameters.
     let skipped: Vec<Ident> = attr.skip.map(|(_, names)| names).unwrap_or_default();
     for (i, name) in skipped.iter().enumerate() {
-        if skipped[..i].contains(name) {
+        if skipped[..i].iter().any(|n| same_name(n, name)) {
             cx.error(name.span(), format!("`{name}` is listed twice in `skip`"));
             continue;
         }
-        if !params.iter().any(|p| p.name.as_ref() == Some(name)) {
+        if !params
+            .iter()
+            .any(|p| p.name.as_ref().is_some_and(|n| same_name(n, name)))
+        {
             let named: Vec<String> = params
                 .iter()
-                .filter_map(|p| p.name.as_ref().map(|n| n.to_string()))
+                .filter_map(|p| p.name.as_ref().map(name_text))
                 .collect();
             let hint = nearest(&name.to_string(), named.iter().map(String::as_str), Some(3))
                 .map(|s| format!("did you mean `{s}`? "))
@@ -365,7 +381,9 @@ fn cross(cx: &Ctxt, attr: Attr, sig: &Signature, env: &Env) -> Option<Spec> {
                 continue;
             }
             match &p.name {
-                Some(n) if named_directly.contains(&n) || skipped.contains(n) => {}
+                Some(n)
+                    if named_directly.iter().any(|d| same_name(d, n))
+                        || skipped.iter().any(|k| same_name(k, n)) => {}
                 Some(n) => fingerprinted.push(n.clone()),
                 None if p.is_wildcard => cx.error(
                     p.span,
@@ -417,7 +435,7 @@ fn cross(cx: &Ctxt, attr: Attr, sig: &Signature, env: &Env) -> Option<Spec> {
             },
             shared: attr.shared_scope,
             fingerprint: fingerprint_on.then(|| {
-                let mut names: Vec<String> = fingerprinted.iter().map(|i| i.to_string()).collect();
+                let mut names: Vec<String> = fingerprinted.iter().map(name_text).collect();
                 names.sort();
                 names
             }),

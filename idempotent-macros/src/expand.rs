@@ -165,7 +165,7 @@ pub(crate) fn generate(func: &MaybeItemFn, spec: &Spec) -> TokenStream {
     // A parameter under `#[cfg]` is fingerprinted (and listed) only where it
     // is compiled in: its `#[cfg]`s go on what names it.
     let fp_names = spec.fingerprinted.iter().map(|name| {
-        let (text, cfgs) = (name.to_string(), cfgs_of(sig, name));
+        let (text, cfgs) = (check::name_text(name), cfgs_of(sig, name));
         quote!(#(#cfgs)* #text)
     });
 
@@ -199,7 +199,7 @@ pub(crate) fn generate(func: &MaybeItemFn, spec: &Spec) -> TokenStream {
         // parameter would not see a binding spanned at the attribute.
         let builder = Ident::new("__idempotent_fp", Span::call_site());
         let arguments = spec.fingerprinted.iter().map(|name| {
-            let (text, cfgs) = (name.to_string(), cfgs_of(sig, name));
+            let (text, cfgs) = (check::name_text(name), cfgs_of(sig, name));
             quote_spanned!(name.span()=> #(#cfgs)* #builder.argument(#text, &#name);)
         });
         quote!({

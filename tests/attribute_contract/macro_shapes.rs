@@ -593,8 +593,8 @@ fn registry_lists_every_function_with_file_line_and_policies() {
         .into_iter()
         .filter(|s| s.scope.starts_with("shapes."))
         .collect();
-    // 20 scopes; the shared scope is listed once per claimant.
-    assert_eq!(ours.len(), 21, "{ours:#?}");
+    // 21 scopes; the shared scopes are listed once per claimant.
+    assert_eq!(ours.len(), 23, "{ours:#?}");
     assert!(
         ours.windows(2).all(|w| w[0].scope <= w[1].scope),
         "sorted by scope"
@@ -613,6 +613,52 @@ async fn one_line(store: &MemoryStore, key: &str, amount: u64) -> Result<u64, Er
 async fn a_body_on_one_line_compiles_under_deny_unused_braces() {
     let store = MemoryStore::new();
     assert_eq!(one_line(&store, "k", 1).await.expect("runs"), 2);
+}
+
+// ---- raw identifiers: `r#amount` is `amount` (as `cargo fix` writes a name
+// that became a keyword). The fingerprint and the registry named it
+// `r#amount`, so the raw spelling changed the fingerprint (a record made
+// before it answered every retry with a mismatch), `key = r#key` left `key`
+// in the fingerprint and `skip(r#note)` was refused.
+#[idempotent(scope = "shapes.raw_names", key = r#key, tenant = shared, store = store,
+             skip(r#note), shared_scope)]
+async fn raw_names(
+    store: &MemoryStore,
+    key: &str,
+    r#amount: u64,
+    note: &str,
+) -> Result<u64, Error> {
+    let _ = note;
+    Ok(r#amount * 2)
+}
+
+#[idempotent(scope = "shapes.raw_names", key = key, tenant = shared, store = store,
+             skip(note), shared_scope)]
+async fn plain_names(
+    store: &MemoryStore,
+    key: &str,
+    amount: u64,
+    note: &str,
+) -> Result<u64, Error> {
+    let _ = note;
+    Ok(amount * 3)
+}
+
+#[tokio::test]
+async fn raw_identifiers_are_named_as_rust_reads_them() {
+    let store = MemoryStore::new();
+    assert_eq!(raw_names(&store, "k", 5, "a").await.expect("runs"), 10);
+    let (again, outcome) = with_outcome(plain_names(&store, "k", 5, "b")).await;
+    assert_eq!(
+        (again.expect("replays"), outcome),
+        (10, Some(Outcome::Replayed)),
+        "one fingerprint for `r#amount` and `amount`"
+    );
+    let info = registry::scopes()
+        .into_iter()
+        .find(|s| s.function.ends_with("raw_names"))
+        .expect("registered");
+    assert_eq!(info.fingerprinted_parameters, ["amount"]);
 }
 
 // ---- a parameter under `#[cfg]` (or a `#[cfg_attr]` that gives one):
