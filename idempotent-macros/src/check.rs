@@ -439,6 +439,9 @@ fn cross(cx: &Ctxt, attr: Attr, sig: &Signature, env: &Env) -> Option<Spec> {
                 names.sort();
                 names
             }),
+            fingerprint_under_cfg: fingerprinted
+                .iter()
+                .any(|name| !crate::item::cfgs_of(sig, name).is_empty()),
             ttl,
             recovers: attr.recover.is_some(),
             shared_tenant: matches!(attr.tenant, Some(Tenant::Shared(_))),

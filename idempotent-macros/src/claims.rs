@@ -42,6 +42,10 @@ pub(crate) struct Claim {
     pub shared: bool,
     /// The fingerprinted parameter names, sorted; `None` with `fingerprint = false`.
     pub fingerprint: Option<Vec<String>>,
+    /// A fingerprinted parameter carries a `#[cfg]` (or a `#[cfg_attr]` that
+    /// may give one): which names are compiled in is not known here, so the
+    /// fingerprints are compared at run time (`registry::validate`), not now.
+    pub fingerprint_under_cfg: bool,
     /// The ttl, after the manifest's default.
     pub ttl: Duration,
     /// The function has a `recover = ...` hook (rule 20).
@@ -106,7 +110,11 @@ impl Claim {
 /// `idempotent_rules::shared_scope`), said for the compile error.
 fn disagreement(a: &Claim, b: &Claim) -> Option<String> {
     let pick = |of: fn(&Claim) -> bool| if of(a) { a } else { b };
-    Some(match first_difference(&a.terms(), &b.terms())? {
+    let (terms_a, mut terms_b) = (a.terms(), b.terms());
+    if a.fingerprint_under_cfg || b.fingerprint_under_cfg {
+        terms_b.fingerprint = terms_a.fingerprint.clone();
+    }
+    Some(match first_difference(&terms_a, &terms_b)? {
         Difference::Fingerprint => format!(
             "they fingerprint different parameters: {} vs {}. The fingerprint is computed over the \
              parameters' names and values, so the same request through both would be refused as a \
@@ -280,6 +288,7 @@ mod tests {
             site: site(function, line),
             shared: false,
             fingerprint: Some(vec!["order".into()]),
+            fingerprint_under_cfg: false,
             ttl: Duration::from_secs(3600),
             recovers: false,
             shared_tenant: false,
@@ -324,6 +333,27 @@ mod tests {
         assert!(matches!(
             compiler(plain("charge", 8)),
             Err(Refusal::Duplicate { others }) if others.len() == 2
+        ));
+    }
+
+    /// A fingerprinted parameter under `#[cfg]`: which names are compiled in
+    /// is not known when the attribute expands, so the fingerprints are not
+    /// compared then (`registry::validate` compares the compiled-in ones);
+    /// the other terms still are.
+    #[test]
+    fn fingerprints_with_a_parameter_under_cfg_are_compared_at_run_time() {
+        let mut with_cfg = shared("http", 1);
+        with_cfg.fingerprint = Some(vec!["amount".into(), "note".into()]);
+        with_cfg.fingerprint_under_cfg = true;
+        let mut without = shared("queue", 2);
+        without.fingerprint = Some(vec!["amount".into()]);
+        assert_eq!(claim("t/cfg", "r.cfg", with_cfg.clone()), Ok(()));
+        assert_eq!(claim("t/cfg", "r.cfg", without.clone()), Ok(()));
+        without.ttl = Duration::from_secs(60);
+        without.site = site("cron", 3);
+        assert!(matches!(
+            claim("t/cfg", "r.cfg", without),
+            Err(Refusal::Disagree { what, .. }) if what.contains("ttl")
         ));
     }
 

@@ -5,7 +5,7 @@
 
 use crate::attr::{self, Errors, InProgress, Tenant};
 use crate::check::{self, Env, Spec};
-use crate::item::MaybeItemFn;
+use crate::item::{self, MaybeItemFn};
 use proc_macro2::{Ident, Span, TokenStream};
 use quote::{quote, quote_spanned};
 use std::time::Duration;
@@ -40,63 +40,6 @@ pub(crate) fn entry(attr: TokenStream, item: TokenStream) -> TokenStream {
 fn with_error(item: TokenStream, error: syn::Error) -> TokenStream {
     let error = error.to_compile_error();
     quote!(#[allow(unused_variables)] #item #error)
-}
-
-/// The `#[cfg]`s written on the parameter `name`, and the `#[cfg_attr]`s
-/// that may give one (cut down to their `cfg`s). rustc leaves them on an
-/// attribute macro's input; one compiled out is not there to fingerprint.
-fn cfgs_of(sig: &syn::Signature, name: &Ident) -> Vec<TokenStream> {
-    let attrs = sig.inputs.iter().find_map(|input| match input {
-        syn::FnArg::Typed(t) => match &*t.pat {
-            syn::Pat::Ident(p) if p.ident == *name => Some(&t.attrs),
-            _ => None,
-        },
-        syn::FnArg::Receiver(_) => None,
-    });
-    attrs
-        .into_iter()
-        .flatten()
-        .filter_map(|a| only_cfg(&a.meta).map(|meta| quote!(#[#meta])))
-        .collect()
-}
-
-/// `meta` if it is a `cfg`; a `cfg_attr` with only the `cfg`s it gives (at
-/// any depth), or `None` when it gives none. The predicate is kept as its
-/// tokens (`true`, `feature = "x"`, `all(..)`); an attribute after it that
-/// does not parse is left out (rustc reports it on the parameter).
-fn only_cfg(meta: &syn::Meta) -> Option<TokenStream> {
-    if meta.path().is_ident("cfg") {
-        return Some(quote!(#meta));
-    }
-    if !meta.path().is_ident("cfg_attr") {
-        return None;
-    }
-    let list = meta.require_list().ok()?;
-    let mut parts = split_at_commas(list.tokens.clone()).into_iter();
-    let predicate = parts.next().filter(|p| !p.is_empty())?;
-    let kept: Vec<TokenStream> = parts
-        .filter_map(|part| syn::parse2::<syn::Meta>(part).ok())
-        .filter_map(|meta| only_cfg(&meta))
-        .collect();
-    (!kept.is_empty()).then(|| quote!(cfg_attr(#predicate, #(#kept),*)))
-}
-
-/// `tokens` split at its top-level commas (a trailing comma gives no part).
-fn split_at_commas(tokens: TokenStream) -> Vec<TokenStream> {
-    let mut parts = vec![TokenStream::new()];
-    for tree in tokens {
-        match &tree {
-            proc_macro2::TokenTree::Punct(p) if p.as_char() == ',' => {
-                parts.push(TokenStream::new());
-            }
-            _ => parts
-                .last_mut()
-                .into_iter()
-                .for_each(|part| part.extend([tree.clone()])),
-        }
-    }
-    parts.retain(|part| !part.is_empty());
-    parts
 }
 
 fn duration(krate: &TokenStream, d: Duration) -> TokenStream {
@@ -165,7 +108,7 @@ pub(crate) fn generate(func: &MaybeItemFn, spec: &Spec) -> TokenStream {
     // A parameter under `#[cfg]` is fingerprinted (and listed) only where it
     // is compiled in: its `#[cfg]`s go on what names it.
     let fp_names = spec.fingerprinted.iter().map(|name| {
-        let (text, cfgs) = (check::name_text(name), cfgs_of(sig, name));
+        let (text, cfgs) = (check::name_text(name), item::cfgs_of(sig, name));
         quote!(#(#cfgs)* #text)
     });
 
@@ -199,7 +142,7 @@ pub(crate) fn generate(func: &MaybeItemFn, spec: &Spec) -> TokenStream {
         // parameter would not see a binding spanned at the attribute.
         let builder = Ident::new("__idempotent_fp", Span::call_site());
         let arguments = spec.fingerprinted.iter().map(|name| {
-            let (text, cfgs) = (check::name_text(name), cfgs_of(sig, name));
+            let (text, cfgs) = (check::name_text(name), item::cfgs_of(sig, name));
             quote_spanned!(name.span()=> #(#cfgs)* #builder.argument(#text, &#name);)
         });
         quote!({

@@ -4,8 +4,8 @@
 //! the body is re-emitted as written and rustc reports the error itself, at
 //! its place.
 
-use proc_macro2::{Delimiter, Group, Span, TokenStream};
-use quote::{ToTokens, TokenStreamExt};
+use proc_macro2::{Delimiter, Group, Ident, Span, TokenStream};
+use quote::{quote, ToTokens, TokenStreamExt};
 use syn::parse::{Parse, ParseStream};
 use syn::{Attribute, Signature, Token, Visibility};
 
@@ -63,6 +63,63 @@ impl ToTokens for MaybeItemFn {
         group.set_span(self.brace_span);
         tokens.append(group);
     }
+}
+
+/// The `#[cfg]`s written on the parameter `name`, and the `#[cfg_attr]`s
+/// that may give one (cut down to their `cfg`s). rustc leaves them on an
+/// attribute macro's input; one compiled out is not there to fingerprint.
+pub(crate) fn cfgs_of(sig: &syn::Signature, name: &Ident) -> Vec<TokenStream> {
+    let attrs = sig.inputs.iter().find_map(|input| match input {
+        syn::FnArg::Typed(t) => match &*t.pat {
+            syn::Pat::Ident(p) if p.ident == *name => Some(&t.attrs),
+            _ => None,
+        },
+        syn::FnArg::Receiver(_) => None,
+    });
+    attrs
+        .into_iter()
+        .flatten()
+        .filter_map(|a| only_cfg(&a.meta).map(|meta| quote!(#[#meta])))
+        .collect()
+}
+
+/// `meta` if it is a `cfg`; a `cfg_attr` with only the `cfg`s it gives (at
+/// any depth), or `None` when it gives none. The predicate is kept as its
+/// tokens (`true`, `feature = "x"`, `all(..)`); an attribute after it that
+/// does not parse is left out (rustc reports it on the parameter).
+fn only_cfg(meta: &syn::Meta) -> Option<TokenStream> {
+    if meta.path().is_ident("cfg") {
+        return Some(quote!(#meta));
+    }
+    if !meta.path().is_ident("cfg_attr") {
+        return None;
+    }
+    let list = meta.require_list().ok()?;
+    let mut parts = split_at_commas(list.tokens.clone()).into_iter();
+    let predicate = parts.next().filter(|p| !p.is_empty())?;
+    let kept: Vec<TokenStream> = parts
+        .filter_map(|part| syn::parse2::<syn::Meta>(part).ok())
+        .filter_map(|meta| only_cfg(&meta))
+        .collect();
+    (!kept.is_empty()).then(|| quote!(cfg_attr(#predicate, #(#kept),*)))
+}
+
+/// `tokens` split at its top-level commas (a trailing comma gives no part).
+fn split_at_commas(tokens: TokenStream) -> Vec<TokenStream> {
+    let mut parts = vec![TokenStream::new()];
+    for tree in tokens {
+        match &tree {
+            proc_macro2::TokenTree::Punct(p) if p.as_char() == ',' => {
+                parts.push(TokenStream::new());
+            }
+            _ => parts
+                .last_mut()
+                .into_iter()
+                .for_each(|part| part.extend([tree.clone()])),
+        }
+    }
+    parts.retain(|part| !part.is_empty());
+    parts
 }
 
 #[cfg(test)]

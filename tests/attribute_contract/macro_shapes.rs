@@ -593,8 +593,8 @@ fn registry_lists_every_function_with_file_line_and_policies() {
         .into_iter()
         .filter(|s| s.scope.starts_with("shapes."))
         .collect();
-    // 21 scopes; the shared scopes are listed once per claimant.
-    assert_eq!(ours.len(), 23, "{ours:#?}");
+    // 22 scopes; the shared scopes are listed once per claimant.
+    assert_eq!(ours.len(), 25, "{ours:#?}");
     assert!(
         ours.windows(2).all(|w| w[0].scope <= w[1].scope),
         "sorted by scope"
@@ -659,6 +659,44 @@ async fn raw_identifiers_are_named_as_rust_reads_them() {
         .find(|s| s.function.ends_with("raw_names"))
         .expect("registered");
     assert_eq!(info.fingerprinted_parameters, ["amount"]);
+}
+
+// ---- two claimants of a shared scope, one with a parameter compiled out:
+// both fingerprint `amount` where they are compiled, so they agree (the
+// attribute compared the names as written and refused them; it leaves such
+// a comparison to `registry::validate`, which sees what is compiled in).
+#[idempotent(scope = "shapes.cfg_shared", key = key, tenant = shared, store = store, shared_scope)]
+async fn cfg_shared_http(
+    store: &MemoryStore,
+    key: &str,
+    amount: u64,
+    #[cfg(any())] note: &str,
+) -> Result<u64, Error> {
+    Ok(amount + 1)
+}
+
+#[idempotent(scope = "shapes.cfg_shared", key = key, tenant = shared, store = store, shared_scope)]
+async fn cfg_shared_queue(store: &MemoryStore, key: &str, amount: u64) -> Result<u64, Error> {
+    Ok(amount + 2)
+}
+
+#[tokio::test]
+async fn shared_scope_claimants_agree_on_what_is_compiled_in() {
+    let store = MemoryStore::new();
+    assert_eq!(cfg_shared_http(&store, "k", 1).await.expect("runs"), 2);
+    let (again, outcome) = with_outcome(cfg_shared_queue(&store, "k", 1)).await;
+    assert_eq!(
+        (again.expect("replays"), outcome),
+        (2, Some(Outcome::Replayed))
+    );
+    let ours: Vec<_> = registry::scopes()
+        .into_iter()
+        .filter(|s| s.scope == "shapes.cfg_shared")
+        .collect();
+    assert_eq!(ours.len(), 2);
+    assert!(ours
+        .iter()
+        .all(|s| s.fingerprinted_parameters == ["amount"]));
 }
 
 // ---- a parameter under `#[cfg]` (or a `#[cfg_attr]` that gives one):
