@@ -235,7 +235,62 @@ fn applied_once(cx: &Ctxt, attrs: &[syn::Attribute]) {
     }
 }
 
+/// A method `#[async_trait]` rewrote before this attribute saw it: no
+/// `async`, a boxed future (`Pin<Box<dyn Future<..> + Send + 'async_trait>>`)
+/// as its return type.
+fn rewritten_by_async_trait(sig: &Signature) -> bool {
+    let ReturnType::Type(_, ty) = &sig.output else {
+        return false;
+    };
+    let Type::Path(p) = ungroup_type(ty) else {
+        return false;
+    };
+    sig.asyncness.is_none()
+        && p.path.segments.last().is_some_and(|s| s.ident == "Pin")
+        && quote::quote!(#ty).to_string().contains("Future")
+}
+
+/// The `impl Trait` among `Result<T, E>`'s arguments, if any: a replay
+/// deserializes the recorded answer into `T` (and a recorded `E`), which
+/// needs a type the function names.
+fn impl_trait_in_result(output: &ReturnType) -> Option<Span> {
+    let ReturnType::Type(_, ty) = output else {
+        return None;
+    };
+    let Type::Path(p) = ungroup_type(ty) else {
+        return None;
+    };
+    let syn::PathArguments::AngleBracketed(args) = &p.path.segments.last()?.arguments else {
+        return None;
+    };
+    args.args.iter().find_map(|arg| match arg {
+        syn::GenericArgument::Type(t) => match ungroup_type(t) {
+            Type::ImplTrait(i) => Some(i.span()),
+            _ => None,
+        },
+        _ => None,
+    })
+}
+
 fn signature(cx: &Ctxt, sig: &Signature) {
+    if rewritten_by_async_trait(sig) {
+        cx.error(
+            sig.output.span(),
+            "#[async_trait] rewrote this method into one returning a boxed future before \
+             #[idempotent] saw it, so there is no `async fn` left to make idempotent; write \
+             the `async fn` in the trait without #[async_trait] (Rust 1.75 and later), or put \
+             #[idempotent] on an inherent method or a free function and call it from here",
+        );
+        return;
+    }
+    if let Some(span) = impl_trait_in_result(&sig.output) {
+        cx.error(
+            span,
+            "`impl Trait` cannot be the result or error type of an #[idempotent] function: a \
+             replay deserializes the recorded answer into that type, so it must be a named \
+             type (Serialize + DeserializeOwned); name the type",
+        );
+    }
     if sig.asyncness.is_none() {
         cx.error(
             sig.fn_token.span,
