@@ -206,10 +206,25 @@ pub(crate) fn generate(func: &MaybeItemFn, spec: &Spec) -> TokenStream {
     // "mismatched types", instead of at the attribute as an unmet bound of
     // the block's future. Never runs; a call rather than a diverging
     // expression, so no lint needs allowing (a crate may forbid them).
+    //
+    // The type is named outside the block, through a marker bound there: the
+    // body's statements share the block, and an item of the body's own (a
+    // `struct Error`, a `use std::io::*`) would otherwise shadow a name in
+    // the return type. The marker's name is not visible to the body.
+    let marker = Ident::new("__idempotent_ret", Span::mixed_site());
+    let bind_marker = quote!(let #marker = ::core::marker::PhantomData::<#ret>;);
     let typed = quote! {
         if false {
-            return #krate::__private::never::<#ret>();
+            return #krate::__private::never_of(#marker);
         }
+    };
+    // The async block's braces are the body's own, so an error about the
+    // body as a whole (a tail that is not the function's type) points there.
+    let async_body = {
+        let mut group =
+            proc_macro2::Group::new(proc_macro2::Delimiter::Brace, quote!(#typed #body_tokens));
+        group.set_span(func.brace_span);
+        group
     };
     let body = match &spec.tx {
         None => {
@@ -233,6 +248,7 @@ pub(crate) fn generate(func: &MaybeItemFn, spec: &Spec) -> TokenStream {
                 .map(|expr| quote!(let __idempotent_store = &(#expr);));
             quote! {
                 #prelude
+                #bind_marker
                 #bind_store
                 let __idempotent_call = #krate::__private::Call {
                     spec: &__IDEMPOTENT_SCOPE,
@@ -244,7 +260,7 @@ pub(crate) fn generate(func: &MaybeItemFn, spec: &Spec) -> TokenStream {
                     __idempotent_call,
                     #error_handling,
                     #recover,
-                    #krate::__private::body::<#ret, _>(async move { #typed #body_tokens }),
+                    #krate::__private::body::<#ret, _>(async move #async_body),
                 )
                 .await
             }
@@ -255,6 +271,7 @@ pub(crate) fn generate(func: &MaybeItemFn, spec: &Spec) -> TokenStream {
             let tx = quote_spanned!(tx.span()=> &mut *#tx);
             quote! {
                 #prelude
+                #bind_marker
                 let __idempotent_call = #krate::__private::TransactionalCall {
                     spec: &__IDEMPOTENT_SCOPE,
                     identity: #identity,
@@ -277,7 +294,7 @@ pub(crate) fn generate(func: &MaybeItemFn, spec: &Spec) -> TokenStream {
                 // Not `move`: the transaction is used again after the body.
                 let __idempotent_result: #ret = #krate::__private::in_span(
                     &__idempotent_held,
-                    #krate::__private::body::<#ret, _>(async { #typed #body_tokens }),
+                    #krate::__private::body::<#ret, _>(async #async_body),
                 )
                 .await;
                 #krate::__private::finish_in_transaction::<#ret, _, _>(

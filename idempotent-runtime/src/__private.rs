@@ -17,10 +17,11 @@ pub use crate::transaction::{
 pub fn body<R, F: core::future::Future<Output = R>>(body: F) -> F {
     body
 }
-/// A value of any type, for the generated code's typing statement
-/// (`if false { return never::<R>(); }`, which fixes the body's output type
-/// to the function's). Never called.
-pub fn never<T>() -> T {
+/// A value of the type `marker` names, for the generated code's typing
+/// statement (`if false { return never_of(marker); }`, which fixes the body's
+/// output type to the function's). Never called.
+pub fn never_of<T>(marker: core::marker::PhantomData<T>) -> T {
+    let _ = marker;
     unreachable!("the typing statement of #[idempotent] never runs")
 }
 pub use crate::registry::{ErrorPolicy, InProgressPolicy, Registration, ScopeInfo, ScopeSpec};

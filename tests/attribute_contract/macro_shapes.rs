@@ -593,8 +593,8 @@ fn registry_lists_every_function_with_file_line_and_policies() {
         .into_iter()
         .filter(|s| s.scope.starts_with("shapes."))
         .collect();
-    // 22 scopes; the shared scopes are listed once per claimant.
-    assert_eq!(ours.len(), 25, "{ours:#?}");
+    // 24 scopes; the shared scopes are listed once per claimant.
+    assert_eq!(ours.len(), 27, "{ours:#?}");
     assert!(
         ours.windows(2).all(|w| w[0].scope <= w[1].scope),
         "sorted by scope"
@@ -613,6 +613,32 @@ async fn one_line(store: &MemoryStore, key: &str, amount: u64) -> Result<u64, Er
 async fn a_body_on_one_line_compiles_under_deny_unused_braces() {
     let store = MemoryStore::new();
     assert_eq!(one_line(&store, "k", 1).await.expect("runs"), 2);
+}
+
+// ---- a body with items of its own named like the return type's names: the
+// return type still means what the signature says (the body's `struct
+// Error` or `use std::io::*` shadowed them once the body's statements went
+// into the async block itself).
+#[idempotent(scope = "shapes.body_items", key = key, tenant = shared, store = store)]
+async fn body_items(store: &MemoryStore, key: &str) -> Result<u64, Error> {
+    #[allow(dead_code)]
+    struct Error;
+    let _ = Error;
+    Ok(1)
+}
+
+#[idempotent(scope = "shapes.body_glob", key = key, tenant = shared, store = store)]
+async fn body_glob(store: &MemoryStore, key: &str) -> Result<u64, Error> {
+    #[allow(unused_imports)]
+    use std::io::*;
+    Ok(2)
+}
+
+#[tokio::test]
+async fn items_of_the_body_do_not_shadow_the_return_type() {
+    let store = MemoryStore::new();
+    assert_eq!(body_items(&store, "k").await.expect("runs"), 1);
+    assert_eq!(body_glob(&store, "k").await.expect("runs"), 2);
 }
 
 // ---- raw identifiers: `r#amount` is `amount` (as `cargo fix` writes a name
