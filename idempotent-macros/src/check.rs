@@ -245,31 +245,34 @@ fn rewritten_by_async_trait(sig: &Signature) -> bool {
     let Type::Path(p) = ungroup_type(ty) else {
         return false;
     };
+    // async-trait always adds its `'async_trait` lifetime: a boxed future
+    // written by hand is "not async", not this.
+    let has_async_trait_lifetime = sig
+        .generics
+        .lifetimes()
+        .any(|l| l.lifetime.ident == "async_trait");
     sig.asyncness.is_none()
+        && has_async_trait_lifetime
         && p.path.segments.last().is_some_and(|s| s.ident == "Pin")
-        && quote::quote!(#ty).to_string().contains("Future")
 }
 
 /// The `impl Trait` among `Result<T, E>`'s arguments, if any: a replay
 /// deserializes the recorded answer into `T` (and a recorded `E`), which
 /// needs a type the function names.
 fn impl_trait_in_result(output: &ReturnType) -> Option<Span> {
+    /// The first `impl Trait` anywhere in a type (`Vec<impl Trait>` too).
+    struct FirstImplTrait(Option<Span>);
+    impl<'ast> syn::visit::Visit<'ast> for FirstImplTrait {
+        fn visit_type_impl_trait(&mut self, found: &'ast syn::TypeImplTrait) {
+            self.0.get_or_insert(found.span());
+        }
+    }
     let ReturnType::Type(_, ty) = output else {
         return None;
     };
-    let Type::Path(p) = ungroup_type(ty) else {
-        return None;
-    };
-    let syn::PathArguments::AngleBracketed(args) = &p.path.segments.last()?.arguments else {
-        return None;
-    };
-    args.args.iter().find_map(|arg| match arg {
-        syn::GenericArgument::Type(t) => match ungroup_type(t) {
-            Type::ImplTrait(i) => Some(i.span()),
-            _ => None,
-        },
-        _ => None,
-    })
+    let mut first = FirstImplTrait(None);
+    syn::visit::Visit::visit_type(&mut first, ty);
+    first.0
 }
 
 fn signature(cx: &Ctxt, sig: &Signature) {
@@ -323,7 +326,7 @@ fn cross(cx: &Ctxt, attr: Attr, sig: &Signature, env: &Env) -> Option<Spec> {
     if let Some(Tenant::Shared(span)) = &attr.tenant {
         if params
             .iter()
-            .any(|p| p.name.as_ref().is_some_and(|n| n == "shared"))
+            .any(|p| p.name.as_ref().is_some_and(|n| n.unraw() == "shared"))
         {
             cx.error(
                 *span,
@@ -342,7 +345,7 @@ fn cross(cx: &Ctxt, attr: Attr, sig: &Signature, env: &Env) -> Option<Spec> {
             Some(id)
                 if params
                     .iter()
-                    .any(|p| !p.is_self && p.name.as_ref() == Some(id)) =>
+                    .any(|p| !p.is_self && p.name.as_ref().is_some_and(|n| same_name(n, id))) =>
             {
                 Some(id.clone())
             }
@@ -494,9 +497,11 @@ fn cross(cx: &Ctxt, attr: Attr, sig: &Signature, env: &Env) -> Option<Spec> {
                 names.sort();
                 names
             }),
-            fingerprint_under_cfg: fingerprinted
+            under_cfg: fingerprinted
                 .iter()
-                .any(|name| !crate::item::cfgs_of(sig, name).is_empty()),
+                .filter(|name| !crate::item::cfgs_of(sig, name).is_empty())
+                .map(name_text)
+                .collect(),
             ttl,
             recovers: attr.recover.is_some(),
             shared_tenant: matches!(attr.tenant, Some(Tenant::Shared(_))),

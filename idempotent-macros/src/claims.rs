@@ -42,10 +42,11 @@ pub(crate) struct Claim {
     pub shared: bool,
     /// The fingerprinted parameter names, sorted; `None` with `fingerprint = false`.
     pub fingerprint: Option<Vec<String>>,
-    /// A fingerprinted parameter carries a `#[cfg]` (or a `#[cfg_attr]` that
-    /// may give one): which names are compiled in is not known here, so the
-    /// fingerprints are compared at run time (`registry::validate`), not now.
-    pub fingerprint_under_cfg: bool,
+    /// The fingerprinted parameters that carry a `#[cfg]` (or a
+    /// `#[cfg_attr]` that may give one): whether they are compiled in is not
+    /// known here, so only what holds either way is compared now (the rest
+    /// by `registry::validate` at run time, which sees what is compiled in).
+    pub under_cfg: Vec<String>,
     /// The ttl, after the manifest's default.
     pub ttl: Duration,
     /// The function has a `recover = ...` hook (rule 20).
@@ -106,12 +107,32 @@ impl Claim {
     }
 }
 
+/// Whether `a` and `b` fingerprint the same names in some build although
+/// their names as written differ, because of parameters under `#[cfg]`:
+/// both fingerprint (or neither), and every name one of them has whatever
+/// the cfg is among the other's names.
+fn fingerprints_may_agree(a: &Claim, b: &Claim) -> bool {
+    let (Some(names_a), Some(names_b)) = (&a.fingerprint, &b.fingerprint) else {
+        return false;
+    };
+    if a.under_cfg.is_empty() && b.under_cfg.is_empty() {
+        return false;
+    }
+    let always_in = |names: &[String], under_cfg: &[String], other: &[String]| {
+        names
+            .iter()
+            .filter(|n| !under_cfg.contains(n))
+            .all(|n| other.contains(n))
+    };
+    always_in(names_a, &a.under_cfg, names_b) && always_in(names_b, &b.under_cfg, names_a)
+}
+
 /// What `a` and `b`, both sharing a scope, disagree on (the rule:
 /// `idempotent_rules::shared_scope`), said for the compile error.
 fn disagreement(a: &Claim, b: &Claim) -> Option<String> {
     let pick = |of: fn(&Claim) -> bool| if of(a) { a } else { b };
     let (terms_a, mut terms_b) = (a.terms(), b.terms());
-    if a.fingerprint_under_cfg || b.fingerprint_under_cfg {
+    if fingerprints_may_agree(a, b) {
         terms_b.fingerprint = terms_a.fingerprint.clone();
     }
     Some(match first_difference(&terms_a, &terms_b)? {
@@ -288,7 +309,7 @@ mod tests {
             site: site(function, line),
             shared: false,
             fingerprint: Some(vec!["order".into()]),
-            fingerprint_under_cfg: false,
+            under_cfg: Vec::new(),
             ttl: Duration::from_secs(3600),
             recovers: false,
             shared_tenant: false,
@@ -344,7 +365,7 @@ mod tests {
     fn fingerprints_with_a_parameter_under_cfg_are_compared_at_run_time() {
         let mut with_cfg = shared("http", 1);
         with_cfg.fingerprint = Some(vec!["amount".into(), "note".into()]);
-        with_cfg.fingerprint_under_cfg = true;
+        with_cfg.under_cfg = vec!["note".into()];
         let mut without = shared("queue", 2);
         without.fingerprint = Some(vec!["amount".into()]);
         assert_eq!(claim("t/cfg", "r.cfg", with_cfg.clone()), Ok(()));
@@ -354,6 +375,20 @@ mod tests {
         assert!(matches!(
             claim("t/cfg", "r.cfg", without),
             Err(Refusal::Disagree { what, .. }) if what.contains("ttl")
+        ));
+        // What differs whatever the cfg is still refused now: a name the
+        // other never has, and no fingerprint at all.
+        let mut order = shared("jobs", 4);
+        order.fingerprint = Some(vec!["order".into()]);
+        assert!(matches!(
+            claim("t/cfg2", "r.cfg2", with_cfg.clone()).and(claim("t/cfg2", "r.cfg2", order)),
+            Err(Refusal::Disagree { what, .. }) if what.contains("different parameters")
+        ));
+        let mut off = shared("jobs", 4);
+        off.fingerprint = None;
+        assert!(matches!(
+            claim("t/cfg3", "r.cfg3", with_cfg).and(claim("t/cfg3", "r.cfg3", off)),
+            Err(Refusal::Disagree { what, .. }) if what.contains("fingerprint = false")
         ));
     }
 

@@ -1051,6 +1051,7 @@ WITH marked AS (
     RETURNING idempotency_wait_key(tenant, scope, key) AS wait_key,
               lease_expires_at - idempotency_now_ms() AS lease_remaining_ms)
 SELECT m.wait_key, m.lease_remaining_ms, r.state, r.waiting AS seen_waiting,
+       CASE WHEN r.waiting THEN idempotency_wait_key(r.tenant, r.scope, r.key) END AS seen_wait_key,
        r.lease_expires_at - idempotency_now_ms() AS seen_remaining_ms
   FROM (SELECT 1) one
   LEFT JOIN marked m ON TRUE
@@ -1064,10 +1065,14 @@ enum Mark {
         lease_remaining: Duration,
     },
     /// Locked by another transaction, but already marked by another waiter,
-    /// committed: its next change notifies (the trigger looks at the last
-    /// committed `waiting`; only a completion, a release or a takeover, the
-    /// changes waited for, clear it). The lease has this long to run.
-    MarkedBefore { lease_remaining: Duration },
+    /// committed: its next change notifies `wait_key` (the trigger looks at
+    /// the last committed `waiting`; only a completion, a release or a
+    /// takeover, the changes waited for, clear it). The lease has this long
+    /// to run.
+    MarkedBefore {
+        wait_key: String,
+        lease_remaining: Duration,
+    },
     /// The record is complete, gone past its lease, or otherwise worth a new
     /// reservation right away.
     Changed,
@@ -1096,12 +1101,17 @@ async fn mark_waiting(pool: &PgPool, identity: &Identity) -> Result<Mark, sqlx::
     let state: Option<String> = row.try_get("state")?;
     let seen_remaining: Option<i64> = row.try_get("seen_remaining_ms")?;
     let seen_waiting: Option<bool> = row.try_get("seen_waiting")?;
+    let seen_wait_key: Option<String> = row.try_get("seen_wait_key")?;
     Ok(match (state.as_deref(), seen_remaining) {
         (Some("complete"), _) => Mark::Changed,
         (Some(_), None) => Mark::Changed,
         (Some(_), Some(ms)) if ms <= 0 => Mark::Changed,
-        (Some(_), Some(ms)) if seen_waiting == Some(true) => Mark::MarkedBefore {
-            lease_remaining: millis_to_duration(ms),
+        (Some(_), Some(ms)) if seen_waiting == Some(true) => match seen_wait_key {
+            Some(wait_key) => Mark::MarkedBefore {
+                wait_key,
+                lease_remaining: millis_to_duration(ms),
+            },
+            None => Mark::Unmarked,
         },
         _ => Mark::Unmarked,
     })
@@ -1457,8 +1467,11 @@ impl PgStore {
                 wait_key,
                 lease_remaining,
             }) if wait_key == key => left.min(lease_remaining).min(WAIT_SLICE),
-            Ok(Mark::MarkedBefore { lease_remaining }) => left.min(lease_remaining).min(WAIT_SLICE),
-            Ok(Mark::Marked { .. }) => {
+            Ok(Mark::MarkedBefore {
+                wait_key,
+                lease_remaining,
+            }) if wait_key == key => left.min(lease_remaining).min(WAIT_SLICE),
+            Ok(Mark::Marked { .. } | Mark::MarkedBefore { .. }) => {
                 tracing::error!(target: "idempotent", store = STORE,
                     "idempotency_wait_key in the database disagrees with this build's wait key; \
                      waiting duplicates poll (check the migrations)");
