@@ -182,6 +182,43 @@ async fn same_key_with_a_different_amount_is_422_and_the_record_is_untouched() {
     assert_eq!(server.shop.gateway.calls(), 1);
 }
 
+/// Rule 22: the same key, route and bytes under another media type is
+/// another request (a `…charge+json` and a `…refund+json` command, or text
+/// and binary): refused, not answered with the first one's recorded answer.
+#[tokio::test]
+async fn same_key_and_bytes_under_another_media_type_is_422() {
+    let server = TestServer::start(memory(), |b| b).await;
+    let a = fresh_tenant();
+    let send = |content_type: &'static str, key: &'static str| {
+        let (url, a) = (server.url("/status/201"), a.clone());
+        async move {
+            client()
+                .post(url)
+                .header("content-type", content_type)
+                .header("x-account-id", a)
+                .header("idempotency-key", key)
+                .body(BODY)
+                .send()
+                .await
+                .expect("request")
+        }
+    };
+    for (first, other) in [
+        (
+            "application/vnd.acme.charge+json",
+            "application/vnd.acme.refund+json",
+        ),
+        ("text/plain", "application/octet-stream"),
+        ("application/json", "application/merge-patch+json"),
+    ] {
+        let key: &'static str = Box::leak(format!("k-{first}").into_boxed_str());
+        assert_eq!(send(first, key).await.status(), 201, "{first}");
+        let again = send(first, key).await;
+        assert!(replayed(&again), "{first}: a retry is replayed");
+        expect_problem(send(other, key).await, 422, types::KEY_REUSED).await;
+    }
+}
+
 #[tokio::test]
 async fn json_bodies_differing_only_in_key_order_or_whitespace_are_one_request() {
     let server = TestServer::start(memory(), |b| b).await;

@@ -193,6 +193,15 @@ impl Fingerprint {
         }
     }
 
+    /// A fingerprint with the one an older canonical form made for the same
+    /// input, compared with records that form stored (as [`legacy`](Self::legacy)).
+    pub(crate) fn with_legacy(value: String, legacy: String) -> Self {
+        Fingerprint {
+            legacy: (legacy != value).then_some(legacy),
+            value,
+        }
+    }
+
     /// The `v1` fingerprint an older version made for the same arguments,
     /// when it differs from this one: `Some` only for a `v2` fingerprint whose
     /// arguments v1 wrote without loss but order-dependently (sets). A record

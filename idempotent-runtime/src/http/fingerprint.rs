@@ -1,7 +1,7 @@
 //! The fingerprint of an HTTP request: method, request target and body, with
 //! JSON bodies in a canonical form.
 //!
-//! # The canonical form (`http1`)
+//! # The canonical form (`http1`, and `http2` below)
 //!
 //! SHA-256 over, in order: the method and the request target (path and
 //! query, as sent), each preceded by its length as a big-endian `u64`; then
@@ -28,7 +28,20 @@
 //! for them: a retry of such a request recorded by an earlier version is a
 //! mismatch until that record expires.
 //!
-//! The stored fingerprint is `http1:` followed by the lowercase hex digest.
+//! # The media type (`http2`)
+//!
+//! The current form, `http2`, is the above preceded by `t`, the length and
+//! the essence of the request's `Content-Type` (`type/subtype`, trimmed,
+//! lowercase; parameters such as `charset` left out; empty without one),
+//! right after the target. The same bytes as `text/plain` and as
+//! `application/octet-stream`, or one JSON body as `application/json` and as
+//! `application/merge-patch+json`, are two requests; `http1` left the media
+//! type out and took them for one. An `http2` fingerprint carries its `http1`
+//! form as its legacy one, so a retry of a request an earlier version
+//! recorded is still answered from that record (compared as `http1` did)
+//! until it expires; every record made now carries `http2`.
+//!
+//! The stored fingerprint is `http2:` followed by the lowercase hex digest.
 //! The body is read where it lies: the canonical form is streamed into the
 //! hash, never built as a second copy of the body.
 
@@ -39,7 +52,24 @@ use axum::http::{header, HeaderMap, Method};
 use sha2::{Digest, Sha256};
 
 /// The version prefix of HTTP request fingerprints.
-pub const HTTP_FINGERPRINT_VERSION: &str = "http1";
+pub const HTTP_FINGERPRINT_VERSION: &str = "http2";
+
+/// The version before the media type counted (see the module doc).
+const LEGACY_HTTP_FINGERPRINT_VERSION: &str = "http1";
+
+/// The essence of the `Content-Type` (`type/subtype`, trimmed, lowercase;
+/// empty without one).
+fn media_type(headers: &HeaderMap) -> String {
+    let Some(value) = headers.get(header::CONTENT_TYPE) else {
+        return String::new();
+    };
+    String::from_utf8_lossy(value.as_bytes())
+        .split(';')
+        .next()
+        .unwrap_or_default()
+        .trim()
+        .to_ascii_lowercase()
+}
 
 /// Whether a `Content-Type` names JSON: `application/json` or `…+json`.
 ///
@@ -59,7 +89,8 @@ pub fn is_json_content_type(value: &str) -> bool {
 
 /// The fingerprint of a request: SHA-256 over its method, request target
 /// (path and query, as sent) and body, a JSON body in a canonical form
-/// (members sorted, numbers as exact decimals), labelled `http1:`.
+/// (members sorted, numbers as exact decimals) and its media type,
+/// labelled `http2:`.
 ///
 /// ```
 /// use axum::http::{HeaderMap, Method};
@@ -95,12 +126,12 @@ pub fn request_fingerprint(
         .collect();
     let encoding = (!encodings.is_empty()).then(|| encodings.join(","));
     let unmarked = body.strip_prefix(b"\xEF\xBB\xBF").unwrap_or(body);
-    Fingerprint::from_stored(hashed(method, target, |hash| {
-        let canonical = match &encoding {
-            None if json => parse_json(unmarked),
-            _ => None,
-        };
-        if let Some(node) = canonical {
+    let canonical = match &encoding {
+        None if json => parse_json(unmarked),
+        _ => None,
+    };
+    let write_body = |hash: &mut Sha256| {
+        if let Some(node) = &canonical {
             hash.update(b"j");
             node.write(hash);
             return;
@@ -112,22 +143,28 @@ pub fn request_fingerprint(
         }
         hash.update(b"r");
         hash.update(body);
-    }))
+    };
+    let media_type = media_type(headers);
+    let current = hashed(HTTP_FINGERPRINT_VERSION, method, target, |hash| {
+        hash.update(b"t");
+        hash.update((media_type.len() as u64).to_be_bytes());
+        hash.update(media_type.as_bytes());
+        write_body(hash);
+    });
+    let without_media_type = hashed(LEGACY_HTTP_FINGERPRINT_VERSION, method, target, write_body);
+    Fingerprint::with_legacy(current, without_media_type)
 }
 
-/// `http1:` and the hex SHA-256 of the method, the target and what `body`
-/// writes.
-fn hashed(method: &Method, target: &str, body: impl FnOnce(&mut Sha256)) -> String {
+/// `<version>:` and the hex SHA-256 of the method, the target and what
+/// `body` writes.
+fn hashed(version: &str, method: &Method, target: &str, body: impl FnOnce(&mut Sha256)) -> String {
     let mut hash = Sha256::new();
     for part in [method.as_str().as_bytes(), target.as_bytes()] {
         hash.update((part.len() as u64).to_be_bytes());
         hash.update(part);
     }
     body(&mut hash);
-    format!(
-        "{HTTP_FINGERPRINT_VERSION}:{}",
-        hex::encode(hash.finalize())
-    )
+    format!("{version}:{}", hex::encode(hash.finalize()))
 }
 
 #[cfg(test)]
@@ -207,7 +244,7 @@ mod tests {
         let plain = HeaderMap::new();
         let body = br#"{"a":1}"#;
         let base = request_fingerprint(&Method::POST, "/a", &json, body);
-        assert!(base.as_str().starts_with("http1:"));
+        assert!(base.as_str().starts_with("http2:"));
         assert_ne!(base, request_fingerprint(&Method::PUT, "/a", &json, body));
         assert_ne!(base, request_fingerprint(&Method::POST, "/b", &json, body));
         assert_ne!(
@@ -225,7 +262,7 @@ mod tests {
     /// Rule 7: the same bytes under another `Content-Encoding` are another
     /// request (they were one, and the second was replayed the first's
     /// answer), every `Content-Encoding` header counting; `identity` is no
-    /// encoding. No legacy form: it would be the plain request's fingerprint.
+    /// encoding.
     #[test]
     fn the_content_encoding_is_part_of_the_request() {
         let with = |encoding: Option<&str>| {
@@ -236,19 +273,63 @@ mod tests {
             request_fingerprint(&Method::POST, "/a", &headers, b"abc")
         };
         let plain = with(None);
-        assert!(plain.legacy().is_none(), "nothing changed for it");
+        assert_ne!(
+            plain.legacy(),
+            None,
+            "its http1 form, without the media type"
+        );
         assert_eq!(plain, with(Some("identity")));
         let br = with(Some("br"));
         assert_ne!(plain, br);
         assert_ne!(br, with(Some("gzip")));
         assert_eq!(br, with(Some(" BR ")), "the name, trimmed, in any case");
-        assert!(br.legacy().is_none());
+        assert_ne!(
+            br.legacy(),
+            plain.legacy(),
+            "http1 counted the encoding too"
+        );
         let mut two = HeaderMap::new();
         two.append(header::CONTENT_ENCODING, "gzip".parse().unwrap());
         two.append(header::CONTENT_ENCODING, "br".parse().unwrap());
         let gzip_br = request_fingerprint(&Method::POST, "/a", &two, b"abc");
         assert_ne!(gzip_br, with(Some("gzip")), "every header counts");
         assert_eq!(gzip_br, with(Some("gzip, br")));
+    }
+
+    /// Rule 22: the same bytes under another media type are another request
+    /// (they were one, and the second was replayed the first's answer). The
+    /// `http1` form, which left the media type out, is the legacy one, so a
+    /// record an earlier version made still answers its retries.
+    #[test]
+    fn the_media_type_is_part_of_the_request() {
+        let with = |content_type: Option<&str>, body: &[u8]| {
+            let mut headers = HeaderMap::new();
+            if let Some(t) = content_type {
+                headers.insert(header::CONTENT_TYPE, t.parse().unwrap());
+            }
+            request_fingerprint(&Method::POST, "/a", &headers, body)
+        };
+        let text = with(Some("text/plain"), b"hello");
+        assert_ne!(text, with(Some("application/octet-stream"), b"hello"));
+        assert_ne!(text, with(None, b"hello"));
+        assert_eq!(text.version(), HTTP_FINGERPRINT_VERSION);
+        assert_eq!(text, with(Some(" Text/Plain; charset=utf-8"), b"hello"));
+        let json = with(Some("application/json"), br#"{"a":1}"#);
+        assert_eq!(
+            json,
+            with(Some("application/json; charset=utf-8"), br#"{"a": 1}"#)
+        );
+        let patch = with(Some("application/merge-patch+json"), br#"{"a":1}"#);
+        assert_ne!(json, patch);
+        // The legacy form: one for all media types, and never a current one.
+        let legacy = patch.legacy().expect("an http1 form");
+        assert_eq!(legacy.version(), "http1");
+        assert_eq!(json.legacy(), Some(legacy));
+        assert_ne!(
+            text.legacy(),
+            with(Some("text/plain"), b"hello!").legacy(),
+            "the body still counts"
+        );
     }
 
     /// A JSON body that starts with a byte order mark is the same JSON.
@@ -261,7 +342,7 @@ mod tests {
         let plain = request_fingerprint(&Method::POST, "/a", &json, body);
         let with_mark = request_fingerprint(&Method::POST, "/a", &json, &marked);
         assert_eq!(plain, with_mark);
-        assert!(with_mark.legacy().is_none());
+        assert_eq!(with_mark.legacy(), plain.legacy());
     }
 
     fn arb_json() -> impl Strategy<Value = serde_json::Value> {
