@@ -1625,3 +1625,49 @@ async fn a_call_parked_while_it_writes_does_not_hold_up_the_others() {
     drop(parked);
     remove(&path);
 }
+
+#[idempotent(scope = "sqlite_edges.charge_reject", key = key, tenant = tenant, tx = tx,
+             lease = "30s", in_progress = reject)]
+async fn charge_reject(
+    tx: &mut sqlx::Transaction<'_, Sqlite>,
+    tenant: &str,
+    key: &str,
+) -> Result<u64, Error> {
+    let _ = tx;
+    Ok(600)
+}
+
+/// `in_progress = reject` in transactional mode on a fresh key while another
+/// connection holds the write lock (for anything): answered `InProgress`,
+/// since SQLite cannot tell whose key the holder writes, but with a short
+/// `retry_after` (the holder may be anyone), not the call's whole lease.
+#[tokio::test]
+async fn a_rejected_fresh_key_behind_another_writer_retries_after_a_short_pause() {
+    let (path, pool, tenant) = fresh_file_with_charges().await;
+    let holder = holding_the_write_lock(
+        &path,
+        "INSERT INTO charges (tenant, idem_key) VALUES ('someone-else', 'y')",
+    )
+    .await;
+    let mut tx = pool.begin().await.expect("begin");
+    match charge_reject(&mut tx, &tenant, "fresh-1").await {
+        Err(Error::InProgress { retry_after, .. }) => {
+            assert!(
+                retry_after <= Duration::from_secs(1),
+                "a short pause, not the lease: {retry_after:?}"
+            )
+        }
+        other => panic!("expected InProgress, got {other:?}"),
+    }
+    drop(tx);
+    drop(holder);
+    let mut tx = pool.begin().await.expect("begin");
+    assert_eq!(
+        charge_reject(&mut tx, &tenant, "fresh-1")
+            .await
+            .expect("runs"),
+        600
+    );
+    tx.commit().await.expect("commit");
+    remove(&path);
+}

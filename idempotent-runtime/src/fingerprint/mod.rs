@@ -195,6 +195,7 @@ impl Fingerprint {
 
     /// A fingerprint with the one an older canonical form made for the same
     /// input, compared with records that form stored (as [`legacy`](Self::legacy)).
+    #[cfg(feature = "http")]
     pub(crate) fn with_legacy(value: String, legacy: String) -> Self {
         Fingerprint {
             legacy: (legacy != value).then_some(legacy),

@@ -47,7 +47,7 @@ const BUSY_TRY_AT_LEAST: Duration = Duration::from_millis(20);
 
 /// When such a reservation's caller may try again (its `retry_after`, at
 /// most its lease): the lock's holder is unknown, so not a whole lease.
-const BUSY_RETRY_AFTER: Duration = Duration::from_secs(1);
+pub(super) const BUSY_RETRY_AFTER: Duration = Duration::from_secs(1);
 
 /// Connections in the pool of a file database opened with [`SqliteStore::connect`].
 const MAX_FILE_CONNECTIONS: u32 = 8;
@@ -1293,14 +1293,37 @@ impl Store for SqliteStore {
         let fingerprint = request.fingerprint.cloned();
         let (lease, ttl) = (request.lease, request.ttl);
         beside_the_caller(OP, async move {
-            let turn = match gate.try_take() {
-                Some(turn) => Some(turn),
+            let queued = tokio::time::Instant::now();
+            let (turn, waited) = match gate.try_take() {
+                Some(turn) => (Some(turn), None),
                 None => {
                     drop(conn);
                     let turn = gate.take().await;
                     conn = pool.acquire().await.map_err(err(OP))?;
-                    turn
+                    (turn, Some(queued.elapsed()))
                 }
+            };
+            // Time spent queued for the turn counts against the busy timeout:
+            // the statement waits only for what is left of it (none: SQLite
+            // answers at once if another connection holds the lock), so a
+            // call never waits twice the busy timeout before its answer.
+            let shortened = match waited {
+                Some(waited) => {
+                    let current: i64 = sqlx::query_scalar("PRAGMA busy_timeout")
+                        .fetch_one(&mut *conn)
+                        .await
+                        .map_err(err(OP))?;
+                    let current =
+                        i32::try_from(current.clamp(0, i64::from(i32::MAX))).unwrap_or(i32::MAX);
+                    let left = gate.patience.saturating_sub(waited).as_millis();
+                    let left = i32::try_from(left).unwrap_or(i32::MAX).min(current);
+                    Some(
+                        super::sqlite_tx::set_busy_timeout(&mut conn, current, left)
+                            .await
+                            .map_err(err(OP))?,
+                    )
+                }
+                None => None,
             };
             tracing::trace!(target: "idempotent", scope = %identity.scope,
                 key = %identity.key_digest(), "sqlite: writing the reservation");
@@ -1312,7 +1335,13 @@ impl Store for SqliteStore {
                 ttl,
             };
             let tried = tokio::time::Instant::now();
-            match reserve_in(&mut conn, request).await {
+            let answer = reserve_in(&mut conn, request).await;
+            if let Some((key, original)) = shortened {
+                super::sqlite_tx::put_back_busy_timeout(&mut conn, key, original)
+                    .await
+                    .map_err(err(OP))?;
+            }
+            match answer {
                 // Rule 4: the write lock stayed held past the busy timeout,
                 // by another connection's transaction (a transactional-mode
                 // owner of this very key among them, whose record this call
