@@ -521,6 +521,7 @@ impl SqliteStore {
             .busy_timeout(BUSY_TIMEOUT)
             .synchronous(synchronous.sqlx());
         let in_memory = url.contains(":memory:") || url.contains("mode=memory");
+        refuse_a_database_of_one_connection(url, in_memory, &options)?;
         let mut keeper = None;
         let pool = if in_memory {
             let own: sqlx::SqliteConnection = sqlx::Connection::connect_with(&options)
@@ -773,6 +774,40 @@ impl SqliteStore {
         }
         Ok(completed)
     }
+}
+
+/// Refuses a URL whose database each connection would open anew, empty: an
+/// empty path (SQLite's private temporary database) or a private-cache
+/// in-memory database (`mode=memory&cache=private`). The store's pools and
+/// its background worker open several connections, and each would see a
+/// database of its own: records lost, completions failing on a missing
+/// table, and a retry running the body again.
+fn refuse_a_database_of_one_connection(
+    url: &str,
+    in_memory: bool,
+    options: &SqliteConnectOptions,
+) -> Result<(), StoreError> {
+    let refuse = |why: &str| {
+        Err(StoreError::new(
+            STORE,
+            "parse the connection URL",
+            format!(
+                "{why}: every connection would open a database of its own, empty; name a file \
+                 (`sqlite://path/to/app.db`) or use a shared in-memory database \
+                 (`sqlite::memory:`)"
+            ),
+        ))
+    };
+    let private_cache = url
+        .split_once('?')
+        .is_some_and(|(_, query)| query.split('&').any(|p| p == "cache=private"));
+    if in_memory && private_cache {
+        return refuse("the URL names a private in-memory database (cache=private)");
+    }
+    if !in_memory && options.get_filename().as_os_str().is_empty() {
+        return refuse("the URL names no file");
+    }
+    Ok(())
 }
 
 /// This process's turn to write: writes queue here rather than spin in
@@ -1620,6 +1655,32 @@ mod tests {
             token,
             lease: Duration::from_secs(30),
             ttl: Duration::from_secs(60),
+        }
+    }
+
+    /// A URL whose database each connection would open anew (an empty path,
+    /// a private-cache in-memory database) is refused when the store opens:
+    /// it was accepted, and records, even the table, were lost between the
+    /// store's connections. Shared in-memory databases are accepted.
+    #[tokio::test]
+    async fn a_database_of_one_connection_is_refused() {
+        for url in ["sqlite://", "sqlite:", "sqlite://?mode=memory&cache=private"] {
+            match SqliteStore::connect(url).await {
+                Err(Error::Store(e)) => assert!(
+                    e.to_string().contains("a database of its own"),
+                    "{url}: {e}"
+                ),
+                other => panic!("{url}: expected a refusal, got {:?}", other.map(|_| ())),
+            }
+        }
+        for url in ["sqlite::memory:", "sqlite://file::memory:?cache=shared"] {
+            let store = SqliteStore::connect(url).await.expect(url);
+            let id = Identity::new("t", "unit.url", "k").expect("identity");
+            let token = OwnerToken::new();
+            assert!(matches!(
+                store.reserve(request(&id, &token)).await,
+                Ok(Reservation::Acquired { .. })
+            ));
         }
     }
 
