@@ -1664,7 +1664,11 @@ mod tests {
     /// store's connections. Shared in-memory databases are accepted.
     #[tokio::test]
     async fn a_database_of_one_connection_is_refused() {
-        for url in ["sqlite://", "sqlite:", "sqlite://?mode=memory&cache=private"] {
+        for url in [
+            "sqlite://",
+            "sqlite:",
+            "sqlite://?mode=memory&cache=private",
+        ] {
             match SqliteStore::connect(url).await {
                 Err(Error::Store(e)) => assert!(
                     e.to_string().contains("a database of its own"),
