@@ -520,8 +520,8 @@ impl SqliteStore {
             .create_if_missing(true)
             .busy_timeout(BUSY_TIMEOUT)
             .synchronous(synchronous.sqlx());
+        refuse_a_database_of_one_connection(&options).await?;
         let in_memory = url.contains(":memory:") || url.contains("mode=memory");
-        refuse_a_database_of_one_connection(url, in_memory, &options)?;
         let mut keeper = None;
         let pool = if in_memory {
             let own: sqlx::SqliteConnection = sqlx::Connection::connect_with(&options)
@@ -777,37 +777,58 @@ impl SqliteStore {
 }
 
 /// Refuses a URL whose database each connection would open anew, empty: an
-/// empty path (SQLite's private temporary database) or a private-cache
-/// in-memory database (`mode=memory&cache=private`). The store's pools and
-/// its background worker open several connections, and each would see a
-/// database of its own: records lost, completions failing on a missing
-/// table, and a retry running the body again.
-fn refuse_a_database_of_one_connection(
-    url: &str,
-    in_memory: bool,
+/// empty path (SQLite's private temporary database), or an in-memory
+/// database without a shared cache (`mode=memory&cache=private`,
+/// `file::memory:`). The store's pools and its background worker open
+/// several connections, and each would see a database of its own: records
+/// lost, completions failing on a missing table, and a retry running the
+/// body again. Asked of SQLite itself, not read from the URL's text
+/// (percent-encoding, parameter order): a database without a file is
+/// opened twice, and the second connection must see a table the first made.
+async fn refuse_a_database_of_one_connection(
     options: &SqliteConnectOptions,
 ) -> Result<(), StoreError> {
-    let refuse = |why: &str| {
-        Err(StoreError::new(
-            STORE,
-            "parse the connection URL",
-            format!(
-                "{why}: every connection would open a database of its own, empty; name a file \
-                 (`sqlite://path/to/app.db`) or use a shared in-memory database \
-                 (`sqlite::memory:`)"
-            ),
-        ))
-    };
-    let private_cache = url
-        .split_once('?')
-        .is_some_and(|(_, query)| query.split('&').any(|p| p == "cache=private"));
-    if in_memory && private_cache {
-        return refuse("the URL names a private in-memory database (cache=private)");
+    const OP: &str = "open the database";
+    const PROBE: &str = "idempotency_connection_probe";
+    let mut first: sqlx::SqliteConnection = sqlx::Connection::connect_with(options)
+        .await
+        .map_err(err(OP))?;
+    let file: String =
+        sqlx::query_scalar("SELECT file FROM pragma_database_list WHERE name = 'main'")
+            .fetch_one(&mut first)
+            .await
+            .map_err(err(OP))?;
+    if !file.is_empty() {
+        let _ = sqlx::Connection::close(first).await;
+        return Ok(());
     }
-    if !in_memory && options.get_filename().as_os_str().is_empty() {
-        return refuse("the URL names no file");
+    let mut second: sqlx::SqliteConnection = sqlx::Connection::connect_with(options)
+        .await
+        .map_err(err(OP))?;
+    sqlx::query(&format!("CREATE TABLE IF NOT EXISTS {PROBE} (x INTEGER)"))
+        .execute(&mut first)
+        .await
+        .map_err(err(OP))?;
+    let seen: i64 = sqlx::query_scalar("SELECT count(*) FROM sqlite_master WHERE name = ?")
+        .bind(PROBE)
+        .fetch_one(&mut second)
+        .await
+        .map_err(err(OP))?;
+    let _ = sqlx::query(&format!("DROP TABLE IF EXISTS {PROBE}"))
+        .execute(&mut first)
+        .await;
+    let _ = sqlx::Connection::close(second).await;
+    let _ = sqlx::Connection::close(first).await;
+    if seen == 1 {
+        return Ok(());
     }
-    Ok(())
+    Err(StoreError::new(
+        STORE,
+        "parse the connection URL",
+        "the URL names no file, or an in-memory database without a shared cache: every \
+         connection would open a database of its own, empty; name a file \
+         (`sqlite://path/to/app.db`) or use a shared in-memory database (`sqlite::memory:`)",
+    ))
 }
 
 /// This process's turn to write: writes queue here rather than spin in
@@ -1328,37 +1349,14 @@ impl Store for SqliteStore {
         let fingerprint = request.fingerprint.cloned();
         let (lease, ttl) = (request.lease, request.ttl);
         beside_the_caller(OP, async move {
-            let queued = tokio::time::Instant::now();
-            let (turn, waited) = match gate.try_take() {
-                Some(turn) => (Some(turn), None),
+            let turn = match gate.try_take() {
+                Some(turn) => Some(turn),
                 None => {
                     drop(conn);
                     let turn = gate.take().await;
                     conn = pool.acquire().await.map_err(err(OP))?;
-                    (turn, Some(queued.elapsed()))
+                    turn
                 }
-            };
-            // Time spent queued for the turn counts against the busy timeout:
-            // the statement waits only for what is left of it (none: SQLite
-            // answers at once if another connection holds the lock), so a
-            // call never waits twice the busy timeout before its answer.
-            let shortened = match waited {
-                Some(waited) => {
-                    let current: i64 = sqlx::query_scalar("PRAGMA busy_timeout")
-                        .fetch_one(&mut *conn)
-                        .await
-                        .map_err(err(OP))?;
-                    let current =
-                        i32::try_from(current.clamp(0, i64::from(i32::MAX))).unwrap_or(i32::MAX);
-                    let left = gate.patience.saturating_sub(waited).as_millis();
-                    let left = i32::try_from(left).unwrap_or(i32::MAX).min(current);
-                    Some(
-                        super::sqlite_tx::set_busy_timeout(&mut conn, current, left)
-                            .await
-                            .map_err(err(OP))?,
-                    )
-                }
-                None => None,
             };
             tracing::trace!(target: "idempotent", scope = %identity.scope,
                 key = %identity.key_digest(), "sqlite: writing the reservation");
@@ -1370,13 +1368,7 @@ impl Store for SqliteStore {
                 ttl,
             };
             let tried = tokio::time::Instant::now();
-            let answer = reserve_in(&mut conn, request).await;
-            if let Some((key, original)) = shortened {
-                super::sqlite_tx::put_back_busy_timeout(&mut conn, key, original)
-                    .await
-                    .map_err(err(OP))?;
-            }
-            match answer {
+            match reserve_in(&mut conn, request).await {
                 // Rule 4: the write lock stayed held past the busy timeout,
                 // by another connection's transaction (a transactional-mode
                 // owner of this very key among them, whose record this call
@@ -1668,6 +1660,11 @@ mod tests {
             "sqlite://",
             "sqlite:",
             "sqlite://?mode=memory&cache=private",
+            "sqlite://?mode=memory",
+            "sqlite:?mode=memory",
+            "sqlite://file::memory:",
+            "sqlite://?mode=memory&cache=%70rivate",
+            "sqlite://x?cache=private&mode=memory",
         ] {
             match SqliteStore::connect(url).await {
                 Err(Error::Store(e)) => assert!(
