@@ -31,15 +31,17 @@
 //! # The media type (`http2`)
 //!
 //! The current form, `http2`, is the above preceded by `t`, the length and
-//! the essence of the request's `Content-Type` (`type/subtype`, trimmed,
-//! lowercase; parameters such as `charset` left out; empty without one),
+//! the essence of the request's `Content-Type` (`type/subtype`, spaces and
+//! tabs trimmed, ASCII lowercase, bytes as sent; parameters such as `charset`
+//! left out; every `Content-Type` header, joined by commas; empty without one),
 //! right after the target. The same bytes as `text/plain` and as
 //! `application/octet-stream`, or one JSON body as `application/json` and as
 //! `application/merge-patch+json`, are two requests; `http1` left the media
 //! type out and took them for one. An `http2` fingerprint carries its `http1`
 //! form as its legacy one, so a retry of a request an earlier version
 //! recorded is still answered from that record (compared as `http1` did)
-//! until it expires; every record made now carries `http2`.
+//! until it expires; every record this version creates carries `http2` (one
+//! it takes over from an earlier version's owner that died keeps `http1`).
 //!
 //! The stored fingerprint is `http2:` followed by the lowercase hex digest.
 //! The body is read where it lies: the canonical form is streamed into the
@@ -57,18 +59,23 @@ pub const HTTP_FINGERPRINT_VERSION: &str = "http2";
 /// The version before the media type counted (see the module doc).
 const LEGACY_HTTP_FINGERPRINT_VERSION: &str = "http1";
 
-/// The essence of the `Content-Type` (`type/subtype`, trimmed, lowercase;
-/// empty without one).
-fn media_type(headers: &HeaderMap) -> String {
-    let Some(value) = headers.get(header::CONTENT_TYPE) else {
-        return String::new();
-    };
-    String::from_utf8_lossy(value.as_bytes())
-        .split(';')
-        .next()
-        .unwrap_or_default()
-        .trim()
-        .to_ascii_lowercase()
+/// The essence of every `Content-Type` value (`type/subtype`, spaces and
+/// tabs trimmed, ASCII lowercased; the bytes as sent otherwise), joined by
+/// commas; empty without one. Every header counts, as for `Content-Encoding`.
+fn media_type(headers: &HeaderMap) -> Vec<u8> {
+    let mut essences: Vec<Vec<u8>> = Vec::new();
+    for value in headers.get_all(header::CONTENT_TYPE) {
+        let bytes = value.as_bytes();
+        let essence = bytes.split(|b| *b == b';').next().unwrap_or_default();
+        let start = essence.iter().position(|b| !matches!(b, b' ' | b'\t'));
+        let end = essence.iter().rposition(|b| !matches!(b, b' ' | b'\t'));
+        let trimmed = match (start, end) {
+            (Some(start), Some(end)) => &essence[start..=end],
+            _ => &[][..],
+        };
+        essences.push(trimmed.to_ascii_lowercase());
+    }
+    essences.join(&b',')
 }
 
 /// Whether a `Content-Type` names JSON: `application/json` or `…+json`.
@@ -148,7 +155,7 @@ pub fn request_fingerprint(
     let current = hashed(HTTP_FINGERPRINT_VERSION, method, target, |hash| {
         hash.update(b"t");
         hash.update((media_type.len() as u64).to_be_bytes());
-        hash.update(media_type.as_bytes());
+        hash.update(&media_type);
         write_body(hash);
     });
     let without_media_type = hashed(LEGACY_HTTP_FINGERPRINT_VERSION, method, target, write_body);
@@ -314,6 +321,24 @@ mod tests {
         assert_ne!(text, with(None, b"hello"));
         assert_eq!(text.version(), HTTP_FINGERPRINT_VERSION);
         assert_eq!(text, with(Some(" Text/Plain; charset=utf-8"), b"hello"));
+        // Bytes as sent: two different invalid bytes are two media types;
+        // and every header counts.
+        let raw = |value: &[u8]| {
+            let mut headers = HeaderMap::new();
+            headers.insert(
+                header::CONTENT_TYPE,
+                axum::http::HeaderValue::from_bytes(value).unwrap(),
+            );
+            request_fingerprint(&Method::POST, "/a", &headers, b"hello")
+        };
+        assert_ne!(raw(b"text/pla\xFF"), raw(b"text/pla\xFE"));
+        let mut two = HeaderMap::new();
+        two.append(header::CONTENT_TYPE, "text/plain".parse().unwrap());
+        two.append(header::CONTENT_TYPE, "text/csv".parse().unwrap());
+        assert_ne!(
+            text,
+            request_fingerprint(&Method::POST, "/a", &two, b"hello")
+        );
         let json = with(Some("application/json"), br#"{"a":1}"#);
         assert_eq!(
             json,
