@@ -520,14 +520,12 @@ impl SqliteStore {
             .create_if_missing(true)
             .busy_timeout(BUSY_TIMEOUT)
             .synchronous(synchronous.sqlx());
-        refuse_a_database_of_one_connection(&options).await?;
-        let in_memory = url.contains(":memory:") || url.contains("mode=memory");
+        let mut first: sqlx::SqliteConnection = sqlx::Connection::connect_with(&options)
+            .await
+            .map_err(err("open the database"))?;
         let mut keeper = None;
-        let pool = if in_memory {
-            let own: sqlx::SqliteConnection = sqlx::Connection::connect_with(&options)
-                .await
-                .map_err(err("open the database"))?;
-            keeper = Some(Arc::new(std::sync::Mutex::new(own)));
+        let pool = if shared_in_memory(&mut first, &options).await? {
+            keeper = Some(Arc::new(std::sync::Mutex::new(first)));
             // A shared-cache in-memory database lives as long as one connection
             // to it is open: keep exactly one, forever, so every caller sees
             // the same records and none are lost to an idle timeout.
@@ -542,9 +540,6 @@ impl SqliteStore {
             // WAL is a property of the file: switch it once, waiting out other
             // processes doing the same, before the pool opens its connections
             // (which then find the file in WAL mode and need no switch).
-            let mut first: sqlx::SqliteConnection = sqlx::Connection::connect_with(&options)
-                .await
-                .map_err(err("open the database"))?;
             let file = options.get_filename().display().to_string();
             let wal = switch_to_wal(&mut first, &file)
                 .await
@@ -776,37 +771,37 @@ impl SqliteStore {
     }
 }
 
-/// Refuses a URL whose database each connection would open anew, empty: an
-/// empty path (SQLite's private temporary database), or an in-memory
-/// database without a shared cache (`mode=memory&cache=private`,
+/// Whether the database `first` (a connection opened with `options`) has no
+/// file but lives in memory, shared by every connection opened with the same
+/// options (`sqlite::memory:`, `file::memory:?cache=shared`): asked of SQLite
+/// itself, not read from the URL's text (percent-encoding, parameter order).
+/// A database without a file is opened a second time, and that connection
+/// must see a table the first made. Refuses one that each connection would
+/// open anew, empty: an empty path (SQLite's private temporary database), or
+/// an in-memory database without a shared cache (`mode=memory&cache=private`,
 /// `file::memory:`). The store's pools and its background worker open
 /// several connections, and each would see a database of its own: records
 /// lost, completions failing on a missing table, and a retry running the
-/// body again. Asked of SQLite itself, not read from the URL's text
-/// (percent-encoding, parameter order): a database without a file is
-/// opened twice, and the second connection must see a table the first made.
-async fn refuse_a_database_of_one_connection(
+/// body again.
+async fn shared_in_memory(
+    first: &mut sqlx::SqliteConnection,
     options: &SqliteConnectOptions,
-) -> Result<(), StoreError> {
+) -> Result<bool, StoreError> {
     const OP: &str = "open the database";
     const PROBE: &str = "idempotency_connection_probe";
-    let mut first: sqlx::SqliteConnection = sqlx::Connection::connect_with(options)
-        .await
-        .map_err(err(OP))?;
     let file: String =
         sqlx::query_scalar("SELECT file FROM pragma_database_list WHERE name = 'main'")
-            .fetch_one(&mut first)
+            .fetch_one(&mut *first)
             .await
             .map_err(err(OP))?;
     if !file.is_empty() {
-        let _ = sqlx::Connection::close(first).await;
-        return Ok(());
+        return Ok(false);
     }
     let mut second: sqlx::SqliteConnection = sqlx::Connection::connect_with(options)
         .await
         .map_err(err(OP))?;
     sqlx::query(&format!("CREATE TABLE IF NOT EXISTS {PROBE} (x INTEGER)"))
-        .execute(&mut first)
+        .execute(&mut *first)
         .await
         .map_err(err(OP))?;
     let seen: i64 = sqlx::query_scalar("SELECT count(*) FROM sqlite_master WHERE name = ?")
@@ -815,12 +810,11 @@ async fn refuse_a_database_of_one_connection(
         .await
         .map_err(err(OP))?;
     let _ = sqlx::query(&format!("DROP TABLE IF EXISTS {PROBE}"))
-        .execute(&mut first)
+        .execute(&mut *first)
         .await;
     let _ = sqlx::Connection::close(second).await;
-    let _ = sqlx::Connection::close(first).await;
     if seen == 1 {
-        return Ok(());
+        return Ok(true);
     }
     Err(StoreError::new(
         STORE,
