@@ -219,6 +219,59 @@ async fn same_key_and_bytes_under_another_media_type_is_422() {
     }
 }
 
+/// A request recorded before the media type counted (`http1`) still answers
+/// its retries after the upgrade: the `http2` fingerprint carries the
+/// `http1` form as its legacy one. (Such an old record compares as `http1`
+/// did, so it also answers the same bytes under another media type, until
+/// it expires.) The old record is made by rewriting a new one's fingerprint
+/// to its `http1` form, in the store's own database.
+#[tokio::test]
+async fn a_request_recorded_as_http1_is_replayed_to_its_retries() {
+    use idempotent_runtime::http::request_fingerprint;
+    let path = std::env::temp_dir().join(format!(
+        "idempotent-http1-{}.db",
+        uuid::Uuid::new_v4().simple()
+    ));
+    let store = idempotent_runtime::SqliteStore::connect(&format!("sqlite://{}", path.display()))
+        .await
+        .expect("SQLite file");
+    let pool = store.pool().clone();
+    let server = TestServer::start(Arc::new(store), |b| b).await;
+    let a = fresh_tenant();
+    let send = |content_type: &'static str| {
+        let (url, a) = (server.url("/status/201"), a.clone());
+        async move {
+            client()
+                .post(url)
+                .header("content-type", content_type)
+                .header("x-account-id", a)
+                .header("idempotency-key", "k-old")
+                .body("x")
+                .send()
+                .await
+                .expect("request")
+        }
+    };
+    assert_eq!(send("text/plain").await.status(), 201);
+    let mut headers = axum::http::HeaderMap::new();
+    headers.insert("content-type", "text/plain".parse().unwrap());
+    let current = request_fingerprint(&axum::http::Method::POST, "/status/201", &headers, b"x");
+    let old = current.legacy().expect("an http1 form");
+    let rewritten =
+        sqlx::query("UPDATE idempotency_records SET fingerprint = ? WHERE fingerprint = ?")
+            .bind(old.as_str())
+            .bind(current.as_str())
+            .execute(&pool)
+            .await
+            .expect("make the record an http1 one")
+            .rows_affected();
+    assert_eq!(rewritten, 1, "the layer stored the http2 fingerprint");
+    let retry = send("text/plain").await;
+    assert_eq!(retry.status(), 201);
+    assert!(replayed(&retry), "the old record answers its retry");
+    assert_eq!(server.shop.status_calls.load(Ordering::SeqCst), 1);
+}
+
 #[tokio::test]
 async fn json_bodies_differing_only_in_key_order_or_whitespace_are_one_request() {
     let server = TestServer::start(memory(), |b| b).await;
