@@ -1626,6 +1626,91 @@ async fn a_call_parked_while_it_writes_does_not_hold_up_the_others() {
     remove(&path);
 }
 
+/// A store-mode reservation that queued for the process's write turn waits
+/// in SQLite's busy handler only for what is left of the busy timeout (its
+/// connection's timeout is cut for the statement). A call dropped in the
+/// middle of that statement (on a current-thread runtime the write runs in
+/// the caller's future) must not give the connection back to a `from_pool`
+/// pool, which has no release hook, with the cut timeout: the connection is
+/// closed instead. Handshake: the first call writes, turn taken, behind
+/// another connection's write lock; the second is seen queued; the first
+/// gets the lock and finishes; a second holder takes the lock, and the
+/// second call, seen writing (timeout cut), is dropped. Both connections of
+/// the pool then have the pool's busy timeout.
+#[tokio::test(flavor = "current_thread")]
+async fn a_call_dropped_while_its_busy_timeout_is_cut_leaves_the_pool_as_it_was() {
+    use idempotent_runtime::{Fingerprint, OwnerToken, ReserveRequest};
+    const BUSY_MS: i64 = 10_000;
+    let path = fresh_path();
+    let store = crate::sqlite_store::store_with(
+        &path,
+        Duration::from_millis(BUSY_MS as u64),
+        sqlx::sqlite::SqliteJournalMode::Wal,
+        2,
+    )
+    .await;
+    let first_writing =
+        capture::notify_on(&["sqlite: writing the reservation", "sqlite_edges.cut_a"]);
+    let second_queued =
+        capture::notify_on(&["sqlite: waiting for the write turn", "sqlite_edges.cut_b"]);
+    let second_writing =
+        capture::notify_on(&["sqlite: writing the reservation", "sqlite_edges.cut_b"]);
+    let mut holder = crate::sqlite_store::write_lock_held(&path).await;
+
+    let fp = Fingerprint::of("request").expect("fingerprint");
+    let (first, second) = (
+        Identity::new("alice", "sqlite_edges.cut_a", "a1").expect("identity"),
+        Identity::new("bob", "sqlite_edges.cut_b", "b1").expect("identity"),
+    );
+    let (first_token, second_token) = (OwnerToken::new(), OwnerToken::new());
+    let request = |identity, token| ReserveRequest {
+        identity,
+        fingerprint: Some(&fp),
+        token,
+        lease: Duration::from_secs(60),
+        ttl: Duration::from_secs(60),
+    };
+    let mut first_call = Box::pin(store.reserve(request(&first, &first_token)));
+    tokio::select! {
+        biased;
+        () = first_writing.notified() => {}
+        answer = &mut first_call => panic!("the first call waits for the lock: {answer:?}"),
+    }
+    let mut second_call = Box::pin(store.reserve(request(&second, &second_token)));
+    tokio::select! {
+        biased;
+        () = second_queued.notified() => {}
+        answer = &mut second_call => panic!("the second call queues for the turn: {answer:?}"),
+    }
+    // Queued for a while, so its busy timeout is cut by a whole number of ms.
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    holder.execute("COMMIT").await.expect("free the lock");
+    first_call.await.expect("the first call acquires");
+    let mut holder = crate::sqlite_store::write_lock_held(&path).await;
+    tokio::select! {
+        biased;
+        () = second_writing.notified() => {}
+        answer = &mut second_call => panic!("the second call waits for the lock: {answer:?}"),
+    }
+    drop(second_call);
+    holder.execute("COMMIT").await.expect("free the lock");
+    let mut connections = Vec::new();
+    for _ in 0..2 {
+        let mut conn = store.pool().acquire().await.expect("a pool connection");
+        let busy: i64 = sqlx::query_scalar("PRAGMA busy_timeout")
+            .fetch_one(&mut *conn)
+            .await
+            .expect("busy timeout");
+        assert_eq!(
+            busy, BUSY_MS,
+            "every pool connection has the pool's busy timeout"
+        );
+        connections.push(conn);
+    }
+    drop(connections);
+    remove(&path);
+}
+
 #[idempotent(scope = "sqlite_edges.charge_reject", key = key, tenant = tenant, tx = tx,
              lease = "30s", in_progress = reject)]
 async fn charge_reject(

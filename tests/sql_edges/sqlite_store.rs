@@ -601,7 +601,7 @@ async fn rollback_journal_store(path: &std::path::Path, busy: Duration) -> Sqlit
     store_with(path, busy, sqlx::sqlite::SqliteJournalMode::Delete, 1).await
 }
 
-async fn store_with(
+pub(crate) async fn store_with(
     path: &std::path::Path,
     busy: Duration,
     journal: sqlx::sqlite::SqliteJournalMode,

@@ -28,6 +28,7 @@
 
 use super::*;
 use crate::error::Error;
+use sqlx::pool::PoolConnection;
 use sqlx::sqlite::{SqliteConnectOptions, SqlitePool, SqlitePoolOptions};
 use sqlx::Row;
 use std::collections::HashMap;
@@ -904,6 +905,82 @@ async fn beside_the_caller<T: Send + 'static>(
         .map_err(|e| StoreError::new(STORE, operation, e))?
 }
 
+/// A pool connection whose busy timeout may have been cut short for one
+/// statement (by the time its call already queued for the write turn). The
+/// timeout is put back by [`put_back`](Self::put_back); a call dropped
+/// before that (mid-statement, on a current-thread runtime where the write
+/// runs in the caller's future) closes the connection instead of giving it
+/// back with the short timeout, since a pool given to
+/// [`SqliteStore::from_pool`] has no release hook that would restore it.
+struct BusyTimeoutCut {
+    conn: PoolConnection<sqlx::Sqlite>,
+    /// The connection's key and its busy timeout (ms) before the cut, until
+    /// put back.
+    cut: Option<(usize, i32)>,
+}
+
+impl BusyTimeoutCut {
+    /// The connection as it is.
+    fn none(conn: PoolConnection<sqlx::Sqlite>) -> Self {
+        BusyTimeoutCut { conn, cut: None }
+    }
+
+    /// The connection with `waited` taken off its busy timeout (down to none
+    /// at all: SQLite then answers at once if another connection holds the
+    /// lock).
+    async fn by(conn: PoolConnection<sqlx::Sqlite>, waited: Duration) -> Result<Self, sqlx::Error> {
+        let mut this = Self::none(conn);
+        let waited = i64::try_from(waited.as_millis()).unwrap_or(i64::MAX);
+        if waited == 0 {
+            return Ok(this);
+        }
+        let current: i64 = sqlx::query_scalar("PRAGMA busy_timeout")
+            .fetch_one(&mut *this.conn)
+            .await?;
+        if current <= 0 {
+            return Ok(this);
+        }
+        let left = i32::try_from(current.saturating_sub(waited)).unwrap_or(0);
+        let current = i32::try_from(current).unwrap_or(i32::MAX);
+        // Counted as cut from before the change is made: a call dropped
+        // meanwhile closes the connection too.
+        this.cut = Some((0, current));
+        this.cut = Some(super::sqlite_tx::set_busy_timeout(&mut this.conn, current, left).await?);
+        Ok(this)
+    }
+
+    /// Puts the busy timeout back as it was (on failure the connection is
+    /// closed when dropped).
+    async fn put_back(&mut self) -> Result<(), sqlx::Error> {
+        if let Some((key, original)) = self.cut {
+            super::sqlite_tx::put_back_busy_timeout(&mut self.conn, key, original).await?;
+            self.cut = None;
+        }
+        Ok(())
+    }
+}
+
+impl std::ops::Deref for BusyTimeoutCut {
+    type Target = sqlx::SqliteConnection;
+    fn deref(&self) -> &Self::Target {
+        &self.conn
+    }
+}
+
+impl std::ops::DerefMut for BusyTimeoutCut {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        &mut self.conn
+    }
+}
+
+impl Drop for BusyTimeoutCut {
+    fn drop(&mut self) {
+        if self.cut.is_some() {
+            self.conn.close_on_drop();
+        }
+    }
+}
+
 /// Completes the record, fenced by its token, on a pool or on the caller's
 /// connection (transactional mode). An outcome a `recover` hook gave is
 /// marked recovered (rule 20).
@@ -1343,13 +1420,22 @@ impl Store for SqliteStore {
         let fingerprint = request.fingerprint.cloned();
         let (lease, ttl) = (request.lease, request.ttl);
         beside_the_caller(OP, async move {
-            let turn = match gate.try_take() {
-                Some(turn) => Some(turn),
+            let queued = tokio::time::Instant::now();
+            let (turn, mut conn) = match gate.try_take() {
+                Some(turn) => (Some(turn), BusyTimeoutCut::none(conn)),
                 None => {
                     drop(conn);
+                    tracing::trace!(target: "idempotent", scope = %identity.scope,
+                        key = %identity.key_digest(), "sqlite: waiting for the write turn");
                     let turn = gate.take().await;
-                    conn = pool.acquire().await.map_err(err(OP))?;
-                    turn
+                    let conn = pool.acquire().await.map_err(err(OP))?;
+                    // Time queued for the turn counts against the busy
+                    // timeout: the statement waits only for what is left of
+                    // it, so a call never waits twice the busy timeout.
+                    let conn = BusyTimeoutCut::by(conn, queued.elapsed())
+                        .await
+                        .map_err(err(OP))?;
+                    (turn, conn)
                 }
             };
             tracing::trace!(target: "idempotent", scope = %identity.scope,
@@ -1362,7 +1448,13 @@ impl Store for SqliteStore {
                 ttl,
             };
             let tried = tokio::time::Instant::now();
-            match reserve_in(&mut conn, request).await {
+            let answer = reserve_in(&mut *conn, request).await;
+            if let Err(e) = conn.put_back().await {
+                // The answer stands; the connection is closed, not reused.
+                tracing::warn!(target: "idempotent", error = %e,
+                    "sqlite: could not put a connection's busy timeout back; closing it");
+            }
+            match answer {
                 // Rule 4: the write lock stayed held past the busy timeout,
                 // by another connection's transaction (a transactional-mode
                 // owner of this very key among them, whose record this call

@@ -143,7 +143,7 @@ fn changed_timeouts(
 /// Sets `conn`'s busy timeout to `ms`, remembering what to restore. `current`
 /// is the timeout read from the connection; if an earlier, dropped call left
 /// it changed, the timeout from before that call is the one kept.
-async fn set_busy_timeout(
+pub(super) async fn set_busy_timeout(
     conn: &mut SqliteConnection,
     current: i32,
     ms: i32,
@@ -172,7 +172,7 @@ async fn set_busy_timeout(
 }
 
 /// Puts back the busy timeout `set_busy_timeout` changed.
-async fn put_back_busy_timeout(
+pub(super) async fn put_back_busy_timeout(
     conn: &mut SqliteConnection,
     key: usize,
     original: i32,
