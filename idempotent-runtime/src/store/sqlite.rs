@@ -1448,7 +1448,7 @@ impl Store for SqliteStore {
                 ttl,
             };
             let tried = tokio::time::Instant::now();
-            let answer = reserve_in(&mut *conn, request).await;
+            let answer = reserve_in(&mut conn, request).await;
             if let Err(e) = conn.put_back().await {
                 // The answer stands; the connection is closed, not reused.
                 tracing::warn!(target: "idempotent", error = %e,
