@@ -204,13 +204,19 @@ pub enum Error {
     /// * PostgreSQL: the transaction runs at REPEATABLE READ or SERIALIZABLE,
     ///   and another transaction committed this record after its snapshot was
     ///   taken (SQLSTATE 40001), so it can neither see nor write it.
+    /// * MySQL/MariaDB: the record is another caller's, in progress, and this
+    ///   transaction may be what keeps its owner from renewing its lease:
+    ///   the lease ran out after the transaction began (its snapshot may
+    ///   predate the renewals), or this call had to lock the record (InnoDB
+    ///   keeps the lock until the transaction ends). Taking it over could run
+    ///   the body beside a live owner.
     #[error("scope `{scope}`: the {store} transaction passed as `tx = ...` cannot write this call's record: {}; \
              nothing ran. Roll it back and retry in a new transaction, and {}",
              stale_snapshot_cause(store), stale_snapshot_advice(store))]
     StaleSnapshot {
         /// The scope of the call.
         scope: String,
-        /// Which store's connection: `postgres` or `sqlite`.
+        /// Which store's connection: `postgres`, `mysql` or `sqlite`.
         store: &'static str,
     },
 
@@ -272,6 +278,11 @@ fn stale_snapshot_cause(store: &str) -> &'static str {
             "its snapshot (REPEATABLE READ or SERIALIZABLE) is older than the record another transaction \
              committed, so it can neither see nor write it"
         }
+        "mysql" => {
+            "the record is another caller's, in progress, and this transaction may be what keeps its owner \
+             from renewing its lease (the lease ran out after the transaction began, or an earlier call in \
+             it locked the record), so it must not take the record over"
+        }
         _ => {
             "it read the database before writing, and SQLite will not let it write any more \
              (another connection wrote since, or waits for its read lock)"
@@ -284,6 +295,9 @@ fn stale_snapshot_advice(store: &str) -> &'static str {
     match store {
         "postgres" => {
             "run transactions that call idempotent functions at READ COMMITTED (PostgreSQL's default)"
+        }
+        "mysql" => {
+            "end a transaction soon after a call in it answers `InProgress` rather than calling again in it"
         }
         _ => {
             "begin transactions that call idempotent functions with `BEGIN IMMEDIATE` \

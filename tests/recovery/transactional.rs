@@ -291,7 +291,32 @@ async fn mysql_a_failing_hook_is_asked_again_at_once() {
         store,
         |s: &idempotent_runtime::MySqlStore| {
             let pool = s.pool().clone();
-            async move { pool.begin().await.unwrap() }
+            async move {
+                // A transaction takes over only a lease that ran out before
+                // the second it began in (MySQL tells a transaction's start
+                // in whole seconds): begin in the server's next second.
+                let now = || async {
+                    sqlx::query_scalar::<_, i64>("SELECT CAST(UNIX_TIMESTAMP() AS SIGNED)")
+                        .fetch_one(&pool)
+                        .await
+                        .unwrap()
+                };
+                let second = now().await;
+                tokio::time::timeout(Duration::from_secs(10), async {
+                    while now().await == second {
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                    }
+                })
+                .await
+                .expect("the server's clock moves on");
+                let mut tx = pool.begin().await.unwrap();
+                // The transaction begins with its first statement.
+                sqlx::query("SELECT 1 FROM idempotency_records LIMIT 1")
+                    .fetch_optional(&mut *tx)
+                    .await
+                    .unwrap();
+                tx
+            }
         },
         mysql_charge,
         "rtx.mysql"

@@ -295,13 +295,22 @@ async fn released_to_eight_callers(lease_expired: bool, callers: [Via; 8]) {
                 let mut tx = admin.begin().await.expect("begin");
                 ids.push(connection_id(&mut *tx).await);
                 tasks.push(tokio::spawn(async move {
-                    let got = tx
+                    let got = match tx
                         .reserve_in_transaction(
                             request(&identity, Some(&f), &token, LONG, LONG),
                             WAIT,
                         )
                         .await
-                        .expect("reserve in a transaction");
+                    {
+                        Ok(got) => got,
+                        // Behind the winner, its fenced write locked the
+                        // winner's in-progress record: refused, as a
+                        // transaction that must end (not acquiring).
+                        Err(Error::StaleSnapshot { .. }) => Reservation::InProgress {
+                            lease_remaining: Duration::ZERO,
+                        },
+                        Err(e) => panic!("reserve in a transaction: {e:?}"),
+                    };
                     tx.commit().await.expect("commit");
                     done.fetch_add(1, Ordering::SeqCst);
                     (via, token, got)
@@ -686,6 +695,155 @@ async fn a_transactional_waiter_never_runs_the_body_beside_a_live_store_owner() 
     );
 }
 
+/// The store-mode claimant of `mysql_edges.same_tx`: runs, its lease renewed
+/// by the heartbeat, until the lease has been renewed `RENEWALS` times or
+/// the transactional claimant's body has run.
+#[idempotent(scope = "mysql_edges.same_tx", key = key, tenant = tenant, store = store,
+             skip(mixed), shared_scope, ttl = "1h", lease = "1s", in_progress = reject)]
+async fn same_tx_in_store(
+    store: &dyn Store,
+    tenant: &str,
+    key: &str,
+    mixed: &Mixed,
+) -> Result<u64, Error> {
+    const RENEWALS: usize = 8;
+    mixed.runs.fetch_add(1, Ordering::SeqCst);
+    mixed.owner_started.notify_one();
+    let identity = Identity::new(tenant, "mysql_edges.same_tx", key).expect("identity");
+    let mut seen = Vec::new();
+    while seen.len() < RENEWALS && !mixed.waiter_ran.load(Ordering::SeqCst) {
+        let lease = store
+            .fetch(&identity)
+            .await
+            .expect("fetch")
+            .and_then(|s| s.lease_expires_at_ms);
+        if let Some(lease) = lease {
+            if seen.last() != Some(&lease) {
+                seen.push(lease);
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    Ok(1)
+}
+
+/// The transactional claimant of `mysql_edges.same_tx`, refused at once
+/// while the record is in progress.
+#[idempotent(scope = "mysql_edges.same_tx", key = key, tenant = tenant, tx = tx,
+             skip(mixed), shared_scope, ttl = "1h", lease = "1s", in_progress = reject)]
+async fn same_tx_in_tx(
+    tx: &mut sqlx::Transaction<'_, MySql>,
+    tenant: &str,
+    key: &str,
+    mixed: &Mixed,
+) -> Result<u64, Error> {
+    let _ = (&tx, tenant, key);
+    mixed.runs.fetch_add(1, Ordering::SeqCst);
+    mixed.waiter_ran.store(true, Ordering::SeqCst);
+    Ok(2)
+}
+
+/// Until the record's committed lease (as others see it) is in the past, or
+/// has been renewed twice since `since`: either way, a REPEATABLE READ
+/// snapshot taken before now shows a lease that has run out.
+async fn until_the_snapshot_lease_is_stale(store: &MySqlStore, identity: &Identity) {
+    let first = store.fetch(identity).await.expect("fetch");
+    let mut renewals = 0;
+    let mut last = first.as_ref().and_then(|s| s.lease_expires_at_ms);
+    tokio::time::timeout(Duration::from_secs(30), async {
+        loop {
+            let Some(now) = store.fetch(identity).await.expect("fetch") else {
+                return;
+            };
+            let lease = now.lease_expires_at_ms;
+            match lease {
+                Some(lease) if lease <= now.now_ms => return,
+                None => return,
+                _ => {}
+            }
+            if lease != last {
+                renewals += 1;
+                last = lease;
+                if renewals >= 2 {
+                    return;
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .expect("the lease is renewed or runs out");
+}
+
+/// A store-mode owner is running (heartbeat every lease / 3); a transactional
+/// caller of the same shared scope is refused (`InProgress`) and calls again
+/// in the same REPEATABLE READ transaction, as `retry_after` invites. Its
+/// snapshot then shows the owner's lease run out: the fenced take-over
+/// `UPDATE` used to fail but keep the row's exclusive lock, so the owner's
+/// heartbeat waited on it, its real lease ran out, and the next call in the
+/// transaction took the record over beside the live owner (body twice). A
+/// transaction cannot take over a lease that ran out after it began: such a
+/// call is refused with `StaleSnapshot` (roll back, retry in a new
+/// transaction), and takes no lock.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn calls_again_in_one_transaction_never_take_over_a_live_store_owner() {
+    let Some(store) = mysql_store_or_skip().await else {
+        return;
+    };
+    let tenant = fresh_tenant();
+    let key = "k";
+    let identity = Identity::new(&tenant, "mysql_edges.same_tx", key).expect("identity");
+    let mixed = Arc::new(Mixed::default());
+    let owner = {
+        let (store, tenant, mixed) = (store.clone(), tenant.clone(), mixed.clone());
+        tokio::spawn(async move {
+            with_outcome(same_tx_in_store(&store as &dyn Store, &tenant, key, &mixed)).await
+        })
+    };
+    mixed.owner_started.notified().await;
+    let mut tx = store.pool().begin().await.expect("begin");
+    let mut answers = Vec::new();
+    for _ in 0..5 {
+        let answer = same_tx_in_tx(&mut tx, &tenant, key, &mixed).await;
+        let refused = matches!(
+            answer,
+            Err(Error::InProgress { .. } | Error::StaleSnapshot { .. })
+        );
+        answers.push(answer);
+        if !refused {
+            break;
+        }
+        until_the_snapshot_lease_is_stale(&store, &identity).await;
+    }
+    tx.rollback().await.expect("rollback");
+    let owned = tokio::time::timeout(Duration::from_secs(60), owner)
+        .await
+        .expect("the owner finishes")
+        .expect("owner task");
+    assert_eq!(
+        mixed.runs.load(Ordering::SeqCst),
+        1,
+        "the body ran twice: owner {owned:?}, answers in the transaction {answers:?}"
+    );
+    assert!(
+        matches!(owned, (Ok(1), Some(Outcome::Executed))),
+        "{owned:?}"
+    );
+    // Every call is refused; once its snapshot shows the lease run out
+    // (by the third call: two renewals apart, more than a lease since the
+    // first), as stale.
+    assert!(
+        answers.iter().all(|a| matches!(
+            a,
+            Err(Error::InProgress { .. } | Error::StaleSnapshot { store: "mysql", .. })
+        )) && answers
+            .iter()
+            .skip(2)
+            .all(|a| matches!(a, Err(Error::StaleSnapshot { .. }))),
+        "{answers:?}"
+    );
+}
+
 // ---------------------------------------------------------------- rule 15: rollback without deadlocks
 
 const EDGES_DDL: &str = "CREATE TABLE IF NOT EXISTS idempotent_edges_writes (
@@ -1041,6 +1199,174 @@ async fn a_fresh_key_behind_an_uncommitted_transactional_owner_is_in_progress() 
             .expect("reserve"),
         Reservation::Acquired { attempt: 1, .. }
     ));
+}
+
+/// `in_progress = wait(d)` with `d` under a second, in transactional mode:
+/// InnoDB waits for row locks in whole seconds, and rounding `d` down made
+/// it no wait at all (`InProgress` at once, though the owner was about to
+/// commit). Rounded up, the duplicate waits (its session is seen waiting on
+/// the owner's row), and replays the owner's answer once it commits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wait_under_a_second_in_a_transaction_still_waits() {
+    let Some(store) = mysql_store_or_skip().await else {
+        return;
+    };
+    let admin = store.pool().clone();
+    let identity = Identity::new(fresh_tenant(), "edges.subsecond_wait", "k").expect("identity");
+    let f = fp("a");
+    let mut owner = store.pool().begin().await.expect("begin");
+    let owner_token = OwnerToken::new();
+    let got = owner
+        .reserve_in_transaction(request(&identity, Some(&f), &owner_token, LONG, LONG), WAIT)
+        .await
+        .expect("the owner reserves");
+    assert!(matches!(got, Reservation::Acquired { .. }), "{got:?}");
+
+    let finished = Arc::new(AtomicUsize::new(0));
+    let mut duplicate = store.pool().begin().await.expect("begin");
+    let id = connection_id(&mut *duplicate).await;
+    let task = {
+        let (identity, f, finished) = (identity.clone(), f.clone(), finished.clone());
+        tokio::spawn(async move {
+            let token = OwnerToken::new();
+            let got = duplicate
+                .reserve_in_transaction(
+                    request(&identity, Some(&f), &token, LONG, LONG),
+                    Duration::from_millis(900),
+                )
+                .await;
+            finished.fetch_add(1, Ordering::SeqCst);
+            duplicate.commit().await.expect("commit");
+            got
+        })
+    };
+    until_all_wait_or_finish(&admin, &[id], &finished).await;
+    assert_eq!(
+        finished.load(Ordering::SeqCst),
+        0,
+        "the duplicate waits for the owner: {:?}",
+        if finished.load(Ordering::SeqCst) > 0 {
+            Some(task.await)
+        } else {
+            None
+        }
+    );
+    assert_eq!(
+        owner
+            .complete_in_transaction(Completion::by_body(
+                &identity,
+                &owner_token,
+                &ok(b"7"),
+                LONG
+            ))
+            .await
+            .expect("complete"),
+        Fenced::Written
+    );
+    owner.commit().await.expect("commit");
+    let got = task.await.expect("duplicate").expect("reserve");
+    assert_eq!(got, Reservation::Completed(ok(b"7")));
+}
+
+/// MariaDB's `sql_mode` `EMPTY_STRING_IS_NULL` turns the shared tenant (an
+/// empty string) into `NULL`: every call failed with "GET_LOCK failed". The
+/// error now says what is wrong; nothing is written either way.
+#[tokio::test]
+async fn the_shared_tenant_under_empty_string_is_null_is_refused_with_a_clear_error() {
+    let Some(store) = mysql_store_or_skip().await else {
+        return;
+    };
+    if !store_is_mariadb(&store).await {
+        return; // a MariaDB mode
+    }
+    let pool = MySqlPoolOptions::new()
+        .max_connections(1)
+        .after_connect(|conn, _| {
+            Box::pin(async move {
+                conn.execute("SET SESSION sql_mode = CONCAT(@@sql_mode, ',EMPTY_STRING_IS_NULL')")
+                    .await?;
+                Ok(())
+            })
+        })
+        .connect(&mysql_url())
+        .await
+        .expect("pool");
+    let odd = MySqlStore::from_pool(pool).await.expect("store");
+    let identity =
+        Identity::shared("edges.empty_is_null", format!("k-{}", fresh_tenant())).expect("identity");
+    let token = OwnerToken::new();
+    let refused = odd
+        .reserve(request(&identity, Some(&fp("a")), &token, LONG, LONG))
+        .await
+        .expect_err("refused");
+    assert!(
+        refused.to_string().contains("EMPTY_STRING_IS_NULL"),
+        "the error names the cause: {refused}"
+    );
+    assert!(store.fetch(&identity).await.expect("fetch").is_none());
+}
+
+async fn store_is_mariadb(store: &MySqlStore) -> bool {
+    let version: String = sqlx::query_scalar("SELECT VERSION()")
+        .fetch_one(store.pool())
+        .await
+        .expect("version");
+    version.contains("MariaDB")
+}
+
+/// Under SERIALIZABLE every read of a transaction locks what it reads: a
+/// transactional call that finds a record in progress holds a shared lock on
+/// it, which keeps the owner from renewing its lease until the transaction
+/// ends. It is refused as a transaction that must end (`StaleSnapshot`), not
+/// as `InProgress` (which invites calling again in it).
+#[tokio::test]
+async fn an_in_progress_record_met_under_serializable_refuses_the_transaction() {
+    let Some(store) = mysql_store_or_skip().await else {
+        return;
+    };
+    let identity = Identity::new(fresh_tenant(), "edges.serializable", "k").expect("identity");
+    let f = fp("a");
+    let owner = OwnerToken::new();
+    assert_eq!(
+        store
+            .reserve(request(&identity, Some(&f), &owner, LONG, LONG))
+            .await
+            .expect("the owner reserves"),
+        Reservation::FRESH
+    );
+    let pool = MySqlPoolOptions::new()
+        .max_connections(1)
+        .after_connect(|conn, _| {
+            Box::pin(async move {
+                conn.execute("SET SESSION TRANSACTION ISOLATION LEVEL SERIALIZABLE")
+                    .await?;
+                Ok(())
+            })
+        })
+        .connect(&mysql_url())
+        .await
+        .expect("pool");
+    let mut tx = pool.begin().await.expect("begin");
+    let token = OwnerToken::new();
+    let got = tx
+        .reserve_in_transaction(
+            request(&identity, Some(&f), &token, LONG, LONG),
+            Duration::ZERO,
+        )
+        .await;
+    tx.rollback().await.expect("rollback");
+    assert!(
+        matches!(got, Err(Error::StaleSnapshot { store: "mysql", .. })),
+        "{got:?}"
+    );
+    // The owner was never held up for good: it records its result.
+    assert_eq!(
+        store
+            .complete(Completion::by_body(&identity, &owner, &ok(b"1"), LONG))
+            .await
+            .expect("complete"),
+        Fenced::Written
+    );
 }
 
 /// A store on a pool whose sessions have autocommit off (`SET SESSION

@@ -114,6 +114,7 @@ pub(crate) static MYSQL: &[Migration] = embedded_migrations!("mysql":
     (5, "0005_one_reserve_body.sql", "one reserve body"),
     (6, "0006_lock_name_per_database.sql", "lock name per database"),
     (7, "0007_purge_through_the_expiry_index.sql", "purge through the expiry index"),
+    (8, "0008_tx_never_takes_over_a_lease_it_may_have_starved.sql", "tx never takes over a lease it may have starved"),
 );
 
 /// SQLite's migrations (`migrations/sqlite`).

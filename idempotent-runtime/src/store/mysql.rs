@@ -588,9 +588,7 @@ async fn reserve_through_store(
     if mariadb {
         match insert_or_read(pool, request).await? {
             InsertOrRead::Answered(answer) => return Ok(answer),
-            InsertOrRead::Decide => {
-                return reserve_with(pool, request, STORE_LOCK_WAIT_S, true).await
-            }
+            InsertOrRead::Decide => return reserve_through_the_procedure(pool, request).await,
             InsertOrRead::Held => {} // the plain read below, then the procedure
         }
     }
@@ -619,7 +617,7 @@ async fn reserve_through_store(
             return Ok(answer);
         }
     }
-    reserve_with(pool, request, STORE_LOCK_WAIT_S, true).await
+    reserve_through_the_procedure(pool, request).await
 }
 
 /// The reservation procedure (`idempotency_reserve_v4`): its answer as one
@@ -633,7 +631,7 @@ async fn reserve_with<'e, E: Executor<'e, Database = MySql>>(
     request: ReserveRequest<'_>,
     lock_wait_s: u64,
     own_transaction: bool,
-) -> Result<Reservation, StoreError> {
+) -> Result<Answer, StoreError> {
     let row: MySqlRow = bind_request(sqlx::query(RESERVE_SQL), request)
         .bind(i64::try_from(lock_wait_s.min(MAX_LOCK_WAIT_S)).unwrap_or(0))
         .bind(i8::from(own_transaction))
@@ -643,14 +641,40 @@ async fn reserve_with<'e, E: Executor<'e, Database = MySql>>(
     decode_reservation(&row).map_err(err("reserve"))
 }
 
+/// The procedure's answer.
+enum Answer {
+    Reservation(Reservation),
+    /// Transactional mode only (migration 0008): the caller's transaction
+    /// may be what keeps the record's owner from renewing its lease (a lease
+    /// that ran out after the transaction began, or a lock this call took on
+    /// an in-progress record); it must end.
+    StaleSnapshot,
+}
+
+/// A reservation through the store: the procedure never answers
+/// `stale_snapshot` there.
+async fn reserve_through_the_procedure(
+    pool: &MySqlPool,
+    request: ReserveRequest<'_>,
+) -> Result<Reservation, StoreError> {
+    match reserve_with(pool, request, STORE_LOCK_WAIT_S, true).await? {
+        Answer::Reservation(reservation) => Ok(reservation),
+        Answer::StaleSnapshot => Err(StoreError::new(
+            STORE,
+            "reserve",
+            "idempotency_reserve answered stale_snapshot outside a transaction",
+        )),
+    }
+}
+
 /// Reads the procedure's answer by position: sqlx takes the column names of a
 /// prepared `CALL` from its (empty) prepare-time metadata, so names do not resolve.
-fn decode_reservation(row: &MySqlRow) -> Result<Reservation, sqlx::Error> {
+fn decode_reservation(row: &MySqlRow) -> Result<Answer, sqlx::Error> {
     let outcome = text(row.try_get_unchecked::<Option<Vec<u8>>, _>(0)?)?.unwrap_or_default();
     let flag = |index: usize| -> Result<bool, sqlx::Error> {
         Ok(row.try_get::<Option<i64>, _>(index)?.unwrap_or(0) != 0)
     };
-    Ok(match outcome.as_str() {
+    Ok(Answer::Reservation(match outcome.as_str() {
         "acquired" => Reservation::acquired(
             rows::attempt_number(row.try_get::<Option<i64>, _>(5)?.unwrap_or(1)),
             row.try_get::<Option<i64>, _>(6)?,
@@ -663,12 +687,13 @@ fn decode_reservation(row: &MySqlRow) -> Result<Reservation, sqlx::Error> {
             lease_remaining: millis_to_duration(row.try_get::<Option<i64>, _>(4)?.unwrap_or(0)),
         },
         "mismatch" => Reservation::FingerprintMismatch,
+        "stale_snapshot" => return Ok(Answer::StaleSnapshot),
         other => {
             return Err(sqlx::Error::Protocol(format!(
                 "idempotency_reserve answered an unknown outcome `{other}`"
             )))
         }
-    })
+    }))
 }
 
 /// Binds, after what `statement` bound so far, the record `token` owns: its
@@ -976,10 +1001,12 @@ impl Store for MySqlStore {
 
 // ---------------------------------------------------------------- transactional mode
 
-/// `in_progress = wait(d)` as whole seconds of InnoDB lock wait, rounded down
-/// so the wait never passes its bound (the engine polls for the remainder).
+/// `in_progress = wait(d)` as whole seconds of InnoDB lock wait (InnoDB
+/// waits in whole seconds), rounded up: a bound under a second still waits
+/// (one second), where rounding down would not wait at all; the wait passes
+/// its bound by less than a second.
 fn lock_wait_seconds(lock_wait: Duration) -> u64 {
-    lock_wait.as_secs()
+    lock_wait.as_secs() + u64::from(lock_wait.subsec_nanos() > 0)
 }
 
 crate::transaction::transactional_connection! {
@@ -1103,13 +1130,37 @@ const SESSION_CLOCK_REFUSED: &str = concat!(
 );
 
 /// The reservation in the connection's transaction, waiting for a row lock
-/// for the whole seconds of `lock_wait`.
+/// for `lock_wait` in whole seconds ([`lock_wait_seconds`]). A transaction
+/// that may be keeping the record's owner from renewing its lease (migration
+/// 0008) is refused with [`Error::StaleSnapshot`].
 async fn reserve_in_transaction(
     conn: &mut sqlx::MySqlConnection,
     request: ReserveRequest<'_>,
     lock_wait: Duration,
 ) -> Result<Reservation, Error> {
-    Ok(reserve_with(conn, request, lock_wait_seconds(lock_wait), false).await?)
+    let stale = || Error::StaleSnapshot {
+        scope: request.identity.scope.clone(),
+        store: STORE,
+    };
+    match reserve_with(&mut *conn, request, lock_wait_seconds(lock_wait), false).await? {
+        // Under SERIALIZABLE InnoDB makes every read of a transaction a
+        // locking one: the look that found the record in progress holds a
+        // shared lock on it, which keeps the owner from renewing its lease
+        // until the transaction ends (the session's level; one set for the
+        // next transaction only is not seen, as for READ UNCOMMITTED).
+        Answer::Reservation(reservation @ Reservation::InProgress { .. }) => {
+            let isolation = session_isolation(conn)
+                .await
+                .map_err(err("read the transaction isolation"))?;
+            if isolation.eq_ignore_ascii_case("SERIALIZABLE") {
+                Err(stale())
+            } else {
+                Ok(reservation)
+            }
+        }
+        Answer::Reservation(reservation) => Ok(reservation),
+        Answer::StaleSnapshot => Err(stale()),
+    }
 }
 
 #[cfg(test)]
