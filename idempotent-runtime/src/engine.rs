@@ -330,7 +330,9 @@ pub struct Call<'a> {
 /// Finishes the record of a call that is dropped (cancelled) mid-way (rule 14);
 /// the store carries the work out, not the caller's runtime:
 /// * dropped while a reservation that may acquire the record is in flight, or
-///   while the body runs: the record is released, so a retry runs again;
+///   while the body runs: the record is released, so a retry runs again; in a
+///   scope with a `recover` hook its lease is ended instead (see
+///   `keep_for_takeover`);
 /// * dropped while the result is being recorded: the body has run, so the
 ///   result is recorded (freeing the key would let a retry run it twice).
 struct FinishOnDrop<'a> {
@@ -342,13 +344,14 @@ struct FinishOnDrop<'a> {
     /// The outcome being recorded, while its completion is under way, and
     /// whether a recover hook gave it (the record is then marked recovered).
     completing: Option<Answer>,
-    /// The scope has a `recover` hook, and the reservation's answer has not
-    /// come back (in flight, or lost): the record may be a takeover of an
-    /// owner that died after its side effect. Releasing it would make the
-    /// next call a fresh attempt that runs the body without asking the hook
-    /// (rule 20), so its lease is ended instead: the next call takes it over
-    /// and asks.
-    keep_unanswered: bool,
+    /// The scope has a `recover` hook: a call that ends without an answer
+    /// (dropped while its reservation is in flight or while the body runs, or
+    /// a body that panics) may have left the side effect behind, as an owner
+    /// that died would have. Releasing the record would make the next call a
+    /// fresh attempt that runs the body without asking the hook (rule 20), so
+    /// its lease is ended instead: the next call takes it over at once and
+    /// asks.
+    keep_for_takeover: bool,
 }
 
 impl FinishOnDrop<'_> {
@@ -361,11 +364,11 @@ impl Drop for FinishOnDrop<'_> {
     fn drop(&mut self) {
         // Cloned only when there is something to hand over: most calls end
         // disarmed, with nothing left to finish.
-        if *self.armed.get_mut() && self.keep_unanswered {
+        if *self.armed.get_mut() && self.keep_for_takeover {
             let (identity, token) = (self.identity.clone(), self.token.clone());
             tracing::info!(target: "idempotent", scope = %identity.scope, key = %identity.log_digest(),
-                "call ended before its reservation answered; the store ends the lease of the record (if it \
-                 landed), for the next call to take over and ask the recover hook");
+                "call ended without an answer; the store ends the lease of its record (if it has one), \
+                 for the next call to take over and ask the recover hook");
             self.store.end_lease_detached(identity, token);
         } else if *self.armed.get_mut() {
             let (identity, token) = (self.identity.clone(), self.token.clone());
@@ -593,11 +596,11 @@ where
         token: &token,
         armed: AtomicBool::new(false),
         completing: None,
-        keep_unanswered: spec.recover.is_some(),
+        keep_for_takeover: spec.recover.is_some(),
     };
     let reserving = Instant::now();
     let reserved = reserve_from(store, request, spec, Some(&guard.armed), reserving).await;
-    if guard.keep_unanswered && guard.armed.load(Ordering::Relaxed) && reserved.is_err() {
+    if guard.keep_for_takeover && guard.armed.load(Ordering::Relaxed) && reserved.is_err() {
         // The reservation failed but may have landed, possibly as a takeover:
         // end its lease (fenced by this call's token; nothing if it never
         // landed) so the next call takes it over and asks the hook at once.
@@ -608,7 +611,6 @@ where
         }
         guard.arm(false);
     }
-    guard.keep_unanswered = false;
     let reserved_at = Instant::now();
     crate::metrics::reserve_time(
         spec.scope,
@@ -701,7 +703,13 @@ where
         Ok(r) => r.into_result(),
         Err(panic) => {
             crate::metrics::body_time(spec.scope, "panic", running.elapsed());
-            release(store, &guard).await;
+            if guard.keep_for_takeover {
+                // As for a dropped call (`FinishOnDrop`): the hook is asked next.
+                end_lease_logged(store, &identity, &token).await;
+                guard.arm(false);
+            } else {
+                release(store, &guard).await;
+            }
             std::panic::resume_unwind(panic);
         }
     };

@@ -21,3 +21,6 @@ mod lost_answer_lease;
 mod long_bodies;
 
 mod hook_outlives_lease;
+
+// A body dropped or panicking in a scope with a recover hook.
+mod dropped_bodies;

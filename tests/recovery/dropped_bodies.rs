@@ -1,0 +1,159 @@
+//! Rules 14 and 20 together: a call of a scope with a `recover` hook that
+//! ends without an answer while its body runs (dropped by a timeout around
+//! it, or a body that panics) may have left its side effect behind, as an
+//! owner that died would have. The record is not released (the next call
+//! would be a fresh attempt that runs the body blind, charging again): its
+//! lease is ended, so the next call takes it over at once and asks the hook.
+
+use idempotent_runtime::{
+    idempotent, with_outcome, Error, Identity, MemoryStore, Outcome, Recovery, SqliteStore, Store,
+    Takeover,
+};
+use std::collections::HashMap;
+use std::sync::{LazyLock, Mutex};
+use std::time::Duration;
+use tokio::sync::Notify;
+
+#[derive(Default)]
+struct Gateway {
+    /// Charges made per key.
+    charges: HashMap<String, u32>,
+    /// The attempts the hook was asked about, per key.
+    asked: HashMap<String, Vec<u32>>,
+}
+
+static GATEWAY: LazyLock<Mutex<Gateway>> = LazyLock::new(Default::default);
+static CHARGED: Notify = Notify::const_new();
+
+fn gateway() -> std::sync::MutexGuard<'static, Gateway> {
+    GATEWAY.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+async fn find_charge(takeover: &Takeover) -> Result<Recovery<u32>, Error> {
+    let mut g = gateway();
+    let key = takeover.key().to_owned();
+    g.asked
+        .entry(key.clone())
+        .or_default()
+        .push(takeover.attempt());
+    Ok(match g.charges.get(&key) {
+        Some(&n) if n > 0 => Recovery::Completed(n),
+        _ => Recovery::Run,
+    })
+}
+
+/// How the first attempt ends after charging.
+#[derive(Clone, Copy, PartialEq)]
+enum Then {
+    /// Waits for the gateway's answer for ever (the caller's timeout drops it).
+    Hang,
+    Panic,
+    Return,
+}
+
+#[idempotent(scope = "recovery.dropped_body", key = key, tenant = shared, store = store,
+             skip(then), lease = "30s", recover = find_charge)]
+async fn charge(store: &dyn Store, key: &str, then: Then) -> Result<u32, Error> {
+    let n = {
+        let mut g = gateway();
+        let n = g.charges.entry(key.to_owned()).or_default();
+        *n += 1;
+        *n
+    };
+    CHARGED.notify_one();
+    match then {
+        Then::Hang => std::future::pending().await,
+        Then::Panic => panic!("the gateway client panicked after charging"),
+        Then::Return => Ok(n),
+    }
+}
+
+/// The first attempt charges and ends without an answer (`first`); the
+/// retry asks the hook, which finds the charge: recovered, charged once.
+async fn ended_without_an_answer_then_retried(store: &dyn Store, first: Then) {
+    let key = format!("k-{}", uuid::Uuid::new_v4());
+    match first {
+        Then::Hang => {
+            let mut call = Box::pin(charge(store, &key, Then::Hang));
+            tokio::select! {
+                () = CHARGED.notified() => {}
+                answer = &mut call => panic!("the first attempt hangs: {answer:?}"),
+            }
+            drop(call); // the caller's timeout
+        }
+        Then::Panic => {
+            let panicked = futures::FutureExt::catch_unwind(std::panic::AssertUnwindSafe(charge(
+                store,
+                &key,
+                Then::Panic,
+            )))
+            .await;
+            assert!(panicked.is_err(), "the body's panic propagates");
+        }
+        Then::Return => unreachable!(),
+    }
+    // The dropped call's record is finished by the store's worker: until it
+    // has been (released, or its lease ended), a retry would be refused.
+    let identity = Identity::shared("recovery.dropped_body", key.as_str()).expect("identity");
+    tokio::time::timeout(Duration::from_secs(30), async {
+        loop {
+            match store.fetch(&identity).await.expect("fetch") {
+                Some(r) if r.lease_expires_at_ms.is_some_and(|l| l > r.now_ms) => {}
+                _ => return,
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await
+    .expect("the first attempt's record is finished");
+
+    let retried = with_outcome(charge(store, &key, Then::Return)).await;
+    let g = gateway();
+    assert_eq!(g.charges.get(&key), Some(&1), "charged once");
+    assert_eq!(
+        g.asked.get(&key).map(Vec::as_slice),
+        Some(&[2][..]),
+        "the hook was asked"
+    );
+    assert!(
+        matches!(retried, (Ok(1), Some(Outcome::Recovered))),
+        "{retried:?}"
+    );
+}
+
+async fn both(store: &dyn Store) {
+    ended_without_an_answer_then_retried(store, Then::Hang).await;
+    ended_without_an_answer_then_retried(store, Then::Panic).await;
+}
+
+#[tokio::test]
+async fn memory() {
+    both(&MemoryStore::new()).await;
+}
+
+#[tokio::test]
+async fn sqlite() {
+    let path = std::env::temp_dir().join(format!("idempotent-dropped-{}.db", uuid::Uuid::new_v4()));
+    let store = SqliteStore::connect(&format!("sqlite://{}?mode=rwc", path.display()))
+        .await
+        .expect("sqlite");
+    both(&store).await;
+    drop(store);
+    let _ = std::fs::remove_file(&path);
+}
+
+#[tokio::test]
+async fn postgres() {
+    let Some(store) = crate::common::servers::pg_store_or_skip().await else {
+        return;
+    };
+    both(&store).await;
+}
+
+#[tokio::test]
+async fn mysql() {
+    let Some(store) = crate::common::servers::mysql_store_or_skip().await else {
+        return;
+    };
+    both(&store).await;
+}
