@@ -143,7 +143,7 @@ pub(crate) fn generate(func: &MaybeItemFn, spec: &Spec) -> TokenStream {
         let builder = Ident::new("__idempotent_fp", Span::call_site());
         let arguments = spec.fingerprinted.iter().map(|name| {
             let (text, cfgs) = (check::name_text(name), item::cfgs_of(sig, name));
-            quote_spanned!(name.span()=> #(#cfgs)* #builder.argument(#text, &#name);)
+            quote_spanned!(name.span()=> #(#cfgs)* #krate::__private::fingerprint_argument(&mut #builder, #text, &#name);)
         });
         quote!({
             let mut #builder = #krate::__private::FingerprintBuilder::new();

@@ -12,6 +12,26 @@ pub use crate::transaction::{
     TransactionalCall, TransactionalConnection,
 };
 
+/// What a fingerprinted parameter's type must be: `serde::Serialize`. A
+/// trait of its own so that a parameter that is not says what to do about it.
+#[diagnostic::on_unimplemented(
+    message = "the parameter's type `{Self}` does not implement `serde::Serialize`, and the parameter is fingerprinted",
+    label = "fingerprinted: not named directly by `key`, `tenant`, `store` or `tx`, nor listed in `skip(...)`",
+    note = "derive `serde::Serialize` for it if it is part of the request, or leave it out of the fingerprint with `skip(<parameter>)` if it is not (a principal, a connection, shared state)"
+)]
+pub trait Fingerprinted: serde::Serialize {}
+
+impl<T: serde::Serialize + ?Sized> Fingerprinted for T {}
+
+/// Adds a fingerprinted parameter to `builder` (see [`Fingerprinted`]).
+pub fn fingerprint_argument<T: Fingerprinted + ?Sized>(
+    builder: &mut FingerprintBuilder,
+    name: &'static str,
+    value: &T,
+) {
+    builder.argument(name, value);
+}
+
 /// Pins the output type of the body's async block to the function's return type,
 /// so `?` inside the body converts errors exactly as in the original function.
 pub fn body<R, F: core::future::Future<Output = R>>(body: F) -> F {
