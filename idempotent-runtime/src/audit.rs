@@ -350,10 +350,30 @@ impl AuditReport {
 /// assert_eq!(report.unused().count(), 1);
 /// # Ok(()) }
 /// ```
+///
+/// The store's answer is waited for at most [`AUDIT_TIMEOUT`]: a stalled
+/// server or a lock on the whole records table gives an `Error::Store`
+/// saying so, not a wait for ever.
 pub async fn audit(store: &dyn Store, known: &[KnownScope]) -> Result<AuditReport, Error> {
-    let stats = store.scope_stats().await?;
+    let stats = tokio::time::timeout(AUDIT_TIMEOUT, store.scope_stats())
+        .await
+        .map_err(|_| {
+            crate::error::StoreError::new(
+                store.name(),
+                "count records per scope",
+                format!(
+                    "no answer after {} s: the database is stalled, or a lock holds the records \
+                     table (a long transaction, LOCK TABLE); try again later",
+                    AUDIT_TIMEOUT.as_secs()
+                ),
+            )
+        })??;
     Ok(build_report(store.name(), stats, known))
 }
+
+/// How long [`audit`] waits for the store's counts (one read of the whole
+/// records table, seconds for millions of records).
+pub const AUDIT_TIMEOUT: Duration = Duration::from_secs(300);
 
 /// [`audit`] against this binary's registry.
 pub async fn audit_registry(store: &dyn Store) -> Result<AuditReport, Error> {
@@ -432,13 +452,40 @@ fn build_report(store: &str, stats: Vec<ScopeStats>, known: &[KnownScope]) -> Au
 }
 
 fn rfc3339(ms: i64) -> String {
-    let t = UNIX_EPOCH + Duration::from_millis(ms.max(0) as u64);
-    humantime::format_rfc3339_seconds(t).to_string()
+    timestamp(ms, false)
+}
+
+/// `ms` after the Unix epoch as RFC 3339 (UTC), to the second or, with
+/// `millis`, the millisecond. A time past the year 9999 (RFC 3339 has four
+/// digits for the year; only a corrupt row or a wild database clock holds
+/// one) is written as the number of ms, never a panic.
+pub(crate) fn timestamp(ms: i64, millis: bool) -> String {
+    use std::fmt::Write;
+    let at = UNIX_EPOCH + Duration::from_millis(ms.max(0) as u64);
+    let mut text = String::new();
+    let written = if millis {
+        write!(text, "{}", humantime::format_rfc3339_millis(at))
+    } else {
+        write!(text, "{}", humantime::format_rfc3339_seconds(at))
+    };
+    match written {
+        Ok(()) => text,
+        Err(_) => format!("{ms} ms after the Unix epoch (past the year 9999)"),
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_time_past_the_year_9999_is_written_not_a_panic() {
+        assert_eq!(rfc3339(0), "1970-01-01T00:00:00Z");
+        assert_eq!(
+            rfc3339(300_000_000_000_000),
+            "300000000000000 ms after the Unix epoch (past the year 9999)"
+        );
+    }
 
     fn stats(scope: &str, complete: u64, stuck: u64, expired: u64) -> ScopeStats {
         ScopeStats {

@@ -46,7 +46,7 @@ use crate::Store;
 use clap::{Args, Parser, Subcommand};
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::{Duration, UNIX_EPOCH};
+use std::time::Duration;
 
 /// Inspect and maintain idempotency records: list the scopes of a manifest,
 /// audit a store against it, purge expired records, inspect or release one record.
@@ -632,13 +632,7 @@ fn no_record(identity: &Identity) -> CliError {
 /// `ms` since the epoch in RFC 3339; past the year 9999, which RFC 3339
 /// cannot write (a ttl or lease of thousands of years), as milliseconds.
 fn time(ms: i64) -> String {
-    use std::fmt::Write;
-    let at = UNIX_EPOCH + Duration::from_millis(ms.max(0) as u64);
-    let mut text = String::new();
-    match write!(text, "{}", humantime::format_rfc3339_millis(at)) {
-        Ok(()) => text,
-        Err(_) => format!("{ms} ms after the Unix epoch (past the year 9999)"),
-    }
+    crate::audit::timestamp(ms, true)
 }
 
 /// How far `ms` is from `now_ms`: "in 29s" or "12s ago" (whole seconds from

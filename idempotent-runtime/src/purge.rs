@@ -120,6 +120,9 @@ async fn run_of(
     Ok((total, max_batches))
 }
 
+/// How long [`PurgerHandle::shutdown`] lets the batch in flight run on.
+pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
+
 /// How often the background purger runs and how much it deletes per statement.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PurgerConfig {
@@ -264,15 +267,32 @@ impl PurgerHandle {
         self.stats.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
-    /// Stops the purger: the batch in flight finishes, no further batch starts.
-    /// Returns the final statistics once the task has ended.
+    /// Stops the purger: the batch in flight finishes, no further batch
+    /// starts. A batch still running after [`SHUTDOWN_GRACE`] (a very large
+    /// batch over a large backlog, a stalled database) is stopped where it
+    /// is: what its finished statements deleted stays deleted, and a
+    /// statement cut off is undone by the database. Returns the final
+    /// statistics once the task has ended.
     pub async fn shutdown(mut self) -> PurgerStats {
         let _ = self.stop.send(true);
-        if let Some(task) = self.task.take()
-            && let Err(e) = task.await
-            && e.is_panic()
-        {
-            tracing::error!("idempotency purger task panicked: {e}");
+        if let Some(mut task) = self.task.take() {
+            let ended = match tokio::time::timeout(SHUTDOWN_GRACE, &mut task).await {
+                Ok(ended) => ended,
+                Err(_) => {
+                    tracing::warn!(
+                        "idempotency purger: the batch in flight was still running {} s after \
+                         shutdown was asked; stopped where it was",
+                        SHUTDOWN_GRACE.as_secs()
+                    );
+                    task.abort();
+                    task.await
+                }
+            };
+            if let Err(e) = ended
+                && e.is_panic()
+            {
+                tracing::error!("idempotency purger task panicked: {e}");
+            }
         }
         self.stats()
     }

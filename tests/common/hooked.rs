@@ -37,6 +37,14 @@ pub trait Intercept: Send + Sync + 'static {
     ) -> Result<Fenced, StoreError> {
         inner.complete(completion).await
     }
+
+    async fn purge_expired(&self, inner: &MemoryStore, batch: u32) -> Result<u64, StoreError> {
+        inner.purge_expired(batch).await
+    }
+
+    async fn scope_stats(&self, inner: &MemoryStore) -> Result<Vec<ScopeStats>, StoreError> {
+        inner.scope_stats().await
+    }
 }
 
 /// A [`MemoryStore`] with a test's [`Intercept`] in front of it.
@@ -99,12 +107,12 @@ impl<I: Intercept> Store for Hooked<I> {
         self.inner.wait_for_change(i, max_wait, round).await
     }
     async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError> {
-        self.inner.purge_expired(batch).await
+        self.intercept.purge_expired(&self.inner, batch).await
     }
     async fn fetch(&self, i: &Identity) -> Result<Option<RecordSnapshot>, StoreError> {
         self.inner.fetch(i).await
     }
     async fn scope_stats(&self) -> Result<Vec<ScopeStats>, StoreError> {
-        self.inner.scope_stats().await
+        self.intercept.scope_stats(&self.inner).await
     }
 }

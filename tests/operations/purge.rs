@@ -9,7 +9,9 @@
 use crate::common;
 
 use idempotent_runtime::purge::{purge_all, Purger, PurgerConfig};
-use idempotent_runtime::{metrics, Identity, MemoryStore, RecordState, SqliteStore, Store};
+use idempotent_runtime::{
+    metrics, Identity, MemoryStore, RecordState, SqliteStore, Store, StoreError,
+};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -269,4 +271,46 @@ async fn shutdown_stops_the_purger_and_so_does_drop() {
     wait_for_clock(&store, &[&after_drop], false).await;
     tokio::time::sleep(Duration::from_millis(100)).await;
     assert!(store.fetch(&after_drop).await.expect("fetch").is_some());
+}
+
+/// A store whose purge and counts never answer (a stalled server, a lock on
+/// the whole records table).
+struct Stalled;
+
+#[async_trait::async_trait]
+impl common::hooked::Intercept for Stalled {
+    async fn purge_expired(&self, _: &MemoryStore, _: u32) -> Result<u64, StoreError> {
+        std::future::pending().await
+    }
+    async fn scope_stats(
+        &self,
+        _: &MemoryStore,
+    ) -> Result<Vec<idempotent_runtime::ScopeStats>, StoreError> {
+        std::future::pending().await
+    }
+}
+
+/// A purger whose batch never ends still shuts down (after its grace), and
+/// an audit of a store that never answers ends with an error that says so.
+/// The clock is paused: the bounds pass as soon as nothing else can run, and
+/// the guard below is an hour of it.
+#[tokio::test(start_paused = true)]
+async fn a_stalled_database_holds_up_neither_shutdown_nor_an_audit() {
+    let store = Arc::new(common::hooked::Hooked::new(Stalled));
+    let handle = Purger::spawn(
+        store.clone(),
+        PurgerConfig {
+            interval: Duration::from_millis(100),
+            batch: 10,
+        },
+    );
+    tokio::task::yield_now().await;
+    tokio::time::timeout(LONG, handle.shutdown())
+        .await
+        .expect("shutdown ends although the batch in flight never does");
+    let audited = tokio::time::timeout(LONG, idempotent_runtime::audit::audit(store.as_ref(), &[]))
+        .await
+        .expect("the audit ends");
+    let e = audited.expect_err("no answer is an error");
+    assert!(e.to_string().contains("stalled"), "{e}");
 }

@@ -692,6 +692,11 @@ pub fn polling_backoff(round: u32) -> Duration {
 #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
 pub(crate) const PURGE_CHUNK: u32 = 500;
 
+/// How long one purge statement (at most [`PURGE_CHUNK`] records, a few ms
+/// when the database answers) may go unanswered before the purge gives up.
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+pub const PURGE_CHUNK_TIMEOUT: Duration = Duration::from_secs(60);
+
 /// Purges up to `batch` records with `delete(n)` (one statement deleting at
 /// most `n`, in its own short transaction), [`PURGE_CHUNK`] at a time, until
 /// `batch` are gone or a statement finds fewer than it asked for. A purge
@@ -699,8 +704,18 @@ pub(crate) const PURGE_CHUNK: u32 = 500;
 /// statement for a large batch would hold thousands of expired records at
 /// once, and a reservation of one of them would wait behind it and answer
 /// `InProgress` for a record nobody is running.
+///
+/// A statement that has not answered after [`PURGE_CHUNK_TIMEOUT`] (a
+/// stalled server, a lock on the whole table) ends the purge with an error:
+/// a purge job, the command line and a purger's shutdown never wait for ever.
+/// The statement is abandoned with its connection; what it deletes is only
+/// ever expired.
 #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
-pub(crate) async fn purge_in_chunks<F, Fut>(batch: u32, mut delete: F) -> Result<u64, StoreError>
+pub(crate) async fn purge_in_chunks<F, Fut>(
+    store: &'static str,
+    batch: u32,
+    mut delete: F,
+) -> Result<u64, StoreError>
 where
     F: FnMut(u32) -> Fut,
     Fut: std::future::Future<Output = Result<u64, StoreError>>,
@@ -708,7 +723,20 @@ where
     let (mut deleted, mut left) = (0u64, batch);
     while left > 0 {
         let chunk = left.min(PURGE_CHUNK);
-        let gone = delete(chunk).await?;
+        let gone = tokio::time::timeout(PURGE_CHUNK_TIMEOUT, delete(chunk))
+            .await
+            .map_err(|_| {
+                StoreError::new(
+                    store,
+                    "purge expired records",
+                    format!(
+                        "a statement deleting at most {chunk} records had no answer after {} s: the \
+                         database is stalled, or a lock holds the records table (a long transaction, \
+                         LOCK TABLE); the purge stops here and the next run tries again",
+                        PURGE_CHUNK_TIMEOUT.as_secs()
+                    ),
+                )
+            })??;
         deleted = deleted.saturating_add(gone);
         if gone < u64::from(chunk) {
             break;
@@ -789,41 +817,50 @@ mod tests {
 
     /// Runs `purge_in_chunks(batch)` against a table of `expired` records;
     /// answers what was deleted and the size of each statement.
-    fn purge(batch: u32, expired: u64) -> (u64, Vec<u32>) {
+    async fn purge(batch: u32, expired: u64) -> (u64, Vec<u32>) {
         let asked = RefCell::new(Vec::new());
         let left = RefCell::new(expired);
-        let deleted = futures_util::FutureExt::now_or_never(purge_in_chunks(batch, |n| {
+        let deleted = purge_in_chunks("test", batch, |n| {
             asked.borrow_mut().push(n);
             let gone = u64::from(n).min(*left.borrow());
             *left.borrow_mut() -= gone;
             async move { Ok(gone) }
-        }))
-        .expect("ready at once")
+        })
+        .await
         .expect("no error");
         (deleted, asked.into_inner())
     }
 
-    #[test]
-    fn a_large_purge_runs_as_statements_of_at_most_one_chunk() {
+    #[tokio::test]
+    async fn a_large_purge_runs_as_statements_of_at_most_one_chunk() {
         let c = PURGE_CHUNK;
         assert_eq!(
-            purge(2 * c + 7, 10 * u64::from(c)),
+            purge(2 * c + 7, 10 * u64::from(c)).await,
             (u64::from(2 * c + 7), vec![c, c, 7])
         );
         // Stops at the first statement that finds fewer than it asked for.
         assert_eq!(
-            purge(u32::MAX, u64::from(c) + 3),
+            purge(u32::MAX, u64::from(c) + 3).await,
             (u64::from(c) + 3, vec![c, c])
         );
-        assert_eq!(purge(3, 100), (3, vec![3]));
-        assert_eq!(purge(0, 100), (0, vec![]));
-        assert_eq!(purge(c, 0), (0, vec![c]));
+        assert_eq!(purge(3, 100).await, (3, vec![3]));
+        assert_eq!(purge(0, 100).await, (0, vec![]));
+        assert_eq!(purge(c, 0).await, (0, vec![c]));
     }
 
-    #[test]
-    fn a_failing_statement_ends_the_purge_with_its_error() {
+    /// A statement the database never answers (paused clock: the bound
+    /// passes at once) ends the purge with an error that says why.
+    #[tokio::test(start_paused = true)]
+    async fn a_statement_that_never_answers_ends_the_purge() {
+        let answer = purge_in_chunks("test", u32::MAX, |_| std::future::pending()).await;
+        let e = answer.expect_err("gives up");
+        assert!(e.to_string().contains("stalled"), "{e}");
+    }
+
+    #[tokio::test]
+    async fn a_failing_statement_ends_the_purge_with_its_error() {
         let calls = RefCell::new(0);
-        let answer = futures_util::FutureExt::now_or_never(purge_in_chunks(u32::MAX, |n| {
+        let answer = purge_in_chunks("test", u32::MAX, |n| {
             *calls.borrow_mut() += 1;
             let first = *calls.borrow() == 1;
             async move {
@@ -833,8 +870,8 @@ mod tests {
                     Err(crate::error::StoreError::new("test", "purge", "down"))
                 }
             }
-        }))
-        .expect("ready at once");
+        })
+        .await;
         assert!(answer.is_err());
         assert_eq!(*calls.borrow(), 2);
     }

@@ -931,7 +931,7 @@ impl Store for MySqlStore {
     crate::store::detached::hand_over_to_the_worker!();
 
     async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError> {
-        super::purge_in_chunks(batch, |chunk| async move {
+        super::purge_in_chunks(STORE, batch, |chunk| async move {
             let row: MySqlRow = sqlx::query("CALL idempotency_purge(?)")
                 .bind(i64::from(chunk))
                 .fetch_one(&*self.pools.current())

@@ -835,7 +835,7 @@ impl Store for PgStore {
     }
 
     async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError> {
-        super::purge_in_chunks(batch, |chunk| async move {
+        super::purge_in_chunks(STORE, batch, |chunk| async move {
             let done = sqlx::query(PURGE_SQL)
                 .bind(i64::from(chunk))
                 .execute(&*self.pools.current())

@@ -1614,7 +1614,7 @@ impl Store for SqliteStore {
         // The write gate is taken for each chunk, so other writers get in
         // between.
         const OP: &str = "purge expired records";
-        super::purge_in_chunks(batch, |chunk| {
+        super::purge_in_chunks(STORE, batch, |chunk| {
             self.write_in_turn(OP, move |pool| async move {
                 let done = sqlx::query(PURGE_SQL)
                     .bind(i64::from(chunk))
