@@ -1369,6 +1369,84 @@ async fn an_in_progress_record_met_under_serializable_refuses_the_transaction() 
     );
 }
 
+/// Gives the pool's connection back inside a transaction that is never ended,
+/// as code sharing the pool does with a plain `BEGIN` and an early return.
+async fn leave_a_transaction_open(pool: &MySqlPool) {
+    let mut conn = pool.acquire().await.expect("connection");
+    conn.execute("BEGIN").await.expect("begin");
+    sqlx::query("SELECT COUNT(*) FROM idempotency_records")
+        .fetch_one(&mut *conn)
+        .await
+        .expect("a read in it");
+}
+
+/// A store on a pool it shares with application code, which gave the one
+/// connection back inside a transaction it began and never ended: the
+/// store's reservation and completion were written inside that
+/// transaction, unseen by anyone else and rolled back with it, so a retry
+/// ran the body again. The store writes on a connection outside any
+/// transaction (the left-open one is closed, rolling its transaction back).
+#[tokio::test]
+async fn a_transaction_left_open_on_a_shared_pool_does_not_swallow_the_record() {
+    let Some(admin) = mysql_store_or_skip().await else {
+        return;
+    };
+    if !store_is_mariadb(&admin).await {
+        return; // MySQL 8 cannot tell (no @@in_transaction)
+    }
+    let pool = MySqlPoolOptions::new()
+        .max_connections(1)
+        .connect(&mysql_url())
+        .await
+        .expect("pool");
+    let store = MySqlStore::from_pool(pool.clone()).await.expect("store");
+    let identity = Identity::new(fresh_tenant(), "edges.left_open", "k").expect("identity");
+    let f = fp("a");
+    let token = OwnerToken::new();
+
+    leave_a_transaction_open(&pool).await;
+    let got = store
+        .reserve(request(&identity, Some(&f), &token, LONG, LONG))
+        .await
+        .expect("reserve");
+    assert_eq!(got, Reservation::FRESH);
+    let seen = admin.fetch(&identity).await.expect("fetch");
+    assert!(
+        seen.is_some_and(|r| r.state == idempotent_runtime::RecordState::InProgress),
+        "the reservation is committed, seen by others"
+    );
+
+    leave_a_transaction_open(&pool).await;
+    assert_eq!(
+        store
+            .complete(Completion::by_body(&identity, &token, &ok(b"5"), LONG))
+            .await
+            .expect("complete"),
+        Fenced::Written
+    );
+    let seen = admin
+        .fetch(&identity)
+        .await
+        .expect("fetch")
+        .expect("record");
+    assert_eq!(
+        seen.state,
+        idempotent_runtime::RecordState::Complete,
+        "the completion is committed"
+    );
+
+    leave_a_transaction_open(&pool).await;
+    let retry = OwnerToken::new();
+    assert_eq!(
+        store
+            .reserve(request(&identity, Some(&f), &retry, LONG, LONG))
+            .await
+            .expect("reserve"),
+        Reservation::Completed(ok(b"5")),
+        "a retry replays"
+    );
+}
+
 /// A store on a pool whose sessions have autocommit off (`SET SESSION
 /// autocommit = 0` in `after_connect`, as a server's `autocommit = 0` does),
 /// with `connections` connections.

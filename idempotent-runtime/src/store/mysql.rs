@@ -168,7 +168,10 @@ impl MySqlStore {
 /// transaction of its own, whose answer is final. Without that, on a session
 /// with autocommit off a completion would stay in the session's open
 /// transaction, unseen by others and rolled back when the connection closes,
-/// and after the lease a retry would run the body again.
+/// and after the lease a retry would run the body again. The same for a
+/// session left inside a transaction another user of the pool began and
+/// never ended (MariaDB: the first statement matches nothing there too; the
+/// second runs on a connection outside any, see [`clean_connection`]).
 macro_rules! committed {
     ($pool:expr, $op:literal, |$on:ident, $commit:ident| $write:expr) => {{
         let pool: &MySqlPool = $pool;
@@ -179,7 +182,10 @@ macro_rules! committed {
         if done.is_written() {
             Ok(done)
         } else {
-            let mut tx = pool.begin().await.map_err(err($op))?;
+            let mut conn = clean_connection(pool, true).await?;
+            let mut tx = sqlx::Connection::begin(&mut *conn)
+                .await
+                .map_err(err($op))?;
             let done = {
                 let ($on, $commit) = (&mut *tx, Commit::WithTheTransaction);
                 $write.await?
@@ -202,14 +208,70 @@ enum Commit {
 
 impl Commit {
     /// The condition the write's `WHERE` ends with. MySQL folds the session
-    /// variable into a constant: with autocommit off the statement is an
-    /// "impossible WHERE" that reads and locks no row.
+    /// variables into a constant: with autocommit off, or (MariaDB, which
+    /// alone runs what a `/*M! */` comment holds) inside a transaction left
+    /// open by another user of the pool, the statement is an "impossible
+    /// WHERE" that reads and locks no row.
     fn condition(self) -> &'static str {
         match self {
             Commit::WithTheTransaction => "",
-            Commit::Autocommit => " AND @@SESSION.autocommit = 1",
+            Commit::Autocommit => {
+                " AND @@SESSION.autocommit = 1 /*M! AND @@SESSION.in_transaction = 0 */"
+            }
         }
     }
+}
+
+/// A connection of `pool` outside any transaction, for the store's own
+/// writes. A pool shared with application code may hand over a session that
+/// code left inside a transaction it began and never ended (a plain `BEGIN`,
+/// then an early return): a reservation or a completion written there would
+/// be rolled back with it, and a retry would run the body again. Such a
+/// connection is closed, which rolls that transaction back (as sqlx does for
+/// a `Transaction` dropped unfinished), with a warning, and another taken.
+/// `check`: ask (MariaDB's `@@in_transaction`; MySQL 8 has none and is not
+/// asked). A session with autocommit off is left as it is: the store's
+/// statements handle it.
+async fn clean_connection(
+    pool: &MySqlPool,
+    check: bool,
+) -> Result<sqlx::pool::PoolConnection<MySql>, StoreError> {
+    const OP: &str = "take a connection outside any transaction";
+    let tries = pool.options().get_max_connections().saturating_add(1);
+    for _ in 0..tries {
+        let mut conn = pool.acquire().await.map_err(err(OP))?;
+        if !check {
+            return Ok(conn);
+        }
+        let left_open: Result<i64, sqlx::Error> =
+            sqlx::query_scalar("SELECT CAST(@@autocommit = 1 AND @@in_transaction = 1 AS SIGNED)")
+                .fetch_one(&mut *conn)
+                .await;
+        match left_open {
+            Ok(0) => return Ok(conn),
+            Ok(_) => {
+                tracing::warn!(target: "idempotent", store = STORE,
+                    "the pool handed over a connection left inside a transaction that other code \
+                     began and never ended (a BEGIN without COMMIT or ROLLBACK); closing it, which \
+                     rolls that transaction back");
+                conn.close_on_drop();
+            }
+            // MySQL 8: no `@@in_transaction`.
+            Err(sqlx::Error::Database(e))
+                if error_number(&*e) == Some(ER_UNKNOWN_SYSTEM_VARIABLE) =>
+            {
+                return Ok(conn)
+            }
+            Err(e) => return Err(err(OP)(e)),
+        }
+    }
+    Err(StoreError::new(
+        STORE,
+        OP,
+        "every connection the pool handed over was inside a transaction that other code began \
+         and never ended; end transactions on the pool's connections (COMMIT or ROLLBACK) before \
+         giving them back, or give the store a pool of its own",
+    ))
 }
 
 /// The worker that finishes dropped calls' records with the store's fenced
@@ -434,7 +496,7 @@ const READ_SQL: &str = concat!(
     "CAST(COALESCE(expires_at <= (UNIX_TIMESTAMP() * 1000 + FLOOR(MICROSECOND(NOW(6)) / 1000)) ",
     "AND (state = 'complete' OR lease_expires_at <= ",
     "(UNIX_TIMESTAMP() * 1000 + FLOOR(MICROSECOND(NOW(6)) / 1000))), 0) AS SIGNED) AS expired, ",
-    "CAST(@@SESSION.autocommit AS SIGNED) AS autocommit ",
+    "CAST(@@SESSION.autocommit = 1 /*M! AND @@SESSION.in_transaction = 0 */ AS SIGNED) AS autocommit ",
     "FROM idempotency_records WHERE tenant = ? AND scope = ? AND `key` = ?"
 );
 
@@ -456,18 +518,19 @@ const READ_SQL: &str = concat!(
 /// deadlock between waiters). The row's values are plain `VALUES`: an
 /// `INSERT … SELECT` from a derived table, which carried the guard below in
 /// its `WHERE`, cost a fifth of a replay's speed. On a session with
-/// autocommit off the row's `state` is `NULL`, which the `NOT NULL` column
-/// refuses (error 1048, in any SQL mode for a one-row insert) before
-/// anything is written or locked: the row would stay in the session's open
-/// transaction, and a commit sent after it could be cut off by a caller
-/// dropped in between. The procedure answers then, in one `CALL`, as it does
-/// for an expired record or a lease that ran out.
+/// autocommit off, or left inside a transaction by another user of the pool,
+/// the row's `state` is `NULL`, which the `NOT NULL` column refuses (error
+/// 1048, in any SQL mode for a one-row insert) before anything is written or
+/// locked: the row would stay in the session's open transaction (rolled back
+/// with it, or its commit cut off by a caller dropped in between). The
+/// procedure answers then, in one `CALL` on a connection outside any
+/// transaction, as it does for an expired record or a lease that ran out.
 const INSERT_OR_READ_SQL: &str = concat!(
     "SET STATEMENT innodb_lock_wait_timeout = 0 FOR ",
     "INSERT INTO idempotency_records ",
     "(tenant, scope, `key`, state, fingerprint, owner_token, is_error, result, ",
     "lease_expires_at, expires_at, created_at, updated_at, attempt, attempt_started_at, recovered) ",
-    "VALUES (?, ?, ?, IF(@@SESSION.autocommit = 1, 'in_progress', NULL), ?, ?, ",
+    "VALUES (?, ?, ?, IF(@@SESSION.autocommit = 1 AND @@SESSION.in_transaction = 0, 'in_progress', NULL), ?, ?, ",
     "IF((@idempotency_existed := 0) = 0, 0, 0), NULL, ",
     "UNIX_TIMESTAMP() * 1000 + FLOOR(MICROSECOND(NOW(6)) / 1000) + ?, ",
     "UNIX_TIMESTAMP() * 1000 + FLOOR(MICROSECOND(NOW(6)) / 1000) + ?, ",
@@ -588,7 +651,9 @@ async fn reserve_through_store(
     if mariadb {
         match insert_or_read(pool, request).await? {
             InsertOrRead::Answered(answer) => return Ok(answer),
-            InsertOrRead::Decide => return reserve_through_the_procedure(pool, request).await,
+            InsertOrRead::Decide => {
+                return reserve_through_the_procedure(pool, request, mariadb).await
+            }
             InsertOrRead::Held => {} // the plain read below, then the procedure
         }
     }
@@ -617,7 +682,7 @@ async fn reserve_through_store(
             return Ok(answer);
         }
     }
-    reserve_through_the_procedure(pool, request).await
+    reserve_through_the_procedure(pool, request, mariadb).await
 }
 
 /// The reservation procedure (`idempotency_reserve_v4`): its answer as one
@@ -651,13 +716,16 @@ enum Answer {
     StaleSnapshot,
 }
 
-/// A reservation through the store: the procedure never answers
+/// A reservation through the store, on a connection outside any transaction
+/// ([`clean_connection`]; asked on MariaDB): the procedure never answers
 /// `stale_snapshot` there.
 async fn reserve_through_the_procedure(
     pool: &MySqlPool,
     request: ReserveRequest<'_>,
+    mariadb: bool,
 ) -> Result<Reservation, StoreError> {
-    match reserve_with(pool, request, STORE_LOCK_WAIT_S, true).await? {
+    let mut conn = clean_connection(pool, mariadb).await?;
+    match reserve_with(&mut *conn, request, STORE_LOCK_WAIT_S, true).await? {
         Answer::Reservation(reservation) => Ok(reservation),
         Answer::StaleSnapshot => Err(StoreError::new(
             STORE,
