@@ -672,6 +672,9 @@ where
                 guard.arm(true);
             }
             Some(result) => {
+                // The hook answered (settle keeps the record for the next
+                // takeover itself when its error is not recorded).
+                guard.keep_for_takeover = false;
                 METRICS.recovered.fetch_add(1, Ordering::Relaxed);
                 report(Outcome::Recovered);
                 let mut sink = StoreSink {
@@ -713,6 +716,9 @@ where
             std::panic::resume_unwind(panic);
         }
     };
+    // The body answered: from here on the record is released or recorded
+    // as the answer says (rule 13), also if this call is dropped meanwhile.
+    guard.keep_for_takeover = false;
     crate::metrics::body_time(
         spec.scope,
         if result.is_ok() { "ok" } else { "err" },

@@ -38,6 +38,15 @@ pub trait Intercept: Send + Sync + 'static {
         inner.complete(completion).await
     }
 
+    async fn release(
+        &self,
+        inner: &MemoryStore,
+        i: &Identity,
+        t: &OwnerToken,
+    ) -> Result<Fenced, StoreError> {
+        inner.release(i, t).await
+    }
+
     async fn purge_expired(&self, inner: &MemoryStore, batch: u32) -> Result<u64, StoreError> {
         inner.purge_expired(batch).await
     }
@@ -89,7 +98,7 @@ impl<I: Intercept> Store for Hooked<I> {
         self.intercept.complete(&self.inner, completion).await
     }
     async fn release(&self, i: &Identity, t: &OwnerToken) -> Result<Fenced, StoreError> {
-        self.inner.release(i, t).await
+        self.intercept.release(&self.inner, i, t).await
     }
     fn release_detached(&self, i: Identity, t: OwnerToken) {
         self.inner.release_detached(i, t)

@@ -157,3 +157,65 @@ async fn mysql() {
     };
     both(&store).await;
 }
+
+/// A store whose first release fails (a connection reset).
+#[derive(Default)]
+struct FirstReleaseFails(std::sync::atomic::AtomicBool);
+
+#[async_trait::async_trait]
+impl crate::common::hooked::Intercept for FirstReleaseFails {
+    async fn release(
+        &self,
+        inner: &MemoryStore,
+        i: &Identity,
+        t: &idempotent_runtime::OwnerToken,
+    ) -> Result<idempotent_runtime::Fenced, idempotent_runtime::StoreError> {
+        if !self.0.swap(true, std::sync::atomic::Ordering::SeqCst) {
+            return Err(idempotent_runtime::StoreError::new(
+                "hooked",
+                "release",
+                "connection reset",
+            ));
+        }
+        inner.release(i, t).await
+    }
+}
+
+async fn find_no_charge(_: &Takeover) -> Result<Recovery<u32>, Declined> {
+    Ok(Recovery::Run)
+}
+
+#[idempotent(scope = "recovery.declined", key = key, tenant = shared, store = store,
+             lease = "30s", recover = find_no_charge)]
+async fn declined(store: &dyn Store, key: &str) -> Result<u32, Declined> {
+    let _ = (store, key);
+    Err(Declined)
+}
+
+/// The gateway's refusal.
+#[derive(Debug)]
+struct Declined;
+
+impl From<Error> for Declined {
+    fn from(_: Error) -> Self {
+        Declined
+    }
+}
+
+/// A body's `Err` is an answer, not an uncertain outcome (rule 13): its
+/// record is released even when the release statement fails (the store's
+/// worker makes it), never kept for the hook as a dropped call's is.
+#[tokio::test]
+async fn a_body_error_whose_release_fails_is_still_released() {
+    let store = crate::common::hooked::Hooked::new(FirstReleaseFails::default());
+    let key = format!("k-{}", uuid::Uuid::new_v4());
+    let identity = Identity::shared("recovery.declined", key.as_str()).expect("identity");
+    assert!(declined(&store, &key).await.is_err());
+    tokio::time::timeout(Duration::from_secs(30), async {
+        while store.fetch(&identity).await.expect("fetch").is_some() {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await
+    .expect("the record is released, not kept in progress for a takeover");
+}

@@ -1447,6 +1447,105 @@ async fn a_transaction_left_open_on_a_shared_pool_does_not_swallow_the_record() 
     );
 }
 
+/// A transaction takes over a crashed owner's record whose lease ran out
+/// before the transaction began, whatever the session's time zone: the
+/// transaction's start (`information_schema.innodb_trx`, the server's local
+/// time) was read in the session's zone, and a session ahead of the server
+/// (`+05:00`) was refused as stale for hours.
+#[tokio::test]
+async fn a_takeover_in_a_session_of_another_time_zone_is_not_refused() {
+    let Some(store) = mysql_store_or_skip().await else {
+        return;
+    };
+    let identity = Identity::new(fresh_tenant(), "edges.time_zone", "k").expect("identity");
+    let f = fp("a");
+    let crashed = OwnerToken::new();
+    assert_eq!(
+        store
+            .reserve(request(
+                &identity,
+                Some(&f),
+                &crashed,
+                Duration::from_millis(1),
+                LONG
+            ))
+            .await
+            .expect("the owner reserves"),
+        Reservation::FRESH
+    );
+    until_clock(&store, &identity, |s| {
+        s.lease_expires_at_ms.is_some_and(|l| l <= s.now_ms)
+    })
+    .await;
+    // A transaction begun in a later second than the lease's end.
+    let second = |pool: MySqlPool| async move {
+        sqlx::query_scalar::<_, i64>("SELECT CAST(UNIX_TIMESTAMP() AS SIGNED)")
+            .fetch_one(&pool)
+            .await
+            .expect("clock")
+    };
+    let now = second(store.pool().clone()).await;
+    for zone in ["+05:00", "-05:00"] {
+        while second(store.pool().clone()).await == now {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let mut tx = store.pool().begin().await.expect("begin");
+        sqlx::query(&format!("SET time_zone = '{zone}'"))
+            .execute(&mut *tx)
+            .await
+            .expect("zone");
+        let token = OwnerToken::new();
+        let got = tx
+            .reserve_in_transaction(request(&identity, Some(&f), &token, LONG, LONG), WAIT)
+            .await;
+        tx.rollback().await.expect("rollback");
+        assert!(
+            matches!(
+                got,
+                Ok(Reservation::Acquired {
+                    took_over: true,
+                    ..
+                })
+            ),
+            "{zone}: {got:?}"
+        );
+    }
+}
+
+/// A transaction whose snapshot is older than a store-mode owner's
+/// in-progress record, calling with other arguments: its insert meets the
+/// record and its re-read locks it, so the answer (a mismatch) would leave
+/// the transaction holding a lock that keeps the owner from renewing its
+/// lease for as long as it stays open. Refused as a transaction that must
+/// end (`StaleSnapshot`), as an in-progress answer there is.
+#[tokio::test]
+async fn a_mismatch_that_locked_a_live_record_refuses_the_transaction() {
+    let Some(store) = mysql_store_or_skip().await else {
+        return;
+    };
+    let tenant = fresh_tenant();
+    let identity = Identity::new(&tenant, "edges.locked_mismatch", "k").expect("identity");
+    let mut stale = store.pool().begin().await.expect("begin");
+    snapshot_now(&mut stale, &tenant).await;
+    let owner = OwnerToken::new();
+    assert_eq!(
+        store
+            .reserve(request(&identity, Some(&fp("a")), &owner, LONG, LONG))
+            .await
+            .expect("the owner reserves"),
+        Reservation::FRESH
+    );
+    let token = OwnerToken::new();
+    let got = stale
+        .reserve_in_transaction(request(&identity, Some(&fp("b")), &token, LONG, LONG), WAIT)
+        .await;
+    stale.rollback().await.expect("rollback");
+    assert!(
+        matches!(got, Err(Error::StaleSnapshot { store: "mysql", .. })),
+        "{got:?}"
+    );
+}
+
 /// A store on a pool whose sessions have autocommit off (`SET SESSION
 /// autocommit = 0` in `after_connect`, as a server's `autocommit = 0` does),
 /// with `connections` connections.

@@ -12,14 +12,16 @@
 -- body ran twice. Now, in transactional mode (p_own_tx = 0):
 -- * a take-over or replacement of an in-progress record whose lease ran out
 --   at or after the transaction's start (information_schema.innodb_trx,
---   whole seconds, rounded down) is answered 'stale_snapshot', before any
+--   whole seconds of the server's local time, rounded down; read with the
+--   privileges of the procedure's definer, who needs PROCESS) is answered
+--   'stale_snapshot', before any
 --   write or lock: the snapshot may be older than the renewals, and a lock an
 --   earlier call in the transaction took may be what kept the owner from
 --   renewing. When the start cannot be read, the fence decides, as before;
--- * an in-progress answer reached after a write of the call that did not
---   take effect (the transaction then holds a lock on the row) is answered
---   'stale_snapshot' too: the transaction must end before the owner's next
---   heartbeat waits on it.
+-- * an in-progress or mismatch answer about an in-progress record, reached
+--   after a write of the call that did not take effect (the transaction then
+--   holds a lock on the row), is answered 'stale_snapshot' too: the
+--   transaction must end before the owner's next heartbeat waits on it.
 -- The runtime refuses both with Error::StaleSnapshot (roll back, retry in a
 -- new transaction). An older runtime calling v4 gets a store error for these
 -- answers (an outcome it does not know), never a second run.
@@ -89,6 +91,7 @@ BEGIN
     DECLARE v_rows BIGINT;
     DECLARE v_old_wait BIGINT DEFAULT NULL;
     DECLARE v_old_autocommit BIGINT DEFAULT NULL;
+    DECLARE v_in_tx TINYINT DEFAULT 0;             -- a caller's transaction holds what this CALL locks
     DECLARE v_trx_checked TINYINT DEFAULT 0;       -- the transaction's start was asked for
     DECLARE v_trx_started_ms BIGINT DEFAULT NULL;  -- when it began (ms, rounded down), if known
     DECLARE CONTINUE HANDLER FOR NOT FOUND SET v_found = 0;
@@ -111,6 +114,19 @@ BEGIN
     IF p_tenant IS NULL OR p_scope IS NULL OR p_key IS NULL THEN
         SIGNAL SQLSTATE '45000' SET MESSAGE_TEXT =
             'idempotency_reserve: tenant, scope or key is NULL; sql_mode EMPTY_STRING_IS_NULL turns the shared tenant into NULL';
+    END IF;
+    -- Transactional mode in a transaction (the runtime calls it only so; a
+    -- direct call on an autocommit session commits each statement, and its
+    -- locks end with them). MySQL 8 has no @@in_transaction: in a transaction.
+    IF p_own_tx = 0 THEN
+        IF @@SESSION.autocommit = 0 THEN
+            SET v_in_tx = 1;
+        ELSE
+            BEGIN
+                DECLARE CONTINUE HANDLER FOR SQLEXCEPTION SET v_in_tx = 1;
+                SET v_in_tx = @@SESSION.in_transaction;
+            END;
+        END IF;
     END IF;
     IF p_own_tx = 1 AND @@SESSION.autocommit = 0 THEN
         -- The store's statements each commit on their own.
@@ -175,17 +191,22 @@ BEGIN
         END IF;
         -- Transactional mode: a lease that ran out after the transaction
         -- began is not this transaction's to take over (see the top).
-        IF p_own_tx = 0 AND v_state = 'in_progress' AND v_decision IN ('take_over', 'replace') THEN
+        IF v_in_tx = 1 AND v_state = 'in_progress' AND v_decision IN ('take_over', 'replace') THEN
             IF v_trx_checked = 0 THEN
                 SET v_trx_checked = 1;
                 BEGIN
                     -- No row, or no PROCESS privilege for the procedure's
                     -- definer: unknown, and the fence alone decides.
+                    DECLARE v_session_zone VARCHAR(64) DEFAULT @@SESSION.time_zone;
                     DECLARE CONTINUE HANDLER FOR NOT FOUND SET v_trx_started_ms = NULL;
                     DECLARE CONTINUE HANDLER FOR SQLEXCEPTION SET v_trx_started_ms = NULL;
+                    -- trx_started is the server's local time (the operating
+                    -- system's zone), whatever the session's: read it there.
+                    SET SESSION time_zone = 'SYSTEM';
                     SELECT UNIX_TIMESTAMP(trx_started) * 1000 INTO v_trx_started_ms
                       FROM information_schema.innodb_trx
                      WHERE trx_mysql_thread_id = CONNECTION_ID() LIMIT 1;
+                    SET SESSION time_zone = v_session_zone;
                 END;
             END IF;
             IF v_trx_started_ms IS NOT NULL AND v_lease >= v_trx_started_ms THEN
@@ -193,9 +214,11 @@ BEGIN
             END IF;
         END IF;
         -- Transactional mode, after a write of this call that did not take
-        -- effect: the transaction holds a lock on the row, which must not
-        -- outlive an in-progress answer (see the top).
-        IF p_own_tx = 0 AND v_latest = 1 AND v_decision = 'in_progress' THEN
+        -- effect: the transaction holds a lock on the row (the failed write's,
+        -- the locking re-read's), which must not outlive an answer about an
+        -- in-progress record, in progress or a mismatch (see the top).
+        IF v_in_tx = 1 AND v_latest = 1 AND v_state = 'in_progress'
+           AND v_decision IN ('in_progress', 'mismatch') THEN
             SET v_decision = 'stale_snapshot';
         END IF;
         IF v_decision IN ('acquired', 'completed', 'mismatch', 'in_progress', 'stale_snapshot') THEN

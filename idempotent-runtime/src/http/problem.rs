@@ -151,7 +151,8 @@ pub fn retry_after_secs(d: Duration) -> u64 {
 /// | `InvalidKey`, `InvalidTenant` | 400 |
 /// | `FingerprintMismatch` | 422 |
 /// | `InProgress` | 409 + `Retry-After` (whole seconds, ≥ 1) |
-/// | `Store`, `StaleSnapshot` | 503 |
+/// | `Store` | 503 |
+/// | `StaleSnapshot` | 503 + `Retry-After: 1` |
 /// | everything else (`LeaseLost`, `ResultTooLarge`, `NoDefaultStore`, ...) | 500 |
 ///
 /// The detail of a 5xx does not repeat server internals (database messages):
@@ -199,13 +200,28 @@ pub fn problem_for(error: &Error) -> Problem {
             p.retry_after = Some(secs);
             p
         }
-        Error::Store(_) | Error::StaleSnapshot { .. } => Problem::new(
+        Error::Store(_) => Problem::new(
             StatusCode::SERVICE_UNAVAILABLE,
             STORE_UNAVAILABLE,
             "Idempotency store unavailable",
             "The server could not reach its idempotency store, so the request was not \
              processed safely. Retry later with the same Idempotency-Key.",
         ),
+        // The server's transaction could not take the record (another
+        // request with this key may hold it, or held it just now): nothing
+        // ran, and a new transaction can.
+        Error::StaleSnapshot { .. } => {
+            let mut p = Problem::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                STORE_UNAVAILABLE,
+                "Request not processed; retry",
+                "The server's transaction could not take this request's record (another request \
+                 with this Idempotency-Key may be running), so nothing was processed. Retry the \
+                 same request with the same key shortly.",
+            );
+            p.retry_after = Some(1);
+            p
+        }
         Error::LeaseLost(_) => Problem::new(
             StatusCode::INTERNAL_SERVER_ERROR,
             LEASE_LOST,

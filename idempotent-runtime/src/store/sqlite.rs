@@ -975,8 +975,13 @@ impl std::ops::DerefMut for BusyTimeoutCut {
 
 impl Drop for BusyTimeoutCut {
     fn drop(&mut self) {
-        if self.cut.is_some() {
+        if let Some((key, _)) = self.cut {
             self.conn.close_on_drop();
+            // Closed, not given back: nothing to restore (0: the cut was
+            // still being made, and nothing was listed).
+            if key != 0 {
+                super::sqlite_tx::forget_busy_timeout(key);
+            }
         }
     }
 }

@@ -171,6 +171,17 @@ pub(super) async fn set_busy_timeout(
     Ok((key, original))
 }
 
+/// Forgets a change `set_busy_timeout` made to a connection that is being
+/// closed instead of put back (nothing is left to restore), so the pools'
+/// release hook goes back to its one atomic load.
+pub(super) fn forget_busy_timeout(key: usize) {
+    let mut changed = changed_timeouts();
+    changed.remove(&key);
+    if changed.is_empty() {
+        ANY_CHANGED.store(false, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
 /// Puts back the busy timeout `set_busy_timeout` changed.
 pub(super) async fn put_back_busy_timeout(
     conn: &mut SqliteConnection,
@@ -181,11 +192,7 @@ pub(super) async fn put_back_busy_timeout(
     let raw = handle.as_raw_handle().as_ptr();
     // SAFETY: as in `set_busy_timeout`.
     unsafe { libsqlite3_sys::sqlite3_busy_timeout(raw, original) };
-    let mut changed = changed_timeouts();
-    changed.remove(&key);
-    if changed.is_empty() {
-        ANY_CHANGED.store(false, std::sync::atomic::Ordering::SeqCst);
-    }
+    forget_busy_timeout(key);
     Ok(())
 }
 
