@@ -309,6 +309,11 @@ async fn mysql_a_failing_hook_is_asked_again_at_once() {
                 })
                 .await
                 .expect("the server's clock moves on");
+                // MySQL shows transactions (information_schema.INNODB_TRX)
+                // through a cache refreshed at most every 0.1 s: one still
+                // showing this connection's previous transaction would give
+                // this one an older start.
+                tokio::time::sleep(Duration::from_millis(200)).await;
                 let mut tx = pool.begin().await.unwrap();
                 // The transaction begins with its first statement.
                 sqlx::query("SELECT 1 FROM idempotency_records LIMIT 1")

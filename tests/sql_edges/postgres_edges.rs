@@ -830,3 +830,81 @@ async fn a_body_error_after_its_transaction_was_aborted_is_the_callers_answer() 
         );
     }
 }
+
+/// A store on a pool it shares with application code, which gives its one
+/// connection back inside a transaction it began and never ended (a plain
+/// `BEGIN`, then an early return), or with its `search_path` changed: the
+/// store's reservation and completion were written inside that transaction,
+/// unseen by others and rolled back with it, and a retry ran the body again.
+/// The store's statements run on connections of its own.
+#[tokio::test]
+async fn a_transaction_left_open_on_a_shared_pool_does_not_swallow_the_record() {
+    use idempotent_runtime::{Completion, Fenced, Identity, OwnerToken, PgStore, RecordState};
+    use idempotent_runtime::{Fingerprint, Reservation, ReserveRequest, Store, StoredOutcome};
+    let Some(admin) = pg_store_or_skip().await else {
+        return;
+    };
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .connect(&pg_url())
+        .await
+        .expect("pool");
+    let store = PgStore::from_pool(pool.clone()).await.expect("store");
+    let leave_it_open = |pool: sqlx::PgPool| async move {
+        let mut conn = pool.acquire().await.expect("connection");
+        conn.execute("BEGIN; SET LOCAL search_path = pg_catalog")
+            .await
+            .expect("begin");
+    };
+    let identity = Identity::new(fresh_tenant(), "edges.left_open", "k").expect("identity");
+    let f = Fingerprint::of("a").expect("fingerprint");
+    let request = |token| ReserveRequest {
+        identity: &identity,
+        fingerprint: Some(&f),
+        token,
+        lease: Duration::from_secs(3600),
+        ttl: Duration::from_secs(3600),
+    };
+    let token = OwnerToken::new();
+    leave_it_open(pool.clone()).await;
+    assert_eq!(
+        store.reserve(request(&token)).await.expect("reserve"),
+        Reservation::FRESH
+    );
+    let seen = admin.fetch(&identity).await.expect("fetch");
+    assert!(
+        seen.is_some_and(|r| r.state == RecordState::InProgress),
+        "the reservation is committed, seen by others"
+    );
+    let done = StoredOutcome {
+        is_error: false,
+        payload: b"5".to_vec(),
+    };
+    assert_eq!(
+        store
+            .complete(Completion::by_body(
+                &identity,
+                &token,
+                &done,
+                Duration::from_secs(3600)
+            ))
+            .await
+            .expect("complete"),
+        Fenced::Written
+    );
+    // The application's transaction ends (rolled back).
+    pool.acquire()
+        .await
+        .expect("connection")
+        .execute("ROLLBACK")
+        .await
+        .expect("rollback");
+    assert_eq!(
+        store
+            .reserve(request(&OwnerToken::new()))
+            .await
+            .expect("reserve"),
+        Reservation::Completed(done),
+        "a retry replays"
+    );
+}

@@ -1696,7 +1696,7 @@ async fn a_call_dropped_while_its_busy_timeout_is_cut_leaves_the_pool_as_it_was(
     holder.execute("COMMIT").await.expect("free the lock");
     let mut connections = Vec::new();
     for _ in 0..2 {
-        let mut conn = store.pool().acquire().await.expect("a pool connection");
+        let mut conn = store.own_pool().acquire().await.expect("a pool connection");
         let busy: i64 = sqlx::query_scalar("PRAGMA busy_timeout")
             .fetch_one(&mut *conn)
             .await
@@ -1754,5 +1754,99 @@ async fn a_rejected_fresh_key_behind_another_writer_retries_after_a_short_pause(
         600
     );
     tx.commit().await.expect("commit");
+    remove(&path);
+}
+
+/// A store on a pool it shares with application code, which gives its one
+/// connection back inside a transaction it began and never ended (a plain
+/// `BEGIN` and a read, then an early return): the store's reservation and
+/// completion were written inside that transaction, unseen by others and
+/// rolled back with it, and a retry ran the body again. For a file database
+/// the store's statements run on connections of its own.
+#[tokio::test]
+async fn a_transaction_left_open_on_a_shared_pool_does_not_swallow_the_record() {
+    use idempotent_runtime::{
+        Completion, Fenced, Fingerprint, OwnerToken, Reservation, ReserveRequest, StoredOutcome,
+    };
+    let path = fresh_path();
+    let options = SqliteConnectOptions::new()
+        .filename(&path)
+        .create_if_missing(true)
+        .journal_mode(sqlx::sqlite::SqliteJournalMode::Wal)
+        .busy_timeout(Duration::from_secs(10));
+    let pool = SqlitePoolOptions::new()
+        .max_connections(1)
+        .connect_with(options)
+        .await
+        .expect("pool");
+    let store = SqliteStore::from_pool(pool.clone()).await.expect("store");
+    let mut left_open = pool.acquire().await.expect("connection");
+    left_open.execute("BEGIN").await.expect("begin");
+    let _: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM idempotency_records")
+        .fetch_one(&mut *left_open)
+        .await
+        .expect("a read in it");
+    drop(left_open);
+
+    let identity = Identity::new("alice", "sqlite_edges.left_open", "k").expect("identity");
+    let f = Fingerprint::of("a").expect("fingerprint");
+    let request = |token| ReserveRequest {
+        identity: &identity,
+        fingerprint: Some(&f),
+        token,
+        lease: Duration::from_secs(3600),
+        ttl: Duration::from_secs(3600),
+    };
+    let token = OwnerToken::new();
+    assert_eq!(
+        store.reserve(request(&token)).await.expect("reserve"),
+        Reservation::FRESH
+    );
+    let done = StoredOutcome {
+        is_error: false,
+        payload: b"5".to_vec(),
+    };
+    assert_eq!(
+        store
+            .complete(Completion::by_body(
+                &identity,
+                &token,
+                &done,
+                Duration::from_secs(3600)
+            ))
+            .await
+            .expect("complete"),
+        Fenced::Written
+    );
+    let mut other = SqliteConnection::connect(&url(&path))
+        .await
+        .expect("another connection");
+    let state: Option<String> = sqlx::query_scalar(
+        "SELECT state FROM idempotency_records WHERE tenant = 'alice' AND scope = 'sqlite_edges.left_open'",
+    )
+    .fetch_optional(&mut other)
+    .await
+    .expect("read");
+    assert_eq!(
+        state.as_deref(),
+        Some("complete"),
+        "committed, seen by others"
+    );
+    // The application's transaction ends (rolled back).
+    pool.acquire()
+        .await
+        .expect("connection")
+        .execute("ROLLBACK")
+        .await
+        .expect("rollback");
+    assert_eq!(
+        store
+            .reserve(request(&OwnerToken::new()))
+            .await
+            .expect("reserve"),
+        Reservation::Completed(done),
+        "a retry replays"
+    );
+    drop(other);
     remove(&path);
 }

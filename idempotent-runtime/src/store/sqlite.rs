@@ -457,7 +457,10 @@ impl Drop for Waiting<'_> {
 /// ```
 #[derive(Debug, Clone)]
 pub struct SqliteStore {
+    /// The pool the store was opened with, for the application's use.
     pool: SqlitePool,
+    /// The store's own connections (see `from_pool`).
+    own: SqlitePool,
     /// Serializes this process's writes so they queue here, not in SQLite's
     /// busy handler. Other processes are handled by the busy timeout.
     write_gate: WriteGate,
@@ -697,7 +700,24 @@ impl SqliteStore {
                 }),
             )
         };
+        // The store's statements run on connections of its own, made with
+        // the pool's options (its hooks and pragmas too): code sharing the
+        // pool may give a connection back inside a transaction it never
+        // ended (a plain `BEGIN`, then an early return), and a reservation
+        // or a completion written there would be rolled back with it (a
+        // retry would run the body again). An in-memory database keeps the
+        // given pool: more connections to a shared-cache database wait on
+        // each other's table locks without a bound (see above).
+        let own = if in_memory {
+            pool.clone()
+        } else {
+            pool.options()
+                .clone()
+                .min_connections(0)
+                .connect_lazy_with((*pool.connect_options()).clone())
+        };
         Ok(SqliteStore {
+            own,
             pool,
             write_gate,
             detached: Arc::new(detached),
@@ -706,7 +726,11 @@ impl SqliteStore {
         })
     }
 
-    /// The underlying pool.
+    /// The pool the store was opened with, for the application's own use
+    /// (transactional mode's transactions, for one). For a file database
+    /// the store's own statements run on connections of its own, made with
+    /// the same options, so a connection given back inside an unfinished
+    /// transaction never takes the store's writes.
     ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -718,6 +742,13 @@ impl SqliteStore {
     /// ```
     pub fn pool(&self) -> &SqlitePool {
         &self.pool
+    }
+
+    /// The pool the store's own statements run on (the given one for an
+    /// in-memory database). For tests that look at the store's connections.
+    #[doc(hidden)]
+    pub fn own_pool(&self) -> &SqlitePool {
+        &self.own
     }
 
     /// Runs `write` on the store's pool in this process's turn to write
@@ -732,7 +763,7 @@ impl SqliteStore {
         W: FnOnce(SqlitePool) -> F + Send + 'static,
         F: std::future::Future<Output = Result<T, StoreError>> + Send + 'static,
     {
-        let (gate, pool) = (self.write_gate.clone(), self.pool.clone());
+        let (gate, pool) = (self.write_gate.clone(), self.own.clone());
         beside_the_caller(operation, async move {
             let _turn = gate.take().await;
             write(pool).await
@@ -1398,7 +1429,7 @@ impl Store for SqliteStore {
         // Fast path, one read and no write lock: a live record that answers
         // the request by itself (replay, mismatch, or a live lease). Replays
         // and waiting duplicates never queue behind writers.
-        let mut conn = self.pool.acquire().await.map_err(err(OP))?;
+        let mut conn = self.own.acquire().await.map_err(err(OP))?;
         match answer_from_a_read(&mut *conn, request).await {
             Ok(Some(answer)) => return Ok(answer),
             Ok(None) => {}
@@ -1420,7 +1451,7 @@ impl Store for SqliteStore {
         // the connections that replays need.
         // Beside the caller (see `beside_the_caller`), with the request's
         // parts owned.
-        let (gate, pool) = (self.write_gate.clone(), self.pool.clone());
+        let (gate, pool) = (self.write_gate.clone(), self.own.clone());
         let (identity, token) = (request.identity.clone(), request.token.clone());
         let fingerprint = request.fingerprint.cloned();
         let (lease, ttl) = (request.lease, request.ttl);
@@ -1580,7 +1611,7 @@ impl Store for SqliteStore {
                     .bind(&identity.tenant)
                     .bind(&identity.scope)
                     .bind(&identity.key)
-                    .fetch_optional(&self.pool)
+                    .fetch_optional(&self.own)
                     .await;
             let lease_left = match held {
                 // Completed or released: reserve again now.
@@ -1638,7 +1669,7 @@ impl Store for SqliteStore {
             .bind(&identity.tenant)
             .bind(&identity.scope)
             .bind(&identity.key)
-            .fetch_optional(&self.pool)
+            .fetch_optional(&self.own)
             .await
             .map_err(err(OP))?
         else {
@@ -1650,7 +1681,7 @@ impl Store for SqliteStore {
     async fn scope_stats(&self) -> Result<Vec<ScopeStats>, StoreError> {
         const OP: &str = "count records per scope";
         let rows = sqlx::query(SCOPE_STATS_SQL)
-            .fetch_all(&self.pool)
+            .fetch_all(&self.own)
             .await
             .map_err(err(OP))?;
         rows.iter()
