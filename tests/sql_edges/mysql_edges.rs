@@ -596,14 +596,22 @@ async fn mixed_in_store(
     key: &str,
     mixed: &Mixed,
 ) -> Result<u64, Error> {
+    let identity = Identity::new(tenant, "mysql_edges.mixed", key).expect("identity");
+    run_while_renewed(store, &identity, mixed).await;
+    Ok(1)
+}
+
+/// A store-mode owner's body: counts its run, then runs (its lease renewed
+/// by the heartbeat) until it has seen the lease renewed `RENEWALS` times or
+/// the other claimant's body has run.
+async fn run_while_renewed(store: &dyn Store, identity: &Identity, mixed: &Mixed) {
     const RENEWALS: usize = 8;
     mixed.runs.fetch_add(1, Ordering::SeqCst);
     mixed.owner_started.notify_one();
-    let identity = Identity::new(tenant, "mysql_edges.mixed", key).expect("identity");
     let mut seen = Vec::new();
     while seen.len() < RENEWALS && !mixed.waiter_ran.load(Ordering::SeqCst) {
         let lease = store
-            .fetch(&identity)
+            .fetch(identity)
             .await
             .expect("fetch")
             .and_then(|s| s.lease_expires_at_ms);
@@ -614,7 +622,6 @@ async fn mixed_in_store(
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    Ok(1)
 }
 
 /// The transactional claimant (e.g. the foreground request), waiting for
@@ -706,24 +713,8 @@ async fn same_tx_in_store(
     key: &str,
     mixed: &Mixed,
 ) -> Result<u64, Error> {
-    const RENEWALS: usize = 8;
-    mixed.runs.fetch_add(1, Ordering::SeqCst);
-    mixed.owner_started.notify_one();
     let identity = Identity::new(tenant, "mysql_edges.same_tx", key).expect("identity");
-    let mut seen = Vec::new();
-    while seen.len() < RENEWALS && !mixed.waiter_ran.load(Ordering::SeqCst) {
-        let lease = store
-            .fetch(&identity)
-            .await
-            .expect("fetch")
-            .and_then(|s| s.lease_expires_at_ms);
-        if let Some(lease) = lease {
-            if seen.last() != Some(&lease) {
-                seen.push(lease);
-            }
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    run_while_renewed(store, &identity, mixed).await;
     Ok(1)
 }
 
