@@ -85,6 +85,11 @@ pub enum Command {
         /// Print JSON instead of a table.
         #[arg(long)]
         json: bool,
+        /// Exit with status 3 (the report still printed) when the report
+        /// has findings: orphan scopes, stuck leases or expired records not
+        /// purged. For a scheduled check.
+        #[arg(long)]
+        check: bool,
     },
     /// Delete expired records now, in batches, until none is left.
     Purge {
@@ -268,6 +273,14 @@ pub enum CliError {
         key_digest: String,
         /// Why, and what to do instead.
         why: String,
+    },
+    /// `audit --check` found something that needs attention; the report is
+    /// the command's output all the same (the binary prints it on stdout and
+    /// exits with status 3).
+    #[error("the audit has findings (orphan scopes, stuck leases or expired records not purged)")]
+    AuditFindings {
+        /// The report, as `audit` prints it.
+        report: String,
     },
     /// `release` was given an empty `--reason`.
     #[error("--reason must say why the record is released (a ticket, what was checked); it is logged with the release")]
@@ -489,11 +502,16 @@ pub async fn run(cli: Cli) -> Result<String, CliError> {
             database_url,
             manifest,
             json,
+            check,
         } => {
             let manifest = load_manifest(manifest)?;
             let store = open_store(&database_url).await?;
             let report = audit(&*store, &KnownScope::from_manifest(&manifest)).await?;
-            Ok(report.render(format(json)))
+            let rendered = report.render(format(json));
+            if check && report.has_findings() {
+                return Err(CliError::AuditFindings { report: rendered });
+            }
+            Ok(rendered)
         }
         Command::Purge {
             database_url,

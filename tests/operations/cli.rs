@@ -196,6 +196,45 @@ async fn audit_reports_orphans_retired_and_expired_records() {
         .expect("orphan row");
     assert!(orphan.contains("ORPHAN"), "{table}");
     assert!(table.contains("2 orphan scope(s)"), "{table}");
+
+    // `--check`: findings are an error (exit status 3 in the binary) that
+    // carries the report.
+    let checked = run_from([
+        "idempotent",
+        "audit",
+        "--check",
+        "--database-url",
+        &url,
+        "--manifest",
+        &manifest,
+    ])
+    .await;
+    match checked {
+        Err(CliError::AuditFindings { report }) => assert!(report.contains("ORPHAN"), "{report}"),
+        other => panic!("findings with --check: {other:?}"),
+    }
+}
+
+/// `audit --check` on a store with nothing to report succeeds.
+#[tokio::test]
+async fn audit_check_passes_on_a_store_without_findings() {
+    let dir = Scratch::new();
+    let manifest = dir.file("idempotent.toml", MANIFEST);
+    let url = dir.db_url();
+    let store = SqliteStore::connect(&url).await.expect("sqlite file");
+    plant(&store, "orders.place", Duration::from_secs(3600)).await;
+    let out = run_from([
+        "idempotent",
+        "audit",
+        "--check",
+        "--database-url",
+        &url,
+        "--manifest",
+        &manifest,
+    ])
+    .await
+    .expect("no findings");
+    assert!(out.contains("orders.place"), "{out}");
 }
 
 /// A SQLite file another process holds locked (exclusive locking mode) for

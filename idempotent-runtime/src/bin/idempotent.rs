@@ -1,7 +1,7 @@
 //! `idempotent`: list scopes, audit a store, purge expired records.
 //! Run `idempotent --help`. All the logic lives in `idempotent_runtime::cli`.
 
-use idempotent_runtime::cli::{parse_command_line, run};
+use idempotent_runtime::cli::{parse_command_line, run, CliError};
 use std::process::ExitCode;
 
 fn main() -> ExitCode {
@@ -20,6 +20,13 @@ fn main() -> ExitCode {
         Ok(output) => {
             print!("{output}");
             ExitCode::SUCCESS
+        }
+        Err(e @ CliError::AuditFindings { .. }) => {
+            if let CliError::AuditFindings { report } = &e {
+                print!("{report}");
+            }
+            eprintln!("idempotent: {e}");
+            ExitCode::from(3)
         }
         Err(e) => {
             eprintln!("idempotent: {e}");
