@@ -168,6 +168,7 @@ const OPTIONS: &[&str] = &[
     "--database-url",
     "--manifest",
     "--json",
+    "--check",
     "--batch",
     "--show-result",
     "--scope",
