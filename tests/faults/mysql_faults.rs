@@ -27,51 +27,15 @@ async fn a_killed_connection_surfaces_as_a_store_error_and_the_next_call_succeed
     let Some(admin) = mysql_store_or_skip().await else {
         return;
     };
-    // The store's statements run on connections of its own, opened with
-    // this pool's options: the hook tells their ids.
-    let opened = std::sync::Arc::new(std::sync::Mutex::new(Vec::<u64>::new()));
-    let seen = opened.clone();
     let pool = MySqlPoolOptions::new()
         .max_connections(1)
         .test_before_acquire(false)
         .acquire_timeout(Duration::from_secs(5))
-        .after_connect(move |conn, _| {
-            let seen = seen.clone();
-            Box::pin(async move {
-                let id: u64 = sqlx::query_scalar("SELECT CONNECTION_ID()")
-                    .fetch_one(&mut *conn)
-                    .await?;
-                seen.lock().unwrap().push(id);
-                Ok(())
-            })
-        })
         .connect(&common::servers::mysql_url())
         .await
         .expect("pool");
     let store = MySqlStore::from_pool(pool).await.expect("store");
-    let given: u64 = sqlx::query_scalar("SELECT CONNECTION_ID()")
-        .fetch_one(store.pool())
-        .await
-        .expect("the given pool's connection");
-    let next_connection_id =
-        |store: MySqlStore, opened: std::sync::Arc<std::sync::Mutex<Vec<u64>>>| async move {
-            // A statement of the store's opens (or reuses) its connection.
-            let probe = Identity::new("faults", "faults.kill", "probe").expect("identity");
-            for _ in 0..3 {
-                if store.fetch(&probe).await.is_ok() {
-                    break;
-                }
-            }
-            let id = opened
-                .lock()
-                .unwrap()
-                .iter()
-                .rev()
-                .find(|id| **id != given)
-                .copied();
-            id.expect("the store opened a connection of its own")
-        };
-    let mut connection_id = next_connection_id(store.clone(), opened.clone()).await;
+    let mut connection_id = next_connection_id(&store).await;
 
     // Make the kill land *during* a statement: another transaction holds the
     // record's row lock, so the store's reservation waits on it (up to its
@@ -152,7 +116,7 @@ async fn a_killed_connection_surfaces_as_a_store_error_and_the_next_call_succeed
             Ok(idempotent_runtime::Reservation::InProgress { .. }) => {
                 // The kill came after the answer; the connection is gone
                 // now, so find the pool's next one for the next round.
-                connection_id = next_connection_id(store.clone(), opened.clone()).await;
+                connection_id = next_connection_id(&store).await;
             }
             Ok(other) => panic!("a held record answered {other:?}"),
         }
@@ -187,6 +151,18 @@ async fn a_killed_connection_surfaces_as_a_store_error_and_the_next_call_succeed
 
 /// The id of the (only) connection of `store`'s pool, replacing a killed one
 /// first: the first statement on a dead connection fails, the next opens anew.
+async fn next_connection_id(store: &MySqlStore) -> u64 {
+    for _ in 0..3 {
+        if let Ok(id) = sqlx::query_scalar("SELECT CONNECTION_ID()")
+            .fetch_one(store.pool())
+            .await
+        {
+            return id;
+        }
+    }
+    panic!("the pool opens a new connection after a killed one")
+}
+
 #[idempotent_runtime::idempotent(scope = "mysql_faults.after_connect", key = key, tenant = tenant,
                                  store = store, skip(started), lease = "1h")]
 async fn held_forever(

@@ -1696,7 +1696,7 @@ async fn a_call_dropped_while_its_busy_timeout_is_cut_leaves_the_pool_as_it_was(
     holder.execute("COMMIT").await.expect("free the lock");
     let mut connections = Vec::new();
     for _ in 0..2 {
-        let mut conn = store.own_pool().acquire().await.expect("a pool connection");
+        let mut conn = store.pool().acquire().await.expect("a pool connection");
         let busy: i64 = sqlx::query_scalar("PRAGMA busy_timeout")
             .fetch_one(&mut *conn)
             .await
@@ -1761,8 +1761,9 @@ async fn a_rejected_fresh_key_behind_another_writer_retries_after_a_short_pause(
 /// connection back inside a transaction it began and never ended (a plain
 /// `BEGIN` and a read, then an early return): the store's reservation and
 /// completion were written inside that transaction, unseen by others and
-/// rolled back with it, and a retry ran the body again. For a file database
-/// the store's statements run on connections of its own.
+/// rolled back with it, and a retry ran the body again. The store asks
+/// SQLite whether a connection is in a transaction before it writes there,
+/// and closes one that is (rolling that transaction back).
 #[tokio::test]
 async fn a_transaction_left_open_on_a_shared_pool_does_not_swallow_the_record() {
     use idempotent_runtime::{
@@ -1832,13 +1833,14 @@ async fn a_transaction_left_open_on_a_shared_pool_does_not_swallow_the_record() 
         Some("complete"),
         "committed, seen by others"
     );
-    // The application's transaction ends (rolled back).
-    pool.acquire()
-        .await
-        .expect("connection")
-        .execute("ROLLBACK")
-        .await
-        .expect("rollback");
+    // The left-open connection was closed (its transaction rolled back):
+    // the pool's connection now is a new one, outside any transaction.
+    let mut conn = pool.acquire().await.expect("connection");
+    assert!(
+        conn.execute("ROLLBACK").await.is_err(),
+        "no transaction is left open"
+    );
+    drop(conn);
     assert_eq!(
         store
             .reserve(request(&OwnerToken::new()))

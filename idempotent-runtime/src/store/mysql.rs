@@ -129,11 +129,7 @@ impl MySqlStore {
     }
 
     /// Uses an existing pool and applies the migrations. Give the pool an
-    /// `acquire_timeout` so a stopped server fails fast. The store's
-    /// statements run on connections of its own, opened with the pool's
-    /// options (hooks included) as they are needed, up to its
-    /// `max_connections` more: never on the pool's, which the application
-    /// may give back inside a transaction it never ended.
+    /// `acquire_timeout` so a stopped server fails fast.
     ///
     /// ```no_run
     /// # #[tokio::main] async fn main() -> Result<(), idempotent_runtime::Error> {
@@ -155,14 +151,12 @@ impl MySqlStore {
         })
     }
 
-    /// The pool the store was opened with, for the application's own use
-    /// (transactional mode's transactions, for one). The store's own
-    /// statements run on pools of its own made with the same options (one
-    /// per runtime: a connection belongs to the runtime that opened it), so
-    /// a connection given back inside an unfinished transaction, or with a
-    /// session setting changed, never takes the store's writes.
+    /// The pool the store was opened with. Calls on the runtime it was opened
+    /// on use it; calls on other runtimes use a pool of their runtime's own,
+    /// made with the same options (a connection belongs to the runtime that
+    /// opened it).
     pub fn pool(&self) -> &MySqlPool {
-        self.pools.given()
+        self.pools.home()
     }
 }
 

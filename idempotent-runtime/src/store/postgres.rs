@@ -115,16 +115,11 @@ impl PgStore {
     /// Uses an existing pool (the application's own) and applies the migrations.
     /// Give the pool an `acquire_timeout` so a stopped server fails fast.
     ///
-    /// The store's statements run on connections of its own, opened with the
-    /// pool's connect options and pool options, hooks included, as they are
-    /// needed (up to the pool's `max_connections` more): never on the
-    /// pool's, which the application may give back inside a transaction it
-    /// never ended (the store's writes would be rolled back with it, and a
-    /// retry would run the body again) or with a session setting changed.
-    /// The records of dropped calls are finished on a small pool of their own
-    /// (on a background thread), and calls made on a runtime other than the
-    /// one `from_pool` ran on use a pool of that runtime's (a connection
-    /// belongs to the runtime that opened it). Session settings the records table depends on
+    /// The store opens connections of its own with the pool's connect options
+    /// and pool options, hooks included: for the records of dropped calls (on
+    /// a background thread), and for calls made on a runtime other than the
+    /// one `from_pool` ran on (a connection belongs to the runtime that
+    /// opened it). Session settings the records table depends on
     /// (`search_path`, a role) may be in the connect options
     /// (`PgConnectOptions::options([("search_path", "app")])`) or in an
     /// `after_connect` hook. Call `from_pool` on the runtime the pool was
@@ -170,14 +165,12 @@ impl PgStore {
         self.lock_wait
     }
 
-    /// The pool the store was opened with, for the application's own use
-    /// (transactional mode's transactions, for one). The store's own
-    /// statements run on pools of its own made with the same options (one
-    /// per runtime: a connection belongs to the runtime that opened it), so
-    /// a connection given back inside an unfinished transaction, or with a
-    /// session setting changed, never takes the store's writes.
+    /// The pool the store was opened with. Calls on the runtime it was opened
+    /// on use it; calls on other runtimes use a pool of their runtime's own,
+    /// made with the same options (a connection belongs to the runtime that
+    /// opened it).
     pub fn pool(&self) -> &PgPool {
-        self.pools.given()
+        self.pools.home()
     }
 }
 

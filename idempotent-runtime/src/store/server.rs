@@ -14,23 +14,10 @@
 //! gone, even in the middle of a statement. The common way to get there is a
 //! `static` store shared by many `#[tokio::test]`s, each on a runtime of its
 //! own that ends with the test. So a store never hands one runtime's
-//! connections to another: each runtime the store is used from gets a pool
-//! of its own, made with the options of the pool the store was opened with
-//! on first use and dropped (its connections closed) when that runtime
-//! shuts down.
-//!
-//! # The store's connections are its own
-//!
-//! Even on the runtime it was opened on, the store does not write on the
-//! connections of the pool it was given, which the application shares: code
-//! that gives a connection back inside a transaction it never ended (a plain
-//! `BEGIN`, then an early return), or with a session setting changed (`SET
-//! search_path`), would have the store's reservations and completions
-//! written inside that transaction (rolled back with it: a retry runs the
-//! body again) or into another schema. Its pools are made with the same
-//! connect options and pool options (`after_connect` and the other hooks
-//! included), open connections only as its statements need them, and never
-//! leave one inside a transaction.
+//! connections to another: calls on the runtime the store was opened on use
+//! the pool it was opened with, and calls on any other runtime use a pool of
+//! that runtime's own, made with the same options on first use and dropped
+//! (its connections closed) when that runtime shuts down.
 
 use super::detached::{Detached, Work};
 use crate::error::StoreError;
@@ -85,10 +72,7 @@ pub(crate) async fn connect<DB: Database>(
 /// opened with, for the runtime it was opened on, and one made with the same
 /// options for each other runtime the store is used from.
 pub(crate) struct RuntimePools<DB: Database> {
-    /// The pool the store was opened with (the application's): migrations,
-    /// and what [`given`](Self::given) hands out; never the store's statements.
-    given: Pool<DB>,
-    /// The store's pool on the runtime it was opened on, made like `given`.
+    /// The pool the store was opened with.
     home: Pool<DB>,
     /// The runtime the store was opened on, while it runs (`None`: opened
     /// outside a runtime).
@@ -103,7 +87,6 @@ pub(crate) struct RuntimePools<DB: Database> {
 impl<DB: Database> std::fmt::Debug for RuntimePools<DB> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RuntimePools")
-            .field("given", &self.given)
             .field("home", &self.home)
             .field(
                 "other_runtimes",
@@ -128,8 +111,7 @@ impl<DB: Database> RuntimePools<DB> {
             (runtime.id(), alive)
         });
         RuntimePools {
-            home: like(&pool),
-            given: pool,
+            home: pool,
             home_runtime,
             others: Arc::new(Mutex::new(HashMap::new())),
             gone,
@@ -137,8 +119,8 @@ impl<DB: Database> RuntimePools<DB> {
     }
 
     /// The pool the store was opened with.
-    pub(crate) fn given(&self) -> &Pool<DB> {
-        &self.given
+    pub(crate) fn home(&self) -> &Pool<DB> {
+        &self.home
     }
 
     /// The pool for the runtime the caller runs on. Outside a runtime (a
@@ -158,24 +140,21 @@ impl<DB: Database> RuntimePools<DB> {
         if let Some(pool) = others.get(&id) {
             return Cow::Owned(pool.clone());
         }
-        let pool = like(&self.given);
+        // Lazy, and nothing opened ahead: connections are opened by this
+        // runtime's own statements, as many as it uses at once (at most the
+        // pool's `max_connections` per runtime).
+        let pool = self
+            .home
+            .options()
+            .clone()
+            .min_connections(0)
+            .connect_lazy_with((*self.home.connect_options()).clone());
         others.insert(id, pool.clone());
         drop(others);
         let others = Arc::downgrade(&self.others);
         on_shutdown(&runtime, self.gone.subscribe(), move || forget(&others, id));
         Cow::Owned(pool)
     }
-}
-
-/// A pool of the store's own, made like `pool` (its connect options and
-/// pool options, hooks included). Lazy, and nothing opened ahead:
-/// connections are opened by the store's own statements, as many as it uses
-/// at once (at most the pool's `max_connections`).
-fn like<DB: Database>(pool: &Pool<DB>) -> Pool<DB> {
-    pool.options()
-        .clone()
-        .min_connections(0)
-        .connect_lazy_with((*pool.connect_options()).clone())
 }
 
 /// Drops the pool of runtime `id` (closing its idle connections), if the

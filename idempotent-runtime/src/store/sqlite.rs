@@ -457,10 +457,7 @@ impl Drop for Waiting<'_> {
 /// ```
 #[derive(Debug, Clone)]
 pub struct SqliteStore {
-    /// The pool the store was opened with, for the application's use.
     pool: SqlitePool,
-    /// The store's own connections (see `from_pool`).
-    own: SqlitePool,
     /// Serializes this process's writes so they queue here, not in SQLite's
     /// busy handler. Other processes are handled by the busy timeout.
     write_gate: WriteGate,
@@ -700,24 +697,7 @@ impl SqliteStore {
                 }),
             )
         };
-        // The store's statements run on connections of its own, made with
-        // the pool's options (its hooks and pragmas too): code sharing the
-        // pool may give a connection back inside a transaction it never
-        // ended (a plain `BEGIN`, then an early return), and a reservation
-        // or a completion written there would be rolled back with it (a
-        // retry would run the body again). An in-memory database keeps the
-        // given pool: more connections to a shared-cache database wait on
-        // each other's table locks without a bound (see above).
-        let own = if in_memory {
-            pool.clone()
-        } else {
-            pool.options()
-                .clone()
-                .min_connections(0)
-                .connect_lazy_with((*pool.connect_options()).clone())
-        };
         Ok(SqliteStore {
-            own,
             pool,
             write_gate,
             detached: Arc::new(detached),
@@ -726,11 +706,7 @@ impl SqliteStore {
         })
     }
 
-    /// The pool the store was opened with, for the application's own use
-    /// (transactional mode's transactions, for one). For a file database
-    /// the store's own statements run on connections of its own, made with
-    /// the same options, so a connection given back inside an unfinished
-    /// transaction never takes the store's writes.
+    /// The underlying pool.
     ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -744,13 +720,6 @@ impl SqliteStore {
         &self.pool
     }
 
-    /// The pool the store's own statements run on (the given one for an
-    /// in-memory database). For tests that look at the store's connections.
-    #[doc(hidden)]
-    pub fn own_pool(&self) -> &SqlitePool {
-        &self.own
-    }
-
     /// Runs `write` on the store's pool in this process's turn to write
     /// (see [`beside_the_caller`]).
     async fn write_in_turn<T, W, F>(
@@ -760,13 +729,14 @@ impl SqliteStore {
     ) -> Result<T, StoreError>
     where
         T: Send + 'static,
-        W: FnOnce(SqlitePool) -> F + Send + 'static,
+        W: FnOnce(PoolConnection<sqlx::Sqlite>) -> F + Send + 'static,
         F: std::future::Future<Output = Result<T, StoreError>> + Send + 'static,
     {
-        let (gate, pool) = (self.write_gate.clone(), self.own.clone());
+        let (gate, pool) = (self.write_gate.clone(), self.pool.clone());
         beside_the_caller(operation, async move {
             let _turn = gate.take().await;
-            write(pool).await
+            let conn = outside_any_transaction(&pool, None, operation).await?;
+            write(conn).await
         })
         .await
     }
@@ -778,8 +748,8 @@ impl SqliteStore {
     ) -> Result<Fenced, StoreError> {
         let (id, token) = (identity.clone(), token.clone());
         let released = self
-            .write_in_turn("release", move |pool| async move {
-                release_on(&pool, &id, &token).await
+            .write_in_turn("release", move |mut conn| async move {
+                release_on(&mut *conn, &id, &token).await
             })
             .await?;
         if released.is_written() {
@@ -792,8 +762,8 @@ impl SqliteStore {
         let (id, token) = (completion.identity.clone(), completion.token.clone());
         let answer = completion.answer();
         let completed = self
-            .write_in_turn("complete", move |pool| async move {
-                complete_on(&pool, answer.completing(&id, &token)).await
+            .write_in_turn("complete", move |mut conn| async move {
+                complete_on(&mut *conn, answer.completing(&id, &token)).await
             })
             .await?;
         if completed.is_written() {
@@ -934,6 +904,43 @@ async fn beside_the_caller<T: Send + 'static>(
     tokio::spawn(write)
         .await
         .map_err(|e| StoreError::new(STORE, operation, e))?
+}
+
+/// A connection of `pool` outside any transaction, for the store's writes
+/// (`first`, if given, is tried first). A pool shared with application code
+/// may hand over a connection that code left inside a transaction it began
+/// and never ended (a plain `BEGIN`, then an early return): a reservation or
+/// a completion written there would be rolled back with it, and a retry
+/// would run the body again. SQLite tells (`sqlite3_get_autocommit`, no
+/// statement): such a connection is closed, which rolls that transaction
+/// back, with a warning, and another taken.
+async fn outside_any_transaction(
+    pool: &SqlitePool,
+    first: Option<PoolConnection<sqlx::Sqlite>>,
+    operation: &'static str,
+) -> Result<PoolConnection<sqlx::Sqlite>, StoreError> {
+    let mut next = first;
+    for _ in 0..=pool.options().get_max_connections() {
+        let mut conn = match next.take() {
+            Some(conn) => conn,
+            None => pool.acquire().await.map_err(err(operation))?,
+        };
+        if !super::sqlite_tx::in_transaction(&mut conn).await? {
+            return Ok(conn);
+        }
+        tracing::warn!(target: "idempotent", store = STORE,
+            "the pool handed over a connection left inside a transaction that other code began \
+             and never ended (a BEGIN without COMMIT or ROLLBACK); closing it, which rolls that \
+             transaction back");
+        conn.close_on_drop();
+    }
+    Err(StoreError::new(
+        STORE,
+        operation,
+        "every connection the pool handed over was inside a transaction that other code began \
+         and never ended; end transactions on the pool's connections (COMMIT or ROLLBACK) before \
+         giving them back, or give the store a pool of its own",
+    ))
 }
 
 /// A pool connection whose busy timeout may have been cut short for one
@@ -1429,7 +1436,7 @@ impl Store for SqliteStore {
         // Fast path, one read and no write lock: a live record that answers
         // the request by itself (replay, mismatch, or a live lease). Replays
         // and waiting duplicates never queue behind writers.
-        let mut conn = self.own.acquire().await.map_err(err(OP))?;
+        let mut conn = self.pool.acquire().await.map_err(err(OP))?;
         match answer_from_a_read(&mut *conn, request).await {
             Ok(Some(answer)) => return Ok(answer),
             Ok(None) => {}
@@ -1451,20 +1458,23 @@ impl Store for SqliteStore {
         // the connections that replays need.
         // Beside the caller (see `beside_the_caller`), with the request's
         // parts owned.
-        let (gate, pool) = (self.write_gate.clone(), self.own.clone());
+        let (gate, pool) = (self.write_gate.clone(), self.pool.clone());
         let (identity, token) = (request.identity.clone(), request.token.clone());
         let fingerprint = request.fingerprint.cloned();
         let (lease, ttl) = (request.lease, request.ttl);
         beside_the_caller(OP, async move {
             let queued = tokio::time::Instant::now();
             let (turn, mut conn) = match gate.try_take() {
-                Some(turn) => (Some(turn), BusyTimeoutCut::none(conn)),
+                Some(turn) => {
+                    let conn = outside_any_transaction(&pool, Some(conn), OP).await?;
+                    (Some(turn), BusyTimeoutCut::none(conn))
+                }
                 None => {
                     drop(conn);
                     tracing::trace!(target: "idempotent", scope = %identity.scope,
                         key = %identity.key_digest(), "sqlite: waiting for the write turn");
                     let turn = gate.take().await;
-                    let conn = pool.acquire().await.map_err(err(OP))?;
+                    let conn = outside_any_transaction(&pool, None, OP).await?;
                     // Time queued for the turn counts against the busy
                     // timeout: the statement waits only for what is left of
                     // it, so a call never waits twice the busy timeout.
@@ -1531,13 +1541,13 @@ impl Store for SqliteStore {
         // Read to the end, as the reservation's upsert is (see `reserve_in`):
         // its commit's failure is then seen.
         let deleted: Vec<i64> = self
-            .write_in_turn(OP, move |pool| async move {
+            .write_in_turn(OP, move |mut conn| async move {
                 sqlx::query_scalar(FORCE_RELEASE_SQL)
                     .bind(&id.tenant)
                     .bind(&id.scope)
                     .bind(&id.key)
                     .bind(require_expired_lease)
-                    .fetch_all(&pool)
+                    .fetch_all(&mut *conn)
                     .await
                     .map_err(err(OP))
             })
@@ -1563,8 +1573,8 @@ impl Store for SqliteStore {
     ) -> Result<Fenced, StoreError> {
         let (id, token_owned) = (identity.clone(), token.clone());
         let renewed = self
-            .write_in_turn("heartbeat", move |pool| async move {
-                heartbeat_on(&pool, &id, &token_owned, lease).await
+            .write_in_turn("heartbeat", move |mut conn| async move {
+                heartbeat_on(&mut *conn, &id, &token_owned, lease).await
             })
             .await?;
         if renewed.is_written() {
@@ -1611,7 +1621,7 @@ impl Store for SqliteStore {
                     .bind(&identity.tenant)
                     .bind(&identity.scope)
                     .bind(&identity.key)
-                    .fetch_optional(&self.own)
+                    .fetch_optional(&self.pool)
                     .await;
             let lease_left = match held {
                 // Completed or released: reserve again now.
@@ -1651,10 +1661,10 @@ impl Store for SqliteStore {
         // between.
         const OP: &str = "purge expired records";
         super::purge_in_chunks(STORE, batch, |chunk| {
-            self.write_in_turn(OP, move |pool| async move {
+            self.write_in_turn(OP, move |mut conn| async move {
                 let done = sqlx::query(PURGE_SQL)
                     .bind(i64::from(chunk))
-                    .execute(&pool)
+                    .execute(&mut *conn)
                     .await
                     .map_err(err(OP))?;
                 Ok(done.rows_affected())
@@ -1669,7 +1679,7 @@ impl Store for SqliteStore {
             .bind(&identity.tenant)
             .bind(&identity.scope)
             .bind(&identity.key)
-            .fetch_optional(&self.own)
+            .fetch_optional(&self.pool)
             .await
             .map_err(err(OP))?
         else {
@@ -1681,7 +1691,7 @@ impl Store for SqliteStore {
     async fn scope_stats(&self) -> Result<Vec<ScopeStats>, StoreError> {
         const OP: &str = "count records per scope";
         let rows = sqlx::query(SCOPE_STATS_SQL)
-            .fetch_all(&self.own)
+            .fetch_all(&self.pool)
             .await
             .map_err(err(OP))?;
         rows.iter()

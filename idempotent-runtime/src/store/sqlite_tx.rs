@@ -588,7 +588,7 @@ crate::transaction::transactional_connection! {
 /// it or a plain `BEGIN` did. No round trip. Never taken from sqlx's count of
 /// the transactions it began: a `COMMIT` sent as a query ends the
 /// transaction while sqlx still counts it.
-async fn in_transaction(conn: &mut SqliteConnection) -> Result<bool, StoreError> {
+pub(super) async fn in_transaction(conn: &mut SqliteConnection) -> Result<bool, StoreError> {
     let mut handle = conn
         .lock_handle()
         .await
