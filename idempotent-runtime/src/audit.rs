@@ -355,16 +355,24 @@ impl AuditReport {
 /// server or a lock on the whole records table gives an `Error::Store`
 /// saying so, not a wait for ever.
 pub async fn audit(store: &dyn Store, known: &[KnownScope]) -> Result<AuditReport, Error> {
-    let stats = tokio::time::timeout(AUDIT_TIMEOUT, store.scope_stats())
+    audit_within(store, known, AUDIT_TIMEOUT).await
+}
+
+/// [`audit`], waiting at most `bound` (of real time) for the store's counts.
+pub async fn audit_within(
+    store: &dyn Store,
+    known: &[KnownScope],
+    bound: Duration,
+) -> Result<AuditReport, Error> {
+    let stats = crate::store::within_real_time(bound, store.scope_stats())
         .await
         .map_err(|_| {
             crate::error::StoreError::new(
                 store.name(),
                 "count records per scope",
                 format!(
-                    "no answer after {} s: the database is stalled, or a lock holds the records \
-                     table (a long transaction, LOCK TABLE); try again later",
-                    AUDIT_TIMEOUT.as_secs()
+                    "no answer after {bound:?}: the database is stalled, or a lock holds the \
+                     records table (a long transaction, LOCK TABLE); try again later"
                 ),
             )
         })??;

@@ -273,16 +273,34 @@ impl PurgerHandle {
     /// is: what its finished statements deleted stays deleted, and a
     /// statement cut off is undone by the database. Returns the final
     /// statistics once the task has ended.
-    pub async fn shutdown(mut self) -> PurgerStats {
+    pub async fn shutdown(self) -> PurgerStats {
+        self.shutdown_within(SHUTDOWN_GRACE).await
+    }
+
+    /// [`shutdown`](Self::shutdown), letting the batch in flight run at most
+    /// `grace` (of real time) more.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// use idempotent_runtime::purge::{Purger, PurgerConfig};
+    /// use std::time::Duration;
+    /// let purger = Purger::spawn(idempotent_runtime::MemoryStore::new(), PurgerConfig {
+    ///     interval: Duration::from_secs(60),
+    ///     batch: 1000,
+    /// });
+    /// let stats = purger.shutdown_within(Duration::from_secs(2)).await;
+    /// assert_eq!(stats.failed_runs, 0);
+    /// # }
+    /// ```
+    pub async fn shutdown_within(mut self, grace: Duration) -> PurgerStats {
         let _ = self.stop.send(true);
         if let Some(mut task) = self.task.take() {
-            let ended = match tokio::time::timeout(SHUTDOWN_GRACE, &mut task).await {
+            let ended = match crate::store::within_real_time(grace, &mut task).await {
                 Ok(ended) => ended,
                 Err(_) => {
                     tracing::warn!(
-                        "idempotency purger: the batch in flight was still running {} s after \
-                         shutdown was asked; stopped where it was",
-                        SHUTDOWN_GRACE.as_secs()
+                        "idempotency purger: the batch in flight was still running {grace:?} after \
+                         shutdown was asked; stopped where it was"
                     );
                     task.abort();
                     task.await

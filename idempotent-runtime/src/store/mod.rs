@@ -688,6 +688,24 @@ pub fn polling_backoff(round: u32) -> Duration {
     Duration::from_millis(5u64.saturating_mul(1u64 << round.min(16)).min(100))
 }
 
+/// `fut`, given at most `bound` of real time. A test runtime with a paused
+/// clock moves its time on whenever every task waits, also on a database
+/// (a SQLite worker thread, a socket): its timers fire in no real time. A
+/// bound that runs out before that much real time has passed is such a
+/// clock's, and `fut` is then awaited without one (as if there were none).
+pub(crate) async fn within_real_time<F: std::future::Future>(
+    bound: Duration,
+    fut: F,
+) -> Result<F::Output, tokio::time::error::Elapsed> {
+    let started = std::time::Instant::now();
+    let mut fut = std::pin::pin!(fut);
+    match tokio::time::timeout(bound, &mut fut).await {
+        Ok(done) => Ok(done),
+        Err(_) if started.elapsed() < bound => Ok(fut.await),
+        Err(elapsed) => Err(elapsed),
+    }
+}
+
 /// The most records one purge statement of a SQL store deletes.
 #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
 pub(crate) const PURGE_CHUNK: u32 = 500;
@@ -714,6 +732,21 @@ pub const PURGE_CHUNK_TIMEOUT: Duration = Duration::from_secs(60);
 pub(crate) async fn purge_in_chunks<F, Fut>(
     store: &'static str,
     batch: u32,
+    delete: F,
+) -> Result<u64, StoreError>
+where
+    F: FnMut(u32) -> Fut,
+    Fut: std::future::Future<Output = Result<u64, StoreError>>,
+{
+    purge_in_chunks_within(PURGE_CHUNK_TIMEOUT, store, batch, delete).await
+}
+
+/// [`purge_in_chunks`], a statement given at most `bound`.
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+async fn purge_in_chunks_within<F, Fut>(
+    bound: Duration,
+    store: &'static str,
+    batch: u32,
     mut delete: F,
 ) -> Result<u64, StoreError>
 where
@@ -723,17 +756,17 @@ where
     let (mut deleted, mut left) = (0u64, batch);
     while left > 0 {
         let chunk = left.min(PURGE_CHUNK);
-        let gone = tokio::time::timeout(PURGE_CHUNK_TIMEOUT, delete(chunk))
+        let gone = within_real_time(bound, delete(chunk))
             .await
             .map_err(|_| {
                 StoreError::new(
                     store,
                     "purge expired records",
                     format!(
-                        "a statement deleting at most {chunk} records had no answer after {} s: the \
+                        "a statement deleting at most {chunk} records had no answer after {:?}: the \
                          database is stalled, or a lock holds the records table (a long transaction, \
                          LOCK TABLE); the purge stops here and the next run tries again",
-                        PURGE_CHUNK_TIMEOUT.as_secs()
+                        bound
                     ),
                 )
             })??;
@@ -848,13 +881,44 @@ mod tests {
         assert_eq!(purge(c, 0).await, (0, vec![c]));
     }
 
-    /// A statement the database never answers (paused clock: the bound
-    /// passes at once) ends the purge with an error that says why.
-    #[tokio::test(start_paused = true)]
+    /// A statement the database never answers ends the purge, after its
+    /// bound of real time (here a short one), with an error that says why.
+    #[tokio::test]
     async fn a_statement_that_never_answers_ends_the_purge() {
-        let answer = purge_in_chunks("test", u32::MAX, |_| std::future::pending()).await;
+        let answer = super::purge_in_chunks_within(
+            std::time::Duration::from_millis(50),
+            "test",
+            u32::MAX,
+            |_| std::future::pending(),
+        )
+        .await;
         let e = answer.expect_err("gives up");
         assert!(e.to_string().contains("stalled"), "{e}");
+    }
+
+    /// A paused test clock moves on while a statement runs on a worker
+    /// thread: its bound passing in no real time is not the database's
+    /// silence, and the statement is waited for.
+    #[tokio::test(start_paused = true)]
+    async fn a_paused_clock_does_not_cut_a_statement_short() {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        std::thread::spawn(move || {
+            std::thread::sleep(std::time::Duration::from_millis(50));
+            let _ = tx.send(());
+        });
+        let mut rx = Some(rx);
+        let deleted = purge_in_chunks("test", 10, |n| {
+            let rx = rx.take();
+            async move {
+                if let Some(rx) = rx {
+                    let _ = rx.await;
+                }
+                Ok(u64::from(n) - 1)
+            }
+        })
+        .await
+        .expect("waited for");
+        assert_eq!(deleted, 9);
     }
 
     #[tokio::test]
