@@ -1852,3 +1852,53 @@ async fn a_transaction_left_open_on_a_shared_pool_does_not_swallow_the_record() 
     drop(other);
     remove(&path);
 }
+
+/// The same on a database in memory: closing the left-open connection would
+/// take the database (every record) with it, so the write is refused with an
+/// error that says why, and the records stay.
+#[tokio::test]
+async fn a_transaction_left_open_on_an_in_memory_pool_is_refused_not_closed() {
+    use idempotent_runtime::{Fingerprint, OwnerToken, Reservation, ReserveRequest};
+    let pool = SqlitePoolOptions::new()
+        .max_connections(1)
+        .connect("sqlite::memory:")
+        .await
+        .expect("pool");
+    let store = SqliteStore::from_pool(pool.clone()).await.expect("store");
+    let f = Fingerprint::of("a").expect("fingerprint");
+    let earlier =
+        Identity::new("alice", "sqlite_edges.left_open_memory", "earlier").expect("identity");
+    let (first, second) = (OwnerToken::new(), OwnerToken::new());
+    let request = |identity, token| ReserveRequest {
+        identity,
+        fingerprint: Some(&f),
+        token,
+        lease: Duration::from_secs(3600),
+        ttl: Duration::from_secs(3600),
+    };
+    assert_eq!(
+        store
+            .reserve(request(&earlier, &first))
+            .await
+            .expect("reserve"),
+        Reservation::FRESH
+    );
+    let mut left_open = pool.acquire().await.expect("connection");
+    left_open.execute("BEGIN").await.expect("begin");
+    drop(left_open);
+    let fresh = Identity::new("alice", "sqlite_edges.left_open_memory", "fresh").expect("identity");
+    let refused = store
+        .reserve(request(&fresh, &second))
+        .await
+        .expect_err("refused");
+    assert!(refused.to_string().contains("never ended"), "{refused}");
+    let mut conn = pool.acquire().await.expect("connection");
+    conn.execute("ROLLBACK")
+        .await
+        .expect("the application ends its transaction");
+    drop(conn);
+    assert!(
+        store.fetch(&earlier).await.expect("fetch").is_some(),
+        "the earlier record is still there"
+    );
+}

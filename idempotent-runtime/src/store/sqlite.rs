@@ -477,6 +477,9 @@ pub struct SqliteStore {
     /// ended (a store shared by several `#[tokio::test]`s, each on a runtime
     /// of its own), taking every record with it.
     keeps_in_memory_database: Option<Arc<std::sync::Mutex<sqlx::SqliteConnection>>>,
+    /// The database is in memory: a connection of its pool is never closed
+    /// by the store (the last one to close takes the database with it).
+    in_memory: bool,
 }
 
 impl SqliteStore {
@@ -703,6 +706,7 @@ impl SqliteStore {
             detached: Arc::new(detached),
             waiters,
             keeps_in_memory_database: None,
+            in_memory,
         })
     }
 
@@ -732,10 +736,10 @@ impl SqliteStore {
         W: FnOnce(PoolConnection<sqlx::Sqlite>) -> F + Send + 'static,
         F: std::future::Future<Output = Result<T, StoreError>> + Send + 'static,
     {
-        let (gate, pool) = (self.write_gate.clone(), self.pool.clone());
+        let (gate, pool, in_memory) = (self.write_gate.clone(), self.pool.clone(), self.in_memory);
         beside_the_caller(operation, async move {
             let _turn = gate.take().await;
-            let conn = outside_any_transaction(&pool, None, operation).await?;
+            let conn = outside_any_transaction(&pool, None, in_memory, operation).await?;
             write(conn).await
         })
         .await
@@ -913,10 +917,13 @@ async fn beside_the_caller<T: Send + 'static>(
 /// a completion written there would be rolled back with it, and a retry
 /// would run the body again. SQLite tells (`sqlite3_get_autocommit`, no
 /// statement): such a connection is closed, which rolls that transaction
-/// back, with a warning, and another taken.
+/// back, with a warning, and another taken. Not for a database `in_memory`,
+/// which the last connection to close takes with it: there the write is
+/// refused with an error that says why.
 async fn outside_any_transaction(
     pool: &SqlitePool,
     first: Option<PoolConnection<sqlx::Sqlite>>,
+    in_memory: bool,
     operation: &'static str,
 ) -> Result<PoolConnection<sqlx::Sqlite>, StoreError> {
     let mut next = first;
@@ -927,6 +934,15 @@ async fn outside_any_transaction(
         };
         if !super::sqlite_tx::in_transaction(&mut conn).await? {
             return Ok(conn);
+        }
+        if in_memory {
+            return Err(StoreError::new(
+                STORE,
+                operation,
+                "the pool handed over a connection left inside a transaction that other code \
+                 began and never ended (a BEGIN without COMMIT or ROLLBACK); nothing was written. \
+                 End transactions on the pool's connections before giving them back",
+            ));
         }
         tracing::warn!(target: "idempotent", store = STORE,
             "the pool handed over a connection left inside a transaction that other code began \
@@ -1458,7 +1474,7 @@ impl Store for SqliteStore {
         // the connections that replays need.
         // Beside the caller (see `beside_the_caller`), with the request's
         // parts owned.
-        let (gate, pool) = (self.write_gate.clone(), self.pool.clone());
+        let (gate, pool, in_memory) = (self.write_gate.clone(), self.pool.clone(), self.in_memory);
         let (identity, token) = (request.identity.clone(), request.token.clone());
         let fingerprint = request.fingerprint.cloned();
         let (lease, ttl) = (request.lease, request.ttl);
@@ -1466,7 +1482,7 @@ impl Store for SqliteStore {
             let queued = tokio::time::Instant::now();
             let (turn, mut conn) = match gate.try_take() {
                 Some(turn) => {
-                    let conn = outside_any_transaction(&pool, Some(conn), OP).await?;
+                    let conn = outside_any_transaction(&pool, Some(conn), in_memory, OP).await?;
                     (Some(turn), BusyTimeoutCut::none(conn))
                 }
                 None => {
@@ -1474,7 +1490,7 @@ impl Store for SqliteStore {
                     tracing::trace!(target: "idempotent", scope = %identity.scope,
                         key = %identity.key_digest(), "sqlite: waiting for the write turn");
                     let turn = gate.take().await;
-                    let conn = outside_any_transaction(&pool, None, OP).await?;
+                    let conn = outside_any_transaction(&pool, None, in_memory, OP).await?;
                     // Time queued for the turn counts against the busy
                     // timeout: the statement waits only for what is left of
                     // it, so a call never waits twice the busy timeout.
