@@ -1744,8 +1744,10 @@ async fn a_rejected_fresh_key_behind_another_writer_retries_after_a_short_pause(
         }
         other => panic!("expected InProgress, got {other:?}"),
     }
-    drop(tx);
-    drop(holder);
+    tx.rollback().await.expect("rollback");
+    // Closed, and waited for: a dropped connection closes on its worker
+    // thread later, still holding the lock for a moment.
+    holder.close().await.expect("the holder lets go");
     let mut tx = pool.begin().await.expect("begin");
     assert_eq!(
         charge_reject(&mut tx, &tenant, "fresh-1")
