@@ -164,7 +164,8 @@ impl Detached {
     /// most): a dropped call's release searches for its record at least that
     /// long, so a statement landing after [`RETRY_AFTER`]'s attempts is still
     /// released. The longest bound given so far holds (a store's clones share
-    /// the worker).
+    /// the worker). Only PostgreSQL's statements wait past the default.
+    #[cfg(feature = "postgres")]
     pub(crate) fn statements_land_within(&self, bound: Duration) {
         let ms = u64::try_from(bound.as_millis()).unwrap_or(u64::MAX);
         self.lands_within_ms.fetch_max(ms, Ordering::Relaxed);
