@@ -691,8 +691,9 @@ pub fn polling_backoff(round: u32) -> Duration {
 /// `fut`, given at most `bound` of real time. A test runtime with a paused
 /// clock moves its time on whenever every task waits, also on a database
 /// (a SQLite worker thread, a socket): its timers fire in no real time. A
-/// bound that runs out before that much real time has passed is such a
-/// clock's, and `fut` is then awaited without one (as if there were none).
+/// bound that runs out before half of it has passed in real time is such a
+/// clock's, and `fut` is then awaited without one (as if there were none);
+/// one that ran out a little early by the real clock gets what is left.
 pub(crate) async fn within_real_time<F: std::future::Future>(
     bound: Duration,
     fut: F,
@@ -701,9 +702,76 @@ pub(crate) async fn within_real_time<F: std::future::Future>(
     let mut fut = std::pin::pin!(fut);
     match tokio::time::timeout(bound, &mut fut).await {
         Ok(done) => Ok(done),
-        Err(_) if started.elapsed() < bound => Ok(fut.await),
-        Err(elapsed) => Err(elapsed),
+        Err(_) if started.elapsed() < bound / 2 => Ok(fut.await),
+        Err(_) => tokio::time::timeout(bound.saturating_sub(started.elapsed()), fut).await,
     }
+}
+
+/// A connection of `pool` outside any transaction, for a store's own writes
+/// (`first`, if given, is tried first). A pool shared with application code
+/// may hand over a connection that code left inside a transaction it began
+/// and never ended (a plain `BEGIN`, then an early return): a reservation or
+/// a completion written there would be rolled back with it, and a retry
+/// would run the body again. `left_open` asks the connection; one that is
+/// left open is closed, which rolls that transaction back, with a warning,
+/// and another taken, or, with [`IfLeftOpen::Refuse`], the write is refused.
+#[cfg(any(feature = "sqlite", feature = "mysql"))]
+pub(crate) async fn outside_any_transaction<DB: sqlx::Database>(
+    store: &'static str,
+    operation: &'static str,
+    pool: &sqlx::Pool<DB>,
+    first: Option<sqlx::pool::PoolConnection<DB>>,
+    if_left_open: IfLeftOpen,
+    left_open: for<'c> fn(
+        &'c mut DB::Connection,
+    ) -> futures_util::future::BoxFuture<'c, Result<bool, StoreError>>,
+) -> Result<sqlx::pool::PoolConnection<DB>, StoreError> {
+    const LEFT_OPEN: &str = "the pool handed over a connection left inside a transaction that \
+                             other code began and never ended (a BEGIN without COMMIT or ROLLBACK)";
+    let mut next = first;
+    for _ in 0..=pool.options().get_max_connections() {
+        let mut conn = match next.take() {
+            Some(conn) => conn,
+            None => pool
+                .acquire()
+                .await
+                .map_err(|e| StoreError::new(store, operation, e))?,
+        };
+        if !left_open(&mut conn).await? {
+            return Ok(conn);
+        }
+        if if_left_open == IfLeftOpen::Refuse {
+            return Err(StoreError::new(
+                store,
+                operation,
+                format!(
+                    "{LEFT_OPEN}; nothing was written. End transactions on the pool's \
+                     connections before giving them back"
+                ),
+            ));
+        }
+        tracing::warn!(target: "idempotent", store,
+            "{LEFT_OPEN}; closing it, which rolls that transaction back");
+        conn.close_on_drop();
+    }
+    Err(StoreError::new(
+        store,
+        operation,
+        "every connection the pool handed over was inside a transaction that other code began \
+         and never ended; end transactions on the pool's connections (COMMIT or ROLLBACK) before \
+         giving them back, or give the store a pool of its own",
+    ))
+}
+
+/// What [`outside_any_transaction`] does with a connection left open.
+#[cfg(any(feature = "sqlite", feature = "mysql"))]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum IfLeftOpen {
+    /// Close it (rolling its transaction back) and take another.
+    Close,
+    /// Refuse the write: closing the connection would lose more (the last
+    /// connection to an in-memory SQLite database takes the database).
+    Refuse,
 }
 
 /// The most records one purge statement of a SQL store deletes.

@@ -223,55 +223,37 @@ impl Commit {
 }
 
 /// A connection of `pool` outside any transaction, for the store's own
-/// writes. A pool shared with application code may hand over a session that
-/// code left inside a transaction it began and never ended (a plain `BEGIN`,
-/// then an early return): a reservation or a completion written there would
-/// be rolled back with it, and a retry would run the body again. Such a
-/// connection is closed, which rolls that transaction back (as sqlx does for
-/// a `Transaction` dropped unfinished), with a warning, and another taken.
-/// `check`: ask (MariaDB's `@@in_transaction`; MySQL 8 has none and is not
-/// asked). A session with autocommit off is left as it is: the store's
-/// statements handle it.
+/// writes (see [`super::outside_any_transaction`]). `check`: ask (MariaDB's
+/// `@@in_transaction`; MySQL 8 has none and is not asked). A session with
+/// autocommit off is left as it is: the store's statements handle it.
 async fn clean_connection(
     pool: &MySqlPool,
     check: bool,
 ) -> Result<sqlx::pool::PoolConnection<MySql>, StoreError> {
     const OP: &str = "take a connection outside any transaction";
-    let tries = pool.options().get_max_connections().saturating_add(1);
-    for _ in 0..tries {
-        let mut conn = pool.acquire().await.map_err(err(OP))?;
-        if !check {
-            return Ok(conn);
-        }
-        let left_open: Result<i64, sqlx::Error> =
-            sqlx::query_scalar("SELECT CAST(@@autocommit = 1 AND @@in_transaction = 1 AS SIGNED)")
-                .fetch_one(&mut *conn)
-                .await;
-        match left_open {
-            Ok(0) => return Ok(conn),
-            Ok(_) => {
-                tracing::warn!(target: "idempotent", store = STORE,
-                    "the pool handed over a connection left inside a transaction that other code \
-                     began and never ended (a BEGIN without COMMIT or ROLLBACK); closing it, which \
-                     rolls that transaction back");
-                conn.close_on_drop();
-            }
-            // MySQL 8: no `@@in_transaction`.
-            Err(sqlx::Error::Database(e))
-                if error_number(&*e) == Some(ER_UNKNOWN_SYSTEM_VARIABLE) =>
-            {
-                return Ok(conn)
-            }
-            Err(e) => return Err(err(OP)(e)),
-        }
+    if !check {
+        return pool.acquire().await.map_err(err(OP));
     }
-    Err(StoreError::new(
-        STORE,
-        OP,
-        "every connection the pool handed over was inside a transaction that other code began \
-         and never ended; end transactions on the pool's connections (COMMIT or ROLLBACK) before \
-         giving them back, or give the store a pool of its own",
-    ))
+    super::outside_any_transaction(STORE, OP, pool, None, super::IfLeftOpen::Close, |conn| {
+        Box::pin(async move {
+            let asked: Result<i64, sqlx::Error> = sqlx::query_scalar(
+                "SELECT CAST(@@autocommit = 1 AND @@in_transaction = 1 AS SIGNED)",
+            )
+            .fetch_one(conn)
+            .await;
+            match asked {
+                Ok(left_open) => Ok(left_open != 0),
+                // MySQL 8: no `@@in_transaction`.
+                Err(sqlx::Error::Database(e))
+                    if error_number(&*e) == Some(ER_UNKNOWN_SYSTEM_VARIABLE) =>
+                {
+                    Ok(false)
+                }
+                Err(e) => Err(err(OP)(e)),
+            }
+        })
+    })
+    .await
 }
 
 /// The worker that finishes dropped calls' records with the store's fenced

@@ -911,52 +911,25 @@ async fn beside_the_caller<T: Send + 'static>(
 }
 
 /// A connection of `pool` outside any transaction, for the store's writes
-/// (`first`, if given, is tried first). A pool shared with application code
-/// may hand over a connection that code left inside a transaction it began
-/// and never ended (a plain `BEGIN`, then an early return): a reservation or
-/// a completion written there would be rolled back with it, and a retry
-/// would run the body again. SQLite tells (`sqlite3_get_autocommit`, no
-/// statement): such a connection is closed, which rolls that transaction
-/// back, with a warning, and another taken. Not for a database `in_memory`,
-/// which the last connection to close takes with it: there the write is
-/// refused with an error that says why.
+/// (see [`super::outside_any_transaction`]). SQLite tells
+/// (`sqlite3_get_autocommit`, no statement). A connection to a database
+/// `in_memory` is never closed (the last one to close takes the database
+/// with it): the write is refused instead.
 async fn outside_any_transaction(
     pool: &SqlitePool,
     first: Option<PoolConnection<sqlx::Sqlite>>,
     in_memory: bool,
     operation: &'static str,
 ) -> Result<PoolConnection<sqlx::Sqlite>, StoreError> {
-    let mut next = first;
-    for _ in 0..=pool.options().get_max_connections() {
-        let mut conn = match next.take() {
-            Some(conn) => conn,
-            None => pool.acquire().await.map_err(err(operation))?,
-        };
-        if !super::sqlite_tx::in_transaction(&mut conn).await? {
-            return Ok(conn);
-        }
-        if in_memory {
-            return Err(StoreError::new(
-                STORE,
-                operation,
-                "the pool handed over a connection left inside a transaction that other code \
-                 began and never ended (a BEGIN without COMMIT or ROLLBACK); nothing was written. \
-                 End transactions on the pool's connections before giving them back",
-            ));
-        }
-        tracing::warn!(target: "idempotent", store = STORE,
-            "the pool handed over a connection left inside a transaction that other code began \
-             and never ended (a BEGIN without COMMIT or ROLLBACK); closing it, which rolls that \
-             transaction back");
-        conn.close_on_drop();
-    }
-    Err(StoreError::new(
-        STORE,
-        operation,
-        "every connection the pool handed over was inside a transaction that other code began \
-         and never ended; end transactions on the pool's connections (COMMIT or ROLLBACK) before \
-         giving them back, or give the store a pool of its own",
-    ))
+    let if_left_open = if in_memory {
+        super::IfLeftOpen::Refuse
+    } else {
+        super::IfLeftOpen::Close
+    };
+    super::outside_any_transaction(STORE, operation, pool, first, if_left_open, |conn| {
+        Box::pin(super::sqlite_tx::in_transaction(conn))
+    })
+    .await
 }
 
 /// A pool connection whose busy timeout may have been cut short for one
