@@ -1682,8 +1682,8 @@ async fn a_call_dropped_while_its_busy_timeout_is_cut_leaves_the_pool_as_it_was(
         () = second_queued.notified() => {}
         answer = &mut second_call => panic!("the second call queues for the turn: {answer:?}"),
     }
-    // Queued for a while, so its busy timeout is cut by a whole number of ms.
-    tokio::time::sleep(Duration::from_millis(50)).await;
+    // Queued for a while (more than the 250 ms a cut needs), so its busy timeout is cut.
+    tokio::time::sleep(Duration::from_millis(300)).await;
     holder.execute("COMMIT").await.expect("free the lock");
     first_call.await.expect("the first call acquires");
     let mut holder = crate::sqlite_store::write_lock_held(&path).await;

@@ -46,6 +46,10 @@ const BUSY_TIMEOUT: Duration = Duration::from_secs(10);
 /// before it answers `InProgress` (see [`SqliteStore`]'s `reserve`).
 const BUSY_TRY_AT_LEAST: Duration = Duration::from_millis(20);
 
+/// The least time queued for the write turn that is taken off a
+/// reservation's busy timeout (see `BusyTimeoutCut`).
+const CUT_FROM: Duration = Duration::from_millis(250);
+
 /// When such a reservation's caller may try again (its `retry_after`, at
 /// most its lease): the lock's holder is unknown, so not a whole lease.
 pub(super) const BUSY_RETRY_AFTER: Duration = Duration::from_secs(1);
@@ -954,13 +958,16 @@ impl BusyTimeoutCut {
 
     /// The connection with `waited` taken off its busy timeout (down to none
     /// at all: SQLite then answers at once if another connection holds the
-    /// lock).
+    /// lock). A wait under [`CUT_FROM`] is left alone: writes of one process
+    /// queue for milliseconds all the time, and cutting costs three round
+    /// trips to SQLite's worker thread (a call then waits at most the busy
+    /// timeout and `CUT_FROM`).
     async fn by(conn: PoolConnection<sqlx::Sqlite>, waited: Duration) -> Result<Self, sqlx::Error> {
         let mut this = Self::none(conn);
-        let waited = i64::try_from(waited.as_millis()).unwrap_or(i64::MAX);
-        if waited == 0 {
+        if waited < CUT_FROM {
             return Ok(this);
         }
+        let waited = i64::try_from(waited.as_millis()).unwrap_or(i64::MAX);
         let current: i64 = sqlx::query_scalar("PRAGMA busy_timeout")
             .fetch_one(&mut *this.conn)
             .await?;
