@@ -1747,6 +1747,128 @@ async fn a_transaction_that_reads_uncommitted_data_is_refused() {
     assert!(store.fetch(&identity).await.expect("fetch").is_none());
 }
 
+/// Rule 11 in store mode: a pool the store shares with code that sets the
+/// session's clock (a time-freezing test: `SET timestamp` in `after_connect`)
+/// decides nothing with it. Two days ahead, the store's statements read a
+/// record completed a moment ago with a ttl of a day as expired and ran the
+/// body again, took over a live lease, and purged live records; two days
+/// behind, a live duplicate was told to come back in two days. Every
+/// statement of the store on such a session is now refused and writes
+/// nothing: the reservation (fresh, replay, live lease), the renewal, the
+/// completion, the operator's release, the purge, the audit's reads.
+#[tokio::test]
+async fn a_store_on_sessions_whose_clock_is_set_decides_nothing_by_it() {
+    let Some(store) = mysql_store_or_skip().await else {
+        return;
+    };
+    let tenant = fresh_tenant();
+    let complete = Identity::new(tenant.clone(), "mysql_edges.clock", "complete").expect("id");
+    let token = OwnerToken::new();
+    let acquired = store
+        .reserve(request(&complete, None, &token, LONG, LONG))
+        .await
+        .expect("reserve");
+    assert!(
+        matches!(acquired, Reservation::Acquired { .. }),
+        "{acquired:?}"
+    );
+    assert_eq!(
+        store
+            .complete(Completion::by_body(&complete, &token, &ok(b"1"), LONG))
+            .await
+            .expect("complete"),
+        Fenced::Written
+    );
+    let live = Identity::new(tenant.clone(), "mysql_edges.clock", "live").expect("id");
+    let owner = OwnerToken::new();
+    store
+        .reserve(request(&live, None, &owner, LONG, LONG))
+        .await
+        .expect("reserve the live one");
+
+    for skew in ["+ 172800", "- 172800"] {
+        let set = format!("SET timestamp = UNIX_TIMESTAMP(SYSDATE()) {skew}");
+        let pool = MySqlPoolOptions::new()
+            .max_connections(2)
+            .after_connect(move |conn, _| {
+                let set = set.clone();
+                Box::pin(async move {
+                    conn.execute(set.as_str()).await?;
+                    Ok(())
+                })
+            })
+            .connect(&mysql_url())
+            .await
+            .expect("pool");
+        let skewed = MySqlStore::from_pool(pool).await.expect("store");
+        let refused = |what: &str, e: &dyn std::fmt::Display| {
+            assert!(
+                e.to_string().contains("SET timestamp"),
+                "{skew}: {what} not refused for the set clock: {e}"
+            );
+        };
+        let fresh =
+            Identity::new(tenant.clone(), "mysql_edges.clock", format!("fresh{skew}")).expect("id");
+        for identity in [&complete, &live, &fresh] {
+            let answer = skewed
+                .reserve(request(identity, None, &OwnerToken::new(), LONG, LONG))
+                .await;
+            match answer {
+                Err(e) => refused("a reservation", &e),
+                Ok(answer) => panic!("{skew}: {identity:?} answered {answer:?}"),
+            }
+        }
+        match skewed.heartbeat(&live, &owner, LONG).await {
+            Err(e) => refused("a renewal", &e),
+            Ok(answer) => panic!("{skew}: renewal answered {answer:?}"),
+        }
+        match skewed
+            .complete(Completion::by_body(&live, &owner, &ok(b"2"), LONG))
+            .await
+        {
+            Err(e) => refused("a completion", &e),
+            Ok(answer) => panic!("{skew}: completion answered {answer:?}"),
+        }
+        match skewed.force_release(&live, true).await {
+            Err(e) => refused("an operator's release", &e),
+            Ok(answer) => panic!("{skew}: operator's release answered {answer:?}"),
+        }
+        match skewed.purge_expired(1_000).await {
+            Err(e) => refused("a purge", &e),
+            Ok(n) => panic!("{skew}: the purge ran ({n} deleted)"),
+        }
+        match skewed.scope_stats().await {
+            Err(e) => refused("an audit", &e),
+            Ok(_) => panic!("{skew}: the audit read on the set clock"),
+        }
+        skewed.pool().close().await;
+    }
+    // Nothing was written: the complete record replays, the live one is
+    // still its owner's, and the fresh key was never reserved.
+    let replay = store
+        .reserve(request(&complete, None, &OwnerToken::new(), LONG, LONG))
+        .await
+        .expect("replay");
+    assert!(matches!(replay, Reservation::Completed(_)), "{replay:?}");
+    let in_progress = store
+        .reserve(request(&live, None, &OwnerToken::new(), LONG, LONG))
+        .await
+        .expect("in progress");
+    assert!(
+        matches!(in_progress, Reservation::InProgress { lease_remaining } if lease_remaining > Duration::from_secs(60)),
+        "{in_progress:?}"
+    );
+    assert_eq!(
+        store.heartbeat(&live, &owner, LONG).await.expect("renewal"),
+        Fenced::Written
+    );
+    for skew in ["+ 172800", "- 172800"] {
+        let fresh =
+            Identity::new(tenant.clone(), "mysql_edges.clock", format!("fresh{skew}")).expect("id");
+        assert!(store.fetch(&fresh).await.expect("fetch").is_none());
+    }
+}
+
 /// Rule 11 in transactional mode: the caller's session decides nothing with
 /// a clock of its own. `SET timestamp` moves `NOW()` and `UNIX_TIMESTAMP()`,
 /// which the store's statements read: two hours ahead, a complete record

@@ -86,6 +86,122 @@ const MIGRATION_LOCK: &str = "idempotent_runtime.migrate";
 /// The database clock in milliseconds since the epoch, independent of the session time zone.
 const NOW_MS: &str = "(UNIX_TIMESTAMP() * 1000 + FLOOR(MICROSECOND(NOW(6)) / 1000))";
 
+/// Whether the session's clock was set (`SET timestamp = …`): `NOW()` and
+/// `UNIX_TIMESTAMP()`, which the store's statements read, then give the set
+/// time, while `SYSDATE()` goes on giving the server's. More than a second
+/// apart counts as set (a server started with `--sysdate-is-now` makes the
+/// two one, and then a set clock is not seen).
+macro_rules! clock_set {
+    () => {
+        concat!("CAST(NOT ", clock_unset!(), " AS SIGNED)")
+    };
+}
+
+/// The condition that the session's clock is the server's (see
+/// [`clock_set!`]): the store-mode statements' guards end with it, so a
+/// session whose clock was set (a time-freezing test sharing the pool, a
+/// `SET timestamp` left on a pooled connection) never decides a lease or a
+/// retention by it; such a statement goes on to [`clean_connection`], which
+/// refuses the session ([`SESSION_CLOCK_REFUSED`]).
+macro_rules! clock_unset {
+    () => {
+        "(ABS(TIMESTAMPDIFF(MICROSECOND, NOW(6), SYSDATE(6))) <= 1000000)"
+    };
+}
+
+/// Whether the connection is in a transaction, as the server sees it:
+/// `@@in_transaction` (MariaDB), or `autocommit = 0`, where every statement
+/// opens a transaction that lasts until `COMMIT`. Asked every time, not taken
+/// from sqlx's count of the transactions it began: a statement that commits
+/// implicitly (DDL, `TRUNCATE`, `LOCK TABLES`, ...) or a deadlock ends the
+/// server's transaction while sqlx still counts it, and a reservation made
+/// then would commit at once, with no lease renewal, so a duplicate could
+/// take it over while the body runs. MySQL 8.0 has no `@@in_transaction`:
+/// there a transaction begun through sqlx (autocommit stays on under
+/// `BEGIN`) can only be known from sqlx's count, so on MySQL 8 an implicit
+/// commit inside such a transaction is not detected.
+///
+/// A transaction that reads uncommitted data is refused
+/// ([`READ_UNCOMMITTED_REFUSED`]), and so is a session whose clock was set
+/// (`SET timestamp = …`, [`SESSION_CLOCK_REFUSED`]): both read in the same
+/// round trip.
+async fn in_transaction(conn: &mut sqlx::MySqlConnection) -> Result<bool, StoreError> {
+    const OP: &str = "check for an open transaction";
+    let asked: Result<(i64, String, i64), sqlx::Error> = sqlx::query_as(concat!(
+        "SELECT CAST(@@autocommit = 0 OR @@in_transaction = 1 AS SIGNED), @@tx_isolation, ",
+        clock_set!()
+    ))
+    .fetch_one(&mut *conn)
+    .await;
+    let (open, isolation, clock_set) = match asked {
+        // MySQL 8: no `@@in_transaction`; sqlx's count, or autocommit off.
+        Err(sqlx::Error::Database(e)) if error_number(&*e) == Some(ER_UNKNOWN_SYSTEM_VARIABLE) => {
+            let (autocommit_off, clock_set): (i64, i64) = sqlx::query_as(concat!(
+                "SELECT CAST(@@autocommit = 0 AS SIGNED), ",
+                clock_set!()
+            ))
+            .fetch_one(&mut *conn)
+            .await
+            .map_err(err(OP))?;
+            let isolation = session_isolation(conn).await.map_err(err(OP))?;
+            let open = autocommit_off != 0 || sqlx::Connection::is_in_transaction(conn);
+            (i64::from(open), isolation, clock_set)
+        }
+        other => other.map_err(err(OP))?,
+    };
+    if reads_uncommitted(&isolation) {
+        return Err(StoreError::new(STORE, OP, READ_UNCOMMITTED_REFUSED));
+    }
+    if clock_set != 0 {
+        return Err(StoreError::new(STORE, OP, SESSION_CLOCK_REFUSED));
+    }
+    Ok(open != 0)
+}
+
+/// What a call on a session whose clock was set is told (transactional mode,
+/// and the store's own statements on a pool it shares: [`clean_connection`]).
+const SESSION_CLOCK_REFUSED: &str = concat!(
+    "the session's clock is set (SET timestamp = ...): leases and retention are decided on the ",
+    "server's clock, and a set clock would make a complete record look expired (or a lost ",
+    "lease look live), so nothing was written. Run `SET timestamp = DEFAULT` on the connection ",
+    "before the call (and before it goes back to a pool the store shares), or give the store a ",
+    "pool of its own"
+);
+
+/// The reservation in the connection's transaction, waiting for a row lock
+/// for `lock_wait` in whole seconds ([`lock_wait_seconds`]). A transaction
+/// that may be keeping the record's owner from renewing its lease (migration
+/// 0008) is refused with [`Error::StaleSnapshot`].
+async fn reserve_in_transaction(
+    conn: &mut sqlx::MySqlConnection,
+    request: ReserveRequest<'_>,
+    lock_wait: Duration,
+) -> Result<Reservation, Error> {
+    let stale = || Error::StaleSnapshot {
+        scope: request.identity.scope.clone(),
+        store: STORE,
+    };
+    match reserve_with(&mut *conn, request, lock_wait_seconds(lock_wait), false).await? {
+        // Under SERIALIZABLE InnoDB makes every read of a transaction a
+        // locking one: the look that found the record in progress holds a
+        // shared lock on it, which keeps the owner from renewing its lease
+        // until the transaction ends (the session's level; one set for the
+        // next transaction only is not seen, as for READ UNCOMMITTED).
+        Answer::Reservation(reservation @ Reservation::InProgress { .. }) => {
+            let isolation = session_isolation(conn)
+                .await
+                .map_err(err("read the transaction isolation"))?;
+            if isolation.eq_ignore_ascii_case("SERIALIZABLE") {
+                Err(stale())
+            } else {
+                Ok(reservation)
+            }
+        }
+        Answer::Reservation(reservation) => Ok(reservation),
+        Answer::StaleSnapshot => Err(stale()),
+    }
+}
+
 /// A store in MySQL 8 or MariaDB: many instances of a service share one
 /// database. Cloning gives another handle to the same pool.
 ///
@@ -216,7 +332,10 @@ impl Commit {
         match self {
             Commit::WithTheTransaction => "",
             Commit::Autocommit => {
-                " AND @@SESSION.autocommit = 1 /*M! AND @@SESSION.in_transaction = 0 */"
+                concat!(
+                    " AND @@SESSION.autocommit = 1 /*M! AND @@SESSION.in_transaction = 0 */ AND ",
+                    clock_unset!()
+                )
             }
         }
     }
@@ -224,8 +343,10 @@ impl Commit {
 
 /// A connection of `pool` outside any transaction, for the store's own
 /// writes (see [`super::outside_any_transaction`]). `check`: ask (MariaDB's
-/// `@@in_transaction`; MySQL 8 has none and is not asked). A session with
-/// autocommit off is left as it is: the store's statements handle it.
+/// `@@in_transaction`; MySQL 8 has none and is not asked), and refuse a
+/// session whose clock was set ([`SESSION_CLOCK_REFUSED`], both stores). A
+/// session with autocommit off is left as it is: the store's statements
+/// handle it.
 async fn clean_connection(
     pool: &MySqlPool,
     check: bool,
@@ -236,21 +357,30 @@ async fn clean_connection(
     }
     super::outside_any_transaction(STORE, OP, pool, None, super::IfLeftOpen::Close, |conn| {
         Box::pin(async move {
-            let asked: Result<i64, sqlx::Error> = sqlx::query_scalar(
-                "SELECT CAST(@@autocommit = 1 AND @@in_transaction = 1 AS SIGNED)",
-            )
-            .fetch_one(conn)
+            let asked: Result<(i64, i64), sqlx::Error> = sqlx::query_as(concat!(
+                "SELECT CAST(@@autocommit = 1 AND @@in_transaction = 1 AS SIGNED), ",
+                clock_set!()
+            ))
+            .fetch_one(&mut *conn)
             .await;
-            match asked {
-                Ok(left_open) => Ok(left_open != 0),
+            let (left_open, clock_set) = match asked {
+                Ok(asked) => asked,
                 // MySQL 8: no `@@in_transaction`.
                 Err(sqlx::Error::Database(e))
                     if error_number(&*e) == Some(ER_UNKNOWN_SYSTEM_VARIABLE) =>
                 {
-                    Ok(false)
+                    let clock_set: i64 = sqlx::query_scalar(concat!("SELECT ", clock_set!()))
+                        .fetch_one(&mut *conn)
+                        .await
+                        .map_err(err(OP))?;
+                    (0, clock_set)
                 }
-                Err(e) => Err(err(OP)(e)),
+                Err(e) => return Err(err(OP)(e)),
+            };
+            if clock_set != 0 {
+                return Err(StoreError::new(STORE, OP, SESSION_CLOCK_REFUSED));
             }
+            Ok(left_open != 0)
         })
     })
     .await
@@ -478,7 +608,9 @@ const READ_SQL: &str = concat!(
     "CAST(COALESCE(expires_at <= (UNIX_TIMESTAMP() * 1000 + FLOOR(MICROSECOND(NOW(6)) / 1000)) ",
     "AND (state = 'complete' OR lease_expires_at <= ",
     "(UNIX_TIMESTAMP() * 1000 + FLOOR(MICROSECOND(NOW(6)) / 1000))), 0) AS SIGNED) AS expired, ",
-    "CAST(@@SESSION.autocommit = 1 /*M! AND @@SESSION.in_transaction = 0 */ AS SIGNED) AS autocommit ",
+    "CAST(@@SESSION.autocommit = 1 /*M! AND @@SESSION.in_transaction = 0 */ AND ",
+    clock_unset!(),
+    " AS SIGNED) AS autocommit ",
     "FROM idempotency_records WHERE tenant = ? AND scope = ? AND `key` = ?"
 );
 
@@ -512,7 +644,9 @@ const INSERT_OR_READ_SQL: &str = concat!(
     "INSERT INTO idempotency_records ",
     "(tenant, scope, `key`, state, fingerprint, owner_token, is_error, result, ",
     "lease_expires_at, expires_at, created_at, updated_at, attempt, attempt_started_at, recovered) ",
-    "VALUES (?, ?, ?, IF(@@SESSION.autocommit = 1 AND @@SESSION.in_transaction = 0, 'in_progress', NULL), ?, ?, ",
+    "VALUES (?, ?, ?, IF(@@SESSION.autocommit = 1 AND @@SESSION.in_transaction = 0 AND ",
+    clock_unset!(),
+    ", 'in_progress', NULL), ?, ?, ",
     "IF((@idempotency_existed := 0) = 0, 0, 0), NULL, ",
     "UNIX_TIMESTAMP() * 1000 + FLOOR(MICROSECOND(NOW(6)) / 1000) + ?, ",
     "UNIX_TIMESTAMP() * 1000 + FLOOR(MICROSECOND(NOW(6)) / 1000) + ?, ",
@@ -911,7 +1045,7 @@ impl Store for MySqlStore {
         // The session's wait is shortened for that, on a connection closed
         // afterwards instead of returned to the pool with it, whatever
         // happens (this call dropped halfway included).
-        let mut conn = self.pools.current().acquire().await.map_err(err(OP))?;
+        let mut conn = clean_connection(&self.pools.current(), true).await?;
         conn.close_on_drop();
         sqlx::query("SET SESSION innodb_lock_wait_timeout = ?")
             .bind(OPERATOR_LOCK_WAIT.as_secs().max(1))
@@ -982,9 +1116,12 @@ impl Store for MySqlStore {
 
     async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError> {
         super::purge_in_chunks(STORE, batch, |chunk| async move {
+            // The procedure decides by the session's clock and begins a
+            // transaction of its own (which would commit one left open).
+            let mut conn = clean_connection(&self.pools.current(), true).await?;
             let row: MySqlRow = sqlx::query("CALL idempotency_purge(?)")
                 .bind(i64::from(chunk))
-                .fetch_one(&*self.pools.current())
+                .fetch_one(&mut *conn)
                 .await
                 .map_err(err("purge expired records"))?;
             // By position, like the reservation's answer.
@@ -1007,7 +1144,7 @@ impl Store for MySqlStore {
             .bind(identity.tenant.as_bytes())
             .bind(identity.scope.as_bytes())
             .bind(identity.key.as_bytes())
-            .fetch_optional(&*self.pools.current())
+            .fetch_optional(&mut *clean_connection(&self.pools.current(), true).await?)
             .await
             .map_err(err("fetch"))?;
         row.map(|row| rows::Columns(&row).snapshot())
@@ -1038,7 +1175,7 @@ impl Store for MySqlStore {
               GROUP BY s.scope ORDER BY s.scope"
         );
         let found = sqlx::query(&sql)
-            .fetch_all(&*self.pools.current())
+            .fetch_all(&mut *clean_connection(&self.pools.current(), true).await?)
             .await
             .map_err(err(OP))?;
         found
@@ -1111,107 +1248,6 @@ const TRANSACTION_ENDED_BY_THE_SERVER: &str = concat!(
     "caller may have taken the record over. Nothing was recorded: run the call again in a ",
     "new transaction"
 );
-
-/// Whether the session's clock was set (`SET timestamp = …`): `NOW()` and
-/// `UNIX_TIMESTAMP()`, which the store's statements read, then give the set
-/// time, while `SYSDATE()` goes on giving the server's. More than a second
-/// apart counts as set (a server started with `--sysdate-is-now` makes the
-/// two one, and then a set clock is not seen).
-macro_rules! clock_set {
-    () => {
-        "CAST(ABS(TIMESTAMPDIFF(MICROSECOND, NOW(6), SYSDATE(6))) > 1000000 AS SIGNED)"
-    };
-}
-
-/// Whether the connection is in a transaction, as the server sees it:
-/// `@@in_transaction` (MariaDB), or `autocommit = 0`, where every statement
-/// opens a transaction that lasts until `COMMIT`. Asked every time, not taken
-/// from sqlx's count of the transactions it began: a statement that commits
-/// implicitly (DDL, `TRUNCATE`, `LOCK TABLES`, ...) or a deadlock ends the
-/// server's transaction while sqlx still counts it, and a reservation made
-/// then would commit at once, with no lease renewal, so a duplicate could
-/// take it over while the body runs. MySQL 8.0 has no `@@in_transaction`:
-/// there a transaction begun through sqlx (autocommit stays on under
-/// `BEGIN`) can only be known from sqlx's count, so on MySQL 8 an implicit
-/// commit inside such a transaction is not detected.
-///
-/// A transaction that reads uncommitted data is refused
-/// ([`READ_UNCOMMITTED_REFUSED`]), and so is a session whose clock was set
-/// (`SET timestamp = …`, [`SESSION_CLOCK_REFUSED`]): both read in the same
-/// round trip.
-async fn in_transaction(conn: &mut sqlx::MySqlConnection) -> Result<bool, StoreError> {
-    const OP: &str = "check for an open transaction";
-    let asked: Result<(i64, String, i64), sqlx::Error> = sqlx::query_as(concat!(
-        "SELECT CAST(@@autocommit = 0 OR @@in_transaction = 1 AS SIGNED), @@tx_isolation, ",
-        clock_set!()
-    ))
-    .fetch_one(&mut *conn)
-    .await;
-    let (open, isolation, clock_set) = match asked {
-        // MySQL 8: no `@@in_transaction`; sqlx's count, or autocommit off.
-        Err(sqlx::Error::Database(e)) if error_number(&*e) == Some(ER_UNKNOWN_SYSTEM_VARIABLE) => {
-            let (autocommit_off, clock_set): (i64, i64) = sqlx::query_as(concat!(
-                "SELECT CAST(@@autocommit = 0 AS SIGNED), ",
-                clock_set!()
-            ))
-            .fetch_one(&mut *conn)
-            .await
-            .map_err(err(OP))?;
-            let isolation = session_isolation(conn).await.map_err(err(OP))?;
-            let open = autocommit_off != 0 || sqlx::Connection::is_in_transaction(conn);
-            (i64::from(open), isolation, clock_set)
-        }
-        other => other.map_err(err(OP))?,
-    };
-    if reads_uncommitted(&isolation) {
-        return Err(StoreError::new(STORE, OP, READ_UNCOMMITTED_REFUSED));
-    }
-    if clock_set != 0 {
-        return Err(StoreError::new(STORE, OP, SESSION_CLOCK_REFUSED));
-    }
-    Ok(open != 0)
-}
-
-/// What a transactional call on a session whose clock was set is told.
-const SESSION_CLOCK_REFUSED: &str = concat!(
-    "the session's clock is set (SET timestamp = ...): leases and retention are decided on the ",
-    "server's clock, and a set clock would make a complete record look expired (or a lost ",
-    "lease look live). Run `SET timestamp = DEFAULT` before calling in transactional mode"
-);
-
-/// The reservation in the connection's transaction, waiting for a row lock
-/// for `lock_wait` in whole seconds ([`lock_wait_seconds`]). A transaction
-/// that may be keeping the record's owner from renewing its lease (migration
-/// 0008) is refused with [`Error::StaleSnapshot`].
-async fn reserve_in_transaction(
-    conn: &mut sqlx::MySqlConnection,
-    request: ReserveRequest<'_>,
-    lock_wait: Duration,
-) -> Result<Reservation, Error> {
-    let stale = || Error::StaleSnapshot {
-        scope: request.identity.scope.clone(),
-        store: STORE,
-    };
-    match reserve_with(&mut *conn, request, lock_wait_seconds(lock_wait), false).await? {
-        // Under SERIALIZABLE InnoDB makes every read of a transaction a
-        // locking one: the look that found the record in progress holds a
-        // shared lock on it, which keeps the owner from renewing its lease
-        // until the transaction ends (the session's level; one set for the
-        // next transaction only is not seen, as for READ UNCOMMITTED).
-        Answer::Reservation(reservation @ Reservation::InProgress { .. }) => {
-            let isolation = session_isolation(conn)
-                .await
-                .map_err(err("read the transaction isolation"))?;
-            if isolation.eq_ignore_ascii_case("SERIALIZABLE") {
-                Err(stale())
-            } else {
-                Ok(reservation)
-            }
-        }
-        Answer::Reservation(reservation) => Ok(reservation),
-        Answer::StaleSnapshot => Err(stale()),
-    }
-}
 
 #[cfg(test)]
 mod tests {
