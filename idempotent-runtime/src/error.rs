@@ -202,8 +202,12 @@ pub enum Error {
     ///   (`SQLITE_BUSY_SNAPSHOT`), or, without WAL, another writer waits for
     ///   its read lock.
     /// * PostgreSQL: the transaction runs at REPEATABLE READ or SERIALIZABLE,
-    ///   and another transaction committed this record after its snapshot was
-    ///   taken (SQLSTATE 40001), so it can neither see nor write it.
+    ///   and writing the record failed with SQLSTATE 40001: another
+    ///   transaction committed this record after its snapshot was taken, so
+    ///   it can neither see nor write it; or, under SERIALIZABLE, the
+    ///   transaction's reads and writes conflict with concurrent
+    ///   transactions' (PostgreSQL may then refuse even a key no one has
+    ///   recorded).
     /// * MySQL/MariaDB: the record is another caller's, in progress, and this
     ///   transaction may be what keeps its owner from renewing its lease:
     ///   the lease ran out after the transaction began (its snapshot may
@@ -275,8 +279,10 @@ impl From<Error> for std::io::Error {
 fn stale_snapshot_cause(store: &str) -> &'static str {
     match store {
         "postgres" => {
-            "its snapshot (REPEATABLE READ or SERIALIZABLE) is older than the record another transaction \
-             committed, so it can neither see nor write it"
+            "writing the record failed with a serialization failure (40001): at REPEATABLE READ or \
+             SERIALIZABLE its snapshot is older than the record another transaction committed, so it \
+             can neither see nor write it, or, at SERIALIZABLE, its reads and writes conflict with a \
+             concurrent transaction's (even for a key no one has recorded)"
         }
         "mysql" => {
             "the record is another caller's, in progress, and this transaction may be what keeps its owner \

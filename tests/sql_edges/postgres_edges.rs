@@ -571,6 +571,109 @@ async fn a_transaction_older_than_the_record_is_refused_and_stays_usable() {
     }
 }
 
+/// A transactional call in a read-only transaction (`BEGIN READ ONLY`, or a
+/// session with `default_transaction_read_only`) is refused with a message
+/// that says so, before anything is written: the body does not run and the
+/// caller's transaction stays usable. Before, the reservation's insert failed
+/// with a raw 25006 and aborted the caller's transaction (25P02 next).
+#[tokio::test]
+async fn a_read_only_transaction_is_refused_and_stays_usable() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let Some(store) = pg_store_or_skip().await else {
+        return;
+    };
+    let pool = store.pool();
+    for begin in ["BEGIN READ ONLY", "SET default_transaction_read_only = on"] {
+        let (tenant, runs) = (fresh_tenant(), AtomicUsize::new(0));
+        let mut conn = pool.acquire().await.expect("connection");
+        let mut tx = if begin.starts_with("SET") {
+            conn.execute(begin).await.expect("read only by default");
+            conn.begin().await.expect("begin")
+        } else {
+            conn.begin_with(begin).await.expect("begin")
+        };
+        let answer = snapshot_charge(&mut tx, &tenant, "k", &runs).await;
+        let message = answer.err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(
+            message.contains("read-only") && message.contains("read-write transaction"),
+            "{begin}: {message}"
+        );
+        sqlx::query("SELECT 1")
+            .execute(&mut *tx)
+            .await
+            .expect("the caller's transaction is still usable");
+        tx.rollback().await.expect("rollback");
+        conn.close_on_drop();
+        assert_eq!(
+            runs.load(Ordering::SeqCst),
+            0,
+            "{begin}: the body did not run"
+        );
+    }
+}
+
+/// Under SERIALIZABLE, PostgreSQL also refuses a write that would close a
+/// read/write cycle (40001) — even the reservation of a key no one has
+/// recorded. The refusal is `StaleSnapshot` all the same (roll back, retry),
+/// but its message no longer claims a newer record that does not exist: it
+/// names the serialization failure and both of its causes. Here the caller's
+/// transaction is the pivot: it read a row another transaction then changed
+/// and committed, and a third transaction read the records' table.
+#[tokio::test]
+async fn a_serializable_conflict_on_a_fresh_key_is_refused_without_a_made_up_record() {
+    use idempotent_runtime::Error;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let Some(store) = pg_store_or_skip().await else {
+        return;
+    };
+    let pool = store.pool();
+    pool.execute(
+        "CREATE TABLE IF NOT EXISTS pg_edges_ssi (id INT PRIMARY KEY, v INT);
+         INSERT INTO pg_edges_ssi VALUES (1, 0), (2, 0) ON CONFLICT DO NOTHING",
+    )
+    .await
+    .expect("table");
+    let (tenant, runs) = (fresh_tenant(), AtomicUsize::new(0));
+    let serializable = "BEGIN ISOLATION LEVEL SERIALIZABLE";
+    let mut pivot = pool.begin_with(serializable).await.expect("begin");
+    sqlx::query("SELECT v FROM pg_edges_ssi WHERE id = 1")
+        .execute(&mut *pivot)
+        .await
+        .expect("read");
+    let mut writer = pool.begin_with(serializable).await.expect("begin");
+    sqlx::query("UPDATE pg_edges_ssi SET v = v + 1 WHERE id = 1")
+        .execute(&mut *writer)
+        .await
+        .expect("update");
+    writer.commit().await.expect("commit");
+    let mut reader = pool.begin_with(serializable).await.expect("begin");
+    sqlx::query(
+        "SELECT count(*) FROM idempotency_records
+          WHERE tenant = $1 AND scope = 'pg_edges.snapshot' AND key = 'k'",
+    )
+    .bind(&tenant)
+    .execute(&mut *reader)
+    .await
+    .expect("read the records");
+    sqlx::query("UPDATE pg_edges_ssi SET v = v + 1 WHERE id = 2")
+        .execute(&mut *reader)
+        .await
+        .expect("write");
+
+    let answer = snapshot_charge(&mut pivot, &tenant, "k", &runs).await;
+    let message = match answer {
+        Err(e @ Error::StaleSnapshot { .. }) => e.to_string(),
+        other => panic!("{other:?}"),
+    };
+    assert!(
+        message.contains("serialization failure") && message.contains("conflict"),
+        "{message}"
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 0, "the body did not run");
+    pivot.rollback().await.expect("rollback");
+    reader.rollback().await.expect("rollback");
+}
+
 /// A heartbeat reads the database's clock once: the lease's end and the
 /// retention it moves along (`Store::heartbeat`) are set from the same
 /// instant, so their distance never changes. With one clock read per use, a

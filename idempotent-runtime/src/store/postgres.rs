@@ -465,7 +465,7 @@ async fn reserve_in_transaction(
         Answer::StaleSnapshot => {
             let id = request.identity;
             tracing::warn!(target: "idempotent", scope = %id.scope, key = %id.key_digest(),
-                "refused: the caller's transaction (REPEATABLE READ or SERIALIZABLE) is older than the record");
+                "refused: the caller's transaction (REPEATABLE READ or SERIALIZABLE) cannot write the record (serialization failure: a snapshot older than the record, or a read/write conflict)");
             Err(Error::StaleSnapshot {
                 scope: id.scope.clone(),
                 store: STORE,
@@ -897,13 +897,27 @@ impl Store for PgStore {
 // ---------------------------------------------------------------- transactional mode
 
 /// Whether the connection's transaction began before the statement asking (a
-/// simple-protocol query: in autocommit it is its own transaction).
-async fn started_before_this_statement(conn: &mut sqlx::PgConnection) -> Result<bool, sqlx::Error> {
+/// simple-protocol query: in autocommit it is its own transaction), and
+/// whether that transaction is read-only.
+async fn started_before_this_statement(
+    conn: &mut sqlx::PgConnection,
+) -> Result<(bool, bool), sqlx::Error> {
     let row: PgRow = conn
-        .fetch_one("SELECT transaction_timestamp() <> statement_timestamp()")
+        .fetch_one(
+            "SELECT transaction_timestamp() <> statement_timestamp(), \
+                    current_setting('transaction_read_only') = 'on'",
+        )
         .await?;
-    row.try_get::<bool, _>(0)
+    Ok((row.try_get::<bool, _>(0)?, row.try_get::<bool, _>(1)?))
 }
+
+/// What a transactional call in a read-only transaction is told.
+const READ_ONLY_REFUSED: &str = concat!(
+    "the caller's transaction is read-only (SET TRANSACTION READ ONLY, ",
+    "default_transaction_read_only, or a standby server): the reservation and the recorded ",
+    "result are writes in it. Nothing was written and the transaction is still usable; make ",
+    "the call in a read-write transaction"
+);
 
 crate::transaction::transactional_connection! {
     /// Transactional mode on a PostgreSQL connection: the reservation and the
@@ -973,11 +987,16 @@ async fn reads_what_others_commit(conn: &mut sqlx::PgConnection) -> Result<bool,
 /// a transaction (begun by sqlx or by a plain `BEGIN`) it started earlier.
 /// Always asked, never taken from sqlx's count of the transactions it began:
 /// a `COMMIT` sent as a query ends the server's transaction while sqlx still
-/// counts it, and a reservation made then would commit at once.
+/// counts it, and a reservation made then would commit at once. A read-only
+/// transaction is refused ([`READ_ONLY_REFUSED`]) before anything is written:
+/// the reservation's failed insert would abort the caller's transaction.
 async fn in_transaction(conn: &mut sqlx::PgConnection) -> Result<bool, StoreError> {
-    started_before_this_statement(conn)
-        .await
-        .map_err(err("check for an open transaction"))
+    const OP: &str = "check for an open transaction";
+    let (open, read_only) = started_before_this_statement(conn).await.map_err(err(OP))?;
+    if open && read_only {
+        return Err(StoreError::new(STORE, OP, READ_ONLY_REFUSED));
+    }
+    Ok(open)
 }
 
 // ---------------------------------------------------------------- waiting duplicates
