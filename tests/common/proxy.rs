@@ -611,12 +611,32 @@ async fn serve(client: TcpStream, shared: Arc<Shared>) {
     let conn = Conn::default();
     let (client_read, client_write) = client.into_split();
     let (server_read, server_write) = server.into_split();
-    // The first side to end (EOF, error or cut) ends the connection: dropping
-    // both pumps drops all four halves, which closes both sockets.
-    tokio::select! {
-        () = pump(Direction::ToServer, client_read, server_write, &shared, &conn) => {}
-        () = pump(Direction::ToClient, server_read, client_write, &shared, &conn) => {}
-        _ = shutdown.wait_for(|stop| *stop) => {}
+    // A cut, an error or the server's end ends the connection: dropping both
+    // pumps drops all four halves, which closes both sockets. The client's
+    // end (EOF: it closed the connection) is passed on as TCP does, the
+    // server's write side shut down after what the proxy forwarded, and the
+    // server's answers are still read (settling a trip, `Trip::settled`:
+    // the server answered) until the server closes its side.
+    let to_client = pump(
+        Direction::ToClient,
+        server_read,
+        client_write,
+        &shared,
+        &conn,
+    );
+    let mut to_client = std::pin::pin!(to_client);
+    let client_closed = tokio::select! {
+        end = pump(Direction::ToServer, client_read, server_write, &shared, &conn) => {
+            end == PumpEnd::Eof
+        }
+        _ = to_client.as_mut() => false,
+        _ = shutdown.wait_for(|stop| *stop) => false,
+    };
+    if client_closed {
+        tokio::select! {
+            _ = to_client.as_mut() => {}
+            _ = shutdown.wait_for(|stop| *stop) => {}
+        }
     }
     conn.settle(&shared);
     shared.counters.open.fetch_sub(1, Ordering::SeqCst);
@@ -626,13 +646,23 @@ async fn serve(client: TcpStream, shared: Arc<Shared>) {
 /// The most bytes of the previous chunk kept for matching a split needle.
 const TAIL: usize = 256;
 
+/// Why a pump stopped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum PumpEnd {
+    /// The sending side closed its connection; its write side is shut down
+    /// on the other socket.
+    Eof,
+    /// A read or write failed, or the proxy cut the connection.
+    Broken,
+}
+
 async fn pump(
     direction: Direction,
     mut from: OwnedReadHalf,
     mut to: OwnedWriteHalf,
     shared: &Shared,
     conn: &Conn,
-) {
+) -> PumpEnd {
     let mut buf = vec![0u8; 64 * 1024];
     let mut window: Vec<u8> = Vec::with_capacity(TAIL + buf.len());
     let forwarded = match direction {
@@ -641,7 +671,11 @@ async fn pump(
     };
     loop {
         let n = match from.read(&mut buf).await {
-            Ok(0) | Err(_) => return,
+            Ok(0) => {
+                let _ = to.shutdown().await;
+                return PumpEnd::Eof;
+            }
+            Err(_) => return PumpEnd::Broken,
             Ok(n) => n,
         };
         if direction == Direction::ToClient {
@@ -653,7 +687,7 @@ async fn pump(
             shared.counters.cuts.fetch_add(1, Ordering::SeqCst);
             signal.cut.send_replace(true);
             shared.bump();
-            return;
+            return PumpEnd::Broken;
         }
         shared.hold_while_stalled(direction).await;
         let delay = shared.control().delay;
@@ -661,7 +695,7 @@ async fn pump(
             tokio::time::sleep(delay).await;
         }
         if to.write_all(&buf[..n]).await.is_err() {
-            return;
+            return PumpEnd::Broken;
         }
         forwarded.fetch_add(n as u64, Ordering::SeqCst);
         let drop_front = window.len().saturating_sub(TAIL);

@@ -993,3 +993,110 @@ async fn proxy_stalls_until_released_and_keeps_order() {
     assert_eq!(stats.stalled_chunks, 2);
     assert_eq!(stats.bytes_to_server, 11);
 }
+
+/// A call dropped while its statement waits on a server that does not answer
+/// (stalled, or the connection black-holed by the network) must not take the
+/// pool's slot with it. sqlx hands a connection back by pinging it, without a
+/// bound, and that ping waited as long as the server stayed silent: once
+/// callers that gave up (a timeout around the call, as the README advises)
+/// held every slot, every later call failed with `PoolTimedOut`, though the
+/// caller was long gone. The store now closes a connection whose statement
+/// its call abandoned: the pool's slot is free again while the server is
+/// still silent. The pool has one connection; each round's reservation is
+/// the one whose answer is held.
+async fn a_dropped_call_on_a_silent_connection_frees_its_slot(
+    proxy: &FaultProxy,
+    store: &dyn Store,
+    pool_size: impl Fn() -> u32,
+) {
+    use idempotent_runtime::{OwnerToken, Reservation, ReserveRequest};
+    let tenant = fresh_tenant();
+    fn request<'a>(identity: &'a Identity, token: &'a OwnerToken) -> ReserveRequest<'a> {
+        ReserveRequest {
+            identity,
+            fingerprint: None,
+            token,
+            lease: Duration::from_secs(60),
+            ttl: Duration::from_secs(60),
+        }
+    }
+    let token = OwnerToken::new();
+    for round in 0..3 {
+        let key = format!("silent-{round}-{tenant}");
+        let identity = Identity::new(tenant.clone(), "faults.silent", key.clone()).expect("id");
+        let trip = proxy.stall_on_next_request_containing(&key, Stall::ToClientOnly);
+        {
+            let mut call = pin!(store.reserve(request(&identity, &token)));
+            tokio::select! {
+                answer = call.as_mut() => panic!("round {round}: answered during the stall: {answer:?}"),
+                _ = trip.request_seen() => {}
+            }
+            proxy.wait_held(Direction::ToClient).await;
+            // The caller gives up: `call` is dropped mid-statement.
+        }
+        // The handshake is the pool's own count of its connections, bounded.
+        let freed = async {
+            while pool_size() != 0 {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        };
+        tokio::time::timeout(WAIT_LIMIT, freed)
+            .await
+            .unwrap_or_else(|_| {
+                panic!(
+                    "round {round}: the abandoned connection still holds the pool's slot \
+                 {WAIT_LIMIT:?} later, the server silent"
+                )
+            });
+        proxy.release_stall();
+    }
+    let identity = Identity::new(tenant, "faults.silent", "after").expect("id");
+    let answer = store
+        .reserve(request(&identity, &token))
+        .await
+        .expect("a new connection answers");
+    assert!(matches!(answer, Reservation::Acquired { .. }), "{answer:?}");
+}
+
+#[tokio::test]
+async fn postgres_a_dropped_call_on_a_silent_connection_frees_its_slot() {
+    if pg_store_or_skip().await.is_none() {
+        return;
+    }
+    let options = PgConnectOptions::from_str(&pg_url()).expect("PostgreSQL URL");
+    let upstream = format!("{}:{}", options.get_host(), options.get_port());
+    let proxy = FaultProxy::start(&upstream).await.expect("proxy");
+    let pool = PgPoolOptions::new()
+        .max_connections(1)
+        .acquire_timeout(ACQUIRE_TIMEOUT)
+        .connect_with(options.host("127.0.0.1").port(proxy.port()))
+        .await
+        .expect("a pool through the proxy");
+    let store = PgStore::from_pool(pool).await.expect("store");
+    let pool = store.pool().clone();
+    a_dropped_call_on_a_silent_connection_frees_its_slot(&proxy, &store, || pool.size()).await;
+}
+
+#[tokio::test]
+async fn mariadb_a_dropped_call_on_a_silent_connection_frees_its_slot() {
+    if mysql_store_or_skip().await.is_none() {
+        return;
+    }
+    let url = mysql_url();
+    let url = match url.strip_prefix("mariadb://") {
+        Some(rest) => format!("mysql://{rest}"),
+        None => url,
+    };
+    let options = MySqlConnectOptions::from_str(&url).expect("MySQL URL");
+    let upstream = format!("{}:{}", options.get_host(), options.get_port());
+    let proxy = FaultProxy::start(&upstream).await.expect("proxy");
+    let pool = MySqlPoolOptions::new()
+        .max_connections(1)
+        .acquire_timeout(ACQUIRE_TIMEOUT)
+        .connect_with(options.host("127.0.0.1").port(proxy.port()))
+        .await
+        .expect("a pool through the proxy");
+    let store = MySqlStore::from_pool(pool).await.expect("store");
+    let pool = store.pool().clone();
+    a_dropped_call_on_a_silent_connection_frees_its_slot(&proxy, &store, || pool.size()).await;
+}

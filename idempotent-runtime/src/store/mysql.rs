@@ -73,6 +73,7 @@ use sqlx::mysql::{MySqlPool, MySqlRow};
 use sqlx::{Executor, MySql, Row};
 
 const STORE: &str = "mysql";
+use super::server::ClosedIfDropped;
 pub use super::server::ACQUIRE_TIMEOUT;
 /// Whole seconds a reservation through the store waits for a row lock: the
 /// smallest non-zero InnoDB wait. Concurrent reservations hold a new row's lock
@@ -291,10 +292,13 @@ impl MySqlStore {
 macro_rules! committed {
     ($pool:expr, $op:literal, |$on:ident, $commit:ident| $write:expr) => {{
         let pool: &MySqlPool = $pool;
+        let mut first = ClosedIfDropped::acquire(pool).await.map_err(err($op))?;
         let done = {
-            let ($on, $commit) = (pool, Commit::Autocommit);
-            $write.await?
+            let ($on, $commit) = (&mut *first, Commit::Autocommit);
+            $write.await
         };
+        first.hand_back();
+        let done = done?;
         if done.is_written() {
             Ok(done)
         } else {
@@ -307,6 +311,7 @@ macro_rules! committed {
                 $write.await?
             };
             tx.commit().await.map_err(err($op))?;
+            conn.hand_back();
             Ok(done)
         }
     }};
@@ -350,10 +355,10 @@ impl Commit {
 async fn clean_connection(
     pool: &MySqlPool,
     check: bool,
-) -> Result<sqlx::pool::PoolConnection<MySql>, StoreError> {
+) -> Result<ClosedIfDropped<MySql>, StoreError> {
     const OP: &str = "take a connection outside any transaction";
     if !check {
-        return pool.acquire().await.map_err(err(OP));
+        return ClosedIfDropped::acquire(pool).await.map_err(err(OP));
     }
     super::outside_any_transaction(STORE, OP, pool, None, super::IfLeftOpen::Close, |conn| {
         Box::pin(async move {
@@ -384,6 +389,7 @@ async fn clean_connection(
         })
     })
     .await
+    .map(ClosedIfDropped::guard)
 }
 
 /// The worker that finishes dropped calls' records with the store's fenced
@@ -705,10 +711,14 @@ async fn insert_or_read(
 ) -> Result<InsertOrRead, StoreError> {
     // Read to the end (`fetch_all`, one row at most): stopped at the row,
     // an error the server sends after it would go unseen.
+    let mut conn = ClosedIfDropped::acquire(pool)
+        .await
+        .map_err(err("reserve"))?;
     let found = bind_request(sqlx::query(INSERT_OR_READ_SQL), request)
-        .fetch_all(pool)
+        .fetch_all(&mut *conn)
         .await
         .map(|rows| rows.into_iter().next());
+    conn.hand_back();
     let row = match found {
         Ok(Some(row)) => row,
         Ok(None) => return Ok(InsertOrRead::Decide),
@@ -774,13 +784,17 @@ async fn reserve_through_store(
         }
     }
     let id = request.identity;
+    let mut conn = ClosedIfDropped::acquire(pool)
+        .await
+        .map_err(err("reserve"))?;
     let row = sqlx::query(READ_SQL)
         .bind(id.tenant.as_bytes())
         .bind(id.scope.as_bytes())
         .bind(id.key.as_bytes())
-        .fetch_optional(pool)
-        .await
-        .map_err(err("reserve"))?;
+        .fetch_optional(&mut *conn)
+        .await;
+    conn.hand_back();
+    let row = row.map_err(err("reserve"))?;
     if let Some(row) = row {
         let fingerprint = request.fingerprint.map(Fingerprint::as_str);
         let answer = if row
@@ -841,7 +855,9 @@ async fn reserve_through_the_procedure(
     mariadb: bool,
 ) -> Result<Reservation, StoreError> {
     let mut conn = clean_connection(pool, mariadb).await?;
-    match reserve_with(&mut *conn, request, STORE_LOCK_WAIT_S, true).await? {
+    let answer = reserve_with(&mut *conn, request, STORE_LOCK_WAIT_S, true).await;
+    conn.hand_back();
+    match answer? {
         Answer::Reservation(reservation) => Ok(reservation),
         Answer::StaleSnapshot => Err(StoreError::new(
             STORE,
@@ -1124,6 +1140,7 @@ impl Store for MySqlStore {
                 .fetch_one(&mut *conn)
                 .await
                 .map_err(err("purge expired records"))?;
+            conn.hand_back();
             // By position, like the reservation's answer.
             let deleted: Option<i64> = row.try_get(0).map_err(err("purge expired records"))?;
             Ok(deleted.unwrap_or(0).max(0) as u64)
@@ -1140,13 +1157,15 @@ impl Store for MySqlStore {
                     COALESCE(attempt_started_at, created_at) AS attempt_started_at, recovered
                FROM idempotency_records WHERE tenant = ? AND scope = ? AND `key` = ?"
         );
+        let mut conn = clean_connection(&self.pools.current(), true).await?;
         let row = sqlx::query(&sql)
             .bind(identity.tenant.as_bytes())
             .bind(identity.scope.as_bytes())
             .bind(identity.key.as_bytes())
-            .fetch_optional(&mut *clean_connection(&self.pools.current(), true).await?)
+            .fetch_optional(&mut *conn)
             .await
             .map_err(err("fetch"))?;
+        conn.hand_back();
         row.map(|row| rows::Columns(&row).snapshot())
             .transpose()
             .map_err(err("fetch"))
@@ -1174,10 +1193,12 @@ impl Store for MySqlStore {
                        CROSS JOIN (SELECT CAST({NOW_MS} AS SIGNED) AS now_ms) n) s
               GROUP BY s.scope ORDER BY s.scope"
         );
+        let mut conn = clean_connection(&self.pools.current(), true).await?;
         let found = sqlx::query(&sql)
-            .fetch_all(&mut *clean_connection(&self.pools.current(), true).await?)
+            .fetch_all(&mut *conn)
             .await
             .map_err(err(OP))?;
+        conn.hand_back();
         found
             .iter()
             .map(|row| rows::Columns(row).scope_stats())

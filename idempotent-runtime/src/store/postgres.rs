@@ -71,6 +71,7 @@ use sqlx::{Executor, Postgres, Row};
 use std::collections::HashMap;
 
 const STORE: &str = "postgres";
+use super::server::ClosedIfDropped;
 pub use super::server::ACQUIRE_TIMEOUT;
 const DEFAULT_LOCK_WAIT: Duration = Duration::from_millis(100);
 /// `pg_advisory_xact_lock` key held while migrations run ("idempotnt").
@@ -186,6 +187,36 @@ fn reservation_lands_within(lock_wait: Duration) -> Duration {
         .saturating_add(Duration::from_secs(5))
 }
 
+/// Runs a store-mode fenced write (`write`: the same statement each time),
+/// each statement its own transaction. Under REPEATABLE READ or
+/// SERIALIZABLE as the database's or the pool's default, an `UPDATE` or
+/// `DELETE` of a row another transaction changed after the statement's
+/// snapshot fails with 40001: a duplicate marking the record as waited for
+/// (`waiting = TRUE`) at that moment was enough, and the owner, whose body
+/// had run, got `Error::Store` instead of its result being recorded. The
+/// statement sent again has a new snapshot; fenced by the owner token, it
+/// is safe to repeat. Each try takes its connection as [`ClosedIfDropped`]:
+/// a call dropped mid-statement closes it rather than hand it back.
+macro_rules! in_own_transaction {
+    ($pool:expr, $op:literal, |$conn:ident| $write:expr) => {{
+        let pool: &PgPool = $pool;
+        let mut tries = 0;
+        loop {
+            tries += 1;
+            let mut guarded = ClosedIfDropped::acquire(pool).await.map_err(err($op))?;
+            let answer = {
+                let $conn = &mut *guarded;
+                $write.await
+            };
+            guarded.hand_back();
+            match answer {
+                Err(e) if tries < FENCED_WRITE_TRIES && is_serialization_failure(&e) => continue,
+                answer => break answer,
+            }
+        }
+    }};
+}
+
 /// The worker that finishes dropped calls' records with the store's fenced
 /// writes (module `server`).
 fn background_worker(pool: &PgPool) -> detached::Detached {
@@ -193,20 +224,26 @@ fn background_worker(pool: &PgPool) -> detached::Detached {
         STORE,
         pool,
         |pool, identity, token| {
-            Box::pin(
-                async move { in_own_transaction(|| release_with(&pool, &identity, &token)).await },
-            )
+            Box::pin(async move {
+                in_own_transaction!(&pool, "release", |conn| release_with(
+                    conn, &identity, &token
+                ))
+            })
         },
         |pool, identity, token| {
             Box::pin(async move {
-                in_own_transaction(|| heartbeat_with(&pool, &identity, &token, Duration::ZERO))
-                    .await
+                in_own_transaction!(&pool, "heartbeat", |conn| heartbeat_with(
+                    conn,
+                    &identity,
+                    &token,
+                    Duration::ZERO
+                ))
             })
         },
         |pool, identity, token, answer| {
             Box::pin(async move {
                 let completion = answer.completing(&identity, &token);
-                in_own_transaction(|| complete_with(&pool, completion)).await
+                in_own_transaction!(&pool, "complete", |conn| complete_with(conn, completion))
             })
         },
     )
@@ -510,14 +547,14 @@ async fn reserve_autocommit(
     // failure (the holder committed while the statement waited) no try.
     let (mut lock_timeouts, mut serialization_failures) = (0, 0);
     let answer = loop {
-        let (answer, allowed) =
-            match reserve_statement(RESERVE_STORE_SQL, pool, request, lock_wait).await {
-                Ok(Answer::Other) => (
-                    reserve_statement(RESERVE_AUTOCOMMIT_SQL, pool, request, lock_wait).await,
-                    EXPIRED_RECORD_LOCK_TRIES,
-                ),
-                answer => (answer, LOCK_TIMEOUT_TRIES),
-            };
+        let (answer, allowed) = match reserve_on(pool, RESERVE_STORE_SQL, request, lock_wait).await
+        {
+            Ok(Answer::Other) => (
+                reserve_on(pool, RESERVE_AUTOCOMMIT_SQL, request, lock_wait).await,
+                EXPIRED_RECORD_LOCK_TRIES,
+            ),
+            answer => (answer, LOCK_TIMEOUT_TRIES),
+        };
         let code = match &answer {
             Err(sqlx::Error::Database(e)) => e.code(),
             _ => None,
@@ -549,6 +586,20 @@ async fn reserve_autocommit(
         }
         Err(e) => Err(err("reserve")(e)),
     }
+}
+
+/// [`reserve_statement`] on a connection of `pool` closed if the call is
+/// dropped before it answers ([`ClosedIfDropped`]).
+async fn reserve_on(
+    pool: &PgPool,
+    sql: &'static str,
+    request: ReserveRequest<'_>,
+    lock_wait: Duration,
+) -> Result<Answer, sqlx::Error> {
+    let mut conn = ClosedIfDropped::acquire(pool).await?;
+    let answer = reserve_statement(sql, &mut *conn, request, lock_wait).await;
+    conn.hand_back();
+    answer
 }
 
 /// What one reservation statement answered.
@@ -651,31 +702,8 @@ async fn fenced<'e, E: Executor<'e, Database = Postgres>>(
 }
 
 /// How many times a store-mode fenced write that failed with
-/// [`SERIALIZATION_FAILURE`] is sent (see [`in_own_transaction`]).
+/// [`SERIALIZATION_FAILURE`] is sent (see [`in_own_transaction!`]).
 const FENCED_WRITE_TRIES: u32 = 5;
-
-/// Runs a store-mode fenced write (`write`: the same statement each time),
-/// each statement its own transaction. Under REPEATABLE READ or
-/// SERIALIZABLE as the database's or the pool's default, an `UPDATE` or
-/// `DELETE` of a row another transaction changed after the statement's
-/// snapshot fails with 40001: a duplicate marking the record as waited for
-/// (`waiting = TRUE`) at that moment was enough, and the owner, whose body
-/// had run, got `Error::Store` instead of its result being recorded. The
-/// statement sent again has a new snapshot; fenced by the owner token, it
-/// is safe to repeat.
-async fn in_own_transaction<Fut>(write: impl Fn() -> Fut) -> Result<Fenced, StoreError>
-where
-    Fut: std::future::Future<Output = Result<Fenced, StoreError>>,
-{
-    let mut tries = 0;
-    loop {
-        tries += 1;
-        match write().await {
-            Err(e) if tries < FENCED_WRITE_TRIES && is_serialization_failure(&e) => continue,
-            answer => return answer,
-        }
-    }
-}
 
 /// Whether the statement behind `e` failed with [`SERIALIZATION_FAILURE`].
 fn is_serialization_failure(e: &StoreError) -> bool {
@@ -763,8 +791,9 @@ impl Store for PgStore {
     }
 
     async fn complete(&self, completion: Completion<'_>) -> Result<Fenced, StoreError> {
-        let pool = self.pools.current();
-        in_own_transaction(|| complete_with(&*pool, completion)).await
+        in_own_transaction!(&self.pools.current(), "complete", |conn| complete_with(
+            conn, completion
+        ))
     }
 
     async fn force_release(
@@ -776,7 +805,10 @@ impl Store for PgStore {
         // A row another transaction holds (a transactional-mode takeover in
         // progress) is waited for at most OPERATOR_LOCK_WAIT, not until that
         // transaction ends.
-        let mut tx = self.pools.current().begin().await.map_err(err(OP))?;
+        let mut conn = ClosedIfDropped::acquire(&self.pools.current())
+            .await
+            .map_err(err(OP))?;
+        let mut tx = sqlx::Connection::begin(&mut *conn).await.map_err(err(OP))?;
         sqlx::query("SELECT set_config('lock_timeout', $1, TRUE)")
             .bind(format!("{}ms", OPERATOR_LOCK_WAIT.as_millis()))
             .execute(&mut *tx)
@@ -802,6 +834,7 @@ impl Store for PgStore {
             other => other.map_err(err(OP))?,
         };
         tx.commit().await.map_err(err(OP))?;
+        conn.hand_back();
         if let Some(attempt) = deleted {
             return Ok(ForcedRelease::Released {
                 attempt: u32::try_from(attempt).unwrap_or(1),
@@ -811,8 +844,9 @@ impl Store for PgStore {
     }
 
     async fn release(&self, identity: &Identity, token: &OwnerToken) -> Result<Fenced, StoreError> {
-        let pool = self.pools.current();
-        in_own_transaction(|| release_with(&*pool, identity, token)).await
+        in_own_transaction!(&self.pools.current(), "release", |conn| release_with(
+            conn, identity, token
+        ))
     }
 
     async fn heartbeat(
@@ -821,8 +855,9 @@ impl Store for PgStore {
         token: &OwnerToken,
         lease: Duration,
     ) -> Result<Fenced, StoreError> {
-        let pool = self.pools.current();
-        in_own_transaction(|| heartbeat_with(&*pool, identity, token, lease)).await
+        in_own_transaction!(&self.pools.current(), "heartbeat", |conn| heartbeat_with(
+            conn, identity, token, lease
+        ))
     }
 
     crate::store::detached::hand_over_to_the_worker!();
@@ -836,17 +871,25 @@ impl Store for PgStore {
 
     async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError> {
         super::purge_in_chunks(STORE, batch, |chunk| async move {
-            let done = sqlx::query(PURGE_SQL)
-                .bind(i64::from(chunk))
-                .execute(&*self.pools.current())
+            // A statement cut short by the purge's bound closes its connection.
+            let mut conn = ClosedIfDropped::acquire(&self.pools.current())
                 .await
                 .map_err(err("purge expired records"))?;
+            let done = sqlx::query(PURGE_SQL)
+                .bind(i64::from(chunk))
+                .execute(&mut *conn)
+                .await
+                .map_err(err("purge expired records"))?;
+            conn.hand_back();
             Ok(done.rows_affected())
         })
         .await
     }
 
     async fn fetch(&self, identity: &Identity) -> Result<Option<RecordSnapshot>, StoreError> {
+        let mut conn = ClosedIfDropped::acquire(&self.pools.current())
+            .await
+            .map_err(err("fetch"))?;
         let row = sqlx::query(
             "SELECT state, fingerprint, owner_token, is_error, result, lease_expires_at,
                     expires_at, idempotency_now_ms() AS now_ms, created_at,
@@ -857,9 +900,10 @@ impl Store for PgStore {
         .bind(&identity.tenant)
         .bind(&identity.scope)
         .bind(&identity.key)
-        .fetch_optional(&*self.pools.current())
+        .fetch_optional(&mut *conn)
         .await
         .map_err(err("fetch"))?;
+        conn.hand_back();
         row.map(|row| rows::Columns(&row).snapshot())
             .transpose()
             .map_err(err("fetch"))
@@ -867,6 +911,9 @@ impl Store for PgStore {
 
     async fn scope_stats(&self) -> Result<Vec<ScopeStats>, StoreError> {
         const OP: &str = "count records per scope";
+        let mut conn = ClosedIfDropped::acquire(&self.pools.current())
+            .await
+            .map_err(err(OP))?;
         let found = sqlx::query(
             "WITH n AS (SELECT idempotency_now_ms() AS now_ms)
              SELECT scope,
@@ -883,9 +930,10 @@ impl Store for PgStore {
                        FROM idempotency_records r CROSS JOIN n) s
               GROUP BY scope ORDER BY scope",
         )
-        .fetch_all(&*self.pools.current())
+        .fetch_all(&mut *conn)
         .await
         .map_err(err(OP))?;
+        conn.hand_back();
         found
             .iter()
             .map(|row| rows::Columns(row).scope_stats())
@@ -1101,12 +1149,14 @@ enum Mark {
 }
 
 async fn mark_waiting(pool: &PgPool, identity: &Identity) -> Result<Mark, sqlx::Error> {
+    let mut conn = ClosedIfDropped::acquire(pool).await?;
     let row: PgRow = sqlx::query(MARK_WAITING_SQL)
         .bind(&identity.tenant)
         .bind(&identity.scope)
         .bind(&identity.key)
-        .fetch_one(pool)
+        .fetch_one(&mut *conn)
         .await?;
+    conn.hand_back();
     if let Some(wait_key) = row.try_get::<Option<String>, _>("wait_key")? {
         let remaining: Option<i64> = row.try_get("lease_remaining_ms")?;
         return Ok(match remaining {

@@ -231,3 +231,65 @@ pub(crate) fn background_worker<DB: Database>(
         }),
     )
 }
+
+/// A pooled connection for a store statement, handed back to the pool only
+/// once the statement has answered ([`hand_back`](Self::hand_back)); dropped
+/// before that (the call was dropped mid-statement: a caller's timeout, a
+/// cancelled request), it is closed instead. sqlx hands a connection back by
+/// pinging it, without a bound: on a server that never answers the
+/// interrupted statement (stalled, or the connection black-holed by the
+/// network) the ping holds the pool's slot for as long as the TCP connection
+/// lives, and once callers that gave up had held every slot, every later call
+/// failed with `PoolTimedOut`, though new connections would have worked.
+/// sqlx bounds a close (5 s).
+pub(crate) struct ClosedIfDropped<DB: Database>(Option<sqlx::pool::PoolConnection<DB>>);
+
+impl<DB: Database> ClosedIfDropped<DB> {
+    /// A connection of `pool`.
+    pub(crate) async fn acquire(pool: &Pool<DB>) -> Result<Self, sqlx::Error> {
+        Ok(Self(Some(pool.acquire().await?)))
+    }
+
+    /// Guards a connection already taken from the pool.
+    pub(crate) fn guard(conn: sqlx::pool::PoolConnection<DB>) -> Self {
+        Self(Some(conn))
+    }
+
+    /// The statement answered (or failed): back to the pool as usual.
+    pub(crate) fn hand_back(mut self) {
+        drop(self.0.take());
+    }
+
+    /// Closes the connection when it is dropped, also after a `hand_back`.
+    pub(crate) fn close_on_drop(&mut self) {
+        if let Some(conn) = self.0.as_mut() {
+            conn.close_on_drop();
+        }
+    }
+}
+
+impl<DB: Database> std::ops::Deref for ClosedIfDropped<DB> {
+    type Target = DB::Connection;
+
+    fn deref(&self) -> &DB::Connection {
+        self.0
+            .as_ref()
+            .expect("present until handed back or dropped")
+    }
+}
+
+impl<DB: Database> std::ops::DerefMut for ClosedIfDropped<DB> {
+    fn deref_mut(&mut self) -> &mut DB::Connection {
+        self.0
+            .as_mut()
+            .expect("present until handed back or dropped")
+    }
+}
+
+impl<DB: Database> Drop for ClosedIfDropped<DB> {
+    fn drop(&mut self) {
+        if let Some(mut conn) = self.0.take() {
+            conn.close_on_drop();
+        }
+    }
+}
