@@ -1118,6 +1118,23 @@ fn a_layer_whose_durations_the_attribute_would_refuse_is_refused_at_build() {
         Err(LayerConfigError::ZeroLease { .. })
     ));
     assert!(build(Duration::from_millis(1), Duration::from_millis(10)).is_ok());
+    // `wait(...)` too: zero would be `reject_in_progress()` by another name
+    // (the attribute refuses `wait("0s")`), and under a millisecond rounds to it.
+    let wait = |bound: Duration| {
+        IdempotencyLayer::builder("x.durations", MemoryStore::new())
+            .tenant_from(|_| None)
+            .wait(bound)
+            .build()
+    };
+    for (bound, says) in [
+        (Duration::ZERO, "must be longer than zero"),
+        (Duration::from_micros(500), "below the minimum of 1ms"),
+    ] {
+        let e = wait(bound).err().unwrap_or_else(|| panic!("{bound:?}"));
+        assert!(matches!(e, LayerConfigError::InvalidDuration { .. }), "{e}");
+        assert!(e.to_string().contains(says), "{e}");
+    }
+    assert!(wait(Duration::from_millis(1)).is_ok());
 }
 
 // ---------------------------------------------------------------- extractor and IntoResponse

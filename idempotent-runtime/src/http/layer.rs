@@ -164,7 +164,9 @@ impl IdempotencyLayerBuilder {
 
     /// A duplicate that arrives while the first request runs waits up to
     /// `bound` for its answer and replays it (default 10 s); still running
-    /// after that, it gets 409 with `Retry-After`.
+    /// after that, it gets 409 with `Retry-After`. At least 1 ms, as
+    /// `in_progress = wait("...")` ([`build`](Self::build) refuses less; for
+    /// no wait, [`reject_in_progress`](Self::reject_in_progress)).
     pub fn wait(mut self, bound: Duration) -> Self {
         self.in_progress = InProgressPolicy::Wait(bound);
         self
@@ -254,10 +256,15 @@ impl IdempotencyLayerBuilder {
         if self.lease.is_zero() {
             return Err(LayerConfigError::ZeroLease { scope: self.scope });
         }
-        // The rules the attribute applies to `ttl = "..."` and `lease = "..."`.
+        // The rules the attribute applies to `ttl = "..."`, `lease = "..."` and
+        // `in_progress = wait("...")`.
         use idempotent_rules::duration::{check_duration, DurationKind};
         let checked = check_duration(self.ttl, DurationKind::Ttl)
-            .and_then(|_| check_duration(self.lease, DurationKind::Lease));
+            .and_then(|_| check_duration(self.lease, DurationKind::Lease))
+            .and_then(|_| match self.in_progress {
+                InProgressPolicy::Wait(bound) => check_duration(bound, DurationKind::Wait),
+                InProgressPolicy::Reject => Ok(Duration::ZERO),
+            });
         if let Err(problem) = checked {
             return Err(LayerConfigError::InvalidDuration {
                 scope: self.scope,
