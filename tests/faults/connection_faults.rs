@@ -1100,3 +1100,51 @@ async fn mariadb_a_dropped_call_on_a_silent_connection_frees_its_slot() {
     let pool = store.pool().clone();
     a_dropped_call_on_a_silent_connection_frees_its_slot(&proxy, &store, || pool.size()).await;
 }
+
+/// The same for the question MariaDB's store asks a connection before it
+/// writes outside the insert-or-read statement (whether another user of the
+/// pool left it inside a transaction, and whether its clock was set): a call
+/// dropped while that question waits on a silent server frees its slot too.
+/// It is the first round trip of a record's fetch, of the purge, the audit,
+/// an operator's release and the reservation procedure.
+#[tokio::test]
+async fn mariadb_a_dropped_check_on_a_silent_connection_frees_its_slot() {
+    if mysql_store_or_skip().await.is_none() {
+        return;
+    }
+    let url = mysql_url();
+    let url = match url.strip_prefix("mariadb://") {
+        Some(rest) => format!("mysql://{rest}"),
+        None => url,
+    };
+    let options = MySqlConnectOptions::from_str(&url).expect("MySQL URL");
+    let upstream = format!("{}:{}", options.get_host(), options.get_port());
+    let proxy = FaultProxy::start(&upstream).await.expect("proxy");
+    let pool = MySqlPoolOptions::new()
+        .max_connections(1)
+        .acquire_timeout(ACQUIRE_TIMEOUT)
+        .connect_with(options.host("127.0.0.1").port(proxy.port()))
+        .await
+        .expect("a pool through the proxy");
+    let store = MySqlStore::from_pool(pool).await.expect("store");
+    let identity = Identity::new(fresh_tenant(), "faults.silent", "checked").expect("id");
+    let trip = proxy.stall_on_next_request_containing("@@in_transaction", Stall::ToClientOnly);
+    {
+        let mut call = pin!(store.fetch(&identity));
+        tokio::select! {
+            answer = call.as_mut() => panic!("answered during the stall: {answer:?}"),
+            _ = trip.request_seen() => {}
+        }
+        proxy.wait_held(Direction::ToClient).await;
+    }
+    let freed = async {
+        while store.pool().size() != 0 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    };
+    tokio::time::timeout(WAIT_LIMIT, freed)
+        .await
+        .expect("the abandoned check's connection still holds the pool's slot, the server silent");
+    proxy.release_stall();
+    assert!(store.fetch(&identity).await.expect("fetch").is_none());
+}

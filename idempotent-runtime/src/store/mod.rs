@@ -716,24 +716,23 @@ pub(crate) async fn within_real_time<F: std::future::Future>(
 /// left open is closed, which rolls that transaction back, with a warning,
 /// and another taken, or, with [`IfLeftOpen::Refuse`], the write is refused.
 #[cfg(any(feature = "sqlite", feature = "mysql"))]
-pub(crate) async fn outside_any_transaction<DB: sqlx::Database>(
+pub(crate) async fn outside_any_transaction<DB: sqlx::Database, C: Pooled<DB>>(
     store: &'static str,
     operation: &'static str,
     pool: &sqlx::Pool<DB>,
-    first: Option<sqlx::pool::PoolConnection<DB>>,
+    first: Option<C>,
     if_left_open: IfLeftOpen,
     left_open: for<'c> fn(
         &'c mut DB::Connection,
     ) -> futures_util::future::BoxFuture<'c, Result<bool, StoreError>>,
-) -> Result<sqlx::pool::PoolConnection<DB>, StoreError> {
+) -> Result<C, StoreError> {
     const LEFT_OPEN: &str = "the pool handed over a connection left inside a transaction that \
                              other code began and never ended (a BEGIN without COMMIT or ROLLBACK)";
     let mut next = first;
     for _ in 0..=pool.options().get_max_connections() {
         let mut conn = match next.take() {
             Some(conn) => conn,
-            None => pool
-                .acquire()
+            None => C::acquire(pool)
                 .await
                 .map_err(|e| StoreError::new(store, operation, e))?,
         };
@@ -761,6 +760,34 @@ pub(crate) async fn outside_any_transaction<DB: sqlx::Database>(
          and never ended; end transactions on the pool's connections (COMMIT or ROLLBACK) before \
          giving them back, or give the store a pool of its own",
     ))
+}
+
+/// A pooled connection as [`outside_any_transaction`] takes it: sqlx's own
+/// (SQLite), or one closed if the call is dropped mid-statement (the server
+/// stores, `server::ClosedIfDropped`).
+#[cfg(any(feature = "sqlite", feature = "mysql"))]
+pub(crate) trait Pooled<DB: sqlx::Database>:
+    std::ops::DerefMut<Target = DB::Connection> + Send + Sized
+{
+    /// A connection of `pool`.
+    fn acquire(
+        pool: &sqlx::Pool<DB>,
+    ) -> futures_util::future::BoxFuture<'_, Result<Self, sqlx::Error>>;
+    /// Closes the connection when it is dropped.
+    fn close_on_drop(&mut self);
+}
+
+#[cfg(feature = "sqlite")]
+impl<DB: sqlx::Database> Pooled<DB> for sqlx::pool::PoolConnection<DB> {
+    fn acquire(
+        pool: &sqlx::Pool<DB>,
+    ) -> futures_util::future::BoxFuture<'_, Result<Self, sqlx::Error>> {
+        Box::pin(pool.acquire())
+    }
+
+    fn close_on_drop(&mut self) {
+        sqlx::pool::PoolConnection::close_on_drop(self);
+    }
 }
 
 /// What [`outside_any_transaction`] does with a connection left open.

@@ -360,36 +360,44 @@ async fn clean_connection(
     if !check {
         return ClosedIfDropped::acquire(pool).await.map_err(err(OP));
     }
-    super::outside_any_transaction(STORE, OP, pool, None, super::IfLeftOpen::Close, |conn| {
-        Box::pin(async move {
-            let asked: Result<(i64, i64), sqlx::Error> = sqlx::query_as(concat!(
-                "SELECT CAST(@@autocommit = 1 AND @@in_transaction = 1 AS SIGNED), ",
-                clock_set!()
-            ))
-            .fetch_one(&mut *conn)
-            .await;
-            let (left_open, clock_set) = match asked {
-                Ok(asked) => asked,
-                // MySQL 8: no `@@in_transaction`.
-                Err(sqlx::Error::Database(e))
-                    if error_number(&*e) == Some(ER_UNKNOWN_SYSTEM_VARIABLE) =>
-                {
-                    let clock_set: i64 = sqlx::query_scalar(concat!("SELECT ", clock_set!()))
-                        .fetch_one(&mut *conn)
-                        .await
-                        .map_err(err(OP))?;
-                    (0, clock_set)
+    // The check's connection is already closed if the call is dropped while
+    // the check waits (a silent server).
+    super::outside_any_transaction::<_, ClosedIfDropped<MySql>>(
+        STORE,
+        OP,
+        pool,
+        None,
+        super::IfLeftOpen::Close,
+        |conn| {
+            Box::pin(async move {
+                let asked: Result<(i64, i64), sqlx::Error> = sqlx::query_as(concat!(
+                    "SELECT CAST(@@autocommit = 1 AND @@in_transaction = 1 AS SIGNED), ",
+                    clock_set!()
+                ))
+                .fetch_one(&mut *conn)
+                .await;
+                let (left_open, clock_set) = match asked {
+                    Ok(asked) => asked,
+                    // MySQL 8: no `@@in_transaction`.
+                    Err(sqlx::Error::Database(e))
+                        if error_number(&*e) == Some(ER_UNKNOWN_SYSTEM_VARIABLE) =>
+                    {
+                        let clock_set: i64 = sqlx::query_scalar(concat!("SELECT ", clock_set!()))
+                            .fetch_one(&mut *conn)
+                            .await
+                            .map_err(err(OP))?;
+                        (0, clock_set)
+                    }
+                    Err(e) => return Err(err(OP)(e)),
+                };
+                if clock_set != 0 {
+                    return Err(StoreError::new(STORE, OP, SESSION_CLOCK_REFUSED));
                 }
-                Err(e) => return Err(err(OP)(e)),
-            };
-            if clock_set != 0 {
-                return Err(StoreError::new(STORE, OP, SESSION_CLOCK_REFUSED));
-            }
-            Ok(left_open != 0)
-        })
-    })
+                Ok(left_open != 0)
+            })
+        },
+    )
     .await
-    .map(ClosedIfDropped::guard)
 }
 
 /// The worker that finishes dropped calls' records with the store's fenced
@@ -817,22 +825,45 @@ async fn reserve_through_store(
 
 /// The reservation procedure (`idempotency_reserve_v4`): its answer as one
 /// row (the `1` before the OUT arguments), which the session variables also get.
-const RESERVE_SQL: &str = "CALL idempotency_reserve_v4(?, ?, ?, ?, ?, ?, ?, ?, ?, 1, \
-     @idempotency_outcome, @idempotency_took_over, @idempotency_is_error, @idempotency_result, \
-     @idempotency_lease_remaining_ms, @idempotency_attempt_number, @idempotency_previous_started)";
+/// The key arrives as `NULL` on a session whose clock was set ([`clock_unset!`]),
+/// which the procedure refuses before it reads or writes anything: it decides
+/// by `NOW()`, and a fresh key on MySQL 8 comes here without another check.
+const RESERVE_SQL: &str = concat!(
+    "CALL idempotency_reserve_v4(?, ?, IF(",
+    clock_unset!(),
+    ", ?, NULL), ?, ?, ?, ?, ?, ?, 1, ",
+    "@idempotency_outcome, @idempotency_took_over, @idempotency_is_error, @idempotency_result, ",
+    "@idempotency_lease_remaining_ms, @idempotency_attempt_number, @idempotency_previous_started)"
+);
 
-async fn reserve_with<'e, E: Executor<'e, Database = MySql>>(
-    executor: E,
+/// The procedure's refusal of a `NULL` tenant, scope or key (migration 0008).
+const NULL_IDENTITY_REFUSED: &str = "45000";
+
+async fn reserve_with(
+    conn: &mut sqlx::MySqlConnection,
     request: ReserveRequest<'_>,
     lock_wait_s: u64,
     own_transaction: bool,
 ) -> Result<Answer, StoreError> {
-    let row: MySqlRow = bind_request(sqlx::query(RESERVE_SQL), request)
+    let row: Result<MySqlRow, sqlx::Error> = bind_request(sqlx::query(RESERVE_SQL), request)
         .bind(i64::try_from(lock_wait_s.min(MAX_LOCK_WAIT_S)).unwrap_or(0))
         .bind(i8::from(own_transaction))
-        .fetch_one(executor)
-        .await
-        .map_err(err("reserve"))?;
+        .fetch_one(&mut *conn)
+        .await;
+    let row = match row {
+        Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some(NULL_IDENTITY_REFUSED) => {
+            // The key is never NULL: a `NULL` one is the clock's guard.
+            let clock_set: i64 = sqlx::query_scalar(concat!("SELECT ", clock_set!()))
+                .fetch_one(&mut *conn)
+                .await
+                .map_err(err("reserve"))?;
+            if clock_set != 0 {
+                return Err(StoreError::new(STORE, "reserve", SESSION_CLOCK_REFUSED));
+            }
+            return Err(StoreError::new(STORE, "reserve", sqlx::Error::Database(e)));
+        }
+        other => other.map_err(err("reserve"))?,
+    };
     decode_reservation(&row).map_err(err("reserve"))
 }
 
@@ -855,7 +886,7 @@ async fn reserve_through_the_procedure(
     mariadb: bool,
 ) -> Result<Reservation, StoreError> {
     let mut conn = clean_connection(pool, mariadb).await?;
-    let answer = reserve_with(&mut *conn, request, STORE_LOCK_WAIT_S, true).await;
+    let answer = reserve_with(&mut conn, request, STORE_LOCK_WAIT_S, true).await;
     conn.hand_back();
     match answer? {
         Answer::Reservation(reservation) => Ok(reservation),

@@ -250,21 +250,28 @@ impl<DB: Database> ClosedIfDropped<DB> {
         Ok(Self(Some(pool.acquire().await?)))
     }
 
-    /// Guards a connection already taken from the pool.
-    pub(crate) fn guard(conn: sqlx::pool::PoolConnection<DB>) -> Self {
-        Self(Some(conn))
-    }
-
     /// The statement answered (or failed): back to the pool as usual.
     pub(crate) fn hand_back(mut self) {
         drop(self.0.take());
     }
 
     /// Closes the connection when it is dropped, also after a `hand_back`.
+    #[cfg(feature = "mysql")]
     pub(crate) fn close_on_drop(&mut self) {
         if let Some(conn) = self.0.as_mut() {
             conn.close_on_drop();
         }
+    }
+}
+
+#[cfg(feature = "mysql")]
+impl<DB: Database> super::Pooled<DB> for ClosedIfDropped<DB> {
+    fn acquire(pool: &Pool<DB>) -> BoxFuture<'_, Result<Self, sqlx::Error>> {
+        Box::pin(ClosedIfDropped::acquire(pool))
+    }
+
+    fn close_on_drop(&mut self) {
+        ClosedIfDropped::close_on_drop(self);
     }
 }
 
