@@ -303,16 +303,22 @@ macro_rules! committed {
             Ok(done)
         } else {
             let mut conn = clean_connection(pool, true).await?;
-            let mut tx = sqlx::Connection::begin(&mut *conn)
-                .await
-                .map_err(err($op))?;
-            let done = {
-                let ($on, $commit) = (&mut *tx, Commit::WithTheTransaction);
-                $write.await?
-            };
-            tx.commit().await.map_err(err($op))?;
+            // Every answer hands the connection back (a deadlock or a lock
+            // wait that ran out rolls the transaction back; it answered).
+            let done = async {
+                let mut tx = sqlx::Connection::begin(&mut *conn)
+                    .await
+                    .map_err(err($op))?;
+                let done = {
+                    let ($on, $commit) = (&mut *tx, Commit::WithTheTransaction);
+                    $write.await?
+                };
+                tx.commit().await.map_err(err($op))?;
+                Ok(done)
+            }
+            .await;
             conn.hand_back();
-            Ok(done)
+            done
         }
     }};
 }

@@ -467,7 +467,11 @@ SELECT f.outcome, f.took_over, f.is_error, f.result, f.lease_remaining_ms,
            -- caught and answered `in_progress` (the engine asks again).
            LEAST($8::BIGINT, COALESCE(NULLIF((EXTRACT(EPOCH FROM
                current_setting('statement_timeout')::INTERVAL) * 500)::BIGINT, 0), $8::BIGINT))) f
- WHERE NOT EXISTS (SELECT 1 FROM d WHERE d.outcome IS NOT NULL)";
+ WHERE NOT EXISTS (SELECT 1 FROM d WHERE d.outcome IS NOT NULL)
+   -- A read-only transaction gets the read's answers; a call that would
+   -- have to write answers nothing (told as READ_ONLY_REFUSED), never a
+   -- failed insert that would abort the caller's transaction.
+   AND current_setting('transaction_read_only') = 'off'";
 
 /// The longest `lock_timeout` PostgreSQL accepts, in ms.
 const MAX_LOCK_TIMEOUT_MS: i64 = i32::MAX as i64;
@@ -494,7 +498,7 @@ async fn reserve_in_transaction(
     request: ReserveRequest<'_>,
     lock_wait: Duration,
 ) -> Result<Reservation, Error> {
-    match reserve_statement(RESERVE_TX_SQL, conn, request, lock_wait)
+    match reserve_statement(RESERVE_TX_SQL, &mut *conn, request, lock_wait)
         .await
         .map_err(err("reserve"))?
     {
@@ -508,12 +512,18 @@ async fn reserve_in_transaction(
                 store: STORE,
             })
         }
-        Answer::Other => Err(StoreError::new(
-            STORE,
-            "reserve",
-            "the reservation statement answered nothing",
-        )
-        .into()),
+        Answer::Other => {
+            let read_only: String = sqlx::query_scalar("SHOW transaction_read_only")
+                .fetch_one(&mut *conn)
+                .await
+                .map_err(err("reserve"))?;
+            let why = if read_only == "on" {
+                READ_ONLY_REFUSED
+            } else {
+                "the reservation statement answered nothing"
+            };
+            Err(StoreError::new(STORE, "reserve", why).into())
+        }
     }
 }
 
@@ -829,6 +839,7 @@ impl Store for PgStore {
         let deleted = match deleted {
             Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some(LOCK_NOT_AVAILABLE) => {
                 tx.rollback().await.map_err(err(OP))?;
+                conn.hand_back();
                 return Err(held_by_a_transaction(STORE, OP));
             }
             other => other.map_err(err(OP))?,
@@ -945,26 +956,22 @@ impl Store for PgStore {
 // ---------------------------------------------------------------- transactional mode
 
 /// Whether the connection's transaction began before the statement asking (a
-/// simple-protocol query: in autocommit it is its own transaction), and
-/// whether that transaction is read-only.
-async fn started_before_this_statement(
-    conn: &mut sqlx::PgConnection,
-) -> Result<(bool, bool), sqlx::Error> {
+/// simple-protocol query: in autocommit it is its own transaction).
+async fn started_before_this_statement(conn: &mut sqlx::PgConnection) -> Result<bool, sqlx::Error> {
     let row: PgRow = conn
-        .fetch_one(
-            "SELECT transaction_timestamp() <> statement_timestamp(), \
-                    current_setting('transaction_read_only') = 'on'",
-        )
+        .fetch_one("SELECT transaction_timestamp() <> statement_timestamp()")
         .await?;
-    Ok((row.try_get::<bool, _>(0)?, row.try_get::<bool, _>(1)?))
+    row.try_get::<bool, _>(0)
 }
 
-/// What a transactional call in a read-only transaction is told.
+/// What a transactional call in a read-only transaction that would have to
+/// write (the key is absent or expired) is told. A replay, a refusal or a
+/// mismatch is answered there as anywhere.
 const READ_ONLY_REFUSED: &str = concat!(
     "the caller's transaction is read-only (SET TRANSACTION READ ONLY, ",
-    "default_transaction_read_only, or a standby server): the reservation and the recorded ",
-    "result are writes in it. Nothing was written and the transaction is still usable; make ",
-    "the call in a read-write transaction"
+    "default_transaction_read_only, or a standby server) and this call would have to write its ",
+    "record. Nothing was written and the transaction is still usable; make the call in a ",
+    "read-write transaction"
 );
 
 crate::transaction::transactional_connection! {
@@ -1035,16 +1042,11 @@ async fn reads_what_others_commit(conn: &mut sqlx::PgConnection) -> Result<bool,
 /// a transaction (begun by sqlx or by a plain `BEGIN`) it started earlier.
 /// Always asked, never taken from sqlx's count of the transactions it began:
 /// a `COMMIT` sent as a query ends the server's transaction while sqlx still
-/// counts it, and a reservation made then would commit at once. A read-only
-/// transaction is refused ([`READ_ONLY_REFUSED`]) before anything is written:
-/// the reservation's failed insert would abort the caller's transaction.
+/// counts it, and a reservation made then would commit at once.
 async fn in_transaction(conn: &mut sqlx::PgConnection) -> Result<bool, StoreError> {
-    const OP: &str = "check for an open transaction";
-    let (open, read_only) = started_before_this_statement(conn).await.map_err(err(OP))?;
-    if open && read_only {
-        return Err(StoreError::new(STORE, OP, READ_ONLY_REFUSED));
-    }
-    Ok(open)
+    started_before_this_statement(conn)
+        .await
+        .map_err(err("check for an open transaction"))
 }
 
 // ---------------------------------------------------------------- waiting duplicates
@@ -1150,13 +1152,16 @@ enum Mark {
 
 async fn mark_waiting(pool: &PgPool, identity: &Identity) -> Result<Mark, sqlx::Error> {
     let mut conn = ClosedIfDropped::acquire(pool).await?;
-    let row: PgRow = sqlx::query(MARK_WAITING_SQL)
+    let row: Result<PgRow, sqlx::Error> = sqlx::query(MARK_WAITING_SQL)
         .bind(&identity.tenant)
         .bind(&identity.scope)
         .bind(&identity.key)
         .fetch_one(&mut *conn)
-        .await?;
+        .await;
+    // Handed back on an error too (a serialization failure under a
+    // REPEATABLE READ default, a statement timeout): the statement answered.
     conn.hand_back();
+    let row = row?;
     if let Some(wait_key) = row.try_get::<Option<String>, _>("wait_key")? {
         let remaining: Option<i64> = row.try_get("lease_remaining_ms")?;
         return Ok(match remaining {
