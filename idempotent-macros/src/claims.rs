@@ -421,6 +421,16 @@ mod tests {
             claim("t/u", "r.u", shared("http", 1)).and(claim("t/u", "r.u", other_fp)),
             Err(Refusal::Disagree { what, .. }) if what.contains("fingerprint = false")
         ));
+        // No fingerprinted parameter records no fingerprint, as
+        // `fingerprint = false` does: they agree (rule 8).
+        let mut no_parameter = shared("http", 1);
+        no_parameter.fingerprint = Some(vec![]);
+        let mut off = shared("late", 4);
+        off.fingerprint = None;
+        assert_eq!(
+            claim("t/nf", "r.nf", no_parameter).and(claim("t/nf", "r.nf", off)),
+            Ok(())
+        );
         let mut with_hook = shared("late", 4);
         with_hook.recovers = true;
         assert!(matches!(

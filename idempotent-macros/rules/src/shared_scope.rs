@@ -80,12 +80,17 @@ pub fn first_difference(a: &Terms<'_>, b: &Terms<'_>) -> Option<Difference> {
     }
 }
 
-/// The names in one order, so their order does not count.
+/// The names in one order, so their order does not count. No name at all is
+/// no fingerprint, as with `fingerprint = false`: the call records none, so
+/// (rule 8) neither can contradict the other.
 fn sorted<'a>(names: &Option<Vec<&'a str>>) -> Option<Vec<&'a str>> {
-    names.clone().map(|mut names| {
-        names.sort_unstable();
-        names
-    })
+    names
+        .clone()
+        .filter(|names| !names.is_empty())
+        .map(|mut names| {
+            names.sort_unstable();
+            names
+        })
 }
 
 #[cfg(test)]
@@ -100,6 +105,27 @@ mod tests {
             shared_tenant: false,
             records_errors: false,
         }
+    }
+
+    /// A claimant with no fingerprinted parameter records no fingerprint,
+    /// as one with `fingerprint = false` does: the two agree (they were
+    /// refused as "no parameter vs nothing").
+    #[test]
+    fn no_fingerprinted_parameter_is_no_fingerprint() {
+        let none = Terms {
+            fingerprint: Some(vec![]),
+            ..terms()
+        };
+        let off = Terms {
+            fingerprint: None,
+            ..terms()
+        };
+        assert_eq!(first_difference(&none, &off), None);
+        assert_eq!(first_difference(&off, &none), None);
+        assert_eq!(
+            first_difference(&none, &terms()),
+            Some(Difference::Fingerprint)
+        );
     }
 
     #[test]
