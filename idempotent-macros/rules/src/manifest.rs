@@ -418,26 +418,75 @@ pub fn locate_with(
 }
 
 /// Steps 2 and 3 of the lookup: `idempotent.toml` in `dir`, else at the root
-/// of the workspace `dir` belongs to.
+/// of the workspace `dir` belongs to ([`workspace_root`]).
 pub fn search_from(dir: &Path) -> Option<PathBuf> {
     let beside = dir.join(FILE_NAME);
     if beside.is_file() {
         return Some(beside);
     }
-    for dir in dir.ancestors() {
-        let Ok(text) = std::fs::read_to_string(dir.join("Cargo.toml")) else {
-            continue;
-        };
-        let is_workspace = text
-            .parse::<toml::Table>()
-            .map(|t| t.contains_key("workspace"))
-            .unwrap_or(false);
-        if is_workspace {
-            let candidate = dir.join(FILE_NAME);
-            return candidate.is_file().then_some(candidate);
+    let candidate = workspace_root(dir)?.join(FILE_NAME);
+    candidate.is_file().then_some(candidate)
+}
+
+/// The root of the cargo workspace `dir` belongs to, found as cargo finds
+/// it: `dir` itself when its `Cargo.toml` has a `[workspace]`; the root its
+/// `package.workspace` names; otherwise the nearest directory above with a
+/// `[workspace]`, unless that workspace's `exclude` lists `dir` (an
+/// excluded package is a workspace of its own). A package outside the
+/// root's directory that names it, or one inside it that is excluded, was
+/// checked against the wrong manifest, or none.
+pub fn workspace_root(dir: &Path) -> Option<PathBuf> {
+    let own = read_toml(&dir.join("Cargo.toml"));
+    if let Some(own) = &own {
+        if own.contains_key("workspace") {
+            return Some(dir.to_path_buf());
+        }
+        let named = own
+            .get("package")
+            .and_then(|p| p.get("workspace"))
+            .and_then(toml::Value::as_str);
+        if let Some(named) = named {
+            return Some(dir.join(named));
         }
     }
+    for ancestor in dir.ancestors().skip(1) {
+        let Some(workspace) =
+            read_toml(&ancestor.join("Cargo.toml")).and_then(|t| t.get("workspace").cloned())
+        else {
+            continue;
+        };
+        if own.is_some() && excluded(&workspace, ancestor, dir) {
+            return None;
+        }
+        return Some(ancestor.to_path_buf());
+    }
     None
+}
+
+/// A `Cargo.toml`, if it is there and parses.
+fn read_toml(path: &Path) -> Option<toml::Table> {
+    std::fs::read_to_string(path).ok()?.parse().ok()
+}
+
+/// Whether the `[workspace]` table of the root at `root` excludes the
+/// package in `dir` (an `exclude` entry is a path below the root).
+fn excluded(workspace: &toml::Value, root: &Path, dir: &Path) -> bool {
+    let Ok(below) = dir.strip_prefix(root) else {
+        return false;
+    };
+    let plain = |p: &Path| -> PathBuf {
+        p.components()
+            .filter(|c| !matches!(c, std::path::Component::CurDir))
+            .collect()
+    };
+    let below = plain(below);
+    workspace
+        .get("exclude")
+        .and_then(toml::Value::as_array)
+        .into_iter()
+        .flatten()
+        .filter_map(toml::Value::as_str)
+        .any(|entry| below.starts_with(plain(Path::new(entry))))
 }
 
 #[cfg(test)]
@@ -670,5 +719,45 @@ mod tests {
         )
         .unwrap();
         assert_eq!(search_from(&member), None);
+    }
+
+    /// As cargo finds the root: a package the root's `exclude` lists is a
+    /// workspace of its own (it was checked against the root's manifest), and
+    /// a member outside the root's directory that names the root with
+    /// `package.workspace` gets the root's manifest (it got none).
+    #[test]
+    fn the_workspace_root_is_the_one_cargo_finds() {
+        let scratch = Scratch::new("cargo-root");
+        let root = &scratch.0;
+        std::fs::write(
+            root.join("Cargo.toml"),
+            "[workspace]\nmembers = [\"member\", \"../outside\"]\nexclude = [\"./excl\"]\n",
+        )
+        .unwrap();
+        std::fs::write(root.join(FILE_NAME), "").unwrap();
+        let member = root.join("member");
+        std::fs::write(member.join("Cargo.toml"), "[package]\nname = \"m\"\n").unwrap();
+        assert_eq!(search_from(&member), Some(root.join(FILE_NAME)));
+        let excluded = root.join("excl").join("inner");
+        std::fs::create_dir_all(&excluded).unwrap();
+        std::fs::write(excluded.join("Cargo.toml"), "[package]\nname = \"x\"\n").unwrap();
+        assert_eq!(workspace_root(&excluded), None);
+        assert_eq!(search_from(&excluded), None);
+        // A directory that is not a package (the command line's current
+        // directory) still finds the root above it.
+        assert_eq!(search_from(&root.join("excl")), Some(root.join(FILE_NAME)));
+        let outside = root.with_extension("outside");
+        std::fs::create_dir_all(&outside).unwrap();
+        let name = root.file_name().unwrap().to_str().unwrap();
+        std::fs::write(
+            outside.join("Cargo.toml"),
+            format!("[package]\nname = \"o\"\nworkspace = \"../{name}\"\n"),
+        )
+        .unwrap();
+        assert_eq!(
+            search_from(&outside),
+            Some(outside.join("..").join(name).join(FILE_NAME))
+        );
+        let _ = std::fs::remove_dir_all(&outside);
     }
 }
