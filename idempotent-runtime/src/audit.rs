@@ -90,10 +90,18 @@ impl KnownScope {
     /// The declared scopes of a manifest (claimed by the manifest) and its retired names.
     #[cfg(feature = "manifest")]
     pub fn from_manifest(manifest: &crate::manifest::Manifest) -> Vec<KnownScope> {
+        // Named by the file it was read from (`--manifest audit.toml` is not
+        // `idempotent.toml`); a manifest parsed from text has no file.
+        let source = match manifest.path.file_name() {
+            Some(name) if manifest.path.to_str() != Some("<string>") => {
+                name.to_string_lossy().into_owned()
+            }
+            _ => crate::manifest::Manifest::FILE_NAME.to_owned(),
+        };
         let declared = manifest
             .scopes
             .keys()
-            .map(|s| KnownScope::claimed(s.clone(), crate::manifest::Manifest::FILE_NAME));
+            .map(|s| KnownScope::claimed(s.clone(), source.clone()));
         let retired = manifest
             .retired
             .iter()
@@ -505,6 +513,24 @@ mod tests {
             oldest_created_at_ms: Some(1_700_000_000_000),
             ..ScopeStats::default()
         }
+    }
+
+    /// The scopes a manifest declares are claimed by the file they were read
+    /// from: `--manifest audit.toml` said `idempotent.toml`.
+    #[cfg(feature = "manifest")]
+    #[test]
+    fn a_manifests_scopes_are_claimed_by_its_file() {
+        use crate::manifest::Manifest;
+        let text = "[scopes.\"orders.place\"]\n";
+        let claimed_by = |m: &Manifest| match &KnownScope::from_manifest(m)[0].claim {
+            Claim::Claimed { by } => by.clone(),
+            other => panic!("{other:?}"),
+        };
+        let named = Manifest::parse_named(text, std::path::Path::new("/etc/app/audit.toml"))
+            .expect("manifest");
+        assert_eq!(claimed_by(&named), ["audit.toml"]);
+        let unnamed = Manifest::parse(text).expect("manifest");
+        assert_eq!(claimed_by(&unnamed), [Manifest::FILE_NAME]);
     }
 
     #[test]

@@ -379,8 +379,14 @@ impl Manifest {
             }),
             None => Err(MembershipError::Undeclared {
                 scope: scope.to_owned(),
-                nearest: nearest(scope, self.scopes.keys().map(String::as_str), None)
-                    .map(str::to_owned),
+                // Only a name near enough to be a slip: `standalone.job` is
+                // not offered `ct.generic`.
+                nearest: nearest(
+                    scope,
+                    self.scopes.keys().map(String::as_str),
+                    Some((scope.chars().count() / 3).max(3)),
+                )
+                .map(str::to_owned),
                 manifest: self.path.clone(),
             }),
         }
@@ -553,6 +559,9 @@ mod tests {
             unknown.contains("declare it there: [scopes.\"orders.plase\"]"),
             "{unknown}"
         );
+        // A name too far from every declared one gets no suggestion.
+        let far = m.check_scope("standalone.job").unwrap_err().to_string();
+        assert!(!far.contains("did you mean"), "{far}");
         let empty = Manifest::parse("").unwrap();
         assert_eq!(
             empty.check_scope("a"),
