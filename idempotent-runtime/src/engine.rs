@@ -631,14 +631,16 @@ where
     if let Some(takeover) = acquired.takeover(spec, &identity)
         && let Some(hook) = recover.ask(takeover)
     {
-        // While the hook runs, a dropped call leaves the record in
-        // progress (its lease runs out, the next call asks again):
-        // releasing it would let a retry run the body blind.
-        guard.arm(false);
+        // While the hook runs (and until the body starts), the guard stays
+        // armed for a takeover: a dropped call ends the record's lease, so the
+        // next call takes it over at once and asks the hook again. Releasing
+        // it would let a retry run the body blind; leaving it (as this did)
+        // refused every retry for the rest of a renewed lease.
         let answer = run_with_heartbeat(store, spec, &identity, &token, spec.lease, hook).await;
         let answered = match answer {
             Err(panic) => {
                 end_lease_logged(store, &identity, &token).await;
+                guard.arm(false);
                 std::panic::resume_unwind(panic);
             }
             Ok(answer) => hook_answer(answer),
@@ -657,6 +659,7 @@ where
                             attempt = acquired.attempt,
                             "the recover hook answered Run after this call had lost the record \
                              to another caller: the body does not run");
+                        guard.arm(false);
                         return fail(Error::LeaseLost(identity.context()));
                     }
                     // Ownership unknown: the body does not run blind. The
@@ -664,12 +667,12 @@ where
                     // lets us, and the next call asks the hook again.
                     Err(e) => {
                         end_lease_logged(store, &identity, &token).await;
+                        guard.arm(false);
                         return fail(Error::Store(e));
                     }
                 }
                 tracing::info!(target: "idempotent", scope = spec.scope, key = %digest,
                     attempt = acquired.attempt, "the recover hook answered Run: running the body");
-                guard.arm(true);
             }
             Some(result) => {
                 // The hook answered (settle keeps the record for the next

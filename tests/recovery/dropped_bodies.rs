@@ -121,9 +121,84 @@ async fn ended_without_an_answer_then_retried(store: &dyn Store, first: Then) {
     );
 }
 
+/// The attempts `slow_hook` was asked about, per key.
+static HOOK_ASKED: LazyLock<Mutex<HashMap<String, Vec<u32>>>> = LazyLock::new(Default::default);
+static HOOK_WAITING: Notify = Notify::const_new();
+
+/// Asked about attempt 2, it never answers (the caller's timeout drops the
+/// call); asked again, it finds the charge.
+async fn slow_hook(takeover: &Takeover) -> Result<Recovery<u32>, Error> {
+    HOOK_ASKED
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .entry(takeover.key().to_owned())
+        .or_default()
+        .push(takeover.attempt());
+    if takeover.attempt() == 2 {
+        HOOK_WAITING.notify_one();
+        std::future::pending::<()>().await;
+    }
+    Ok(Recovery::Completed(99))
+}
+
+#[idempotent(scope = "recovery.dropped_hook", key = key, tenant = shared, store = store,
+             lease = "60s", recover = slow_hook)]
+async fn charge_then_panic(store: &dyn Store, key: &str) -> Result<u32, Error> {
+    panic!("the gateway client panicked after charging {key}")
+}
+
+/// Rules 14 and 20: a call dropped while its recover hook runs ends the
+/// record's lease, as one dropped while its body runs does, so the next call
+/// takes it over at once and asks the hook again. It left the record in
+/// progress with the lease the takeover had just renewed (60 s here): every
+/// retry was refused `InProgress` until it ran out (model hunt).
+async fn dropped_while_the_hook_runs(store: &dyn Store) {
+    let key = format!("k-{}", uuid::Uuid::new_v4());
+    let identity = Identity::shared("recovery.dropped_hook", key.as_str()).expect("identity");
+    let lease_ended = || async {
+        tokio::time::timeout(Duration::from_secs(10), async {
+            loop {
+                match store.fetch(&identity).await.expect("fetch") {
+                    Some(r) if r.lease_expires_at_ms.is_some_and(|l| l > r.now_ms) => {}
+                    _ => return,
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        })
+        .await
+    };
+    let panicked = futures::FutureExt::catch_unwind(std::panic::AssertUnwindSafe(
+        charge_then_panic(store, &key),
+    ))
+    .await;
+    assert!(panicked.is_err(), "the body's panic propagates");
+    lease_ended()
+        .await
+        .expect("the first attempt's lease is ended");
+    {
+        let mut call = Box::pin(charge_then_panic(store, &key));
+        tokio::select! {
+            () = HOOK_WAITING.notified() => {}
+            answer = &mut call => panic!("the hook never answers attempt 2: {answer:?}"),
+        }
+        drop(call); // the caller's timeout, while the hook runs
+    }
+    lease_ended()
+        .await
+        .expect("a call dropped while its hook ran ends the record's lease");
+    let retried = with_outcome(charge_then_panic(store, &key)).await;
+    assert!(
+        matches!(retried, (Ok(99), Some(Outcome::Recovered))),
+        "{retried:?}"
+    );
+    let asked = HOOK_ASKED.lock().unwrap_or_else(|p| p.into_inner());
+    assert_eq!(asked.get(&key).map(Vec::as_slice), Some(&[2, 3][..]));
+}
+
 async fn both(store: &dyn Store) {
     ended_without_an_answer_then_retried(store, Then::Hang).await;
     ended_without_an_answer_then_retried(store, Then::Panic).await;
+    dropped_while_the_hook_runs(store).await;
 }
 
 #[tokio::test]
