@@ -163,46 +163,13 @@ fn comparable(mut snapshot: RecordSnapshot) -> RecordSnapshot {
 impl Rig {
     async fn postgres(test: &'static str) -> Option<Rig> {
         let direct = pg_store_or_skip().await?;
-        let options = PgConnectOptions::from_str(&pg_url()).expect("PostgreSQL URL");
-        let upstream = format!("{}:{}", options.get_host(), options.get_port());
-        let proxy = FaultProxy::start(&upstream).await.expect("proxy");
-        let pool = PgPoolOptions::new()
-            .max_connections(2)
-            .acquire_timeout(ACQUIRE_TIMEOUT)
-            .connect_with(
-                options
-                    .host("127.0.0.1")
-                    .port(proxy.port())
-                    .application_name("idempotent-connection-faults"),
-            )
-            .await
-            .expect("a pool through the proxy");
-        // The migrations run through the proxy, in pass-through mode.
-        let store = PgStore::from_pool(pool)
-            .await
-            .expect("migrations through the proxy");
+        let (proxy, store) = through_a_proxy::postgres(2).await?;
         Some(Rig::new("postgres", test, proxy, Arc::new(store), Arc::new(direct)).await)
     }
 
     async fn mariadb(test: &'static str) -> Option<Rig> {
         let direct = mysql_store_or_skip().await?;
-        let url = mysql_url();
-        let url = match url.strip_prefix("mariadb://") {
-            Some(rest) => format!("mysql://{rest}"),
-            None => url,
-        };
-        let options = MySqlConnectOptions::from_str(&url).expect("MySQL URL");
-        let upstream = format!("{}:{}", options.get_host(), options.get_port());
-        let proxy = FaultProxy::start(&upstream).await.expect("proxy");
-        let pool = MySqlPoolOptions::new()
-            .max_connections(2)
-            .acquire_timeout(ACQUIRE_TIMEOUT)
-            .connect_with(options.host("127.0.0.1").port(proxy.port()))
-            .await
-            .expect("a pool through the proxy");
-        let store = MySqlStore::from_pool(pool)
-            .await
-            .expect("migrations through the proxy");
+        let (proxy, store) = through_a_proxy::mariadb(2).await?;
         Some(Rig::new("mariadb", test, proxy, Arc::new(store), Arc::new(direct)).await)
     }
 
@@ -1058,45 +1025,65 @@ async fn a_dropped_call_on_a_silent_connection_frees_its_slot(
     assert!(matches!(answer, Reservation::Acquired { .. }), "{answer:?}");
 }
 
+/// Stores whose pool (of `max_connections`) goes through a [`FaultProxy`]
+/// (`None` when the server is not there). The migrations run through the
+/// proxy, in pass-through mode.
+mod through_a_proxy {
+    use super::*;
+
+    pub async fn postgres(max_connections: u32) -> Option<(FaultProxy, PgStore)> {
+        pg_store_or_skip().await?;
+        let options = PgConnectOptions::from_str(&pg_url()).expect("PostgreSQL URL");
+        let upstream = format!("{}:{}", options.get_host(), options.get_port());
+        let proxy = FaultProxy::start(&upstream).await.expect("proxy");
+        let pool = PgPoolOptions::new()
+            .max_connections(max_connections)
+            .acquire_timeout(ACQUIRE_TIMEOUT)
+            .connect_with(
+                options
+                    .host("127.0.0.1")
+                    .port(proxy.port())
+                    .application_name("idempotent-connection-faults"),
+            )
+            .await
+            .expect("a pool through the proxy");
+        Some((proxy, PgStore::from_pool(pool).await.expect("store")))
+    }
+
+    pub async fn mariadb(max_connections: u32) -> Option<(FaultProxy, MySqlStore)> {
+        mysql_store_or_skip().await?;
+        let url = mysql_url();
+        let url = match url.strip_prefix("mariadb://") {
+            Some(rest) => format!("mysql://{rest}"),
+            None => url,
+        };
+        let options = MySqlConnectOptions::from_str(&url).expect("MySQL URL");
+        let upstream = format!("{}:{}", options.get_host(), options.get_port());
+        let proxy = FaultProxy::start(&upstream).await.expect("proxy");
+        let pool = MySqlPoolOptions::new()
+            .max_connections(max_connections)
+            .acquire_timeout(ACQUIRE_TIMEOUT)
+            .connect_with(options.host("127.0.0.1").port(proxy.port()))
+            .await
+            .expect("a pool through the proxy");
+        Some((proxy, MySqlStore::from_pool(pool).await.expect("store")))
+    }
+}
+
 #[tokio::test]
 async fn postgres_a_dropped_call_on_a_silent_connection_frees_its_slot() {
-    if pg_store_or_skip().await.is_none() {
+    let Some((proxy, store)) = through_a_proxy::postgres(1).await else {
         return;
-    }
-    let options = PgConnectOptions::from_str(&pg_url()).expect("PostgreSQL URL");
-    let upstream = format!("{}:{}", options.get_host(), options.get_port());
-    let proxy = FaultProxy::start(&upstream).await.expect("proxy");
-    let pool = PgPoolOptions::new()
-        .max_connections(1)
-        .acquire_timeout(ACQUIRE_TIMEOUT)
-        .connect_with(options.host("127.0.0.1").port(proxy.port()))
-        .await
-        .expect("a pool through the proxy");
-    let store = PgStore::from_pool(pool).await.expect("store");
+    };
     let pool = store.pool().clone();
     a_dropped_call_on_a_silent_connection_frees_its_slot(&proxy, &store, || pool.size()).await;
 }
 
 #[tokio::test]
 async fn mariadb_a_dropped_call_on_a_silent_connection_frees_its_slot() {
-    if mysql_store_or_skip().await.is_none() {
+    let Some((proxy, store)) = through_a_proxy::mariadb(1).await else {
         return;
-    }
-    let url = mysql_url();
-    let url = match url.strip_prefix("mariadb://") {
-        Some(rest) => format!("mysql://{rest}"),
-        None => url,
     };
-    let options = MySqlConnectOptions::from_str(&url).expect("MySQL URL");
-    let upstream = format!("{}:{}", options.get_host(), options.get_port());
-    let proxy = FaultProxy::start(&upstream).await.expect("proxy");
-    let pool = MySqlPoolOptions::new()
-        .max_connections(1)
-        .acquire_timeout(ACQUIRE_TIMEOUT)
-        .connect_with(options.host("127.0.0.1").port(proxy.port()))
-        .await
-        .expect("a pool through the proxy");
-    let store = MySqlStore::from_pool(pool).await.expect("store");
     let pool = store.pool().clone();
     a_dropped_call_on_a_silent_connection_frees_its_slot(&proxy, &store, || pool.size()).await;
 }
@@ -1109,24 +1096,9 @@ async fn mariadb_a_dropped_call_on_a_silent_connection_frees_its_slot() {
 /// an operator's release and the reservation procedure.
 #[tokio::test]
 async fn mariadb_a_dropped_check_on_a_silent_connection_frees_its_slot() {
-    if mysql_store_or_skip().await.is_none() {
+    let Some((proxy, store)) = through_a_proxy::mariadb(1).await else {
         return;
-    }
-    let url = mysql_url();
-    let url = match url.strip_prefix("mariadb://") {
-        Some(rest) => format!("mysql://{rest}"),
-        None => url,
     };
-    let options = MySqlConnectOptions::from_str(&url).expect("MySQL URL");
-    let upstream = format!("{}:{}", options.get_host(), options.get_port());
-    let proxy = FaultProxy::start(&upstream).await.expect("proxy");
-    let pool = MySqlPoolOptions::new()
-        .max_connections(1)
-        .acquire_timeout(ACQUIRE_TIMEOUT)
-        .connect_with(options.host("127.0.0.1").port(proxy.port()))
-        .await
-        .expect("a pool through the proxy");
-    let store = MySqlStore::from_pool(pool).await.expect("store");
     let identity = Identity::new(fresh_tenant(), "faults.silent", "checked").expect("id");
     let trip = proxy.stall_on_next_request_containing("@@in_transaction", Stall::ToClientOnly);
     {

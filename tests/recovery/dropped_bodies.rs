@@ -70,6 +70,25 @@ async fn charge(store: &dyn Store, key: &str, then: Then) -> Result<u32, Error> 
 
 /// The first attempt charges and ends without an answer (`first`); the
 /// retry asks the hook, which finds the charge: recovered, charged once.
+/// Waits (at most `bound`) until `identity`'s record has no live lease:
+/// released, or its lease ended.
+async fn no_live_lease(
+    store: &dyn Store,
+    identity: &Identity,
+    bound: Duration,
+) -> Result<(), tokio::time::error::Elapsed> {
+    tokio::time::timeout(bound, async {
+        loop {
+            match store.fetch(identity).await.expect("fetch") {
+                Some(r) if r.lease_expires_at_ms.is_some_and(|l| l > r.now_ms) => {}
+                _ => return,
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await
+}
+
 async fn ended_without_an_answer_then_retried(store: &dyn Store, first: Then) {
     let key = format!("k-{}", uuid::Uuid::new_v4());
     match first {
@@ -95,17 +114,9 @@ async fn ended_without_an_answer_then_retried(store: &dyn Store, first: Then) {
     // The dropped call's record is finished by the store's worker: until it
     // has been (released, or its lease ended), a retry would be refused.
     let identity = Identity::shared("recovery.dropped_body", key.as_str()).expect("identity");
-    tokio::time::timeout(Duration::from_secs(30), async {
-        loop {
-            match store.fetch(&identity).await.expect("fetch") {
-                Some(r) if r.lease_expires_at_ms.is_some_and(|l| l > r.now_ms) => {}
-                _ => return,
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-    })
-    .await
-    .expect("the first attempt's record is finished");
+    no_live_lease(store, &identity, Duration::from_secs(30))
+        .await
+        .expect("the first attempt's record is finished");
 
     let retried = with_outcome(charge(store, &key, Then::Return)).await;
     let g = gateway();
@@ -155,18 +166,7 @@ async fn charge_then_panic(store: &dyn Store, key: &str) -> Result<u32, Error> {
 async fn dropped_while_the_hook_runs(store: &dyn Store) {
     let key = format!("k-{}", uuid::Uuid::new_v4());
     let identity = Identity::shared("recovery.dropped_hook", key.as_str()).expect("identity");
-    let lease_ended = || async {
-        tokio::time::timeout(Duration::from_secs(10), async {
-            loop {
-                match store.fetch(&identity).await.expect("fetch") {
-                    Some(r) if r.lease_expires_at_ms.is_some_and(|l| l > r.now_ms) => {}
-                    _ => return,
-                }
-                tokio::time::sleep(Duration::from_millis(10)).await;
-            }
-        })
-        .await
-    };
+    let lease_ended = || no_live_lease(store, &identity, Duration::from_secs(10));
     let panicked = futures::FutureExt::catch_unwind(std::panic::AssertUnwindSafe(
         charge_then_panic(store, &key),
     ))
