@@ -675,9 +675,12 @@ where
                     attempt = acquired.attempt, "the recover hook answered Run: running the body");
             }
             Some(result) => {
-                // The hook answered (settle keeps the record for the next
-                // takeover itself when its error is not recorded).
-                guard.keep_for_takeover = false;
+                // The hook answered. Recording it disarms the guard first;
+                // an answer that is not recorded (a hook `Err` released, a
+                // value that cannot be recorded) keeps the record for the
+                // next takeover, so the guard stays kept for one: a call
+                // dropped while settle ends the lease still ends it, never
+                // releases the record for a retry to run the body blind.
                 METRICS.recovered.fetch_add(1, Ordering::Relaxed);
                 report(Outcome::Recovered);
                 let mut sink = StoreSink {

@@ -294,3 +294,100 @@ async fn a_body_error_whose_release_fails_is_still_released() {
     .await
     .expect("the record is released, not kept in progress for a takeover");
 }
+
+/// Hangs every renewal that ends a lease while `hang` is set, once it has
+/// said so on `ending`.
+#[derive(Default)]
+struct EndingTheLeaseHangs {
+    hang: std::sync::atomic::AtomicBool,
+    ending: Notify,
+}
+
+#[async_trait::async_trait]
+impl crate::common::hooked::Intercept for EndingTheLeaseHangs {
+    async fn heartbeat(
+        &self,
+        inner: &MemoryStore,
+        i: &Identity,
+        t: &idempotent_runtime::OwnerToken,
+        lease: Duration,
+    ) -> Result<idempotent_runtime::Fenced, idempotent_runtime::StoreError> {
+        if lease.is_zero() && self.hang.load(std::sync::atomic::Ordering::SeqCst) {
+            self.ending.notify_one();
+            std::future::pending::<()>().await;
+        }
+        inner.heartbeat(i, t, lease).await
+    }
+}
+
+static DECLINING_RUNS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+
+/// Asked about attempt 2, it fails (the error is not recorded: the record is
+/// kept for the next takeover); asked again, it finds the charge.
+async fn failing_hook(takeover: &Takeover) -> Result<Recovery<u32>, Error> {
+    match takeover.attempt() {
+        2 => Err(Error::Store(idempotent_runtime::StoreError::new(
+            "gateway",
+            "look up the charge",
+            "the gateway did not answer",
+        ))),
+        _ => Ok(Recovery::Completed(5)),
+    }
+}
+
+#[idempotent(scope = "recovery.failing_hook", key = key, tenant = shared, store = store,
+             lease = "60s", recover = failing_hook)]
+async fn charge_once_then_panic(store: &dyn Store, key: &str) -> Result<u32, Error> {
+    DECLINING_RUNS.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    panic!("the gateway client panicked after charging {key}")
+}
+
+/// Rule 20: a hook's error that is not recorded keeps the record for the next
+/// takeover (its lease ended). A call dropped while that lease is being ended
+/// must leave the record so, never release it: released, the next call was a
+/// fresh attempt that ran the body blind (a review of the guard kept armed
+/// through the hook).
+#[tokio::test]
+async fn a_call_dropped_while_a_hook_error_keeps_the_record_does_not_release_it() {
+    let store = crate::common::hooked::Hooked::new(EndingTheLeaseHangs::default());
+    let key = format!("k-{}", uuid::Uuid::new_v4());
+    let identity = Identity::shared("recovery.failing_hook", key.as_str()).expect("identity");
+    let panicked = futures::FutureExt::catch_unwind(std::panic::AssertUnwindSafe(
+        charge_once_then_panic(&store, &key),
+    ))
+    .await;
+    assert!(panicked.is_err(), "the body's panic propagates");
+    store
+        .intercept
+        .hang
+        .store(true, std::sync::atomic::Ordering::SeqCst);
+    {
+        let mut call = Box::pin(charge_once_then_panic(&store, &key));
+        tokio::select! {
+            () = store.intercept.ending.notified() => {}
+            answer = &mut call => panic!("ending the lease hangs: {answer:?}"),
+        }
+        drop(call); // the caller's timeout, while the lease is being ended
+    }
+    store
+        .intercept
+        .hang
+        .store(false, std::sync::atomic::Ordering::SeqCst);
+    no_live_lease(&store, &identity, Duration::from_secs(10))
+        .await
+        .expect("the store's worker ends the lease");
+    assert!(
+        store.fetch(&identity).await.expect("fetch").is_some(),
+        "the record is kept for the next takeover, not released"
+    );
+    let retried = with_outcome(charge_once_then_panic(&store, &key)).await;
+    assert!(
+        matches!(retried, (Ok(5), Some(Outcome::Recovered))),
+        "{retried:?}"
+    );
+    assert_eq!(
+        DECLINING_RUNS.load(std::sync::atomic::Ordering::SeqCst),
+        1,
+        "the body ran once"
+    );
+}
