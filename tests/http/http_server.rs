@@ -1135,6 +1135,7 @@ fn a_layer_whose_durations_the_attribute_would_refuse_is_refused_at_build() {
         assert!(e.to_string().contains(says), "{e}");
     }
     assert!(wait(Duration::from_millis(1)).is_ok());
+    assert!(wait(Duration::MAX).is_ok(), "as long as a wait may be");
 }
 
 // ---------------------------------------------------------------- extractor and IntoResponse

@@ -435,38 +435,49 @@ pub fn search_from(dir: &Path) -> Option<PathBuf> {
 }
 
 /// The root of the cargo workspace `dir` belongs to, found as cargo finds
-/// it: `dir` itself when its `Cargo.toml` has a `[workspace]`; the root its
+/// it. The package is the nearest directory at or above `dir` with a
+/// `Cargo.toml` (the command line may run in `crate/src`). Its root is the
+/// package itself when its `Cargo.toml` has a `[workspace]`; the root its
 /// `package.workspace` names; otherwise the nearest directory above with a
-/// `[workspace]`, unless that workspace's `exclude` lists `dir` (an
-/// excluded package is a workspace of its own). A package outside the
+/// `[workspace]` that does not exclude it (a `members` entry that names it
+/// wins over an `exclude` one; an excluded package is looked for further up,
+/// and with no root above is a workspace of its own). A package outside the
 /// root's directory that names it, or one inside it that is excluded, was
 /// checked against the wrong manifest, or none.
 pub fn workspace_root(dir: &Path) -> Option<PathBuf> {
-    let own = read_toml(&dir.join("Cargo.toml"));
-    if let Some(own) = &own {
-        if own.contains_key("workspace") {
-            return Some(dir.to_path_buf());
-        }
-        let named = own
-            .get("package")
-            .and_then(|p| p.get("workspace"))
-            .and_then(toml::Value::as_str);
-        if let Some(named) = named {
-            return Some(dir.join(named));
-        }
+    let (package, own) = dir
+        .ancestors()
+        .find_map(|d| read_toml(&d.join("Cargo.toml")).map(|t| (d, t)))?;
+    if own.contains_key("workspace") {
+        return Some(package.to_path_buf());
     }
-    for ancestor in dir.ancestors().skip(1) {
-        let Some(workspace) =
-            read_toml(&ancestor.join("Cargo.toml")).and_then(|t| t.get("workspace").cloned())
-        else {
-            continue;
+    let named = own
+        .get("package")
+        .and_then(|p| p.get("workspace"))
+        .and_then(toml::Value::as_str);
+    if let Some(named) = named {
+        return Some(package.join(named));
+    }
+    let is_package = own.contains_key("package");
+    package.ancestors().skip(1).find_map(|ancestor| {
+        let workspace = read_toml(&ancestor.join("Cargo.toml"))?
+            .get("workspace")?
+            .clone();
+        let below = plain(package.strip_prefix(ancestor).ok()?);
+        let listed = |key: &str| {
+            workspace
+                .get(key)
+                .and_then(toml::Value::as_array)
+                .into_iter()
+                .flatten()
+                .filter_map(toml::Value::as_str)
+                .map(|entry| plain(Path::new(entry)))
+                .collect::<Vec<_>>()
         };
-        if own.is_some() && excluded(&workspace, ancestor, dir) {
-            return None;
-        }
-        return Some(ancestor.to_path_buf());
-    }
-    None
+        let member = listed("members").iter().any(|m| matches_glob(m, &below));
+        let excluded = listed("exclude").iter().any(|e| below.starts_with(e));
+        (!is_package || member || !excluded).then(|| ancestor.to_path_buf())
+    })
 }
 
 /// A `Cargo.toml`, if it is there and parses.
@@ -474,25 +485,27 @@ fn read_toml(path: &Path) -> Option<toml::Table> {
     std::fs::read_to_string(path).ok()?.parse().ok()
 }
 
-/// Whether the `[workspace]` table of the root at `root` excludes the
-/// package in `dir` (an `exclude` entry is a path below the root).
-fn excluded(workspace: &toml::Value, root: &Path, dir: &Path) -> bool {
-    let Ok(below) = dir.strip_prefix(root) else {
-        return false;
-    };
-    let plain = |p: &Path| -> PathBuf {
-        p.components()
-            .filter(|c| !matches!(c, std::path::Component::CurDir))
-            .collect()
-    };
-    let below = plain(below);
-    workspace
-        .get("exclude")
-        .and_then(toml::Value::as_array)
-        .into_iter()
-        .flatten()
-        .filter_map(toml::Value::as_str)
-        .any(|entry| below.starts_with(plain(Path::new(entry))))
+/// `p` without `.` components.
+fn plain(p: &Path) -> PathBuf {
+    p.components()
+        .filter(|c| !matches!(c, std::path::Component::CurDir))
+        .collect()
+}
+
+/// Whether a `members` entry (`crates/*`, `tools/x`) names `path`, component
+/// by component, `*` standing for any part of one name.
+fn matches_glob(pattern: &Path, path: &Path) -> bool {
+    let (pattern, path): (Vec<_>, Vec<_>) = (pattern.iter().collect(), path.iter().collect());
+    pattern.len() == path.len()
+        && pattern.iter().zip(&path).all(|(p, n)| {
+            let (p, n) = (p.to_string_lossy(), n.to_string_lossy());
+            match p.split_once('*') {
+                None => p == n,
+                Some((head, tail)) => {
+                    n.len() >= head.len() + tail.len() && n.starts_with(head) && n.ends_with(tail)
+                }
+            }
+        })
 }
 
 #[cfg(test)]
@@ -767,6 +780,50 @@ mod tests {
             search_from(&outside),
             Some(outside.join("..").join(name).join(FILE_NAME))
         );
+        // From a directory inside a package (the command line in `crate/src`):
+        // the package's answer, as cargo gives it.
+        std::fs::create_dir_all(outside.join("src")).unwrap();
+        assert_eq!(
+            search_from(&outside.join("src")),
+            Some(outside.join("..").join(name).join(FILE_NAME))
+        );
+        std::fs::create_dir_all(excluded.join("src")).unwrap();
+        assert_eq!(search_from(&excluded.join("src")), None);
         let _ = std::fs::remove_dir_all(&outside);
+    }
+
+    /// A `members` entry that names a package wins over an `exclude` entry
+    /// above it, and a package an inner root excludes belongs to an outer
+    /// root that lists it.
+    #[test]
+    fn members_win_over_exclude_and_an_excluded_package_looks_further_up() {
+        let scratch = Scratch::new("members");
+        let root = &scratch.0;
+        std::fs::write(
+            root.join("Cargo.toml"),
+            "[workspace]\nmembers = [\"tools/*\", \"inner/pkg\"]\nexclude = [\"tools\"]\n",
+        )
+        .unwrap();
+        let tool = root.join("tools").join("x");
+        std::fs::create_dir_all(&tool).unwrap();
+        std::fs::write(tool.join("Cargo.toml"), "[package]\nname = \"x\"\n").unwrap();
+        assert_eq!(workspace_root(&tool), Some(root.clone()));
+        let inner = root.join("inner");
+        let pkg = inner.join("pkg");
+        std::fs::create_dir_all(&pkg).unwrap();
+        std::fs::write(
+            inner.join("Cargo.toml"),
+            "[workspace]\nexclude = [\"pkg\"]\n",
+        )
+        .unwrap();
+        std::fs::write(pkg.join("Cargo.toml"), "[package]\nname = \"p\"\n").unwrap();
+        assert_eq!(workspace_root(&pkg), Some(root.clone()));
+        assert!(matches_glob(Path::new("crates/*"), Path::new("crates/a")));
+        assert!(matches_glob(Path::new("crates/a*"), Path::new("crates/ab")));
+        assert!(!matches_glob(
+            Path::new("crates/*"),
+            Path::new("crates/a/b")
+        ));
+        assert!(!matches_glob(Path::new("crates/a*"), Path::new("crates/b")));
     }
 }

@@ -262,7 +262,12 @@ impl IdempotencyLayerBuilder {
         let checked = check_duration(self.ttl, DurationKind::Ttl)
             .and_then(|_| check_duration(self.lease, DurationKind::Lease))
             .and_then(|_| match self.in_progress {
-                InProgressPolicy::Wait(bound) => check_duration(bound, DurationKind::Wait),
+                InProgressPolicy::Wait(bound) => match check_duration(bound, DurationKind::Wait) {
+                    // Longer than the attribute can write (`Duration::MAX`):
+                    // as long as a wait may be (the engine caps it).
+                    Err(idempotent_rules::duration::DurationError::TooLong { .. }) => Ok(bound),
+                    checked => checked,
+                },
                 InProgressPolicy::Reject => Ok(Duration::ZERO),
             });
         if let Err(problem) = checked {
