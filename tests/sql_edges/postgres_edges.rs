@@ -916,6 +916,59 @@ async fn declines_after_a_failed_statement(
     Err(DeclineOr::Declined)
 }
 
+/// The body's own error, recorded (`errors = record`).
+#[derive(Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+enum RecordedDecline {
+    Declined,
+    Library(String),
+}
+
+impl From<idempotent_runtime::Error> for RecordedDecline {
+    fn from(e: idempotent_runtime::Error) -> Self {
+        RecordedDecline::Library(e.to_string())
+    }
+}
+
+/// As [`declines_after_a_failed_statement`], its error recorded.
+#[idempotent_runtime::idempotent(scope = "pg_edges.aborted_recorded", key = key, tenant = tenant,
+    tx = tx, skip(runs), errors = record)]
+async fn declines_for_good_after_a_failed_statement(
+    tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
+    tenant: &str,
+    key: &str,
+    runs: &std::sync::atomic::AtomicUsize,
+) -> Result<u64, RecordedDecline> {
+    runs.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    let failed = sqlx::query("SELECT 1 / 0").execute(&mut **tx).await;
+    assert!(failed.is_err(), "division by zero fails");
+    Err(RecordedDecline::Declined)
+}
+
+/// The same with `errors = record`: the error cannot be recorded in the
+/// aborted transaction, which can only roll back (taking the reservation
+/// with it), so the caller gets the body's error, as with `errors = release`,
+/// not `Error::Store` ("current transaction is aborted"), and the retry in a
+/// new transaction runs again.
+#[tokio::test]
+async fn a_recorded_body_error_after_its_transaction_was_aborted_is_the_callers_answer() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let Some(store) = pg_store_or_skip().await else {
+        return;
+    };
+    let (tenant, runs) = (fresh_tenant(), AtomicUsize::new(0));
+    for round in 1..=2 {
+        let mut tx = store.pool().begin().await.expect("begin");
+        let answer = declines_for_good_after_a_failed_statement(&mut tx, &tenant, "k", &runs).await;
+        assert_eq!(answer, Err(RecordedDecline::Declined));
+        tx.rollback().await.expect("rollback");
+        assert_eq!(
+            runs.load(Ordering::SeqCst),
+            round,
+            "nothing was recorded: the retry ran"
+        );
+    }
+}
+
 /// Rules 13 and 15: a body whose failing statement aborted the caller's
 /// transaction, and that then returns its own error, gets that error back.
 /// The release could not run in the aborted transaction, and its store

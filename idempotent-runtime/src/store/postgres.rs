@@ -988,7 +988,7 @@ crate::transaction::transactional_connection! {
         store: STORE,
         in_transaction: in_transaction,
         reserve: reserve_in_transaction,
-        complete: complete_with,
+        complete: complete_in_transaction,
         release: release_in_transaction,
         heartbeat: heartbeat_with,
         may_wait: reads_what_others_commit,
@@ -1015,6 +1015,30 @@ async fn release_in_transaction(
             if e.source.downcast_ref::<sqlx::Error>().is_some_and(|e| {
                 matches!(e, sqlx::Error::Database(db) if db.code().as_deref() == Some(IN_FAILED_TRANSACTION))
             }) =>
+        {
+            Ok(Fenced::Written)
+        }
+        other => other,
+    }
+}
+
+/// Transactional mode's completion: [`complete_with`] in the caller's
+/// transaction. Recording the body's *error* (`errors = record`) in a
+/// transaction a failed statement of the body aborted (25P02) is answered as
+/// [`release_in_transaction`] answers: the transaction can only roll back,
+/// taking the reservation with it, so the caller gets the body's error, not a
+/// store failure. A result (`Ok`) that cannot be recorded there stays a store
+/// failure: the caller must not take it for done.
+async fn complete_in_transaction(
+    conn: &mut sqlx::PgConnection,
+    completion: Completion<'_>,
+) -> Result<Fenced, StoreError> {
+    match complete_with(&mut *conn, completion).await {
+        Err(e)
+            if completion.outcome.is_error
+                && e.source.downcast_ref::<sqlx::Error>().is_some_and(|e| {
+                    matches!(e, sqlx::Error::Database(db) if db.code().as_deref() == Some(IN_FAILED_TRANSACTION))
+                }) =>
         {
             Ok(Fenced::Written)
         }
