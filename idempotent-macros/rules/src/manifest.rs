@@ -26,9 +26,10 @@
 //! 1. the file named by the `IDEMPOTENT_MANIFEST` environment variable
 //!    (a relative path is relative to the base directory); it must exist;
 //! 2. `idempotent.toml` in the base directory (the crate's directory,
-//!    `CARGO_MANIFEST_DIR`, for the macro);
-//! 3. `idempotent.toml` at the workspace root: the nearest ancestor of the base
-//!    directory whose `Cargo.toml` has a `[workspace]` table.
+//!    `CARGO_MANIFEST_DIR`, for the macro), or in the package directory the
+//!    base directory is inside (the command line in `crate/src`);
+//! 3. `idempotent.toml` at the root of the package's workspace, as cargo
+//!    finds it ([`workspace_root`]).
 //!
 //! No manifest found: only the scope format is checked.
 
@@ -426,12 +427,16 @@ pub fn locate_with(
 /// Steps 2 and 3 of the lookup: `idempotent.toml` in `dir`, else at the root
 /// of the workspace `dir` belongs to ([`workspace_root`]).
 pub fn search_from(dir: &Path) -> Option<PathBuf> {
-    let beside = dir.join(FILE_NAME);
-    if beside.is_file() {
-        return Some(beside);
-    }
-    let candidate = workspace_root(dir)?.join(FILE_NAME);
-    candidate.is_file().then_some(candidate)
+    let package = dir.ancestors().find(|d| d.join("Cargo.toml").is_file());
+    [Some(dir), package]
+        .into_iter()
+        .flatten()
+        .map(|d| d.join(FILE_NAME))
+        .find(|beside| beside.is_file())
+        .or_else(|| {
+            let candidate = workspace_root(dir)?.join(FILE_NAME);
+            candidate.is_file().then_some(candidate)
+        })
 }
 
 /// The root of the cargo workspace `dir` belongs to, found as cargo finds
@@ -440,8 +445,9 @@ pub fn search_from(dir: &Path) -> Option<PathBuf> {
 /// package itself when its `Cargo.toml` has a `[workspace]`; the root its
 /// `package.workspace` names; otherwise the nearest directory above with a
 /// `[workspace]` that does not exclude it (a `members` entry that names it
-/// wins over an `exclude` one; an excluded package is looked for further up,
-/// and with no root above is a workspace of its own). A package outside the
+/// or a directory above it, literally, wins over an `exclude` one, as in
+/// cargo, where a glob does not; an excluded package is looked for further
+/// up, and with no root above is a workspace of its own). A package outside the
 /// root's directory that names it, or one inside it that is excluded, was
 /// checked against the wrong manifest, or none.
 pub fn workspace_root(dir: &Path) -> Option<PathBuf> {
@@ -458,7 +464,6 @@ pub fn workspace_root(dir: &Path) -> Option<PathBuf> {
     if let Some(named) = named {
         return Some(package.join(named));
     }
-    let is_package = own.contains_key("package");
     package.ancestors().skip(1).find_map(|ancestor| {
         let workspace = read_toml(&ancestor.join("Cargo.toml"))?
             .get("workspace")?
@@ -474,9 +479,9 @@ pub fn workspace_root(dir: &Path) -> Option<PathBuf> {
                 .map(|entry| plain(Path::new(entry)))
                 .collect::<Vec<_>>()
         };
-        let member = listed("members").iter().any(|m| matches_glob(m, &below));
+        let member = listed("members").iter().any(|m| below.starts_with(m));
         let excluded = listed("exclude").iter().any(|e| below.starts_with(e));
-        (!is_package || member || !excluded).then(|| ancestor.to_path_buf())
+        (member || !excluded).then(|| ancestor.to_path_buf())
     })
 }
 
@@ -490,22 +495,6 @@ fn plain(p: &Path) -> PathBuf {
     p.components()
         .filter(|c| !matches!(c, std::path::Component::CurDir))
         .collect()
-}
-
-/// Whether a `members` entry (`crates/*`, `tools/x`) names `path`, component
-/// by component, `*` standing for any part of one name.
-fn matches_glob(pattern: &Path, path: &Path) -> bool {
-    let (pattern, path): (Vec<_>, Vec<_>) = (pattern.iter().collect(), path.iter().collect());
-    pattern.len() == path.len()
-        && pattern.iter().zip(&path).all(|(p, n)| {
-            let (p, n) = (p.to_string_lossy(), n.to_string_lossy());
-            match p.split_once('*') {
-                None => p == n,
-                Some((head, tail)) => {
-                    n.len() >= head.len() + tail.len() && n.starts_with(head) && n.ends_with(tail)
-                }
-            }
-        })
 }
 
 #[cfg(test)]
@@ -792,22 +781,54 @@ mod tests {
         let _ = std::fs::remove_dir_all(&outside);
     }
 
-    /// A `members` entry that names a package wins over an `exclude` entry
-    /// above it, and a package an inner root excludes belongs to an outer
-    /// root that lists it.
+    /// From inside a package (the command line in `crate/src`), the
+    /// package's own manifest comes before the workspace root's, as it does
+    /// for the compiler check.
+    #[test]
+    fn inside_a_package_its_own_manifest_comes_first() {
+        let scratch = Scratch::new("inside");
+        let root = &scratch.0;
+        let member = root.join("member");
+        std::fs::write(
+            root.join("Cargo.toml"),
+            "[workspace]\nmembers = [\"member\"]\n",
+        )
+        .unwrap();
+        std::fs::write(root.join(FILE_NAME), "").unwrap();
+        std::fs::write(member.join("Cargo.toml"), "[package]\nname = \"m\"\n").unwrap();
+        std::fs::write(member.join(FILE_NAME), "").unwrap();
+        std::fs::create_dir_all(member.join("src")).unwrap();
+        assert_eq!(
+            search_from(&member.join("src")),
+            Some(member.join(FILE_NAME))
+        );
+        assert_eq!(search_from(&member), Some(member.join(FILE_NAME)));
+    }
+
+    /// A `members` entry that names a package (literally, as cargo reads it
+    /// here; a glob does not) wins over an `exclude` entry above it, and a
+    /// package an inner root excludes belongs to an outer root that lists it.
     #[test]
     fn members_win_over_exclude_and_an_excluded_package_looks_further_up() {
         let scratch = Scratch::new("members");
         let root = &scratch.0;
         std::fs::write(
             root.join("Cargo.toml"),
-            "[workspace]\nmembers = [\"tools/*\", \"inner/pkg\"]\nexclude = [\"tools\"]\n",
+            "[workspace]\nmembers = [\"tools/*\", \"tools/x\", \"inner/pkg\"]\nexclude = [\"tools\"]\n",
         )
         .unwrap();
         let tool = root.join("tools").join("x");
         std::fs::create_dir_all(&tool).unwrap();
         std::fs::write(tool.join("Cargo.toml"), "[package]\nname = \"x\"\n").unwrap();
         assert_eq!(workspace_root(&tool), Some(root.clone()));
+        let globbed = root.join("tools").join("y");
+        std::fs::create_dir_all(&globbed).unwrap();
+        std::fs::write(globbed.join("Cargo.toml"), "[project]\nname = \"y\"\n").unwrap();
+        assert_eq!(
+            workspace_root(&globbed),
+            None,
+            "only the glob names it: excluded"
+        );
         let inner = root.join("inner");
         let pkg = inner.join("pkg");
         std::fs::create_dir_all(&pkg).unwrap();
@@ -818,12 +839,5 @@ mod tests {
         .unwrap();
         std::fs::write(pkg.join("Cargo.toml"), "[package]\nname = \"p\"\n").unwrap();
         assert_eq!(workspace_root(&pkg), Some(root.clone()));
-        assert!(matches_glob(Path::new("crates/*"), Path::new("crates/a")));
-        assert!(matches_glob(Path::new("crates/a*"), Path::new("crates/ab")));
-        assert!(!matches_glob(
-            Path::new("crates/*"),
-            Path::new("crates/a/b")
-        ));
-        assert!(!matches_glob(Path::new("crates/a*"), Path::new("crates/b")));
     }
 }
