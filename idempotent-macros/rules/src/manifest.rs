@@ -480,7 +480,10 @@ pub fn workspace_root(dir: &Path) -> Option<PathBuf> {
                 .collect::<Vec<_>>()
         };
         let member = listed("members").iter().any(|m| below.starts_with(m));
-        let excluded = listed("exclude").iter().any(|e| below.starts_with(e));
+        // An entry may name the package's `Cargo.toml` itself.
+        let excluded = listed("exclude").iter().any(|e| {
+            below.starts_with(e) || (e.ends_with("Cargo.toml") && e.parent() == Some(&*below))
+        });
         (member || !excluded).then(|| ancestor.to_path_buf())
     })
 }
@@ -829,6 +832,17 @@ mod tests {
             None,
             "only the glob names it: excluded"
         );
+        std::fs::write(
+            root.join("Cargo.toml"),
+            "[workspace]\nexclude = [\"tools/y/Cargo.toml\"]\n",
+        )
+        .unwrap();
+        assert_eq!(workspace_root(&globbed), None, "excluded by its Cargo.toml");
+        std::fs::write(
+            root.join("Cargo.toml"),
+            "[workspace]\nmembers = [\"inner/pkg\"]\n",
+        )
+        .unwrap();
         let inner = root.join("inner");
         let pkg = inner.join("pkg");
         std::fs::create_dir_all(&pkg).unwrap();
