@@ -805,7 +805,7 @@ pub(crate) enum IfLeftOpen {
 #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
 pub(crate) const PURGE_CHUNK: u32 = 500;
 
-/// How long one purge statement (at most [`PURGE_CHUNK`] records, a few ms
+/// How long one purge statement (at most 500 records, a few ms
 /// when the database answers) may go unanswered before the purge gives up.
 #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
 pub const PURGE_CHUNK_TIMEOUT: Duration = Duration::from_secs(60);

@@ -110,99 +110,6 @@ macro_rules! clock_unset {
     };
 }
 
-/// Whether the connection is in a transaction, as the server sees it:
-/// `@@in_transaction` (MariaDB), or `autocommit = 0`, where every statement
-/// opens a transaction that lasts until `COMMIT`. Asked every time, not taken
-/// from sqlx's count of the transactions it began: a statement that commits
-/// implicitly (DDL, `TRUNCATE`, `LOCK TABLES`, ...) or a deadlock ends the
-/// server's transaction while sqlx still counts it, and a reservation made
-/// then would commit at once, with no lease renewal, so a duplicate could
-/// take it over while the body runs. MySQL 8.0 has no `@@in_transaction`:
-/// there a transaction begun through sqlx (autocommit stays on under
-/// `BEGIN`) can only be known from sqlx's count, so on MySQL 8 an implicit
-/// commit inside such a transaction is not detected.
-///
-/// A transaction that reads uncommitted data is refused
-/// ([`READ_UNCOMMITTED_REFUSED`]), and so is a session whose clock was set
-/// (`SET timestamp = …`, [`SESSION_CLOCK_REFUSED`]): both read in the same
-/// round trip.
-async fn in_transaction(conn: &mut sqlx::MySqlConnection) -> Result<bool, StoreError> {
-    const OP: &str = "check for an open transaction";
-    let asked: Result<(i64, String, i64), sqlx::Error> = sqlx::query_as(concat!(
-        "SELECT CAST(@@autocommit = 0 OR @@in_transaction = 1 AS SIGNED), @@tx_isolation, ",
-        clock_set!()
-    ))
-    .fetch_one(&mut *conn)
-    .await;
-    let (open, isolation, clock_set) = match asked {
-        // MySQL 8: no `@@in_transaction`; sqlx's count, or autocommit off.
-        Err(sqlx::Error::Database(e)) if error_number(&*e) == Some(ER_UNKNOWN_SYSTEM_VARIABLE) => {
-            let (autocommit_off, clock_set): (i64, i64) = sqlx::query_as(concat!(
-                "SELECT CAST(@@autocommit = 0 AS SIGNED), ",
-                clock_set!()
-            ))
-            .fetch_one(&mut *conn)
-            .await
-            .map_err(err(OP))?;
-            let isolation = session_isolation(conn).await.map_err(err(OP))?;
-            let open = autocommit_off != 0 || sqlx::Connection::is_in_transaction(conn);
-            (i64::from(open), isolation, clock_set)
-        }
-        other => other.map_err(err(OP))?,
-    };
-    if reads_uncommitted(&isolation) {
-        return Err(StoreError::new(STORE, OP, READ_UNCOMMITTED_REFUSED));
-    }
-    if clock_set != 0 {
-        return Err(StoreError::new(STORE, OP, SESSION_CLOCK_REFUSED));
-    }
-    Ok(open != 0)
-}
-
-/// What a call on a session whose clock was set is told (transactional mode,
-/// and the store's own statements on a pool it shares: [`clean_connection`]).
-const SESSION_CLOCK_REFUSED: &str = concat!(
-    "the session's clock is set (SET timestamp = ...): leases and retention are decided on the ",
-    "server's clock, and a set clock would make a complete record look expired (or a lost ",
-    "lease look live), so nothing was written. Run `SET timestamp = DEFAULT` on the connection ",
-    "before the call (and before it goes back to a pool the store shares), or give the store a ",
-    "pool of its own"
-);
-
-/// The reservation in the connection's transaction, waiting for a row lock
-/// for `lock_wait` in whole seconds ([`lock_wait_seconds`]). A transaction
-/// that may be keeping the record's owner from renewing its lease (migration
-/// 0008) is refused with [`Error::StaleSnapshot`].
-async fn reserve_in_transaction(
-    conn: &mut sqlx::MySqlConnection,
-    request: ReserveRequest<'_>,
-    lock_wait: Duration,
-) -> Result<Reservation, Error> {
-    let stale = || Error::StaleSnapshot {
-        scope: request.identity.scope.clone(),
-        store: STORE,
-    };
-    match reserve_with(&mut *conn, request, lock_wait_seconds(lock_wait), false).await? {
-        // Under SERIALIZABLE InnoDB makes every read of a transaction a
-        // locking one: the look that found the record in progress holds a
-        // shared lock on it, which keeps the owner from renewing its lease
-        // until the transaction ends (the session's level; one set for the
-        // next transaction only is not seen, as for READ UNCOMMITTED).
-        Answer::Reservation(reservation @ Reservation::InProgress { .. }) => {
-            let isolation = session_isolation(conn)
-                .await
-                .map_err(err("read the transaction isolation"))?;
-            if isolation.eq_ignore_ascii_case("SERIALIZABLE") {
-                Err(stale())
-            } else {
-                Ok(reservation)
-            }
-        }
-        Answer::Reservation(reservation) => Ok(reservation),
-        Answer::StaleSnapshot => Err(stale()),
-    }
-}
-
 /// A store in MySQL 8 or MariaDB: many instances of a service share one
 /// database. Cloning gives another handle to the same pool.
 ///
@@ -353,11 +260,12 @@ impl Commit {
 }
 
 /// A connection of `pool` outside any transaction, for the store's own
-/// writes (see [`super::outside_any_transaction`]). `check`: ask (MariaDB's
-/// `@@in_transaction`; MySQL 8 has none and is not asked), and refuse a
-/// session whose clock was set ([`SESSION_CLOCK_REFUSED`], both stores). A
-/// session with autocommit off is left as it is: the store's statements
-/// handle it.
+/// writes (see [`super::outside_any_transaction`]). `check`: ask whether
+/// another user of the pool left it inside a transaction (MariaDB's
+/// `@@in_transaction`; MySQL 8 has none) and whether its clock was set
+/// (refused: [`SESSION_CLOCK_REFUSED`]); unchecked, the reservation
+/// procedure guards the clock itself ([`RESERVE_SQL`]). A session with
+/// autocommit off is left as it is: the store's statements handle it.
 async fn clean_connection(
     pool: &MySqlPool,
     check: bool,
@@ -1306,6 +1214,99 @@ const TRANSACTION_ENDED_BY_THE_SERVER: &str = concat!(
     "caller may have taken the record over. Nothing was recorded: run the call again in a ",
     "new transaction"
 );
+
+/// Whether the connection is in a transaction, as the server sees it:
+/// `@@in_transaction` (MariaDB), or `autocommit = 0`, where every statement
+/// opens a transaction that lasts until `COMMIT`. Asked every time, not taken
+/// from sqlx's count of the transactions it began: a statement that commits
+/// implicitly (DDL, `TRUNCATE`, `LOCK TABLES`, ...) or a deadlock ends the
+/// server's transaction while sqlx still counts it, and a reservation made
+/// then would commit at once, with no lease renewal, so a duplicate could
+/// take it over while the body runs. MySQL 8.0 has no `@@in_transaction`:
+/// there a transaction begun through sqlx (autocommit stays on under
+/// `BEGIN`) can only be known from sqlx's count, so on MySQL 8 an implicit
+/// commit inside such a transaction is not detected.
+///
+/// A transaction that reads uncommitted data is refused
+/// ([`READ_UNCOMMITTED_REFUSED`]), and so is a session whose clock was set
+/// (`SET timestamp = …`, [`SESSION_CLOCK_REFUSED`]): both read in the same
+/// round trip.
+async fn in_transaction(conn: &mut sqlx::MySqlConnection) -> Result<bool, StoreError> {
+    const OP: &str = "check for an open transaction";
+    let asked: Result<(i64, String, i64), sqlx::Error> = sqlx::query_as(concat!(
+        "SELECT CAST(@@autocommit = 0 OR @@in_transaction = 1 AS SIGNED), @@tx_isolation, ",
+        clock_set!()
+    ))
+    .fetch_one(&mut *conn)
+    .await;
+    let (open, isolation, clock_set) = match asked {
+        // MySQL 8: no `@@in_transaction`; sqlx's count, or autocommit off.
+        Err(sqlx::Error::Database(e)) if error_number(&*e) == Some(ER_UNKNOWN_SYSTEM_VARIABLE) => {
+            let (autocommit_off, clock_set): (i64, i64) = sqlx::query_as(concat!(
+                "SELECT CAST(@@autocommit = 0 AS SIGNED), ",
+                clock_set!()
+            ))
+            .fetch_one(&mut *conn)
+            .await
+            .map_err(err(OP))?;
+            let isolation = session_isolation(conn).await.map_err(err(OP))?;
+            let open = autocommit_off != 0 || sqlx::Connection::is_in_transaction(conn);
+            (i64::from(open), isolation, clock_set)
+        }
+        other => other.map_err(err(OP))?,
+    };
+    if reads_uncommitted(&isolation) {
+        return Err(StoreError::new(STORE, OP, READ_UNCOMMITTED_REFUSED));
+    }
+    if clock_set != 0 {
+        return Err(StoreError::new(STORE, OP, SESSION_CLOCK_REFUSED));
+    }
+    Ok(open != 0)
+}
+
+/// What a call on a session whose clock was set is told (transactional mode,
+/// and the store's own statements on a pool it shares: [`clean_connection`]).
+const SESSION_CLOCK_REFUSED: &str = concat!(
+    "the session's clock is set (SET timestamp = ...): leases and retention are decided on the ",
+    "server's clock, and a set clock would make a complete record look expired (or a lost ",
+    "lease look live), so nothing was written. Run `SET timestamp = DEFAULT` on the connection ",
+    "before the call (and before it goes back to a pool the store shares), or give the store a ",
+    "pool of its own"
+);
+
+/// The reservation in the connection's transaction, waiting for a row lock
+/// for `lock_wait` in whole seconds ([`lock_wait_seconds`]). A transaction
+/// that may be keeping the record's owner from renewing its lease (migration
+/// 0008) is refused with [`Error::StaleSnapshot`].
+async fn reserve_in_transaction(
+    conn: &mut sqlx::MySqlConnection,
+    request: ReserveRequest<'_>,
+    lock_wait: Duration,
+) -> Result<Reservation, Error> {
+    let stale = || Error::StaleSnapshot {
+        scope: request.identity.scope.clone(),
+        store: STORE,
+    };
+    match reserve_with(&mut *conn, request, lock_wait_seconds(lock_wait), false).await? {
+        // Under SERIALIZABLE InnoDB makes every read of a transaction a
+        // locking one: the look that found the record in progress holds a
+        // shared lock on it, which keeps the owner from renewing its lease
+        // until the transaction ends (the session's level; one set for the
+        // next transaction only is not seen, as for READ UNCOMMITTED).
+        Answer::Reservation(reservation @ Reservation::InProgress { .. }) => {
+            let isolation = session_isolation(conn)
+                .await
+                .map_err(err("read the transaction isolation"))?;
+            if isolation.eq_ignore_ascii_case("SERIALIZABLE") {
+                Err(stale())
+            } else {
+                Ok(reservation)
+            }
+        }
+        Answer::Reservation(reservation) => Ok(reservation),
+        Answer::StaleSnapshot => Err(stale()),
+    }
+}
 
 #[cfg(test)]
 mod tests {
