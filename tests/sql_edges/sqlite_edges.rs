@@ -10,7 +10,8 @@
 //! Waits are handshakes on the store's own log events, never sleeps.
 
 use idempotent_runtime::{
-    idempotent, with_outcome, Completion, Error, Identity, Outcome, SqliteStore, Store,
+    idempotent, with_outcome, Completion, Error, Identity, Outcome, OwnerToken, Reservation,
+    ReserveRequest, SqliteStore, Store, StoredOutcome,
 };
 use sqlx::sqlite::{SqliteConnectOptions, SqlitePoolOptions};
 use sqlx::{Connection, Executor, Sqlite, SqliteConnection};
@@ -1903,4 +1904,83 @@ async fn a_transaction_left_open_on_an_in_memory_pool_is_refused_not_closed() {
         store.fetch(&earlier).await.expect("fetch").is_some(),
         "the earlier record is still there"
     );
+}
+
+/// Rule 16 on an in-memory database given with `from_pool`: the records live
+/// as long as the store, whatever the pool does with its connections. A pool
+/// that closes idle connections (sqlx's defaults do after 10 minutes) took
+/// the database with its last connection: every record lost, and every later
+/// call failed with "no such table" (SQLite hunt). The store keeps one
+/// connection of its own, as `connect` does.
+#[tokio::test]
+async fn an_in_memory_pool_that_closes_its_connections_keeps_the_records() {
+    let pool = SqlitePoolOptions::new()
+        .max_connections(1)
+        .min_connections(0)
+        .idle_timeout(Duration::from_millis(200))
+        .max_lifetime(Duration::from_millis(400))
+        .connect("sqlite::memory:")
+        .await
+        .expect("pool");
+    let store = SqliteStore::from_pool(pool.clone()).await.expect("store");
+    let identity = Identity::new("t", "sqlite_edges.memory", "k").expect("identity");
+    let token = OwnerToken::new();
+    let request = ReserveRequest {
+        identity: &identity,
+        fingerprint: None,
+        token: &token,
+        lease: Duration::from_secs(60),
+        ttl: Duration::from_secs(3600),
+    };
+    assert!(matches!(
+        store.reserve(request).await.expect("reserve"),
+        Reservation::Acquired { .. }
+    ));
+    let outcome = StoredOutcome {
+        is_error: false,
+        payload: b"7".to_vec(),
+    };
+    store
+        .complete(Completion::by_body(
+            &identity,
+            &token,
+            &outcome,
+            Duration::from_secs(3600),
+        ))
+        .await
+        .expect("complete");
+    // The handshake: the pool has closed every connection it had.
+    tokio::time::timeout(Duration::from_secs(30), async {
+        while pool.size() != 0 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .expect("the pool closes its idle connection");
+    let replay = store
+        .reserve(ReserveRequest {
+            token: &OwnerToken::new(),
+            ..request
+        })
+        .await
+        .expect("the records are still there");
+    assert!(matches!(replay, Reservation::Completed(_)), "{replay:?}");
+}
+
+/// A private in-memory database (each connection a new, empty one) given
+/// with `from_pool` is refused when the store opens, as `connect` refuses
+/// it; it was accepted, and calls then failed at random on missing tables.
+#[tokio::test]
+async fn a_private_in_memory_pool_is_refused() {
+    use std::str::FromStr;
+    let options = SqliteConnectOptions::from_str("sqlite::memory:")
+        .expect("options")
+        .shared_cache(false);
+    let pool = SqlitePoolOptions::new()
+        .max_connections(3)
+        .connect_with(options)
+        .await
+        .expect("pool");
+    let refused = SqliteStore::from_pool(pool).await.err().expect("refused");
+    assert!(matches!(refused, Error::Store(_)), "{refused}");
 }

@@ -479,8 +479,8 @@ pub struct SqliteStore {
     /// connection is not enough: sqlx returns a connection to its pool from a
     /// task on the runtime of the call, and closes it when that runtime has
     /// ended (a store shared by several `#[tokio::test]`s, each on a runtime
-    /// of its own), taking every record with it.
-    keeps_in_memory_database: Option<Arc<std::sync::Mutex<sqlx::SqliteConnection>>>,
+    /// of its own), taking every record with it. Held, never read.
+    _keeps_in_memory_database: Option<Arc<std::sync::Mutex<sqlx::SqliteConnection>>>,
     /// The database is in memory: a connection of its pool is never closed
     /// by the store (the last one to close takes the database with it).
     in_memory: bool,
@@ -533,7 +533,7 @@ impl SqliteStore {
             .map_err(err("open the database"))?;
         let mut keeper = None;
         let pool = if shared_in_memory(&mut first, &options).await? {
-            keeper = Some(Arc::new(std::sync::Mutex::new(first)));
+            keeper = Some(first);
             // A shared-cache in-memory database lives as long as one connection
             // to it is open: keep exactly one, forever, so every caller sees
             // the same records and none are lost to an idle timeout.
@@ -568,9 +568,7 @@ impl SqliteStore {
             pool
         }
         .map_err(|e| StoreError::new(STORE, "open the database", e))?;
-        let mut store = Self::from_pool(pool).await?;
-        store.keeps_in_memory_database = keeper;
-        Ok(store)
+        Self::on_pool(pool, keeper).await
     }
 
     /// Uses an existing pool (e.g. the application's own) and applies the
@@ -625,6 +623,15 @@ impl SqliteStore {
     /// [`Error::Store`] when the migrations fail, or when a migration already
     /// applied to this database differs from the one this version ships.
     pub async fn from_pool(pool: SqlitePool) -> Result<Self, Error> {
+        Self::on_pool(pool, None).await
+    }
+
+    /// [`from_pool`](Self::from_pool), with the connection that keeps an
+    /// in-memory database alive if the caller opened one already.
+    async fn on_pool(
+        pool: SqlitePool,
+        keeper: Option<sqlx::SqliteConnection>,
+    ) -> Result<Self, Error> {
         migrate(&pool).await?;
         let busy_timeout: i64 = sqlx::query_scalar("PRAGMA busy_timeout")
             .fetch_one(&pool)
@@ -654,6 +661,23 @@ impl SqliteStore {
         .fetch_one(&pool)
         .await
         .map_err(err("read the database's file"))?;
+        // A shared-cache in-memory database lives while one connection to it
+        // is open: a pool that closes its idle connections (sqlx's defaults
+        // do after 10 minutes) took every record with it. One connection of
+        // the store's own keeps it; a private one (each connection a new,
+        // empty database) is refused here, as `connect` refuses it.
+        let keeper = match keeper {
+            Some(keeper) => Some(keeper),
+            None if in_memory => {
+                let options = pool.connect_options();
+                let mut keeper: sqlx::SqliteConnection = sqlx::Connection::connect_with(&*options)
+                    .await
+                    .map_err(err("open the database"))?;
+                shared_in_memory(&mut keeper, &options).await?;
+                Some(keeper)
+            }
+            None => None,
+        };
         let write_gate = WriteGate::new(millis_to_duration(busy_timeout));
         let waiters = Arc::new(Waiters::default());
         let detached = {
@@ -709,7 +733,7 @@ impl SqliteStore {
             write_gate,
             detached: Arc::new(detached),
             waiters,
-            keeps_in_memory_database: None,
+            _keeps_in_memory_database: keeper.map(|k| Arc::new(std::sync::Mutex::new(k))),
             in_memory,
         })
     }
