@@ -1940,7 +1940,7 @@ async fn an_in_memory_pool_that_closes_its_connections_keeps_the_records() {
         is_error: false,
         payload: b"7".to_vec(),
     };
-    store
+    let written = store
         .complete(Completion::by_body(
             &identity,
             &token,
@@ -1949,6 +1949,7 @@ async fn an_in_memory_pool_that_closes_its_connections_keeps_the_records() {
         ))
         .await
         .expect("complete");
+    assert!(written.is_written());
     // The handshake: the pool has closed every connection it had.
     tokio::time::timeout(Duration::from_secs(30), async {
         while pool.size() != 0 {
@@ -1981,6 +1982,8 @@ async fn a_private_in_memory_pool_is_refused() {
         .connect_with(options)
         .await
         .expect("pool");
-    let refused = SqliteStore::from_pool(pool).await.err().expect("refused");
+    let Err(refused) = SqliteStore::from_pool(pool).await else {
+        panic!("a private in-memory database was accepted");
+    };
     assert!(matches!(refused, Error::Store(_)), "{refused}");
 }
