@@ -664,8 +664,10 @@ impl SqliteStore {
         // A shared-cache in-memory database lives while one connection to it
         // is open: a pool that closes its idle connections (sqlx's defaults
         // do after 10 minutes) took every record with it. One connection of
-        // the store's own keeps it; a private one (each connection a new,
-        // empty database) is refused here, as `connect` refuses it.
+        // the store's own keeps it. A private one (each connection a new,
+        // empty database) cannot be kept by another connection: it is taken
+        // only as a pool of one connection that is never closed (min 1, no
+        // idle timeout, no lifetime), and refused otherwise.
         let keeper = match keeper {
             Some(keeper) => Some(keeper),
             None if in_memory => {
@@ -673,8 +675,21 @@ impl SqliteStore {
                 let mut keeper: sqlx::SqliteConnection = sqlx::Connection::connect_with(&*options)
                     .await
                     .map_err(err("open the database"))?;
-                shared_in_memory(&mut keeper, &options).await?;
-                Some(keeper)
+                match shared_in_memory(&mut keeper, &options).await {
+                    Ok(_) => Some(keeper),
+                    Err(private) => {
+                        let _ = sqlx::Connection::close(keeper).await;
+                        let o = pool.options();
+                        let kept_open = o.get_max_connections() == 1
+                            && o.get_min_connections() >= 1
+                            && o.get_idle_timeout().is_none()
+                            && o.get_max_lifetime().is_none();
+                        if !kept_open {
+                            return Err(private.into());
+                        }
+                        None
+                    }
+                }
             }
             None => None,
         };
