@@ -399,6 +399,11 @@ fn retry_after(value: &str, now: SystemTime) -> Option<Duration> {
     if let Ok(secs) = value.parse::<u64>() {
         return Some(Duration::from_secs(secs));
     }
+    // Seconds past `u64`: the longest wait there is (the caller caps it),
+    // not "no advice" (which retried at once).
+    if !value.is_empty() && value.bytes().all(|b| b.is_ascii_digit()) {
+        return Some(Duration::MAX);
+    }
     let at = httpdate::parse_http_date(value).ok()?;
     Some(at.duration_since(now).unwrap_or(Duration::ZERO))
 }
@@ -608,6 +613,11 @@ mod tests {
             Some(Duration::ZERO)
         );
         assert_eq!(retry_after("soon", now), None);
+        assert_eq!(
+            retry_after("99999999999999999999999", now),
+            Some(Duration::MAX),
+            "too many seconds to count is the longest wait, which the policy caps"
+        );
         assert_eq!(retry_after("-3", now), None);
     }
 
