@@ -666,6 +666,16 @@ mod tests {
             std::fs::create_dir_all(root.join("member")).unwrap();
             Scratch(root)
         }
+
+        /// A workspace root (its `Cargo.toml` says `workspace`) with one
+        /// package in `member`.
+        fn workspace(name: &str, workspace: &str) -> Self {
+            let scratch = Scratch::new(name);
+            std::fs::write(scratch.0.join("Cargo.toml"), workspace).unwrap();
+            let member = scratch.0.join("member").join("Cargo.toml");
+            std::fs::write(member, "[package]\nname = \"m\"\n").unwrap();
+            scratch
+        }
     }
     impl Drop for Scratch {
         fn drop(&mut self) {
@@ -675,15 +685,9 @@ mod tests {
 
     #[test]
     fn lookup_order() {
-        let scratch = Scratch::new("lookup");
+        let scratch = Scratch::workspace("lookup", "[workspace]\nmembers = [\"member\"]\n");
         let root = &scratch.0;
         let member = root.join("member");
-        std::fs::write(
-            root.join("Cargo.toml"),
-            "[workspace]\nmembers = [\"member\"]\n",
-        )
-        .unwrap();
-        std::fs::write(member.join("Cargo.toml"), "[package]\nname = \"m\"\n").unwrap();
         // 3 before 2: nothing, then the workspace root.
         assert_eq!(locate_with(None, Some(&member)).unwrap(), None);
         std::fs::write(root.join(FILE_NAME), "").unwrap();
@@ -741,16 +745,13 @@ mod tests {
     /// `package.workspace` gets the root's manifest (it got none).
     #[test]
     fn the_workspace_root_is_the_one_cargo_finds() {
-        let scratch = Scratch::new("cargo-root");
-        let root = &scratch.0;
-        std::fs::write(
-            root.join("Cargo.toml"),
+        let scratch = Scratch::workspace(
+            "cargo-root",
             "[workspace]\nmembers = [\"member\", \"../outside\"]\nexclude = [\"./excl\"]\n",
-        )
-        .unwrap();
+        );
+        let root = &scratch.0;
         std::fs::write(root.join(FILE_NAME), "").unwrap();
         let member = root.join("member");
-        std::fs::write(member.join("Cargo.toml"), "[package]\nname = \"m\"\n").unwrap();
         assert_eq!(search_from(&member), Some(root.join(FILE_NAME)));
         let excluded = root.join("excl").join("inner");
         std::fs::create_dir_all(&excluded).unwrap();
@@ -789,16 +790,10 @@ mod tests {
     /// for the compiler check.
     #[test]
     fn inside_a_package_its_own_manifest_comes_first() {
-        let scratch = Scratch::new("inside");
+        let scratch = Scratch::workspace("inside", "[workspace]\nmembers = [\"member\"]\n");
         let root = &scratch.0;
         let member = root.join("member");
-        std::fs::write(
-            root.join("Cargo.toml"),
-            "[workspace]\nmembers = [\"member\"]\n",
-        )
-        .unwrap();
         std::fs::write(root.join(FILE_NAME), "").unwrap();
-        std::fs::write(member.join("Cargo.toml"), "[package]\nname = \"m\"\n").unwrap();
         std::fs::write(member.join(FILE_NAME), "").unwrap();
         std::fs::create_dir_all(member.join("src")).unwrap();
         assert_eq!(
