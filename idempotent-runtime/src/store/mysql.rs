@@ -1310,6 +1310,87 @@ async fn reserve_in_transaction(
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+    use crate::store::{Completion, OwnerToken, StoredOutcome};
+
+    /// Rule 11 on MySQL 8's path (no `@@in_transaction`: a fresh key goes from
+    /// the plain read to the procedure on a connection nobody asked): run on
+    /// MariaDB by calling the store's reservation as it runs for MySQL 8. A
+    /// session whose clock was set two days ahead acquired a record completed
+    /// a moment ago (ttl a day) again, and decided a fresh key's lease by the
+    /// set clock; both are refused now, and nothing is written.
+    #[tokio::test]
+    async fn mysql_8s_reservation_refuses_a_session_whose_clock_is_set() {
+        let url = std::env::var("IDEMPOTENT_MYSQL_URL")
+            .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into());
+        let store = match MySqlStore::connect(&url).await {
+            Ok(store) => store,
+            Err(e) if std::env::var("IDEMPOTENT_REQUIRE_SERVERS").is_ok_and(|v| v == "1") => {
+                panic!("MySQL/MariaDB unreachable at {url}: {e}")
+            }
+            Err(e) => {
+                eprintln!("SKIPPED: MySQL/MariaDB unreachable at {url}: {e}");
+                return;
+            }
+        };
+        let tenant = format!("t-{}", OwnerToken::new().as_str());
+        fn request<'a>(identity: &'a Identity, token: &'a OwnerToken) -> ReserveRequest<'a> {
+            ReserveRequest {
+                identity,
+                fingerprint: None,
+                token,
+                lease: Duration::from_secs(60),
+                ttl: Duration::from_secs(86_400),
+            }
+        }
+        let done = Identity::new(tenant.clone(), "mysql_unit.clock", "done").expect("id");
+        let token = OwnerToken::new();
+        store
+            .reserve(request(&done, &token))
+            .await
+            .expect("reserve");
+        let outcome = StoredOutcome {
+            is_error: false,
+            payload: b"1".to_vec(),
+        };
+        let completion = Completion::by_body(&done, &token, &outcome, Duration::from_secs(86_400));
+        assert!(store
+            .complete(completion)
+            .await
+            .expect("complete")
+            .is_written());
+
+        let skewed = sqlx::mysql::MySqlPoolOptions::new()
+            .max_connections(1)
+            .after_connect(|conn, _| {
+                Box::pin(async move {
+                    conn.execute("SET timestamp = UNIX_TIMESTAMP(SYSDATE()) + 172800")
+                        .await?;
+                    Ok(())
+                })
+            })
+            .connect(&url)
+            .await
+            .expect("pool");
+        let fresh = Identity::new(tenant.clone(), "mysql_unit.clock", "fresh").expect("id");
+        for identity in [&done, &fresh] {
+            let token = OwnerToken::new();
+            let answer = reserve_through_store(&skewed, request(identity, &token), false).await;
+            match answer {
+                Err(e) => assert!(e.to_string().contains("SET timestamp"), "{e}"),
+                Ok(answer) => panic!("{identity:?} answered {answer:?} on a set clock"),
+            }
+        }
+        assert!(store.fetch(&fresh).await.expect("fetch").is_none());
+        let token = OwnerToken::new();
+        let replay = store.reserve(request(&done, &token)).await;
+        assert!(
+            matches!(replay, Ok(Reservation::Completed(_))),
+            "{replay:?}"
+        );
+        skewed.close().await;
+    }
+
     #[test]
     fn splits_on_marker_lines_only() {
         let sql = "-- says `-- @@statement` inline\nA;\n-- @@statement\nB\n-- @@statement\n";
