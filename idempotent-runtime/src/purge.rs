@@ -63,7 +63,7 @@ pub async fn purge_all(store: &dyn Store, batch: u32) -> Result<u64, StoreError>
 /// batches, at most `max_runs` of them. Answers how many were deleted, and
 /// whether it got to the end (`false`: records kept expiring as fast as
 /// batches of `batch` were deleted, and some may be left).
-#[cfg(any(feature = "cli", test))]
+#[cfg(feature = "cli")]
 pub(crate) async fn purge_runs(
     store: &dyn Store,
     batch: u32,
