@@ -497,6 +497,10 @@ impl Encoder {
 /// source of its own: there such a key is a name from a type's definition (a
 /// struct's field, also within a flattened struct; an internal tag), written
 /// in declaration order.
+/// A key of a value serde buffered before writing it (see [`is_buffered`]) is
+/// a source of its own too: there every key has one type, serde's `Content`,
+/// field names and a flattened map's keys alike, and the written order is all
+/// that tells them apart.
 /// Repeats of one key type otherwise come from one source (a multimap written
 /// as repeated entries, perhaps in a set's iteration order) and stay sorted
 /// by their bytes. With no repeated key and kind, nothing moves.
@@ -515,7 +519,9 @@ fn restore_arrival_order_of_repeats<K: Eq>(
         let run = &mut members[run_start..run_start + run_len];
         for kind in [KeyKind::Text, KeyKind::Scalar, KeyKind::Other] {
             let places: Vec<usize> = (0..run.len()).filter(|&i| run[i].kind == kind).collect();
-            let own_source = |e: &Entry| names_are_sources && e.key_type == NAME_KEY_TYPE;
+            let own_source = |e: &Entry| {
+                (names_are_sources && e.key_type == NAME_KEY_TYPE) || is_buffered(e.key_type)
+            };
             let one_source = places
                 .windows(2)
                 .all(|w| run[w[0]].key_type == run[w[1]].key_type && !own_source(&run[w[0]]));
@@ -556,6 +562,16 @@ fn restore_arrival_order_of_repeats<K: Eq>(
 /// collection's keys arrive as its key type or a reference to it (`String`,
 /// `&str`), or as `str` from a custom `Serialize`.
 const NAME_KEY_TYPE: &str = "str";
+
+/// Whether `key_type` is serde's private `Content`, the form of a value serde
+/// buffers before writing it (an enum's struct or tuple variant under
+/// `#[serde(flatten)]`, an internally tagged newtype variant holding one).
+/// Its map keys arrive in the order the value wrote them: a struct's fields
+/// in declaration order, a flattened map's entries in its iteration order.
+fn is_buffered(key_type: &str) -> bool {
+    let t = key_type.trim_start_matches('&');
+    t.starts_with("serde") && t.contains("private") && t.ends_with("::Content")
+}
 
 /// Whether `parsed`, read from the JSON `text`, holds all of it: the two have
 /// one canonical form (exact decimals, repeated members kept), so no number

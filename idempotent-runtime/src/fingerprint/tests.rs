@@ -1859,6 +1859,128 @@ fn a_field_and_a_flattened_structs_field_of_the_same_name_are_not_interchangeabl
     assert_eq!(fp(&a), fp(&request(1, 2)));
 }
 
+/// A value serde buffers before writing it (its private `Content`: an enum's
+/// struct or tuple variant under `#[serde(flatten)]`, an internally tagged
+/// newtype variant holding an enum's struct variant) reaches the encoder as a
+/// map of known length whose keys all have one type, `Content`: a field and
+/// a flattened entry of one name were sorted by their values, so the
+/// requests below, which swap the two, shared a fingerprint (the second call
+/// replayed the first's answer).
+mod buffered {
+    use super::*;
+
+    #[derive(Serialize)]
+    pub struct Billing {
+        pub country: &'static str,
+        #[serde(flatten)]
+        pub extra: BTreeMap<String, &'static str>,
+    }
+
+    #[derive(Serialize)]
+    pub enum Method {
+        Card { billing: Billing },
+        Tuple(u32, Billing),
+        Limits { o: WithLimits },
+    }
+
+    /// The variant flattened: serde buffers it.
+    #[derive(Serialize)]
+    pub struct Charge {
+        pub amount: u32,
+        #[serde(flatten)]
+        pub method: Method,
+    }
+
+    /// An internally tagged newtype holding a struct variant: buffered too.
+    #[derive(Serialize)]
+    #[serde(tag = "kind")]
+    pub enum Tagged {
+        Pay(Method),
+    }
+
+    #[derive(Serialize)]
+    #[serde(tag = "type")]
+    pub enum TagOrEntry {
+        A(BTreeMap<String, &'static str>),
+        B(BTreeMap<String, &'static str>),
+    }
+
+    #[derive(Serialize)]
+    pub enum Wrap {
+        W { inner: TagOrEntry },
+    }
+
+    #[derive(Serialize)]
+    pub struct FlatWrap {
+        #[serde(flatten)]
+        pub w: Wrap,
+    }
+
+    pub fn billing(country: &'static str, extra: &'static str) -> Billing {
+        Billing {
+            country,
+            extra: BTreeMap::from([("country".to_owned(), extra)]),
+        }
+    }
+}
+
+#[test]
+fn a_field_and_a_flattened_entry_of_one_name_stay_apart_in_a_buffered_value() {
+    use buffered::*;
+    let card = |c, e| Charge {
+        amount: 100,
+        method: Method::Card {
+            billing: billing(c, e),
+        },
+    };
+    let (a, b) = (card("DE", "FR"), card("FR", "DE"));
+    assert_ne!(fp(&a), fp(&b), "{} vs {}", v2(&a), v2(&b));
+    assert_eq!(fp(&a), fp(&card("DE", "FR")), "an equal request");
+    let tuple = |c, e| Charge {
+        amount: 1,
+        method: Method::Tuple(1, billing(c, e)),
+    };
+    assert_ne!(fp(&tuple("DE", "FR")), fp(&tuple("FR", "DE")));
+    let tagged = |c, e| {
+        Tagged::Pay(Method::Card {
+            billing: billing(c, e),
+        })
+    };
+    assert_ne!(fp(&tagged("DE", "FR")), fp(&tagged("FR", "DE")));
+    // A field and a flattened struct's field of one name.
+    let limits = |amount, limit| Method::Limits {
+        o: WithLimits {
+            amount,
+            limits: Limits {
+                amount: limit,
+                currency: "EUR",
+            },
+        },
+    };
+    let flat = |amount, limit| Charge {
+        amount: 0,
+        method: limits(amount, limit),
+    };
+    assert_ne!(fp(&flat(1, 2)), fp(&flat(2, 1)));
+    assert_ne!(
+        fp(&Tagged::Pay(limits(1, 2))),
+        fp(&Tagged::Pay(limits(2, 1)))
+    );
+    // An internal tag and a content map's entry of the tag's name.
+    let entry = |k: &str, v| BTreeMap::from([(k.to_owned(), v)]);
+    let a = FlatWrap {
+        w: Wrap::W {
+            inner: TagOrEntry::A(entry("type", "B")),
+        },
+    };
+    let b = FlatWrap {
+        w: Wrap::W {
+            inner: TagOrEntry::B(entry("type", "A")),
+        },
+    };
+    assert_ne!(fp(&a), fp(&b), "{} vs {}", v2(&a), v2(&b));
+}
+
 /// An internally tagged enum's newtype variant holding a struct with a field
 /// of the tag's name: serde writes the tag and the field as two members of
 /// one struct, both `str` names. They were sorted by their values, so
