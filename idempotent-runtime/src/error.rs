@@ -291,7 +291,10 @@ fn stale_snapshot_cause(store: &str) -> &'static str {
         }
         _ => {
             "it read the database before writing, and SQLite will not let it write any more \
-             (another connection wrote since, or waits for its read lock)"
+             (another connection wrote since, or waits for its read lock), or the record is another \
+             caller's, in progress, whose owner (a call of this process, alive) could not renew its \
+             lease while this transaction held the database's write lock, so it must not take the \
+             record over"
         }
     }
 }
@@ -307,7 +310,7 @@ fn stale_snapshot_advice(store: &str) -> &'static str {
         }
         _ => {
             "begin transactions that call idempotent functions with `BEGIN IMMEDIATE` \
-             (`pool.begin_with(\"BEGIN IMMEDIATE\")`)"
+             (`pool.begin_with(\"BEGIN IMMEDIATE\")`) and keep them short"
         }
     }
 }

@@ -1987,3 +1987,181 @@ async fn a_private_in_memory_pool_is_refused() {
     };
     assert!(matches!(refused, Error::Store(_)), "{refused}");
 }
+
+// ------------------------------------- rules 10 and 15: an owner kept from renewing by the taker
+
+/// The store-mode claimant of `sqlite_edges.starved`: runs until told to end.
+#[idempotent(scope = "sqlite_edges.starved", key = key, tenant = tenant, store = store,
+             skip(owner), shared_scope, ttl = "1h", lease = "2s", in_progress = reject)]
+async fn starved_in_store(
+    store: &SqliteStore,
+    tenant: &str,
+    key: &str,
+    owner: &StarvedOwner,
+) -> Result<u64, Error> {
+    let _ = (store, tenant, key);
+    owner.runs.fetch_add(1, Ordering::SeqCst);
+    owner.started.notify_one();
+    owner.end.notified().await;
+    Ok(1)
+}
+
+/// The transactional claimant of `sqlite_edges.starved`.
+#[idempotent(scope = "sqlite_edges.starved", key = key, tenant = tenant, tx = tx,
+             skip(owner), shared_scope, ttl = "1h", lease = "2s", in_progress = reject)]
+async fn starved_in_tx(
+    tx: &mut sqlx::Transaction<'_, Sqlite>,
+    tenant: &str,
+    key: &str,
+    owner: &StarvedOwner,
+) -> Result<u64, Error> {
+    let _ = (&tx, tenant, key);
+    owner.runs.fetch_add(1, Ordering::SeqCst);
+    Ok(2)
+}
+
+#[derive(Default)]
+struct StarvedOwner {
+    runs: AtomicUsize,
+    started: tokio::sync::Notify,
+    end: tokio::sync::Notify,
+}
+
+/// Until the record's lease has been over for at least `over` (read beside
+/// any transaction: WAL readers never wait for the writer).
+async fn until_the_lease_is_over_by(store: &SqliteStore, id: &Identity, over: i64) {
+    tokio::time::timeout(Duration::from_secs(60), async {
+        loop {
+            let record = store.fetch(id).await.expect("fetch").expect("a record");
+            if record
+                .lease_expires_at_ms
+                .is_some_and(|lease| record.now_ms - lease >= over)
+            {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .expect("the lease runs out");
+}
+
+/// A store-mode owner is running; a caller's transaction takes SQLite's one
+/// write lock (`BEGIN IMMEDIATE`, or any write of its own) and holds it until
+/// the owner's lease has run out, since the owner cannot renew while the
+/// transaction holds the lock. A transactional-mode call in that transaction
+/// used to take the record over and run the body beside the live owner,
+/// whose completion then failed `LeaseLost` (the body ran twice). Now, the
+/// owner being a call of this process that is still renewing (or trying
+/// to), it is refused with `StaleSnapshot` and writes nothing; after the
+/// rollback the owner renews, completes, and a new transaction replays it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_transaction_holding_the_write_lock_never_takes_over_an_owner_it_starved() {
+    let path = fresh_path();
+    let store = SqliteStore::connect(&url(&path)).await.expect("store");
+    let tenant = uuid::Uuid::new_v4().simple().to_string();
+    let id = Identity::new(&tenant, "sqlite_edges.starved", "k").expect("identity");
+    let owner = Arc::new(StarvedOwner::default());
+    let owned = {
+        let (store, tenant, owner) = (store.clone(), tenant.clone(), owner.clone());
+        tokio::spawn(
+            async move { with_outcome(starved_in_store(&store, &tenant, "k", &owner)).await },
+        )
+    };
+    owner.started.notified().await;
+    sqlx::query("CREATE TABLE orders (id INTEGER)")
+        .execute(store.pool())
+        .await
+        .expect("a business table");
+    for begin in ["BEGIN IMMEDIATE", "BEGIN"] {
+        let mut tx = store.pool().begin_with(begin).await.expect("begin");
+        // A business write takes the lock in a deferred transaction too.
+        sqlx::query("INSERT INTO orders VALUES (1)")
+            .execute(&mut *tx)
+            .await
+            .expect("a write in the transaction");
+        until_the_lease_is_over_by(&store, &id, 0).await;
+        let answer = starved_in_tx(&mut tx, &tenant, "k", &owner).await;
+        assert!(
+            matches!(
+                answer,
+                Err(Error::StaleSnapshot {
+                    store: "sqlite",
+                    ..
+                })
+            ),
+            "{begin}: {answer:?}"
+        );
+        tx.rollback().await.expect("rollback");
+    }
+    owner.end.notify_one();
+    let owned = tokio::time::timeout(Duration::from_secs(60), owned)
+        .await
+        .expect("the owner ends")
+        .expect("owner task");
+    assert!(
+        matches!(owned, (Ok(1), Some(Outcome::Executed))),
+        "{owned:?}"
+    );
+    assert_eq!(owner.runs.load(Ordering::SeqCst), 1, "the body ran once");
+    let mut tx = store
+        .pool()
+        .begin_with("BEGIN IMMEDIATE")
+        .await
+        .expect("begin");
+    let replayed = with_outcome(starved_in_tx(&mut tx, &tenant, "k", &owner)).await;
+    tx.commit().await.expect("commit");
+    assert!(
+        matches!(replayed, (Ok(1), Some(Outcome::Replayed))),
+        "{replayed:?}"
+    );
+    store.pool().close().await;
+    remove(&path);
+}
+
+/// A crashed owner's record (reserved, never renewed) is taken over by such
+/// a transaction as soon as its lease has run out (rule 10): only an owner
+/// alive in this process is known to be kept from renewing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_crashed_owners_record_is_taken_over_by_a_transaction_holding_the_write_lock() {
+    let path = fresh_path();
+    let store = SqliteStore::connect(&url(&path)).await.expect("store");
+    sqlx::query("CREATE TABLE orders (id INTEGER)")
+        .execute(store.pool())
+        .await
+        .expect("a business table");
+    let owner = StarvedOwner::default();
+    for begin in ["BEGIN IMMEDIATE", "BEGIN"] {
+        let tenant = uuid::Uuid::new_v4().simple().to_string();
+        let id = Identity::new(&tenant, "sqlite_edges.starved", "k").expect("identity");
+        let crashed = store
+            .reserve(ReserveRequest {
+                identity: &id,
+                fingerprint: None,
+                token: &OwnerToken::new(),
+                lease: Duration::from_millis(200),
+                ttl: Duration::from_secs(3600),
+            })
+            .await
+            .expect("reserve");
+        assert!(
+            matches!(crashed, Reservation::Acquired { .. }),
+            "{crashed:?}"
+        );
+        let mut tx = store.pool().begin_with(begin).await.expect("begin");
+        sqlx::query("INSERT INTO orders VALUES (1)")
+            .execute(&mut *tx)
+            .await
+            .expect("a write in the transaction");
+        until_the_lease_is_over_by(&store, &id, 0).await;
+        let taken = with_outcome(starved_in_tx(&mut tx, &tenant, "k", &owner)).await;
+        tx.commit().await.expect("commit");
+        assert!(
+            matches!(taken, (Ok(2), Some(Outcome::Executed))),
+            "{begin}: {taken:?}"
+        );
+    }
+    assert_eq!(owner.runs.load(Ordering::SeqCst), 2);
+    store.pool().close().await;
+    remove(&path);
+}

@@ -138,6 +138,19 @@ const EXISTING_SQL: &str = concat!(
     "WHERE tenant = ?1 AND scope = ?2 AND key = ?3"
 );
 
+/// How long ago an in-progress record's lease ran out (negative: not yet),
+/// whether the whole row counts as absent, its fingerprint and its owner:
+/// what a transaction that holds the write lock asks before taking a record
+/// over (see [`starved_by_the_write_lock`]).
+const LEASE_ENDED_SQL: &str = concat!(
+    "SELECT ",
+    now_ms!(),
+    " - lease_expires_at AS lease_ended_ms, ",
+    row_expired!(),
+    " AS expired, fingerprint, owner_token FROM idempotency_records ",
+    "WHERE tenant = ?1 AND scope = ?2 AND key = ?3 AND state = 'in_progress'"
+);
+
 const COMPLETE_SQL: &str = concat!(
     "UPDATE idempotency_records SET state = 'complete', owner_token = NULL, ",
     "lease_expires_at = NULL, completed_at = ",
@@ -793,6 +806,7 @@ impl SqliteStore {
         identity: &Identity,
         token: &OwnerToken,
     ) -> Result<Fenced, StoreError> {
+        owner_ended(token);
         let (id, token) = (identity.clone(), token.clone());
         let released = self
             .write_in_turn("release", move |mut conn| async move {
@@ -806,6 +820,7 @@ impl SqliteStore {
     }
 
     async fn complete_now(&self, completion: Completion<'_>) -> Result<Fenced, StoreError> {
+        owner_ended(completion.token);
         let (id, token) = (completion.identity.clone(), completion.token.clone());
         let answer = completion.answer();
         let completed = self
@@ -1173,6 +1188,102 @@ pub(super) async fn reserve_in(
     })
 }
 
+/// Whether the reservation would take over (or replace) an in-progress
+/// record whose lease ran out while its owner, a store-mode call of this
+/// process, is alive ([`owner_alive_here`]). Asked by a caller's transaction
+/// that already holds the database's write lock: read in it, which is
+/// current (no one else can commit while it holds the lock).
+///
+/// While a transaction holds SQLite's one write lock, no owner can renew its
+/// lease: a lease that ran out meanwhile may have run out *because of* the
+/// transaction, its owner alive and waiting to renew. SQLite cannot say when
+/// the transaction took the lock; this process knows its own owners.
+pub(super) async fn starved_by_the_write_lock(
+    conn: &mut sqlx::SqliteConnection,
+    request: ReserveRequest<'_>,
+) -> Result<bool, sqlx::Error> {
+    let id = request.identity;
+    let Some(row) = sqlx::query(LEASE_ENDED_SQL)
+        .bind(&id.tenant)
+        .bind(&id.scope)
+        .bind(&id.key)
+        .fetch_optional(&mut *conn)
+        .await?
+    else {
+        return Ok(false);
+    };
+    let ended: Option<i64> = row.try_get("lease_ended_ms")?;
+    let expired: bool = row.try_get("expired")?;
+    let stored: Option<String> = row.try_get("fingerprint")?;
+    let owner: Option<String> = row.try_get("owner_token")?;
+    // A record of another request is answered as a mismatch, never taken over.
+    let would_take_it = expired
+        || !fingerprints_conflict(
+            stored.as_deref(),
+            request.fingerprint.map(Fingerprint::as_str),
+        );
+    Ok(would_take_it
+        && ended.is_some_and(|ended| ended >= 0)
+        && owner.is_some_and(|owner| owner_alive_here(&owner)))
+}
+
+/// This process's store-mode owners of SQLite records, by owner token: when
+/// each last showed it is alive (reserved, or began or ended a renewal), and
+/// for how long that counts (see [`owner_alive_here`]).
+static LIVE_OWNERS: std::sync::LazyLock<
+    std::sync::Mutex<HashMap<String, (std::time::Instant, Duration)>>,
+> = std::sync::LazyLock::new(Default::default);
+
+/// How many owners [`LIVE_OWNERS`] holds before those no longer alive are
+/// dropped (an owner whose call was dropped is not always told to leave).
+const LIVE_OWNERS_PRUNED_PAST: usize = 1024;
+
+fn live_owners() -> std::sync::MutexGuard<'static, HashMap<String, (std::time::Instant, Duration)>>
+{
+    LIVE_OWNERS
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// `token`'s owner is alive now, and counts as alive for `alive_for`.
+fn owner_active(token: &OwnerToken, alive_for: Duration) {
+    let now = std::time::Instant::now();
+    let mut owners = live_owners();
+    if owners.len() >= LIVE_OWNERS_PRUNED_PAST {
+        owners.retain(|_, &mut (last, alive_for)| now.saturating_duration_since(last) < alive_for);
+    }
+    owners.insert(token.as_str().to_owned(), (now, alive_for));
+}
+
+/// `token`'s owner reserved: alive for its lease, as the record says.
+fn owner_reserved(token: &OwnerToken, lease: Duration) {
+    owner_active(token, lease);
+}
+
+/// `token`'s owner is renewing its lease: alive for the lease and the busy
+/// timeout (a renewal kept waiting by another connection's lock waits that
+/// long before it fails and the next is tried).
+fn owner_renewing(token: &OwnerToken, lease: Duration) {
+    owner_active(token, lease.saturating_add(BUSY_TIMEOUT));
+}
+
+/// `token`'s owner is done (completed, released, or lost its lease).
+fn owner_ended(token: &OwnerToken) {
+    live_owners().remove(token.as_str());
+}
+
+/// Whether the record's owner `token` is a call of this process that is
+/// still alive: it reserved within its lease, or began or ended a renewal
+/// within its lease and the busy timeout. A call no longer polled, or
+/// dropped without being told, stops counting once that has passed; one
+/// that never renewed (a record reserved through [`Store::reserve`] alone)
+/// counts exactly as long as its lease.
+pub(super) fn owner_alive_here(token: &str) -> bool {
+    live_owners().get(token).is_some_and(|&(last, alive_for)| {
+        std::time::Instant::now().saturating_duration_since(last) < alive_for
+    })
+}
+
 /// The options of the pools [`SqliteStore::connect`] makes: a connection
 /// whose busy timeout a dropped transactional call left changed gets it back
 /// when it returns to the pool (or is closed if that fails).
@@ -1497,7 +1608,7 @@ impl Store for SqliteStore {
         let (identity, token) = (request.identity.clone(), request.token.clone());
         let fingerprint = request.fingerprint.cloned();
         let (lease, ttl) = (request.lease, request.ttl);
-        beside_the_caller(OP, async move {
+        let answer = beside_the_caller(OP, async move {
             let queued = tokio::time::Instant::now();
             let (turn, mut conn) = match gate.try_take() {
                 Some(turn) => {
@@ -1559,7 +1670,11 @@ impl Store for SqliteStore {
                 answer => answer.map_err(err(OP)),
             }
         })
-        .await
+        .await;
+        if let Ok(Reservation::Acquired { .. }) = answer {
+            owner_reserved(request.token, request.lease);
+        }
+        answer
     }
 
     async fn complete(&self, completion: Completion<'_>) -> Result<Fenced, StoreError> {
@@ -1607,11 +1722,17 @@ impl Store for SqliteStore {
         lease: Duration,
     ) -> Result<Fenced, StoreError> {
         let (id, token_owned) = (identity.clone(), token.clone());
+        owner_renewing(token, lease);
         let renewed = self
             .write_in_turn("heartbeat", move |mut conn| async move {
                 heartbeat_on(&mut *conn, &id, &token_owned, lease).await
             })
-            .await?;
+            .await;
+        match &renewed {
+            Ok(fenced) if !fenced.is_written() => owner_ended(token),
+            _ => owner_renewing(token, lease),
+        }
+        let renewed = renewed?;
         if renewed.is_written() {
             // The lease may have been shortened (ended early so the next call
             // takes over at once); waiters in this process sleep until the
