@@ -132,9 +132,11 @@ pub enum Error {
     FingerprintMismatch(RecordContext),
 
     /// This call's lease ran out while the body ran and another caller took the
-    /// record over; this call's result was not recorded. The work may have run
-    /// twice: check the side effects, and give bodies a lease that covers them.
-    #[error("lease lost ({0}): the record was taken over by another caller, so this result was not recorded")]
+    /// record over (or an operator released it: `idempotent release
+    /// --even-if-running`); this call's result was not recorded. The work may
+    /// have run twice: check the side effects, and give bodies a lease that
+    /// covers them.
+    #[error("lease lost ({0}): the record was taken over by another caller (or released by an operator), so this result was not recorded")]
     LeaseLost(RecordContext),
 
     /// The store failed. The record is left for a retry to resolve (HTTP: 503).
