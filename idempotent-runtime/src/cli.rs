@@ -202,6 +202,7 @@ impl RecordArgs {
         // A scope the attribute would refuse names no record.
         idempotent_rules::scope::check_scope(&self.scope).map_err(CliError::BadScope)?;
         let identity = match &self.tenant {
+            Some(tenant) if tenant.is_empty() => return Err(CliError::EmptyTenant),
             Some(tenant) => Identity::new(tenant.as_str(), self.scope.as_str(), self.key.as_str()),
             None => Identity::shared(self.scope.as_str(), self.key.as_str()),
         };
@@ -250,6 +251,10 @@ pub enum CliError {
              tables, the application does when it first opens its store"
     )]
     NoIdempotencyTables,
+    /// `--tenant ""`: no record has an empty tenant; a record of the shared
+    /// namespace (`tenant = shared`) is named with `--shared`.
+    #[error("--tenant is empty: name the record's tenant, or pass --shared (instead of --tenant) for a record of the shared namespace (`tenant = shared`)")]
+    EmptyTenant,
     /// `--scope` is not a scope the attribute accepts, so no record has it.
     #[error("--scope: {0}")]
     BadScope(idempotent_rules::scope::ScopeError),
@@ -302,6 +307,13 @@ pub enum CliError {
         per_run: u32,
         /// The batch size.
         batch: u32,
+    },
+    /// The command ran, but its output could not be written (stdout closed,
+    /// a full disk): what it did stands (a `release` released).
+    #[error("the command ran, but its output could not be written: {source} (what it did stands: a `release` released the record; `idempotent inspect` shows it as it is now)")]
+    Output {
+        /// Why the write failed.
+        source: std::io::Error,
     },
 }
 
@@ -361,6 +373,7 @@ fn split_attached_values<T: Into<std::ffi::OsString>>(arg: T) -> Vec<std::ffi::O
 /// [`ACQUIRE_TIMEOUT`](crate::store::ACQUIRE_TIMEOUT), with the reason
 /// (refused, no answer), not looked for a second time by the store.
 async fn open_store(url: &str) -> Result<Arc<dyn Store>, CliError> {
+    let url = &*crate::connect::with_lowercase_scheme(url);
     check_existing_sqlite_file(url)?;
     match holds_records(url).await {
         Probe::Holds(false) => return Err(CliError::NoIdempotencyTables),
@@ -733,8 +746,9 @@ fn render_inspect(
                 ("scope", identity.scope.clone()),
                 (
                     "tenant",
+                    // Marked so that no tenant's own name reads the same.
                     if identity.tenant.is_empty() {
-                        "(shared)".to_owned()
+                        "none: the shared namespace (tenant = shared)".to_owned()
                     } else {
                         identity.tenant.clone()
                     },
@@ -874,9 +888,118 @@ fn render_purge(store: &str, deleted: u64, batch: u32, format: Format) -> String
     }
 }
 
+/// The binary's log: `warn` and above (an operator's release and every
+/// refusal, with the reason given: target `idempotent::operator`) written to
+/// `writer` (stderr in the binary), or what `RUST_LOG` asks for.
+pub fn log_subscriber<W>(writer: W, ansi: bool) -> impl tracing::Subscriber + Send + Sync
+where
+    W: for<'w> tracing_subscriber::fmt::MakeWriter<'w> + Send + Sync + 'static,
+{
+    let filter = tracing_subscriber::EnvFilter::builder()
+        .with_default_directive(tracing::level_filters::LevelFilter::WARN.into())
+        .from_env_lossy();
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(writer)
+        .with_ansi(ansi)
+        .finish()
+}
+
+/// Writes a command's output. A failure to write it (a closed pipe, a full
+/// disk) is an error that says the command itself has run: a `release`
+/// that printed nothing still released the record.
+///
+/// # Errors
+/// [`CliError::Output`] when `out` refuses the text.
+pub fn print_output(out: &mut impl std::io::Write, text: &str) -> Result<(), CliError> {
+    out.write_all(text.as_bytes())
+        .and_then(|()| out.flush())
+        .map_err(|source| CliError::Output { source })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A writer the log or the output goes to, kept for the test to read.
+    #[derive(Clone, Default)]
+    struct Captured(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+
+    impl std::io::Write for Captured {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .extend_from_slice(buf);
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    /// The binary's log carries an operator's release (and refusals) with
+    /// the reason given; it logged nothing at all before it had a subscriber.
+    #[test]
+    fn the_binarys_log_carries_operator_events() {
+        let captured = Captured::default();
+        let writer = captured.clone();
+        let log = log_subscriber(move || writer.clone(), false);
+        tracing::subscriber::with_default(log, || {
+            tracing::warn!(target: "idempotent::operator", reason = "INC-77", "an operator released an in-progress record");
+            tracing::debug!(target: "idempotent", "not shown by default");
+        });
+        let text = String::from_utf8_lossy(&captured.0.lock().expect("log")).into_owned();
+        assert!(
+            text.contains("idempotent::operator") && text.contains("INC-77"),
+            "{text}"
+        );
+        assert!(!text.contains("not shown"), "{text}");
+    }
+
+    /// `--tenant ""` names no record; the message points at `--shared`.
+    #[test]
+    fn an_empty_tenant_points_at_shared() {
+        let cli = Cli::try_parse_from([
+            "idempotent",
+            "inspect",
+            "--database-url",
+            "sqlite::memory:",
+            "--scope",
+            "a.b",
+            "--tenant=",
+            "--key",
+            "k",
+        ])
+        .expect("parsed");
+        let Command::Inspect { record, .. } = cli.command else {
+            panic!("inspect");
+        };
+        let e = record.identity().expect_err("an empty tenant");
+        assert!(matches!(e, CliError::EmptyTenant), "{e:?}");
+        assert!(e.to_string().contains("--shared"), "{e}");
+    }
+
+    /// Output that cannot be written (a closed pipe) is an error saying the
+    /// command ran, not a panic.
+    #[test]
+    fn output_that_cannot_be_written_is_an_error_not_a_panic() {
+        struct ClosedPipe;
+        impl std::io::Write for ClosedPipe {
+            fn write(&mut self, _: &[u8]) -> std::io::Result<usize> {
+                Err(std::io::ErrorKind::BrokenPipe.into())
+            }
+            fn flush(&mut self) -> std::io::Result<()> {
+                Ok(())
+            }
+        }
+        let e = print_output(&mut ClosedPipe, "released").expect_err("a closed pipe");
+        assert!(matches!(e, CliError::Output { .. }), "{e:?}");
+        assert!(e.to_string().contains("the command ran"), "{e}");
+        let mut out = Captured::default();
+        print_output(&mut out, "ok\n").expect("written");
+        assert_eq!(&*out.0.lock().expect("out"), b"ok\n");
+    }
     use clap::CommandFactory;
 
     /// `sqlite::memory:` is an in-memory database, not a missing file (sqlx

@@ -39,12 +39,25 @@ pub enum ConnectError {
 /// # Ok(()) }
 /// ```
 pub async fn connect_url(url: &str) -> Result<Arc<dyn Store>, ConnectError> {
+    let url = &*with_lowercase_scheme(url);
     let scheme = scheme_of(url);
     match scheme.as_str() {
         "sqlite" => connect_sqlite(url).await,
         "postgres" | "postgresql" => connect_postgres(url).await,
         "mysql" | "mariadb" => connect_mysql(url).await,
         _ => Err(ConnectError::UnsupportedScheme { scheme }),
+    }
+}
+
+/// `url` with its scheme in lowercase (`SQLITE:/x.db` → `sqlite:/x.db`):
+/// schemes are case-insensitive, but sqlx reads `SQLITE:` as part of a
+/// file's name.
+pub(crate) fn with_lowercase_scheme(url: &str) -> std::borrow::Cow<'_, str> {
+    match url.split_once(':') {
+        Some((scheme, rest)) if scheme.bytes().any(|b| b.is_ascii_uppercase()) => {
+            format!("{}:{rest}", scheme.to_ascii_lowercase()).into()
+        }
+        _ => url.into(),
     }
 }
 
@@ -104,6 +117,20 @@ async fn connect_mysql(_: &str) -> Result<Arc<dyn Store>, ConnectError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `SQLITE:/x.db` names the file `/x.db`, as `sqlite:/x.db` does.
+    #[test]
+    fn a_schemes_case_does_not_count() {
+        assert_eq!(
+            with_lowercase_scheme("SQLITE:/tmp/x.db"),
+            "sqlite:/tmp/x.db"
+        );
+        assert_eq!(
+            with_lowercase_scheme("Postgres://u:P@h/DB"),
+            "postgres://u:P@h/DB"
+        );
+        assert_eq!(with_lowercase_scheme("sqlite:/A.db"), "sqlite:/A.db");
+    }
 
     #[tokio::test]
     async fn unknown_schemes_are_refused_with_the_list() {

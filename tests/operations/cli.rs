@@ -899,7 +899,7 @@ async fn inspect_and_release_on_sqlite() {
     .await
     .expect("inspect --shared");
     assert!(
-        out.contains("(shared)") && out.contains("lease live"),
+        out.contains("none: the shared namespace (tenant = shared)") && out.contains("lease live"),
         "{out}"
     );
     let e = run_from([
