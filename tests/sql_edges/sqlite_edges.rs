@@ -2165,3 +2165,62 @@ async fn a_crashed_owners_record_is_taken_over_by_a_transaction_holding_the_writ
     store.pool().close().await;
     remove(&path);
 }
+
+/// The same with an owner whose body has ended: its completion waits for the
+/// lock the caller's transaction holds while its lease runs out. Its body
+/// has run, so a takeover would run it twice: refused while the completion
+/// is pending (it waits up to the busy timeout, and is tried again).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_transaction_holding_the_write_lock_never_takes_over_a_pending_completion() {
+    let path = fresh_path();
+    let store = SqliteStore::connect(&url(&path)).await.expect("store");
+    sqlx::query("CREATE TABLE orders (id INTEGER)")
+        .execute(store.pool())
+        .await
+        .expect("a business table");
+    let tenant = uuid::Uuid::new_v4().simple().to_string();
+    let id = Identity::new(&tenant, "sqlite_edges.starved", "k").expect("identity");
+    let owner = Arc::new(StarvedOwner::default());
+    let owned = {
+        let (store, tenant, owner) = (store.clone(), tenant.clone(), owner.clone());
+        tokio::spawn(
+            async move { with_outcome(starved_in_store(&store, &tenant, "k", &owner)).await },
+        )
+    };
+    owner.started.notified().await;
+    let mut tx = store
+        .pool()
+        .begin_with("BEGIN IMMEDIATE")
+        .await
+        .expect("begin");
+    sqlx::query("INSERT INTO orders VALUES (1)")
+        .execute(&mut *tx)
+        .await
+        .expect("a write in the transaction");
+    // The body ends (before its first renewal); its completion waits for the lock.
+    owner.end.notify_one();
+    until_the_lease_is_over_by(&store, &id, 1000).await;
+    let answer = starved_in_tx(&mut tx, &tenant, "k", &owner).await;
+    assert!(
+        matches!(
+            answer,
+            Err(Error::StaleSnapshot {
+                store: "sqlite",
+                ..
+            })
+        ),
+        "{answer:?}"
+    );
+    tx.rollback().await.expect("rollback");
+    let owned = tokio::time::timeout(Duration::from_secs(60), owned)
+        .await
+        .expect("the owner ends")
+        .expect("owner task");
+    assert!(
+        matches!(owned, (Ok(1), Some(Outcome::Executed))),
+        "{owned:?}"
+    );
+    assert_eq!(owner.runs.load(Ordering::SeqCst), 1, "the body ran once");
+    store.pool().close().await;
+    remove(&path);
+}

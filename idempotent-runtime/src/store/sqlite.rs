@@ -820,14 +820,21 @@ impl SqliteStore {
     }
 
     async fn complete_now(&self, completion: Completion<'_>) -> Result<Fenced, StoreError> {
-        owner_ended(completion.token);
+        // The owner is alive while its completion is being written, and
+        // after one that failed (it is tried again): its body has run.
+        owner_completing(completion.token);
         let (id, token) = (completion.identity.clone(), completion.token.clone());
         let answer = completion.answer();
         let completed = self
             .write_in_turn("complete", move |mut conn| async move {
                 complete_on(&mut *conn, answer.completing(&id, &token)).await
             })
-            .await?;
+            .await;
+        match completed {
+            Ok(_) => owner_ended(completion.token),
+            Err(_) => owner_completing(completion.token),
+        }
+        let completed = completed?;
         if completed.is_written() {
             self.waiters.notify(completion.identity);
         }
@@ -1227,44 +1234,77 @@ pub(super) async fn starved_by_the_write_lock(
         && owner.is_some_and(|owner| owner_alive_here(&owner)))
 }
 
-/// This process's store-mode owners of SQLite records, by owner token: when
-/// each last showed it is alive (reserved, or began or ended a renewal), and
-/// for how long that counts (see [`owner_alive_here`]).
-static LIVE_OWNERS: std::sync::LazyLock<
-    std::sync::Mutex<HashMap<String, (std::time::Instant, Duration)>>,
-> = std::sync::LazyLock::new(Default::default);
+/// This process's store-mode owners of SQLite records, by owner token (see
+/// [`owner_alive_here`]).
+static LIVE_OWNERS: std::sync::LazyLock<std::sync::Mutex<HashMap<String, LiveOwner>>> =
+    std::sync::LazyLock::new(Default::default);
+
+/// When an owner last showed it is alive (reserved, or began or ended a
+/// renewal or its completion), and for how long that counts.
+#[derive(Clone, Copy)]
+struct LiveOwner {
+    last: std::time::Instant,
+    lease: Duration,
+    /// It was writing (a renewal, its completion): such a write waits up to
+    /// the busy timeout for another connection's lock before it fails and
+    /// is tried again, so it counts for that much longer.
+    writing: bool,
+}
+
+impl LiveOwner {
+    fn alive_at(&self, now: std::time::Instant) -> bool {
+        let slack = if self.writing {
+            BUSY_TIMEOUT
+        } else {
+            Duration::ZERO
+        };
+        now.saturating_duration_since(self.last) < self.lease.saturating_add(slack)
+    }
+}
 
 /// How many owners [`LIVE_OWNERS`] holds before those no longer alive are
 /// dropped (an owner whose call was dropped is not always told to leave).
 const LIVE_OWNERS_PRUNED_PAST: usize = 1024;
 
-fn live_owners() -> std::sync::MutexGuard<'static, HashMap<String, (std::time::Instant, Duration)>>
-{
+fn live_owners() -> std::sync::MutexGuard<'static, HashMap<String, LiveOwner>> {
     LIVE_OWNERS
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
-/// `token`'s owner is alive now, and counts as alive for `alive_for`.
-fn owner_active(token: &OwnerToken, alive_for: Duration) {
+/// `token`'s owner is alive now.
+fn owner_active(token: &OwnerToken, lease: Duration, writing: bool) {
     let now = std::time::Instant::now();
     let mut owners = live_owners();
     if owners.len() >= LIVE_OWNERS_PRUNED_PAST {
-        owners.retain(|_, &mut (last, alive_for)| now.saturating_duration_since(last) < alive_for);
+        owners.retain(|_, owner| owner.alive_at(now));
     }
-    owners.insert(token.as_str().to_owned(), (now, alive_for));
+    owners.insert(
+        token.as_str().to_owned(),
+        LiveOwner {
+            last: now,
+            lease,
+            writing,
+        },
+    );
 }
 
 /// `token`'s owner reserved: alive for its lease, as the record says.
 fn owner_reserved(token: &OwnerToken, lease: Duration) {
-    owner_active(token, lease);
+    owner_active(token, lease, false);
 }
 
-/// `token`'s owner is renewing its lease: alive for the lease and the busy
-/// timeout (a renewal kept waiting by another connection's lock waits that
-/// long before it fails and the next is tried).
+/// `token`'s owner is renewing its lease.
 fn owner_renewing(token: &OwnerToken, lease: Duration) {
-    owner_active(token, lease.saturating_add(BUSY_TIMEOUT));
+    owner_active(token, lease, true);
+}
+
+/// `token`'s owner, if listed, is writing its result: its body has run.
+fn owner_completing(token: &OwnerToken) {
+    if let Some(owner) = live_owners().get_mut(token.as_str()) {
+        owner.last = std::time::Instant::now();
+        owner.writing = true;
+    }
 }
 
 /// `token`'s owner is done (completed, released, or lost its lease).
@@ -1274,14 +1314,15 @@ fn owner_ended(token: &OwnerToken) {
 
 /// Whether the record's owner `token` is a call of this process that is
 /// still alive: it reserved within its lease, or began or ended a renewal
-/// within its lease and the busy timeout. A call no longer polled, or
-/// dropped without being told, stops counting once that has passed; one
-/// that never renewed (a record reserved through [`Store::reserve`] alone)
-/// counts exactly as long as its lease.
+/// or its completion within its lease and the busy timeout. A call no
+/// longer polled, or dropped without being told, stops counting once that
+/// has passed; one that never wrote again after reserving (a record
+/// reserved through [`Store::reserve`] alone) counts exactly as long as its
+/// lease.
 pub(super) fn owner_alive_here(token: &str) -> bool {
-    live_owners().get(token).is_some_and(|&(last, alive_for)| {
-        std::time::Instant::now().saturating_duration_since(last) < alive_for
-    })
+    live_owners()
+        .get(token)
+        .is_some_and(|owner| owner.alive_at(std::time::Instant::now()))
 }
 
 /// The options of the pools [`SqliteStore::connect`] makes: a connection
