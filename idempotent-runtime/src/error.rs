@@ -202,7 +202,10 @@ pub enum Error {
     /// * SQLite: the transaction read the database before it tried to write,
     ///   and another connection wrote since its snapshot
     ///   (`SQLITE_BUSY_SNAPSHOT`), or, without WAL, another writer waits for
-    ///   its read lock.
+    ///   its read lock; or the record is in progress, its owner a call of
+    ///   this process still at work, and the lease ran out while this
+    ///   transaction held the database's write lock, which keeps the owner
+    ///   from renewing it or recording its result.
     /// * PostgreSQL: the transaction runs at REPEATABLE READ or SERIALIZABLE,
     ///   and writing the record failed with SQLSTATE 40001: another
     ///   transaction committed this record after its snapshot was taken, so
@@ -294,9 +297,9 @@ fn stale_snapshot_cause(store: &str) -> &'static str {
         _ => {
             "it read the database before writing, and SQLite will not let it write any more \
              (another connection wrote since, or waits for its read lock), or the record is another \
-             caller's, in progress, whose owner (a call of this process, alive) could not renew its \
-             lease while this transaction held the database's write lock, so it must not take the \
-             record over"
+             caller's, in progress, whose owner (a call of this process, still at work) could not \
+             renew its lease or record its result while this transaction held the database's write \
+             lock, so it must not take the record over"
         }
     }
 }
@@ -312,7 +315,8 @@ fn stale_snapshot_advice(store: &str) -> &'static str {
         }
         _ => {
             "begin transactions that call idempotent functions with `BEGIN IMMEDIATE` \
-             (`pool.begin_with(\"BEGIN IMMEDIATE\")`) and keep them short"
+             (`pool.begin_with(\"BEGIN IMMEDIATE\")`); end one that holds the write lock \
+             promptly, so that an owner can write"
         }
     }
 }

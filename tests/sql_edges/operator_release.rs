@@ -148,3 +148,58 @@ async fn mysql_a_record_a_transaction_holds_is_reported_not_waited_for() {
         "a session kept the operator's 1 s wait: {waits:?}"
     );
 }
+
+/// SQLite: another connection's transaction holds the database's one write
+/// lock past the busy timeout (here a short one, set on the application's
+/// pool). The release and the purge say so and what to do, not SQLite's
+/// bare "database is locked"; once the holder ends, the release works.
+#[tokio::test]
+async fn sqlite_a_write_lock_held_past_the_busy_timeout_is_reported() {
+    use sqlx::sqlite::{SqliteConnectOptions, SqlitePoolOptions};
+    use std::str::FromStr;
+    let path = std::env::temp_dir().join(format!(
+        "idempotent-operator-release-{}.db",
+        uuid::Uuid::new_v4().simple()
+    ));
+    let options = SqliteConnectOptions::from_str(&format!("sqlite://{}", path.display()))
+        .expect("url")
+        .create_if_missing(true)
+        .journal_mode(sqlx::sqlite::SqliteJournalMode::Wal)
+        .busy_timeout(Duration::from_millis(200));
+    let pool = SqlitePoolOptions::new()
+        .connect_with(options)
+        .await
+        .expect("pool");
+    let store = idempotent_runtime::SqliteStore::from_pool(pool.clone())
+        .await
+        .expect("store");
+    let id = in_progress(&store, "acme").await;
+    let mut holder = pool.begin_with("BEGIN IMMEDIATE").await.expect("begin");
+    holder
+        .execute("CREATE TABLE held (x)")
+        .await
+        .expect("a write");
+    let released = tokio::time::timeout(HANG, store.force_release(&id, false)).await;
+    let purged = tokio::time::timeout(HANG, store.purge_expired(10)).await;
+    for answer in [
+        released.map(|r| r.map(|_| ())),
+        purged.map(|r| r.map(|_| ())),
+    ] {
+        let e = answer.expect("bounded").expect_err("the lock is held");
+        assert!(
+            e.to_string()
+                .contains("retry once that transaction has ended"),
+            "{e}"
+        );
+    }
+    holder.rollback().await.expect("rollback");
+    let released = store.force_release(&id, false).await.expect("released");
+    assert!(
+        matches!(released, ForcedRelease::Released { .. }),
+        "{released:?}"
+    );
+    pool.close().await;
+    for suffix in ["", "-wal", "-shm"] {
+        let _ = std::fs::remove_file(format!("{}{suffix}", path.display()));
+    }
+}

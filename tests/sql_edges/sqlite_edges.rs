@@ -2224,3 +2224,60 @@ async fn a_transaction_holding_the_write_lock_never_takes_over_a_pending_complet
     store.pool().close().await;
     remove(&path);
 }
+
+/// An owner of this process that is done with its record (it ended its
+/// lease on purpose, as a `recover` scope's failed body does, or handed the
+/// end of its lease to the store's worker when its call was dropped) is not
+/// at work: a transaction holding the write lock takes the record over at
+/// once. Both were refused as starved owners for a while (ten seconds, or the
+/// whole lease).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_owner_that_ended_its_lease_is_taken_over_at_once() {
+    let path = fresh_path();
+    let store = SqliteStore::connect(&url(&path)).await.expect("store");
+    sqlx::query("CREATE TABLE orders (id INTEGER)")
+        .execute(store.pool())
+        .await
+        .expect("a business table");
+    let owner = StarvedOwner::default();
+    for ends in ["heartbeat with a zero lease", "end_lease_detached"] {
+        let tenant = uuid::Uuid::new_v4().simple().to_string();
+        let id = Identity::new(&tenant, "sqlite_edges.starved", "k").expect("identity");
+        let token = OwnerToken::new();
+        let reserved = store
+            .reserve(ReserveRequest {
+                identity: &id,
+                fingerprint: None,
+                token: &token,
+                lease: Duration::from_secs(60),
+                ttl: Duration::from_secs(3600),
+            })
+            .await
+            .expect("reserve");
+        assert!(matches!(reserved, Reservation::Acquired { .. }), "{reserved:?}");
+        if ends == "end_lease_detached" {
+            store.end_lease_detached(id.clone(), token.clone());
+            assert_eq!(store.finish_background_work(Duration::from_secs(30)).await, 0);
+        } else {
+            let ended = store
+                .heartbeat(&id, &token, Duration::ZERO)
+                .await
+                .expect("end the lease");
+            assert!(ended.is_written(), "{ended:?}");
+        }
+        until_the_lease_is_over_by(&store, &id, 0).await;
+        let mut tx = store.pool().begin_with("BEGIN IMMEDIATE").await.expect("begin");
+        sqlx::query("INSERT INTO orders VALUES (1)")
+            .execute(&mut *tx)
+            .await
+            .expect("a write in the transaction");
+        let taken = with_outcome(starved_in_tx(&mut tx, &tenant, "k", &owner)).await;
+        tx.commit().await.expect("commit");
+        assert!(
+            matches!(taken, (Ok(2), Some(Outcome::Executed))),
+            "{ends}: {taken:?}"
+        );
+    }
+    store.pool().close().await;
+    remove(&path);
+}

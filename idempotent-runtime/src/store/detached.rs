@@ -372,6 +372,11 @@ fn lost(store: &'static str, identity: &Identity, work: &Work, why: &str) {
 /// ([`Detached::hand_over`]). Written once for the SQL stores.
 macro_rules! hand_over_to_the_worker {
     () => {
+        $crate::store::detached::hand_over_to_the_worker!(told = |_, _| {});
+    };
+    // `told(&token, completing)` is called first: the store keeps its own
+    // account of its owners (SQLite's live owners).
+    (told = $told:expr) => {
         // Written as `#[async_trait]` expands an `async fn`: this macro is
         // expanded after the attribute has rewritten the impl.
         fn finish_background_work<'life0, 'async_trait>(
@@ -386,16 +391,22 @@ macro_rules! hand_over_to_the_worker {
         }
 
         fn release_detached(&self, identity: Identity, token: OwnerToken) {
+            let told: fn(&OwnerToken, bool) = $told;
+            told(&token, false);
             self.detached
                 .hand_over(identity, token, $crate::store::detached::Work::Release);
         }
 
         fn end_lease_detached(&self, identity: Identity, token: OwnerToken) {
+            let told: fn(&OwnerToken, bool) = $told;
+            told(&token, false);
             self.detached
                 .hand_over(identity, token, $crate::store::detached::Work::EndLease);
         }
 
         fn complete_detached(&self, completion: $crate::store::Completion<'_>) {
+            let told: fn(&OwnerToken, bool) = $told;
+            told(completion.token, true);
             self.detached.hand_over(
                 completion.identity.clone(),
                 completion.token.clone(),

@@ -30,6 +30,8 @@ pub(crate) mod server;
 #[cfg(feature = "sqlite")]
 pub mod sqlite;
 #[cfg(feature = "sqlite")]
+mod sqlite_owners;
+#[cfg(feature = "sqlite")]
 pub mod sqlite_tx;
 
 /// A random token naming the current owner of an in-progress record.

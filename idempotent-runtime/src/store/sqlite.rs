@@ -141,7 +141,7 @@ const EXISTING_SQL: &str = concat!(
 /// How long ago an in-progress record's lease ran out (negative: not yet),
 /// whether the whole row counts as absent, its fingerprint and its owner:
 /// what a transaction that holds the write lock asks before taking a record
-/// over (see [`starved_by_the_write_lock`]).
+/// over (see [`live_owner_answer`]).
 const LEASE_ENDED_SQL: &str = concat!(
     "SELECT ",
     now_ms!(),
@@ -806,7 +806,7 @@ impl SqliteStore {
         identity: &Identity,
         token: &OwnerToken,
     ) -> Result<Fenced, StoreError> {
-        owner_ended(token);
+        super::sqlite_owners::ended(token);
         let (id, token) = (identity.clone(), token.clone());
         let released = self
             .write_in_turn("release", move |mut conn| async move {
@@ -820,21 +820,19 @@ impl SqliteStore {
     }
 
     async fn complete_now(&self, completion: Completion<'_>) -> Result<Fenced, StoreError> {
-        // The owner is alive while its completion is being written, and
-        // after one that failed (it is tried again): its body has run.
-        owner_completing(completion.token);
+        // The owner is at work while its completion is being written, and
+        // for a lease after one that failed (it is tried again): its body
+        // has run.
+        let writing = super::sqlite_owners::Writing::begins(completion.token, None);
         let (id, token) = (completion.identity.clone(), completion.token.clone());
         let answer = completion.answer();
         let completed = self
             .write_in_turn("complete", move |mut conn| async move {
+                let _writing = writing;
                 complete_on(&mut *conn, answer.completing(&id, &token)).await
             })
-            .await;
-        match completed {
-            Ok(_) => owner_ended(completion.token),
-            Err(_) => owner_completing(completion.token),
-        }
-        let completed = completed?;
+            .await?;
+        super::sqlite_owners::ended(completion.token);
         if completed.is_written() {
             self.waiters.notify(completion.identity);
         }
@@ -1195,20 +1193,18 @@ pub(super) async fn reserve_in(
     })
 }
 
-/// Whether the reservation would take over (or replace) an in-progress
-/// record whose lease ran out while its owner, a store-mode call of this
-/// process, is alive ([`owner_alive_here`]). Asked by a caller's transaction
-/// that already holds the database's write lock: read in it, which is
-/// current (no one else can commit while it holds the lock).
-///
-/// While a transaction holds SQLite's one write lock, no owner can renew its
-/// lease: a lease that ran out meanwhile may have run out *because of* the
-/// transaction, its owner alive and waiting to renew. SQLite cannot say when
-/// the transaction took the lock; this process knows its own owners.
-pub(super) async fn starved_by_the_write_lock(
+/// What a caller's transaction that already holds the database's write lock
+/// answers about a record whose owner is a call of this process still at
+/// work ([`sqlite_owners`](super::sqlite_owners)), if the reservation would
+/// otherwise take it over: its lease ran out while the transaction kept the
+/// owner from renewing it (or from recording its result), or runs out at
+/// any moment while the transaction keeps doing so. Read in the
+/// transaction, which is current (no one else can commit while it holds
+/// the lock). `None`: no such owner; the reservation decides as ever.
+pub(super) async fn live_owner_answer(
     conn: &mut sqlx::SqliteConnection,
     request: ReserveRequest<'_>,
-) -> Result<bool, sqlx::Error> {
+) -> Result<Option<LiveOwnerAnswer>, sqlx::Error> {
     let id = request.identity;
     let Some(row) = sqlx::query(LEASE_ENDED_SQL)
         .bind(&id.tenant)
@@ -1217,7 +1213,7 @@ pub(super) async fn starved_by_the_write_lock(
         .fetch_optional(&mut *conn)
         .await?
     else {
-        return Ok(false);
+        return Ok(None);
     };
     let ended: Option<i64> = row.try_get("lease_ended_ms")?;
     let expired: bool = row.try_get("expired")?;
@@ -1229,100 +1225,24 @@ pub(super) async fn starved_by_the_write_lock(
             stored.as_deref(),
             request.fingerprint.map(Fingerprint::as_str),
         );
-    Ok(would_take_it
-        && ended.is_some_and(|ended| ended >= 0)
-        && owner.is_some_and(|owner| owner_alive_here(&owner)))
-}
-
-/// This process's store-mode owners of SQLite records, by owner token (see
-/// [`owner_alive_here`]).
-static LIVE_OWNERS: std::sync::LazyLock<std::sync::Mutex<HashMap<String, LiveOwner>>> =
-    std::sync::LazyLock::new(Default::default);
-
-/// When an owner last showed it is alive (reserved, or began or ended a
-/// renewal or its completion), and for how long that counts.
-#[derive(Clone, Copy)]
-struct LiveOwner {
-    last: std::time::Instant,
-    lease: Duration,
-    /// It was writing (a renewal, its completion): such a write waits up to
-    /// the busy timeout for another connection's lock before it fails and
-    /// is tried again, so it counts for that much longer.
-    writing: bool,
-}
-
-impl LiveOwner {
-    fn alive_at(&self, now: std::time::Instant) -> bool {
-        let slack = if self.writing {
-            BUSY_TIMEOUT
-        } else {
-            Duration::ZERO
-        };
-        now.saturating_duration_since(self.last) < self.lease.saturating_add(slack)
+    if !would_take_it || !owner.is_some_and(|owner| super::sqlite_owners::alive(&owner)) {
+        return Ok(None);
     }
+    // Answered here, never by the upsert, whose own look at the clock may
+    // find the lease over a moment later.
+    Ok(Some(match ended {
+        Some(ended) if ended < 0 => LiveOwnerAnswer::InProgress(millis_to_duration(-ended)),
+        _ => LiveOwnerAnswer::KeptFromWriting,
+    }))
 }
 
-/// How many owners [`LIVE_OWNERS`] holds before those no longer alive are
-/// dropped (an owner whose call was dropped is not always told to leave).
-const LIVE_OWNERS_PRUNED_PAST: usize = 1024;
-
-fn live_owners() -> std::sync::MutexGuard<'static, HashMap<String, LiveOwner>> {
-    LIVE_OWNERS
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-}
-
-/// `token`'s owner is alive now.
-fn owner_active(token: &OwnerToken, lease: Duration, writing: bool) {
-    let now = std::time::Instant::now();
-    let mut owners = live_owners();
-    if owners.len() >= LIVE_OWNERS_PRUNED_PAST {
-        owners.retain(|_, owner| owner.alive_at(now));
-    }
-    owners.insert(
-        token.as_str().to_owned(),
-        LiveOwner {
-            last: now,
-            lease,
-            writing,
-        },
-    );
-}
-
-/// `token`'s owner reserved: alive for its lease, as the record says.
-fn owner_reserved(token: &OwnerToken, lease: Duration) {
-    owner_active(token, lease, false);
-}
-
-/// `token`'s owner is renewing its lease.
-fn owner_renewing(token: &OwnerToken, lease: Duration) {
-    owner_active(token, lease, true);
-}
-
-/// `token`'s owner, if listed, is writing its result: its body has run.
-fn owner_completing(token: &OwnerToken) {
-    if let Some(owner) = live_owners().get_mut(token.as_str()) {
-        owner.last = std::time::Instant::now();
-        owner.writing = true;
-    }
-}
-
-/// `token`'s owner is done (completed, released, or lost its lease).
-fn owner_ended(token: &OwnerToken) {
-    live_owners().remove(token.as_str());
-}
-
-/// Whether the record's owner `token` is a call of this process that is
-/// still alive: it reserved within its lease, or began or ended a renewal
-/// or its completion within its lease and the busy timeout. A call no
-/// longer polled, or dropped without being told, stops counting once that
-/// has passed; one that never wrote again after reserving (a record
-/// reserved through [`Store::reserve`] alone) counts exactly as long as its
-/// lease.
-pub(super) fn owner_alive_here(token: &str) -> bool {
-    live_owners()
-        .get(token)
-        .is_some_and(|owner| owner.alive_at(std::time::Instant::now()))
+/// See [`live_owner_answer`].
+pub(super) enum LiveOwnerAnswer {
+    /// The lease is live for this long: a call in progress.
+    InProgress(Duration),
+    /// The lease ran out while the owner is at work: the caller's
+    /// transaction must end so that it can write.
+    KeptFromWriting,
 }
 
 /// The options of the pools [`SqliteStore::connect`] makes: a connection
@@ -1332,6 +1252,28 @@ fn pool_options() -> SqlitePoolOptions {
     SqlitePoolOptions::new().after_release(|conn, _| {
         Box::pin(async move { Ok(super::sqlite_tx::restore_busy_timeout(conn).await.is_ok()) })
     })
+}
+
+/// The error of an operator's write (a release, the purge): one that met
+/// another connection's lock for the whole busy timeout says so, and what
+/// to do, rather than SQLite's "database is locked".
+fn locked_out_or(operation: &'static str) -> impl FnOnce(sqlx::Error) -> StoreError {
+    move |e| {
+        if is_busy(&e) {
+            StoreError::new(
+                STORE,
+                operation,
+                format!(
+                    "another connection held the database's write lock for the whole busy \
+                     timeout (an open transaction: perhaps a transactional-mode call in progress, \
+                     or its caller has not committed yet); retry once that transaction has ended \
+                     ({e})"
+                ),
+            )
+        } else {
+            err(operation)(e)
+        }
+    }
 }
 
 /// SQLITE_BUSY or SQLITE_LOCKED, with any extended code: another connection
@@ -1649,6 +1591,7 @@ impl Store for SqliteStore {
         let (identity, token) = (request.identity.clone(), request.token.clone());
         let fingerprint = request.fingerprint.cloned();
         let (lease, ttl) = (request.lease, request.ttl);
+        let sent = std::time::Instant::now();
         let answer = beside_the_caller(OP, async move {
             let queued = tokio::time::Instant::now();
             let (turn, mut conn) = match gate.try_take() {
@@ -1713,7 +1656,7 @@ impl Store for SqliteStore {
         })
         .await;
         if let Ok(Reservation::Acquired { .. }) = answer {
-            owner_reserved(request.token, request.lease);
+            super::sqlite_owners::reserved(request.token, request.lease, sent);
         }
         answer
     }
@@ -1740,7 +1683,7 @@ impl Store for SqliteStore {
                     .bind(require_expired_lease)
                     .fetch_all(&mut *conn)
                     .await
-                    .map_err(err(OP))
+                    .map_err(locked_out_or(OP))
             })
             .await?;
         if let Some(&attempt) = deleted.first() {
@@ -1763,17 +1706,22 @@ impl Store for SqliteStore {
         lease: Duration,
     ) -> Result<Fenced, StoreError> {
         let (id, token_owned) = (identity.clone(), token.clone());
-        owner_renewing(token, lease);
+        // A zero lease ends it on purpose: the owner is done.
+        let writing = if lease.is_zero() {
+            super::sqlite_owners::ended(token);
+            None
+        } else {
+            Some(super::sqlite_owners::Writing::begins(token, Some(lease)))
+        };
         let renewed = self
             .write_in_turn("heartbeat", move |mut conn| async move {
+                let _writing = writing;
                 heartbeat_on(&mut *conn, &id, &token_owned, lease).await
             })
-            .await;
-        match &renewed {
-            Ok(fenced) if !fenced.is_written() => owner_ended(token),
-            _ => owner_renewing(token, lease),
+            .await?;
+        if !renewed.is_written() {
+            super::sqlite_owners::ended(token);
         }
-        let renewed = renewed?;
         if renewed.is_written() {
             // The lease may have been shortened (ended early so the next call
             // takes over at once); waiters in this process sleep until the
@@ -1783,7 +1731,7 @@ impl Store for SqliteStore {
         Ok(renewed)
     }
 
-    crate::store::detached::hand_over_to_the_worker!();
+    crate::store::detached::hand_over_to_the_worker!(told = super::sqlite_owners::handed_over);
 
     /// Woken at once when this store (any clone of it, in this process)
     /// completes or releases the record, its detached worker finishes it, or
@@ -1863,7 +1811,7 @@ impl Store for SqliteStore {
                     .bind(i64::from(chunk))
                     .execute(&mut *conn)
                     .await
-                    .map_err(err(OP))?;
+                    .map_err(locked_out_or(OP))?;
                 Ok(done.rows_affected())
             })
         })

@@ -49,10 +49,10 @@
 //! A transaction that holds the write lock before the call (`BEGIN
 //! IMMEDIATE`, or a write of its own) keeps every owner from renewing its
 //! lease: it never takes over (or replaces) an in-progress record whose
-//! owner, a store-mode call of this process, is alive; the call is refused
-//! with [`Error::StaleSnapshot`] and writes nothing (see
-//! [`starved_by_the_write_lock`]). An owner in another process cannot be
-//! asked: there its lease decides, as for a paused owner.
+//! owner, a store-mode call of this process, is still at work; the call is
+//! refused with [`Error::StaleSnapshot`] and writes nothing (see
+//! [`live_owner_answer`]). An owner in another process cannot be asked:
+//! there its lease decides, as for a paused owner.
 //!
 //! A completion or release written here does not wake the duplicates waiting
 //! in a [`SqliteStore`](crate::SqliteStore) of this process
@@ -70,8 +70,8 @@ use sqlx::SqliteConnection;
 use std::sync::Arc;
 
 use super::sqlite::{
-    complete_on, heartbeat_on, is_busy, primary_code, release_on, reserve_in, result_code,
-    starved_by_the_write_lock,
+    complete_on, heartbeat_on, is_busy, live_owner_answer, primary_code, release_on, reserve_in,
+    result_code, LiveOwnerAnswer,
 };
 
 /// Extended result code: a WAL snapshot is older than the newest commit.
@@ -473,20 +473,25 @@ async fn reserve_on(
     // in progress, and a store-mode owner could not record its result. A
     // transaction that already holds it (it has written) takes nothing new.
     let state = txn_state(conn).await.map_err(err(OP))?;
-    if state == libsqlite3_sys::SQLITE_TXN_WRITE
-        && starved_by_the_write_lock(conn, request)
-            .await
-            .map_err(err(OP))?
-    {
-        // Rules 10 and 15: the transaction held the write lock before this
-        // call, and the owner is alive, kept from renewing by it.
-        let id = request.identity;
-        tracing::warn!(target: "idempotent", scope = %id.scope, key = %id.key_digest(),
-            "refused: an in-progress record's lease ran out while its owner, alive in this process, could not renew it past the caller's SQLite transaction; not taken over");
-        return Err(Error::StaleSnapshot {
-            scope: id.scope.clone(),
-            store: "sqlite",
-        });
+    // Rules 10 and 15: a transaction that held the write lock before this
+    // call keeps every owner from writing; one of this process still at
+    // work is never taken over from it.
+    if state == libsqlite3_sys::SQLITE_TXN_WRITE {
+        match live_owner_answer(conn, request).await.map_err(err(OP))? {
+            None => {}
+            Some(LiveOwnerAnswer::InProgress(lease_remaining)) => {
+                return Ok(Reservation::InProgress { lease_remaining });
+            }
+            Some(LiveOwnerAnswer::KeptFromWriting) => {
+                let id = request.identity;
+                tracing::warn!(target: "idempotent", scope = %id.scope, key = %id.key_digest(),
+                    "refused: an in-progress record's owner, at work in this process, could not write while the caller's SQLite transaction held the write lock, and its lease ran out; not taken over");
+                return Err(Error::StaleSnapshot {
+                    scope: id.scope.clone(),
+                    store: "sqlite",
+                });
+            }
+        }
     }
     if state != libsqlite3_sys::SQLITE_TXN_WRITE {
         // First, what others committed, read beside the transaction: it

@@ -1,0 +1,174 @@
+//! This process's store-mode owners of SQLite records, by owner token: which
+//! are still at work (their body running, a renewal or their completion
+//! being written).
+//!
+//! While a caller's transaction holds SQLite's one write lock, no owner can
+//! renew its lease or record its result: a lease that runs out meanwhile may
+//! run out *because of* that transaction, its owner alive. SQLite cannot say
+//! when a transaction took the lock, nor whether an owner in another process
+//! is alive; this process knows its own owners, and transactional mode asks
+//! here before it takes a record over from a transaction that held the lock
+//! before the call (see `sqlite::live_owner_answer`).
+//!
+//! An owner counts as alive while one of its writes is under way (a renewal
+//! or its completion, waiting for the write turn or for another
+//! connection's lock), and for its lease after it last reserved or wrote:
+//! exactly as long as the record's lease for an owner that never wrote
+//! again. A call dropped without telling the store stops counting a lease
+//! after it last wrote.
+
+use super::OwnerToken;
+use std::collections::HashMap;
+use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
+
+/// The owners, and how many there may be before those no longer alive are
+/// dropped.
+struct Owners {
+    by_token: HashMap<String, Owner>,
+    prune_at: usize,
+}
+
+/// When an owner last showed it is alive, for how long that counts, and how
+/// many of its writes are under way.
+#[derive(Clone, Copy)]
+struct Owner {
+    last: Instant,
+    lease: Duration,
+    writing: usize,
+}
+
+impl Owner {
+    fn alive_at(&self, now: Instant) -> bool {
+        self.writing > 0 || now.saturating_duration_since(self.last) < self.lease
+    }
+}
+
+/// The fewest owners kept before pruning.
+const PRUNE_AT_LEAST: usize = 1024;
+
+static OWNERS: std::sync::LazyLock<Mutex<Owners>> = std::sync::LazyLock::new(|| {
+    Mutex::new(Owners {
+        by_token: HashMap::new(),
+        prune_at: PRUNE_AT_LEAST,
+    })
+});
+
+fn owners() -> MutexGuard<'static, Owners> {
+    OWNERS.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// `token`'s owner reserved its record with `lease`, by a statement sent at
+/// `sent` or later (so it counts no longer than the record's lease).
+pub(super) fn reserved(token: &OwnerToken, lease: Duration, sent: Instant) {
+    let mut owners = owners();
+    if owners.by_token.len() >= owners.prune_at {
+        let now = Instant::now();
+        owners.by_token.retain(|_, owner| owner.alive_at(now));
+        // Pruned again only once as many more have come (amortized).
+        owners.prune_at = (owners.by_token.len() * 2).max(PRUNE_AT_LEAST);
+    }
+    owners.by_token.insert(
+        token.as_str().to_owned(),
+        Owner {
+            last: sent,
+            lease,
+            writing: 0,
+        },
+    );
+}
+
+/// `token`'s owner is done: completed, released, its lease ended on purpose
+/// or lost.
+pub(super) fn ended(token: &OwnerToken) {
+    owners().by_token.remove(token.as_str());
+}
+
+/// `token`'s owner handed its record to the store's background worker (its
+/// call was dropped, or its completion could not be written): a completion
+/// (`completing`, its body has run) counts as alive for a lease from now;
+/// a release or an ended lease ends it.
+pub(crate) fn handed_over(token: &OwnerToken, completing: bool) {
+    let mut owners = owners();
+    if !completing {
+        owners.by_token.remove(token.as_str());
+    } else if let Some(owner) = owners.by_token.get_mut(token.as_str()) {
+        owner.last = Instant::now();
+    }
+}
+
+/// Whether `token` names an owner of this process that is still at work.
+pub(super) fn alive(token: &str) -> bool {
+    owners()
+        .by_token
+        .get(token)
+        .is_some_and(|owner| owner.alive_at(Instant::now()))
+}
+
+/// One write of a listed owner under way (a renewal, its completion): the
+/// owner counts as alive until it is dropped, and for its lease after.
+/// Keep it in the task that makes the write, so that it ends with the
+/// write, whether or not the caller still polls.
+pub(super) struct Writing(Option<String>);
+
+impl Writing {
+    /// A write of `token`'s owner begins; `lease`, when given, is its lease
+    /// from now on (a renewal's). An owner not listed (not reserved through
+    /// this process's store) is not listed by this either.
+    pub(super) fn begins(token: &OwnerToken, lease: Option<Duration>) -> Self {
+        let mut owners = owners();
+        let Some(owner) = owners.by_token.get_mut(token.as_str()) else {
+            return Writing(None);
+        };
+        owner.writing += 1;
+        owner.last = Instant::now();
+        if let Some(lease) = lease {
+            owner.lease = lease;
+        }
+        Writing(Some(token.as_str().to_owned()))
+    }
+}
+
+impl Drop for Writing {
+    fn drop(&mut self) {
+        let Some(token) = self.0.take() else {
+            return;
+        };
+        // An owner ended meanwhile stays ended.
+        if let Some(owner) = owners().by_token.get_mut(&token) {
+            owner.writing = owner.writing.saturating_sub(1);
+            owner.last = Instant::now();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_owner_counts_while_it_writes_and_for_its_lease_after() {
+        let token = OwnerToken::new();
+        assert!(!alive(token.as_str()), "never listed");
+        let long_ago = Instant::now()
+            .checked_sub(Duration::from_secs(60))
+            .expect("a minute ago");
+        reserved(&token, Duration::from_secs(1), long_ago);
+        assert!(
+            !alive(token.as_str()),
+            "its lease ran out, and it never wrote"
+        );
+        let writing = Writing::begins(&token, None);
+        assert!(alive(token.as_str()), "a renewal is under way");
+        drop(writing);
+        assert!(alive(token.as_str()), "for a lease after it wrote");
+        let writing = Writing::begins(&token, None);
+        ended(&token);
+        drop(writing);
+        assert!(!alive(token.as_str()), "ended stays ended");
+        let unknown = OwnerToken::new();
+        let writing = Writing::begins(&unknown, Some(Duration::from_secs(60)));
+        assert!(!alive(unknown.as_str()), "not listed by a write alone");
+        drop(writing);
+    }
+}
