@@ -53,7 +53,7 @@ pub(crate) struct Spec {
     pub shared_scope: bool,
     pub krate: TokenStream,
     /// The parameters that go into the fingerprint, in declaration order.
-    pub fingerprinted: Vec<Ident>,
+    pub fingerprinted: Vec<Fingerprinted>,
     /// The manifest file, so the generated code can make cargo rebuild when it changes.
     pub manifest: Option<PathBuf>,
 }
@@ -138,9 +138,19 @@ pub(crate) fn validate(
 }
 
 /// A parameter of the annotated function, as far as the fingerprint cares.
+/// A parameter that goes into the fingerprint.
+pub(crate) struct Fingerprinted {
+    pub name: Ident,
+    /// Its `#[cfg]`s: it is fingerprinted (and listed) only where it is
+    /// compiled in.
+    pub cfgs: Vec<TokenStream>,
+}
+
 struct Param {
     /// `None` for a pattern (`(a, b): (u8, u8)`, `_`).
     name: Option<Ident>,
+    /// Its `#[cfg]`s (see [`crate::item::cfgs_of`]).
+    cfgs: Vec<TokenStream>,
     /// Where to point at in messages.
     span: Span,
     is_self: bool,
@@ -154,6 +164,7 @@ fn params(sig: &Signature) -> Vec<Param> {
         .map(|input| match input {
             FnArg::Receiver(r) => Param {
                 name: Some(Ident::new("self", r.self_token.span)),
+                cfgs: Vec::new(),
                 span: r.span(),
                 is_self: true,
                 is_wildcard: false,
@@ -161,12 +172,14 @@ fn params(sig: &Signature) -> Vec<Param> {
             FnArg::Typed(t) => match &*t.pat {
                 Pat::Ident(p) if p.subpat.is_none() => Param {
                     name: Some(p.ident.clone()),
+                    cfgs: crate::item::cfgs_of(&t.attrs),
                     span: p.ident.span(),
                     is_self: p.ident == "self",
                     is_wildcard: false,
                 },
                 other => Param {
                     name: None,
+                    cfgs: Vec::new(),
                     span: other.span(),
                     is_self: false,
                     is_wildcard: matches!(other, Pat::Wild(_)),
@@ -442,7 +455,10 @@ fn cross(cx: &Ctxt, attr: Attr, sig: &Signature, env: &Env) -> Option<Spec> {
                 Some(n)
                     if named_directly.iter().any(|d| same_name(d, n))
                         || skipped.iter().any(|k| same_name(k, n)) => {}
-                Some(n) => fingerprinted.push(n.clone()),
+                Some(n) => fingerprinted.push(Fingerprinted {
+                    name: n.clone(),
+                    cfgs: p.cfgs.clone(),
+                }),
                 None if p.is_wildcard => cx.error(
                     p.span,
                     "a `_` parameter cannot be fingerprinted because it has no name; name it \
@@ -493,14 +509,15 @@ fn cross(cx: &Ctxt, attr: Attr, sig: &Signature, env: &Env) -> Option<Spec> {
             },
             shared: attr.shared_scope,
             fingerprint: fingerprint_on.then(|| {
-                let mut names: Vec<String> = fingerprinted.iter().map(name_text).collect();
+                let mut names: Vec<String> =
+                    fingerprinted.iter().map(|f| name_text(&f.name)).collect();
                 names.sort();
                 names
             }),
             under_cfg: fingerprinted
                 .iter()
-                .filter(|name| !crate::item::cfgs_of(sig, name).is_empty())
-                .map(name_text)
+                .filter(|f| !f.cfgs.is_empty())
+                .map(|f| name_text(&f.name))
                 .collect(),
             ttl,
             recovers: attr.recover.is_some(),

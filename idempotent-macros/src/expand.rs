@@ -5,7 +5,7 @@
 
 use crate::attr::{self, Errors, InProgress, Tenant};
 use crate::check::{self, Env, Spec};
-use crate::item::{self, MaybeItemFn};
+use crate::item::MaybeItemFn;
 use proc_macro2::{Ident, Span, TokenStream};
 use quote::{quote, quote_spanned};
 use std::time::Duration;
@@ -107,8 +107,8 @@ pub(crate) fn generate(func: &MaybeItemFn, spec: &Spec) -> TokenStream {
     let shared = matches!(spec.tenant, Tenant::Shared(_));
     // A parameter under `#[cfg]` is fingerprinted (and listed) only where it
     // is compiled in: its `#[cfg]`s go on what names it.
-    let fp_names = spec.fingerprinted.iter().map(|name| {
-        let (text, cfgs) = (check::name_text(name), item::cfgs_of(sig, name));
+    let fp_names = spec.fingerprinted.iter().map(|f| {
+        let (text, cfgs) = (check::name_text(&f.name), &f.cfgs);
         quote!(#(#cfgs)* #text)
     });
 
@@ -141,8 +141,8 @@ pub(crate) fn generate(func: &MaybeItemFn, spec: &Spec) -> TokenStream {
         // in the macro are two hygiene contexts, and a name spanned at the
         // parameter would not see a binding spanned at the attribute.
         let builder = Ident::new("__idempotent_fp", Span::call_site());
-        let arguments = spec.fingerprinted.iter().map(|name| {
-            let (text, cfgs) = (check::name_text(name), item::cfgs_of(sig, name));
+        let arguments = spec.fingerprinted.iter().map(|f| {
+            let (name, text, cfgs) = (&f.name, check::name_text(&f.name), &f.cfgs);
             quote_spanned!(name.span()=> #(#cfgs)* #krate::__private::fingerprint_argument(&mut #builder, #text, &#name);)
         });
         quote!({

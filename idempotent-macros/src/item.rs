@@ -4,7 +4,7 @@
 //! the body is re-emitted as written and rustc reports the error itself, at
 //! its place.
 
-use proc_macro2::{Delimiter, Group, Ident, Span, TokenStream};
+use proc_macro2::{Delimiter, Group, Span, TokenStream};
 use quote::{quote, ToTokens, TokenStreamExt};
 use syn::parse::{Parse, ParseStream};
 use syn::{Attribute, Signature, Token, Visibility};
@@ -68,17 +68,11 @@ impl ToTokens for MaybeItemFn {
 /// The `#[cfg]`s written on the parameter `name`, and the `#[cfg_attr]`s
 /// that may give one (cut down to their `cfg`s). rustc leaves them on an
 /// attribute macro's input; one compiled out is not there to fingerprint.
-pub(crate) fn cfgs_of(sig: &syn::Signature, name: &Ident) -> Vec<TokenStream> {
-    let attrs = sig.inputs.iter().find_map(|input| match input {
-        syn::FnArg::Typed(t) => match &*t.pat {
-            syn::Pat::Ident(p) if p.ident == *name => Some(&t.attrs),
-            _ => None,
-        },
-        syn::FnArg::Receiver(_) => None,
-    });
+/// Taken from the parameter's own attributes, not looked up by its name: two
+/// parameters may share a name under opposite `#[cfg]`s.
+pub(crate) fn cfgs_of(attrs: &[syn::Attribute]) -> Vec<TokenStream> {
     attrs
-        .into_iter()
-        .flatten()
+        .iter()
         .filter_map(|a| only_cfg(&a.meta).map(|meta| quote!(#[#meta])))
         .collect()
 }

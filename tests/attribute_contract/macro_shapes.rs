@@ -762,6 +762,36 @@ async fn a_parameter_under_cfg_is_fingerprinted_only_where_compiled_in() {
     assert_eq!(info.fingerprinted_parameters, ["amount", "currency"]);
 }
 
+// ---- two parameters of one name under opposite `#[cfg]`s (one type per
+// feature): the one compiled in is fingerprinted. Each was given the first
+// one's `#[cfg]`s, so with the compiled-out one first nothing was
+// fingerprinted and another amount replayed the first call's answer.
+#[idempotent(scope = "shapes.cfg_same_name", key = key, tenant = shared, store = store)]
+async fn cfg_same_name(
+    store: &MemoryStore,
+    key: &str,
+    #[cfg(any())] amount: u128,
+    #[cfg(not(any()))] amount: u32,
+) -> Result<u32, Error> {
+    Ok(amount)
+}
+
+#[tokio::test]
+async fn a_parameter_named_like_a_compiled_out_one_is_fingerprinted() {
+    let store = MemoryStore::new();
+    assert_eq!(cfg_same_name(&store, "k", 100).await.expect("runs"), 100);
+    let other = cfg_same_name(&store, "k", 999).await;
+    assert!(
+        matches!(other, Err(Error::FingerprintMismatch(_))),
+        "{other:?}"
+    );
+    let info = registry::scopes()
+        .into_iter()
+        .find(|s| s.scope == "shapes.cfg_same_name")
+        .expect("registered");
+    assert_eq!(info.fingerprinted_parameters, ["amount"]);
+}
+
 // ---- a body whose every path returns (its block has type `!`), under a
 // `line!` and a `file!` of the crate's own: compiles with no warning (the
 // suite denies warnings under clippy) and runs.

@@ -2254,10 +2254,16 @@ async fn an_owner_that_ended_its_lease_is_taken_over_at_once() {
             })
             .await
             .expect("reserve");
-        assert!(matches!(reserved, Reservation::Acquired { .. }), "{reserved:?}");
+        assert!(
+            matches!(reserved, Reservation::Acquired { .. }),
+            "{reserved:?}"
+        );
         if ends == "end_lease_detached" {
             store.end_lease_detached(id.clone(), token.clone());
-            assert_eq!(store.finish_background_work(Duration::from_secs(30)).await, 0);
+            assert_eq!(
+                store.finish_background_work(Duration::from_secs(30)).await,
+                0
+            );
         } else {
             let ended = store
                 .heartbeat(&id, &token, Duration::ZERO)
@@ -2266,7 +2272,11 @@ async fn an_owner_that_ended_its_lease_is_taken_over_at_once() {
             assert!(ended.is_written(), "{ended:?}");
         }
         until_the_lease_is_over_by(&store, &id, 0).await;
-        let mut tx = store.pool().begin_with("BEGIN IMMEDIATE").await.expect("begin");
+        let mut tx = store
+            .pool()
+            .begin_with("BEGIN IMMEDIATE")
+            .await
+            .expect("begin");
         sqlx::query("INSERT INTO orders VALUES (1)")
             .execute(&mut *tx)
             .await

@@ -36,7 +36,10 @@ fn charge() -> TokenStream {
 }
 
 fn names(spec: &Spec) -> Vec<String> {
-    spec.fingerprinted.iter().map(|i| i.to_string()).collect()
+    spec.fingerprinted
+        .iter()
+        .map(|f| f.name.to_string())
+        .collect()
 }
 
 #[test]
