@@ -9,6 +9,7 @@ use crate::item::MaybeItemFn;
 use proc_macro2::{Ident, Span, TokenStream};
 use quote::{quote, quote_spanned};
 use std::time::Duration;
+use syn::ext::IdentExt;
 use syn::spanned::Spanned;
 
 /// The whole macro: parse, validate, generate. On any error, the original
@@ -132,7 +133,13 @@ pub(crate) fn generate(func: &MaybeItemFn, spec: &Spec) -> TokenStream {
             quote!(#krate::__private::identity(&__IDEMPOTENT_SCOPE, #tenant, #key))
         }
     };
-    let fingerprint = if spec.fingerprinted.is_empty() {
+    let builder = Ident::new("__idempotent_fp", Span::call_site());
+    let instantiations = if spec.fingerprint {
+        instantiation_of(sig, spec, &builder)
+    } else {
+        Vec::new()
+    };
+    let fingerprint = if spec.fingerprinted.is_empty() && instantiations.is_empty() {
         quote!(::core::result::Result::Ok(::core::option::Option::None))
     } else {
         // Spanned at each parameter, so "`T` is not Serialize" points at it. The
@@ -140,7 +147,6 @@ pub(crate) fn generate(func: &MaybeItemFn, spec: &Spec) -> TokenStream {
         // function written at a `macro_rules!` call site and an attribute written
         // in the macro are two hygiene contexts, and a name spanned at the
         // parameter would not see a binding spanned at the attribute.
-        let builder = Ident::new("__idempotent_fp", Span::call_site());
         let arguments = spec.fingerprinted.iter().map(|f| {
             let (name, text, cfgs) = (&f.name, check::name_text(&f.name), &f.cfgs);
             quote_spanned!(name.span()=> #(#cfgs)* #krate::__private::fingerprint_argument(&mut #builder, #text, &#name);)
@@ -148,6 +154,7 @@ pub(crate) fn generate(func: &MaybeItemFn, spec: &Spec) -> TokenStream {
         quote!({
             let mut #builder = #krate::__private::FingerprintBuilder::new();
             #(#arguments)*
+            #(#instantiations)*
             #builder.finish()
         })
     };
@@ -315,4 +322,41 @@ pub(crate) fn generate(func: &MaybeItemFn, spec: &Spec) -> TokenStream {
             #body
         }
     }
+}
+
+/// What tells one instantiation of the function from another, added to the
+/// fingerprint (the runtime's `FingerprintBuilder::instantiation`): each type
+/// parameter's type and const parameter's value, `Self` of a method (a
+/// trait's default method runs for every implementor), and the type of each
+/// fingerprinted `impl Trait` parameter. All of them share the one scope.
+fn instantiation_of(sig: &syn::Signature, spec: &Spec, builder: &Ident) -> Vec<TokenStream> {
+    let krate = &spec.krate;
+    let mut out = Vec::new();
+    for param in &sig.generics.params {
+        match param {
+            syn::GenericParam::Type(t) => {
+                let (ident, name) = (&t.ident, format!("<{}>", t.ident.unraw()));
+                out.push(quote!(#krate::__private::fingerprint_type(
+                    &mut #builder, #name, ::core::any::type_name::<#ident>());));
+            }
+            syn::GenericParam::Const(c) => {
+                let (ident, name) = (&c.ident, format!("<{}>", c.ident.unraw()));
+                out.push(
+                    quote!(#krate::__private::fingerprint_const(&mut #builder, #name, &#ident);),
+                );
+            }
+            syn::GenericParam::Lifetime(_) => {}
+        }
+    }
+    if sig.receiver().is_some() {
+        out.push(quote!(#krate::__private::fingerprint_type(
+            &mut #builder, "<Self>", ::core::any::type_name::<Self>());));
+    }
+    for f in spec.fingerprinted.iter().filter(|f| f.impl_trait) {
+        let (name, cfgs) = (&f.name, &f.cfgs);
+        let text = format!("<impl {}>", check::name_text(name));
+        out.push(quote!(#(#cfgs)* #krate::__private::fingerprint_type(
+            &mut #builder, #text, ::core::any::type_name_of_val(&#name));));
+    }
+    out
 }

@@ -32,6 +32,22 @@ pub fn fingerprint_argument<T: Fingerprinted + ?Sized>(
     builder.argument(name, value);
 }
 
+/// Adds which instantiation of a generic function made the call: a type
+/// parameter's (or `Self`'s, or an `impl Trait` parameter's) type, by its
+/// name without module paths (see [`FingerprintBuilder::instantiation`]).
+pub fn fingerprint_type(builder: &mut FingerprintBuilder, name: &'static str, type_name: &str) {
+    builder.instantiation(name, &crate::fingerprint::short_type_name(type_name));
+}
+
+/// Adds a const parameter's value to `builder` (see [`fingerprint_type`]).
+pub fn fingerprint_const<T: serde::Serialize + ?Sized>(
+    builder: &mut FingerprintBuilder,
+    name: &'static str,
+    value: &T,
+) {
+    builder.instantiation(name, value);
+}
+
 /// Pins the output type of the body's async block to the function's return type,
 /// so `?` inside the body converts errors exactly as in the original function.
 pub fn body<R, F: core::future::Future<Output = R>>(body: F) -> F {

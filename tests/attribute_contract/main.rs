@@ -19,6 +19,7 @@ mod sqlite;
 
 mod consumer_verdicts;
 mod fingerprint_multimap;
+mod generics;
 mod heartbeat_pool;
 mod legacy_fingerprint;
 mod macro_rules_args;

@@ -265,7 +265,7 @@ struct Workspace {
     arguments: Vec<Argument>,
 }
 
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 struct Argument {
     name: &'static str,
     /// The name as a JSON string.
@@ -279,6 +279,9 @@ struct Argument {
     /// For an argument that `differs`: its legacy bytes, or `None` if the
     /// legacy form could not write it.
     legacy: Option<Range<usize>>,
+    /// Not a parameter: which instantiation of a generic function (or which
+    /// `Self`) made the call (see [`FingerprintBuilder::instantiation`]).
+    instantiation: bool,
 }
 
 thread_local! {
@@ -388,7 +391,24 @@ impl FingerprintBuilder {
             extended,
             differs,
             legacy,
+            instantiation: false,
         });
+    }
+
+    /// Adds what tells one instantiation of a generic function from another
+    /// (a type parameter's type, a const parameter's value, `Self` of a
+    /// method, the type of an `impl Trait` parameter), under a `name` no
+    /// parameter can have (`<T>`): `create::<User>` and `create::<Order>`
+    /// with one key are two requests, not one replayed to the other.
+    ///
+    /// The fingerprint's legacy form (rule 6) is then the one without it,
+    /// which builds before this existed made: a record they stored is still
+    /// replayed, not refused.
+    pub(crate) fn instantiation<T: Serialize + ?Sized>(&mut self, name: &'static str, value: &T) {
+        self.argument(name, value);
+        if let Some(last) = self.work.arguments.last_mut().filter(|a| a.name == name) {
+            last.instantiation = true;
+        }
     }
 
     /// The fingerprint, or `None` when no argument was added (a call with
@@ -407,23 +427,58 @@ impl FingerprintBuilder {
         let Workspace { encoder, arguments } = &mut self.work;
         arguments.sort_by(|a, b| a.name.cmp(b.name));
         let bytes = encoder.bytes();
-        let extended = arguments.iter().any(|a| a.extended);
-        let version = if extended { CANONICAL_VERSION } else { V1 };
-        let value = hash(version, arguments, bytes, |a| &a.canonical);
-        // The legacy fingerprint, if the legacy form could write every argument.
-        let differs = arguments.iter().any(|a| a.differs);
-        let v1_writable = arguments.iter().all(|a| !a.differs || a.legacy.is_some());
-        let legacy = (differs && v1_writable).then(|| {
-            hash(V1, arguments, bytes, |a| match &a.legacy {
-                Some(v1) if a.differs => v1,
-                _ => &a.canonical,
-            })
-        });
-        Fingerprint {
-            legacy: legacy.filter(|legacy| *legacy != value),
-            value,
+        if arguments.iter().any(|a| a.instantiation) {
+            // Builds before instantiations counted made the fingerprint of
+            // the parameters alone (none: no fingerprint, which nothing
+            // contradicts).
+            let value = digest_of(arguments, bytes).value;
+            let parameters: Vec<Argument> = arguments
+                .iter()
+                .filter(|a| !a.instantiation)
+                .cloned()
+                .collect();
+            let legacy = (!parameters.is_empty())
+                .then(|| digest_of(&parameters, bytes).value)
+                .filter(|legacy| *legacy != value);
+            return Fingerprint { value, legacy };
         }
+        digest_of(arguments, bytes)
     }
+}
+
+/// The fingerprint of `arguments` (sorted by name), their bytes in `bytes`.
+fn digest_of(arguments: &[Argument], bytes: &[u8]) -> Fingerprint {
+    let extended = arguments.iter().any(|a| a.extended);
+    let version = if extended { CANONICAL_VERSION } else { V1 };
+    let value = hash(version, arguments, bytes, |a| &a.canonical);
+    // The legacy fingerprint, if the legacy form could write every argument.
+    let differs = arguments.iter().any(|a| a.differs);
+    let v1_writable = arguments.iter().all(|a| !a.differs || a.legacy.is_some());
+    let legacy = (differs && v1_writable).then(|| {
+        hash(V1, arguments, bytes, |a| match &a.legacy {
+            Some(v1) if a.differs => v1,
+            _ => &a.canonical,
+        })
+    });
+    Fingerprint {
+        legacy: legacy.filter(|legacy| *legacy != value),
+        value,
+    }
+}
+
+/// A type's name as [`std::any::type_name`] gives it, without module paths
+/// (`alloc::vec::Vec<shop::User>` → `Vec<User>`): moving a type to another
+/// module keeps the fingerprints of the calls that name it.
+pub(crate) fn short_type_name(full: &str) -> String {
+    let mut out = String::with_capacity(full.len());
+    let mut rest = full;
+    while let Some(i) = rest.find("::") {
+        let head = &rest[..i];
+        out.push_str(head.trim_end_matches(|c: char| c.is_alphanumeric() || c == '_'));
+        rest = &rest[i + 2..];
+    }
+    out.push_str(rest);
+    out
 }
 
 /// `<version>:<hex sha-256>` of `{"name":<bytes>,...}` (arguments sorted by

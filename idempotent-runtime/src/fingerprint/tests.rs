@@ -2311,3 +2311,21 @@ fn some_raw_null_is_not_faithful() {
     assert!(check_faithful_json(&vec![Some(raw("[null]"))]).is_ok());
     assert!(check_faithful_json(&vec![Some(raw("2")), Some(raw("null"))]).is_err());
 }
+
+/// A generic function's instantiation is named by its types without module
+/// paths: moving a type to another module keeps the fingerprints.
+#[test]
+fn type_names_lose_their_module_paths() {
+    use super::short_type_name;
+    assert_eq!(
+        short_type_name("alloc::vec::Vec<shop::orders::User>"),
+        "Vec<User>"
+    );
+    assert_eq!(short_type_name("u8"), "u8");
+    assert_eq!(short_type_name("&str"), "&str");
+    assert_eq!(
+        short_type_name("core::option::Option<(a::B, [c::D; 3])>"),
+        "Option<(B, [D; 3])>"
+    );
+    assert_eq!(short_type_name("dyn core::fmt::Debug"), "dyn Debug");
+}

@@ -1,0 +1,167 @@
+//! Instantiations of one generic function share its scope; what tells them
+//! apart goes into the fingerprint (a type parameter's type, a const
+//! parameter's value, `Self` of a method, an `impl Trait` parameter's type),
+//! so `create::<User>` and `create::<Order>` with one key are two requests:
+//! the second is refused as a reused key, never replayed the first one's
+//! answer (rule 7). A record an older build stored without them is still
+//! replayed (rule 6).
+
+use idempotent_runtime::{
+    idempotent, with_outcome, AnsweredBy, Completion, Error, FingerprintBuilder, Identity,
+    MemoryStore, Outcome, OwnerToken, Reservation, ReserveRequest, Store, StoredOutcome,
+};
+use serde::Serialize;
+use std::time::Duration;
+
+#[derive(Default)]
+struct User;
+#[derive(Default)]
+struct Order;
+
+#[idempotent(scope = "generics.create", key = key, tenant = tenant, store = store)]
+async fn create<T: Default>(store: &MemoryStore, tenant: &str, key: &str) -> Result<String, Error> {
+    let _ = T::default();
+    Ok(std::any::type_name::<T>()
+        .rsplit("::")
+        .next()
+        .unwrap_or_default()
+        .to_owned())
+}
+
+#[idempotent(scope = "generics.value", key = key, tenant = shared, store = store)]
+async fn value<T: Serialize + Send + Sync>(
+    store: &MemoryStore,
+    key: &str,
+    v: T,
+) -> Result<String, Error> {
+    Ok(std::any::type_name::<T>().to_owned())
+}
+
+#[idempotent(scope = "generics.batch", key = key, tenant = shared, store = store)]
+async fn batch<const N: usize>(store: &MemoryStore, key: &str) -> Result<usize, Error> {
+    Ok(N)
+}
+
+#[idempotent(scope = "generics.anonymous", key = key, tenant = shared, store = store)]
+async fn anonymous(
+    store: &MemoryStore,
+    key: &str,
+    v: impl Serialize + Send + Sync,
+) -> Result<String, Error> {
+    idempotent_runtime::Fingerprint::of(&v).map(|_| "ran".to_owned())
+}
+
+trait Account: Sync {
+    fn name(&self) -> &'static str;
+
+    /// A default method: it runs for every implementor, under one scope.
+    #[idempotent(scope = "generics.close", key = key, tenant = shared, store = store)]
+    async fn close(&self, store: &MemoryStore, key: &str) -> Result<String, Error> {
+        Ok(format!("closed {}", self.name()))
+    }
+}
+
+struct Savings;
+struct Checking;
+
+impl Account for Savings {
+    fn name(&self) -> &'static str {
+        "savings"
+    }
+}
+
+impl Account for Checking {
+    fn name(&self) -> &'static str {
+        "checking"
+    }
+}
+
+fn reused<T: std::fmt::Debug>(answer: Result<T, Error>) {
+    assert!(
+        matches!(answer, Err(Error::FingerprintMismatch(_))),
+        "another instantiation was served this key's answer: {answer:?}"
+    );
+}
+
+#[tokio::test]
+async fn instantiations_of_one_generic_function_are_not_one_request() {
+    let store = MemoryStore::new();
+    assert_eq!(
+        create::<User>(&store, "alice", "req-7")
+            .await
+            .expect("runs"),
+        "User"
+    );
+    reused(create::<Order>(&store, "alice", "req-7").await);
+    let again = with_outcome(create::<User>(&store, "alice", "req-7")).await;
+    assert!(
+        matches!(again, (Ok(ref u), Some(Outcome::Replayed)) if u == "User"),
+        "{again:?}"
+    );
+
+    assert_eq!(value(&store, "k", 7u8).await.expect("runs"), "u8");
+    reused(value(&store, "k", 7i64).await);
+    reused(value(&store, "k", Some(7u8)).await);
+
+    assert_eq!(batch::<3>(&store, "k").await.expect("runs"), 3);
+    reused(batch::<2>(&store, "k").await);
+
+    assert_eq!(anonymous(&store, "k", 7u8).await.expect("runs"), "ran");
+    reused(anonymous(&store, "k", 7i64).await);
+
+    assert_eq!(
+        Savings.close(&store, "k").await.expect("runs"),
+        "closed savings"
+    );
+    reused(Checking.close(&store, "k").await);
+}
+
+/// A record stored by a build that did not count instantiations (the
+/// parameters' fingerprint alone) is still replayed to the same call.
+#[tokio::test]
+async fn a_record_stored_without_the_instantiation_is_still_replayed() {
+    let store = MemoryStore::new();
+    let id = Identity::shared("generics.value", "old").expect("identity");
+    let mut builder = FingerprintBuilder::new();
+    builder.argument("v", &7u8);
+    let old = builder
+        .finish()
+        .expect("fingerprint")
+        .expect("one argument");
+    let token = OwnerToken::new();
+    let reserved = store
+        .reserve(ReserveRequest {
+            identity: &id,
+            fingerprint: Some(&old),
+            token: &token,
+            lease: Duration::from_secs(30),
+            ttl: Duration::from_secs(3600),
+        })
+        .await
+        .expect("reserve");
+    assert!(
+        matches!(reserved, Reservation::Acquired { .. }),
+        "{reserved:?}"
+    );
+    let outcome = StoredOutcome {
+        is_error: false,
+        payload: br#""recorded by an older build""#.to_vec(),
+    };
+    let written = store
+        .complete(Completion {
+            identity: &id,
+            token: &token,
+            outcome: &outcome,
+            ttl: Duration::from_secs(3600),
+            by: AnsweredBy::Body,
+        })
+        .await
+        .expect("complete");
+    assert!(written.is_written());
+    let replayed = with_outcome(value(&store, "old", 7u8)).await;
+    assert!(
+        matches!(replayed, (Ok(ref s), Some(Outcome::Replayed)) if s == "recorded by an older build"),
+        "{replayed:?}"
+    );
+    reused(value(&store, "old", 8u8).await);
+}
