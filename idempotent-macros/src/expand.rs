@@ -134,7 +134,9 @@ pub(crate) fn generate(func: &MaybeItemFn, spec: &Spec) -> TokenStream {
         }
     };
     let builder = Ident::new("__idempotent_fp", Span::call_site());
-    let instantiations = if spec.fingerprint {
+    // The claimants of a shared scope answer for each other: their
+    // fingerprints must agree on the same request, whoever's instantiation.
+    let instantiations = if spec.fingerprint && !spec.shared_scope {
         instantiation_of(sig, spec, &builder)
     } else {
         Vec::new()

@@ -165,3 +165,38 @@ async fn a_record_stored_without_the_instantiation_is_still_replayed() {
     );
     reused(value(&store, "old", 8u8).await);
 }
+
+/// The claimants of a shared scope answer for each other (rule 21): a method
+/// and a free function claiming one are one request with the same
+/// arguments, whatever their instantiation.
+struct Refunds;
+
+impl Refunds {
+    #[idempotent(scope = "generics.shared_refund", key = key, tenant = shared, store = store,
+                 shared_scope)]
+    async fn refund(&self, store: &MemoryStore, key: &str, amount: u64) -> Result<u64, Error> {
+        Ok(amount)
+    }
+}
+
+#[idempotent(scope = "generics.shared_refund", key = key, tenant = shared, store = store,
+             shared_scope)]
+async fn refund_from_queue<T: Send>(
+    store: &MemoryStore,
+    key: &str,
+    amount: u64,
+) -> Result<u64, Error> {
+    Ok(amount + 1)
+}
+
+#[tokio::test]
+async fn the_claimants_of_a_shared_scope_replay_each_other() {
+    let store = MemoryStore::new();
+    assert_eq!(Refunds.refund(&store, "k", 5).await.expect("runs"), 5);
+    let replayed = with_outcome(refund_from_queue::<u8>(&store, "k", 5)).await;
+    assert!(
+        matches!(replayed, (Ok(5), Some(Outcome::Replayed))),
+        "{replayed:?}"
+    );
+    reused(refund_from_queue::<u8>(&store, "k", 6).await);
+}
