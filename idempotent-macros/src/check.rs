@@ -232,12 +232,21 @@ fn ungroup_type(mut ty: &Type) -> &Type {
 
 /// Whether the return type's last path segment is `Result` (so `io::Result<T>`
 /// and `anyhow::Result<T>` are accepted; the runtime's trait bounds check the rest).
+/// Whether the return type may be a `Result<T, E>`: a path, unless it
+/// names a type that is certainly something else. A type alias of any name
+/// (`ChargeResult<T>`) is taken, and the compiler checks what it stands for
+/// (the runtime's `IdempotentReturn`, which says so when it is not one).
 fn returns_result(output: &ReturnType) -> bool {
+    const CERTAINLY_NOT: &[&str] = &[
+        "Option", "Vec", "String", "Box", "Arc", "Rc", "Cow", "Pin", "HashMap", "BTreeMap",
+        "HashSet", "BTreeSet", "bool", "char", "str", "u8", "u16", "u32", "u64", "u128", "usize",
+        "i8", "i16", "i32", "i64", "i128", "isize", "f32", "f64",
+    ];
     let ReturnType::Type(_, ty) = output else {
         return false;
     };
     matches!(ungroup_type(ty), Type::Path(p) if p.qself.is_none()
-        && p.path.segments.last().is_some_and(|s| s.ident == "Result"))
+        && p.path.segments.last().is_some_and(|s| !CERTAINLY_NOT.iter().any(|n| s.ident == n)))
 }
 
 /// The function itself: `async`, returning a `Result`.
@@ -340,8 +349,8 @@ fn signature(cx: &Ctxt, sig: &Signature) {
         cx.error(
             span,
             "#[idempotent] functions must return `Result<T, E>` (T: Serialize + Deserialize, \
-             E: From<idempotent_runtime::Error>), so a refusal or a store failure can be \
-             returned as an error; change the return type",
+             E: From<idempotent_runtime::Error>), or an alias of one, so a refusal or a store \
+             failure can be returned as an error; change the return type",
         );
     }
 }

@@ -185,6 +185,11 @@ fn report_whole(reported: Reported) {
 // ---------------------------------------------------------------- return types and error policies
 
 /// The return type of an annotated function: `Result<T, E>` with a serializable `T`.
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` is not a `Result<T, E>`: #[idempotent] functions must return one (or an alias of one), so a refusal or a store failure can be returned as an error",
+    label = "the function's return type",
+    note = "return `Result<T, E>` with `T: Serialize + Deserialize` and `E: From<idempotent_runtime::Error>`"
+)]
 pub trait IdempotentReturn: Sized {
     /// The success value, recorded and replayed.
     type Value: Serialize + DeserializeOwned;

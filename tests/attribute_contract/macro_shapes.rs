@@ -593,8 +593,8 @@ fn registry_lists_every_function_with_file_line_and_policies() {
         .into_iter()
         .filter(|s| s.scope.starts_with("shapes."))
         .collect();
-    // 25 scopes; the shared scopes are listed once per claimant.
-    assert_eq!(ours.len(), 28, "{ours:#?}");
+    // 26 scopes; the shared scopes are listed once per claimant.
+    assert_eq!(ours.len(), 29, "{ours:#?}");
     assert!(
         ours.windows(2).all(|w| w[0].scope <= w[1].scope),
         "sorted by scope"
@@ -760,6 +760,26 @@ async fn a_parameter_under_cfg_is_fingerprinted_only_where_compiled_in() {
         .find(|s| s.scope == "shapes.cfg_param")
         .expect("registered");
     assert_eq!(info.fingerprinted_parameters, ["amount", "currency"]);
+}
+
+// ---- a `Result` alias of any name: the compiler checks what it stands for
+// (it was refused for not ending in `Result`).
+type ChargeOutcome<T> = std::result::Result<T, Error>;
+
+#[idempotent(scope = "shapes.named_alias", key = key, tenant = shared, store = store)]
+async fn named_alias(store: &MemoryStore, key: &str, amount: u64) -> ChargeOutcome<u64> {
+    Ok(amount)
+}
+
+#[tokio::test]
+async fn a_result_alias_of_any_name_is_taken() {
+    let store = MemoryStore::new();
+    assert_eq!(named_alias(&store, "k", 5).await.expect("runs"), 5);
+    let (again, outcome) = with_outcome(named_alias(&store, "k", 5)).await;
+    assert_eq!(
+        (again.expect("replays"), outcome),
+        (5, Some(Outcome::Replayed))
+    );
 }
 
 // ---- two parameters of one name under opposite `#[cfg]`s (one type per
