@@ -14,7 +14,6 @@ use idempotent_rules::duration::{DEFAULT_LEASE, DEFAULT_TTL};
 use idempotent_rules::manifest::{self, Manifest, ManifestError};
 use idempotent_rules::scope::nearest;
 use proc_macro2::{Span, TokenStream};
-use quote::ToTokens;
 use std::path::PathBuf;
 use std::time::Duration;
 use syn::ext::IdentExt;
@@ -145,18 +144,6 @@ pub(crate) struct Fingerprinted {
     /// Its `#[cfg]`s: it is fingerprinted (and listed) only where it is
     /// compiled in.
     pub cfgs: Vec<TokenStream>,
-    /// Its type names `impl Trait`: an anonymous type parameter, whose
-    /// type tells one instantiation from another.
-    pub impl_trait: bool,
-}
-
-/// Whether `tokens` (a type) hold the keyword `impl`, at any depth.
-fn mentions_impl(tokens: TokenStream) -> bool {
-    tokens.into_iter().any(|t| match t {
-        proc_macro2::TokenTree::Ident(i) => i == "impl",
-        proc_macro2::TokenTree::Group(g) => mentions_impl(g.stream()),
-        _ => false,
-    })
 }
 
 struct Param {
@@ -164,8 +151,7 @@ struct Param {
     name: Option<Ident>,
     /// Its `#[cfg]`s (see [`crate::item::cfgs_of`]).
     cfgs: Vec<TokenStream>,
-    /// Its type names `impl Trait` (anywhere in it).
-    impl_trait: bool,
+
     /// Where to point at in messages.
     span: Span,
     is_self: bool,
@@ -180,7 +166,6 @@ fn params(sig: &Signature) -> Vec<Param> {
             FnArg::Receiver(r) => Param {
                 name: Some(Ident::new("self", r.self_token.span)),
                 cfgs: Vec::new(),
-                impl_trait: false,
                 span: r.span(),
                 is_self: true,
                 is_wildcard: false,
@@ -189,7 +174,6 @@ fn params(sig: &Signature) -> Vec<Param> {
                 Pat::Ident(p) if p.subpat.is_none() => Param {
                     name: Some(p.ident.clone()),
                     cfgs: crate::item::cfgs_of(&t.attrs),
-                    impl_trait: mentions_impl(t.ty.to_token_stream()),
                     span: p.ident.span(),
                     is_self: p.ident == "self",
                     is_wildcard: false,
@@ -197,7 +181,6 @@ fn params(sig: &Signature) -> Vec<Param> {
                 other => Param {
                     name: None,
                     cfgs: Vec::new(),
-                    impl_trait: false,
                     span: other.span(),
                     is_self: false,
                     is_wildcard: matches!(other, Pat::Wild(_)),
@@ -485,7 +468,6 @@ fn cross(cx: &Ctxt, attr: Attr, sig: &Signature, env: &Env) -> Option<Spec> {
                 Some(n) => fingerprinted.push(Fingerprinted {
                     name: n.clone(),
                     cfgs: p.cfgs.clone(),
-                    impl_trait: p.impl_trait,
                 }),
                 None if p.is_wildcard => cx.error(
                     p.span,

@@ -7,7 +7,7 @@ use crate::attr::{self, Errors, InProgress, Tenant};
 use crate::check::{self, Env, Spec};
 use crate::item::MaybeItemFn;
 use proc_macro2::{Ident, Span, TokenStream};
-use quote::{quote, quote_spanned};
+use quote::{quote, quote_spanned, ToTokens};
 use std::time::Duration;
 use syn::ext::IdentExt;
 use syn::spanned::Spanned;
@@ -328,37 +328,46 @@ pub(crate) fn generate(func: &MaybeItemFn, spec: &Spec) -> TokenStream {
 
 /// What tells one instantiation of the function from another, added to the
 /// fingerprint (the runtime's `FingerprintBuilder::instantiation`): each type
-/// parameter's type and const parameter's value, `Self` of a method (a
-/// trait's default method runs for every implementor), and the type of each
-/// fingerprinted `impl Trait` parameter. All of them share the one scope.
+/// parameter and const parameter that no parameter's type mentions
+/// (`create::<User>(key)`, `batch::<3>(key)`, a type only the result has).
+/// One that a parameter's type mentions is told by that parameter: by its
+/// value when it is fingerprinted (as an integer's width is not), and not at
+/// all when it is skipped, a store or a transaction (`E: Executor` passed a
+/// pool by one caller and a transaction by another is one request). All
+/// instantiations share the one scope.
 fn instantiation_of(sig: &syn::Signature, spec: &Spec, builder: &Ident) -> Vec<TokenStream> {
     let krate = &spec.krate;
+    let in_a_parameter = |ident: &Ident| {
+        sig.inputs.iter().any(|input| match input {
+            syn::FnArg::Typed(t) => mentions(t.ty.to_token_stream(), ident),
+            syn::FnArg::Receiver(_) => false,
+        })
+    };
     let mut out = Vec::new();
     for param in &sig.generics.params {
-        match param {
-            syn::GenericParam::Type(t) => {
-                let (ident, name) = (&t.ident, format!("<{}>", t.ident.unraw()));
-                out.push(quote!(#krate::__private::fingerprint_type(
-                    &mut #builder, #name, ::core::any::type_name::<#ident>());));
-            }
-            syn::GenericParam::Const(c) => {
-                let (ident, name) = (&c.ident, format!("<{}>", c.ident.unraw()));
-                out.push(
-                    quote!(#krate::__private::fingerprint_const(&mut #builder, #name, &#ident);),
-                );
-            }
-            syn::GenericParam::Lifetime(_) => {}
+        let (ident, attrs) = match param {
+            syn::GenericParam::Type(t) => (&t.ident, &t.attrs),
+            syn::GenericParam::Const(c) => (&c.ident, &c.attrs),
+            syn::GenericParam::Lifetime(_) => continue,
+        };
+        if in_a_parameter(ident) {
+            continue;
         }
-    }
-    if sig.receiver().is_some() {
-        out.push(quote!(#krate::__private::fingerprint_type(
-            &mut #builder, "<Self>", ::core::any::type_name::<Self>());));
-    }
-    for f in spec.fingerprinted.iter().filter(|f| f.impl_trait) {
-        let (name, cfgs) = (&f.name, &f.cfgs);
-        let text = format!("<impl {}>", check::name_text(name));
-        out.push(quote!(#(#cfgs)* #krate::__private::fingerprint_type(
-            &mut #builder, #text, ::core::any::type_name_of_val(&#name));));
+        let (name, cfgs) = (format!("<{}>", ident.unraw()), crate::item::cfgs_of(attrs));
+        out.push(match param {
+            syn::GenericParam::Type(_) => quote!(#(#cfgs)* #krate::__private::fingerprint_type(
+                &mut #builder, #name, ::core::any::type_name::<#ident>());),
+            _ => quote!(#(#cfgs)* #krate::__private::fingerprint_const(&mut #builder, #name, &#ident);),
+        });
     }
     out
+}
+
+/// Whether `tokens` (a type) name `ident`, at any depth.
+fn mentions(tokens: TokenStream, ident: &Ident) -> bool {
+    tokens.into_iter().any(|t| match t {
+        proc_macro2::TokenTree::Ident(i) => i == *ident,
+        proc_macro2::TokenTree::Group(g) => mentions(g.stream(), ident),
+        _ => false,
+    })
 }

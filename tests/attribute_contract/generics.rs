@@ -1,10 +1,11 @@
-//! Instantiations of one generic function share its scope; what tells them
-//! apart goes into the fingerprint (a type parameter's type, a const
-//! parameter's value, `Self` of a method, an `impl Trait` parameter's type),
-//! so `create::<User>` and `create::<Order>` with one key are two requests:
-//! the second is refused as a reused key, never replayed the first one's
-//! answer (rule 7). A record an older build stored without them is still
-//! replayed (rule 6).
+//! Instantiations of one generic function share its scope. A type or const
+//! parameter that no parameter's type mentions (`create::<User>(key)`,
+//! `batch::<3>(key)`) goes into the fingerprint, so `create::<User>` and
+//! `create::<Order>` with one key are two requests: the second is refused as
+//! a reused key, never replayed the first one's answer (rule 7). One that a
+//! parameter's type mentions is told by that parameter (its value), or not
+//! at all when the parameter is skipped. A record an older build stored
+//! without them is still replayed (rule 6).
 
 use idempotent_runtime::{
     idempotent, with_outcome, AnsweredBy, Completion, Error, FingerprintBuilder, Identity,
@@ -40,15 +41,6 @@ async fn value<T: Serialize + Send + Sync>(
 #[idempotent(scope = "generics.batch", key = key, tenant = shared, store = store)]
 async fn batch<const N: usize>(store: &MemoryStore, key: &str) -> Result<usize, Error> {
     Ok(N)
-}
-
-#[idempotent(scope = "generics.anonymous", key = key, tenant = shared, store = store)]
-async fn anonymous(
-    store: &MemoryStore,
-    key: &str,
-    v: impl Serialize + Send + Sync,
-) -> Result<String, Error> {
-    idempotent_runtime::Fingerprint::of(&v).map(|_| "ran".to_owned())
 }
 
 trait Account: Sync {
@@ -99,21 +91,72 @@ async fn instantiations_of_one_generic_function_are_not_one_request() {
         "{again:?}"
     );
 
+    // A parameter of the type parameter's type tells by its value.
     assert_eq!(value(&store, "k", 7u8).await.expect("runs"), "u8");
-    reused(value(&store, "k", 7i64).await);
-    reused(value(&store, "k", Some(7u8)).await);
+    reused(value(&store, "k", 8u8).await);
 
     assert_eq!(batch::<3>(&store, "k").await.expect("runs"), 3);
     reused(batch::<2>(&store, "k").await);
 
-    assert_eq!(anonymous(&store, "k", 7u8).await.expect("runs"), "ran");
-    reused(anonymous(&store, "k", 7i64).await);
+    assert_eq!(under_cfg::<u8>(&store, "k").await.expect("runs"), 1);
+    reused(under_cfg::<u16>(&store, "k").await);
+}
 
+/// A trait's default method runs for every implementor under one scope, and
+/// `self` is not fingerprinted: the implementors are one request (README).
+#[tokio::test]
+async fn a_default_methods_implementors_share_its_records() {
+    let store = MemoryStore::new();
     assert_eq!(
         Savings.close(&store, "k").await.expect("runs"),
         "closed savings"
     );
-    reused(Checking.close(&store, "k").await);
+    let replayed = with_outcome(Checking.close(&store, "k")).await;
+    assert!(
+        matches!(replayed, (Ok(ref s), Some(Outcome::Replayed)) if s == "closed savings"),
+        "{replayed:?}"
+    );
+}
+
+/// A type parameter that only a skipped parameter's type mentions is not
+/// part of the request: one caller passing a pool and another a transaction
+/// (`E: Executor`) send one request.
+#[idempotent(scope = "generics.skipped", key = key, tenant = shared, store = store, skip(ctx))]
+async fn with_context<C: Sync + ?Sized>(
+    store: &MemoryStore,
+    key: &str,
+    ctx: &C,
+    amount: u32,
+) -> Result<u32, Error> {
+    let _ = ctx;
+    Ok(amount)
+}
+
+#[tokio::test]
+async fn a_type_parameter_of_a_skipped_parameter_does_not_count() {
+    let store = MemoryStore::new();
+    assert_eq!(with_context(&store, "k", &1u8, 5).await.expect("runs"), 5);
+    let replayed = with_outcome(with_context(&store, "k", "a transaction", 5)).await;
+    assert!(
+        matches!(replayed, (Ok(5), Some(Outcome::Replayed))),
+        "{replayed:?}"
+    );
+}
+
+/// A type parameter under `#[cfg]`: counted where it is compiled in.
+#[idempotent(scope = "generics.under_cfg", key = key, tenant = shared, store = store)]
+async fn under_cfg<#[cfg(any())] T, #[cfg(not(any()))] U: Default>(
+    store: &MemoryStore,
+    key: &str,
+) -> Result<u8, Error> {
+    let _ = U::default();
+    Ok(1)
+}
+
+#[idempotent(scope = "generics.priced", key = key, tenant = shared, store = store)]
+async fn priced<T: Default>(store: &MemoryStore, key: &str, v: u8) -> Result<String, Error> {
+    let _ = T::default();
+    Ok("ran".to_owned())
 }
 
 /// A record stored by a build that did not count instantiations (the
@@ -121,7 +164,7 @@ async fn instantiations_of_one_generic_function_are_not_one_request() {
 #[tokio::test]
 async fn a_record_stored_without_the_instantiation_is_still_replayed() {
     let store = MemoryStore::new();
-    let id = Identity::shared("generics.value", "old").expect("identity");
+    let id = Identity::shared("generics.priced", "old").expect("identity");
     let mut builder = FingerprintBuilder::new();
     builder.argument("v", &7u8);
     let old = builder
@@ -158,12 +201,12 @@ async fn a_record_stored_without_the_instantiation_is_still_replayed() {
         .await
         .expect("complete");
     assert!(written.is_written());
-    let replayed = with_outcome(value(&store, "old", 7u8)).await;
+    let replayed = with_outcome(priced::<User>(&store, "old", 7)).await;
     assert!(
         matches!(replayed, (Ok(ref s), Some(Outcome::Replayed)) if s == "recorded by an older build"),
         "{replayed:?}"
     );
-    reused(value(&store, "old", 8u8).await);
+    reused(priced::<User>(&store, "old", 8).await);
 }
 
 /// The claimants of a shared scope answer for each other (rule 21): a method
