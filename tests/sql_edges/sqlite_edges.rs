@@ -2046,6 +2046,97 @@ async fn until_the_lease_is_over_by(store: &SqliteStore, id: &Identity, over: i6
     .expect("the lease runs out");
 }
 
+/// A database file with a business table, for the tests below.
+async fn starved_database() -> (PathBuf, SqliteStore) {
+    let path = fresh_path();
+    let store = SqliteStore::connect(&url(&path)).await.expect("store");
+    sqlx::query("CREATE TABLE orders (id INTEGER)")
+        .execute(store.pool())
+        .await
+        .expect("a business table");
+    (path, store)
+}
+
+/// A caller's transaction begun with `begin` that has written, so it holds
+/// the database's write lock (a business write takes it in a deferred
+/// transaction too).
+async fn a_transaction_that_wrote(
+    store: &SqliteStore,
+    begin: &'static str,
+) -> sqlx::Transaction<'static, Sqlite> {
+    let mut tx = store.pool().begin_with(begin).await.expect("begin");
+    sqlx::query("INSERT INTO orders VALUES (1)")
+        .execute(&mut *tx)
+        .await
+        .expect("a write in the transaction");
+    tx
+}
+
+/// A store-mode owner of `tenant`'s key `k`, running until told to end.
+async fn owner_running(
+    store: &SqliteStore,
+    tenant: &str,
+    owner: &Arc<StarvedOwner>,
+) -> tokio::task::JoinHandle<(Result<u64, Error>, Option<Outcome>)> {
+    let (store, tenant, running) = (store.clone(), tenant.to_owned(), owner.clone());
+    let owned = tokio::spawn(async move {
+        with_outcome(starved_in_store(&store, &tenant, "k", &running)).await
+    });
+    owner.started.notified().await;
+    owned
+}
+
+/// The owner ends, having run its body once; the record is its answer.
+async fn owner_ends_once(
+    owned: tokio::task::JoinHandle<(Result<u64, Error>, Option<Outcome>)>,
+    owner: &StarvedOwner,
+) {
+    owner.end.notify_one();
+    let owned = tokio::time::timeout(Duration::from_secs(60), owned)
+        .await
+        .expect("the owner ends")
+        .expect("owner task");
+    assert!(
+        matches!(owned, (Ok(1), Some(Outcome::Executed))),
+        "{owned:?}"
+    );
+    assert_eq!(owner.runs.load(Ordering::SeqCst), 1, "the body ran once");
+}
+
+/// A record of `tenant`'s key `k` reserved by an owner that never writes again.
+async fn reserved_and_left(store: &SqliteStore, tenant: &str, lease: Duration) -> OwnerToken {
+    let id = Identity::new(tenant, "sqlite_edges.starved", "k").expect("identity");
+    let token = OwnerToken::new();
+    let reserved = store
+        .reserve(ReserveRequest {
+            identity: &id,
+            fingerprint: None,
+            token: &token,
+            lease,
+            ttl: Duration::from_secs(3600),
+        })
+        .await
+        .expect("reserve");
+    assert!(
+        matches!(reserved, Reservation::Acquired { .. }),
+        "{reserved:?}"
+    );
+    token
+}
+
+fn refused_as_stale(answer: &Result<u64, Error>) {
+    assert!(
+        matches!(
+            answer,
+            Err(Error::StaleSnapshot {
+                store: "sqlite",
+                ..
+            })
+        ),
+        "{answer:?}"
+    );
+}
+
 /// A store-mode owner is running; a caller's transaction takes SQLite's one
 /// write lock (`BEGIN IMMEDIATE`, or any write of its own) and holds it until
 /// the owner's lease has run out, since the owner cannot renew while the
@@ -2057,58 +2148,19 @@ async fn until_the_lease_is_over_by(store: &SqliteStore, id: &Identity, over: i6
 /// rollback the owner renews, completes, and a new transaction replays it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_transaction_holding_the_write_lock_never_takes_over_an_owner_it_starved() {
-    let path = fresh_path();
-    let store = SqliteStore::connect(&url(&path)).await.expect("store");
+    let (path, store) = starved_database().await;
     let tenant = uuid::Uuid::new_v4().simple().to_string();
     let id = Identity::new(&tenant, "sqlite_edges.starved", "k").expect("identity");
     let owner = Arc::new(StarvedOwner::default());
-    let owned = {
-        let (store, tenant, owner) = (store.clone(), tenant.clone(), owner.clone());
-        tokio::spawn(
-            async move { with_outcome(starved_in_store(&store, &tenant, "k", &owner)).await },
-        )
-    };
-    owner.started.notified().await;
-    sqlx::query("CREATE TABLE orders (id INTEGER)")
-        .execute(store.pool())
-        .await
-        .expect("a business table");
+    let owned = owner_running(&store, &tenant, &owner).await;
     for begin in ["BEGIN IMMEDIATE", "BEGIN"] {
-        let mut tx = store.pool().begin_with(begin).await.expect("begin");
-        // A business write takes the lock in a deferred transaction too.
-        sqlx::query("INSERT INTO orders VALUES (1)")
-            .execute(&mut *tx)
-            .await
-            .expect("a write in the transaction");
+        let mut tx = a_transaction_that_wrote(&store, begin).await;
         until_the_lease_is_over_by(&store, &id, 0).await;
-        let answer = starved_in_tx(&mut tx, &tenant, "k", &owner).await;
-        assert!(
-            matches!(
-                answer,
-                Err(Error::StaleSnapshot {
-                    store: "sqlite",
-                    ..
-                })
-            ),
-            "{begin}: {answer:?}"
-        );
+        refused_as_stale(&starved_in_tx(&mut tx, &tenant, "k", &owner).await);
         tx.rollback().await.expect("rollback");
     }
-    owner.end.notify_one();
-    let owned = tokio::time::timeout(Duration::from_secs(60), owned)
-        .await
-        .expect("the owner ends")
-        .expect("owner task");
-    assert!(
-        matches!(owned, (Ok(1), Some(Outcome::Executed))),
-        "{owned:?}"
-    );
-    assert_eq!(owner.runs.load(Ordering::SeqCst), 1, "the body ran once");
-    let mut tx = store
-        .pool()
-        .begin_with("BEGIN IMMEDIATE")
-        .await
-        .expect("begin");
+    owner_ends_once(owned, &owner).await;
+    let mut tx = a_transaction_that_wrote(&store, "BEGIN IMMEDIATE").await;
     let replayed = with_outcome(starved_in_tx(&mut tx, &tenant, "k", &owner)).await;
     tx.commit().await.expect("commit");
     assert!(
@@ -2120,48 +2172,51 @@ async fn a_transaction_holding_the_write_lock_never_takes_over_an_owner_it_starv
 }
 
 /// A crashed owner's record (reserved, never renewed) is taken over by such
-/// a transaction as soon as its lease has run out (rule 10): only an owner
-/// alive in this process is known to be kept from renewing.
+/// a transaction as soon as its lease has run out (rule 10); so is one whose
+/// owner of this process is done with it: it ended its lease on purpose (as
+/// a `recover` scope's failed body does), or handed the end of its lease to
+/// the store's worker when its call was dropped. Only an owner still at work
+/// in this process is known to be kept from writing (the last two were
+/// refused for ten seconds, or the whole lease).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_crashed_owners_record_is_taken_over_by_a_transaction_holding_the_write_lock() {
-    let path = fresh_path();
-    let store = SqliteStore::connect(&url(&path)).await.expect("store");
-    sqlx::query("CREATE TABLE orders (id INTEGER)")
-        .execute(store.pool())
-        .await
-        .expect("a business table");
+async fn a_transaction_holding_the_write_lock_takes_over_an_owner_that_is_gone() {
+    let (path, store) = starved_database().await;
     let owner = StarvedOwner::default();
-    for begin in ["BEGIN IMMEDIATE", "BEGIN"] {
+    let gone = [
+        ("crashed, BEGIN IMMEDIATE", "BEGIN IMMEDIATE"),
+        ("crashed, BEGIN", "BEGIN"),
+        ("heartbeat with a zero lease", "BEGIN IMMEDIATE"),
+        ("end_lease_detached", "BEGIN IMMEDIATE"),
+    ];
+    for (how, begin) in gone {
         let tenant = uuid::Uuid::new_v4().simple().to_string();
         let id = Identity::new(&tenant, "sqlite_edges.starved", "k").expect("identity");
-        let crashed = store
-            .reserve(ReserveRequest {
-                identity: &id,
-                fingerprint: None,
-                token: &OwnerToken::new(),
-                lease: Duration::from_millis(200),
-                ttl: Duration::from_secs(3600),
-            })
-            .await
-            .expect("reserve");
-        assert!(
-            matches!(crashed, Reservation::Acquired { .. }),
-            "{crashed:?}"
-        );
-        let mut tx = store.pool().begin_with(begin).await.expect("begin");
-        sqlx::query("INSERT INTO orders VALUES (1)")
-            .execute(&mut *tx)
-            .await
-            .expect("a write in the transaction");
+        if how.starts_with("crashed") {
+            reserved_and_left(&store, &tenant, Duration::from_millis(200)).await;
+        } else {
+            let token = reserved_and_left(&store, &tenant, Duration::from_secs(60)).await;
+            if how == "end_lease_detached" {
+                store.end_lease_detached(id.clone(), token);
+                let left = store.finish_background_work(Duration::from_secs(30)).await;
+                assert_eq!(left, 0);
+            } else {
+                let ended = store
+                    .heartbeat(&id, &token, Duration::ZERO)
+                    .await
+                    .expect("end the lease");
+                assert!(ended.is_written(), "{ended:?}");
+            }
+        }
+        let mut tx = a_transaction_that_wrote(&store, begin).await;
         until_the_lease_is_over_by(&store, &id, 0).await;
         let taken = with_outcome(starved_in_tx(&mut tx, &tenant, "k", &owner)).await;
         tx.commit().await.expect("commit");
         assert!(
             matches!(taken, (Ok(2), Some(Outcome::Executed))),
-            "{begin}: {taken:?}"
+            "{how}: {taken:?}"
         );
     }
-    assert_eq!(owner.runs.load(Ordering::SeqCst), 2);
+    assert_eq!(owner.runs.load(Ordering::SeqCst), 4);
     store.pool().close().await;
     remove(&path);
 }
@@ -2172,122 +2227,18 @@ async fn a_crashed_owners_record_is_taken_over_by_a_transaction_holding_the_writ
 /// is pending (it waits up to the busy timeout, and is tried again).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_transaction_holding_the_write_lock_never_takes_over_a_pending_completion() {
-    let path = fresh_path();
-    let store = SqliteStore::connect(&url(&path)).await.expect("store");
-    sqlx::query("CREATE TABLE orders (id INTEGER)")
-        .execute(store.pool())
-        .await
-        .expect("a business table");
+    let (path, store) = starved_database().await;
     let tenant = uuid::Uuid::new_v4().simple().to_string();
     let id = Identity::new(&tenant, "sqlite_edges.starved", "k").expect("identity");
     let owner = Arc::new(StarvedOwner::default());
-    let owned = {
-        let (store, tenant, owner) = (store.clone(), tenant.clone(), owner.clone());
-        tokio::spawn(
-            async move { with_outcome(starved_in_store(&store, &tenant, "k", &owner)).await },
-        )
-    };
-    owner.started.notified().await;
-    let mut tx = store
-        .pool()
-        .begin_with("BEGIN IMMEDIATE")
-        .await
-        .expect("begin");
-    sqlx::query("INSERT INTO orders VALUES (1)")
-        .execute(&mut *tx)
-        .await
-        .expect("a write in the transaction");
+    let owned = owner_running(&store, &tenant, &owner).await;
+    let mut tx = a_transaction_that_wrote(&store, "BEGIN IMMEDIATE").await;
     // The body ends (before its first renewal); its completion waits for the lock.
     owner.end.notify_one();
     until_the_lease_is_over_by(&store, &id, 1000).await;
-    let answer = starved_in_tx(&mut tx, &tenant, "k", &owner).await;
-    assert!(
-        matches!(
-            answer,
-            Err(Error::StaleSnapshot {
-                store: "sqlite",
-                ..
-            })
-        ),
-        "{answer:?}"
-    );
+    refused_as_stale(&starved_in_tx(&mut tx, &tenant, "k", &owner).await);
     tx.rollback().await.expect("rollback");
-    let owned = tokio::time::timeout(Duration::from_secs(60), owned)
-        .await
-        .expect("the owner ends")
-        .expect("owner task");
-    assert!(
-        matches!(owned, (Ok(1), Some(Outcome::Executed))),
-        "{owned:?}"
-    );
-    assert_eq!(owner.runs.load(Ordering::SeqCst), 1, "the body ran once");
-    store.pool().close().await;
-    remove(&path);
-}
-
-/// An owner of this process that is done with its record (it ended its
-/// lease on purpose, as a `recover` scope's failed body does, or handed the
-/// end of its lease to the store's worker when its call was dropped) is not
-/// at work: a transaction holding the write lock takes the record over at
-/// once. Both were refused as starved owners for a while (ten seconds, or the
-/// whole lease).
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn an_owner_that_ended_its_lease_is_taken_over_at_once() {
-    let path = fresh_path();
-    let store = SqliteStore::connect(&url(&path)).await.expect("store");
-    sqlx::query("CREATE TABLE orders (id INTEGER)")
-        .execute(store.pool())
-        .await
-        .expect("a business table");
-    let owner = StarvedOwner::default();
-    for ends in ["heartbeat with a zero lease", "end_lease_detached"] {
-        let tenant = uuid::Uuid::new_v4().simple().to_string();
-        let id = Identity::new(&tenant, "sqlite_edges.starved", "k").expect("identity");
-        let token = OwnerToken::new();
-        let reserved = store
-            .reserve(ReserveRequest {
-                identity: &id,
-                fingerprint: None,
-                token: &token,
-                lease: Duration::from_secs(60),
-                ttl: Duration::from_secs(3600),
-            })
-            .await
-            .expect("reserve");
-        assert!(
-            matches!(reserved, Reservation::Acquired { .. }),
-            "{reserved:?}"
-        );
-        if ends == "end_lease_detached" {
-            store.end_lease_detached(id.clone(), token.clone());
-            assert_eq!(
-                store.finish_background_work(Duration::from_secs(30)).await,
-                0
-            );
-        } else {
-            let ended = store
-                .heartbeat(&id, &token, Duration::ZERO)
-                .await
-                .expect("end the lease");
-            assert!(ended.is_written(), "{ended:?}");
-        }
-        until_the_lease_is_over_by(&store, &id, 0).await;
-        let mut tx = store
-            .pool()
-            .begin_with("BEGIN IMMEDIATE")
-            .await
-            .expect("begin");
-        sqlx::query("INSERT INTO orders VALUES (1)")
-            .execute(&mut *tx)
-            .await
-            .expect("a write in the transaction");
-        let taken = with_outcome(starved_in_tx(&mut tx, &tenant, "k", &owner)).await;
-        tx.commit().await.expect("commit");
-        assert!(
-            matches!(taken, (Ok(2), Some(Outcome::Executed))),
-            "{ends}: {taken:?}"
-        );
-    }
+    owner_ends_once(owned, &owner).await;
     store.pool().close().await;
     remove(&path);
 }
