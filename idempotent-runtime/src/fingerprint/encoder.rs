@@ -745,15 +745,6 @@ impl ser::Error for EncodeError {
     }
 }
 
-/// A map key's text for an error path, rendered only when an error needs it.
-fn render_key<K: ?Sized + Serialize>(key: &K) -> String {
-    let mut enc = Encoder::new(Mode::Canonical);
-    match key.serialize(KeySerializer { enc: &mut enc }) {
-        Ok(_) => String::from_utf8_lossy(&enc.out).into_owned(),
-        Err(_) => "?".to_owned(),
-    }
-}
-
 // ---------------------------------------------------------------------------
 // The serializer
 
@@ -1205,9 +1196,12 @@ impl<'a> Map<'a> {
         Ok(())
     }
 
-    fn written_key(enc: &Encoder, key: Pending) -> Segment {
-        let text = &enc.out[key.start..key.start + key.key_len];
-        Segment::Key(String::from_utf8_lossy(text).into_owned())
+    /// Where in a map an error is: by the entry's place, never its key,
+    /// which is request or result data (an e-mail address, a name) and
+    /// would reach logs with the message (rule 2: messages carry no
+    /// personal data).
+    fn entry_segment(entry: usize) -> Segment {
+        Segment::Key(format!("entry #{entry}"))
     }
 
     fn entry<K: ?Sized + Serialize, V: ?Sized + Serialize>(
@@ -1218,14 +1212,14 @@ impl<'a> Map<'a> {
         if self.enc.mode == Mode::Check {
             // Keys are not walked: JSON keys are strings and numbers, and
             // serde_json itself refuses the rest when recording.
-            return self
-                .enc
-                .nested(value)
-                .map(|_| ())
-                .map_err(|e| e.at(Segment::Key(render_key(key))).in_variant(self.variant));
+            return self.enc.nested(value).map(|_| ()).map_err(|e| {
+                e.at(Map::entry_segment(self.count))
+                    .in_variant(self.variant)
+            });
         }
         let pending = self.key(key)?;
-        self.value(pending, value, |enc| Map::written_key(enc, pending))
+        let entry = self.count;
+        self.value(pending, value, |_| Map::entry_segment(entry))
     }
 
     fn field<T: ?Sized + Serialize>(&mut self, name: &'static str, value: &T) -> Result<()> {
@@ -1380,7 +1374,10 @@ impl SerializeMap for Map<'_> {
             });
         }
         match self.pending.take() {
-            Some(pending) => self.value(pending, value, |enc| Map::written_key(enc, pending)),
+            Some(pending) => {
+                let entry = self.count;
+                self.value(pending, value, |_| Map::entry_segment(entry))
+            }
             None => Err(ser::Error::custom(
                 "serialize_value was called before serialize_key",
             )),

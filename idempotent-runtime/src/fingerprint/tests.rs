@@ -1492,7 +1492,10 @@ fn unserializable_argument_is_reported_by_name_and_path() {
     match b.finish() {
         Err(Error::Fingerprint { argument, message }) => {
             assert_eq!(argument, "weird");
-            assert_eq!(message, r#"the lock was poisoned (at `items[1]["k"]`)"#);
+            assert_eq!(
+                message,
+                r#"the lock was poisoned (at `items[1][entry #0]`)"#
+            );
         }
         other => panic!("expected a fingerprint error, got {other:?}"),
     }
@@ -1606,14 +1609,14 @@ fn faithful_check_names_what_and_where() {
                 totals: [("EUR", f64::INFINITY)].into(),
                 ..fine()
             },
-            r#"`totals["EUR"]` is the non-finite float inf"#,
+            r#"`totals[entry #0]` is the non-finite float inf"#,
         ),
         (
             Receipt {
                 by_id: [(7, Some(f64::NEG_INFINITY))].into(),
                 ..fine()
             },
-            r#"`by_id["7"]` is the non-finite float -inf"#,
+            r#"`by_id[entry #0]` is the non-finite float -inf"#,
         ),
         (
             Receipt {
@@ -1649,7 +1652,9 @@ fn faithful_check_names_what_and_where() {
     );
     assert_eq!(
         check_faithful_json(&HashMap::from([(1u8, [0.0, f64::INFINITY])])),
-        Err(format!("`[\"1\"][1]` is the non-finite float inf{suffix}"))
+        Err(format!(
+            "`[entry #0][1]` is the non-finite float inf{suffix}"
+        ))
     );
 }
 
@@ -2328,4 +2333,27 @@ fn type_names_lose_their_module_paths() {
         "Option<(B, [D; 3])>"
     );
     assert_eq!(short_type_name("dyn core::fmt::Debug"), "dyn Debug");
+}
+
+/// A map's keys are request or result data (an e-mail address, a name): an
+/// error names the entry by its place, never by its key, since the message
+/// reaches logs (a 5xx answer over HTTP is logged with it).
+#[test]
+fn an_error_inside_a_map_does_not_show_its_key() {
+    let personal = "alice.personal@example.com";
+    let result = HashMap::from([(personal.to_owned(), f64::NAN)]);
+    let e = check_faithful_json(&result).expect_err("NaN cannot be recorded");
+    assert!(!e.contains(personal) && e.contains("entry #0"), "{e}");
+    // An argument whose value at that key cannot be fingerprinted.
+    struct Unwritable;
+    impl Serialize for Unwritable {
+        fn serialize<S: Serializer>(&self, _: S) -> Result<S::Ok, S::Error> {
+            Err(serde::ser::Error::custom("cannot be written"))
+        }
+    }
+    let argument = BTreeMap::from([(personal.to_owned(), Unwritable)]);
+    let e = Fingerprint::of(&argument)
+        .expect_err("unwritable")
+        .to_string();
+    assert!(!e.contains(personal) && e.contains("entry #0"), "{e}");
 }
