@@ -896,7 +896,7 @@ where
 }
 
 /// What the reservation histogram's `outcome` label says.
-fn reserve_label(reserved: &Result<Reserved, Error>) -> &'static str {
+pub(crate) fn reserve_label(reserved: &Result<Reserved, Error>) -> &'static str {
     match reserved {
         Ok(Reserved::Acquired(a)) if a.took_over => "took_over",
         Ok(Reserved::Acquired(_)) => "acquired",

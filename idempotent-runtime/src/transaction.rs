@@ -14,7 +14,7 @@
 //! refused with [`Error::NotInTransaction`] before anything is written.
 
 use crate::engine::{
-    failure_outcome, hook_answer, replay, report, reserve, reserve_request, settle,
+    failure_outcome, hook_answer, replay, report, reserve, reserve_label, reserve_request, settle,
     within_a_runtime, ErrorHandling, IdempotentReturn, Outcome, RecordSink, Recover, Reserved,
     Reserver,
 };
@@ -268,6 +268,8 @@ pub struct HeldInTransaction {
     identity: Identity,
     token: OwnerToken,
     span: tracing::Span,
+    /// When the body started (for its duration's histogram).
+    running: std::time::Instant,
 }
 
 /// Runs the body of a transactional call inside the call's tracing span.
@@ -368,7 +370,10 @@ where
     }
     let token = OwnerToken::new();
     let request = reserve_request(spec, &identity, fingerprint.as_ref(), &token);
-    let acquired = match reserve(InTransaction(&mut *connection), request, spec, None).await {
+    let reserving = std::time::Instant::now();
+    let reserved = reserve(InTransaction(&mut *connection), request, spec, None).await;
+    crate::metrics::reserve_time(spec.scope, reserve_label(&reserved), reserving.elapsed());
+    let acquired = match reserved {
         Ok(Reserved::Acquired(acquired)) => acquired,
         Ok(Reserved::Replay(outcome)) => {
             let (replayed, outcome) =
@@ -405,6 +410,7 @@ where
         identity,
         token,
         span,
+        running: std::time::Instant::now(),
     })
 }
 
@@ -501,8 +507,15 @@ where
         spec,
         identity,
         token,
+        running,
         ..
     } = held;
+    let result = result.into_result();
+    crate::metrics::body_time(
+        spec.scope,
+        if result.is_ok() { "ok" } else { "err" },
+        running.elapsed(),
+    );
     METRICS.executed.fetch_add(1, Ordering::Relaxed);
     report(Outcome::Executed);
     let mut sink = TransactionSink {
@@ -510,13 +523,5 @@ where
         identity: &identity,
         token: &token,
     };
-    settle::<R, H>(
-        spec,
-        &identity,
-        &mut sink,
-        errors,
-        result.into_result(),
-        AnsweredBy::Body,
-    )
-    .await
+    settle::<R, H>(spec, &identity, &mut sink, errors, result, AnsweredBy::Body).await
 }

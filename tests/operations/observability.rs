@@ -22,6 +22,18 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::Notify;
 
+/// A call in transactional mode (on an in-memory SQLite database): its
+/// reservation and its body are timed like a store-mode call's.
+#[idempotent(scope = "obs.tx", key = key, tenant = tenant, tx = tx)]
+async fn in_tx(
+    tx: &mut sqlx::Transaction<'_, sqlx::Sqlite>,
+    tenant: &str,
+    key: &str,
+    amount: u64,
+) -> Result<u64, Error> {
+    Ok(amount)
+}
+
 /// Where a body stops for good (the in-process crash).
 #[derive(Default)]
 struct Crash {
@@ -194,6 +206,17 @@ fn metrics_count_every_event_by_scope_and_outcome() {
         gate.notify_one();
         assert!(matches!(running.await.unwrap(), Err(Error::LeaseLost(_))));
 
+        // obs.tx: executed, then replayed, each in a transaction of its own.
+        let sqlite = idempotent_runtime::SqliteStore::connect("sqlite::memory:")
+            .await
+            .expect("sqlite");
+        for expected in [Outcome::Executed, Outcome::Replayed] {
+            let mut tx = sqlite.pool().begin().await.expect("begin");
+            let (got, outcome) = with_outcome(in_tx(&mut tx, &t, "x1", 3)).await;
+            tx.commit().await.expect("commit");
+            assert_eq!((got.unwrap(), outcome), (3, Some(expected)));
+        }
+
         // obs.short_ttl: one record that expires at once, purged.
         let purge_store = MemoryStore::new();
         short_ttl(&purge_store, &t, "p1").await.unwrap();
@@ -281,6 +304,12 @@ fn metrics_count_every_event_by_scope_and_outcome() {
             &[("scope", scope), ("outcome", outcome)],
         )
     };
+    // Transactional mode too.
+    assert_eq!(reserve("obs.tx", "acquired"), 1);
+    assert_eq!(reserve("obs.tx", "replayed"), 1);
+    assert_eq!(body("obs.tx", "ok"), 1);
+    assert_eq!(calls("obs.tx", "executed"), 1);
+    assert_eq!(calls("obs.tx", "replayed"), 1);
     // Crashed bodies never finish; a recovered call has no body.
     assert_eq!(body("obs.charge", "ok"), 1);
     assert_eq!(body("obs.blind", "ok"), 1);
