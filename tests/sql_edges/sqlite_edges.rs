@@ -2242,3 +2242,58 @@ async fn a_transaction_holding_the_write_lock_never_takes_over_a_pending_complet
     store.pool().close().await;
     remove(&path);
 }
+
+/// The same when the owner's completion gave up waiting (a pool's short busy
+/// timeout) and was handed to the store's background worker, which goes on
+/// trying: the owner is at work for as long as the worker tries. It counted
+/// for one lease after the hand-over only, and then the call in the
+/// transaction took the record over (the body ran twice).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_transaction_holding_the_write_lock_never_takes_over_a_completion_the_worker_writes() {
+    use sqlx::sqlite::SqliteJournalMode;
+    use std::str::FromStr;
+    let path = fresh_path();
+    let options = SqliteConnectOptions::from_str(&url(&path))
+        .expect("url")
+        .create_if_missing(true)
+        .journal_mode(SqliteJournalMode::Wal)
+        .busy_timeout(Duration::from_millis(300));
+    let pool = SqlitePoolOptions::new()
+        .connect_with(options)
+        .await
+        .expect("pool");
+    let store = SqliteStore::from_pool(pool).await.expect("store");
+    sqlx::query("CREATE TABLE orders (id INTEGER)")
+        .execute(store.pool())
+        .await
+        .expect("a business table");
+    let tenant = uuid::Uuid::new_v4().simple().to_string();
+    let id = Identity::new(&tenant, "sqlite_edges.starved", "k").expect("identity");
+    let owner = Arc::new(StarvedOwner::default());
+    let owned = owner_running(&store, &tenant, &owner).await;
+    let mut tx = a_transaction_that_wrote(&store, "BEGIN IMMEDIATE").await;
+    owner.end.notify_one();
+    // Its completion fails after the busy timeout and goes to the worker.
+    let owned = tokio::time::timeout(Duration::from_secs(60), owned)
+        .await
+        .expect("the owner's call ends")
+        .expect("owner task");
+    assert!(matches!(owned.0, Err(Error::Store(_))), "{owned:?}");
+    until_the_lease_is_over_by(&store, &id, 1000).await;
+    refused_as_stale(&starved_in_tx(&mut tx, &tenant, "k", &owner).await);
+    tx.rollback().await.expect("rollback");
+    assert_eq!(
+        store.finish_background_work(Duration::from_secs(60)).await,
+        0
+    );
+    let mut tx = a_transaction_that_wrote(&store, "BEGIN IMMEDIATE").await;
+    let replayed = with_outcome(starved_in_tx(&mut tx, &tenant, "k", &owner)).await;
+    tx.commit().await.expect("commit");
+    assert!(
+        matches!(replayed, (Ok(1), Some(Outcome::Replayed))),
+        "the worker recorded the owner's answer: {replayed:?}"
+    );
+    assert_eq!(owner.runs.load(Ordering::SeqCst), 1, "the body ran once");
+    store.pool().close().await;
+    remove(&path);
+}

@@ -9,7 +9,8 @@ use serde::Serialize;
 /// serde_json writes a non-finite `f32`/`f64` (`inf`, `-inf`, `NaN`) as
 /// `null`, so a result holding one would replay as something else, or fail
 /// to decode on every retry. The error names the value and where it is, as
-/// a path of fields, indices (`[2]`) and map keys (`["EUR"]`).
+/// a path of fields, indices (`[2]`) and map entries by place (`[entry #0]`,
+/// never the key: it may be personal data).
 ///
 /// Failures of the value's own `Serialize` are not this check's business:
 /// it answers `Ok(())` and leaves them to the serializer that records.

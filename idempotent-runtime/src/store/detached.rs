@@ -125,10 +125,15 @@ impl Drop for Finished {
     }
 }
 
+/// Something a store keeps alive for as long as a job is under way (SQLite's
+/// account of its owners still at work).
+pub(crate) type KeepWhileRunning = Option<Box<dyn Send>>;
+
 struct Job {
     identity: Identity,
     token: OwnerToken,
     work: Work,
+    keep: KeepWhileRunning,
     /// A release or an end of lease that finds nothing is tried again until
     /// then (the real clock: the caller's runtime may have paused its own).
     search_until: std::time::Instant,
@@ -192,9 +197,16 @@ impl Detached {
         }
     }
 
-    /// Hands `work` on `identity` (owned by `token`) to the background thread.
-    /// Never blocks and never needs the caller's runtime.
-    pub(crate) fn hand_over(&self, identity: Identity, token: OwnerToken, work: Work) {
+    /// Hands `work` on `identity` (owned by `token`) to the background thread,
+    /// keeping `keep` until the job is done or given up. Never blocks and
+    /// never needs the caller's runtime.
+    pub(crate) fn hand_over(
+        &self,
+        identity: Identity,
+        token: OwnerToken,
+        work: Work,
+        keep: KeepWhileRunning,
+    ) {
         let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
         if let State::Idle(open) = &mut *state {
             match open.take().map(|open| start(self.store, open)) {
@@ -214,6 +226,7 @@ impl Detached {
             identity,
             token,
             work,
+            keep,
             search_until: std::time::Instant::now() + lands_within,
             finished: Finished(self.unfinished.clone()),
         };
@@ -242,12 +255,14 @@ fn start(store: &'static str, open: OpenFn) -> std::io::Result<mpsc::UnboundedSe
                 identity,
                 token,
                 work,
+                keep,
                 search_until,
                 finished,
             } = job;
             let job = with_retries(store, write.clone(), identity, token, work, search_until);
             running.spawn(async move {
                 job.await;
+                drop(keep);
                 drop(finished);
             });
             while running.try_join_next().is_some() {}
@@ -372,10 +387,11 @@ fn lost(store: &'static str, identity: &Identity, work: &Work, why: &str) {
 /// ([`Detached::hand_over`]). Written once for the SQL stores.
 macro_rules! hand_over_to_the_worker {
     () => {
-        $crate::store::detached::hand_over_to_the_worker!(told = |_, _| {});
+        $crate::store::detached::hand_over_to_the_worker!(told = |_, _| None);
     };
     // `told(&token, completing)` is called first: the store keeps its own
-    // account of its owners (SQLite's live owners).
+    // account of its owners (SQLite's live owners), and what it answers is
+    // kept until the job is done or given up.
     (told = $told:expr) => {
         // Written as `#[async_trait]` expands an `async fn`: this macro is
         // expanded after the attribute has rewritten the impl.
@@ -391,26 +407,35 @@ macro_rules! hand_over_to_the_worker {
         }
 
         fn release_detached(&self, identity: Identity, token: OwnerToken) {
-            let told: fn(&OwnerToken, bool) = $told;
-            told(&token, false);
-            self.detached
-                .hand_over(identity, token, $crate::store::detached::Work::Release);
+            let told: fn(&OwnerToken, bool) -> $crate::store::detached::KeepWhileRunning = $told;
+            let keep = told(&token, false);
+            self.detached.hand_over(
+                identity,
+                token,
+                $crate::store::detached::Work::Release,
+                keep,
+            );
         }
 
         fn end_lease_detached(&self, identity: Identity, token: OwnerToken) {
-            let told: fn(&OwnerToken, bool) = $told;
-            told(&token, false);
-            self.detached
-                .hand_over(identity, token, $crate::store::detached::Work::EndLease);
+            let told: fn(&OwnerToken, bool) -> $crate::store::detached::KeepWhileRunning = $told;
+            let keep = told(&token, false);
+            self.detached.hand_over(
+                identity,
+                token,
+                $crate::store::detached::Work::EndLease,
+                keep,
+            );
         }
 
         fn complete_detached(&self, completion: $crate::store::Completion<'_>) {
-            let told: fn(&OwnerToken, bool) = $told;
-            told(completion.token, true);
+            let told: fn(&OwnerToken, bool) -> $crate::store::detached::KeepWhileRunning = $told;
+            let keep = told(completion.token, true);
             self.detached.hand_over(
                 completion.identity.clone(),
                 completion.token.clone(),
                 $crate::store::detached::Work::Complete(completion.answer()),
+                keep,
             );
         }
     };
@@ -452,7 +477,7 @@ mod tests {
             .expect("runtime");
         caller.block_on(async {
             let id = Identity::new("t", "releaser.test", "k").expect("identity");
-            detached.hand_over(id, OwnerToken::new(), Work::Release);
+            detached.hand_over(id, OwnerToken::new(), Work::Release, None);
         });
         drop(caller);
         let n = done_rx
@@ -554,7 +579,7 @@ mod tests {
             );
             for key in ["a", "b"] {
                 let id = Identity::new("t", "releaser.test", key).expect("identity");
-                detached.hand_over(id, OwnerToken::new(), Work::Release);
+                detached.hand_over(id, OwnerToken::new(), Work::Release, None);
             }
             assert_eq!(
                 detached.finish_within(Duration::from_millis(50)).await,

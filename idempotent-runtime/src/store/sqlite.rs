@@ -750,6 +750,10 @@ impl SqliteStore {
                             if matches!(done, Ok(Fenced::Written)) {
                                 waiters.notify(&identity);
                             }
+                            if done.is_ok() {
+                                // Written or fenced out: the owner is done.
+                                super::sqlite_owners::ended(&token);
+                            }
                             done
                         })
                     })

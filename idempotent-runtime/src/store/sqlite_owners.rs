@@ -80,20 +80,25 @@ pub(super) fn reserved(token: &OwnerToken, lease: Duration, sent: Instant) {
 
 /// `token`'s owner is done: completed, released, its lease ended on purpose
 /// or lost.
-pub(super) fn ended(token: &OwnerToken) {
+pub(crate) fn ended(token: &OwnerToken) {
     owners().by_token.remove(token.as_str());
 }
 
 /// `token`'s owner handed its record to the store's background worker (its
-/// call was dropped, or its completion could not be written): a completion
-/// (`completing`, its body has run) counts as alive for a lease from now;
-/// a release or an ended lease ends it.
-pub(crate) fn handed_over(token: &OwnerToken, completing: bool) {
-    let mut owners = owners();
-    if !completing {
-        owners.by_token.remove(token.as_str());
-    } else if let Some(owner) = owners.by_token.get_mut(token.as_str()) {
-        owner.last = Instant::now();
+/// call was dropped, or its completion could not be written). A completion
+/// (`completing`: its body has run) keeps the owner at work for as long as
+/// the worker tries to write it (the answer, a [`Writing`], is kept with the
+/// job; the worker ends the owner once it is written or fenced out); a
+/// release or an ended lease ends it.
+pub(crate) fn handed_over(
+    token: &OwnerToken,
+    completing: bool,
+) -> super::detached::KeepWhileRunning {
+    if completing {
+        Some(Box::new(Writing::begins(token, None)))
+    } else {
+        ended(token);
+        None
     }
 }
 
