@@ -363,10 +363,23 @@ fn instantiation_of(sig: &syn::Signature, spec: &Spec, builder: &Ident) -> Vec<T
     out
 }
 
-/// Whether `tokens` (a type) name `ident`, at any depth.
+/// Whether `tokens` (a type) hold the type parameter `ident` as a type of
+/// its own, at any depth (`T`, `&T`, `Vec<T>`, `[T; 2]`): its value then
+/// tells which `T` it is. Not a path through it (`T::Id`, `<T as Tr>::Id`:
+/// one `Id` type may serve many `T`s) nor another path ending in the same
+/// name (`my::T`).
 fn mentions(tokens: TokenStream, ident: &Ident) -> bool {
-    tokens.into_iter().any(|t| match t {
-        proc_macro2::TokenTree::Ident(i) => i == *ident,
+    let tokens: Vec<proc_macro2::TokenTree> = tokens.into_iter().collect();
+    let is_colon = |t: Option<&proc_macro2::TokenTree>| matches!(t, Some(proc_macro2::TokenTree::Punct(p)) if p.as_char() == ':');
+    tokens.iter().enumerate().any(|(i, t)| match t {
+        proc_macro2::TokenTree::Ident(name) if name == ident => {
+            let (before, after) = (
+                i.checked_sub(1).and_then(|b| tokens.get(b)),
+                tokens.get(i + 1),
+            );
+            let as_keyword = matches!(after, Some(proc_macro2::TokenTree::Ident(a)) if a == "as");
+            !is_colon(before) && !is_colon(after) && !as_keyword
+        }
         proc_macro2::TokenTree::Group(g) => mentions(g.stream(), ident),
         _ => false,
     })

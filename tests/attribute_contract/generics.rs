@@ -102,6 +102,51 @@ async fn instantiations_of_one_generic_function_are_not_one_request() {
     reused(under_cfg::<u16>(&store, "k").await);
 }
 
+mod other {
+    /// A type named like the type parameter below.
+    pub type T = u8;
+}
+
+pub trait Model {
+    type Id: Serialize + Send + Sync;
+}
+
+impl Model for User {
+    type Id = u64;
+}
+
+impl Model for Order {
+    type Id = u64;
+}
+
+/// `T` names another type here (`other::T`): the parameter does not tell
+/// which `T` the call is for.
+#[idempotent(scope = "generics.same_name", key = key, tenant = shared, store = store)]
+async fn same_name<T: Default>(store: &MemoryStore, key: &str, x: other::T) -> Result<u8, Error> {
+    let _ = T::default();
+    Ok(x)
+}
+
+/// `T::Id` is `u64` for both models: its value does not tell which `T`.
+#[idempotent(scope = "generics.associated", key = key, tenant = shared, store = store)]
+async fn fetch<T: Model>(store: &MemoryStore, key: &str, id: T::Id) -> Result<String, Error> {
+    let _ = id;
+    Ok(std::any::type_name::<T>()
+        .rsplit("::")
+        .next()
+        .unwrap_or_default()
+        .to_owned())
+}
+
+#[tokio::test]
+async fn a_type_parameter_only_named_in_a_path_still_counts() {
+    let store = MemoryStore::new();
+    assert_eq!(same_name::<User>(&store, "k", 1).await.expect("runs"), 1);
+    reused(same_name::<Order>(&store, "k", 1).await);
+    assert_eq!(fetch::<User>(&store, "k", 7).await.expect("runs"), "User");
+    reused(fetch::<Order>(&store, "k", 7).await);
+}
+
 /// A trait's default method runs for every implementor under one scope, and
 /// `self` is not fingerprinted: the implementors are one request (README).
 #[tokio::test]
