@@ -11,6 +11,7 @@ use foldhash::fast::SeedableRandomState;
 use foldhash::SharedSeed;
 use hashbrown::hash_table::{Entry, HashTable};
 use std::hash::BuildHasher;
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{SystemTime, UNIX_EPOCH};
 use tokio::sync::Notify;
@@ -141,6 +142,12 @@ impl StoredIdentity {
 #[derive(Debug)]
 struct Inner {
     records: Mutex<HashTable<Slot>>,
+    /// No record counts as absent before this (ms on the store's clock):
+    /// lowered under the records' lock by every write that can make a
+    /// record purgeable sooner, raised by a purge that looked at them all.
+    /// A purge before it looks at nothing, so a purge that has nothing to
+    /// delete does not hold the lock for a scan of the whole table.
+    earliest_purgeable: std::sync::atomic::AtomicI64,
     /// Keyed per store from the OS's randomness (identities are client
     /// input: their hashes must not be predictable).
     hasher: SeedableRandomState,
@@ -189,6 +196,7 @@ impl MemoryStore {
         MemoryStore {
             inner: Arc::new(Inner {
                 records: Mutex::new(HashTable::new()),
+                earliest_purgeable: std::sync::atomic::AtomicI64::new(i64::MAX),
                 hasher: SeedableRandomState::with_seed(
                     uuid::Uuid::new_v4().as_u64_pair().0,
                     SharedSeed::global_random(),
@@ -242,6 +250,7 @@ impl MemoryStore {
                 let retention = r.expires_at_ms.saturating_sub(r.lease_expires_at_ms);
                 r.expires_at_ms = r.expires_at_ms.max(until.saturating_add(retention));
                 r.lease_expires_at_ms = until;
+                self.purgeable_from(r);
                 if shortened {
                     // A lease ended early (the engine ends one so the next
                     // call takes over at once): waiters sleep until the old
@@ -252,6 +261,14 @@ impl MemoryStore {
             }
             _ => false,
         }
+    }
+
+    /// `r` (just written, the records' lock held) counts as absent from
+    /// [`purgeable_at`] on: the purge must look by then.
+    fn purgeable_from(&self, r: &Record) {
+        self.inner
+            .earliest_purgeable
+            .fetch_min(purgeable_at(r), Ordering::Relaxed);
     }
 
     fn release_now(&self, identity: &Identity, token: &OwnerToken) -> bool {
@@ -277,6 +294,7 @@ impl MemoryStore {
                 r.outcome = Some(completion.outcome.clone());
                 r.expires_at_ms = now.saturating_add(duration_to_millis(completion.ttl));
                 r.lease_expires_at_ms = now;
+                self.purgeable_from(r);
                 r.recovered = completion.marks_recovered();
                 r.wake_waiters();
                 true
@@ -317,6 +335,14 @@ fn find_mut<'a>(
 /// bytes without reading them back as text.
 fn conflict(stored: Option<&Text<FINGERPRINT_BYTES>>, incoming: Option<&str>) -> bool {
     matches!((stored, incoming), (Some(a), Some(b)) if a.as_bytes() != b.as_bytes())
+}
+
+/// When `r` starts to count as absent ([`is_expired`]).
+fn purgeable_at(r: &Record) -> i64 {
+    match r.state {
+        RecordState::Complete => r.expires_at_ms,
+        RecordState::InProgress => r.expires_at_ms.max(r.lease_expires_at_ms),
+    }
 }
 
 fn is_expired(r: &Record, now: i64) -> bool {
@@ -364,6 +390,9 @@ impl Store for MemoryStore {
                         waiters: None,
                     }),
                 });
+                self.inner
+                    .earliest_purgeable
+                    .fetch_min(expires_at_ms.max(lease_expires_at_ms), Ordering::Relaxed);
                 return Ok(Reservation::FRESH);
             }
         };
@@ -398,6 +427,7 @@ impl Store for MemoryStore {
         r.outcome = None;
         r.lease_expires_at_ms = lease_expires_at_ms;
         r.expires_at_ms = expires_at_ms;
+        self.purgeable_from(r);
         r.attempt = attempt;
         r.attempt_started_at_ms = now;
         r.recovered = false;
@@ -470,16 +500,25 @@ impl Store for MemoryStore {
     async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError> {
         let now = self.now_ms();
         let mut records = self.records();
+        // Read under the lock every write that lowers it holds.
+        if now < self.inner.earliest_purgeable.load(Ordering::Relaxed) {
+            return Ok(0);
+        }
         let mut left = batch;
+        let mut earliest = i64::MAX;
         records.retain(|slot| {
             let r = &mut slot.record;
             if left == 0 || !is_expired(r, now) {
+                earliest = earliest.min(purgeable_at(r));
                 return true;
             }
             left -= 1;
             r.wake_waiters();
             false
         });
+        self.inner
+            .earliest_purgeable
+            .store(earliest, Ordering::Relaxed);
         Ok(u64::from(batch - left))
     }
 
@@ -576,6 +615,73 @@ impl Store for MemoryStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A purge looks at the records only once one may count as absent; each
+    /// write that makes a record purgeable sooner (a reservation, a takeover,
+    /// a completion, a lease ended early) tells it so. Every record made
+    /// purgeable by one of them is purged.
+    #[tokio::test(start_paused = true)]
+    async fn a_purge_finds_what_every_kind_of_write_made_purgeable() {
+        let store = MemoryStore::new();
+        let ms = Duration::from_millis;
+        let hour = Duration::from_secs(3600);
+        let reserve = |key: &'static str, token: &OwnerToken, lease, ttl| {
+            let (store, token) = (store.clone(), token.clone());
+            async move {
+                let id = Identity::new("t", "memory.purge", key).expect("identity");
+                let request = ReserveRequest {
+                    identity: &id,
+                    fingerprint: None,
+                    token: &token,
+                    lease,
+                    ttl,
+                };
+                let answer = store.reserve(request).await.expect("reserve");
+                assert!(matches!(answer, Reservation::Acquired { .. }), "{answer:?}");
+                id
+            }
+        };
+        let purge = || async { store.purge_expired(100).await.expect("purge") };
+
+        // Live for an hour: nothing to purge (and nothing looked at).
+        let token = OwnerToken::new();
+        let completed = reserve("completed", &token, hour, hour).await;
+        assert_eq!(purge().await, 0);
+        // A completion with a short ttl.
+        let outcome = StoredOutcome {
+            is_error: false,
+            payload: b"1".to_vec(),
+        };
+        let done = store.complete_now(Completion {
+            identity: &completed,
+            token: &token,
+            outcome: &outcome,
+            ttl: ms(1),
+            by: AnsweredBy::Body,
+        });
+        assert!(done);
+        tokio::time::advance(ms(5)).await;
+        assert_eq!(purge().await, 1, "completed with a short ttl");
+        // A lease ended early, on a record with a short ttl.
+        let token = OwnerToken::new();
+        let ended = reserve("ended", &token, hour, ms(1)).await;
+        assert_eq!(purge().await, 0);
+        assert!(store.heartbeat_now(&ended, &token, Duration::ZERO));
+        tokio::time::advance(ms(5)).await;
+        assert_eq!(purge().await, 1, "a lease ended early");
+        // A new record with a short lease and ttl.
+        reserve("fresh", &OwnerToken::new(), ms(1), ms(1)).await;
+        tokio::time::advance(ms(5)).await;
+        assert_eq!(purge().await, 1, "a fresh record");
+        // A takeover of a record kept for an hour, with a short ttl.
+        reserve("taken", &OwnerToken::new(), ms(1), hour).await;
+        tokio::time::advance(ms(5)).await;
+        assert_eq!(purge().await, 0, "kept for an hour after its lease");
+        reserve("taken", &OwnerToken::new(), ms(1), ms(1)).await;
+        tokio::time::advance(ms(5)).await;
+        assert_eq!(purge().await, 1, "taken over with a short ttl");
+        assert!(store.is_empty());
+    }
 
     #[test]
     fn a_stored_identity_is_its_identity_only() {
