@@ -7,7 +7,7 @@ use crate::attr::{self, Errors, InProgress, Tenant};
 use crate::check::{self, Env, Spec};
 use crate::item::MaybeItemFn;
 use proc_macro2::{Ident, Span, TokenStream};
-use quote::{quote, quote_spanned, ToTokens};
+use quote::{quote, quote_spanned};
 use std::time::Duration;
 use syn::ext::IdentExt;
 use syn::spanned::Spanned;
@@ -339,7 +339,7 @@ fn instantiation_of(sig: &syn::Signature, spec: &Spec, builder: &Ident) -> Vec<T
     let krate = &spec.krate;
     let in_a_parameter = |ident: &Ident| {
         sig.inputs.iter().any(|input| match input {
-            syn::FnArg::Typed(t) => mentions(t.ty.to_token_stream(), ident),
+            syn::FnArg::Typed(t) => mentions(&t.ty, ident),
             syn::FnArg::Receiver(_) => false,
         })
     };
@@ -363,24 +363,50 @@ fn instantiation_of(sig: &syn::Signature, spec: &Spec, builder: &Ident) -> Vec<T
     out
 }
 
-/// Whether `tokens` (a type) hold the type parameter `ident` as a type of
-/// its own, at any depth (`T`, `&T`, `Vec<T>`, `[T; 2]`): its value then
-/// tells which `T` it is. Not a path through it (`T::Id`, `<T as Tr>::Id`:
-/// one `Id` type may serve many `T`s) nor another path ending in the same
-/// name (`my::T`).
-fn mentions(tokens: TokenStream, ident: &Ident) -> bool {
-    let tokens: Vec<proc_macro2::TokenTree> = tokens.into_iter().collect();
-    let is_colon = |t: Option<&proc_macro2::TokenTree>| matches!(t, Some(proc_macro2::TokenTree::Punct(p)) if p.as_char() == ':');
-    tokens.iter().enumerate().any(|(i, t)| match t {
-        proc_macro2::TokenTree::Ident(name) if name == ident => {
-            let (before, after) = (
-                i.checked_sub(1).and_then(|b| tokens.get(b)),
-                tokens.get(i + 1),
-            );
-            let as_keyword = matches!(after, Some(proc_macro2::TokenTree::Ident(a)) if a == "as");
-            !is_colon(before) && !is_colon(after) && !as_keyword
+/// Whether the type `ty` holds the type parameter `ident` as a type of its
+/// own, where a value of `ty` shows which type it is: `T`, `&T`, `Vec<T>`,
+/// `(T, u8)`, `[T]`. Anything else counts as not mentioning it, which can
+/// only make two equal requests differ, never two different ones agree: a
+/// path through it (`T::Id`, `<T as Model>::Id`: one `Id` type serves many
+/// `T`s), another path ending in its name (`my::T`), `PhantomData<T>` and
+/// `[T; 0]` (one value for every `T`), a bound (`impl Into<T>`, `dyn Tr<T>`),
+/// a function type, and a type macro (its expansion is not seen here).
+fn mentions(ty: &syn::Type, ident: &Ident) -> bool {
+    match ty {
+        syn::Type::Path(p) if p.qself.is_none() => {
+            if p.path.leading_colon.is_none()
+                && p.path.segments.len() == 1
+                && p.path.segments[0].ident == *ident
+                && p.path.segments[0].arguments.is_none()
+            {
+                return true;
+            }
+            let phantom = p
+                .path
+                .segments
+                .last()
+                .is_some_and(|s| s.ident == "PhantomData");
+            !phantom
+                && p.path
+                    .segments
+                    .iter()
+                    .any(|segment| match &segment.arguments {
+                        syn::PathArguments::AngleBracketed(args) => args.args.iter().any(
+                            |a| matches!(a, syn::GenericArgument::Type(t) if mentions(t, ident)),
+                        ),
+                        _ => false,
+                    })
         }
-        proc_macro2::TokenTree::Group(g) => mentions(g.stream(), ident),
+        syn::Type::Reference(r) => mentions(&r.elem, ident),
+        syn::Type::Paren(p) => mentions(&p.elem, ident),
+        syn::Type::Group(g) => mentions(&g.elem, ident),
+        syn::Type::Slice(s) => mentions(&s.elem, ident),
+        syn::Type::Tuple(t) => t.elems.iter().any(|e| mentions(e, ident)),
+        syn::Type::Array(a) => {
+            let empty = matches!(&a.len, syn::Expr::Lit(l)
+                if matches!(&l.lit, syn::Lit::Int(n) if n.base10_digits() == "0"));
+            !empty && mentions(&a.elem, ident)
+        }
         _ => false,
-    })
+    }
 }

@@ -138,6 +138,63 @@ async fn fetch<T: Model>(store: &MemoryStore, key: &str, id: T::Id) -> Result<St
         .to_owned())
 }
 
+/// `<T>::Id`: a qualified path through `T`.
+#[idempotent(scope = "generics.qualified", key = key, tenant = shared, store = store)]
+async fn fetch_qualified<T: Model>(
+    store: &MemoryStore,
+    key: &str,
+    id: <T>::Id,
+) -> Result<String, Error> {
+    let _ = id;
+    Ok(std::any::type_name::<T>()
+        .rsplit("::")
+        .next()
+        .unwrap_or_default()
+        .to_owned())
+}
+
+/// One value for every `T`.
+#[idempotent(scope = "generics.phantom", key = key, tenant = shared, store = store)]
+async fn phantom<T: Send + Sync>(
+    store: &MemoryStore,
+    key: &str,
+    marker: std::marker::PhantomData<T>,
+    none: [T; 0],
+) -> Result<u8, Error> {
+    let _ = (marker, none);
+    Ok(1)
+}
+
+/// `T` only in a bound: the value's type is not `T`.
+#[idempotent(scope = "generics.bound", key = key, tenant = shared, store = store)]
+async fn widen<T: Send>(
+    store: &MemoryStore,
+    key: &str,
+    v: impl Into<T> + Serialize + Send + Sync,
+) -> Result<String, Error> {
+    let _ = v;
+    Ok(std::any::type_name::<T>().to_owned())
+}
+
+#[tokio::test]
+async fn a_type_parameter_no_value_can_show_counts() {
+    let store = MemoryStore::new();
+    assert_eq!(
+        fetch_qualified::<User>(&store, "q", 7).await.expect("runs"),
+        "User"
+    );
+    reused(fetch_qualified::<Order>(&store, "q", 7).await);
+    assert_eq!(
+        phantom::<User>(&store, "p", std::marker::PhantomData, [])
+            .await
+            .expect("runs"),
+        1
+    );
+    reused(phantom::<Order>(&store, "p", std::marker::PhantomData, []).await);
+    assert_eq!(widen::<u16>(&store, "w", 7u8).await.expect("runs"), "u16");
+    reused(widen::<u64>(&store, "w", 7u8).await);
+}
+
 #[tokio::test]
 async fn a_type_parameter_only_named_in_a_path_still_counts() {
     let store = MemoryStore::new();
