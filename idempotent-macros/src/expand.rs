@@ -7,7 +7,7 @@ use crate::attr::{self, Errors, InProgress, Tenant};
 use crate::check::{self, Env, Spec};
 use crate::item::MaybeItemFn;
 use proc_macro2::{Ident, Span, TokenStream};
-use quote::{quote, quote_spanned};
+use quote::{quote, quote_spanned, ToTokens};
 use std::time::Duration;
 use syn::ext::IdentExt;
 use syn::spanned::Spanned;
@@ -328,20 +328,35 @@ pub(crate) fn generate(func: &MaybeItemFn, spec: &Spec) -> TokenStream {
 
 /// What tells one instantiation of the function from another, added to the
 /// fingerprint (the runtime's `FingerprintBuilder::instantiation`): each type
-/// parameter and const parameter that no parameter's type mentions
-/// (`create::<User>(key)`, `batch::<3>(key)`, a type only the result has).
-/// One that a parameter's type mentions is told by that parameter: by its
-/// value when it is fingerprinted (as an integer's width is not), and not at
-/// all when it is skipped, a store or a transaction (`E: Executor` passed a
-/// pool by one caller and a transaction by another is one request). All
-/// instantiations share the one scope.
+/// parameter's type and each const parameter's value, unless only
+/// parameters left out of the fingerprint mention it (skipped ones, the key,
+/// the tenant, the store or the transaction: `E: Executor` given a pool by
+/// one caller and a transaction by another is one request). Whether a
+/// parameter's value shows its type cannot be told from here (`Id<T>`
+/// holding a number and a `PhantomData<T>`), so a type parameter that a
+/// fingerprinted parameter mentions counts too: `f::<u8>(7)` and
+/// `f::<i64>(7)` are two requests. All instantiations share the one scope.
 fn instantiation_of(sig: &syn::Signature, spec: &Spec, builder: &Ident) -> Vec<TokenStream> {
     let krate = &spec.krate;
-    let in_a_parameter = |ident: &Ident| {
-        sig.inputs.iter().any(|input| match input {
-            syn::FnArg::Typed(t) => mentions(&t.ty, ident),
-            syn::FnArg::Receiver(_) => false,
-        })
+    let fingerprinted = |name: &Ident| spec.fingerprinted.iter().any(|f| f.name == *name);
+    // Only the parameters left out, and only those compiled in everywhere.
+    let left_out_only = |ident: &Ident| {
+        let (mut by_left_out, mut by_fingerprinted) = (false, false);
+        for input in &sig.inputs {
+            let syn::FnArg::Typed(t) = input else {
+                continue;
+            };
+            if !mentions(t.ty.to_token_stream(), ident) {
+                continue;
+            }
+            match &*t.pat {
+                syn::Pat::Ident(p) if !fingerprinted(&p.ident) => {
+                    by_left_out |= crate::item::cfgs_of(&t.attrs).is_empty();
+                }
+                _ => by_fingerprinted = true,
+            }
+        }
+        by_left_out && !by_fingerprinted
     };
     let mut out = Vec::new();
     for param in &sig.generics.params {
@@ -350,7 +365,7 @@ fn instantiation_of(sig: &syn::Signature, spec: &Spec, builder: &Ident) -> Vec<T
             syn::GenericParam::Const(c) => (&c.ident, &c.attrs),
             syn::GenericParam::Lifetime(_) => continue,
         };
-        if in_a_parameter(ident) {
+        if left_out_only(ident) {
             continue;
         }
         let (name, cfgs) = (format!("<{}>", ident.unraw()), crate::item::cfgs_of(attrs));
@@ -363,50 +378,11 @@ fn instantiation_of(sig: &syn::Signature, spec: &Spec, builder: &Ident) -> Vec<T
     out
 }
 
-/// Whether the type `ty` holds the type parameter `ident` as a type of its
-/// own, where a value of `ty` shows which type it is: `T`, `&T`, `Vec<T>`,
-/// `(T, u8)`, `[T]`. Anything else counts as not mentioning it, which can
-/// only make two equal requests differ, never two different ones agree: a
-/// path through it (`T::Id`, `<T as Model>::Id`: one `Id` type serves many
-/// `T`s), another path ending in its name (`my::T`), `PhantomData<T>` and
-/// `[T; 0]` (one value for every `T`), a bound (`impl Into<T>`, `dyn Tr<T>`),
-/// a function type, and a type macro (its expansion is not seen here).
-fn mentions(ty: &syn::Type, ident: &Ident) -> bool {
-    match ty {
-        syn::Type::Path(p) if p.qself.is_none() => {
-            if p.path.leading_colon.is_none()
-                && p.path.segments.len() == 1
-                && p.path.segments[0].ident == *ident
-                && p.path.segments[0].arguments.is_none()
-            {
-                return true;
-            }
-            let phantom = p
-                .path
-                .segments
-                .last()
-                .is_some_and(|s| s.ident == "PhantomData");
-            !phantom
-                && p.path
-                    .segments
-                    .iter()
-                    .any(|segment| match &segment.arguments {
-                        syn::PathArguments::AngleBracketed(args) => args.args.iter().any(
-                            |a| matches!(a, syn::GenericArgument::Type(t) if mentions(t, ident)),
-                        ),
-                        _ => false,
-                    })
-        }
-        syn::Type::Reference(r) => mentions(&r.elem, ident),
-        syn::Type::Paren(p) => mentions(&p.elem, ident),
-        syn::Type::Group(g) => mentions(&g.elem, ident),
-        syn::Type::Slice(s) => mentions(&s.elem, ident),
-        syn::Type::Tuple(t) => t.elems.iter().any(|e| mentions(e, ident)),
-        syn::Type::Array(a) => {
-            let empty = matches!(&a.len, syn::Expr::Lit(l)
-                if matches!(&l.lit, syn::Lit::Int(n) if n.base10_digits() == "0"));
-            !empty && mentions(&a.elem, ident)
-        }
+/// Whether `tokens` (a type) name `ident` anywhere, at any depth.
+fn mentions(tokens: TokenStream, ident: &Ident) -> bool {
+    tokens.into_iter().any(|t| match t {
+        proc_macro2::TokenTree::Ident(i) => i == *ident,
+        proc_macro2::TokenTree::Group(g) => mentions(g.stream(), ident),
         _ => false,
-    }
+    })
 }

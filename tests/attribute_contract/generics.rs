@@ -1,10 +1,8 @@
-//! Instantiations of one generic function share its scope. A type or const
-//! parameter that no parameter's type mentions (`create::<User>(key)`,
-//! `batch::<3>(key)`) goes into the fingerprint, so `create::<User>` and
-//! `create::<Order>` with one key are two requests: the second is refused as
-//! a reused key, never replayed the first one's answer (rule 7). One that a
-//! parameter's type mentions is told by that parameter (its value), or not
-//! at all when the parameter is skipped. A record an older build stored
+//! Instantiations of one generic function share its scope. Each type or
+//! const parameter goes into the fingerprint (unless only parameters left
+//! out of it mention it), so `create::<User>` and `create::<Order>` with one
+//! key are two requests: the second is refused as a reused key, never
+//! replayed the first one's answer (rule 7). A record an older build stored
 //! without them is still replayed (rule 6).
 
 use idempotent_runtime::{
@@ -91,9 +89,11 @@ async fn instantiations_of_one_generic_function_are_not_one_request() {
         "{again:?}"
     );
 
-    // A parameter of the type parameter's type tells by its value.
+    // A parameter of the type parameter's type: its type counts too (a value
+    // cannot be relied on to show it).
     assert_eq!(value(&store, "k", 7u8).await.expect("runs"), "u8");
     reused(value(&store, "k", 8u8).await);
+    reused(value(&store, "k", 7i64).await);
 
     assert_eq!(batch::<3>(&store, "k").await.expect("runs"), 3);
     reused(batch::<2>(&store, "k").await);
@@ -174,6 +174,86 @@ async fn widen<T: Send>(
 ) -> Result<String, Error> {
     let _ = v;
     Ok(std::any::type_name::<T>().to_owned())
+}
+
+/// A typed id: its value (the number) does not show its model.
+#[derive(Serialize)]
+#[serde(transparent, bound = "")]
+struct TypedId<T> {
+    raw: u64,
+    #[serde(skip)]
+    model: std::marker::PhantomData<T>,
+}
+
+fn typed<T>(raw: u64) -> TypedId<T> {
+    TypedId {
+        raw,
+        model: std::marker::PhantomData,
+    }
+}
+
+#[idempotent(scope = "generics.typed_id", key = key, tenant = shared, store = store)]
+async fn delete<T: Send + Sync>(
+    store: &MemoryStore,
+    key: &str,
+    id: TypedId<T>,
+) -> Result<String, Error> {
+    let _ = id;
+    Ok(std::any::type_name::<T>()
+        .rsplit("::")
+        .next()
+        .unwrap_or_default()
+        .to_owned())
+}
+
+/// A capacity only in the type.
+#[derive(Serialize)]
+struct Buf<const N: usize>(Vec<u8>);
+
+#[idempotent(scope = "generics.capacity", key = key, tenant = shared, store = store)]
+async fn capacity<const N: usize>(
+    store: &MemoryStore,
+    key: &str,
+    b: Buf<N>,
+) -> Result<usize, Error> {
+    let _ = b;
+    Ok(N)
+}
+
+/// The only parameter naming `T` is compiled out.
+#[idempotent(scope = "generics.cfg_out", key = key, tenant = shared, store = store)]
+async fn compiled_out<T: Default + Send + Sync>(
+    store: &MemoryStore,
+    key: &str,
+    #[cfg(any())] v: T,
+) -> Result<String, Error> {
+    Ok(std::any::type_name::<T>()
+        .rsplit("::")
+        .next()
+        .unwrap_or_default()
+        .to_owned())
+}
+
+#[tokio::test]
+async fn a_type_parameter_a_value_may_not_show_counts() {
+    let store = MemoryStore::new();
+    assert_eq!(
+        delete::<User>(&store, "d", typed(7)).await.expect("runs"),
+        "User"
+    );
+    reused(delete::<Order>(&store, "d", typed(7)).await);
+    assert_eq!(
+        capacity::<4>(&store, "c", Buf(vec![1]))
+            .await
+            .expect("runs"),
+        4
+    );
+    reused(capacity::<8>(&store, "c", Buf(vec![1])).await);
+    assert_eq!(
+        compiled_out::<User>(&store, "o").await.expect("runs"),
+        "User"
+    );
+    reused(compiled_out::<Order>(&store, "o").await);
 }
 
 #[tokio::test]
