@@ -346,14 +346,16 @@ fn instantiation_of(sig: &syn::Signature, spec: &Spec, builder: &Ident) -> Vec<T
             let syn::FnArg::Typed(t) = input else {
                 continue;
             };
-            if !mentions(t.ty.to_token_stream(), ident) {
-                continue;
-            }
             match &*t.pat {
+                // A left-out parameter counts only where its type surely
+                // is the type parameter (taking it out of the fingerprint
+                // on a mere likeness could merge two instantiations).
                 syn::Pat::Ident(p) if !fingerprinted(&p.ident) => {
-                    by_left_out |= crate::item::cfgs_of(&t.attrs).is_empty();
+                    by_left_out |=
+                        crate::item::cfgs_of(&t.attrs).is_empty() && holds_type(&t.ty, ident);
                 }
-                _ => by_fingerprinted = true,
+                // A fingerprinted one on any likeness (it only keeps it in).
+                _ => by_fingerprinted |= mentions(t.ty.to_token_stream(), ident),
             }
         }
         by_left_out && !by_fingerprinted
@@ -378,11 +380,45 @@ fn instantiation_of(sig: &syn::Signature, spec: &Spec, builder: &Ident) -> Vec<T
     out
 }
 
-/// Whether `tokens` (a type) name `ident` anywhere, at any depth.
+/// Whether `tokens` (a type) name `ident` anywhere, at any depth (`r#T`
+/// and `T` alike).
 fn mentions(tokens: TokenStream, ident: &Ident) -> bool {
     tokens.into_iter().any(|t| match t {
-        proc_macro2::TokenTree::Ident(i) => i == *ident,
+        proc_macro2::TokenTree::Ident(i) => i.unraw() == ident.unraw(),
         proc_macro2::TokenTree::Group(g) => mentions(g.stream(), ident),
         _ => false,
     })
+}
+
+/// Whether the type `ty` surely holds the type parameter `ident` itself:
+/// `T`, `&mut T`, `Vec<T>`, `(T, u8)`, `[T]`. Not a path that merely starts
+/// or ends with its name (`T::Ctx`, `my::T`), an associated type's binding
+/// (`Iterator<Item = u8>`), a lifetime, a bound or a type macro.
+fn holds_type(ty: &syn::Type, ident: &Ident) -> bool {
+    match ty {
+        syn::Type::Path(p) if p.qself.is_none() => {
+            let segments = &p.path.segments;
+            if p.path.leading_colon.is_none()
+                && segments.len() == 1
+                && segments[0].ident.unraw() == ident.unraw()
+                && segments[0].arguments.is_none()
+            {
+                return true;
+            }
+            segments.iter().any(|segment| match &segment.arguments {
+                syn::PathArguments::AngleBracketed(args) => args
+                    .args
+                    .iter()
+                    .any(|a| matches!(a, syn::GenericArgument::Type(t) if holds_type(t, ident))),
+                _ => false,
+            })
+        }
+        syn::Type::Reference(r) => holds_type(&r.elem, ident),
+        syn::Type::Paren(p) => holds_type(&p.elem, ident),
+        syn::Type::Group(g) => holds_type(&g.elem, ident),
+        syn::Type::Slice(s) => holds_type(&s.elem, ident),
+        syn::Type::Array(a) => holds_type(&a.elem, ident),
+        syn::Type::Tuple(t) => t.elems.iter().any(|e| holds_type(e, ident)),
+        _ => false,
+    }
 }

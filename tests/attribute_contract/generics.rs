@@ -314,6 +314,50 @@ async fn with_context<C: Sync + ?Sized>(
     Ok(amount)
 }
 
+mod limits {
+    /// Named like the type parameter below.
+    pub type T = u32;
+}
+
+/// A skipped parameter whose type only looks like the type parameter (a
+/// path ending in its name, an associated type's binding): the type
+/// parameter still counts.
+#[idempotent(scope = "generics.lookalike", key = key, tenant = shared, store = store,
+             skip(limit, items))]
+async fn lookalike<T: Default, Item: Default>(
+    store: &MemoryStore,
+    key: &str,
+    limit: limits::T,
+    items: Box<dyn Iterator<Item = u8> + Send + Sync>,
+) -> Result<String, Error> {
+    let _ = (limit, items, T::default(), Item::default());
+    Ok(format!(
+        "{}/{}",
+        std::any::type_name::<T>()
+            .rsplit("::")
+            .next()
+            .unwrap_or_default(),
+        std::any::type_name::<Item>()
+            .rsplit("::")
+            .next()
+            .unwrap_or_default()
+    ))
+}
+
+#[tokio::test]
+async fn a_skipped_parameter_that_only_looks_like_a_type_parameter_does_not_hide_it() {
+    let store = MemoryStore::new();
+    let items = || Box::new(std::iter::empty::<u8>()) as Box<dyn Iterator<Item = u8> + Send + Sync>;
+    assert_eq!(
+        lookalike::<User, User>(&store, "k", 5, items())
+            .await
+            .expect("runs"),
+        "User/User"
+    );
+    reused(lookalike::<Order, User>(&store, "k", 5, items()).await);
+    reused(lookalike::<User, Order>(&store, "k", 5, items()).await);
+}
+
 #[tokio::test]
 async fn a_type_parameter_of_a_skipped_parameter_does_not_count() {
     let store = MemoryStore::new();
