@@ -102,6 +102,12 @@ pub(crate) fn handed_over(
     }
 }
 
+/// Whether this process lists any owner (at work or not yet forgotten): when
+/// it lists none, no record can have an owner at work here.
+pub(super) fn any_listed() -> bool {
+    !owners().by_token.is_empty()
+}
+
 /// Whether `token` names an owner of this process that is still at work.
 pub(super) fn alive(token: &str) -> bool {
     owners()
@@ -159,6 +165,7 @@ mod tests {
             .checked_sub(Duration::from_secs(60))
             .expect("a minute ago");
         reserved(&token, Duration::from_secs(1), long_ago);
+        assert!(any_listed(), "a reserved owner is listed, alive or not");
         assert!(
             !alive(token.as_str()),
             "its lease ran out, and it never wrote"

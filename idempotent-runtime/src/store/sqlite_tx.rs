@@ -475,8 +475,10 @@ async fn reserve_on(
     let state = txn_state(conn).await.map_err(err(OP))?;
     // Rules 10 and 15: a transaction that held the write lock before this
     // call keeps every owner from writing; one of this process still at
-    // work is never taken over from it.
-    if state == libsqlite3_sys::SQLITE_TXN_WRITE {
+    // work is never taken over from it. Asked only while this process
+    // lists an owner at all: otherwise the look would cost a statement per
+    // call for nothing.
+    if state == libsqlite3_sys::SQLITE_TXN_WRITE && super::sqlite_owners::any_listed() {
         match live_owner_answer(conn, request).await.map_err(err(OP))? {
             None => {}
             Some(LiveOwnerAnswer::InProgress(lease_remaining)) => {
