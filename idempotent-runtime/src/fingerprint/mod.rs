@@ -431,14 +431,14 @@ impl FingerprintBuilder {
             // Builds before instantiations counted made the fingerprint of
             // the parameters alone (none: no fingerprint, which nothing
             // contradicts).
-            let value = digest_of(arguments, bytes).value;
+            let value = value_of(arguments, bytes);
             let parameters: Vec<Argument> = arguments
                 .iter()
                 .filter(|a| !a.instantiation)
                 .cloned()
                 .collect();
             let legacy = (!parameters.is_empty())
-                .then(|| digest_of(&parameters, bytes).value)
+                .then(|| value_of(&parameters, bytes))
                 .filter(|legacy| *legacy != value);
             return Fingerprint { value, legacy };
         }
@@ -448,9 +448,7 @@ impl FingerprintBuilder {
 
 /// The fingerprint of `arguments` (sorted by name), their bytes in `bytes`.
 fn digest_of(arguments: &[Argument], bytes: &[u8]) -> Fingerprint {
-    let extended = arguments.iter().any(|a| a.extended);
-    let version = if extended { CANONICAL_VERSION } else { V1 };
-    let value = hash(version, arguments, bytes, |a| &a.canonical);
+    let value = value_of(arguments, bytes);
     // The legacy fingerprint, if the legacy form could write every argument.
     let differs = arguments.iter().any(|a| a.differs);
     let v1_writable = arguments.iter().all(|a| !a.differs || a.legacy.is_some());
@@ -464,6 +462,13 @@ fn digest_of(arguments: &[Argument], bytes: &[u8]) -> Fingerprint {
         legacy: legacy.filter(|legacy| *legacy != value),
         value,
     }
+}
+
+/// The current form's fingerprint of `arguments` (no legacy form).
+fn value_of(arguments: &[Argument], bytes: &[u8]) -> String {
+    let extended = arguments.iter().any(|a| a.extended);
+    let version = if extended { CANONICAL_VERSION } else { V1 };
+    hash(version, arguments, bytes, |a| &a.canonical)
 }
 
 /// A type's name as [`std::any::type_name`] gives it, without module paths
