@@ -268,8 +268,46 @@ pub struct HeldInTransaction {
     identity: Identity,
     token: OwnerToken,
     span: tracing::Span,
-    /// When the body started (for its duration's histogram).
-    running: std::time::Instant,
+    /// Times the body for its duration's histogram.
+    body_timer: BodyTimer,
+}
+
+/// Times a transactional call's body: `finish` records `ok` or `err`; dropped
+/// unfinished while the thread panics (the body panicked: the generated code
+/// never reached [`finish_in_transaction`]), it records `panic`, as store mode
+/// does. Dropped unfinished otherwise (the call was cancelled), it records
+/// nothing, as store mode does.
+struct BodyTimer {
+    scope: &'static str,
+    started: std::time::Instant,
+    finished: bool,
+}
+
+impl BodyTimer {
+    fn start(scope: &'static str) -> Self {
+        BodyTimer {
+            scope,
+            started: std::time::Instant::now(),
+            finished: false,
+        }
+    }
+
+    fn finish(mut self, ok: bool) {
+        self.finished = true;
+        crate::metrics::body_time(
+            self.scope,
+            if ok { "ok" } else { "err" },
+            self.started.elapsed(),
+        );
+    }
+}
+
+impl Drop for BodyTimer {
+    fn drop(&mut self) {
+        if !self.finished && std::thread::panicking() {
+            crate::metrics::body_time(self.scope, "panic", self.started.elapsed());
+        }
+    }
 }
 
 /// Runs the body of a transactional call inside the call's tracing span.
@@ -410,7 +448,7 @@ where
         identity,
         token,
         span,
-        running: std::time::Instant::now(),
+        body_timer: BodyTimer::start(spec.scope),
     })
 }
 
@@ -507,15 +545,11 @@ where
         spec,
         identity,
         token,
-        running,
+        body_timer,
         ..
     } = held;
     let result = result.into_result();
-    crate::metrics::body_time(
-        spec.scope,
-        if result.is_ok() { "ok" } else { "err" },
-        running.elapsed(),
-    );
+    body_timer.finish(result.is_ok());
     METRICS.executed.fetch_add(1, Ordering::Relaxed);
     report(Outcome::Executed);
     let mut sink = TransactionSink {

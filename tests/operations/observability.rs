@@ -31,6 +31,7 @@ async fn in_tx(
     key: &str,
     amount: u64,
 ) -> Result<u64, Error> {
+    assert!(amount != 0, "the body panics on a zero amount");
     Ok(amount)
 }
 
@@ -216,6 +217,11 @@ fn metrics_count_every_event_by_scope_and_outcome() {
             tx.commit().await.expect("commit");
             assert_eq!((got.unwrap(), outcome), (3, Some(expected)));
         }
+        // A body that panics in transactional mode is timed as `panic`.
+        let mut tx = sqlite.pool().begin().await.expect("begin");
+        let t2 = t.clone();
+        let panicked = tokio::spawn(async move { in_tx(&mut tx, &t2, "x2", 0).await }).await;
+        assert!(panicked.expect_err("the body panics").is_panic());
 
         // obs.short_ttl: one record that expires at once, purged.
         let purge_store = MemoryStore::new();
@@ -305,9 +311,10 @@ fn metrics_count_every_event_by_scope_and_outcome() {
         )
     };
     // Transactional mode too.
-    assert_eq!(reserve("obs.tx", "acquired"), 1);
+    assert_eq!(reserve("obs.tx", "acquired"), 2); // x1, and x2 that panics
     assert_eq!(reserve("obs.tx", "replayed"), 1);
     assert_eq!(body("obs.tx", "ok"), 1);
+    assert_eq!(body("obs.tx", "panic"), 1);
     assert_eq!(calls("obs.tx", "executed"), 1);
     assert_eq!(calls("obs.tx", "replayed"), 1);
     // Crashed bodies never finish; a recovered call has no body.
