@@ -53,7 +53,7 @@ pub const DEFAULT_BATCH: u32 = 1_000;
 /// # Ok(()) }
 /// ```
 pub async fn purge_all(store: &dyn Store, batch: u32) -> Result<u64, StoreError> {
-    run_of(store, batch, None, MAX_BATCHES_PER_RUN)
+    run_of(store, batch, None, MAX_BATCHES_PER_RUN, &|_| {})
         .await
         .map(|(deleted, _)| deleted)
 }
@@ -84,7 +84,7 @@ async fn runs_of(
     // that deleted fewer got to the end (also when its last batch was short).
     let full_run = u64::from(batches_per_run) * u64::from(batch.max(1));
     for _ in 0..max_runs.max(1) {
-        let (deleted, _) = run_of(store, batch, None, batches_per_run).await?;
+        let (deleted, _) = run_of(store, batch, None, batches_per_run, &|_| {}).await?;
         total = total.saturating_add(deleted);
         if deleted < full_run {
             return Ok((total, true));
@@ -95,18 +95,22 @@ async fn runs_of(
 
 /// The batch loop shared by [`purge_all`], the purger and [`purge_runs`]: at
 /// most `max_batches` batches. Between batches (never during one) it checks
-/// `stop`. Returns (deleted, batches run).
+/// `stop`. Each batch's deletions are also told to `deleted_now` as they
+/// happen (the purger's statistics keep them when a later batch fails or the
+/// run is stopped). Returns (deleted, batches run).
 async fn run_of(
     store: &dyn Store,
     batch: u32,
     stop: Option<&watch::Receiver<bool>>,
     max_batches: u32,
+    deleted_now: &(dyn Fn(u64) + Sync),
 ) -> Result<(u64, u32), StoreError> {
     let batch = batch.max(1);
     let mut total = 0u64;
     for batches in 1..=max_batches {
         let deleted = store.purge_expired(batch).await?;
         total += deleted;
+        deleted_now(deleted);
         crate::metrics::purged(store.name(), deleted);
         if deleted < u64::from(batch) || stop.is_some_and(|s| *s.borrow()) {
             return Ok((total, batches));
@@ -146,11 +150,14 @@ impl Default for PurgerConfig {
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct PurgerStats {
-    /// Runs finished (successfully or not).
+    /// Runs finished (successfully or not), and a run cut off by
+    /// [`PurgerHandle::shutdown_within`].
     pub runs: u64,
-    /// Records deleted over all runs.
+    /// Records deleted over all runs (a run that failed or was cut off
+    /// counts what its finished batches deleted).
     pub deleted: u64,
-    /// Runs that failed with a store error.
+    /// Runs that failed with a store error, or were cut off by a shutdown
+    /// (then [`last_error`](Self::last_error) says so).
     pub failed_runs: u64,
     /// The last store error, if the latest failing run is more recent than the latest successful one.
     pub last_error: Option<String>,
@@ -224,12 +231,22 @@ async fn purge_loop<S: Store>(
         if *stop.borrow() {
             break;
         }
-        let result = run_of(&store, config.batch, Some(&stop), MAX_BATCHES_PER_RUN).await;
+        let count_deleted = |deleted: u64| {
+            let mut s = stats.lock().unwrap_or_else(|p| p.into_inner());
+            s.deleted = s.deleted.saturating_add(deleted);
+        };
+        let result = run_of(
+            &store,
+            config.batch,
+            Some(&stop),
+            MAX_BATCHES_PER_RUN,
+            &count_deleted,
+        )
+        .await;
         let mut s = stats.lock().unwrap_or_else(|p| p.into_inner());
         s.runs += 1;
         match result {
             Ok((deleted, batches)) => {
-                s.deleted += deleted;
                 s.last_error = None;
                 if deleted > 0 {
                     tracing::info!(
@@ -303,7 +320,22 @@ impl PurgerHandle {
                          shutdown was asked; stopped where it was"
                     );
                     task.abort();
-                    task.await
+                    let ended = task.await;
+                    if ended
+                        .as_ref()
+                        .is_err_and(tokio::task::JoinError::is_cancelled)
+                    {
+                        // The run cut off counts as a failed one (what its
+                        // finished batches deleted is already in `deleted`).
+                        let mut s = self.stats.lock().unwrap_or_else(|p| p.into_inner());
+                        s.runs += 1;
+                        s.failed_runs += 1;
+                        s.last_error = Some(format!(
+                            "stopped by shutdown: the batch in flight was still running {grace:?} \
+                             after shutdown was asked"
+                        ));
+                    }
+                    ended
                 }
             };
             if let Err(e) = ended
@@ -379,7 +411,7 @@ mod tests {
     async fn purge_runs_go_on_past_one_runs_bound_and_say_when_they_stop() {
         let store = MemoryStore::new();
         expired_records(&store, 25).await;
-        let (one_run, batches) = run_of(&store, 2, None, 3).await.expect("one run");
+        let (one_run, batches) = run_of(&store, 2, None, 3, &|_| {}).await.expect("one run");
         assert_eq!((one_run, batches), (6, 3), "a run stops at its bound");
         assert_eq!(
             runs_of(&store, 2, 2, 3).await.expect("purge"),

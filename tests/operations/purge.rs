@@ -274,12 +274,15 @@ async fn shutdown_stops_the_purger_and_so_does_drop() {
 }
 
 /// A store whose purge and counts never answer (a stalled server, a lock on
-/// the whole records table).
-struct Stalled;
+/// the whole records table); `purging` is told when a purge is in flight.
+struct Stalled {
+    purging: Arc<tokio::sync::Notify>,
+}
 
 #[async_trait::async_trait]
 impl common::hooked::Intercept for Stalled {
     async fn purge_expired(&self, _: &MemoryStore, _: u32) -> Result<u64, StoreError> {
+        self.purging.notify_one();
         std::future::pending().await
     }
     async fn scope_stats(
@@ -291,11 +294,15 @@ impl common::hooked::Intercept for Stalled {
 }
 
 /// A purger whose batch never ends still shuts down (after its grace), and
-/// an audit of a store that never answers ends with an error that says so
-/// (short bounds of real time here; 10 s and 5 minutes by default).
+/// says in its statistics that it cut a run off; an audit of a store that
+/// never answers ends with an error that says so (short bounds of real time
+/// here; 10 s and 5 minutes by default).
 #[tokio::test]
 async fn a_stalled_database_holds_up_neither_shutdown_nor_an_audit() {
-    let store = Arc::new(common::hooked::Hooked::new(Stalled));
+    let purging = Arc::new(tokio::sync::Notify::new());
+    let store = Arc::new(common::hooked::Hooked::new(Stalled {
+        purging: purging.clone(),
+    }));
     let handle = Purger::spawn(
         store.clone(),
         PurgerConfig {
@@ -303,10 +310,15 @@ async fn a_stalled_database_holds_up_neither_shutdown_nor_an_audit() {
             batch: 10,
         },
     );
-    tokio::task::yield_now().await;
-    tokio::time::timeout(LONG, handle.shutdown_within(Duration::from_millis(100)))
+    tokio::time::timeout(LONG, purging.notified())
+        .await
+        .expect("the first run starts at once");
+    let stats = tokio::time::timeout(LONG, handle.shutdown_within(Duration::from_millis(100)))
         .await
         .expect("shutdown ends although the batch in flight never does");
+    assert_eq!((stats.runs, stats.failed_runs, stats.deleted), (1, 1, 0));
+    let said = stats.last_error.expect("the cut-off run is reported");
+    assert!(said.contains("stopped by shutdown"), "{said}");
     let audited = tokio::time::timeout(
         LONG,
         idempotent_runtime::audit::audit_within(store.as_ref(), &[], Duration::from_millis(100)),
@@ -315,4 +327,50 @@ async fn a_stalled_database_holds_up_neither_shutdown_nor_an_audit() {
     .expect("the audit ends");
     let e = audited.expect_err("no answer is an error");
     assert!(e.to_string().contains("stalled"), "{e}");
+}
+
+/// A purge whose first batch deletes a full batch and whose second fails.
+struct FailsOnTheSecondBatch {
+    batches: std::sync::atomic::AtomicU32,
+    failed: Arc<tokio::sync::Notify>,
+}
+
+#[async_trait::async_trait]
+impl common::hooked::Intercept for FailsOnTheSecondBatch {
+    async fn purge_expired(&self, _: &MemoryStore, batch: u32) -> Result<u64, StoreError> {
+        if self
+            .batches
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst)
+            == 0
+        {
+            return Ok(u64::from(batch));
+        }
+        self.failed.notify_one();
+        Err(StoreError::new("test", "purge", "connection reset"))
+    }
+}
+
+/// A run that fails part way still counts what its earlier batches deleted.
+#[tokio::test]
+async fn a_failed_run_keeps_count_of_what_it_deleted() {
+    let failed = Arc::new(tokio::sync::Notify::new());
+    let store = Arc::new(common::hooked::Hooked::new(FailsOnTheSecondBatch {
+        batches: Default::default(),
+        failed: failed.clone(),
+    }));
+    let handle = Purger::spawn(
+        store,
+        PurgerConfig {
+            interval: LONG,
+            batch: 7,
+        },
+    );
+    tokio::time::timeout(LONG, failed.notified())
+        .await
+        .expect("the first run starts at once");
+    let stats = handle.shutdown().await;
+    assert_eq!((stats.runs, stats.failed_runs, stats.deleted), (1, 1, 7));
+    assert!(stats
+        .last_error
+        .is_some_and(|e| e.contains("connection reset")));
 }
