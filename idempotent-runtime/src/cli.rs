@@ -694,15 +694,17 @@ fn render_inspect(
     show_result: bool,
     format: Format,
 ) -> String {
+    // In progress with its lease run out: its owner is gone or cut off.
+    let stuck = s.state == RecordState::InProgress
+        && !s.is_expired()
+        && s.lease_expires_at_ms.is_none_or(|l| l <= s.now_ms);
     let state = match (s.state, s.is_expired()) {
         (_, true) => "expired (counts as absent; not purged yet)",
         (RecordState::Complete, false) => "complete",
-        (RecordState::InProgress, false) if s.lease_expires_at_ms.is_some_and(|l| l > s.now_ms) => {
-            "in progress (lease live)"
-        }
-        (RecordState::InProgress, false) => {
+        (RecordState::InProgress, false) if stuck => {
             "in progress, STUCK (lease expired: the next call takes it over)"
         }
+        (RecordState::InProgress, false) => "in progress (lease live)",
     };
     let fingerprint_version = s
         .fingerprint
@@ -724,6 +726,7 @@ fn render_inspect(
                 "key_digest": identity.key_digest(),
                 "state": s.state.as_str(),
                 "expired": s.is_expired(),
+                "stuck": stuck,
                 "attempt": s.attempt,
                 "attempt_started_at_ms": s.attempt_started_at_ms,
                 "created_at_ms": s.created_at_ms,

@@ -726,6 +726,17 @@ async fn inspect_and_release_on(url: &str, store: &dyn Store) {
             .to_owned()
     };
     assert!(line("state").contains("STUCK"), "{table}");
+    let stuck_json: serde_json::Value = serde_json::from_str(
+        &run_from(args("inspect", "stuck-key", &["--json"]))
+            .await
+            .expect("inspect --json"),
+    )
+    .expect("JSON");
+    assert_eq!(
+        (&stuck_json["state"], &stuck_json["stuck"]),
+        (&"in_progress".into(), &true.into()),
+        "{stuck_json}"
+    );
     assert!(
         line("attempt ").contains("2 (taken over 1 time(s)"),
         "{table}"
@@ -746,6 +757,7 @@ async fn inspect_and_release_on(url: &str, store: &dyn Store) {
     )
     .expect("JSON");
     assert_eq!(json["state"], "complete", "{json}");
+    assert_eq!(json["stuck"], false, "{json}");
     assert_eq!(json["attempt"], 1);
     assert_eq!(json["fingerprint_version"], serde_json::Value::Null);
     assert_eq!(json["result_bytes"], 22);
