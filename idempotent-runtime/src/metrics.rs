@@ -17,7 +17,7 @@
 //! | `idempotent_takeovers_total` | counter | `scope`, `attempt` | takeovers of an expired lease (rule 20); `attempt` is `2`, `3`, `4` or `5+` |
 //! | `idempotent_heartbeat_failures_total` | counter | `scope` | lease renewals that failed (store error, or the lease was lost) |
 //! | `idempotent_purged_total` | counter | `store` | expired records deleted by purges |
-//! | `idempotent_release_failures_total` | counter | `store` | dropped calls whose record could not be released |
+//! | `idempotent_release_failures_total` | counter | `store` | dropped calls whose record could not be finished: released, recorded (the body had answered) or its lease ended |
 //! | `idempotent_reserve_duration_seconds` | histogram | `scope`, `outcome` | how long the reservation took, waits for a running duplicate included |
 //! | `idempotent_body_duration_seconds` | histogram | `scope`, `outcome` | how long the body ran; `outcome` is `ok`, `err` or `panic` |
 //!
@@ -167,8 +167,8 @@ pub(crate) fn purged(store: &'static str, n: u64) {
     metrics::counter!(PURGED, "store" => store).increment(n);
 }
 
-/// Counts a dropped call's release that could not be made (by a SQL store's
-/// background worker).
+/// Counts a dropped call's record that a SQL store's background worker could
+/// not finish (release, completion or end of lease).
 #[cfg_attr(
     not(any(feature = "sqlite", feature = "postgres", feature = "mysql")),
     allow(dead_code)
@@ -324,8 +324,10 @@ pub struct Snapshot {
     pub heartbeat_failures: u64,
     /// Records deleted by purges.
     pub purged: u64,
-    /// Dropped calls whose record could not be released (it stays reserved
-    /// until its lease runs out); each is also logged.
+    /// Dropped calls whose record could not be finished by the store's
+    /// background worker: released, recorded (the body had answered) or its
+    /// lease ended (it stays in progress until its lease runs out); each is
+    /// also logged.
     pub release_failures: u64,
 }
 
