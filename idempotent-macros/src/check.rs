@@ -213,8 +213,6 @@ fn ungroup_type(mut ty: &Type) -> &Type {
     ty
 }
 
-/// Whether the return type's last path segment is `Result` (so `io::Result<T>`
-/// and `anyhow::Result<T>` are accepted; the runtime's trait bounds check the rest).
 /// Whether the return type may be a `Result<T, E>`: a path, unless it
 /// names a type that is certainly something else. A type alias of any name
 /// (`ChargeResult<T>`) is taken, and the compiler checks what it stands for
@@ -298,6 +296,51 @@ fn impl_trait_in_result(output: &ReturnType) -> Option<Span> {
     first.0
 }
 
+/// The first borrowed type (`&'static str`, `Vec<&str>`) in the `Ok` type of
+/// a return type written `Result<T, E>` (any path ending in `Result`: the
+/// first argument of `io::Result<T>` and `anyhow::Result<T>` is the `Ok`
+/// type too). A replay decodes the recorded answer into a new value, which
+/// borrows from nothing; rustc's own error for it ("implementation of
+/// `Deserialize` is not general enough") does not say so. References inside
+/// function types and `PhantomData` are not borrowed data and pass.
+fn borrowed_ok_type(output: &ReturnType) -> Option<&syn::TypeReference> {
+    struct FirstReference<'ast>(Option<&'ast syn::TypeReference>);
+    impl<'ast> syn::visit::Visit<'ast> for FirstReference<'ast> {
+        fn visit_type_reference(&mut self, found: &'ast syn::TypeReference) {
+            self.0.get_or_insert(found);
+        }
+        fn visit_type_bare_fn(&mut self, _: &'ast syn::TypeBareFn) {}
+        fn visit_type_trait_object(&mut self, _: &'ast syn::TypeTraitObject) {}
+        fn visit_type_path(&mut self, path: &'ast syn::TypePath) {
+            if path
+                .path
+                .segments
+                .last()
+                .is_none_or(|s| s.ident != "PhantomData")
+            {
+                syn::visit::visit_type_path(self, path);
+            }
+        }
+    }
+    let ReturnType::Type(_, ty) = output else {
+        return None;
+    };
+    let Type::Path(p) = ungroup_type(ty) else {
+        return None;
+    };
+    let last = p.path.segments.last().filter(|s| s.ident == "Result")?;
+    let syn::PathArguments::AngleBracketed(args) = &last.arguments else {
+        return None;
+    };
+    let ok = args.args.iter().find_map(|a| match a {
+        syn::GenericArgument::Type(t) => Some(t),
+        _ => None,
+    })?;
+    let mut first = FirstReference(None);
+    syn::visit::Visit::visit_type(&mut first, ok);
+    first.0
+}
+
 fn signature(cx: &Ctxt, sig: &Signature) {
     if rewritten_by_async_trait(sig) {
         cx.error(
@@ -316,6 +359,14 @@ fn signature(cx: &Ctxt, sig: &Signature) {
              replay deserializes the recorded answer into that type, so it must be a named \
              type (Serialize + DeserializeOwned); name the type",
         );
+    }
+    if let Some(borrowed) = borrowed_ok_type(&sig.output) {
+        cx.syn_error(syn::Error::new_spanned(
+            borrowed,
+            "a borrowed type cannot be in the result of an #[idempotent] function: a replay \
+             decodes the recorded answer into a new value, which borrows from nothing; return \
+             an owned type (`String` for `&str`, `Vec<T>` for `&[T]`, or `Cow<'static, str>`)",
+        ));
     }
     if sig.asyncness.is_none() {
         cx.error(
