@@ -426,6 +426,12 @@ async fn a_changed_migration_is_refused_on_open() {
                 e.to_string().contains("different contents"),
                 "the message says what is wrong: {e}"
             );
+            // A new, empty database would lose the records that keep
+            // retries from running again: never the advice.
+            assert!(
+                e.to_string().contains("Do not point the service at a new"),
+                "{e}"
+            );
         }
         other => panic!("expected a store error, got {other:?}"),
     }

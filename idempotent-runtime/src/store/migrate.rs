@@ -36,8 +36,11 @@ pub enum MigrationError {
     /// A migration this version ships was recorded with other contents.
     #[error(
         "idempotency migration {version} ({description}) was changed after it was applied \
-         (this database holds it with different contents): the database was set up by an \
-         incompatible version of idempotent-runtime; open it with that version, or use a new database"
+         (this database holds it with different contents): the database was set up by a build \
+         of idempotent-runtime whose migration {version} differs from this one's (released \
+         versions never change a migration: a development build?); open it with that build. \
+         Do not point the service at a new, empty database instead: the records there are \
+         what keeps retries from running their bodies again"
     )]
     Changed {
         /// The migration's version number.
