@@ -1148,6 +1148,47 @@ async fn the_purge_skips_a_row_whose_expiry_index_entry_is_held() {
     assert_eq!(then.expect("purge"), 1, "the held one, once let go");
 }
 
+/// A stored procedure that is missing (a newer build's migration, which
+/// drops it and creates it again, was cut off in between) is reported as
+/// such, with what to do, not as a bare "does not exist".
+#[tokio::test]
+async fn a_missing_procedure_says_what_happened_and_what_to_do() {
+    let Some(admin) = mysql_store_or_skip().await else {
+        return;
+    };
+    let db = format!("missing_proc_{}", uuid::Uuid::new_v4().simple());
+    admin
+        .pool()
+        .execute(format!("CREATE DATABASE `{db}`").as_str())
+        .await
+        .expect("create database");
+    let options: sqlx::mysql::MySqlConnectOptions = mysql_url().parse().expect("URL");
+    let pool = MySqlPoolOptions::new()
+        .max_connections(2)
+        .connect_with(options.database(&db))
+        .await
+        .expect("pool");
+    let store = MySqlStore::from_pool(pool).await.expect("store");
+    store
+        .pool()
+        .execute("DROP PROCEDURE idempotency_purge")
+        .await
+        .expect("drop the procedure");
+    let purged = store.purge_expired(10).await;
+    store.pool().close().await;
+    admin
+        .pool()
+        .execute(format!("DROP DATABASE `{db}`").as_str())
+        .await
+        .expect("drop database");
+    let said = purged.expect_err("no procedure, no purge").to_string();
+    assert!(
+        said.contains("stored procedure of the idempotency schema is missing")
+            && said.contains("open the store once with that build"),
+        "{said}"
+    );
+}
+
 // ------------------------------------------- a fresh key through the store (MariaDB's plain insert)
 
 /// A store-mode reservation of a key whose record a transactional-mode owner

@@ -515,8 +515,25 @@ fn split_statements(sql: &str) -> Vec<&str> {
 }
 
 fn err(operation: &'static str) -> impl FnOnce(sqlx::Error) -> StoreError {
-    move |e| StoreError::new(STORE, operation, e)
+    move |e| match &e {
+        sqlx::Error::Database(d) if error_number(&**d) == Some(ER_SP_DOES_NOT_EXIST) => {
+            StoreError::new(STORE, operation, format!("{PROCEDURE_MISSING} ({d})"))
+        }
+        _ => StoreError::new(STORE, operation, e),
+    }
 }
+
+/// What a call of a stored procedure that is not there says, and what to do.
+/// MySQL has no atomic replacement of a procedure (MariaDB's `CREATE OR
+/// REPLACE` is not MySQL's), so a migration replacing one drops it and
+/// creates it again; a migrating process cut off in between leaves it
+/// missing, and only a build that has that migration applies it again.
+const PROCEDURE_MISSING: &str =
+    "a stored procedure of the idempotency schema is missing: a migration replacing it \
+     (it drops the procedure, then creates it again) was cut off in between, by a process \
+     of a newer build of idempotent-runtime; open the store once with that build: it \
+     applies the migration again (a procedure dropped by hand: run the migration that \
+     creates it again). Nothing was written";
 
 fn text(bytes: Option<Vec<u8>>) -> Result<Option<String>, sqlx::Error> {
     bytes
@@ -600,6 +617,8 @@ const ER_DUP_ENTRY: u16 = 1062;
 const ER_BAD_NULL_ERROR: u16 = 1048;
 const ER_LOCK_WAIT_TIMEOUT: u16 = 1205;
 const ER_UNKNOWN_SYSTEM_VARIABLE: u16 = 1193;
+/// `PROCEDURE … does not exist`.
+const ER_SP_DOES_NOT_EXIST: u16 = 1305;
 
 /// A MySQL error's number (`DatabaseError::code` is its SQLSTATE).
 fn error_number(e: &dyn sqlx::error::DatabaseError) -> Option<u16> {
