@@ -345,4 +345,35 @@ mod tests {
             "24454095d8d7876ca8e842f34296ca645c83e0f7b50f048c99db4b2ff4da659267afc4ef3e994f3d74e18c741165d931"
         );
     }
+
+    /// A database a newer build migrated holds versions this build does not
+    /// know: it opens (those migrations only add), so an instance of this
+    /// build goes on working beside newer ones in a rolling deploy, and after
+    /// a rollback. Only a known version with other contents is refused.
+    #[test]
+    fn versions_this_build_does_not_know_are_left_alone() {
+        let known = [
+            Migration {
+                version: 1,
+                description: "one",
+                sql: "SELECT 1;",
+            },
+            Migration {
+                version: 2,
+                description: "two",
+                sql: "SELECT 2;",
+            },
+        ];
+        let newer = vec![
+            (1, known[0].checksum()),
+            (2, known[1].checksum()),
+            (3, b"a newer build's".to_vec()),
+        ];
+        assert!(super::pending(&newer, &known).expect("opens").is_empty());
+        let half = vec![(1, known[0].checksum()), (3, b"x".to_vec())];
+        let pending = super::pending(&half, &known).expect("opens");
+        assert_eq!(pending.iter().map(|m| m.version).collect::<Vec<_>>(), [2]);
+        let changed = vec![(1, b"other contents".to_vec())];
+        assert!(super::pending(&changed, &known).is_err());
+    }
 }
