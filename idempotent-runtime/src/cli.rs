@@ -308,6 +308,17 @@ pub enum CliError {
         /// The batch size.
         batch: u32,
     },
+    /// `purge` failed part way; what it deleted before stays deleted.
+    #[error(
+        "purge failed after deleting {deleted} expired records (they stay deleted): {source}; \
+         run purge again"
+    )]
+    PurgeFailed {
+        /// How many records it deleted before it failed.
+        deleted: u64,
+        /// Why it failed.
+        source: crate::Error,
+    },
     /// The command ran, but its output could not be written (stdout closed,
     /// a full disk): what it did stands (a `release` released).
     #[error("the command ran, but its output could not be written: {source} (what it did stands: a `release` released the record; `idempotent inspect` shows it as it is now)")]
@@ -533,9 +544,13 @@ pub async fn run(cli: Cli) -> Result<String, CliError> {
             json,
         } => {
             let store = open_store(&database_url).await?;
-            let (deleted, done) = purge_runs(&*store, batch, PURGE_RUNS)
-                .await
-                .map_err(crate::Error::from)?;
+            let (deleted, done) =
+                purge_runs(&*store, batch, PURGE_RUNS)
+                    .await
+                    .map_err(|(deleted, e)| CliError::PurgeFailed {
+                        deleted,
+                        source: e.into(),
+                    })?;
             if !done {
                 return Err(CliError::PurgeIncomplete {
                     deleted,

@@ -28,6 +28,7 @@
 
 use crate::error::StoreError;
 use crate::store::Store;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::watch;
@@ -41,6 +42,28 @@ pub const MAX_BATCHES_PER_RUN: u32 = 10_000;
 /// The batch size used when none is given.
 pub const DEFAULT_BATCH: u32 = 1_000;
 
+/// Told of records deleted for good.
+type Tell = Arc<dyn Fn(u64) + Send + Sync>;
+
+tokio::task_local! {
+    /// The purge batch in flight in this task: told what each of its
+    /// statements deleted as it commits ([`deleted_for_good`]). A SQL store
+    /// deletes a batch in statements of at most 500 records, each committed
+    /// on its own, so a batch that fails part way, or a run cut off by a
+    /// shutdown, has deleted records its answer never reports.
+    static BATCH_IN_FLIGHT: Tell;
+}
+
+/// Tells the purge batch in flight in this task, if any, that `n` records
+/// were deleted for good (a committed statement).
+#[cfg_attr(
+    not(any(feature = "sqlite", feature = "postgres", feature = "mysql")),
+    allow(dead_code)
+)]
+pub(crate) fn deleted_for_good(n: u64) {
+    let _ = BATCH_IN_FLIGHT.try_with(|tell| tell(n));
+}
+
 /// Deletes expired records in batches of `batch` until a batch comes back
 /// short (nothing more to delete), or [`MAX_BATCHES_PER_RUN`] batches have
 /// run. Returns how many records were deleted. A `batch` of 0 counts as 1.
@@ -53,7 +76,7 @@ pub const DEFAULT_BATCH: u32 = 1_000;
 /// # Ok(()) }
 /// ```
 pub async fn purge_all(store: &dyn Store, batch: u32) -> Result<u64, StoreError> {
-    run_of(store, batch, None, MAX_BATCHES_PER_RUN, &|_| {})
+    run_of(store, batch, None, MAX_BATCHES_PER_RUN, Arc::new(|_| {}))
         .await
         .map(|(deleted, _)| deleted)
 }
@@ -62,13 +85,14 @@ pub async fn purge_all(store: &dyn Store, batch: u32) -> Result<u64, StoreError>
 /// runs of [`purge_all`] until one ends before its [`MAX_BATCHES_PER_RUN`]
 /// batches, at most `max_runs` of them. Answers how many were deleted, and
 /// whether it got to the end (`false`: records kept expiring as fast as
-/// batches of `batch` were deleted, and some may be left).
+/// batches of `batch` were deleted, and some may be left); a failure comes
+/// with how many were deleted before it.
 #[cfg(feature = "cli")]
 pub(crate) async fn purge_runs(
     store: &dyn Store,
     batch: u32,
     max_runs: u32,
-) -> Result<(u64, bool), StoreError> {
+) -> Result<(u64, bool), (u64, StoreError)> {
     runs_of(store, batch, max_runs, MAX_BATCHES_PER_RUN).await
 }
 
@@ -78,40 +102,66 @@ async fn runs_of(
     batch: u32,
     max_runs: u32,
     batches_per_run: u32,
-) -> Result<(u64, bool), StoreError> {
-    let mut total = 0u64;
+) -> Result<(u64, bool), (u64, StoreError)> {
+    let total = Arc::new(AtomicU64::new(0));
+    let count: Tell = {
+        let total = Arc::clone(&total);
+        Arc::new(move |n| {
+            total.fetch_add(n, Ordering::Relaxed);
+        })
+    };
     // A run whose every batch came back full deleted exactly this many; one
     // that deleted fewer got to the end (also when its last batch was short).
     let full_run = u64::from(batches_per_run) * u64::from(batch.max(1));
     for _ in 0..max_runs.max(1) {
-        let (deleted, _) = run_of(store, batch, None, batches_per_run, &|_| {}).await?;
-        total = total.saturating_add(deleted);
-        if deleted < full_run {
-            return Ok((total, true));
+        match run_of(store, batch, None, batches_per_run, Arc::clone(&count)).await {
+            Ok((deleted, _)) if deleted < full_run => {
+                return Ok((total.load(Ordering::Relaxed), true))
+            }
+            Ok(_) => {}
+            Err(e) => return Err((total.load(Ordering::Relaxed), e)),
         }
     }
-    Ok((total, false))
+    Ok((total.load(Ordering::Relaxed), false))
 }
 
 /// The batch loop shared by [`purge_all`], the purger and [`purge_runs`]: at
 /// most `max_batches` batches. Between batches (never during one) it checks
-/// `stop`. Each batch's deletions are also told to `deleted_now` as they
-/// happen (the purger's statistics keep them when a later batch fails or the
-/// run is stopped). Returns (deleted, batches run).
+/// `stop`. What is deleted is counted (`deleted_now` and the `purged`
+/// metric) as it is deleted for good: statement by statement where the store
+/// tells ([`deleted_for_good`]), so a batch that fails part way, or a run
+/// cut off, counts what it deleted; otherwise when the batch answers.
+/// Returns (deleted, batches run).
 async fn run_of(
     store: &dyn Store,
     batch: u32,
     stop: Option<&watch::Receiver<bool>>,
     max_batches: u32,
-    deleted_now: &(dyn Fn(u64) + Sync),
+    deleted_now: Tell,
 ) -> Result<(u64, u32), StoreError> {
     let batch = batch.max(1);
+    let name = store.name();
+    let count = move |n: u64| {
+        deleted_now(n);
+        crate::metrics::purged(name, n);
+    };
     let mut total = 0u64;
     for batches in 1..=max_batches {
-        let deleted = store.purge_expired(batch).await?;
+        let told = Arc::new(AtomicU64::new(0));
+        let tell: Tell = {
+            let (told, count) = (Arc::clone(&told), count.clone());
+            Arc::new(move |n| {
+                told.fetch_add(n, Ordering::Relaxed);
+                count(n);
+            })
+        };
+        let deleted = BATCH_IN_FLIGHT
+            .scope(tell, store.purge_expired(batch))
+            .await?;
+        // A store that does not tell as it goes (the memory store, a store
+        // of your own) is counted by its answer.
+        count(deleted.saturating_sub(told.load(Ordering::Relaxed)));
         total += deleted;
-        deleted_now(deleted);
-        crate::metrics::purged(store.name(), deleted);
         if deleted < u64::from(batch) || stop.is_some_and(|s| *s.borrow()) {
             return Ok((total, batches));
         }
@@ -231,16 +281,19 @@ async fn purge_loop<S: Store>(
         if *stop.borrow() {
             break;
         }
-        let count_deleted = |deleted: u64| {
-            let mut s = stats.lock().unwrap_or_else(|p| p.into_inner());
-            s.deleted = s.deleted.saturating_add(deleted);
+        let count_deleted: Tell = {
+            let stats = Arc::clone(&stats);
+            Arc::new(move |deleted| {
+                let mut s = stats.lock().unwrap_or_else(|p| p.into_inner());
+                s.deleted = s.deleted.saturating_add(deleted);
+            })
         };
         let result = run_of(
             &store,
             config.batch,
             Some(&stop),
             MAX_BATCHES_PER_RUN,
-            &count_deleted,
+            count_deleted,
         )
         .await;
         let mut s = stats.lock().unwrap_or_else(|p| p.into_inner());
@@ -411,7 +464,9 @@ mod tests {
     async fn purge_runs_go_on_past_one_runs_bound_and_say_when_they_stop() {
         let store = MemoryStore::new();
         expired_records(&store, 25).await;
-        let (one_run, batches) = run_of(&store, 2, None, 3, &|_| {}).await.expect("one run");
+        let (one_run, batches) = run_of(&store, 2, None, 3, Arc::new(|_| {}))
+            .await
+            .expect("one run");
         assert_eq!((one_run, batches), (6, 3), "a run stops at its bound");
         assert_eq!(
             runs_of(&store, 2, 2, 3).await.expect("purge"),
@@ -424,5 +479,141 @@ mod tests {
         expired_records(&store, 5).await;
         assert_eq!(runs_of(&store, 2, 1, 3).await.expect("purge"), (5, true));
         assert_eq!(runs_of(&store, 2, 10, 3).await.expect("purge"), (0, true));
+    }
+
+    /// A store that purges as the SQL stores do (statements of at most
+    /// `PURGE_CHUNK` records, each committed on its own), whose first
+    /// statement deletes a whole chunk and whose second fails or stalls.
+    #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+    struct SecondStatementFails {
+        statements: std::sync::atomic::AtomicU32,
+        stalls: bool,
+    }
+
+    #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+    #[async_trait::async_trait]
+    impl Store for SecondStatementFails {
+        fn name(&self) -> &'static str {
+            "chunked"
+        }
+        async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError> {
+            crate::store::purge_in_chunks("chunked", batch, |n| async move {
+                if self.statements.fetch_add(1, Ordering::SeqCst) == 0 {
+                    return Ok(u64::from(n));
+                }
+                if self.stalls {
+                    std::future::pending::<()>().await;
+                }
+                Err(StoreError::new("chunked", "purge", "connection reset"))
+            })
+            .await
+        }
+        async fn reserve(&self, _: ReserveRequest<'_>) -> Result<Reservation, StoreError> {
+            unreachable!("the purge only")
+        }
+        async fn complete(
+            &self,
+            _: crate::store::Completion<'_>,
+        ) -> Result<crate::store::Fenced, StoreError> {
+            unreachable!("the purge only")
+        }
+        async fn release(
+            &self,
+            _: &Identity,
+            _: &OwnerToken,
+        ) -> Result<crate::store::Fenced, StoreError> {
+            unreachable!("the purge only")
+        }
+        async fn heartbeat(
+            &self,
+            _: &Identity,
+            _: &OwnerToken,
+            _: Duration,
+        ) -> Result<crate::store::Fenced, StoreError> {
+            unreachable!("the purge only")
+        }
+        fn release_detached(&self, _: Identity, _: OwnerToken) {
+            unreachable!("the purge only")
+        }
+        fn complete_detached(&self, _: crate::store::Completion<'_>) {
+            unreachable!("the purge only")
+        }
+        async fn force_release(
+            &self,
+            _: &Identity,
+            _: bool,
+        ) -> Result<crate::store::ForcedRelease, StoreError> {
+            unreachable!("the purge only")
+        }
+        async fn fetch(
+            &self,
+            _: &Identity,
+        ) -> Result<Option<crate::store::RecordSnapshot>, StoreError> {
+            unreachable!("the purge only")
+        }
+        async fn scope_stats(&self) -> Result<Vec<crate::store::ScopeStats>, StoreError> {
+            unreachable!("the purge only")
+        }
+    }
+
+    /// What a batch's committed statements deleted is counted although the
+    /// batch then fails (the purger's statistics, the `purged` metric, the
+    /// operator's purge) or is cut off by a shutdown.
+    #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+    #[tokio::test]
+    async fn a_batch_that_fails_part_way_counts_what_its_statements_deleted() {
+        let chunk = u64::from(crate::store::PURGE_CHUNK);
+        let store = || SecondStatementFails {
+            statements: Default::default(),
+            stalls: false,
+        };
+        let before = crate::metrics::snapshot().purged;
+        let (deleted, e) = runs_of(&store(), u32::MAX, 3, 3)
+            .await
+            .expect_err("the second statement fails");
+        assert_eq!(deleted, chunk, "{e}");
+        assert!(crate::metrics::snapshot().purged >= before + chunk);
+
+        let purger = Purger::spawn(
+            store(),
+            PurgerConfig {
+                interval: Duration::from_secs(3600),
+                batch: u32::MAX,
+            },
+        );
+        for _ in 0..10_000 {
+            if purger.stats().runs != 0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        let stats = purger.shutdown().await;
+        assert_eq!(
+            (stats.runs, stats.failed_runs, stats.deleted),
+            (1, 1, chunk)
+        );
+
+        let stalled = SecondStatementFails {
+            statements: Default::default(),
+            stalls: true,
+        };
+        let purger = Purger::spawn(
+            stalled,
+            PurgerConfig {
+                interval: Duration::from_secs(3600),
+                batch: u32::MAX,
+            },
+        );
+        for _ in 0..10_000 {
+            if purger.stats().deleted != 0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        let stats = purger.shutdown_within(Duration::from_millis(50)).await;
+        assert_eq!(
+            (stats.runs, stats.failed_runs, stats.deleted),
+            (1, 1, chunk)
+        );
     }
 }

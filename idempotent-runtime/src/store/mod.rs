@@ -867,6 +867,9 @@ where
                     ),
                 )
             })??;
+        // Committed: counted now, also if a later statement fails or the
+        // purge is cut off.
+        crate::purge::deleted_for_good(gone);
         deleted = deleted.saturating_add(gone);
         if gone < u64::from(chunk) {
             break;
