@@ -263,7 +263,9 @@ pub enum CliError {
     Store(#[from] crate::Error),
     /// `inspect` or `release` found no record with that identity.
     #[error("no record in scope `{scope}` for that tenant and key (key digest {key_digest}): it never existed, \
-             was released, or expired and was purged; check --scope, --tenant (or --shared) and --key")]
+             was released, expired and was purged, or was reserved in a transaction that has not \
+             committed yet (transactional mode: nothing outside it sees the record until then); \
+             check --scope, --tenant (or --shared) and --key")]
     NoRecord {
         /// The scope asked for.
         scope: String,

@@ -851,6 +851,7 @@ async fn inspect_and_release_on(url: &str, store: &dyn Store) {
         .await
         .expect_err("released");
     assert!(matches!(gone, CliError::NoRecord { .. }), "{gone}");
+    assert!(gone.to_string().contains("has not committed yet"), "{gone}");
 
     let json: serde_json::Value = serde_json::from_str(
         &run_from(args(
