@@ -296,30 +296,46 @@ fn impl_trait_in_result(output: &ReturnType) -> Option<Span> {
     first.0
 }
 
-/// The first borrowed type (`&'static str`, `Vec<&str>`) in the `Ok` type of
-/// a return type written `Result<T, E>` (any path ending in `Result`: the
-/// first argument of `io::Result<T>` and `anyhow::Result<T>` is the `Ok`
-/// type too). A replay decodes the recorded answer into a new value, which
-/// borrows from nothing; rustc's own error for it ("implementation of
-/// `Deserialize` is not general enough") does not say so. References inside
-/// function types and `PhantomData` are not borrowed data and pass.
+/// The first `&str` or `&[T]` in the `Ok` type of a return type written
+/// `Result<T, E>` (any path ending in `Result`: the first argument of
+/// `io::Result<T>` and `anyhow::Result<T>` is the `Ok` type too): at the top,
+/// or inside tuples, arrays, slices and the standard containers (`Vec`,
+/// `Option`, `Box`, the maps and sets). A replay decodes the recorded answer
+/// into a new value, which borrows from nothing, and neither has an impl that
+/// does that (nor can a crate write one); rustc's own error ("implementation
+/// of `Deserialize` is not general enough") does not say so. Anything else
+/// (a reference to a type of the crate's own, which may deserialize into an
+/// interned value; a user type holding a reference; an associated type) is
+/// left to the compiler.
 fn borrowed_ok_type(output: &ReturnType) -> Option<&syn::TypeReference> {
-    struct FirstReference<'ast>(Option<&'ast syn::TypeReference>);
-    impl<'ast> syn::visit::Visit<'ast> for FirstReference<'ast> {
-        fn visit_type_reference(&mut self, found: &'ast syn::TypeReference) {
-            self.0.get_or_insert(found);
-        }
-        fn visit_type_bare_fn(&mut self, _: &'ast syn::TypeBareFn) {}
-        fn visit_type_trait_object(&mut self, _: &'ast syn::TypeTraitObject) {}
-        fn visit_type_path(&mut self, path: &'ast syn::TypePath) {
-            if path
-                .path
-                .segments
-                .last()
-                .is_none_or(|s| s.ident != "PhantomData")
-            {
-                syn::visit::visit_type_path(self, path);
+    const CONTAINERS: &[&str] = &[
+        "Vec", "VecDeque", "Option", "Box", "HashMap", "BTreeMap", "HashSet", "BTreeSet",
+    ];
+    fn never_owned(ty: &Type) -> Option<&syn::TypeReference> {
+        match ungroup_type(ty) {
+            Type::Reference(r) => match ungroup_type(&r.elem) {
+                Type::Slice(_) => Some(r),
+                Type::Path(p) if p.qself.is_none() && p.path.is_ident("str") => Some(r),
+                _ => None,
+            },
+            Type::Paren(p) => never_owned(&p.elem),
+            Type::Tuple(t) => t.elems.iter().find_map(never_owned),
+            Type::Array(a) => never_owned(&a.elem),
+            Type::Slice(s) => never_owned(&s.elem),
+            Type::Path(p) if p.qself.is_none() => {
+                let last = p.path.segments.last()?;
+                if !CONTAINERS.iter().any(|c| last.ident == c) {
+                    return None;
+                }
+                let syn::PathArguments::AngleBracketed(args) = &last.arguments else {
+                    return None;
+                };
+                args.args.iter().find_map(|a| match a {
+                    syn::GenericArgument::Type(t) => never_owned(t),
+                    _ => None,
+                })
             }
+            _ => None,
         }
     }
     let ReturnType::Type(_, ty) = output else {
@@ -328,6 +344,9 @@ fn borrowed_ok_type(output: &ReturnType) -> Option<&syn::TypeReference> {
     let Type::Path(p) = ungroup_type(ty) else {
         return None;
     };
+    if p.qself.is_some() {
+        return None;
+    }
     let last = p.path.segments.last().filter(|s| s.ident == "Result")?;
     let syn::PathArguments::AngleBracketed(args) = &last.arguments else {
         return None;
@@ -336,9 +355,7 @@ fn borrowed_ok_type(output: &ReturnType) -> Option<&syn::TypeReference> {
         syn::GenericArgument::Type(t) => Some(t),
         _ => None,
     })?;
-    let mut first = FirstReference(None);
-    syn::visit::Visit::visit_type(&mut first, ok);
-    first.0
+    never_owned(ok)
 }
 
 fn signature(cx: &Ctxt, sig: &Signature) {
@@ -363,9 +380,10 @@ fn signature(cx: &Ctxt, sig: &Signature) {
     if let Some(borrowed) = borrowed_ok_type(&sig.output) {
         cx.syn_error(syn::Error::new_spanned(
             borrowed,
-            "a borrowed type cannot be in the result of an #[idempotent] function: a replay \
-             decodes the recorded answer into a new value, which borrows from nothing; return \
-             an owned type (`String` for `&str`, `Vec<T>` for `&[T]`, or `Cow<'static, str>`)",
+            "a borrowed `&str` or `&[T]` cannot be in the result of an #[idempotent] function: \
+             a replay decodes the recorded answer into a new value, which borrows from nothing; \
+             return an owned type (`String` for `&str`, `Vec<T>` for `&[T]`, or \
+             `Cow<'static, str>`)",
         ));
     }
     if sig.asyncness.is_none() {

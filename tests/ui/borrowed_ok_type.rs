@@ -1,7 +1,9 @@
-// A borrowed `Ok` type cannot come back from a replay (the recorded answer is
-// decoded into a new value): refused with a message saying what to return
-// instead, in place of rustc's "`Deserialize` is not general enough".
+// A borrowed `&str` or `&[T]` in the `Ok` type cannot come back from a replay
+// (the recorded answer is decoded into a new value): refused with a message
+// saying what to return instead, in place of rustc's "`Deserialize` is not
+// general enough".
 use idempotent_runtime::{idempotent, Error};
+use serde::{Deserialize, Serialize};
 
 #[idempotent(scope = "payments.label", key = key, tenant = shared)]
 async fn label(key: &str) -> Result<&'static str, Error> {
@@ -13,7 +15,54 @@ async fn labels(key: &str) -> std::io::Result<Vec<(u8, &'static [u8])>> {
     Ok(Vec::new())
 }
 
-// Not borrowed data: passes this check.
+// What the compiler may accept passes this check: an owned `Cow`, a
+// reference to a type of the crate's own that deserializes into an interned
+// value, a reference in an associated type's path or a const expression, a
+// type of the crate's own holding a reference, `PhantomData`, the error type.
+#[idempotent(scope = "payments.cow", key = key, tenant = shared)]
+async fn cow(key: &str) -> Result<std::borrow::Cow<'static, str>, Error> {
+    Ok("x".into())
+}
+
+#[derive(Debug, Serialize)]
+pub struct Currency {
+    code: &'static str,
+}
+static EUR: Currency = Currency { code: "EUR" };
+impl<'de> Deserialize<'de> for &'static Currency {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        String::deserialize(d).map(|_| &EUR)
+    }
+}
+#[idempotent(scope = "payments.currency", key = key, tenant = shared)]
+async fn currency(key: &str) -> Result<&'static Currency, Error> {
+    Ok(&EUR)
+}
+
+pub trait Owned {
+    type O;
+}
+impl Owned for &'static str {
+    type O = String;
+}
+#[idempotent(scope = "payments.owned", key = key, tenant = shared)]
+async fn owned(key: &str) -> Result<<&'static str as Owned>::O, Error> {
+    Ok(String::new())
+}
+
+#[idempotent(scope = "payments.sized", key = key, tenant = shared)]
+async fn sized(key: &str) -> Result<[u8; std::mem::size_of::<&u8>()], Error> {
+    Ok([0; std::mem::size_of::<&u8>()])
+}
+
+#[derive(Serialize, Deserialize)]
+#[serde(bound = "")]
+pub struct Id<T: ?Sized>(u64, #[serde(skip)] std::marker::PhantomData<fn() -> Box<T>>);
+#[idempotent(scope = "payments.id", key = key, tenant = shared)]
+async fn id(key: &str) -> Result<Id<&'static str>, Error> {
+    Ok(Id(1, std::marker::PhantomData))
+}
+
 #[idempotent(scope = "payments.marker", key = key, tenant = shared)]
 async fn marker(key: &str) -> Result<std::marker::PhantomData<&'static str>, Error> {
     Ok(std::marker::PhantomData)
