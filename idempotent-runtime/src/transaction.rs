@@ -272,15 +272,13 @@ pub struct HeldInTransaction {
     body_timer: BodyTimer,
 }
 
-/// Times a transactional call's body: `finish` records `ok` or `err`; dropped
-/// unfinished while the thread panics (the body panicked: the generated code
-/// never reached [`finish_in_transaction`]), it records `panic`, as store mode
-/// does. Dropped unfinished otherwise (the call was cancelled), it records
-/// nothing, as store mode does.
+/// Times a transactional call's body, as store mode does: `ok` or `err` when
+/// it answers ([`finish`](Self::finish)), `panic` when the body itself
+/// panicked ([`in_span`]); a call dropped mid-way records nothing.
+#[derive(Clone, Copy)]
 struct BodyTimer {
     scope: &'static str,
     started: std::time::Instant,
-    finished: bool,
 }
 
 impl BodyTimer {
@@ -288,34 +286,28 @@ impl BodyTimer {
         BodyTimer {
             scope,
             started: std::time::Instant::now(),
-            finished: false,
         }
     }
 
-    fn finish(mut self, ok: bool) {
-        self.finished = true;
-        crate::metrics::body_time(
-            self.scope,
-            if ok { "ok" } else { "err" },
-            self.started.elapsed(),
-        );
+    fn finish(self, outcome: &'static str) {
+        crate::metrics::body_time(self.scope, outcome, self.started.elapsed());
     }
 }
 
-impl Drop for BodyTimer {
-    fn drop(&mut self) {
-        if !self.finished && std::thread::panicking() {
-            crate::metrics::body_time(self.scope, "panic", self.started.elapsed());
+/// Runs the body of a transactional call inside the call's tracing span; a
+/// panic of the body is timed as `panic`, and goes on unwinding.
+pub fn in_span<F: Future>(held: &HeldInTransaction, body: F) -> impl Future<Output = F::Output> {
+    let timer = held.body_timer;
+    let body = std::panic::AssertUnwindSafe(body.instrument(held.span.clone()));
+    async move {
+        match futures_util::FutureExt::catch_unwind(body).await {
+            Ok(answer) => answer,
+            Err(panic) => {
+                timer.finish("panic");
+                std::panic::resume_unwind(panic)
+            }
         }
     }
-}
-
-/// Runs the body of a transactional call inside the call's tracing span.
-pub fn in_span<F: Future>(
-    held: &HeldInTransaction,
-    body: F,
-) -> tracing::instrument::Instrumented<F> {
-    body.instrument(held.span.clone())
 }
 
 /// Ends a transactional call early: counts it and closes its span's outcome.
@@ -549,7 +541,7 @@ where
         ..
     } = held;
     let result = result.into_result();
-    body_timer.finish(result.is_ok());
+    body_timer.finish(if result.is_ok() { "ok" } else { "err" });
     METRICS.executed.fetch_add(1, Ordering::Relaxed);
     report(Outcome::Executed);
     let mut sink = TransactionSink {

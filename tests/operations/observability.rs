@@ -35,6 +35,18 @@ async fn in_tx(
     Ok(amount)
 }
 
+/// A transactional call whose body stops at `crash` until it is dropped.
+#[idempotent(scope = "obs.tx_cancelled", key = key, tenant = tenant, tx = tx, skip(crash))]
+async fn in_tx_until_dropped(
+    tx: &mut sqlx::Transaction<'_, sqlx::Sqlite>,
+    tenant: &str,
+    key: &str,
+    crash: &Crash,
+) -> Result<u64, Error> {
+    crash_here(Some(crash)).await;
+    Ok(1)
+}
+
 /// Where a body stops for good (the in-process crash).
 #[derive(Default)]
 struct Crash {
@@ -222,6 +234,19 @@ fn metrics_count_every_event_by_scope_and_outcome() {
         let t2 = t.clone();
         let panicked = tokio::spawn(async move { in_tx(&mut tx, &t2, "x2", 0).await }).await;
         assert!(panicked.expect_err("the body panics").is_panic());
+        // A call dropped while something else panics is a cancelled call,
+        // not a panicking body: no `panic` sample.
+        let mut tx = sqlite.pool().begin().await.expect("begin");
+        let t3 = t.clone();
+        let sibling_panics = tokio::spawn(async move {
+            let reached = Crash::default();
+            tokio::join!(in_tx_until_dropped(&mut tx, &t3, "x3", &reached), async {
+                reached.reached.notified().await;
+                panic!("a sibling of the call panics");
+            })
+        })
+        .await;
+        assert!(sibling_panics.expect_err("the sibling panics").is_panic());
 
         // obs.short_ttl: one record that expires at once, purged.
         let purge_store = MemoryStore::new();
@@ -315,6 +340,12 @@ fn metrics_count_every_event_by_scope_and_outcome() {
     assert_eq!(reserve("obs.tx", "replayed"), 1);
     assert_eq!(body("obs.tx", "ok"), 1);
     assert_eq!(body("obs.tx", "panic"), 1);
+    assert_eq!(body("obs.tx_cancelled", "panic"), 0);
+    assert_eq!(
+        reserve("obs.tx_cancelled", "acquired"),
+        1,
+        "the call did run"
+    );
     assert_eq!(calls("obs.tx", "executed"), 1);
     assert_eq!(calls("obs.tx", "replayed"), 1);
     // Crashed bodies never finish; a recovered call has no body.
