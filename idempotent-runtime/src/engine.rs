@@ -775,6 +775,10 @@ pub(crate) trait RecordSink: Send {
     /// Records the answer. `Ok(Fenced::NotOwner)`: another owner holds the record now.
     fn record(&mut self, answer: Answer)
         -> BoxFuture<'_, Result<Fenced, crate::error::StoreError>>;
+
+    /// The largest answer [`record`](Self::record) can write (serialized
+    /// bytes), at most [`MAX_RESULT_BYTES`].
+    fn max_result_bytes(&self) -> usize;
 }
 
 /// Store mode's [`RecordSink`]: writes through the store, and keeps the
@@ -786,6 +790,10 @@ struct StoreSink<'g, 'a> {
 }
 
 impl RecordSink for StoreSink<'_, '_> {
+    fn max_result_bytes(&self) -> usize {
+        self.store.max_result_bytes()
+    }
+
     fn release(&mut self) -> BoxFuture<'_, Result<(), Error>> {
         Box::pin(async move {
             release(self.store, self.guard).await;
@@ -846,7 +854,8 @@ where
     H: ErrorHandling<R::Failure>,
 {
     let digest = identity.log_digest();
-    let unrecorded = match outcome_to_record::<R, H>(spec, &result, errors) {
+    let limit = sink.max_result_bytes().min(MAX_RESULT_BYTES);
+    let unrecorded = match outcome_to_record::<R, H>(spec, &result, errors, limit) {
         Ok(Some(stored)) => {
             let recorded_error = stored.is_error;
             let ttl = spec.ttl;
@@ -1273,11 +1282,13 @@ fn never_reached_the_database(_: &crate::error::StoreError) -> bool {
 /// What a finished body's result becomes: `Ok(Some(outcome))` to record,
 /// `Ok(None)` to release the key (an error the policy does not record), or an
 /// error when it cannot be recorded faithfully (the key is then released and
-/// the caller gets the error). Shared by store mode and transactional mode.
+/// the caller gets the error; `limit` is the most bytes the store can
+/// record). Shared by store mode and transactional mode.
 pub(crate) fn outcome_to_record<R: IdempotentReturn, H: ErrorHandling<R::Failure>>(
     spec: &'static ScopeInfo,
     result: &Result<R::Value, R::Failure>,
     errors: &H,
+    limit: usize,
 ) -> Result<Option<StoredOutcome>, Error> {
     let encoding = |message: String| Error::ResultEncoding {
         scope: spec.scope.to_owned(),
@@ -1293,11 +1304,11 @@ pub(crate) fn outcome_to_record<R: IdempotentReturn, H: ErrorHandling<R::Failure
     };
     // Checked before the result is read back (which would hold it twice).
     let too_large = |size: usize| {
-        if size > MAX_RESULT_BYTES {
+        if size > limit {
             return Err(Error::ResultTooLarge {
                 scope: spec.scope.to_owned(),
                 size,
-                limit: MAX_RESULT_BYTES,
+                limit,
             });
         }
         Ok(())
@@ -1877,9 +1888,13 @@ mod tests {
             .spawn(|| {
                 let deep = (0..100_000).fold(Deep(None), |d, _| Deep(Some(Box::new(d))));
                 let result: Result<u32, Deep> = Err(deep);
-                let answer =
-                    outcome_to_record::<Result<u32, Deep>, _>(&SPEC, &result, &RecordErrors)
-                        .map(|_| ());
+                let answer = outcome_to_record::<Result<u32, Deep>, _>(
+                    &SPEC,
+                    &result,
+                    &RecordErrors,
+                    MAX_RESULT_BYTES,
+                )
+                .map(|_| ());
                 // Taken apart level by level: a recursive drop would overflow too.
                 let Err(Deep(mut next)) = result else {
                     unreachable!()

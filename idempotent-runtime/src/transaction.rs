@@ -454,6 +454,13 @@ struct TransactionSink<'c, C: ?Sized> {
 }
 
 impl<C: TransactionalConnection + ?Sized> RecordSink for TransactionSink<'_, C> {
+    /// The caller's connection: an answer its server refuses fails the
+    /// statement, and the caller's transaction with it (the business writes
+    /// roll back with the reservation), so no smaller bound is needed.
+    fn max_result_bytes(&self) -> usize {
+        crate::engine::MAX_RESULT_BYTES
+    }
+
     fn release(&mut self) -> BoxFuture<'_, Result<(), Error>> {
         Box::pin(async move {
             // The key is free whether the caller commits or rolls back.

@@ -54,6 +54,10 @@ pub trait Intercept: Send + Sync + 'static {
     async fn scope_stats(&self, inner: &MemoryStore) -> Result<Vec<ScopeStats>, StoreError> {
         inner.scope_stats().await
     }
+
+    fn max_result_bytes(&self, inner: &MemoryStore) -> usize {
+        inner.max_result_bytes()
+    }
 }
 
 /// A [`MemoryStore`] with a test's [`Intercept`] in front of it.
@@ -82,6 +86,9 @@ impl<I> std::ops::Deref for Hooked<I> {
 impl<I: Intercept> Store for Hooked<I> {
     fn name(&self) -> &'static str {
         "hooked"
+    }
+    fn max_result_bytes(&self) -> usize {
+        self.intercept.max_result_bytes(&self.inner)
     }
     async fn reserve(&self, r: ReserveRequest<'_>) -> Result<Reservation, StoreError> {
         self.intercept.reserve(&self.inner, r).await

@@ -16,6 +16,7 @@ mod mysql_wire;
 mod postgres_faults;
 mod postgres_session_settings;
 mod postgres_wire;
+mod result_limits;
 mod runtime_pools;
 mod runtimes;
 mod stuck_heartbeat;

@@ -31,7 +31,11 @@ pub const DEFAULT_MAX_BODY_BYTES: usize = 1024 * 1024;
 /// half of [`MAX_RESULT_BYTES`](crate::MAX_RESULT_BYTES). The record keeps a
 /// binary body base64-encoded (4/3 of its size) and a text body JSON-escaped,
 /// so a body up to this size fits the record (text full of characters that
-/// need escaping excepted: its answer is then not recorded, as a larger one).
+/// need escaping excepted: its answer is then not recorded, as a larger one),
+/// on a store that records [`MAX_RESULT_BYTES`](crate::MAX_RESULT_BYTES); a
+/// MySQL server with a smaller `max_allowed_packet` records less
+/// ([`Store::max_result_bytes`](crate::Store::max_result_bytes)). The
+/// response's headers and trailers are recorded too, and count.
 pub const DEFAULT_MAX_RESPONSE_BYTES: usize = crate::engine::MAX_RESULT_BYTES / 2;
 
 /// The response headers recorded and replayed by default (besides the

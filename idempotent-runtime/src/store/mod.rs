@@ -453,6 +453,17 @@ pub trait Store: Send + Sync {
     /// A short name for messages and logs: `memory`, `sqlite`, `postgres`, `mysql`.
     fn name(&self) -> &'static str;
 
+    /// The largest answer (its serialized bytes) this store can record. A
+    /// larger one is refused with
+    /// [`Error::ResultTooLarge`](crate::Error::ResultTooLarge) before
+    /// anything is written, and the key is released. By default, and at
+    /// most, [`MAX_RESULT_BYTES`](crate::MAX_RESULT_BYTES); a MySQL server's
+    /// `max_allowed_packet` can make it smaller (a statement larger than that
+    /// is refused by the server, so the answer could never be written).
+    fn max_result_bytes(&self) -> usize {
+        crate::engine::MAX_RESULT_BYTES
+    }
+
     /// Atomically creates the record, takes over an expired one, or reports what is there.
     ///
     /// Rules: a record whose retention ran out counts as absent. A live record
@@ -612,6 +623,7 @@ macro_rules! delegate_store {
         #[async_trait::async_trait]
         impl<S: Store + ?Sized> Store for $ptr {
             fn name(&self) -> &'static str { (**self).name() }
+            fn max_result_bytes(&self) -> usize { (**self).max_result_bytes() }
             async fn reserve(&self, request: ReserveRequest<'_>) -> Result<Reservation, StoreError> {
                 (**self).reserve(request).await
             }

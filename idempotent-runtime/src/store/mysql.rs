@@ -128,6 +128,10 @@ pub struct MySqlStore {
     /// `SET STATEMENT` and has `INSERT … RETURNING`: a reservation is then one
     /// plain statement ([`INSERT_OR_READ_SQL`]) for a fresh key and a replay alike.
     mariadb: bool,
+    /// The largest answer a completion can carry: the server refuses a
+    /// statement larger than its `max_allowed_packet` (and drops the
+    /// connection), so such an answer could never be recorded.
+    max_result_bytes: usize,
 }
 
 impl MySqlStore {
@@ -162,7 +166,11 @@ impl MySqlStore {
     /// # Ok(()) }
     /// ```
     pub async fn from_pool(pool: MySqlPool) -> Result<Self, Error> {
-        let Opened { version, isolation } = migrate(&pool)
+        let Opened {
+            version,
+            isolation,
+            max_allowed_packet,
+        } = migrate(&pool)
             .await
             .map_err(|e| StoreError::new(STORE, "apply migrations", e))?;
         if reads_uncommitted(&isolation) {
@@ -171,6 +179,7 @@ impl MySqlStore {
         Ok(MySqlStore {
             detached: std::sync::Arc::new(background_worker(&pool)),
             mariadb: version.contains("MariaDB"),
+            max_result_bytes: result_limit(max_allowed_packet),
             pools: std::sync::Arc::new(server::RuntimePools::new(pool)),
         })
     }
@@ -359,11 +368,29 @@ fn background_worker(pool: &MySqlPool) -> detached::Detached {
 async fn migrate(pool: &MySqlPool) -> Result<Opened, migrate::MigrationError> {
     let mut backend = MigrationConnection(pool.acquire().await?);
     migrate::run(&mut backend, super::migrate::MYSQL).await?;
-    let version: String = sqlx::query_scalar("SELECT VERSION()")
-        .fetch_one(&mut *backend.0)
-        .await?;
+    let (version, max_allowed_packet): (String, u64) =
+        sqlx::query_as("SELECT VERSION(), CAST(@@max_allowed_packet AS UNSIGNED)")
+            .fetch_one(&mut *backend.0)
+            .await?;
     let isolation = session_isolation(&mut backend.0).await?;
-    Ok(Opened { version, isolation })
+    Ok(Opened {
+        version,
+        isolation,
+        max_allowed_packet,
+    })
+}
+
+/// Room in a completion's statement for everything but the answer (the
+/// identity, the owner token, the other values and the packet's framing).
+const COMPLETION_OVERHEAD: u64 = 64 * 1024;
+
+/// The largest answer a completion can carry on a server whose
+/// `max_allowed_packet` is `packet`, at most [`MAX_RESULT_BYTES`](crate::MAX_RESULT_BYTES).
+fn result_limit(packet: u64) -> usize {
+    let room = packet.saturating_sub(COMPLETION_OVERHEAD);
+    usize::try_from(room)
+        .unwrap_or(usize::MAX)
+        .min(crate::engine::MAX_RESULT_BYTES)
 }
 
 /// The session's transaction isolation: `@@transaction_isolation` (MySQL 8,
@@ -404,6 +431,8 @@ const READ_UNCOMMITTED_REFUSED: &str =
 struct Opened {
     /// `VERSION()`: MariaDB's says so.
     version: String,
+    /// `@@max_allowed_packet`: the largest statement the server takes.
+    max_allowed_packet: u64,
     /// The sessions' transaction isolation, as `@@tx_isolation` spells it.
     isolation: String,
 }
@@ -1001,6 +1030,10 @@ impl Store for MySqlStore {
         STORE
     }
 
+    fn max_result_bytes(&self) -> usize {
+        self.max_result_bytes
+    }
+
     async fn reserve(&self, request: ReserveRequest<'_>) -> Result<Reservation, StoreError> {
         reserve_through_store(&self.pools.current(), request, self.mariadb).await
     }
@@ -1331,6 +1364,19 @@ async fn reserve_in_transaction(
 mod tests {
     use super::*;
     use crate::store::{Completion, OwnerToken, StoredOutcome};
+
+    /// A completion carries the answer and about 64 KiB more at most: the
+    /// answers a server takes are its `max_allowed_packet` less that, and
+    /// never more than `MAX_RESULT_BYTES`.
+    #[test]
+    fn the_answers_a_server_takes_follow_its_packet_size() {
+        let max = crate::engine::MAX_RESULT_BYTES;
+        assert_eq!(result_limit(4 << 20), (4 << 20) - 64 * 1024);
+        assert_eq!(result_limit(16 << 20), max);
+        assert_eq!(result_limit(1 << 30), max);
+        assert_eq!(result_limit(1024), 0);
+        assert_eq!(result_limit(u64::MAX), max);
+    }
 
     /// Rule 11 on MySQL 8's path (no `@@in_transaction`: a fresh key goes from
     /// the plain read to the procedure on a connection nobody asked): run on
