@@ -34,7 +34,7 @@ pub fn fingerprint_argument<T: Fingerprinted + ?Sized>(
 
 /// Adds which instantiation of a generic function made the call: a type
 /// parameter's (or `Self`'s, or an `impl Trait` parameter's) type, by its
-/// name without module paths (see [`FingerprintBuilder::instantiation`]).
+/// name without module paths (see `FingerprintBuilder::instantiation`).
 pub fn fingerprint_type(builder: &mut FingerprintBuilder, name: &'static str, type_name: &str) {
     builder.instantiation(name, &crate::fingerprint::short_type_name(type_name));
 }

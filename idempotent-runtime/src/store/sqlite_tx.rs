@@ -51,7 +51,7 @@
 //! lease: it never takes over (or replaces) an in-progress record whose
 //! owner, a store-mode call of this process, is still at work; the call is
 //! refused with [`Error::StaleSnapshot`] and writes nothing (see
-//! [`live_owner_answer`]). An owner in another process cannot be asked:
+//! `live_owner_answer`). An owner in another process cannot be asked:
 //! there its lease decides, as for a paused owner.
 //!
 //! A completion or release written here does not wake the duplicates waiting
