@@ -311,10 +311,7 @@ pub enum CliError {
         batch: u32,
     },
     /// `purge` failed part way; what it deleted before stays deleted.
-    #[error(
-        "purge failed after deleting {deleted} expired records (they stay deleted): {source}; \
-         run purge again"
-    )]
+    #[error("purge failed after deleting {deleted} expired records (they stay deleted): {source}")]
     PurgeFailed {
         /// How many records it deleted before it failed.
         deleted: u64,
@@ -546,13 +543,9 @@ pub async fn run(cli: Cli) -> Result<String, CliError> {
             json,
         } => {
             let store = open_store(&database_url).await?;
-            let (deleted, done) =
-                purge_runs(&*store, batch, PURGE_RUNS)
-                    .await
-                    .map_err(|(deleted, e)| CliError::PurgeFailed {
-                        deleted,
-                        source: e.into(),
-                    })?;
+            let (deleted, done) = purge_runs(&*store, batch, PURGE_RUNS)
+                .await
+                .map_err(|(deleted, e)| purge_failed(deleted, e))?;
             if !done {
                 return Err(CliError::PurgeIncomplete {
                     deleted,
@@ -700,6 +693,17 @@ fn relative(ms: i64, now_ms: i64) -> String {
         format!("in {}", d(ms - now_ms))
     } else {
         format!("{} ago", d(now_ms - ms))
+    }
+}
+
+/// A purge that failed: with how many it deleted first, when it deleted any.
+fn purge_failed(deleted: u64, e: crate::error::StoreError) -> CliError {
+    match deleted {
+        0 => CliError::Store(e.into()),
+        deleted => CliError::PurgeFailed {
+            deleted,
+            source: e.into(),
+        },
     }
 }
 
@@ -940,6 +944,27 @@ pub fn print_output(out: &mut impl std::io::Write, text: &str) -> Result<(), Cli
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A purge that failed says how many it deleted first, when it deleted
+    /// any; one that deleted nothing is the store's error as it is.
+    #[test]
+    fn a_failed_purge_says_what_it_deleted_first() {
+        let e =
+            || crate::error::StoreError::new("test", "purge expired records", "connection reset");
+        let partial = purge_failed(1500, e());
+        assert!(matches!(
+            partial,
+            CliError::PurgeFailed { deleted: 1500, .. }
+        ));
+        let said = partial.to_string();
+        assert!(
+            said.contains("after deleting 1500 expired records (they stay deleted)")
+                && said.contains("connection reset"),
+            "{said}"
+        );
+        let none = purge_failed(0, e());
+        assert!(matches!(none, CliError::Store(_)), "{none}");
+    }
 
     /// A writer the log or the output goes to, kept for the test to read.
     #[derive(Clone, Default)]

@@ -204,7 +204,8 @@ pub struct PurgerStats {
     /// [`PurgerHandle::shutdown_within`].
     pub runs: u64,
     /// Records deleted over all runs (a run that failed or was cut off
-    /// counts what its finished batches deleted).
+    /// counts what it deleted for good: on the SQL stores, each committed
+    /// statement of at most 500 records; on others, each finished batch).
     pub deleted: u64,
     /// Runs that failed with a store error, or were cut off by a shutdown
     /// (then [`last_error`](Self::last_error) says so).
@@ -247,11 +248,19 @@ impl Purger {
     pub fn spawn<S: Store + 'static>(store: S, config: PurgerConfig) -> PurgerHandle {
         let (stop_tx, stop_rx) = watch::channel(false);
         let stats = Arc::new(Mutex::new(PurgerStats::default()));
-        let task = tokio::spawn(purge_loop(store, config, stop_rx, Arc::clone(&stats)));
+        let in_run = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let task = tokio::spawn(purge_loop(
+            store,
+            config,
+            stop_rx,
+            Arc::clone(&stats),
+            Arc::clone(&in_run),
+        ));
         PurgerHandle {
             stop: stop_tx,
             task: Some(task),
             stats,
+            in_run,
         }
     }
 }
@@ -261,6 +270,7 @@ async fn purge_loop<S: Store>(
     config: PurgerConfig,
     mut stop: watch::Receiver<bool>,
     stats: Arc<Mutex<PurgerStats>>,
+    in_run: Arc<std::sync::atomic::AtomicBool>,
 ) {
     let mut ticker = tokio::time::interval(config.interval.max(Duration::from_millis(1)));
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -288,6 +298,7 @@ async fn purge_loop<S: Store>(
                 s.deleted = s.deleted.saturating_add(deleted);
             })
         };
+        in_run.store(true, Ordering::SeqCst);
         let result = run_of(
             &store,
             config.batch,
@@ -297,6 +308,7 @@ async fn purge_loop<S: Store>(
         )
         .await;
         let mut s = stats.lock().unwrap_or_else(|p| p.into_inner());
+        in_run.store(false, Ordering::SeqCst);
         s.runs += 1;
         match result {
             Ok((deleted, batches)) => {
@@ -329,6 +341,8 @@ pub struct PurgerHandle {
     stop: watch::Sender<bool>,
     task: Option<JoinHandle<()>>,
     stats: Arc<Mutex<PurgerStats>>,
+    /// A run is under way (not waiting for its next interval).
+    in_run: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl PurgerHandle {
@@ -340,9 +354,10 @@ impl PurgerHandle {
     /// Stops the purger: the batch in flight finishes, no further batch
     /// starts. A batch still running after [`SHUTDOWN_GRACE`] (a very large
     /// batch over a large backlog, a stalled database) is stopped where it
-    /// is: what its finished statements deleted stays deleted, and a
-    /// statement cut off is undone by the database. Returns the final
-    /// statistics once the task has ended.
+    /// is: what its committed statements deleted stays deleted (and is
+    /// counted); the statement cut off may still complete on the server, and
+    /// what it deletes is not counted (it only ever deletes expired records).
+    /// Returns the final statistics once the task has ended.
     pub async fn shutdown(self) -> PurgerStats {
         self.shutdown_within(SHUTDOWN_GRACE).await
     }
@@ -377,6 +392,7 @@ impl PurgerHandle {
                     if ended
                         .as_ref()
                         .is_err_and(tokio::task::JoinError::is_cancelled)
+                        && self.in_run.load(Ordering::SeqCst)
                     {
                         // The run cut off counts as a failed one (what its
                         // finished batches deleted is already in `deleted`).
