@@ -1184,7 +1184,8 @@ async fn a_missing_procedure_says_what_happened_and_what_to_do() {
     let said = purged.expect_err("no procedure, no purge").to_string();
     assert!(
         said.contains("stored procedure of the idempotency schema is missing")
-            && said.contains("open the store once with that build"),
+            && said.contains("open the store once with the build that ran it")
+            && said.contains("--routines"),
         "{said}"
     );
 }

@@ -557,12 +557,15 @@ fn err(operation: &'static str) -> impl FnOnce(sqlx::Error) -> StoreError {
 /// REPLACE` is not MySQL's), so a migration replacing one drops it and
 /// creates it again; a migrating process cut off in between leaves it
 /// missing, and only a build that has that migration applies it again.
+/// `mysqldump` leaves procedures out unless told `--routines`.
 const PROCEDURE_MISSING: &str =
-    "a stored procedure of the idempotency schema is missing: a migration replacing it \
-     (it drops the procedure, then creates it again) was cut off in between, by a process \
-     of a newer build of idempotent-runtime; open the store once with that build: it \
-     applies the migration again (a procedure dropped by hand: run the migration that \
-     creates it again). Nothing was written";
+    "a stored procedure of the idempotency schema is missing (nothing was written). Either a \
+     migration replacing it (it drops the procedure, then creates it again) was cut off in \
+     between: open the store once with the build that ran it, which applies it again; or the \
+     database was restored from a dump without its procedures (mysqldump leaves them out \
+     unless given --routines): restore them, or run again by hand the newest migration file \
+     of idempotent-runtime/migrations/mysql that creates it (`CREATE PROCEDURE` and the \
+     name below)";
 
 fn text(bytes: Option<Vec<u8>>) -> Result<Option<String>, sqlx::Error> {
     bytes
