@@ -184,7 +184,10 @@ impl IdempotencyLayerBuilder {
     }
 
     /// The largest request body buffered for the fingerprint (default
-    /// [`DEFAULT_MAX_BODY_BYTES`]); a larger one is refused with 413.
+    /// [`DEFAULT_MAX_BODY_BYTES`]); a larger one is refused with 413. With
+    /// axum, a cap above its 2 MB default body limit needs
+    /// `axum::extract::DefaultBodyLimit` raised as well: otherwise the
+    /// handler's extractor answers 413 itself, and that 4xx is recorded.
     pub fn max_body_bytes(mut self, limit: usize) -> Self {
         self.max_body_bytes = limit;
         self
