@@ -310,10 +310,9 @@ fn metrics_count_every_event_by_scope_and_outcome() {
             &[("scope", "obs.gated")]
         ) >= 1
     );
-    assert_eq!(
-        counter(&readings, "idempotent_purged_total", &[("store", "memory")]),
-        1
-    );
+    // Labelled by store, not scope: other tests of this binary that purge a
+    // memory store count here too when they share its process (`cargo test`).
+    assert!(counter(&readings, "idempotent_purged_total", &[("store", "memory")]) >= 1);
 
     let reserve = |scope: &str, outcome: &str| {
         samples(
