@@ -533,15 +533,21 @@ fn restore_arrival_order_of_repeats<K: Eq>(
             // bytes (the run is sorted so), since their own order is a
             // collection's iteration order.
             let arrived: Vec<Entry> = places.iter().map(|&i| run[i]).collect();
+            // Where each key type's first entry stands (one pass: a run can
+            // hold as many entries as a map has).
+            let mut first_of_type: std::collections::HashMap<&'static str, usize> =
+                std::collections::HashMap::new();
+            for e in &arrived {
+                let first = first_of_type.entry(e.key_type).or_insert(e.start);
+                *first = (*first).min(e.start);
+            }
             let source_at = |entry: &Entry| {
                 if own_source(entry) {
                     return entry.start;
                 }
-                arrived
-                    .iter()
-                    .filter(|e| e.key_type == entry.key_type)
-                    .map(|e| e.start)
-                    .min()
+                first_of_type
+                    .get(entry.key_type)
+                    .copied()
                     .unwrap_or(usize::MAX)
             };
             let order: Vec<usize> = arrived.iter().map(source_at).collect();
