@@ -777,8 +777,35 @@ pub(crate) trait RecordSink: Send {
         -> BoxFuture<'_, Result<Fenced, crate::error::StoreError>>;
 
     /// The largest answer [`record`](Self::record) can write (serialized
-    /// bytes), at most [`MAX_RESULT_BYTES`].
-    fn max_result_bytes(&self) -> usize;
+    /// bytes). Asked only for answers larger than [`ASK_FOR_LIMIT_ABOVE`].
+    fn max_result_bytes(&mut self) -> BoxFuture<'_, Result<usize, crate::error::StoreError>>;
+}
+
+/// Answers up to this size are recorded without asking the store for its
+/// limit ([`RecordSink::max_result_bytes`]: a MySQL transaction asks its
+/// server); no server is set to take less.
+const ASK_FOR_LIMIT_ABOVE: usize = 64 * 1024;
+
+/// `None` when the store can record `stored`; otherwise why not: the store's
+/// limit could not be read, or the answer is larger than it.
+async fn store_cannot_take(
+    spec: &'static ScopeInfo,
+    sink: &mut dyn RecordSink,
+    stored: &StoredOutcome,
+) -> Option<Error> {
+    let size = stored.payload.len();
+    if size <= ASK_FOR_LIMIT_ABOVE {
+        return None;
+    }
+    match sink.max_result_bytes().await {
+        Err(e) => Some(Error::Store(e)),
+        Ok(limit) if size > limit => Some(Error::ResultTooLarge {
+            scope: spec.scope.to_owned(),
+            size,
+            limit,
+        }),
+        Ok(_) => None,
+    }
 }
 
 /// Store mode's [`RecordSink`]: writes through the store, and keeps the
@@ -790,8 +817,9 @@ struct StoreSink<'g, 'a> {
 }
 
 impl RecordSink for StoreSink<'_, '_> {
-    fn max_result_bytes(&self) -> usize {
-        self.store.max_result_bytes()
+    fn max_result_bytes(&mut self) -> BoxFuture<'_, Result<usize, crate::error::StoreError>> {
+        let limit = self.store.max_result_bytes();
+        Box::pin(async move { Ok(limit) })
     }
 
     fn release(&mut self) -> BoxFuture<'_, Result<(), Error>> {
@@ -854,31 +882,33 @@ where
     H: ErrorHandling<R::Failure>,
 {
     let digest = identity.log_digest();
-    let limit = sink.max_result_bytes().min(MAX_RESULT_BYTES);
-    let unrecorded = match outcome_to_record::<R, H>(spec, &result, errors, limit) {
-        Ok(Some(stored)) => {
-            let recorded_error = stored.is_error;
-            let ttl = spec.ttl;
-            let written = sink
-                .record(Answer {
-                    outcome: stored,
-                    ttl,
-                    by,
-                })
-                .await;
-            if matches!(written, Ok(Fenced::Written)) {
-                match by {
-                    AnsweredBy::Body => {
-                        tracing::info!(target: "idempotent", scope = spec.scope, key = %digest, recorded_error, "executed")
-                    }
-                    AnsweredBy::RecoverHook => {
-                        tracing::info!(target: "idempotent", scope = spec.scope, key = %digest, recorded_error,
-                            "recovered: the recover hook's answer was recorded; the body did not run")
+    let unrecorded = match outcome_to_record::<R, H>(spec, &result, errors) {
+        Ok(Some(stored)) => match store_cannot_take(spec, sink, &stored).await {
+            Some(e) => Some(e),
+            None => {
+                let recorded_error = stored.is_error;
+                let ttl = spec.ttl;
+                let written = sink
+                    .record(Answer {
+                        outcome: stored,
+                        ttl,
+                        by,
+                    })
+                    .await;
+                if matches!(written, Ok(Fenced::Written)) {
+                    match by {
+                        AnsweredBy::Body => {
+                            tracing::info!(target: "idempotent", scope = spec.scope, key = %digest, recorded_error, "executed")
+                        }
+                        AnsweredBy::RecoverHook => {
+                            tracing::info!(target: "idempotent", scope = spec.scope, key = %digest, recorded_error,
+                                "recovered: the recover hook's answer was recorded; the body did not run")
+                        }
                     }
                 }
+                return after_completion::<R>(written, identity, result, call_outcome(by));
             }
-            return after_completion::<R>(written, identity, result, call_outcome(by));
-        }
+        },
         Ok(None) => None,
         Err(e) => Some(e),
     };
@@ -1282,13 +1312,13 @@ fn never_reached_the_database(_: &crate::error::StoreError) -> bool {
 /// What a finished body's result becomes: `Ok(Some(outcome))` to record,
 /// `Ok(None)` to release the key (an error the policy does not record), or an
 /// error when it cannot be recorded faithfully (the key is then released and
-/// the caller gets the error; `limit` is the most bytes the store can
-/// record). Shared by store mode and transactional mode.
+/// the caller gets the error). Shared by store mode and transactional mode;
+/// a store that records less than [`MAX_RESULT_BYTES`] is asked in
+/// [`settle`].
 pub(crate) fn outcome_to_record<R: IdempotentReturn, H: ErrorHandling<R::Failure>>(
     spec: &'static ScopeInfo,
     result: &Result<R::Value, R::Failure>,
     errors: &H,
-    limit: usize,
 ) -> Result<Option<StoredOutcome>, Error> {
     let encoding = |message: String| Error::ResultEncoding {
         scope: spec.scope.to_owned(),
@@ -1304,11 +1334,11 @@ pub(crate) fn outcome_to_record<R: IdempotentReturn, H: ErrorHandling<R::Failure
     };
     // Checked before the result is read back (which would hold it twice).
     let too_large = |size: usize| {
-        if size > limit {
+        if size > MAX_RESULT_BYTES {
             return Err(Error::ResultTooLarge {
                 scope: spec.scope.to_owned(),
                 size,
-                limit,
+                limit: MAX_RESULT_BYTES,
             });
         }
         Ok(())
@@ -1888,13 +1918,9 @@ mod tests {
             .spawn(|| {
                 let deep = (0..100_000).fold(Deep(None), |d, _| Deep(Some(Box::new(d))));
                 let result: Result<u32, Deep> = Err(deep);
-                let answer = outcome_to_record::<Result<u32, Deep>, _>(
-                    &SPEC,
-                    &result,
-                    &RecordErrors,
-                    MAX_RESULT_BYTES,
-                )
-                .map(|_| ());
+                let answer =
+                    outcome_to_record::<Result<u32, Deep>, _>(&SPEC, &result, &RecordErrors)
+                        .map(|_| ());
                 // Taken apart level by level: a recursive drop would overflow too.
                 let Err(Deep(mut next)) = result else {
                     unreachable!()

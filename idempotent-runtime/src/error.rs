@@ -173,9 +173,11 @@ pub enum Error {
 
     /// The serialized result is larger than the store accepts
     /// ([`Store::max_result_bytes`](crate::Store::max_result_bytes)): nothing
-    /// was recorded and the key was released, so a retry runs the body again
-    /// (with `errors = record`, this error replaces the body's own).
-    #[error("the result in scope `{scope}` is {size} bytes; the store's limit is {limit} bytes. Nothing was recorded and the key is free again (a retry runs the body again): record a reference (an id) instead of the whole payload")]
+    /// was recorded. The body's answer: the key was released, so a retry runs
+    /// the body again (with `errors = record`, this error replaces the body's
+    /// own). A `recover` hook's answer: the record stays in progress, and the
+    /// next call asks the hook again.
+    #[error("the result in scope `{scope}` is {size} bytes; the store's limit is {limit} bytes, so nothing was recorded: record a reference (an id) instead of the whole payload")]
     ResultTooLarge {
         /// The scope of the call.
         scope: String,

@@ -72,6 +72,15 @@ pub trait TransactionalConnection: Send {
         Ok(false)
     }
 
+    /// The largest answer (serialized bytes) this connection can record, as
+    /// [`Store::max_result_bytes`](crate::Store::max_result_bytes). Asked
+    /// only for an answer larger than 64 KiB. The default is
+    /// [`MAX_RESULT_BYTES`](crate::MAX_RESULT_BYTES); MySQL reads the
+    /// session's `max_allowed_packet`.
+    async fn max_result_bytes_in_transaction(&mut self) -> Result<usize, StoreError> {
+        Ok(crate::engine::MAX_RESULT_BYTES)
+    }
+
     /// Like [`Store::complete`](crate::Store::complete), in this transaction
     /// (`by`: the body's answer, or a `recover` hook's, marked recovered).
     async fn complete_in_transaction(
@@ -116,7 +125,8 @@ macro_rules! transactional_connection {
             complete: $complete:path,
             release: $release:path,
             heartbeat: $heartbeat:path
-            $(, may_wait: $may_wait:path)? $(,)?
+            $(, may_wait: $may_wait:path)?
+            $(, max_result_bytes: $max_result_bytes:path)? $(,)?
         }
     ) => {
         $(#[$attr])*
@@ -143,6 +153,14 @@ macro_rules! transactional_connection {
                     &mut self,
                 ) -> Result<bool, $crate::error::StoreError> {
                     $may_wait(self).await
+                }
+            )?
+
+            $(
+                async fn max_result_bytes_in_transaction(
+                    &mut self,
+                ) -> Result<usize, $crate::error::StoreError> {
+                    $max_result_bytes(self).await
                 }
             )?
 
@@ -202,6 +220,10 @@ where
 
     async fn may_wait_in_transaction(&mut self) -> Result<bool, StoreError> {
         (**self).may_wait_in_transaction().await
+    }
+
+    async fn max_result_bytes_in_transaction(&mut self) -> Result<usize, StoreError> {
+        (**self).max_result_bytes_in_transaction().await
     }
 
     async fn complete_in_transaction(
@@ -454,11 +476,8 @@ struct TransactionSink<'c, C: ?Sized> {
 }
 
 impl<C: TransactionalConnection + ?Sized> RecordSink for TransactionSink<'_, C> {
-    /// The caller's connection: an answer its server refuses fails the
-    /// statement, and the caller's transaction with it (the business writes
-    /// roll back with the reservation), so no smaller bound is needed.
-    fn max_result_bytes(&self) -> usize {
-        crate::engine::MAX_RESULT_BYTES
+    fn max_result_bytes(&mut self) -> BoxFuture<'_, Result<usize, crate::error::StoreError>> {
+        self.connection.max_result_bytes_in_transaction()
     }
 
     fn release(&mut self) -> BoxFuture<'_, Result<(), Error>> {

@@ -39,6 +39,9 @@ impl<S: Store> Store for Counting<S> {
     fn name(&self) -> &'static str {
         self.inner.name()
     }
+    fn max_result_bytes(&self) -> usize {
+        self.inner.max_result_bytes()
+    }
     async fn reserve(&self, r: ReserveRequest<'_>) -> Result<Reservation, StoreError> {
         self.reserves.fetch_add(1, Ordering::SeqCst);
         self.inner.reserve(r).await

@@ -460,6 +460,9 @@ pub trait Store: Send + Sync {
     /// most, [`MAX_RESULT_BYTES`](crate::MAX_RESULT_BYTES); a MySQL server's
     /// `max_allowed_packet` can make it smaller (a statement larger than that
     /// is refused by the server, so the answer could never be written).
+    /// Answers up to 64 KiB are recorded without asking. A store that wraps
+    /// another (to count or log its calls) must forward this method too, or
+    /// the one it wraps is handed answers it cannot write.
     fn max_result_bytes(&self) -> usize {
         crate::engine::MAX_RESULT_BYTES
     }

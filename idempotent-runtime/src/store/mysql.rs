@@ -1234,7 +1234,19 @@ crate::transaction::transactional_connection! {
         complete: complete_in_transaction,
         release: release_with,
         heartbeat: heartbeat_with,
+        max_result_bytes: max_result_bytes_on,
     }
+}
+
+/// The largest answer a completion on `conn` can carry: its session's
+/// `max_allowed_packet` (the server refuses a larger statement and drops the
+/// connection, the caller's transaction with it).
+async fn max_result_bytes_on(conn: &mut sqlx::MySqlConnection) -> Result<usize, StoreError> {
+    let packet: u64 = sqlx::query_scalar("SELECT CAST(@@max_allowed_packet AS UNSIGNED)")
+        .fetch_one(conn)
+        .await
+        .map_err(err("read max_allowed_packet"))?;
+    Ok(result_limit(packet))
 }
 
 /// Transactional mode's completion: [`complete_with`] in the caller's
