@@ -299,8 +299,9 @@ fn impl_trait_in_result(output: &ReturnType) -> Option<Span> {
 /// The first `&str` or `&[T]` in the `Ok` type of a return type written
 /// `Result<T, E>` (any path ending in `Result`: the first argument of
 /// `io::Result<T>` and `anyhow::Result<T>` is the `Ok` type too): at the top,
-/// or inside tuples, arrays, slices and the standard containers (`Vec`,
-/// `Option`, `Box`, the maps and sets). A replay decodes the recorded answer
+/// or inside tuples, arrays (not `[T; 0]`), slices and the standard
+/// containers (`Vec`, `Option`, `Box`, the maps and sets, named bare or by a
+/// path from `std`, `alloc` or `core`). A replay decodes the recorded answer
 /// into a new value, which borrows from nothing, and neither has an impl that
 /// does that (nor can a crate write one); rustc's own error ("implementation
 /// of `Deserialize` is not general enough") does not say so. Anything else
@@ -320,11 +321,26 @@ fn borrowed_ok_type(output: &ReturnType) -> Option<&syn::TypeReference> {
             },
             Type::Paren(p) => never_owned(&p.elem),
             Type::Tuple(t) => t.elems.iter().find_map(never_owned),
+            // `[T; 0]` serializes and deserializes whatever `T` is.
+            Type::Array(a)
+                if matches!(&a.len, syn::Expr::Lit(syn::ExprLit { lit: syn::Lit::Int(n), .. })
+                    if n.base10_digits() == "0") =>
+            {
+                None
+            }
             Type::Array(a) => never_owned(&a.elem),
             Type::Slice(s) => never_owned(&s.elem),
             Type::Path(p) if p.qself.is_none() => {
-                let last = p.path.segments.last()?;
-                if !CONTAINERS.iter().any(|c| last.ident == c) {
+                // A standard container, named bare or by a path from `std`,
+                // `alloc` or `core` (a crate's own `Vec` may deserialize
+                // anything it likes).
+                let segments = &p.path.segments;
+                let from_std = segments.len() == 1
+                    || segments.first().is_some_and(|s| {
+                        s.ident == "std" || s.ident == "alloc" || s.ident == "core"
+                    });
+                let last = segments.last()?;
+                if !from_std || !CONTAINERS.iter().any(|c| last.ident == c) {
                     return None;
                 }
                 let syn::PathArguments::AngleBracketed(args) = &last.arguments else {

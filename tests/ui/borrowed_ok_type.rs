@@ -18,7 +18,8 @@ async fn labels(key: &str) -> std::io::Result<Vec<(u8, &'static [u8])>> {
 // What the compiler may accept passes this check: an owned `Cow`, a
 // reference to a type of the crate's own that deserializes into an interned
 // value, a reference in an associated type's path or a const expression, a
-// type of the crate's own holding a reference, `PhantomData`, the error type.
+// type of the crate's own holding a reference, `PhantomData`, a crate's own
+// type named like a standard container, an empty array.
 #[idempotent(scope = "payments.cow", key = key, tenant = shared)]
 async fn cow(key: &str) -> Result<std::borrow::Cow<'static, str>, Error> {
     Ok("x".into())
@@ -61,6 +62,27 @@ pub struct Id<T: ?Sized>(u64, #[serde(skip)] std::marker::PhantomData<fn() -> Bo
 #[idempotent(scope = "payments.id", key = key, tenant = shared)]
 async fn id(key: &str) -> Result<Id<&'static str>, Error> {
     Ok(Id(1, std::marker::PhantomData))
+}
+
+mod interned {
+    // A crate's own container named like a standard one.
+    #[derive(serde::Serialize)]
+    pub struct Vec<T>(pub std::vec::Vec<T>);
+    impl<'de> serde::Deserialize<'de> for Vec<&'static str> {
+        fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+            std::vec::Vec::<String>::deserialize(d)
+                .map(|v| Vec(v.into_iter().map(|s| &*String::leak(s)).collect()))
+        }
+    }
+}
+#[idempotent(scope = "payments.interned", key = key, tenant = shared)]
+async fn interned_labels(key: &str) -> Result<interned::Vec<&'static str>, Error> {
+    Ok(interned::Vec(vec!["a"]))
+}
+
+#[idempotent(scope = "payments.none", key = key, tenant = shared)]
+async fn none(key: &str) -> Result<([&'static str; 0], u8), Error> {
+    Ok(([], 1))
 }
 
 #[idempotent(scope = "payments.marker", key = key, tenant = shared)]
