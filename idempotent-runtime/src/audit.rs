@@ -210,8 +210,12 @@ pub struct AuditReport {
 pub struct AuditSummary {
     /// Scopes listed.
     pub scopes: usize,
-    /// Scopes with records that nothing claims (orphans and retired names).
+    /// Scopes with records that nothing claims and the manifest does not
+    /// retire (orphans: a finding).
     pub orphan_scopes: usize,
+    /// Retired scopes with records left (expiring after a rename, as the
+    /// README's procedure has it: not a finding).
+    pub retired_scopes: usize,
     /// Claimed scopes with no records.
     pub unused_scopes: usize,
     /// Records in all scopes.
@@ -250,7 +254,16 @@ impl AuditReport {
     pub fn summary(&self) -> AuditSummary {
         AuditSummary {
             scopes: self.scopes.len(),
-            orphan_scopes: self.orphans().count(),
+            orphan_scopes: self
+                .scopes
+                .iter()
+                .filter(|s| s.status == ScopeStatus::Orphan)
+                .count(),
+            retired_scopes: self
+                .scopes
+                .iter()
+                .filter(|s| s.status == ScopeStatus::Retired)
+                .count(),
             unused_scopes: self.unused().count(),
             records: self.scopes.iter().map(ScopeAudit::total).sum(),
             stuck: self.scopes.iter().map(|s| s.stuck).sum(),
@@ -260,7 +273,9 @@ impl AuditReport {
         }
     }
 
-    /// Whether anything needs attention: orphans, stuck leases or unpurged records.
+    /// Whether anything needs attention: orphans, stuck leases or unpurged
+    /// records. Records left under a retired name are not (they expire), but
+    /// stuck or unpurged ones among them are.
     pub fn has_findings(&self) -> bool {
         let s = self.summary();
         s.orphan_scopes > 0 || s.stuck > 0 || s.expired > 0
@@ -323,8 +338,8 @@ impl AuditReport {
                 );
                 let sum = self.summary();
                 out.push_str(&format!(
-                    "\n{} store: {} scope(s), {} record(s); {} orphan scope(s), {} stuck lease(s), {} expired record(s) not purged, {} unused scope(s)\n",
-                    self.store, sum.scopes, sum.records, sum.orphan_scopes, sum.stuck, sum.expired, sum.unused_scopes
+                    "\n{} store: {} scope(s), {} record(s); {} orphan scope(s), {} retired scope(s) with records left, {} stuck lease(s), {} expired record(s) not purged, {} unused scope(s)\n",
+                    self.store, sum.scopes, sum.records, sum.orphan_scopes, sum.retired_scopes, sum.stuck, sum.expired, sum.unused_scopes
                 ));
                 if sum.orphan_scopes > 0 {
                     out.push_str("orphans: records no code claims. If a scope was renamed, restore the old string (records keep working) or retire it in idempotent.toml and let the records expire.\n");
@@ -561,15 +576,45 @@ mod tests {
             ]
         );
         let s = r.summary();
-        assert_eq!((s.orphan_scopes, s.unused_scopes), (2, 1));
+        assert_eq!(
+            (s.orphan_scopes, s.retired_scopes, s.unused_scopes),
+            (1, 1, 1)
+        );
         assert_eq!((s.records, s.stuck, s.expired), (11, 1, 6));
         assert!(r.has_findings());
         let table = r.render(Format::Table);
         assert!(table.contains("ORPHAN") && table.contains("retired: renamed to a.live"));
         assert!(table.contains("2023-11-14T22:13:20Z"), "{table}");
         let json: serde_json::Value = serde_json::from_str(&r.render(Format::Json)).unwrap();
-        assert_eq!(json["summary"]["orphan_scopes"], 2);
+        assert_eq!(json["summary"]["orphan_scopes"], 1);
+        assert_eq!(json["summary"]["retired_scopes"], 1);
         assert_eq!(json["scopes"][3]["status"], "orphan");
+    }
+
+    /// Records left under a retired name, expiring after a rename as the
+    /// README says, are not a finding (`audit --check` stays green); an
+    /// orphan, or a stuck or unpurged record among them, is.
+    #[test]
+    fn records_left_under_a_retired_name_are_not_a_finding() {
+        let known = [
+            KnownScope::claimed("a.live", "app::live"),
+            KnownScope::retired("a.old", Some("renamed to a.live".into())),
+        ];
+        let report =
+            |old: ScopeStats| build_report("memory", vec![stats("a.live", 1, 0, 0), old], &known);
+        let expiring = report(stats("a.old", 2, 0, 0));
+        assert_eq!(expiring.summary().retired_scopes, 1);
+        assert!(!expiring.has_findings());
+        assert!(
+            report(stats("a.old", 2, 1, 0)).has_findings(),
+            "a stuck lease is"
+        );
+        assert!(
+            report(stats("a.old", 2, 0, 1)).has_findings(),
+            "an unpurged record is"
+        );
+        let orphan = build_report("memory", vec![stats("b.lost", 1, 0, 0)], &known);
+        assert!(orphan.has_findings());
     }
 
     #[test]

@@ -887,7 +887,8 @@ fn render_release(
         })),
         Format::Table => format!(
             "released the in-progress record (store {store}, scope `{}`, key digest {}, attempt {attempt}); \
-             the next call with this key runs as a fresh attempt 1\nreason: {reason}\n",
+             the next call with this key runs as a fresh attempt 1 (a recover hook of the scope \
+             is not asked)\nreason: {reason}\n",
             identity.scope,
             identity.key_digest()
         ),

@@ -138,7 +138,9 @@ pub enum Verdict {
     /// The handler's arguments could not be fingerprinted
     /// (`Error::Fingerprint`, e.g. a raw JSON payload with a repeated member):
     /// every delivery of this payload fails alike, and the body never ran. The
-    /// message is terminated.
+    /// message is terminated, after a few deliveries when their count is
+    /// known ([`Handled::disposition`]: nak'd like [`Verdict::Failed`] until
+    /// [`DELIVERIES_BEFORE_TERM`]).
     Unfingerprintable,
     /// The message was processed before, but its recorded answer no longer
     /// decodes as the handler's result or error (`Error::ReplayDecoding`: the
@@ -147,7 +149,8 @@ pub enum Verdict {
     /// to this version can never succeed, and once the record expired it
     /// would run the body a second time. The message is terminated (not
     /// acked: steps of the handler after the call did not run), after a few
-    /// deliveries when their count is known ([`Handled::disposition`]). Make
+    /// deliveries when their count is known ([`Handled::disposition`]: nak'd
+    /// like [`Verdict::Failed`] until [`DELIVERIES_BEFORE_TERM`]). Make
     /// the new type read what the old one recorded (`#[serde(default)]`,
     /// `#[serde(alias)]`, an untagged enum of both); a new scope would run
     /// the body again for messages redelivered after the switch.

@@ -178,7 +178,8 @@ async fn audit_reports_orphans_retired_and_expired_records() {
     assert_eq!(scope("orders.place_v1")["status"], "retired");
     assert_eq!(scope("billing.refund")["status"], "orphan");
     assert_eq!(scope("orders.cancel")["status"], "unused");
-    assert_eq!(json["summary"]["orphan_scopes"], 2);
+    assert_eq!(json["summary"]["orphan_scopes"], 1);
+    assert_eq!(json["summary"]["retired_scopes"], 1);
 
     let table = run_from([
         "idempotent",
@@ -195,7 +196,10 @@ async fn audit_reports_orphans_retired_and_expired_records() {
         .find(|l| l.starts_with("billing.refund"))
         .expect("orphan row");
     assert!(orphan.contains("ORPHAN"), "{table}");
-    assert!(table.contains("2 orphan scope(s)"), "{table}");
+    assert!(
+        table.contains("1 orphan scope(s), 1 retired scope(s) with records left"),
+        "{table}"
+    );
 
     // `--check`: findings are an error (exit status 3 in the binary) that
     // carries the report.
