@@ -482,7 +482,14 @@ fn describe_duplicates(duplicates: &[DuplicateScope]) -> String {
 /// }
 /// ```
 pub fn validate() -> Result<(), RegistryError> {
-    validate_infos(&scopes())
+    let registered = scopes();
+    if registered.is_empty() {
+        tracing::warn!(target: "idempotent",
+            "registry::validate() found no idempotent scope at all: if this binary has annotated \
+             functions, the linker left them out (a test that uses nothing of the crate that \
+             declares them); name or call one of its items so they are linked");
+    }
+    validate_infos(&registered)
 }
 
 /// Rule 18 across crates, without the application's help: the first call of
