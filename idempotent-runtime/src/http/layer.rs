@@ -104,6 +104,8 @@ pub struct IdempotencyLayerBuilder {
     store: Arc<dyn Store>,
     scope: String,
     tenant: Option<Arc<TenantFn>>,
+    /// Where the tenant comes from, for the log of a request without one.
+    tenant_source: String,
     key_required: bool,
     lease: Duration,
     ttl: Duration,
@@ -128,6 +130,7 @@ impl IdempotencyLayerBuilder {
         self.tenant = Some(Arc::new(|parts: &Parts| {
             parts.extensions.get::<T>().map(|t| t.to_string())
         }));
+        self.tenant_source = format!("the request extension `{}`", std::any::type_name::<T>());
         self
     }
 
@@ -141,6 +144,7 @@ impl IdempotencyLayerBuilder {
         F: Fn(&Parts) -> Option<String> + Send + Sync + 'static,
     {
         self.tenant = Some(Arc::new(tenant));
+        self.tenant_source = "the `tenant_from` closure".to_owned();
         self
     }
 
@@ -317,6 +321,7 @@ impl IdempotencyLayerBuilder {
                 store: self.store,
                 spec,
                 tenant,
+                tenant_source: self.tenant_source,
                 key_required: self.key_required,
                 max_body_bytes: self.max_body_bytes,
                 max_response_bytes: self.max_response_bytes,
@@ -333,6 +338,7 @@ struct Config {
     store: Arc<dyn Store>,
     spec: &'static ScopeInfo,
     tenant: Arc<TenantFn>,
+    tenant_source: String,
     key_required: bool,
     max_body_bytes: usize,
     max_response_bytes: usize,
@@ -453,6 +459,7 @@ impl IdempotencyLayer {
             store: Arc::new(store),
             scope: scope.into(),
             tenant: None,
+            tenant_source: String::new(),
             key_required: true,
             lease: Duration::from_secs(30),
             ttl: Duration::from_secs(24 * 60 * 60),
@@ -608,7 +615,9 @@ where
     };
     let (parts, body) = request.into_parts();
     let Some(tenant) = (config.tenant)(&parts) else {
-        tracing::info!(target: "idempotent", scope = spec.scope, "refused: no tenant for the request");
+        tracing::info!(target: "idempotent", scope = spec.scope, tenant_source = %config.tenant_source,
+            "refused with 401: no tenant for the request (if the request was authenticated, the \
+             middleware that sets the tenant must run before this layer: add it as an outer layer)");
         return Ok(missing_tenant().into_response());
     };
     let identity = match Identity::new(tenant, spec.scope, key) {
