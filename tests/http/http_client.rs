@@ -377,7 +377,8 @@ async fn an_https_url_without_tls_is_refused_at_once() {
         .send()
         .await
         .unwrap_err();
-    assert!(matches!(e, ClientError::Request(_)), "{e:?}");
+    assert!(matches!(e, ClientError::NoTls(_)), "{e:?}");
+    assert!(e.to_string().contains("enable a TLS feature"), "{e}");
     let with_query = format!("{url}?api_token=SECRET-TOKEN");
     let e = client()
         .intent(Method::POST, &with_query)

@@ -132,10 +132,16 @@ pub enum ClientError {
     #[error("the request body could not be serialized as JSON: {0}")]
     Serialize(#[source] serde_json::Error),
     /// reqwest refused to build or send the request for a reason retrying
-    /// cannot fix (e.g. a redirect loop, or an `https://` URL on a build
-    /// whose reqwest has no TLS feature).
+    /// cannot fix (e.g. a redirect loop).
     #[error("the request failed and retrying cannot help: {0}")]
     Request(#[source] reqwest::Error),
+    /// The URL is `https://`, and this build's reqwest has no TLS: nothing
+    /// was sent. Enable a TLS feature of your reqwest dependency.
+    #[error(
+        "the URL needs TLS and this build's reqwest has none, so nothing was sent: enable a TLS \
+         feature of your reqwest dependency (e.g. `rustls-tls`) ({0})"
+    )]
+    NoTls(#[source] reqwest::Error),
     /// Every attempt ended in a retryable failure. **The outcome is unknown**:
     /// the operation may or may not have happened. Retry the same intent
     /// later ([`Intent::send`] again, or [`IdempotentClient::intent_with_key`]
@@ -529,7 +535,8 @@ impl Intent {
                     let problem = problem_of(status, &headers, &body);
                     (LastAttempt::Status { status, problem }, retry_after)
                 }
-                Err(e) if e.is_builder() || e.is_redirect() || needs_tls(&e) => {
+                Err(e) if needs_tls(&e) => return Err(ClientError::NoTls(without_secrets(e))),
+                Err(e) if e.is_builder() || e.is_redirect() => {
                     return Err(ClientError::Request(without_secrets(e)));
                 }
                 Err(e) => (LastAttempt::Transport(without_secrets(e)), None),
