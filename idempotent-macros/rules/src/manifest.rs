@@ -207,9 +207,13 @@ pub enum MembershipError {
         manifest: PathBuf,
     },
     /// The name is not declared.
-    #[error("scope `{scope}` is not declared in the scope manifest `{}`; {}If this is a new operation, \
-             declare it there: [scopes.\"{scope}\"]",
-        .manifest.display(), .nearest.as_deref().map(|n| format!("did you mean `{n}`? ")).unwrap_or_default())]
+    #[error("scope `{scope}` is not declared in the scope manifest `{}`; {}, declare it there: \
+             [scopes.\"{scope}\"]",
+        .manifest.display(),
+        .nearest.as_deref().map_or_else(
+            || "if this is a new operation".to_owned(),
+            |n| format!("did you mean `{n}`? If this is a new operation"),
+        ))]
     Undeclared {
         /// The scope.
         scope: String,
