@@ -590,42 +590,37 @@ mod tests {
         assert_eq!(deleted, chunk, "{e}");
         assert!(crate::metrics::snapshot().purged >= before + chunk);
 
-        let purger = Purger::spawn(
-            store(),
-            PurgerConfig {
-                interval: Duration::from_secs(3600),
-                batch: u32::MAX,
-            },
-        );
-        for _ in 0..10_000 {
-            if purger.stats().runs != 0 {
-                break;
+        let spawn = |stalls: bool| {
+            Purger::spawn(
+                SecondStatementFails {
+                    statements: Default::default(),
+                    stalls,
+                },
+                PurgerConfig {
+                    interval: Duration::from_secs(3600),
+                    batch: u32::MAX,
+                },
+            )
+        };
+        // Bounded: the first run starts at once.
+        async fn until(purger: &PurgerHandle, done: impl Fn(&PurgerStats) -> bool) {
+            for _ in 0..10_000 {
+                if done(&purger.stats()) {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(1)).await;
             }
-            tokio::time::sleep(Duration::from_millis(1)).await;
         }
+        let purger = spawn(false);
+        until(&purger, |s| s.runs != 0).await;
         let stats = purger.shutdown().await;
         assert_eq!(
             (stats.runs, stats.failed_runs, stats.deleted),
             (1, 1, chunk)
         );
 
-        let stalled = SecondStatementFails {
-            statements: Default::default(),
-            stalls: true,
-        };
-        let purger = Purger::spawn(
-            stalled,
-            PurgerConfig {
-                interval: Duration::from_secs(3600),
-                batch: u32::MAX,
-            },
-        );
-        for _ in 0..10_000 {
-            if purger.stats().deleted != 0 {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(1)).await;
-        }
+        let purger = spawn(true);
+        until(&purger, |s| s.deleted != 0).await;
         let stats = purger.shutdown_within(Duration::from_millis(50)).await;
         assert_eq!(
             (stats.runs, stats.failed_runs, stats.deleted),

@@ -74,6 +74,21 @@ pub async fn mysql_store_or_skip() -> Option<MySqlStore> {
     }
 }
 
+/// Creates a database of its own on the MySQL test server (`admin` is a
+/// store there) for a test that changes the schema; answers its name, which
+/// starts with `prefix`. The test drops it.
+#[allow(dead_code)] // not every test binary has such a test
+pub async fn mysql_create_database(admin: &MySqlStore, prefix: &str) -> String {
+    use sqlx::Executor;
+    let db = format!("{prefix}_{}", uuid::Uuid::new_v4().simple());
+    admin
+        .pool()
+        .execute(format!("CREATE DATABASE `{db}`").as_str())
+        .await
+        .expect("create database");
+    db
+}
+
 /// The URL of [`mysql_url`]'s server and database for a user granted only
 /// `SELECT` on that database (`idempotent_reader`, no password, created when
 /// missing through `pool`, a root connection).

@@ -187,13 +187,8 @@ async fn a_dropped_call_is_released_in_the_database_the_after_connect_hook_uses(
     let Some(admin) = mysql_store_or_skip().await else {
         return;
     };
-    let db = format!("after_connect_{}", uuid::Uuid::new_v4().simple());
-    admin
-        .pool()
-        .execute(format!("CREATE DATABASE {db}").as_str())
-        .await
-        .expect("create database");
-    let use_db = format!("USE {db}");
+    let db = crate::common::servers::mysql_create_database(&admin, "after_connect").await;
+    let use_db = format!("USE `{db}`");
     let pool = MySqlPoolOptions::new()
         .max_connections(4)
         .acquire_timeout(Duration::from_secs(5))

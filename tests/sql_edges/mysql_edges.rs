@@ -1085,12 +1085,7 @@ async fn the_purge_skips_a_row_whose_expiry_index_entry_is_held() {
     let Some(admin) = mysql_store_or_skip().await else {
         return;
     };
-    let db = format!("purge_plan_{}", uuid::Uuid::new_v4().simple());
-    admin
-        .pool()
-        .execute(format!("CREATE DATABASE `{db}`").as_str())
-        .await
-        .expect("create database");
+    let db = common::servers::mysql_create_database(&admin, "purge_plan").await;
     let use_db = format!("USE `{db}`");
     let pool = MySqlPoolOptions::new()
         .max_connections(4)
@@ -1156,12 +1151,7 @@ async fn a_missing_procedure_says_what_happened_and_what_to_do() {
     let Some(admin) = mysql_store_or_skip().await else {
         return;
     };
-    let db = format!("missing_proc_{}", uuid::Uuid::new_v4().simple());
-    admin
-        .pool()
-        .execute(format!("CREATE DATABASE `{db}`").as_str())
-        .await
-        .expect("create database");
+    let db = common::servers::mysql_create_database(&admin, "missing_proc").await;
     let options: sqlx::mysql::MySqlConnectOptions = mysql_url().parse().expect("URL");
     let pool = MySqlPoolOptions::new()
         .max_connections(2)
