@@ -777,13 +777,23 @@ pub(crate) trait RecordSink: Send {
         -> BoxFuture<'_, Result<Fenced, crate::error::StoreError>>;
 
     /// The largest answer [`record`](Self::record) can write (serialized
-    /// bytes). Asked only for answers larger than [`ASK_FOR_LIMIT_ABOVE`].
-    fn max_result_bytes(&mut self) -> BoxFuture<'_, Result<usize, crate::error::StoreError>>;
+    /// bytes), when the sink knows it without asking anyone (a store's).
+    fn known_limit(&self) -> Option<usize>;
+
+    /// The largest answer [`record`](Self::record) can write, asked of the
+    /// database (a MySQL transaction's session); only when there is no
+    /// [`known_limit`](Self::known_limit), and only for answers larger than
+    /// [`ASK_FOR_LIMIT_ABOVE`].
+    fn ask_limit(&mut self) -> BoxFuture<'_, Result<usize, crate::error::StoreError>> {
+        let limit = self.known_limit().unwrap_or(MAX_RESULT_BYTES);
+        Box::pin(async move { Ok(limit) })
+    }
 }
 
-/// Answers up to this size are recorded without asking the store for its
-/// limit ([`RecordSink::max_result_bytes`]: a MySQL transaction asks its
-/// server); no server is set to take less.
+/// Answers up to this size are recorded in transactional mode without asking
+/// the connection for its limit (a statement of its own): a MySQL server
+/// takes at least this much unless its `max_allowed_packet` is set below
+/// 128 KiB.
 const ASK_FOR_LIMIT_ABOVE: usize = 64 * 1024;
 
 /// `None` when the store can record `stored`; otherwise why not: the store's
@@ -794,10 +804,12 @@ async fn store_cannot_take(
     stored: &StoredOutcome,
 ) -> Option<Error> {
     let size = stored.payload.len();
-    if size <= ASK_FOR_LIMIT_ABOVE {
-        return None;
-    }
-    match sink.max_result_bytes().await {
+    let limit = match sink.known_limit() {
+        Some(limit) => Ok(limit),
+        None if size <= ASK_FOR_LIMIT_ABOVE => return None,
+        None => sink.ask_limit().await,
+    };
+    match limit {
         Err(e) => Some(Error::Store(e)),
         Ok(limit) if size > limit => Some(Error::ResultTooLarge {
             scope: spec.scope.to_owned(),
@@ -817,9 +829,8 @@ struct StoreSink<'g, 'a> {
 }
 
 impl RecordSink for StoreSink<'_, '_> {
-    fn max_result_bytes(&mut self) -> BoxFuture<'_, Result<usize, crate::error::StoreError>> {
-        let limit = self.store.max_result_bytes();
-        Box::pin(async move { Ok(limit) })
+    fn known_limit(&self) -> Option<usize> {
+        Some(self.store.max_result_bytes())
     }
 
     fn release(&mut self) -> BoxFuture<'_, Result<(), Error>> {

@@ -76,7 +76,8 @@ pub trait TransactionalConnection: Send {
     /// [`Store::max_result_bytes`](crate::Store::max_result_bytes). Asked
     /// only for an answer larger than 64 KiB. The default is
     /// [`MAX_RESULT_BYTES`](crate::MAX_RESULT_BYTES); MySQL reads the
-    /// session's `max_allowed_packet`.
+    /// session's `max_allowed_packet`. A connection type that wraps another
+    /// must forward this method too.
     async fn max_result_bytes_in_transaction(&mut self) -> Result<usize, StoreError> {
         Ok(crate::engine::MAX_RESULT_BYTES)
     }
@@ -476,7 +477,11 @@ struct TransactionSink<'c, C: ?Sized> {
 }
 
 impl<C: TransactionalConnection + ?Sized> RecordSink for TransactionSink<'_, C> {
-    fn max_result_bytes(&mut self) -> BoxFuture<'_, Result<usize, crate::error::StoreError>> {
+    fn known_limit(&self) -> Option<usize> {
+        None
+    }
+
+    fn ask_limit(&mut self) -> BoxFuture<'_, Result<usize, crate::error::StoreError>> {
         self.connection.max_result_bytes_in_transaction()
     }
 

@@ -32,6 +32,28 @@ async fn answer(
     Ok("x".repeat(bytes))
 }
 
+/// A store that records answers of at most 1000 bytes: a store's limit is
+/// known without asking anyone, so every answer is held to it, also a small one.
+struct TinyAnswers;
+
+impl Intercept for TinyAnswers {
+    fn max_result_bytes(&self, _: &MemoryStore) -> usize {
+        1000
+    }
+}
+
+#[tokio::test]
+async fn a_small_answer_over_a_small_stores_limit_is_refused_too() {
+    let store = Hooked::new(TinyAnswers);
+    let runs = AtomicUsize::new(0);
+    match answer(&store, "small", 2000, &runs).await {
+        Err(Error::ResultTooLarge { limit, .. }) => assert_eq!(limit, 1000),
+        other => panic!("expected ResultTooLarge, got {:?}", other.map(|s| s.len())),
+    }
+    let id = Identity::shared("faults.small_answers", "small").expect("identity");
+    assert_eq!(store.fetch(&id).await.expect("fetch"), None, "released");
+}
+
 #[tokio::test]
 async fn an_answer_over_the_stores_limit_is_refused_before_it_is_written() {
     let store = Hooked::new(SmallAnswers);
