@@ -399,7 +399,8 @@ fn signature(cx: &Ctxt, sig: &Signature) {
             "a borrowed `&str` or `&[T]` cannot be in the result of an #[idempotent] function: \
              a replay decodes the recorded answer into a new value, which borrows from nothing; \
              return an owned type (`String` for `&str`, `Vec<T>` for `&[T]`, or \
-             `Cow<'static, str>`)",
+             `Cow<'static, str>`); if the container is a type of your own named like a \
+             standard one, write its path (`crate::...::Vec`)",
         ));
     }
     if sig.asyncness.is_none() {

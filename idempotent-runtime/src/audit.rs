@@ -236,11 +236,19 @@ impl AuditReport {
         self.scopes.iter().find(|s| s.scope == scope)
     }
 
-    /// Scopes with records that no code claims (including retired names).
+    /// Scopes with records that no code claims and the manifest does not
+    /// retire (a finding).
     pub fn orphans(&self) -> impl Iterator<Item = &ScopeAudit> {
         self.scopes
             .iter()
-            .filter(|s| matches!(s.status, ScopeStatus::Orphan | ScopeStatus::Retired))
+            .filter(|s| s.status == ScopeStatus::Orphan)
+    }
+
+    /// Retired scopes with records left (they expire; not a finding).
+    pub fn retired(&self) -> impl Iterator<Item = &ScopeAudit> {
+        self.scopes
+            .iter()
+            .filter(|s| s.status == ScopeStatus::Retired)
     }
 
     /// Claimed scopes without records.
@@ -254,16 +262,8 @@ impl AuditReport {
     pub fn summary(&self) -> AuditSummary {
         AuditSummary {
             scopes: self.scopes.len(),
-            orphan_scopes: self
-                .scopes
-                .iter()
-                .filter(|s| s.status == ScopeStatus::Orphan)
-                .count(),
-            retired_scopes: self
-                .scopes
-                .iter()
-                .filter(|s| s.status == ScopeStatus::Retired)
-                .count(),
+            orphan_scopes: self.orphans().count(),
+            retired_scopes: self.retired().count(),
             unused_scopes: self.unused().count(),
             records: self.scopes.iter().map(ScopeAudit::total).sum(),
             stuck: self.scopes.iter().map(|s| s.stuck).sum(),

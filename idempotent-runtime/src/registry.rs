@@ -487,7 +487,8 @@ pub fn validate() -> Result<(), RegistryError> {
         tracing::warn!(target: "idempotent",
             "registry::validate() found no idempotent scope at all: if this binary has annotated \
              functions, the linker left them out (a test that uses nothing of the crate that \
-             declares them); name or call one of its items so they are linked");
+             declares them: name or call one of its items so they are linked); an \
+             IdempotencyLayer's scope is registered only once its build() has run");
     }
     validate_infos(&registered)
 }

@@ -563,9 +563,10 @@ const PROCEDURE_MISSING: &str =
      migration replacing it (it drops the procedure, then creates it again) was cut off in \
      between: open the store once with the build that ran it, which applies it again; or the \
      database was restored from a dump without its procedures (mysqldump leaves them out \
-     unless given --routines): restore them, or delete the rows of version 2 and later from \
-     idempotency_schema_migrations and open the store again, which applies those migrations \
-     again (each can run again safely) and so creates the procedures";
+     unless given --routines): restore them, or, with the service stopped, delete the rows of \
+     version 2 and later from idempotency_schema_migrations and open the store again, which \
+     applies those migrations again (each can run again safely) and so creates the procedures \
+     the store calls";
 
 fn text(bytes: Option<Vec<u8>>) -> Result<Option<String>, sqlx::Error> {
     bytes
