@@ -7,7 +7,7 @@
 
 use idempotent_runtime::{
     idempotent, with_outcome, AnsweredBy, Completion, Error, FingerprintBuilder, Identity,
-    MemoryStore, Outcome, OwnerToken, Reservation, ReserveRequest, Store, StoredOutcome,
+    MemoryStore, Outcome, Store, StoredOutcome,
 };
 use serde::Serialize;
 use std::time::Duration;
@@ -397,21 +397,14 @@ async fn a_record_stored_without_the_instantiation_is_still_replayed() {
         .finish()
         .expect("fingerprint")
         .expect("one argument");
-    let token = OwnerToken::new();
-    let reserved = store
-        .reserve(ReserveRequest {
-            identity: &id,
-            fingerprint: Some(&old),
-            token: &token,
-            lease: Duration::from_secs(30),
-            ttl: Duration::from_secs(3600),
-        })
-        .await
-        .expect("reserve");
-    assert!(
-        matches!(reserved, Reservation::Acquired { .. }),
-        "{reserved:?}"
-    );
+    let token = crate::common::records::acquire(
+        &store,
+        &id,
+        Some(&old),
+        Duration::from_secs(30),
+        Duration::from_secs(3600),
+    )
+    .await;
     let outcome = StoredOutcome {
         is_error: false,
         payload: br#""recorded by an older build""#.to_vec(),

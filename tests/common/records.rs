@@ -2,9 +2,37 @@
 //! (audit, CLI, purge): no annotated function, just the states they inspect.
 
 use idempotent_runtime::{
-    Completion, Fenced, Identity, OwnerToken, Reservation, ReserveRequest, Store, StoredOutcome,
+    Completion, Fenced, Fingerprint, Identity, OwnerToken, Reservation, ReserveRequest, Store,
+    StoredOutcome,
 };
 use std::time::Duration;
+
+/// Reserves `identity` through the store for a new owner, which must acquire
+/// it (a fresh key); returns the owner's token.
+pub async fn acquire(
+    store: &dyn Store,
+    identity: &Identity,
+    fingerprint: Option<&Fingerprint>,
+    lease: Duration,
+    ttl: Duration,
+) -> OwnerToken {
+    let token = OwnerToken::new();
+    let reserved = store
+        .reserve(ReserveRequest {
+            identity,
+            fingerprint,
+            token: &token,
+            lease,
+            ttl,
+        })
+        .await
+        .expect("reserve");
+    assert!(
+        matches!(reserved, Reservation::Acquired { .. }),
+        "{reserved:?}"
+    );
+    token
+}
 
 /// Reserves a fresh key of `scope` under `tenant` with `lease` and `ttl`, and
 /// completes it (kept for `complete_ttl`) when that is given. Returns its identity.
@@ -18,18 +46,7 @@ pub async fn plant(
 ) -> Identity {
     let identity =
         Identity::new(tenant, scope, uuid::Uuid::new_v4().to_string()).expect("valid identity");
-    let token = OwnerToken::new();
-    let r = store
-        .reserve(ReserveRequest {
-            identity: &identity,
-            fingerprint: None,
-            token: &token,
-            lease,
-            ttl,
-        })
-        .await
-        .expect("reserve");
-    assert!(matches!(r, Reservation::Acquired { .. }), "{r:?}");
+    let token = acquire(store, &identity, None, lease, ttl).await;
     if let Some(ttl) = complete_ttl {
         let outcome = StoredOutcome {
             is_error: false,

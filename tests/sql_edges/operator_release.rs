@@ -7,9 +7,7 @@
 //! 1205 error). Once the holder ends, the release works.
 
 use crate::common::servers::{fresh_tenant, mysql_store_or_skip, pg_store_or_skip};
-use idempotent_runtime::{
-    idempotent, Error, ForcedRelease, Identity, OwnerToken, Reservation, ReserveRequest, Store,
-};
+use idempotent_runtime::{idempotent, Error, ForcedRelease, Identity, Store};
 use sqlx::{Connection, Executor, MySql};
 use std::time::Duration;
 
@@ -21,20 +19,14 @@ const SCOPE: &str = "operator_release.held";
 /// An in-progress record with a live lease, reserved through the store.
 async fn in_progress(store: &dyn Store, tenant: &str) -> Identity {
     let id = Identity::new(tenant, SCOPE, "k").expect("identity");
-    let reserved = store
-        .reserve(ReserveRequest {
-            identity: &id,
-            fingerprint: None,
-            token: &OwnerToken::new(),
-            lease: Duration::from_secs(60),
-            ttl: Duration::from_secs(3600),
-        })
-        .await
-        .expect("reserve");
-    assert!(
-        matches!(reserved, Reservation::Acquired { .. }),
-        "{reserved:?}"
-    );
+    crate::common::records::acquire(
+        store,
+        &id,
+        None,
+        Duration::from_secs(60),
+        Duration::from_secs(3600),
+    )
+    .await;
     id
 }
 

@@ -1184,7 +1184,7 @@ async fn a_replay_in_a_transaction_that_has_not_read_leaves_other_callers_free()
 /// completes at once, and the refused caller's retry replays.
 #[tokio::test]
 async fn a_refusal_in_an_open_transaction_leaves_the_owner_free_to_record_its_result() {
-    use idempotent_runtime::{Fenced, OwnerToken, Reservation, ReserveRequest, StoredOutcome};
+    use idempotent_runtime::{Fenced, StoredOutcome};
     let path = fresh_path();
     let store = SqliteStore::connect(&url(&path)).await.expect("open");
     let pool = store.pool().clone();
@@ -1194,21 +1194,14 @@ async fn a_refusal_in_an_open_transaction_leaves_the_owner_free_to_record_its_re
     let id = Identity::new(&tenant, "sqlite_edges.charge_short_wait", "k").unwrap();
 
     // A store-mode owner holds the key, its body running.
-    let token = OwnerToken::new();
-    let reserved = store
-        .reserve(ReserveRequest {
-            identity: &id,
-            fingerprint: None,
-            token: &token,
-            lease: Duration::from_secs(60),
-            ttl: Duration::from_secs(3600),
-        })
-        .await
-        .expect("reserve");
-    assert!(
-        matches!(reserved, Reservation::Acquired { .. }),
-        "{reserved:?}"
-    );
+    let token = crate::common::records::acquire(
+        &store,
+        &id,
+        None,
+        Duration::from_secs(60),
+        Duration::from_secs(3600),
+    )
+    .await;
 
     let mut left_open = Vec::new();
     for read_first in [false, true] {
@@ -2106,22 +2099,7 @@ async fn owner_ends_once(
 /// A record of `tenant`'s key `k` reserved by an owner that never writes again.
 async fn reserved_and_left(store: &SqliteStore, tenant: &str, lease: Duration) -> OwnerToken {
     let id = Identity::new(tenant, "sqlite_edges.starved", "k").expect("identity");
-    let token = OwnerToken::new();
-    let reserved = store
-        .reserve(ReserveRequest {
-            identity: &id,
-            fingerprint: None,
-            token: &token,
-            lease,
-            ttl: Duration::from_secs(3600),
-        })
-        .await
-        .expect("reserve");
-    assert!(
-        matches!(reserved, Reservation::Acquired { .. }),
-        "{reserved:?}"
-    );
-    token
+    crate::common::records::acquire(store, &id, None, lease, Duration::from_secs(3600)).await
 }
 
 fn refused_as_stale(answer: &Result<u64, Error>) {
