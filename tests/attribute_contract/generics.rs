@@ -12,6 +12,16 @@ use idempotent_runtime::{
 use serde::Serialize;
 use std::time::Duration;
 
+/// A type's name without its module path: what each function answers, so a
+/// test sees which instantiation ran.
+fn short_name<T: ?Sized>() -> String {
+    std::any::type_name::<T>()
+        .rsplit("::")
+        .next()
+        .unwrap_or_default()
+        .to_owned()
+}
+
 #[derive(Default)]
 struct User;
 #[derive(Default)]
@@ -20,11 +30,7 @@ struct Order;
 #[idempotent(scope = "generics.create", key = key, tenant = tenant, store = store)]
 async fn create<T: Default>(store: &MemoryStore, tenant: &str, key: &str) -> Result<String, Error> {
     let _ = T::default();
-    Ok(std::any::type_name::<T>()
-        .rsplit("::")
-        .next()
-        .unwrap_or_default()
-        .to_owned())
+    Ok(short_name::<T>())
 }
 
 #[idempotent(scope = "generics.value", key = key, tenant = shared, store = store)]
@@ -131,11 +137,7 @@ async fn same_name<T: Default>(store: &MemoryStore, key: &str, x: other::T) -> R
 #[idempotent(scope = "generics.associated", key = key, tenant = shared, store = store)]
 async fn fetch<T: Model>(store: &MemoryStore, key: &str, id: T::Id) -> Result<String, Error> {
     let _ = id;
-    Ok(std::any::type_name::<T>()
-        .rsplit("::")
-        .next()
-        .unwrap_or_default()
-        .to_owned())
+    Ok(short_name::<T>())
 }
 
 /// `<T>::Id`: a qualified path through `T`.
@@ -146,11 +148,7 @@ async fn fetch_qualified<T: Model>(
     id: <T>::Id,
 ) -> Result<String, Error> {
     let _ = id;
-    Ok(std::any::type_name::<T>()
-        .rsplit("::")
-        .next()
-        .unwrap_or_default()
-        .to_owned())
+    Ok(short_name::<T>())
 }
 
 /// One value for every `T`.
@@ -199,11 +197,7 @@ async fn delete<T: Send + Sync>(
     id: TypedId<T>,
 ) -> Result<String, Error> {
     let _ = id;
-    Ok(std::any::type_name::<T>()
-        .rsplit("::")
-        .next()
-        .unwrap_or_default()
-        .to_owned())
+    Ok(short_name::<T>())
 }
 
 /// A capacity only in the type.
@@ -227,11 +221,7 @@ async fn compiled_out<T: Default + Send + Sync>(
     key: &str,
     #[cfg(any())] v: T,
 ) -> Result<String, Error> {
-    Ok(std::any::type_name::<T>()
-        .rsplit("::")
-        .next()
-        .unwrap_or_default()
-        .to_owned())
+    Ok(short_name::<T>())
 }
 
 #[tokio::test]
@@ -331,17 +321,7 @@ async fn lookalike<T: Default, Item: Default>(
     items: Box<dyn Iterator<Item = u8> + Send + Sync>,
 ) -> Result<String, Error> {
     let _ = (limit, items, T::default(), Item::default());
-    Ok(format!(
-        "{}/{}",
-        std::any::type_name::<T>()
-            .rsplit("::")
-            .next()
-            .unwrap_or_default(),
-        std::any::type_name::<Item>()
-            .rsplit("::")
-            .next()
-            .unwrap_or_default()
-    ))
+    Ok(format!("{}/{}", short_name::<T>(), short_name::<Item>()))
 }
 
 #[tokio::test]
