@@ -13,7 +13,7 @@
 //! | `Ok(_)`, the body ran | `Executed` | `Ack` |
 //! | `Ok(_)` or a recorded `Err(_)`, replayed | `Replayed` | `Ack` (no second effect) |
 //! | `Error::InProgress { retry_after }` | `InProgress` | `Nak(Some(retry_after))` |
-//! | any other `Err(_)`: the body failed and the key was released, the store failed, the lease was lost | `Failed` | `Nak(None)`; knowing the delivery count (as [`nats::process`] does), `Nak(Some(`[`failed_retry_after`]`(n)))`: 1 s after the first delivery, doubling per delivery up to 60 s |
+//! | any other `Err(_)`: the body failed and the key was released, the store failed, the lease was lost, a newer version made the record (`Error::RecordedByNewerVersion`) | `Failed` | `Nak(None)`; knowing the delivery count (as [`nats::process`] does), `Nak(Some(`[`failed_retry_after`]`(n)))`: 1 s after the first delivery, doubling per delivery up to 60 s |
 //! | `Error::ResultNotFaithful` / `ResultTooLarge` / `ResultEncoding`: the body ran, its result can never be recorded | `Unrecordable` | `Term` (a redelivery would run the body again) |
 //! | `Error::FingerprintMismatch`: same message id, different payload | `Mismatch` | `Term` (poison) |
 //! | `Error::Fingerprint`: the payload's arguments cannot be fingerprinted | `Unfingerprintable` | `Term` (every delivery fails alike); knowing the delivery count, nak'd like `Failed` until [`DELIVERIES_BEFORE_TERM`] |
@@ -529,6 +529,17 @@ mod tests {
                 Disposition::Nak(None)
             );
         }
+        // A record a newer version made (a rolling deploy): nothing ran, and
+        // a redelivery may reach the newer version; never a poison message.
+        let newer = Error::RecordedByNewerVersion {
+            context: ctx(),
+            version: "v9".into(),
+        };
+        let v = classify(&err(newer), None);
+        assert_eq!(
+            (v, v.disposition()),
+            (Verdict::Failed, Disposition::Nak(None))
+        );
         // The body's own error, released (it is not a framework error at all).
         let own: Result<(), std::io::Error> = Err(std::io::Error::other("ledger down"));
         assert_eq!(classify(&own, Some(Outcome::Executed)), Verdict::Failed);

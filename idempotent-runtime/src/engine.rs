@@ -1254,6 +1254,14 @@ async fn reserve_from(
                 now = Instant::now();
             }
             Reservation::FingerprintMismatch => {
+                if let Some(version) = recorded_by_newer_version(&store, request.identity).await {
+                    tracing::warn!(target: "idempotent", scope = spec.scope, key = %request.identity.log_digest(),
+                        version = %version, "refused for now: a newer version of idempotent made this key's record, and this version cannot compare its fingerprint");
+                    return Err(Error::RecordedByNewerVersion {
+                        context: request.identity.context(),
+                        version,
+                    });
+                }
                 METRICS.mismatched.fetch_add(1, Ordering::Relaxed);
                 tracing::warn!(target: "idempotent", scope = spec.scope, key = %request.identity.log_digest(),
                     "refused: key reused with different arguments");
@@ -1292,6 +1300,16 @@ async fn reserve_from(
             }
         }
     }
+}
+
+/// The version label of the record's fingerprint, when a newer build made
+/// it with a form this one does not know (see
+/// [`unknown_version`](crate::fingerprint::unknown_version)): one read, made
+/// only after a reservation was refused as a mismatch. Through a store only:
+/// in transactional mode, and when the read fails, the mismatch stands.
+async fn recorded_by_newer_version(store: &impl Reserver, identity: &Identity) -> Option<String> {
+    let snapshot = store.as_store()?.fetch(identity).await.ok()??;
+    crate::fingerprint::unknown_version(snapshot.fingerprint.as_deref()?).map(str::to_owned)
 }
 
 /// Whether a failed reservation may still have written the record: not when

@@ -131,6 +131,25 @@ pub enum Error {
     )]
     FingerprintMismatch(RecordContext),
 
+    /// The key's record was made by a newer version of this crate, with a
+    /// fingerprint this version cannot compare (during a rolling deploy, or
+    /// after a rollback). Nothing ran and the record is untouched. Retry
+    /// later with the same key: an instance of the newer version answers it,
+    /// and once the record expires (its `ttl`) this version does (HTTP: 503 +
+    /// `Retry-After`; a message consumer naks the delivery).
+    #[error(
+        "the record for this idempotency key ({context}) was made by a newer version of \
+         idempotent, whose fingerprint (version `{version}`) this version cannot compare; nothing \
+         ran. Retry later with the same key: instances of the newer version answer it (finish \
+         the deploy, or after a rollback wait for the record to expire)"
+    )]
+    RecordedByNewerVersion {
+        /// Where: the scope and the key's digest.
+        context: RecordContext,
+        /// The stored fingerprint's version label, e.g. `v3`.
+        version: String,
+    },
+
     /// This call's lease ran out while the body ran and another caller took the
     /// record over (or an operator released it: `idempotent release
     /// --even-if-running`); this call's result was not recorded. The work may

@@ -731,6 +731,47 @@ macro_rules! contract_tests {
             assert_eq!(runs.load(Ordering::SeqCst), 1);
         }
 
+        /// Rules 6 and 7 across versions: a record whose fingerprint carries a
+        /// version label this build does not know (a newer build made it, in a
+        /// rolling deploy or before a rollback) cannot be compared. The call is
+        /// refused for now (retry later), not as a reused key (a client's final
+        /// answer); the body does not run and the record is untouched. A record
+        /// with a label this build knows and another digest is still a mismatch.
+        #[tokio::test]
+        async fn a_record_a_newer_version_made_is_refused_for_now_not_as_a_reused_key() {
+            let Some(store) = store().await else { return };
+            let t = fresh_tenant();
+            let runs = AtomicUsize::new(0);
+            let digest = "0123456789abcdef".repeat(4);
+            for (key, label, newer) in [("newer", "v9", true), ("newer-http", "http7", true), ("known", "v2", false)] {
+                let identity = id(&t, "contract.charge", key);
+                let fingerprint = idempotent_runtime::Fingerprint::from_stored(format!("{label}:{digest}"));
+                let token = $crate::common::records::acquire(&*store, &identity, Some(&fingerprint), Duration::from_secs(30), Duration::from_secs(3600)).await;
+                let recorded = Receipt { charge_id: format!("ch_{key}"), amount: 7 };
+                let outcome = idempotent_runtime::StoredOutcome { is_error: false, payload: serde_json::to_vec(&recorded).unwrap() };
+                assert_eq!(store.complete(idempotent_runtime::Completion::by_body(&identity, &token, &outcome, Duration::from_secs(3600))).await.unwrap(), idempotent_runtime::Fenced::Written);
+                let before = store.fetch(&identity).await.unwrap().map(|r| (r.state, r.fingerprint, r.outcome));
+
+                let (answer, reported) = with_outcome(charge(&*store, &t, key, 7, &runs)).await;
+                let err = answer.unwrap_err();
+                if newer {
+                    match &err {
+                        Error::RecordedByNewerVersion { context, version } => {
+                            assert_eq!((context.scope.as_str(), version.as_str()), ("contract.charge", label));
+                        }
+                        other => panic!("{key}: expected RecordedByNewerVersion, got {other:?}"),
+                    }
+                    assert!(err.to_string().contains("Retry later"), "{err}");
+                    assert!(!err.to_string().contains(&format!("\"{key}\"")), "the raw key must not leak: {err}");
+                    assert_eq!(reported, None, "nothing ran or replayed");
+                } else {
+                    assert!(matches!(err, Error::FingerprintMismatch(_)), "{key}: {err:?}");
+                }
+                assert_eq!(store.fetch(&identity).await.unwrap().map(|r| (r.state, r.fingerprint, r.outcome)), before, "{key}: untouched");
+            }
+            assert_eq!(runs.load(Ordering::SeqCst), 0, "no body ran");
+        }
+
         /// Rule 13: `Err` releases by default — the key is free and a retry runs again.
         #[tokio::test]
         async fn an_error_releases_the_key() {

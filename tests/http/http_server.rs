@@ -272,6 +272,63 @@ async fn a_request_recorded_as_http1_is_replayed_to_its_retries() {
     assert_eq!(server.shop.status_calls.load(Ordering::SeqCst), 1);
 }
 
+/// A request a newer version of the server recorded, with a fingerprint
+/// form this one does not know (`http9:`, made here by rewriting the stored
+/// one), is not refused as a reused key (a client takes a 422 as final):
+/// this instance answers 503 with `Retry-After: 1`, runs nothing and leaves
+/// the record as it is, so a retry that reaches the newer version replays it.
+#[tokio::test]
+async fn a_request_a_newer_version_recorded_is_answered_retry_later_not_key_reused() {
+    let path = std::env::temp_dir().join(format!(
+        "idempotent-http-newer-{}.db",
+        uuid::Uuid::new_v4().simple()
+    ));
+    let store = idempotent_runtime::SqliteStore::connect(&format!("sqlite://{}", path.display()))
+        .await
+        .expect("SQLite file");
+    let pool = store.pool().clone();
+    let server = TestServer::start(Arc::new(store), |b| b).await;
+    let a = fresh_tenant();
+    let send = || {
+        client()
+            .post(server.url("/status/201"))
+            .header("content-type", "text/plain")
+            .header("x-account-id", &a)
+            .header("idempotency-key", "k-newer")
+            .body("x")
+            .send()
+    };
+    assert_eq!(send().await.expect("request").status(), 201);
+    let newer = format!("http9:{}", "ab".repeat(32));
+    let rewritten = sqlx::query(
+        "UPDATE idempotency_records SET fingerprint = ? WHERE fingerprint LIKE 'http2:%'",
+    )
+    .bind(&newer)
+    .execute(&pool)
+    .await
+    .expect("make the record a newer version's")
+    .rows_affected();
+    assert_eq!(rewritten, 1, "the layer stored one http2 fingerprint");
+    let retry = send().await.expect("request");
+    assert_eq!(retry.headers()["retry-after"], "1");
+    expect_problem(retry, 503, types::RECORDED_BY_NEWER_VERSION).await;
+    assert_eq!(
+        server.shop.status_calls.load(Ordering::SeqCst),
+        1,
+        "nothing ran again"
+    );
+    let stored: (String, String) =
+        sqlx::query_as("SELECT fingerprint, state FROM idempotency_records")
+            .fetch_one(&pool)
+            .await
+            .expect("the record");
+    assert_eq!(
+        stored,
+        (newer, "complete".to_owned()),
+        "the record is untouched"
+    );
+}
+
 #[tokio::test]
 async fn json_bodies_differing_only_in_key_order_or_whitespace_are_one_request() {
     let server = TestServer::start(memory(), |b| b).await;

@@ -110,6 +110,15 @@
 //! Fingerprints assume serde_json without its `arbitrary_precision` feature
 //! (as v1 did: with it, serde_json writes numbers differently).
 //!
+//! # Versions this build does not know
+//!
+//! A change to how a fingerprint is made takes a new version label (`v3`,
+//! `http3`). A build that meets a record whose fingerprint carries a label
+//! it does not know (one a newer build wrote, during a rolling deploy or
+//! after a rollback) cannot compare it: instead of refusing the retry as a
+//! reused key, the call answers [`Error::RecordedByNewerVersion`], which
+//! says to retry later (see [`unknown_version`]).
+//!
 //! # Results
 //!
 //! [`check_faithful_json`] (rule 12) uses the same serializer to tell
@@ -134,6 +143,39 @@ pub const CANONICAL_VERSION: &str = "v2";
 
 /// The first canonical form, still the label of every value it represents faithfully.
 const V1: &str = "v1";
+
+/// The HTTP layer's request fingerprint, before the media type counted.
+pub(crate) const HTTP_V1: &str = "http1";
+
+/// The HTTP layer's request fingerprint (`http::HTTP_FINGERPRINT_VERSION`).
+pub(crate) const HTTP_V2: &str = "http2";
+
+/// Every version label this build makes or compares fingerprints with.
+const KNOWN_VERSIONS: [&str; 4] = [V1, CANONICAL_VERSION, HTTP_V1, HTTP_V2];
+
+/// The version label of a stored fingerprint when it is one this build does
+/// not know: a newer build made it (see the module doc). `None` for a known
+/// label, and for a string that is not a fingerprint of the stored form
+/// (`<label>:<64 lowercase hex digits>`, the label ASCII letters and digits),
+/// which is compared as it is.
+///
+/// ```
+/// use idempotent_runtime::fingerprint::unknown_version;
+/// let digest = "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08";
+/// assert_eq!(unknown_version(&format!("v9:{digest}")), Some("v9"));
+/// assert_eq!(unknown_version(&format!("v2:{digest}")), None);
+/// assert_eq!(unknown_version("v9:not-a-digest"), None);
+/// ```
+pub fn unknown_version(stored: &str) -> Option<&str> {
+    let (label, digest) = stored.split_once(':')?;
+    let well_formed = !label.is_empty()
+        && label.bytes().all(|b| b.is_ascii_alphanumeric())
+        && digest.len() == 64
+        && digest
+            .bytes()
+            .all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'));
+    (well_formed && !KNOWN_VERSIONS.contains(&label)).then_some(label)
+}
 
 /// A versioned fingerprint, e.g. `v1:9f86d0...`.
 ///

@@ -54,10 +54,10 @@ use axum::http::{header, HeaderMap, Method};
 use sha2::{Digest, Sha256};
 
 /// The version prefix of HTTP request fingerprints.
-pub const HTTP_FINGERPRINT_VERSION: &str = "http2";
+pub const HTTP_FINGERPRINT_VERSION: &str = crate::fingerprint::HTTP_V2;
 
 /// The version before the media type counted (see the module doc).
-const LEGACY_HTTP_FINGERPRINT_VERSION: &str = "http1";
+const LEGACY_HTTP_FINGERPRINT_VERSION: &str = crate::fingerprint::HTTP_V1;
 
 /// The essence of every `Content-Type` value (`type/subtype`, spaces and
 /// tabs trimmed, ASCII lowercased; the bytes as sent otherwise), joined by

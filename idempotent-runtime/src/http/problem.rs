@@ -31,6 +31,10 @@ pub mod types {
     pub const KEY_REUSED: &str = "urn:idempotent:problem:key-reused";
     /// A request with the same key is still running (409 + `Retry-After`).
     pub const IN_PROGRESS: &str = "urn:idempotent:problem:in-progress";
+    /// The key's record was made by a newer version of the server, which
+    /// this instance cannot compare the request with; nothing ran (503 +
+    /// `Retry-After`).
+    pub const RECORDED_BY_NEWER_VERSION: &str = "urn:idempotent:problem:recorded-by-newer-version";
     /// The request body is larger than the route buffers (413).
     pub const BODY_TOO_LARGE: &str = "urn:idempotent:problem:body-too-large";
     /// The request body could not be read (400).
@@ -152,7 +156,7 @@ pub fn retry_after_secs(d: Duration) -> u64 {
 /// | `FingerprintMismatch` | 422 |
 /// | `InProgress` | 409 + `Retry-After` (whole seconds, ≥ 1) |
 /// | `Store` | 503 |
-/// | `StaleSnapshot` | 503 + `Retry-After: 1` |
+/// | `StaleSnapshot`, `RecordedByNewerVersion` | 503 + `Retry-After: 1` |
 /// | everything else (`LeaseLost`, `ResultTooLarge`, `NoDefaultStore`, ...) | 500 |
 ///
 /// The detail of a 5xx does not repeat server internals (database messages):
@@ -198,6 +202,21 @@ pub fn problem_for(error: &Error) -> Problem {
                 ),
             );
             p.retry_after = Some(secs);
+            p
+        }
+        // A newer instance recorded this key (a rolling deploy, a
+        // rollback): nothing ran here, and another instance, or this one once
+        // the record expires, can answer.
+        Error::RecordedByNewerVersion { .. } => {
+            let mut p = Problem::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                RECORDED_BY_NEWER_VERSION,
+                "Request not processed; retry",
+                "This Idempotency-Key's request was recorded by a newer version of the server, \
+                 which this instance cannot compare the request with, so nothing was processed. \
+                 Retry the same request with the same key shortly.",
+            );
+            p.retry_after = Some(1);
             p
         }
         Error::Store(_) => Problem::new(
