@@ -487,3 +487,92 @@ fn fast_retrying_client(max_attempts: u32) -> IdempotentClient {
         ..RetryPolicy::default()
     })
 }
+
+/// Ships an order once, whatever request asks: its key is the order id, not
+/// the HTTP request's key. Waits for `gate` before it ships.
+#[idempotent_runtime::idempotent(scope = "edges.ship", key = order, tenant = account,
+    store = store, in_progress = reject, skip(gate, entered))]
+async fn ship_once(
+    store: &MemoryStore,
+    account: &str,
+    order: &str,
+    gate: &tokio::sync::Semaphore,
+    entered: &tokio::sync::Notify,
+) -> Result<String, idempotent_runtime::Error> {
+    entered.notify_one();
+    let _pass = gate.acquire().await.expect("gate");
+    Ok(format!("shipped {order}"))
+}
+
+/// The layer never records the framework's own "try again" answer. Two
+/// requests with their own Idempotency-Keys ship one order: the second's
+/// handler meets the first's `#[idempotent]` call still running (`in_progress
+/// = reject`) and answers 409 + `Retry-After` through `Error`'s
+/// `IntoResponse`, whose text promises the answer on a retry. The layer took
+/// that 4xx for the second key's final answer and replayed the 409 to every
+/// retry for the record's ttl; now it passes it through, releases the key,
+/// and the retry after the first one finished is answered.
+#[tokio::test]
+async fn an_inner_call_in_progress_409_is_passed_through_not_recorded() {
+    let inner_store = Arc::new(MemoryStore::new());
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    let entered = Arc::new(tokio::sync::Notify::new());
+    let runs = Arc::new(AtomicUsize::new(0));
+    let handler = {
+        let (store, gate, entered, runs) = (
+            inner_store.clone(),
+            gate.clone(),
+            entered.clone(),
+            runs.clone(),
+        );
+        move |Extension(AccountId(account)): Extension<AccountId>,
+              axum::extract::Path(order): axum::extract::Path<String>| {
+            let (store, gate, entered, runs) =
+                (store.clone(), gate.clone(), entered.clone(), runs.clone());
+            async move {
+                runs.fetch_add(1, Ordering::SeqCst);
+                ship_once(&store, &account, &order, &gate, &entered).await
+            }
+        }
+    };
+    let app = Router::new()
+        .route("/orders/{order}/ship", post(handler))
+        .route_layer(layer("edges.orders"))
+        .layer(middleware::from_fn(authenticate));
+    let (base, _task) = serve(app).await;
+    let account = fresh_tenant();
+    let send = |key: &'static str| {
+        reqwest::Client::new()
+            .post(format!("{base}/orders/o1/ship"))
+            .header("x-account-id", &account)
+            .header("idempotency-key", key)
+            .send()
+    };
+    let first = tokio::spawn(send("key-a"));
+    entered.notified().await;
+    let refused = send("key-b").await.expect("request");
+    assert_eq!(refused.status(), 409);
+    assert!(refused.headers().get("retry-after").is_some());
+    assert!(refused.headers().get("idempotent-replayed").is_none());
+    gate.add_permits(1);
+    let first = first.await.expect("task").expect("request");
+    assert_eq!(first.status(), 200);
+    assert_eq!(first.text().await.expect("body"), "shipped o1");
+
+    let retry = send("key-b").await.expect("request");
+    assert_eq!(
+        retry.status(),
+        200,
+        "the retry the 409 asked for is answered, not refused again"
+    );
+    assert!(
+        retry.headers().get("idempotent-replayed").is_none(),
+        "the handler ran for key-b"
+    );
+    assert_eq!(retry.text().await.expect("body"), "shipped o1");
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        3,
+        "key-b's handler ran twice, key-a's once"
+    );
+}

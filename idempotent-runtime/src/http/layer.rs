@@ -2,7 +2,7 @@
 
 use super::fingerprint::request_fingerprint;
 use super::key::{key_from_headers, KeyRejection};
-use super::problem::{types, Problem};
+use super::problem::{types, NotFinal, Problem};
 use super::REPLAYED;
 use crate::engine::{execute, with_outcome, Call, Outcome, ReleaseErrors, StoreRef};
 use crate::error::Error;
@@ -706,6 +706,11 @@ where
 {
     let response = inner.call(request).await.map_err(Failure::Inner)?;
     let status = response.status();
+    if response.extensions().get::<NotFinal>().is_some() {
+        tracing::info!(target: "idempotent", scope = config.spec.scope, status = status.as_u16(),
+            "the answer says to send the request again (not final): not recorded; the key is released");
+        return Err(Failure::Passthrough(response.map(Body::new)));
+    }
     if !config.records(status) {
         tracing::info!(target: "idempotent", scope = config.spec.scope, status = status.as_u16(),
             "answer not recorded by the layer's rule; the key is released");

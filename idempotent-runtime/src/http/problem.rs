@@ -80,11 +80,40 @@ pub struct Problem {
     /// What went wrong this time and what the client should do about it.
     #[serde(default)]
     pub detail: String,
-    /// For 409 in-progress answers: seconds to wait before retrying (the same
-    /// number as the `Retry-After` header).
+    /// Seconds to wait before sending the same request again (the same
+    /// number as the `Retry-After` header): for answers that are not final,
+    /// such as 409 in-progress. A problem with one carries [`NotFinal`].
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub retry_after: Option<u64>,
 }
+
+/// A response extension saying the answer is not final: nothing was done,
+/// send the same request again (later). [`IdempotencyLayer`](super::IdempotencyLayer)
+/// passes such an answer through without recording it, whatever its status
+/// and the layer's recording rule, and releases the key, so the retry the
+/// answer asks for is processed rather than answered the same way until the
+/// record expires.
+///
+/// Every [`Problem`] with a `retry_after` carries it, so the answers `Error`'s
+/// `IntoResponse` makes for `InProgress` (a handler's `#[idempotent]` call
+/// that found its own record in progress, perhaps under another request's
+/// key), `StaleSnapshot` and `RecordedByNewerVersion` do. Insert it into a
+/// response of your own that says the same:
+///
+/// ```
+/// use axum::http::StatusCode;
+/// use axum::response::{IntoResponse, Response};
+/// use idempotent_runtime::http::problem::NotFinal;
+///
+/// fn busy() -> Response {
+///     let mut response = (StatusCode::CONFLICT, "the order is being shipped; retry").into_response();
+///     response.extensions_mut().insert(NotFinal);
+///     response
+/// }
+/// # assert!(busy().extensions().get::<NotFinal>().is_some());
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct NotFinal;
 
 /// RFC 9457's `type` when a problem names none.
 fn about_blank() -> String {
@@ -128,6 +157,7 @@ impl IntoResponse for Problem {
         headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON));
         if let Some(secs) = retry_after {
             headers.insert(header::RETRY_AFTER, HeaderValue::from(secs));
+            response.extensions_mut().insert(NotFinal);
         }
         response
     }
@@ -195,10 +225,11 @@ pub fn problem_for(error: &Error) -> Problem {
             let mut p = Problem::new(
                 StatusCode::CONFLICT,
                 IN_PROGRESS,
-                "A request with this Idempotency-Key is still in progress",
+                "A request for the same operation is still in progress",
                 format!(
-                    "The first request with this Idempotency-Key has not finished yet. Retry the \
-                     same request with the same key after {secs} second(s) to get its answer."
+                    "An earlier request with this Idempotency-Key, or one for the same operation, \
+                     has not finished yet. Retry the same request with the same key after {secs} \
+                     second(s) to get the answer."
                 ),
             );
             p.retry_after = Some(secs);
@@ -296,5 +327,36 @@ impl IntoResponse for Error {
                 "idempotency failure answered as a server error");
         }
         problem.into_response()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::RecordContext;
+
+    /// The answers that say "send it again" are marked not final, so the
+    /// layer never records them; final refusals are not.
+    #[test]
+    fn answers_with_a_retry_after_are_marked_not_final() {
+        let context = || RecordContext {
+            scope: "a.b".into(),
+            key_digest: "0".into(),
+        };
+        let not_final = |e: Error| e.into_response().extensions().get::<NotFinal>().is_some();
+        assert!(not_final(Error::InProgress {
+            scope: "a.b".into(),
+            retry_after: Duration::from_secs(3),
+        }));
+        assert!(not_final(Error::StaleSnapshot {
+            scope: "a.b".into(),
+            store: "postgres",
+        }));
+        assert!(not_final(Error::RecordedByNewerVersion {
+            context: context(),
+            version: "v9".into(),
+        }));
+        assert!(!not_final(Error::FingerprintMismatch(context())));
+        assert!(!not_final(Error::InvalidKey(crate::KeyProblem::Empty)));
     }
 }
