@@ -13,9 +13,10 @@
 //! | `Ok(_)`, the body ran | `Executed` | `Ack` |
 //! | `Ok(_)` or a recorded `Err(_)`, replayed | `Replayed` | `Ack` (no second effect) |
 //! | `Error::InProgress { retry_after }` | `InProgress` | `Nak(Some(retry_after))` |
+//! | `Error::FingerprintMismatch` against a record still in progress (in [`handle`] and [`nats::process`], in store mode): another delivery holds it, perhaps of a consumer version whose arguments differ, and may yet release it | `InProgress` (its lease's remaining time) | `Nak(Some(retry_after))` |
 //! | any other `Err(_)`: the body failed and the key was released, the store failed, the lease was lost, a newer version made the record (`Error::RecordedByNewerVersion`) | `Failed` | `Nak(None)`; knowing the delivery count (as [`nats::process`] does), `Nak(Some(`[`failed_retry_after`]`(n)))`: 1 s after the first delivery, doubling per delivery up to 60 s |
 //! | `Error::ResultNotFaithful` / `ResultTooLarge` / `ResultEncoding`: the body ran, its result can never be recorded | `Unrecordable` | `Term` (a redelivery would run the body again) |
-//! | `Error::FingerprintMismatch`: same message id, different payload | `Mismatch` | `Term` (poison) |
+//! | `Error::FingerprintMismatch`: same message id, different payload, its record complete | `Mismatch` | `Term` (poison) |
 //! | `Error::Fingerprint`: the payload's arguments cannot be fingerprinted | `Unfingerprintable` | `Term` (every delivery fails alike); knowing the delivery count, nak'd like `Failed` until [`DELIVERIES_BEFORE_TERM`] |
 //! | `Error::ReplayDecoding`: processed before, but the recorded answer no longer decodes as the handler's type | `ReplayUndecodable` | `Term` (naks would come back until the record expired, and then run the body again); knowing the delivery count, nak'd like `Failed` until [`DELIVERIES_BEFORE_TERM`], so a rolling deploy's other version can replay it |
 //! | no key on the message | `MissingKey` | `Term`; the handler is not called |
@@ -115,7 +116,11 @@ pub enum Verdict {
     Executed,
     /// The recorded answer was replayed (a duplicate or a redelivery); the body did not run.
     Replayed,
-    /// Another delivery of the same message is running it (`Error::InProgress`).
+    /// Another delivery of the same message is running it (`Error::InProgress`;
+    /// in [`handle`] and [`nats::process`] also an `Error::FingerprintMismatch`
+    /// with a record still in progress: another version of the handler may
+    /// be running the message with arguments it fingerprints otherwise, and
+    /// may yet release the key).
     InProgress {
         /// When the running call's lease runs out: when to try again.
         retry_after: Duration,
@@ -124,7 +129,8 @@ pub enum Verdict {
     /// failed, or the lease was lost. A redelivery tries again.
     Failed,
     /// Same message id, different payload (`Error::FingerprintMismatch`): a
-    /// poison message. The record is untouched.
+    /// poison message. The record is untouched. (A mismatch with a record
+    /// still in progress is [`InProgress`](Self::InProgress) in [`handle`].)
     Mismatch,
     /// The message carries no key, so it is never processed.
     MissingKey,
@@ -302,15 +308,16 @@ pub fn classify<T, E: AsIdempotencyError>(
     verdict(
         result,
         outcome.map(|outcome| Reported {
-            outcome,
+            outcome: Some(outcome),
             replayed_error: result.is_err(),
+            mismatch_running: None,
         }),
     )
 }
 
 /// [`classify`], knowing whether the replay was of a recorded error.
 fn verdict<T, E: AsIdempotencyError>(result: &Result<T, E>, reported: Option<Reported>) -> Verdict {
-    let replayed = reported.is_some_and(|r| r.outcome == Outcome::Replayed);
+    let replayed = reported.is_some_and(|r| r.outcome == Some(Outcome::Replayed));
     let error = match result {
         Ok(_) if replayed => return Verdict::Replayed,
         Ok(_) => return Verdict::Executed,
@@ -320,7 +327,13 @@ fn verdict<T, E: AsIdempotencyError>(result: &Result<T, E>, reported: Option<Rep
         Some(Error::InProgress { retry_after, .. }) => Verdict::InProgress {
             retry_after: *retry_after,
         },
-        Some(Error::FingerprintMismatch(_)) => Verdict::Mismatch,
+        // The record is another call's, still running: in a rolling deploy
+        // that changed the handler's arguments, the other version's delivery
+        // of this very message, which may yet fail and release the key.
+        Some(Error::FingerprintMismatch(_)) => match reported.and_then(|r| r.mismatch_running) {
+            Some(retry_after) => Verdict::InProgress { retry_after },
+            None => Verdict::Mismatch,
+        },
         Some(Error::InvalidKey(_) | Error::InvalidTenant(_)) => Verdict::InvalidKey,
         Some(Error::Fingerprint { .. }) => Verdict::Unfingerprintable,
         Some(Error::ReplayDecoding { .. }) => Verdict::ReplayUndecodable,
@@ -330,7 +343,9 @@ fn verdict<T, E: AsIdempotencyError>(result: &Result<T, E>, reported: Option<Rep
             Error::ResultNotFaithful { .. }
             | Error::ResultTooLarge { .. }
             | Error::ResultEncoding { .. },
-        ) if reported.is_some_and(|r| r.outcome == Outcome::Executed) => Verdict::Unrecordable,
+        ) if reported.is_some_and(|r| r.outcome == Some(Outcome::Executed)) => {
+            Verdict::Unrecordable
+        }
         // The framework's own error (a store down, a lease lost...) is never a
         // recorded answer, even after an earlier step replayed: that step's
         // outcome says nothing of the step that failed, which has not run.

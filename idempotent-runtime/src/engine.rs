@@ -76,8 +76,13 @@ pub enum Outcome {
 /// whatever order the calls finished).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Reported {
-    pub(crate) outcome: Outcome,
+    /// `None` when no call finished with a result (refused, failed).
+    pub(crate) outcome: Option<Outcome>,
     pub(crate) replayed_error: bool,
+    /// A call refused as a mismatch met a record still in progress, whose
+    /// lease runs this much longer (store mode): that owner may yet release
+    /// the key, so a message consumer redelivers rather than terms.
+    pub(crate) mismatch_running: Option<Duration>,
 }
 
 /// Where a [`with_outcome`] scope collects what its calls reported: shared,
@@ -107,7 +112,7 @@ tokio::task_local! {
 /// ```
 pub async fn with_outcome<F: Future>(future: F) -> (F::Output, Option<Outcome>) {
     let (out, reported) = with_report(future).await;
-    (out, reported.map(|r| r.outcome))
+    (out, reported.and_then(|r| r.outcome))
 }
 
 /// [`with_outcome`], with what the call reported whole. What a scope saw is
@@ -163,8 +168,19 @@ pub fn carry_outcome<F: Future>(future: F) -> impl Future<Output = F::Output> {
 
 pub(crate) fn report(outcome: Outcome) {
     report_whole(Reported {
-        outcome,
+        outcome: Some(outcome),
         replayed_error: false,
+        mismatch_running: None,
+    });
+}
+
+/// Reports a call refused as a mismatch with a record still in progress
+/// (see [`Reported::mismatch_running`]).
+fn report_mismatch_running(lease_remaining: Duration) {
+    report_whole(Reported {
+        outcome: None,
+        replayed_error: false,
+        mismatch_running: Some(lease_remaining),
     });
 }
 
@@ -174,10 +190,14 @@ fn report_whole(reported: Reported) {
         let mut slot = slot
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let replayed_error = reported.replayed_error || slot.is_some_and(|r| r.replayed_error);
+        let earlier = *slot;
         *slot = Some(Reported {
-            outcome: reported.outcome,
-            replayed_error,
+            // The call that finished last, of those that finished with a result.
+            outcome: reported.outcome.or(earlier.and_then(|r| r.outcome)),
+            replayed_error: reported.replayed_error || earlier.is_some_and(|r| r.replayed_error),
+            mismatch_running: reported
+                .mismatch_running
+                .or(earlier.and_then(|r| r.mismatch_running)),
         });
     });
 }
@@ -1008,8 +1028,9 @@ pub(crate) fn replay<R: IdempotentReturn, H: ErrorHandling<R::Failure>>(
     METRICS.replayed.fetch_add(1, Ordering::Relaxed);
     tracing::info!(target: "idempotent", scope = spec.scope, key = %identity.log_digest(), store, "replayed");
     report_whole(Reported {
-        outcome: Outcome::Replayed,
+        outcome: Some(Outcome::Replayed),
         replayed_error: outcome.is_error,
+        mismatch_running: None,
     });
     (
         decode_replay::<R, H>(spec, errors, outcome),
@@ -1254,13 +1275,19 @@ async fn reserve_from(
                 now = Instant::now();
             }
             Reservation::FingerprintMismatch => {
-                if let Some(version) = recorded_by_newer_version(&store, request.identity).await {
-                    tracing::warn!(target: "idempotent", scope = spec.scope, key = %request.identity.log_digest(),
-                        version = %version, "refused for now: a newer version of idempotent made this key's record, and this version cannot compare its fingerprint");
-                    return Err(Error::RecordedByNewerVersion {
-                        context: request.identity.context(),
-                        version,
-                    });
+                match mismatched_record(&store, request.identity).await {
+                    MismatchedRecord::ByNewerVersion(version) => {
+                        tracing::warn!(target: "idempotent", scope = spec.scope, key = %request.identity.log_digest(),
+                            version = %version, "refused for now: a newer version of idempotent made this key's record, and this version cannot compare its fingerprint");
+                        return Err(Error::RecordedByNewerVersion {
+                            context: request.identity.context(),
+                            version,
+                        });
+                    }
+                    MismatchedRecord::Running { lease_remaining } => {
+                        report_mismatch_running(lease_remaining)
+                    }
+                    MismatchedRecord::Other => {}
                 }
                 METRICS.mismatched.fetch_add(1, Ordering::Relaxed);
                 tracing::warn!(target: "idempotent", scope = spec.scope, key = %request.identity.log_digest(),
@@ -1302,14 +1329,46 @@ async fn reserve_from(
     }
 }
 
-/// The version label of the record's fingerprint, when a newer build made
-/// it with a form this one does not know (see
-/// [`unknown_version`](crate::fingerprint::unknown_version)): one read, made
-/// only after a reservation was refused as a mismatch. Through a store only:
-/// in transactional mode, and when the read fails, the mismatch stands.
-async fn recorded_by_newer_version(store: &impl Reserver, identity: &Identity) -> Option<String> {
-    let snapshot = store.as_store()?.fetch(identity).await.ok()??;
-    crate::fingerprint::unknown_version(snapshot.fingerprint.as_deref()?).map(str::to_owned)
+/// What a record that refused a reservation as a mismatch is, as far as
+/// that changes the answer.
+enum MismatchedRecord {
+    /// A newer build made its fingerprint with a form this one does not know
+    /// (see [`unknown_version`](crate::fingerprint::unknown_version)): the
+    /// version label.
+    ByNewerVersion(String),
+    /// Still in progress under a live lease: its owner may yet release the key.
+    Running { lease_remaining: Duration },
+    /// Anything else, or not known: a plain mismatch.
+    Other,
+}
+
+/// Reads the record that refused a reservation as a mismatch: one read, made
+/// only then. Through a store only: in transactional mode, and when the read
+/// fails, the mismatch stands as it is.
+async fn mismatched_record(store: &impl Reserver, identity: &Identity) -> MismatchedRecord {
+    let Some(direct) = store.as_store() else {
+        return MismatchedRecord::Other;
+    };
+    let Ok(Some(snapshot)) = direct.fetch(identity).await else {
+        return MismatchedRecord::Other;
+    };
+    if let Some(version) = snapshot
+        .fingerprint
+        .as_deref()
+        .and_then(crate::fingerprint::unknown_version)
+    {
+        return MismatchedRecord::ByNewerVersion(version.to_owned());
+    }
+    match (snapshot.state, snapshot.lease_expires_at_ms) {
+        (crate::store::RecordState::InProgress, Some(lease_ends))
+            if lease_ends > snapshot.now_ms =>
+        {
+            MismatchedRecord::Running {
+                lease_remaining: crate::store::millis_to_duration(lease_ends - snapshot.now_ms),
+            }
+        }
+        _ => MismatchedRecord::Other,
+    }
 }
 
 /// Whether a failed reservation may still have written the record: not when

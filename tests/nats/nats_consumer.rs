@@ -172,6 +172,55 @@ async fn mapping_in_progress_is_nakd_with_the_retry_after() {
     assert_eq!(ledger.effects.load(Ordering::SeqCst), 1);
 }
 
+/// A delivery whose arguments fingerprint otherwise than those of a delivery
+/// of the same message still running (a rolling deploy that changed the
+/// handler's argument type; here another amount stands for it) is nak'd
+/// until that one's lease would end, not terminated: the running delivery
+/// may yet fail and release the key, and then nobody would process the
+/// message. Once the record is complete, the mismatch is poison (term).
+#[tokio::test]
+async fn mapping_mismatch_with_a_delivery_still_running_is_nakd_not_termed() {
+    let ledger = Arc::new(Ledger::new(true));
+    let running = {
+        let ledger = ledger.clone();
+        tokio::spawn(async move {
+            let first = order("o-9", 900);
+            handle(Some("m-9"), |k| ledger.bill(k, &first))
+                .await
+                .verdict
+        })
+    };
+    tokio::time::timeout(Duration::from_secs(20), ledger.entered.acquire())
+        .await
+        .expect("the first delivery's body started")
+        .unwrap()
+        .forget();
+    let other_arguments = order("o-9", 901);
+    let other_version = handle(Some("m-9"), |k| ledger.bill(k, &other_arguments)).await;
+    match (other_version.verdict, other_version.disposition()) {
+        (Verdict::InProgress { retry_after }, Disposition::Nak(Some(delay))) => {
+            assert_eq!(retry_after, delay);
+            assert!(
+                delay > Duration::ZERO && delay <= Duration::from_secs(5),
+                "{delay:?}"
+            );
+        }
+        other => panic!("expected a nak until the running delivery's lease ends, got {other:?}"),
+    }
+    assert!(matches!(
+        other_version.idempotency_error(),
+        Some(Error::FingerprintMismatch(_))
+    ));
+    ledger.gate.as_ref().unwrap().add_permits(1);
+    assert_eq!(running.await.unwrap(), Verdict::Executed);
+    let after = handle(Some("m-9"), |k| ledger.bill(k, &other_arguments)).await;
+    assert_eq!(
+        (after.verdict, after.disposition()),
+        (Verdict::Mismatch, Disposition::Term)
+    );
+    assert_eq!(ledger.effects.load(Ordering::SeqCst), 1);
+}
+
 #[tokio::test]
 async fn mapping_released_error_is_nakd_and_the_redelivery_runs() {
     let ledger = Ledger::new(false);
