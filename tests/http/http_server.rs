@@ -620,9 +620,10 @@ async fn handler_4xx_is_recorded_and_5xx_releases_the_key() {
     );
     assert_eq!(server.shop.status_calls.load(Ordering::SeqCst), before + 2);
 
-    // 408, 423, 425 and 429 say "not processed, try again": never recorded
-    // by the default rule, or every retry would get them for the ttl.
-    for code in ["408", "423", "425", "429"] {
+    // 408, 423, 425 and 429 say "not processed, try again", and a 401
+    // "authenticate, then try again": never recorded by the default rule, or
+    // every retry would get them for the ttl.
+    for code in ["401", "408", "423", "425", "429"] {
         let path = format!("/status/{code}");
         post(&server, &path, Some(&a), Some(code), "{}").await;
         let r = post(&server, &path, Some(&a), Some(code), "{}").await;

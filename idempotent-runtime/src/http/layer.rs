@@ -218,8 +218,9 @@ impl IdempotencyLayerBuilder {
     }
 
     /// Whether 4xx answers of the handler are recorded as the final answer
-    /// for their key (default `true`). `408`, `423`, `425` and `429` are never
-    /// recorded by the default rule: they say "not processed, try again", so
+    /// for their key (default `true`). `401`, `408`, `423`, `425` and `429`
+    /// are never recorded by the default rule: they say "not processed, try
+    /// again" (a `401` once the client has authenticated again), so
     /// replaying them would refuse every retry.
     pub fn record_client_errors(mut self, record: bool) -> Self {
         self.record_client_errors = record;
@@ -374,7 +375,10 @@ impl Config {
         if status.is_server_error() {
             self.record_server_errors
         } else if status.is_client_error() {
-            self.record_client_errors && !says_try_again(status)
+            // A 401: the client authenticates again and sends the same request.
+            self.record_client_errors
+                && !says_try_again(status)
+                && status != StatusCode::UNAUTHORIZED
         } else {
             true
         }
