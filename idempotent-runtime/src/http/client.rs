@@ -477,7 +477,9 @@ impl Intent {
     }
 
     /// Adds a header to every attempt. An `Idempotency-Key` given here is
-    /// ignored: the intent's own key is always the one sent.
+    /// ignored: the intent's own key is always the one sent. A
+    /// `Content-Type` replaces the one set before (by [`json`](Self::json)
+    /// or an earlier call): a request has one.
     pub fn header(mut self, name: &str, value: &str) -> Result<Self, ClientError> {
         let invalid = |reason: String| ClientError::InvalidHeader {
             name: name.to_owned(),
@@ -485,7 +487,9 @@ impl Intent {
         };
         let n = HeaderName::from_bytes(name.as_bytes()).map_err(|e| invalid(e.to_string()))?;
         let v = HeaderValue::from_str(value).map_err(|e| invalid(e.to_string()))?;
-        if n != IDEMPOTENCY_KEY {
+        if n == CONTENT_TYPE {
+            self.headers.insert(n, v);
+        } else if n != IDEMPOTENCY_KEY {
             self.headers.append(n, v);
         }
         Ok(self)
@@ -602,6 +606,27 @@ mod tests {
             shown.contains("authorization") && shown.contains("/charges"),
             "{shown}"
         );
+    }
+
+    /// A request carries one `Content-Type`: the last one set, by `json` or
+    /// `header`; other headers may repeat.
+    #[test]
+    fn the_last_content_type_set_is_the_one_sent() {
+        let client = IdempotentClient::new(reqwest::Client::new());
+        let intent = client
+            .intent(Method::POST, "http://127.0.0.1:1/charges")
+            .expect("intent")
+            .json(&1)
+            .expect("json")
+            .header("Content-Type", "application/merge-patch+json")
+            .expect("header")
+            .header("accept", "a/b")
+            .expect("header")
+            .header("accept", "c/d")
+            .expect("header");
+        let content_types: Vec<_> = intent.headers.get_all(CONTENT_TYPE).iter().collect();
+        assert_eq!(content_types, ["application/merge-patch+json"]);
+        assert_eq!(intent.headers.get_all("accept").iter().count(), 2);
     }
 
     /// RFC 9110 §10.2.3: `Retry-After` is whole seconds or an HTTP date.
