@@ -112,7 +112,8 @@ impl std::fmt::Display for Disposition {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Verdict {
-    /// The body ran in this delivery and the handler returned `Ok`.
+    /// The body ran in this delivery (or, on a takeover, its `recover` hook
+    /// answered for it with `Recovery::Completed`) and the handler returned `Ok`.
     Executed,
     /// The recorded answer was replayed (a duplicate or a redelivery); the body did not run.
     Replayed,
