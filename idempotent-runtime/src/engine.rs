@@ -174,13 +174,13 @@ pub(crate) fn report(outcome: Outcome) {
     });
 }
 
-/// Reports a call refused as a mismatch with a record still in progress
-/// (see [`Reported::mismatch_running`]).
-fn report_mismatch_running(lease_remaining: Duration) {
+/// Reports a call refused as a mismatch, with the lease remaining when its
+/// record was still in progress (see [`Reported::mismatch_running`]).
+fn report_mismatch(running: Option<Duration>) {
     report_whole(Reported {
         outcome: None,
         replayed_error: false,
-        mismatch_running: Some(lease_remaining),
+        mismatch_running: running,
     });
 }
 
@@ -195,9 +195,9 @@ fn report_whole(reported: Reported) {
             // The call that finished last, of those that finished with a result.
             outcome: reported.outcome.or(earlier.and_then(|r| r.outcome)),
             replayed_error: reported.replayed_error || earlier.is_some_and(|r| r.replayed_error),
-            mismatch_running: reported
-                .mismatch_running
-                .or(earlier.and_then(|r| r.mismatch_running)),
+            // The call that reported last: its answer is the one a handler
+            // returns, as a rule.
+            mismatch_running: reported.mismatch_running,
         });
     });
 }
@@ -1202,6 +1202,9 @@ async fn reserve_from(
     let legacy = current.and_then(Fingerprint::legacy);
     // Mismatches answered since the last wait (see the mismatch arm).
     let mut mismatches: u32 = 0;
+    // Mismatches whose record was gone (or changed) when it was read: the
+    // reservation is made again, a bounded number of times.
+    let mut rereads: u32 = 0;
     let mut request = request;
     let deadline = match spec.in_progress {
         // A bound too long for the clock (`Duration::MAX`) is a century.
@@ -1275,7 +1278,13 @@ async fn reserve_from(
                 now = Instant::now();
             }
             Reservation::FingerprintMismatch => {
-                match mismatched_record(&store, request.identity).await {
+                let fingerprints = [current, legacy.as_ref()];
+                match mismatched_record(&store, request.identity, &fingerprints, spec.lease).await {
+                    MismatchedRecord::Changed if rereads < 2 => {
+                        rereads += 1;
+                        now = Instant::now();
+                        continue;
+                    }
                     MismatchedRecord::ByNewerVersion(version) => {
                         tracing::warn!(target: "idempotent", scope = spec.scope, key = %request.identity.log_digest(),
                             version = %version, "refused for now: a newer version of idempotent made this key's record, and this version cannot compare its fingerprint");
@@ -1285,9 +1294,9 @@ async fn reserve_from(
                         });
                     }
                     MismatchedRecord::Running { lease_remaining } => {
-                        report_mismatch_running(lease_remaining)
+                        report_mismatch(Some(lease_remaining))
                     }
-                    MismatchedRecord::Other => {}
+                    MismatchedRecord::Changed | MismatchedRecord::Other => report_mismatch(None),
                 }
                 METRICS.mismatched.fetch_add(1, Ordering::Relaxed);
                 tracing::warn!(target: "idempotent", scope = spec.scope, key = %request.identity.log_digest(),
@@ -1332,31 +1341,49 @@ async fn reserve_from(
 /// What a record that refused a reservation as a mismatch is, as far as
 /// that changes the answer.
 enum MismatchedRecord {
+    /// Gone, expired, or now holding this call's own fingerprint when read:
+    /// its owner released it (or it ran out) after the refusal, so the
+    /// reservation is made again rather than refused.
+    Changed,
     /// A newer build made its fingerprint with a form this one does not know
     /// (see [`unknown_version`](crate::fingerprint::unknown_version)): the
     /// version label.
     ByNewerVersion(String),
-    /// Still in progress under a live lease: its owner may yet release the key.
+    /// Still in progress under a live lease: its owner may yet release the
+    /// key. At most the call's own lease (a store's clock reading is trusted
+    /// only that far).
     Running { lease_remaining: Duration },
     /// Anything else, or not known: a plain mismatch.
     Other,
 }
 
-/// Reads the record that refused a reservation as a mismatch: one read, made
-/// only then. Through a store only: in transactional mode, and when the read
-/// fails, the mismatch stands as it is.
-async fn mismatched_record(store: &impl Reserver, identity: &Identity) -> MismatchedRecord {
+/// Reads the record that refused a reservation as a mismatch (made with one
+/// of `fingerprints`): one read, made only then, of what a replay would read.
+/// Through a store only: in transactional mode, and when the read fails, the
+/// mismatch stands as it is.
+async fn mismatched_record(
+    store: &impl Reserver,
+    identity: &Identity,
+    fingerprints: &[Option<&Fingerprint>],
+    lease: Duration,
+) -> MismatchedRecord {
     let Some(direct) = store.as_store() else {
         return MismatchedRecord::Other;
     };
-    let Ok(Some(snapshot)) = direct.fetch(identity).await else {
-        return MismatchedRecord::Other;
+    let snapshot = match direct.fetch(identity).await {
+        Ok(Some(snapshot)) => snapshot,
+        Ok(None) => return MismatchedRecord::Changed,
+        Err(_) => return MismatchedRecord::Other,
     };
-    if let Some(version) = snapshot
-        .fingerprint
-        .as_deref()
-        .and_then(crate::fingerprint::unknown_version)
-    {
+    let stored = snapshot.fingerprint.as_deref();
+    let ours = fingerprints
+        .iter()
+        .flatten()
+        .any(|f| stored == Some(f.as_str()));
+    if snapshot.is_expired() || ours || stored.is_none() {
+        return MismatchedRecord::Changed;
+    }
+    if let Some(version) = stored.and_then(crate::fingerprint::unknown_version) {
         return MismatchedRecord::ByNewerVersion(version.to_owned());
     }
     match (snapshot.state, snapshot.lease_expires_at_ms) {
@@ -1364,7 +1391,8 @@ async fn mismatched_record(store: &impl Reserver, identity: &Identity) -> Mismat
             if lease_ends > snapshot.now_ms =>
         {
             MismatchedRecord::Running {
-                lease_remaining: crate::store::millis_to_duration(lease_ends - snapshot.now_ms),
+                lease_remaining: crate::store::millis_to_duration(lease_ends - snapshot.now_ms)
+                    .min(lease),
             }
         }
         _ => MismatchedRecord::Other,

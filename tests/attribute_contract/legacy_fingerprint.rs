@@ -218,3 +218,45 @@ async fn a_legacy_retry_that_meets_our_own_current_fingerprint_is_not_a_mismatch
         "an identical request is running; expected InProgress, got {answer:?}"
     );
 }
+
+#[idempotent(scope = "contract_edges.mismatch_released", key = key, tenant = tenant, store = store)]
+async fn pay(
+    store: &Hooked<RivalReleases>,
+    tenant: &str,
+    key: &str,
+    amount: u64,
+) -> Result<u64, Error> {
+    Ok(amount)
+}
+
+/// Rule 7's refusal needs a record that contradicts the call when it is
+/// answered. A rival owner holds the key with other arguments and releases
+/// it (its body failed) right after our reservation was refused as a
+/// mismatch: the read made after a mismatch finds the key free, and the call
+/// reserves again and runs, instead of being refused with nothing in its way
+/// (a message consumer would have terminated the message).
+#[tokio::test]
+async fn a_mismatch_whose_record_was_released_meanwhile_reserves_again() {
+    let store = Hooked::new(RivalReleases {
+        rival: Mutex::new(None),
+    });
+    let id = Identity::new("t1", "contract_edges.mismatch_released", "k1").unwrap();
+    let rival_fp = Fingerprint::of(&"other arguments").unwrap();
+    let rival_token = crate::common::records::acquire(
+        &store.inner,
+        &id,
+        Some(&rival_fp),
+        Duration::from_secs(30),
+        Duration::from_secs(3600),
+    )
+    .await;
+    *store.rival.lock().unwrap() = Some((id.clone(), rival_token));
+    let answer = pay(&store, "t1", "k1", 42).await;
+    assert!(
+        matches!(answer, Ok(42)),
+        "refused with the key free: {answer:?}"
+    );
+    assert!(store.rival.lock().unwrap().is_none(), "the rival released");
+    let record = store.fetch(&id).await.unwrap().expect("our record");
+    assert_ne!(record.fingerprint.as_deref(), Some(rival_fp.as_str()));
+}

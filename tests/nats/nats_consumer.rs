@@ -221,6 +221,45 @@ async fn mapping_mismatch_with_a_delivery_still_running_is_nakd_not_termed() {
     assert_eq!(ledger.effects.load(Ordering::SeqCst), 1);
 }
 
+/// What a handler returns decides: a mismatch with a running record met by
+/// an earlier step whose error the handler let go does not turn the later
+/// step's mismatch with a complete record (poison) into a nak.
+#[tokio::test]
+async fn mapping_only_the_returned_mismatch_counts_for_the_verdict() {
+    let (gated, plain) = (Arc::new(Ledger::new(true)), Ledger::new(false));
+    let done = order("o-11", 1100);
+    handle(Some("m-11"), |k| plain.bill(k, &done)).await;
+    let running = {
+        let gated = gated.clone();
+        tokio::spawn(async move {
+            let first = order("o-10", 1000);
+            handle(Some("m-10"), |k| gated.bill(k, &first))
+                .await
+                .verdict
+        })
+    };
+    tokio::time::timeout(Duration::from_secs(20), gated.entered.acquire())
+        .await
+        .expect("the running body started")
+        .unwrap()
+        .forget();
+    let (optional, poison) = (order("o-10", 1001), order("o-11", 1101));
+    let handled = handle(Some("m-10"), |k| {
+        let (gated, plain, optional, poison) = (&gated, &plain, &optional, &poison);
+        async move {
+            let _ = gated.bill(k, optional).await; // running: let go
+            plain.bill("m-11", poison).await // complete: returned
+        }
+    })
+    .await;
+    assert_eq!(
+        (handled.verdict, handled.disposition()),
+        (Verdict::Mismatch, Disposition::Term)
+    );
+    gated.gate.as_ref().unwrap().add_permits(1);
+    assert_eq!(running.await.unwrap(), Verdict::Executed);
+}
+
 #[tokio::test]
 async fn mapping_released_error_is_nakd_and_the_redelivery_runs() {
     let ledger = Ledger::new(false);

@@ -614,7 +614,11 @@ pub trait Store: Send + Sync {
     /// retention have run out.
     async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError>;
 
-    /// Reads one record as it is now, without changing it (expired records included).
+    /// Reads one record as it is now, without changing it (expired records
+    /// included). Besides inspection, the engine reads the record with it
+    /// once after a reservation was refused as a fingerprint mismatch (to
+    /// tell a record a newer version made, one still in progress, and one
+    /// released meanwhile): implement it for real in a store of your own.
     async fn fetch(&self, identity: &Identity) -> Result<Option<RecordSnapshot>, StoreError>;
 
     /// Counts records per scope and state, for the audit. Sorted by scope.
