@@ -14,11 +14,12 @@
 //! | `Ok(_)` or a recorded `Err(_)`, replayed | `Replayed` | `Ack` (no second effect) |
 //! | `Error::InProgress { retry_after }` | `InProgress` | `Nak(Some(retry_after))` |
 //! | `Error::FingerprintMismatch` against a record still in progress (in [`handle`] and [`nats::process`], in store mode): another delivery holds it, perhaps of a consumer version whose arguments differ, and may yet release it | `InProgress` (its lease's remaining time) | `Nak(Some(retry_after))` |
-//! | any other `Err(_)`: the body failed and the key was released, the store failed, the lease was lost, a newer version made the record (`Error::RecordedByNewerVersion`) | `Failed` | `Nak(None)`; knowing the delivery count (as [`nats::process`] does), `Nak(Some(`[`failed_retry_after`]`(n)))`: 1 s after the first delivery, doubling per delivery up to 60 s |
+//! | any other `Err(_)`: the body failed and the key was released, the store failed, the lease was lost | `Failed` | `Nak(None)`; knowing the delivery count (as [`nats::process`] does), `Nak(Some(`[`failed_retry_after`]`(n)))`: 1 s after the first delivery, doubling per delivery up to 60 s |
 //! | `Error::ResultNotFaithful` / `ResultTooLarge` / `ResultEncoding`: the body ran, its result can never be recorded | `Unrecordable` | `Term` (a redelivery would run the body again) |
 //! | `Error::FingerprintMismatch`: same message id, different payload, its record complete | `Mismatch` | `Term` (poison) |
 //! | `Error::Fingerprint`: the payload's arguments cannot be fingerprinted | `Unfingerprintable` | `Term` (every delivery fails alike); knowing the delivery count, nak'd like `Failed` until [`DELIVERIES_BEFORE_TERM`] |
 //! | `Error::ReplayDecoding`: processed before, but the recorded answer no longer decodes as the handler's type | `ReplayUndecodable` | `Term` (naks would come back until the record expired, and then run the body again); knowing the delivery count, nak'd like `Failed` until [`DELIVERIES_BEFORE_TERM`], so a rolling deploy's other version can replay it |
+//! | `Error::RecordedByNewerVersion`: a newer version of this crate made the record (a rolling deploy, a rollback) | `RecordedByNewerVersion` | `Term`; knowing the delivery count, nak'd like `Failed` until [`DELIVERIES_BEFORE_TERM`], so the newer version can answer it (waiting here until the record expired would run the body again) |
 //! | no key on the message | `MissingKey` | `Term`; the handler is not called |
 //! | `Error::InvalidKey` / `Error::InvalidTenant` | `InvalidKey` | `Term` |
 //!
@@ -162,6 +163,15 @@ pub enum Verdict {
     /// `#[serde(alias)]`, an untagged enum of both); a new scope would run
     /// the body again for messages redelivered after the switch.
     ReplayUndecodable,
+    /// The message's record was made by a newer version of this crate, whose
+    /// fingerprint this version cannot compare (`Error::RecordedByNewerVersion`:
+    /// a rolling deploy, a rollback). Nothing ran. A redelivery that reaches
+    /// the newer version is answered there; one that waits here until the
+    /// record expires would run the body a second time. So, like
+    /// [`ReplayUndecodable`](Self::ReplayUndecodable): nak'd like
+    /// [`Verdict::Failed`] until [`DELIVERIES_BEFORE_TERM`] when the delivery
+    /// count is known, then terminated.
+    RecordedByNewerVersion,
 }
 
 /// How long a [`Verdict::Failed`] delivery waits before it is redelivered,
@@ -185,7 +195,7 @@ pub fn failed_retry_after(deliveries: u64) -> Duration {
 }
 
 /// How many deliveries a message whose every delivery has failed alike
-/// ([`Verdict::Unfingerprintable`], [`Verdict::ReplayUndecodable`]) gets
+/// ([`Verdict::Unfingerprintable`], [`Verdict::ReplayUndecodable`], [`Verdict::RecordedByNewerVersion`]) gets
 /// before it is terminated, when the delivery count is known
 /// ([`Handled::disposition`]): with the pauses of [`failed_retry_after`] in
 /// between, about four minutes.
@@ -203,13 +213,14 @@ impl Verdict {
             | Verdict::InvalidKey
             | Verdict::Unrecordable
             | Verdict::Unfingerprintable
-            | Verdict::ReplayUndecodable => Disposition::Term,
+            | Verdict::ReplayUndecodable
+            | Verdict::RecordedByNewerVersion => Disposition::Term,
         }
     }
 
     /// A short lowercase name: `executed`, `replayed`, `in-progress`, `failed`,
     /// `mismatch`, `missing-key`, `invalid-key`, `unrecordable`,
-    /// `unfingerprintable`, `replay-undecodable`.
+    /// `unfingerprintable`, `replay-undecodable`, `recorded-by-newer-version`.
     pub fn as_str(self) -> &'static str {
         match self {
             Verdict::Executed => "executed",
@@ -222,6 +233,7 @@ impl Verdict {
             Verdict::Unrecordable => "unrecordable",
             Verdict::Unfingerprintable => "unfingerprintable",
             Verdict::ReplayUndecodable => "replay-undecodable",
+            Verdict::RecordedByNewerVersion => "recorded-by-newer-version",
         }
     }
 }
@@ -338,6 +350,7 @@ fn verdict<T, E: AsIdempotencyError>(result: &Result<T, E>, reported: Option<Rep
         Some(Error::InvalidKey(_) | Error::InvalidTenant(_)) => Verdict::InvalidKey,
         Some(Error::Fingerprint { .. }) => Verdict::Unfingerprintable,
         Some(Error::ReplayDecoding { .. }) => Verdict::ReplayUndecodable,
+        Some(Error::RecordedByNewerVersion { .. }) => Verdict::RecordedByNewerVersion,
         // Only the body's own result: a recover hook's answer that cannot be
         // recorded leaves the record for the next delivery to ask again.
         Some(
@@ -377,7 +390,8 @@ impl<T, E> Handled<T, E> {
     /// * for a [`Verdict::Failed`] delivery, a nak delayed by
     ///   [`failed_retry_after`], so a failure that lasts (a store down, a bug
     ///   in the handler) is not redelivered in a tight loop;
-    /// * for [`Verdict::Unfingerprintable`] and [`Verdict::ReplayUndecodable`],
+    /// * for [`Verdict::Unfingerprintable`], [`Verdict::ReplayUndecodable`]
+    ///   and [`Verdict::RecordedByNewerVersion`],
     ///   the same delayed nak until the message has been delivered
     ///   [`DELIVERIES_BEFORE_TERM`] times, and `Term` then: during a rolling
     ///   deploy that changes a result type, an instance of the old version
@@ -389,9 +403,12 @@ impl<T, E> Handled<T, E> {
             (Verdict::Failed, Some(deliveries)) => {
                 Disposition::Nak(Some(failed_retry_after(deliveries)))
             }
-            (Verdict::Unfingerprintable | Verdict::ReplayUndecodable, Some(deliveries))
-                if deliveries < DELIVERIES_BEFORE_TERM =>
-            {
+            (
+                Verdict::Unfingerprintable
+                | Verdict::ReplayUndecodable
+                | Verdict::RecordedByNewerVersion,
+                Some(deliveries),
+            ) if deliveries < DELIVERIES_BEFORE_TERM => {
                 Disposition::Nak(Some(failed_retry_after(deliveries)))
             }
             _ => self.verdict.disposition(),
@@ -546,7 +563,8 @@ mod tests {
             );
         }
         // A record a newer version made (a rolling deploy): nothing ran, and
-        // a redelivery may reach the newer version; never a poison message.
+        // a redelivery may reach the newer version; not a hot loop of naks
+        // (the tests of `Handled::disposition` have the delivery counts).
         let newer = Error::RecordedByNewerVersion {
             context: ctx(),
             version: "v9".into(),
@@ -554,7 +572,7 @@ mod tests {
         let v = classify(&err(newer), None);
         assert_eq!(
             (v, v.disposition()),
-            (Verdict::Failed, Disposition::Nak(None))
+            (Verdict::RecordedByNewerVersion, Disposition::Term)
         );
         // The body's own error, released (it is not a framework error at all).
         let own: Result<(), std::io::Error> = Err(std::io::Error::other("ledger down"));
@@ -651,7 +669,11 @@ mod tests {
     /// replay it), and terminated at the `DELIVERIES_BEFORE_TERM`th.
     #[test]
     fn poison_that_fails_alike_is_terminated_after_a_few_deliveries() {
-        for verdict in [Verdict::Unfingerprintable, Verdict::ReplayUndecodable] {
+        for verdict in [
+            Verdict::Unfingerprintable,
+            Verdict::ReplayUndecodable,
+            Verdict::RecordedByNewerVersion,
+        ] {
             let delivered = |deliveries| Handled::<(), std::io::Error> {
                 verdict,
                 result: None,

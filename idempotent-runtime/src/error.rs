@@ -134,14 +134,14 @@ pub enum Error {
     /// The key's record was made by a newer version of this crate, with a
     /// fingerprint this version cannot compare (during a rolling deploy, or
     /// after a rollback). Nothing ran and the record is untouched. Retry
-    /// later with the same key: an instance of the newer version answers it,
-    /// and once the record expires (its `ttl`) this version does (HTTP: 503 +
-    /// `Retry-After`; a message consumer naks the delivery).
+    /// later with the same key: an instance of the newer version answers it
+    /// (HTTP: 503 + `Retry-After`; a message consumer naks the delivery a
+    /// few times, then terminates it, see `consumer::Verdict::RecordedByNewerVersion`).
     #[error(
         "the record for this idempotency key ({context}) was made by a newer version of \
          idempotent, whose fingerprint (version `{version}`) this version cannot compare; nothing \
          ran. Retry later with the same key: instances of the newer version answer it (finish \
-         the deploy, or after a rollback wait for the record to expire)"
+         the deploy; after a rollback, this version answers so until the record expires)"
     )]
     RecordedByNewerVersion {
         /// Where: the scope and the key's digest.

@@ -24,11 +24,12 @@
 //! | malformed or invalid key | 400 `invalid-key` |
 //! | no tenant for the request | 401 `missing-tenant` |
 //! | body over the cap | 413 `body-too-large` |
-//! | first request | the handler's answer (headers, trailers, extensions); 2xx–4xx recorded, 5xx releases the key |
+//! | first request | the handler's answer (headers, trailers, extensions); 2xx–4xx recorded (not 401, 408, 423, 425, 429, nor an answer marked [`problem::NotFinal`]), 5xx releases the key |
 //! | retry, same request | the recorded status, body, allow-listed headers and trailers + `Idempotent-Replayed: true` |
 //! | same key, different method, target or body | 422 `key-reused` |
 //! | still running after the wait bound | 409 `in-progress` + `Retry-After` (s, ≥ 1) |
 //! | store unavailable | 503 `store-unavailable` |
+//! | the record was made by a newer version of the server | 503 `recorded-by-newer-version` + `Retry-After: 1` |
 
 pub mod client;
 mod fingerprint;

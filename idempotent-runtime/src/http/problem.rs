@@ -88,7 +88,9 @@ pub struct Problem {
 }
 
 /// A response extension saying the answer is not final: nothing was done,
-/// send the same request again (later). [`IdempotencyLayer`](super::IdempotencyLayer)
+/// send the same request again (later). It means *nothing was done*: a
+/// handler that made side effects before answering with it makes them again
+/// when the retry it asks for runs it. [`IdempotencyLayer`](super::IdempotencyLayer)
 /// passes such an answer through without recording it, whatever its status
 /// and the layer's recording rule, and releases the key, so the retry the
 /// answer asks for is processed rather than answered the same way until the
