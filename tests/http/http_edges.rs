@@ -576,3 +576,128 @@ async fn an_inner_call_in_progress_409_is_passed_through_not_recorded() {
         "key-b's handler ran twice, key-a's once"
     );
 }
+
+/// Rule 20 for the layer: a request whose record is in progress after its
+/// lease ran out (the instance that ran the handler died, maybe after the
+/// side effect) is taken over by the retry, and the layer's `recover` hook
+/// is asked first. Its `Completed` answer is recorded and replayed, the
+/// handler does not run; `Run` runs the handler; an `Err` answer is sent,
+/// the record is kept, and the next retry asks again (attempt 3).
+#[tokio::test]
+async fn the_layer_asks_its_recover_hook_on_a_takeover() {
+    use idempotent_runtime::{Identity, Recovery};
+    let store = Arc::new(MemoryStore::new());
+    let asked: Arc<std::sync::Mutex<Vec<(String, u32)>>> = Arc::default();
+    let gateway_down = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let hook = {
+        let (asked, gateway_down) = (asked.clone(), gateway_down.clone());
+        move |takeover: idempotent_runtime::Takeover| {
+            let (asked, gateway_down) = (asked.clone(), gateway_down.clone());
+            async move {
+                asked
+                    .lock()
+                    .unwrap()
+                    .push((takeover.key().to_owned(), takeover.attempt()));
+                match takeover.key() {
+                    "k-charged" => Ok(Recovery::Completed(
+                        (StatusCode::CREATED, "charge found at the provider").into_response(),
+                    )),
+                    "k-down" if gateway_down.load(Ordering::SeqCst) => {
+                        Err((StatusCode::SERVICE_UNAVAILABLE, "provider unreachable")
+                            .into_response())
+                    }
+                    "k-down" => Ok(Recovery::Completed(
+                        (StatusCode::CREATED, "found on the second ask").into_response(),
+                    )),
+                    _ => Ok(Recovery::Run),
+                }
+            }
+        }
+    };
+    let layer = IdempotencyLayer::builder("edges.recover", store.clone())
+        .tenant_from_extension::<AccountId>()
+        .recover(hook)
+        .build()
+        .expect("layer");
+    assert!(
+        layer.scope_info().recover.is_some(),
+        "the registry says it has a hook"
+    );
+    let calls = Arc::new(AtomicUsize::new(0));
+    let counted = calls.clone();
+    let app = Router::new()
+        .route(
+            "/charges",
+            post(move || {
+                let counted = counted.clone();
+                async move {
+                    counted.fetch_add(1, Ordering::SeqCst);
+                    (StatusCode::CREATED, "charged by the handler").into_response()
+                }
+            }),
+        )
+        .route_layer(layer)
+        .layer(middleware::from_fn(authenticate));
+    let (base, _task) = serve(app).await;
+    let account = fresh_tenant();
+    // What a crashed instance leaves: a record in progress whose lease runs out.
+    for key in ["k-charged", "k-not-charged", "k-down"] {
+        let identity = Identity::new(account.clone(), "edges.recover", key).unwrap();
+        common::records::acquire(
+            &*store,
+            &identity,
+            None,
+            Duration::from_millis(50),
+            Duration::from_secs(3600),
+        )
+        .await;
+    }
+    let send = |key: &'static str| {
+        reqwest::Client::new()
+            .post(format!("{base}/charges"))
+            .header("x-account-id", &account)
+            .header("idempotency-key", key)
+            .send()
+    };
+    let answer = |r: reqwest::Response| async move {
+        let replayed = r.headers().contains_key("idempotent-replayed");
+        (r.status().as_u16(), replayed, r.text().await.expect("body"))
+    };
+
+    // The retries wait (the layer's default) until the dead owner's lease ran out.
+    let recovered = answer(send("k-charged").await.unwrap()).await;
+    assert_eq!(
+        recovered,
+        (201, false, "charge found at the provider".to_owned())
+    );
+    let again = answer(send("k-charged").await.unwrap()).await;
+    assert_eq!(
+        again,
+        (201, true, "charge found at the provider".to_owned())
+    );
+
+    let ran = answer(send("k-not-charged").await.unwrap()).await;
+    assert_eq!(ran, (201, false, "charged by the handler".to_owned()));
+    assert_eq!(calls.load(Ordering::SeqCst), 1, "only Run runs the handler");
+
+    let refused = answer(send("k-down").await.unwrap()).await;
+    assert_eq!(refused, (503, false, "provider unreachable".to_owned()));
+    gateway_down.store(false, Ordering::SeqCst);
+    let asked_again = answer(send("k-down").await.unwrap()).await;
+    assert_eq!(
+        asked_again,
+        (201, false, "found on the second ask".to_owned())
+    );
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+
+    assert_eq!(
+        *asked.lock().unwrap(),
+        [
+            ("k-charged".to_owned(), 2),
+            ("k-not-charged".to_owned(), 2),
+            ("k-down".to_owned(), 2),
+            ("k-down".to_owned(), 3),
+        ],
+        "asked once per takeover, never on a replay"
+    );
+}

@@ -4,9 +4,10 @@ use super::fingerprint::request_fingerprint;
 use super::key::{key_from_headers, KeyRejection};
 use super::problem::{types, NotFinal, Problem};
 use super::REPLAYED;
-use crate::engine::{execute, with_outcome, Call, Outcome, ReleaseErrors, StoreRef};
+use crate::engine::{execute, with_outcome, Call, Outcome, Recover, ReleaseErrors, StoreRef};
 use crate::error::Error;
 use crate::identity::Identity;
+use crate::recovery::{Recovery, Takeover};
 use crate::registry::{ErrorPolicy, InProgressPolicy, ScopeInfo, ScopeSpec};
 use crate::store::Store;
 use axum::body::Body;
@@ -57,6 +58,9 @@ pub const DEFAULT_RECORDED_HEADERS: [HeaderName; 8] = [
 
 type TenantFn = dyn Fn(&Parts) -> Option<String> + Send + Sync;
 type StatusFn = dyn Fn(StatusCode) -> bool + Send + Sync;
+type RecoverFn = dyn Fn(Takeover) -> BoxFuture<'static, Result<Recovery<Response<Body>>, Response<Body>>>
+    + Send
+    + Sync;
 
 /// What was wrong with an [`IdempotencyLayerBuilder`].
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -116,9 +120,64 @@ pub struct IdempotencyLayerBuilder {
     record_client_errors: bool,
     record_server_errors: bool,
     record_when: Option<Arc<StatusFn>>,
+    recover: Option<(Arc<RecoverFn>, &'static str)>,
 }
 
 impl IdempotencyLayerBuilder {
+    /// Asks `hook` before a takeover runs the handler again (rule 20 of the
+    /// contract). A takeover happens when a request's record is still in
+    /// progress after its lease ran out: the instance that ran the handler
+    /// crashed (or paused, or lost the store) and may have done the work
+    /// before it could record the answer. Without a hook the retry runs the
+    /// handler again; with one, the hook is told the tenant, scope, key,
+    /// attempt number and when the previous attempt started, and answers:
+    ///
+    /// * `Ok(Recovery::Run)`: the handler runs, as attempt *n*;
+    /// * `Ok(Recovery::Completed(response))`: `response` is the request's
+    ///   answer: recorded (by the layer's rules, with its allow-listed
+    ///   headers) and replayed to every retry; the handler does not run;
+    /// * `Err(response)`: `response` is sent, nothing is recorded and the
+    ///   record is kept with its lease ended, so the next retry takes it
+    ///   over and asks again (a response the layer would not record, such as
+    ///   a 5xx, counts as this too).
+    ///
+    /// ```
+    /// use axum::http::StatusCode;
+    /// use axum::response::IntoResponse;
+    /// use idempotent_runtime::http::IdempotencyLayer;
+    /// use idempotent_runtime::{MemoryStore, Recovery};
+    /// # #[derive(Clone, Debug)] struct AccountId(String);
+    /// # impl std::fmt::Display for AccountId {
+    /// #     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result { f.write_str(&self.0) }
+    /// # }
+    /// # async fn charge_by_key(_key: &str) -> Result<Option<String>, ()> { Ok(None) }
+    /// let layer = IdempotencyLayer::builder("payments.charge", MemoryStore::new())
+    ///     .tenant_from_extension::<AccountId>()
+    ///     .recover(|takeover| async move {
+    ///         // Ask the payment provider, by our key, whether the charge happened.
+    ///         match charge_by_key(takeover.key()).await {
+    ///             Ok(Some(charge_id)) => Ok(Recovery::Completed(
+    ///                 (StatusCode::CREATED, charge_id).into_response(),
+    ///             )),
+    ///             Ok(None) => Ok(Recovery::Run),
+    ///             Err(()) => Err(StatusCode::SERVICE_UNAVAILABLE.into_response()),
+    ///         }
+    ///     })
+    ///     .build()
+    ///     .expect("a valid layer");
+    /// ```
+    pub fn recover<F, Fut>(mut self, hook: F) -> Self
+    where
+        F: Fn(Takeover) -> Fut + Send + Sync + 'static,
+        Fut: std::future::Future<Output = Result<Recovery<Response<Body>>, Response<Body>>>
+            + Send
+            + 'static,
+    {
+        let hook: Arc<RecoverFn> = Arc::new(move |takeover| Box::pin(hook(takeover)));
+        self.recover = Some((hook, std::any::type_name::<F>()));
+        self
+    }
+
     /// Takes the tenant from a request extension of type `T`, put there by
     /// your authentication middleware (which must run before this layer).
     /// The tenant is `T`'s `Display` form. A request without the extension is
@@ -313,7 +372,7 @@ impl IdempotencyLayerBuilder {
             fingerprinted: true,
             fingerprinted_parameters: &["method", "target", "body"],
             shared_tenant: false,
-            recover: None,
+            recover: self.recover.as_ref().map(|(_, name)| *name),
             shared_scope: false,
         })));
         crate::registry::register_runtime(spec);
@@ -330,6 +389,7 @@ impl IdempotencyLayerBuilder {
                 record_client_errors: self.record_client_errors,
                 record_server_errors: self.record_server_errors,
                 record_when: self.record_when,
+                recover: self.recover.map(|(hook, _)| hook),
             }),
         })
     }
@@ -347,6 +407,7 @@ struct Config {
     record_client_errors: bool,
     record_server_errors: bool,
     record_when: Option<Arc<StatusFn>>,
+    recover: Option<Arc<RecoverFn>>,
 }
 
 /// The 4xx answers that say "not processed, send it again": 408 Request
@@ -474,6 +535,7 @@ impl IdempotencyLayer {
             record_client_errors: true,
             record_server_errors: false,
             record_when: None,
+            recover: None,
         }
     }
 
@@ -679,7 +741,10 @@ where
     let (result, outcome) = with_outcome(execute::<Result<Recorded, Failure<S::Error>>, _, _, _>(
         call,
         ReleaseErrors,
-        crate::engine::NoRecover,
+        RecoverHook {
+            config: &config,
+            inner_error: std::marker::PhantomData,
+        },
         run,
     ))
     .await;
@@ -709,6 +774,43 @@ where
     ResBody::Error: Into<axum::BoxError>,
 {
     let response = inner.call(request).await.map_err(Failure::Inner)?;
+    record(config, response).await
+}
+
+/// The layer's `recover` hook (or none) as the engine asks it.
+struct RecoverHook<'a, E> {
+    config: &'a Config,
+    inner_error: std::marker::PhantomData<fn() -> E>,
+}
+
+impl<'a, E: Send + 'a> Recover<Recorded, Failure<E>> for RecoverHook<'a, E> {
+    type Future = BoxFuture<'a, Result<Recovery<Recorded>, Failure<E>>>;
+
+    fn ask(self, takeover: Takeover) -> Option<Self::Future> {
+        let hook = self.config.recover.clone()?;
+        let config = self.config;
+        Some(Box::pin(async move {
+            match hook(takeover).await {
+                Ok(Recovery::Run) => Ok(Recovery::Run),
+                Ok(Recovery::Completed(response)) => {
+                    record(config, response).await.map(Recovery::Completed)
+                }
+                Err(response) => Err(Failure::Passthrough(response)),
+            }
+        }))
+    }
+}
+
+/// An answer (the handler's, or a recover hook's), collected for recording
+/// by the layer's rules.
+async fn record<ResBody, E>(
+    config: &Config,
+    response: Response<ResBody>,
+) -> Result<Recorded, Failure<E>>
+where
+    ResBody: http_body::Body<Data = Bytes> + Send + 'static,
+    ResBody::Error: Into<axum::BoxError>,
+{
     let status = response.status();
     if response.extensions().get::<NotFinal>().is_some() {
         tracing::info!(target: "idempotent", scope = config.spec.scope, status = status.as_u16(),
