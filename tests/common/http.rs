@@ -420,15 +420,19 @@ pub async fn expect_problem(
 
 /// A SQLite store on a new file in the temporary directory.
 pub async fn sqlite_file_store() -> Arc<dyn idempotent_runtime::Store> {
+    Arc::new(sqlite_file().await)
+}
+
+/// A `SqliteStore` on a new file in the temporary directory (its `pool()`
+/// reaches the records table).
+pub async fn sqlite_file() -> idempotent_runtime::SqliteStore {
     let path = std::env::temp_dir().join(format!(
         "idempotent-http-{}.db",
         uuid::Uuid::new_v4().simple()
     ));
-    Arc::new(
-        idempotent_runtime::SqliteStore::connect(&format!("sqlite://{}", path.display()))
-            .await
-            .expect("SQLite file"),
-    )
+    idempotent_runtime::SqliteStore::connect(&format!("sqlite://{}", path.display()))
+        .await
+        .expect("SQLite file")
 }
 
 /// Serves `app` on a free loopback port: its base URL, and the server's task.

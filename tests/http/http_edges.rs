@@ -27,6 +27,33 @@ fn layer(scope: &str) -> IdempotencyLayer {
         .expect("layer")
 }
 
+/// Serves one `POST path` route under `layer` (behind the test
+/// authentication) whose handler counts its runs and answers `answer()`:
+/// the base URL, the count, and the server's task.
+async fn counting_route(
+    path: &str,
+    layer: IdempotencyLayer,
+    answer: impl Fn() -> axum::response::Response + Clone + Send + Sync + 'static,
+) -> (String, Arc<AtomicUsize>, tokio::task::JoinHandle<()>) {
+    let calls = Arc::new(AtomicUsize::new(0));
+    let counted = calls.clone();
+    let app = Router::new()
+        .route(
+            path,
+            post(move || {
+                let (counted, answer) = (counted.clone(), answer.clone());
+                async move {
+                    counted.fetch_add(1, Ordering::SeqCst);
+                    answer()
+                }
+            }),
+        )
+        .route_layer(layer)
+        .layer(middleware::from_fn(authenticate));
+    let (base, task) = serve(app).await;
+    (base, calls, task)
+}
+
 /// A handler's own 409 ("this resource already exists") is a 4xx the layer
 /// records as the key's final answer, and replays to every retry with
 /// `Idempotent-Replayed: true`. The client retried every 409 as if it were
@@ -36,22 +63,10 @@ fn layer(scope: &str) -> IdempotencyLayer {
 /// replayed 409 is final.
 #[tokio::test]
 async fn the_client_returns_a_replayed_409_as_final() {
-    let calls = Arc::new(AtomicUsize::new(0));
-    let counted = calls.clone();
-    let app = Router::new()
-        .route(
-            "/accounts",
-            post(move || {
-                let counted = counted.clone();
-                async move {
-                    counted.fetch_add(1, Ordering::SeqCst);
-                    (StatusCode::CONFLICT, "an account with this e-mail exists").into_response()
-                }
-            }),
-        )
-        .route_layer(layer("review3.client409"))
-        .layer(middleware::from_fn(authenticate));
-    let (base, _task) = serve(app).await;
+    let (base, calls, _task) = counting_route("/accounts", layer("review3.client409"), || {
+        (StatusCode::CONFLICT, "an account with this e-mail exists").into_response()
+    })
+    .await;
     let client = fast_retrying_client(4);
     let intent = client
         .intent(Method::POST, &format!("{base}/accounts"))
@@ -399,27 +414,16 @@ async fn a_replay_keeps_the_content_encoding_of_its_body() {
 /// its side effect) once per attempt: six charges for one `send()`.
 #[tokio::test]
 async fn the_client_does_not_rerun_a_handler_whose_answer_could_not_be_recorded() {
-    let calls = Arc::new(AtomicUsize::new(0));
-    let counted = calls.clone();
     let layer = IdempotencyLayer::builder("contract_edges.unrecordable", MemoryStore::new())
         .tenant_from_extension::<AccountId>()
         .max_response_bytes(16)
         .build()
         .expect("layer");
-    let app = Router::new()
-        .route(
-            "/charges",
-            post(move || {
-                let counted = counted.clone();
-                async move {
-                    counted.fetch_add(1, Ordering::SeqCst); // the side effect
-                    (StatusCode::CREATED, "a receipt longer than sixteen bytes").into_response()
-                }
-            }),
-        )
-        .route_layer(layer)
-        .layer(middleware::from_fn(authenticate));
-    let (base, _task) = serve(app).await;
+    // Each run is the side effect.
+    let (base, calls, _task) = counting_route("/charges", layer, || {
+        (StatusCode::CREATED, "a receipt longer than sixteen bytes").into_response()
+    })
+    .await;
     let client = fast_retrying_client(RetryPolicy::default().max_attempts);
     let answer = client
         .intent(Method::POST, &format!("{base}/charges"))
@@ -443,27 +447,15 @@ async fn the_client_does_not_rerun_a_handler_whose_answer_could_not_be_recorded(
 /// up and reports the outcome unknown.
 #[tokio::test]
 async fn the_client_returns_a_replayed_5xx_as_final() {
-    let calls = Arc::new(AtomicUsize::new(0));
-    let counted = calls.clone();
     let layer = IdempotencyLayer::builder("contract_edges.recorded_5xx", MemoryStore::new())
         .tenant_from_extension::<AccountId>()
         .record_server_errors(true)
         .build()
         .expect("layer");
-    let app = Router::new()
-        .route(
-            "/charges",
-            post(move || {
-                let counted = counted.clone();
-                async move {
-                    counted.fetch_add(1, Ordering::SeqCst);
-                    (StatusCode::SERVICE_UNAVAILABLE, "gateway down").into_response()
-                }
-            }),
-        )
-        .route_layer(layer)
-        .layer(middleware::from_fn(authenticate));
-    let (base, _task) = serve(app).await;
+    let (base, calls, _task) = counting_route("/charges", layer, || {
+        (StatusCode::SERVICE_UNAVAILABLE, "gateway down").into_response()
+    })
+    .await;
     let answer = fast_retrying_client(RetryPolicy::default().max_attempts)
         .intent(Method::POST, &format!("{base}/charges"))
         .unwrap()
@@ -623,22 +615,10 @@ async fn the_layer_asks_its_recover_hook_on_a_takeover() {
         layer.scope_info().recover.is_some(),
         "the registry says it has a hook"
     );
-    let calls = Arc::new(AtomicUsize::new(0));
-    let counted = calls.clone();
-    let app = Router::new()
-        .route(
-            "/charges",
-            post(move || {
-                let counted = counted.clone();
-                async move {
-                    counted.fetch_add(1, Ordering::SeqCst);
-                    (StatusCode::CREATED, "charged by the handler").into_response()
-                }
-            }),
-        )
-        .route_layer(layer)
-        .layer(middleware::from_fn(authenticate));
-    let (base, _task) = serve(app).await;
+    let (base, calls, _task) = counting_route("/charges", layer, || {
+        (StatusCode::CREATED, "charged by the handler").into_response()
+    })
+    .await;
     let account = fresh_tenant();
     // What a crashed instance leaves: a record in progress whose lease runs out.
     for key in ["k-charged", "k-not-charged", "k-down"] {

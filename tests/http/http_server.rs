@@ -228,13 +228,7 @@ async fn same_key_and_bytes_under_another_media_type_is_422() {
 #[tokio::test]
 async fn a_request_recorded_as_http1_is_replayed_to_its_retries() {
     use idempotent_runtime::http::request_fingerprint;
-    let path = std::env::temp_dir().join(format!(
-        "idempotent-http1-{}.db",
-        uuid::Uuid::new_v4().simple()
-    ));
-    let store = idempotent_runtime::SqliteStore::connect(&format!("sqlite://{}", path.display()))
-        .await
-        .expect("SQLite file");
+    let store = http_app::sqlite_file().await;
     let pool = store.pool().clone();
     let server = TestServer::start(Arc::new(store), |b| b).await;
     let a = fresh_tenant();
@@ -279,13 +273,7 @@ async fn a_request_recorded_as_http1_is_replayed_to_its_retries() {
 /// the record as it is, so a retry that reaches the newer version replays it.
 #[tokio::test]
 async fn a_request_a_newer_version_recorded_is_answered_retry_later_not_key_reused() {
-    let path = std::env::temp_dir().join(format!(
-        "idempotent-http-newer-{}.db",
-        uuid::Uuid::new_v4().simple()
-    ));
-    let store = idempotent_runtime::SqliteStore::connect(&format!("sqlite://{}", path.display()))
-        .await
-        .expect("SQLite file");
+    let store = http_app::sqlite_file().await;
     let pool = store.pool().clone();
     let server = TestServer::start(Arc::new(store), |b| b).await;
     let a = fresh_tenant();
