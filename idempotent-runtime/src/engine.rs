@@ -195,9 +195,15 @@ fn report_whole(reported: Reported) {
             // The call that finished last, of those that finished with a result.
             outcome: reported.outcome.or(earlier.and_then(|r| r.outcome)),
             replayed_error: reported.replayed_error || earlier.is_some_and(|r| r.replayed_error),
-            // The call that reported last: its answer is the one a handler
-            // returns, as a rule.
-            mismatch_running: reported.mismatch_running,
+            // The mismatch reported last (a report of one has no outcome):
+            // a later call's mismatch is the one a handler returns, as a
+            // rule, while an annotated function whose body returned an inner
+            // call's mismatch reports an outcome after it, which keeps it.
+            mismatch_running: if reported.outcome.is_none() {
+                reported.mismatch_running
+            } else {
+                earlier.and_then(|r| r.mismatch_running)
+            },
         });
     });
 }
@@ -1281,7 +1287,10 @@ async fn reserve_from(
                 let fingerprints = [current, legacy.as_ref()];
                 match mismatched_record(&store, request.identity, &fingerprints, spec.lease).await {
                     MismatchedRecord::Changed if rereads < 2 => {
+                        // Try every form again: the record may now carry
+                        // the legacy one (an older version's call).
                         rereads += 1;
+                        mismatches = 0;
                         now = Instant::now();
                         continue;
                     }
@@ -1296,7 +1305,10 @@ async fn reserve_from(
                     MismatchedRecord::Running { lease_remaining } => {
                         report_mismatch(Some(lease_remaining))
                     }
-                    MismatchedRecord::Changed | MismatchedRecord::Other => report_mismatch(None),
+                    // Refused by records of other arguments that keep coming
+                    // and going: not poison, look again shortly.
+                    MismatchedRecord::Changed => report_mismatch(Some(Duration::from_secs(1))),
+                    MismatchedRecord::Other => report_mismatch(None),
                 }
                 METRICS.mismatched.fetch_add(1, Ordering::Relaxed);
                 tracing::warn!(target: "idempotent", scope = spec.scope, key = %request.identity.log_digest(),

@@ -260,3 +260,171 @@ async fn a_mismatch_whose_record_was_released_meanwhile_reserves_again() {
     let record = store.fetch(&id).await.unwrap().expect("our record");
     assert_ne!(record.fingerprint.as_deref(), Some(rival_fp.as_str()));
 }
+
+/// A rival with other arguments holds the record; after our third refusal
+/// (current, legacy, current) it releases, and an older version's call with
+/// our exact arguments (our legacy fingerprint) reserves.
+struct RivalThenOldVersion {
+    refusals: Mutex<u32>,
+    rival: Mutex<Option<(Identity, OwnerToken)>>,
+    legacy: Fingerprint,
+}
+
+#[async_trait::async_trait]
+impl Intercept for RivalThenOldVersion {
+    async fn reserve(
+        &self,
+        inner: &MemoryStore,
+        r: ReserveRequest<'_>,
+    ) -> Result<Reservation, StoreError> {
+        let answer = inner.reserve(r).await?;
+        if answer == Reservation::FingerprintMismatch {
+            let refusals = {
+                let mut n = self.refusals.lock().unwrap();
+                *n += 1;
+                *n
+            };
+            if refusals == 3 {
+                let (identity, token) = self.rival.lock().unwrap().take().expect("the rival");
+                assert_eq!(inner.release(&identity, &token).await?, Fenced::Written);
+                crate::common::records::acquire(
+                    inner,
+                    &identity,
+                    Some(&self.legacy),
+                    Duration::from_secs(30),
+                    Duration::from_secs(3600),
+                )
+                .await;
+            }
+        }
+        Ok(answer)
+    }
+}
+
+#[idempotent(scope = "contract_edges.reread_legacy", key = key, tenant = tenant, store = store,
+             in_progress = reject)]
+async fn subscribe_after_rival(
+    store: &Hooked<RivalThenOldVersion>,
+    tenant: &str,
+    key: &str,
+    topics: HashSet<u32, RandomState>,
+) -> Result<usize, Error> {
+    Ok(topics.len())
+}
+
+/// The read after a mismatch finds the record now holding our own legacy
+/// fingerprint (an older version's identical call took the key the rival
+/// freed): the reservation made again tries every form, the legacy one
+/// included, and meets the identical request in progress, instead of being
+/// refused as a reused key because its one legacy try was spent before.
+#[tokio::test]
+async fn a_reread_tries_the_legacy_form_again() {
+    let topics = topics();
+    let current = {
+        let mut b = idempotent_runtime::FingerprintBuilder::new();
+        b.argument("topics", &topics);
+        b.finish().unwrap().unwrap()
+    };
+    let legacy = current.legacy().expect("a set has a legacy fingerprint");
+    let store = Hooked::new(RivalThenOldVersion {
+        refusals: Mutex::new(0),
+        rival: Mutex::new(None),
+        legacy,
+    });
+    let id = Identity::new("t-rr", "contract_edges.reread_legacy", "k-rr").unwrap();
+    let rival_fp = Fingerprint::of(&"other arguments").unwrap();
+    let rival_token = crate::common::records::acquire(
+        &store.inner,
+        &id,
+        Some(&rival_fp),
+        Duration::from_secs(30),
+        Duration::from_secs(3600),
+    )
+    .await;
+    *store.rival.lock().unwrap() = Some((id.clone(), rival_token));
+    let answer = subscribe_after_rival(&store, "t-rr", "k-rr", topics).await;
+    assert!(
+        matches!(answer, Err(Error::InProgress { .. })),
+        "an identical request is running; expected InProgress, got {answer:?}"
+    );
+}
+
+/// A rival with other arguments that keeps taking the key and freeing it
+/// (a fast-failing body retried in a loop): every reservation of ours is
+/// refused by it, and every read after finds the key free.
+struct ChurningRival {
+    fingerprint: Fingerprint,
+    held: Mutex<Option<OwnerToken>>,
+}
+
+#[async_trait::async_trait]
+impl Intercept for ChurningRival {
+    async fn reserve(
+        &self,
+        inner: &MemoryStore,
+        r: ReserveRequest<'_>,
+    ) -> Result<Reservation, StoreError> {
+        let identity = r.identity.clone();
+        if self.held.lock().unwrap().is_none() {
+            let token = crate::common::records::acquire(
+                inner,
+                &identity,
+                Some(&self.fingerprint),
+                Duration::from_secs(30),
+                Duration::from_secs(3600),
+            )
+            .await;
+            *self.held.lock().unwrap() = Some(token);
+        }
+        let answer = inner.reserve(r).await?;
+        if answer == Reservation::FingerprintMismatch {
+            let token = self.held.lock().unwrap().take().expect("held");
+            assert_eq!(inner.release(&identity, &token).await?, Fenced::Written);
+        }
+        Ok(answer)
+    }
+}
+
+#[idempotent(scope = "contract_edges.churn", key = key, tenant = tenant, store = store)]
+async fn pay_amid_churn(
+    store: &Hooked<ChurningRival>,
+    tenant: &str,
+    key: &str,
+    amount: u64,
+) -> Result<u64, Error> {
+    Ok(amount)
+}
+
+/// Refused every time by records of other arguments that are gone when
+/// read: the call ends as a mismatch (rule 7), but a message consumer looks
+/// again shortly (in progress) rather than terminating a message whose key
+/// was never held by a finished record.
+#[tokio::test]
+async fn refusals_by_records_that_keep_coming_and_going_are_not_poison() {
+    use idempotent_runtime::consumer::{handle, Disposition, Verdict};
+    let store = Hooked::new(ChurningRival {
+        fingerprint: Fingerprint::of(&"other arguments").unwrap(),
+        held: Mutex::new(None),
+    });
+    let handled = handle(Some("k-churn"), |key| {
+        pay_amid_churn(&store, "t-churn", key, 7)
+    })
+    .await;
+    assert!(
+        matches!(
+            handled.idempotency_error(),
+            Some(Error::FingerprintMismatch(_))
+        ),
+        "{:?}",
+        handled.result
+    );
+    assert_eq!(
+        (handled.verdict, handled.disposition()),
+        (
+            Verdict::InProgress {
+                retry_after: Duration::from_secs(1)
+            },
+            Disposition::Nak(Some(Duration::from_secs(1)))
+        )
+    );
+}

@@ -106,6 +106,13 @@ impl Ledger {
         Ok(order.amount_cents)
     }
 
+    /// An annotated function whose body calls `bill`.
+    #[idempotent(scope = "nats.mapping.billing_outer", key = msg_id, tenant = shared,
+                 store = self.store, in_progress = reject)]
+    async fn bill_through_outer(&self, msg_id: &str, order: &Order) -> Result<u64, BillError> {
+        self.bill(msg_id, order).await
+    }
+
     /// A result JSON cannot hold (`NaN`): never recordable.
     #[idempotent(scope = "nats.mapping.ratios", key = msg_id, tenant = shared, store = self.store,
                  in_progress = reject)]
@@ -143,20 +150,32 @@ async fn mapping_executed_and_replayed_are_acked_with_one_effect() {
     assert_eq!(ledger.effects.load(Ordering::SeqCst), 1);
 }
 
+/// Handles a delivery of `msg_id` with `o` on a task of its own and returns
+/// once its body runs (holding the record, at the gate of the gated
+/// `ledger`): the task answers the delivery's verdict.
+async fn delivery_running(
+    ledger: &Arc<Ledger>,
+    msg_id: &'static str,
+    o: Order,
+) -> tokio::task::JoinHandle<Verdict> {
+    let running = {
+        let ledger = ledger.clone();
+        tokio::spawn(async move { handle(Some(msg_id), |k| ledger.bill(k, &o)).await.verdict })
+    };
+    tokio::time::timeout(Duration::from_secs(20), ledger.entered.acquire())
+        .await
+        .expect("the first delivery's body started")
+        .expect("the semaphore is open")
+        .forget();
+    running
+}
+
 #[tokio::test]
 async fn mapping_in_progress_is_nakd_with_the_retry_after() {
     let ledger = Arc::new(Ledger::new(true));
     let o = order("o-2", 200);
-    let running = {
-        let (ledger, o) = (ledger.clone(), o.clone());
-        tokio::spawn(async move { handle(Some("m-2"), |k| ledger.bill(k, &o)).await.verdict })
-    };
     // Once the first delivery's body runs (it holds the record), the duplicate arrives.
-    tokio::time::timeout(Duration::from_secs(20), ledger.entered.acquire())
-        .await
-        .expect("the first delivery's body started")
-        .unwrap()
-        .forget();
+    let running = delivery_running(&ledger, "m-2", o.clone()).await;
     let duplicate = handle(Some("m-2"), |k| ledger.bill(k, &o)).await;
     let Disposition::Nak(Some(delay)) = duplicate.disposition() else {
         panic!("expected nak with a delay, got {:?}", duplicate.verdict);
@@ -181,20 +200,7 @@ async fn mapping_in_progress_is_nakd_with_the_retry_after() {
 #[tokio::test]
 async fn mapping_mismatch_with_a_delivery_still_running_is_nakd_not_termed() {
     let ledger = Arc::new(Ledger::new(true));
-    let running = {
-        let ledger = ledger.clone();
-        tokio::spawn(async move {
-            let first = order("o-9", 900);
-            handle(Some("m-9"), |k| ledger.bill(k, &first))
-                .await
-                .verdict
-        })
-    };
-    tokio::time::timeout(Duration::from_secs(20), ledger.entered.acquire())
-        .await
-        .expect("the first delivery's body started")
-        .unwrap()
-        .forget();
+    let running = delivery_running(&ledger, "m-9", order("o-9", 900)).await;
     let other_arguments = order("o-9", 901);
     let other_version = handle(Some("m-9"), |k| ledger.bill(k, &other_arguments)).await;
     match (other_version.verdict, other_version.disposition()) {
@@ -221,6 +227,27 @@ async fn mapping_mismatch_with_a_delivery_still_running_is_nakd_not_termed() {
     assert_eq!(ledger.effects.load(Ordering::SeqCst), 1);
 }
 
+/// The same through an annotated function whose body calls the refused
+/// one: the outer call, finishing after the inner one, does not hide that
+/// the inner record is still running.
+#[tokio::test]
+async fn mapping_mismatch_with_a_running_record_inside_another_call_is_nakd() {
+    let ledger = Arc::new(Ledger::new(true));
+    let running = delivery_running(&ledger, "m-12", order("o-12", 1200)).await;
+    let other_arguments = order("o-12", 1201);
+    let nested = handle(Some("m-12"), |k| {
+        ledger.bill_through_outer(k, &other_arguments)
+    })
+    .await;
+    assert!(
+        matches!(nested.verdict, Verdict::InProgress { .. }),
+        "{:?}",
+        nested.verdict
+    );
+    ledger.gate.as_ref().unwrap().add_permits(1);
+    assert_eq!(running.await.unwrap(), Verdict::Executed);
+}
+
 /// What a handler returns decides: a mismatch with a running record met by
 /// an earlier step whose error the handler let go does not turn the later
 /// step's mismatch with a complete record (poison) into a nak.
@@ -229,20 +256,7 @@ async fn mapping_only_the_returned_mismatch_counts_for_the_verdict() {
     let (gated, plain) = (Arc::new(Ledger::new(true)), Ledger::new(false));
     let done = order("o-11", 1100);
     handle(Some("m-11"), |k| plain.bill(k, &done)).await;
-    let running = {
-        let gated = gated.clone();
-        tokio::spawn(async move {
-            let first = order("o-10", 1000);
-            handle(Some("m-10"), |k| gated.bill(k, &first))
-                .await
-                .verdict
-        })
-    };
-    tokio::time::timeout(Duration::from_secs(20), gated.entered.acquire())
-        .await
-        .expect("the running body started")
-        .unwrap()
-        .forget();
+    let running = delivery_running(&gated, "m-10", order("o-10", 1000)).await;
     let (optional, poison) = (order("o-10", 1001), order("o-11", 1101));
     let handled = handle(Some("m-10"), |k| {
         let (gated, plain, optional, poison) = (&gated, &plain, &optional, &poison);

@@ -616,9 +616,10 @@ pub trait Store: Send + Sync {
 
     /// Reads one record as it is now, without changing it (expired records
     /// included). Besides inspection, the engine reads the record with it
-    /// once after a reservation was refused as a fingerprint mismatch (to
-    /// tell a record a newer version made, one still in progress, and one
-    /// released meanwhile): implement it for real in a store of your own.
+    /// after a reservation was refused as a fingerprint mismatch (to tell a
+    /// record a newer version made, one still in progress, and one released
+    /// meanwhile; at most three times for one call): implement it for real
+    /// in a store of your own.
     async fn fetch(&self, identity: &Identity) -> Result<Option<RecordSnapshot>, StoreError>;
 
     /// Counts records per scope and state, for the audit. Sorted by scope.
