@@ -385,6 +385,27 @@ pub struct Handled<T, E> {
 }
 
 impl<T, E> Handled<T, E> {
+    /// The same delivery, knowing how many times the broker has delivered
+    /// the message, this delivery included ([`nats::process`] sets it from
+    /// the message): [`disposition`](Self::disposition) then delays the naks
+    /// of failures and terminates messages that fail alike only after
+    /// [`DELIVERIES_BEFORE_TERM`]. For brokers other than NATS that say.
+    ///
+    /// ```
+    /// use idempotent_runtime::consumer::{handle, Disposition, DELIVERIES_BEFORE_TERM};
+    /// use idempotent_runtime::Error;
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// let failed = handle(Some("msg-1"), |_key| async { Err::<(), _>(std::io::Error::other("down")) }).await;
+    /// let third = failed.with_deliveries(3);
+    /// assert_eq!(third.disposition(), Disposition::Nak(Some(std::time::Duration::from_secs(4))));
+    /// # let _ = (DELIVERIES_BEFORE_TERM, None::<Error>);
+    /// # }
+    /// ```
+    pub fn with_deliveries(mut self, deliveries: u64) -> Self {
+        self.deliveries = Some(deliveries);
+        self
+    }
+
     /// What to tell the broker: the verdict's [`Disposition`], and when the
     /// delivery count is known:
     /// * for a [`Verdict::Failed`] delivery, a nak delayed by

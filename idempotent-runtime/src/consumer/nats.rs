@@ -87,10 +87,9 @@ where
 {
     let mut handled = handle(message_key(message), handler).await;
     // A failed delivery's nak waits longer at every delivery.
-    handled.deliveries = message
-        .info()
-        .ok()
-        .map(|info| u64::try_from(info.delivered).unwrap_or(1));
+    if let Ok(info) = message.info() {
+        handled = handled.with_deliveries(u64::try_from(info.delivered).unwrap_or(1));
+    }
     let disposition = handled.disposition();
     if disposition == Disposition::Term {
         let info = message.info().ok();

@@ -87,10 +87,11 @@ pub struct Problem {
     pub retry_after: Option<u64>,
 }
 
-/// A response extension saying the answer is not final: nothing was done,
-/// send the same request again (later). It means *nothing was done*: a
-/// handler that made side effects before answering with it makes them again
-/// when the retry it asks for runs it. [`IdempotencyLayer`](super::IdempotencyLayer)
+/// A response extension saying the answer is not the request's final one:
+/// send the same request again, with the same key (later). A handler that
+/// made side effects before answering with it makes them again when the
+/// retry it asks for runs it (unless they are idempotent calls of their own,
+/// which replay). [`IdempotencyLayer`](super::IdempotencyLayer)
 /// passes such an answer through without recording it, whatever its status
 /// and the layer's recording rule, and releases the key, so the retry the
 /// answer asks for is processed rather than answered the same way until the
