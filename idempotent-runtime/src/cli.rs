@@ -6,7 +6,7 @@
 //! idempotent audit  --database-url URL [--manifest idempotent.toml] [--json]
 //! idempotent purge  --database-url URL [--batch 1000] [--json]
 //! idempotent inspect --database-url URL --scope S (--tenant T | --shared) --key K [--show-result] [--json]
-//! idempotent release --database-url URL --scope S (--tenant T | --shared) --key K --reason "..." [--even-if-running] [--json]
+//! idempotent release --database-url URL --scope S (--tenant T | --shared) --key K --reason "..." [--even-if-running] [--end-lease] [--json]
 //! ```
 //!
 //! `inspect` shows one record: state, attempt (rule 20), lease, retention,
@@ -15,7 +15,10 @@
 //! in-progress record (its owner is gone and nobody will finish it): it
 //! refuses a complete record, and one whose lease is still live unless
 //! `--even-if-running`, and logs the reason (a `warn` event, target
-//! `idempotent::operator`) and prints it.
+//! `idempotent::operator`) and prints it. It deletes the record, so the next
+//! call runs as a fresh attempt 1 without asking a `recover` hook; with
+//! `--end-lease` it keeps the record and ends its lease instead, so the next
+//! call takes it over at once as the next attempt and asks the hook (rule 20).
 //!
 //! Without `--manifest`, `scopes` and `audit` find the manifest the way the
 //! `#[idempotent]` macro does, starting from the current directory:
@@ -130,6 +133,11 @@ pub enum Command {
         /// running the body: only when you know it is gone).
         #[arg(long)]
         even_if_running: bool,
+        /// Keep the record and end its lease instead of deleting it: the
+        /// next call takes it over at once, as the next attempt, and asks
+        /// the scope's recover hook whether the work was done.
+        #[arg(long)]
+        end_lease: bool,
         /// Print JSON instead of a table.
         #[arg(long)]
         json: bool,
@@ -177,6 +185,7 @@ const OPTIONS: &[&str] = &[
     "--key",
     "--reason",
     "--even-if-running",
+    "--end-lease",
     "--help",
 ];
 
@@ -580,6 +589,7 @@ pub async fn run(cli: Cli) -> Result<String, CliError> {
             record,
             reason,
             even_if_running,
+            end_lease,
             json,
         } => {
             let reason = reason.trim().to_owned();
@@ -588,6 +598,16 @@ pub async fn run(cli: Cli) -> Result<String, CliError> {
             }
             let identity = record.identity()?;
             let store = open_store(&record.database_url).await?;
+            if end_lease {
+                return end_the_lease(
+                    store.as_ref(),
+                    &identity,
+                    &reason,
+                    even_if_running,
+                    format(json),
+                )
+                .await;
+            }
             let answer = store
                 .force_release(&identity, !even_if_running)
                 .await
@@ -647,6 +667,98 @@ pub async fn run(cli: Cli) -> Result<String, CliError> {
             }
         }
     }
+}
+
+/// `release --end-lease`: the in-progress record is kept and its lease
+/// ended (fenced by the owner's token as read), so the next call takes it
+/// over at once and asks the scope's recover hook. Refused, as a release,
+/// for a complete record and (without `--even-if-running`) a live lease.
+async fn end_the_lease(
+    store: &dyn Store,
+    identity: &Identity,
+    reason: &str,
+    even_if_running: bool,
+    format: Format,
+) -> Result<String, CliError> {
+    let refused = |why: String| CliError::ReleaseRefused {
+        scope: identity.scope.clone(),
+        key_digest: identity.key_digest(),
+        why,
+    };
+    let read = || async {
+        store
+            .fetch(identity)
+            .await
+            .map_err(crate::Error::from)?
+            .filter(|snapshot| !snapshot.is_expired())
+            .ok_or_else(|| no_record(identity))
+    };
+    let before = read().await?;
+    let lease_remaining = before
+        .lease_expires_at_ms
+        .map_or(0, |ends| ends.saturating_sub(before.now_ms));
+    let token =
+        match (&before.state, &before.owner_token) {
+            (RecordState::Complete, _) => return Err(refused(
+                "the record is complete: its recorded result is the answer for this key; there \
+                 is no lease to end"
+                    .to_owned(),
+            )),
+            (RecordState::InProgress, _) if lease_remaining > 0 && !even_if_running => {
+                return Err(refused(format!(
+                    "its owner's lease is live for another {}: the owner may be running the body \
+                 right now. Wait until the lease runs out, or pass --even-if-running if you know \
+                 the owner is gone",
+                    crate::registry::human(crate::store::millis_to_duration(lease_remaining))
+                )))
+            }
+            (RecordState::InProgress, Some(token)) => crate::OwnerToken::from_stored(token.clone()),
+            (RecordState::InProgress, None) => {
+                return Err(refused(
+                    "the record has no owner token to end its lease with".to_owned(),
+                ))
+            }
+        };
+    store.end_lease_detached(identity.clone(), token);
+    store.finish_background_work(Duration::from_secs(10)).await;
+    let after = read().await?;
+    let ended = after.state == RecordState::InProgress
+        && after.owner_token == before.owner_token
+        && after
+            .lease_expires_at_ms
+            .is_none_or(|ends| ends <= after.now_ms);
+    if !ended {
+        return Err(refused(
+            "the lease could not be ended: the record changed meanwhile (its owner finished, or \
+             another call took it over), or the store does not end leases; `idempotent inspect` \
+             shows it now"
+                .to_owned(),
+        ));
+    }
+    tracing::warn!(target: "idempotent::operator", store = store.name(),
+        scope = %identity.scope, key = %identity.key_digest(), attempt = after.attempt, reason = %reason,
+        "an operator ended the lease of an in-progress record; the next call takes it over and asks its recover hook");
+    Ok(match format {
+        Format::Json => crate::registry::to_json(&serde_json::json!({
+            "store": store.name(),
+            "scope": identity.scope,
+            "key_digest": identity.key_digest(),
+            "released": false,
+            "lease_ended": true,
+            "attempt": after.attempt,
+            "reason": reason,
+        })),
+        Format::Table => format!(
+            "ended the lease of the in-progress record (store {}, scope `{}`, key digest {}, \
+             attempt {}); the next call with this key takes it over as attempt {} and asks the \
+             scope's recover hook\nreason: {reason}\n",
+            store.name(),
+            identity.scope,
+            identity.key_digest(),
+            after.attempt,
+            after.attempt.saturating_add(1),
+        ),
+    })
 }
 
 /// The manifest named by `--manifest`, else the one [`crate::manifest::locate`]
@@ -888,7 +1000,7 @@ fn render_release(
         Format::Table => format!(
             "released the in-progress record (store {store}, scope `{}`, key digest {}, attempt {attempt}); \
              the next call with this key runs as a fresh attempt 1 (a recover hook of the scope \
-             is not asked)\nreason: {reason}\n",
+             is not asked; --end-lease keeps the record for it)\nreason: {reason}\n",
             identity.scope,
             identity.key_digest()
         ),

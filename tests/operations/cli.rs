@@ -838,6 +838,85 @@ async fn inspect_and_release_on(url: &str, store: &dyn Store) {
         .expect_err("--reason is required");
     assert!(matches!(e, CliError::Usage(_)), "{e}");
 
+    // --end-lease keeps the record and ends its lease: the next call takes
+    // it over as the next attempt (asking a recover hook, rule 20) instead
+    // of running as a fresh attempt 1. A live lease, a complete record and
+    // no record are refused as for a release.
+    let hooked = plant_running(store, &scope, &tenant, "hooked-key").await;
+    let refused = run_from(args(
+        "release",
+        "hooked-key",
+        &["--reason", "INC-5", "--end-lease"],
+    ))
+    .await
+    .expect_err("the owner may be running");
+    assert!(
+        refused.to_string().contains("--even-if-running"),
+        "{refused}"
+    );
+    let refused = run_from(args(
+        "release",
+        "done-key",
+        &["--reason", "INC-5", "--end-lease"],
+    ))
+    .await
+    .expect_err("a complete record has no lease");
+    assert!(
+        refused.to_string().contains("the record is complete"),
+        "{refused}"
+    );
+    let missing = run_from(args(
+        "release",
+        "no-such-key",
+        &["--reason", "INC-5", "--end-lease"],
+    ))
+    .await
+    .expect_err("no record");
+    assert!(matches!(missing, CliError::NoRecord { .. }), "{missing}");
+    let out = run_from(args(
+        "release",
+        "hooked-key",
+        &[
+            "--reason",
+            "INC-5: host gone",
+            "--even-if-running",
+            "--end-lease",
+        ],
+    ))
+    .await
+    .unwrap_or_else(|e| panic!("release --end-lease on {url}: {e}"));
+    assert!(
+        out.contains("ended the lease") && out.contains("as attempt 2") && out.contains("INC-5"),
+        "{out}"
+    );
+    let kept = store
+        .fetch(&hooked)
+        .await
+        .expect("fetch")
+        .expect("the record is kept");
+    assert_eq!(kept.state, idempotent_runtime::RecordState::InProgress);
+    let next = store
+        .reserve(ReserveRequest {
+            identity: &hooked,
+            fingerprint: None,
+            token: &OwnerToken::new(),
+            lease: Duration::from_secs(60),
+            ttl: Duration::from_secs(3600),
+        })
+        .await
+        .expect("reserve");
+    assert!(
+        matches!(
+            next,
+            Reservation::Acquired {
+                took_over: true,
+                attempt: 2,
+                ..
+            }
+        ),
+        "the next call takes the record over at once: {next:?}"
+    );
+
     // The stuck record is released; the reason is printed.
     let out = run_from(args(
         "release",
