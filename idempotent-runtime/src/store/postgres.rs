@@ -1572,7 +1572,9 @@ impl PgStore {
             Ok(Mark::Marked { .. } | Mark::MarkedBefore { .. }) => {
                 tracing::error!(target: "idempotent", store = STORE,
                     "idempotency_wait_key in the database disagrees with this build's wait key; \
-                     waiting duplicates poll (check the migrations)");
+                     waiting duplicates poll (check the migrations; or the database's encoding: \
+                     in a SQL_ASCII database, tenants, scopes and keys that are not ASCII are \
+                     measured in bytes, and their waiters are never notified)");
                 return poll(round, left).await;
             }
             Ok(Mark::Changed) => return,
