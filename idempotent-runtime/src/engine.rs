@@ -1727,6 +1727,14 @@ async fn run_with_heartbeat<R, Fut: Future<Output = R>>(
     // Another caller owns the record now (fenced renewal): renewing again
     // cannot win it back, so no more renewals are sent.
     let mut lost = false;
+    // When the lease was last set, as far as this call knows: the body's
+    // start (the reservation just set it), then the sending of each renewal
+    // that was written. A renewal sent a lease or more after it finds the
+    // lease already lapsed (see `note_lapse`).
+    let mut renewed_at = Instant::now();
+    let mut beat_sent = renewed_at;
+    let mut late_sent = renewed_at;
+    let mut lapse_noted = false;
     std::future::poll_fn(|cx| {
         if let Poll::Ready(out) = body.as_mut().poll(cx) {
             return Poll::Ready(out);
@@ -1739,6 +1747,10 @@ async fn run_with_heartbeat<R, Fut: Future<Output = R>>(
                 late = None;
                 // Its failure was counted when it ran late; a success or a
                 // lost lease still counts.
+                if matches!(result, Ok(Fenced::Written)) {
+                    renewed_at = renewed_at.max(late_sent);
+                    lapse_noted = false;
+                }
                 if result.is_ok() {
                     lost |= note_heartbeat(spec, identity, result);
                 }
@@ -1746,6 +1758,10 @@ async fn run_with_heartbeat<R, Fut: Future<Output = R>>(
             if let Some(f) = beat.as_mut() {
                 if let Poll::Ready(result) = f.as_mut().poll(cx) {
                     beat = None;
+                    if matches!(result, Ok(Fenced::Written)) {
+                        renewed_at = renewed_at.max(beat_sent);
+                        lapse_noted = false;
+                    }
                     let failed = result.is_err();
                     lost |= note_heartbeat(spec, identity, result);
                     // A renewal that failed is tried again soon: the lease is
@@ -1763,12 +1779,15 @@ async fn run_with_heartbeat<R, Fut: Future<Output = R>>(
                         Err(crate::error::StoreError::new(
                             store.name(),
                             "heartbeat",
-                            "no answer within a renewal period (lease / 3)",
+                            "no answer within a renewal period (lease / 3): the server is slow, \
+                             a row lock holds the statement, or the store's pool had no free \
+                             connection for it",
                         )),
                     );
                     if late.is_none() {
                         // Keep it, and try another renewal soon.
                         late = beat.take();
+                        late_sent = beat_sent;
                         timer.as_mut().reset(Instant::now() + period / 4);
                     } else {
                         // Two in flight already: wait for one of them.
@@ -1780,6 +1799,11 @@ async fn run_with_heartbeat<R, Fut: Future<Output = R>>(
             if lost || timer.as_mut().poll(cx).is_pending() {
                 return Poll::Pending;
             }
+            beat_sent = Instant::now();
+            if !lapse_noted && beat_sent.duration_since(renewed_at) >= lease {
+                lapse_noted = true;
+                note_lapse(spec, identity, beat_sent.duration_since(renewed_at), lease);
+            }
             beat = Some(store.heartbeat(identity, token, lease));
             match beat_due.as_mut() {
                 Some(due) => due.as_mut().reset(Instant::now() + period),
@@ -1788,6 +1812,21 @@ async fn run_with_heartbeat<R, Fut: Future<Output = R>>(
         }
     })
     .await
+}
+
+/// Counts and logs a lease that ran out while the body ran, because no
+/// renewal was sent in time (the body blocked its thread, or its runtime was
+/// starved, or the call was not polled) or none was written (the store
+/// failed): for `lapsed`, any caller could have taken the record over and
+/// run the body beside this one. Rule 9: never silent, even when nobody did
+/// and the next renewal wins the lease back.
+fn note_lapse(spec: &'static ScopeInfo, identity: &Identity, lapsed: Duration, lease: Duration) {
+    crate::metrics::heartbeat_failed(spec.scope);
+    tracing::warn!(target: "idempotent", scope = %identity.scope, key = %identity.log_digest(),
+        since_renewed_ms = lapsed.as_millis() as u64, lease_ms = lease.as_millis() as u64,
+        "heartbeat: the lease lapsed before it could be renewed (the body blocked its thread, \
+         its runtime was starved, the call was not polled, or renewals failed): another caller \
+         could have taken the record over and run the body meanwhile");
 }
 
 /// Counts and logs a renewal's answer; `true` when the lease was lost.

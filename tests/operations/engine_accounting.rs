@@ -201,6 +201,41 @@ async fn a_failing_heartbeat_is_counted_and_logged() {
     assert!(text.contains("heartbeat failed"), "and logged:\n{text}");
 }
 
+#[idempotent(scope = "accounting.blocking", key = key, tenant = tenant, store = store,
+             lease = "30ms")]
+async fn blocks_its_thread(store: &Counting, tenant: &str, key: &str) -> Result<u64, Error> {
+    tokio::task::yield_now().await;
+    // A blocking call in an async body: on this current-thread runtime
+    // nothing else runs, the heartbeat included, for five leases.
+    std::thread::sleep(Duration::from_millis(150));
+    // Long enough for the renewal that was due to be sent.
+    tokio::time::sleep(Duration::from_millis(40)).await;
+    Ok(1)
+}
+
+/// Rule 9: a heartbeat that could not renew in time is visible. A body that
+/// blocks its thread stops its own heartbeat (it is driven by the call's
+/// future); when the overdue renewal is finally sent, the lease had already
+/// lapsed and any caller could have taken the record over. That lapse was
+/// silent when nobody did (the late renewal simply succeeded): now it is
+/// logged and counted as a heartbeat failure.
+#[tokio::test]
+async fn a_lease_that_lapsed_while_the_body_blocked_its_thread_is_logged() {
+    let logs = capture_logs();
+    let store = Counting::new();
+    let tenant = format!("t-{}", uuid::Uuid::new_v4().simple());
+    blocks_its_thread(&store, &tenant, "blocked").await.unwrap();
+    let digest = Identity::new(tenant.as_str(), "accounting.blocking", "blocked")
+        .unwrap()
+        .key_digest();
+    let text = logs.lock().unwrap().clone();
+    assert!(
+        text.lines()
+            .any(|line| line.contains("lease lapsed") && line.contains(digest.as_str())),
+        "the lapse is logged:\n{text}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn logs_carry_the_scope_and_a_digest_never_the_raw_key() {
     let logs = capture_logs();
