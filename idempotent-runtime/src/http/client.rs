@@ -345,7 +345,10 @@ impl IdempotentClient {
 
     /// Resumes an operation whose key was saved (e.g. with the order, before
     /// the first attempt), after a restart of the calling program. The key
-    /// must be a bare token: visible ASCII, no `"`, `\`, `,` or `;`, 1–255 bytes.
+    /// is 1–255 bytes of printable ASCII (spaces included): a bare token
+    /// (visible ASCII without `"`, `\`, `,` or `;`) is sent as it is, any
+    /// other key as an RFC 8941 quoted string, which the server reads back
+    /// to the same key.
     pub fn intent_with_key(
         &self,
         method: Method,
@@ -353,15 +356,21 @@ impl IdempotentClient {
         key: impl Into<String>,
     ) -> Result<Intent, ClientError> {
         let key = key.into();
-        let header = super::key::parse_key(key.as_bytes())
+        let bare = key
+            .bytes()
+            .all(|b| (0x21..=0x7e).contains(&b) && !matches!(b, b'"' | b'\\' | b',' | b';'));
+        let sent = if bare {
+            key.clone()
+        } else {
+            format!("\"{}\"", key.replace('\\', "\\\\").replace('"', "\\\""))
+        };
+        let header = super::key::parse_key(sent.as_bytes())
             .ok()
             .filter(|parsed| *parsed == key)
-            .and_then(|_| HeaderValue::from_str(&key).ok())
+            .and_then(|_| HeaderValue::from_str(&sent).ok())
             .ok_or_else(|| {
                 ClientError::InvalidKey(
-                    "use 1 to 255 visible ASCII characters without `\"`, `\\`, `,`, `;` or spaces \
-                     (e.g. a UUID)"
-                        .to_owned(),
+                    "use 1 to 255 bytes of printable ASCII (e.g. a UUID)".to_owned(),
                 )
             })?;
         let url = Url::parse(url).map_err(|e| ClientError::InvalidUrl {
@@ -608,6 +617,51 @@ mod tests {
         );
     }
 
+    /// A key that is not a bare token is sent quoted (RFC 8941), and the
+    /// server's parser reads the same key back; keys it cannot carry are
+    /// refused when the intent is made.
+    #[test]
+    fn keys_that_are_not_bare_tokens_are_sent_quoted() {
+        let client = IdempotentClient::new(reqwest::Client::new());
+        for key in [
+            "order 42",
+            " padded ",
+            "a\"b",
+            "back\\slash",
+            "a,b;c",
+            "plain-uuid",
+        ] {
+            let intent = client
+                .intent_with_key(Method::POST, "http://127.0.0.1:1/x", key)
+                .unwrap_or_else(|e| panic!("{key:?}: {e}"));
+            assert_eq!(intent.key(), key);
+            let parsed = super::super::key::parse_key(intent.key_header.as_bytes());
+            assert_eq!(
+                parsed.as_deref(),
+                Ok(key),
+                "{key:?} as {:?}",
+                intent.key_header
+            );
+        }
+        assert_eq!(
+            client
+                .intent_with_key(Method::POST, "http://127.0.0.1:1/x", "plain-uuid")
+                .unwrap()
+                .key_header,
+            "plain-uuid",
+            "a bare token is sent as it is"
+        );
+        for bad in ["", "caf\u{e9}", "tab\there", &"k".repeat(256)] {
+            assert!(
+                matches!(
+                    client.intent_with_key(Method::POST, "http://127.0.0.1:1/x", bad),
+                    Err(ClientError::InvalidKey(_))
+                ),
+                "{bad:?}"
+            );
+        }
+    }
+
     /// A request carries one `Content-Type`: the last one set, by `json` or
     /// `header`; other headers may repeat.
     #[test]
@@ -728,7 +782,7 @@ mod tests {
         assert_eq!(a2.key(), a.key());
         assert!(a2.headers.get(IDEMPOTENCY_KEY).is_none());
         assert!(matches!(
-            c.intent_with_key(Method::POST, "http://h/x", "has space"),
+            c.intent_with_key(Method::POST, "http://h/x", "has\ttab"),
             Err(ClientError::InvalidKey(_))
         ));
         assert!(matches!(
