@@ -323,7 +323,7 @@ pub fn classify<T, E: AsIdempotencyError>(
         outcome.map(|outcome| Reported {
             outcome: Some(outcome),
             replayed_error: result.is_err(),
-            mismatch_running: None,
+            last_mismatch: None,
         }),
     )
 }
@@ -343,7 +343,10 @@ fn verdict<T, E: AsIdempotencyError>(result: &Result<T, E>, reported: Option<Rep
         // The record is another call's, still running: in a rolling deploy
         // that changed the handler's arguments, the other version's delivery
         // of this very message, which may yet fail and release the key.
-        Some(Error::FingerprintMismatch(_)) => match reported.and_then(|r| r.mismatch_running) {
+        Some(Error::FingerprintMismatch(_)) => match reported
+            .and_then(|r| r.last_mismatch)
+            .and_then(|m| m.running)
+        {
             Some(retry_after) => Verdict::InProgress { retry_after },
             None => Verdict::Mismatch,
         },
@@ -386,8 +389,9 @@ pub struct Handled<T, E> {
 
 impl<T, E> Handled<T, E> {
     /// The same delivery, knowing how many times the broker has delivered
-    /// the message, this delivery included ([`nats::process`] sets it from
-    /// the message): [`disposition`](Self::disposition) then delays the naks
+    /// the message, this delivery included, counting from 1 (add 1 to a
+    /// broker's count of *re*deliveries; [`nats::process`] sets it from the
+    /// message): [`disposition`](Self::disposition) then delays the naks
     /// of failures and terminates messages that fail alike only after
     /// [`DELIVERIES_BEFORE_TERM`]. For brokers other than NATS that say.
     ///

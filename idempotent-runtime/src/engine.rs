@@ -79,10 +79,19 @@ pub(crate) struct Reported {
     /// `None` when no call finished with a result (refused, failed).
     pub(crate) outcome: Option<Outcome>,
     pub(crate) replayed_error: bool,
-    /// A call refused as a mismatch met a record still in progress, whose
-    /// lease runs this much longer (store mode): that owner may yet release
-    /// the key, so a message consumer redelivers rather than terms.
-    pub(crate) mismatch_running: Option<Duration>,
+    /// The last call refused as a mismatch, if any: with the lease its
+    /// record still had when it was still in progress (store mode). That
+    /// owner may yet release the key, so a message consumer redelivers
+    /// rather than terms.
+    pub(crate) last_mismatch: Option<LastMismatch>,
+}
+
+/// A call refused as a fingerprint mismatch (see [`Reported::last_mismatch`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct LastMismatch {
+    /// The lease remaining on the record that refused it, when that record
+    /// was still in progress.
+    pub(crate) running: Option<Duration>,
 }
 
 /// Where a [`with_outcome`] scope collects what its calls reported: shared,
@@ -170,17 +179,17 @@ pub(crate) fn report(outcome: Outcome) {
     report_whole(Reported {
         outcome: Some(outcome),
         replayed_error: false,
-        mismatch_running: None,
+        last_mismatch: None,
     });
 }
 
 /// Reports a call refused as a mismatch, with the lease remaining when its
-/// record was still in progress (see [`Reported::mismatch_running`]).
+/// record was still in progress (see [`Reported::last_mismatch`]).
 fn report_mismatch(running: Option<Duration>) {
     report_whole(Reported {
         outcome: None,
         replayed_error: false,
-        mismatch_running: running,
+        last_mismatch: Some(LastMismatch { running }),
     });
 }
 
@@ -195,15 +204,12 @@ fn report_whole(reported: Reported) {
             // The call that finished last, of those that finished with a result.
             outcome: reported.outcome.or(earlier.and_then(|r| r.outcome)),
             replayed_error: reported.replayed_error || earlier.is_some_and(|r| r.replayed_error),
-            // The mismatch reported last (a report of one has no outcome):
-            // a later call's mismatch is the one a handler returns, as a
-            // rule, while an annotated function whose body returned an inner
-            // call's mismatch reports an outcome after it, which keeps it.
-            mismatch_running: if reported.outcome.is_none() {
-                reported.mismatch_running
-            } else {
-                earlier.and_then(|r| r.mismatch_running)
-            },
+            // The mismatch reported last, also from a scope nested in this
+            // one (its report arrives whole): an outcome reported after it (an
+            // annotated function whose body returned that mismatch) keeps it.
+            last_mismatch: reported
+                .last_mismatch
+                .or(earlier.and_then(|r| r.last_mismatch)),
         });
     });
 }
@@ -1036,7 +1042,7 @@ pub(crate) fn replay<R: IdempotentReturn, H: ErrorHandling<R::Failure>>(
     report_whole(Reported {
         outcome: Some(Outcome::Replayed),
         replayed_error: outcome.is_error,
-        mismatch_running: None,
+        last_mismatch: None,
     });
     (
         decode_replay::<R, H>(spec, errors, outcome),

@@ -244,6 +244,19 @@ async fn mapping_mismatch_with_a_running_record_inside_another_call_is_nakd() {
         "{:?}",
         nested.verdict
     );
+    // The same when the handler looks at the outcome itself: its own
+    // `with_outcome` scope reports to the delivery's whole.
+    let looked_at = handle(Some("m-12"), |k| async {
+        let (result, _outcome) =
+            idempotent_runtime::with_outcome(ledger.bill_through_outer(k, &other_arguments)).await;
+        result
+    })
+    .await;
+    assert!(
+        matches!(looked_at.verdict, Verdict::InProgress { .. }),
+        "{:?}",
+        looked_at.verdict
+    );
     ledger.gate.as_ref().unwrap().add_permits(1);
     assert_eq!(running.await.unwrap(), Verdict::Executed);
 }
