@@ -3,6 +3,7 @@
 //! under the layer's response cap is recorded (its record is base64).
 
 use crate::common;
+use crate::http_app::expect_problem;
 use crate::http_app::{authenticate, serve, AccountId};
 use axum::extract::Extension;
 use axum::http::StatusCode;
@@ -11,6 +12,7 @@ use axum::response::IntoResponse;
 use axum::routing::post;
 use axum::Router;
 use common::servers::fresh_tenant;
+use idempotent_runtime::http::problem::types;
 use idempotent_runtime::http::{
     ClientError, IdempotencyLayer, IdempotentClient, RetryPolicy, DEFAULT_MAX_RESPONSE_BYTES,
 };
@@ -601,6 +603,10 @@ async fn the_layer_asks_its_recover_hook_on_a_takeover() {
                     "k-down" => Ok(Recovery::Completed(
                         (StatusCode::CREATED, "found on the second ask").into_response(),
                     )),
+                    // Larger than the layer records: not recorded, kept.
+                    "k-huge" => Ok(Recovery::Completed(
+                        (StatusCode::CREATED, "x".repeat(100)).into_response(),
+                    )),
                     _ => Ok(Recovery::Run),
                 }
             }
@@ -608,11 +614,13 @@ async fn the_layer_asks_its_recover_hook_on_a_takeover() {
     };
     let layer = IdempotencyLayer::builder("edges.recover", store.clone())
         .tenant_from_extension::<AccountId>()
+        .max_response_bytes(64)
         .recover(hook)
         .build()
         .expect("layer");
-    assert!(
-        layer.scope_info().recover.is_some(),
+    assert_eq!(
+        layer.scope_info().recover,
+        Some("a closure given to IdempotencyLayerBuilder::recover"),
         "the registry says it has a hook"
     );
     let (base, calls, _task) = counting_route("/charges", layer, || {
@@ -621,7 +629,7 @@ async fn the_layer_asks_its_recover_hook_on_a_takeover() {
     .await;
     let account = fresh_tenant();
     // What a crashed instance leaves: a record in progress whose lease runs out.
-    for key in ["k-charged", "k-not-charged", "k-down"] {
+    for key in ["k-charged", "k-not-charged", "k-down", "k-huge"] {
         let identity = Identity::new(account.clone(), "edges.recover", key).unwrap();
         common::records::acquire(
             &*store,
@@ -670,6 +678,19 @@ async fn the_layer_asks_its_recover_hook_on_a_takeover() {
     );
     assert_eq!(calls.load(Ordering::SeqCst), 1);
 
+    // A found answer the layer cannot record: a 500 the client may retry
+    // (not `response-not-recorded`, which it takes for final), and the
+    // record stays for the next retry to ask again; the handler never runs.
+    for _ in 0..2 {
+        let r = send("k-huge").await.unwrap();
+        let problem = expect_problem(r, 500, types::SERVER_ERROR).await;
+        assert!(
+            problem["detail"].as_str().unwrap().contains("asks again"),
+            "{problem}"
+        );
+    }
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+
     assert_eq!(
         *asked.lock().unwrap(),
         [
@@ -677,6 +698,8 @@ async fn the_layer_asks_its_recover_hook_on_a_takeover() {
             ("k-not-charged".to_owned(), 2),
             ("k-down".to_owned(), 2),
             ("k-down".to_owned(), 3),
+            ("k-huge".to_owned(), 2),
+            ("k-huge".to_owned(), 3),
         ],
         "asked once per takeover, never on a replay"
     );

@@ -174,7 +174,15 @@ impl IdempotencyLayerBuilder {
             + 'static,
     {
         let hook: Arc<RecoverFn> = Arc::new(move |takeover| Box::pin(hook(takeover)));
-        self.recover = Some((hook, std::any::type_name::<F>()));
+        // The registry's name for it: a function's path; a closure's type
+        // name says nothing (`main::{{closure}}`).
+        let name = std::any::type_name::<F>();
+        let name = if name.contains("{{closure}}") {
+            "a closure given to IdempotencyLayerBuilder::recover"
+        } else {
+            name
+        };
+        self.recover = Some((hook, name));
         self
     }
 
@@ -754,7 +762,10 @@ where
         Err(Failure::Inner(e)) => Err(e),
         // The handler ran; only the recording of its answer failed. Saying
         // "not processed" would invite a retry with a new key.
-        Err(Failure::Engine(Error::Store(_))) if outcome == Some(Outcome::Executed) => {
+        // (Or a recover hook answered for it: its answer is recorded alike.)
+        Err(Failure::Engine(Error::Store(_)))
+            if matches!(outcome, Some(Outcome::Executed | Outcome::Recovered)) =>
+        {
             Ok(answer_not_recorded_yet().into_response())
         }
         Err(Failure::Engine(e)) => Ok(e.into_response()),
@@ -774,7 +785,7 @@ where
     ResBody::Error: Into<axum::BoxError>,
 {
     let response = inner.call(request).await.map_err(Failure::Inner)?;
-    record(config, response).await
+    record(config, response, AnswerOf::Handler).await
 }
 
 /// The layer's `recover` hook (or none) as the engine asks it.
@@ -793,11 +804,33 @@ impl<'a, E: Send + 'a> Recover<Recorded, Failure<E>> for RecoverHook<'a, E> {
             match hook(takeover).await {
                 Ok(Recovery::Run) => Ok(Recovery::Run),
                 Ok(Recovery::Completed(response)) => {
-                    record(config, response).await.map(Recovery::Completed)
+                    record(config, response, AnswerOf::RecoverHook)
+                        .await
+                        .map(Recovery::Completed)
                 }
                 Err(response) => Err(Failure::Passthrough(response)),
             }
         }))
+    }
+}
+
+/// Whose answer [`record`] collects: what becomes of the record when it
+/// is not recorded differs.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum AnswerOf {
+    /// The handler's: the key is released, and a retry runs the handler.
+    Handler,
+    /// A recover hook's `Completed` answer: the record is kept, its lease
+    /// ended, and the next retry takes it over and asks again (rule 20).
+    RecoverHook,
+}
+
+impl AnswerOf {
+    fn not_recorded(self) -> &'static str {
+        match self {
+            AnswerOf::Handler => "the key is released",
+            AnswerOf::RecoverHook => "the record is kept and the next retry asks the hook again",
+        }
     }
 }
 
@@ -806,6 +839,7 @@ impl<'a, E: Send + 'a> Recover<Recorded, Failure<E>> for RecoverHook<'a, E> {
 async fn record<ResBody, E>(
     config: &Config,
     response: Response<ResBody>,
+    of: AnswerOf,
 ) -> Result<Recorded, Failure<E>>
 where
     ResBody: http_body::Body<Data = Bytes> + Send + 'static,
@@ -814,12 +848,12 @@ where
     let status = response.status();
     if response.extensions().get::<NotFinal>().is_some() {
         tracing::info!(target: "idempotent", scope = config.spec.scope, status = status.as_u16(),
-            "the answer says to send the request again (not final): not recorded; the key is released");
+            "the answer says to send the request again (not final): not recorded; {}", of.not_recorded());
         return Err(Failure::Passthrough(response.map(Body::new)));
     }
     if !config.records(status) {
         tracing::info!(target: "idempotent", scope = config.spec.scope, status = status.as_u16(),
-            "answer not recorded by the layer's rule; the key is released");
+            "answer not recorded by the layer's rule; {}", of.not_recorded());
         return Err(Failure::Passthrough(response.map(Body::new)));
     }
     let (parts, body) = response.into_parts();
@@ -834,7 +868,20 @@ where
         Err(e) => {
             let too_large = e.downcast_ref::<LengthLimitError>().is_some();
             tracing::error!(target: "idempotent", scope = config.spec.scope, error = %e,
-                "the handler's answer could not be recorded; the key is released");
+                "the answer could not be recorded; {}", of.not_recorded());
+            if of == AnswerOf::RecoverHook {
+                // Nothing ran again, and the record waits for the next ask:
+                // a retry is safe (not `response-not-recorded`, which the
+                // client takes for final).
+                return Err(Failure::Unrecordable(Problem::new(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    types::SERVER_ERROR,
+                    "Answer could not be recorded",
+                    "The answer found for this request's earlier attempt could not be recorded \
+                     (too large, or its body failed). Nothing ran again; the record is kept, and \
+                     a retry with the same Idempotency-Key asks again.",
+                )));
+            }
             return Err(Failure::Unrecordable(Problem::new(
                 StatusCode::INTERNAL_SERVER_ERROR,
                 types::RESPONSE_NOT_RECORDED,
