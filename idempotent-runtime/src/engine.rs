@@ -1737,7 +1737,7 @@ async fn run_with_heartbeat<R, Fut: Future<Output = R>>(
     // start (the reservation just set it), then the sending of each renewal
     // that was written. A renewal sent a lease or more after it finds the
     // lease already lapsed (see `note_lapse`).
-    let mut renewed_at = Instant::now();
+    let mut renewed_at = first_due - period; // no clock read more per call
     let mut beat_sent = renewed_at;
     let mut late_sent = renewed_at;
     let mut lapse_noted = false;
