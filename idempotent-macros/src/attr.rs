@@ -80,9 +80,30 @@ pub(crate) struct Attr {
     pub lease: Option<Duration>,
     pub in_progress: InProgress,
     pub errors: Errors,
-    pub recover: Option<Path>,
+    pub recover: Option<Recover>,
     pub shared_scope: bool,
     pub krate: Option<TokenStream>,
+}
+
+/// `recover = ...`: the hook asked before a takeover re-runs the body.
+#[derive(Clone)]
+pub enum Recover {
+    /// `recover = path::to::hook`: called as `hook(&takeover)`.
+    Function(Path),
+    /// `recover = self.hook`: called as `self.hook(&takeover)`, on a method
+    /// taking `&self` (the hook reaches the same state as the body, e.g. a
+    /// gateway client held by the service).
+    Method(Ident),
+}
+
+impl Recover {
+    /// The hook as written, for the registry.
+    pub fn text(&self) -> String {
+        match self {
+            Recover::Function(path) => path_text(path),
+            Recover::Method(method) => format!("self.{method}"),
+        }
+    }
 }
 
 /// One argument as written.
@@ -335,13 +356,29 @@ pub(crate) fn parse(cx: &Ctxt, tokens: TokenStream, span: Span) -> Attr {
             }
             "recover" => match ungroup(&expr) {
                 Expr::Path(p) if p.qself.is_none() && p.attrs.is_empty() => {
-                    attr.recover = Some(p.path.clone())
+                    attr.recover = Some(Recover::Function(p.path.clone()))
+                }
+                Expr::Field(f)
+                    if f.attrs.is_empty()
+                        && matches!(ungroup(&f.base), Expr::Path(b) if b.qself.is_none() && b.path.is_ident("self")) =>
+                {
+                    match &f.member {
+                        syn::Member::Named(method) => {
+                            attr.recover = Some(Recover::Method(method.clone()))
+                        }
+                        syn::Member::Unnamed(_) => cx.error(
+                            span_of(&expr),
+                            "`recover = self.<method>` names a method taking `&self`, e.g. \
+                             `recover = self.charge_happened`",
+                        ),
+                    }
                 }
                 _ => cx.error(
                     span_of(&expr),
                     "`recover` takes the path of an `async fn(&idempotent_runtime::Takeover) -> \
                      Result<idempotent_runtime::Recovery<T>, E>` (T and E this function's), e.g. \
-                     `recover = charge_happened`",
+                     `recover = charge_happened`, or `self.<method>` for such a method taking \
+                     `&self`",
                 ),
             },
             "crate" => match ungroup(&expr) {
@@ -378,7 +415,7 @@ fn example_for(name: &str) -> &'static str {
         "lease" => "`lease = \"30s\"`",
         "in_progress" => "`in_progress = wait(\"10s\")` or `in_progress = reject`",
         "errors" => "`errors = release`, `errors = record` or `errors = record_if(path::to::predicate)`",
-        "recover" => "`recover = path::to::hook`, an `async fn(&Takeover) -> Result<Recovery<T>, E>` asked before a takeover re-runs the body",
+        "recover" => "`recover = path::to::hook` (or `self.hook`, a method taking `&self`), an `async fn(&Takeover) -> Result<Recovery<T>, E>` asked before a takeover re-runs the body",
         "shared_scope" => "`shared_scope` (a flag, no value)",
         "crate" => "`crate = ::path::to::idempotent_runtime`",
         _ => "see the #[idempotent] documentation",

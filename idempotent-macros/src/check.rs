@@ -18,7 +18,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 use syn::ext::IdentExt;
 use syn::spanned::Spanned;
-use syn::{Expr, FnArg, Ident, LitStr, Pat, Path, ReturnType, Signature, Type};
+use syn::{Expr, FnArg, Ident, LitStr, Pat, ReturnType, Signature, Type};
 
 /// A parameter's name as Rust reads it: `r#amount` is `amount`. What the
 /// fingerprint and the registry name it by, so a raw spelling (which
@@ -47,8 +47,8 @@ pub(crate) struct Spec {
     pub lease: Duration,
     pub in_progress: InProgress,
     pub errors: Errors,
-    /// `recover = path`: asked before a takeover re-runs the body (rule 20).
-    pub recover: Option<Path>,
+    /// `recover = ...`: asked before a takeover re-runs the body (rule 20).
+    pub recover: Option<crate::attr::Recover>,
     /// `shared_scope`: the scope is claimed by several functions on purpose (rule 21).
     pub shared_scope: bool,
     pub krate: TokenStream,
@@ -429,6 +429,33 @@ fn signature(cx: &Ctxt, sig: &Signature) {
 /// argument was readable (errors, if any, are in `cx`).
 fn cross(cx: &Ctxt, attr: Attr, sig: &Signature, env: &Env) -> Option<Spec> {
     let params = params(sig);
+
+    // `recover = self.hook` calls the hook on the same `self` as the body:
+    // only a shared borrow can be used by both.
+    if let Some(crate::attr::Recover::Method(method)) = &attr.recover {
+        match sig.receiver() {
+            Some(r) if r.reference.is_some() && r.mutability.is_none() => {}
+            Some(r) => cx.error(
+                method.span(),
+                format!(
+                    "`recover = self.{method}` needs a method taking `&self`: the hook and the \
+                     body both use `self`, so it is borrowed for both; this one takes {}",
+                    if r.reference.is_some() {
+                        "`&mut self`"
+                    } else {
+                        "`self` by value"
+                    }
+                ),
+            ),
+            None => cx.error(
+                method.span(),
+                format!(
+                    "`recover = self.{method}` needs a method taking `&self`, and this function \
+                     has no `self`; name a free function instead (`recover = {method}`)"
+                ),
+            ),
+        }
+    }
 
     // `tenant = shared` with a parameter called `shared` would make the bare
     // word mean two things: refuse rather than silently merge tenants.

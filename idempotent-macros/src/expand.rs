@@ -162,8 +162,8 @@ pub(crate) fn generate(func: &MaybeItemFn, spec: &Spec) -> TokenStream {
     };
 
     let recover_name = match &spec.recover {
-        Some(p) => {
-            let text = attr::path_text(p);
+        Some(hook) => {
+            let text = hook.text();
             quote!(::core::option::Option::Some(#text))
         }
         None => quote!(::core::option::Option::None),
@@ -171,11 +171,19 @@ pub(crate) fn generate(func: &MaybeItemFn, spec: &Spec) -> TokenStream {
     let shared_scope = spec.shared_scope;
     let recover = match &spec.recover {
         None => quote!(#krate::__private::NoRecover),
-        Some(path) => {
+        Some(hook) => {
             // One binding, named with the attribute's span and used inside the
             // path's span, so it is the same name under any hygiene.
             let takeover = Ident::new("__idempotent_takeover", Span::call_site());
-            let ask = quote_spanned!(path.span()=> #path(&#takeover).await);
+            let ask = match hook {
+                attr::Recover::Function(path) => {
+                    quote_spanned!(path.span()=> #path(&#takeover).await)
+                }
+                // `self` is `&Self` (checked): the closure copies the reference.
+                attr::Recover::Method(method) => {
+                    quote_spanned!(method.span()=> self.#method(&#takeover).await)
+                }
+            };
             quote!(#krate::__private::RecoverWith(
                 move |#takeover: #krate::__private::Takeover| async move {
                     #krate::__private::recovery::<#ret>(#ask)

@@ -93,7 +93,9 @@ use proc_macro::TokenStream;
 ///   the body; `Err(e)` is handled by `errors = ...` (recorded, or, released,
 ///   the record is kept for the next takeover to ask again), and the body
 ///   does not run. It is never called on a fresh reservation, a replay or
-///   after a release. See `idempotent_runtime::recovery`.
+///   after a release. On a method taking `&self`, **`recover = self.hook`**
+///   calls `self.hook(&takeover)`: a method of the same value, which reaches
+///   the state the body uses. See `idempotent_runtime::recovery`.
 /// - **`shared_scope`** — a flag: this function claims its scope together
 ///   with others on purpose (rule 21), e.g. an HTTP handler and a queue
 ///   consumer that both process "refund order 8891" and must deduplicate

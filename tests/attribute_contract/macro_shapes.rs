@@ -515,6 +515,66 @@ async fn recover_hook_as_an_associated_function() {
     assert_eq!((v.unwrap(), o), ("k".to_owned(), Some(Outcome::Replayed)));
 }
 
+/// `recover = self.hook`: the hook is a method of the same service, so it
+/// reaches the state the body uses (here the gateway's ledger of charges).
+struct PaymentService {
+    store: MemoryStore,
+    /// Charges made, by key: the provider the hook asks.
+    charged: std::sync::Mutex<Vec<(String, u64)>>,
+}
+
+impl PaymentService {
+    async fn charge_happened(&self, t: &Takeover) -> Result<Recovery<u64>, Error> {
+        let charged = self.charged.lock().unwrap();
+        Ok(match charged.iter().find(|(key, _)| key == t.key()) {
+            Some((_, amount)) => Recovery::Completed(*amount),
+            None => Recovery::Run,
+        })
+    }
+
+    #[idempotent(scope = "shapes.recover_self", key = key, tenant = shared, store = self.store,
+                 recover = self.charge_happened)]
+    async fn charge(&self, key: &str, amount: u64) -> Result<u64, Error> {
+        self.charged.lock().unwrap().push((key.to_owned(), amount));
+        Ok(amount)
+    }
+}
+
+#[tokio::test]
+async fn recover_hook_as_a_method_of_the_same_service() {
+    let service = PaymentService {
+        store: MemoryStore::new(),
+        charged: Default::default(),
+    };
+    // An earlier attempt charged "k1" and died before recording; its lease
+    // runs out (the retry waits for it, no sleep here).
+    service.charged.lock().unwrap().push(("k1".to_owned(), 40));
+    for key in ["k1", "k2"] {
+        let identity = idempotent_runtime::Identity::shared("shapes.recover_self", key).unwrap();
+        crate::common::records::acquire(
+            &service.store,
+            &identity,
+            None,
+            Duration::from_millis(20),
+            Duration::from_secs(3600),
+        )
+        .await;
+    }
+    let (found, o) = with_outcome(service.charge("k1", 40)).await;
+    assert_eq!((found.unwrap(), o), (40, Some(Outcome::Recovered)));
+    let (ran, o) = with_outcome(service.charge("k2", 50)).await;
+    assert_eq!((ran.unwrap(), o), (50, Some(Outcome::Executed)));
+    assert_eq!(
+        *service.charged.lock().unwrap(),
+        [("k1".to_owned(), 40), ("k2".to_owned(), 50)],
+        "the hook's answer stood for the charge: none was made twice"
+    );
+    assert_eq!(
+        registered("shapes.recover_self").recover,
+        Some("self.charge_happened")
+    );
+}
+
 // ---- the registry
 fn registered(scope: &str) -> &'static ScopeInfo {
     registry::scopes()

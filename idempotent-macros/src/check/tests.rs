@@ -312,8 +312,34 @@ fn recover_and_shared_scope() {
     .unwrap();
     assert!(spec.shared_scope);
     assert_eq!(
-        spec.recover.as_ref().map(path_text).as_deref(),
+        spec.recover
+            .as_ref()
+            .map(crate::attr::Recover::text)
+            .as_deref(),
         Some("Self::charge_happened")
+    );
+    // A method of the same value, on a method taking `&self`.
+    let method = check(
+        quote!(
+            scope = "a",
+            key = key,
+            tenant = shared,
+            recover = self.charge_happened
+        ),
+        quote!(
+            async fn f(&self, key: &str) -> Result<u8, E> {
+                todo!()
+            }
+        ),
+    )
+    .unwrap();
+    assert_eq!(
+        method
+            .recover
+            .as_ref()
+            .map(crate::attr::Recover::text)
+            .as_deref(),
+        Some("self.charge_happened")
     );
     let spec = check(
         quote!(scope = "a", key = key, tenant = shared),
