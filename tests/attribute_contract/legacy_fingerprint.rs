@@ -52,6 +52,13 @@ async fn subscribe(
     Ok(topics.len())
 }
 
+/// The fingerprint the functions here make of their `topics` argument.
+fn fingerprint_of_topics(topics: &HashSet<u32, RandomState>) -> Fingerprint {
+    let mut b = idempotent_runtime::FingerprintBuilder::new();
+    b.argument("topics", topics);
+    b.finish().unwrap().unwrap()
+}
+
 fn topics() -> HashSet<u32, RandomState> {
     let mut s = HashSet::with_hasher(RandomState::new());
     s.extend(0..32);
@@ -176,11 +183,7 @@ async fn subscribe_once(
 #[tokio::test]
 async fn a_legacy_retry_that_meets_our_own_current_fingerprint_is_not_a_mismatch() {
     let topics = topics();
-    let current = {
-        let mut b = idempotent_runtime::FingerprintBuilder::new();
-        b.argument("topics", &topics);
-        b.finish().unwrap().unwrap()
-    };
+    let current = fingerprint_of_topics(&topics);
     let legacy = current.legacy().expect("a set has a legacy fingerprint");
     let store = Hooked::new(OldOwnerReplaced {
         old_owner: Mutex::new(None),
@@ -320,11 +323,7 @@ async fn subscribe_after_rival(
 #[tokio::test]
 async fn a_reread_tries_the_legacy_form_again() {
     let topics = topics();
-    let current = {
-        let mut b = idempotent_runtime::FingerprintBuilder::new();
-        b.argument("topics", &topics);
-        b.finish().unwrap().unwrap()
-    };
+    let current = fingerprint_of_topics(&topics);
     let legacy = current.legacy().expect("a set has a legacy fingerprint");
     let store = Hooked::new(RivalThenOldVersion {
         refusals: Mutex::new(0),
