@@ -670,9 +670,11 @@ pub async fn run(cli: Cli) -> Result<String, CliError> {
 }
 
 /// `release --end-lease`: the in-progress record is kept and its lease
-/// ended (fenced by the owner's token as read), so the next call takes it
-/// over at once and asks the scope's recover hook. Refused, as a release,
-/// for a complete record and (without `--even-if-running`) a live lease.
+/// ended, so the next call takes it over at once and asks the scope's
+/// recover hook. A lease that has run out needs nothing written (the next
+/// call takes the record over as it is); a live one is ended only with
+/// `--even-if-running`, fenced by the owner's token as read. Refused, as a
+/// release, for a complete record; every refusal is logged.
 async fn end_the_lease(
     store: &dyn Store,
     identity: &Identity,
@@ -680,64 +682,70 @@ async fn end_the_lease(
     even_if_running: bool,
     format: Format,
 ) -> Result<String, CliError> {
-    let refused = |why: String| CliError::ReleaseRefused {
-        scope: identity.scope.clone(),
-        key_digest: identity.key_digest(),
-        why,
+    let refused = |why: String| {
+        tracing::warn!(target: "idempotent::operator", store = store.name(),
+            scope = %identity.scope, key = %identity.key_digest(), reason = %reason, why = %why,
+            "an operator's release --end-lease was refused");
+        CliError::ReleaseRefused {
+            scope: identity.scope.clone(),
+            key_digest: identity.key_digest(),
+            why,
+        }
     };
-    let read = || async {
-        store
-            .fetch(identity)
-            .await
-            .map_err(crate::Error::from)?
-            .filter(|snapshot| !snapshot.is_expired())
-            .ok_or_else(|| no_record(identity))
-    };
-    let before = read().await?;
-    let lease_remaining = before
+    let snapshot = store
+        .fetch(identity)
+        .await
+        .map_err(crate::Error::from)?
+        .filter(|snapshot| !snapshot.is_expired())
+        .ok_or_else(|| no_record(identity))?;
+    let lease_remaining = snapshot
         .lease_expires_at_ms
-        .map_or(0, |ends| ends.saturating_sub(before.now_ms));
-    let token =
-        match (&before.state, &before.owner_token) {
+        .map_or(0, |ends| ends.saturating_sub(snapshot.now_ms).max(0));
+    let ended_now =
+        match (&snapshot.state, &snapshot.owner_token) {
             (RecordState::Complete, _) => return Err(refused(
                 "the record is complete: its recorded result is the answer for this key; there \
                  is no lease to end"
                     .to_owned(),
             )),
-            (RecordState::InProgress, _) if lease_remaining > 0 && !even_if_running => {
+            // Nothing to write: the next call takes the record over as it is.
+            (RecordState::InProgress, _) if lease_remaining == 0 => false,
+            (RecordState::InProgress, _) if !even_if_running => {
                 return Err(refused(format!(
                     "its owner's lease is live for another {}: the owner may be running the body \
-                 right now. Wait until the lease runs out, or pass --even-if-running if you know \
-                 the owner is gone",
+                 right now. Wait until the lease runs out (the next call then takes the record \
+                 over and asks the hook, with nothing to release), or pass --even-if-running if \
+                 you know the owner is gone",
                     crate::registry::human(crate::store::millis_to_duration(lease_remaining))
                 )))
             }
-            (RecordState::InProgress, Some(token)) => crate::OwnerToken::from_stored(token.clone()),
+            (RecordState::InProgress, Some(token)) => {
+                let token = crate::OwnerToken::from_stored(token.clone());
+                match store.heartbeat(identity, &token, Duration::ZERO).await {
+                    Ok(crate::store::Fenced::Written) => true,
+                    Ok(crate::store::Fenced::NotOwner) => return Err(refused(
+                        "the record changed meanwhile: its owner finished, or another call took \
+                         it over; `idempotent inspect` shows it now"
+                            .to_owned(),
+                    )),
+                    Err(e) => return Err(crate::Error::from(e).into()),
+                }
+            }
             (RecordState::InProgress, None) => {
                 return Err(refused(
                     "the record has no owner token to end its lease with".to_owned(),
                 ))
             }
         };
-    store.end_lease_detached(identity.clone(), token);
-    store.finish_background_work(Duration::from_secs(10)).await;
-    let after = read().await?;
-    let ended = after.state == RecordState::InProgress
-        && after.owner_token == before.owner_token
-        && after
-            .lease_expires_at_ms
-            .is_none_or(|ends| ends <= after.now_ms);
-    if !ended {
-        return Err(refused(
-            "the lease could not be ended: the record changed meanwhile (its owner finished, or \
-             another call took it over), or the store does not end leases; `idempotent inspect` \
-             shows it now"
-                .to_owned(),
-        ));
-    }
+    let what = if ended_now {
+        "ended the lease of"
+    } else {
+        "found the lease already over on"
+    };
     tracing::warn!(target: "idempotent::operator", store = store.name(),
-        scope = %identity.scope, key = %identity.key_digest(), attempt = after.attempt, reason = %reason,
-        "an operator ended the lease of an in-progress record; the next call takes it over and asks its recover hook");
+        scope = %identity.scope, key = %identity.key_digest(), attempt = snapshot.attempt,
+        reason = %reason, ended_now,
+        "an operator's release --end-lease: the next call takes the record over and asks its recover hook");
     Ok(match format {
         Format::Json => crate::registry::to_json(&serde_json::json!({
             "store": store.name(),
@@ -745,18 +753,19 @@ async fn end_the_lease(
             "key_digest": identity.key_digest(),
             "released": false,
             "lease_ended": true,
-            "attempt": after.attempt,
+            "ended_now": ended_now,
+            "attempt": snapshot.attempt,
             "reason": reason,
         })),
         Format::Table => format!(
-            "ended the lease of the in-progress record (store {}, scope `{}`, key digest {}, \
-             attempt {}); the next call with this key takes it over as attempt {} and asks the \
-             scope's recover hook\nreason: {reason}\n",
+            "{what} the in-progress record (store {}, scope `{}`, key digest {}, attempt {}); \
+             the next call with this key takes it over as attempt {} and asks the scope's \
+             recover hook\nreason: {reason}\n",
             store.name(),
             identity.scope,
             identity.key_digest(),
-            after.attempt,
-            after.attempt.saturating_add(1),
+            snapshot.attempt,
+            snapshot.attempt.saturating_add(1),
         ),
     })
 }

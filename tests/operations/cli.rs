@@ -917,6 +917,36 @@ async fn inspect_and_release_on(url: &str, store: &dyn Store) {
         "the next call takes the record over at once: {next:?}"
     );
 
+    // A lease that has run out needs nothing written: the next call takes
+    // the record over as it is (ending it again would race with an owner
+    // that renews it just then).
+    let before = store.fetch(&stuck).await.expect("fetch").expect("stuck");
+    let out = run_from(args(
+        "release",
+        "stuck-key",
+        &["--reason", "INC-6", "--end-lease"],
+    ))
+    .await
+    .unwrap_or_else(|e| panic!("release --end-lease of a stuck record on {url}: {e}"));
+    assert!(
+        out.contains("already over") && out.contains("as attempt 3"),
+        "{out}"
+    );
+    let after = store.fetch(&stuck).await.expect("fetch").expect("stuck");
+    assert_eq!(
+        (
+            after.lease_expires_at_ms,
+            after.expires_at_ms,
+            after.owner_token
+        ),
+        (
+            before.lease_expires_at_ms,
+            before.expires_at_ms,
+            before.owner_token
+        ),
+        "nothing written"
+    );
+
     // The stuck record is released; the reason is printed.
     let out = run_from(args(
         "release",
