@@ -673,7 +673,8 @@ where
         // next call takes it over at once and asks the hook again. Releasing
         // it would let a retry run the body blind; leaving it (as this did)
         // refused every retry for the rest of a renewed lease.
-        let answer = run_with_heartbeat(store, spec, &identity, &token, spec.lease, hook).await;
+        let (answer, _) =
+            run_with_heartbeat(store, spec, &identity, &token, spec.lease, hook).await;
         let answered = match answer {
             Err(panic) => {
                 end_lease_logged(store, &identity, &token).await;
@@ -744,7 +745,8 @@ where
     } else {
         reserved_at
     };
-    let ran = run_with_heartbeat(store, spec, &identity, &token, spec.lease, body).await;
+    let (ran, lease_watch) =
+        run_with_heartbeat(store, spec, &identity, &token, spec.lease, body).await;
     let result = match ran {
         Ok(r) => r.into_result(),
         Err(panic) => {
@@ -762,11 +764,13 @@ where
     // The body answered: from here on the record is released or recorded
     // as the answer says (rule 13), also if this call is dropped meanwhile.
     guard.keep_for_takeover = false;
+    let ended = Instant::now();
     crate::metrics::body_time(
         spec.scope,
         if result.is_ok() { "ok" } else { "err" },
-        running.elapsed(),
+        ended.saturating_duration_since(running),
     );
+    lease_watch.note_if_lapsed(spec, &identity, ended);
     METRICS.executed.fetch_add(1, Ordering::Relaxed);
     report(Outcome::Executed);
     let mut sink = StoreSink {
@@ -1701,6 +1705,34 @@ async fn release(store: &dyn Store, guard: &FinishOnDrop<'_>) {
 
 type PanicPayload = Box<dyn std::any::Any + Send + 'static>;
 
+/// What the heartbeat knows of the lease when the body ends (see
+/// [`LeaseWatch::note_if_lapsed`]).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct LeaseWatch {
+    /// When the lease was last written: the body's start, then the sending
+    /// of each renewal that was written.
+    renewed_at: Instant,
+    /// A lapse was noted since then.
+    noted: bool,
+}
+
+impl LeaseWatch {
+    /// Notes a lapse the heartbeat could not see: the body ended (at `ended`)
+    /// a lease or more after the lease was last written, without a renewal
+    /// sent in between (it blocked its thread, then returned).
+    pub(crate) fn note_if_lapsed(
+        self,
+        spec: &'static ScopeInfo,
+        identity: &Identity,
+        ended: Instant,
+    ) {
+        let since = ended.saturating_duration_since(self.renewed_at);
+        if !self.noted && since >= spec.lease {
+            note_lapse(spec, identity, since, spec.lease);
+        }
+    }
+}
+
 /// Polls the body and, on the same task, renews the lease every `lease / 3`.
 /// Nothing is spawned: when this future stops being polled, renewal stops too.
 async fn run_with_heartbeat<R, Fut: Future<Output = R>>(
@@ -1710,7 +1742,7 @@ async fn run_with_heartbeat<R, Fut: Future<Output = R>>(
     token: &OwnerToken,
     lease: Duration,
     body: Fut,
-) -> Result<R, PanicPayload> {
+) -> (Result<R, PanicPayload>, LeaseWatch) {
     let period = (lease / 3).max(Duration::from_millis(1));
     // The first renewal is due a period after the body starts, whatever its
     // first poll costs: a first poll that blocks for most of the lease finds
@@ -1741,7 +1773,7 @@ async fn run_with_heartbeat<R, Fut: Future<Output = R>>(
     let mut beat_sent = renewed_at;
     let mut late_sent = renewed_at;
     let mut lapse_noted = false;
-    std::future::poll_fn(|cx| {
+    let out = std::future::poll_fn(|cx| {
         if let Poll::Ready(out) = body.as_mut().poll(cx) {
             return Poll::Ready(out);
         }
@@ -1753,8 +1785,8 @@ async fn run_with_heartbeat<R, Fut: Future<Output = R>>(
                 late = None;
                 // Its failure was counted when it ran late; a success or a
                 // lost lease still counts.
-                if matches!(result, Ok(Fenced::Written)) {
-                    renewed_at = renewed_at.max(late_sent);
+                if matches!(result, Ok(Fenced::Written)) && late_sent > renewed_at {
+                    renewed_at = late_sent;
                     lapse_noted = false;
                 }
                 if result.is_ok() {
@@ -1764,16 +1796,18 @@ async fn run_with_heartbeat<R, Fut: Future<Output = R>>(
             if let Some(f) = beat.as_mut() {
                 if let Poll::Ready(result) = f.as_mut().poll(cx) {
                     beat = None;
-                    if matches!(result, Ok(Fenced::Written)) {
-                        renewed_at = renewed_at.max(beat_sent);
+                    if matches!(result, Ok(Fenced::Written)) && beat_sent > renewed_at {
+                        renewed_at = beat_sent;
                         lapse_noted = false;
                     }
                     let failed = result.is_err();
                     lost |= note_heartbeat(spec, identity, result);
                     // A renewal that failed is tried again soon: the lease is
-                    // still running out.
+                    // still running out. Counted from when it was sent, not
+                    // from when its answer is seen (a body that blocked the
+                    // thread meanwhile would push the next one past the lease).
                     let next = if failed { period / 4 } else { period };
-                    timer.as_mut().reset(Instant::now() + next);
+                    timer.as_mut().reset(beat_sent + next);
                 } else {
                     let due = beat_due.get_or_insert_with(|| Box::pin(tokio::time::sleep(period)));
                     if due.as_mut().poll(cx).is_pending() {
@@ -1806,9 +1840,15 @@ async fn run_with_heartbeat<R, Fut: Future<Output = R>>(
                 return Poll::Pending;
             }
             beat_sent = Instant::now();
-            if !lapse_noted && beat_sent.duration_since(renewed_at) >= lease {
+            // A late renewal still in flight may have been written already.
+            let newest = if late.is_some() {
+                renewed_at.max(late_sent)
+            } else {
+                renewed_at
+            };
+            if !lapse_noted && beat_sent.duration_since(newest) >= lease {
                 lapse_noted = true;
-                note_lapse(spec, identity, beat_sent.duration_since(renewed_at), lease);
+                note_lapse(spec, identity, beat_sent.duration_since(newest), lease);
             }
             beat = Some(store.heartbeat(identity, token, lease));
             match beat_due.as_mut() {
@@ -1817,7 +1857,14 @@ async fn run_with_heartbeat<R, Fut: Future<Output = R>>(
             }
         }
     })
-    .await
+    .await;
+    (
+        out,
+        LeaseWatch {
+            renewed_at,
+            noted: lapse_noted,
+        },
+    )
 }
 
 /// Counts and logs a lease that ran out while the body ran, because no

@@ -15,7 +15,7 @@
 //! |---|---|---|---|
 //! | `idempotent_calls_total` | counter | `scope`, `outcome` | calls, by what the caller got (below) |
 //! | `idempotent_takeovers_total` | counter | `scope`, `attempt` | takeovers of an expired lease (rule 20); `attempt` is `2`, `3`, `4` or `5+` |
-//! | `idempotent_heartbeat_failures_total` | counter | `scope` | lease renewals that failed (store error, or the lease was lost) |
+//! | `idempotent_heartbeat_failures_total` | counter | `scope` | lease renewals that failed (store error, or the lease was lost), and leases that lapsed before they were renewed (the body blocked its thread) |
 //! | `idempotent_purged_total` | counter | `store` | expired records deleted by purges |
 //! | `idempotent_release_failures_total` | counter | `store` | dropped calls whose record could not be finished: released, recorded (the body had answered) or its lease ended |
 //! | `idempotent_reserve_duration_seconds` | histogram | `scope`, `outcome` | how long the reservation took, waits for a running duplicate included |

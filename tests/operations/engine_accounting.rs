@@ -213,6 +213,39 @@ async fn blocks_its_thread(store: &Counting, tenant: &str, key: &str) -> Result<
     Ok(1)
 }
 
+#[idempotent(scope = "accounting.blocking_returns", key = key, tenant = tenant, store = store,
+             lease = "30ms")]
+async fn blocks_its_thread_then_returns(
+    store: &Counting,
+    tenant: &str,
+    key: &str,
+) -> Result<u64, Error> {
+    // No await at all: no renewal is ever sent.
+    std::thread::sleep(Duration::from_millis(150));
+    Ok(1)
+}
+
+/// The same lapse when the body returns straight after blocking: no renewal
+/// is sent to notice it, so the end of the body does.
+#[tokio::test]
+async fn a_lease_that_lapsed_before_the_body_returned_is_logged() {
+    let logs = capture_logs();
+    let store = Counting::new();
+    let tenant = format!("t-{}", uuid::Uuid::new_v4().simple());
+    blocks_its_thread_then_returns(&store, &tenant, "blocked")
+        .await
+        .unwrap();
+    let digest = Identity::new(tenant.as_str(), "accounting.blocking_returns", "blocked")
+        .unwrap()
+        .key_digest();
+    let text = logs.lock().unwrap().clone();
+    assert!(
+        text.lines()
+            .any(|line| line.contains("lease lapsed") && line.contains(digest.as_str())),
+        "the lapse is logged:\n{text}"
+    );
+}
+
 /// Rule 9: a heartbeat that could not renew in time is visible. A body that
 /// blocks its thread stops its own heartbeat (it is driven by the call's
 /// future); when the overdue renewal is finally sent, the lease had already
