@@ -92,8 +92,12 @@ pub enum Recover {
     Function(Path),
     /// `recover = self.hook`: called as `self.hook(&takeover)`, on a method
     /// taking `&self` (the hook reaches the same state as the body, e.g. a
-    /// gateway client held by the service).
-    Method(Ident),
+    /// gateway client held by the service). `receiver` is the method's own
+    /// `self` (set by the checks), so the call resolves with its hygiene.
+    Method {
+        method: Ident,
+        receiver: Option<Token![self]>,
+    },
 }
 
 impl Recover {
@@ -101,7 +105,7 @@ impl Recover {
     pub fn text(&self) -> String {
         match self {
             Recover::Function(path) => path_text(path),
-            Recover::Method(method) => format!("self.{method}"),
+            Recover::Method { method, .. } => format!("self.{method}"),
         }
     }
 }
@@ -364,7 +368,10 @@ pub(crate) fn parse(cx: &Ctxt, tokens: TokenStream, span: Span) -> Attr {
                 {
                     match &f.member {
                         syn::Member::Named(method) => {
-                            attr.recover = Some(Recover::Method(method.clone()))
+                            attr.recover = Some(Recover::Method {
+                                method: method.clone(),
+                                receiver: None,
+                            })
                         }
                         syn::Member::Unnamed(_) => cx.error(
                             span_of(&expr),

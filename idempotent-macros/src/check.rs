@@ -159,6 +159,32 @@ struct Param {
     is_wildcard: bool,
 }
 
+/// A receiver both a `recover = self.hook` call and the body can use: a
+/// shared borrow (`&self`, `self: &Self`, `self: &Arc<Self>`) or a pinned one
+/// (`self: Pin<&Self>`).
+fn shared_borrow(r: &syn::Receiver) -> bool {
+    fn shared_ref(ty: &Type) -> bool {
+        match ty {
+            Type::Reference(reference) => reference.mutability.is_none(),
+            Type::Group(g) => shared_ref(&g.elem),
+            Type::Paren(p) => shared_ref(&p.elem),
+            Type::Path(p) => p.qself.is_none()
+                && p.path.segments.last().is_some_and(|last| {
+                    last.ident == "Pin"
+                        && matches!(&last.arguments, syn::PathArguments::AngleBracketed(a)
+                            if a.args.len() == 1
+                                && matches!(&a.args[0], syn::GenericArgument::Type(t) if shared_ref(t)))
+                }),
+            _ => false,
+        }
+    }
+    match r.colon_token {
+        // `self: T`: what T is.
+        Some(_) => shared_ref(&r.ty),
+        None => r.reference.is_some() && r.mutability.is_none(),
+    }
+}
+
 fn params(sig: &Signature) -> Vec<Param> {
     sig.inputs
         .iter()
@@ -432,21 +458,35 @@ fn cross(cx: &Ctxt, attr: Attr, sig: &Signature, env: &Env) -> Option<Spec> {
 
     // `recover = self.hook` calls the hook on the same `self` as the body:
     // only a shared borrow can be used by both.
-    if let Some(crate::attr::Recover::Method(method)) = &attr.recover {
+    let mut attr = attr;
+    if let Some(crate::attr::Recover::Method { method, receiver }) = &mut attr.recover {
         match sig.receiver() {
-            Some(r) if r.reference.is_some() && r.mutability.is_none() => {}
-            Some(r) => cx.error(
-                method.span(),
-                format!(
-                    "`recover = self.{method}` needs a method taking `&self`: the hook and the \
-                     body both use `self`, so it is borrowed for both; this one takes {}",
-                    if r.reference.is_some() {
-                        "`&mut self`"
-                    } else {
-                        "`self` by value"
+            Some(r) if shared_borrow(r) => *receiver = Some(r.self_token),
+            Some(r) => {
+                let ty = &r.ty;
+                let takes = match r.colon_token {
+                    Some(_) => format!(
+                        "`self: {}`",
+                        quote::ToTokens::to_token_stream(ty)
+                            .to_string()
+                            .replace(" < ", "<")
+                            .replace(" >", ">")
+                            .replace("& ", "&")
+                    ),
+                    None if r.mutability.is_some() && r.reference.is_some() => {
+                        "`&mut self`".to_owned()
                     }
-                ),
-            ),
+                    None => "`self` by value".to_owned(),
+                };
+                cx.error(
+                    method.span(),
+                    format!(
+                        "`recover = self.{method}` needs a method taking `&self`: the hook and \
+                         the body both use `self`, so it is borrowed for both; this one takes \
+                         {takes}"
+                    ),
+                )
+            }
             None => cx.error(
                 method.span(),
                 format!(

@@ -180,8 +180,14 @@ pub(crate) fn generate(func: &MaybeItemFn, spec: &Spec) -> TokenStream {
                     quote_spanned!(path.span()=> #path(&#takeover).await)
                 }
                 // `self` is `&Self` (checked): the closure copies the reference.
-                attr::Recover::Method(method) => {
-                    quote_spanned!(method.span()=> self.#method(&#takeover).await)
+                attr::Recover::Method { method, receiver } => {
+                    // The method's own `self`, so the call resolves as the
+                    // body's does (also when a macro wrote the method).
+                    let receiver = receiver.map_or_else(
+                        || quote!(self),
+                        |token| quote::ToTokens::to_token_stream(&token),
+                    );
+                    quote_spanned!(method.span()=> #receiver.#method(&#takeover).await)
                 }
             };
             quote!(#krate::__private::RecoverWith(

@@ -540,6 +540,36 @@ impl PaymentService {
     }
 }
 
+impl PaymentService {
+    // A typed shared receiver takes a method hook as `&self` does.
+    #[allow(clippy::needless_arbitrary_self_type)]
+    #[idempotent(scope = "shapes.recover_self_typed", key = key, tenant = shared,
+                 store = self.store, recover = self.charge_happened)]
+    async fn charge_typed(self: &Self, key: &str, amount: u64) -> Result<u64, Error> {
+        Ok(amount)
+    }
+}
+
+/// A method a `macro_rules!` writes, whose hook name comes from the macro's
+/// caller: the call uses the method's own `self`, so it resolves.
+macro_rules! charging_method {
+    ($name:ident, $scope:literal, $hook:ident) => {
+        impl PaymentService {
+            #[idempotent(scope = $scope, key = key, tenant = shared, store = self.store,
+                                         recover = self.$hook)]
+            async fn $name(&self, key: &str, amount: u64) -> Result<u64, Error> {
+                Ok(amount)
+            }
+        }
+    };
+}
+
+charging_method!(
+    charge_by_macro,
+    "shapes.recover_self_macro",
+    charge_happened
+);
+
 #[tokio::test]
 async fn recover_hook_as_a_method_of_the_same_service() {
     let service = PaymentService {
@@ -573,6 +603,8 @@ async fn recover_hook_as_a_method_of_the_same_service() {
         registered("shapes.recover_self").recover,
         Some("self.charge_happened")
     );
+    assert_eq!(service.charge_typed("k3", 60).await.unwrap(), 60);
+    assert_eq!(service.charge_by_macro("k4", 70).await.unwrap(), 70);
 }
 
 // ---- the registry

@@ -21,6 +21,12 @@ impl Payments {
         Ok(1)
     }
 
+    #[idempotent(scope = "payments.void", key = key, tenant = shared, store = self.store,
+                 recover = self.charge_happened)]
+    async fn void(self: Box<Self>, key: &str) -> Result<u8, Error> {
+        Ok(1)
+    }
+
     #[idempotent(scope = "payments.capture", key = key, tenant = shared, store = self.store,
                  recover = self.0)]
     async fn capture(&self, key: &str) -> Result<u8, Error> {
