@@ -704,3 +704,55 @@ async fn the_layer_asks_its_recover_hook_on_a_takeover() {
         "asked once per takeover, never on a replay"
     );
 }
+
+/// A layer that records 5xx answers (`.record_server_errors(true)`) never
+/// records the framework's own "retry later" answers a handler gives with
+/// `?`: a store that could not be reached (503) or a lost lease (500) say the
+/// request was not answered, and recorded they were replayed to every retry
+/// for the record's ttl.
+#[tokio::test]
+async fn a_layer_recording_5xx_never_records_a_store_outage_or_a_lost_lease() {
+    for (scope, error) in [
+        (
+            "edges.rec5xx_store",
+            (|| {
+                idempotent_runtime::Error::Store(idempotent_runtime::StoreError::new(
+                    "postgres",
+                    "reserve",
+                    "connection refused",
+                ))
+            }) as fn() -> idempotent_runtime::Error,
+        ),
+        ("edges.rec5xx_lease", || {
+            idempotent_runtime::Error::LeaseLost(idempotent_runtime::RecordContext {
+                scope: "inner.call".into(),
+                key_digest: "0".into(),
+            })
+        }),
+    ] {
+        let layer = IdempotencyLayer::builder(scope, MemoryStore::new())
+            .tenant_from_extension::<AccountId>()
+            .record_server_errors(true)
+            .build()
+            .expect("layer");
+        let (base, calls, _task) =
+            counting_route("/charges", layer, move || error().into_response()).await;
+        let tenant = fresh_tenant();
+        for attempt in 1..=2 {
+            let r = reqwest::Client::new()
+                .post(format!("{base}/charges"))
+                .header("x-account-id", &tenant)
+                .header("idempotency-key", "k")
+                .send()
+                .await
+                .expect("request");
+            assert!(r.status().is_server_error(), "{scope}");
+            assert_eq!(r.headers()["retry-after"], "1", "{scope}");
+            assert!(
+                r.headers().get("idempotent-replayed").is_none(),
+                "{scope}: attempt {attempt} was not a replay"
+            );
+        }
+        assert_eq!(calls.load(Ordering::SeqCst), 2, "{scope}: the retry ran");
+    }
+}

@@ -188,9 +188,9 @@ pub fn retry_after_secs(d: Duration) -> u64 {
 /// | `InvalidKey`, `InvalidTenant` | 400 |
 /// | `FingerprintMismatch` | 422 |
 /// | `InProgress` | 409 + `Retry-After` (whole seconds, ≥ 1) |
-/// | `Store` | 503 |
-/// | `StaleSnapshot`, `RecordedByNewerVersion` | 503 + `Retry-After: 1` |
-/// | everything else (`LeaseLost`, `ResultTooLarge`, `NoDefaultStore`, ...) | 500 |
+/// | `Store`, `StaleSnapshot`, `RecordedByNewerVersion` | 503 + `Retry-After: 1` |
+/// | `LeaseLost` | 500 + `Retry-After: 1` |
+/// | everything else (`ResultTooLarge`, `NoDefaultStore`, ...) | 500 |
 ///
 /// The detail of a 5xx does not repeat server internals (database messages):
 /// those are logged, not sent to the client.
@@ -253,13 +253,19 @@ pub fn problem_for(error: &Error) -> Problem {
             p.retry_after = Some(1);
             p
         }
-        Error::Store(_) => Problem::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            STORE_UNAVAILABLE,
-            "Idempotency store unavailable",
-            "The server could not reach its idempotency store, so the request was not \
-             processed safely. Retry later with the same Idempotency-Key.",
-        ),
+        // Not final (a retry is answered): never recorded, also by a layer
+        // that records 5xx answers, when a handler answers it with `?`.
+        Error::Store(_) => {
+            let mut p = Problem::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                STORE_UNAVAILABLE,
+                "Idempotency store unavailable",
+                "The server could not reach its idempotency store, so the request was not \
+                 processed safely. Retry later with the same Idempotency-Key.",
+            );
+            p.retry_after = Some(1);
+            p
+        }
         // The server's transaction could not take the record (another
         // request with this key may hold it, or held it just now): nothing
         // ran, and a new transaction can.
@@ -275,14 +281,18 @@ pub fn problem_for(error: &Error) -> Problem {
             p.retry_after = Some(1);
             p
         }
-        Error::LeaseLost(_) => Problem::new(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            LEASE_LOST,
-            "Answer not recorded",
-            "The request ran for longer than its lease and another attempt took it over, so this \
-             answer was not recorded. Retry with the same Idempotency-Key to get the recorded \
-             answer.",
-        ),
+        Error::LeaseLost(_) => {
+            let mut p = Problem::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                LEASE_LOST,
+                "Answer not recorded",
+                "The request ran for longer than its lease and another attempt took it over, so \
+                 this answer was not recorded. Retry with the same Idempotency-Key to get the \
+                 recorded answer.",
+            );
+            p.retry_after = Some(1);
+            p
+        }
         Error::ResultEncoding { .. }
         | Error::ResultTooLarge { .. }
         | Error::ResultNotFaithful { .. } => Problem::new(
@@ -359,6 +369,10 @@ mod tests {
             context: context(),
             version: "v9".into(),
         }));
+        assert!(not_final(Error::Store(crate::StoreError::new(
+            "postgres", "reserve", "down"
+        ))));
+        assert!(not_final(Error::LeaseLost(context())));
         assert!(!not_final(Error::FingerprintMismatch(context())));
         assert!(!not_final(Error::InvalidKey(crate::KeyProblem::Empty)));
     }
