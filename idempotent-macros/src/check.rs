@@ -469,6 +469,7 @@ fn cross(cx: &Ctxt, attr: Attr, sig: &Signature, env: &Env) -> Option<Spec> {
                         "`self: {}`",
                         quote::ToTokens::to_token_stream(ty)
                             .to_string()
+                            .replace(" :: ", "::")
                             .replace(" < ", "<")
                             .replace(" >", ">")
                             .replace("& ", "&")

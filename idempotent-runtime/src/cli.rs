@@ -708,8 +708,10 @@ async fn end_the_lease(
                  is no lease to end"
                     .to_owned(),
             )),
-            // Nothing to write: the next call takes the record over as it is.
-            (RecordState::InProgress, _) if lease_remaining == 0 => false,
+            // Nothing to write: the next call takes the record over as it is
+            // (with --even-if-running it is ended all the same, so an owner
+            // that was only slow cannot renew it back).
+            (RecordState::InProgress, _) if lease_remaining == 0 && !even_if_running => false,
             (RecordState::InProgress, _) if !even_if_running => {
                 return Err(refused(format!(
                     "its owner's lease is live for another {}: the owner may be running the body \
@@ -721,14 +723,28 @@ async fn end_the_lease(
             }
             (RecordState::InProgress, Some(token)) => {
                 let token = crate::OwnerToken::from_stored(token.clone());
-                match store.heartbeat(identity, &token, Duration::ZERO).await {
-                    Ok(crate::store::Fenced::Written) => true,
-                    Ok(crate::store::Fenced::NotOwner) => return Err(refused(
+                // Bounded: a transaction holding the record (a
+                // transactional-mode call) would hold the statement for as
+                // long as it lasts.
+                let within = Duration::from_secs(10);
+                let ended =
+                    tokio::time::timeout(within, store.heartbeat(identity, &token, Duration::ZERO));
+                match ended.await {
+                    Err(_) => {
+                        return Err(refused(format!(
+                            "the lease could not be ended within {}: a transaction may hold the \
+                             record (a transactional-mode call in progress); `idempotent \
+                             inspect` shows it, retry once that transaction has ended",
+                            crate::registry::human(within)
+                        )))
+                    }
+                    Ok(Ok(crate::store::Fenced::Written)) => true,
+                    Ok(Ok(crate::store::Fenced::NotOwner)) => return Err(refused(
                         "the record changed meanwhile: its owner finished, or another call took \
                          it over; `idempotent inspect` shows it now"
                             .to_owned(),
                     )),
-                    Err(e) => return Err(crate::Error::from(e).into()),
+                    Ok(Err(e)) => return Err(crate::Error::from(e).into()),
                 }
             }
             (RecordState::InProgress, None) => {

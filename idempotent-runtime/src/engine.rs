@@ -1858,11 +1858,20 @@ async fn run_with_heartbeat<R, Fut: Future<Output = R>>(
         }
     })
     .await;
+    // A renewal still in flight may have been written already; after a lost
+    // lease there is nothing more to say.
+    let in_flight = [
+        beat.is_some().then_some(beat_sent),
+        late.is_some().then_some(late_sent),
+    ];
     (
         out,
         LeaseWatch {
-            renewed_at,
-            noted: lapse_noted,
+            renewed_at: in_flight
+                .into_iter()
+                .flatten()
+                .fold(renewed_at, Instant::max),
+            noted: lapse_noted || lost,
         },
     )
 }

@@ -555,8 +555,7 @@ impl PaymentService {
 macro_rules! charging_method {
     ($name:ident, $scope:literal, $hook:ident) => {
         impl PaymentService {
-            #[idempotent(scope = $scope, key = key, tenant = shared, store = self.store,
-                                                                 recover = self.$hook)]
+            #[idempotent(scope = $scope, key = key, tenant = shared, store = self.store, recover = self.$hook)]
             async fn $name(&self, key: &str, amount: u64) -> Result<u64, Error> {
                 Ok(amount)
             }

@@ -27,6 +27,8 @@ struct Counting {
     inner: MemoryStore,
     calls: Calls,
     fail_heartbeats: AtomicBool,
+    /// Renewals answer that another caller owns the record.
+    heartbeats_lose: AtomicBool,
     fail_releases: AtomicBool,
     detached_releases: AtomicUsize,
 }
@@ -37,6 +39,7 @@ impl Counting {
             inner: MemoryStore::new(),
             calls: Calls::default(),
             fail_heartbeats: AtomicBool::new(false),
+            heartbeats_lose: AtomicBool::new(false),
             fail_releases: AtomicBool::new(false),
             detached_releases: AtomicUsize::new(0),
         }
@@ -76,6 +79,9 @@ impl Store for Counting {
         self.calls.heartbeat.fetch_add(1, Ordering::SeqCst);
         if self.fail_heartbeats.load(Ordering::SeqCst) {
             return Err(StoreError::new("counting", "heartbeat", "injected failure"));
+        }
+        if self.heartbeats_lose.load(Ordering::SeqCst) {
+            return Ok(Fenced::NotOwner);
         }
         self.inner.heartbeat(i, t, lease).await
     }
@@ -223,6 +229,43 @@ async fn blocks_its_thread_then_returns(
     // No await at all: no renewal is ever sent.
     std::thread::sleep(Duration::from_millis(150));
     Ok(1)
+}
+
+#[idempotent(scope = "accounting.lost_then_runs", key = key, tenant = tenant, store = store,
+             lease = "30ms")]
+async fn runs_on_after_losing(store: &Counting, tenant: &str, key: &str) -> Result<u64, Error> {
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    Ok(1)
+}
+
+/// A lease lost to another caller is reported as lost, once: the renewals
+/// stop, and the body that goes on running (without blocking) is not then
+/// reported as having blocked its thread.
+#[tokio::test]
+async fn a_lost_lease_is_not_also_reported_as_a_lapse() {
+    let logs = capture_logs();
+    let store = Counting::new();
+    store.heartbeats_lose.store(true, Ordering::SeqCst);
+    let tenant = format!("t-{}", uuid::Uuid::new_v4().simple());
+    // (The wrapped store still holds the record as ours, so the completion
+    // is written: only the renewals said it was lost.)
+    runs_on_after_losing(&store, &tenant, "lost").await.unwrap();
+    let digest = Identity::new(tenant.as_str(), "accounting.lost_then_runs", "lost")
+        .unwrap()
+        .key_digest();
+    let text = logs.lock().unwrap().clone();
+    let ours: Vec<&str> = text
+        .lines()
+        .filter(|l| l.contains(digest.as_str()))
+        .collect();
+    assert!(
+        ours.iter().any(|l| l.contains("lease was lost")),
+        "{ours:#?}"
+    );
+    assert!(
+        !ours.iter().any(|l| l.contains("lease lapsed")),
+        "{ours:#?}"
+    );
 }
 
 /// The same lapse when the body returns straight after blocking: no renewal
