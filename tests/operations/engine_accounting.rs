@@ -250,14 +250,7 @@ async fn a_lost_lease_is_not_also_reported_as_a_lapse() {
     // (The wrapped store still holds the record as ours, so the completion
     // is written: only the renewals said it was lost.)
     runs_on_after_losing(&store, &tenant, "lost").await.unwrap();
-    let digest = Identity::new(tenant.as_str(), "accounting.lost_then_runs", "lost")
-        .unwrap()
-        .key_digest();
-    let text = logs.lock().unwrap().clone();
-    let ours: Vec<&str> = text
-        .lines()
-        .filter(|l| l.contains(digest.as_str()))
-        .collect();
+    let ours = lines_about(&logs, &tenant, "accounting.lost_then_runs", "lost");
     assert!(
         ours.iter().any(|l| l.contains("lease was lost")),
         "{ours:#?}"
@@ -278,14 +271,10 @@ async fn a_lease_that_lapsed_before_the_body_returned_is_logged() {
     blocks_its_thread_then_returns(&store, &tenant, "blocked")
         .await
         .unwrap();
-    let digest = Identity::new(tenant.as_str(), "accounting.blocking_returns", "blocked")
-        .unwrap()
-        .key_digest();
-    let text = logs.lock().unwrap().clone();
+    let ours = lines_about(&logs, &tenant, "accounting.blocking_returns", "blocked");
     assert!(
-        text.lines()
-            .any(|line| line.contains("lease lapsed") && line.contains(digest.as_str())),
-        "the lapse is logged:\n{text}"
+        ours.iter().any(|line| line.contains("lease lapsed")),
+        "the lapse is logged: {ours:#?}"
     );
 }
 
@@ -301,14 +290,10 @@ async fn a_lease_that_lapsed_while_the_body_blocked_its_thread_is_logged() {
     let store = Counting::new();
     let tenant = format!("t-{}", uuid::Uuid::new_v4().simple());
     blocks_its_thread(&store, &tenant, "blocked").await.unwrap();
-    let digest = Identity::new(tenant.as_str(), "accounting.blocking", "blocked")
-        .unwrap()
-        .key_digest();
-    let text = logs.lock().unwrap().clone();
+    let ours = lines_about(&logs, &tenant, "accounting.blocking", "blocked");
     assert!(
-        text.lines()
-            .any(|line| line.contains("lease lapsed") && line.contains(digest.as_str())),
-        "the lapse is logged:\n{text}"
+        ours.iter().any(|line| line.contains("lease lapsed")),
+        "the lapse is logged: {ours:#?}"
     );
 }
 
@@ -358,6 +343,17 @@ async fn logs_carry_the_scope_and_a_digest_never_the_raw_key() {
 
 /// Captures every event (any level, any thread) into one process-wide buffer.
 /// Tests only look for what they themselves caused, so sharing it is fine.
+/// The captured log lines about one record (they name its key's digest).
+fn lines_about(logs: &Mutex<String>, tenant: &str, scope: &str, key: &str) -> Vec<String> {
+    let digest = Identity::new(tenant, scope, key).unwrap().key_digest();
+    logs.lock()
+        .unwrap()
+        .lines()
+        .filter(|line| line.contains(digest.as_str()))
+        .map(str::to_owned)
+        .collect()
+}
+
 fn capture_logs() -> Arc<Mutex<String>> {
     static LOGS: std::sync::OnceLock<Arc<Mutex<String>>> = std::sync::OnceLock::new();
     #[derive(Clone)]
