@@ -745,7 +745,7 @@ where
     } else {
         reserved_at
     };
-    let (ran, lease_watch) =
+    let (ran, mut lease_watch) =
         run_with_heartbeat(store, spec, &identity, &token, spec.lease, body).await;
     let result = match ran {
         Ok(r) => r.into_result(),
@@ -770,7 +770,7 @@ where
         if result.is_ok() { "ok" } else { "err" },
         ended.saturating_duration_since(running),
     );
-    lease_watch.note_if_lapsed(spec, &identity, ended);
+    lease_watch.note_if_lapsed(spec, &identity, ended, None);
     METRICS.executed.fetch_add(1, Ordering::Relaxed);
     report(Outcome::Executed);
     let mut sink = StoreSink {
@@ -1705,29 +1705,42 @@ async fn release(store: &dyn Store, guard: &FinishOnDrop<'_>) {
 
 type PanicPayload = Box<dyn std::any::Any + Send + 'static>;
 
-/// What the heartbeat knows of the lease when the body ends (see
-/// [`LeaseWatch::note_if_lapsed`]).
+/// What the heartbeat knows of the lease: when it was last written, and
+/// whether its lapse was noted since (rule 9: a lease that ran out while the
+/// body ran is never silent, see [`note_lapse`]). Kept by the heartbeat, and
+/// handed back at the body's end for a lapse no renewal saw.
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct LeaseWatch {
+struct LeaseWatch {
     /// When the lease was last written: the body's start, then the sending
     /// of each renewal that was written.
     renewed_at: Instant,
-    /// A lapse was noted since then.
+    /// A lapse was noted since then (or the lease was lost: nothing more to say).
     noted: bool,
 }
 
 impl LeaseWatch {
-    /// Notes a lapse the heartbeat could not see: the body ended (at `ended`)
-    /// a lease or more after the lease was last written, without a renewal
-    /// sent in between (it blocked its thread, then returned).
-    pub(crate) fn note_if_lapsed(
-        self,
+    /// A renewal sent at `sent` was written.
+    fn written(&mut self, sent: Instant) {
+        if sent > self.renewed_at {
+            self.renewed_at = sent;
+            self.noted = false;
+        }
+    }
+
+    /// Notes a lapse once: `now` is a lease or more after the lease was last
+    /// written, or, when a renewal sent at `in_flight` may already have been
+    /// written, after that one.
+    fn note_if_lapsed(
+        &mut self,
         spec: &'static ScopeInfo,
         identity: &Identity,
-        ended: Instant,
+        now: Instant,
+        in_flight: Option<Instant>,
     ) {
-        let since = ended.saturating_duration_since(self.renewed_at);
+        let newest = in_flight.map_or(self.renewed_at, |sent| sent.max(self.renewed_at));
+        let since = now.saturating_duration_since(newest);
         if !self.noted && since >= spec.lease {
+            self.noted = true;
             note_lapse(spec, identity, since, spec.lease);
         }
     }
@@ -1769,10 +1782,12 @@ async fn run_with_heartbeat<R, Fut: Future<Output = R>>(
     // start (the reservation just set it), then the sending of each renewal
     // that was written. A renewal sent a lease or more after it finds the
     // lease already lapsed (see `note_lapse`).
-    let mut renewed_at = first_due - period; // no clock read more per call
-    let mut beat_sent = renewed_at;
-    let mut late_sent = renewed_at;
-    let mut lapse_noted = false;
+    let mut watch = LeaseWatch {
+        renewed_at: first_due - period, // no clock read more per call
+        noted: false,
+    };
+    let mut beat_sent = watch.renewed_at;
+    let mut late_sent = watch.renewed_at;
     let out = std::future::poll_fn(|cx| {
         if let Poll::Ready(out) = body.as_mut().poll(cx) {
             return Poll::Ready(out);
@@ -1785,9 +1800,8 @@ async fn run_with_heartbeat<R, Fut: Future<Output = R>>(
                 late = None;
                 // Its failure was counted when it ran late; a success or a
                 // lost lease still counts.
-                if matches!(result, Ok(Fenced::Written)) && late_sent > renewed_at {
-                    renewed_at = late_sent;
-                    lapse_noted = false;
+                if matches!(result, Ok(Fenced::Written)) {
+                    watch.written(late_sent);
                 }
                 if result.is_ok() {
                     lost |= note_heartbeat(spec, identity, result);
@@ -1796,9 +1810,8 @@ async fn run_with_heartbeat<R, Fut: Future<Output = R>>(
             if let Some(f) = beat.as_mut() {
                 if let Poll::Ready(result) = f.as_mut().poll(cx) {
                     beat = None;
-                    if matches!(result, Ok(Fenced::Written)) && beat_sent > renewed_at {
-                        renewed_at = beat_sent;
-                        lapse_noted = false;
+                    if matches!(result, Ok(Fenced::Written)) {
+                        watch.written(beat_sent);
                     }
                     let failed = result.is_err();
                     lost |= note_heartbeat(spec, identity, result);
@@ -1841,15 +1854,12 @@ async fn run_with_heartbeat<R, Fut: Future<Output = R>>(
             }
             beat_sent = Instant::now();
             // A late renewal still in flight may have been written already.
-            let newest = if late.is_some() {
-                renewed_at.max(late_sent)
-            } else {
-                renewed_at
-            };
-            if !lapse_noted && beat_sent.duration_since(newest) >= lease {
-                lapse_noted = true;
-                note_lapse(spec, identity, beat_sent.duration_since(newest), lease);
-            }
+            watch.note_if_lapsed(
+                spec,
+                identity,
+                beat_sent,
+                late.is_some().then_some(late_sent),
+            );
             beat = Some(store.heartbeat(identity, token, lease));
             match beat_due.as_mut() {
                 Some(due) => due.as_mut().reset(Instant::now() + period),
@@ -1858,22 +1868,20 @@ async fn run_with_heartbeat<R, Fut: Future<Output = R>>(
         }
     })
     .await;
-    // A renewal still in flight may have been written already; after a lost
-    // lease there is nothing more to say.
-    let in_flight = [
+    // A renewal still in flight may have been written already (as if it
+    // had, without clearing a lapse already noted); after a lost lease there
+    // is nothing more to say.
+    for sent in [
         beat.is_some().then_some(beat_sent),
         late.is_some().then_some(late_sent),
-    ];
-    (
-        out,
-        LeaseWatch {
-            renewed_at: in_flight
-                .into_iter()
-                .flatten()
-                .fold(renewed_at, Instant::max),
-            noted: lapse_noted || lost,
-        },
-    )
+    ]
+    .into_iter()
+    .flatten()
+    {
+        watch.renewed_at = watch.renewed_at.max(sent);
+    }
+    watch.noted |= lost;
+    (out, watch)
 }
 
 /// Counts and logs a lease that ran out while the body ran, because no
