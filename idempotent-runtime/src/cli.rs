@@ -612,11 +612,7 @@ pub async fn run(cli: Cli) -> Result<String, CliError> {
                 .force_release(&identity, !even_if_running)
                 .await
                 .map_err(crate::Error::from)?;
-            let refused = |why: String| CliError::ReleaseRefused {
-                scope: identity.scope.clone(),
-                key_digest: identity.key_digest(),
-                why,
-            };
+            let refused = |why: String| release_refused(store.as_ref(), &identity, &reason, why);
             match answer {
                 ForcedRelease::Released { attempt } => {
                     tracing::warn!(target: "idempotent::operator", store = store.name(),
@@ -631,9 +627,6 @@ pub async fn run(cli: Cli) -> Result<String, CliError> {
                     ))
                 }
                 ForcedRelease::Complete => {
-                    tracing::warn!(target: "idempotent::operator", store = store.name(),
-                        scope = %identity.scope, key = %identity.key_digest(), reason = %reason,
-                        "an operator's release was refused: the record is complete");
                     // An expired one already counts as absent (rule 16).
                     let expired = store
                         .fetch(&identity)
@@ -653,20 +646,34 @@ pub async fn run(cli: Cli) -> Result<String, CliError> {
                     }))
                 }
                 ForcedRelease::LeaseLive { lease_remaining } => {
-                    tracing::warn!(target: "idempotent::operator", store = store.name(),
-                        scope = %identity.scope, key = %identity.key_digest(), reason = %reason,
-                        "an operator's release was refused: the lease is live");
-                    Err(refused(format!(
-                        "its owner's lease is live for another {}: the owner may be running the body \
-                         right now. Wait until the lease runs out, or pass --even-if-running if you \
-                         know the owner is gone",
-                        crate::registry::human(lease_remaining.max(Duration::from_millis(1)))
-                    )))
+                    Err(refused(lease_is_live(lease_remaining)))
                 }
                 ForcedRelease::Absent => Err(no_record(&identity)),
             }
         }
     }
+}
+
+/// A refused release (`--end-lease` too), logged with the operator's reason.
+fn release_refused(store: &dyn Store, identity: &Identity, reason: &str, why: String) -> CliError {
+    tracing::warn!(target: "idempotent::operator", store = store.name(),
+        scope = %identity.scope, key = %identity.key_digest(), reason = %reason, why = %why,
+        "an operator's release was refused");
+    CliError::ReleaseRefused {
+        scope: identity.scope.clone(),
+        key_digest: identity.key_digest(),
+        why,
+    }
+}
+
+/// Why a record whose owner's lease runs `remaining` longer is not released.
+fn lease_is_live(remaining: Duration) -> String {
+    format!(
+        "its owner's lease is live for another {}: the owner may be running the body right now. \
+         Wait until the lease runs out (the next call then takes the record over, asking the \
+         scope's recover hook), or pass --even-if-running if you know the owner is gone",
+        crate::registry::human(remaining.max(Duration::from_millis(1)))
+    )
 }
 
 /// `release --end-lease`: the in-progress record is kept and its lease
@@ -682,16 +689,7 @@ async fn end_the_lease(
     even_if_running: bool,
     format: Format,
 ) -> Result<String, CliError> {
-    let refused = |why: String| {
-        tracing::warn!(target: "idempotent::operator", store = store.name(),
-            scope = %identity.scope, key = %identity.key_digest(), reason = %reason, why = %why,
-            "an operator's release --end-lease was refused");
-        CliError::ReleaseRefused {
-            scope: identity.scope.clone(),
-            key_digest: identity.key_digest(),
-            why,
-        }
-    };
+    let refused = |why: String| release_refused(store, identity, reason, why);
     let snapshot = store
         .fetch(identity)
         .await
@@ -713,13 +711,9 @@ async fn end_the_lease(
             // that was only slow cannot renew it back).
             (RecordState::InProgress, _) if lease_remaining == 0 && !even_if_running => false,
             (RecordState::InProgress, _) if !even_if_running => {
-                return Err(refused(format!(
-                    "its owner's lease is live for another {}: the owner may be running the body \
-                 right now. Wait until the lease runs out (the next call then takes the record \
-                 over and asks the hook, with nothing to release), or pass --even-if-running if \
-                 you know the owner is gone",
-                    crate::registry::human(crate::store::millis_to_duration(lease_remaining))
-                )))
+                return Err(refused(lease_is_live(crate::store::millis_to_duration(
+                    lease_remaining,
+                ))))
             }
             (RecordState::InProgress, Some(token)) => {
                 let token = crate::OwnerToken::from_stored(token.clone());
