@@ -668,7 +668,13 @@ async fn the_layer_asks_its_recover_hook_on_a_takeover() {
     assert_eq!(ran, (201, false, "charged by the handler".to_owned()));
     assert_eq!(calls.load(Ordering::SeqCst), 1, "only Run runs the handler");
 
-    let refused = answer(send("k-down").await.unwrap()).await;
+    // Not recorded, so it says to send the request again.
+    let refused = send("k-down").await.unwrap();
+    assert_eq!(
+        refused.headers().get("retry-after").map(|v| v.as_bytes()),
+        Some(&b"1"[..])
+    );
+    let refused = answer(refused).await;
     assert_eq!(refused, (503, false, "provider unreachable".to_owned()));
     gateway_down.store(false, Ordering::SeqCst);
     let asked_again = answer(send("k-down").await.unwrap()).await;
@@ -683,6 +689,10 @@ async fn the_layer_asks_its_recover_hook_on_a_takeover() {
     // record stays for the next retry to ask again; the handler never runs.
     for _ in 0..2 {
         let r = send("k-huge").await.unwrap();
+        assert_eq!(
+            r.headers().get("retry-after").map(|v| v.as_bytes()),
+            Some(&b"1"[..])
+        );
         let problem = expect_problem(r, 500, types::SERVER_ERROR).await;
         assert!(
             problem["detail"].as_str().unwrap().contains("asks again"),

@@ -139,7 +139,9 @@ impl IdempotencyLayerBuilder {
     /// * `Err(response)`: `response` is sent, nothing is recorded and the
     ///   record is kept with its lease ended, so the next retry takes it
     ///   over and asks again (a response the layer would not record, such as
-    ///   a 5xx, counts as this too).
+    ///   a 5xx, counts as this too). It is sent with `Retry-After: 1` unless
+    ///   it has a `Retry-After` of its own, and marked
+    ///   [`NotFinal`](super::problem::NotFinal).
     ///
     /// ```
     /// use axum::http::StatusCode;
@@ -801,17 +803,33 @@ impl<'a, E: Send + 'a> Recover<Recorded, Failure<E>> for RecoverHook<'a, E> {
         let hook = self.config.recover.clone()?;
         let config = self.config;
         Some(Box::pin(async move {
-            match hook(takeover).await {
-                Ok(Recovery::Run) => Ok(Recovery::Run),
+            let not_recorded = match hook(takeover).await {
+                Ok(Recovery::Run) => return Ok(Recovery::Run),
                 Ok(Recovery::Completed(response)) => {
-                    record(config, response, AnswerOf::RecoverHook)
-                        .await
-                        .map(Recovery::Completed)
+                    match record(config, response, AnswerOf::RecoverHook).await {
+                        Err(Failure::Passthrough(response)) => response,
+                        recorded => return recorded.map(Recovery::Completed),
+                    }
                 }
-                Err(response) => Err(Failure::Passthrough(response)),
-            }
+                Err(response) => response,
+            };
+            Err(Failure::Passthrough(ask_again_later(not_recorded)))
         }))
     }
+}
+
+/// A recover hook's answer that is sent but not recorded (its `Err`, or a
+/// `Completed` answer the layer's rules do not record): the record is kept
+/// and the next retry asks the hook again, so the answer says to send the
+/// request again: `Retry-After: 1` unless it has one, and [`NotFinal`] (an
+/// idempotency layer around this one does not record it either).
+fn ask_again_later(mut response: Response<Body>) -> Response<Body> {
+    response
+        .headers_mut()
+        .entry(header::RETRY_AFTER)
+        .or_insert(HeaderValue::from_static("1"));
+    response.extensions_mut().insert(NotFinal);
+    response
 }
 
 /// Whose answer [`record`] collects: what becomes of the record when it
@@ -873,14 +891,16 @@ where
                 // Nothing ran again, and the record waits for the next ask:
                 // a retry is safe (not `response-not-recorded`, which the
                 // client takes for final).
-                return Err(Failure::Unrecordable(Problem::new(
+                let mut problem = Problem::new(
                     StatusCode::INTERNAL_SERVER_ERROR,
                     types::SERVER_ERROR,
                     "Answer could not be recorded",
                     "The answer found for this request's earlier attempt could not be recorded \
                      (too large, or its body failed). Nothing ran again; the record is kept, and \
                      a retry with the same Idempotency-Key asks again.",
-                )));
+                );
+                problem.retry_after = Some(1);
+                return Err(Failure::Unrecordable(problem));
             }
             return Err(Failure::Unrecordable(Problem::new(
                 StatusCode::INTERNAL_SERVER_ERROR,
@@ -1162,6 +1182,24 @@ impl<'de> Deserialize<'de> for Recorded {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A recover hook's answer that is not recorded says to send the request
+    /// again, keeping a `Retry-After` of the hook's own.
+    #[test]
+    fn a_hooks_unrecorded_answer_says_to_ask_again() {
+        let plain = ask_again_later(StatusCode::SERVICE_UNAVAILABLE.into_response());
+        assert_eq!(plain.headers()[header::RETRY_AFTER], "1");
+        assert!(plain.extensions().get::<NotFinal>().is_some());
+        let own = ask_again_later(
+            (
+                StatusCode::SERVICE_UNAVAILABLE,
+                [(header::RETRY_AFTER, "30")],
+            )
+                .into_response(),
+        );
+        assert_eq!(own.headers()[header::RETRY_AFTER], "30");
+        assert_eq!(own.headers().get_all(header::RETRY_AFTER).iter().count(), 1);
+    }
 
     #[test]
     fn the_escaped_length_is_serde_jsons() {
