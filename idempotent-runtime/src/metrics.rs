@@ -15,7 +15,8 @@
 //! |---|---|---|---|
 //! | `idempotent_calls_total` | counter | `scope`, `outcome` | calls, by what the caller got (below) |
 //! | `idempotent_takeovers_total` | counter | `scope`, `attempt` | takeovers of an expired lease (rule 20); `attempt` is `2`, `3`, `4` or `5+` |
-//! | `idempotent_heartbeat_failures_total` | counter | `scope` | lease renewals that failed (store error, or the lease was lost), and leases that lapsed before they were renewed (the body blocked its thread) |
+//! | `idempotent_heartbeat_failures_total` | counter | `scope` | lease renewals that failed (store error, or the lease was lost) |
+//! | `idempotent_lease_lapses_total` | counter | `scope` | leases that ran out while the body ran, before a renewal was written (the body blocked its thread, its runtime was starved, renewals failed): another caller could have taken the record over meanwhile |
 //! | `idempotent_purged_total` | counter | `store` | expired records deleted by purges |
 //! | `idempotent_release_failures_total` | counter | `store` | dropped calls whose record could not be finished: released, recorded (the body had answered) or its lease ended |
 //! | `idempotent_reserve_duration_seconds` | histogram | `scope`, `outcome` | how long the reservation took, waits for a running duplicate included |
@@ -60,6 +61,8 @@ pub const CALLS: &str = "idempotent_calls_total";
 pub const TAKEOVERS: &str = "idempotent_takeovers_total";
 /// Counter: failed lease renewals by scope.
 pub const HEARTBEAT_FAILURES: &str = "idempotent_heartbeat_failures_total";
+/// Counter: leases that ran out while their body ran, by scope.
+pub const LEASE_LAPSES: &str = "idempotent_lease_lapses_total";
 /// Counter: records deleted by purges, by store.
 pub const PURGED: &str = "idempotent_purged_total";
 /// Counter: dropped calls whose record could not be released, by store.
@@ -80,6 +83,7 @@ pub(crate) struct Counters {
     pub taken_over: AtomicU64,
     pub heartbeats: AtomicU64,
     pub heartbeat_failures: AtomicU64,
+    pub lease_lapses: AtomicU64,
     pub purged: AtomicU64,
     pub release_failures: AtomicU64,
 }
@@ -94,6 +98,7 @@ pub(crate) static METRICS: Counters = Counters {
     taken_over: AtomicU64::new(0),
     heartbeats: AtomicU64::new(0),
     heartbeat_failures: AtomicU64::new(0),
+    lease_lapses: AtomicU64::new(0),
     purged: AtomicU64::new(0),
     release_failures: AtomicU64::new(0),
 };
@@ -159,6 +164,12 @@ pub(crate) fn takeover(scope: &'static str, attempt: u32) {
 pub(crate) fn heartbeat_failed(scope: &'static str) {
     METRICS.heartbeat_failures.fetch_add(1, Ordering::Relaxed);
     metrics::counter!(HEARTBEAT_FAILURES, "scope" => scope).increment(1);
+}
+
+/// Counts a lease that ran out while its body ran.
+pub(crate) fn lease_lapsed(scope: &'static str) {
+    METRICS.lease_lapses.fetch_add(1, Ordering::Relaxed);
+    metrics::counter!(LEASE_LAPSES, "scope" => scope).increment(1);
 }
 
 /// Counts purged records.
@@ -293,8 +304,8 @@ impl ScopeKeys {
 
 /// A copy of the counters since the process started, without labels. For
 /// per-scope numbers, install a `metrics` recorder (see the module docs); a
-/// rising `heartbeat_failures` or `lease_lost` means bodies outlive their
-/// leases or the store is struggling.
+/// rising `heartbeat_failures`, `lease_lapses` or `lease_lost` means bodies
+/// outlive their leases, block their threads, or the store is struggling.
 ///
 /// ```
 /// let m = idempotent_runtime::metrics::snapshot();
@@ -322,6 +333,11 @@ pub struct Snapshot {
     pub heartbeats: u64,
     /// Failed lease renewals (store error or lease lost).
     pub heartbeat_failures: u64,
+    /// Leases that ran out while their body ran, before a renewal was
+    /// written: the body blocked its thread, its runtime was starved, or
+    /// renewals failed for a lease. Another caller could have taken the
+    /// record over and run the body beside it; each is also logged.
+    pub lease_lapses: u64,
     /// Records deleted by purges.
     pub purged: u64,
     /// Dropped calls whose record could not be finished by the store's
@@ -345,6 +361,7 @@ pub fn snapshot() -> Snapshot {
         taken_over: r(&m.taken_over),
         heartbeats: r(&m.heartbeats),
         heartbeat_failures: r(&m.heartbeat_failures),
+        lease_lapses: r(&m.lease_lapses),
         purged: r(&m.purged),
         release_failures: r(&m.release_failures),
     }

@@ -268,9 +268,14 @@ async fn a_lease_that_lapsed_before_the_body_returned_is_logged() {
     let logs = capture_logs();
     let store = Counting::new();
     let tenant = format!("t-{}", uuid::Uuid::new_v4().simple());
+    let lapses = idempotent_runtime::metrics::snapshot().lease_lapses;
     blocks_its_thread_then_returns(&store, &tenant, "blocked")
         .await
         .unwrap();
+    assert!(
+        idempotent_runtime::metrics::snapshot().lease_lapses > lapses,
+        "and counted"
+    );
     let ours = lines_about(&logs, &tenant, "accounting.blocking_returns", "blocked");
     assert!(
         ours.iter().any(|line| line.contains("lease lapsed")),
@@ -283,13 +288,18 @@ async fn a_lease_that_lapsed_before_the_body_returned_is_logged() {
 /// future); when the overdue renewal is finally sent, the lease had already
 /// lapsed and any caller could have taken the record over. That lapse was
 /// silent when nobody did (the late renewal simply succeeded): now it is
-/// logged and counted as a heartbeat failure.
+/// logged and counted as a lease lapse.
 #[tokio::test]
 async fn a_lease_that_lapsed_while_the_body_blocked_its_thread_is_logged() {
     let logs = capture_logs();
     let store = Counting::new();
     let tenant = format!("t-{}", uuid::Uuid::new_v4().simple());
+    let lapses = idempotent_runtime::metrics::snapshot().lease_lapses;
     blocks_its_thread(&store, &tenant, "blocked").await.unwrap();
+    assert!(
+        idempotent_runtime::metrics::snapshot().lease_lapses > lapses,
+        "and counted"
+    );
     let ours = lines_about(&logs, &tenant, "accounting.blocking", "blocked");
     assert!(
         ours.iter().any(|line| line.contains("lease lapsed")),
