@@ -16,6 +16,7 @@
 //! | `Error::FingerprintMismatch` against a record still in progress (in [`handle`] and [`nats::process`], in store mode): another delivery holds it, perhaps of a consumer version whose arguments differ, and may yet release it | `InProgress` (its lease's remaining time) | `Nak(Some(retry_after))` |
 //! | any other `Err(_)`: the body failed and the key was released, the store failed, the lease was lost | `Failed` | `Nak(None)`; knowing the delivery count (as [`nats::process`] does), `Nak(Some(`[`failed_retry_after`]`(n)))`: 1 s after the first delivery, doubling per delivery up to 60 s |
 //! | `Error::ResultNotFaithful` / `ResultTooLarge` / `ResultEncoding`: the body ran, its result can never be recorded | `Unrecordable` | `Term` (a redelivery would run the body again) |
+//! | `Error::FingerprintMismatch` against a record left in progress by a delivery whose lease ran out (in [`handle`] and [`nats::process`], in store mode): that delivery's process stopped before it answered, and its redelivery may yet take the record over and finish it | `MismatchWithAbandonedRecord` | `Term`; knowing the delivery count, nak'd like `Failed` until [`DELIVERIES_BEFORE_TERM`] |
 //! | `Error::FingerprintMismatch`: same message id, different payload, its record complete | `Mismatch` | `Term` (poison) |
 //! | `Error::Fingerprint`: the payload's arguments cannot be fingerprinted | `Unfingerprintable` | `Term` (every delivery fails alike); knowing the delivery count, nak'd like `Failed` until [`DELIVERIES_BEFORE_TERM`] |
 //! | `Error::ReplayDecoding`: processed before, but the recorded answer no longer decodes as the handler's type | `ReplayUndecodable` | `Term` (naks would come back until the record expired, and then run the body again); knowing the delivery count, nak'd like `Failed` until [`DELIVERIES_BEFORE_TERM`], so a rolling deploy's other version can replay it |
@@ -74,7 +75,7 @@
 //! .await;
 //! ```
 
-use crate::engine::{with_report, Outcome, Reported};
+use crate::engine::{with_report, LastMismatch, Outcome, Reported};
 use crate::error::Error;
 use std::future::Future;
 use std::time::Duration;
@@ -132,8 +133,21 @@ pub enum Verdict {
     Failed,
     /// Same message id, different payload (`Error::FingerprintMismatch`): a
     /// poison message. The record is untouched. (A mismatch with a record
-    /// still in progress is [`InProgress`](Self::InProgress) in [`handle`].)
+    /// still in progress is [`InProgress`](Self::InProgress) in [`handle`],
+    /// one with a record abandoned in progress
+    /// [`MismatchWithAbandonedRecord`](Self::MismatchWithAbandonedRecord).)
     Mismatch,
+    /// Same message id, other arguments (`Error::FingerprintMismatch`), and
+    /// the record is another delivery's that was left in progress: its lease
+    /// ran out before it answered (its process crashed or was killed). The
+    /// message that made it may still be redelivered to a consumer that
+    /// takes the record over and finishes it, e.g. the older version in a
+    /// rolling deploy that changed the handler's arguments, and terminating
+    /// this delivery at once could lose that message. So, in [`handle`] and
+    /// [`nats::process`] (store mode): nak'd like [`Verdict::Failed`] until
+    /// [`DELIVERIES_BEFORE_TERM`] when the delivery count is known, then
+    /// terminated as a [`Mismatch`](Self::Mismatch).
+    MismatchWithAbandonedRecord,
     /// The message carries no key, so it is never processed.
     MissingKey,
     /// The key or the tenant was refused (`Error::InvalidKey` / `InvalidTenant`).
@@ -195,7 +209,8 @@ pub fn failed_retry_after(deliveries: u64) -> Duration {
 }
 
 /// How many deliveries a message whose every delivery has failed alike
-/// ([`Verdict::Unfingerprintable`], [`Verdict::ReplayUndecodable`], [`Verdict::RecordedByNewerVersion`]) gets
+/// ([`Verdict::Unfingerprintable`], [`Verdict::ReplayUndecodable`],
+/// [`Verdict::RecordedByNewerVersion`], [`Verdict::MismatchWithAbandonedRecord`]) gets
 /// before it is terminated, when the delivery count is known
 /// ([`Handled::disposition`]): with the pauses of [`failed_retry_after`] in
 /// between, about four minutes.
@@ -209,6 +224,7 @@ impl Verdict {
             Verdict::InProgress { retry_after } => Disposition::Nak(Some(retry_after)),
             Verdict::Failed => Disposition::Nak(None),
             Verdict::Mismatch
+            | Verdict::MismatchWithAbandonedRecord
             | Verdict::MissingKey
             | Verdict::InvalidKey
             | Verdict::Unrecordable
@@ -219,7 +235,8 @@ impl Verdict {
     }
 
     /// A short lowercase name: `executed`, `replayed`, `in-progress`, `failed`,
-    /// `mismatch`, `missing-key`, `invalid-key`, `unrecordable`,
+    /// `mismatch`, `mismatch-with-abandoned-record`, `missing-key`,
+    /// `invalid-key`, `unrecordable`,
     /// `unfingerprintable`, `replay-undecodable`, `recorded-by-newer-version`.
     pub fn as_str(self) -> &'static str {
         match self {
@@ -228,6 +245,7 @@ impl Verdict {
             Verdict::InProgress { .. } => "in-progress",
             Verdict::Failed => "failed",
             Verdict::Mismatch => "mismatch",
+            Verdict::MismatchWithAbandonedRecord => "mismatch-with-abandoned-record",
             Verdict::MissingKey => "missing-key",
             Verdict::InvalidKey => "invalid-key",
             Verdict::Unrecordable => "unrecordable",
@@ -343,12 +361,13 @@ fn verdict<T, E: AsIdempotencyError>(result: &Result<T, E>, reported: Option<Rep
         // The record is another call's, still running: in a rolling deploy
         // that changed the handler's arguments, the other version's delivery
         // of this very message, which may yet fail and release the key.
-        Some(Error::FingerprintMismatch(_)) => match reported
-            .and_then(|r| r.last_mismatch)
-            .and_then(|m| m.running)
-        {
-            Some(retry_after) => Verdict::InProgress { retry_after },
-            None => Verdict::Mismatch,
+        // An abandoned one: the delivery that made it may yet take it over.
+        Some(Error::FingerprintMismatch(_)) => match reported.and_then(|r| r.last_mismatch) {
+            Some(LastMismatch::Running { lease_remaining }) => Verdict::InProgress {
+                retry_after: lease_remaining,
+            },
+            Some(LastMismatch::Abandoned) => Verdict::MismatchWithAbandonedRecord,
+            Some(LastMismatch::Final) | None => Verdict::Mismatch,
         },
         Some(Error::InvalidKey(_) | Error::InvalidTenant(_)) => Verdict::InvalidKey,
         Some(Error::Fingerprint { .. }) => Verdict::Unfingerprintable,
@@ -415,8 +434,9 @@ impl<T, E> Handled<T, E> {
     /// * for a [`Verdict::Failed`] delivery, a nak delayed by
     ///   [`failed_retry_after`], so a failure that lasts (a store down, a bug
     ///   in the handler) is not redelivered in a tight loop;
-    /// * for [`Verdict::Unfingerprintable`], [`Verdict::ReplayUndecodable`]
-    ///   and [`Verdict::RecordedByNewerVersion`],
+    /// * for [`Verdict::Unfingerprintable`], [`Verdict::ReplayUndecodable`],
+    ///   [`Verdict::RecordedByNewerVersion`] and
+    ///   [`Verdict::MismatchWithAbandonedRecord`],
     ///   the same delayed nak until the message has been delivered
     ///   [`DELIVERIES_BEFORE_TERM`] times, and `Term` then: during a rolling
     ///   deploy that changes a result type, an instance of the old version
@@ -431,7 +451,8 @@ impl<T, E> Handled<T, E> {
             (
                 Verdict::Unfingerprintable
                 | Verdict::ReplayUndecodable
-                | Verdict::RecordedByNewerVersion,
+                | Verdict::RecordedByNewerVersion
+                | Verdict::MismatchWithAbandonedRecord,
                 Some(deliveries),
             ) if deliveries < DELIVERIES_BEFORE_TERM => {
                 Disposition::Nak(Some(failed_retry_after(deliveries)))
@@ -554,6 +575,39 @@ mod tests {
     fn a_mismatch_is_poison() {
         let v = classify(&err(Error::FingerprintMismatch(ctx())), None);
         assert_eq!((v, v.disposition()), (Verdict::Mismatch, Disposition::Term));
+    }
+
+    /// What refused a mismatch decides: a running record naks until its
+    /// lease ends, an abandoned one is given the deliveries of a failure
+    /// alike, a complete one is poison at once.
+    #[test]
+    fn a_mismatch_is_judged_by_the_record_that_refused_it() {
+        let refused_by = |m| {
+            verdict(
+                &err(Error::FingerprintMismatch(ctx())),
+                Some(Reported {
+                    outcome: None,
+                    replayed_error: false,
+                    last_mismatch: Some(m),
+                }),
+            )
+        };
+        let lease_remaining = Duration::from_secs(3);
+        assert_eq!(
+            refused_by(LastMismatch::Running { lease_remaining }),
+            Verdict::InProgress {
+                retry_after: lease_remaining
+            }
+        );
+        assert_eq!(
+            refused_by(LastMismatch::Abandoned),
+            Verdict::MismatchWithAbandonedRecord
+        );
+        assert_eq!(refused_by(LastMismatch::Final), Verdict::Mismatch);
+        assert_eq!(
+            Verdict::MismatchWithAbandonedRecord.as_str(),
+            "mismatch-with-abandoned-record"
+        );
     }
 
     #[test]
@@ -698,6 +752,7 @@ mod tests {
             Verdict::Unfingerprintable,
             Verdict::ReplayUndecodable,
             Verdict::RecordedByNewerVersion,
+            Verdict::MismatchWithAbandonedRecord,
         ] {
             let delivered = |deliveries| Handled::<(), std::io::Error> {
                 verdict,

@@ -79,19 +79,28 @@ pub(crate) struct Reported {
     /// `None` when no call finished with a result (refused, failed).
     pub(crate) outcome: Option<Outcome>,
     pub(crate) replayed_error: bool,
-    /// The last call refused as a mismatch, if any: with the lease its
-    /// record still had when it was still in progress (store mode). That
-    /// owner may yet release the key, so a message consumer redelivers
-    /// rather than terms.
+    /// The last call refused as a mismatch, if any, and what the record
+    /// that refused it was when read (store mode): a record still in
+    /// progress, or abandoned in progress, may yet be released or taken over
+    /// by the delivery that made it, so a message consumer redelivers rather
+    /// than terms.
     pub(crate) last_mismatch: Option<LastMismatch>,
 }
 
-/// A call refused as a fingerprint mismatch (see [`Reported::last_mismatch`]).
+/// What refused the last call refused as a fingerprint mismatch (see
+/// [`Reported::last_mismatch`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct LastMismatch {
-    /// The lease remaining on the record that refused it, when that record
-    /// was still in progress.
-    pub(crate) running: Option<Duration>,
+pub(crate) enum LastMismatch {
+    /// A record still in progress under a live lease, with the lease it had
+    /// left: its owner may yet release the key.
+    Running { lease_remaining: Duration },
+    /// A record left in progress by an owner whose lease ran out without an
+    /// answer: the call that made it (other arguments, or another version's
+    /// fingerprint of the same ones) may yet take it over and finish it.
+    Abandoned,
+    /// A complete record, or not known (transactional mode, a failed read):
+    /// a plain mismatch.
+    Final,
 }
 
 /// Where a [`with_outcome`] scope collects what its calls reported: shared,
@@ -183,13 +192,13 @@ pub(crate) fn report(outcome: Outcome) {
     });
 }
 
-/// Reports a call refused as a mismatch, with the lease remaining when its
-/// record was still in progress (see [`Reported::last_mismatch`]).
-fn report_mismatch(running: Option<Duration>) {
+/// Reports a call refused as a mismatch, with what refused it (see
+/// [`Reported::last_mismatch`]).
+fn report_mismatch(refused_by: LastMismatch) {
     report_whole(Reported {
         outcome: None,
         replayed_error: false,
-        last_mismatch: Some(LastMismatch { running }),
+        last_mismatch: Some(refused_by),
     });
 }
 
@@ -1313,12 +1322,15 @@ async fn reserve_from(
                         });
                     }
                     MismatchedRecord::Running { lease_remaining } => {
-                        report_mismatch(Some(lease_remaining))
+                        report_mismatch(LastMismatch::Running { lease_remaining })
                     }
                     // Refused by records of other arguments that keep coming
                     // and going: not poison, look again shortly.
-                    MismatchedRecord::Changed => report_mismatch(Some(Duration::from_secs(1))),
-                    MismatchedRecord::Other => report_mismatch(None),
+                    MismatchedRecord::Changed => report_mismatch(LastMismatch::Running {
+                        lease_remaining: Duration::from_secs(1),
+                    }),
+                    MismatchedRecord::Abandoned => report_mismatch(LastMismatch::Abandoned),
+                    MismatchedRecord::Other => report_mismatch(LastMismatch::Final),
                 }
                 METRICS.mismatched.fetch_add(1, Ordering::Relaxed);
                 tracing::warn!(target: "idempotent", scope = spec.scope, key = %request.identity.log_digest(),
@@ -1375,7 +1387,11 @@ enum MismatchedRecord {
     /// key. At most the call's own lease (a store's clock reading is trusted
     /// only that far).
     Running { lease_remaining: Duration },
-    /// Anything else, or not known: a plain mismatch.
+    /// Still in progress, but its lease ran out: its owner stopped before it
+    /// answered (a crash, a kill). The call that made it may yet be
+    /// redelivered to a process that takes it over.
+    Abandoned,
+    /// Complete, or not known: a plain mismatch.
     Other,
 }
 
@@ -1417,6 +1433,7 @@ async fn mismatched_record(
                     .min(lease),
             }
         }
+        (crate::store::RecordState::InProgress, _) => MismatchedRecord::Abandoned,
         _ => MismatchedRecord::Other,
     }
 }
@@ -1891,7 +1908,7 @@ async fn run_with_heartbeat<R, Fut: Future<Output = R>>(
 /// run the body beside this one. Rule 9: never silent, even when nobody did
 /// and the next renewal wins the lease back.
 fn note_lapse(spec: &'static ScopeInfo, identity: &Identity, lapsed: Duration, lease: Duration) {
-    crate::metrics::heartbeat_failed(spec.scope);
+    crate::metrics::lease_lapsed(spec.scope);
     tracing::warn!(target: "idempotent", scope = %identity.scope, key = %identity.log_digest(),
         since_renewed_ms = lapsed.as_millis() as u64, lease_ms = lease.as_millis() as u64,
         "heartbeat: the lease lapsed before it could be renewed (the body blocked its thread, \

@@ -25,7 +25,7 @@ use common::servers::{fresh_tenant, nats_or_skip, nats_url, pg_store_or_skip, pg
 use futures_util::StreamExt;
 use idempotent_runtime::consumer::nats::{message_key, process};
 use idempotent_runtime::consumer::{handle, Disposition, Verdict};
-use idempotent_runtime::{idempotent, Error, MemoryStore, PgStore, SqliteStore};
+use idempotent_runtime::{idempotent, Error, MemoryStore, PgStore, SqliteStore, Store};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader};
@@ -225,6 +225,74 @@ async fn mapping_mismatch_with_a_delivery_still_running_is_nakd_not_termed() {
         (Verdict::Mismatch, Disposition::Term)
     );
     assert_eq!(ledger.effects.load(Ordering::SeqCst), 1);
+}
+
+/// A mismatch with a record left in progress by a delivery whose process
+/// died (its lease ran out before it answered) is not terminated at once:
+/// that message's own redelivery, perhaps to the older version in a rolling
+/// deploy, may yet take the record over and finish it. It is nak'd like a
+/// failure for the first deliveries, then terminated; nothing runs.
+#[tokio::test]
+async fn mapping_mismatch_with_an_abandoned_record_is_nakd_before_it_is_termed() {
+    let ledger = Ledger::new(false);
+    let identity = idempotent_runtime::Identity::shared("nats.mapping.billing", "m-13").unwrap();
+    let other_arguments = idempotent_runtime::Fingerprint::from_stored(format!(
+        "v2:{}",
+        "0123456789abcdef".repeat(4)
+    ));
+    common::records::acquire(
+        &ledger.store,
+        &identity,
+        Some(&other_arguments),
+        Duration::from_millis(1),
+        Duration::from_secs(3600),
+    )
+    .await;
+    let lapsed = async {
+        loop {
+            match ledger.store.fetch(&identity).await.unwrap() {
+                Some(r) if r.lease_expires_at_ms.is_some_and(|ends| ends < r.now_ms) => break,
+                _ => tokio::time::sleep(Duration::from_millis(5)).await,
+            }
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(10), lapsed)
+        .await
+        .expect("the planted lease runs out");
+    let before = ledger
+        .store
+        .fetch(&identity)
+        .await
+        .unwrap()
+        .map(|r| (r.state, r.fingerprint));
+
+    let payload = order("o-13", 1300);
+    let redelivered = handle(Some("m-13"), |k| ledger.bill(k, &payload)).await;
+    assert_eq!(redelivered.verdict, Verdict::MismatchWithAbandonedRecord);
+    assert!(matches!(
+        redelivered.idempotency_error(),
+        Some(Error::FingerprintMismatch(_))
+    ));
+    let redelivered = redelivered.with_deliveries(2);
+    assert_eq!(
+        redelivered.disposition(),
+        Disposition::Nak(Some(Duration::from_secs(2)))
+    );
+    let last = handle(Some("m-13"), |k| ledger.bill(k, &payload))
+        .await
+        .with_deliveries(idempotent_runtime::consumer::DELIVERIES_BEFORE_TERM);
+    assert_eq!(last.disposition(), Disposition::Term);
+    assert_eq!(ledger.effects.load(Ordering::SeqCst), 0, "nothing ran");
+    assert_eq!(
+        ledger
+            .store
+            .fetch(&identity)
+            .await
+            .unwrap()
+            .map(|r| (r.state, r.fingerprint)),
+        before,
+        "the abandoned record is untouched, for its own delivery to take over"
+    );
 }
 
 /// The same through an annotated function whose body calls the refused
