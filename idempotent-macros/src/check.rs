@@ -137,15 +137,18 @@ pub(crate) fn validate(
     spec.ok_or_else(|| syn::Error::new(attr_span, "missing `scope`, `key` or `tenant`"))
 }
 
-/// A parameter of the annotated function, as far as the fingerprint cares.
 /// A parameter that goes into the fingerprint.
 pub(crate) struct Fingerprinted {
     pub name: Ident,
     /// Its `#[cfg]`s: it is fingerprinted (and listed) only where it is
     /// compiled in.
     pub cfgs: Vec<TokenStream>,
+    /// A by-value `self`: fingerprinted since builds that left it out, so a
+    /// record they stored is compared without it too (legacy form).
+    pub receiver: bool,
 }
 
+/// A parameter of the annotated function, as far as the fingerprint cares.
 struct Param {
     /// `None` for a pattern (`(a, b): (u8, u8)`, `_`).
     name: Option<Ident>,
@@ -155,6 +158,9 @@ struct Param {
     /// Where to point at in messages.
     span: Span,
     is_self: bool,
+    /// `self`, `mut self` or `self: Self`: the method consumes the value,
+    /// which is then the request (a command object), not a service.
+    by_value_self: bool,
     /// `_: T`
     is_wildcard: bool,
 }
@@ -194,6 +200,8 @@ fn params(sig: &Signature) -> Vec<Param> {
                 cfgs: Vec::new(),
                 span: r.span(),
                 is_self: true,
+                by_value_self: r.reference.is_none()
+                    && matches!(&*r.ty, Type::Path(p) if p.qself.is_none() && p.path.is_ident("Self")),
                 is_wildcard: false,
             },
             FnArg::Typed(t) => match &*t.pat {
@@ -202,6 +210,7 @@ fn params(sig: &Signature) -> Vec<Param> {
                     cfgs: crate::item::cfgs_of(&t.attrs),
                     span: p.ident.span(),
                     is_self: p.ident == "self",
+                    by_value_self: false,
                     is_wildcard: false,
                 },
                 other => Param {
@@ -209,6 +218,7 @@ fn params(sig: &Signature) -> Vec<Param> {
                     cfgs: Vec::new(),
                     span: other.span(),
                     is_self: false,
+                    by_value_self: false,
                     is_wildcard: matches!(other, Pat::Wild(_)),
                 },
             },
@@ -595,8 +605,10 @@ fn cross(cx: &Ctxt, attr: Attr, sig: &Signature, env: &Env) -> Option<Spec> {
         }
     }
 
-    // Which parameters are fingerprinted: all but `self`, the skipped ones and
-    // those named directly by `key`, `tenant`, `store` or `tx`.
+    // Which parameters are fingerprinted: all but a borrowed `self` (the
+    // service the method runs on), the skipped ones and those named directly
+    // by `key`, `tenant`, `store` or `tx`. A by-value `self` is the request
+    // itself (a command consumed by its `execute(self)`), so it counts.
     let named_directly: Vec<&Ident> = [
         attr.key.as_ref().and_then(attr::plain_ident),
         match &attr.tenant {
@@ -612,7 +624,7 @@ fn cross(cx: &Ctxt, attr: Attr, sig: &Signature, env: &Env) -> Option<Spec> {
     let mut fingerprinted = Vec::new();
     if fingerprint_on {
         for p in &params {
-            if p.is_self {
+            if p.is_self && !p.by_value_self {
                 continue;
             }
             match &p.name {
@@ -622,6 +634,7 @@ fn cross(cx: &Ctxt, attr: Attr, sig: &Signature, env: &Env) -> Option<Spec> {
                 Some(n) => fingerprinted.push(Fingerprinted {
                     name: n.clone(),
                     cfgs: p.cfgs.clone(),
+                    receiver: p.is_self,
                 }),
                 None if p.is_wildcard => cx.error(
                     p.span,

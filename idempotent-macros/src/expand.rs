@@ -151,7 +151,12 @@ pub(crate) fn generate(func: &MaybeItemFn, spec: &Spec) -> TokenStream {
         // parameter would not see a binding spanned at the attribute.
         let arguments = spec.fingerprinted.iter().map(|f| {
             let (name, text, cfgs) = (&f.name, check::name_text(&f.name), &f.cfgs);
-            quote_spanned!(name.span()=> #(#cfgs)* #krate::__private::fingerprint_argument(&mut #builder, #text, &#name);)
+            let add = if f.receiver {
+                Ident::new("fingerprint_receiver", Span::call_site())
+            } else {
+                Ident::new("fingerprint_argument", Span::call_site())
+            };
+            quote_spanned!(name.span()=> #(#cfgs)* #krate::__private::#add(&mut #builder, #text, &#name);)
         });
         quote!({
             let mut #builder = #krate::__private::FingerprintBuilder::new();
@@ -349,9 +354,21 @@ pub(crate) fn generate(func: &MaybeItemFn, spec: &Spec) -> TokenStream {
 /// parameter's value shows its type cannot be told from here (`Id<T>`
 /// holding a number and a `PhantomData<T>`), so a type parameter that a
 /// fingerprinted parameter mentions counts too: `f::<u8>(7)` and
-/// `f::<i64>(7)` are two requests. All instantiations share the one scope.
+/// `f::<i64>(7)` are two requests; and so does one the return type
+/// mentions, whatever else does: the answer is of that type, and
+/// `load::<Invoice>` must not replay what `load::<User>` recorded.
+///
+/// `Self` too: always when the return type mentions it (a trait's
+/// `create(..) -> Result<Self, E>` for each implementor); for a method, when
+/// `Self` is an instantiation of a generic type (`Repo<User>`, `Buf<5>`: the
+/// impl's parameters, which the attribute cannot see, may shape the answer).
+/// All instantiations share the one scope.
 fn instantiation_of(sig: &syn::Signature, spec: &Spec, builder: &Ident) -> Vec<TokenStream> {
     let krate = &spec.krate;
+    let in_answer = |ident: &Ident| match &sig.output {
+        syn::ReturnType::Type(_, ty) => mentions(ty.to_token_stream(), ident),
+        syn::ReturnType::Default => false,
+    };
     let fingerprinted = |name: &Ident| spec.fingerprinted.iter().any(|f| f.name == *name);
     // Only the parameters left out, and only those compiled in everywhere.
     let left_out_only = |ident: &Ident| {
@@ -381,7 +398,7 @@ fn instantiation_of(sig: &syn::Signature, spec: &Spec, builder: &Ident) -> Vec<T
             syn::GenericParam::Const(c) => (&c.ident, &c.attrs),
             syn::GenericParam::Lifetime(_) => continue,
         };
-        if left_out_only(ident) {
+        if left_out_only(ident) && !in_answer(ident) {
             continue;
         }
         let (name, cfgs) = (format!("<{}>", ident.unraw()), crate::item::cfgs_of(attrs));
@@ -390,6 +407,13 @@ fn instantiation_of(sig: &syn::Signature, spec: &Spec, builder: &Ident) -> Vec<T
                 &mut #builder, #name, ::core::any::type_name::<#ident>());),
             _ => quote!(#(#cfgs)* #krate::__private::fingerprint_const(&mut #builder, #name, &#ident);),
         });
+    }
+    if in_answer(&Ident::new("Self", Span::call_site())) {
+        out.push(quote!(#krate::__private::fingerprint_type(
+            &mut #builder, "<Self>", ::core::any::type_name::<Self>());));
+    } else if sig.receiver().is_some() {
+        out.push(quote!(#krate::__private::fingerprint_generic_self(
+            &mut #builder, ::core::any::type_name::<Self>());));
     }
     out
 }

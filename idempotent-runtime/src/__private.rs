@@ -17,7 +17,7 @@ pub use crate::transaction::{
 #[diagnostic::on_unimplemented(
     message = "the parameter's type `{Self}` does not implement `serde::Serialize`, and the parameter is fingerprinted",
     label = "fingerprinted: not named directly by `key`, `tenant`, `store` or `tx`, nor listed in `skip(...)`",
-    note = "derive `serde::Serialize` for it if it is part of the request, or leave it out of the fingerprint with `skip(<parameter>)` if it is not (a principal, a connection, shared state)"
+    note = "derive `serde::Serialize` for it if it is part of the request, or leave it out of the fingerprint with `skip(<parameter>)` if it is not (a principal, a connection, shared state, a store given as `store = store.clone()`, a service a method takes by value: `skip(self)`)"
 )]
 pub trait Fingerprinted: serde::Serialize {}
 
@@ -32,9 +32,31 @@ pub fn fingerprint_argument<T: Fingerprinted + ?Sized>(
     builder.argument(name, value);
 }
 
+/// Adds a by-value `self` (the request a method consumes) to `builder`.
+/// Builds before it counted left it out, so the fingerprint's legacy form is
+/// the one without it: a record they stored is still replayed.
+pub fn fingerprint_receiver<T: Fingerprinted + ?Sized>(
+    builder: &mut FingerprintBuilder,
+    name: &'static str,
+    value: &T,
+) {
+    builder.instantiation(name, value);
+}
+
+/// Adds a method's `Self` when it is an instantiation of a generic type
+/// (`Repo<User>`, `Buf<5>`, `[u8; 4]`), by its name without module paths:
+/// the impl's parameters, which the attribute cannot see, may shape the
+/// answer, so `Repo<Invoice>::load` does not replay what `Repo<User>::load`
+/// recorded. A `Self` that is not generic (a service type) adds nothing.
+pub fn fingerprint_generic_self(builder: &mut FingerprintBuilder, type_name: &str) {
+    if type_name.contains(['<', ';']) {
+        fingerprint_type(builder, "<Self>", type_name);
+    }
+}
+
 /// Adds which instantiation of a generic function made the call: a type
-/// parameter's (or `Self`'s, or an `impl Trait` parameter's) type, by its
-/// name without module paths (see `FingerprintBuilder::instantiation`).
+/// parameter's (or `Self`'s) type, by its name without module paths (see
+/// `FingerprintBuilder::instantiation`).
 pub fn fingerprint_type(builder: &mut FingerprintBuilder, name: &'static str, type_name: &str) {
     builder.instantiation(name, &crate::fingerprint::short_type_name(type_name));
 }

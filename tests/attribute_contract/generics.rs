@@ -442,3 +442,177 @@ async fn the_claimants_of_a_shared_scope_replay_each_other() {
     );
     reused(refund_from_queue::<u8>(&store, "k", 6).await);
 }
+
+// ---- The answer's type decides too: a record of one type is never replayed
+// as another. Two types of one shape, so such a replay would decode silently.
+
+#[derive(Debug, Default, PartialEq, Serialize, serde::Deserialize)]
+struct Customer {
+    id: u32,
+}
+
+#[derive(Debug, Default, PartialEq, Serialize, serde::Deserialize)]
+struct Invoice {
+    id: u32,
+}
+
+/// Where records of `T` live: left out of the fingerprint, and its type
+/// mentions `T`.
+struct Repo<T>(std::marker::PhantomData<T>);
+
+impl<T> Repo<T> {
+    fn new() -> Self {
+        Repo(std::marker::PhantomData)
+    }
+}
+
+/// `T` is mentioned by a skipped parameter only, and by the return type.
+#[idempotent(scope = "generics.load", key = key, tenant = shared, store = store, skip(repo))]
+async fn load<T: Default + Serialize + serde::de::DeserializeOwned + Send + Sync>(
+    store: &MemoryStore,
+    key: &str,
+    repo: &Repo<T>,
+) -> Result<T, Error> {
+    let _ = repo;
+    Ok(T::default())
+}
+
+/// A key typed by what it finds: the key is left out, `T` is in the answer.
+struct TypedKey<T>(&'static str, std::marker::PhantomData<T>);
+
+impl<T> std::fmt::Display for TypedKey<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.0)
+    }
+}
+
+#[idempotent(scope = "generics.find", key = key, tenant = shared, store = store)]
+async fn find<T: Default + Serialize + serde::de::DeserializeOwned + Send + Sync>(
+    store: &MemoryStore,
+    key: &TypedKey<T>,
+) -> Result<T, Error> {
+    Ok(T::default())
+}
+
+/// A trait's default method answering `Self`: one per implementor.
+trait Created: Default + Serialize + serde::de::DeserializeOwned + Send + Sync {
+    #[idempotent(scope = "generics.created", key = key, tenant = shared, store = store)]
+    async fn create(store: &MemoryStore, key: &str) -> Result<Self, Error> {
+        Ok(Self::default())
+    }
+}
+
+impl Created for Customer {}
+impl Created for Invoice {}
+
+/// A method of a generic type: the impl's parameter shapes the answer.
+impl<T: Default + Serialize + serde::de::DeserializeOwned + Send + Sync> Repo<T> {
+    #[idempotent(scope = "generics.repo_get", key = key, tenant = shared, store = store)]
+    async fn get(&self, store: &MemoryStore, key: &str) -> Result<T, Error> {
+        Ok(T::default())
+    }
+}
+
+/// A method of a type with a const parameter: its value shapes the answer.
+struct Buffer<const N: usize>;
+
+impl<const N: usize> Buffer<N> {
+    #[idempotent(scope = "generics.buffer_fill", key = key, tenant = shared, store = store)]
+    async fn fill(&self, store: &MemoryStore, key: &str, byte: u8) -> Result<Vec<u8>, Error> {
+        Ok(vec![byte; N])
+    }
+}
+
+#[tokio::test]
+async fn a_record_of_one_answer_type_is_never_replayed_as_another() {
+    let store = MemoryStore::new();
+    assert_eq!(
+        load::<Customer>(&store, "k", &Repo::new())
+            .await
+            .expect("runs"),
+        Customer::default()
+    );
+    reused(load::<Invoice>(&store, "k", &Repo::new()).await);
+    let again = with_outcome(load::<Customer>(&store, "k", &Repo::new())).await;
+    assert!(
+        matches!(again, (Ok(_), Some(Outcome::Replayed))),
+        "{again:?}"
+    );
+
+    assert_eq!(
+        find::<Customer>(&store, &TypedKey("k", std::marker::PhantomData))
+            .await
+            .expect("runs"),
+        Customer::default()
+    );
+    reused(find::<Invoice>(&store, &TypedKey("k", std::marker::PhantomData)).await);
+
+    assert_eq!(
+        Customer::create(&store, "k").await.expect("runs"),
+        Customer::default()
+    );
+    reused(Invoice::create(&store, "k").await);
+
+    assert_eq!(
+        Repo::<Customer>::new()
+            .get(&store, "k")
+            .await
+            .expect("runs"),
+        Customer::default()
+    );
+    reused(Repo::<Invoice>::new().get(&store, "k").await);
+
+    assert_eq!(
+        Buffer::<2>.fill(&store, "k", 1).await.expect("runs"),
+        [1, 1]
+    );
+    reused(Buffer::<5>.fill(&store, "k", 1).await);
+    let again = with_outcome(Buffer::<2>.fill(&store, "k", 1)).await;
+    assert!(
+        matches!(again, (Ok(ref v), Some(Outcome::Replayed)) if v == &[1, 1]),
+        "{again:?}"
+    );
+}
+
+/// A record a build stored before the answer's type counted (the
+/// parameters' fingerprint alone) is still replayed to the same call.
+#[tokio::test]
+async fn a_record_stored_before_the_answers_type_counted_is_still_replayed() {
+    let store = MemoryStore::new();
+    let id = Identity::shared("generics.buffer_fill", "old").expect("identity");
+    let mut builder = FingerprintBuilder::new();
+    builder.argument("byte", &1u8);
+    let old = builder
+        .finish()
+        .expect("fingerprint")
+        .expect("one argument");
+    let token = crate::common::records::acquire(
+        &store,
+        &id,
+        Some(&old),
+        Duration::from_secs(30),
+        Duration::from_secs(3600),
+    )
+    .await;
+    let outcome = StoredOutcome {
+        is_error: false,
+        payload: b"[7,7]".to_vec(),
+    };
+    let written = store
+        .complete(Completion {
+            identity: &id,
+            token: &token,
+            outcome: &outcome,
+            ttl: Duration::from_secs(3600),
+            by: AnsweredBy::Body,
+        })
+        .await
+        .expect("complete");
+    assert!(written.is_written());
+    let replayed = with_outcome(Buffer::<2>.fill(&store, "old", 1)).await;
+    assert!(
+        matches!(replayed, (Ok(ref v), Some(Outcome::Replayed)) if v == &[7, 7]),
+        "{replayed:?}"
+    );
+    reused(Buffer::<2>.fill(&store, "old", 2).await);
+}

@@ -685,7 +685,7 @@ fn registry_lists_every_function_with_file_line_and_policies() {
         .filter(|s| s.scope.starts_with("shapes."))
         .collect();
     // Every function here (the shared scopes are listed once per claimant).
-    assert_eq!(ours.len(), 32, "{ours:#?}");
+    assert_eq!(ours.len(), 34, "{ours:#?}");
     assert!(
         ours.windows(2).all(|w| w[0].scope <= w[1].scope),
         "sorted by scope"
@@ -985,4 +985,119 @@ async fn a_module_that_forbids_lints_compiles_and_runs() {
             .expect("replays"),
         3
     );
+}
+
+// ---- a method taking `self` by value consumes it: the value is the request
+// (a command object), so it is fingerprinted like a parameter, unless
+// `skip(self)`. A borrowed `self` is the service, never fingerprinted.
+#[derive(Serialize)]
+struct ChargeCommand {
+    account: String,
+    amount: u64,
+}
+
+impl ChargeCommand {
+    #[idempotent(scope = "shapes.command", key = key, tenant = self.account, store = store)]
+    async fn execute(self, store: &MemoryStore, key: &str, currency: &str) -> Result<u64, Error> {
+        let _ = currency;
+        Ok(self.amount)
+    }
+}
+
+/// A service taken by value (a cheap handle), left out with `skip(self)`.
+#[derive(Clone, Copy)]
+struct Mailer {
+    sent_by: u8,
+}
+
+impl Mailer {
+    #[idempotent(scope = "shapes.consumed_service", key = key, tenant = shared, store = store,
+                 skip(self))]
+    async fn send(self, store: &MemoryStore, key: &str, to: String) -> Result<String, Error> {
+        Ok(format!("{to} by {}", self.sent_by))
+    }
+}
+
+#[tokio::test]
+async fn a_by_value_self_is_fingerprinted_unless_skipped() {
+    let store = MemoryStore::new();
+    let command = |amount| ChargeCommand {
+        account: "acct-1".into(),
+        amount,
+    };
+    assert_eq!(command(10).execute(&store, "k", "EUR").await.unwrap(), 10);
+    assert!(
+        matches!(
+            command(999_999).execute(&store, "k", "EUR").await,
+            Err(Error::FingerprintMismatch(_))
+        ),
+        "another command under the same key was served the first one's answer"
+    );
+    let again = with_outcome(command(10).execute(&store, "k", "EUR")).await;
+    assert!(
+        matches!(again, (Ok(10), Some(Outcome::Replayed))),
+        "{again:?}"
+    );
+    assert_eq!(
+        registered("shapes.command").fingerprinted_parameters,
+        ["self", "currency"]
+    );
+
+    let sent = Mailer { sent_by: 1 }.send(&store, "m", "ann".into()).await;
+    assert_eq!(sent.unwrap(), "ann by 1");
+    let again = with_outcome(Mailer { sent_by: 2 }.send(&store, "m", "ann".into())).await;
+    assert!(
+        matches!(again, (Ok(ref s), Some(Outcome::Replayed)) if s == "ann by 1"),
+        "{again:?}"
+    );
+    assert_eq!(
+        registered("shapes.consumed_service").fingerprinted_parameters,
+        ["to"]
+    );
+}
+
+/// A record a build stored before a by-value `self` counted (its other
+/// parameters' fingerprint) is still replayed, and not to other ones.
+#[tokio::test]
+async fn a_record_stored_before_a_by_value_self_counted_is_still_replayed() {
+    let store = MemoryStore::new();
+    let id = idempotent_runtime::Identity::new("acct-1", "shapes.command", "old").unwrap();
+    let mut builder = idempotent_runtime::FingerprintBuilder::new();
+    builder.argument("currency", "EUR");
+    let old = builder.finish().unwrap().unwrap();
+    let token = crate::common::records::acquire(
+        &store,
+        &id,
+        Some(&old),
+        Duration::from_secs(30),
+        Duration::from_secs(3600),
+    )
+    .await;
+    let outcome = idempotent_runtime::StoredOutcome {
+        is_error: false,
+        payload: b"7".to_vec(),
+    };
+    assert!(store
+        .complete(idempotent_runtime::Completion::by_body(
+            &id,
+            &token,
+            &outcome,
+            Duration::from_secs(3600)
+        ))
+        .await
+        .unwrap()
+        .is_written());
+    let command = || ChargeCommand {
+        account: "acct-1".into(),
+        amount: 10,
+    };
+    let replayed = with_outcome(command().execute(&store, "old", "EUR")).await;
+    assert!(
+        matches!(replayed, (Ok(7), Some(Outcome::Replayed))),
+        "{replayed:?}"
+    );
+    assert!(matches!(
+        command().execute(&store, "old", "USD").await,
+        Err(Error::FingerprintMismatch(_))
+    ));
 }

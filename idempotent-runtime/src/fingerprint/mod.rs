@@ -439,9 +439,10 @@ impl FingerprintBuilder {
 
     /// Adds what tells one instantiation of a generic function from another
     /// (a type parameter's type, a const parameter's value, `Self` of a
-    /// method, the type of an `impl Trait` parameter), under a `name` no
-    /// parameter can have (`<T>`): `create::<User>` and `create::<Order>`
-    /// with one key are two requests, not one replayed to the other.
+    /// method), under a `name` no parameter can have (`<T>`):
+    /// `create::<User>` and `create::<Order>` with one key are two requests,
+    /// not one replayed to the other. Also a method's by-value `self`
+    /// (`name` `self`), which builds before counted left out.
     ///
     /// The fingerprint's legacy form (rule 6) is then the one without it,
     /// which builds before this existed made: a record they stored is still
