@@ -68,7 +68,10 @@
 //! As in v1, the JSON reading of a value is what counts: integer widths,
 //! `Some(x)` vs `x` (for `x` not null-like), and the number key `1` vs the
 //! string key `"1"` alone in a map are not told apart; a parameter has one
-//! type, and these only meet inside `#[serde(untagged)]` enums.
+//! type, and these only meet inside `#[serde(untagged)]` enums and
+//! structs with several `#[serde(flatten)]` maps (one keyed by `String`,
+//! one by `Option<String>`: `"z"` in the one and `Some("z")` in the other
+//! are one value).
 //! Likewise the variants of an untagged enum that serde writes alike are one
 //! value (`Refund { amount: 1 }` and `Charge { amount: 1 }`, or two unit
 //! variants): when such an enum is an argument, tag it (serde's default, or
