@@ -205,7 +205,8 @@ fn params(sig: &Signature) -> Vec<Param> {
                 is_wildcard: false,
             },
             FnArg::Typed(t) => match &*t.pat {
-                Pat::Ident(p) if p.subpat.is_none() => Param {
+                // `req @ Req { amount, .. }` binds the whole value to a name too.
+                Pat::Ident(p) => Param {
                     name: Some(p.ident.clone()),
                     cfgs: crate::item::cfgs_of(&t.attrs),
                     span: p.ident.span(),

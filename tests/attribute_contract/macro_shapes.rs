@@ -685,7 +685,7 @@ fn registry_lists_every_function_with_file_line_and_policies() {
         .filter(|s| s.scope.starts_with("shapes."))
         .collect();
     // Every function here (the shared scopes are listed once per claimant).
-    assert_eq!(ours.len(), 34, "{ours:#?}");
+    assert_eq!(ours.len(), 35, "{ours:#?}");
     assert!(
         ours.windows(2).all(|w| w[0].scope <= w[1].scope),
         "sorted by scope"
@@ -1100,4 +1100,39 @@ async fn a_record_stored_before_a_by_value_self_counted_is_still_replayed() {
         command().execute(&store, "old", "USD").await,
         Err(Error::FingerprintMismatch(_))
     ));
+}
+
+// ---- a parameter bound to a name and destructured at once
+// (`req @ Refund { amount, .. }`) is fingerprinted by its name.
+#[derive(Serialize)]
+struct Refund {
+    order: String,
+    amount: u64,
+}
+
+#[idempotent(scope = "shapes.bound_pattern", key = key, tenant = shared, store = store)]
+async fn refund_bound(
+    store: &MemoryStore,
+    key: &str,
+    req @ Refund { amount, .. }: Refund,
+) -> Result<u64, Error> {
+    Ok(amount + req.order.len() as u64)
+}
+
+#[tokio::test]
+async fn a_parameter_bound_with_a_subpattern_is_fingerprinted_by_its_name() {
+    let store = MemoryStore::new();
+    let refund = |amount| Refund {
+        order: "o-1".into(),
+        amount,
+    };
+    assert_eq!(refund_bound(&store, "k", refund(5)).await.unwrap(), 8);
+    assert!(matches!(
+        refund_bound(&store, "k", refund(6)).await,
+        Err(Error::FingerprintMismatch(_))
+    ));
+    assert_eq!(
+        registered("shapes.bound_pattern").fingerprinted_parameters,
+        ["req"]
+    );
 }
