@@ -398,18 +398,30 @@ fn instantiation_of(sig: &syn::Signature, spec: &Spec, builder: &Ident) -> Vec<T
             syn::GenericParam::Const(c) => (&c.ident, &c.attrs),
             syn::GenericParam::Lifetime(_) => continue,
         };
-        if left_out_only(ident) && !in_answer(ident) {
+        // Counted by builds before `v3` too, or only since (the answer's
+        // type alone: what they stored is compared without it).
+        let (add_type, add_const) = if !left_out_only(ident) {
+            ("fingerprint_type", "fingerprint_const")
+        } else if in_answer(ident) {
+            ("fingerprint_answer_type", "fingerprint_answer_const")
+        } else {
             continue;
-        }
+        };
         let (name, cfgs) = (format!("<{}>", ident.unraw()), crate::item::cfgs_of(attrs));
         out.push(match param {
-            syn::GenericParam::Type(_) => quote!(#(#cfgs)* #krate::__private::fingerprint_type(
-                &mut #builder, #name, ::core::any::type_name::<#ident>());),
-            _ => quote!(#(#cfgs)* #krate::__private::fingerprint_const(&mut #builder, #name, &#ident);),
+            syn::GenericParam::Type(_) => {
+                let add = Ident::new(add_type, Span::call_site());
+                quote!(#(#cfgs)* #krate::__private::#add(
+                    &mut #builder, #name, ::core::any::type_name::<#ident>());)
+            }
+            _ => {
+                let add = Ident::new(add_const, Span::call_site());
+                quote!(#(#cfgs)* #krate::__private::#add(&mut #builder, #name, &#ident);)
+            }
         });
     }
     if in_answer(&Ident::new("Self", Span::call_site())) {
-        out.push(quote!(#krate::__private::fingerprint_type(
+        out.push(quote!(#krate::__private::fingerprint_answer_type(
             &mut #builder, "<Self>", ::core::any::type_name::<Self>());));
     } else if sig.receiver().is_some() {
         out.push(quote!(#krate::__private::fingerprint_generic_self(

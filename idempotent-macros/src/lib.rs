@@ -109,8 +109,9 @@ use proc_macro::TokenStream;
 /// # The fingerprint
 ///
 /// Every parameter is fingerprinted (and must be `Serialize`) except: a
-/// borrowed `self` (`&self`, `self: Arc<Self>`: the service; a `self` taken
-/// by value is the request and counts unless `skip(self)`);
+/// `self` behind a reference or a smart pointer (`&self`, `self: Arc<Self>`:
+/// the service; a plain `self` taken by value is the request and counts
+/// unless `skip(self)`);
 /// parameters listed in `skip(...)`; and a parameter named *directly* by `key`,
 /// `tenant`, `store` or `tx` — the expression is exactly that identifier
 /// (`key = key`, or in parentheses: `tenant = (shared)`). An expression that only starts with it (`tenant = account.id`)

@@ -40,7 +40,7 @@ pub fn fingerprint_receiver<T: Fingerprinted + ?Sized>(
     name: &'static str,
     value: &T,
 ) {
-    builder.instantiation(name, value);
+    builder.counted_since_v3(name, value);
 }
 
 /// Adds a method's `Self` when it is an instantiation of a generic type
@@ -49,9 +49,30 @@ pub fn fingerprint_receiver<T: Fingerprinted + ?Sized>(
 /// answer, so `Repo<Invoice>::load` does not replay what `Repo<User>::load`
 /// recorded. A `Self` that is not generic (a service type) adds nothing.
 pub fn fingerprint_generic_self(builder: &mut FingerprintBuilder, type_name: &str) {
-    if type_name.contains(['<', ';']) {
-        fingerprint_type(builder, "<Self>", type_name);
+    if crate::fingerprint::names_an_instantiation(type_name) {
+        fingerprint_answer_type(builder, "<Self>", type_name);
     }
+}
+
+/// Adds a type that shapes the answer and that builds before `v3` did not
+/// count: a type parameter only the return type (and left-out parameters)
+/// mention, or `Self` in the return type (see [`fingerprint_type`]).
+pub fn fingerprint_answer_type(
+    builder: &mut FingerprintBuilder,
+    name: &'static str,
+    type_name: &str,
+) {
+    builder.counted_since_v3(name, &crate::fingerprint::short_type_name(type_name));
+}
+
+/// Adds a const parameter only the return type (and left-out parameters)
+/// mention (see [`fingerprint_answer_type`]).
+pub fn fingerprint_answer_const<T: serde::Serialize>(
+    builder: &mut FingerprintBuilder,
+    name: &'static str,
+    value: &T,
+) {
+    builder.counted_since_v3(name, value);
 }
 
 /// Adds which instantiation of a generic function made the call: a type

@@ -682,8 +682,11 @@ where
         // next call takes it over at once and asks the hook again. Releasing
         // it would let a retry run the body blind; leaving it (as this did)
         // refused every retry for the rest of a renewed lease.
-        let (answer, _) =
+        let (answer, mut hook_watch) =
             run_with_heartbeat(store, spec, &identity, &token, spec.lease, hook).await;
+        // Rule 9 as for a body: a lease that lapsed while the hook ran (its
+        // thread blocked) is noted, the clock read only for a hook.
+        hook_watch.note_if_lapsed(spec, &identity, Instant::now(), None);
         let answered = match answer {
             Err(panic) => {
                 end_lease_logged(store, &identity, &token).await;
@@ -707,7 +710,12 @@ where
                             "the recover hook answered Run after this call had lost the record \
                              to another caller: the body does not run");
                         guard.arm(false);
-                        return fail(Error::LeaseLost(identity.context()));
+                        // The body did not run: not the `lease_lost` outcome
+                        // (a body that ran, its answer not recorded).
+                        return (
+                            Err(Error::LeaseLost(identity.context()).into()),
+                            CallOutcome::Failed,
+                        );
                     }
                     // Ownership unknown: the body does not run blind. The
                     // record stays in progress, its lease ended if the store
@@ -772,7 +780,11 @@ where
     };
     // The body answered: from here on the record is released or recorded
     // as the answer says (rule 13), also if this call is dropped meanwhile.
-    guard.keep_for_takeover = false;
+    // Until then (the result's own `Serialize`/`Deserialize` and the error
+    // policy run first, and may panic), a scope with a recover hook still
+    // ends the lease of a call that ends without an answer: the side effect
+    // happened, and the next call asks the hook (`StoreSink::release` and
+    // `record` take the guard from there).
     let ended = Instant::now();
     crate::metrics::body_time(
         spec.scope,
@@ -880,6 +892,9 @@ impl RecordSink for StoreSink<'_, '_> {
 
     fn release(&mut self) -> BoxFuture<'_, Result<(), Error>> {
         Box::pin(async move {
+            // The answer says to free the key: a call dropped meanwhile
+            // releases it too, hook or not (rule 13).
+            self.guard.keep_for_takeover = false;
             release(self.store, self.guard).await;
             Ok(())
         })
@@ -1057,10 +1072,13 @@ pub(crate) fn replay<R: IdempotentReturn, H: ErrorHandling<R::Failure>>(
         replayed_error: outcome.is_error,
         last_mismatch: None,
     });
-    (
-        decode_replay::<R, H>(spec, errors, outcome),
-        CallOutcome::Replayed,
-    )
+    // A recorded answer that no longer decodes is not "a recorded result"
+    // for the metric (`with_outcome` still says Replayed: the consumer's
+    // verdict needs to know it was processed before).
+    match decoded_replay::<R, H>(spec, errors, outcome) {
+        Ok(recorded) => (recorded, CallOutcome::Replayed),
+        Err(e) => (Err(e.into()), CallOutcome::Failed),
+    }
 }
 
 /// The caller's answer once a fenced write of `result` (completion) was
@@ -1609,22 +1627,35 @@ impl Members {
     }
 }
 
+#[cfg(test)]
 pub(crate) fn decode_replay<R: IdempotentReturn, H: ErrorHandling<R::Failure>>(
     spec: &'static ScopeInfo,
     errors: &H,
     outcome: StoredOutcome,
 ) -> Result<R::Value, R::Failure> {
+    decoded_replay::<R, H>(spec, errors, outcome).unwrap_or_else(|e| Err(e.into()))
+}
+
+/// [`decode_replay`], telling the recorded answer (`Ok`, a result or a
+/// recorded error) from one that does not decode (`Err(ReplayDecoding)`).
+fn decoded_replay<R: IdempotentReturn, H: ErrorHandling<R::Failure>>(
+    spec: &'static ScopeInfo,
+    errors: &H,
+    outcome: StoredOutcome,
+) -> Result<Result<R::Value, R::Failure>, Error> {
     let failed = |message: String| Error::ReplayDecoding {
         scope: spec.scope.to_owned(),
         message,
     };
     if outcome.is_error {
         match errors.replay(&outcome.payload) {
-            Ok(e) => Err(e),
-            Err(message) => Err(failed(message).into()),
+            Ok(e) => Ok(Err(e)),
+            Err(message) => Err(failed(message)),
         }
     } else {
-        serde_json::from_slice(&outcome.payload).map_err(|e| failed(replay_failure(&e)).into())
+        serde_json::from_slice(&outcome.payload)
+            .map(Ok)
+            .map_err(|e| failed(replay_failure(&e)))
     }
 }
 

@@ -616,3 +616,123 @@ async fn a_record_stored_before_the_answers_type_counted_is_still_replayed() {
     );
     reused(Buffer::<2>.fill(&store, "old", 2).await);
 }
+
+/// Records `payload` for `key` of `scope` (shared tenant) under `fingerprint`,
+/// as an older build would have.
+async fn recorded_by_an_older_build(
+    store: &MemoryStore,
+    scope: &str,
+    key: &str,
+    fingerprint: &idempotent_runtime::Fingerprint,
+    payload: &[u8],
+) {
+    let id = Identity::shared(scope, key).expect("identity");
+    let token = crate::common::records::acquire(
+        store,
+        &id,
+        Some(fingerprint),
+        Duration::from_secs(30),
+        Duration::from_secs(3600),
+    )
+    .await;
+    let outcome = StoredOutcome {
+        is_error: false,
+        payload: payload.to_vec(),
+    };
+    let written = store
+        .complete(Completion::by_body(
+            &id,
+            &token,
+            &outcome,
+            Duration::from_secs(3600),
+        ))
+        .await
+        .expect("complete");
+    assert!(written.is_written());
+}
+
+/// The fingerprint the build before the answer's type counted made: the
+/// parameter `v` (7u8) and the instantiation `<V>` (u8) it counted too.
+fn before_the_answer_counted() -> idempotent_runtime::Fingerprint {
+    let mut builder = FingerprintBuilder::new();
+    builder.argument("v", &7u8);
+    builder.argument("<V>", "u8");
+    builder
+        .finish()
+        .expect("fingerprint")
+        .expect("two arguments")
+}
+
+impl<T: Send + Sync> Repo<T> {
+    /// A generic method of a generic type: `<V>` counted before, `<Self>` now.
+    #[idempotent(scope = "generics.repo_put", key = key, tenant = shared, store = store)]
+    async fn put<V: Serialize + Send + Sync>(
+        &self,
+        store: &MemoryStore,
+        key: &str,
+        v: V,
+    ) -> Result<u8, Error> {
+        let _ = v;
+        Ok(1)
+    }
+}
+
+/// `<V>` counted before; `<T>` (only the key and the answer mention it) now.
+#[idempotent(scope = "generics.find_with", key = key, tenant = shared, store = store)]
+async fn find_with<T: Default + Serialize + serde::de::DeserializeOwned + Send + Sync, V>(
+    store: &MemoryStore,
+    key: &TypedKey<T>,
+    v: V,
+) -> Result<T, Error>
+where
+    V: Serialize + Send + Sync,
+{
+    let _ = v;
+    Ok(T::default())
+}
+
+trait CreatedWith: Default + Serialize + serde::de::DeserializeOwned + Send + Sync {
+    /// `<V>` counted before; `<Self>` (in the answer) now.
+    #[idempotent(scope = "generics.created_with", key = key, tenant = shared, store = store)]
+    async fn create_with<V: Serialize + Send + Sync>(
+        store: &MemoryStore,
+        key: &str,
+        v: V,
+    ) -> Result<Self, Error> {
+        let _ = v;
+        Ok(Self::default())
+    }
+}
+
+impl CreatedWith for Customer {}
+
+/// A function that counts more since the answer's type counted replays
+/// what the build before stored for it, whatever that build counted (its
+/// own instantiations included), and still refuses other arguments.
+#[tokio::test]
+async fn records_of_the_build_before_the_answer_counted_are_still_replayed() {
+    let store = MemoryStore::new();
+    let old = before_the_answer_counted();
+    recorded_by_an_older_build(&store, "generics.repo_put", "old", &old, b"9").await;
+    let replayed = with_outcome(Repo::<Customer>::new().put(&store, "old", 7u8)).await;
+    assert!(
+        matches!(replayed, (Ok(9), Some(Outcome::Replayed))),
+        "{replayed:?}"
+    );
+    reused(Repo::<Customer>::new().put(&store, "old", 8u8).await);
+
+    recorded_by_an_older_build(&store, "generics.find_with", "old", &old, br#"{"id":4}"#).await;
+    let key = TypedKey("old", std::marker::PhantomData);
+    let replayed = with_outcome(find_with::<Customer, u8>(&store, &key, 7)).await;
+    assert!(
+        matches!(replayed, (Ok(Customer { id: 4 }), Some(Outcome::Replayed))),
+        "{replayed:?}"
+    );
+
+    recorded_by_an_older_build(&store, "generics.created_with", "old", &old, br#"{"id":5}"#).await;
+    let replayed = with_outcome(Customer::create_with(&store, "old", 7u8)).await;
+    assert!(
+        matches!(replayed, (Ok(Customer { id: 5 }), Some(Outcome::Replayed))),
+        "{replayed:?}"
+    );
+}

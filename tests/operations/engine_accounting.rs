@@ -391,3 +391,60 @@ fn capture_logs() -> Arc<Mutex<String>> {
     })
     .clone()
 }
+
+/// A recover hook that blocks its thread for five leases before it answers.
+async fn blocking_hook(
+    _: &idempotent_runtime::Takeover,
+) -> Result<idempotent_runtime::Recovery<u64>, Error> {
+    tokio::task::yield_now().await;
+    std::thread::sleep(Duration::from_millis(150));
+    Ok(idempotent_runtime::Recovery::Completed(7))
+}
+
+#[idempotent(scope = "accounting.blocking_hook", key = key, tenant = tenant, store = store,
+             lease = "30ms", recover = blocking_hook)]
+async fn recovered_by_a_blocking_hook(
+    store: &Counting,
+    tenant: &str,
+    key: &str,
+) -> Result<u64, Error> {
+    Ok(1)
+}
+
+/// Rule 9 for the hook as for a body: a lease that lapsed while the recover
+/// hook blocked its thread is logged and counted.
+#[tokio::test]
+async fn a_lease_that_lapsed_while_the_recover_hook_blocked_is_logged() {
+    let logs = capture_logs();
+    let store = Counting::new();
+    let tenant = format!("t-{}", uuid::Uuid::new_v4().simple());
+    let identity =
+        idempotent_runtime::Identity::new(tenant.as_str(), "accounting.blocking_hook", "k")
+            .unwrap();
+    // What a crashed owner leaves: a record whose lease runs out at once.
+    crate::common::records::acquire(
+        &store,
+        &identity,
+        None,
+        Duration::from_millis(1),
+        Duration::from_secs(3600),
+    )
+    .await;
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let lapses = idempotent_runtime::metrics::snapshot().lease_lapses;
+    assert_eq!(
+        recovered_by_a_blocking_hook(&store, &tenant, "k")
+            .await
+            .unwrap(),
+        7
+    );
+    assert!(
+        idempotent_runtime::metrics::snapshot().lease_lapses > lapses,
+        "counted"
+    );
+    let ours = lines_about(&logs, &tenant, "accounting.blocking_hook", "k");
+    assert!(
+        ours.iter().any(|line| line.contains("lease lapsed")),
+        "the lapse is logged: {ours:#?}"
+    );
+}

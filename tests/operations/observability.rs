@@ -114,6 +114,11 @@ async fn gated(
     Ok(2)
 }
 
+#[idempotent(scope = "obs.undecodable", key = key, tenant = tenant, store = store)]
+async fn undecodable(store: &MemoryStore, tenant: &str, key: &str) -> Result<u64, Error> {
+    Ok(4)
+}
+
 #[idempotent(scope = "obs.short_ttl", key = key, tenant = tenant, store = store, ttl = "1ms")]
 async fn short_ttl(store: &MemoryStore, tenant: &str, key: &str) -> Result<u64, Error> {
     Ok(3)
@@ -248,6 +253,36 @@ fn metrics_count_every_event_by_scope_and_outcome() {
         .await;
         assert!(sibling_panics.expect_err("the sibling panics").is_panic());
 
+        // obs.undecodable: a recorded answer that no longer decodes is not
+        // counted as a replay (it is no recorded result the caller got).
+        let uid = Identity::new(t.as_str(), "obs.undecodable", "u1").unwrap();
+        let token = crate::common::records::acquire(
+            &store,
+            &uid,
+            None,
+            Duration::from_secs(30),
+            Duration::from_secs(3600),
+        )
+        .await;
+        let not_a_number = idempotent_runtime::StoredOutcome {
+            is_error: false,
+            payload: br#""not a number""#.to_vec(),
+        };
+        assert!(store
+            .complete(idempotent_runtime::Completion::by_body(
+                &uid,
+                &token,
+                &not_a_number,
+                Duration::from_secs(3600)
+            ))
+            .await
+            .unwrap()
+            .is_written());
+        assert!(matches!(
+            undecodable(&store, &t, "u1").await,
+            Err(Error::ReplayDecoding { .. })
+        ));
+
         // obs.short_ttl: one record that expires at once, purged.
         let purge_store = MemoryStore::new();
         short_ttl(&purge_store, &t, "p1").await.unwrap();
@@ -291,6 +326,8 @@ fn metrics_count_every_event_by_scope_and_outcome() {
     assert_eq!(calls("obs.gated", "lease_lost"), 1);
     assert_eq!(calls("obs.gated", "executed"), 0);
     assert_eq!(calls("obs.short_ttl", "executed"), 1);
+    assert_eq!(calls("obs.undecodable", "replayed"), 0);
+    assert_eq!(calls("obs.undecodable", "failed"), 1);
 
     let takeovers = |scope: &str, attempt: &str| {
         counter(

@@ -199,6 +199,75 @@ async fn both(store: &dyn Store) {
     ended_without_an_answer_then_retried(store, Then::Hang).await;
     ended_without_an_answer_then_retried(store, Then::Panic).await;
     dropped_while_the_hook_runs(store).await;
+    answer_panicked_while_it_was_recorded(store).await;
+}
+
+/// A receipt whose `Serialize` panics the first time it is asked (the
+/// engine serializes an answer to record it, after the body ran).
+#[derive(Debug, PartialEq, serde::Deserialize)]
+struct Receipt(u32);
+
+static RECEIPT_PANICS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+impl serde::Serialize for Receipt {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        if RECEIPT_PANICS.swap(false, std::sync::atomic::Ordering::SeqCst) {
+            panic!("the receipt's serializer panicked");
+        }
+        s.serialize_u32(self.0)
+    }
+}
+
+async fn find_receipt(takeover: &Takeover) -> Result<Recovery<Receipt>, Error> {
+    let n = find_charge(takeover).await?;
+    Ok(match n {
+        Recovery::Completed(n) => Recovery::Completed(Receipt(n)),
+        Recovery::Run => Recovery::Run,
+    })
+}
+
+#[idempotent(scope = "recovery.answer_panicked", key = key, tenant = shared, store = store,
+             lease = "30s", recover = find_receipt)]
+async fn charge_for_a_receipt(store: &dyn Store, key: &str) -> Result<Receipt, Error> {
+    let mut g = gateway();
+    let n = g.charges.entry(key.to_owned()).or_default();
+    *n += 1;
+    Ok(Receipt(*n))
+}
+
+/// The body charged and answered, then recording its answer panicked (the
+/// answer's own `Serialize`): as for a body that panics, the record's lease
+/// is ended, and the retry asks the hook (which finds the charge) instead
+/// of being a fresh attempt that charges again.
+async fn answer_panicked_while_it_was_recorded(store: &dyn Store) {
+    let key = format!("k-{}", uuid::Uuid::new_v4());
+    RECEIPT_PANICS.store(true, std::sync::atomic::Ordering::SeqCst);
+    let panicked = futures::FutureExt::catch_unwind(std::panic::AssertUnwindSafe(
+        charge_for_a_receipt(store, &key),
+    ))
+    .await;
+    assert!(panicked.is_err(), "the serializer's panic propagates");
+    let identity = Identity::shared("recovery.answer_panicked", key.as_str()).expect("identity");
+    no_live_lease(store, &identity, Duration::from_secs(30))
+        .await
+        .expect("the first attempt's record is finished");
+    assert!(
+        store.fetch(&identity).await.expect("fetch").is_some(),
+        "the record is kept for the hook, not released"
+    );
+
+    let retried = with_outcome(charge_for_a_receipt(store, &key)).await;
+    let g = gateway();
+    assert_eq!(g.charges.get(&key), Some(&1), "charged once");
+    assert_eq!(
+        g.asked.get(&key).map(Vec::as_slice),
+        Some(&[2][..]),
+        "the hook was asked"
+    );
+    assert!(
+        matches!(retried, (Ok(Receipt(1)), Some(Outcome::Recovered))),
+        "{retried:?}"
+    );
 }
 
 #[tokio::test]

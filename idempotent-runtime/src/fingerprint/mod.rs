@@ -153,8 +153,17 @@ pub(crate) const HTTP_V1: &str = "http1";
 /// The HTTP layer's request fingerprint (`http::HTTP_FINGERPRINT_VERSION`).
 pub(crate) const HTTP_V2: &str = "http2";
 
+/// The label of a fingerprint that counts what builds labelled `v1`/`v2`
+/// left out: the answer's type (a type parameter only the return type and
+/// left-out parameters mention, `Self` in the return type, a method's
+/// generic `Self`) or a by-value `self`. A new label, so that a build before
+/// it, meeting such a record in a rolling deploy or after a rollback, says
+/// "retry later" ([`Error::RecordedByNewerVersion`]) instead of refusing a
+/// processed request as a reused key.
+const V3: &str = "v3";
+
 /// Every version label this build makes or compares fingerprints with.
-const KNOWN_VERSIONS: [&str; 4] = [V1, CANONICAL_VERSION, HTTP_V1, HTTP_V2];
+const KNOWN_VERSIONS: [&str; 5] = [V1, CANONICAL_VERSION, V3, HTTP_V1, HTTP_V2];
 
 /// The version label of a stored fingerprint when it is one this build does
 /// not know: a newer build made it (see the module doc). `None` for a known
@@ -324,9 +333,21 @@ struct Argument {
     /// For an argument that `differs`: its legacy bytes, or `None` if the
     /// legacy form could not write it.
     legacy: Option<Range<usize>>,
-    /// Not a parameter: which instantiation of a generic function (or which
-    /// `Self`) made the call (see [`FingerprintBuilder::instantiation`]).
-    instantiation: bool,
+    /// Since when builds count it, which decides the legacy forms.
+    counted: Counted,
+}
+
+/// Since when builds count an argument of the fingerprint.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Counted {
+    /// A parameter: always.
+    Always,
+    /// A type or const parameter that a fingerprinted parameter mentions, or
+    /// that nothing left out does (see [`FingerprintBuilder::instantiation`]).
+    Instantiation,
+    /// The answer's type or a by-value `self`: since `v3` (see
+    /// [`FingerprintBuilder::counted_since_v3`]).
+    SinceV3,
 }
 
 thread_local! {
@@ -436,7 +457,7 @@ impl FingerprintBuilder {
             extended,
             differs,
             legacy,
-            instantiation: false,
+            counted: Counted::Always,
         });
     }
 
@@ -451,9 +472,27 @@ impl FingerprintBuilder {
     /// which builds before this existed made: a record they stored is still
     /// replayed, not refused.
     pub(crate) fn instantiation<T: Serialize + ?Sized>(&mut self, name: &'static str, value: &T) {
+        self.counted(name, value, Counted::Instantiation);
+    }
+
+    /// Adds what `v3` counts and earlier labels did not: the answer's type
+    /// (a type parameter that only the return type and left-out parameters
+    /// mention, `Self` in the return type, a method's generic `Self`) or a
+    /// by-value `self`. The fingerprint is then labelled `v3`, and its legacy
+    /// form is what the build before made of the rest (its parameters and
+    /// instantiations), so a record that build stored is still replayed.
+    pub(crate) fn counted_since_v3<T: Serialize + ?Sized>(
+        &mut self,
+        name: &'static str,
+        value: &T,
+    ) {
+        self.counted(name, value, Counted::SinceV3);
+    }
+
+    fn counted<T: Serialize + ?Sized>(&mut self, name: &'static str, value: &T, counted: Counted) {
         self.argument(name, value);
         if let Some(last) = self.work.arguments.last_mut().filter(|a| a.name == name) {
-            last.instantiation = true;
+            last.counted = counted;
         }
     }
 
@@ -473,23 +512,43 @@ impl FingerprintBuilder {
         let Workspace { encoder, arguments } = &mut self.work;
         arguments.sort_by(|a, b| a.name.cmp(b.name));
         let bytes = encoder.bytes();
-        if arguments.iter().any(|a| a.instantiation) {
-            // Builds before instantiations counted made the fingerprint of
-            // the parameters alone (none: no fingerprint, which nothing
-            // contradicts).
-            let value = value_of(arguments, bytes);
-            let parameters: Vec<Argument> = arguments
+        if arguments.iter().any(|a| a.counted == Counted::SinceV3) {
+            // The build before `v3` made the fingerprint of the rest, by its
+            // own rules (none left: no fingerprint, which nothing contradicts).
+            let value = hash(V3, arguments, bytes, |a| &a.canonical);
+            let earlier: Vec<Argument> = arguments
                 .iter()
-                .filter(|a| !a.instantiation)
+                .filter(|a| a.counted != Counted::SinceV3)
                 .cloned()
                 .collect();
-            let legacy = (!parameters.is_empty())
-                .then(|| value_of(&parameters, bytes))
-                .filter(|legacy| *legacy != value);
+            let legacy = (!earlier.is_empty()).then(|| digest_before_v3(&earlier, bytes).value);
             return Fingerprint { value, legacy };
         }
-        digest_of(arguments, bytes)
+        digest_before_v3(arguments, bytes)
     }
+}
+
+/// The fingerprint of `arguments` (sorted by name, none counted since `v3`)
+/// as builds before `v3` made it, with its legacy form.
+fn digest_before_v3(arguments: &[Argument], bytes: &[u8]) -> Fingerprint {
+    if arguments
+        .iter()
+        .any(|a| a.counted == Counted::Instantiation)
+    {
+        // Builds before instantiations counted made the fingerprint of the
+        // parameters alone (none: no fingerprint, which nothing contradicts).
+        let value = value_of(arguments, bytes);
+        let parameters: Vec<Argument> = arguments
+            .iter()
+            .filter(|a| a.counted == Counted::Always)
+            .cloned()
+            .collect();
+        let legacy = (!parameters.is_empty())
+            .then(|| value_of(&parameters, bytes))
+            .filter(|legacy| *legacy != value);
+        return Fingerprint { value, legacy };
+    }
+    digest_of(arguments, bytes)
 }
 
 /// The fingerprint of `arguments` (sorted by name), their bytes in `bytes`.
@@ -515,6 +574,26 @@ fn value_of(arguments: &[Argument], bytes: &[u8]) -> String {
     let extended = arguments.iter().any(|a| a.extended);
     let version = if extended { CANONICAL_VERSION } else { V1 };
     hash(version, arguments, bytes, |a| &a.canonical)
+}
+
+/// Whether a type's name (as [`std::any::type_name`] gives it) is an
+/// instantiation of a generic type: generic arguments other than lifetimes
+/// (`Repo<User>`, `Buffer<5>`, `Pair<'_, u8>`), or an array's length
+/// (`[u8; 4]`). A type generic over lifetimes only (`Service<'_>`) is one
+/// type whatever its lifetime.
+pub(crate) fn names_an_instantiation(type_name: &str) -> bool {
+    if type_name.contains(';') {
+        return true;
+    }
+    // What follows each `<` up to the next `<` or `>`: arguments, unless
+    // all of them are lifetimes.
+    type_name.split('<').skip(1).any(|after| {
+        let arguments = after.split('>').next().unwrap_or_default();
+        arguments
+            .split(',')
+            .map(str::trim)
+            .any(|a| !a.is_empty() && !a.starts_with('\''))
+    })
 }
 
 /// A type's name as [`std::any::type_name`] gives it, without module paths

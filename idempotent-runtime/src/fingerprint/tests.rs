@@ -2357,3 +2357,74 @@ fn an_error_inside_a_map_does_not_show_its_key() {
         .to_string();
     assert!(!e.contains(personal) && e.contains("entry #0"), "{e}");
 }
+
+/// What `v3` counts (the answer's type, a by-value `self`) labels the
+/// fingerprint `v3`, and its legacy form is what the build before made of
+/// the rest, instantiations included: a record that build stored is still
+/// replayed, whatever it counted.
+#[test]
+fn what_v3_counts_keeps_the_fingerprint_the_build_before_made_as_legacy() {
+    let before = |instantiated: bool| {
+        let mut b = FingerprintBuilder::new();
+        b.argument("v", &7u8);
+        if instantiated {
+            b.instantiation("<V>", "u8");
+        }
+        b.finish().unwrap().unwrap()
+    };
+    for instantiated in [false, true] {
+        let mut b = FingerprintBuilder::new();
+        b.argument("v", &7u8);
+        if instantiated {
+            b.instantiation("<V>", "u8");
+        }
+        b.counted_since_v3("<Self>", "Repo<User>");
+        let now = b.finish().unwrap().unwrap();
+        assert_eq!(now.version(), "v3");
+        assert_ne!(now.as_str(), before(instantiated).as_str());
+        assert_eq!(
+            now.legacy().map(|l| l.as_str().to_owned()),
+            Some(before(instantiated).as_str().to_owned()),
+            "instantiated: {instantiated}"
+        );
+        assert_eq!(unknown_version(now.as_str()), None, "this build knows v3");
+    }
+    // Nothing but what v3 counts: the build before made no fingerprint.
+    let mut b = FingerprintBuilder::new();
+    b.counted_since_v3("self", &5u8);
+    let only = b.finish().unwrap().unwrap();
+    assert_eq!((only.version(), only.legacy()), ("v3", None));
+    // Another answer type, another fingerprint.
+    let answer = |t: &str| {
+        let mut b = FingerprintBuilder::new();
+        b.argument("v", &7u8);
+        b.counted_since_v3("<T>", t);
+        b.finish().unwrap().unwrap()
+    };
+    assert_ne!(answer("User").as_str(), answer("Invoice").as_str());
+}
+
+#[test]
+fn only_generic_arguments_other_than_lifetimes_make_an_instantiation() {
+    for generic in [
+        "Repo<User>",
+        "Buffer<5>",
+        "[u8; 4]",
+        "Pair<'_, u8>",
+        "Outer<'_, Inner<'_>>",
+        "Map<K, V>",
+    ] {
+        assert!(names_an_instantiation(generic), "{generic}");
+    }
+    for plain in [
+        "Service",
+        "Service<'_>",
+        "Svc<'_, 'static>",
+        "&Service",
+        "[u8]",
+        "dyn Fn(u8) -> u8",
+        "(A, B)",
+    ] {
+        assert!(!names_an_instantiation(plain), "{plain}");
+    }
+}
