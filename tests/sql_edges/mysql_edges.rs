@@ -973,6 +973,118 @@ async fn an_owner_rollback_hands_the_key_to_one_waiter_without_deadlocks() {
     );
 }
 
+// ------------------------------------------ rule 15: a deadlock through the write path's GET_LOCK
+
+#[idempotent(scope = "mysql_edges.cycle", key = key, tenant = tenant, tx = tx,
+             in_progress = wait("60s"))]
+async fn cycled(
+    tx: &mut sqlx::Transaction<'_, MySql>,
+    tenant: &str,
+    key: &str,
+) -> Result<u64, Error> {
+    Ok(1)
+}
+
+/// Waits (bounded) until the session `id` is waiting on a lock.
+async fn until_waiting(admin: &MySqlPool, id: u64) {
+    for _ in 0..3000 {
+        if waiting(admin, &[id]).await == 1 {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("session {id} did not reach its lock wait");
+}
+
+/// Three transactions in transactional mode, a deadlock that passes through
+/// the write path's user-level lock, which InnoDB's deadlock detector cannot
+/// see: T1 holds key `a`, T2 key `b` (uncommitted); T3 asks for `a` (it
+/// holds `a`'s GET_LOCK and waits for T1's row), T2 asks for `a` (it waits
+/// for the GET_LOCK T3 holds), then T1 asks for `b` (T2's row). The cycle
+/// T1 → T2 → T3 → T1 used to last until every wait ran out (60 s here, the
+/// scope's whole `wait`), and answered `InProgress`. Now InnoDB finds it
+/// (error 1213): exactly one of T1 and T2 gets `Error::Store` naming the
+/// deadlock, and the others finish (T3 once its turn comes), none with
+/// `InProgress`. Handshakes on the server's process list, no sleeps;
+/// nothing asserts how long it took.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_deadlock_through_the_get_lock_of_a_third_transaction_is_found() {
+    let Some(store) = mysql_store_or_skip().await else {
+        return;
+    };
+    let pool = MySqlPoolOptions::new()
+        .max_connections(6)
+        .connect(&mysql_url())
+        .await
+        .expect("pool");
+    let tenant = fresh_tenant();
+    let mut t1 = pool.begin().await.expect("begin T1");
+    let mut t2 = pool.begin().await.expect("begin T2");
+    let mut t3 = pool.begin().await.expect("begin T3");
+    let (id2, id3) = (connection_id(&mut *t2).await, connection_id(&mut *t3).await);
+    assert_eq!(cycled(&mut t1, &tenant, "a").await.expect("T1 holds a"), 1);
+    assert_eq!(cycled(&mut t2, &tenant, "b").await.expect("T2 holds b"), 1);
+
+    // Each transaction ends as soon as its call answers: committed after Ok
+    // (the other waiters then replay it), rolled back otherwise.
+    async fn call_then_end(
+        mut tx: sqlx::Transaction<'static, MySql>,
+        tenant: String,
+        key: &'static str,
+    ) -> (Result<u64, Error>, Option<Outcome>) {
+        let (answer, outcome) = with_outcome(cycled(&mut tx, &tenant, key)).await;
+        if answer.is_ok() {
+            tx.commit().await.expect("commit");
+        } else {
+            let _ = tx.rollback().await;
+        }
+        (answer, outcome)
+    }
+    let third = tokio::spawn(call_then_end(t3, tenant.clone(), "a"));
+    until_waiting(&pool, id3).await;
+    let second = tokio::spawn(call_then_end(t2, tenant.clone(), "a"));
+    until_waiting(&pool, id2).await;
+    let first = tokio::spawn(call_then_end(t1, tenant.clone(), "b"));
+
+    let first = first.await.expect("T1");
+    let second = second.await.expect("T2");
+    let third = third.await.expect("T3");
+    let answers = [("T1 b", &first), ("T2 a", &second), ("T3 a", &third)];
+    let victims = answers
+        .iter()
+        .filter(|(_, (answer, _))| {
+            matches!(answer, Err(Error::Store(e)) if e.to_string().to_lowercase().contains("deadlock"))
+        })
+        .count();
+    assert_eq!(
+        victims, 1,
+        "exactly one transaction is the deadlock's victim: {answers:?}"
+    );
+    for (who, (answer, outcome)) in answers {
+        match answer {
+            Ok(1) => assert!(
+                matches!(outcome, Some(Outcome::Executed | Outcome::Replayed)),
+                "{who}: {outcome:?}"
+            ),
+            Err(Error::Store(_)) => {}
+            other => panic!("{who} got {other:?}, not Ok or the deadlock: {answers:?}"),
+        }
+    }
+    assert!(third.0.is_ok(), "T3 is not in the cycle: {answers:?}");
+    for key in ["a", "b"] {
+        let identity = Identity::new(&tenant, "mysql_edges.cycle", key).expect("identity");
+        assert_eq!(
+            store
+                .fetch(&identity)
+                .await
+                .expect("fetch")
+                .map(|s| s.state),
+            Some(idempotent_runtime::RecordState::Complete),
+            "{key} is recorded by the transaction that committed it"
+        );
+    }
+}
+
 // ---------------------------------------------------------------- rule 16: purge skips held rows
 
 /// Purges in batches of two until `gone` are all gone (bounded); every batch

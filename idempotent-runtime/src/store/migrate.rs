@@ -118,6 +118,7 @@ pub(crate) static MYSQL: &[Migration] = embedded_migrations!("mysql":
     (6, "0006_lock_name_per_database.sql", "lock name per database"),
     (7, "0007_purge_through_the_expiry_index.sql", "purge through the expiry index"),
     (8, "0008_tx_never_takes_over_a_lease_it_may_have_starved.sql", "tx never takes over a lease it may have starved"),
+    (9, "0009_tx_waits_for_rows_in_slices_so_deadlocks_are_found.sql", "tx waits for rows in slices so deadlocks are found"),
 );
 
 /// SQLite's migrations (`migrations/sqlite`).

@@ -48,6 +48,12 @@
 //! transactional-mode owner's, which answers `InProgress` when the second
 //! runs out). In transactional mode the wait is the whole seconds left of
 //! `in_progress = wait(...)`, rounded down; the engine polls for the rest.
+//! There the procedure waits for a row a second at a time and lets the
+//! identity's `GET_LOCK` go between those seconds (migration 0009, unless
+//! `innodb_rollback_on_timeout` is on), so a reserver waiting for that lock
+//! gets its turn in the row wait, where InnoDB sees it: a deadlock that passes
+//! through the `GET_LOCK` (three transactions, each holding a key the next
+//! asks for) ends in error 1213 for one of them, not in every wait running out.
 //! Replays, mismatches and live leases never wait: on MySQL they take no
 //! lock; on MariaDB the one statement holds the row only while it runs, and
 //! when another session holds it the procedure answers from a plain read.
