@@ -374,7 +374,10 @@ pub fn parse_command_line() -> Cli {
 const ATTACHED: char = '\0';
 
 /// `--key=VALUE` (and `--tenant=`, `--scope=`, `--reason=`) as two arguments,
-/// the value marked [`ATTACHED`]; every other argument as it is.
+/// the value marked [`ATTACHED`]; every other argument as it is, except one
+/// that already starts with the mark (only [`run_from`] can be given one):
+/// it is marked once more, so that taking the mark off leaves it as it was
+/// (a tenant `"\0acme"` stays invalid, never becomes `acme`).
 fn split_attached_values<T: Into<std::ffi::OsString>>(arg: T) -> Vec<std::ffi::OsString> {
     let arg = arg.into();
     if let Some((option, value)) = arg.to_str().and_then(|a| a.split_once('='))
@@ -382,7 +385,10 @@ fn split_attached_values<T: Into<std::ffi::OsString>>(arg: T) -> Vec<std::ffi::O
     {
         return vec![option.into(), format!("{ATTACHED}{value}").into()];
     }
-    vec![arg]
+    match arg.to_str() {
+        Some(a) if a.starts_with(ATTACHED) => vec![format!("{ATTACHED}{a}").into()],
+        _ => vec![arg],
+    }
 }
 
 /// Opens the store a URL names, as [`connect_url`] does, but never sets a
@@ -1310,6 +1316,26 @@ mod tests {
             panic!("release");
         };
         assert_eq!(record.key, "--key=x");
+        // A value that starts with the mark itself (only `run_from` can be
+        // given one) keeps it: it is not taken for another, valid, tenant.
+        let given_apart = parse(&[
+            "--scope", "a.b", "--tenant", "\0acme", "--key", "k", "--reason", "r",
+        ]);
+        let attached = parse(&[
+            "--scope",
+            "a.b",
+            "--tenant=\0acme",
+            "--key",
+            "k",
+            "--reason",
+            "r",
+        ]);
+        for parsed in [given_apart, attached] {
+            let Command::Release { record, .. } = parsed.expect("parses").command else {
+                panic!("release");
+            };
+            assert_eq!(record.tenant.as_deref(), Some("\0acme"));
+        }
         // Given apart, it is still an option missing its value.
         let e = parse(&[
             "--scope", "a.b", "--tenant", "t", "--key", "--json", "--reason", "r",
