@@ -114,6 +114,23 @@ async fn gated(
     Ok(2)
 }
 
+/// Told when the `run_after_gate` hook is asked, and what lets it answer.
+static HOOK_ASKED: Notify = Notify::const_new();
+static HOOK_GATE: Notify = Notify::const_new();
+
+/// Answers `Run`, once let through.
+async fn run_after_gate(_: &Takeover) -> Result<Recovery<u64>, Error> {
+    HOOK_ASKED.notify_one();
+    HOOK_GATE.notified().await;
+    Ok(Recovery::Run)
+}
+
+#[idempotent(scope = "obs.run_lost", key = key, tenant = tenant, store = store,
+             lease = "30s", recover = run_after_gate)]
+async fn run_lost(store: &MemoryStore, tenant: &str, key: &str) -> Result<u64, Error> {
+    Ok(5)
+}
+
 #[idempotent(scope = "obs.undecodable", key = key, tenant = tenant, store = store)]
 async fn undecodable(store: &MemoryStore, tenant: &str, key: &str) -> Result<u64, Error> {
     Ok(4)
@@ -253,6 +270,29 @@ fn metrics_count_every_event_by_scope_and_outcome() {
         .await;
         assert!(sibling_panics.expect_err("the sibling panics").is_panic());
 
+        // obs.run_lost: the hook answers Run after an operator released the
+        // record: the body does not run, and that is no `lease_lost` (a body
+        // that ran, its answer not recorded).
+        let rid = Identity::new(t.as_str(), "obs.run_lost", "r1").unwrap();
+        crate::common::records::acquire(
+            &store,
+            &rid,
+            None,
+            Duration::from_millis(1),
+            Duration::from_secs(3600),
+        )
+        .await;
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let asked = HOOK_ASKED.notified();
+        let call = {
+            let (store, t) = (store.clone(), t.clone());
+            tokio::spawn(async move { run_lost(&store, &t, "r1").await })
+        };
+        asked.await;
+        store.force_release(&rid, false).await.unwrap();
+        HOOK_GATE.notify_one();
+        assert!(matches!(call.await.unwrap(), Err(Error::LeaseLost(_))));
+
         // obs.undecodable: a recorded answer that no longer decodes is not
         // counted as a replay (it is no recorded result the caller got).
         let uid = Identity::new(t.as_str(), "obs.undecodable", "u1").unwrap();
@@ -326,6 +366,8 @@ fn metrics_count_every_event_by_scope_and_outcome() {
     assert_eq!(calls("obs.gated", "lease_lost"), 1);
     assert_eq!(calls("obs.gated", "executed"), 0);
     assert_eq!(calls("obs.short_ttl", "executed"), 1);
+    assert_eq!(calls("obs.run_lost", "lease_lost"), 0);
+    assert_eq!(calls("obs.run_lost", "failed"), 1);
     assert_eq!(calls("obs.undecodable", "replayed"), 0);
     assert_eq!(calls("obs.undecodable", "failed"), 1);
 
