@@ -1065,7 +1065,6 @@ pub(crate) fn replay<R: IdempotentReturn, H: ErrorHandling<R::Failure>>(
     store: &'static str,
     outcome: StoredOutcome,
 ) -> Answered<R> {
-    METRICS.replayed.fetch_add(1, Ordering::Relaxed);
     tracing::info!(target: "idempotent", scope = spec.scope, key = %identity.log_digest(), store, "replayed");
     report_whole(Reported {
         outcome: Some(Outcome::Replayed),
@@ -1076,7 +1075,10 @@ pub(crate) fn replay<R: IdempotentReturn, H: ErrorHandling<R::Failure>>(
     // for the metric (`with_outcome` still says Replayed: the consumer's
     // verdict needs to know it was processed before).
     match decoded_replay::<R, H>(spec, errors, outcome) {
-        Ok(recorded) => (recorded, CallOutcome::Replayed),
+        Ok(recorded) => {
+            METRICS.replayed.fetch_add(1, Ordering::Relaxed);
+            (recorded, CallOutcome::Replayed)
+        }
         Err(e) => (Err(e.into()), CallOutcome::Failed),
     }
 }
@@ -1093,13 +1095,17 @@ pub(crate) fn after_completion<R: IdempotentReturn>(
     match written {
         Ok(Fenced::Written) => (result, done),
         Ok(Fenced::NotOwner) => {
-            METRICS.lease_lost.fetch_add(1, Ordering::Relaxed);
             tracing::error!(target: "idempotent", scope = %identity.scope, key = %identity.log_digest(),
                 "lease lost: another caller took the record over meanwhile; this answer was not recorded");
-            (
-                Err(Error::LeaseLost(identity.context()).into()),
-                CallOutcome::LeaseLost,
-            )
+            // `lease_lost` is a body that ran; a recover hook's answer that
+            // lost the record is a failed call (the body did not run).
+            let outcome = if done == CallOutcome::Recovered {
+                CallOutcome::Failed
+            } else {
+                METRICS.lease_lost.fetch_add(1, Ordering::Relaxed);
+                CallOutcome::LeaseLost
+            };
+            (Err(Error::LeaseLost(identity.context()).into()), outcome)
         }
         Err(e) => (Err(Error::Store(e).into()), CallOutcome::Failed),
     }
@@ -1239,8 +1245,13 @@ async fn reserve_from(
     // Rule 6: a record made with an older canonical form is compared by that
     // form's rules. The legacy fingerprint exists only for arguments whose
     // current form differs from the old one; it is tried once, on a mismatch.
-    // The legacy form only compares with an old record: a record this call
-    // creates always carries the current one (`current`).
+    // A record this call creates always carries the current form
+    // (`current`). The legacy form is what the build before made for the
+    // same call, so it meets records that build stored, and also records of
+    // calls that build could not tell apart from this one (a trait's default
+    // method of a plain implementor, which counts no `<Self>`, and one of a
+    // generic implementor, whose legacy form leaves `<Self>` out): sharing
+    // records as that build did.
     let current = request.fingerprint;
     let legacy = current.and_then(Fingerprint::legacy);
     // Mismatches answered since the last wait (see the mismatch arm).

@@ -31,7 +31,7 @@
 //! | `recovered` | the `recover` hook's answer (rule 20): the body did not run |
 //! | `mismatch` | `Error::FingerprintMismatch` |
 //! | `in_progress` | `Error::InProgress` (refused, or waited its bound) |
-//! | `lease_lost` | `Error::LeaseLost`: the body ran, its result was not recorded |
+//! | `lease_lost` | `Error::LeaseLost`: the body ran, its result was not recorded (a `recover` hook's answer that lost the record counts as `failed`) |
 //! | `failed` | another idempotency error: the store failed, the key was invalid, the result could not be recorded, ... |
 //!
 //! `outcome` of `idempotent_reserve_duration_seconds`: `acquired`,

@@ -131,6 +131,19 @@ async fn run_lost(store: &MemoryStore, tenant: &str, key: &str) -> Result<u64, E
     Ok(5)
 }
 
+/// Answers `Completed(6)`, once let through.
+async fn found_after_gate(_: &Takeover) -> Result<Recovery<u64>, Error> {
+    HOOK_ASKED.notify_one();
+    HOOK_GATE.notified().await;
+    Ok(Recovery::Completed(6))
+}
+
+#[idempotent(scope = "obs.found_lost", key = key, tenant = tenant, store = store,
+             lease = "30s", recover = found_after_gate)]
+async fn found_lost(store: &MemoryStore, tenant: &str, key: &str) -> Result<u64, Error> {
+    Ok(5)
+}
+
 #[idempotent(scope = "obs.undecodable", key = key, tenant = tenant, store = store)]
 async fn undecodable(store: &MemoryStore, tenant: &str, key: &str) -> Result<u64, Error> {
     Ok(4)
@@ -292,6 +305,27 @@ fn metrics_count_every_event_by_scope_and_outcome() {
         store.force_release(&rid, false).await.unwrap();
         HOOK_GATE.notify_one();
         assert!(matches!(call.await.unwrap(), Err(Error::LeaseLost(_))));
+        // obs.found_lost: the same for a hook's Completed answer, whose
+        // recording finds the record gone.
+        let fid = Identity::new(t.as_str(), "obs.found_lost", "f1").unwrap();
+        crate::common::records::acquire(
+            &store,
+            &fid,
+            None,
+            Duration::from_millis(1),
+            Duration::from_secs(3600),
+        )
+        .await;
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let asked = HOOK_ASKED.notified();
+        let call = {
+            let (store, t) = (store.clone(), t.clone());
+            tokio::spawn(async move { found_lost(&store, &t, "f1").await })
+        };
+        asked.await;
+        store.force_release(&fid, false).await.unwrap();
+        HOOK_GATE.notify_one();
+        assert!(matches!(call.await.unwrap(), Err(Error::LeaseLost(_))));
 
         // obs.undecodable: a recorded answer that no longer decodes is not
         // counted as a replay (it is no recorded result the caller got).
@@ -318,10 +352,12 @@ fn metrics_count_every_event_by_scope_and_outcome() {
             .await
             .unwrap()
             .is_written());
+        let replayed = idempotent_runtime::metrics::snapshot().replayed;
         assert!(matches!(
             undecodable(&store, &t, "u1").await,
             Err(Error::ReplayDecoding { .. })
         ));
+        assert_eq!(idempotent_runtime::metrics::snapshot().replayed, replayed);
 
         // obs.short_ttl: one record that expires at once, purged.
         let purge_store = MemoryStore::new();
@@ -368,6 +404,8 @@ fn metrics_count_every_event_by_scope_and_outcome() {
     assert_eq!(calls("obs.short_ttl", "executed"), 1);
     assert_eq!(calls("obs.run_lost", "lease_lost"), 0);
     assert_eq!(calls("obs.run_lost", "failed"), 1);
+    assert_eq!(calls("obs.found_lost", "lease_lost"), 0);
+    assert_eq!(calls("obs.found_lost", "failed"), 1);
     assert_eq!(calls("obs.undecodable", "replayed"), 0);
     assert_eq!(calls("obs.undecodable", "failed"), 1);
 

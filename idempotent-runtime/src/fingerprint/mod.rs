@@ -97,6 +97,14 @@
 //!
 //! # Legacy fingerprints
 //!
+//! A fingerprint keeps one legacy form: what the build before made for the
+//! same call. For a `v3` fingerprint (see [`FingerprintBuilder::counted_since_v3`])
+//! that is the `v1`/`v2` fingerprint of the rest (parameters and
+//! instantiations); for one with instantiations, that of the parameters
+//! alone; otherwise the `v1` form below. Records of builds two forms back
+//! (a `v1` set order under a `v3` function) are refused as a mismatch until
+//! they expire.
+//!
 //! When a fingerprint is labelled `v2` only because of set order (v1 wrote a
 //! set in its iteration order), [`Fingerprint::legacy`] is the v1 fingerprint
 //! v1 would have made for the same arguments in this process. A record stored
@@ -140,8 +148,10 @@ use sha2::{Digest, Sha256};
 use std::cell::Cell;
 use std::ops::Range;
 
-/// The newest version of the canonical form this build writes. Values that
-/// v1 represented faithfully are still labelled `v1` (see the module doc).
+/// The newest version of the canonical form of values this build writes.
+/// Values that v1 represented faithfully are still labelled `v1`, and a
+/// fingerprint that counts the answer's type or a by-value `self` is
+/// labelled `v3` (see the module doc).
 pub const CANONICAL_VERSION: &str = "v2";
 
 /// The first canonical form, still the label of every value it represents faithfully.
@@ -257,10 +267,12 @@ impl Fingerprint {
         }
     }
 
-    /// The `v1` fingerprint an older version made for the same arguments,
-    /// when it differs from this one: `Some` only for a `v2` fingerprint whose
-    /// arguments v1 wrote without loss but order-dependently (sets). A record
-    /// stored with it is compared by v1's rules (see the module doc).
+    /// The fingerprint the build before made for the same call, when it
+    /// differs from this one: for a `v2` fingerprint whose arguments v1 wrote
+    /// without loss but order-dependently (sets), the `v1` one; for a
+    /// fingerprint with instantiations, the parameters' alone; for a `v3`
+    /// one, the `v1`/`v2` fingerprint of what builds before counted. A record
+    /// stored with it is compared by that build's rules (see the module doc).
     pub fn legacy(&self) -> Option<Fingerprint> {
         self.legacy.as_deref().map(Fingerprint::from_stored)
     }

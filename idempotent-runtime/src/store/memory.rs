@@ -34,7 +34,7 @@ struct Record {
     waiters: Option<Arc<Notify>>,
 }
 
-/// A fingerprint as this build makes it: `v1:` or `v2:` and 64 hex digits.
+/// A fingerprint as this build makes it: `v1:`, `v2:` or `v3:` and 64 hex digits.
 const FINGERPRINT_BYTES: usize = 67;
 /// An owner token as the engine makes it: 32 hex digits.
 const TOKEN_BYTES: usize = 32;
