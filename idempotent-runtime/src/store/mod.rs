@@ -43,7 +43,11 @@ impl OwnerToken {
     /// A fresh token, unique across processes and restarts: 64 random bits
     /// drawn once per process, then a per-process counter (32 hex
     /// characters, like a UUID without dashes). Cheaper than a random UUID
-    /// per call (no system call on the hot path).
+    /// per call (no system call on the hot path). A process that `fork`s
+    /// after its first token hands the child the same sequence, so two
+    /// owners could present one token: start worker processes anew
+    /// (`exec`, a process manager), or fork before the first idempotent
+    /// call, as a tokio runtime needs anyway.
     ///
     /// ```
     /// use idempotent_runtime::OwnerToken;
