@@ -6,8 +6,8 @@
 //! without them is still replayed (rule 6).
 
 use idempotent_runtime::{
-    idempotent, with_outcome, AnsweredBy, Completion, Error, FingerprintBuilder, Identity,
-    MemoryStore, Outcome, Store, StoredOutcome,
+    idempotent, with_outcome, Completion, Error, FingerprintBuilder, Identity, MemoryStore,
+    Outcome, Store, StoredOutcome,
 };
 use serde::Serialize;
 use std::time::Duration;
@@ -370,36 +370,20 @@ async fn priced<T: Default>(store: &MemoryStore, key: &str, v: u8) -> Result<Str
 #[tokio::test]
 async fn a_record_stored_without_the_instantiation_is_still_replayed() {
     let store = MemoryStore::new();
-    let id = Identity::shared("generics.priced", "old").expect("identity");
     let mut builder = FingerprintBuilder::new();
     builder.argument("v", &7u8);
     let old = builder
         .finish()
         .expect("fingerprint")
         .expect("one argument");
-    let token = crate::common::records::acquire(
+    recorded_by_an_older_build(
         &store,
-        &id,
-        Some(&old),
-        Duration::from_secs(30),
-        Duration::from_secs(3600),
+        "generics.priced",
+        "old",
+        &old,
+        br#""recorded by an older build""#,
     )
     .await;
-    let outcome = StoredOutcome {
-        is_error: false,
-        payload: br#""recorded by an older build""#.to_vec(),
-    };
-    let written = store
-        .complete(Completion {
-            identity: &id,
-            token: &token,
-            outcome: &outcome,
-            ttl: Duration::from_secs(3600),
-            by: AnsweredBy::Body,
-        })
-        .await
-        .expect("complete");
-    assert!(written.is_written());
     let replayed = with_outcome(priced::<User>(&store, "old", 7)).await;
     assert!(
         matches!(replayed, (Ok(ref s), Some(Outcome::Replayed)) if s == "recorded by an older build"),
@@ -579,36 +563,13 @@ async fn a_record_of_one_answer_type_is_never_replayed_as_another() {
 #[tokio::test]
 async fn a_record_stored_before_the_answers_type_counted_is_still_replayed() {
     let store = MemoryStore::new();
-    let id = Identity::shared("generics.buffer_fill", "old").expect("identity");
     let mut builder = FingerprintBuilder::new();
     builder.argument("byte", &1u8);
     let old = builder
         .finish()
         .expect("fingerprint")
         .expect("one argument");
-    let token = crate::common::records::acquire(
-        &store,
-        &id,
-        Some(&old),
-        Duration::from_secs(30),
-        Duration::from_secs(3600),
-    )
-    .await;
-    let outcome = StoredOutcome {
-        is_error: false,
-        payload: b"[7,7]".to_vec(),
-    };
-    let written = store
-        .complete(Completion {
-            identity: &id,
-            token: &token,
-            outcome: &outcome,
-            ttl: Duration::from_secs(3600),
-            by: AnsweredBy::Body,
-        })
-        .await
-        .expect("complete");
-    assert!(written.is_written());
+    recorded_by_an_older_build(&store, "generics.buffer_fill", "old", &old, b"[7,7]").await;
     let replayed = with_outcome(Buffer::<2>.fill(&store, "old", 1)).await;
     assert!(
         matches!(replayed, (Ok(ref v), Some(Outcome::Replayed)) if v == &[7, 7]),

@@ -144,6 +144,36 @@ async fn found_lost(store: &MemoryStore, tenant: &str, key: &str) -> Result<u64,
     Ok(5)
 }
 
+/// Leaves the record of key `k` of `scope` as a crashed owner would (its
+/// lease run out), calls `call`, whose hook is gated, releases the record
+/// as an operator would while the hook is asked, then lets the hook answer.
+async fn hook_answers_after_an_operator_release(
+    store: &MemoryStore,
+    tenant: &str,
+    scope: &str,
+    call: impl FnOnce(
+        MemoryStore,
+        String,
+    ) -> std::pin::Pin<Box<dyn Future<Output = Result<u64, Error>> + Send>>,
+) -> Result<u64, Error> {
+    let id = Identity::new(tenant, scope, "k").unwrap();
+    crate::common::records::acquire(
+        store,
+        &id,
+        None,
+        Duration::from_millis(1),
+        Duration::from_secs(3600),
+    )
+    .await;
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let asked = HOOK_ASKED.notified();
+    let call = tokio::spawn(call(store.clone(), tenant.to_owned()));
+    asked.await;
+    store.force_release(&id, false).await.unwrap();
+    HOOK_GATE.notify_one();
+    call.await.unwrap()
+}
+
 #[idempotent(scope = "obs.undecodable", key = key, tenant = tenant, store = store)]
 async fn undecodable(store: &MemoryStore, tenant: &str, key: &str) -> Result<u64, Error> {
     Ok(4)
@@ -286,46 +316,18 @@ fn metrics_count_every_event_by_scope_and_outcome() {
         // obs.run_lost: the hook answers Run after an operator released the
         // record: the body does not run, and that is no `lease_lost` (a body
         // that ran, its answer not recorded).
-        let rid = Identity::new(t.as_str(), "obs.run_lost", "r1").unwrap();
-        crate::common::records::acquire(
-            &store,
-            &rid,
-            None,
-            Duration::from_millis(1),
-            Duration::from_secs(3600),
-        )
+        let lost = hook_answers_after_an_operator_release(&store, &t, "obs.run_lost", |s, t| {
+            Box::pin(async move { run_lost(&s, &t, "k").await })
+        })
         .await;
-        tokio::time::sleep(Duration::from_millis(20)).await;
-        let asked = HOOK_ASKED.notified();
-        let call = {
-            let (store, t) = (store.clone(), t.clone());
-            tokio::spawn(async move { run_lost(&store, &t, "r1").await })
-        };
-        asked.await;
-        store.force_release(&rid, false).await.unwrap();
-        HOOK_GATE.notify_one();
-        assert!(matches!(call.await.unwrap(), Err(Error::LeaseLost(_))));
+        assert!(matches!(lost, Err(Error::LeaseLost(_))));
         // obs.found_lost: the same for a hook's Completed answer, whose
         // recording finds the record gone.
-        let fid = Identity::new(t.as_str(), "obs.found_lost", "f1").unwrap();
-        crate::common::records::acquire(
-            &store,
-            &fid,
-            None,
-            Duration::from_millis(1),
-            Duration::from_secs(3600),
-        )
+        let lost = hook_answers_after_an_operator_release(&store, &t, "obs.found_lost", |s, t| {
+            Box::pin(async move { found_lost(&s, &t, "k").await })
+        })
         .await;
-        tokio::time::sleep(Duration::from_millis(20)).await;
-        let asked = HOOK_ASKED.notified();
-        let call = {
-            let (store, t) = (store.clone(), t.clone());
-            tokio::spawn(async move { found_lost(&store, &t, "f1").await })
-        };
-        asked.await;
-        store.force_release(&fid, false).await.unwrap();
-        HOOK_GATE.notify_one();
-        assert!(matches!(call.await.unwrap(), Err(Error::LeaseLost(_))));
+        assert!(matches!(lost, Err(Error::LeaseLost(_))));
 
         // obs.undecodable: a recorded answer that no longer decodes is not
         // counted as a replay (it is no recorded result the caller got).
