@@ -599,7 +599,9 @@ pub async fn run(cli: Cli) -> Result<String, CliError> {
             json,
         } => {
             let reason = reason.trim().to_owned();
-            if reason.is_empty() {
+            // A reason is for the person reading the log: nothing but
+            // spaces and control characters (a NUL) is none.
+            if reason.chars().all(|c| c.is_whitespace() || c.is_control()) {
                 return Err(CliError::NoReason);
             }
             let identity = record.identity()?;

@@ -32,7 +32,7 @@
 //! | `mismatch` | `Error::FingerprintMismatch` |
 //! | `in_progress` | `Error::InProgress` (refused, or waited its bound) |
 //! | `lease_lost` | `Error::LeaseLost`: the body ran, its result was not recorded (a `recover` hook's answer that lost the record counts as `failed`) |
-//! | `failed` | another idempotency error: the store failed, the key was invalid, the result could not be recorded, ... |
+//! | `failed` | another idempotency error: the store failed, the key was invalid, the result could not be recorded, a recorded answer no longer decodes (`Error::ReplayDecoding`), ... |
 //!
 //! `outcome` of `idempotent_reserve_duration_seconds`: `acquired`,
 //! `took_over`, `replayed`, `in_progress`, `mismatch` or `error`.
@@ -325,7 +325,8 @@ pub struct Snapshot {
     pub refused_in_progress: u64,
     /// Calls refused with `Error::FingerprintMismatch`.
     pub mismatched: u64,
-    /// Completions refused because the lease was lost.
+    /// A body's completions refused because the lease was lost (a recover
+    /// hook's answer that lost its record is not counted: the body did not run).
     pub lease_lost: u64,
     /// Records taken over after their owner's lease expired.
     pub taken_over: u64,

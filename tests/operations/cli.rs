@@ -829,10 +829,12 @@ async fn inspect_and_release_on(url: &str, store: &dyn Store) {
     assert!(store.fetch(&running).await.expect("fetch").is_some());
 
     // An empty reason is refused before anything happens.
-    let e = run_from(args("release", "stuck-key", &["--reason", "  "]))
-        .await
-        .expect_err("a reason is required");
-    assert!(matches!(e, CliError::NoReason), "{e}");
+    for blank in ["  ", "\0", " \u{7}\t"] {
+        let e = run_from(args("release", "stuck-key", &["--reason", blank]))
+            .await
+            .expect_err("a reason is required");
+        assert!(matches!(e, CliError::NoReason), "{blank:?}: {e}");
+    }
     let e = run_from(args("release", "stuck-key", &[]))
         .await
         .expect_err("--reason is required");
