@@ -16,7 +16,7 @@
 //! | `Error::FingerprintMismatch` against a record still in progress (in [`handle`] and [`nats::process`], in store mode): another delivery holds it, perhaps of a consumer version whose arguments differ, and may yet release it | `InProgress` (its lease's remaining time) | `Nak(Some(retry_after))` |
 //! | any other `Err(_)`: the body failed and the key was released, the store failed, the lease was lost | `Failed` | `Nak(None)`; knowing the delivery count (as [`nats::process`] does), `Nak(Some(`[`failed_retry_after`]`(n)))`: 1 s after the first delivery, doubling per delivery up to 60 s |
 //! | `Error::ResultNotFaithful` / `ResultTooLarge` / `ResultEncoding`: the body ran, its result can never be recorded | `Unrecordable` | `Term` (a redelivery would run the body again) |
-//! | `Error::FingerprintMismatch` against a record left in progress by a delivery whose lease ran out (in [`handle`] and [`nats::process`], in store mode): that delivery's process stopped before it answered, and its redelivery may yet take the record over and finish it | `MismatchWithAbandonedRecord` | `Term`; knowing the delivery count, nak'd like `Failed` until [`DELIVERIES_BEFORE_TERM`] |
+//! | `Error::FingerprintMismatch` against a record left in progress by a delivery whose lease ran out (in [`handle`] and [`nats::process`], in store mode): that delivery's process stopped before it answered, and its redelivery may yet take the record over and finish it | `MismatchWithAbandonedRecord` | `Nak` (after as long as the record has been abandoned, 1 s to 60 s) until it has been abandoned for [`ABANDONED_RECORD_GRACE`], then `Term` |
 //! | `Error::FingerprintMismatch`: same message id, different payload, its record complete | `Mismatch` | `Term` (poison) |
 //! | `Error::Fingerprint`: the payload's arguments cannot be fingerprinted | `Unfingerprintable` | `Term` (every delivery fails alike); knowing the delivery count, nak'd like `Failed` until [`DELIVERIES_BEFORE_TERM`] |
 //! | `Error::ReplayDecoding`: processed before, but the recorded answer no longer decodes as the handler's type | `ReplayUndecodable` | `Term` (naks would come back until the record expired, and then run the body again); knowing the delivery count, nak'd like `Failed` until [`DELIVERIES_BEFORE_TERM`], so a rolling deploy's other version can replay it |
@@ -144,10 +144,16 @@ pub enum Verdict {
     /// takes the record over and finishes it, e.g. the older version in a
     /// rolling deploy that changed the handler's arguments, and terminating
     /// this delivery at once could lose that message. So, in [`handle`] and
-    /// [`nats::process`] (store mode): nak'd like [`Verdict::Failed`] until
-    /// [`DELIVERIES_BEFORE_TERM`] when the delivery count is known, then
-    /// terminated as a [`Mismatch`](Self::Mismatch).
-    MismatchWithAbandonedRecord,
+    /// [`nats::process`] (store mode): nak'd until the record has been
+    /// abandoned for [`ABANDONED_RECORD_GRACE`], then terminated as a
+    /// [`Mismatch`](Self::Mismatch). Counted from when its lease ran out, not
+    /// in deliveries: the deliveries spent while its owner was still alive
+    /// (in-progress naks, an `ack_wait` shorter than the body) take nothing
+    /// from that grace.
+    MismatchWithAbandonedRecord {
+        /// How long ago the record's lease ran out (the store's clock).
+        abandoned_for: Duration,
+    },
     /// The message carries no key, so it is never processed.
     MissingKey,
     /// The key or the tenant was refused (`Error::InvalidKey` / `InvalidTenant`).
@@ -210,11 +216,17 @@ pub fn failed_retry_after(deliveries: u64) -> Duration {
 
 /// How many deliveries a message whose every delivery has failed alike
 /// ([`Verdict::Unfingerprintable`], [`Verdict::ReplayUndecodable`],
-/// [`Verdict::RecordedByNewerVersion`], [`Verdict::MismatchWithAbandonedRecord`]) gets
-/// before it is terminated, when the delivery count is known
-/// ([`Handled::disposition`]): with the pauses of [`failed_retry_after`] in
-/// between, about four minutes.
+/// [`Verdict::RecordedByNewerVersion`]) gets before it is terminated, when
+/// the delivery count is known ([`Handled::disposition`]): with the pauses
+/// of [`failed_retry_after`] in between, about four minutes.
 pub const DELIVERIES_BEFORE_TERM: u64 = 10;
+
+/// How long after a record's lease ran out a mismatch against it
+/// ([`Verdict::MismatchWithAbandonedRecord`]) is still nak'd rather than
+/// terminated: four minutes, about as long as [`DELIVERIES_BEFORE_TERM`]
+/// deliveries take, for the message's own redelivery to reach a consumer
+/// that takes the record over.
+pub const ABANDONED_RECORD_GRACE: Duration = Duration::from_secs(240);
 
 impl Verdict {
     /// What to tell the broker.
@@ -223,8 +235,17 @@ impl Verdict {
             Verdict::Executed | Verdict::Replayed => Disposition::Ack,
             Verdict::InProgress { retry_after } => Disposition::Nak(Some(retry_after)),
             Verdict::Failed => Disposition::Nak(None),
+            // Looked at again after as long as it has been abandoned (1 s to
+            // a minute), until the grace is over.
+            Verdict::MismatchWithAbandonedRecord { abandoned_for }
+                if abandoned_for < ABANDONED_RECORD_GRACE =>
+            {
+                Disposition::Nak(Some(
+                    abandoned_for.clamp(Duration::from_secs(1), Duration::from_secs(60)),
+                ))
+            }
             Verdict::Mismatch
-            | Verdict::MismatchWithAbandonedRecord
+            | Verdict::MismatchWithAbandonedRecord { .. }
             | Verdict::MissingKey
             | Verdict::InvalidKey
             | Verdict::Unrecordable
@@ -245,7 +266,7 @@ impl Verdict {
             Verdict::InProgress { .. } => "in-progress",
             Verdict::Failed => "failed",
             Verdict::Mismatch => "mismatch",
-            Verdict::MismatchWithAbandonedRecord => "mismatch-with-abandoned-record",
+            Verdict::MismatchWithAbandonedRecord { .. } => "mismatch-with-abandoned-record",
             Verdict::MissingKey => "missing-key",
             Verdict::InvalidKey => "invalid-key",
             Verdict::Unrecordable => "unrecordable",
@@ -366,7 +387,9 @@ fn verdict<T, E: AsIdempotencyError>(result: &Result<T, E>, reported: Option<Rep
             Some(LastMismatch::Running { lease_remaining }) => Verdict::InProgress {
                 retry_after: lease_remaining,
             },
-            Some(LastMismatch::Abandoned) => Verdict::MismatchWithAbandonedRecord,
+            Some(LastMismatch::Abandoned { abandoned_for }) => {
+                Verdict::MismatchWithAbandonedRecord { abandoned_for }
+            }
             Some(LastMismatch::Final) | None => Verdict::Mismatch,
         },
         Some(Error::InvalidKey(_) | Error::InvalidTenant(_)) => Verdict::InvalidKey,
@@ -434,9 +457,8 @@ impl<T, E> Handled<T, E> {
     /// * for a [`Verdict::Failed`] delivery, a nak delayed by
     ///   [`failed_retry_after`], so a failure that lasts (a store down, a bug
     ///   in the handler) is not redelivered in a tight loop;
-    /// * for [`Verdict::Unfingerprintable`], [`Verdict::ReplayUndecodable`],
-    ///   [`Verdict::RecordedByNewerVersion`] and
-    ///   [`Verdict::MismatchWithAbandonedRecord`],
+    /// * for [`Verdict::Unfingerprintable`], [`Verdict::ReplayUndecodable`]
+    ///   and [`Verdict::RecordedByNewerVersion`],
     ///   the same delayed nak until the message has been delivered
     ///   [`DELIVERIES_BEFORE_TERM`] times, and `Term` then: during a rolling
     ///   deploy that changes a result type, an instance of the old version
@@ -451,8 +473,7 @@ impl<T, E> Handled<T, E> {
             (
                 Verdict::Unfingerprintable
                 | Verdict::ReplayUndecodable
-                | Verdict::RecordedByNewerVersion
-                | Verdict::MismatchWithAbandonedRecord,
+                | Verdict::RecordedByNewerVersion,
                 Some(deliveries),
             ) if deliveries < DELIVERIES_BEFORE_TERM => {
                 Disposition::Nak(Some(failed_retry_after(deliveries)))
@@ -578,8 +599,8 @@ mod tests {
     }
 
     /// What refused a mismatch decides: a running record naks until its
-    /// lease ends, an abandoned one is given the deliveries of a failure
-    /// alike, a complete one is poison at once.
+    /// lease ends, an abandoned one naks for a grace counted from when it
+    /// was abandoned, a complete one is poison at once.
     #[test]
     fn a_mismatch_is_judged_by_the_record_that_refused_it() {
         let refused_by = |m| {
@@ -599,15 +620,49 @@ mod tests {
                 retry_after: lease_remaining
             }
         );
+        let abandoned_for = Duration::from_secs(2);
         assert_eq!(
-            refused_by(LastMismatch::Abandoned),
-            Verdict::MismatchWithAbandonedRecord
+            refused_by(LastMismatch::Abandoned { abandoned_for }),
+            Verdict::MismatchWithAbandonedRecord { abandoned_for }
         );
         assert_eq!(refused_by(LastMismatch::Final), Verdict::Mismatch);
         assert_eq!(
-            Verdict::MismatchWithAbandonedRecord.as_str(),
+            Verdict::MismatchWithAbandonedRecord { abandoned_for }.as_str(),
             "mismatch-with-abandoned-record"
         );
+    }
+
+    /// A mismatch with an abandoned record is nak'd until the record has
+    /// been abandoned for the grace, whatever the delivery count: the
+    /// deliveries spent while its owner was alive (in-progress naks, a body
+    /// longer than `ack_wait`) must not use the grace up before it starts.
+    #[test]
+    fn an_abandoned_records_grace_runs_from_when_it_was_abandoned() {
+        let handled = |secs: u64, deliveries: Option<u64>| Handled::<(), Error> {
+            verdict: Verdict::MismatchWithAbandonedRecord {
+                abandoned_for: Duration::from_secs(secs),
+            },
+            result: None,
+            deliveries,
+        };
+        for deliveries in [None, Some(1), Some(DELIVERIES_BEFORE_TERM + 5)] {
+            assert_eq!(
+                handled(0, deliveries).disposition(),
+                Disposition::Nak(Some(Duration::from_secs(1)))
+            );
+            assert_eq!(
+                handled(30, deliveries).disposition(),
+                Disposition::Nak(Some(Duration::from_secs(30)))
+            );
+            assert_eq!(
+                handled(200, deliveries).disposition(),
+                Disposition::Nak(Some(Duration::from_secs(60)))
+            );
+            assert_eq!(
+                handled(ABANDONED_RECORD_GRACE.as_secs(), deliveries).disposition(),
+                Disposition::Term
+            );
+        }
     }
 
     #[test]
@@ -752,7 +807,6 @@ mod tests {
             Verdict::Unfingerprintable,
             Verdict::ReplayUndecodable,
             Verdict::RecordedByNewerVersion,
-            Verdict::MismatchWithAbandonedRecord,
         ] {
             let delivered = |deliveries| Handled::<(), std::io::Error> {
                 verdict,

@@ -95,9 +95,10 @@ pub(crate) enum LastMismatch {
     /// left: its owner may yet release the key.
     Running { lease_remaining: Duration },
     /// A record left in progress by an owner whose lease ran out without an
-    /// answer: the call that made it (other arguments, or another version's
-    /// fingerprint of the same ones) may yet take it over and finish it.
-    Abandoned,
+    /// answer `abandoned_for` ago (the store's clock): the call that made it
+    /// (other arguments, or another version's fingerprint of the same ones)
+    /// may yet take it over and finish it.
+    Abandoned { abandoned_for: Duration },
     /// A complete record, or not known (transactional mode, a failed read):
     /// a plain mismatch.
     Final,
@@ -1358,7 +1359,9 @@ async fn reserve_from(
                     MismatchedRecord::Changed => report_mismatch(LastMismatch::Running {
                         lease_remaining: Duration::from_secs(1),
                     }),
-                    MismatchedRecord::Abandoned => report_mismatch(LastMismatch::Abandoned),
+                    MismatchedRecord::Abandoned { abandoned_for } => {
+                        report_mismatch(LastMismatch::Abandoned { abandoned_for })
+                    }
                     MismatchedRecord::Other => report_mismatch(LastMismatch::Final),
                 }
                 METRICS.mismatched.fetch_add(1, Ordering::Relaxed);
@@ -1416,10 +1419,10 @@ enum MismatchedRecord {
     /// key. At most the call's own lease (a store's clock reading is trusted
     /// only that far).
     Running { lease_remaining: Duration },
-    /// Still in progress, but its lease ran out: its owner stopped before it
-    /// answered (a crash, a kill). The call that made it may yet be
-    /// redelivered to a process that takes it over.
-    Abandoned,
+    /// Still in progress, but its lease ran out `abandoned_for` ago: its
+    /// owner stopped before it answered (a crash, a kill). The call that made
+    /// it may yet be redelivered to a process that takes it over.
+    Abandoned { abandoned_for: Duration },
     /// Complete, or not known: a plain mismatch.
     Other,
 }
@@ -1462,7 +1465,11 @@ async fn mismatched_record(
                     .min(lease),
             }
         }
-        (crate::store::RecordState::InProgress, _) => MismatchedRecord::Abandoned,
+        (crate::store::RecordState::InProgress, lease_ends) => MismatchedRecord::Abandoned {
+            abandoned_for: lease_ends.map_or(Duration::ZERO, |ends| {
+                crate::store::millis_to_duration(snapshot.now_ms.saturating_sub(ends))
+            }),
+        },
         _ => MismatchedRecord::Other,
     }
 }

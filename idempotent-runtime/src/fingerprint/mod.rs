@@ -98,9 +98,9 @@
 //! # Legacy fingerprints
 //!
 //! A fingerprint keeps one legacy form: what the build before made for the
-//! same call. For a `v3` fingerprint (see [`FingerprintBuilder::counted_since_v3`])
-//! that is the `v1`/`v2` fingerprint of the rest (parameters and
-//! instantiations); for one with instantiations, that of the parameters
+//! same call. For a `v3` fingerprint (one that counts the answer's type or
+//! a by-value `self`) that is the `v1`/`v2` fingerprint of the rest
+//! (parameters and instantiations); for one with instantiations, that of the parameters
 //! alone; otherwise the `v1` form below. Records of builds two forms back
 //! (a `v1` set order under a `v3` function) are refused as a mismatch until
 //! they expire.
