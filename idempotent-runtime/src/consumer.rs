@@ -145,11 +145,13 @@ pub enum Verdict {
     /// rolling deploy that changed the handler's arguments, and terminating
     /// this delivery at once could lose that message. So, in [`handle`] and
     /// [`nats::process`] (store mode): nak'd until the record has been
-    /// abandoned for [`ABANDONED_RECORD_GRACE`], then terminated as a
-    /// [`Mismatch`](Self::Mismatch). Counted from when its lease ran out, not
-    /// in deliveries: the deliveries spent while its owner was still alive
-    /// (in-progress naks, an `ack_wait` shorter than the body) take nothing
-    /// from that grace.
+    /// abandoned for [`ABANDONED_RECORD_GRACE`], counted from when its lease
+    /// ran out (the deliveries spent while its owner was still alive, such
+    /// as in-progress naks or an `ack_wait` shorter than the body, take
+    /// nothing from it), and, when the delivery count is known
+    /// ([`Handled::disposition`]), the message has been delivered
+    /// [`DELIVERIES_BEFORE_TERM`] times (a redelivery may come long after
+    /// the lease ran out); then terminated as a [`Mismatch`](Self::Mismatch).
     MismatchWithAbandonedRecord {
         /// How long ago the record's lease ran out (the store's clock).
         abandoned_for: Duration,
@@ -228,6 +230,12 @@ pub const DELIVERIES_BEFORE_TERM: u64 = 10;
 /// that takes the record over.
 pub const ABANDONED_RECORD_GRACE: Duration = Duration::from_secs(240);
 
+/// How long a delivery refused by a record abandoned `abandoned_for` ago
+/// waits before it is redelivered: as long again, 1 s to 60 s.
+fn abandoned_retry_after(abandoned_for: Duration) -> Duration {
+    abandoned_for.clamp(Duration::from_secs(1), Duration::from_secs(60))
+}
+
 impl Verdict {
     /// What to tell the broker.
     pub fn disposition(self) -> Disposition {
@@ -240,9 +248,7 @@ impl Verdict {
             Verdict::MismatchWithAbandonedRecord { abandoned_for }
                 if abandoned_for < ABANDONED_RECORD_GRACE =>
             {
-                Disposition::Nak(Some(
-                    abandoned_for.clamp(Duration::from_secs(1), Duration::from_secs(60)),
-                ))
+                Disposition::Nak(Some(abandoned_retry_after(abandoned_for)))
             }
             Verdict::Mismatch
             | Verdict::MismatchWithAbandonedRecord { .. }
@@ -478,6 +484,14 @@ impl<T, E> Handled<T, E> {
             ) if deliveries < DELIVERIES_BEFORE_TERM => {
                 Disposition::Nak(Some(failed_retry_after(deliveries)))
             }
+            // Also before its first deliveries since it was abandoned: a
+            // redelivery may come long after (an `ack_wait` of minutes,
+            // consumers that were all down).
+            (Verdict::MismatchWithAbandonedRecord { abandoned_for }, Some(deliveries))
+                if deliveries < DELIVERIES_BEFORE_TERM =>
+            {
+                Disposition::Nak(Some(abandoned_retry_after(abandoned_for)))
+            }
             _ => self.verdict.disposition(),
         }
     }
@@ -658,11 +672,20 @@ mod tests {
                 handled(200, deliveries).disposition(),
                 Disposition::Nak(Some(Duration::from_secs(60)))
             );
-            assert_eq!(
-                handled(ABANDONED_RECORD_GRACE.as_secs(), deliveries).disposition(),
-                Disposition::Term
-            );
         }
+        // Terminated once abandoned for the grace and, when the count is
+        // known, delivered that many times: a first redelivery long after
+        // the lease ran out is still nak'd.
+        let grace = ABANDONED_RECORD_GRACE.as_secs();
+        assert_eq!(handled(grace, None).disposition(), Disposition::Term);
+        assert_eq!(
+            handled(grace, Some(DELIVERIES_BEFORE_TERM)).disposition(),
+            Disposition::Term
+        );
+        assert_eq!(
+            handled(grace + 600, Some(1)).disposition(),
+            Disposition::Nak(Some(Duration::from_secs(60)))
+        );
     }
 
     #[test]

@@ -1466,7 +1466,9 @@ async fn mismatched_record(
             }
         }
         (crate::store::RecordState::InProgress, lease_ends) => MismatchedRecord::Abandoned {
-            abandoned_for: lease_ends.map_or(Duration::ZERO, |ends| {
+            // No lease end at all (a store that keeps none): as abandoned
+            // long ago.
+            abandoned_for: lease_ends.map_or(crate::consumer::ABANDONED_RECORD_GRACE, |ends| {
                 crate::store::millis_to_duration(snapshot.now_ms.saturating_sub(ends))
             }),
         },
