@@ -1351,18 +1351,12 @@ async fn reserve_from(
                             version,
                         });
                     }
-                    MismatchedRecord::Running { lease_remaining } => {
-                        report_mismatch(LastMismatch::Running { lease_remaining })
-                    }
+                    MismatchedRecord::Refused(by) => report_mismatch(by),
                     // Refused by records of other arguments that keep coming
                     // and going: not poison, look again shortly.
                     MismatchedRecord::Changed => report_mismatch(LastMismatch::Running {
                         lease_remaining: Duration::from_secs(1),
                     }),
-                    MismatchedRecord::Abandoned { abandoned_for } => {
-                        report_mismatch(LastMismatch::Abandoned { abandoned_for })
-                    }
-                    MismatchedRecord::Other => report_mismatch(LastMismatch::Final),
                 }
                 METRICS.mismatched.fetch_add(1, Ordering::Relaxed);
                 tracing::warn!(target: "idempotent", scope = spec.scope, key = %request.identity.log_digest(),
@@ -1415,16 +1409,11 @@ enum MismatchedRecord {
     /// (see [`unknown_version`](crate::fingerprint::unknown_version)): the
     /// version label.
     ByNewerVersion(String),
-    /// Still in progress under a live lease: its owner may yet release the
-    /// key. At most the call's own lease (a store's clock reading is trusted
-    /// only that far).
-    Running { lease_remaining: Duration },
-    /// Still in progress, but its lease ran out `abandoned_for` ago: its
-    /// owner stopped before it answered (a crash, a kill). The call that made
-    /// it may yet be redelivered to a process that takes it over.
-    Abandoned { abandoned_for: Duration },
-    /// Complete, or not known: a plain mismatch.
-    Other,
+    /// A record of other arguments: the mismatch stands, and this is what
+    /// refused it, as reported (running, with at most the call's own lease
+    /// left, since a store's clock reading is trusted only that far;
+    /// abandoned; or complete or not known).
+    Refused(LastMismatch),
 }
 
 /// Reads the record that refused a reservation as a mismatch (made with one
@@ -1438,12 +1427,12 @@ async fn mismatched_record(
     lease: Duration,
 ) -> MismatchedRecord {
     let Some(direct) = store.as_store() else {
-        return MismatchedRecord::Other;
+        return MismatchedRecord::Refused(LastMismatch::Final);
     };
     let snapshot = match direct.fetch(identity).await {
         Ok(Some(snapshot)) => snapshot,
         Ok(None) => return MismatchedRecord::Changed,
-        Err(_) => return MismatchedRecord::Other,
+        Err(_) => return MismatchedRecord::Refused(LastMismatch::Final),
     };
     let stored = snapshot.fingerprint.as_deref();
     let ours = fingerprints
@@ -1456,24 +1445,25 @@ async fn mismatched_record(
     if let Some(version) = stored.and_then(crate::fingerprint::unknown_version) {
         return MismatchedRecord::ByNewerVersion(version.to_owned());
     }
-    match (snapshot.state, snapshot.lease_expires_at_ms) {
+    let refused_by = match (snapshot.state, snapshot.lease_expires_at_ms) {
         (crate::store::RecordState::InProgress, Some(lease_ends))
             if lease_ends > snapshot.now_ms =>
         {
-            MismatchedRecord::Running {
+            LastMismatch::Running {
                 lease_remaining: crate::store::millis_to_duration(lease_ends - snapshot.now_ms)
                     .min(lease),
             }
         }
-        (crate::store::RecordState::InProgress, lease_ends) => MismatchedRecord::Abandoned {
+        (crate::store::RecordState::InProgress, lease_ends) => LastMismatch::Abandoned {
             // No lease end at all (a store that keeps none): as abandoned
             // long ago.
             abandoned_for: lease_ends.map_or(crate::consumer::ABANDONED_RECORD_GRACE, |ends| {
                 crate::store::millis_to_duration(snapshot.now_ms.saturating_sub(ends))
             }),
         },
-        _ => MismatchedRecord::Other,
-    }
+        _ => LastMismatch::Final,
+    };
+    MismatchedRecord::Refused(refused_by)
 }
 
 /// Whether a failed reservation may still have written the record: not when
@@ -1647,17 +1637,8 @@ impl Members {
     }
 }
 
-#[cfg(test)]
-pub(crate) fn decode_replay<R: IdempotentReturn, H: ErrorHandling<R::Failure>>(
-    spec: &'static ScopeInfo,
-    errors: &H,
-    outcome: StoredOutcome,
-) -> Result<R::Value, R::Failure> {
-    decoded_replay::<R, H>(spec, errors, outcome).unwrap_or_else(|e| Err(e.into()))
-}
-
-/// [`decode_replay`], telling the recorded answer (`Ok`, a result or a
-/// recorded error) from one that does not decode (`Err(ReplayDecoding)`).
+/// A recorded answer, decoded: `Ok` with the result or the recorded error,
+/// `Err(ReplayDecoding)` when it no longer decodes as the function's types.
 fn decoded_replay<R: IdempotentReturn, H: ErrorHandling<R::Failure>>(
     spec: &'static ScopeInfo,
     errors: &H,
@@ -2026,7 +2007,7 @@ mod tests {
                 payload: payload.to_vec(),
             };
             let message =
-                match decode_replay::<Result<u64, Error>, _>(&SPEC, &ReleaseErrors, outcome) {
+                match decoded_replay::<Result<u64, Error>, _>(&SPEC, &ReleaseErrors, outcome) {
                     Err(e @ Error::ReplayDecoding { .. }) => e.to_string(),
                     other => panic!("{other:?}"),
                 };
@@ -2063,9 +2044,10 @@ mod tests {
             is_error: false,
             payload: b"12x".to_vec(),
         };
-        let message = match decode_replay::<Result<u64, Error>, _>(&SPEC, &ReleaseErrors, outcome) {
+        let message = match decoded_replay::<Result<u64, Error>, _>(&SPEC, &ReleaseErrors, outcome)
+        {
             Err(e) => e.to_string(),
-            Ok(v) => panic!("decoded {v}"),
+            Ok(v) => panic!("decoded {v:?}"),
         };
         assert!(message.contains("trailing characters"), "{message}");
     }
