@@ -2428,3 +2428,36 @@ fn only_generic_arguments_other_than_lifetimes_make_an_instantiation() {
         assert!(!names_an_instantiation(plain), "{plain}");
     }
 }
+
+/// A set among the arguments of a `v3` fingerprint: equal sets are one
+/// fingerprint whatever their iteration order, and the legacy form is the
+/// build before's canonical (`v2`) fingerprint of them, not an order-bound one.
+#[test]
+fn a_v3_fingerprint_of_equal_sets_ignores_their_order() {
+    let of = |set: &HashSet<u32>, since_v3: bool| {
+        let mut b = FingerprintBuilder::new();
+        b.argument("tags", set);
+        if since_v3 {
+            b.counted_since_v3("self", &5u8);
+        }
+        b.finish().unwrap().unwrap()
+    };
+    let (mut a, mut b) = (HashSet::new(), HashSet::with_capacity(1024));
+    for i in 0..200 {
+        a.insert(i);
+        b.insert(199 - i);
+    }
+    let (now_a, now_b) = (of(&a, true), of(&b, true));
+    assert_eq!(now_a.as_str(), now_b.as_str());
+    assert_eq!(now_a.version(), "v3");
+    let before = of(&a, false);
+    assert_eq!(before.version(), "v2");
+    assert_eq!(
+        now_a.legacy().map(|l| l.as_str().to_owned()),
+        Some(before.as_str().to_owned())
+    );
+    assert_eq!(
+        now_b.legacy().map(|l| l.as_str().to_owned()),
+        Some(before.as_str().to_owned())
+    );
+}
