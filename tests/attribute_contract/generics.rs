@@ -6,11 +6,9 @@
 //! without them is still replayed (rule 6).
 
 use idempotent_runtime::{
-    idempotent, with_outcome, Completion, Error, FingerprintBuilder, Identity, MemoryStore,
-    Outcome, Store, StoredOutcome,
+    idempotent, with_outcome, Error, FingerprintBuilder, Identity, MemoryStore, Outcome,
 };
 use serde::Serialize;
-use std::time::Duration;
 
 /// A type's name without its module path: what each function answers, so a
 /// test sees which instantiation ran.
@@ -588,28 +586,7 @@ async fn recorded_by_an_older_build(
     payload: &[u8],
 ) {
     let id = Identity::shared(scope, key).expect("identity");
-    let token = crate::common::records::acquire(
-        store,
-        &id,
-        Some(fingerprint),
-        Duration::from_secs(30),
-        Duration::from_secs(3600),
-    )
-    .await;
-    let outcome = StoredOutcome {
-        is_error: false,
-        payload: payload.to_vec(),
-    };
-    let written = store
-        .complete(Completion::by_body(
-            &id,
-            &token,
-            &outcome,
-            Duration::from_secs(3600),
-        ))
-        .await
-        .expect("complete");
-    assert!(written.is_written());
+    crate::common::records::recorded(store, &id, Some(fingerprint), payload).await;
 }
 
 /// The fingerprint the build before the answer's type counted made: the

@@ -1065,28 +1065,7 @@ async fn a_record_stored_before_a_by_value_self_counted_is_still_replayed() {
     let mut builder = idempotent_runtime::FingerprintBuilder::new();
     builder.argument("currency", "EUR");
     let old = builder.finish().unwrap().unwrap();
-    let token = crate::common::records::acquire(
-        &store,
-        &id,
-        Some(&old),
-        Duration::from_secs(30),
-        Duration::from_secs(3600),
-    )
-    .await;
-    let outcome = idempotent_runtime::StoredOutcome {
-        is_error: false,
-        payload: b"7".to_vec(),
-    };
-    assert!(store
-        .complete(idempotent_runtime::Completion::by_body(
-            &id,
-            &token,
-            &outcome,
-            Duration::from_secs(3600)
-        ))
-        .await
-        .unwrap()
-        .is_written());
+    crate::common::records::recorded(&store, &id, Some(&old), b"7").await;
     let command = || ChargeCommand {
         account: "acct-1".into(),
         amount: 10,

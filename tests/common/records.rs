@@ -48,17 +48,42 @@ pub async fn plant(
         Identity::new(tenant, scope, uuid::Uuid::new_v4().to_string()).expect("valid identity");
     let token = acquire(store, &identity, None, lease, ttl).await;
     if let Some(ttl) = complete_ttl {
-        let outcome = StoredOutcome {
-            is_error: false,
-            payload: b"\"ok\"".to_vec(),
-        };
-        assert_eq!(
-            store
-                .complete(Completion::by_body(&identity, &token, &outcome, ttl))
-                .await
-                .expect("complete"),
-            Fenced::Written
-        );
+        complete(store, &identity, &token, b"\"ok\"", ttl).await;
     }
     identity
+}
+
+/// Stores a complete record of `identity` (a fresh key) made with
+/// `fingerprint` and holding the result `payload` (JSON), kept for an hour:
+/// what a call of an older build, or of another process, leaves.
+pub async fn recorded(
+    store: &dyn Store,
+    identity: &Identity,
+    fingerprint: Option<&Fingerprint>,
+    payload: &[u8],
+) {
+    let hour = Duration::from_secs(3600);
+    let token = acquire(store, identity, fingerprint, Duration::from_secs(30), hour).await;
+    complete(store, identity, &token, payload, hour).await;
+}
+
+/// Completes `identity`'s record, held by `token`, with the result `payload`.
+async fn complete(
+    store: &dyn Store,
+    identity: &Identity,
+    token: &OwnerToken,
+    payload: &[u8],
+    ttl: Duration,
+) {
+    let outcome = StoredOutcome {
+        is_error: false,
+        payload: payload.to_vec(),
+    };
+    assert_eq!(
+        store
+            .complete(Completion::by_body(identity, token, &outcome, ttl))
+            .await
+            .expect("complete"),
+        Fenced::Written
+    );
 }

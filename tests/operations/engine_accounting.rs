@@ -268,19 +268,34 @@ async fn a_lease_that_lapsed_before_the_body_returned_is_logged() {
     let logs = capture_logs();
     let store = Counting::new();
     let tenant = format!("t-{}", uuid::Uuid::new_v4().simple());
+    let call = blocks_its_thread_then_returns(&store, &tenant, "blocked");
+    let lapsed = a_lapse_is_counted_and_logged(
+        &logs,
+        (&tenant, "accounting.blocking_returns", "blocked"),
+        call,
+    );
+    lapsed.await.unwrap();
+}
+
+/// Runs `call` (of `key` of `scope`, under `tenant`) and checks that a
+/// lease lapse was counted and logged for its record.
+async fn a_lapse_is_counted_and_logged<F: std::future::Future>(
+    logs: &Mutex<String>,
+    (tenant, scope, key): (&str, &str, &str),
+    call: F,
+) -> F::Output {
     let lapses = idempotent_runtime::metrics::snapshot().lease_lapses;
-    blocks_its_thread_then_returns(&store, &tenant, "blocked")
-        .await
-        .unwrap();
+    let out = call.await;
     assert!(
         idempotent_runtime::metrics::snapshot().lease_lapses > lapses,
         "and counted"
     );
-    let ours = lines_about(&logs, &tenant, "accounting.blocking_returns", "blocked");
+    let ours = lines_about(logs, tenant, scope, key);
     assert!(
         ours.iter().any(|line| line.contains("lease lapsed")),
         "the lapse is logged: {ours:#?}"
     );
+    out
 }
 
 /// Rule 9: a heartbeat that could not renew in time is visible. A body that
@@ -294,17 +309,10 @@ async fn a_lease_that_lapsed_while_the_body_blocked_its_thread_is_logged() {
     let logs = capture_logs();
     let store = Counting::new();
     let tenant = format!("t-{}", uuid::Uuid::new_v4().simple());
-    let lapses = idempotent_runtime::metrics::snapshot().lease_lapses;
-    blocks_its_thread(&store, &tenant, "blocked").await.unwrap();
-    assert!(
-        idempotent_runtime::metrics::snapshot().lease_lapses > lapses,
-        "and counted"
-    );
-    let ours = lines_about(&logs, &tenant, "accounting.blocking", "blocked");
-    assert!(
-        ours.iter().any(|line| line.contains("lease lapsed")),
-        "the lapse is logged: {ours:#?}"
-    );
+    let call = blocks_its_thread(&store, &tenant, "blocked");
+    let lapsed =
+        a_lapse_is_counted_and_logged(&logs, (&tenant, "accounting.blocking", "blocked"), call);
+    lapsed.await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -431,20 +439,8 @@ async fn a_lease_that_lapsed_while_the_recover_hook_blocked_is_logged() {
     )
     .await;
     tokio::time::sleep(Duration::from_millis(20)).await;
-    let lapses = idempotent_runtime::metrics::snapshot().lease_lapses;
-    assert_eq!(
-        recovered_by_a_blocking_hook(&store, &tenant, "k")
-            .await
-            .unwrap(),
-        7
-    );
-    assert!(
-        idempotent_runtime::metrics::snapshot().lease_lapses > lapses,
-        "counted"
-    );
-    let ours = lines_about(&logs, &tenant, "accounting.blocking_hook", "k");
-    assert!(
-        ours.iter().any(|line| line.contains("lease lapsed")),
-        "the lapse is logged: {ours:#?}"
-    );
+    let call = recovered_by_a_blocking_hook(&store, &tenant, "k");
+    let lapsed =
+        a_lapse_is_counted_and_logged(&logs, (&tenant, "accounting.blocking_hook", "k"), call);
+    assert_eq!(lapsed.await.unwrap(), 7);
 }

@@ -332,28 +332,7 @@ fn metrics_count_every_event_by_scope_and_outcome() {
         // obs.undecodable: a recorded answer that no longer decodes is not
         // counted as a replay (it is no recorded result the caller got).
         let uid = Identity::new(t.as_str(), "obs.undecodable", "u1").unwrap();
-        let token = crate::common::records::acquire(
-            &store,
-            &uid,
-            None,
-            Duration::from_secs(30),
-            Duration::from_secs(3600),
-        )
-        .await;
-        let not_a_number = idempotent_runtime::StoredOutcome {
-            is_error: false,
-            payload: br#""not a number""#.to_vec(),
-        };
-        assert!(store
-            .complete(idempotent_runtime::Completion::by_body(
-                &uid,
-                &token,
-                &not_a_number,
-                Duration::from_secs(3600)
-            ))
-            .await
-            .unwrap()
-            .is_written());
+        crate::common::records::recorded(&store, &uid, None, br#""not a number""#).await;
         assert!(matches!(
             undecodable(&store, &t, "u1").await,
             Err(Error::ReplayDecoding { .. })

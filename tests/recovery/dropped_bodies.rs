@@ -119,16 +119,21 @@ async fn ended_without_an_answer_then_retried(store: &dyn Store, first: Then) {
         .expect("the first attempt's record is finished");
 
     let retried = with_outcome(charge(store, &key, Then::Return)).await;
-    let g = gateway();
-    assert_eq!(g.charges.get(&key), Some(&1), "charged once");
-    assert_eq!(
-        g.asked.get(&key).map(Vec::as_slice),
-        Some(&[2][..]),
-        "the hook was asked"
-    );
+    charged_once_and_the_hook_asked(&key);
     assert!(
         matches!(retried, (Ok(1), Some(Outcome::Recovered))),
         "{retried:?}"
+    );
+}
+
+/// The gateway charged `key` once, and the hook was asked about attempt 2.
+fn charged_once_and_the_hook_asked(key: &str) {
+    let g = gateway();
+    assert_eq!(g.charges.get(key), Some(&1), "charged once");
+    assert_eq!(
+        g.asked.get(key).map(Vec::as_slice),
+        Some(&[2][..]),
+        "the hook was asked"
     );
 }
 
@@ -257,13 +262,7 @@ async fn answer_panicked_while_it_was_recorded(store: &dyn Store) {
     );
 
     let retried = with_outcome(charge_for_a_receipt(store, &key)).await;
-    let g = gateway();
-    assert_eq!(g.charges.get(&key), Some(&1), "charged once");
-    assert_eq!(
-        g.asked.get(&key).map(Vec::as_slice),
-        Some(&[2][..]),
-        "the hook was asked"
-    );
+    charged_once_and_the_hook_asked(&key);
     assert!(
         matches!(retried, (Ok(Receipt(1)), Some(Outcome::Recovered))),
         "{retried:?}"
