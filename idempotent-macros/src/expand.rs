@@ -177,21 +177,32 @@ pub(crate) fn generate(func: &MaybeItemFn, spec: &Spec) -> TokenStream {
     let recover = match &spec.recover {
         None => quote!(#krate::__private::NoRecover),
         Some(hook) => {
-            // One binding, named with the attribute's span and used inside the
-            // path's span, so it is the same name under any hygiene.
+            // One binding, named with the attribute's span, so it is the
+            // same name under any hygiene. Where it is passed to the hook it
+            // is located at the hook (`located_at` keeps the name's
+            // resolution): a hook taking the wrong parameters is reported at
+            // `recover = hook`, not at the whole attribute.
             let takeover = Ident::new("__idempotent_takeover", Span::call_site());
             let ask = match hook {
                 attr::Recover::Function(path) => {
+                    let at = Span::call_site().located_at(path.span());
+                    let takeover = Ident::new("__idempotent_takeover", at);
                     quote_spanned!(path.span()=> #path(&#takeover).await)
                 }
                 // `self` is `&Self` (checked): the closure copies the reference.
                 attr::Recover::Method { method, receiver } => {
+                    let at = Span::call_site().located_at(method.span());
+                    let takeover = Ident::new("__idempotent_takeover", at);
                     // The method's own `self`, so the call resolves as the
-                    // body's does (also when a macro wrote the method).
-                    let receiver = receiver.map_or_else(
-                        || quote!(self),
-                        |token| quote::ToTokens::to_token_stream(&token),
-                    );
+                    // body's does (also when a macro wrote the method),
+                    // located at the method's name: a hook of the wrong type
+                    // is reported at `recover = self.hook`, not from there to
+                    // the signature's `self`.
+                    let receiver = syn::token::SelfValue {
+                        span: receiver
+                            .map_or_else(Span::call_site, |token| token.span)
+                            .located_at(method.span()),
+                    };
                     quote_spanned!(method.span()=> #receiver.#method(&#takeover).await)
                 }
             };
