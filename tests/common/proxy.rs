@@ -17,7 +17,10 @@
 //!   committed) but the client never learns it;
 //! * [`stall`](FaultProxy::stall): bytes are held in both directions, or only
 //!   server → client, until [`release_stall`](FaultProxy::release_stall);
-//! * [`slow`](FaultProxy::slow): every chunk is delayed.
+//! * [`slow`](FaultProxy::slow): every chunk is delayed;
+//! * [`go_down`](FaultProxy::go_down): an outage, every client chunk (a new
+//!   connection's handshake too) is dropped and its connection cut, until
+//!   [`pass_through`](FaultProxy::pass_through).
 //!
 //! The one-shot faults (cuts, and [`stall_on_next_request_containing`](FaultProxy::stall_on_next_request_containing))
 //! come in a `_containing(needle)` form that fires only on a client chunk
@@ -202,6 +205,8 @@ struct Control {
     stall: Option<Stall>,
     delay: Option<Duration>,
     trap: Option<Trap>,
+    /// An outage: what every client chunk trips while it lasts.
+    down: Option<Arc<TripSignal>>,
 }
 
 #[derive(Default)]
@@ -289,6 +294,9 @@ impl Shared {
             Direction::ToServer => {
                 let trap = {
                     let mut control = self.control();
+                    if let Some(down) = &control.down {
+                        return Some(down.clone());
+                    }
                     if !control
                         .trap
                         .as_ref()
@@ -430,6 +438,7 @@ impl FaultProxy {
             control.stall = None;
             control.delay = None;
             control.trap = None;
+            control.down = None;
         }
         self.shared.bump();
     }
@@ -523,6 +532,20 @@ impl FaultProxy {
                 String::from_utf8_lossy(needle)
             ),
         )
+    }
+
+    /// An outage until [`pass_through`](Self::pass_through): every client
+    /// chunk, on the connections already open and on new ones (their
+    /// handshake), is dropped and its connection cut. Each cut is counted.
+    pub fn go_down(&self) {
+        let signal = Arc::new(TripSignal {
+            what: "the outage".into(),
+            seen: watch::channel(true).0,
+            cut: watch::channel(false).0,
+            settled: watch::channel(false).0,
+        });
+        self.shared.control().down = Some(signal);
+        self.shared.bump();
     }
 
     /// Lets held bytes go, in order.

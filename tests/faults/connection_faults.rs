@@ -109,6 +109,10 @@ enum Plan {
     CutHeartbeat,
     /// Returns after the lease was renewed this many times.
     OutliveHeartbeats(usize),
+    /// Takes the store down (every connection cut, new ones refused) as the
+    /// body returns, so neither the completion nor the store's background
+    /// recording of it can land.
+    StoreDownAfterTheBody,
 }
 
 // ---------------------------------------------------------------- the rig
@@ -302,6 +306,7 @@ impl Rig {
                     self.await_renewal(key, &token).await;
                 }
             }
+            Some(Plan::StoreDownAfterTheBody) => self.proxy.go_down(),
         }
         Ok(answer)
     }
@@ -511,6 +516,7 @@ on_both_servers!(
     completion_request_cut,
     completion_response_cut,
     heartbeat_cut,
+    outage_outlasting_the_lease_after_the_body,
     dropped_while_reservation_answer_stalled,
     dropped_while_reservation_request_stalled,
     slow_connection,
@@ -615,6 +621,53 @@ async fn completion_response_cut(rig: &Rig) {
     let answer = rig.converge(Function::Guarded, &key).await;
     assert_eq!(answer, runs[0], "the retry replays the first run's answer");
     assert_eq!(rig.runs(&key).len(), 1, "and the body did not run again");
+}
+
+/// The body ran, and the store went down before its answer was recorded, for
+/// longer than the lease: the store goes on trying to record the answer in
+/// the background, but nothing can renew the lease meanwhile. When the store
+/// comes back, a retry in this process must not take the record over and run
+/// the body again: the answer this process still holds is recorded first, and
+/// the retry replays it (the caller was told so: "answer not recorded yet,
+/// retry later").
+async fn outage_outlasting_the_lease_after_the_body(rig: &Rig) {
+    let key = rig.key("outage");
+    rig.plan(&key, Plan::StoreDownAfterTheBody);
+    let (first, _) = rig.call(&key).await;
+    assert_store_error(&first, "store down as the body returned");
+    let runs = rig.runs(&key);
+    assert_eq!(runs.len(), 1, "the body ran once");
+    // The lease runs out while the store is down (read on the server's
+    // clock, not through the proxy).
+    let deadline = Instant::now() + WAIT_LIMIT;
+    loop {
+        let record = rig
+            .fetch(Function::Guarded, &key)
+            .await
+            .expect("the record stays in progress while the store is down");
+        assert_eq!(record.state, RecordState::InProgress);
+        if record
+            .lease_expires_at_ms
+            .is_some_and(|at| at <= record.now_ms)
+        {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the 1 s lease never ran out");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    rig.proxy.pass_through();
+    let (retry, outcome) = rig.call(&key).await;
+    assert_eq!(
+        rig.runs(&key),
+        runs,
+        "DESIGN rule 3: the retry after the outage ran the body a second time \
+         instead of recording the answer the first run produced"
+    );
+    assert_eq!(retry.expect("the retry after the outage"), runs[0]);
+    assert_eq!(outcome, Some(Outcome::Replayed));
+    let answer = rig.converge(Function::Guarded, &key).await;
+    assert_eq!(answer, runs[0]);
+    rig.note("store down past the lease after the body → the retry recorded the pending answer and replayed it");
 }
 
 /// A long body under a 1 s lease: one heartbeat is cut. The failure is
