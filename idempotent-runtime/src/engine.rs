@@ -1119,6 +1119,17 @@ pub(crate) enum Reserved {
 
 /// Something that can answer a reservation: a store, or the caller's transaction.
 /// (Boxed `Send` futures: an `async fn` here defeats the `Send` proof of the call's future.)
+/// The least a reservation in a caller's transaction waits for a row (on
+/// SQLite, the database's write lock) that another transaction holds, also
+/// with `in_progress = reject` and at the end of a `wait(...)` bound. Such a
+/// lock is as often a short write as a call in progress: a purge deleting the
+/// expired record, another reservation replacing it, on SQLite any writer.
+/// Waiting none answered those with a made-up `InProgress`, refusing a call
+/// for a key nobody held. A transactional-mode owner holds its row for its
+/// whole call, so a duplicate of one is refused this much later.
+/// MySQL/MariaDB wait in whole seconds: 1 s there.
+pub(crate) const LEAST_LOCK_WAIT: Duration = Duration::from_millis(500);
+
 pub(crate) trait Reserver: Send {
     fn reserve_once<'a>(
         &'a mut self,
@@ -1275,7 +1286,9 @@ async fn reserve_from(
     // something took time (a wait, a statement that was answered).
     let mut now = started;
     loop {
-        let lock_wait = deadline.map_or(Duration::ZERO, |d| d.saturating_duration_since(now));
+        let lock_wait = deadline
+            .map_or(Duration::ZERO, |d| d.saturating_duration_since(now))
+            .max(LEAST_LOCK_WAIT);
         flight(true);
         let answer = match store.as_store() {
             Some(direct) => direct.reserve(request).await.map_err(Error::from),

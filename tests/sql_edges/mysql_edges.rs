@@ -2410,3 +2410,106 @@ fn rand_u16() -> u16 {
         .unwrap_or(0);
     (nanos % 60_000) as u16
 }
+
+/// A transactional call (`in_progress = reject`) for a key nobody holds.
+#[idempotent(scope = "mysql_edges.expired_locked_tx", key = key, tenant = tenant, tx = tx,
+             skip(runs), ttl = "1h", in_progress = reject)]
+async fn charge_in_tx(
+    tx: &mut sqlx::Transaction<'_, MySql>,
+    tenant: &str,
+    key: &str,
+    runs: &AtomicUsize,
+) -> Result<u64, Error> {
+    let _ = (&tx, tenant, key);
+    runs.fetch_add(1, Ordering::SeqCst);
+    Ok(7)
+}
+
+/// Transactional mode with `in_progress = reject`: an expired record that
+/// another transaction holds for a moment (a purge deleting it) is not a
+/// call in progress. The reservation waited no time at all for the row and
+/// answered `InProgress` for a key nobody held (operations hunt: 4 of 10
+/// transactional calls on expired keys while a purge ran). Handshake on the
+/// server's process list: the holder lets go once the call is seen waiting.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transactional_call_waits_out_a_short_lock_on_an_expired_record() {
+    let Some(store) = mysql_store_or_skip().await else {
+        return;
+    };
+    let tenant = fresh_tenant();
+    let identity = Identity::new(&tenant, "mysql_edges.expired_locked_tx", "k").expect("identity");
+    let now_ms: i64 = sqlx::query_scalar(
+        "SELECT CAST(UNIX_TIMESTAMP() * 1000 + FLOOR(MICROSECOND(NOW(6)) / 1000) AS SIGNED)",
+    )
+    .fetch_one(store.pool())
+    .await
+    .expect("clock");
+    // A completed record that expires in a moment, held by another
+    // transaction before it does (a purge skips held rows, so another test's
+    // purge cannot take it away first).
+    let expires = now_ms + 300;
+    sqlx::query(
+        "INSERT INTO idempotency_records
+             (tenant, scope, `key`, state, fingerprint, owner_token, is_error, result,
+              lease_expires_at, expires_at, created_at, updated_at)
+         VALUES (?, 'mysql_edges.expired_locked_tx', 'k', 'complete', NULL, NULL, 0, '1',
+                 NULL, ?, ?, ?)",
+    )
+    .bind(&tenant)
+    .bind(expires)
+    .bind(now_ms)
+    .bind(now_ms)
+    .execute(store.pool())
+    .await
+    .expect("plant");
+    let mut holder = store.pool().begin().await.expect("begin");
+    let holder_id = connection_id(&mut *holder).await;
+    sqlx::query(
+        "SELECT state FROM idempotency_records WHERE tenant = ? AND scope = ? AND `key` = ? FOR UPDATE",
+    )
+    .bind(identity.tenant())
+    .bind(identity.scope())
+    .bind(identity.key())
+    .fetch_one(&mut *holder)
+    .await
+    .expect("hold the row");
+    until_clock(&store, &identity, |r| r.is_expired()).await;
+
+    let runs = Arc::new(AtomicUsize::new(0));
+    let (started, caller_id) = (Arc::new(Notify::new()), Arc::new(AtomicUsize::new(0)));
+    let calling = {
+        let (pool, tenant, runs) = (store.pool().clone(), tenant.clone(), runs.clone());
+        let (started, caller_id) = (started.clone(), caller_id.clone());
+        tokio::spawn(async move {
+            let mut tx = pool.begin().await.expect("begin");
+            let id = connection_id(&mut *tx).await;
+            caller_id.store(id as usize, Ordering::SeqCst);
+            started.notify_one();
+            let answer = charge_in_tx(&mut tx, &tenant, "k", &runs).await;
+            tx.commit().await.expect("commit");
+            answer
+        })
+    };
+    started.notified().await;
+    let caller = caller_id.load(Ordering::SeqCst) as u64;
+    assert_ne!(caller, holder_id);
+    let mut seen_waiting = false;
+    for _ in 0..3000 {
+        if calling.is_finished() {
+            break;
+        }
+        if waiting(store.pool(), &[caller]).await == 1 {
+            seen_waiting = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    holder.rollback().await.expect("rollback");
+    let answer = calling.await.expect("task");
+    assert!(
+        matches!(answer, Ok(7)),
+        "a transactional call for an expired key held a moment by another transaction: {answer:?}"
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    assert!(seen_waiting, "the call waited for the row");
+}

@@ -21,41 +21,8 @@ async fn a_lock_on_an_expired_record_is_waited_out_not_answered_in_progress() {
         return;
     };
     let identity = Identity::new(fresh_tenant(), "edges.pg_expired_locked", "k").expect("identity");
-    // Another session will lock the expired row (as a purge deleting it
-    // would). It locks it before it expires: once expired, another test's
-    // purge of the shared table may delete it first (a purge skips rows that
-    // are locked).
-    let (mut locker, locker_pid) = connection_and_pid().await;
-    let short = Duration::from_secs(2);
-    let first = OwnerToken::new();
-    let abandoned = store
-        .reserve(ReserveRequest {
-            identity: &identity,
-            fingerprint: None,
-            token: &first,
-            lease: short,
-            ttl: short,
-        })
-        .await
-        .expect("reserve");
-    assert_eq!(abandoned, Reservation::FRESH);
-    lock_row_in_transaction(&mut locker, &identity).await;
-    // Lease and retention run out on the database's clock (a plain read is
-    // not blocked by the lock).
-    let mut expired = false;
-    for _ in 0..1000 {
-        let snapshot = store
-            .fetch(&identity)
-            .await
-            .expect("fetch")
-            .expect("record");
-        if snapshot.is_expired() {
-            expired = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    assert!(expired, "the record's lease and retention ran out");
+    let (mut locker, locker_pid) =
+        expired_record_locked_by_another_session(&store, &identity).await;
 
     let reserving = {
         let (store, identity) = (store.clone(), identity.clone());
@@ -481,6 +448,113 @@ async fn a_read_committed_transactional_duplicate_waits_for_a_store_owner_and_re
 }
 
 /// Begins a transaction on `conn` and locks `identity`'s record in it.
+/// An expired record of `identity` that another session (returned, with its
+/// pid) holds locked in an open transaction, as a purge deleting it would.
+/// It locks it before it expires: once expired, another test's purge of the
+/// shared table may delete it first (a purge skips rows that are locked).
+async fn expired_record_locked_by_another_session(
+    store: &PgStore,
+    identity: &Identity,
+) -> (sqlx::PgConnection, i32) {
+    let (mut locker, locker_pid) = connection_and_pid().await;
+    let short = Duration::from_secs(2);
+    let first = OwnerToken::new();
+    let abandoned = store
+        .reserve(ReserveRequest {
+            identity,
+            fingerprint: None,
+            token: &first,
+            lease: short,
+            ttl: short,
+        })
+        .await
+        .expect("reserve");
+    assert_eq!(abandoned, Reservation::FRESH);
+    lock_row_in_transaction(&mut locker, identity).await;
+    // Lease and retention run out on the database's clock (a plain read is
+    // not blocked by the lock).
+    let mut expired = false;
+    for _ in 0..1000 {
+        let snapshot = store.fetch(identity).await.expect("fetch").expect("record");
+        if snapshot.is_expired() {
+            expired = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(expired, "the record's lease and retention ran out");
+    (locker, locker_pid)
+}
+
+/// A transactional call (`in_progress = reject`) for a key nobody holds.
+#[idempotent_runtime::idempotent(scope = "edges.pg_expired_locked_tx", key = key, tenant = tenant,
+    tx = tx, skip(runs), ttl = "1h", in_progress = reject)]
+async fn charge_in_tx(
+    tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
+    tenant: &str,
+    key: &str,
+    runs: &std::sync::atomic::AtomicUsize,
+) -> Result<u64, idempotent_runtime::Error> {
+    let _ = (&tx, tenant, key);
+    runs.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    Ok(7)
+}
+
+/// The same in transactional mode, with `in_progress = reject`: an expired
+/// record that another session holds for a moment (a purge deleting it) is
+/// not a call in progress. The reservation waited no time at all for the
+/// lock and answered `InProgress` for a key nobody held (operations hunt:
+/// up to a third of transactional calls on expired keys while a purge ran).
+/// Deterministic: the lock is let go once the reservation is seen waiting.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transactional_call_waits_out_a_short_lock_on_an_expired_record() {
+    let Some(store) = pg_store_or_skip().await else {
+        return;
+    };
+    let (tenant, key) = (fresh_tenant(), "k");
+    let identity =
+        Identity::new(tenant.as_str(), "edges.pg_expired_locked_tx", key).expect("identity");
+    let (mut locker, locker_pid) =
+        expired_record_locked_by_another_session(&store, &identity).await;
+    let runs = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let calling = {
+        let (pool, tenant, runs) = (store.pool().clone(), tenant.clone(), runs.clone());
+        tokio::spawn(async move {
+            let mut tx = pool.begin().await.expect("begin");
+            let answer = charge_in_tx(&mut tx, &tenant, "k", &runs).await;
+            tx.commit().await.expect("commit");
+            answer
+        })
+    };
+    let mut monitor = sqlx::PgConnection::connect(&pg_url())
+        .await
+        .expect("connect");
+    let mut seen_waiting = false;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !seen_waiting && !calling.is_finished() && Instant::now() < deadline {
+        let blocked: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))",
+        )
+        .bind(locker_pid)
+        .fetch_one(&mut monitor)
+        .await
+        .expect("pg_stat_activity");
+        seen_waiting = blocked > 0;
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    sqlx::query("ROLLBACK")
+        .execute(&mut locker)
+        .await
+        .expect("rollback");
+    let answer = calling.await.expect("task");
+    assert!(
+        matches!(answer, Ok(7)),
+        "a transactional call for an expired key held a moment by another session: {answer:?}"
+    );
+    assert_eq!(runs.load(std::sync::atomic::Ordering::SeqCst), 1);
+    assert!(seen_waiting, "the call waited for the lock");
+}
+
 async fn lock_row_in_transaction(conn: &mut sqlx::PgConnection, identity: &Identity) {
     sqlx::query("BEGIN")
         .execute(&mut *conn)

@@ -550,10 +550,9 @@ async fn reserve_on(
         }
         let now = tokio::time::Instant::now();
         if now >= deadline {
-            // The lock's holder may be any writer, for any key (with
-            // `in_progress = reject` there is no wait at all, so any write
-            // of another connection answers this): the time to try again is
-            // short, not a lease, as in store mode.
+            // The lock's holder may be any writer, for any key (even with
+            // `in_progress = reject` the wait is short: `LEAST_LOCK_WAIT`):
+            // the time to try again is short, not a lease, as in store mode.
             return Ok(Reservation::InProgress {
                 lease_remaining: super::sqlite::BUSY_RETRY_AFTER.min(request.lease),
             });
