@@ -314,9 +314,10 @@ fn stale_snapshot_cause(store: &str) -> &'static str {
              concurrent transaction's (even for a key no one has recorded)"
         }
         "mysql" => {
-            "the record is another caller's, in progress, and this transaction may be what keeps its owner \
-             from renewing its lease (the lease ran out after the transaction began, or an earlier call in \
-             it locked the record), so it must not take the record over"
+            "the record was another caller's, in progress, when this transaction began (its lease ran out \
+             since, InnoDB's clock counting in whole seconds), or an earlier call in it locked the record, \
+             and this transaction may be what kept its owner from renewing its lease, so it must not take \
+             the record over"
         }
         _ => {
             "it read the database before writing, and SQLite will not let it write any more \
