@@ -1674,6 +1674,66 @@ pub async fn force_release_frees_only_in_progress_records<S: Store + Clone + 'st
     );
 }
 
+/// Rules 1 and 20: an operator's release frees one identity only. The same
+/// scope and key under another tenant (in progress or complete), and the same
+/// tenant and key in another scope, are other records: each is left exactly
+/// as it was, with or without the expired-lease requirement.
+pub async fn force_release_touches_one_identity_only<S: Store + Clone + 'static>(store: S) {
+    let (mine, theirs, third) = (fresh_tenant(), fresh_tenant(), fresh_tenant());
+    let scope = "conformance.force_release_one";
+    let stuck = id(&mine, scope, "same-key");
+    let their_running = id(&theirs, scope, "same-key");
+    let their_done = id(&third, scope, "same-key");
+    let my_other_scope = id(&mine, "conformance.force_release_two", "same-key");
+    acquire(&store, &stuck, None, SHORT, LONG).await;
+    let their_owner = acquire(&store, &their_running, None, LONG, LONG).await;
+    record(&store, &their_done, None, &ok(b"\"theirs\""), LONG).await;
+    let my_other_owner = acquire(&store, &my_other_scope, None, LONG, LONG).await;
+    tokio::time::sleep(PAST_SHORT).await;
+    let untouched = [&their_running, &their_done, &my_other_scope];
+    let mut before = Vec::new();
+    for identity in untouched {
+        before.push(fetch(&store, identity).await.expect("planted"));
+    }
+
+    assert_eq!(
+        store.force_release(&stuck, true).await.unwrap(),
+        ForcedRelease::Released { attempt: 1 }
+    );
+    // Again, without the requirement, on a key that is now fresh and then
+    // in progress under a live lease.
+    acquire(&store, &stuck, None, LONG, LONG).await;
+    assert_eq!(
+        store.force_release(&stuck, false).await.unwrap(),
+        ForcedRelease::Released { attempt: 1 }
+    );
+    assert!(fetch(&store, &stuck).await.is_none());
+    for (identity, before) in untouched.into_iter().zip(&before) {
+        let after = fetch(&store, identity).await.unwrap_or_else(|| {
+            panic!(
+                "releasing ({}, {scope}, same-key) deleted {identity:?}",
+                stuck.tenant()
+            )
+        });
+        assert_same_record(before, &after, "another identity's record");
+    }
+    // Their owners still own their records.
+    assert_eq!(
+        store
+            .complete(Completion::by_body(&their_running, &their_owner, &ok(b"1"), LONG))
+            .await
+            .unwrap(),
+        Fenced::Written
+    );
+    assert_eq!(
+        store
+            .heartbeat(&my_other_scope, &my_other_owner, LONG)
+            .await
+            .unwrap(),
+        Fenced::Written
+    );
+}
+
 // ---------------------------------------------------------------- the macro
 
 /// Generates one `#[tokio::test]` per rule for the store made by `$make`, an
@@ -1710,6 +1770,7 @@ macro_rules! store_conformance_tests {
             attempts_are_counted_in_the_record,
             recovered_completions_are_marked_and_counted,
             force_release_frees_only_in_progress_records,
+            force_release_touches_one_identity_only,
         );
     };
     (@tests $make:expr; $($name:ident),* $(,)?) => {
