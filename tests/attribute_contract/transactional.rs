@@ -255,6 +255,57 @@ async fn pg_duplicate_of_an_open_transaction_is_in_progress_and_never_blocks() {
     assert_eq!(pg_charges(&pool, &tenant).await, 1, "one business row");
 }
 
+/// Rules 7 and 15 on PostgreSQL: inside a caller's transaction, the same key
+/// with other arguments is refused as a mismatch (not replayed): the body does
+/// not run, the record is untouched, and the transaction stays usable.
+#[tokio::test]
+async fn pg_a_different_request_in_a_transaction_is_a_mismatch() {
+    let Some(store) = pg_store_or_skip().await else {
+        return;
+    };
+    let pool = store.pool().clone();
+    common::servers::pg_create_tables(&pool, PG_DDL)
+        .await
+        .expect("ddl");
+    let tenant = fresh_tenant();
+    assert_eq!(
+        pg_charge(&pool, &tenant, "k", true).await.expect("runs"),
+        500
+    );
+    let before = store
+        .fetch(&identity(&tenant, "k"))
+        .await
+        .expect("fetch")
+        .expect("recorded");
+
+    let mut other = pool.begin().await.expect("begin");
+    let (refused, outcome) =
+        with_outcome(pg_charge_in(&mut other, &tenant, "k", 600, None)).await;
+    assert!(
+        matches!(refused, Err(Error::FingerprintMismatch(_))),
+        "same key, other amount, in a transaction: {refused:?}"
+    );
+    assert_ne!(outcome, Some(Outcome::Replayed));
+    let one: i32 = sqlx::query_scalar("SELECT 1")
+        .fetch_one(&mut *other)
+        .await
+        .expect("the refused caller's transaction is still usable");
+    assert_eq!(one, 1);
+    other.commit().await.expect("commit");
+
+    assert_eq!(pg_charges(&pool, &tenant).await, 1, "the body did not run");
+    let after = store
+        .fetch(&identity(&tenant, "k"))
+        .await
+        .expect("fetch")
+        .expect("still recorded");
+    assert_eq!(
+        (after.state, &after.fingerprint, &after.outcome, after.expires_at_ms),
+        (before.state, &before.fingerprint, &before.outcome, before.expires_at_ms),
+        "the record is untouched"
+    );
+}
+
 /// `tx = conn` on a `&mut PgConnection` that is inside a transaction (begun
 /// by sqlx); an autocommit connection is refused (tests/transactional_edges.rs).
 #[tokio::test]
