@@ -559,6 +559,118 @@ async fn sqlite_rollback_leaves_no_record_commit_replays() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+// ---------------------------------------------------------------- rule 16 in a transaction
+
+/// The expiry a test gives a record: a time in 1970, long past on any clock.
+const LONG_AGO_MS: i64 = 1_000;
+
+/// Rule 16 in transactional mode, on PostgreSQL: a completed record whose ttl
+/// has run out counts as absent inside a caller's transaction too, so the key
+/// executes again (not replayed). The record's expiry is moved into the past
+/// by hand, so no test sleeps through a ttl.
+#[tokio::test]
+async fn pg_an_expired_record_counts_as_absent_in_a_transaction() {
+    let Some(store) = pg_store_or_skip().await else {
+        return;
+    };
+    let pool = store.pool().clone();
+    common::servers::pg_create_tables(&pool, PG_DDL)
+        .await
+        .expect("ddl");
+    let tenant = fresh_tenant();
+    let (first, outcome) = with_outcome(pg_charge(&pool, &tenant, "k", true)).await;
+    assert_eq!((first.expect("runs"), outcome), (500, Some(Outcome::Executed)));
+    sqlx::query(
+        "UPDATE idempotency_records SET expires_at = $4
+          WHERE tenant = $1 AND scope = $2 AND key = $3",
+    )
+    .bind(&tenant)
+    .bind("tx.charge")
+    .bind("k")
+    .bind(LONG_AGO_MS)
+    .execute(&pool)
+    .await
+    .expect("expire the record");
+    let (again, outcome) = with_outcome(pg_charge(&pool, &tenant, "k", true)).await;
+    assert_eq!(again.expect("runs again"), 500);
+    assert_eq!(outcome, Some(Outcome::Executed), "an expired record is not replayed");
+    assert_eq!(pg_charges(&pool, &tenant).await, 2, "the body ran twice");
+}
+
+/// As [`pg_an_expired_record_counts_as_absent_in_a_transaction`], on MariaDB.
+#[tokio::test]
+async fn mysql_an_expired_record_counts_as_absent_in_a_transaction() {
+    let Some(store) = mysql_store_or_skip().await else {
+        return;
+    };
+    let pool = store.pool().clone();
+    sqlx::query(MY_DDL).execute(&pool).await.expect("ddl");
+    let tenant = fresh_tenant();
+    let (first, outcome) = with_outcome(my_charge(&pool, &tenant, "k", true)).await;
+    first.expect("runs");
+    assert_eq!(outcome, Some(Outcome::Executed));
+    sqlx::query(
+        "UPDATE idempotency_records SET expires_at = ?
+          WHERE tenant = ? AND scope = ? AND `key` = ?",
+    )
+    .bind(LONG_AGO_MS)
+    .bind(&tenant)
+    .bind("tx.charge_mysql")
+    .bind("k")
+    .execute(&pool)
+    .await
+    .expect("expire the record");
+    let (again, outcome) = with_outcome(my_charge(&pool, &tenant, "k", true)).await;
+    again.expect("runs again");
+    assert_eq!(outcome, Some(Outcome::Executed), "an expired record is not replayed");
+    assert_eq!(my_charges(&pool, &tenant).await, 2, "the body ran twice");
+}
+
+/// As [`pg_an_expired_record_counts_as_absent_in_a_transaction`], on SQLite.
+#[tokio::test]
+async fn sqlite_an_expired_record_counts_as_absent_in_a_transaction() {
+    let dir = std::env::temp_dir().join(format!("idempotent-tx-{}", uuid::Uuid::new_v4()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let url = format!("sqlite:{}?mode=rwc", dir.join("tx.db").display());
+    let store = idempotent_runtime::SqliteStore::connect(&url)
+        .await
+        .expect("open");
+    let pool = store.pool().clone();
+    sqlx::query("CREATE TABLE IF NOT EXISTS idempotent_test_charges (tenant TEXT, idem_key TEXT, amount INTEGER)")
+        .execute(&pool)
+        .await
+        .expect("ddl");
+    let tenant = fresh_tenant();
+    let mut outcomes = Vec::new();
+    for expire_first in [false, true] {
+        if expire_first {
+            sqlx::query(
+                "UPDATE idempotency_records SET expires_at = ?4
+                  WHERE tenant = ?1 AND scope = ?2 AND key = ?3",
+            )
+            .bind(&tenant)
+            .bind("tx.charge_sqlite")
+            .bind("k")
+            .bind(LONG_AGO_MS)
+            .execute(&pool)
+            .await
+            .expect("expire the record");
+        }
+        let mut tx = pool.begin().await.expect("begin");
+        let (answer, outcome) = with_outcome(sqlite_charge_in(&mut tx, &tenant, "k")).await;
+        assert_eq!(answer.expect("runs"), 500);
+        outcomes.push(outcome);
+        tx.commit().await.expect("commit");
+    }
+    assert_eq!(
+        outcomes,
+        [Some(Outcome::Executed), Some(Outcome::Executed)],
+        "an expired record is not replayed"
+    );
+    drop(store);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 // ---------------------------------------------------------------- a wait bound longer than lock_timeout allows
 
 /// A long but valid wait bound (`wait("30days")`, accepted by the attribute)
