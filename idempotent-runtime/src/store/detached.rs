@@ -665,6 +665,40 @@ mod tests {
         );
     }
 
+    /// Rule 14: a dropped call's release that cannot be made is never
+    /// silent: once its attempts are used up it is logged and counted
+    /// (`release_failures`); the lease bounds the damage.
+    #[tokio::test(start_paused = true)]
+    async fn a_release_that_keeps_failing_is_counted() {
+        let attempts = Arc::new(AtomicUsize::new(0));
+        let counted = attempts.clone();
+        let write: WriteFn = Arc::new(move |_, _, _| {
+            counted.fetch_add(1, Ordering::SeqCst);
+            Box::pin(async { Err(StoreError::new("test", "release", "connection refused")) })
+        });
+        let before = crate::metrics::snapshot().release_failures;
+        let id = Identity::new("t", "releaser.test", "lost").expect("identity");
+        // Nothing to search for past the schedule: the reservation landed.
+        with_retries(
+            "test",
+            write,
+            id,
+            OwnerToken::new(),
+            Work::Release,
+            std::time::Instant::now(),
+        )
+        .await;
+        assert_eq!(
+            attempts.load(Ordering::SeqCst),
+            RETRY_AFTER.len() + 1,
+            "tried on the schedule, then given up"
+        );
+        assert!(
+            crate::metrics::snapshot().release_failures > before,
+            "a release given up is counted"
+        );
+    }
+
     /// `finish_within` counts the work not yet done: a job held up counts as
     /// unfinished when the wait ends, and once it is done the wait returns 0.
     #[test]
