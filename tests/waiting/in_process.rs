@@ -163,6 +163,51 @@ fn sqlite_url() -> String {
     )
 }
 
+#[idempotent(scope = "waiting.bounded", key = key, tenant = tenant, store = store,
+             in_progress = wait("1s"), skip(gate))]
+async fn held_past_the_bound(
+    store: &dyn Store,
+    tenant: &str,
+    key: &str,
+    gate: &Gate,
+) -> Result<u64, Error> {
+    gate.runs.fetch_add(1, Ordering::SeqCst);
+    gate.started.send_replace(true);
+    gate.go.notified().await;
+    Ok(7)
+}
+
+/// Rule 4: the wait is bounded by `in_progress = wait(..)`, not by the
+/// owner's lease. The holder's record is still in progress when the
+/// duplicate's bound (1 s) is reached, and completes only later (2 s, well
+/// inside its 30 s lease): the duplicate is refused with `InProgress` at its
+/// bound. A wait bounded by the lease alone is still waiting when the holder
+/// completes, and replays. On a paused clock (the memory store reads the
+/// runtime's), so the order of the two moments is fixed, not raced.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn memory_a_waiting_duplicate_gives_up_at_its_bound_not_the_lease() {
+    let store = MemoryStore::new();
+    let tenant = tenant();
+    let (holder_gate, dup_gate) = (Gate::default(), Gate::open());
+    let holder = held_past_the_bound(&store, &tenant, "k", &holder_gate);
+    let duplicate = async {
+        holder_gate.started().await;
+        held_past_the_bound(&store, &tenant, "k", &dup_gate).await
+    };
+    let release = async {
+        holder_gate.started().await;
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        holder_gate.go.notify_one();
+    };
+    let (held_answer, answer, ()) = tokio::join!(holder, duplicate, release);
+    assert_eq!(held_answer.expect("the holder completes"), 7);
+    assert!(
+        matches!(answer, Err(Error::InProgress { .. })),
+        "the duplicate must give up at its 1 s bound while the record is in progress: {answer:?}"
+    );
+    assert_eq!(dup_gate.runs.load(Ordering::SeqCst), 0, "the duplicate ran");
+}
+
 #[tokio::test]
 async fn memory_a_waiting_duplicate_is_woken_by_the_completion() {
     let store = Counting::new(MemoryStore::new());
