@@ -279,8 +279,7 @@ async fn pg_a_different_request_in_a_transaction_is_a_mismatch() {
         .expect("recorded");
 
     let mut other = pool.begin().await.expect("begin");
-    let (refused, outcome) =
-        with_outcome(pg_charge_in(&mut other, &tenant, "k", 600, None)).await;
+    let (refused, outcome) = with_outcome(pg_charge_in(&mut other, &tenant, "k", 600, None)).await;
     assert!(
         matches!(refused, Err(Error::FingerprintMismatch(_))),
         "same key, other amount, in a transaction: {refused:?}"
@@ -300,8 +299,18 @@ async fn pg_a_different_request_in_a_transaction_is_a_mismatch() {
         .expect("fetch")
         .expect("still recorded");
     assert_eq!(
-        (after.state, &after.fingerprint, &after.outcome, after.expires_at_ms),
-        (before.state, &before.fingerprint, &before.outcome, before.expires_at_ms),
+        (
+            after.state,
+            &after.fingerprint,
+            &after.outcome,
+            after.expires_at_ms
+        ),
+        (
+            before.state,
+            &before.fingerprint,
+            &before.outcome,
+            before.expires_at_ms
+        ),
         "the record is untouched"
     );
 }
@@ -579,7 +588,10 @@ async fn pg_an_expired_record_counts_as_absent_in_a_transaction() {
         .expect("ddl");
     let tenant = fresh_tenant();
     let (first, outcome) = with_outcome(pg_charge(&pool, &tenant, "k", true)).await;
-    assert_eq!((first.expect("runs"), outcome), (500, Some(Outcome::Executed)));
+    assert_eq!(
+        (first.expect("runs"), outcome),
+        (500, Some(Outcome::Executed))
+    );
     sqlx::query(
         "UPDATE idempotency_records SET expires_at = $4
           WHERE tenant = $1 AND scope = $2 AND key = $3",
@@ -593,7 +605,11 @@ async fn pg_an_expired_record_counts_as_absent_in_a_transaction() {
     .expect("expire the record");
     let (again, outcome) = with_outcome(pg_charge(&pool, &tenant, "k", true)).await;
     assert_eq!(again.expect("runs again"), 500);
-    assert_eq!(outcome, Some(Outcome::Executed), "an expired record is not replayed");
+    assert_eq!(
+        outcome,
+        Some(Outcome::Executed),
+        "an expired record is not replayed"
+    );
     assert_eq!(pg_charges(&pool, &tenant).await, 2, "the body ran twice");
 }
 
@@ -622,7 +638,11 @@ async fn mysql_an_expired_record_counts_as_absent_in_a_transaction() {
     .expect("expire the record");
     let (again, outcome) = with_outcome(my_charge(&pool, &tenant, "k", true)).await;
     again.expect("runs again");
-    assert_eq!(outcome, Some(Outcome::Executed), "an expired record is not replayed");
+    assert_eq!(
+        outcome,
+        Some(Outcome::Executed),
+        "an expired record is not replayed"
+    );
     assert_eq!(my_charges(&pool, &tenant).await, 2, "the body ran twice");
 }
 

@@ -1720,7 +1720,12 @@ pub async fn force_release_touches_one_identity_only<S: Store + Clone + 'static>
     // Their owners still own their records.
     assert_eq!(
         store
-            .complete(Completion::by_body(&their_running, &their_owner, &ok(b"1"), LONG))
+            .complete(Completion::by_body(
+                &their_running,
+                &their_owner,
+                &ok(b"1"),
+                LONG
+            ))
             .await
             .unwrap(),
         Fenced::Written
