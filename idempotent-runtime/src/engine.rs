@@ -675,7 +675,17 @@ where
         span.record("attempt", acquired.attempt);
     }
 
-    if let Some(takeover) = acquired.takeover(spec, &identity)
+    let takeover = acquired.takeover(spec, &identity);
+    if takeover.is_some()
+        && let Some(answer) = crate::unrecorded::for_takeover(&identity)
+    {
+        let mut sink = StoreSink {
+            store,
+            guard: &mut guard,
+        };
+        return record_unrecorded_answer::<R, H>(spec, &errors, &identity, &mut sink, answer).await;
+    }
+    if let Some(takeover) = takeover
         && let Some(hook) = recover.ask(takeover)
     {
         // While the hook runs (and until the body starts), the guard stays
@@ -838,6 +848,9 @@ pub(crate) trait RecordSink: Send {
     /// bytes), when the sink knows it without asking anyone (a store's).
     fn known_limit(&self) -> Option<usize>;
 
+    /// The store's name, for logs.
+    fn store_name(&self) -> &'static str;
+
     /// The largest answer [`record`](Self::record) can write, asked of the
     /// database (a MySQL transaction's session); only when there is no
     /// [`known_limit`](Self::known_limit), and only for answers larger than
@@ -891,6 +904,10 @@ impl RecordSink for StoreSink<'_, '_> {
         Some(self.store.max_result_bytes())
     }
 
+    fn store_name(&self) -> &'static str {
+        self.store.name()
+    }
+
     fn release(&mut self) -> BoxFuture<'_, Result<(), Error>> {
         Box::pin(async move {
             // The answer says to free the key: a call dropped meanwhile
@@ -917,8 +934,17 @@ impl RecordSink for StoreSink<'_, '_> {
             // The answer is recordable: from here on a dropped call records
             // it rather than freeing the key for a re-run.
             self.guard.arm(false);
+            // Until it is recorded, a takeover in this process answers with
+            // it (see `unrecorded`).
+            let noted = !store.records_in_process_memory();
+            if noted {
+                crate::unrecorded::note(identity, token, &answer);
+            }
             let answer = self.guard.completing.insert(answer);
             let written = store.complete(answer.completing(identity, token)).await;
+            if noted && written.is_ok() {
+                crate::unrecorded::forget(identity, token);
+            }
             let unrecorded = self.guard.completing.take();
             if let (Err(e), Some(answer)) = (&written, unrecorded) {
                 // The answer is final: keep trying to record it in the
@@ -1087,6 +1113,41 @@ pub(crate) fn replay<R: IdempotentReturn, H: ErrorHandling<R::Failure>>(
 /// The caller's answer once a fenced write of `result` (completion) was
 /// tried: `result` itself when it was written, `LeaseLost` when another
 /// owner holds the record now, the store's error otherwise.
+/// A call that took a record over, for which this process still holds an
+/// answer it produced and could not record (see [`crate::unrecorded`]):
+/// records that answer under this call's token, through `sink`, and replays
+/// it. The body does not run again, and the `recover` hook is not asked: the
+/// answer is known. Shared by store mode and transactional mode.
+pub(crate) async fn record_unrecorded_answer<R, H>(
+    spec: &'static ScopeInfo,
+    errors: &H,
+    identity: &Identity,
+    sink: &mut dyn RecordSink,
+    answer: Answer,
+) -> Answered<R>
+where
+    R: IdempotentReturn,
+    H: ErrorHandling<R::Failure>,
+{
+    tracing::warn!(target: "idempotent", scope = spec.scope, key = %identity.log_digest(),
+        "took over a record whose answer this process produced but could not record (the store \
+         was unreachable, or its write hung, past the lease): recording that answer instead of \
+         running the body again");
+    let outcome = answer.outcome.clone();
+    match sink.record(answer).await {
+        Ok(Fenced::Written) => replay::<R, H>(spec, errors, identity, sink.store_name(), outcome),
+        Ok(Fenced::NotOwner) => {
+            tracing::error!(target: "idempotent", scope = %identity.scope, key = %identity.log_digest(),
+                "lease lost: another caller took the record over meanwhile");
+            (
+                Err(Error::LeaseLost(identity.context()).into()),
+                CallOutcome::Failed,
+            )
+        }
+        Err(e) => (Err(Error::Store(e).into()), CallOutcome::Failed),
+    }
+}
+
 pub(crate) fn after_completion<R: IdempotentReturn>(
     written: Result<Fenced, crate::error::StoreError>,
     identity: &Identity,
@@ -1117,8 +1178,6 @@ pub(crate) enum Reserved {
     Replay(StoredOutcome),
 }
 
-/// Something that can answer a reservation: a store, or the caller's transaction.
-/// (Boxed `Send` futures: an `async fn` here defeats the `Send` proof of the call's future.)
 /// The least a reservation in a caller's transaction waits for a row (on
 /// SQLite, the database's write lock) that another transaction holds, also
 /// with `in_progress = reject` and at the end of a `wait(...)` bound. Such a
@@ -1130,6 +1189,8 @@ pub(crate) enum Reserved {
 /// MySQL/MariaDB wait in whole seconds: 1 s there.
 pub(crate) const LEAST_LOCK_WAIT: Duration = Duration::from_millis(500);
 
+/// Something that can answer a reservation: a store, or the caller's transaction.
+/// (Boxed `Send` futures: an `async fn` here defeats the `Send` proof of the call's future.)
 pub(crate) trait Reserver: Send {
     fn reserve_once<'a>(
         &'a mut self,

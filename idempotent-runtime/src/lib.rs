@@ -51,6 +51,7 @@ pub mod registry;
 pub mod store;
 mod table;
 mod transaction;
+mod unrecorded;
 
 #[doc(hidden)]
 pub mod __private;

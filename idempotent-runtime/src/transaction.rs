@@ -14,9 +14,9 @@
 //! refused with [`Error::NotInTransaction`] before anything is written.
 
 use crate::engine::{
-    failure_outcome, hook_answer, replay, report, reserve, reserve_label, reserve_request, settle,
-    within_a_runtime, ErrorHandling, IdempotentReturn, Outcome, RecordSink, Recover, Reserved,
-    Reserver,
+    failure_outcome, hook_answer, record_unrecorded_answer, replay, report, reserve, reserve_label,
+    reserve_request, settle, within_a_runtime, ErrorHandling, IdempotentReturn, Outcome,
+    RecordSink, Recover, Reserved, Reserver,
 };
 use crate::error::{Error, StoreError};
 use crate::fingerprint::Fingerprint;
@@ -436,7 +436,20 @@ where
         Err(e) => return fail(e),
     };
     span.record("attempt", acquired.attempt);
-    if let Some(takeover) = acquired.takeover(spec, &identity)
+    let takeover = acquired.takeover(spec, &identity);
+    if takeover.is_some()
+        && let Some(answer) = crate::unrecorded::for_takeover(&identity)
+    {
+        let mut sink = TransactionSink {
+            connection,
+            identity: &identity,
+            token: &token,
+        };
+        let answered =
+            record_unrecorded_answer::<R, H>(spec, errors, &identity, &mut sink, answer).await;
+        return early::<R>(spec, &span, answered.0, answered.1);
+    }
+    if let Some(takeover) = takeover
         && let Some(hook) = recover.ask(takeover)
         && let Some(result) = hook_answer(hook.await)
     {
@@ -479,6 +492,10 @@ struct TransactionSink<'c, C: ?Sized> {
 impl<C: TransactionalConnection + ?Sized> RecordSink for TransactionSink<'_, C> {
     fn known_limit(&self) -> Option<usize> {
         None
+    }
+
+    fn store_name(&self) -> &'static str {
+        self.connection.store_name()
     }
 
     fn ask_limit(&mut self) -> BoxFuture<'_, Result<usize, crate::error::StoreError>> {

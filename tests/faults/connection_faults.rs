@@ -57,7 +57,7 @@ const AMOUNT: u32 = 1250;
 /// The workhorse: a short lease (1 s, heartbeat every ~333 ms) and a duplicate
 /// that waits up to 5 s, so a retry outwaits an orphaned lease and takes over.
 #[idempotent(scope = "faults.conn.call", key = key, tenant = tenant, store = store, skip(rig),
-             lease = "1s", in_progress = wait("5s"))]
+             lease = "1s", in_progress = wait("5s"), shared_scope)]
 async fn guarded(
     store: &dyn Store,
     rig: &Rig,
@@ -65,6 +65,36 @@ async fn guarded(
     key: &str,
     amount: u32,
 ) -> Result<String, Error> {
+    rig.body(key, amount).await
+}
+
+/// The same scope in transactional mode, on PostgreSQL (a shared scope: a
+/// request handled in a transaction, and retried by a store-mode caller or
+/// the reverse).
+#[idempotent(scope = "faults.conn.call", key = key, tenant = tenant, tx = tx, skip(rig),
+             lease = "1s", in_progress = wait("5s"), shared_scope)]
+async fn guarded_in_pg_tx(
+    tx: &mut sqlx::PgConnection,
+    rig: &Rig,
+    tenant: &str,
+    key: &str,
+    amount: u32,
+) -> Result<String, Error> {
+    let _ = &tx;
+    rig.body(key, amount).await
+}
+
+/// The same on MySQL/MariaDB.
+#[idempotent(scope = "faults.conn.call", key = key, tenant = tenant, tx = tx, skip(rig),
+             lease = "1s", in_progress = wait("5s"), shared_scope)]
+async fn guarded_in_mysql_tx(
+    tx: &mut sqlx::MySqlConnection,
+    rig: &Rig,
+    tenant: &str,
+    key: &str,
+    amount: u32,
+) -> Result<String, Error> {
+    let _ = &tx;
     rig.body(key, amount).await
 }
 
@@ -113,6 +143,9 @@ enum Plan {
     /// body returns, so neither the completion nor the store's background
     /// recording of it can land.
     StoreDownAfterTheBody,
+    /// Stalls every connection as the body returns: the completion is sent
+    /// and hangs, unanswered, until the stall is released.
+    StallAfterTheBody,
 }
 
 // ---------------------------------------------------------------- the rig
@@ -143,6 +176,8 @@ struct Rig {
     proxy: FaultProxy,
     store: Arc<dyn Store>,
     direct: Arc<dyn Store>,
+    /// The pool of `direct`, for calls in a transaction.
+    direct_pool: DirectPool,
     tenant: String,
     plans: Mutex<HashMap<String, Plan>>,
     /// The answer each body run returned, per key, in order.
@@ -153,6 +188,11 @@ struct Rig {
     notes: Mutex<Vec<String>>,
     metrics_at_start: metrics::Snapshot,
     bystander: Mutex<Option<(Identity, RecordSnapshot)>>,
+}
+
+enum DirectPool {
+    Postgres(sqlx::PgPool),
+    MariaDb(sqlx::MySqlPool),
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -167,14 +207,34 @@ fn comparable(mut snapshot: RecordSnapshot) -> RecordSnapshot {
 impl Rig {
     async fn postgres(test: &'static str) -> Option<Rig> {
         let direct = pg_store_or_skip().await?;
+        let pool = DirectPool::Postgres(direct.pool().clone());
         let (proxy, store) = through_a_proxy::postgres(2).await?;
-        Some(Rig::new("postgres", test, proxy, Arc::new(store), Arc::new(direct)).await)
+        Some(
+            Rig::new(
+                "postgres",
+                test,
+                proxy,
+                Arc::new(store),
+                (Arc::new(direct), pool),
+            )
+            .await,
+        )
     }
 
     async fn mariadb(test: &'static str) -> Option<Rig> {
         let direct = mysql_store_or_skip().await?;
+        let pool = DirectPool::MariaDb(direct.pool().clone());
         let (proxy, store) = through_a_proxy::mariadb(2).await?;
-        Some(Rig::new("mariadb", test, proxy, Arc::new(store), Arc::new(direct)).await)
+        Some(
+            Rig::new(
+                "mariadb",
+                test,
+                proxy,
+                Arc::new(store),
+                (Arc::new(direct), pool),
+            )
+            .await,
+        )
     }
 
     async fn new(
@@ -182,7 +242,7 @@ impl Rig {
         test: &'static str,
         proxy: FaultProxy,
         store: Arc<dyn Store>,
-        direct: Arc<dyn Store>,
+        (direct, direct_pool): (Arc<dyn Store>, DirectPool),
     ) -> Rig {
         let _ = tracing_subscriber::fmt()
             .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
@@ -194,6 +254,7 @@ impl Rig {
             proxy,
             store,
             direct,
+            direct_pool,
             tenant: fresh_tenant(),
             plans: Mutex::default(),
             runs: Mutex::default(),
@@ -307,6 +368,7 @@ impl Rig {
                 }
             }
             Some(Plan::StoreDownAfterTheBody) => self.proxy.go_down(),
+            Some(Plan::StallAfterTheBody) => self.proxy.stall(Stall::Both),
         }
         Ok(answer)
     }
@@ -368,6 +430,74 @@ impl Rig {
 
     async fn call(&self, key: &str) -> (Result<String, Error>, Option<Outcome>) {
         self.call_fn(Function::Guarded, key).await
+    }
+
+    /// A call through another store object on the same database, not
+    /// through the proxy (as a second store, the HTTP layer's or a
+    /// consumer's, would make it).
+    async fn call_direct(&self, key: &str) -> (Result<String, Error>, Option<Outcome>) {
+        let store = self.direct.as_ref();
+        self.settle(guarded(store, self, &self.tenant, key, AMOUNT))
+            .await
+    }
+
+    /// A call in a transaction on the direct pool, committed when it answers
+    /// (the same scope in transactional mode).
+    async fn call_in_transaction(&self, key: &str) -> (Result<String, Error>, Option<Outcome>) {
+        let tenant = self.tenant.as_str();
+        match &self.direct_pool {
+            DirectPool::Postgres(pool) => {
+                let mut tx = pool.begin().await.expect("begin");
+                let answer = self
+                    .settle(guarded_in_pg_tx(&mut tx, self, tenant, key, AMOUNT))
+                    .await;
+                tx.commit().await.expect("commit");
+                answer
+            }
+            DirectPool::MariaDb(pool) => {
+                let mut tx = pool.begin().await.expect("begin");
+                let answer = self
+                    .settle(guarded_in_mysql_tx(&mut tx, self, tenant, key, AMOUNT))
+                    .await;
+                tx.commit().await.expect("commit");
+                answer
+            }
+        }
+    }
+
+    /// Returns once the body ran for `key` and its in-progress record has a
+    /// lease that ran out on the server's clock (read directly, not through
+    /// the proxy). Bounded.
+    async fn until_lease_lapsed(&self, key: &str) {
+        self.until_lease_lapsed_for(key, Duration::ZERO).await
+    }
+
+    /// The same, `ago` ago at least.
+    async fn until_lease_lapsed_for(&self, key: &str, ago: Duration) {
+        let deadline = Instant::now() + WAIT_LIMIT;
+        let ago = i64::try_from(ago.as_millis()).expect("ms");
+        loop {
+            assert!(Instant::now() < deadline, "the body never ran");
+            if !self.runs(key).is_empty() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        loop {
+            let record = self
+                .fetch(Function::Guarded, key)
+                .await
+                .expect("the record stays in progress");
+            assert_eq!(record.state, RecordState::InProgress);
+            if record
+                .lease_expires_at_ms
+                .is_some_and(|at| at + ago <= record.now_ms)
+            {
+                return;
+            }
+            assert!(Instant::now() < deadline, "the 1 s lease never ran out");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
     }
 
     async fn call_fn(
@@ -517,6 +647,9 @@ on_both_servers!(
     completion_response_cut,
     heartbeat_cut,
     outage_outlasting_the_lease_after_the_body,
+    outage_outlasting_the_lease_retried_through_another_store,
+    outage_outlasting_the_lease_retried_in_a_transaction,
+    completion_hanging_past_the_lease,
     dropped_while_reservation_answer_stalled,
     dropped_while_reservation_request_stalled,
     slow_connection,
@@ -637,24 +770,7 @@ async fn outage_outlasting_the_lease_after_the_body(rig: &Rig) {
     assert_store_error(&first, "store down as the body returned");
     let runs = rig.runs(&key);
     assert_eq!(runs.len(), 1, "the body ran once");
-    // The lease runs out while the store is down (read on the server's
-    // clock, not through the proxy).
-    let deadline = Instant::now() + WAIT_LIMIT;
-    loop {
-        let record = rig
-            .fetch(Function::Guarded, &key)
-            .await
-            .expect("the record stays in progress while the store is down");
-        assert_eq!(record.state, RecordState::InProgress);
-        if record
-            .lease_expires_at_ms
-            .is_some_and(|at| at <= record.now_ms)
-        {
-            break;
-        }
-        assert!(Instant::now() < deadline, "the 1 s lease never ran out");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    rig.until_lease_lapsed(&key).await;
     rig.proxy.pass_through();
     let (retry, outcome) = rig.call(&key).await;
     assert_eq!(
@@ -668,6 +784,96 @@ async fn outage_outlasting_the_lease_after_the_body(rig: &Rig) {
     let answer = rig.converge(Function::Guarded, &key).await;
     assert_eq!(answer, runs[0]);
     rig.note("store down past the lease after the body → the retry recorded the pending answer and replayed it");
+}
+
+/// The same, retried through another store object on the same database
+/// while the first one's store is still down: the answer this process holds
+/// is recorded by whichever store takes the record over.
+async fn outage_outlasting_the_lease_retried_through_another_store(rig: &Rig) {
+    let key = rig.key("outage");
+    rig.plan(&key, Plan::StoreDownAfterTheBody);
+    let (first, _) = rig.call(&key).await;
+    assert_store_error(&first, "store down as the body returned");
+    let runs = rig.runs(&key);
+    assert_eq!(runs.len(), 1, "the body ran once");
+    rig.until_lease_lapsed(&key).await;
+    let (retry, outcome) = rig.call_direct(&key).await;
+    assert_eq!(
+        rig.runs(&key),
+        runs,
+        "DESIGN rule 3: a retry through another store ran the body a second time"
+    );
+    assert_eq!(retry.expect("the retry through another store"), runs[0]);
+    assert_eq!(outcome, Some(Outcome::Replayed));
+    rig.proxy.pass_through();
+    let answer = rig.converge(Function::Guarded, &key).await;
+    assert_eq!(answer, runs[0]);
+    rig.note("store down past the lease → a retry through another store recorded the answer and replayed it");
+}
+
+/// The same, retried in transactional mode (the scope is shared with a
+/// transactional function): the takeover inside the caller's transaction
+/// records the answer this process holds, and it commits with the caller's.
+async fn outage_outlasting_the_lease_retried_in_a_transaction(rig: &Rig) {
+    let key = rig.key("outage");
+    rig.plan(&key, Plan::StoreDownAfterTheBody);
+    let (first, _) = rig.call(&key).await;
+    assert_store_error(&first, "store down as the body returned");
+    let runs = rig.runs(&key);
+    assert_eq!(runs.len(), 1, "the body ran once");
+    // MySQL/MariaDB refuse a transaction a takeover of a lease that ran out
+    // after it began, in whole seconds (StaleSnapshot): one that ran out
+    // well before it is taken over.
+    rig.until_lease_lapsed_for(&key, Duration::from_millis(2100))
+        .await;
+    let (retry, outcome) = rig.call_in_transaction(&key).await;
+    assert_eq!(
+        rig.runs(&key),
+        runs,
+        "DESIGN rule 3: a retry in a transaction ran the body a second time"
+    );
+    assert_eq!(retry.expect("the retry in a transaction"), runs[0]);
+    assert_eq!(outcome, Some(Outcome::Replayed));
+    rig.proxy.pass_through();
+    let answer = rig.converge(Function::Guarded, &key).await;
+    assert_eq!(answer, runs[0]);
+    rig.note(
+        "store down past the lease → a retry in a transaction recorded the answer and replayed it",
+    );
+}
+
+/// The completion is sent and hangs past the lease (a connection that went
+/// silent: no error, no answer). A retry (through another store object) takes
+/// the record over: it records the answer the hanging call produced and
+/// replays it, instead of running the body again. When the hanging write
+/// finally arrives it finds the record taken over and changes nothing.
+async fn completion_hanging_past_the_lease(rig: &Rig) {
+    let key = rig.key("hanging");
+    rig.plan(&key, Plan::StallAfterTheBody);
+    let retried = async {
+        rig.until_lease_lapsed(&key).await;
+        let runs = rig.runs(&key);
+        assert_eq!(runs.len(), 1, "the body ran once");
+        let (retry, outcome) = rig.call_direct(&key).await;
+        assert_eq!(
+            rig.runs(&key),
+            runs,
+            "DESIGN rule 3: the retry ran the body a second time while the first run's answer \
+             was still being written"
+        );
+        assert_eq!(retry.expect("the retry"), runs[0]);
+        assert_eq!(outcome, Some(Outcome::Replayed));
+        rig.proxy.pass_through();
+    };
+    let ((first, _), ()) = tokio::join!(rig.call(&key), retried);
+    assert!(
+        matches!(first, Err(Error::LeaseLost(_))),
+        "the hanging call's write found the record taken over: {first:?}"
+    );
+    let answer = rig.converge(Function::Guarded, &key).await;
+    assert_eq!(answer, rig.runs(&key)[0]);
+    assert_eq!(rig.runs(&key).len(), 1);
+    rig.note("completion hung past the lease → a retry recorded the hanging call's answer; the late write changed nothing");
 }
 
 /// A long body under a 1 s lease: one heartbeat is cut. The failure is

@@ -26,20 +26,14 @@
 //! A completion that keeps failing (a failover, an outage) is tried on after
 //! that, every few seconds, for as long as the record's ttl (at most
 //! [`COMPLETE_TRIED_FOR`]), until it lands or finds the record taken over.
-//! Nothing renews the record's lease meanwhile, so an outage longer than the
-//! lease would let a retry take the record over and run the body again: a
-//! reservation of such a key in this process records the answer first
-//! ([`Detached::record_pending_answer_first`]), and fails as the store does
-//! while it cannot.
 //!
 //! Work that cannot be done is logged and counted (`release_failures`); the
 //! lease bounds the damage.
 
 use crate::error::StoreError;
 use crate::identity::Identity;
-use crate::store::{Answer, Fenced, OwnerToken, Store};
+use crate::store::{Fenced, OwnerToken};
 use futures_util::future::BoxFuture;
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -105,7 +99,6 @@ pub(crate) struct Detached {
     store: &'static str,
     state: Mutex<State>,
     unfinished: Arc<Unfinished>,
-    pending: Arc<PendingAnswers>,
     /// How long, in ms, a statement of the store may still land after its
     /// call was dropped (its lock waits): a release or an end of lease
     /// that finds nothing is tried again for at least this long.
@@ -119,60 +112,6 @@ pub(crate) struct Detached {
 struct Unfinished {
     count: AtomicUsize,
     changed: Notify,
-}
-
-/// The answers handed over to be recorded and not recorded yet (the store
-/// was unreachable), by identity, with the token that owns their record.
-#[derive(Default)]
-struct PendingAnswers {
-    /// How many there are: a reservation reads only this while there are none.
-    count: AtomicUsize,
-    answers: Mutex<HashMap<Identity, (OwnerToken, Answer)>>,
-}
-
-impl PendingAnswers {
-    fn answers(&self) -> std::sync::MutexGuard<'_, HashMap<Identity, (OwnerToken, Answer)>> {
-        self.answers.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    fn add(&self, identity: Identity, token: OwnerToken, answer: Answer) {
-        let mut answers = self.answers();
-        answers.insert(identity, (token, answer));
-        self.count.store(answers.len(), Ordering::SeqCst);
-    }
-
-    /// Forgets `identity`'s answer if it is still the one `token` owns.
-    fn forget(&self, identity: &Identity, token: &OwnerToken) {
-        let mut answers = self.answers();
-        if answers
-            .get(identity)
-            .is_some_and(|(owner, _)| owner == token)
-        {
-            answers.remove(identity);
-        }
-        self.count.store(answers.len(), Ordering::SeqCst);
-    }
-
-    fn get(&self, identity: &Identity) -> Option<(OwnerToken, Answer)> {
-        if self.count.load(Ordering::SeqCst) == 0 {
-            return None;
-        }
-        self.answers().get(identity).cloned()
-    }
-}
-
-/// Forgets a completion job's pending answer when dropped: when the job is
-/// done, given up, or never started.
-struct Pending {
-    answers: Arc<PendingAnswers>,
-    identity: Identity,
-    token: OwnerToken,
-}
-
-impl Drop for Pending {
-    fn drop(&mut self) {
-        self.answers.forget(&self.identity, &self.token);
-    }
 }
 
 /// Counts one job as finished when dropped: when it is done, given up, or
@@ -198,8 +137,6 @@ struct Job {
     /// A release or an end of lease that finds nothing is tried again until
     /// then (the real clock: the caller's runtime may have paused its own).
     search_until: std::time::Instant,
-    /// A completion's answer, known to reservations until the job ends.
-    pending: Option<Pending>,
     finished: Finished,
 }
 
@@ -223,7 +160,6 @@ impl Detached {
             store,
             state: Mutex::new(State::Idle(Some(open))),
             unfinished: Arc::default(),
-            pending: Arc::default(),
             lands_within_ms: std::sync::atomic::AtomicU64::new(0),
         }
     }
@@ -261,43 +197,6 @@ impl Detached {
         }
     }
 
-    /// Before a reservation of `identity`: an answer of an earlier call of it
-    /// that was handed over and is not recorded yet (the store could not be
-    /// reached) is recorded first, fenced by its token, so the reservation
-    /// replays it. Its record's lease may have run out meanwhile (nothing
-    /// renews it while the store is down), and the reservation would take
-    /// the record over and run the body again. While the answer cannot be
-    /// recorded, the reservation fails with that error: the caller retries
-    /// later, and nothing is taken over by this process. (Another process
-    /// may still take the record over once the lease has run out: rule 10's
-    /// takeover of an owner cut off from the store, which a `recover` hook
-    /// answers.)
-    pub(crate) async fn record_pending_answer_first<S: Store + ?Sized>(
-        &self,
-        store: &S,
-        identity: &Identity,
-    ) -> Result<(), StoreError> {
-        let Some((token, answer)) = self.pending.get(identity) else {
-            return Ok(());
-        };
-        match store.complete(answer.completing(identity, &token)).await {
-            Ok(fenced) => {
-                tracing::info!(target: "idempotent", store = self.store, scope = %identity.scope,
-                    key = %identity.key_digest(), recorded = matches!(fenced, Fenced::Written),
-                    "a new call of a key whose earlier answer was not recorded yet recorded it first");
-                self.pending.forget(identity, &token);
-                Ok(())
-            }
-            Err(e) => Err(StoreError::new(
-                self.store,
-                "record the answer an earlier call of this key produced, before reserving it \
-                 again (retry later with the same key: the answer is replayed once the store \
-                 is reachable)",
-                e,
-            )),
-        }
-    }
-
     /// Hands `work` on `identity` (owned by `token`) to the background thread,
     /// keeping `keep` until the job is done or given up. Never blocks and
     /// never needs the caller's runtime.
@@ -323,25 +222,12 @@ impl Detached {
         self.unfinished.count.fetch_add(1, Ordering::SeqCst);
         let lands_within =
             Duration::from_millis(self.lands_within_ms.load(Ordering::Relaxed)).min(LONGEST_SEARCH);
-        let pending = match &work {
-            Work::Complete(answer) => {
-                self.pending
-                    .add(identity.clone(), token.clone(), answer.clone());
-                Some(Pending {
-                    answers: self.pending.clone(),
-                    identity: identity.clone(),
-                    token: token.clone(),
-                })
-            }
-            Work::Release | Work::EndLease => None,
-        };
         let job = Job {
             identity,
             token,
             work,
             keep,
             search_until: std::time::Instant::now() + lands_within,
-            pending,
             finished: Finished(self.unfinished.clone()),
         };
         let sent = match &*state {
@@ -371,13 +257,19 @@ fn start(store: &'static str, open: OpenFn) -> std::io::Result<mpsc::UnboundedSe
                 work,
                 keep,
                 search_until,
-                pending,
                 finished,
             } = job;
+            // A completion's answer is kept for this process's takeovers
+            // (`unrecorded`) until its job ends: recorded, taken over, or
+            // given up.
+            let noted =
+                matches!(work, Work::Complete(..)).then(|| (identity.clone(), token.clone()));
             let job = with_retries(store, write.clone(), identity, token, work, search_until);
             running.spawn(async move {
                 job.await;
-                drop(pending);
+                if let Some((identity, token)) = noted {
+                    crate::unrecorded::forget(&identity, &token);
+                }
                 drop(keep);
                 drop(finished);
             });

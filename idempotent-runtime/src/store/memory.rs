@@ -358,6 +358,10 @@ impl Store for MemoryStore {
         "memory"
     }
 
+    fn records_in_process_memory(&self) -> bool {
+        true
+    }
+
     async fn reserve(&self, request: ReserveRequest<'_>) -> Result<Reservation, StoreError> {
         let now = self.now_ms();
         let lease_expires_at_ms = now.saturating_add(duration_to_millis(request.lease));

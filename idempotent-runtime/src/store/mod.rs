@@ -471,6 +471,19 @@ pub trait Store: Send + Sync {
         crate::engine::MAX_RESULT_BYTES
     }
 
+    /// Whether [`complete`](Store::complete) writes this process's own
+    /// memory, so it can neither fail for an outage nor hang (the memory
+    /// store). Otherwise (the default) the engine keeps a copy of each
+    /// answer while it is being recorded, and while the store's background
+    /// worker goes on trying it: a call of this process that takes the
+    /// record over once its lease has run out records that answer and
+    /// replays it instead of running the body again. A store that wraps
+    /// another may forward this method (a wrapper of the memory store that
+    /// does not only costs that copy).
+    fn records_in_process_memory(&self) -> bool {
+        false
+    }
+
     /// Atomically creates the record, takes over an expired one, or reports what is there.
     ///
     /// Rules: a record whose retention ran out counts as absent. A live record
@@ -636,6 +649,7 @@ macro_rules! delegate_store {
         impl<S: Store + ?Sized> Store for $ptr {
             fn name(&self) -> &'static str { (**self).name() }
             fn max_result_bytes(&self) -> usize { (**self).max_result_bytes() }
+            fn records_in_process_memory(&self) -> bool { (**self).records_in_process_memory() }
             async fn reserve(&self, request: ReserveRequest<'_>) -> Result<Reservation, StoreError> {
                 (**self).reserve(request).await
             }

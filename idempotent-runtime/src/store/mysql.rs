@@ -1045,9 +1045,6 @@ impl Store for MySqlStore {
     }
 
     async fn reserve(&self, request: ReserveRequest<'_>) -> Result<Reservation, StoreError> {
-        self.detached
-            .record_pending_answer_first(self, request.identity)
-            .await?;
         reserve_through_store(&self.pools.current(), request, self.mariadb).await
     }
 

@@ -797,9 +797,6 @@ impl Store for PgStore {
     }
 
     async fn reserve(&self, request: ReserveRequest<'_>) -> Result<Reservation, StoreError> {
-        self.detached
-            .record_pending_answer_first(self, request.identity)
-            .await?;
         reserve_autocommit(&self.pools.current(), request, self.lock_wait).await
     }
 

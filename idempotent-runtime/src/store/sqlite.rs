@@ -1566,9 +1566,6 @@ impl Store for SqliteStore {
 
     async fn reserve(&self, request: ReserveRequest<'_>) -> Result<Reservation, StoreError> {
         const OP: &str = "reserve";
-        self.detached
-            .record_pending_answer_first(self, request.identity)
-            .await?;
         // Fast path, one read and no write lock: a live record that answers
         // the request by itself (replay, mismatch, or a live lease). Replays
         // and waiting duplicates never queue behind writers.
