@@ -111,7 +111,8 @@ pub enum ClientError {
     /// The URL could not be parsed.
     #[error("invalid URL {url:?}: {reason}")]
     InvalidUrl {
-        /// The URL given.
+        /// The URL given, without what may be secret in it (a user, a
+        /// password, a query or a fragment), as logs show URLs.
         url: String,
         /// Why it was refused.
         reason: String,
@@ -374,7 +375,7 @@ impl IdempotentClient {
                 )
             })?;
         let url = Url::parse(url).map_err(|e| ClientError::InvalidUrl {
-            url: url.to_owned(),
+            url: shown_unparsed_url(url),
             reason: e.to_string(),
         })?;
         Ok(Intent {
@@ -454,6 +455,20 @@ fn shown_url(url: &Url) -> String {
     let mut shown = url.clone();
     hide_secrets(&mut shown);
     shown.to_string()
+}
+
+/// [`shown_url`] for a URL that does not parse: the text without its query
+/// and fragment, and without a user and password before the host.
+fn shown_unparsed_url(url: &str) -> String {
+    let url = url.split(['?', '#']).next().unwrap_or_default();
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return url.to_owned();
+    };
+    let (authority, path) = rest.split_at(rest.find('/').unwrap_or(rest.len()));
+    let host = authority
+        .rsplit_once('@')
+        .map_or(authority, |(_, host)| host);
+    format!("{scheme}://{host}{path}")
 }
 
 /// Takes a URL's user, password, query and fragment out.
@@ -789,5 +804,16 @@ mod tests {
             c.intent(Method::POST, "not a url"),
             Err(ClientError::InvalidUrl { .. })
         ));
+        // Rule 2: what may be secret in a URL is not in its error (logs hunt).
+        let refused = c
+            .intent(
+                Method::POST,
+                "http://USER-SECRET:PASSWORD-SECRET@127.0.0.1:99999/p?token=QUERY-SECRET#F-SECRET",
+            )
+            .map(drop)
+            .expect_err("an invalid port");
+        let shown = format!("{refused} {refused:?}");
+        assert!(!shown.contains("SECRET"), "{shown}");
+        assert!(shown.contains("http://127.0.0.1:99999/p"), "{shown}");
     }
 }
