@@ -819,19 +819,20 @@ fn time(ms: i64) -> String {
 /// How far `ms` is from `now_ms`: "in 29s" or "12s ago" (whole seconds from
 /// 10 s on: milliseconds there are noise).
 fn relative(ms: i64, now_ms: i64) -> String {
-    let d = |x: i64| {
-        let x = x.unsigned_abs();
-        let x = if x >= 10_000 {
-            (x + 500) / 1000 * 1000
-        } else {
-            x
-        };
-        crate::registry::human(Duration::from_millis(x))
-    };
-    if ms > now_ms {
-        format!("in {}", d(ms - now_ms))
+    // Any two readings, however far apart (a record written by hand), in
+    // 128 bits: their difference cannot overflow.
+    let between = i128::from(ms) - i128::from(now_ms);
+    let x = u64::try_from(between.unsigned_abs()).unwrap_or(u64::MAX);
+    let x = if x >= 10_000 {
+        x.saturating_add(500) / 1000 * 1000
     } else {
-        format!("{} ago", d(now_ms - ms))
+        x
+    };
+    let d = crate::registry::human(Duration::from_millis(x));
+    if between > 0 {
+        format!("in {d}")
+    } else {
+        format!("{d} ago")
     }
 }
 
@@ -909,11 +910,13 @@ fn render_inspect(
                 ("scope", identity.scope.clone()),
                 (
                     "tenant",
-                    // Marked so that no tenant's own name reads the same.
+                    // A tenant's own name is shown quoted, so none reads
+                    // like the shared namespace's mark (purge hunt: a tenant
+                    // named like it showed the same line).
                     if identity.tenant.is_empty() {
                         "none: the shared namespace (tenant = shared)".to_owned()
                     } else {
-                        identity.tenant.clone()
+                        format!("{:?}", identity.tenant)
                     },
                 ),
                 ("key digest", identity.key_digest()),
@@ -1084,6 +1087,22 @@ pub fn print_output(out: &mut impl std::io::Write, text: &str) -> Result<(), Cli
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Times however far apart (written into the table by hand) are shown,
+    /// never an overflow (purge hunt: `created_at = i64::MIN` panicked).
+    #[test]
+    fn relative_times_of_extreme_readings_do_not_overflow() {
+        assert_eq!(relative(1_500, 1_000), "in 500ms");
+        assert_eq!(relative(1_000, 13_400), "12s ago");
+        for (ms, now) in [(i64::MIN, 1_000), (i64::MAX, -1), (i64::MIN, i64::MAX)] {
+            let shown = relative(ms, now);
+            assert!(
+                shown.starts_with("in ") || shown.ends_with(" ago"),
+                "{shown}"
+            );
+            assert!(std::panic::catch_unwind(|| time(ms)).is_ok());
+        }
+    }
 
     /// A purge that failed says how many it deleted first, when it deleted
     /// any; one that deleted nothing is the store's error as it is.

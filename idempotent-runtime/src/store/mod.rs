@@ -110,12 +110,26 @@ pub struct ReserveRequest<'a> {
 }
 
 /// A recorded outcome: the serialized `Ok` value or recorded `Err` value.
-#[derive(Debug, Clone, PartialEq, Eq)]
+///
+/// Its `Debug` shows the payload's size, not its bytes: a recorded answer
+/// may hold a raw key or personal data, and a record's `Debug` (a
+/// [`RecordSnapshot`], a [`Reservation::Completed`]) is what ends up in a
+/// log line (rule 2).
+#[derive(Clone, PartialEq, Eq)]
 pub struct StoredOutcome {
     /// `true` when this is a recorded error (`errors = record`).
     pub is_error: bool,
     /// The serialized value (JSON).
     pub payload: Vec<u8>,
+}
+
+impl std::fmt::Debug for StoredOutcome {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StoredOutcome")
+            .field("is_error", &self.is_error)
+            .field("payload_bytes", &self.payload.len())
+            .finish()
+    }
 }
 
 /// The answer of [`Store::reserve`]: one of the four things a duplicate can find.
@@ -732,8 +746,9 @@ pub fn polling_backoff(round: u32) -> Duration {
 /// clock moves its time on whenever every task waits, also on a database
 /// (a SQLite worker thread, a socket): its timers fire in no real time. A
 /// bound that runs out before half of it has passed in real time is such a
-/// clock's, and `fut` is then awaited without one (as if there were none);
-/// one that ran out a little early by the real clock gets what is left.
+/// clock's, and what is left of it is then timed by a thread on the real
+/// clock ([`on_the_real_clock`]); one that ran out a little early by the
+/// real clock gets what is left.
 pub(crate) async fn within_real_time<F: std::future::Future>(
     bound: Duration,
     fut: F,
@@ -742,8 +757,44 @@ pub(crate) async fn within_real_time<F: std::future::Future>(
     let mut fut = std::pin::pin!(fut);
     match tokio::time::timeout(bound, &mut fut).await {
         Ok(done) => Ok(done),
-        Err(_) if started.elapsed() < bound / 2 => Ok(fut.await),
+        Err(_) if started.elapsed() < bound / 2 => {
+            on_the_real_clock(bound.saturating_sub(started.elapsed()), fut).await
+        }
         Err(_) => tokio::time::timeout(bound.saturating_sub(started.elapsed()), fut).await,
+    }
+}
+
+/// `fut`, given at most `bound` timed by a thread of its own on the real
+/// clock, which no paused tokio clock moves (a purge's shutdown on a test
+/// runtime waited for ever on a batch that never answered). The thread ends
+/// with `fut`. Without a thread, `fut` is awaited unbounded.
+async fn on_the_real_clock<F: std::future::Future>(
+    bound: Duration,
+    fut: F,
+) -> Result<F::Output, tokio::time::error::Elapsed> {
+    let (done, finished) = std::sync::mpsc::channel::<()>();
+    let (ran_out, elapsed) = tokio::sync::oneshot::channel::<()>();
+    let timer = std::thread::Builder::new()
+        .name("idempotent-real-time-bound".to_owned())
+        .spawn(move || {
+            if let Err(std::sync::mpsc::RecvTimeoutError::Timeout) = finished.recv_timeout(bound) {
+                let _ = ran_out.send(());
+            }
+        });
+    if timer.is_err() {
+        return Ok(fut.await);
+    }
+    let answer = tokio::select! {
+        answer = fut => Ok(answer),
+        Ok(()) = elapsed => Err(()),
+    };
+    drop(done);
+    match answer {
+        Ok(answer) => Ok(answer),
+        // tokio's `Elapsed` has no constructor: a zero timeout makes one.
+        Err(()) => tokio::time::timeout(Duration::ZERO, std::future::pending::<()>())
+            .await
+            .map(|()| unreachable!("a pending future never answers")),
     }
 }
 
@@ -983,8 +1034,53 @@ pub fn fingerprints_conflict(stored: Option<&str>, incoming: Option<&str>) -> bo
 
 #[cfg(all(test, any(feature = "sqlite", feature = "postgres", feature = "mysql")))]
 mod tests {
-    use super::{purge_in_chunks, PURGE_CHUNK};
+    use super::{purge_in_chunks, Reservation, StoredOutcome, PURGE_CHUNK};
     use std::cell::RefCell;
+
+    /// A bound that a paused clock runs out early is timed on the real
+    /// clock: a future that never answers is still given up (purge hunt: a
+    /// purger's shutdown on a paused test runtime waited for ever).
+    #[test]
+    fn a_bound_holds_on_a_paused_clock() {
+        let (answered, answers) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .start_paused(true)
+                .build()
+                .expect("runtime");
+            let both = runtime.block_on(async {
+                let never = super::within_real_time(
+                    std::time::Duration::from_millis(100),
+                    std::future::pending::<()>(),
+                )
+                .await;
+                let quick =
+                    super::within_real_time(std::time::Duration::from_secs(60), async { 7 }).await;
+                (never.is_err(), quick.ok())
+            });
+            let _ = answered.send(both);
+        });
+        let (never_given_up, quick) = answers
+            .recv_timeout(std::time::Duration::from_secs(30))
+            .expect("a 100 ms bound still waiting after 30 s of real time");
+        assert!(never_given_up, "a future that never answers is given up");
+        assert_eq!(quick, Some(7));
+    }
+
+    /// Rule 2: a recorded answer's `Debug` (logged with a record or a
+    /// reservation) shows its size, never its bytes (logs hunt).
+    #[test]
+    fn a_recorded_answer_is_debugged_by_its_size() {
+        let outcome = StoredOutcome {
+            is_error: false,
+            payload: br#""receipt for SECRET-KEY""#.to_vec(),
+        };
+        let shown = format!("{:?}", Reservation::Completed(outcome));
+        assert!(!shown.contains("SECRET"), "{shown}");
+        assert!(!shown.contains("101, 99"), "no bytes either: {shown}");
+        assert!(shown.contains("payload_bytes: 24"), "{shown}");
+    }
 
     /// Runs `purge_in_chunks(batch)` against a table of `expired` records;
     /// answers what was deleted and the size of each statement.
