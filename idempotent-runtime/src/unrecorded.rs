@@ -35,6 +35,10 @@ use std::time::{Duration, Instant};
 /// call is a new request).
 const KEPT_FOR_AT_MOST: Duration = Duration::from_secs(3600);
 
+/// How often a note looks at every identity's answers for ones past their
+/// time (answers whose store forgot to say they ended: a store of one's own).
+const SWEEP_EVERY: usize = 1024;
+
 struct Noted {
     token: OwnerToken,
     answer: Answer,
@@ -46,6 +50,9 @@ struct Unrecorded {
     /// How many identities have answers here: a takeover reads only this
     /// while there are none.
     count: AtomicUsize,
+    /// Notes so far: every [`SWEEP_EVERY`]th drops all answers past their
+    /// time (each note drops its own identity's).
+    notes: AtomicUsize,
     answers: Mutex<HashMap<Identity, Vec<Noted>>>,
 }
 
@@ -62,12 +69,20 @@ impl Unrecorded {
 pub(crate) fn note(identity: &Identity, token: &OwnerToken, answer: &Answer) {
     let now = Instant::now();
     let until = now + answer.ttl.min(KEPT_FOR_AT_MOST);
+    let sweep = UNRECORDED
+        .notes
+        .fetch_add(1, Ordering::Relaxed)
+        .is_multiple_of(SWEEP_EVERY);
     let mut answers = UNRECORDED.answers();
-    answers.retain(|_, noted| {
-        noted.retain(|n| n.until > now);
-        !noted.is_empty()
-    });
-    answers.entry(identity.clone()).or_default().push(Noted {
+    if sweep {
+        answers.retain(|_, noted| {
+            noted.retain(|n| n.until > now);
+            !noted.is_empty()
+        });
+    }
+    let noted = answers.entry(identity.clone()).or_default();
+    noted.retain(|n| n.until > now);
+    noted.push(Noted {
         token: token.clone(),
         answer: answer.clone(),
         until,
