@@ -386,6 +386,9 @@ struct FinishOnDrop<'a> {
     store: &'a dyn Store,
     identity: &'a Identity,
     token: &'a OwnerToken,
+    /// The call's fingerprint (with the store's kind and the identity, what
+    /// its answer is noted under while it is recorded: `unrecorded`).
+    fingerprint: Option<&'a Fingerprint>,
     /// Set while a reservation is in flight and while the call owns the record.
     armed: AtomicBool,
     /// The outcome being recorded, while its completion is under way, and
@@ -641,6 +644,7 @@ where
         store,
         identity: &identity,
         token: &token,
+        fingerprint: fingerprint.as_ref(),
         armed: AtomicBool::new(false),
         completing: None,
         keep_for_takeover: spec.recover.is_some(),
@@ -676,8 +680,9 @@ where
     }
 
     let takeover = acquired.takeover(spec, &identity);
+    let request = || crate::unrecorded::Request::new(store.name(), fingerprint.as_ref());
     if takeover.is_some()
-        && let Some(answer) = crate::unrecorded::for_takeover(&identity)
+        && let Some(answer) = crate::unrecorded::for_takeover(&identity, &request())
     {
         let mut sink = StoreSink {
             store,
@@ -938,7 +943,8 @@ impl RecordSink for StoreSink<'_, '_> {
             // it (see `unrecorded`).
             let noted = !store.records_in_process_memory();
             if noted {
-                crate::unrecorded::note(identity, token, &answer);
+                let request = crate::unrecorded::Request::new(store.name(), self.guard.fingerprint);
+                crate::unrecorded::note(identity, token, &request, &answer);
             }
             let answer = self.guard.completing.insert(answer);
             let written = store.complete(answer.completing(identity, token)).await;
@@ -1110,14 +1116,12 @@ pub(crate) fn replay<R: IdempotentReturn, H: ErrorHandling<R::Failure>>(
     }
 }
 
-/// The caller's answer once a fenced write of `result` (completion) was
-/// tried: `result` itself when it was written, `LeaseLost` when another
-/// owner holds the record now, the store's error otherwise.
 /// A call that took a record over, for which this process still holds an
-/// answer it produced and could not record (see [`crate::unrecorded`]):
-/// records that answer under this call's token, through `sink`, and replays
-/// it. The body does not run again, and the `recover` hook is not asked: the
-/// answer is known. Shared by store mode and transactional mode.
+/// answer the same request produced and could not record (see
+/// [`crate::unrecorded`]): records that answer under this call's token,
+/// through `sink`, and replays it. The body does not run again, and the
+/// `recover` hook is not asked: the answer is known. Shared by store mode and
+/// transactional mode.
 pub(crate) async fn record_unrecorded_answer<R, H>(
     spec: &'static ScopeInfo,
     errors: &H,
@@ -1133,6 +1137,11 @@ where
         "took over a record whose answer this process produced but could not record (the store \
          was unreachable, or its write hung, past the lease): recording that answer instead of \
          running the body again");
+    // As for any answer (the sink may take less than the store that first
+    // tried to write it: a MySQL transaction's session).
+    if let Some(e) = store_cannot_take(spec, sink, &answer.outcome).await {
+        return (Err(e.into()), CallOutcome::Failed);
+    }
     let outcome = answer.outcome.clone();
     match sink.record(answer).await {
         Ok(Fenced::Written) => replay::<R, H>(spec, errors, identity, sink.store_name(), outcome),
@@ -1148,6 +1157,9 @@ where
     }
 }
 
+/// The caller's answer once a fenced write of `result` (completion) was
+/// tried: `result` itself when it was written, `LeaseLost` when another
+/// owner holds the record now, the store's error otherwise.
 pub(crate) fn after_completion<R: IdempotentReturn>(
     written: Result<Fenced, crate::error::StoreError>,
     identity: &Identity,
@@ -1747,15 +1759,23 @@ fn replay_failure(e: &serde_json::Error) -> String {
     // serde's own forms: what it found is quoted after the kind (cut off
     // here), what the type expected is the type's own description. A type's
     // own message may read alike and quote the value anywhere: not trusted.
-    let serde_forms = [
-        "invalid type",
-        "invalid value",
-        "invalid length",
-        "unknown variant",
-        "unknown field",
-    ];
+    // Exactly serde's shapes: `invalid type: …`, `invalid value: …`,
+    // `invalid length 3`, ``unknown variant `…` ``, ``unknown field `…` ``.
+    let serde_form = |found: &str| {
+        [
+            "invalid type: ",
+            "invalid value: ",
+            "unknown variant `",
+            "unknown field `",
+        ]
+        .iter()
+        .any(|form| found.starts_with(form))
+            || found
+                .strip_prefix("invalid length ")
+                .is_some_and(|rest| !rest.is_empty() && rest.bytes().all(|b| b.is_ascii_digit()))
+    };
     if let Some((found, expected)) = message.rsplit_once(", expected ")
-        && serde_forms.iter().any(|form| found.starts_with(form))
+        && serde_form(found)
     {
         let kind = found
             .split([':', '`'])
@@ -2131,6 +2151,24 @@ mod tests {
         let message = replay_failure(&e);
         assert!(!message.contains("SECRET"), "{message}");
         assert!(message.contains("does not fit the type"), "{message}");
+        // Even one that starts like serde's own (review: "invalid value
+        // <value>, expected ..." passed as serde's form).
+        #[derive(Debug)]
+        struct Iso;
+        impl<'de> serde::Deserialize<'de> for Iso {
+            fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+                let s = String::deserialize(d)?;
+                Err(serde::de::Error::custom(format!(
+                    "invalid value {s}, expected an ISO 4217 code"
+                )))
+            }
+        }
+        let e = serde_json::from_slice::<Iso>(br#""SECRET-KEY-4711""#).expect_err("refused");
+        let message = replay_failure(&e);
+        assert!(!message.contains("SECRET"), "{message}");
+        // serde's own length form keeps its shape.
+        let e = serde_json::from_slice::<[u8; 2]>(b"[1]").expect_err("refused");
+        assert!(replay_failure(&e).starts_with("invalid length"), "{e}");
         // A recorded error replayed through `errors = record`, the same.
         let recorded = RecordErrors.replay(br#""SECRET-KEY-4711""#);
         let message: String = match recorded {

@@ -437,8 +437,9 @@ where
     };
     span.record("attempt", acquired.attempt);
     let takeover = acquired.takeover(spec, &identity);
+    let request = || crate::unrecorded::Request::new(connection.store_name(), fingerprint.as_ref());
     if takeover.is_some()
-        && let Some(answer) = crate::unrecorded::for_takeover(&identity)
+        && let Some(answer) = crate::unrecorded::for_takeover(&identity, &request())
     {
         let mut sink = TransactionSink {
             connection,

@@ -18,9 +18,11 @@
 //! the record over. A call in another process cannot see it: there the
 //! takeover is rule 20's uncertain outcome, which a `recover` hook answers.
 //!
-//! A takeover is only ever granted to a call whose fingerprint the record
-//! accepts (rule 7), so an answer noted for the identity answers the same
-//! request.
+//! An answer is used only for a call of the same request: the same identity,
+//! the same arguments (fingerprint), the same kind of store. The record taken
+//! over may not be the one the answer was noted for (it was released or
+//! deleted meanwhile, and made again by another call), but a record of that
+//! request is answered by any answer the request produced.
 
 use crate::identity::Identity;
 use crate::store::{Answer, OwnerToken};
@@ -41,8 +43,32 @@ const SWEEP_EVERY: usize = 1024;
 
 struct Noted {
     token: OwnerToken,
+    /// What identifies the request besides the identity: the store's kind
+    /// and the arguments' fingerprint (its current form).
+    request: Request,
     answer: Answer,
     until: Instant,
+}
+
+/// What identifies a request besides its identity.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Request {
+    /// The store's name ([`Store::name`](crate::Store::name)).
+    pub(crate) store: &'static str,
+    /// The arguments' fingerprint, `None` for a scope without one.
+    pub(crate) fingerprint: Option<String>,
+}
+
+impl Request {
+    pub(crate) fn new(
+        store: &'static str,
+        fingerprint: Option<&crate::fingerprint::Fingerprint>,
+    ) -> Self {
+        Request {
+            store,
+            fingerprint: fingerprint.map(|f| f.as_str().to_owned()),
+        }
+    }
 }
 
 #[derive(Default)]
@@ -64,9 +90,10 @@ impl Unrecorded {
     }
 }
 
-/// Notes `answer`, which the call owning `identity`'s record with `token` is
-/// about to record. Answers past their time are dropped on the way.
-pub(crate) fn note(identity: &Identity, token: &OwnerToken, answer: &Answer) {
+/// Notes `answer` to `request`, which the call owning `identity`'s record
+/// with `token` is about to record. Answers past their time are dropped on
+/// the way.
+pub(crate) fn note(identity: &Identity, token: &OwnerToken, request: &Request, answer: &Answer) {
     let now = Instant::now();
     let until = now + answer.ttl.min(KEPT_FOR_AT_MOST);
     let sweep = UNRECORDED
@@ -84,6 +111,7 @@ pub(crate) fn note(identity: &Identity, token: &OwnerToken, answer: &Answer) {
     noted.retain(|n| n.until > now);
     noted.push(Noted {
         token: token.clone(),
+        request: request.clone(),
         answer: answer.clone(),
         until,
     });
@@ -106,9 +134,10 @@ pub(crate) fn forget(identity: &Identity, token: &OwnerToken) {
     UNRECORDED.count.store(answers.len(), Ordering::SeqCst);
 }
 
-/// For a call that has just taken `identity`'s record over: the latest
-/// answer this process produced for it and has not recorded yet, if any.
-pub(crate) fn for_takeover(identity: &Identity) -> Option<Answer> {
+/// For a call of `request` that has just taken `identity`'s record over: the
+/// latest answer this process produced for that request and has not
+/// recorded yet, if any.
+pub(crate) fn for_takeover(identity: &Identity, request: &Request) -> Option<Answer> {
     if UNRECORDED.count.load(Ordering::SeqCst) == 0 {
         return None;
     }
@@ -118,7 +147,7 @@ pub(crate) fn for_takeover(identity: &Identity) -> Option<Answer> {
         .get(identity)?
         .iter()
         .rev()
-        .find(|n| n.until > now)
+        .find(|n| n.until > now && &n.request == request)
         .map(|n| n.answer.clone())
 }
 
@@ -142,13 +171,26 @@ mod tests {
         Identity::new("unrecorded-tests", "unrecorded.tests", key).expect("identity")
     }
 
+    fn request(store: &'static str, fingerprint: &str) -> Request {
+        Request {
+            store,
+            fingerprint: Some(fingerprint.to_owned()),
+        }
+    }
+
     #[test]
-    fn the_latest_answer_of_the_identity_is_found_until_it_is_forgotten() {
+    fn the_latest_answer_of_the_request_is_found_until_it_is_forgotten() {
         let (id, other) = (identity("latest"), identity("latest-other"));
+        let charge = request("postgres", "v3:100");
         let (first, second) = (OwnerToken::new(), OwnerToken::new());
-        note(&id, &first, &answer(b"1", Duration::from_secs(60)));
-        note(&id, &second, &answer(b"2", Duration::from_secs(60)));
-        let found = |id: &Identity| for_takeover(id).map(|a| a.outcome.payload);
+        note(&id, &first, &charge, &answer(b"1", Duration::from_secs(60)));
+        note(
+            &id,
+            &second,
+            &charge,
+            &answer(b"2", Duration::from_secs(60)),
+        );
+        let found = |id: &Identity| for_takeover(id, &charge).map(|a| a.outcome.payload);
         assert_eq!(found(&id), Some(b"2".to_vec()));
         assert_eq!(found(&other), None, "another identity has none");
         forget(&id, &second);
@@ -163,10 +205,40 @@ mod tests {
         assert_eq!(found(&id), None);
     }
 
+    /// An answer is another request's when its arguments or its store's kind
+    /// differ (review: a record made again for other arguments, or one of
+    /// another database, was answered with it).
+    #[test]
+    fn an_answer_of_other_arguments_or_another_store_is_not_found() {
+        let id = identity("other-request");
+        let token = OwnerToken::new();
+        note(
+            &id,
+            &token,
+            &request("postgres", "v3:100"),
+            &answer(b"1", Duration::from_secs(60)),
+        );
+        assert!(for_takeover(&id, &request("postgres", "v3:200")).is_none());
+        assert!(for_takeover(&id, &request("sqlite", "v3:100")).is_none());
+        let unfingerprinted = Request {
+            store: "postgres",
+            fingerprint: None,
+        };
+        assert!(for_takeover(&id, &unfingerprinted).is_none());
+        assert!(for_takeover(&id, &request("postgres", "v3:100")).is_some());
+        forget(&id, &token);
+    }
+
     #[test]
     fn an_answer_past_its_ttl_is_not_found() {
         let id = identity("expired");
-        note(&id, &OwnerToken::new(), &answer(b"1", Duration::ZERO));
-        assert_eq!(for_takeover(&id).map(|a| a.outcome.payload), None);
+        let charge = request("postgres", "v3:100");
+        note(
+            &id,
+            &OwnerToken::new(),
+            &charge,
+            &answer(b"1", Duration::ZERO),
+        );
+        assert_eq!(for_takeover(&id, &charge).map(|a| a.outcome.payload), None);
     }
 }

@@ -27,8 +27,8 @@ use crate::common;
 use common::proxy::{Direction, FaultProxy, Stall, Trip, WAIT_LIMIT};
 use common::servers::{fresh_tenant, mysql_store_or_skip, mysql_url, pg_store_or_skip, pg_url};
 use idempotent_runtime::{
-    idempotent, metrics, with_outcome, Error, Identity, MySqlStore, Outcome, PgStore,
-    RecordSnapshot, RecordState, Store,
+    idempotent, metrics, with_outcome, Error, Identity, MySqlStore, Outcome, OwnerToken, PgStore,
+    RecordSnapshot, RecordState, ReserveRequest, Store,
 };
 use sqlx::mysql::{MySqlConnectOptions, MySqlPoolOptions};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
@@ -51,6 +51,9 @@ const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(3);
 const RELEASE_LIMIT: Duration = Duration::from_secs(15);
 /// The one fingerprinted argument: every record carries a fingerprint.
 const AMOUNT: u32 = 1250;
+/// Another request's argument, for the test that two requests of one key
+/// never answer for each other.
+const OTHER_AMOUNT: u32 = 990;
 
 // ---------------------------------------------------------------- the functions under test
 
@@ -339,7 +342,7 @@ impl Rig {
 
     /// The body of both functions.
     async fn body(&self, key: &str, amount: u32) -> Result<String, Error> {
-        assert_eq!(amount, AMOUNT);
+        assert!(amount == AMOUNT || amount == OTHER_AMOUNT, "{amount}");
         let answer = format!("answer-{}", uuid::Uuid::new_v4().simple());
         lock(&self.runs)
             .entry(key.to_owned())
@@ -436,8 +439,16 @@ impl Rig {
     /// through the proxy (as a second store, the HTTP layer's or a
     /// consumer's, would make it).
     async fn call_direct(&self, key: &str) -> (Result<String, Error>, Option<Outcome>) {
+        self.call_direct_with(key, AMOUNT).await
+    }
+
+    async fn call_direct_with(
+        &self,
+        key: &str,
+        amount: u32,
+    ) -> (Result<String, Error>, Option<Outcome>) {
         let store = self.direct.as_ref();
-        self.settle(guarded(store, self, &self.tenant, key, AMOUNT))
+        self.settle(guarded(store, self, &self.tenant, key, amount))
             .await
     }
 
@@ -649,6 +660,7 @@ on_both_servers!(
     outage_outlasting_the_lease_after_the_body,
     outage_outlasting_the_lease_retried_through_another_store,
     outage_outlasting_the_lease_retried_in_a_transaction,
+    an_unrecorded_answer_never_answers_another_request,
     completion_hanging_past_the_lease,
     dropped_while_reservation_answer_stalled,
     dropped_while_reservation_request_stalled,
@@ -809,6 +821,50 @@ async fn outage_outlasting_the_lease_retried_through_another_store(rig: &Rig) {
     let answer = rig.converge(Function::Guarded, &key).await;
     assert_eq!(answer, runs[0]);
     rig.note("store down past the lease → a retry through another store recorded the answer and replayed it");
+}
+
+/// An answer this process could not record answers only its own request:
+/// when its record is gone (an operator released it) and the key's next
+/// record, made by a call of other arguments whose owner died, is taken
+/// over by a call of those other arguments, that call runs its body (review:
+/// it was answered with the first request's answer, which was then recorded
+/// as the second's).
+async fn an_unrecorded_answer_never_answers_another_request(rig: &Rig) {
+    let key = rig.key("other");
+    rig.plan(&key, Plan::StoreDownAfterTheBody);
+    let (first, _) = rig.call(&key).await;
+    assert_store_error(&first, "store down as the body returned");
+    rig.until_lease_lapsed(&key).await;
+    let identity = rig.identity(Function::Guarded, &key);
+    rig.direct
+        .force_release(&identity, true)
+        .await
+        .expect("an operator releases the stuck record");
+    // The key's next record: made without a fingerprint (rule 8: any call
+    // may take it over) by an owner that died at once.
+    let lease = Duration::from_millis(300);
+    rig.direct
+        .reserve(ReserveRequest {
+            identity: &identity,
+            fingerprint: None,
+            token: &OwnerToken::new(),
+            lease,
+            ttl: Duration::from_secs(3600),
+        })
+        .await
+        .expect("reserve");
+    rig.until_lease_lapsed(&key).await;
+    let (other, outcome) = rig.call_direct_with(&key, OTHER_AMOUNT).await;
+    let runs = rig.runs(&key);
+    assert_eq!(
+        runs.len(),
+        2,
+        "the other request's body ran: {other:?} {outcome:?}"
+    );
+    assert_eq!(other.expect("the other request"), runs[1]);
+    assert_eq!(outcome, Some(Outcome::Executed));
+    rig.proxy.pass_through();
+    rig.note("an unrecorded answer of one request was not given to another request of its key");
 }
 
 /// The same, retried in transactional mode (the scope is shared with a

@@ -140,7 +140,7 @@ pub enum ClientError {
     /// was sent. Enable a TLS feature of your reqwest dependency.
     #[error(
         "the URL needs TLS and this build's reqwest has none, so nothing was sent: enable a TLS \
-         feature of your reqwest dependency (e.g. `rustls-tls`) ({0})"
+         feature of your reqwest dependency (e.g. `rustls`) ({0})"
     )]
     NoTls(#[source] reqwest::Error),
     /// Every attempt ended in a retryable failure. **The outcome is unknown**:

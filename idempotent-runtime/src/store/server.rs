@@ -57,13 +57,21 @@ pub(crate) async fn connect<DB: Database>(
         .connect_with(options)
         .await
         .map_err(|e| {
+            // The server answered and refused (a database or user it does
+            // not know, a password), or nothing answered in time.
+            let why = match &e {
+                sqlx::Error::Database(_) => {
+                    "check the database name, user and password in the URL".to_owned()
+                }
+                _ => format!(
+                    "nothing answered within {ACQUIRE_TIMEOUT:?} (refused, unreachable or too \
+                     slow): check the host and port in the URL and that the server is up"
+                ),
+            };
             StoreError::new(
                 store,
                 "connect",
-                format!(
-                    "could not connect to the {server} server at {address} \
-                     within {ACQUIRE_TIMEOUT:?}: {e}"
-                ),
+                format!("could not connect to the {server} server at {address}: {e}; {why}"),
             )
         })
 }

@@ -543,7 +543,17 @@ impl SqliteStore {
             .synchronous(synchronous.sqlx());
         let mut first: sqlx::SqliteConnection = sqlx::Connection::connect_with(&options)
             .await
-            .map_err(err("open the database"))?;
+            .map_err(|e| {
+                let file = options.get_filename().display().to_string();
+                StoreError::new(
+                    STORE,
+                    "open the database",
+                    format!(
+                        "{file}: {e}; check that its directory exists and that this process \
+                         may write there"
+                    ),
+                )
+            })?;
         let mut keeper = None;
         let pool = if shared_in_memory(&mut first, &options).await? {
             keeper = Some(first);
