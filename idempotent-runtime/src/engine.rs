@@ -947,9 +947,17 @@ impl RecordSink for StoreSink<'_, '_> {
                 crate::unrecorded::note(identity, token, &request, &answer);
             }
             let answer = self.guard.completing.insert(answer);
-            let written = store.complete(answer.completing(identity, token)).await;
-            if noted && written.is_ok() {
-                crate::unrecorded::forget(identity, token);
+            let mut written = store.complete(answer.completing(identity, token)).await;
+            if noted
+                && written.is_ok()
+                && crate::unrecorded::forget(identity, token)
+                && matches!(written, Ok(Fenced::NotOwner))
+            {
+                // Its record was taken over by a call of this process,
+                // which recorded this very answer (`unrecorded`).
+                tracing::info!(target: "idempotent", scope = %identity.scope, key = %identity.log_digest(),
+                    "this answer was recorded by the call that took its record over");
+                written = Ok(Fenced::Written);
             }
             let unrecorded = self.guard.completing.take();
             if let (Err(e), Some(answer)) = (&written, unrecorded) {
@@ -1127,7 +1135,7 @@ pub(crate) async fn record_unrecorded_answer<R, H>(
     errors: &H,
     identity: &Identity,
     sink: &mut dyn RecordSink,
-    answer: Answer,
+    (noted_by, answer): (OwnerToken, Answer),
 ) -> Answered<R>
 where
     R: IdempotentReturn,
@@ -1144,7 +1152,10 @@ where
     }
     let outcome = answer.outcome.clone();
     match sink.record(answer).await {
-        Ok(Fenced::Written) => replay::<R, H>(spec, errors, identity, sink.store_name(), outcome),
+        Ok(Fenced::Written) => {
+            crate::unrecorded::recorded_by_takeover(identity, &noted_by);
+            replay::<R, H>(spec, errors, identity, sink.store_name(), outcome)
+        }
         Ok(Fenced::NotOwner) => {
             tracing::error!(target: "idempotent", scope = %identity.scope, key = %identity.log_digest(),
                 "lease lost: another caller took the record over meanwhile");

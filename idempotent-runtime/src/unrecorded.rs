@@ -48,6 +48,8 @@ struct Noted {
     request: Request,
     answer: Answer,
     until: Instant,
+    /// A takeover of this process recorded it (under its own token).
+    recorded_by_takeover: bool,
 }
 
 /// What identifies a request besides its identity.
@@ -114,30 +116,49 @@ pub(crate) fn note(identity: &Identity, token: &OwnerToken, request: &Request, a
         request: request.clone(),
         answer: answer.clone(),
         until,
+        recorded_by_takeover: false,
     });
     UNRECORDED.count.store(answers.len(), Ordering::SeqCst);
 }
 
 /// The answer `token` noted for `identity` is recorded, or will never be
-/// (its record was taken over, or the store gave up): forgets it.
-pub(crate) fn forget(identity: &Identity, token: &OwnerToken) {
+/// (its record was taken over, or the store gave up): forgets it. Whether a
+/// takeover of this process had recorded it ([`recorded_by_takeover`]).
+pub(crate) fn forget(identity: &Identity, token: &OwnerToken) -> bool {
     if UNRECORDED.count.load(Ordering::SeqCst) == 0 {
-        return;
+        return false;
     }
     let mut answers = UNRECORDED.answers();
+    let mut recorded = false;
     if let Some(noted) = answers.get_mut(identity) {
-        noted.retain(|n| &n.token != token);
+        noted.retain(|n| {
+            let it = &n.token == token;
+            recorded |= it && n.recorded_by_takeover;
+            !it
+        });
         if noted.is_empty() {
             answers.remove(identity);
         }
     }
     UNRECORDED.count.store(answers.len(), Ordering::SeqCst);
+    recorded
+}
+
+/// A takeover recorded the answer `token` noted for `identity`: the call
+/// still writing it under `token` is told so when its write finds the record
+/// taken over ([`forget`]), instead of that its answer was lost.
+pub(crate) fn recorded_by_takeover(identity: &Identity, token: &OwnerToken) {
+    if let Some(noted) = UNRECORDED.answers().get_mut(identity) {
+        for n in noted.iter_mut().filter(|n| &n.token == token) {
+            n.recorded_by_takeover = true;
+        }
+    }
 }
 
 /// For a call of `request` that has just taken `identity`'s record over: the
 /// latest answer this process produced for that request and has not
-/// recorded yet, if any.
-pub(crate) fn for_takeover(identity: &Identity, request: &Request) -> Option<Answer> {
+/// recorded yet, if any, with the token it was noted under.
+pub(crate) fn for_takeover(identity: &Identity, request: &Request) -> Option<(OwnerToken, Answer)> {
     if UNRECORDED.count.load(Ordering::SeqCst) == 0 {
         return None;
     }
@@ -148,7 +169,7 @@ pub(crate) fn for_takeover(identity: &Identity, request: &Request) -> Option<Ans
         .iter()
         .rev()
         .find(|n| n.until > now && &n.request == request)
-        .map(|n| n.answer.clone())
+        .map(|n| (n.token.clone(), n.answer.clone()))
 }
 
 #[cfg(test)]
@@ -190,7 +211,7 @@ mod tests {
             &charge,
             &answer(b"2", Duration::from_secs(60)),
         );
-        let found = |id: &Identity| for_takeover(id, &charge).map(|a| a.outcome.payload);
+        let found = |id: &Identity| for_takeover(id, &charge).map(|(_, a)| a.outcome.payload);
         assert_eq!(found(&id), Some(b"2".to_vec()));
         assert_eq!(found(&other), None, "another identity has none");
         forget(&id, &second);
@@ -230,6 +251,26 @@ mod tests {
     }
 
     #[test]
+    fn forgetting_says_whether_a_takeover_recorded_the_answer() {
+        let id = identity("recorded-by-takeover");
+        let charge = request("postgres", "v3:100");
+        let (hanging, other) = (OwnerToken::new(), OwnerToken::new());
+        note(
+            &id,
+            &hanging,
+            &charge,
+            &answer(b"1", Duration::from_secs(60)),
+        );
+        note(&id, &other, &charge, &answer(b"2", Duration::from_secs(60)));
+        let (token, _) = for_takeover(&id, &charge).expect("the latest");
+        assert_eq!(token, other);
+        recorded_by_takeover(&id, &token);
+        assert!(!forget(&id, &hanging), "not the one a takeover recorded");
+        assert!(forget(&id, &other), "the one a takeover recorded");
+        assert!(!forget(&id, &other), "forgotten already");
+    }
+
+    #[test]
     fn an_answer_past_its_ttl_is_not_found() {
         let id = identity("expired");
         let charge = request("postgres", "v3:100");
@@ -239,6 +280,9 @@ mod tests {
             &charge,
             &answer(b"1", Duration::ZERO),
         );
-        assert_eq!(for_takeover(&id, &charge).map(|a| a.outcome.payload), None);
+        assert_eq!(
+            for_takeover(&id, &charge).map(|(_, a)| a.outcome.payload),
+            None
+        );
     }
 }
