@@ -745,10 +745,9 @@ pub fn polling_backoff(round: u32) -> Duration {
 /// `fut`, given at most `bound` of real time. A test runtime with a paused
 /// clock moves its time on whenever every task waits, also on a database
 /// (a SQLite worker thread, a socket): its timers fire in no real time. A
-/// bound that runs out before half of it has passed in real time is such a
-/// clock's, and what is left of it is then timed by a thread on the real
-/// clock ([`on_the_real_clock`]); one that ran out a little early by the
-/// real clock gets what is left.
+/// bound that runs out before it has passed in real time (such a clock's,
+/// or a timer firing a little early) gets what is left of it, timed by a
+/// thread on the real clock ([`on_the_real_clock`]).
 pub(crate) async fn within_real_time<F: std::future::Future>(
     bound: Duration,
     fut: F,
@@ -757,10 +756,10 @@ pub(crate) async fn within_real_time<F: std::future::Future>(
     let mut fut = std::pin::pin!(fut);
     match tokio::time::timeout(bound, &mut fut).await {
         Ok(done) => Ok(done),
-        Err(_) if started.elapsed() < bound / 2 => {
-            on_the_real_clock(bound.saturating_sub(started.elapsed()), fut).await
-        }
-        Err(_) => tokio::time::timeout(bound.saturating_sub(started.elapsed()), fut).await,
+        Err(elapsed) => match bound.checked_sub(started.elapsed()) {
+            Some(left) if !left.is_zero() => on_the_real_clock(left, fut).await,
+            _ => Err(elapsed),
+        },
     }
 }
 
