@@ -487,6 +487,7 @@ pub(crate) fn note_takeover(
     identity: &Identity,
     attempt: u32,
     previous_started_ms: Option<i64>,
+    answer_known: bool,
 ) {
     crate::metrics::takeover(spec.scope, attempt);
     let previous_started = previous_started_ms.map(|ms| {
@@ -496,6 +497,13 @@ pub(crate) fn note_takeover(
         .to_string()
     });
     match spec.recover {
+        _ if answer_known => {
+            tracing::warn!(target: "idempotent", scope = spec.scope, key = %identity.log_digest(),
+            attempt, previous_attempt_started_at = previous_started.as_deref().unwrap_or("?"),
+            "took over a record whose lease had expired; this process holds the answer the previous \
+             attempt produced and could not record (the store was unreachable, or its write hung, \
+             past the lease): recording that answer instead of running the body again")
+        }
         Some(hook) => {
             tracing::warn!(target: "idempotent", scope = spec.scope, key = %identity.log_digest(),
             attempt, previous_attempt_started_at = previous_started.as_deref().unwrap_or("?"), recover = hook,
@@ -679,16 +687,21 @@ where
         span.record("attempt", acquired.attempt);
     }
 
-    let takeover = acquired.takeover(spec, &identity);
-    let request = || crate::unrecorded::Request::new(store.name(), fingerprint.as_ref());
-    if takeover.is_some()
-        && let Some(answer) = crate::unrecorded::for_takeover(&identity, &request())
-    {
+    let known = acquired
+        .took_over
+        .then(|| {
+            let request = crate::unrecorded::Request::new(store.name(), fingerprint.as_ref());
+            crate::unrecorded::for_takeover(&identity, &request)
+        })
+        .flatten();
+    let takeover = acquired.takeover(spec, &identity, known.is_some());
+    if let Some(known) = known {
         let mut sink = StoreSink {
             store,
             guard: &mut guard,
         };
-        return record_unrecorded_answer::<R, H>(spec, &errors, &identity, &mut sink, answer).await;
+        return record_unrecorded_answer::<R, H>(spec, &errors, &identity, &mut sink, known, true)
+            .await;
     }
     if let Some(takeover) = takeover
         && let Some(hook) = recover.ask(takeover)
@@ -1069,15 +1082,24 @@ pub(crate) struct Acquired {
 impl Acquired {
     /// On a takeover (rule 20): logs and counts it, and returns what the
     /// `recover` hook is asked with. `None` for a fresh record.
+    /// `answer_known`: this process holds the answer of the attempt taken
+    /// over (`unrecorded`), so neither the hook nor the body is asked.
     pub(crate) fn takeover(
         &self,
         spec: &'static ScopeInfo,
         identity: &Identity,
+        answer_known: bool,
     ) -> Option<Takeover> {
         if !self.took_over {
             return None;
         }
-        note_takeover(spec, identity, self.attempt, self.previous_started_ms);
+        note_takeover(
+            spec,
+            identity,
+            self.attempt,
+            self.previous_started_ms,
+            answer_known,
+        );
         Some(Takeover::from_store(
             identity.clone(),
             self.attempt,
@@ -1136,15 +1158,12 @@ pub(crate) async fn record_unrecorded_answer<R, H>(
     identity: &Identity,
     sink: &mut dyn RecordSink,
     (noted_by, answer): (OwnerToken, Answer),
+    committed_when_written: bool,
 ) -> Answered<R>
 where
     R: IdempotentReturn,
     H: ErrorHandling<R::Failure>,
 {
-    tracing::warn!(target: "idempotent", scope = spec.scope, key = %identity.log_digest(),
-        "took over a record whose answer this process produced but could not record (the store \
-         was unreachable, or its write hung, past the lease): recording that answer instead of \
-         running the body again");
     // As for any answer (the sink may take less than the store that first
     // tried to write it: a MySQL transaction's session).
     if let Some(e) = store_cannot_take(spec, sink, &answer.outcome).await {
@@ -1153,7 +1172,13 @@ where
     let outcome = answer.outcome.clone();
     match sink.record(answer).await {
         Ok(Fenced::Written) => {
-            crate::unrecorded::recorded_by_takeover(identity, &noted_by);
+            // The call still writing it under its own token is told, when
+            // its write finds the record taken over, that its answer was
+            // recorded; only once that is so for good (not in a caller's
+            // transaction, which may yet roll back).
+            if committed_when_written {
+                crate::unrecorded::recorded_by_takeover(identity, &noted_by);
+            }
             replay::<R, H>(spec, errors, identity, sink.store_name(), outcome)
         }
         Ok(Fenced::NotOwner) => {

@@ -155,7 +155,7 @@ pub enum Error {
     /// --even-if-running`); this call's result was not recorded. The work may
     /// have run twice: check the side effects, and give bodies a lease that
     /// covers them.
-    #[error("lease lost ({0}): the body outlived its lease and the record was taken over by another caller (or released by an operator), so this result was not recorded and the work may have run twice: check its side effects, and give the scope a lease longer than the body takes")]
+    #[error("lease lost ({0}): another caller took the record over (its lease had run out: a body, a recover hook or a store write outlasting it, a paused process) or an operator released it, so this call's answer was not recorded and the work may have run twice: check its side effects, and if bodies outlive their lease, give the scope a longer one")]
     LeaseLost(RecordContext),
 
     /// The store failed. The record is left for a retry to resolve (HTTP: 503).
@@ -163,7 +163,7 @@ pub enum Error {
     Store(#[from] StoreError),
 
     /// A fingerprinted argument could not be serialized.
-    #[error("argument `{argument}` could not be fingerprinted: its Serialize implementation failed ({message}); nothing ran. Fix it for this value, or leave the argument out with skip({argument}) if it is not part of the request")]
+    #[error("argument `{argument}` could not be fingerprinted: {message}; nothing ran. Fix the value or its Serialize implementation, or leave the argument out with skip({argument}) if it is not part of the request")]
     Fingerprint {
         /// The parameter's name.
         argument: String,
@@ -172,7 +172,7 @@ pub enum Error {
     },
 
     /// The function's result could not be serialized; nothing was recorded and the key was released.
-    #[error("the result in scope `{scope}` could not be serialized for recording: {message}; the body ran, nothing was recorded and the key was released (a retry runs the body again): fix the result type's Serialize implementation")]
+    #[error("the result in scope `{scope}` could not be serialized for recording: {message}; nothing was recorded, and the key was released (a retry runs the body again; for a recover hook's answer the record is kept and the next call asks the hook again): fix the result type's Serialize implementation")]
     ResultEncoding {
         /// The scope of the call.
         scope: String,
@@ -256,7 +256,7 @@ pub enum Error {
     /// The result (or recorded error) would not come back equal from the
     /// store, e.g. it holds a non-finite float, which JSON cannot represent.
     /// Nothing was recorded and the key was released (rule 12).
-    #[error("the result in scope `{scope}` cannot be recorded faithfully: {message}; the body ran, nothing was recorded and the key was released (a retry runs the body again): change the type (e.g. Option<f64>, or a string) or its serde attributes")]
+    #[error("the result in scope `{scope}` cannot be recorded faithfully: {message}; nothing was recorded, and the key was released (a retry runs the body again; for a recover hook's answer the record is kept and the next call asks the hook again): change the type (e.g. Option<f64>, or a string) or its serde attributes")]
     ResultNotFaithful {
         /// The scope of the call.
         scope: String,

@@ -436,18 +436,25 @@ where
         Err(e) => return fail(e),
     };
     span.record("attempt", acquired.attempt);
-    let takeover = acquired.takeover(spec, &identity);
-    let request = || crate::unrecorded::Request::new(connection.store_name(), fingerprint.as_ref());
-    if takeover.is_some()
-        && let Some(answer) = crate::unrecorded::for_takeover(&identity, &request())
-    {
+    let known = acquired
+        .took_over
+        .then(|| {
+            let request =
+                crate::unrecorded::Request::new(connection.store_name(), fingerprint.as_ref());
+            crate::unrecorded::for_takeover(&identity, &request)
+        })
+        .flatten();
+    let takeover = acquired.takeover(spec, &identity, known.is_some());
+    if let Some(known) = known {
         let mut sink = TransactionSink {
             connection,
             identity: &identity,
             token: &token,
         };
+        // Written in the caller's transaction, which may yet roll back.
         let answered =
-            record_unrecorded_answer::<R, H>(spec, errors, &identity, &mut sink, answer).await;
+            record_unrecorded_answer::<R, H>(spec, errors, &identity, &mut sink, known, false)
+                .await;
         return early::<R>(spec, &span, answered.0, answered.1);
     }
     if let Some(takeover) = takeover

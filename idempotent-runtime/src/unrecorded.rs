@@ -102,6 +102,15 @@ pub(crate) fn note(identity: &Identity, token: &OwnerToken, request: &Request, a
         .notes
         .fetch_add(1, Ordering::Relaxed)
         .is_multiple_of(SWEEP_EVERY);
+    // Copied before the lock is taken: an answer may be megabytes.
+    let note = Noted {
+        token: token.clone(),
+        request: request.clone(),
+        answer: answer.clone(),
+        until,
+        recorded_by_takeover: false,
+    };
+    let identity = identity.clone();
     let mut answers = UNRECORDED.answers();
     if sweep {
         answers.retain(|_, noted| {
@@ -109,15 +118,9 @@ pub(crate) fn note(identity: &Identity, token: &OwnerToken, request: &Request, a
             !noted.is_empty()
         });
     }
-    let noted = answers.entry(identity.clone()).or_default();
+    let noted = answers.entry(identity).or_default();
     noted.retain(|n| n.until > now);
-    noted.push(Noted {
-        token: token.clone(),
-        request: request.clone(),
-        answer: answer.clone(),
-        until,
-        recorded_by_takeover: false,
-    });
+    noted.push(note);
     UNRECORDED.count.store(answers.len(), Ordering::SeqCst);
 }
 

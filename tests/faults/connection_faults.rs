@@ -27,8 +27,9 @@ use crate::common;
 use common::proxy::{Direction, FaultProxy, Stall, Trip, WAIT_LIMIT};
 use common::servers::{fresh_tenant, mysql_store_or_skip, mysql_url, pg_store_or_skip, pg_url};
 use idempotent_runtime::{
-    idempotent, metrics, with_outcome, Error, Identity, MySqlStore, Outcome, OwnerToken, PgStore,
-    RecordSnapshot, RecordState, ReserveRequest, Store,
+    idempotent, metrics, with_outcome, AnsweredBy, Completion, Error, Fenced, Identity, MySqlStore,
+    Outcome, OwnerToken, PgStore, RecordSnapshot, RecordState, Reservation, ReserveRequest, Store,
+    StoredOutcome,
 };
 use sqlx::mysql::{MySqlConnectOptions, MySqlPoolOptions};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
@@ -455,6 +456,15 @@ impl Rig {
     /// A call in a transaction on the direct pool, committed when it answers
     /// (the same scope in transactional mode).
     async fn call_in_transaction(&self, key: &str) -> (Result<String, Error>, Option<Outcome>) {
+        self.call_in_transaction_then(key, true).await
+    }
+
+    /// The same, committed or rolled back.
+    async fn call_in_transaction_then(
+        &self,
+        key: &str,
+        commit: bool,
+    ) -> (Result<String, Error>, Option<Outcome>) {
         let tenant = self.tenant.as_str();
         match &self.direct_pool {
             DirectPool::Postgres(pool) => {
@@ -462,7 +472,11 @@ impl Rig {
                 let answer = self
                     .settle(guarded_in_pg_tx(&mut tx, self, tenant, key, AMOUNT))
                     .await;
-                tx.commit().await.expect("commit");
+                if commit {
+                    tx.commit().await.expect("commit");
+                } else {
+                    tx.rollback().await.expect("rollback");
+                }
                 answer
             }
             DirectPool::MariaDb(pool) => {
@@ -470,7 +484,11 @@ impl Rig {
                 let answer = self
                     .settle(guarded_in_mysql_tx(&mut tx, self, tenant, key, AMOUNT))
                     .await;
-                tx.commit().await.expect("commit");
+                if commit {
+                    tx.commit().await.expect("commit");
+                } else {
+                    tx.rollback().await.expect("rollback");
+                }
                 answer
             }
         }
@@ -865,6 +883,86 @@ async fn an_unrecorded_answer_never_answers_another_request(rig: &Rig) {
     assert_eq!(outcome, Some(Outcome::Executed));
     rig.proxy.pass_through();
     rig.note("an unrecorded answer of one request was not given to another request of its key");
+}
+
+/// A transactional takeover that records the hanging call's answer and then
+/// rolls back vouches for nothing: the record is the hanging call's again,
+/// another owner (another process: here a plain reservation) takes it over
+/// and records its own answer, and when the hanging write lands at last its
+/// call is told `LeaseLost`, not that its answer was recorded (review: the
+/// rolled-back takeover had marked it recorded, hiding a second run).
+/// On PostgreSQL only: MySQL/MariaDB refuse a transaction the takeover of a
+/// lease that ran out less than a second or so before it began, and the
+/// stalled call gives up waiting for a connection before then (the engine's
+/// decision is the same on every store).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rolled_back_transactional_takeover_vouches_for_nothing() {
+    if let Some(rig) =
+        Rig::postgres("a_rolled_back_transactional_takeover_vouches_for_nothing").await
+    {
+        run(&rig, rolled_back_transactional_takeover(&rig)).await;
+    }
+}
+
+async fn rolled_back_transactional_takeover(rig: &Rig) {
+    let key = rig.key("rolled-back");
+    rig.plan(&key, Plan::StallAfterTheBody);
+    let meanwhile = async {
+        rig.until_lease_lapsed(&key).await;
+        let (retry, outcome) = rig.call_in_transaction_then(&key, false).await;
+        assert_eq!(
+            retry.expect("the takeover in a transaction"),
+            rig.runs(&key)[0]
+        );
+        assert_eq!(outcome, Some(Outcome::Replayed));
+        // Rolled back: the record is the hanging call's, its lease run out.
+        let identity = rig.identity(Function::Guarded, &key);
+        let token = OwnerToken::new();
+        let taken = rig
+            .direct
+            .reserve(ReserveRequest {
+                identity: &identity,
+                fingerprint: None,
+                token: &token,
+                lease: Duration::from_secs(30),
+                ttl: Duration::from_secs(3600),
+            })
+            .await
+            .expect("another owner's reservation");
+        assert!(
+            matches!(
+                taken,
+                Reservation::Acquired {
+                    took_over: true,
+                    ..
+                }
+            ),
+            "{taken:?}"
+        );
+        let other = StoredOutcome {
+            is_error: false,
+            payload: br#""another owner's answer""#.to_vec(),
+        };
+        let written = rig
+            .direct
+            .complete(Completion {
+                identity: &identity,
+                token: &token,
+                outcome: &other,
+                ttl: Duration::from_secs(3600),
+                by: AnsweredBy::Body,
+            })
+            .await
+            .expect("another owner's completion");
+        assert_eq!(written, Fenced::Written);
+        rig.proxy.pass_through();
+    };
+    let ((first, _), ()) = tokio::join!(rig.call(&key), meanwhile);
+    assert!(
+        matches!(first, Err(Error::LeaseLost(_))),
+        "the hanging call's answer was not what got recorded: {first:?}"
+    );
+    rig.note("a rolled-back transactional takeover did not vouch for the hanging call's answer");
 }
 
 /// The same, retried in transactional mode (the scope is shared with a

@@ -60,13 +60,17 @@ pub(crate) async fn connect<DB: Database>(
             // The server answered and refused (a database or user it does
             // not know, a password), or nothing answered in time.
             let why = match &e {
-                sqlx::Error::Database(_) => {
-                    "check the database name, user and password in the URL".to_owned()
-                }
-                _ => format!(
+                sqlx::Error::Database(_) => "the server refused: check the database name, user \
+                     and password in the URL, and the server's state (too many connections, \
+                     starting up)"
+                    .to_owned(),
+                sqlx::Error::PoolTimedOut | sqlx::Error::Io(_) => format!(
                     "nothing answered within {ACQUIRE_TIMEOUT:?} (refused, unreachable or too \
                      slow): check the host and port in the URL and that the server is up"
                 ),
+                _ => "check the URL: its scheme, host and port (a server of the kind it names), \
+                     and its TLS options"
+                    .to_owned(),
             };
             StoreError::new(
                 store,

@@ -549,8 +549,8 @@ impl SqliteStore {
                     STORE,
                     "open the database",
                     format!(
-                        "{file}: {e}; check that its directory exists and that this process \
-                         may write there"
+                        "{file}: {e}; check the path: its directory must exist and this process \
+                         may write there, and the file, if there is one, must be a SQLite database"
                     ),
                 )
             })?;
