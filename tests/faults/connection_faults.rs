@@ -794,51 +794,71 @@ async fn completion_response_cut(rig: &Rig) {
 /// the retry replays it (the caller was told so: "answer not recorded yet,
 /// retry later").
 async fn outage_outlasting_the_lease_after_the_body(rig: &Rig) {
-    let key = rig.key("outage");
-    rig.plan(&key, Plan::StoreDownAfterTheBody);
-    let (first, _) = rig.call(&key).await;
-    assert_store_error(&first, "store down as the body returned");
-    let runs = rig.runs(&key);
-    assert_eq!(runs.len(), 1, "the body ran once");
-    rig.until_lease_lapsed(&key).await;
-    rig.proxy.pass_through();
-    let (retry, outcome) = rig.call(&key).await;
-    assert_eq!(
-        rig.runs(&key),
-        runs,
-        "DESIGN rule 3: the retry after the outage ran the body a second time \
-         instead of recording the answer the first run produced"
-    );
-    assert_eq!(retry.expect("the retry after the outage"), runs[0]);
-    assert_eq!(outcome, Some(Outcome::Replayed));
-    let answer = rig.converge(Function::Guarded, &key).await;
-    assert_eq!(answer, runs[0]);
-    rig.note("store down past the lease after the body → the retry recorded the pending answer and replayed it");
+    after_an_outage_outlasting_the_lease(rig, Retry::SameStoreWhenBack).await
 }
 
 /// The same, retried through another store object on the same database
 /// while the first one's store is still down: the answer this process holds
 /// is recorded by whichever store takes the record over.
 async fn outage_outlasting_the_lease_retried_through_another_store(rig: &Rig) {
+    after_an_outage_outlasting_the_lease(rig, Retry::AnotherStore).await
+}
+
+/// How a retry after the outage reaches the store.
+#[derive(Debug, Clone, Copy)]
+enum Retry {
+    /// Through the same store, once it is back.
+    SameStoreWhenBack,
+    /// Through another store object, while the first one's is still down.
+    AnotherStore,
+    /// In a transaction (the scope shared with a transactional function),
+    /// while the first store is still down.
+    InATransaction,
+}
+
+/// The store goes down as the body returns, for longer than the lease; the
+/// retry (per `retry`) records the answer this process holds and replays it:
+/// the body ran once.
+async fn after_an_outage_outlasting_the_lease(rig: &Rig, retry: Retry) {
     let key = rig.key("outage");
     rig.plan(&key, Plan::StoreDownAfterTheBody);
     let (first, _) = rig.call(&key).await;
     assert_store_error(&first, "store down as the body returned");
     let runs = rig.runs(&key);
     assert_eq!(runs.len(), 1, "the body ran once");
-    rig.until_lease_lapsed(&key).await;
-    let (retry, outcome) = rig.call_direct(&key).await;
+    let (answer, outcome) = match retry {
+        Retry::SameStoreWhenBack => {
+            rig.until_lease_lapsed(&key).await;
+            rig.proxy.pass_through();
+            rig.call(&key).await
+        }
+        Retry::AnotherStore => {
+            rig.until_lease_lapsed(&key).await;
+            rig.call_direct(&key).await
+        }
+        Retry::InATransaction => {
+            // MySQL/MariaDB refuse a transaction a takeover of a lease that
+            // ran out after it began, in whole seconds (StaleSnapshot): one
+            // that ran out well before it is taken over.
+            rig.until_lease_lapsed_for(&key, Duration::from_millis(2100))
+                .await;
+            rig.call_in_transaction(&key).await
+        }
+    };
     assert_eq!(
         rig.runs(&key),
         runs,
-        "DESIGN rule 3: a retry through another store ran the body a second time"
+        "DESIGN rule 3: the retry ({retry:?}) after the outage ran the body a second time \
+         instead of recording the answer the first run produced"
     );
-    assert_eq!(retry.expect("the retry through another store"), runs[0]);
+    assert_eq!(answer.expect("the retry after the outage"), runs[0]);
     assert_eq!(outcome, Some(Outcome::Replayed));
     rig.proxy.pass_through();
-    let answer = rig.converge(Function::Guarded, &key).await;
-    assert_eq!(answer, runs[0]);
-    rig.note("store down past the lease → a retry through another store recorded the answer and replayed it");
+    let converged = rig.converge(Function::Guarded, &key).await;
+    assert_eq!(converged, runs[0]);
+    rig.note(format!(
+        "store down past the lease after the body → the retry ({retry:?}) recorded the answer and replayed it"
+    ));
 }
 
 /// An answer this process could not record answers only its own request:
@@ -969,31 +989,7 @@ async fn rolled_back_transactional_takeover(rig: &Rig) {
 /// transactional function): the takeover inside the caller's transaction
 /// records the answer this process holds, and it commits with the caller's.
 async fn outage_outlasting_the_lease_retried_in_a_transaction(rig: &Rig) {
-    let key = rig.key("outage");
-    rig.plan(&key, Plan::StoreDownAfterTheBody);
-    let (first, _) = rig.call(&key).await;
-    assert_store_error(&first, "store down as the body returned");
-    let runs = rig.runs(&key);
-    assert_eq!(runs.len(), 1, "the body ran once");
-    // MySQL/MariaDB refuse a transaction a takeover of a lease that ran out
-    // after it began, in whole seconds (StaleSnapshot): one that ran out
-    // well before it is taken over.
-    rig.until_lease_lapsed_for(&key, Duration::from_millis(2100))
-        .await;
-    let (retry, outcome) = rig.call_in_transaction(&key).await;
-    assert_eq!(
-        rig.runs(&key),
-        runs,
-        "DESIGN rule 3: a retry in a transaction ran the body a second time"
-    );
-    assert_eq!(retry.expect("the retry in a transaction"), runs[0]);
-    assert_eq!(outcome, Some(Outcome::Replayed));
-    rig.proxy.pass_through();
-    let answer = rig.converge(Function::Guarded, &key).await;
-    assert_eq!(answer, runs[0]);
-    rig.note(
-        "store down past the lease → a retry in a transaction recorded the answer and replayed it",
-    );
+    after_an_outage_outlasting_the_lease(rig, Retry::InATransaction).await
 }
 
 /// The completion is sent and hangs past the lease (a connection that went
