@@ -1175,7 +1175,11 @@ where
             // The call still writing it under its own token is told, when
             // its write finds the record taken over, that its answer was
             // recorded; only once that is so for good (not in a caller's
-            // transaction, which may yet roll back).
+            // transaction, which may yet roll back). A store-mode write is
+            // its own committed statement, unless application code left a
+            // pooled connection inside a transaction the store cannot see
+            // (PostgreSQL, MySQL 8: README, sharing a pool), which loses
+            // the write itself too.
             if committed_when_written {
                 crate::unrecorded::recorded_by_takeover(identity, &noted_by);
             }

@@ -155,7 +155,7 @@ pub enum Error {
     /// --even-if-running`); this call's result was not recorded. The work may
     /// have run twice: check the side effects, and give bodies a lease that
     /// covers them.
-    #[error("lease lost ({0}): another caller took the record over (its lease had run out: a body, a recover hook or a store write outlasting it, a paused process) or an operator released it, so this call's answer was not recorded and the work may have run twice: check its side effects, and if bodies outlive their lease, give the scope a longer one")]
+    #[error("lease lost ({0}): another caller took the record over (its lease had run out: a body, a recover hook or a store write outlasting it, a paused process) or an operator released it, so nothing this call did was recorded and the work may have run twice: check its side effects, and if bodies outlive their lease, give the scope a longer one")]
     LeaseLost(RecordContext),
 
     /// The store failed. The record is left for a retry to resolve (HTTP: 503).

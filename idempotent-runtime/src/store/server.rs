@@ -64,10 +64,14 @@ pub(crate) async fn connect<DB: Database>(
                      and password in the URL, and the server's state (too many connections, \
                      starting up)"
                     .to_owned(),
-                sqlx::Error::PoolTimedOut | sqlx::Error::Io(_) => format!(
-                    "nothing answered within {ACQUIRE_TIMEOUT:?} (refused, unreachable or too \
-                     slow): check the host and port in the URL and that the server is up"
+                sqlx::Error::PoolTimedOut => format!(
+                    "no connection within {ACQUIRE_TIMEOUT:?} (refused, unreachable, too slow, \
+                     or the server kept refusing new connections: too many connections, \
+                     starting up): check the host and port in the URL and that the server is up"
                 ),
+                sqlx::Error::Io(_) => "could not reach or talk to the server: check the host \
+                     and port in the URL, that the server is up, and its TLS settings"
+                    .to_owned(),
                 _ => "check the URL: its scheme, host and port (a server of the kind it names), \
                      and its TLS options"
                     .to_owned(),
