@@ -58,9 +58,18 @@ fn owners() -> MutexGuard<'static, Owners> {
     OWNERS.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
+/// How far the database's clock may read behind this process's when a
+/// statement runs: SQLite's `'now'` is in whole milliseconds, so a record's
+/// lease may end up to this much before `sent + lease`.
+const DATABASE_CLOCK_RESOLUTION: Duration = Duration::from_millis(1);
+
 /// `token`'s owner reserved its record with `lease`, by a statement sent at
-/// `sent` or later (so it counts no longer than the record's lease).
+/// `sent` or later (so it counts no longer than the record's lease: from
+/// [`DATABASE_CLOCK_RESOLUTION`] before `sent`; otherwise a transaction
+/// taking over a crashed owner the moment its lease ran out was refused for
+/// up to that long).
 pub(super) fn reserved(token: &OwnerToken, lease: Duration, sent: Instant) {
+    let sent = sent.checked_sub(DATABASE_CLOCK_RESOLUTION).unwrap_or(sent);
     let mut owners = owners();
     if owners.by_token.len() >= owners.prune_at {
         let now = Instant::now();
@@ -156,6 +165,23 @@ impl Drop for Writing {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A record's lease, on the database's millisecond clock, may end up to
+    /// a millisecond before `sent + lease`: the owner never counts longer.
+    #[test]
+    fn a_reserved_owner_counts_no_longer_than_its_records_lease() {
+        let token = OwnerToken::new();
+        let lease = Duration::from_secs(1);
+        let sent = Instant::now()
+            .checked_sub(lease - Duration::from_micros(500))
+            .expect("a second ago");
+        reserved(&token, lease, sent);
+        assert!(
+            !alive(token.as_str()),
+            "half a millisecond before sent + lease, the record's lease may be over"
+        );
+        ended(&token);
+    }
 
     #[test]
     fn an_owner_counts_while_it_writes_and_for_its_lease_after() {
