@@ -146,6 +146,9 @@ pub enum Command {
 
 /// Which record `inspect` and `release` act on.
 #[derive(Debug, Args)]
+// One of `--tenant` and `--shared`: a missing one is reported as
+// `<--tenant <TENANT>|--shared>`, naming both.
+#[command(group(clap::ArgGroup::new("namespace").args(["tenant", "shared"]).required(true)))]
 pub struct RecordArgs {
     /// The store: sqlite:PATH, postgres://..., mysql://... or mariadb://...
     #[arg(long, env = "DATABASE_URL")]
@@ -157,9 +160,7 @@ pub struct RecordArgs {
     #[arg(
         long,
         allow_hyphen_values = true,
-        value_parser = not_an_option,
-        required_unless_present = "shared",
-        conflicts_with = "shared"
+        value_parser = not_an_option
     )]
     pub tenant: Option<String>,
     /// The record is in the shared namespace (`tenant = shared`).
@@ -1297,6 +1298,28 @@ mod tests {
     /// `--key=VALUE` it cannot be an option missing its value, so it is taken
     /// (it was refused, and such a record could be neither inspected nor
     /// released).
+    #[test]
+    fn a_record_names_its_tenant_or_the_shared_namespace_never_both() {
+        let parse = |args: &[&str]| {
+            let mut all = vec!["idempotent", "inspect", "--database-url", "sqlite::memory:"];
+            all.extend_from_slice(args);
+            Cli::try_parse_from(all)
+        };
+        let missing = parse(&["--scope", "a.b", "--key", "k"])
+            .map(drop)
+            .expect_err("neither");
+        let message = missing.to_string();
+        assert!(
+            message.contains("--tenant") && message.contains("--shared"),
+            "a missing tenant names both ways: {message}"
+        );
+        parse(&["--scope", "a.b", "--key", "k", "--tenant", "t", "--shared"])
+            .map(drop)
+            .expect_err("both");
+        parse(&["--scope", "a.b", "--key", "k", "--tenant", "t"]).expect("a tenant");
+        parse(&["--scope", "a.b", "--key", "k", "--shared"]).expect("the shared namespace");
+    }
+
     #[test]
     fn a_value_attached_with_equals_is_taken_even_when_it_looks_like_an_option() {
         let parse = |args: &[&str]| {

@@ -1796,11 +1796,11 @@ fn replay_failure(e: &serde_json::Error) -> String {
     if !e.is_data() {
         return message;
     }
-    // serde's own forms: what it found is quoted after the kind (cut off
-    // here), what the type expected is the type's own description. A type's
-    // own message may read alike and quote the value anywhere: not trusted.
-    // Exactly serde's shapes: `invalid type: …`, `invalid value: …`,
-    // `invalid length 3`, ``unknown variant `…` ``, ``unknown field `…` ``.
+    // serde's own forms, exactly (`invalid type: …`, `invalid value: …`,
+    // `invalid length 3`, ``unknown variant `…` ``, ``unknown field `…` ``):
+    // what it found is quoted after the kind (cut off here), what the type
+    // expected is the type's own description. A type's own message may read
+    // alike and quote the value anywhere: not trusted.
     let serde_form = |found: &str| {
         [
             "invalid type: ",
