@@ -826,6 +826,7 @@ async fn after_an_outage_outlasting_the_lease(rig: &Rig, retry: Retry) {
     assert_store_error(&first, "store down as the body returned");
     let runs = rig.runs(&key);
     assert_eq!(runs.len(), 1, "the body ran once");
+    let taken_over = metrics::snapshot().taken_over;
     let (answer, outcome) = match retry {
         Retry::SameStoreWhenBack => {
             rig.until_lease_lapsed(&key).await;
@@ -853,6 +854,12 @@ async fn after_an_outage_outlasting_the_lease(rig: &Rig, retry: Retry) {
     );
     assert_eq!(answer.expect("the retry after the outage"), runs[0]);
     assert_eq!(outcome, Some(Outcome::Replayed));
+    // Rule 20: a takeover answered with the known answer is still counted
+    // (each test runs in a process of its own: nothing else counts here).
+    assert!(
+        metrics::snapshot().taken_over > taken_over,
+        "the takeover is counted"
+    );
     rig.proxy.pass_through();
     let converged = rig.converge(Function::Guarded, &key).await;
     assert_eq!(converged, runs[0]);
