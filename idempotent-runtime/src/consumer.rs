@@ -129,7 +129,9 @@ pub enum Verdict {
         retry_after: Duration,
     },
     /// Not done: the body failed and the key was released, or the store
-    /// failed, or the lease was lost. A redelivery tries again.
+    /// failed (also while reading the record of a fingerprint mismatch, to
+    /// tell a running one from a finished one), or the lease was lost. A
+    /// redelivery tries again.
     Failed,
     /// Same message id, different payload (`Error::FingerprintMismatch`): a
     /// poison message. The record is untouched. (A mismatch with a record
@@ -396,6 +398,10 @@ fn verdict<T, E: AsIdempotencyError>(result: &Result<T, E>, reported: Option<Rep
             Some(LastMismatch::Abandoned { abandoned_for }) => {
                 Verdict::MismatchWithAbandonedRecord { abandoned_for }
             }
+            // What refused it could not be read (the store failed): a
+            // record still running may yet be released, so the message is
+            // not a poison one yet; a redelivery looks again.
+            Some(LastMismatch::Unread) => Verdict::Failed,
             Some(LastMismatch::Final) | None => Verdict::Mismatch,
         },
         Some(Error::InvalidKey(_) | Error::InvalidTenant(_)) => Verdict::InvalidKey,
@@ -640,6 +646,9 @@ mod tests {
             Verdict::MismatchWithAbandonedRecord { abandoned_for }
         );
         assert_eq!(refused_by(LastMismatch::Final), Verdict::Mismatch);
+        // Hunt: a store failure while reading the record made it a poison
+        // message, terminated, though the record was still running.
+        assert_eq!(refused_by(LastMismatch::Unread), Verdict::Failed);
         assert_eq!(
             Verdict::MismatchWithAbandonedRecord { abandoned_for }.as_str(),
             "mismatch-with-abandoned-record"

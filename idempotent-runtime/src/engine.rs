@@ -99,9 +99,12 @@ pub(crate) enum LastMismatch {
     /// (other arguments, or another version's fingerprint of the same ones)
     /// may yet take it over and finish it.
     Abandoned { abandoned_for: Duration },
-    /// A complete record, or not known (transactional mode, a failed read):
-    /// a plain mismatch.
+    /// A complete record, or not known in transactional mode (which reads
+    /// nothing more): a plain mismatch.
     Final,
+    /// The record's state could not be read (the store failed): it may
+    /// still be running and be released, so the mismatch is not final.
+    Unread,
 }
 
 /// Where a [`with_outcome`] scope collects what its calls reported: shared,
@@ -1544,8 +1547,8 @@ enum MismatchedRecord {
 
 /// Reads the record that refused a reservation as a mismatch (made with one
 /// of `fingerprints`): one read, made only then, of what a replay would read.
-/// Through a store only: in transactional mode, and when the read fails, the
-/// mismatch stands as it is.
+/// Through a store only: in transactional mode the mismatch stands as it is;
+/// when the read fails it stands, as [`LastMismatch::Unread`].
 async fn mismatched_record(
     store: &impl Reserver,
     identity: &Identity,
@@ -1558,7 +1561,9 @@ async fn mismatched_record(
     let snapshot = match direct.fetch(identity).await {
         Ok(Some(snapshot)) => snapshot,
         Ok(None) => return MismatchedRecord::Changed,
-        Err(_) => return MismatchedRecord::Refused(LastMismatch::Final),
+        // The mismatch stands, but what refused it is unknown: a record
+        // still running may yet be released (a store failure is never final).
+        Err(_) => return MismatchedRecord::Refused(LastMismatch::Unread),
     };
     let stored = snapshot.fingerprint.as_deref();
     let ours = fingerprints

@@ -11,8 +11,11 @@
 //! that fails after a replayed step: its error is not a recorded answer.
 //! Only the replay of a recorded error (`errors = record`) is acked.
 
+use crate::common::hooked::{Hooked, Intercept};
 use idempotent_runtime::consumer::{handle, AsIdempotencyError, Disposition, Handled, Verdict};
-use idempotent_runtime::{idempotent, Error, MemoryStore, SqliteStore};
+use idempotent_runtime::{
+    idempotent, Error, Identity, MemoryStore, RecordSnapshot, SqliteStore, Store, StoreError,
+};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 static CHARGED: AtomicUsize = AtomicUsize::new(0);
@@ -175,5 +178,65 @@ async fn a_replayed_recorded_error_is_acked_whatever_step_replays_after_it() {
     assert_recorded_refusal_acked(
         &again,
         "the recorded refusal is the answer, though a result replayed after it",
+    );
+}
+
+/// A store whose reads of a record fail (the reservation path works).
+struct UnreadableRecords;
+
+#[async_trait::async_trait]
+impl Intercept for UnreadableRecords {
+    async fn fetch(
+        &self,
+        _: &MemoryStore,
+        _: &Identity,
+    ) -> Result<Option<RecordSnapshot>, StoreError> {
+        Err(StoreError::new("hooked", "fetch", "the connection was cut"))
+    }
+}
+
+#[idempotent(scope = "contract_edges.consumer.bill", key = key, tenant = shared,
+             store = store, in_progress = reject, skip(started, finish))]
+async fn bill(
+    store: &dyn Store,
+    key: &str,
+    amount: u32,
+    started: &tokio::sync::Notify,
+    finish: &tokio::sync::Notify,
+) -> Result<u32, Error> {
+    started.notify_one();
+    finish.notified().await;
+    Ok(amount)
+}
+
+/// A redelivery whose arguments fingerprint otherwise (a rolling deploy that
+/// changed the handler) meets the record of a delivery still running; the
+/// engine reads the record to tell a running one from a finished one. When
+/// that read fails, the message is nak'd like any store failure, not
+/// terminated as poison: the running delivery may yet fail and release the
+/// key (hunt: it was terminated, and once the first delivery failed the
+/// message was never processed).
+#[tokio::test]
+async fn a_mismatch_whose_record_cannot_be_read_is_nakd_not_terminated() {
+    let store = Hooked::new(UnreadableRecords);
+    let (started, finish) = (tokio::sync::Notify::new(), tokio::sync::Notify::new());
+    let first = bill(&store, "msg-5", 1, &started, &finish);
+    let redelivered = async {
+        started.notified().await;
+        let handled = handle(Some("msg-5"), |key| bill(&store, key, 2, &started, &finish)).await;
+        finish.notify_one();
+        handled
+    };
+    let (first, redelivered) = tokio::join!(first, redelivered);
+    assert_eq!(first.expect("the first delivery"), 1);
+    assert!(
+        matches!(redelivered.result, Some(Err(Error::FingerprintMismatch(_)))),
+        "{:?}",
+        redelivered.result
+    );
+    assert_eq!(
+        (redelivered.verdict, redelivered.disposition()),
+        (Verdict::Failed, Disposition::Nak(None)),
+        "a mismatch whose record could not be read is nak'd, not terminated"
     );
 }

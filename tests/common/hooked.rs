@@ -55,6 +55,14 @@ pub trait Intercept: Send + Sync + 'static {
         inner.scope_stats().await
     }
 
+    async fn fetch(
+        &self,
+        inner: &MemoryStore,
+        i: &Identity,
+    ) -> Result<Option<RecordSnapshot>, StoreError> {
+        inner.fetch(i).await
+    }
+
     fn max_result_bytes(&self, inner: &MemoryStore) -> usize {
         inner.max_result_bytes()
     }
@@ -126,7 +134,7 @@ impl<I: Intercept> Store for Hooked<I> {
         self.intercept.purge_expired(&self.inner, batch).await
     }
     async fn fetch(&self, i: &Identity) -> Result<Option<RecordSnapshot>, StoreError> {
-        self.inner.fetch(i).await
+        self.intercept.fetch(&self.inner, i).await
     }
     async fn scope_stats(&self) -> Result<Vec<ScopeStats>, StoreError> {
         self.intercept.scope_stats(&self.inner).await
