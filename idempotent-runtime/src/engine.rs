@@ -411,17 +411,29 @@ impl FinishOnDrop<'_> {
     fn arm(&self, armed: bool) {
         self.armed.store(armed, Ordering::Relaxed);
     }
+
+    /// Whether this process holds an answer of this call's request that is
+    /// not recorded yet (`unrecorded`): a record this call holds, or may
+    /// hold, is then kept for a takeover, which records that answer, never
+    /// released for a new record whose call would run the body again (NATS
+    /// hunt: a takeover whose reservation landed as it was dropped released
+    /// the record, and the next call ran the body a second time).
+    fn answer_held(&self) -> bool {
+        let request = crate::unrecorded::Request::new(self.store.name(), self.fingerprint);
+        crate::unrecorded::holds_answer(self.identity, &request)
+    }
 }
 
 impl Drop for FinishOnDrop<'_> {
     fn drop(&mut self) {
         // Cloned only when there is something to hand over: most calls end
         // disarmed, with nothing left to finish.
-        if *self.armed.get_mut() && self.keep_for_takeover {
+        if *self.armed.get_mut() && (self.keep_for_takeover || self.answer_held()) {
             let (identity, token) = (self.identity.clone(), self.token.clone());
             tracing::info!(target: "idempotent", scope = %identity.scope, key = %identity.log_digest(),
                 "call ended without an answer; the store ends the lease of its record (if it has one), \
-                 for the next call to take over and ask the recover hook");
+                 for the next call to take over and ask the recover hook, or record the answer this \
+                 process holds");
             self.store.end_lease_detached(identity, token);
         } else if *self.armed.get_mut() {
             let (identity, token) = (self.identity.clone(), self.token.clone());
@@ -662,10 +674,14 @@ where
     };
     let reserving = Instant::now();
     let reserved = reserve_from(store, request, spec, Some(&guard.armed), reserving).await;
-    if guard.keep_for_takeover && guard.armed.load(Ordering::Relaxed) && reserved.is_err() {
+    if guard.armed.load(Ordering::Relaxed)
+        && reserved.is_err()
+        && (guard.keep_for_takeover || guard.answer_held())
+    {
         // The reservation failed but may have landed, possibly as a takeover:
         // end its lease (fenced by this call's token; nothing if it never
-        // landed) so the next call takes it over and asks the hook at once.
+        // landed) so the next call takes it over at once and asks the hook,
+        // or records the answer this process holds.
         if end_lease_logged(store, &identity, &token).await == EndedLease::NotOurs {
             // Nothing of this token yet: a statement still in flight may land
             // later, so the store's worker tries again.
@@ -964,16 +980,22 @@ impl RecordSink for StoreSink<'_, '_> {
             }
             let answer = self.guard.completing.insert(answer);
             let mut written = store.complete(answer.completing(identity, token)).await;
-            if noted
-                && written.is_ok()
-                && crate::unrecorded::forget(identity, token)
-                && matches!(written, Ok(Fenced::NotOwner))
-            {
-                // Its record was taken over by a call of this process,
-                // which recorded this very answer (`unrecorded`).
-                tracing::info!(target: "idempotent", scope = %identity.scope, key = %identity.log_digest(),
-                    "this answer was recorded by the call that took its record over");
-                written = Ok(Fenced::Written);
+            match written {
+                Ok(Fenced::Written) if noted => {
+                    crate::unrecorded::forget(identity, token);
+                }
+                Ok(Fenced::NotOwner)
+                    if noted && crate::unrecorded::found_taken_over(identity, token) =>
+                {
+                    // Its record was taken over by a call of this process,
+                    // which recorded this very answer (`unrecorded`).
+                    tracing::info!(target: "idempotent", scope = %identity.scope, key = %identity.log_digest(),
+                        "this answer was recorded by the call that took its record over");
+                    written = Ok(Fenced::Written);
+                }
+                // Not recorded by a takeover: kept for one (`found_taken_over`).
+                // Failed: the store's worker goes on trying it.
+                _ => {}
             }
             let unrecorded = self.guard.completing.take();
             if let (Err(e), Some(answer)) = (&written, unrecorded) {

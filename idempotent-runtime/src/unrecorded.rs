@@ -10,10 +10,15 @@
 //! answer the first run produced.
 //!
 //! So every answer is noted here, by identity, while it is being recorded
-//! and for as long as the store's worker tries it. A call of this process
-//! that takes a record over looks here first: an answer of its key is
-//! recorded under the new owner's token and replayed, and the body does not
-//! run again. This holds whichever store object (a second one opened on the
+//! and for as long as the store's worker tries it; and when its write finds
+//! the record taken over by a call that did not record it, until its time is
+//! up ([`found_taken_over`]). A call of this process that takes a record
+//! over looks here first: an answer of its key is recorded under the new
+//! owner's token and replayed, and the body does not run again. A call whose
+//! reservation may have landed and that ends without an answer (failed,
+//! dropped) keeps a record of a request answered here rather than releasing
+//! it ([`holds_answer`]), so the next call takes it over and finds the
+//! answer instead of making a new record and running the body. This holds whichever store object (a second one opened on the
 //! same database, the HTTP layer's, a consumer's) or mode (`tx = ...`) takes
 //! the record over. A call in another process cannot see it: there the
 //! takeover is rule 20's uncertain outcome, which a `recover` hook answers.
@@ -124,9 +129,8 @@ pub(crate) fn note(identity: &Identity, token: &OwnerToken, request: &Request, a
     UNRECORDED.count.store(answers.len(), Ordering::SeqCst);
 }
 
-/// The answer `token` noted for `identity` is recorded, or will never be
-/// (its record was taken over, or the store gave up): forgets it. Whether a
-/// takeover of this process had recorded it ([`recorded_by_takeover`]).
+/// The answer `token` noted for `identity` is recorded: forgets it. Whether
+/// a takeover of this process had recorded it ([`recorded_by_takeover`]).
 pub(crate) fn forget(identity: &Identity, token: &OwnerToken) -> bool {
     if UNRECORDED.count.load(Ordering::SeqCst) == 0 {
         return false;
@@ -145,6 +149,48 @@ pub(crate) fn forget(identity: &Identity, token: &OwnerToken) -> bool {
     }
     UNRECORDED.count.store(answers.len(), Ordering::SeqCst);
     recorded
+}
+
+/// The write of the answer `token` noted for `identity` found its record no
+/// longer its own. When a takeover of this process recorded that answer, it
+/// is forgotten, and true. Otherwise it is kept until its time is up, and
+/// false: the record's new owner may be a call of this process that has not
+/// looked here yet, or one whose reservation landed as it failed or was
+/// dropped, which kept the record for the next call ([`holds_answer`]); that
+/// call's takeover finds the answer here (NATS hunt: it was forgotten, and
+/// the next takeover ran the body again).
+pub(crate) fn found_taken_over(identity: &Identity, token: &OwnerToken) -> bool {
+    if UNRECORDED.count.load(Ordering::SeqCst) == 0 {
+        return false;
+    }
+    let mut answers = UNRECORDED.answers();
+    let Some(noted) = answers.get_mut(identity) else {
+        return false;
+    };
+    let before = noted.len();
+    noted.retain(|n| !(&n.token == token && n.recorded_by_takeover));
+    let recorded = noted.len() < before;
+    if noted.is_empty() {
+        answers.remove(identity);
+    }
+    UNRECORDED.count.store(answers.len(), Ordering::SeqCst);
+    recorded
+}
+
+/// Whether this process holds an answer of `request` to `identity` that is
+/// not recorded yet: a record of that request that a call holds (or may
+/// hold) and ends without an answer is kept for a takeover, which records
+/// this answer, rather than released for a new record whose call would run
+/// the body again.
+pub(crate) fn holds_answer(identity: &Identity, request: &Request) -> bool {
+    if UNRECORDED.count.load(Ordering::SeqCst) == 0 {
+        return false;
+    }
+    let now = Instant::now();
+    UNRECORDED
+        .answers()
+        .get(identity)
+        .is_some_and(|noted| noted.iter().any(|n| n.until > now && &n.request == request))
 }
 
 /// A takeover recorded the answer `token` noted for `identity`: the call
@@ -271,6 +317,37 @@ mod tests {
         assert!(!forget(&id, &hanging), "not the one a takeover recorded");
         assert!(forget(&id, &other), "the one a takeover recorded");
         assert!(!forget(&id, &other), "forgotten already");
+    }
+
+    /// A write that found its record taken over keeps its answer unless a
+    /// takeover of this process recorded it: the new owner may not have
+    /// looked yet, or may have kept the record for the next call.
+    #[test]
+    fn an_answer_whose_record_was_taken_over_is_kept_unless_a_takeover_recorded_it() {
+        let id = identity("taken-over");
+        let charge = request("postgres", "v3:100");
+        let (first, second) = (OwnerToken::new(), OwnerToken::new());
+        note(&id, &first, &charge, &answer(b"1", Duration::from_secs(60)));
+        note(
+            &id,
+            &second,
+            &charge,
+            &answer(b"2", Duration::from_secs(60)),
+        );
+        assert!(!found_taken_over(&id, &first), "no takeover recorded it");
+        assert!(holds_answer(&id, &charge), "kept for the next takeover");
+        recorded_by_takeover(&id, &second);
+        assert!(found_taken_over(&id, &second), "a takeover recorded it");
+        let found = for_takeover(&id, &charge).map(|(t, _)| t);
+        assert_eq!(
+            found,
+            Some(first.clone()),
+            "only the one a takeover recorded is forgotten"
+        );
+        assert!(!holds_answer(&id, &request("postgres", "v3:200")));
+        assert!(!holds_answer(&id, &request("mysql", "v3:100")));
+        forget(&id, &first);
+        assert!(!holds_answer(&id, &charge));
     }
 
     #[test]

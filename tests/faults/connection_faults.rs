@@ -912,6 +912,127 @@ async fn an_unrecorded_answer_never_answers_another_request(rig: &Rig) {
     rig.note("an unrecorded answer of one request was not given to another request of its key");
 }
 
+/// The store went down as the body returned, past the lease, so this process
+/// holds the answer unrecorded. A takeover of the record, dropped (a caller's
+/// timeout) while its reservation waited for the row, lands after the drop:
+/// its record must be kept for the next call, not released for a new record
+/// whose call would run the body again. And when the first call's write
+/// reaches the store again and finds the record taken over, the answer stays
+/// for that next call, which records and replays it (NATS hunt: the body ran
+/// twice, on PostgreSQL, MariaDB and SQLite). On PostgreSQL only: the
+/// handshake on the row lock reads `pg_blocking_pids` (the engine's decision
+/// is the same on every store).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_takeover_dropped_as_it_lands_keeps_the_record_of_an_answer_held() {
+    if let Some(rig) =
+        Rig::postgres("a_takeover_dropped_as_it_lands_keeps_the_record_of_an_answer_held").await
+    {
+        run(&rig, dropped_takeover_of_an_answer_held(&rig)).await;
+    }
+}
+
+async fn dropped_takeover_of_an_answer_held(rig: &Rig) {
+    let key = rig.key("dropped-takeover");
+    rig.plan(&key, Plan::StoreDownAfterTheBody);
+    let (first, _) = rig.call(&key).await;
+    assert_store_error(&first, "store down as the body returned");
+    let runs = rig.runs(&key);
+    assert_eq!(runs.len(), 1, "the body ran once");
+    rig.until_lease_lapsed(&key).await;
+    let DirectPool::Postgres(pool) = &rig.direct_pool else {
+        unreachable!("a PostgreSQL rig")
+    };
+    // Another session holds the record's row; a store that waits long for
+    // a row lock takes the record over behind it.
+    let identity = rig.identity(Function::Guarded, &key);
+    let mut locker = pool.acquire().await.expect("a connection");
+    let locker_pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut *locker)
+        .await
+        .expect("pid");
+    sqlx::query("BEGIN")
+        .execute(&mut *locker)
+        .await
+        .expect("begin");
+    sqlx::query(
+        "SELECT 1 FROM idempotency_records WHERE tenant = $1 AND scope = $2 AND key = $3 FOR UPDATE",
+    )
+    .bind(identity.tenant())
+    .bind(identity.scope())
+    .bind(identity.key())
+    .fetch_one(&mut *locker)
+    .await
+    .expect("lock the row");
+    let patient = PgStore::from_pool(pool.clone())
+        .await
+        .expect("store")
+        .with_lock_wait(Duration::from_secs(60));
+    let blocked = async {
+        let deadline = Instant::now() + WAIT_LIMIT;
+        loop {
+            let waiting: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))",
+            )
+            .bind(locker_pid)
+            .fetch_one(pool)
+            .await
+            .expect("pg_stat_activity");
+            if waiting > 0 {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the takeover never waited for the row"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    };
+    tokio::select! {
+        answer = guarded(&patient, rig, &rig.tenant, &key, AMOUNT) => {
+            panic!("the takeover answered while the row was held: {answer:?}")
+        }
+        () = blocked => {}
+    }
+    // Dropped while its statement waits; it lands once the row is free.
+    sqlx::query("COMMIT")
+        .execute(&mut *locker)
+        .await
+        .expect("commit");
+    assert_eq!(
+        patient.finish_background_work(WAIT_LIMIT).await,
+        0,
+        "the dropped takeover's record is finished"
+    );
+    let record = rig.fetch_id(&identity).await;
+    assert!(
+        record
+            .as_ref()
+            .is_some_and(|r| r.state == RecordState::InProgress),
+        "the record of an answer this process holds is kept, not released: {record:?}"
+    );
+    // The first call's write reaches the store again and finds the record
+    // taken over: the answer stays for the next takeover.
+    rig.proxy.pass_through();
+    assert_eq!(
+        rig.store.finish_background_work(WAIT_LIMIT).await,
+        0,
+        "the first call's write is done"
+    );
+    let (answer, outcome) = rig.call_direct(&key).await;
+    assert_eq!(
+        rig.runs(&key),
+        runs,
+        "DESIGN rule 3: the call after a dropped takeover ran the body a second time \
+         instead of recording the answer the first run produced"
+    );
+    assert_eq!(
+        answer.expect("the call after the dropped takeover"),
+        runs[0]
+    );
+    assert_eq!(outcome, Some(Outcome::Replayed));
+    rig.note("a takeover dropped as it landed kept the record; the next call recorded the answer");
+}
+
 /// A transactional takeover that records the hanging call's answer and then
 /// rolls back vouches for nothing: the record is the hanging call's again,
 /// another owner (another process: here a plain reservation) takes it over

@@ -260,15 +260,24 @@ fn start(store: &'static str, open: OpenFn) -> std::io::Result<mpsc::UnboundedSe
                 finished,
             } = job;
             // A completion's answer is kept for this process's takeovers
-            // (`unrecorded`) until its job ends: recorded, taken over, or
-            // given up.
+            // (`unrecorded`) until it is recorded; when its record was taken
+            // over by a call that did not record it, or the store gave up,
+            // until its time is up.
             let noted =
                 matches!(work, Work::Complete(..)).then(|| (identity.clone(), token.clone()));
             let job = with_retries(store, write.clone(), identity, token, work, search_until);
             running.spawn(async move {
-                job.await;
+                let ended = job.await;
                 if let Some((identity, token)) = noted {
-                    crate::unrecorded::forget(&identity, &token);
+                    match ended {
+                        Some(Fenced::Written) => {
+                            crate::unrecorded::forget(&identity, &token);
+                        }
+                        Some(Fenced::NotOwner) => {
+                            crate::unrecorded::found_taken_over(&identity, &token);
+                        }
+                        None => {}
+                    }
                 }
                 drop(keep);
                 drop(finished);
@@ -297,6 +306,8 @@ pub(crate) fn spawn_with_runtime(
     Ok(())
 }
 
+/// Does `work`, trying again on failure; what its last write found
+/// (`None`: it gave up, or a release or an end of lease found nothing).
 async fn with_retries(
     store: &'static str,
     write: WriteFn,
@@ -304,7 +315,7 @@ async fn with_retries(
     token: OwnerToken,
     work: Work,
     search_until: std::time::Instant,
-) {
+) -> Option<Fenced> {
     let mut last_error = None;
     // A completion goes on being tried after the schedule while it fails.
     let keep_trying = match &work {
@@ -345,7 +356,7 @@ async fn with_retries(
             Ok(Fenced::Written) => {
                 tracing::info!(target: "idempotent", store, scope = %identity.scope,
                     key = %identity.key_digest(), work = work.name(), "finished a dropped call's record");
-                return;
+                return Some(Fenced::Written);
             }
             // A completion that finds nothing will never find anything: the
             // record was taken over, or the dropped statement itself landed.
@@ -353,7 +364,7 @@ async fn with_retries(
                 tracing::warn!(target: "idempotent", store, scope = %identity.scope,
                     key = %identity.key_digest(),
                     "a dropped call's record is no longer in progress under its token (already recorded, or taken over)");
-                return;
+                return Some(Fenced::NotOwner);
             }
             Ok(Fenced::NotOwner) => last_error = None,
             Err(e) => {
@@ -371,6 +382,7 @@ async fn with_retries(
             key = %identity.key_digest(), "a dropped call held no record; nothing to release"),
         Some(e) => lost(store, &identity, &work, &e.to_string()),
     }
+    None
 }
 
 impl Work {
