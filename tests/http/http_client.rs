@@ -388,3 +388,58 @@ async fn an_https_url_without_tls_is_refused_at_once() {
         .unwrap_err();
     assert!(!e.to_string().contains("SECRET"), "{e}");
 }
+
+/// A redirect the client cannot follow comes after the request itself was
+/// answered, so the operation may have run: the error says so, never
+/// "nothing was sent" (client hunt: a processed POST answered 303 to an
+/// `https://` location was reported as `NoTls`, "nothing was sent", and a
+/// redirect loop as a request reqwest refused to send).
+#[tokio::test]
+async fn a_redirect_that_cannot_be_followed_says_the_request_was_sent() {
+    use axum::http::{header::LOCATION, StatusCode};
+    let runs = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counted = runs.clone();
+    let app = axum::Router::new()
+        .route(
+            "/pay",
+            axum::routing::post(move || {
+                let counted = counted.clone();
+                async move {
+                    counted.fetch_add(1, Ordering::SeqCst);
+                    (
+                        StatusCode::SEE_OTHER,
+                        [(LOCATION, "https://127.0.0.1:1/receipt")],
+                    )
+                }
+            }),
+        )
+        .route(
+            "/loop",
+            axum::routing::post(|| async {
+                (StatusCode::TEMPORARY_REDIRECT, [(LOCATION, "/loop")])
+            }),
+        );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    let server = tokio::spawn(async move { axum::serve(listener, app).await });
+    for path in ["/pay", "/loop"] {
+        let e = bounded(
+            "the intent",
+            client()
+                .intent(Method::POST, &format!("{base}{path}"))
+                .unwrap()
+                .send(),
+        )
+        .await
+        .unwrap_err();
+        assert!(
+            matches!(e, ClientError::RedirectNotFollowed(_)),
+            "{path}: {e:?}"
+        );
+        let text = e.to_string();
+        assert!(text.contains("may have run"), "{path}: {text}");
+        assert!(!text.contains("nothing was sent"), "{path}: {text}");
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 1, "the POST ran, once");
+    server.abort();
+}

@@ -25,8 +25,9 @@
 //! # Ok(()) }
 //! ```
 //!
-//! Retries: connection errors, timeouts, 5xx, and a 409 that is not a replay
+//! Retries: connection errors, timeouts, 5xx, a 409 that is not a replay
 //! (a request with the key still running; its `Retry-After` is honoured),
+//! and 423, 425 and 429 ("not processed, try again"; `Retry-After` honoured),
 //! but not a 500 `response-not-recorded` problem: the handler ran and the
 //! key was freed, so a retry would run it again. A
 //! replayed answer (`Idempotent-Replayed: true`), a 409 included, and every
@@ -66,6 +67,10 @@ pub struct RetryPolicy {
     /// The longest `Retry-After` honoured (default 60 s); a longer one is cut to this.
     pub max_retry_after: Duration,
     /// A timeout for each attempt, answer body included (default 30 s).
+    /// It replaces the `reqwest::Client`'s own `timeout` for every attempt
+    /// (reqwest lets a request's timeout win over its client's); `None`
+    /// leaves the client's in force, and with none there, nothing bounds an
+    /// attempt, not even the size of the answer's body.
     pub attempt_timeout: Option<Duration>,
 }
 
@@ -108,7 +113,7 @@ impl RetryPolicy {
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum ClientError {
-    /// The URL could not be parsed.
+    /// The URL could not be parsed, or its scheme is not `http` or `https`.
     #[error("invalid URL {url:?}: {reason}")]
     InvalidUrl {
         /// The URL given, without what may be secret in it (a user, a
@@ -133,9 +138,22 @@ pub enum ClientError {
     #[error("the request body could not be serialized as JSON: {0}")]
     Serialize(#[source] serde_json::Error),
     /// reqwest refused to build or send the request for a reason retrying
-    /// cannot fix (e.g. a redirect loop).
+    /// cannot fix: nothing was sent.
     #[error("the request failed and retrying cannot help: {0}")]
     Request(#[source] reqwest::Error),
+    /// The server answered with a redirect the `reqwest::Client` could not
+    /// follow (a loop, too many hops, an `https://` location without TLS in
+    /// this build). **The request itself was sent and answered, so the
+    /// operation may have run**: sending the same intent again gets the same
+    /// redirect. Build the client with `reqwest::redirect::Policy::none()`
+    /// to get the 3xx itself as the answer (with `Idempotent-Replayed` when
+    /// it is a replay), and never make a new intent for this operation.
+    #[error(
+        "the server answered with a redirect that could not be followed, so the request was \
+         sent and the operation may have run: get the redirect itself (a reqwest client with \
+         `redirect::Policy::none()`) and send the same intent, never a new one ({0})"
+    )]
+    RedirectNotFollowed(#[source] reqwest::Error),
     /// The URL is `https://`, and this build's reqwest has no TLS: nothing
     /// was sent. Enable a TLS feature of your reqwest dependency.
     #[error(
@@ -217,7 +235,11 @@ impl IdempotentResponse {
 
     /// Whether the server answered from its record (`Idempotent-Replayed:
     /// true`): the operation had already been carried out, by an earlier
-    /// attempt whose answer was lost or by a concurrent one.
+    /// attempt whose answer was lost or by a concurrent one. The headers are
+    /// those of the last answer: after a redirect the `reqwest::Client`
+    /// followed (reqwest's default), the redirected-to answer's, so a
+    /// replayed redirect reads as not replayed. A client built with
+    /// `reqwest::redirect::Policy::none()` gets the server's own answer.
     pub fn is_replayed(&self) -> bool {
         replayed(&self.headers)
     }
@@ -374,10 +396,17 @@ impl IdempotentClient {
                     "use 1 to 255 bytes of printable ASCII (e.g. a UUID)".to_owned(),
                 )
             })?;
-        let url = Url::parse(url).map_err(|e| ClientError::InvalidUrl {
+        let invalid = |reason: String| ClientError::InvalidUrl {
             url: shown_unparsed_url(url),
-            reason: e.to_string(),
-        })?;
+            reason,
+        };
+        let url = Url::parse(url).map_err(|e| invalid(e.to_string()))?;
+        // Refused here, not by reqwest at the first attempt, whose error
+        // would show the whole URL (`user:password@host` parses as a URL
+        // of scheme `user`).
+        if !matches!(url.scheme(), "http" | "https") {
+            return Err(invalid("the scheme must be http or https".to_owned()));
+        }
         Ok(Intent {
             client: self.clone(),
             method,
@@ -457,18 +486,30 @@ fn shown_url(url: &Url) -> String {
     shown.to_string()
 }
 
-/// [`shown_url`] for a URL that does not parse: the text without its query
-/// and fragment, and without a user and password before the host.
+/// [`shown_url`] for a URL that does not parse: its scheme (`http` or
+/// `https`), then what follows the last `@` (a user and password end there,
+/// and a password may hold `/`, `?` or `#`), without a query or fragment.
+/// URL parsers also take `http:/u:p@host`, `http:u:p@host` and backslashes,
+/// so nothing before the last `@` is shown, whatever separates it.
 fn shown_unparsed_url(url: &str) -> String {
-    let url = url.split(['?', '#']).next().unwrap_or_default();
-    let Some((scheme, rest)) = url.split_once("://") else {
-        return url.to_owned();
+    let (scheme, rest) = match url.split_once(':') {
+        Some((scheme, rest))
+            if scheme.eq_ignore_ascii_case("http") || scheme.eq_ignore_ascii_case("https") =>
+        {
+            (Some(scheme), rest)
+        }
+        _ => (None, url),
     };
-    let (authority, path) = rest.split_at(rest.find('/').unwrap_or(rest.len()));
-    let host = authority
+    let after_slashes = rest.trim_start_matches(['/', '\\']);
+    let slashes = &rest[..rest.len() - after_slashes.len()];
+    let host_on = after_slashes
         .rsplit_once('@')
-        .map_or(authority, |(_, host)| host);
-    format!("{scheme}://{host}{path}")
+        .map_or(after_slashes, |(_, host_on)| host_on);
+    let shown = host_on.split(['?', '#']).next().unwrap_or_default();
+    match scheme {
+        Some(scheme) => format!("{scheme}:{slashes}{shown}"),
+        None => shown.to_owned(),
+    }
 }
 
 /// Takes a URL's user, password, query and fragment out.
@@ -563,8 +604,17 @@ impl Intent {
                     let problem = problem_of(status, &headers, &body);
                     (LastAttempt::Status { status, problem }, retry_after)
                 }
+                // A redirect that could not be followed: a loop, too many
+                // hops, or TLS needed for an `http://` intent, so by a
+                // redirect's location. The request itself was answered
+                // (client hunt: a processed POST was reported as "nothing was
+                // sent"). A hop's transport failure is retried: the replayed
+                // redirect is followed again.
+                Err(e) if e.is_redirect() || (needs_tls(&e) && self.url.scheme() == "http") => {
+                    return Err(ClientError::RedirectNotFollowed(without_secrets(e)));
+                }
                 Err(e) if needs_tls(&e) => return Err(ClientError::NoTls(without_secrets(e))),
-                Err(e) if e.is_builder() || e.is_redirect() => {
+                Err(e) if e.is_builder() => {
                     return Err(ClientError::Request(without_secrets(e)));
                 }
                 Err(e) => (LastAttempt::Transport(without_secrets(e)), None),
@@ -815,5 +865,29 @@ mod tests {
         let shown = format!("{refused} {refused:?}");
         assert!(!shown.contains("SECRET"), "{shown}");
         assert!(shown.contains("http://127.0.0.1:99999/p"), "{shown}");
+    }
+
+    /// Rule 2 (client hunt): the forms URL parsers accept besides `://`,
+    /// and a password holding `/`, `?` or `#`, showed the user and password
+    /// (or part of it) in an invalid URL's error.
+    #[test]
+    fn an_unparsed_urls_user_and_password_are_never_shown() {
+        let c = IdempotentClient::default();
+        for url in [
+            "http://USER-SECRET:PW-SECRET@127.0.0.1:99999/p",
+            "http:/USER-SECRET:PW-SECRET@127.0.0.1:99999/p",
+            "http:USER-SECRET:PW-SECRET@127.0.0.1:99999/p",
+            "http:\\\\USER-SECRET:PW-SECRET@127.0.0.1:99999/p",
+            "HTTPS://USER-SECRET:PW-SECRET@127.0.0.1:99999/p",
+            "http://USER-SECRET:PW/SECRET@127.0.0.1:99999/p",
+            "http://USER-SECRET:PW?SECRET@127.0.0.1:99999/p",
+            "http://USER-SECRET:PW#SECRET@127.0.0.1:99999/p",
+            "USER-SECRET:PW-SECRET@127.0.0.1:99999/p",
+        ] {
+            let refused = c.intent(Method::POST, url).map(drop).expect_err(url);
+            let shown = format!("{refused} {refused:?}");
+            assert!(!shown.contains("SECRET"), "{url}: {shown}");
+            assert!(shown.contains("127.0.0.1:99999/p"), "{url}: {shown}");
+        }
     }
 }
