@@ -392,6 +392,14 @@ struct FinishOnDrop<'a> {
     /// The call's fingerprint (with the store's kind and the identity, what
     /// its answer is noted under while it is recorded: `unrecorded`).
     fingerprint: Option<&'a Fingerprint>,
+    /// While the reservation is in flight: this process holds an answer of
+    /// this call's request that is not recorded yet (`unrecorded::pin`).
+    /// The reservation may be a takeover that lands as the call fails or is
+    /// dropped, before it could look for that answer: the record is then
+    /// kept for the next call's takeover (its lease ended), which records
+    /// the answer, never released for a new record whose call would run the
+    /// body again (NATS hunt: the body ran twice).
+    answer_held: bool,
     /// Set while a reservation is in flight and while the call owns the record.
     armed: AtomicBool,
     /// The outcome being recorded, while its completion is under way, and
@@ -411,24 +419,13 @@ impl FinishOnDrop<'_> {
     fn arm(&self, armed: bool) {
         self.armed.store(armed, Ordering::Relaxed);
     }
-
-    /// Whether this process holds an answer of this call's request that is
-    /// not recorded yet (`unrecorded`): a record this call holds, or may
-    /// hold, is then kept for a takeover, which records that answer, never
-    /// released for a new record whose call would run the body again (NATS
-    /// hunt: a takeover whose reservation landed as it was dropped released
-    /// the record, and the next call ran the body a second time).
-    fn answer_held(&self) -> bool {
-        let request = crate::unrecorded::Request::new(self.store.name(), self.fingerprint);
-        crate::unrecorded::holds_answer(self.identity, &request)
-    }
 }
 
 impl Drop for FinishOnDrop<'_> {
     fn drop(&mut self) {
         // Cloned only when there is something to hand over: most calls end
         // disarmed, with nothing left to finish.
-        if *self.armed.get_mut() && (self.keep_for_takeover || self.answer_held()) {
+        if *self.armed.get_mut() && (self.keep_for_takeover || self.answer_held) {
             let (identity, token) = (self.identity.clone(), self.token.clone());
             tracing::info!(target: "idempotent", scope = %identity.scope, key = %identity.log_digest(),
                 "call ended without an answer; the store ends the lease of its record (if it has one), \
@@ -671,12 +668,13 @@ where
         armed: AtomicBool::new(false),
         completing: None,
         keep_for_takeover: spec.recover.is_some(),
+        answer_held: crate::unrecorded::pin(&identity, store.name(), fingerprint.as_ref()),
     };
     let reserving = Instant::now();
     let reserved = reserve_from(store, request, spec, Some(&guard.armed), reserving).await;
     if guard.armed.load(Ordering::Relaxed)
         && reserved.is_err()
-        && (guard.keep_for_takeover || guard.answer_held())
+        && (guard.keep_for_takeover || guard.answer_held)
     {
         // The reservation failed but may have landed, possibly as a takeover:
         // end its lease (fenced by this call's token; nothing if it never
@@ -689,6 +687,9 @@ where
         }
         guard.arm(false);
     }
+    // The reservation answered: a takeover looks for the answer itself, and
+    // a record this call holds is released or recorded as rule 13 and 14 say.
+    guard.answer_held = false;
     let reserved_at = Instant::now();
     crate::metrics::reserve_time(
         spec.scope,

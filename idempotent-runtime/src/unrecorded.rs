@@ -10,15 +10,19 @@
 //! answer the first run produced.
 //!
 //! So every answer is noted here, by identity, while it is being recorded
-//! and for as long as the store's worker tries it; and when its write finds
-//! the record taken over by a call that did not record it, until its time is
-//! up ([`found_taken_over`]). A call of this process that takes a record
-//! over looks here first: an answer of its key is recorded under the new
-//! owner's token and replayed, and the body does not run again. A call whose
-//! reservation may have landed and that ends without an answer (failed,
-//! dropped) keeps a record of a request answered here rather than releasing
-//! it ([`holds_answer`]), so the next call takes it over and finds the
-//! answer instead of making a new record and running the body. This holds whichever store object (a second one opened on the
+//! and for as long as the store's worker tries it. A call of this process
+//! that takes a record over looks here first: an answer of its key is
+//! recorded under the new owner's token and replayed, and the body does not
+//! run again.
+//!
+//! A call of a request answered here [`pin`]s the answer before it reserves.
+//! Should its reservation land (a takeover) as the call fails or is dropped,
+//! before it could look here, the record is kept for the next call (its
+//! lease ended), not released, and the pinned answer stays here even after
+//! its own write finds the record taken over ([`found_taken_over`]), until
+//! a takeover records it or its time is up: the next call takes the record
+//! over and finds it, instead of making a new record and running the body
+//! again (NATS hunt). This holds whichever store object (a second one opened on the
 //! same database, the HTTP layer's, a consumer's) or mode (`tx = ...`) takes
 //! the record over. A call in another process cannot see it: there the
 //! takeover is rule 20's uncertain outcome, which a `recover` hook answers.
@@ -55,6 +59,12 @@ struct Noted {
     until: Instant,
     /// A takeover of this process recorded it (under its own token).
     recorded_by_takeover: bool,
+    /// A call of this process reserved for the same request while it was
+    /// here ([`pin`]): kept after its write finds the record taken over.
+    pinned: bool,
+    /// Its write ended, finding the record taken over, and it was kept
+    /// (pinned): a takeover that records it forgets it.
+    write_ended: bool,
 }
 
 /// What identifies a request besides its identity.
@@ -114,6 +124,8 @@ pub(crate) fn note(identity: &Identity, token: &OwnerToken, request: &Request, a
         answer: answer.clone(),
         until,
         recorded_by_takeover: false,
+        pinned: false,
+        write_ended: false,
     };
     let identity = identity.clone();
     let mut answers = UNRECORDED.answers();
@@ -152,13 +164,13 @@ pub(crate) fn forget(identity: &Identity, token: &OwnerToken) -> bool {
 }
 
 /// The write of the answer `token` noted for `identity` found its record no
-/// longer its own. When a takeover of this process recorded that answer, it
-/// is forgotten, and true. Otherwise it is kept until its time is up, and
-/// false: the record's new owner may be a call of this process that has not
-/// looked here yet, or one whose reservation landed as it failed or was
-/// dropped, which kept the record for the next call ([`holds_answer`]); that
-/// call's takeover finds the answer here (NATS hunt: it was forgotten, and
-/// the next takeover ran the body again).
+/// longer its own. Whether a takeover of this process had recorded it
+/// ([`recorded_by_takeover`]). It is forgotten, unless it is [`pin`]ned and
+/// no takeover recorded it yet: then it is kept until a takeover records it
+/// or its time is up, for the record's new owner may be a call of this
+/// process whose reservation landed as it failed or was dropped, and which
+/// kept the record for the next call (NATS hunt: it was forgotten, and the
+/// next takeover ran the body again).
 pub(crate) fn found_taken_over(identity: &Identity, token: &OwnerToken) -> bool {
     if UNRECORDED.count.load(Ordering::SeqCst) == 0 {
         return false;
@@ -167,9 +179,15 @@ pub(crate) fn found_taken_over(identity: &Identity, token: &OwnerToken) -> bool 
     let Some(noted) = answers.get_mut(identity) else {
         return false;
     };
-    let before = noted.len();
-    noted.retain(|n| !(&n.token == token && n.recorded_by_takeover));
-    let recorded = noted.len() < before;
+    let mut recorded = false;
+    noted.retain_mut(|n| {
+        if &n.token != token {
+            return true;
+        }
+        recorded |= n.recorded_by_takeover;
+        n.write_ended = true;
+        n.pinned && !n.recorded_by_takeover
+    });
     if noted.is_empty() {
         answers.remove(identity);
     }
@@ -177,31 +195,58 @@ pub(crate) fn found_taken_over(identity: &Identity, token: &OwnerToken) -> bool 
     recorded
 }
 
-/// Whether this process holds an answer of `request` to `identity` that is
-/// not recorded yet: a record of that request that a call holds (or may
-/// hold) and ends without an answer is kept for a takeover, which records
-/// this answer, rather than released for a new record whose call would run
-/// the body again.
-pub(crate) fn holds_answer(identity: &Identity, request: &Request) -> bool {
+/// Called by a call of `request` to `identity` (a store of kind `store`, its
+/// arguments' `fingerprint`) before it reserves: whether this process holds
+/// an answer of that request not recorded yet, which is then kept even after
+/// its write finds the record taken over (see [`found_taken_over`]). When
+/// it does, a record the call may hold and ends without an answer is kept
+/// for the next call's takeover, which records that answer, never released
+/// for a new record whose call would run the body again. Costs one atomic
+/// read while no answer is noted.
+pub(crate) fn pin(
+    identity: &Identity,
+    store: &'static str,
+    fingerprint: Option<&crate::fingerprint::Fingerprint>,
+) -> bool {
     if UNRECORDED.count.load(Ordering::SeqCst) == 0 {
         return false;
     }
     let now = Instant::now();
-    UNRECORDED
-        .answers()
-        .get(identity)
-        .is_some_and(|noted| noted.iter().any(|n| n.until > now && &n.request == request))
+    let fingerprint = fingerprint.map(crate::fingerprint::Fingerprint::as_str);
+    let mut pinned = false;
+    if let Some(noted) = UNRECORDED.answers().get_mut(identity) {
+        for n in noted.iter_mut().filter(|n| {
+            n.until > now
+                && n.request.store == store
+                && n.request.fingerprint.as_deref() == fingerprint
+        }) {
+            n.pinned = true;
+            pinned = true;
+        }
+    }
+    pinned
 }
 
 /// A takeover recorded the answer `token` noted for `identity`: the call
 /// still writing it under `token` is told so when its write finds the record
 /// taken over ([`forget`]), instead of that its answer was lost.
 pub(crate) fn recorded_by_takeover(identity: &Identity, token: &OwnerToken) {
-    if let Some(noted) = UNRECORDED.answers().get_mut(identity) {
-        for n in noted.iter_mut().filter(|n| &n.token == token) {
+    let mut answers = UNRECORDED.answers();
+    let Some(noted) = answers.get_mut(identity) else {
+        return;
+    };
+    // One whose write has ended already (kept, pinned) has nobody left to
+    // tell: forgotten.
+    noted.retain_mut(|n| {
+        if &n.token == token {
             n.recorded_by_takeover = true;
         }
+        !(n.recorded_by_takeover && n.write_ended)
+    });
+    if noted.is_empty() {
+        answers.remove(identity);
     }
+    UNRECORDED.count.store(answers.len(), Ordering::SeqCst);
 }
 
 /// For a call of `request` that has just taken `identity`'s record over: the
@@ -319,35 +364,46 @@ mod tests {
         assert!(!forget(&id, &other), "forgotten already");
     }
 
-    /// A write that found its record taken over keeps its answer unless a
-    /// takeover of this process recorded it: the new owner may not have
-    /// looked yet, or may have kept the record for the next call.
+    /// A write that found its record taken over forgets its answer, unless
+    /// a call of the request pinned it and no takeover recorded it: then it
+    /// is kept for the next takeover (the pinning call may have kept the
+    /// record for it), and forgotten once a takeover records it.
     #[test]
-    fn an_answer_whose_record_was_taken_over_is_kept_unless_a_takeover_recorded_it() {
+    fn a_pinned_answer_whose_record_was_taken_over_is_kept_until_a_takeover_records_it() {
         let id = identity("taken-over");
         let charge = request("postgres", "v3:100");
-        let (first, second) = (OwnerToken::new(), OwnerToken::new());
-        note(&id, &first, &charge, &answer(b"1", Duration::from_secs(60)));
+        let found = || for_takeover(&id, &charge).map(|(t, _)| t);
+        let (unpinned, pinned) = (OwnerToken::new(), OwnerToken::new());
         note(
             &id,
-            &second,
+            &unpinned,
+            &charge,
+            &answer(b"1", Duration::from_secs(60)),
+        );
+        assert!(!found_taken_over(&id, &unpinned), "no takeover recorded it");
+        assert_eq!(found(), None, "not pinned: forgotten");
+
+        note(
+            &id,
+            &pinned,
             &charge,
             &answer(b"2", Duration::from_secs(60)),
         );
-        assert!(!found_taken_over(&id, &first), "no takeover recorded it");
-        assert!(holds_answer(&id, &charge), "kept for the next takeover");
-        recorded_by_takeover(&id, &second);
-        assert!(found_taken_over(&id, &second), "a takeover recorded it");
-        let found = for_takeover(&id, &charge).map(|(t, _)| t);
-        assert_eq!(
-            found,
-            Some(first.clone()),
-            "only the one a takeover recorded is forgotten"
+        let fingerprint = crate::fingerprint::Fingerprint::from_stored("v3:100".to_owned());
+        assert!(
+            !pin(&id, "postgres", None),
+            "another request (no fingerprint)"
         );
-        assert!(!holds_answer(&id, &request("postgres", "v3:200")));
-        assert!(!holds_answer(&id, &request("mysql", "v3:100")));
-        forget(&id, &first);
-        assert!(!holds_answer(&id, &charge));
+        assert!(!pin(&id, "mysql", Some(&fingerprint)), "another store kind");
+        assert!(pin(&id, "postgres", Some(&fingerprint)));
+        assert!(!found_taken_over(&id, &pinned));
+        assert_eq!(
+            found(),
+            Some(pinned.clone()),
+            "pinned: kept for the next takeover"
+        );
+        recorded_by_takeover(&id, &pinned);
+        assert_eq!(found(), None, "recorded by a takeover: forgotten");
     }
 
     #[test]

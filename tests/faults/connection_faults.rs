@@ -1033,6 +1033,59 @@ async fn dropped_takeover_of_an_answer_held(rig: &Rig) {
     rig.note("a takeover dropped as it landed kept the record; the next call recorded the answer");
 }
 
+/// Only a reservation in flight keeps the record of an answer held: a call
+/// of the same request whose reservation answered (here a fresh record,
+/// after an operator released the first) and that is dropped while its body
+/// runs releases its record, as rule 14 says (review: the record was kept
+/// with its lease ended, so a store without `end_lease_detached` kept the
+/// key blocked for a whole lease).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_dropped_in_its_body_releases_its_record_though_an_answer_is_held() {
+    if let Some(rig) =
+        Rig::postgres("a_call_dropped_in_its_body_releases_its_record_though_an_answer_is_held")
+            .await
+    {
+        run(&rig, dropped_in_the_body_with_an_answer_held(&rig)).await;
+    }
+}
+
+async fn dropped_in_the_body_with_an_answer_held(rig: &Rig) {
+    let key = rig.key("dropped-in-body");
+    rig.plan(&key, Plan::StoreDownAfterTheBody);
+    let (first, _) = rig.call(&key).await;
+    assert_store_error(&first, "store down as the body returned");
+    rig.until_lease_lapsed(&key).await;
+    let identity = rig.identity(Function::Guarded, &key);
+    rig.direct
+        .force_release(&identity, true)
+        .await
+        .expect("an operator releases the stuck record");
+    rig.plan(&key, Plan::OutliveHeartbeats(1_000));
+    let body_started = async {
+        let deadline = Instant::now() + WAIT_LIMIT;
+        while rig.runs(&key).len() < 2 {
+            assert!(Instant::now() < deadline, "the second body never started");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    };
+    tokio::select! {
+        answer = rig.call_direct(&key) => panic!("the body was to outlive the test: {answer:?}"),
+        () = body_started => {}
+    }
+    assert_eq!(
+        rig.direct.finish_background_work(WAIT_LIMIT).await,
+        0,
+        "the dropped call's record is finished"
+    );
+    let record = rig.fetch_id(&identity).await;
+    assert!(
+        record.is_none(),
+        "DESIGN rule 14: a call dropped in its body releases its record: {record:?}"
+    );
+    rig.proxy.pass_through();
+    rig.note("a call dropped in its body released its record, an answer held or not");
+}
+
 /// A transactional takeover that records the hanging call's answer and then
 /// rolls back vouches for nothing: the record is the hanging call's again,
 /// another owner (another process: here a plain reservation) takes it over

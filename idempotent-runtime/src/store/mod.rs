@@ -556,7 +556,9 @@ pub trait Store: Send + Sync {
     /// it over at once (and asks its `recover` hook). Used when a call in a
     /// scope with a hook is dropped while its reservation is in flight: the
     /// record may be a takeover of an owner that died after its side effect,
-    /// so it must not be released. Fenced by `token` like
+    /// so it must not be released. Likewise for a call of a request whose
+    /// answer this process holds unrecorded (the next takeover records it).
+    /// Fenced by `token` like
     /// [`heartbeat`](Store::heartbeat); must not depend on the caller's
     /// runtime. The default does nothing: the lease then runs out by itself
     /// (a store written before this method existed); the built-in stores
