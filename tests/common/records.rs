@@ -87,3 +87,22 @@ async fn complete(
         Fenced::Written
     );
 }
+
+/// Begins a transaction on `conn` and locks the record's row in it
+/// (PostgreSQL): a reservation of the record waits for it until the
+/// transaction ends.
+pub async fn pg_lock_row_in_transaction(conn: &mut sqlx::PgConnection, identity: &Identity) {
+    sqlx::query("BEGIN")
+        .execute(&mut *conn)
+        .await
+        .expect("begin");
+    sqlx::query(
+        "SELECT 1 FROM idempotency_records WHERE tenant = $1 AND scope = $2 AND key = $3 FOR UPDATE",
+    )
+    .bind(identity.tenant())
+    .bind(identity.scope())
+    .bind(identity.key())
+    .fetch_one(&mut *conn)
+    .await
+    .expect("lock the row");
+}

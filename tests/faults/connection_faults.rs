@@ -931,14 +931,22 @@ async fn a_takeover_dropped_as_it_lands_keeps_the_record_of_an_answer_held() {
     }
 }
 
-async fn dropped_takeover_of_an_answer_held(rig: &Rig) {
-    let key = rig.key("dropped-takeover");
+/// A call whose body ran as the store went down for longer than its lease:
+/// its record is in progress with a lapsed lease, and this process holds its
+/// answer unrecorded (the proxy stays down). Its key and the body's runs.
+async fn answer_held_unrecorded(rig: &Rig, label: &str) -> (String, Vec<String>) {
+    let key = rig.key(label);
     rig.plan(&key, Plan::StoreDownAfterTheBody);
     let (first, _) = rig.call(&key).await;
     assert_store_error(&first, "store down as the body returned");
     let runs = rig.runs(&key);
     assert_eq!(runs.len(), 1, "the body ran once");
     rig.until_lease_lapsed(&key).await;
+    (key, runs)
+}
+
+async fn dropped_takeover_of_an_answer_held(rig: &Rig) {
+    let (key, runs) = answer_held_unrecorded(rig, "dropped-takeover").await;
     let DirectPool::Postgres(pool) = &rig.direct_pool else {
         unreachable!("a PostgreSQL rig")
     };
@@ -950,19 +958,7 @@ async fn dropped_takeover_of_an_answer_held(rig: &Rig) {
         .fetch_one(&mut *locker)
         .await
         .expect("pid");
-    sqlx::query("BEGIN")
-        .execute(&mut *locker)
-        .await
-        .expect("begin");
-    sqlx::query(
-        "SELECT 1 FROM idempotency_records WHERE tenant = $1 AND scope = $2 AND key = $3 FOR UPDATE",
-    )
-    .bind(identity.tenant())
-    .bind(identity.scope())
-    .bind(identity.key())
-    .fetch_one(&mut *locker)
-    .await
-    .expect("lock the row");
+    common::records::pg_lock_row_in_transaction(&mut locker, &identity).await;
     let patient = PgStore::from_pool(pool.clone())
         .await
         .expect("store")
@@ -1050,11 +1046,7 @@ async fn a_call_dropped_in_its_body_releases_its_record_though_an_answer_is_held
 }
 
 async fn dropped_in_the_body_with_an_answer_held(rig: &Rig) {
-    let key = rig.key("dropped-in-body");
-    rig.plan(&key, Plan::StoreDownAfterTheBody);
-    let (first, _) = rig.call(&key).await;
-    assert_store_error(&first, "store down as the body returned");
-    rig.until_lease_lapsed(&key).await;
+    let (key, _) = answer_held_unrecorded(rig, "dropped-in-body").await;
     let identity = rig.identity(Function::Guarded, &key);
     rig.direct
         .force_release(&identity, true)

@@ -206,7 +206,7 @@ async fn an_in_progress_answer_after_a_lost_takeover_race_keeps_no_lock() {
         .fetch_one(&mut taker)
         .await
         .expect("pid");
-    lock_row_in_transaction(&mut taker, &identity).await;
+    crate::common::records::pg_lock_row_in_transaction(&mut taker, &identity).await;
 
     // The transactional duplicate reserves meanwhile.
     let mut duplicate = sqlx::PgConnection::connect(&pg_url())
@@ -470,7 +470,7 @@ async fn expired_record_locked_by_another_session(
         .await
         .expect("reserve");
     assert_eq!(abandoned, Reservation::FRESH);
-    lock_row_in_transaction(&mut locker, identity).await;
+    crate::common::records::pg_lock_row_in_transaction(&mut locker, identity).await;
     // Lease and retention run out on the database's clock (a plain read is
     // not blocked by the lock).
     let mut expired = false;
@@ -553,22 +553,6 @@ async fn a_transactional_call_waits_out_a_short_lock_on_an_expired_record() {
     );
     assert_eq!(runs.load(std::sync::atomic::Ordering::SeqCst), 1);
     assert!(seen_waiting, "the call waited for the lock");
-}
-
-async fn lock_row_in_transaction(conn: &mut sqlx::PgConnection, identity: &Identity) {
-    sqlx::query("BEGIN")
-        .execute(&mut *conn)
-        .await
-        .expect("begin");
-    sqlx::query(
-        "SELECT 1 FROM idempotency_records WHERE tenant = $1 AND scope = $2 AND key = $3 FOR UPDATE",
-    )
-    .bind(identity.tenant())
-    .bind(identity.scope())
-    .bind(identity.key())
-    .fetch_one(&mut *conn)
-    .await
-    .expect("lock the row");
 }
 
 /// A transactional charge whose body counts its runs.
