@@ -393,7 +393,8 @@ async fn an_https_url_without_tls_is_refused_at_once() {
 /// answered, so the operation may have run: the error says so, never
 /// "nothing was sent" (client hunt: a processed POST answered 303 to an
 /// `https://` location was reported as `NoTls`, "nothing was sent", and a
-/// redirect loop as a request reqwest refused to send).
+/// redirect loop, and one to another scheme (review), as a request reqwest
+/// refused to send).
 #[tokio::test]
 async fn a_redirect_that_cannot_be_followed_says_the_request_was_sent() {
     use axum::http::{header::LOCATION, StatusCode};
@@ -414,6 +415,15 @@ async fn a_redirect_that_cannot_be_followed_says_the_request_was_sent() {
             }),
         )
         .route(
+            "/ftp",
+            axum::routing::post(|| async {
+                (
+                    StatusCode::SEE_OTHER,
+                    [(LOCATION, "ftp://127.0.0.1:1/receipt")],
+                )
+            }),
+        )
+        .route(
             "/loop",
             axum::routing::post(|| async {
                 (StatusCode::TEMPORARY_REDIRECT, [(LOCATION, "/loop")])
@@ -422,7 +432,7 @@ async fn a_redirect_that_cannot_be_followed_says_the_request_was_sent() {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let base = format!("http://{}", listener.local_addr().unwrap());
     let server = tokio::spawn(async move { axum::serve(listener, app).await });
-    for path in ["/pay", "/loop"] {
+    for path in ["/pay", "/ftp", "/loop"] {
         let e = bounded(
             "the intent",
             client()

@@ -142,12 +142,16 @@ pub enum ClientError {
     #[error("the request failed and retrying cannot help: {0}")]
     Request(#[source] reqwest::Error),
     /// The server answered with a redirect the `reqwest::Client` could not
-    /// follow (a loop, too many hops, an `https://` location without TLS in
-    /// this build). **The request itself was sent and answered, so the
-    /// operation may have run**: sending the same intent again gets the same
-    /// redirect. Build the client with `reqwest::redirect::Policy::none()`
-    /// to get the 3xx itself as the answer (with `Idempotent-Replayed` when
-    /// it is a replay), and never make a new intent for this operation.
+    /// follow (a loop, too many hops, a location of another scheme than
+    /// http(s), an `https://` location without TLS in this build). **The
+    /// request itself was sent and answered, so the operation may have
+    /// run**: sending the same intent again gets the same redirect. Build the
+    /// client with `reqwest::redirect::Policy::none()` to get the 3xx itself
+    /// as the answer (with `Idempotent-Replayed` when it is a replay), and
+    /// never make a new intent for this operation. (An `http://` intent
+    /// through an `https://` proxy, without TLS in this build, fails the
+    /// same way before anything is sent: reqwest's error cannot tell the
+    /// two apart.)
     #[error(
         "the server answered with a redirect that could not be followed, so the request was \
          sent and the operation may have run: get the redirect itself (a reqwest client with \
@@ -486,30 +490,38 @@ fn shown_url(url: &Url) -> String {
     shown.to_string()
 }
 
-/// [`shown_url`] for a URL that does not parse: its scheme (`http` or
-/// `https`), then what follows the last `@` (a user and password end there,
-/// and a password may hold `/`, `?` or `#`), without a query or fragment.
-/// URL parsers also take `http:/u:p@host`, `http:u:p@host` and backslashes,
-/// so nothing before the last `@` is shown, whatever separates it.
+/// [`shown_url`] for a URL that does not parse (or is refused): without a
+/// query, a fragment, a user or a password. Without an `@`, there is no
+/// user or password: the text up to its query or fragment. With one, the
+/// scheme (`http` or `https`) and what follows the last `@` (a password may
+/// hold `/`, and URL parsers also take `http:/u:p@host`, `http:u:p@host`
+/// and backslashes); with a `?` or `#` as well, the scheme alone, for a
+/// password may hold those and a query an `@` (review: a query's `@`
+/// showed the rest of the query).
 fn shown_unparsed_url(url: &str) -> String {
-    let (scheme, rest) = match url.split_once(':') {
+    if !url.contains('@') {
+        return url.split(['?', '#']).next().unwrap_or_default().to_owned();
+    }
+    let scheme = match url.split_once(':') {
         Some((scheme, rest))
             if scheme.eq_ignore_ascii_case("http") || scheme.eq_ignore_ascii_case("https") =>
         {
-            (Some(scheme), rest)
+            Some((scheme, rest))
         }
-        _ => (None, url),
+        _ => None,
     };
+    let Some((scheme, rest)) = scheme else {
+        return "(not shown: it may hold a password)".to_owned();
+    };
+    if url.contains(['?', '#']) {
+        return format!("{scheme}:(the rest not shown: it may hold a password)");
+    }
     let after_slashes = rest.trim_start_matches(['/', '\\']);
     let slashes = &rest[..rest.len() - after_slashes.len()];
     let host_on = after_slashes
         .rsplit_once('@')
         .map_or(after_slashes, |(_, host_on)| host_on);
-    let shown = host_on.split(['?', '#']).next().unwrap_or_default();
-    match scheme {
-        Some(scheme) => format!("{scheme}:{slashes}{shown}"),
-        None => shown.to_owned(),
-    }
+    format!("{scheme}:{slashes}{host_on}")
 }
 
 /// Takes a URL's user, password, query and fragment out.
@@ -605,12 +617,18 @@ impl Intent {
                     (LastAttempt::Status { status, problem }, retry_after)
                 }
                 // A redirect that could not be followed: a loop, too many
-                // hops, or TLS needed for an `http://` intent, so by a
-                // redirect's location. The request itself was answered
-                // (client hunt: a processed POST was reported as "nothing was
-                // sent"). A hop's transport failure is retried: the replayed
-                // redirect is followed again.
-                Err(e) if e.is_redirect() || (needs_tls(&e) && self.url.scheme() == "http") => {
+                // hops, a location reqwest refuses (another scheme: its
+                // error names that location), or TLS needed for an `http://`
+                // intent, so by a redirect's location (or an `https://`
+                // proxy). The request itself was answered (client hunt: a
+                // processed POST was reported as "nothing was sent"). A hop's
+                // transport failure is retried: the replayed redirect is
+                // followed again.
+                Err(e)
+                    if e.is_redirect()
+                        || (e.is_builder() && e.url().is_some_and(|at| at != &self.url))
+                        || (needs_tls(&e) && self.url.scheme() == "http") =>
+                {
                     return Err(ClientError::RedirectNotFollowed(without_secrets(e)));
                 }
                 Err(e) if needs_tls(&e) => return Err(ClientError::NoTls(without_secrets(e))),
@@ -864,7 +882,7 @@ mod tests {
             .expect_err("an invalid port");
         let shown = format!("{refused} {refused:?}");
         assert!(!shown.contains("SECRET"), "{shown}");
-        assert!(shown.contains("http://127.0.0.1:99999/p"), "{shown}");
+        assert!(shown.contains("invalid URL \"http:"), "{shown}");
     }
 
     /// Rule 2 (client hunt): the forms URL parsers accept besides `://`,
@@ -880,14 +898,35 @@ mod tests {
             "http:\\\\USER-SECRET:PW-SECRET@127.0.0.1:99999/p",
             "HTTPS://USER-SECRET:PW-SECRET@127.0.0.1:99999/p",
             "http://USER-SECRET:PW/SECRET@127.0.0.1:99999/p",
-            "http://USER-SECRET:PW?SECRET@127.0.0.1:99999/p",
-            "http://USER-SECRET:PW#SECRET@127.0.0.1:99999/p",
             "USER-SECRET:PW-SECRET@127.0.0.1:99999/p",
         ] {
             let refused = c.intent(Method::POST, url).map(drop).expect_err(url);
             let shown = format!("{refused} {refused:?}");
             assert!(!shown.contains("SECRET"), "{url}: {shown}");
-            assert!(shown.contains("127.0.0.1:99999/p"), "{url}: {shown}");
         }
+        // A `?` or `#` in the password, or an `@` in the query (review: the
+        // rest of the query was shown): the scheme alone.
+        for url in [
+            "http://USER-SECRET:PW?SECRET@127.0.0.1:99999/p",
+            "http://USER-SECRET:PW#SECRET@127.0.0.1:99999/p",
+            "http://127.0.0.1:99999/hook?email=ops@example.com&token=QUERY-SECRET",
+            "http://127.0.0.1:99999/hook#a@FRAGMENT-SECRET",
+            "ftp://h/?e=a@b&token=QUERY-SECRET",
+        ] {
+            let refused = c.intent(Method::POST, url).map(drop).expect_err(url);
+            let shown = format!("{refused} {refused:?}");
+            assert!(!shown.contains("SECRET"), "{url}: {shown}");
+        }
+        let refused = c
+            .intent(
+                Method::POST,
+                "http://USER-SECRET:PW-SECRET@127.0.0.1:99999/p",
+            )
+            .map(drop)
+            .expect_err("an invalid port");
+        assert!(
+            refused.to_string().contains("http://127.0.0.1:99999/p"),
+            "{refused}"
+        );
     }
 }
