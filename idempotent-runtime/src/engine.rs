@@ -392,14 +392,14 @@ struct FinishOnDrop<'a> {
     /// The call's fingerprint (with the store's kind and the identity, what
     /// its answer is noted under while it is recorded: `unrecorded`).
     fingerprint: Option<&'a Fingerprint>,
-    /// While the reservation is in flight: this process holds an answer of
-    /// this call's request that is not recorded yet (`unrecorded::pin`).
-    /// The reservation may be a takeover that lands as the call fails or is
-    /// dropped, before it could look for that answer: the record is then
-    /// kept for the next call's takeover (its lease ended), which records
-    /// the answer, never released for a new record whose call would run the
-    /// body again (NATS hunt: the body ran twice).
-    answer_held: bool,
+    /// While the reservation is in flight: the answers of this call's
+    /// request this process has not recorded yet (`unrecorded::pin`), if
+    /// any. The reservation may be a takeover that lands as the call fails
+    /// or is dropped, before it could look for them: the record is then kept
+    /// for the next call's takeover (its lease ended), which records the
+    /// answer, never released for a new record whose call would run the body
+    /// again (NATS hunt: the body ran twice).
+    answer_held: Option<crate::unrecorded::Pin>,
     /// Set while a reservation is in flight and while the call owns the record.
     armed: AtomicBool,
     /// The outcome being recorded, while its completion is under way, and
@@ -425,7 +425,10 @@ impl Drop for FinishOnDrop<'_> {
     fn drop(&mut self) {
         // Cloned only when there is something to hand over: most calls end
         // disarmed, with nothing left to finish.
-        if *self.armed.get_mut() && (self.keep_for_takeover || self.answer_held) {
+        if *self.armed.get_mut() && (self.keep_for_takeover || self.answer_held.is_some()) {
+            if let Some(pin) = &self.answer_held {
+                pin.keep();
+            }
             let (identity, token) = (self.identity.clone(), self.token.clone());
             tracing::info!(target: "idempotent", scope = %identity.scope, key = %identity.log_digest(),
                 "call ended without an answer; the store ends the lease of its record (if it has one), \
@@ -674,22 +677,29 @@ where
     let reserved = reserve_from(store, request, spec, Some(&guard.armed), reserving).await;
     if guard.armed.load(Ordering::Relaxed)
         && reserved.is_err()
-        && (guard.keep_for_takeover || guard.answer_held)
+        && (guard.keep_for_takeover || guard.answer_held.is_some())
     {
         // The reservation failed but may have landed, possibly as a takeover:
-        // end its lease (fenced by this call's token; nothing if it never
-        // landed) so the next call takes it over at once and asks the hook,
-        // or records the answer this process holds.
-        if end_lease_logged(store, &identity, &token).await == EndedLease::NotOurs {
-            // Nothing of this token yet: a statement still in flight may land
-            // later, so the store's worker tries again.
+        // its lease is ended (fenced by this call's token; nothing if it
+        // never landed), so the next call takes it over at once and asks the
+        // hook, or records the answer this process holds.
+        if let Some(pin) = &guard.answer_held {
+            pin.keep();
+        }
+        if !guard.keep_for_takeover {
+            // For the answer alone, by the store's worker: the error is not
+            // held up by a store that is likely down (review).
+            store.end_lease_detached(identity.clone(), token.clone());
+        } else if end_lease_logged(store, &identity, &token).await == EndedLease::NotOurs {
+            // Nothing of this token yet: a statement still in flight may
+            // land later, so the store's worker tries again.
             store.end_lease_detached(identity.clone(), token.clone());
         }
         guard.arm(false);
     }
     // The reservation answered: a takeover looks for the answer itself, and
     // a record this call holds is released or recorded as rule 13 and 14 say.
-    guard.answer_held = false;
+    guard.answer_held = None;
     let reserved_at = Instant::now();
     crate::metrics::reserve_time(
         spec.scope,

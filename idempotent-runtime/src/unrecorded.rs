@@ -15,14 +15,14 @@
 //! recorded under the new owner's token and replayed, and the body does not
 //! run again.
 //!
-//! A call of a request answered here [`pin`]s the answer before it reserves.
-//! Should its reservation land (a takeover) as the call fails or is dropped,
-//! before it could look here, the record is kept for the next call (its
-//! lease ended), not released, and the pinned answer stays here even after
-//! its own write finds the record taken over ([`found_taken_over`]), until
-//! a takeover records it or its time is up: the next call takes the record
-//! over and finds it, instead of making a new record and running the body
-//! again (NATS hunt). This holds whichever store object (a second one opened on the
+//! A call of a request answered here [`pin`]s the answer while its
+//! reservation is in flight. Should the reservation land (a takeover) as the
+//! call fails or is dropped, before it could look here, the record is kept
+//! for the next call (its lease ended, [`Pin::keep`]), not released, and the
+//! answer stays here even after its own write finds the record taken over
+//! ([`found_taken_over`]), until a takeover records it or its time is up:
+//! the next call takes the record over and finds it, instead of making a new
+//! record and running the body again (NATS hunt). This holds whichever store object (a second one opened on the
 //! same database, the HTTP layer's, a consumer's) or mode (`tx = ...`) takes
 //! the record over. A call in another process cannot see it: there the
 //! takeover is rule 20's uncertain outcome, which a `recover` hook answers.
@@ -59,11 +59,15 @@ struct Noted {
     until: Instant,
     /// A takeover of this process recorded it (under its own token).
     recorded_by_takeover: bool,
-    /// A call of this process reserved for the same request while it was
-    /// here ([`pin`]): kept after its write finds the record taken over.
-    pinned: bool,
-    /// Its write ended, finding the record taken over, and it was kept
-    /// (pinned): a takeover that records it forgets it.
+    /// Calls of this process whose reservation for the same request is in
+    /// flight ([`pin`]): kept meanwhile after its write finds the record
+    /// taken over (a takeover that made it so may be about to fail).
+    pins: u32,
+    /// A call kept a record it may hold for the next takeover ([`Pin::keep`]):
+    /// kept after its write finds the record taken over.
+    kept: bool,
+    /// Its write ended, finding the record taken over, and it was kept: a
+    /// takeover that records it forgets it.
     write_ended: bool,
 }
 
@@ -124,7 +128,8 @@ pub(crate) fn note(identity: &Identity, token: &OwnerToken, request: &Request, a
         answer: answer.clone(),
         until,
         recorded_by_takeover: false,
-        pinned: false,
+        pins: 0,
+        kept: false,
         write_ended: false,
     };
     let identity = identity.clone();
@@ -165,12 +170,12 @@ pub(crate) fn forget(identity: &Identity, token: &OwnerToken) -> bool {
 
 /// The write of the answer `token` noted for `identity` found its record no
 /// longer its own. Whether a takeover of this process had recorded it
-/// ([`recorded_by_takeover`]). It is forgotten, unless it is [`pin`]ned and
-/// no takeover recorded it yet: then it is kept until a takeover records it
-/// or its time is up, for the record's new owner may be a call of this
-/// process whose reservation landed as it failed or was dropped, and which
-/// kept the record for the next call (NATS hunt: it was forgotten, and the
-/// next takeover ran the body again).
+/// ([`recorded_by_takeover`]). It is forgotten, unless no takeover recorded
+/// it and a call of its request holds a [`Pin`] on it or kept a record for
+/// it: then it is kept until a takeover records it or its time is up, for
+/// the record's new owner may be that call, whose reservation landed as it
+/// failed or was dropped (NATS hunt: it was forgotten, and the next
+/// takeover ran the body again).
 pub(crate) fn found_taken_over(identity: &Identity, token: &OwnerToken) -> bool {
     if UNRECORDED.count.load(Ordering::SeqCst) == 0 {
         return false;
@@ -186,7 +191,7 @@ pub(crate) fn found_taken_over(identity: &Identity, token: &OwnerToken) -> bool 
         }
         recorded |= n.recorded_by_takeover;
         n.write_ended = true;
-        n.pinned && !n.recorded_by_takeover
+        (n.pins > 0 || n.kept) && !n.recorded_by_takeover
     });
     if noted.is_empty() {
         answers.remove(identity);
@@ -196,35 +201,72 @@ pub(crate) fn found_taken_over(identity: &Identity, token: &OwnerToken) -> bool 
 }
 
 /// Called by a call of `request` to `identity` (a store of kind `store`, its
-/// arguments' `fingerprint`) before it reserves: whether this process holds
-/// an answer of that request not recorded yet, which is then kept even after
-/// its write finds the record taken over (see [`found_taken_over`]). When
-/// it does, a record the call may hold and ends without an answer is kept
-/// for the next call's takeover, which records that answer, never released
-/// for a new record whose call would run the body again. Costs one atomic
-/// read while no answer is noted.
+/// arguments' `fingerprint`) before it reserves: a [`Pin`] on the answers of
+/// that request this process holds unrecorded, if any, held while the
+/// reservation is in flight. Costs one atomic read while no answer is noted.
 pub(crate) fn pin(
     identity: &Identity,
     store: &'static str,
     fingerprint: Option<&crate::fingerprint::Fingerprint>,
-) -> bool {
+) -> Option<Pin> {
     if UNRECORDED.count.load(Ordering::SeqCst) == 0 {
-        return false;
+        return None;
     }
     let now = Instant::now();
     let fingerprint = fingerprint.map(crate::fingerprint::Fingerprint::as_str);
-    let mut pinned = false;
-    if let Some(noted) = UNRECORDED.answers().get_mut(identity) {
-        for n in noted.iter_mut().filter(|n| {
+    let mut answers = UNRECORDED.answers();
+    let noted = answers.get_mut(identity)?;
+    let tokens: Vec<OwnerToken> = noted
+        .iter_mut()
+        .filter(|n| {
             n.until > now
                 && n.request.store == store
                 && n.request.fingerprint.as_deref() == fingerprint
-        }) {
-            n.pinned = true;
-            pinned = true;
+        })
+        .map(|n| {
+            n.pins += 1;
+            n.token.clone()
+        })
+        .collect();
+    (!tokens.is_empty()).then(|| Pin {
+        identity: identity.clone(),
+        tokens,
+    })
+}
+
+/// A call's hold on the answers of its request this process has not
+/// recorded yet, while its reservation is in flight ([`pin`]); let go when
+/// dropped.
+#[derive(Debug)]
+pub(crate) struct Pin {
+    identity: Identity,
+    /// The tokens the pinned answers were noted under.
+    tokens: Vec<OwnerToken>,
+}
+
+impl Pin {
+    /// The call ended without an answer while its reservation may have
+    /// landed, and kept the record for the next takeover (ended its lease
+    /// instead of releasing it): the answers stay after their writes find
+    /// the record taken over, until a takeover records them or their time is
+    /// up.
+    pub(crate) fn keep(&self) {
+        self.each(|n| n.kept = true);
+    }
+
+    fn each(&self, mut change: impl FnMut(&mut Noted)) {
+        if let Some(noted) = UNRECORDED.answers().get_mut(&self.identity) {
+            for n in noted.iter_mut().filter(|n| self.tokens.contains(&n.token)) {
+                change(n);
+            }
         }
     }
-    pinned
+}
+
+impl Drop for Pin {
+    fn drop(&mut self) {
+        self.each(|n| n.pins = n.pins.saturating_sub(1));
+    }
 }
 
 /// A takeover recorded the answer `token` noted for `identity`: the call
@@ -365,44 +407,52 @@ mod tests {
     }
 
     /// A write that found its record taken over forgets its answer, unless
-    /// a call of the request pinned it and no takeover recorded it: then it
-    /// is kept for the next takeover (the pinning call may have kept the
-    /// record for it), and forgotten once a takeover records it.
+    /// a call of the request holds a pin on it (its reservation is in
+    /// flight) or kept a record for it, and no takeover recorded it: then it
+    /// is kept for the next takeover, and forgotten once one records it.
     #[test]
-    fn a_pinned_answer_whose_record_was_taken_over_is_kept_until_a_takeover_records_it() {
+    fn a_pinned_or_kept_answer_whose_record_was_taken_over_stays_until_a_takeover_records_it() {
         let id = identity("taken-over");
         let charge = request("postgres", "v3:100");
+        let fingerprint = crate::fingerprint::Fingerprint::from_stored("v3:100".to_owned());
         let found = || for_takeover(&id, &charge).map(|(t, _)| t);
-        let (unpinned, pinned) = (OwnerToken::new(), OwnerToken::new());
-        note(
-            &id,
-            &unpinned,
-            &charge,
-            &answer(b"1", Duration::from_secs(60)),
-        );
+        let noted = |payload: &[u8]| {
+            let token = OwnerToken::new();
+            note(
+                &id,
+                &token,
+                &charge,
+                &answer(payload, Duration::from_secs(60)),
+            );
+            token
+        };
+
+        let unpinned = noted(b"1");
         assert!(!found_taken_over(&id, &unpinned), "no takeover recorded it");
         assert_eq!(found(), None, "not pinned: forgotten");
 
-        note(
-            &id,
-            &pinned,
-            &charge,
-            &answer(b"2", Duration::from_secs(60)),
-        );
-        let fingerprint = crate::fingerprint::Fingerprint::from_stored("v3:100".to_owned());
+        let let_go = noted(b"2");
+        assert!(pin(&id, "postgres", None).is_none(), "another request");
         assert!(
-            !pin(&id, "postgres", None),
-            "another request (no fingerprint)"
+            pin(&id, "mysql", Some(&fingerprint)).is_none(),
+            "another kind"
         );
-        assert!(!pin(&id, "mysql", Some(&fingerprint)), "another store kind");
-        assert!(pin(&id, "postgres", Some(&fingerprint)));
-        assert!(!found_taken_over(&id, &pinned));
+        drop(pin(&id, "postgres", Some(&fingerprint)).expect("pinned"));
+        assert!(!found_taken_over(&id, &let_go));
+        assert_eq!(found(), None, "the pin was let go: forgotten");
+
+        let while_pinned = noted(b"3");
+        let pinned = pin(&id, "postgres", Some(&fingerprint)).expect("pinned");
+        assert!(!found_taken_over(&id, &while_pinned));
+        assert_eq!(found(), Some(while_pinned.clone()), "pinned: kept");
+        pinned.keep();
+        drop(pinned);
         assert_eq!(
             found(),
-            Some(pinned.clone()),
-            "pinned: kept for the next takeover"
+            Some(while_pinned.clone()),
+            "kept for the next takeover"
         );
-        recorded_by_takeover(&id, &pinned);
+        recorded_by_takeover(&id, &while_pinned);
         assert_eq!(found(), None, "recorded by a takeover: forgotten");
     }
 
