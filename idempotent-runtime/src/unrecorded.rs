@@ -265,7 +265,22 @@ impl Pin {
 
 impl Drop for Pin {
     fn drop(&mut self) {
-        self.each(|n| n.pins = n.pins.saturating_sub(1));
+        let mut answers = UNRECORDED.answers();
+        let Some(noted) = answers.get_mut(&self.identity) else {
+            return;
+        };
+        // One whose write ended while it was pinned, and that nobody kept a
+        // record for, has no use left: forgotten.
+        noted.retain_mut(|n| {
+            if self.tokens.contains(&n.token) {
+                n.pins = n.pins.saturating_sub(1);
+            }
+            !(n.write_ended && n.pins == 0 && !n.kept)
+        });
+        if noted.is_empty() {
+            answers.remove(&self.identity);
+        }
+        UNRECORDED.count.store(answers.len(), Ordering::SeqCst);
     }
 }
 
@@ -441,7 +456,14 @@ mod tests {
         assert!(!found_taken_over(&id, &let_go));
         assert_eq!(found(), None, "the pin was let go: forgotten");
 
-        let while_pinned = noted(b"3");
+        let answered_otherwise = noted(b"3");
+        let pinned = pin(&id, "postgres", Some(&fingerprint)).expect("pinned");
+        assert!(!found_taken_over(&id, &answered_otherwise));
+        assert_eq!(found(), Some(answered_otherwise), "pinned: kept");
+        drop(pinned);
+        assert_eq!(found(), None, "let go, not kept: forgotten");
+
+        let while_pinned = noted(b"4");
         let pinned = pin(&id, "postgres", Some(&fingerprint)).expect("pinned");
         assert!(!found_taken_over(&id, &while_pinned));
         assert_eq!(found(), Some(while_pinned.clone()), "pinned: kept");
