@@ -382,7 +382,8 @@ pub struct Call<'a> {
 /// * dropped while a reservation that may acquire the record is in flight, or
 ///   while the body runs: the record is released, so a retry runs again; in a
 ///   scope with a `recover` hook its lease is ended instead (see
-///   `keep_for_takeover`);
+///   `keep_for_takeover`), and so it is while the reservation is in flight
+///   when this process holds the request's answer unrecorded (see `pins`);
 /// * dropped while the result is being recorded: the body has run, so the
 ///   result is recorded (freeing the key would let a retry run it twice).
 struct FinishOnDrop<'a> {
@@ -393,13 +394,13 @@ struct FinishOnDrop<'a> {
     /// its answer is noted under while it is recorded: `unrecorded`).
     fingerprint: Option<&'a Fingerprint>,
     /// While the reservation is in flight: the answers of this call's
-    /// request this process has not recorded yet (`unrecorded::pin`), if
-    /// any. The reservation may be a takeover that lands as the call fails
-    /// or is dropped, before it could look for them: the record is then kept
-    /// for the next call's takeover (its lease ended), which records the
-    /// answer, never released for a new record whose call would run the body
-    /// again (NATS hunt: the body ran twice).
-    answer_held: Option<crate::unrecorded::Pin>,
+    /// request this process has not recorded yet, if any (`unrecorded::Pins`).
+    /// The reservation may be a takeover that lands as the call fails or is
+    /// dropped, before it could look for them: the record is then kept for
+    /// the next call's takeover (its lease ended), which records the answer,
+    /// never released for a new record whose call would run the body again
+    /// (NATS hunt: the body ran twice).
+    pins: crate::unrecorded::Pins<'a>,
     /// Set while a reservation is in flight and while the call owns the record.
     armed: AtomicBool,
     /// The outcome being recorded, while its completion is under way, and
@@ -425,10 +426,8 @@ impl Drop for FinishOnDrop<'_> {
     fn drop(&mut self) {
         // Cloned only when there is something to hand over: most calls end
         // disarmed, with nothing left to finish.
-        if *self.armed.get_mut() && (self.keep_for_takeover || self.answer_held.is_some()) {
-            if let Some(pin) = &self.answer_held {
-                pin.keep();
-            }
+        if *self.armed.get_mut() && (self.keep_for_takeover || self.pins.holds()) {
+            self.pins.keep();
             let (identity, token) = (self.identity.clone(), self.token.clone());
             tracing::info!(target: "idempotent", scope = %identity.scope, key = %identity.log_digest(),
                 "call ended without an answer; the store ends the lease of its record (if it has one), \
@@ -671,21 +670,26 @@ where
         armed: AtomicBool::new(false),
         completing: None,
         keep_for_takeover: spec.recover.is_some(),
-        answer_held: crate::unrecorded::pin(&identity, store.name(), fingerprint.as_ref()),
+        pins: crate::unrecorded::Pins::new(&identity, store.name(), fingerprint.as_ref()),
     };
     let reserving = Instant::now();
-    let reserved = reserve_from(store, request, spec, Some(&guard.armed), reserving).await;
+    let reserved = reserve_from(
+        store,
+        request,
+        spec,
+        Some((&guard.armed, &guard.pins)),
+        reserving,
+    )
+    .await;
     if guard.armed.load(Ordering::Relaxed)
         && reserved.is_err()
-        && (guard.keep_for_takeover || guard.answer_held.is_some())
+        && (guard.keep_for_takeover || guard.pins.holds())
     {
         // The reservation failed but may have landed, possibly as a takeover:
         // its lease is ended (fenced by this call's token; nothing if it
         // never landed), so the next call takes it over at once and asks the
         // hook, or records the answer this process holds.
-        if let Some(pin) = &guard.answer_held {
-            pin.keep();
-        }
+        guard.pins.keep();
         if !guard.keep_for_takeover {
             // For the answer alone, by the store's worker: the error is not
             // held up by a store that is likely down (review).
@@ -697,9 +701,11 @@ where
         }
         guard.arm(false);
     }
-    // The reservation answered: a takeover looks for the answer itself, and
-    // a record this call holds is released or recorded as rule 13 and 14 say.
-    guard.answer_held = None;
+    // The reservation answered: a record this call holds is released or
+    // recorded as rules 13 and 14 say. The pins are let go once a takeover
+    // has looked for the answer (until then an answer whose write finds the
+    // record taken over, by this very call, stays: review).
+    let pinned = guard.pins.let_go();
     let reserved_at = Instant::now();
     crate::metrics::reserve_time(
         spec.scope,
@@ -724,6 +730,7 @@ where
             crate::unrecorded::for_takeover(&identity, &request)
         })
         .flatten();
+    drop(pinned);
     let takeover = acquired.takeover(spec, &identity, known.is_some());
     if let Some(known) = known {
         let mut sink = StoreSink {
@@ -1004,7 +1011,8 @@ impl RecordSink for StoreSink<'_, '_> {
                         "this answer was recorded by the call that took its record over");
                     written = Ok(Fenced::Written);
                 }
-                // Not recorded by a takeover: kept for one (`found_taken_over`).
+                // Not recorded by a takeover: kept while a call of its request
+                // pins it or kept a record for it (`found_taken_over`).
                 // Failed: the store's worker goes on trying it.
                 _ => {}
             }
@@ -1384,10 +1392,16 @@ pub(crate) async fn reserve(
     store: impl Reserver,
     request: ReserveRequest<'_>,
     spec: &'static ScopeInfo,
-    in_flight: Option<&AtomicBool>,
+    in_flight: Option<InFlight<'_>>,
 ) -> Result<Reserved, Error> {
     reserve_from(store, request, spec, in_flight, Instant::now()).await
 }
+
+/// A store-mode call's account of its reservation statements: set while one
+/// is under way and kept set when it acquired (the call's release-on-drop
+/// guard), and the answers of its request this process holds unrecorded,
+/// pinned again before each statement.
+pub(crate) type InFlight<'a> = (&'a AtomicBool, &'a crate::unrecorded::Pins<'a>);
 
 /// [`reserve`], started at `started` (the caller's clock reading: the wait
 /// bound runs from there).
@@ -1395,11 +1409,15 @@ async fn reserve_from(
     mut store: impl Reserver,
     request: ReserveRequest<'_>,
     spec: &'static ScopeInfo,
-    in_flight: Option<&AtomicBool>,
+    in_flight: Option<InFlight<'_>>,
     started: Instant,
 ) -> Result<Reserved, Error> {
     let flight = |on: bool| {
-        if let Some(flag) = in_flight {
+        if let Some((flag, pins)) = in_flight {
+            if on {
+                // Answers noted while this call waited count too (review).
+                pins.refresh();
+            }
             flag.store(on, Ordering::Relaxed);
         }
     };

@@ -15,14 +15,16 @@
 //! recorded under the new owner's token and replayed, and the body does not
 //! run again.
 //!
-//! A call of a request answered here [`pin`]s the answer while its
-//! reservation is in flight. Should the reservation land (a takeover) as the
-//! call fails or is dropped, before it could look here, the record is kept
-//! for the next call (its lease ended, [`Pin::keep`]), not released, and the
-//! answer stays here even after its own write finds the record taken over
-//! ([`found_taken_over`]), until a takeover records it or its time is up:
-//! the next call takes the record over and finds it, instead of making a new
-//! record and running the body again (NATS hunt). This holds whichever store object (a second one opened on the
+//! A store-mode call [`Pins`] the answers of its request noted here, from
+//! before each of its reservation statements until it has looked here after
+//! the reservation answered. Meanwhile an answer whose write finds its
+//! record taken over stays here ([`found_taken_over`]): the takeover may be
+//! that call's, about to look. Should its reservation land as the call fails
+//! or is dropped, before it could look, the record is kept for the next call
+//! (its lease ended, [`Pins::keep`]), not released, and the answer stays
+//! until a takeover records it or its time is up: the next call takes the
+//! record over and finds it, instead of making a new record and running the
+//! body again (NATS hunt). This holds whichever store object (a second one opened on the
 //! same database, the HTTP layer's, a consumer's) or mode (`tx = ...`) takes
 //! the record over. A call in another process cannot see it: there the
 //! takeover is rule 20's uncertain outcome, which a `recover` hook answers.
@@ -59,15 +61,16 @@ struct Noted {
     until: Instant,
     /// A takeover of this process recorded it (under its own token).
     recorded_by_takeover: bool,
-    /// Calls of this process whose reservation for the same request is in
-    /// flight ([`pin`]): kept meanwhile after its write finds the record
-    /// taken over (a takeover that made it so may be about to fail).
+    /// Calls of this process that pin it ([`Pins`]): kept meanwhile after
+    /// its write finds the record taken over (the takeover that made it so
+    /// may be one of theirs, about to look here, or to fail).
     pins: u32,
-    /// A call kept a record it may hold for the next takeover ([`Pin::keep`]):
-    /// kept after its write finds the record taken over.
+    /// A call kept a record it may hold for the next takeover
+    /// ([`Pins::keep`]): kept after its write finds the record taken over.
     kept: bool,
     /// Its write ended, finding the record taken over, and it was kept: a
-    /// takeover that records it forgets it.
+    /// takeover that records it, or the last pin let go of it while it is
+    /// not kept, forgets it.
     write_ended: bool,
 }
 
@@ -171,11 +174,12 @@ pub(crate) fn forget(identity: &Identity, token: &OwnerToken) -> bool {
 /// The write of the answer `token` noted for `identity` found its record no
 /// longer its own. Whether a takeover of this process had recorded it
 /// ([`recorded_by_takeover`]). It is forgotten, unless no takeover recorded
-/// it and a call of its request holds a [`Pin`] on it or kept a record for
-/// it: then it is kept until a takeover records it or its time is up, for
-/// the record's new owner may be that call, whose reservation landed as it
-/// failed or was dropped (NATS hunt: it was forgotten, and the next
-/// takeover ran the body again).
+/// it and a call of its request pins it or kept a record for it ([`Pins`]):
+/// the record's new owner may be that call, about to look here, or whose
+/// reservation landed as it failed or was dropped (NATS hunt: it was
+/// forgotten, and the next takeover ran the body again). A pinned one is
+/// forgotten when the last pin lets go of it, unless kept; a kept one when
+/// a takeover records it or its time is up.
 pub(crate) fn found_taken_over(identity: &Identity, token: &OwnerToken) -> bool {
     if UNRECORDED.count.load(Ordering::SeqCst) == 0 {
         return false;
@@ -200,11 +204,10 @@ pub(crate) fn found_taken_over(identity: &Identity, token: &OwnerToken) -> bool 
     recorded
 }
 
-/// Called by a call of `request` to `identity` (a store of kind `store`, its
-/// arguments' `fingerprint`) before it reserves: a [`Pin`] on the answers of
-/// that request this process holds unrecorded, if any, held while the
-/// reservation is in flight. Costs one atomic read while no answer is noted.
-pub(crate) fn pin(
+/// Pins the answers of `request` to `identity` (a store of kind `store`,
+/// its arguments' `fingerprint`) noted by now, if any. Costs one atomic
+/// read while no answer is noted.
+fn pin(
     identity: &Identity,
     store: &'static str,
     fingerprint: Option<&crate::fingerprint::Fingerprint>,
@@ -234,9 +237,74 @@ pub(crate) fn pin(
     })
 }
 
-/// A call's hold on the answers of its request this process has not
-/// recorded yet, while its reservation is in flight ([`pin`]); let go when
-/// dropped.
+/// A store-mode call's hold on the answers of its request this process has
+/// not recorded yet: taken again before each reservation statement
+/// ([`refresh`](Self::refresh): answers noted while the call waited count
+/// too), and let go once the call has looked for them after its reservation
+/// answered ([`let_go`](Self::let_go)).
+pub(crate) struct Pins<'a> {
+    identity: &'a Identity,
+    store: &'static str,
+    fingerprint: Option<&'a crate::fingerprint::Fingerprint>,
+    /// Boxed: this is part of every store-mode call's future.
+    held: Mutex<Option<Box<Pin>>>,
+}
+
+impl<'a> Pins<'a> {
+    /// Nothing pinned yet.
+    pub(crate) fn new(
+        identity: &'a Identity,
+        store: &'static str,
+        fingerprint: Option<&'a crate::fingerprint::Fingerprint>,
+    ) -> Self {
+        Pins {
+            identity,
+            store,
+            fingerprint,
+            held: Mutex::new(None),
+        }
+    }
+
+    fn held(&self) -> MutexGuard<'_, Option<Box<Pin>>> {
+        self.held.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Before a reservation statement: pins the answers noted by now (the
+    /// new pin is taken before the old one lets go). One atomic read while
+    /// nothing is noted or pinned.
+    pub(crate) fn refresh(&self) {
+        let mut held = self.held();
+        if held.is_none() && UNRECORDED.count.load(Ordering::SeqCst) == 0 {
+            return;
+        }
+        let pinned = pin(self.identity, self.store, self.fingerprint).map(Box::new);
+        drop(std::mem::replace(&mut *held, pinned));
+    }
+
+    /// Whether an answer is pinned.
+    pub(crate) fn holds(&self) -> bool {
+        self.held().is_some()
+    }
+
+    /// The call ended without an answer while its reservation may have
+    /// landed, and keeps the record for the next takeover (ends its lease
+    /// instead of releasing it): the pinned answers stay after their writes
+    /// find the record taken over, until a takeover records them or their
+    /// time is up.
+    pub(crate) fn keep(&self) {
+        if let Some(pin) = self.held().as_ref() {
+            pin.each(|n| n.kept = true);
+        }
+    }
+
+    /// The reservation answered: the pin, to be dropped once the call has
+    /// looked for the answers (a takeover) or needs them no more.
+    pub(crate) fn let_go(&self) -> Option<Box<Pin>> {
+        self.held().take()
+    }
+}
+
+/// The pins of one reservation statement ([`Pins`]); let go when dropped.
 #[derive(Debug)]
 pub(crate) struct Pin {
     identity: Identity,
@@ -245,15 +313,6 @@ pub(crate) struct Pin {
 }
 
 impl Pin {
-    /// The call ended without an answer while its reservation may have
-    /// landed, and kept the record for the next takeover (ended its lease
-    /// instead of releasing it): the answers stay after their writes find
-    /// the record taken over, until a takeover records them or their time is
-    /// up.
-    pub(crate) fn keep(&self) {
-        self.each(|n| n.kept = true);
-    }
-
     fn each(&self, mut change: impl FnMut(&mut Noted)) {
         if let Some(noted) = UNRECORDED.answers().get_mut(&self.identity) {
             for n in noted.iter_mut().filter(|n| self.tokens.contains(&n.token)) {
@@ -286,7 +345,8 @@ impl Drop for Pin {
 
 /// A takeover recorded the answer `token` noted for `identity`: the call
 /// still writing it under `token` is told so when its write finds the record
-/// taken over ([`forget`]), instead of that its answer was lost.
+/// taken over ([`found_taken_over`]), instead of that its answer was lost;
+/// one whose write has ended already is forgotten.
 pub(crate) fn recorded_by_takeover(identity: &Identity, token: &OwnerToken) {
     let mut answers = UNRECORDED.answers();
     let Some(noted) = answers.get_mut(identity) else {
@@ -422,9 +482,10 @@ mod tests {
     }
 
     /// A write that found its record taken over forgets its answer, unless
-    /// a call of the request holds a pin on it (its reservation is in
-    /// flight) or kept a record for it, and no takeover recorded it: then it
-    /// is kept for the next takeover, and forgotten once one records it.
+    /// a call of the request pins it (its reservation is in flight, or it
+    /// has not looked yet) or kept a record for it, and no takeover recorded
+    /// it: then it is kept for the next takeover, and forgotten once one
+    /// records it, or once the last pin lets go of it while it is not kept.
     #[test]
     fn a_pinned_or_kept_answer_whose_record_was_taken_over_stays_until_a_takeover_records_it() {
         let id = identity("taken-over");
@@ -441,40 +502,47 @@ mod tests {
             );
             token
         };
+        let pins = || Pins::new(&id, "postgres", Some(&fingerprint));
 
         let unpinned = noted(b"1");
         assert!(!found_taken_over(&id, &unpinned), "no takeover recorded it");
         assert_eq!(found(), None, "not pinned: forgotten");
 
-        let let_go = noted(b"2");
-        assert!(pin(&id, "postgres", None).is_none(), "another request");
-        assert!(
-            pin(&id, "mysql", Some(&fingerprint)).is_none(),
-            "another kind"
-        );
-        drop(pin(&id, "postgres", Some(&fingerprint)).expect("pinned"));
-        assert!(!found_taken_over(&id, &let_go));
-        assert_eq!(found(), None, "the pin was let go: forgotten");
+        let other = Pins::new(&id, "mysql", Some(&fingerprint));
+        other.refresh();
+        assert!(!other.holds(), "another store kind");
+        let other = Pins::new(&id, "postgres", None);
+        other.refresh();
+        assert!(!other.holds(), "another request");
 
-        let answered_otherwise = noted(b"3");
-        let pinned = pin(&id, "postgres", Some(&fingerprint)).expect("pinned");
+        // Pinned by a call whose reservation then answered otherwise.
+        let answered_otherwise = noted(b"2");
+        let call = pins();
+        call.refresh();
+        assert!(call.holds());
         assert!(!found_taken_over(&id, &answered_otherwise));
         assert_eq!(found(), Some(answered_otherwise), "pinned: kept");
-        drop(pinned);
+        drop(call.let_go());
         assert_eq!(found(), None, "let go, not kept: forgotten");
 
-        let while_pinned = noted(b"4");
-        let pinned = pin(&id, "postgres", Some(&fingerprint)).expect("pinned");
-        assert!(!found_taken_over(&id, &while_pinned));
-        assert_eq!(found(), Some(while_pinned.clone()), "pinned: kept");
-        pinned.keep();
-        drop(pinned);
+        // Noted while a call waited: its next statement pins it (review).
+        let call = pins();
+        call.refresh();
+        assert!(!call.holds(), "nothing noted yet");
+        let while_waiting = noted(b"3");
+        call.refresh();
+        assert!(call.holds());
+        assert!(!found_taken_over(&id, &while_waiting));
+        call.refresh();
+        assert_eq!(found(), Some(while_waiting.clone()), "still pinned");
+        call.keep();
+        drop(call.let_go());
         assert_eq!(
             found(),
-            Some(while_pinned.clone()),
+            Some(while_waiting.clone()),
             "kept for the next takeover"
         );
-        recorded_by_takeover(&id, &while_pinned);
+        recorded_by_takeover(&id, &while_waiting);
         assert_eq!(found(), None, "recorded by a takeover: forgotten");
     }
 

@@ -261,8 +261,9 @@ fn start(store: &'static str, open: OpenFn) -> std::io::Result<mpsc::UnboundedSe
             } = job;
             // A completion's answer is kept for this process's takeovers
             // (`unrecorded`) until it is recorded; when its record was taken
-            // over by a call that did not record it, or the store gave up,
-            // until its time is up.
+            // over, as `found_taken_over` says (while a call of its request
+            // pins it or kept a record for it); when the store gave up, until
+            // its time is up.
             let noted =
                 matches!(work, Work::Complete(..)).then(|| (identity.clone(), token.clone()));
             let job = with_retries(store, write.clone(), identity, token, work, search_until);
