@@ -426,6 +426,10 @@ impl Drop for FinishOnDrop<'_> {
     fn drop(&mut self) {
         // Cloned only when there is something to hand over: most calls end
         // disarmed, with nothing left to finish.
+        // Answers noted since the last statement count too (review).
+        if *self.armed.get_mut() {
+            self.pins.refresh();
+        }
         if *self.armed.get_mut() && (self.keep_for_takeover || self.pins.holds()) {
             self.pins.keep();
             let (identity, token) = (self.identity.clone(), self.token.clone());
@@ -670,7 +674,7 @@ where
         armed: AtomicBool::new(false),
         completing: None,
         keep_for_takeover: spec.recover.is_some(),
-        pins: crate::unrecorded::Pins::new(&identity, store.name(), fingerprint.as_ref()),
+        pins: crate::unrecorded::Pins::for_call(&identity, store, fingerprint.as_ref()),
     };
     let reserving = Instant::now();
     let reserved = reserve_from(

@@ -38,7 +38,7 @@
 use crate::identity::Identity;
 use crate::store::{Answer, OwnerToken};
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{LazyLock, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -112,6 +112,32 @@ impl Unrecorded {
     fn answers(&self) -> MutexGuard<'_, HashMap<Identity, Vec<Noted>>> {
         self.answers.lock().unwrap_or_else(|p| p.into_inner())
     }
+}
+
+/// How often [`pin`] drops every answer past its time, besides the sweep of
+/// every [`SWEEP_EVERY`]th note: answers kept past their writes (or left by
+/// a worker that gave up) while nothing new is noted would otherwise stay,
+/// and keep every call's [`pin`] off its fast path (review).
+const SWEEP_AT_LEAST_EVERY: Duration = Duration::from_secs(60);
+
+/// When the sweep of [`pin`] is next due, in ms from [`SWEEP_ORIGIN`].
+static NEXT_SWEEP_MS: AtomicU64 = AtomicU64::new(0);
+static SWEEP_ORIGIN: LazyLock<Instant> = LazyLock::new(Instant::now);
+
+/// Drops every answer past its time, at most every [`SWEEP_AT_LEAST_EVERY`].
+fn sweep_now_and_then(answers: &mut HashMap<Identity, Vec<Noted>>, now: Instant) {
+    let at =
+        u64::try_from(now.saturating_duration_since(*SWEEP_ORIGIN).as_millis()).unwrap_or(u64::MAX);
+    if at < NEXT_SWEEP_MS.load(Ordering::Relaxed) {
+        return;
+    }
+    let every = u64::try_from(SWEEP_AT_LEAST_EVERY.as_millis()).unwrap_or(u64::MAX);
+    NEXT_SWEEP_MS.store(at.saturating_add(every), Ordering::Relaxed);
+    answers.retain(|_, noted| {
+        noted.retain(|n| n.until > now);
+        !noted.is_empty()
+    });
+    UNRECORDED.count.store(answers.len(), Ordering::SeqCst);
 }
 
 /// Notes `answer` to `request`, which the call owning `identity`'s record
@@ -218,6 +244,7 @@ fn pin(
     let now = Instant::now();
     let fingerprint = fingerprint.map(crate::fingerprint::Fingerprint::as_str);
     let mut answers = UNRECORDED.answers();
+    sweep_now_and_then(&mut answers, now);
     let noted = answers.get_mut(identity)?;
     let tokens: Vec<OwnerToken> = noted
         .iter_mut()
@@ -243,6 +270,9 @@ fn pin(
 /// too), and let go once the call has looked for them after its reservation
 /// answered ([`let_go`](Self::let_go)).
 pub(crate) struct Pins<'a> {
+    /// False for a store that keeps its records in this process's memory:
+    /// it notes nothing, so there is nothing to pin.
+    enabled: bool,
     identity: &'a Identity,
     store: &'static str,
     fingerprint: Option<&'a crate::fingerprint::Fingerprint>,
@@ -251,13 +281,26 @@ pub(crate) struct Pins<'a> {
 }
 
 impl<'a> Pins<'a> {
-    /// Nothing pinned yet.
-    pub(crate) fn new(
+    /// Nothing pinned yet; for a call through `store`.
+    pub(crate) fn for_call(
+        identity: &'a Identity,
+        store: &dyn crate::Store,
+        fingerprint: Option<&'a crate::fingerprint::Fingerprint>,
+    ) -> Self {
+        Pins {
+            enabled: !store.records_in_process_memory(),
+            ..Pins::new(identity, store.name(), fingerprint)
+        }
+    }
+
+    /// Nothing pinned yet; for a call through a store of kind `store`.
+    fn new(
         identity: &'a Identity,
         store: &'static str,
         fingerprint: Option<&'a crate::fingerprint::Fingerprint>,
     ) -> Self {
         Pins {
+            enabled: true,
             identity,
             store,
             fingerprint,
@@ -273,6 +316,9 @@ impl<'a> Pins<'a> {
     /// new pin is taken before the old one lets go). One atomic read while
     /// nothing is noted or pinned.
     pub(crate) fn refresh(&self) {
+        if !self.enabled {
+            return;
+        }
         let mut held = self.held();
         if held.is_none() && UNRECORDED.count.load(Ordering::SeqCst) == 0 {
             return;
@@ -544,6 +590,35 @@ mod tests {
         );
         recorded_by_takeover(&id, &while_waiting);
         assert_eq!(found(), None, "recorded by a takeover: forgotten");
+    }
+
+    /// Answers past their time are dropped by a call's pin now and then,
+    /// also while nothing new is noted, so the fast path comes back (review:
+    /// a kept answer stayed, and every call took the lock).
+    #[test]
+    fn answers_past_their_time_are_swept_while_nothing_is_noted() {
+        let id = identity("swept");
+        note(
+            &id,
+            &OwnerToken::new(),
+            &request("postgres", "v3:100"),
+            &answer(b"1", Duration::from_secs(60)),
+        );
+        assert!(UNRECORDED.count.load(Ordering::SeqCst) > 0);
+        let later = Instant::now() + Duration::from_secs(61);
+        sweep_now_and_then(&mut UNRECORDED.answers(), later);
+        assert_eq!(UNRECORDED.count.load(Ordering::SeqCst), 0, "swept");
+        // Not again before its period is up.
+        note(
+            &id,
+            &OwnerToken::new(),
+            &request("postgres", "v3:100"),
+            &answer(b"2", Duration::from_secs(1)),
+        );
+        sweep_now_and_then(&mut UNRECORDED.answers(), later + Duration::from_secs(2));
+        assert_eq!(UNRECORDED.count.load(Ordering::SeqCst), 1, "not due yet");
+        sweep_now_and_then(&mut UNRECORDED.answers(), later + SWEEP_AT_LEAST_EVERY);
+        assert_eq!(UNRECORDED.count.load(Ordering::SeqCst), 0, "due again");
     }
 
     #[test]
