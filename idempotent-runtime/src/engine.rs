@@ -426,7 +426,8 @@ impl Drop for FinishOnDrop<'_> {
     fn drop(&mut self) {
         // Cloned only when there is something to hand over: most calls end
         // disarmed, with nothing left to finish.
-        // Answers noted since the last statement count too (review).
+        // Answers noted since the last statement count too, while the
+        // reservation is in flight (afterwards `refresh` does nothing).
         if *self.armed.get_mut() {
             self.pins.refresh();
         }

@@ -270,9 +270,10 @@ fn pin(
 /// too), and let go once the call has looked for them after its reservation
 /// answered ([`let_go`](Self::let_go)).
 pub(crate) struct Pins<'a> {
-    /// False for a store that keeps its records in this process's memory:
-    /// it notes nothing, so there is nothing to pin.
-    enabled: bool,
+    /// False for a store that keeps its records in this process's memory
+    /// (it notes nothing, so there is nothing to pin), and once the
+    /// reservation has answered ([`let_go`](Self::let_go)).
+    enabled: std::sync::atomic::AtomicBool,
     identity: &'a Identity,
     store: &'static str,
     fingerprint: Option<&'a crate::fingerprint::Fingerprint>,
@@ -288,7 +289,7 @@ impl<'a> Pins<'a> {
         fingerprint: Option<&'a crate::fingerprint::Fingerprint>,
     ) -> Self {
         Pins {
-            enabled: !store.records_in_process_memory(),
+            enabled: (!store.records_in_process_memory()).into(),
             ..Pins::new(identity, store.name(), fingerprint)
         }
     }
@@ -300,7 +301,7 @@ impl<'a> Pins<'a> {
         fingerprint: Option<&'a crate::fingerprint::Fingerprint>,
     ) -> Self {
         Pins {
-            enabled: true,
+            enabled: true.into(),
             identity,
             store,
             fingerprint,
@@ -316,7 +317,7 @@ impl<'a> Pins<'a> {
     /// new pin is taken before the old one lets go). One atomic read while
     /// nothing is noted or pinned.
     pub(crate) fn refresh(&self) {
-        if !self.enabled {
+        if !self.enabled.load(Ordering::Relaxed) {
             return;
         }
         let mut held = self.held();
@@ -344,8 +345,10 @@ impl<'a> Pins<'a> {
     }
 
     /// The reservation answered: the pin, to be dropped once the call has
-    /// looked for the answers (a takeover) or needs them no more.
+    /// looked for the answers (a takeover) or needs them no more. Nothing is
+    /// pinned any more after this.
     pub(crate) fn let_go(&self) -> Option<Box<Pin>> {
+        self.enabled.store(false, Ordering::Relaxed);
         self.held().take()
     }
 }
