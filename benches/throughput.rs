@@ -389,6 +389,27 @@ async fn pg_pk_select(pool: &PgPool, key: &str) -> sqlx::Result<u64> {
     Ok(serde_json::from_slice(&result.unwrap_or_default()).unwrap_or(0))
 }
 
+/// The store's own reservation statement, sent by hand through the same kind
+/// of pool as the floor, for a replay of one of the annotated function's
+/// records: what the statement costs without the rest of the call.
+async fn pg_reservation_by_hand(pool: &PgPool, key: &str) -> sqlx::Result<u64> {
+    use sqlx::Row;
+    let row = sqlx::query(idempotent_runtime::store::postgres::RESERVE_STORE_SQL)
+        .bind("")
+        .bind("bench.trivial")
+        .bind(key)
+        .bind(None::<String>)
+        .bind("bench-owner")
+        .bind(30_000i64)
+        .bind(86_400_000i64)
+        .bind(100i64)
+        .fetch_one(pool)
+        .await?;
+    assert_eq!(row.try_get::<String, _>("outcome")?, "completed");
+    let result: Option<Vec<u8>> = row.try_get("result")?;
+    Ok(serde_json::from_slice(&result.unwrap_or_default()).unwrap_or(0))
+}
+
 // ---- the harness ------------------------------------------------------------------
 
 const MAX_TIME: Duration = Duration::from_secs(4);
@@ -729,6 +750,22 @@ async fn main() {
                     .await;
                     r.add(&floor, v, Some(&hand_replay));
                     r.ratio(&tag("annotated, replays"), &floor);
+                    // The store's statement alone, by hand: the statement's
+                    // share of the gap, and the rest of the call's.
+                    let by_hand = tag("the store's reservation statement by hand, replays");
+                    let p = pool.clone();
+                    let pre = format!("{run}-a{concurrency}");
+                    let v = measure(n, concurrency, move |i| {
+                        let (p, k) = (p.clone(), fresh(&pre, i % PG_REPLAY_KEYS));
+                        async move {
+                            pg_reservation_by_hand(&p, &k)
+                                .await
+                                .expect("the store's statement");
+                        }
+                    })
+                    .await;
+                    r.add(&by_hand, v, Some(&floor));
+                    r.ratio(&tag("annotated, replays"), &by_hand);
                     let same = tag("hand-written sqlx, the reserve function, replays");
                     let p = pool.clone();
                     let pre = format!("{run}-s{concurrency}");
