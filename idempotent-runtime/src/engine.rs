@@ -686,31 +686,24 @@ where
         reserving,
     )
     .await;
-    if guard.armed.load(Ordering::Relaxed)
-        && reserved.is_err()
-        && (guard.keep_for_takeover || guard.pins.holds())
-    {
+    if guard.keep_for_takeover && guard.armed.load(Ordering::Relaxed) && reserved.is_err() {
         // The reservation failed but may have landed, possibly as a takeover:
-        // its lease is ended (fenced by this call's token; nothing if it
-        // never landed), so the next call takes it over at once and asks the
-        // hook, or records the answer this process holds.
+        // end its lease (fenced by this call's token; nothing if it never
+        // landed) so the next call takes it over at once and asks the hook.
         guard.pins.keep();
-        if !guard.keep_for_takeover {
-            // For the answer alone, by the store's worker: the error is not
-            // held up by a store that is likely down (review).
-            store.end_lease_detached(identity.clone(), token.clone());
-        } else if end_lease_logged(store, &identity, &token).await == EndedLease::NotOurs {
-            // Nothing of this token yet: a statement still in flight may
-            // land later, so the store's worker tries again.
+        if end_lease_logged(store, &identity, &token).await == EndedLease::NotOurs {
+            // Nothing of this token yet: a statement still in flight may land
+            // later, so the store's worker tries again.
             store.end_lease_detached(identity.clone(), token.clone());
         }
         guard.arm(false);
     }
-    // The reservation answered: a record this call holds is released or
-    // recorded as rules 13 and 14 say. The pins are let go once a takeover
-    // has looked for the answer (until then an answer whose write finds the
-    // record taken over, by this very call, stays: review).
-    let pinned = guard.pins.let_go();
+    // Without a hook, a failed reservation that may have landed is finished
+    // by the guard as the call returns, as a dropped one is: released, or,
+    // while this process holds the request's answer unrecorded, kept for the
+    // next takeover by the store's worker (the error is not held up by a
+    // store that is likely down). One path for both, which the test of a
+    // dropped takeover covers.
     let reserved_at = Instant::now();
     crate::metrics::reserve_time(
         spec.scope,
@@ -724,6 +717,11 @@ where
         }
         Err(e) => return fail(e),
     };
+    // The reservation acquired: a record this call holds is released or
+    // recorded as rules 13 and 14 say. The pins are let go once a takeover
+    // has looked for the answer (until then an answer whose write finds the
+    // record taken over, by this very call, stays: review).
+    let pinned = guard.pins.let_go();
     if recordable(span) {
         span.record("attempt", acquired.attempt);
     }
@@ -1619,7 +1617,12 @@ async fn mismatched_record(
         Ok(None) => return MismatchedRecord::Changed,
         // The mismatch stands, but what refused it is unknown: a record
         // still running may yet be released (a store failure is never final).
-        Err(_) => return MismatchedRecord::Refused(LastMismatch::Unread),
+        Err(e) => {
+            tracing::warn!(target: "idempotent", scope = %identity.scope, key = %identity.log_digest(),
+                error = %e, "the record of a fingerprint mismatch could not be read (running or \
+                 finished?); a consumer naks the delivery");
+            return MismatchedRecord::Refused(LastMismatch::Unread);
+        }
     };
     let stored = snapshot.fingerprint.as_deref();
     let ours = fingerprints

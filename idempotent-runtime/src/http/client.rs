@@ -145,17 +145,20 @@ pub enum ClientError {
     /// follow (a loop, too many hops, a location of another scheme than
     /// http(s), an `https://` location without TLS in this build). **The
     /// request itself was sent and answered, so the operation may have
-    /// run**: sending the same intent again gets the same redirect. Build the
-    /// client with `reqwest::redirect::Policy::none()` to get the 3xx itself
-    /// as the answer (with `Idempotent-Replayed` when it is a replay), and
-    /// never make a new intent for this operation. (An `http://` intent
+    /// run**: sending the same intent again gets the same redirect. Send it
+    /// again with the same key ([`Intent::key`], then
+    /// [`IdempotentClient::intent_with_key`]) through a client built with
+    /// `reqwest::redirect::Policy::none()`, which gets the 3xx itself as the
+    /// answer (with `Idempotent-Replayed` when it is a replay); never a new
+    /// key for this operation. (An `http://` intent
     /// through an `https://` proxy, without TLS in this build, fails the
     /// same way before anything is sent: reqwest's error cannot tell the
     /// two apart.)
     #[error(
         "the server answered with a redirect that could not be followed, so the request was \
-         sent and the operation may have run: get the redirect itself (a reqwest client with \
-         `redirect::Policy::none()`) and send the same intent, never a new one ({0})"
+         sent and the operation may have run: send it again with the same key (Intent::key, \
+         intent_with_key) through a client built with `redirect::Policy::none()` to get the \
+         redirect itself, never with a new key ({0})"
     )]
     RedirectNotFollowed(#[source] reqwest::Error),
     /// The URL is `https://`, and this build's reqwest has no TLS: nothing

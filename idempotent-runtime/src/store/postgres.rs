@@ -405,9 +405,11 @@ fn millis_i64(d: Duration) -> i64 {
 /// inserted the row first) goes to `idempotency_reserve_autocommit`, which
 /// decides under the row lock.
 ///
-/// Public for the bench, which sends it by hand beside the annotated call:
-/// `$1`–`$3` tenant, scope and key, `$4` the fingerprint (or `NULL`), `$5`
-/// the owner token, `$6`/`$7` lease and ttl in ms, `$8` the lock wait in ms.
+/// Not a public API (it may change in any release): visible for the bench,
+/// which sends it by hand beside the annotated call. `$1`–`$3` tenant, scope
+/// and key, `$4` the fingerprint (or `NULL`), `$5` the owner token, `$6`/`$7`
+/// lease and ttl in ms, `$8` the lock wait in ms.
+#[doc(hidden)]
 pub const RESERVE_STORE_SQL: &str = "\
 SELECT CASE WHEN r.state IS NULL THEN
                  CASE WHEN idempotency_acquire_absent($1, $2, $3, $4, $5, $6, $7,
