@@ -902,14 +902,8 @@ mod tests {
             "HTTPS://USER-SECRET:PW-SECRET@127.0.0.1:99999/p",
             "http://USER-SECRET:PW/SECRET@127.0.0.1:99999/p",
             "USER-SECRET:PW-SECRET@127.0.0.1:99999/p",
-        ] {
-            let refused = c.intent(Method::POST, url).map(drop).expect_err(url);
-            let shown = format!("{refused} {refused:?}");
-            assert!(!shown.contains("SECRET"), "{url}: {shown}");
-        }
-        // A `?` or `#` in the password, or an `@` in the query (review: the
-        // rest of the query was shown): the scheme alone.
-        for url in [
+            // A `?` or `#` in the password, or an `@` in the query (review:
+            // the rest of the query was shown): the scheme alone.
             "http://USER-SECRET:PW?SECRET@127.0.0.1:99999/p",
             "http://USER-SECRET:PW#SECRET@127.0.0.1:99999/p",
             "http://127.0.0.1:99999/hook?email=ops@example.com&token=QUERY-SECRET",
