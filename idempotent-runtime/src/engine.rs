@@ -1001,23 +1001,17 @@ impl RecordSink for StoreSink<'_, '_> {
             }
             let answer = self.guard.completing.insert(answer);
             let mut written = store.complete(answer.completing(identity, token)).await;
-            match written {
-                Ok(Fenced::Written) if noted => {
-                    crate::unrecorded::forget(identity, token);
-                }
-                Ok(Fenced::NotOwner)
-                    if noted && crate::unrecorded::found_taken_over(identity, token) =>
-                {
-                    // Its record was taken over by a call of this process,
-                    // which recorded this very answer (`unrecorded`).
-                    tracing::info!(target: "idempotent", scope = %identity.scope, key = %identity.log_digest(),
-                        "this answer was recorded by the call that took its record over");
-                    written = Ok(Fenced::Written);
-                }
-                // Not recorded by a takeover: kept while a call of its request
-                // pins it or kept a record for it (`found_taken_over`).
-                // Failed: the store's worker goes on trying it.
-                _ => {}
+            // Failed: the store's worker goes on trying it, and answers for
+            // the note when it is done.
+            if let (true, Ok(fenced)) = (noted, &written)
+                && crate::unrecorded::write_answered(identity, token, *fenced)
+                && *fenced == Fenced::NotOwner
+            {
+                // Its record was taken over by a call of this process,
+                // which recorded this very answer (`unrecorded`).
+                tracing::info!(target: "idempotent", scope = %identity.scope, key = %identity.log_digest(),
+                    "this answer was recorded by the call that took its record over");
+                written = Ok(Fenced::Written);
             }
             let unrecorded = self.guard.completing.take();
             if let (Err(e), Some(answer)) = (&written, unrecorded) {

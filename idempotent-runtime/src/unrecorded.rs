@@ -180,6 +180,21 @@ pub(crate) fn note(identity: &Identity, token: &OwnerToken, request: &Request, a
     UNRECORDED.count.store(answers.len(), Ordering::SeqCst);
 }
 
+/// The write of the answer `token` noted for `identity` answered `written`
+/// (the call's own write, or the store's worker's last): forgets it when it
+/// was written ([`forget`]), or as [`found_taken_over`] says when the record
+/// was taken over. Whether a takeover of this process had recorded it.
+pub(crate) fn write_answered(
+    identity: &Identity,
+    token: &OwnerToken,
+    written: crate::store::Fenced,
+) -> bool {
+    match written {
+        crate::store::Fenced::Written => forget(identity, token),
+        crate::store::Fenced::NotOwner => found_taken_over(identity, token),
+    }
+}
+
 /// The answer `token` noted for `identity` is recorded: forgets it. Whether
 /// a takeover of this process had recorded it ([`recorded_by_takeover`]).
 pub(crate) fn forget(identity: &Identity, token: &OwnerToken) -> bool {

@@ -269,16 +269,8 @@ fn start(store: &'static str, open: OpenFn) -> std::io::Result<mpsc::UnboundedSe
             let job = with_retries(store, write.clone(), identity, token, work, search_until);
             running.spawn(async move {
                 let ended = job.await;
-                if let Some((identity, token)) = noted {
-                    match ended {
-                        Some(Fenced::Written) => {
-                            crate::unrecorded::forget(&identity, &token);
-                        }
-                        Some(Fenced::NotOwner) => {
-                            crate::unrecorded::found_taken_over(&identity, &token);
-                        }
-                        None => {}
-                    }
+                if let (Some((identity, token)), Some(ended)) = (noted, ended) {
+                    crate::unrecorded::write_answered(&identity, &token, ended);
                 }
                 drop(keep);
                 drop(finished);
