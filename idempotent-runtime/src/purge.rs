@@ -177,12 +177,13 @@ async fn run_of(
 /// How long [`PurgerHandle::shutdown`] lets the batch in flight run on.
 pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
 
-/// How often the background purger runs and how much it deletes per statement.
+/// How often the background purger runs and how much it deletes per batch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PurgerConfig {
     /// Time between runs (the first run starts at once). At least 1 ms.
     pub interval: Duration,
-    /// Records deleted per statement. At least 1.
+    /// Records deleted per batch (a SQL store deletes a batch in statements
+    /// of at most 500 records, each its own transaction). At least 1.
     pub batch: u32,
 }
 

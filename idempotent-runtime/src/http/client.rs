@@ -191,7 +191,8 @@ pub enum ClientError {
 #[derive(Debug)]
 #[non_exhaustive]
 pub enum LastAttempt {
-    /// The server answered with a retryable status (5xx, or a 409 that is not a replay).
+    /// The server answered with a retryable status (a 5xx other than a 500
+    /// `response-not-recorded`; or a 409, 423, 425 or 429), not a replay.
     Status {
         /// The status.
         status: StatusCode,

@@ -260,8 +260,10 @@ pub fn problem_for(error: &Error) -> Problem {
                 StatusCode::SERVICE_UNAVAILABLE,
                 STORE_UNAVAILABLE,
                 "Idempotency store unavailable",
-                "The server could not reach its idempotency store, so the request was not \
-                 processed safely. Retry later with the same Idempotency-Key.",
+                "The server's idempotency store failed while handling this request, which may \
+                 have been processed in part or in whole (the store can fail as an answer is \
+                 being recorded). Retry later with the same Idempotency-Key, never a new one: \
+                 a retry gets the answer of what was processed and processes the rest once.",
             );
             p.retry_after = Some(1);
             p
@@ -299,9 +301,9 @@ pub fn problem_for(error: &Error) -> Problem {
             StatusCode::INTERNAL_SERVER_ERROR,
             RESPONSE_NOT_RECORDED,
             "Answer could not be recorded",
-            "The server could not record its answer for this Idempotency-Key, so the key was \
-             released. This is a server problem; contact the service's operators before \
-             retrying.",
+            "The server could not record its answer for this Idempotency-Key. This is a server \
+             problem, and a retry may run the request again: contact the service's operators \
+             before retrying.",
         ),
         Error::Fingerprint { .. }
         | Error::ReplayDecoding { .. }
@@ -375,5 +377,43 @@ mod tests {
         assert!(not_final(Error::LeaseLost(context())));
         assert!(!not_final(Error::FingerprintMismatch(context())));
         assert!(!not_final(Error::InvalidKey(crate::KeyProblem::Empty)));
+    }
+
+    /// A store that failed may have failed as the answer was being recorded,
+    /// after the body ran (or after an earlier step of the handler ran): the
+    /// problem never tells the client the request was not processed, which
+    /// invites a new key and a second run (README hunt: it did).
+    #[test]
+    fn a_store_failure_never_says_the_request_was_not_processed() {
+        for operation in ["reserve", "complete", "heartbeat"] {
+            let problem = problem_for(&Error::Store(crate::StoreError::new(
+                "postgres", operation, "down",
+            )));
+            assert_eq!(problem.status, 503);
+            assert!(
+                !problem.detail.contains("not processed")
+                    && !problem.detail.contains("nothing was processed"),
+                "{operation}: {}",
+                problem.detail
+            );
+            assert!(
+                problem.detail.contains("may have been processed")
+                    && problem
+                        .detail
+                        .contains("same Idempotency-Key, never a new one"),
+                "{operation}: {}",
+                problem.detail
+            );
+        }
+        let unrecorded = problem_for(&Error::ResultTooLarge {
+            scope: "a.b".into(),
+            size: 2,
+            limit: 1,
+        });
+        assert!(
+            !unrecorded.detail.contains("released"),
+            "a recover hook's answer that cannot be recorded keeps its record: {}",
+            unrecorded.detail
+        );
     }
 }
