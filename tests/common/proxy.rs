@@ -116,6 +116,8 @@ enum TrapKind {
     CutRequest,
     CutResponse,
     Stall(Stall),
+    /// That connection goes silent for good.
+    Silence,
 }
 
 struct Trap {
@@ -322,6 +324,10 @@ impl Shared {
                         None
                     }
                     TrapKind::Stall(_) => None,
+                    TrapKind::Silence => {
+                        conn.silenced.store(true, Ordering::SeqCst);
+                        None
+                    }
                 }
             }
         }
@@ -356,6 +362,10 @@ impl Drop for Held<'_> {
 
 #[derive(Default)]
 struct Conn {
+    /// Set when a silence trap matched on this connection: it forwards
+    /// nothing more, either way, and never closes (a black-holed TCP
+    /// connection).
+    silenced: std::sync::atomic::AtomicBool,
     /// Set when this connection forwarded the request of a response-cut trap.
     cut_response: Mutex<Option<Arc<TripSignal>>>,
     /// A tripped trap waiting for the server's answer on this connection.
@@ -532,6 +542,41 @@ impl FaultProxy {
                 String::from_utf8_lossy(needle)
             ),
         )
+    }
+
+    /// Ends an outage ([`go_down`](Self::go_down)) and, at once, arms a
+    /// trap: the connection whose next client chunk contains `needle` goes
+    /// silent for good, that chunk included (nothing more is forwarded
+    /// either way, and the proxy never closes it: a frozen server, a
+    /// network black hole); every other connection passes.
+    pub fn come_back_silencing_next_request_containing(&self, needle: impl AsRef<[u8]>) -> Trip {
+        let needle = needle.as_ref();
+        let trip = {
+            let signal = Arc::new(TripSignal {
+                what: format!(
+                    "silence at the request containing {:?}",
+                    String::from_utf8_lossy(needle)
+                ),
+                seen: watch::channel(false).0,
+                cut: watch::channel(false).0,
+                settled: watch::channel(false).0,
+            });
+            let mut control = self.shared.control();
+            assert!(
+                control.trap.is_none(),
+                "fault proxy: a one-shot fault is already armed"
+            );
+            assert!(!needle.is_empty(), "fault proxy: an empty needle");
+            control.down = None;
+            control.trap = Some(Trap {
+                kind: TrapKind::Silence,
+                needle: Some(needle.to_vec()),
+                signal: signal.clone(),
+            });
+            Trip { signal }
+        };
+        self.shared.bump();
+        trip
     }
 
     /// An outage until [`pass_through`](Self::pass_through): every client
@@ -711,6 +756,16 @@ async fn pump(
             signal.cut.send_replace(true);
             shared.bump();
             return PumpEnd::Broken;
+        }
+        if conn.silenced.load(Ordering::SeqCst) {
+            let _held = Held::new(
+                shared,
+                match direction {
+                    Direction::ToServer => &shared.counters.held_to_server,
+                    Direction::ToClient => &shared.counters.held_to_client,
+                },
+            );
+            std::future::pending::<()>().await;
         }
         shared.hold_while_stalled(direction).await;
         let delay = shared.control().delay;

@@ -680,6 +680,7 @@ on_both_servers!(
     outage_outlasting_the_lease_retried_in_a_transaction,
     an_unrecorded_answer_never_answers_another_request,
     completion_hanging_past_the_lease,
+    worker_write_on_a_connection_gone_silent,
     dropped_while_reservation_answer_stalled,
     dropped_while_reservation_request_stalled,
     slow_connection,
@@ -866,6 +867,50 @@ async fn after_an_outage_outlasting_the_lease(rig: &Rig, retry: Retry) {
     rig.note(format!(
         "store down past the lease after the body → the retry ({retry:?}) recorded the answer and replayed it"
     ));
+}
+
+/// The store went down as the body returned, and its worker goes on
+/// recording the answer. As the store comes back, the connection the
+/// worker's write goes out on goes silent for good (a frozen server that
+/// still acknowledges packets, a network black hole), while new connections
+/// work. The attempt is given up after its bound, its connection closed, and
+/// the next attempt, on a new connection, records the answer (unrecorded-
+/// answers hunt: the worker waited on the silent connection for as long as
+/// TCP kept it, unlogged, its retries with it, and the record's lease ran
+/// out with the database reachable).
+async fn worker_write_on_a_connection_gone_silent(rig: &Rig) {
+    let key = rig.key("silent-worker");
+    rig.plan(&key, Plan::StoreDownAfterTheBody);
+    let (first, _) = rig.call(&key).await;
+    assert_store_error(&first, "store down as the body returned");
+    let runs = rig.runs(&key);
+    assert_eq!(runs.len(), 1, "the body ran once");
+    // The answer crosses the wire verbatim: it picks out the worker's write.
+    let silenced = rig
+        .proxy
+        .come_back_silencing_next_request_containing(&runs[0]);
+    silenced.request_seen().await;
+    assert_eq!(
+        rig.store
+            .finish_background_work(Duration::from_secs(120))
+            .await,
+        0,
+        "the worker's write on a silent connection was never given up and tried again"
+    );
+    let record = rig
+        .fetch(Function::Guarded, &key)
+        .await
+        .expect("the record");
+    assert_eq!(
+        record.state,
+        RecordState::Complete,
+        "the worker recorded the answer on a new connection: {record:?}"
+    );
+    let (retry, outcome) = rig.call(&key).await;
+    assert_eq!(retry.expect("the retry"), runs[0]);
+    assert_eq!(outcome, Some(Outcome::Replayed));
+    assert_eq!(rig.runs(&key), runs, "the body ran once");
+    rig.note("the worker's write on a silent connection was given up and recorded on a new one");
 }
 
 /// An answer this process could not record answers only its own request:

@@ -68,6 +68,19 @@ pub(crate) const LONGEST_SEARCH: Duration = Duration::from_secs(600);
 /// Bounded by the record's ttl too.
 pub(crate) const COMPLETE_TRIED_FOR: Duration = Duration::from_secs(3600);
 
+/// How long one attempt of a database server's worker may go unanswered
+/// (besides the lock waits its store allows, [`Detached::statements_land_within`])
+/// before it is given up as failed, its connection closed, and tried again on
+/// a new one. A connection that went silent (a frozen server that still
+/// acknowledges packets, a network black hole) otherwise held the attempt,
+/// and with it the worker's retries, for as long as TCP kept the connection:
+/// minutes to for ever, unlogged, with the record's lease running out and
+/// two such attempts filling the worker's pool (unrecorded-answers hunt). A
+/// statement given up may still land later; every write is fenced by its
+/// owner token, so a late one changes nothing the next attempt did not.
+#[cfg(any(feature = "postgres", feature = "mysql", test))]
+pub(crate) const ATTEMPT_ANSWERS_WITHIN: Duration = Duration::from_secs(20);
+
 /// What the worker does for one dropped call.
 #[derive(Debug, Clone)]
 pub(crate) enum Work {
@@ -103,6 +116,11 @@ pub(crate) struct Detached {
     /// call was dropped (its lock waits): a release or an end of lease
     /// that finds nothing is tried again for at least this long.
     lands_within_ms: std::sync::atomic::AtomicU64,
+    /// How long an attempt may go unanswered, besides those lock waits,
+    /// before it is given up and tried again ([`ATTEMPT_ANSWERS_WITHIN`] for
+    /// a database server's worker); `None`: no bound (SQLite, whose busy
+    /// timeout bounds every write and whose connections cannot go silent).
+    attempt_limit: Option<Duration>,
 }
 
 /// How many handed-over jobs are not finished yet, and a wake-up for
@@ -137,6 +155,8 @@ struct Job {
     /// A release or an end of lease that finds nothing is tried again until
     /// then (the real clock: the caller's runtime may have paused its own).
     search_until: std::time::Instant,
+    /// How long one attempt may go unanswered (`None`: no bound).
+    answers_within: Option<Duration>,
     finished: Finished,
 }
 
@@ -161,7 +181,17 @@ impl Detached {
             state: Mutex::new(State::Idle(Some(open))),
             unfinished: Arc::default(),
             lands_within_ms: std::sync::atomic::AtomicU64::new(0),
+            attempt_limit: None,
         }
+    }
+
+    /// An attempt unanswered for `limit` (plus the lock waits the store
+    /// allows) is given up as failed and tried again: for a worker whose
+    /// connections can go silent (a database server's).
+    #[cfg(any(feature = "postgres", feature = "mysql"))]
+    pub(crate) fn with_attempt_limit(mut self, limit: Duration) -> Self {
+        self.attempt_limit = Some(limit);
+        self
     }
 
     /// Says that a reservation statement of the store may land as late as
@@ -228,6 +258,7 @@ impl Detached {
             work,
             keep,
             search_until: std::time::Instant::now() + lands_within,
+            answers_within: self.attempt_limit.map(|limit| limit + lands_within),
             finished: Finished(self.unfinished.clone()),
         };
         let sent = match &*state {
@@ -257,6 +288,7 @@ fn start(store: &'static str, open: OpenFn) -> std::io::Result<mpsc::UnboundedSe
                 work,
                 keep,
                 search_until,
+                answers_within,
                 finished,
             } = job;
             // A completion's answer is kept for this process's takeovers
@@ -266,7 +298,14 @@ fn start(store: &'static str, open: OpenFn) -> std::io::Result<mpsc::UnboundedSe
             // its time is up.
             let noted =
                 matches!(work, Work::Complete(..)).then(|| (identity.clone(), token.clone()));
-            let job = with_retries(store, write.clone(), identity, token, work, search_until);
+            let job = with_retries(
+                store,
+                write.clone(),
+                identity,
+                token,
+                work,
+                (search_until, answers_within),
+            );
             running.spawn(async move {
                 let ended = job.await;
                 if let (Some((identity, token)), Some(ended)) = (noted, ended) {
@@ -299,15 +338,16 @@ pub(crate) fn spawn_with_runtime(
     Ok(())
 }
 
-/// Does `work`, trying again on failure; what its last write found
-/// (`None`: it gave up, or a release or an end of lease found nothing).
+/// Does `work`, trying again on failure (an attempt unanswered within
+/// `answers_within` too); what its last write found (`None`: it gave up, or
+/// a release or an end of lease found nothing).
 async fn with_retries(
     store: &'static str,
     write: WriteFn,
     identity: Identity,
     token: OwnerToken,
     work: Work,
-    search_until: std::time::Instant,
+    (search_until, answers_within): (std::time::Instant, Option<Duration>),
 ) -> Option<Fenced> {
     let mut last_error = None;
     // A completion goes on being tried after the schedule while it fails.
@@ -345,7 +385,24 @@ async fn with_retries(
         // the lease runs out and a retry runs the body again.
         tokio::time::sleep_until(attempt_started + pause).await;
         attempt_started = tokio::time::Instant::now();
-        match write(identity.clone(), token.clone(), work.clone()).await {
+        let attempt = write(identity.clone(), token.clone(), work.clone());
+        let answered = match answers_within {
+            // Given up: dropping the attempt closes its connection.
+            Some(limit) => tokio::time::timeout(limit, attempt)
+                .await
+                .unwrap_or_else(|_| {
+                    Err(StoreError::new(
+                        store,
+                        work.name(),
+                        format!(
+                            "no answer within {} s; its connection was closed",
+                            limit.as_secs()
+                        ),
+                    ))
+                }),
+            None => attempt.await,
+        };
+        match answered {
             Ok(Fenced::Written) => {
                 tracing::info!(target: "idempotent", store, scope = %identity.scope,
                     key = %identity.key_digest(), work = work.name(), "finished a dropped call's record");
@@ -545,7 +602,7 @@ mod tests {
             id,
             OwnerToken::new(),
             Work::Complete(answer),
-            far,
+            (far, None),
         )
         .await;
         let started = started.lock().unwrap_or_else(|p| p.into_inner()).clone();
@@ -559,6 +616,59 @@ mod tests {
         assert!(
             gaps[2..].iter().all(|gap| *gap == LOCK_WAIT),
             "each attempt after a lock wait starts when the one before ends: {gaps:?}"
+        );
+    }
+
+    /// An attempt on a connection that went silent is given up after its
+    /// bound (dropped, which closes the connection), logged as failed and
+    /// tried again: it held the worker for as long as TCP kept the
+    /// connection (unrecorded-answers hunt).
+    #[tokio::test(start_paused = true)]
+    async fn an_attempt_that_never_answers_is_given_up_and_tried_again() {
+        struct DroppedFlag(Arc<AtomicUsize>);
+        impl Drop for DroppedFlag {
+            fn drop(&mut self) {
+                self.0.fetch_add(1, Ordering::SeqCst);
+            }
+        }
+        let (attempts, dropped) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+        let (counted, seen_dropped) = (attempts.clone(), dropped.clone());
+        let write: WriteFn = Arc::new(move |_, _, _| {
+            let first = counted.fetch_add(1, Ordering::SeqCst) == 0;
+            let flag = DroppedFlag(seen_dropped.clone());
+            Box::pin(async move {
+                let _flag = flag;
+                if first {
+                    std::future::pending::<()>().await;
+                }
+                Ok(Fenced::Written)
+            })
+        });
+        let id = Identity::new("t", "releaser.test", "silent").expect("identity");
+        let answer = crate::store::Answer {
+            outcome: crate::store::StoredOutcome {
+                is_error: false,
+                payload: b"1".to_vec(),
+            },
+            ttl: Duration::from_secs(3600),
+            by: crate::store::AnsweredBy::Body,
+        };
+        let far = std::time::Instant::now() + Duration::from_secs(3600);
+        let ended = with_retries(
+            "test",
+            write,
+            id,
+            OwnerToken::new(),
+            Work::Complete(answer),
+            (far, Some(ATTEMPT_ANSWERS_WITHIN)),
+        )
+        .await;
+        assert_eq!(ended, Some(Fenced::Written), "recorded by the next attempt");
+        assert_eq!(attempts.load(Ordering::SeqCst), 2);
+        assert_eq!(
+            dropped.load(Ordering::SeqCst),
+            2,
+            "the silent attempt was dropped (closing its connection)"
         );
     }
 
@@ -582,7 +692,7 @@ mod tests {
             id,
             OwnerToken::new(),
             Work::Release,
-            std::time::Instant::now(),
+            (std::time::Instant::now(), None),
         )
         .await;
         assert_eq!(

@@ -246,6 +246,7 @@ pub(crate) fn background_worker<DB: Database>(
             })
         }),
     )
+    .with_attempt_limit(super::detached::ATTEMPT_ANSWERS_WITHIN)
 }
 
 /// A pooled connection for a store statement, handed back to the pool only
