@@ -548,7 +548,10 @@ impl FaultProxy {
     /// trap: the connection whose next client chunk contains `needle` goes
     /// silent for good, that chunk included (nothing more is forwarded
     /// either way, and the proxy never closes it: a frozen server, a
-    /// network black hole); every other connection passes.
+    /// network black hole); every other connection passes. Its trip is
+    /// seen ([`Trip::request_seen`]) but never settled (the server never
+    /// answers it), and its held chunks count as stalled ones
+    /// (`held_to_server`, `held_to_client`, `stalled_chunks`).
     pub fn come_back_silencing_next_request_containing(&self, needle: impl AsRef<[u8]>) -> Trip {
         let needle = needle.as_ref();
         let trip = {

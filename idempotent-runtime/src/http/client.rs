@@ -28,11 +28,13 @@
 //! Retries: connection errors, timeouts, 5xx, a 409 that is not a replay
 //! (a request with the key still running; its `Retry-After` is honoured),
 //! and 423, 425 and 429 ("not processed, try again"; `Retry-After` honoured),
-//! but not a 500 `response-not-recorded` problem: the handler ran and the
-//! key was freed, so a retry would run it again. A
+//! but not a 500 `response-not-recorded` problem: the handler ran and its
+//! answer could not be recorded, so a retry may run it again. A
 //! replayed answer (`Idempotent-Replayed: true`), a 409 included, and every
-//! other 4xx are final and returned as they are: a handler's own 409 costs
-//! one retry, which comes back replayed. Backoff is
+//! other 4xx are final and returned as they are. A handler's own 409 is
+//! retried like the framework's: behind a layer that records it, the retry
+//! comes back replayed and final; from a server that does not, every attempt
+//! is spent. Backoff is
 //! exponential with jitter, bounded by [`RetryPolicy`].
 //!
 //! The client sends no TLS of its own: `idempotent-runtime` depends on
@@ -300,8 +302,8 @@ fn replayed(headers: &HeaderMap) -> bool {
 }
 
 /// A 500 saying the handler ran but its answer could not be recorded
-/// (`response-not-recorded`): the layer freed the key, so a retry would run
-/// the handler again. Final, like a 4xx.
+/// (`response-not-recorded`): a retry may run the handler again. Final, like
+/// a 4xx.
 fn handler_ran_unrecorded(status: StatusCode, headers: &HeaderMap, body: &[u8]) -> bool {
     problem_of(status, headers, body)
         .is_some_and(|p| p.problem_type == super::problem::types::RESPONSE_NOT_RECORDED)

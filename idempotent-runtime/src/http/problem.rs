@@ -247,8 +247,8 @@ pub fn problem_for(error: &Error) -> Problem {
                 RECORDED_BY_NEWER_VERSION,
                 "Request not processed; retry",
                 "This Idempotency-Key's request was recorded by a newer version of the server, \
-                 which this instance cannot compare the request with, so nothing was processed. \
-                 Retry the same request with the same key shortly.",
+                 which this instance cannot compare the request with, so it was not processed \
+                 here. Retry the same request with the same key shortly, never with a new key.",
             );
             p.retry_after = Some(1);
             p
@@ -263,7 +263,7 @@ pub fn problem_for(error: &Error) -> Problem {
                 "The server's idempotency store failed while handling this request, which may \
                  have been processed in part or in whole (the store can fail as an answer is \
                  being recorded). Retry later with the same Idempotency-Key, never a new one: \
-                 a retry gets the answer of what was processed and processes the rest once.",
+                 what the server recorded is answered from its record, not done again.",
             );
             p.retry_after = Some(1);
             p
@@ -277,8 +277,8 @@ pub fn problem_for(error: &Error) -> Problem {
                 STORE_UNAVAILABLE,
                 "Request not processed; retry",
                 "The server's transaction could not take this request's record (another request \
-                 with this Idempotency-Key may be running), so nothing was processed. Retry the \
-                 same request with the same key shortly.",
+                 with this Idempotency-Key may be running), so it was not processed here. Retry \
+                 the same request with the same key shortly, never with a new key.",
             );
             p.retry_after = Some(1);
             p
@@ -403,6 +403,29 @@ mod tests {
                         .contains("same Idempotency-Key, never a new one"),
                 "{operation}: {}",
                 problem.detail
+            );
+        }
+        // Nor do the other answers that say "send it again": one may come
+        // from a later step of a handler whose earlier steps ran.
+        let again = [
+            Error::StaleSnapshot {
+                scope: "a.b".into(),
+                store: "postgres",
+            },
+            Error::RecordedByNewerVersion {
+                context: RecordContext {
+                    scope: "a.b".into(),
+                    key_digest: "0".into(),
+                },
+                version: "v9".into(),
+            },
+        ];
+        for e in again {
+            let detail = problem_for(&e).detail;
+            assert!(
+                !detail.contains("nothing was processed")
+                    && detail.contains("never with a new key"),
+                "{detail}"
             );
         }
         let unrecorded = problem_for(&Error::ResultTooLarge {

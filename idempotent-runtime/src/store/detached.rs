@@ -27,6 +27,10 @@
 //! that, every few seconds, for as long as the record's ttl (at most
 //! [`COMPLETE_TRIED_FOR`]), until it lands or finds the record taken over.
 //!
+//! An attempt a database server leaves unanswered for
+//! [`ATTEMPT_ANSWERS_WITHIN`] (a connection gone silent) is given up, its
+//! connection closed, and tried again on a new one.
+//!
 //! Work that cannot be done is logged and counted (`release_failures`); the
 //! lease bounds the damage.
 
@@ -69,9 +73,11 @@ pub(crate) const LONGEST_SEARCH: Duration = Duration::from_secs(600);
 pub(crate) const COMPLETE_TRIED_FOR: Duration = Duration::from_secs(3600);
 
 /// How long one attempt of a database server's worker may go unanswered
-/// (besides the lock waits its store allows, [`Detached::statements_land_within`])
 /// before it is given up as failed, its connection closed, and tried again on
-/// a new one. A connection that went silent (a frozen server that still
+/// a new one (PostgreSQL ends the worker's lock waits at 10 s, under this;
+/// MySQL/MariaDB at `innodb_lock_wait_timeout`, 50 s by default: a longer
+/// wait is cut here and sent again behind the statement it left, which the
+/// server ends at that timeout). A connection that went silent (a frozen server that still
 /// acknowledges packets, a network black hole) otherwise held the attempt,
 /// and with it the worker's retries, for as long as TCP kept the connection:
 /// minutes to for ever, unlogged, with the record's lease running out and
@@ -116,8 +122,8 @@ pub(crate) struct Detached {
     /// call was dropped (its lock waits): a release or an end of lease
     /// that finds nothing is tried again for at least this long.
     lands_within_ms: std::sync::atomic::AtomicU64,
-    /// How long an attempt may go unanswered, besides those lock waits,
-    /// before it is given up and tried again ([`ATTEMPT_ANSWERS_WITHIN`] for
+    /// How long an attempt may go unanswered before it is given up and
+    /// tried again ([`ATTEMPT_ANSWERS_WITHIN`] for
     /// a database server's worker); `None`: no bound (SQLite, whose busy
     /// timeout bounds every write and whose connections cannot go silent).
     attempt_limit: Option<Duration>,
@@ -185,9 +191,9 @@ impl Detached {
         }
     }
 
-    /// An attempt unanswered for `limit` (plus the lock waits the store
-    /// allows) is given up as failed and tried again: for a worker whose
-    /// connections can go silent (a database server's).
+    /// An attempt unanswered for `limit` is given up as failed and tried
+    /// again: for a worker whose connections can go silent (a database
+    /// server's).
     #[cfg(any(feature = "postgres", feature = "mysql"))]
     pub(crate) fn with_attempt_limit(mut self, limit: Duration) -> Self {
         self.attempt_limit = Some(limit);
@@ -258,7 +264,7 @@ impl Detached {
             work,
             keep,
             search_until: std::time::Instant::now() + lands_within,
-            answers_within: self.attempt_limit.map(|limit| limit + lands_within),
+            answers_within: self.attempt_limit,
             finished: Finished(self.unfinished.clone()),
         };
         let sent = match &*state {

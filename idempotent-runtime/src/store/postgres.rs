@@ -217,12 +217,21 @@ macro_rules! in_own_transaction {
     }};
 }
 
+/// How long a statement of the store's worker waits for a row lock, in ms:
+/// under its bound on an attempt (`detached::ATTEMPT_ANSWERS_WITHIN`).
+const WORKER_LOCK_TIMEOUT_MS: &str = "10000";
+
 /// The worker that finishes dropped calls' records with the store's fenced
 /// writes (module `server`).
 fn background_worker(pool: &PgPool) -> detached::Detached {
     server::background_worker(
         STORE,
         pool,
+        // A worker's statement that waits for a row lock (a transaction that
+        // took the record over holds it) is ended by the server, within the
+        // worker's bound on an attempt: cut by the worker instead, the
+        // statement would go on waiting on the server, one more per attempt.
+        |options| options.options([("lock_timeout", WORKER_LOCK_TIMEOUT_MS)]),
         |pool, identity, token| {
             Box::pin(async move {
                 in_own_transaction!(&pool, "release", |conn| release_with(
