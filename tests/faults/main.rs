@@ -11,6 +11,7 @@ mod common;
 mod cancellation;
 mod connection_faults;
 mod executors;
+mod held_answers;
 mod mysql_faults;
 mod mysql_wire;
 mod postgres_faults;

@@ -904,6 +904,8 @@ mod tests {
             "http:\\\\USER-SECRET:PW-SECRET@127.0.0.1:99999/p",
             "HTTPS://USER-SECRET:PW-SECRET@127.0.0.1:99999/p",
             "http://USER-SECRET:PW/SECRET@127.0.0.1:99999/p",
+            // A raw `@` in the password: what follows the *last* one.
+            "http://USER-SECRET:PW@SECRET@127.0.0.1:99999/p",
             "USER-SECRET:PW-SECRET@127.0.0.1:99999/p",
             // A `?` or `#` in the password, or an `@` in the query (review:
             // the rest of the query was shown): the scheme alone.

@@ -712,6 +712,48 @@ mod tests {
         );
     }
 
+    /// A completion the worker recorded is forgotten by `unrecorded`: the
+    /// worker says how its write ended (`write_answered`).
+    #[test]
+    fn a_completion_the_worker_recorded_is_no_longer_held_unrecorded() {
+        let detached = Detached::new(
+            "test",
+            Box::new(|| Arc::new(|_, _, _| Box::pin(async { Ok(Fenced::Written) }))),
+        );
+        let id = Identity::new("t", "releaser.test", "recorded-by-the-worker").expect("identity");
+        let (token, request) = (
+            OwnerToken::new(),
+            crate::unrecorded::Request {
+                store: "test",
+                fingerprint: Some("v3:recorded-by-the-worker".into()),
+            },
+        );
+        let answer = crate::store::Answer {
+            outcome: crate::store::StoredOutcome {
+                is_error: false,
+                payload: b"1".to_vec(),
+            },
+            ttl: Duration::from_secs(3600),
+            by: crate::store::AnsweredBy::Body,
+        };
+        crate::unrecorded::note(&id, &token, &request, &answer);
+        assert!(crate::unrecorded::for_takeover(&id, &request).is_some());
+        detached.hand_over(id.clone(), token, Work::Complete(answer), None);
+        let caller = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .expect("runtime");
+        let left = caller.block_on(detached.finish_within(Duration::from_secs(30)));
+        assert_eq!(left, 0);
+        // Kept, it would answer a later record of the request (after an
+        // operator's release, say) with a stale copy, and keep every call's
+        // pin off its fast path for up to an hour (mutation audit).
+        assert!(
+            crate::unrecorded::for_takeover(&id, &request).is_none(),
+            "the worker's recorded answer is forgotten"
+        );
+    }
+
     /// `finish_within` counts the work not yet done: a job held up counts as
     /// unfinished when the wait ends, and once it is done the wait returns 0.
     #[test]

@@ -1,0 +1,315 @@
+//! The windows in which an answer this process holds unrecorded must stay
+//! pinned (`unrecorded::Pins`): the first call's write finds its record taken
+//! over *while* the takeover's reservation statement is in flight, or as it
+//! lands and fails or is dropped. The database tests of `connection_faults`
+//! reach only the cases where that write ends after the takeover looked;
+//! these use a hooked store (the memory store behind interceptors that
+//! order the statements, no database) so the order is certain. The waits for
+//! a lease to run out are the only waits on time. Found by a mutation audit:
+//! pinning only at drop time, letting go before looking, no refresh at drop
+//! time and no keep on a failed takeover in a hook scope each ran the body
+//! twice with every other test passing.
+use crate::common::hooked::{Hooked, Intercept};
+use idempotent_runtime::{
+    idempotent, with_outcome, Completion, Error, Fenced, Identity, MemoryStore, Outcome,
+    OwnerToken, Reservation, ReserveRequest, Store, StoreError,
+};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+use tokio::sync::Notify;
+
+const LIMIT: Duration = Duration::from_secs(10);
+
+// ---- 1: a write that finds the record taken over before the takeover looks
+
+static RUNS_1: AtomicUsize = AtomicUsize::new(0);
+
+#[idempotent(scope = "audit.held.look", key = key, tenant = shared, store = store,
+             in_progress = reject, lease = "300ms")]
+async fn look(store: &dyn Store, key: &str) -> Result<u32, Error> {
+    RUNS_1.fetch_add(1, Ordering::SeqCst);
+    Ok(7)
+}
+
+#[derive(Default)]
+struct WriteLandsBeforeTheLook {
+    completes: AtomicUsize,
+    reserves: AtomicUsize,
+    writing: Notify,
+    go: Notify,
+    written: Notify,
+}
+
+#[async_trait::async_trait]
+impl Intercept for WriteLandsBeforeTheLook {
+    async fn reserve(
+        &self,
+        inner: &MemoryStore,
+        r: ReserveRequest<'_>,
+    ) -> Result<Reservation, StoreError> {
+        let n = self.reserves.fetch_add(1, Ordering::SeqCst);
+        let answer = inner.reserve(r).await;
+        if n == 1 {
+            assert!(
+                matches!(
+                    answer,
+                    Ok(Reservation::Acquired {
+                        took_over: true,
+                        ..
+                    })
+                ),
+                "{answer:?}"
+            );
+            // The first call's hanging write finds the record taken over
+            // before this takeover's answer reaches its call.
+            self.go.notify_one();
+            self.written.notified().await;
+        }
+        answer
+    }
+    async fn complete(&self, inner: &MemoryStore, c: Completion<'_>) -> Result<Fenced, StoreError> {
+        if self.completes.fetch_add(1, Ordering::SeqCst) == 0 {
+            self.writing.notify_one();
+            self.go.notified().await;
+            let written = inner.complete(c).await;
+            self.written.notify_one();
+            return written;
+        }
+        inner.complete(c).await
+    }
+}
+
+/// DESIGN rule 3 (unrecorded.rs: the pin is held from before the
+/// reservation statement until the takeover has looked): kills a call that
+/// pins only at drop time, and one that lets go before it looks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_that_finds_the_record_taken_over_before_the_takeover_looks_leaves_the_answer_to_it(
+) {
+    let store = Hooked::new(WriteLandsBeforeTheLook::default());
+    let first = look(&store, "k");
+    let retry = async {
+        store.writing.notified().await;
+        tokio::time::sleep(Duration::from_millis(500)).await; // lease lapsed
+        with_outcome(look(&store, "k")).await
+    };
+    let (first, (retry, outcome)) =
+        tokio::time::timeout(LIMIT, async { tokio::join!(first, retry) })
+            .await
+            .expect("bounded");
+    assert_eq!(
+        RUNS_1.load(Ordering::SeqCst),
+        1,
+        "rule 3: the takeover ran the body again ({first:?}, {retry:?})"
+    );
+    assert_eq!(retry.expect("the takeover"), 7);
+    assert_eq!(outcome, Some(Outcome::Replayed));
+}
+
+// ---- 2: a takeover dropped after an answer was noted during its statement
+
+static RUNS_2: AtomicUsize = AtomicUsize::new(0);
+static BODY_GO: Notify = Notify::const_new();
+
+#[idempotent(scope = "audit.held.drop", key = key, tenant = shared, store = store,
+             in_progress = reject, lease = "300ms")]
+async fn dropped(store: &dyn Store, key: &str) -> Result<u32, Error> {
+    if RUNS_2.fetch_add(1, Ordering::SeqCst) == 0 {
+        BODY_GO.notified().await;
+    }
+    Ok(7)
+}
+
+#[derive(Default)]
+struct NotedWhileTheStatementIsInFlight {
+    completes: AtomicUsize,
+    reserves: AtomicUsize,
+    sent: Notify,
+    noted: Notify,
+    landed: Notify,
+    go: Notify,
+}
+
+#[async_trait::async_trait]
+impl Intercept for NotedWhileTheStatementIsInFlight {
+    async fn heartbeat(
+        &self,
+        _: &MemoryStore,
+        _: &Identity,
+        _: &OwnerToken,
+        _: Duration,
+    ) -> Result<Fenced, StoreError> {
+        Ok(Fenced::Written) // renews nothing: the lease runs out while the body waits
+    }
+    async fn reserve(
+        &self,
+        inner: &MemoryStore,
+        r: ReserveRequest<'_>,
+    ) -> Result<Reservation, StoreError> {
+        if self.reserves.fetch_add(1, Ordering::SeqCst) == 1 {
+            self.sent.notify_one();
+            self.noted.notified().await;
+            let answer = inner.reserve(r).await;
+            assert!(
+                matches!(
+                    answer,
+                    Ok(Reservation::Acquired {
+                        took_over: true,
+                        ..
+                    })
+                ),
+                "{answer:?}"
+            );
+            self.landed.notify_one();
+            std::future::pending::<()>().await;
+        }
+        inner.reserve(r).await
+    }
+    async fn complete(&self, inner: &MemoryStore, c: Completion<'_>) -> Result<Fenced, StoreError> {
+        if self.completes.fetch_add(1, Ordering::SeqCst) == 0 {
+            self.noted.notify_one();
+            self.go.notified().await;
+        }
+        inner.complete(c).await
+    }
+}
+
+/// DESIGN rule 3 with FinishOnDrop's drop-time refresh: a takeover whose
+/// statement was sent before the answer was noted, and that is dropped as
+/// it lands, keeps the record for the next call, which replays the answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_takeover_dropped_after_an_answer_was_noted_during_its_statement_keeps_the_record() {
+    let store = Hooked::new(NotedWhileTheStatementIsInFlight::default());
+    let run = async {
+        let first = dropped(&store, "k");
+        let rest = async {
+            tokio::time::sleep(Duration::from_millis(500)).await; // lease lapsed in the body
+            tokio::select! {
+                answer = dropped(&store, "k") => panic!("the takeover answered: {answer:?}"),
+                () = async {
+                    store.sent.notified().await;
+                    BODY_GO.notify_one();
+                    store.landed.notified().await;
+                } => {}
+            }
+            // Dropped as it landed; now the first call's write finds the record taken over.
+            store.go.notify_one();
+        };
+        let (first, ()) = tokio::join!(first, rest);
+        let (next, outcome) = with_outcome(dropped(&store, "k")).await;
+        (first, next, outcome)
+    };
+    let (first, next, outcome) = tokio::time::timeout(LIMIT, run).await.expect("bounded");
+    assert_eq!(
+        RUNS_2.load(Ordering::SeqCst),
+        1,
+        "rule 3: the body ran again ({first:?}, {next:?})"
+    );
+    assert_eq!(next.expect("the next call"), 7);
+    assert_eq!(outcome, Some(Outcome::Replayed));
+}
+
+// ---- 3: a failed takeover (recover hook) whose write ended while it was pinned
+
+static RUNS_3: AtomicUsize = AtomicUsize::new(0);
+static ASKED_3: AtomicUsize = AtomicUsize::new(0);
+
+async fn run_again(
+    _: &idempotent_runtime::Takeover,
+) -> Result<idempotent_runtime::Recovery<u32>, Error> {
+    ASKED_3.fetch_add(1, Ordering::SeqCst);
+    Ok(idempotent_runtime::Recovery::Run)
+}
+
+#[idempotent(scope = "audit.held.failed", key = key, tenant = shared, store = store,
+             in_progress = reject, lease = "300ms", recover = run_again)]
+async fn failed(store: &dyn Store, key: &str) -> Result<u32, Error> {
+    RUNS_3.fetch_add(1, Ordering::SeqCst);
+    Ok(7)
+}
+
+#[derive(Default)]
+struct TakeoverFailsAfterTheWriteEnded {
+    completes: AtomicUsize,
+    reserves: AtomicUsize,
+    writing: Notify,
+    go: Notify,
+    written: Notify,
+}
+
+#[async_trait::async_trait]
+impl Intercept for TakeoverFailsAfterTheWriteEnded {
+    async fn reserve(
+        &self,
+        inner: &MemoryStore,
+        r: ReserveRequest<'_>,
+    ) -> Result<Reservation, StoreError> {
+        let n = self.reserves.fetch_add(1, Ordering::SeqCst);
+        let answer = inner.reserve(r).await;
+        if n == 1 {
+            assert!(
+                matches!(
+                    answer,
+                    Ok(Reservation::Acquired {
+                        took_over: true,
+                        ..
+                    })
+                ),
+                "{answer:?}"
+            );
+            self.go.notify_one();
+            self.written.notified().await;
+            return Err(StoreError::new(
+                "hooked",
+                "reserve",
+                "the connection was cut",
+            ));
+        }
+        answer
+    }
+    async fn complete(&self, inner: &MemoryStore, c: Completion<'_>) -> Result<Fenced, StoreError> {
+        if self.completes.fetch_add(1, Ordering::SeqCst) == 0 {
+            self.writing.notify_one();
+            self.go.notified().await;
+            let written = inner.complete(c).await;
+            self.written.notify_one();
+            return written;
+        }
+        inner.complete(c).await
+    }
+}
+
+/// A takeover in a scope with a recover hook lands as its call fails, after
+/// the first call's write found the record taken over: the record is kept
+/// (lease ended) and so is the answer (Pins::keep), so the next call replays
+/// it without asking the hook or running the body.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_takeover_with_a_hook_keeps_the_answer_held_for_the_next_call() {
+    let store = Hooked::new(TakeoverFailsAfterTheWriteEnded::default());
+    let first = failed(&store, "k");
+    let retry = async {
+        store.writing.notified().await;
+        tokio::time::sleep(Duration::from_millis(500)).await; // lease lapsed
+        let failed_takeover = failed(&store, "k").await;
+        assert!(
+            matches!(failed_takeover, Err(Error::Store(_))),
+            "{failed_takeover:?}"
+        );
+        with_outcome(failed(&store, "k")).await
+    };
+    let (first, (next, outcome)) =
+        tokio::time::timeout(LIMIT, async { tokio::join!(first, retry) })
+            .await
+            .expect("bounded");
+    assert_eq!(
+        RUNS_3.load(Ordering::SeqCst),
+        1,
+        "the body ran again ({first:?}, {next:?})"
+    );
+    assert_eq!(
+        ASKED_3.load(Ordering::SeqCst),
+        0,
+        "the hook was asked though the answer is known"
+    );
+    assert_eq!(next.expect("the next call"), 7);
+    assert_eq!(outcome, Some(Outcome::Replayed));
+}
