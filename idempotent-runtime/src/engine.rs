@@ -730,18 +730,24 @@ where
         .took_over
         .then(|| {
             let request = crate::unrecorded::Request::new(store.name(), fingerprint.as_ref());
-            crate::unrecorded::for_takeover(&identity, &request)
+            crate::unrecorded::for_takeover(&identity, &request).map(|known| (known, request))
         })
         .flatten();
     drop(pinned);
     let takeover = acquired.takeover(spec, &identity, known.is_some());
-    if let Some(known) = known {
+    if let Some((known, request)) = known {
         let mut sink = StoreSink {
             store,
             guard: &mut guard,
         };
-        return record_unrecorded_answer::<R, H>(spec, &errors, &identity, &mut sink, known, true)
-            .await;
+        return record_unrecorded_answer::<R, H>(
+            spec,
+            (&errors, &identity, &request),
+            &mut sink,
+            known,
+            true,
+        )
+        .await;
     }
     if let Some(takeover) = takeover
         && let Some(hook) = recover.ask(takeover)
@@ -1195,8 +1201,7 @@ pub(crate) fn replay<R: IdempotentReturn, H: ErrorHandling<R::Failure>>(
 /// transactional mode.
 pub(crate) async fn record_unrecorded_answer<R, H>(
     spec: &'static ScopeInfo,
-    errors: &H,
-    identity: &Identity,
+    (errors, identity, request): (&H, &Identity, &crate::unrecorded::Request),
     sink: &mut dyn RecordSink,
     (noted_by, answer): (OwnerToken, Answer),
     committed_when_written: bool,
@@ -1206,8 +1211,14 @@ where
     H: ErrorHandling<R::Failure>,
 {
     // As for any answer (the sink may take less than the store that first
-    // tried to write it: a MySQL transaction's session).
+    // tried to write it: a MySQL transaction's session, a store opened
+    // before the server's limit changed). The record is kept for the next
+    // takeover, and so is the answer, as for a recover hook's answer that
+    // cannot be recorded: released, the next call would make a new record
+    // and run the body again (unrecorded-answers hunt).
     if let Some(e) = store_cannot_take(spec, sink, &answer.outcome).await {
+        sink.keep_for_takeover().await;
+        crate::unrecorded::kept_for_the_next_takeover(identity, &noted_by, request, &answer);
         return (Err(e.into()), CallOutcome::Failed);
     }
     let outcome = answer.outcome.clone();

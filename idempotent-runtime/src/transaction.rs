@@ -441,20 +441,25 @@ where
         .then(|| {
             let request =
                 crate::unrecorded::Request::new(connection.store_name(), fingerprint.as_ref());
-            crate::unrecorded::for_takeover(&identity, &request)
+            crate::unrecorded::for_takeover(&identity, &request).map(|known| (known, request))
         })
         .flatten();
     let takeover = acquired.takeover(spec, &identity, known.is_some());
-    if let Some(known) = known {
+    if let Some((known, request)) = known {
         let mut sink = TransactionSink {
             connection,
             identity: &identity,
             token: &token,
         };
         // Written in the caller's transaction, which may yet roll back.
-        let answered =
-            record_unrecorded_answer::<R, H>(spec, errors, &identity, &mut sink, known, false)
-                .await;
+        let answered = record_unrecorded_answer::<R, H>(
+            spec,
+            (errors, &identity, &request),
+            &mut sink,
+            known,
+            false,
+        )
+        .await;
         return early::<R>(spec, &span, answered.0, answered.1);
     }
     if let Some(takeover) = takeover

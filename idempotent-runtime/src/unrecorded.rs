@@ -250,6 +250,37 @@ pub(crate) fn found_taken_over(identity: &Identity, token: &OwnerToken) -> bool 
     recorded
 }
 
+/// A takeover could not record the answer `token` noted for `identity` (its
+/// store takes less than the one that noted it: a MySQL store opened before
+/// `max_allowed_packet` changed) and kept the record for the next takeover:
+/// the answer stays until a takeover records it or its time is up. Noted
+/// again (`request`, `answer`) if it was forgotten meanwhile (its write found
+/// the record taken over as this takeover let go of its pins).
+pub(crate) fn kept_for_the_next_takeover(
+    identity: &Identity,
+    token: &OwnerToken,
+    request: &Request,
+    answer: &Answer,
+) {
+    let now = Instant::now();
+    let mut answers = UNRECORDED.answers();
+    let noted = answers.entry(identity.clone()).or_default();
+    match noted.iter_mut().find(|n| &n.token == token) {
+        Some(n) => n.kept = true,
+        None => noted.push(Noted {
+            token: token.clone(),
+            request: request.clone(),
+            answer: answer.clone(),
+            until: now + answer.ttl.min(KEPT_FOR_AT_MOST),
+            recorded_by_takeover: false,
+            pins: 0,
+            kept: true,
+            write_ended: true,
+        }),
+    }
+    UNRECORDED.count.store(answers.len(), Ordering::SeqCst);
+}
+
 /// Pins the answers of `request` to `identity` (a store of kind `store`,
 /// its arguments' `fingerprint`) noted by now, if any. Costs one atomic
 /// read while no answer is noted.
@@ -479,6 +510,36 @@ mod tests {
             store,
             fingerprint: Some(fingerprint.to_owned()),
         }
+    }
+
+    /// A takeover that could not record the answer it found keeps it for the
+    /// next one: kept after its write finds the record taken over, and noted
+    /// again if that write had ended (and forgotten it) already.
+    #[test]
+    fn an_answer_a_takeover_could_not_record_is_kept_for_the_next() {
+        let charge = request("postgres", "v3:kept-for-the-next");
+        let found = |id: &Identity| for_takeover(id, &charge).map(|(_, a)| a.outcome.payload);
+        // Its write still under way: kept once that write ends.
+        let (id, token) = (identity("kept-while-writing"), OwnerToken::new());
+        note(&id, &token, &charge, &answer(b"1", Duration::from_secs(60)));
+        kept_for_the_next_takeover(&id, &token, &charge, &answer(b"1", Duration::from_secs(60)));
+        assert!(!found_taken_over(&id, &token));
+        assert_eq!(found(&id), Some(b"1".to_vec()), "kept past its write");
+        recorded_by_takeover(&id, &token);
+        assert_eq!(found(&id), None, "forgotten once a takeover recorded it");
+        // Its write ended already: noted again.
+        let (id, token) = (identity("kept-after-writing"), OwnerToken::new());
+        note(&id, &token, &charge, &answer(b"2", Duration::from_secs(60)));
+        assert!(!found_taken_over(&id, &token));
+        assert_eq!(found(&id), None, "forgotten: nobody pinned or kept it");
+        kept_for_the_next_takeover(&id, &token, &charge, &answer(b"2", Duration::from_secs(60)));
+        assert_eq!(found(&id), Some(b"2".to_vec()), "noted again");
+        recorded_by_takeover(&id, &token);
+        assert_eq!(
+            found(&id),
+            None,
+            "its write has ended: forgotten once recorded"
+        );
     }
 
     #[test]

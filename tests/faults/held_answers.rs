@@ -313,3 +313,83 @@ async fn a_failed_takeover_with_a_hook_keeps_the_answer_held_for_the_next_call()
     assert_eq!(next.expect("the next call"), 7);
     assert_eq!(outcome, Some(Outcome::Replayed));
 }
+
+// ---- 4: a takeover whose store cannot take the answer held
+
+static RUNS_4: AtomicUsize = AtomicUsize::new(0);
+
+/// An answer larger than the smaller limit below.
+fn large_answer() -> String {
+    "x".repeat(100)
+}
+
+#[idempotent(scope = "audit.held.too_large", key = key, tenant = shared, store = store,
+             in_progress = reject, lease = "300ms")]
+async fn too_large(store: &dyn Store, key: &str) -> Result<String, Error> {
+    RUNS_4.fetch_add(1, Ordering::SeqCst);
+    Ok(large_answer())
+}
+
+/// The store's limit drops for the second call (as for a second store object
+/// of the same kind opened after the server's limit changed).
+struct LimitDropsForTheTakeover {
+    limit: AtomicUsize,
+    completes: AtomicUsize,
+    writing: Notify,
+    go: Notify,
+}
+
+#[async_trait::async_trait]
+impl Intercept for LimitDropsForTheTakeover {
+    fn max_result_bytes(&self, _: &MemoryStore) -> usize {
+        self.limit.load(Ordering::SeqCst)
+    }
+    async fn complete(&self, inner: &MemoryStore, c: Completion<'_>) -> Result<Fenced, StoreError> {
+        if self.completes.fetch_add(1, Ordering::SeqCst) == 0 {
+            self.writing.notify_one();
+            self.go.notified().await;
+        }
+        inner.complete(c).await
+    }
+}
+
+/// A takeover that finds the answer this process holds but whose store
+/// cannot take it (`ResultTooLarge`) keeps the record and the answer for the
+/// next takeover, which records and replays it (unrecorded-answers hunt: the
+/// record was released, and the next call ran the body again).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_takeover_whose_store_cannot_take_the_answer_held_keeps_it_for_the_next() {
+    let store = Hooked::new(LimitDropsForTheTakeover {
+        limit: AtomicUsize::new(1 << 20),
+        completes: AtomicUsize::new(0),
+        writing: Notify::new(),
+        go: Notify::new(),
+    });
+    let first = too_large(&store, "k");
+    let rest = async {
+        store.writing.notified().await;
+        tokio::time::sleep(Duration::from_millis(500)).await; // lease lapsed
+        store.limit.store(10, Ordering::SeqCst);
+        let refused = too_large(&store, "k").await;
+        assert!(
+            matches!(refused, Err(Error::ResultTooLarge { .. })),
+            "{refused:?}"
+        );
+        store.limit.store(1 << 20, Ordering::SeqCst);
+        // The first call's write now finds the record taken over.
+        store.go.notify_one();
+    };
+    let (first, ()) = tokio::time::timeout(LIMIT, async { tokio::join!(first, rest) })
+        .await
+        .expect("bounded");
+    let (next, outcome) = tokio::time::timeout(LIMIT, with_outcome(too_large(&store, "k")))
+        .await
+        .expect("bounded");
+    assert_eq!(
+        RUNS_4.load(Ordering::SeqCst),
+        1,
+        "rule 3: the body ran again ({first:?}, {next:?})"
+    );
+    assert_eq!(next.expect("the next call"), large_answer());
+    assert_eq!(outcome, Some(Outcome::Replayed));
+}
