@@ -1163,3 +1163,102 @@ async fn a_body_error_after_its_transaction_was_aborted_is_the_callers_answer() 
         );
     }
 }
+
+/// The store's worker ends its own row-lock waits (`lock_timeout`), under its
+/// bound on an attempt: an attempt the worker cut instead would go on
+/// waiting on the server after its connection closed (PostgreSQL notices a
+/// closed client only when it next sends), one more backend per attempt for
+/// as long as the lock is held (review). Here a completion handed to the
+/// worker waits behind a row another session holds: its statement ends on
+/// the server, and once the row is free the completion lands.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_workers_statement_behind_a_held_row_ends_on_the_server() {
+    const WAIT: Duration = Duration::from_secs(60);
+    let Some(store) = pg_store_or_skip().await else {
+        return;
+    };
+    let identity =
+        Identity::new(fresh_tenant(), "edges.pg_worker_lock_wait", "k").expect("identity");
+    let token = OwnerToken::new();
+    let reserved = store
+        .reserve(ReserveRequest {
+            identity: &identity,
+            fingerprint: None,
+            token: &token,
+            lease: Duration::from_secs(300),
+            ttl: Duration::from_secs(300),
+        })
+        .await
+        .expect("reserve");
+    assert!(
+        matches!(reserved, Reservation::Acquired { .. }),
+        "{reserved:?}"
+    );
+    let mut locker = sqlx::PgConnection::connect(&pg_url())
+        .await
+        .expect("connect");
+    let locker_pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut locker)
+        .await
+        .expect("pid");
+    crate::common::records::pg_lock_row_in_transaction(&mut locker, &identity).await;
+    let outcome = idempotent_runtime::StoredOutcome {
+        is_error: false,
+        payload: b"7".to_vec(),
+    };
+    store.complete_detached(Completion {
+        identity: &identity,
+        token: &token,
+        outcome: &outcome,
+        ttl: Duration::from_secs(300),
+        by: idempotent_runtime::AnsweredBy::Body,
+    });
+    // The worker's statement waiting behind the row: (pid, query_start).
+    let blocked = |pool: &sqlx::PgPool| {
+        let pool = pool.clone();
+        async move {
+            sqlx::query_as::<_, (i32, String)>(
+                "SELECT pid, query_start::text FROM pg_stat_activity \
+                 WHERE $1 = ANY(pg_blocking_pids(pid))",
+            )
+            .bind(locker_pid)
+            .fetch_all(&pool)
+            .await
+            .expect("pg_stat_activity")
+        }
+    };
+    let watcher = sqlx::PgPool::connect(&pg_url()).await.expect("connect");
+    let deadline = Instant::now() + WAIT;
+    let first = loop {
+        if let Some(first) = blocked(&watcher).await.into_iter().next() {
+            break first;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the worker's statement never waited for the row"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    loop {
+        if !blocked(&watcher).await.contains(&first) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the worker's statement {first:?} still waits for the row on the server after {WAIT:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    locker.execute("COMMIT").await.expect("commit");
+    assert_eq!(
+        store.finish_background_work(WAIT).await,
+        0,
+        "the completion landed"
+    );
+    let record = store
+        .fetch(&identity)
+        .await
+        .expect("fetch")
+        .expect("the record");
+    assert_eq!(record.state, idempotent_runtime::RecordState::Complete);
+}
