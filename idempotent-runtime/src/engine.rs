@@ -984,6 +984,9 @@ impl RecordSink for StoreSink<'_, '_> {
 
     fn keep_for_takeover(&mut self) -> BoxFuture<'_, ()> {
         Box::pin(async move {
+            // Dropped while the lease is being ended, the call ends it
+            // through the store's worker: never released (review).
+            self.guard.keep_for_takeover = true;
             end_lease_logged(self.store, self.guard.identity, self.guard.token).await;
             self.guard.arm(false);
         })
@@ -1216,9 +1219,11 @@ where
     // takeover, and so is the answer, as for a recover hook's answer that
     // cannot be recorded: released, the next call would make a new record
     // and run the body again (unrecorded-answers hunt).
+    // The answer is kept before the lease is ended: once it has ended, any
+    // call of this process may take the record over and look (review).
     if let Some(e) = store_cannot_take(spec, sink, &answer.outcome).await {
-        sink.keep_for_takeover().await;
         crate::unrecorded::kept_for_the_next_takeover(identity, &noted_by, request, &answer);
+        sink.keep_for_takeover().await;
         return (Err(e.into()), CallOutcome::Failed);
     }
     let outcome = answer.outcome.clone();

@@ -14,7 +14,7 @@ use idempotent_runtime::{
     idempotent, with_outcome, Completion, Error, Fenced, Identity, MemoryStore, Outcome,
     OwnerToken, Reservation, ReserveRequest, Store, StoreError,
 };
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 use tokio::sync::Notify;
 
@@ -392,4 +392,154 @@ async fn a_takeover_whose_store_cannot_take_the_answer_held_keeps_it_for_the_nex
     );
     assert_eq!(next.expect("the next call"), large_answer());
     assert_eq!(outcome, Some(Outcome::Replayed));
+}
+
+// ---- 5: the windows of that keep
+
+#[derive(Default)]
+struct KeepWindows {
+    limit: AtomicUsize,
+    completes: AtomicUsize,
+    writing: Notify,
+    go: Notify,
+    // end-lease interception
+    hang_end_lease: AtomicBool,
+    pause_after_end_lease: AtomicBool,
+    ending: Notify,
+    landed: Notify,
+    resume: Notify,
+}
+
+#[async_trait::async_trait]
+impl Intercept for KeepWindows {
+    fn max_result_bytes(&self, _: &MemoryStore) -> usize {
+        self.limit.load(Ordering::SeqCst)
+    }
+    async fn heartbeat(
+        &self,
+        inner: &MemoryStore,
+        i: &Identity,
+        t: &OwnerToken,
+        lease: Duration,
+    ) -> Result<Fenced, StoreError> {
+        if lease.is_zero() && self.hang_end_lease.load(Ordering::SeqCst) {
+            self.ending.notify_one();
+            std::future::pending::<()>().await;
+        }
+        if lease.is_zero() && self.pause_after_end_lease.swap(false, Ordering::SeqCst) {
+            let r = inner.heartbeat(i, t, lease).await;
+            self.landed.notify_one();
+            self.resume.notified().await;
+            return r;
+        }
+        inner.heartbeat(i, t, lease).await
+    }
+    async fn complete(&self, inner: &MemoryStore, c: Completion<'_>) -> Result<Fenced, StoreError> {
+        if self.completes.fetch_add(1, Ordering::SeqCst) == 0 {
+            self.writing.notify_one();
+            self.go.notified().await;
+        }
+        inner.complete(c).await
+    }
+}
+
+fn keep_windows() -> Hooked<KeepWindows> {
+    let p = KeepWindows::default();
+    p.limit.store(1 << 20, Ordering::SeqCst);
+    Hooked::new(p)
+}
+
+static RUNS_A: AtomicUsize = AtomicUsize::new(0);
+
+#[idempotent(scope = "audit.held.drop_in_keep", key = key, tenant = shared, store = store,
+             in_progress = reject, lease = "300ms")]
+async fn drop_in_keep(store: &dyn Store, key: &str) -> Result<String, Error> {
+    RUNS_A.fetch_add(1, Ordering::SeqCst);
+    Ok("x".repeat(100))
+}
+
+/// A takeover that cannot take the held answer, dropped while it ends the
+/// record's lease, has the store's worker end it: the record was released
+/// (the drop guard, still armed, knew of no reason to keep it), and the next
+/// call ran the body again (review).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_takeover_that_cannot_take_the_answer_dropped_as_it_keeps_the_record_keeps_it() {
+    let store = keep_windows();
+    let first = drop_in_keep(&store, "k");
+    let rest = async {
+        store.intercept.writing.notified().await;
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        store.intercept.limit.store(10, Ordering::SeqCst);
+        store.intercept.hang_end_lease.store(true, Ordering::SeqCst);
+        tokio::select! {
+            r = drop_in_keep(&store, "k") => panic!("answered {r:?}"),
+            () = store.intercept.ending.notified() => {}
+        }
+        store
+            .intercept
+            .hang_end_lease
+            .store(false, Ordering::SeqCst);
+        store.intercept.limit.store(1 << 20, Ordering::SeqCst);
+        store.intercept.go.notify_one();
+    };
+    let (first, ()) = tokio::time::timeout(LIMIT, async { tokio::join!(first, rest) })
+        .await
+        .expect("bounded");
+    let (next, outcome) = tokio::time::timeout(LIMIT, with_outcome(drop_in_keep(&store, "k")))
+        .await
+        .expect("bounded");
+    assert_eq!(
+        RUNS_A.load(Ordering::SeqCst),
+        1,
+        "rule 3: the body ran again ({first:?}, {next:?}, {outcome:?})"
+    );
+}
+
+static RUNS_B: AtomicUsize = AtomicUsize::new(0);
+
+#[idempotent(scope = "audit.held.keep_order", key = key, tenant = shared, store = store,
+             in_progress = reject, lease = "300ms")]
+async fn keep_order(store: &dyn Store, key: &str) -> Result<String, Error> {
+    RUNS_B.fetch_add(1, Ordering::SeqCst);
+    Ok("x".repeat(100))
+}
+
+/// The answer is kept before the record's lease is ended: a call of this
+/// process that takes the record over as soon as the lease has ended finds
+/// it (review: kept only after, it found nothing and ran the body again).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_answer_is_kept_before_the_lease_is_ended() {
+    let store = keep_windows();
+    let first_done = Notify::new();
+    let first = async {
+        let r = keep_order(&store, "k").await;
+        first_done.notify_one();
+        r
+    };
+    let rest = async {
+        let p = &store.intercept;
+        p.writing.notified().await;
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        p.limit.store(10, Ordering::SeqCst);
+        p.pause_after_end_lease.store(true, Ordering::SeqCst);
+        let second = keep_order(&store, "k");
+        let driver = async {
+            p.landed.notified().await;
+            p.limit.store(1 << 20, Ordering::SeqCst);
+            p.go.notify_one();
+            first_done.notified().await;
+            let third = with_outcome(keep_order(&store, "k")).await;
+            p.resume.notify_one();
+            third
+        };
+        tokio::join!(second, driver)
+    };
+    let (first, (second, third)) = tokio::time::timeout(LIMIT, async { tokio::join!(first, rest) })
+        .await
+        .expect("bounded");
+    assert_eq!(
+        RUNS_B.load(Ordering::SeqCst),
+        1,
+        "rule 3: the body ran again ({first:?}, {second:?}, {third:?})"
+    );
 }
