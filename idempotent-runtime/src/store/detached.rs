@@ -74,7 +74,8 @@ pub(crate) const COMPLETE_TRIED_FOR: Duration = Duration::from_secs(3600);
 
 /// How long one attempt of a database server's worker may go unanswered
 /// before it is given up as failed, its connection closed, and tried again on
-/// a new one (PostgreSQL ends the worker's lock waits at 10 s, under this;
+/// a new one ([`transfer_allowance`] more for a large answer; PostgreSQL
+/// ends the worker's lock waits at 10 s, under this;
 /// MySQL/MariaDB at `innodb_lock_wait_timeout`, 50 s by default: a longer
 /// wait is cut here and sent again behind the statement it left, which the
 /// server ends at that timeout). A connection that went silent (a frozen server that still
@@ -258,13 +259,16 @@ impl Detached {
         self.unfinished.count.fetch_add(1, Ordering::SeqCst);
         let lands_within =
             Duration::from_millis(self.lands_within_ms.load(Ordering::Relaxed)).min(LONGEST_SEARCH);
+        let answers_within = self
+            .attempt_limit
+            .map(|limit| limit + transfer_allowance(&work));
         let job = Job {
             identity,
             token,
             work,
             keep,
             search_until: std::time::Instant::now() + lands_within,
-            answers_within: self.attempt_limit,
+            answers_within,
             finished: Finished(self.unfinished.clone()),
         };
         let sent = match &*state {
@@ -279,6 +283,19 @@ impl Detached {
                 "the background thread is not running",
             );
         }
+    }
+}
+
+/// How much longer than [`ATTEMPT_ANSWERS_WITHIN`] an attempt that sends an
+/// answer may take: a second for every 256 KiB (an 8 MiB answer: 32 s), so
+/// a slow link still carries one (review).
+fn transfer_allowance(work: &Work) -> Duration {
+    const BYTES_PER_SECOND: usize = 256 * 1024;
+    match work {
+        Work::Complete(answer) => Duration::from_secs(
+            u64::try_from(answer.outcome.payload.len() / BYTES_PER_SECOND).unwrap_or(u64::MAX),
+        ),
+        Work::Release | Work::EndLease => Duration::ZERO,
     }
 }
 

@@ -335,10 +335,6 @@ fn background_worker(pool: &MySqlPool) -> detached::Detached {
     server::background_worker(
         STORE,
         pool,
-        // Lock waits end at the server's `innodb_lock_wait_timeout` (50 s by
-        // default); a longer one than the worker's bound on an attempt is
-        // cut by the worker and sent again behind the statement it left.
-        |options| options,
         |pool, identity, token| {
             Box::pin(async move {
                 committed!(&pool, "release", |on, commit| release_as(

@@ -217,9 +217,54 @@ macro_rules! in_own_transaction {
     }};
 }
 
-/// How long a statement of the store's worker waits for a row lock, in ms:
-/// under its bound on an attempt (`detached::ATTEMPT_ANSWERS_WITHIN`).
-const WORKER_LOCK_TIMEOUT_MS: &str = "10000";
+/// A write of the store's worker waits for a row lock (a transaction that
+/// took the record over holds it) at most 10 s, or the session's own shorter
+/// `lock_timeout`: the server ends the wait, under the worker's bound on an
+/// attempt (`detached::ATTEMPT_ANSWERS_WITHIN`). Cut by the worker instead,
+/// the statement would go on waiting on the server after its connection
+/// closed, one more per attempt (review). Set for the write's transaction
+/// alone (`set_config(.., true)`): nothing is set on the session, which a
+/// connection pooler would refuse as a startup parameter or leave on a
+/// server connection others use.
+const WORKER_LOCK_TIMEOUT_SQL: &str = "SELECT set_config('lock_timeout', \
+     CASE WHEN current_setting('lock_timeout')::INTERVAL > INTERVAL '0' \
+           AND current_setting('lock_timeout')::INTERVAL < INTERVAL '10 s' \
+          THEN current_setting('lock_timeout') ELSE '10s' END, true)";
+
+/// A fenced write of the store's worker, in a transaction of its own whose
+/// row-lock waits end at 10 s ([`WORKER_LOCK_TIMEOUT_SQL`]); tried again on a
+/// serialization failure as [`in_own_transaction!`] does.
+macro_rules! in_worker_transaction {
+    ($pool:expr, $op:literal, |$conn:ident| $write:expr) => {{
+        let pool: &PgPool = $pool;
+        let mut tries = 0;
+        loop {
+            tries += 1;
+            let mut guarded = ClosedIfDropped::acquire(pool).await.map_err(err($op))?;
+            let answer = async {
+                let mut tx = sqlx::Connection::begin(&mut *guarded)
+                    .await
+                    .map_err(err($op))?;
+                sqlx::query(WORKER_LOCK_TIMEOUT_SQL)
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(err($op))?;
+                let done = {
+                    let $conn = &mut *tx;
+                    $write.await?
+                };
+                tx.commit().await.map_err(err($op))?;
+                Ok(done)
+            }
+            .await;
+            guarded.hand_back();
+            match answer {
+                Err(e) if tries < FENCED_WRITE_TRIES && is_serialization_failure(&e) => continue,
+                answer => break answer,
+            }
+        }
+    }};
+}
 
 /// The worker that finishes dropped calls' records with the store's fenced
 /// writes (module `server`).
@@ -227,21 +272,16 @@ fn background_worker(pool: &PgPool) -> detached::Detached {
     server::background_worker(
         STORE,
         pool,
-        // A worker's statement that waits for a row lock (a transaction that
-        // took the record over holds it) is ended by the server, within the
-        // worker's bound on an attempt: cut by the worker instead, the
-        // statement would go on waiting on the server, one more per attempt.
-        |options| options.options([("lock_timeout", WORKER_LOCK_TIMEOUT_MS)]),
         |pool, identity, token| {
             Box::pin(async move {
-                in_own_transaction!(&pool, "release", |conn| release_with(
+                in_worker_transaction!(&pool, "release", |conn| release_with(
                     conn, &identity, &token
                 ))
             })
         },
         |pool, identity, token| {
             Box::pin(async move {
-                in_own_transaction!(&pool, "heartbeat", |conn| heartbeat_with(
+                in_worker_transaction!(&pool, "heartbeat", |conn| heartbeat_with(
                     conn,
                     &identity,
                     &token,
@@ -252,7 +292,7 @@ fn background_worker(pool: &PgPool) -> detached::Detached {
         |pool, identity, token, answer| {
             Box::pin(async move {
                 let completion = answer.completing(&identity, &token);
-                in_own_transaction!(&pool, "complete", |conn| complete_with(conn, completion))
+                in_worker_transaction!(&pool, "complete", |conn| complete_with(conn, completion))
             })
         },
     )

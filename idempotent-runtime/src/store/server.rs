@@ -218,12 +218,10 @@ type Written = BoxFuture<'static, Result<Fenced, StoreError>>;
 /// `end_lease` ends its lease and keeps it (a call in a scope with a recover
 /// hook, dropped while its reservation was in flight); `complete` records the
 /// outcome of one dropped while its result was being recorded (marked
-/// recovered when a recover hook gave it). `own` adjusts the connect
-/// options of the worker's connections (PostgreSQL bounds their lock waits).
+/// recovered when a recover hook gave it).
 pub(crate) fn background_worker<DB: Database>(
     store: &'static str,
     pool: &Pool<DB>,
-    own: fn(ConnectOptions<DB>) -> ConnectOptions<DB>,
     release: fn(Pool<DB>, Identity, OwnerToken) -> Written,
     end_lease: fn(Pool<DB>, Identity, OwnerToken) -> Written,
     complete: fn(Pool<DB>, Identity, OwnerToken, Answer) -> Written,
@@ -236,11 +234,11 @@ pub(crate) fn background_worker<DB: Database>(
         .max_connections(2)
         .min_connections(0)
         .acquire_timeout(ACQUIRE_TIMEOUT);
-    let options = own((*pool.connect_options()).clone());
+    let options = pool.connect_options();
     Detached::new(
         store,
         Box::new(move || {
-            let pool = pool_options.connect_lazy_with(options);
+            let pool = pool_options.connect_lazy_with((*options).clone());
             Arc::new(move |identity, token, work| match work {
                 Work::Release => release(pool.clone(), identity, token),
                 Work::EndLease => end_lease(pool.clone(), identity, token),
