@@ -414,6 +414,9 @@ struct FinishOnDrop<'a> {
     /// its lease is ended instead: the next call takes it over at once and
     /// asks.
     keep_for_takeover: bool,
+    /// The scope's lease: an answer noted unrecorded is kept for the record's
+    /// retention, which counts its ttl from the end of the lease.
+    lease: Duration,
 }
 
 impl FinishOnDrop<'_> {
@@ -676,6 +679,7 @@ where
         completing: None,
         keep_for_takeover: spec.recover.is_some(),
         pins: crate::unrecorded::Pins::for_call(&identity, store, fingerprint.as_ref()),
+        lease: spec.lease,
     };
     let reserving = Instant::now();
     let reserved = reserve_from(
@@ -1006,7 +1010,7 @@ impl RecordSink for StoreSink<'_, '_> {
             let noted = !store.records_in_process_memory();
             if noted {
                 let request = crate::unrecorded::Request::new(store.name(), self.guard.fingerprint);
-                crate::unrecorded::note(identity, token, &request, &answer);
+                crate::unrecorded::note_for(identity, token, &request, &answer, self.guard.lease);
             }
             let answer = self.guard.completing.insert(answer);
             let mut written = store.complete(answer.completing(identity, token)).await;

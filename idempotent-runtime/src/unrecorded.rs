@@ -145,12 +145,29 @@ fn sweep_if_due(
     true
 }
 
-/// Notes `answer` to `request`, which the call owning `identity`'s record
-/// with `token` is about to record. Answers past their time are dropped on
-/// the way.
+/// [`note_for`] a call whose lease is over (tests).
+#[cfg(test)]
 pub(crate) fn note(identity: &Identity, token: &OwnerToken, request: &Request, answer: &Answer) {
+    note_for(identity, token, request, answer, Duration::ZERO)
+}
+
+/// Notes `answer` to `request`, which the call owning `identity`'s record
+/// with `token` (and a lease of `lease`) is about to record, for as long as
+/// the record may be taken over: its ttl counts from the end of the lease
+/// (the reservation's retention is lease + ttl), so kept for ttl + lease,
+/// at most [`KEPT_FOR_AT_MOST`] (outage hunt: kept for the ttl alone, a
+/// takeover in the last lease's worth of the record's retention found
+/// nothing and ran the body again). Answers past their time are dropped on
+/// the way.
+pub(crate) fn note_for(
+    identity: &Identity,
+    token: &OwnerToken,
+    request: &Request,
+    answer: &Answer,
+    lease: Duration,
+) {
     let now = Instant::now();
-    let until = now + answer.ttl.min(KEPT_FOR_AT_MOST);
+    let until = now + answer.ttl.saturating_add(lease).min(KEPT_FOR_AT_MOST);
     let sweep = UNRECORDED
         .notes
         .fetch_add(1, Ordering::Relaxed)

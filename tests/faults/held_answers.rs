@@ -543,3 +543,63 @@ async fn the_answer_is_kept_before_the_lease_is_ended() {
         "rule 3: the body ran again ({first:?}, {second:?}, {third:?})"
     );
 }
+
+// ---- 6: an answer kept for as long as its record may be taken over
+
+static RUNS_6: AtomicUsize = AtomicUsize::new(0);
+
+#[idempotent(scope = "audit.held.retention", key = key, tenant = shared, store = store,
+             in_progress = reject, lease = "3s", ttl = "1500ms")]
+async fn retained(store: &dyn Store, key: &str) -> Result<u32, Error> {
+    RUNS_6.fetch_add(1, Ordering::SeqCst);
+    Ok(7)
+}
+
+#[derive(Default)]
+struct WriteHangsPastTheTtl {
+    completes: AtomicUsize,
+    writing: Notify,
+    go: Notify,
+}
+
+#[async_trait::async_trait]
+impl Intercept for WriteHangsPastTheTtl {
+    async fn complete(&self, inner: &MemoryStore, c: Completion<'_>) -> Result<Fenced, StoreError> {
+        if self.completes.fetch_add(1, Ordering::SeqCst) == 0 {
+            self.writing.notify_one();
+            self.go.notified().await;
+        }
+        inner.complete(c).await
+    }
+}
+
+/// The record's retention counts its ttl from the end of the lease (the
+/// reservation keeps it lease + ttl): an answer held unrecorded is kept as
+/// long, and a takeover after the ttl counted from the answer, but within
+/// that retention, records it (outage hunt: kept for the ttl alone, the
+/// takeover found nothing and ran the body again).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_answer_held_is_kept_for_as_long_as_its_record_may_be_taken_over() {
+    let store = Hooked::new(WriteHangsPastTheTtl::default());
+    let first = retained(&store, "k");
+    let rest = async {
+        store.writing.notified().await;
+        // Past the lease (3 s) and the ttl counted from the answer (1.5 s),
+        // within the record's retention (4.5 s from its reservation).
+        tokio::time::sleep(Duration::from_millis(3300)).await;
+        let retry = with_outcome(retained(&store, "k")).await;
+        store.go.notify_one();
+        retry
+    };
+    let (first, (retry, outcome)) =
+        tokio::time::timeout(LIMIT, async { tokio::join!(first, rest) })
+            .await
+            .expect("bounded");
+    assert_eq!(
+        RUNS_6.load(Ordering::SeqCst),
+        1,
+        "rule 3: the body ran again ({first:?}, {retry:?})"
+    );
+    assert_eq!(retry.expect("the takeover"), 7);
+    assert_eq!(outcome, Some(Outcome::Replayed));
+}
