@@ -20,6 +20,56 @@ use tokio::sync::Notify;
 
 const LIMIT: Duration = Duration::from_secs(10);
 
+/// Holds the first completion (the first call's write) until `go`;
+/// `writing` says it has begun, `written` that it has ended.
+#[derive(Default)]
+struct FirstWriteHeld {
+    completes: AtomicUsize,
+    writing: Notify,
+    go: Notify,
+    written: Notify,
+}
+
+impl FirstWriteHeld {
+    async fn complete(&self, inner: &MemoryStore, c: Completion<'_>) -> Result<Fenced, StoreError> {
+        if self.completes.fetch_add(1, Ordering::SeqCst) == 0 {
+            self.writing.notify_one();
+            self.go.notified().await;
+            let written = inner.complete(c).await;
+            self.written.notify_one();
+            return written;
+        }
+        inner.complete(c).await
+    }
+
+    /// The second reservation: lands (a takeover), then lets the first
+    /// write end and waits for it. Whether this was that one, and its answer.
+    async fn takeover_lets_the_first_write_end(
+        &self,
+        reserves: &AtomicUsize,
+        inner: &MemoryStore,
+        r: ReserveRequest<'_>,
+    ) -> (bool, Result<Reservation, StoreError>) {
+        let takeover = reserves.fetch_add(1, Ordering::SeqCst) == 1;
+        let answer = inner.reserve(r).await;
+        if takeover {
+            assert!(
+                matches!(
+                    answer,
+                    Ok(Reservation::Acquired {
+                        took_over: true,
+                        ..
+                    })
+                ),
+                "{answer:?}"
+            );
+            self.go.notify_one();
+            self.written.notified().await;
+        }
+        (takeover, answer)
+    }
+}
+
 // ---- 1: a write that finds the record taken over before the takeover looks
 
 static RUNS_1: AtomicUsize = AtomicUsize::new(0);
@@ -33,11 +83,8 @@ async fn look(store: &dyn Store, key: &str) -> Result<u32, Error> {
 
 #[derive(Default)]
 struct WriteLandsBeforeTheLook {
-    completes: AtomicUsize,
+    first: FirstWriteHeld,
     reserves: AtomicUsize,
-    writing: Notify,
-    go: Notify,
-    written: Notify,
 }
 
 #[async_trait::async_trait]
@@ -47,35 +94,15 @@ impl Intercept for WriteLandsBeforeTheLook {
         inner: &MemoryStore,
         r: ReserveRequest<'_>,
     ) -> Result<Reservation, StoreError> {
-        let n = self.reserves.fetch_add(1, Ordering::SeqCst);
-        let answer = inner.reserve(r).await;
-        if n == 1 {
-            assert!(
-                matches!(
-                    answer,
-                    Ok(Reservation::Acquired {
-                        took_over: true,
-                        ..
-                    })
-                ),
-                "{answer:?}"
-            );
-            // The first call's hanging write finds the record taken over
-            // before this takeover's answer reaches its call.
-            self.go.notify_one();
-            self.written.notified().await;
-        }
-        answer
+        // The first call's hanging write finds the record taken over before
+        // this takeover's answer reaches its call.
+        self.first
+            .takeover_lets_the_first_write_end(&self.reserves, inner, r)
+            .await
+            .1
     }
     async fn complete(&self, inner: &MemoryStore, c: Completion<'_>) -> Result<Fenced, StoreError> {
-        if self.completes.fetch_add(1, Ordering::SeqCst) == 0 {
-            self.writing.notify_one();
-            self.go.notified().await;
-            let written = inner.complete(c).await;
-            self.written.notify_one();
-            return written;
-        }
-        inner.complete(c).await
+        self.first.complete(inner, c).await
     }
 }
 
@@ -88,7 +115,7 @@ async fn a_write_that_finds_the_record_taken_over_before_the_takeover_looks_leav
     let store = Hooked::new(WriteLandsBeforeTheLook::default());
     let first = look(&store, "k");
     let retry = async {
-        store.writing.notified().await;
+        store.first.writing.notified().await;
         tokio::time::sleep(Duration::from_millis(500)).await; // lease lapsed
         with_outcome(look(&store, "k")).await
     };
@@ -229,11 +256,8 @@ async fn failed(store: &dyn Store, key: &str) -> Result<u32, Error> {
 
 #[derive(Default)]
 struct TakeoverFailsAfterTheWriteEnded {
-    completes: AtomicUsize,
+    first: FirstWriteHeld,
     reserves: AtomicUsize,
-    writing: Notify,
-    go: Notify,
-    written: Notify,
 }
 
 #[async_trait::async_trait]
@@ -243,21 +267,11 @@ impl Intercept for TakeoverFailsAfterTheWriteEnded {
         inner: &MemoryStore,
         r: ReserveRequest<'_>,
     ) -> Result<Reservation, StoreError> {
-        let n = self.reserves.fetch_add(1, Ordering::SeqCst);
-        let answer = inner.reserve(r).await;
-        if n == 1 {
-            assert!(
-                matches!(
-                    answer,
-                    Ok(Reservation::Acquired {
-                        took_over: true,
-                        ..
-                    })
-                ),
-                "{answer:?}"
-            );
-            self.go.notify_one();
-            self.written.notified().await;
+        let (takeover, answer) = self
+            .first
+            .takeover_lets_the_first_write_end(&self.reserves, inner, r)
+            .await;
+        if takeover {
             return Err(StoreError::new(
                 "hooked",
                 "reserve",
@@ -267,14 +281,7 @@ impl Intercept for TakeoverFailsAfterTheWriteEnded {
         answer
     }
     async fn complete(&self, inner: &MemoryStore, c: Completion<'_>) -> Result<Fenced, StoreError> {
-        if self.completes.fetch_add(1, Ordering::SeqCst) == 0 {
-            self.writing.notify_one();
-            self.go.notified().await;
-            let written = inner.complete(c).await;
-            self.written.notify_one();
-            return written;
-        }
-        inner.complete(c).await
+        self.first.complete(inner, c).await
     }
 }
 
@@ -287,7 +294,7 @@ async fn a_failed_takeover_with_a_hook_keeps_the_answer_held_for_the_next_call()
     let store = Hooked::new(TakeoverFailsAfterTheWriteEnded::default());
     let first = failed(&store, "k");
     let retry = async {
-        store.writing.notified().await;
+        store.first.writing.notified().await;
         tokio::time::sleep(Duration::from_millis(500)).await; // lease lapsed
         let failed_takeover = failed(&store, "k").await;
         assert!(
@@ -334,9 +341,7 @@ async fn too_large(store: &dyn Store, key: &str) -> Result<String, Error> {
 /// of the same kind opened after the server's limit changed).
 struct LimitDropsForTheTakeover {
     limit: AtomicUsize,
-    completes: AtomicUsize,
-    writing: Notify,
-    go: Notify,
+    first: FirstWriteHeld,
 }
 
 #[async_trait::async_trait]
@@ -345,11 +350,7 @@ impl Intercept for LimitDropsForTheTakeover {
         self.limit.load(Ordering::SeqCst)
     }
     async fn complete(&self, inner: &MemoryStore, c: Completion<'_>) -> Result<Fenced, StoreError> {
-        if self.completes.fetch_add(1, Ordering::SeqCst) == 0 {
-            self.writing.notify_one();
-            self.go.notified().await;
-        }
-        inner.complete(c).await
+        self.first.complete(inner, c).await
     }
 }
 
@@ -361,13 +362,11 @@ impl Intercept for LimitDropsForTheTakeover {
 async fn a_takeover_whose_store_cannot_take_the_answer_held_keeps_it_for_the_next() {
     let store = Hooked::new(LimitDropsForTheTakeover {
         limit: AtomicUsize::new(1 << 20),
-        completes: AtomicUsize::new(0),
-        writing: Notify::new(),
-        go: Notify::new(),
+        first: FirstWriteHeld::default(),
     });
     let first = too_large(&store, "k");
     let rest = async {
-        store.writing.notified().await;
+        store.first.writing.notified().await;
         tokio::time::sleep(Duration::from_millis(500)).await; // lease lapsed
         store.limit.store(10, Ordering::SeqCst);
         let refused = too_large(&store, "k").await;
@@ -377,7 +376,7 @@ async fn a_takeover_whose_store_cannot_take_the_answer_held_keeps_it_for_the_nex
         );
         store.limit.store(1 << 20, Ordering::SeqCst);
         // The first call's write now finds the record taken over.
-        store.go.notify_one();
+        store.first.go.notify_one();
     };
     let (first, ()) = tokio::time::timeout(LIMIT, async { tokio::join!(first, rest) })
         .await
@@ -399,9 +398,7 @@ async fn a_takeover_whose_store_cannot_take_the_answer_held_keeps_it_for_the_nex
 #[derive(Default)]
 struct KeepWindows {
     limit: AtomicUsize,
-    completes: AtomicUsize,
-    writing: Notify,
-    go: Notify,
+    first: FirstWriteHeld,
     // end-lease interception
     hang_end_lease: AtomicBool,
     pause_after_end_lease: AtomicBool,
@@ -435,11 +432,7 @@ impl Intercept for KeepWindows {
         inner.heartbeat(i, t, lease).await
     }
     async fn complete(&self, inner: &MemoryStore, c: Completion<'_>) -> Result<Fenced, StoreError> {
-        if self.completes.fetch_add(1, Ordering::SeqCst) == 0 {
-            self.writing.notify_one();
-            self.go.notified().await;
-        }
-        inner.complete(c).await
+        self.first.complete(inner, c).await
     }
 }
 
@@ -467,7 +460,7 @@ async fn a_takeover_that_cannot_take_the_answer_dropped_as_it_keeps_the_record_k
     let store = keep_windows();
     let first = drop_in_keep(&store, "k");
     let rest = async {
-        store.intercept.writing.notified().await;
+        store.intercept.first.writing.notified().await;
         tokio::time::sleep(Duration::from_millis(500)).await;
         store.intercept.limit.store(10, Ordering::SeqCst);
         store.intercept.hang_end_lease.store(true, Ordering::SeqCst);
@@ -480,7 +473,7 @@ async fn a_takeover_that_cannot_take_the_answer_dropped_as_it_keeps_the_record_k
             .hang_end_lease
             .store(false, Ordering::SeqCst);
         store.intercept.limit.store(1 << 20, Ordering::SeqCst);
-        store.intercept.go.notify_one();
+        store.intercept.first.go.notify_one();
     };
     let (first, ()) = tokio::time::timeout(LIMIT, async { tokio::join!(first, rest) })
         .await
@@ -518,7 +511,7 @@ async fn the_answer_is_kept_before_the_lease_is_ended() {
     };
     let rest = async {
         let p = &store.intercept;
-        p.writing.notified().await;
+        p.first.writing.notified().await;
         tokio::time::sleep(Duration::from_millis(500)).await;
         p.limit.store(10, Ordering::SeqCst);
         p.pause_after_end_lease.store(true, Ordering::SeqCst);
@@ -526,7 +519,7 @@ async fn the_answer_is_kept_before_the_lease_is_ended() {
         let driver = async {
             p.landed.notified().await;
             p.limit.store(1 << 20, Ordering::SeqCst);
-            p.go.notify_one();
+            p.first.go.notify_one();
             first_done.notified().await;
             let third = with_outcome(keep_order(&store, "k")).await;
             p.resume.notify_one();
@@ -557,19 +550,13 @@ async fn retained(store: &dyn Store, key: &str) -> Result<u32, Error> {
 
 #[derive(Default)]
 struct WriteHangsPastTheTtl {
-    completes: AtomicUsize,
-    writing: Notify,
-    go: Notify,
+    first: FirstWriteHeld,
 }
 
 #[async_trait::async_trait]
 impl Intercept for WriteHangsPastTheTtl {
     async fn complete(&self, inner: &MemoryStore, c: Completion<'_>) -> Result<Fenced, StoreError> {
-        if self.completes.fetch_add(1, Ordering::SeqCst) == 0 {
-            self.writing.notify_one();
-            self.go.notified().await;
-        }
-        inner.complete(c).await
+        self.first.complete(inner, c).await
     }
 }
 
@@ -583,12 +570,12 @@ async fn an_answer_held_is_kept_for_as_long_as_its_record_may_be_taken_over() {
     let store = Hooked::new(WriteHangsPastTheTtl::default());
     let first = retained(&store, "k");
     let rest = async {
-        store.writing.notified().await;
+        store.first.writing.notified().await;
         // Past the lease (3 s) and the ttl counted from the answer (1.5 s),
         // within the record's retention (4.5 s from its reservation).
         tokio::time::sleep(Duration::from_millis(3300)).await;
         let retry = with_outcome(retained(&store, "k")).await;
-        store.go.notify_one();
+        store.first.go.notify_one();
         retry
     };
     let (first, (retry, outcome)) =

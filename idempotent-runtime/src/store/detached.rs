@@ -540,6 +540,18 @@ mod tests {
     use super::*;
     use std::sync::atomic::{AtomicUsize, Ordering};
 
+    /// An answer of a call's body, kept for an hour.
+    fn an_answer() -> crate::store::Answer {
+        crate::store::Answer {
+            outcome: crate::store::StoredOutcome {
+                is_error: false,
+                payload: b"1".to_vec(),
+            },
+            ttl: Duration::from_secs(3600),
+            by: crate::store::AnsweredBy::Body,
+        }
+    }
+
     /// The release happens on the releaser's own runtime even when the runtime
     /// that handed it over is gone, and is tried again while it finds nothing.
     #[test]
@@ -610,14 +622,7 @@ mod tests {
             })
         });
         let id = Identity::new("t", "releaser.test", "k").expect("identity");
-        let answer = crate::store::Answer {
-            outcome: crate::store::StoredOutcome {
-                is_error: false,
-                payload: b"1".to_vec(),
-            },
-            ttl: Duration::from_secs(3600),
-            by: crate::store::AnsweredBy::Body,
-        };
+        let answer = an_answer();
         let far = std::time::Instant::now() + Duration::from_secs(3600);
         with_retries(
             "test",
@@ -668,14 +673,7 @@ mod tests {
             })
         });
         let id = Identity::new("t", "releaser.test", "silent").expect("identity");
-        let answer = crate::store::Answer {
-            outcome: crate::store::StoredOutcome {
-                is_error: false,
-                payload: b"1".to_vec(),
-            },
-            ttl: Duration::from_secs(3600),
-            by: crate::store::AnsweredBy::Body,
-        };
+        let answer = an_answer();
         let far = std::time::Instant::now() + Duration::from_secs(3600);
         let ended = with_retries(
             "test",
@@ -745,14 +743,7 @@ mod tests {
                 fingerprint: Some("v3:recorded-by-the-worker".into()),
             },
         );
-        let answer = crate::store::Answer {
-            outcome: crate::store::StoredOutcome {
-                is_error: false,
-                payload: b"1".to_vec(),
-            },
-            ttl: Duration::from_secs(3600),
-            by: crate::store::AnsweredBy::Body,
-        };
+        let answer = an_answer();
         crate::unrecorded::note(&id, &token, &request, &answer);
         assert!(crate::unrecorded::for_takeover(&id, &request).is_some());
         detached.hand_over(id.clone(), token, Work::Complete(answer), None);
