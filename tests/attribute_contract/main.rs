@@ -24,5 +24,6 @@ mod heartbeat_pool;
 mod legacy_fingerprint;
 mod macro_rules_args;
 mod macro_shapes;
+mod non_finite_in_options;
 mod replay_floats;
 mod transactional;

@@ -1280,3 +1280,68 @@ fn every_error_has_its_status() {
         assert_eq!(r.headers().contains_key("retry-after"), not_final, "{text}");
     }
 }
+// Append to tests/http/http_server.rs (next to
+// `a_request_recorded_as_http1_is_replayed_to_its_retries`).
+
+/// Rules 6, 7 and 22 across versions: a record an earlier version made with
+/// the `http1` form, for *another* request, is a reused key (422, final), not
+/// "recorded by a newer version" (503, retry later): this build knows the
+/// `http1` form, compares by it (the retry of the same request replays, see
+/// above), and a request that differs in both forms is a mismatch. Answering
+/// 503 would have clients retry, for the record's whole ttl, a request that
+/// can never succeed with that key. The record is untouched and nothing runs.
+#[tokio::test]
+async fn another_request_on_an_http1_record_is_a_reused_key_not_retry_later() {
+    use idempotent_runtime::http::request_fingerprint;
+    let store = http_app::sqlite_file().await;
+    let pool = store.pool().clone();
+    let server = TestServer::start(Arc::new(store), |b| b).await;
+    let a = fresh_tenant();
+    let send = |body: &'static str| {
+        let (url, a) = (server.url("/status/201"), a.clone());
+        async move {
+            client()
+                .post(url)
+                .header("content-type", "text/plain")
+                .header("x-account-id", a)
+                .header("idempotency-key", "k-old-other")
+                .body(body)
+                .send()
+                .await
+                .expect("request")
+        }
+    };
+    assert_eq!(send("x").await.status(), 201);
+    let mut headers = axum::http::HeaderMap::new();
+    headers.insert("content-type", "text/plain".parse().unwrap());
+    let current = request_fingerprint(&axum::http::Method::POST, "/status/201", &headers, b"x");
+    let old = current.legacy().expect("an http1 form");
+    assert_eq!(old.version(), "http1");
+    let rewritten =
+        sqlx::query("UPDATE idempotency_records SET fingerprint = ? WHERE fingerprint = ?")
+            .bind(old.as_str())
+            .bind(current.as_str())
+            .execute(&pool)
+            .await
+            .expect("make the record an http1 one")
+            .rows_affected();
+    assert_eq!(rewritten, 1, "the layer stored the http2 fingerprint");
+    // Not 503 `recorded-by-newer-version`: 422 `key-reused`, problem+json.
+    expect_problem(send("y").await, 422, types::KEY_REUSED).await;
+    assert_eq!(
+        server.shop.status_calls.load(Ordering::SeqCst),
+        1,
+        "nothing ran again"
+    );
+    let stored: Option<String> =
+        sqlx::query_scalar("SELECT fingerprint FROM idempotency_records WHERE fingerprint = ?")
+            .bind(old.as_str())
+            .fetch_optional(&pool)
+            .await
+            .expect("read the record");
+    assert_eq!(
+        stored.as_deref(),
+        Some(old.as_str()),
+        "the record is untouched"
+    );
+}

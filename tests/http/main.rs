@@ -11,5 +11,6 @@ mod http_app;
 mod http_client;
 mod http_crash;
 mod http_edges;
+mod http_safe_methods;
 mod http_server;
 mod http_trailers;

@@ -2461,3 +2461,44 @@ fn a_v3_fingerprint_of_equal_sets_ignores_their_order() {
         Some(before.as_str().to_owned())
     );
 }
+// Append to idempotent-runtime/src/fingerprint/tests.rs.
+
+/// Rule 7 across versions: every form this build makes or compares by (`v1`,
+/// `v2`, `v3`, `http1`, `http2`) is a known version. A record of other
+/// arguments in any of them is a mismatch (`FingerprintMismatch`, 422), never
+/// "recorded by a newer version" (`RecordedByNewerVersion`, retry later),
+/// which only a label this build cannot read may say.
+#[test]
+fn every_form_this_build_makes_is_a_known_version() {
+    let digest = "0123456789abcdef".repeat(4);
+    for label in ["v1", "v2", "v3", "http1", "http2"] {
+        assert_eq!(
+            unknown_version(&format!("{label}:{digest}")),
+            None,
+            "{label} is a form this build knows"
+        );
+    }
+    for label in ["v4", "v9", "http3", "http9"] {
+        assert_eq!(
+            unknown_version(&format!("{label}:{digest}")),
+            Some(label),
+            "{label} is a newer build's form"
+        );
+    }
+    // And the labels the builders actually write.
+    let v1 = Fingerprint::of(&7u8).unwrap();
+    let set: std::collections::HashSet<u8> = [1, 2].into_iter().collect();
+    let v2 = Fingerprint::of(&set).unwrap();
+    let mut b = FingerprintBuilder::new();
+    b.argument("v", &7u8);
+    b.counted_since_v3("<Self>", "Repo<User>");
+    let v3 = b.finish().unwrap().unwrap();
+    for (made, label) in [(&v1, "v1"), (&v2, "v2"), (&v3, "v3")] {
+        assert_eq!(made.version(), label);
+        assert_eq!(unknown_version(made.as_str()), None, "{label}");
+    }
+    assert_eq!(
+        v2.legacy().map(|l| l.version().to_owned()).as_deref(),
+        Some("v1")
+    );
+}
