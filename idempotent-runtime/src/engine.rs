@@ -678,7 +678,7 @@ where
         armed: AtomicBool::new(false),
         completing: None,
         keep_for_takeover: spec.recover.is_some(),
-        pins: crate::unrecorded::Pins::for_call(&identity, store, fingerprint.as_ref()),
+        pins: crate::unrecorded::Pins::for_call(&identity, store, fingerprint.as_ref(), spec.lease),
         lease: spec.lease,
     };
     let reserving = Instant::now();
@@ -1226,7 +1226,12 @@ where
     // The answer is kept before the lease is ended: once it has ended, any
     // call of this process may take the record over and look (review).
     if let Some(e) = store_cannot_take(spec, sink, &answer.outcome).await {
-        crate::unrecorded::kept_for_the_next_takeover(identity, &noted_by, request, &answer);
+        crate::unrecorded::kept_for_the_next_takeover(
+            identity,
+            &noted_by,
+            (request, &answer),
+            spec.lease,
+        );
         sink.keep_for_takeover().await;
         return (Err(e.into()), CallOutcome::Failed);
     }

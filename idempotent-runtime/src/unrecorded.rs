@@ -145,6 +145,13 @@ fn sweep_if_due(
     true
 }
 
+/// Until when an answer is kept from `now` for a record kept (or reserved)
+/// with `lease` now: its retention is lease + ttl from then, at most
+/// [`KEPT_FOR_AT_MOST`].
+fn kept_until(now: Instant, answer: &Answer, lease: Duration) -> Instant {
+    now + answer.ttl.saturating_add(lease).min(KEPT_FOR_AT_MOST)
+}
+
 /// [`note_for`] a call whose lease is over (tests).
 #[cfg(test)]
 pub(crate) fn note(identity: &Identity, token: &OwnerToken, request: &Request, answer: &Answer) {
@@ -167,7 +174,7 @@ pub(crate) fn note_for(
     lease: Duration,
 ) {
     let now = Instant::now();
-    let until = now + answer.ttl.saturating_add(lease).min(KEPT_FOR_AT_MOST);
+    let until = kept_until(now, answer, lease);
     let sweep = UNRECORDED
         .notes
         .fetch_add(1, Ordering::Relaxed)
@@ -270,25 +277,31 @@ pub(crate) fn found_taken_over(identity: &Identity, token: &OwnerToken) -> bool 
 /// A takeover could not record the answer `token` noted for `identity` (its
 /// store takes less than the one that noted it: a MySQL store opened before
 /// `max_allowed_packet` changed) and kept the record for the next takeover:
-/// the answer stays until a takeover records it or its time is up. Noted
-/// again (`request`, `answer`) if it was forgotten meanwhile (its write found
-/// the record taken over as this takeover let go of its pins).
+/// the answer stays until a takeover records it or its time is up: as long
+/// as the record it kept (the takeover gave it lease + ttl again, `lease`
+/// being the scope's). Noted again (`request`, `answer`) if it was forgotten
+/// meanwhile (its write found the record taken over as this takeover let go
+/// of its pins).
 pub(crate) fn kept_for_the_next_takeover(
     identity: &Identity,
     token: &OwnerToken,
-    request: &Request,
-    answer: &Answer,
+    (request, answer): (&Request, &Answer),
+    lease: Duration,
 ) {
     let now = Instant::now();
+    let until = kept_until(now, answer, lease);
     let mut answers = UNRECORDED.answers();
     let noted = answers.entry(identity.clone()).or_default();
     match noted.iter_mut().find(|n| &n.token == token) {
-        Some(n) => n.kept = true,
+        Some(n) => {
+            n.kept = true;
+            n.until = n.until.max(until);
+        }
         None => noted.push(Noted {
             token: token.clone(),
             request: request.clone(),
             answer: answer.clone(),
-            until: now + answer.ttl.min(KEPT_FOR_AT_MOST),
+            until,
             recorded_by_takeover: false,
             pins: 0,
             kept: true,
@@ -349,6 +362,9 @@ pub(crate) struct Pins<'a> {
     fingerprint: Option<&'a crate::fingerprint::Fingerprint>,
     /// Boxed: this is part of every store-mode call's future.
     held: Mutex<Option<Box<Pin>>>,
+    /// The scope's lease: a record kept for the next takeover is kept lease
+    /// + ttl from then, and so are its answers ([`keep`](Self::keep)).
+    lease: Duration,
 }
 
 impl<'a> Pins<'a> {
@@ -357,9 +373,11 @@ impl<'a> Pins<'a> {
         identity: &'a Identity,
         store: &dyn crate::Store,
         fingerprint: Option<&'a crate::fingerprint::Fingerprint>,
+        lease: Duration,
     ) -> Self {
         Pins {
             enabled: (!store.records_in_process_memory()).into(),
+            lease,
             ..Pins::new(identity, store.name(), fingerprint)
         }
     }
@@ -376,6 +394,7 @@ impl<'a> Pins<'a> {
             store,
             fingerprint,
             held: Mutex::new(None),
+            lease: Duration::ZERO,
         }
     }
 
@@ -410,7 +429,15 @@ impl<'a> Pins<'a> {
     /// time is up.
     pub(crate) fn keep(&self) {
         if let Some(pin) = self.held().as_ref() {
-            pin.each(|n| n.kept = true);
+            // The record kept may be this call's takeover, whose retention
+            // runs lease + ttl from now: the answers stay as long (review:
+            // they were forgotten first, and a takeover in the record's tail
+            // ran the body again).
+            let now = Instant::now();
+            pin.each(|n| {
+                n.kept = true;
+                n.until = n.until.max(kept_until(now, &n.answer, self.lease));
+            });
         }
     }
 
@@ -539,7 +566,12 @@ mod tests {
         // Its write still under way: kept once that write ends.
         let (id, token) = (identity("kept-while-writing"), OwnerToken::new());
         note(&id, &token, &charge, &answer(b"1", Duration::from_secs(60)));
-        kept_for_the_next_takeover(&id, &token, &charge, &answer(b"1", Duration::from_secs(60)));
+        kept_for_the_next_takeover(
+            &id,
+            &token,
+            (&charge, &answer(b"1", Duration::from_secs(60))),
+            Duration::ZERO,
+        );
         assert!(!found_taken_over(&id, &token));
         assert_eq!(found(&id), Some(b"1".to_vec()), "kept past its write");
         recorded_by_takeover(&id, &token);
@@ -549,7 +581,12 @@ mod tests {
         note(&id, &token, &charge, &answer(b"2", Duration::from_secs(60)));
         assert!(!found_taken_over(&id, &token));
         assert_eq!(found(&id), None, "forgotten: nobody pinned or kept it");
-        kept_for_the_next_takeover(&id, &token, &charge, &answer(b"2", Duration::from_secs(60)));
+        kept_for_the_next_takeover(
+            &id,
+            &token,
+            (&charge, &answer(b"2", Duration::from_secs(60))),
+            Duration::ZERO,
+        );
         assert_eq!(found(&id), Some(b"2".to_vec()), "noted again");
         recorded_by_takeover(&id, &token);
         assert_eq!(

@@ -542,7 +542,7 @@ async fn the_answer_is_kept_before_the_lease_is_ended() {
 static RUNS_6: AtomicUsize = AtomicUsize::new(0);
 
 #[idempotent(scope = "audit.held.retention", key = key, tenant = shared, store = store,
-             in_progress = reject, lease = "3s", ttl = "1500ms")]
+             in_progress = reject, lease = "3s", ttl = "2s")]
 async fn retained(store: &dyn Store, key: &str) -> Result<u32, Error> {
     RUNS_6.fetch_add(1, Ordering::SeqCst);
     Ok(7)
@@ -571,8 +571,8 @@ async fn an_answer_held_is_kept_for_as_long_as_its_record_may_be_taken_over() {
     let first = retained(&store, "k");
     let rest = async {
         store.first.writing.notified().await;
-        // Past the lease (3 s) and the ttl counted from the answer (1.5 s),
-        // within the record's retention (4.5 s from its reservation).
+        // Past the lease (3 s) and the ttl counted from the answer (2 s),
+        // within the record's retention (5 s from its reservation).
         tokio::time::sleep(Duration::from_millis(3300)).await;
         let retry = with_outcome(retained(&store, "k")).await;
         store.first.go.notify_one();
@@ -588,5 +588,81 @@ async fn an_answer_held_is_kept_for_as_long_as_its_record_may_be_taken_over() {
         "rule 3: the body ran again ({first:?}, {retry:?})"
     );
     assert_eq!(retry.expect("the takeover"), 7);
+    assert_eq!(outcome, Some(Outcome::Replayed));
+}
+
+// ---- 7: a record a dropped takeover kept outlives its answer no more
+
+static RUNS_7: AtomicUsize = AtomicUsize::new(0);
+
+#[idempotent(scope = "audit.held.kept_tail", key = key, tenant = shared, store = store,
+             in_progress = reject, lease = "1s", ttl = "3s")]
+async fn kept_tail(store: &dyn Store, key: &str) -> Result<u32, Error> {
+    RUNS_7.fetch_add(1, Ordering::SeqCst);
+    Ok(7)
+}
+
+#[derive(Default)]
+struct TakeoverDroppedAsItLands {
+    first: FirstWriteHeld,
+    reserves: AtomicUsize,
+    landed: Notify,
+}
+
+#[async_trait::async_trait]
+impl Intercept for TakeoverDroppedAsItLands {
+    async fn reserve(
+        &self,
+        inner: &MemoryStore,
+        r: ReserveRequest<'_>,
+    ) -> Result<Reservation, StoreError> {
+        if self.reserves.fetch_add(1, Ordering::SeqCst) == 1 {
+            let _ = inner.reserve(r).await;
+            self.landed.notify_one();
+            std::future::pending::<()>().await;
+        }
+        inner.reserve(r).await
+    }
+    async fn complete(&self, inner: &MemoryStore, c: Completion<'_>) -> Result<Fenced, StoreError> {
+        self.first.complete(inner, c).await
+    }
+}
+
+/// A takeover dropped as it lands keeps the record, whose retention the
+/// takeover renewed (lease + ttl from then): the answer held stays as long,
+/// and a call in the record's tail, past the answer's first time, records
+/// and replays it (review: the answer kept its first time, and that call ran
+/// the body again).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_answer_held_stays_as_long_as_the_record_a_takeover_kept() {
+    let store = Hooked::new(TakeoverDroppedAsItLands::default());
+    let first = kept_tail(&store, "k");
+    let rest = async {
+        store.first.writing.notified().await;
+        let noted = tokio::time::Instant::now();
+        // Past the lease (1 s), within the reservation's retention (4 s).
+        tokio::time::sleep(Duration::from_millis(3000)).await;
+        tokio::select! {
+            answer = kept_tail(&store, "k") => panic!("the takeover answered: {answer:?}"),
+            () = store.landed.notified() => {}
+        }
+        // Dropped as it landed: the record is kept, retained until about
+        // 7 s; the first call's write now finds it taken over.
+        store.first.go.notify_one();
+        // Past the answer's first time (4 s from its note), within the kept
+        // record's retention.
+        tokio::time::sleep_until(noted + Duration::from_millis(5500)).await;
+        with_outcome(kept_tail(&store, "k")).await
+    };
+    let (first, (retry, outcome)) =
+        tokio::time::timeout(LIMIT, async { tokio::join!(first, rest) })
+            .await
+            .expect("bounded");
+    assert_eq!(
+        RUNS_7.load(Ordering::SeqCst),
+        1,
+        "rule 3: the body ran again ({first:?}, {retry:?})"
+    );
+    assert_eq!(retry.expect("the call in the kept record's tail"), 7);
     assert_eq!(outcome, Some(Outcome::Replayed));
 }
