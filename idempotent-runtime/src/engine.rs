@@ -435,7 +435,7 @@ impl Drop for FinishOnDrop<'_> {
             self.pins.refresh();
         }
         if *self.armed.get_mut() && (self.keep_for_takeover || self.pins.holds()) {
-            self.pins.keep();
+            self.pins.keep(self.lease);
             let (identity, token) = (self.identity.clone(), self.token.clone());
             tracing::info!(target: "idempotent", scope = %identity.scope, key = %identity.log_digest(),
                 "call ended without an answer; the store ends the lease of its record (if it has one), \
@@ -678,7 +678,7 @@ where
         armed: AtomicBool::new(false),
         completing: None,
         keep_for_takeover: spec.recover.is_some(),
-        pins: crate::unrecorded::Pins::for_call(&identity, store, fingerprint.as_ref(), spec.lease),
+        pins: crate::unrecorded::Pins::for_call(&identity, store, fingerprint.as_ref()),
         lease: spec.lease,
     };
     let reserving = Instant::now();
@@ -694,7 +694,7 @@ where
         // The reservation failed but may have landed, possibly as a takeover:
         // end its lease (fenced by this call's token; nothing if it never
         // landed) so the next call takes it over at once and asks the hook.
-        guard.pins.keep();
+        guard.pins.keep(guard.lease);
         if end_lease_logged(store, &identity, &token).await == EndedLease::NotOurs {
             // Nothing of this token yet: a statement still in flight may land
             // later, so the store's worker tries again.

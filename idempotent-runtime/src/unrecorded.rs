@@ -42,10 +42,12 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{LazyLock, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-/// How long an answer is kept here at most: as long as the store's worker
-/// tries to record it ([`COMPLETE_TRIED_FOR`](crate::store::detached)), and
-/// never past its record's ttl (an expired record counts as absent: the next
-/// call is a new request).
+/// How long an answer is kept here at most from when it is noted, or from
+/// when a call keeps its record for the next takeover (each keep counts
+/// afresh): as long as the store's worker tries to record it
+/// ([`COMPLETE_TRIED_FOR`](crate::store::detached)), and never past its
+/// record's retention, ttl + lease (an expired record counts as absent: the
+/// next call is a new request).
 const KEPT_FOR_AT_MOST: Duration = Duration::from_secs(3600);
 
 /// How often a note looks at every identity's answers for ones past their
@@ -362,9 +364,6 @@ pub(crate) struct Pins<'a> {
     fingerprint: Option<&'a crate::fingerprint::Fingerprint>,
     /// Boxed: this is part of every store-mode call's future.
     held: Mutex<Option<Box<Pin>>>,
-    /// The scope's lease: a record kept for the next takeover is kept lease
-    /// + ttl from then, and so are its answers ([`keep`](Self::keep)).
-    lease: Duration,
 }
 
 impl<'a> Pins<'a> {
@@ -373,11 +372,9 @@ impl<'a> Pins<'a> {
         identity: &'a Identity,
         store: &dyn crate::Store,
         fingerprint: Option<&'a crate::fingerprint::Fingerprint>,
-        lease: Duration,
     ) -> Self {
         Pins {
             enabled: (!store.records_in_process_memory()).into(),
-            lease,
             ..Pins::new(identity, store.name(), fingerprint)
         }
     }
@@ -394,7 +391,6 @@ impl<'a> Pins<'a> {
             store,
             fingerprint,
             held: Mutex::new(None),
-            lease: Duration::ZERO,
         }
     }
 
@@ -427,7 +423,12 @@ impl<'a> Pins<'a> {
     /// instead of releasing it): the pinned answers stay after their writes
     /// find the record taken over, until a takeover records them or their
     /// time is up.
-    pub(crate) fn keep(&self) {
+    ///
+    /// `lease` is the scope's: the record kept has lease + ttl from now, and
+    /// so have its answers. Not a field: this is part of every store-mode
+    /// call's future, whose size a nested call multiplies (a stack overflow
+    /// in a test of nested calls when it grew).
+    pub(crate) fn keep(&self, lease: Duration) {
         if let Some(pin) = self.held().as_ref() {
             // The record kept may be this call's takeover, whose retention
             // runs lease + ttl from now: the answers stay as long (review:
@@ -436,7 +437,7 @@ impl<'a> Pins<'a> {
             let now = Instant::now();
             pin.each(|n| {
                 n.kept = true;
-                n.until = n.until.max(kept_until(now, &n.answer, self.lease));
+                n.until = n.until.max(kept_until(now, &n.answer, lease));
             });
         }
     }
@@ -721,7 +722,7 @@ mod tests {
         assert!(!found_taken_over(&id, &while_waiting));
         call.refresh();
         assert_eq!(found(), Some(while_waiting.clone()), "still pinned");
-        call.keep();
+        call.keep(Duration::ZERO);
         drop(call.let_go());
         assert_eq!(
             found(),
