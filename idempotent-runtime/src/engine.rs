@@ -414,9 +414,9 @@ struct FinishOnDrop<'a> {
     /// its lease is ended instead: the next call takes it over at once and
     /// asks.
     keep_for_takeover: bool,
-    /// The scope's lease: an answer noted unrecorded is kept for the record's
-    /// retention, which counts its ttl from the end of the lease.
-    lease: Duration,
+    /// The call's scope: an answer noted unrecorded is kept for the record's
+    /// retention, which counts its ttl from the end of the scope's lease.
+    spec: &'static ScopeInfo,
 }
 
 impl FinishOnDrop<'_> {
@@ -435,7 +435,7 @@ impl Drop for FinishOnDrop<'_> {
             self.pins.refresh();
         }
         if *self.armed.get_mut() && (self.keep_for_takeover || self.pins.holds()) {
-            self.pins.keep(self.lease);
+            self.pins.keep(self.spec.lease);
             let (identity, token) = (self.identity.clone(), self.token.clone());
             tracing::info!(target: "idempotent", scope = %identity.scope, key = %identity.log_digest(),
                 "call ended without an answer; the store ends the lease of its record (if it has one), \
@@ -679,7 +679,7 @@ where
         completing: None,
         keep_for_takeover: spec.recover.is_some(),
         pins: crate::unrecorded::Pins::for_call(&identity, store, fingerprint.as_ref()),
-        lease: spec.lease,
+        spec,
     };
     let reserving = Instant::now();
     let reserved = reserve_from(
@@ -694,7 +694,7 @@ where
         // The reservation failed but may have landed, possibly as a takeover:
         // end its lease (fenced by this call's token; nothing if it never
         // landed) so the next call takes it over at once and asks the hook.
-        guard.pins.keep(guard.lease);
+        guard.pins.keep(spec.lease);
         if end_lease_logged(store, &identity, &token).await == EndedLease::NotOurs {
             // Nothing of this token yet: a statement still in flight may land
             // later, so the store's worker tries again.
@@ -1010,7 +1010,13 @@ impl RecordSink for StoreSink<'_, '_> {
             let noted = !store.records_in_process_memory();
             if noted {
                 let request = crate::unrecorded::Request::new(store.name(), self.guard.fingerprint);
-                crate::unrecorded::note_for(identity, token, &request, &answer, self.guard.lease);
+                crate::unrecorded::note_for(
+                    identity,
+                    token,
+                    &request,
+                    &answer,
+                    self.guard.spec.lease,
+                );
             }
             let answer = self.guard.completing.insert(answer);
             let mut written = store.complete(answer.completing(identity, token)).await;
@@ -1222,9 +1228,9 @@ where
     // before the server's limit changed). The record is kept for the next
     // takeover, and so is the answer, as for a recover hook's answer that
     // cannot be recorded: released, the next call would make a new record
-    // and run the body again (unrecorded-answers hunt).
-    // The answer is kept before the lease is ended: once it has ended, any
-    // call of this process may take the record over and look (review).
+    // and run the body again (unrecorded-answers hunt). The answer is kept
+    // before the lease is ended: once it has ended, any call of this process
+    // may take the record over and look (review).
     if let Some(e) = store_cannot_take(spec, sink, &answer.outcome).await {
         crate::unrecorded::kept_for_the_next_takeover(
             identity,

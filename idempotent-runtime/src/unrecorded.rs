@@ -76,6 +76,23 @@ struct Noted {
     write_ended: bool,
 }
 
+impl Noted {
+    /// `answer` to `request`, noted under `token` until `until`: nobody
+    /// pins or kept it yet, and its write is under way.
+    fn new(token: &OwnerToken, request: &Request, answer: &Answer, until: Instant) -> Self {
+        Noted {
+            token: token.clone(),
+            request: request.clone(),
+            answer: answer.clone(),
+            until,
+            recorded_by_takeover: false,
+            pins: 0,
+            kept: false,
+            write_ended: false,
+        }
+    }
+}
+
 /// What identifies a request besides its identity.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Request {
@@ -182,16 +199,7 @@ pub(crate) fn note_for(
         .fetch_add(1, Ordering::Relaxed)
         .is_multiple_of(SWEEP_EVERY);
     // Copied before the lock is taken: an answer may be megabytes.
-    let note = Noted {
-        token: token.clone(),
-        request: request.clone(),
-        answer: answer.clone(),
-        until,
-        recorded_by_takeover: false,
-        pins: 0,
-        kept: false,
-        write_ended: false,
-    };
+    let note = Noted::new(token, request, answer, until);
     let identity = identity.clone();
     let mut answers = UNRECORDED.answers();
     if sweep {
@@ -300,14 +308,9 @@ pub(crate) fn kept_for_the_next_takeover(
             n.until = n.until.max(until);
         }
         None => noted.push(Noted {
-            token: token.clone(),
-            request: request.clone(),
-            answer: answer.clone(),
-            until,
-            recorded_by_takeover: false,
-            pins: 0,
             kept: true,
             write_ended: true,
+            ..Noted::new(token, request, answer, until)
         }),
     }
     UNRECORDED.count.store(answers.len(), Ordering::SeqCst);

@@ -727,6 +727,23 @@ mod tests {
         );
     }
 
+    /// An attempt that sends an answer gets a second more per 256 KiB of it
+    /// (an 8 MiB answer over a slow link never fit in the bound alone).
+    #[test]
+    fn a_large_answer_gets_time_to_cross_the_link() {
+        let mut answer = an_answer();
+        answer.outcome.payload = vec![0; 8 << 20];
+        assert_eq!(
+            transfer_allowance(&Work::Complete(answer)),
+            Duration::from_secs(32)
+        );
+        assert_eq!(
+            transfer_allowance(&Work::Complete(an_answer())),
+            Duration::ZERO
+        );
+        assert_eq!(transfer_allowance(&Work::Release), Duration::ZERO);
+    }
+
     /// A completion the worker recorded is forgotten by `unrecorded`: the
     /// worker says how its write ended (`write_answered`).
     #[test]

@@ -232,38 +232,26 @@ const WORKER_LOCK_TIMEOUT_SQL: &str = "SELECT set_config('lock_timeout', \
           THEN current_setting('lock_timeout') ELSE '10s' END, true)";
 
 /// A fenced write of the store's worker, in a transaction of its own whose
-/// row-lock waits end at 10 s ([`WORKER_LOCK_TIMEOUT_SQL`]); tried again on a
-/// serialization failure as [`in_own_transaction!`] does.
+/// row-lock waits end at 10 s ([`WORKER_LOCK_TIMEOUT_SQL`]), on
+/// [`in_own_transaction!`]'s connection and tries.
 macro_rules! in_worker_transaction {
-    ($pool:expr, $op:literal, |$conn:ident| $write:expr) => {{
-        let pool: &PgPool = $pool;
-        let mut tries = 0;
-        loop {
-            tries += 1;
-            let mut guarded = ClosedIfDropped::acquire(pool).await.map_err(err($op))?;
-            let answer = async {
-                let mut tx = sqlx::Connection::begin(&mut *guarded)
-                    .await
-                    .map_err(err($op))?;
-                sqlx::query(WORKER_LOCK_TIMEOUT_SQL)
-                    .execute(&mut *tx)
-                    .await
-                    .map_err(err($op))?;
-                let done = {
-                    let $conn = &mut *tx;
-                    $write.await?
-                };
-                tx.commit().await.map_err(err($op))?;
-                Ok(done)
-            }
-            .await;
-            guarded.hand_back();
-            match answer {
-                Err(e) if tries < FENCED_WRITE_TRIES && is_serialization_failure(&e) => continue,
-                answer => break answer,
-            }
-        }
-    }};
+    ($pool:expr, $op:literal, |$conn:ident| $write:expr) => {
+        in_own_transaction!($pool, $op, |conn| async {
+            let mut tx = sqlx::Connection::begin(&mut *conn)
+                .await
+                .map_err(err($op))?;
+            sqlx::query(WORKER_LOCK_TIMEOUT_SQL)
+                .execute(&mut *tx)
+                .await
+                .map_err(err($op))?;
+            let done = {
+                let $conn = &mut *tx;
+                $write.await?
+            };
+            tx.commit().await.map_err(err($op))?;
+            Ok::<_, StoreError>(done)
+        })
+    };
 }
 
 /// The worker that finishes dropped calls' records with the store's fenced
