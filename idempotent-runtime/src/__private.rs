@@ -93,8 +93,15 @@ pub fn fingerprint_const<T: serde::Serialize + ?Sized>(
 
 /// Pins the output type of the body's async block to the function's return type,
 /// so `?` inside the body converts errors exactly as in the original function.
-pub fn body<R, F: core::future::Future<Output = R>>(body: F) -> F {
-    body
+///
+/// The body is boxed: the engine's futures move it through several layers
+/// (the call, its span, the heartbeat, the unwind guard), each of which would
+/// otherwise hold a copy of its size. A body holding another call would then
+/// grow each level of nesting several times over, in the future's size and in
+/// the stack its polls take (three levels overflowed a debug build's 2 MiB
+/// worker stack). Boxed, each level adds the same few kilobytes.
+pub fn body<R, F: core::future::Future<Output = R>>(body: F) -> core::pin::Pin<std::boxed::Box<F>> {
+    std::boxed::Box::pin(body)
 }
 /// A value of the type `marker` names, for the generated code's typing
 /// statement (`if false { return never_of(marker); }`, which fixes the body's

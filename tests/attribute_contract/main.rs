@@ -24,6 +24,7 @@ mod heartbeat_pool;
 mod legacy_fingerprint;
 mod macro_rules_args;
 mod macro_shapes;
+mod nested_calls;
 mod non_finite_in_options;
 mod replay_floats;
 mod transactional;
