@@ -27,7 +27,7 @@
 //! the same rules as the macro's, so both accept and refuse the same files.
 //!
 //! `--database-url` may also come from `DATABASE_URL`, which keeps passwords
-//! out of the process list.
+//! out of the process list (`--help` names the variable, never its value).
 //!
 //! ```
 //! # #[tokio::main(flavor = "current_thread")] async fn main() {
@@ -79,7 +79,7 @@ pub enum Command {
     /// leases, expired records not yet purged, orphan scopes.
     Audit {
         /// The store: sqlite:PATH, postgres://..., mysql://... or mariadb://...
-        #[arg(long, env = "DATABASE_URL")]
+        #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
         database_url: String,
         /// The scope manifest whose declared scopes count as claimed.
         /// Default: found as for `scopes`.
@@ -97,7 +97,7 @@ pub enum Command {
     /// Delete expired records now, in batches, until none is left.
     Purge {
         /// The store: sqlite:PATH, postgres://..., mysql://... or mariadb://...
-        #[arg(long, env = "DATABASE_URL")]
+        #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
         database_url: String,
         /// Records deleted per statement.
         #[arg(long, default_value_t = DEFAULT_BATCH, value_parser = clap::value_parser!(u32).range(1..))]
@@ -151,7 +151,7 @@ pub enum Command {
 #[command(group(clap::ArgGroup::new("namespace").args(["tenant", "shared"]).required(true)))]
 pub struct RecordArgs {
     /// The store: sqlite:PATH, postgres://..., mysql://... or mariadb://...
-    #[arg(long, env = "DATABASE_URL")]
+    #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
     pub database_url: String,
     /// The scope, e.g. payments.charge.
     #[arg(long, allow_hyphen_values = true, value_parser = not_an_option)]
@@ -261,6 +261,22 @@ pub enum CliError {
              tables, the application does when it first opens its store"
     )]
     NoIdempotencyTables,
+    /// The database's schema is older than this command's: a migration this
+    /// build knows was never applied there. The command line never changes
+    /// a schema (a read-only `audit` or `inspect` would otherwise apply it,
+    /// with whatever rights its account has, under the application's feet).
+    #[error(
+        "the database --database-url names has an older idempotency schema than this command \
+         (migration {version}, {description:?}, is not applied); this command never changes a \
+         schema: use the command of the version the application runs, or deploy the application \
+         first (its store applies the migrations when it opens)"
+    )]
+    SchemaBehind {
+        /// The first migration the database lacks.
+        version: i64,
+        /// What that migration does.
+        description: String,
+    },
     /// `--tenant ""`: no record has an empty tenant; a record of the shared
     /// namespace (`tenant = shared`) is named with `--shared`.
     #[error("--tenant is empty: name the record's tenant, or pass --shared (instead of --tenant) for a record of the shared namespace (`tenant = shared`)")]
@@ -395,6 +411,8 @@ fn split_attached_values<T: Into<std::ffi::OsString>>(arg: T) -> Vec<std::ffi::O
 /// Opens the store a URL names, as [`connect_url`] does, but never sets a
 /// database up: a SQLite file that does not exist, or a database without the
 /// idempotency records table, is an operator's mistyped URL, not a new store.
+/// Nor does it change a schema: a database whose history lacks a migration
+/// this build knows is refused ([`CliError::SchemaBehind`]).
 /// A server that cannot be reached is reported from the first look, within
 /// [`ACQUIRE_TIMEOUT`](crate::store::ACQUIRE_TIMEOUT), with the reason
 /// (refused, no answer), not looked for a second time by the store.
@@ -403,6 +421,15 @@ async fn open_store(url: &str) -> Result<Arc<dyn Store>, CliError> {
     check_existing_sqlite_file(url)?;
     match holds_records(url).await {
         Probe::Holds(false) => return Err(CliError::NoIdempotencyTables),
+        Probe::Behind(Lacking {
+            version,
+            description,
+        }) => {
+            return Err(CliError::SchemaBehind {
+                version,
+                description: description.to_owned(),
+            });
+        }
         Probe::Unreachable(e) => return Err(crate::Error::Store(e).into()),
         Probe::Holds(true) | Probe::CannotTell => {}
     }
@@ -435,8 +462,11 @@ fn check_existing_sqlite_file(url: &str) -> Result<(), CliError> {
 
 /// What the first look at a database found.
 enum Probe {
-    /// It answered: whether it holds the idempotency records table.
+    /// It answered: whether it holds the idempotency records table (and,
+    /// when it does, every migration this build knows).
     Holds(bool),
+    /// It holds the records table, but its history lacks this migration.
+    Behind(Lacking),
     /// No connection: refused, failed, or no answer within the bound.
     Unreachable(crate::StoreError),
     /// It cannot tell (an in-memory SQLite database, a store this build
@@ -462,7 +492,9 @@ async fn holds_records(url: &str) -> Probe {
         Probe::Unreachable(crate::StoreError::new(store, "connect", why))
     };
     match tokio::time::timeout(bound, read_holds_records(url)).await {
-        Ok(Ok(Some(holds))) => Probe::Holds(holds),
+        Ok(Ok(Some(Look { records, behind }))) => {
+            behind.map_or(Probe::Holds(records), Probe::Behind)
+        }
         Ok(Ok(None)) => Probe::CannotTell,
         Ok(Err(e)) => unreachable(e),
         // A SQLite file is there: its lock is busy (another process writes);
@@ -479,10 +511,54 @@ async fn holds_records(url: &str) -> Probe {
     }
 }
 
+/// What the first look at a database that answered found.
+struct Look {
+    /// Whether it holds the idempotency records table.
+    records: bool,
+    /// The first migration this build knows that the database's history
+    /// lacks (`None` when it lacks none, or its history cannot be read: the
+    /// store's own open then says what is wrong).
+    behind: Option<Lacking>,
+}
+
+/// A migration this build knows that a database's history lacks.
+struct Lacking {
+    /// Its number.
+    version: i64,
+    /// What it does.
+    description: &'static str,
+}
+
+impl Look {
+    /// `None` (cannot tell) when the records table could not be looked for.
+    #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+    fn of(
+        records: Option<bool>,
+        history: Option<Vec<(i64, Vec<u8>)>>,
+        known: &'static [crate::store::migrate::Migration],
+    ) -> Option<Look> {
+        let records = records?;
+        let behind = history
+            .filter(|_| records)
+            .and_then(|applied| crate::store::migrate::pending(&applied, known).ok())
+            .and_then(|pending| {
+                pending.first().map(|m| Lacking {
+                    version: m.version,
+                    description: m.description,
+                })
+            });
+        Some(Look { records, behind })
+    }
+}
+
+/// The migration history's rows, as the stores read it.
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+const READ_HISTORY: &str = "SELECT version, checksum FROM idempotency_schema_migrations";
+
 /// `Err` when no connection could be made; `Ok(None)` when it cannot tell.
 async fn read_holds_records(
     url: &str,
-) -> Result<Option<bool>, Box<dyn std::error::Error + Send + Sync>> {
+) -> Result<Option<Look>, Box<dyn std::error::Error + Send + Sync>> {
     #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
     use sqlx::Connection as _;
     match crate::connect::scheme_of(url).as_str() {
@@ -496,36 +572,53 @@ async fn read_holds_records(
                 return Ok(None);
             }
             let mut conn = sqlx::SqliteConnection::connect_with(&options.read_only(true)).await?;
-            Ok(sqlx::query_scalar(
+            let records = sqlx::query_scalar(
                 "SELECT EXISTS (SELECT 1 FROM sqlite_master \
                   WHERE type = 'table' AND name = 'idempotency_records')",
             )
             .fetch_one(&mut conn)
             .await
-            .ok())
+            .ok();
+            let history = sqlx::query_as(READ_HISTORY).fetch_all(&mut conn).await.ok();
+            Ok(Look::of(records, history, crate::store::migrate::SQLITE))
         }
         #[cfg(feature = "postgres")]
         "postgres" | "postgresql" => {
-            let mut conn = sqlx::PgConnection::connect(url).await?;
-            Ok(
+            use std::str::FromStr;
+            let options = sqlx::postgres::PgConnectOptions::from_str(url)?;
+            let address = format!("{}:{}", options.get_host(), options.get_port());
+            let mut conn = sqlx::PgConnection::connect_with(&options)
+                .await
+                .map_err(|e| crate::store::server::connect_failure("PostgreSQL", &address, &e))?;
+            let records =
                 sqlx::query_scalar("SELECT to_regclass('idempotency_records') IS NOT NULL")
                     .fetch_one(&mut conn)
                     .await
-                    .ok(),
-            )
+                    .ok();
+            let history = sqlx::query_as(READ_HISTORY).fetch_all(&mut conn).await.ok();
+            Ok(Look::of(records, history, crate::store::migrate::POSTGRES))
         }
         #[cfg(feature = "mysql")]
         "mysql" | "mariadb" => {
-            let url = crate::connect::mysql_url(url);
-            let mut conn = sqlx::MySqlConnection::connect(&url).await?;
-            Ok(sqlx::query_scalar::<_, i64>(
+            use std::str::FromStr;
+            let options =
+                sqlx::mysql::MySqlConnectOptions::from_str(&crate::connect::mysql_url(url))?;
+            let address = format!("{}:{}", options.get_host(), options.get_port());
+            let mut conn = sqlx::MySqlConnection::connect_with(&options)
+                .await
+                .map_err(|e| {
+                    crate::store::server::connect_failure("MySQL/MariaDB", &address, &e)
+                })?;
+            let records = sqlx::query_scalar::<_, i64>(
                 "SELECT EXISTS (SELECT 1 FROM information_schema.tables \
                   WHERE table_schema = DATABASE() AND table_name = 'idempotency_records')",
             )
             .fetch_one(&mut conn)
             .await
             .ok()
-            .map(|found| found == 1))
+            .map(|found| found == 1);
+            let history = sqlx::query_as(READ_HISTORY).fetch_all(&mut conn).await.ok();
+            Ok(Look::of(records, history, crate::store::migrate::MYSQL))
         }
         _ => Ok(None),
     }

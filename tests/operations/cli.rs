@@ -523,6 +523,29 @@ fn the_binary_runs_end_to_end() {
         json["retired"]["orders.place_v1"]["reason"],
         "renamed to orders.place"
     );
+
+    // `--help` never shows the password of a URL given through
+    // `DATABASE_URL` (the way to keep it off the process list).
+    for command in ["audit", "purge", "inspect", "release"] {
+        let out = std::process::Command::new(&binary)
+            .args([command, "--help"])
+            .env(
+                "DATABASE_URL",
+                "postgres://app:s3cr3t-pw@db.internal:5432/app",
+            )
+            .output()
+            .expect("the binary runs");
+        let shown = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(shown.contains("DATABASE_URL"), "{command} --help: {shown}");
+        assert!(
+            !shown.contains("s3cr3t-pw") && !shown.contains("db.internal"),
+            "{command} --help shows DATABASE_URL's value: {shown}"
+        );
+    }
 }
 
 use crate::common;
@@ -1199,7 +1222,7 @@ async fn a_server_that_never_answers_is_an_error_not_a_hang() {
     silent.abort();
 }
 
-/// A port nothing listens on is reported as refused, from the first look
+/// A port nothing listens on is reported as refused, naming the address, from the first look
 /// (not as a pool that timed out after a second one).
 #[tokio::test]
 async fn a_server_that_refuses_connections_is_reported_as_refused() {
@@ -1219,6 +1242,10 @@ async fn a_server_that_refuses_connections_is_reported_as_refused() {
         let said = e.to_string().to_lowercase();
         assert!(said.contains("refused"), "{url}: {e}");
         assert!(!said.contains("timed out"), "{url}: {e}");
+        assert!(
+            said.contains(&format!("127.0.0.1:{port}")),
+            "{url}: the error names no address: {e}"
+        );
     }
 }
 
@@ -1275,5 +1302,133 @@ async fn audit_and_inspect_work_on_a_database_they_may_only_read() {
         // The premise: this access really may only read (a purge is refused).
         let purge = run_from(["idempotent", "purge", "--database-url", &url]).await;
         assert!(purge.is_err(), "a purge through {url} was not refused");
+    }
+}
+
+/// A database whose idempotency schema is older than the command's (a
+/// command line newer than the deployed application) is refused, naming the
+/// migration it lacks, and its schema is left as it was: the command line
+/// never changes a schema (an `audit` from a scheduled job, or an `inspect`
+/// by an operator, would otherwise apply the migrations with whatever rights
+/// its account has, under the running application's feet).
+#[tokio::test]
+async fn a_database_with_an_older_schema_is_refused_and_left_as_it_was() {
+    const HISTORY: &str = "idempotency_schema_migrations";
+
+    /// Every command that opens the store is refused, naming the migration.
+    async fn refused_everywhere(url: &str, version: i64) {
+        let dir = Scratch::new();
+        let manifest = dir.file("idempotent.toml", MANIFEST);
+        for command in commands_opening(url, &manifest) {
+            match run_from(command.clone()).await {
+                Err(CliError::SchemaBehind {
+                    version: lacking, ..
+                }) => {
+                    assert_eq!(lacking, version, "{command:?}")
+                }
+                other => panic!("{command:?}: {other:?}"),
+            }
+        }
+    }
+
+    // SQLite: a file whose history lacks its last migration.
+    let dir = Scratch::new();
+    let url = dir.db_url();
+    let store = SqliteStore::connect(&url).await.expect("a store");
+    let newest: i64 = sqlx::query_scalar(&format!("SELECT MAX(version) FROM {HISTORY}"))
+        .fetch_one(store.pool())
+        .await
+        .expect("history");
+    sqlx::query(&format!("DELETE FROM {HISTORY} WHERE version = ?"))
+        .bind(newest)
+        .execute(store.pool())
+        .await
+        .expect("forget the newest migration");
+    refused_everywhere(&url, newest).await;
+    let still_lacking: i64 =
+        sqlx::query_scalar(&format!("SELECT COUNT(*) FROM {HISTORY} WHERE version = ?"))
+            .bind(newest)
+            .fetch_one(store.pool())
+            .await
+            .expect("history");
+    assert_eq!(still_lacking, 0, "the command applied migration {newest}");
+
+    // PostgreSQL: a schema of its own, on the search path.
+    if common::servers::pg_store_or_skip().await.is_some() {
+        let base = common::servers::pg_url();
+        let schema = format!("cli_older_{}", uuid::Uuid::new_v4().simple());
+        let mut admin = <sqlx::PgConnection as sqlx::Connection>::connect(&base)
+            .await
+            .expect("connect");
+        sqlx::query(&format!("CREATE SCHEMA {schema}"))
+            .execute(&mut admin)
+            .await
+            .expect("create schema");
+        let separator = if base.contains('?') { '&' } else { '?' };
+        let url = format!("{base}{separator}options=-c%20search_path%3D{schema}");
+        let store = idempotent_runtime::PgStore::connect(&url)
+            .await
+            .expect("a store in the schema");
+        let newest: i64 =
+            sqlx::query_scalar(&format!("SELECT MAX(version) FROM {schema}.{HISTORY}"))
+                .fetch_one(store.pool())
+                .await
+                .expect("history");
+        sqlx::query(&format!(
+            "DELETE FROM {schema}.{HISTORY} WHERE version = $1"
+        ))
+        .bind(newest)
+        .execute(store.pool())
+        .await
+        .expect("forget the newest migration");
+        refused_everywhere(&url, newest).await;
+        let still_lacking: i64 = sqlx::query_scalar(&format!(
+            "SELECT COUNT(*) FROM {schema}.{HISTORY} WHERE version = $1"
+        ))
+        .bind(newest)
+        .fetch_one(store.pool())
+        .await
+        .expect("history");
+        drop(store);
+        sqlx::query(&format!("DROP SCHEMA {schema} CASCADE"))
+            .execute(&mut admin)
+            .await
+            .expect("drop schema");
+        assert_eq!(still_lacking, 0, "the command applied migration {newest}");
+    }
+
+    // MariaDB: a database of its own.
+    if let Some(admin) = common::servers::mysql_store_or_skip().await {
+        let database = common::servers::mysql_create_database(&admin, "cli_older").await;
+        let (server, _) = common::servers::mysql_url()
+            .rsplit_once('/')
+            .map(|(server, db)| (server.to_owned(), db.to_owned()))
+            .expect("a database in the URL");
+        let url = format!("{server}/{database}");
+        let store = idempotent_runtime::MySqlStore::connect(&url)
+            .await
+            .expect("a store in the database");
+        let newest: i64 = sqlx::query_scalar(&format!("SELECT MAX(version) FROM {HISTORY}"))
+            .fetch_one(store.pool())
+            .await
+            .expect("history");
+        sqlx::query(&format!("DELETE FROM {HISTORY} WHERE version = ?"))
+            .bind(newest)
+            .execute(store.pool())
+            .await
+            .expect("forget the newest migration");
+        refused_everywhere(&url, newest).await;
+        let still_lacking: i64 =
+            sqlx::query_scalar(&format!("SELECT COUNT(*) FROM {HISTORY} WHERE version = ?"))
+                .bind(newest)
+                .fetch_one(store.pool())
+                .await
+                .expect("history");
+        drop(store);
+        sqlx::query(&format!("DROP DATABASE `{database}`"))
+            .execute(admin.pool())
+            .await
+            .expect("drop database");
+        assert_eq!(still_lacking, 0, "the command applied migration {newest}");
     }
 }

@@ -251,7 +251,7 @@ async fn apply_pending(
 
 /// The `migrations` not in the history `applied`, in order; an error when
 /// one that is there was recorded with other contents.
-fn pending<'m>(
+pub(crate) fn pending<'m>(
     applied: &[(i64, Vec<u8>)],
     migrations: &'m [Migration],
 ) -> Result<Vec<&'m Migration>, MigrationError> {

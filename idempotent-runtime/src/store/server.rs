@@ -56,32 +56,32 @@ pub(crate) async fn connect<DB: Database>(
         .acquire_timeout(ACQUIRE_TIMEOUT)
         .connect_with(options)
         .await
-        .map_err(|e| {
-            // The server answered and refused (a database or user it does
-            // not know, a password), or nothing answered in time.
-            let why = match &e {
-                sqlx::Error::Database(_) => "the server refused: check the database name, user \
+        .map_err(|e| StoreError::new(store, "connect", connect_failure(server, &address, &e)))
+}
+
+/// What a failed connection to the `server` at `address` says: sqlx's
+/// error, and what to check.
+pub(crate) fn connect_failure(server: &str, address: &str, e: &sqlx::Error) -> String {
+    // The server answered and refused (a database or user it does
+    // not know, a password), or nothing answered in time.
+    let why = match e {
+        sqlx::Error::Database(_) => "the server refused: check the database name, user \
                      and password in the URL, and the server's state (too many connections, \
                      starting up)"
-                    .to_owned(),
-                sqlx::Error::PoolTimedOut => format!(
-                    "no connection within {ACQUIRE_TIMEOUT:?} (refused, unreachable, too slow, \
+            .to_owned(),
+        sqlx::Error::PoolTimedOut => format!(
+            "no connection within {ACQUIRE_TIMEOUT:?} (refused, unreachable, too slow, \
                      or the server kept refusing new connections: too many connections, \
                      starting up): check the host and port in the URL and that the server is up"
-                ),
-                sqlx::Error::Io(_) => "could not reach or talk to the server: check the host \
+        ),
+        sqlx::Error::Io(_) => "could not reach or talk to the server: check the host \
                      and port in the URL, that the server is up, and its TLS settings"
-                    .to_owned(),
-                _ => "check the URL: its scheme, host and port (a server of the kind it names), \
+            .to_owned(),
+        _ => "check the URL: its scheme, host and port (a server of the kind it names), \
                      and its TLS options"
-                    .to_owned(),
-            };
-            StoreError::new(
-                store,
-                "connect",
-                format!("could not connect to the {server} server at {address}: {e}; {why}"),
-            )
-        })
+            .to_owned(),
+    };
+    format!("could not connect to the {server} server at {address}: {e}; {why}")
 }
 
 /// A store's pools, one per runtime (module docs): the pool the store was
