@@ -1313,8 +1313,6 @@ async fn audit_and_inspect_work_on_a_database_they_may_only_read() {
 /// its account has, under the running application's feet).
 #[tokio::test]
 async fn a_database_with_an_older_schema_is_refused_and_left_as_it_was() {
-    const HISTORY: &str = "idempotency_schema_migrations";
-
     /// Every command that opens the store is refused, naming the migration.
     async fn refused_everywhere(url: &str, version: i64) {
         let dir = Scratch::new();
@@ -1331,27 +1329,46 @@ async fn a_database_with_an_older_schema_is_refused_and_left_as_it_was() {
         }
     }
 
-    // SQLite: a file whose history lacks its last migration.
+    /// Forgets the newest migration in the history of the store on `$pool`
+    /// (`$history`: the table, `$param`: the driver's placeholder), has every
+    /// command refuse `$url`, and asserts the history still lacks it.
+    macro_rules! refused_and_left_as_it_was {
+        ($pool:expr, $history:expr, $param:literal, $url:expr) => {{
+            let newest: i64 = sqlx::query_scalar(&format!("SELECT MAX(version) FROM {}", $history))
+                .fetch_one($pool)
+                .await
+                .expect("history");
+            sqlx::query(&format!(
+                "DELETE FROM {} WHERE version = {}",
+                $history, $param
+            ))
+            .bind(newest)
+            .execute($pool)
+            .await
+            .expect("forget the newest migration");
+            refused_everywhere($url, newest).await;
+            let lacking: i64 = sqlx::query_scalar(&format!(
+                "SELECT COUNT(*) FROM {} WHERE version = {}",
+                $history, $param
+            ))
+            .bind(newest)
+            .fetch_one($pool)
+            .await
+            .expect("history");
+            assert_eq!(
+                lacking, 0,
+                "{}: the command applied migration {newest}",
+                $url
+            );
+        }};
+    }
+    const HISTORY: &str = "idempotency_schema_migrations";
+
+    // SQLite: a file of its own.
     let dir = Scratch::new();
     let url = dir.db_url();
     let store = SqliteStore::connect(&url).await.expect("a store");
-    let newest: i64 = sqlx::query_scalar(&format!("SELECT MAX(version) FROM {HISTORY}"))
-        .fetch_one(store.pool())
-        .await
-        .expect("history");
-    sqlx::query(&format!("DELETE FROM {HISTORY} WHERE version = ?"))
-        .bind(newest)
-        .execute(store.pool())
-        .await
-        .expect("forget the newest migration");
-    refused_everywhere(&url, newest).await;
-    let still_lacking: i64 =
-        sqlx::query_scalar(&format!("SELECT COUNT(*) FROM {HISTORY} WHERE version = ?"))
-            .bind(newest)
-            .fetch_one(store.pool())
-            .await
-            .expect("history");
-    assert_eq!(still_lacking, 0, "the command applied migration {newest}");
+    refused_and_left_as_it_was!(store.pool(), HISTORY, "?", &url);
 
     // PostgreSQL: a schema of its own, on the search path.
     if common::servers::pg_store_or_skip().await.is_some() {
@@ -1369,66 +1386,29 @@ async fn a_database_with_an_older_schema_is_refused_and_left_as_it_was() {
         let store = idempotent_runtime::PgStore::connect(&url)
             .await
             .expect("a store in the schema");
-        let newest: i64 =
-            sqlx::query_scalar(&format!("SELECT MAX(version) FROM {schema}.{HISTORY}"))
-                .fetch_one(store.pool())
-                .await
-                .expect("history");
-        sqlx::query(&format!(
-            "DELETE FROM {schema}.{HISTORY} WHERE version = $1"
-        ))
-        .bind(newest)
-        .execute(store.pool())
-        .await
-        .expect("forget the newest migration");
-        refused_everywhere(&url, newest).await;
-        let still_lacking: i64 = sqlx::query_scalar(&format!(
-            "SELECT COUNT(*) FROM {schema}.{HISTORY} WHERE version = $1"
-        ))
-        .bind(newest)
-        .fetch_one(store.pool())
-        .await
-        .expect("history");
+        refused_and_left_as_it_was!(store.pool(), format!("{schema}.{HISTORY}"), "$1", &url);
         drop(store);
         sqlx::query(&format!("DROP SCHEMA {schema} CASCADE"))
             .execute(&mut admin)
             .await
             .expect("drop schema");
-        assert_eq!(still_lacking, 0, "the command applied migration {newest}");
     }
 
     // MariaDB: a database of its own.
     if let Some(admin) = common::servers::mysql_store_or_skip().await {
         let database = common::servers::mysql_create_database(&admin, "cli_older").await;
-        let (server, _) = common::servers::mysql_url()
-            .rsplit_once('/')
-            .map(|(server, db)| (server.to_owned(), db.to_owned()))
-            .expect("a database in the URL");
-        let url = format!("{server}/{database}");
+        let url = match common::servers::mysql_url().rsplit_once('/') {
+            Some((server, _)) => format!("{server}/{database}"),
+            None => panic!("a database in the URL"),
+        };
         let store = idempotent_runtime::MySqlStore::connect(&url)
             .await
             .expect("a store in the database");
-        let newest: i64 = sqlx::query_scalar(&format!("SELECT MAX(version) FROM {HISTORY}"))
-            .fetch_one(store.pool())
-            .await
-            .expect("history");
-        sqlx::query(&format!("DELETE FROM {HISTORY} WHERE version = ?"))
-            .bind(newest)
-            .execute(store.pool())
-            .await
-            .expect("forget the newest migration");
-        refused_everywhere(&url, newest).await;
-        let still_lacking: i64 =
-            sqlx::query_scalar(&format!("SELECT COUNT(*) FROM {HISTORY} WHERE version = ?"))
-                .bind(newest)
-                .fetch_one(store.pool())
-                .await
-                .expect("history");
+        refused_and_left_as_it_was!(store.pool(), HISTORY, "?", &url);
         drop(store);
         sqlx::query(&format!("DROP DATABASE `{database}`"))
             .execute(admin.pool())
             .await
             .expect("drop database");
-        assert_eq!(still_lacking, 0, "the command applied migration {newest}");
     }
 }
