@@ -2513,3 +2513,180 @@ async fn a_transactional_call_waits_out_a_short_lock_on_an_expired_record() {
     assert_eq!(runs.load(Ordering::SeqCst), 1);
     assert!(seen_waiting, "the call waited for the row");
 }
+
+// ---------------------------------------------------------------- rule 3 / 10: a renewal beats a takeover
+
+/// A takeover that read an expired lease must not overwrite a renewal its
+/// owner committed before the takeover's write got the row: the owner's
+/// heartbeat renewed the lease while the reservation was on its way, so the
+/// record is in progress again and the reservation answers so (rules 3 and
+/// 10). The renewal is committed by a transaction that holds the row while
+/// the reservation's write waits for it (seen in the processlist, not
+/// slept for), as the owner's heartbeat would have been just before it.
+async fn a_renewal_committed_before_the_takeover_writes(via: Via) {
+    let Some(store) = mysql_store_or_skip().await else {
+        return;
+    };
+    let admin = store.pool().clone();
+    let identity = Identity::new(&fresh_tenant(), "mysql_edges.renewed", "k").expect("identity");
+    let f = fp("same");
+    let owner = OwnerToken::new();
+    let got = store
+        .reserve(request(
+            &identity,
+            Some(&f),
+            &owner,
+            Duration::from_millis(1),
+            LONG,
+        ))
+        .await
+        .expect("plant");
+    assert_eq!(got, Reservation::FRESH);
+    until_clock(&store, &identity, |s| {
+        s.lease_expires_at_ms.is_some_and(|l| l <= s.now_ms)
+    })
+    .await;
+
+    // The owner's heartbeat, in a transaction that holds the row.
+    let mut holder = admin.begin().await.expect("holder");
+    let renewed = sqlx::query(
+        "UPDATE idempotency_records
+            SET lease_expires_at = UNIX_TIMESTAMP() * 1000 + 3600000
+          WHERE tenant = ? AND scope = ? AND `key` = ?
+            AND state = 'in_progress' AND owner_token = ?",
+    )
+    .bind(identity.tenant())
+    .bind(identity.scope())
+    .bind(identity.key())
+    .bind(owner.as_str())
+    .execute(&mut *holder)
+    .await
+    .expect("the owner renews");
+    assert_eq!(renewed.rows_affected(), 1);
+
+    let finished = Arc::new(AtomicUsize::new(0));
+    let taker = OwnerToken::new();
+    let (id2, f2, done, token) = (identity.clone(), f.clone(), finished.clone(), taker.clone());
+    let (cid, task) = match via {
+        Via::Store => {
+            let pool = MySqlPoolOptions::new()
+                .max_connections(1)
+                .connect(&mysql_url())
+                .await
+                .expect("pool of one");
+            let own = MySqlStore::from_pool(pool).await.expect("store");
+            let cid = connection_id(own.pool()).await;
+            (
+                cid,
+                tokio::spawn(async move {
+                    let got = own
+                        .reserve(request(&id2, Some(&f2), &token, LONG, LONG))
+                        .await
+                        .expect("reserve through the store");
+                    done.fetch_add(1, Ordering::SeqCst);
+                    got
+                }),
+            )
+        }
+        _ => {
+            let mut conn = admin.acquire().await.expect("connection");
+            let cid = connection_id(&mut *conn).await;
+            (
+                cid,
+                tokio::spawn(async move {
+                    let got = conn
+                        .reserve_in_transaction(request(&id2, Some(&f2), &token, LONG, LONG), WAIT)
+                        .await
+                        .expect("reserve on an autocommit connection");
+                    done.fetch_add(1, Ordering::SeqCst);
+                    got
+                }),
+            )
+        }
+    };
+    until_all_wait_or_finish(&admin, &[cid], &finished).await;
+    holder.commit().await.expect("the renewal commits");
+    let got = task.await.expect("the reservation");
+    assert!(
+        matches!(got, Reservation::InProgress { .. }),
+        "{via:?}: a lease renewed before the takeover wrote is live: {got:?}"
+    );
+    let snap = store
+        .fetch(&identity)
+        .await
+        .expect("fetch")
+        .expect("record");
+    assert_eq!(
+        snap.owner_token.as_deref(),
+        Some(owner.as_str()),
+        "{via:?}: the renewed owner keeps the record"
+    );
+    assert_eq!(snap.attempt, 1, "{via:?}: no takeover was counted");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_lease_renewed_while_a_takeover_waits_for_the_row_is_not_taken_over() {
+    a_renewal_committed_before_the_takeover_writes(Via::Autocommit).await;
+    a_renewal_committed_before_the_takeover_writes(Via::Store).await;
+}
+
+/// Rule 16: an in-progress record whose retention ran out while its lease is
+/// still live is in progress, not absent. The store's own read answers that
+/// before the reservation procedure is called; a reservation inside a
+/// transaction (or on an autocommit connection) asks the procedure itself,
+/// which must answer the same: in progress, never an error and never a
+/// replacement of the live owner's record.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_live_lease_past_its_ttl_is_in_progress_inside_a_transaction() {
+    let Some(store) = mysql_store_or_skip().await else {
+        return;
+    };
+    let admin = store.pool().clone();
+    let identity =
+        Identity::new(&fresh_tenant(), "mysql_edges.ttl_over_lease_live", "k").expect("identity");
+    let f = fp("same");
+    let owner = OwnerToken::new();
+    let got = store
+        .reserve(request(
+            &identity,
+            Some(&f),
+            &owner,
+            LONG,
+            Duration::from_millis(1),
+        ))
+        .await
+        .expect("plant");
+    assert_eq!(got, Reservation::FRESH);
+    until_clock(&store, &identity, |s| s.expires_at_ms <= s.now_ms).await;
+
+    let mut tx = admin.begin().await.expect("begin");
+    let in_tx = tx
+        .reserve_in_transaction(
+            request(&identity, Some(&f), &OwnerToken::new(), LONG, LONG),
+            WAIT,
+        )
+        .await;
+    tx.rollback().await.expect("rollback");
+    let mut conn = admin.acquire().await.expect("connection");
+    let autocommit = conn
+        .reserve_in_transaction(
+            request(&identity, Some(&f), &OwnerToken::new(), LONG, LONG),
+            WAIT,
+        )
+        .await;
+    for (how, got) in [
+        ("in a transaction", in_tx),
+        ("on an autocommit connection", autocommit),
+    ] {
+        assert!(
+            matches!(got, Ok(Reservation::InProgress { .. })),
+            "{how}: a live lease past its ttl is in progress: {got:?}"
+        );
+    }
+    let snap = store
+        .fetch(&identity)
+        .await
+        .expect("fetch")
+        .expect("record");
+    assert_eq!(snap.owner_token.as_deref(), Some(owner.as_str()));
+}

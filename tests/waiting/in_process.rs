@@ -486,3 +486,61 @@ async fn sqlite_a_store_mode_duplicate_waits_for_a_transactional_owner_past_the_
         "the duplicate's body did not run"
     );
 }
+
+/// Rule 4 with the clock paused: the duplicate is woken by the completion
+/// (or the release) itself, not by its wait bound running out. Every step
+/// here is in process (memory store), so the paused clock moves only when
+/// every task waits: a duplicate that is not woken sleeps to its 10 s bound,
+/// which moves the clock 10 s on; one that is woken answers at the moment of
+/// the change. (The reservation count of the tests above cannot tell the two
+/// apart: a waiter that sleeps to its bound reserves twice, as a woken one
+/// does.)
+async fn answered_at_the_change(fail: bool) {
+    let store = Counting::new(MemoryStore::new());
+    let tenant = tenant();
+    let holder_gate = if fail {
+        Gate::failing()
+    } else {
+        Gate::default()
+    };
+    let dup_gate = Gate::open();
+    let holder = held(&store, &tenant, "k", &holder_gate);
+    let duplicate = async {
+        holder_gate.started().await;
+        let answer = held(&store, &tenant, "k", &dup_gate).await;
+        (answer, tokio::time::Instant::now())
+    };
+    let release = async {
+        holder_gate.started().await;
+        store.waited(1).await;
+        tokio::time::sleep(HOLD).await;
+        holder_gate.go.notify_one();
+        tokio::time::Instant::now()
+    };
+    let (held_answer, (answer, answered_at), changed_at) = tokio::join!(holder, duplicate, release);
+    assert_eq!(held_answer.is_err(), fail, "the holder's own answer");
+    assert_eq!(answer.expect("the duplicate's answer"), 7);
+    assert_eq!(
+        dup_gate.runs.load(Ordering::SeqCst),
+        usize::from(fail),
+        "the duplicate runs only when the holder released"
+    );
+    // Paused clock: 0 when woken by the change, about 9.6 s when the
+    // duplicate slept to its 10 s bound.
+    let after = answered_at.saturating_duration_since(changed_at);
+    assert!(
+        after < Duration::from_secs(1),
+        "the duplicate answered {after:?} after the holder's {} (paused clock): it was not woken by it",
+        if fail { "release" } else { "completion" }
+    );
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn memory_a_waiting_duplicate_answers_at_the_completion_not_at_its_bound() {
+    answered_at_the_change(false).await;
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn memory_a_waiting_duplicate_answers_at_the_release_not_at_its_bound() {
+    answered_at_the_change(true).await;
+}

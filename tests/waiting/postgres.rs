@@ -511,3 +511,82 @@ async fn an_ended_lease_notifies_the_waiters_and_a_renewal_does_not() {
     .expect("the lease");
     assert!(lease_left <= 0, "the lease ended: {lease_left} ms left");
 }
+
+/// A release (the owner's error, `errors = release`) and an operator's
+/// release delete a record a duplicate waits for: each notifies the waiters
+/// (the delete trigger), so they reserve again at once instead of at the end
+/// of their wait slice. (`a_waiting_duplicate_is_woken_by_a_release_and_acquires`
+/// counts reservations, which a duplicate that sleeps to its slice does not
+/// exceed: this looks at the notification itself.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_and_an_operator_release_notify_the_waiters() {
+    let Some(store) = pg_store_or_skip().await else {
+        return;
+    };
+    let tenant = fresh_tenant();
+    let mut listener = sqlx::postgres::PgListener::connect(&pg_url())
+        .await
+        .expect("listener");
+    listener
+        .listen("idempotency_records")
+        .await
+        .expect("listen");
+    for operator in [false, true] {
+        let key = if operator {
+            "operator-released"
+        } else {
+            "released"
+        };
+        let identity = Identity::new(&tenant, "waiting.pg.charge", key).expect("identity");
+        let token = OwnerToken::new();
+        let held = store
+            .reserve(ReserveRequest {
+                identity: &identity,
+                fingerprint: None,
+                token: &token,
+                lease: Duration::from_secs(30),
+                ttl: Duration::from_secs(3600),
+            })
+            .await
+            .expect("the owner reserves");
+        assert!(matches!(held, Reservation::Acquired { .. }), "{held:?}");
+        sqlx::query(
+            "UPDATE idempotency_records SET waiting = TRUE \
+             WHERE tenant = $1 AND scope = $2 AND key = $3",
+        )
+        .bind(identity.tenant())
+        .bind(identity.scope())
+        .bind(identity.key())
+        .execute(store.pool())
+        .await
+        .expect("a waiter's mark");
+        if operator {
+            let released = store
+                .force_release(&identity, false)
+                .await
+                .expect("the operator releases");
+            assert!(
+                matches!(released, idempotent_runtime::ForcedRelease::Released { .. }),
+                "{released:?}"
+            );
+        } else {
+            assert_eq!(
+                store.release(&identity, &token).await.expect("release"),
+                Fenced::Written
+            );
+        }
+        let watched = wait_key(&identity);
+        // A guard against a hang, not a timing assertion: without the
+        // notification nothing else would arrive for this key.
+        tokio::time::timeout(Duration::from_secs(20), async {
+            loop {
+                let n = listener.recv().await.expect("a notification");
+                if n.payload() == watched {
+                    return;
+                }
+            }
+        })
+        .await
+        .unwrap_or_else(|_| panic!("the {key} record's delete notified nobody"));
+    }
+}

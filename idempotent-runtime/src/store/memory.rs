@@ -695,6 +695,10 @@ mod tests {
             ("ts", "", "k"),
             ("t", "sk", ""),
             ("t", "s", "kk"),
+            // Same lengths, other bytes: each part is compared, not only measured.
+            ("u", "s", "k"),
+            ("t", "z", "k"),
+            ("t", "s", "j"),
         ];
         let ids: Vec<Identity> = parts
             .iter()
