@@ -262,18 +262,24 @@ pub enum CliError {
     )]
     NoIdempotencyTables,
     /// The database's schema is older than this command's: a migration this
-    /// build knows was never applied there. The command line never changes
-    /// a schema (a read-only `audit` or `inspect` would otherwise apply it,
-    /// with whatever rights its account has, under the application's feet).
+    /// build knows was never applied there (or its migration history could
+    /// not be read). The command line never changes a schema (a read-only
+    /// `audit` or `inspect` would otherwise apply it, with whatever rights
+    /// its account has, under the application's feet).
     #[error(
         "the database --database-url names has an older idempotency schema than this command \
-         (migration {version}, {description:?}, is not applied); this command never changes a \
-         schema: use the command of the version the application runs, or deploy the application \
-         first (its store applies the migrations when it opens)"
+         ({}); this command never changes a schema: use the command of the version the \
+         application runs, or deploy the application first (its store applies the migrations \
+         when it opens)",
+        match .version {
+            Some(version) => format!("migration {version}, {:?}, is not applied", .description),
+            None => .description.clone(),
+        }
     )]
     SchemaBehind {
-        /// The first migration the database lacks.
-        version: i64,
+        /// The first migration the database lacks; `None` when its history
+        /// could not be read (`description` then says why).
+        version: Option<i64>,
         /// What that migration does.
         description: String,
     },
@@ -421,19 +427,48 @@ async fn open_store(url: &str) -> Result<Arc<dyn Store>, CliError> {
     check_existing_sqlite_file(url)?;
     match holds_records(url).await {
         Probe::Holds(false) => return Err(CliError::NoIdempotencyTables),
-        Probe::Behind(Lacking {
-            version,
-            description,
-        }) => {
-            return Err(CliError::SchemaBehind {
-                version,
-                description: description.to_owned(),
-            });
-        }
         Probe::Unreachable(e) => return Err(crate::Error::Store(e).into()),
         Probe::Holds(true) | Probe::CannotTell => {}
     }
-    Ok(connect_url(url).await?)
+    #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+    let opened = crate::store::migrate::only_checking(connect_url(url)).await;
+    #[cfg(not(any(feature = "sqlite", feature = "postgres", feature = "mysql")))]
+    let opened = connect_url(url).await;
+    opened.map_err(schema_behind_or_connect)
+}
+
+/// [`CliError::SchemaBehind`] when the store's open found migrations this
+/// build ships missing from the database (or could not read its history),
+/// otherwise the connect error as it is.
+fn schema_behind_or_connect(e: ConnectError) -> CliError {
+    #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+    {
+        use crate::store::migrate::MigrationError;
+        let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(&e);
+        while let Some(error) = cause {
+            match error.downcast_ref::<MigrationError>() {
+                Some(MigrationError::NotApplied {
+                    version,
+                    description,
+                }) => {
+                    return CliError::SchemaBehind {
+                        version: Some(*version),
+                        description: description.clone(),
+                    };
+                }
+                Some(MigrationError::HistoryUnreadable) => {
+                    return CliError::SchemaBehind {
+                        version: None,
+                        description: "its migration history could not be read: no \
+                                      idempotency_schema_migrations table, or no right to read it"
+                            .to_owned(),
+                    };
+                }
+                _ => cause = error.source(),
+            }
+        }
+    }
+    CliError::Connect(e)
 }
 
 /// A `sqlite:` URL must name a file that exists (or `:memory:`).
@@ -462,11 +497,8 @@ fn check_existing_sqlite_file(url: &str) -> Result<(), CliError> {
 
 /// What the first look at a database found.
 enum Probe {
-    /// It answered: whether it holds the idempotency records table (and,
-    /// when it does, every migration this build knows).
+    /// It answered: whether it holds the idempotency records table.
     Holds(bool),
-    /// It holds the records table, but its history lacks this migration.
-    Behind(Lacking),
     /// No connection: refused, failed, or no answer within the bound.
     Unreachable(crate::StoreError),
     /// It cannot tell (an in-memory SQLite database, a store this build
@@ -492,9 +524,7 @@ async fn holds_records(url: &str) -> Probe {
         Probe::Unreachable(crate::StoreError::new(store, "connect", why))
     };
     match tokio::time::timeout(bound, read_holds_records(url)).await {
-        Ok(Ok(Some(Look { records, behind }))) => {
-            behind.map_or(Probe::Holds(records), Probe::Behind)
-        }
+        Ok(Ok(Some(holds))) => Probe::Holds(holds),
         Ok(Ok(None)) => Probe::CannotTell,
         Ok(Err(e)) => unreachable(e),
         // A SQLite file is there: its lock is busy (another process writes);
@@ -511,54 +541,10 @@ async fn holds_records(url: &str) -> Probe {
     }
 }
 
-/// What the first look at a database that answered found.
-struct Look {
-    /// Whether it holds the idempotency records table.
-    records: bool,
-    /// The first migration this build knows that the database's history
-    /// lacks (`None` when it lacks none, or its history cannot be read: the
-    /// store's own open then says what is wrong).
-    behind: Option<Lacking>,
-}
-
-/// A migration this build knows that a database's history lacks.
-struct Lacking {
-    /// Its number.
-    version: i64,
-    /// What it does.
-    description: &'static str,
-}
-
-impl Look {
-    /// `None` (cannot tell) when the records table could not be looked for.
-    #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
-    fn of(
-        records: Option<bool>,
-        history: Option<Vec<(i64, Vec<u8>)>>,
-        known: &'static [crate::store::migrate::Migration],
-    ) -> Option<Look> {
-        let records = records?;
-        let behind = history
-            .filter(|_| records)
-            .and_then(|applied| crate::store::migrate::pending(&applied, known).ok())
-            .and_then(|pending| {
-                pending.first().map(|m| Lacking {
-                    version: m.version,
-                    description: m.description,
-                })
-            });
-        Some(Look { records, behind })
-    }
-}
-
-/// The migration history's rows, as the stores read it.
-#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
-const READ_HISTORY: &str = "SELECT version, checksum FROM idempotency_schema_migrations";
-
 /// `Err` when no connection could be made; `Ok(None)` when it cannot tell.
 async fn read_holds_records(
     url: &str,
-) -> Result<Option<Look>, Box<dyn std::error::Error + Send + Sync>> {
+) -> Result<Option<bool>, Box<dyn std::error::Error + Send + Sync>> {
     #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
     use sqlx::Connection as _;
     match crate::connect::scheme_of(url).as_str() {
@@ -579,8 +565,7 @@ async fn read_holds_records(
             .fetch_one(&mut conn)
             .await
             .ok();
-            let history = sqlx::query_as(READ_HISTORY).fetch_all(&mut conn).await.ok();
-            Ok(Look::of(records, history, crate::store::migrate::SQLITE))
+            Ok(records)
         }
         #[cfg(feature = "postgres")]
         "postgres" | "postgresql" => {
@@ -595,8 +580,7 @@ async fn read_holds_records(
                     .fetch_one(&mut conn)
                     .await
                     .ok();
-            let history = sqlx::query_as(READ_HISTORY).fetch_all(&mut conn).await.ok();
-            Ok(Look::of(records, history, crate::store::migrate::POSTGRES))
+            Ok(records)
         }
         #[cfg(feature = "mysql")]
         "mysql" | "mariadb" => {
@@ -617,8 +601,7 @@ async fn read_holds_records(
             .await
             .ok()
             .map(|found| found == 1);
-            let history = sqlx::query_as(READ_HISTORY).fetch_all(&mut conn).await.ok();
-            Ok(Look::of(records, history, crate::store::migrate::MYSQL))
+            Ok(records)
         }
         _ => Ok(None),
     }

@@ -1313,8 +1313,9 @@ async fn audit_and_inspect_work_on_a_database_they_may_only_read() {
 /// its account has, under the running application's feet).
 #[tokio::test]
 async fn a_database_with_an_older_schema_is_refused_and_left_as_it_was() {
-    /// Every command that opens the store is refused, naming the migration.
-    async fn refused_everywhere(url: &str, version: i64) {
+    /// Every command that opens the store is refused, naming the migration
+    /// (`None`: the history could not be read).
+    async fn refused_everywhere(url: &str, version: Option<i64>) {
         let dir = Scratch::new();
         let manifest = dir.file("idempotent.toml", MANIFEST);
         for command in commands_opening(url, &manifest) {
@@ -1331,9 +1332,11 @@ async fn a_database_with_an_older_schema_is_refused_and_left_as_it_was() {
 
     /// Forgets the newest migration in the history of the store on `$pool`
     /// (`$history`: the table, `$param`: the driver's placeholder), has every
-    /// command refuse `$url`, and asserts the history still lacks it.
+    /// command refuse `$url`, and asserts the history still lacks it. Then
+    /// the history goes (`$forget`: a statement; a database set up before
+    /// it, or restored without it): refused again, and no history is made.
     macro_rules! refused_and_left_as_it_was {
-        ($pool:expr, $history:expr, $param:literal, $url:expr) => {{
+        ($pool:expr, $history:expr, $param:literal, $url:expr, $forget:expr) => {{
             let newest: i64 = sqlx::query_scalar(&format!("SELECT MAX(version) FROM {}", $history))
                 .fetch_one($pool)
                 .await
@@ -1346,7 +1349,7 @@ async fn a_database_with_an_older_schema_is_refused_and_left_as_it_was() {
             .execute($pool)
             .await
             .expect("forget the newest migration");
-            refused_everywhere($url, newest).await;
+            refused_everywhere($url, Some(newest)).await;
             let lacking: i64 = sqlx::query_scalar(&format!(
                 "SELECT COUNT(*) FROM {} WHERE version = {}",
                 $history, $param
@@ -1360,6 +1363,16 @@ async fn a_database_with_an_older_schema_is_refused_and_left_as_it_was() {
                 "{}: the command applied migration {newest}",
                 $url
             );
+            sqlx::query(&$forget)
+                .execute($pool)
+                .await
+                .expect("forget the history");
+            refused_everywhere($url, None).await;
+            let history: Result<i64, _> =
+                sqlx::query_scalar(&format!("SELECT COUNT(*) FROM {}", $history))
+                    .fetch_one($pool)
+                    .await;
+            assert!(history.is_err(), "{}: the command made a history", $url);
         }};
     }
     const HISTORY: &str = "idempotency_schema_migrations";
@@ -1368,7 +1381,13 @@ async fn a_database_with_an_older_schema_is_refused_and_left_as_it_was() {
     let dir = Scratch::new();
     let url = dir.db_url();
     let store = SqliteStore::connect(&url).await.expect("a store");
-    refused_and_left_as_it_was!(store.pool(), HISTORY, "?", &url);
+    refused_and_left_as_it_was!(
+        store.pool(),
+        HISTORY,
+        "?",
+        &url,
+        format!("ALTER TABLE {HISTORY} RENAME TO _idempotent_migrations")
+    );
 
     // PostgreSQL: a schema of its own, on the search path.
     if common::servers::pg_store_or_skip().await.is_some() {
@@ -1386,7 +1405,13 @@ async fn a_database_with_an_older_schema_is_refused_and_left_as_it_was() {
         let store = idempotent_runtime::PgStore::connect(&url)
             .await
             .expect("a store in the schema");
-        refused_and_left_as_it_was!(store.pool(), format!("{schema}.{HISTORY}"), "$1", &url);
+        refused_and_left_as_it_was!(
+            store.pool(),
+            format!("{schema}.{HISTORY}"),
+            "$1",
+            &url,
+            format!("DROP TABLE {schema}.{HISTORY}")
+        );
         drop(store);
         sqlx::query(&format!("DROP SCHEMA {schema} CASCADE"))
             .execute(&mut admin)
@@ -1404,11 +1429,68 @@ async fn a_database_with_an_older_schema_is_refused_and_left_as_it_was() {
         let store = idempotent_runtime::MySqlStore::connect(&url)
             .await
             .expect("a store in the database");
-        refused_and_left_as_it_was!(store.pool(), HISTORY, "?", &url);
+        refused_and_left_as_it_was!(
+            store.pool(),
+            HISTORY,
+            "?",
+            &url,
+            format!("DROP TABLE {HISTORY}")
+        );
         drop(store);
         sqlx::query(&format!("DROP DATABASE `{database}`"))
             .execute(admin.pool())
             .await
             .expect("drop database");
     }
+}
+
+/// The command line leaves a SQLite file's journal mode as it found it:
+/// the stores switch a file to WAL when they open it, a change of the file
+/// an `audit` must not make.
+#[tokio::test]
+async fn a_sqlite_file_keeps_its_journal_mode() {
+    let dir = Scratch::new();
+    let url = dir.db_url();
+    let store = SqliteStore::connect(&url).await.expect("a store");
+    store.pool().close().await;
+    drop(store);
+    let mut conn = <sqlx::SqliteConnection as sqlx::Connection>::connect(&url)
+        .await
+        .expect("connect");
+    // The store's connections close on their own threads: the switch is
+    // refused as locked until the last has (bounded).
+    let mut tries = 0;
+    let mode: String = loop {
+        match sqlx::query_scalar("PRAGMA journal_mode = DELETE")
+            .fetch_one(&mut conn)
+            .await
+        {
+            Err(e) if e.to_string().contains("locked") && tries < 200 => {
+                tries += 1;
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            other => break other.expect("journal mode"),
+        }
+    };
+    assert_eq!(mode, "delete");
+    let manifest = dir.file("idempotent.toml", MANIFEST);
+    for command in commands_opening(&url, &manifest) {
+        match run_from(command.clone()).await {
+            Ok(_) | Err(CliError::NoRecord { .. }) => {}
+            Err(e) => panic!("{command:?}: {e}"),
+        }
+    }
+    drop(conn);
+    // A new connection reads the mode from the file.
+    let mut conn = <sqlx::SqliteConnection as sqlx::Connection>::connect(&url)
+        .await
+        .expect("connect");
+    let mode: String = sqlx::query_scalar("PRAGMA journal_mode")
+        .fetch_one(&mut conn)
+        .await
+        .expect("journal mode");
+    assert_eq!(
+        mode, "delete",
+        "the command switched the file's journal mode"
+    );
 }

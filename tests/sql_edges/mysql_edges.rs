@@ -2528,7 +2528,7 @@ async fn a_renewal_committed_before_the_takeover_writes(via: Via) {
         return;
     };
     let admin = store.pool().clone();
-    let identity = Identity::new(&fresh_tenant(), "mysql_edges.renewed", "k").expect("identity");
+    let identity = Identity::new(fresh_tenant(), "mysql_edges.renewed", "k").expect("identity");
     let f = fp("same");
     let owner = OwnerToken::new();
     let got = store
@@ -2643,7 +2643,7 @@ async fn a_live_lease_past_its_ttl_is_in_progress_inside_a_transaction() {
     };
     let admin = store.pool().clone();
     let identity =
-        Identity::new(&fresh_tenant(), "mysql_edges.ttl_over_lease_live", "k").expect("identity");
+        Identity::new(fresh_tenant(), "mysql_edges.ttl_over_lease_live", "k").expect("identity");
     let f = fp("same");
     let owner = OwnerToken::new();
     let got = store

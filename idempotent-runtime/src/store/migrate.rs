@@ -54,9 +54,50 @@ pub enum MigrationError {
          check for a process stuck while opening the store, then retry"
     )]
     LockTimeout,
+    /// The database's history lacks a migration this build ships, and the
+    /// store was opened to look, not to migrate (the command line).
+    #[error(
+        "idempotency migration {version} ({description}) is not applied to this database, and \
+         this open never applies one"
+    )]
+    NotApplied {
+        /// The first migration the history lacks.
+        version: i64,
+        /// What it does.
+        description: String,
+    },
+    /// The migration history could not be read, and the store was opened
+    /// to look, not to migrate (the command line).
+    #[error(
+        "the idempotency migration history ({HISTORY_TABLE}) could not be read: the database was \
+         set up by an older version (open it with the application first), or this account may \
+         not read that table"
+    )]
+    HistoryUnreadable,
     /// The database refused a statement.
     #[error("{0}")]
     Database(#[from] sqlx::Error),
+}
+
+tokio::task_local! {
+    /// Set around a store's open that must look and never migrate.
+    static ONLY_CHECK: ();
+}
+
+/// Runs `open` (a store's `connect`) so that its migrations are checked and
+/// never applied: a history lacking one is
+/// [`MigrationError::NotApplied`], one that cannot be read
+/// [`MigrationError::HistoryUnreadable`], and nothing is written (SQLite's
+/// switch to WAL is skipped too). For the command line, which never changes
+/// a schema.
+#[cfg(feature = "cli")]
+pub(crate) async fn only_checking<F: std::future::Future>(open: F) -> F::Output {
+    ONLY_CHECK.scope((), open).await
+}
+
+/// Whether the store being opened must only check its migrations.
+pub(crate) fn only_check() -> bool {
+    ONLY_CHECK.try_with(|_| ()).is_ok()
 }
 
 /// One migration a store ships: its file under `migrations/<backend>/`,
@@ -222,7 +263,18 @@ pub(crate) async fn run(
     backend: &mut impl MigrationBackend,
     migrations: &[Migration],
 ) -> Result<(), MigrationError> {
-    if let Some(applied) = backend.applied_without_lock().await
+    let unlocked = backend.applied_without_lock().await;
+    if only_check() {
+        let applied = unlocked.ok_or(MigrationError::HistoryUnreadable)?;
+        return match pending(&applied, migrations)?.first() {
+            None => Ok(()),
+            Some(m) => Err(MigrationError::NotApplied {
+                version: m.version,
+                description: m.description.to_owned(),
+            }),
+        };
+    }
+    if let Some(applied) = unlocked
         && pending(&applied, migrations)?.is_empty()
     {
         return Ok(());

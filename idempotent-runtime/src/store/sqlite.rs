@@ -572,9 +572,18 @@ impl SqliteStore {
             // processes doing the same, before the pool opens its connections
             // (which then find the file in WAL mode and need no switch).
             let file = options.get_filename().display().to_string();
-            let wal = switch_to_wal(&mut first, &file)
-                .await
-                .map_err(err("switch the database to WAL journaling"))?;
+            let wal = if super::migrate::only_check() {
+                // Opened to look (the command line): the file stays as it is.
+                sqlx::query_scalar::<_, String>("PRAGMA journal_mode")
+                    .fetch_one(&mut first)
+                    .await
+                    .map_err(err("read the journal mode"))?
+                    .eq_ignore_ascii_case("wal")
+            } else {
+                switch_to_wal(&mut first, &file)
+                    .await
+                    .map_err(err("switch the database to WAL journaling"))?
+            };
             if !wal && synchronous == Synchronous::Normal {
                 // NORMAL is only safe from corruption in WAL mode.
                 tracing::warn!(target: "idempotent", file,
