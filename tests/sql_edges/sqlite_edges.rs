@@ -1705,6 +1705,227 @@ async fn a_call_dropped_while_its_busy_timeout_is_cut_leaves_the_pool_as_it_was(
     remove(&path);
 }
 
+// ------------------ a call dropped while its reservation waits for a connection
+
+/// Which of a pool's acquires the hooks below hold up: each acquire (an idle
+/// connection handed out, `before_acquire`, or a new one opened,
+/// `after_connect`) takes the next step of the script, and goes through
+/// once the script has run out. An acquire held up can be told apart when
+/// its connection comes back to the pool (`after_release`).
+#[derive(Default)]
+struct AcquireScript {
+    /// `None`: let the acquire through.
+    steps: std::sync::Mutex<std::collections::VecDeque<Option<Arc<HeldAcquire>>>>,
+    /// The connection (its `sqlite3` handle's address) whose return to the
+    /// pool is waited for, and who to wake then.
+    returned: std::sync::Mutex<Option<(usize, Arc<tokio::sync::Notify>)>>,
+}
+
+/// One acquire held up: `reached` is woken once it is held; it goes on
+/// when `go` gets a permit.
+struct HeldAcquire {
+    reached: tokio::sync::Notify,
+    go: tokio::sync::Semaphore,
+    /// Its connection's `sqlite3` handle (address).
+    handle: std::sync::Mutex<Option<usize>>,
+}
+
+impl AcquireScript {
+    fn hold_next(&self) -> Arc<HeldAcquire> {
+        let held = Arc::new(HeldAcquire {
+            reached: tokio::sync::Notify::new(),
+            go: tokio::sync::Semaphore::new(0),
+            handle: std::sync::Mutex::new(None),
+        });
+        self.steps.lock().unwrap().push_back(Some(held.clone()));
+        held
+    }
+
+    fn pass_next(&self) {
+        self.steps.lock().unwrap().push_back(None);
+    }
+
+    /// Woken when the connection `held` was given comes back to the pool.
+    fn notify_when_returned(&self, held: &HeldAcquire) -> Arc<tokio::sync::Notify> {
+        let handle = held.handle.lock().unwrap().expect("the acquire was held");
+        let notify = Arc::new(tokio::sync::Notify::new());
+        *self.returned.lock().unwrap() = Some((handle, notify.clone()));
+        notify
+    }
+
+    async fn acquiring(&self, conn: &mut SqliteConnection) -> Result<(), sqlx::Error> {
+        let step = self.steps.lock().unwrap().pop_front().flatten();
+        if let Some(held) = step {
+            let handle = conn.lock_handle().await?.as_raw_handle().as_ptr() as usize;
+            *held.handle.lock().unwrap() = Some(handle);
+            held.reached.notify_one();
+            held.go.acquire().await.expect("never closed").forget();
+        }
+        Ok(())
+    }
+
+    async fn released(&self, conn: &mut SqliteConnection) -> Result<(), sqlx::Error> {
+        let handle = conn.lock_handle().await?.as_raw_handle().as_ptr() as usize;
+        let mut returned = self.returned.lock().unwrap();
+        if returned
+            .as_ref()
+            .is_some_and(|(watched, _)| *watched == handle)
+        {
+            if let Some((_, notify)) = returned.take() {
+                notify.notify_one();
+            }
+        }
+        Ok(())
+    }
+}
+
+#[idempotent(scope = "sqlite_edges.landing_late", key = key, tenant = tenant, store = store,
+             skip(runs), lease = "1h", in_progress = reject)]
+async fn charge_landing_late(
+    store: &dyn Store,
+    tenant: &str,
+    key: &str,
+    runs: &AtomicUsize,
+) -> Result<u32, Error> {
+    runs.fetch_add(1, Ordering::SeqCst);
+    Ok(7)
+}
+
+/// Rule 14: a call dropped while its reservation is in flight leaves the key
+/// free, however late the reservation lands. On a multi-threaded runtime the
+/// reservation runs in a task of its own, to its end whatever its caller
+/// does: it waits for the write turn, then for a pool connection (up to the
+/// pool's `acquire_timeout`, here 2 minutes), then for SQLite's lock. The
+/// dropped call's release, which found nothing, gave up after its schedule
+/// (about 9 s): a reservation landing later stayed in progress under the
+/// dead call's token, and every retry was refused with `InProgress` for the
+/// whole lease (an hour here).
+///
+/// Handshakes, never sleeps: the pool's hooks hold up chosen acquires and
+/// say when they are held. Another write of the store takes the write turn
+/// and is held in its acquire; the call's reservation reads (its acquire
+/// goes through), is seen queued for the turn (its trace event) in its own
+/// task, and, once the other write is let go, is held in its acquire, turn
+/// taken. The call is dropped; the store's work for it is waited for (its
+/// release's search on the schedule, each try waiting at most the busy
+/// timeout, 1 s, for the turn: over well within `SEARCH_OVER`); the
+/// reservation is let go and lands (its connection comes back to the pool).
+/// The record must then be released, and a retry run the body.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reservation_that_lands_after_its_call_was_dropped_is_released() {
+    use std::str::FromStr;
+    const BUSY: Duration = Duration::from_secs(1);
+    const SEARCH_OVER: Duration = Duration::from_secs(15);
+    const BOUND: Duration = Duration::from_secs(60);
+    async fn within<T>(what: &str, future: impl std::future::Future<Output = T>) -> T {
+        tokio::time::timeout(BOUND, future)
+            .await
+            .unwrap_or_else(|_| panic!("{what}: not within {BOUND:?}"))
+    }
+    let path = fresh_path();
+    let script = Arc::new(AcquireScript::default());
+    let (before, after, back) = (script.clone(), script.clone(), script.clone());
+    let options = SqliteConnectOptions::from_str(&url(&path))
+        .expect("url")
+        .create_if_missing(true)
+        .journal_mode(sqlx::sqlite::SqliteJournalMode::Wal)
+        .busy_timeout(BUSY);
+    let pool = SqlitePoolOptions::new()
+        .max_connections(2)
+        .acquire_timeout(Duration::from_secs(120))
+        .before_acquire(move |conn, _| {
+            let script = before.clone();
+            Box::pin(async move { script.acquiring(conn).await.map(|()| true) })
+        })
+        .after_connect(move |conn, _| {
+            let script = after.clone();
+            Box::pin(async move { script.acquiring(conn).await })
+        })
+        .after_release(move |conn, _| {
+            let script = back.clone();
+            Box::pin(async move { script.released(conn).await.map(|()| true) })
+        })
+        .connect_with(options)
+        .await
+        .expect("pool");
+    let store = Arc::new(SqliteStore::from_pool(pool).await.expect("store"));
+    let tenant = fresh_tenant();
+    let id = Identity::new(&tenant, "sqlite_edges.landing_late", "k").expect("identity");
+    let queued = capture::notify_on(&[
+        "sqlite: waiting for the write turn",
+        "sqlite_edges.landing_late",
+    ]);
+
+    // The other write's acquire, the reservation's read, then its write.
+    let other_write = script.hold_next();
+    script.pass_next();
+    let reservation = script.hold_next();
+    let writing = {
+        let store = store.clone();
+        let other = Identity::new(&tenant, "sqlite_edges.other", "o").expect("identity");
+        tokio::spawn(async move { store.release(&other, &OwnerToken::new()).await })
+    };
+    within(
+        "another write takes the turn and waits for a connection",
+        other_write.reached.notified(),
+    )
+    .await;
+    let runs = Arc::new(AtomicUsize::new(0));
+    let call = {
+        let (store, tenant, runs) = (store.clone(), tenant.clone(), runs.clone());
+        tokio::spawn(async move { charge_landing_late(&*store, &tenant, "k", &runs).await })
+    };
+    within(
+        "the call's reservation queues for the turn, in a task of its own",
+        queued.notified(),
+    )
+    .await;
+    other_write.go.add_permits(1);
+    let found = within("the other write ends", writing)
+        .await
+        .expect("its task")
+        .expect("the other write");
+    assert!(!found.is_written(), "the other write's token owns nothing");
+    within(
+        "the reservation, its turn taken, waits for a connection",
+        reservation.reached.notified(),
+    )
+    .await;
+    call.abort();
+    assert!(call.await.is_err(), "the call was dropped mid-reservation");
+    // The worker's search for the record is over (or, searching on, it
+    // still waits: either way the reservation lands after the schedule).
+    let _ = store.finish_background_work(SEARCH_OVER).await;
+
+    let landed = script.notify_when_returned(&reservation);
+    reservation.go.add_permits(1);
+    within(
+        "the reservation lands and gives its connection back",
+        landed.notified(),
+    )
+    .await;
+    let left = store.finish_background_work(BOUND).await;
+    assert_eq!(
+        left, 0,
+        "the store's work for the dropped call did not finish"
+    );
+    let record = store.fetch(&id).await.expect("fetch");
+    let retry = charge_landing_late(&*store, &tenant, "k", &runs).await;
+    assert!(
+        record.is_none(),
+        "the dropped call's reservation, landed late, stays in progress under its token \
+         ({record:?}); a retry: {retry:?}"
+    );
+    assert_eq!(retry.expect("a retry runs the body"), 7);
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        1,
+        "the body ran once, for the retry"
+    );
+    drop(store);
+    remove(&path);
+}
+
 #[idempotent(scope = "sqlite_edges.charge_reject", key = key, tenant = tenant, tx = tx,
              lease = "30s", in_progress = reject)]
 async fn charge_reject(

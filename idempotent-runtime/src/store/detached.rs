@@ -18,6 +18,10 @@
 //!   it can never free someone else's record) is tried again over
 //!   [`RETRY_AFTER`], and for as long as a statement of the store may wait
 //!   for locks before it lands ([`Detached::statements_land_within`]).
+//!   SQLite's reservation, which runs to its end in a task of its own, is
+//!   waited for instead: the store's write for the worker waits until it
+//!   has ended, however long it waited for the write turn, a connection and
+//!   the lock, before the first attempt.
 //! * **complete** — the call was dropped while recording its result, or the
 //!   recording failed (a connection cut): the body has run, so freeing the key
 //!   would let a retry run it again. The result is recorded instead (fenced by
@@ -206,7 +210,8 @@ impl Detached {
     /// most): a dropped call's release searches for its record at least that
     /// long, so a statement landing after [`RETRY_AFTER`]'s attempts is still
     /// released. The longest bound given so far holds (a store's clones share
-    /// the worker). Only PostgreSQL's statements wait past the default.
+    /// the worker). Only PostgreSQL's statements wait past the default
+    /// (SQLite's worker waits for the dropped call's reservation itself).
     #[cfg(feature = "postgres")]
     pub(crate) fn statements_land_within(&self, bound: Duration) {
         let ms = u64::try_from(bound.as_millis()).unwrap_or(u64::MAX);

@@ -616,7 +616,9 @@ pub trait Store: Send + Sync {
     /// not wait for that). A release of a call dropped while its reservation
     /// was in flight is tried for about 9 s while it finds nothing (the
     /// reservation may still land), so give `within` that much when such
-    /// drops are likely. The default
+    /// drops are likely (on SQLite, on a multi-threaded runtime, the release
+    /// first waits for that reservation to end: up to the busy timeout and
+    /// the pool's `acquire_timeout` more). The default
     /// returns 0 at once: a store that finishes such work before
     /// `release_detached` returns (the memory store) has nothing to wait for.
     /// A store that wraps another must forward this call (as `Arc<S>` and

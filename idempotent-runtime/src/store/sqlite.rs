@@ -16,7 +16,10 @@
 //! in SQLite's busy handler (nor hold pool connections while they queue).
 //! On a multi-threaded runtime each write takes its turn in a task of its
 //! own (`beside_the_caller`), so a call future kept alive but no longer
-//! polled never keeps the turn from the process's other writes.
+//! polled never keeps the turn from the process's other writes. A
+//! reservation goes on there when its call is dropped, and the dropped
+//! call's release waits for it to end before it looks for the record
+//! (`Reserving`).
 //!
 //! Durability is chosen with [`Synchronous`] (FULL by default); see
 //! [`SqliteStore::builder`].
@@ -485,6 +488,9 @@ pub struct SqliteStore {
     /// This process's waiting duplicates, woken by this store's completions
     /// and releases.
     waiters: Arc<Waiters>,
+    /// The reservations under way in a task of their own, which the release
+    /// of a call dropped meanwhile waits for.
+    reserving: Arc<Reserving>,
     /// An in-memory database opened by [`connect`](Self::connect): one
     /// connection of the store's own, outside the pool, that keeps the
     /// database alive exactly as long as the store (a shared-cache in-memory
@@ -727,6 +733,7 @@ impl SqliteStore {
         };
         let write_gate = WriteGate::new(millis_to_duration(busy_timeout));
         let waiters = Arc::new(Waiters::default());
+        let reserving = Arc::new(Reserving::default());
         let detached = {
             use super::detached::{Detached, Work};
             // A file database: the worker's own small pool, with the store
@@ -740,7 +747,8 @@ impl SqliteStore {
             // worker uses the store's pool.
             let own_options = pool.options().clone().max_connections(2).min_connections(0);
             let (connect_options, stores_pool) = (pool.connect_options(), pool.clone());
-            let (write_gate, waiters) = (write_gate.clone(), waiters.clone());
+            let (write_gate, waiters, reserving) =
+                (write_gate.clone(), waiters.clone(), reserving.clone());
             Detached::new(
                 STORE,
                 Box::new(move || {
@@ -750,9 +758,18 @@ impl SqliteStore {
                         own_options.connect_lazy_with((*connect_options).clone())
                     };
                     Arc::new(move |identity, token, work| {
-                        let (pool, write_gate, waiters) =
-                            (pool.clone(), write_gate.clone(), waiters.clone());
+                        let (pool, write_gate, waiters, reserving) = (
+                            pool.clone(),
+                            write_gate.clone(),
+                            waiters.clone(),
+                            reserving.clone(),
+                        );
                         Box::pin(async move {
+                            if matches!(work, Work::Release | Work::EndLease) {
+                                // The dropped call's reservation may still
+                                // be under way, and land after any search.
+                                reserving.ended(&token).await;
+                            }
                             let done = {
                                 let _turn = write_gate.take().await;
                                 match work {
@@ -784,6 +801,7 @@ impl SqliteStore {
             write_gate,
             detached: Arc::new(detached),
             waiters,
+            reserving,
             _keeps_in_memory_database: keeper.map(|k| Arc::new(std::sync::Mutex::new(k))),
             in_memory,
         })
@@ -915,6 +933,75 @@ async fn shared_in_memory(
          connection would open a database of its own, empty; name a file \
          (`sqlite://path/to/app.db`) or use a shared in-memory database (`sqlite::memory:`)",
     ))
+}
+
+/// A store's reservations under way in a task of their own
+/// ([`beside_the_caller`]), by owner token. Such a reservation goes on when
+/// its call is dropped, and may land long after: it waits for the write
+/// turn (up to the busy timeout), for a pool connection (up to the pool's
+/// `acquire_timeout`, sqlx's default 30 s, once per connection found inside
+/// a transaction), then for SQLite's lock. The dropped call's release (or
+/// end of lease), made by the background worker, waits here for it to end
+/// before it looks for the record: on its schedule alone the release gave up
+/// after about 9 s, and a reservation landing later stayed in progress under
+/// the dropped call's token, every retry refused until its lease ran out.
+/// (On a current-thread runtime the reservation runs in the caller's future
+/// and ends with it: nothing to wait for.)
+#[derive(Debug, Default)]
+struct Reserving {
+    by_token: std::sync::Mutex<HashMap<OwnerToken, tokio::sync::watch::Receiver<()>>>,
+}
+
+impl Reserving {
+    fn by_token(
+        &self,
+    ) -> std::sync::MutexGuard<'_, HashMap<OwnerToken, tokio::sync::watch::Receiver<()>>> {
+        // Only single inserts and removals: a poisoned map is still usable.
+        self.by_token
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// `token`'s reservation is under way until the answer is dropped.
+    fn begins(self: &Arc<Self>, token: &OwnerToken) -> UnderWay {
+        let (ended, running) = tokio::sync::watch::channel(());
+        self.by_token().insert(token.clone(), running);
+        UnderWay {
+            reserving: self.clone(),
+            token: token.clone(),
+            ended,
+        }
+    }
+
+    /// Returns once `token`'s reservation, if one is under way, has ended.
+    async fn ended(&self, token: &OwnerToken) {
+        let running = self.by_token().get(token).cloned();
+        if let Some(mut running) = running {
+            // Nothing is ever sent: this answers (an error) when the
+            // reservation's `UnderWay` is dropped.
+            let _ = running.changed().await;
+        }
+    }
+}
+
+/// A reservation under way ([`Reserving::begins`]); its end when dropped.
+struct UnderWay {
+    reserving: Arc<Reserving>,
+    token: OwnerToken,
+    ended: tokio::sync::watch::Sender<()>,
+}
+
+impl Drop for UnderWay {
+    fn drop(&mut self) {
+        let mut by_token = self.reserving.by_token();
+        if by_token
+            .get(&self.token)
+            .is_some_and(|running| running.same_channel(&self.ended.subscribe()))
+        {
+            by_token.remove(&self.token);
+        }
+        // `ended` is dropped next, waking the release waiting for it.
+    }
 }
 
 /// This process's turn to write: writes queue here rather than spin in
@@ -1615,7 +1702,11 @@ impl Store for SqliteStore {
         let fingerprint = request.fingerprint.cloned();
         let (lease, ttl) = (request.lease, request.ttl);
         let sent = std::time::Instant::now();
+        let under_way = self.reserving.begins(request.token);
         let answer = beside_the_caller(OP, async move {
+            // Declared first, dropped last: the reservation has ended (its
+            // statement landed or failed) once this is gone.
+            let _under_way = under_way;
             let queued = tokio::time::Instant::now();
             let (turn, mut conn) = match gate.try_take() {
                 Some(turn) => {
