@@ -456,11 +456,11 @@ fn schema_behind_or_connect(e: ConnectError) -> CliError {
                         description: description.clone(),
                     };
                 }
-                Some(MigrationError::HistoryUnreadable) => {
+                Some(MigrationError::NoHistory) => {
                     return CliError::SchemaBehind {
                         version: None,
-                        description: "its migration history could not be read: no \
-                                      idempotency_schema_migrations table, or no right to read it"
+                        description: "it has no migration history table, \
+                                      idempotency_schema_migrations"
                             .to_owned(),
                     };
                 }

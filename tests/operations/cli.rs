@@ -1494,3 +1494,63 @@ async fn a_sqlite_file_keeps_its_journal_mode() {
         "the command switched the file's journal mode"
     );
 }
+
+/// An account that may read the records but not the migration history is
+/// told what the database said (no right to read that table), not that the
+/// schema is older than the command: the schema is complete, and deploying
+/// the application would change nothing.
+#[tokio::test]
+async fn an_account_that_may_not_read_the_history_is_told_so() {
+    const READER: &str = "idempotent_records_only";
+    let dir = Scratch::new();
+    let manifest = dir.file("idempotent.toml", MANIFEST);
+    let mut urls = Vec::new();
+    if let Some(store) = common::servers::pg_store_or_skip().await {
+        // Roles are the cluster's: made once, granted again each run.
+        let _ = sqlx::query(&format!("CREATE ROLE {READER} LOGIN"))
+            .execute(store.pool())
+            .await;
+        sqlx::query(&format!("GRANT SELECT ON idempotency_records TO {READER}"))
+            .execute(store.pool())
+            .await
+            .expect("grant");
+        let url = common::servers::pg_url();
+        let (scheme, rest) = url.split_once("://").expect("a postgres:// URL");
+        let host = rest.rsplit_once('@').map_or(rest, |(_, host)| host);
+        urls.push(format!("{scheme}://{READER}@{host}"));
+    }
+    if let Some(store) = common::servers::mysql_store_or_skip().await {
+        let database: String = sqlx::query_scalar("SELECT DATABASE()")
+            .fetch_one(store.pool())
+            .await
+            .expect("the test database's name");
+        sqlx::query(&format!("CREATE USER IF NOT EXISTS '{READER}'@'%'"))
+            .execute(store.pool())
+            .await
+            .expect("create user");
+        sqlx::query(&format!(
+            "GRANT SELECT ON `{database}`.idempotency_records TO '{READER}'@'%'"
+        ))
+        .execute(store.pool())
+        .await
+        .expect("grant");
+        let url = common::servers::mysql_url();
+        let (scheme, rest) = url.split_once("://").expect("a mysql:// URL");
+        let host = rest.rsplit_once('@').map_or(rest, |(_, host)| host);
+        urls.push(format!("{scheme}://{READER}@{host}"));
+    }
+    for url in urls {
+        let e = audit_json(&url, &manifest)
+            .await
+            .expect_err("the history may not be read");
+        assert!(
+            !matches!(e, CliError::SchemaBehind { .. }),
+            "{url}: a complete schema reported as older: {e}"
+        );
+        let said = e.to_string().to_lowercase();
+        assert!(
+            said.contains("denied") && said.contains("check migrations"),
+            "{url}: {e}"
+        );
+    }
+}

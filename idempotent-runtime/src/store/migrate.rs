@@ -66,14 +66,13 @@ pub enum MigrationError {
         /// What it does.
         description: String,
     },
-    /// The migration history could not be read, and the store was opened
-    /// to look, not to migrate (the command line).
+    /// The database has no migration history table, and the store was
+    /// opened to look, not to migrate (the command line).
     #[error(
-        "the idempotency migration history ({HISTORY_TABLE}) could not be read: the database was \
-         set up by an older version (open it with the application first), or this account may \
-         not read that table"
+        "the database has no idempotency migration history ({HISTORY_TABLE}): it was set up by an \
+         older version; open it with the application first"
     )]
-    HistoryUnreadable,
+    NoHistory,
     /// The database refused a statement.
     #[error("{0}")]
     Database(#[from] sqlx::Error),
@@ -86,13 +85,24 @@ tokio::task_local! {
 
 /// Runs `open` (a store's `connect`) so that its migrations are checked and
 /// never applied: a history lacking one is
-/// [`MigrationError::NotApplied`], one that cannot be read
-/// [`MigrationError::HistoryUnreadable`], and nothing is written (SQLite's
+/// [`MigrationError::NotApplied`], a missing one
+/// [`MigrationError::NoHistory`] (one that cannot be read, the database's
+/// error), and nothing is written (SQLite's
 /// switch to WAL is skipped too). For the command line, which never changes
 /// a schema.
 #[cfg(feature = "cli")]
 pub(crate) async fn only_checking<F: std::future::Future>(open: F) -> F::Output {
     ONLY_CHECK.scope((), open).await
+}
+
+/// The migration step's name in a store's errors: "check migrations" when
+/// the open only checks them, else "apply migrations".
+pub(crate) fn operation() -> &'static str {
+    if only_check() {
+        "check migrations"
+    } else {
+        "apply migrations"
+    }
 }
 
 /// Whether the store being opened must only check its migrations.
@@ -191,16 +201,17 @@ pub(crate) trait MigrationBackend: Send {
     /// Lets go of the lock: commits what was done when `done`, otherwise
     /// rolls back what can be rolled back.
     async fn unlock(&mut self, done: bool) -> Result<(), sqlx::Error>;
-    /// The history, read *without* the migration lock; `None` (the default)
-    /// when the backend cannot read it so. A database found up to date is
+    /// The history, read *without* the migration lock; `Ok(None)` when
+    /// there is no history table (the default: the backend cannot read it
+    /// so), an error when it could not be read. A database found up to date is
     /// neither locked nor changed: opening it takes no lock others wait for
     /// (SQLite's is the database's only write lock, which an application
     /// transaction that writes holds) and runs no DDL (a read-only session,
     /// a read-only user or a standby opens it, as the command line's
     /// `audit` and `inspect` need). One with anything pending (or no
     /// history yet) is migrated under the lock.
-    async fn applied_without_lock(&mut self) -> Option<Vec<(i64, Vec<u8>)>> {
-        None
+    async fn applied_without_lock(&mut self) -> Result<Option<Vec<(i64, Vec<u8>)>>, sqlx::Error> {
+        Ok(None)
     }
 }
 
@@ -265,7 +276,9 @@ pub(crate) async fn run(
 ) -> Result<(), MigrationError> {
     let unlocked = backend.applied_without_lock().await;
     if only_check() {
-        let applied = unlocked.ok_or(MigrationError::HistoryUnreadable)?;
+        // A history that could not be read says why (no right to read it:
+        // the database's own error).
+        let applied = unlocked?.ok_or(MigrationError::NoHistory)?;
         return match pending(&applied, migrations)?.first() {
             None => Ok(()),
             Some(m) => Err(MigrationError::NotApplied {
@@ -274,7 +287,7 @@ pub(crate) async fn run(
             }),
         };
     }
-    if let Some(applied) = unlocked
+    if let Ok(Some(applied)) = unlocked
         && pending(&applied, migrations)?.is_empty()
     {
         return Ok(());

@@ -178,7 +178,7 @@ impl MySqlStore {
             max_allowed_packet,
         } = migrate(&pool)
             .await
-            .map_err(|e| StoreError::new(STORE, "apply migrations", e))?;
+            .map_err(|e| StoreError::new(STORE, migrate::operation(), e))?;
         if reads_uncommitted(&isolation) {
             return Err(StoreError::new(STORE, "open", READ_UNCOMMITTED_REFUSED).into());
         }
@@ -484,15 +484,21 @@ impl migrate::MigrationBackend for MigrationConnection {
     /// is opened without a lock and without DDL (a read-only user or server
     /// opens it). A history row is written after its migration's last
     /// statement, so it never names a migration that is not all there.
-    /// `None` when there is no history table yet, or the read failed (the
-    /// locked run reports what is wrong). The read is followed by a
+    /// `Ok(None)` when there is no history table yet (an error: the locked
+    /// run reports what is wrong). The read is followed by a
     /// `ROLLBACK`: on a session with autocommit off it would otherwise keep
     /// its snapshot, and the history read again under the lock would miss
     /// what another process migrated meanwhile.
-    async fn applied_without_lock(&mut self) -> Option<Vec<(i64, Vec<u8>)>> {
-        let applied = self.applied().await.ok();
-        self.0.execute("ROLLBACK").await.ok()?;
-        applied
+    async fn applied_without_lock(&mut self) -> Result<Option<Vec<(i64, Vec<u8>)>>, sqlx::Error> {
+        let applied = self.applied().await;
+        self.0.execute("ROLLBACK").await?;
+        match applied {
+            // ER_NO_SUCH_TABLE
+            Err(e) if e.as_database_error().and_then(|d| d.code()).as_deref() == Some("42S02") => {
+                Ok(None)
+            }
+            applied => applied.map(Some),
+        }
     }
 
     async fn execute(&mut self, sql: &str) -> Result<(), sqlx::Error> {

@@ -135,7 +135,7 @@ impl PgStore {
     pub async fn from_pool(pool: PgPool) -> Result<Self, Error> {
         migrate(&pool)
             .await
-            .map_err(|e| StoreError::new(STORE, "apply migrations", e))?;
+            .map_err(|e| StoreError::new(STORE, migrate::operation(), e))?;
         let detached = background_worker(&pool);
         detached.statements_land_within(reservation_lands_within(DEFAULT_LOCK_WAIT));
         Ok(PgStore {
@@ -355,22 +355,20 @@ impl migrate::MigrationBackend for MigrationTransaction {
     /// whose history is complete is opened without a lock and without DDL
     /// (a read-only session or a hot standby opens it). The migrations and
     /// their history rows commit in one transaction, so the history never
-    /// names a migration that is not all there. `None` when there is no
-    /// history table yet, or the read failed (the locked run reports what is
-    /// wrong).
-    async fn applied_without_lock(&mut self) -> Option<Vec<(i64, Vec<u8>)>> {
+    /// names a migration that is not all there. `Ok(None)` when there is
+    /// no history table yet (an error: the locked run reports what is wrong).
+    async fn applied_without_lock(&mut self) -> Result<Option<Vec<(i64, Vec<u8>)>>, sqlx::Error> {
         let exists: bool =
             sqlx::query_scalar("SELECT to_regclass('idempotency_schema_migrations') IS NOT NULL")
                 .fetch_one(&self.pool)
-                .await
-                .ok()?;
+                .await?;
         if !exists {
-            return None;
+            return Ok(None);
         }
         sqlx::query_as("SELECT version, checksum FROM idempotency_schema_migrations")
             .fetch_all(&self.pool)
             .await
-            .ok()
+            .map(Some)
     }
 
     async fn create_history(&mut self) -> Result<(), sqlx::Error> {

@@ -544,7 +544,8 @@ impl SqliteStore {
     async fn open(url: &str, synchronous: Synchronous) -> Result<Self, Error> {
         let mut options = SqliteConnectOptions::from_str(url)
             .map_err(|e| StoreError::new(STORE, "parse the connection URL", e))?
-            .create_if_missing(true)
+            // Opened only to look (the command line): never a new file.
+            .create_if_missing(!super::migrate::only_check())
             .busy_timeout(BUSY_TIMEOUT)
             .synchronous(synchronous.sqlx());
         let mut first: sqlx::SqliteConnection = sqlx::Connection::connect_with(&options)
@@ -1457,7 +1458,7 @@ async fn migrate(pool: &SqlitePool) -> Result<(), StoreError> {
     };
     super::migrate::run(&mut backend, super::migrate::SQLITE)
         .await
-        .map_err(|e| StoreError::new(STORE, "apply migrations", e))
+        .map_err(|e| StoreError::new(STORE, super::migrate::operation(), e))
 }
 
 /// The migration runner's view of SQLite: one `BEGIN IMMEDIATE` transaction
@@ -1534,13 +1535,22 @@ impl super::migrate::MigrationBackend for MigrationTransaction {
 
     /// A plain read on the pool (in WAL mode it never waits for a writer; a
     /// rollback-journal pool of the user's may wait its busy timeout);
-    /// `None` when there is no history table yet, or the read failed (the
-    /// locked run reports what is wrong).
-    async fn applied_without_lock(&mut self) -> Option<Vec<(i64, Vec<u8>)>> {
+    /// `Ok(None)` when there is no history table yet (an error: the locked
+    /// run reports what is wrong).
+    async fn applied_without_lock(&mut self) -> Result<Option<Vec<(i64, Vec<u8>)>>, sqlx::Error> {
+        let exists: bool = sqlx::query_scalar(
+            "SELECT EXISTS (SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?1)",
+        )
+        .bind(super::migrate::HISTORY_TABLE)
+        .fetch_one(&self.pool)
+        .await?;
+        if !exists {
+            return Ok(None);
+        }
         sqlx::query_as("SELECT version, checksum FROM idempotency_schema_migrations")
             .fetch_all(&self.pool)
             .await
-            .ok()
+            .map(Some)
     }
 
     async fn execute(&mut self, sql: &str) -> Result<(), sqlx::Error> {
