@@ -453,3 +453,107 @@ async fn a_redirect_that_cannot_be_followed_says_the_request_was_sent() {
     assert_eq!(runs.load(Ordering::SeqCst), 1, "the POST ran, once");
     server.abort();
 }
+
+/// An answer body larger than the client reads (here 1 KiB) is not read
+/// whole: it is `AnswerTooLarge`, final after one attempt (the request was
+/// answered, so the operation may have run), whether the server announced
+/// its length or sends it in chunks without end; one at the limit is read.
+#[tokio::test]
+async fn an_answer_larger_than_the_client_reads_is_final_and_not_read() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    const LIMIT: usize = 1024;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    let requests = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let seen = requests.clone();
+    let server = tokio::spawn(async move {
+        loop {
+            let Ok((mut socket, _)) = listener.accept().await else {
+                return;
+            };
+            let seen = seen.clone();
+            tokio::spawn(async move {
+                let mut request = Vec::new();
+                let mut buffer = [0u8; 4096];
+                // The request's head and its (small) body.
+                while !request.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match socket.read(&mut buffer).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => request.extend_from_slice(&buffer[..n]),
+                    }
+                }
+                seen.fetch_add(1, Ordering::SeqCst);
+                let head = String::from_utf8_lossy(&request).to_string();
+                let answer = if head.starts_with("POST /announced ") {
+                    let mut a = format!(
+                        "HTTP/1.1 201 Created\r\ncontent-length: {}\r\n\r\n",
+                        LIMIT + 1
+                    )
+                    .into_bytes();
+                    a.extend(std::iter::repeat_n(b'x', LIMIT + 1));
+                    a
+                } else if head.starts_with("POST /at-the-limit ") {
+                    let mut a = format!("HTTP/1.1 201 Created\r\ncontent-length: {LIMIT}\r\n\r\n")
+                        .into_bytes();
+                    a.extend(std::iter::repeat_n(b'x', LIMIT));
+                    a
+                } else {
+                    // Chunks without end (bounded here: 64 of 512 bytes).
+                    let mut a =
+                        b"HTTP/1.1 201 Created\r\ntransfer-encoding: chunked\r\n\r\n".to_vec();
+                    for _ in 0..64 {
+                        a.extend_from_slice(b"200\r\n");
+                        a.extend(std::iter::repeat_n(b'y', 512));
+                        a.extend_from_slice(b"\r\n");
+                    }
+                    a.extend_from_slice(b"0\r\n\r\n");
+                    a
+                };
+                let _ = socket.write_all(&answer).await;
+                let _ = socket.shutdown().await;
+            });
+        }
+    });
+    let client = client().with_max_answer_bytes(LIMIT);
+    for path in ["/announced", "/chunked"] {
+        let before = requests.load(Ordering::SeqCst);
+        let e = bounded(
+            "the intent",
+            client
+                .intent(Method::POST, &format!("{base}{path}"))
+                .unwrap()
+                .body("{}")
+                .send(),
+        )
+        .await
+        .unwrap_err();
+        assert!(
+            matches!(
+                e,
+                ClientError::AnswerTooLarge {
+                    limit: LIMIT,
+                    status
+                } if status == reqwest::StatusCode::CREATED
+            ),
+            "{path}: {e:?}"
+        );
+        assert!(e.to_string().contains("may have run"), "{path}: {e}");
+        assert_eq!(
+            requests.load(Ordering::SeqCst) - before,
+            1,
+            "{path}: not retried"
+        );
+    }
+    let read = bounded(
+        "the intent",
+        client
+            .intent(Method::POST, &format!("{base}/at-the-limit"))
+            .unwrap()
+            .body("{}")
+            .send(),
+    )
+    .await
+    .expect("an answer at the limit is read");
+    assert_eq!(read.body().len(), LIMIT);
+    server.abort();
+}

@@ -170,6 +170,25 @@ pub enum ClientError {
          feature of your reqwest dependency (e.g. `rustls`) ({0})"
     )]
     NoTls(#[source] reqwest::Error),
+    /// The server answered with a body larger than the client reads
+    /// ([`IdempotentClient::with_max_answer_bytes`]; 64 MiB by default), so
+    /// it was not read (a server answering without end would otherwise use
+    /// up the process's memory). **The request was sent and answered, so the
+    /// operation may have run**: raise the limit and send the same intent
+    /// again to read its answer (a replay, from a server that recorded it),
+    /// never a new key.
+    #[error(
+        "the server answered {status} with a body larger than the {limit} bytes this client reads, \
+         so it was not read; the request was sent and answered, so the operation may have run: \
+         raise the limit (IdempotentClient::with_max_answer_bytes) and send the same intent \
+         again, never with a new key"
+    )]
+    AnswerTooLarge {
+        /// The answer's status.
+        status: StatusCode,
+        /// The limit it went past.
+        limit: usize,
+    },
     /// Every attempt ended in a retryable failure. **The outcome is unknown**:
     /// the operation may or may not have happened. Retry the same intent
     /// later ([`Intent::send`] again, or [`IdempotentClient::intent_with_key`]
@@ -344,10 +363,20 @@ fn problem_of(status: StatusCode, headers: &HeaderMap, body: &[u8]) -> Option<Pr
 }
 
 /// A reqwest client that sends [`Intent`]s with retries.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct IdempotentClient {
     http: reqwest::Client,
     policy: RetryPolicy,
+    max_answer_bytes: usize,
+}
+
+/// The largest answer body an [`IdempotentClient`] reads by default.
+pub const DEFAULT_MAX_ANSWER_BYTES: usize = 64 * 1024 * 1024;
+
+impl Default for IdempotentClient {
+    fn default() -> Self {
+        IdempotentClient::new(reqwest::Client::default())
+    }
 }
 
 impl IdempotentClient {
@@ -356,12 +385,29 @@ impl IdempotentClient {
         IdempotentClient {
             http,
             policy: RetryPolicy::default(),
+            max_answer_bytes: DEFAULT_MAX_ANSWER_BYTES,
         }
     }
 
     /// Uses `policy` for every intent made from now on.
     pub fn with_policy(mut self, policy: RetryPolicy) -> Self {
         self.policy = policy;
+        self
+    }
+
+    /// Reads answer bodies of at most `limit` bytes
+    /// ([`DEFAULT_MAX_ANSWER_BYTES`] by default): a larger one is
+    /// [`ClientError::AnswerTooLarge`], not read, for every intent made from
+    /// now on. The body is read as it arrives and given up past the limit,
+    /// so a server answering without end (or a compressed body that grows
+    /// without end) uses no more memory than that.
+    ///
+    /// ```
+    /// let client = idempotent_runtime::http::IdempotentClient::new(reqwest::Client::new())
+    ///     .with_max_answer_bytes(1024 * 1024);
+    /// ```
+    pub fn with_max_answer_bytes(mut self, limit: usize) -> Self {
+        self.max_answer_bytes = limit;
         self
     }
 
@@ -606,7 +652,13 @@ impl Intent {
         loop {
             attempt += 1;
             let last = match self.attempt().await {
-                Ok((status, headers, body)) => {
+                Ok(Attempted::TooLarge(status)) => {
+                    return Err(ClientError::AnswerTooLarge {
+                        status,
+                        limit: self.client.max_answer_bytes,
+                    });
+                }
+                Ok(Attempted::Answered(status, headers, body)) => {
                     if !worth_retrying(status, &headers, &body) {
                         return Ok(IdempotentResponse {
                             status,
@@ -659,7 +711,7 @@ impl Intent {
         }
     }
 
-    async fn attempt(&self) -> Result<(StatusCode, HeaderMap, Bytes), reqwest::Error> {
+    async fn attempt(&self) -> Result<Attempted, reqwest::Error> {
         let mut request = self
             .client
             .http
@@ -672,12 +724,33 @@ impl Intent {
         if let Some(timeout) = self.client.policy.attempt_timeout {
             request = request.timeout(timeout);
         }
-        let response = request.send().await?;
+        let mut response = request.send().await?;
         let status = response.status();
+        let limit = self.client.max_answer_bytes;
+        if response
+            .content_length()
+            .is_some_and(|length| length > u64::try_from(limit).unwrap_or(u64::MAX))
+        {
+            return Ok(Attempted::TooLarge(status));
+        }
         let headers = response.headers().clone();
-        let body = response.bytes().await?;
-        Ok((status, headers, body))
+        let mut body = bytes::BytesMut::new();
+        while let Some(chunk) = response.chunk().await? {
+            if body.len().saturating_add(chunk.len()) > limit {
+                return Ok(Attempted::TooLarge(status));
+            }
+            body.extend_from_slice(&chunk);
+        }
+        Ok(Attempted::Answered(status, headers, body.freeze()))
     }
+}
+
+/// How one attempt was answered.
+enum Attempted {
+    /// Its status, headers and body.
+    Answered(StatusCode, HeaderMap, Bytes),
+    /// Its status; the body was larger than the client reads.
+    TooLarge(StatusCode),
 }
 
 #[cfg(test)]
