@@ -582,6 +582,15 @@ impl FaultProxy {
         trip
     }
 
+    /// Arms the trap of
+    /// [`come_back_silencing_next_request_containing`](Self::come_back_silencing_next_request_containing)
+    /// without an outage before it: the connection whose next client chunk
+    /// contains `needle` goes silent for good, that chunk included; every
+    /// other connection, and every new one, passes.
+    pub fn silence_next_request_containing(&self, needle: impl AsRef<[u8]>) -> Trip {
+        self.come_back_silencing_next_request_containing(needle)
+    }
+
     /// An outage until [`pass_through`](Self::pass_through): every client
     /// chunk, on the connections already open and on new ones (their
     /// handshake), is dropped and its connection cut. Each cut is counted.

@@ -44,6 +44,11 @@ use tokio::time::Instant;
 
 /// A single call that takes longer than this has hung.
 const CALL_LIMIT: Duration = Duration::from_secs(60);
+/// A call whose statement goes out on a connection gone silent, given up by
+/// the store's bound on a caller's statement (20 s past the statement's lock
+/// waits), takes longer than this only if it hangs. No test asserts the
+/// bound's duration.
+const SILENT_CALL_LIMIT: Duration = Duration::from_secs(120);
 /// A whole scenario that takes longer than this has hung.
 const SCENARIO_LIMIT: Duration = Duration::from_secs(240);
 /// The proxied pool's acquire timeout: a pool that cannot get a connection says so.
@@ -150,6 +155,12 @@ enum Plan {
     /// Stalls every connection as the body returns: the completion is sent
     /// and hangs, unanswered, until the stall is released.
     StallAfterTheBody,
+    /// The connection the completion goes out on goes silent for good (the
+    /// needle is the result); every other connection passes.
+    SilenceCompletion,
+    /// Another transaction (on the direct pool, MariaDB) locks the record's
+    /// row before the body returns, and commits this long after.
+    HoldTheRowAfterTheBody(Duration),
 }
 
 // ---------------------------------------------------------------- the rig
@@ -226,9 +237,18 @@ impl Rig {
     }
 
     async fn mariadb(test: &'static str) -> Option<Rig> {
+        Rig::mariadb_waiting_for_locks(test, None).await
+    }
+
+    /// The same, the proxied pool's sessions waiting `lock_wait_s` for a
+    /// row lock (`innodb_lock_wait_timeout`; `None`: the server's).
+    async fn mariadb_waiting_for_locks(
+        test: &'static str,
+        lock_wait_s: Option<u32>,
+    ) -> Option<Rig> {
         let direct = mysql_store_or_skip().await?;
         let pool = DirectPool::MariaDb(direct.pool().clone());
-        let (proxy, store) = through_a_proxy::mariadb(2).await?;
+        let (proxy, store) = through_a_proxy::mariadb_waiting_for_locks(2, lock_wait_s).await?;
         Some(
             Rig::new(
                 "mariadb",
@@ -373,6 +393,30 @@ impl Rig {
             }
             Some(Plan::StoreDownAfterTheBody) => self.proxy.go_down(),
             Some(Plan::StallAfterTheBody) => self.proxy.stall(Stall::Both),
+            Some(Plan::SilenceCompletion) => {
+                self.keep(self.proxy.silence_next_request_containing(&answer));
+            }
+            Some(Plan::HoldTheRowAfterTheBody(held_for)) => {
+                let DirectPool::MariaDb(pool) = &self.direct_pool else {
+                    panic!("a row held on MariaDB only");
+                };
+                let id = self.identity(Function::Guarded, key);
+                let mut tx = pool.begin().await.expect("begin");
+                sqlx::query(
+                    "SELECT state FROM idempotency_records \
+                     WHERE tenant = ? AND scope = ? AND `key` = ? FOR UPDATE",
+                )
+                .bind(id.tenant().as_bytes())
+                .bind(id.scope().as_bytes())
+                .bind(id.key().as_bytes())
+                .fetch_one(&mut *tx)
+                .await
+                .expect("lock the record's row");
+                tokio::spawn(async move {
+                    tokio::time::sleep(held_for).await;
+                    tx.commit().await.expect("commit");
+                });
+            }
         }
         Ok(answer)
     }
@@ -419,9 +463,18 @@ impl Rig {
         &self,
         call: impl Future<Output = Result<String, Error>>,
     ) -> (Result<String, Error>, Option<Outcome>) {
-        let (answer, outcome) = tokio::time::timeout(CALL_LIMIT, with_outcome(call))
+        self.settle_within(CALL_LIMIT, call).await
+    }
+
+    /// The same, a hang being a call that takes longer than `limit`.
+    async fn settle_within(
+        &self,
+        limit: Duration,
+        call: impl Future<Output = Result<String, Error>>,
+    ) -> (Result<String, Error>, Option<Outcome>) {
+        let (answer, outcome) = tokio::time::timeout(limit, with_outcome(call))
             .await
-            .unwrap_or_else(|_| panic!("a call hung for {CALL_LIMIT:?}"));
+            .unwrap_or_else(|_| panic!("a call hung for {limit:?}"));
         let mut tally = lock(&self.tally);
         tally.calls += 1;
         match (&answer, outcome) {
@@ -434,6 +487,20 @@ impl Rig {
 
     async fn call(&self, key: &str) -> (Result<String, Error>, Option<Outcome>) {
         self.call_fn(Function::Guarded, key).await
+    }
+
+    /// A call (through the proxy) whose statement may go out on a connection
+    /// gone silent: it hangs only past [`SILENT_CALL_LIMIT`].
+    async fn call_on_a_silent_connection(
+        &self,
+        key: &str,
+    ) -> (Result<String, Error>, Option<Outcome>) {
+        let store = self.store.as_ref();
+        self.settle_within(
+            SILENT_CALL_LIMIT,
+            guarded(store, self, &self.tenant, key, AMOUNT),
+        )
+        .await
     }
 
     /// A call through another store object on the same database, not
@@ -681,6 +748,7 @@ on_both_servers!(
     an_unrecorded_answer_never_answers_another_request,
     completion_hanging_past_the_lease,
     worker_write_on_a_connection_gone_silent,
+    reservation_on_a_connection_gone_silent,
     dropped_while_reservation_answer_stalled,
     dropped_while_reservation_request_stalled,
     slow_connection,
@@ -911,6 +979,83 @@ async fn worker_write_on_a_connection_gone_silent(rig: &Rig) {
     assert_eq!(outcome, Some(Outcome::Replayed));
     assert_eq!(rig.runs(&key), runs, "the body ran once");
     rig.note("the worker's write on a silent connection was given up and recorded on a new one");
+}
+
+/// A call's reservation goes out on a connection gone silent for good (a
+/// frozen server that still acknowledges packets, a network black hole),
+/// while new connections work. The call answers `Error::Store` once the
+/// statement has gone unanswered past the store's bound on a caller's
+/// statement, its connection closed, instead of waiting for as long as TCP
+/// keeps the connection (minutes to for ever: the call hung). The body did
+/// not run; the record the statement may have left is released (rule 14:
+/// here it never reached the server); a retry runs the body exactly once.
+async fn reservation_on_a_connection_gone_silent(rig: &Rig) {
+    let key = rig.key("silent-reservation");
+    let silenced = rig.proxy.silence_next_request_containing(&key);
+    let (first, _) = rig.call_on_a_silent_connection(&key).await;
+    assert_store_error(&first, "reservation on a silent connection");
+    assert!(
+        silenced.has_fired(),
+        "the reservation went out on the silenced connection"
+    );
+    assert!(rig.runs(&key).is_empty(), "the body must not run");
+    assert_eq!(
+        rig.fetch(Function::Guarded, &key).await,
+        None,
+        "the silenced reservation never reached the server"
+    );
+
+    let answer = rig.converge(Function::Guarded, &key).await;
+    assert_eq!(
+        rig.runs(&key),
+        vec![answer],
+        "the retry ran the body exactly once"
+    );
+    rig.note(
+        "reservation on a silent connection → Error::Store, connection closed; retry ran once",
+    );
+}
+
+/// The body ran; the connection its completion goes out on goes silent for
+/// good, while new connections work. The completion is given up past the
+/// store's bound, its connection closed, and the call answers as a failed
+/// completion does (`Error::Store`, `after_completion`), instead of hanging.
+/// The answer is held in this process and recorded by the store's worker on
+/// a new connection, so a retry replays it: the body ran once.
+async fn completion_on_a_connection_gone_silent(rig: &Rig) {
+    let key = rig.key("silent-completion");
+    rig.plan(&key, Plan::SilenceCompletion);
+    let (first, _) = rig.call_on_a_silent_connection(&key).await;
+    assert_store_error(&first, "completion on a silent connection");
+    assert!(
+        rig.trip(0).has_fired(),
+        "the completion went out on the silenced connection"
+    );
+    let runs = rig.runs(&key);
+    assert_eq!(runs.len(), 1, "the body ran once");
+    assert_eq!(
+        rig.store
+            .finish_background_work(Duration::from_secs(120))
+            .await,
+        0,
+        "the worker recorded the answer"
+    );
+    let record = rig
+        .fetch(Function::Guarded, &key)
+        .await
+        .expect("the record");
+    assert_eq!(
+        record.state,
+        RecordState::Complete,
+        "the worker recorded the answer on a new connection: {record:?}"
+    );
+    let (retry, outcome) = rig.call(&key).await;
+    assert_eq!(retry.expect("the retry"), runs[0]);
+    assert_eq!(outcome, Some(Outcome::Replayed));
+    let answer = rig.converge(Function::Guarded, &key).await;
+    assert_eq!(answer, runs[0]);
+    assert_eq!(rig.runs(&key), runs, "the body ran once");
+    rig.note("completion on a silent connection → Error::Store, answer recorded by the worker; retries replay");
 }
 
 /// An answer this process could not record answers only its own request:
@@ -1682,6 +1827,15 @@ mod through_a_proxy {
     }
 
     pub async fn mariadb(max_connections: u32) -> Option<(FaultProxy, MySqlStore)> {
+        mariadb_waiting_for_locks(max_connections, None).await
+    }
+
+    /// The same, the pool's sessions waiting `lock_wait_s` for a row lock
+    /// (`SET SESSION innodb_lock_wait_timeout` as each connection opens).
+    pub async fn mariadb_waiting_for_locks(
+        max_connections: u32,
+        lock_wait_s: Option<u32>,
+    ) -> Option<(FaultProxy, MySqlStore)> {
         mysql_store_or_skip().await?;
         let url = mysql_url();
         let url = match url.strip_prefix("mariadb://") {
@@ -1694,11 +1848,69 @@ mod through_a_proxy {
         let pool = MySqlPoolOptions::new()
             .max_connections(max_connections)
             .acquire_timeout(ACQUIRE_TIMEOUT)
+            .after_connect(move |conn, _| {
+                Box::pin(async move {
+                    if let Some(seconds) = lock_wait_s {
+                        sqlx::query("SET SESSION innodb_lock_wait_timeout = ?")
+                            .bind(seconds)
+                            .execute(conn)
+                            .await?;
+                    }
+                    Ok(())
+                })
+            })
             .connect_with(options.host("127.0.0.1").port(proxy.port()))
             .await
             .expect("a pool through the proxy");
         Some((proxy, MySqlStore::from_pool(pool).await.expect("store")))
     }
+}
+
+/// [`completion_on_a_connection_gone_silent`] on both servers; on MariaDB
+/// the sessions wait 2 s for a row lock instead of the server's 50 s, so the
+/// completion's bound (20 s past the lock wait) gives it up sooner.
+mod completion_on_a_connection_gone_silent {
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn postgres() {
+        if let Some(rig) = super::Rig::postgres("completion_on_a_connection_gone_silent").await {
+            super::run(&rig, super::completion_on_a_connection_gone_silent(&rig)).await;
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn mariadb() {
+        let test = "completion_on_a_connection_gone_silent";
+        if let Some(rig) = super::Rig::mariadb_waiting_for_locks(test, Some(2)).await {
+            super::run(&rig, super::completion_on_a_connection_gone_silent(&rig)).await;
+        }
+    }
+}
+
+/// The bound on a caller's statement never cuts a row-lock wait the store
+/// allows: on MariaDB a completion waits for a row lock as long as the
+/// sessions' `innodb_lock_wait_timeout` (50 s by default), and the bound
+/// counts from the end of that. Another transaction holds the record's row
+/// as the body returns, for longer than the 20 s a silent statement gets
+/// (`detached::ATTEMPT_ANSWERS_WITHIN`), then commits: the completion lands
+/// and the call answers with the body's result (given up at 20 s, it
+/// answered `Error::Store`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mariadb_a_completion_waiting_for_a_row_lock_is_not_given_up() {
+    let test = "a_completion_waiting_for_a_row_lock_is_not_given_up";
+    let Some(rig) = Rig::mariadb(test).await else {
+        return;
+    };
+    let key = rig.key("locked");
+    rig.plan(&key, Plan::HoldTheRowAfterTheBody(Duration::from_secs(23)));
+    let (answer, outcome) = rig.call_on_a_silent_connection(&key).await;
+    let runs = rig.runs(&key);
+    assert_eq!(runs.len(), 1, "the body ran once");
+    assert_eq!(
+        answer.expect("the completion waited for the row lock and landed"),
+        runs[0]
+    );
+    assert_eq!(outcome, Some(Outcome::Executed));
+    rig.finish().await;
 }
 
 #[tokio::test]

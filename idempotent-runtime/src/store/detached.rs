@@ -295,13 +295,19 @@ impl Detached {
 /// answer may take: a second for every 256 KiB (an 8 MiB answer: 32 s), so
 /// a slow link still carries one (review).
 fn transfer_allowance(work: &Work) -> Duration {
-    const BYTES_PER_SECOND: usize = 256 * 1024;
     match work {
-        Work::Complete(answer) => Duration::from_secs(
-            u64::try_from(answer.outcome.payload.len() / BYTES_PER_SECOND).unwrap_or(u64::MAX),
-        ),
+        Work::Complete(answer) => allowance_for(answer.outcome.payload.len()),
         Work::Release | Work::EndLease => Duration::ZERO,
     }
+}
+
+/// The time a statement that sends `bytes` of answer gets beyond
+/// [`ATTEMPT_ANSWERS_WITHIN`]: a second for every 256 KiB. The worker's
+/// attempts ([`transfer_allowance`]) and a caller's completion
+/// (`server::answered_within`) alike.
+pub(crate) fn allowance_for(bytes: usize) -> Duration {
+    const BYTES_PER_SECOND: usize = 256 * 1024;
+    Duration::from_secs(u64::try_from(bytes / BYTES_PER_SECOND).unwrap_or(u64::MAX))
 }
 
 fn start(store: &'static str, open: OpenFn) -> std::io::Result<mpsc::UnboundedSender<Job>> {

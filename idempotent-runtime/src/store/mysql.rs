@@ -138,6 +138,10 @@ pub struct MySqlStore {
     /// statement larger than its `max_allowed_packet` (and drops the
     /// connection), so such an answer could never be recorded.
     max_result_bytes: usize,
+    /// The sessions' `innodb_lock_wait_timeout`, read when the store was
+    /// opened: how long a caller's fenced write may wait for a row lock,
+    /// so its bound ([`committed!`]) never cuts such a wait.
+    lock_wait: Duration,
 }
 
 impl MySqlStore {
@@ -176,6 +180,7 @@ impl MySqlStore {
             version,
             isolation,
             max_allowed_packet,
+            lock_wait_s,
         } = migrate(&pool)
             .await
             .map_err(|e| StoreError::new(STORE, migrate::operation(), e))?;
@@ -186,6 +191,7 @@ impl MySqlStore {
             detached: std::sync::Arc::new(background_worker(&pool)),
             mariadb: version.contains("MariaDB"),
             max_result_bytes: result_limit(max_allowed_packet),
+            lock_wait: Duration::from_secs(lock_wait_s.min(MAX_LOCK_WAIT_S)),
             pools: std::sync::Arc::new(server::RuntimePools::new(pool)),
         })
     }
@@ -211,13 +217,21 @@ impl MySqlStore {
 /// session left inside a transaction another user of the pool began and
 /// never ended (MariaDB: the first statement matches nothing there too; the
 /// second runs on a connection outside any, see [`clean_connection`]).
+///
+/// Each of the two is given up when the server leaves it unanswered for
+/// `$waits` (its row-lock wait, and a completion's transfer allowance) past
+/// `detached::ATTEMPT_ANSWERS_WITHIN`, its connection closed
+/// ([`server::answered_within`]).
 macro_rules! committed {
-    ($pool:expr, $op:literal, |$on:ident, $commit:ident| $write:expr) => {{
+    ($pool:expr, $op:literal, $waits:expr, |$on:ident, $commit:ident| $write:expr) => {{
         let pool: &MySqlPool = $pool;
+        let waits: Duration = $waits;
         let mut first = ClosedIfDropped::acquire(pool).await.map_err(err($op))?;
         let done = {
             let ($on, $commit) = (&mut *first, Commit::Autocommit);
-            $write.await
+            server::answered_within(waits, $write)
+                .await
+                .map_err(err($op))?
         };
         first.hand_back();
         let done = done?;
@@ -227,7 +241,7 @@ macro_rules! committed {
             let mut conn = clean_connection(pool, true).await?;
             // Every answer hands the connection back (a deadlock or a lock
             // wait that ran out rolls the transaction back; it answered).
-            let done = async {
+            let done = server::answered_within(waits, async {
                 let mut tx = sqlx::Connection::begin(&mut *conn)
                     .await
                     .map_err(err($op))?;
@@ -237,8 +251,9 @@ macro_rules! committed {
                 };
                 tx.commit().await.map_err(err($op))?;
                 Ok(done)
-            }
-            .await;
+            })
+            .await
+            .map_err(err($op))?;
             conn.hand_back();
             done
         }
@@ -299,12 +314,18 @@ async fn clean_connection(
         super::IfLeftOpen::Close,
         |conn| {
             Box::pin(async move {
-                let asked: Result<(i64, i64), sqlx::Error> = sqlx::query_as(concat!(
-                    "SELECT CAST(@@autocommit = 1 AND @@in_transaction = 1 AS SIGNED), ",
-                    clock_set!()
-                ))
-                .fetch_one(&mut *conn)
-                .await;
+                // Bounded like the statement it comes before; given up, the
+                // error drops the connection, closed.
+                let asked: Result<(i64, i64), sqlx::Error> = server::answered_within(
+                    Duration::ZERO,
+                    sqlx::query_as(concat!(
+                        "SELECT CAST(@@autocommit = 1 AND @@in_transaction = 1 AS SIGNED), ",
+                        clock_set!()
+                    ))
+                    .fetch_one(&mut *conn),
+                )
+                .await
+                .map_err(err(OP))?;
                 let (left_open, clock_set) = match asked {
                     Ok(asked) => asked,
                     // MySQL 8: no `@@in_transaction`.
@@ -329,6 +350,10 @@ async fn clean_connection(
     .await
 }
 
+/// What the worker's writes pass [`committed!`] as their waits: no bound of
+/// their own, the worker bounds each attempt (`Detached::with_attempt_limit`).
+const WORKER_WAITS: Duration = Duration::MAX;
+
 /// The worker that finishes dropped calls' records with the store's fenced
 /// writes (module `server`).
 fn background_worker(pool: &MySqlPool) -> detached::Detached {
@@ -337,14 +362,14 @@ fn background_worker(pool: &MySqlPool) -> detached::Detached {
         pool,
         |pool, identity, token| {
             Box::pin(async move {
-                committed!(&pool, "release", |on, commit| release_as(
+                committed!(&pool, "release", WORKER_WAITS, |on, commit| release_as(
                     commit, on, &identity, &token
                 ))
             })
         },
         |pool, identity, token| {
             Box::pin(async move {
-                committed!(&pool, "heartbeat", |on, commit| heartbeat_as(
+                committed!(&pool, "heartbeat", WORKER_WAITS, |on, commit| heartbeat_as(
                     commit,
                     on,
                     &identity,
@@ -356,7 +381,7 @@ fn background_worker(pool: &MySqlPool) -> detached::Detached {
         |pool, identity, token, answer| {
             Box::pin(async move {
                 let completion = answer.completing(&identity, &token);
-                committed!(&pool, "complete", |on, commit| complete_as(
+                committed!(&pool, "complete", WORKER_WAITS, |on, commit| complete_as(
                     commit, on, completion
                 ))
             })
@@ -374,15 +399,18 @@ fn background_worker(pool: &MySqlPool) -> detached::Detached {
 async fn migrate(pool: &MySqlPool) -> Result<Opened, migrate::MigrationError> {
     let mut backend = MigrationConnection(pool.acquire().await?);
     migrate::run(&mut backend, super::migrate::MYSQL).await?;
-    let (version, max_allowed_packet): (String, u64) =
-        sqlx::query_as("SELECT VERSION(), CAST(@@max_allowed_packet AS UNSIGNED)")
-            .fetch_one(&mut *backend.0)
-            .await?;
+    let (version, max_allowed_packet, lock_wait_s): (String, u64, u64) = sqlx::query_as(
+        "SELECT VERSION(), CAST(@@max_allowed_packet AS UNSIGNED), \
+         CAST(@@SESSION.innodb_lock_wait_timeout AS UNSIGNED)",
+    )
+    .fetch_one(&mut *backend.0)
+    .await?;
     let isolation = session_isolation(&mut backend.0).await?;
     Ok(Opened {
         version,
         isolation,
         max_allowed_packet,
+        lock_wait_s,
     })
 }
 
@@ -441,6 +469,8 @@ struct Opened {
     max_allowed_packet: u64,
     /// The sessions' transaction isolation, as `@@tx_isolation` spells it.
     isolation: String,
+    /// The sessions' `@@innodb_lock_wait_timeout`, in seconds.
+    lock_wait_s: u64,
 }
 
 /// The migration runner's view of MySQL/MariaDB: one pooled connection.
@@ -700,10 +730,14 @@ async fn insert_or_read(
     let mut conn = ClosedIfDropped::acquire(pool)
         .await
         .map_err(err("reserve"))?;
-    let found = bind_request(sqlx::query(INSERT_OR_READ_SQL), request)
-        .fetch_all(&mut *conn)
-        .await
-        .map(|rows| rows.into_iter().next());
+    // No row-lock wait (`innodb_lock_wait_timeout = 0` for the statement).
+    let found = server::answered_within(
+        Duration::ZERO,
+        bind_request(sqlx::query(INSERT_OR_READ_SQL), request).fetch_all(&mut *conn),
+    )
+    .await
+    .map_err(err("reserve"))?
+    .map(|rows| rows.into_iter().next());
     conn.hand_back();
     let row = match found {
         Ok(Some(row)) => row,
@@ -773,12 +807,17 @@ async fn reserve_through_store(
     let mut conn = ClosedIfDropped::acquire(pool)
         .await
         .map_err(err("reserve"))?;
-    let row = sqlx::query(READ_SQL)
-        .bind(id.tenant.as_bytes())
-        .bind(id.scope.as_bytes())
-        .bind(id.key.as_bytes())
-        .fetch_optional(&mut *conn)
-        .await;
+    // A plain read: no lock wait.
+    let row = server::answered_within(
+        Duration::ZERO,
+        sqlx::query(READ_SQL)
+            .bind(id.tenant.as_bytes())
+            .bind(id.scope.as_bytes())
+            .bind(id.key.as_bytes())
+            .fetch_optional(&mut *conn),
+    )
+    .await
+    .map_err(err("reserve"))?;
     conn.hand_back();
     let row = row.map_err(err("reserve"))?;
     if let Some(row) = row {
@@ -864,7 +903,14 @@ async fn reserve_through_the_procedure(
     mariadb: bool,
 ) -> Result<Reservation, StoreError> {
     let mut conn = clean_connection(pool, mariadb).await?;
-    let answer = reserve_with(&mut conn, request, STORE_LOCK_WAIT_S, true).await;
+    // It waits `STORE_LOCK_WAIT_S` in all, for the identity's `GET_LOCK`
+    // and then for the row.
+    let answer = server::answered_within(
+        Duration::from_secs(STORE_LOCK_WAIT_S),
+        reserve_with(&mut conn, request, STORE_LOCK_WAIT_S, true),
+    )
+    .await
+    .map_err(err("reserve"))?;
     conn.hand_back();
     match answer? {
         Answer::Reservation(reservation) => Ok(reservation),
@@ -1056,7 +1102,10 @@ impl Store for MySqlStore {
 
     async fn complete(&self, completion: Completion<'_>) -> Result<Fenced, StoreError> {
         let pool = self.pools.current();
-        committed!(&pool, "complete", |on, commit| complete_as(
+        let waits = self
+            .lock_wait
+            .saturating_add(detached::allowance_for(completion.outcome.payload.len()));
+        committed!(&pool, "complete", waits, |on, commit| complete_as(
             commit, on, completion
         ))
     }
@@ -1124,7 +1173,7 @@ impl Store for MySqlStore {
 
     async fn release(&self, identity: &Identity, token: &OwnerToken) -> Result<Fenced, StoreError> {
         let pool = self.pools.current();
-        committed!(&pool, "release", |on, commit| {
+        committed!(&pool, "release", self.lock_wait, |on, commit| {
             release_as(commit, on, identity, token)
         })
     }
@@ -1136,7 +1185,7 @@ impl Store for MySqlStore {
         lease: Duration,
     ) -> Result<Fenced, StoreError> {
         let pool = self.pools.current();
-        committed!(&pool, "heartbeat", |on, commit| {
+        committed!(&pool, "heartbeat", self.lock_wait, |on, commit| {
             heartbeat_as(commit, on, identity, token, lease)
         })
     }
@@ -1171,13 +1220,18 @@ impl Store for MySqlStore {
                FROM idempotency_records WHERE tenant = ? AND scope = ? AND `key` = ?"
         );
         let mut conn = clean_connection(&self.pools.current(), true).await?;
-        let row = sqlx::query(&sql)
-            .bind(identity.tenant.as_bytes())
-            .bind(identity.scope.as_bytes())
-            .bind(identity.key.as_bytes())
-            .fetch_optional(&mut *conn)
-            .await
-            .map_err(err("fetch"))?;
+        // A plain read: no lock wait.
+        let row = server::answered_within(
+            Duration::ZERO,
+            sqlx::query(&sql)
+                .bind(identity.tenant.as_bytes())
+                .bind(identity.scope.as_bytes())
+                .bind(identity.key.as_bytes())
+                .fetch_optional(&mut *conn),
+        )
+        .await
+        .and_then(|row| row)
+        .map_err(err("fetch"))?;
         conn.hand_back();
         row.map(|row| rows::Columns(&row).snapshot())
             .transpose()

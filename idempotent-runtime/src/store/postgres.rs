@@ -196,17 +196,23 @@ fn reservation_lands_within(lock_wait: Duration) -> Duration {
 /// had run, got `Error::Store` instead of its result being recorded. The
 /// statement sent again has a new snapshot; fenced by the owner token, it
 /// is safe to repeat. Each try takes its connection as [`ClosedIfDropped`]:
-/// a call dropped mid-statement closes it rather than hand it back.
+/// a call dropped mid-statement closes it rather than hand it back. A try
+/// the server leaves unanswered for `$waits` past
+/// `detached::ATTEMPT_ANSWERS_WITHIN` fails, its connection closed
+/// ([`server::answered_within`]).
 macro_rules! in_own_transaction {
-    ($pool:expr, $op:literal, |$conn:ident| $write:expr) => {{
+    ($pool:expr, $op:literal, $waits:expr, |$conn:ident| $write:expr) => {{
         let pool: &PgPool = $pool;
+        let waits: Duration = $waits;
         let mut tries = 0;
         loop {
             tries += 1;
             let mut guarded = ClosedIfDropped::acquire(pool).await.map_err(err($op))?;
             let answer = {
                 let $conn = &mut *guarded;
-                $write.await
+                server::answered_within(waits, $write)
+                    .await
+                    .map_err(err($op))?
             };
             guarded.hand_back();
             match answer {
@@ -216,6 +222,22 @@ macro_rules! in_own_transaction {
         }
     }};
 }
+
+/// How long a caller's fenced write (completion, renewal, release, end of
+/// lease) may wait on the server beyond `detached::ATTEMPT_ANSWERS_WITHIN`
+/// (plus a completion's transfer allowance): none. These statements set no
+/// `lock_timeout` (one more round trip each), so a row lock they meet is
+/// waited for as long as the session's own `lock_timeout` says, none by
+/// default; and the record they write is this call's, in progress under its
+/// token, which only short statements lock (a reservation deciding, a
+/// duplicate marking it waited for, an operator's release), except a
+/// transactional-mode call that took it over once its lease had run out.
+/// Such a write finds the record no longer this call's when that transaction
+/// commits; cut at the bound instead, it fails as a store error: a
+/// completion's answer is then recorded by the store's worker (fenced, it
+/// finds the same), a renewal is sent again, and the statement left waiting
+/// on the server ends when the taker's transaction does.
+const CALLER_WRITE_WAITS: Duration = Duration::ZERO;
 
 /// A write of the store's worker waits for a row lock (a transaction that
 /// took the record over holds it) at most 10 s, or the session's own shorter
@@ -236,7 +258,8 @@ const WORKER_LOCK_TIMEOUT_SQL: &str = "SELECT set_config('lock_timeout', \
 /// [`in_own_transaction!`]'s connection and tries.
 macro_rules! in_worker_transaction {
     ($pool:expr, $op:literal, |$conn:ident| $write:expr) => {
-        in_own_transaction!($pool, $op, |conn| async {
+        // The worker bounds each attempt itself (`Detached::with_attempt_limit`).
+        in_own_transaction!($pool, $op, Duration::MAX, |conn| async {
             let mut tx = sqlx::Connection::begin(&mut *conn)
                 .await
                 .map_err(err($op))?;
@@ -640,7 +663,9 @@ async fn reserve_autocommit(
 }
 
 /// [`reserve_statement`] on a connection of `pool` closed if the call is
-/// dropped before it answers ([`ClosedIfDropped`]).
+/// dropped before it answers ([`ClosedIfDropped`]), or if the server leaves
+/// it unanswered past its lock waits ([`reservation_lands_within`]) and
+/// `detached::ATTEMPT_ANSWERS_WITHIN` ([`server::answered_within`]).
 async fn reserve_on(
     pool: &PgPool,
     sql: &'static str,
@@ -648,7 +673,11 @@ async fn reserve_on(
     lock_wait: Duration,
 ) -> Result<Answer, sqlx::Error> {
     let mut conn = ClosedIfDropped::acquire(pool).await?;
-    let answer = reserve_statement(sql, &mut *conn, request, lock_wait).await;
+    let answer = server::answered_within(
+        reservation_lands_within(lock_wait),
+        reserve_statement(sql, &mut *conn, request, lock_wait),
+    )
+    .await?;
     conn.hand_back();
     answer
 }
@@ -842,9 +871,13 @@ impl Store for PgStore {
     }
 
     async fn complete(&self, completion: Completion<'_>) -> Result<Fenced, StoreError> {
-        in_own_transaction!(&self.pools.current(), "complete", |conn| complete_with(
-            conn, completion
-        ))
+        // No row-lock wait of its own: the session's `lock_timeout`, none by
+        // default (see `CALLER_WRITE_WAITS`).
+        let waits = CALLER_WRITE_WAITS
+            .saturating_add(detached::allowance_for(completion.outcome.payload.len()));
+        in_own_transaction!(&self.pools.current(), "complete", waits, |conn| {
+            complete_with(conn, completion)
+        })
     }
 
     async fn force_release(
@@ -896,9 +929,12 @@ impl Store for PgStore {
     }
 
     async fn release(&self, identity: &Identity, token: &OwnerToken) -> Result<Fenced, StoreError> {
-        in_own_transaction!(&self.pools.current(), "release", |conn| release_with(
-            conn, identity, token
-        ))
+        in_own_transaction!(
+            &self.pools.current(),
+            "release",
+            CALLER_WRITE_WAITS,
+            |conn| release_with(conn, identity, token)
+        )
     }
 
     async fn heartbeat(
@@ -907,9 +943,12 @@ impl Store for PgStore {
         token: &OwnerToken,
         lease: Duration,
     ) -> Result<Fenced, StoreError> {
-        in_own_transaction!(&self.pools.current(), "heartbeat", |conn| heartbeat_with(
-            conn, identity, token, lease
-        ))
+        in_own_transaction!(
+            &self.pools.current(),
+            "heartbeat",
+            CALLER_WRITE_WAITS,
+            |conn| heartbeat_with(conn, identity, token, lease)
+        )
     }
 
     crate::store::detached::hand_over_to_the_worker!();
@@ -942,18 +981,23 @@ impl Store for PgStore {
         let mut conn = ClosedIfDropped::acquire(&self.pools.current())
             .await
             .map_err(err("fetch"))?;
-        let row = sqlx::query(
-            "SELECT state, fingerprint, owner_token, is_error, result, lease_expires_at,
+        // A plain read: no lock wait.
+        let row = server::answered_within(
+            Duration::ZERO,
+            sqlx::query(
+                "SELECT state, fingerprint, owner_token, is_error, result, lease_expires_at,
                     expires_at, idempotency_now_ms() AS now_ms, created_at,
                     attempt::bigint AS attempt,
                     COALESCE(attempt_started_at, created_at) AS attempt_started_at, recovered
                FROM idempotency_records WHERE tenant = $1 AND scope = $2 AND key = $3",
+            )
+            .bind(&identity.tenant)
+            .bind(&identity.scope)
+            .bind(&identity.key)
+            .fetch_optional(&mut *conn),
         )
-        .bind(&identity.tenant)
-        .bind(&identity.scope)
-        .bind(&identity.key)
-        .fetch_optional(&mut *conn)
         .await
+        .and_then(|row| row)
         .map_err(err("fetch"))?;
         conn.hand_back();
         row.map(|row| rows::Columns(&row).snapshot())
@@ -1217,12 +1261,16 @@ enum Mark {
 
 async fn mark_waiting(pool: &PgPool, identity: &Identity) -> Result<Mark, sqlx::Error> {
     let mut conn = ClosedIfDropped::acquire(pool).await?;
-    let row: Result<PgRow, sqlx::Error> = sqlx::query(MARK_WAITING_SQL)
-        .bind(&identity.tenant)
-        .bind(&identity.scope)
-        .bind(&identity.key)
-        .fetch_one(&mut *conn)
-        .await;
+    // `SKIP LOCKED`: no lock wait.
+    let row: Result<PgRow, sqlx::Error> = server::answered_within(
+        Duration::ZERO,
+        sqlx::query(MARK_WAITING_SQL)
+            .bind(&identity.tenant)
+            .bind(&identity.scope)
+            .bind(&identity.key)
+            .fetch_one(&mut *conn),
+    )
+    .await?;
     // Handed back on an error too (a serialization failure under a
     // REPEATABLE READ default, a statement timeout): the statement answered.
     conn.hand_back();

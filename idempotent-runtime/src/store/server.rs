@@ -249,6 +249,52 @@ pub(crate) fn background_worker<DB: Database>(
     .with_attempt_limit(super::detached::ATTEMPT_ANSWERS_WITHIN)
 }
 
+/// Runs `statement`, a statement (or a few, one round trip after another)
+/// a store sends on a caller's behalf on a [`ClosedIfDropped`] connection it
+/// holds, and gives it up when the server leaves it unanswered for
+/// [`ATTEMPT_ANSWERS_WITHIN`](super::detached::ATTEMPT_ANSWERS_WITHIN) plus
+/// `waits`: the longest the statement may
+/// rightly wait on the server (the row-lock waits the store allows it, the
+/// time its bytes take to cross the link), so that a legitimate wait is
+/// never cut. Given up, it is `Err` with [`unanswered`]'s error: the caller
+/// then returns that error at once, dropping the connection unanswered, so
+/// [`ClosedIfDropped`] closes it (never hand it back). The acquire is not
+/// counted: the pool's `acquire_timeout` bounds it.
+///
+/// Without it, a connection gone silent (a frozen server that still
+/// acknowledges packets, a network black hole; new connections would work)
+/// held an annotated call for as long as TCP kept the connection: minutes
+/// to for ever, unless the caller bounded the call itself. The store's
+/// worker bounds its own attempts the same way
+/// ([`Detached::with_attempt_limit`]). A statement given up may still land
+/// later; every write is fenced by its owner token, and the engine treats
+/// the error as one after which the statement may have landed (a
+/// reservation's record is released, a completion's answer is recorded by
+/// the worker).
+pub(crate) async fn answered_within<F: std::future::Future>(
+    waits: std::time::Duration,
+    statement: F,
+) -> Result<F::Output, sqlx::Error> {
+    let within = super::detached::ATTEMPT_ANSWERS_WITHIN.saturating_add(waits);
+    tokio::time::timeout(within, statement)
+        .await
+        .map_err(|_| unanswered(within))
+}
+
+/// What a statement given up by [`answered_within`] fails with: an I/O
+/// error (`TimedOut`) saying what happened and what to check.
+pub(crate) fn unanswered(within: std::time::Duration) -> sqlx::Error {
+    sqlx::Error::Io(std::io::Error::new(
+        std::io::ErrorKind::TimedOut,
+        format!(
+            "the database server did not answer within {within:?} (a connection gone silent: \
+             a stalled or frozen server, or a network dropping its packets); the statement \
+             was given up and its connection closed, and it may still land. Check the \
+             database server and the network to it; the call can be retried"
+        ),
+    ))
+}
+
 /// A pooled connection for a store statement, handed back to the pool only
 /// once the statement has answered ([`hand_back`](Self::hand_back)); dropped
 /// before that (the call was dropped mid-statement: a caller's timeout, a
