@@ -2690,3 +2690,132 @@ async fn a_live_lease_past_its_ttl_is_in_progress_inside_a_transaction() {
         .expect("record");
     assert_eq!(snap.owner_token.as_deref(), Some(owner.as_str()));
 }
+
+/// A write of the store's worker behind a row another transaction holds (a
+/// transactional-mode owner's) ends on the server within the worker's own
+/// lock wait, not the sessions' `innodb_lock_wait_timeout` (50 s by
+/// default): the worker cuts each attempt at its bound and tries again, and
+/// every cut statement went on waiting on the server for the full 50 s,
+/// holding one of the worker's two connections, so a few such writes kept a
+/// completion handed over meanwhile (a body that had run) from its record
+/// past the lease. The store is on a database of its own, so the server's
+/// process list shows the worker's statements alone; the test watches the
+/// first one end (its connection gone from the list, or a new statement
+/// there) while the row is still held.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_workers_statement_behind_a_held_row_ends_on_the_server() {
+    const WAIT: Duration = Duration::from_secs(45);
+    let Some(admin) = mysql_store_or_skip().await else {
+        return;
+    };
+    let database = common::servers::mysql_create_database(&admin, "edges_worker_wait").await;
+    let url = match mysql_url().rsplit_once('/') {
+        Some((server, _)) => format!("{server}/{database}"),
+        None => panic!("a database in the URL"),
+    };
+    let store = MySqlStore::connect(&url).await.expect("a store");
+    let identity =
+        Identity::new(fresh_tenant(), "mysql_edges.worker_lock_wait", "k").expect("identity");
+    let token = OwnerToken::new();
+    let reserved = store
+        .reserve(request(&identity, None, &token, LONG, LONG))
+        .await
+        .expect("reserve");
+    assert!(
+        matches!(reserved, Reservation::Acquired { .. }),
+        "{reserved:?}"
+    );
+    let mut locker = <sqlx::MySqlConnection as sqlx::Connection>::connect(&url)
+        .await
+        .expect("connect");
+    let locker_id: i64 = sqlx::query_scalar("SELECT CAST(CONNECTION_ID() AS SIGNED)")
+        .fetch_one(&mut locker)
+        .await
+        .expect("id");
+    locker.execute("BEGIN").await.expect("begin");
+    let locked = sqlx::query(
+        "SELECT state FROM idempotency_records \
+         WHERE tenant = ? AND scope = ? AND `key` = ? FOR UPDATE",
+    )
+    .bind(identity.tenant())
+    .bind(identity.scope())
+    .bind(identity.key())
+    .fetch_all(&mut locker)
+    .await
+    .expect("lock the row");
+    assert_eq!(locked.len(), 1, "the row is held");
+    let outcome = idempotent_runtime::StoredOutcome {
+        is_error: false,
+        payload: b"7".to_vec(),
+    };
+    store.complete_detached(idempotent_runtime::Completion {
+        identity: &identity,
+        token: &token,
+        outcome: &outcome,
+        ttl: LONG,
+        by: idempotent_runtime::AnsweredBy::Body,
+    });
+    // The statements running on the store's database, but the locker's and
+    // this watcher's: (connection, milliseconds in its state).
+    let watcher = MySqlPoolOptions::new()
+        .max_connections(1)
+        .connect(&url)
+        .await
+        .expect("watcher");
+    let running = || {
+        let watcher = watcher.clone();
+        async move {
+            sqlx::query_as::<_, (i64, f64)>(
+                "SELECT CAST(ID AS SIGNED), CAST(TIME_MS AS DOUBLE) \
+                   FROM information_schema.PROCESSLIST \
+                  WHERE DB = DATABASE() AND COMMAND <> 'Sleep' \
+                    AND ID NOT IN (?, CONNECTION_ID())",
+            )
+            .bind(locker_id)
+            .fetch_all(&watcher)
+            .await
+            .expect("process list")
+        }
+    };
+    let deadline = std::time::Instant::now() + WAIT;
+    // The worker's write, waiting for the row for a second already.
+    let (first, mut waited) = loop {
+        if let Some(&(id, ms)) = running().await.iter().find(|(_, ms)| *ms > 1000.0) {
+            break (id, ms);
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the worker's statement never waited for the row"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    loop {
+        match running().await.iter().find(|(id, _)| *id == first) {
+            Some(&(_, ms)) if ms >= waited => waited = ms,
+            _ => break,
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the worker's statement (connection {first}) still waits for the row on the server \
+             after {waited} ms"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    locker.execute("COMMIT").await.expect("commit");
+    assert_eq!(
+        store.finish_background_work(Duration::from_secs(60)).await,
+        0,
+        "the completion landed"
+    );
+    let record = store
+        .fetch(&identity)
+        .await
+        .expect("fetch")
+        .expect("the record");
+    drop((store, locker, watcher));
+    sqlx::query(&format!("DROP DATABASE `{database}`"))
+        .execute(admin.pool())
+        .await
+        .expect("drop database");
+    assert_eq!(record.state, idempotent_runtime::RecordState::Complete);
+}

@@ -79,10 +79,8 @@ pub(crate) const COMPLETE_TRIED_FOR: Duration = Duration::from_secs(3600);
 /// How long one attempt of a database server's worker may go unanswered
 /// before it is given up as failed, its connection closed, and tried again on
 /// a new one ([`transfer_allowance`] more for a large answer; PostgreSQL
-/// ends the worker's lock waits at 10 s, under this;
-/// MySQL/MariaDB at `innodb_lock_wait_timeout`, 50 s by default: a longer
-/// wait is cut here and sent again behind the statement it left, which the
-/// server ends at that timeout). A connection that went silent (a frozen server that still
+/// and MySQL/MariaDB end the worker's lock waits at 10 s, under this). A
+/// connection that went silent (a frozen server that still
 /// acknowledges packets, a network black hole) otherwise held the attempt,
 /// and with it the worker's retries, for as long as TCP kept the connection:
 /// minutes to for ever, unlogged, with the record's lease running out and

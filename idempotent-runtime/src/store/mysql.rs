@@ -354,6 +354,29 @@ async fn clean_connection(
 /// their own, the worker bounds each attempt (`Detached::with_attempt_limit`).
 const WORKER_WAITS: Duration = Duration::MAX;
 
+/// The longest a write of the store's worker waits for a row lock, in
+/// seconds, unless its sessions' own `innodb_lock_wait_timeout` is shorter.
+const WORKER_LOCK_WAIT_S: u64 = 10;
+
+/// Sets the lock wait of the worker's connection (the worker's own pool:
+/// no caller's session changes) to [`WORKER_LOCK_WAIT_S`] or the session's
+/// shorter one. A release behind a row another transaction holds (a
+/// transactional-mode owner's) waited `innodb_lock_wait_timeout`, 50 s by
+/// default, and each attempt cut at the worker's bound went on waiting on
+/// the server; a few such releases held both of the worker's connections,
+/// and a completion handed over meanwhile (a body that had run) waited past
+/// its record's lease, open to a takeover that ran the body again (hunt).
+async fn worker_lock_wait(conn: &mut sqlx::MySqlConnection) -> Result<(), StoreError> {
+    sqlx::query(
+        "SET SESSION innodb_lock_wait_timeout = LEAST(@@SESSION.innodb_lock_wait_timeout, ?)",
+    )
+    .bind(WORKER_LOCK_WAIT_S)
+    .execute(conn)
+    .await
+    .map(drop)
+    .map_err(err("set the worker's lock wait"))
+}
+
 /// The worker that finishes dropped calls' records with the store's fenced
 /// writes (module `server`).
 fn background_worker(pool: &MySqlPool) -> detached::Detached {
@@ -362,28 +385,27 @@ fn background_worker(pool: &MySqlPool) -> detached::Detached {
         pool,
         |pool, identity, token| {
             Box::pin(async move {
-                committed!(&pool, "release", WORKER_WAITS, |on, commit| release_as(
-                    commit, on, &identity, &token
-                ))
+                committed!(&pool, "release", WORKER_WAITS, |on, commit| async {
+                    worker_lock_wait(&mut *on).await?;
+                    release_as(commit, &mut *on, &identity, &token).await
+                })
             })
         },
         |pool, identity, token| {
             Box::pin(async move {
-                committed!(&pool, "heartbeat", WORKER_WAITS, |on, commit| heartbeat_as(
-                    commit,
-                    on,
-                    &identity,
-                    &token,
-                    Duration::ZERO
-                ))
+                committed!(&pool, "heartbeat", WORKER_WAITS, |on, commit| async {
+                    worker_lock_wait(&mut *on).await?;
+                    heartbeat_as(commit, &mut *on, &identity, &token, Duration::ZERO).await
+                })
             })
         },
         |pool, identity, token, answer| {
             Box::pin(async move {
                 let completion = answer.completing(&identity, &token);
-                committed!(&pool, "complete", WORKER_WAITS, |on, commit| complete_as(
-                    commit, on, completion
-                ))
+                committed!(&pool, "complete", WORKER_WAITS, |on, commit| async {
+                    worker_lock_wait(&mut *on).await?;
+                    complete_as(commit, &mut *on, completion).await
+                })
             })
         },
     )
