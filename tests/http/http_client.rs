@@ -457,7 +457,9 @@ async fn a_redirect_that_cannot_be_followed_says_the_request_was_sent() {
 /// An answer body larger than the client reads (here 1 KiB) is not read
 /// whole: it is `AnswerTooLarge`, final after one attempt (the request was
 /// answered, so the operation may have run), whether the server announced
-/// its length or sends it in chunks without end; one at the limit is read.
+/// its length or sends it in chunks without end; one at the limit is read;
+/// one the client retries whatever its body (a balancer's 503 page) is
+/// retried unread.
 #[tokio::test]
 async fn an_answer_larger_than_the_client_reads_is_final_and_not_read() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -466,12 +468,13 @@ async fn an_answer_larger_than_the_client_reads_is_final_and_not_read() {
     let base = format!("http://{}", listener.local_addr().unwrap());
     let requests = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let seen = requests.clone();
+    let big_503 = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let server = tokio::spawn(async move {
         loop {
             let Ok((mut socket, _)) = listener.accept().await else {
                 return;
             };
-            let seen = seen.clone();
+            let (seen, big_503) = (seen.clone(), big_503.clone());
             tokio::spawn(async move {
                 let mut request = Vec::new();
                 let mut buffer = [0u8; 4096];
@@ -492,6 +495,20 @@ async fn an_answer_larger_than_the_client_reads_is_final_and_not_read() {
                     .into_bytes();
                     a.extend(std::iter::repeat_n(b'x', LIMIT + 1));
                     a
+                } else if head.starts_with("POST /big-503 ") {
+                    // A balancer's error page past the limit, then the answer.
+                    if big_503.fetch_add(1, Ordering::SeqCst) == 0 {
+                        let mut a = format!(
+                            "HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/html\r\n\
+                             content-length: {}\r\n\r\n",
+                            LIMIT + 1
+                        )
+                        .into_bytes();
+                        a.extend(std::iter::repeat_n(b'z', LIMIT + 1));
+                        a
+                    } else {
+                        b"HTTP/1.1 201 Created\r\ncontent-length: 2\r\n\r\nok".to_vec()
+                    }
                 } else if head.starts_with("POST /at-the-limit ") {
                     let mut a = format!("HTTP/1.1 201 Created\r\ncontent-length: {LIMIT}\r\n\r\n")
                         .into_bytes();
@@ -555,5 +572,21 @@ async fn an_answer_larger_than_the_client_reads_is_final_and_not_read() {
     .await
     .expect("an answer at the limit is read");
     assert_eq!(read.body().len(), LIMIT);
+    // A retryable answer past the limit (a balancer's 503 page) is retried
+    // as before, not read.
+    let retried = bounded(
+        "the intent",
+        client
+            .intent(Method::POST, &format!("{base}/big-503"))
+            .unwrap()
+            .body("{}")
+            .send(),
+    )
+    .await
+    .expect("the 503 is retried");
+    assert_eq!(
+        (retried.status(), retried.attempts()),
+        (reqwest::StatusCode::CREATED, 2)
+    );
     server.abort();
 }

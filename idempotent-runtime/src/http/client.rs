@@ -171,8 +171,9 @@ pub enum ClientError {
     )]
     NoTls(#[source] reqwest::Error),
     /// The server answered with a body larger than the client reads
-    /// ([`IdempotentClient::with_max_answer_bytes`]; 64 MiB by default), so
-    /// it was not read (a server answering without end would otherwise use
+    /// ([`IdempotentClient::with_max_answer_bytes`]; 64 MiB by default), in
+    /// an answer that is not retried (a replay, a 4xx other than 409, 423,
+    /// 425 and 429, a 5xx problem+json), so it was not read (a server answering without end would otherwise use
     /// up the process's memory). **The request was sent and answered, so the
     /// operation may have run**: raise the limit and send the same intent
     /// again to read its answer (a replay, from a server that recorded it),
@@ -333,12 +334,7 @@ fn handler_ran_unrecorded(status: StatusCode, headers: &HeaderMap, body: &[u8]) 
 /// `title` and `detail` empty, `status` the answer's, `retry_after` none),
 /// so a problem from any server is read.
 fn problem_of(status: StatusCode, headers: &HeaderMap, body: &[u8]) -> Option<Problem> {
-    let ct = headers.get(CONTENT_TYPE)?.to_str().ok()?;
-    if !ct
-        .split(';')
-        .next()
-        .is_some_and(|e| e.trim().eq_ignore_ascii_case(PROBLEM_JSON))
-    {
+    if !is_problem_json(headers) {
         return None;
     }
     let serde_json::Value::Object(members) = serde_json::from_slice(body).ok()? else {
@@ -726,23 +722,49 @@ impl Intent {
         }
         let mut response = request.send().await?;
         let status = response.status();
+        let headers = response.headers().clone();
         let limit = self.client.max_answer_bytes;
+        // Past the limit, an answer its status and headers say to retry (a
+        // balancer's 503 page) is retried as if it had no body; any other
+        // is not read.
+        let too_large = |headers: HeaderMap| {
+            if retried_whatever_its_body(status, &headers) {
+                Attempted::Answered(status, headers, Bytes::new())
+            } else {
+                Attempted::TooLarge(status)
+            }
+        };
         if response
             .content_length()
             .is_some_and(|length| length > u64::try_from(limit).unwrap_or(u64::MAX))
         {
-            return Ok(Attempted::TooLarge(status));
+            return Ok(too_large(headers));
         }
-        let headers = response.headers().clone();
         let mut body = bytes::BytesMut::new();
         while let Some(chunk) = response.chunk().await? {
             if body.len().saturating_add(chunk.len()) > limit {
-                return Ok(Attempted::TooLarge(status));
+                return Ok(too_large(headers));
             }
             body.extend_from_slice(&chunk);
         }
         Ok(Attempted::Answered(status, headers, body.freeze()))
     }
+}
+
+/// Whether an answer is retried without looking at its body: one
+/// [`worth_retrying`] on its status and headers alone, except a 5xx
+/// problem+json, which may be `response-not-recorded` (final).
+fn retried_whatever_its_body(status: StatusCode, headers: &HeaderMap) -> bool {
+    !(status.is_server_error() && is_problem_json(headers)) && worth_retrying(status, headers, &[])
+}
+
+/// The answer's media type is problem+json.
+fn is_problem_json(headers: &HeaderMap) -> bool {
+    headers
+        .get(CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|ct| ct.split(';').next())
+        .is_some_and(|e| e.trim().eq_ignore_ascii_case(PROBLEM_JSON))
 }
 
 /// How one attempt was answered.
