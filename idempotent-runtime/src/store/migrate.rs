@@ -30,8 +30,10 @@ pub const HISTORY_TABLE: &str = "idempotency_schema_migrations";
 /// The longest a store waits for another process to finish migrating.
 pub const LOCK_TIMEOUT: Duration = Duration::from_secs(60);
 
-/// Why the migrations could not be applied.
+/// Why the migrations could not be applied (or, opened to look, why the
+/// database's schema is not this build's).
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum MigrationError {
     /// A migration this version ships was recorded with other contents.
     #[error(
