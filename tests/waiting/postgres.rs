@@ -432,27 +432,7 @@ async fn an_ended_lease_notifies_the_waiters_and_a_renewal_does_not() {
     let tenant = fresh_tenant();
     let identity = Identity::new(&tenant, "waiting.pg.charge", "ended").expect("identity");
     let token = OwnerToken::new();
-    let held = store
-        .reserve(ReserveRequest {
-            identity: &identity,
-            fingerprint: None,
-            token: &token,
-            lease: Duration::from_secs(30),
-            ttl: Duration::from_secs(3600),
-        })
-        .await
-        .expect("the owner reserves");
-    assert!(matches!(held, Reservation::Acquired { .. }), "{held:?}");
-    sqlx::query(
-        "UPDATE idempotency_records SET waiting = TRUE \
-         WHERE tenant = $1 AND scope = $2 AND key = $3",
-    )
-    .bind(identity.tenant())
-    .bind(identity.scope())
-    .bind(identity.key())
-    .execute(store.pool())
-    .await
-    .expect("a waiter's mark");
+    held_and_waited_for(&store, &identity, &token).await;
     let mut listener = sqlx::postgres::PgListener::connect(&pg_url())
         .await
         .expect("listener");
@@ -539,27 +519,7 @@ async fn a_release_and_an_operator_release_notify_the_waiters() {
         };
         let identity = Identity::new(&tenant, "waiting.pg.charge", key).expect("identity");
         let token = OwnerToken::new();
-        let held = store
-            .reserve(ReserveRequest {
-                identity: &identity,
-                fingerprint: None,
-                token: &token,
-                lease: Duration::from_secs(30),
-                ttl: Duration::from_secs(3600),
-            })
-            .await
-            .expect("the owner reserves");
-        assert!(matches!(held, Reservation::Acquired { .. }), "{held:?}");
-        sqlx::query(
-            "UPDATE idempotency_records SET waiting = TRUE \
-             WHERE tenant = $1 AND scope = $2 AND key = $3",
-        )
-        .bind(identity.tenant())
-        .bind(identity.scope())
-        .bind(identity.key())
-        .execute(store.pool())
-        .await
-        .expect("a waiter's mark");
+        held_and_waited_for(&store, &identity, &token).await;
         if operator {
             let released = store
                 .force_release(&identity, false)
@@ -589,4 +549,34 @@ async fn a_release_and_an_operator_release_notify_the_waiters() {
         .await
         .unwrap_or_else(|_| panic!("the {key} record's delete notified nobody"));
     }
+}
+
+/// `identity` reserved under `token` (lease 30 s) and marked as waited for,
+/// as a waiting duplicate marks it.
+async fn held_and_waited_for(
+    store: &idempotent_runtime::PgStore,
+    identity: &Identity,
+    token: &OwnerToken,
+) {
+    let held = store
+        .reserve(ReserveRequest {
+            identity,
+            fingerprint: None,
+            token,
+            lease: Duration::from_secs(30),
+            ttl: Duration::from_secs(3600),
+        })
+        .await
+        .expect("the owner reserves");
+    assert!(matches!(held, Reservation::Acquired { .. }), "{held:?}");
+    sqlx::query(
+        "UPDATE idempotency_records SET waiting = TRUE \
+         WHERE tenant = $1 AND scope = $2 AND key = $3",
+    )
+    .bind(identity.tenant())
+    .bind(identity.scope())
+    .bind(identity.key())
+    .execute(store.pool())
+    .await
+    .expect("a waiter's mark");
 }
