@@ -223,21 +223,28 @@ macro_rules! in_own_transaction {
     }};
 }
 
-/// How long a caller's fenced write (completion, renewal, release, end of
-/// lease) may wait on the server beyond `detached::ATTEMPT_ANSWERS_WITHIN`
-/// (plus a completion's transfer allowance): none. These statements set no
-/// `lock_timeout` (one more round trip each), so a row lock they meet is
-/// waited for as long as the session's own `lock_timeout` says, none by
-/// default; and the record they write is this call's, in progress under its
-/// token, which only short statements lock (a reservation deciding, a
-/// duplicate marking it waited for, an operator's release), except a
-/// transactional-mode call that took it over once its lease had run out.
-/// Such a write finds the record no longer this call's when that transaction
-/// commits; cut at the bound instead, it fails as a store error: a
-/// completion's answer is then recorded by the store's worker (fenced, it
-/// finds the same), a renewal is sent again, and the statement left waiting
-/// on the server ends when the taker's transaction does.
+/// How long a caller's completion, release or end of lease may wait on the
+/// server beyond `detached::ATTEMPT_ANSWERS_WITHIN` (plus a completion's
+/// transfer allowance): none. These statements set no `lock_timeout` (one
+/// more round trip each), so a lock they meet is waited for as long as the
+/// session's own `lock_timeout` says, none by default: a row lock of a
+/// transactional-mode call that took the record over, a table lock of DDL
+/// (`CREATE INDEX`, an `ALTER TABLE` queued behind a long transaction,
+/// `VACUUM FULL`, `LOCK TABLE`). Cut at the bound, such a write fails as a
+/// store error: a completion's answer is then recorded by the store's
+/// worker (whose writes end their lock waits at 10 s on the server), and
+/// the statement left waiting on the server ends when the lock does (one
+/// per call, as PostgreSQL notices a closed client only when it next sends).
 const CALLER_WRITE_WAITS: Duration = Duration::ZERO;
+
+/// How long a caller's lease renewal may wait on the server beyond
+/// `detached::ATTEMPT_ANSWERS_WITHIN`: 10 minutes. A renewal is sent again
+/// after each failure, so cut at 20 s behind DDL each one left a backend
+/// waiting on the server, two more per call every 20 s for as long as the
+/// lock lasted, towards `max_connections` (review). A renewal on a
+/// connection gone silent is held this long at most; the next renewals go
+/// out on other connections meanwhile.
+const RENEWAL_WAITS: Duration = Duration::from_secs(600);
 
 /// A write of the store's worker waits for a row lock (a transaction that
 /// took the record over holds it) at most 10 s, or the session's own shorter
@@ -943,12 +950,9 @@ impl Store for PgStore {
         token: &OwnerToken,
         lease: Duration,
     ) -> Result<Fenced, StoreError> {
-        in_own_transaction!(
-            &self.pools.current(),
-            "heartbeat",
-            CALLER_WRITE_WAITS,
-            |conn| heartbeat_with(conn, identity, token, lease)
-        )
+        in_own_transaction!(&self.pools.current(), "heartbeat", RENEWAL_WAITS, |conn| {
+            heartbeat_with(conn, identity, token, lease)
+        })
     }
 
     crate::store::detached::hand_over_to_the_worker!();

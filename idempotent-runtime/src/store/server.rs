@@ -288,9 +288,10 @@ pub(crate) fn unanswered(within: std::time::Duration) -> sqlx::Error {
         std::io::ErrorKind::TimedOut,
         format!(
             "the database server did not answer within {within:?} (a connection gone silent: \
-             a stalled or frozen server, or a network dropping its packets); the statement \
-             was given up and its connection closed, and it may still land. Check the \
-             database server and the network to it; the call can be retried"
+             a stalled or frozen server, or a network dropping its packets; or a wait for a \
+             lock that long, behind DDL or a long transaction); the statement was given up and \
+             its connection closed, and it may still land. Check the database server, its \
+             locks and the network to it; the call can be retried"
         ),
     ))
 }
