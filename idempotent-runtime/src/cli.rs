@@ -558,14 +558,13 @@ async fn read_holds_records(
                 return Ok(None);
             }
             let mut conn = sqlx::SqliteConnection::connect_with(&options.read_only(true)).await?;
-            let records = sqlx::query_scalar(
+            Ok(sqlx::query_scalar(
                 "SELECT EXISTS (SELECT 1 FROM sqlite_master \
                   WHERE type = 'table' AND name = 'idempotency_records')",
             )
             .fetch_one(&mut conn)
             .await
-            .ok();
-            Ok(records)
+            .ok())
         }
         #[cfg(feature = "postgres")]
         "postgres" | "postgresql" => {
@@ -575,12 +574,12 @@ async fn read_holds_records(
             let mut conn = sqlx::PgConnection::connect_with(&options)
                 .await
                 .map_err(|e| crate::store::server::connect_failure("PostgreSQL", &address, &e))?;
-            let records =
+            Ok(
                 sqlx::query_scalar("SELECT to_regclass('idempotency_records') IS NOT NULL")
                     .fetch_one(&mut conn)
                     .await
-                    .ok();
-            Ok(records)
+                    .ok(),
+            )
         }
         #[cfg(feature = "mysql")]
         "mysql" | "mariadb" => {
@@ -593,15 +592,14 @@ async fn read_holds_records(
                 .map_err(|e| {
                     crate::store::server::connect_failure("MySQL/MariaDB", &address, &e)
                 })?;
-            let records = sqlx::query_scalar::<_, i64>(
+            Ok(sqlx::query_scalar::<_, i64>(
                 "SELECT EXISTS (SELECT 1 FROM information_schema.tables \
                   WHERE table_schema = DATABASE() AND table_name = 'idempotency_records')",
             )
             .fetch_one(&mut conn)
             .await
             .ok()
-            .map(|found| found == 1);
-            Ok(records)
+            .map(|found| found == 1))
         }
         _ => Ok(None),
     }

@@ -283,7 +283,7 @@ pub(crate) async fn answered_within<F: std::future::Future>(
 
 /// What a statement given up by [`answered_within`] fails with: an I/O
 /// error (`TimedOut`) saying what happened and what to check.
-pub(crate) fn unanswered(within: std::time::Duration) -> sqlx::Error {
+fn unanswered(within: std::time::Duration) -> sqlx::Error {
     sqlx::Error::Io(std::io::Error::new(
         std::io::ErrorKind::TimedOut,
         format!(
