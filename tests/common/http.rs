@@ -426,11 +426,7 @@ pub async fn sqlite_file_store() -> Arc<dyn idempotent_runtime::Store> {
 /// A `SqliteStore` on a new file in the temporary directory (its `pool()`
 /// reaches the records table).
 pub async fn sqlite_file() -> idempotent_runtime::SqliteStore {
-    let path = std::env::temp_dir().join(format!(
-        "idempotent-http-{}.db",
-        uuid::Uuid::new_v4().simple()
-    ));
-    idempotent_runtime::SqliteStore::connect(&format!("sqlite://{}", path.display()))
+    idempotent_runtime::SqliteStore::connect(&crate::common::scratch::sqlite_url("http"))
         .await
         .expect("SQLite file")
 }

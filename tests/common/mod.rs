@@ -4,5 +4,6 @@
 pub mod hooked;
 pub mod proxy;
 pub mod records;
+pub mod scratch;
 pub mod servers;
 pub mod wire;

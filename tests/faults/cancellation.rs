@@ -237,9 +237,8 @@ fn dropped_by_runtime_shutdown(inner: Arc<dyn Store>, tenant: &str) {
 }
 
 async fn sqlite() -> Arc<dyn Store> {
-    let path = std::env::temp_dir().join(format!("idempotent-cancel-{}.db", uuid::Uuid::new_v4()));
     Arc::new(
-        SqliteStore::connect(&format!("sqlite://{}?mode=rwc", path.display()))
+        SqliteStore::connect(&crate::common::scratch::sqlite_url("cancel"))
             .await
             .expect("open"),
     )

@@ -59,9 +59,7 @@ fn mysql() -> Opened {
 
 fn sqlite() -> Opened {
     Box::pin(async {
-        let path =
-            std::env::temp_dir().join(format!("idempotent-runtimes-{}.db", uuid::Uuid::new_v4()));
-        let store = SqliteStore::connect(&format!("sqlite://{}?mode=rwc", path.display()))
+        let store = SqliteStore::connect(&crate::common::scratch::sqlite_url("runtimes"))
             .await
             .expect("open");
         Some(Arc::new(store) as Arc<dyn Store>)

@@ -276,13 +276,10 @@ async fn memory() {
 
 #[tokio::test]
 async fn sqlite() {
-    let path = std::env::temp_dir().join(format!("idempotent-dropped-{}.db", uuid::Uuid::new_v4()));
-    let store = SqliteStore::connect(&format!("sqlite://{}?mode=rwc", path.display()))
+    let store = SqliteStore::connect(&crate::common::scratch::sqlite_url("dropped"))
         .await
         .expect("sqlite");
     both(&store).await;
-    drop(store);
-    let _ = std::fs::remove_file(&path);
 }
 
 #[tokio::test]

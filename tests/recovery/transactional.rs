@@ -102,8 +102,7 @@ async fn state(store: &dyn Store, identity: &Identity) -> (RecordState, u32, boo
 
 #[tokio::test]
 async fn sqlite_transaction_records_the_hooks_answer() {
-    let path = std::env::temp_dir().join(format!("idempotent-rtx-{}.db", uuid::Uuid::new_v4()));
-    let store = SqliteStore::connect(&format!("sqlite://{}?mode=rwc", path.display()))
+    let store = SqliteStore::connect(&crate::common::scratch::sqlite_url("rtx"))
         .await
         .expect("sqlite");
     let t = tenant();
@@ -251,8 +250,7 @@ macro_rules! a_failing_hook_is_asked_again_at_once {
 
 #[tokio::test]
 async fn sqlite_a_failing_hook_is_asked_again_at_once() {
-    let path = std::env::temp_dir().join(format!("idempotent-rtx-{}.db", uuid::Uuid::new_v4()));
-    let store = SqliteStore::connect(&format!("sqlite://{}?mode=rwc", path.display()))
+    let store = SqliteStore::connect(&crate::common::scratch::sqlite_url("rtx"))
         .await
         .expect("sqlite");
     a_failing_hook_is_asked_again_at_once!(

@@ -154,13 +154,7 @@ fn assert_acquired_after_release(
 }
 
 fn sqlite_url() -> String {
-    let dir = std::env::temp_dir().join("idempotent-waiting");
-    std::fs::create_dir_all(&dir).expect("create the temp dir");
-    format!(
-        "sqlite://{}",
-        dir.join(format!("{}.db", uuid::Uuid::new_v4().simple()))
-            .display()
-    )
+    crate::common::scratch::sqlite_url("waiting")
 }
 
 #[idempotent(scope = "waiting.bounded", key = key, tenant = tenant, store = store,
