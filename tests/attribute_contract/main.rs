@@ -28,3 +28,4 @@ mod nested_calls;
 mod non_finite_in_options;
 mod replay_floats;
 mod transactional;
+mod transactional_races;

@@ -1,0 +1,1158 @@
+//! Transactional mode (DESIGN.md rule 15) under concurrency and faults:
+//! many transactions racing on one key at each isolation level a user may
+//! choose, on PostgreSQL, MariaDB and SQLite; store-mode and transactional
+//! calls racing on one key with bodies that outlive their lease; an owner's
+//! rollback with duplicates waiting; the caller's COMMIT or the completion
+//! cut on either side (a TCP proxy); a transaction already aborted when the
+//! call starts; a call inside a savepoint. Every race ends with exactly one
+//! body's business row committed and every caller answered.
+
+use crate::common;
+
+use common::servers::{fresh_tenant, mysql_store_or_skip, mysql_url, pg_store_or_skip, pg_url};
+use idempotent_runtime::{
+    idempotent, with_outcome, Error, Identity, MySqlStore, Outcome, OwnerToken, PgStore,
+    Reservation, ReserveRequest, SqliteStore, Store,
+};
+use sqlx::{Connection, MySql, Postgres, Sqlite};
+use std::time::Duration;
+use tokio::sync::Notify;
+
+/// How many transactions race on one key.
+const RACERS: usize = 8;
+/// How many times one racer begins a new transaction after a refusal.
+const TRIES: usize = 60;
+
+const PG_DDL: &str = "CREATE TABLE IF NOT EXISTS tx_races_charges (
+    tenant TEXT NOT NULL, idem_key TEXT NOT NULL, amount BIGINT NOT NULL)";
+const MY_DDL: &str = "CREATE TABLE IF NOT EXISTS tx_races_charges (
+    tenant VARCHAR(100) NOT NULL, idem_key VARCHAR(255) NOT NULL, amount BIGINT NOT NULL) ENGINE = InnoDB";
+const SQLITE_DDL: &str = "CREATE TABLE IF NOT EXISTS tx_races_charges (
+    tenant TEXT NOT NULL, idem_key TEXT NOT NULL, amount INTEGER NOT NULL)";
+
+async fn pg_store() -> Option<PgStore> {
+    let store = pg_store_or_skip().await?;
+    common::servers::pg_create_tables(store.pool(), PG_DDL)
+        .await
+        .expect("ddl");
+    Some(store)
+}
+
+async fn my_store() -> Option<MySqlStore> {
+    let store = mysql_store_or_skip().await?;
+    sqlx::query(MY_DDL)
+        .execute(store.pool())
+        .await
+        .expect("ddl");
+    Some(store)
+}
+
+/// A pool on the MariaDB test server whose sessions run at `level`.
+async fn my_pool_at(level: &'static str, max_connections: u32) -> sqlx::MySqlPool {
+    sqlx::mysql::MySqlPoolOptions::new()
+        .max_connections(max_connections)
+        .after_connect(move |conn, _| {
+            Box::pin(async move {
+                sqlx::Executor::execute(
+                    &mut *conn,
+                    format!("SET SESSION TRANSACTION ISOLATION LEVEL {level}").as_str(),
+                )
+                .await?;
+                Ok(())
+            })
+        })
+        .connect(&mysql_url())
+        .await
+        .expect("pool")
+}
+
+// ---------------------------------------------------------------- bodies
+
+#[idempotent(scope = "tx_races.pg", key = key, tenant = tenant, tx = tx, skip(hold),
+             ttl = "1h", lease = "2s", in_progress = wait("3s"))]
+async fn pg_charge(
+    tx: &mut sqlx::Transaction<'_, Postgres>,
+    tenant: &str,
+    key: &str,
+    hold: Option<&Hold>,
+) -> Result<u64, Error> {
+    sqlx::query("INSERT INTO tx_races_charges (tenant, idem_key, amount) VALUES ($1, $2, 500)")
+        .bind(tenant)
+        .bind(key)
+        .execute(&mut **tx)
+        .await
+        .map_err(|e| Error::Store(idempotent_runtime::StoreError::new("postgres", "body", e)))?;
+    hold_here(hold).await;
+    Ok(500)
+}
+
+#[idempotent(scope = "tx_races.my", key = key, tenant = tenant, tx = tx, skip(hold),
+             ttl = "1h", lease = "2s", in_progress = wait("3s"))]
+async fn my_charge(
+    tx: &mut sqlx::Transaction<'_, MySql>,
+    tenant: &str,
+    key: &str,
+    hold: Option<&Hold>,
+) -> Result<u64, Error> {
+    sqlx::query("INSERT INTO tx_races_charges (tenant, idem_key, amount) VALUES (?, ?, 500)")
+        .bind(tenant)
+        .bind(key)
+        .execute(&mut **tx)
+        .await
+        .map_err(|e| Error::Store(idempotent_runtime::StoreError::new("mysql", "body", e)))?;
+    hold_here(hold).await;
+    Ok(500)
+}
+
+#[idempotent(scope = "tx_races.sqlite", key = key, tenant = tenant, tx = tx, skip(hold),
+             ttl = "1h", lease = "2s", in_progress = wait("3s"))]
+async fn sqlite_charge(
+    tx: &mut sqlx::Transaction<'_, Sqlite>,
+    tenant: &str,
+    key: &str,
+    hold: Option<&Hold>,
+) -> Result<u64, Error> {
+    sqlx::query("INSERT INTO tx_races_charges (tenant, idem_key, amount) VALUES (?, ?, 500)")
+        .bind(tenant)
+        .bind(key)
+        .execute(&mut **tx)
+        .await
+        .map_err(|e| Error::Store(idempotent_runtime::StoreError::new("sqlite", "body", e)))?;
+    hold_here(hold).await;
+    Ok(500)
+}
+
+/// Holds a body open: `reached` once the reservation is held, then waits for `go`.
+#[derive(Default)]
+struct Hold {
+    reached: Notify,
+    go: Notify,
+}
+
+async fn hold_here(hold: Option<&Hold>) {
+    if let Some(hold) = hold {
+        hold.reached.notify_one();
+        hold.go.notified().await;
+    }
+}
+
+/// What one racer ended with.
+#[derive(Debug, Default, Clone)]
+struct Tally {
+    executed_and_committed: u32,
+    replayed: u32,
+    refusals: Vec<String>,
+    commit_failures: Vec<String>,
+    store_errors: Vec<String>,
+}
+
+fn is_retryable(e: &Error) -> bool {
+    matches!(e, Error::InProgress { .. } | Error::StaleSnapshot { .. })
+        || matches!(e, Error::Store(s) if {
+            let t = s.to_string().to_lowercase();
+            t.contains("could not serialize")
+        })
+}
+
+macro_rules! racer {
+    ($pool:expr, $begin:expr, $call:ident, $tenant:expr, $key:expr) => {{
+        let mut tally = Tally::default();
+        for _ in 0..TRIES {
+            let mut tx = $pool.begin_with($begin).await.expect("begin");
+            let (answer, outcome) = with_outcome($call(&mut tx, $tenant, $key, None)).await;
+            match answer {
+                Ok(v) => {
+                    assert_eq!(v, 500);
+                    match tx.commit().await {
+                        Ok(()) => {
+                            match outcome {
+                                Some(Outcome::Executed) => tally.executed_and_committed += 1,
+                                Some(Outcome::Replayed) => tally.replayed += 1,
+                                other => panic!("unexpected outcome {other:?}"),
+                            }
+                            break;
+                        }
+                        Err(e) => tally.commit_failures.push(e.to_string()),
+                    }
+                }
+                Err(e) if is_retryable(&e) => {
+                    tally.refusals.push(e.to_string());
+                    let _ = tx.rollback().await;
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                Err(e) => {
+                    tally.store_errors.push(e.to_string());
+                    let _ = tx.rollback().await;
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+            }
+        }
+        tally
+    }};
+}
+
+fn check_tallies(what: &str, tallies: &[Tally], committed_rows: i64) {
+    let executed: u32 = tallies.iter().map(|t| t.executed_and_committed).sum();
+    let replayed: u32 = tallies.iter().map(|t| t.replayed).sum();
+    let store_errors: Vec<_> = tallies
+        .iter()
+        .flat_map(|t| t.store_errors.clone())
+        .collect();
+    let commit_failures: Vec<_> = tallies
+        .iter()
+        .flat_map(|t| t.commit_failures.clone())
+        .collect();
+    let refusals: usize = tallies.iter().map(|t| t.refusals.len()).sum();
+    eprintln!(
+        "{what}: executed {executed}, replayed {replayed}, refusals {refusals}, \
+         commit failures {commit_failures:?}, store errors {store_errors:?}"
+    );
+    assert_eq!(committed_rows, 1, "{what}: one business row committed");
+    assert_eq!(executed, 1, "{what}: one body's effects committed");
+    assert_eq!(
+        replayed as usize,
+        RACERS - 1,
+        "{what}: every other racer got the answer in the end: {tallies:?}"
+    );
+    assert!(
+        store_errors.is_empty(),
+        "{what}: no store errors (deadlocks are errors too): {store_errors:?}"
+    );
+}
+
+// ---------------------------------------------------------------- PostgreSQL
+
+async fn pg_rows(pool: &sqlx::PgPool, tenant: &str) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM tx_races_charges WHERE tenant = $1")
+        .bind(tenant)
+        .fetch_one(pool)
+        .await
+        .expect("count")
+}
+
+async fn pg_race(begin: &'static str) {
+    let Some(store) = pg_store().await else {
+        return;
+    };
+    let pool = store.pool().clone();
+    let tenant = fresh_tenant();
+    let racers = (0..RACERS).map(|_| {
+        let pool = pool.clone();
+        let tenant = tenant.clone();
+        tokio::spawn(async move { racer!(pool, begin, pg_charge, &tenant, "k") })
+    });
+    let tallies: Vec<Tally> = futures::future::join_all(racers)
+        .await
+        .into_iter()
+        .map(|t| t.expect("racer"))
+        .collect();
+    check_tallies(begin, &tallies, pg_rows(&pool, &tenant).await);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn pg_race_read_committed() {
+    pg_race("BEGIN").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn pg_race_repeatable_read() {
+    pg_race("BEGIN ISOLATION LEVEL REPEATABLE READ").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn pg_race_serializable() {
+    pg_race("BEGIN ISOLATION LEVEL SERIALIZABLE").await;
+}
+
+/// A transaction a failed statement aborted before the call: the call fails
+/// (the transaction can only roll back), the body does not run, nothing is
+/// written; after the rollback a retry executes once.
+#[tokio::test]
+async fn pg_a_call_in_an_aborted_transaction_runs_nothing() {
+    let Some(store) = pg_store().await else {
+        return;
+    };
+    let pool = store.pool().clone();
+    let tenant = fresh_tenant();
+    let mut tx = pool.begin().await.expect("begin");
+    assert!(sqlx::query("SELECT 1/0").execute(&mut *tx).await.is_err());
+    let answer = pg_charge(&mut tx, &tenant, "aborted", None).await;
+    assert!(answer.is_err(), "{answer:?}");
+    tx.rollback().await.expect("rollback");
+    let id = Identity::new(tenant.as_str(), "tx_races.pg", "aborted").expect("id");
+    assert_eq!(store.fetch(&id).await.expect("fetch"), None);
+    let mut tx = pool.begin().await.expect("begin");
+    let (answer, outcome) = with_outcome(pg_charge(&mut tx, &tenant, "aborted", None)).await;
+    assert_eq!(answer.expect("runs"), 500);
+    assert_eq!(outcome, Some(Outcome::Executed));
+    tx.commit().await.expect("commit");
+    assert_eq!(pg_rows(&pool, &tenant).await, 1);
+}
+
+/// A call made in a savepoint (sqlx's nested `begin()`): rolling the
+/// savepoint back takes the record with the body's writes, even when the
+/// outer transaction commits; a retry executes once.
+#[tokio::test]
+async fn pg_a_rolled_back_savepoint_takes_the_record_with_it() {
+    let Some(store) = pg_store().await else {
+        return;
+    };
+    let pool = store.pool().clone();
+    let tenant = fresh_tenant();
+    let mut outer = pool.begin().await.expect("begin");
+    {
+        let mut inner = outer.begin().await.expect("savepoint");
+        assert_eq!(
+            pg_charge(&mut inner, &tenant, "sp", None)
+                .await
+                .expect("runs"),
+            500
+        );
+        inner.rollback().await.expect("rollback to savepoint");
+    }
+    // In the same outer transaction, the key is free again.
+    let (answer, outcome) = with_outcome(pg_charge(&mut outer, &tenant, "sp", None)).await;
+    assert_eq!(answer.expect("runs"), 500);
+    assert_eq!(outcome, Some(Outcome::Executed));
+    outer.commit().await.expect("commit");
+    assert_eq!(pg_rows(&pool, &tenant).await, 1);
+}
+
+// ---------------------------------------------------------------- MariaDB
+
+async fn my_rows(pool: &sqlx::MySqlPool, tenant: &str) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM tx_races_charges WHERE tenant = ?")
+        .bind(tenant)
+        .fetch_one(pool)
+        .await
+        .expect("count")
+}
+
+async fn my_race(level: &'static str) {
+    let Some(store) = my_store().await else {
+        return;
+    };
+    let pool = my_pool_at(level, RACERS as u32 + 2).await;
+    let tenant = fresh_tenant();
+    let racers = (0..RACERS).map(|_| {
+        let pool = pool.clone();
+        let tenant = tenant.clone();
+        tokio::spawn(async move { racer!(pool, "BEGIN", my_charge, &tenant, "k") })
+    });
+    let tallies: Vec<Tally> = futures::future::join_all(racers)
+        .await
+        .into_iter()
+        .map(|t| t.expect("racer"))
+        .collect();
+    check_tallies(level, &tallies, my_rows(store.pool(), &tenant).await);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn my_race_repeatable_read() {
+    my_race("REPEATABLE READ").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn my_race_read_committed() {
+    my_race("READ COMMITTED").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn my_race_serializable() {
+    my_race("SERIALIZABLE").await;
+}
+
+/// Rule 1 on MariaDB: a transactional call holding key `b` open does not
+/// make a reservation of another, free key of the same tenant and scope look
+/// in progress, in another transaction or through the store. (Under
+/// SERIALIZABLE it does: the look at an absent key locks the gap around it,
+/// a limitation the README states.)
+async fn my_neighbour_key_is_free(level: &'static str) {
+    let Some(store) = my_store().await else {
+        return;
+    };
+    let pool = my_pool_at(level, 4).await;
+    let tenant = fresh_tenant();
+    let hold = Hold::default();
+    let owner = async {
+        let mut tx = pool.begin().await.expect("begin");
+        let answer = my_charge(&mut tx, &tenant, "b", Some(&hold)).await;
+        tx.commit().await.expect("commit");
+        answer
+    };
+    let check = async {
+        hold.reached.notified().await;
+        // Another transaction, another key: acquired, not in progress.
+        let mut tx = pool.begin().await.expect("begin");
+        let other = my_charge(&mut tx, &tenant, "a", None).await;
+        let _ = tx.rollback().await;
+        // The store (autocommit), another key.
+        let id = Identity::new(tenant.as_str(), "tx_races.my", "c").expect("id");
+        let token = OwnerToken::new();
+        let request = ReserveRequest {
+            identity: &id,
+            fingerprint: None,
+            token: &token,
+            lease: Duration::from_secs(30),
+            ttl: Duration::from_secs(3600),
+        };
+        let through_store = store.reserve(request).await;
+        hold.go.notify_one();
+        (other, through_store)
+    };
+    let (owner, (other, through_store)) = tokio::join!(owner, check);
+    assert_eq!(owner.expect("owner"), 500);
+    eprintln!("{level}: other transaction: {other:?}; through the store: {through_store:?}");
+    assert!(
+        matches!(other, Ok(500)),
+        "{level}: a free key in another transaction: {other:?}"
+    );
+    assert!(
+        matches!(through_store, Ok(Reservation::Acquired { .. })),
+        "{level}: a free key through the store: {through_store:?}"
+    );
+}
+
+#[tokio::test]
+async fn my_neighbour_key_is_free_repeatable_read() {
+    my_neighbour_key_is_free("REPEATABLE READ").await;
+}
+
+// ---------------------------------------------------------------- SQLite
+
+async fn sqlite_race(begin: &'static str, wal: bool) {
+    let dir = std::env::temp_dir().join(format!("tx-races-{}", uuid::Uuid::new_v4()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    let path = dir.join("db.sqlite");
+    let options = sqlx::sqlite::SqliteConnectOptions::new()
+        .filename(&path)
+        .create_if_missing(true)
+        .journal_mode(if wal {
+            sqlx::sqlite::SqliteJournalMode::Wal
+        } else {
+            sqlx::sqlite::SqliteJournalMode::Delete
+        })
+        .busy_timeout(Duration::from_secs(5));
+    let pool = sqlx::sqlite::SqlitePoolOptions::new()
+        .max_connections(RACERS as u32 + 2)
+        .connect_with(options)
+        .await
+        .expect("pool");
+    let _store = SqliteStore::from_pool(pool.clone())
+        .await
+        .expect("from_pool");
+    sqlx::query(SQLITE_DDL).execute(&pool).await.expect("ddl");
+    let tenant = fresh_tenant();
+    let racers = (0..RACERS).map(|_| {
+        let pool = pool.clone();
+        let tenant = tenant.clone();
+        tokio::spawn(async move {
+            let mut tally = Tally::default();
+            for _ in 0..TRIES {
+                let mut tx = pool.begin_with(begin).await.expect("begin");
+                // A read first: a deferred transaction then holds a snapshot.
+                let _: i64 = sqlx::query_scalar("SELECT count(*) FROM tx_races_charges")
+                    .fetch_one(&mut *tx)
+                    .await
+                    .expect("read");
+                let (answer, outcome) =
+                    with_outcome(sqlite_charge(&mut tx, &tenant, "k", None)).await;
+                match answer {
+                    Ok(v) => {
+                        assert_eq!(v, 500);
+                        match tx.commit().await {
+                            Ok(()) => {
+                                match outcome {
+                                    Some(Outcome::Executed) => tally.executed_and_committed += 1,
+                                    Some(Outcome::Replayed) => tally.replayed += 1,
+                                    other => panic!("unexpected outcome {other:?}"),
+                                }
+                                break;
+                            }
+                            Err(e) => tally.commit_failures.push(e.to_string()),
+                        }
+                    }
+                    Err(e) if is_retryable(&e) => {
+                        tally.refusals.push(e.to_string());
+                        let _ = tx.rollback().await;
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                    }
+                    Err(e) => {
+                        tally.store_errors.push(e.to_string());
+                        let _ = tx.rollback().await;
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                    }
+                }
+            }
+            tally
+        })
+    });
+    let tallies: Vec<Tally> = futures::future::join_all(racers)
+        .await
+        .into_iter()
+        .map(|t| t.expect("racer"))
+        .collect();
+    let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM tx_races_charges WHERE tenant = ?")
+        .bind(&tenant)
+        .fetch_one(&pool)
+        .await
+        .expect("count");
+    check_tallies(&format!("sqlite {begin} wal={wal}"), &tallies, rows);
+    pool.close().await;
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sqlite_race_deferred_wal() {
+    sqlite_race("BEGIN", true).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sqlite_race_immediate_wal() {
+    sqlite_race("BEGIN IMMEDIATE", true).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sqlite_race_deferred_rollback_journal() {
+    sqlite_race("BEGIN", false).await;
+}
+
+// ---------------------------------------------------------------- faults
+
+/// `url` with its host and port replaced by the proxy's.
+fn through_proxy(url: &str, port: u16) -> String {
+    let hp = host_port(url);
+    url.replacen(&hp, &format!("127.0.0.1:{port}"), 1)
+}
+
+/// `host:port` of a server URL.
+fn host_port(url: &str) -> String {
+    let after = url.split_once("@").map_or(url, |(_, a)| a);
+    let after = after.split_once("://").map_or(after, |(_, a)| a);
+    after.split('/').next().expect("host").to_owned()
+}
+
+/// Retries `pg_charge` in new transactions (direct pool) until it answers
+/// (bounded); answers the outcome of the one that committed.
+async fn pg_retry(pool: &sqlx::PgPool, tenant: &str, key: &str) -> Option<Outcome> {
+    for _ in 0..TRIES {
+        let mut tx = pool.begin().await.expect("begin");
+        let (answer, outcome) = with_outcome(pg_charge(&mut tx, tenant, key, None)).await;
+        match answer {
+            Ok(_) => {
+                tx.commit().await.expect("commit");
+                return outcome;
+            }
+            Err(e) => {
+                eprintln!("retry refused: {e}");
+                let _ = tx.rollback().await;
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
+    panic!("no retry got through");
+}
+
+/// The caller's COMMIT is cut before it reaches PostgreSQL (the server rolls
+/// the transaction back when it sees the connection close), or after it ran
+/// (the answer is lost). Either way a retry in a new transaction ends with
+/// exactly one business row: it executes in the first case and replays in
+/// the second.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pg_commit_cut_either_side_leaves_one_effect() {
+    let Some(store) = pg_store().await else {
+        return;
+    };
+    let pool = store.pool().clone();
+    let proxy = common::proxy::FaultProxy::start(&host_port(&pg_url()))
+        .await
+        .expect("proxy");
+    let url = through_proxy(&pg_url(), proxy.port());
+    let proxied = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(2)
+        .connect(&url)
+        .await
+        .expect("proxied pool");
+    for (landed, key) in [(false, "cut-before"), (true, "cut-after")] {
+        let tenant = fresh_tenant();
+        let mut tx = proxied.begin().await.expect("begin");
+        assert_eq!(
+            pg_charge(&mut tx, &tenant, key, None).await.expect("runs"),
+            500
+        );
+        let trip = if landed {
+            proxy.cut_on_next_response_containing("COMMIT")
+        } else {
+            proxy.cut_on_next_request_containing("COMMIT")
+        };
+        let committed = tx.commit().await;
+        assert!(committed.is_err(), "{key}: the commit's answer was cut");
+        trip.cut().await;
+        let outcome = pg_retry(&pool, &tenant, key).await;
+        let expected = if landed {
+            Outcome::Replayed
+        } else {
+            Outcome::Executed
+        };
+        assert_eq!(outcome, Some(expected), "{key}");
+        assert_eq!(pg_rows(&pool, &tenant).await, 1, "{key}: one effect");
+    }
+}
+
+/// The connection is cut while the body's answer is being recorded (the
+/// completion never reaches the server): the call fails, the server rolls the
+/// transaction back, and a retry executes once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pg_completion_cut_fails_the_call_and_a_retry_runs_once() {
+    let Some(store) = pg_store().await else {
+        return;
+    };
+    let pool = store.pool().clone();
+    let proxy = common::proxy::FaultProxy::start(&host_port(&pg_url()))
+        .await
+        .expect("proxy");
+    let url = through_proxy(&pg_url(), proxy.port());
+    let proxied = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(2)
+        .connect(&url)
+        .await
+        .expect("proxied pool");
+    for landed in [false, true] {
+        let tenant = fresh_tenant();
+        let hold = Hold::default();
+        let mut tx = proxied.begin().await.expect("begin");
+        let call = pg_charge(&mut tx, &tenant, "k", Some(&hold));
+        let cut = async {
+            hold.reached.notified().await;
+            // The next statement naming this tenant is the completion.
+            let trip = if landed {
+                proxy.cut_on_next_response_containing(tenant.as_bytes())
+            } else {
+                proxy.cut_on_next_request_containing(tenant.as_bytes())
+            };
+            hold.go.notify_one();
+            trip
+        };
+        let (answer, trip) = tokio::join!(call, cut);
+        trip.cut().await;
+        assert!(answer.is_err(), "landed={landed}: {answer:?}");
+        let _ = tx.commit().await;
+        let outcome = pg_retry(&pool, &tenant, "k").await;
+        assert_eq!(outcome, Some(Outcome::Executed), "landed={landed}");
+        assert_eq!(pg_rows(&pool, &tenant).await, 1, "landed={landed}");
+    }
+}
+
+async fn my_retry(pool: &sqlx::MySqlPool, tenant: &str, key: &str) -> Option<Outcome> {
+    for _ in 0..TRIES {
+        let mut tx = pool.begin().await.expect("begin");
+        let (answer, outcome) = with_outcome(my_charge(&mut tx, tenant, key, None)).await;
+        match answer {
+            Ok(_) => {
+                tx.commit().await.expect("commit");
+                return outcome;
+            }
+            Err(e) => {
+                eprintln!("retry refused: {e}");
+                let _ = tx.rollback().await;
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
+    panic!("no retry got through");
+}
+
+/// As [`pg_commit_cut_either_side_leaves_one_effect`], on MariaDB.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn my_commit_cut_either_side_leaves_one_effect() {
+    let Some(store) = my_store().await else {
+        return;
+    };
+    let pool = store.pool().clone();
+    let proxy = common::proxy::FaultProxy::start(&host_port(&mysql_url()))
+        .await
+        .expect("proxy");
+    let url = through_proxy(&mysql_url(), proxy.port());
+    let proxied = sqlx::mysql::MySqlPoolOptions::new()
+        .max_connections(2)
+        .connect(&url)
+        .await
+        .expect("proxied pool");
+    for (landed, key) in [(false, "cut-before"), (true, "cut-after")] {
+        let tenant = fresh_tenant();
+        let mut tx = proxied.begin().await.expect("begin");
+        assert_eq!(
+            my_charge(&mut tx, &tenant, key, None).await.expect("runs"),
+            500
+        );
+        let trip = if landed {
+            proxy.cut_on_next_response_containing("COMMIT")
+        } else {
+            proxy.cut_on_next_request_containing("COMMIT")
+        };
+        let committed = tx.commit().await;
+        assert!(committed.is_err(), "{key}: the commit's answer was cut");
+        trip.cut().await;
+        let outcome = my_retry(&pool, &tenant, key).await;
+        let expected = if landed {
+            Outcome::Replayed
+        } else {
+            Outcome::Executed
+        };
+        assert_eq!(outcome, Some(expected), "{key}");
+        assert_eq!(my_rows(&pool, &tenant).await, 1, "{key}: one effect");
+    }
+}
+
+// ---------------------------------------------------------------- mixed modes
+
+#[idempotent(scope = "tx_races.mixed_pg", key = key, tenant = tenant, tx = tx, shared_scope,
+             fingerprint = false, ttl = "1h", lease = "300ms", in_progress = wait("5s"))]
+async fn pg_mixed_tx(
+    tx: &mut sqlx::Transaction<'_, Postgres>,
+    tenant: &str,
+    key: &str,
+) -> Result<u64, Error> {
+    sqlx::query("INSERT INTO tx_races_charges (tenant, idem_key, amount) VALUES ($1, $2, 500)")
+        .bind(tenant)
+        .bind(key)
+        .execute(&mut **tx)
+        .await
+        .map_err(|e| Error::Store(idempotent_runtime::StoreError::new("postgres", "body", e)))?;
+    // Outlives the lease: the open transaction is the lease.
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    Ok(500)
+}
+
+#[idempotent(scope = "tx_races.mixed_pg", key = key, tenant = tenant, store = store, shared_scope,
+             fingerprint = false, ttl = "1h", lease = "300ms", in_progress = wait("5s"))]
+async fn pg_mixed_store(
+    store: &PgStore,
+    pool: &sqlx::PgPool,
+    tenant: &str,
+    key: &str,
+) -> Result<u64, Error> {
+    sqlx::query("INSERT INTO tx_races_charges (tenant, idem_key, amount) VALUES ($1, $2, 500)")
+        .bind(tenant)
+        .bind(key)
+        .execute(pool)
+        .await
+        .map_err(|e| Error::Store(idempotent_runtime::StoreError::new("postgres", "body", e)))?;
+    // Outlives the lease: the open transaction is the lease.
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    Ok(500)
+}
+
+/// Store-mode and transactional calls race on one key (a shared scope):
+/// exactly one body's effects commit, every caller gets the answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn pg_mixed_modes_race() {
+    let Some(store) = pg_store().await else {
+        return;
+    };
+    let pool = store.pool().clone();
+    for round in 0..5 {
+        let tenant = fresh_tenant();
+        let tasks = (0..RACERS).map(|i| {
+            let (pool, store, tenant) = (pool.clone(), store.clone(), tenant.clone());
+            tokio::spawn(async move {
+                for _ in 0..TRIES {
+                    if i % 2 == 0 {
+                        match pg_mixed_store(&store, &pool, &tenant, "k").await {
+                            Ok(v) => return v,
+                            Err(Error::InProgress { .. }) => {}
+                            Err(e) => panic!("store mode: {e}"),
+                        }
+                    } else {
+                        let mut tx = pool.begin().await.expect("begin");
+                        match pg_mixed_tx(&mut tx, &tenant, "k").await {
+                            Ok(v) => {
+                                tx.commit().await.expect("commit");
+                                return v;
+                            }
+                            Err(Error::InProgress { .. }) => {
+                                let _ = tx.rollback().await;
+                            }
+                            Err(e) => panic!("transactional: {e}"),
+                        }
+                    }
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                panic!("never answered");
+            })
+        });
+        for t in futures::future::join_all(tasks).await {
+            assert_eq!(t.expect("task"), 500);
+        }
+        assert_eq!(pg_rows(&pool, &tenant).await, 1, "round {round}");
+    }
+}
+
+#[idempotent(scope = "tx_races.mixed_my", key = key, tenant = tenant, tx = tx, shared_scope,
+             fingerprint = false, ttl = "1h", lease = "300ms", in_progress = wait("5s"))]
+async fn my_mixed_tx(
+    tx: &mut sqlx::Transaction<'_, MySql>,
+    tenant: &str,
+    key: &str,
+) -> Result<u64, Error> {
+    sqlx::query("INSERT INTO tx_races_charges (tenant, idem_key, amount) VALUES (?, ?, 500)")
+        .bind(tenant)
+        .bind(key)
+        .execute(&mut **tx)
+        .await
+        .map_err(|e| Error::Store(idempotent_runtime::StoreError::new("mysql", "body", e)))?;
+    // Outlives the lease: the open transaction is the lease.
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    Ok(500)
+}
+
+#[idempotent(scope = "tx_races.mixed_my", key = key, tenant = tenant, store = store, shared_scope,
+             fingerprint = false, ttl = "1h", lease = "300ms", in_progress = wait("5s"))]
+async fn my_mixed_store(
+    store: &MySqlStore,
+    pool: &sqlx::MySqlPool,
+    tenant: &str,
+    key: &str,
+) -> Result<u64, Error> {
+    sqlx::query("INSERT INTO tx_races_charges (tenant, idem_key, amount) VALUES (?, ?, 500)")
+        .bind(tenant)
+        .bind(key)
+        .execute(pool)
+        .await
+        .map_err(|e| Error::Store(idempotent_runtime::StoreError::new("mysql", "body", e)))?;
+    // Outlives the lease: the open transaction is the lease.
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    Ok(500)
+}
+
+/// As [`pg_mixed_modes_race`], on MariaDB.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn my_mixed_modes_race() {
+    let Some(store) = my_store().await else {
+        return;
+    };
+    let pool = store.pool().clone();
+    for round in 0..5 {
+        let tenant = fresh_tenant();
+        let tasks = (0..RACERS).map(|i| {
+            let (pool, store, tenant) = (pool.clone(), store.clone(), tenant.clone());
+            tokio::spawn(async move {
+                for _ in 0..TRIES {
+                    if i % 2 == 0 {
+                        match my_mixed_store(&store, &pool, &tenant, "k").await {
+                            Ok(v) => return v,
+                            Err(Error::InProgress { .. }) => {}
+                            Err(e) => panic!("store mode: {e}"),
+                        }
+                    } else {
+                        let mut tx = pool.begin().await.expect("begin");
+                        match my_mixed_tx(&mut tx, &tenant, "k").await {
+                            Ok(v) => {
+                                tx.commit().await.expect("commit");
+                                return v;
+                            }
+                            Err(Error::InProgress { .. } | Error::StaleSnapshot { .. }) => {
+                                let _ = tx.rollback().await;
+                            }
+                            Err(e) => panic!("transactional: {e}"),
+                        }
+                    }
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                panic!("never answered");
+            })
+        });
+        for t in futures::future::join_all(tasks).await {
+            assert_eq!(t.expect("task"), 500);
+        }
+        assert_eq!(my_rows(&pool, &tenant).await, 1, "round {round}");
+    }
+}
+
+/// Rule 15 on MariaDB under an isolation level the caller chose: an owner
+/// holds key `k` open, three duplicates in their own transactions wait for
+/// it, and the owner rolls back. The key goes to one of them; none of them
+/// is told of a deadlock, and none waits past its bound (`wait("3s")`: each
+/// answers within the test's limit).
+async fn my_owner_rollback_with_waiters(level: &'static str) {
+    let Some(_store) = my_store().await else {
+        return;
+    };
+    let pool = my_pool_at(level, 6).await;
+    let tenant = fresh_tenant();
+    let hold = Hold::default();
+    let call = async {
+        let mut owner = pool.begin().await.expect("begin");
+        let answer = my_charge(&mut owner, &tenant, "k", Some(&hold)).await;
+        owner.rollback().await.expect("owner rolls back");
+        answer
+    };
+    let waiters = async {
+        hold.reached.notified().await;
+        let waiter = || async {
+            let mut tx = pool.begin().await.expect("begin");
+            let started = std::time::Instant::now();
+            let answer = my_charge(&mut tx, &tenant, "k", None).await;
+            let took = started.elapsed();
+            match &answer {
+                Ok(_) => tx.commit().await.expect("commit"),
+                Err(_) => {
+                    let _ = tx.rollback().await;
+                }
+            }
+            (answer, took)
+        };
+        let all = async { tokio::join!(waiter(), waiter(), waiter()) };
+        let rollback_soon = async {
+            // Let the waiters reach their waits, then fail the owner's body.
+            tokio::time::sleep(Duration::from_millis(700)).await;
+            hold.go.notify_one();
+        };
+        let (answers, ()) = tokio::join!(all, rollback_soon);
+        answers
+    };
+    let (owned, answers) = tokio::time::timeout(Duration::from_secs(120), async {
+        tokio::join!(call, waiters)
+    })
+    .await
+    .expect("nothing blocks past 120 s");
+    assert_eq!(owned.expect("owner ran"), 500);
+    let answers = [answers.0, answers.1, answers.2];
+    eprintln!("{level}: {answers:?}");
+    let ok = answers.iter().filter(|(a, _)| a.is_ok()).count();
+    let deadlocks: Vec<_> = answers
+        .iter()
+        .filter(|(a, _)| matches!(a, Err(Error::Store(e)) if e.to_string().to_lowercase().contains("deadlock")))
+        .collect();
+    assert!(deadlocks.is_empty(), "{level}: deadlocks: {answers:?}");
+
+    for (_, took) in &answers {
+        assert!(
+            *took < Duration::from_secs(20),
+            "{level}: a waiter waited {took:?}, far past its wait(\"3s\"): {answers:?}"
+        );
+    }
+    assert_eq!(
+        my_rows(&pool, &tenant).await,
+        i64::from(ok > 0),
+        "{level}: one body's effects"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn my_owner_rollback_with_waiters_repeatable_read() {
+    my_owner_rollback_with_waiters("REPEATABLE READ").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn my_owner_rollback_with_waiters_serializable() {
+    my_owner_rollback_with_waiters("SERIALIZABLE").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn my_owner_rollback_with_waiters_read_committed() {
+    my_owner_rollback_with_waiters("READ COMMITTED").await;
+}
+
+#[idempotent(scope = "tx_races.mixed_sqlite", key = key, tenant = tenant, tx = tx, shared_scope,
+             fingerprint = false, ttl = "1h", lease = "300ms", in_progress = wait("5s"))]
+async fn sqlite_mixed_tx(
+    tx: &mut sqlx::Transaction<'_, Sqlite>,
+    tenant: &str,
+    key: &str,
+) -> Result<u64, Error> {
+    sqlx::query("INSERT INTO tx_races_charges (tenant, idem_key, amount) VALUES (?, ?, 500)")
+        .bind(tenant)
+        .bind(key)
+        .execute(&mut **tx)
+        .await
+        .map_err(|e| Error::Store(idempotent_runtime::StoreError::new("sqlite", "body", e)))?;
+    // Outlives the lease: the open transaction is the lease.
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    Ok(500)
+}
+
+#[idempotent(scope = "tx_races.mixed_sqlite", key = key, tenant = tenant, store = store, shared_scope,
+             fingerprint = false, ttl = "1h", lease = "300ms", in_progress = wait("5s"))]
+async fn sqlite_mixed_store(
+    store: &SqliteStore,
+    pool: &sqlx::SqlitePool,
+    tenant: &str,
+    key: &str,
+) -> Result<u64, Error> {
+    sqlx::query("INSERT INTO tx_races_charges (tenant, idem_key, amount) VALUES (?, ?, 500)")
+        .bind(tenant)
+        .bind(key)
+        .execute(pool)
+        .await
+        .map_err(|e| Error::Store(idempotent_runtime::StoreError::new("sqlite", "body", e)))?;
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    Ok(500)
+}
+
+/// Store-mode and transactional calls race on one key on SQLite, with
+/// bodies that outlive their lease: exactly one body's effects commit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sqlite_mixed_modes_race_past_the_lease() {
+    let dir = std::env::temp_dir().join(format!("tx-races-{}", uuid::Uuid::new_v4()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    let url = format!("sqlite://{}?mode=rwc", dir.join("db.sqlite").display());
+    let store = SqliteStore::connect(&url).await.expect("store");
+    sqlx::query(SQLITE_DDL)
+        .execute(store.pool())
+        .await
+        .expect("ddl");
+    let pool = store.pool().clone();
+    for round in 0..3 {
+        let tenant = fresh_tenant();
+        let tasks = (0..6).map(|i| {
+            let (pool, store, tenant) = (pool.clone(), store.clone(), tenant.clone());
+            tokio::spawn(async move {
+                for _ in 0..TRIES {
+                    if i % 2 == 0 {
+                        match sqlite_mixed_store(&store, &pool, &tenant, "k").await {
+                            Ok(v) => return v,
+                            Err(Error::InProgress { .. }) => {}
+                            Err(e) => panic!("store mode: {e}"),
+                        }
+                    } else {
+                        let mut tx = pool.begin().await.expect("begin");
+                        match sqlite_mixed_tx(&mut tx, &tenant, "k").await {
+                            Ok(v) => {
+                                tx.commit().await.expect("commit");
+                                return v;
+                            }
+                            Err(Error::InProgress { .. } | Error::StaleSnapshot { .. }) => {
+                                let _ = tx.rollback().await;
+                            }
+                            Err(e) => panic!("transactional: {e}"),
+                        }
+                    }
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                panic!("never answered");
+            })
+        });
+        for t in futures::future::join_all(tasks).await {
+            assert_eq!(t.expect("task"), 500);
+        }
+        let rows: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM tx_races_charges WHERE tenant = ?")
+                .bind(&tenant)
+                .fetch_one(&pool)
+                .await
+                .expect("count");
+        assert_eq!(rows, 1, "round {round}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[idempotent(scope = "tx_races.mixed_my", key = key, tenant = tenant, tx = tx, shared_scope,
+             fingerprint = false, ttl = "1h", lease = "300ms", in_progress = wait("5s"))]
+async fn my_mixed_tx_held(
+    tx: &mut sqlx::Transaction<'_, MySql>,
+    tenant: &str,
+    key: &str,
+    hold: &Hold,
+) -> Result<u64, Error> {
+    sqlx::query("INSERT INTO tx_races_charges (tenant, idem_key, amount) VALUES (?, ?, 500)")
+        .bind(tenant)
+        .bind(key)
+        .execute(&mut **tx)
+        .await
+        .map_err(|e| Error::Store(idempotent_runtime::StoreError::new("mysql", "body", e)))?;
+    hold_here(Some(hold)).await;
+    Ok(500)
+}
+
+#[idempotent(scope = "tx_races.mixed_pg", key = key, tenant = tenant, tx = tx, shared_scope,
+             fingerprint = false, ttl = "1h", lease = "300ms", in_progress = wait("5s"))]
+async fn pg_mixed_tx_held(
+    tx: &mut sqlx::Transaction<'_, Postgres>,
+    tenant: &str,
+    key: &str,
+    hold: &Hold,
+) -> Result<u64, Error> {
+    sqlx::query("INSERT INTO tx_races_charges (tenant, idem_key, amount) VALUES ($1, $2, 500)")
+        .bind(tenant)
+        .bind(key)
+        .execute(&mut **tx)
+        .await
+        .map_err(|e| Error::Store(idempotent_runtime::StoreError::new("postgres", "body", e)))?;
+    hold_here(Some(hold)).await;
+    Ok(500)
+}
+
+/// Rule 15: a transactional owner's rollback hands the key to one of the
+/// store-mode duplicates waiting for it; none is told of a deadlock, and
+/// exactly one body's effects stay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn my_tx_owner_rollback_with_store_mode_waiters() {
+    let Some(store) = my_store().await else {
+        return;
+    };
+    let pool = store.pool().clone();
+    for round in 0..3 {
+        let tenant = fresh_tenant();
+        let hold = Hold::default();
+        let owner = async {
+            let mut tx = pool.begin().await.expect("begin");
+            let answer = my_mixed_tx_held(&mut tx, &tenant, "k", &hold).await;
+            tx.rollback().await.expect("rollback");
+            answer
+        };
+        let waiters = async {
+            hold.reached.notified().await;
+            let one = || my_mixed_store(&store, &pool, &tenant, "k");
+            let let_go = async {
+                tokio::time::sleep(Duration::from_millis(1500)).await;
+                hold.go.notify_one();
+            };
+            let (a, b, c, d, ()) = tokio::join!(one(), one(), one(), one(), let_go);
+            [a, b, c, d]
+        };
+        let (owned, answers) = tokio::join!(owner, waiters);
+        assert_eq!(owned.expect("owner"), 500);
+        eprintln!("round {round}: {answers:?}");
+        for a in &answers {
+            assert!(matches!(a, Ok(500)), "round {round}: {answers:?}");
+        }
+        assert_eq!(my_rows(&pool, &tenant).await, 1, "round {round}");
+    }
+}
+
+/// As [`my_tx_owner_rollback_with_store_mode_waiters`], on PostgreSQL.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn pg_tx_owner_rollback_with_store_mode_waiters() {
+    let Some(store) = pg_store().await else {
+        return;
+    };
+    let pool = store.pool().clone();
+    for round in 0..3 {
+        let tenant = fresh_tenant();
+        let hold = Hold::default();
+        let owner = async {
+            let mut tx = pool.begin().await.expect("begin");
+            let answer = pg_mixed_tx_held(&mut tx, &tenant, "k", &hold).await;
+            tx.rollback().await.expect("rollback");
+            answer
+        };
+        let waiters = async {
+            hold.reached.notified().await;
+            let one = || pg_mixed_store(&store, &pool, &tenant, "k");
+            let let_go = async {
+                tokio::time::sleep(Duration::from_millis(1500)).await;
+                hold.go.notify_one();
+            };
+            let (a, b, c, d, ()) = tokio::join!(one(), one(), one(), one(), let_go);
+            [a, b, c, d]
+        };
+        let (owned, answers) = tokio::join!(owner, waiters);
+        assert_eq!(owned.expect("owner"), 500);
+        eprintln!("round {round}: {answers:?}");
+        for a in &answers {
+            assert!(matches!(a, Ok(500)), "round {round}: {answers:?}");
+        }
+        assert_eq!(pg_rows(&pool, &tenant).await, 1, "round {round}");
+    }
+}
