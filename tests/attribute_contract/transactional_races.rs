@@ -15,6 +15,7 @@ use idempotent_runtime::{
     Reservation, ReserveRequest, SqliteStore, Store,
 };
 use sqlx::{Connection, MySql, Postgres, Sqlite};
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 use tokio::sync::Notify;
 
@@ -952,6 +953,88 @@ async fn my_owner_rollback_with_waiters_serializable() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn my_owner_rollback_with_waiters_read_committed() {
     my_owner_rollback_with_waiters("READ COMMITTED").await;
+}
+
+#[idempotent(scope = "tx_races.my_reject", key = key, tenant = tenant, tx = tx, skip(hold),
+             ttl = "1h", in_progress = reject)]
+async fn my_charge_or_reject(
+    tx: &mut sqlx::Transaction<'_, MySql>,
+    tenant: &str,
+    key: &str,
+    hold: Option<&Hold>,
+) -> Result<u64, Error> {
+    hold_here(hold).await;
+    Ok(1)
+}
+
+/// Rule 4 on MariaDB under SERIALIZABLE: a duplicate of an owner whose
+/// transaction is open is refused within its policy (`reject`: at once, or
+/// after the least lock wait), whatever the session's own
+/// `innodb_lock_wait_timeout` (here an hour). The owner holds its body open
+/// until the duplicate has answered, or a minute has passed: a duplicate
+/// that waits out the session's timeout answers only after the owner let go.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn my_serializable_duplicate_keeps_its_wait_bound() {
+    let Some(_store) = my_store().await else {
+        return;
+    };
+    let pool = sqlx::mysql::MySqlPoolOptions::new()
+        .max_connections(4)
+        .after_connect(|conn, _| {
+            Box::pin(async move {
+                sqlx::Executor::execute(
+                    &mut *conn,
+                    "SET SESSION TRANSACTION ISOLATION LEVEL SERIALIZABLE",
+                )
+                .await?;
+                sqlx::Executor::execute(&mut *conn, "SET SESSION innodb_lock_wait_timeout = 3600")
+                    .await?;
+                Ok(())
+            })
+        })
+        .connect(&mysql_url())
+        .await
+        .expect("pool");
+    let tenant = fresh_tenant();
+    let hold = Hold::default();
+    let answered = std::sync::atomic::AtomicBool::new(false);
+    let owner = async {
+        let mut tx = pool.begin().await.expect("begin");
+        let answer = my_charge_or_reject(&mut tx, &tenant, "k", Some(&hold)).await;
+        // Before the commit lets the row go: had the duplicate answered?
+        let in_time = answered.load(Ordering::SeqCst);
+        tx.commit().await.expect("commit");
+        (answer, in_time)
+    };
+    let duplicate = async {
+        hold.reached.notified().await;
+        let mut tx = pool.begin().await.expect("begin");
+        let answer = my_charge_or_reject(&mut tx, &tenant, "k", None).await;
+        answered.store(true, Ordering::SeqCst);
+        let _ = tx.rollback().await;
+        hold.go.notify_one();
+        answer
+    };
+    let let_go = async {
+        tokio::time::sleep(Duration::from_secs(60)).await;
+        hold.go.notify_one();
+    };
+    let ((owned, in_time), duplicate) = tokio::select! {
+        both = async { tokio::join!(owner, duplicate) } => both,
+        () = async { let_go.await; std::future::pending::<()>().await } => unreachable!(),
+    };
+    assert_eq!(owned.expect("owner"), 1);
+    assert!(
+        in_time,
+        "the duplicate was still waiting after a minute (the session's lock wait, not its policy): {duplicate:?}"
+    );
+    assert!(
+        matches!(
+            duplicate,
+            Err(Error::InProgress { .. } | Error::StaleSnapshot { .. })
+        ),
+        "{duplicate:?}"
+    );
 }
 
 #[idempotent(scope = "tx_races.mixed_sqlite", key = key, tenant = tenant, tx = tx, shared_scope,
