@@ -1239,3 +1239,42 @@ async fn pg_tx_owner_rollback_with_store_mode_waiters() {
         assert_eq!(pg_rows(&pool, &tenant).await, 1, "round {round}");
     }
 }
+
+/// The other side of [`my_serializable_duplicate_keeps_its_wait_bound`]:
+/// under SERIALIZABLE a duplicate with `in_progress = wait("3s")` whose
+/// owner commits within the bound waits for it and replays (one business
+/// row), as at the other levels.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn my_serializable_duplicate_replays_an_owner_that_commits_in_time() {
+    let Some(_store) = my_store().await else {
+        return;
+    };
+    let pool = my_pool_at("SERIALIZABLE", 4).await;
+    let tenant = fresh_tenant();
+    let hold = Hold::default();
+    let owner = async {
+        let mut tx = pool.begin().await.expect("begin");
+        let answer = my_charge(&mut tx, &tenant, "k", Some(&hold)).await;
+        tx.commit().await.expect("commit");
+        answer
+    };
+    let duplicate = async {
+        hold.reached.notified().await;
+        let mut tx = pool.begin().await.expect("begin");
+        let call = with_outcome(my_charge(&mut tx, &tenant, "k", None));
+        let let_go = async {
+            // The duplicate is waiting by now (or not yet asking: either
+            // way the owner commits within its bound).
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            hold.go.notify_one();
+        };
+        let ((answer, outcome), ()) = tokio::join!(call, let_go);
+        tx.commit().await.expect("commit");
+        (answer, outcome)
+    };
+    let (owned, (answer, outcome)) = tokio::join!(owner, duplicate);
+    assert_eq!(owned.expect("owner"), 500);
+    assert_eq!(answer.expect("replayed"), 500);
+    assert_eq!(outcome, Some(Outcome::Replayed));
+    assert_eq!(my_rows(&pool, &tenant).await, 1);
+}
