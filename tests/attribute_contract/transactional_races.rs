@@ -422,8 +422,7 @@ async fn my_neighbour_key_is_free_repeatable_read() {
 // ---------------------------------------------------------------- SQLite
 
 async fn sqlite_race(begin: &'static str, wal: bool) {
-    let dir = std::env::temp_dir().join(format!("tx-races-{}", uuid::Uuid::new_v4()));
-    std::fs::create_dir_all(&dir).expect("dir");
+    let dir = common::scratch::dir("tx-races");
     let path = dir.join("db.sqlite");
     let options = sqlx::sqlite::SqliteConnectOptions::new()
         .filename(&path)
@@ -500,7 +499,6 @@ async fn sqlite_race(begin: &'static str, wal: bool) {
         .expect("count");
     check_tallies(&format!("sqlite {begin} wal={wal}"), &tallies, rows);
     pool.close().await;
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -1077,8 +1075,7 @@ async fn sqlite_mixed_store(
 /// bodies that outlive their lease: exactly one body's effects commit.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn sqlite_mixed_modes_race_past_the_lease() {
-    let dir = std::env::temp_dir().join(format!("tx-races-{}", uuid::Uuid::new_v4()));
-    std::fs::create_dir_all(&dir).expect("dir");
+    let dir = common::scratch::dir("tx-races");
     let url = format!("sqlite://{}?mode=rwc", dir.join("db.sqlite").display());
     let store = SqliteStore::connect(&url).await.expect("store");
     sqlx::query(SQLITE_DDL)
@@ -1127,7 +1124,6 @@ async fn sqlite_mixed_modes_race_past_the_lease() {
                 .expect("count");
         assert_eq!(rows, 1, "round {round}");
     }
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[idempotent(scope = "tx_races.mixed_my", key = key, tenant = tenant, tx = tx, shared_scope,
