@@ -20,7 +20,8 @@
 //! | `Error::FingerprintMismatch`: same message id, different payload, its record complete | `Mismatch` | `Term` (poison) |
 //! | `Error::Fingerprint`: the payload's arguments cannot be fingerprinted | `Unfingerprintable` | `Term` (every delivery fails alike); knowing the delivery count, nak'd like `Failed` until [`DELIVERIES_BEFORE_TERM`] |
 //! | `Error::ReplayDecoding`: processed before, but the recorded answer no longer decodes as the handler's type | `ReplayUndecodable` | `Term` (naks would come back until the record expired, and then run the body again); knowing the delivery count, nak'd like `Failed` until [`DELIVERIES_BEFORE_TERM`], so a rolling deploy's other version can replay it |
-//! | `Error::RecordedByNewerVersion`: a newer version of this crate made the record (a rolling deploy, a rollback) | `RecordedByNewerVersion` | `Term`; knowing the delivery count, nak'd like `Failed` until [`DELIVERIES_BEFORE_TERM`], so the newer version can answer it (waiting here until the record expired would run the body again) |
+//! | `Error::RecordedByNewerVersion`: a newer version of this crate made the record (a rolling deploy, a rollback), and it is complete | `RecordedByNewerVersion` | `Term`; knowing the delivery count, nak'd like `Failed` until [`DELIVERIES_BEFORE_TERM`], so the newer version can answer it (waiting here until the record expired would run the body again) |
+//! | `Error::RecordedByNewerVersion` against a record still in progress, or left in progress (in [`handle`] and [`nats::process`], in store mode): the newer version is running the message, or its redelivery may take the record over | `InProgress` / `MismatchWithAbandonedRecord`, as for a mismatch | as for a mismatch: `Nak` while it runs; for an abandoned one, `Nak` until [`ABANDONED_RECORD_GRACE`], then `Term` |
 //! | no key on the message | `MissingKey` | `Term`; the handler is not called |
 //! | `Error::InvalidKey` / `Error::InvalidTenant` | `InvalidKey` | `Term` |
 //!
@@ -194,7 +195,12 @@ pub enum Verdict {
     /// record expires would run the body a second time. So, like
     /// [`ReplayUndecodable`](Self::ReplayUndecodable): nak'd like
     /// [`Verdict::Failed`] until [`DELIVERIES_BEFORE_TERM`] when the delivery
-    /// count is known, then terminated.
+    /// count is known, then terminated. (In [`handle`] and [`nats::process`],
+    /// in store mode, a newer version's record still in progress is
+    /// [`InProgress`](Self::InProgress) and one abandoned in progress
+    /// [`MismatchWithAbandonedRecord`](Self::MismatchWithAbandonedRecord), as
+    /// for a mismatch: the newer version holds the message, and terminating
+    /// it here would lose it if that version's body then failed.)
     RecordedByNewerVersion,
 }
 
@@ -407,7 +413,22 @@ fn verdict<T, E: AsIdempotencyError>(result: &Result<T, E>, reported: Option<Rep
         Some(Error::InvalidKey(_) | Error::InvalidTenant(_)) => Verdict::InvalidKey,
         Some(Error::Fingerprint { .. }) => Verdict::Unfingerprintable,
         Some(Error::ReplayDecoding { .. }) => Verdict::ReplayUndecodable,
-        Some(Error::RecordedByNewerVersion { .. }) => Verdict::RecordedByNewerVersion,
+        // A newer version's record still running, or abandoned: as for a
+        // record of other arguments. That version holds the message and may
+        // yet release the key (its body failing), or its redelivery to a
+        // newer instance may take the record over; terminated at once here
+        // (its deliveries spent while it ran counted), the message was lost.
+        Some(Error::RecordedByNewerVersion { .. }) => {
+            match reported.and_then(|r| r.last_mismatch) {
+                Some(LastMismatch::Running { lease_remaining }) => Verdict::InProgress {
+                    retry_after: lease_remaining,
+                },
+                Some(LastMismatch::Abandoned { abandoned_for }) => {
+                    Verdict::MismatchWithAbandonedRecord { abandoned_for }
+                }
+                _ => Verdict::RecordedByNewerVersion,
+            }
+        }
         // Only the body's own result: a recover hook's answer that cannot be
         // recorded leaves the record for the next delivery to ask again.
         Some(
@@ -653,6 +674,41 @@ mod tests {
             Verdict::MismatchWithAbandonedRecord { abandoned_for }.as_str(),
             "mismatch-with-abandoned-record"
         );
+    }
+
+    /// A newer version's record is judged like a mismatch's: running, nak'd
+    /// until its lease ends; abandoned, nak'd for the grace; complete (or
+    /// not read), the newer version's verdict (nak'd a few times, then term).
+    #[test]
+    fn a_newer_versions_record_is_judged_by_what_it_is() {
+        let refused_by = |m: Option<LastMismatch>| {
+            verdict(
+                &err(Error::RecordedByNewerVersion {
+                    context: ctx(),
+                    version: "v9".into(),
+                }),
+                Some(Reported {
+                    outcome: None,
+                    replayed_error: false,
+                    last_mismatch: m,
+                }),
+            )
+        };
+        let lease_remaining = Duration::from_secs(3);
+        assert_eq!(
+            refused_by(Some(LastMismatch::Running { lease_remaining })),
+            Verdict::InProgress {
+                retry_after: lease_remaining
+            }
+        );
+        let abandoned_for = Duration::from_secs(2);
+        assert_eq!(
+            refused_by(Some(LastMismatch::Abandoned { abandoned_for })),
+            Verdict::MismatchWithAbandonedRecord { abandoned_for }
+        );
+        for m in [Some(LastMismatch::Final), None] {
+            assert_eq!(refused_by(m), Verdict::RecordedByNewerVersion);
+        }
     }
 
     /// A mismatch with an abandoned record is nak'd until the record has

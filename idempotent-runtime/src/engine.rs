@@ -1551,7 +1551,11 @@ async fn reserve_from(
                         now = Instant::now();
                         continue;
                     }
-                    MismatchedRecord::ByNewerVersion(version) => {
+                    MismatchedRecord::ByNewerVersion(version, by) => {
+                        // What the record is, for a message consumer: one
+                        // still running may yet be released by the newer
+                        // version, so the delivery is nak'd, not terminated.
+                        report_mismatch(by);
                         tracing::warn!(target: "idempotent", scope = spec.scope, key = %request.identity.log_digest(),
                             version = %version, "refused for now: a newer version of idempotent made this key's record, and this version cannot compare its fingerprint");
                         return Err(Error::RecordedByNewerVersion {
@@ -1615,8 +1619,10 @@ enum MismatchedRecord {
     Changed,
     /// A newer build made its fingerprint with a form this one does not know
     /// (see [`unknown_version`](crate::fingerprint::unknown_version)): the
-    /// version label.
-    ByNewerVersion(String),
+    /// version label, and what the record is (running, abandoned, complete):
+    /// a consumer does not terminate a message whose record the newer
+    /// version may yet release or take over.
+    ByNewerVersion(String, LastMismatch),
     /// A record of other arguments: the mismatch stands, and this is what
     /// refused it, as reported (running, with at most the call's own lease
     /// left, since a store's clock reading is trusted only that far;
@@ -1657,9 +1663,6 @@ async fn mismatched_record(
     if snapshot.is_expired() || ours || stored.is_none() {
         return MismatchedRecord::Changed;
     }
-    if let Some(version) = stored.and_then(crate::fingerprint::unknown_version) {
-        return MismatchedRecord::ByNewerVersion(version.to_owned());
-    }
     let refused_by = match (snapshot.state, snapshot.lease_expires_at_ms) {
         (crate::store::RecordState::InProgress, Some(lease_ends))
             if lease_ends > snapshot.now_ms =>
@@ -1678,6 +1681,9 @@ async fn mismatched_record(
         },
         _ => LastMismatch::Final,
     };
+    if let Some(version) = stored.and_then(crate::fingerprint::unknown_version) {
+        return MismatchedRecord::ByNewerVersion(version.to_owned(), refused_by);
+    }
     MismatchedRecord::Refused(refused_by)
 }
 

@@ -343,6 +343,124 @@ async fn mapping_mismatch_with_a_running_record_inside_another_call_is_nakd() {
     assert_eq!(running.await.unwrap(), Verdict::Executed);
 }
 
+/// A record a newer version of the crate is still running (a rolling deploy:
+/// the newer instance holds this very message, its lease renewed) refuses an
+/// older instance's delivery as `RecordedByNewerVersion`. While it runs, the
+/// delivery is nak'd until its lease ends, as for a mismatch with a running
+/// record, however often the message was delivered meanwhile (a body longer
+/// than `ack_wait` spends deliveries): terminating it would end the message
+/// itself, and if the newer instance's body then fails and releases the key,
+/// nobody processes the message (natshunt).
+#[tokio::test]
+async fn mapping_a_newer_versions_running_record_is_nakd_not_termed() {
+    let ledger = Ledger::new(false);
+    let identity = idempotent_runtime::Identity::shared("nats.mapping.billing", "m-21").unwrap();
+    let newer = idempotent_runtime::Fingerprint::from_stored(format!(
+        "v99:{}",
+        "0123456789abcdef".repeat(4)
+    ));
+    let token = common::records::acquire(
+        &ledger.store,
+        &identity,
+        Some(&newer),
+        Duration::from_secs(3600),
+        Duration::from_secs(3600),
+    )
+    .await;
+    let payload = order("o-21", 2100);
+    for deliveries in [1, idempotent_runtime::consumer::DELIVERIES_BEFORE_TERM + 3] {
+        let redelivered = handle(Some("m-21"), |k| ledger.bill(k, &payload))
+            .await
+            .with_deliveries(deliveries);
+        assert!(
+            matches!(
+                redelivered.idempotency_error(),
+                Some(Error::RecordedByNewerVersion { .. })
+            ),
+            "{:?}",
+            redelivered.result
+        );
+        match (redelivered.verdict, redelivered.disposition()) {
+            (Verdict::InProgress { retry_after }, Disposition::Nak(Some(delay))) => {
+                assert_eq!(retry_after, delay);
+                // At most the call's own lease (5 s), however long the planted one.
+                assert!(delay <= Duration::from_secs(5), "{delay:?}");
+            }
+            other => panic!(
+                "delivery {deliveries}: expected a nak while the newer version runs, got {other:?}"
+            ),
+        }
+    }
+    // The newer instance's body fails: the key is released, and the next
+    // delivery (here, to this older instance) processes the message.
+    assert_eq!(
+        ledger.store.release(&identity, &token).await.unwrap(),
+        idempotent_runtime::Fenced::Written
+    );
+    let after = handle(Some("m-21"), |k| ledger.bill(k, &payload))
+        .await
+        .with_deliveries(idempotent_runtime::consumer::DELIVERIES_BEFORE_TERM + 4);
+    assert_eq!(
+        (after.verdict, after.disposition()),
+        (Verdict::Executed, Disposition::Ack)
+    );
+    assert_eq!(ledger.effects.load(Ordering::SeqCst), 1);
+}
+
+/// A newer version's record left in progress (its instance died mid-body,
+/// after the message had been delivered many times while it ran: a body
+/// longer than `ack_wait`) is not terminated at the next delivery of an
+/// older instance: as for an abandoned record of other arguments, its grace
+/// runs from when its lease ran out, for the message's redelivery to reach a
+/// newer instance that takes it over (natshunt).
+#[tokio::test]
+async fn mapping_a_newer_versions_abandoned_record_is_nakd_before_it_is_termed() {
+    let ledger = Ledger::new(false);
+    let identity = idempotent_runtime::Identity::shared("nats.mapping.billing", "m-22").unwrap();
+    let newer = idempotent_runtime::Fingerprint::from_stored(format!(
+        "v99:{}",
+        "0123456789abcdef".repeat(4)
+    ));
+    common::records::acquire(
+        &ledger.store,
+        &identity,
+        Some(&newer),
+        Duration::from_millis(1),
+        Duration::from_secs(3600),
+    )
+    .await;
+    let lapsed = async {
+        loop {
+            match ledger.store.fetch(&identity).await.unwrap() {
+                Some(r) if r.lease_expires_at_ms.is_some_and(|ends| ends < r.now_ms) => break,
+                _ => tokio::time::sleep(Duration::from_millis(5)).await,
+            }
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(10), lapsed)
+        .await
+        .expect("the planted lease runs out");
+    let payload = order("o-22", 2200);
+    let late = handle(Some("m-22"), |k| ledger.bill(k, &payload))
+        .await
+        .with_deliveries(idempotent_runtime::consumer::DELIVERIES_BEFORE_TERM + 10);
+    assert!(
+        matches!(
+            late.idempotency_error(),
+            Some(Error::RecordedByNewerVersion { .. })
+        ),
+        "{:?}",
+        late.result
+    );
+    assert!(
+        matches!(late.disposition(), Disposition::Nak(Some(_))),
+        "just abandoned, delivered many times while it ran: {:?} -> {:?}",
+        late.verdict,
+        late.disposition()
+    );
+    assert_eq!(ledger.effects.load(Ordering::SeqCst), 0, "nothing ran");
+}
+
 /// What a handler returns decides: a mismatch with a running record met by
 /// an earlier step whose error the handler let go does not turn the later
 /// step's mismatch with a complete record (poison) into a nak.
@@ -948,6 +1066,120 @@ async fn full_loop(js: jetstream::Context) {
         .map(|k| (k.to_string(), 1))
         .collect();
     assert_eq!(effects, want_effects);
+
+    stream.delete().await;
+    billing.db.close().await;
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+// ---------------------------------------------------------------- a newer version's running record, on JetStream
+
+/// A rolling deploy on JetStream: a newer instance is running a message (its
+/// record in progress, planted here with a newer fingerprint version), the
+/// message outlives `ack_wait` and is redelivered; its tenth delivery reaches
+/// an older instance, whose `process` must not terminate it. The newer
+/// instance's body then fails (releases the key): the message comes back and
+/// is processed once. Terminated, it never came back (natshunt).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jetstream_a_newer_versions_running_record_does_not_lose_the_message() {
+    let Some(js) = nats_or_skip().await else {
+        return;
+    };
+    tokio::time::timeout(Duration::from_secs(90), newer_running(js))
+        .await
+        .expect("finished within 90 s");
+}
+
+async fn newer_running(js: jetstream::Context) {
+    let tenant = fresh_tenant();
+    let dir = std::env::temp_dir().join(format!("idempotent-nats-newer-{}", uuid::Uuid::new_v4()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let url = format!("sqlite://{}?mode=rwc", dir.join("newer.db").display());
+    let db = sqlx::SqlitePool::connect(&url).await.unwrap();
+    sqlx::query("CREATE TABLE effects (msg_id TEXT NOT NULL)")
+        .execute(&db)
+        .await
+        .unwrap();
+    let billing = Billing {
+        store: SqliteStore::from_pool(db.clone()).await.unwrap(),
+        db,
+        fail_once: std::sync::Mutex::new(Default::default()),
+        gate: Arc::new(Semaphore::new(0)),
+    };
+    let identity =
+        idempotent_runtime::Identity::new(&tenant, "nats.loop.billing", "m-newer").unwrap();
+    let newer = idempotent_runtime::Fingerprint::from_stored(format!(
+        "v99:{}",
+        "0123456789abcdef".repeat(4)
+    ));
+    let token = common::records::acquire(
+        &billing.store,
+        &identity,
+        Some(&newer),
+        Duration::from_secs(600),
+        Duration::from_secs(3600),
+    )
+    .await;
+
+    let stream = TestStream::create(&js, "NATSHUNT_NEWER").await;
+    let consumer = stream
+        .durable("natshunt-newer", Duration::from_secs(1))
+        .await;
+    let seq = stream
+        .publish("m-newer", json(&order("o-newer", 4200)))
+        .await;
+    let mut messages = consumer
+        .stream()
+        .max_messages_per_batch(1)
+        .messages()
+        .await
+        .unwrap();
+    let mut seen: Vec<(i64, Verdict, Disposition)> = Vec::new();
+    let mut released = false;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while Instant::now() < deadline {
+        if released && settled(&consumer).await {
+            break;
+        }
+        let Ok(next) = tokio::time::timeout(Duration::from_millis(300), messages.next()).await
+        else {
+            continue;
+        };
+        let message = next
+            .expect("the message stream goes on")
+            .expect("a message");
+        let info = message.info().unwrap();
+        assert_eq!(info.stream_sequence, seq);
+        let delivered = info.delivered;
+        if delivered < idempotent_runtime::consumer::DELIVERIES_BEFORE_TERM as i64 {
+            // The newer instance's own deliveries while its body runs:
+            // never settled, so `ack_wait` brings the message back.
+            continue;
+        }
+        let o: Order = serde_json::from_slice(&message.payload).unwrap();
+        let handled = process(&message, |k| billing.bill(&tenant, k, &o))
+            .await
+            .expect("settle the delivery");
+        seen.push((delivered, handled.verdict, handled.disposition()));
+        if !released {
+            // The newer instance's body fails: its key is released.
+            assert_eq!(
+                billing.store.release(&identity, &token).await.unwrap(),
+                idempotent_runtime::Fenced::Written
+            );
+            released = true;
+        }
+    }
+    let effects: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM effects")
+        .fetch_one(&billing.db)
+        .await
+        .unwrap();
+    println!("a newer version's running record: deliveries {seen:?}, effects {effects}");
+    assert!(
+        seen.iter().all(|d| d.2 != Disposition::Term),
+        "an older instance terminated the message the newer one was running: {seen:?}"
+    );
+    assert_eq!(effects, 1, "the message was processed once: {seen:?}");
 
     stream.delete().await;
     billing.db.close().await;
