@@ -1186,6 +1186,103 @@ async fn newer_running(js: jetstream::Context) {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+// ---------------------------------------------------------------- ack policies
+
+/// `process` settles each delivery on its own: it needs `AckPolicy::Explicit`.
+/// With `AckPolicy::All` the ack of a later message acknowledges every earlier
+/// one, also one `process` nak'd (its body failed, the key was released): that
+/// message is never redelivered and its effect never happens (natshunt). The
+/// test shows both policies side by side.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jetstream_an_ack_all_consumer_loses_a_nakd_message_to_a_later_ack() {
+    let Some(js) = nats_or_skip().await else {
+        return;
+    };
+    tokio::time::timeout(Duration::from_secs(60), ack_policies(js))
+        .await
+        .expect("finished within 60 s");
+}
+
+async fn ack_policies(js: jetstream::Context) {
+    let mut effects_by_policy = Vec::new();
+    for policy in [
+        jetstream::consumer::AckPolicy::Explicit,
+        jetstream::consumer::AckPolicy::All,
+    ] {
+        let tenant = fresh_tenant();
+        let dir =
+            std::env::temp_dir().join(format!("idempotent-nats-ackall-{}", uuid::Uuid::new_v4()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let url = format!("sqlite://{}?mode=rwc", dir.join("ackall.db").display());
+        let db = sqlx::SqlitePool::connect(&url).await.unwrap();
+        sqlx::query("CREATE TABLE effects (msg_id TEXT NOT NULL)")
+            .execute(&db)
+            .await
+            .unwrap();
+        let billing = Billing {
+            store: SqliteStore::from_pool(db.clone()).await.unwrap(),
+            db,
+            fail_once: std::sync::Mutex::new(["o-a1".to_owned()].into()),
+            gate: Arc::new(Semaphore::new(0)),
+        };
+        let stream = TestStream::create(&js, "NATSHUNT_ACKALL").await;
+        let consumer = stream
+            .js
+            .get_stream(&stream.name)
+            .await
+            .unwrap()
+            .create_consumer(pull::Config {
+                durable_name: Some("natshunt-ackall".into()),
+                ack_policy: policy,
+                ack_wait: Duration::from_secs(30),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        stream.publish("m-a1", json(&order("o-a1", 1))).await; // fails once: nak
+        stream.publish("m-a2", json(&order("o-a2", 2))).await; // ack
+        let mut messages = consumer
+            .stream()
+            .max_messages_per_batch(1)
+            .messages()
+            .await
+            .unwrap();
+        let mut seen = Vec::new();
+        let deadline = Instant::now() + Duration::from_secs(15);
+        while Instant::now() < deadline && !(seen.len() >= 2 && settled(&consumer).await) {
+            let Ok(next) = tokio::time::timeout(Duration::from_millis(300), messages.next()).await
+            else {
+                continue;
+            };
+            let message = next.expect("the stream goes on").expect("a message");
+            let o: Order = serde_json::from_slice(&message.payload).unwrap();
+            let handled = process(&message, |k| billing.bill(&tenant, k, &o))
+                .await
+                .expect("settle");
+            seen.push((o.order_id.clone(), handled.disposition()));
+        }
+        let effects: Vec<String> = sqlx::query_scalar("SELECT msg_id FROM effects ORDER BY msg_id")
+            .fetch_all(&billing.db)
+            .await
+            .unwrap();
+        println!("{policy:?}: deliveries {seen:?}, effects {effects:?}");
+        effects_by_policy.push(effects);
+        stream.delete().await;
+        billing.db.close().await;
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+    assert_eq!(
+        effects_by_policy[0],
+        ["m-a1", "m-a2"],
+        "explicit: every message once"
+    );
+    assert_eq!(
+        effects_by_policy[1],
+        ["m-a2"],
+        "AckPolicy::All: the later ack acknowledged the nak'd message, which never came back"
+    );
+}
+
 // ---------------------------------------------------------------- two consumers of one stream
 
 #[derive(Debug, Clone, Serialize, Deserialize)]

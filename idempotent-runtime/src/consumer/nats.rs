@@ -24,6 +24,12 @@
 //! # Ok(()) }
 //! ```
 //!
+//! The consumer must use `AckPolicy::Explicit` (async-nats's default): each
+//! delivery is settled on its own. Under `AckPolicy::All` the ack of a later
+//! message also acknowledges an earlier one this module nak'd (its body
+//! failed and released the key), which is then never redelivered; under
+//! `AckPolicy::None` nothing is.
+//!
 //! A message without `Nats-Msg-Id` is never processed: without the producer's
 //! id a redelivery could not be recognised, so it is terminated and logged
 //! (the producer must set the header: `PublishMessage::build().message_id(..)`).
