@@ -461,6 +461,81 @@ async fn mapping_a_newer_versions_abandoned_record_is_nakd_before_it_is_termed()
     assert_eq!(ledger.effects.load(Ordering::SeqCst), 0, "nothing ran");
 }
 
+#[idempotent(scope = "nats.mapping.tx_declines", key = msg_id, tenant = shared, tx = tx,
+             skip(runs), in_progress = reject, errors = record)]
+async fn decline_in(
+    tx: &mut sqlx::Transaction<'_, sqlx::Sqlite>,
+    runs: &AtomicUsize,
+    msg_id: &str,
+    order: &Order,
+) -> Result<u64, BillError> {
+    runs.fetch_add(1, Ordering::SeqCst);
+    let _ = order;
+    Err(BillError::LedgerDown)
+}
+
+/// Transactional mode with `errors = record`: the recorded error is written in
+/// the caller's transaction, so a handler that commits only on `Ok` (`?` on
+/// the call, then `commit`) rolls it back: the error is never final, every
+/// delivery runs the body again and is nak'd (natshunt). Committing for a
+/// recorded error too (not for the framework's refusals) makes the
+/// redelivery replay it and ack.
+#[tokio::test]
+async fn mapping_a_recorded_error_in_a_transaction_needs_its_commit() {
+    let dir = std::env::temp_dir().join(format!("idempotent-nats-txrec-{}", uuid::Uuid::new_v4()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let url = format!("sqlite://{}?mode=rwc", dir.join("txrec.db").display());
+    let pool = SqliteStore::connect(&url).await.unwrap().pool().clone();
+    let o = order("o-t", 1);
+
+    // `?` on the call: the recorded error goes with the rollback.
+    let runs = AtomicUsize::new(0);
+    let mut verdicts = Vec::new();
+    for _delivery in 0..3 {
+        let handled = handle(Some("m-t1"), |k| async {
+            let mut tx = pool.begin().await.unwrap();
+            let r = decline_in(&mut tx, &runs, k, &o).await?;
+            tx.commit().await.unwrap();
+            Ok::<_, BillError>(r)
+        })
+        .await;
+        verdicts.push(handled.verdict);
+    }
+    assert_eq!(verdicts, [Verdict::Failed; 3]);
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        3,
+        "the body ran at every delivery"
+    );
+
+    // Committed for a recorded error: nak'd once, then replayed and acked.
+    let runs = AtomicUsize::new(0);
+    let mut verdicts = Vec::new();
+    for _delivery in 0..3 {
+        let handled = handle(Some("m-t2"), |k| async {
+            let mut tx = pool.begin().await.unwrap();
+            let r = decline_in(&mut tx, &runs, k, &o).await;
+            if !matches!(r, Err(BillError::Idempotency(_))) {
+                tx.commit().await.unwrap();
+            }
+            r
+        })
+        .await;
+        verdicts.push((handled.verdict, handled.disposition()));
+    }
+    assert_eq!(
+        verdicts,
+        [
+            (Verdict::Failed, Disposition::Nak(None)),
+            (Verdict::Replayed, Disposition::Ack),
+            (Verdict::Replayed, Disposition::Ack)
+        ]
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    pool.close().await;
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// What a handler returns decides: a mismatch with a running record met by
 /// an earlier step whose error the handler let go does not turn the later
 /// step's mismatch with a complete record (poison) into a nak.
