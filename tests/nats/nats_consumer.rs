@@ -1261,6 +1261,105 @@ async fn newer_running(js: jetstream::Context) {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+// ---------------------------------------------------------------- a NATS server that stops answering
+
+/// The consumer's connection to NATS goes silent (a TCP proxy holds every
+/// byte both ways) after a message was delivered: `process` still runs the
+/// handler and returns (the ack is queued by the client, not awaited), so a
+/// silent server never holds a delivery's handling. When the connection
+/// answers again the queued ack lands: the message is settled, its effect
+/// happened once (natshunt).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jetstream_a_silent_server_does_not_hold_process() {
+    let Some(js) = nats_or_skip().await else {
+        return;
+    };
+    tokio::time::timeout(Duration::from_secs(90), silent_server(js))
+        .await
+        .expect("finished within 90 s");
+}
+
+async fn silent_server(js: jetstream::Context) {
+    use common::proxy::{Direction, FaultProxy, Stall};
+    let upstream = nats_url()
+        .trim_start_matches("nats://")
+        .trim_end_matches('/')
+        .to_owned();
+    let proxy = FaultProxy::start(&upstream).await.unwrap();
+    let tenant = fresh_tenant();
+    let dir = std::env::temp_dir().join(format!("idempotent-nats-silent-{}", uuid::Uuid::new_v4()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let url = format!("sqlite://{}?mode=rwc", dir.join("silent.db").display());
+    let db = sqlx::SqlitePool::connect(&url).await.unwrap();
+    sqlx::query("CREATE TABLE effects (msg_id TEXT NOT NULL)")
+        .execute(&db)
+        .await
+        .unwrap();
+    let billing = Billing {
+        store: SqliteStore::from_pool(db.clone()).await.unwrap(),
+        db,
+        fail_once: std::sync::Mutex::new(Default::default()),
+        gate: Arc::new(Semaphore::new(0)),
+    };
+    let stream = TestStream::create(&js, "NATSHUNT_SILENT").await;
+    let admin = stream
+        .durable("natshunt-silent", Duration::from_secs(5))
+        .await;
+    stream.publish("m-s1", json(&order("o-s1", 1))).await;
+
+    let client = async_nats::connect(format!("nats://127.0.0.1:{}", proxy.port()))
+        .await
+        .unwrap();
+    let consumer: PullConsumer = jetstream::new(client)
+        .get_stream(&stream.name)
+        .await
+        .unwrap()
+        .get_consumer("natshunt-silent")
+        .await
+        .unwrap();
+    let mut messages = consumer
+        .stream()
+        .max_messages_per_batch(1)
+        .messages()
+        .await
+        .unwrap();
+    let message = tokio::time::timeout(Duration::from_secs(10), messages.next())
+        .await
+        .expect("a delivery")
+        .expect("the stream goes on")
+        .expect("a message");
+    proxy.stall(Stall::Both);
+    let o: Order = serde_json::from_slice(&message.payload).unwrap();
+    let handled = tokio::time::timeout(
+        Duration::from_secs(10),
+        process(&message, |k| billing.bill(&tenant, k, &o)),
+    )
+    .await
+    .expect("process returns while the server is silent")
+    .expect("the ack is queued");
+    assert_eq!(
+        (handled.verdict, handled.disposition()),
+        (Verdict::Executed, Disposition::Ack)
+    );
+    proxy.wait_held(Direction::ToServer).await;
+    assert!(!settled(&admin).await, "the ack has not reached the server");
+    proxy.release_stall();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !settled(&admin).await {
+        assert!(Instant::now() < deadline, "the queued ack never landed");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let effects: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM effects")
+        .fetch_one(&billing.db)
+        .await
+        .unwrap();
+    assert_eq!(effects, 1);
+    drop(messages);
+    stream.delete().await;
+    billing.db.close().await;
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 // ---------------------------------------------------------------- ack policies
 
 /// `process` settles each delivery on its own: it needs `AckPolicy::Explicit`.
