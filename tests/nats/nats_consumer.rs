@@ -1360,6 +1360,141 @@ async fn silent_server(js: jetstream::Context) {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+// ---------------------------------------------------------------- tenants from subjects
+
+#[idempotent(scope = "nats.tenants.billing", key = msg_id, tenant = tenant, store = store,
+             in_progress = reject)]
+async fn tenant_bill(
+    store: &MemoryStore,
+    effects: &std::sync::Mutex<Vec<(String, u64)>>,
+    tenant: &str,
+    msg_id: &str,
+    order: &Order,
+) -> Result<u64, Error> {
+    effects
+        .lock()
+        .unwrap()
+        .push((tenant.to_owned(), order.amount_cents));
+    Ok(order.amount_cents)
+}
+
+/// Tenants taken from the subject (`<base>.<customer>`), each customer
+/// numbering its own ids: the records keep customers apart, but JetStream's
+/// duplicate window does not, it compares `Nats-Msg-Id` across the whole
+/// stream. A second customer's message with an id the first one used inside
+/// the window is dropped at publish (`duplicate: true`) and never reaches the
+/// consumer; ids that carry the customer (`globex:order-1`) are stored and
+/// processed once each (natshunt).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jetstream_ids_numbered_per_customer_collide_in_the_streams_duplicate_window() {
+    let Some(js) = nats_or_skip().await else {
+        return;
+    };
+    tokio::time::timeout(Duration::from_secs(60), tenants_from_subjects(js))
+        .await
+        .expect("finished within 60 s");
+}
+
+async fn tenants_from_subjects(js: jetstream::Context) {
+    let id = uuid::Uuid::new_v4().simple().to_string();
+    let name = format!("IDEM_NATSHUNT_TENANTS_{id}");
+    let base = format!("idem.natshunt_tenants.{id}");
+    let stream = js
+        .create_stream(stream::Config {
+            name: name.clone(),
+            subjects: vec![format!("{base}.*")],
+            duplicate_window: Duration::from_secs(120),
+            ..Default::default()
+        })
+        .await
+        .expect("create the stream");
+    // Deleted at the end, or on a failure by its drop.
+    let cleanup = TestStream {
+        js: js.clone(),
+        name: name.clone(),
+        subject: base.clone(),
+        deleted: false,
+    };
+    let publish = |customer: &'static str, msg_id: String, amount: u64| {
+        let (js, subject) = (js.clone(), format!("{base}.{customer}"));
+        async move {
+            js.send_publish(
+                subject,
+                jetstream::message::PublishMessage::build()
+                    .payload(json(&order("o", amount)).into())
+                    .message_id(msg_id),
+            )
+            .await
+            .expect("publish")
+            .await
+            .expect("publish acknowledged")
+            .duplicate
+        }
+    };
+    // Ids numbered per customer: the second customer's "order-1" is dropped.
+    assert!(!publish("acme", "order-1".into(), 100).await);
+    let dropped = publish("globex", "order-1".into(), 200).await;
+    // Ids that carry the customer: both stored.
+    assert!(!publish("acme", "acme:order-2".into(), 300).await);
+    assert!(!publish("globex", "globex:order-2".into(), 400).await);
+
+    let consumer = stream
+        .create_consumer(pull::Config {
+            durable_name: Some("natshunt-tenants".into()),
+            ack_policy: jetstream::consumer::AckPolicy::Explicit,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let store = MemoryStore::new();
+    let effects = std::sync::Mutex::new(Vec::new());
+    let mut messages = consumer
+        .stream()
+        .max_messages_per_batch(4)
+        .messages()
+        .await
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while Instant::now() < deadline && !settled(&consumer).await {
+        let Ok(next) = tokio::time::timeout(Duration::from_millis(300), messages.next()).await
+        else {
+            continue;
+        };
+        let message = next.expect("the stream goes on").expect("a message");
+        let customer = message
+            .subject
+            .as_str()
+            .rsplit('.')
+            .next()
+            .unwrap()
+            .to_owned();
+        let o: Order = serde_json::from_slice(&message.payload).unwrap();
+        process(&message, |k| {
+            tenant_bill(&store, &effects, &customer, k, &o)
+        })
+        .await
+        .expect("settle");
+    }
+    let mut effects = effects.into_inner().unwrap();
+    effects.sort();
+    println!(
+        "ids per customer: globex's order-1 dropped as a duplicate: {dropped}; effects {effects:?}"
+    );
+    assert!(
+        dropped,
+        "JetStream dropped globex's order-1 as acme's duplicate"
+    );
+    assert_eq!(
+        effects,
+        [
+            ("acme".to_owned(), 100),
+            ("acme".to_owned(), 300),
+            ("globex".to_owned(), 400)
+        ]
+    );
+    cleanup.delete().await;
+}
+
 // ---------------------------------------------------------------- ack policies
 
 /// `process` settles each delivery on its own: it needs `AckPolicy::Explicit`.
