@@ -536,6 +536,109 @@ async fn mapping_a_recorded_error_in_a_transaction_needs_its_commit() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// Bodies that entered, and the gate a held body waits at (never opened:
+/// the held call is forgotten, as a process killed mid-body would leave it).
+static DELIVERED_ENTERED: Semaphore = Semaphore::const_new(0);
+
+#[idempotent(scope = "nats.mapping.delivered_fingerprinted", key = msg_id, tenant = shared,
+             store = store, in_progress = reject, lease = "1s")]
+async fn bill_counting_deliveries(
+    store: &MemoryStore,
+    msg_id: &str,
+    order: &Order,
+    delivered: i64,
+) -> Result<u64, Error> {
+    DELIVERED_ENTERED.add_permits(1);
+    if delivered == 1 {
+        std::future::pending::<()>().await;
+    }
+    Ok(order.amount_cents)
+}
+
+#[idempotent(scope = "nats.mapping.delivered_skipped", key = msg_id, tenant = shared,
+             store = store, in_progress = reject, lease = "1s", skip(delivered))]
+async fn bill_skipping_deliveries(
+    store: &MemoryStore,
+    msg_id: &str,
+    order: &Order,
+    delivered: i64,
+) -> Result<u64, Error> {
+    DELIVERED_ENTERED.add_permits(1);
+    if delivered == 1 {
+        std::future::pending::<()>().await;
+    }
+    Ok(order.amount_cents)
+}
+
+/// A handler that fingerprints the delivery's own metadata (its count, a
+/// timestamp) makes every redelivery of one message a mismatch: after a
+/// delivery that died mid-body, the message's own redelivery cannot take
+/// its record over, is nak'd for the abandoned record's grace and then
+/// terminated; the message is never processed (natshunt). Skipped, the
+/// redelivery takes the record over and runs.
+#[tokio::test]
+async fn mapping_fingerprinted_delivery_metadata_keeps_a_crashed_message_from_its_redelivery() {
+    let o = order("o-d", 7);
+    let mut verdicts = Vec::new();
+    for skipped in [false, true] {
+        let store = MemoryStore::new();
+        let first = async {
+            if skipped {
+                bill_skipping_deliveries(&store, "m-d", &o, 1).await
+            } else {
+                bill_counting_deliveries(&store, "m-d", &o, 1).await
+            }
+        };
+        let mut first = Box::pin(first);
+        tokio::select! {
+            _ = &mut first => panic!("the held body returned"),
+            entered = DELIVERED_ENTERED.acquire() => entered.unwrap().forget(),
+        }
+        // The process dies mid-body: no release, no more heartbeats.
+        std::mem::forget(first);
+        let identity = idempotent_runtime::Identity::shared(
+            if skipped {
+                "nats.mapping.delivered_skipped"
+            } else {
+                "nats.mapping.delivered_fingerprinted"
+            },
+            "m-d",
+        )
+        .unwrap();
+        let lapsed = async {
+            loop {
+                match store.fetch(&identity).await.unwrap() {
+                    Some(r) if r.lease_expires_at_ms.is_some_and(|ends| ends < r.now_ms) => break,
+                    _ => tokio::time::sleep(Duration::from_millis(20)).await,
+                }
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(10), lapsed)
+            .await
+            .expect("the lease runs out");
+        let redelivered = handle(Some("m-d"), |k| async {
+            if skipped {
+                bill_skipping_deliveries(&store, k, &o, 2).await
+            } else {
+                bill_counting_deliveries(&store, k, &o, 2).await
+            }
+        })
+        .await
+        .with_deliveries(2);
+        verdicts.push(redelivered.verdict);
+    }
+    assert!(
+        matches!(verdicts[0], Verdict::MismatchWithAbandonedRecord { .. }),
+        "fingerprinted delivery count: {:?}",
+        verdicts[0]
+    );
+    assert_eq!(
+        verdicts[1],
+        Verdict::Executed,
+        "skipped: the redelivery takes over"
+    );
+}
+
 /// What a handler returns decides: a mismatch with a running record met by
 /// an earlier step whose error the handler let go does not turn the later
 /// step's mismatch with a complete record (poison) into a nak.
