@@ -1,11 +1,14 @@
 //! The NATS consumer worker: one OS process pulling from a durable JetStream
 //! consumer and billing every message once, in transactional mode on
-//! PostgreSQL. `tests/nats/nats_consumer.rs` runs two of these on one durable
+//! PostgreSQL or MariaDB. `tests/nats/nats_consumer.rs` runs two of these on one durable
 //! consumer (the redelivery storm) and SIGKILLs one mid-way.
 //!
 //! ```text
-//! idempotent-nats-worker <pg_url> <nats_url> <stream> <durable> <tenant> <deadline_ms> <hold_after>
+//! idempotent-nats-worker <db_url> <nats_url> <stream> <durable> <tenant> <deadline_ms> <hold_after>
 //! ```
+//!
+//! `db_url` is a PostgreSQL URL (scope `nats.storm.billing`) or a
+//! `mysql://` URL for MariaDB/MySQL (scope `nats.storm.billing_mysql`).
 //!
 //! With `hold_after` > 0, the body after that many bodies of this process
 //! prints its `begin` line with `hold` and then sleeps for a minute: the test
@@ -121,8 +124,49 @@ async fn bill(
     Ok(Billed { pid })
 }
 
+/// The same on MariaDB/MySQL.
+#[idempotent(scope = "nats.storm.billing_mysql", key = msg_id, tenant = tenant, tx = tx,
+             lease = "2s", in_progress = reject, skip(delivered))]
+async fn bill_mysql(
+    tx: &mut sqlx::Transaction<'_, sqlx::MySql>,
+    tenant: &str,
+    msg_id: &str,
+    order: &StormOrder,
+    delivered: i64,
+) -> Result<Billed, WorkerError> {
+    if order.fail_first && delivered == 1 {
+        return Err(WorkerError::FirstDeliveryFails);
+    }
+    let pid = std::process::id();
+    sqlx::query(
+        "INSERT INTO idempotent_test_nats_effects (tenant, consumer, msg_id, pid) VALUES (?, 'storm', ?, ?)",
+    )
+    .bind(tenant)
+    .bind(msg_id)
+    .bind(i64::from(pid))
+    .execute(&mut **tx)
+    .await?;
+    let nth = BEGUN.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
+    if nth == HOLD_AT.load(std::sync::atomic::Ordering::SeqCst) {
+        say(&format!("begin {msg_id} {delivered} hold"));
+        tokio::time::sleep(Duration::from_secs(60)).await;
+    } else {
+        say(&format!("begin {msg_id} {delivered}"));
+    }
+    let pause = if order.slow { 1500 } else { 200 };
+    tokio::time::sleep(Duration::from_millis(pause)).await;
+    Ok(Billed { pid })
+}
+
+/// The database the worker bills in.
+#[derive(Clone)]
+enum Db {
+    Pg(sqlx::PgPool),
+    MySql(sqlx::MySqlPool),
+}
+
 /// One delivery: bill in a transaction, commit, settle.
-async fn deliver(pool: &sqlx::PgPool, tenant: &str, message: jetstream::Message) {
+async fn deliver(db: &Db, tenant: &str, message: jetstream::Message) {
     let delivered = message.info().map(|i| i.delivered).unwrap_or(0);
     let Ok(order) = serde_json::from_slice::<StormOrder>(&message.payload) else {
         let _ = settle(&message, Disposition::Term).await;
@@ -131,10 +175,20 @@ async fn deliver(pool: &sqlx::PgPool, tenant: &str, message: jetstream::Message)
     };
     let order = &order;
     let handled = handle(message_key(&message), |msg_id| async move {
-        let mut tx = pool.begin().await?;
-        let billed = bill(&mut tx, tenant, msg_id, order, delivered).await?;
-        tx.commit().await?;
-        Ok::<_, WorkerError>(billed)
+        match db {
+            Db::Pg(pool) => {
+                let mut tx = pool.begin().await?;
+                let billed = bill(&mut tx, tenant, msg_id, order, delivered).await?;
+                tx.commit().await?;
+                Ok::<_, WorkerError>(billed)
+            }
+            Db::MySql(pool) => {
+                let mut tx = pool.begin().await?;
+                let billed = bill_mysql(&mut tx, tenant, msg_id, order, delivered).await?;
+                tx.commit().await?;
+                Ok(billed)
+            }
+        }
     })
     .await;
     let disposition = handled.disposition();
@@ -156,8 +210,8 @@ async fn deliver(pool: &sqlx::PgPool, tenant: &str, message: jetstream::Message)
 #[tokio::main]
 async fn main() {
     let args: Vec<String> = std::env::args().collect();
-    let [_, pg_url, nats_url, stream, durable, tenant, deadline_ms, hold_after] = &args[..] else {
-        eprintln!("usage: idempotent-nats-worker <pg_url> <nats_url> <stream> <durable> <tenant> <deadline_ms> <hold_after>");
+    let [_, db_url, nats_url, stream, durable, tenant, deadline_ms, hold_after] = &args[..] else {
+        eprintln!("usage: idempotent-nats-worker <db_url> <nats_url> <stream> <durable> <tenant> <deadline_ms> <hold_after>");
         std::process::exit(2);
     };
     let hold_after: usize = hold_after.parse().expect("hold_after is a number");
@@ -171,11 +225,23 @@ async fn main() {
         .unwrap_or(0);
     let run_for = Duration::from_millis(deadline_ms.saturating_sub(now_ms));
 
-    let pool = sqlx::postgres::PgPoolOptions::new()
-        .max_connections(6)
-        .connect(pg_url)
-        .await
-        .expect("connect to PostgreSQL");
+    let db = if db_url.starts_with("mysql://") || db_url.starts_with("mariadb://") {
+        Db::MySql(
+            sqlx::mysql::MySqlPoolOptions::new()
+                .max_connections(6)
+                .connect(db_url)
+                .await
+                .expect("connect to MariaDB/MySQL"),
+        )
+    } else {
+        Db::Pg(
+            sqlx::postgres::PgPoolOptions::new()
+                .max_connections(6)
+                .connect(db_url)
+                .await
+                .expect("connect to PostgreSQL"),
+        )
+    };
     let client = async_nats::connect(nats_url.as_str())
         .await
         .expect("connect to NATS");
@@ -216,9 +282,9 @@ async fn main() {
                     .acquire_owned()
                     .await
                     .expect("semaphore open");
-                let (pool, tenant) = (pool.clone(), tenant.clone());
+                let (db, tenant) = (db.clone(), tenant.clone());
                 tokio::spawn(async move {
-                    deliver(&pool, &tenant, message).await;
+                    deliver(&db, &tenant, message).await;
                     drop(permit);
                 });
             }

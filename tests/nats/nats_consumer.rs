@@ -9,7 +9,10 @@
 //!   share one durable consumer with a 1 s `ack_wait`, messages are published
 //!   twice, some fail, some lose their ack, some outlive `ack_wait`, and one
 //!   worker is SIGKILLed in its third body: exactly one effect per message id
-//!   (transactional mode on PostgreSQL).
+//!   (transactional mode on PostgreSQL, and on MariaDB in a database of the
+//!   test's own).
+//! * other `jetstream_*`: a newer version's running record, a silent server,
+//!   tenants from subjects, ack policies.
 //! * `two_consumers_*`: two durables of one stream with two scopes each process
 //!   every message once (two records per message id, never one); a third
 //!   durable that shares billing's scope shows the silent skip.
@@ -21,7 +24,7 @@
 use crate::common;
 
 use async_nats::jetstream::{self, consumer::pull, consumer::PullConsumer, stream};
-use common::servers::{fresh_tenant, nats_or_skip, nats_url, pg_store_or_skip, pg_url};
+use common::servers::{fresh_tenant, mysql_url, nats_or_skip, nats_url, pg_store_or_skip, pg_url};
 use futures_util::StreamExt;
 use idempotent_runtime::consumer::nats::{message_key, process};
 use idempotent_runtime::consumer::{handle, Disposition, Verdict};
@@ -1956,6 +1959,7 @@ fn now_ms() -> u64 {
 /// Starts a worker whose stdout lines arrive on `lines` tagged with `index`;
 /// with `hold_after` > 0 its next body after that many holds (see the worker).
 fn spawn_worker(
+    db_url: &str,
     index: usize,
     hold_after: usize,
     stream: &str,
@@ -1965,7 +1969,7 @@ fn spawn_worker(
     let deadline = now_ms() + 180_000;
     let mut child = Command::new(WORKER)
         .args([
-            pg_url(),
+            db_url.to_owned(),
             nats_url(),
             stream.to_owned(),
             "storm".to_owned(),
@@ -2008,12 +2012,169 @@ async fn redelivery_storm_two_processes_one_killed_one_effect_per_message() {
     let Some(store) = pg_store_or_skip().await else {
         return;
     };
-    tokio::time::timeout(Duration::from_secs(150), storm(js, store))
+    tokio::time::timeout(Duration::from_secs(150), storm(js, StormDb::Pg(store)))
         .await
         .expect("the storm settled within 150 s");
 }
 
-async fn storm(js: jetstream::Context, store: PgStore) {
+/// The same storm on MariaDB (transactional mode there: the worker's
+/// `bill_mysql`), in a database of the test's own, dropped at the end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redelivery_storm_two_processes_one_killed_one_effect_per_message_mariadb() {
+    let Some(js) = nats_or_skip().await else {
+        return;
+    };
+    let Some(admin) = common::servers::mysql_store_or_skip().await else {
+        return;
+    };
+    let database = common::servers::mysql_create_database(&admin, "natshunt_storm").await;
+    let dropped = DropDatabase(Some((admin.pool().clone(), database.clone())));
+    let base = mysql_url();
+    let url = format!(
+        "{}/{database}",
+        base.rsplit_once('/')
+            .map_or(base.as_str(), |(server, _)| server)
+    );
+    let store = idempotent_runtime::MySqlStore::connect(&url)
+        .await
+        .expect("open the storm's database");
+    sqlx::query(
+        "CREATE TABLE idempotent_test_nats_effects (
+             tenant VARCHAR(64) NOT NULL, consumer VARCHAR(32) NOT NULL,
+             msg_id VARCHAR(64) NOT NULL, pid BIGINT NOT NULL)",
+    )
+    .execute(store.pool())
+    .await
+    .expect("create the effects table");
+    tokio::time::timeout(
+        Duration::from_secs(150),
+        storm(js, StormDb::MySql { store, url }),
+    )
+    .await
+    .expect("the storm settled within 150 s");
+    dropped.drop_now().await;
+}
+
+/// Drops a test's own MariaDB database: at the end, or (a failed test) on drop.
+struct DropDatabase(Option<(sqlx::MySqlPool, String)>);
+
+impl DropDatabase {
+    async fn drop_now(mut self) {
+        if let Some((pool, database)) = self.0.take() {
+            sqlx::query(&format!("DROP DATABASE `{database}`"))
+                .execute(&pool)
+                .await
+                .expect("drop the storm's database");
+        }
+    }
+}
+
+impl Drop for DropDatabase {
+    fn drop(&mut self) {
+        let Some((_, database)) = self.0.take() else {
+            return;
+        };
+        let _ = std::thread::spawn(move || {
+            let Ok(rt) = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            else {
+                return;
+            };
+            rt.block_on(async {
+                let _ = tokio::time::timeout(Duration::from_secs(10), async {
+                    let pool = sqlx::MySqlPool::connect(&mysql_url()).await.ok()?;
+                    sqlx::query(&format!("DROP DATABASE IF EXISTS `{database}`"))
+                        .execute(&pool)
+                        .await
+                        .ok()
+                })
+                .await;
+            });
+        })
+        .join();
+    }
+}
+
+/// Where a storm's workers bill (transactional mode): the shared PostgreSQL
+/// test database, or a MariaDB database of the test's own.
+enum StormDb {
+    Pg(PgStore),
+    MySql {
+        store: idempotent_runtime::MySqlStore,
+        url: String,
+    },
+}
+
+impl StormDb {
+    fn url(&self) -> String {
+        match self {
+            StormDb::Pg(_) => pg_url(),
+            StormDb::MySql { url, .. } => url.clone(),
+        }
+    }
+
+    /// How many message ids have an effect.
+    async fn effect_ids(&self, tenant: &str) -> i64 {
+        const SQL: &str =
+            "SELECT COUNT(DISTINCT msg_id) FROM idempotent_test_nats_effects WHERE tenant = ";
+        match self {
+            StormDb::Pg(store) => sqlx::query_scalar(&format!("{SQL}$1"))
+                .bind(tenant)
+                .fetch_one(store.pool())
+                .await
+                .unwrap(),
+            StormDb::MySql { store, .. } => sqlx::query_scalar(&format!("{SQL}?"))
+                .bind(tenant)
+                .fetch_one(store.pool())
+                .await
+                .unwrap(),
+        }
+    }
+
+    /// The effects per message id.
+    async fn per_id(&self, tenant: &str) -> Vec<(String, i64)> {
+        const SQL: &str =
+            "SELECT msg_id, COUNT(*) FROM idempotent_test_nats_effects WHERE tenant = ";
+        const END: &str = " GROUP BY msg_id ORDER BY msg_id";
+        match self {
+            StormDb::Pg(store) => sqlx::query_as(&format!("{SQL}$1{END}"))
+                .bind(tenant)
+                .fetch_all(store.pool())
+                .await
+                .unwrap(),
+            StormDb::MySql { store, .. } => sqlx::query_as(&format!("{SQL}?{END}"))
+                .bind(tenant)
+                .fetch_all(store.pool())
+                .await
+                .unwrap(),
+        }
+    }
+
+    /// The complete records of the worker's scope.
+    async fn complete(&self, tenant: &str) -> i64 {
+        match self {
+            StormDb::Pg(store) => sqlx::query_scalar(
+                "SELECT COUNT(*) FROM idempotency_records WHERE tenant = $1 \
+                 AND scope = 'nats.storm.billing' AND state = 'complete'",
+            )
+            .bind(tenant)
+            .fetch_one(store.pool())
+            .await
+            .unwrap(),
+            StormDb::MySql { store, .. } => sqlx::query_scalar(
+                "SELECT COUNT(*) FROM idempotency_records WHERE tenant = ? \
+                 AND scope = 'nats.storm.billing_mysql' AND state = 'complete'",
+            )
+            .bind(tenant)
+            .fetch_one(store.pool())
+            .await
+            .unwrap(),
+        }
+    }
+}
+
+async fn storm(js: jetstream::Context, db: StormDb) {
     #[derive(Serialize)]
     struct StormOrder {
         n: u32,
@@ -2021,7 +2182,10 @@ async fn storm(js: jetstream::Context, store: PgStore) {
         fail_first: bool,
         lose_first_ack: bool,
     }
-    create_effects_table(&store).await;
+    if let StormDb::Pg(store) = &db {
+        create_effects_table(store).await;
+    }
+    let db_url = db.url();
     let tenant = fresh_tenant();
     let stream = TestStream::create(&js, "STORM").await;
     let consumer = stream.durable("storm", Duration::from_secs(1)).await;
@@ -2044,8 +2208,8 @@ async fn storm(js: jetstream::Context, store: PgStore) {
 
     let (lines_tx, mut lines) = tokio::sync::mpsc::unbounded_channel();
     let mut workers = Workers(vec![
-        spawn_worker(0, 2, &stream.name, &tenant, &lines_tx),
-        spawn_worker(1, 0, &stream.name, &tenant, &lines_tx),
+        spawn_worker(&db_url, 0, 2, &stream.name, &tenant, &lines_tx),
+        spawn_worker(&db_url, 1, 0, &stream.name, &tenant, &lines_tx),
     ]);
     let mut counts = StormCounts::default();
     let mut kills = 0;
@@ -2071,9 +2235,14 @@ async fn storm(js: jetstream::Context, store: PgStore) {
                             kills += 1;
                             killed_key = Some(key.to_string());
                             killed_mid_body = true;
-                            workers
-                                .0
-                                .push(spawn_worker(2, 0, &stream.name, &tenant, &lines_tx));
+                            workers.0.push(spawn_worker(
+                                &db_url,
+                                2,
+                                0,
+                                &stream.name,
+                                &tenant,
+                                &lines_tx,
+                            ));
                         }
                     }
                     ["delivery", key, delivered, verdict, disposition] => {
@@ -2101,13 +2270,7 @@ async fn storm(js: jetstream::Context, store: PgStore) {
         }
         if Instant::now() >= next_check {
             next_check = Instant::now() + Duration::from_millis(500);
-            let effect_ids: i64 = sqlx::query_scalar(
-                "SELECT COUNT(DISTINCT msg_id) FROM idempotent_test_nats_effects WHERE tenant = $1",
-            )
-            .bind(&tenant)
-            .fetch_one(store.pool())
-            .await
-            .unwrap();
+            let effect_ids = db.effect_ids(&tenant).await;
             if effect_ids == i64::from(IDS) && settled(&consumer).await {
                 break;
             }
@@ -2115,21 +2278,9 @@ async fn storm(js: jetstream::Context, store: PgStore) {
     }
     drop(workers);
 
-    let per_id: Vec<(String, i64)> = sqlx::query_as(
-        "SELECT msg_id, COUNT(*) FROM idempotent_test_nats_effects WHERE tenant = $1 GROUP BY msg_id ORDER BY msg_id",
-    )
-    .bind(&tenant)
-    .fetch_all(store.pool())
-    .await
-    .unwrap();
+    let per_id = db.per_id(&tenant).await;
     let effects: i64 = per_id.iter().map(|r| r.1).sum();
-    let complete: i64 = sqlx::query_scalar(
-        "SELECT COUNT(*) FROM idempotency_records WHERE tenant = $1 AND scope = 'nats.storm.billing' AND state = 'complete'",
-    )
-    .bind(&tenant)
-    .fetch_one(store.pool())
-    .await
-    .unwrap();
+    let complete = db.complete(&tenant).await;
     println!(
         "redelivery storm: messages {IDS} ids ({published} stored), deliveries {}, acks {}, naks {}, terms {}, \
          lost acks {}, verdicts {:?}, most deliveries of one message {}, effects {effects}, \
@@ -2161,5 +2312,7 @@ async fn storm(js: jetstream::Context, store: PgStore) {
     assert_eq!(counts.terms, 0, "nothing here is poison");
 
     stream.delete().await;
-    delete_rows(&store, &tenant).await;
+    if let StormDb::Pg(store) = &db {
+        delete_rows(store, &tenant).await;
+    }
 }
