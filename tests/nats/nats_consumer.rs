@@ -642,6 +642,43 @@ async fn mapping_fingerprinted_delivery_metadata_keeps_a_crashed_message_from_it
     );
 }
 
+/// Deliveries handled side by side in one task (a batch under `join!` /
+/// `join_all`): each delivery's verdict sees only its own calls. Message A
+/// replays a recorded error (acked); message B replays a result and then a
+/// later step fails (nak'd), interleaved with A's replay. Were the report
+/// scopes shared, B's failure would pass for a recorded answer and be acked,
+/// and lost (natshunt; held up).
+#[tokio::test]
+async fn mapping_deliveries_joined_in_one_task_keep_their_verdicts_apart() {
+    let ledger = Ledger::new(false);
+    let (a, b) = (order("o-a", 1), order("o-b", 2));
+    // Recorded before: A's declined answer, B's billed result.
+    let _ = handle(Some("m-ja"), |k| ledger.decline(k, &a)).await;
+    let _ = handle(Some("m-jb"), |k| ledger.bill(k, &b)).await;
+    let a_replayed = Semaphore::new(0);
+    let (a_handled, b_handled) = tokio::join!(
+        handle(Some("m-ja"), |k| async {
+            let r = ledger.decline(k, &a).await;
+            a_replayed.add_permits(1);
+            r
+        }),
+        handle(Some("m-jb"), |k| async {
+            ledger.bill(k, &b).await?;
+            // A later step fails, after A's replay has been reported.
+            let _ = tokio::time::timeout(Duration::from_secs(10), a_replayed.acquire()).await;
+            Err::<u64, _>(BillError::LedgerDown)
+        }),
+    );
+    assert_eq!(
+        (a_handled.verdict, a_handled.disposition()),
+        (Verdict::Replayed, Disposition::Ack)
+    );
+    assert_eq!(
+        (b_handled.verdict, b_handled.disposition()),
+        (Verdict::Failed, Disposition::Nak(None))
+    );
+}
+
 /// What a handler returns decides: a mismatch with a running record met by
 /// an earlier step whose error the handler let go does not turn the later
 /// step's mismatch with a complete record (poison) into a nak.
