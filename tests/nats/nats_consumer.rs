@@ -679,6 +679,113 @@ async fn mapping_deliveries_joined_in_one_task_keep_their_verdicts_apart() {
     );
 }
 
+#[idempotent(scope = "nats.mapping.any_store", key = msg_id, tenant = tenant, store = store,
+             in_progress = reject, lease = "5s")]
+async fn bill_on(
+    store: &dyn Store,
+    tenant: &str,
+    msg_id: &str,
+    order: &Order,
+) -> Result<u64, Error> {
+    Ok(order.amount_cents)
+}
+
+/// A newer version's record, running and abandoned, is told apart on every
+/// real store (the lease end and the store's clock its read gives): nak'd
+/// while it runs, nak'd for the grace once abandoned, however many
+/// deliveries came before (natshunt).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mapping_a_newer_versions_record_is_judged_alike_on_every_store() {
+    let dir = std::env::temp_dir().join(format!("idempotent-nats-stores-{}", uuid::Uuid::new_v4()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let sqlite = SqliteStore::connect(&format!(
+        "sqlite://{}?mode=rwc",
+        dir.join("stores.db").display()
+    ))
+    .await
+    .unwrap();
+    let mut stores: Vec<(&str, Box<dyn Store>)> = vec![("sqlite", Box::new(sqlite.clone()))];
+    if let Some(pg) = pg_store_or_skip().await {
+        stores.push(("postgres", Box::new(pg)));
+    }
+    if let Some(mysql) = common::servers::mysql_store_or_skip().await {
+        stores.push(("mariadb", Box::new(mysql)));
+    }
+    let newer = idempotent_runtime::Fingerprint::from_stored(format!(
+        "v99:{}",
+        "0123456789abcdef".repeat(4)
+    ));
+    let o = order("o-s", 5);
+    let late = idempotent_runtime::consumer::DELIVERIES_BEFORE_TERM + 3;
+    for (name, store) in &stores {
+        let store: &dyn Store = store.as_ref();
+        let tenant = fresh_tenant();
+        let running =
+            idempotent_runtime::Identity::new(&tenant, "nats.mapping.any_store", "m-run").unwrap();
+        let abandoned =
+            idempotent_runtime::Identity::new(&tenant, "nats.mapping.any_store", "m-ab").unwrap();
+        let hour = Duration::from_secs(3600);
+        common::records::acquire(store, &running, Some(&newer), hour, hour).await;
+        common::records::acquire(
+            store,
+            &abandoned,
+            Some(&newer),
+            Duration::from_millis(1),
+            hour,
+        )
+        .await;
+        let lapsed = async {
+            loop {
+                match store.fetch(&abandoned).await.unwrap() {
+                    Some(r) if r.lease_expires_at_ms.is_some_and(|ends| ends < r.now_ms) => break,
+                    _ => tokio::time::sleep(Duration::from_millis(20)).await,
+                }
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(10), lapsed)
+            .await
+            .expect("the planted lease runs out");
+        let on_running = handle(Some("m-run"), |k| bill_on(store, &tenant, k, &o))
+            .await
+            .with_deliveries(late);
+        let on_abandoned = handle(Some("m-ab"), |k| bill_on(store, &tenant, k, &o))
+            .await
+            .with_deliveries(late);
+        println!(
+            "{name}: running -> {:?} {}, abandoned -> {:?} {}",
+            on_running.verdict,
+            on_running.disposition(),
+            on_abandoned.verdict,
+            on_abandoned.disposition()
+        );
+        assert!(
+            matches!(on_running.verdict, Verdict::InProgress { retry_after } if retry_after <= Duration::from_secs(5)),
+            "{name}: {:?}",
+            on_running.verdict
+        );
+        assert!(
+            matches!(
+                on_abandoned.verdict,
+                Verdict::MismatchWithAbandonedRecord { .. }
+            ),
+            "{name}: {:?}",
+            on_abandoned.verdict
+        );
+        for handled in [&on_running, &on_abandoned] {
+            assert!(
+                matches!(handled.disposition(), Disposition::Nak(Some(_))),
+                "{name}: {:?}",
+                handled.disposition()
+            );
+        }
+        for identity in [&running, &abandoned] {
+            let _ = store.force_release(identity, false).await;
+        }
+    }
+    sqlite.pool().close().await;
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// What a handler returns decides: a mismatch with a running record met by
 /// an earlier step whose error the handler let go does not turn the later
 /// step's mismatch with a complete record (poison) into a nak.
