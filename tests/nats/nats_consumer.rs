@@ -485,8 +485,7 @@ async fn decline_in(
 /// redelivery replay it and ack.
 #[tokio::test]
 async fn mapping_a_recorded_error_in_a_transaction_needs_its_commit() {
-    let dir = std::env::temp_dir().join(format!("idempotent-nats-txrec-{}", uuid::Uuid::new_v4()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = crate::common::scratch::dir("nats-txrec");
     let url = format!("sqlite://{}?mode=rwc", dir.join("txrec.db").display());
     let pool = SqliteStore::connect(&url).await.unwrap().pool().clone();
     let o = order("o-t", 1);
@@ -536,7 +535,6 @@ async fn mapping_a_recorded_error_in_a_transaction_needs_its_commit() {
     );
     assert_eq!(runs.load(Ordering::SeqCst), 1);
     pool.close().await;
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// Bodies that entered, and the gate a held body waits at (never opened:
@@ -696,8 +694,7 @@ async fn bill_on(
 /// deliveries came before (natshunt).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mapping_a_newer_versions_record_is_judged_alike_on_every_store() {
-    let dir = std::env::temp_dir().join(format!("idempotent-nats-stores-{}", uuid::Uuid::new_v4()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = crate::common::scratch::dir("nats-stores");
     let sqlite = SqliteStore::connect(&format!(
         "sqlite://{}?mode=rwc",
         dir.join("stores.db").display()
@@ -783,7 +780,6 @@ async fn mapping_a_newer_versions_record_is_judged_alike_on_every_store() {
         }
     }
     sqlite.pool().close().await;
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// What a handler returns decides: a mismatch with a running record met by
@@ -1254,8 +1250,7 @@ async fn jetstream_full_loop_acks_naks_and_terms_as_mapped() {
 
 async fn full_loop(js: jetstream::Context) {
     let tenant = fresh_tenant();
-    let dir = std::env::temp_dir().join(format!("idempotent-nats-loop-{}", uuid::Uuid::new_v4()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = crate::common::scratch::dir("nats-loop");
     let url = format!("sqlite://{}?mode=rwc", dir.join("loop.db").display());
     let db = sqlx::SqlitePool::connect(&url).await.unwrap();
     sqlx::query("CREATE TABLE effects (msg_id TEXT NOT NULL)")
@@ -1394,7 +1389,6 @@ async fn full_loop(js: jetstream::Context) {
 
     stream.delete().await;
     billing.db.close().await;
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 // ---------------------------------------------------------------- a newer version's running record, on JetStream
@@ -1417,8 +1411,7 @@ async fn jetstream_a_newer_versions_running_record_does_not_lose_the_message() {
 
 async fn newer_running(js: jetstream::Context) {
     let tenant = fresh_tenant();
-    let dir = std::env::temp_dir().join(format!("idempotent-nats-newer-{}", uuid::Uuid::new_v4()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = crate::common::scratch::dir("nats-newer");
     let url = format!("sqlite://{}?mode=rwc", dir.join("newer.db").display());
     let db = sqlx::SqlitePool::connect(&url).await.unwrap();
     sqlx::query("CREATE TABLE effects (msg_id TEXT NOT NULL)")
@@ -1508,7 +1501,6 @@ async fn newer_running(js: jetstream::Context) {
 
     stream.delete().await;
     billing.db.close().await;
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 // ---------------------------------------------------------------- a NATS server that stops answering
@@ -1537,8 +1529,7 @@ async fn silent_server(js: jetstream::Context) {
         .to_owned();
     let proxy = FaultProxy::start(&upstream).await.unwrap();
     let tenant = fresh_tenant();
-    let dir = std::env::temp_dir().join(format!("idempotent-nats-silent-{}", uuid::Uuid::new_v4()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = crate::common::scratch::dir("nats-silent");
     let url = format!("sqlite://{}?mode=rwc", dir.join("silent.db").display());
     let db = sqlx::SqlitePool::connect(&url).await.unwrap();
     sqlx::query("CREATE TABLE effects (msg_id TEXT NOT NULL)")
@@ -1607,7 +1598,6 @@ async fn silent_server(js: jetstream::Context) {
     drop(messages);
     stream.delete().await;
     billing.db.close().await;
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 // ---------------------------------------------------------------- tenants from subjects
@@ -1769,9 +1759,7 @@ async fn ack_policies(js: jetstream::Context) {
         jetstream::consumer::AckPolicy::All,
     ] {
         let tenant = fresh_tenant();
-        let dir =
-            std::env::temp_dir().join(format!("idempotent-nats-ackall-{}", uuid::Uuid::new_v4()));
-        std::fs::create_dir_all(&dir).unwrap();
+        let dir = crate::common::scratch::dir("nats-ackall");
         let url = format!("sqlite://{}?mode=rwc", dir.join("ackall.db").display());
         let db = sqlx::SqlitePool::connect(&url).await.unwrap();
         sqlx::query("CREATE TABLE effects (msg_id TEXT NOT NULL)")
@@ -1828,7 +1816,6 @@ async fn ack_policies(js: jetstream::Context) {
         effects_by_policy.push(effects);
         stream.delete().await;
         billing.db.close().await;
-        let _ = std::fs::remove_dir_all(&dir);
     }
     assert_eq!(
         effects_by_policy[0],
