@@ -251,3 +251,102 @@ async fn a_lost_lease_is_not_renewed_again() {
         "no renewal after the lease was lost"
     );
 }
+
+#[derive(Default)]
+struct ConfirmSeen {
+    asked: Vec<u32>,
+    runs: u32,
+}
+
+static CONFIRM_SEEN: LazyLock<Mutex<ConfirmSeen>> = LazyLock::new(Default::default);
+/// Set by the hook as it answers `Run`: the next renewal (the fenced check
+/// that the call still owns the record) fails.
+static FAIL_THE_CHECK: AtomicBool = AtomicBool::new(false);
+
+fn confirm_seen() -> std::sync::MutexGuard<'static, ConfirmSeen> {
+    CONFIRM_SEEN.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+async fn run_hook(takeover: &Takeover) -> Result<Recovery<u32>, Error> {
+    confirm_seen().asked.push(takeover.attempt());
+    if takeover.attempt() == 2 {
+        FAIL_THE_CHECK.store(true, Ordering::SeqCst);
+    }
+    Ok(Recovery::Run)
+}
+
+#[idempotent(scope = "recovery.unconfirmed_run", key = key, tenant = shared, store = store,
+             lease = "300ms", in_progress = reject, recover = run_hook)]
+async fn unconfirmed(store: &dyn Store, key: &str) -> Result<u32, Error> {
+    let mut seen = confirm_seen();
+    seen.runs += 1;
+    Ok(seen.runs)
+}
+
+/// Fails the renewal that follows the hook's `Run` (a renewal with the
+/// scope's lease; the lease's end, a renewal of zero, goes through).
+struct FailTheCheck;
+
+#[async_trait::async_trait]
+impl Intercept for FailTheCheck {
+    async fn heartbeat(
+        &self,
+        inner: &MemoryStore,
+        identity: &Identity,
+        token: &OwnerToken,
+        lease: Duration,
+    ) -> Result<Fenced, StoreError> {
+        if !lease.is_zero() && FAIL_THE_CHECK.swap(false, Ordering::SeqCst) {
+            return Err(StoreError::new(
+                "hooked",
+                "heartbeat",
+                "the store stopped answering",
+            ));
+        }
+        inner.heartbeat(identity, token, lease).await
+    }
+}
+
+/// Rules 3 and 20: after the hook answers `Run`, the body starts only once
+/// a fenced renewal confirms the call still owns the record. When that
+/// renewal fails (the store is unreachable: the record may have been taken
+/// over while the hook ran), ownership is unknown and the body does not run
+/// blind: the call fails with the store's error, the record stays in
+/// progress with its lease ended, and the next call takes it over and asks
+/// the hook again. Found by a mutation audit: running the body when the
+/// check failed passed every other test.
+#[tokio::test]
+async fn a_run_whose_ownership_check_fails_does_not_run_the_body() {
+    let store = Hooked::new(FailTheCheck);
+    let identity = Identity::shared("recovery.unconfirmed_run", "k").expect("identity");
+    // An owner that crashed: reserved, never finished, its lease short.
+    take(&store, &identity, Duration::from_millis(10)).await;
+    lease_over(&store, &identity).await;
+
+    let first = tokio::time::timeout(Duration::from_secs(10), unconfirmed(&store, "k"))
+        .await
+        .expect("bounded");
+    assert!(
+        matches!(first, Err(Error::Store(_))),
+        "the ownership check failed: {first:?}"
+    );
+    assert_eq!(confirm_seen().runs, 0, "the body did not run blind");
+    let record = store
+        .fetch(&identity)
+        .await
+        .expect("fetch")
+        .expect("the record is kept, not released");
+    assert!(record.outcome.is_none(), "still in progress");
+
+    // The next call takes the record over at once and asks the hook again.
+    let second = tokio::time::timeout(Duration::from_secs(10), unconfirmed(&store, "k"))
+        .await
+        .expect("bounded");
+    assert_eq!(second.expect("the next takeover runs the body"), 1);
+    let (asked, runs) = {
+        let seen = confirm_seen();
+        (seen.asked.clone(), seen.runs)
+    };
+    assert_eq!(asked, [2, 3], "each takeover asked its hook");
+    assert_eq!(runs, 1, "the body ran once");
+}
