@@ -698,15 +698,22 @@ mod tests {
         assert!(!found_taken_over(&id, &unpinned), "no takeover recorded it");
         assert_eq!(found(), None, "not pinned: forgotten");
 
+        // Pinned by a call whose reservation then answered otherwise.
+        let answered_otherwise = noted(b"2");
+        // Only by a call of its own request: with an answer noted, a call
+        // of another store kind or other arguments pins nothing (a mutation
+        // audit found the filter unguarded: checked while nothing was noted).
         let other = Pins::new(&id, "mysql", Some(&fingerprint));
         other.refresh();
         assert!(!other.holds(), "another store kind");
         let other = Pins::new(&id, "postgres", None);
         other.refresh();
         assert!(!other.holds(), "another request");
-
-        // Pinned by a call whose reservation then answered otherwise.
-        let answered_otherwise = noted(b"2");
+        let other_arguments = crate::fingerprint::Fingerprint::from_stored("v3:200".to_owned());
+        let other = Pins::new(&id, "postgres", Some(&other_arguments));
+        other.refresh();
+        assert!(!other.holds(), "other arguments");
+        drop(other);
         let call = pins();
         call.refresh();
         assert!(call.holds());
