@@ -1009,15 +1009,22 @@ async fn my_serializable_duplicate_keeps_its_wait_bound() {
         let mut tx = pool.begin().await.expect("begin");
         let answer = my_charge_or_reject(&mut tx, &tenant, "k", None).await;
         answered.store(true, Ordering::SeqCst);
+        // The procedure set the session's wait to the call's bound for its
+        // read: the caller's own is back (the connection goes on to other work).
+        let session_wait: i64 =
+            sqlx::query_scalar("SELECT CAST(@@SESSION.innodb_lock_wait_timeout AS SIGNED)")
+                .fetch_one(&mut *tx)
+                .await
+                .expect("the session's lock wait");
         let _ = tx.rollback().await;
         hold.go.notify_one();
-        answer
+        (answer, session_wait)
     };
     let let_go = async {
         tokio::time::sleep(Duration::from_secs(60)).await;
         hold.go.notify_one();
     };
-    let ((owned, in_time), duplicate) = tokio::select! {
+    let ((owned, in_time), (duplicate, session_wait)) = tokio::select! {
         both = async { tokio::join!(owner, duplicate) } => both,
         () = async { let_go.await; std::future::pending::<()>().await } => unreachable!(),
     };
@@ -1025,6 +1032,10 @@ async fn my_serializable_duplicate_keeps_its_wait_bound() {
     assert!(
         in_time,
         "the duplicate was still waiting after a minute (the session's lock wait, not its policy): {duplicate:?}"
+    );
+    assert_eq!(
+        session_wait, 3600,
+        "the session's innodb_lock_wait_timeout after the call"
     );
     assert!(
         matches!(
