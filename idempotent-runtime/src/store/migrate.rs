@@ -173,7 +173,6 @@ pub(crate) static MYSQL: &[Migration] = embedded_migrations!("mysql":
     (8, "0008_tx_never_takes_over_a_lease_it_may_have_starved.sql", "tx never takes over a lease it may have starved"),
     (9, "0009_tx_waits_for_rows_in_slices_so_deadlocks_are_found.sql", "tx waits for rows in slices so deadlocks are found"),
     (10, "0010_tx_reads_keep_the_wait_bound_under_serializable.sql", "tx reads keep the wait bound under serializable"),
-    (11, "0011_tx_wait_bound_counts_from_the_call.sql", "tx wait bound counts from the call"),
 );
 
 /// SQLite's migrations (`migrations/sqlite`).

@@ -57,7 +57,7 @@
 //! Under SERIALIZABLE, where InnoDB makes the procedure's plain reads locking
 //! ones, a read waits for a row held by an open owner at most that bound too
 //! (migration 0010), never the session's own `innodb_lock_wait_timeout`, and
-//! the whole seconds it waited are taken from the waits after it (0011).
+//! the whole seconds it waited are taken from the waits after it.
 //! Replays, mismatches and live leases never wait: on MySQL they take no
 //! lock; on MariaDB the one statement holds the row only while it runs, and
 //! when another session holds it the procedure answers from a plain read.
