@@ -1,0 +1,632 @@
+//! Paused processes (a GC pause, a frozen VM: SIGSTOP, then SIGCONT), the
+//! case fencing exists for (rules 9, 10, 14, 20), across OS processes on a
+//! SQLite file shared by processes, PostgreSQL and MariaDB.
+//!
+//! Each test starts `idempotent-pause-worker` processes (see
+//! `tests/bin/pause_worker.rs`), stops one where its output says it is, and
+//! resumes it later. Body runs are counted by the effect files the bodies
+//! write (one per run), and the record's answer by a later call's replay.
+//! Every child is resumed and killed when its handle drops, so a failing
+//! test leaves no stopped process behind.
+
+use crate::common;
+
+use common::servers::{fresh_tenant, mysql_store_or_skip, mysql_url, pg_store_or_skip, pg_url};
+use idempotent_runtime::{Identity, RecordState, SqliteStore, Store};
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+const WORKER: &str = env!("CARGO_BIN_EXE_idempotent-pause-worker");
+
+/// Longer than a 1 s lease plus the clock's slack: a holder stopped this
+/// long after its last renewal has lost its lease.
+const PAST_THE_LEASE: Duration = Duration::from_millis(2500);
+
+/// The bound on any one answer the test waits for (a worker's waits are
+/// 20 s at most, SQLite's busy timeout 10 s).
+const ANSWER_WITHIN: Duration = Duration::from_secs(45);
+
+#[derive(Clone, Copy, Debug)]
+enum Backend {
+    Sqlite,
+    Pg,
+    MySql,
+}
+
+/// The store the test reads the records through, and the URL the workers open.
+struct Db {
+    backend: Backend,
+    url: String,
+    store: Box<dyn Store>,
+}
+
+async fn open(backend: Backend) -> Option<Db> {
+    let (url, store): (String, Box<dyn Store>) = match backend {
+        Backend::Sqlite => {
+            let url = common::scratch::sqlite_url("pause");
+            let store = SqliteStore::connect(&url).await.expect("sqlite");
+            (url, Box::new(store))
+        }
+        Backend::Pg => (pg_url(), Box::new(pg_store_or_skip().await?)),
+        Backend::MySql => (mysql_url(), Box::new(mysql_store_or_skip().await?)),
+    };
+    Some(Db {
+        backend,
+        url,
+        store,
+    })
+}
+
+impl Db {
+    fn arg(&self) -> &'static str {
+        match self.backend {
+            Backend::Sqlite => "sqlite",
+            Backend::Pg => "pg",
+            Backend::MySql => "mysql",
+        }
+    }
+}
+
+/// One worker process, its output lines as they come, resumed and killed on drop.
+struct Worker {
+    child: Child,
+    lines: mpsc::Receiver<String>,
+    seen: Vec<String>,
+}
+
+/// The last line a worker prints: its call's answer.
+const ANSWERS: [&str; 6] = [
+    "executed ",
+    "replayed ",
+    "recovered ",
+    "in_progress",
+    "lease_lost",
+    "error ",
+];
+
+impl Worker {
+    fn start(db: &Db, mode: &str, tenant: &str, key: &str, effects: &Path, body_ms: u64) -> Self {
+        Self::start_with_hook(db, mode, (tenant, key), effects, body_ms, 0)
+    }
+
+    /// [`Worker::start`], its recover hook sleeping `hook_ms` after `asked`.
+    fn start_with_hook(
+        db: &Db,
+        mode: &str,
+        (tenant, key): (&str, &str),
+        effects: &Path,
+        body_ms: u64,
+        hook_ms: u64,
+    ) -> Self {
+        let mut child = Command::new(WORKER)
+            .env("IDEMPOTENT_PAUSE_HOOK_MS", hook_ms.to_string())
+            .args([
+                db.arg(),
+                &db.url,
+                mode,
+                tenant,
+                key,
+                &effects.display().to_string(),
+                &body_ms.to_string(),
+            ])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("start the pause worker");
+        let stdout = child.stdout.take().expect("piped stdout");
+        let (send, lines) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                if send.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        Worker {
+            child,
+            lines,
+            seen: Vec::new(),
+        }
+    }
+
+    fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    fn signal(&self, signal: libc::c_int) {
+        let pid = libc::pid_t::try_from(self.child.id()).expect("a pid");
+        // SAFETY: `kill` with a pid this test started (and has not reaped:
+        // the `Child` is waited for only on drop) and a valid signal number.
+        let sent = unsafe { libc::kill(pid, signal) };
+        assert_eq!(sent, 0, "signal {signal} to the worker {pid}");
+    }
+
+    /// SIGSTOP: the whole process freezes where it is.
+    fn stop(&self) {
+        self.signal(libc::SIGSTOP);
+    }
+
+    /// SIGCONT.
+    fn resume(&self) {
+        self.signal(libc::SIGCONT);
+    }
+
+    /// Reads lines until one starts with one of `prefixes`, within `within`.
+    fn until(&mut self, prefixes: &[&str], within: Duration) -> String {
+        let deadline = Instant::now() + within;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(line) => {
+                    self.seen.push(line.clone());
+                    if prefixes.iter().any(|p| line.starts_with(p)) {
+                        return line;
+                    }
+                }
+                Err(e) => panic!(
+                    "worker {}: no line starting with {prefixes:?} within {within:?} ({e}); it said {:?}",
+                    self.pid(),
+                    self.seen
+                ),
+            }
+        }
+    }
+
+    /// The line starting with `prefix` (the worker reached that point).
+    fn reached(&mut self, prefix: &str) -> String {
+        self.until(&[prefix], ANSWER_WITHIN)
+    }
+
+    /// The call's answer.
+    fn answer(&mut self) -> String {
+        self.until(&ANSWERS, ANSWER_WITHIN)
+    }
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        let pid = self.child.id() as libc::pid_t;
+        // SAFETY: as in `signal`; the child is not reaped yet.
+        unsafe {
+            libc::kill(pid, libc::SIGCONT);
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// How many times a body ran (its effect files).
+fn body_runs(effects: &Path) -> usize {
+    std::fs::read_dir(effects)
+        .map(|entries| entries.count())
+        .unwrap_or(0)
+}
+
+fn effects_dir() -> PathBuf {
+    common::scratch::dir("pause-effects")
+}
+
+async fn snapshot(
+    db: &Db,
+    tenant: &str,
+    scope: &str,
+    key: &str,
+) -> idempotent_runtime::RecordSnapshot {
+    let identity = Identity::new(tenant, scope, key).expect("identity");
+    db.store
+        .fetch(&identity)
+        .await
+        .expect("fetch")
+        .expect("the record")
+}
+
+/// Rules 9 and 10: an owner stopped mid-body past its lease (no renewal
+/// while it is stopped) is taken over by a call in another process, which
+/// runs the body again (no recover hook: a takeover may) and records its
+/// answer. Resumed, the stopped owner's completion is fenced: it gets
+/// `LeaseLost`, the record keeps the second owner's answer, and a later call
+/// replays it.
+async fn stopped_owner_is_fenced(backend: Backend) {
+    let Some(db) = open(backend).await else {
+        return;
+    };
+    let (tenant, key, effects) = (fresh_tenant(), "stopped-owner", effects_dir());
+    let mut holder = Worker::start(&db, "store", &tenant, key, &effects, 3000);
+    holder.reached("body ");
+    holder.stop();
+    std::thread::sleep(PAST_THE_LEASE);
+
+    // The owner is resumed while the takeover's body runs (the record in
+    // progress under the new owner's token), so its renewals and its
+    // completion meet the new owner's record, not a completed one.
+    let mut taker = Worker::start(&db, "store", &tenant, key, &effects, 1500);
+    taker.reached("body ");
+    holder.resume();
+    assert_eq!(
+        holder.answer(),
+        "lease_lost",
+        "the resumed owner's completion is refused: {:?}",
+        holder.seen
+    );
+    assert_eq!(
+        taker.answer(),
+        format!("executed {}", taker.pid()),
+        "the stopped owner's lease ran out: the record is taken over and the body runs again"
+    );
+    assert_eq!(
+        body_runs(&effects),
+        2,
+        "the stopped owner's run and the takeover's"
+    );
+
+    let record = snapshot(&db, &tenant, "pause.store", key).await;
+    assert_eq!((record.state, record.attempt), (RecordState::Complete, 2));
+    let mut later = Worker::start(&db, "store", &tenant, key, &effects, 0);
+    assert_eq!(
+        later.answer(),
+        format!("replayed {}", taker.pid()),
+        "the takeover's answer is the key's answer"
+    );
+    assert_eq!(body_runs(&effects), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stopped_owner_is_fenced_after_a_takeover_sqlite() {
+    stopped_owner_is_fenced(Backend::Sqlite).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stopped_owner_is_fenced_after_a_takeover_postgres() {
+    stopped_owner_is_fenced(Backend::Pg).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stopped_owner_is_fenced_after_a_takeover_mariadb() {
+    stopped_owner_is_fenced(Backend::MySql).await;
+}
+
+/// Rule 20 with a stopped owner: the takeover asks the hook (attempt 2),
+/// which finds the stopped owner's effect and answers `Completed`: the body
+/// runs once. Resumed, the stopped owner gets `LeaseLost` and its own
+/// completion overwrites nothing: the hook's answer is replayed.
+async fn stopped_owner_recovered(backend: Backend) {
+    let Some(db) = open(backend).await else {
+        return;
+    };
+    let (tenant, key, effects) = (fresh_tenant(), "stopped-recovered", effects_dir());
+    let mut holder = Worker::start(&db, "recover", &tenant, key, &effects, 3000);
+    holder.reached("body ");
+    holder.stop();
+    std::thread::sleep(PAST_THE_LEASE);
+
+    let mut taker = Worker::start(&db, "recover", &tenant, key, &effects, 0);
+    let answer = taker.answer();
+    assert_eq!(
+        answer,
+        format!("recovered {}", holder.pid()),
+        "the hook found the stopped owner's effect: {:?}",
+        taker.seen
+    );
+    assert!(
+        taker.seen.contains(&"asked 2".to_owned()),
+        "asked once, as attempt 2: {:?}",
+        taker.seen
+    );
+    holder.resume();
+    assert_eq!(holder.answer(), "lease_lost", "{:?}", holder.seen);
+    assert_eq!(
+        body_runs(&effects),
+        1,
+        "the body ran once: the stopped owner's"
+    );
+
+    let record = snapshot(&db, &tenant, "pause.recover", key).await;
+    assert_eq!(
+        (record.state, record.attempt, record.recovered),
+        (RecordState::Complete, 2, true)
+    );
+    let mut later = Worker::start(&db, "recover", &tenant, key, &effects, 0);
+    assert_eq!(later.answer(), format!("replayed {}", holder.pid()));
+    assert!(
+        !later.seen.iter().any(|l| l.starts_with("asked")),
+        "a replay asks no hook: {:?}",
+        later.seen
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stopped_owner_is_fenced_after_a_recovered_takeover_sqlite() {
+    stopped_owner_recovered(Backend::Sqlite).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stopped_owner_is_fenced_after_a_recovered_takeover_postgres() {
+    stopped_owner_recovered(Backend::Pg).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stopped_owner_is_fenced_after_a_recovered_takeover_mariadb() {
+    stopped_owner_recovered(Backend::MySql).await;
+}
+
+/// Rule 20 with an owner stopped inside its recover hook: a record left by
+/// a crashed owner (no effect: the hooks answer `Run`) is taken over by A,
+/// which is stopped while its hook runs; once A's lease has run out, B takes
+/// it over (attempt 3), its hook answers `Run` and the body runs. Resumed
+/// while B's body runs, A's hook answers `Run` too, but A no longer owns the
+/// record: its fenced renewal says so and A's body never runs (`LeaseLost`). One body run, B's
+/// answer replayed.
+async fn stopped_in_the_recover_hook(backend: Backend) {
+    let Some(db) = open(backend).await else {
+        return;
+    };
+    let (tenant, key, effects) = (fresh_tenant(), "stopped-in-hook", effects_dir());
+    let identity = Identity::new(tenant.as_str(), "pause.recover", key).expect("identity");
+    let crashed = idempotent_runtime::OwnerToken::new();
+    let planted = db
+        .store
+        .reserve(idempotent_runtime::ReserveRequest {
+            identity: &identity,
+            fingerprint: None,
+            token: &crashed,
+            lease: Duration::ZERO,
+            ttl: Duration::from_secs(3600),
+        })
+        .await
+        .expect("plant a crashed owner's record");
+    assert_eq!(planted, idempotent_runtime::Reservation::FRESH);
+
+    let mut a = Worker::start_with_hook(&db, "recover", (&tenant, key), &effects, 0, 3000);
+    assert_eq!(a.reached("asked "), "asked 2");
+    a.stop();
+    std::thread::sleep(PAST_THE_LEASE);
+    // A is resumed while B's body runs: A's fenced renewal meets B's record
+    // in progress under B's token.
+    let mut b = Worker::start(&db, "recover", &tenant, key, &effects, 1500);
+    b.reached("body ");
+    assert!(b.seen.contains(&"asked 3".to_owned()), "{:?}", b.seen);
+    a.resume();
+    assert_eq!(a.answer(), "lease_lost", "{:?}", a.seen);
+    assert!(
+        a.seen.contains(&"hook answers 2 run".to_owned()),
+        "{:?}",
+        a.seen
+    );
+    assert_eq!(b.answer(), format!("executed {}", b.pid()), "{:?}", b.seen);
+    assert!(
+        !a.seen.iter().any(|l| l.starts_with("body ")),
+        "the stopped hook's call never runs the body: {:?}",
+        a.seen
+    );
+    assert_eq!(body_runs(&effects), 1, "B's run only");
+    let record = snapshot(&db, &tenant, "pause.recover", key).await;
+    assert_eq!(
+        (record.state, record.attempt, record.recovered),
+        (RecordState::Complete, 3, false)
+    );
+    let mut later = Worker::start(&db, "recover", &tenant, key, &effects, 0);
+    assert_eq!(later.answer(), format!("replayed {}", b.pid()));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stopped_in_the_recover_hook_sqlite() {
+    stopped_in_the_recover_hook(Backend::Sqlite).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stopped_in_the_recover_hook_postgres() {
+    stopped_in_the_recover_hook(Backend::Pg).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stopped_in_the_recover_hook_mariadb() {
+    stopped_in_the_recover_hook(Backend::MySql).await;
+}
+
+/// Stopped right after its body returned (the completion about to be sent,
+/// or in flight): whichever landed first, there is one answer. Either the
+/// completion was written before the stop (the takeover replays it and the
+/// resumed owner says `executed`), or the takeover ran the body again and the
+/// resumed owner is refused (`LeaseLost`).
+async fn stopped_while_completing(backend: Backend) {
+    let Some(db) = open(backend).await else {
+        return;
+    };
+    let (tenant, key, effects) = (fresh_tenant(), "stopped-completing", effects_dir());
+    let mut holder = Worker::start(&db, "store", &tenant, key, &effects, 0);
+    holder.reached("returning ");
+    holder.stop();
+    std::thread::sleep(PAST_THE_LEASE);
+
+    let mut taker = Worker::start(&db, "store", &tenant, key, &effects, 0);
+    let taken = taker.answer();
+    holder.resume();
+    let held = holder.answer();
+    eprintln!("{backend:?}: the takeover answered {taken}, the resumed owner {held}");
+    let winner = if taken == format!("replayed {}", holder.pid()) {
+        assert_eq!(held, format!("executed {}", holder.pid()));
+        assert_eq!(body_runs(&effects), 1);
+        holder.pid()
+    } else {
+        assert_eq!(
+            taken,
+            format!("executed {}", taker.pid()),
+            "{:?}",
+            taker.seen
+        );
+        assert_eq!(held, "lease_lost", "{:?}", holder.seen);
+        assert_eq!(body_runs(&effects), 2);
+        taker.pid()
+    };
+    let mut later = Worker::start(&db, "store", &tenant, key, &effects, 0);
+    assert_eq!(later.answer(), format!("replayed {winner}"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stopped_while_completing_keeps_one_answer_sqlite() {
+    stopped_while_completing(Backend::Sqlite).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stopped_while_completing_keeps_one_answer_postgres() {
+    stopped_while_completing(Backend::Pg).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stopped_while_completing_keeps_one_answer_mariadb() {
+    stopped_while_completing(Backend::MySql).await;
+}
+
+/// Rule 4 with a stopped owner whose lease (30 s) is live: a duplicate
+/// waiting for it (`wait("2s")`) gives up within its bound with
+/// `InProgress`; once the owner is resumed and has answered, a retry replays.
+async fn duplicate_waits_for_a_stopped_owner(backend: Backend) {
+    let Some(db) = open(backend).await else {
+        return;
+    };
+    let (tenant, key, effects) = (fresh_tenant(), "waited-for", effects_dir());
+    let mut holder = Worker::start(&db, "wait", &tenant, key, &effects, 500);
+    holder.reached("body ");
+    holder.stop();
+
+    let mut duplicate = Worker::start(&db, "wait", &tenant, key, &effects, 0);
+    assert_eq!(duplicate.answer(), "in_progress", "{:?}", duplicate.seen);
+    holder.resume();
+    assert_eq!(holder.answer(), format!("executed {}", holder.pid()));
+    let mut retry = Worker::start(&db, "wait", &tenant, key, &effects, 0);
+    assert_eq!(retry.answer(), format!("replayed {}", holder.pid()));
+    assert_eq!(body_runs(&effects), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn duplicate_waiting_for_a_stopped_owner_is_bounded_sqlite() {
+    duplicate_waits_for_a_stopped_owner(Backend::Sqlite).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn duplicate_waiting_for_a_stopped_owner_is_bounded_postgres() {
+    duplicate_waits_for_a_stopped_owner(Backend::Pg).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn duplicate_waiting_for_a_stopped_owner_is_bounded_mariadb() {
+    duplicate_waits_for_a_stopped_owner(Backend::MySql).await;
+}
+
+/// Transactional mode, the owner stopped mid-body inside its transaction
+/// (on SQLite holding the database's write lock; on PostgreSQL and MariaDB
+/// the uncommitted record's row): a duplicate's call ends within its bound
+/// (`InProgress`, or a store error naming the lock), never runs the body,
+/// and once the owner is resumed it commits its answer, which a retry replays.
+async fn stopped_in_a_transaction(backend: Backend) {
+    let Some(db) = open(backend).await else {
+        return;
+    };
+    let (tenant, key, effects) = (fresh_tenant(), "stopped-in-tx", effects_dir());
+    let mut holder = Worker::start(&db, "tx", &tenant, key, &effects, 500);
+    holder.reached("body ");
+    holder.stop();
+
+    let mut duplicate = Worker::start(&db, "tx", &tenant, key, &effects, 0);
+    let refused = duplicate.answer();
+    eprintln!("{backend:?}: the duplicate of a stopped transaction answered {refused}");
+    assert!(
+        refused == "in_progress" || refused.starts_with("error "),
+        "the duplicate is refused, not run: {:?}",
+        duplicate.seen
+    );
+    assert_eq!(body_runs(&effects), 1);
+    holder.resume();
+    assert_eq!(
+        holder.answer(),
+        format!("executed {}", holder.pid()),
+        "{:?}",
+        holder.seen
+    );
+    let mut retry = Worker::start(&db, "tx", &tenant, key, &effects, 0);
+    assert_eq!(retry.answer(), format!("replayed {}", holder.pid()));
+    assert_eq!(body_runs(&effects), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stopped_in_a_transaction_sqlite() {
+    stopped_in_a_transaction(Backend::Sqlite).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stopped_in_a_transaction_postgres() {
+    stopped_in_a_transaction(Backend::Pg).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stopped_in_a_transaction_mariadb() {
+    stopped_in_a_transaction(Backend::MySql).await;
+}
+
+/// The lease runs out while the owner is stopped, and it is resumed at the
+/// moment another process's takeover is sent: either the resumed owner's
+/// renewal lands first (the lease lapsed but nobody took it: the owner keeps
+/// it, the other call waits and replays its answer), or the takeover does
+/// (the owner gets `LeaseLost`). Never two recorded answers, and a later
+/// call replays the one there is.
+async fn resumed_as_taken_over(backend: Backend) {
+    let Some(db) = open(backend).await else {
+        return;
+    };
+    for round in 0..2 {
+        let (tenant, effects) = (fresh_tenant(), effects_dir());
+        let key = format!("resumed-{round}");
+        let mut holder = Worker::start(&db, "store", &tenant, &key, &effects, 1500);
+        holder.reached("body ");
+        holder.stop();
+        std::thread::sleep(PAST_THE_LEASE);
+        let mut taker = Worker::start(&db, "store", &tenant, &key, &effects, 0);
+        taker.reached("connected");
+        holder.resume();
+        let (taken, held) = (taker.answer(), holder.answer());
+        eprintln!(
+            "{backend:?} round {round}: the takeover answered {taken}, the resumed owner {held}"
+        );
+        let winner = if held == format!("executed {}", holder.pid()) {
+            assert_eq!(
+                taken,
+                format!("replayed {}", holder.pid()),
+                "{:?}",
+                taker.seen
+            );
+            assert_eq!(body_runs(&effects), 1);
+            holder.pid()
+        } else {
+            assert_eq!(held, "lease_lost", "{:?}", holder.seen);
+            assert_eq!(
+                taken,
+                format!("executed {}", taker.pid()),
+                "{:?}",
+                taker.seen
+            );
+            assert_eq!(body_runs(&effects), 2);
+            taker.pid()
+        };
+        let mut later = Worker::start(&db, "store", &tenant, &key, &effects, 0);
+        assert_eq!(later.answer(), format!("replayed {winner}"));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn resumed_as_its_record_is_taken_over_sqlite() {
+    resumed_as_taken_over(Backend::Sqlite).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn resumed_as_its_record_is_taken_over_postgres() {
+    resumed_as_taken_over(Backend::Pg).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn resumed_as_its_record_is_taken_over_mariadb() {
+    resumed_as_taken_over(Backend::MySql).await;
+}
