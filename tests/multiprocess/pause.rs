@@ -483,7 +483,8 @@ async fn stopped_while_completing_keeps_one_answer_mariadb() {
 
 /// Rule 4 with a stopped owner whose lease (30 s) is live: a duplicate
 /// waiting for it (`wait("2s")`) gives up within its bound with
-/// `InProgress`; once the owner is resumed and has answered, a retry replays.
+/// `InProgress`; once the owner is resumed and has answered, a retry replays,
+/// and so does a duplicate that was stopped while it waited.
 async fn duplicate_waits_for_a_stopped_owner(backend: Backend) {
     let Some(db) = open(backend).await else {
         return;
@@ -495,8 +496,23 @@ async fn duplicate_waits_for_a_stopped_owner(backend: Backend) {
 
     let mut duplicate = Worker::start(&db, "wait", &tenant, key, &effects, 0);
     assert_eq!(duplicate.answer(), "in_progress", "{:?}", duplicate.seen);
+    // A second duplicate, itself stopped while it waits, and resumed once
+    // the owner has answered and its own bound has passed: it looks again
+    // and replays, neither refused nor run.
+    let mut waiter = Worker::start(&db, "wait", &tenant, key, &effects, 0);
+    waiter.reached("connected");
+    std::thread::sleep(Duration::from_millis(300));
+    waiter.stop();
     holder.resume();
     assert_eq!(holder.answer(), format!("executed {}", holder.pid()));
+    std::thread::sleep(PAST_THE_LEASE);
+    waiter.resume();
+    assert_eq!(
+        waiter.answer(),
+        format!("replayed {}", holder.pid()),
+        "{:?}",
+        waiter.seen
+    );
     let mut retry = Worker::start(&db, "wait", &tenant, key, &effects, 0);
     assert_eq!(retry.answer(), format!("replayed {}", holder.pid()));
     assert_eq!(body_runs(&effects), 1);
