@@ -753,6 +753,33 @@ where
         )
         .await;
     }
+    // Rules 3 and 10: a reservation answered a lease (or nearly) after it
+    // was sent (the process stopped or starved while the statement was
+    // decided) may have lost the record before this call learnt it owned
+    // it: another caller may have taken it over, run the body and recorded
+    // its answer. One fenced renewal says whether it is still this call's
+    // (and gives the body a full lease) before the hook or the body runs.
+    if acquired.answered_late(spec.lease, reserved_at) {
+        match store.heartbeat(&identity, &token, spec.lease).await {
+            Ok(Fenced::Written) => {}
+            Ok(Fenced::NotOwner) => {
+                tracing::error!(target: "idempotent", scope = spec.scope, key = %digest,
+                    attempt = acquired.attempt,
+                    "the reservation was answered after its lease had run out, and another caller \
+                     has taken the record over: the body does not run");
+                guard.arm(false);
+                // The body did not run: not the `lease_lost` outcome.
+                return (
+                    Err(Error::LeaseLost(identity.context()).into()),
+                    CallOutcome::Failed,
+                );
+            }
+            // Ownership unknown: the body does not run blind. The guard,
+            // still armed, finishes the record as for a failed reservation
+            // (released, or its lease ended for a scope with a hook).
+            Err(e) => return fail(Error::Store(e)),
+        }
+    }
     if let Some(takeover) = takeover
         && let Some(hook) = recover.ask(takeover)
     {
@@ -1137,6 +1164,22 @@ pub(crate) struct Acquired {
     pub took_over: bool,
     pub attempt: u32,
     pub previous_started_ms: Option<i64>,
+    /// No later than when the statement that acquired was sent: the lease
+    /// it set runs out no earlier than a lease after this.
+    pub sent: Instant,
+}
+
+impl Acquired {
+    /// Whether the reservation's answer came so late that the lease it set
+    /// may run out before the body's first renewal (due a heartbeat period,
+    /// `lease / 3`, after the body starts), or has run out already: the
+    /// process was stopped (a GC pause, a frozen VM) or starved while the
+    /// statement was decided, and another caller may have taken the record
+    /// over meanwhile, and even recorded its answer.
+    fn answered_late(&self, lease: Duration, answered: Instant) -> bool {
+        let period = lease / 3;
+        answered.saturating_duration_since(self.sent) >= lease.saturating_sub(period)
+    }
 }
 
 impl Acquired {
@@ -1523,6 +1566,7 @@ async fn reserve_from(
                     took_over,
                     attempt,
                     previous_started_ms: previous_attempt_started_at_ms,
+                    sent: now,
                 }))
             }
             Reservation::Completed(outcome) => return Ok(Reserved::Replay(outcome)),

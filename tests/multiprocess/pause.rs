@@ -646,3 +646,129 @@ async fn resumed_as_its_record_is_taken_over_postgres() {
 async fn resumed_as_its_record_is_taken_over_mariadb() {
     resumed_as_taken_over(Backend::MySql).await;
 }
+
+/// Stopped while its reservation is in flight: a takeover that waits on
+/// the server for a row lock (here the test's `SELECT … FOR UPDATE`) is
+/// decided there while the process is stopped, with a lease that runs out
+/// before the process can learn it owns the record. Another process takes
+/// the record over and records its answer. Resumed, the stopped call learns
+/// it had acquired the record: it must not run its body now (the key has
+/// its answer, and the record is no longer its own); it gets `LeaseLost`.
+/// PostgreSQL and MariaDB: their servers decide a statement whose client is
+/// stopped (SQLite's lock waits run in the client, which is stopped too).
+async fn stopped_while_its_reservation_lands(backend: Backend) {
+    let Some(db) = open(backend).await else {
+        return;
+    };
+    for round in 0..10 {
+        let (tenant, effects) = (fresh_tenant(), effects_dir());
+        let key = format!("reserving-{round}");
+        let identity = Identity::new(tenant.as_str(), "pause.store", &key).expect("identity");
+        let crashed = idempotent_runtime::OwnerToken::new();
+        let planted = db
+            .store
+            .reserve(idempotent_runtime::ReserveRequest {
+                identity: &identity,
+                fingerprint: None,
+                token: &crashed,
+                lease: Duration::ZERO,
+                ttl: Duration::from_secs(3600),
+            })
+            .await
+            .expect("plant a crashed owner's record");
+        assert_eq!(planted, idempotent_runtime::Reservation::FRESH);
+        // The row is locked: the worker's takeover waits for it on the server.
+        let lock = RowLock::take(&db, &tenant, &key).await;
+        let mut stopped = Worker::start(&db, "store", &tenant, &key, &effects, 0);
+        stopped.reached("connected");
+        std::thread::sleep(Duration::from_millis(300));
+        stopped.stop();
+        lock.let_go().await;
+        std::thread::sleep(Duration::from_millis(300));
+        let record = snapshot(&db, &tenant, "pause.store", &key).await;
+        if record.attempt != 2 {
+            // Stopped between two statements: nothing landed. Again.
+            eprintln!("round {round}: the stop fell between statements");
+            continue;
+        }
+        std::thread::sleep(PAST_THE_LEASE);
+        let mut taker = Worker::start(&db, "store", &tenant, &key, &effects, 0);
+        assert_eq!(
+            taker.answer(),
+            format!("executed {}", taker.pid()),
+            "{:?}",
+            taker.seen
+        );
+        stopped.resume();
+        assert_eq!(stopped.answer(), "lease_lost", "{:?}", stopped.seen);
+        assert!(
+            !stopped.seen.iter().any(|l| l.starts_with("body ")),
+            "a call that learns of its reservation after losing it runs no body: {:?}",
+            stopped.seen
+        );
+        assert_eq!(body_runs(&effects), 1, "the takeover's run only");
+        let mut later = Worker::start(&db, "store", &tenant, &key, &effects, 0);
+        assert_eq!(later.answer(), format!("replayed {}", taker.pid()));
+        return;
+    }
+    panic!("the stop never fell while the reservation waited on the server");
+}
+
+/// A record's row locked by an open transaction of the test's.
+enum RowLock {
+    Pg(sqlx::Transaction<'static, sqlx::Postgres>),
+    My(sqlx::Transaction<'static, sqlx::MySql>),
+}
+
+impl RowLock {
+    async fn take(db: &Db, tenant: &str, key: &str) -> Self {
+        match db.backend {
+            Backend::Pg => {
+                let pool = sqlx::PgPool::connect(&db.url).await.expect("connect");
+                let mut tx = pool.begin().await.expect("begin");
+                sqlx::query(
+                    "SELECT 1 FROM idempotency_records \
+                     WHERE tenant = $1 AND scope = 'pause.store' AND key = $2 FOR UPDATE",
+                )
+                .bind(tenant)
+                .bind(key)
+                .execute(&mut *tx)
+                .await
+                .expect("lock the record");
+                RowLock::Pg(tx)
+            }
+            Backend::MySql => {
+                let pool = sqlx::MySqlPool::connect(&db.url).await.expect("connect");
+                let mut tx = pool.begin().await.expect("begin");
+                sqlx::query(
+                    "SELECT 1 FROM idempotency_records \
+                     WHERE tenant = ? AND scope = 'pause.store' AND `key` = ? FOR UPDATE",
+                )
+                .bind(tenant)
+                .bind(key)
+                .execute(&mut *tx)
+                .await
+                .expect("lock the record");
+                RowLock::My(tx)
+            }
+            Backend::Sqlite => unreachable!("SQLite's lock waits run in the stopped client"),
+        }
+    }
+
+    async fn let_go(self) {
+        match self {
+            RowLock::Pg(tx) => tx.commit().await.expect("commit"),
+            RowLock::My(tx) => tx.commit().await.expect("commit"),
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stopped_while_its_reservation_lands_runs_no_body_postgres() {
+    stopped_while_its_reservation_lands(Backend::Pg).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stopped_while_its_reservation_lands_runs_no_body_mariadb() {
+    stopped_while_its_reservation_lands(Backend::MySql).await;
+}
