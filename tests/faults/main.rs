@@ -12,6 +12,7 @@ mod cancellation;
 mod connection_faults;
 mod executors;
 mod held_answers;
+mod late_reservation;
 mod mysql_faults;
 mod mysql_wire;
 mod postgres_faults;
