@@ -61,7 +61,12 @@ impl std::ops::Deref for MyDb {
 }
 
 /// Drops the database it names when dropped (on a thread of its own, as the
-/// test's runtime may be gone or busy).
+/// test's runtime may be gone or busy). The connections still using it are
+/// killed first: a test that fails with a transaction of its own open leaves
+/// its connection holding the tables' metadata locks (on a current-thread
+/// runtime, blocked here, the rollback queued by the drop is never sent),
+/// and `DROP DATABASE` waited for them (`lock_wait_timeout`, a day), the
+/// test hanging until nextest ended it instead of failing.
 struct DropDatabase(String);
 
 impl Drop for DropDatabase {
@@ -74,6 +79,23 @@ impl Drop for DropDatabase {
                 .expect("a runtime");
             runtime.block_on(async {
                 if let Ok(mut conn) = sqlx::MySqlConnection::connect(&mysql_url()).await {
+                    let users: Vec<i64> = sqlx::query_scalar(
+                        "SELECT CAST(ID AS SIGNED) FROM information_schema.PROCESSLIST \
+                         WHERE DB = ? AND ID <> CONNECTION_ID()",
+                    )
+                    .bind(&db)
+                    .fetch_all(&mut conn)
+                    .await
+                    .unwrap_or_default();
+                    for id in users {
+                        let _ = sqlx::query(&format!("KILL CONNECTION {id}"))
+                            .execute(&mut conn)
+                            .await;
+                    }
+                    // Bounded all the same: a database left behind, not a hung test.
+                    let _ = sqlx::query("SET SESSION lock_wait_timeout = 30")
+                        .execute(&mut conn)
+                        .await;
                     let _ = sqlx::query(&format!("DROP DATABASE IF EXISTS `{db}`"))
                         .execute(&mut conn)
                         .await;
