@@ -4,6 +4,9 @@
 //! confirmed by one fenced renewal before the body runs. The multi-process
 //! pause tests show it on PostgreSQL and MariaDB with SIGSTOP; these show
 //! the three answers of that renewal without servers or signals.
+//! On tokio's paused clock (the memory store's clock too): the late answer
+//! and the lease's end fall where the test puts them, however loaded the
+//! machine (an on-time reservation must send no renewal).
 
 use crate::common::hooked::{Hooked, Intercept};
 use idempotent_runtime::{
@@ -71,7 +74,7 @@ async fn work(store: &Hooked<LateAnswer>, key: &str, runs: &AtomicUsize) -> Resu
 /// another caller takes the record over and records its answer meanwhile:
 /// the late call gets `LeaseLost` and its body does not run (before the
 /// fenced renewal it ran a second time, its completion then refused).
-#[tokio::test]
+#[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn a_reservation_answered_after_a_takeover_runs_no_body() {
     let store = Hooked::new(LateAnswer::default());
     store.delay_ms.store(600, Ordering::SeqCst);
@@ -98,7 +101,7 @@ async fn a_reservation_answered_after_a_takeover_runs_no_body() {
 
 /// Answered late but still its own (nobody took it over): the renewal is
 /// written and the body runs, as before.
-#[tokio::test]
+#[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn a_late_reservation_still_owned_runs_its_body_after_one_renewal() {
     let store = Hooked::new(LateAnswer::default());
     store.delay_ms.store(250, Ordering::SeqCst); // >= 2/3 of 300 ms
@@ -117,7 +120,7 @@ async fn a_late_reservation_still_owned_runs_its_body_after_one_renewal() {
 /// Answered late and the confirming renewal fails (ownership unknown): the
 /// call fails with the store's error without running its body, and the
 /// record is released (no hook), so a retry runs the body once.
-#[tokio::test]
+#[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn a_late_reservation_whose_renewal_fails_runs_no_body_and_frees_the_key() {
     let store = Hooked::new(LateAnswer::default());
     store.delay_ms.store(250, Ordering::SeqCst);
