@@ -178,7 +178,9 @@ async fn a_fresh_call_reserves_once_and_completes_once_and_a_replay_only_reserve
     );
 }
 
-#[tokio::test]
+// Paused clock: a starved process neither renews early nor finds its
+// reservation answered late (which a renewal would confirm).
+#[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn a_long_body_heartbeats_and_a_fast_one_never_does() {
     let store = Counting::new();
     slow(&store, "t", "fast", 0).await.unwrap();
@@ -191,7 +193,9 @@ async fn a_long_body_heartbeats_and_a_fast_one_never_does() {
     );
 }
 
-#[tokio::test]
+// Paused clock: a starved process neither renews early nor finds its
+// reservation answered late (which a renewal would confirm).
+#[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn a_failing_heartbeat_is_counted_and_logged() {
     let logs = capture_logs();
     let store = Counting::new();
@@ -241,7 +245,9 @@ async fn runs_on_after_losing(store: &Counting, tenant: &str, key: &str) -> Resu
 /// A lease lost to another caller is reported as lost, once: the renewals
 /// stop, and the body that goes on running (without blocking) is not then
 /// reported as having blocked its thread.
-#[tokio::test]
+// On tokio's paused clock (the memory store's clock too): a starved test
+// process cannot let the 30 ms lease lapse before its first renewal.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn a_lost_lease_is_not_also_reported_as_a_lapse() {
     let logs = capture_logs();
     let store = Counting::new();
