@@ -288,9 +288,9 @@ pub fn problem_for(error: &Error) -> Problem {
                 StatusCode::INTERNAL_SERVER_ERROR,
                 LEASE_LOST,
                 "Answer not recorded",
-                "The request ran for longer than its lease and another attempt took it over, so \
-                 this answer was not recorded. Retry with the same Idempotency-Key to get the \
-                 recorded answer.",
+                "This attempt's lease ran out (the request ran long, or the server was paused) \
+                 and another attempt took the request over, so no answer of this attempt was \
+                 recorded. Retry with the same Idempotency-Key to get the recorded answer.",
             );
             p.retry_after = Some(1);
             p
