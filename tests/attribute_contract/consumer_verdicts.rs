@@ -240,3 +240,36 @@ async fn a_mismatch_whose_record_cannot_be_read_is_nakd_not_terminated() {
         "a mismatch whose record could not be read is nak'd, not terminated"
     );
 }
+
+/// A transactional call refused because its transaction cannot hold the
+/// record (a snapshot older than the record, or no transaction at all) ran
+/// nothing and holds no record: a failure the redelivery retries in a new
+/// transaction, nak'd with the growing delay of failures, never taken for
+/// another delivery at work (`InProgress`, a fixed delay) nor for poison.
+#[tokio::test]
+async fn a_transaction_that_cannot_hold_the_record_is_a_failure() {
+    let refusals = [
+        Error::StaleSnapshot {
+            scope: "contract_edges.consumer.tx".into(),
+            store: "sqlite",
+        },
+        Error::NotInTransaction {
+            scope: "contract_edges.consumer.tx".into(),
+            store: "postgres",
+        },
+    ];
+    for refusal in refusals {
+        let why = refusal.to_string();
+        let handled = handle(Some("msg-tx"), |_key| async move { Err::<u32, _>(refusal) }).await;
+        assert_eq!(
+            (handled.verdict, handled.disposition()),
+            (Verdict::Failed, Disposition::Nak(None)),
+            "{why}"
+        );
+        assert_eq!(
+            handled.with_deliveries(3).disposition(),
+            Disposition::Nak(Some(idempotent_runtime::consumer::failed_retry_after(3))),
+            "{why}"
+        );
+    }
+}

@@ -725,3 +725,45 @@ async fn pg_a_long_wait_bound_does_not_break_a_fresh_reservation_in_a_transactio
     assert_eq!(first.expect("a fresh key is acquired and runs"), 7);
     tx.commit().await.expect("commit");
 }
+
+#[idempotent(scope = "tx.charge_sqlite_fails", key = key, tenant = tenant, tx = tx, ttl = "1h",
+             skip(fail))]
+async fn sqlite_charge_or_fail_in(
+    tx: &mut sqlx::Transaction<'_, Sqlite>,
+    tenant: &str,
+    key: &str,
+    fail: bool,
+) -> Result<u64, Error> {
+    if fail {
+        let down = idempotent_runtime::StoreError::new("ledger", "charge", "down");
+        return Err(Error::Store(down));
+    }
+    Ok(500)
+}
+
+/// A body's released error in a transaction the caller then commits: the
+/// reservation is deleted in that transaction, so the key is free at once
+/// (a retry runs the body) and no record is left in progress for a lease.
+#[tokio::test]
+async fn sqlite_a_released_error_in_a_committed_transaction_frees_the_key() {
+    let store = idempotent_runtime::SqliteStore::connect(&common::scratch::sqlite_url("txrel"))
+        .await
+        .expect("open");
+    let pool = store.pool().clone();
+    let tenant = fresh_tenant();
+    let id = Identity::new(&tenant, "tx.charge_sqlite_fails", "k").expect("identity");
+    let mut tx = pool.begin().await.expect("begin");
+    let (failed, outcome) =
+        with_outcome(sqlite_charge_or_fail_in(&mut tx, &tenant, "k", true)).await;
+    assert!(matches!(failed, Err(Error::Store(_))), "{failed:?}");
+    assert_eq!(outcome, Some(Outcome::Executed));
+    tx.commit().await.expect("commit");
+    assert_eq!(store.fetch(&id).await.expect("fetch"), None, "released");
+
+    let mut tx = pool.begin().await.expect("begin");
+    let (again, outcome) =
+        with_outcome(sqlite_charge_or_fail_in(&mut tx, &tenant, "k", false)).await;
+    assert_eq!(again.expect("runs again"), 500);
+    assert_eq!(outcome, Some(Outcome::Executed));
+    tx.commit().await.expect("commit");
+}
