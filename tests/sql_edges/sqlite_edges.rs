@@ -966,6 +966,40 @@ async fn a_dropped_call_does_not_leave_the_busy_timeout_changed() {
     remove(&path);
 }
 
+/// A call that completes puts the connection's busy timeout back at once,
+/// inside the caller's transaction: the statements the caller sends after
+/// the call (its own writes, its COMMIT) wait for a lock as configured,
+/// not with the 0 the reservation's write was tried with. Only a dropped
+/// call leaves it to the pool's release hook (above).
+#[tokio::test]
+async fn a_completed_call_puts_the_busy_timeout_back_in_the_transaction() {
+    let path = fresh_path();
+    let store = SqliteStore::connect(&url(&path)).await.expect("open");
+    let pool = store.pool().clone();
+    let tenant = fresh_tenant();
+    let mut tx = pool.begin().await.expect("deferred begin");
+    let configured: i64 = sqlx::query_scalar("PRAGMA busy_timeout")
+        .fetch_one(&mut *tx)
+        .await
+        .unwrap();
+    assert!(configured > 0, "the store's pool waits for locks");
+    assert_eq!(
+        charge_dropped(&mut tx, &tenant, "k").await.expect("runs"),
+        500
+    );
+    let busy: i64 = sqlx::query_scalar("PRAGMA busy_timeout")
+        .fetch_one(&mut *tx)
+        .await
+        .unwrap();
+    assert_eq!(
+        busy, configured,
+        "the reservation left its busy timeout on the connection"
+    );
+    tx.commit().await.expect("commit");
+    pool.close().await;
+    remove(&path);
+}
+
 // ------------------------------------------ (3) pools the store cannot fix
 
 /// `from_pool` on a pool without a busy timeout: every write that meets
