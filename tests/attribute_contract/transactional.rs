@@ -767,3 +767,76 @@ async fn sqlite_a_released_error_in_a_committed_transaction_frees_the_key() {
     assert_eq!(outcome, Some(Outcome::Executed));
     tx.commit().await.expect("commit");
 }
+
+static HELD_RUNS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+#[idempotent(scope = "tx.held_answer", key = key, tenant = tenant, store = store, shared_scope,
+             fingerprint = false, ttl = "1h", lease = "300ms")]
+async fn held_in_store_mode(
+    store: &idempotent_runtime::SqliteStore,
+    tenant: &str,
+    key: &str,
+) -> Result<u64, Error> {
+    HELD_RUNS.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    Ok(7)
+}
+
+#[idempotent(scope = "tx.held_answer", key = key, tenant = tenant, tx = tx, shared_scope,
+             fingerprint = false, ttl = "1h", lease = "300ms")]
+async fn held_in_tx(
+    tx: &mut sqlx::Transaction<'_, Sqlite>,
+    tenant: &str,
+    key: &str,
+) -> Result<u64, Error> {
+    HELD_RUNS.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    Ok(7)
+}
+
+/// An answer this process produced in store mode and could not record (its
+/// completion failed) is recorded by a transactional call that takes the
+/// record over once the lease ran out: the body does not run a second time
+/// (unrecorded.rs: whichever mode takes the record over).
+#[tokio::test]
+async fn sqlite_a_transactional_takeover_records_the_answer_this_process_holds() {
+    let store = idempotent_runtime::SqliteStore::connect(&common::scratch::sqlite_url("txheld"))
+        .await
+        .expect("open");
+    let pool = store.pool().clone();
+    // The first attempt's completion fails; a takeover's (which has a
+    // previous attempt) goes through.
+    sqlx::query(
+        "CREATE TRIGGER fail_first_completion BEFORE UPDATE ON idempotency_records
+         WHEN NEW.state = 'complete' AND OLD.previous_attempt_started_at IS NULL
+         BEGIN SELECT RAISE(ABORT, 'the store is down'); END",
+    )
+    .execute(&pool)
+    .await
+    .expect("trigger");
+    let tenant = fresh_tenant();
+    let id = Identity::new(&tenant, "tx.held_answer", "k").expect("identity");
+    let _ = held_in_store_mode(&store, &tenant, "k").await;
+    assert_eq!(HELD_RUNS.load(std::sync::atomic::Ordering::SeqCst), 1);
+    // Bounded wait until the unrenewed lease has run out.
+    let mut expired = false;
+    for _ in 0..200 {
+        let snapshot = store.fetch(&id).await.expect("fetch").expect("record");
+        assert_eq!(snapshot.state, RecordState::InProgress, "not recorded");
+        if snapshot.lease_expires_at_ms.expect("a lease") <= snapshot.now_ms {
+            expired = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(expired, "the lease never ran out");
+    let mut tx = pool.begin().await.expect("begin");
+    let answer = held_in_tx(&mut tx, &tenant, "k").await;
+    tx.commit().await.expect("commit");
+    assert_eq!(answer.expect("the held answer"), 7);
+    assert_eq!(
+        HELD_RUNS.load(std::sync::atomic::Ordering::SeqCst),
+        1,
+        "the body ran again although this process held its answer"
+    );
+    let snapshot = store.fetch(&id).await.expect("fetch").expect("record");
+    assert_eq!(snapshot.state, RecordState::Complete);
+}
