@@ -1180,9 +1180,7 @@ impl Acquired {
         let period = lease / 3;
         answered.saturating_duration_since(self.sent) >= lease.saturating_sub(period)
     }
-}
 
-impl Acquired {
     /// On a takeover (rule 20): logs and counts it, and returns what the
     /// `recover` hook is asked with. `None` for a fresh record.
     /// `answer_known`: this process holds the answer of the attempt taken

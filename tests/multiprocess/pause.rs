@@ -431,7 +431,10 @@ async fn stopped_in_the_recover_hook_mariadb() {
 /// or in flight): whichever landed first, there is one answer. Either the
 /// completion was written before the stop (the takeover replays it and the
 /// resumed owner says `executed`), or the takeover ran the body again and the
-/// resumed owner is refused (`LeaseLost`).
+/// resumed owner is refused (`LeaseLost`), or (SQLite) the owner was stopped
+/// inside its completion's write transaction, holding the file's write lock:
+/// the takeover cannot write, waits out the busy timeout and is refused as
+/// in progress, and the resumed owner's completion lands (`executed`).
 async fn stopped_while_completing(backend: Backend) {
     let Some(db) = open(backend).await else {
         return;
@@ -449,6 +452,20 @@ async fn stopped_while_completing(backend: Backend) {
     eprintln!("{backend:?}: the takeover answered {taken}, the resumed owner {held}");
     let winner = if taken == format!("replayed {}", holder.pid()) {
         assert_eq!(held, format!("executed {}", holder.pid()));
+        assert_eq!(body_runs(&effects), 1);
+        holder.pid()
+    } else if taken == "in_progress" {
+        assert!(
+            matches!(backend, Backend::Sqlite),
+            "only a stopped SQLite writer holds others off: {:?}",
+            taker.seen
+        );
+        assert_eq!(
+            held,
+            format!("executed {}", holder.pid()),
+            "{:?}",
+            holder.seen
+        );
         assert_eq!(body_runs(&effects), 1);
         holder.pid()
     } else {
