@@ -230,6 +230,34 @@ async fn mapping_mismatch_with_a_delivery_still_running_is_nakd_not_termed() {
     assert_eq!(ledger.effects.load(Ordering::SeqCst), 1);
 }
 
+/// Plants a record of `fingerprint` whose 1 ms lease has run out (an owner
+/// that died mid-body), as the store's clock tells.
+async fn plant_abandoned(
+    ledger: &Ledger,
+    identity: &idempotent_runtime::Identity,
+    fingerprint: &idempotent_runtime::Fingerprint,
+) {
+    common::records::acquire(
+        &ledger.store,
+        identity,
+        Some(fingerprint),
+        Duration::from_millis(1),
+        Duration::from_secs(3600),
+    )
+    .await;
+    let lapsed = async {
+        loop {
+            match ledger.store.fetch(identity).await.unwrap() {
+                Some(r) if r.lease_expires_at_ms.is_some_and(|ends| ends < r.now_ms) => break,
+                _ => tokio::time::sleep(Duration::from_millis(5)).await,
+            }
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(10), lapsed)
+        .await
+        .expect("the planted lease runs out");
+}
+
 /// A mismatch with a record left in progress by a delivery whose process
 /// died (its lease ran out before it answered) is not terminated at once:
 /// that message's own redelivery, perhaps to the older version in a rolling
@@ -245,25 +273,7 @@ async fn mapping_mismatch_with_an_abandoned_record_is_nakd_before_it_is_termed()
         "v2:{}",
         "0123456789abcdef".repeat(4)
     ));
-    common::records::acquire(
-        &ledger.store,
-        &identity,
-        Some(&other_arguments),
-        Duration::from_millis(1),
-        Duration::from_secs(3600),
-    )
-    .await;
-    let lapsed = async {
-        loop {
-            match ledger.store.fetch(&identity).await.unwrap() {
-                Some(r) if r.lease_expires_at_ms.is_some_and(|ends| ends < r.now_ms) => break,
-                _ => tokio::time::sleep(Duration::from_millis(5)).await,
-            }
-        }
-    };
-    tokio::time::timeout(Duration::from_secs(10), lapsed)
-        .await
-        .expect("the planted lease runs out");
+    plant_abandoned(&ledger, &identity, &other_arguments).await;
     let before = ledger
         .store
         .fetch(&identity)
@@ -353,7 +363,7 @@ async fn mapping_mismatch_with_a_running_record_inside_another_call_is_nakd() {
 /// record, however often the message was delivered meanwhile (a body longer
 /// than `ack_wait` spends deliveries): terminating it would end the message
 /// itself, and if the newer instance's body then fails and releases the key,
-/// nobody processes the message (natshunt).
+/// nobody processes the message.
 #[tokio::test]
 async fn mapping_a_newer_versions_running_record_is_nakd_not_termed() {
     let ledger = Ledger::new(false);
@@ -415,7 +425,7 @@ async fn mapping_a_newer_versions_running_record_is_nakd_not_termed() {
 /// longer than `ack_wait`) is not terminated at the next delivery of an
 /// older instance: as for an abandoned record of other arguments, its grace
 /// runs from when its lease ran out, for the message's redelivery to reach a
-/// newer instance that takes it over (natshunt).
+/// newer instance that takes it over.
 #[tokio::test]
 async fn mapping_a_newer_versions_abandoned_record_is_nakd_before_it_is_termed() {
     let ledger = Ledger::new(false);
@@ -424,25 +434,7 @@ async fn mapping_a_newer_versions_abandoned_record_is_nakd_before_it_is_termed()
         "v99:{}",
         "0123456789abcdef".repeat(4)
     ));
-    common::records::acquire(
-        &ledger.store,
-        &identity,
-        Some(&newer),
-        Duration::from_millis(1),
-        Duration::from_secs(3600),
-    )
-    .await;
-    let lapsed = async {
-        loop {
-            match ledger.store.fetch(&identity).await.unwrap() {
-                Some(r) if r.lease_expires_at_ms.is_some_and(|ends| ends < r.now_ms) => break,
-                _ => tokio::time::sleep(Duration::from_millis(5)).await,
-            }
-        }
-    };
-    tokio::time::timeout(Duration::from_secs(10), lapsed)
-        .await
-        .expect("the planted lease runs out");
+    plant_abandoned(&ledger, &identity, &newer).await;
     let payload = order("o-22", 2200);
     let late = handle(Some("m-22"), |k| ledger.bill(k, &payload))
         .await
@@ -480,7 +472,7 @@ async fn decline_in(
 /// Transactional mode with `errors = record`: the recorded error is written in
 /// the caller's transaction, so a handler that commits only on `Ok` (`?` on
 /// the call, then `commit`) rolls it back: the error is never final, every
-/// delivery runs the body again and is nak'd (natshunt). Committing for a
+/// delivery runs the body again and is nak'd. Committing for a
 /// recorded error too (not for the framework's refusals) makes the
 /// redelivery replay it and ack.
 #[tokio::test]
@@ -575,7 +567,7 @@ async fn bill_skipping_deliveries(
 /// timestamp) makes every redelivery of one message a mismatch: after a
 /// delivery that died mid-body, the message's own redelivery cannot take
 /// its record over, is nak'd for the abandoned record's grace and then
-/// terminated; the message is never processed (natshunt). Skipped, the
+/// terminated; the message is never processed. Skipped, the
 /// redelivery takes the record over and runs.
 #[tokio::test]
 async fn mapping_fingerprinted_delivery_metadata_keeps_a_crashed_message_from_its_redelivery() {
@@ -645,7 +637,7 @@ async fn mapping_fingerprinted_delivery_metadata_keeps_a_crashed_message_from_it
 /// replays a recorded error (acked); message B replays a result and then a
 /// later step fails (nak'd), interleaved with A's replay. Were the report
 /// scopes shared, B's failure would pass for a recorded answer and be acked,
-/// and lost (natshunt; held up).
+/// and lost. (Held up.)
 #[tokio::test]
 async fn mapping_deliveries_joined_in_one_task_keep_their_verdicts_apart() {
     let ledger = Ledger::new(false);
@@ -691,7 +683,7 @@ async fn bill_on(
 /// A newer version's record, running and abandoned, is told apart on every
 /// real store (the lease end and the store's clock its read gives): nak'd
 /// while it runs, nak'd for the grace once abandoned, however many
-/// deliveries came before (natshunt).
+/// deliveries came before.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mapping_a_newer_versions_record_is_judged_alike_on_every_store() {
     let dir = crate::common::scratch::dir("nats-stores");
@@ -1398,7 +1390,7 @@ async fn full_loop(js: jetstream::Context) {
 /// message outlives `ack_wait` and is redelivered; its tenth delivery reaches
 /// an older instance, whose `process` must not terminate it. The newer
 /// instance's body then fails (releases the key): the message comes back and
-/// is processed once. Terminated, it never came back (natshunt).
+/// is processed once. Terminated, it never came back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn jetstream_a_newer_versions_running_record_does_not_lose_the_message() {
     let Some(js) = nats_or_skip().await else {
@@ -1510,7 +1502,7 @@ async fn newer_running(js: jetstream::Context) {
 /// handler and returns (the ack is queued by the client, not awaited), so a
 /// silent server never holds a delivery's handling. When the connection
 /// answers again the queued ack lands: the message is settled, its effect
-/// happened once (natshunt).
+/// happened once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn jetstream_a_silent_server_does_not_hold_process() {
     let Some(js) = nats_or_skip().await else {
@@ -1624,7 +1616,7 @@ async fn tenant_bill(
 /// stream. A second customer's message with an id the first one used inside
 /// the window is dropped at publish (`duplicate: true`) and never reaches the
 /// consumer; ids that carry the customer (`globex:order-1`) are stored and
-/// processed once each (natshunt).
+/// processed once each.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn jetstream_ids_numbered_per_customer_collide_in_the_streams_duplicate_window() {
     let Some(js) = nats_or_skip().await else {
@@ -1740,7 +1732,7 @@ async fn tenants_from_subjects(js: jetstream::Context) {
 /// `process` settles each delivery on its own: it needs `AckPolicy::Explicit`.
 /// With `AckPolicy::All` the ack of a later message acknowledges every earlier
 /// one, also one `process` nak'd (its body failed, the key was released): that
-/// message is never redelivered and its effect never happens (natshunt). The
+/// message is never redelivered and its effect never happens. The
 /// test shows both policies side by side.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn jetstream_an_ack_all_consumer_loses_a_nakd_message_to_a_later_ack() {
