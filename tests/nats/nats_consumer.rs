@@ -1592,6 +1592,212 @@ async fn silent_server(js: jetstream::Context) {
     billing.db.close().await;
 }
 
+// ---------------------------------------------------------------- progress while a long handler runs
+
+/// A handler that runs until the test lets it go, on a memory store.
+struct Report {
+    store: MemoryStore,
+    effects: AtomicUsize,
+    entered: Semaphore,
+    release: Semaphore,
+}
+
+impl Report {
+    fn new() -> Self {
+        Report {
+            store: MemoryStore::new(),
+            effects: AtomicUsize::new(0),
+            entered: Semaphore::new(0),
+            release: Semaphore::new(0),
+        }
+    }
+
+    #[idempotent(scope = "nats.progress.reports", key = msg_id, tenant = shared,
+                 store = self.store, in_progress = reject, lease = "5s")]
+    async fn build(&self, msg_id: &str, order: &Order) -> Result<u64, BillError> {
+        self.entered.add_permits(1);
+        // Bounded: a handshake that never comes fails the test, it does not hang.
+        let _ = tokio::time::timeout(Duration::from_secs(30), self.release.acquire()).await;
+        self.effects.fetch_add(1, Ordering::SeqCst);
+        Ok(order.amount_cents)
+    }
+}
+
+/// One message on a durable with a 1 s `ack_wait`, and two pulls pending on
+/// it: the first delivery goes to `first`, any redelivery to the second
+/// pull, whose deliveries are sent on the returned channel.
+struct LongDelivery {
+    stream: TestStream,
+    admin: PullConsumer,
+    first: jetstream::Message,
+    redeliveries: tokio::sync::mpsc::UnboundedReceiver<jetstream::Message>,
+    second_pull: tokio::task::JoinHandle<()>,
+    /// `+WPI` messages seen on the stream's ack subjects.
+    progress_seen: Arc<Semaphore>,
+    watcher: tokio::task::JoinHandle<()>,
+}
+
+impl LongDelivery {
+    async fn start(js: &jetstream::Context, label: &str) -> LongDelivery {
+        let stream = TestStream::create(js, label).await;
+        let durable = format!("{}-durable", label.to_lowercase());
+        let admin = stream.durable(&durable, Duration::from_secs(1)).await;
+        // Every ack, nak and progress message is a publish to the delivery's
+        // reply subject, `$JS.ACK.<stream>.…`: a second client sees them.
+        let watching = async_nats::connect(nats_url().as_str()).await.unwrap();
+        let mut acks = watching
+            .subscribe(format!("$JS.ACK.{}.>", stream.name))
+            .await
+            .unwrap();
+        watching.flush().await.unwrap();
+        let progress_seen = Arc::new(Semaphore::new(0));
+        let seen = progress_seen.clone();
+        let watcher = tokio::spawn(async move {
+            let _client = watching;
+            while let Some(ack) = acks.next().await {
+                if ack.payload.as_ref() == b"+WPI" {
+                    seen.add_permits(1);
+                }
+            }
+        });
+        stream.publish("report-1", json(&order("r-1", 5))).await;
+        let mut first_pull = admin
+            .stream()
+            .max_messages_per_batch(1)
+            .messages()
+            .await
+            .unwrap();
+        let first = tokio::time::timeout(Duration::from_secs(10), first_pull.next())
+            .await
+            .expect("a delivery")
+            .expect("the stream goes on")
+            .expect("a message");
+        drop(first_pull);
+        let (sender, redeliveries) = tokio::sync::mpsc::unbounded_channel();
+        let second = admin.clone();
+        let second_pull = tokio::spawn(async move {
+            let Ok(mut pull) = second.stream().max_messages_per_batch(1).messages().await else {
+                return;
+            };
+            while let Some(Ok(message)) = pull.next().await {
+                if sender.send(message).is_err() {
+                    return;
+                }
+            }
+        });
+        LongDelivery {
+            stream,
+            admin,
+            first,
+            redeliveries,
+            second_pull,
+            progress_seen,
+            watcher,
+        }
+    }
+
+    async fn finish(self) {
+        self.second_pull.abort();
+        self.watcher.abort();
+        self.stream.delete().await;
+    }
+}
+
+/// With progress every 200 ms, a handler that runs past its 1 s `ack_wait`
+/// (it goes on until 15 progress messages, three seconds of them, have reached
+/// the server) keeps its delivery: nothing is redelivered to the pull that
+/// waits beside it, the message is delivered once and acked once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jetstream_progress_keeps_a_long_handler_from_being_redelivered() {
+    use idempotent_runtime::consumer::nats::process_with_progress;
+    let Some(js) = nats_or_skip().await else {
+        return;
+    };
+    tokio::time::timeout(Duration::from_secs(90), async {
+        let mut run = LongDelivery::start(&js, "PROGRESS").await;
+        let report = Report::new();
+        let o: Order = serde_json::from_slice(&run.first.payload).unwrap();
+        let seen = run.progress_seen.clone();
+        let handling = process_with_progress(&run.first, Duration::from_millis(200), |k| {
+            report.build(k, &o)
+        });
+        let letting_go = async {
+            let _ = seen.acquire_many(15).await.expect("the watcher goes on");
+            report.release.add_permits(1);
+        };
+        let (handled, ()) = tokio::join!(handling, letting_go);
+        let handled = handled.expect("the ack is sent");
+        assert_eq!(
+            (handled.verdict, handled.disposition()),
+            (Verdict::Executed, Disposition::Ack)
+        );
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !settled(&run.admin).await {
+            assert!(Instant::now() < deadline, "the ack never landed");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let info = run.admin.get_info().await.unwrap();
+        assert_eq!(
+            (info.delivered.consumer_sequence, info.num_redelivered),
+            (1, 0),
+            "one delivery, none redelivered"
+        );
+        assert!(
+            run.redeliveries.try_recv().is_err(),
+            "no redelivery reached the second pull"
+        );
+        assert_eq!(report.effects.load(Ordering::SeqCst), 1);
+        run.finish().await;
+    })
+    .await
+    .expect("finished within 90 s");
+}
+
+/// The same long handler under plain `process`: JetStream redelivers the
+/// message once its 1 s `ack_wait` has run out (the handler waits for that
+/// redelivery), the redelivery is nak'd as in progress, and the body still
+/// runs once. This is what the test above shows progress prevents.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jetstream_without_progress_a_long_handler_is_redelivered() {
+    let Some(js) = nats_or_skip().await else {
+        return;
+    };
+    tokio::time::timeout(Duration::from_secs(90), async {
+        let mut run = LongDelivery::start(&js, "NOPROGRESS").await;
+        let report = Report::new();
+        let o: Order = serde_json::from_slice(&run.first.payload).unwrap();
+        let handling = process(&run.first, |k| report.build(k, &o));
+        let redelivered = async {
+            let _ = report.entered.acquire().await.expect("entered");
+            let again = run.redeliveries.recv().await.expect("a redelivery");
+            let duplicate = process(&again, |k| report.build(k, &o))
+                .await
+                .expect("the nak is sent");
+            report.release.add_permits(1);
+            duplicate
+        };
+        let (handled, duplicate) = tokio::join!(handling, redelivered);
+        assert!(
+            matches!(duplicate.verdict, Verdict::InProgress { .. }),
+            "the redelivery found the message running: {:?}",
+            duplicate.verdict
+        );
+        let handled = handled.expect("the ack is sent");
+        assert_eq!(
+            (handled.verdict, handled.disposition()),
+            (Verdict::Executed, Disposition::Ack)
+        );
+        assert!(
+            run.progress_seen.available_permits() == 0,
+            "no progress was sent"
+        );
+        assert_eq!(report.effects.load(Ordering::SeqCst), 1);
+        run.finish().await;
+    })
+    .await
+    .expect("finished within 90 s");
+}
+
 // ---------------------------------------------------------------- tenants from subjects
 
 #[idempotent(scope = "nats.tenants.billing", key = msg_id, tenant = tenant, store = store,

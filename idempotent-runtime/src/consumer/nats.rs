@@ -24,6 +24,10 @@
 //! # Ok(()) }
 //! ```
 //!
+//! For handlers that may outlive the consumer's `ack_wait`,
+//! [`process_with_progress`] also tells the server, while the handler runs,
+//! that the delivery is still being worked on.
+//!
 //! The consumer must use `AckPolicy::Explicit` (async-nats's default): each
 //! delivery is settled on its own. Under `AckPolicy::All` the ack of a later
 //! message also acknowledges an earlier one this module nak'd (its body
@@ -41,6 +45,7 @@
 use super::{handle, AsIdempotencyError, Disposition, Handled};
 use async_nats::jetstream::{self, AckKind};
 use std::future::Future;
+use std::time::Duration;
 
 /// The header holding the producer's message id: the idempotency key.
 pub const MESSAGE_ID_HEADER: &str = "Nats-Msg-Id";
@@ -82,6 +87,12 @@ pub async fn settle(
 /// `handler(key)` runs (see [`handle`]), poison is logged, and the
 /// disposition is sent to the server. The error is only that of sending it;
 /// the handler's own answer is in the returned [`Handled`].
+///
+/// While the handler runs, the server hears nothing of the delivery: a
+/// handler that outlives the consumer's `ack_wait` has its message
+/// redelivered (and nak'd as in progress) every `ack_wait`, each time using
+/// up one of the consumer's deliveries. For handlers that may run that long,
+/// use [`process_with_progress`].
 pub async fn process<'m, F, Fut, T, E>(
     message: &'m jetstream::Message,
     handler: F,
@@ -91,7 +102,119 @@ where
     Fut: Future<Output = Result<T, E>>,
     E: AsIdempotencyError,
 {
-    let mut handled = handle(message_key(message), handler).await;
+    let handled = handle(message_key(message), handler).await;
+    conclude(message, handled).await
+}
+
+/// The shortest interval [`process_with_progress`] sends progress at: a
+/// shorter one (zero included) is taken as this.
+pub const MIN_PROGRESS_INTERVAL: Duration = Duration::from_millis(10);
+
+/// [`process`], telling the server every `progress_every` while the handler
+/// runs that the delivery is still being worked on (`AckKind::Progress`,
+/// `+WPI`), so that JetStream resets the delivery's `ack_wait` instead of
+/// redelivering the message to another worker. The first is sent
+/// `progress_every` after the handler starts; a handler that ends sooner
+/// sends none. Pick `progress_every` well below the consumer's `ack_wait`
+/// (a third of it, say).
+///
+/// The record already keeps a redelivery from running the body a second
+/// time; progress keeps long handlers from spending the consumer's
+/// `max_deliver` and the workers' time on redeliveries that can only be
+/// nak'd as in progress. The price: a handler that hangs keeps its message
+/// for as long as it hangs, where without progress a redelivery could reach
+/// another worker (which, once the call holds the record, it could not
+/// complete anyway: its lease is renewed while the body runs). Bound what
+/// the handler waits on (`tokio::time::timeout`).
+///
+/// A progress message that cannot be sent is logged (warning) and tried
+/// again at the next interval; the handler goes on.
+///
+/// ```no_run
+/// use futures_util::StreamExt;
+/// use idempotent_runtime::consumer::nats::process_with_progress;
+/// use idempotent_runtime::{idempotent, Error, SqliteStore};
+/// use std::time::Duration;
+///
+/// #[idempotent(scope = "orders.consumer.reports", key = msg_id, tenant = shared,
+///              store = store, in_progress = reject, lease = "2m")]
+/// async fn build_report(store: &SqliteStore, msg_id: &str, order: &[u8]) -> Result<(), Error> {
+///     Ok(()) // minutes of work
+/// }
+///
+/// # async fn run(consumer: async_nats::jetstream::consumer::PullConsumer, store: SqliteStore)
+/// #     -> Result<(), async_nats::Error> {
+/// // The consumer's ack_wait is 30 s (async-nats's default).
+/// let mut messages = consumer.messages().await?;
+/// while let Some(message) = messages.next().await {
+///     let message = message?;
+///     process_with_progress(&message, Duration::from_secs(10), |key| {
+///         build_report(&store, key, &message.payload)
+///     })
+///     .await?;
+/// }
+/// # Ok(()) }
+/// ```
+pub async fn process_with_progress<'m, F, Fut, T, E>(
+    message: &'m jetstream::Message,
+    progress_every: Duration,
+    handler: F,
+) -> Result<Handled<T, E>, async_nats::Error>
+where
+    F: FnOnce(&'m str) -> Fut,
+    Fut: Future<Output = Result<T, E>>,
+    E: AsIdempotencyError,
+{
+    let work = handle(message_key(message), handler);
+    let handled = signalling_while(work, progress_every, || async {
+        if let Err(error) = message.ack_with(AckKind::Progress).await {
+            let info = message.info().ok();
+            tracing::warn!(target: "idempotent",
+                stream = info.as_ref().map(|i| i.stream),
+                consumer = info.as_ref().map(|i| i.consumer),
+                stream_sequence = info.as_ref().map(|i| i.stream_sequence),
+                %error,
+                "could not tell the server the delivery is in progress; trying again at the next interval");
+        }
+    })
+    .await;
+    conclude(message, handled).await
+}
+
+/// Runs `work` to its end, awaiting `signal()` every `every` while it runs
+/// (the first `every` after it starts). `work` is polled while a signal is
+/// being sent, and a signal still being sent when `work` ends is dropped.
+async fn signalling_while<W, S, SF>(work: W, every: Duration, mut signal: S) -> W::Output
+where
+    W: Future,
+    S: FnMut() -> SF,
+    SF: Future<Output = ()>,
+{
+    let every = every.max(MIN_PROGRESS_INTERVAL);
+    let mut ticks = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    tokio::pin!(work);
+    loop {
+        tokio::select! {
+            biased;
+            out = &mut work => return out,
+            _ = ticks.tick() => {}
+        }
+        let sending = signal();
+        tokio::pin!(sending);
+        tokio::select! {
+            biased;
+            out = &mut work => return out,
+            () = &mut sending => {}
+        }
+    }
+}
+
+/// Logs poison and sends the delivery's disposition.
+async fn conclude<T, E: AsIdempotencyError>(
+    message: &jetstream::Message,
+    mut handled: Handled<T, E>,
+) -> Result<Handled<T, E>, async_nats::Error> {
     // A failed delivery's nak waits longer at every delivery.
     if let Ok(info) = message.info() {
         handled = handled.with_deliveries(u64::try_from(info.delivered).unwrap_or(1));
@@ -110,4 +233,62 @@ where
     }
     settle(message, disposition).await?;
     Ok(handled)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+
+    fn counting(sent: &Arc<AtomicUsize>) -> impl FnMut() -> std::future::Ready<()> + '_ {
+        move || {
+            sent.fetch_add(1, Ordering::SeqCst);
+            std::future::ready(())
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn progress_is_signalled_every_interval_while_the_work_runs() {
+        let sent = Arc::new(AtomicUsize::new(0));
+        let work = tokio::time::sleep(Duration::from_millis(3500));
+        signalling_while(work, Duration::from_secs(1), counting(&sent)).await;
+        assert_eq!(sent.load(Ordering::SeqCst), 3, "at 1 s, 2 s and 3 s");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn work_shorter_than_the_interval_signals_nothing() {
+        let sent = Arc::new(AtomicUsize::new(0));
+        let out = signalling_while(async { 7 }, Duration::from_secs(1), counting(&sent)).await;
+        assert_eq!(out, 7);
+        let slow = tokio::time::sleep(Duration::from_millis(999));
+        signalling_while(slow, Duration::from_secs(1), counting(&sent)).await;
+        assert_eq!(sent.load(Ordering::SeqCst), 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_zero_interval_is_the_minimum_not_a_panic() {
+        let sent = Arc::new(AtomicUsize::new(0));
+        let work = tokio::time::sleep(MIN_PROGRESS_INTERVAL * 5 + MIN_PROGRESS_INTERVAL / 2);
+        signalling_while(work, Duration::ZERO, counting(&sent)).await;
+        assert_eq!(sent.load(Ordering::SeqCst), 5);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_work_goes_on_while_a_signal_is_stuck() {
+        // A send that never finishes (a connection gone silent) holds no work.
+        let started = Arc::new(AtomicUsize::new(0));
+        let work = tokio::time::sleep(Duration::from_secs(5));
+        let s = started.clone();
+        signalling_while(work, Duration::from_secs(1), move || {
+            s.fetch_add(1, Ordering::SeqCst);
+            std::future::pending::<()>()
+        })
+        .await;
+        assert_eq!(
+            started.load(Ordering::SeqCst),
+            1,
+            "the stuck send is dropped when the work ends"
+        );
+    }
 }
