@@ -379,6 +379,21 @@ mod tests {
         assert!(!not_final(Error::InvalidKey(crate::KeyProblem::Empty)));
     }
 
+    /// `Retry-After` is whole seconds, rounded up and never 0 (a client
+    /// told 0 sends the request again at once, in a loop).
+    #[test]
+    fn retry_after_is_never_zero() {
+        assert_eq!(retry_after_secs(Duration::ZERO), 1);
+        assert_eq!(retry_after_secs(Duration::from_nanos(1)), 1);
+        assert_eq!(retry_after_secs(Duration::from_millis(1001)), 2);
+        let problem = problem_for(&Error::InProgress {
+            scope: "a.b".into(),
+            retry_after: Duration::ZERO,
+        });
+        assert_eq!(problem.retry_after, Some(1));
+        assert_eq!(problem.into_response().headers()[header::RETRY_AFTER], "1");
+    }
+
     /// A store that failed may have failed as the answer was being recorded,
     /// after the body ran (or after an earlier step of the handler ran): the
     /// problem never tells the client the request was not processed, which
