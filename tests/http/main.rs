@@ -11,6 +11,7 @@ mod http_app;
 mod http_client;
 mod http_crash;
 mod http_edges;
+mod http_request_identity;
 mod http_safe_methods;
 mod http_server;
 mod http_trailers;

@@ -1,0 +1,204 @@
+//! What one `Idempotency-Key` stands for (rule 22): every method that may
+//! change state is protected as `POST` is, and the method and the query
+//! string are part of the request, so a retry that differs in either is a
+//! reused key (422), never the other request's replay. On the memory store,
+//! a SQLite file, PostgreSQL and MariaDB (when reachable).
+
+use crate::common;
+use crate::http_app::{authenticate, expect_problem, serve, sqlite_file_store, AccountId};
+
+use axum::extract::{Extension, OriginalUri};
+use axum::http::{Method, StatusCode};
+use axum::middleware;
+use axum::routing::post;
+use axum::Router;
+use common::servers::{fresh_tenant, mysql_store_or_skip, pg_store_or_skip};
+use idempotent_runtime::http::problem::types;
+use idempotent_runtime::http::IdempotencyLayer;
+use idempotent_runtime::{MemoryStore, Store};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+async fn every_store() -> Vec<(&'static str, Arc<dyn Store>)> {
+    let mut stores: Vec<(&'static str, Arc<dyn Store>)> = vec![
+        ("memory", Arc::new(MemoryStore::new())),
+        ("sqlite", sqlite_file_store().await),
+    ];
+    if let Some(pg) = pg_store_or_skip().await {
+        stores.push(("postgres", Arc::new(pg)));
+    }
+    if let Some(my) = mysql_store_or_skip().await {
+        stores.push(("mariadb", Arc::new(my)));
+    }
+    stores
+}
+
+/// `/items` for `POST`, `PUT`, `PATCH` and `DELETE` behind the layer (and the
+/// test authentication): each run is counted and answers with its method,
+/// the target it saw and its run number, so a replay of another request's
+/// answer shows. The base URL and the run count.
+async fn items(store: Arc<dyn Store>, scope: &str) -> (String, Arc<AtomicUsize>) {
+    let runs = Arc::new(AtomicUsize::new(0));
+    let handler = {
+        let runs = runs.clone();
+        move |method: Method,
+              OriginalUri(uri): OriginalUri,
+              Extension(AccountId(a)): Extension<AccountId>| {
+            let runs = runs.clone();
+            async move {
+                let n = runs.fetch_add(1, Ordering::SeqCst) + 1;
+                (StatusCode::OK, format!("{method} {uri} for {a}: run {n}"))
+            }
+        }
+    };
+    let layer = IdempotencyLayer::builder(scope, store)
+        .tenant_from_extension::<AccountId>()
+        .build()
+        .expect("layer");
+    let app = Router::new()
+        .route(
+            "/items",
+            post(handler.clone())
+                .put(handler.clone())
+                .patch(handler.clone())
+                .delete(handler),
+        )
+        .route_layer(layer)
+        .layer(middleware::from_fn(authenticate));
+    let (base, _task) = serve(app).await;
+    (base, runs)
+}
+
+async fn send(
+    base: &str,
+    method: Method,
+    target: &str,
+    tenant: &str,
+    key: Option<&str>,
+) -> reqwest::Response {
+    let mut request = reqwest::Client::new()
+        .request(method, format!("{base}{target}"))
+        .header("x-account-id", tenant)
+        .header("content-type", "application/json")
+        .body(r#"{"qty":1}"#);
+    if let Some(key) = key {
+        request = request.header("idempotency-key", key);
+    }
+    request.send().await.expect("request")
+}
+
+fn replayed(r: &reqwest::Response) -> bool {
+    r.headers()
+        .get("idempotent-replayed")
+        .is_some_and(|v| v == "true")
+}
+
+/// `PUT`, `PATCH` and `DELETE` change state as `POST` does: each needs a
+/// key, runs once for it, and its retry replays the first answer. Were one
+/// of them passed through like a safe method, its retry would run the
+/// handler again.
+#[tokio::test]
+async fn put_patch_and_delete_are_protected_like_post() {
+    for (name, store) in every_store().await {
+        let (base, runs) = items(store, "identity.methods").await;
+        let tenant = fresh_tenant();
+        for method in [Method::POST, Method::PUT, Method::PATCH, Method::DELETE] {
+            let before = runs.load(Ordering::SeqCst);
+            let r = send(&base, method.clone(), "/items", &tenant, None).await;
+            expect_problem(r, 400, types::MISSING_KEY).await;
+            assert_eq!(runs.load(Ordering::SeqCst), before, "{name} {method}");
+
+            let key = format!("k-{method}");
+            let first = send(&base, method.clone(), "/items", &tenant, Some(&key)).await;
+            assert_eq!(first.status(), 200, "{name} {method}");
+            assert!(!replayed(&first), "{name} {method}");
+            let first = first.text().await.expect("body");
+            let retry = send(&base, method.clone(), "/items", &tenant, Some(&key)).await;
+            assert!(replayed(&retry), "{name} {method}: the retry is a replay");
+            assert_eq!(retry.text().await.expect("body"), first, "{name} {method}");
+            assert_eq!(
+                runs.load(Ordering::SeqCst),
+                before + 1,
+                "{name} {method}: the handler ran once for the key"
+            );
+        }
+    }
+}
+
+/// One key, one request: the same key on the same path with another method,
+/// or with another query string, is refused with 422 and nothing runs; the
+/// original request's retry is still answered from its record.
+#[tokio::test]
+async fn the_same_key_with_another_method_or_query_is_a_reused_key() {
+    for (name, store) in every_store().await {
+        let (base, runs) = items(store, "identity.requests").await;
+        let tenant = fresh_tenant();
+        let first = send(&base, Method::POST, "/items?qty=1", &tenant, Some("k")).await;
+        assert_eq!(first.status(), 200, "{name}");
+        let first = first.text().await.expect("body");
+        for (method, target) in [
+            (Method::PUT, "/items?qty=1"),
+            (Method::DELETE, "/items?qty=1"),
+            (Method::POST, "/items?qty=100"),
+            (Method::POST, "/items"),
+        ] {
+            let r = send(&base, method.clone(), target, &tenant, Some("k")).await;
+            expect_problem(r, 422, types::KEY_REUSED).await;
+            assert_eq!(
+                runs.load(Ordering::SeqCst),
+                1,
+                "{name}: {method} {target} ran"
+            );
+        }
+        let retry = send(&base, Method::POST, "/items?qty=1", &tenant, Some("k")).await;
+        assert!(replayed(&retry), "{name}");
+        assert_eq!(retry.text().await.expect("body"), first, "{name}");
+    }
+}
+
+/// Keys are compared byte for byte: keys that differ only in case, or in a
+/// trailing space (inside quotes), are different operations, and tenants
+/// that differ only in case are different callers. Each runs the handler
+/// and none is answered with another's record (a store that compared keys
+/// case-insensitively, or padded them, would replay one caller's answer to
+/// another).
+#[tokio::test]
+async fn keys_and_tenants_that_differ_in_case_or_a_trailing_space_are_distinct() {
+    for (name, store) in every_store().await {
+        let (base, runs) = items(store, "identity.bytes").await;
+        let tenant = fresh_tenant();
+        let upper = tenant.to_uppercase();
+        let mut answers = Vec::new();
+        for (tenant, key) in [
+            (&tenant, "order-a"),
+            (&tenant, "ORDER-A"),
+            (&tenant, r#""order-a ""#),
+            (&upper, "order-a"),
+        ] {
+            let r = send(&base, Method::POST, "/items", tenant, Some(key)).await;
+            assert_eq!(r.status(), 200, "{name} {tenant} {key}");
+            assert!(!replayed(&r), "{name}: {tenant} {key} was another's replay");
+            answers.push(r.text().await.expect("body"));
+        }
+        assert_eq!(runs.load(Ordering::SeqCst), 4, "{name}");
+        // Each one's retry is answered from its own record.
+        for ((tenant, key), answer) in [
+            (&tenant, "order-a"),
+            (&tenant, "ORDER-A"),
+            (&tenant, r#""order-a ""#),
+            (&upper, "order-a"),
+        ]
+        .into_iter()
+        .zip(&answers)
+        {
+            let r = send(&base, Method::POST, "/items", tenant, Some(key)).await;
+            assert!(replayed(&r), "{name} {tenant} {key}");
+            assert_eq!(
+                &r.text().await.expect("body"),
+                answer,
+                "{name} {tenant} {key}"
+            );
+        }
+        assert_eq!(runs.load(Ordering::SeqCst), 4, "{name}");
+    }
+}
