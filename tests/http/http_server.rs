@@ -909,6 +909,23 @@ async fn a_body_over_the_cap_is_413_with_or_without_a_content_length() {
     );
 }
 
+/// The cap is the largest body accepted: a body of exactly that many bytes
+/// is processed (its retry replayed), one byte more is refused.
+#[tokio::test]
+async fn a_body_of_exactly_the_cap_is_accepted() {
+    let server = TestServer::start(memory(), |b| b.max_body_bytes(BODY.len())).await;
+    let a = fresh_tenant();
+    let r = post(&server, "/payments", Some(&a), Some("at-cap"), BODY).await;
+    assert_eq!(r.status(), 201);
+    assert!(replayed(
+        &post(&server, "/payments", Some(&a), Some("at-cap"), BODY).await
+    ));
+    let over = format!("{BODY} ");
+    let r = post(&server, "/payments", Some(&a), Some("over"), &over).await;
+    expect_problem(r, 413, types::BODY_TOO_LARGE).await;
+    assert_eq!(server.shop.gateway.calls(), 1);
+}
+
 // ---------------------------------------------------------------- store
 
 /// A store that is down: every operation fails.
