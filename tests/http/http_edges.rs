@@ -766,3 +766,147 @@ async fn a_layer_recording_5xx_never_records_a_store_outage_or_a_lost_lease() {
         assert_eq!(calls.load(Ordering::SeqCst), 2, "{scope}: the retry ran");
     }
 }
+
+/// A recover hook that answers `Completed` with an answer the layer does not
+/// record (here a 502, under the default rule) has not given the request's
+/// answer: it is sent as "send it again" (`Retry-After: 1`, not a replay),
+/// the handler does not run, and the record is kept, so the next retry
+/// takes it over and asks the hook again. Running the handler instead would
+/// charge a second time what the crashed instance may have charged.
+#[tokio::test]
+async fn a_recover_hooks_unrecorded_completed_answer_never_runs_the_handler() {
+    use idempotent_runtime::{Identity, Recovery};
+    let store = Arc::new(MemoryStore::new());
+    let asked = Arc::new(AtomicUsize::new(0));
+    let hook = {
+        let asked = asked.clone();
+        move |_: idempotent_runtime::Takeover| {
+            let asked = asked.clone();
+            async move {
+                asked.fetch_add(1, Ordering::SeqCst);
+                Ok(Recovery::Completed(
+                    (StatusCode::BAD_GATEWAY, "the provider could not say").into_response(),
+                ))
+            }
+        }
+    };
+    let layer = IdempotencyLayer::builder("edges.recover_5xx", store.clone())
+        .tenant_from_extension::<AccountId>()
+        .recover(hook)
+        .build()
+        .expect("layer");
+    let (base, calls, _task) = counting_route("/charges", layer, || {
+        (StatusCode::CREATED, "charged by the handler").into_response()
+    })
+    .await;
+    let account = fresh_tenant();
+    // A crashed instance's record, its lease (1 ms) run out by the store's clock.
+    let identity = Identity::new(account.clone(), "edges.recover_5xx", "k").unwrap();
+    common::records::acquire(
+        &*store,
+        &identity,
+        None,
+        Duration::from_millis(1),
+        Duration::from_secs(3600),
+    )
+    .await;
+    for attempt in 1..=2 {
+        let r = reqwest::Client::new()
+            .post(format!("{base}/charges"))
+            .header("x-account-id", &account)
+            .header("idempotency-key", "k")
+            .send()
+            .await
+            .expect("request");
+        assert_eq!(r.status(), 502, "attempt {attempt}");
+        assert_eq!(r.headers()["retry-after"], "1", "attempt {attempt}");
+        assert!(r.headers().get("idempotent-replayed").is_none());
+        assert_eq!(calls.load(Ordering::SeqCst), 0, "the handler never runs");
+        assert_eq!(
+            asked.load(Ordering::SeqCst),
+            attempt,
+            "asked on every takeover"
+        );
+    }
+}
+
+/// Completions fail at once (the detached completion the engine then hands
+/// over does record).
+struct CompletionsFail;
+
+#[async_trait::async_trait]
+impl common::hooked::Intercept for CompletionsFail {
+    async fn complete(
+        &self,
+        _: &MemoryStore,
+        _: idempotent_runtime::Completion<'_>,
+    ) -> Result<idempotent_runtime::Fenced, idempotent_runtime::StoreError> {
+        Err(idempotent_runtime::StoreError::new(
+            "hooked",
+            "complete",
+            "connection reset",
+        ))
+    }
+}
+
+/// A recover hook's `Completed` answer whose recording fails is the request's
+/// answer all the same: the client is told it was processed and to retry
+/// with the same key (503 `answer-not-recorded-yet`), as after a handler's
+/// run, never `store-unavailable` as if the store failed before anything
+/// was decided; the retry replays the hook's answer, and the handler never runs.
+#[tokio::test]
+async fn a_recover_hooks_answer_whose_recording_fails_is_answer_not_recorded_yet() {
+    use idempotent_runtime::{Identity, Recovery};
+    let store = Arc::new(common::hooked::Hooked::new(CompletionsFail));
+    let asked = Arc::new(AtomicUsize::new(0));
+    let hook = {
+        let asked = asked.clone();
+        move |_: idempotent_runtime::Takeover| {
+            let asked = asked.clone();
+            async move {
+                asked.fetch_add(1, Ordering::SeqCst);
+                Ok(Recovery::Completed(
+                    (StatusCode::CREATED, "charge found at the provider").into_response(),
+                ))
+            }
+        }
+    };
+    let layer = IdempotencyLayer::builder("edges.recover_unrecorded", store.clone())
+        .tenant_from_extension::<AccountId>()
+        .recover(hook)
+        .build()
+        .expect("layer");
+    let (base, calls, _task) = counting_route("/charges", layer, || {
+        (StatusCode::CREATED, "charged by the handler").into_response()
+    })
+    .await;
+    let account = fresh_tenant();
+    let identity = Identity::new(account.clone(), "edges.recover_unrecorded", "k").unwrap();
+    common::records::acquire(
+        &*store,
+        &identity,
+        None,
+        Duration::from_millis(1),
+        Duration::from_secs(3600),
+    )
+    .await;
+    let send = || {
+        reqwest::Client::new()
+            .post(format!("{base}/charges"))
+            .header("x-account-id", &account)
+            .header("idempotency-key", "k")
+            .send()
+    };
+    let r = send().await.expect("request");
+    assert_eq!(r.headers()["retry-after"], "1");
+    expect_problem(r, 503, types::ANSWER_NOT_RECORDED_YET).await;
+    let retry = send().await.expect("request");
+    assert_eq!(retry.status(), 201);
+    assert!(retry.headers().get("idempotent-replayed").is_some());
+    assert_eq!(
+        retry.text().await.expect("body"),
+        "charge found at the provider"
+    );
+    assert_eq!(calls.load(Ordering::SeqCst), 0, "the handler never runs");
+    assert_eq!(asked.load(Ordering::SeqCst), 1);
+}
