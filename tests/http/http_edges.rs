@@ -767,6 +767,55 @@ async fn a_layer_recording_5xx_never_records_a_store_outage_or_a_lost_lease() {
     }
 }
 
+/// A route behind a layer on `store` whose recover hook counts its calls and
+/// answers `Completed(answer())`, and a crashed instance's record of key `k`
+/// for a fresh account (its 1 ms lease run out by the store's clock). The
+/// base URL, the handler's run count, the hook's call count and the account.
+async fn recovering_route<S: idempotent_runtime::Store + 'static>(
+    scope: &'static str,
+    store: Arc<S>,
+    answer: fn() -> axum::response::Response,
+) -> (
+    String,
+    Arc<AtomicUsize>,
+    Arc<AtomicUsize>,
+    String,
+    tokio::task::JoinHandle<()>,
+) {
+    use idempotent_runtime::{Identity, Recovery};
+    let asked = Arc::new(AtomicUsize::new(0));
+    let hook = {
+        let asked = asked.clone();
+        move |_: idempotent_runtime::Takeover| {
+            let asked = asked.clone();
+            async move {
+                asked.fetch_add(1, Ordering::SeqCst);
+                Ok(Recovery::Completed(answer()))
+            }
+        }
+    };
+    let layer = IdempotencyLayer::builder(scope, store.clone())
+        .tenant_from_extension::<AccountId>()
+        .recover(hook)
+        .build()
+        .expect("layer");
+    let (base, calls, task) = counting_route("/charges", layer, || {
+        (StatusCode::CREATED, "charged by the handler").into_response()
+    })
+    .await;
+    let account = fresh_tenant();
+    let identity = Identity::new(account.clone(), scope, "k").unwrap();
+    common::records::acquire(
+        &*store,
+        &identity,
+        None,
+        Duration::from_millis(1),
+        Duration::from_secs(3600),
+    )
+    .await;
+    (base, calls, asked, account, task)
+}
+
 /// A recover hook that answers `Completed` with an answer the layer does not
 /// record (here a 502, under the default rule) has not given the request's
 /// answer: it is sent as "send it again" (`Retry-After: 1`, not a replay),
@@ -775,40 +824,10 @@ async fn a_layer_recording_5xx_never_records_a_store_outage_or_a_lost_lease() {
 /// charge a second time what the crashed instance may have charged.
 #[tokio::test]
 async fn a_recover_hooks_unrecorded_completed_answer_never_runs_the_handler() {
-    use idempotent_runtime::{Identity, Recovery};
     let store = Arc::new(MemoryStore::new());
-    let asked = Arc::new(AtomicUsize::new(0));
-    let hook = {
-        let asked = asked.clone();
-        move |_: idempotent_runtime::Takeover| {
-            let asked = asked.clone();
-            async move {
-                asked.fetch_add(1, Ordering::SeqCst);
-                Ok(Recovery::Completed(
-                    (StatusCode::BAD_GATEWAY, "the provider could not say").into_response(),
-                ))
-            }
-        }
-    };
-    let layer = IdempotencyLayer::builder("edges.recover_5xx", store.clone())
-        .tenant_from_extension::<AccountId>()
-        .recover(hook)
-        .build()
-        .expect("layer");
-    let (base, calls, _task) = counting_route("/charges", layer, || {
-        (StatusCode::CREATED, "charged by the handler").into_response()
+    let (base, calls, asked, account, _task) = recovering_route("edges.recover_5xx", store, || {
+        (StatusCode::BAD_GATEWAY, "the provider could not say").into_response()
     })
-    .await;
-    let account = fresh_tenant();
-    // A crashed instance's record, its lease (1 ms) run out by the store's clock.
-    let identity = Identity::new(account.clone(), "edges.recover_5xx", "k").unwrap();
-    common::records::acquire(
-        &*store,
-        &identity,
-        None,
-        Duration::from_millis(1),
-        Duration::from_secs(3600),
-    )
     .await;
     for attempt in 1..=2 {
         let r = reqwest::Client::new()
@@ -856,40 +875,12 @@ impl common::hooked::Intercept for CompletionsFail {
 /// was decided; the retry replays the hook's answer, and the handler never runs.
 #[tokio::test]
 async fn a_recover_hooks_answer_whose_recording_fails_is_answer_not_recorded_yet() {
-    use idempotent_runtime::{Identity, Recovery};
     let store = Arc::new(common::hooked::Hooked::new(CompletionsFail));
-    let asked = Arc::new(AtomicUsize::new(0));
-    let hook = {
-        let asked = asked.clone();
-        move |_: idempotent_runtime::Takeover| {
-            let asked = asked.clone();
-            async move {
-                asked.fetch_add(1, Ordering::SeqCst);
-                Ok(Recovery::Completed(
-                    (StatusCode::CREATED, "charge found at the provider").into_response(),
-                ))
-            }
-        }
-    };
-    let layer = IdempotencyLayer::builder("edges.recover_unrecorded", store.clone())
-        .tenant_from_extension::<AccountId>()
-        .recover(hook)
-        .build()
-        .expect("layer");
-    let (base, calls, _task) = counting_route("/charges", layer, || {
-        (StatusCode::CREATED, "charged by the handler").into_response()
-    })
-    .await;
-    let account = fresh_tenant();
-    let identity = Identity::new(account.clone(), "edges.recover_unrecorded", "k").unwrap();
-    common::records::acquire(
-        &*store,
-        &identity,
-        None,
-        Duration::from_millis(1),
-        Duration::from_secs(3600),
-    )
-    .await;
+    let (base, calls, asked, account, _task) =
+        recovering_route("edges.recover_unrecorded", store, || {
+            (StatusCode::CREATED, "charge found at the provider").into_response()
+        })
+        .await;
     let send = || {
         reqwest::Client::new()
             .post(format!("{base}/charges"))
