@@ -107,7 +107,8 @@ where
 }
 
 /// The shortest interval [`process_with_progress`] sends progress at: a
-/// shorter one (zero included) is taken as this.
+/// shorter one (zero included) is taken as this. One too long for the clock
+/// to count to (`Duration::MAX`) sends none.
 pub const MIN_PROGRESS_INTERVAL: Duration = Duration::from_millis(10);
 
 /// [`process`], telling the server every `progress_every` while the handler
@@ -191,7 +192,11 @@ where
     SF: Future<Output = ()>,
 {
     let every = every.max(MIN_PROGRESS_INTERVAL);
-    let mut ticks = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+    // An interval too long for the clock to count to never comes.
+    let Some(first) = tokio::time::Instant::now().checked_add(every) else {
+        return work.await;
+    };
+    let mut ticks = tokio::time::interval_at(first, every);
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     tokio::pin!(work);
     loop {
@@ -272,6 +277,14 @@ mod tests {
         let work = tokio::time::sleep(MIN_PROGRESS_INTERVAL * 5 + MIN_PROGRESS_INTERVAL / 2);
         signalling_while(work, Duration::ZERO, counting(&sent)).await;
         assert_eq!(sent.load(Ordering::SeqCst), 5);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_interval_past_the_clocks_end_signals_nothing_and_does_not_panic() {
+        let sent = Arc::new(AtomicUsize::new(0));
+        let work = tokio::time::sleep(Duration::from_secs(3600));
+        signalling_while(work, Duration::MAX, counting(&sent)).await;
+        assert_eq!(sent.load(Ordering::SeqCst), 0);
     }
 
     #[tokio::test(start_paused = true)]
