@@ -16,6 +16,7 @@ mod common;
 mod audit;
 mod cli;
 mod engine_accounting;
+mod live_races;
 mod observability;
 mod purge;
 mod registry;
