@@ -628,4 +628,13 @@ mod tests {
             (1, 1, chunk)
         );
     }
+
+    /// A batch of 0 counts as 1: every expired record is still deleted.
+    #[tokio::test]
+    async fn a_batch_of_zero_counts_as_one() {
+        let store = MemoryStore::new();
+        expired_records(&store, 3).await;
+        assert_eq!(purge_all(&store, 0).await.expect("purge"), 3);
+        assert!(store.is_empty());
+    }
 }

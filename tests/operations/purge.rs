@@ -374,3 +374,106 @@ async fn a_failed_run_keeps_count_of_what_it_deleted() {
         .last_error
         .is_some_and(|e| e.contains("connection reset")));
 }
+
+/// A purge whose batches always come back full (a backlog that never ends)
+/// and whose first batch holds until let go.
+struct EndlessBacklog {
+    batches: Arc<std::sync::atomic::AtomicU32>,
+    in_batch: Arc<tokio::sync::Notify>,
+    go: Arc<tokio::sync::Notify>,
+}
+
+#[async_trait::async_trait]
+impl common::hooked::Intercept for EndlessBacklog {
+    async fn purge_expired(&self, _: &MemoryStore, batch: u32) -> Result<u64, StoreError> {
+        if self
+            .batches
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst)
+            == 0
+        {
+            self.in_batch.notify_one();
+            self.go.notified().await;
+        }
+        Ok(u64::from(batch))
+    }
+}
+
+/// A shutdown asked while a batch runs lets that batch finish and starts no
+/// other, although the backlog would fill many more.
+#[tokio::test]
+async fn shutdown_lets_the_batch_in_flight_finish_and_starts_no_other() {
+    let batches = Arc::new(std::sync::atomic::AtomicU32::new(0));
+    let in_batch = Arc::new(tokio::sync::Notify::new());
+    let go = Arc::new(tokio::sync::Notify::new());
+    let store = Arc::new(common::hooked::Hooked::new(EndlessBacklog {
+        batches: batches.clone(),
+        in_batch: in_batch.clone(),
+        go: go.clone(),
+    }));
+    let handle = Purger::spawn(
+        store,
+        PurgerConfig {
+            interval: LONG,
+            batch: 5,
+        },
+    );
+    tokio::time::timeout(LONG, in_batch.notified())
+        .await
+        .expect("the first run starts at once");
+    // The shutdown is asked (its first poll) before the batch is let go.
+    let (stats, ()) = tokio::time::timeout(
+        LONG,
+        futures::future::join(handle.shutdown(), async {
+            tokio::task::yield_now().await;
+            go.notify_one();
+        }),
+    )
+    .await
+    .expect("the shutdown ends");
+    assert_eq!(
+        (stats.runs, stats.failed_runs, stats.deleted),
+        (1, 0, 5),
+        "{stats:?}"
+    );
+    assert_eq!(batches.load(std::sync::atomic::Ordering::SeqCst), 1);
+}
+
+/// A purge that fails once, then works.
+struct FailsOnce {
+    calls: std::sync::atomic::AtomicU32,
+}
+
+#[async_trait::async_trait]
+impl common::hooked::Intercept for FailsOnce {
+    async fn purge_expired(&self, inner: &MemoryStore, batch: u32) -> Result<u64, StoreError> {
+        if self.calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 0 {
+            return Err(StoreError::new("test", "purge", "connection reset"));
+        }
+        inner.purge_expired(batch).await
+    }
+}
+
+/// `last_error` is the latest failure only while no run has succeeded since.
+#[tokio::test(start_paused = true)]
+async fn a_successful_run_clears_the_last_error() {
+    let handle = Purger::spawn(
+        common::hooked::Hooked::new(FailsOnce {
+            calls: Default::default(),
+        }),
+        PurgerConfig {
+            interval: Duration::from_secs(60),
+            batch: 10,
+        },
+    );
+    // The paused clock moves on whenever the purger waits for its interval.
+    for _ in 0..100 {
+        if handle.stats().runs >= 2 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_secs(30)).await;
+    }
+    let stats = handle.shutdown().await;
+    assert!(stats.runs >= 2, "{stats:?}");
+    assert_eq!(stats.failed_runs, 1, "{stats:?}");
+    assert_eq!(stats.last_error, None, "{stats:?}");
+}
