@@ -650,4 +650,38 @@ mod tests {
         assert_eq!(r.scopes[0].claimed_by, ["one", "two"]);
         assert!(!r.has_findings());
     }
+
+    /// A name both declared and retired (a manifest listing it in both, or
+    /// the registry claiming a name the manifest retires) is claimed,
+    /// whichever comes first; a claimant named twice is listed once.
+    #[test]
+    fn a_claim_wins_over_a_retirement_that_comes_after_it() {
+        let claimed = KnownScope::claimed("a.b", "one");
+        let retired = KnownScope::retired("a.b", Some("renamed".into()));
+        for known in [
+            vec![claimed.clone(), retired.clone()],
+            vec![claimed.clone(), retired, claimed],
+        ] {
+            let r = build_report("memory", vec![stats("a.b", 1, 0, 0)], &known);
+            assert_eq!(r.scopes[0].status, ScopeStatus::Claimed, "{known:?}");
+            assert_eq!(r.scopes[0].claimed_by, ["one"], "{known:?}");
+            assert_eq!(r.scopes[0].retired_reason, None, "{known:?}");
+        }
+    }
+
+    /// A store's row of a scope without records (a store of one's own may
+    /// answer one) is no record: a claimed scope is `unused`, and a scope
+    /// nothing claims is not listed (no orphan, no finding).
+    #[test]
+    fn an_empty_row_is_no_record() {
+        let known = [KnownScope::claimed("a.live", "app::live")];
+        let r = build_report(
+            "memory",
+            vec![stats("a.live", 0, 0, 0), stats("b.gone", 0, 0, 0)],
+            &known,
+        );
+        let names: Vec<_> = r.scopes.iter().map(|s| (&*s.scope, s.status)).collect();
+        assert_eq!(names, [("a.live", ScopeStatus::Unused)]);
+        assert!(!r.has_findings());
+    }
 }
