@@ -1554,3 +1554,90 @@ async fn an_account_that_may_not_read_the_history_is_told_so() {
         );
     }
 }
+
+/// An in-progress record whose lease and ttl have both run out counts as
+/// absent (rule 16): `inspect` shows it expired (not stuck), and
+/// `release --end-lease`, with or without `--even-if-running`, finds no
+/// record and writes nothing (the record is not made live again).
+#[tokio::test]
+async fn an_expired_in_progress_record_is_not_stuck_and_has_no_lease_to_end() {
+    let dir = Scratch::new();
+    let url = dir.db_url();
+    let store = SqliteStore::connect(&url).await.expect("sqlite file");
+    // Kept far longer than its lease (a retention the lease's end would carry
+    // on), then both run out.
+    let blink = Duration::from_millis(1);
+    let abandoned = common::records::plant(
+        &store,
+        "cli-tenant",
+        "orders.place",
+        blink,
+        Duration::from_millis(100),
+        None,
+    )
+    .await;
+    wait_expired(&store, &abandoned).await;
+    let before = store
+        .fetch(&abandoned)
+        .await
+        .expect("fetch")
+        .expect("record");
+
+    let inspected = run_from([
+        "idempotent",
+        "inspect",
+        "--database-url",
+        &url,
+        "--scope",
+        abandoned.scope(),
+        "--tenant",
+        abandoned.tenant(),
+        "--key",
+        abandoned.key(),
+        "--json",
+    ])
+    .await
+    .expect("inspect");
+    let json: serde_json::Value = serde_json::from_str(&inspected).expect("json");
+    assert_eq!(
+        (&json["expired"], &json["stuck"]),
+        (&serde_json::json!(true), &serde_json::json!(false)),
+        "{json}"
+    );
+
+    for even_if_running in [false, true] {
+        let mut args = vec![
+            "idempotent",
+            "release",
+            "--database-url",
+            &url,
+            "--scope",
+            abandoned.scope(),
+            "--tenant",
+            abandoned.tenant(),
+            "--key",
+            abandoned.key(),
+            "--reason",
+            "INC-7",
+            "--end-lease",
+        ];
+        if even_if_running {
+            args.push("--even-if-running");
+        }
+        let refused = run_from(args)
+            .await
+            .expect_err("no record to end a lease of");
+        assert!(matches!(refused, CliError::NoRecord { .. }), "{refused:?}");
+        let after = store
+            .fetch(&abandoned)
+            .await
+            .expect("fetch")
+            .expect("record");
+        assert!(after.is_expired(), "still counts as absent");
+        assert_eq!(
+            (after.lease_expires_at_ms, after.expires_at_ms),
+            (before.lease_expires_at_ms, before.expires_at_ms),
+            "nothing written"
+        );
+    }
+}
