@@ -319,3 +319,23 @@ fn disagreeing_claimants_are_refused_naming_both_sites() {
     }
     assert!(message.contains("every claimant must say so"), "{message}");
 }
+
+/// A scope claimed twice without the flag and, elsewhere, a shared scope
+/// whose claimants disagree: the duplicate (rule 18's error, which no flag
+/// excuses) is the one reported.
+#[test]
+fn a_duplicate_is_reported_before_a_disagreement() {
+    let hour = Duration::from_secs(3600);
+    let shared = variant(12, hour, &["order", "amount"], true);
+    let disagreeing = variant(13, 7 * 24 * hour, &["order", "amount"], true);
+    let mut first = variant(20, hour, &["order"], false);
+    first.scope = "shared_test.duplicate";
+    let mut second = variant(21, hour, &["order"], false);
+    second.scope = "shared_test.duplicate";
+    let err = registry::validate_infos(&[&shared, &disagreeing, &first, &second]).unwrap_err();
+    let RegistryError::DuplicateScopes(dups) = &err else {
+        panic!("{err:?}")
+    };
+    assert_eq!(dups.len(), 1);
+    assert_eq!(dups[0].scope, "shared_test.duplicate");
+}
