@@ -590,3 +590,294 @@ async fn an_answer_larger_than_the_client_reads_is_final_and_not_read() {
     );
     server.abort();
 }
+
+/// A request as [`Scripted`] received it.
+#[derive(Debug, Clone)]
+struct Received {
+    key: Option<String>,
+    body: Vec<u8>,
+    /// On tokio's clock (paused in the tests that read it).
+    at: tokio::time::Instant,
+}
+
+/// An HTTP/1.1 server on loopback that answers the n-th request with
+/// `answer(n)` (a whole response, from its status line on) and closes the
+/// connection, keeping each request's `Idempotency-Key`, body and arrival.
+/// No timers: it runs under tokio's paused clock.
+struct Scripted {
+    base: String,
+    received: Arc<std::sync::Mutex<Vec<Received>>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Scripted {
+    async fn start(answer: impl Fn(usize) -> String + Send + Sync + 'static) -> Scripted {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let base = format!("http://{}", listener.local_addr().unwrap());
+        let received = Arc::new(std::sync::Mutex::new(Vec::<Received>::new()));
+        let kept = received.clone();
+        let task = tokio::spawn(async move {
+            loop {
+                let Ok((mut socket, _)) = listener.accept().await else {
+                    return;
+                };
+                let mut request = Vec::new();
+                let mut buffer = [0u8; 4096];
+                let head_end = loop {
+                    if let Some(at) = request.windows(4).position(|w| w == b"\r\n\r\n") {
+                        break at + 4;
+                    }
+                    match socket.read(&mut buffer).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => request.extend_from_slice(&buffer[..n]),
+                    }
+                };
+                let head = String::from_utf8_lossy(&request[..head_end]).to_ascii_lowercase();
+                let header = |name: &str| {
+                    head.lines()
+                        .find_map(|l| l.strip_prefix(&format!("{name}:")))
+                        .map(|v| v.trim().to_owned())
+                };
+                let length: usize = header("content-length").map_or(0, |v| v.parse().unwrap());
+                while request.len() < head_end + length {
+                    match socket.read(&mut buffer).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => request.extend_from_slice(&buffer[..n]),
+                    }
+                }
+                let n = {
+                    let mut received = kept.lock().unwrap();
+                    received.push(Received {
+                        key: header("idempotency-key"),
+                        body: request[head_end..head_end + length].to_vec(),
+                        at: tokio::time::Instant::now(),
+                    });
+                    received.len()
+                };
+                let _ = socket.write_all(answer(n).as_bytes()).await;
+                let _ = socket.shutdown().await;
+            }
+        });
+        Scripted {
+            base,
+            received,
+            task,
+        }
+    }
+
+    fn received(&self) -> Vec<Received> {
+        self.received.lock().unwrap().clone()
+    }
+}
+
+impl Drop for Scripted {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// A response with `status_line` (e.g. `503 Service Unavailable`), extra
+/// header lines, and `body`.
+fn response(status_line: &str, headers: &[&str], body: &str) -> String {
+    let mut r = format!("HTTP/1.1 {status_line}\r\nconnection: close\r\n");
+    for h in headers {
+        r.push_str(h);
+        r.push_str("\r\n");
+    }
+    r.push_str(&format!("content-length: {}\r\n\r\n{body}", body.len()));
+    r
+}
+
+/// A client whose own backoff is at most 10 ms and whose attempts have no
+/// timeout, and whose connections have no idle timer: no timer under the
+/// paused clock but the client's own pauses.
+fn paused_clock_client(max_attempts: u32) -> IdempotentClient {
+    let http = reqwest::Client::builder()
+        .pool_idle_timeout(None)
+        .build()
+        .unwrap();
+    IdempotentClient::new(http).with_policy(RetryPolicy {
+        max_attempts,
+        initial_backoff: Duration::from_millis(1),
+        max_backoff: Duration::from_millis(10),
+        max_retry_after: Duration::from_secs(20),
+        attempt_timeout: None,
+    })
+}
+
+/// `Retry-After` says how long to wait before the next attempt: a 503 or a
+/// fresh 409 with `Retry-After: 7` is retried 7 s later (on tokio's paused
+/// clock), not after the client's own 10 ms backoff; one longer than
+/// `max_retry_after` (20 s here) waits that long only. Every attempt carries
+/// the intent's key and its body.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn retry_after_sets_the_pause_before_the_next_attempt() {
+    let body = serde_json::json!({"amount_cents": 450});
+    for (refusal, waited) in [
+        ("503 Service Unavailable", "7"),
+        ("409 Conflict", "7"),
+        ("429 Too Many Requests", "3600"),
+    ] {
+        let server = Scripted::start(move |n| {
+            if n == 1 {
+                response(refusal, &[&format!("retry-after: {waited}")], "")
+            } else {
+                response("201 Created", &[], "ok")
+            }
+        })
+        .await;
+        let intent = paused_clock_client(3)
+            .intent(Method::POST, &format!("{}/payments", server.base))
+            .unwrap()
+            .json(&body)
+            .unwrap();
+        let answer = intent.send().await.expect("answered");
+        assert_eq!((answer.status().as_u16(), answer.attempts()), (201, 2));
+        let received = server.received();
+        assert_eq!(received.len(), 2, "{refusal}");
+        let pause = received[1].at - received[0].at;
+        let expected = Duration::from_secs(waited.parse::<u64>().unwrap().min(20));
+        assert!(
+            pause >= expected && pause < expected + Duration::from_secs(1),
+            "{refusal} with Retry-After {waited}: the next attempt came {pause:?} later"
+        );
+        for r in &received {
+            assert_eq!(r.key.as_deref(), Some(intent.key()), "{refusal}");
+            assert_eq!(r.body, serde_json::to_vec(&body).unwrap(), "{refusal}");
+        }
+    }
+}
+
+/// Which answers are final (returned after one attempt) and which are tried
+/// again, from any server: a 428 (the server wants a precondition) or a 422
+/// is final like any 4xx; a replay (`Idempotent-Replayed: true`) is final
+/// whatever its status; a 500 `response-not-recorded` problem is final (the
+/// handler ran); a fresh 409, 423, 425, 429 and every other 5xx are retried.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn final_and_retried_answers_from_any_server() {
+    let not_recorded = format!(
+        r#"{{"type":"{}","title":"t","status":500,"detail":"d"}}"#,
+        idempotent_runtime::http::problem::types::RESPONSE_NOT_RECORDED
+    );
+    let problem = "content-type: application/problem+json";
+    let replayed = "idempotent-replayed: true";
+    let cases: Vec<(&str, Vec<&str>, String, bool)> = vec![
+        ("400 Bad Request", vec![], String::new(), false),
+        ("408 Request Timeout", vec![], String::new(), false),
+        (
+            "422 Unprocessable Content",
+            vec![problem],
+            "{}".into(),
+            false,
+        ),
+        (
+            "428 Precondition Required",
+            vec![problem],
+            "{}".into(),
+            false,
+        ),
+        ("409 Conflict", vec![replayed], String::new(), false),
+        (
+            "503 Service Unavailable",
+            vec![replayed],
+            String::new(),
+            false,
+        ),
+        (
+            "502 Bad Gateway",
+            vec!["idempotent-replayed:  TRUE "],
+            String::new(),
+            false,
+        ),
+        (
+            "500 Internal Server Error",
+            vec![problem],
+            not_recorded,
+            false,
+        ),
+        ("409 Conflict", vec![], String::new(), true),
+        ("423 Locked", vec![], String::new(), true),
+        ("425 Too Early", vec![], String::new(), true),
+        ("429 Too Many Requests", vec![], String::new(), true),
+        ("500 Internal Server Error", vec![], String::new(), true),
+        ("502 Bad Gateway", vec![], String::new(), true),
+        ("504 Gateway Timeout", vec![], String::new(), true),
+        (
+            "500 Internal Server Error",
+            vec![problem],
+            r#"{"type":"about:blank"}"#.into(),
+            true,
+        ),
+    ];
+    for (status_line, headers, body, retried) in cases {
+        let answer = response(status_line, &headers, &body);
+        let server = Scripted::start(move |_| answer.clone()).await;
+        let sent = paused_clock_client(3)
+            .intent(Method::POST, &format!("{}/payments", server.base))
+            .unwrap()
+            .json(&serde_json::json!({}))
+            .unwrap()
+            .send()
+            .await;
+        let what = format!("{status_line} {headers:?}");
+        let status = status_line[..3].parse::<u16>().unwrap();
+        if retried {
+            assert!(
+                matches!(
+                    &sent,
+                    Err(ClientError::RetriesExhausted {
+                        attempts: 3,
+                        last: LastAttempt::Status { status: s, .. },
+                    }) if s.as_u16() == status
+                ),
+                "{what}: {sent:?}"
+            );
+            assert_eq!(server.received().len(), 3, "{what}");
+        } else {
+            let answer = sent.unwrap_or_else(|e| panic!("{what}: {e:?}"));
+            assert_eq!(
+                (answer.status().as_u16(), answer.attempts()),
+                (status, 1),
+                "{what}"
+            );
+            assert_eq!(server.received().len(), 1, "{what}");
+        }
+    }
+}
+
+/// A 5xx problem+json body is read before the client decides: it may be a
+/// `response-not-recorded` problem (the handler ran; final). One larger than
+/// the client reads cannot be told apart, so it is `AnswerTooLarge` after
+/// one attempt, not retried unread (which would run the handler again).
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_5xx_problem_too_large_to_read_is_not_retried() {
+    let detail = "x".repeat(2048);
+    let not_recorded = format!(
+        r#"{{"type":"{}","title":"t","status":500,"detail":"{detail}"}}"#,
+        idempotent_runtime::http::problem::types::RESPONSE_NOT_RECORDED
+    );
+    let answer = response(
+        "500 Internal Server Error",
+        &["content-type: application/problem+json"],
+        &not_recorded,
+    );
+    let server = Scripted::start(move |_| answer.clone()).await;
+    let sent = paused_clock_client(3)
+        .with_max_answer_bytes(1024)
+        .intent(Method::POST, &format!("{}/payments", server.base))
+        .unwrap()
+        .json(&serde_json::json!({}))
+        .unwrap()
+        .send()
+        .await;
+    assert!(
+        matches!(
+            &sent,
+            Err(ClientError::AnswerTooLarge { status, limit: 1024 })
+                if status.as_u16() == 500
+        ),
+        "{sent:?}"
+    );
+    assert_eq!(server.received().len(), 1, "tried once");
+}
