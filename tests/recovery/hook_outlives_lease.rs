@@ -350,3 +350,108 @@ async fn a_run_whose_ownership_check_fails_does_not_run_the_body() {
     assert_eq!(asked, [2, 3], "each takeover asked its hook");
     assert_eq!(runs, 1, "the body ran once");
 }
+
+/// The first takeover's patient hook is asking its provider.
+static PATIENT_ASKING: Notify = Notify::const_new();
+/// The first takeover's patient hook may answer.
+static PATIENT_ANSWER: Notify = Notify::const_new();
+/// How many times [`ship`]'s body ran.
+static SHIPPED: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+
+/// Waits for the provider on the first takeover (attempt 2); finds the
+/// work done (7) on any other.
+async fn patient_hook(takeover: &Takeover) -> Result<Recovery<u32>, Error> {
+    if takeover.attempt() == 2 {
+        PATIENT_ASKING.notify_one();
+        PATIENT_ANSWER.notified().await;
+    }
+    Ok(Recovery::Completed(7))
+}
+
+#[idempotent(scope = "recovery.patient_hook", key = key, tenant = shared, store = store,
+             lease = "300ms", in_progress = reject, recover = patient_hook)]
+async fn ship(store: &MemoryStore, key: &str) -> Result<u32, Error> {
+    Ok(SHIPPED.fetch_add(1, Ordering::SeqCst) + 1)
+}
+
+/// A hook runs under the call's lease, renewed by the heartbeat like a
+/// body's: while a hook that takes three leases (tokio's paused clock; the
+/// memory store keeps time by it) waits for its provider, the record stays
+/// the call's, and a duplicate is refused as in progress instead of taking
+/// it over and asking a second hook beside the first.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_hook_that_takes_longer_than_its_lease_keeps_the_record_by_renewing_it() {
+    let store: &'static MemoryStore = Box::leak(Box::new(MemoryStore::new()));
+    let identity = Identity::shared("recovery.patient_hook", "k").expect("identity");
+    // An owner that crashed: reserved, never finished.
+    take(store, &identity, Duration::from_millis(10)).await;
+    lease_over(store, &identity).await;
+
+    let first = tokio::spawn(ship(store, "k"));
+    PATIENT_ASKING.notified().await;
+    tokio::time::sleep(Duration::from_millis(900)).await;
+    let duplicate = ship(store, "k").await;
+    assert!(
+        matches!(duplicate, Err(Error::InProgress { .. })),
+        "the record of a hook still asking was taken over: {duplicate:?}"
+    );
+    PATIENT_ANSWER.notify_one();
+    assert_eq!(first.await.expect("the first call").expect("recovered"), 7);
+    assert_eq!(ship(store, "k").await.expect("replayed"), 7);
+    assert_eq!(SHIPPED.load(Ordering::SeqCst), 0, "the body never ran");
+}
+
+/// The first takeover's late hook is asking.
+static LATE_ASKING: Notify = Notify::const_new();
+/// The first takeover's late hook may answer.
+static LATE_ANSWER: Notify = Notify::const_new();
+/// How many times [`refund`]'s body ran.
+static REFUNDED: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+
+/// Finds the work done (99) on the first takeover, once let answer; on
+/// any other, finds nothing done.
+async fn late_hook(takeover: &Takeover) -> Result<Recovery<u32>, Error> {
+    if takeover.attempt() == 2 {
+        LATE_ASKING.notify_one();
+        LATE_ANSWER.notified().await;
+        return Ok(Recovery::Completed(99));
+    }
+    Ok(Recovery::Run)
+}
+
+#[idempotent(scope = "recovery.hook_answer_lost", key = key, tenant = shared, store = store,
+             lease = "300ms", in_progress = reject, recover = late_hook)]
+async fn refund(store: &dyn Store, key: &str) -> Result<u32, Error> {
+    Ok(REFUNDED.fetch_add(1, Ordering::SeqCst) + 1)
+}
+
+/// A hook's `Completed` answer is recorded only while the call still owns
+/// the record: when the hook outlived its lease and another takeover ran the
+/// body and recorded its answer meanwhile, the late answer is not recorded,
+/// and the call answers `LeaseLost`, never its own value beside the one
+/// every retry is replayed.
+#[tokio::test]
+async fn a_hook_answer_that_comes_after_the_record_was_lost_is_not_returned() {
+    let store = Hooked::new(StallFirstRenewer::default());
+    let identity = Identity::shared("recovery.hook_answer_lost", "k").expect("identity");
+    take(&store, &identity, Duration::from_millis(10)).await;
+    lease_over(&store, &identity).await;
+
+    let first = refund(&store, "k");
+    let rest = async {
+        LATE_ASKING.notified().await;
+        lease_over(&store, &identity).await;
+        store.unstall.store(true, Ordering::SeqCst);
+        let second = refund(&store, "k").await;
+        LATE_ANSWER.notify_one();
+        second
+    };
+    let (first, second) = tokio::join!(first, rest);
+    assert_eq!(second.expect("the second takeover runs"), 1);
+    assert!(
+        matches!(first, Err(Error::LeaseLost(_))),
+        "the hook's answer came after its record was lost: {first:?}"
+    );
+    assert_eq!(refund(&store, "k").await.expect("replayed"), 1);
+    assert_eq!(REFUNDED.load(Ordering::SeqCst), 1, "the body ran once");
+}
