@@ -9,8 +9,9 @@
 
 use crate::common::hooked::{Hooked, Intercept};
 use idempotent_runtime::{
-    idempotent, Error, Fenced, Fingerprint, Identity, MemoryStore, OwnerToken, Reservation,
-    ReserveRequest, Store, StoreError,
+    idempotent, with_outcome, Completion, Error, Fenced, Fingerprint, Identity, MemoryStore,
+    Outcome, OwnerToken, RecordState, Reservation, ReserveRequest, Store, StoreError,
+    TransactionalConnection,
 };
 use std::collections::hash_map::RandomState;
 use std::collections::HashSet;
@@ -425,5 +426,140 @@ async fn refusals_by_records_that_keep_coming_and_going_are_not_poison() {
             },
             Disposition::Nak(Some(Duration::from_secs(1)))
         )
+    );
+}
+
+/// A transaction stand-in over a memory store: every statement goes to the
+/// store (so a statement "in the transaction" is visible at once, as on a
+/// connection that reads its own writes), and the rival of
+/// [`RivalReleases`] releases its record right after our first reservation
+/// was answered "mismatch". Counts the releases made in the transaction.
+struct MemoryTransaction {
+    store: MemoryStore,
+    rival: Mutex<Option<(Identity, OwnerToken)>>,
+    releases: u32,
+}
+
+#[async_trait::async_trait]
+impl TransactionalConnection for MemoryTransaction {
+    fn store_name(&self) -> &'static str {
+        "memory"
+    }
+
+    async fn in_transaction(&mut self) -> Result<bool, StoreError> {
+        Ok(true)
+    }
+
+    async fn reserve_in_transaction(
+        &mut self,
+        request: ReserveRequest<'_>,
+        _lock_wait: Duration,
+    ) -> Result<Reservation, Error> {
+        let answer = self.store.reserve(request).await?;
+        if answer == Reservation::FingerprintMismatch {
+            let rival = self.rival.lock().unwrap().take();
+            if let Some((identity, token)) = rival {
+                assert_eq!(
+                    self.store.release(&identity, &token).await?,
+                    Fenced::Written
+                );
+            }
+        }
+        Ok(answer)
+    }
+
+    async fn complete_in_transaction(
+        &mut self,
+        completion: Completion<'_>,
+    ) -> Result<Fenced, StoreError> {
+        self.store.complete(completion).await
+    }
+
+    async fn release_in_transaction(
+        &mut self,
+        identity: &Identity,
+        token: &OwnerToken,
+    ) -> Result<Fenced, StoreError> {
+        self.releases += 1;
+        self.store.release(identity, token).await
+    }
+
+    async fn end_lease_in_transaction(
+        &mut self,
+        identity: &Identity,
+        token: &OwnerToken,
+    ) -> Result<Fenced, StoreError> {
+        self.store.heartbeat(identity, token, Duration::ZERO).await
+    }
+}
+
+#[idempotent(scope = "contract_edges.legacy_tx", key = key, tenant = tenant, tx = tx)]
+async fn subscribe_in_transaction(
+    tx: &mut MemoryTransaction,
+    tenant: &str,
+    key: &str,
+    topics: HashSet<u32, RandomState>,
+) -> Result<usize, Error> {
+    Ok(topics.len())
+}
+
+/// Rule 6 in transactional mode: the record a mismatch's legacy retry
+/// creates, because the conflicting record went away between the two
+/// statements, is freed in the caller's transaction and made again with
+/// the current fingerprint, so a retry of the same request (the same set
+/// in another iteration order) replays it instead of being refused.
+#[tokio::test]
+async fn in_a_transaction_a_record_made_after_a_legacy_retry_carries_the_current_fingerprint() {
+    let mut tx = MemoryTransaction {
+        store: MemoryStore::new(),
+        rival: Mutex::new(None),
+        releases: 0,
+    };
+    let id = Identity::new("t-tx", "contract_edges.legacy_tx", "k-tx").unwrap();
+    let rival_fp = Fingerprint::of(&"other arguments").unwrap();
+    let rival_token = crate::common::records::acquire(
+        &tx.store,
+        &id,
+        Some(&rival_fp),
+        Duration::from_secs(30),
+        Duration::from_secs(3600),
+    )
+    .await;
+    *tx.rival.lock().unwrap() = Some((id.clone(), rival_token));
+
+    let first = topics();
+    let answer = subscribe_in_transaction(&mut tx, "t-tx", "k-tx", first.clone()).await;
+    assert!(matches!(answer, Ok(32)), "{answer:?}");
+    assert!(
+        tx.rival.lock().unwrap().is_none(),
+        "the rival's record went away after the first mismatch"
+    );
+    assert_eq!(
+        tx.releases, 1,
+        "the record the legacy retry made was freed in the transaction"
+    );
+    let stored = tx.store.fetch(&id).await.unwrap().unwrap();
+    assert_eq!(stored.state, RecordState::Complete);
+    assert_eq!(
+        stored.fingerprint.as_deref(),
+        Some(fingerprint_of_topics(&first).as_str()),
+        "the record carries the current fingerprint, not the legacy one"
+    );
+
+    // The same request again, the set iterated in another order: a replay.
+    let again = (0..100)
+        .map(|_| topics())
+        .find(|s| s.iter().ne(first.iter()))
+        .expect("another iteration order");
+    let retry = subscribe_in_transaction(&mut tx, "t-tx", "k-tx", again).await;
+    assert!(
+        matches!(retry, Ok(32)),
+        "a legitimate retry was refused: {retry:?}"
+    );
+    assert_eq!(
+        with_outcome(subscribe_in_transaction(&mut tx, "t-tx", "k-tx", topics()))
+            .await
+            .1,
+        Some(Outcome::Replayed)
     );
 }
