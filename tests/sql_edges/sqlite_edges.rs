@@ -2530,3 +2530,100 @@ async fn a_transaction_holding_the_write_lock_never_takes_over_a_completion_the_
     store.pool().close().await;
     remove(&path);
 }
+
+// ------------------------------------- rules 7, 10 and 16: the upsert of a transaction that wrote
+
+/// The transactional claimant of `sqlite_edges.planted`: `amount` is
+/// fingerprinted; counts its runs.
+#[idempotent(scope = "sqlite_edges.planted", key = key, tenant = tenant, tx = tx,
+             skip(runs), ttl = "1h", lease = "30s", in_progress = reject)]
+async fn planted_in_tx(
+    tx: &mut sqlx::Transaction<'_, Sqlite>,
+    tenant: &str,
+    key: &str,
+    amount: u64,
+    runs: &AtomicUsize,
+) -> Result<u64, Error> {
+    let _ = (&tx, tenant, key);
+    runs.fetch_add(1, Ordering::SeqCst);
+    Ok(amount)
+}
+
+/// An in-progress record of `tenant`'s `key` as an owner in another process
+/// leaves it (written directly, so no owner of this process is listed): its
+/// lease ends `lease_ms` from now and its retention `ttl_ms` from now
+/// (negative: already over), made with `fingerprint`.
+async fn planted_elsewhere(
+    store: &SqliteStore,
+    tenant: &str,
+    key: &str,
+    fingerprint: Option<&str>,
+    lease_ms: i64,
+    ttl_ms: i64,
+) {
+    sqlx::query(
+        "INSERT INTO idempotency_records (tenant, scope, key, state, fingerprint, owner_token,
+             lease_expires_at, expires_at, created_at, attempt_started_at)
+         VALUES (?1, 'sqlite_edges.planted', ?2, 'in_progress', ?3, 'another-process',
+             CAST(ROUND((julianday('now') - 2440587.5) * 86400000.0) AS INTEGER) + ?4,
+             CAST(ROUND((julianday('now') - 2440587.5) * 86400000.0) AS INTEGER) + ?5,
+             CAST(ROUND((julianday('now') - 2440587.5) * 86400000.0) AS INTEGER) - 60000,
+             CAST(ROUND((julianday('now') - 2440587.5) * 86400000.0) AS INTEGER) - 60000)",
+    )
+    .bind(tenant)
+    .bind(key)
+    .bind(fingerprint)
+    .bind(lease_ms)
+    .bind(ttl_ms)
+    .execute(store.pool())
+    .await
+    .expect("plant a record");
+}
+
+/// A caller's transaction that has written holds the write lock, so its
+/// reservation goes straight to the conditional upsert, with no read before
+/// it. The upsert alone must decide as the read would: a record whose
+/// retention ran out while its owner (in another process) still holds a
+/// live lease is in progress, never replaced (rule 16: only both running
+/// out makes it absent); and a record of another request whose lease ran
+/// out is a mismatch, never taken over (rule 7). In neither case does the
+/// body run or the record change.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_transaction_that_wrote_replaces_no_live_lease_and_takes_over_no_other_request() {
+    let (path, store) = starved_database().await;
+    let tenant = uuid::Uuid::new_v4().simple().to_string();
+    // Retention over, lease live for an hour; no fingerprint (no mismatch possible).
+    planted_elsewhere(&store, &tenant, "held", None, 3_600_000, -1_000).await;
+    // Lease over, retention live; made by another request.
+    let other = format!("v3:{}", "0".repeat(64));
+    planted_elsewhere(&store, &tenant, "other", Some(&other), -1_000, 3_600_000).await;
+    let runs = AtomicUsize::new(0);
+    for begin in ["BEGIN IMMEDIATE", "BEGIN"] {
+        let mut tx = a_transaction_that_wrote(&store, begin).await;
+        let held = planted_in_tx(&mut tx, &tenant, "held", 5, &runs).await;
+        assert!(
+            matches!(held, Err(Error::InProgress { .. })),
+            "{begin}: {held:?}"
+        );
+        let mismatch = planted_in_tx(&mut tx, &tenant, "other", 5, &runs).await;
+        assert!(
+            matches!(mismatch, Err(Error::FingerprintMismatch(..))),
+            "{begin}: {mismatch:?}"
+        );
+        tx.rollback().await.expect("rollback");
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 0, "no body ran");
+    for (key, fingerprint) in [("held", None), ("other", Some(other.as_str()))] {
+        let id = Identity::new(&tenant, "sqlite_edges.planted", key).expect("identity");
+        let record = store.fetch(&id).await.expect("fetch").expect("the record");
+        assert_eq!(
+            record.owner_token.as_deref(),
+            Some("another-process"),
+            "{key}"
+        );
+        assert_eq!(record.fingerprint.as_deref(), fingerprint, "{key}");
+        assert_eq!(record.attempt, 1, "{key}");
+    }
+    store.pool().close().await;
+    remove(&path);
+}
