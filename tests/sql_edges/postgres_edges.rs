@@ -555,6 +555,78 @@ async fn a_transactional_call_waits_out_a_short_lock_on_an_expired_record() {
     assert!(seen_waiting, "the call waited for the lock");
 }
 
+/// Rule 16 in transactional mode: a completed record whose ttl has run out
+/// counts as absent. The transaction's plain read, which answers replays
+/// without a lock, must not replay it: the call runs its body and records
+/// its own answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transactional_call_never_replays_an_expired_record() {
+    let Some(store) = pg_store_or_skip().await else {
+        return;
+    };
+    let tenant = fresh_tenant();
+    let identity =
+        Identity::new(tenant.as_str(), "edges.pg_expired_locked_tx", "expired").expect("identity");
+    let token = OwnerToken::new();
+    let reserved = store
+        .reserve(ReserveRequest {
+            identity: &identity,
+            fingerprint: None,
+            token: &token,
+            lease: Duration::from_secs(300),
+            ttl: Duration::from_secs(300),
+        })
+        .await
+        .expect("reserve");
+    assert!(
+        matches!(reserved, Reservation::Acquired { .. }),
+        "{reserved:?}"
+    );
+    let old = idempotent_runtime::StoredOutcome {
+        is_error: false,
+        payload: b"1".to_vec(),
+    };
+    let completed = store
+        .complete(Completion::by_body(
+            &identity,
+            &token,
+            &old,
+            Duration::from_millis(1),
+        ))
+        .await
+        .expect("complete");
+    assert_eq!(completed, Fenced::Written);
+    // Until the store's clock has the record expired (bounded; a purge
+    // elsewhere may delete it meanwhile, which counts the same).
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while let Some(snapshot) = store.fetch(&identity).await.expect("fetch") {
+        if snapshot.is_expired() {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the record expires: {snapshot:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let runs = std::sync::atomic::AtomicUsize::new(0);
+    let mut tx = store.pool().begin().await.expect("begin");
+    let answer = charge_in_tx(&mut tx, &tenant, "expired", &runs).await;
+    tx.commit().await.expect("commit");
+    assert!(
+        matches!(answer, Ok(7)),
+        "the expired answer was replayed: {answer:?}"
+    );
+    assert_eq!(runs.load(std::sync::atomic::Ordering::SeqCst), 1);
+    let record = store
+        .fetch(&identity)
+        .await
+        .expect("fetch")
+        .expect("the new record");
+    assert_eq!(record.attempt, 1, "{record:?}");
+    assert!(!record.is_expired(), "{record:?}");
+}
+
 /// A transactional charge whose body counts its runs.
 #[idempotent_runtime::idempotent(scope = "pg_edges.snapshot", key = key, tenant = tenant, tx = tx,
     skip(runs), ttl = "1h", in_progress = reject)]
