@@ -2627,3 +2627,46 @@ async fn a_transaction_that_wrote_replaces_no_live_lease_and_takes_over_no_other
     store.pool().close().await;
     remove(&path);
 }
+
+/// Rule 7 beside rules 10 and 15: a transaction holding the write lock that
+/// meets a record of another request (another fingerprint) whose owner is
+/// at work in this process gets a mismatch, as anywhere: the owner's
+/// liveness decides only whether a record the call would take over is
+/// taken, and this one it never would.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_transaction_that_wrote_meets_a_live_owner_of_another_request_as_a_mismatch() {
+    let (path, store) = starved_database().await;
+    let tenant = uuid::Uuid::new_v4().simple().to_string();
+    let id = Identity::new(&tenant, "sqlite_edges.planted", "live").expect("identity");
+    let other = idempotent_runtime::Fingerprint::of("another request").expect("fingerprint");
+    let owner = crate::common::records::acquire(
+        &store,
+        &id,
+        Some(&other),
+        Duration::from_secs(3600),
+        Duration::from_secs(3600),
+    )
+    .await;
+    let runs = AtomicUsize::new(0);
+    for begin in ["BEGIN IMMEDIATE", "BEGIN"] {
+        let mut tx = a_transaction_that_wrote(&store, begin).await;
+        let answer = planted_in_tx(&mut tx, &tenant, "live", 5, &runs).await;
+        assert!(
+            matches!(answer, Err(Error::FingerprintMismatch(..))),
+            "{begin}: {answer:?}"
+        );
+        tx.rollback().await.expect("rollback");
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 0, "no body ran");
+    let record = store.fetch(&id).await.expect("fetch").expect("the record");
+    assert_eq!(record.owner_token.as_deref(), Some(owner.as_str()));
+    assert_eq!(
+        store
+            .release(&id, &owner)
+            .await
+            .expect("the owner releases"),
+        idempotent_runtime::Fenced::Written
+    );
+    store.pool().close().await;
+    remove(&path);
+}
