@@ -687,6 +687,43 @@ mod tests {
         assert!(store.is_empty());
     }
 
+    /// A duplicate waits at most until the owner's lease runs out, however
+    /// long it may wait: then it reserves again and takes over a crashed
+    /// owner's record, rather than sleeping through its whole wait bound.
+    #[tokio::test(start_paused = true)]
+    async fn a_wait_ends_when_the_lease_runs_out() {
+        let store = MemoryStore::new();
+        let id = Identity::new("t", "memory.wait", "k").expect("identity");
+        let lease = Duration::from_secs(2);
+        let request = |token| ReserveRequest {
+            identity: &id,
+            fingerprint: None,
+            token,
+            lease,
+            ttl: Duration::from_secs(3600),
+        };
+        let crashed = OwnerToken::new();
+        let first = store.reserve(request(&crashed)).await.expect("reserve");
+        assert_eq!(first, Reservation::FRESH);
+        let started = tokio::time::Instant::now();
+        store
+            .wait_for_change(&id, Duration::from_secs(3600), 0)
+            .await;
+        assert!(
+            started.elapsed() <= lease,
+            "waited {:?} for a lease of {lease:?}",
+            started.elapsed()
+        );
+        let next = store
+            .reserve(request(&OwnerToken::new()))
+            .await
+            .expect("reserve");
+        assert!(
+            matches!(next, Reservation::Acquired { attempt: 2, .. }),
+            "{next:?}"
+        );
+    }
+
     #[test]
     fn a_stored_identity_is_its_identity_only() {
         let parts = [
