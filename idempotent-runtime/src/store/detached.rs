@@ -656,6 +656,49 @@ mod tests {
         );
     }
 
+    /// A dropped call's completion (its body has run) goes on being tried
+    /// after the retry schedule for as long as it fails, until it lands:
+    /// given up, the record would stay in progress until its lease ran out,
+    /// and a retry would run the body again. A release stops after the
+    /// schedule (its lease bounds the damage).
+    #[tokio::test(start_paused = true)]
+    async fn a_completion_is_tried_past_the_schedule_until_it_lands() {
+        const FAILURES: usize = 3 * RETRY_AFTER.len();
+        for (work, landed) in [
+            (Work::Complete(an_answer()), Some(Fenced::Written)),
+            (Work::Release, None),
+        ] {
+            let tries = Arc::new(AtomicUsize::new(0));
+            let counted = tries.clone();
+            let write: WriteFn = Arc::new(move |_, _, _| {
+                let counted = counted.clone();
+                Box::pin(async move {
+                    if counted.fetch_add(1, Ordering::SeqCst) < FAILURES {
+                        Err(StoreError::new("test", "complete", "connection refused"))
+                    } else {
+                        Ok(Fenced::Written)
+                    }
+                })
+            });
+            let id = Identity::new("t", "releaser.test", "k").expect("identity");
+            let name = work.name();
+            let done = with_retries(
+                "test",
+                write,
+                id,
+                OwnerToken::new(),
+                work,
+                // Nothing left to search for: only a completion goes on.
+                (std::time::Instant::now(), None),
+            )
+            .await;
+            assert_eq!(done, landed, "{name}");
+            if landed.is_some() {
+                assert_eq!(tries.load(Ordering::SeqCst), FAILURES + 1, "{name}");
+            }
+        }
+    }
+
     /// An attempt on a connection that went silent is given up after its
     /// bound (dropped, which closes the connection), logged as failed and
     /// tried again: it held the worker for as long as TCP kept the
