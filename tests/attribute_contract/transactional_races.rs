@@ -10,6 +10,7 @@
 use crate::common;
 
 use common::servers::{fresh_tenant, mysql_store_or_skip, mysql_url, pg_store_or_skip, pg_url};
+use futures::future::BoxFuture;
 use idempotent_runtime::{
     idempotent, with_outcome, Error, Identity, MySqlStore, Outcome, OwnerToken, PgStore,
     Reservation, ReserveRequest, SqliteStore, Store,
@@ -155,59 +156,208 @@ async fn my_pool_at(url: &str, level: &'static str, max_connections: u32) -> sql
 
 // ---------------------------------------------------------------- bodies
 
-#[idempotent(scope = "tx_races.pg", key = key, tenant = tenant, tx = tx, skip(hold),
-             ttl = "1h", lease = "2s", in_progress = wait("3s"))]
-async fn pg_charge(
-    tx: &mut sqlx::Transaction<'_, Postgres>,
-    tenant: &str,
-    key: &str,
-    hold: Option<&Hold>,
-) -> Result<u64, Error> {
-    sqlx::query("INSERT INTO tx_races_charges (tenant, idem_key, amount) VALUES ($1, $2, 500)")
-        .bind(tenant)
-        .bind(key)
-        .execute(&mut **tx)
-        .await
-        .map_err(|e| Error::Store(idempotent_runtime::StoreError::new("postgres", "body", e)))?;
-    hold_here(hold).await;
-    Ok(500)
+/// What the races need of a driver besides its types: its annotated bodies
+/// (the attribute wants the transaction's concrete type, so each driver has
+/// its own, made from one text by [`driver!`]), boxed so that one generic
+/// test body can call them, and its SQL.
+trait Driver: sqlx::Database {
+    /// The store its store-mode bodies call through.
+    type Store: Clone + Send + Sync + 'static;
+
+    /// Its `*_charge`: writes the business row, then waits at `hold` if given.
+    fn charge<'a>(
+        tx: &'a mut sqlx::Transaction<'_, Self>,
+        tenant: &'a str,
+        key: &'a str,
+        hold: Option<&'a Hold>,
+    ) -> BoxFuture<'a, Result<u64, Error>>;
+
+    /// Its `*_mixed_tx`: the transactional side of a shared scope.
+    fn mixed_tx<'a>(
+        tx: &'a mut sqlx::Transaction<'_, Self>,
+        tenant: &'a str,
+        key: &'a str,
+        hold: Option<&'a Hold>,
+    ) -> BoxFuture<'a, Result<u64, Error>>;
+
+    /// Its `*_mixed_store`: the store-mode side of that scope.
+    fn mixed_store<'a>(
+        store: &'a Self::Store,
+        pool: &'a sqlx::Pool<Self>,
+        tenant: &'a str,
+        key: &'a str,
+    ) -> BoxFuture<'a, Result<u64, Error>>;
+
+    /// How many business rows `tenant` has.
+    fn rows<'a>(pool: &'a sqlx::Pool<Self>, tenant: &'a str) -> BoxFuture<'a, i64>;
+
+    /// A read in `tx`: a deferred SQLite transaction then holds a snapshot.
+    fn read<'a>(tx: &'a mut sqlx::Transaction<'_, Self>) -> BoxFuture<'a, ()>;
 }
 
-#[idempotent(scope = "tx_races.my", key = key, tenant = tenant, tx = tx, skip(hold),
-             ttl = "1h", lease = "2s", in_progress = wait("3s"))]
-async fn my_charge(
-    tx: &mut sqlx::Transaction<'_, MySql>,
-    tenant: &str,
-    key: &str,
-    hold: Option<&Hold>,
-) -> Result<u64, Error> {
-    sqlx::query("INSERT INTO tx_races_charges (tenant, idem_key, amount) VALUES (?, ?, 500)")
-        .bind(tenant)
-        .bind(key)
-        .execute(&mut **tx)
-        .await
-        .map_err(|e| Error::Store(idempotent_runtime::StoreError::new("mysql", "body", e)))?;
-    hold_here(hold).await;
-    Ok(500)
+/// A business row, in PostgreSQL's placeholders.
+const PG_INSERT: &str =
+    "INSERT INTO tx_races_charges (tenant, idem_key, amount) VALUES ($1, $2, 500)";
+/// A business row, in MariaDB's and SQLite's placeholders.
+const INSERT: &str = "INSERT INTO tx_races_charges (tenant, idem_key, amount) VALUES (?, ?, 500)";
+const PG_COUNT: &str = "SELECT count(*) FROM tx_races_charges WHERE tenant = $1";
+const COUNT: &str = "SELECT count(*) FROM tx_races_charges WHERE tenant = ?";
+
+/// A body that writes its business row with `$insert` (a store error named
+/// `$name` if that fails), then waits at `hold` if given.
+macro_rules! charge {
+    ($charge:ident: $db:ident, $name:tt, $insert:tt,
+     scope = $scope:tt, lease = $lease:tt, wait = $wait:tt) => {
+        #[idempotent(scope = $scope, key = key, tenant = tenant, tx = tx, skip(hold),
+                                     ttl = "1h", lease = $lease, in_progress = wait($wait))]
+        async fn $charge(
+            tx: &mut sqlx::Transaction<'_, $db>,
+            tenant: &str,
+            key: &str,
+            hold: Option<&Hold>,
+        ) -> Result<u64, Error> {
+            sqlx::query($insert)
+                .bind(tenant)
+                .bind(key)
+                .execute(&mut **tx)
+                .await
+                .map_err(|e| Error::Store(idempotent_runtime::StoreError::new($name, "body", e)))?;
+            hold_here(hold).await;
+            Ok(500)
+        }
+    };
 }
 
-#[idempotent(scope = "tx_races.sqlite", key = key, tenant = tenant, tx = tx, skip(hold),
-             ttl = "1h", lease = "2s", in_progress = wait("3s"))]
-async fn sqlite_charge(
-    tx: &mut sqlx::Transaction<'_, Sqlite>,
-    tenant: &str,
-    key: &str,
-    hold: Option<&Hold>,
-) -> Result<u64, Error> {
-    sqlx::query("INSERT INTO tx_races_charges (tenant, idem_key, amount) VALUES (?, ?, 500)")
-        .bind(tenant)
-        .bind(key)
-        .execute(&mut **tx)
-        .await
-        .map_err(|e| Error::Store(idempotent_runtime::StoreError::new("sqlite", "body", e)))?;
-    hold_here(hold).await;
-    Ok(500)
+/// One driver's bodies and its [`Driver`]: `$charge` (scope `$scope`), and
+/// `$mixed_tx` and `$mixed_store` sharing `$mixed_scope`, with bodies that
+/// outlive their 300 ms lease.
+macro_rules! driver {
+    ($db:ident, $store:ident, $name:tt, insert = $insert:tt, count = $count:tt,
+     $charge:ident = $scope:tt, $mixed_tx:ident + $mixed_store:ident = $mixed_scope:tt) => {
+        charge!($charge: $db, $name, $insert, scope = $scope, lease = "2s", wait = "3s");
+
+        /// Holds at `hold` if given; else outlives the lease: the open
+        /// transaction is the lease.
+        #[idempotent(scope = $mixed_scope, key = key, tenant = tenant, tx = tx, shared_scope,
+                     fingerprint = false, ttl = "1h", lease = "300ms", in_progress = wait("5s"))]
+        async fn $mixed_tx(
+            tx: &mut sqlx::Transaction<'_, $db>,
+            tenant: &str,
+            key: &str,
+            hold: Option<&Hold>,
+        ) -> Result<u64, Error> {
+            sqlx::query($insert)
+                .bind(tenant)
+                .bind(key)
+                .execute(&mut **tx)
+                .await
+                .map_err(|e| Error::Store(idempotent_runtime::StoreError::new($name, "body", e)))?;
+            if hold.is_some() {
+                hold_here(hold).await;
+            } else {
+                tokio::time::sleep(Duration::from_millis(700)).await;
+            }
+            Ok(500)
+        }
+
+        /// Outlives the lease.
+        #[idempotent(scope = $mixed_scope, key = key, tenant = tenant, store = store, shared_scope,
+                     fingerprint = false, ttl = "1h", lease = "300ms", in_progress = wait("5s"))]
+        async fn $mixed_store(
+            store: &$store,
+            pool: &sqlx::Pool<$db>,
+            tenant: &str,
+            key: &str,
+        ) -> Result<u64, Error> {
+            sqlx::query($insert)
+                .bind(tenant)
+                .bind(key)
+                .execute(pool)
+                .await
+                .map_err(|e| Error::Store(idempotent_runtime::StoreError::new($name, "body", e)))?;
+            tokio::time::sleep(Duration::from_millis(700)).await;
+            Ok(500)
+        }
+
+        impl Driver for $db {
+            type Store = $store;
+
+            fn charge<'a>(
+                tx: &'a mut sqlx::Transaction<'_, Self>,
+                tenant: &'a str,
+                key: &'a str,
+                hold: Option<&'a Hold>,
+            ) -> BoxFuture<'a, Result<u64, Error>> {
+                Box::pin($charge(tx, tenant, key, hold))
+            }
+
+            fn mixed_tx<'a>(
+                tx: &'a mut sqlx::Transaction<'_, Self>,
+                tenant: &'a str,
+                key: &'a str,
+                hold: Option<&'a Hold>,
+            ) -> BoxFuture<'a, Result<u64, Error>> {
+                Box::pin($mixed_tx(tx, tenant, key, hold))
+            }
+
+            fn mixed_store<'a>(
+                store: &'a $store,
+                pool: &'a sqlx::Pool<Self>,
+                tenant: &'a str,
+                key: &'a str,
+            ) -> BoxFuture<'a, Result<u64, Error>> {
+                Box::pin($mixed_store(store, pool, tenant, key))
+            }
+
+            fn rows<'a>(pool: &'a sqlx::Pool<Self>, tenant: &'a str) -> BoxFuture<'a, i64> {
+                Box::pin(async move {
+                    sqlx::query_scalar($count)
+                        .bind(tenant)
+                        .fetch_one(pool)
+                        .await
+                        .expect("count")
+                })
+            }
+
+            fn read<'a>(tx: &'a mut sqlx::Transaction<'_, Self>) -> BoxFuture<'a, ()> {
+                Box::pin(async move {
+                    let _: i64 = sqlx::query_scalar("SELECT count(*) FROM tx_races_charges")
+                        .fetch_one(&mut **tx)
+                        .await
+                        .expect("read");
+                })
+            }
+        }
+    };
 }
+
+driver!(
+    Postgres,
+    PgStore,
+    "postgres",
+    insert = PG_INSERT,
+    count = PG_COUNT,
+    pg_charge = "tx_races.pg",
+    pg_mixed_tx + pg_mixed_store = "tx_races.mixed_pg"
+);
+driver!(
+    MySql,
+    MySqlStore,
+    "mysql",
+    insert = INSERT,
+    count = COUNT,
+    my_charge = "tx_races.my",
+    my_mixed_tx + my_mixed_store = "tx_races.mixed_my"
+);
+driver!(
+    Sqlite,
+    SqliteStore,
+    "sqlite",
+    insert = INSERT,
+    count = COUNT,
+    sqlite_charge = "tx_races.sqlite",
+    sqlite_mixed_tx + sqlite_mixed_store = "tx_races.mixed_sqlite"
+);
 
 /// Holds a body open: `reached` once the reservation is held, then waits for `go`.
 #[derive(Default)]
@@ -249,41 +399,49 @@ fn is_retryable(e: &Error) -> bool {
         })
 }
 
-macro_rules! racer {
-    ($pool:expr, $begin:expr, $call:ident, $tenant:expr, $key:expr) => {{
-        let mut tally = Tally::default();
-        for _ in 0..TRIES {
-            let mut tx = $pool.begin_with($begin).await.expect("begin");
-            let (answer, outcome) = with_outcome($call(&mut tx, $tenant, $key, None)).await;
-            match answer {
-                Ok(v) => {
-                    assert_eq!(v, 500);
-                    match tx.commit().await {
-                        Ok(()) => {
-                            match outcome {
-                                Some(Outcome::Executed) => tally.executed_and_committed += 1,
-                                Some(Outcome::Replayed) => tally.replayed += 1,
-                                other => panic!("unexpected outcome {other:?}"),
-                            }
-                            break;
+/// One racer: calls `charge` in new transactions opened with `begin` (after
+/// a read, if `read_first`) until one commits, at most `TRIES` times.
+async fn racer<D: Driver>(
+    pool: sqlx::Pool<D>,
+    begin: &'static str,
+    tenant: String,
+    read_first: bool,
+) -> Tally {
+    let mut tally = Tally::default();
+    for _ in 0..TRIES {
+        let mut tx = pool.begin_with(begin).await.expect("begin");
+        if read_first {
+            D::read(&mut tx).await;
+        }
+        let (answer, outcome) = with_outcome(D::charge(&mut tx, &tenant, "k", None)).await;
+        match answer {
+            Ok(v) => {
+                assert_eq!(v, 500);
+                match tx.commit().await {
+                    Ok(()) => {
+                        match outcome {
+                            Some(Outcome::Executed) => tally.executed_and_committed += 1,
+                            Some(Outcome::Replayed) => tally.replayed += 1,
+                            other => panic!("unexpected outcome {other:?}"),
                         }
-                        Err(e) => tally.commit_failures.push(e.to_string()),
+                        break;
                     }
-                }
-                Err(e) if is_retryable(&e) => {
-                    tally.refusals.push(e.to_string());
-                    let _ = tx.rollback().await;
-                    tokio::time::sleep(Duration::from_millis(20)).await;
-                }
-                Err(e) => {
-                    tally.store_errors.push(e.to_string());
-                    let _ = tx.rollback().await;
-                    tokio::time::sleep(Duration::from_millis(20)).await;
+                    Err(e) => tally.commit_failures.push(e.to_string()),
                 }
             }
+            Err(e) if is_retryable(&e) => {
+                tally.refusals.push(e.to_string());
+                let _ = tx.rollback().await;
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            Err(e) => {
+                tally.store_errors.push(e.to_string());
+                let _ = tx.rollback().await;
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
         }
-        tally
-    }};
+    }
+    tally
 }
 
 fn check_tallies(what: &str, tallies: &[Tally], committed_rows: i64) {
@@ -317,14 +475,6 @@ fn check_tallies(what: &str, tallies: &[Tally], committed_rows: i64) {
 
 // ---------------------------------------------------------------- PostgreSQL
 
-async fn pg_rows(pool: &sqlx::PgPool, tenant: &str) -> i64 {
-    sqlx::query_scalar("SELECT count(*) FROM tx_races_charges WHERE tenant = $1")
-        .bind(tenant)
-        .fetch_one(pool)
-        .await
-        .expect("count")
-}
-
 async fn pg_race(begin: &'static str) {
     let Some(store) = pg_store().await else {
         return;
@@ -334,14 +484,14 @@ async fn pg_race(begin: &'static str) {
     let racers = (0..RACERS).map(|_| {
         let pool = pool.clone();
         let tenant = tenant.clone();
-        tokio::spawn(async move { racer!(pool, begin, pg_charge, &tenant, "k") })
+        tokio::spawn(racer(pool, begin, tenant, false))
     });
     let tallies: Vec<Tally> = futures::future::join_all(racers)
         .await
         .into_iter()
         .map(|t| t.expect("racer"))
         .collect();
-    check_tallies(begin, &tallies, pg_rows(&pool, &tenant).await);
+    check_tallies(begin, &tallies, Postgres::rows(&pool, &tenant).await);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -381,7 +531,7 @@ async fn pg_a_call_in_an_aborted_transaction_runs_nothing() {
     assert_eq!(answer.expect("runs"), 500);
     assert_eq!(outcome, Some(Outcome::Executed));
     tx.commit().await.expect("commit");
-    assert_eq!(pg_rows(&pool, &tenant).await, 1);
+    assert_eq!(Postgres::rows(&pool, &tenant).await, 1);
 }
 
 /// A call made in a savepoint (sqlx's nested `begin()`): rolling the
@@ -410,18 +560,10 @@ async fn pg_a_rolled_back_savepoint_takes_the_record_with_it() {
     assert_eq!(answer.expect("runs"), 500);
     assert_eq!(outcome, Some(Outcome::Executed));
     outer.commit().await.expect("commit");
-    assert_eq!(pg_rows(&pool, &tenant).await, 1);
+    assert_eq!(Postgres::rows(&pool, &tenant).await, 1);
 }
 
 // ---------------------------------------------------------------- MariaDB
-
-async fn my_rows(pool: &sqlx::MySqlPool, tenant: &str) -> i64 {
-    sqlx::query_scalar("SELECT count(*) FROM tx_races_charges WHERE tenant = ?")
-        .bind(tenant)
-        .fetch_one(pool)
-        .await
-        .expect("count")
-}
 
 async fn my_race(level: &'static str) {
     let Some(store) = my_store().await else {
@@ -432,14 +574,14 @@ async fn my_race(level: &'static str) {
     let racers = (0..RACERS).map(|_| {
         let pool = pool.clone();
         let tenant = tenant.clone();
-        tokio::spawn(async move { racer!(pool, "BEGIN", my_charge, &tenant, "k") })
+        tokio::spawn(racer(pool, "BEGIN", tenant, false))
     });
     let tallies: Vec<Tally> = futures::future::join_all(racers)
         .await
         .into_iter()
         .map(|t| t.expect("racer"))
         .collect();
-    check_tallies(level, &tallies, my_rows(store.pool(), &tenant).await);
+    check_tallies(level, &tallies, MySql::rows(store.pool(), &tenant).await);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -540,57 +682,14 @@ async fn sqlite_race(begin: &'static str, wal: bool) {
     let racers = (0..RACERS).map(|_| {
         let pool = pool.clone();
         let tenant = tenant.clone();
-        tokio::spawn(async move {
-            let mut tally = Tally::default();
-            for _ in 0..TRIES {
-                let mut tx = pool.begin_with(begin).await.expect("begin");
-                // A read first: a deferred transaction then holds a snapshot.
-                let _: i64 = sqlx::query_scalar("SELECT count(*) FROM tx_races_charges")
-                    .fetch_one(&mut *tx)
-                    .await
-                    .expect("read");
-                let (answer, outcome) =
-                    with_outcome(sqlite_charge(&mut tx, &tenant, "k", None)).await;
-                match answer {
-                    Ok(v) => {
-                        assert_eq!(v, 500);
-                        match tx.commit().await {
-                            Ok(()) => {
-                                match outcome {
-                                    Some(Outcome::Executed) => tally.executed_and_committed += 1,
-                                    Some(Outcome::Replayed) => tally.replayed += 1,
-                                    other => panic!("unexpected outcome {other:?}"),
-                                }
-                                break;
-                            }
-                            Err(e) => tally.commit_failures.push(e.to_string()),
-                        }
-                    }
-                    Err(e) if is_retryable(&e) => {
-                        tally.refusals.push(e.to_string());
-                        let _ = tx.rollback().await;
-                        tokio::time::sleep(Duration::from_millis(20)).await;
-                    }
-                    Err(e) => {
-                        tally.store_errors.push(e.to_string());
-                        let _ = tx.rollback().await;
-                        tokio::time::sleep(Duration::from_millis(20)).await;
-                    }
-                }
-            }
-            tally
-        })
+        tokio::spawn(racer(pool, begin, tenant, true))
     });
     let tallies: Vec<Tally> = futures::future::join_all(racers)
         .await
         .into_iter()
         .map(|t| t.expect("racer"))
         .collect();
-    let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM tx_races_charges WHERE tenant = ?")
-        .bind(&tenant)
-        .fetch_one(&pool)
-        .await
-        .expect("count");
+    let rows = Sqlite::rows(&pool, &tenant).await;
     check_tallies(&format!("sqlite {begin} wal={wal}"), &tallies, rows);
     pool.close().await;
 }
@@ -625,12 +724,12 @@ fn host_port(url: &str) -> String {
     after.split('/').next().expect("host").to_owned()
 }
 
-/// Retries `pg_charge` in new transactions (direct pool) until it answers
+/// Retries `charge` in new transactions (direct pool) until it answers
 /// (bounded); answers the outcome of the one that committed.
-async fn pg_retry(pool: &sqlx::PgPool, tenant: &str, key: &str) -> Option<Outcome> {
+async fn retry<D: Driver>(pool: &sqlx::Pool<D>, tenant: &str, key: &str) -> Option<Outcome> {
     for _ in 0..TRIES {
         let mut tx = pool.begin().await.expect("begin");
-        let (answer, outcome) = with_outcome(pg_charge(&mut tx, tenant, key, None)).await;
+        let (answer, outcome) = with_outcome(D::charge(&mut tx, tenant, key, None)).await;
         match answer {
             Ok(_) => {
                 tx.commit().await.expect("commit");
@@ -681,14 +780,14 @@ async fn pg_commit_cut_either_side_leaves_one_effect() {
         let committed = tx.commit().await;
         assert!(committed.is_err(), "{key}: the commit's answer was cut");
         trip.cut().await;
-        let outcome = pg_retry(&pool, &tenant, key).await;
+        let outcome = retry(&pool, &tenant, key).await;
         let expected = if landed {
             Outcome::Replayed
         } else {
             Outcome::Executed
         };
         assert_eq!(outcome, Some(expected), "{key}");
-        assert_eq!(pg_rows(&pool, &tenant).await, 1, "{key}: one effect");
+        assert_eq!(Postgres::rows(&pool, &tenant).await, 1, "{key}: one effect");
     }
 }
 
@@ -730,29 +829,10 @@ async fn pg_completion_cut_fails_the_call_and_a_retry_runs_once() {
         trip.cut().await;
         assert!(answer.is_err(), "landed={landed}: {answer:?}");
         let _ = tx.commit().await;
-        let outcome = pg_retry(&pool, &tenant, "k").await;
+        let outcome = retry(&pool, &tenant, "k").await;
         assert_eq!(outcome, Some(Outcome::Executed), "landed={landed}");
-        assert_eq!(pg_rows(&pool, &tenant).await, 1, "landed={landed}");
+        assert_eq!(Postgres::rows(&pool, &tenant).await, 1, "landed={landed}");
     }
-}
-
-async fn my_retry(pool: &sqlx::MySqlPool, tenant: &str, key: &str) -> Option<Outcome> {
-    for _ in 0..TRIES {
-        let mut tx = pool.begin().await.expect("begin");
-        let (answer, outcome) = with_outcome(my_charge(&mut tx, tenant, key, None)).await;
-        match answer {
-            Ok(_) => {
-                tx.commit().await.expect("commit");
-                return outcome;
-            }
-            Err(e) => {
-                eprintln!("retry refused: {e}");
-                let _ = tx.rollback().await;
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-        }
-    }
-    panic!("no retry got through");
 }
 
 /// As [`pg_commit_cut_either_side_leaves_one_effect`], on MariaDB.
@@ -786,54 +866,112 @@ async fn my_commit_cut_either_side_leaves_one_effect() {
         let committed = tx.commit().await;
         assert!(committed.is_err(), "{key}: the commit's answer was cut");
         trip.cut().await;
-        let outcome = my_retry(&pool, &tenant, key).await;
+        let outcome = retry(&pool, &tenant, key).await;
         let expected = if landed {
             Outcome::Replayed
         } else {
             Outcome::Executed
         };
         assert_eq!(outcome, Some(expected), "{key}");
-        assert_eq!(my_rows(&pool, &tenant).await, 1, "{key}: one effect");
+        assert_eq!(MySql::rows(&pool, &tenant).await, 1, "{key}: one effect");
     }
 }
 
 // ---------------------------------------------------------------- mixed modes
 
-#[idempotent(scope = "tx_races.mixed_pg", key = key, tenant = tenant, tx = tx, shared_scope,
-             fingerprint = false, ttl = "1h", lease = "300ms", in_progress = wait("5s"))]
-async fn pg_mixed_tx(
-    tx: &mut sqlx::Transaction<'_, Postgres>,
-    tenant: &str,
-    key: &str,
-) -> Result<u64, Error> {
-    sqlx::query("INSERT INTO tx_races_charges (tenant, idem_key, amount) VALUES ($1, $2, 500)")
-        .bind(tenant)
-        .bind(key)
-        .execute(&mut **tx)
-        .await
-        .map_err(|e| Error::Store(idempotent_runtime::StoreError::new("postgres", "body", e)))?;
-    // Outlives the lease: the open transaction is the lease.
-    tokio::time::sleep(Duration::from_millis(700)).await;
-    Ok(500)
+/// Store-mode calls only take another turn when refused as in progress.
+fn in_progress(e: &Error) -> bool {
+    matches!(e, Error::InProgress { .. })
 }
 
-#[idempotent(scope = "tx_races.mixed_pg", key = key, tenant = tenant, store = store, shared_scope,
-             fingerprint = false, ttl = "1h", lease = "300ms", in_progress = wait("5s"))]
-async fn pg_mixed_store(
-    store: &PgStore,
-    pool: &sqlx::PgPool,
-    tenant: &str,
-    key: &str,
-) -> Result<u64, Error> {
-    sqlx::query("INSERT INTO tx_races_charges (tenant, idem_key, amount) VALUES ($1, $2, 500)")
-        .bind(tenant)
-        .bind(key)
-        .execute(pool)
-        .await
-        .map_err(|e| Error::Store(idempotent_runtime::StoreError::new("postgres", "body", e)))?;
-    // Outlives the lease: the open transaction is the lease.
-    tokio::time::sleep(Duration::from_millis(700)).await;
-    Ok(500)
+/// MariaDB's and SQLite's transactional calls may also be refused on a stale snapshot.
+fn in_progress_or_stale(e: &Error) -> bool {
+    matches!(e, Error::InProgress { .. } | Error::StaleSnapshot { .. })
+}
+
+/// `rounds` times, `tasks` calls on one key of a fresh tenant, alternately
+/// store-mode and transactional (a shared scope), each taking another turn
+/// (at most `TRIES`) while refused as in progress or, if transactional,
+/// with what `tx_retries` accepts: every call answers 500 and one business
+/// row is committed.
+async fn mixed_modes_race<D: Driver>(
+    store: &D::Store,
+    pool: &sqlx::Pool<D>,
+    rounds: usize,
+    tasks: usize,
+    tx_retries: fn(&Error) -> bool,
+) {
+    for round in 0..rounds {
+        let tenant = fresh_tenant();
+        let tasks = (0..tasks).map(|i| {
+            let (pool, store, tenant) = (pool.clone(), store.clone(), tenant.clone());
+            tokio::spawn(async move {
+                for _ in 0..TRIES {
+                    if i % 2 == 0 {
+                        match D::mixed_store(&store, &pool, &tenant, "k").await {
+                            Ok(v) => return v,
+                            Err(e) if in_progress(&e) => {}
+                            Err(e) => panic!("store mode: {e}"),
+                        }
+                    } else {
+                        let mut tx = pool.begin().await.expect("begin");
+                        match D::mixed_tx(&mut tx, &tenant, "k", None).await {
+                            Ok(v) => {
+                                tx.commit().await.expect("commit");
+                                return v;
+                            }
+                            Err(e) if tx_retries(&e) => {
+                                let _ = tx.rollback().await;
+                            }
+                            Err(e) => panic!("transactional: {e}"),
+                        }
+                    }
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                panic!("never answered");
+            })
+        });
+        for t in futures::future::join_all(tasks).await {
+            assert_eq!(t.expect("task"), 500);
+        }
+        assert_eq!(D::rows(pool, &tenant).await, 1, "round {round}");
+    }
+}
+
+/// Three rounds of: a transactional owner holds the key, four store-mode
+/// duplicates wait for it, and the owner rolls back: every duplicate
+/// answers 500 (none is told of a deadlock) and one business row stays.
+async fn tx_owner_rollback_with_store_mode_waiters<D: Driver>(
+    store: &D::Store,
+    pool: &sqlx::Pool<D>,
+) {
+    for round in 0..3 {
+        let tenant = fresh_tenant();
+        let hold = Hold::default();
+        let owner = async {
+            let mut tx = pool.begin().await.expect("begin");
+            let answer = D::mixed_tx(&mut tx, &tenant, "k", Some(&hold)).await;
+            tx.rollback().await.expect("rollback");
+            answer
+        };
+        let waiters = async {
+            reached(&hold).await;
+            let one = || D::mixed_store(store, pool, &tenant, "k");
+            let let_go = async {
+                tokio::time::sleep(Duration::from_millis(1500)).await;
+                hold.go.notify_one();
+            };
+            let (a, b, c, d, ()) = tokio::join!(one(), one(), one(), one(), let_go);
+            [a, b, c, d]
+        };
+        let (owned, answers) = tokio::join!(owner, waiters);
+        assert_eq!(owned.expect("owner"), 500);
+        eprintln!("round {round}: {answers:?}");
+        for a in &answers {
+            assert!(matches!(a, Ok(500)), "round {round}: {answers:?}");
+        }
+        assert_eq!(D::rows(pool, &tenant).await, 1, "round {round}");
+    }
 }
 
 /// Store-mode and transactional calls race on one key (a shared scope):
@@ -843,79 +981,7 @@ async fn pg_mixed_modes_race() {
     let Some(store) = pg_store().await else {
         return;
     };
-    let pool = store.pool().clone();
-    for round in 0..5 {
-        let tenant = fresh_tenant();
-        let tasks = (0..RACERS).map(|i| {
-            let (pool, store, tenant) = (pool.clone(), store.clone(), tenant.clone());
-            tokio::spawn(async move {
-                for _ in 0..TRIES {
-                    if i % 2 == 0 {
-                        match pg_mixed_store(&store, &pool, &tenant, "k").await {
-                            Ok(v) => return v,
-                            Err(Error::InProgress { .. }) => {}
-                            Err(e) => panic!("store mode: {e}"),
-                        }
-                    } else {
-                        let mut tx = pool.begin().await.expect("begin");
-                        match pg_mixed_tx(&mut tx, &tenant, "k").await {
-                            Ok(v) => {
-                                tx.commit().await.expect("commit");
-                                return v;
-                            }
-                            Err(Error::InProgress { .. }) => {
-                                let _ = tx.rollback().await;
-                            }
-                            Err(e) => panic!("transactional: {e}"),
-                        }
-                    }
-                    tokio::time::sleep(Duration::from_millis(20)).await;
-                }
-                panic!("never answered");
-            })
-        });
-        for t in futures::future::join_all(tasks).await {
-            assert_eq!(t.expect("task"), 500);
-        }
-        assert_eq!(pg_rows(&pool, &tenant).await, 1, "round {round}");
-    }
-}
-
-#[idempotent(scope = "tx_races.mixed_my", key = key, tenant = tenant, tx = tx, shared_scope,
-             fingerprint = false, ttl = "1h", lease = "300ms", in_progress = wait("5s"))]
-async fn my_mixed_tx(
-    tx: &mut sqlx::Transaction<'_, MySql>,
-    tenant: &str,
-    key: &str,
-) -> Result<u64, Error> {
-    sqlx::query("INSERT INTO tx_races_charges (tenant, idem_key, amount) VALUES (?, ?, 500)")
-        .bind(tenant)
-        .bind(key)
-        .execute(&mut **tx)
-        .await
-        .map_err(|e| Error::Store(idempotent_runtime::StoreError::new("mysql", "body", e)))?;
-    // Outlives the lease: the open transaction is the lease.
-    tokio::time::sleep(Duration::from_millis(700)).await;
-    Ok(500)
-}
-
-#[idempotent(scope = "tx_races.mixed_my", key = key, tenant = tenant, store = store, shared_scope,
-             fingerprint = false, ttl = "1h", lease = "300ms", in_progress = wait("5s"))]
-async fn my_mixed_store(
-    store: &MySqlStore,
-    pool: &sqlx::MySqlPool,
-    tenant: &str,
-    key: &str,
-) -> Result<u64, Error> {
-    sqlx::query("INSERT INTO tx_races_charges (tenant, idem_key, amount) VALUES (?, ?, 500)")
-        .bind(tenant)
-        .bind(key)
-        .execute(pool)
-        .await
-        .map_err(|e| Error::Store(idempotent_runtime::StoreError::new("mysql", "body", e)))?;
-    // Outlives the lease: the open transaction is the lease.
-    tokio::time::sleep(Duration::from_millis(700)).await;
-    Ok(500)
+    mixed_modes_race::<Postgres>(&store, store.pool(), 5, RACERS, in_progress).await;
 }
 
 /// As [`pg_mixed_modes_race`], on MariaDB.
@@ -924,42 +990,7 @@ async fn my_mixed_modes_race() {
     let Some(store) = my_store().await else {
         return;
     };
-    let pool = store.pool().clone();
-    for round in 0..5 {
-        let tenant = fresh_tenant();
-        let tasks = (0..RACERS).map(|i| {
-            let (pool, store, tenant) = (pool.clone(), store.clone(), tenant.clone());
-            tokio::spawn(async move {
-                for _ in 0..TRIES {
-                    if i % 2 == 0 {
-                        match my_mixed_store(&store, &pool, &tenant, "k").await {
-                            Ok(v) => return v,
-                            Err(Error::InProgress { .. }) => {}
-                            Err(e) => panic!("store mode: {e}"),
-                        }
-                    } else {
-                        let mut tx = pool.begin().await.expect("begin");
-                        match my_mixed_tx(&mut tx, &tenant, "k").await {
-                            Ok(v) => {
-                                tx.commit().await.expect("commit");
-                                return v;
-                            }
-                            Err(Error::InProgress { .. } | Error::StaleSnapshot { .. }) => {
-                                let _ = tx.rollback().await;
-                            }
-                            Err(e) => panic!("transactional: {e}"),
-                        }
-                    }
-                    tokio::time::sleep(Duration::from_millis(20)).await;
-                }
-                panic!("never answered");
-            })
-        });
-        for t in futures::future::join_all(tasks).await {
-            assert_eq!(t.expect("task"), 500);
-        }
-        assert_eq!(my_rows(&pool, &tenant).await, 1, "round {round}");
-    }
+    mixed_modes_race::<MySql>(&store, store.pool(), 5, RACERS, in_progress_or_stale).await;
 }
 
 /// Rule 15 on MariaDB under an isolation level the caller chose: an owner
@@ -1034,7 +1065,7 @@ async fn my_owner_rollback_with_waiters(level: &'static str) {
         assert!(ok >= 1, "{level}: nobody got the freed key: {answers:?}");
     }
     assert_eq!(
-        my_rows(&pool, &tenant).await,
+        MySql::rows(&pool, &tenant).await,
         i64::from(ok > 0),
         "{level}: one body's effects"
     );
@@ -1148,42 +1179,6 @@ async fn my_serializable_duplicate_keeps_its_wait_bound() {
     );
 }
 
-#[idempotent(scope = "tx_races.mixed_sqlite", key = key, tenant = tenant, tx = tx, shared_scope,
-             fingerprint = false, ttl = "1h", lease = "300ms", in_progress = wait("5s"))]
-async fn sqlite_mixed_tx(
-    tx: &mut sqlx::Transaction<'_, Sqlite>,
-    tenant: &str,
-    key: &str,
-) -> Result<u64, Error> {
-    sqlx::query("INSERT INTO tx_races_charges (tenant, idem_key, amount) VALUES (?, ?, 500)")
-        .bind(tenant)
-        .bind(key)
-        .execute(&mut **tx)
-        .await
-        .map_err(|e| Error::Store(idempotent_runtime::StoreError::new("sqlite", "body", e)))?;
-    // Outlives the lease: the open transaction is the lease.
-    tokio::time::sleep(Duration::from_millis(700)).await;
-    Ok(500)
-}
-
-#[idempotent(scope = "tx_races.mixed_sqlite", key = key, tenant = tenant, store = store, shared_scope,
-             fingerprint = false, ttl = "1h", lease = "300ms", in_progress = wait("5s"))]
-async fn sqlite_mixed_store(
-    store: &SqliteStore,
-    pool: &sqlx::SqlitePool,
-    tenant: &str,
-    key: &str,
-) -> Result<u64, Error> {
-    sqlx::query("INSERT INTO tx_races_charges (tenant, idem_key, amount) VALUES (?, ?, 500)")
-        .bind(tenant)
-        .bind(key)
-        .execute(pool)
-        .await
-        .map_err(|e| Error::Store(idempotent_runtime::StoreError::new("sqlite", "body", e)))?;
-    tokio::time::sleep(Duration::from_millis(700)).await;
-    Ok(500)
-}
-
 /// Store-mode and transactional calls race on one key on SQLite, with
 /// bodies that outlive their lease: exactly one body's effects commit.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -1195,84 +1190,7 @@ async fn sqlite_mixed_modes_race_past_the_lease() {
         .execute(store.pool())
         .await
         .expect("ddl");
-    let pool = store.pool().clone();
-    for round in 0..3 {
-        let tenant = fresh_tenant();
-        let tasks = (0..6).map(|i| {
-            let (pool, store, tenant) = (pool.clone(), store.clone(), tenant.clone());
-            tokio::spawn(async move {
-                for _ in 0..TRIES {
-                    if i % 2 == 0 {
-                        match sqlite_mixed_store(&store, &pool, &tenant, "k").await {
-                            Ok(v) => return v,
-                            Err(Error::InProgress { .. }) => {}
-                            Err(e) => panic!("store mode: {e}"),
-                        }
-                    } else {
-                        let mut tx = pool.begin().await.expect("begin");
-                        match sqlite_mixed_tx(&mut tx, &tenant, "k").await {
-                            Ok(v) => {
-                                tx.commit().await.expect("commit");
-                                return v;
-                            }
-                            Err(Error::InProgress { .. } | Error::StaleSnapshot { .. }) => {
-                                let _ = tx.rollback().await;
-                            }
-                            Err(e) => panic!("transactional: {e}"),
-                        }
-                    }
-                    tokio::time::sleep(Duration::from_millis(20)).await;
-                }
-                panic!("never answered");
-            })
-        });
-        for t in futures::future::join_all(tasks).await {
-            assert_eq!(t.expect("task"), 500);
-        }
-        let rows: i64 =
-            sqlx::query_scalar("SELECT count(*) FROM tx_races_charges WHERE tenant = ?")
-                .bind(&tenant)
-                .fetch_one(&pool)
-                .await
-                .expect("count");
-        assert_eq!(rows, 1, "round {round}");
-    }
-}
-
-#[idempotent(scope = "tx_races.mixed_my", key = key, tenant = tenant, tx = tx, shared_scope,
-             fingerprint = false, ttl = "1h", lease = "300ms", in_progress = wait("5s"))]
-async fn my_mixed_tx_held(
-    tx: &mut sqlx::Transaction<'_, MySql>,
-    tenant: &str,
-    key: &str,
-    hold: &Hold,
-) -> Result<u64, Error> {
-    sqlx::query("INSERT INTO tx_races_charges (tenant, idem_key, amount) VALUES (?, ?, 500)")
-        .bind(tenant)
-        .bind(key)
-        .execute(&mut **tx)
-        .await
-        .map_err(|e| Error::Store(idempotent_runtime::StoreError::new("mysql", "body", e)))?;
-    hold_here(Some(hold)).await;
-    Ok(500)
-}
-
-#[idempotent(scope = "tx_races.mixed_pg", key = key, tenant = tenant, tx = tx, shared_scope,
-             fingerprint = false, ttl = "1h", lease = "300ms", in_progress = wait("5s"))]
-async fn pg_mixed_tx_held(
-    tx: &mut sqlx::Transaction<'_, Postgres>,
-    tenant: &str,
-    key: &str,
-    hold: &Hold,
-) -> Result<u64, Error> {
-    sqlx::query("INSERT INTO tx_races_charges (tenant, idem_key, amount) VALUES ($1, $2, 500)")
-        .bind(tenant)
-        .bind(key)
-        .execute(&mut **tx)
-        .await
-        .map_err(|e| Error::Store(idempotent_runtime::StoreError::new("postgres", "body", e)))?;
-    hold_here(Some(hold)).await;
-    Ok(500)
+    mixed_modes_race::<Sqlite>(&store, store.pool(), 3, 6, in_progress_or_stale).await;
 }
 
 /// Rule 15: a transactional owner's rollback hands the key to one of the
@@ -1283,34 +1201,7 @@ async fn my_tx_owner_rollback_with_store_mode_waiters() {
     let Some(store) = my_store().await else {
         return;
     };
-    let pool = store.pool().clone();
-    for round in 0..3 {
-        let tenant = fresh_tenant();
-        let hold = Hold::default();
-        let owner = async {
-            let mut tx = pool.begin().await.expect("begin");
-            let answer = my_mixed_tx_held(&mut tx, &tenant, "k", &hold).await;
-            tx.rollback().await.expect("rollback");
-            answer
-        };
-        let waiters = async {
-            reached(&hold).await;
-            let one = || my_mixed_store(&store, &pool, &tenant, "k");
-            let let_go = async {
-                tokio::time::sleep(Duration::from_millis(1500)).await;
-                hold.go.notify_one();
-            };
-            let (a, b, c, d, ()) = tokio::join!(one(), one(), one(), one(), let_go);
-            [a, b, c, d]
-        };
-        let (owned, answers) = tokio::join!(owner, waiters);
-        assert_eq!(owned.expect("owner"), 500);
-        eprintln!("round {round}: {answers:?}");
-        for a in &answers {
-            assert!(matches!(a, Ok(500)), "round {round}: {answers:?}");
-        }
-        assert_eq!(my_rows(&pool, &tenant).await, 1, "round {round}");
-    }
+    tx_owner_rollback_with_store_mode_waiters::<MySql>(&store, store.pool()).await;
 }
 
 /// As [`my_tx_owner_rollback_with_store_mode_waiters`], on PostgreSQL.
@@ -1319,34 +1210,7 @@ async fn pg_tx_owner_rollback_with_store_mode_waiters() {
     let Some(store) = pg_store().await else {
         return;
     };
-    let pool = store.pool().clone();
-    for round in 0..3 {
-        let tenant = fresh_tenant();
-        let hold = Hold::default();
-        let owner = async {
-            let mut tx = pool.begin().await.expect("begin");
-            let answer = pg_mixed_tx_held(&mut tx, &tenant, "k", &hold).await;
-            tx.rollback().await.expect("rollback");
-            answer
-        };
-        let waiters = async {
-            reached(&hold).await;
-            let one = || pg_mixed_store(&store, &pool, &tenant, "k");
-            let let_go = async {
-                tokio::time::sleep(Duration::from_millis(1500)).await;
-                hold.go.notify_one();
-            };
-            let (a, b, c, d, ()) = tokio::join!(one(), one(), one(), one(), let_go);
-            [a, b, c, d]
-        };
-        let (owned, answers) = tokio::join!(owner, waiters);
-        assert_eq!(owned.expect("owner"), 500);
-        eprintln!("round {round}: {answers:?}");
-        for a in &answers {
-            assert!(matches!(a, Ok(500)), "round {round}: {answers:?}");
-        }
-        assert_eq!(pg_rows(&pool, &tenant).await, 1, "round {round}");
-    }
+    tx_owner_rollback_with_store_mode_waiters::<Postgres>(&store, store.pool()).await;
 }
 
 /// The other side of [`my_serializable_duplicate_keeps_its_wait_bound`]:
@@ -1385,26 +1249,11 @@ async fn my_serializable_duplicate_replays_an_owner_that_commits_in_time() {
     assert_eq!(owned.expect("owner"), 500);
     assert_eq!(answer.expect("replayed"), 500);
     assert_eq!(outcome, Some(Outcome::Replayed));
-    assert_eq!(my_rows(&pool, &tenant).await, 1);
+    assert_eq!(MySql::rows(&pool, &tenant).await, 1);
 }
 
-#[idempotent(scope = "tx_races.my_10s", key = key, tenant = tenant, tx = tx, skip(hold),
-             ttl = "1h", lease = "30s", in_progress = wait("10s"))]
-async fn my_charge_waiting_10s(
-    tx: &mut sqlx::Transaction<'_, MySql>,
-    tenant: &str,
-    key: &str,
-    hold: Option<&Hold>,
-) -> Result<u64, Error> {
-    sqlx::query("INSERT INTO tx_races_charges (tenant, idem_key, amount) VALUES (?, ?, 500)")
-        .bind(tenant)
-        .bind(key)
-        .execute(&mut **tx)
-        .await
-        .map_err(|e| Error::Store(idempotent_runtime::StoreError::new("mysql", "body", e)))?;
-    hold_here(hold).await;
-    Ok(500)
-}
+charge!(my_charge_waiting_10s: MySql, "mysql", INSERT,
+        scope = "tx_races.my_10s", lease = "30s", wait = "10s");
 
 /// Rule 4 on MariaDB under SERIALIZABLE: duplicates (`wait("10s")`) whose
 /// first read waits for an open owner that rolls back 8 s into their wait
@@ -1485,7 +1334,7 @@ async fn my_serializable_waiters_of_a_late_rollback_keep_their_bound() {
     let ok = answers.iter().filter(|(a, _)| a.is_ok()).count();
     assert!(ok <= 1, "{answers:?}");
     assert_eq!(
-        my_rows(&pool, &tenant).await,
+        MySql::rows(&pool, &tenant).await,
         i64::try_from(ok).expect("count"),
         "one body's effects at most"
     );
