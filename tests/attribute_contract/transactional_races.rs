@@ -209,7 +209,7 @@ macro_rules! charge {
     ($charge:ident: $db:ident, $name:tt, $insert:tt,
      scope = $scope:tt, lease = $lease:tt, wait = $wait:tt) => {
         #[idempotent(scope = $scope, key = key, tenant = tenant, tx = tx, skip(hold),
-                                     ttl = "1h", lease = $lease, in_progress = wait($wait))]
+                                             ttl = "1h", lease = $lease, in_progress = wait($wait))]
         async fn $charge(
             tx: &mut sqlx::Transaction<'_, $db>,
             tenant: &str,
@@ -444,6 +444,24 @@ async fn racer<D: Driver>(
     tally
 }
 
+/// `RACERS` racers on one key of a fresh tenant, in `pool`'s transactions:
+/// the tenant, and what each racer ended with.
+async fn race<D: Driver>(
+    pool: &sqlx::Pool<D>,
+    begin: &'static str,
+    read_first: bool,
+) -> (String, Vec<Tally>) {
+    let tenant = fresh_tenant();
+    let racers =
+        (0..RACERS).map(|_| tokio::spawn(racer(pool.clone(), begin, tenant.clone(), read_first)));
+    let tallies = futures::future::join_all(racers)
+        .await
+        .into_iter()
+        .map(|t| t.expect("racer"))
+        .collect();
+    (tenant, tallies)
+}
+
 fn check_tallies(what: &str, tallies: &[Tally], committed_rows: i64) {
     let executed: u32 = tallies.iter().map(|t| t.executed_and_committed).sum();
     let replayed: u32 = tallies.iter().map(|t| t.replayed).sum();
@@ -480,17 +498,7 @@ async fn pg_race(begin: &'static str) {
         return;
     };
     let pool = store.pool().clone();
-    let tenant = fresh_tenant();
-    let racers = (0..RACERS).map(|_| {
-        let pool = pool.clone();
-        let tenant = tenant.clone();
-        tokio::spawn(racer(pool, begin, tenant, false))
-    });
-    let tallies: Vec<Tally> = futures::future::join_all(racers)
-        .await
-        .into_iter()
-        .map(|t| t.expect("racer"))
-        .collect();
+    let (tenant, tallies) = race(&pool, begin, false).await;
     check_tallies(begin, &tallies, Postgres::rows(&pool, &tenant).await);
 }
 
@@ -570,17 +578,7 @@ async fn my_race(level: &'static str) {
         return;
     };
     let pool = my_pool_at(&store.url, level, RACERS as u32 + 2).await;
-    let tenant = fresh_tenant();
-    let racers = (0..RACERS).map(|_| {
-        let pool = pool.clone();
-        let tenant = tenant.clone();
-        tokio::spawn(racer(pool, "BEGIN", tenant, false))
-    });
-    let tallies: Vec<Tally> = futures::future::join_all(racers)
-        .await
-        .into_iter()
-        .map(|t| t.expect("racer"))
-        .collect();
+    let (tenant, tallies) = race(&pool, "BEGIN", false).await;
     check_tallies(level, &tallies, MySql::rows(store.pool(), &tenant).await);
 }
 
@@ -678,17 +676,7 @@ async fn sqlite_race(begin: &'static str, wal: bool) {
         .await
         .expect("from_pool");
     sqlx::query(SQLITE_DDL).execute(&pool).await.expect("ddl");
-    let tenant = fresh_tenant();
-    let racers = (0..RACERS).map(|_| {
-        let pool = pool.clone();
-        let tenant = tenant.clone();
-        tokio::spawn(racer(pool, begin, tenant, true))
-    });
-    let tallies: Vec<Tally> = futures::future::join_all(racers)
-        .await
-        .into_iter()
-        .map(|t| t.expect("racer"))
-        .collect();
+    let (tenant, tallies) = race(&pool, begin, true).await;
     let rows = Sqlite::rows(&pool, &tenant).await;
     check_tallies(&format!("sqlite {begin} wal={wal}"), &tallies, rows);
     pool.close().await;
@@ -745,22 +733,14 @@ async fn retry<D: Driver>(pool: &sqlx::Pool<D>, tenant: &str, key: &str) -> Opti
     panic!("no retry got through");
 }
 
-/// The caller's COMMIT is cut before it reaches PostgreSQL (the server rolls
-/// the transaction back when it sees the connection close), or after it ran
-/// (the answer is lost). Either way a retry in a new transaction ends with
-/// exactly one business row: it executes in the first case and replays in
-/// the second.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn pg_commit_cut_either_side_leaves_one_effect() {
-    let Some(store) = pg_store().await else {
-        return;
-    };
-    let pool = store.pool().clone();
-    let proxy = common::proxy::FaultProxy::start(&host_port(&pg_url()))
+/// The body of [`pg_commit_cut_either_side_leaves_one_effect`] on the
+/// server at `server`; `pool` is a direct pool on it.
+async fn commit_cut_either_side_leaves_one_effect<D: Driver>(pool: &sqlx::Pool<D>, server: &str) {
+    let proxy = common::proxy::FaultProxy::start(&host_port(server))
         .await
         .expect("proxy");
-    let url = through_proxy(&pg_url(), proxy.port());
-    let proxied = sqlx::postgres::PgPoolOptions::new()
+    let url = through_proxy(server, proxy.port());
+    let proxied = sqlx::pool::PoolOptions::<D>::new()
         .max_connections(2)
         .connect(&url)
         .await
@@ -769,7 +749,7 @@ async fn pg_commit_cut_either_side_leaves_one_effect() {
         let tenant = fresh_tenant();
         let mut tx = proxied.begin().await.expect("begin");
         assert_eq!(
-            pg_charge(&mut tx, &tenant, key, None).await.expect("runs"),
+            D::charge(&mut tx, &tenant, key, None).await.expect("runs"),
             500
         );
         let trip = if landed {
@@ -780,15 +760,28 @@ async fn pg_commit_cut_either_side_leaves_one_effect() {
         let committed = tx.commit().await;
         assert!(committed.is_err(), "{key}: the commit's answer was cut");
         trip.cut().await;
-        let outcome = retry(&pool, &tenant, key).await;
+        let outcome = retry(pool, &tenant, key).await;
         let expected = if landed {
             Outcome::Replayed
         } else {
             Outcome::Executed
         };
         assert_eq!(outcome, Some(expected), "{key}");
-        assert_eq!(Postgres::rows(&pool, &tenant).await, 1, "{key}: one effect");
+        assert_eq!(D::rows(pool, &tenant).await, 1, "{key}: one effect");
     }
+}
+
+/// The caller's COMMIT is cut before it reaches PostgreSQL (the server rolls
+/// the transaction back when it sees the connection close), or after it ran
+/// (the answer is lost). Either way a retry in a new transaction ends with
+/// exactly one business row: it executes in the first case and replays in
+/// the second.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pg_commit_cut_either_side_leaves_one_effect() {
+    let Some(store) = pg_store().await else {
+        return;
+    };
+    commit_cut_either_side_leaves_one_effect::<Postgres>(store.pool(), &pg_url()).await;
 }
 
 /// The connection is cut while the body's answer is being recorded (the
@@ -841,40 +834,7 @@ async fn my_commit_cut_either_side_leaves_one_effect() {
     let Some(store) = my_store().await else {
         return;
     };
-    let pool = store.pool().clone();
-    let proxy = common::proxy::FaultProxy::start(&host_port(&store.url))
-        .await
-        .expect("proxy");
-    let url = through_proxy(&store.url, proxy.port());
-    let proxied = sqlx::mysql::MySqlPoolOptions::new()
-        .max_connections(2)
-        .connect(&url)
-        .await
-        .expect("proxied pool");
-    for (landed, key) in [(false, "cut-before"), (true, "cut-after")] {
-        let tenant = fresh_tenant();
-        let mut tx = proxied.begin().await.expect("begin");
-        assert_eq!(
-            my_charge(&mut tx, &tenant, key, None).await.expect("runs"),
-            500
-        );
-        let trip = if landed {
-            proxy.cut_on_next_response_containing("COMMIT")
-        } else {
-            proxy.cut_on_next_request_containing("COMMIT")
-        };
-        let committed = tx.commit().await;
-        assert!(committed.is_err(), "{key}: the commit's answer was cut");
-        trip.cut().await;
-        let outcome = retry(&pool, &tenant, key).await;
-        let expected = if landed {
-            Outcome::Replayed
-        } else {
-            Outcome::Executed
-        };
-        assert_eq!(outcome, Some(expected), "{key}");
-        assert_eq!(MySql::rows(&pool, &tenant).await, 1, "{key}: one effect");
-    }
+    commit_cut_either_side_leaves_one_effect::<MySql>(store.pool(), &store.url).await;
 }
 
 // ---------------------------------------------------------------- mixed modes
