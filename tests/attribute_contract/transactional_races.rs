@@ -204,12 +204,14 @@ const PG_COUNT: &str = "SELECT count(*) FROM tx_races_charges WHERE tenant = $1"
 const COUNT: &str = "SELECT count(*) FROM tx_races_charges WHERE tenant = ?";
 
 /// A body that writes its business row with `$insert` (a store error named
-/// `$name` if that fails), then waits at `hold` if given.
+/// `$name` if that fails), then waits at `hold` if given. (Not formatted:
+/// rustfmt indents the attribute's second line further on every run.)
+#[rustfmt::skip]
 macro_rules! charge {
     ($charge:ident: $db:ident, $name:tt, $insert:tt,
      scope = $scope:tt, lease = $lease:tt, wait = $wait:tt) => {
         #[idempotent(scope = $scope, key = key, tenant = tenant, tx = tx, skip(hold),
-                                             ttl = "1h", lease = $lease, in_progress = wait($wait))]
+                     ttl = "1h", lease = $lease, in_progress = wait($wait))]
         async fn $charge(
             tx: &mut sqlx::Transaction<'_, $db>,
             tenant: &str,
@@ -953,6 +955,64 @@ async fn my_mixed_modes_race() {
     mixed_modes_race::<MySql>(&store, store.pool(), 5, RACERS, in_progress_or_stale).await;
 }
 
+/// A MariaDB `*_charge` body, boxed.
+type MyCharge = for<'a> fn(
+    &'a mut sqlx::Transaction<'static, MySql>,
+    &'a str,
+    &'a str,
+    Option<&'a Hold>,
+) -> BoxFuture<'a, Result<u64, Error>>;
+
+/// An owner calls `charge` on key `k` and holds its body; once it is there,
+/// three duplicates call it too, each in a transaction of its own (committed
+/// if it answered), and `rollback_after` later the owner's body answers and
+/// its transaction rolls back. Nothing may block past 120 s; the owner ran.
+/// Answers each duplicate's answer and how long it took.
+async fn my_owner_rollback_with_three_waiters(
+    pool: &sqlx::MySqlPool,
+    tenant: &str,
+    charge: MyCharge,
+    rollback_after: Duration,
+) -> [(Result<u64, Error>, Duration); 3] {
+    let hold = Hold::default();
+    let owner = async {
+        let mut tx = pool.begin().await.expect("begin");
+        let answer = charge(&mut tx, tenant, "k", Some(&hold)).await;
+        tx.rollback().await.expect("owner rolls back");
+        answer
+    };
+    let waiters = async {
+        reached(&hold).await;
+        let waiter = || async {
+            let mut tx = pool.begin().await.expect("begin");
+            let started = std::time::Instant::now();
+            let answer = charge(&mut tx, tenant, "k", None).await;
+            let took = started.elapsed();
+            match &answer {
+                Ok(_) => tx.commit().await.expect("commit"),
+                Err(_) => {
+                    let _ = tx.rollback().await;
+                }
+            }
+            (answer, took)
+        };
+        let let_go = async {
+            tokio::time::sleep(rollback_after).await;
+            hold.go.notify_one();
+        };
+        let (answers, ()) =
+            tokio::join!(async { tokio::join!(waiter(), waiter(), waiter()) }, let_go);
+        answers
+    };
+    let (owned, answers) = tokio::time::timeout(Duration::from_secs(120), async {
+        tokio::join!(owner, waiters)
+    })
+    .await
+    .expect("nothing blocks past 120 s");
+    assert_eq!(owned.expect("owner ran"), 500);
+    [answers.0, answers.1, answers.2]
+}
+
 /// Rule 15 on MariaDB under an isolation level the caller chose: an owner
 /// holds key `k` open, three duplicates in their own transactions wait for
 /// it, and the owner rolls back. The key goes to at most one of them (under
@@ -967,44 +1027,10 @@ async fn my_owner_rollback_with_waiters(level: &'static str) {
     };
     let pool = my_pool_at(&store.url, level, 6).await;
     let tenant = fresh_tenant();
-    let hold = Hold::default();
-    let call = async {
-        let mut owner = pool.begin().await.expect("begin");
-        let answer = my_charge(&mut owner, &tenant, "k", Some(&hold)).await;
-        owner.rollback().await.expect("owner rolls back");
-        answer
-    };
-    let waiters = async {
-        reached(&hold).await;
-        let waiter = || async {
-            let mut tx = pool.begin().await.expect("begin");
-            let started = std::time::Instant::now();
-            let answer = my_charge(&mut tx, &tenant, "k", None).await;
-            let took = started.elapsed();
-            match &answer {
-                Ok(_) => tx.commit().await.expect("commit"),
-                Err(_) => {
-                    let _ = tx.rollback().await;
-                }
-            }
-            (answer, took)
-        };
-        let all = async { tokio::join!(waiter(), waiter(), waiter()) };
-        let rollback_soon = async {
-            // Let the waiters reach their waits, then fail the owner's body.
-            tokio::time::sleep(Duration::from_millis(700)).await;
-            hold.go.notify_one();
-        };
-        let (answers, ()) = tokio::join!(all, rollback_soon);
-        answers
-    };
-    let (owned, answers) = tokio::time::timeout(Duration::from_secs(120), async {
-        tokio::join!(call, waiters)
-    })
-    .await
-    .expect("nothing blocks past 120 s");
-    assert_eq!(owned.expect("owner ran"), 500);
-    let answers = [answers.0, answers.1, answers.2];
+    // Let the waiters reach their waits, then fail the owner's body.
+    let rollback_soon = Duration::from_millis(700);
+    let charge: MyCharge = |tx, tenant, key, hold| Box::pin(my_charge(tx, tenant, key, hold));
+    let answers = my_owner_rollback_with_three_waiters(&pool, &tenant, charge, rollback_soon).await;
     eprintln!("{level}: {answers:?}");
     let ok = answers.iter().filter(|(a, _)| a.is_ok()).count();
     let deadlocks: Vec<_> = answers
@@ -1234,47 +1260,13 @@ async fn my_serializable_waiters_of_a_late_rollback_keep_their_bound() {
     };
     let pool = my_pool_at(&store.url, "SERIALIZABLE", 6).await;
     let tenant = fresh_tenant();
-    let hold = Hold::default();
-    let owner = async {
-        let mut tx = pool.begin().await.expect("begin");
-        let answer = my_charge_waiting_10s(&mut tx, &tenant, "k", Some(&hold)).await;
-        tx.rollback().await.expect("owner rolls back");
-        answer
-    };
-    let waiters = async {
-        reached(&hold).await;
-        let waiter = || async {
-            let mut tx = pool.begin().await.expect("begin");
-            let started = std::time::Instant::now();
-            let answer = my_charge_waiting_10s(&mut tx, &tenant, "k", None).await;
-            let took = started.elapsed();
-            match &answer {
-                Ok(_) => tx.commit().await.expect("commit"),
-                Err(_) => {
-                    let _ = tx.rollback().await;
-                }
-            }
-            (answer, took)
-        };
-        let rollback_half_way = async {
-            // The waiters are in their first read by now (it waits up to
-            // 10 s): the owner lets go 8 s into it.
-            tokio::time::sleep(Duration::from_secs(8)).await;
-            hold.go.notify_one();
-        };
-        let (answers, ()) = tokio::join!(
-            async { tokio::join!(waiter(), waiter(), waiter()) },
-            rollback_half_way
-        );
-        answers
-    };
-    let (owned, answers) = tokio::time::timeout(Duration::from_secs(120), async {
-        tokio::join!(owner, waiters)
-    })
-    .await
-    .expect("nothing blocks past 120 s");
-    assert_eq!(owned.expect("owner ran"), 500);
-    let answers = [answers.0, answers.1, answers.2];
+    // The waiters are in their first read by now (it waits up to 10 s): the
+    // owner lets go 8 s into it.
+    let rollback_half_way = Duration::from_secs(8);
+    let charge: MyCharge =
+        |tx, tenant, key, hold| Box::pin(my_charge_waiting_10s(tx, tenant, key, hold));
+    let answers =
+        my_owner_rollback_with_three_waiters(&pool, &tenant, charge, rollback_half_way).await;
     eprintln!("SERIALIZABLE, late rollback: {answers:?}");
     for (answer, took) in &answers {
         assert!(
