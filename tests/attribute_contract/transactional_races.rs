@@ -203,6 +203,19 @@ const INSERT: &str = "INSERT INTO tx_races_charges (tenant, idem_key, amount) VA
 const PG_COUNT: &str = "SELECT count(*) FROM tx_races_charges WHERE tenant = $1";
 const COUNT: &str = "SELECT count(*) FROM tx_races_charges WHERE tenant = ?";
 
+/// Writes a body's business row with `$insert` through `$conn`; a store
+/// error named `$name` if that fails.
+macro_rules! insert_row {
+    ($conn:expr, $name:tt, $insert:tt, $tenant:expr, $key:expr) => {
+        sqlx::query($insert)
+            .bind($tenant)
+            .bind($key)
+            .execute($conn)
+            .await
+            .map_err(|e| Error::Store(idempotent_runtime::StoreError::new($name, "body", e)))
+    };
+}
+
 /// A body that writes its business row with `$insert` (a store error named
 /// `$name` if that fails), then waits at `hold` if given. (Not formatted:
 /// rustfmt indents the attribute's second line further on every run.)
@@ -218,12 +231,7 @@ macro_rules! charge {
             key: &str,
             hold: Option<&Hold>,
         ) -> Result<u64, Error> {
-            sqlx::query($insert)
-                .bind(tenant)
-                .bind(key)
-                .execute(&mut **tx)
-                .await
-                .map_err(|e| Error::Store(idempotent_runtime::StoreError::new($name, "body", e)))?;
+            insert_row!(&mut **tx, $name, $insert, tenant, key)?;
             hold_here(hold).await;
             Ok(500)
         }
@@ -248,12 +256,7 @@ macro_rules! driver {
             key: &str,
             hold: Option<&Hold>,
         ) -> Result<u64, Error> {
-            sqlx::query($insert)
-                .bind(tenant)
-                .bind(key)
-                .execute(&mut **tx)
-                .await
-                .map_err(|e| Error::Store(idempotent_runtime::StoreError::new($name, "body", e)))?;
+            insert_row!(&mut **tx, $name, $insert, tenant, key)?;
             if hold.is_some() {
                 hold_here(hold).await;
             } else {
@@ -271,12 +274,7 @@ macro_rules! driver {
             tenant: &str,
             key: &str,
         ) -> Result<u64, Error> {
-            sqlx::query($insert)
-                .bind(tenant)
-                .bind(key)
-                .execute(pool)
-                .await
-                .map_err(|e| Error::Store(idempotent_runtime::StoreError::new($name, "body", e)))?;
+            insert_row!(pool, $name, $insert, tenant, key)?;
             tokio::time::sleep(Duration::from_millis(700)).await;
             Ok(500)
         }
