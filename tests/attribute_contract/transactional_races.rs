@@ -839,7 +839,8 @@ async fn my_commit_cut_either_side_leaves_one_effect() {
 
 // ---------------------------------------------------------------- mixed modes
 
-/// Store-mode calls only take another turn when refused as in progress.
+/// Refused as in progress: a store-mode call, or a PostgreSQL transactional
+/// one, takes another turn on that only.
 fn in_progress(e: &Error) -> bool {
     matches!(e, Error::InProgress { .. })
 }
@@ -850,10 +851,10 @@ fn in_progress_or_stale(e: &Error) -> bool {
 }
 
 /// `rounds` times, `tasks` calls on one key of a fresh tenant, alternately
-/// store-mode and transactional (a shared scope), each taking another turn
-/// (at most `TRIES`) while refused as in progress or, if transactional,
-/// with what `tx_retries` accepts: every call answers 500 and one business
-/// row is committed.
+/// store-mode and transactional (a shared scope); a store-mode call takes
+/// another turn while refused as in progress, a transactional one while
+/// refused with what `tx_retries` accepts (at most `TRIES` turns): every
+/// call answers 500 and one business row is committed.
 async fn mixed_modes_race<D: Driver>(
     store: &D::Store,
     pool: &sqlx::Pool<D>,
