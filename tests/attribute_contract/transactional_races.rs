@@ -597,6 +597,20 @@ async fn my_race_serializable() {
     my_race("SERIALIZABLE").await;
 }
 
+/// An owner: `my_charge` on `key` in a transaction of `pool`, its body held
+/// at `hold`; the transaction commits.
+async fn my_owner_commits(
+    pool: &sqlx::MySqlPool,
+    tenant: &str,
+    key: &str,
+    hold: &Hold,
+) -> Result<u64, Error> {
+    let mut tx = pool.begin().await.expect("begin");
+    let answer = my_charge(&mut tx, tenant, key, Some(hold)).await;
+    tx.commit().await.expect("commit");
+    answer
+}
+
 /// Rule 1 on MariaDB: a transactional call holding key `b` open does not
 /// make a reservation of another, free key of the same tenant and scope look
 /// in progress, in another transaction or through the store. (Under
@@ -609,12 +623,7 @@ async fn my_neighbour_key_is_free(level: &'static str) {
     let pool = my_pool_at(&store.url, level, 4).await;
     let tenant = fresh_tenant();
     let hold = Hold::default();
-    let owner = async {
-        let mut tx = pool.begin().await.expect("begin");
-        let answer = my_charge(&mut tx, &tenant, "b", Some(&hold)).await;
-        tx.commit().await.expect("commit");
-        answer
-    };
+    let owner = my_owner_commits(&pool, &tenant, "b", &hold);
     let check = async {
         reached(&hold).await;
         // Another transaction, another key: acquired, not in progress.
@@ -1210,12 +1219,7 @@ async fn my_serializable_duplicate_replays_an_owner_that_commits_in_time() {
     let pool = my_pool_at(&store.url, "SERIALIZABLE", 4).await;
     let tenant = fresh_tenant();
     let hold = Hold::default();
-    let owner = async {
-        let mut tx = pool.begin().await.expect("begin");
-        let answer = my_charge(&mut tx, &tenant, "k", Some(&hold)).await;
-        tx.commit().await.expect("commit");
-        answer
-    };
+    let owner = my_owner_commits(&pool, &tenant, "k", &hold);
     let duplicate = async {
         reached(&hold).await;
         let mut tx = pool.begin().await.expect("begin");
