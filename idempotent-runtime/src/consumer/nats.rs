@@ -246,45 +246,45 @@ mod tests {
     use std::sync::atomic::{AtomicUsize, Ordering};
     use std::sync::Arc;
 
-    fn counting(sent: &Arc<AtomicUsize>) -> impl FnMut() -> std::future::Ready<()> + '_ {
-        move || {
+    /// How many signals `signalling_while` sends while work of `lasting`
+    /// runs, every `every` (on the paused clock).
+    async fn signals_during(lasting: Duration, every: Duration) -> usize {
+        let sent = AtomicUsize::new(0);
+        signalling_while(tokio::time::sleep(lasting), every, || {
             sent.fetch_add(1, Ordering::SeqCst);
             std::future::ready(())
-        }
+        })
+        .await;
+        sent.into_inner()
     }
 
     #[tokio::test(start_paused = true)]
     async fn progress_is_signalled_every_interval_while_the_work_runs() {
-        let sent = Arc::new(AtomicUsize::new(0));
-        let work = tokio::time::sleep(Duration::from_millis(3500));
-        signalling_while(work, Duration::from_secs(1), counting(&sent)).await;
-        assert_eq!(sent.load(Ordering::SeqCst), 3, "at 1 s, 2 s and 3 s");
+        let second = Duration::from_secs(1);
+        assert_eq!(
+            signals_during(Duration::from_millis(3500), second).await,
+            3,
+            "at 1 s, 2 s, 3 s"
+        );
+        assert_eq!(signals_during(Duration::from_millis(999), second).await, 0);
+        let out = signalling_while(async { 7 }, second, || std::future::ready(())).await;
+        assert_eq!(out, 7, "the work's own output");
     }
 
     #[tokio::test(start_paused = true)]
-    async fn work_shorter_than_the_interval_signals_nothing() {
-        let sent = Arc::new(AtomicUsize::new(0));
-        let out = signalling_while(async { 7 }, Duration::from_secs(1), counting(&sent)).await;
-        assert_eq!(out, 7);
-        let slow = tokio::time::sleep(Duration::from_millis(999));
-        signalling_while(slow, Duration::from_secs(1), counting(&sent)).await;
-        assert_eq!(sent.load(Ordering::SeqCst), 0);
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn a_zero_interval_is_the_minimum_not_a_panic() {
-        let sent = Arc::new(AtomicUsize::new(0));
-        let work = tokio::time::sleep(MIN_PROGRESS_INTERVAL * 5 + MIN_PROGRESS_INTERVAL / 2);
-        signalling_while(work, Duration::ZERO, counting(&sent)).await;
-        assert_eq!(sent.load(Ordering::SeqCst), 5);
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn an_interval_past_the_clocks_end_signals_nothing_and_does_not_panic() {
-        let sent = Arc::new(AtomicUsize::new(0));
-        let work = tokio::time::sleep(Duration::from_secs(3600));
-        signalling_while(work, Duration::MAX, counting(&sent)).await;
-        assert_eq!(sent.load(Ordering::SeqCst), 0);
+    async fn intervals_out_of_range_are_bounded_not_a_panic() {
+        let min = MIN_PROGRESS_INTERVAL;
+        assert_eq!(
+            signals_during(min * 5 + min / 2, Duration::ZERO).await,
+            5,
+            "zero: the minimum"
+        );
+        let hour = Duration::from_secs(3600);
+        assert_eq!(
+            signals_during(hour, Duration::MAX).await,
+            0,
+            "past the clock's end: never"
+        );
     }
 
     #[tokio::test(start_paused = true)]
