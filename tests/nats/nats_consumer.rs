@@ -1623,7 +1623,7 @@ impl Report {
     }
 }
 
-/// One message on a durable with a 1 s `ack_wait`, and two pulls pending on
+/// One message on a durable with a 2 s `ack_wait`, and two pulls pending on
 /// it: the first delivery goes to `first`, any redelivery to the second
 /// pull, whose deliveries are sent on the returned channel.
 struct LongDelivery {
@@ -1641,7 +1641,7 @@ impl LongDelivery {
     async fn start(js: &jetstream::Context, label: &str) -> LongDelivery {
         let stream = TestStream::create(js, label).await;
         let durable = format!("{}-durable", label.to_lowercase());
-        let admin = stream.durable(&durable, Duration::from_secs(1)).await;
+        let admin = stream.durable(&durable, Duration::from_secs(2)).await;
         // Every ack, nak and progress message is a publish to the delivery's
         // reply subject, `$JS.ACK.<stream>.…`: a second client sees them.
         let watching = async_nats::connect(nats_url().as_str()).await.unwrap();
@@ -1703,8 +1703,8 @@ impl LongDelivery {
     }
 }
 
-/// With progress every 200 ms, a handler that runs past its 1 s `ack_wait`
-/// (it goes on until 15 progress messages, three seconds of them, have reached
+/// With progress every 200 ms, a handler that runs past its 2 s `ack_wait`
+/// (it goes on until 25 progress messages, five seconds of them, have reached
 /// the server) keeps its delivery: nothing is redelivered to the pull that
 /// waits beside it, the message is delivered once and acked once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1722,7 +1722,7 @@ async fn jetstream_progress_keeps_a_long_handler_from_being_redelivered() {
             report.build(k, &o)
         });
         let letting_go = async {
-            let _ = seen.acquire_many(15).await.expect("the watcher goes on");
+            let _ = seen.acquire_many(25).await.expect("the watcher goes on");
             report.release.add_permits(1);
         };
         let (handled, ()) = tokio::join!(handling, letting_go);
@@ -1754,7 +1754,7 @@ async fn jetstream_progress_keeps_a_long_handler_from_being_redelivered() {
 }
 
 /// The same long handler under plain `process`: JetStream redelivers the
-/// message once its 1 s `ack_wait` has run out (the handler waits for that
+/// message once its 2 s `ack_wait` has run out (the handler waits for that
 /// redelivery), the redelivery is nak'd as in progress, and the body still
 /// runs once. This is what the test above shows progress prevents.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -117,7 +117,8 @@ pub const MIN_PROGRESS_INTERVAL: Duration = Duration::from_millis(10);
 /// redelivering the message to another worker. The first is sent
 /// `progress_every` after the handler starts; a handler that ends sooner
 /// sends none. Pick `progress_every` well below the consumer's `ack_wait`
-/// (a third of it, say).
+/// (a third of it, say). One shorter than [`MIN_PROGRESS_INTERVAL`] is taken
+/// as that; one too long for the clock to count to (`Duration::MAX`) sends none.
 ///
 /// The record already keeps a redelivery from running the body a second
 /// time; progress keeps long handlers from spending the consumer's
@@ -129,7 +130,11 @@ pub const MIN_PROGRESS_INTERVAL: Duration = Duration::from_millis(10);
 /// the handler waits on (`tokio::time::timeout`).
 ///
 /// A progress message that cannot be sent is logged (warning) and tried
-/// again at the next interval; the handler goes on.
+/// again at the next interval; one whose sending does not finish (the
+/// client's outgoing buffer full) holds back the next ones until it does.
+/// Either way the handler goes on. Progress is sent by the same future as
+/// the handler, like its heartbeat: a body that blocks its thread
+/// (synchronous work without `spawn_blocking`) sends none while it blocks.
 ///
 /// ```no_run
 /// use futures_util::StreamExt;
@@ -285,6 +290,17 @@ mod tests {
             0,
             "past the clock's end: never"
         );
+    }
+
+    /// A delivery's handling can be spawned onto a task of its own.
+    #[allow(dead_code)]
+    fn process_with_progress_is_send(message: &'static jetstream::Message) {
+        fn spawnable<T: Send + 'static>(_: T) {}
+        spawnable(process_with_progress(
+            message,
+            Duration::from_secs(1),
+            |_key| async { Ok::<(), crate::Error>(()) },
+        ));
     }
 
     #[tokio::test(start_paused = true)]
