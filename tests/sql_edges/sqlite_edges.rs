@@ -1739,6 +1739,128 @@ async fn a_call_dropped_while_its_busy_timeout_is_cut_leaves_the_pool_as_it_was(
     remove(&path);
 }
 
+/// A store-mode reservation that queued for the process's write turn has its
+/// connection's busy timeout cut for its statement, and put back after it:
+/// the connection goes back to a `from_pool` pool (the application's own,
+/// which has no release hook of the store's) with the pool's busy timeout,
+/// not a shorter one that would make the application's own writes fail with
+/// "database is locked" early, and it is not closed instead. Handshakes: the
+/// first call writes, turn taken, behind another connection's write lock;
+/// the second is seen queued for the turn; the lock is let go; both acquire,
+/// the second seen with its timeout cut. Then every connection of the pool
+/// (none opened anew) has the pool's busy timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_whose_busy_timeout_was_cut_gives_the_pool_its_timeout_back() {
+    use std::str::FromStr;
+    const BUSY_MS: i64 = 7_000;
+    const CONNECTIONS: u32 = 2;
+    const BOUND: Duration = Duration::from_secs(60);
+    async fn within<T>(what: &str, future: impl std::future::Future<Output = T>) -> T {
+        tokio::time::timeout(BOUND, future)
+            .await
+            .unwrap_or_else(|_| panic!("{what}: not within {BOUND:?}"))
+    }
+    let path = fresh_path();
+    let opened = Arc::new(AtomicUsize::new(0));
+    let counted = opened.clone();
+    let options = SqliteConnectOptions::from_str(&url(&path))
+        .expect("url")
+        .create_if_missing(true)
+        .journal_mode(sqlx::sqlite::SqliteJournalMode::Wal)
+        .busy_timeout(Duration::from_millis(BUSY_MS as u64));
+    let pool = SqlitePoolOptions::new()
+        .max_connections(CONNECTIONS)
+        .after_connect(move |_, _| {
+            counted.fetch_add(1, Ordering::SeqCst);
+            Box::pin(async { Ok(()) })
+        })
+        .connect_with(options)
+        .await
+        .expect("pool");
+    let store = Arc::new(SqliteStore::from_pool(pool.clone()).await.expect("store"));
+    let first_writing =
+        capture::notify_on(&["sqlite: writing the reservation", "sqlite_edges.put_back_a"]);
+    let second_queued = capture::notify_on(&[
+        "sqlite: waiting for the write turn",
+        "sqlite_edges.put_back_b",
+    ]);
+    let mut holder = crate::sqlite_store::write_lock_held(&path).await;
+
+    let reserve = |scope: &str| {
+        let store = store.clone();
+        let identity = Identity::new("alice", scope, "k").expect("identity");
+        tokio::spawn(async move {
+            let fp = idempotent_runtime::Fingerprint::of("request").expect("fingerprint");
+            let token = OwnerToken::new();
+            store
+                .reserve(ReserveRequest {
+                    identity: &identity,
+                    fingerprint: Some(&fp),
+                    token: &token,
+                    lease: Duration::from_secs(60),
+                    ttl: Duration::from_secs(60),
+                })
+                .await
+        })
+    };
+    let first = reserve("sqlite_edges.put_back_a");
+    within(
+        "the first call takes the turn and waits for the lock",
+        first_writing.notified(),
+    )
+    .await;
+    let second = reserve("sqlite_edges.put_back_b");
+    within(
+        "the second call queues for the turn",
+        second_queued.notified(),
+    )
+    .await;
+    // Only makes the cut happen (queued more than the 250 ms a cut needs);
+    // that it did is asserted below.
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    holder.execute("COMMIT").await.expect("free the lock");
+    for (which, call) in [("first", first), ("second", second)] {
+        let answer = within(which, call).await.expect("its task");
+        assert!(
+            matches!(answer, Ok(Reservation::Acquired { .. })),
+            "the {which} call acquires: {answer:?}"
+        );
+    }
+    assert!(
+        capture::seen(&[
+            "sqlite: busy timeout cut by the time queued for the write turn",
+            "sqlite_edges.put_back_b",
+        ]),
+        "the second call's busy timeout was cut (else this test shows nothing)"
+    );
+
+    let mut connections = Vec::new();
+    for _ in 0..CONNECTIONS {
+        let mut conn = within("a pool connection", pool.acquire())
+            .await
+            .expect("a pool connection");
+        let busy: i64 = sqlx::query_scalar("PRAGMA busy_timeout")
+            .fetch_one(&mut *conn)
+            .await
+            .expect("busy timeout");
+        assert_eq!(
+            busy, BUSY_MS,
+            "every connection of the application's pool has the pool's busy timeout"
+        );
+        connections.push(conn);
+    }
+    assert_eq!(
+        opened.load(Ordering::SeqCst),
+        CONNECTIONS as usize,
+        "the cut connection came back to the pool, not closed (a new one opened)"
+    );
+    drop(connections);
+    drop(holder);
+    drop(store);
+    pool.close().await;
+    remove(&path);
+}
+
 // ------------------ a call dropped while its reservation waits for a connection
 
 /// Which of a pool's acquires the hooks below hold up: each acquire (an idle

@@ -1153,6 +1153,11 @@ impl BusyTimeoutCut {
         Ok(this)
     }
 
+    /// Whether the busy timeout is cut now (not yet put back).
+    fn is_cut(&self) -> bool {
+        self.cut.is_some()
+    }
+
     /// Puts the busy timeout back as it was (on failure the connection is
     /// closed when dropped).
     async fn put_back(&mut self) -> Result<(), sqlx::Error> {
@@ -1732,9 +1737,13 @@ impl Store for SqliteStore {
                     // Time queued for the turn counts against the busy
                     // timeout: the statement waits only for what is left of
                     // it, so a call never waits twice the busy timeout.
-                    let conn = BusyTimeoutCut::by(conn, queued.elapsed())
-                        .await
-                        .map_err(err(OP))?;
+                    let waited = queued.elapsed();
+                    let conn = BusyTimeoutCut::by(conn, waited).await.map_err(err(OP))?;
+                    if conn.is_cut() {
+                        tracing::trace!(target: "idempotent", scope = %identity.scope,
+                            key = %identity.key_digest(), queued_ms = waited.as_millis() as u64,
+                            "sqlite: busy timeout cut by the time queued for the write turn");
+                    }
                     (turn, conn)
                 }
             };
