@@ -1760,7 +1760,8 @@ async fn a_call_whose_busy_timeout_was_cut_gives_the_pool_its_timeout_back() {
             .await
             .unwrap_or_else(|_| panic!("{what}: not within {BOUND:?}"))
     }
-    let path = fresh_path();
+    // Removed with its journal files when the test process exits.
+    let path = crate::common::scratch::sqlite_path("busy-cut-put-back");
     let opened = Arc::new(AtomicUsize::new(0));
     let counted = opened.clone();
     let options = SqliteConnectOptions::from_str(&url(&path))
@@ -1858,7 +1859,6 @@ async fn a_call_whose_busy_timeout_was_cut_gives_the_pool_its_timeout_back() {
     drop(holder);
     drop(store);
     pool.close().await;
-    remove(&path);
 }
 
 // ------------------ a call dropped while its reservation waits for a connection
