@@ -640,10 +640,14 @@ impl SqliteStore {
     /// - Transactional mode (`tx = ...`): begin the transactions with
     ///   `BEGIN IMMEDIATE`. A deferred transaction that has read before
     ///   another connection wrote can never write, and is refused with
-    ///   [`Error::StaleSnapshot`]. A call dropped while it waits for the lock
-    ///   leaves its connection's busy timeout at the call's wait bound until
-    ///   the next transactional call on that connection; pools made by
-    ///   `connect` restore it when the connection is released.
+    ///   [`Error::StaleSnapshot`]. A call dropped while its reservation's
+    ///   statement runs leaves its connection's busy timeout changed (at none
+    ///   at all, or at the call's wait bound) until the next transactional
+    ///   call on that connection: the connection's own writes then meet
+    ///   another's lock with "database is locked" at once. Pools made by
+    ///   `connect` restore it when the connection is released; on a pool of
+    ///   your own, close a connection whose call you dropped
+    ///   (`PoolConnection::close`), or call the store once more on it.
     /// - In-memory databases with shared cache (`sqlite::memory:`) and more than
     ///   one connection: sqlx waits for another connection's table lock
     ///   without a bound, so `in_progress = wait(...)` and `reject` are not
