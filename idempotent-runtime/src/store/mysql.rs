@@ -1564,6 +1564,105 @@ mod tests {
         skewed.close().await;
     }
 
+    /// The store's plain read on MySQL 8's path (no `INSERT … RETURNING`:
+    /// the read comes first), run on MariaDB by calling the store's
+    /// reservation as it runs for MySQL 8. Rule 1: another tenant's complete
+    /// record with the same scope and key is not this tenant's answer. And a
+    /// session with autocommit off never answers from the snapshot its
+    /// earlier read opened: a record completed since is replayed, not told
+    /// in progress (a legitimate retry refused until the connection ends).
+    #[tokio::test]
+    async fn mysql_8s_plain_read_keeps_tenants_apart_and_reads_no_old_snapshot() {
+        let url = std::env::var("IDEMPOTENT_MYSQL_URL")
+            .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into());
+        let store = match MySqlStore::connect(&url).await {
+            Ok(store) => store,
+            Err(e) if std::env::var("IDEMPOTENT_REQUIRE_SERVERS").is_ok_and(|v| v == "1") => {
+                panic!("MySQL/MariaDB unreachable at {url}: {e}")
+            }
+            Err(e) => {
+                eprintln!("SKIPPED: MySQL/MariaDB unreachable at {url}: {e}");
+                return;
+            }
+        };
+        fn request<'a>(identity: &'a Identity, token: &'a OwnerToken) -> ReserveRequest<'a> {
+            ReserveRequest {
+                identity,
+                fingerprint: None,
+                token,
+                lease: Duration::from_secs(60),
+                ttl: Duration::from_secs(86_400),
+            }
+        }
+        let complete = |identity: &Identity, token: &OwnerToken| {
+            let outcome = StoredOutcome {
+                is_error: false,
+                payload: b"\"first tenant's\"".to_vec(),
+            };
+            let store = store.clone();
+            let (identity, token) = (identity.clone(), token.clone());
+            async move {
+                let completion =
+                    Completion::by_body(&identity, &token, &outcome, Duration::from_secs(86_400));
+                assert!(store
+                    .complete(completion)
+                    .await
+                    .expect("complete")
+                    .is_written());
+            }
+        };
+        let (first, second) = (
+            format!("t-{}", OwnerToken::new().as_str()),
+            format!("t-{}", OwnerToken::new().as_str()),
+        );
+        let theirs = Identity::new(first.clone(), "mysql_unit.read", "k").expect("id");
+        let token = OwnerToken::new();
+        store
+            .reserve(request(&theirs, &token))
+            .await
+            .expect("reserve");
+        complete(&theirs, &token).await;
+        let ours = Identity::new(second, "mysql_unit.read", "k").expect("id");
+        let token = OwnerToken::new();
+        let answer = reserve_through_store(store.pool(), request(&ours, &token), false).await;
+        assert!(
+            matches!(answer, Ok(Reservation::Acquired { attempt: 1, .. })),
+            "another tenant's record answered: {answer:?}"
+        );
+
+        let off = sqlx::mysql::MySqlPoolOptions::new()
+            .max_connections(1)
+            .after_connect(|conn, _| {
+                Box::pin(async move {
+                    conn.execute("SET SESSION autocommit = 0").await?;
+                    Ok(())
+                })
+            })
+            .connect(&url)
+            .await
+            .expect("pool");
+        let running = Identity::new(first, "mysql_unit.read", "running").expect("id");
+        let owner = OwnerToken::new();
+        store
+            .reserve(request(&running, &owner))
+            .await
+            .expect("reserve");
+        let token = OwnerToken::new();
+        let answer = reserve_through_store(&off, request(&running, &token), false).await;
+        assert!(
+            matches!(answer, Ok(Reservation::InProgress { .. })),
+            "{answer:?}"
+        );
+        complete(&running, &owner).await;
+        let token = OwnerToken::new();
+        let answer = reserve_through_store(&off, request(&running, &token), false).await;
+        assert!(
+            matches!(answer, Ok(Reservation::Completed(_))),
+            "a retry after the completion was answered {answer:?}"
+        );
+        off.close().await;
+    }
+
     #[test]
     fn splits_on_marker_lines_only() {
         let sql = "-- says `-- @@statement` inline\nA;\n-- @@statement\nB\n-- @@statement\n";
