@@ -2819,3 +2819,100 @@ async fn the_workers_statement_behind_a_held_row_ends_on_the_server() {
         .expect("drop database");
     assert_eq!(record.state, idempotent_runtime::RecordState::Complete);
 }
+
+/// The reservation procedure's answers are read in full. A store whose
+/// sessions have autocommit off has every reservation answered by the
+/// procedure: a live lease is told with the time it has left (the
+/// `retry_after` a refused duplicate is given), a recorded error replays as
+/// an error, and a takeover after a lease ran out is counted as the second
+/// attempt with when the first one started (what a `recover` hook is told,
+/// rule 20).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_procedures_answers_are_read_in_full() {
+    let Some(admin) = mysql_store_or_skip().await else {
+        return;
+    };
+    let store = autocommit_off_store(1).await;
+    let tenant = fresh_tenant();
+    let f = fp("a");
+
+    let running = Identity::new(&tenant, "edges.procedure_answers", "running").expect("id");
+    let owner = OwnerToken::new();
+    let lease = Duration::from_secs(600);
+    admin
+        .reserve(request(&running, Some(&f), &owner, lease, LONG))
+        .await
+        .expect("reserve");
+    let other = OwnerToken::new();
+    match store
+        .reserve(request(&running, Some(&f), &other, lease, LONG))
+        .await
+        .expect("reserve")
+    {
+        Reservation::InProgress { lease_remaining } => assert!(
+            lease_remaining > Duration::from_secs(60) && lease_remaining <= lease,
+            "a lease of {lease:?} was told as {lease_remaining:?} left"
+        ),
+        other => panic!("expected InProgress, got {other:?}"),
+    }
+
+    let failed = Identity::new(&tenant, "edges.procedure_answers", "failed").expect("id");
+    let owner = OwnerToken::new();
+    admin
+        .reserve(request(&failed, Some(&f), &owner, LONG, LONG))
+        .await
+        .expect("reserve");
+    let error = StoredOutcome {
+        is_error: true,
+        payload: b"\"declined\"".to_vec(),
+    };
+    assert!(admin
+        .complete(Completion::by_body(&failed, &owner, &error, LONG))
+        .await
+        .expect("complete")
+        .is_written());
+    let other = OwnerToken::new();
+    match store
+        .reserve(request(&failed, Some(&f), &other, LONG, LONG))
+        .await
+        .expect("reserve")
+    {
+        Reservation::Completed(outcome) => assert_eq!(outcome, error),
+        other => panic!("expected the recorded error, got {other:?}"),
+    }
+
+    let lost = Identity::new(&tenant, "edges.procedure_answers", "lost").expect("id");
+    let owner = OwnerToken::new();
+    admin
+        .reserve(request(&lost, Some(&f), &owner, lease, LONG))
+        .await
+        .expect("reserve");
+    let started = admin
+        .fetch(&lost)
+        .await
+        .expect("fetch")
+        .expect("the record")
+        .attempt_started_at_ms;
+    // The owner ends its lease (a zero lease), as a crashed owner's runs out.
+    assert!(admin
+        .heartbeat(&lost, &owner, Duration::ZERO)
+        .await
+        .expect("heartbeat")
+        .is_written());
+    let taker = OwnerToken::new();
+    match store
+        .reserve(request(&lost, Some(&f), &taker, lease, LONG))
+        .await
+        .expect("reserve")
+    {
+        Reservation::Acquired {
+            attempt,
+            previous_attempt_started_at_ms,
+            ..
+        } => {
+            assert_eq!(attempt, 2, "a takeover is the second attempt");
+            assert_eq!(previous_attempt_started_at_ms, Some(started));
+        }
+        other => panic!("expected a takeover, got {other:?}"),
+    }
+}
