@@ -208,11 +208,31 @@ async fn a_write_kept_alive_but_never_polled_again_does_not_stop_other_writes() 
         reserve(&store, &parked_id, &parked_token).await,
         Reservation::Acquired { .. }
     ));
-    let mut parked = Box::pin(store.heartbeat(&parked_id, &parked_token, LONG));
     // One poll: the heartbeat takes the (free) write turn at once and waits
     // for its statement; it is never polled again (until it is dropped,
-    // below, so the pool can close).
-    assert!(futures::poll!(parked.as_mut()).is_pending());
+    // below, so the pool can close). The statement runs in a task of its
+    // own, which on an idle machine can finish before that one poll looks:
+    // then the heartbeat is done, holds nothing, and another one is parked
+    // (bounded; a renewal of the same lease, so repeating it changes nothing).
+    let mut finished_at_once = Vec::new();
+    let mut parked = None;
+    for _ in 0..100 {
+        let mut heartbeat = Box::pin(store.heartbeat(&parked_id, &parked_token, LONG));
+        match futures::poll!(heartbeat.as_mut()) {
+            std::task::Poll::Pending => {
+                parked = Some(heartbeat);
+                break;
+            }
+            std::task::Poll::Ready(done) => finished_at_once.push(done),
+        }
+    }
+    assert!(
+        finished_at_once
+            .iter()
+            .all(|done| matches!(done, Ok(Fenced::Written))),
+        "a heartbeat that finished at its first poll renewed the lease: {finished_at_once:?}"
+    );
+    let parked = parked.expect("a heartbeat parked while its statement runs");
 
     let (other, token) = (identity("written-meanwhile"), OwnerToken::new());
     let outcome = StoredOutcome {
