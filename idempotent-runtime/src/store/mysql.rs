@@ -1486,6 +1486,24 @@ mod tests {
         assert_eq!(result_limit(u64::MAX), max);
     }
 
+    /// The store on the test server (`IDEMPOTENT_MYSQL_URL`, by default the
+    /// local one) and its URL; `None`, said loudly, when it is unreachable,
+    /// unless `IDEMPOTENT_REQUIRE_SERVERS=1`.
+    async fn server_store() -> Option<(MySqlStore, String)> {
+        let url = std::env::var("IDEMPOTENT_MYSQL_URL")
+            .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into());
+        match MySqlStore::connect(&url).await {
+            Ok(store) => Some((store, url)),
+            Err(e) if std::env::var("IDEMPOTENT_REQUIRE_SERVERS").is_ok_and(|v| v == "1") => {
+                panic!("MySQL/MariaDB unreachable at {url}: {e}")
+            }
+            Err(e) => {
+                eprintln!("SKIPPED: MySQL/MariaDB unreachable at {url}: {e}");
+                None
+            }
+        }
+    }
+
     /// Rule 11 on MySQL 8's path (no `@@in_transaction`: a fresh key goes from
     /// the plain read to the procedure on a connection nobody asked): run on
     /// MariaDB by calling the store's reservation as it runs for MySQL 8. A
@@ -1494,17 +1512,8 @@ mod tests {
     /// set clock; both are refused now, and nothing is written.
     #[tokio::test]
     async fn mysql_8s_reservation_refuses_a_session_whose_clock_is_set() {
-        let url = std::env::var("IDEMPOTENT_MYSQL_URL")
-            .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into());
-        let store = match MySqlStore::connect(&url).await {
-            Ok(store) => store,
-            Err(e) if std::env::var("IDEMPOTENT_REQUIRE_SERVERS").is_ok_and(|v| v == "1") => {
-                panic!("MySQL/MariaDB unreachable at {url}: {e}")
-            }
-            Err(e) => {
-                eprintln!("SKIPPED: MySQL/MariaDB unreachable at {url}: {e}");
-                return;
-            }
+        let Some((store, url)) = server_store().await else {
+            return;
         };
         let tenant = format!("t-{}", OwnerToken::new().as_str());
         fn request<'a>(identity: &'a Identity, token: &'a OwnerToken) -> ReserveRequest<'a> {
@@ -1573,17 +1582,8 @@ mod tests {
     /// in progress (a legitimate retry refused until the connection ends).
     #[tokio::test]
     async fn mysql_8s_plain_read_keeps_tenants_apart_and_reads_no_old_snapshot() {
-        let url = std::env::var("IDEMPOTENT_MYSQL_URL")
-            .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into());
-        let store = match MySqlStore::connect(&url).await {
-            Ok(store) => store,
-            Err(e) if std::env::var("IDEMPOTENT_REQUIRE_SERVERS").is_ok_and(|v| v == "1") => {
-                panic!("MySQL/MariaDB unreachable at {url}: {e}")
-            }
-            Err(e) => {
-                eprintln!("SKIPPED: MySQL/MariaDB unreachable at {url}: {e}");
-                return;
-            }
+        let Some((store, url)) = server_store().await else {
+            return;
         };
         fn request<'a>(identity: &'a Identity, token: &'a OwnerToken) -> ReserveRequest<'a> {
             ReserveRequest {
