@@ -2087,6 +2087,83 @@ async fn a_transaction_on_a_session_whose_clock_is_set_is_refused() {
     );
 }
 
+/// A transactional body that backdates its own writes (`SET timestamp`, so
+/// that `DEFAULT CURRENT_TIMESTAMP` columns take a historical time, as data
+/// replays do), and sets it back before it returns only when told to.
+#[idempotent(scope = "mysql_edges.backdated", key = key, tenant = tenant, tx = tx, ttl = "1h",
+             skip(set_back))]
+async fn backdated_charge(
+    tx: &mut sqlx::Transaction<'_, MySql>,
+    tenant: &str,
+    key: &str,
+    set_back: bool,
+) -> Result<u64, Error> {
+    (&mut **tx)
+        .execute("SET timestamp = UNIX_TIMESTAMP(SYSDATE()) - 86400")
+        .await
+        .expect("backdate the session's clock");
+    sqlx::query("INSERT INTO idempotent_edges_writes (tenant, what) VALUES (?, 'backdated')")
+        .bind(tenant)
+        .execute(&mut **tx)
+        .await
+        .expect("the body's write");
+    if set_back {
+        (&mut **tx)
+            .execute("SET timestamp = DEFAULT")
+            .await
+            .expect("set the clock back");
+    }
+    Ok(42)
+}
+
+/// Rule 11 in transactional mode, the clock set by the body itself: the
+/// check before the reservation saw the server's clock, and the completion
+/// computed the record's expiry on the body's (a day back, so a ttl of an
+/// hour had run out at once): the caller committed, and its retry ran the
+/// body a second time. The completion is now refused like a reservation on
+/// a set clock; the caller rolls back, and its retry (whose body sets the
+/// clock back) runs once, then replays.
+#[tokio::test]
+async fn a_body_that_sets_the_sessions_clock_records_nothing_by_it() {
+    let Some(store) = mysql_store_or_skip().await else {
+        return;
+    };
+    sqlx::query(EDGES_DDL)
+        .execute(store.pool())
+        .await
+        .expect("ddl");
+    let tenant = fresh_tenant();
+    let mut conn = store.pool().acquire().await.expect("connection");
+    for attempt in 1..=3 {
+        let mut tx = sqlx::Connection::begin(&mut *conn).await.expect("begin");
+        let answer = backdated_charge(&mut tx, &tenant, "k", attempt > 1).await;
+        match answer {
+            Ok(value) => {
+                assert_eq!(value, 42);
+                tx.commit().await.expect("commit");
+            }
+            Err(Error::Store(e)) if attempt == 1 && e.to_string().contains("SET timestamp") => {
+                tx.rollback().await.expect("rollback");
+            }
+            Err(e) => panic!("attempt {attempt}: {e}"),
+        }
+        conn.execute("SET timestamp = DEFAULT")
+            .await
+            .expect("reset the clock");
+    }
+    conn.close_on_drop();
+    assert_eq!(
+        writes(store.pool(), &tenant, "backdated").await,
+        1,
+        "the body's effect is committed once"
+    );
+    let identity = Identity::new(tenant.as_str(), "mysql_edges.backdated", "k").expect("identity");
+    assert!(
+        store.fetch(&identity).await.expect("fetch").is_some(),
+        "the record is there, not expired"
+    );
+}
+
 /// Four store-mode callers of a key a transactional-mode owner holds
 /// uncommitted, the owner rolling back while they wait: none gets an error (no
 /// InnoDB deadlock between waiters: they wait one at a time under GET_LOCK,
@@ -2301,19 +2378,19 @@ struct Deadlock {
 /// this one. The body carries on and answers `Ok`.
 #[idempotent(scope = "mysql_edges.deadlock", key = key, tenant = tenant, tx = tx, skip(rows))]
 async fn deadlocked(
-    tx: &mut sqlx::Transaction<'_, MySql>,
+    tx: &mut sqlx::MySqlConnection,
     tenant: &str,
     key: &str,
     rows: &Deadlock,
 ) -> Result<u64, Error> {
     sqlx::query("UPDATE idempotent_test_deadlock SET n = n + 1 WHERE id = ?")
         .bind(rows.first)
-        .execute(&mut **tx)
+        .execute(&mut *tx)
         .await
         .expect("lock the first row");
     // It waits for the other's lock until the deadlock is found, however
     // slow the server is (a pooled session may carry a shorter wait).
-    (&mut **tx)
+    (&mut *tx)
         .execute("SET SESSION innodb_lock_wait_timeout = 60")
         .await
         .expect("lock wait");
@@ -2321,7 +2398,7 @@ async fn deadlocked(
     rows.second_locked.notified().await;
     let second = sqlx::query("UPDATE idempotent_test_deadlock SET n = n + 1 WHERE id = ?")
         .bind(rows.second)
-        .execute(&mut **tx)
+        .execute(&mut *tx)
         .await;
     let deadlock =
         matches!(&second, Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("40001"));
@@ -2337,6 +2414,31 @@ async fn deadlocked(
 /// other holds it; the order of the two waits does not matter.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_transaction_the_server_rolled_back_is_not_reported_as_a_takeover() {
+    a_deadlock_victims_call_names_the_rollback(Session::Begin).await;
+}
+
+/// [`a_transaction_the_server_rolled_back_is_not_reported_as_a_takeover`]
+/// on a session with `autocommit = 0`: there the body's next statement (and
+/// the completion) opens a new transaction at once, so the session is still
+/// "in a transaction" when the completion finds no record. It said
+/// `LeaseLost` all the same.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_autocommit_off_session_the_server_rolled_back_is_not_reported_as_a_takeover() {
+    a_deadlock_victims_call_names_the_rollback(Session::AutocommitOff).await;
+}
+
+/// How the body's transaction is opened.
+#[derive(Clone, Copy, Debug)]
+enum Session {
+    /// `BEGIN`, through sqlx.
+    Begin,
+    /// `SET autocommit = 0`: every statement opens a transaction.
+    AutocommitOff,
+}
+
+/// The body's transaction is a deadlock's victim; the body carries on and
+/// answers `Ok`; the call must say the server rolled it back.
+async fn a_deadlock_victims_call_names_the_rollback(session: Session) {
     let Some(store) = mysql_store_or_skip().await else {
         return;
     };
@@ -2361,7 +2463,11 @@ async fn a_transaction_the_server_rolled_back_is_not_reported_as_a_takeover() {
             .expect("row");
     }
     let tenant = fresh_tenant();
-    let mut tx = pool.begin().await.expect("begin");
+    let mut tx = pool.acquire().await.expect("acquire");
+    match session {
+        Session::Begin => tx.execute("BEGIN").await.expect("begin"),
+        Session::AutocommitOff => tx.execute("SET autocommit = 0").await.expect("autocommit"),
+    };
     let call = deadlocked(&mut tx, &tenant, "k", &rows);
     let other = async {
         let mut conn = pool.acquire().await.expect("acquire");
@@ -2392,9 +2498,11 @@ async fn a_transaction_the_server_rolled_back_is_not_reported_as_a_takeover() {
     );
     match answer {
         Err(Error::Store(e)) => assert!(e.to_string().contains("rolled back by the server"), "{e}"),
-        other => panic!("expected a store error naming the rollback, got {other:?}"),
+        other => panic!("{session:?}: expected a store error naming the rollback, got {other:?}"),
     }
-    let _ = tx.rollback().await;
+    let _ = tx.execute("ROLLBACK").await;
+    tx.close_on_drop();
+    drop(tx);
     let identity = Identity::new(tenant.as_str(), "mysql_edges.deadlock", "k").expect("identity");
     assert!(
         store.fetch(&identity).await.expect("fetch").is_none(),

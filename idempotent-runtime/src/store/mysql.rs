@@ -267,9 +267,13 @@ macro_rules! committed {
 /// How a fenced write is committed.
 #[derive(Debug, Clone, Copy)]
 enum Commit {
-    /// With the transaction it runs in: the caller's (transactional mode),
-    /// or one of the store's own.
+    /// With the transaction it runs in, one of the store's own (the session
+    /// checked before it began).
     WithTheTransaction,
+    /// With the caller's transaction (transactional mode). The caller's body
+    /// ran on the session since its checks, and may have set its clock: a
+    /// write that decides a lease or a retention by it matches nothing.
+    WithTheCallersTransaction,
     /// As one autocommit statement; a no-op on a session with autocommit off.
     Autocommit,
 }
@@ -283,6 +287,7 @@ impl Commit {
     fn condition(self) -> &'static str {
         match self {
             Commit::WithTheTransaction => "",
+            Commit::WithTheCallersTransaction => concat!(" AND ", clock_unset!()),
             Commit::Autocommit => {
                 concat!(
                     " AND @@SESSION.autocommit = 1 /*M! AND @@SESSION.in_transaction = 0 */ AND ",
@@ -1009,7 +1014,7 @@ async fn complete_with<'e, E: Executor<'e, Database = MySql>>(
     executor: E,
     completion: Completion<'_>,
 ) -> Result<Fenced, StoreError> {
-    complete_as(Commit::WithTheTransaction, executor, completion).await
+    complete_as(Commit::WithTheCallersTransaction, executor, completion).await
 }
 
 /// Records the outcome, fenced by the token; an outcome a `recover` hook
@@ -1078,7 +1083,14 @@ async fn heartbeat_with<'e, E: Executor<'e, Database = MySql>>(
     token: &OwnerToken,
     lease: Duration,
 ) -> Result<Fenced, StoreError> {
-    heartbeat_as(Commit::WithTheTransaction, executor, identity, token, lease).await
+    heartbeat_as(
+        Commit::WithTheCallersTransaction,
+        executor,
+        identity,
+        token,
+        lease,
+    )
+    .await
 }
 
 /// Deletes the in-progress record in the caller's transaction (transactional mode).
@@ -1343,19 +1355,24 @@ async fn max_result_bytes_on(conn: &mut sqlx::MySqlConnection) -> Result<usize, 
 }
 
 /// Transactional mode's completion: [`complete_with`] in the caller's
-/// transaction. When it finds no record of this call's, and the session is
-/// no longer in a transaction, the server ended the caller's transaction
-/// while the body ran: InnoDB rolls back a deadlock's victim whole (and a
-/// lock wait timeout's with `innodb_rollback_on_timeout`), reservation and
-/// body's writes alike. Nobody took the record over, so that is not
-/// `LeaseLost`: it is a store error that says so; a retry in a new
-/// transaction runs again.
+/// transaction. The reservation's row is locked by that transaction until
+/// it ends, so nobody else can have taken the record over while it is
+/// open. When the completion matches nothing, either the body set the
+/// session's clock (refused by [`in_transaction`]'s check, as a
+/// reservation on a set clock is), or the caller's transaction ended while
+/// the body ran: InnoDB rolls back a deadlock's victim whole (and a lock
+/// wait timeout's with `innodb_rollback_on_timeout`), reservation and
+/// body's writes alike, and with autocommit off the body's next statement
+/// opens a new transaction at once, so the session still says it is in
+/// one. That is not `LeaseLost`: it is a store error that says so; a retry
+/// in a new transaction runs again.
 async fn complete_in_transaction(
     conn: &mut sqlx::MySqlConnection,
     completion: Completion<'_>,
 ) -> Result<Fenced, StoreError> {
     let written = complete_with(&mut *conn, completion).await?;
-    if written == Fenced::NotOwner && !in_transaction(conn).await? {
+    if written == Fenced::NotOwner {
+        in_transaction(conn).await?;
         return Err(StoreError::new(
             STORE,
             "complete",
@@ -1371,8 +1388,9 @@ const TRANSACTION_ENDED_BY_THE_SERVER: &str = concat!(
     "most likely rolled back by the server (a deadlock, or a lock wait timeout with ",
     "innodb_rollback_on_timeout), which undid the reservation and the body's writes; or ",
     "committed by a statement that commits implicitly (DDL, COMMIT), after which another ",
-    "caller may have taken the record over. Nothing was recorded: run the call again in a ",
-    "new transaction"
+    "caller may have taken the record over. Nothing was recorded: roll back (with autocommit ",
+    "off, what the body wrote after its transaction ended is in the session's current one) and ",
+    "run the call again in a new transaction"
 );
 
 /// Whether the connection is in a transaction, as the server sees it:
@@ -1430,8 +1448,8 @@ const SESSION_CLOCK_REFUSED: &str = concat!(
     "the session's clock is set (SET timestamp = ...): leases and retention are decided on the ",
     "server's clock, and a set clock would make a complete record look expired (or a lost ",
     "lease look live), so nothing was written. Run `SET timestamp = DEFAULT` on the connection ",
-    "before the call (and before it goes back to a pool the store shares), or give the store a ",
-    "pool of its own"
+    "before the call (and before it goes back to a pool the store shares; a body that sets the ",
+    "clock sets it back before it returns), or give the store a pool of its own"
 );
 
 /// The reservation in the connection's transaction, waiting for a row lock
