@@ -155,6 +155,14 @@ impl Worker {
         self.signal(libc::SIGCONT);
     }
 
+    /// Stops the worker once it says `line`, and keeps it stopped until its
+    /// lease has run out ([`PAST_THE_LEASE`]).
+    fn stop_at_past_the_lease(&mut self, line: &str) {
+        self.reached(line);
+        self.stop();
+        std::thread::sleep(PAST_THE_LEASE);
+    }
+
     /// Reads lines until one starts with one of `prefixes`, within `within`.
     fn until(&mut self, prefixes: &[&str], within: Duration) -> String {
         let deadline = Instant::now() + within;
@@ -224,6 +232,17 @@ async fn snapshot(
         .expect("the record")
 }
 
+/// One test per backend for a scenario: `scenario => Backend: test_name, ...`
+/// (a backend left out where it cannot show the scenario).
+macro_rules! on_each_backend {
+    ($scenario:ident => $($backend:ident: $test:ident),+ $(,)?) => {$(
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn $test() {
+            $scenario(Backend::$backend).await;
+        }
+    )+};
+}
+
 /// Rules 9 and 10: an owner stopped mid-body past its lease (no renewal
 /// while it is stopped) is taken over by a call in another process, which
 /// runs the body again (no recover hook: a takeover may) and records its
@@ -236,9 +255,7 @@ async fn stopped_owner_is_fenced(backend: Backend) {
     };
     let (tenant, key, effects) = (fresh_tenant(), "stopped-owner", effects_dir());
     let mut holder = Worker::start(&db, "store", &tenant, key, &effects, 3000);
-    holder.reached("body ");
-    holder.stop();
-    std::thread::sleep(PAST_THE_LEASE);
+    holder.stop_at_past_the_lease("body ");
 
     // The owner is resumed while the takeover's body runs (the record in
     // progress under the new owner's token), so its renewals and its
@@ -274,20 +291,12 @@ async fn stopped_owner_is_fenced(backend: Backend) {
     assert_eq!(body_runs(&effects), 2);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn stopped_owner_is_fenced_after_a_takeover_sqlite() {
-    stopped_owner_is_fenced(Backend::Sqlite).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn stopped_owner_is_fenced_after_a_takeover_postgres() {
-    stopped_owner_is_fenced(Backend::Pg).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn stopped_owner_is_fenced_after_a_takeover_mariadb() {
-    stopped_owner_is_fenced(Backend::MySql).await;
-}
+on_each_backend!(
+    stopped_owner_is_fenced =>
+        Sqlite: stopped_owner_is_fenced_after_a_takeover_sqlite,
+        Pg: stopped_owner_is_fenced_after_a_takeover_postgres,
+        MySql: stopped_owner_is_fenced_after_a_takeover_mariadb,
+);
 
 /// Rule 20 with a stopped owner: the takeover asks the hook (attempt 2),
 /// which finds the stopped owner's effect and answers `Completed`: the body
@@ -299,9 +308,7 @@ async fn stopped_owner_recovered(backend: Backend) {
     };
     let (tenant, key, effects) = (fresh_tenant(), "stopped-recovered", effects_dir());
     let mut holder = Worker::start(&db, "recover", &tenant, key, &effects, 3000);
-    holder.reached("body ");
-    holder.stop();
-    std::thread::sleep(PAST_THE_LEASE);
+    holder.stop_at_past_the_lease("body ");
 
     let mut taker = Worker::start(&db, "recover", &tenant, key, &effects, 0);
     let answer = taker.answer();
@@ -338,20 +345,12 @@ async fn stopped_owner_recovered(backend: Backend) {
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn stopped_owner_is_fenced_after_a_recovered_takeover_sqlite() {
-    stopped_owner_recovered(Backend::Sqlite).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn stopped_owner_is_fenced_after_a_recovered_takeover_postgres() {
-    stopped_owner_recovered(Backend::Pg).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn stopped_owner_is_fenced_after_a_recovered_takeover_mariadb() {
-    stopped_owner_recovered(Backend::MySql).await;
-}
+on_each_backend!(
+    stopped_owner_recovered =>
+        Sqlite: stopped_owner_is_fenced_after_a_recovered_takeover_sqlite,
+        Pg: stopped_owner_is_fenced_after_a_recovered_takeover_postgres,
+        MySql: stopped_owner_is_fenced_after_a_recovered_takeover_mariadb,
+);
 
 /// Rule 20 with an owner stopped inside its recover hook: a record left by
 /// a crashed owner (no effect: the hooks answer `Run`) is taken over by A,
@@ -412,20 +411,12 @@ async fn stopped_in_the_recover_hook(backend: Backend) {
     assert_eq!(later.answer(), format!("replayed {}", b.pid()));
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn stopped_in_the_recover_hook_sqlite() {
-    stopped_in_the_recover_hook(Backend::Sqlite).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn stopped_in_the_recover_hook_postgres() {
-    stopped_in_the_recover_hook(Backend::Pg).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn stopped_in_the_recover_hook_mariadb() {
-    stopped_in_the_recover_hook(Backend::MySql).await;
-}
+on_each_backend!(
+    stopped_in_the_recover_hook =>
+        Sqlite: stopped_in_the_recover_hook_sqlite,
+        Pg: stopped_in_the_recover_hook_postgres,
+        MySql: stopped_in_the_recover_hook_mariadb,
+);
 
 /// Stopped right after its body returned (the completion about to be sent,
 /// or in flight): whichever landed first, there is one answer. Either the
@@ -441,9 +432,7 @@ async fn stopped_while_completing(backend: Backend) {
     };
     let (tenant, key, effects) = (fresh_tenant(), "stopped-completing", effects_dir());
     let mut holder = Worker::start(&db, "store", &tenant, key, &effects, 0);
-    holder.reached("returning ");
-    holder.stop();
-    std::thread::sleep(PAST_THE_LEASE);
+    holder.stop_at_past_the_lease("returning ");
 
     let mut taker = Worker::start(&db, "store", &tenant, key, &effects, 0);
     let taken = taker.answer();
@@ -483,20 +472,12 @@ async fn stopped_while_completing(backend: Backend) {
     assert_eq!(later.answer(), format!("replayed {winner}"));
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn stopped_while_completing_keeps_one_answer_sqlite() {
-    stopped_while_completing(Backend::Sqlite).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn stopped_while_completing_keeps_one_answer_postgres() {
-    stopped_while_completing(Backend::Pg).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn stopped_while_completing_keeps_one_answer_mariadb() {
-    stopped_while_completing(Backend::MySql).await;
-}
+on_each_backend!(
+    stopped_while_completing =>
+        Sqlite: stopped_while_completing_keeps_one_answer_sqlite,
+        Pg: stopped_while_completing_keeps_one_answer_postgres,
+        MySql: stopped_while_completing_keeps_one_answer_mariadb,
+);
 
 /// Rule 4 with a stopped owner whose lease (30 s) is live: a duplicate
 /// waiting for it (`wait("2s")`) gives up within its bound with
@@ -535,20 +516,12 @@ async fn duplicate_waits_for_a_stopped_owner(backend: Backend) {
     assert_eq!(body_runs(&effects), 1);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn duplicate_waiting_for_a_stopped_owner_is_bounded_sqlite() {
-    duplicate_waits_for_a_stopped_owner(Backend::Sqlite).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn duplicate_waiting_for_a_stopped_owner_is_bounded_postgres() {
-    duplicate_waits_for_a_stopped_owner(Backend::Pg).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn duplicate_waiting_for_a_stopped_owner_is_bounded_mariadb() {
-    duplicate_waits_for_a_stopped_owner(Backend::MySql).await;
-}
+on_each_backend!(
+    duplicate_waits_for_a_stopped_owner =>
+        Sqlite: duplicate_waiting_for_a_stopped_owner_is_bounded_sqlite,
+        Pg: duplicate_waiting_for_a_stopped_owner_is_bounded_postgres,
+        MySql: duplicate_waiting_for_a_stopped_owner_is_bounded_mariadb,
+);
 
 /// Transactional mode, the owner stopped mid-body inside its transaction
 /// (on SQLite holding the database's write lock; on PostgreSQL and MariaDB
@@ -585,20 +558,12 @@ async fn stopped_in_a_transaction(backend: Backend) {
     assert_eq!(body_runs(&effects), 1);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn stopped_in_a_transaction_sqlite() {
-    stopped_in_a_transaction(Backend::Sqlite).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn stopped_in_a_transaction_postgres() {
-    stopped_in_a_transaction(Backend::Pg).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn stopped_in_a_transaction_mariadb() {
-    stopped_in_a_transaction(Backend::MySql).await;
-}
+on_each_backend!(
+    stopped_in_a_transaction =>
+        Sqlite: stopped_in_a_transaction_sqlite,
+        Pg: stopped_in_a_transaction_postgres,
+        MySql: stopped_in_a_transaction_mariadb,
+);
 
 /// The lease runs out while the owner is stopped, and it is resumed at the
 /// moment another process's takeover is sent: either the resumed owner's
@@ -614,9 +579,7 @@ async fn resumed_as_taken_over(backend: Backend) {
         let (tenant, effects) = (fresh_tenant(), effects_dir());
         let key = format!("resumed-{round}");
         let mut holder = Worker::start(&db, "store", &tenant, &key, &effects, 1500);
-        holder.reached("body ");
-        holder.stop();
-        std::thread::sleep(PAST_THE_LEASE);
+        holder.stop_at_past_the_lease("body ");
         let mut taker = Worker::start(&db, "store", &tenant, &key, &effects, 0);
         taker.reached("connected");
         holder.resume();
@@ -649,20 +612,12 @@ async fn resumed_as_taken_over(backend: Backend) {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn resumed_as_its_record_is_taken_over_sqlite() {
-    resumed_as_taken_over(Backend::Sqlite).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn resumed_as_its_record_is_taken_over_postgres() {
-    resumed_as_taken_over(Backend::Pg).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn resumed_as_its_record_is_taken_over_mariadb() {
-    resumed_as_taken_over(Backend::MySql).await;
-}
+on_each_backend!(
+    resumed_as_taken_over =>
+        Sqlite: resumed_as_its_record_is_taken_over_sqlite,
+        Pg: resumed_as_its_record_is_taken_over_postgres,
+        MySql: resumed_as_its_record_is_taken_over_mariadb,
+);
 
 /// Stopped while its reservation is in flight: a takeover that waits on
 /// the server for a row lock (here the test's `SELECT … FOR UPDATE`) is
@@ -731,6 +686,12 @@ async fn stopped_while_its_reservation_lands(backend: Backend) {
     panic!("the stop never fell while the reservation waited on the server");
 }
 
+on_each_backend!(
+    stopped_while_its_reservation_lands =>
+        Pg: stopped_while_its_reservation_lands_runs_no_body_postgres,
+        MySql: stopped_while_its_reservation_lands_runs_no_body_mariadb,
+);
+
 /// A record's row locked by an open transaction of the test's.
 enum RowLock {
     Pg(sqlx::Transaction<'static, sqlx::Postgres>),
@@ -778,14 +739,4 @@ impl RowLock {
             RowLock::My(tx) => tx.commit().await.expect("commit"),
         }
     }
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn stopped_while_its_reservation_lands_runs_no_body_postgres() {
-    stopped_while_its_reservation_lands(Backend::Pg).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn stopped_while_its_reservation_lands_runs_no_body_mariadb() {
-    stopped_while_its_reservation_lands(Backend::MySql).await;
 }
