@@ -840,6 +840,16 @@ async fn calls_again_in_one_transaction_never_take_over_a_live_store_owner() {
 const EDGES_DDL: &str = "CREATE TABLE IF NOT EXISTS idempotent_edges_writes (
     tenant VARCHAR(100) NOT NULL, what VARCHAR(100) NOT NULL) ENGINE = InnoDB";
 
+/// The test server's store, with the table the bodies write their effects to.
+async fn edges_store() -> Option<MySqlStore> {
+    let store = mysql_store_or_skip().await?;
+    sqlx::query(EDGES_DDL)
+        .execute(store.pool())
+        .await
+        .expect("ddl");
+    Some(store)
+}
+
 #[derive(Default)]
 struct Hold {
     reached: Notify,
@@ -2036,13 +2046,9 @@ async fn a_store_on_sessions_whose_clock_is_set_decides_nothing_by_it() {
 /// is reset the record replays.
 #[tokio::test]
 async fn a_transaction_on_a_session_whose_clock_is_set_is_refused() {
-    let Some(store) = mysql_store_or_skip().await else {
+    let Some(store) = edges_store().await else {
         return;
     };
-    sqlx::query(EDGES_DDL)
-        .execute(store.pool())
-        .await
-        .expect("ddl");
     let tenant = fresh_tenant();
     let mut tx = store.pool().begin().await.expect("begin");
     assert_eq!(
@@ -2125,13 +2131,9 @@ async fn backdated_charge(
 /// clock back) runs once, then replays.
 #[tokio::test]
 async fn a_body_that_sets_the_sessions_clock_records_nothing_by_it() {
-    let Some(store) = mysql_store_or_skip().await else {
+    let Some(store) = edges_store().await else {
         return;
     };
-    sqlx::query(EDGES_DDL)
-        .execute(store.pool())
-        .await
-        .expect("ddl");
     let tenant = fresh_tenant();
     let mut conn = store.pool().acquire().await.expect("connection");
     for attempt in 1..=3 {
