@@ -1,13 +1,15 @@
 //! Layer: HTTP. The server-side layer (`http_server`), the retrying client
 //! (`http_client`), the example server SIGKILLed and restarted
 //! (`http_crash`), and the trailers and extensions of the first answer and
-//! of a replay (`http_trailers`). `http_app` is the shared test application.
+//! of a replay (`http_trailers`), request bodies that cannot be read
+//! (`http_body_errors`). `http_app` is the shared test application.
 
 #[path = "../common/mod.rs"]
 mod common;
 #[path = "../common/http.rs"]
 mod http_app;
 
+mod http_body_errors;
 mod http_client;
 mod http_crash;
 mod http_edges;

@@ -718,14 +718,21 @@ where
         }
         Err(e) => {
             tracing::info!(target: "idempotent", scope = spec.scope, error = %e, "request body could not be read");
-            return Ok(Problem::new(
+            let mut response = Problem::new(
                 StatusCode::BAD_REQUEST,
                 types::BODY_UNREADABLE,
                 "Request body could not be read",
                 "The request body ended early or was malformed. Send the request again with \
                  the same Idempotency-Key.",
             )
-            .into_response());
+            .into_response();
+            // Nothing ran and nothing is recorded, as the answer says: an
+            // idempotency layer around this one (outside a request decoder
+            // whose output failed here) must not record it either, or the
+            // request sent again with this key would get this 400 back, or
+            // a 422 once its body is corrected.
+            response.extensions_mut().insert(NotFinal);
+            return Ok(response);
         }
     };
     // The URI the client sent: under `Router::nest` the request's own URI has

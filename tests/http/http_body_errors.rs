@@ -1,0 +1,198 @@
+//! Request bodies that cannot be read: the layer's 400 `body-unreadable`
+//! says nothing ran and nothing was recorded, so the same key may be sent
+//! again; that stays true when an idempotency layer around this one (a
+//! router-wide one, say, outside a request decoder) sees the answer.
+
+use crate::http_app::{authenticate, expect_problem, serve, AccountId};
+use axum::body::{Body, Bytes};
+use axum::extract::{Extension, Request};
+use axum::http::{header, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::Response;
+use axum::routing::post;
+use axum::Router;
+use idempotent_runtime::http::problem::types;
+use idempotent_runtime::http::IdempotencyLayer;
+use idempotent_runtime::MemoryStore;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+/// Stands in for request decompression: a body sent with
+/// `Content-Encoding: x-hex` reaches the service behind it decoded (the
+/// header removed), and one that is not hex fails as it is read, as a
+/// corrupt gzip stream does behind a decompression layer.
+async fn decode_hex(mut request: Request, next: Next) -> Response {
+    if request
+        .headers()
+        .get(header::CONTENT_ENCODING)
+        .is_some_and(|v| v == "x-hex")
+    {
+        request.headers_mut().remove(header::CONTENT_ENCODING);
+        request.headers_mut().remove(header::CONTENT_LENGTH);
+        let (parts, body) = request.into_parts();
+        let encoded = axum::body::to_bytes(body, usize::MAX)
+            .await
+            .expect("the outer layer buffered the body");
+        let decoded: Option<Vec<u8>> = encoded
+            .chunks(2)
+            .map(|pair| {
+                std::str::from_utf8(pair)
+                    .ok()
+                    .and_then(|s| u8::from_str_radix(s, 16).ok())
+            })
+            .collect();
+        let body = match decoded {
+            Some(bytes) => Body::from(bytes),
+            None => Body::from_stream(futures_util::stream::once(async {
+                Err::<Bytes, _>(std::io::Error::other("not hex"))
+            })),
+        };
+        request = Request::from_parts(parts, body);
+    }
+    next.run(request).await
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// An idempotency layer around a request decoder around a route's own
+/// idempotency layer. A body that does not decode is refused by the inner
+/// layer with 400 `body-unreadable` ("send the request again with the same
+/// Idempotency-Key"): nothing ran, nothing was recorded. The outer layer
+/// recorded that 400 as the key's final answer, so the corrected request
+/// sent with the same key, as the answer said, was refused as a reused key
+/// (422), and the same request again was answered with the replayed 400
+/// for the record's ttl. Now the answer is marked `NotFinal`, which no
+/// layer records.
+#[tokio::test]
+async fn an_inner_layers_body_unreadable_is_not_recorded_by_an_outer_layer() {
+    let runs = Arc::new(AtomicUsize::new(0));
+    let counted = runs.clone();
+    let handler = move |Extension(AccountId(account)): Extension<AccountId>, body: Bytes| {
+        let counted = counted.clone();
+        async move {
+            let n = counted.fetch_add(1, Ordering::SeqCst) + 1;
+            let body = String::from_utf8_lossy(&body).into_owned();
+            (StatusCode::CREATED, format!("{account}: {body} (run {n})"))
+        }
+    };
+    let layer = |scope: &str| {
+        IdempotencyLayer::builder(scope, MemoryStore::new())
+            .tenant_from_extension::<AccountId>()
+            .build()
+            .expect("layer")
+    };
+    let app = Router::new()
+        .route("/orders", post(handler))
+        .route_layer(layer("nested.orders"))
+        .layer(middleware::from_fn(decode_hex))
+        .layer(layer("nested.gateway"))
+        .layer(middleware::from_fn(authenticate));
+    let (base, _task) = serve(app).await;
+    let send = |body: String| {
+        reqwest::Client::new()
+            .post(format!("{base}/orders"))
+            .header("x-account-id", "acct-nested")
+            .header("idempotency-key", "order-1")
+            .header("content-encoding", "x-hex")
+            .body(body)
+            .send()
+    };
+
+    let corrupt = send("zz".to_owned()).await.expect("request");
+    expect_problem(corrupt, 400, types::BODY_UNREADABLE).await;
+    assert_eq!(runs.load(Ordering::SeqCst), 0, "nothing ran");
+
+    let again = send("zz".to_owned()).await.expect("request");
+    assert!(
+        again.headers().get("idempotent-replayed").is_none(),
+        "the unreadable body's 400 was recorded and replayed"
+    );
+    expect_problem(again, 400, types::BODY_UNREADABLE).await;
+
+    let corrected = send(hex(b"one order")).await.expect("request");
+    assert_eq!(
+        corrected.status(),
+        StatusCode::CREATED,
+        "the corrected request with the same key: {}",
+        corrected.text().await.expect("body")
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    let retry = send(hex(b"one order")).await.expect("request");
+    assert_eq!(retry.headers()["idempotent-replayed"], "true");
+    assert_eq!(
+        retry.text().await.expect("body"),
+        "acct-nested: one order (run 1)"
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+/// A body that breaks off halfway (a malformed chunk after the first one)
+/// is refused with 400 `body-unreadable` before anything is reserved: the
+/// handler does not run, and the key stays free, so the request sent again
+/// whole with the same key runs once (had the layer reserved the key before
+/// it read the body, the retry would wait on, or be refused by, a record
+/// nobody completes).
+#[tokio::test]
+async fn a_body_that_breaks_off_runs_nothing_and_holds_no_key() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let runs = Arc::new(AtomicUsize::new(0));
+    let counted = runs.clone();
+    let app = Router::new()
+        .route(
+            "/orders",
+            post(move |body: Bytes| {
+                let counted = counted.clone();
+                async move {
+                    counted.fetch_add(1, Ordering::SeqCst);
+                    (StatusCode::CREATED, body)
+                }
+            }),
+        )
+        .route_layer(
+            IdempotencyLayer::builder("broken.bodies", MemoryStore::new())
+                .tenant_from_extension::<AccountId>()
+                .reject_in_progress()
+                .build()
+                .expect("layer"),
+        )
+        .layer(middleware::from_fn(authenticate));
+    let (base, _task) = serve(app).await;
+    let address = base.trim_start_matches("http://");
+    let mut stream = tokio::net::TcpStream::connect(address)
+        .await
+        .expect("connect");
+    stream
+        .write_all(
+            b"POST /orders HTTP/1.1\r\nhost: test\r\nx-account-id: acct-broken\r\n\
+              idempotency-key: order-1\r\ncontent-type: text/plain\r\n\
+              transfer-encoding: chunked\r\n\r\n5\r\nhello\r\nzz\r\n",
+        )
+        .await
+        .expect("write");
+    let mut answer = Vec::new();
+    crate::http_app::bounded(
+        "the answer to the broken body",
+        stream.read_to_end(&mut answer),
+    )
+    .await
+    .expect("read");
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
+    assert!(answer.contains(types::BODY_UNREADABLE), "{answer}");
+    assert_eq!(runs.load(Ordering::SeqCst), 0, "nothing ran");
+
+    let whole = reqwest::Client::new()
+        .post(format!("{base}/orders"))
+        .header("x-account-id", "acct-broken")
+        .header("idempotency-key", "order-1")
+        .header("content-type", "text/plain")
+        .body("hello, world")
+        .send()
+        .await
+        .expect("request");
+    assert_eq!(whole.status(), StatusCode::CREATED);
+    assert!(whole.headers().get("idempotent-replayed").is_none());
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
