@@ -202,3 +202,57 @@ async fn keys_and_tenants_that_differ_in_case_or_a_trailing_space_are_distinct()
         assert_eq!(runs.load(Ordering::SeqCst), 4, "{name}");
     }
 }
+
+/// The framing is not the request: the same bytes sent chunked, then with a
+/// `Content-Length` (a retry through another client or proxy), and with the
+/// headers in another order, are one request, and the retry replays the
+/// first answer instead of being refused as a reused key.
+#[tokio::test]
+async fn the_same_body_chunked_or_with_a_length_is_one_request() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let (base, runs) = items(Arc::new(MemoryStore::new()), "identity.framing").await;
+    let tenant = fresh_tenant();
+    let mut stream = tokio::net::TcpStream::connect(base.trim_start_matches("http://"))
+        .await
+        .expect("connect");
+    let head = format!(
+        "POST /items HTTP/1.1\r\nhost: test\r\ncontent-type: application/json\r\n\
+         idempotency-key: framing-1\r\nx-account-id: {tenant}\r\n\
+         transfer-encoding: chunked\r\nconnection: close\r\n\r\n"
+    );
+    stream.write_all(head.as_bytes()).await.expect("write");
+    stream
+        .write_all(b"4\r\n{\"qt\r\n5\r\ny\":1}\r\n0\r\n\r\n")
+        .await
+        .expect("write");
+    let mut first = Vec::new();
+    crate::http_app::bounded(
+        "the chunked request's answer",
+        stream.read_to_end(&mut first),
+    )
+    .await
+    .expect("read");
+    let first = String::from_utf8_lossy(&first);
+    assert!(first.starts_with("HTTP/1.1 200"), "{first}");
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+
+    let retry = reqwest::Client::new()
+        .post(format!("{base}/items"))
+        .header("x-account-id", &tenant)
+        .header("idempotency-key", "framing-1")
+        .header("content-type", "application/json")
+        .body(r#"{"qty":1}"#)
+        .send()
+        .await
+        .expect("request");
+    assert_eq!(retry.status(), 200);
+    assert!(
+        replayed(&retry),
+        "the retry with a Content-Length ran again"
+    );
+    assert!(
+        first.ends_with(&retry.text().await.expect("body")),
+        "the replay is the chunked request's answer: {first}"
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
