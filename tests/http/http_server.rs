@@ -752,6 +752,13 @@ async fn a_request_without_a_tenant_is_refused_with_401() {
     )
     .await;
     expect_problem(r, 400, types::INVALID_TENANT).await;
+    // A principal that displays as nothing (an anonymous caller) is refused
+    // too, never served from the namespace of `tenant = shared`, which is
+    // the empty tenant: two such callers would share every key.
+    for _ in 0..2 {
+        let r = post(&server, "/payments", Some(""), Some("k1"), BODY).await;
+        expect_problem(r, 400, types::INVALID_TENANT).await;
+    }
     assert_eq!(server.shop.gateway.calls(), 0);
 }
 
