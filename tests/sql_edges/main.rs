@@ -2,7 +2,8 @@
 //! PostgreSQL reservations meeting a short-lived row lock (`postgres_edges`),
 //! SQLite's opening, locking and pools (`sqlite_edges`, `sqlite_store`), and
 //! transactional mode given a connection outside a transaction
-//! (`transactional_edges`).
+//! (`transactional_edges`), and what a transactional body does to its
+//! session that outlives the call (`transactional_hostile`).
 //!
 //! `sqlite_edges` installs the one global tracing subscriber of this binary
 //! and re-runs this binary as child processes
@@ -17,3 +18,4 @@ mod postgres_edges;
 mod sqlite_edges;
 mod sqlite_store;
 mod transactional_edges;
+mod transactional_hostile;

@@ -302,7 +302,8 @@ impl Commit {
 /// writes (see [`super::outside_any_transaction`]). `check`: ask whether
 /// another user of the pool left it inside a transaction (MariaDB's
 /// `@@in_transaction`; MySQL 8 has none) and whether its clock was set
-/// (refused: [`SESSION_CLOCK_REFUSED`]); unchecked, the reservation
+/// (refused: [`SESSION_CLOCK_REFUSED`]) or it reads uncommitted data
+/// (refused: [`READ_UNCOMMITTED_REFUSED`]); unchecked, the reservation
 /// procedure guards the clock itself ([`RESERVE_SQL`]). A session with
 /// autocommit off is left as it is: the store's statements handle it.
 async fn clean_connection(
@@ -325,18 +326,25 @@ async fn clean_connection(
             Box::pin(async move {
                 // Bounded like the statement it comes before; given up, the
                 // error drops the connection, closed.
-                let asked: Result<(i64, i64), sqlx::Error> = server::answered_within(
+                let asked: Result<(i64, i64, i64), sqlx::Error> = server::answered_within(
                     Duration::ZERO,
                     sqlx::query_as(concat!(
                         "SELECT CAST(@@autocommit = 1 AND @@in_transaction = 1 AS SIGNED), ",
-                        clock_set!()
+                        clock_set!(),
+                        ", CAST(@@tx_isolation = 'READ-UNCOMMITTED' AS SIGNED)"
                     ))
                     .fetch_one(&mut *conn),
                 )
                 .await
                 .map_err(err(OP))?;
                 let (left_open, clock_set) = match asked {
-                    Ok(asked) => asked,
+                    // A session turned to READ UNCOMMITTED after the store
+                    // opened (by code sharing the pool): its reads would
+                    // replay results that may still roll back.
+                    Ok((_, _, 1)) => {
+                        return Err(StoreError::new(STORE, OP, READ_UNCOMMITTED_REFUSED))
+                    }
+                    Ok((left_open, clock_set, _)) => (left_open, clock_set),
                     // MySQL 8: no `@@in_transaction`.
                     Err(sqlx::Error::Database(e))
                         if error_number(&*e) == Some(ER_UNKNOWN_SYSTEM_VARIABLE) =>
@@ -651,7 +659,11 @@ fn text(bytes: Option<Vec<u8>>) -> Result<Option<String>, sqlx::Error> {
 /// live leases (decoded by [`rows::Columns::answer`]) without a procedure call
 /// or a lock. `autocommit` guards the answer: on a connection left with
 /// autocommit off the read would run in an old snapshot, so the procedure
-/// (which turns autocommit on for its statements) answers instead.
+/// (which turns autocommit on for its statements) answers instead. On
+/// MariaDB it also guards against a session that code sharing the pool
+/// turned to READ UNCOMMITTED after the store opened: that read would replay
+/// a result a transactional-mode caller recorded and may still roll back;
+/// the procedure's connection is checked instead ([`clean_connection`]).
 const READ_SQL: &str = concat!(
     "SELECT state, CONVERT(fingerprint USING utf8mb4) AS fingerprint, is_error, result, ",
     "CAST(lease_expires_at - (UNIX_TIMESTAMP() * 1000 + FLOOR(MICROSECOND(NOW(6)) / 1000)) ",
@@ -659,7 +671,8 @@ const READ_SQL: &str = concat!(
     "CAST(COALESCE(expires_at <= (UNIX_TIMESTAMP() * 1000 + FLOOR(MICROSECOND(NOW(6)) / 1000)) ",
     "AND (state = 'complete' OR lease_expires_at <= ",
     "(UNIX_TIMESTAMP() * 1000 + FLOOR(MICROSECOND(NOW(6)) / 1000))), 0) AS SIGNED) AS expired, ",
-    "CAST(@@SESSION.autocommit = 1 /*M! AND @@SESSION.in_transaction = 0 */ AND ",
+    "CAST(@@SESSION.autocommit = 1 /*M! AND @@SESSION.in_transaction = 0 ",
+    "AND @@SESSION.tx_isolation <> 'READ-UNCOMMITTED' */ AND ",
     clock_unset!(),
     " AS SIGNED) AS autocommit ",
     "FROM idempotency_records WHERE tenant = ? AND scope = ? AND `key` = ?"

@@ -1,0 +1,162 @@
+//! Transactional mode against what a body may do on the connection it is
+//! given (DESIGN.md rule 15): change the session's state, which outlives the
+//! call on a connection that goes back to a pool the store shares.
+
+use crate::common;
+
+use common::servers::{fresh_tenant, mysql_store_or_skip, mysql_url, pg_store_or_skip};
+use idempotent_runtime::{
+    idempotent, with_outcome, Completion, Error, Fenced, Identity, MySqlStore, Outcome, OwnerToken,
+    Reservation, ReserveRequest, Store, StoredOutcome, TransactionalConnection,
+};
+use sqlx::mysql::MySqlPoolOptions;
+use sqlx::{MySql, Postgres};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+const LONG: Duration = Duration::from_secs(3600);
+
+fn request<'a>(identity: &'a Identity, token: &'a OwnerToken) -> ReserveRequest<'a> {
+    ReserveRequest {
+        identity,
+        fingerprint: None,
+        token,
+        lease: LONG,
+        ttl: LONG,
+    }
+}
+
+/// A body that turns its session to READ UNCOMMITTED for the transactions
+/// after this one (a reporting query's habit): the level outlives the call
+/// on the connection, which goes back to its pool.
+#[idempotent(scope = "tx_hostile.read_uncommitted", key = key, tenant = tenant, tx = tx)]
+async fn reads_uncommitted_from_now_on(
+    tx: &mut sqlx::Transaction<'_, MySql>,
+    tenant: &str,
+    key: &str,
+) -> Result<u64, Error> {
+    sqlx::query("SET SESSION TRANSACTION ISOLATION LEVEL READ UNCOMMITTED")
+        .execute(&mut **tx)
+        .await
+        .map_err(|e| Error::Store(idempotent_runtime::StoreError::new("mysql", "body", e)))?;
+    Ok(1)
+}
+
+/// Rules 5 and 15 on MariaDB: a transactional body on a connection of the
+/// pool the store shares turned its session to READ UNCOMMITTED, and went
+/// back to the pool. A store-mode duplicate of a key whose transactional
+/// owner has recorded its result but not committed must not replay that
+/// result on that session: the owner then rolls back, the key runs again,
+/// and the duplicate would have answered with a result that never existed.
+/// (The store refuses a READ UNCOMMITTED pool when it opens; a session
+/// changed later went unseen, and its plain read replayed the uncommitted
+/// result.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mysql_a_session_turned_to_read_uncommitted_never_replays_an_uncommitted_result() {
+    let Some(admin) = mysql_store_or_skip().await else {
+        return;
+    };
+    let shared = MySqlPoolOptions::new()
+        .max_connections(1)
+        .connect(&mysql_url())
+        .await
+        .expect("pool");
+    let store = MySqlStore::from_pool(shared.clone()).await.expect("store");
+    let tenant = fresh_tenant();
+    let mut tx = shared.begin().await.expect("begin");
+    assert_eq!(
+        reads_uncommitted_from_now_on(&mut tx, &tenant, "report")
+            .await
+            .expect("the body ran"),
+        1
+    );
+    tx.commit().await.expect("commit");
+
+    let identity = Identity::new(&tenant, "tx_hostile.owner", "k").expect("identity");
+    let owner_token = OwnerToken::new();
+    let mut owner = admin.pool().begin().await.expect("begin");
+    let acquired = owner
+        .reserve_in_transaction(request(&identity, &owner_token), Duration::from_secs(1))
+        .await
+        .expect("reserve");
+    assert!(
+        matches!(acquired, Reservation::Acquired { .. }),
+        "{acquired:?}"
+    );
+    let uncommitted = StoredOutcome {
+        is_error: false,
+        payload: b"7".to_vec(),
+    };
+    assert_eq!(
+        owner
+            .complete_in_transaction(Completion::by_body(
+                &identity,
+                &owner_token,
+                &uncommitted,
+                LONG
+            ))
+            .await
+            .expect("complete"),
+        Fenced::Written
+    );
+
+    let duplicate = store.reserve(request(&identity, &OwnerToken::new())).await;
+    owner.rollback().await.expect("rollback");
+    assert!(
+        admin.fetch(&identity).await.expect("fetch").is_none(),
+        "the owner's result was never committed"
+    );
+    assert!(
+        !matches!(duplicate, Ok(Reservation::Completed(_))),
+        "the duplicate replayed a result its owner then rolled back: {duplicate:?}"
+    );
+    assert!(
+        matches!(&duplicate, Err(e) if e.to_string().contains("READ UNCOMMITTED")),
+        "the session is refused, saying why: {duplicate:?}"
+    );
+}
+
+/// A body that tries something in a nested transaction of its own (a
+/// savepoint), where a statement fails (on PostgreSQL that aborts the
+/// savepoint's work), and drops the nested transaction without rolling it
+/// back by hand, as an early return does: sqlx sends the `ROLLBACK TO
+/// SAVEPOINT` before the connection's next statement. The body then answers.
+#[idempotent(scope = "tx_hostile.pg_savepoint", key = key, tenant = tenant, tx = tx, skip(runs))]
+async fn pg_gives_up_a_savepoint(
+    tx: &mut sqlx::Transaction<'_, Postgres>,
+    tenant: &str,
+    key: &str,
+    runs: &AtomicUsize,
+) -> Result<u64, Error> {
+    let store_error = |e| Error::Store(idempotent_runtime::StoreError::new("postgres", "body", e));
+    runs.fetch_add(1, Ordering::SeqCst);
+    let mut attempt = sqlx::Connection::begin(&mut **tx)
+        .await
+        .map_err(store_error)?;
+    let failed = sqlx::query("SELECT 1 / 0").execute(&mut *attempt).await;
+    assert!(failed.is_err(), "division by zero fails");
+    drop(attempt);
+    Ok(7)
+}
+
+/// Rules 12 and 15 on PostgreSQL: a failed statement inside the body's own
+/// savepoint, given up by dropping it, leaves the caller's transaction and
+/// the reservation in it usable: the answer is recorded with the caller's
+/// commit (not a store failure because the transaction looked aborted), and
+/// the retry replays it without running the body.
+#[tokio::test]
+async fn pg_a_savepoint_the_body_gives_up_keeps_the_reservation() {
+    let Some(store) = pg_store_or_skip().await else {
+        return;
+    };
+    let (tenant, runs) = (fresh_tenant(), AtomicUsize::new(0));
+    for (round, expected) in [(1, Some(Outcome::Executed)), (2, Some(Outcome::Replayed))] {
+        let mut tx = store.pool().begin().await.expect("begin");
+        let (answer, outcome) =
+            with_outcome(pg_gives_up_a_savepoint(&mut tx, &tenant, "k", &runs)).await;
+        assert_eq!(answer.expect("answered"), 7, "round {round}");
+        assert_eq!(outcome, expected, "round {round}");
+        tx.commit().await.expect("commit");
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 1, "the body ran once");
+}
