@@ -160,3 +160,135 @@ async fn pg_a_savepoint_the_body_gives_up_keeps_the_reservation() {
     }
     assert_eq!(runs.load(Ordering::SeqCst), 1, "the body ran once");
 }
+
+/// A body that turns on MariaDB's `EMPTY_STRING_IS_NULL` for its session (an
+/// Oracle-compatibility habit). The mode outlives the call on the
+/// connection, which goes back to its pool.
+#[idempotent(scope = "tx_hostile.empty_is_null", key = key, tenant = tenant, tx = tx)]
+async fn turns_empty_strings_to_null(
+    tx: &mut sqlx::Transaction<'_, MySql>,
+    tenant: &str,
+    key: &str,
+) -> Result<u64, Error> {
+    sqlx::query("SET SESSION sql_mode = CONCAT(@@sql_mode, ',EMPTY_STRING_IS_NULL')")
+        .execute(&mut **tx)
+        .await
+        .map_err(|e| Error::Store(idempotent_runtime::StoreError::new("mysql", "body", e)))?;
+    Ok(1)
+}
+
+/// Rules 9, 10 and 12 on MariaDB, the shared tenant (an empty string): a
+/// store-mode owner whose completion lands on a session of the shared pool
+/// that a transactional body turned to `EMPTY_STRING_IS_NULL` meanwhile.
+/// The completion's `WHERE tenant = ''` then matches nothing, so the store
+/// answered `NotOwner` (`Error::LeaseLost` to the caller: "another caller
+/// took the record over") although nobody did: the record stays in progress
+/// with the owner's token, nothing renews it, and once its lease runs out the
+/// next caller takes it over and runs the body a second time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mysql_a_completion_on_a_session_turned_to_empty_string_is_null_is_not_lease_lost() {
+    let Some(admin) = mysql_store_or_skip().await else {
+        return;
+    };
+    let shared = MySqlPoolOptions::new()
+        .max_connections(1)
+        .connect(&mysql_url())
+        .await
+        .expect("pool");
+    let store = MySqlStore::from_pool(shared.clone()).await.expect("store");
+    let identity = Identity::shared("tx_hostile.shared_owner", format!("k-{}", fresh_tenant()))
+        .expect("identity");
+    let token = OwnerToken::new();
+    let acquired = store
+        .reserve(request(&identity, &token))
+        .await
+        .expect("reserve");
+    assert!(
+        matches!(acquired, Reservation::Acquired { .. }),
+        "{acquired:?}"
+    );
+
+    let mut tx = shared.begin().await.expect("begin");
+    assert_eq!(
+        turns_empty_strings_to_null(&mut tx, &fresh_tenant(), "mode")
+            .await
+            .expect("the body ran"),
+        1
+    );
+    tx.commit().await.expect("commit");
+
+    assert_eq!(
+        store
+            .heartbeat(&identity, &token, LONG)
+            .await
+            .expect("heartbeat"),
+        Fenced::Written,
+        "the renewal found the owner's record"
+    );
+    let answer = StoredOutcome {
+        is_error: false,
+        payload: b"7".to_vec(),
+    };
+    assert_eq!(
+        store
+            .complete(Completion::by_body(&identity, &token, &answer, LONG))
+            .await
+            .expect("complete"),
+        Fenced::Written,
+        "the completion found the owner's record"
+    );
+    assert_eq!(
+        admin
+            .reserve(request(&identity, &OwnerToken::new()))
+            .await
+            .expect("reserve"),
+        Reservation::Completed(answer),
+        "a retry replays the answer"
+    );
+}
+
+/// A transactional body of the shared tenant that turns its own session to
+/// `EMPTY_STRING_IS_NULL`, then answers.
+#[idempotent(scope = "tx_hostile.empty_is_null_shared", key = key, tenant = shared, tx = conn)]
+async fn shared_turns_empty_strings_to_null(
+    conn: &mut sqlx::MySqlConnection,
+    key: &str,
+) -> Result<u64, Error> {
+    sqlx::query("SET SESSION sql_mode = CONCAT(@@sql_mode, ',EMPTY_STRING_IS_NULL')")
+        .execute(&mut *conn)
+        .await
+        .map_err(|e| Error::Store(idempotent_runtime::StoreError::new("mysql", "body", e)))?;
+    Ok(1)
+}
+
+/// Rules 12 and 15 on MariaDB: the same in transactional mode. The body's
+/// own session change made the completion in its transaction miss the
+/// record the transaction holds, and the caller was told `LeaseLost`
+/// ("another caller took the record over") while its reservation stayed in
+/// progress in its transaction; committed, it kept the key in progress for a
+/// lease, and the next caller then took it over and ran the body again. The
+/// answer is recorded now, and a retry replays it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mysql_a_shared_tenant_body_that_turns_empty_strings_to_null_is_recorded() {
+    let Some(admin) = mysql_store_or_skip().await else {
+        return;
+    };
+    let mut conn = <sqlx::MySqlConnection as sqlx::Connection>::connect(&mysql_url())
+        .await
+        .expect("connect");
+    let key = format!("k-{}", fresh_tenant());
+    let mut tx = sqlx::Connection::begin(&mut conn).await.expect("begin");
+    let answer = shared_turns_empty_strings_to_null(&mut tx, &key).await;
+    tx.commit().await.expect("commit");
+    assert_eq!(answer.expect("the body's answer"), 1);
+    let identity =
+        Identity::shared("tx_hostile.empty_is_null_shared", key.as_str()).expect("identity");
+    let replayed = admin
+        .reserve(request(&identity, &OwnerToken::new()))
+        .await
+        .expect("reserve");
+    assert!(
+        matches!(replayed, Reservation::Completed(_)),
+        "a retry replays: {replayed:?}"
+    );
+}

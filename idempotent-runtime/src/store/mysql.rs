@@ -995,15 +995,35 @@ fn decode_reservation(row: &MySqlRow) -> Result<Answer, sqlx::Error> {
     }))
 }
 
+/// The condition of a fenced write on the record a token owns, bound by
+/// [`on_owned_record`]. The tenant arrives with one byte before it, cut off
+/// by `SUBSTRING`: MariaDB's `sql_mode` `EMPTY_STRING_IS_NULL` turns an empty
+/// string bound as a parameter into `NULL`, so the shared tenant (an empty
+/// string) matched nothing on a session that code sharing the pool (a
+/// transactional body, say) switched to that mode after the record was
+/// reserved; the write answered `NotOwner`, and the owner was told another
+/// caller had taken its record over while the record stayed in progress
+/// under its token. A function's result is never turned into `NULL`, and a
+/// function of parameters still finds the row by its primary key.
+macro_rules! owned_record {
+    () => {
+        "tenant = SUBSTRING(?, 2) AND scope = ? AND `key` = ? \
+         AND state = 'in_progress' AND owner_token = ?"
+    };
+}
+
 /// Binds, after what `statement` bound so far, the record `token` owns: its
-/// `WHERE tenant = ? AND scope = ? AND `key` = ? ... AND owner_token = ?`.
+/// [`owned_record!`] condition.
 fn on_owned_record<'q>(
     statement: sqlx::query::Query<'q, MySql, sqlx::mysql::MySqlArguments>,
     identity: &'q Identity,
     token: &'q OwnerToken,
 ) -> sqlx::query::Query<'q, MySql, sqlx::mysql::MySqlArguments> {
+    let mut tenant = Vec::with_capacity(identity.tenant.len() + 1);
+    tenant.push(b'_');
+    tenant.extend_from_slice(identity.tenant.as_bytes());
     statement
-        .bind(identity.tenant.as_bytes())
+        .bind(tenant)
         .bind(identity.scope.as_bytes())
         .bind(identity.key.as_bytes())
         .bind(token.as_str().as_bytes())
@@ -1041,8 +1061,8 @@ async fn complete_as<'e, E: Executor<'e, Database = MySql>>(
         "UPDATE idempotency_records SET state = 'complete', owner_token = NULL,
                 is_error = ?, result = ?, lease_expires_at = NULL,
                 expires_at = {NOW_MS} + ?, updated_at = {NOW_MS}, recovered = ?
-          WHERE tenant = ? AND scope = ? AND `key` = ?
-            AND state = 'in_progress' AND owner_token = ?{}",
+          WHERE {}{}",
+        owned_record!(),
         commit.condition()
     );
     let statement = sqlx::query(&sql)
@@ -1073,8 +1093,8 @@ async fn heartbeat_as<'e, E: Executor<'e, Database = MySql>>(
             SET expires_at = GREATEST(expires_at,
                     COALESCE({NOW_MS} + ? + (expires_at - lease_expires_at), expires_at)),
                 lease_expires_at = {NOW_MS} + ?, updated_at = {NOW_MS}
-          WHERE tenant = ? AND scope = ? AND `key` = ?
-            AND state = 'in_progress' AND owner_token = ?{}",
+          WHERE {}{}",
+        owned_record!(),
         commit.condition()
     );
     let statement = sqlx::query(&sql)
@@ -1124,8 +1144,8 @@ async fn release_as<'e, E: Executor<'e, Database = MySql>>(
 ) -> Result<Fenced, StoreError> {
     let sql = format!(
         "DELETE FROM idempotency_records
-          WHERE tenant = ? AND scope = ? AND `key` = ?
-            AND state = 'in_progress' AND owner_token = ?{}",
+          WHERE {}{}",
+        owned_record!(),
         commit.condition()
     );
     let statement = sqlx::query(&sql);
