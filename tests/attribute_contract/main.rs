@@ -1,7 +1,8 @@
 //! Layer: the attribute. The behaviour contract through `#[idempotent]`
 //! functions (`contract`) on every store, one module per store, and the
 //! shapes and arguments the attribute accepts (`macro_shapes`,
-//! `macro_rules_args`) and transactional mode (`transactional`).
+//! `macro_rules_args`) and transactional mode (`transactional`), and the
+//! public API at its documented limits on every store (`blackbox_hunt`).
 //!
 //! `macro_shapes` sets the process-wide default store, so tests that need
 //! none set (`operations::engine_accounting`, `http::http_server`) live in
@@ -17,6 +18,7 @@ mod mysql;
 mod postgres;
 mod sqlite;
 
+mod blackbox_hunt;
 mod consumer_verdicts;
 mod fingerprint_multimap;
 mod generics;
