@@ -136,10 +136,14 @@ pub(crate) fn generate(func: &MaybeItemFn, spec: &Spec) -> TokenStream {
     let builder = Ident::new("__idempotent_fp", Span::call_site());
     // The claimants of a shared scope answer for each other: their
     // fingerprints must agree on the same request, whoever's instantiation.
-    let instantiations = if spec.fingerprint && !spec.shared_scope {
-        instantiation_of(sig, spec, &builder)
-    } else {
+    // With `fingerprint = false` the arguments are not compared, but the
+    // answer's type still is: a record of `load::<User>` replayed to
+    // `load::<Invoice>` would be decoded as an `Invoice` when the JSON fits
+    // and handed over as that call's own answer.
+    let instantiations = if spec.shared_scope {
         Vec::new()
+    } else {
+        instantiation_of(sig, spec, &builder, !spec.fingerprint)
     };
     let fingerprint = if spec.fingerprinted.is_empty() && instantiations.is_empty() {
         quote!(::core::result::Result::Ok(::core::option::Option::None))
@@ -374,7 +378,17 @@ pub(crate) fn generate(func: &MaybeItemFn, spec: &Spec) -> TokenStream {
 /// `Self` is an instantiation of a generic type (`Repo<User>`, `Buf<5>`: the
 /// impl's parameters, which the attribute cannot see, may shape the answer).
 /// All instantiations share the one scope.
-fn instantiation_of(sig: &syn::Signature, spec: &Spec, builder: &Ident) -> Vec<TokenStream> {
+///
+/// `answer_only` (`fingerprint = false`: no argument is compared): only what
+/// shapes the answer counts, the type and const parameters the return type
+/// mentions and `Self` as above, so a record is never replayed as an answer
+/// of another type; the instantiations of the parameters' types do not.
+fn instantiation_of(
+    sig: &syn::Signature,
+    spec: &Spec,
+    builder: &Ident,
+    answer_only: bool,
+) -> Vec<TokenStream> {
     let krate = &spec.krate;
     let in_answer = |ident: &Ident| match &sig.output {
         syn::ReturnType::Type(_, ty) => mentions(ty.to_token_stream(), ident),
@@ -411,7 +425,7 @@ fn instantiation_of(sig: &syn::Signature, spec: &Spec, builder: &Ident) -> Vec<T
         };
         // Counted by builds before `v3` too, or only since (the answer's
         // type alone: what they stored is compared without it).
-        let (add_type, add_const) = if !left_out_only(ident) {
+        let (add_type, add_const) = if !answer_only && !left_out_only(ident) {
             ("fingerprint_type", "fingerprint_const")
         } else if in_answer(ident) {
             ("fingerprint_answer_type", "fingerprint_answer_const")

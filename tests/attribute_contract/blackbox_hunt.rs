@@ -679,7 +679,7 @@ async fn blackbox_sqlite_urls_never_give_connections_databases_of_their_own() {
 macro_rules! savepoint_fns {
     ($db:ty, $name:ident, $scope:literal) => {
         #[idempotent(scope = $scope, key = key, tenant = tenant, tx = tx, skip(runs),
-                                             in_progress = reject)]
+                                                             in_progress = reject)]
         async fn $name(
             tx: &mut sqlx::Transaction<'_, $db>,
             tenant: &str,
@@ -1263,4 +1263,271 @@ async fn blackbox_failures_and_drops_never_give_one_key_two_answers() {
             );
         }
     }
+}
+
+// ---- an expired record is absent, whatever it was made with -----------------------
+
+/// A body's own error, recorded; the framework's refusals as text.
+#[derive(Debug, PartialEq, Serialize, Deserialize)]
+struct Declined(String);
+
+impl From<Error> for Declined {
+    fn from(e: Error) -> Self {
+        Declined(format!("framework: {e:?}"))
+    }
+}
+
+#[idempotent(scope = "blackbox.brief", key = key, tenant = tenant, store = store, skip(runs),
+             ttl = "1ms", errors = record, shared_scope)]
+async fn brief(
+    store: &dyn Store,
+    tenant: &str,
+    key: &str,
+    amount: u64,
+    fail: bool,
+    runs: &AtomicUsize,
+) -> Result<(u64, usize), Declined> {
+    let n = runs.fetch_add(1, Ordering::SeqCst) + 1;
+    if fail {
+        return Err(Declined(format!("declined {n}")));
+    }
+    Ok((amount, n))
+}
+
+/// Until the store's clock says the record of `key` counts as absent.
+async fn until_expired(store: &dyn Store, tenant: &str, key: &str) {
+    let identity = Identity::new(tenant, "blackbox.brief", key).unwrap();
+    for _ in 0..10_000 {
+        match store.fetch(&identity).await.expect("fetch") {
+            Some(snapshot) if !snapshot.is_expired() => {
+                tokio::time::sleep(Duration::from_millis(1)).await
+            }
+            _ => return,
+        }
+    }
+    panic!("the record never expired");
+}
+
+/// Rule 16 with rule 7: a record whose retention ran out counts as absent,
+/// so a call with *other* arguments (or another outcome) runs, is recorded
+/// and replayed; it is neither refused as a reused key nor answered with the
+/// old record, on every store.
+#[tokio::test]
+async fn blackbox_an_expired_record_is_absent_for_other_arguments() {
+    for (name, store) in stores().await {
+        let (t, runs) = (tenant(), AtomicUsize::new(0));
+        assert_eq!(
+            brief(&*store, &t, "k", 1, false, &runs).await,
+            Ok((1, 1)),
+            "{name}"
+        );
+        until_expired(&*store, &t, "k").await;
+        // Other arguments, and an error recorded this time.
+        let (got, outcome) = with_outcome(brief(&*store, &t, "k", 2, true, &runs)).await;
+        assert_eq!(
+            (got, outcome),
+            (Err(Declined("declined 2".into())), Some(Outcome::Executed)),
+            "{name}"
+        );
+        until_expired(&*store, &t, "k").await;
+        let (got, outcome) = with_outcome(brief(&*store, &t, "k", 3, false, &runs)).await;
+        assert_eq!(
+            (got, outcome),
+            (Ok((3, 3)), Some(Outcome::Executed)),
+            "{name}"
+        );
+    }
+}
+
+macro_rules! brief_tx {
+    ($db:ty, $name:ident, $test:ident, $store:expr) => {
+        #[idempotent(scope = "blackbox.brief", key = key, tenant = tenant, tx = tx, skip(runs),
+                                     ttl = "1ms", errors = record, shared_scope)]
+        async fn $name(
+            tx: &mut sqlx::Transaction<'_, $db>,
+            tenant: &str,
+            key: &str,
+            amount: u64,
+            fail: bool,
+            runs: &AtomicUsize,
+        ) -> Result<(u64, usize), Declined> {
+            let n = runs.fetch_add(1, Ordering::SeqCst) + 1;
+            if fail {
+                return Err(Declined(format!("declined {n}")));
+            }
+            Ok((amount, n))
+        }
+
+        /// As `blackbox_an_expired_record_is_absent_for_other_arguments`, in
+        /// transactional mode (each call in a transaction that commits).
+        #[tokio::test]
+        async fn $test() {
+            let Some(store) = $store.await else { return };
+            let pool = store.pool().clone();
+            let (t, runs) = (tenant(), AtomicUsize::new(0));
+            let steps = [
+                (1, false, Ok((1, 1))),
+                (2, true, Err(Declined("declined 2".into()))),
+                (3, false, Ok((3, 3))),
+            ];
+            for (amount, fail, expected) in steps {
+                let mut tx = pool.begin().await.expect("begin");
+                let (got, outcome) =
+                    with_outcome($name(&mut tx, &t, "k", amount, fail, &runs)).await;
+                tx.commit().await.expect("commit");
+                assert_eq!(
+                    (got, outcome),
+                    (expected, Some(Outcome::Executed)),
+                    "{amount}"
+                );
+                until_expired(&store, &t, "k").await;
+            }
+        }
+    };
+}
+brief_tx!(
+    sqlx::MySql,
+    brief_my,
+    blackbox_mysql_an_expired_record_is_absent_in_a_transaction,
+    common::servers::mysql_store_or_skip()
+);
+brief_tx!(
+    sqlx::Sqlite,
+    brief_lite,
+    blackbox_sqlite_an_expired_record_is_absent_in_a_transaction,
+    async {
+        Some(
+            SqliteStore::connect(&common::scratch::sqlite_url("blackbox-brief"))
+                .await
+                .expect("open"),
+        )
+    }
+);
+
+// ---- `fingerprint = false` and the answer's type -----------------------------------
+
+#[derive(Debug, Default, PartialEq, Serialize, Deserialize)]
+struct Customer {
+    name: String,
+}
+
+#[derive(Debug, Default, PartialEq, Serialize, Deserialize)]
+struct Invoice {
+    name: String,
+}
+
+/// Two answer types whose JSON looks alike: one decodes as the other.
+trait Named: Default + Serialize + serde::de::DeserializeOwned + Send + Sync {
+    fn named() -> Self;
+}
+
+impl Named for Customer {
+    fn named() -> Self {
+        Customer {
+            name: "customer".into(),
+        }
+    }
+}
+
+impl Named for Invoice {
+    fn named() -> Self {
+        Invoice {
+            name: "invoice".into(),
+        }
+    }
+}
+
+/// Arguments not compared (`fingerprint = false`); the answer is a `T`.
+#[idempotent(scope = "blackbox.unfingerprinted_load", key = key, tenant = shared, store = store,
+             fingerprint = false)]
+async fn unfingerprinted_load<T: Named>(
+    store: &MemoryStore,
+    key: &str,
+    note: u8,
+    runs: &AtomicUsize,
+) -> Result<T, Error> {
+    let _ = note;
+    runs.fetch_add(1, Ordering::SeqCst);
+    Ok(T::named())
+}
+
+/// A trait's default method answering `Self`, arguments not compared.
+trait Loaded: Named {
+    #[idempotent(scope = "blackbox.unfingerprinted_created", key = key, tenant = shared,
+                 store = store, fingerprint = false)]
+    async fn created(store: &MemoryStore, key: &str) -> Result<Self, Error> {
+        Ok(Self::named())
+    }
+}
+
+impl Loaded for Customer {}
+impl Loaded for Invoice {}
+
+/// A method of a generic type answering its parameter, arguments not compared.
+struct Shelf<T>(std::marker::PhantomData<T>);
+
+impl<T: Named> Shelf<T> {
+    #[idempotent(scope = "blackbox.unfingerprinted_shelf", key = key, tenant = shared,
+                 store = store, fingerprint = false)]
+    async fn take(&self, store: &MemoryStore, key: &str) -> Result<T, Error> {
+        Ok(T::named())
+    }
+}
+
+/// The README (generics): "the answer is of that type, so `load::<Invoice>`
+/// never replays what `load::<User>` recorded". `fingerprint = false` says
+/// the *arguments* are not compared (a retry with another `note` replays);
+/// it must not make one instantiation's answer the other's: a record of a
+/// `Customer` replayed to a call answering an `Invoice` is decoded as one
+/// (the JSON fits) and handed over as that call's own answer.
+#[tokio::test]
+async fn blackbox_fingerprint_false_never_replays_one_answer_type_as_another() {
+    let store = MemoryStore::new();
+    let runs = AtomicUsize::new(0);
+    let customer = unfingerprinted_load::<Customer>(&store, "k", 1, &runs).await;
+    assert_eq!(customer.expect("runs"), Customer::named());
+    // Arguments are not compared: another `note` is the same request.
+    let (again, outcome) =
+        with_outcome(unfingerprinted_load::<Customer>(&store, "k", 2, &runs)).await;
+    assert_eq!(
+        (again.expect("replayed"), outcome),
+        (Customer::named(), Some(Outcome::Replayed))
+    );
+    let (invoice, outcome) =
+        with_outcome(unfingerprinted_load::<Invoice>(&store, "k", 1, &runs)).await;
+    assert!(
+        matches!(invoice, Err(Error::FingerprintMismatch(_))),
+        "an Invoice call got {invoice:?} ({outcome:?}): the Customer's answer, decoded as an Invoice"
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+
+    assert_eq!(
+        Customer::created(&store, "c").await.expect("runs"),
+        Customer::named()
+    );
+    let invoice = Invoice::created(&store, "c").await;
+    assert!(
+        matches!(invoice, Err(Error::FingerprintMismatch(_))),
+        "Invoice::created got {invoice:?}: the Customer's answer"
+    );
+    assert_eq!(
+        Customer::created(&store, "c").await.expect("replayed"),
+        Customer::named()
+    );
+
+    let customers = Shelf::<Customer>(std::marker::PhantomData);
+    let invoices = Shelf::<Invoice>(std::marker::PhantomData);
+    assert_eq!(
+        customers.take(&store, "s").await.expect("runs"),
+        Customer::named()
+    );
+    let invoice = invoices.take(&store, "s").await;
+    assert!(
+        matches!(invoice, Err(Error::FingerprintMismatch(_))),
+        "Shelf::<Invoice>::take got {invoice:?}: the Customer's answer"
+    );
+    assert_eq!(
+        customers.take(&store, "s").await.expect("replayed"),
+        Customer::named()
+    );
 }
