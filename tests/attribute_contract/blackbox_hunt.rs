@@ -679,7 +679,7 @@ async fn blackbox_sqlite_urls_never_give_connections_databases_of_their_own() {
 macro_rules! savepoint_fns {
     ($db:ty, $name:ident, $scope:literal) => {
         #[idempotent(scope = $scope, key = key, tenant = tenant, tx = tx, skip(runs),
-                                                             in_progress = reject)]
+                                                                             in_progress = reject)]
         async fn $name(
             tx: &mut sqlx::Transaction<'_, $db>,
             tenant: &str,
@@ -1342,7 +1342,7 @@ async fn blackbox_an_expired_record_is_absent_for_other_arguments() {
 macro_rules! brief_tx {
     ($db:ty, $name:ident, $test:ident, $store:expr) => {
         #[idempotent(scope = "blackbox.brief", key = key, tenant = tenant, tx = tx, skip(runs),
-                                     ttl = "1ms", errors = record, shared_scope)]
+                                                     ttl = "1ms", errors = record, shared_scope)]
         async fn $name(
             tx: &mut sqlx::Transaction<'_, $db>,
             tenant: &str,
@@ -1529,5 +1529,54 @@ async fn blackbox_fingerprint_false_never_replays_one_answer_type_as_another() {
     assert_eq!(
         customers.take(&store, "s").await.expect("replayed"),
         Customer::named()
+    );
+}
+
+// ---- a trait's default method, implementors that are generic types ----------------
+
+/// A default method whose answer depends on the implementor (`Self`), its
+/// return type not naming it.
+trait Describe: Send + Sync {
+    fn what(&self) -> String;
+
+    #[idempotent(scope = "blackbox.describe", key = key, tenant = shared, store = store)]
+    async fn describe(&self, store: &MemoryStore, key: &str) -> Result<String, Error> {
+        Ok(self.what())
+    }
+}
+
+impl<T: Named> Describe for (T,) {
+    fn what(&self) -> String {
+        std::any::type_name::<T>().to_owned()
+    }
+}
+
+impl<T: Named> Describe for Vec<T> {
+    fn what(&self) -> String {
+        std::any::type_name::<T>().to_owned()
+    }
+}
+
+/// The README: "An implementor that is a generic type counts its `Self`
+/// (`Generic<u8>` and `Generic<u16>` are told apart)". `Vec<T>` is; so is a
+/// tuple `(T,)`.
+#[tokio::test]
+async fn blackbox_generic_implementors_of_a_default_method_are_told_apart() {
+    let store = MemoryStore::new();
+    let vec_c: Vec<Customer> = Vec::new();
+    let vec_i: Vec<Invoice> = Vec::new();
+    let first = vec_c.describe(&store, "v").await.expect("runs");
+    let other = vec_i.describe(&store, "v").await;
+    assert!(
+        matches!(other, Err(Error::FingerprintMismatch(_))),
+        "Vec<Invoice> got {other:?} after {first}"
+    );
+    let tuple_c = (Customer::default(),);
+    let tuple_i = (Invoice::default(),);
+    let first = tuple_c.describe(&store, "t").await.expect("runs");
+    let other = tuple_i.describe(&store, "t").await;
+    assert!(
+        matches!(other, Err(Error::FingerprintMismatch(_))),
+        "(Invoice,) got {other:?} after {first}"
     );
 }

@@ -590,11 +590,22 @@ fn value_of(arguments: &[Argument], bytes: &[u8]) -> String {
 
 /// Whether a type's name (as [`std::any::type_name`] gives it) is an
 /// instantiation of a generic type: generic arguments other than lifetimes
-/// (`Repo<User>`, `Buffer<5>`, `Pair<'_, u8>`), or an array's length
-/// (`[u8; 4]`). A type generic over lifetimes only (`Service<'_>`) is one
-/// type whatever its lifetime.
+/// (`Repo<User>`, `Buffer<5>`, `Pair<'_, u8>`), an array's length
+/// (`[u8; 4]`), or the built-in type constructors' element types: a tuple's
+/// (`(User,)`, `(A, B)`) and a slice's (`[User]`), also behind a reference
+/// (`impl<T> Describe for (T,)` answers per `T`, as `Vec<T>` does). A type
+/// generic over lifetimes only (`Service<'_>`) is one type whatever its
+/// lifetime, and a reference to a plain type (`&Service`) is that type's.
 pub(crate) fn names_an_instantiation(type_name: &str) -> bool {
     if type_name.contains(';') {
+        return true;
+    }
+    let mut outer = type_name.trim_start();
+    while let Some(rest) = outer.strip_prefix('&') {
+        outer = rest.trim_start();
+        outer = outer.strip_prefix("mut ").unwrap_or(outer).trim_start();
+    }
+    if (outer.starts_with('(') && outer != "()") || outer.starts_with('[') {
         return true;
     }
     // What follows each `<` up to the next `<` or `>`: arguments, unless

@@ -2413,6 +2413,11 @@ fn only_generic_arguments_other_than_lifetimes_make_an_instantiation() {
         "Pair<'_, u8>",
         "Outer<'_, Inner<'_>>",
         "Map<K, V>",
+        "(A, B)",
+        "(User,)",
+        "[u8]",
+        "&[User]",
+        "&mut (User,)",
     ] {
         assert!(names_an_instantiation(generic), "{generic}");
     }
@@ -2421,9 +2426,9 @@ fn only_generic_arguments_other_than_lifetimes_make_an_instantiation() {
         "Service<'_>",
         "Svc<'_, 'static>",
         "&Service",
-        "[u8]",
+        "&mut Service",
+        "()",
         "dyn Fn(u8) -> u8",
-        "(A, B)",
     ] {
         assert!(!names_an_instantiation(plain), "{plain}");
     }
