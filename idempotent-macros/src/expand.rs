@@ -380,9 +380,10 @@ pub(crate) fn generate(func: &MaybeItemFn, spec: &Spec) -> TokenStream {
 /// All instantiations share the one scope.
 ///
 /// `answer_only` (`fingerprint = false`: no argument is compared): only what
-/// shapes the answer counts, the type and const parameters the return type
-/// mentions and `Self` as above, so a record is never replayed as an answer
-/// of another type; the instantiations of the parameters' types do not.
+/// the arguments do not show counts, the type and const parameters the
+/// return type mentions or no parameter mentions (`create::<User>(key)`) and
+/// `Self` as above, so a record is never replayed to another instantiation;
+/// the type parameters only the parameters' types mention do not.
 fn instantiation_of(
     sig: &syn::Signature,
     spec: &Spec,
@@ -416,6 +417,12 @@ fn instantiation_of(
         }
         by_left_out && !by_fingerprinted
     };
+    let mentioned_by_parameters = |ident: &Ident| {
+        sig.inputs.iter().any(|input| match input {
+            syn::FnArg::Typed(t) => mentions(t.ty.to_token_stream(), ident),
+            syn::FnArg::Receiver(r) => mentions(r.ty.to_token_stream(), ident),
+        })
+    };
     let mut out = Vec::new();
     for param in &sig.generics.params {
         let (ident, attrs) = match param {
@@ -425,7 +432,15 @@ fn instantiation_of(
         };
         // Counted by builds before `v3` too, or only since (the answer's
         // type alone: what they stored is compared without it).
-        let (add_type, add_const) = if !answer_only && !left_out_only(ident) {
+        let (add_type, add_const) = if answer_only {
+            // Not an argument's type: the answer's, or one no parameter
+            // shows (`create::<User>(key)`), which only the call tells.
+            if in_answer(ident) || !mentioned_by_parameters(ident) {
+                ("fingerprint_answer_type", "fingerprint_answer_const")
+            } else {
+                continue;
+            }
+        } else if !left_out_only(ident) {
             ("fingerprint_type", "fingerprint_const")
         } else if in_answer(ident) {
             ("fingerprint_answer_type", "fingerprint_answer_const")

@@ -68,9 +68,10 @@ use proc_macro::TokenStream;
 ///   `key`/`tenant`/`store`/`tx`) is allowed and changes nothing.
 /// - **`fingerprint = false`** — no argument is fingerprinted: a reused key is
 ///   never refused for carrying different arguments. Cannot be combined with
-///   `skip`. A generic function's answer type still counts (a type or const
-///   parameter the return type mentions, `Self` there, a generic `Self`):
-///   `load::<Invoice>` is refused, never replayed what `load::<User>` recorded.
+///   `skip`. A generic function's instantiation still counts where no
+///   argument shows it (a type or const parameter the return type mentions or
+///   no parameter mentions, `Self` there, a generic `Self`): `load::<Invoice>`
+///   is refused, never replayed what `load::<User>` recorded.
 /// - **`ttl = "24h"`** — how long a completed record is kept (default `24h`, or
 ///   the scope's `ttl` in the manifest). At least `1ms`.
 /// - **`lease = "30s"`** — how long an in-progress record is held before another

@@ -1451,6 +1451,24 @@ async fn unfingerprinted_load<T: Named>(
     Ok(T::named())
 }
 
+/// A const parameter shaping the answer, arguments not compared.
+#[idempotent(scope = "blackbox.unfingerprinted_fill", key = key, tenant = shared, store = store,
+             fingerprint = false)]
+async fn unfingerprinted_fill<const N: usize>(
+    store: &MemoryStore,
+    key: &str,
+    byte: u8,
+) -> Result<Vec<u8>, Error> {
+    Ok(vec![byte; N])
+}
+
+/// A type parameter no parameter shows, shaping an answer of one type.
+#[idempotent(scope = "blackbox.unfingerprinted_create", key = key, tenant = shared,
+             store = store, fingerprint = false)]
+async fn unfingerprinted_create<T: Named>(store: &MemoryStore, key: &str) -> Result<String, Error> {
+    Ok(std::any::type_name::<T>().to_owned())
+}
+
 /// A trait's default method answering `Self`, arguments not compared.
 trait Loaded: Named {
     #[idempotent(scope = "blackbox.unfingerprinted_created", key = key, tenant = shared,
@@ -1529,6 +1547,34 @@ async fn blackbox_fingerprint_false_never_replays_one_answer_type_as_another() {
     assert_eq!(
         customers.take(&store, "s").await.expect("replayed"),
         Customer::named()
+    );
+
+    // `Vec<u8>` whatever `N`, and no argument shows `N`, which shapes the
+    // answer: as with a fingerprint (`create::<User>(key)`).
+    assert_eq!(
+        unfingerprinted_fill::<2>(&store, "f", 7)
+            .await
+            .expect("runs"),
+        vec![7; 2]
+    );
+    assert_eq!(
+        unfingerprinted_fill::<2>(&store, "f", 9)
+            .await
+            .expect("replayed"),
+        vec![7; 2]
+    );
+    let three = unfingerprinted_fill::<3>(&store, "f", 7).await;
+    assert!(
+        matches!(three, Err(Error::FingerprintMismatch(_))),
+        "{three:?}"
+    );
+    unfingerprinted_create::<Customer>(&store, "n")
+        .await
+        .expect("runs");
+    let order = unfingerprinted_create::<Invoice>(&store, "n").await;
+    assert!(
+        matches!(order, Err(Error::FingerprintMismatch(_))),
+        "{order:?}"
     );
 }
 
