@@ -2,7 +2,7 @@
 //! functions (`contract`) on every store, one module per store, and the
 //! shapes and arguments the attribute accepts (`macro_shapes`,
 //! `macro_rules_args`) and transactional mode (`transactional`), and the
-//! public API at its documented limits on every store (`blackbox_hunt`).
+//! public API at its documented limits on every store (`public_api_edges`).
 //!
 //! `macro_shapes` sets the process-wide default store, so tests that need
 //! none set (`operations::engine_accounting`, `http::http_server`) live in
@@ -18,7 +18,6 @@ mod mysql;
 mod postgres;
 mod sqlite;
 
-mod blackbox_hunt;
 mod consumer_verdicts;
 mod fingerprint_multimap;
 mod generics;
@@ -28,6 +27,7 @@ mod macro_rules_args;
 mod macro_shapes;
 mod nested_calls;
 mod non_finite_in_options;
+mod public_api_edges;
 mod replay_floats;
 mod transactional;
 mod transactional_races;

@@ -28,7 +28,7 @@ async fn stores() -> Vec<(&'static str, Arc<dyn Store>)> {
         (
             "sqlite",
             Arc::new(
-                SqliteStore::connect(&common::scratch::sqlite_url("blackbox"))
+                SqliteStore::connect(&common::scratch::sqlite_url("api_edges"))
                     .await
                     .expect("open a SQLite file"),
             ),
@@ -120,7 +120,7 @@ fn tenant() -> String {
 
 // ---- keys and tenants at 255 bytes of multi-byte UTF-8 ------------------------
 
-#[idempotent(scope = "blackbox.limits", key = key, tenant = tenant, store = store, skip(runs))]
+#[idempotent(scope = "api_edges.limits", key = key, tenant = tenant, store = store, skip(runs))]
 async fn at_limits(
     store: &dyn Store,
     tenant: &str,
@@ -154,7 +154,7 @@ fn multibyte(prefix: &str, bytes: usize) -> String {
 /// one byte more is `InvalidKey`/`InvalidTenant` before anything runs (never
 /// a store error, never cut to an existing record).
 #[tokio::test]
-async fn blackbox_keys_and_tenants_of_255_multibyte_bytes() {
+async fn keys_and_tenants_of_255_multibyte_bytes() {
     for (name, store) in stores().await {
         let runs = AtomicUsize::new(0);
         let t = multibyte(&tenant(), 255);
@@ -247,7 +247,7 @@ async fn blackbox_keys_and_tenants_of_255_multibyte_bytes() {
 }
 
 /// The longest scope (128 bytes).
-#[idempotent(scope = "blackbox.aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa", key = key, tenant = tenant, store = store, skip(runs))]
+#[idempotent(scope = "api_edges.aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa", key = key, tenant = tenant, store = store, skip(runs))]
 async fn longest_scope(
     store: &dyn Store,
     tenant: &str,
@@ -257,7 +257,7 @@ async fn longest_scope(
     Ok(runs.fetch_add(1, Ordering::SeqCst) + 1)
 }
 
-#[idempotent(scope = "blackbox.big", key = key, tenant = tenant, store = store, skip(runs, size))]
+#[idempotent(scope = "api_edges.big", key = key, tenant = tenant, store = store, skip(runs, size))]
 async fn big(
     store: &dyn Store,
     tenant: &str,
@@ -274,7 +274,7 @@ async fn big(
 /// exactly `MAX_RESULT_BYTES` (as recorded JSON) is recorded and replayed
 /// on every store; one byte more is `ResultTooLarge`, nothing recorded.
 #[tokio::test]
-async fn blackbox_every_part_at_its_limit_and_the_largest_result() {
+async fn every_part_at_its_limit_and_the_largest_result() {
     for (name, store) in stores().await {
         let runs = AtomicUsize::new(0);
         let t = multibyte(&tenant(), 255);
@@ -306,7 +306,7 @@ async fn blackbox_every_part_at_its_limit_and_the_largest_result() {
     }
 }
 
-#[idempotent(scope = "blackbox.split", key = key, tenant = tenant, store = store, skip(runs))]
+#[idempotent(scope = "api_edges.split", key = key, tenant = tenant, store = store, skip(runs))]
 async fn split_s(
     store: &dyn Store,
     tenant: &str,
@@ -316,7 +316,7 @@ async fn split_s(
     Ok(runs.fetch_add(1, Ordering::SeqCst) + 1)
 }
 
-#[idempotent(scope = "blackbox.splitk", key = key, tenant = tenant, store = store, skip(runs))]
+#[idempotent(scope = "api_edges.splitk", key = key, tenant = tenant, store = store, skip(runs))]
 async fn split_sk(
     store: &dyn Store,
     tenant: &str,
@@ -330,7 +330,7 @@ async fn split_sk(
 /// separators a store or a lock name might join the parts with, is as many
 /// records as cuts: none is replayed another's answer.
 #[tokio::test]
-async fn blackbox_tenant_scope_and_key_never_run_together() {
+async fn tenant_scope_and_key_never_run_together() {
     for (name, store) in stores().await {
         let runs = AtomicUsize::new(0);
         let base = tenant();
@@ -345,7 +345,7 @@ async fn blackbox_tenant_scope_and_key_never_run_together() {
                 answers.insert(split_s(&*store, t, k, &runs).await.expect(name)),
                 "{name}: {t:?}/{k:?}"
             );
-            // The scope `blackbox.split` + key `k...` against `blackbox.splitk` + `...`.
+            // The scope `api_edges.split` + key `k...` against `api_edges.splitk` + `...`.
             if let Some(rest) = k.strip_prefix('k') {
                 if !rest.is_empty() {
                     let n = split_sk(&*store, t, rest, &runs).await.expect(name);
@@ -370,7 +370,7 @@ async fn blackbox_tenant_scope_and_key_never_run_together() {
 
 /// Over 2^63 milliseconds (humantime's year is 365.25 days), under 2^64: the
 /// attribute accepts it ("more than u64::MAX milliseconds" is the limit).
-#[idempotent(scope = "blackbox.forever", key = key, tenant = tenant, store = store, skip(runs, gate),
+#[idempotent(scope = "api_edges.forever", key = key, tenant = tenant, store = store, skip(runs, gate),
              ttl = "300000000years", lease = "300000000years", in_progress = wait("300000000years"))]
 async fn forever(
     store: &dyn Store,
@@ -388,7 +388,7 @@ async fn forever(
 /// replayed (not expired at once by an overflow), and a duplicate that waits
 /// "forever" behind a running owner gets its answer.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn blackbox_the_longest_ttl_lease_and_wait_replay() {
+async fn the_longest_ttl_lease_and_wait_replay() {
     for (name, inner) in stores().await {
         let store = Arc::new(Watched {
             inner,
@@ -495,7 +495,7 @@ fn edges() -> Edges {
     }
 }
 
-#[idempotent(scope = "blackbox.edges", key = key, tenant = tenant, store = store, skip(runs))]
+#[idempotent(scope = "api_edges.edges", key = key, tenant = tenant, store = store, skip(runs))]
 async fn edge_result(
     store: &dyn Store,
     tenant: &str,
@@ -519,7 +519,7 @@ fn float_bits(e: &Edges) -> (u64, u64, Vec<u32>, u32) {
 /// numbers, strings, characters and map keys at the edges of what JSON
 /// carries, on every store.
 #[tokio::test]
-async fn blackbox_results_at_the_edges_of_json_replay_equal() {
+async fn results_at_the_edges_of_json_replay_equal() {
     for (name, store) in stores().await {
         let (t, runs) = (tenant(), AtomicUsize::new(0));
         let first = edge_result(&*store, &t, "k", &runs)
@@ -546,7 +546,7 @@ struct Echo {
     run: usize,
 }
 
-#[idempotent(scope = "blackbox.race", key = key, tenant = tenant, store = store, skip(runs),
+#[idempotent(scope = "api_edges.race", key = key, tenant = tenant, store = store, skip(runs),
              in_progress = wait("30s"))]
 async fn race(
     store: &dyn Store,
@@ -565,7 +565,7 @@ async fn race(
 /// answer gets the winner's, and only when its own arguments are the
 /// winner's; the others are refused as a reused key (or in progress).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn blackbox_racing_calls_with_other_arguments_never_get_anothers_answer() {
+async fn racing_calls_with_other_arguments_never_get_anothers_answer() {
     for (name, store) in stores().await {
         for round in 0..5 {
             let (t, runs) = (tenant(), Arc::new(AtomicUsize::new(0)));
@@ -618,7 +618,7 @@ async fn blackbox_racing_calls_with_other_arguments_never_get_anothers_answer() 
 
 // ---- SQLite URLs -------------------------------------------------------------------
 
-#[idempotent(scope = "blackbox.url", key = key, tenant = shared, store = store, skip(runs))]
+#[idempotent(scope = "api_edges.url", key = key, tenant = shared, store = store, skip(runs))]
 async fn via_url(store: &SqliteStore, key: &str, runs: &AtomicUsize) -> Result<usize, Error> {
     let n = runs.fetch_add(1, Ordering::SeqCst) + 1;
     tokio::task::yield_now().await;
@@ -633,13 +633,13 @@ async fn via_url(store: &SqliteStore, key: &str, runs: &AtomicUsize) -> Result<u
 /// pooled connection runs the body again. Whatever such a URL opens, a key's
 /// body runs once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn blackbox_sqlite_urls_never_give_connections_databases_of_their_own() {
+async fn sqlite_urls_never_give_connections_databases_of_their_own() {
     let id = uuid::Uuid::new_v4().simple().to_string();
     let urls = [
-        format!("sqlite://blackbox-{id}-private?vfs=memdb"),
-        format!("sqlite:blackbox-{id}-private2?vfs=memdb&mode=rwc"),
-        format!("sqlite:///blackbox-{id}-shared?vfs=memdb"),
-        format!("sqlite://file:blackbox-{id}-named?mode=memory&cache=shared"),
+        format!("sqlite://api_edges-{id}-private?vfs=memdb"),
+        format!("sqlite:api_edges-{id}-private2?vfs=memdb&mode=rwc"),
+        format!("sqlite:///api_edges-{id}-shared?vfs=memdb"),
+        format!("sqlite://file:api_edges-{id}-named?mode=memory&cache=shared"),
     ];
     for url in urls {
         let store = match SqliteStore::connect(&url).await {
@@ -692,9 +692,9 @@ macro_rules! savepoint_fns {
         }
     };
 }
-savepoint_fns!(sqlx::Postgres, pg_in_savepoint, "blackbox.sp_pg");
-savepoint_fns!(sqlx::MySql, my_in_savepoint, "blackbox.sp_my");
-savepoint_fns!(sqlx::Sqlite, lite_in_savepoint, "blackbox.sp_lite");
+savepoint_fns!(sqlx::Postgres, pg_in_savepoint, "api_edges.sp_pg");
+savepoint_fns!(sqlx::MySql, my_in_savepoint, "api_edges.sp_my");
+savepoint_fns!(sqlx::Sqlite, lite_in_savepoint, "api_edges.sp_lite");
 
 /// Rule 15 with sqlx's nested transactions (savepoints), on each SQL store:
 /// a call in a savepoint rolled back leaves no record (the same outer
@@ -785,28 +785,28 @@ macro_rules! savepoint_test {
 }
 
 savepoint_test!(
-    blackbox_pg_savepoints,
+    pg_calls_in_savepoints_commit_and_roll_back_with_them,
     common::servers::pg_store_or_skip(),
     pg_in_savepoint,
-    "blackbox.sp_pg"
+    "api_edges.sp_pg"
 );
 savepoint_test!(
-    blackbox_mysql_savepoints,
+    mysql_calls_in_savepoints_commit_and_roll_back_with_them,
     common::servers::mysql_store_or_skip(),
     my_in_savepoint,
-    "blackbox.sp_my"
+    "api_edges.sp_my"
 );
 savepoint_test!(
-    blackbox_sqlite_savepoints,
+    sqlite_calls_in_savepoints_commit_and_roll_back_with_them,
     async {
         Some(
-            SqliteStore::connect(&common::scratch::sqlite_url("blackbox-sp"))
+            SqliteStore::connect(&common::scratch::sqlite_url("api_edges-sp"))
                 .await
                 .expect("open"),
         )
     },
     lite_in_savepoint,
-    "blackbox.sp_lite"
+    "api_edges.sp_lite"
 );
 
 // ---- equal arguments built in other orders ---------------------------------------
@@ -894,7 +894,7 @@ fn nested() -> Nested {
     }
 }
 
-#[idempotent(scope = "blackbox.equal", key = key, tenant = shared, store = store, skip(runs))]
+#[idempotent(scope = "api_edges.equal", key = key, tenant = shared, store = store, skip(runs))]
 async fn equal_args(
     store: &MemoryStore,
     key: &str,
@@ -909,7 +909,7 @@ async fn equal_args(
 /// wherever the sets sit: in maps, boxes, `Arc`s, options, tuples, vectors,
 /// adjacently, externally and internally tagged enums, cells and mutexes.
 #[tokio::test]
-async fn blackbox_equal_values_built_otherwise_are_one_request() {
+async fn equal_values_built_otherwise_are_one_request() {
     let store = MemoryStore::new();
     let runs = AtomicUsize::new(0);
     let first = nested();
@@ -947,9 +947,9 @@ macro_rules! forever_tx_fns {
         }
     };
 }
-forever_tx_fns!(sqlx::Postgres, pg_forever_tx, "blackbox.forever_pg");
-forever_tx_fns!(sqlx::MySql, my_forever_tx, "blackbox.forever_my");
-forever_tx_fns!(sqlx::Sqlite, lite_forever_tx, "blackbox.forever_lite");
+forever_tx_fns!(sqlx::Postgres, pg_forever_tx, "api_edges.forever_pg");
+forever_tx_fns!(sqlx::MySql, my_forever_tx, "api_edges.forever_my");
+forever_tx_fns!(sqlx::Sqlite, lite_forever_tx, "api_edges.forever_lite");
 
 /// Rules 15 and 16 at the longest durations the attribute accepts, in
 /// transactional mode: a call executes and commits, and a retry in a new
@@ -980,20 +980,20 @@ macro_rules! forever_tx_test {
     };
 }
 forever_tx_test!(
-    blackbox_pg_forever_tx,
+    pg_the_longest_ttl_lease_and_wait_in_a_transaction,
     common::servers::pg_store_or_skip(),
     pg_forever_tx
 );
 forever_tx_test!(
-    blackbox_mysql_forever_tx,
+    mysql_the_longest_ttl_lease_and_wait_in_a_transaction,
     common::servers::mysql_store_or_skip(),
     my_forever_tx
 );
 forever_tx_test!(
-    blackbox_sqlite_forever_tx,
+    sqlite_the_longest_ttl_lease_and_wait_in_a_transaction,
     async {
         Some(
-            SqliteStore::connect(&common::scratch::sqlite_url("blackbox-forever"))
+            SqliteStore::connect(&common::scratch::sqlite_url("api_edges-forever"))
                 .await
                 .expect("open"),
         )
@@ -1003,7 +1003,7 @@ forever_tx_test!(
 
 // ---- duplicates polled by one task ------------------------------------------------
 
-#[idempotent(scope = "blackbox.one_task", key = key, tenant = tenant, store = store, skip(runs, gate),
+#[idempotent(scope = "api_edges.one_task", key = key, tenant = tenant, store = store, skip(runs, gate),
              in_progress = wait("30s"))]
 async fn one_task(
     store: &dyn Store,
@@ -1023,7 +1023,7 @@ async fn one_task(
 /// call has been polled once), the others wait and replay; none runs the
 /// body, none is refused, none waits for ever.
 #[tokio::test(flavor = "current_thread")]
-async fn blackbox_duplicates_polled_by_one_task_wait_and_replay() {
+async fn duplicates_polled_by_one_task_wait_and_replay() {
     for (name, inner) in stores().await {
         let store = Watched {
             inner,
@@ -1089,7 +1089,7 @@ fn request() -> Request {
     }
 }
 
-#[idempotent(scope = "blackbox.merge", key = key, tenant = shared, store = store, skip(runs))]
+#[idempotent(scope = "api_edges.merge", key = key, tenant = shared, store = store, skip(runs))]
 async fn merge(
     store: &MemoryStore,
     key: &str,
@@ -1106,7 +1106,7 @@ async fn merge(
 /// and without what follows a NUL, two strings cut elsewhere, `None` and
 /// `Some(())` ...; each is refused as a reused key, never replayed.
 #[tokio::test]
-async fn blackbox_values_json_would_merge_are_different_requests() {
+async fn values_json_would_merge_are_different_requests() {
     let store = MemoryStore::new();
     let runs = AtomicUsize::new(0);
     assert_eq!(
@@ -1172,7 +1172,7 @@ async fn blackbox_values_json_would_merge_are_different_requests() {
 
 // ---- errors, drops and duplicates together -----------------------------------------
 
-#[idempotent(scope = "blackbox.churn", key = key, tenant = tenant, store = store, skip(runs),
+#[idempotent(scope = "api_edges.churn", key = key, tenant = tenant, store = store, skip(runs),
              in_progress = wait("20s"))]
 async fn churn(
     store: &dyn Store,
@@ -1197,7 +1197,7 @@ async fn churn(
 /// answer for a key gets the same one, and once the dropped calls' work is
 /// done, a retry replays that answer (or runs once, when none was given).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn blackbox_failures_and_drops_never_give_one_key_two_answers() {
+async fn failures_and_drops_never_give_one_key_two_answers() {
     for (name, store) in stores().await {
         let t = tenant();
         let runs = Arc::new(AtomicUsize::new(0));
@@ -1277,7 +1277,7 @@ impl From<Error> for Declined {
     }
 }
 
-#[idempotent(scope = "blackbox.brief", key = key, tenant = tenant, store = store, skip(runs),
+#[idempotent(scope = "api_edges.brief", key = key, tenant = tenant, store = store, skip(runs),
              ttl = "1ms", errors = record, shared_scope)]
 async fn brief(
     store: &dyn Store,
@@ -1296,7 +1296,7 @@ async fn brief(
 
 /// Until the store's clock says the record of `key` counts as absent.
 async fn until_expired(store: &dyn Store, tenant: &str, key: &str) {
-    let identity = Identity::new(tenant, "blackbox.brief", key).unwrap();
+    let identity = Identity::new(tenant, "api_edges.brief", key).unwrap();
     for _ in 0..10_000 {
         match store.fetch(&identity).await.expect("fetch") {
             Some(snapshot) if !snapshot.is_expired() => {
@@ -1313,7 +1313,7 @@ async fn until_expired(store: &dyn Store, tenant: &str, key: &str) {
 /// and replayed; it is neither refused as a reused key nor answered with the
 /// old record, on every store.
 #[tokio::test]
-async fn blackbox_an_expired_record_is_absent_for_other_arguments() {
+async fn an_expired_record_is_absent_for_other_arguments() {
     for (name, store) in stores().await {
         let (t, runs) = (tenant(), AtomicUsize::new(0));
         assert_eq!(
@@ -1341,7 +1341,7 @@ async fn blackbox_an_expired_record_is_absent_for_other_arguments() {
 
 macro_rules! brief_tx {
     ($db:ty, $name:ident, $test:ident, $store:expr) => {
-        #[idempotent(scope = "blackbox.brief", key = key, tenant = tenant, tx = tx, skip(runs),
+        #[idempotent(scope = "api_edges.brief", key = key, tenant = tenant, tx = tx, skip(runs),
                                                      ttl = "1ms", errors = record, shared_scope)]
         async fn $name(
             tx: &mut sqlx::Transaction<'_, $db>,
@@ -1358,7 +1358,7 @@ macro_rules! brief_tx {
             Ok((amount, n))
         }
 
-        /// As `blackbox_an_expired_record_is_absent_for_other_arguments`, in
+        /// As `an_expired_record_is_absent_for_other_arguments`, in
         /// transactional mode (each call in a transaction that commits).
         #[tokio::test]
         async fn $test() {
@@ -1388,16 +1388,16 @@ macro_rules! brief_tx {
 brief_tx!(
     sqlx::MySql,
     brief_my,
-    blackbox_mysql_an_expired_record_is_absent_in_a_transaction,
+    mysql_an_expired_record_is_absent_in_a_transaction,
     common::servers::mysql_store_or_skip()
 );
 brief_tx!(
     sqlx::Sqlite,
     brief_lite,
-    blackbox_sqlite_an_expired_record_is_absent_in_a_transaction,
+    sqlite_an_expired_record_is_absent_in_a_transaction,
     async {
         Some(
-            SqliteStore::connect(&common::scratch::sqlite_url("blackbox-brief"))
+            SqliteStore::connect(&common::scratch::sqlite_url("api_edges-brief"))
                 .await
                 .expect("open"),
         )
@@ -1438,7 +1438,7 @@ impl Named for Invoice {
 }
 
 /// Arguments not compared (`fingerprint = false`); the answer is a `T`.
-#[idempotent(scope = "blackbox.unfingerprinted_load", key = key, tenant = shared, store = store,
+#[idempotent(scope = "api_edges.unfingerprinted_load", key = key, tenant = shared, store = store,
              fingerprint = false)]
 async fn unfingerprinted_load<T: Named>(
     store: &MemoryStore,
@@ -1452,7 +1452,7 @@ async fn unfingerprinted_load<T: Named>(
 }
 
 /// A const parameter shaping the answer, arguments not compared.
-#[idempotent(scope = "blackbox.unfingerprinted_fill", key = key, tenant = shared, store = store,
+#[idempotent(scope = "api_edges.unfingerprinted_fill", key = key, tenant = shared, store = store,
              fingerprint = false)]
 async fn unfingerprinted_fill<const N: usize>(
     store: &MemoryStore,
@@ -1463,7 +1463,7 @@ async fn unfingerprinted_fill<const N: usize>(
 }
 
 /// A type parameter no parameter shows, shaping an answer of one type.
-#[idempotent(scope = "blackbox.unfingerprinted_create", key = key, tenant = shared,
+#[idempotent(scope = "api_edges.unfingerprinted_create", key = key, tenant = shared,
              store = store, fingerprint = false)]
 async fn unfingerprinted_create<T: Named>(store: &MemoryStore, key: &str) -> Result<String, Error> {
     Ok(std::any::type_name::<T>().to_owned())
@@ -1471,7 +1471,7 @@ async fn unfingerprinted_create<T: Named>(store: &MemoryStore, key: &str) -> Res
 
 /// A trait's default method answering `Self`, arguments not compared.
 trait Loaded: Named {
-    #[idempotent(scope = "blackbox.unfingerprinted_created", key = key, tenant = shared,
+    #[idempotent(scope = "api_edges.unfingerprinted_created", key = key, tenant = shared,
                  store = store, fingerprint = false)]
     async fn created(store: &MemoryStore, key: &str) -> Result<Self, Error> {
         Ok(Self::named())
@@ -1485,7 +1485,7 @@ impl Loaded for Invoice {}
 struct Shelf<T>(std::marker::PhantomData<T>);
 
 impl<T: Named> Shelf<T> {
-    #[idempotent(scope = "blackbox.unfingerprinted_shelf", key = key, tenant = shared,
+    #[idempotent(scope = "api_edges.unfingerprinted_shelf", key = key, tenant = shared,
                  store = store, fingerprint = false)]
     async fn take(&self, store: &MemoryStore, key: &str) -> Result<T, Error> {
         Ok(T::named())
@@ -1499,7 +1499,7 @@ impl<T: Named> Shelf<T> {
 /// `Customer` replayed to a call answering an `Invoice` is decoded as one
 /// (the JSON fits) and handed over as that call's own answer.
 #[tokio::test]
-async fn blackbox_fingerprint_false_never_replays_one_answer_type_as_another() {
+async fn fingerprint_false_never_replays_one_answer_type_as_another() {
     let store = MemoryStore::new();
     let runs = AtomicUsize::new(0);
     let customer = unfingerprinted_load::<Customer>(&store, "k", 1, &runs).await;
@@ -1585,7 +1585,7 @@ async fn blackbox_fingerprint_false_never_replays_one_answer_type_as_another() {
 trait Describe: Send + Sync {
     fn what(&self) -> String;
 
-    #[idempotent(scope = "blackbox.describe", key = key, tenant = shared, store = store)]
+    #[idempotent(scope = "api_edges.describe", key = key, tenant = shared, store = store)]
     async fn describe(&self, store: &MemoryStore, key: &str) -> Result<String, Error> {
         Ok(self.what())
     }
@@ -1607,7 +1607,7 @@ impl<T: Named> Describe for Vec<T> {
 /// (`Generic<u8>` and `Generic<u16>` are told apart)". `Vec<T>` is; so is a
 /// tuple `(T,)`.
 #[tokio::test]
-async fn blackbox_generic_implementors_of_a_default_method_are_told_apart() {
+async fn generic_implementors_of_a_default_method_are_told_apart() {
     let store = MemoryStore::new();
     let vec_c: Vec<Customer> = Vec::new();
     let vec_i: Vec<Invoice> = Vec::new();
