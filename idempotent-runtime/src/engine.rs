@@ -1856,7 +1856,9 @@ pub(crate) fn reads_back_equal<T: Serialize + DeserializeOwned>(
     // Written again otherwise: a set or a map in another order (through
     // whatever `Serialize`, into an array or into a string), which is equal;
     // or with members its first writing did not have, or without some it
-    // had, which is another value. Only the members are compared.
+    // had, or with other numbers, booleans or nulls, which is another value.
+    // The members and those scalars are compared, not where they stand nor
+    // the text of strings.
     match (
         serde_json::from_slice::<serde_json::Value>(payload),
         serde_json::from_slice::<serde_json::Value>(&again),
@@ -1868,7 +1870,46 @@ pub(crate) fn reads_back_equal<T: Serialize + DeserializeOwned>(
              `default` is another value)"
                 .to_owned(),
         ),
+        (Ok(before), Ok(after)) if Scalars::of(&before) != Scalars::of(&after) => Err(
+            "written as JSON it reads back as another value: check the type's serde attributes \
+             (an `#[serde(untagged)]` enum whose variants read each other's values, such as \
+             `Whole(7)` read back as `Float(7.0)` when the float variant comes first; a \
+             `deserialize_with` that does not read what its `serialize_with` writes)"
+                .to_owned(),
+        ),
         _ => Ok(()),
+    }
+}
+
+/// The numbers, booleans and nulls of a JSON value, at every depth, counted
+/// wherever they stand: a set or a map written again in another order has
+/// the same ones; a value that reads back as another (an untagged enum's
+/// `7` read as `7.0`) does not. A number is compared as JSON holds it
+/// (`7` and `7.0` differ). Strings are not compared: an equal value may
+/// write one otherwise (a set joined into a string in its own order).
+#[derive(Debug, Default, PartialEq)]
+struct Scalars(std::collections::BTreeMap<String, usize>);
+
+impl Scalars {
+    fn of(value: &serde_json::Value) -> Self {
+        let mut scalars = Scalars::default();
+        scalars.add(value);
+        scalars
+    }
+
+    fn add(&mut self, value: &serde_json::Value) {
+        match value {
+            serde_json::Value::Object(object) => object.values().for_each(|m| self.add(m)),
+            serde_json::Value::Array(items) => items.iter().for_each(|item| self.add(item)),
+            serde_json::Value::String(_) => {}
+            serde_json::Value::Number(n) => self.count(n.to_string()),
+            serde_json::Value::Bool(b) => self.count(b.to_string()),
+            serde_json::Value::Null => self.count("null".to_owned()),
+        }
+    }
+
+    fn count(&mut self, scalar: String) {
+        *self.0.entry(scalar).or_default() += 1;
     }
 }
 
@@ -2261,6 +2302,41 @@ fn note_heartbeat(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Rule 12's read-back check compares the numbers, booleans and nulls a
+    /// value writes wherever they stand: an untagged enum's `7` read back as
+    /// `7.0` is another value; sets and maps of numbers written again in
+    /// another order are the same one.
+    #[test]
+    fn a_value_whose_numbers_read_back_otherwise_is_another_value() {
+        #[derive(Serialize, serde::Deserialize)]
+        #[serde(untagged)]
+        enum Amount {
+            Float(f64),
+            Whole(u64),
+        }
+        let written = |v: &Amount| serde_json::to_vec(v).expect("json");
+        let refused = reads_back_equal::<Amount>(&written(&Amount::Whole(7)))
+            .expect_err("Whole(7) reads back as Float(7.0)");
+        assert!(refused.contains("untagged"), "{refused}");
+        assert_eq!(
+            reads_back_equal::<Amount>(&written(&Amount::Float(7.5))),
+            Ok(())
+        );
+
+        let set: std::collections::HashSet<u64> = (0..64).collect();
+        let map: std::collections::HashMap<String, (bool, Option<u8>)> = (0..64u8)
+            .map(|i| (format!("k{i}"), (i % 2 == 0, (i % 3 == 0).then_some(i))))
+            .collect();
+        let payload = serde_json::to_vec(&(set, map)).expect("json");
+        assert_eq!(
+            reads_back_equal::<(
+                std::collections::HashSet<u64>,
+                std::collections::HashMap<String, (bool, Option<u8>)>
+            )>(&payload),
+            Ok(())
+        );
+    }
     use crate::registry::ErrorPolicy;
     use crate::MemoryStore;
 

@@ -410,6 +410,17 @@ pub struct ChangingReceipt {
     /// does), in its own order each time.
     #[serde(serialize_with = "as_joined", deserialize_with = "from_joined")]
     pub joined: std::collections::HashSet<String>,
+    /// `Whole(7)` is written `7`, which the `Float` variant, tried first,
+    /// reads back as `Float(7.0)`.
+    pub amount: Amount,
+}
+
+/// An amount in one of two forms, told apart by serde only by what reads.
+#[derive(Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(untagged)]
+pub enum Amount {
+    Float(f64),
+    Whole(u64),
 }
 
 fn as_joined<S: serde::Serializer>(
@@ -452,8 +463,8 @@ fn is_zero(n: &u32) -> bool {
     *n == 0
 }
 
-/// Returns a [`ChangingReceipt`] (rule 12): `None` note, or zero copies,
-/// or (with neither) one that reads back equal.
+/// Returns a [`ChangingReceipt`] (rule 12): `None` note, zero copies, or a
+/// whole amount, or (with none of them) one that reads back equal.
 #[idempotent(scope = "contract.changing", key = key, tenant = tenant, store = store, skip(runs))]
 pub async fn changing_result(
     store: &dyn Store,
@@ -461,6 +472,7 @@ pub async fn changing_result(
     key: &str,
     note: bool,
     copies: u32,
+    whole: bool,
     runs: &AtomicUsize,
 ) -> Result<ChangingReceipt, Error> {
     runs.fetch_add(1, Ordering::SeqCst);
@@ -473,6 +485,11 @@ pub async fn changing_result(
         listed: tags.clone(),
         joined: tags.clone(),
         tags,
+        amount: if whole {
+            Amount::Whole(7)
+        } else {
+            Amount::Float(7.5)
+        },
     })
 }
 
@@ -1119,22 +1136,23 @@ macro_rules! contract_tests {
         /// Rule 12: a result (or a recorded error) that reads back as its own
         /// type but as *another value* is refused when it is recorded. It was
         /// recorded, and every retry got the other value (a `None` note as
-        /// `Some`, zero copies as one). Maps and sets that come back in
-        /// another order are equal, and recorded.
+        /// `Some`, zero copies as one, an untagged enum's `Whole(7)` as
+        /// `Float(7.0)`). Maps and sets that come back in another order are
+        /// equal, and recorded.
         #[tokio::test]
         async fn a_result_that_would_read_back_as_another_value_is_refused() {
             let Some(store) = store().await else { return };
             let (t, runs) = (fresh_tenant(), AtomicUsize::new(0));
-            for (key, note, copies) in [("none-note", false, 2), ("zero-copies", true, 0)] {
-                let err = changing_result(&*store, &t, key, note, copies, &runs).await.unwrap_err();
+            for (key, note, copies, whole) in [("none-note", false, 2, false), ("zero-copies", true, 0, false), ("whole-amount", true, 2, true)] {
+                let err = changing_result(&*store, &t, key, note, copies, whole, &runs).await.unwrap_err();
                 assert!(matches!(err, Error::ResultNotFaithful { ref scope, .. } if scope == "contract.changing"), "{key}: {err:?}");
                 assert!(err.to_string().contains("another value"), "{err}");
                 assert!(store.fetch(&id(&t, "contract.changing", key)).await.unwrap().is_none(), "released");
             }
-            let first = changing_result(&*store, &t, "equal", true, 2, &runs).await.expect("recorded");
-            let (again, how) = with_outcome(changing_result(&*store, &t, "equal", true, 2, &runs)).await;
+            let first = changing_result(&*store, &t, "equal", true, 2, false, &runs).await.expect("recorded");
+            let (again, how) = with_outcome(changing_result(&*store, &t, "equal", true, 2, false, &runs)).await;
             assert_eq!((again.expect("replayed"), how), (first, Some(Outcome::Replayed)));
-            assert_eq!(runs.load(Ordering::SeqCst), 3);
+            assert_eq!(runs.load(Ordering::SeqCst), 4);
 
             let err = changing_error(&*store, &t, "k", &runs).await.unwrap_err();
             assert!(
