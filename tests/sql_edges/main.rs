@@ -3,7 +3,8 @@
 //! SQLite's opening, locking and pools (`sqlite_edges`, `sqlite_store`), and
 //! transactional mode given a connection outside a transaction
 //! (`transactional_edges`), and what a transactional body does to its
-//! session that outlives the call (`transactional_hostile`).
+//! session that outlives the call (`transactional_hostile`), and what code
+//! sharing a store's pool leaves on its connections (`pool_session_state`).
 //!
 //! `sqlite_edges` installs the one global tracing subscriber of this binary
 //! and re-runs this binary as child processes
@@ -14,6 +15,7 @@ mod common;
 
 mod mysql_edges;
 mod operator_release;
+mod pool_session_state;
 mod postgres_edges;
 mod sqlite_edges;
 mod sqlite_store;

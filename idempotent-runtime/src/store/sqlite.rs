@@ -1,6 +1,9 @@
 //! [`SqliteStore`]: records in an embedded SQLite database (via sqlx).
 //!
-//! One table, `idempotency_records`, keyed by `(tenant, scope, key)`. Every
+//! One table, `idempotency_records`, keyed by `(tenant, scope, key)`, named
+//! `main.idempotency_records` by every statement: SQLite looks an unqualified
+//! name up in `temp` first, and a TEMP table of that name left on a pooled
+//! connection by code sharing the pool took the store's writes there. Every
 //! time decision (lease expiry, retention) is computed by the SQL statements
 //! themselves on SQLite's clock; the application's clock is never passed in.
 //!
@@ -88,7 +91,7 @@ macro_rules! row_expired {
 }
 
 const RESERVE_SQL: &str = concat!(
-    "INSERT INTO idempotency_records ",
+    "INSERT INTO main.idempotency_records ",
     "(tenant, scope, key, state, fingerprint, owner_token, lease_expires_at, expires_at, ",
     "created_at, completed_at, takeover_count, is_error, result, ",
     "attempt_started_at, previous_attempt_started_at, recovered) ",
@@ -137,7 +140,7 @@ const EXISTING_SQL: &str = concat!(
     now_ms!(),
     " AS lease_remaining, ",
     row_expired!(),
-    " AS expired, is_error, result FROM idempotency_records ",
+    " AS expired, is_error, result FROM main.idempotency_records ",
     "WHERE tenant = ?1 AND scope = ?2 AND key = ?3"
 );
 
@@ -150,12 +153,12 @@ const LEASE_ENDED_SQL: &str = concat!(
     now_ms!(),
     " - lease_expires_at AS lease_ended_ms, ",
     row_expired!(),
-    " AS expired, fingerprint, owner_token FROM idempotency_records ",
+    " AS expired, fingerprint, owner_token FROM main.idempotency_records ",
     "WHERE tenant = ?1 AND scope = ?2 AND key = ?3 AND state = 'in_progress'"
 );
 
 const COMPLETE_SQL: &str = concat!(
-    "UPDATE idempotency_records SET state = 'complete', owner_token = NULL, ",
+    "UPDATE main.idempotency_records SET state = 'complete', owner_token = NULL, ",
     "lease_expires_at = NULL, completed_at = ",
     now_ms!(),
     ", expires_at = ",
@@ -166,14 +169,14 @@ const COMPLETE_SQL: &str = concat!(
 );
 
 const RELEASE_SQL: &str = concat!(
-    "DELETE FROM idempotency_records ",
+    "DELETE FROM main.idempotency_records ",
     "WHERE tenant = ?1 AND scope = ?2 AND key = ?3 ",
     "AND state = 'in_progress' AND owner_token = ?4"
 );
 
 /// A renewal; the record's retention moves with its lease ([`Store::heartbeat`]).
 const HEARTBEAT_SQL: &str = concat!(
-    "UPDATE idempotency_records SET lease_expires_at = ",
+    "UPDATE main.idempotency_records SET lease_expires_at = ",
     now_ms!(),
     " + ?5, expires_at = max(expires_at, COALESCE(",
     now_ms!(),
@@ -183,8 +186,8 @@ const HEARTBEAT_SQL: &str = concat!(
 );
 
 const PURGE_SQL: &str = concat!(
-    "DELETE FROM idempotency_records WHERE rowid IN (",
-    "SELECT rowid FROM idempotency_records WHERE ",
+    "DELETE FROM main.idempotency_records WHERE rowid IN (",
+    "SELECT rowid FROM main.idempotency_records WHERE ",
     row_expired!(),
     " LIMIT ?1)"
 );
@@ -194,13 +197,13 @@ const FETCH_SQL: &str = concat!(
     now_ms!(),
     " AS now_ms, created_at, takeover_count + 1 AS attempt, ",
     "COALESCE(attempt_started_at, created_at) AS attempt_started_at, recovered ",
-    "FROM idempotency_records WHERE tenant = ?1 AND scope = ?2 AND key = ?3"
+    "FROM main.idempotency_records WHERE tenant = ?1 AND scope = ?2 AND key = ?3"
 );
 
 /// The operator's release (rule 20's escape hatch): an in-progress record,
 /// with `?4 = 1` only once its lease ran out. Returns its attempt number.
 const FORCE_RELEASE_SQL: &str = concat!(
-    "DELETE FROM idempotency_records ",
+    "DELETE FROM main.idempotency_records ",
     "WHERE tenant = ?1 AND scope = ?2 AND key = ?3 AND state = 'in_progress' ",
     "AND (?4 = 0 OR lease_expires_at <= ",
     now_ms!(),
@@ -222,7 +225,7 @@ const SCOPE_STATS_SQL: &str = concat!(
     "FROM (SELECT scope, state, lease_expires_at, created_at, now_ms, takeover_count, recovered, ",
     "(expires_at <= now_ms AND (state = 'complete' OR COALESCE(lease_expires_at, 0) <= now_ms)) ",
     "AS expired ",
-    "FROM idempotency_records, (SELECT ",
+    "FROM main.idempotency_records, (SELECT ",
     now_ms!(),
     " AS now_ms)) ",
     "GROUP BY scope ORDER BY scope"
@@ -243,7 +246,7 @@ fn ms(d: Duration) -> i64 {
 const LEASE_REMAINING_SQL: &str = concat!(
     "SELECT owner_token, lease_expires_at - ",
     now_ms!(),
-    " FROM idempotency_records ",
+    " FROM main.idempotency_records ",
     "WHERE tenant = ?1 AND scope = ?2 AND key = ?3 AND state = 'in_progress'"
 );
 

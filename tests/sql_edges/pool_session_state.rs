@@ -1,0 +1,288 @@
+//! Store mode on a pool shared with application code (`PgStore::from_pool`,
+//! `SqliteStore::from_pool`): what code sharing the pool leaves on a
+//! connection (a session setting, a temporary table) and the store's next
+//! reservation or completion then runs under. Each test uses a pool of one
+//! connection, so the connection the test leaves the state on is the one
+//! the store is handed next.
+
+use crate::common;
+
+use common::servers::{fresh_tenant, pg_store_or_skip, pg_url};
+use idempotent_runtime::{
+    Completion, Fenced, Fingerprint, Identity, OwnerToken, PgStore, RecordState, Reservation,
+    ReserveRequest, SqliteStore, Store, StoredOutcome,
+};
+use sqlx::postgres::PgPoolOptions;
+use sqlx::sqlite::SqlitePoolOptions;
+use sqlx::{Connection, Executor};
+use std::time::Duration;
+
+const LONG: Duration = Duration::from_secs(3600);
+
+fn fp(value: &str) -> Fingerprint {
+    Fingerprint::of(value).expect("fingerprint")
+}
+
+fn ok(payload: &[u8]) -> StoredOutcome {
+    StoredOutcome {
+        is_error: false,
+        payload: payload.to_vec(),
+    }
+}
+
+fn request<'a>(
+    identity: &'a Identity,
+    fingerprint: &'a Fingerprint,
+    token: &'a OwnerToken,
+) -> ReserveRequest<'a> {
+    ReserveRequest {
+        identity,
+        fingerprint: Some(fingerprint),
+        token,
+        lease: LONG,
+        ttl: LONG,
+    }
+}
+
+/// One call on `dirty` (whose only connection the test left in some state):
+/// reserve, complete. Then, whatever `dirty` answered, a clean session
+/// (`clean`) must either see the record that call wrote, under the same
+/// identity, and replay it, or `dirty` must have refused to write at all (a
+/// store error): never a record written where a clean session does not find
+/// it, which lets a retry run the body again.
+async fn a_call_on_the_dirty_pool_is_seen_by_a_clean_one(
+    dirty: &dyn Store,
+    clean: &dyn Store,
+    identity: &Identity,
+) {
+    let f = fp("request");
+    let token = OwnerToken::new();
+    match dirty.reserve(request(identity, &f, &token)).await {
+        Err(e) => {
+            // A refusal: nothing may have been written.
+            assert!(
+                clean.fetch(identity).await.expect("fetch").is_none(),
+                "refused ({e}), yet a record was written"
+            );
+            return;
+        }
+        Ok(reservation) => assert_eq!(reservation, Reservation::FRESH),
+    }
+    match dirty
+        .complete(Completion::by_body(identity, &token, &ok(b"7"), LONG))
+        .await
+    {
+        Ok(written) => assert_eq!(written, Fenced::Written, "the owner records its result"),
+        Err(e) => panic!("the reservation was taken, but its completion failed: {e}"),
+    }
+    let seen = clean.fetch(identity).await.expect("fetch");
+    assert!(
+        seen.as_ref()
+            .is_some_and(|r| r.state == RecordState::Complete),
+        "a clean session finds the recorded result under the same identity (found {seen:?})"
+    );
+    let retry = OwnerToken::new();
+    assert_eq!(
+        clean
+            .reserve(request(identity, &f, &retry))
+            .await
+            .expect("reserve"),
+        Reservation::Completed(ok(b"7")),
+        "a retry on a clean session replays, it does not run the body again"
+    );
+}
+
+/// A PostgreSQL pool of one connection on `url`, and a store on it.
+async fn pg_pool_of_one(url: &str) -> (sqlx::PgPool, PgStore) {
+    let pool = PgPoolOptions::new()
+        .max_connections(1)
+        .connect(url)
+        .await
+        .expect("pool");
+    let store = PgStore::from_pool(pool.clone()).await.expect("store");
+    (pool, store)
+}
+
+/// `SET client_encoding = 'LATIN1'` left on a connection of the shared pool
+/// (a legacy import, a `COPY` of a Latin-1 file). sqlx sends UTF-8 whatever
+/// the session says and does not notice the change; the server reads each
+/// text parameter as Latin-1 and converts it: a key `café` arrives as
+/// `cafÃ©`. The reservation and the completion, on that connection alike,
+/// agree with each other, but the record is written under another identity
+/// than a clean session looks for: a retry there finds nothing and runs the
+/// body again.
+#[tokio::test]
+#[ignore = "not fixed: the store sends text in UTF-8 whatever client_encoding the connection was left with"]
+async fn pg_a_session_left_in_latin1_writes_under_the_callers_identity() {
+    let Some(clean) = pg_store_or_skip().await else {
+        return;
+    };
+    let (pool, dirty) = pg_pool_of_one(&pg_url()).await;
+    let identity = Identity::new(fresh_tenant(), "pool_state.encoding", "café").expect("identity");
+    pool.execute("SET client_encoding = 'LATIN1'")
+        .await
+        .expect("set the encoding");
+    a_call_on_the_dirty_pool_is_seen_by_a_clean_one(&dirty, &clean, &identity).await;
+}
+
+/// A TEMP table named like the store's, created on a connection of the
+/// shared pool as a copy of its definition (`LIKE … INCLUDING ALL`, a
+/// scratch copy for a report or a test fixture). PostgreSQL looks for a
+/// table in `pg_temp` before any schema of the `search_path`: the store's
+/// statements, and the functions they call, write to that session's
+/// private copy, which no other session sees and which is gone when the
+/// connection closes.
+#[tokio::test]
+#[ignore = "not fixed: the store names its table unqualified, and pg_temp is searched first"]
+async fn pg_a_temp_table_named_like_the_stores_does_not_take_the_records() {
+    let Some(clean) = pg_store_or_skip().await else {
+        return;
+    };
+    let (pool, dirty) = pg_pool_of_one(&pg_url()).await;
+    pool.execute(
+        "CREATE TEMP TABLE idempotency_records (LIKE public.idempotency_records INCLUDING ALL)",
+    )
+    .await
+    .expect("temp table");
+    let identity = Identity::new(fresh_tenant(), "pool_state.temp", "k").expect("identity");
+    a_call_on_the_dirty_pool_is_seen_by_a_clean_one(&dirty, &clean, &identity).await;
+}
+
+/// A database of the test's own (schema experiments), dropped at the end.
+struct OwnDatabase {
+    admin: sqlx::PgConnection,
+    name: String,
+    url: String,
+}
+
+impl OwnDatabase {
+    async fn create() -> Option<Self> {
+        let admin_url = pg_url();
+        let Ok(mut admin) = sqlx::PgConnection::connect(&admin_url).await else {
+            eprintln!("SKIPPED: PostgreSQL unreachable");
+            return None;
+        };
+        let name = format!("pg_pool_state_{}", uuid::Uuid::new_v4().simple());
+        admin
+            .execute(format!("CREATE DATABASE {name}").as_str())
+            .await
+            .expect("create database");
+        let url = match admin_url.rsplit_once('/') {
+            Some((base, _)) => format!("{base}/{name}"),
+            None => panic!("url {admin_url}"),
+        };
+        Some(OwnDatabase { admin, name, url })
+    }
+
+    async fn drop(mut self) {
+        let _ = self
+            .admin
+            .execute(format!("DROP DATABASE {} WITH (FORCE)", self.name).as_str())
+            .await;
+    }
+}
+
+/// `SET search_path` left on a connection of the shared pool by code that
+/// switches schemas per request (schema-per-tenant), in a database where
+/// another schema has the store's tables too (a store opened for that
+/// schema, `PgConnectOptions::options([("search_path", "shadow")])`). The
+/// store's statements name the table unqualified: the record lands in the
+/// other schema's table, where the store's own sessions never look.
+#[tokio::test]
+#[ignore = "not fixed: the store names its table unqualified, resolved by the search_path the connection was left with"]
+async fn pg_a_search_path_left_on_the_pool_does_not_move_the_records() {
+    let Some(db) = OwnDatabase::create().await else {
+        return;
+    };
+    let mut setup = sqlx::PgConnection::connect(&db.url).await.expect("connect");
+    setup.execute("CREATE SCHEMA shadow").await.expect("schema");
+    let shadow_options = db
+        .url
+        .parse::<sqlx::postgres::PgConnectOptions>()
+        .expect("url")
+        .options([("search_path", "shadow")]);
+    let shadow_pool = PgPoolOptions::new()
+        .max_connections(1)
+        .connect_with(shadow_options)
+        .await
+        .expect("pool");
+    let shadow = PgStore::from_pool(shadow_pool).await.expect("shadow store");
+
+    let url = db.url.clone();
+    // Run apart, so the database is dropped whatever the check answers.
+    let checked = tokio::spawn(async move {
+        let (pool, dirty) = pg_pool_of_one(&url).await;
+        let clean = PgStore::connect(&url).await.expect("clean store");
+        let identity =
+            Identity::new(fresh_tenant(), "pool_state.search_path", "k").expect("identity");
+        pool.execute("SET search_path = shadow, public")
+            .await
+            .expect("set the search_path");
+        a_call_on_the_dirty_pool_is_seen_by_a_clean_one(&dirty, &clean, &identity).await;
+        pool.close().await;
+    })
+    .await;
+    drop((setup, shadow));
+    db.drop().await;
+    if let Err(e) = checked {
+        std::panic::resume_unwind(e.into_panic());
+    }
+}
+
+/// A fresh SQLite database file (removed by [`remove`]).
+fn sqlite_path() -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join("idempotent-pool-state-tests");
+    std::fs::create_dir_all(&dir).expect("create the temp dir");
+    dir.join(format!("{}.db", uuid::Uuid::new_v4().simple()))
+}
+
+fn remove(path: &std::path::Path) {
+    for suffix in ["", "-wal", "-shm", "-journal"] {
+        let _ = std::fs::remove_file(format!("{}{suffix}", path.display()));
+    }
+}
+
+/// A SQLite pool of one connection on `path`, a store on it, and a clean
+/// store (a pool of its own) on the same file.
+async fn sqlite_pool_of_one(
+    path: &std::path::Path,
+) -> (sqlx::SqlitePool, SqliteStore, SqliteStore) {
+    let options = sqlx::sqlite::SqliteConnectOptions::new()
+        .filename(path)
+        .create_if_missing(true)
+        .journal_mode(sqlx::sqlite::SqliteJournalMode::Wal)
+        .busy_timeout(Duration::from_secs(5));
+    let pool = SqlitePoolOptions::new()
+        .max_connections(1)
+        .connect_with(options)
+        .await
+        .expect("pool");
+    let store = SqliteStore::from_pool(pool.clone()).await.expect("store");
+    let clean = SqliteStore::connect(&format!("sqlite://{}", path.display()))
+        .await
+        .expect("clean store");
+    (pool, store, clean)
+}
+
+/// A TEMP table named like the store's, created on a connection of the
+/// shared pool with the same definition (a copy for a report, a test
+/// fixture). SQLite resolves an unqualified name to `temp` before `main`:
+/// the store's writes on that connection land in the connection's private
+/// copy, gone when it closes, and no other connection sees them.
+#[tokio::test]
+async fn sqlite_a_temp_table_named_like_the_stores_does_not_take_the_records() {
+    let path = sqlite_path();
+    let (pool, dirty, clean) = sqlite_pool_of_one(&path).await;
+    let ddl: String = sqlx::query_scalar(
+        "SELECT sql FROM sqlite_master WHERE type = 'table' AND name = 'idempotency_records'",
+    )
+    .fetch_one(&pool)
+    .await
+    .expect("the table's definition");
+    let temp = ddl.replacen("CREATE TABLE", "CREATE TEMP TABLE", 1);
+    pool.execute(temp.as_str()).await.expect("temp table");
+    let identity = Identity::new(fresh_tenant(), "pool_state.temp", "k").expect("identity");
+    a_call_on_the_dirty_pool_is_seen_by_a_clean_one(&dirty, &clean, &identity).await;
+    drop((pool, dirty, clean));
+    remove(&path);
+}
