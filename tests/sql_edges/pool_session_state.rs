@@ -285,3 +285,85 @@ async fn sqlite_a_temp_table_named_like_the_stores_does_not_take_the_records() {
     drop((pool, dirty, clean));
     remove(&path);
 }
+
+/// `PRAGMA read_uncommitted = 1` left on a connection of a shared-cache
+/// pool (an in-memory database shared by its connections, as sqlx opens
+/// `sqlite::memory:`): reads on that connection skip the table locks of the
+/// shared cache and see other connections' uncommitted writes. A
+/// transactional-mode owner has reserved and recorded its result in a
+/// transaction it has not committed; a store-mode duplicate on the dirty
+/// connection must not replay that result, which the owner then rolls back
+/// (the body's effects with it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_read_uncommitted_on_a_shared_cache_does_not_replay_an_uncommitted_result() {
+    use idempotent_runtime::TransactionalConnection;
+    let url = format!(
+        "sqlite:file:pool_state_{}?mode=memory&cache=shared",
+        uuid::Uuid::new_v4().simple()
+    );
+    let pool = SqlitePoolOptions::new()
+        .max_connections(2)
+        .connect(&url)
+        .await
+        .expect("pool");
+    let store = SqliteStore::from_pool(pool.clone()).await.expect("store");
+    let identity = Identity::new(fresh_tenant(), "pool_state.uncommitted", "k").expect("identity");
+    let f = fp("request");
+
+    let mut owner = pool.acquire().await.expect("owner's connection");
+    let mut dirty = pool.acquire().await.expect("the other connection");
+    dirty
+        .execute("PRAGMA read_uncommitted = 1")
+        .await
+        .expect("read_uncommitted");
+    drop(dirty);
+
+    owner.execute("BEGIN IMMEDIATE").await.expect("begin");
+    let token = OwnerToken::new();
+    assert_eq!(
+        TransactionalConnection::reserve_in_transaction(
+            &mut *owner,
+            request(&identity, &f, &token),
+            Duration::from_secs(5)
+        )
+        .await
+        .expect("the owner reserves"),
+        Reservation::FRESH
+    );
+    assert_eq!(
+        TransactionalConnection::complete_in_transaction(
+            &mut *owner,
+            Completion::by_body(&identity, &token, &ok(b"7"), LONG)
+        )
+        .await
+        .expect("the owner records"),
+        Fenced::Written
+    );
+
+    // The duplicate is handed the dirty connection (the owner holds the
+    // other). A clean one waits for the owner's table lock (without a bound
+    // in sqlx, see `SqliteStore::from_pool`): the bound keeps such a wait
+    // from hanging the test, and is not what is checked.
+    let retry = OwnerToken::new();
+    let answer = tokio::time::timeout(
+        Duration::from_secs(10),
+        store.reserve(request(&identity, &f, &retry)),
+    )
+    .await;
+    owner.execute("ROLLBACK").await.expect("rollback");
+    match &answer {
+        Ok(Ok(Reservation::Completed(replayed))) => panic!(
+            "the duplicate replayed {replayed:?}, a result of a transaction that then rolled back"
+        ),
+        Ok(Err(e)) => assert!(
+            e.to_string().contains("read_uncommitted"),
+            "a refusal says why: {e}"
+        ),
+        _ => {}
+    }
+    drop(owner);
+    assert!(
+        store.fetch(&identity).await.expect("fetch").is_none(),
+        "the owner's rollback took its record"
+    );
+}

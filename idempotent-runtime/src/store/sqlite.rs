@@ -140,9 +140,20 @@ const EXISTING_SQL: &str = concat!(
     now_ms!(),
     " AS lease_remaining, ",
     row_expired!(),
-    " AS expired, is_error, result FROM main.idempotency_records ",
+    " AS expired, is_error, result, ",
+    "(SELECT read_uncommitted FROM pragma_read_uncommitted) AS reads_uncommitted ",
+    "FROM main.idempotency_records ",
     "WHERE tenant = ?1 AND scope = ?2 AND key = ?3"
 );
+
+/// Why a read made on a connection left with `PRAGMA read_uncommitted = 1`
+/// answers nothing ([`judge`]).
+const READS_UNCOMMITTED: &str =
+    "the connection reads uncommitted data (PRAGMA read_uncommitted = 1, \
+     left on a connection of the pool by other code, or set on the caller's connection): with a \
+     shared cache it sees other connections' writes before they commit, and a result replayed \
+     from there may be rolled back; nothing was answered. Set PRAGMA read_uncommitted = 0 on the \
+     pool's connections, or give the store a pool of its own";
 
 /// How long ago an in-progress record's lease ran out (negative: not yet),
 /// whether the whole row counts as absent, its fingerprint and its owner:
@@ -651,6 +662,11 @@ impl SqliteStore {
     ///   `connect` restore it when the connection is released; on a pool of
     ///   your own, close a connection whose call you dropped
     ///   (`PoolConnection::close`), or call the store once more on it.
+    /// - `PRAGMA read_uncommitted = 1` on a connection (left there by other
+    ///   code, or on the caller's connection in transactional mode): with a
+    ///   shared cache it reads other connections' uncommitted writes, so a
+    ///   reservation that finds the record on such a connection is refused
+    ///   with [`Error::Store`] rather than replay a result that may roll back.
     /// - In-memory databases with shared cache (`sqlite::memory:`) and more than
     ///   one connection: sqlx waits for another connection's table lock
     ///   without a bound, so `in_progress = wait(...)` and `reject` are not
@@ -1651,11 +1667,19 @@ async fn read_and_judge<'e, E: sqlx::Executor<'e, Database = sqlx::Sqlite>>(
 
 /// What an existing row (read with `EXISTING_SQL`) answers to a request with
 /// `fingerprint`; `None` when the row is expired or its lease ran out, so the
-/// caller must go through the conditional upsert.
+/// caller must go through the conditional upsert. A row read on a connection
+/// that reads uncommitted data (`PRAGMA read_uncommitted = 1`, which with a
+/// shared cache skips the table locks) answers nothing: it may be another
+/// connection's uncommitted reservation or result, and a duplicate replayed
+/// a result its owner's transaction then rolled back. It fails with
+/// [`READS_UNCOMMITTED`].
 fn judge(
     row: &sqlx::sqlite::SqliteRow,
     fingerprint: Option<&str>,
 ) -> Result<Option<Reservation>, sqlx::Error> {
+    if row.try_get::<i64, _>("reads_uncommitted")? != 0 {
+        return Err(sqlx::Error::Configuration(READS_UNCOMMITTED.into()));
+    }
     let expired: bool = row.try_get("expired")?;
     if expired {
         return Ok(None);
