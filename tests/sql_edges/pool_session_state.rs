@@ -367,3 +367,67 @@ async fn sqlite_read_uncommitted_on_a_shared_cache_does_not_replay_an_uncommitte
         "the owner's rollback took its record"
     );
 }
+
+/// Session settings code sharing a PostgreSQL pool may leave on a connection
+/// that must not change where or how the store's records are written: the
+/// clock is read as milliseconds since the epoch (time zone and date styles
+/// do not enter), results are binary (`bytea_output`), statements hold no
+/// backslash escapes (`standard_conforming_strings`), a store-mode write is
+/// its own transaction (sent again on a serialization failure), and
+/// `session_replication_role = replica` only silences the trigger that wakes
+/// waiting duplicates, who also look on their own. A read-only default is
+/// refused with nothing written.
+#[tokio::test]
+async fn pg_session_settings_left_on_the_pool_change_no_record() {
+    let Some(clean) = pg_store_or_skip().await else {
+        return;
+    };
+    for setting in [
+        "SET TIME ZONE 'Pacific/Kiritimati'",
+        "SET DateStyle = 'SQL, DMY'",
+        "SET IntervalStyle = 'sql_standard'",
+        "SET standard_conforming_strings = off",
+        "SET bytea_output = 'escape'",
+        "SET extra_float_digits = -15",
+        "SET default_transaction_isolation = 'serializable'",
+        "SET default_transaction_isolation = 'repeatable read'",
+        "SET default_transaction_read_only = on",
+        "SET session_replication_role = replica",
+        "SET synchronous_commit = off",
+        "SET application_name = 'somebody else'",
+    ] {
+        let (pool, dirty) = pg_pool_of_one(&pg_url()).await;
+        pool.execute(setting).await.expect(setting);
+        let identity =
+            Identity::new(fresh_tenant(), "pool_state.settings", setting).expect("identity");
+        a_call_on_the_dirty_pool_is_seen_by_a_clean_one(&dirty, &clean, &identity).await;
+        pool.close().await;
+    }
+}
+
+/// The same for pragmas code sharing a SQLite pool may leave on a
+/// connection. `query_only` is refused with nothing written.
+#[tokio::test]
+async fn sqlite_pragmas_left_on_the_pool_change_no_record() {
+    for pragma in [
+        "PRAGMA query_only = 1",
+        "PRAGMA busy_timeout = 0",
+        "PRAGMA recursive_triggers = 1",
+        "PRAGMA foreign_keys = 1",
+        "PRAGMA temp_store = MEMORY",
+        "PRAGMA synchronous = OFF",
+        "PRAGMA read_uncommitted = 1",
+        "PRAGMA case_sensitive_like = 1",
+        "PRAGMA reverse_unordered_selects = 1",
+    ] {
+        let path = sqlite_path();
+        let (pool, dirty, clean) = sqlite_pool_of_one(&path).await;
+        pool.execute(pragma).await.expect(pragma);
+        let identity =
+            Identity::new(fresh_tenant(), "pool_state.pragmas", pragma).expect("identity");
+        a_call_on_the_dirty_pool_is_seen_by_a_clean_one(&dirty, &clean, &identity).await;
+        drop((dirty, clean));
+        pool.close().await;
+        remove(&path);
+    }
+}
