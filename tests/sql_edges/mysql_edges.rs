@@ -3026,3 +3026,108 @@ async fn the_procedures_answers_are_read_in_full() {
         other => panic!("expected a takeover, got {other:?}"),
     }
 }
+
+/// A transactional body that waits for the test's go before it returns
+/// (when given a hold).
+#[idempotent(scope = "mysql_edges.stalled", key = key, tenant = tenant, tx = tx, ttl = "1h",
+             skip(hold))]
+async fn stalled_charge(
+    tx: &mut sqlx::Transaction<'_, MySql>,
+    tenant: &str,
+    key: &str,
+    hold: Option<&Hold>,
+) -> Result<u64, Error> {
+    if let Some(hold) = hold {
+        hold.reached.notify_one();
+        hold.go.notified().await;
+    }
+    Ok(42)
+}
+
+/// A transactional completion whose statement waits longer than a second
+/// before the server evaluates it (here a metadata lock on a table a trigger
+/// of the records' table names; in production a backup's global read lock
+/// or a saturated server): the statement's `NOW(6)` and `SYSDATE(6)` then
+/// lie more than a second apart, which the clock guard reads as a clock the
+/// body set. The caller's transaction is open, the record is its own, the
+/// clock is the server's: the answer is recorded, not refused as "the
+/// caller's transaction ended".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transactional_completion_that_waits_over_a_second_is_recorded() {
+    let Some(admin) = mysql_store_or_skip().await else {
+        return;
+    };
+    let database = common::servers::mysql_create_database(&admin, "edges_stall").await;
+    let url = match mysql_url().rsplit_once('/') {
+        Some((server, _)) => format!("{server}/{database}"),
+        None => panic!("a database in the URL"),
+    };
+    let store = MySqlStore::connect(&url).await.expect("a store");
+    for ddl in [
+        "CREATE TABLE stall_side (id INT) ENGINE = InnoDB",
+        "CREATE TRIGGER stall_prelock BEFORE UPDATE ON idempotency_records FOR EACH ROW \
+         BEGIN IF NEW.scope = '' THEN INSERT INTO stall_side VALUES (1); END IF; END",
+    ] {
+        store.pool().execute(ddl).await.expect("ddl");
+    }
+    let tenant = fresh_tenant();
+    let mut conn = store.pool().acquire().await.expect("connection");
+    // A first call prepares the completion on this connection, so the
+    // second one's waits where it runs, after its clock started.
+    let mut tx = sqlx::Connection::begin(&mut *conn).await.expect("begin");
+    assert_eq!(
+        stalled_charge(&mut tx, &tenant, "warm", None)
+            .await
+            .expect("first call"),
+        42
+    );
+    tx.commit().await.expect("commit");
+    let hold = Arc::new(Hold::default());
+    let call = tokio::spawn({
+        let (hold, tenant) = (hold.clone(), tenant.clone());
+        async move {
+            let mut tx = sqlx::Connection::begin(&mut *conn).await.expect("begin");
+            let answer = stalled_charge(&mut tx, &tenant, "k", Some(&hold)).await;
+            match answer {
+                Ok(_) => tx.commit().await.expect("commit"),
+                Err(_) => tx.rollback().await.expect("rollback"),
+            }
+            answer
+        }
+    });
+    hold.reached.notified().await;
+    let mut locker = store.pool().acquire().await.expect("connection");
+    locker
+        .execute("LOCK TABLES stall_side WRITE")
+        .await
+        .expect("lock the trigger's table");
+    hold.go.notify_one();
+    // Until the server shows the completion waiting for over a second.
+    let mut waited = false;
+    for _ in 0..3000 {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT COUNT(*) FROM information_schema.PROCESSLIST
+              WHERE DB = DATABASE() AND STATE LIKE 'Waiting for table metadata lock%'
+                AND INFO LIKE '%state = ''complete''%' AND TIME >= 2",
+        )
+        .fetch_one(&mut *locker)
+        .await
+        .expect("process list");
+        if waiting > 0 {
+            waited = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    locker.execute("UNLOCK TABLES").await.expect("unlock");
+    drop(locker);
+    let answer = call.await.expect("the call's task");
+    store.pool().close().await;
+    admin
+        .pool()
+        .execute(format!("DROP DATABASE `{database}`").as_str())
+        .await
+        .expect("drop database");
+    assert!(waited, "the completion never showed waiting");
+    assert!(matches!(answer, Ok(42)), "{answer:?}");
+}

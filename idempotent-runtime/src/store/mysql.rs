@@ -268,7 +268,8 @@ macro_rules! committed {
 #[derive(Debug, Clone, Copy)]
 enum Commit {
     /// With the transaction it runs in, one of the store's own (the session
-    /// checked before it began).
+    /// checked before it began), or the caller's right after
+    /// [`in_transaction`] checked its clock ([`complete_in_transaction`]).
     WithTheTransaction,
     /// With the caller's transaction (transactional mode). The caller's body
     /// ran on the session since its checks, and may have set its clock: a
@@ -1399,13 +1400,27 @@ async fn max_result_bytes_on(conn: &mut sqlx::MySqlConnection) -> Result<usize, 
 /// opens a new transaction at once, so the session still says it is in
 /// one. That is not `LeaseLost`: it is a store error that says so; a retry
 /// in a new transaction runs again.
+///
+/// The clock guard also fails a statement that waited more than a second
+/// before the server evaluated it (a metadata lock, a backup's global read
+/// lock, a saturated server): `NOW(6)` is when the statement began,
+/// `SYSDATE(6)` when its `WHERE` ran. So once the check has found the clock
+/// unset and the transaction open (nothing else runs on the session in
+/// between), the same write runs again unguarded: it records the answer
+/// where only the wait failed the guard, and matches nothing where the
+/// transaction ended.
 async fn complete_in_transaction(
     conn: &mut sqlx::MySqlConnection,
     completion: Completion<'_>,
 ) -> Result<Fenced, StoreError> {
     let written = complete_with(&mut *conn, completion).await?;
     if written == Fenced::NotOwner {
-        in_transaction(conn).await?;
+        if in_transaction(conn).await?
+            && complete_as(Commit::WithTheTransaction, &mut *conn, completion).await?
+                == Fenced::Written
+        {
+            return Ok(Fenced::Written);
+        }
         return Err(StoreError::new(
             STORE,
             "complete",
