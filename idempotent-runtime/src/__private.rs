@@ -48,9 +48,14 @@ pub fn fingerprint_receiver<T: Fingerprinted + ?Sized>(
 /// the impl's parameters, which the attribute cannot see, may shape the
 /// answer, so `Repo<Invoice>::load` does not replay what `Repo<User>::load`
 /// recorded. A `Self` that is not generic (a service type) adds nothing.
+///
+/// A tuple or a slice (`(User,)`, `[User]`) counts since `v4`: builds
+/// before counted it nowhere, and a record they stored is still replayed.
 pub fn fingerprint_generic_self(builder: &mut FingerprintBuilder, type_name: &str) {
-    if crate::fingerprint::names_an_instantiation(type_name) {
+    if crate::fingerprint::named_an_instantiation_before_v4(type_name) {
         fingerprint_answer_type(builder, "<Self>", type_name);
+    } else if crate::fingerprint::names_a_tuple_or_slice(type_name) {
+        builder.counted_since_v4("<Self>", &crate::fingerprint::short_type_name(type_name));
     }
 }
 

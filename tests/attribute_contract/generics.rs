@@ -674,3 +674,93 @@ async fn records_of_the_build_before_the_answer_counted_are_still_replayed() {
         "{replayed:?}"
     );
 }
+
+/// A default method whose answer's type is a type parameter only the key
+/// and the answer mention (counted since `v3`), for implementors that are
+/// tuples: their `Self` counts too now, and did not in the build before.
+trait Picked: Send + Sync {
+    #[idempotent(scope = "generics.tuple_pick", key = key, tenant = shared, store = store)]
+    async fn pick<A: Default + Serialize + serde::de::DeserializeOwned + Send + Sync>(
+        &self,
+        store: &MemoryStore,
+        key: &TypedKey<A>,
+        v: u8,
+    ) -> Result<A, Error> {
+        let _ = v;
+        Ok(A::default())
+    }
+}
+
+impl Picked for (Customer,) {}
+
+/// What the build before tuples counted as generic made of
+/// `(Customer,).pick::<Customer>(.., 7)`: the parameter `v` and the answer's
+/// type `<A>`, a `v3` fingerprint, without `<Self>`.
+fn before_tuples_counted() -> idempotent_runtime::Fingerprint {
+    let mut builder = FingerprintBuilder::new();
+    builder.argument("v", &7u8);
+    idempotent_runtime::__private::fingerprint_answer_type(
+        &mut builder,
+        "<A>",
+        std::any::type_name::<Customer>(),
+    );
+    builder
+        .finish()
+        .expect("fingerprint")
+        .expect("two arguments")
+}
+
+/// A record the build before stored for a tuple implementor's call whose
+/// fingerprint was already `v3` (the answer's type counted) is still
+/// replayed once the tuple's `Self` counts too (rule 6: a rolling deploy
+/// must not refuse a processed request as a reused key).
+#[tokio::test]
+async fn a_v3_record_stored_before_tuples_counted_is_still_replayed() {
+    let store = MemoryStore::new();
+    let old = before_tuples_counted();
+    assert!(old.as_str().starts_with("v3:"), "{old:?}");
+    recorded_by_an_older_build(&store, "generics.tuple_pick", "old", &old, br#"{"id":4}"#).await;
+    let key = TypedKey("old", std::marker::PhantomData);
+    let replayed = with_outcome((Customer::default(),).pick::<Customer>(&store, &key, 7)).await;
+    assert!(
+        matches!(replayed, (Ok(Customer { id: 4 }), Some(Outcome::Replayed))),
+        "{replayed:?}"
+    );
+    reused(
+        (Customer::default(),)
+            .pick::<Customer>(&store, &key, 8)
+            .await,
+    );
+}
+
+/// The other way round: what this build records for a tuple implementor
+/// carries a label the build before (which knew `v3`, and did not count the
+/// tuple) does not know, so that build answers "recorded by a newer
+/// version" (retry later) rather than refusing the retry as a reused key.
+#[tokio::test]
+async fn a_tuple_implementors_record_is_labelled_for_the_build_before() {
+    use idempotent_runtime::Store;
+    let store = MemoryStore::new();
+    let key = TypedKey("new", std::marker::PhantomData);
+    (Customer::default(),)
+        .pick::<Customer>(&store, &key, 7)
+        .await
+        .expect("runs");
+    let id = Identity::shared("generics.tuple_pick", "new").expect("identity");
+    let stored = store
+        .fetch(&id)
+        .await
+        .expect("fetch")
+        .expect("recorded")
+        .fingerprint
+        .expect("a fingerprint");
+    let label = stored.split(':').next().unwrap_or_default();
+    assert!(
+        !["v1", "v2", "v3"].contains(&label),
+        "{stored}: a label the build before compares, and refuses"
+    );
+    assert_eq!(
+        idempotent_runtime::fingerprint::unknown_version(&stored),
+        None
+    );
+}

@@ -98,7 +98,9 @@
 //! # Legacy fingerprints
 //!
 //! A fingerprint keeps one legacy form: what the build before made for the
-//! same call. For a `v3` fingerprint (one that counts the answer's type or
+//! same call. For a `v4` fingerprint (one that counts a method's `Self`
+//! that is a tuple or a slice) that is the fingerprint of the rest, by the
+//! rules below. For a `v3` fingerprint (one that counts the answer's type or
 //! a by-value `self`) that is the `v1`/`v2` fingerprint of the rest
 //! (parameters and instantiations); for one with instantiations, that of the parameters
 //! alone; otherwise the `v1` form below. Records of builds two forms back
@@ -151,7 +153,8 @@ use std::ops::Range;
 /// The newest version of the canonical form of values this build writes.
 /// Values that v1 represented faithfully are still labelled `v1`, and a
 /// fingerprint that counts the answer's type or a by-value `self` is
-/// labelled `v3` (see the module doc).
+/// labelled `v3`, and one that counts a method's `Self` that is a tuple or a
+/// slice `v4` (see the module doc).
 pub const CANONICAL_VERSION: &str = "v2";
 
 /// The first canonical form, still the label of every value it represents faithfully.
@@ -172,8 +175,15 @@ pub(crate) const HTTP_V2: &str = "http2";
 /// processed request as a reused key.
 const V3: &str = "v3";
 
+/// The label of a fingerprint that counts what builds labelled up to `v3`
+/// left out: a method's `Self` that is a tuple or a slice (`(User,)`,
+/// `[User]`, see [`names_a_tuple_or_slice`]). A new label for the same
+/// reason as `v3`: a build that knows `v3` but not this, meeting such a
+/// record, says "retry later" instead of refusing it as a reused key.
+const V4: &str = "v4";
+
 /// Every version label this build makes or compares fingerprints with.
-const KNOWN_VERSIONS: [&str; 5] = [V1, CANONICAL_VERSION, V3, HTTP_V1, HTTP_V2];
+const KNOWN_VERSIONS: [&str; 6] = [V1, CANONICAL_VERSION, V3, V4, HTTP_V1, HTTP_V2];
 
 /// The version label of a stored fingerprint when it is one this build does
 /// not know: a newer build made it (see the module doc). `None` for a known
@@ -360,6 +370,9 @@ enum Counted {
     /// The answer's type or a by-value `self`: since `v3` (see
     /// [`FingerprintBuilder::counted_since_v3`]).
     SinceV3,
+    /// A method's `Self` that is a tuple or a slice: since `v4` (see
+    /// [`FingerprintBuilder::counted_since_v4`]).
+    SinceV4,
 }
 
 thread_local! {
@@ -501,6 +514,19 @@ impl FingerprintBuilder {
         self.counted(name, value, Counted::SinceV3);
     }
 
+    /// Adds what `v4` counts and earlier labels did not: a method's `Self`
+    /// that is a tuple or a slice. The fingerprint is then labelled `v4`,
+    /// and its legacy form is what the build before made of the rest (a
+    /// `v3` fingerprint included), so a record that build stored is still
+    /// replayed.
+    pub(crate) fn counted_since_v4<T: Serialize + ?Sized>(
+        &mut self,
+        name: &'static str,
+        value: &T,
+    ) {
+        self.counted(name, value, Counted::SinceV4);
+    }
+
     fn counted<T: Serialize + ?Sized>(&mut self, name: &'static str, value: &T, counted: Counted) {
         self.argument(name, value);
         if let Some(last) = self.work.arguments.last_mut().filter(|a| a.name == name) {
@@ -524,20 +550,38 @@ impl FingerprintBuilder {
         let Workspace { encoder, arguments } = &mut self.work;
         arguments.sort_by(|a, b| a.name.cmp(b.name));
         let bytes = encoder.bytes();
-        if arguments.iter().any(|a| a.counted == Counted::SinceV3) {
-            // The build before `v3` made the fingerprint of the rest, by its
+        if arguments.iter().any(|a| a.counted == Counted::SinceV4) {
+            // The build before `v4` made the fingerprint of the rest, by its
             // own rules (none left: no fingerprint, which nothing contradicts).
-            let value = hash(V3, arguments, bytes, |a| &a.canonical);
+            let value = hash(V4, arguments, bytes, |a| &a.canonical);
             let earlier: Vec<Argument> = arguments
                 .iter()
-                .filter(|a| a.counted != Counted::SinceV3)
+                .filter(|a| a.counted != Counted::SinceV4)
                 .cloned()
                 .collect();
-            let legacy = (!earlier.is_empty()).then(|| digest_before_v3(&earlier, bytes).value);
+            let legacy = (!earlier.is_empty()).then(|| digest_before_v4(&earlier, bytes).value);
             return Fingerprint { value, legacy };
         }
-        digest_before_v3(arguments, bytes)
+        digest_before_v4(arguments, bytes)
     }
+}
+
+/// The fingerprint of `arguments` (sorted by name, none counted since `v4`)
+/// as builds before `v4` made it, with its legacy form.
+fn digest_before_v4(arguments: &[Argument], bytes: &[u8]) -> Fingerprint {
+    if arguments.iter().any(|a| a.counted == Counted::SinceV3) {
+        // The build before `v3` made the fingerprint of the rest, by its
+        // own rules (none left: no fingerprint, which nothing contradicts).
+        let value = hash(V3, arguments, bytes, |a| &a.canonical);
+        let earlier: Vec<Argument> = arguments
+            .iter()
+            .filter(|a| a.counted != Counted::SinceV3)
+            .cloned()
+            .collect();
+        let legacy = (!earlier.is_empty()).then(|| digest_before_v3(&earlier, bytes).value);
+        return Fingerprint { value, legacy };
+    }
+    digest_before_v3(arguments, bytes)
 }
 
 /// The fingerprint of `arguments` (sorted by name, none counted since `v3`)
@@ -596,16 +640,29 @@ fn value_of(arguments: &[Argument], bytes: &[u8]) -> String {
 /// (`impl<T> Describe for (T,)` answers per `T`, as `Vec<T>` does). A type
 /// generic over lifetimes only (`Service<'_>`) is one type whatever its
 /// lifetime, and a reference to a plain type (`&Service`) is that type's.
+/// (Told apart by when builds began to count them:
+/// [`named_an_instantiation_before_v4`], [`names_a_tuple_or_slice`].)
+#[cfg(test)]
 pub(crate) fn names_an_instantiation(type_name: &str) -> bool {
-    if type_name.contains(';') {
-        return true;
-    }
+    named_an_instantiation_before_v4(type_name) || names_a_tuple_or_slice(type_name)
+}
+
+/// Whether a type's name is a tuple with elements or a slice, also behind
+/// a reference (`(User,)`, `&[User]`): instantiations that builds before
+/// `v4` did not count (see [`names_an_instantiation`]).
+pub(crate) fn names_a_tuple_or_slice(type_name: &str) -> bool {
     let mut outer = type_name.trim_start();
     while let Some(rest) = outer.strip_prefix('&') {
         outer = rest.trim_start();
         outer = outer.strip_prefix("mut ").unwrap_or(outer).trim_start();
     }
-    if (outer.starts_with('(') && outer != "()") || outer.starts_with('[') {
+    (outer.starts_with('(') && outer != "()") || outer.starts_with('[')
+}
+
+/// Whether builds before `v4` counted a type's name as an instantiation:
+/// generic arguments other than lifetimes, or an array's length.
+pub(crate) fn named_an_instantiation_before_v4(type_name: &str) -> bool {
+    if type_name.contains(';') {
         return true;
     }
     // What follows each `<` up to the next `<` or `>`: arguments, unless

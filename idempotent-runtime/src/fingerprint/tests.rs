@@ -2404,6 +2404,43 @@ fn what_v3_counts_keeps_the_fingerprint_the_build_before_made_as_legacy() {
     assert_ne!(answer("User").as_str(), answer("Invoice").as_str());
 }
 
+/// A tuple or a slice `Self` counts since `v4`: the legacy form is what the
+/// build before made of the rest, a `v3` fingerprint included (that build
+/// knew `v3`, and did not count the tuple), and a build that knows `v3` but
+/// not `v4` reads the new record as a newer version's, not as a mismatch.
+#[test]
+fn a_tuple_self_keeps_the_build_befores_v3_form() {
+    let mut before = FingerprintBuilder::new();
+    before.argument("v", &7u8);
+    before.counted_since_v3("<A>", "User");
+    let before = before.finish().unwrap().unwrap();
+    assert_eq!(before.version(), "v3");
+    let mut now = FingerprintBuilder::new();
+    now.argument("v", &7u8);
+    now.counted_since_v3("<A>", "User");
+    now.counted_since_v4("<Self>", "(User,)");
+    let now = now.finish().unwrap().unwrap();
+    assert_eq!(now.version(), "v4");
+    assert_eq!(
+        now.legacy().map(|l| l.as_str().to_owned()),
+        Some(before.as_str().to_owned())
+    );
+    assert_eq!(unknown_version(now.as_str()), None, "this build knows v4");
+    // Nothing else counted: the build before made no fingerprint.
+    let mut only = FingerprintBuilder::new();
+    only.counted_since_v4("<Self>", "(User,)");
+    let only = only.finish().unwrap().unwrap();
+    assert_eq!((only.version(), only.legacy()), ("v4", None));
+    // Tuples and slices since `v4`; generic arguments and arrays before.
+    for tuple in ["(A, B)", "(User,)", "[u8]", "&[User]", "&mut (User,)"] {
+        assert!(names_a_tuple_or_slice(tuple), "{tuple}");
+        assert!(!named_an_instantiation_before_v4(tuple), "{tuple}");
+    }
+    for before in ["Repo<User>", "[u8; 4]", "(Repo<User>,)"] {
+        assert!(named_an_instantiation_before_v4(before), "{before}");
+    }
+}
+
 #[test]
 fn only_generic_arguments_other_than_lifetimes_make_an_instantiation() {
     for generic in [
@@ -2469,21 +2506,21 @@ fn a_v3_fingerprint_of_equal_sets_ignores_their_order() {
 // Append to idempotent-runtime/src/fingerprint/tests.rs.
 
 /// Rule 7 across versions: every form this build makes or compares by (`v1`,
-/// `v2`, `v3`, `http1`, `http2`) is a known version. A record of other
+/// `v2`, `v3`, `v4`, `http1`, `http2`) is a known version. A record of other
 /// arguments in any of them is a mismatch (`FingerprintMismatch`, 422), never
 /// "recorded by a newer version" (`RecordedByNewerVersion`, retry later),
 /// which only a label this build cannot read may say.
 #[test]
 fn every_form_this_build_makes_is_a_known_version() {
     let digest = "0123456789abcdef".repeat(4);
-    for label in ["v1", "v2", "v3", "http1", "http2"] {
+    for label in ["v1", "v2", "v3", "v4", "http1", "http2"] {
         assert_eq!(
             unknown_version(&format!("{label}:{digest}")),
             None,
             "{label} is a form this build knows"
         );
     }
-    for label in ["v4", "v9", "http3", "http9"] {
+    for label in ["v5", "v9", "http3", "http9"] {
         assert_eq!(
             unknown_version(&format!("{label}:{digest}")),
             Some(label),
