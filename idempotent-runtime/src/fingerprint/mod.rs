@@ -550,38 +550,38 @@ impl FingerprintBuilder {
         let Workspace { encoder, arguments } = &mut self.work;
         arguments.sort_by(|a, b| a.name.cmp(b.name));
         let bytes = encoder.bytes();
-        if arguments.iter().any(|a| a.counted == Counted::SinceV4) {
-            // The build before `v4` made the fingerprint of the rest, by its
-            // own rules (none left: no fingerprint, which nothing contradicts).
-            let value = hash(V4, arguments, bytes, |a| &a.canonical);
-            let earlier: Vec<Argument> = arguments
-                .iter()
-                .filter(|a| a.counted != Counted::SinceV4)
-                .cloned()
-                .collect();
-            let legacy = (!earlier.is_empty()).then(|| digest_before_v4(&earlier, bytes).value);
-            return Fingerprint { value, legacy };
-        }
-        digest_before_v4(arguments, bytes)
+        counting_since(V4, Counted::SinceV4, arguments, bytes, digest_before_v4)
     }
 }
 
 /// The fingerprint of `arguments` (sorted by name, none counted since `v4`)
 /// as builds before `v4` made it, with its legacy form.
 fn digest_before_v4(arguments: &[Argument], bytes: &[u8]) -> Fingerprint {
-    if arguments.iter().any(|a| a.counted == Counted::SinceV3) {
-        // The build before `v3` made the fingerprint of the rest, by its
-        // own rules (none left: no fingerprint, which nothing contradicts).
-        let value = hash(V3, arguments, bytes, |a| &a.canonical);
-        let earlier: Vec<Argument> = arguments
-            .iter()
-            .filter(|a| a.counted != Counted::SinceV3)
-            .cloned()
-            .collect();
-        let legacy = (!earlier.is_empty()).then(|| digest_before_v3(&earlier, bytes).value);
-        return Fingerprint { value, legacy };
+    counting_since(V3, Counted::SinceV3, arguments, bytes, digest_before_v3)
+}
+
+/// A fingerprint labelled `label` when one of `arguments` is counted since
+/// that label (`since`), whose legacy form is what the build before made of
+/// the rest (`before`, by its own rules; none left: no fingerprint, which
+/// nothing contradicts); otherwise `before`'s fingerprint of them all.
+fn counting_since(
+    label: &str,
+    since: Counted,
+    arguments: &[Argument],
+    bytes: &[u8],
+    before: fn(&[Argument], &[u8]) -> Fingerprint,
+) -> Fingerprint {
+    if !arguments.iter().any(|a| a.counted == since) {
+        return before(arguments, bytes);
     }
-    digest_before_v3(arguments, bytes)
+    let value = hash(label, arguments, bytes, |a| &a.canonical);
+    let earlier: Vec<Argument> = arguments
+        .iter()
+        .filter(|a| a.counted != since)
+        .cloned()
+        .collect();
+    let legacy = (!earlier.is_empty()).then(|| before(&earlier, bytes).value);
+    Fingerprint { value, legacy }
 }
 
 /// The fingerprint of `arguments` (sorted by name, none counted since `v3`)
