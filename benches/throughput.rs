@@ -395,9 +395,9 @@ async fn pg_pk_select(pool: &PgPool, key: &str) -> sqlx::Result<u64> {
 async fn pg_reservation_by_hand(pool: &PgPool, key: &str) -> sqlx::Result<u64> {
     use sqlx::Row;
     let row = sqlx::query(idempotent_runtime::store::postgres::RESERVE_STORE_SQL)
-        .bind("".as_bytes())
-        .bind("bench.trivial".as_bytes())
-        .bind(key.as_bytes())
+        .bind("")
+        .bind("bench.trivial")
+        .bind(key)
         .bind(None::<String>)
         .bind("bench-owner")
         .bind(30_000i64)

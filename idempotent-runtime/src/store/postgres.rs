@@ -453,24 +453,6 @@ fn millis_i64(d: Duration) -> i64 {
     duration_to_millis(d)
 }
 
-/// Binds `$1`–`$3`, the record's tenant, scope and key, as their UTF-8 bytes
-/// (`BYTEA`), which every statement decodes (`convert_from($1, 'UTF8')`).
-/// sqlx sends text as UTF-8 whatever the session's `client_encoding` says,
-/// and the server converts text parameters from that encoding: on a pooled
-/// connection that code sharing the pool left with `SET client_encoding =
-/// 'LATIN1'`, a key `café` arrived as `cafÃ©`, and the record was written
-/// under another identity than a clean session looks for (a retry ran the
-/// body again). Bytes are never converted.
-fn bind_identity<'q>(
-    query: sqlx::query::Query<'q, Postgres, sqlx::postgres::PgArguments>,
-    identity: &'q Identity,
-) -> sqlx::query::Query<'q, Postgres, sqlx::postgres::PgArguments> {
-    query
-        .bind(identity.tenant.as_bytes())
-        .bind(identity.scope.as_bytes())
-        .bind(identity.key.as_bytes())
-}
-
 /// The store's reservation, one plain statement (prepared once per
 /// connection, cached by sqlx): a primary-key read of the record decides
 /// replay, in progress and mismatch, as a hand-written `SELECT` would. Only
@@ -490,14 +472,12 @@ fn bind_identity<'q>(
 ///
 /// Not a public API (it may change in any release): visible for the bench,
 /// which sends it by hand beside the annotated call. `$1`–`$3` tenant, scope
-/// and key as UTF-8 bytes (`BYTEA`, see `bind_identity`), `$4` the
-/// fingerprint (or `NULL`), `$5` the owner token, `$6`/`$7` lease and ttl in
-/// ms, `$8` the lock wait in ms.
+/// and key, `$4` the fingerprint (or `NULL`), `$5` the owner token, `$6`/`$7`
+/// lease and ttl in ms, `$8` the lock wait in ms.
 #[doc(hidden)]
 pub const RESERVE_STORE_SQL: &str = "\
 SELECT CASE WHEN r.state IS NULL THEN
-                 CASE WHEN idempotency_acquire_absent(convert_from($1, 'UTF8'),
-                          convert_from($2, 'UTF8'), convert_from($3, 'UTF8'), $4, $5, $6, $7,
+                 CASE WHEN idempotency_acquire_absent($1, $2, $3, $4, $5, $6, $7,
                                                       $8, c.now_ms)
                       THEN 'acquired' ELSE 'other' END
             WHEN r.expires_at <= c.now_ms
@@ -512,7 +492,7 @@ SELECT CASE WHEN r.state IS NULL THEN
        r.lease_expires_at - c.now_ms AS lease_remaining_ms,
        1 AS attempt_number, NULL::BIGINT AS previous_attempt_started_at
   FROM (SELECT idempotency_now_ms() AS now_ms OFFSET 0) c
-  LEFT JOIN idempotency_records r ON r.tenant = convert_from($1, 'UTF8') AND r.scope = convert_from($2, 'UTF8') AND r.key = convert_from($3, 'UTF8')";
+  LEFT JOIN idempotency_records r ON r.tenant = $1 AND r.scope = $2 AND r.key = $3";
 
 /// The store's fallback for what needs a decision under the row lock: the
 /// plpgsql function, no subtransaction; a lock timeout fails the statement
@@ -520,7 +500,7 @@ SELECT CASE WHEN r.state IS NULL THEN
 const RESERVE_AUTOCOMMIT_SQL: &str =
     "SELECT outcome, took_over, is_error, result, lease_remaining_ms, \
      attempt_number, previous_attempt_started_at \
-     FROM idempotency_reserve_autocommit(convert_from($1, 'UTF8'), convert_from($2, 'UTF8'), convert_from($3, 'UTF8'), $4, $5, $6, $7, $8)";
+     FROM idempotency_reserve_autocommit($1, $2, $3, $4, $5, $6, $7, $8)";
 
 /// In a caller's transaction, one statement: a plain read (`d`) answers a
 /// replay, a refusal or a mismatch, taking no lock (rule 15) and no
@@ -542,7 +522,7 @@ WITH d AS MATERIALIZED (
       FROM (SELECT state, fingerprint, is_error, result, lease_expires_at, expires_at,
                    idempotency_now_ms() AS now_ms
               FROM idempotency_records
-             WHERE tenant = convert_from($1, 'UTF8') AND scope = convert_from($2, 'UTF8') AND key = convert_from($3, 'UTF8')) c)
+             WHERE tenant = $1 AND scope = $2 AND key = $3) c)
 SELECT d.outcome, FALSE AS took_over, d.is_error,
        CASE WHEN d.outcome = 'completed' THEN d.result END AS result,
        d.lease_remaining_ms, NULL::INT AS attempt_number,
@@ -551,7 +531,7 @@ SELECT d.outcome, FALSE AS took_over, d.is_error,
 UNION ALL
 SELECT f.outcome, f.took_over, f.is_error, f.result, f.lease_remaining_ms,
        f.attempt_number, f.previous_attempt_started_at
-  FROM idempotency_reserve(convert_from($1, 'UTF8'), convert_from($2, 'UTF8'), convert_from($3, 'UTF8'), $4, $5, $6, $7,
+  FROM idempotency_reserve($1, $2, $3, $4, $5, $6, $7,
            -- The statement's lock wait stays under half the session's
            -- `statement_timeout` (0: none): a statement the server cancels
            -- would abort the caller's transaction, where a lock timeout is
@@ -728,7 +708,10 @@ async fn reserve_statement<'e, E: Executor<'e, Database = Postgres>>(
     lock_wait: Duration,
 ) -> Result<Answer, sqlx::Error> {
     let id = request.identity;
-    let row: Option<PgRow> = bind_identity(sqlx::query(sql), id)
+    let row: Option<PgRow> = sqlx::query(sql)
+        .bind(&id.tenant)
+        .bind(&id.scope)
+        .bind(&id.key)
         .bind(request.fingerprint.map(Fingerprint::as_str))
         .bind(request.token.as_str())
         .bind(millis_i64(request.lease))
@@ -780,15 +763,18 @@ fn decode_reservation(row: &PgRow) -> Result<Answer, sqlx::Error> {
     }))
 }
 
-/// A statement on the record `token` owns: `$1`–`$3` name the record (as
-/// UTF-8 bytes, [`bind_identity`]) and
+/// A statement on the record `token` owns: `$1`–`$3` name the record and
 /// `$4` is the owner token; the caller binds the rest from `$5`.
 fn on_owned_record<'q>(
     sql: &'q str,
     identity: &'q Identity,
     token: &'q OwnerToken,
 ) -> sqlx::query::Query<'q, Postgres, sqlx::postgres::PgArguments> {
-    bind_identity(sqlx::query(sql), identity).bind(token.as_str())
+    sqlx::query(sql)
+        .bind(&identity.tenant)
+        .bind(&identity.scope)
+        .bind(&identity.key)
+        .bind(token.as_str())
 }
 
 /// Runs a write fenced by the owner token: `Written` when it touched the
@@ -837,7 +823,7 @@ async fn complete_with<'e, E: Executor<'e, Database = Postgres>>(
                 is_error = $5, result = $6, lease_expires_at = NULL,
                 expires_at = idempotency_now_ms() + $7, updated_at = idempotency_now_ms(),
                 recovered = $8, waiting = FALSE
-          WHERE tenant = convert_from($1, 'UTF8') AND scope = convert_from($2, 'UTF8') AND key = convert_from($3, 'UTF8')
+          WHERE tenant = $1 AND scope = $2 AND key = $3
             AND state = 'in_progress' AND owner_token = $4";
     let statement = on_owned_record(SQL, completion.identity, completion.token)
         .bind(completion.outcome.is_error)
@@ -864,7 +850,7 @@ async fn heartbeat_with<'e, E: Executor<'e, Database = Postgres>>(
                 expires_at = GREATEST(expires_at,
                     c.now_ms + $5 + (expires_at - lease_expires_at))
            FROM (SELECT idempotency_now_ms() AS now_ms OFFSET 0) c
-          WHERE tenant = convert_from($1, 'UTF8') AND scope = convert_from($2, 'UTF8') AND key = convert_from($3, 'UTF8')
+          WHERE tenant = $1 AND scope = $2 AND key = $3
             AND state = 'in_progress' AND owner_token = $4";
     let statement = on_owned_record(SQL, identity, token).bind(millis_i64(lease));
     fenced("heartbeat", statement, executor).await
@@ -876,7 +862,7 @@ async fn release_with<'e, E: Executor<'e, Database = Postgres>>(
     token: &OwnerToken,
 ) -> Result<Fenced, StoreError> {
     const SQL: &str = "DELETE FROM idempotency_records
-          WHERE tenant = convert_from($1, 'UTF8') AND scope = convert_from($2, 'UTF8') AND key = convert_from($3, 'UTF8')
+          WHERE tenant = $1 AND scope = $2 AND key = $3
             AND state = 'in_progress' AND owner_token = $4";
     fenced("release", on_owned_record(SQL, identity, token), executor).await
 }
@@ -921,13 +907,13 @@ impl Store for PgStore {
             .map_err(err(OP))?;
         let deleted: Result<Option<i32>, sqlx::Error> = sqlx::query_scalar(
             "DELETE FROM idempotency_records
-              WHERE tenant = convert_from($1, 'UTF8') AND scope = convert_from($2, 'UTF8') AND key = convert_from($3, 'UTF8') AND state = 'in_progress'
+              WHERE tenant = $1 AND scope = $2 AND key = $3 AND state = 'in_progress'
                 AND (NOT $4 OR lease_expires_at <= idempotency_now_ms())
              RETURNING attempt",
         )
-        .bind(identity.tenant.as_bytes())
-        .bind(identity.scope.as_bytes())
-        .bind(identity.key.as_bytes())
+        .bind(&identity.tenant)
+        .bind(&identity.scope)
+        .bind(&identity.key)
         .bind(require_expired_lease)
         .fetch_optional(&mut *tx)
         .await;
@@ -1002,13 +988,16 @@ impl Store for PgStore {
         // A plain read: no lock wait.
         let row = server::answered_within(
             Duration::ZERO,
-            bind_identity(sqlx::query(
+            sqlx::query(
                 "SELECT state, fingerprint, owner_token, is_error, result, lease_expires_at,
                     expires_at, idempotency_now_ms() AS now_ms, created_at,
                     attempt::bigint AS attempt,
                     COALESCE(attempt_started_at, created_at) AS attempt_started_at, recovered
-               FROM idempotency_records WHERE tenant = convert_from($1, 'UTF8') AND scope = convert_from($2, 'UTF8') AND key = convert_from($3, 'UTF8')",
-            ), identity)
+               FROM idempotency_records WHERE tenant = $1 AND scope = $2 AND key = $3",
+            )
+            .bind(&identity.tenant)
+            .bind(&identity.scope)
+            .bind(&identity.key)
             .fetch_optional(&mut *conn),
         )
         .await
@@ -1239,7 +1228,7 @@ const MARK_WAITING_SQL: &str = "\
 WITH marked AS (
     UPDATE idempotency_records SET waiting = TRUE
      WHERE ctid = (SELECT ctid FROM idempotency_records
-                    WHERE tenant = convert_from($1, 'UTF8') AND scope = convert_from($2, 'UTF8') AND key = convert_from($3, 'UTF8') AND state = 'in_progress'
+                    WHERE tenant = $1 AND scope = $2 AND key = $3 AND state = 'in_progress'
                     FOR NO KEY UPDATE SKIP LOCKED)
     RETURNING idempotency_wait_key(tenant, scope, key) AS wait_key,
               lease_expires_at - idempotency_now_ms() AS lease_remaining_ms)
@@ -1248,7 +1237,7 @@ SELECT m.wait_key, m.lease_remaining_ms, r.state, r.waiting AS seen_waiting,
        r.lease_expires_at - idempotency_now_ms() AS seen_remaining_ms
   FROM (SELECT 1) one
   LEFT JOIN marked m ON TRUE
-  LEFT JOIN idempotency_records r ON r.tenant = convert_from($1, 'UTF8') AND r.scope = convert_from($2, 'UTF8') AND r.key = convert_from($3, 'UTF8')";
+  LEFT JOIN idempotency_records r ON r.tenant = $1 AND r.scope = $2 AND r.key = $3";
 
 /// What marking a record as waited for found.
 enum Mark {
@@ -1279,7 +1268,11 @@ async fn mark_waiting(pool: &PgPool, identity: &Identity) -> Result<Mark, sqlx::
     // `SKIP LOCKED`: no lock wait.
     let row: Result<PgRow, sqlx::Error> = server::answered_within(
         Duration::ZERO,
-        bind_identity(sqlx::query(MARK_WAITING_SQL), identity).fetch_one(&mut *conn),
+        sqlx::query(MARK_WAITING_SQL)
+            .bind(&identity.tenant)
+            .bind(&identity.scope)
+            .bind(&identity.key)
+            .fetch_one(&mut *conn),
     )
     .await?;
     // Handed back on an error too (a serialization failure under a
