@@ -286,7 +286,9 @@ const LEASE_REMAINING_SQL: &str = concat!(
 ///     .synchronous(Synchronous::Normal)
 ///     .connect()
 ///     .await?;
-/// # let _ = store; Ok(()) }
+/// # drop(store);
+/// # let _ = std::fs::remove_dir_all(&dir);
+/// # Ok(()) }
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 #[non_exhaustive]
@@ -487,6 +489,7 @@ impl Drop for Waiting<'_> {
 /// // e.g. "sqlite://payments.db" (created when missing) or "sqlite::memory:"
 /// let store = SqliteStore::connect(&url).await?;
 /// set_default_store(store);
+/// # let _ = std::fs::remove_dir_all(&dir);
 /// # Ok(()) }
 /// ```
 #[derive(Debug, Clone)]
@@ -2013,11 +2016,30 @@ impl Store for SqliteStore {
 mod tests {
     use super::*;
 
-    fn file_url() -> String {
-        let dir = std::env::temp_dir().join("idempotent-sqlite-unit");
-        std::fs::create_dir_all(&dir).expect("create the temp dir");
-        let file = dir.join(format!("{}.db", uuid::Uuid::new_v4().simple()));
-        format!("sqlite://{}", file.display())
+    /// A database file of a test's own, deleted (with its WAL and shared
+    /// memory files) when the test ends.
+    struct ScratchFile(std::path::PathBuf);
+
+    impl ScratchFile {
+        fn new() -> Self {
+            let dir = std::env::temp_dir().join("idempotent-sqlite-unit");
+            std::fs::create_dir_all(&dir).expect("create the temp dir");
+            ScratchFile(dir.join(format!("{}.db", uuid::Uuid::new_v4().simple())))
+        }
+
+        fn url(&self) -> String {
+            format!("sqlite://{}", self.0.display())
+        }
+    }
+
+    impl Drop for ScratchFile {
+        fn drop(&mut self) {
+            for suffix in ["", "-wal", "-shm"] {
+                let mut path = self.0.clone().into_os_string();
+                path.push(suffix);
+                let _ = std::fs::remove_file(path);
+            }
+        }
     }
 
     /// `PRAGMA synchronous` on several of the pool's connections at once.
@@ -2040,13 +2062,14 @@ mod tests {
 
     #[tokio::test]
     async fn connect_runs_full_and_the_builder_sets_normal() {
-        let full = SqliteStore::connect(&file_url()).await.expect("open");
+        let (full_file, normal_file) = (ScratchFile::new(), ScratchFile::new());
+        let full = SqliteStore::connect(&full_file.url()).await.expect("open");
         assert_eq!(
             levels(full.pool()).await,
             [2, 2, 2],
             "FULL on every connection"
         );
-        let normal = SqliteStore::builder(&file_url())
+        let normal = SqliteStore::builder(&normal_file.url())
             .synchronous(Synchronous::Normal)
             .connect()
             .await
@@ -2068,7 +2091,8 @@ mod tests {
 
     #[tokio::test]
     async fn from_pool_keeps_the_pools_level() {
-        let options = SqliteConnectOptions::from_str(&file_url())
+        let file = ScratchFile::new();
+        let options = SqliteConnectOptions::from_str(&file.url())
             .expect("url")
             .create_if_missing(true)
             .synchronous(sqlx::sqlite::SqliteSynchronous::Normal);
