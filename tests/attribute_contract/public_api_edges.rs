@@ -8,10 +8,9 @@
 //! SQLite URLs whose connections would each see a database of their own.
 
 use crate::common;
+use common::counting::Counting;
 use idempotent_runtime::{
-    idempotent, with_outcome, Completion, Error, Fenced, ForcedRelease, Identity, MemoryStore,
-    Outcome, OwnerToken, RecordSnapshot, Reservation, ReserveRequest, ScopeStats, SqliteStore,
-    Store, StoreError,
+    idempotent, with_outcome, Error, Identity, MemoryStore, Outcome, SqliteStore, Store,
 };
 use serde::{Deserialize, Serialize};
 use sqlx::Acquire;
@@ -41,77 +40,6 @@ async fn stores() -> Vec<(&'static str, Arc<dyn Store>)> {
         all.push(("mysql", Arc::new(my)));
     }
     all
-}
-
-/// A store that forwards everything to another and tells the test when a
-/// duplicate starts waiting for a record to change (a handshake instead of a
-/// sleep).
-struct Watched {
-    inner: Arc<dyn Store>,
-    /// One permit per wait begun.
-    waiting: tokio::sync::Semaphore,
-}
-
-#[async_trait::async_trait]
-impl Store for Watched {
-    fn name(&self) -> &'static str {
-        self.inner.name()
-    }
-    fn max_result_bytes(&self) -> usize {
-        self.inner.max_result_bytes()
-    }
-    fn records_in_process_memory(&self) -> bool {
-        self.inner.records_in_process_memory()
-    }
-    async fn reserve(&self, r: ReserveRequest<'_>) -> Result<Reservation, StoreError> {
-        self.inner.reserve(r).await
-    }
-    async fn complete(&self, c: Completion<'_>) -> Result<Fenced, StoreError> {
-        self.inner.complete(c).await
-    }
-    async fn release(&self, i: &Identity, t: &OwnerToken) -> Result<Fenced, StoreError> {
-        self.inner.release(i, t).await
-    }
-    async fn heartbeat(
-        &self,
-        i: &Identity,
-        t: &OwnerToken,
-        lease: Duration,
-    ) -> Result<Fenced, StoreError> {
-        self.inner.heartbeat(i, t, lease).await
-    }
-    fn release_detached(&self, i: Identity, t: OwnerToken) {
-        self.inner.release_detached(i, t)
-    }
-    fn complete_detached(&self, c: Completion<'_>) {
-        self.inner.complete_detached(c)
-    }
-    fn end_lease_detached(&self, i: Identity, t: OwnerToken) {
-        self.inner.end_lease_detached(i, t)
-    }
-    async fn force_release(
-        &self,
-        i: &Identity,
-        expired: bool,
-    ) -> Result<ForcedRelease, StoreError> {
-        self.inner.force_release(i, expired).await
-    }
-    async fn finish_background_work(&self, within: Duration) -> usize {
-        self.inner.finish_background_work(within).await
-    }
-    async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError> {
-        self.inner.purge_expired(batch).await
-    }
-    async fn wait_for_change(&self, i: &Identity, max_wait: Duration, round: u32) {
-        self.waiting.add_permits(1);
-        self.inner.wait_for_change(i, max_wait, round).await
-    }
-    async fn fetch(&self, i: &Identity) -> Result<Option<RecordSnapshot>, StoreError> {
-        self.inner.fetch(i).await
-    }
-    async fn scope_stats(&self) -> Result<Vec<ScopeStats>, StoreError> {
-        self.inner.scope_stats().await
-    }
 }
 
 fn tenant() -> String {
@@ -390,10 +318,7 @@ async fn forever(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_longest_ttl_lease_and_wait_replay() {
     for (name, inner) in stores().await {
-        let store = Arc::new(Watched {
-            inner,
-            waiting: tokio::sync::Semaphore::new(0),
-        });
+        let store = Arc::new(Counting::new(inner));
         let (t, runs) = (tenant(), Arc::new(AtomicUsize::new(0)));
         let gate = Arc::new(tokio::sync::Semaphore::new(0));
         let owner = {
@@ -409,7 +334,7 @@ async fn the_longest_ttl_lease_and_wait_replay() {
             tokio::spawn(async move { with_outcome(forever(&*store, &t, "k", &runs, &gate)).await })
         };
         // The duplicate found the record in progress and waits.
-        store.waiting.acquire().await.expect("open").forget();
+        store.waited(1).await;
         gate.close();
         assert_eq!(owner.await.unwrap().expect("owner"), 1, "{name}");
         let (waited, outcome) = tokio::time::timeout(Duration::from_secs(60), waiter)
@@ -1025,19 +950,14 @@ async fn one_task(
 #[tokio::test(flavor = "current_thread")]
 async fn duplicates_polled_by_one_task_wait_and_replay() {
     for (name, inner) in stores().await {
-        let store = Watched {
-            inner,
-            waiting: tokio::sync::Semaphore::new(0),
-        };
+        let store = Counting::new(inner);
         let (t, runs) = (tenant(), AtomicUsize::new(0));
         let gate = tokio::sync::Semaphore::new(0);
         let calls =
             futures::future::join_all((0..12).map(|_| one_task(&store, &t, "k", 5, &runs, &gate)));
         let opener = async {
             // Every duplicate found the record in progress and waits.
-            for _ in 0..11 {
-                store.waiting.acquire().await.expect("open").forget();
-            }
+            store.waited(11).await;
             gate.close();
         };
         let (answers, ()) = tokio::time::timeout(Duration::from_secs(120), async {

@@ -13,7 +13,7 @@
 //! `Counting` wraps a real store, counts `reserve` calls and reports when a
 //! duplicate enters `wait_for_change` (which it forwards).
 
-use crate::counting::Counting;
+use crate::common::counting::Counting;
 use idempotent_runtime::{
     idempotent, Error, Fenced, Identity, MemoryStore, OwnerToken, Reservation, ReserveRequest,
     SqliteStore, Store,

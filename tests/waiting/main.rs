@@ -7,7 +7,6 @@
 #[path = "../common/mod.rs"]
 mod common;
 
-mod counting;
 mod in_process;
 mod postgres;
 mod postgres_listener;

@@ -11,8 +11,8 @@
 //! so a polling duplicate would have reserved dozens of times. A store
 //! wrapper counts each call's reservations.
 
+use crate::common::counting::Counting;
 use crate::common::servers::{fresh_tenant, pg_store_or_skip, pg_url};
-use crate::counting::Counting;
 use idempotent_runtime::store::postgres::wait_key;
 use idempotent_runtime::{
     idempotent, with_outcome, Error, Fenced, Identity, Outcome, OwnerToken, PgStore, Reservation,

@@ -17,8 +17,8 @@
 //! wait bound it guards (60 s) and far above what the path takes when it
 //! works (milliseconds to about three seconds).
 
+use crate::common::counting::Counting;
 use crate::common::servers::{fresh_tenant, pg_store_or_skip, pg_url};
-use crate::counting::Counting;
 use idempotent_runtime::{idempotent, with_outcome, Error, Identity, Outcome, PgStore, Store};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use std::net::SocketAddr;

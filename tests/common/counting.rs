@@ -1,6 +1,6 @@
-//! `Counting` wraps a real store, counts `reserve` calls and reports when a
-//! duplicate enters `wait_for_change` (which it forwards): the waiting tests'
-//! handshake and their count of round trips.
+//! `Counting` wraps a real store, forwards every call to it, counts `reserve`
+//! calls and reports when a duplicate enters `wait_for_change`: a test's
+//! handshake with waiting duplicates, and its count of round trips.
 
 use idempotent_runtime::{
     Completion, Fenced, ForcedRelease, Identity, OwnerToken, RecordSnapshot, Reservation,
@@ -10,26 +10,26 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 use tokio::sync::watch;
 
-pub(crate) struct Counting<S> {
-    pub(crate) inner: S,
+pub struct Counting<S> {
+    pub inner: S,
     reserves: AtomicUsize,
     /// How many times a duplicate has entered `wait_for_change`.
-    pub(crate) waits: watch::Sender<usize>,
+    pub waits: watch::Sender<usize>,
 }
 
 impl<S> Counting<S> {
-    pub(crate) fn new(inner: S) -> Self {
+    pub fn new(inner: S) -> Self {
         Counting {
             inner,
             reserves: AtomicUsize::new(0),
             waits: watch::Sender::new(0),
         }
     }
-    pub(crate) fn reserves(&self) -> usize {
+    pub fn reserves(&self) -> usize {
         self.reserves.load(Ordering::SeqCst)
     }
     /// Until duplicates have entered `wait_for_change` `n` times in all.
-    pub(crate) async fn waited(&self, n: usize) {
+    pub async fn waited(&self, n: usize) {
         let _ = self.waits.subscribe().wait_for(|w| *w >= n).await;
     }
 }
@@ -41,6 +41,9 @@ impl<S: Store> Store for Counting<S> {
     }
     fn max_result_bytes(&self) -> usize {
         self.inner.max_result_bytes()
+    }
+    fn records_in_process_memory(&self) -> bool {
+        self.inner.records_in_process_memory()
     }
     async fn reserve(&self, r: ReserveRequest<'_>) -> Result<Reservation, StoreError> {
         self.reserves.fetch_add(1, Ordering::SeqCst);
@@ -65,6 +68,12 @@ impl<S: Store> Store for Counting<S> {
     }
     fn complete_detached(&self, completion: Completion<'_>) {
         self.inner.complete_detached(completion)
+    }
+    fn end_lease_detached(&self, i: Identity, t: OwnerToken) {
+        self.inner.end_lease_detached(i, t)
+    }
+    async fn finish_background_work(&self, within: Duration) -> usize {
+        self.inner.finish_background_work(within).await
     }
     async fn force_release(
         &self,
