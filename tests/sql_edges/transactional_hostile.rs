@@ -26,20 +26,35 @@ fn request<'a>(identity: &'a Identity, token: &'a OwnerToken) -> ReserveRequest<
     }
 }
 
-/// A body that turns its session to READ UNCOMMITTED for the transactions
-/// after this one (a reporting query's habit): the level outlives the call
-/// on the connection, which goes back to its pool.
-#[idempotent(scope = "tx_hostile.read_uncommitted", key = key, tenant = tenant, tx = tx)]
-async fn reads_uncommitted_from_now_on(
+/// A body that changes its session's state with `statement` (READ
+/// UNCOMMITTED for the transactions after this one, a reporting query's
+/// habit; `EMPTY_STRING_IS_NULL`, an Oracle-compatibility one): the state
+/// outlives the call on the connection, which goes back to its pool.
+#[idempotent(scope = "tx_hostile.leaves_state", key = key, tenant = tenant, tx = tx,
+             skip(statement))]
+async fn leaves_session_state(
     tx: &mut sqlx::Transaction<'_, MySql>,
     tenant: &str,
     key: &str,
+    statement: &str,
 ) -> Result<u64, Error> {
-    sqlx::query("SET SESSION TRANSACTION ISOLATION LEVEL READ UNCOMMITTED")
+    sqlx::query(statement)
         .execute(&mut **tx)
         .await
         .map_err(|e| Error::Store(idempotent_runtime::StoreError::new("mysql", "body", e)))?;
     Ok(1)
+}
+
+/// A pool of one connection, and a store opened on it: what a body leaves
+/// on the connection, the store's next call meets.
+async fn one_connection_shared_with_a_store() -> (sqlx::MySqlPool, MySqlStore) {
+    let shared = MySqlPoolOptions::new()
+        .max_connections(1)
+        .connect(&mysql_url())
+        .await
+        .expect("pool");
+    let store = MySqlStore::from_pool(shared.clone()).await.expect("store");
+    (shared, store)
 }
 
 /// Rules 5 and 15 on MariaDB: a transactional body on a connection of the
@@ -56,18 +71,18 @@ async fn mysql_a_session_turned_to_read_uncommitted_never_replays_an_uncommitted
     let Some(admin) = mysql_store_or_skip().await else {
         return;
     };
-    let shared = MySqlPoolOptions::new()
-        .max_connections(1)
-        .connect(&mysql_url())
-        .await
-        .expect("pool");
-    let store = MySqlStore::from_pool(shared.clone()).await.expect("store");
+    let (shared, store) = one_connection_shared_with_a_store().await;
     let tenant = fresh_tenant();
     let mut tx = shared.begin().await.expect("begin");
     assert_eq!(
-        reads_uncommitted_from_now_on(&mut tx, &tenant, "report")
-            .await
-            .expect("the body ran"),
+        leaves_session_state(
+            &mut tx,
+            &tenant,
+            "report",
+            "SET SESSION TRANSACTION ISOLATION LEVEL READ UNCOMMITTED"
+        )
+        .await
+        .expect("the body ran"),
         1
     );
     tx.commit().await.expect("commit");
@@ -161,22 +176,6 @@ async fn pg_a_savepoint_the_body_gives_up_keeps_the_reservation() {
     assert_eq!(runs.load(Ordering::SeqCst), 1, "the body ran once");
 }
 
-/// A body that turns on MariaDB's `EMPTY_STRING_IS_NULL` for its session (an
-/// Oracle-compatibility habit). The mode outlives the call on the
-/// connection, which goes back to its pool.
-#[idempotent(scope = "tx_hostile.empty_is_null", key = key, tenant = tenant, tx = tx)]
-async fn turns_empty_strings_to_null(
-    tx: &mut sqlx::Transaction<'_, MySql>,
-    tenant: &str,
-    key: &str,
-) -> Result<u64, Error> {
-    sqlx::query("SET SESSION sql_mode = CONCAT(@@sql_mode, ',EMPTY_STRING_IS_NULL')")
-        .execute(&mut **tx)
-        .await
-        .map_err(|e| Error::Store(idempotent_runtime::StoreError::new("mysql", "body", e)))?;
-    Ok(1)
-}
-
 /// Rules 9, 10 and 12 on MariaDB, the shared tenant (an empty string): a
 /// store-mode owner whose completion lands on a session of the shared pool
 /// that a transactional body turned to `EMPTY_STRING_IS_NULL` meanwhile.
@@ -190,12 +189,7 @@ async fn mysql_a_completion_on_a_session_turned_to_empty_string_is_null_is_not_l
     let Some(admin) = mysql_store_or_skip().await else {
         return;
     };
-    let shared = MySqlPoolOptions::new()
-        .max_connections(1)
-        .connect(&mysql_url())
-        .await
-        .expect("pool");
-    let store = MySqlStore::from_pool(shared.clone()).await.expect("store");
+    let (shared, store) = one_connection_shared_with_a_store().await;
     let identity = Identity::shared("tx_hostile.shared_owner", format!("k-{}", fresh_tenant()))
         .expect("identity");
     let token = OwnerToken::new();
@@ -210,9 +204,14 @@ async fn mysql_a_completion_on_a_session_turned_to_empty_string_is_null_is_not_l
 
     let mut tx = shared.begin().await.expect("begin");
     assert_eq!(
-        turns_empty_strings_to_null(&mut tx, &fresh_tenant(), "mode")
-            .await
-            .expect("the body ran"),
+        leaves_session_state(
+            &mut tx,
+            &fresh_tenant(),
+            "mode",
+            "SET SESSION sql_mode = CONCAT(@@sql_mode, ',EMPTY_STRING_IS_NULL')"
+        )
+        .await
+        .expect("the body ran"),
         1
     );
     tx.commit().await.expect("commit");
