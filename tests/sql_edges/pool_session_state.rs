@@ -133,7 +133,6 @@ async fn pg_a_session_left_in_latin1_writes_under_the_callers_identity() {
 /// private copy, which no other session sees and which is gone when the
 /// connection closes.
 #[tokio::test]
-#[ignore = "not fixed: the store names its table unqualified, and pg_temp is searched first"]
 async fn pg_a_temp_table_named_like_the_stores_does_not_take_the_records() {
     let Some(clean) = pg_store_or_skip().await else {
         return;
@@ -146,6 +145,31 @@ async fn pg_a_temp_table_named_like_the_stores_does_not_take_the_records() {
     .expect("temp table");
     let identity = Identity::new(fresh_tenant(), "pool_state.temp", "k").expect("identity");
     a_call_on_the_dirty_pool_is_seen_by_a_clean_one(&dirty, &clean, &identity).await;
+}
+
+/// The same TEMP table on the connection the store opens on: the store
+/// cannot tell which table its records belong in, and refuses to open
+/// rather than pick the session's private copy.
+#[tokio::test]
+async fn pg_a_store_does_not_open_on_a_connection_whose_temp_table_hides_the_records() {
+    if pg_store_or_skip().await.is_none() {
+        return;
+    }
+    let pool = PgPoolOptions::new()
+        .max_connections(1)
+        .connect(&pg_url())
+        .await
+        .expect("pool");
+    pool.execute(
+        "CREATE TEMP TABLE idempotency_records (LIKE public.idempotency_records INCLUDING ALL)",
+    )
+    .await
+    .expect("temp table");
+    let refused = PgStore::from_pool(pool.clone())
+        .await
+        .expect_err("a store on the TEMP table");
+    assert!(refused.to_string().contains("TEMP table"), "{refused}");
+    pool.close().await;
 }
 
 /// A database of the test's own (schema experiments), dropped at the end.
@@ -189,7 +213,6 @@ impl OwnDatabase {
 /// store's statements name the table unqualified: the record lands in the
 /// other schema's table, where the store's own sessions never look.
 #[tokio::test]
-#[ignore = "not fixed: the store names its table unqualified, resolved by the search_path the connection was left with"]
 async fn pg_a_search_path_left_on_the_pool_does_not_move_the_records() {
     let Some(db) = OwnDatabase::create().await else {
         return;

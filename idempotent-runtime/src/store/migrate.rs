@@ -158,6 +158,7 @@ pub(crate) static POSTGRES: &[Migration] = embedded_migrations!("postgres":
     (6, "0006_tx_answers_keep_no_lock.sql", "tx answers keep no lock"),
     (7, "0007_tx_stale_snapshot_is_an_answer.sql", "tx stale snapshot is an answer"),
     (8, "0008_store_reads_before_it_writes.sql", "store reads before it writes"),
+    (9, "0009_functions_keep_to_their_schema.sql", "functions keep to their schema"),
 );
 
 /// MySQL/MariaDB's migrations (`migrations/mysql`).

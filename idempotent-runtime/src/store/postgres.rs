@@ -13,6 +13,13 @@
 //! their own table, `idempotency_schema_migrations`, so they never mix with an
 //! application's own `_sqlx_migrations`.
 //!
+//! The table lives in the schema the opening connection's `search_path`
+//! names (set it in the connect options to choose one). The store's
+//! statements name that schema, and its functions keep to their own
+//! (migration 0009), so a connection of a shared pool handed back with
+//! another `search_path`, or with a TEMP table named `idempotency_records`,
+//! writes the records where every other connection finds them.
+//!
 //! # Round trips
 //!
 //! * `reserve` (store mode): one plain SQL statement, prepared once per
@@ -93,6 +100,9 @@ pub struct PgStore {
     lock_wait: Duration,
     detached: std::sync::Arc<detached::Detached>,
     watcher: std::sync::Arc<Watcher>,
+    /// The statements made through the shared pool, naming the schema the
+    /// store found its table in when it opened.
+    statements: std::sync::Arc<Statements>,
 }
 
 impl PgStore {
@@ -136,9 +146,11 @@ impl PgStore {
         migrate(&pool)
             .await
             .map_err(|e| StoreError::new(STORE, migrate::operation(), e))?;
+        let schema = records_schema(&pool).await?;
         let detached = background_worker(&pool);
         detached.statements_land_within(reservation_lands_within(DEFAULT_LOCK_WAIT));
         Ok(PgStore {
+            statements: std::sync::Arc::new(Statements::in_schema(&schema)),
             detached: std::sync::Arc::new(detached),
             watcher: std::sync::Arc::new(Watcher::new((*pool.connect_options()).clone())),
             pools: std::sync::Arc::new(server::RuntimePools::new(pool)),
@@ -173,6 +185,108 @@ impl PgStore {
     pub fn pool(&self) -> &PgPool {
         self.pools.home()
     }
+}
+
+/// Where the store found its table when it opened: the schema of
+/// `idempotency_records` as the opening connection resolves it (its
+/// `search_path`, from the pool's connect options or hooks). A TEMP table of
+/// that name on the opening connection is refused: it would hide the
+/// records every other connection uses.
+async fn records_schema(pool: &PgPool) -> Result<String, Error> {
+    const OP: &str = "find the records table";
+    let row: Option<(String, bool)> = sqlx::query_as(
+        "SELECT n.nspname::TEXT, n.oid = pg_my_temp_schema()
+           FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+          WHERE c.oid = to_regclass('idempotency_records')",
+    )
+    .fetch_optional(pool)
+    .await
+    .map_err(err(OP))?;
+    match row {
+        Some((schema, false)) => Ok(schema),
+        Some((_, true)) => Err(StoreError::new(
+            STORE,
+            OP,
+            "a TEMP table named idempotency_records hides the store's table on this \
+             connection; drop it (or open the store on a pool whose connections have none)",
+        )
+        .into()),
+        None => Err(StoreError::new(
+            STORE,
+            OP,
+            "no table idempotency_records after the migrations: check the search_path \
+             of the pool's connections",
+        )
+        .into()),
+    }
+}
+
+/// The statements the store sends through the pool it shares with the
+/// application, with the store's table and functions qualified by the schema
+/// it found them in when it opened ([`records_schema`]). A connection of a
+/// shared pool can be handed back with another `search_path` (code that
+/// switches schemas per request) or a TEMP table named like the store's
+/// (PostgreSQL looks in `pg_temp` first): unqualified, the records would go
+/// where the store's other connections never look, and a retry would run
+/// the body again. The functions keep to their own schema too (migration
+/// 0009). Transactional mode's statements stay unqualified: they run on the
+/// caller's connection, whose `search_path` is the caller's to choose; the
+/// store's worker sends them on connections of its own, opened with the
+/// pool's options.
+#[derive(Debug)]
+struct Statements {
+    reserve: String,
+    reserve_autocommit: String,
+    complete: String,
+    heartbeat: String,
+    release: String,
+    force_release: String,
+    purge: String,
+    fetch: String,
+    scope_stats: String,
+    mark_waiting: String,
+}
+
+impl Statements {
+    fn in_schema(schema: &str) -> Self {
+        let q = |sql: &str| qualified(sql, schema);
+        Statements {
+            reserve: q(RESERVE_STORE_SQL),
+            reserve_autocommit: q(RESERVE_AUTOCOMMIT_SQL),
+            complete: q(COMPLETE_SQL),
+            heartbeat: q(HEARTBEAT_SQL),
+            release: q(RELEASE_SQL),
+            force_release: q(FORCE_RELEASE_SQL),
+            purge: q(PURGE_SQL),
+            fetch: q(FETCH_SQL),
+            scope_stats: q(SCOPE_STATS_SQL),
+            mark_waiting: q(MARK_WAITING_SQL),
+        }
+    }
+}
+
+/// `sql` with every name of the store's own (`idempotency_…`: the table and
+/// the functions) qualified by `schema`, quoted as an identifier. A name
+/// already qualified, or inside a string literal or quoted identifier, is
+/// left as it is.
+fn qualified(sql: &str, schema: &str) -> String {
+    const PREFIX: &str = "idempotency_";
+    let quoted = format!("\"{}\".", schema.replace('"', "\"\""));
+    let mut out = String::with_capacity(sql.len() + 8 * quoted.len());
+    let mut rest = sql;
+    while let Some(at) = rest.find(PREFIX) {
+        let before = rest[..at].chars().next_back().or(out.chars().next_back());
+        out.push_str(&rest[..at]);
+        let part_of_another = before
+            .is_some_and(|c| c.is_alphanumeric() || matches!(c, '_' | '.' | '\'' | '"' | '$'));
+        if !part_of_another {
+            out.push_str(&quoted);
+        }
+        out.push_str(PREFIX);
+        rest = &rest[at + PREFIX.len()..];
+    }
+    out.push_str(rest);
+    out
 }
 
 /// How late a reservation statement may land after its call was dropped
@@ -293,7 +407,10 @@ fn background_worker(pool: &PgPool) -> detached::Detached {
         |pool, identity, token| {
             Box::pin(async move {
                 in_worker_transaction!(&pool, "release", |conn| release_with(
-                    conn, &identity, &token
+                    conn,
+                    RELEASE_SQL,
+                    &identity,
+                    &token
                 ))
             })
         },
@@ -301,6 +418,7 @@ fn background_worker(pool: &PgPool) -> detached::Detached {
             Box::pin(async move {
                 in_worker_transaction!(&pool, "heartbeat", |conn| heartbeat_with(
                     conn,
+                    HEARTBEAT_SQL,
                     &identity,
                     &token,
                     Duration::ZERO
@@ -310,7 +428,11 @@ fn background_worker(pool: &PgPool) -> detached::Detached {
         |pool, identity, token, answer| {
             Box::pin(async move {
                 let completion = answer.completing(&identity, &token);
-                in_worker_transaction!(&pool, "complete", |conn| complete_with(conn, completion))
+                in_worker_transaction!(&pool, "complete", |conn| complete_with(
+                    conn,
+                    COMPLETE_SQL,
+                    completion
+                ))
             })
         },
     )
@@ -621,6 +743,7 @@ const EXPIRED_RECORD_LOCK_TRIES: u32 = 20;
 /// `idempotency_reserve`).
 async fn reserve_autocommit(
     pool: &PgPool,
+    sql: &Statements,
     request: ReserveRequest<'_>,
     lock_wait: Duration,
 ) -> Result<Reservation, StoreError> {
@@ -628,10 +751,9 @@ async fn reserve_autocommit(
     // failure (the holder committed while the statement waited) no try.
     let (mut lock_timeouts, mut serialization_failures) = (0, 0);
     let answer = loop {
-        let (answer, allowed) = match reserve_on(pool, RESERVE_STORE_SQL, request, lock_wait).await
-        {
+        let (answer, allowed) = match reserve_on(pool, &sql.reserve, request, lock_wait).await {
             Ok(Answer::Other) => (
-                reserve_on(pool, RESERVE_AUTOCOMMIT_SQL, request, lock_wait).await,
+                reserve_on(pool, &sql.reserve_autocommit, request, lock_wait).await,
                 EXPIRED_RECORD_LOCK_TRIES,
             ),
             answer => (answer, LOCK_TIMEOUT_TRIES),
@@ -675,7 +797,7 @@ async fn reserve_autocommit(
 /// `detached::ATTEMPT_ANSWERS_WITHIN` ([`server::answered_within`]).
 async fn reserve_on(
     pool: &PgPool,
-    sql: &'static str,
+    sql: &str,
     request: ReserveRequest<'_>,
     lock_wait: Duration,
 ) -> Result<Answer, sqlx::Error> {
@@ -702,7 +824,7 @@ enum Answer {
 
 /// Runs one reservation statement.
 async fn reserve_statement<'e, E: Executor<'e, Database = Postgres>>(
-    sql: &'static str,
+    sql: &str,
     executor: E,
     request: ReserveRequest<'_>,
     lock_wait: Duration,
@@ -813,19 +935,71 @@ pub const PURGE_SQL: &str = "WITH clock AS MATERIALIZED (SELECT idempotency_now_
          LIMIT $1
          FOR UPDATE SKIP LOCKED)";
 
-/// Records the outcome, fenced by the token; an outcome a `recover` hook
-/// gave is marked recovered (rule 20).
-async fn complete_with<'e, E: Executor<'e, Database = Postgres>>(
-    executor: E,
-    completion: Completion<'_>,
-) -> Result<Fenced, StoreError> {
-    const SQL: &str = "UPDATE idempotency_records SET state = 'complete', owner_token = NULL,
+/// Records the outcome, fenced by the owner token (`$4`); an outcome a
+/// `recover` hook gave is marked recovered (rule 20).
+const COMPLETE_SQL: &str = "UPDATE idempotency_records SET state = 'complete', owner_token = NULL,
                 is_error = $5, result = $6, lease_expires_at = NULL,
                 expires_at = idempotency_now_ms() + $7, updated_at = idempotency_now_ms(),
                 recovered = $8, waiting = FALSE
           WHERE tenant = $1 AND scope = $2 AND key = $3
             AND state = 'in_progress' AND owner_token = $4";
-    let statement = on_owned_record(SQL, completion.identity, completion.token)
+
+/// Renews (or, with a shorter lease, ends early) the lease the owner token
+/// (`$4`) holds. The record's retention moves with its lease
+/// (`Store::heartbeat`): `expires_at` keeps its distance from the lease's
+/// end. The clock is read once (`c.now_ms`): `idempotency_now_ms()` reads
+/// `clock_timestamp()`, which is read again at every use, so two uses in one
+/// statement can fall on either side of a millisecond.
+const HEARTBEAT_SQL: &str = "UPDATE idempotency_records
+            SET lease_expires_at = c.now_ms + $5, updated_at = c.now_ms,
+                expires_at = GREATEST(expires_at,
+                    c.now_ms + $5 + (expires_at - lease_expires_at))
+           FROM (SELECT idempotency_now_ms() AS now_ms OFFSET 0) c
+          WHERE tenant = $1 AND scope = $2 AND key = $3
+            AND state = 'in_progress' AND owner_token = $4";
+
+/// Deletes the in-progress record the owner token (`$4`) holds.
+const RELEASE_SQL: &str = "DELETE FROM idempotency_records
+          WHERE tenant = $1 AND scope = $2 AND key = $3
+            AND state = 'in_progress' AND owner_token = $4";
+
+/// An operator's release (`Store::force_release`): `$4` asks for an
+/// expired lease.
+const FORCE_RELEASE_SQL: &str = "DELETE FROM idempotency_records
+              WHERE tenant = $1 AND scope = $2 AND key = $3 AND state = 'in_progress'
+                AND (NOT $4 OR lease_expires_at <= idempotency_now_ms())
+             RETURNING attempt";
+
+/// One record as it is (`Store::fetch`).
+const FETCH_SQL: &str =
+    "SELECT state, fingerprint, owner_token, is_error, result, lease_expires_at,
+                    expires_at, idempotency_now_ms() AS now_ms, created_at,
+                    attempt::bigint AS attempt,
+                    COALESCE(attempt_started_at, created_at) AS attempt_started_at, recovered
+               FROM idempotency_records WHERE tenant = $1 AND scope = $2 AND key = $3";
+
+/// The records per scope and state (`Store::scope_stats`).
+const SCOPE_STATS_SQL: &str = "WITH n AS (SELECT idempotency_now_ms() AS now_ms)
+             SELECT scope,
+                    count(*) FILTER (WHERE NOT expired AND state = 'complete') AS complete,
+                    count(*) FILTER (WHERE NOT expired AND state = 'in_progress' AND lease_expires_at > now_ms) AS in_progress,
+                    count(*) FILTER (WHERE NOT expired AND state = 'in_progress' AND lease_expires_at <= now_ms) AS stuck,
+                    count(*) FILTER (WHERE expired) AS expired,
+                    min(created_at) AS oldest,
+                    count(*) FILTER (WHERE NOT expired AND attempt > 1) AS taken_over,
+                    count(*) FILTER (WHERE NOT expired AND state = 'complete' AND recovered) AS recovered
+               FROM (SELECT r.*, n.now_ms,
+                            (r.expires_at <= n.now_ms
+                             AND (r.state = 'complete' OR r.lease_expires_at <= n.now_ms)) AS expired
+                       FROM idempotency_records r CROSS JOIN n) s
+              GROUP BY scope ORDER BY scope";
+
+async fn complete_with<'e, E: Executor<'e, Database = Postgres>>(
+    executor: E,
+    sql: &str,
+    completion: Completion<'_>,
+) -> Result<Fenced, StoreError> {
+    let statement = on_owned_record(sql, completion.identity, completion.token)
         .bind(completion.outcome.is_error)
         .bind(&completion.outcome.payload)
         .bind(millis_i64(completion.ttl))
@@ -836,35 +1010,22 @@ async fn complete_with<'e, E: Executor<'e, Database = Postgres>>(
 /// Renews (or, with a shorter lease, ends early) the lease `token` owns.
 async fn heartbeat_with<'e, E: Executor<'e, Database = Postgres>>(
     executor: E,
+    sql: &str,
     identity: &Identity,
     token: &OwnerToken,
     lease: Duration,
 ) -> Result<Fenced, StoreError> {
-    // The record's retention moves with its lease (`Store::heartbeat`):
-    // `expires_at` keeps its distance from the lease's end. The clock is read
-    // once (`c.now_ms`): `idempotency_now_ms()` reads `clock_timestamp()`,
-    // which is read again at every use, so two uses in one statement can
-    // fall on either side of a millisecond.
-    const SQL: &str = "UPDATE idempotency_records
-            SET lease_expires_at = c.now_ms + $5, updated_at = c.now_ms,
-                expires_at = GREATEST(expires_at,
-                    c.now_ms + $5 + (expires_at - lease_expires_at))
-           FROM (SELECT idempotency_now_ms() AS now_ms OFFSET 0) c
-          WHERE tenant = $1 AND scope = $2 AND key = $3
-            AND state = 'in_progress' AND owner_token = $4";
-    let statement = on_owned_record(SQL, identity, token).bind(millis_i64(lease));
+    let statement = on_owned_record(sql, identity, token).bind(millis_i64(lease));
     fenced("heartbeat", statement, executor).await
 }
 
 async fn release_with<'e, E: Executor<'e, Database = Postgres>>(
     executor: E,
+    sql: &str,
     identity: &Identity,
     token: &OwnerToken,
 ) -> Result<Fenced, StoreError> {
-    const SQL: &str = "DELETE FROM idempotency_records
-          WHERE tenant = $1 AND scope = $2 AND key = $3
-            AND state = 'in_progress' AND owner_token = $4";
-    fenced("release", on_owned_record(SQL, identity, token), executor).await
+    fenced("release", on_owned_record(sql, identity, token), executor).await
 }
 
 #[async_trait::async_trait]
@@ -874,7 +1035,13 @@ impl Store for PgStore {
     }
 
     async fn reserve(&self, request: ReserveRequest<'_>) -> Result<Reservation, StoreError> {
-        reserve_autocommit(&self.pools.current(), request, self.lock_wait).await
+        reserve_autocommit(
+            &self.pools.current(),
+            &self.statements,
+            request,
+            self.lock_wait,
+        )
+        .await
     }
 
     async fn complete(&self, completion: Completion<'_>) -> Result<Fenced, StoreError> {
@@ -883,7 +1050,7 @@ impl Store for PgStore {
         let waits = CALLER_WRITE_WAITS
             .saturating_add(detached::allowance_for(completion.outcome.payload.len()));
         in_own_transaction!(&self.pools.current(), "complete", waits, |conn| {
-            complete_with(conn, completion)
+            complete_with(conn, &self.statements.complete, completion)
         })
     }
 
@@ -905,18 +1072,14 @@ impl Store for PgStore {
             .execute(&mut *tx)
             .await
             .map_err(err(OP))?;
-        let deleted: Result<Option<i32>, sqlx::Error> = sqlx::query_scalar(
-            "DELETE FROM idempotency_records
-              WHERE tenant = $1 AND scope = $2 AND key = $3 AND state = 'in_progress'
-                AND (NOT $4 OR lease_expires_at <= idempotency_now_ms())
-             RETURNING attempt",
-        )
-        .bind(&identity.tenant)
-        .bind(&identity.scope)
-        .bind(&identity.key)
-        .bind(require_expired_lease)
-        .fetch_optional(&mut *tx)
-        .await;
+        let deleted: Result<Option<i32>, sqlx::Error> =
+            sqlx::query_scalar(&self.statements.force_release)
+                .bind(&identity.tenant)
+                .bind(&identity.scope)
+                .bind(&identity.key)
+                .bind(require_expired_lease)
+                .fetch_optional(&mut *tx)
+                .await;
         let deleted = match deleted {
             Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some(LOCK_NOT_AVAILABLE) => {
                 tx.rollback().await.map_err(err(OP))?;
@@ -940,7 +1103,7 @@ impl Store for PgStore {
             &self.pools.current(),
             "release",
             CALLER_WRITE_WAITS,
-            |conn| release_with(conn, identity, token)
+            |conn| release_with(conn, &self.statements.release, identity, token)
         )
     }
 
@@ -951,7 +1114,7 @@ impl Store for PgStore {
         lease: Duration,
     ) -> Result<Fenced, StoreError> {
         in_own_transaction!(&self.pools.current(), "heartbeat", RENEWAL_WAITS, |conn| {
-            heartbeat_with(conn, identity, token, lease)
+            heartbeat_with(conn, &self.statements.heartbeat, identity, token, lease)
         })
     }
 
@@ -970,7 +1133,7 @@ impl Store for PgStore {
             let mut conn = ClosedIfDropped::acquire(&self.pools.current())
                 .await
                 .map_err(err("purge expired records"))?;
-            let done = sqlx::query(PURGE_SQL)
+            let done = sqlx::query(&self.statements.purge)
                 .bind(i64::from(chunk))
                 .execute(&mut *conn)
                 .await
@@ -988,17 +1151,11 @@ impl Store for PgStore {
         // A plain read: no lock wait.
         let row = server::answered_within(
             Duration::ZERO,
-            sqlx::query(
-                "SELECT state, fingerprint, owner_token, is_error, result, lease_expires_at,
-                    expires_at, idempotency_now_ms() AS now_ms, created_at,
-                    attempt::bigint AS attempt,
-                    COALESCE(attempt_started_at, created_at) AS attempt_started_at, recovered
-               FROM idempotency_records WHERE tenant = $1 AND scope = $2 AND key = $3",
-            )
-            .bind(&identity.tenant)
-            .bind(&identity.scope)
-            .bind(&identity.key)
-            .fetch_optional(&mut *conn),
+            sqlx::query(&self.statements.fetch)
+                .bind(&identity.tenant)
+                .bind(&identity.scope)
+                .bind(&identity.key)
+                .fetch_optional(&mut *conn),
         )
         .await
         .and_then(|row| row)
@@ -1014,25 +1171,10 @@ impl Store for PgStore {
         let mut conn = ClosedIfDropped::acquire(&self.pools.current())
             .await
             .map_err(err(OP))?;
-        let found = sqlx::query(
-            "WITH n AS (SELECT idempotency_now_ms() AS now_ms)
-             SELECT scope,
-                    count(*) FILTER (WHERE NOT expired AND state = 'complete') AS complete,
-                    count(*) FILTER (WHERE NOT expired AND state = 'in_progress' AND lease_expires_at > now_ms) AS in_progress,
-                    count(*) FILTER (WHERE NOT expired AND state = 'in_progress' AND lease_expires_at <= now_ms) AS stuck,
-                    count(*) FILTER (WHERE expired) AS expired,
-                    min(created_at) AS oldest,
-                    count(*) FILTER (WHERE NOT expired AND attempt > 1) AS taken_over,
-                    count(*) FILTER (WHERE NOT expired AND state = 'complete' AND recovered) AS recovered
-               FROM (SELECT r.*, n.now_ms,
-                            (r.expires_at <= n.now_ms
-                             AND (r.state = 'complete' OR r.lease_expires_at <= n.now_ms)) AS expired
-                       FROM idempotency_records r CROSS JOIN n) s
-              GROUP BY scope ORDER BY scope",
-        )
-        .fetch_all(&mut *conn)
-        .await
-        .map_err(err(OP))?;
+        let found = sqlx::query(&self.statements.scope_stats)
+            .fetch_all(&mut *conn)
+            .await
+            .map_err(err(OP))?;
         conn.hand_back();
         found
             .iter()
@@ -1079,7 +1221,7 @@ crate::transaction::transactional_connection! {
         reserve: reserve_in_transaction,
         complete: complete_in_transaction,
         release: release_in_transaction,
-        heartbeat: heartbeat_with,
+        heartbeat: heartbeat_in_transaction,
         may_wait: reads_what_others_commit,
     }
 }
@@ -1099,7 +1241,7 @@ async fn release_in_transaction(
     identity: &Identity,
     token: &OwnerToken,
 ) -> Result<Fenced, StoreError> {
-    match release_with(&mut *conn, identity, token).await {
+    match release_with(&mut *conn, RELEASE_SQL, identity, token).await {
         Err(e)
             if e.source.downcast_ref::<sqlx::Error>().is_some_and(|e| {
                 matches!(e, sqlx::Error::Database(db) if db.code().as_deref() == Some(IN_FAILED_TRANSACTION))
@@ -1109,6 +1251,17 @@ async fn release_in_transaction(
         }
         other => other,
     }
+}
+
+/// Transactional mode's lease renewal: [`heartbeat_with`] in the caller's
+/// transaction.
+async fn heartbeat_in_transaction(
+    conn: &mut sqlx::PgConnection,
+    identity: &Identity,
+    token: &OwnerToken,
+    lease: Duration,
+) -> Result<Fenced, StoreError> {
+    heartbeat_with(conn, HEARTBEAT_SQL, identity, token, lease).await
 }
 
 /// Transactional mode's completion: [`complete_with`] in the caller's
@@ -1122,7 +1275,7 @@ async fn complete_in_transaction(
     conn: &mut sqlx::PgConnection,
     completion: Completion<'_>,
 ) -> Result<Fenced, StoreError> {
-    match complete_with(&mut *conn, completion).await {
+    match complete_with(&mut *conn, COMPLETE_SQL, completion).await {
         Err(e)
             if completion.outcome.is_error
                 && e.source.downcast_ref::<sqlx::Error>().is_some_and(|e| {
@@ -1263,12 +1416,12 @@ enum Mark {
     Unmarked,
 }
 
-async fn mark_waiting(pool: &PgPool, identity: &Identity) -> Result<Mark, sqlx::Error> {
+async fn mark_waiting(pool: &PgPool, sql: &str, identity: &Identity) -> Result<Mark, sqlx::Error> {
     let mut conn = ClosedIfDropped::acquire(pool).await?;
     // `SKIP LOCKED`: no lock wait.
     let row: Result<PgRow, sqlx::Error> = server::answered_within(
         Duration::ZERO,
-        sqlx::query(MARK_WAITING_SQL)
+        sqlx::query(sql)
             .bind(&identity.tenant)
             .bind(&identity.scope)
             .bind(&identity.key)
@@ -1653,7 +1806,13 @@ impl PgStore {
             return poll(round, left).await;
         }
         let left = max_wait.saturating_sub(started.elapsed());
-        let wait = match mark_waiting(&self.pools.current(), identity).await {
+        let wait = match mark_waiting(
+            &self.pools.current(),
+            &self.statements.mark_waiting,
+            identity,
+        )
+        .await
+        {
             Ok(Mark::Marked {
                 wait_key,
                 lease_remaining,
@@ -1682,6 +1841,73 @@ impl PgStore {
             _ = &mut changed => {}
             _ = &mut reset => {}
             _ = tokio::time::sleep(wait) => {}
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn qualified_names_every_table_and_function_of_the_store_in_its_schema() {
+        let sql = "SELECT idempotency_now_ms(), x FROM idempotency_records r \
+                   JOIN idempotency_reserve_core($1) f ON TRUE";
+        assert_eq!(
+            qualified(sql, "app"),
+            "SELECT \"app\".idempotency_now_ms(), x FROM \"app\".idempotency_records r \
+             JOIN \"app\".idempotency_reserve_core($1) f ON TRUE"
+        );
+        assert_eq!(
+            qualified("idempotency_records", "we\"ird"),
+            "\"we\"\"ird\".idempotency_records",
+            "the schema is quoted as an identifier, at the start of the text too"
+        );
+    }
+
+    #[test]
+    fn qualified_leaves_other_names_and_literals_alone() {
+        for sql in [
+            "SELECT public.idempotency_records",
+            "SELECT 'idempotency_records'",
+            "SELECT \"idempotency_records\"",
+            "SELECT my_idempotency_records, x_idempotency_now_ms()",
+            "SELECT $$idempotency_x$$",
+        ] {
+            assert_eq!(qualified(sql, "app"), sql);
+        }
+    }
+
+    #[test]
+    fn every_statement_through_the_shared_pool_names_its_schema() {
+        let statements = Statements::in_schema("app");
+        let Statements {
+            reserve,
+            reserve_autocommit,
+            complete,
+            heartbeat,
+            release,
+            force_release,
+            purge,
+            fetch,
+            scope_stats,
+            mark_waiting,
+        } = &statements;
+        for sql in [
+            reserve,
+            reserve_autocommit,
+            complete,
+            heartbeat,
+            release,
+            force_release,
+            purge,
+            fetch,
+            scope_stats,
+            mark_waiting,
+        ] {
+            let named = sql.matches("idempotency_").count();
+            assert!(named > 0, "{sql}");
+            assert_eq!(sql.matches("\"app\".idempotency_").count(), named, "{sql}");
         }
     }
 }
