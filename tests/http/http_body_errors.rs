@@ -196,3 +196,135 @@ async fn a_body_that_breaks_off_runs_nothing_and_holds_no_key() {
     assert!(whole.headers().get("idempotent-replayed").is_none());
     assert_eq!(runs.load(Ordering::SeqCst), 1);
 }
+
+/// An idempotency layer around a request decoder around a route's own
+/// idempotency layer with a smaller body cap. A body that decodes to more
+/// than the inner cap is refused by the inner layer with 413
+/// `body-too-large` ("send a smaller body; this request was not
+/// processed"): nothing ran, nothing was recorded. The outer layer recorded
+/// that 413 as the key's final answer, so the smaller body sent with the
+/// same key was refused as a reused key (422).
+#[tokio::test]
+async fn an_inner_layers_body_too_large_is_not_recorded_by_an_outer_layer() {
+    let runs = Arc::new(AtomicUsize::new(0));
+    let counted = runs.clone();
+    let handler = move |body: Bytes| {
+        let counted = counted.clone();
+        async move {
+            let n = counted.fetch_add(1, Ordering::SeqCst) + 1;
+            let body = String::from_utf8_lossy(&body).into_owned();
+            (StatusCode::CREATED, format!("{body} (run {n})"))
+        }
+    };
+    let app = Router::new()
+        .route("/orders", post(handler))
+        .route_layer(
+            IdempotencyLayer::builder("nested.small.orders", MemoryStore::new())
+                .tenant_from_extension::<AccountId>()
+                .max_body_bytes(16)
+                .build()
+                .expect("layer"),
+        )
+        .layer(middleware::from_fn(decode_hex))
+        .layer(
+            IdempotencyLayer::builder("nested.small.gateway", MemoryStore::new())
+                .tenant_from_extension::<AccountId>()
+                .build()
+                .expect("layer"),
+        )
+        .layer(middleware::from_fn(authenticate));
+    let (base, _task) = serve(app).await;
+    let send = |body: String| {
+        reqwest::Client::new()
+            .post(format!("{base}/orders"))
+            .header("x-account-id", "acct-small")
+            .header("idempotency-key", "order-1")
+            .header("content-encoding", "x-hex")
+            .body(body)
+            .send()
+    };
+
+    let large = send(hex(b"an order far over sixteen bytes"))
+        .await
+        .expect("request");
+    expect_problem(large, 413, types::BODY_TOO_LARGE).await;
+    assert_eq!(runs.load(Ordering::SeqCst), 0, "nothing ran");
+
+    let smaller = send(hex(b"one order")).await.expect("request");
+    assert_eq!(
+        smaller.status(),
+        StatusCode::CREATED,
+        "the smaller request with the same key: {}",
+        smaller.text().await.expect("body")
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    let retry = send(hex(b"one order")).await.expect("request");
+    assert_eq!(retry.headers()["idempotent-replayed"], "true");
+    assert_eq!(retry.text().await.expect("body"), "one order (run 1)");
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+/// A body over the limit of something inside the layer (axum's
+/// `DefaultBodyLimit` here; tower-http's `RequestBodyLimitLayer`, or a
+/// request decompressor's output limit, alike) is refused with 413 before
+/// the handler's code runs. The layer recorded that 413 like any 4xx, so
+/// the request sent again smaller with the same key, as the 413 asks, was
+/// refused as a reused key (422) for the record's ttl.
+#[tokio::test]
+async fn a_413_from_inside_the_layer_is_not_recorded() {
+    let runs = Arc::new(AtomicUsize::new(0));
+    let counted = runs.clone();
+    let handler = move |body: Bytes| {
+        let counted = counted.clone();
+        async move {
+            let n = counted.fetch_add(1, Ordering::SeqCst) + 1;
+            let body = String::from_utf8_lossy(&body).into_owned();
+            (StatusCode::CREATED, format!("{body} (run {n})"))
+        }
+    };
+    let app = Router::new()
+        .route("/orders", post(handler))
+        .layer(axum::extract::DefaultBodyLimit::max(16))
+        .route_layer(
+            IdempotencyLayer::builder("limited.orders", MemoryStore::new())
+                .tenant_from_extension::<AccountId>()
+                .build()
+                .expect("layer"),
+        )
+        .layer(middleware::from_fn(authenticate));
+    let (base, _task) = serve(app).await;
+    let send = |body: &'static str| {
+        reqwest::Client::new()
+            .post(format!("{base}/orders"))
+            .header("x-account-id", "acct-limited")
+            .header("idempotency-key", "order-1")
+            .body(body)
+            .send()
+    };
+
+    let large = send("an order far over sixteen bytes")
+        .await
+        .expect("request");
+    assert_eq!(large.status(), StatusCode::PAYLOAD_TOO_LARGE);
+    assert_eq!(runs.load(Ordering::SeqCst), 0, "nothing ran");
+    let again = send("an order far over sixteen bytes")
+        .await
+        .expect("request");
+    assert_eq!(again.status(), StatusCode::PAYLOAD_TOO_LARGE);
+    assert!(
+        again.headers().get("idempotent-replayed").is_none(),
+        "the 413 was recorded and replayed"
+    );
+
+    let smaller = send("one order").await.expect("request");
+    assert_eq!(
+        smaller.status(),
+        StatusCode::CREATED,
+        "the smaller request with the same key: {}",
+        smaller.text().await.expect("body")
+    );
+    let retry = send("one order").await.expect("request");
+    assert_eq!(retry.headers()["idempotent-replayed"], "true");
+    assert_eq!(retry.text().await.expect("body"), "one order (run 1)");
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}

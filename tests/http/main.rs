@@ -2,7 +2,8 @@
 //! (`http_client`), the example server SIGKILLed and restarted
 //! (`http_crash`), and the trailers and extensions of the first answer and
 //! of a replay (`http_trailers`), request bodies that cannot be read
-//! (`http_body_errors`). `http_app` is the shared test application.
+//! (`http_body_errors`), the layer's own refusals seen by a layer around it
+//! (`http_layer_refusals`). `http_app` is the shared test application.
 
 #[path = "../common/mod.rs"]
 mod common;
@@ -13,6 +14,7 @@ mod http_body_errors;
 mod http_client;
 mod http_crash;
 mod http_edges;
+mod http_layer_refusals;
 mod http_request_identity;
 mod http_safe_methods;
 mod http_server;

@@ -260,7 +260,8 @@ impl IdempotencyLayerBuilder {
     /// [`DEFAULT_MAX_BODY_BYTES`]); a larger one is refused with 413. With
     /// axum, a cap above its 2 MB default body limit needs
     /// `axum::extract::DefaultBodyLimit` raised as well: otherwise the
-    /// handler's extractor answers 413 itself, and that 4xx is recorded.
+    /// handler's extractor answers 413 itself (not recorded, as no 413 is
+    /// by the default rule).
     pub fn max_body_bytes(mut self, limit: usize) -> Self {
         self.max_body_bytes = limit;
         self
@@ -287,10 +288,10 @@ impl IdempotencyLayerBuilder {
     }
 
     /// Whether 4xx answers of the handler are recorded as the final answer
-    /// for their key (default `true`). `401`, `408`, `423`, `425` and `429`
-    /// are never recorded by the default rule: they say "not processed, try
-    /// again" (a `401` once the client has authenticated again), so
-    /// replaying them would refuse every retry.
+    /// for their key (default `true`). `401`, `408`, `413`, `423`, `425` and
+    /// `429` are never recorded by the default rule: they say "not processed,
+    /// try again" (a `401` once the client has authenticated again, a `413`
+    /// with a smaller body), so replaying them would refuse every retry.
     pub fn record_client_errors(mut self, record: bool) -> Self {
         self.record_client_errors = record;
         self
@@ -446,10 +447,15 @@ impl Config {
         if status.is_server_error() {
             self.record_server_errors
         } else if status.is_client_error() {
-            // A 401: the client authenticates again and sends the same request.
+            // A 401: the client authenticates again and sends the same
+            // request. A 413 (a body limit, or a request decoder's, inside
+            // the layer; the handler did not run): the client sends a
+            // smaller body with the same key, which a recorded 413 would
+            // answer 422.
             self.record_client_errors
                 && !says_try_again(status)
                 && status != StatusCode::UNAUTHORIZED
+                && status != StatusCode::PAYLOAD_TOO_LARGE
         } else {
             true
         }
@@ -686,19 +692,19 @@ where
         Ok(None) if !config.key_required => {
             return inner.call(request).await.map(|r| r.map(Body::new));
         }
-        Ok(None) => return Ok(KeyRejection::Missing.into_response()),
-        Err(rejection) => return Ok(rejection.into_response()),
+        Ok(None) => return Ok(not_processed(KeyRejection::Missing.into_response())),
+        Err(rejection) => return Ok(not_processed(rejection.into_response())),
     };
     let (parts, body) = request.into_parts();
     let Some(tenant) = (config.tenant)(&parts) else {
         tracing::info!(target: "idempotent", scope = spec.scope, tenant_source = %config.tenant_source,
             "refused with 401: no tenant for the request (if the request was authenticated, the \
              middleware that sets the tenant must run before this layer: add it as an outer layer)");
-        return Ok(missing_tenant().into_response());
+        return Ok(not_processed(missing_tenant().into_response()));
     };
     let identity = match Identity::new(tenant, spec.scope, key) {
         Ok(identity) => identity,
-        Err(e) => return Ok(e.into_response()),
+        Err(e) => return Ok(not_processed(e.into_response())),
     };
 
     // The one copy of the body: buffered for the fingerprint, then handed
@@ -709,30 +715,29 @@ where
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<u64>().ok());
     if declared.is_some_and(|len| len > config.max_body_bytes as u64) {
-        return Ok(body_too_large(config.max_body_bytes).into_response());
+        return Ok(not_processed(
+            body_too_large(config.max_body_bytes).into_response(),
+        ));
     }
     let bytes = match Limited::new(body, config.max_body_bytes).collect().await {
         Ok(collected) => collected.to_bytes(),
         Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => {
-            return Ok(body_too_large(config.max_body_bytes).into_response());
+            return Ok(not_processed(
+                body_too_large(config.max_body_bytes).into_response(),
+            ));
         }
         Err(e) => {
             tracing::info!(target: "idempotent", scope = spec.scope, error = %e, "request body could not be read");
-            let mut response = Problem::new(
-                StatusCode::BAD_REQUEST,
-                types::BODY_UNREADABLE,
-                "Request body could not be read",
-                "The request body ended early or was malformed. Send the request again with \
-                 the same Idempotency-Key.",
-            )
-            .into_response();
-            // Nothing ran and nothing is recorded, as the answer says: an
-            // idempotency layer around this one (outside a request decoder
-            // whose output failed here) must not record it either, or the
-            // request sent again with this key would get this 400 back, or
-            // a 422 once its body is corrected.
-            response.extensions_mut().insert(NotFinal);
-            return Ok(response);
+            return Ok(not_processed(
+                Problem::new(
+                    StatusCode::BAD_REQUEST,
+                    types::BODY_UNREADABLE,
+                    "Request body could not be read",
+                    "The request body ended early or was malformed. Send the request again \
+                     with the same Idempotency-Key.",
+                )
+                .into_response(),
+            ));
         }
     };
     // The URI the client sent: under `Router::nest` the request's own URI has
@@ -780,6 +785,18 @@ where
         Err(Failure::Engine(e)) => Ok(e.into_response()),
         Err(Failure::Unrecordable(problem)) => Ok(problem.into_response()),
     }
+}
+
+/// A refusal the layer makes before it reserves anything (no key, a bad
+/// key, no tenant or a bad one, a body over the cap or unreadable): nothing
+/// ran and nothing is recorded, and the corrected request may be sent again
+/// with the same key. An idempotency layer around this one (a router-wide
+/// one, outside the authentication or the request decoder this one is
+/// behind) must not record it either, or that request would get this
+/// refusal back, or a 422 once its body changed: marked [`NotFinal`].
+fn not_processed(mut response: Response<Body>) -> Response<Body> {
+    response.extensions_mut().insert(NotFinal);
+    response
 }
 
 /// The body of the idempotent call: the handler, then its answer collected for recording.

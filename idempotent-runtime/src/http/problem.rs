@@ -100,10 +100,13 @@ pub struct Problem {
 /// Every [`Problem`] with a `retry_after` carries it, so the answers `Error`'s
 /// `IntoResponse` makes for `InProgress` (a handler's `#[idempotent]` call
 /// that found its own record in progress, perhaps under another request's
-/// key), `StaleSnapshot` and `RecordedByNewerVersion` do; so does the
-/// layer's 400 `body-unreadable` (nothing ran; send it again with the same
-/// key), which an idempotency layer around it, outside a request decoder
-/// whose output could not be read, would otherwise record. Insert it into a
+/// key), `StaleSnapshot` and `RecordedByNewerVersion` do; so does every
+/// refusal the layer makes before it reserves the key (400 `missing-key`,
+/// `invalid-key`, `invalid-tenant` and `body-unreadable`, 401
+/// `missing-tenant`, 413 `body-too-large`: nothing ran; send the corrected
+/// request with the same key), which an idempotency layer around it (outside
+/// the route's authentication, or a request decoder) would otherwise record.
+/// Insert it into a
 /// response of your own that says the same:
 ///
 /// ```
