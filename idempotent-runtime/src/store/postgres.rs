@@ -575,6 +575,29 @@ fn millis_i64(d: Duration) -> i64 {
     duration_to_millis(d)
 }
 
+/// Whether the server reads the text sqlx sends as it is: sqlx sends UTF-8
+/// whatever the session's `client_encoding` says, and the server converts
+/// every text parameter from that encoding (from LATIN1, `café` arrives as
+/// `cafÃ©`), which would name the record by another tenant or key than a
+/// clean connection looks for. `SQL_ASCII` on either side converts nothing.
+/// A SQL condition, in the statements that would create a record.
+macro_rules! reads_text_as_sent {
+    () => {
+        "(current_setting('client_encoding') IN ('UTF8', 'SQL_ASCII') \
+          OR current_setting('server_encoding') = 'SQL_ASCII')"
+    };
+}
+
+/// What a call is told when its connection's `client_encoding` is not UTF-8
+/// ([`reads_text_as_sent!`]).
+const UNFAITHFUL_CLIENT_ENCODING: &str = concat!(
+    "this connection's client_encoding is not UTF8 (code sharing the pool set it: ",
+    "SET client_encoding), so the server would read the tenant and key sqlx sends as ",
+    "other text and name the record by another identity. Nothing was written; set it ",
+    "back (RESET client_encoding) before a connection goes back to the pool, or give ",
+    "the store a pool of its own"
+);
+
 /// The store's reservation, one plain statement (prepared once per
 /// connection, cached by sqlx): a primary-key read of the record decides
 /// replay, in progress and mismatch, as a hand-written `SELECT` would. Only
@@ -585,6 +608,9 @@ fn millis_i64(d: Duration) -> i64 {
 /// most `$8` ms, then the statement fails with 55P03 (in progress). A
 /// `CASE` evaluates its branches lazily, and the function is volatile, so
 /// it never runs when the record exists: a replay reads and writes nothing.
+/// Nor, on a connection whose `client_encoding` would change the identity
+/// ([`reads_text_as_sent!`]), asked only when there is no record: a replay
+/// pays nothing for it.
 ///
 /// The clock is read once (`OFFSET 0` keeps the subquery from being
 /// flattened into the expressions that use it). `other` (an expired record
@@ -597,9 +623,13 @@ fn millis_i64(d: Duration) -> i64 {
 /// and key, `$4` the fingerprint (or `NULL`), `$5` the owner token, `$6`/`$7`
 /// lease and ttl in ms, `$8` the lock wait in ms.
 #[doc(hidden)]
-pub const RESERVE_STORE_SQL: &str = "\
+pub const RESERVE_STORE_SQL: &str = concat!(
+    "\
 SELECT CASE WHEN r.state IS NULL THEN
-                 CASE WHEN idempotency_acquire_absent($1, $2, $3, $4, $5, $6, $7,
+                 CASE WHEN NOT ",
+    reads_text_as_sent!(),
+    " THEN 'unfaithful_client_encoding'
+                      WHEN idempotency_acquire_absent($1, $2, $3, $4, $5, $6, $7,
                                                       $8, c.now_ms)
                       THEN 'acquired' ELSE 'other' END
             WHEN r.expires_at <= c.now_ms
@@ -614,15 +644,23 @@ SELECT CASE WHEN r.state IS NULL THEN
        r.lease_expires_at - c.now_ms AS lease_remaining_ms,
        1 AS attempt_number, NULL::BIGINT AS previous_attempt_started_at
   FROM (SELECT idempotency_now_ms() AS now_ms OFFSET 0) c
-  LEFT JOIN idempotency_records r ON r.tenant = $1 AND r.scope = $2 AND r.key = $3";
+  LEFT JOIN idempotency_records r ON r.tenant = $1 AND r.scope = $2 AND r.key = $3"
+);
 
 /// The store's fallback for what needs a decision under the row lock: the
 /// plpgsql function, no subtransaction; a lock timeout fails the statement
-/// with SQLSTATE 55P03, answered as `InProgress`.
-const RESERVE_AUTOCOMMIT_SQL: &str =
+/// with SQLSTATE 55P03, answered as `InProgress`. Sent on a connection of
+/// its own, which may have been left with another `client_encoding` than the
+/// read's: then not called ([`reads_text_as_sent!`]).
+const RESERVE_AUTOCOMMIT_SQL: &str = concat!(
     "SELECT outcome, took_over, is_error, result, lease_remaining_ms, \
      attempt_number, previous_attempt_started_at \
-     FROM idempotency_reserve_autocommit($1, $2, $3, $4, $5, $6, $7, $8)";
+     FROM idempotency_reserve_autocommit($1, $2, $3, $4, $5, $6, $7, $8) WHERE ",
+    reads_text_as_sent!(),
+    " UNION ALL SELECT 'unfaithful_client_encoding', FALSE, NULL::BOOLEAN, NULL::BYTEA, \
+     NULL::BIGINT, NULL::INT, NULL::BIGINT WHERE NOT ",
+    reads_text_as_sent!()
+);
 
 /// In a caller's transaction, one statement: a plain read (`d`) answers a
 /// replay, a refusal or a mismatch, taking no lock (rule 15) and no
@@ -631,7 +669,8 @@ const RESERVE_AUTOCOMMIT_SQL: &str =
 /// in a subtransaction so the caller's transaction stays usable. The gate is
 /// an uncorrelated condition, so PostgreSQL evaluates it once, before the
 /// function scan, and never calls the function otherwise.
-const RESERVE_TX_SQL: &str = "\
+const RESERVE_TX_SQL: &str = concat!(
+    "\
 WITH d AS MATERIALIZED (
     SELECT CASE WHEN c.expires_at <= c.now_ms
                      AND (c.state = 'complete' OR c.lease_expires_at <= c.now_ms) THEN NULL
@@ -664,7 +703,16 @@ SELECT f.outcome, f.took_over, f.is_error, f.result, f.lease_remaining_ms,
    -- A read-only transaction gets the read's answers; a call that would
    -- have to write answers nothing (told as READ_ONLY_REFUSED), never a
    -- failed insert that would abort the caller's transaction.
-   AND current_setting('transaction_read_only') = 'off'";
+   AND current_setting('transaction_read_only') = 'off'
+   AND ",
+    reads_text_as_sent!(),
+    "
+UNION ALL
+SELECT 'unfaithful_client_encoding', FALSE, NULL, NULL, NULL, NULL, NULL
+ WHERE NOT EXISTS (SELECT 1 FROM d WHERE d.outcome IS NOT NULL)
+   AND NOT ",
+    reads_text_as_sent!()
+);
 
 /// The longest `lock_timeout` PostgreSQL accepts, in ms.
 const MAX_LOCK_TIMEOUT_MS: i64 = i32::MAX as i64;
@@ -704,6 +752,9 @@ async fn reserve_in_transaction(
                 scope: id.scope.clone(),
                 store: STORE,
             })
+        }
+        Answer::UnfaithfulEncoding => {
+            Err(StoreError::new(STORE, "reserve", UNFAITHFUL_CLIENT_ENCODING).into())
         }
         Answer::Other => {
             let read_only: String = sqlx::query_scalar("SHOW transaction_read_only")
@@ -777,6 +828,11 @@ async fn reserve_autocommit(
     match answer {
         Ok(Answer::Reserved(reservation)) => Ok(reservation),
         // Autocommit statements take a fresh snapshot each: never answered.
+        Ok(Answer::UnfaithfulEncoding) => Err(StoreError::new(
+            STORE,
+            "reserve",
+            UNFAITHFUL_CLIENT_ENCODING,
+        )),
         Ok(Answer::StaleSnapshot | Answer::Other) => Err(StoreError::new(
             STORE,
             "reserve",
@@ -820,6 +876,9 @@ enum Answer {
     /// `stale_snapshot` (transactional mode, migration 0007): the caller's
     /// snapshot is older than the record another transaction committed.
     StaleSnapshot,
+    /// `unfaithful_client_encoding`: nothing was written, the connection's
+    /// `client_encoding` would have changed the identity.
+    UnfaithfulEncoding,
 }
 
 /// Runs one reservation statement.
@@ -877,6 +936,7 @@ fn decode_reservation(row: &PgRow) -> Result<Answer, sqlx::Error> {
         "mismatch" => Reservation::FingerprintMismatch,
         "other" => return Ok(Answer::Other),
         "stale_snapshot" => return Ok(Answer::StaleSnapshot),
+        "unfaithful_client_encoding" => return Ok(Answer::UnfaithfulEncoding),
         other => {
             return Err(sqlx::Error::Protocol(format!(
                 "idempotency_reserve answered an unknown outcome `{other}`"
@@ -908,6 +968,34 @@ async fn fenced<'e, E: Executor<'e, Database = Postgres>>(
 ) -> Result<Fenced, StoreError> {
     let done = statement.execute(executor).await.map_err(err(operation))?;
     Ok(Fenced::from_owned(done.rows_affected() == 1))
+}
+
+/// A fenced write that matched nothing (`NotOwner`) on a connection whose
+/// `client_encoding` changed the identity it named ([`reads_text_as_sent!`];
+/// code sharing the pool left it there after the reservation): told as
+/// that, not as a takeover. The record is still the caller's; a completion
+/// that fails is recorded by the store's worker, on connections of its own.
+/// The one more round trip is paid only by a write that matched nothing.
+async fn owned_unless_unfaithful(
+    conn: &mut sqlx::PgConnection,
+    operation: &'static str,
+    written: Fenced,
+) -> Result<Fenced, StoreError> {
+    if written == Fenced::NotOwner {
+        let faithful: Result<bool, sqlx::Error> =
+            sqlx::query_scalar(concat!("SELECT ", reads_text_as_sent!()))
+                .fetch_one(&mut *conn)
+                .await;
+        // A check that fails (an aborted transaction) leaves the answer as it was.
+        if let Ok(false) = faithful {
+            return Err(StoreError::new(
+                STORE,
+                operation,
+                UNFAITHFUL_CLIENT_ENCODING,
+            ));
+        }
+    }
+    Ok(written)
 }
 
 /// How many times a store-mode fenced write that failed with
@@ -1049,9 +1137,16 @@ impl Store for PgStore {
         // default (see `CALLER_WRITE_WAITS`).
         let waits = CALLER_WRITE_WAITS
             .saturating_add(detached::allowance_for(completion.outcome.payload.len()));
-        in_own_transaction!(&self.pools.current(), "complete", waits, |conn| {
-            complete_with(conn, &self.statements.complete, completion)
-        })
+        in_own_transaction!(
+            &self.pools.current(),
+            "complete",
+            waits,
+            |conn| async move {
+                let written =
+                    complete_with(&mut *conn, &self.statements.complete, completion).await?;
+                owned_unless_unfaithful(conn, "complete", written).await
+            }
+        )
     }
 
     async fn force_release(
@@ -1103,7 +1198,11 @@ impl Store for PgStore {
             &self.pools.current(),
             "release",
             CALLER_WRITE_WAITS,
-            |conn| release_with(conn, &self.statements.release, identity, token)
+            |conn| async move {
+                let written =
+                    release_with(&mut *conn, &self.statements.release, identity, token).await?;
+                owned_unless_unfaithful(conn, "release", written).await
+            }
         )
     }
 
@@ -1113,9 +1212,16 @@ impl Store for PgStore {
         token: &OwnerToken,
         lease: Duration,
     ) -> Result<Fenced, StoreError> {
-        in_own_transaction!(&self.pools.current(), "heartbeat", RENEWAL_WAITS, |conn| {
-            heartbeat_with(conn, &self.statements.heartbeat, identity, token, lease)
-        })
+        in_own_transaction!(
+            &self.pools.current(),
+            "heartbeat",
+            RENEWAL_WAITS,
+            |conn| async move {
+                let statement = &self.statements.heartbeat;
+                let written = heartbeat_with(&mut *conn, statement, identity, token, lease).await?;
+                owned_unless_unfaithful(conn, "heartbeat", written).await
+            }
+        )
     }
 
     crate::store::detached::hand_over_to_the_worker!();
@@ -1249,6 +1355,7 @@ async fn release_in_transaction(
         {
             Ok(Fenced::Written)
         }
+        Ok(written) => owned_unless_unfaithful(conn, "release", written).await,
         other => other,
     }
 }
@@ -1261,7 +1368,8 @@ async fn heartbeat_in_transaction(
     token: &OwnerToken,
     lease: Duration,
 ) -> Result<Fenced, StoreError> {
-    heartbeat_with(conn, HEARTBEAT_SQL, identity, token, lease).await
+    let written = heartbeat_with(&mut *conn, HEARTBEAT_SQL, identity, token, lease).await?;
+    owned_unless_unfaithful(conn, "heartbeat", written).await
 }
 
 /// Transactional mode's completion: [`complete_with`] in the caller's
@@ -1284,6 +1392,7 @@ async fn complete_in_transaction(
         {
             Ok(Fenced::Written)
         }
+        Ok(written) => owned_unless_unfaithful(conn, "complete", written).await,
         other => other,
     }
 }
