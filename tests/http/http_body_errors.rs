@@ -328,3 +328,57 @@ async fn a_413_from_inside_the_layer_is_not_recorded() {
     assert_eq!(retry.text().await.expect("body"), "one order (run 1)");
     assert_eq!(runs.load(Ordering::SeqCst), 1);
 }
+
+/// axum's `Json` extractor refuses a body sent without
+/// `Content-Type: application/json` with 415, before the handler's code
+/// runs. The client sends it again with the header and the same key (the
+/// `Content-Type` is part of the request's fingerprint): a recorded 415
+/// would answer that 422 for the record's whole ttl.
+#[tokio::test]
+async fn a_415_from_an_extractor_is_not_recorded() {
+    let runs = Arc::new(AtomicUsize::new(0));
+    let counted = runs.clone();
+    let handler = move |axum::Json(order): axum::Json<serde_json::Value>| {
+        let counted = counted.clone();
+        async move {
+            let n = counted.fetch_add(1, Ordering::SeqCst) + 1;
+            (StatusCode::CREATED, format!("{order} (run {n})"))
+        }
+    };
+    let app = Router::new()
+        .route("/orders", post(handler))
+        .route_layer(
+            IdempotencyLayer::builder("typed.orders", MemoryStore::new())
+                .tenant_from_extension::<AccountId>()
+                .build()
+                .expect("layer"),
+        )
+        .layer(middleware::from_fn(authenticate));
+    let (base, _task) = serve(app).await;
+    let send = |content_type: Option<&'static str>| {
+        let request = reqwest::Client::new()
+            .post(format!("{base}/orders"))
+            .header("x-account-id", "acct-typed")
+            .header("idempotency-key", "order-1")
+            .body(r#"{"sku":"a"}"#);
+        match content_type {
+            Some(value) => request.header("content-type", value).send(),
+            None => request.send(),
+        }
+    };
+
+    let untyped = send(None).await.expect("request");
+    assert_eq!(untyped.status(), StatusCode::UNSUPPORTED_MEDIA_TYPE);
+    assert_eq!(runs.load(Ordering::SeqCst), 0, "nothing ran");
+
+    let typed = send(Some("application/json")).await.expect("request");
+    assert_eq!(
+        typed.status(),
+        StatusCode::CREATED,
+        "the request with its Content-Type and the same key: {}",
+        typed.text().await.expect("body")
+    );
+    let retry = send(Some("application/json")).await.expect("request");
+    assert_eq!(retry.headers()["idempotent-replayed"], "true");
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
