@@ -1,6 +1,9 @@
-//! Layer: message consumers on NATS JetStream (`nats_consumer`).
+//! Layer: message consumers on NATS JetStream (`nats_consumer`; `consumer_lifecycle`:
+//! deliveries whose handler is dropped or panics, many copies of one message, ids
+//! that are not keys).
 
 #[path = "../common/mod.rs"]
 mod common;
 
+mod consumer_lifecycle;
 mod nats_consumer;

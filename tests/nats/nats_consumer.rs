@@ -44,12 +44,12 @@ const WORKER: &str = env!("CARGO_BIN_EXE_idempotent-nats-worker");
 // ---------------------------------------------------------------- the mapping, through real handlers
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
-struct Order {
+pub(crate) struct Order {
     order_id: String,
     amount_cents: u64,
 }
 
-fn order(id: &str, amount_cents: u64) -> Order {
+pub(crate) fn order(id: &str, amount_cents: u64) -> Order {
     Order {
         order_id: id.into(),
         amount_cents,
@@ -57,7 +57,7 @@ fn order(id: &str, amount_cents: u64) -> Order {
 }
 
 #[derive(Debug, thiserror::Error, Serialize, Deserialize)]
-enum BillError {
+pub(crate) enum BillError {
     #[error("the ledger is down")]
     LedgerDown,
     #[error("{0}")]
@@ -1065,10 +1065,10 @@ async fn mapping_a_handler_with_its_own_with_outcome_still_reports_its_replay() 
 
 /// A fresh stream (its own name and subject) with a short duplicate window,
 /// deleted when the test ends (also when it fails).
-struct TestStream {
+pub(crate) struct TestStream {
     js: jetstream::Context,
-    name: String,
-    subject: String,
+    pub(crate) name: String,
+    pub(crate) subject: String,
     deleted: bool,
 }
 
@@ -1100,7 +1100,7 @@ impl Drop for TestStream {
 }
 
 impl TestStream {
-    async fn create(js: &jetstream::Context, label: &str) -> TestStream {
+    pub(crate) async fn create(js: &jetstream::Context, label: &str) -> TestStream {
         let id = uuid::Uuid::new_v4().simple().to_string();
         let name = format!("IDEM_{label}_{id}");
         let subject = format!("idem.{}.{id}", label.to_lowercase());
@@ -1123,7 +1123,7 @@ impl TestStream {
         }
     }
 
-    async fn durable(&self, name: &str, ack_wait: Duration) -> PullConsumer {
+    pub(crate) async fn durable(&self, name: &str, ack_wait: Duration) -> PullConsumer {
         self.js
             .get_stream(&self.name)
             .await
@@ -1141,7 +1141,7 @@ impl TestStream {
 
     /// Publishes with `Nats-Msg-Id`; a publish dropped by the duplicate window
     /// is repeated until the stream stores it (bounded).
-    async fn publish(&self, msg_id: &str, payload: Vec<u8>) -> u64 {
+    pub(crate) async fn publish(&self, msg_id: &str, payload: Vec<u8>) -> u64 {
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
             let ack = self
@@ -1178,7 +1178,7 @@ impl TestStream {
             .sequence
     }
 
-    async fn delete(mut self) {
+    pub(crate) async fn delete(mut self) {
         self.js
             .delete_stream(&self.name)
             .await
@@ -1188,14 +1188,14 @@ impl TestStream {
 }
 
 /// Whether every message of the durable has been delivered and settled.
-async fn settled(consumer: &PullConsumer) -> bool {
+pub(crate) async fn settled(consumer: &PullConsumer) -> bool {
     match consumer.get_info().await {
         Ok(info) => info.num_pending == 0 && info.num_ack_pending == 0,
         Err(_) => false,
     }
 }
 
-fn json<T: Serialize>(value: &T) -> Vec<u8> {
+pub(crate) fn json<T: Serialize>(value: &T) -> Vec<u8> {
     serde_json::to_vec(value).expect("serialize")
 }
 
