@@ -8,7 +8,15 @@
 //! ```
 //!
 //! `db_url` is a PostgreSQL URL (scope `nats.storm.billing`) or a
-//! `mysql://` URL for MariaDB/MySQL (scope `nats.storm.billing_mysql`).
+//! `mysql://` URL for MariaDB/MySQL (scope `nats.storm.billing_mysql`), both
+//! in transactional mode; or a `sqlite://` URL (scope
+//! `nats.storm.billing_sqlite`) in *store* mode: the effect row is written
+//! first (autocommit, in the same file), then the body goes on, and the
+//! record is completed after the body. A worker killed mid-body leaves the
+//! effects of the bodies it was running and their records in progress; a
+//! redelivery takes each record over when its lease runs out, and the
+//! scope's `recover` hook finds the effect and records it
+//! (`Recovery::Completed`) instead of running the body again.
 //!
 //! With `hold_after` > 0, the body after that many bodies of this process
 //! prints its `begin` line with `hold` and then sleeps for a minute: the test
@@ -158,11 +166,78 @@ async fn bill_mysql(
     Ok(Billed { pid })
 }
 
+/// The SQLite store of a `sqlite://` worker, for its recover hook.
+static SQLITE: std::sync::OnceLock<idempotent_runtime::SqliteStore> = std::sync::OnceLock::new();
+
+/// Rule 20 for the store-mode worker: a takeover asks whether the killed
+/// delivery's effect is there; if so it is the answer, and the body does not
+/// run again.
+async fn effect_written(
+    takeover: &idempotent_runtime::Takeover,
+) -> Result<idempotent_runtime::Recovery<Billed>, WorkerError> {
+    let Some(store) = SQLITE.get() else {
+        return Ok(idempotent_runtime::Recovery::Run);
+    };
+    let pid: Option<i64> = sqlx::query_scalar(
+        "SELECT pid FROM idempotent_test_nats_effects WHERE tenant = ? AND consumer = 'storm' AND msg_id = ?",
+    )
+    .bind(takeover.tenant())
+    .bind(takeover.key())
+    .fetch_optional(store.pool())
+    .await?;
+    say(&format!(
+        "recover {} {}",
+        takeover.key(),
+        takeover.attempt()
+    ));
+    Ok(match pid {
+        Some(pid) => idempotent_runtime::Recovery::Completed(Billed {
+            pid: u32::try_from(pid).unwrap_or(0),
+        }),
+        None => idempotent_runtime::Recovery::Run,
+    })
+}
+
+/// The same in store mode on SQLite, with the hook.
+#[idempotent(scope = "nats.storm.billing_sqlite", key = msg_id, tenant = tenant, store = store,
+             lease = "2s", in_progress = reject, skip(delivered), recover = effect_written)]
+async fn bill_sqlite(
+    store: &idempotent_runtime::SqliteStore,
+    tenant: &str,
+    msg_id: &str,
+    order: &StormOrder,
+    delivered: i64,
+) -> Result<Billed, WorkerError> {
+    if order.fail_first && delivered == 1 {
+        return Err(WorkerError::FirstDeliveryFails);
+    }
+    let pid = std::process::id();
+    sqlx::query(
+        "INSERT INTO idempotent_test_nats_effects (tenant, consumer, msg_id, pid) VALUES (?, 'storm', ?, ?)",
+    )
+    .bind(tenant)
+    .bind(msg_id)
+    .bind(i64::from(pid))
+    .execute(store.pool())
+    .await?;
+    let nth = BEGUN.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
+    if nth == HOLD_AT.load(std::sync::atomic::Ordering::SeqCst) {
+        say(&format!("begin {msg_id} {delivered} hold"));
+        tokio::time::sleep(Duration::from_secs(60)).await;
+    } else {
+        say(&format!("begin {msg_id} {delivered}"));
+    }
+    let pause = if order.slow { 1500 } else { 200 };
+    tokio::time::sleep(Duration::from_millis(pause)).await;
+    Ok(Billed { pid })
+}
+
 /// The database the worker bills in.
 #[derive(Clone)]
 enum Db {
     Pg(sqlx::PgPool),
     MySql(sqlx::MySqlPool),
+    Sqlite(idempotent_runtime::SqliteStore),
 }
 
 /// One delivery: bill in a transaction, commit, settle.
@@ -188,6 +263,7 @@ async fn deliver(db: &Db, tenant: &str, message: jetstream::Message) {
                 tx.commit().await?;
                 Ok(billed)
             }
+            Db::Sqlite(store) => Ok(bill_sqlite(store, tenant, msg_id, order, delivered).await?),
         }
     })
     .await;
@@ -225,7 +301,13 @@ async fn main() {
         .unwrap_or(0);
     let run_for = Duration::from_millis(deadline_ms.saturating_sub(now_ms));
 
-    let db = if db_url.starts_with("mysql://") || db_url.starts_with("mariadb://") {
+    let db = if db_url.starts_with("sqlite:") {
+        let store = idempotent_runtime::SqliteStore::connect(db_url)
+            .await
+            .expect("open the SQLite store");
+        let _ = SQLITE.set(store.clone());
+        Db::Sqlite(store)
+    } else if db_url.starts_with("mysql://") || db_url.starts_with("mariadb://") {
         Db::MySql(
             sqlx::mysql::MySqlPoolOptions::new()
                 .max_connections(6)

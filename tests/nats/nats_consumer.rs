@@ -10,7 +10,8 @@
 //!   twice, some fail, some lose their ack, some outlive `ack_wait`, and one
 //!   worker is SIGKILLed in its third body: exactly one effect per message id
 //!   (transactional mode on PostgreSQL, and on MariaDB in a database of the
-//!   test's own).
+//!   test's own; store mode on a shared SQLite file, where the killed
+//!   bodies' effects are found by the scope's recover hook on takeover).
 //! * other `jetstream_*`: a newer version's running record, a silent server,
 //!   tenants from subjects, ack policies.
 //! * `two_consumers_*`: two durables of one stream with two scopes each process
@@ -2384,6 +2385,36 @@ async fn redelivery_storm_two_processes_one_killed_one_effect_per_message_mariad
     dropped.drop_now().await;
 }
 
+/// The storm in store mode on a SQLite file the two processes share (the
+/// worker's `bill_sqlite`): the killed worker's effect is written and its
+/// record left in progress; the redelivery takes the record over once its
+/// 2 s lease has run out, and the scope's recover hook finds the effect and
+/// records it instead of running the body again. One effect per message id.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redelivery_storm_in_store_mode_a_killed_bodys_effect_is_recovered_not_repeated() {
+    let Some(js) = nats_or_skip().await else {
+        return;
+    };
+    let dir = common::scratch::dir("nats-storm-sqlite");
+    let url = format!("sqlite://{}", dir.join("storm.db").display());
+    let store = SqliteStore::connect(&url)
+        .await
+        .expect("open the storm's SQLite file");
+    sqlx::query(
+        "CREATE TABLE idempotent_test_nats_effects (
+             tenant TEXT NOT NULL, consumer TEXT NOT NULL, msg_id TEXT NOT NULL, pid INTEGER NOT NULL)",
+    )
+    .execute(store.pool())
+    .await
+    .expect("create the effects table");
+    tokio::time::timeout(
+        Duration::from_secs(150),
+        storm(js, StormDb::Sqlite { store, url }),
+    )
+    .await
+    .expect("the storm settled within 150 s");
+}
+
 /// Drops a test's own MariaDB database: at the end, or (a failed test) on drop.
 struct DropDatabase(Option<(sqlx::MySqlPool, String)>);
 
@@ -2426,11 +2457,16 @@ impl Drop for DropDatabase {
 }
 
 /// Where a storm's workers bill (transactional mode): the shared PostgreSQL
-/// test database, or a MariaDB database of the test's own.
+/// test database, or a MariaDB database of the test's own; or (store mode,
+/// with a recover hook) a SQLite file of the test's own.
 enum StormDb {
     Pg(PgStore),
     MySql {
         store: idempotent_runtime::MySqlStore,
+        url: String,
+    },
+    Sqlite {
+        store: SqliteStore,
         url: String,
     },
 }
@@ -2439,7 +2475,7 @@ impl StormDb {
     fn url(&self) -> String {
         match self {
             StormDb::Pg(_) => pg_url(),
-            StormDb::MySql { url, .. } => url.clone(),
+            StormDb::MySql { url, .. } | StormDb::Sqlite { url, .. } => url.clone(),
         }
     }
 
@@ -2454,6 +2490,11 @@ impl StormDb {
                 .await
                 .unwrap(),
             StormDb::MySql { store, .. } => sqlx::query_scalar(&format!("{SQL}?"))
+                .bind(tenant)
+                .fetch_one(store.pool())
+                .await
+                .unwrap(),
+            StormDb::Sqlite { store, .. } => sqlx::query_scalar(&format!("{SQL}?"))
                 .bind(tenant)
                 .fetch_one(store.pool())
                 .await
@@ -2477,6 +2518,11 @@ impl StormDb {
                 .fetch_all(store.pool())
                 .await
                 .unwrap(),
+            StormDb::Sqlite { store, .. } => sqlx::query_as(&format!("{SQL}?{END}"))
+                .bind(tenant)
+                .fetch_all(store.pool())
+                .await
+                .unwrap(),
         }
     }
 
@@ -2494,6 +2540,14 @@ impl StormDb {
             StormDb::MySql { store, .. } => sqlx::query_scalar(
                 "SELECT COUNT(*) FROM idempotency_records WHERE tenant = ? \
                  AND scope = 'nats.storm.billing_mysql' AND state = 'complete'",
+            )
+            .bind(tenant)
+            .fetch_one(store.pool())
+            .await
+            .unwrap(),
+            StormDb::Sqlite { store, .. } => sqlx::query_scalar(
+                "SELECT COUNT(*) FROM idempotency_records WHERE tenant = ? \
+                 AND scope = 'nats.storm.billing_sqlite' AND state = 'complete'",
             )
             .bind(tenant)
             .fetch_one(store.pool())
@@ -2546,6 +2600,8 @@ async fn storm(js: jetstream::Context, db: StormDb) {
     // whether worker 0 still reported finishing it (then it was not mid-body).
     let mut killed_key: Option<String> = None;
     let mut killed_mid_body = false;
+    // Store mode: the keys whose takeover asked the recover hook.
+    let mut recovered: Vec<String> = Vec::new();
     let mut next_check = Instant::now();
     loop {
         match tokio::time::timeout(Duration::from_millis(100), lines.recv()).await {
@@ -2591,6 +2647,7 @@ async fn storm(js: jetstream::Context, db: StormDb) {
                         }
                     }
                     ["ready", _] => {}
+                    ["recover", key, _attempt] => recovered.push(key.to_string()),
                     _ => eprintln!("worker {worker}: {line}"),
                 }
             }
@@ -2639,6 +2696,12 @@ async fn storm(js: jetstream::Context, db: StormDb) {
     assert!(killed_mid_body, "the kill landed while a body ran");
     assert!(counts.max_delivered >= 2, "messages were redelivered");
     assert_eq!(counts.terms, 0, "nothing here is poison");
+    if let StormDb::Sqlite { .. } = &db {
+        assert!(
+            killed_key.as_ref().is_some_and(|k| recovered.contains(k)),
+            "the killed body's record was taken over and its hook asked: {recovered:?}"
+        );
+    }
 
     stream.delete().await;
     if let StormDb::Pg(store) = &db {
