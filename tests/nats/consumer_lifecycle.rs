@@ -88,6 +88,29 @@ impl Billing {
         Ok(7)
     }
 
+    /// A duplicate waits for the running copy (`in_progress = wait`); the
+    /// first body waits at `gate` until the test lets it go.
+    #[idempotent(scope = "nats.lifecycle.waiting", key = msg_id, tenant = tenant, store = self.store,
+                 in_progress = wait("30s"), lease = "5s", skip(gate))]
+    async fn bill_waiting(
+        &self,
+        tenant: &str,
+        msg_id: &str,
+        order: &Order,
+        gate: &Semaphore,
+    ) -> Result<u64, BillError> {
+        self.entered.add_permits(1);
+        // Bounded: a handshake that never comes fails the counts, it does not hang.
+        let _ = tokio::time::timeout(Duration::from_secs(40), gate.acquire()).await;
+        sqlx::query("INSERT INTO effects (msg_id) VALUES (?)")
+            .bind(msg_id)
+            .execute(&self.db)
+            .await
+            .map_err(|e| Error::Store(idempotent_runtime::StoreError::new("test", "effect", e)))?;
+        let _ = order;
+        Ok(7)
+    }
+
     async fn effects(&self) -> i64 {
         sqlx::query_scalar("SELECT COUNT(*) FROM effects")
             .fetch_one(&self.db)
@@ -362,4 +385,104 @@ async fn message_ids_that_are_not_valid_keys_are_terminated_and_a_valid_one_runs
     })
     .await
     .expect("finished within 60 s");
+}
+
+/// A copy of a message that finds another copy running waits for it
+/// (`in_progress = wait`) under `process_with_progress`: its progress keeps
+/// its delivery past the 2 s `ack_wait` (nothing is redelivered), and once
+/// the running copy is let go the waiting one replays its answer. One
+/// effect, two acks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_copy_waiting_for_a_running_copy_keeps_its_delivery_with_progress() {
+    use idempotent_runtime::consumer::nats::process_with_progress;
+    let Some(js) = nats_or_skip().await else {
+        return;
+    };
+    tokio::time::timeout(Duration::from_secs(90), async {
+        let tenant = fresh_tenant();
+        let billing = Billing::open("nats-waiting", "none").await;
+        let stream = TestStream::create(&js, "WAITING").await;
+        let consumer = stream.durable("waiting", Duration::from_secs(2)).await;
+        // Progress messages, by the stream sequence of the delivery that sent them.
+        let watching = async_nats::connect(common::servers::nats_url().as_str())
+            .await
+            .unwrap();
+        let mut acks = watching
+            .subscribe(format!("$JS.ACK.{}.>", stream.name))
+            .await
+            .unwrap();
+        watching.flush().await.unwrap();
+        let second_progress = Arc::new(Semaphore::new(0));
+        let watcher = {
+            let seen = second_progress.clone();
+            tokio::spawn(async move {
+                let _client = watching;
+                while let Some(ack) = acks.next().await {
+                    // $JS.ACK.<stream>.<consumer>.<delivered>.<stream seq>.…
+                    let sequence = ack.subject.split('.').nth(5);
+                    if ack.payload.as_ref() == b"+WPI" && sequence == Some("2") {
+                        seen.add_permits(1);
+                    }
+                }
+            })
+        };
+        stream.publish("w-1", json(&order("o-1", 100))).await;
+        stream.publish("w-1", json(&order("o-1", 100))).await; // a producer retry
+        let mut messages = consumer
+            .stream()
+            .max_messages_per_batch(2)
+            .messages()
+            .await
+            .unwrap();
+        let first = next_message(&mut messages).await;
+        let second = next_message(&mut messages).await;
+        let gate = Semaphore::new(0);
+        let o: Order = serde_json::from_slice(&first.payload).unwrap();
+        let every = Duration::from_millis(200);
+        let running = process_with_progress(&first, every, |k| {
+            billing.bill_waiting(&tenant, k, &o, &gate)
+        });
+        let waiting = async {
+            let _ = billing
+                .entered
+                .acquire()
+                .await
+                .expect("the first body entered");
+            process_with_progress(&second, every, |k| {
+                billing.bill_waiting(&tenant, k, &o, &gate)
+            })
+            .await
+        };
+        let letting_go = async {
+            // Fifteen progress messages of the waiting copy: three seconds,
+            // past its 2 s ack_wait.
+            let _ = second_progress
+                .acquire_many(15)
+                .await
+                .expect("the watcher goes on");
+            gate.add_permits(1);
+        };
+        let (running, waiting, ()) = tokio::join!(running, waiting, letting_go);
+        let (running, waiting) = (running.unwrap(), waiting.unwrap());
+        assert_eq!(
+            (running.verdict, running.disposition()),
+            (Verdict::Executed, Disposition::Ack)
+        );
+        assert_eq!(
+            (waiting.verdict, waiting.disposition()),
+            (Verdict::Replayed, Disposition::Ack)
+        );
+        wait_settled(&consumer).await;
+        let info = consumer.get_info().await.unwrap();
+        assert_eq!(
+            info.num_redelivered, 0,
+            "the waiting copy was not redelivered"
+        );
+        assert_eq!(billing.effects().await, 1);
+        watcher.abort();
+        drop(messages);
+        stream.delete().await;
+    })
+    .await
+    .expect("finished within 90 s");
 }
