@@ -299,8 +299,9 @@ impl std::fmt::Display for Verdict {
 
 /// Finds the framework's [`Error`] inside a handler's error type, so a
 /// refusal (in progress, mismatch, bad key) can be told from the body's own
-/// failures. Implemented for [`Error`], `std::io::Error` and boxed errors;
-/// for your own error enum it is one match arm:
+/// failures. Implemented for [`Error`], `std::io::Error` and boxed errors
+/// (these two look along the error's `source()` chain, so a refusal wrapped
+/// in context is found too); for your own error enum it is one match arm:
 ///
 /// ```
 /// use idempotent_runtime::{consumer::AsIdempotencyError, Error};
@@ -333,21 +334,37 @@ impl AsIdempotencyError for Error {
     }
 }
 
+/// How many errors deep [`in_sources`] looks: far more than any real chain,
+/// and a bound for a `source()` that returns its own error.
+const MOST_SOURCES: usize = 32;
+
+/// The framework's [`Error`]: `error` itself, or the first of its
+/// `source()`s that is one (context a handler wrapped around it, such as
+/// an error of its own whose `thiserror` `#[source]` field holds it).
+/// Without the look through the sources, a wrapped refusal was taken for the
+/// handler's own failure: a result that can never be recorded was nak'd and
+/// its body run again at every delivery, a reused id nak'd forever.
+fn in_sources<'e>(error: &'e (dyn std::error::Error + 'static)) -> Option<&'e Error> {
+    std::iter::successors(Some(error), |e| e.source())
+        .take(MOST_SOURCES)
+        .find_map(|e| e.downcast_ref::<Error>())
+}
+
 impl AsIdempotencyError for std::io::Error {
     fn as_idempotency_error(&self) -> Option<&Error> {
-        self.get_ref().and_then(|e| e.downcast_ref::<Error>())
+        in_sources(self.get_ref()?)
     }
 }
 
 impl AsIdempotencyError for Box<dyn std::error::Error + Send + Sync + 'static> {
     fn as_idempotency_error(&self) -> Option<&Error> {
-        self.downcast_ref::<Error>()
+        in_sources(self.as_ref())
     }
 }
 
 impl AsIdempotencyError for Box<dyn std::error::Error + 'static> {
     fn as_idempotency_error(&self) -> Option<&Error> {
-        self.downcast_ref::<Error>()
+        in_sources(self.as_ref())
     }
 }
 

@@ -273,3 +273,122 @@ async fn a_transaction_that_cannot_hold_the_record_is_a_failure() {
         );
     }
 }
+
+/// The framework's error wrapped in an error of the handler's own that
+/// names it as its `source()` (context added on the way out: `thiserror`'s
+/// `#[source]`), inside a boxed error or an `io::Error`.
+#[derive(Debug, thiserror::Error)]
+#[error("billing order {order}")]
+struct Billing {
+    order: &'static str,
+    #[source]
+    source: Error,
+}
+
+static RATIOS: AtomicUsize = AtomicUsize::new(0);
+
+#[idempotent(scope = "contract_edges.consumer.ratio", key = key, tenant = shared,
+             store = store, in_progress = reject)]
+async fn ratio(store: &MemoryStore, key: &str, amount: u32) -> Result<f64, Error> {
+    RATIOS.fetch_add(1, Ordering::SeqCst);
+    let _ = amount;
+    Ok(f64::NAN)
+}
+
+#[idempotent(scope = "contract_edges.consumer.priced", key = key, tenant = shared,
+             store = store, in_progress = reject)]
+async fn priced(store: &MemoryStore, key: &str, amount: u32) -> Result<u32, Error> {
+    Ok(amount)
+}
+
+fn boxed(e: Error) -> Box<dyn std::error::Error + Send + Sync> {
+    Box::new(Billing {
+        order: "o-1",
+        source: e,
+    })
+}
+
+fn io(e: Error) -> std::io::Error {
+    std::io::Error::other(Billing {
+        order: "o-1",
+        source: e,
+    })
+}
+
+/// A refusal the handler wrapped in context is still the framework's: a
+/// result that can never be recorded is terminated after its one run (not
+/// nak'd, which ran the body again at every delivery), a reused id is
+/// poison, a bad id is refused, and only a plain failure is nak'd.
+#[tokio::test]
+async fn a_refusal_wrapped_in_the_handlers_own_error_keeps_its_verdict() {
+    let store = MemoryStore::new();
+    let unrecordable = handle(Some("msg-nan"), |key| async {
+        ratio(&store, key, 1).await.map_err(boxed)
+    })
+    .await;
+    assert_eq!(
+        (unrecordable.verdict, unrecordable.disposition()),
+        (Verdict::Unrecordable, Disposition::Term),
+        "{:?}",
+        unrecordable.result
+    );
+    let unrecordable = handle(Some("msg-nan"), |key| async {
+        ratio(&store, key, 1).await.map_err(io)
+    })
+    .await;
+    assert_eq!(unrecordable.verdict, Verdict::Unrecordable);
+    assert_eq!(
+        RATIOS.load(Ordering::SeqCst),
+        2,
+        "one run per delivery that came"
+    );
+
+    priced(&store, "msg-p", 1).await.expect("first");
+    let reused = handle(Some("msg-p"), |key| async {
+        priced(&store, key, 2).await.map_err(boxed)
+    })
+    .await;
+    assert_eq!(
+        (reused.verdict, reused.disposition()),
+        (Verdict::Mismatch, Disposition::Term)
+    );
+    let reused = handle(Some("msg-p"), |key| async {
+        priced(&store, key, 2).await.map_err(io)
+    })
+    .await;
+    assert_eq!(reused.verdict, Verdict::Mismatch);
+    let bad = handle(Some(""), |key| async {
+        priced(&store, key, 2).await.map_err(boxed)
+    })
+    .await;
+    assert_eq!(bad.verdict, Verdict::InvalidKey);
+    let own = handle(Some("msg-own"), |_key| async {
+        Err::<u32, _>(std::io::Error::other("ledger down"))
+    })
+    .await;
+    assert_eq!(own.verdict, Verdict::Failed);
+}
+
+/// An error whose `source()` is itself (a bad implementation) is looked
+/// through a bounded number of times: the delivery is a failure, the
+/// consumer does not spin.
+#[tokio::test]
+async fn an_error_that_is_its_own_source_is_a_failure_not_a_hang() {
+    #[derive(Debug)]
+    struct Looping;
+    impl std::fmt::Display for Looping {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("looping")
+        }
+    }
+    impl std::error::Error for Looping {
+        fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+            Some(self)
+        }
+    }
+    let handled = handle(Some("msg-loop"), |_key| async {
+        Err::<u32, Box<dyn std::error::Error + Send + Sync>>(Box::new(Looping))
+    })
+    .await;
+    assert_eq!(handled.verdict, Verdict::Failed);
+}
