@@ -486,3 +486,166 @@ async fn a_copy_waiting_for_a_running_copy_keeps_its_delivery_with_progress() {
     .await
     .expect("finished within 90 s");
 }
+
+/// A NATS server of the test's own (JetStream on a file store in a scratch
+/// directory), killed when dropped.
+struct OwnServer {
+    child: Option<std::process::Child>,
+    port: u16,
+    dir: std::path::PathBuf,
+}
+
+impl OwnServer {
+    /// Starts one, or `None` (the test says it is skipped) without `nats-server`.
+    async fn start() -> Option<OwnServer> {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .ok()?
+            .local_addr()
+            .ok()?
+            .port();
+        let mut server = OwnServer {
+            child: None,
+            port,
+            dir: common::scratch::dir("nats-own-server"),
+        };
+        if !server.run().await {
+            eprintln!("SKIPPED: no nats-server to start");
+            return None;
+        }
+        Some(server)
+    }
+
+    /// (Re)starts the server on the same port and store; waits until it accepts.
+    async fn run(&mut self) -> bool {
+        let Ok(child) = std::process::Command::new("nats-server")
+            .args([
+                "-js",
+                "-a",
+                "127.0.0.1",
+                "-p",
+                &self.port.to_string(),
+                "-sd",
+            ])
+            .arg(&self.dir)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+        else {
+            return false;
+        };
+        self.child = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while tokio::net::TcpStream::connect(("127.0.0.1", self.port))
+            .await
+            .is_err()
+        {
+            assert!(
+                Instant::now() < deadline,
+                "the own NATS server did not start"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        true
+    }
+
+    /// SIGKILLs it (its file store stays).
+    fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    fn url(&self) -> String {
+        format!("nats://127.0.0.1:{}", self.port)
+    }
+}
+
+impl Drop for OwnServer {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// The NATS server is killed (SIGKILL) while a handler runs and restarted
+/// on its file store: the handler finishes, `process` queues its ack while
+/// the client reconnects, and the message ends settled, either by that ack
+/// or by a redelivery that replays. One effect, nothing terminated.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_killed_and_restarted_mid_handler_settles_the_message_once() {
+    let Some(mut server) = OwnServer::start().await else {
+        return;
+    };
+    tokio::time::timeout(Duration::from_secs(120), async {
+        let client = async_nats::ConnectOptions::new()
+            .retry_on_initial_connect()
+            .connect(server.url())
+            .await
+            .unwrap();
+        let js = jetstream::new(client);
+        let tenant = fresh_tenant();
+        let billing = Billing::open("nats-restart", "none").await;
+        let stream = TestStream::create(&js, "RESTART").await;
+        let consumer = stream.durable("restart", Duration::from_secs(2)).await;
+        stream.publish("r-1", json(&order("o-1", 100))).await;
+        let gate = Semaphore::new(0);
+        let mut messages = consumer
+            .stream()
+            .max_messages_per_batch(1)
+            .messages()
+            .await
+            .unwrap();
+        let first = next_message(&mut messages).await;
+        let o: Order = serde_json::from_slice(&first.payload).unwrap();
+        let mut verdicts = Vec::new();
+        let handling = process(&first, |k| billing.bill_waiting(&tenant, k, &o, &gate));
+        let restarting = async {
+            let _ = billing.entered.acquire().await.expect("the body entered");
+            server.kill();
+            assert!(server.run().await);
+            gate.add_permits(1);
+        };
+        let (handled, ()) = tokio::join!(handling, restarting);
+        match handled {
+            Ok(handled) => verdicts.push(handled.verdict),
+            Err(e) => eprintln!("the ack could not be queued: {e}"),
+        }
+        drop(messages);
+        // Whatever the server kept: settle it (a redelivery replays).
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            if settled(&consumer).await {
+                break;
+            }
+            assert!(Instant::now() < deadline, "never settled: {verdicts:?}");
+            let Ok(mut batch) = consumer
+                .fetch()
+                .max_messages(1)
+                .expires(Duration::from_secs(1))
+                .messages()
+                .await
+            else {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            };
+            while let Some(Ok(message)) = batch.next().await {
+                let handled = process(&message, |k| billing.bill_waiting(&tenant, k, &o, &gate))
+                    .await
+                    .unwrap();
+                verdicts.push(handled.verdict);
+            }
+        }
+        eprintln!("verdicts {verdicts:?}");
+        assert_eq!(billing.effects().await, 1, "{verdicts:?}");
+        assert!(
+            verdicts.iter().all(|v| matches!(
+                v,
+                Verdict::Executed | Verdict::Replayed | Verdict::InProgress { .. }
+            )),
+            "{verdicts:?}"
+        );
+        stream.delete().await;
+    })
+    .await
+    .expect("finished within 120 s");
+}

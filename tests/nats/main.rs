@@ -1,6 +1,7 @@
 //! Layer: message consumers on NATS JetStream (`nats_consumer`; `consumer_lifecycle`:
 //! deliveries whose handler is dropped or panics, many copies of one message, ids
-//! that are not keys).
+//! that are not keys, a copy waiting for a running copy, a server killed and restarted
+//! mid-handler).
 
 #[path = "../common/mod.rs"]
 mod common;
