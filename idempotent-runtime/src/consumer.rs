@@ -65,7 +65,10 @@
 //! that runs [`handle`]. A call spawned onto another task (`tokio::spawn`)
 //! must be wrapped in [`carry_outcome`](crate::carry_outcome), or its
 //! replayed recorded error looks like a failure and is nak'd at every
-//! delivery; await the task, so the message is settled after the call:
+//! delivery, a result that can never be recorded is nak'd (and its body run
+//! again at every delivery) instead of terminated, and a mismatch with a
+//! record still running elsewhere is terminated at once; await the task, so
+//! the message is settled after the call:
 //!
 //! ```ignore
 //! let handled = handle(Some(id), |key| {
