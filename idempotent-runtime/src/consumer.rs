@@ -348,9 +348,23 @@ const MOST_SOURCES: usize = 32;
 /// handler's own failure: a result that can never be recorded was nak'd and
 /// its body run again at every delivery, a reused id nak'd forever.
 fn in_sources<'e>(error: &'e (dyn std::error::Error + 'static)) -> Option<&'e Error> {
-    std::iter::successors(Some(error), |e| e.source())
+    std::iter::successors(Some(error), |e| next_source(*e))
         .take(MOST_SOURCES)
         .find_map(|e| e.downcast_ref::<Error>())
+}
+
+/// The error `error` wraps: its `source()`, or, for an `io::Error` made
+/// from another error (`io::Error::other(e)`), that error (`io::Error`'s
+/// `source()` skips it and answers `e.source()`).
+fn next_source<'e>(
+    error: &'e (dyn std::error::Error + 'static),
+) -> Option<&'e (dyn std::error::Error + 'static)> {
+    match error.downcast_ref::<std::io::Error>() {
+        Some(io) => io
+            .get_ref()
+            .map(|inner| inner as &(dyn std::error::Error + 'static)),
+        None => error.source(),
+    }
 }
 
 impl AsIdempotencyError for std::io::Error {

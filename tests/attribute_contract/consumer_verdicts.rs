@@ -308,6 +308,24 @@ fn boxed(e: Error) -> Box<dyn std::error::Error + Send + Sync> {
     })
 }
 
+/// Context around an `io::Error` that holds the framework's error (an
+/// annotated function returning `std::io::Result`): `io::Error`'s own
+/// `source()` skips the error it holds.
+#[derive(Debug, thiserror::Error)]
+#[error("billing order {order}")]
+struct BillingIo {
+    order: &'static str,
+    #[source]
+    source: std::io::Error,
+}
+
+fn boxed_io(e: Error) -> Box<dyn std::error::Error + Send + Sync> {
+    Box::new(BillingIo {
+        order: "o-1",
+        source: e.into(),
+    })
+}
+
 fn io(e: Error) -> std::io::Error {
     std::io::Error::other(Billing {
         order: "o-1",
@@ -337,9 +355,14 @@ async fn a_refusal_wrapped_in_the_handlers_own_error_keeps_its_verdict() {
     })
     .await;
     assert_eq!(unrecordable.verdict, Verdict::Unrecordable);
+    let unrecordable = handle(Some("msg-nan"), |key| async {
+        ratio(&store, key, 1).await.map_err(boxed_io)
+    })
+    .await;
+    assert_eq!(unrecordable.verdict, Verdict::Unrecordable);
     assert_eq!(
         RATIOS.load(Ordering::SeqCst),
-        2,
+        3,
         "one run per delivery that came"
     );
 
@@ -354,6 +377,11 @@ async fn a_refusal_wrapped_in_the_handlers_own_error_keeps_its_verdict() {
     );
     let reused = handle(Some("msg-p"), |key| async {
         priced(&store, key, 2).await.map_err(io)
+    })
+    .await;
+    assert_eq!(reused.verdict, Verdict::Mismatch);
+    let reused = handle(Some("msg-p"), |key| async {
+        priced(&store, key, 2).await.map_err(boxed_io)
     })
     .await;
     assert_eq!(reused.verdict, Verdict::Mismatch);
