@@ -2241,18 +2241,15 @@ async fn run_with_heartbeat<R, Fut: Future<Output = R>>(
         }
     })
     .await;
-    // A renewal still in flight may have been written already (as if it
-    // had, without clearing a lapse already noted); after a lost lease there
-    // is nothing more to say.
-    for sent in [
-        beat.is_some().then_some(beat_sent),
-        late.is_some().then_some(late_sent),
-    ]
-    .into_iter()
-    .flatten()
-    {
-        watch.renewed_at = watch.renewed_at.max(sent);
-    }
+    // A renewal still in flight when the body ends is not counted as
+    // written: the body-end check below sees the lease as last confirmed.
+    // (Counted as written at its sending, a renewal waiting for a pool
+    // connection the body held hid a lease that ran out while the body ran,
+    // and another caller took the record over: rule 9 says that is never
+    // silent. The check notes a lapse only once no renewal has been
+    // confirmed for a whole lease, so one still in flight then has been
+    // unanswered for two periods or more, a heartbeat failure already.)
+    // After a lost lease there is nothing more to say.
     watch.noted |= lost;
     (out, watch)
 }

@@ -24,3 +24,6 @@ mod hook_outlives_lease;
 
 // A body dropped or panicking in a scope with a recover hook.
 mod dropped_bodies;
+
+// Paused owners resumed after a takeover, attempt chains, pool-starved renewals.
+mod takeover_edges;

@@ -1,0 +1,407 @@
+//! Rules 10 and 20 as a user meets them on every store: an owner whose call
+//! stops being polled (a starved task, a paused process) past its lease, a
+//! takeover that asks the `recover` hook, and the owner resuming afterwards;
+//! the attempt numbers and previous start times a chain of takeovers shows
+//! the hook; and an owner whose renewals starve for a connection of the pool
+//! its own body holds.
+//!
+//! Handshakes only: the owner's body says when it runs and waits for the
+//! test's word; the takers wait (`in_progress = wait`) until the store's
+//! clock shows the lease over.
+
+use crate::common::scratch::sqlite_url;
+use crate::common::servers::{
+    fresh_tenant, mysql_store_or_skip, mysql_url, pg_store_or_skip, pg_url,
+};
+use idempotent_runtime::{
+    idempotent, with_outcome, Error, Identity, MemoryStore, MySqlStore, Outcome, PgStore,
+    RecordState, Recovery, SqliteStore, Store, Takeover,
+};
+use std::collections::HashMap;
+use std::sync::{LazyLock, Mutex};
+use tokio::sync::Notify;
+
+const SCOPE: &str = "recovery.edges.paused";
+
+/// What the hook does for a tenant, and what it was asked.
+#[derive(Default)]
+struct Script {
+    /// Answers, one per ask; `None` = `Run`, `Some(Ok(v))` = `Completed(v)`,
+    /// `Some(Err(()))` = an error. Past the end: `Run`.
+    answers: Vec<Option<Result<u32, ()>>>,
+    /// (attempt, previous attempt's start in ms) of each ask.
+    asked: Vec<(u32, i64)>,
+    /// Bodies run.
+    runs: u32,
+}
+
+static SCRIPTS: LazyLock<Mutex<HashMap<String, Script>>> = LazyLock::new(Default::default);
+
+fn script<T>(tenant: &str, f: impl FnOnce(&mut Script) -> T) -> T {
+    let mut all = SCRIPTS.lock().unwrap_or_else(|p| p.into_inner());
+    f(all.entry(tenant.to_owned()).or_default())
+}
+
+/// The hook's gate, for the test that holds a hook while the owner resumes.
+static HOOK_GATES: LazyLock<Mutex<HashMap<String, std::sync::Arc<Gate>>>> =
+    LazyLock::new(Default::default);
+
+async fn look(t: &Takeover) -> Result<Recovery<u32>, Error> {
+    let answer = script(t.tenant(), |s| {
+        let n = s.asked.len();
+        s.asked
+            .push((t.attempt(), t.previous_attempt_started_at_ms()));
+        s.answers.get(n).cloned().flatten()
+    });
+    let gate = HOOK_GATES
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .get(t.tenant())
+        .cloned();
+    if let Some(gate) = gate {
+        gate.reached.notify_one();
+        gate.go.notified().await;
+    }
+    match answer {
+        None => Ok(Recovery::Run),
+        Some(Ok(v)) => Ok(Recovery::Completed(v)),
+        Some(Err(())) => Err(Error::Store(idempotent_runtime::StoreError::new(
+            "gateway",
+            "hook",
+            "the gateway cannot say",
+        ))),
+    }
+}
+
+#[derive(Default)]
+pub struct Gate {
+    reached: Notify,
+    go: Notify,
+}
+
+#[idempotent(scope = "recovery.edges.paused", key = key, tenant = tenant, store = store,
+             skip(gate, value), lease = "300ms", in_progress = wait("10s"), recover = look)]
+async fn pay(
+    store: &dyn Store,
+    tenant: &str,
+    key: &str,
+    gate: Option<&Gate>,
+    value: u32,
+) -> Result<u32, Error> {
+    script(tenant, |s| s.runs += 1);
+    if let Some(gate) = gate {
+        gate.reached.notify_one();
+        gate.go.notified().await;
+    }
+    Ok(value)
+}
+
+/// Polls `call` until its body has started, then hands it back unpolled:
+/// from here it renews nothing, as a stopped process or a starved task.
+async fn until_running<F: std::future::Future + Unpin>(call: &mut F, gate: &Gate)
+where
+    F::Output: std::fmt::Debug,
+{
+    tokio::select! {
+        out = call => panic!("the call finished before its body was held: {out:?}"),
+        _ = gate.reached.notified() => {}
+    }
+}
+
+async fn stores() -> Vec<(&'static str, Box<dyn Store>, Box<dyn Store>)> {
+    let mut all: Vec<(&'static str, Box<dyn Store>, Box<dyn Store>)> = Vec::new();
+    let memory = MemoryStore::new();
+    all.push(("memory", Box::new(memory.clone()), Box::new(memory)));
+    let url = sqlite_url("takeover-edges");
+    all.push((
+        "sqlite",
+        Box::new(SqliteStore::connect(&url).await.expect("sqlite")),
+        Box::new(SqliteStore::connect(&url).await.expect("sqlite again")),
+    ));
+    if let (Some(a), Some(b)) = (pg_store_or_skip().await, pg_store_or_skip().await) {
+        all.push(("postgres", Box::new(a), Box::new(b)));
+    }
+    if let (Some(a), Some(b)) = (mysql_store_or_skip().await, mysql_store_or_skip().await) {
+        all.push(("mysql", Box::new(a), Box::new(b)));
+    }
+    all
+}
+
+fn id(tenant: &str, key: &str) -> Identity {
+    Identity::new(tenant, SCOPE, key).expect("identity")
+}
+
+/// Rule 10 with rule 20: the owner stops being polled mid-body past its
+/// lease; a retry takes over, its hook finds the work done and records its
+/// answer. The resumed owner's completion is refused (`LeaseLost`) and the
+/// record keeps the one recovered answer, which every later retry replays.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paused_owner_resumed_after_a_recovered_takeover_is_refused_on_every_store() {
+    for (name, owner_store, taker_store) in stores().await {
+        let tenant = fresh_tenant();
+        script(&tenant, |s| s.answers = vec![Some(Ok(100))]);
+        let gate = Gate::default();
+        let mut owner = Box::pin(pay(&*owner_store, &tenant, "k", Some(&gate), 1));
+        until_running(&mut owner, &gate).await;
+        let (taken, outcome) = with_outcome(pay(&*taker_store, &tenant, "k", None, 2)).await;
+        assert_eq!(taken.expect("the takeover answers"), 100, "{name}");
+        assert_eq!(outcome, Some(Outcome::Recovered), "{name}");
+        gate.go.notify_one();
+        let late = owner.await;
+        assert!(
+            matches!(late, Err(Error::LeaseLost(_))),
+            "{name}: the resumed owner's completion is refused: {late:?}"
+        );
+        let snap = taker_store
+            .fetch(&id(&tenant, "k"))
+            .await
+            .expect("fetch")
+            .expect("a record");
+        assert_eq!(snap.state, RecordState::Complete, "{name}");
+        assert!(snap.recovered, "{name}: the hook's answer stays recorded");
+        for store in [&*owner_store, &*taker_store] {
+            let (again, outcome) = with_outcome(pay(store, &tenant, "k", None, 3)).await;
+            assert_eq!(again.expect("replay"), 100, "{name}");
+            assert_eq!(outcome, Some(Outcome::Replayed), "{name}");
+        }
+        assert_eq!(
+            script(&tenant, |s| s.runs),
+            1,
+            "{name}: only the paused owner's body ran"
+        );
+    }
+}
+
+/// The owner resumes while the taker's hook is still asking: the owner's
+/// completion is refused (the record is the taker's since the takeover),
+/// and the taker's `Run` then runs the body under its own token.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paused_owner_resumed_while_the_takers_hook_asks_is_refused_on_every_store() {
+    for (name, owner_store, taker_store) in stores().await {
+        let tenant = fresh_tenant();
+        let hook_gate = std::sync::Arc::new(Gate::default());
+        HOOK_GATES
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(tenant.clone(), hook_gate.clone());
+        let gate = Gate::default();
+        let mut owner = Box::pin(pay(&*owner_store, &tenant, "k", Some(&gate), 1));
+        until_running(&mut owner, &gate).await;
+        let mut taker = Box::pin(with_outcome(pay(&*taker_store, &tenant, "k", None, 2)));
+        tokio::select! {
+            out = &mut taker => panic!("{name}: the taker finished before its hook was held: {out:?}"),
+            _ = hook_gate.reached.notified() => {}
+        }
+        // The taker stays polled (its heartbeat renews) while the owner resumes.
+        gate.go.notify_one();
+        let late = tokio::select! {
+            late = &mut owner => late,
+            out = &mut taker => panic!("{name}: the taker finished while its hook was held: {out:?}"),
+        };
+        assert!(
+            matches!(late, Err(Error::LeaseLost(_))),
+            "{name}: the resumed owner's completion is refused: {late:?}"
+        );
+        hook_gate.go.notify_one();
+        let (taken, outcome) = taker.await;
+        assert_eq!(taken.expect("the taker runs the body"), 2, "{name}");
+        assert_eq!(outcome, Some(Outcome::Executed), "{name}");
+        let (again, _) = with_outcome(pay(&*owner_store, &tenant, "k", None, 3)).await;
+        assert_eq!(again.expect("replay"), 2, "{name}");
+    }
+}
+
+/// Rule 20's `Takeover`: attempt numbers count up through a chain of
+/// takeovers, and each hook is told when the attempt it takes over started
+/// (the previous takeover's start, not the first attempt's).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_takeover_is_told_its_attempt_and_when_the_previous_one_started() {
+    for (name, first, second) in stores().await {
+        let tenant = fresh_tenant();
+        // Takeover 2: the hook fails (kept for the next); takeover 3: Run,
+        // and that body is paused past its lease; takeover 4: Completed.
+        script(&tenant, |s| {
+            s.answers = vec![Some(Err(())), None, Some(Ok(7))]
+        });
+        let identity = id(&tenant, "k");
+        let gate = Gate::default();
+        let mut owner = Box::pin(pay(&*first, &tenant, "k", Some(&gate), 1));
+        until_running(&mut owner, &gate).await;
+        let (a1, s1) = started(&*second, &identity).await;
+        assert_eq!(a1, 1, "{name}");
+        let failed = pay(&*second, &tenant, "k", None, 2).await;
+        assert!(failed.is_err(), "{name}: the hook's error: {failed:?}");
+        let (a2, s2) = started(&*second, &identity).await;
+        assert_eq!(a2, 2, "{name}");
+        let gate3 = Gate::default();
+        let mut third = Box::pin(pay(&*first, &tenant, "k", Some(&gate3), 3));
+        until_running(&mut third, &gate3).await;
+        let (a3, s3) = started(&*second, &identity).await;
+        assert_eq!(a3, 3, "{name}");
+        let fourth = pay(&*second, &tenant, "k", None, 4).await;
+        assert_eq!(fourth.expect("recovered"), 7, "{name}");
+        gate.go.notify_one();
+        gate3.go.notify_one();
+        assert!(matches!(owner.await, Err(Error::LeaseLost(_))), "{name}");
+        assert!(matches!(third.await, Err(Error::LeaseLost(_))), "{name}");
+        let asked = script(&tenant, |s| s.asked.clone());
+        assert_eq!(
+            asked,
+            vec![(2, s1), (3, s2), (4, s3)],
+            "{name}: each hook is told its attempt and the previous attempt's start"
+        );
+        assert!(s1 <= s2 && s2 <= s3, "{name}: {s1} {s2} {s3}");
+    }
+}
+
+#[idempotent(scope = "recovery.edges.pool", key = key, tenant = tenant, store = store,
+             skip(hold, value), lease = "300ms", in_progress = wait("10s"))]
+async fn on_the_pool(
+    store: &dyn Store,
+    tenant: &str,
+    key: &str,
+    hold: Option<(&Gate, &Take)>,
+    value: u32,
+) -> Result<u32, Error> {
+    script(tenant, |s| s.runs += 1);
+    if let Some((gate, take)) = hold {
+        let connection = take().await;
+        gate.reached.notify_one();
+        gate.go.notified().await;
+        drop(connection);
+    }
+    Ok(value)
+}
+
+async fn started(store: &dyn Store, identity: &Identity) -> (u32, i64) {
+    let s = store.fetch(identity).await.expect("fetch").expect("record");
+    (s.attempt, s.attempt_started_at_ms)
+}
+
+type Take = dyn Fn() -> futures::future::BoxFuture<'static, Box<dyn std::any::Any + Send>> + Sync;
+
+/// The owner's body holds the one connection of the pool its store renews
+/// the lease through; another instance (its own pool) waits for the record.
+async fn renewals_starved_by_the_body(
+    name: &str,
+    owner_store: &dyn Store,
+    taker_store: &dyn Store,
+    take: &Take,
+) {
+    let tenant = fresh_tenant();
+    let gate = Gate::default();
+    let before = idempotent_runtime::metrics::snapshot();
+    let mut owner = Box::pin(on_the_pool(
+        owner_store,
+        &tenant,
+        "k",
+        Some((&gate, take)),
+        1,
+    ));
+    until_running(&mut owner, &gate).await;
+    let running_since = tokio::time::Instant::now();
+    let taker = on_the_pool(taker_store, &tenant, "k", None, 2);
+    let taken = tokio::select! {
+        out = &mut owner => panic!("{name}: the owner finished while its body held the pool: {out:?}"),
+        taken = taker => taken,
+    };
+    // The owner's body goes on until it has run a whole lease (the 300 ms
+    // of the scope) by this process's clock, as a body holding the pool
+    // would; the takeover proved the lease ran out on the store's clock,
+    // which may be a hair ahead of the body's start here.
+    tokio::select! {
+        out = &mut owner => panic!("{name}: the owner finished while its body held the pool: {out:?}"),
+        _ = tokio::time::sleep_until(running_since + std::time::Duration::from_millis(300)) => {}
+    }
+    gate.go.notify_one();
+    let late = owner.await;
+    let after = idempotent_runtime::metrics::snapshot();
+    // The documented limit: the lease lapsed, another instance took the
+    // record over and ran the body beside the owner.
+    assert_eq!(
+        taken.expect("{name}: the other instance takes over"),
+        2,
+        "{name}"
+    );
+    assert!(matches!(late, Err(Error::LeaseLost(_))), "{name}: {late:?}");
+    let replayed = on_the_pool(owner_store, &tenant, "k", None, 3).await;
+    assert_eq!(replayed.expect("replay"), 2, "{name}: one answer recorded");
+    // And the documented guard: visible as failed renewals and a lapse.
+    assert!(
+        after.heartbeat_failures > before.heartbeat_failures,
+        "{name}: the starved renewals count as heartbeat failures ({} -> {}, lapses {} -> {})",
+        before.heartbeat_failures,
+        after.heartbeat_failures,
+        before.lease_lapses,
+        after.lease_lapses
+    );
+    assert!(
+        after.lease_lapses > before.lease_lapses,
+        "{name}: the lease ran out while the body ran and another caller took the record \
+         over: rule 9 and the README say that is logged and counted as a lapse"
+    );
+}
+
+fn held<T: Send + 'static>(
+    f: impl Fn() -> futures::future::BoxFuture<'static, T> + Sync,
+) -> impl Fn() -> futures::future::BoxFuture<'static, Box<dyn std::any::Any + Send>> + Sync {
+    move || {
+        let fut = f();
+        Box::pin(async move { Box::new(fut.await) as Box<dyn std::any::Any + Send> })
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_renewals_starved_by_a_body_holding_the_pool() {
+    let url = sqlite_url("takeover-pool");
+    let pool = sqlx::sqlite::SqlitePoolOptions::new()
+        .max_connections(1)
+        .connect(&url)
+        .await
+        .expect("pool");
+    let owner = SqliteStore::from_pool(pool.clone()).await.expect("store");
+    let taker = SqliteStore::connect(&url).await.expect("taker");
+    let take = held(move || {
+        let pool = pool.clone();
+        Box::pin(async move { pool.acquire().await.expect("acquire") })
+    });
+    renewals_starved_by_the_body("sqlite", &owner, &taker, &take).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_renewals_starved_by_a_body_holding_the_pool() {
+    if pg_store_or_skip().await.is_none() {
+        return;
+    }
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .connect(&pg_url())
+        .await
+        .expect("pool");
+    let owner = PgStore::from_pool(pool.clone()).await.expect("store");
+    let taker = PgStore::connect(&pg_url()).await.expect("taker");
+    let take = held(move || {
+        let pool = pool.clone();
+        Box::pin(async move { pool.acquire().await.expect("acquire") })
+    });
+    renewals_starved_by_the_body("postgres", &owner, &taker, &take).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mysql_renewals_starved_by_a_body_holding_the_pool() {
+    if mysql_store_or_skip().await.is_none() {
+        return;
+    }
+    let pool = sqlx::mysql::MySqlPoolOptions::new()
+        .max_connections(1)
+        .connect(&mysql_url())
+        .await
+        .expect("pool");
+    let owner = MySqlStore::from_pool(pool.clone()).await.expect("store");
+    let taker = MySqlStore::connect(&mysql_url()).await.expect("taker");
+    let take = held(move || {
+        let pool = pool.clone();
+        Box::pin(async move { pool.acquire().await.expect("acquire") })
+    });
+    renewals_starved_by_the_body("mysql", &owner, &taker, &take).await;
+}
