@@ -278,6 +278,18 @@ async fn started(store: &dyn Store, identity: &Identity) -> (u32, i64) {
     (s.attempt, s.attempt_started_at_ms)
 }
 
+/// Until the store's clock shows the record's lease over (bounded).
+async fn lease_over(store: &dyn Store, identity: &Identity) {
+    for _ in 0..1000 {
+        let s = store.fetch(identity).await.expect("fetch").expect("record");
+        if s.lease_expires_at_ms.is_some_and(|end| s.now_ms >= end) {
+            return;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    panic!("the lease did not run out within 10 s");
+}
+
 type Take = dyn Fn() -> futures::future::BoxFuture<'static, Box<dyn std::any::Any + Send>> + Sync;
 
 /// The owner's body holds the one connection of the pool its store renews
@@ -405,3 +417,220 @@ async fn mysql_renewals_starved_by_a_body_holding_the_pool() {
     });
     renewals_starved_by_the_body("mysql", &owner, &taker, &take).await;
 }
+
+const SHARED: &str = "recovery.edges.shared";
+
+/// Rule 21: a store-mode claimant of a shared boundary (e.g. a background
+/// delivery) ...
+#[idempotent(scope = "recovery.edges.shared", key = key, tenant = tenant, store = store,
+             shared_scope, skip(gate, value), lease = "300ms", in_progress = wait("10s"),
+             recover = look)]
+async fn deliver(
+    store: &dyn Store,
+    tenant: &str,
+    key: &str,
+    gate: Option<&Gate>,
+    value: u32,
+) -> Result<u32, Error> {
+    script(tenant, |s| s.runs += 1);
+    if let Some(gate) = gate {
+        gate.reached.notify_one();
+        gate.go.notified().await;
+    }
+    Ok(value)
+}
+
+/// ... and the foreground request in the caller's transaction, one per database.
+macro_rules! request_in_tx {
+    ($name:ident, $db:ty) => {
+        #[idempotent(scope = "recovery.edges.shared", key = key, tenant = tenant, tx = tx,
+                             shared_scope, skip(value), lease = "300ms", in_progress = wait("10s"),
+                             recover = look)]
+        async fn $name(
+            tx: &mut sqlx::Transaction<'_, $db>,
+            tenant: &str,
+            key: &str,
+            value: u32,
+        ) -> Result<u32, Error> {
+            script(tenant, |s| s.runs += 1);
+            Ok(value)
+        }
+    };
+}
+request_in_tx!(request_pg, sqlx::Postgres);
+request_in_tx!(request_my, sqlx::MySql);
+request_in_tx!(request_sqlite, sqlx::Sqlite);
+
+/// Rules 20 and 21: a store-mode claimant stops being polled past its
+/// lease; the transactional claimant takes the record over in its
+/// transaction, its hook answers `Completed`, and the transaction rolls
+/// back. The next caller (the store-mode claimant again) takes over as the
+/// same attempt, told the same previous start, and its hook's `Run` runs
+/// the body; the resumed first owner is refused; one answer is recorded.
+macro_rules! rolled_back_recovery {
+    ($test:ident, $request:ident, $open:expr) => {
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn $test() {
+            let Some((store, pool)) = $open.await else {
+                return;
+            };
+            let store: &dyn Store = &store;
+            let tenant = fresh_tenant();
+            script(&tenant, |s| s.answers = vec![Some(Ok(100)), None]);
+            let identity = Identity::new(tenant.as_str(), SHARED, "k").expect("identity");
+            let gate = Gate::default();
+            let mut owner = Box::pin(deliver(store, &tenant, "k", Some(&gate), 1));
+            until_running(&mut owner, &gate).await;
+            let (_, first_start) = started(store, &identity).await;
+            // MySQL and SQLite refuse a transaction's duplicate of a live
+            // store-mode lease at once (README): call once it ran out.
+            lease_over(store, &identity).await;
+            // MySQL tells a transaction's start in whole seconds: one begun
+            // in the second the lease ran out is refused as stale (README);
+            // a new transaction is the remedy.
+            let mut stale = 0;
+            let (tx, (recovered, outcome)) = loop {
+                let mut tx = pool.begin().await.expect("begin");
+                let answer = with_outcome($request(&mut tx, &tenant, "k", 2)).await;
+                if matches!(answer.0, Err(Error::StaleSnapshot { .. })) && stale < 30 {
+                    stale += 1;
+                    tx.rollback().await.expect("rollback");
+                    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                    continue;
+                }
+                break (tx, answer);
+            };
+            assert_eq!(recovered.expect("the hook's answer"), 100);
+            assert_eq!(outcome, Some(Outcome::Recovered));
+            tx.rollback().await.expect("rollback");
+            let (again, outcome) = with_outcome(deliver(store, &tenant, "k", None, 3)).await;
+            assert_eq!(again.expect("the body runs after Run"), 3);
+            assert_eq!(outcome, Some(Outcome::Executed));
+            gate.go.notify_one();
+            let late = owner.await;
+            assert!(matches!(late, Err(Error::LeaseLost(_))), "{late:?}");
+            let asked = script(&tenant, |s| s.asked.clone());
+            assert_eq!(
+                asked,
+                vec![(2, first_start), (2, first_start)],
+                "the rolled-back takeover is undone: asked again as attempt 2"
+            );
+            let mut tx = pool.begin().await.expect("begin");
+            let (replayed, outcome) = with_outcome($request(&mut tx, &tenant, "k", 4)).await;
+            tx.commit().await.expect("commit");
+            assert_eq!(replayed.expect("replay"), 3);
+            assert_eq!(outcome, Some(Outcome::Replayed));
+            assert_eq!(
+                script(&tenant, |s| s.runs),
+                2,
+                "the first owner's body and the last taker's"
+            );
+        }
+    };
+}
+
+rolled_back_recovery!(
+    postgres_a_rolled_back_recovery_in_a_transaction_is_asked_again_by_the_shared_claimant,
+    request_pg,
+    async {
+        let store = pg_store_or_skip().await?;
+        let pool = store.pool().clone();
+        Some((store, pool))
+    }
+);
+rolled_back_recovery!(
+    mysql_a_rolled_back_recovery_in_a_transaction_is_asked_again_by_the_shared_claimant,
+    request_my,
+    async {
+        let store = mysql_store_or_skip().await?;
+        let pool = store.pool().clone();
+        Some((store, pool))
+    }
+);
+rolled_back_recovery!(
+    sqlite_a_rolled_back_recovery_in_a_transaction_is_asked_again_by_the_shared_claimant,
+    request_sqlite,
+    async {
+        let store = SqliteStore::connect(&sqlite_url("takeover-shared"))
+            .await
+            .ok()?;
+        let pool = store.pool().clone();
+        Some((store, pool))
+    }
+);
+
+/// Rules 10 and 21: the paused store-mode claimant resumes while the
+/// transactional claimant's takeover (its hook's answer recorded) is still
+/// uncommitted; whichever of the owner's completion and the commit comes
+/// first, the owner is refused and the one recorded answer is the hook's.
+macro_rules! resumed_beside_an_open_takeover {
+    ($test:ident, $request:ident, $open:expr) => {
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn $test() {
+            let Some((store, pool)) = $open.await else {
+                return;
+            };
+            let store: &dyn Store = &store;
+            let tenant = fresh_tenant();
+            script(&tenant, |s| s.answers = vec![Some(Ok(100))]);
+            let identity = Identity::new(tenant.as_str(), SHARED, "k").expect("identity");
+            let gate = Gate::default();
+            let mut owner = Box::pin(deliver(store, &tenant, "k", Some(&gate), 1));
+            until_running(&mut owner, &gate).await;
+            lease_over(store, &identity).await;
+            let mut stale = 0;
+            let (tx, recovered) = loop {
+                let mut tx = pool.begin().await.expect("begin");
+                let answer = $request(&mut tx, &tenant, "k", 2).await;
+                if matches!(answer, Err(Error::StaleSnapshot { .. })) && stale < 30 {
+                    stale += 1;
+                    tx.rollback().await.expect("rollback");
+                    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                    continue;
+                }
+                break (tx, answer);
+            };
+            assert_eq!(recovered.expect("the hook's answer"), 100);
+            gate.go.notify_one();
+            let (late, committed) = tokio::join!(owner, async {
+                tokio::task::yield_now().await;
+                tx.commit().await
+            });
+            committed.expect("commit");
+            assert!(matches!(late, Err(Error::LeaseLost(_))), "{late:?}");
+            let (replayed, outcome) = with_outcome(deliver(store, &tenant, "k", None, 3)).await;
+            assert_eq!(replayed.expect("replay"), 100);
+            assert_eq!(outcome, Some(Outcome::Replayed));
+        }
+    };
+}
+
+resumed_beside_an_open_takeover!(
+    postgres_an_owner_resumed_beside_an_uncommitted_takeover_is_refused,
+    request_pg,
+    async {
+        let store = pg_store_or_skip().await?;
+        let pool = store.pool().clone();
+        Some((store, pool))
+    }
+);
+resumed_beside_an_open_takeover!(
+    mysql_an_owner_resumed_beside_an_uncommitted_takeover_is_refused,
+    request_my,
+    async {
+        let store = mysql_store_or_skip().await?;
+        let pool = store.pool().clone();
+        Some((store, pool))
+    }
+);
+resumed_beside_an_open_takeover!(
+    sqlite_an_owner_resumed_beside_an_uncommitted_takeover_is_refused,
+    request_sqlite,
+    async {
+        let store = SqliteStore::connect(&sqlite_url("takeover-open"))
+            .await
+            .ok()?;
+        let pool = store.pool().clone();
+        Some((store, pool))
+    }
+);
