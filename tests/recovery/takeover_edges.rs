@@ -634,3 +634,80 @@ resumed_beside_an_open_takeover!(
         Some((store, pool))
     }
 );
+
+#[idempotent(scope = "recovery.edges.expiring", key = key, tenant = tenant, store = store,
+             skip(gate, value), ttl = "500ms", lease = "300ms", in_progress = wait("10s"),
+             recover = look)]
+async fn short_lived(
+    store: &dyn Store,
+    tenant: &str,
+    key: &str,
+    gate: Option<&Gate>,
+    value: u32,
+) -> Result<u32, Error> {
+    script(tenant, |s| s.runs += 1);
+    if let Some(gate) = gate {
+        gate.reached.notify_one();
+        gate.go.notified().await;
+    }
+    Ok(value)
+}
+
+/// Until the store's clock shows the record's retention over (bounded).
+async fn retention_over(store: &dyn Store, identity: &Identity) {
+    for _ in 0..1000 {
+        let s = store.fetch(identity).await.expect("fetch").expect("record");
+        if s.now_ms >= s.expires_at_ms {
+            return;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    panic!("the retention did not run out within 10 s");
+}
+
+/// Rules 16 and 20: a record made anew after the old one expired counts its
+/// attempts from 1 again, and its first takeover's hook is told attempt 2
+/// and the new attempt's start, not the expired record's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_made_anew_after_expiry_counts_its_attempts_afresh_on_every_store() {
+    for (name, first, second) in stores().await {
+        let tenant = fresh_tenant();
+        let identity = Identity::new(tenant.as_str(), "recovery.edges.expiring", "k").expect("id");
+        // An owner dies, a takeover's hook fails twice: attempt 3, kept.
+        script(&tenant, |s| {
+            s.answers = vec![Some(Err(())), Some(Err(())), None]
+        });
+        let dead = Gate::default();
+        let mut owner = Box::pin(short_lived(&*first, &tenant, "k", Some(&dead), 1));
+        until_running(&mut owner, &dead).await;
+        assert!(
+            short_lived(&*second, &tenant, "k", None, 2).await.is_err(),
+            "{name}"
+        );
+        assert!(
+            short_lived(&*second, &tenant, "k", None, 2).await.is_err(),
+            "{name}"
+        );
+        let (attempt, _) = started(&*second, &identity).await;
+        assert_eq!(attempt, 3, "{name}");
+        std::mem::forget(owner);
+        // Kept for a ttl after its lease ended; then it counts as absent.
+        retention_over(&*second, &identity).await;
+        let gate = Gate::default();
+        let mut anew = Box::pin(short_lived(&*first, &tenant, "k", Some(&gate), 4));
+        until_running(&mut anew, &gate).await;
+        let (attempt, start) = started(&*second, &identity).await;
+        assert_eq!(attempt, 1, "{name}: a fresh record after expiry");
+        assert_eq!(
+            script(&tenant, |s| s.asked.len()),
+            2,
+            "{name}: no hook for a fresh record"
+        );
+        let taken = short_lived(&*second, &tenant, "k", None, 5).await;
+        assert_eq!(taken.expect("Run"), 5, "{name}");
+        let asked = script(&tenant, |s| s.asked.clone());
+        assert_eq!(asked[2], (2, start), "{name}: {asked:?}");
+        gate.go.notify_one();
+        assert!(matches!(anew.await, Err(Error::LeaseLost(_))), "{name}");
+    }
+}
