@@ -2100,6 +2100,18 @@ impl LeaseWatch {
         }
     }
 
+    /// A renewal sent at `sent` answered that it was written, now. It landed
+    /// somewhere between its sending and now: when now is a lease or more
+    /// after the lease was last written, it may have landed after the lease
+    /// ran out (it waited for a pool connection the body held, or for a
+    /// row lock), and that is noted as a lapse before it counts. (Counted
+    /// at its sending alone, such a lapse went unnoticed.) One clock read
+    /// per renewal written: bodies longer than a period only.
+    fn written_by(&mut self, spec: &'static ScopeInfo, identity: &Identity, sent: Instant) {
+        self.note_if_lapsed(spec, identity, Instant::now(), None);
+        self.written(sent);
+    }
+
     /// Notes a lapse once: `now` is a lease or more after the lease was last
     /// written, or, when a renewal sent at `in_flight` may already have been
     /// written, after that one.
@@ -2174,7 +2186,7 @@ async fn run_with_heartbeat<R, Fut: Future<Output = R>>(
                 // Its failure was counted when it ran late; a success or a
                 // lost lease still counts.
                 if matches!(result, Ok(Fenced::Written)) {
-                    watch.written(late_sent);
+                    watch.written_by(spec, identity, late_sent);
                 }
                 if result.is_ok() {
                     lost |= note_heartbeat(spec, identity, result);
@@ -2184,7 +2196,7 @@ async fn run_with_heartbeat<R, Fut: Future<Output = R>>(
                 if let Poll::Ready(result) = f.as_mut().poll(cx) {
                     beat = None;
                     if matches!(result, Ok(Fenced::Written)) {
-                        watch.written(beat_sent);
+                        watch.written_by(spec, identity, beat_sent);
                     }
                     let failed = result.is_err();
                     lost |= note_heartbeat(spec, identity, result);

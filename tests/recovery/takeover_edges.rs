@@ -711,3 +711,128 @@ async fn a_record_made_anew_after_expiry_counts_its_attempts_afresh_on_every_sto
         assert!(matches!(anew.await, Err(Error::LeaseLost(_))), "{name}");
     }
 }
+
+#[idempotent(scope = "recovery.edges.pool_then_on", key = key, tenant = tenant, store = store,
+             skip(hold, then), lease = "300ms", in_progress = reject)]
+async fn holds_then_goes_on(
+    store: &dyn Store,
+    tenant: &str,
+    key: &str,
+    hold: (&Gate, &Take),
+    then: &Gate,
+) -> Result<u32, Error> {
+    let (gate, take) = hold;
+    let connection = take().await;
+    gate.reached.notify_one();
+    gate.go.notified().await;
+    drop(connection);
+    then.reached.notify_one();
+    then.go.notified().await;
+    Ok(1)
+}
+
+/// Rule 9: the body holds the pool's one connection for more than a lease,
+/// then lets it go and runs on; the renewals that waited for it are written
+/// only then, after the lease had run out (nobody took it over). That lapse
+/// is logged and counted, as the README says of a body holding the store's
+/// pool: a renewal written after the lease ran out found it lapsed.
+async fn renewals_written_after_the_lease_ran_out(store: &dyn Store, take: &Take) {
+    let tenant = fresh_tenant();
+    let (gate, then) = (Gate::default(), Gate::default());
+    let before = idempotent_runtime::metrics::snapshot();
+    let mut call = Box::pin(holds_then_goes_on(
+        store,
+        &tenant,
+        "k",
+        (&gate, take),
+        &then,
+    ));
+    until_running(&mut call, &gate).await;
+    let running_since = tokio::time::Instant::now();
+    tokio::select! {
+        out = &mut call => panic!("finished while its body held the pool: {out:?}"),
+        _ = tokio::time::sleep_until(running_since + std::time::Duration::from_millis(400)) => {}
+    }
+    gate.go.notify_one();
+    tokio::select! {
+        out = &mut call => panic!("finished early: {out:?}"),
+        _ = then.reached.notified() => {}
+    }
+    // The renewals that waited get the connection and are written, and a
+    // fresh one after them (the lapse is then long past the lease the body
+    // ends with: only the renewals' own answers can tell it).
+    let written = async {
+        for _ in 0..1000 {
+            if idempotent_runtime::metrics::snapshot().heartbeats >= before.heartbeats + 3 {
+                return;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+        panic!("no renewal was written within 5 s of the pool coming free");
+    };
+    tokio::select! {
+        out = &mut call => panic!("finished early: {out:?}"),
+        _ = written => {}
+    }
+    then.go.notify_one();
+    assert_eq!(call.await.expect("nobody took it over"), 1);
+    let after = idempotent_runtime::metrics::snapshot();
+    assert!(
+        after.lease_lapses > before.lease_lapses,
+        "the lease ran out while the renewals waited for the pool ({} -> {} lapses)",
+        before.lease_lapses,
+        after.lease_lapses
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_a_renewal_written_after_the_lease_ran_out_is_a_lapse() {
+    let url = sqlite_url("takeover-pool-late");
+    let pool = sqlx::sqlite::SqlitePoolOptions::new()
+        .max_connections(1)
+        .connect(&url)
+        .await
+        .expect("pool");
+    let store = SqliteStore::from_pool(pool.clone()).await.expect("store");
+    let take = held(move || {
+        let pool = pool.clone();
+        Box::pin(async move { pool.acquire().await.expect("acquire") })
+    });
+    renewals_written_after_the_lease_ran_out(&store, &take).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_renewal_written_after_the_lease_ran_out_is_a_lapse() {
+    if pg_store_or_skip().await.is_none() {
+        return;
+    }
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .connect(&pg_url())
+        .await
+        .expect("pool");
+    let store = PgStore::from_pool(pool.clone()).await.expect("store");
+    let take = held(move || {
+        let pool = pool.clone();
+        Box::pin(async move { pool.acquire().await.expect("acquire") })
+    });
+    renewals_written_after_the_lease_ran_out(&store, &take).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mysql_a_renewal_written_after_the_lease_ran_out_is_a_lapse() {
+    if mysql_store_or_skip().await.is_none() {
+        return;
+    }
+    let pool = sqlx::mysql::MySqlPoolOptions::new()
+        .max_connections(1)
+        .connect(&mysql_url())
+        .await
+        .expect("pool");
+    let store = MySqlStore::from_pool(pool.clone()).await.expect("store");
+    let take = held(move || {
+        let pool = pool.clone();
+        Box::pin(async move { pool.acquire().await.expect("acquire") })
+    });
+    renewals_written_after_the_lease_ran_out(&store, &take).await;
+}
