@@ -836,3 +836,50 @@ async fn mysql_a_renewal_written_after_the_lease_ran_out_is_a_lapse() {
     });
     renewals_written_after_the_lease_ran_out(&store, &take).await;
 }
+
+#[idempotent(scope = "recovery.edges.shared_types", key = key, tenant = tenant, store = store,
+             shared_scope)]
+async fn refund_unsigned(
+    store: &MemoryStore,
+    tenant: &str,
+    key: &str,
+    amount: u64,
+) -> Result<u64, Error> {
+    Ok(amount)
+}
+
+#[idempotent(scope = "recovery.edges.shared_types", key = key, tenant = tenant, store = store,
+             shared_scope)]
+async fn refund_signed(
+    store: &MemoryStore,
+    tenant: &str,
+    key: &str,
+    amount: i32,
+) -> Result<u64, Error> {
+    Ok(amount as u64 + 1000)
+}
+
+/// Rule 21: claimants of one boundary whose parameter of one name has
+/// another integer type answer for each other when the value is the same
+/// number (a u64 and an i32 holding 7 are one request), and refuse another.
+#[tokio::test]
+async fn shared_claimants_with_integer_types_of_their_own_answer_for_each_other() {
+    let store = MemoryStore::new();
+    let tenant = fresh_tenant();
+    assert_eq!(
+        refund_unsigned(&store, &tenant, "k", 7)
+            .await
+            .expect("first"),
+        7
+    );
+    let (other, outcome) = with_outcome(refund_signed(&store, &tenant, "k", 7)).await;
+    assert_eq!(
+        (other.expect("replay"), outcome),
+        (7, Some(Outcome::Replayed))
+    );
+    let differs = refund_signed(&store, &tenant, "k", 8).await;
+    assert!(
+        matches!(differs, Err(Error::FingerprintMismatch(_))),
+        "{differs:?}"
+    );
+}
