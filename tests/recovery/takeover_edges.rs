@@ -108,8 +108,11 @@ where
     }
 }
 
-async fn stores() -> Vec<(&'static str, Box<dyn Store>, Box<dyn Store>)> {
-    let mut all: Vec<(&'static str, Box<dyn Store>, Box<dyn Store>)> = Vec::new();
+/// A store's name, and two stores on its records (two instances of a service).
+type TwoInstances = (&'static str, Box<dyn Store>, Box<dyn Store>);
+
+async fn stores() -> Vec<TwoInstances> {
+    let mut all: Vec<TwoInstances> = Vec::new();
     let memory = MemoryStore::new();
     all.push(("memory", Box::new(memory.clone()), Box::new(memory)));
     let url = sqlite_url("takeover-edges");
