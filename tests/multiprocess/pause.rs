@@ -740,3 +740,48 @@ impl RowLock {
         }
     }
 }
+
+/// Rule 20 with an owner killed inside its recover hook (SIGKILL): a record
+/// left by a crashed owner is taken over by A, which dies while its hook
+/// asks. The next caller, B, takes the record over as attempt 3 once A's
+/// lease has run out and asks the hook again: never a blind run, never a
+/// fresh attempt 1.
+async fn killed_in_the_recover_hook(backend: Backend) {
+    let Some(db) = open(backend).await else {
+        return;
+    };
+    let (tenant, key, effects) = (fresh_tenant(), "killed-in-hook", effects_dir());
+    let identity = Identity::new(tenant.as_str(), "pause.recover", key).expect("identity");
+    let crashed = idempotent_runtime::OwnerToken::new();
+    let planted = db
+        .store
+        .reserve(idempotent_runtime::ReserveRequest {
+            identity: &identity,
+            fingerprint: None,
+            token: &crashed,
+            lease: Duration::ZERO,
+            ttl: Duration::from_secs(3600),
+        })
+        .await
+        .expect("plant a crashed owner's record");
+    assert_eq!(planted, idempotent_runtime::Reservation::FRESH);
+
+    let mut a = Worker::start_with_hook(&db, "recover", (&tenant, key), &effects, 0, 30_000);
+    assert_eq!(a.reached("asked "), "asked 2");
+    a.signal(libc::SIGKILL);
+    let taken = snapshot(&db, &tenant, "pause.recover", key).await;
+    assert_eq!((taken.state, taken.attempt), (RecordState::InProgress, 2));
+    let mut b = Worker::start(&db, "recover", &tenant, key, &effects, 0);
+    assert_eq!(b.answer(), format!("executed {}", b.pid()), "{:?}", b.seen);
+    assert!(b.seen.contains(&"asked 3".to_owned()), "{:?}", b.seen);
+    assert_eq!(body_runs(&effects), 1, "B's run only, after its hook");
+    let record = snapshot(&db, &tenant, "pause.recover", key).await;
+    assert_eq!((record.state, record.attempt), (RecordState::Complete, 3));
+}
+
+on_each_backend!(
+    killed_in_the_recover_hook =>
+        Sqlite: killed_in_the_recover_hook_sqlite,
+        Pg: killed_in_the_recover_hook_postgres,
+        MySql: killed_in_the_recover_hook_mariadb,
+);
