@@ -886,3 +886,78 @@ async fn shared_claimants_with_integer_types_of_their_own_answer_for_each_other(
         "{differs:?}"
     );
 }
+
+static PANICKED: LazyLock<Mutex<std::collections::HashSet<String>>> =
+    LazyLock::new(Default::default);
+
+/// Panics the first time it is asked for a tenant, then answers `Run`.
+async fn panics_once(t: &Takeover) -> Result<Recovery<u32>, Error> {
+    script(t.tenant(), |s| {
+        s.asked
+            .push((t.attempt(), t.previous_attempt_started_at_ms()))
+    });
+    if PANICKED
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .insert(t.tenant().to_owned())
+    {
+        panic!("the hook's client library panicked");
+    }
+    Ok(Recovery::Run)
+}
+
+#[idempotent(scope = "recovery.edges.tx_panic", key = key, tenant = tenant, tx = tx,
+             lease = "300ms", in_progress = reject, recover = panics_once)]
+async fn pg_in_tx(
+    tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
+    tenant: &str,
+    key: &str,
+) -> Result<u32, Error> {
+    script(tenant, |s| s.runs += 1);
+    Ok(9)
+}
+
+/// Rule 20 in transactional mode: a hook that panics takes the caller's
+/// transaction down with it (dropped: rolled back); the takeover is undone,
+/// and the next call in a new transaction is asked again, as the same
+/// attempt, before any body runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_hook_panicking_in_a_transaction_is_asked_again_before_any_body_runs() {
+    let Some(store) = pg_store_or_skip().await else {
+        return;
+    };
+    let tenant = fresh_tenant();
+    let identity = Identity::new(tenant.as_str(), "recovery.edges.tx_panic", "k").expect("id");
+    let crashed = idempotent_runtime::OwnerToken::new();
+    store
+        .reserve(idempotent_runtime::ReserveRequest {
+            identity: &identity,
+            fingerprint: None,
+            token: &crashed,
+            lease: std::time::Duration::ZERO,
+            ttl: std::time::Duration::from_secs(3600),
+        })
+        .await
+        .expect("a crashed owner's record");
+    let (_, first_start) = started(&store, &identity).await;
+    let pool = store.pool().clone();
+    let panicked = {
+        use futures::FutureExt;
+        std::panic::AssertUnwindSafe(async {
+            let mut tx = pool.begin().await.expect("begin");
+            let _ = pg_in_tx(&mut tx, &tenant, "k").await;
+            tx.commit().await.expect("commit");
+        })
+        .catch_unwind()
+        .await
+    };
+    assert!(panicked.is_err(), "the hook's panic propagates");
+    let mut tx = pool.begin().await.expect("begin");
+    let (ran, outcome) = with_outcome(pg_in_tx(&mut tx, &tenant, "k")).await;
+    tx.commit().await.expect("commit");
+    assert_eq!((ran.expect("Run"), outcome), (9, Some(Outcome::Executed)));
+    assert_eq!(
+        script(&tenant, |s| (s.asked.clone(), s.runs)),
+        (vec![(2, first_start), (2, first_start)], 1)
+    );
+}
