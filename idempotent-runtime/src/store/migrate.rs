@@ -159,6 +159,7 @@ pub(crate) static POSTGRES: &[Migration] = embedded_migrations!("postgres":
     (7, "0007_tx_stale_snapshot_is_an_answer.sql", "tx stale snapshot is an answer"),
     (8, "0008_store_reads_before_it_writes.sql", "store reads before it writes"),
     (9, "0009_functions_keep_to_their_schema.sql", "functions keep to their schema"),
+    (10, "0010_acquire_refuses_text_the_server_would_convert.sql", "acquire refuses text the server would convert"),
 );
 
 /// MySQL/MariaDB's migrations (`migrations/mysql`).

@@ -580,7 +580,8 @@ fn millis_i64(d: Duration) -> i64 {
 /// every text parameter from that encoding (from LATIN1, `café` arrives as
 /// `cafÃ©`), which would name the record by another tenant or key than a
 /// clean connection looks for. `SQL_ASCII` on either side converts nothing.
-/// A SQL condition, in the statements that would create a record.
+/// A SQL condition, in the statements that would create a record (and in
+/// `idempotency_acquire_absent`, migration 0010).
 macro_rules! reads_text_as_sent {
     () => {
         "(current_setting('client_encoding') IN ('UTF8', 'SQL_ASCII') \
@@ -608,8 +609,9 @@ const UNFAITHFUL_CLIENT_ENCODING: &str = concat!(
 /// most `$8` ms, then the statement fails with 55P03 (in progress). A
 /// `CASE` evaluates its branches lazily, and the function is volatile, so
 /// it never runs when the record exists: a replay reads and writes nothing.
-/// Nor, on a connection whose `client_encoding` would change the identity
-/// ([`reads_text_as_sent!`]), asked only when there is no record: a replay
+/// On a connection whose `client_encoding` would change the identity
+/// ([`reads_text_as_sent!`]) the function inserts nothing and fails with
+/// [`UNFAITHFUL_ENCODING_CODE`] (migration 0010): checked there, a replay
 /// pays nothing for it.
 ///
 /// The clock is read once (`OFFSET 0` keeps the subquery from being
@@ -623,13 +625,9 @@ const UNFAITHFUL_CLIENT_ENCODING: &str = concat!(
 /// and key, `$4` the fingerprint (or `NULL`), `$5` the owner token, `$6`/`$7`
 /// lease and ttl in ms, `$8` the lock wait in ms.
 #[doc(hidden)]
-pub const RESERVE_STORE_SQL: &str = concat!(
-    "\
+pub const RESERVE_STORE_SQL: &str = "\
 SELECT CASE WHEN r.state IS NULL THEN
-                 CASE WHEN NOT ",
-    reads_text_as_sent!(),
-    " THEN 'unfaithful_client_encoding'
-                      WHEN idempotency_acquire_absent($1, $2, $3, $4, $5, $6, $7,
+                 CASE WHEN idempotency_acquire_absent($1, $2, $3, $4, $5, $6, $7,
                                                       $8, c.now_ms)
                       THEN 'acquired' ELSE 'other' END
             WHEN r.expires_at <= c.now_ms
@@ -644,8 +642,11 @@ SELECT CASE WHEN r.state IS NULL THEN
        r.lease_expires_at - c.now_ms AS lease_remaining_ms,
        1 AS attempt_number, NULL::BIGINT AS previous_attempt_started_at
   FROM (SELECT idempotency_now_ms() AS now_ms OFFSET 0) c
-  LEFT JOIN idempotency_records r ON r.tenant = $1 AND r.scope = $2 AND r.key = $3"
-);
+  LEFT JOIN idempotency_records r ON r.tenant = $1 AND r.scope = $2 AND r.key = $3";
+
+/// The SQLSTATE `idempotency_acquire_absent` fails with on a connection whose
+/// `client_encoding` would change the identity (migration 0010).
+const UNFAITHFUL_ENCODING_CODE: &str = "IE001";
 
 /// The store's fallback for what needs a decision under the row lock: the
 /// plpgsql function, no subtransaction; a lock timeout fails the statement
@@ -842,6 +843,13 @@ async fn reserve_autocommit(
             Ok(Reservation::InProgress {
                 lease_remaining: request.lease,
             })
+        }
+        Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some(UNFAITHFUL_ENCODING_CODE) => {
+            Err(StoreError::new(
+                STORE,
+                "reserve",
+                UNFAITHFUL_CLIENT_ENCODING,
+            ))
         }
         Err(e) => Err(err("reserve")(e)),
     }

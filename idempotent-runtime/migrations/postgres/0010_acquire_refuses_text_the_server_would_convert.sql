@@ -1,0 +1,47 @@
+-- The store's insert of a fresh record refuses a session whose
+-- client_encoding would change the tenant and key it names.
+--
+-- sqlx sends UTF-8 whatever the session's client_encoding says, and the
+-- server converts every text parameter from that encoding: left at LATIN1 on
+-- a connection of a pool the store shares, `café` arrives as `cafÃ©`, and the
+-- record would be written under a key no clean connection looks for (a retry
+-- there would run the body again). The check was in the store's statement,
+-- beside the primary-key read; there it cost every replay a little, though
+-- only an absent record needs it. Here it runs only when the statement
+-- inserts. It raises SQLSTATE IE001, which the store answers with
+-- Error::Store (nothing written).
+CREATE OR REPLACE FUNCTION idempotency_acquire_absent(
+    p_tenant TEXT, p_scope TEXT, p_key TEXT, p_fingerprint TEXT, p_token TEXT,
+    p_lease_ms BIGINT, p_ttl_ms BIGINT, p_lock_wait_ms BIGINT, p_now BIGINT)
+RETURNS BOOLEAN
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    v_lock_timeout TEXT;
+BEGIN
+    IF current_setting('client_encoding') NOT IN ('UTF8', 'SQL_ASCII')
+       AND current_setting('server_encoding') <> 'SQL_ASCII' THEN
+        RAISE EXCEPTION USING ERRCODE = 'IE001',
+            MESSAGE = 'client_encoding ' || current_setting('client_encoding')
+                      || ' would change the tenant and key the store names';
+    END IF;
+    -- An assignment, not PERFORM: plpgsql evaluates a simple expression
+    -- without a query of its own.
+    v_lock_timeout := set_config('lock_timeout', greatest(p_lock_wait_ms, 1)::TEXT || 'ms', TRUE);
+    INSERT INTO idempotency_records
+        (tenant, scope, key, state, fingerprint, owner_token, lease_expires_at,
+         expires_at, created_at, updated_at, attempt, attempt_started_at)
+    VALUES (p_tenant, p_scope, p_key, 'in_progress', p_fingerprint, p_token,
+            p_now + p_lease_ms, p_now + p_ttl_ms, p_now, p_now, 1, p_now)
+    ON CONFLICT DO NOTHING;
+    RETURN FOUND;
+END
+$$;
+
+-- CREATE OR REPLACE dropped the setting migration 0009 gave it.
+DO $$
+BEGIN
+    EXECUTE format('ALTER FUNCTION idempotency_acquire_absent(TEXT, TEXT, TEXT, TEXT, TEXT, '
+                   'BIGINT, BIGINT, BIGINT, BIGINT) SET search_path = %I, pg_temp',
+                   current_schema());
+END
+$$;
