@@ -1,5 +1,5 @@
 //! Store mode on a pool shared with application code (`PgStore::from_pool`,
-//! `SqliteStore::from_pool`): what code sharing the pool leaves on a
+//! `SqliteStore::from_pool`, `MySqlStore::from_pool`): what code sharing the pool leaves on a
 //! connection (a session setting, a temporary table) and the store's next
 //! reservation or completion then runs under. Each test uses a pool of one
 //! connection, so the connection the test leaves the state on is the one
@@ -7,11 +7,14 @@
 
 use crate::common;
 
-use common::servers::{fresh_tenant, pg_store_or_skip, pg_url};
-use idempotent_runtime::{
-    Completion, Fenced, Fingerprint, Identity, OwnerToken, PgStore, RecordState, Reservation,
-    ReserveRequest, SqliteStore, Store, StoredOutcome, TransactionalConnection,
+use common::servers::{
+    fresh_tenant, mysql_create_database, mysql_store_or_skip, mysql_url, pg_store_or_skip, pg_url,
 };
+use idempotent_runtime::{
+    Completion, Fenced, Fingerprint, Identity, MySqlStore, OwnerToken, PgStore, RecordState,
+    Reservation, ReserveRequest, SqliteStore, Store, StoredOutcome, TransactionalConnection,
+};
+use sqlx::mysql::MySqlPoolOptions;
 use sqlx::postgres::PgPoolOptions;
 use sqlx::sqlite::SqlitePoolOptions;
 use sqlx::{Connection, Executor};
@@ -536,4 +539,205 @@ async fn sqlite_pragmas_left_on_the_pool_change_no_record() {
         pool.close().await;
         remove(&path);
     }
+}
+
+/// A MariaDB/MySQL pool of one connection on `url`, and a store on it.
+async fn mysql_pool_of_one(url: &str) -> (sqlx::MySqlPool, MySqlStore) {
+    let pool = MySqlPoolOptions::new()
+        .max_connections(1)
+        .connect(url)
+        .await
+        .expect("pool");
+    let store = MySqlStore::from_pool(pool.clone()).await.expect("store");
+    (pool, store)
+}
+
+/// `url` with its database replaced by `database`.
+fn mysql_url_of(url: &str, database: &str) -> String {
+    match url.rsplit_once('/') {
+        Some((base, _)) => format!("{base}/{database}"),
+        None => panic!("url {url}"),
+    }
+}
+
+/// Session state code sharing a MariaDB/MySQL pool may leave on a connection
+/// (each row one or more statements, run on the pool's one connection) that
+/// must not change where or how the store's records are written. The
+/// store's statements bind the identity as bytes and read times as
+/// milliseconds (`div_precision_increment` only rounds a millisecond),
+/// quote nothing (`ANSI_QUOTES`, `NO_BACKSLASH_ESCAPES`, `ORACLE`), set each
+/// assignment from the row as read (`SIMULTANEOUS_ASSIGNMENT`), set the one
+/// session variable they read (`@idempotency_existed`) in the same
+/// statement, run each write in autocommit (SERIALIZABLE reads lock
+/// nothing there), and bound their own lock waits. `sql_select_limit`
+/// leaves `RETURNING` alone. A read-only session, and `LOCK TABLES` of
+/// other tables, are refused with nothing written.
+#[tokio::test]
+async fn mysql_session_state_left_on_the_pool_changes_no_record() {
+    let Some(clean) = mysql_store_or_skip().await else {
+        return;
+    };
+    let rows: &[&[&str]] = &[
+        &["SET SESSION TRANSACTION ISOLATION LEVEL SERIALIZABLE"],
+        &["SET SESSION TRANSACTION READ ONLY"],
+        &["SET SESSION sql_mode = CONCAT(@@sql_mode, ',NO_BACKSLASH_ESCAPES')"],
+        &["SET SESSION sql_mode = CONCAT(@@sql_mode, ',PAD_CHAR_TO_FULL_LENGTH')"],
+        &["SET SESSION sql_mode = CONCAT(@@sql_mode, ',ANSI_QUOTES')"],
+        &["SET SESSION sql_mode = CONCAT(@@sql_mode, ',NO_ZERO_DATE,NO_ZERO_IN_DATE')"],
+        &["SET SESSION sql_mode = CONCAT(@@sql_mode, ',SIMULTANEOUS_ASSIGNMENT')"],
+        &["SET SESSION sql_mode = 'ORACLE'"],
+        &["SET SESSION sql_mode = 'ANSI'"],
+        &["SET SESSION sql_mode = ''"],
+        &["SET SESSION sql_mode = ''", "BEGIN"],
+        &["SET SESSION innodb_lock_wait_timeout = 1"],
+        &["SET SESSION lock_wait_timeout = 1"],
+        &["SET SESSION sql_select_limit = 0"],
+        &["SET SESSION collation_connection = 'utf8mb4_bin'"],
+        &["SET SESSION div_precision_increment = 0"],
+        &["SET SESSION sql_safe_updates = 1"],
+        &["SET SESSION max_join_size = 1"],
+        &["SET SESSION unique_checks = 0"],
+        &["SET SESSION foreign_key_checks = 0"],
+        &["SET SESSION big_tables = 1"],
+        &["SET SESSION max_sort_length = 64"],
+        &["SET SESSION completion_type = 'CHAIN'"],
+        &["SET SESSION session_track_state_change = ON"],
+        &["SET SESSION session_track_system_variables = '*'"],
+        &["SET SESSION session_track_transaction_info = 'CHARACTERISTICS'"],
+        &["SET @idempotency_existed = 1"],
+        &["LOCK TABLES idempotency_schema_migrations READ"],
+        &["XA START 'pool_state'"],
+    ];
+    for statements in rows {
+        let (pool, dirty) = mysql_pool_of_one(&mysql_url()).await;
+        let mut conn = pool.acquire().await.expect("connection");
+        for statement in *statements {
+            // As text: `XA` is not taken as a prepared statement.
+            conn.execute(sqlx::raw_sql(statement))
+                .await
+                .expect(statement);
+        }
+        drop(conn);
+        let identity = Identity::new(fresh_tenant(), "pool_state.mysql", statements.join("; "))
+            .expect("identity");
+        a_call_on_the_dirty_pool_is_seen_by_a_clean_one(&dirty, &clean, &identity).await;
+        pool.close().await;
+    }
+}
+
+/// `USE another_database` left on a connection of the shared pool (code
+/// that switches databases per tenant or per report), on a server where that
+/// database has the store's tables too (another service's store, a
+/// database per tenant). The store's statements named the table and the
+/// procedure without a database: the reservation and the completion went to
+/// the other database's table, where the store's own connections never
+/// look, and a retry there ran the body again.
+#[tokio::test]
+async fn mysql_a_database_chosen_with_use_on_the_pool_does_not_move_the_records() {
+    let Some(clean) = mysql_store_or_skip().await else {
+        return;
+    };
+    let other = mysql_create_database(&clean, "pool_state_use").await;
+    let other_url = mysql_url_of(&mysql_url(), &other);
+    let use_other = format!("USE `{other}`");
+    let checked = tokio::spawn(async move {
+        // The other database gets the store's schema (a store opened there).
+        let elsewhere = MySqlStore::connect(&other_url).await.expect("the other store");
+        let (pool, dirty) = mysql_pool_of_one(&mysql_url()).await;
+        let clean = MySqlStore::connect(&mysql_url()).await.expect("clean store");
+        pool.execute(use_other.as_str()).await.expect("use");
+        let identity = Identity::new(fresh_tenant(), "pool_state.use", "k").expect("identity");
+        a_call_on_the_dirty_pool_is_seen_by_a_clean_one(&dirty, &clean, &identity).await;
+        assert!(
+            elsewhere.fetch(&identity).await.expect("fetch").is_none(),
+            "nothing was written to the other database"
+        );
+        pool.close().await;
+    })
+    .await;
+    let _ = clean
+        .pool()
+        .execute(format!("DROP DATABASE `{other}`").as_str())
+        .await;
+    if let Err(e) = checked {
+        std::panic::resume_unwind(e.into_panic());
+    }
+}
+
+/// A TEMPORARY table named like the store's, created on a connection of the
+/// shared pool with its definition (a scratch copy for a report, a test
+/// fixture stubbing the store's table). MariaDB and MySQL resolve a table
+/// name to the session's temporary table first, even qualified by its
+/// database, in plain statements and in stored procedures alike: the
+/// store's writes on that connection land in the connection's private copy,
+/// gone when it closes, and no other connection sees them. (A view does
+/// not see a session's temporary tables: `INSERT … ON DUPLICATE KEY UPDATE
+/// … RETURNING` through a view of the table writes the table itself on
+/// MariaDB 10.11, but the store's statements and procedures naming such a
+/// view needs a migration.)
+#[tokio::test]
+#[ignore = "not fixed: a temporary table shadows the store's table in every statement; writing through a view would need a migration"]
+async fn mysql_a_temporary_table_named_like_the_stores_does_not_take_the_records() {
+    let Some(clean) = mysql_store_or_skip().await else {
+        return;
+    };
+    let (pool, dirty) = mysql_pool_of_one(&mysql_url()).await;
+    let (_, ddl): (String, String) = sqlx::query_as("SHOW CREATE TABLE idempotency_records")
+        .fetch_one(&pool)
+        .await
+        .expect("the table's definition");
+    let temp = ddl.replacen("CREATE TABLE", "CREATE TEMPORARY TABLE", 1);
+    pool.execute(temp.as_str())
+        .await
+        .expect("temporary table");
+    let identity = Identity::new(fresh_tenant(), "pool_state.temp", "k").expect("identity");
+    a_call_on_the_dirty_pool_is_seen_by_a_clean_one(&dirty, &clean, &identity).await;
+    pool.close().await;
+}
+
+/// A transactional-mode charge on MariaDB/MySQL that counts its runs.
+#[idempotent_runtime::idempotent(scope = "pool_state.mysql_tx", key = key, tenant = tenant,
+                                 tx = tx, skip(runs))]
+async fn mysql_counted_charge(
+    tx: &mut sqlx::Transaction<'_, sqlx::MySql>,
+    tenant: &str,
+    key: &str,
+    runs: &std::sync::atomic::AtomicUsize,
+) -> Result<u64, idempotent_runtime::Error> {
+    runs.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    Ok(7)
+}
+
+/// `SET max_error_count = 0` left on a connection of the shared pool (code
+/// that keeps no warnings): the server then records no condition for a
+/// `SELECT … INTO` that finds no row, so the reservation procedure's `NOT
+/// FOUND` handler never ran, and a key it did not find looked found with
+/// every column `NULL`; it tried to take that record over fifty times and
+/// refused the call ("the record kept changing under this reservation").
+/// Every transactional call of a fresh key on such a connection was
+/// refused (and on MySQL 8, whose store reserves a fresh key through the
+/// procedure, every store-mode one too). A call is answered, and its retry
+/// replays.
+#[tokio::test]
+async fn mysql_a_transactional_call_on_a_session_keeping_no_warnings_is_answered() {
+    let Some(_admin) = mysql_store_or_skip().await else {
+        return;
+    };
+    let (pool, _store) = mysql_pool_of_one(&mysql_url()).await;
+    pool.execute("SET SESSION max_error_count = 0")
+        .await
+        .expect("max_error_count");
+    let (tenant, runs) = (fresh_tenant(), std::sync::atomic::AtomicUsize::new(0));
+    for round in 1..=2 {
+        let mut tx = pool.begin().await.expect("begin");
+        let answer = mysql_counted_charge(&mut tx, &tenant, "k", &runs).await;
+        tx.commit().await.expect("commit");
+        assert_eq!(answer.expect("answered"), 7, "round {round}");
+    }
+    assert_eq!(
+        runs.load(std::sync::atomic::Ordering::SeqCst),
+        1,
+        "the body ran once"
+    );
+    pool.close().await;
 }
