@@ -605,6 +605,7 @@ async fn mysql_session_state_left_on_the_pool_changes_no_record() {
         &["SET SESSION session_track_system_variables = '*'"],
         &["SET SESSION session_track_transaction_info = 'CHARACTERISTICS'"],
         &["SET @idempotency_existed = 1"],
+        &["SET SESSION max_error_count = 0"],
         &["LOCK TABLES idempotency_schema_migrations READ"],
         &["XA START 'pool_state'"],
     ];

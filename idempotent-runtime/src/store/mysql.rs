@@ -890,8 +890,16 @@ async fn reserve_through_store(
 /// The key arrives as `NULL` on a session whose clock was set ([`clock_unset!`]),
 /// which the procedure refuses before it reads or writes anything: it decides
 /// by `NOW()`, and a fresh key on MySQL 8 comes here without another check.
+///
+/// On MariaDB the CALL runs with `max_error_count` at its default (64, for
+/// the statement only; MySQL skips the `/*M! */` comment): on a session left
+/// with `max_error_count = 0` the server records no condition for a
+/// `SELECT … INTO` that finds no row, so the procedure's `NOT FOUND` handler
+/// never ran, a key it did not find looked found with every column `NULL`,
+/// and after fifty attempts to take that over the call was refused ("the
+/// record kept changing"): every transactional call of a fresh key.
 const RESERVE_SQL: &str = concat!(
-    "CALL idempotency_reserve_v4(?, ?, IF(",
+    "/*M! SET STATEMENT max_error_count = 64 FOR */ CALL idempotency_reserve_v4(?, ?, IF(",
     clock_unset!(),
     ", ?, NULL), ?, ?, ?, ?, ?, ?, 1, ",
     "@idempotency_outcome, @idempotency_took_over, @idempotency_is_error, @idempotency_result, ",
