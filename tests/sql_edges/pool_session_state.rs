@@ -643,9 +643,13 @@ async fn mysql_a_database_chosen_with_use_on_the_pool_does_not_move_the_records(
     let use_other = format!("USE `{other}`");
     let checked = tokio::spawn(async move {
         // The other database gets the store's schema (a store opened there).
-        let elsewhere = MySqlStore::connect(&other_url).await.expect("the other store");
+        let elsewhere = MySqlStore::connect(&other_url)
+            .await
+            .expect("the other store");
         let (pool, dirty) = mysql_pool_of_one(&mysql_url()).await;
-        let clean = MySqlStore::connect(&mysql_url()).await.expect("clean store");
+        let clean = MySqlStore::connect(&mysql_url())
+            .await
+            .expect("clean store");
         pool.execute(use_other.as_str()).await.expect("use");
         let identity = Identity::new(fresh_tenant(), "pool_state.use", "k").expect("identity");
         a_call_on_the_dirty_pool_is_seen_by_a_clean_one(&dirty, &clean, &identity).await;
@@ -688,9 +692,7 @@ async fn mysql_a_temporary_table_named_like_the_stores_does_not_take_the_records
         .await
         .expect("the table's definition");
     let temp = ddl.replacen("CREATE TABLE", "CREATE TEMPORARY TABLE", 1);
-    pool.execute(temp.as_str())
-        .await
-        .expect("temporary table");
+    pool.execute(temp.as_str()).await.expect("temporary table");
     let identity = Identity::new(fresh_tenant(), "pool_state.temp", "k").expect("identity");
     a_call_on_the_dirty_pool_is_seen_by_a_clean_one(&dirty, &clean, &identity).await;
     pool.close().await;

@@ -146,7 +146,68 @@ pub struct MySqlStore {
     /// opened: how long a caller's fenced write may wait for a row lock,
     /// so its bound ([`committed!`]) never cuts such a wait.
     lock_wait: Duration,
+    /// The store's table and procedures, named in the database the store
+    /// was opened on.
+    names: std::sync::Arc<Names>,
 }
+
+/// The table the store's records are in, unqualified: transactional mode
+/// runs in the caller's database, and the worker on connections of its own.
+const TABLE: &str = "idempotency_records";
+
+/// The store's statements on its table and procedures, naming the database
+/// the store was opened on (`DATABASE()` then). Unqualified, a connection of
+/// a pool the store shares that other code left on another database (`USE
+/// other`, a database per tenant or per report) sent the store's
+/// reservations and results to that database's table, when it had one (a
+/// store of its own), where the store's other connections never look: a
+/// retry ran the body again. Built once, when the store opens: a call
+/// sends the same statements as before, with the database in front of the
+/// names.
+#[derive(Debug)]
+struct Names {
+    /// The records table (`` `db`.idempotency_records ``).
+    table: String,
+    /// [`READ_SQL`].
+    read: String,
+    /// [`INSERT_OR_READ_SQL`].
+    insert_or_read: String,
+    /// [`RESERVE_SQL`].
+    reserve: String,
+    /// The purge procedure's call.
+    purge: String,
+}
+
+impl Names {
+    /// In `database`, or unqualified when the session had none.
+    fn in_database(database: Option<&str>) -> Self {
+        let Some(database) = database else {
+            return Names {
+                table: TABLE.to_owned(),
+                read: READ_SQL.to_owned(),
+                insert_or_read: INSERT_OR_READ_SQL.to_owned(),
+                reserve: RESERVE_SQL.to_owned(),
+                purge: PURGE_SQL.to_owned(),
+            };
+        };
+        let database = format!("`{}`", database.replace('`', "``"));
+        let table = format!("{database}.{TABLE}");
+        let procedure = |name: &str| format!("{database}.{name}(");
+        Names {
+            read: READ_SQL.replace(TABLE, &table),
+            insert_or_read: INSERT_OR_READ_SQL.replace(TABLE, &table),
+            reserve: RESERVE_SQL.replace(
+                "idempotency_reserve_v4(",
+                &procedure("idempotency_reserve_v4"),
+            ),
+            purge: PURGE_SQL.replace("idempotency_purge(", &procedure("idempotency_purge")),
+            table,
+        }
+    }
+}
+
+/// The purge procedure's call.
+const PURGE_SQL: &str = "CALL idempotency_purge(?)";
 
 impl MySqlStore {
     /// Connects (waiting at most [`ACQUIRE_TIMEOUT`], 5 s, for the server) and
@@ -185,6 +246,7 @@ impl MySqlStore {
             isolation,
             max_allowed_packet,
             lock_wait_s,
+            database,
         } = migrate(&pool)
             .await
             .map_err(|e| StoreError::new(STORE, migrate::operation(), e))?;
@@ -196,6 +258,7 @@ impl MySqlStore {
             mariadb: version.contains("MariaDB"),
             max_result_bytes: result_limit(max_allowed_packet),
             lock_wait: Duration::from_secs(lock_wait_s.min(MAX_LOCK_WAIT_S)),
+            names: std::sync::Arc::new(Names::in_database(database.as_deref())),
             pools: std::sync::Arc::new(server::RuntimePools::new(pool)),
         })
     }
@@ -405,7 +468,7 @@ fn background_worker(pool: &MySqlPool) -> detached::Detached {
             Box::pin(async move {
                 committed!(&pool, "release", WORKER_WAITS, |on, commit| async {
                     worker_lock_wait(&mut *on).await?;
-                    release_as(commit, &mut *on, &identity, &token).await
+                    release_as(commit, TABLE, &mut *on, &identity, &token).await
                 })
             })
         },
@@ -413,7 +476,7 @@ fn background_worker(pool: &MySqlPool) -> detached::Detached {
             Box::pin(async move {
                 committed!(&pool, "heartbeat", WORKER_WAITS, |on, commit| async {
                     worker_lock_wait(&mut *on).await?;
-                    heartbeat_as(commit, &mut *on, &identity, &token, Duration::ZERO).await
+                    heartbeat_as(commit, TABLE, &mut *on, &identity, &token, Duration::ZERO).await
                 })
             })
         },
@@ -422,7 +485,7 @@ fn background_worker(pool: &MySqlPool) -> detached::Detached {
                 let completion = answer.completing(&identity, &token);
                 committed!(&pool, "complete", WORKER_WAITS, |on, commit| async {
                     worker_lock_wait(&mut *on).await?;
-                    complete_as(commit, &mut *on, completion).await
+                    complete_as(commit, TABLE, &mut *on, completion).await
                 })
             })
         },
@@ -439,18 +502,20 @@ fn background_worker(pool: &MySqlPool) -> detached::Detached {
 async fn migrate(pool: &MySqlPool) -> Result<Opened, migrate::MigrationError> {
     let mut backend = MigrationConnection(pool.acquire().await?);
     migrate::run(&mut backend, super::migrate::MYSQL).await?;
-    let (version, max_allowed_packet, lock_wait_s): (String, u64, u64) = sqlx::query_as(
-        "SELECT VERSION(), CAST(@@max_allowed_packet AS UNSIGNED), \
-         CAST(@@SESSION.innodb_lock_wait_timeout AS UNSIGNED)",
-    )
-    .fetch_one(&mut *backend.0)
-    .await?;
+    let (version, max_allowed_packet, lock_wait_s, database): (String, u64, u64, Option<String>) =
+        sqlx::query_as(
+            "SELECT VERSION(), CAST(@@max_allowed_packet AS UNSIGNED), \
+             CAST(@@SESSION.innodb_lock_wait_timeout AS UNSIGNED), DATABASE()",
+        )
+        .fetch_one(&mut *backend.0)
+        .await?;
     let isolation = session_isolation(&mut backend.0).await?;
     Ok(Opened {
         version,
         isolation,
         max_allowed_packet,
         lock_wait_s,
+        database,
     })
 }
 
@@ -511,6 +576,8 @@ struct Opened {
     isolation: String,
     /// The sessions' `@@innodb_lock_wait_timeout`, in seconds.
     lock_wait_s: u64,
+    /// `DATABASE()`: the database the migrations were applied in.
+    database: Option<String>,
 }
 
 /// The migration runner's view of MySQL/MariaDB: one pooled connection.
@@ -768,6 +835,7 @@ fn bind_request<'q>(
 /// existing record's answer when a plain read answers it, or what to do next.
 async fn insert_or_read(
     pool: &MySqlPool,
+    names: &Names,
     request: ReserveRequest<'_>,
 ) -> Result<InsertOrRead, StoreError> {
     // Read to the end (`fetch_all`, one row at most): stopped at the row,
@@ -778,7 +846,7 @@ async fn insert_or_read(
     // No row-lock wait (`innodb_lock_wait_timeout = 0` for the statement).
     let found = server::answered_within(
         Duration::ZERO,
-        bind_request(sqlx::query(INSERT_OR_READ_SQL), request).fetch_all(&mut *conn),
+        bind_request(sqlx::query(&names.insert_or_read), request).fetch_all(&mut *conn),
     )
     .await
     .map_err(err("reserve"))?
@@ -836,14 +904,15 @@ enum InsertOrRead {
 /// a row held by an open transaction, MySQL's absent keys).
 async fn reserve_through_store(
     pool: &MySqlPool,
+    names: &Names,
     request: ReserveRequest<'_>,
     mariadb: bool,
 ) -> Result<Reservation, StoreError> {
     if mariadb {
-        match insert_or_read(pool, request).await? {
+        match insert_or_read(pool, names, request).await? {
             InsertOrRead::Answered(answer) => return Ok(answer),
             InsertOrRead::Decide => {
-                return reserve_through_the_procedure(pool, request, mariadb).await
+                return reserve_through_the_procedure(pool, names, request, mariadb).await
             }
             InsertOrRead::Held => {} // the plain read below, then the procedure
         }
@@ -855,7 +924,7 @@ async fn reserve_through_store(
     // A plain read: no lock wait.
     let row = server::answered_within(
         Duration::ZERO,
-        sqlx::query(READ_SQL)
+        sqlx::query(&names.read)
             .bind(id.tenant.as_bytes())
             .bind(id.scope.as_bytes())
             .bind(id.key.as_bytes())
@@ -882,7 +951,7 @@ async fn reserve_through_store(
             return Ok(answer);
         }
     }
-    reserve_through_the_procedure(pool, request, mariadb).await
+    reserve_through_the_procedure(pool, names, request, mariadb).await
 }
 
 /// The reservation procedure (`idempotency_reserve_v4`): its answer as one
@@ -911,11 +980,12 @@ const NULL_IDENTITY_REFUSED: &str = "45000";
 
 async fn reserve_with(
     conn: &mut sqlx::MySqlConnection,
+    reserve_sql: &str,
     request: ReserveRequest<'_>,
     lock_wait_s: u64,
     own_transaction: bool,
 ) -> Result<Answer, StoreError> {
-    let row: Result<MySqlRow, sqlx::Error> = bind_request(sqlx::query(RESERVE_SQL), request)
+    let row: Result<MySqlRow, sqlx::Error> = bind_request(sqlx::query(reserve_sql), request)
         .bind(i64::try_from(lock_wait_s.min(MAX_LOCK_WAIT_S)).unwrap_or(0))
         .bind(i8::from(own_transaction))
         .fetch_one(&mut *conn)
@@ -952,6 +1022,7 @@ enum Answer {
 /// `stale_snapshot` there.
 async fn reserve_through_the_procedure(
     pool: &MySqlPool,
+    names: &Names,
     request: ReserveRequest<'_>,
     mariadb: bool,
 ) -> Result<Reservation, StoreError> {
@@ -960,7 +1031,7 @@ async fn reserve_through_the_procedure(
     // and then for the row.
     let answer = server::answered_within(
         Duration::from_secs(STORE_LOCK_WAIT_S),
-        reserve_with(&mut conn, request, STORE_LOCK_WAIT_S, true),
+        reserve_with(&mut conn, &names.reserve, request, STORE_LOCK_WAIT_S, true),
     )
     .await
     .map_err(err("reserve"))?;
@@ -1056,18 +1127,25 @@ async fn complete_with<'e, E: Executor<'e, Database = MySql>>(
     executor: E,
     completion: Completion<'_>,
 ) -> Result<Fenced, StoreError> {
-    complete_as(Commit::WithTheCallersTransaction, executor, completion).await
+    complete_as(
+        Commit::WithTheCallersTransaction,
+        TABLE,
+        executor,
+        completion,
+    )
+    .await
 }
 
 /// Records the outcome, fenced by the token; an outcome a `recover` hook
 /// gave is marked recovered (rule 20).
 async fn complete_as<'e, E: Executor<'e, Database = MySql>>(
     commit: Commit,
+    table: &str,
     executor: E,
     completion: Completion<'_>,
 ) -> Result<Fenced, StoreError> {
     let sql = format!(
-        "UPDATE idempotency_records SET state = 'complete', owner_token = NULL,
+        "UPDATE {table} SET state = 'complete', owner_token = NULL,
                 is_error = ?, result = ?, lease_expires_at = NULL,
                 expires_at = {NOW_MS} + ?, updated_at = {NOW_MS}, recovered = ?
           WHERE {}{}",
@@ -1090,6 +1168,7 @@ async fn complete_as<'e, E: Executor<'e, Database = MySql>>(
 /// Renews (or, with a shorter lease, ends early) the lease `token` owns.
 async fn heartbeat_as<'e, E: Executor<'e, Database = MySql>>(
     commit: Commit,
+    table: &str,
     executor: E,
     identity: &Identity,
     token: &OwnerToken,
@@ -1098,7 +1177,7 @@ async fn heartbeat_as<'e, E: Executor<'e, Database = MySql>>(
     let sql = format!(
         // The record's retention moves with its lease (`Store::heartbeat`). MySQL assigns left to right, each assignment
         // seeing the ones before it: `expires_at` first, from the old lease.
-        "UPDATE idempotency_records
+        "UPDATE {table}
             SET expires_at = GREATEST(expires_at,
                     COALESCE({NOW_MS} + ? + (expires_at - lease_expires_at), expires_at)),
                 lease_expires_at = {NOW_MS} + ?, updated_at = {NOW_MS}
@@ -1127,6 +1206,7 @@ async fn heartbeat_with<'e, E: Executor<'e, Database = MySql>>(
 ) -> Result<Fenced, StoreError> {
     heartbeat_as(
         Commit::WithTheCallersTransaction,
+        TABLE,
         executor,
         identity,
         token,
@@ -1141,18 +1221,19 @@ async fn release_with<'e, E: Executor<'e, Database = MySql>>(
     identity: &Identity,
     token: &OwnerToken,
 ) -> Result<Fenced, StoreError> {
-    release_as(Commit::WithTheTransaction, executor, identity, token).await
+    release_as(Commit::WithTheTransaction, TABLE, executor, identity, token).await
 }
 
 /// Deletes the in-progress record `token` owns, freeing the key.
 async fn release_as<'e, E: Executor<'e, Database = MySql>>(
     commit: Commit,
+    table: &str,
     executor: E,
     identity: &Identity,
     token: &OwnerToken,
 ) -> Result<Fenced, StoreError> {
     let sql = format!(
-        "DELETE FROM idempotency_records
+        "DELETE FROM {table}
           WHERE {}{}",
         owned_record!(),
         commit.condition()
@@ -1177,7 +1258,7 @@ impl Store for MySqlStore {
     }
 
     async fn reserve(&self, request: ReserveRequest<'_>) -> Result<Reservation, StoreError> {
-        reserve_through_store(&self.pools.current(), request, self.mariadb).await
+        reserve_through_store(&self.pools.current(), &self.names, request, self.mariadb).await
     }
 
     async fn complete(&self, completion: Completion<'_>) -> Result<Fenced, StoreError> {
@@ -1185,8 +1266,9 @@ impl Store for MySqlStore {
         let waits = self
             .lock_wait
             .saturating_add(detached::allowance_for(completion.outcome.payload.len()));
+        let table = self.names.table.as_str();
         committed!(&pool, "complete", waits, |on, commit| complete_as(
-            commit, on, completion
+            commit, table, on, completion
         ))
     }
 
@@ -1214,8 +1296,9 @@ impl Store for MySqlStore {
         let sql = format!(
             "SELECT CAST(attempt AS SIGNED), CAST(COALESCE(state = 'in_progress'
                     AND (? = 0 OR lease_expires_at <= {NOW_MS}), 0) AS SIGNED)
-               FROM idempotency_records WHERE tenant = ? AND scope = ? AND `key` = ?
-                FOR UPDATE"
+               FROM {table} WHERE tenant = ? AND scope = ? AND `key` = ?
+                FOR UPDATE",
+            table = self.names.table
         );
         let row: Result<Option<(i64, i64)>, sqlx::Error> = sqlx::query_as(&sql)
             .bind(require_expired_lease)
@@ -1232,9 +1315,10 @@ impl Store for MySqlStore {
             other => other.map_err(err(OP))?,
         };
         if let Some((attempt, 1)) = row {
-            sqlx::query(
-                "DELETE FROM idempotency_records WHERE tenant = ? AND scope = ? AND `key` = ?",
-            )
+            sqlx::query(&format!(
+                "DELETE FROM {} WHERE tenant = ? AND scope = ? AND `key` = ?",
+                self.names.table
+            ))
             .bind(identity.tenant.as_bytes())
             .bind(identity.scope.as_bytes())
             .bind(identity.key.as_bytes())
@@ -1254,7 +1338,7 @@ impl Store for MySqlStore {
     async fn release(&self, identity: &Identity, token: &OwnerToken) -> Result<Fenced, StoreError> {
         let pool = self.pools.current();
         committed!(&pool, "release", self.lock_wait, |on, commit| {
-            release_as(commit, on, identity, token)
+            release_as(commit, &self.names.table, on, identity, token)
         })
     }
 
@@ -1266,7 +1350,7 @@ impl Store for MySqlStore {
     ) -> Result<Fenced, StoreError> {
         let pool = self.pools.current();
         committed!(&pool, "heartbeat", self.lock_wait, |on, commit| {
-            heartbeat_as(commit, on, identity, token, lease)
+            heartbeat_as(commit, &self.names.table, on, identity, token, lease)
         })
     }
 
@@ -1277,7 +1361,7 @@ impl Store for MySqlStore {
             // The procedure decides by the session's clock and begins a
             // transaction of its own (which would commit one left open).
             let mut conn = clean_connection(&self.pools.current(), true).await?;
-            let row: MySqlRow = sqlx::query("CALL idempotency_purge(?)")
+            let row: MySqlRow = sqlx::query(&self.names.purge)
                 .bind(i64::from(chunk))
                 .fetch_one(&mut *conn)
                 .await
@@ -1297,7 +1381,8 @@ impl Store for MySqlStore {
                     lease_expires_at, expires_at, CAST({NOW_MS} AS SIGNED) AS now_ms, created_at,
                     CAST(attempt AS SIGNED) AS attempt,
                     COALESCE(attempt_started_at, created_at) AS attempt_started_at, recovered
-               FROM idempotency_records WHERE tenant = ? AND scope = ? AND `key` = ?"
+               FROM {table} WHERE tenant = ? AND scope = ? AND `key` = ?",
+            table = self.names.table
         );
         let mut conn = clean_connection(&self.pools.current(), true).await?;
         // A plain read: no lock wait.
@@ -1336,9 +1421,10 @@ impl Store for MySqlStore {
                             r.attempt, r.recovered,
                             (r.expires_at <= n.now_ms
                              AND (r.state = 'complete' OR r.lease_expires_at <= n.now_ms)) AS expired
-                       FROM idempotency_records r
+                       FROM {table} r
                        CROSS JOIN (SELECT CAST({NOW_MS} AS SIGNED) AS now_ms) n) s
-              GROUP BY s.scope ORDER BY s.scope"
+              GROUP BY s.scope ORDER BY s.scope",
+            table = self.names.table
         );
         let mut conn = clean_connection(&self.pools.current(), true).await?;
         let found = sqlx::query(&sql)
@@ -1424,7 +1510,7 @@ async fn complete_in_transaction(
     let written = complete_with(&mut *conn, completion).await?;
     if written == Fenced::NotOwner {
         if in_transaction(conn).await?
-            && complete_as(Commit::WithTheTransaction, &mut *conn, completion).await?
+            && complete_as(Commit::WithTheTransaction, TABLE, &mut *conn, completion).await?
                 == Fenced::Written
         {
             return Ok(Fenced::Written);
@@ -1521,7 +1607,15 @@ async fn reserve_in_transaction(
         scope: request.identity.scope.clone(),
         store: STORE,
     };
-    match reserve_with(&mut *conn, request, lock_wait_seconds(lock_wait), false).await? {
+    match reserve_with(
+        &mut *conn,
+        RESERVE_SQL,
+        request,
+        lock_wait_seconds(lock_wait),
+        false,
+    )
+    .await?
+    {
         // Under SERIALIZABLE InnoDB makes every read of a transaction a
         // locking one: the look that found the record in progress holds a
         // shared lock on it, which keeps the owner from renewing its lease
@@ -1631,7 +1725,13 @@ mod tests {
         let fresh = Identity::new(tenant.clone(), "mysql_unit.clock", "fresh").expect("id");
         for identity in [&done, &fresh] {
             let token = OwnerToken::new();
-            let answer = reserve_through_store(&skewed, request(identity, &token), false).await;
+            let answer = reserve_through_store(
+                &skewed,
+                &Names::in_database(None),
+                request(identity, &token),
+                false,
+            )
+            .await;
             match answer {
                 Err(e) => assert!(e.to_string().contains("SET timestamp"), "{e}"),
                 Ok(answer) => panic!("{identity:?} answered {answer:?} on a set clock"),
@@ -1698,7 +1798,8 @@ mod tests {
         complete(&theirs, &token).await;
         let ours = Identity::new(second, "mysql_unit.read", "k").expect("id");
         let token = OwnerToken::new();
-        let answer = reserve_through_store(store.pool(), request(&ours, &token), false).await;
+        let answer =
+            reserve_through_store(store.pool(), &store.names, request(&ours, &token), false).await;
         assert!(
             matches!(answer, Ok(Reservation::Acquired { attempt: 1, .. })),
             "another tenant's record answered: {answer:?}"
@@ -1722,14 +1823,26 @@ mod tests {
             .await
             .expect("reserve");
         let token = OwnerToken::new();
-        let answer = reserve_through_store(&off, request(&running, &token), false).await;
+        let answer = reserve_through_store(
+            &off,
+            &Names::in_database(None),
+            request(&running, &token),
+            false,
+        )
+        .await;
         assert!(
             matches!(answer, Ok(Reservation::InProgress { .. })),
             "{answer:?}"
         );
         complete(&running, &owner).await;
         let token = OwnerToken::new();
-        let answer = reserve_through_store(&off, request(&running, &token), false).await;
+        let answer = reserve_through_store(
+            &off,
+            &Names::in_database(None),
+            request(&running, &token),
+            false,
+        )
+        .await;
         assert!(
             matches!(answer, Ok(Reservation::Completed(_))),
             "a retry after the completion was answered {answer:?}"
