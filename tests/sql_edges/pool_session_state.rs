@@ -744,3 +744,57 @@ async fn mysql_a_transactional_call_on_a_session_keeping_no_warnings_is_answered
     );
     pool.close().await;
 }
+
+/// Rule 19 on MariaDB/MySQL: `SET sql_select_limit = 1` left on a connection
+/// of the shared pool (the `--safe-updates` habit, with a small limit: a
+/// console's "show me one row" default). Every `SELECT` without a `LIMIT`
+/// of its own returns at most that many rows, so the audit's counts per
+/// scope came back with one scope and left out the others (orphans, stuck
+/// leases) without a word.
+#[tokio::test]
+async fn mysql_the_audit_counts_every_scope_whatever_select_limit_the_pool_was_left_with() {
+    let Some(clean) = mysql_store_or_skip().await else {
+        return;
+    };
+    let tenant = fresh_tenant();
+    let scopes = [
+        format!("pool_state.audit_{tenant}_a"),
+        format!("pool_state.audit_{tenant}_b"),
+    ];
+    let tokens = [OwnerToken::new(), OwnerToken::new()];
+    let identities: Vec<Identity> = scopes
+        .iter()
+        .map(|scope| Identity::new(&tenant, scope.as_str(), "k").expect("identity"))
+        .collect();
+    let f = fp("request");
+    for (identity, token) in identities.iter().zip(&tokens) {
+        assert_eq!(
+            clean
+                .reserve(request(identity, &f, token))
+                .await
+                .expect("reserve"),
+            Reservation::FRESH
+        );
+    }
+    let (pool, dirty) = mysql_pool_of_one(&mysql_url()).await;
+    pool.execute("SET SESSION sql_select_limit = 1")
+        .await
+        .expect("sql_select_limit");
+    let stats = dirty.scope_stats().await.expect("scope stats");
+    for (identity, token) in identities.iter().zip(&tokens) {
+        assert_eq!(
+            clean.release(identity, token).await.expect("release"),
+            Fenced::Written
+        );
+    }
+    pool.close().await;
+    for scope in &scopes {
+        assert!(
+            stats
+                .iter()
+                .any(|s| &s.scope == scope && s.in_progress == 1),
+            "the audit counts {scope} (it answered {} scopes)",
+            stats.len()
+        );
+    }
+}

@@ -1405,6 +1405,8 @@ impl Store for MySqlStore {
 
     async fn scope_stats(&self) -> Result<Vec<ScopeStats>, StoreError> {
         const OP: &str = "count records per scope";
+        // Every scope: a `LIMIT` of its own, so a `sql_select_limit` code
+        // sharing the pool left on the session does not cut the answer.
         let sql = format!(
             "SELECT CONVERT(s.scope USING utf8mb4) AS scope,
                     CAST(SUM(NOT expired AND state = 'complete') AS SIGNED) AS complete,
@@ -1423,7 +1425,8 @@ impl Store for MySqlStore {
                              AND (r.state = 'complete' OR r.lease_expires_at <= n.now_ms)) AS expired
                        FROM {table} r
                        CROSS JOIN (SELECT CAST({NOW_MS} AS SIGNED) AS now_ms) n) s
-              GROUP BY s.scope ORDER BY s.scope",
+              GROUP BY s.scope ORDER BY s.scope
+              LIMIT 18446744073709551615",
             table = self.names.table
         );
         let mut conn = clean_connection(&self.pools.current(), true).await?;
