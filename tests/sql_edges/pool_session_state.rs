@@ -589,6 +589,17 @@ async fn mysql_session_state_left_on_the_pool_changes_no_record() {
         &["SET SESSION sql_mode = 'ANSI'"],
         &["SET SESSION sql_mode = ''"],
         &["SET SESSION sql_mode = ''", "BEGIN"],
+        &["SET SESSION sql_mode = 'TRADITIONAL'"],
+        &["SET SESSION sql_mode = 'HIGH_NOT_PRECEDENCE,PIPES_AS_CONCAT,NO_UNSIGNED_SUBTRACTION'"],
+        &[
+            "SET SESSION TRANSACTION ISOLATION LEVEL SERIALIZABLE",
+            "SET SESSION autocommit = 0",
+        ],
+        &[
+            "SET SESSION autocommit = 0",
+            "SET SESSION completion_type = 'RELEASE'",
+        ],
+        &["SET SESSION max_statement_time = 10"],
         &["SET SESSION innodb_lock_wait_timeout = 1"],
         &["SET SESSION lock_wait_timeout = 1"],
         &["SET SESSION sql_select_limit = 0"],
