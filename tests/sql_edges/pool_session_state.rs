@@ -809,3 +809,60 @@ async fn mysql_the_audit_counts_every_scope_whatever_select_limit_the_pool_was_l
         );
     }
 }
+
+/// `SET autocommit = 0` left on a connection of the shared pool (code that
+/// manages its transactions by hand, an ORM's default): every statement
+/// there opens a transaction that lasts until a `COMMIT`, and under
+/// REPEATABLE READ its reads see the snapshot its first read took. The
+/// store's record reads (`Store::fetch`: what the CLI shows, what a
+/// consumer is told of the record that refused a mismatch) and the audit's
+/// counts then answered from the snapshot their first read took on that
+/// connection: a record completed since was still absent, or still in
+/// progress.
+#[tokio::test]
+async fn mysql_reads_on_a_session_with_autocommit_off_see_the_latest_records() {
+    let Some(clean) = mysql_store_or_skip().await else {
+        return;
+    };
+    let (pool, dirty) = mysql_pool_of_one(&mysql_url()).await;
+    pool.execute("SET SESSION autocommit = 0")
+        .await
+        .expect("autocommit");
+    let tenant = fresh_tenant();
+    let scope = format!("pool_state.autocommit_off_{tenant}");
+    let identity = Identity::new(&tenant, scope.as_str(), "k").expect("identity");
+    assert!(dirty.fetch(&identity).await.expect("fetch").is_none());
+    assert!(!dirty
+        .scope_stats()
+        .await
+        .expect("scope stats")
+        .iter()
+        .any(|s| s.scope == scope));
+    let (f, token) = (fp("request"), OwnerToken::new());
+    assert_eq!(
+        clean
+            .reserve(request(&identity, &f, &token))
+            .await
+            .expect("reserve"),
+        Reservation::FRESH
+    );
+    assert_eq!(
+        clean
+            .complete(Completion::by_body(&identity, &token, &ok(b"7"), LONG))
+            .await
+            .expect("complete"),
+        Fenced::Written
+    );
+    let seen = dirty.fetch(&identity).await.expect("fetch");
+    let counted = dirty.scope_stats().await.expect("scope stats");
+    pool.close().await;
+    assert!(
+        seen.as_ref()
+            .is_some_and(|r| r.state == RecordState::Complete),
+        "the read sees the record completed since (found {seen:?})"
+    );
+    assert!(
+        counted.iter().any(|s| s.scope == scope && s.complete == 1),
+        "the audit counts the record completed since"
+    );
+}

@@ -374,61 +374,100 @@ async fn clean_connection(
     pool: &MySqlPool,
     check: bool,
 ) -> Result<ClosedIfDropped<MySql>, StoreError> {
-    const OP: &str = "take a connection outside any transaction";
     if !check {
-        return ClosedIfDropped::acquire(pool).await.map_err(err(OP));
+        return ClosedIfDropped::acquire(pool)
+            .await
+            .map_err(err(CLEAN_CONNECTION));
     }
     // The check's connection is already closed if the call is dropped while
     // the check waits (a silent server).
     super::outside_any_transaction::<_, ClosedIfDropped<MySql>>(
         STORE,
-        OP,
+        CLEAN_CONNECTION,
         pool,
         None,
         super::IfLeftOpen::Close,
-        |conn| {
-            Box::pin(async move {
-                // Bounded like the statement it comes before; given up, the
-                // error drops the connection, closed.
-                let asked: Result<(i64, i64, i64), sqlx::Error> = server::answered_within(
-                    Duration::ZERO,
-                    sqlx::query_as(concat!(
-                        "SELECT CAST(@@autocommit = 1 AND @@in_transaction = 1 AS SIGNED), ",
-                        clock_set!(),
-                        ", CAST(@@tx_isolation = 'READ-UNCOMMITTED' AS SIGNED)"
-                    ))
-                    .fetch_one(&mut *conn),
-                )
-                .await
-                .map_err(err(OP))?;
-                let (left_open, clock_set) = match asked {
-                    // A session turned to READ UNCOMMITTED after the store
-                    // opened (by code sharing the pool): its reads would
-                    // replay results that may still roll back.
-                    Ok((_, _, 1)) => {
-                        return Err(StoreError::new(STORE, OP, READ_UNCOMMITTED_REFUSED))
-                    }
-                    Ok((left_open, clock_set, _)) => (left_open, clock_set),
-                    // MySQL 8: no `@@in_transaction`.
-                    Err(sqlx::Error::Database(e))
-                        if error_number(&*e) == Some(ER_UNKNOWN_SYSTEM_VARIABLE) =>
-                    {
-                        let clock_set: i64 = sqlx::query_scalar(concat!("SELECT ", clock_set!()))
-                            .fetch_one(&mut *conn)
-                            .await
-                            .map_err(err(OP))?;
-                        (0, clock_set)
-                    }
-                    Err(e) => return Err(err(OP)(e)),
-                };
-                if clock_set != 0 {
-                    return Err(StoreError::new(STORE, OP, SESSION_CLOCK_REFUSED));
-                }
-                Ok(left_open != 0)
-            })
-        },
+        |conn| Box::pin(checked_session(conn, false)),
     )
     .await
+}
+
+/// [`clean_connection`] (checked) for the store's reads of records
+/// (`fetch`, the audit's counts). On a session with autocommit off, where
+/// every statement opens a transaction that lasts until a `COMMIT`, the
+/// transaction the session is in is committed first (`COMMIT AND NO CHAIN
+/// NO RELEASE`, whatever `completion_type` says; one more round trip, on
+/// such sessions only): under REPEATABLE READ a read there answered from
+/// the snapshot the session's first read took (an earlier read of the
+/// store's own included), so a record completed since was still absent, or
+/// still in progress. (The store's writes on such a session commit what it
+/// holds already: `BEGIN`, or the procedure's `SET autocommit = 1`.)
+async fn connection_for_a_read(pool: &MySqlPool) -> Result<ClosedIfDropped<MySql>, StoreError> {
+    super::outside_any_transaction::<_, ClosedIfDropped<MySql>>(
+        STORE,
+        CLEAN_CONNECTION,
+        pool,
+        None,
+        super::IfLeftOpen::Close,
+        |conn| Box::pin(checked_session(conn, true)),
+    )
+    .await
+}
+
+const CLEAN_CONNECTION: &str = "take a connection outside any transaction";
+
+/// [`clean_connection`]'s check of a session: whether it was left inside a
+/// transaction another user of the pool began. `fresh_snapshot`: on a
+/// session with autocommit off, commit the transaction it is in
+/// ([`connection_for_a_read`]).
+async fn checked_session(
+    conn: &mut sqlx::MySqlConnection,
+    fresh_snapshot: bool,
+) -> Result<bool, StoreError> {
+    const OP: &str = CLEAN_CONNECTION;
+    // Bounded like the statement it comes before; given up, the
+    // error drops the connection, closed.
+    let asked: Result<(i64, i64, i64, i64), sqlx::Error> = server::answered_within(
+        Duration::ZERO,
+        sqlx::query_as(concat!(
+            "SELECT CAST(@@autocommit = 1 AND @@in_transaction = 1 AS SIGNED), ",
+            clock_set!(),
+            ", CAST(@@tx_isolation = 'READ-UNCOMMITTED' AS SIGNED), ",
+            "CAST(@@autocommit = 0 AND @@in_transaction = 1 AS SIGNED)"
+        ))
+        .fetch_one(&mut *conn),
+    )
+    .await
+    .map_err(err(OP))?;
+    let (left_open, clock_set, in_autocommit_off_transaction) = match asked {
+        // A session turned to READ UNCOMMITTED after the store
+        // opened (by code sharing the pool): its reads would
+        // replay results that may still roll back.
+        Ok((_, _, 1, _)) => return Err(StoreError::new(STORE, OP, READ_UNCOMMITTED_REFUSED)),
+        Ok((left_open, clock_set, _, off)) => (left_open, clock_set, off),
+        // MySQL 8: no `@@in_transaction`.
+        Err(sqlx::Error::Database(e)) if error_number(&*e) == Some(ER_UNKNOWN_SYSTEM_VARIABLE) => {
+            let (clock_set, off): (i64, i64) = sqlx::query_as(concat!(
+                "SELECT ",
+                clock_set!(),
+                ", CAST(@@autocommit = 0 AS SIGNED)"
+            ))
+            .fetch_one(&mut *conn)
+            .await
+            .map_err(err(OP))?;
+            (0, clock_set, off)
+        }
+        Err(e) => return Err(err(OP)(e)),
+    };
+    if clock_set != 0 {
+        return Err(StoreError::new(STORE, OP, SESSION_CLOCK_REFUSED));
+    }
+    if fresh_snapshot && in_autocommit_off_transaction != 0 {
+        conn.execute("COMMIT AND NO CHAIN NO RELEASE")
+            .await
+            .map_err(err(OP))?;
+    }
+    Ok(left_open != 0)
 }
 
 /// What the worker's writes pass [`committed!`] as their waits: no bound of
@@ -1384,7 +1423,7 @@ impl Store for MySqlStore {
                FROM {table} WHERE tenant = ? AND scope = ? AND `key` = ?",
             table = self.names.table
         );
-        let mut conn = clean_connection(&self.pools.current(), true).await?;
+        let mut conn = connection_for_a_read(&self.pools.current()).await?;
         // A plain read: no lock wait.
         let row = server::answered_within(
             Duration::ZERO,
@@ -1429,7 +1468,7 @@ impl Store for MySqlStore {
               LIMIT 18446744073709551615",
             table = self.names.table
         );
-        let mut conn = clean_connection(&self.pools.current(), true).await?;
+        let mut conn = connection_for_a_read(&self.pools.current()).await?;
         let found = sqlx::query(&sql)
             .fetch_all(&mut *conn)
             .await
