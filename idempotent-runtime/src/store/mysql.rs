@@ -258,11 +258,7 @@ impl MySqlStore {
             mariadb: version.contains("MariaDB"),
             max_result_bytes: result_limit(max_allowed_packet),
             lock_wait: Duration::from_secs(lock_wait_s.min(MAX_LOCK_WAIT_S)),
-            names: std::sync::Arc::new(Names::in_database(
-                pool.connect_options()
-                    .get_database()
-                    .or(database.as_deref()),
-            )),
+            names: std::sync::Arc::new(Names::in_database(database.as_deref())),
             pools: std::sync::Arc::new(server::RuntimePools::new(pool)),
         })
     }
@@ -544,21 +540,21 @@ fn background_worker(pool: &MySqlPool) -> detached::Detached {
 /// connection from the pool, once).
 async fn migrate(pool: &MySqlPool) -> Result<Opened, migrate::MigrationError> {
     let mut backend = MigrationConnection(pool.acquire().await?);
-    // The pool's database, which its connections start in: code sharing the
-    // pool may have left this one on another (`USE other`), and the store
-    // names its table with the database it migrates ([`Names`]).
-    if let Some(database) = pool.connect_options().get_database() {
-        let use_it = format!("USE `{}`", database.replace('`', "``"));
-        backend.0.execute(use_it.as_str()).await?;
-    }
     migrate::run(&mut backend, super::migrate::MYSQL).await?;
-    let (version, max_allowed_packet, lock_wait_s, database): (String, u64, u64, Option<String>) =
-        sqlx::query_as(
-            "SELECT VERSION(), CAST(@@max_allowed_packet AS UNSIGNED), \
-             CAST(@@SESSION.innodb_lock_wait_timeout AS UNSIGNED), DATABASE()",
-        )
-        .fetch_one(&mut *backend.0)
-        .await?;
+    let (version, max_allowed_packet, lock_wait_s): (String, u64, u64) = sqlx::query_as(
+        "SELECT VERSION(), CAST(@@max_allowed_packet AS UNSIGNED), \
+         CAST(@@SESSION.innodb_lock_wait_timeout AS UNSIGNED)",
+    )
+    .fetch_one(&mut *backend.0)
+    .await?;
+    // As text, not prepared: MariaDB answers a prepared `DATABASE()` with
+    // the database of when the statement was prepared on the connection
+    // (sqlx keeps prepared statements), not the one it is on now.
+    // Through the `Executor` trait, as in `MigrationConnection::execute`.
+    let database: Option<String> =
+        Executor::fetch_one(&mut *backend.0, sqlx::raw_sql("SELECT DATABASE()"))
+            .await?
+            .try_get(0)?;
     let isolation = session_isolation(&mut backend.0).await?;
     Ok(Opened {
         version,
@@ -626,9 +622,7 @@ struct Opened {
     isolation: String,
     /// The sessions' `@@innodb_lock_wait_timeout`, in seconds.
     lock_wait_s: u64,
-    /// `DATABASE()`: the database the migrations were applied in, when
-    /// the pool's options name none (a prepared statement, which MariaDB
-    /// answers with the database of when it was prepared on the connection).
+    /// `DATABASE()`: the database the migrations were applied in.
     database: Option<String>,
 }
 
