@@ -433,7 +433,7 @@ async fn checked_session(
             "SELECT CAST(@@autocommit = 1 AND @@in_transaction = 1 AS SIGNED), ",
             clock_set!(),
             ", CAST(@@tx_isolation = 'READ-UNCOMMITTED' AS SIGNED), ",
-            "CAST(@@autocommit = 0 AND @@in_transaction = 1 AS SIGNED)"
+            "CAST(@@autocommit = 0 AND @@in_transaction = 1 AS SIGNED) LIMIT 1"
         ))
         .fetch_one(&mut *conn),
     )
@@ -450,7 +450,7 @@ async fn checked_session(
             let (clock_set, off): (i64, i64) = sqlx::query_as(concat!(
                 "SELECT ",
                 clock_set!(),
-                ", CAST(@@autocommit = 0 AS SIGNED)"
+                ", CAST(@@autocommit = 0 AS SIGNED) LIMIT 1"
             ))
             .fetch_one(&mut *conn)
             .await
@@ -543,7 +543,7 @@ async fn migrate(pool: &MySqlPool) -> Result<Opened, migrate::MigrationError> {
     migrate::run(&mut backend, super::migrate::MYSQL).await?;
     let (version, max_allowed_packet, lock_wait_s): (String, u64, u64) = sqlx::query_as(
         "SELECT VERSION(), CAST(@@max_allowed_packet AS UNSIGNED), \
-         CAST(@@SESSION.innodb_lock_wait_timeout AS UNSIGNED)",
+         CAST(@@SESSION.innodb_lock_wait_timeout AS UNSIGNED) LIMIT 1",
     )
     .fetch_one(&mut *backend.0)
     .await?;
@@ -552,7 +552,7 @@ async fn migrate(pool: &MySqlPool) -> Result<Opened, migrate::MigrationError> {
     // (sqlx keeps prepared statements), not the one it is on now.
     // Through the `Executor` trait, as in `MigrationConnection::execute`.
     let database: Option<String> =
-        Executor::fetch_one(&mut *backend.0, sqlx::raw_sql("SELECT DATABASE()"))
+        Executor::fetch_one(&mut *backend.0, sqlx::raw_sql("SELECT DATABASE() LIMIT 1"))
             .await?
             .try_get(0)?;
     let isolation = session_isolation(&mut backend.0).await?;
@@ -581,12 +581,12 @@ fn result_limit(packet: u64) -> usize {
 /// The session's transaction isolation: `@@transaction_isolation` (MySQL 8,
 /// MariaDB 11.1), or `@@tx_isolation` (MariaDB before 11.1).
 async fn session_isolation(conn: &mut sqlx::MySqlConnection) -> Result<String, sqlx::Error> {
-    match sqlx::query_scalar("SELECT @@SESSION.transaction_isolation")
+    match sqlx::query_scalar("SELECT @@SESSION.transaction_isolation LIMIT 1")
         .fetch_one(&mut *conn)
         .await
     {
         Err(sqlx::Error::Database(e)) if error_number(&*e) == Some(ER_UNKNOWN_SYSTEM_VARIABLE) => {
-            sqlx::query_scalar("SELECT @@SESSION.tx_isolation")
+            sqlx::query_scalar("SELECT @@SESSION.tx_isolation LIMIT 1")
                 .fetch_one(conn)
                 .await
         }
@@ -632,7 +632,7 @@ struct MigrationConnection(sqlx::pool::PoolConnection<MySql>);
 #[async_trait::async_trait]
 impl migrate::MigrationBackend for MigrationConnection {
     async fn lock(&mut self) -> Result<(), migrate::MigrationError> {
-        let locked: Option<i64> = sqlx::query_scalar("SELECT GET_LOCK(?, ?)")
+        let locked: Option<i64> = sqlx::query_scalar("SELECT GET_LOCK(?, ?) LIMIT 1")
             .bind(MIGRATION_LOCK)
             .bind(migrate::LOCK_TIMEOUT.as_secs() as i64)
             .fetch_one(&mut *self.0)
@@ -658,9 +658,12 @@ impl migrate::MigrationBackend for MigrationConnection {
     }
 
     async fn applied(&mut self) -> Result<Vec<(i64, Vec<u8>)>, sqlx::Error> {
-        sqlx::query_as("SELECT version, checksum FROM idempotency_schema_migrations")
-            .fetch_all(&mut *self.0)
-            .await
+        sqlx::query_as(
+            "SELECT version, checksum FROM idempotency_schema_migrations \
+             LIMIT 18446744073709551615",
+        )
+        .fetch_all(&mut *self.0)
+        .await
     }
 
     /// A plain read before `GET_LOCK`: a database whose history is complete
@@ -789,7 +792,7 @@ const READ_SQL: &str = concat!(
     "AND @@SESSION.tx_isolation <> 'READ-UNCOMMITTED' */ AND ",
     clock_unset!(),
     " AS SIGNED) AS autocommit ",
-    "FROM idempotency_records WHERE tenant = ? AND scope = ? AND `key` = ?"
+    "FROM idempotency_records WHERE tenant = ? AND scope = ? AND `key` = ? LIMIT 1"
 );
 
 /// MariaDB's reservation through the store, in one statement: the insert of
@@ -1039,7 +1042,7 @@ async fn reserve_with(
     let row = match row {
         Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some(NULL_IDENTITY_REFUSED) => {
             // The key is never NULL: a `NULL` one is the clock's guard.
-            let clock_set: i64 = sqlx::query_scalar(concat!("SELECT ", clock_set!()))
+            let clock_set: i64 = sqlx::query_scalar(concat!("SELECT ", clock_set!(), " LIMIT 1"))
                 .fetch_one(&mut *conn)
                 .await
                 .map_err(err("reserve"))?;
@@ -1343,7 +1346,7 @@ impl Store for MySqlStore {
             "SELECT CAST(attempt AS SIGNED), CAST(COALESCE(state = 'in_progress'
                     AND (? = 0 OR lease_expires_at <= {NOW_MS}), 0) AS SIGNED)
                FROM {table} WHERE tenant = ? AND scope = ? AND `key` = ?
-                FOR UPDATE",
+              LIMIT 1 FOR UPDATE",
             table = self.names.table
         );
         let row: Result<Option<(i64, i64)>, sqlx::Error> = sqlx::query_as(&sql)
@@ -1427,7 +1430,7 @@ impl Store for MySqlStore {
                     lease_expires_at, expires_at, CAST({NOW_MS} AS SIGNED) AS now_ms, created_at,
                     CAST(attempt AS SIGNED) AS attempt,
                     COALESCE(attempt_started_at, created_at) AS attempt_started_at, recovered
-               FROM {table} WHERE tenant = ? AND scope = ? AND `key` = ?",
+               FROM {table} WHERE tenant = ? AND scope = ? AND `key` = ? LIMIT 1",
             table = self.names.table
         );
         let mut conn = connection_for_a_read(&self.pools.current()).await?;
@@ -1524,7 +1527,7 @@ crate::transaction::transactional_connection! {
 /// `max_allowed_packet` (the server refuses a larger statement and drops the
 /// connection, the caller's transaction with it).
 async fn max_result_bytes_on(conn: &mut sqlx::MySqlConnection) -> Result<usize, StoreError> {
-    let packet: u64 = sqlx::query_scalar("SELECT CAST(@@max_allowed_packet AS UNSIGNED)")
+    let packet: u64 = sqlx::query_scalar("SELECT CAST(@@max_allowed_packet AS UNSIGNED) LIMIT 1")
         .fetch_one(conn)
         .await
         .map_err(err("read max_allowed_packet"))?;
@@ -1604,7 +1607,8 @@ async fn in_transaction(conn: &mut sqlx::MySqlConnection) -> Result<bool, StoreE
     const OP: &str = "check for an open transaction";
     let asked: Result<(i64, String, i64), sqlx::Error> = sqlx::query_as(concat!(
         "SELECT CAST(@@autocommit = 0 OR @@in_transaction = 1 AS SIGNED), @@tx_isolation, ",
-        clock_set!()
+        clock_set!(),
+        " LIMIT 1"
     ))
     .fetch_one(&mut *conn)
     .await;
@@ -1613,7 +1617,8 @@ async fn in_transaction(conn: &mut sqlx::MySqlConnection) -> Result<bool, StoreE
         Err(sqlx::Error::Database(e)) if error_number(&*e) == Some(ER_UNKNOWN_SYSTEM_VARIABLE) => {
             let (autocommit_off, clock_set): (i64, i64) = sqlx::query_as(concat!(
                 "SELECT CAST(@@autocommit = 0 AS SIGNED), ",
-                clock_set!()
+                clock_set!(),
+                " LIMIT 1"
             ))
             .fetch_one(&mut *conn)
             .await
