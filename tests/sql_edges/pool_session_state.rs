@@ -970,3 +970,77 @@ async fn mysql_a_store_opened_on_a_session_with_a_select_limit_applies_nothing_a
         std::panic::resume_unwind(e.into_panic());
     }
 }
+
+/// `SET TRANSACTION ISOLATION LEVEL READ UNCOMMITTED` (no `SESSION`: for
+/// the session's next transaction only) left pending on connections of the
+/// shared pool by code that returned before it began that transaction. The
+/// session's `@@tx_isolation` does not show it, and the next statement that
+/// reads a table (an autocommit read is a transaction) reads other
+/// transactions' uncommitted writes. A transactional-mode owner has
+/// recorded its result and not committed: a store-mode duplicate on such a
+/// connection must not replay it, nor the store's record read report it,
+/// since the owner then rolls back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mysql_a_pending_read_uncommitted_transaction_never_answers_an_uncommitted_result() {
+    use idempotent_runtime::TransactionalConnection;
+    let Some(admin) = mysql_store_or_skip().await else {
+        return;
+    };
+    let pool = MySqlPoolOptions::new()
+        .max_connections(2)
+        .connect(&mysql_url())
+        .await
+        .expect("pool");
+    let store = MySqlStore::from_pool(pool.clone()).await.expect("store");
+    let identity =
+        Identity::new(fresh_tenant(), "pool_state.pending_isolation", "k").expect("identity");
+    let f = fp("request");
+
+    let mut owner = admin.pool().begin().await.expect("begin");
+    let token = OwnerToken::new();
+    assert_eq!(
+        owner
+            .reserve_in_transaction(request(&identity, &f, &token), Duration::from_secs(1))
+            .await
+            .expect("the owner reserves"),
+        Reservation::FRESH
+    );
+    assert_eq!(
+        owner
+            .complete_in_transaction(Completion::by_body(&identity, &token, &ok(b"7"), LONG))
+            .await
+            .expect("the owner records"),
+        Fenced::Written
+    );
+
+    // Both connections of the pool carry the pending isolation.
+    let leave_it_pending = || async {
+        let mut first = pool.acquire().await.expect("a connection");
+        let mut second = pool.acquire().await.expect("the other connection");
+        for conn in [&mut first, &mut second] {
+            conn.execute("SET TRANSACTION ISOLATION LEVEL READ UNCOMMITTED")
+                .await
+                .expect("set the next transaction's isolation");
+        }
+    };
+    leave_it_pending().await;
+    let read = store.fetch(&identity).await;
+    leave_it_pending().await;
+    let duplicate = store
+        .reserve(request(&identity, &f, &OwnerToken::new()))
+        .await;
+    owner.rollback().await.expect("rollback");
+    pool.close().await;
+    assert!(
+        admin.fetch(&identity).await.expect("fetch").is_none(),
+        "the owner's result was never committed"
+    );
+    assert!(
+        !matches!(duplicate, Ok(Reservation::Completed(_))),
+        "the duplicate replayed a result its owner then rolled back: {duplicate:?}"
+    );
+    assert!(
+        !matches!(&read, Ok(Some(record)) if record.state == RecordState::Complete),
+        "the record read reported a result its owner then rolled back: {read:?}"
+    );
+}

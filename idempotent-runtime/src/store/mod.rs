@@ -810,16 +810,19 @@ async fn on_the_real_clock<F: std::future::Future>(
 /// left open is closed, which rolls that transaction back, with a warning,
 /// and another taken, or, with [`IfLeftOpen::Refuse`], the write is refused.
 #[cfg(any(feature = "sqlite", feature = "mysql"))]
-pub(crate) async fn outside_any_transaction<DB: sqlx::Database, C: Pooled<DB>>(
+pub(crate) async fn outside_any_transaction<DB: sqlx::Database, C: Pooled<DB>, F>(
     store: &'static str,
     operation: &'static str,
     pool: &sqlx::Pool<DB>,
     first: Option<C>,
     if_left_open: IfLeftOpen,
-    left_open: for<'c> fn(
+    left_open: F,
+) -> Result<C, StoreError>
+where
+    F: for<'c> Fn(
         &'c mut DB::Connection,
     ) -> futures_util::future::BoxFuture<'c, Result<bool, StoreError>>,
-) -> Result<C, StoreError> {
+{
     const LEFT_OPEN: &str = "the pool handed over a connection left inside a transaction that \
                              other code began and never ended (a BEGIN without COMMIT or ROLLBACK)";
     let mut next = first;

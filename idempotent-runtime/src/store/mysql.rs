@@ -176,7 +176,53 @@ struct Names {
     reserve: String,
     /// The purge procedure's call.
     purge: String,
+    /// The check of a session the store's reads and writes are about to
+    /// use ([`clean_connection`]).
+    check: std::sync::Arc<SessionCheck>,
 }
+
+/// [`checked_session`]'s statements (MariaDB's, and MySQL 8's, which has no
+/// `@@in_transaction`), each reading a row of the records table: a
+/// statement that reads an InnoDB table is a transaction, so it takes the
+/// isolation a `SET TRANSACTION ISOLATION LEVEL …` (no `SESSION`: the next
+/// transaction's only) left pending on the session by other code, and the
+/// store's statements after it run at the session's own. `@@tx_isolation`
+/// does not show such a pending level: a pending READ UNCOMMITTED made the
+/// store's next plain read (the reservation procedure's, a record read)
+/// see a transactional-mode owner's uncommitted result, and replay it.
+#[derive(Debug)]
+struct SessionCheck {
+    mariadb: String,
+    mysql8: String,
+}
+
+impl SessionCheck {
+    /// Reading `table`.
+    fn reading(table: &str) -> Self {
+        SessionCheck {
+            mariadb: SESSION_CHECK_SQL.replace(TABLE, table),
+            mysql8: SESSION_CHECK_MYSQL8_SQL.replace(TABLE, table),
+        }
+    }
+}
+
+/// [`SessionCheck`] on MariaDB: left inside a transaction, clock set, READ
+/// UNCOMMITTED, inside a transaction with autocommit off; and a row read.
+const SESSION_CHECK_SQL: &str = concat!(
+    "SELECT CAST(@@autocommit = 1 AND @@in_transaction = 1 AS SIGNED), ",
+    clock_set!(),
+    ", CAST(@@tx_isolation = 'READ-UNCOMMITTED' AS SIGNED), ",
+    "CAST(@@autocommit = 0 AND @@in_transaction = 1 AS SIGNED), ",
+    "(SELECT 1 FROM idempotency_records LIMIT 1) LIMIT 1"
+);
+
+/// [`SessionCheck`] on MySQL 8: clock set, autocommit off; and a row read.
+const SESSION_CHECK_MYSQL8_SQL: &str = concat!(
+    "SELECT ",
+    clock_set!(),
+    ", CAST(@@autocommit = 0 AS SIGNED), ",
+    "(SELECT 1 FROM idempotency_records LIMIT 1) LIMIT 1"
+);
 
 impl Names {
     /// In `database`, or unqualified when the session had none.
@@ -188,6 +234,7 @@ impl Names {
                 insert_or_read: INSERT_OR_READ_SQL.to_owned(),
                 reserve: RESERVE_SQL.to_owned(),
                 purge: PURGE_SQL.to_owned(),
+                check: std::sync::Arc::new(SessionCheck::reading(TABLE)),
             };
         };
         let database = format!("`{}`", database.replace('`', "``"));
@@ -201,6 +248,7 @@ impl Names {
                 &procedure("idempotency_reserve_v4"),
             ),
             purge: PURGE_SQL.replace("idempotency_purge(", &procedure("idempotency_purge")),
+            check: std::sync::Arc::new(SessionCheck::reading(&table)),
             table,
         }
     }
@@ -290,7 +338,7 @@ impl MySqlStore {
 /// `detached::ATTEMPT_ANSWERS_WITHIN`, its connection closed
 /// ([`server::answered_within`]).
 macro_rules! committed {
-    ($pool:expr, $op:literal, $waits:expr, |$on:ident, $commit:ident| $write:expr) => {{
+    ($pool:expr, $check:expr, $op:literal, $waits:expr, |$on:ident, $commit:ident| $write:expr) => {{
         let pool: &MySqlPool = $pool;
         let waits: Duration = $waits;
         let mut first = ClosedIfDropped::acquire(pool).await.map_err(err($op))?;
@@ -305,7 +353,7 @@ macro_rules! committed {
         if done.is_written() {
             Ok(done)
         } else {
-            let mut conn = clean_connection(pool, true).await?;
+            let mut conn = clean_connection(pool, Some($check)).await?;
             // Every answer hands the connection back (a deadlock or a lock
             // wait that ran out rolls the transaction back; it answered).
             let done = server::answered_within(waits, async {
@@ -372,22 +420,22 @@ impl Commit {
 /// autocommit off is left as it is: the store's statements handle it.
 async fn clean_connection(
     pool: &MySqlPool,
-    check: bool,
+    check: Option<&std::sync::Arc<SessionCheck>>,
 ) -> Result<ClosedIfDropped<MySql>, StoreError> {
-    if !check {
+    let Some(check) = check else {
         return ClosedIfDropped::acquire(pool)
             .await
             .map_err(err(CLEAN_CONNECTION));
-    }
+    };
     // The check's connection is already closed if the call is dropped while
     // the check waits (a silent server).
-    super::outside_any_transaction::<_, ClosedIfDropped<MySql>>(
+    super::outside_any_transaction::<_, ClosedIfDropped<MySql>, _>(
         STORE,
         CLEAN_CONNECTION,
         pool,
         None,
         super::IfLeftOpen::Close,
-        |conn| Box::pin(checked_session(conn, false)),
+        |conn| Box::pin(checked_session(conn, check.clone(), false)),
     )
     .await
 }
@@ -402,14 +450,17 @@ async fn clean_connection(
 /// store's own included), so a record completed since was still absent, or
 /// still in progress. (The store's writes on such a session commit what it
 /// holds already: `BEGIN`, or the procedure's `SET autocommit = 1`.)
-async fn connection_for_a_read(pool: &MySqlPool) -> Result<ClosedIfDropped<MySql>, StoreError> {
-    super::outside_any_transaction::<_, ClosedIfDropped<MySql>>(
+async fn connection_for_a_read(
+    pool: &MySqlPool,
+    check: &std::sync::Arc<SessionCheck>,
+) -> Result<ClosedIfDropped<MySql>, StoreError> {
+    super::outside_any_transaction::<_, ClosedIfDropped<MySql>, _>(
         STORE,
         CLEAN_CONNECTION,
         pool,
         None,
         super::IfLeftOpen::Close,
-        |conn| Box::pin(checked_session(conn, true)),
+        |conn| Box::pin(checked_session(conn, check.clone(), true)),
     )
     .await
 }
@@ -422,20 +473,16 @@ const CLEAN_CONNECTION: &str = "take a connection outside any transaction";
 /// ([`connection_for_a_read`]).
 async fn checked_session(
     conn: &mut sqlx::MySqlConnection,
+    check: std::sync::Arc<SessionCheck>,
     fresh_snapshot: bool,
 ) -> Result<bool, StoreError> {
     const OP: &str = CLEAN_CONNECTION;
     // Bounded like the statement it comes before; given up, the
     // error drops the connection, closed.
-    let asked: Result<(i64, i64, i64, i64), sqlx::Error> = server::answered_within(
+    type Asked = (i64, i64, i64, i64, Option<i64>);
+    let asked: Result<Asked, sqlx::Error> = server::answered_within(
         Duration::ZERO,
-        sqlx::query_as(concat!(
-            "SELECT CAST(@@autocommit = 1 AND @@in_transaction = 1 AS SIGNED), ",
-            clock_set!(),
-            ", CAST(@@tx_isolation = 'READ-UNCOMMITTED' AS SIGNED), ",
-            "CAST(@@autocommit = 0 AND @@in_transaction = 1 AS SIGNED) LIMIT 1"
-        ))
-        .fetch_one(&mut *conn),
+        sqlx::query_as(&check.mariadb).fetch_one(&mut *conn),
     )
     .await
     .map_err(err(OP))?;
@@ -443,18 +490,14 @@ async fn checked_session(
         // A session turned to READ UNCOMMITTED after the store
         // opened (by code sharing the pool): its reads would
         // replay results that may still roll back.
-        Ok((_, _, 1, _)) => return Err(StoreError::new(STORE, OP, READ_UNCOMMITTED_REFUSED)),
-        Ok((left_open, clock_set, _, off)) => (left_open, clock_set, off),
+        Ok((_, _, 1, _, _)) => return Err(StoreError::new(STORE, OP, READ_UNCOMMITTED_REFUSED)),
+        Ok((left_open, clock_set, _, off, _)) => (left_open, clock_set, off),
         // MySQL 8: no `@@in_transaction`.
         Err(sqlx::Error::Database(e)) if error_number(&*e) == Some(ER_UNKNOWN_SYSTEM_VARIABLE) => {
-            let (clock_set, off): (i64, i64) = sqlx::query_as(concat!(
-                "SELECT ",
-                clock_set!(),
-                ", CAST(@@autocommit = 0 AS SIGNED) LIMIT 1"
-            ))
-            .fetch_one(&mut *conn)
-            .await
-            .map_err(err(OP))?;
+            let (clock_set, off, _): (i64, i64, Option<i64>) = sqlx::query_as(&check.mysql8)
+                .fetch_one(&mut *conn)
+                .await
+                .map_err(err(OP))?;
             (0, clock_set, off)
         }
         Err(e) => return Err(err(OP)(e)),
@@ -505,7 +548,8 @@ fn background_worker(pool: &MySqlPool) -> detached::Detached {
         pool,
         |pool, identity, token| {
             Box::pin(async move {
-                committed!(&pool, "release", WORKER_WAITS, |on, commit| async {
+                let check = std::sync::Arc::new(SessionCheck::reading(TABLE));
+                committed!(&pool, &check, "release", WORKER_WAITS, |on, commit| async {
                     worker_lock_wait(&mut *on).await?;
                     release_as(commit, TABLE, &mut *on, &identity, &token).await
                 })
@@ -513,19 +557,34 @@ fn background_worker(pool: &MySqlPool) -> detached::Detached {
         },
         |pool, identity, token| {
             Box::pin(async move {
-                committed!(&pool, "heartbeat", WORKER_WAITS, |on, commit| async {
-                    worker_lock_wait(&mut *on).await?;
-                    heartbeat_as(commit, TABLE, &mut *on, &identity, &token, Duration::ZERO).await
-                })
+                let check = std::sync::Arc::new(SessionCheck::reading(TABLE));
+                committed!(
+                    &pool,
+                    &check,
+                    "heartbeat",
+                    WORKER_WAITS,
+                    |on, commit| async {
+                        worker_lock_wait(&mut *on).await?;
+                        heartbeat_as(commit, TABLE, &mut *on, &identity, &token, Duration::ZERO)
+                            .await
+                    }
+                )
             })
         },
         |pool, identity, token, answer| {
             Box::pin(async move {
                 let completion = answer.completing(&identity, &token);
-                committed!(&pool, "complete", WORKER_WAITS, |on, commit| async {
-                    worker_lock_wait(&mut *on).await?;
-                    complete_as(commit, TABLE, &mut *on, completion).await
-                })
+                let check = std::sync::Arc::new(SessionCheck::reading(TABLE));
+                committed!(
+                    &pool,
+                    &check,
+                    "complete",
+                    WORKER_WAITS,
+                    |on, commit| async {
+                        worker_lock_wait(&mut *on).await?;
+                        complete_as(commit, TABLE, &mut *on, completion).await
+                    }
+                )
             })
         },
     )
@@ -940,17 +999,16 @@ async fn insert_or_read(
 enum InsertOrRead {
     /// Inserted, or the existing record answers.
     Answered(Reservation),
-    /// Another session holds the row: a plain read may still answer (a
-    /// replay whose row a concurrent duplicate's statement holds).
+    /// Another session holds the row: the procedure's plain read may still
+    /// answer (a replay whose row a concurrent duplicate's statement holds).
     Held,
     /// Expired, a lease that ran out, or autocommit off: the procedure decides.
     Decide,
 }
 
-/// A reservation through the store: on MariaDB the insert-or-read statement
-/// (and when another session holds the row, the plain read), on MySQL the
-/// plain read; the procedure only for what is left (expired, lease run out,
-/// a row held by an open transaction, MySQL's absent keys).
+/// A reservation through the store: on MariaDB the insert-or-read statement,
+/// on MySQL the plain read; the procedure only for what is left (expired,
+/// lease run out, a row another session holds, MySQL's absent keys).
 async fn reserve_through_store(
     pool: &MySqlPool,
     names: &Names,
@@ -960,10 +1018,14 @@ async fn reserve_through_store(
     if mariadb {
         match insert_or_read(pool, names, request).await? {
             InsertOrRead::Answered(answer) => return Ok(answer),
-            InsertOrRead::Decide => {
+            // A row another session holds: the procedure's plain read
+            // answers a replay, on a connection checked first. (A plain
+            // read here, on whatever connection the pool hands over next,
+            // would read at an isolation left pending on it: see
+            // `SessionCheck`.)
+            InsertOrRead::Decide | InsertOrRead::Held => {
                 return reserve_through_the_procedure(pool, names, request, mariadb).await
             }
-            InsertOrRead::Held => {} // the plain read below, then the procedure
         }
     }
     let id = request.identity;
@@ -1075,7 +1137,7 @@ async fn reserve_through_the_procedure(
     request: ReserveRequest<'_>,
     mariadb: bool,
 ) -> Result<Reservation, StoreError> {
-    let mut conn = clean_connection(pool, mariadb).await?;
+    let mut conn = clean_connection(pool, mariadb.then_some(&names.check)).await?;
     // It waits `STORE_LOCK_WAIT_S` in all, for the identity's `GET_LOCK`
     // and then for the row.
     let answer = server::answered_within(
@@ -1316,9 +1378,9 @@ impl Store for MySqlStore {
             .lock_wait
             .saturating_add(detached::allowance_for(completion.outcome.payload.len()));
         let table = self.names.table.as_str();
-        committed!(&pool, "complete", waits, |on, commit| complete_as(
-            commit, table, on, completion
-        ))
+        committed!(&pool, &self.names.check, "complete", waits, |on, commit| {
+            complete_as(commit, table, on, completion)
+        })
     }
 
     async fn force_release(
@@ -1334,7 +1396,7 @@ impl Store for MySqlStore {
         // The session's wait is shortened for that, on a connection closed
         // afterwards instead of returned to the pool with it, whatever
         // happens (this call dropped halfway included).
-        let mut conn = clean_connection(&self.pools.current(), true).await?;
+        let mut conn = clean_connection(&self.pools.current(), Some(&self.names.check)).await?;
         conn.close_on_drop();
         sqlx::query("SET SESSION innodb_lock_wait_timeout = ?")
             .bind(OPERATOR_LOCK_WAIT.as_secs().max(1))
@@ -1386,9 +1448,13 @@ impl Store for MySqlStore {
 
     async fn release(&self, identity: &Identity, token: &OwnerToken) -> Result<Fenced, StoreError> {
         let pool = self.pools.current();
-        committed!(&pool, "release", self.lock_wait, |on, commit| {
-            release_as(commit, &self.names.table, on, identity, token)
-        })
+        committed!(
+            &pool,
+            &self.names.check,
+            "release",
+            self.lock_wait,
+            |on, commit| release_as(commit, &self.names.table, on, identity, token)
+        )
     }
 
     async fn heartbeat(
@@ -1398,9 +1464,13 @@ impl Store for MySqlStore {
         lease: Duration,
     ) -> Result<Fenced, StoreError> {
         let pool = self.pools.current();
-        committed!(&pool, "heartbeat", self.lock_wait, |on, commit| {
-            heartbeat_as(commit, &self.names.table, on, identity, token, lease)
-        })
+        committed!(
+            &pool,
+            &self.names.check,
+            "heartbeat",
+            self.lock_wait,
+            |on, commit| heartbeat_as(commit, &self.names.table, on, identity, token, lease)
+        )
     }
 
     crate::store::detached::hand_over_to_the_worker!();
@@ -1409,7 +1479,7 @@ impl Store for MySqlStore {
         super::purge_in_chunks(STORE, batch, |chunk| async move {
             // The procedure decides by the session's clock and begins a
             // transaction of its own (which would commit one left open).
-            let mut conn = clean_connection(&self.pools.current(), true).await?;
+            let mut conn = clean_connection(&self.pools.current(), Some(&self.names.check)).await?;
             let row: MySqlRow = sqlx::query(&self.names.purge)
                 .bind(i64::from(chunk))
                 .fetch_one(&mut *conn)
@@ -1433,7 +1503,7 @@ impl Store for MySqlStore {
                FROM {table} WHERE tenant = ? AND scope = ? AND `key` = ? LIMIT 1",
             table = self.names.table
         );
-        let mut conn = connection_for_a_read(&self.pools.current()).await?;
+        let mut conn = connection_for_a_read(&self.pools.current(), &self.names.check).await?;
         // A plain read: no lock wait.
         let row = server::answered_within(
             Duration::ZERO,
@@ -1478,7 +1548,7 @@ impl Store for MySqlStore {
               LIMIT 18446744073709551615",
             table = self.names.table
         );
-        let mut conn = connection_for_a_read(&self.pools.current()).await?;
+        let mut conn = connection_for_a_read(&self.pools.current(), &self.names.check).await?;
         let found = sqlx::query(&sql)
             .fetch_all(&mut *conn)
             .await
