@@ -1044,3 +1044,57 @@ async fn mysql_a_pending_read_uncommitted_transaction_never_answers_an_uncommitt
         "the record read reported a result its owner then rolled back: {read:?}"
     );
 }
+
+/// MariaDB's `max_statement_time` left on a connection of the shared pool
+/// (an application's bound on its own queries, 0.5 s here): a
+/// transactional-mode duplicate of a call whose owner has not committed
+/// waits for the owner's row up to its own bound (`in_progress = wait`,
+/// 1 s here), and the server cut that wait at the session's bound: the
+/// caller got a store error ("Query execution was interrupted") instead of
+/// `InProgress` (rule 4).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mysql_a_statement_time_limit_left_on_the_pool_does_not_cut_a_duplicates_wait() {
+    use idempotent_runtime::TransactionalConnection;
+    let Some(admin) = mysql_store_or_skip().await else {
+        return;
+    };
+    let (pool, _store) = mysql_pool_of_one(&mysql_url()).await;
+    let mariadb: Option<i64> = sqlx::query_scalar("SELECT @@max_statement_time IS NOT NULL")
+        .fetch_one(&pool)
+        .await
+        .ok();
+    if mariadb.is_none() {
+        return; // MySQL has no max_statement_time
+    }
+    pool.execute("SET SESSION max_statement_time = 0.5")
+        .await
+        .expect("max_statement_time");
+    let identity =
+        Identity::new(fresh_tenant(), "pool_state.statement_time", "k").expect("identity");
+    let f = fp("request");
+    let mut owner = admin.pool().begin().await.expect("begin");
+    assert_eq!(
+        owner
+            .reserve_in_transaction(
+                request(&identity, &f, &OwnerToken::new()),
+                Duration::from_secs(1)
+            )
+            .await
+            .expect("the owner reserves"),
+        Reservation::FRESH
+    );
+    let mut duplicate = pool.begin().await.expect("begin");
+    let answer = duplicate
+        .reserve_in_transaction(
+            request(&identity, &f, &OwnerToken::new()),
+            Duration::from_secs(1),
+        )
+        .await;
+    duplicate.rollback().await.expect("rollback");
+    owner.rollback().await.expect("rollback");
+    pool.close().await;
+    assert!(
+        matches!(answer, Ok(Reservation::InProgress { .. })),
+        "the duplicate is told the call is in progress: {answer:?}"
+    );
+}

@@ -1071,15 +1071,20 @@ async fn reserve_through_store(
 /// which the procedure refuses before it reads or writes anything: it decides
 /// by `NOW()`, and a fresh key on MySQL 8 comes here without another check.
 ///
-/// On MariaDB the CALL runs with `max_error_count` at its default (64, for
-/// the statement only; MySQL skips the `/*M! */` comment): on a session left
-/// with `max_error_count = 0` the server records no condition for a
-/// `SELECT … INTO` that finds no row, so the procedure's `NOT FOUND` handler
-/// never ran, a key it did not find looked found with every column `NULL`,
-/// and after fifty attempts to take that over the call was refused ("the
-/// record kept changing"): every transactional call of a fresh key.
+/// On MariaDB the CALL runs with `max_error_count` at its default (64) and
+/// no `max_statement_time` (for the statement only; MySQL skips the `/*M!
+/// */` comment). On a session left with `max_error_count = 0` the server
+/// records no condition for a `SELECT … INTO` that finds no row, so the
+/// procedure's `NOT FOUND` handler never ran, a key it did not find looked
+/// found with every column `NULL`, and after fifty attempts to take that
+/// over the call was refused ("the record kept changing"): every
+/// transactional call of a fresh key. A `max_statement_time` left on the
+/// session cut the procedure's wait for a row (bounded by the call's own
+/// `in_progress = wait`, or a second through the store) into a store error
+/// where the answer is `InProgress`.
 const RESERVE_SQL: &str = concat!(
-    "/*M! SET STATEMENT max_error_count = 64 FOR */ CALL idempotency_reserve_v4(?, ?, IF(",
+    "/*M! SET STATEMENT max_error_count = 64, max_statement_time = 0 FOR */ ",
+    "CALL idempotency_reserve_v4(?, ?, IF(",
     clock_unset!(),
     ", ?, NULL), ?, ?, ?, ?, ?, ?, 1, ",
     "@idempotency_outcome, @idempotency_took_over, @idempotency_is_error, @idempotency_result, ",
