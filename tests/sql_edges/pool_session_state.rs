@@ -337,6 +337,105 @@ async fn pg_a_search_path_left_on_the_pool_does_not_move_the_records() {
     }
 }
 
+/// `url`'s connect options with `search_path` set at connect time, as an
+/// application chooses the schema its store lives in.
+fn with_search_path(url: &str, search_path: &str) -> sqlx::postgres::PgConnectOptions {
+    url.parse::<sqlx::postgres::PgConnectOptions>()
+        .expect("url")
+        .options([("search_path", search_path)])
+}
+
+/// A pool of one connection on `options`, a store on it, and a clean store
+/// (a pool of its own) in the same schema.
+async fn pg_schema_stores(
+    options: sqlx::postgres::PgConnectOptions,
+) -> (sqlx::PgPool, PgStore, PgStore) {
+    let pool = PgPoolOptions::new()
+        .max_connections(1)
+        .connect_with(options.clone())
+        .await
+        .expect("pool");
+    let dirty = PgStore::from_pool(pool.clone()).await.expect("store");
+    let clean = PgStore::from_pool(
+        PgPoolOptions::new()
+            .max_connections(2)
+            .connect_with(options)
+            .await
+            .expect("pool"),
+    )
+    .await
+    .expect("clean store");
+    (pool, dirty, clean)
+}
+
+/// Runs `check` on the URL of a database of its own, dropped whatever the
+/// check answers.
+async fn in_own_database<F, Fut>(check: F)
+where
+    F: FnOnce(String) -> Fut,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
+    let Some(db) = OwnDatabase::create().await else {
+        return;
+    };
+    let checked = tokio::spawn(check(db.url.clone())).await;
+    db.drop().await;
+    if let Err(e) = checked {
+        std::panic::resume_unwind(e.into_panic());
+    }
+}
+
+/// A store in a schema whose name must be quoted (capitals, `MyApp`, chosen
+/// with `search_path = "MyApp"` in the connect options): it opens, and its
+/// functions keep to that schema when a connection of its pool is left with
+/// a TEMP table named like its table.
+#[tokio::test]
+async fn pg_a_store_opens_in_a_schema_whose_name_must_be_quoted() {
+    in_own_database(|url| async move {
+        let mut setup = sqlx::PgConnection::connect(&url).await.expect("connect");
+        setup
+            .execute("CREATE SCHEMA \"MyApp\"")
+            .await
+            .expect("schema");
+        let (pool, dirty, clean) = pg_schema_stores(with_search_path(&url, "\"MyApp\"")).await;
+        pool.execute(
+            "CREATE TEMP TABLE idempotency_records \
+             (LIKE \"MyApp\".idempotency_records INCLUDING ALL)",
+        )
+        .await
+        .expect("temp table");
+        let identity = Identity::new(fresh_tenant(), "pool_state.quoted", "k").expect("identity");
+        a_call_on_the_dirty_pool_is_seen_by_a_clean_one(&dirty, &clean, &identity).await;
+        pool.close().await;
+    })
+    .await;
+}
+
+/// Two stores in one database, in schemas whose names differ only in case
+/// (`myapp` and `"MyApp"`): opening the second must not point the first's
+/// functions at the second's table (its name read as an identifier is the
+/// first's). Each store's call is then seen by its own schema's stores.
+#[tokio::test]
+async fn pg_stores_in_schemas_named_alike_but_for_case_keep_their_own_records() {
+    in_own_database(|url| async move {
+        let mut setup = sqlx::PgConnection::connect(&url).await.expect("connect");
+        setup
+            .execute("CREATE SCHEMA myapp; CREATE SCHEMA \"MyApp\"")
+            .await
+            .expect("schemas");
+        let (lower_pool, lower, lower_clean) =
+            pg_schema_stores(with_search_path(&url, "myapp")).await;
+        let (upper_pool, upper, upper_clean) =
+            pg_schema_stores(with_search_path(&url, "\"MyApp\"")).await;
+        let identity = Identity::new(fresh_tenant(), "pool_state.case", "k").expect("identity");
+        a_call_on_the_dirty_pool_is_seen_by_a_clean_one(&lower, &lower_clean, &identity).await;
+        a_call_on_the_dirty_pool_is_seen_by_a_clean_one(&upper, &upper_clean, &identity).await;
+        lower_pool.close().await;
+        upper_pool.close().await;
+    })
+    .await;
+}
+
 /// A fresh SQLite database file (removed by [`remove`]).
 fn sqlite_path() -> std::path::PathBuf {
     let dir = std::env::temp_dir().join("idempotent-pool-state-tests");
