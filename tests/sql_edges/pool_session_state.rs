@@ -436,6 +436,108 @@ async fn pg_stores_in_schemas_named_alike_but_for_case_keep_their_own_records() 
     .await;
 }
 
+/// A database migrated in `public` by the previous build (without 0009: its
+/// history row gone, no function pinned), and then a schema `app` made, which
+/// the application puts in front of `public` in its `search_path`.
+async fn previous_builds_database_then_a_schema_in_front(url: &str) {
+    let first = PgStore::connect(url).await.expect("store");
+    let mut setup = sqlx::PgConnection::connect(url).await.expect("connect");
+    setup
+        .execute(
+            "DELETE FROM idempotency_schema_migrations WHERE version = 9;
+             DO $$ DECLARE f REGPROCEDURE; BEGIN
+                 FOR f IN SELECT oid::REGPROCEDURE FROM pg_proc
+                           WHERE proname LIKE 'idempotency%' AND proconfig IS NOT NULL LOOP
+                     EXECUTE format('ALTER FUNCTION %s RESET ALL', f);
+                 END LOOP;
+             END $$;
+             CREATE SCHEMA app;",
+        )
+        .await
+        .expect("the previous build's database, and a schema of the application's");
+    drop(first);
+}
+
+/// A database the previous build migrated (without 0009) while the
+/// search_path's first schema did not exist: its table and functions are in
+/// `public`. The application now puts a schema of its own first
+/// (`search_path = app,public`, `app` holding none of the store's tables;
+/// or a `"$user"` schema created later). The store finds its table in
+/// `public` and names it there; the functions it calls must keep to
+/// `public` too, or a TEMP table left on a connection of the pool still
+/// takes the reservation.
+#[tokio::test]
+async fn pg_functions_of_a_table_further_down_the_search_path_keep_to_its_schema() {
+    in_own_database(|url| async move {
+        previous_builds_database_then_a_schema_in_front(&url).await;
+        let (pool, dirty, clean) = pg_schema_stores(with_search_path(&url, "app,public")).await;
+        pool.execute(
+            "CREATE TEMP TABLE idempotency_records \
+             (LIKE public.idempotency_records INCLUDING ALL)",
+        )
+        .await
+        .expect("temp table");
+        let identity =
+            Identity::new(fresh_tenant(), "pool_state.further_down", "k").expect("identity");
+        a_call_on_the_dirty_pool_is_seen_by_a_clean_one(&dirty, &clean, &identity).await;
+        pool.close().await;
+    })
+    .await;
+}
+
+/// The same database: a call recorded before the deploy, then the new build
+/// opened by two processes with `search_path = app,public` (the first applies
+/// the pending migration). Each must find the records where they are: a
+/// migration run under that search_path must not start a second, empty store
+/// in `app` that the next process opens, where a retry of the recorded call
+/// finds nothing and runs its body again.
+#[tokio::test]
+async fn pg_a_migration_under_a_schema_put_in_front_keeps_the_recorded_calls() {
+    in_own_database(|url| async move {
+        let before = PgStore::connect(&url).await.expect("store");
+        let identity = Identity::new(fresh_tenant(), "pool_state.in_front", "k").expect("identity");
+        let f = fp("request");
+        let token = OwnerToken::new();
+        assert_eq!(
+            before
+                .reserve(request(&identity, &f, &token))
+                .await
+                .expect("reserve"),
+            Reservation::FRESH
+        );
+        assert_eq!(
+            before
+                .complete(Completion::by_body(&identity, &token, &ok(b"7"), LONG))
+                .await
+                .expect("complete"),
+            Fenced::Written
+        );
+        drop(before);
+        previous_builds_database_then_a_schema_in_front(&url).await;
+        for process in ["migrates", "opens next"] {
+            let store = PgStore::from_pool(
+                PgPoolOptions::new()
+                    .max_connections(1)
+                    .connect_with(with_search_path(&url, "app,public"))
+                    .await
+                    .expect("pool"),
+            )
+            .await
+            .expect("store");
+            let retry = OwnerToken::new();
+            assert_eq!(
+                store
+                    .reserve(request(&identity, &f, &retry))
+                    .await
+                    .expect("reserve"),
+                Reservation::Completed(ok(b"7")),
+                "the process that {process} replays the call recorded before"
+            );
+        }
+    })
+    .await;
+}
+
 /// A fresh SQLite database file (removed by [`remove`]).
 fn sqlite_path() -> std::path::PathBuf {
     let dir = std::env::temp_dir().join("idempotent-pool-state-tests");

@@ -500,6 +500,26 @@ impl migrate::MigrationBackend for MigrationTransaction {
             other => other?,
         };
         sqlx::query(set).bind(&own).execute(&mut *tx).await?;
+        // Pending migrations go where the history is. It can be in a schema
+        // further down the search_path than its first: a database set up
+        // before that schema existed (a `"$user"` schema created later, an
+        // application's schema put in front of `public`). Unqualified, the
+        // history table would be created again in the first schema (`IF NOT
+        // EXISTS` looks in the schema it creates in alone), read there as
+        // empty on the next open, and every migration applied there: a
+        // second, empty store, found first by the next processes, while the
+        // records stayed where the history was, and every retry of a call
+        // recorded before ran its body again. For the rest of this
+        // transaction alone; a TEMP table is not taken for the history.
+        sqlx::query(
+            "SELECT set_config('search_path', concat_ws(', ', quote_ident(n.nspname),
+                        NULLIF(current_setting('search_path'), '')), true)
+               FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+              WHERE c.oid = to_regclass('idempotency_schema_migrations')
+                AND n.oid IS DISTINCT FROM pg_my_temp_schema()",
+        )
+        .execute(&mut *tx)
+        .await?;
         Ok(())
     }
 
