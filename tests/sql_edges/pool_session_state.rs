@@ -538,6 +538,54 @@ async fn pg_a_migration_under_a_schema_put_in_front_keeps_the_recorded_calls() {
     .await;
 }
 
+/// Transactional mode runs its statements on the caller's connection, by the
+/// caller's `search_path`: a caller whose path names another schema holding
+/// a store of its own (tables and functions, migrated there) reserves and
+/// records there, and the functions it calls keep to that schema too. The
+/// record is that schema's store's, never `public`'s.
+#[tokio::test]
+async fn pg_a_transactional_call_keeps_to_the_schema_its_search_path_names() {
+    in_own_database(|url| async move {
+        let public = PgStore::connect(&url).await.expect("store in public");
+        let mut setup = sqlx::PgConnection::connect(&url).await.expect("connect");
+        setup.execute("CREATE SCHEMA b").await.expect("schema");
+        let (pool, b, _) = pg_schema_stores(with_search_path(&url, "b")).await;
+        let identity =
+            Identity::new(fresh_tenant(), "pool_state.tx_schema", "k").expect("identity");
+        let f = fp("request");
+        let token = OwnerToken::new();
+        let mut conn = sqlx::PgConnection::connect(&url).await.expect("connect");
+        conn.execute("SET search_path = b, public")
+            .await
+            .expect("search_path");
+        let mut tx = conn.begin().await.expect("begin");
+        assert_eq!(
+            tx.reserve_in_transaction(request(&identity, &f, &token), Duration::from_millis(100))
+                .await
+                .expect("reserve"),
+            Reservation::FRESH
+        );
+        assert_eq!(
+            tx.complete_in_transaction(Completion::by_body(&identity, &token, &ok(b"7"), LONG))
+                .await
+                .expect("complete"),
+            Fenced::Written
+        );
+        tx.commit().await.expect("commit");
+        let retry = OwnerToken::new();
+        assert_eq!(
+            b.reserve(request(&identity, &f, &retry))
+                .await
+                .expect("reserve"),
+            Reservation::Completed(ok(b"7")),
+            "the schema's own store replays"
+        );
+        assert!(public.fetch(&identity).await.expect("fetch").is_none());
+        pool.close().await;
+    })
+    .await;
+}
+
 /// A fresh SQLite database file (removed by [`remove`]).
 fn sqlite_path() -> std::path::PathBuf {
     let dir = std::env::temp_dir().join("idempotent-pool-state-tests");
