@@ -266,6 +266,11 @@ struct OwnDatabase {
 
 impl OwnDatabase {
     async fn create() -> Option<Self> {
+        Self::create_with("").await
+    }
+
+    /// With `how` after `CREATE DATABASE name` (an encoding, say).
+    async fn create_with(how: &str) -> Option<Self> {
         let admin_url = pg_url();
         let Ok(mut admin) = sqlx::PgConnection::connect(&admin_url).await else {
             eprintln!("SKIPPED: PostgreSQL unreachable");
@@ -273,7 +278,7 @@ impl OwnDatabase {
         };
         let name = format!("pg_pool_state_{}", uuid::Uuid::new_v4().simple());
         admin
-            .execute(format!("CREATE DATABASE {name}").as_str())
+            .execute(format!("CREATE DATABASE {name} {how}").as_str())
             .await
             .expect("create database");
         let url = match admin_url.rsplit_once('/') {
@@ -375,7 +380,16 @@ where
     F: FnOnce(String) -> Fut,
     Fut: std::future::Future<Output = ()> + Send + 'static,
 {
-    let Some(db) = OwnDatabase::create().await else {
+    in_own_database_made(check, "").await;
+}
+
+/// [`in_own_database`], the database made with `how` (an encoding, say).
+async fn in_own_database_made<F, Fut>(check: F, how: &str)
+where
+    F: FnOnce(String) -> Fut,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
+    let Some(db) = OwnDatabase::create_with(how).await else {
         return;
     };
     let checked = tokio::spawn(check(db.url.clone())).await;
@@ -583,6 +597,52 @@ async fn pg_a_transactional_call_keeps_to_the_schema_its_search_path_names() {
         assert!(public.fetch(&identity).await.expect("fetch").is_none());
         pool.close().await;
     })
+    .await;
+}
+
+/// A database whose encoding is neither UTF8 nor SQL_ASCII (`WIN1252`): a
+/// clean connection's text (UTF-8, as sqlx sends it) is converted into it,
+/// `café` stored as 4 bytes. A connection of the shared pool left in
+/// `client_encoding = SQL_ASCII` has nothing converted: the UTF-8 bytes are
+/// stored as they are, `cafÃ©`, a key a clean connection never looks for.
+/// `SQL_ASCII` on the client side is faithful in a UTF8 database alone.
+#[tokio::test]
+async fn pg_a_session_left_in_sql_ascii_on_a_win1252_database_writes_under_the_callers_identity() {
+    in_own_database_made(
+        |url| async move {
+            let clean = PgStore::connect(&url).await.expect("store");
+            let (pool, dirty) = pg_pool_of_one(&url).await;
+            pool.execute("SET client_encoding = 'SQL_ASCII'")
+                .await
+                .expect("set the encoding");
+            let identity =
+                Identity::new(fresh_tenant(), "pool_state.sql_ascii", "café").expect("identity");
+            a_call_on_the_dirty_pool_is_seen_by_a_clean_one(&dirty, &clean, &identity).await;
+            pool.close().await;
+        },
+        "ENCODING 'WIN1252' LC_COLLATE 'C' LC_CTYPE 'C' TEMPLATE template0",
+    )
+    .await;
+}
+
+/// A LATIN1 database: the store opens (a clean connection's text is UTF-8
+/// converted into LATIN1, and the store's statements hold nothing Latin-1
+/// cannot say) and a call with an accented key is replayed.
+#[tokio::test]
+#[ignore = "not fixed: the shipped migration 0008 has a character LATIN1 cannot hold (U+2026, in a comment of its first lines); the server converts the whole text and refuses it, so no store opens in a LATIN1 database"]
+async fn pg_a_store_opens_in_a_latin1_database() {
+    in_own_database_made(
+        |url| async move {
+            let store = PgStore::connect(&url)
+                .await
+                .expect("a store in a LATIN1 database");
+            let clean = PgStore::connect(&url).await.expect("store");
+            let identity =
+                Identity::new(fresh_tenant(), "pool_state.latin1_db", "café").expect("identity");
+            a_call_on_the_dirty_pool_is_seen_by_a_clean_one(&store, &clean, &identity).await;
+        },
+        "ENCODING 'LATIN1' LC_COLLATE 'C' LC_CTYPE 'C' TEMPLATE template0",
+    )
     .await;
 }
 

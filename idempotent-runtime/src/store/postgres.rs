@@ -599,13 +599,19 @@ fn millis_i64(d: Duration) -> i64 {
 /// whatever the session's `client_encoding` says, and the server converts
 /// every text parameter from that encoding (from LATIN1, `café` arrives as
 /// `cafÃ©`), which would name the record by another tenant or key than a
-/// clean connection looks for. `SQL_ASCII` on either side converts nothing.
+/// clean connection looks for. A `SQL_ASCII` database converts nothing,
+/// whatever the client says. A `SQL_ASCII` client has nothing converted
+/// either, which is what a clean connection gets in a UTF8 database alone:
+/// in another (`LATIN1`, `WIN1252`) a clean connection's UTF-8 is converted
+/// (`é` stored as one byte), and the raw bytes (`Ã©`) name another key.
 /// A SQL condition, in the statements that would create a record (and in
 /// `idempotency_acquire_absent`, migration 0010).
 macro_rules! reads_text_as_sent {
     () => {
-        "(current_setting('client_encoding') IN ('UTF8', 'SQL_ASCII') \
-          OR current_setting('server_encoding') = 'SQL_ASCII')"
+        "(current_setting('client_encoding') = 'UTF8' \
+          OR current_setting('server_encoding') = 'SQL_ASCII' \
+          OR (current_setting('client_encoding') = 'SQL_ASCII' \
+              AND current_setting('server_encoding') = 'UTF8'))"
     };
 }
 
