@@ -561,7 +561,7 @@ impl migrate::MigrationBackend for MigrationTransaction {
     }
 
     async fn execute(&mut self, sql: &str) -> Result<(), sqlx::Error> {
-        self.tx.execute(sql).await
+        self.tx.execute(&*comments_in_ascii(sql)).await
     }
 
     async fn record(
@@ -585,6 +585,29 @@ impl migrate::MigrationBackend for MigrationTransaction {
     async fn unlock(&mut self, done: bool) -> Result<(), sqlx::Error> {
         self.tx.finish(done).await
     }
+}
+
+/// `sql` with every character outside ASCII on its comment lines (a line
+/// whose first non-blank is `--`) replaced by `?`. The server converts the
+/// whole text sqlx sends (UTF-8) into the database's encoding before it
+/// parses it, comments included: a character the encoding cannot hold (the
+/// `…` in a comment of migration 0008, in a LATIN1 database) failed the
+/// migration, and no store opened there. What a comment says changes
+/// nothing; the migration's checksum is taken of the file as it ships.
+fn comments_in_ascii(sql: &str) -> std::borrow::Cow<'_, str> {
+    let is_comment = |line: &str| line.trim_start().starts_with("--");
+    if sql.is_ascii() || !sql.lines().any(|l| is_comment(l) && !l.is_ascii()) {
+        return std::borrow::Cow::Borrowed(sql);
+    }
+    let mut out = String::with_capacity(sql.len());
+    for line in sql.split_inclusive('\n') {
+        if is_comment(line) {
+            out.extend(line.chars().map(|c| if c.is_ascii() { c } else { '?' }));
+        } else {
+            out.push_str(line);
+        }
+    }
+    std::borrow::Cow::Owned(out)
 }
 
 fn err(operation: &'static str) -> impl FnOnce(sqlx::Error) -> StoreError {
@@ -1991,6 +2014,19 @@ impl PgStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn comments_in_ascii_changes_comment_lines_alone() {
+        let sql = "-- an INSERT \u{2026} here\nSELECT 'caf\u{e9}'; -- caf\u{e9}\n  -- \u{e9}";
+        assert_eq!(
+            comments_in_ascii(sql),
+            "-- an INSERT ? here\nSELECT 'caf\u{e9}'; -- caf\u{e9}\n  -- ?"
+        );
+        assert!(matches!(
+            comments_in_ascii("SELECT 1 -- plain"),
+            std::borrow::Cow::Borrowed(_)
+        ));
+    }
 
     #[test]
     fn qualified_names_every_table_and_function_of_the_store_in_its_schema() {
