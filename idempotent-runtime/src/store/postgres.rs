@@ -265,28 +265,107 @@ impl Statements {
     }
 }
 
-/// `sql` with every name of the store's own (`idempotency_…`: the table and
-/// the functions) qualified by `schema`, quoted as an identifier. A name
-/// already qualified, or inside a string literal or quoted identifier, is
-/// left as it is.
+/// `sql` with every name of the store's own (`idempotency_…`, in any case:
+/// the table and the functions) qualified by `schema`, quoted as an
+/// identifier. A name already qualified or part of another, or inside a
+/// string literal (`'…'`, `E'…'`), a quoted identifier, a comment or a
+/// dollar-quoted string, is left as it is.
 fn qualified(sql: &str, schema: &str) -> String {
     const PREFIX: &str = "idempotency_";
     let quoted = format!("\"{}\".", schema.replace('"', "\"\""));
     let mut out = String::with_capacity(sql.len() + 8 * quoted.len());
-    let mut rest = sql;
-    while let Some(at) = rest.find(PREFIX) {
-        let before = rest[..at].chars().next_back().or(out.chars().next_back());
-        out.push_str(&rest[..at]);
-        let part_of_another = before
-            .is_some_and(|c| c.is_alphanumeric() || matches!(c, '_' | '.' | '\'' | '"' | '$'));
-        if !part_of_another {
+    let mut at = 0;
+    while at < sql.len() {
+        let rest = &sql[at..];
+        let skipped = unqualified_span(rest, out.chars().next_back());
+        if skipped > 0 {
+            out.push_str(&rest[..skipped]);
+            at += skipped;
+            continue;
+        }
+        let names_ours = rest
+            .get(..PREFIX.len())
+            .is_some_and(|head| head.eq_ignore_ascii_case(PREFIX));
+        let part_of_another = out
+            .chars()
+            .next_back()
+            .is_some_and(|c| c.is_alphanumeric() || matches!(c, '_' | '.' | '$'));
+        if names_ours && !part_of_another {
             out.push_str(&quoted);
         }
-        out.push_str(PREFIX);
-        rest = &rest[at + PREFIX.len()..];
+        let step = if names_ours {
+            PREFIX.len()
+        } else {
+            rest.chars().next().map_or(1, char::len_utf8)
+        };
+        out.push_str(&rest[..step]);
+        at += step;
     }
-    out.push_str(rest);
     out
+}
+
+/// How many bytes at the start of `rest` are a string literal, a quoted
+/// identifier, a comment or a dollar-quoted string (to the end of `rest` if
+/// it is not closed); 0 when `rest` starts with none. `before` is the
+/// character before `rest` (an `E` makes a literal's backslashes escapes).
+fn unqualified_span(rest: &str, before: Option<char>) -> usize {
+    let closing = |open: usize, close: &str| {
+        rest[open..]
+            .find(close)
+            .map_or(rest.len(), |end| open + end + close.len())
+    };
+    if rest.starts_with("--") {
+        return rest.find('\n').map_or(rest.len(), |end| end + 1);
+    }
+    if rest.starts_with("/*") {
+        // Comments nest in PostgreSQL.
+        let mut depth = 0usize;
+        let mut i = 0;
+        while i < rest.len() {
+            if rest[i..].starts_with("/*") {
+                depth += 1;
+                i += 2;
+            } else if rest[i..].starts_with("*/") {
+                depth -= 1;
+                i += 2;
+                if depth == 0 {
+                    return i;
+                }
+            } else {
+                i += rest[i..].chars().next().map_or(1, char::len_utf8);
+            }
+        }
+        return rest.len();
+    }
+    if let Some(quote @ ('\'' | '"')) = rest.chars().next() {
+        let escapes = quote == '\'' && before.is_some_and(|c| c.eq_ignore_ascii_case(&'e'));
+        let mut chars = rest.char_indices().skip(1).peekable();
+        while let Some((i, c)) = chars.next() {
+            if escapes && c == '\\' {
+                chars.next();
+            } else if c == quote {
+                if chars.peek().is_some_and(|&(_, next)| next == quote) {
+                    chars.next();
+                } else {
+                    return i + 1;
+                }
+            }
+        }
+        return rest.len();
+    }
+    if rest.starts_with('$') && !before.is_some_and(|c| c.is_alphanumeric() || c == '_') {
+        // `$tag$` or `$$`; `$1` is a parameter.
+        let tag_len = rest[1..]
+            .find(|c: char| !(c.is_alphanumeric() || c == '_'))
+            .unwrap_or(rest.len() - 1);
+        let tag = &rest[..tag_len + 1];
+        let starts_as_tag = tag[1..].chars().next().is_none_or(|c| !c.is_ascii_digit());
+        if starts_as_tag && rest[tag.len()..].starts_with('$') {
+            let open = tag.len() + 1;
+            return closing(open, &rest[..open]);
+        }
+    }
+    0
 }
 
 /// How late a reservation statement may land after its call was dropped
@@ -2038,6 +2117,14 @@ mod tests {
              JOIN \"app\".idempotency_reserve_core($1) f ON TRUE"
         );
         assert_eq!(
+            qualified(
+                "SELECT 'x', IDEMPOTENCY_RECORDS.key, $1 FROM IDEMPOTENCY_RECORDS -- n\nWHERE idempotency_now_ms() > 0",
+                "app"
+            ),
+            "SELECT 'x', \"app\".IDEMPOTENCY_RECORDS.key, $1 FROM \"app\".IDEMPOTENCY_RECORDS -- n\nWHERE \"app\".idempotency_now_ms() > 0",
+            "in any case, between literals and comments"
+        );
+        assert_eq!(
             qualified("idempotency_records", "we\"ird"),
             "\"we\"\"ird\".idempotency_records",
             "the schema is quoted as an identifier, at the start of the text too"
@@ -2052,6 +2139,12 @@ mod tests {
             "SELECT \"idempotency_records\"",
             "SELECT my_idempotency_records, x_idempotency_now_ms()",
             "SELECT $$idempotency_x$$",
+            "SELECT 'see idempotency_records', \"a idempotency_x\"",
+            "SELECT E'it\\'s idempotency_records'",
+            "SELECT 'it''s idempotency_records'",
+            "SELECT 1 -- idempotency_records\n",
+            "SELECT /* a /* idempotency_records */ idempotency_x */ 1",
+            "SELECT $f$ idempotency_x $f$, $$ idempotency_x $$",
         ] {
             assert_eq!(qualified(sql, "app"), sql);
         }
