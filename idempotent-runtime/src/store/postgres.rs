@@ -640,7 +640,7 @@ impl migrate::MigrationBackend for MigrationTransaction {
     }
 
     async fn execute(&mut self, sql: &str) -> Result<(), sqlx::Error> {
-        self.tx.execute(&*comments_in_ascii(sql)).await
+        self.tx.execute(&comments_in_ascii(sql)).await
     }
 
     async fn record(
