@@ -127,6 +127,61 @@ async fn pg_a_session_left_in_latin1_writes_under_the_callers_identity() {
     a_call_on_the_dirty_pool_is_seen_by_a_clean_one(&dirty, &clean, &identity).await;
 }
 
+/// The same encoding, with a tenant and key in ASCII, which every client
+/// encoding sends as it is: served as on a clean connection, not refused;
+/// and a completion that matches nothing there is a takeover as anywhere.
+#[tokio::test]
+async fn pg_a_session_left_in_latin1_serves_ascii_identities() {
+    let Some(clean) = pg_store_or_skip().await else {
+        return;
+    };
+    let (pool, dirty) = pg_pool_of_one(&pg_url()).await;
+    pool.execute("SET client_encoding = 'LATIN1'")
+        .await
+        .expect("set the encoding");
+    let identity =
+        Identity::new(fresh_tenant(), "pool_state.encoding_ascii", "cafe").expect("identity");
+    let (f, token) = (fp("request"), OwnerToken::new());
+    assert_eq!(
+        dirty
+            .reserve(request(&identity, &f, &token))
+            .await
+            .expect("an ASCII identity is served"),
+        Reservation::FRESH
+    );
+    assert_eq!(
+        dirty
+            .complete(Completion::by_body(&identity, &token, &ok(b"7"), LONG))
+            .await
+            .expect("complete"),
+        Fenced::Written
+    );
+    assert_eq!(
+        clean
+            .reserve(request(&identity, &f, &OwnerToken::new()))
+            .await
+            .expect("reserve"),
+        Reservation::Completed(ok(b"7")),
+        "a clean connection replays it"
+    );
+    let taken = Identity::new(fresh_tenant(), "pool_state.encoding_ascii", "k").expect("identity");
+    let stale = OwnerToken::new();
+    assert_eq!(
+        clean
+            .reserve(request(&taken, &f, &OwnerToken::new()))
+            .await
+            .expect("reserve"),
+        Reservation::FRESH
+    );
+    assert_eq!(
+        dirty
+            .complete(Completion::by_body(&taken, &stale, &ok(b"7"), LONG))
+            .await
+            .expect("a completion by a token that does not own the record"),
+        Fenced::NotOwner
+    );
+}
+
 /// The same encoding left on the connection after the reservation, before
 /// the completion (the pool hands the store another connection for each
 /// statement): the completion would name another record and match nothing,

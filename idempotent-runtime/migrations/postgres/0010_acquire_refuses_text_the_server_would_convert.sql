@@ -5,7 +5,8 @@
 -- server converts every text parameter from that encoding: left at LATIN1 on
 -- a connection of a pool the store shares, `café` arrives as `cafÃ©`, and the
 -- record would be written under a key no clean connection looks for (a retry
--- there would run the body again). The check was in the store's statement,
+-- there would run the body again; an ASCII tenant and key read the same in
+-- every encoding, and are not refused). The check was in the store's statement,
 -- beside the primary-key read; there it cost every replay a little, though
 -- only an absent record needs it. Here it runs only when the statement
 -- inserts. It raises SQLSTATE IE001, which the store answers with
@@ -18,8 +19,15 @@ LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
     v_lock_timeout TEXT;
 BEGIN
-    IF current_setting('client_encoding') NOT IN ('UTF8', 'SQL_ASCII')
-       AND current_setting('server_encoding') <> 'SQL_ASCII' THEN
+    -- As the store's reads_text_as_sent and names_the_record_as_sent: a
+    -- SQL_ASCII client has nothing converted, which is what a clean
+    -- connection gets in a UTF8 database alone; ASCII reads the same in
+    -- every encoding.
+    IF NOT (current_setting('client_encoding') = 'UTF8'
+            OR current_setting('server_encoding') = 'SQL_ASCII'
+            OR (current_setting('client_encoding') = 'SQL_ASCII'
+                AND current_setting('server_encoding') = 'UTF8'))
+       AND (p_tenant || p_key) ~ '[^\x01-\x7f]' THEN
         RAISE EXCEPTION USING ERRCODE = 'IE001',
             MESSAGE = 'client_encoding ' || current_setting('client_encoding')
                       || ' would change the tenant and key the store names';
@@ -37,11 +45,21 @@ BEGIN
 END
 $$;
 
--- CREATE OR REPLACE dropped the setting migration 0009 gave it.
+-- CREATE OR REPLACE dropped the setting migration 0009 gave it: pinned
+-- again to the schema the records table is in (found as 0009 finds it).
 DO $$
+DECLARE
+    v_name NAME;
 BEGIN
-    EXECUTE format('ALTER FUNCTION idempotency_acquire_absent(TEXT, TEXT, TEXT, TEXT, TEXT, '
+    SELECT n.nspname INTO v_name
+      FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+     WHERE c.oid = to_regclass('idempotency_records')
+       AND n.oid IS DISTINCT FROM pg_my_temp_schema();
+    IF v_name IS NULL THEN
+        RAISE EXCEPTION 'no table idempotency_records on the search_path (or a TEMP table hides it): check the search_path of the pool''s connections';
+    END IF;
+    EXECUTE format('ALTER FUNCTION %I.idempotency_acquire_absent(TEXT, TEXT, TEXT, TEXT, TEXT, '
                    'BIGINT, BIGINT, BIGINT, BIGINT) SET search_path = %I, pg_temp',
-                   current_schema());
+                   v_name, v_name);
 END
 $$;

@@ -717,6 +717,20 @@ macro_rules! reads_text_as_sent {
     };
 }
 
+/// Whether a statement may write the record `$1`–`$3` name on this
+/// connection: its text is read as sent ([`reads_text_as_sent!`]), or the
+/// tenant and key are ASCII, which every client encoding sends as it is
+/// (the scope always is). A SQL condition.
+macro_rules! names_the_record_as_sent {
+    () => {
+        concat!(
+            "(",
+            reads_text_as_sent!(),
+            " OR ($1 || $3) !~ '[^\\x01-\\x7f]')"
+        )
+    };
+}
+
 /// What a call is told when its connection's `client_encoding` is not UTF-8
 /// ([`reads_text_as_sent!`]).
 const UNFAITHFUL_CLIENT_ENCODING: &str = concat!(
@@ -780,15 +794,15 @@ const UNFAITHFUL_ENCODING_CODE: &str = "IE001";
 /// plpgsql function, no subtransaction; a lock timeout fails the statement
 /// with SQLSTATE 55P03, answered as `InProgress`. Sent on a connection of
 /// its own, which may have been left with another `client_encoding` than the
-/// read's: then not called ([`reads_text_as_sent!`]).
+/// read's: then not called ([`names_the_record_as_sent!`]).
 const RESERVE_AUTOCOMMIT_SQL: &str = concat!(
     "SELECT outcome, took_over, is_error, result, lease_remaining_ms, \
      attempt_number, previous_attempt_started_at \
      FROM idempotency_reserve_autocommit($1, $2, $3, $4, $5, $6, $7, $8) WHERE ",
-    reads_text_as_sent!(),
+    names_the_record_as_sent!(),
     " UNION ALL SELECT 'unfaithful_client_encoding', FALSE, NULL::BOOLEAN, NULL::BYTEA, \
      NULL::BIGINT, NULL::INT, NULL::BIGINT WHERE NOT ",
-    reads_text_as_sent!()
+    names_the_record_as_sent!()
 );
 
 /// In a caller's transaction, one statement: a plain read (`d`) answers a
@@ -834,13 +848,13 @@ SELECT f.outcome, f.took_over, f.is_error, f.result, f.lease_remaining_ms,
    -- failed insert that would abort the caller's transaction.
    AND current_setting('transaction_read_only') = 'off'
    AND ",
-    reads_text_as_sent!(),
+    names_the_record_as_sent!(),
     "
 UNION ALL
 SELECT 'unfaithful_client_encoding', FALSE, NULL, NULL, NULL, NULL, NULL
  WHERE NOT EXISTS (SELECT 1 FROM d WHERE d.outcome IS NOT NULL)
    AND NOT ",
-    reads_text_as_sent!()
+    names_the_record_as_sent!()
 );
 
 /// The longest `lock_timeout` PostgreSQL accepts, in ms.
@@ -1115,9 +1129,12 @@ async fn fenced<'e, E: Executor<'e, Database = Postgres>>(
 async fn owned_unless_unfaithful(
     conn: &mut sqlx::PgConnection,
     operation: &'static str,
+    identity: &Identity,
     written: Fenced,
 ) -> Result<Fenced, StoreError> {
-    if written == Fenced::NotOwner {
+    // An ASCII tenant and key read the same in every client encoding.
+    let ascii = identity.tenant.is_ascii() && identity.key.is_ascii();
+    if written == Fenced::NotOwner && !ascii {
         let faithful: Result<bool, sqlx::Error> =
             sqlx::query_scalar(concat!("SELECT ", reads_text_as_sent!()))
                 .fetch_one(&mut *conn)
@@ -1280,7 +1297,7 @@ impl Store for PgStore {
             |conn| async move {
                 let written =
                     complete_with(&mut *conn, &self.statements.complete, completion).await?;
-                owned_unless_unfaithful(conn, "complete", written).await
+                owned_unless_unfaithful(conn, "complete", completion.identity, written).await
             }
         )
     }
@@ -1337,7 +1354,7 @@ impl Store for PgStore {
             |conn| async move {
                 let written =
                     release_with(&mut *conn, &self.statements.release, identity, token).await?;
-                owned_unless_unfaithful(conn, "release", written).await
+                owned_unless_unfaithful(conn, "release", identity, written).await
             }
         )
     }
@@ -1355,7 +1372,7 @@ impl Store for PgStore {
             |conn| async move {
                 let statement = &self.statements.heartbeat;
                 let written = heartbeat_with(&mut *conn, statement, identity, token, lease).await?;
-                owned_unless_unfaithful(conn, "heartbeat", written).await
+                owned_unless_unfaithful(conn, "heartbeat", identity, written).await
             }
         )
     }
@@ -1491,7 +1508,7 @@ async fn release_in_transaction(
         {
             Ok(Fenced::Written)
         }
-        Ok(written) => owned_unless_unfaithful(conn, "release", written).await,
+        Ok(written) => owned_unless_unfaithful(conn, "release", identity, written).await,
         other => other,
     }
 }
@@ -1505,7 +1522,7 @@ async fn heartbeat_in_transaction(
     lease: Duration,
 ) -> Result<Fenced, StoreError> {
     let written = heartbeat_with(&mut *conn, HEARTBEAT_SQL, identity, token, lease).await?;
-    owned_unless_unfaithful(conn, "heartbeat", written).await
+    owned_unless_unfaithful(conn, "heartbeat", identity, written).await
 }
 
 /// Transactional mode's completion: [`complete_with`] in the caller's
@@ -1528,7 +1545,7 @@ async fn complete_in_transaction(
         {
             Ok(Fenced::Written)
         }
-        Ok(written) => owned_unless_unfaithful(conn, "complete", written).await,
+        Ok(written) => owned_unless_unfaithful(conn, "complete", completion.identity, written).await,
         other => other,
     }
 }
