@@ -484,15 +484,74 @@ fn check_existing_sqlite_file(url: &str) -> Result<(), CliError> {
             // sqlx names `sqlite::memory:` `file:sqlx-in-memory-<n>`.
             let in_memory = path.as_os_str() == ":memory:"
                 || path.to_string_lossy().starts_with("file:sqlx-in-memory-");
-            if !in_memory && !path.exists() {
-                return Err(CliError::NoSqliteDatabase {
-                    path: path.to_path_buf(),
-                });
+            if in_memory {
+                return Ok(());
+            }
+            match sqlite_file(path) {
+                Some(file) if !file.exists() => {
+                    return Err(CliError::NoSqliteDatabase { path: file });
+                }
+                _ => {}
             }
         }
     }
     let _ = url;
     Ok(())
+}
+
+/// The file SQLite opens for `filename`. sqlx opens every filename with
+/// `SQLITE_OPEN_URI`, so one starting with `file:` is an SQLite URI
+/// (`file:PATH`, `file:///PATH`, `file://localhost/PATH`, then `?query` and
+/// `#fragment`): the file is its path, percent-decoded. `None` for a URI of
+/// an in-memory database (`file::memory:`, `mode=memory`) or an empty path
+/// (a temporary database): no file to look for.
+#[cfg(feature = "sqlite")]
+fn sqlite_file(filename: &std::path::Path) -> Option<PathBuf> {
+    let Some(uri) = filename.to_str().and_then(|f| f.strip_prefix("file:")) else {
+        return Some(filename.to_path_buf());
+    };
+    let (uri, _fragment) = uri.split_once('#').unwrap_or((uri, ""));
+    let (path, query) = uri.split_once('?').unwrap_or((uri, ""));
+    // An authority, if any, is empty or `localhost` (SQLite refuses others).
+    let path = match path.strip_prefix("//") {
+        Some(rest) => &rest[rest.find('/').unwrap_or(rest.len())..],
+        None => path,
+    };
+    let path = percent_decoded(path);
+    let memory = query
+        .split('&')
+        .any(|pair| percent_decoded(pair) == "mode=memory");
+    if memory || path.is_empty() || path == ":memory:" {
+        return None;
+    }
+    Some(PathBuf::from(path))
+}
+
+/// `text` with its `%XX` escapes decoded (an escape that is not one is kept
+/// as it is, as SQLite does not decode it either).
+#[cfg(feature = "sqlite")]
+fn percent_decoded(text: &str) -> String {
+    let bytes = text.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let hex = |b: u8| char::from(b).to_digit(16);
+        match (
+            bytes[i],
+            bytes.get(i + 1).copied().and_then(hex),
+            bytes.get(i + 2).copied().and_then(hex),
+        ) {
+            (b'%', Some(high), Some(low)) => {
+                out.push((high * 16 + low) as u8);
+                i += 3;
+            }
+            (b, _, _) => {
+                out.push(b);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
 }
 
 /// What the first look at a database found.
@@ -1290,6 +1349,22 @@ mod tests {
         assert!(check_existing_sqlite_file("sqlite::memory:").is_ok());
         let missing = check_existing_sqlite_file("sqlite:///nonexistent/idempotent-cli-test.db");
         assert!(matches!(missing, Err(CliError::NoSqliteDatabase { .. })));
+        // SQLite URI filenames: in memory, or the file in them.
+        for url in ["sqlite:file::memory:", "sqlite:file:x.db%3Fmode%3Dmemory"] {
+            assert!(check_existing_sqlite_file(url).is_ok(), "{url}");
+        }
+        for (url, file) in [
+            ("sqlite:file:/nonexistent/a%20b.db", "/nonexistent/a b.db"),
+            ("sqlite:file:///nonexistent/c.db?mode=ro", "/nonexistent/c.db"),
+            ("sqlite:file://localhost/nonexistent/d.db%23x", "/nonexistent/d.db"),
+        ] {
+            match check_existing_sqlite_file(url) {
+                Err(CliError::NoSqliteDatabase { path }) => {
+                    assert_eq!(path, std::path::Path::new(file), "{url}");
+                }
+                other => panic!("{url}: {other:?}"),
+            }
+        }
     }
 
     /// A time past the year 9999 (a ttl of `9999y` is accepted) panicked

@@ -1641,3 +1641,69 @@ async fn an_expired_in_progress_record_is_not_stuck_and_has_no_lease_to_end() {
         );
     }
 }
+
+/// A `sqlite:file:` URL (an SQLite URI filename: `file:PATH`,
+/// `file:///PATH`, `file://localhost/PATH`, which the store opens) names the
+/// file in it: the command line opens that file as the store does. It said
+/// "there is no SQLite database at file:/…" of a file that was there. A URI
+/// naming no file is still refused, and nothing is created there.
+#[tokio::test]
+async fn a_sqlite_uri_filename_opens_the_file_it_names() {
+    let dir = Scratch::new();
+    let manifest = dir.file("idempotent.toml", MANIFEST);
+    let store = SqliteStore::connect(&dir.db_url())
+        .await
+        .expect("sqlite file");
+    let id = plant(&store, "orders.place", Duration::from_secs(3600)).await;
+    let path = dir.0.join("idem.db");
+    let path = path.display();
+    let urls = [
+        format!("sqlite:file:{path}"),
+        format!("sqlite:file:{path}?mode=ro"),
+        format!("sqlite:file://{path}"),
+        format!("sqlite:file://localhost{path}"),
+    ];
+    // The store itself opens it (SQLite reads every filename as a URI).
+    let opened = idempotent_runtime::connect_url(&urls[0])
+        .await
+        .expect("the store opens a URI filename");
+    assert!(opened.fetch(&id).await.expect("fetch").is_some());
+    for url in &urls {
+        let out = run_from([
+            "idempotent",
+            "inspect",
+            "--database-url",
+            url,
+            "--scope",
+            "orders.place",
+            "--tenant",
+            "cli-tenant",
+            "--key",
+            id.key(),
+        ])
+        .await
+        .unwrap_or_else(|e| panic!("{url}: {e}"));
+        assert!(out.contains("complete"), "{url}: {out}");
+        let audit = audit_json(url, &manifest)
+            .await
+            .unwrap_or_else(|e| panic!("{url}: {e}"));
+        assert!(audit.contains("orders.place"), "{url}: {audit}");
+    }
+
+    let typo = dir.0.join("typo.db");
+    for url in [
+        format!("sqlite:file:{}", typo.display()),
+        format!("sqlite:file://{}?mode=rwc", typo.display()),
+    ] {
+        for command in commands_opening(&url, &manifest) {
+            let e = run_from(command.clone())
+                .await
+                .expect_err("no database at that path");
+            assert!(
+                matches!(e, CliError::NoSqliteDatabase { .. }),
+                "{command:?}: {e}"
+            );
+            assert!(!typo.exists(), "{command:?} created {}", typo.display());
+        }
+    }
+}
