@@ -758,7 +758,7 @@ pub async fn run(cli: Cli) -> Result<String, CliError> {
             match answer {
                 ForcedRelease::Released { attempt } => {
                     tracing::warn!(target: "idempotent::operator", store = store.name(),
-                        scope = %identity.scope, key = %identity.key_digest(), attempt, reason = %reason,
+                        scope = %identity.scope, key = %identity.key_digest(), attempt, reason = ?reason,
                         "an operator released an in-progress record; the next call with this key runs as attempt 1");
                     Ok(render_release(
                         store.name(),
@@ -797,9 +797,12 @@ pub async fn run(cli: Cli) -> Result<String, CliError> {
 }
 
 /// A refused release (`--end-lease` too), logged with the operator's reason.
+/// (The reason is logged quoted and escaped, `?reason`, here and in every
+/// operator event: a line break in it would otherwise start what reads as
+/// another event of the log.)
 fn release_refused(store: &dyn Store, identity: &Identity, reason: &str, why: String) -> CliError {
     tracing::warn!(target: "idempotent::operator", store = store.name(),
-        scope = %identity.scope, key = %identity.key_digest(), reason = %reason, why = %why,
+        scope = %identity.scope, key = %identity.key_digest(), reason = ?reason, why = %why,
         "an operator's release was refused");
     CliError::ReleaseRefused {
         scope: identity.scope.clone(),
@@ -896,7 +899,7 @@ async fn end_the_lease(
     };
     tracing::warn!(target: "idempotent::operator", store = store.name(),
         scope = %identity.scope, key = %identity.key_digest(), attempt = snapshot.attempt,
-        reason = %reason, ended_now,
+        reason = ?reason, ended_now,
         "an operator's release --end-lease: the next call takes the record over and asks its recover hook");
     Ok(match format {
         Format::Json => crate::registry::to_json(&serde_json::json!({
@@ -1355,8 +1358,14 @@ mod tests {
         }
         for (url, file) in [
             ("sqlite:file:/nonexistent/a%20b.db", "/nonexistent/a b.db"),
-            ("sqlite:file:///nonexistent/c.db?mode=ro", "/nonexistent/c.db"),
-            ("sqlite:file://localhost/nonexistent/d.db%23x", "/nonexistent/d.db"),
+            (
+                "sqlite:file:///nonexistent/c.db?mode=ro",
+                "/nonexistent/c.db",
+            ),
+            (
+                "sqlite:file://localhost/nonexistent/d.db%23x",
+                "/nonexistent/d.db",
+            ),
         ] {
             match check_existing_sqlite_file(url) {
                 Err(CliError::NoSqliteDatabase { path }) => {

@@ -1707,3 +1707,77 @@ async fn a_sqlite_uri_filename_opens_the_file_it_names() {
         }
     }
 }
+
+/// A writer the operator log goes to, kept for the test to read.
+#[derive(Clone, Default)]
+struct CapturedLog(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl std::io::Write for CapturedLog {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// The operator log is the record of who released what and why: a
+/// `--reason` holding a line break (a ticket title pasted in, or on purpose)
+/// stays inside its own event, escaped. It was written as it was, and what
+/// followed the line break read as another event of the log.
+#[tokio::test]
+async fn a_release_reason_cannot_forge_a_line_of_the_operator_log() {
+    use tracing::instrument::WithSubscriber;
+    let dir = Scratch::new();
+    let url = dir.db_url();
+    let store = SqliteStore::connect(&url).await.expect("sqlite file");
+    let forged = "2026-12-06T14:40:12.631014Z  INFO idempotent::operator: nothing was released";
+    // Released, refused, and both with --end-lease: each one event.
+    for (key, live, end_lease) in [
+        ("stuck", false, false),
+        ("stuck-end-lease", false, true),
+        ("running", true, false),
+        ("running-end-lease", true, true),
+    ] {
+        {
+            if live {
+                plant_running(&store, "cli.reason", "t", key).await;
+            } else {
+                plant_stuck(&store, "cli.reason", "t", key).await;
+            }
+            let captured = CapturedLog::default();
+            let writer = captured.clone();
+            let log = idempotent_runtime::cli::log_subscriber(move || writer.clone(), false);
+            let reason = format!("INC-9\n{forged}\r\x1b[2K");
+            let mut args = vec![
+                "idempotent",
+                "release",
+                "--database-url",
+                &url,
+                "--scope",
+                "cli.reason",
+                "--tenant",
+                "t",
+                "--key",
+                key,
+                "--reason",
+                &reason,
+            ];
+            if end_lease {
+                args.push("--end-lease");
+            }
+            let _ = run_from(args).with_subscriber(log).await;
+            let text = String::from_utf8_lossy(&captured.0.lock().expect("log")).into_owned();
+            assert_eq!(
+                text.lines().count(),
+                1,
+                "one event, one line ({key}, end_lease {end_lease}):\n{text}"
+            );
+            assert!(text.contains("INC-9") && !text.contains('\x1b'), "{text}");
+        }
+    }
+}
