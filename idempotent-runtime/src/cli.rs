@@ -248,7 +248,8 @@ pub enum CliError {
     #[error("there is no SQLite database at {}; check the path in --database-url \
              (the command line never creates a database)", .path.display())]
     NoSqliteDatabase {
-        /// The file the URL names.
+        /// The file the URL names (a relative path made absolute from the
+        /// current directory).
         path: PathBuf,
     },
     /// The database the URL names has no idempotency records table: the
@@ -489,7 +490,10 @@ fn check_existing_sqlite_file(url: &str) -> Result<(), CliError> {
             }
             match sqlite_file(path) {
                 Some(file) if !file.exists() => {
-                    return Err(CliError::NoSqliteDatabase { path: file });
+                    // Named from the current directory: a relative path
+                    // alone does not say the command ran in the wrong one.
+                    let path = std::path::absolute(&file).unwrap_or(file);
+                    return Err(CliError::NoSqliteDatabase { path });
                 }
                 _ => {}
             }

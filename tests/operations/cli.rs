@@ -1781,3 +1781,22 @@ async fn a_release_reason_cannot_forge_a_line_of_the_operator_log() {
         }
     }
 }
+
+/// A relative `sqlite:` path that names no file is reported with the
+/// directory it was looked for from: "no SQLite database at data/app.db"
+/// does not say that the command ran in the wrong directory.
+#[tokio::test]
+async fn a_missing_relative_sqlite_path_is_reported_from_the_current_directory() {
+    let relative = format!("no-such-dir-{}/idem.db", uuid::Uuid::new_v4().simple());
+    let url = format!("sqlite:{relative}");
+    let e = run_from(["idempotent", "purge", "--database-url", &url])
+        .await
+        .expect_err("no database there");
+    let CliError::NoSqliteDatabase { path } = &e else {
+        panic!("{e}");
+    };
+    let here = std::env::current_dir().expect("current directory");
+    assert_eq!(path, &here.join(&relative), "{e}");
+    assert!(e.to_string().contains(&here.display().to_string()), "{e}");
+    assert!(!here.join(&relative).exists());
+}
