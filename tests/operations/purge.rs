@@ -477,3 +477,74 @@ async fn a_successful_run_clears_the_last_error() {
     assert_eq!(stats.failed_runs, 1, "{stats:?}");
     assert_eq!(stats.last_error, None, "{stats:?}");
 }
+
+/// A store on a pool it shares with application code, which gave the one
+/// connection back inside a transaction it began and never ended (`BEGIN`
+/// sent as a query): the purge's deletes went into that transaction. They
+/// were counted as deleted, yet nobody else saw them, they roll back when
+/// the connection closes, and meanwhile the expired records stay locked
+/// (a reservation of such a key waits). The purge deletes for good or fails
+/// saying why. (The MySQL store and SQLite store write outside such a
+/// transaction; in a schema of its own, so no other test's purge deletes the
+/// planted record.)
+#[tokio::test]
+#[ignore = "not fixed: PgStore::purge_expired (store/postgres.rs, not this helper's to edit) \
+            runs its DELETE on a pool connection as it comes, also one left inside an open \
+            transaction; the store-mode reservation and completion have the same trouble"]
+async fn a_purge_on_a_connection_left_in_a_transaction_deletes_for_good_on_postgres() {
+    use sqlx::{Connection, Executor};
+    use std::str::FromStr;
+    let url = common::servers::pg_url();
+    let mut admin = match sqlx::PgConnection::connect(&url).await {
+        Ok(conn) => conn,
+        Err(e) => {
+            assert!(!common::servers::servers_required(), "PostgreSQL: {e}");
+            eprintln!("SKIPPED: PostgreSQL unreachable at {url}: {e}");
+            return;
+        }
+    };
+    let schema = format!("operations_purge_{}", uuid::Uuid::new_v4().simple());
+    admin
+        .execute(format!("CREATE SCHEMA {schema}").as_str())
+        .await
+        .expect("schema");
+    let options = sqlx::postgres::PgConnectOptions::from_str(&url)
+        .expect("url")
+        .options([("search_path", schema.as_str())]);
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .connect_with(options)
+        .await
+        .expect("pool");
+    let store = idempotent_runtime::PgStore::from_pool(pool.clone())
+        .await
+        .expect("store");
+    let id = plant(&store, "purge.left_open", LONG, LONG, Some(BLINK)).await;
+    wait_for_clock(&store, &[&id], false).await;
+
+    // The application's code leaves the pool's one connection in a transaction.
+    let mut conn = pool.acquire().await.expect("connection");
+    conn.execute("BEGIN").await.expect("begin");
+    drop(conn);
+    let purged = purge_all(&store, 100).await;
+
+    let left: i64 = sqlx::query_scalar(&format!(
+        "SELECT count(*) FROM {schema}.idempotency_records"
+    ))
+    .fetch_one(&mut admin)
+    .await
+    .expect("count");
+    drop(store);
+    pool.close().await; // rolls back what was left open
+    admin
+        .execute(format!("DROP SCHEMA {schema} CASCADE").as_str())
+        .await
+        .expect("drop schema");
+    match purged {
+        Ok(deleted) => assert_eq!(
+            left, 0,
+            "the purge answered {deleted} deleted, and others still see the record"
+        ),
+        Err(e) => assert!(left == 1 && e.to_string().contains("transaction"), "{e}"),
+    }
+}
