@@ -1462,3 +1462,88 @@ async fn mysql_a_statement_time_limit_left_on_the_pool_does_not_cut_a_duplicates
         "the duplicate is told the call is in progress: {answer:?}"
     );
 }
+
+/// Drops `db` through `admin`, then re-raises what `checked` panicked with.
+async fn mysql_drop_then_check(
+    admin: &MySqlStore,
+    dbs: &[&str],
+    checked: Result<(), tokio::task::JoinError>,
+) {
+    for db in dbs {
+        let _ = admin
+            .pool()
+            .execute(format!("DROP DATABASE `{}`", db.replace('`', "``")).as_str())
+            .await;
+    }
+    if let Err(e) = checked {
+        std::panic::resume_unwind(e.into_panic());
+    }
+}
+
+/// A pool whose sessions run SERIALIZABLE with autocommit off (an ORM's
+/// settings, here in `after_connect`, with a one-second lock wait), while a
+/// transactional-mode owner of another key holds its uncommitted record (the
+/// body running). InnoDB makes every read there a locking one; the check of
+/// a session the store is about to use read "a row" of the records table
+/// (whichever came first in the index it scanned: here the owner's), so it
+/// waited for the owner's transaction and a reservation of an unrelated
+/// fresh key was refused with a lock wait timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mysql_a_serializable_autocommit_off_pool_is_not_held_up_by_another_keys_owner() {
+    let Some(admin) = mysql_store_or_skip().await else {
+        return;
+    };
+    let db = mysql_create_database(&admin, "myreview_serializable").await;
+    let url = mysql_url_of(&mysql_url(), &db);
+    let checked = tokio::spawn(async move {
+        let clean = MySqlStore::connect(&url).await.expect("store");
+        let f = fp("request");
+        let theirs =
+            Identity::new(fresh_tenant(), "pool_state.serializable", "theirs").expect("identity");
+        let mut owner = clean.pool().begin().await.expect("begin");
+        assert_eq!(
+            owner
+                .reserve_in_transaction(
+                    request(&theirs, &f, &OwnerToken::new()),
+                    Duration::from_secs(1)
+                )
+                .await
+                .expect("the owner reserves"),
+            Reservation::FRESH
+        );
+        let pool = MySqlPoolOptions::new()
+            .max_connections(1)
+            .after_connect(|conn, _| {
+                Box::pin(async move {
+                    conn.execute("SET SESSION TRANSACTION ISOLATION LEVEL SERIALIZABLE")
+                        .await?;
+                    conn.execute("SET SESSION autocommit = 0").await?;
+                    conn.execute("SET SESSION innodb_lock_wait_timeout = 1")
+                        .await?;
+                    Ok(())
+                })
+            })
+            .connect(&url)
+            .await
+            .expect("pool");
+        let dirty = MySqlStore::from_pool(pool.clone()).await.expect("store");
+        let ours =
+            Identity::new(fresh_tenant(), "pool_state.serializable", "ours").expect("identity");
+        let token = OwnerToken::new();
+        let answer = dirty.reserve(request(&ours, &f, &token)).await;
+        let read = dirty.fetch(&ours).await;
+        owner.rollback().await.expect("rollback");
+        pool.close().await;
+        assert_eq!(
+            answer.expect("a fresh key of its own is not held up by another key's owner"),
+            Reservation::FRESH
+        );
+        assert!(
+            read.expect("the read is not held up by another key's owner")
+                .is_some_and(|r| r.state == RecordState::InProgress),
+            "the read finds the reservation"
+        );
+    })
+    .await;
+    mysql_drop_then_check(&admin, &[&db], checked).await;
+}

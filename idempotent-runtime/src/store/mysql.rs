@@ -182,7 +182,7 @@ struct Names {
 }
 
 /// [`checked_session`]'s statements (MariaDB's, and MySQL 8's, which has no
-/// `@@in_transaction`), each reading a row of the records table: a
+/// `@@in_transaction`), each reading a row of the migration history: a
 /// statement that reads an InnoDB table is a transaction, so it takes the
 /// isolation a `SET TRANSACTION ISOLATION LEVEL …` (no `SESSION`: the next
 /// transaction's only) left pending on the session by other code, and the
@@ -190,6 +190,14 @@ struct Names {
 /// does not show such a pending level: a pending READ UNCOMMITTED made the
 /// store's next plain read (the reservation procedure's, a record read)
 /// see a transactional-mode owner's uncommitted result, and replay it.
+///
+/// The history, not the records table: on a session with autocommit off
+/// under SERIALIZABLE every read is a locking one, and a row of the records
+/// table (whichever came first in the index scanned) may be held by an
+/// owner's open transaction (a transactional-mode call whose body runs, the
+/// purge's batch): the check waited for it, and a call of an unrelated key
+/// was refused with a lock wait timeout. The history's rows are written
+/// once, by the migration that adds them, and never held after.
 #[derive(Debug)]
 struct SessionCheck {
     mariadb: String,
@@ -197,31 +205,34 @@ struct SessionCheck {
 }
 
 impl SessionCheck {
-    /// Reading `table`.
-    fn reading(table: &str) -> Self {
+    /// Reading `history` (the migration history, qualified or not).
+    fn reading(history: &str) -> Self {
         SessionCheck {
-            mariadb: SESSION_CHECK_SQL.replace(TABLE, table),
-            mysql8: SESSION_CHECK_MYSQL8_SQL.replace(TABLE, table),
+            mariadb: SESSION_CHECK_SQL.replace(HISTORY, history),
+            mysql8: SESSION_CHECK_MYSQL8_SQL.replace(HISTORY, history),
         }
     }
 }
 
+/// The migration history's table, unqualified.
+const HISTORY: &str = "idempotency_schema_migrations";
+
 /// [`SessionCheck`] on MariaDB: left inside a transaction, clock set, READ
-/// UNCOMMITTED, inside a transaction with autocommit off; and a row read.
+/// UNCOMMITTED, inside a transaction with autocommit off; and a history row read.
 const SESSION_CHECK_SQL: &str = concat!(
     "SELECT CAST(@@autocommit = 1 AND @@in_transaction = 1 AS SIGNED), ",
     clock_set!(),
     ", CAST(@@tx_isolation = 'READ-UNCOMMITTED' AS SIGNED), ",
     "CAST(@@autocommit = 0 AND @@in_transaction = 1 AS SIGNED), ",
-    "(SELECT 1 FROM idempotency_records LIMIT 1) LIMIT 1"
+    "(SELECT 1 FROM idempotency_schema_migrations LIMIT 1) LIMIT 1"
 );
 
-/// [`SessionCheck`] on MySQL 8: clock set, autocommit off; and a row read.
+/// [`SessionCheck`] on MySQL 8: clock set, autocommit off; and a history row read.
 const SESSION_CHECK_MYSQL8_SQL: &str = concat!(
     "SELECT ",
     clock_set!(),
     ", CAST(@@autocommit = 0 AS SIGNED), ",
-    "(SELECT 1 FROM idempotency_records LIMIT 1) LIMIT 1"
+    "(SELECT 1 FROM idempotency_schema_migrations LIMIT 1) LIMIT 1"
 );
 
 impl Names {
@@ -234,7 +245,7 @@ impl Names {
                 insert_or_read: INSERT_OR_READ_SQL.to_owned(),
                 reserve: RESERVE_SQL.to_owned(),
                 purge: PURGE_SQL.to_owned(),
-                check: std::sync::Arc::new(SessionCheck::reading(TABLE)),
+                check: std::sync::Arc::new(SessionCheck::reading(HISTORY)),
             };
         };
         let database = format!("`{}`", database.replace('`', "``"));
@@ -248,7 +259,7 @@ impl Names {
                 &procedure("idempotency_reserve_v4"),
             ),
             purge: PURGE_SQL.replace("idempotency_purge(", &procedure("idempotency_purge")),
-            check: std::sync::Arc::new(SessionCheck::reading(&table)),
+            check: std::sync::Arc::new(SessionCheck::reading(&format!("{database}.{HISTORY}"))),
             table,
         }
     }
@@ -548,7 +559,7 @@ fn background_worker(pool: &MySqlPool) -> detached::Detached {
         pool,
         |pool, identity, token| {
             Box::pin(async move {
-                let check = std::sync::Arc::new(SessionCheck::reading(TABLE));
+                let check = std::sync::Arc::new(SessionCheck::reading(HISTORY));
                 committed!(&pool, &check, "release", WORKER_WAITS, |on, commit| async {
                     worker_lock_wait(&mut *on).await?;
                     release_as(commit, TABLE, &mut *on, &identity, &token).await
@@ -557,7 +568,7 @@ fn background_worker(pool: &MySqlPool) -> detached::Detached {
         },
         |pool, identity, token| {
             Box::pin(async move {
-                let check = std::sync::Arc::new(SessionCheck::reading(TABLE));
+                let check = std::sync::Arc::new(SessionCheck::reading(HISTORY));
                 committed!(
                     &pool,
                     &check,
@@ -574,7 +585,7 @@ fn background_worker(pool: &MySqlPool) -> detached::Detached {
         |pool, identity, token, answer| {
             Box::pin(async move {
                 let completion = answer.completing(&identity, &token);
-                let check = std::sync::Arc::new(SessionCheck::reading(TABLE));
+                let check = std::sync::Arc::new(SessionCheck::reading(HISTORY));
                 committed!(
                     &pool,
                     &check,
