@@ -1547,3 +1547,64 @@ async fn mysql_a_serializable_autocommit_off_pool_is_not_held_up_by_another_keys
     .await;
     mysql_drop_then_check(&admin, &[&db], checked).await;
 }
+
+/// A store opened on a connection that code sharing the pool left on
+/// another database (`USE other` on a pool of one): the store names its
+/// table in the database the opening connection was on, and its calls go
+/// there. The worker that finishes dropped calls' records (a completion
+/// handed over) wrote with unqualified names on connections of its own,
+/// fresh ones on the pool's database: the result went to the other
+/// database's table (or nowhere), the record stayed in progress, and after
+/// its lease a retry would run the body again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mysql_a_completion_handed_to_the_worker_lands_where_the_store_reserved() {
+    let Some(admin) = mysql_store_or_skip().await else {
+        return;
+    };
+    let home = mysql_create_database(&admin, "myreview_worker_home").await;
+    let other = mysql_create_database(&admin, "myreview_worker_other").await;
+    let (home_url, other_url) = (
+        mysql_url_of(&mysql_url(), &home),
+        mysql_url_of(&mysql_url(), &other),
+    );
+    let use_other = format!("USE `{other}`");
+    let checked = tokio::spawn(async move {
+        // Both databases have the store's schema.
+        let in_home = MySqlStore::connect(&home_url).await.expect("home store");
+        let in_other = MySqlStore::connect(&other_url).await.expect("other store");
+        let pool = MySqlPoolOptions::new()
+            .max_connections(1)
+            .connect(&home_url)
+            .await
+            .expect("pool");
+        pool.execute(use_other.as_str()).await.expect("use");
+        let store = MySqlStore::from_pool(pool.clone()).await.expect("store");
+        let identity = Identity::new(fresh_tenant(), "pool_state.worker", "k").expect("identity");
+        let (f, token) = (fp("request"), OwnerToken::new());
+        assert_eq!(
+            store
+                .reserve(request(&identity, &f, &token))
+                .await
+                .expect("reserve"),
+            Reservation::FRESH
+        );
+        let reserved_in_other = in_other.fetch(&identity).await.expect("fetch").is_some();
+        store.complete_detached(Completion::by_body(&identity, &token, &ok(b"7"), LONG));
+        store.finish_background_work(Duration::from_secs(60)).await;
+        let seen = store.fetch(&identity).await.expect("fetch");
+        let in_home_seen = in_home.fetch(&identity).await.expect("fetch");
+        pool.close().await;
+        assert!(
+            reserved_in_other,
+            "the store reserves in the opening connection's database"
+        );
+        assert!(
+            seen.as_ref()
+                .is_some_and(|r| r.state == RecordState::Complete),
+            "the worker's completion lands on the store's record (found {seen:?})"
+        );
+        assert!(in_home_seen.is_none(), "nothing in the other database");
+    })
+    .await;
+    mysql_drop_then_check(&admin, &[&home, &other], checked).await;
+}

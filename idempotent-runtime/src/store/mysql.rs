@@ -152,7 +152,7 @@ pub struct MySqlStore {
 }
 
 /// The table the store's records are in, unqualified: transactional mode
-/// runs in the caller's database, and the worker on connections of its own.
+/// runs in the caller's database.
 const TABLE: &str = "idempotency_records";
 
 /// The store's statements on its table and procedures, naming the database
@@ -312,12 +312,13 @@ impl MySqlStore {
         if reads_uncommitted(&isolation) {
             return Err(StoreError::new(STORE, "open", READ_UNCOMMITTED_REFUSED).into());
         }
+        let names = std::sync::Arc::new(Names::in_database(database.as_deref()));
         Ok(MySqlStore {
-            detached: std::sync::Arc::new(background_worker(&pool)),
+            detached: std::sync::Arc::new(background_worker(&pool, &names)),
             mariadb: version.contains("MariaDB"),
             max_result_bytes: result_limit(max_allowed_packet),
             lock_wait: Duration::from_secs(lock_wait_s.min(MAX_LOCK_WAIT_S)),
-            names: std::sync::Arc::new(Names::in_database(database.as_deref())),
+            names,
             pools: std::sync::Arc::new(server::RuntimePools::new(pool)),
         })
     }
@@ -552,48 +553,63 @@ async fn worker_lock_wait(conn: &mut sqlx::MySqlConnection) -> Result<(), StoreE
 }
 
 /// The worker that finishes dropped calls' records with the store's fenced
-/// writes (module `server`).
-fn background_worker(pool: &MySqlPool) -> detached::Detached {
+/// writes (module `server`), on the store's table (`names`): the worker's
+/// connections are fresh ones, on the pool's database, which need not be
+/// the one the store was opened on (a connection another user of the pool
+/// left on another database with `USE`): unqualified, a completion handed
+/// over went to that database's table (or to none), and the record stayed
+/// in progress.
+fn background_worker(pool: &MySqlPool, names: &std::sync::Arc<Names>) -> detached::Detached {
+    let (on_release, on_end_lease, on_complete) = (names.clone(), names.clone(), names.clone());
     server::background_worker(
         STORE,
         pool,
-        |pool, identity, token| {
+        move |pool, identity, token| {
+            let names = on_release.clone();
             Box::pin(async move {
-                let check = std::sync::Arc::new(SessionCheck::reading(HISTORY));
-                committed!(&pool, &check, "release", WORKER_WAITS, |on, commit| async {
-                    worker_lock_wait(&mut *on).await?;
-                    release_as(commit, TABLE, &mut *on, &identity, &token).await
-                })
-            })
-        },
-        |pool, identity, token| {
-            Box::pin(async move {
-                let check = std::sync::Arc::new(SessionCheck::reading(HISTORY));
+                let table = names.table.as_str();
                 committed!(
                     &pool,
-                    &check,
+                    &names.check,
+                    "release",
+                    WORKER_WAITS,
+                    |on, commit| async {
+                        worker_lock_wait(&mut *on).await?;
+                        release_as(commit, table, &mut *on, &identity, &token).await
+                    }
+                )
+            })
+        },
+        move |pool, identity, token| {
+            let names = on_end_lease.clone();
+            Box::pin(async move {
+                let table = names.table.as_str();
+                committed!(
+                    &pool,
+                    &names.check,
                     "heartbeat",
                     WORKER_WAITS,
                     |on, commit| async {
                         worker_lock_wait(&mut *on).await?;
-                        heartbeat_as(commit, TABLE, &mut *on, &identity, &token, Duration::ZERO)
+                        heartbeat_as(commit, table, &mut *on, &identity, &token, Duration::ZERO)
                             .await
                     }
                 )
             })
         },
-        |pool, identity, token, answer| {
+        move |pool, identity, token, answer| {
+            let names = on_complete.clone();
             Box::pin(async move {
                 let completion = answer.completing(&identity, &token);
-                let check = std::sync::Arc::new(SessionCheck::reading(HISTORY));
+                let table = names.table.as_str();
                 committed!(
                     &pool,
-                    &check,
+                    &names.check,
                     "complete",
                     WORKER_WAITS,
                     |on, commit| async {
                         worker_lock_wait(&mut *on).await?;
-                        complete_as(commit, TABLE, &mut *on, completion).await
+                        complete_as(commit, table, &mut *on, completion).await
                     }
                 )
             })

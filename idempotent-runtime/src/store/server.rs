@@ -219,12 +219,14 @@ type Written = BoxFuture<'static, Result<Fenced, StoreError>>;
 /// hook, dropped while its reservation was in flight); `complete` records the
 /// outcome of one dropped while its result was being recorded (marked
 /// recovered when a recover hook gave it).
+/// The three may carry what the store knows of itself (MySQL: the database
+/// it named its table in, which the worker's fresh connections need not be on).
 pub(crate) fn background_worker<DB: Database>(
     store: &'static str,
     pool: &Pool<DB>,
-    release: fn(Pool<DB>, Identity, OwnerToken) -> Written,
-    end_lease: fn(Pool<DB>, Identity, OwnerToken) -> Written,
-    complete: fn(Pool<DB>, Identity, OwnerToken, Answer) -> Written,
+    release: impl Fn(Pool<DB>, Identity, OwnerToken) -> Written + Send + Sync + 'static,
+    end_lease: impl Fn(Pool<DB>, Identity, OwnerToken) -> Written + Send + Sync + 'static,
+    complete: impl Fn(Pool<DB>, Identity, OwnerToken, Answer) -> Written + Send + Sync + 'static,
 ) -> Detached {
     // The pool's own options, hooks included (an `after_connect` that sets a
     // `search_path` or a role applies to these connections too), sized down.
