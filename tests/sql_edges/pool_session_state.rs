@@ -1608,3 +1608,121 @@ async fn mysql_a_completion_handed_to_the_worker_lands_where_the_store_reserved(
     .await;
     mysql_drop_then_check(&admin, &[&home, &other], checked).await;
 }
+
+/// A database whose name holds a backtick and characters outside ASCII: the
+/// store names its table and procedures with it, quoted, and a call on a
+/// connection left on another database (`USE`) still lands there.
+#[tokio::test]
+async fn mysql_a_store_in_a_database_named_with_a_backtick_and_accents_records_there() {
+    let Some(admin) = mysql_store_or_skip().await else {
+        return;
+    };
+    let db = format!("myreview_b`q_café_{}", uuid::Uuid::new_v4().simple());
+    admin
+        .pool()
+        .execute(format!("CREATE DATABASE `{}`", db.replace('`', "``")).as_str())
+        .await
+        .expect("create database");
+    let name = db.clone();
+    let checked = tokio::spawn(async move {
+        use std::str::FromStr;
+        let options = sqlx::mysql::MySqlConnectOptions::from_str(&mysql_url())
+            .expect("options")
+            .database(&name);
+        let pool = MySqlPoolOptions::new()
+            .max_connections(1)
+            .connect_with(options)
+            .await
+            .expect("pool");
+        let store = MySqlStore::from_pool(pool.clone()).await.expect("store");
+        let found: String = sqlx::query_scalar("SELECT CONVERT(DATABASE() USING utf8mb4)")
+            .fetch_one(&pool)
+            .await
+            .expect("database");
+        assert_eq!(found, name);
+        pool.execute("USE test").await.expect("use");
+        let identity = Identity::new(fresh_tenant(), "pool_state.db_name", "k").expect("identity");
+        a_call_on_the_dirty_pool_is_seen_by_a_clean_one(&store, &store, &identity).await;
+        let token = OwnerToken::new();
+        let other = Identity::new(fresh_tenant(), "pool_state.db_name", "w").expect("identity");
+        assert_eq!(
+            store
+                .reserve(request(&other, &fp("request"), &token))
+                .await
+                .expect("reserve"),
+            Reservation::FRESH
+        );
+        store.complete_detached(Completion::by_body(&other, &token, &ok(b"7"), LONG));
+        store.finish_background_work(Duration::from_secs(60)).await;
+        let seen = store.fetch(&other).await.expect("fetch");
+        let in_test: Option<i64> =
+            sqlx::query_scalar("SELECT 1 FROM test.idempotency_records WHERE tenant = ? LIMIT 1")
+                .bind(identity.tenant().as_bytes())
+                .fetch_optional(&pool)
+                .await
+                .expect("read test");
+        pool.close().await;
+        assert!(
+            in_test.is_none(),
+            "nothing landed in the database USE chose"
+        );
+        assert!(
+            seen.is_some_and(|r| r.state == RecordState::Complete),
+            "the worker's completion lands too"
+        );
+    })
+    .await;
+    mysql_drop_then_check(&admin, &[&db], checked).await;
+}
+
+/// A store opened on a pool whose sessions return no rows per `SELECT`
+/// (`sql_select_limit = 0` in `after_connect`): the store opens, and its
+/// calls (the worker's included) record and replay.
+#[tokio::test]
+async fn mysql_a_store_opened_on_a_session_with_a_select_limit_of_zero_works() {
+    let Some(admin) = mysql_store_or_skip().await else {
+        return;
+    };
+    let db = mysql_create_database(&admin, "myreview_select_limit_zero").await;
+    let url = mysql_url_of(&mysql_url(), &db);
+    let checked = tokio::spawn(async move {
+        drop(MySqlStore::connect(&url).await.expect("store"));
+        let pool = MySqlPoolOptions::new()
+            .max_connections(1)
+            .after_connect(|conn, _| {
+                Box::pin(async move {
+                    conn.execute("SET SESSION sql_select_limit = 0").await?;
+                    Ok(())
+                })
+            })
+            .connect(&url)
+            .await
+            .expect("pool");
+        let store = MySqlStore::from_pool(pool.clone())
+            .await
+            .expect("the store opens");
+        let identity =
+            Identity::new(fresh_tenant(), "pool_state.select_limit_0", "k").expect("identity");
+        a_call_on_the_dirty_pool_is_seen_by_a_clean_one(&store, &store, &identity).await;
+        let other =
+            Identity::new(fresh_tenant(), "pool_state.select_limit_0", "w").expect("identity");
+        let token = OwnerToken::new();
+        assert_eq!(
+            store
+                .reserve(request(&other, &fp("request"), &token))
+                .await
+                .expect("reserve"),
+            Reservation::FRESH
+        );
+        store.complete_detached(Completion::by_body(&other, &token, &ok(b"7"), LONG));
+        store.finish_background_work(Duration::from_secs(60)).await;
+        let seen = store.fetch(&other).await.expect("fetch");
+        pool.close().await;
+        assert!(
+            seen.is_some_and(|r| r.state == RecordState::Complete),
+            "the worker's completion lands"
+        );
+    })
+    .await;
+    mysql_drop_then_check(&admin, &[&db], checked).await;
+}
