@@ -1726,3 +1726,39 @@ async fn mysql_a_store_opened_on_a_session_with_a_select_limit_of_zero_works() {
     .await;
     mysql_drop_then_check(&admin, &[&db], checked).await;
 }
+
+/// `LOCK TABLES idempotency_records WRITE` left on the connection of a
+/// pool of one (code that locked the store's table for a bulk fix and
+/// returned without `UNLOCK TABLES`): the store's own calls on that
+/// connection still work, reads included. A check of the session that read
+/// a table the lock did not name was refused ("was not locked with LOCK
+/// TABLES").
+#[tokio::test]
+async fn mysql_a_lock_of_the_records_table_left_on_the_pool_still_lets_the_store_read() {
+    let Some(admin) = mysql_store_or_skip().await else {
+        return;
+    };
+    let db = mysql_create_database(&admin, "myreview_lock_tables").await;
+    let url = mysql_url_of(&mysql_url(), &db);
+    let checked = tokio::spawn(async move {
+        let (pool, dirty) = mysql_pool_of_one(&url).await;
+        pool.execute("LOCK TABLES idempotency_records WRITE")
+            .await
+            .expect("lock tables");
+        let identity =
+            Identity::new(fresh_tenant(), "pool_state.lock_tables", "k").expect("identity");
+        let (f, token) = (fp("request"), OwnerToken::new());
+        let reserved = dirty.reserve(request(&identity, &f, &token)).await;
+        let read = dirty.fetch(&identity).await;
+        pool.execute("UNLOCK TABLES").await.expect("unlock");
+        pool.close().await;
+        assert_eq!(reserved.expect("reserve"), Reservation::FRESH);
+        assert!(
+            read.expect("the read is answered")
+                .is_some_and(|r| r.state == RecordState::InProgress),
+            "the read finds the reservation"
+        );
+    })
+    .await;
+    mysql_drop_then_check(&admin, &[&db], checked).await;
+}

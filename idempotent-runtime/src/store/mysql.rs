@@ -182,7 +182,7 @@ struct Names {
 }
 
 /// [`checked_session`]'s statements (MariaDB's, and MySQL 8's, which has no
-/// `@@in_transaction`), each reading a row of the migration history: a
+/// `@@in_transaction`), each reading the records table (no row): a
 /// statement that reads an InnoDB table is a transaction, so it takes the
 /// isolation a `SET TRANSACTION ISOLATION LEVEL …` (no `SESSION`: the next
 /// transaction's only) left pending on the session by other code, and the
@@ -191,13 +191,15 @@ struct Names {
 /// store's next plain read (the reservation procedure's, a record read)
 /// see a transactional-mode owner's uncommitted result, and replay it.
 ///
-/// The history, not the records table: on a session with autocommit off
-/// under SERIALIZABLE every read is a locking one, and a row of the records
-/// table (whichever came first in the index scanned) may be held by an
+/// No row (`WHERE FALSE`: the table is opened and locked, the transaction
+/// begun, and no row read): on a session with autocommit off under
+/// SERIALIZABLE every read is a locking one, and a row of the table (the
+/// first in the index scanned, which the check read) may be held by an
 /// owner's open transaction (a transactional-mode call whose body runs, the
 /// purge's batch): the check waited for it, and a call of an unrelated key
-/// was refused with a lock wait timeout. The history's rows are written
-/// once, by the migration that adds them, and never held after.
+/// was refused with a lock wait timeout. The records table, not another of
+/// the store's: a session left with `LOCK TABLES idempotency_records` may
+/// read no table the lock does not name.
 #[derive(Debug)]
 struct SessionCheck {
     mariadb: String,
@@ -205,34 +207,31 @@ struct SessionCheck {
 }
 
 impl SessionCheck {
-    /// Reading `history` (the migration history, qualified or not).
-    fn reading(history: &str) -> Self {
+    /// Reading `table` (the records table, qualified or not).
+    fn reading(table: &str) -> Self {
         SessionCheck {
-            mariadb: SESSION_CHECK_SQL.replace(HISTORY, history),
-            mysql8: SESSION_CHECK_MYSQL8_SQL.replace(HISTORY, history),
+            mariadb: SESSION_CHECK_SQL.replace(TABLE, table),
+            mysql8: SESSION_CHECK_MYSQL8_SQL.replace(TABLE, table),
         }
     }
 }
 
-/// The migration history's table, unqualified.
-const HISTORY: &str = "idempotency_schema_migrations";
-
 /// [`SessionCheck`] on MariaDB: left inside a transaction, clock set, READ
-/// UNCOMMITTED, inside a transaction with autocommit off; and a history row read.
+/// UNCOMMITTED, inside a transaction with autocommit off; and the table opened.
 const SESSION_CHECK_SQL: &str = concat!(
     "SELECT CAST(@@autocommit = 1 AND @@in_transaction = 1 AS SIGNED), ",
     clock_set!(),
     ", CAST(@@tx_isolation = 'READ-UNCOMMITTED' AS SIGNED), ",
     "CAST(@@autocommit = 0 AND @@in_transaction = 1 AS SIGNED), ",
-    "(SELECT 1 FROM idempotency_schema_migrations LIMIT 1) LIMIT 1"
+    "(SELECT 1 FROM idempotency_records WHERE FALSE) LIMIT 1"
 );
 
-/// [`SessionCheck`] on MySQL 8: clock set, autocommit off; and a history row read.
+/// [`SessionCheck`] on MySQL 8: clock set, autocommit off; and the table opened.
 const SESSION_CHECK_MYSQL8_SQL: &str = concat!(
     "SELECT ",
     clock_set!(),
     ", CAST(@@autocommit = 0 AS SIGNED), ",
-    "(SELECT 1 FROM idempotency_schema_migrations LIMIT 1) LIMIT 1"
+    "(SELECT 1 FROM idempotency_records WHERE FALSE) LIMIT 1"
 );
 
 impl Names {
@@ -245,7 +244,7 @@ impl Names {
                 insert_or_read: INSERT_OR_READ_SQL.to_owned(),
                 reserve: RESERVE_SQL.to_owned(),
                 purge: PURGE_SQL.to_owned(),
-                check: std::sync::Arc::new(SessionCheck::reading(HISTORY)),
+                check: std::sync::Arc::new(SessionCheck::reading(TABLE)),
             };
         };
         let database = format!("`{}`", database.replace('`', "``"));
@@ -259,7 +258,7 @@ impl Names {
                 &procedure("idempotency_reserve_v4"),
             ),
             purge: PURGE_SQL.replace("idempotency_purge(", &procedure("idempotency_purge")),
-            check: std::sync::Arc::new(SessionCheck::reading(&format!("{database}.{HISTORY}"))),
+            check: std::sync::Arc::new(SessionCheck::reading(&table)),
             table,
         }
     }
