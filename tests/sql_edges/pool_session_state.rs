@@ -1762,3 +1762,68 @@ async fn mysql_a_lock_of_the_records_table_left_on_the_pool_still_lets_the_store
     .await;
     mysql_drop_then_check(&admin, &[&db], checked).await;
 }
+
+/// On MariaDB a replay whose row another session holds for the moment (a
+/// concurrent duplicate's statement, for well under a millisecond; here a
+/// transaction that locked it) is answered by a plain read on the
+/// connection that met the lock: no session check and no procedure call,
+/// which queues on the identity's `GET_LOCK` (a hot key replayed by many
+/// callers at once sent a few in a hundred there).
+#[tokio::test]
+async fn mysql_a_replay_of_a_row_held_for_a_moment_calls_no_procedure() {
+    let Some(admin) = mysql_store_or_skip().await else {
+        return;
+    };
+    let (pool, store) = mysql_pool_of_one(&mysql_url()).await;
+    let mariadb: Option<i64> = sqlx::query_scalar("SELECT @@max_statement_time IS NOT NULL")
+        .fetch_one(&pool)
+        .await
+        .ok();
+    if mariadb.is_none() {
+        pool.close().await;
+        return; // MySQL reads first, no `INSERT … RETURNING`
+    }
+    let identity = Identity::new(fresh_tenant(), "pool_state.held_replay", "k").expect("identity");
+    let (f, token) = (fp("request"), OwnerToken::new());
+    assert_eq!(
+        admin
+            .reserve(request(&identity, &f, &token))
+            .await
+            .expect("reserve"),
+        Reservation::FRESH
+    );
+    assert_eq!(
+        admin
+            .complete(Completion::by_body(&identity, &token, &ok(b"7"), LONG))
+            .await
+            .expect("complete"),
+        Fenced::Written
+    );
+    let mut holder = admin.pool().begin().await.expect("begin");
+    sqlx::query(
+        "SELECT 1 FROM idempotency_records WHERE tenant = ? AND scope = ? AND `key` = ? FOR UPDATE",
+    )
+    .bind(identity.tenant().as_bytes())
+    .bind(identity.scope().as_bytes())
+    .bind(identity.key().as_bytes())
+    .fetch_optional(&mut *holder)
+    .await
+    .expect("hold the row");
+    let calls = || async {
+        let (_, n): (String, String) =
+            sqlx::query_as("SHOW SESSION STATUS LIKE 'Com_call_procedure'")
+                .fetch_one(&pool)
+                .await
+                .expect("status");
+        n.parse::<u64>().expect("a count")
+    };
+    let before = calls().await;
+    let replay = store
+        .reserve(request(&identity, &f, &OwnerToken::new()))
+        .await;
+    let after = calls().await;
+    holder.rollback().await.expect("rollback");
+    pool.close().await;
+    assert_eq!(replay.expect("replayed"), Reservation::Completed(ok(b"7")));
+    assert_eq!(after, before, "the replay called no procedure");
+}

@@ -985,23 +985,39 @@ async fn insert_or_read(
     .await
     .map_err(err("reserve"))?
     .map(|rows| rows.into_iter().next());
-    conn.hand_back();
     let row = match found {
         Ok(Some(row)) => row,
-        Ok(None) => return Ok(InsertOrRead::Decide),
+        Ok(None) => {
+            conn.hand_back();
+            return Ok(InsertOrRead::Decide);
+        }
         // Autocommit is off (the `NULL` state): the procedure decides.
         Err(sqlx::Error::Database(e)) if error_number(&*e) == Some(ER_BAD_NULL_ERROR) => {
-            return Ok(InsertOrRead::Decide)
+            conn.hand_back();
+            return Ok(InsertOrRead::Decide);
         }
-        Err(sqlx::Error::Database(e)) => {
-            return if matches!(error_number(&*e), Some(ER_LOCK_WAIT_TIMEOUT | ER_DUP_ENTRY)) {
-                Ok(InsertOrRead::Held)
-            } else {
-                Err(StoreError::new(STORE, "reserve", sqlx::Error::Database(e)))
-            };
+        Err(sqlx::Error::Database(e))
+            if matches!(error_number(&*e), Some(ER_LOCK_WAIT_TIMEOUT | ER_DUP_ENTRY)) =>
+        {
+            // Another session holds the row (most often a concurrent
+            // duplicate's statement, for well under a millisecond): a plain
+            // read answers a replay, on this connection. The statement
+            // that failed was a transaction (it read the table), so an
+            // isolation other code left pending here for the next
+            // transaction was taken by it, and the read runs at the
+            // session's own, which its guard checks (`SessionCheck`).
+            // One plain read, where the procedure path costs the session
+            // check and a `CALL` that queues on the identity's `GET_LOCK`.
+            let answer = plain_read(&mut conn, names, request).await?;
+            conn.hand_back();
+            return Ok(answer?.map_or(InsertOrRead::Decide, InsertOrRead::Answered));
         }
-        Err(e) => return Err(err("reserve")(e)),
+        Err(e) => {
+            conn.hand_back();
+            return Err(err("reserve")(e));
+        }
     };
+    conn.hand_back();
     // By position: sqlx takes a prepared statement's column names from its
     // prepare-time metadata, which MariaDB does not send for `RETURNING`.
     if row.try_get::<i64, _>(6).map_err(err("reserve"))? == 0 {
@@ -1025,11 +1041,54 @@ async fn insert_or_read(
 enum InsertOrRead {
     /// Inserted, or the existing record answers.
     Answered(Reservation),
-    /// Another session holds the row: the procedure's plain read may still
-    /// answer (a replay whose row a concurrent duplicate's statement holds).
-    Held,
-    /// Expired, a lease that ran out, or autocommit off: the procedure decides.
+    /// Expired, a lease that ran out, autocommit off, or a row another
+    /// session holds that a plain read did not answer: the procedure decides.
     Decide,
+}
+
+/// [`READ_SQL`] on `conn`: the record's answer when a plain read answers it
+/// (a replay, a mismatch, a live lease) on a session its guard accepts. The
+/// outer `Err`: the server left it unanswered, and the connection must be
+/// closed; the inner one is the statement's answer (hand it back).
+async fn plain_read(
+    conn: &mut sqlx::MySqlConnection,
+    names: &Names,
+    request: ReserveRequest<'_>,
+) -> Result<Result<Option<Reservation>, StoreError>, StoreError> {
+    let answered = server::answered_within(Duration::ZERO, read_answer(conn, names, request))
+        .await
+        .map_err(err("reserve"))?;
+    Ok(answered)
+}
+
+/// [`plain_read`]'s statement and its decoding.
+async fn read_answer(
+    conn: &mut sqlx::MySqlConnection,
+    names: &Names,
+    request: ReserveRequest<'_>,
+) -> Result<Option<Reservation>, StoreError> {
+    let id = request.identity;
+    // A plain read: no lock wait.
+    let row = sqlx::query(&names.read)
+        .bind(id.tenant.as_bytes())
+        .bind(id.scope.as_bytes())
+        .bind(id.key.as_bytes())
+        .fetch_optional(&mut *conn)
+        .await
+        .map_err(err("reserve"))?;
+    let Some(row) = row else {
+        return Ok(None);
+    };
+    if row
+        .try_get::<i64, _>("autocommit")
+        .map_err(err("reserve"))?
+        != 1
+    {
+        return Ok(None);
+    }
+    rows::Columns(&row)
+        .answer(request.fingerprint.map(Fingerprint::as_str))
+        .map_err(err("reserve"))
 }
 
 /// A reservation through the store: on MariaDB the insert-or-read statement,
@@ -1044,51 +1103,20 @@ async fn reserve_through_store(
     if mariadb {
         match insert_or_read(pool, names, request).await? {
             InsertOrRead::Answered(answer) => return Ok(answer),
-            // A row another session holds: the procedure's plain read
-            // answers a replay, on a connection checked first. (A plain
-            // read here, on whatever connection the pool hands over next,
-            // would read at an isolation left pending on it: see
-            // `SessionCheck`.)
-            InsertOrRead::Decide | InsertOrRead::Held => {
+            InsertOrRead::Decide => {
                 return reserve_through_the_procedure(pool, names, request, mariadb).await
             }
         }
     }
-    let id = request.identity;
     let mut conn = ClosedIfDropped::acquire(pool)
         .await
         .map_err(err("reserve"))?;
-    // A plain read: no lock wait.
-    let row = server::answered_within(
-        Duration::ZERO,
-        sqlx::query(&names.read)
-            .bind(id.tenant.as_bytes())
-            .bind(id.scope.as_bytes())
-            .bind(id.key.as_bytes())
-            .fetch_optional(&mut *conn),
-    )
-    .await
-    .map_err(err("reserve"))?;
+    let answer = plain_read(&mut conn, names, request).await?;
     conn.hand_back();
-    let row = row.map_err(err("reserve"))?;
-    if let Some(row) = row {
-        let fingerprint = request.fingerprint.map(Fingerprint::as_str);
-        let answer = if row
-            .try_get::<i64, _>("autocommit")
-            .map_err(err("reserve"))?
-            == 1
-        {
-            rows::Columns(&row)
-                .answer(fingerprint)
-                .map_err(err("reserve"))?
-        } else {
-            None
-        };
-        if let Some(answer) = answer {
-            return Ok(answer);
-        }
+    match answer? {
+        Some(answer) => Ok(answer),
+        None => reserve_through_the_procedure(pool, names, request, mariadb).await,
     }
-    reserve_through_the_procedure(pool, names, request, mariadb).await
 }
 
 /// The reservation procedure (`idempotency_reserve_v4`): its answer as one
