@@ -1827,3 +1827,61 @@ async fn mysql_a_replay_of_a_row_held_for_a_moment_calls_no_procedure() {
     assert_eq!(replay.expect("replayed"), Reservation::Completed(ok(b"7")));
     assert_eq!(after, before, "the replay called no procedure");
 }
+
+/// A pool on a URL that names no database, whose `after_connect` chooses one
+/// (`USE`): the store opens there, names its table there, and its calls
+/// (the worker's included) record there. Without the `USE` the store does
+/// not open, and says so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mysql_a_pool_without_a_database_in_its_url_records_where_after_connect_chose() {
+    let Some(admin) = mysql_store_or_skip().await else {
+        return;
+    };
+    let db = mysql_create_database(&admin, "myreview_no_db_in_url").await;
+    let (bare, url) = (
+        mysql_url_of(&mysql_url(), ""),
+        mysql_url_of(&mysql_url(), &db),
+    );
+    let use_db = format!("USE `{db}`");
+    let checked = tokio::spawn(async move {
+        let refused = MySqlStore::connect(&bare).await;
+        assert!(refused.is_err(), "no database, no store: {refused:?}");
+        let pool = MySqlPoolOptions::new()
+            .max_connections(1)
+            .after_connect(move |conn, _| {
+                let use_db = use_db.clone();
+                Box::pin(async move {
+                    conn.execute(use_db.as_str()).await?;
+                    Ok(())
+                })
+            })
+            .connect(&bare)
+            .await
+            .expect("pool");
+        let store = MySqlStore::from_pool(pool.clone()).await.expect("store");
+        let there = MySqlStore::connect(&url)
+            .await
+            .expect("a store on the database");
+        let identity = Identity::new(fresh_tenant(), "pool_state.no_db", "k").expect("identity");
+        a_call_on_the_dirty_pool_is_seen_by_a_clean_one(&store, &there, &identity).await;
+        let other = Identity::new(fresh_tenant(), "pool_state.no_db", "w").expect("identity");
+        let token = OwnerToken::new();
+        assert_eq!(
+            store
+                .reserve(request(&other, &fp("request"), &token))
+                .await
+                .expect("reserve"),
+            Reservation::FRESH
+        );
+        store.complete_detached(Completion::by_body(&other, &token, &ok(b"7"), LONG));
+        store.finish_background_work(Duration::from_secs(60)).await;
+        let seen = there.fetch(&other).await.expect("fetch");
+        pool.close().await;
+        assert!(
+            seen.is_some_and(|r| r.state == RecordState::Complete),
+            "the worker's completion lands there too"
+        );
+    })
+    .await;
+    mysql_drop_then_check(&admin, &[&db], checked).await;
+}
