@@ -397,6 +397,71 @@ async fn pg_a_search_path_left_on_the_pool_does_not_move_the_records() {
     }
 }
 
+/// A store opened on a connection other code had left with another
+/// `search_path` (a shared pool of one) names the table it found there. A
+/// completion handed to the store's worker (a call dropped while recording)
+/// goes out on the worker's own connections, opened with the pool's
+/// options, whose `search_path` finds another table: it matched nothing,
+/// the record stayed in progress, and after the lease a retry would run the
+/// body again. The worker names the store's schema too.
+#[tokio::test]
+async fn pg_a_completion_handed_to_the_worker_lands_where_the_store_reserved() {
+    let Some(db) = OwnDatabase::create().await else {
+        return;
+    };
+    let mut setup = sqlx::PgConnection::connect(&db.url).await.expect("connect");
+    setup.execute("CREATE SCHEMA shadow").await.expect("schema");
+    let shadow_pool = PgPoolOptions::new()
+        .max_connections(1)
+        .connect_with(with_search_path(&db.url, "shadow"))
+        .await
+        .expect("pool");
+    let shadow = PgStore::from_pool(shadow_pool).await.expect("shadow store");
+    let public = PgStore::connect(&db.url).await.expect("public store");
+
+    let url = db.url.clone();
+    // Run apart, so the database is dropped whatever the check answers.
+    let checked = tokio::spawn(async move {
+        let pool = PgPoolOptions::new()
+            .max_connections(1)
+            .connect(&url)
+            .await
+            .expect("pool");
+        pool.execute("SET search_path = shadow, public")
+            .await
+            .expect("set the search_path");
+        let store = PgStore::from_pool(pool.clone()).await.expect("store");
+        let identity = Identity::new(fresh_tenant(), "pool_state.worker", "k").expect("identity");
+        let (f, token) = (fp("request"), OwnerToken::new());
+        assert_eq!(
+            store
+                .reserve(request(&identity, &f, &token))
+                .await
+                .expect("reserve"),
+            Reservation::FRESH
+        );
+        store.complete_detached(Completion::by_body(&identity, &token, &ok(b"7"), LONG));
+        assert_eq!(
+            store.finish_background_work(Duration::from_secs(30)).await,
+            0,
+            "the worker finished"
+        );
+        let seen = store.fetch(&identity).await.expect("fetch");
+        assert!(
+            seen.as_ref()
+                .is_some_and(|r| r.state == RecordState::Complete),
+            "the worker completed the record the store reserved (found {seen:?})"
+        );
+        pool.close().await;
+    })
+    .await;
+    drop((setup, shadow, public));
+    db.drop().await;
+    if let Err(e) = checked {
+        std::panic::resume_unwind(e.into_panic());
+    }
+}
+
 /// `url`'s connect options with `search_path` set at connect time, as an
 /// application chooses the schema its store lives in.
 fn with_search_path(url: &str, search_path: &str) -> sqlx::postgres::PgConnectOptions {

@@ -147,10 +147,11 @@ impl PgStore {
             .await
             .map_err(|e| StoreError::new(STORE, migrate::operation(), e))?;
         let schema = records_schema(&pool).await?;
-        let detached = background_worker(&pool);
+        let statements = std::sync::Arc::new(Statements::in_schema(&schema));
+        let detached = background_worker(&pool, &statements);
         detached.statements_land_within(reservation_lands_within(DEFAULT_LOCK_WAIT));
         Ok(PgStore {
-            statements: std::sync::Arc::new(Statements::in_schema(&schema)),
+            statements,
             detached: std::sync::Arc::new(detached),
             watcher: std::sync::Arc::new(Watcher::new((*pool.connect_options()).clone())),
             pools: std::sync::Arc::new(server::RuntimePools::new(pool)),
@@ -229,10 +230,12 @@ async fn records_schema(pool: &PgPool) -> Result<String, Error> {
 /// (PostgreSQL looks in `pg_temp` first): unqualified, the records would go
 /// where the store's other connections never look, and a retry would run
 /// the body again. The functions keep to their own schema too (migration
-/// 0009). Transactional mode's statements stay unqualified: they run on the
-/// caller's connection, whose `search_path` is the caller's to choose; the
-/// store's worker sends them on connections of its own, opened with the
-/// pool's options.
+/// 0009). The store's worker sends them too, on connections of its own:
+/// opened with the pool's options, these may resolve the names elsewhere
+/// than the connection the store opened on did (one other code had left
+/// with another `search_path`). Transactional mode's statements stay
+/// unqualified: they run on the caller's connection, whose `search_path` is
+/// the caller's to choose.
 #[derive(Debug)]
 struct Statements {
     reserve: String,
@@ -479,37 +482,41 @@ macro_rules! in_worker_transaction {
 
 /// The worker that finishes dropped calls' records with the store's fenced
 /// writes (module `server`).
-fn background_worker(pool: &PgPool) -> detached::Detached {
+fn background_worker(pool: &PgPool, sql: &std::sync::Arc<Statements>) -> detached::Detached {
+    let (on_release, on_end_lease, on_complete) = (sql.clone(), sql.clone(), sql.clone());
     server::background_worker(
         STORE,
         pool,
-        |pool, identity, token| {
+        move |pool, identity, token| {
+            let sql = on_release.clone();
             Box::pin(async move {
                 in_worker_transaction!(&pool, "release", |conn| release_with(
                     conn,
-                    RELEASE_SQL,
+                    &sql.release,
                     &identity,
                     &token
                 ))
             })
         },
-        |pool, identity, token| {
+        move |pool, identity, token| {
+            let sql = on_end_lease.clone();
             Box::pin(async move {
                 in_worker_transaction!(&pool, "heartbeat", |conn| heartbeat_with(
                     conn,
-                    HEARTBEAT_SQL,
+                    &sql.heartbeat,
                     &identity,
                     &token,
                     Duration::ZERO
                 ))
             })
         },
-        |pool, identity, token, answer| {
+        move |pool, identity, token, answer| {
+            let sql = on_complete.clone();
             Box::pin(async move {
                 let completion = answer.completing(&identity, &token);
                 in_worker_transaction!(&pool, "complete", |conn| complete_with(
                     conn,
-                    COMPLETE_SQL,
+                    &sql.complete,
                     completion
                 ))
             })
