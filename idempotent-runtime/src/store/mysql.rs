@@ -433,22 +433,12 @@ async fn clean_connection(
     pool: &MySqlPool,
     check: Option<&std::sync::Arc<SessionCheck>>,
 ) -> Result<ClosedIfDropped<MySql>, StoreError> {
-    let Some(check) = check else {
-        return ClosedIfDropped::acquire(pool)
+    match check {
+        Some(check) => checked_connection(pool, check, false).await,
+        None => ClosedIfDropped::acquire(pool)
             .await
-            .map_err(err(CLEAN_CONNECTION));
-    };
-    // The check's connection is already closed if the call is dropped while
-    // the check waits (a silent server).
-    super::outside_any_transaction::<_, ClosedIfDropped<MySql>, _>(
-        STORE,
-        CLEAN_CONNECTION,
-        pool,
-        None,
-        super::IfLeftOpen::Close,
-        |conn| Box::pin(checked_session(conn, check.clone(), false)),
-    )
-    .await
+            .map_err(err(CLEAN_CONNECTION)),
+    }
 }
 
 /// [`clean_connection`] (checked) for the store's reads of records
@@ -465,13 +455,24 @@ async fn connection_for_a_read(
     pool: &MySqlPool,
     check: &std::sync::Arc<SessionCheck>,
 ) -> Result<ClosedIfDropped<MySql>, StoreError> {
+    checked_connection(pool, check, true).await
+}
+
+/// A connection of `pool` that passed [`checked_session`] (`fresh_snapshot`
+/// as it says). The check's connection is already closed if the call is
+/// dropped while the check waits (a silent server).
+async fn checked_connection(
+    pool: &MySqlPool,
+    check: &std::sync::Arc<SessionCheck>,
+    fresh_snapshot: bool,
+) -> Result<ClosedIfDropped<MySql>, StoreError> {
     super::outside_any_transaction::<_, ClosedIfDropped<MySql>, _>(
         STORE,
         CLEAN_CONNECTION,
         pool,
         None,
         super::IfLeftOpen::Close,
-        |conn| Box::pin(checked_session(conn, check.clone(), true)),
+        |conn| Box::pin(checked_session(conn, check.clone(), fresh_snapshot)),
     )
     .await
 }
