@@ -484,13 +484,9 @@ async fn a_successful_run_clears_the_last_error() {
 /// were counted as deleted, yet nobody else saw them, they roll back when
 /// the connection closes, and meanwhile the expired records stay locked
 /// (a reservation of such a key waits). The purge deletes for good or fails
-/// saying why. (The MySQL store and SQLite store write outside such a
-/// transaction; in a schema of its own, so no other test's purge deletes the
-/// planted record.)
+/// saying why. (In a schema of its own, so no other test's purge deletes
+/// the planted record.)
 #[tokio::test]
-#[ignore = "not fixed: PgStore::purge_expired (store/postgres.rs, not this helper's to edit) \
-            runs its DELETE on a pool connection as it comes, also one left inside an open \
-            transaction; the store-mode reservation and completion have the same trouble"]
 async fn a_purge_on_a_connection_left_in_a_transaction_deletes_for_good_on_postgres() {
     use sqlx::{Connection, Executor};
     use std::str::FromStr;

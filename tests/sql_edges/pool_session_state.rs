@@ -265,6 +265,28 @@ async fn pg_a_transactional_call_on_a_latin1_session_is_refused_with_nothing_wri
     assert!(clean.fetch(&identity).await.expect("fetch").is_none());
 }
 
+/// A connection of the shared pool handed back inside a transaction the
+/// application began and wrote in (a plain `BEGIN`, a write, then an early
+/// return): the store's reservation and completion were written inside it,
+/// seen by nobody else and rolled back with it, and a retry elsewhere ran
+/// the body again. The reservation is refused there and the connection
+/// closed (rolling that transaction back); the next call takes another.
+/// (A transaction left open that wrote nothing is not seen: README.)
+#[tokio::test]
+async fn pg_a_connection_left_inside_a_written_transaction_takes_no_record() {
+    let Some(clean) = pg_store_or_skip().await else {
+        return;
+    };
+    let (pool, dirty) = pg_pool_of_one(&pg_url()).await;
+    let mut conn = pool.acquire().await.expect("connection");
+    conn.execute("BEGIN").await.expect("begin");
+    // A write of the application's own: a transaction id is assigned.
+    conn.execute("SELECT txid_current()").await.expect("write");
+    drop(conn);
+    let identity = Identity::new(fresh_tenant(), "pool_state.left_open", "k").expect("identity");
+    a_call_on_the_dirty_pool_is_seen_by_a_clean_one(&dirty, &clean, &identity).await;
+}
+
 /// A TEMP table named like the store's, created on a connection of the
 /// shared pool as a copy of its definition (`LIKE … INCLUDING ALL`, a
 /// scratch copy for a report or a test fixture). PostgreSQL looks for a

@@ -12,6 +12,9 @@
 -- inserts. It raises SQLSTATE IE001, which the store answers with
 -- Error::Store (nothing written).
 --
+-- It also refuses a connection left inside a transaction other code began
+-- and wrote in (SQLSTATE IE002): the record would roll back with it.
+--
 -- This function is on the path of every fresh key, so it is not pinned to its
 -- schema with a setting of its own, as migration 0009 pinned it (a setting is
 -- set and restored at every call: about 2.6 us in the server, some 4% of a
@@ -41,6 +44,15 @@ LANGUAGE plpgsql VOLATILE AS $fn$
 DECLARE
     v_lock_timeout TEXT;
 BEGIN
+    -- A transaction other code began on this connection, wrote in and left
+    -- open (a plain BEGIN and an early return, on a pool the store shares):
+    -- the store's statement is its own transaction and has written nothing
+    -- yet, so a transaction id already assigned is that code's, and the
+    -- record would roll back with its transaction. Refused (IE002).
+    IF txid_current_if_assigned() IS NOT NULL THEN
+        RAISE EXCEPTION USING ERRCODE = 'IE002',
+            MESSAGE = 'the connection is inside a transaction other code began and left open';
+    END IF;
     -- As the store's reads_text_as_sent and names_the_record_as_sent: a
     -- SQL_ASCII client has nothing converted, which is what a clean
     -- connection gets in a UTF8 database alone; ASCII reads the same in

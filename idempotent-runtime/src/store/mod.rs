@@ -809,7 +809,7 @@ async fn on_the_real_clock<F: std::future::Future>(
 /// would run the body again. `left_open` asks the connection; one that is
 /// left open is closed, which rolls that transaction back, with a warning,
 /// and another taken, or, with [`IfLeftOpen::Refuse`], the write is refused.
-#[cfg(any(feature = "sqlite", feature = "mysql"))]
+#[cfg(any(feature = "sqlite", feature = "mysql", feature = "postgres"))]
 pub(crate) async fn outside_any_transaction<DB: sqlx::Database, C: Pooled<DB>, F>(
     store: &'static str,
     operation: &'static str,
@@ -862,7 +862,7 @@ where
 /// A pooled connection as [`outside_any_transaction`] takes it: sqlx's own
 /// (SQLite), or one closed if the call is dropped mid-statement (the server
 /// stores, `server::ClosedIfDropped`).
-#[cfg(any(feature = "sqlite", feature = "mysql"))]
+#[cfg(any(feature = "sqlite", feature = "mysql", feature = "postgres"))]
 pub(crate) trait Pooled<DB: sqlx::Database>:
     std::ops::DerefMut<Target = DB::Connection> + Send + Sized
 {
@@ -888,7 +888,7 @@ impl<DB: sqlx::Database> Pooled<DB> for sqlx::pool::PoolConnection<DB> {
 }
 
 /// What [`outside_any_transaction`] does with a connection left open.
-#[cfg(any(feature = "sqlite", feature = "mysql"))]
+#[cfg(any(feature = "sqlite", feature = "mysql", feature = "postgres"))]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum IfLeftOpen {
     /// Close it (rolling its transaction back) and take another.

@@ -797,6 +797,25 @@ SELECT CASE WHEN r.state IS NULL THEN
 /// `client_encoding` would change the identity (migration 0010).
 const UNFAITHFUL_ENCODING_CODE: &str = "IE001";
 
+/// The SQLSTATE `idempotency_acquire_absent` fails with on a connection
+/// inside a transaction other code began, wrote in and left open (a plain
+/// `BEGIN`, then an early return, on a pool the store shares; migration
+/// 0010): the store's statement is its own transaction and has written
+/// nothing when the function asks, so a transaction id already assigned is
+/// that code's, and a record written there would roll back with it. A
+/// transaction left open that wrote nothing is not seen (the protocol's
+/// transaction status is sqlx's private state; README).
+const LEFT_IN_A_TRANSACTION_CODE: &str = "IE002";
+
+/// What a reservation on such a connection is told.
+const LEFT_IN_A_TRANSACTION: &str = "the pool handed over a connection left inside a \
+     transaction that other code began, wrote in and never ended (a BEGIN without COMMIT or \
+     ROLLBACK)";
+
+/// How many connections a reservation tries when each was left inside such
+/// a transaction (each is closed).
+const LEFT_OPEN_TRIES: u32 = 3;
+
 /// The store's fallback for what needs a decision under the row lock: the
 /// plpgsql function, no subtransaction; a lock timeout fails the statement
 /// with SQLSTATE 55P03, answered as `InProgress`. Sent on a connection of
@@ -950,7 +969,7 @@ async fn reserve_autocommit(
 ) -> Result<Reservation, StoreError> {
     // Counted apart: lock timeouts used up must not leave a serialization
     // failure (the holder committed while the statement waited) no try.
-    let (mut lock_timeouts, mut serialization_failures) = (0, 0);
+    let (mut lock_timeouts, mut serialization_failures, mut left_open) = (0, 0, 0);
     let answer = loop {
         let (answer, allowed) = match reserve_on(pool, &sql.reserve, request, lock_wait).await {
             Ok(Answer::Other) => (
@@ -965,6 +984,8 @@ async fn reserve_autocommit(
         };
         match code.as_deref() {
             Some(LOCK_NOT_AVAILABLE) if lock_timeouts + 1 < allowed => lock_timeouts += 1,
+            // Its connection is closed: the next try takes another.
+            Some(LEFT_IN_A_TRANSACTION_CODE) if left_open + 1 < LEFT_OPEN_TRIES => left_open += 1,
             // The row another reservation committed meanwhile: the next
             // statement sees it (a replay, a refusal or a mismatch).
             Some(SERIALIZATION_FAILURE)
@@ -993,6 +1014,19 @@ async fn reserve_autocommit(
                 lease_remaining: request.lease,
             })
         }
+        Err(sqlx::Error::Database(e))
+            if e.code().as_deref() == Some(LEFT_IN_A_TRANSACTION_CODE) =>
+        {
+            Err(StoreError::new(
+                STORE,
+                "reserve",
+                format!(
+                    "{LEFT_IN_A_TRANSACTION}; nothing was written. End transactions on the \
+                     pool's connections before giving them back (begin them with sqlx: \
+                     pool.begin()), or give the store a pool of its own"
+                ),
+            ))
+        }
         Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some(UNFAITHFUL_ENCODING_CODE) => {
             Err(StoreError::new(
                 STORE,
@@ -1020,6 +1054,16 @@ async fn reserve_on(
         reserve_statement(sql, &mut *conn, request, lock_wait),
     )
     .await?;
+    if matches!(&answer, Err(sqlx::Error::Database(e))
+        if e.code().as_deref() == Some(LEFT_IN_A_TRANSACTION_CODE))
+    {
+        // Closed, which rolls the transaction other code left open back
+        // (as the MariaDB and SQLite stores do), so the next try takes
+        // another connection.
+        tracing::warn!(target: "idempotent", store = STORE, "{LEFT_IN_A_TRANSACTION}; closing it, which rolls that transaction back");
+        conn.close_on_drop();
+        return answer;
+    }
     conn.hand_back();
     answer
 }
@@ -1396,9 +1440,26 @@ impl Store for PgStore {
     async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError> {
         super::purge_in_chunks(STORE, batch, |chunk| async move {
             // A statement cut short by the purge's bound closes its connection.
-            let mut conn = ClosedIfDropped::acquire(&self.pools.current())
-                .await
-                .map_err(err("purge expired records"))?;
+            // A connection code sharing the pool left inside a transaction
+            // (a plain `BEGIN`, then an early return) is closed, rolling that
+            // transaction back, and another taken: deletes made there would
+            // be counted, seen by nobody else, and rolled back with it. One
+            // more round trip per chunk (the purge's path alone).
+            let mut conn = super::outside_any_transaction::<_, ClosedIfDropped<Postgres>, _>(
+                STORE,
+                "purge expired records",
+                &self.pools.current(),
+                None,
+                super::IfLeftOpen::Close,
+                |conn| {
+                    Box::pin(async move {
+                        started_before_this_statement(conn)
+                            .await
+                            .map_err(err("check for an open transaction"))
+                    })
+                },
+            )
+            .await?;
             let done = sqlx::query(&self.statements.purge)
                 .bind(i64::from(chunk))
                 .execute(&mut *conn)

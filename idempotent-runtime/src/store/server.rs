@@ -322,7 +322,7 @@ impl<DB: Database> ClosedIfDropped<DB> {
     }
 
     /// Closes the connection when it is dropped, also after a `hand_back`.
-    #[cfg(feature = "mysql")]
+    #[cfg(any(feature = "mysql", feature = "postgres"))]
     pub(crate) fn close_on_drop(&mut self) {
         if let Some(conn) = self.0.as_mut() {
             conn.close_on_drop();
@@ -330,7 +330,7 @@ impl<DB: Database> ClosedIfDropped<DB> {
     }
 }
 
-#[cfg(feature = "mysql")]
+#[cfg(any(feature = "mysql", feature = "postgres"))]
 impl<DB: Database> super::Pooled<DB> for ClosedIfDropped<DB> {
     fn acquire(pool: &Pool<DB>) -> BoxFuture<'_, Result<Self, sqlx::Error>> {
         Box::pin(ClosedIfDropped::acquire(pool))
