@@ -1385,41 +1385,7 @@ async fn mysql_transactional_calls_on_session_state_left_on_the_pool_run_the_bod
 /// changes the schema when it fails.)
 #[tokio::test]
 async fn mysql_a_store_opened_on_a_session_with_a_select_limit_applies_nothing_again() {
-    let Some(admin) = mysql_store_or_skip().await else {
-        return;
-    };
-    let db = mysql_create_database(&admin, "pool_state_select_limit").await;
-    let url = mysql_url_of(&mysql_url(), &db);
-    let checked = tokio::spawn(async move {
-        // The schema, applied on a plain session.
-        drop(MySqlStore::connect(&url).await.expect("store"));
-        let pool = MySqlPoolOptions::new()
-            .max_connections(1)
-            .after_connect(|conn, _| {
-                Box::pin(async move {
-                    conn.execute("SET SESSION sql_select_limit = 1").await?;
-                    Ok(())
-                })
-            })
-            .connect(&url)
-            .await
-            .expect("pool");
-        let store = MySqlStore::from_pool(pool.clone())
-            .await
-            .expect("the store opens");
-        let identity =
-            Identity::new(fresh_tenant(), "pool_state.select_limit", "k").expect("identity");
-        a_call_on_the_dirty_pool_is_seen_by_a_clean_one(&store, &store, &identity).await;
-        pool.close().await;
-    })
-    .await;
-    let _ = admin
-        .pool()
-        .execute(format!("DROP DATABASE `{db}`").as_str())
-        .await;
-    if let Err(e) = checked {
-        std::panic::resume_unwind(e.into_panic());
-    }
+    store_opened_with_a_select_limit(1).await;
 }
 
 /// `SET TRANSACTION ISOLATION LEVEL READ UNCOMMITTED` (no `SESSION`: for
@@ -1580,7 +1546,7 @@ async fn mysql_a_serializable_autocommit_off_pool_is_not_held_up_by_another_keys
     let Some(admin) = mysql_store_or_skip().await else {
         return;
     };
-    let db = mysql_create_database(&admin, "myreview_serializable").await;
+    let db = mysql_create_database(&admin, "pool_state_serializable").await;
     let url = mysql_url_of(&mysql_url(), &db);
     let checked = tokio::spawn(async move {
         let clean = MySqlStore::connect(&url).await.expect("store");
@@ -1648,8 +1614,8 @@ async fn mysql_a_completion_handed_to_the_worker_lands_where_the_store_reserved(
     let Some(admin) = mysql_store_or_skip().await else {
         return;
     };
-    let home = mysql_create_database(&admin, "myreview_worker_home").await;
-    let other = mysql_create_database(&admin, "myreview_worker_other").await;
+    let home = mysql_create_database(&admin, "pool_state_worker_home").await;
+    let other = mysql_create_database(&admin, "pool_state_worker_other").await;
     let (home_url, other_url) = (
         mysql_url_of(&mysql_url(), &home),
         mysql_url_of(&mysql_url(), &other),
@@ -1704,7 +1670,7 @@ async fn mysql_a_store_in_a_database_named_with_a_backtick_and_accents_records_t
     let Some(admin) = mysql_store_or_skip().await else {
         return;
     };
-    let db = format!("myreview_b`q_café_{}", uuid::Uuid::new_v4().simple());
+    let db = format!("pool_state_b`q_café_{}", uuid::Uuid::new_v4().simple());
     admin
         .pool()
         .execute(format!("CREATE DATABASE `{}`", db.replace('`', "``")).as_str())
@@ -1767,18 +1733,27 @@ async fn mysql_a_store_in_a_database_named_with_a_backtick_and_accents_records_t
 /// calls (the worker's included) record and replay.
 #[tokio::test]
 async fn mysql_a_store_opened_on_a_session_with_a_select_limit_of_zero_works() {
+    store_opened_with_a_select_limit(0).await;
+}
+
+/// A store opened on a pool of one whose `after_connect` sets
+/// `sql_select_limit = limit`, in a database of its own: it opens, a call
+/// is seen and replayed, and a completion handed to its worker lands.
+async fn store_opened_with_a_select_limit(limit: u32) {
     let Some(admin) = mysql_store_or_skip().await else {
         return;
     };
-    let db = mysql_create_database(&admin, "myreview_select_limit_zero").await;
+    let db = mysql_create_database(&admin, "pool_state_select_limit").await;
     let url = mysql_url_of(&mysql_url(), &db);
     let checked = tokio::spawn(async move {
+        // The schema, applied on a plain session.
         drop(MySqlStore::connect(&url).await.expect("store"));
         let pool = MySqlPoolOptions::new()
             .max_connections(1)
-            .after_connect(|conn, _| {
+            .after_connect(move |conn, _| {
                 Box::pin(async move {
-                    conn.execute("SET SESSION sql_select_limit = 0").await?;
+                    conn.execute(format!("SET SESSION sql_select_limit = {limit}").as_str())
+                        .await?;
                     Ok(())
                 })
             })
@@ -1789,10 +1764,10 @@ async fn mysql_a_store_opened_on_a_session_with_a_select_limit_of_zero_works() {
             .await
             .expect("the store opens");
         let identity =
-            Identity::new(fresh_tenant(), "pool_state.select_limit_0", "k").expect("identity");
+            Identity::new(fresh_tenant(), "pool_state.select_limit", "k").expect("identity");
         a_call_on_the_dirty_pool_is_seen_by_a_clean_one(&store, &store, &identity).await;
         let other =
-            Identity::new(fresh_tenant(), "pool_state.select_limit_0", "w").expect("identity");
+            Identity::new(fresh_tenant(), "pool_state.select_limit", "w").expect("identity");
         let token = OwnerToken::new();
         assert_eq!(
             store
@@ -1825,7 +1800,7 @@ async fn mysql_a_lock_of_the_records_table_left_on_the_pool_still_lets_the_store
     let Some(admin) = mysql_store_or_skip().await else {
         return;
     };
-    let db = mysql_create_database(&admin, "myreview_lock_tables").await;
+    let db = mysql_create_database(&admin, "pool_state_lock_tables").await;
     let url = mysql_url_of(&mysql_url(), &db);
     let checked = tokio::spawn(async move {
         let (pool, dirty) = mysql_pool_of_one(&url).await;
@@ -1924,7 +1899,7 @@ async fn mysql_a_pool_without_a_database_in_its_url_records_where_after_connect_
     let Some(admin) = mysql_store_or_skip().await else {
         return;
     };
-    let db = mysql_create_database(&admin, "myreview_no_db_in_url").await;
+    let db = mysql_create_database(&admin, "pool_state_no_db_in_url").await;
     let (bare, url) = (
         mysql_url_of(&mysql_url(), ""),
         mysql_url_of(&mysql_url(), &db),
