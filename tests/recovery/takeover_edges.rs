@@ -464,6 +464,27 @@ request_in_tx!(request_pg, sqlx::Postgres);
 request_in_tx!(request_my, sqlx::MySql);
 request_in_tx!(request_sqlite, sqlx::Sqlite);
 
+/// The PostgreSQL store and its pool, or `None` when the server is not there.
+async fn pg_with_pool() -> Option<(PgStore, sqlx::PgPool)> {
+    let store = pg_store_or_skip().await?;
+    let pool = store.pool().clone();
+    Some((store, pool))
+}
+
+/// The MariaDB store and its pool, or `None` when the server is not there.
+async fn mysql_with_pool() -> Option<(MySqlStore, sqlx::MySqlPool)> {
+    let store = mysql_store_or_skip().await?;
+    let pool = store.pool().clone();
+    Some((store, pool))
+}
+
+/// A SQLite store on a file of its own (`name`) and its pool.
+async fn sqlite_with_pool(name: &str) -> Option<(SqliteStore, sqlx::SqlitePool)> {
+    let store = SqliteStore::connect(&sqlite_url(name)).await.ok()?;
+    let pool = store.pool().clone();
+    Some((store, pool))
+}
+
 /// Rules 20 and 21: a store-mode claimant stops being polled past its
 /// lease; the transactional claimant takes the record over in its
 /// transaction, its hook answers `Completed`, and the transaction rolls
@@ -535,31 +556,17 @@ macro_rules! rolled_back_recovery {
 rolled_back_recovery!(
     postgres_a_rolled_back_recovery_in_a_transaction_is_asked_again_by_the_shared_claimant,
     request_pg,
-    async {
-        let store = pg_store_or_skip().await?;
-        let pool = store.pool().clone();
-        Some((store, pool))
-    }
+    pg_with_pool()
 );
 rolled_back_recovery!(
     mysql_a_rolled_back_recovery_in_a_transaction_is_asked_again_by_the_shared_claimant,
     request_my,
-    async {
-        let store = mysql_store_or_skip().await?;
-        let pool = store.pool().clone();
-        Some((store, pool))
-    }
+    mysql_with_pool()
 );
 rolled_back_recovery!(
     sqlite_a_rolled_back_recovery_in_a_transaction_is_asked_again_by_the_shared_claimant,
     request_sqlite,
-    async {
-        let store = SqliteStore::connect(&sqlite_url("takeover-shared"))
-            .await
-            .ok()?;
-        let pool = store.pool().clone();
-        Some((store, pool))
-    }
+    sqlite_with_pool("takeover-shared")
 );
 
 /// Rules 10 and 21: the paused store-mode claimant resumes while the
@@ -611,31 +618,17 @@ macro_rules! resumed_beside_an_open_takeover {
 resumed_beside_an_open_takeover!(
     postgres_an_owner_resumed_beside_an_uncommitted_takeover_is_refused,
     request_pg,
-    async {
-        let store = pg_store_or_skip().await?;
-        let pool = store.pool().clone();
-        Some((store, pool))
-    }
+    pg_with_pool()
 );
 resumed_beside_an_open_takeover!(
     mysql_an_owner_resumed_beside_an_uncommitted_takeover_is_refused,
     request_my,
-    async {
-        let store = mysql_store_or_skip().await?;
-        let pool = store.pool().clone();
-        Some((store, pool))
-    }
+    mysql_with_pool()
 );
 resumed_beside_an_open_takeover!(
     sqlite_an_owner_resumed_beside_an_uncommitted_takeover_is_refused,
     request_sqlite,
-    async {
-        let store = SqliteStore::connect(&sqlite_url("takeover-open"))
-            .await
-            .ok()?;
-        let pool = store.pool().clone();
-        Some((store, pool))
-    }
+    sqlite_with_pool("takeover-open")
 );
 
 #[idempotent(scope = "recovery.edges.expiring", key = key, tenant = tenant, store = store,
