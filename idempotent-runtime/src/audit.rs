@@ -164,6 +164,12 @@ pub struct ScopeAudit {
     pub taken_over: u64,
     /// Complete records whose answer a `recover` hook gave (the body did not run).
     pub recovered: u64,
+    /// How long ago (ms, store clock) the lease of the record stuck longest
+    /// ran out; `None` without stuck records.
+    pub longest_stuck_ms: Option<i64>,
+    /// How long ago (ms, store clock) the expired record waiting longest for
+    /// a purge became purgeable; `None` without expired records.
+    pub longest_unpurged_ms: Option<i64>,
 }
 
 impl ScopeAudit {
@@ -187,6 +193,8 @@ impl ScopeAudit {
             oldest_created_at: None,
             taken_over: 0,
             recovered: 0,
+            longest_stuck_ms: None,
+            longest_unpurged_ms: None,
         }
     }
 
@@ -228,6 +236,12 @@ pub struct AuditSummary {
     pub taken_over: u64,
     /// Recovered records in all scopes.
     pub recovered: u64,
+    /// The longest any record has been stuck, in ms (see
+    /// [`ScopeAudit::longest_stuck_ms`]); `None` without stuck records.
+    pub longest_stuck_ms: Option<i64>,
+    /// The longest any expired record has waited for a purge, in ms (see
+    /// [`ScopeAudit::longest_unpurged_ms`]); `None` without expired records.
+    pub longest_unpurged_ms: Option<i64>,
 }
 
 impl AuditReport {
@@ -270,6 +284,12 @@ impl AuditReport {
             expired: self.scopes.iter().map(|s| s.expired).sum(),
             taken_over: self.scopes.iter().map(|s| s.taken_over).sum(),
             recovered: self.scopes.iter().map(|s| s.recovered).sum(),
+            longest_stuck_ms: self.scopes.iter().filter_map(|s| s.longest_stuck_ms).max(),
+            longest_unpurged_ms: self
+                .scopes
+                .iter()
+                .filter_map(|s| s.longest_unpurged_ms)
+                .max(),
         }
     }
 
@@ -277,8 +297,36 @@ impl AuditReport {
     /// records. Records left under a retired name are not (they expire), but
     /// stuck or unpurged ones among them are.
     pub fn has_findings(&self) -> bool {
-        let s = self.summary();
-        s.orphan_scopes > 0 || s.stuck > 0 || s.expired > 0
+        self.has_findings_older_than(Duration::ZERO)
+    }
+
+    /// [`has_findings`](Self::has_findings) for a scheduled check of a busy
+    /// system: orphans count as always, while a stuck lease or an unpurged
+    /// record counts only once it has been so for `grace` or longer (by the
+    /// store's clock). On a live system some lease has always just run out
+    /// (a process restarted mid-call; the next call of its key takes it over)
+    /// and some record has always just expired (the purge comes every few
+    /// minutes): a `grace` a little longer than the purge's interval and the
+    /// time a retry takes to come reports only what is not cleared by itself.
+    ///
+    /// ```
+    /// use idempotent_runtime::{audit, MemoryStore};
+    /// use std::time::Duration;
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), idempotent_runtime::Error> {
+    /// let report = audit::audit(&MemoryStore::new(), &[]).await?;
+    /// assert!(!report.has_findings_older_than(Duration::from_secs(15 * 60)));
+    /// # Ok(()) }
+    /// ```
+    pub fn has_findings_older_than(&self, grace: Duration) -> bool {
+        let grace_ms = i64::try_from(grace.as_millis()).unwrap_or(i64::MAX);
+        // A store that does not say how long (a `Store` of one's own leaving
+        // the durations at `None`) has its stuck and unpurged records counted.
+        let overdue =
+            |count: u64, longest: Option<i64>| count > 0 && longest.is_none_or(|ms| ms >= grace_ms);
+        self.orphans().next().is_some()
+            || self.scopes.iter().any(|s| {
+                overdue(s.stuck, s.longest_stuck_ms) || overdue(s.expired, s.longest_unpurged_ms)
+            })
     }
 
     /// The report as an aligned table followed by a summary line, or as JSON
@@ -337,9 +385,22 @@ impl AuditReport {
                     &rows,
                 );
                 let sum = self.summary();
+                // How long the oldest of them has been so, to the second.
+                let longest = |ms: Option<i64>| {
+                    ms.map(|ms| {
+                        let seconds = u64::try_from(ms / 1000).unwrap_or(0);
+                        format!(
+                            " (the longest for {})",
+                            idempotent_rules::duration::format_duration(Duration::from_secs(
+                                seconds
+                            ))
+                        )
+                    })
+                    .unwrap_or_default()
+                };
                 out.push_str(&format!(
-                    "\n{} store: {} scope(s), {} record(s); {} orphan scope(s), {} retired scope(s) with records left, {} stuck lease(s), {} expired record(s) not purged, {} unused scope(s)\n",
-                    self.store, sum.scopes, sum.records, sum.orphan_scopes, sum.retired_scopes, sum.stuck, sum.expired, sum.unused_scopes
+                    "\n{} store: {} scope(s), {} record(s); {} orphan scope(s), {} retired scope(s) with records left, {} stuck lease(s){}, {} expired record(s) not purged{}, {} unused scope(s)\n",
+                    self.store, sum.scopes, sum.records, sum.orphan_scopes, sum.retired_scopes, sum.stuck, longest(sum.longest_stuck_ms), sum.expired, longest(sum.longest_unpurged_ms), sum.unused_scopes
                 ));
                 if sum.orphan_scopes > 0 {
                     out.push_str("orphans: records no code claims. If a scope was renamed, restore the old string (records keep working) or retire it in idempotent.toml and let the records expire.\n");
@@ -468,6 +529,8 @@ fn build_report(store: &str, stats: Vec<ScopeStats>, known: &[KnownScope]) -> Au
             (a, b) => a.or(b),
         };
         entry.oldest_created_at = entry.oldest_created_at_ms.map(rfc3339);
+        entry.longest_stuck_ms = entry.longest_stuck_ms.max(s.longest_stuck_ms);
+        entry.longest_unpurged_ms = entry.longest_unpurged_ms.max(s.longest_unpurged_ms);
     }
     for (scope, claim) in claims {
         if let Claim::Claimed { by } = claim {
@@ -636,6 +699,65 @@ mod tests {
         let json: serde_json::Value = serde_json::from_str(&r.render(Format::Json)).unwrap();
         assert_eq!(json["scopes"][1]["recovered"], 2);
         assert_eq!(json["summary"]["taken_over"], 3);
+    }
+
+    /// A scheduled check with a grace: a stuck lease or an unpurged record
+    /// is a finding once it has been so for the grace or longer, in any
+    /// scope; an orphan always is; a store that does not say how long has
+    /// its stuck and unpurged records counted whatever the grace.
+    #[test]
+    fn findings_older_than_a_grace() {
+        let known = [
+            KnownScope::claimed("a.pay", "app::pay"),
+            KnownScope::claimed("a.ship", "app::ship"),
+        ];
+        let minute = Duration::from_secs(60);
+        let mut pay = stats("a.pay", 1, 1, 2);
+        pay.longest_stuck_ms = Some(30_000);
+        pay.longest_unpurged_ms = Some(45_000);
+        let mut ship = stats("a.ship", 1, 0, 1);
+        ship.longest_unpurged_ms = Some(59_999);
+        let r = build_report("memory", vec![pay.clone(), ship.clone()], &known);
+        assert!(r.has_findings() && r.has_findings_older_than(Duration::from_secs(45)));
+        assert!(!r.has_findings_older_than(minute));
+        let s = r.summary();
+        assert_eq!(
+            (s.longest_stuck_ms, s.longest_unpurged_ms),
+            (Some(30_000), Some(59_999))
+        );
+        let table = r.render(Format::Table);
+        assert!(
+            table.contains("1 stuck lease(s) (the longest for 30s), 3 expired record(s) not purged (the longest for 59s)"),
+            "{table}"
+        );
+
+        ship.longest_unpurged_ms = Some(60_000);
+        let r = build_report("memory", vec![pay.clone(), ship], &known);
+        assert!(
+            r.has_findings_older_than(minute),
+            "one scope past the grace"
+        );
+
+        pay.longest_stuck_ms = Some(61_000);
+        let r = build_report("memory", vec![pay, stats("a.ship", 1, 0, 0)], &known);
+        assert!(
+            r.has_findings_older_than(minute),
+            "a stuck lease past the grace"
+        );
+
+        let orphan = build_report("memory", vec![stats("b.lost", 1, 0, 0)], &known);
+        assert!(orphan.has_findings_older_than(Duration::from_secs(86_400)));
+
+        let untimed = build_report("memory", vec![stats("a.pay", 1, 1, 1)], &known);
+        assert!(untimed.has_findings_older_than(Duration::from_secs(86_400)));
+        let table = untimed.render(Format::Table);
+        assert!(
+            table.contains("1 stuck lease(s), 1 expired record(s) not purged,"),
+            "{table}"
+        );
+
+        let clean = build_report("memory", vec![stats("a.pay", 3, 0, 0)], &known);
+        assert!(!clean.has_findings() && !clean.has_findings_older_than(Duration::ZERO));
     }
 
     #[test]

@@ -241,6 +241,76 @@ async fn audit_check_passes_on_a_store_without_findings() {
     assert!(out.contains("orders.place"), "{out}");
 }
 
+/// `audit --check --grace D`, a scheduled check of a busy system: an expired
+/// record that has waited for a purge less than `D` is not a finding (the
+/// purge comes every few minutes), one that has waited longer is, as any
+/// with a grace of zero or without one; how long shows in the report.
+#[tokio::test]
+async fn audit_check_with_a_grace_counts_only_what_is_older_than_it() {
+    let dir = Scratch::new();
+    let manifest = dir.file("idempotent.toml", MANIFEST);
+    let url = dir.db_url();
+    let store = SqliteStore::connect(&url).await.expect("sqlite file");
+    plant(&store, "orders.place", Duration::from_secs(3600)).await;
+    let expired = plant(&store, "orders.place", Duration::from_millis(1)).await;
+    wait_expired(&store, &expired).await;
+    let check = |grace: Option<&'static str>| {
+        let url = url.clone();
+        let manifest = manifest.clone();
+        async move {
+            let mut args = vec!["idempotent", "audit", "--check", "--json"];
+            args.extend(grace.map(|g| ["--grace", g]).into_iter().flatten());
+            args.extend(["--database-url", &url, "--manifest", &manifest]);
+            run_from(args).await
+        }
+    };
+
+    let report = check(Some("1h")).await.expect("younger than the grace");
+    let json: serde_json::Value = serde_json::from_str(&report).expect("JSON");
+    let waited = json["summary"]["longest_unpurged_ms"]
+        .as_i64()
+        .unwrap_or_else(|| panic!("how long the expired record waited: {report}"));
+    assert!((0..3_600_000).contains(&waited), "{report}");
+    assert_eq!(json["summary"]["longest_stuck_ms"], serde_json::Value::Null);
+    for grace in [None, Some("0s")] {
+        match check(grace).await {
+            Err(CliError::AuditFindings { report }) => {
+                assert!(report.contains("\"expired\": 1"), "{report}")
+            }
+            other => panic!("an unpurged record with --grace {grace:?}: {other:?}"),
+        }
+    }
+    let refused = run_from([
+        "idempotent",
+        "audit",
+        "--grace",
+        "1h",
+        "--database-url",
+        &url,
+        "--manifest",
+        &manifest,
+    ])
+    .await;
+    assert!(
+        matches!(&refused, Err(e @ CliError::Usage(_)) if e.to_string().contains("--check")),
+        "--grace without --check: {refused:?}"
+    );
+    let table = run_from([
+        "idempotent",
+        "audit",
+        "--database-url",
+        &url,
+        "--manifest",
+        &manifest,
+    ])
+    .await
+    .expect("audit table");
+    assert!(
+        table.contains("1 expired record(s) not purged (the longest for "),
+        "{table}"
+    );
+}
+
 /// A SQLite file another process holds locked (exclusive locking mode) for
 /// longer than the first look's bound (5 s) is waited for, as the store's
 /// own open waits for it, not reported as a server that never answers.

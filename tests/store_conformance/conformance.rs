@@ -1407,6 +1407,9 @@ pub async fn scope_stats_count_by_state<S: Store + Clone + 'static>(store: S) {
     record(&store, &other_tenant, None, &ok(b"4"), LONG).await;
     tokio::time::sleep(PAST_SHORT).await;
 
+    let before = fetch(&store, &key("stuck"))
+        .await
+        .expect("the stuck record");
     let stats = store.scope_stats().await.expect("scope stats");
     assert!(
         stats.windows(2).all(|w| w[0].scope < w[1].scope),
@@ -1441,6 +1444,48 @@ pub async fn scope_stats_count_by_state<S: Store + Clone + 'static>(store: S) {
         oldest > now - 3_600_000,
         "oldest {oldest} is from this test (now {now})"
     );
+    // How long: the one stuck record's lease ran out `longest_stuck_ms` ago
+    // by the store's clock, read between the two reads around the stats.
+    let lease_end = before.lease_expires_at_ms.expect("a lease");
+    let stuck_for = mine
+        .longest_stuck_ms
+        .expect("how long the stuck record has been stuck");
+    assert!(
+        (before.now_ms - lease_end..=now - lease_end).contains(&stuck_for),
+        "stuck for {stuck_for} ms: its lease ended at {lease_end}, read at {} and {now}",
+        before.now_ms
+    );
+    // The expired records became purgeable when their retention (and, in
+    // progress, their lease) ran out, both before `before`; one a purge
+    // elsewhere left is counted from then.
+    assert_eq!(
+        mine.longest_unpurged_ms.is_some(),
+        mine.expired > 0,
+        "{mine:?}"
+    );
+    if let Some(unpurged_for) = mine.longest_unpurged_ms {
+        assert!(
+            unpurged_for <= now - oldest,
+            "unpurged for {unpurged_for} ms: {mine:?}, now {now}"
+        );
+        // A record still here after the stats was there when they were read.
+        for identity in &expired {
+            if let Some(record) = fetch(&store, identity).await {
+                let purgeable = match record.state {
+                    RecordState::Complete => record.expires_at_ms,
+                    RecordState::InProgress => record
+                        .expires_at_ms
+                        .max(record.lease_expires_at_ms.unwrap_or(0)),
+                };
+                assert!(
+                    unpurged_for >= before.now_ms - purgeable,
+                    "unpurged for {unpurged_for} ms, but {identity:?} has waited since {purgeable} \
+                     (read at {})",
+                    before.now_ms
+                );
+            }
+        }
+    }
 }
 
 // ---------------------------------------------------------------- rule 20

@@ -598,14 +598,23 @@ impl Store for MemoryStore {
                 s.taken_over += u64::from(r.attempt > 1);
                 s.recovered += u64::from(r.recovered && r.state == RecordState::Complete);
             }
+            let longest = |so_far: Option<i64>, since: i64| {
+                Some(so_far.map_or(now - since, |l| l.max(now - since)))
+            };
             if is_expired(r, now) {
                 s.expired += 1;
+                let purgeable_since = match r.state {
+                    RecordState::Complete => r.expires_at_ms,
+                    RecordState::InProgress => r.expires_at_ms.max(r.lease_expires_at_ms),
+                };
+                s.longest_unpurged_ms = longest(s.longest_unpurged_ms, purgeable_since);
             } else if r.state == RecordState::Complete {
                 s.complete += 1;
             } else if r.lease_expires_at_ms > now {
                 s.in_progress += 1;
             } else {
                 s.stuck += 1;
+                s.longest_stuck_ms = longest(s.longest_stuck_ms, r.lease_expires_at_ms);
             }
             s.oldest_created_at_ms = Some(
                 s.oldest_created_at_ms

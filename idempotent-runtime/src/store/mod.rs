@@ -437,6 +437,16 @@ pub struct ScopeStats {
     /// Complete records, within retention, whose outcome a `recover` hook
     /// gave instead of the body.
     pub recovered: u64,
+    /// How long ago, in ms on the store's clock, the lease of the record
+    /// stuck longest ran out (`None` without stuck records). A takeover
+    /// clears a stuck record when the next call of its key comes; one stuck
+    /// for long means no call came, or none can take it over.
+    pub longest_stuck_ms: Option<i64>,
+    /// How long ago, in ms on the store's clock, the expired record waiting
+    /// longest for a purge became purgeable (its retention, and for an
+    /// in-progress record its lease too, ran out; `None` without expired
+    /// records). It stays below the purge's interval where a purger runs.
+    pub longest_unpurged_ms: Option<i64>,
 }
 
 /// The answer of [`Store::force_release`].

@@ -1597,8 +1597,14 @@ impl Store for MySqlStore {
                     MIN(created_at) AS oldest,
                     CAST(SUM(NOT expired AND attempt > 1) AS SIGNED) AS taken_over,
                     CAST(SUM(NOT expired AND state = 'complete' AND recovered = 1) AS SIGNED)
-                         AS recovered
-               FROM (SELECT r.scope, r.state, r.lease_expires_at, r.created_at, n.now_ms,
+                         AS recovered,
+                    CAST(MAX(CASE WHEN NOT expired AND state = 'in_progress'
+                                       AND lease_expires_at <= now_ms
+                                  THEN now_ms - lease_expires_at END) AS SIGNED) AS longest_stuck,
+                    CAST(MAX(CASE WHEN expired THEN now_ms - CASE WHEN state = 'complete'
+                                  THEN expires_at ELSE GREATEST(expires_at, lease_expires_at) END
+                             END) AS SIGNED) AS longest_unpurged
+               FROM (SELECT r.scope, r.state, r.lease_expires_at, r.expires_at, r.created_at, n.now_ms,
                             r.attempt, r.recovered,
                             (r.expires_at <= n.now_ms
                              AND (r.state = 'complete' OR r.lease_expires_at <= n.now_ms)) AS expired

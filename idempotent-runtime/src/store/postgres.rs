@@ -1279,7 +1279,13 @@ const SCOPE_STATS_SQL: &str = "WITH n AS (SELECT idempotency_now_ms() AS now_ms)
                     count(*) FILTER (WHERE expired) AS expired,
                     min(created_at) AS oldest,
                     count(*) FILTER (WHERE NOT expired AND attempt > 1) AS taken_over,
-                    count(*) FILTER (WHERE NOT expired AND state = 'complete' AND recovered) AS recovered
+                    count(*) FILTER (WHERE NOT expired AND state = 'complete' AND recovered) AS recovered,
+                    max(now_ms - lease_expires_at)
+                        FILTER (WHERE NOT expired AND state = 'in_progress' AND lease_expires_at <= now_ms)
+                        AS longest_stuck,
+                    max(now_ms - CASE WHEN state = 'complete' THEN expires_at
+                                      ELSE greatest(expires_at, lease_expires_at) END)
+                        FILTER (WHERE expired) AS longest_unpurged
                FROM (SELECT r.*, n.now_ms,
                             (r.expires_at <= n.now_ms
                              AND (r.state = 'complete' OR r.lease_expires_at <= n.now_ms)) AS expired

@@ -8,7 +8,7 @@
 //!   lease_expires_at, expires_at, now_ms, created_at, attempt,
 //!   attempt_started_at, recovered` → [`RecordSnapshot`];
 //! * [`scope_stats`]: `scope, complete, in_progress, stuck, expired, oldest,
-//!   taken_over, recovered` → [`ScopeStats`];
+//!   taken_over, recovered, longest_stuck, longest_unpurged` → [`ScopeStats`];
 //! * [`answer`]: `state, fingerprint, is_error, result, lease_remaining,
 //!   expired` → the [`Reservation`] a plain read of the record answers, if any.
 
@@ -90,6 +90,8 @@ where
             oldest_created_at_ms: self.0.try_get("oldest")?,
             taken_over: count("taken_over")?,
             recovered: count("recovered")?,
+            longest_stuck_ms: self.0.try_get("longest_stuck")?,
+            longest_unpurged_ms: self.0.try_get("longest_unpurged")?,
         })
     }
 
