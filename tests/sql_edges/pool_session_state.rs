@@ -287,6 +287,119 @@ async fn pg_a_connection_left_inside_a_written_transaction_takes_no_record() {
     a_call_on_the_dirty_pool_is_seen_by_a_clean_one(&dirty, &clean, &identity).await;
 }
 
+/// The same connection, when the record is there with its lease run out
+/// (its owner crashed): the takeover goes to the plpgsql function, not to
+/// the fresh key's insert. Written inside that transaction, the takeover
+/// and the new owner's result are seen by nobody else and roll back with
+/// it (the connection closed, the transaction ended by its code), and a
+/// retry elsewhere takes the record over again and runs the body again.
+#[tokio::test]
+async fn pg_a_takeover_on_a_connection_left_inside_a_written_transaction_is_not_lost() {
+    in_own_database(|url| async move {
+        let clean = PgStore::connect(&url).await.expect("clean store");
+        let identity =
+            Identity::new(fresh_tenant(), "pool_state.left_open_takeover", "k").expect("identity");
+        let f = fp("request");
+        assert_eq!(
+            clean
+                .reserve(request(&identity, &f, &OwnerToken::new()))
+                .await
+                .expect("reserve"),
+            Reservation::FRESH
+        );
+        // The first owner's lease has run out (its own database: set by hand).
+        clean
+            .pool()
+            .execute("UPDATE idempotency_records SET lease_expires_at = 0")
+            .await
+            .expect("expire the lease");
+        let (pool, dirty) = pg_pool_of_one(&url).await;
+        let mut conn = pool.acquire().await.expect("connection");
+        conn.execute("BEGIN").await.expect("begin");
+        conn.execute("SELECT txid_current()").await.expect("write");
+        drop(conn);
+        let token = OwnerToken::new();
+        match dirty.reserve(request(&identity, &f, &token)).await {
+            Err(e) => {
+                let seen = clean.fetch(&identity).await.expect("fetch");
+                assert!(
+                    seen.is_some_and(|r| r.state == RecordState::InProgress),
+                    "refused ({e}): the record is as it was"
+                );
+                return;
+            }
+            Ok(reservation) => assert!(
+                matches!(reservation, Reservation::Acquired { .. }),
+                "{reservation:?}"
+            ),
+        }
+        assert_eq!(
+            dirty
+                .complete(Completion::by_body(&identity, &token, &ok(b"7"), LONG))
+                .await
+                .expect("complete"),
+            Fenced::Written
+        );
+        let seen = clean.fetch(&identity).await.expect("fetch");
+        assert!(
+            seen.as_ref()
+                .is_some_and(|r| r.state == RecordState::Complete),
+            "a clean session finds the recorded result (found {seen:?})"
+        );
+        pool.close().await;
+    })
+    .await;
+}
+
+/// The same connection handed to the owner's completion (its reservation
+/// took a clean one): the result written inside that transaction is seen by
+/// nobody else and rolls back with it, the record stays in progress, and
+/// once its lease runs out a retry takes it over and runs the body again.
+/// The result is recorded where every session sees it, or the completion
+/// fails (and the engine's worker records it on connections of its own).
+#[tokio::test]
+async fn pg_a_completion_on_a_connection_left_inside_a_written_transaction_is_not_lost() {
+    let Some(clean) = pg_store_or_skip().await else {
+        return;
+    };
+    let (pool, dirty) = pg_pool_of_one(&pg_url()).await;
+    let identity =
+        Identity::new(fresh_tenant(), "pool_state.left_open_complete", "k").expect("identity");
+    let (f, token) = (fp("request"), OwnerToken::new());
+    assert_eq!(
+        dirty
+            .reserve(request(&identity, &f, &token))
+            .await
+            .expect("reserve"),
+        Reservation::FRESH
+    );
+    let mut conn = pool.acquire().await.expect("connection");
+    conn.execute("BEGIN").await.expect("begin");
+    conn.execute("SELECT txid_current()").await.expect("write");
+    drop(conn);
+    let completed = dirty
+        .complete(Completion::by_body(&identity, &token, &ok(b"7"), LONG))
+        .await;
+    let seen = clean.fetch(&identity).await.expect("fetch");
+    match completed {
+        Ok(written) => {
+            assert_eq!(written, Fenced::Written);
+            assert!(
+                seen.as_ref()
+                    .is_some_and(|r| r.state == RecordState::Complete),
+                "a clean session finds the recorded result (found {seen:?})"
+            );
+        }
+        Err(e) => assert!(
+            seen.as_ref()
+                .is_some_and(|r| r.state == RecordState::InProgress
+                    && r.owner_token.as_deref() == Some(token.as_str())),
+            "refused ({e}): the record is still the caller's (found {seen:?})"
+        ),
+    }
+    pool.close().await;
+}
+
 /// A TEMP table named like the store's, created on a connection of the
 /// shared pool as a copy of its definition (`LIKE … INCLUDING ALL`, a
 /// scratch copy for a report or a test fixture). PostgreSQL looks for a

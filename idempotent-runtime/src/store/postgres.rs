@@ -256,9 +256,9 @@ impl Statements {
         Statements {
             reserve: q(RESERVE_STORE_SQL),
             reserve_autocommit: q(RESERVE_AUTOCOMMIT_SQL),
-            complete: q(COMPLETE_SQL),
-            heartbeat: q(HEARTBEAT_SQL),
-            release: q(RELEASE_SQL),
+            complete: q(&outside_a_transaction_left_open(COMPLETE_SQL)),
+            heartbeat: q(&outside_a_transaction_left_open(HEARTBEAT_SQL)),
+            release: q(&outside_a_transaction_left_open(RELEASE_SQL)),
             force_release: q(FORCE_RELEASE_SQL),
             purge: q(PURGE_SQL),
             fetch: q(FETCH_SQL),
@@ -266,6 +266,19 @@ impl Statements {
             mark_waiting: q(MARK_WAITING_SQL),
         }
     }
+}
+
+/// A store-mode fenced write (`sql` ends with its `WHERE` clause) that
+/// matches nothing on a connection left inside a transaction other code
+/// began and wrote in (a transaction id already assigned: the statement is
+/// its own transaction and has written nothing when its condition is
+/// checked, once, before the scan). Written there, the result or the
+/// renewal would be seen by nobody else and roll back with that
+/// transaction: the record would stay in progress, and once its lease ran
+/// out a retry would run the body again. The write that matched nothing is
+/// told apart from a takeover by [`unless_left_open`].
+fn outside_a_transaction_left_open(sql: &str) -> String {
+    format!("{sql}\n            AND txid_current_if_assigned() IS NULL")
 }
 
 /// `sql` with every name of the store's own (`idempotency_…`, in any case:
@@ -410,8 +423,16 @@ macro_rules! in_own_transaction {
                     .await
                     .map_err(err($op))?
             };
+            let left_open = matches!(&answer, Err(e) if is_left_in_a_transaction(e));
+            if left_open {
+                // Closed, which rolls that transaction back; the next try
+                // takes another connection.
+                tracing::warn!(target: "idempotent", store = STORE, "{LEFT_IN_A_TRANSACTION}; closing it, which rolls that transaction back");
+                guarded.close_on_drop();
+            }
             guarded.hand_back();
             match answer {
+                Err(_) if left_open && tries < LEFT_OPEN_TRIES => continue,
                 Err(e) if tries < FENCED_WRITE_TRIES && is_serialization_failure(&e) => continue,
                 answer => break answer,
             }
@@ -816,6 +837,51 @@ const LEFT_IN_A_TRANSACTION: &str = "the pool handed over a connection left insi
 /// a transaction (each is closed).
 const LEFT_OPEN_TRIES: u32 = 3;
 
+/// What a store-mode reservation or fenced write is told when every
+/// connection it tried was left inside such a transaction.
+#[derive(Debug)]
+struct LeftInATransaction;
+
+impl std::fmt::Display for LeftInATransaction {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{LEFT_IN_A_TRANSACTION}; nothing was written. End transactions on the pool's \
+             connections before giving them back (begin them with sqlx: pool.begin()), or give \
+             the store a pool of its own"
+        )
+    }
+}
+
+impl std::error::Error for LeftInATransaction {}
+
+/// Whether `e` is [`LeftInATransaction`].
+fn is_left_in_a_transaction(e: &StoreError) -> bool {
+    e.source.downcast_ref::<LeftInATransaction>().is_some()
+}
+
+/// A store-mode fenced write that matched nothing
+/// ([`outside_a_transaction_left_open`]): on a connection left inside a
+/// transaction other code began and wrote in, [`LeftInATransaction`] (its
+/// connection is closed and the write sent again on another), not a
+/// takeover. One more round trip, paid only by a write that matched nothing.
+async fn unless_left_open(
+    conn: &mut sqlx::PgConnection,
+    operation: &'static str,
+    written: Fenced,
+) -> Result<Fenced, StoreError> {
+    if written == Fenced::NotOwner {
+        let left_open: Result<bool, sqlx::Error> =
+            sqlx::query_scalar("SELECT txid_current_if_assigned() IS NOT NULL")
+                .fetch_one(&mut *conn)
+                .await;
+        if let Ok(true) = left_open {
+            return Err(StoreError::new(STORE, operation, LeftInATransaction));
+        }
+    }
+    Ok(written)
+}
+
 /// The store's fallback for what needs a decision under the row lock: the
 /// plpgsql function, no subtransaction; a lock timeout fails the statement
 /// with SQLSTATE 55P03, answered as `InProgress`. Sent on a connection of
@@ -824,11 +890,18 @@ const LEFT_OPEN_TRIES: u32 = 3;
 const RESERVE_AUTOCOMMIT_SQL: &str = concat!(
     "SELECT outcome, took_over, is_error, result, lease_remaining_ms, \
      attempt_number, previous_attempt_started_at \
-     FROM idempotency_reserve_autocommit($1, $2, $3, $4, $5, $6, $7, $8) WHERE ",
+     FROM idempotency_reserve_autocommit($1, $2, $3, $4, $5, $6, $7, $8) \
+     WHERE txid_current_if_assigned() IS NULL AND ",
     names_the_record_as_sent!(),
     " UNION ALL SELECT 'unfaithful_client_encoding', FALSE, NULL::BOOLEAN, NULL::BYTEA, \
-     NULL::BIGINT, NULL::INT, NULL::BIGINT WHERE NOT ",
-    names_the_record_as_sent!()
+     NULL::BIGINT, NULL::INT, NULL::BIGINT WHERE txid_current_if_assigned() IS NULL AND NOT ",
+    names_the_record_as_sent!(),
+    // A connection left inside a transaction other code began and wrote in
+    // (as `idempotency_acquire_absent` refuses with IE002): a takeover
+    // written there would roll back with it. The conditions are stable and
+    // name no column, so they are checked once, before the function runs.
+    " UNION ALL SELECT 'left_in_a_transaction', FALSE, NULL::BOOLEAN, NULL::BYTEA, \
+     NULL::BIGINT, NULL::INT, NULL::BIGINT WHERE txid_current_if_assigned() IS NOT NULL"
 );
 
 /// In a caller's transaction, one statement: a plain read (`d`) answers a
@@ -937,6 +1010,13 @@ async fn reserve_in_transaction(
             };
             Err(StoreError::new(STORE, "reserve", why).into())
         }
+        // The store's fallback statement's answer alone.
+        Answer::LeftInATransaction => Err(StoreError::new(
+            STORE,
+            "reserve",
+            "the reservation statement answered nothing",
+        )
+        .into()),
     }
 }
 
@@ -978,14 +1058,20 @@ async fn reserve_autocommit(
             ),
             answer => (answer, LOCK_TIMEOUT_TRIES),
         };
+        // Its connection is closed: the next try takes another.
+        if left_in_a_transaction(&answer) {
+            if left_open + 1 < LEFT_OPEN_TRIES {
+                left_open += 1;
+                continue;
+            }
+            break answer;
+        }
         let code = match &answer {
             Err(sqlx::Error::Database(e)) => e.code(),
             _ => None,
         };
         match code.as_deref() {
             Some(LOCK_NOT_AVAILABLE) if lock_timeouts + 1 < allowed => lock_timeouts += 1,
-            // Its connection is closed: the next try takes another.
-            Some(LEFT_IN_A_TRANSACTION_CODE) if left_open + 1 < LEFT_OPEN_TRIES => left_open += 1,
             // The row another reservation committed meanwhile: the next
             // statement sees it (a replay, a refusal or a mismatch).
             Some(SERIALIZATION_FAILURE)
@@ -996,8 +1082,12 @@ async fn reserve_autocommit(
             _ => break answer,
         }
     };
+    if left_in_a_transaction(&answer) {
+        return Err(StoreError::new(STORE, "reserve", LeftInATransaction));
+    }
     match answer {
         Ok(Answer::Reserved(reservation)) => Ok(reservation),
+        Ok(Answer::LeftInATransaction) => unreachable!("answered above"),
         // Autocommit statements take a fresh snapshot each: never answered.
         Ok(Answer::UnfaithfulEncoding) => Err(StoreError::new(
             STORE,
@@ -1013,19 +1103,6 @@ async fn reserve_autocommit(
             Ok(Reservation::InProgress {
                 lease_remaining: request.lease,
             })
-        }
-        Err(sqlx::Error::Database(e))
-            if e.code().as_deref() == Some(LEFT_IN_A_TRANSACTION_CODE) =>
-        {
-            Err(StoreError::new(
-                STORE,
-                "reserve",
-                format!(
-                    "{LEFT_IN_A_TRANSACTION}; nothing was written. End transactions on the \
-                     pool's connections before giving them back (begin them with sqlx: \
-                     pool.begin()), or give the store a pool of its own"
-                ),
-            ))
         }
         Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some(UNFAITHFUL_ENCODING_CODE) => {
             Err(StoreError::new(
@@ -1054,9 +1131,7 @@ async fn reserve_on(
         reserve_statement(sql, &mut *conn, request, lock_wait),
     )
     .await?;
-    if matches!(&answer, Err(sqlx::Error::Database(e))
-        if e.code().as_deref() == Some(LEFT_IN_A_TRANSACTION_CODE))
-    {
+    if left_in_a_transaction(&answer) {
         // Closed, which rolls the transaction other code left open back
         // (as the MariaDB and SQLite stores do), so the next try takes
         // another connection.
@@ -1066,6 +1141,17 @@ async fn reserve_on(
     }
     conn.hand_back();
     answer
+}
+
+/// Whether a reservation statement found its connection inside a
+/// transaction other code began and wrote in (IE002, or the fallback's
+/// answer).
+fn left_in_a_transaction(answer: &Result<Answer, sqlx::Error>) -> bool {
+    match answer {
+        Ok(Answer::LeftInATransaction) => true,
+        Err(sqlx::Error::Database(e)) => e.code().as_deref() == Some(LEFT_IN_A_TRANSACTION_CODE),
+        _ => false,
+    }
 }
 
 /// What one reservation statement answered.
@@ -1080,6 +1166,9 @@ enum Answer {
     /// `unfaithful_client_encoding`: nothing was written, the connection's
     /// `client_encoding` would have changed the identity.
     UnfaithfulEncoding,
+    /// `left_in_a_transaction`: nothing was written, the connection is
+    /// inside a transaction other code began and wrote in.
+    LeftInATransaction,
 }
 
 /// Runs one reservation statement.
@@ -1138,6 +1227,7 @@ fn decode_reservation(row: &PgRow) -> Result<Answer, sqlx::Error> {
         "other" => return Ok(Answer::Other),
         "stale_snapshot" => return Ok(Answer::StaleSnapshot),
         "unfaithful_client_encoding" => return Ok(Answer::UnfaithfulEncoding),
+        "left_in_a_transaction" => return Ok(Answer::LeftInATransaction),
         other => {
             return Err(sqlx::Error::Protocol(format!(
                 "idempotency_reserve answered an unknown outcome `{other}`"
@@ -1354,6 +1444,7 @@ impl Store for PgStore {
             |conn| async move {
                 let written =
                     complete_with(&mut *conn, &self.statements.complete, completion).await?;
+                let written = unless_left_open(conn, "complete", written).await?;
                 owned_unless_unfaithful(conn, "complete", completion.identity, written).await
             }
         )
@@ -1411,6 +1502,7 @@ impl Store for PgStore {
             |conn| async move {
                 let written =
                     release_with(&mut *conn, &self.statements.release, identity, token).await?;
+                let written = unless_left_open(conn, "release", written).await?;
                 owned_unless_unfaithful(conn, "release", identity, written).await
             }
         )
@@ -1429,6 +1521,7 @@ impl Store for PgStore {
             |conn| async move {
                 let statement = &self.statements.heartbeat;
                 let written = heartbeat_with(&mut *conn, statement, identity, token, lease).await?;
+                let written = unless_left_open(conn, "heartbeat", written).await?;
                 owned_unless_unfaithful(conn, "heartbeat", identity, written).await
             }
         )
