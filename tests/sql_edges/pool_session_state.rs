@@ -400,6 +400,57 @@ async fn pg_a_completion_on_a_connection_left_inside_a_written_transaction_is_no
     pool.close().await;
 }
 
+/// A duplicate waiting for a record in progress marks it as waited for (an
+/// `UPDATE` of its row) on a connection of the shared pool: left inside a
+/// transaction other code began and wrote in, the mark and its row lock
+/// stayed in that transaction for as long as it was left open, the pool's
+/// connection idle, and the owner's completion waited behind it (here,
+/// until its `lock_timeout`: refused). The duplicate polls instead.
+#[tokio::test]
+async fn pg_a_duplicate_waiting_on_a_connection_left_inside_a_written_transaction_does_not_hold_the_record(
+) {
+    if pg_store_or_skip().await.is_none() {
+        return;
+    }
+    let owner_pool = PgPoolOptions::new()
+        .max_connections(2)
+        .connect_with(
+            pg_url()
+                .parse::<sqlx::postgres::PgConnectOptions>()
+                .expect("url")
+                .options([("lock_timeout", "2s")]),
+        )
+        .await
+        .expect("pool");
+    let owner = PgStore::from_pool(owner_pool).await.expect("store");
+    let (pool, dirty) = pg_pool_of_one(&pg_url()).await;
+    let identity =
+        Identity::new(fresh_tenant(), "pool_state.left_open_wait", "k").expect("identity");
+    let (f, token) = (fp("request"), OwnerToken::new());
+    assert_eq!(
+        owner
+            .reserve(request(&identity, &f, &token))
+            .await
+            .expect("reserve"),
+        Reservation::FRESH
+    );
+    let mut conn = pool.acquire().await.expect("connection");
+    conn.execute("BEGIN").await.expect("begin");
+    conn.execute("SELECT txid_current()").await.expect("write");
+    drop(conn);
+    dirty
+        .wait_for_change(&identity, Duration::from_secs(1), 0)
+        .await;
+    assert_eq!(
+        owner
+            .complete(Completion::by_body(&identity, &token, &ok(b"7"), LONG))
+            .await
+            .expect("the owner's completion is not held up by the duplicate's wait"),
+        Fenced::Written
+    );
+    pool.close().await;
+}
+
 /// A TEMP table named like the store's, created on a connection of the
 /// shared pool as a copy of its definition (`LIKE … INCLUDING ALL`, a
 /// scratch copy for a report or a test fixture). PostgreSQL looks for a
