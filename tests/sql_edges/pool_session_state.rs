@@ -451,6 +451,57 @@ async fn pg_a_duplicate_waiting_on_a_connection_left_inside_a_written_transactio
     pool.close().await;
 }
 
+/// A connection of the shared pool left inside a transaction that failed (a
+/// plain `BEGIN`, a statement that failed, and the early return its error
+/// took): PostgreSQL refuses every statement there until the transaction
+/// ends, and the connection still answers the pool's ping. Every store call
+/// the pool handed it failed, for as long as the pool kept it; the store
+/// closes it (rolling that transaction back) and takes another, as it does a
+/// connection left inside a transaction that wrote.
+#[tokio::test]
+async fn pg_a_connection_left_inside_a_failed_transaction_is_replaced() {
+    let Some(clean) = pg_store_or_skip().await else {
+        return;
+    };
+    let (pool, dirty) = pg_pool_of_one(&pg_url()).await;
+    let identity = Identity::new(fresh_tenant(), "pool_state.left_failed", "k").expect("identity");
+    let (f, token) = (fp("request"), OwnerToken::new());
+    let mut conn = pool.acquire().await.expect("connection");
+    conn.execute("BEGIN").await.expect("begin");
+    conn.execute("SELECT 1/0")
+        .await
+        .expect_err("a failed statement");
+    drop(conn);
+    assert_eq!(
+        dirty
+            .reserve(request(&identity, &f, &token))
+            .await
+            .expect("the call is served on another connection"),
+        Reservation::FRESH
+    );
+    let mut conn = pool.acquire().await.expect("connection");
+    conn.execute("BEGIN").await.expect("begin");
+    conn.execute("SELECT 1/0")
+        .await
+        .expect_err("a failed statement");
+    drop(conn);
+    assert_eq!(
+        dirty
+            .complete(Completion::by_body(&identity, &token, &ok(b"7"), LONG))
+            .await
+            .expect("the completion is written on another connection"),
+        Fenced::Written
+    );
+    assert_eq!(
+        clean
+            .reserve(request(&identity, &f, &OwnerToken::new()))
+            .await
+            .expect("reserve"),
+        Reservation::Completed(ok(b"7"))
+    );
+    pool.close().await;
+}
+
 /// A TEMP table named like the store's, created on a connection of the
 /// shared pool as a copy of its definition (`LIKE … INCLUDING ALL`, a
 /// scratch copy for a report or a test fixture). PostgreSQL looks for a

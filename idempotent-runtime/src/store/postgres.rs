@@ -830,8 +830,16 @@ const LEFT_IN_A_TRANSACTION_CODE: &str = "IE002";
 
 /// What a reservation on such a connection is told.
 const LEFT_IN_A_TRANSACTION: &str = "the pool handed over a connection left inside a \
-     transaction that other code began, wrote in and never ended (a BEGIN without COMMIT or \
-     ROLLBACK)";
+     transaction that other code began, wrote or failed in, and never ended (a BEGIN without \
+     COMMIT or ROLLBACK)";
+
+/// `in_failed_sql_transaction`: the connection is inside a transaction
+/// other code began and left after a statement of its own failed there (a
+/// plain `BEGIN`, then the early return the error took). Every statement
+/// fails there until the transaction ends, and the connection still answers
+/// the pool's ping: handed back, it failed every call the pool gave it.
+/// Nothing was written; told and handled as [`LEFT_IN_A_TRANSACTION_CODE`].
+const IN_FAILED_TRANSACTION_CODE: &str = "25P02";
 
 /// How many connections a reservation tries when each was left inside such
 /// a transaction (each is closed).
@@ -855,9 +863,12 @@ impl std::fmt::Display for LeftInATransaction {
 
 impl std::error::Error for LeftInATransaction {}
 
-/// Whether `e` is [`LeftInATransaction`].
+/// Whether `e` is [`LeftInATransaction`], or a statement refused inside a
+/// transaction that failed ([`IN_FAILED_TRANSACTION_CODE`]).
 fn is_left_in_a_transaction(e: &StoreError) -> bool {
     e.source.downcast_ref::<LeftInATransaction>().is_some()
+        || matches!(e.source.downcast_ref::<sqlx::Error>(),
+            Some(sqlx::Error::Database(d)) if d.code().as_deref() == Some(IN_FAILED_TRANSACTION_CODE))
 }
 
 /// A store-mode fenced write that matched nothing
@@ -1149,7 +1160,10 @@ async fn reserve_on(
 fn left_in_a_transaction(answer: &Result<Answer, sqlx::Error>) -> bool {
     match answer {
         Ok(Answer::LeftInATransaction) => true,
-        Err(sqlx::Error::Database(e)) => e.code().as_deref() == Some(LEFT_IN_A_TRANSACTION_CODE),
+        Err(sqlx::Error::Database(e)) => matches!(
+            e.code().as_deref(),
+            Some(LEFT_IN_A_TRANSACTION_CODE | IN_FAILED_TRANSACTION_CODE)
+        ),
         _ => false,
     }
 }
