@@ -502,6 +502,76 @@ async fn pg_a_connection_left_inside_a_failed_transaction_is_replaced() {
     pool.close().await;
 }
 
+/// The check that keeps the store's fenced writes out of a transaction left
+/// open (a transaction id already assigned) must be made before the write
+/// and not again: a completion that waits for the row while another
+/// transaction updates it (a waiting duplicate's mark, committed) is checked
+/// again on the row's new version, after its own update attempt has been
+/// given a transaction id; asked again then, the check matched nothing, and
+/// the owner was told its lease was lost.
+#[tokio::test]
+async fn pg_a_completion_that_waited_behind_an_update_of_its_row_is_written() {
+    // A database of its own: the test updates the record by hand.
+    in_own_database(|url| async move {
+        let owner = PgStore::connect(&url).await.expect("store");
+        let identity =
+            Identity::new(fresh_tenant(), "pool_state.waited_complete", "k").expect("identity");
+        let (f, token) = (fp("request"), OwnerToken::new());
+        assert_eq!(
+            owner
+                .reserve(request(&identity, &f, &token))
+                .await
+                .expect("reserve"),
+            Reservation::FRESH
+        );
+        let mut holder = sqlx::PgConnection::connect(&url).await.expect("connect");
+        holder.execute("BEGIN").await.expect("begin");
+        holder
+            .execute("UPDATE idempotency_records SET waiting = TRUE")
+            .await
+            .expect("a mark, uncommitted");
+        let holder_pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+            .fetch_one(&mut holder)
+            .await
+            .expect("pid");
+        let completing = {
+            let (owner, identity, token) = (owner.clone(), identity.clone(), token.clone());
+            tokio::spawn(async move {
+                owner
+                    .complete(Completion::by_body(&identity, &token, &ok(b"7"), LONG))
+                    .await
+            })
+        };
+        // Until the completion waits for the holder's row lock.
+        let mut observer = sqlx::PgConnection::connect(&url).await.expect("connect");
+        let mut blocked = false;
+        for _ in 0..500 {
+            let waiting: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))",
+            )
+            .bind(holder_pid)
+            .fetch_one(&mut observer)
+            .await
+            .expect("blocked backends");
+            if waiting > 0 {
+                blocked = true;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert!(blocked, "the completion never waited for the row");
+        holder.execute("COMMIT").await.expect("commit");
+        assert_eq!(
+            completing.await.expect("task").expect("complete"),
+            Fenced::Written,
+            "the owner's completion is written"
+        );
+        drop((holder, observer));
+        owner.pool().close().await;
+    })
+    .await;
+}
+
 /// A TEMP table named like the store's, created on a connection of the
 /// shared pool as a copy of its definition (`LIKE … INCLUDING ALL`, a
 /// scratch copy for a report or a test fixture). PostgreSQL looks for a

@@ -277,9 +277,21 @@ impl Statements {
 /// transaction: the record would stay in progress, and once its lease ran
 /// out a retry would run the body again. The write that matched nothing is
 /// told apart from a takeover by [`unless_left_open`].
+///
+/// The check is a sub-`SELECT` (an init plan, evaluated once, before the
+/// write), not the bare function: a write that waits for the row while
+/// another transaction updates it (a waiting duplicate's mark) is checked
+/// again on the row's new version, after its own update attempt was given
+/// a transaction id; the bare function, asked again then, matched nothing,
+/// and the owner was told its lease was lost. An init plan's value is kept
+/// for that re-check.
 fn outside_a_transaction_left_open(sql: &str) -> String {
-    format!("{sql}\n            AND txid_current_if_assigned() IS NULL")
+    format!("{sql}\n            AND {NO_TRANSACTION_ID_YET}")
 }
+
+/// Whether no transaction id is assigned yet, evaluated once per statement
+/// (see [`outside_a_transaction_left_open`]). A SQL condition.
+const NO_TRANSACTION_ID_YET: &str = "(SELECT txid_current_if_assigned() IS NULL)";
 
 /// `sql` with every name of the store's own (`idempotency_…`, in any case:
 /// the table and the functions) qualified by `schema`, quoted as an
@@ -899,20 +911,23 @@ async fn unless_left_open(
 /// its own, which may have been left with another `client_encoding` than the
 /// read's: then not called ([`names_the_record_as_sent!`]).
 const RESERVE_AUTOCOMMIT_SQL: &str = concat!(
-    "SELECT outcome, took_over, is_error, result, lease_remaining_ms, \
+    // Whether a transaction id is assigned, asked once, before the function
+    // runs (a takeover it writes assigns one): a connection left inside a
+    // transaction other code began and wrote in (as `idempotency_acquire_absent`
+    // refuses with IE002), where a takeover written would roll back with it.
+    // The conditions name no column, so they are checked before the function
+    // scan, never after it.
+    "WITH gate AS MATERIALIZED (SELECT txid_current_if_assigned() IS NULL AS clean) \
+     SELECT outcome, took_over, is_error, result, lease_remaining_ms, \
      attempt_number, previous_attempt_started_at \
      FROM idempotency_reserve_autocommit($1, $2, $3, $4, $5, $6, $7, $8) \
-     WHERE txid_current_if_assigned() IS NULL AND ",
+     WHERE (SELECT clean FROM gate) AND ",
     names_the_record_as_sent!(),
     " UNION ALL SELECT 'unfaithful_client_encoding', FALSE, NULL::BOOLEAN, NULL::BYTEA, \
-     NULL::BIGINT, NULL::INT, NULL::BIGINT WHERE txid_current_if_assigned() IS NULL AND NOT ",
+     NULL::BIGINT, NULL::INT, NULL::BIGINT WHERE (SELECT clean FROM gate) AND NOT ",
     names_the_record_as_sent!(),
-    // A connection left inside a transaction other code began and wrote in
-    // (as `idempotency_acquire_absent` refuses with IE002): a takeover
-    // written there would roll back with it. The conditions are stable and
-    // name no column, so they are checked once, before the function runs.
     " UNION ALL SELECT 'left_in_a_transaction', FALSE, NULL::BOOLEAN, NULL::BYTEA, \
-     NULL::BIGINT, NULL::INT, NULL::BIGINT WHERE txid_current_if_assigned() IS NOT NULL"
+     NULL::BIGINT, NULL::INT, NULL::BIGINT WHERE NOT (SELECT clean FROM gate)"
 );
 
 /// In a caller's transaction, one statement: a plain read (`d`) answers a
@@ -1830,7 +1845,7 @@ WITH marked AS (
     UPDATE idempotency_records SET waiting = TRUE
      WHERE ctid = (SELECT ctid FROM idempotency_records
                     WHERE tenant = $1 AND scope = $2 AND key = $3 AND state = 'in_progress'
-                      AND txid_current_if_assigned() IS NULL
+                      AND (SELECT txid_current_if_assigned() IS NULL)
                     FOR NO KEY UPDATE SKIP LOCKED)
     RETURNING idempotency_wait_key(tenant, scope, key) AS wait_key,
               lease_expires_at - idempotency_now_ms() AS lease_remaining_ms)
