@@ -2232,3 +2232,45 @@ async fn mysql_a_pool_without_a_database_in_its_url_records_where_after_connect_
     .await;
     mysql_drop_then_check(&admin, &[&db], checked).await;
 }
+
+/// A schema holding the store renamed (`ALTER SCHEMA app RENAME TO app2`, or
+/// a dump restored under another name), and the processes restarted with
+/// the new name in their `search_path`: the store opens and replays, but
+/// the functions migrations 0009 and 0010 made name the old schema (a
+/// pinned `search_path`, a qualified table in the text), and every fresh
+/// key and takeover fails with `relation "app.idempotency_records" does not
+/// exist`, for good: no migration is left to run.
+#[tokio::test]
+#[ignore = "not fixed: the functions of migrations 0009/0010 name their schema; a rename needs a repair (a new migration cannot run twice)"]
+async fn pg_a_store_in_a_renamed_schema_serves_fresh_keys_after_a_restart() {
+    in_own_database(|url| async move {
+        let mut setup = sqlx::PgConnection::connect(&url).await.expect("connect");
+        setup.execute("CREATE SCHEMA app").await.expect("schema");
+        let (pool, before, _) = pg_schema_stores(with_search_path(&url, "app")).await;
+        let f = fp("request");
+        let recorded = Identity::new(fresh_tenant(), "pool_state.renamed", "k").expect("identity");
+        assert_eq!(
+            before
+                .reserve(request(&recorded, &f, &OwnerToken::new()))
+                .await
+                .expect("reserve"),
+            Reservation::FRESH
+        );
+        pool.close().await;
+        setup
+            .execute("ALTER SCHEMA app RENAME TO app2")
+            .await
+            .expect("rename");
+        let (pool, after, _) = pg_schema_stores(with_search_path(&url, "app2")).await;
+        let fresh = Identity::new(fresh_tenant(), "pool_state.renamed", "k2").expect("identity");
+        assert_eq!(
+            after
+                .reserve(request(&fresh, &f, &OwnerToken::new()))
+                .await
+                .expect("a fresh key after the restart"),
+            Reservation::FRESH
+        );
+        pool.close().await;
+    })
+    .await;
+}
