@@ -2241,7 +2241,6 @@ async fn mysql_a_pool_without_a_database_in_its_url_records_where_after_connect_
 /// key and takeover fails with `relation "app.idempotency_records" does not
 /// exist`, for good: no migration is left to run.
 #[tokio::test]
-#[ignore = "not fixed: the functions of migrations 0009/0010 name their schema; a rename needs a repair (a new migration cannot run twice)"]
 async fn pg_a_store_in_a_renamed_schema_serves_fresh_keys_after_a_restart() {
     in_own_database(|url| async move {
         let mut setup = sqlx::PgConnection::connect(&url).await.expect("connect");
@@ -2270,6 +2269,25 @@ async fn pg_a_store_in_a_renamed_schema_serves_fresh_keys_after_a_restart() {
                 .expect("a fresh key after the restart"),
             Reservation::FRESH
         );
+        // The call recorded before the rename is still there, and every
+        // function of the store now names the schema it is in.
+        assert!(matches!(
+            after
+                .reserve(request(&recorded, &f, &OwnerToken::new()))
+                .await
+                .expect("the recorded call"),
+            Reservation::InProgress { .. }
+        ));
+        let naming_the_old_name: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
+              WHERE n.nspname = 'app2' AND p.proname LIKE 'idempotency%'
+                AND (array_to_string(p.proconfig, ' ') LIKE '%app,%'
+                     OR p.prosrc LIKE '%app.idempotency%')",
+        )
+        .fetch_one(&pool)
+        .await
+        .expect("the functions");
+        assert_eq!(naming_the_old_name, 0);
         pool.close().await;
     })
     .await;

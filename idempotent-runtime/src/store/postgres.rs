@@ -147,6 +147,11 @@ impl PgStore {
             .await
             .map_err(|e| StoreError::new(STORE, migrate::operation(), e))?;
         let schema = records_schema(&pool).await?;
+        remake_functions_named_for_another_schema(&pool, &schema)
+            .await
+            .map_err(|e| {
+                StoreError::new(STORE, "re-make the functions after a schema rename", e)
+            })?;
         let statements = std::sync::Arc::new(Statements::in_schema(&schema));
         let detached = background_worker(&pool, &statements);
         detached.statements_land_within(reservation_lands_within(DEFAULT_LOCK_WAIT));
@@ -220,6 +225,79 @@ async fn records_schema(pool: &PgPool) -> Result<String, Error> {
         )
         .into()),
     }
+}
+
+/// The migrations that name the records' schema in the store's functions:
+/// 0009 pins their `search_path` to it, 0010 writes it into the text of
+/// `idempotency_acquire_absent`. Each finds the schema by the table when it
+/// runs, so running it again re-makes the functions for the schema the
+/// table is in now.
+const SCHEMA_NAMING_MIGRATIONS: [i64; 2] = [9, 10];
+
+/// Whether a function of the store in `schema` names another schema (see
+/// [`SCHEMA_NAMING_MIGRATIONS`]): the schema was renamed after they were
+/// made. One read of the catalog.
+const FUNCTIONS_NAME_ANOTHER_SCHEMA_SQL: &str = "\
+SELECT EXISTS (
+    SELECT 1 FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
+     WHERE n.nspname = $1
+       AND ((p.proname IN ('idempotency_reserve_core', 'idempotency_reserve_autocommit',
+                           'idempotency_reserve', 'idempotency_notify_waiters')
+             AND NOT COALESCE(p.proconfig, '{}')
+                     @> ARRAY['search_path=' || quote_ident(n.nspname) || ', pg_temp'])
+         OR (p.proname = 'idempotency_acquire_absent'
+             AND position(quote_ident(n.nspname) || '.idempotency_records' IN p.prosrc) = 0)))";
+
+/// After `ALTER SCHEMA app RENAME TO app2`, the functions (which move with
+/// the schema) still name `app`: the store opened and replayed, but every
+/// fresh key and takeover failed (`relation "app.idempotency_records" does
+/// not exist`) for good, as no migration was left to run. When a function
+/// names another schema than `schema` (the table's, found at open), the
+/// migrations that name it are run again, under the migration lock, in one
+/// transaction; a database whose functions are right is only read (one
+/// catalog query), and an open that must not write (the command line) never
+/// re-makes them.
+async fn remake_functions_named_for_another_schema(
+    pool: &PgPool,
+    schema: &str,
+) -> Result<(), migrate::MigrationError> {
+    use migrate::MigrationBackend;
+    async fn stale<'e, E: Executor<'e, Database = Postgres>>(
+        executor: E,
+        schema: &str,
+    ) -> Result<bool, sqlx::Error> {
+        sqlx::query_scalar(FUNCTIONS_NAME_ANOTHER_SCHEMA_SQL)
+            .bind(schema)
+            .fetch_one(executor)
+            .await
+    }
+    if migrate::only_check() || !stale(pool, schema).await? {
+        return Ok(());
+    }
+    let mut backend = MigrationTransaction {
+        pool: pool.clone(),
+        tx: migrate::OneTransaction::new(None),
+    };
+    backend.lock().await?;
+    let remade = async {
+        // Another process may have re-made them while this one waited.
+        if stale(&mut *backend.tx()?, schema).await? {
+            tracing::warn!(target: "idempotent", store = STORE, schema,
+                "the store's functions name another schema than the one their table is in \
+                 (the schema was renamed): re-making them for this one");
+            for migration in migrate::POSTGRES
+                .iter()
+                .filter(|m| SCHEMA_NAMING_MIGRATIONS.contains(&m.version))
+            {
+                backend.execute(migration.sql).await?;
+            }
+        }
+        Ok::<(), sqlx::Error>(())
+    }
+    .await;
+    let finished = backend.unlock(remade.is_ok()).await;
+    remade?;
+    Ok(finished?)
 }
 
 /// The statements the store sends through the pool it shares with the
