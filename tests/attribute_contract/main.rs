@@ -30,4 +30,5 @@ mod non_finite_in_options;
 mod public_api_edges;
 mod replay_floats;
 mod transactional;
+mod transactional_connections;
 mod transactional_races;

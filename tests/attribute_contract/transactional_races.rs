@@ -1311,3 +1311,18 @@ async fn my_serializable_waiters_of_a_late_rollback_keep_their_bound() {
         "one body's effects at most"
     );
 }
+
+/// As [`my_tx_owner_rollback_with_store_mode_waiters`], on SQLite: the
+/// owner's transaction holds the database's write lock while the store-mode
+/// duplicates wait (`wait("5s")`); its rollback hands the key to one of them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sqlite_tx_owner_rollback_with_store_mode_waiters() {
+    let dir = common::scratch::dir("tx-races");
+    let url = format!("sqlite://{}?mode=rwc", dir.join("db.sqlite").display());
+    let store = SqliteStore::connect(&url).await.expect("store");
+    sqlx::query(SQLITE_DDL)
+        .execute(store.pool())
+        .await
+        .expect("ddl");
+    tx_owner_rollback_with_store_mode_waiters::<Sqlite>(&store, store.pool()).await;
+}

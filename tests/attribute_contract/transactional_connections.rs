@@ -1,0 +1,1051 @@
+//! Transactional mode (DESIGN.md rule 15) with the connections and
+//! transaction shapes a user passes: one key called twice in one
+//! transaction (also after its record expired), a nested transaction
+//! (savepoint) rolled back while the outer one stays open, two tenants' calls
+//! of one key in concurrent open transactions, and a takeover asked of the
+//! `recover` hook (rule 20) inside a transaction, on PostgreSQL, MariaDB and
+//! SQLite.
+
+use crate::common;
+
+use common::servers::{fresh_tenant, mysql_store_or_skip, pg_store_or_skip};
+use idempotent_runtime::{
+    idempotent, with_outcome, Error, Identity, Outcome, OwnerToken, Recovery, Reservation,
+    ReserveRequest, Store, Takeover,
+};
+use sqlx::{Connection, MySql, Postgres, Sqlite};
+use std::collections::HashMap;
+use std::sync::{LazyLock, Mutex};
+use std::time::Duration;
+use tokio::sync::Notify;
+
+type Answer = Result<u64, Error>;
+
+/// The expiry a test gives a record: a time in 1970, long past on any clock.
+const LONG_AGO_MS: i64 = 1_000;
+
+const PG_DDL: &str = "CREATE TABLE IF NOT EXISTS idempotent_test_conn_charges (
+    tenant TEXT NOT NULL, idem_key TEXT NOT NULL, amount BIGINT NOT NULL)";
+const MY_DDL: &str = "CREATE TABLE IF NOT EXISTS idempotent_test_conn_charges (
+    tenant VARCHAR(100) NOT NULL, idem_key VARCHAR(255) NOT NULL, amount BIGINT NOT NULL)
+    ENGINE = InnoDB";
+const SQLITE_DDL: &str = "CREATE TABLE IF NOT EXISTS idempotent_test_conn_charges (
+    tenant TEXT NOT NULL, idem_key TEXT NOT NULL, amount INTEGER NOT NULL)";
+
+/// Holds a body open: it notifies `reached` once the reservation is held,
+/// then waits for `go`.
+#[derive(Default)]
+struct Hold {
+    reached: Notify,
+    go: Notify,
+}
+
+async fn hold_here(hold: Option<&Hold>) {
+    if let Some(hold) = hold {
+        hold.reached.notify_one();
+        hold.go.notified().await;
+    }
+}
+
+// ---------------------------------------------------------------- the functions
+
+#[idempotent(scope = "tx_conn.pg", key = key, tenant = tenant, tx = tx, skip(hold),
+             ttl = "1h", in_progress = reject, recover = look_up)]
+async fn pg_charge(
+    tx: &mut sqlx::Transaction<'_, Postgres>,
+    tenant: &str,
+    key: &str,
+    amount: i64,
+    hold: Option<&Hold>,
+) -> Result<u64, Error> {
+    sqlx::query(
+        "INSERT INTO idempotent_test_conn_charges (tenant, idem_key, amount) VALUES ($1, $2, $3)",
+    )
+    .bind(tenant)
+    .bind(key)
+    .bind(amount)
+    .execute(&mut **tx)
+    .await
+    .expect("business write");
+    hold_here(hold).await;
+    Ok(amount as u64)
+}
+
+#[idempotent(scope = "tx_conn.mysql", key = key, tenant = tenant, tx = tx, skip(hold),
+             ttl = "1h", in_progress = reject, recover = look_up)]
+async fn my_charge(
+    tx: &mut sqlx::Transaction<'_, MySql>,
+    tenant: &str,
+    key: &str,
+    amount: i64,
+    hold: Option<&Hold>,
+) -> Result<u64, Error> {
+    sqlx::query(
+        "INSERT INTO idempotent_test_conn_charges (tenant, idem_key, amount) VALUES (?, ?, ?)",
+    )
+    .bind(tenant)
+    .bind(key)
+    .bind(amount)
+    .execute(&mut **tx)
+    .await
+    .expect("business write");
+    hold_here(hold).await;
+    Ok(amount as u64)
+}
+
+#[idempotent(scope = "tx_conn.sqlite", key = key, tenant = tenant, tx = tx, skip(hold),
+             ttl = "1h", in_progress = reject, recover = look_up)]
+async fn sqlite_charge(
+    tx: &mut sqlx::Transaction<'_, Sqlite>,
+    tenant: &str,
+    key: &str,
+    amount: i64,
+    hold: Option<&Hold>,
+) -> Result<u64, Error> {
+    sqlx::query(
+        "INSERT INTO idempotent_test_conn_charges (tenant, idem_key, amount) VALUES (?1, ?2, ?3)",
+    )
+    .bind(tenant)
+    .bind(key)
+    .bind(amount)
+    .execute(&mut **tx)
+    .await
+    .expect("business write");
+    hold_here(hold).await;
+    Ok(amount as u64)
+}
+
+/// What the hook was told, per tenant: (attempt, previous attempt's start).
+static ASKED: LazyLock<Mutex<HashMap<String, Vec<(u32, i64)>>>> = LazyLock::new(Default::default);
+
+/// The `recover` hook: notes what it was told; keys starting with `found-`
+/// were charged by the previous attempt (recorded as 7), others run again.
+async fn look_up(takeover: &Takeover) -> Result<Recovery<u64>, Error> {
+    ASKED
+        .lock()
+        .unwrap()
+        .entry(takeover.tenant().to_owned())
+        .or_default()
+        .push((
+            takeover.attempt(),
+            takeover.previous_attempt_started_at_ms(),
+        ));
+    Ok(if takeover.key().starts_with("found-") {
+        Recovery::Completed(7)
+    } else {
+        Recovery::Run
+    })
+}
+
+fn asked(tenant: &str) -> Vec<(u32, i64)> {
+    ASKED
+        .lock()
+        .unwrap()
+        .get(tenant)
+        .cloned()
+        .unwrap_or_default()
+}
+
+// ---------------------------------------------------------------- per database
+
+/// One database's pool and store, the business rows and the raw statements a
+/// test needs, so each scenario is written once.
+trait Db: Sized + 'static {
+    type D: sqlx::Database;
+    const SCOPE: &'static str;
+    fn store(&self) -> &dyn Store;
+    fn pool(&self) -> &sqlx::Pool<Self::D>;
+    async fn charge(
+        tx: &mut sqlx::Transaction<'_, Self::D>,
+        tenant: &str,
+        key: &str,
+        amount: i64,
+        hold: Option<&Hold>,
+    ) -> Answer;
+    async fn rows(&self, tenant: &str) -> i64;
+    async fn expire(&self, tenant: &str, key: &str);
+}
+
+struct Pg(idempotent_runtime::PgStore);
+struct My(idempotent_runtime::MySqlStore);
+struct Lite(idempotent_runtime::SqliteStore, std::path::PathBuf);
+
+impl Drop for Lite {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.1);
+    }
+}
+
+async fn pg() -> Option<Pg> {
+    let store = pg_store_or_skip().await?;
+    common::servers::pg_create_tables(store.pool(), PG_DDL)
+        .await
+        .expect("ddl");
+    Some(Pg(store))
+}
+
+async fn my() -> Option<My> {
+    let store = mysql_store_or_skip().await?;
+    sqlx::query(MY_DDL)
+        .execute(store.pool())
+        .await
+        .expect("ddl");
+    Some(My(store))
+}
+
+async fn lite() -> Lite {
+    let dir = common::scratch::dir("tx-conn");
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let url = format!("sqlite:{}?mode=rwc", dir.join("tx.db").display());
+    let store = idempotent_runtime::SqliteStore::connect(&url)
+        .await
+        .expect("open");
+    sqlx::query(SQLITE_DDL)
+        .execute(store.pool())
+        .await
+        .expect("ddl");
+    Lite(store, dir)
+}
+
+impl Db for Pg {
+    type D = Postgres;
+    const SCOPE: &'static str = "tx_conn.pg";
+    fn store(&self) -> &dyn Store {
+        &self.0
+    }
+    fn pool(&self) -> &sqlx::PgPool {
+        self.0.pool()
+    }
+    async fn charge(
+        tx: &mut sqlx::Transaction<'_, Postgres>,
+        tenant: &str,
+        key: &str,
+        amount: i64,
+        hold: Option<&Hold>,
+    ) -> Answer {
+        pg_charge(tx, tenant, key, amount, hold).await
+    }
+    async fn rows(&self, tenant: &str) -> i64 {
+        sqlx::query_scalar("SELECT count(*) FROM idempotent_test_conn_charges WHERE tenant = $1")
+            .bind(tenant)
+            .fetch_one(self.pool())
+            .await
+            .expect("count")
+    }
+    async fn expire(&self, tenant: &str, key: &str) {
+        sqlx::query(
+            "UPDATE idempotency_records SET expires_at = $4
+              WHERE tenant = $1 AND scope = $2 AND key = $3",
+        )
+        .bind(tenant)
+        .bind(Self::SCOPE)
+        .bind(key)
+        .bind(LONG_AGO_MS)
+        .execute(self.pool())
+        .await
+        .expect("expire the record");
+    }
+}
+
+impl Db for My {
+    type D = MySql;
+    const SCOPE: &'static str = "tx_conn.mysql";
+    fn store(&self) -> &dyn Store {
+        &self.0
+    }
+    fn pool(&self) -> &sqlx::MySqlPool {
+        self.0.pool()
+    }
+    async fn charge(
+        tx: &mut sqlx::Transaction<'_, MySql>,
+        tenant: &str,
+        key: &str,
+        amount: i64,
+        hold: Option<&Hold>,
+    ) -> Answer {
+        my_charge(tx, tenant, key, amount, hold).await
+    }
+    async fn rows(&self, tenant: &str) -> i64 {
+        sqlx::query_scalar("SELECT count(*) FROM idempotent_test_conn_charges WHERE tenant = ?")
+            .bind(tenant)
+            .fetch_one(self.pool())
+            .await
+            .expect("count")
+    }
+    async fn expire(&self, tenant: &str, key: &str) {
+        sqlx::query(
+            "UPDATE idempotency_records SET expires_at = ?
+              WHERE tenant = ? AND scope = ? AND `key` = ?",
+        )
+        .bind(LONG_AGO_MS)
+        .bind(tenant)
+        .bind(Self::SCOPE)
+        .bind(key)
+        .execute(self.pool())
+        .await
+        .expect("expire the record");
+    }
+}
+
+impl Db for Lite {
+    type D = Sqlite;
+    const SCOPE: &'static str = "tx_conn.sqlite";
+    fn store(&self) -> &dyn Store {
+        &self.0
+    }
+    fn pool(&self) -> &sqlx::SqlitePool {
+        self.0.pool()
+    }
+    async fn charge(
+        tx: &mut sqlx::Transaction<'_, Sqlite>,
+        tenant: &str,
+        key: &str,
+        amount: i64,
+        hold: Option<&Hold>,
+    ) -> Answer {
+        sqlite_charge(tx, tenant, key, amount, hold).await
+    }
+    async fn rows(&self, tenant: &str) -> i64 {
+        sqlx::query_scalar("SELECT count(*) FROM idempotent_test_conn_charges WHERE tenant = ?1")
+            .bind(tenant)
+            .fetch_one(self.pool())
+            .await
+            .expect("count")
+    }
+    async fn expire(&self, tenant: &str, key: &str) {
+        sqlx::query(
+            "UPDATE idempotency_records SET expires_at = ?4
+              WHERE tenant = ?1 AND scope = ?2 AND key = ?3",
+        )
+        .bind(tenant)
+        .bind(Self::SCOPE)
+        .bind(key)
+        .bind(LONG_AGO_MS)
+        .execute(self.pool())
+        .await
+        .expect("expire the record");
+    }
+}
+
+fn id<B: Db>(tenant: &str, key: &str) -> Identity {
+    Identity::new(tenant, B::SCOPE, key).expect("identity")
+}
+
+// ---------------------------------------------------------------- one key twice in one transaction
+
+/// Rules 5, 7 and 15: the same key called again inside the transaction that
+/// recorded it (not committed yet) replays what it recorded, and with other
+/// arguments is a mismatch; the body runs once. `expired_first`: the key's
+/// committed record has expired, so the first call takes it over in the
+/// transaction and the second must see that, not the expired record.
+async fn twice_in_one_transaction<B: Db>(db: &B, expired_first: bool) {
+    let tenant = fresh_tenant();
+    if expired_first {
+        let mut tx = db.pool().begin().await.expect("begin");
+        assert_eq!(
+            B::charge(&mut tx, &tenant, "k", 500, None)
+                .await
+                .expect("runs"),
+            500
+        );
+        tx.commit().await.expect("commit");
+        db.expire(&tenant, "k").await;
+    }
+    let mut tx = db.pool().begin().await.expect("begin");
+    let (first, outcome) = with_outcome(B::charge(&mut tx, &tenant, "k", 500, None)).await;
+    assert_eq!(
+        (first.expect("runs"), outcome),
+        (500, Some(Outcome::Executed))
+    );
+    let (second, outcome) = with_outcome(B::charge(&mut tx, &tenant, "k", 500, None)).await;
+    assert_eq!(
+        (second.expect("replays"), outcome),
+        (500, Some(Outcome::Replayed)),
+        "the second call in the transaction replays its first"
+    );
+    let other = B::charge(&mut tx, &tenant, "k", 700, None).await;
+    assert!(
+        matches!(other, Err(Error::FingerprintMismatch { .. })),
+        "other arguments in the same transaction: {other:?}"
+    );
+    tx.commit().await.expect("commit");
+    let before = i64::from(expired_first);
+    assert_eq!(
+        db.rows(&tenant).await,
+        before + 1,
+        "the body ran once in the transaction"
+    );
+    let mut tx = db.pool().begin().await.expect("begin");
+    let (again, outcome) = with_outcome(B::charge(&mut tx, &tenant, "k", 500, None)).await;
+    assert_eq!(
+        (again.expect("replays"), outcome),
+        (500, Some(Outcome::Replayed))
+    );
+    tx.commit().await.expect("commit");
+    assert_eq!(db.rows(&tenant).await, before + 1);
+}
+
+#[tokio::test]
+async fn pg_a_key_called_twice_in_one_transaction_runs_its_body_once() {
+    let Some(db) = pg().await else { return };
+    twice_in_one_transaction(&db, false).await;
+    twice_in_one_transaction(&db, true).await;
+}
+
+#[tokio::test]
+async fn mysql_a_key_called_twice_in_one_transaction_runs_its_body_once() {
+    let Some(db) = my().await else { return };
+    twice_in_one_transaction(&db, false).await;
+    twice_in_one_transaction(&db, true).await;
+}
+
+#[tokio::test]
+async fn sqlite_a_key_called_twice_in_one_transaction_runs_its_body_once() {
+    let db = lite().await;
+    twice_in_one_transaction(&db, false).await;
+    twice_in_one_transaction(&db, true).await;
+}
+
+// ---------------------------------------------------------------- a rolled-back savepoint
+
+/// A call in a nested transaction (sqlx's `begin()` on a transaction: a
+/// savepoint) that is rolled back takes its reservation with it: while the
+/// outer transaction stays open, another caller's transaction finds the key
+/// free and runs it (`in_progress = reject`: not refused as in progress);
+/// the outer transaction then finds it recorded and replays. One business
+/// row in the end.
+async fn a_rolled_back_savepoint_frees_the_key_for_others<B: Db>(db: &B) {
+    let tenant = fresh_tenant();
+    let mut outer = db.pool().begin().await.expect("begin");
+    {
+        let mut inner = outer.begin().await.expect("savepoint");
+        assert_eq!(
+            B::charge(&mut inner, &tenant, "sp", 500, None)
+                .await
+                .expect("runs"),
+            500
+        );
+        inner.rollback().await.expect("rollback to savepoint");
+    }
+    let mut other = db.pool().begin().await.expect("begin");
+    let (answer, outcome) = with_outcome(B::charge(&mut other, &tenant, "sp", 500, None)).await;
+    assert_eq!(
+        (answer.expect("the key is free"), outcome),
+        (500, Some(Outcome::Executed)),
+        "the rolled-back savepoint's reservation is gone for others too"
+    );
+    other.commit().await.expect("commit");
+    let (answer, outcome) = with_outcome(B::charge(&mut outer, &tenant, "sp", 500, None)).await;
+    // PostgreSQL READ COMMITTED sees the other's commit; MariaDB's snapshot
+    // (REPEATABLE READ, taken before it) does not, and is refused rather
+    // than running the body again.
+    match answer {
+        Ok(v) => assert_eq!((v, outcome), (500, Some(Outcome::Replayed))),
+        Err(Error::StaleSnapshot { .. }) => {}
+        Err(e) => panic!("the outer transaction's call: {e:?}"),
+    }
+    outer.commit().await.expect("commit");
+    assert_eq!(db.rows(&tenant).await, 1, "one business row");
+    assert!(db
+        .store()
+        .fetch(&id::<B>(&tenant, "sp"))
+        .await
+        .expect("fetch")
+        .is_some_and(|s| s.state == idempotent_runtime::RecordState::Complete));
+}
+
+#[tokio::test]
+async fn pg_a_rolled_back_savepoint_frees_the_key_for_other_transactions() {
+    let Some(db) = pg().await else { return };
+    a_rolled_back_savepoint_frees_the_key_for_others(&db).await;
+}
+
+#[tokio::test]
+async fn mysql_a_rolled_back_savepoint_frees_the_key_for_other_transactions() {
+    let Some(db) = my().await else { return };
+    a_rolled_back_savepoint_frees_the_key_for_others(&db).await;
+}
+
+/// SQLite: the outer transaction keeps the database's write lock after the
+/// savepoint rolls back, so the key is tried again in the outer transaction
+/// (free: it runs) and after it commits (it replays).
+#[tokio::test]
+async fn sqlite_a_rolled_back_savepoint_takes_the_record_with_it() {
+    let db = lite().await;
+    let tenant = fresh_tenant();
+    let mut outer = db.pool().begin().await.expect("begin");
+    {
+        let mut inner = outer.begin().await.expect("savepoint");
+        assert_eq!(
+            Lite::charge(&mut inner, &tenant, "sp", 500, None)
+                .await
+                .expect("runs"),
+            500
+        );
+        inner.rollback().await.expect("rollback to savepoint");
+    }
+    let (answer, outcome) = with_outcome(Lite::charge(&mut outer, &tenant, "sp", 500, None)).await;
+    assert_eq!(
+        (answer.expect("runs"), outcome),
+        (500, Some(Outcome::Executed))
+    );
+    outer.commit().await.expect("commit");
+    let mut tx = db.pool().begin().await.expect("begin");
+    let (answer, outcome) = with_outcome(Lite::charge(&mut tx, &tenant, "sp", 500, None)).await;
+    assert_eq!(
+        (answer.expect("replays"), outcome),
+        (500, Some(Outcome::Replayed))
+    );
+    tx.commit().await.expect("commit");
+    assert_eq!(db.rows(&tenant).await, 1);
+}
+
+// ---------------------------------------------------------------- tenants
+
+/// Rule 1 in transactional mode: tenant A's call of key `k` holds its body
+/// open in its transaction; tenant B's call of the same key in another
+/// transaction is not refused as in progress (`reject`) and runs; each
+/// tenant then replays its own answer, never the other's.
+async fn one_key_two_tenants<B: Db>(db: &B) {
+    let a = fresh_tenant();
+    let b = fresh_tenant();
+    let hold = Hold::default();
+    let owner = async {
+        let mut tx = db.pool().begin().await.expect("begin");
+        let answer = B::charge(&mut tx, &a, "k", 100, Some(&hold)).await;
+        tx.commit().await.expect("commit");
+        answer
+    };
+    let other = async {
+        hold.reached.notified().await;
+        let mut tx = db.pool().begin().await.expect("begin");
+        let answer = with_outcome(B::charge(&mut tx, &b, "k", 200, None)).await;
+        tx.commit().await.expect("commit");
+        hold.go.notify_one();
+        answer
+    };
+    let (owner, (other, outcome)) = tokio::time::timeout(Duration::from_secs(60), async {
+        tokio::join!(owner, other)
+    })
+    .await
+    .expect("neither tenant waits for the other");
+    assert_eq!(owner.expect("tenant a runs"), 100);
+    assert_eq!(
+        (other.expect("tenant b runs, not in progress"), outcome),
+        (200, Some(Outcome::Executed))
+    );
+    for (tenant, amount) in [(&a, 100), (&b, 200)] {
+        let mut tx = db.pool().begin().await.expect("begin");
+        let (answer, outcome) = with_outcome(B::charge(&mut tx, tenant, "k", amount, None)).await;
+        assert_eq!(
+            (answer.expect("replays"), outcome),
+            (amount as u64, Some(Outcome::Replayed))
+        );
+        tx.commit().await.expect("commit");
+        assert_eq!(db.rows(tenant).await, 1);
+    }
+}
+
+#[tokio::test]
+async fn pg_one_key_of_two_tenants_in_open_transactions_is_two_records() {
+    let Some(db) = pg().await else { return };
+    one_key_two_tenants(&db).await;
+}
+
+#[tokio::test]
+async fn mysql_one_key_of_two_tenants_in_open_transactions_is_two_records() {
+    let Some(db) = my().await else { return };
+    one_key_two_tenants(&db).await;
+}
+
+// ---------------------------------------------------------------- rule 20 in a transaction
+
+/// Plants an in-progress record whose lease has already run out, as a
+/// crashed store-mode owner leaves it; answers when its attempt started.
+async fn plant_stuck(store: &dyn Store, identity: &Identity) -> i64 {
+    let token = OwnerToken::new();
+    let got = store
+        .reserve(ReserveRequest {
+            identity,
+            fingerprint: None,
+            token: &token,
+            lease: Duration::ZERO,
+            ttl: Duration::from_secs(3600),
+        })
+        .await
+        .expect("reserve");
+    assert_eq!(got, Reservation::FRESH);
+    let s = store.fetch(identity).await.expect("fetch").expect("record");
+    s.attempt_started_at_ms
+}
+
+/// Calls `key` in a new transaction, again in another one while refused
+/// with `StaleSnapshot` (MariaDB refuses a takeover of a lease that ran out
+/// in the second its transaction began; the README's remedy is a new
+/// transaction). Bounded: 50 transactions.
+async fn in_a_new_transaction<'p, B: Db>(
+    db: &'p B,
+    tenant: &str,
+    key: &str,
+) -> (u64, Option<Outcome>, sqlx::Transaction<'p, B::D>) {
+    for _ in 0..50 {
+        let mut tx = db.pool().begin().await.expect("begin");
+        match with_outcome(B::charge(&mut tx, tenant, key, 500, None)).await {
+            (Ok(v), outcome) => return (v, outcome, tx),
+            (Err(Error::StaleSnapshot { .. }), _) => {
+                tx.rollback().await.expect("rollback");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            (Err(e), _) => panic!("{key}: {e:?}"),
+        }
+    }
+    panic!("{key}: refused as stale in 50 transactions");
+}
+
+/// Rule 20 in transactional mode: a transaction that takes a stuck record
+/// over asks the hook with attempt 2 and the start of the attempt it takes
+/// over (not its own start, nor zero); a transaction rolled back takes the
+/// takeover with it, so the next one is told the same; `Completed` is
+/// recorded without running the body, `Run` runs it once.
+async fn a_takeover_in_a_transaction_tells_the_hook_the_previous_start<B: Db>(db: &B) {
+    let tenant = fresh_tenant();
+    let found = id::<B>(&tenant, "found-1");
+    let missing = id::<B>(&tenant, "missing-1");
+    let found_started = plant_stuck(db.store(), &found).await;
+    let missing_started = plant_stuck(db.store(), &missing).await;
+
+    let (answer, _, tx) = in_a_new_transaction(db, &tenant, "found-1").await;
+    assert_eq!(answer, 7, "recovered");
+    tx.rollback().await.expect("rollback");
+    let (answer, outcome, tx) = in_a_new_transaction(db, &tenant, "found-1").await;
+    assert_eq!((answer, outcome), (7, Some(Outcome::Recovered)));
+    tx.commit().await.expect("commit");
+    let (answer, outcome, tx) = in_a_new_transaction(db, &tenant, "missing-1").await;
+    assert_eq!((answer, outcome), (500, Some(Outcome::Executed)));
+    tx.commit().await.expect("commit");
+
+    assert_eq!(
+        asked(&tenant),
+        [(2, found_started), (2, found_started), (2, missing_started)],
+        "each takeover told attempt 2 and when the planted attempt started"
+    );
+    assert_eq!(db.rows(&tenant).await, 1, "only `Run` ran the body");
+    let s = db
+        .store()
+        .fetch(&found)
+        .await
+        .expect("fetch")
+        .expect("record");
+    assert_eq!((s.attempt, s.recovered), (2, true));
+}
+
+#[tokio::test]
+async fn pg_a_takeover_in_a_transaction_tells_the_hook_when_the_previous_attempt_started() {
+    let Some(db) = pg().await else { return };
+    a_takeover_in_a_transaction_tells_the_hook_the_previous_start(&db).await;
+}
+
+#[tokio::test]
+async fn mysql_a_takeover_in_a_transaction_tells_the_hook_when_the_previous_attempt_started() {
+    let Some(db) = my().await else { return };
+    a_takeover_in_a_transaction_tells_the_hook_the_previous_start(&db).await;
+}
+
+#[tokio::test]
+async fn sqlite_a_takeover_in_a_transaction_tells_the_hook_when_the_previous_attempt_started() {
+    let db = lite().await;
+    a_takeover_in_a_transaction_tells_the_hook_the_previous_start(&db).await;
+}
+
+// ---------------------------------------------------------------- rule 16: a live lease past its ttl
+
+/// Rules 4 and 16 in transactional mode: a store-mode owner whose body has
+/// outlived the record's ttl while its lease is live (planted: a 1 ms ttl,
+/// an hour's lease) is in progress to a transactional call of its key, which
+/// is refused (`reject`) and does not run the body beside it; the owner's
+/// record is untouched.
+async fn a_live_lease_past_its_ttl_is_in_progress<B: Db>(db: &B) {
+    let tenant = fresh_tenant();
+    let identity = id::<B>(&tenant, "k");
+    let owner = OwnerToken::new();
+    let got = db
+        .store()
+        .reserve(ReserveRequest {
+            identity: &identity,
+            fingerprint: None,
+            token: &owner,
+            lease: Duration::from_secs(3600),
+            ttl: Duration::from_millis(1),
+        })
+        .await
+        .expect("plant");
+    assert_eq!(got, Reservation::FRESH);
+    for i in 0.. {
+        let s = db
+            .store()
+            .fetch(&identity)
+            .await
+            .expect("fetch")
+            .expect("record");
+        if s.expires_at_ms < s.now_ms {
+            break;
+        }
+        assert!(i < 500, "the ttl did not run out within 5 s");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let mut tx = db.pool().begin().await.expect("begin");
+    let answer = B::charge(&mut tx, &tenant, "k", 500, None).await;
+    tx.commit().await.expect("commit");
+    assert!(
+        matches!(answer, Err(Error::InProgress { .. })),
+        "a live owner past its ttl is in progress: {answer:?}"
+    );
+    assert_eq!(
+        db.rows(&tenant).await,
+        0,
+        "the body did not run beside the owner"
+    );
+    let s = db
+        .store()
+        .fetch(&identity)
+        .await
+        .expect("fetch")
+        .expect("record");
+    assert_eq!(s.owner_token.as_deref(), Some(owner.as_str()));
+}
+
+#[tokio::test]
+async fn pg_a_live_lease_past_its_ttl_is_in_progress_to_a_transactional_call() {
+    let Some(db) = pg().await else { return };
+    a_live_lease_past_its_ttl_is_in_progress(&db).await;
+}
+
+#[tokio::test]
+async fn mysql_a_live_lease_past_its_ttl_is_in_progress_to_a_transactional_call() {
+    let Some(db) = my().await else { return };
+    a_live_lease_past_its_ttl_is_in_progress(&db).await;
+}
+
+#[tokio::test]
+async fn sqlite_a_live_lease_past_its_ttl_is_in_progress_to_a_transactional_call() {
+    let db = lite().await;
+    a_live_lease_past_its_ttl_is_in_progress(&db).await;
+}
+
+// ---------------------------------------------------------------- nested calls in one transaction
+
+#[idempotent(scope = "tx_conn.pg_checkout", key = order, tenant = tenant, tx = tx, ttl = "1h",
+             in_progress = reject)]
+async fn pg_checkout(
+    tx: &mut sqlx::Transaction<'_, Postgres>,
+    tenant: &str,
+    order: &str,
+) -> Result<u64, Error> {
+    let a = pg_charge(tx, tenant, &format!("{order}-a"), 100, None).await?;
+    let b = pg_charge(tx, tenant, &format!("{order}-b"), 200, None).await?;
+    Ok(a + b)
+}
+
+#[idempotent(scope = "tx_conn.my_checkout", key = order, tenant = tenant, tx = tx, ttl = "1h",
+             in_progress = reject)]
+async fn my_checkout(
+    tx: &mut sqlx::Transaction<'_, MySql>,
+    tenant: &str,
+    order: &str,
+) -> Result<u64, Error> {
+    let a = my_charge(tx, tenant, &format!("{order}-a"), 100, None).await?;
+    let b = my_charge(tx, tenant, &format!("{order}-b"), 200, None).await?;
+    Ok(a + b)
+}
+
+#[idempotent(scope = "tx_conn.sqlite_checkout", key = order, tenant = tenant, tx = tx, ttl = "1h",
+             in_progress = reject)]
+async fn sqlite_checkout(
+    tx: &mut sqlx::Transaction<'_, Sqlite>,
+    tenant: &str,
+    order: &str,
+) -> Result<u64, Error> {
+    let a = sqlite_charge(tx, tenant, &format!("{order}-a"), 100, None).await?;
+    let b = sqlite_charge(tx, tenant, &format!("{order}-b"), 200, None).await?;
+    Ok(a + b)
+}
+
+/// A transactional function whose body calls two others on the same
+/// transaction: rolled back, none of the three records stays and the next
+/// transaction runs all three bodies; committed, a retry replays the outer
+/// answer and a direct call of an inner key replays too. Two business rows.
+macro_rules! nested_in_one_transaction {
+    ($db:expr, $checkout:ident, $charge:ident) => {{
+        let db = $db;
+        let tenant = fresh_tenant();
+        for commit in [false, true] {
+            let mut tx = db.pool().begin().await.expect("begin");
+            let (answer, outcome) = with_outcome($checkout(&mut tx, &tenant, "o1")).await;
+            assert_eq!(
+                (answer.expect("runs"), outcome),
+                (300, Some(Outcome::Executed))
+            );
+            if commit {
+                tx.commit().await.expect("commit");
+            } else {
+                tx.rollback().await.expect("rollback");
+                assert_eq!(db.rows(&tenant).await, 0);
+            }
+        }
+        let mut tx = db.pool().begin().await.expect("begin");
+        let (answer, outcome) = with_outcome($checkout(&mut tx, &tenant, "o1")).await;
+        assert_eq!(
+            (answer.expect("replays"), outcome),
+            (300, Some(Outcome::Replayed))
+        );
+        let (answer, outcome) = with_outcome($charge(&mut tx, &tenant, "o1-b", 200, None)).await;
+        assert_eq!(
+            (answer.expect("replays"), outcome),
+            (200, Some(Outcome::Replayed))
+        );
+        tx.commit().await.expect("commit");
+        assert_eq!(db.rows(&tenant).await, 2, "each inner body ran once");
+    }};
+}
+
+#[tokio::test]
+async fn pg_calls_nested_in_one_transaction_commit_and_roll_back_together() {
+    let Some(db) = pg().await else { return };
+    nested_in_one_transaction!(&db, pg_checkout, pg_charge);
+}
+
+#[tokio::test]
+async fn mysql_calls_nested_in_one_transaction_commit_and_roll_back_together() {
+    let Some(db) = my().await else { return };
+    nested_in_one_transaction!(&db, my_checkout, my_charge);
+}
+
+#[tokio::test]
+async fn sqlite_calls_nested_in_one_transaction_commit_and_roll_back_together() {
+    let db = lite().await;
+    nested_in_one_transaction!(&db, sqlite_checkout, sqlite_charge);
+}
+
+// ---------------------------------------------------------------- read-only transactions
+
+/// MariaDB, a read-only transaction (`START TRANSACTION READ ONLY`), as
+/// PostgreSQL's is documented: a recorded key replays, a live owner's key is
+/// refused as in progress, a mismatch is a mismatch; a fresh key, which
+/// would have to be written, fails before the body runs, and the
+/// transaction stays usable; in a writable transaction it then runs once.
+#[tokio::test]
+async fn mysql_a_read_only_transaction_replays_and_refuses_what_it_cannot_write() {
+    let Some(db) = my().await else { return };
+    let tenant = fresh_tenant();
+    let mut tx = db.pool().begin().await.expect("begin");
+    assert_eq!(
+        My::charge(&mut tx, &tenant, "done", 500, None)
+            .await
+            .expect("runs"),
+        500
+    );
+    tx.commit().await.expect("commit");
+    let live = id::<My>(&tenant, "live");
+    let got = db
+        .store()
+        .reserve(ReserveRequest {
+            identity: &live,
+            fingerprint: None,
+            token: &OwnerToken::new(),
+            lease: Duration::from_secs(3600),
+            ttl: Duration::from_secs(3600),
+        })
+        .await
+        .expect("plant a live owner");
+    assert_eq!(got, Reservation::FRESH);
+
+    let mut tx = db
+        .pool()
+        .begin_with("START TRANSACTION READ ONLY")
+        .await
+        .expect("begin read only");
+    let (answer, outcome) = with_outcome(My::charge(&mut tx, &tenant, "done", 500, None)).await;
+    assert_eq!(
+        (answer.expect("replays"), outcome),
+        (500, Some(Outcome::Replayed))
+    );
+    let mismatch = My::charge(&mut tx, &tenant, "done", 900, None).await;
+    assert!(
+        matches!(mismatch, Err(Error::FingerprintMismatch { .. })),
+        "{mismatch:?}"
+    );
+    let busy = My::charge(&mut tx, &tenant, "live", 500, None).await;
+    assert!(matches!(busy, Err(Error::InProgress { .. })), "{busy:?}");
+    let fresh = My::charge(&mut tx, &tenant, "fresh", 500, None).await;
+    assert!(fresh.is_err(), "a fresh key cannot be written: {fresh:?}");
+    let one: i64 = sqlx::query_scalar("SELECT 1")
+        .fetch_one(&mut *tx)
+        .await
+        .expect("the transaction stays usable");
+    assert_eq!(one, 1);
+    tx.commit().await.expect("commit");
+    assert_eq!(db.rows(&tenant).await, 1);
+    assert!(db
+        .store()
+        .fetch(&id::<My>(&tenant, "fresh"))
+        .await
+        .expect("fetch")
+        .is_none());
+
+    let mut tx = db.pool().begin().await.expect("begin");
+    let (answer, outcome) = with_outcome(My::charge(&mut tx, &tenant, "fresh", 500, None)).await;
+    assert_eq!(
+        (answer.expect("runs"), outcome),
+        (500, Some(Outcome::Executed))
+    );
+    tx.commit().await.expect("commit");
+    assert_eq!(db.rows(&tenant).await, 2);
+}
+
+// ---------------------------------------------------------------- answers that keep no lock, per isolation level
+
+#[idempotent(scope = "tx_conn.shared_pg", key = key, tenant = tenant, store = store, skip(hold),
+             shared_scope, ttl = "1h", in_progress = reject)]
+async fn pg_shared_store(
+    store: &dyn Store,
+    tenant: &str,
+    key: &str,
+    amount: i64,
+    hold: Option<&Hold>,
+) -> Result<u64, Error> {
+    hold_here(hold).await;
+    Ok(amount as u64)
+}
+
+#[idempotent(scope = "tx_conn.shared_pg", key = key, tenant = tenant, tx = tx, skip(hold),
+             shared_scope, ttl = "1h", in_progress = reject)]
+async fn pg_shared_tx(
+    tx: &mut sqlx::Transaction<'_, Postgres>,
+    tenant: &str,
+    key: &str,
+    amount: i64,
+    hold: Option<&Hold>,
+) -> Result<u64, Error> {
+    hold_here(hold).await;
+    Ok(amount as u64)
+}
+
+#[idempotent(scope = "tx_conn.shared_my", key = key, tenant = tenant, store = store, skip(hold),
+             shared_scope, ttl = "1h", in_progress = reject)]
+async fn my_shared_store(
+    store: &dyn Store,
+    tenant: &str,
+    key: &str,
+    amount: i64,
+    hold: Option<&Hold>,
+) -> Result<u64, Error> {
+    hold_here(hold).await;
+    Ok(amount as u64)
+}
+
+#[idempotent(scope = "tx_conn.shared_my", key = key, tenant = tenant, tx = tx, skip(hold),
+             shared_scope, ttl = "1h", in_progress = reject)]
+async fn my_shared_tx(
+    tx: &mut sqlx::Transaction<'_, MySql>,
+    tenant: &str,
+    key: &str,
+    amount: i64,
+    hold: Option<&Hold>,
+) -> Result<u64, Error> {
+    hold_here(hold).await;
+    Ok(amount as u64)
+}
+
+/// Rule 15 at a chosen isolation level: a transaction that was refused as in
+/// progress (key `busy`, a store-mode owner at work), was given a replay and
+/// a mismatch (key `done`), and stays open, holds nothing: the owner records
+/// its result meanwhile, a store-mode call of `busy` then replays it, and
+/// another transaction at the same level replays `done` (not refused as in
+/// progress).
+macro_rules! answers_keep_no_lock {
+    ($db:expr, $begin:expr, $store_fn:ident, $tx_fn:ident) => {{
+        let db = $db;
+        let begin: &str = $begin;
+        let tenant = fresh_tenant();
+        let mut tx = db.pool().begin().await.expect("begin");
+        assert_eq!(
+            $tx_fn(&mut tx, &tenant, "done", 5, None)
+                .await
+                .expect("runs"),
+            5
+        );
+        tx.commit().await.expect("commit");
+        let hold = Hold::default();
+        let owner = $store_fn(db.store(), &tenant, "busy", 7, Some(&hold));
+        let others = async {
+            hold.reached.notified().await;
+            let mut open = db.pool().begin_with(begin.to_owned()).await.expect("begin");
+            let busy = $tx_fn(&mut open, &tenant, "busy", 7, None).await;
+            assert!(
+                matches!(busy, Err(Error::InProgress { .. })),
+                "{begin}: {busy:?}"
+            );
+            let (done, outcome) = with_outcome($tx_fn(&mut open, &tenant, "done", 5, None)).await;
+            assert_eq!(
+                (done.expect("replays"), outcome),
+                (5, Some(Outcome::Replayed)),
+                "{begin}"
+            );
+            let other = $tx_fn(&mut open, &tenant, "done", 6, None).await;
+            assert!(
+                matches!(other, Err(Error::FingerprintMismatch { .. })),
+                "{begin}: {other:?}"
+            );
+            hold.go.notify_one();
+            let mut next = db.pool().begin_with(begin.to_owned()).await.expect("begin");
+            let (done, outcome) = with_outcome($tx_fn(&mut next, &tenant, "done", 5, None)).await;
+            next.commit().await.expect("commit");
+            (open, done, outcome)
+        };
+        let (owned, (open, done, outcome)) = tokio::time::timeout(Duration::from_secs(60), async {
+            tokio::join!(owner, others)
+        })
+        .await
+        .unwrap_or_else(|_| {
+            panic!("{begin}: the owner or a replay waited for the open transaction")
+        });
+        assert_eq!(owned.expect("the owner records its result"), 7, "{begin}");
+        assert_eq!(
+            (done.expect("replays"), outcome),
+            (5, Some(Outcome::Replayed)),
+            "{begin}"
+        );
+        let (busy, outcome) = with_outcome($store_fn(db.store(), &tenant, "busy", 7, None)).await;
+        assert_eq!(
+            (busy.expect("replays"), outcome),
+            (7, Some(Outcome::Replayed)),
+            "{begin}"
+        );
+        open.rollback().await.expect("rollback");
+    }};
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pg_answers_in_an_open_transaction_keep_no_lock_at_every_isolation_level() {
+    let Some(db) = pg().await else { return };
+    for begin in [
+        "BEGIN ISOLATION LEVEL READ COMMITTED",
+        "BEGIN ISOLATION LEVEL REPEATABLE READ",
+        "BEGIN ISOLATION LEVEL SERIALIZABLE",
+    ] {
+        answers_keep_no_lock!(&db, begin, pg_shared_store, pg_shared_tx);
+    }
+}
+
+/// MariaDB at READ COMMITTED and REPEATABLE READ (under SERIALIZABLE every
+/// read locks, and the README tells such transactions to roll back at once).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mysql_answers_in_an_open_transaction_keep_no_lock_below_serializable() {
+    let Some(db) = my().await else { return };
+    for begin in [
+        "SET TRANSACTION ISOLATION LEVEL READ COMMITTED; START TRANSACTION",
+        "SET TRANSACTION ISOLATION LEVEL REPEATABLE READ; START TRANSACTION",
+    ] {
+        answers_keep_no_lock!(&db, begin, my_shared_store, my_shared_tx);
+    }
+}
