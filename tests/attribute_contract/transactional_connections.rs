@@ -1049,3 +1049,320 @@ async fn mysql_answers_in_an_open_transaction_keep_no_lock_below_serializable() 
         answers_keep_no_lock!(&db, begin, my_shared_store, my_shared_tx);
     }
 }
+
+// ---------------------------------------------------------------- a held answer recorded in a transaction that rolls back
+
+static HELD_RUNS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+#[idempotent(scope = "tx_conn.held_answer", key = key, tenant = tenant, store = store,
+             shared_scope, fingerprint = false, ttl = "1h", lease = "300ms")]
+async fn held_in_store_mode(
+    store: &idempotent_runtime::SqliteStore,
+    tenant: &str,
+    key: &str,
+) -> Result<u64, Error> {
+    HELD_RUNS.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    Ok(7)
+}
+
+#[idempotent(scope = "tx_conn.held_answer", key = key, tenant = tenant, tx = tx,
+             shared_scope, fingerprint = false, ttl = "1h", lease = "300ms")]
+async fn held_in_tx(
+    tx: &mut sqlx::Transaction<'_, Sqlite>,
+    tenant: &str,
+    key: &str,
+) -> Result<u64, Error> {
+    HELD_RUNS.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    Ok(7)
+}
+
+/// An answer this process produced in store mode and could not record is
+/// recorded by a transactional takeover; that transaction rolls back, taking
+/// the recorded answer with it. The answer is still held: the next
+/// transaction's takeover records it again, and the body never runs a
+/// second time.
+#[tokio::test]
+async fn sqlite_a_held_answer_recorded_in_a_rolled_back_transaction_is_still_held() {
+    let db = lite().await;
+    let pool = db.pool().clone();
+    // The first attempt's completion fails; a takeover's goes through.
+    sqlx::query(
+        "CREATE TRIGGER fail_first_completion BEFORE UPDATE ON idempotency_records
+         WHEN NEW.state = 'complete' AND OLD.previous_attempt_started_at IS NULL
+         BEGIN SELECT RAISE(ABORT, 'the store is down'); END",
+    )
+    .execute(&pool)
+    .await
+    .expect("trigger");
+    let tenant = fresh_tenant();
+    let identity = Identity::new(&tenant, "tx_conn.held_answer", "k").expect("identity");
+    let _ = held_in_store_mode(&db.0, &tenant, "k").await;
+    assert_eq!(HELD_RUNS.load(std::sync::atomic::Ordering::SeqCst), 1);
+    for i in 0.. {
+        let s = db
+            .store()
+            .fetch(&identity)
+            .await
+            .expect("fetch")
+            .expect("record");
+        assert_eq!(
+            s.state,
+            idempotent_runtime::RecordState::InProgress,
+            "not recorded"
+        );
+        if s.lease_expires_at_ms.expect("a lease") <= s.now_ms {
+            break;
+        }
+        assert!(i < 200, "the lease never ran out");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    for commit in [false, true] {
+        let mut tx = pool.begin().await.expect("begin");
+        let answer = held_in_tx(&mut tx, &tenant, "k").await;
+        assert_eq!(answer.expect("the held answer"), 7, "commit = {commit}");
+        if commit {
+            tx.commit().await.expect("commit");
+        } else {
+            tx.rollback().await.expect("rollback");
+        }
+        assert_eq!(
+            HELD_RUNS.load(std::sync::atomic::Ordering::SeqCst),
+            1,
+            "commit = {commit}: the body ran again although this process held its answer"
+        );
+    }
+    let s = db
+        .store()
+        .fetch(&identity)
+        .await
+        .expect("fetch")
+        .expect("record");
+    assert_eq!(s.state, idempotent_runtime::RecordState::Complete);
+}
+
+// ---------------------------------------------------------------- SQLite: every way to begin, every journal
+
+/// SQLite, a transaction begun with `begin` on a file in the journal mode
+/// given (a pool of the application's, `from_pool`): a fresh key runs, a
+/// recorded key replays and other arguments are a mismatch, each answered
+/// (bounded: nothing waits for a lock the transaction itself holds), and a
+/// retry after the commit replays.
+async fn sqlite_begun_with(begin: &'static str, wal: bool) {
+    let dir = common::scratch::dir("tx-conn-begin");
+    let options = sqlx::sqlite::SqliteConnectOptions::new()
+        .filename(dir.join("db.sqlite"))
+        .create_if_missing(true)
+        .journal_mode(if wal {
+            sqlx::sqlite::SqliteJournalMode::Wal
+        } else {
+            sqlx::sqlite::SqliteJournalMode::Delete
+        })
+        .busy_timeout(Duration::from_secs(5));
+    let pool = sqlx::sqlite::SqlitePoolOptions::new()
+        .max_connections(4)
+        .connect_with(options)
+        .await
+        .expect("pool");
+    let store = idempotent_runtime::SqliteStore::from_pool(pool.clone())
+        .await
+        .expect("from_pool");
+    sqlx::query(SQLITE_DDL).execute(&pool).await.expect("ddl");
+    let tenant = fresh_tenant();
+    let mut tx = pool.begin().await.expect("begin");
+    assert_eq!(
+        sqlite_charge(&mut tx, &tenant, "done", 5, None)
+            .await
+            .expect("runs"),
+        5
+    );
+    tx.commit().await.expect("commit");
+
+    let what = format!("{begin}, wal = {wal}");
+    let answers = tokio::time::timeout(Duration::from_secs(60), async {
+        let mut tx = pool.begin_with(begin).await.expect("begin");
+        let done = with_outcome(sqlite_charge(&mut tx, &tenant, "done", 5, None)).await;
+        let other = sqlite_charge(&mut tx, &tenant, "done", 6, None).await;
+        let fresh = with_outcome(sqlite_charge(&mut tx, &tenant, "fresh", 9, None)).await;
+        tx.commit().await.expect("commit");
+        (done, other, fresh)
+    })
+    .await
+    .unwrap_or_else(|_| panic!("{what}: a call waited for its own transaction's lock"));
+    let (done, other, fresh) = answers;
+    assert_eq!(
+        (done.0.expect("replays"), done.1),
+        (5, Some(Outcome::Replayed)),
+        "{what}"
+    );
+    assert!(
+        matches!(other, Err(Error::FingerprintMismatch { .. })),
+        "{what}: {other:?}"
+    );
+    assert_eq!(
+        (fresh.0.expect("runs"), fresh.1),
+        (9, Some(Outcome::Executed)),
+        "{what}"
+    );
+    let mut tx = pool.begin().await.expect("begin");
+    let again = with_outcome(sqlite_charge(&mut tx, &tenant, "fresh", 9, None)).await;
+    tx.commit().await.expect("commit");
+    assert_eq!(
+        (again.0.expect("replays"), again.1),
+        (9, Some(Outcome::Replayed)),
+        "{what}"
+    );
+    let rows: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM idempotent_test_conn_charges WHERE tenant = ?1")
+            .bind(&tenant)
+            .fetch_one(&pool)
+            .await
+            .expect("count");
+    assert_eq!(rows, 2, "{what}");
+    drop(store);
+    pool.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_an_exclusive_transaction_on_a_rollback_journal_is_answered() {
+    sqlite_begun_with("BEGIN EXCLUSIVE", false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_an_immediate_transaction_on_a_rollback_journal_is_answered() {
+    sqlite_begun_with("BEGIN IMMEDIATE", false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_an_exclusive_transaction_in_wal_mode_is_answered() {
+    sqlite_begun_with("BEGIN EXCLUSIVE", true).await;
+}
+
+// ---------------------------------------------------------------- an owner's transaction dropped with waiters
+
+/// Bodies run per tenant.
+static RUNS: LazyLock<Mutex<HashMap<String, u32>>> = LazyLock::new(Default::default);
+
+fn ran(tenant: &str) -> u32 {
+    *RUNS.lock().unwrap().entry(tenant.to_owned()).or_default() += 1;
+    RUNS.lock().unwrap()[tenant]
+}
+
+fn runs(tenant: &str) -> u32 {
+    RUNS.lock().unwrap().get(tenant).copied().unwrap_or(0)
+}
+
+macro_rules! waited_pair {
+    ($db:ty, $scope:literal, $store_fn:ident, $tx_fn:ident) => {
+        #[idempotent(scope = $scope, key = key, tenant = tenant, store = store, shared_scope,
+                             ttl = "1h", in_progress = wait("20s"))]
+        async fn $store_fn(store: &dyn Store, tenant: &str, key: &str) -> Result<u64, Error> {
+            Ok(u64::from(ran(tenant)))
+        }
+
+        #[idempotent(scope = $scope, key = key, tenant = tenant, tx = tx, skip(hold),
+                             shared_scope, ttl = "1h", in_progress = wait("20s"))]
+        async fn $tx_fn(
+            tx: &mut sqlx::Transaction<'_, $db>,
+            tenant: &str,
+            key: &str,
+            hold: Option<&Hold>,
+        ) -> Result<u64, Error> {
+            let n = ran(tenant);
+            hold_here(hold).await;
+            Ok(u64::from(n))
+        }
+    };
+}
+
+waited_pair!(
+    Postgres,
+    "tx_conn.dropped_pg",
+    pg_waited_store,
+    pg_waited_tx
+);
+waited_pair!(MySql, "tx_conn.dropped_my", my_waited_store, my_waited_tx);
+waited_pair!(
+    Sqlite,
+    "tx_conn.dropped_sqlite",
+    sqlite_waited_store,
+    sqlite_waited_tx
+);
+
+/// Rule 15: a transactional owner's call has answered (its record complete
+/// in its transaction, not committed) when four store-mode duplicates begin
+/// to wait for it; then its transaction is dropped, neither committed nor
+/// rolled back (sqlx rolls it back as the connection goes back to the
+/// pool). The key goes to one duplicate, which runs the body; the other
+/// three replay its answer; nobody is told of a deadlock or waits forever.
+macro_rules! owner_dropped_with_waiters {
+    ($db:expr, $store_fn:ident, $tx_fn:ident) => {{
+        let db = $db;
+        let tenant = fresh_tenant();
+        let hold = Hold::default();
+        let waiting = Notify::new();
+        let owner = async {
+            let mut tx = db.pool().begin().await.expect("begin");
+            let answer = $tx_fn(&mut tx, &tenant, "k", Some(&hold)).await;
+            // The duplicates are on their way; give them time to queue
+            // behind the uncommitted record (not asserted: any order is
+            // correct), then drop the transaction.
+            waiting.notified().await;
+            drop(tx);
+            answer
+        };
+        let duplicates = async {
+            hold.reached.notified().await;
+            hold.go.notify_one();
+            let one = || $store_fn(db.store(), &tenant, "k");
+            let let_go = async {
+                tokio::time::sleep(Duration::from_millis(500)).await;
+                waiting.notify_one();
+            };
+            let (a, b, c, d, ()) = tokio::join!(
+                with_outcome(one()),
+                with_outcome(one()),
+                with_outcome(one()),
+                with_outcome(one()),
+                let_go
+            );
+            [a, b, c, d]
+        };
+        let (owned, answers) = tokio::time::timeout(Duration::from_secs(90), async {
+            tokio::join!(owner, duplicates)
+        })
+        .await
+        .expect("nobody waits forever");
+        assert_eq!(owned.expect("the owner's call answered"), 1);
+        let executed: Vec<_> = answers
+            .iter()
+            .filter(|(_, o)| *o == Some(Outcome::Executed))
+            .collect();
+        assert_eq!(executed.len(), 1, "{answers:?}");
+        for (answer, _) in &answers {
+            assert_eq!(answer.as_ref().ok(), Some(&2), "{answers:?}");
+        }
+        assert_eq!(
+            runs(&tenant),
+            2,
+            "the owner's run (rolled back) and one duplicate's"
+        );
+    }};
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn pg_an_owners_transaction_dropped_uncommitted_hands_the_key_to_one_waiter() {
+    let Some(db) = pg().await else { return };
+    owner_dropped_with_waiters!(&db, pg_waited_store, pg_waited_tx);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn mysql_an_owners_transaction_dropped_uncommitted_hands_the_key_to_one_waiter() {
+    let Some(db) = my().await else { return };
+    owner_dropped_with_waiters!(&db, my_waited_store, my_waited_tx);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sqlite_an_owners_transaction_dropped_uncommitted_hands_the_key_to_one_waiter() {
+    let db = lite().await;
+    owner_dropped_with_waiters!(&db, sqlite_waited_store, sqlite_waited_tx);
+}
