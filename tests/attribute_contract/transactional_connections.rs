@@ -1366,3 +1366,259 @@ async fn sqlite_an_owners_transaction_dropped_uncommitted_hands_the_key_to_one_w
     let db = lite().await;
     owner_dropped_with_waiters!(&db, sqlite_waited_store, sqlite_waited_tx);
 }
+
+// ---------------------------------------------------------------- a waited-out duplicate keeps its transaction's writes
+
+#[idempotent(scope = "tx_conn.short_pg", key = key, tenant = tenant, tx = tx, skip(hold),
+             ttl = "1h", in_progress = wait("1s"))]
+async fn pg_short_wait(
+    tx: &mut sqlx::Transaction<'_, Postgres>,
+    tenant: &str,
+    key: &str,
+    hold: Option<&Hold>,
+) -> Result<u64, Error> {
+    hold_here(hold).await;
+    Ok(3)
+}
+
+#[idempotent(scope = "tx_conn.short_my", key = key, tenant = tenant, tx = tx, skip(hold),
+             ttl = "1h", in_progress = wait("1s"))]
+async fn my_short_wait(
+    tx: &mut sqlx::Transaction<'_, MySql>,
+    tenant: &str,
+    key: &str,
+    hold: Option<&Hold>,
+) -> Result<u64, Error> {
+    hold_here(hold).await;
+    Ok(3)
+}
+
+/// Rule 15 ("its own transaction stays usable"): a duplicate whose
+/// transaction wrote a business row, then waited for an open owner until its
+/// bound and was answered `InProgress`, commits that row: the wait cost it
+/// the call, not its earlier writes. The owner then commits and the key
+/// replays.
+macro_rules! waited_out_keeps_writes {
+    ($db:expr, $call:ident, $insert:literal) => {{
+        let db = $db;
+        let tenant = fresh_tenant();
+        let hold = Hold::default();
+        let owner = async {
+            let mut tx = db.pool().begin().await.expect("begin");
+            let answer = $call(&mut tx, &tenant, "k", Some(&hold)).await;
+            tx.commit().await.expect("commit");
+            answer
+        };
+        let duplicate = async {
+            hold.reached.notified().await;
+            let mut tx = db.pool().begin().await.expect("begin");
+            sqlx::query($insert)
+                .bind(&tenant)
+                .bind("before")
+                .execute(&mut *tx)
+                .await
+                .expect("an earlier write");
+            let answer = $call(&mut tx, &tenant, "k", None).await;
+            let usable = sqlx::query($insert)
+                .bind(&tenant)
+                .bind("after")
+                .execute(&mut *tx)
+                .await;
+            tx.commit().await.expect("commit");
+            hold.go.notify_one();
+            (answer, usable.map(|_| ()))
+        };
+        let (owned, (answer, usable)) =
+            tokio::time::timeout(Duration::from_secs(60), async { tokio::join!(owner, duplicate) })
+                .await
+                .expect("bounded");
+        assert_eq!(owned.expect("owner"), 3);
+        assert!(matches!(answer, Err(Error::InProgress { .. })), "{answer:?}");
+        usable.expect("the duplicate's transaction stays usable");
+        assert_eq!(db.rows(&tenant).await, 2, "the duplicate's writes before and after the call");
+        let mut tx = db.pool().begin().await.expect("begin");
+        let (again, outcome) = with_outcome($call(&mut tx, &tenant, "k", None)).await;
+        tx.commit().await.expect("commit");
+        assert_eq!((again.expect("replays"), outcome), (3, Some(Outcome::Replayed)));
+    }};
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pg_a_duplicate_that_waited_out_its_bound_keeps_its_transactions_writes() {
+    let Some(db) = pg().await else { return };
+    waited_out_keeps_writes!(
+        &db,
+        pg_short_wait,
+        "INSERT INTO idempotent_test_conn_charges (tenant, idem_key, amount) VALUES ($1, $2, 0)"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mysql_a_duplicate_that_waited_out_its_bound_keeps_its_transactions_writes() {
+    let Some(db) = my().await else { return };
+    waited_out_keeps_writes!(
+        &db,
+        my_short_wait,
+        "INSERT INTO idempotent_test_conn_charges (tenant, idem_key, amount) VALUES (?, ?, 0)"
+    );
+}
+
+// ---------------------------------------------------------------- PostgreSQL: a waiter at a strict level whose owner ends mid-wait
+
+/// Until the backend `pid` waits for a lock (bounded).
+async fn pg_until_waiting(pool: &sqlx::PgPool, pid: i32) {
+    for _ in 0..2000 {
+        let waiting: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM pg_locks WHERE pid = $1 AND NOT granted")
+                .bind(pid)
+                .fetch_one(pool)
+                .await
+                .expect("pg_locks");
+        if waiting > 0 {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    panic!("backend {pid} never waited for a lock");
+}
+
+/// Rule 15 under REPEATABLE READ and SERIALIZABLE: a transactional duplicate
+/// (which wrote a business row first) waits for an open owner's uncommitted
+/// reservation; the owner commits or rolls back while it waits. After a
+/// commit the duplicate replays or is refused `StaleSnapshot` (its snapshot
+/// is older than the record: README); after a rollback it runs the body.
+/// Either way it is not told of a deadlock or a store failure, and its
+/// transaction stays usable with its earlier write.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pg_a_strict_waiter_whose_owner_ends_mid_wait_gets_a_clean_answer() {
+    let Some(db) = pg().await else { return };
+    for begin in [
+        "BEGIN ISOLATION LEVEL REPEATABLE READ",
+        "BEGIN ISOLATION LEVEL SERIALIZABLE",
+    ] {
+        for owner_commits in [true, false] {
+            let what = format!("{begin}, owner commits: {owner_commits}");
+            let tenant = fresh_tenant();
+            let hold = Hold::default();
+            let ended = Notify::new();
+            let owner = async {
+                let mut tx = db.pool().begin().await.expect("begin");
+                let answer = pg_waited_tx(&mut tx, &tenant, "k", Some(&hold)).await;
+                ended.notified().await;
+                if owner_commits {
+                    tx.commit().await.expect("commit");
+                } else {
+                    tx.rollback().await.expect("rollback");
+                }
+                answer
+            };
+            let duplicate = async {
+                hold.reached.notified().await;
+                hold.go.notify_one();
+                let mut tx = db.pool().begin_with(begin).await.expect("begin");
+                let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+                    .fetch_one(&mut *tx)
+                    .await
+                    .expect("pid");
+                sqlx::query(
+                    "INSERT INTO idempotent_test_conn_charges (tenant, idem_key, amount) \
+                     VALUES ($1, 'before', 0)",
+                )
+                .bind(&tenant)
+                .execute(&mut *tx)
+                .await
+                .expect("an earlier write");
+                let watch = async {
+                    pg_until_waiting(db.pool(), pid).await;
+                    ended.notify_one();
+                };
+                let ((answer, outcome), ()) =
+                    tokio::join!(with_outcome(pg_waited_tx(&mut tx, &tenant, "k", None)), watch);
+                let usable = sqlx::query("SELECT 1").execute(&mut *tx).await;
+                let committed = tx.commit().await;
+                (answer, outcome, usable.map(|_| ()), committed)
+            };
+            let (owned, (answer, outcome, usable, committed)) =
+                tokio::time::timeout(Duration::from_secs(60), async {
+                    tokio::join!(owner, duplicate)
+                })
+                .await
+                .unwrap_or_else(|_| panic!("{what}: blocked"));
+            assert_eq!(owned.expect("owner"), 1, "{what}");
+            match (owner_commits, answer) {
+                (true, Ok(v)) => assert_eq!((v, outcome), (1, Some(Outcome::Replayed)), "{what}"),
+                (true, Err(Error::StaleSnapshot { .. })) => {}
+                (false, Ok(v)) => assert_eq!((v, outcome), (2, Some(Outcome::Executed)), "{what}"),
+                (_, other) => panic!("{what}: {other:?}"),
+            }
+            usable.unwrap_or_else(|e| panic!("{what}: the transaction is unusable: {e}"));
+            committed.unwrap_or_else(|e| panic!("{what}: commit: {e}"));
+            assert_eq!(db.rows(&tenant).await, 1, "{what}: the earlier write stays");
+        }
+    }
+}
+
+// ---------------------------------------------------------------- SQLite: answers that keep no lock, either journal
+
+#[idempotent(scope = "tx_conn.shared_sqlite", key = key, tenant = tenant, store = store,
+             skip(hold), shared_scope, ttl = "1h", in_progress = reject)]
+async fn sqlite_shared_store(
+    store: &dyn Store,
+    tenant: &str,
+    key: &str,
+    amount: i64,
+    hold: Option<&Hold>,
+) -> Result<u64, Error> {
+    hold_here(hold).await;
+    Ok(amount as u64)
+}
+
+#[idempotent(scope = "tx_conn.shared_sqlite", key = key, tenant = tenant, tx = tx, skip(hold),
+             shared_scope, ttl = "1h", in_progress = reject)]
+async fn sqlite_shared_tx(
+    tx: &mut sqlx::Transaction<'_, Sqlite>,
+    tenant: &str,
+    key: &str,
+    amount: i64,
+    hold: Option<&Hold>,
+) -> Result<u64, Error> {
+    hold_here(hold).await;
+    Ok(amount as u64)
+}
+
+/// A store over an application's pool (`from_pool`) on a file in the
+/// rollback journal (`journal_mode = DELETE`), where a reader's lock keeps
+/// every writer from committing.
+async fn lite_rollback_journal() -> Lite {
+    let dir = common::scratch::dir("tx-conn-journal");
+    let options = sqlx::sqlite::SqliteConnectOptions::new()
+        .filename(dir.join("db.sqlite"))
+        .create_if_missing(true)
+        .journal_mode(sqlx::sqlite::SqliteJournalMode::Delete)
+        .busy_timeout(Duration::from_secs(5));
+    let pool = sqlx::sqlite::SqlitePoolOptions::new()
+        .max_connections(4)
+        .connect_with(options)
+        .await
+        .expect("pool");
+    let store = idempotent_runtime::SqliteStore::from_pool(pool)
+        .await
+        .expect("from_pool");
+    sqlx::query(SQLITE_DDL)
+        .execute(store.pool())
+        .await
+        .expect("ddl");
+    Lite(store, dir)
+}
+
+/// As on the server stores: on SQLite, in WAL mode and in the rollback
+/// journal, a deferred transaction that was refused as in progress, given a
+/// replay and a mismatch, and stays open, keeps neither the owner from
+/// recording its result nor another transaction from replaying.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_answers_in_an_open_transaction_keep_no_lock_in_either_journal() {
+    let wal = lite().await;
+    answers_keep_no_lock!(&wal, "BEGIN", sqlite_shared_store, sqlite_shared_tx);
+    let journal = lite_rollback_journal().await;
+    answers_keep_no_lock!(&journal, "BEGIN", sqlite_shared_store, sqlite_shared_tx);
+}
