@@ -163,7 +163,11 @@ trait Db: Sized + 'static {
         hold: Option<&Hold>,
     ) -> Answer;
     async fn rows(&self, tenant: &str) -> i64;
-    async fn expire(&self, tenant: &str, key: &str);
+    /// Moves the expiry of the record (`tenant`, `scope`, `key`) to long ago.
+    async fn expire_in(&self, tenant: &str, scope: &str, key: &str);
+    async fn expire(&self, tenant: &str, key: &str) {
+        self.expire_in(tenant, Self::SCOPE, key).await;
+    }
 }
 
 struct Pg(idempotent_runtime::PgStore);
@@ -232,13 +236,13 @@ impl Db for Pg {
             .await
             .expect("count")
     }
-    async fn expire(&self, tenant: &str, key: &str) {
+    async fn expire_in(&self, tenant: &str, scope: &str, key: &str) {
         sqlx::query(
             "UPDATE idempotency_records SET expires_at = $4
               WHERE tenant = $1 AND scope = $2 AND key = $3",
         )
         .bind(tenant)
-        .bind(Self::SCOPE)
+        .bind(scope)
         .bind(key)
         .bind(LONG_AGO_MS)
         .execute(self.pool())
@@ -272,14 +276,14 @@ impl Db for My {
             .await
             .expect("count")
     }
-    async fn expire(&self, tenant: &str, key: &str) {
+    async fn expire_in(&self, tenant: &str, scope: &str, key: &str) {
         sqlx::query(
             "UPDATE idempotency_records SET expires_at = ?
               WHERE tenant = ? AND scope = ? AND `key` = ?",
         )
         .bind(LONG_AGO_MS)
         .bind(tenant)
-        .bind(Self::SCOPE)
+        .bind(scope)
         .bind(key)
         .execute(self.pool())
         .await
@@ -312,13 +316,13 @@ impl Db for Lite {
             .await
             .expect("count")
     }
-    async fn expire(&self, tenant: &str, key: &str) {
+    async fn expire_in(&self, tenant: &str, scope: &str, key: &str) {
         sqlx::query(
             "UPDATE idempotency_records SET expires_at = ?4
               WHERE tenant = ?1 AND scope = ?2 AND key = ?3",
         )
         .bind(tenant)
-        .bind(Self::SCOPE)
+        .bind(scope)
         .bind(key)
         .bind(LONG_AGO_MS)
         .execute(self.pool())
@@ -1254,13 +1258,13 @@ fn runs(tenant: &str) -> u32 {
 macro_rules! waited_pair {
     ($db:ty, $scope:literal, $store_fn:ident, $tx_fn:ident) => {
         #[idempotent(scope = $scope, key = key, tenant = tenant, store = store, shared_scope,
-                             ttl = "1h", in_progress = wait("20s"))]
+                                     ttl = "1h", in_progress = wait("20s"))]
         async fn $store_fn(store: &dyn Store, tenant: &str, key: &str) -> Result<u64, Error> {
             Ok(u64::from(ran(tenant)))
         }
 
         #[idempotent(scope = $scope, key = key, tenant = tenant, tx = tx, skip(hold),
-                             shared_scope, ttl = "1h", in_progress = wait("20s"))]
+                                     shared_scope, ttl = "1h", in_progress = wait("20s"))]
         async fn $tx_fn(
             tx: &mut sqlx::Transaction<'_, $db>,
             tenant: &str,
@@ -1428,18 +1432,29 @@ macro_rules! waited_out_keeps_writes {
             hold.go.notify_one();
             (answer, usable.map(|_| ()))
         };
-        let (owned, (answer, usable)) =
-            tokio::time::timeout(Duration::from_secs(60), async { tokio::join!(owner, duplicate) })
-                .await
-                .expect("bounded");
+        let (owned, (answer, usable)) = tokio::time::timeout(Duration::from_secs(60), async {
+            tokio::join!(owner, duplicate)
+        })
+        .await
+        .expect("bounded");
         assert_eq!(owned.expect("owner"), 3);
-        assert!(matches!(answer, Err(Error::InProgress { .. })), "{answer:?}");
+        assert!(
+            matches!(answer, Err(Error::InProgress { .. })),
+            "{answer:?}"
+        );
         usable.expect("the duplicate's transaction stays usable");
-        assert_eq!(db.rows(&tenant).await, 2, "the duplicate's writes before and after the call");
+        assert_eq!(
+            db.rows(&tenant).await,
+            2,
+            "the duplicate's writes before and after the call"
+        );
         let mut tx = db.pool().begin().await.expect("begin");
         let (again, outcome) = with_outcome($call(&mut tx, &tenant, "k", None)).await;
         tx.commit().await.expect("commit");
-        assert_eq!((again.expect("replays"), outcome), (3, Some(Outcome::Replayed)));
+        assert_eq!(
+            (again.expect("replays"), outcome),
+            (3, Some(Outcome::Replayed))
+        );
     }};
 }
 
@@ -1532,8 +1547,10 @@ async fn pg_a_strict_waiter_whose_owner_ends_mid_wait_gets_a_clean_answer() {
                     pg_until_waiting(db.pool(), pid).await;
                     ended.notify_one();
                 };
-                let ((answer, outcome), ()) =
-                    tokio::join!(with_outcome(pg_waited_tx(&mut tx, &tenant, "k", None)), watch);
+                let ((answer, outcome), ()) = tokio::join!(
+                    with_outcome(pg_waited_tx(&mut tx, &tenant, "k", None)),
+                    watch
+                );
                 let usable = sqlx::query("SELECT 1").execute(&mut *tx).await;
                 let committed = tx.commit().await;
                 (answer, outcome, usable.map(|_| ()), committed)
@@ -1621,4 +1638,235 @@ async fn sqlite_answers_in_an_open_transaction_keep_no_lock_in_either_journal() 
     answers_keep_no_lock!(&wal, "BEGIN", sqlite_shared_store, sqlite_shared_tx);
     let journal = lite_rollback_journal().await;
     answers_keep_no_lock!(&journal, "BEGIN", sqlite_shared_store, sqlite_shared_tx);
+}
+
+// ---------------------------------------------------------------- rules 17 and 21: the registry
+
+/// Rule 17 for transactional functions: each is listed as transactional,
+/// with its `recover` hook and policies, and the connection parameter (and
+/// skipped ones) are not among the fingerprinted parameters. Rule 21: a scope
+/// shared by a store-mode and a transactional claimant lists both, and the
+/// registry validates.
+#[test]
+fn transactional_functions_are_listed_with_their_mode_and_parameters() {
+    use idempotent_runtime::__private::InProgressPolicy;
+    use idempotent_runtime::registry;
+    let all = registry::scopes();
+    let of = |scope: &str| -> Vec<_> { all.iter().filter(|i| i.scope == scope).collect() };
+    for scope in ["tx_conn.pg", "tx_conn.mysql", "tx_conn.sqlite"] {
+        let [info] = of(scope)[..] else {
+            panic!("{scope}: {:?}", of(scope))
+        };
+        assert!(info.transactional, "{scope}");
+        assert_eq!(info.fingerprinted_parameters, ["amount"], "{scope}");
+        assert_eq!(info.in_progress, InProgressPolicy::Reject, "{scope}");
+        assert!(
+            info.recover.is_some_and(|r| r.contains("look_up")),
+            "{scope}: {:?}",
+            info.recover
+        );
+        assert!(!info.shared_scope, "{scope}");
+        assert_eq!(info.file, file!());
+    }
+    for scope in [
+        "tx_conn.shared_pg",
+        "tx_conn.shared_my",
+        "tx_conn.shared_sqlite",
+    ] {
+        let claimants = of(scope);
+        assert_eq!(claimants.len(), 2, "{scope}: {claimants:?}");
+        assert!(claimants.iter().all(|i| i.shared_scope), "{scope}");
+        let mut modes: Vec<bool> = claimants.iter().map(|i| i.transactional).collect();
+        modes.sort();
+        assert_eq!(modes, [false, true], "{scope}: one of each mode");
+        for c in &claimants {
+            assert_eq!(
+                c.fingerprinted_parameters,
+                ["amount"],
+                "{scope}: {}",
+                c.function
+            );
+        }
+    }
+    registry::validate().expect("the registry validates");
+}
+
+// ---------------------------------------------------------------- rules 15, 16 and 19: a reservation committed in progress, audited and purged
+
+macro_rules! short_lease {
+    ($db:ty, $scope:literal, $name:ident) => {
+        #[idempotent(scope = $scope, key = key, tenant = tenant, tx = tx, skip(hold),
+                             ttl = "1h", lease = "100ms", in_progress = reject)]
+        async fn $name(
+            tx: &mut sqlx::Transaction<'_, $db>,
+            tenant: &str,
+            key: &str,
+            hold: Option<&Hold>,
+        ) -> Result<u64, Error> {
+            hold_here(hold).await;
+            Ok(4)
+        }
+    };
+}
+
+short_lease!(Postgres, "tx_conn.audit_pg", pg_short_lease);
+short_lease!(MySql, "tx_conn.audit_my", my_short_lease);
+short_lease!(Sqlite, "tx_conn.audit_sqlite", sqlite_short_lease);
+
+/// This scope's row of an audit against the registry (zeros when absent).
+async fn audited(store: &dyn Store, scope: &str) -> idempotent_runtime::audit::ScopeAudit {
+    use idempotent_runtime::audit::{audit, KnownScope};
+    let report = audit(store, &KnownScope::from_registry())
+        .await
+        .expect("audit");
+    report
+        .scope(scope)
+        .expect("a claimed scope is listed")
+        .clone()
+}
+
+/// README, transactional mode: a call dropped while its body runs, whose
+/// caller commits anyway, commits the reservation in progress. The audit
+/// shows it in progress, then (its lease over) stuck, claimed by the
+/// function; the next call in a transaction takes it over and runs (attempt
+/// 2, counted as taken over); once expired the audit counts it as expired
+/// and a purge deletes it. Counts are compared before and after, as the
+/// scope's records of earlier runs stay in a shared database.
+macro_rules! committed_in_progress_audited_and_purged {
+    ($db:expr, $scope:literal, $call:ident) => {{
+        let db = $db;
+        let scope: &str = $scope;
+        let tenant = fresh_tenant();
+        let identity = Identity::new(&tenant, scope, "k").expect("identity");
+        let before = audited(db.store(), scope).await;
+        assert!(
+            before
+                .claimed_by
+                .iter()
+                .any(|f| f.ends_with(stringify!($call))),
+            "{scope}: {:?}",
+            before.claimed_by
+        );
+
+        let hold = Hold::default();
+        let mut tx = db.pool().begin().await.expect("begin");
+        tokio::select! {
+            answer = $call(&mut tx, &tenant, "k", Some(&hold)) => panic!("held: {answer:?}"),
+            () = hold.reached.notified() => {}
+        }
+        tx.commit().await.expect("the caller commits anyway");
+        let mut stuck = false;
+        for _ in 0..500 {
+            let s = db
+                .store()
+                .fetch(&identity)
+                .await
+                .expect("fetch")
+                .expect("committed in progress");
+            assert_eq!(s.state, idempotent_runtime::RecordState::InProgress);
+            if s.lease_expires_at_ms.is_some_and(|l| l <= s.now_ms) {
+                stuck = true;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert!(stuck, "the lease never ran out");
+        let now = audited(db.store(), scope).await;
+        assert_eq!(now.stuck, before.stuck + 1, "stuck: {now:?}");
+
+        // MariaDB refuses a takeover of a lease that ran out in the second
+        // its transaction began (README): a new transaction takes it.
+        let mut taken = None;
+        for _ in 0..50 {
+            let mut tx = db.pool().begin().await.expect("begin");
+            match with_outcome($call(&mut tx, &tenant, "k", None)).await {
+                (Err(Error::StaleSnapshot { .. }), _) => {
+                    tx.rollback().await.expect("rollback");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                answered => {
+                    tx.commit().await.expect("commit");
+                    taken = Some(answered);
+                    break;
+                }
+            }
+        }
+        let (answer, outcome) = taken.expect("taken over within 50 transactions");
+        assert_eq!(
+            (answer.expect("taken over"), outcome),
+            (4, Some(Outcome::Executed))
+        );
+        let s = db
+            .store()
+            .fetch(&identity)
+            .await
+            .expect("fetch")
+            .expect("record");
+        assert_eq!(
+            (s.state, s.attempt),
+            (idempotent_runtime::RecordState::Complete, 2)
+        );
+        let now = audited(db.store(), scope).await;
+        assert_eq!(now.stuck, before.stuck, "{now:?}");
+        assert_eq!(now.complete, before.complete + 1, "{now:?}");
+        assert_eq!(now.taken_over, before.taken_over + 1, "{now:?}");
+
+        db.expire(&tenant, "k").await;
+        let now = audited(db.store(), scope).await;
+        assert_eq!(now.complete, before.complete, "{now:?}");
+        assert!(
+            now.expired > before.expired || now.expired >= 1,
+            "expired: {now:?}"
+        );
+        let deleted = idempotent_runtime::purge::purge_all(db.store(), 100)
+            .await
+            .expect("purge");
+        assert!(deleted >= 1, "the purge deleted {deleted}");
+        assert_eq!(db.store().fetch(&identity).await.expect("fetch"), None);
+    }};
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pg_a_reservation_committed_in_progress_is_audited_taken_over_and_purged() {
+    let Some(db) = pg().await else { return };
+    committed_in_progress_audited_and_purged!(
+        &ScopeDb(&db, "tx_conn.audit_pg"),
+        "tx_conn.audit_pg",
+        pg_short_lease
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mysql_a_reservation_committed_in_progress_is_audited_taken_over_and_purged() {
+    let Some(db) = my().await else { return };
+    committed_in_progress_audited_and_purged!(
+        &ScopeDb(&db, "tx_conn.audit_my"),
+        "tx_conn.audit_my",
+        my_short_lease
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_a_reservation_committed_in_progress_is_audited_taken_over_and_purged() {
+    let db = lite().await;
+    committed_in_progress_audited_and_purged!(
+        &ScopeDb(&db, "tx_conn.audit_sqlite"),
+        "tx_conn.audit_sqlite",
+        sqlite_short_lease
+    );
+}
+
+/// A database seen through one scope: `expire` moves that scope's record.
+struct ScopeDb<'a, B: Db>(&'a B, &'static str);
+
+impl<B: Db> ScopeDb<'_, B> {
+    fn store(&self) -> &dyn Store {
+        self.0.store()
+    }
+    fn pool(&self) -> &sqlx::Pool<B::D> {
+        self.0.pool()
+    }
+    async fn expire(&self, tenant: &str, key: &str) {
+        self.0.expire_in(tenant, self.1, key).await;
+    }
 }
