@@ -116,7 +116,8 @@ async fn sqlite_charge(
 }
 
 /// What the hook was told, per tenant: (attempt, previous attempt's start).
-static ASKED: LazyLock<Mutex<HashMap<String, Vec<(u32, i64)>>>> = LazyLock::new(Default::default);
+type Asked = HashMap<String, Vec<(u32, i64)>>;
+static ASKED: LazyLock<Mutex<Asked>> = LazyLock::new(Default::default);
 
 /// The `recover` hook: notes what it was told; keys starting with `found-`
 /// were charged by the previous attempt (recorded as 7), others run again.
@@ -1258,13 +1259,13 @@ fn runs(tenant: &str) -> u32 {
 macro_rules! waited_pair {
     ($db:ty, $scope:literal, $store_fn:ident, $tx_fn:ident) => {
         #[idempotent(scope = $scope, key = key, tenant = tenant, store = store, shared_scope,
-                                     ttl = "1h", in_progress = wait("20s"))]
+                                             ttl = "1h", in_progress = wait("20s"))]
         async fn $store_fn(store: &dyn Store, tenant: &str, key: &str) -> Result<u64, Error> {
             Ok(u64::from(ran(tenant)))
         }
 
         #[idempotent(scope = $scope, key = key, tenant = tenant, tx = tx, skip(hold),
-                                     shared_scope, ttl = "1h", in_progress = wait("20s"))]
+                                             shared_scope, ttl = "1h", in_progress = wait("20s"))]
         async fn $tx_fn(
             tx: &mut sqlx::Transaction<'_, $db>,
             tenant: &str,
@@ -1696,7 +1697,7 @@ fn transactional_functions_are_listed_with_their_mode_and_parameters() {
 macro_rules! short_lease {
     ($db:ty, $scope:literal, $name:ident) => {
         #[idempotent(scope = $scope, key = key, tenant = tenant, tx = tx, skip(hold),
-                             ttl = "1h", lease = "100ms", in_progress = reject)]
+                                             ttl = "1h", lease = "100ms", in_progress = reject)]
         async fn $name(
             tx: &mut sqlx::Transaction<'_, $db>,
             tenant: &str,
@@ -1869,4 +1870,325 @@ impl<B: Db> ScopeDb<'_, B> {
     async fn expire(&self, tenant: &str, key: &str) {
         self.0.expire_in(tenant, self.1, key).await;
     }
+}
+
+// ---------------------------------------------------------------- a takeover released in a transaction, a store-mode waiter behind it
+
+macro_rules! released_pair {
+    ($db:ty, $scope:literal, $store_fn:ident, $tx_fn:ident) => {
+        #[idempotent(scope = $scope, key = key, tenant = tenant, store = store, shared_scope,
+                                     ttl = "1h", in_progress = wait("20s"))]
+        async fn $store_fn(store: &dyn Store, tenant: &str, key: &str) -> Result<u64, Error> {
+            Ok(u64::from(ran(tenant)))
+        }
+
+        /// Fails (released) after `hold`.
+        #[idempotent(scope = $scope, key = key, tenant = tenant, tx = tx, skip(hold),
+                                     shared_scope, ttl = "1h", in_progress = wait("20s"))]
+        async fn $tx_fn(
+            tx: &mut sqlx::Transaction<'_, $db>,
+            tenant: &str,
+            key: &str,
+            hold: Option<&Hold>,
+        ) -> Result<u64, Error> {
+            ran(tenant);
+            hold_here(hold).await;
+            Err(Error::Store(idempotent_runtime::StoreError::new(
+                "gateway", "charge", "declined",
+            )))
+        }
+    };
+}
+
+released_pair!(
+    Postgres,
+    "tx_conn.released_pg",
+    pg_released_store,
+    pg_released_tx
+);
+released_pair!(
+    MySql,
+    "tx_conn.released_my",
+    my_released_store,
+    my_released_tx
+);
+released_pair!(
+    Sqlite,
+    "tx_conn.released_sqlite",
+    sqlite_released_store,
+    sqlite_released_tx
+);
+
+/// Rules 10, 13 and 15: a transaction takes a stuck record over (a crashed
+/// owner's, lease run out) and its body fails, releasing the record in the
+/// transaction, while a store-mode duplicate waits behind it (`wait`); the
+/// transaction commits. The duplicate then runs the body (the key is free):
+/// it is not told `InProgress`, `LeaseLost` or of a store failure.
+macro_rules! released_takeover_with_a_waiter {
+    ($db:expr, $scope:literal, $store_fn:ident, $tx_fn:ident) => {{
+        let db = $db;
+        let tenant = fresh_tenant();
+        let identity = Identity::new(&tenant, $scope, "k").expect("identity");
+        plant_stuck(db.store(), &identity).await;
+        let hold = Hold::default();
+        let owner = async {
+            let mut answer = None;
+            for _ in 0..50 {
+                let mut tx = db.pool().begin().await.expect("begin");
+                match $tx_fn(&mut tx, &tenant, "k", Some(&hold)).await {
+                    // MariaDB: a lease that ran out in the second the
+                    // transaction began (README); a new transaction takes it.
+                    Err(Error::StaleSnapshot { .. }) => {
+                        tx.rollback().await.expect("rollback");
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                    }
+                    other => {
+                        tx.commit().await.expect("commit");
+                        answer = Some(other);
+                        break;
+                    }
+                }
+            }
+            answer.expect("taken over within 50 transactions")
+        };
+        let waiter = async {
+            hold.reached.notified().await;
+            let let_go = async {
+                // The waiter is on its way; any order is correct.
+                tokio::time::sleep(Duration::from_millis(500)).await;
+                hold.go.notify_one();
+            };
+            let (answer, ()) =
+                tokio::join!(with_outcome($store_fn(db.store(), &tenant, "k")), let_go);
+            answer
+        };
+        let (owned, (answer, outcome)) = tokio::time::timeout(Duration::from_secs(60), async {
+            tokio::join!(owner, waiter)
+        })
+        .await
+        .expect("nobody waits forever");
+        assert!(
+            matches!(owned, Err(Error::Store(_))),
+            "the owner's own error: {owned:?}"
+        );
+        assert_eq!(
+            (answer.expect("the waiter runs"), outcome),
+            (2, Some(Outcome::Executed))
+        );
+        let s = db
+            .store()
+            .fetch(&identity)
+            .await
+            .expect("fetch")
+            .expect("record");
+        assert_eq!(s.state, idempotent_runtime::RecordState::Complete);
+    }};
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn pg_a_takeover_released_in_a_transaction_frees_the_key_for_a_waiter() {
+    let Some(db) = pg().await else { return };
+    released_takeover_with_a_waiter!(
+        &db,
+        "tx_conn.released_pg",
+        pg_released_store,
+        pg_released_tx
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn mysql_a_takeover_released_in_a_transaction_frees_the_key_for_a_waiter() {
+    let Some(db) = my().await else { return };
+    released_takeover_with_a_waiter!(
+        &db,
+        "tx_conn.released_my",
+        my_released_store,
+        my_released_tx
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sqlite_a_takeover_released_in_a_transaction_frees_the_key_for_a_waiter() {
+    let db = lite().await;
+    released_takeover_with_a_waiter!(
+        &db,
+        "tx_conn.released_sqlite",
+        sqlite_released_store,
+        sqlite_released_tx
+    );
+}
+
+// ---------------------------------------------------------------- an owner's rollback with transactional waiters
+
+/// Rule 15: a transactional owner holds the key open while four
+/// transactional duplicates (each in a transaction of its own, `wait`) wait
+/// for it; the owner rolls back. The key goes to one duplicate, which runs
+/// the body and commits; the other three replay it. Nobody is told of a
+/// deadlock or waits forever. (MariaDB: `my_owner_rollback_with_waiters_*`.)
+macro_rules! owner_rollback_with_tx_waiters {
+    ($db:expr, $tx_fn:ident) => {{
+        let db = $db;
+        let tenant = fresh_tenant();
+        let hold = Hold::default();
+        let owner = async {
+            let mut tx = db.pool().begin().await.expect("begin");
+            let answer = $tx_fn(&mut tx, &tenant, "k", Some(&hold)).await;
+            tx.rollback().await.expect("rollback");
+            answer
+        };
+        let one = || async {
+            let mut tx = db.pool().begin().await.expect("begin");
+            let answer = with_outcome($tx_fn(&mut tx, &tenant, "k", None)).await;
+            tx.commit().await.expect("commit");
+            answer
+        };
+        let duplicates = async {
+            hold.reached.notified().await;
+            let let_go = async {
+                // The duplicates are on their way; any order is correct.
+                tokio::time::sleep(Duration::from_millis(500)).await;
+                hold.go.notify_one();
+            };
+            let (a, b, c, d, ()) = tokio::join!(one(), one(), one(), one(), let_go);
+            [a, b, c, d]
+        };
+        let (owned, answers) = tokio::time::timeout(Duration::from_secs(90), async {
+            tokio::join!(owner, duplicates)
+        })
+        .await
+        .expect("nobody waits forever");
+        assert_eq!(owned.expect("the owner's call answered"), 1);
+        let executed = answers
+            .iter()
+            .filter(|(_, o)| *o == Some(Outcome::Executed))
+            .count();
+        assert_eq!(executed, 1, "{answers:?}");
+        for (answer, _) in &answers {
+            assert_eq!(answer.as_ref().ok(), Some(&2), "{answers:?}");
+        }
+        assert_eq!(runs(&tenant), 2);
+    }};
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn pg_an_owners_rollback_hands_the_key_to_one_transactional_waiter() {
+    let Some(db) = pg().await else { return };
+    for _ in 0..3 {
+        owner_rollback_with_tx_waiters!(&db, pg_waited_tx);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sqlite_an_owners_rollback_hands_the_key_to_one_transactional_waiter() {
+    let db = lite().await;
+    for _ in 0..3 {
+        owner_rollback_with_tx_waiters!(&db, sqlite_waited_tx);
+    }
+}
+
+// ---------------------------------------------------------------- MariaDB: a transaction at READ UNCOMMITTED for itself only
+
+/// Rules 5 and 15 on MariaDB: a transaction made READ UNCOMMITTED for
+/// itself alone (`SET TRANSACTION ISOLATION LEVEL READ UNCOMMITTED` before
+/// `START TRANSACTION`, the session's own level left as it was) must not
+/// replay a result another transactional owner has recorded but not
+/// committed: the owner then rolls back and the key runs again, and the
+/// duplicate would have answered with a result that never existed. It
+/// should be refused, as a transaction of a READ UNCOMMITTED session is
+/// (`sql_edges::mysql_edges::a_transaction_that_reads_uncommitted_data_is_refused`);
+/// today it replays (the README tells users not to set such a level).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "a documented limitation (README: a level set for the next transaction only is not \
+            seen): the check reads @@tx_isolation, the session's level; run it if the reservation \
+            learns the transaction's own level (information_schema.innodb_trx)"]
+async fn mysql_a_transaction_read_uncommitted_for_itself_never_replays_an_uncommitted_result() {
+    let Some(db) = my().await else { return };
+    let tenant = fresh_tenant();
+    let mut owner = db.pool().begin().await.expect("begin");
+    assert_eq!(
+        My::charge(&mut owner, &tenant, "k", 500, None)
+            .await
+            .expect("runs"),
+        500
+    );
+    // The owner's result is recorded in its transaction, not committed.
+    let mut duplicate = db
+        .pool()
+        .begin_with("SET TRANSACTION ISOLATION LEVEL READ UNCOMMITTED; START TRANSACTION")
+        .await
+        .expect("begin");
+    let answer = with_outcome(My::charge(&mut duplicate, &tenant, "k", 500, None)).await;
+    // The call's reads have started the transaction in InnoDB: its level.
+    let level: Option<String> = sqlx::query_scalar(
+        "SELECT trx_isolation_level FROM information_schema.innodb_trx \
+         WHERE trx_mysql_thread_id = CONNECTION_ID()",
+    )
+    .fetch_optional(&mut *duplicate)
+    .await
+    .expect("level");
+    duplicate.rollback().await.expect("rollback");
+    if let Some(level) = level {
+        assert_eq!(level, "READ UNCOMMITTED", "the duplicate's transaction");
+    }
+    owner.rollback().await.expect("the owner rolls back");
+    assert!(db
+        .store()
+        .fetch(&id::<My>(&tenant, "k"))
+        .await
+        .expect("fetch")
+        .is_none());
+    assert!(
+        !matches!(answer, (Ok(_), Some(Outcome::Replayed))),
+        "the duplicate replayed a result its owner then rolled back: {answer:?}"
+    );
+    assert!(
+        matches!(&answer.0, Err(e) if e.to_string().contains("READ UNCOMMITTED")),
+        "refused, saying why: {answer:?}"
+    );
+}
+
+/// The same through the store, on a pool it shares with application code
+/// that set `SET TRANSACTION ISOLATION LEVEL READ UNCOMMITTED` for a dirty
+/// report read in autocommit and gave the connection back (MariaDB keeps
+/// that level for the session's autocommit statements until a transaction
+/// ends): the store's reservation does not replay a result its
+/// transactional owner has not committed. (A session set with
+/// `SET SESSION ...`: `sql_edges::transactional_hostile`.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mysql_a_shared_session_left_read_uncommitted_for_its_next_transaction_never_replays_an_uncommitted_result(
+) {
+    let Some(db) = my().await else { return };
+    let shared = sqlx::mysql::MySqlPoolOptions::new()
+        .max_connections(1)
+        .connect(&common::servers::mysql_url())
+        .await
+        .expect("pool");
+    let store = idempotent_runtime::MySqlStore::from_pool(shared.clone())
+        .await
+        .expect("store");
+    {
+        let mut conn = shared.acquire().await.expect("connection");
+        sqlx::query("SET TRANSACTION ISOLATION LEVEL READ UNCOMMITTED")
+            .execute(&mut *conn)
+            .await
+            .expect("a dirty report's level");
+        let _: i64 = sqlx::query_scalar("SELECT count(*) FROM idempotent_test_conn_charges")
+            .fetch_one(&mut *conn)
+            .await
+            .expect("the report");
+    }
+    let tenant = fresh_tenant();
+    let mut owner = db.pool().begin().await.expect("begin");
+    assert_eq!(
+        my_shared_tx(&mut owner, &tenant, "k", 5, None)
+            .await
+            .expect("runs"),
+        5
+    );
+    let answer = with_outcome(my_shared_store(&store, &tenant, "k", 5, None)).await;
+    owner.rollback().await.expect("the owner rolls back");
+    assert!(
+        !matches!(answer, (Ok(_), Some(Outcome::Replayed))),
+        "the duplicate replayed a result its owner then rolled back: {answer:?}"
+    );
 }
