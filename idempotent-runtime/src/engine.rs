@@ -1877,7 +1877,63 @@ pub(crate) fn reads_back_equal<T: Serialize + DeserializeOwned>(
              `deserialize_with` that does not read what its `serialize_with` writes)"
                 .to_owned(),
         ),
+        // A `serde_json::Value` keeps one member of a name; what serde wrote
+        // under a name twice is compared here.
+        _ if Repeats::differ(payload, &again) => Err(
+            "written as JSON it has one member name twice in an object, and reads back as \
+             another value: check the type's serde attributes (two `#[serde(flatten)]` maps \
+             holding one key each read back every entry of that name)"
+                .to_owned(),
+        ),
         _ => Ok(()),
+    }
+}
+
+/// The members of a JSON text written under a name that occurs more than
+/// once in its object, at every depth: each with its name and its value
+/// (canonical, arrays in no order), counted. Two `#[serde(flatten)]` maps
+/// holding one key write that name twice, and each reads back every entry
+/// of it (the last one wins in both): the values under the name change,
+/// which a `serde_json::Value` (one member per name) cannot show. A
+/// multimap that reads back as written keeps them. `None` when the text is
+/// not JSON the parser holds (nested deeper than serde_json reads).
+#[derive(Debug, PartialEq)]
+struct Repeats(std::collections::BTreeMap<(String, Vec<u8>), usize>);
+
+impl Repeats {
+    /// Whether the two texts' repeated members differ (both parsed).
+    fn differ(before: &[u8], after: &[u8]) -> bool {
+        matches!((Repeats::of(before), Repeats::of(after)), (Some(b), Some(a)) if b != a)
+    }
+
+    fn of(text: &[u8]) -> Option<Self> {
+        let node = crate::fingerprint::json::parse_json(text)?;
+        let mut repeats = Repeats(std::collections::BTreeMap::new());
+        repeats.add(&node);
+        Some(repeats)
+    }
+
+    fn add(&mut self, node: &crate::fingerprint::json::Node<'_>) {
+        use crate::fingerprint::json::Node;
+        match node {
+            Node::Array(items) => items.iter().for_each(|item| self.add(item)),
+            Node::Object(members) => {
+                let mut seen: std::collections::HashMap<&str, usize> =
+                    std::collections::HashMap::with_capacity(members.len());
+                for (name, _) in members {
+                    *seen.entry(name.as_ref()).or_default() += 1;
+                }
+                for (name, value) in members {
+                    if seen[name.as_ref()] > 1 {
+                        let mut bytes = Vec::new();
+                        value.write_unordered(&mut bytes);
+                        *self.0.entry((name.to_string(), bytes)).or_default() += 1;
+                    }
+                    self.add(value);
+                }
+            }
+            _ => {}
+        }
     }
 }
 
@@ -2343,6 +2399,54 @@ mod tests {
                 std::collections::HashSet<u64>,
                 std::collections::HashMap<String, (bool, Option<u8>)>
             )>(&payload),
+            Ok(())
+        );
+    }
+
+    /// Rule 12: two flattened maps holding one key write its name twice,
+    /// and both read back the last entry: another value, whether the values
+    /// are numbers or strings (a `serde_json::Value` keeps one member per
+    /// name, so only the text written twice shows it); with keys of their
+    /// own each reads back both, and the names come back twice. Maps that
+    /// hold one key with one value read back as written, in any order of
+    /// their sets.
+    #[test]
+    fn a_value_written_with_one_name_twice_that_reads_back_otherwise_is_another_value() {
+        #[derive(Serialize, serde::Deserialize)]
+        struct Two<V> {
+            #[serde(flatten)]
+            a: std::collections::BTreeMap<String, V>,
+            #[serde(flatten)]
+            b: std::collections::BTreeMap<String, V>,
+        }
+        let two = |a: (&str, u64), b: (&str, u64)| Two {
+            a: [(a.0.to_owned(), a.1)].into(),
+            b: [(b.0.to_owned(), b.1)].into(),
+        };
+        let payload = serde_json::to_vec(&two(("x", 1), ("x", 2))).expect("json");
+        let refused = reads_back_equal::<Two<u64>>(&payload).expect_err("both read back 2");
+        assert!(refused.contains("twice"), "{refused}");
+        let strings = Two {
+            a: [("x".to_owned(), "p".to_owned())].into(),
+            b: [("x".to_owned(), "q".to_owned())].into(),
+        };
+        let payload = serde_json::to_vec(&strings).expect("json");
+        assert!(reads_back_equal::<Two<String>>(&payload).is_err());
+        // Keys of their own: each map reads back both entries.
+        let payload = serde_json::to_vec(&two(("x", 1), ("y", 2))).expect("json");
+        assert!(reads_back_equal::<Two<u64>>(&payload).is_err());
+        // One key holding one value in both: equal.
+        let payload = serde_json::to_vec(&two(("x", 1), ("x", 1))).expect("json");
+        assert_eq!(reads_back_equal::<Two<u64>>(&payload), Ok(()));
+        // A name repeated whose values hold a set: written again in another
+        // order, still equal.
+        let sets: Two<std::collections::HashSet<u64>> = Two {
+            a: [("x".to_owned(), (0..64).collect())].into(),
+            b: [("x".to_owned(), (0..64).collect())].into(),
+        };
+        let payload = serde_json::to_vec(&sets).expect("json");
+        assert_eq!(
+            reads_back_equal::<Two<std::collections::HashSet<u64>>>(&payload),
             Ok(())
         );
     }

@@ -119,6 +119,54 @@ impl Node<'_> {
     }
 }
 
+impl Node<'_> {
+    /// Writes the canonical form with every array's elements (and every
+    /// object's members of one name) in the order of their bytes: the same
+    /// for a value whose sets or lists a writer put in another order.
+    pub(crate) fn write_unordered(&self, out: &mut Vec<u8>) {
+        let sorted = |parts: &mut Vec<Vec<u8>>, out: &mut Vec<u8>| {
+            parts.sort();
+            for (i, part) in parts.iter().enumerate() {
+                if i > 0 {
+                    out.push(b',');
+                }
+                out.extend_from_slice(part);
+            }
+        };
+        match self {
+            Node::Array(items) => {
+                let mut parts: Vec<Vec<u8>> = items
+                    .iter()
+                    .map(|item| {
+                        let mut part = Vec::new();
+                        item.write_unordered(&mut part);
+                        part
+                    })
+                    .collect();
+                out.push(b'[');
+                sorted(&mut parts, out);
+                out.push(b']');
+            }
+            Node::Object(members) => {
+                let mut parts: Vec<Vec<u8>> = members
+                    .iter()
+                    .map(|(k, v)| {
+                        let mut part = Vec::new();
+                        put_string(&mut part, k);
+                        part.push(b':');
+                        v.write_unordered(&mut part);
+                        part
+                    })
+                    .collect();
+                out.push(b'{');
+                sorted(&mut parts, out);
+                out.push(b'}');
+            }
+            leaf => leaf.write(out),
+        }
+    }
+}
+
 impl Number<'_> {
     fn write<S: Sink + ?Sized>(&self, out: &mut S) {
         let all = || self.int.iter().chain(self.frac.iter()).copied();
