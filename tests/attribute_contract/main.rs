@@ -22,6 +22,7 @@ mod consumer_verdicts;
 mod fingerprint_multimap;
 mod generics;
 mod heartbeat_pool;
+mod independent_edges;
 mod legacy_fingerprint;
 mod macro_rules_args;
 mod macro_shapes;
