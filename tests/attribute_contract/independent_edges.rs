@@ -1171,3 +1171,121 @@ async fn a_waiting_duplicate_gives_up_at_its_bound_on_every_store() {
         );
     }
 }
+
+#[idempotent(scope = "independent.stalled", key = key, tenant = tenant, store = store,
+             skip(runs, gate), lease = "500ms", in_progress = wait("20s"))]
+async fn stalled(
+    store: &dyn Store,
+    tenant: &str,
+    key: &str,
+    runs: &AtomicUsize,
+    gate: &tokio::sync::Notify,
+) -> Result<usize, Error> {
+    let n = runs.fetch_add(1, Ordering::SeqCst) + 1;
+    gate.notified().await;
+    Ok(n)
+}
+
+/// Rules 4 and 10 on every store: a duplicate waiting (bound 20 s) for an
+/// owner that stopped being polled (a paused process: its heartbeat stops
+/// with it) takes the record over when the 500 ms lease ends and runs the
+/// body itself, rather than waiting out its bound; the stale owner's answer
+/// is then refused and the taker's is what replays.
+#[tokio::test]
+async fn a_waiting_duplicate_takes_over_when_a_stalled_owners_lease_ends() {
+    for (name, store) in stores().await {
+        let (t, runs) = (tenant(), AtomicUsize::new(0));
+        let gate = tokio::sync::Notify::new();
+        let mut stale = Box::pin(stalled(&*store, &t, "k", &runs, &gate));
+        for _ in 0..2000 {
+            assert!(futures::poll!(stale.as_mut()).is_pending(), "{name}");
+            if runs.load(Ordering::SeqCst) == 1 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert_eq!(
+            runs.load(Ordering::SeqCst),
+            1,
+            "{name}: the owner's body runs"
+        );
+        // The owner is no longer polled. A duplicate waits, then takes over.
+        let open = tokio::sync::Notify::new();
+        open.notify_one();
+        let (taker, outcome) = with_outcome(stalled(&*store, &t, "k", &runs, &open)).await;
+        assert_eq!(
+            (taker.expect("takes over"), outcome),
+            (2, Some(Outcome::Executed)),
+            "{name}"
+        );
+        gate.notify_one();
+        let late = stale.await;
+        assert!(matches!(late, Err(Error::LeaseLost(_))), "{name}: {late:?}");
+        let again = tokio::sync::Notify::new();
+        let (replayed, outcome) = with_outcome(stalled(&*store, &t, "k", &runs, &again)).await;
+        assert_eq!(
+            (replayed.expect("replayed"), outcome),
+            (2, Some(Outcome::Replayed)),
+            "{name}"
+        );
+    }
+}
+
+/// An argument whose `Serialize` fails for some values.
+#[derive(Debug, Clone)]
+pub struct Picky(pub Option<u32>);
+
+impl Serialize for Picky {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        match self.0 {
+            Some(amount) => serializer.serialize_u32(amount),
+            None => Err(serde::ser::Error::custom("no amount")),
+        }
+    }
+}
+
+#[idempotent(scope = "independent.picky", key = key, tenant = tenant, store = store, skip(runs))]
+async fn picky(
+    store: &dyn Store,
+    tenant: &str,
+    key: &str,
+    r#req: Picky,
+    runs: &AtomicUsize,
+) -> Result<usize, Error> {
+    Ok(runs.fetch_add(1, Ordering::SeqCst) + 1)
+}
+
+/// The errors table on every store: an argument whose `Serialize` fails is
+/// `Error::Fingerprint` naming the parameter (as Rust reads it), before
+/// anything runs or is stored; an empty tenant (a lookup that found
+/// nobody) is `InvalidTenant`, never the shared namespace. The key stays
+/// free for a good request.
+#[tokio::test]
+async fn a_failing_argument_and_an_empty_tenant_are_refused_before_anything_runs() {
+    for (name, store) in stores().await {
+        let (t, runs) = (tenant(), AtomicUsize::new(0));
+        match picky(&*store, &t, "k", Picky(None), &runs).await {
+            Err(Error::Fingerprint { argument, message }) => {
+                assert_eq!(argument, "req", "{name}");
+                assert!(message.contains("no amount"), "{name}: {message}");
+            }
+            other => panic!("{name}: expected Error::Fingerprint, got {other:?}"),
+        }
+        assert_eq!(runs.load(Ordering::SeqCst), 0, "{name}");
+        let identity = Identity::new(t.as_str(), "independent.picky", "k").unwrap();
+        assert!(
+            store.fetch(&identity).await.expect("fetch").is_none(),
+            "{name}"
+        );
+        let got = picky(&*store, &t, "k", Picky(Some(5)), &runs).await;
+        assert_eq!(got.expect("runs"), 1, "{name}");
+
+        let runs = AtomicUsize::new(0);
+        let got = optional_tenant(&*store, Some(String::new()), "k", 1, &runs).await;
+        assert!(
+            matches!(got, Err(Error::InvalidTenant(_))),
+            "{name}: {got:?}"
+        );
+        assert_eq!(runs.load(Ordering::SeqCst), 0, "{name}");
+    }
+}
