@@ -1918,13 +1918,17 @@ impl Repeats {
         match node {
             Node::Array(items) => items.iter().for_each(|item| self.add(item)),
             Node::Object(members) => {
-                let mut seen: std::collections::HashMap<&str, usize> =
-                    std::collections::HashMap::with_capacity(members.len());
-                for (name, _) in members {
-                    *seen.entry(name.as_ref()).or_default() += 1;
-                }
+                // The names written more than once (sorted once: no
+                // allocation per member for the usual object without any).
+                let mut names: Vec<&str> = members.iter().map(|(name, _)| name.as_ref()).collect();
+                names.sort_unstable();
+                let repeated: Vec<&str> = names
+                    .windows(2)
+                    .filter(|pair| pair[0] == pair[1])
+                    .map(|pair| pair[0])
+                    .collect();
                 for (name, value) in members {
-                    if seen[name.as_ref()] > 1 {
+                    if !repeated.is_empty() && repeated.binary_search(&name.as_ref()).is_ok() {
                         let mut bytes = Vec::new();
                         value.write_unordered(&mut bytes);
                         *self.0.entry((name.to_string(), bytes)).or_default() += 1;
