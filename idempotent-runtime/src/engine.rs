@@ -1859,34 +1859,47 @@ pub(crate) fn reads_back_equal<T: Serialize + DeserializeOwned>(
     // had, or with other numbers, booleans or nulls, which is another value.
     // The members and those scalars are compared, not where they stand nor
     // the text of strings.
-    match (
+    if let (Ok(before), Ok(after)) = (
         serde_json::from_slice::<serde_json::Value>(payload),
         serde_json::from_slice::<serde_json::Value>(&again),
-    ) {
-        (Ok(before), Ok(after)) if Members::of(&before) != Members::of(&after) => Err(
+    ) && Members::of(&before) != Members::of(&after)
+    {
+        return Err(
             "written as JSON it reads back as another value: check the type's serde attributes \
              (`#[serde(flatten)]` on an `Option`, whose `None` reads back as `Some` when every \
              field of the inner type has a default; a `skip_serializing_if` field whose \
              `default` is another value)"
                 .to_owned(),
-        ),
-        (Ok(before), Ok(after)) if Scalars::of(&before) != Scalars::of(&after) => Err(
+        );
+    }
+    // The scalars and the repeated names from the text itself: a
+    // `serde_json::Value` holds an integer beyond 64 bits as the float
+    // nearest (`Exact(u128::MAX)` read back as `Approx(3.4e38)` would look
+    // unchanged) and keeps one member per name.
+    let (Some(before), Some(after)) = (
+        crate::fingerprint::json::parse_json(payload),
+        crate::fingerprint::json::parse_json(&again),
+    ) else {
+        return Ok(());
+    };
+    if Scalars::of(&before) != Scalars::of(&after) {
+        return Err(
             "written as JSON it reads back as another value: check the type's serde attributes \
              (an `#[serde(untagged)]` enum whose variants read each other's values, such as \
              `Whole(7)` read back as `Float(7.0)` when the float variant comes first; a \
              `deserialize_with` that does not read what its `serialize_with` writes)"
                 .to_owned(),
-        ),
-        // A `serde_json::Value` keeps one member of a name; what serde wrote
-        // under a name twice is compared here.
-        _ if Repeats::differ(payload, &again) => Err(
+        );
+    }
+    if Repeats::of(&before) != Repeats::of(&after) {
+        return Err(
             "written as JSON it has one member name twice in an object, and reads back as \
              another value: check the type's serde attributes (two `#[serde(flatten)]` maps \
              holding one key each read back every entry of that name)"
                 .to_owned(),
-        ),
-        _ => Ok(()),
+        );
     }
+    Ok(())
 }
 
 /// The members of a JSON text written under a name that occurs more than
@@ -1895,22 +1908,15 @@ pub(crate) fn reads_back_equal<T: Serialize + DeserializeOwned>(
 /// holding one key write that name twice, and each reads back every entry
 /// of it (the last one wins in both): the values under the name change,
 /// which a `serde_json::Value` (one member per name) cannot show. A
-/// multimap that reads back as written keeps them. `None` when the text is
-/// not JSON the parser holds (nested deeper than serde_json reads).
+/// multimap that reads back as written keeps them.
 #[derive(Debug, PartialEq)]
 struct Repeats(std::collections::BTreeMap<(String, Vec<u8>), usize>);
 
 impl Repeats {
-    /// Whether the two texts' repeated members differ (both parsed).
-    fn differ(before: &[u8], after: &[u8]) -> bool {
-        matches!((Repeats::of(before), Repeats::of(after)), (Some(b), Some(a)) if b != a)
-    }
-
-    fn of(text: &[u8]) -> Option<Self> {
-        let node = crate::fingerprint::json::parse_json(text)?;
+    fn of(node: &crate::fingerprint::json::Node<'_>) -> Self {
         let mut repeats = Repeats(std::collections::BTreeMap::new());
-        repeats.add(&node);
-        Some(repeats)
+        repeats.add(node);
+        repeats
     }
 
     fn add(&mut self, node: &crate::fingerprint::json::Node<'_>) {
@@ -1941,30 +1947,31 @@ impl Repeats {
     }
 }
 
-/// The numbers, booleans and nulls of a JSON value, at every depth, counted
+/// The numbers, booleans and nulls of a JSON text, at every depth, counted
 /// wherever they stand: a set or a map written again in another order has
 /// the same ones; a value that reads back as another (an untagged enum's
-/// `7` read as `7.0`) does not. A number is compared as JSON holds it
-/// (`7` and `7.0` differ). Strings are not compared: an equal value may
-/// write one otherwise (a set joined into a string in its own order).
+/// `7` read as `7.0`) does not. A number is compared as the text writes it
+/// (`7` and `7.0` differ; integers of any size by every digit). Strings are
+/// not compared: an equal value may write one otherwise (a set joined into
+/// a string in its own order).
 #[derive(Debug, Default, PartialEq)]
 struct Scalars(std::collections::BTreeMap<String, usize>);
 
 impl Scalars {
-    fn of(value: &serde_json::Value) -> Self {
+    fn of(node: &crate::fingerprint::json::Node<'_>) -> Self {
         let mut scalars = Scalars::default();
-        scalars.add(value);
+        scalars.add(node);
         scalars
     }
 
-    fn add(&mut self, value: &serde_json::Value) {
-        match value {
-            serde_json::Value::Object(object) => object.values().for_each(|m| self.add(m)),
-            serde_json::Value::Array(items) => items.iter().for_each(|item| self.add(item)),
-            serde_json::Value::String(_) => {}
-            serde_json::Value::Number(n) => self.count(n.to_string()),
-            serde_json::Value::Bool(b) => self.count(b.to_string()),
-            serde_json::Value::Null => self.count("null".to_owned()),
+    fn add(&mut self, node: &crate::fingerprint::json::Node<'_>) {
+        use crate::fingerprint::json::Node;
+        match node {
+            Node::Object(members) => members.iter().for_each(|(_, m)| self.add(m)),
+            Node::Array(items) => items.iter().for_each(|item| self.add(item)),
+            Node::String(_) => {}
+            Node::Number(n) => self.count(n.as_written()),
+            Node::Literal(l) => self.count(String::from_utf8_lossy(l).into_owned()),
         }
     }
 
@@ -2392,6 +2399,22 @@ mod tests {
             reads_back_equal::<Amount>(&written(&Amount::Float(7.5))),
             Ok(())
         );
+        // Beyond 64 bits too: a `serde_json::Value` holds such an integer
+        // as the float nearest, so the text itself is compared.
+        #[derive(Serialize, serde::Deserialize)]
+        #[serde(untagged)]
+        enum Quantity {
+            Approx(f64),
+            Exact(u128),
+        }
+        for exact in [u128::from(u64::MAX) + 1, u128::MAX] {
+            let payload = serde_json::to_vec(&Quantity::Exact(exact)).expect("json");
+            let refused = reads_back_equal::<Quantity>(&payload)
+                .expect_err("Exact reads back as Approx, the float nearest");
+            assert!(refused.contains("untagged"), "{refused}");
+        }
+        let payload = serde_json::to_vec(&Quantity::Approx(3.5e38)).expect("json");
+        assert_eq!(reads_back_equal::<Quantity>(&payload), Ok(()));
 
         let set: std::collections::HashSet<u64> = (0..64).collect();
         let map: std::collections::HashMap<String, (bool, Option<u8>)> = (0..64u8)
@@ -2428,14 +2451,17 @@ mod tests {
             b: [(b.0.to_owned(), b.1)].into(),
         };
         let payload = serde_json::to_vec(&two(("x", 1), ("x", 2))).expect("json");
-        let refused = reads_back_equal::<Two<u64>>(&payload).expect_err("both read back 2");
-        assert!(refused.contains("twice"), "{refused}");
+        assert!(
+            reads_back_equal::<Two<u64>>(&payload).is_err(),
+            "both read back 2"
+        );
         let strings = Two {
             a: [("x".to_owned(), "p".to_owned())].into(),
             b: [("x".to_owned(), "q".to_owned())].into(),
         };
         let payload = serde_json::to_vec(&strings).expect("json");
-        assert!(reads_back_equal::<Two<String>>(&payload).is_err());
+        let refused = reads_back_equal::<Two<String>>(&payload).expect_err("both read back q");
+        assert!(refused.contains("twice"), "{refused}");
         // Keys of their own: each map reads back both entries.
         let payload = serde_json::to_vec(&two(("x", 1), ("y", 2))).expect("json");
         assert!(reads_back_equal::<Two<u64>>(&payload).is_err());

@@ -1289,3 +1289,42 @@ async fn a_failing_argument_and_an_empty_tenant_are_refused_before_anything_runs
         assert_eq!(runs.load(Ordering::SeqCst), 0, "{name}");
     }
 }
+
+/// A quantity in one of two forms, told apart by serde only by what reads:
+/// the float form, tried first, reads every number.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum Quantity {
+    Approx(f64),
+    Exact(u128),
+}
+
+#[idempotent(scope = "independent.quantity", key = key, tenant = tenant, store = store, skip(runs))]
+async fn quantity(
+    store: &dyn Store,
+    tenant: &str,
+    key: &str,
+    exact: u128,
+    runs: &AtomicUsize,
+) -> Result<Quantity, Error> {
+    runs.fetch_add(1, Ordering::SeqCst);
+    Ok(Quantity::Exact(exact))
+}
+
+/// Rule 12 on every store: an untagged enum's `Exact(n)` that reads back as
+/// `Approx(n as f64)` is refused, for numbers beyond 64 bits as for small
+/// ones (a `u128` written as its digits reads back as the float nearest).
+#[tokio::test]
+async fn an_integer_beyond_64_bits_that_reads_back_as_a_float_is_refused() {
+    for (name, store) in stores().await {
+        for exact in [7, u128::from(u64::MAX) + 1, u128::MAX] {
+            let (t, runs) = (tenant(), AtomicUsize::new(0));
+            match quantity(&*store, &t, "k", exact, &runs).await {
+                Err(Error::ResultNotFaithful { scope, .. }) => {
+                    assert_eq!(scope, "independent.quantity", "{name}")
+                }
+                other => panic!("{name}: {exact}: expected ResultNotFaithful, got {other:?}"),
+            }
+        }
+    }
+}

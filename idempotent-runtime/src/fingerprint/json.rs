@@ -168,6 +168,19 @@ impl Node<'_> {
 }
 
 impl Number<'_> {
+    /// The number in the form it was written: its sign, its digits before
+    /// and after the point, and its exponent, as they stand (`7` and `7.0`
+    /// differ, as do two integers of any size that differ in a digit).
+    pub(crate) fn as_written(&self) -> String {
+        format!(
+            "{}{}.{}e{}",
+            if self.negative { "-" } else { "" },
+            String::from_utf8_lossy(self.int),
+            String::from_utf8_lossy(self.frac),
+            self.exponent
+        )
+    }
+
     fn write<S: Sink + ?Sized>(&self, out: &mut S) {
         let all = || self.int.iter().chain(self.frac.iter()).copied();
         let leading = all().take_while(|&d| d == b'0').count();
