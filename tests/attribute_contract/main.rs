@@ -2,7 +2,9 @@
 //! functions (`contract`) on every store, one module per store, and the
 //! shapes and arguments the attribute accepts (`macro_shapes`,
 //! `macro_rules_args`) and transactional mode (`transactional`), and the
-//! public API at its documented limits on every store (`public_api_edges`).
+//! public API at its documented limits on every store (`public_api_edges`),
+//! and as a service spells it, with results and waits at their edges, on
+//! every store (`independent_edges`).
 //!
 //! `macro_shapes` sets the process-wide default store, so tests that need
 //! none set (`operations::engine_accounting`, `http::http_server`) live in
