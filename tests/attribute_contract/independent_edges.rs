@@ -1328,3 +1328,70 @@ async fn an_integer_beyond_64_bits_that_reads_back_as_a_float_is_refused() {
         }
     }
 }
+
+#[idempotent(scope = "independent.heap", key = key, tenant = tenant, store = store, skip(runs))]
+async fn prioritize(
+    store: &dyn Store,
+    tenant: &str,
+    key: &str,
+    queue: std::collections::BinaryHeap<(u8, String)>,
+    order: std::collections::VecDeque<u8>,
+    runs: &AtomicUsize,
+) -> Result<usize, Error> {
+    Ok(runs.fetch_add(1, Ordering::SeqCst) + 1)
+}
+
+/// Rule 6 on every store: a `BinaryHeap` is compared by its elements, not
+/// its layout (which depends on the order they were pushed); a `VecDeque`
+/// keeps its order.
+#[tokio::test]
+async fn a_heap_built_in_another_order_is_one_request_a_deque_in_another_order_is_not() {
+    let items: Vec<(u8, String)> = (0..40u8).map(|i| (i % 7, format!("job-{i}"))).collect();
+    let heap = |reverse: bool| {
+        let mut items = items.clone();
+        if reverse {
+            items.reverse();
+        }
+        let mut heap = std::collections::BinaryHeap::new();
+        for item in items {
+            heap.push(item);
+        }
+        heap
+    };
+    let deque = |reverse: bool| {
+        let mut d: std::collections::VecDeque<u8> = (0..5).collect();
+        if reverse {
+            d.make_contiguous().reverse();
+        }
+        d
+    };
+    assert_ne!(
+        heap(false).iter().collect::<Vec<_>>(),
+        heap(true).iter().collect::<Vec<_>>(),
+        "the two heaps are laid out otherwise"
+    );
+    for (name, store) in stores().await {
+        let (t, runs) = (tenant(), AtomicUsize::new(0));
+        let first = prioritize(&*store, &t, "k", heap(false), deque(false), &runs).await;
+        assert_eq!(first.expect("runs"), 1, "{name}");
+        let (again, outcome) = with_outcome(prioritize(
+            &*store,
+            &t,
+            "k",
+            heap(true),
+            deque(false),
+            &runs,
+        ))
+        .await;
+        assert_eq!(
+            (again.expect("replays"), outcome),
+            (1, Some(Outcome::Replayed)),
+            "{name}"
+        );
+        let other = prioritize(&*store, &t, "k", heap(true), deque(true), &runs).await;
+        assert!(
+            matches!(other, Err(Error::FingerprintMismatch(_))),
+            "{name}: {other:?}"
+        );
+    }
+}
