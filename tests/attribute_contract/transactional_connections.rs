@@ -1877,14 +1877,14 @@ impl<B: Db> ScopeDb<'_, B> {
 macro_rules! released_pair {
     ($db:ty, $scope:literal, $store_fn:ident, $tx_fn:ident) => {
         #[idempotent(scope = $scope, key = key, tenant = tenant, store = store, shared_scope,
-                                     ttl = "1h", in_progress = wait("20s"))]
+                                             ttl = "1h", in_progress = wait("20s"))]
         async fn $store_fn(store: &dyn Store, tenant: &str, key: &str) -> Result<u64, Error> {
             Ok(u64::from(ran(tenant)))
         }
 
         /// Fails (released) after `hold`.
         #[idempotent(scope = $scope, key = key, tenant = tenant, tx = tx, skip(hold),
-                                     shared_scope, ttl = "1h", in_progress = wait("20s"))]
+                                             shared_scope, ttl = "1h", in_progress = wait("20s"))]
         async fn $tx_fn(
             tx: &mut sqlx::Transaction<'_, $db>,
             tenant: &str,
