@@ -124,43 +124,31 @@ impl Node<'_> {
     /// object's members of one name) in the order of their bytes: the same
     /// for a value whose sets or lists a writer put in another order.
     pub(crate) fn write_unordered(&self, out: &mut Vec<u8>) {
-        let sorted = |parts: &mut Vec<Vec<u8>>, out: &mut Vec<u8>| {
+        // Each part written on its own, then the parts in byte order.
+        let sorted = |open: u8, parts: Vec<Vec<u8>>, close: u8, out: &mut Vec<u8>| {
+            let mut parts = parts;
             parts.sort();
-            for (i, part) in parts.iter().enumerate() {
-                if i > 0 {
-                    out.push(b',');
-                }
-                out.extend_from_slice(part);
+            out.push(open);
+            out.extend_from_slice(&parts.join(&b','));
+            out.push(close);
+        };
+        let part = |name: Option<&str>, value: &Node<'_>| {
+            let mut part = Vec::new();
+            if let Some(name) = name {
+                put_string(&mut part, name);
+                part.push(b':');
             }
+            value.write_unordered(&mut part);
+            part
         };
         match self {
             Node::Array(items) => {
-                let mut parts: Vec<Vec<u8>> = items
-                    .iter()
-                    .map(|item| {
-                        let mut part = Vec::new();
-                        item.write_unordered(&mut part);
-                        part
-                    })
-                    .collect();
-                out.push(b'[');
-                sorted(&mut parts, out);
-                out.push(b']');
+                let parts = items.iter().map(|item| part(None, item)).collect();
+                sorted(b'[', parts, b']', out);
             }
             Node::Object(members) => {
-                let mut parts: Vec<Vec<u8>> = members
-                    .iter()
-                    .map(|(k, v)| {
-                        let mut part = Vec::new();
-                        put_string(&mut part, k);
-                        part.push(b':');
-                        v.write_unordered(&mut part);
-                        part
-                    })
-                    .collect();
-                out.push(b'{');
-                sorted(&mut parts, out);
-                out.push(b'}');
+                let parts = members.iter().map(|(k, v)| part(Some(k), v)).collect();
+                sorted(b'{', parts, b'}', out);
             }
             leaf => leaf.write(out),
         }
