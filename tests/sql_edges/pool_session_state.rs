@@ -2255,11 +2255,20 @@ async fn pg_a_store_in_a_renamed_schema_serves_fresh_keys_after_a_restart() {
                 .expect("reserve"),
             Reservation::FRESH
         );
-        pool.close().await;
         setup
             .execute("ALTER SCHEMA app RENAME TO app2")
             .await
             .expect("rename");
+        // A store still open names the old schema: its error says to restart.
+        let stale = Identity::new(fresh_tenant(), "pool_state.renamed", "k3").expect("identity");
+        match before
+            .reserve(request(&stale, &f, &OwnerToken::new()))
+            .await
+        {
+            Err(e) => assert!(e.to_string().contains("restart the service"), "{e}"),
+            Ok(answer) => panic!("a store naming a renamed schema answered {answer:?}"),
+        }
+        pool.close().await;
         let (pool, after, _) = pg_schema_stores(with_search_path(&url, "app2")).await;
         let fresh = Identity::new(fresh_tenant(), "pool_state.renamed", "k2").expect("identity");
         assert_eq!(

@@ -808,8 +808,44 @@ fn comments_in_ascii(sql: &str) -> std::borrow::Cow<'_, str> {
 }
 
 fn err(operation: &'static str) -> impl FnOnce(sqlx::Error) -> StoreError {
-    move |e| StoreError::new(STORE, operation, e)
+    move |e| match &e {
+        sqlx::Error::Database(db)
+            if matches!(
+                db.code().as_deref(),
+                Some(UNDEFINED_SCHEMA | UNDEFINED_TABLE | UNDEFINED_FUNCTION)
+            ) =>
+        {
+            StoreError::new(STORE, operation, NotWhereTheStoreFoundIt(e))
+        }
+        _ => StoreError::new(STORE, operation, e),
+    }
 }
+
+/// SQLSTATEs of a name that is not there: a schema, a table, a function.
+const UNDEFINED_SCHEMA: &str = "3F000";
+const UNDEFINED_TABLE: &str = "42P01";
+const UNDEFINED_FUNCTION: &str = "42883";
+
+/// A statement of the store's that did not find its table or a function
+/// where it looked: the database's error, with what to do about it.
+#[derive(Debug)]
+struct NotWhereTheStoreFoundIt(sqlx::Error);
+
+impl std::fmt::Display for NotWhereTheStoreFoundIt {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{}: the store's table or functions are not where it looked. In transactional mode \
+             (`tx = ...`) the connection's search_path must reach the schema of the store's \
+             tables; otherwise the schema was renamed or dropped (or the table moved) after the \
+             store opened: restart the service, so the store opens again and finds them (a store \
+             opened after a rename re-makes its functions for the new name)",
+            self.0
+        )
+    }
+}
+
+impl std::error::Error for NotWhereTheStoreFoundIt {}
 
 fn millis_i64(d: Duration) -> i64 {
     duration_to_millis(d)
