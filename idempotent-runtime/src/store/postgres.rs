@@ -231,7 +231,9 @@ async fn records_schema(pool: &PgPool) -> Result<String, Error> {
 /// 0009 pins their `search_path` to it, 0010 writes it into the text of
 /// `idempotency_acquire_absent`. Each finds the schema by the table when it
 /// runs, so running it again re-makes the functions for the schema the
-/// table is in now.
+/// table is in now. A later migration that re-creates one of the functions
+/// must come after them here (running 0010 again would otherwise bring back
+/// 0010's text) and pin or qualify as they do (a unit test checks the list).
 const SCHEMA_NAMING_MIGRATIONS: [i64; 2] = [9, 10];
 
 /// Whether a function of the store in `schema` names another schema (see
@@ -2426,6 +2428,27 @@ impl PgStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The migrations a store re-runs after a schema rename are the last
+    /// ones to create the store's functions: a migration after 0009 that
+    /// re-creates one is listed, or the re-run would bring back an older text.
+    #[test]
+    fn the_migrations_rerun_after_a_rename_are_the_last_to_make_the_functions() {
+        let first = SCHEMA_NAMING_MIGRATIONS[0];
+        let makes_functions: Vec<i64> = migrate::POSTGRES
+            .iter()
+            .filter(|m| m.version >= first && m.sql.contains("CREATE OR REPLACE FUNCTION"))
+            .map(|m| m.version)
+            .collect();
+        for version in makes_functions {
+            assert!(
+                SCHEMA_NAMING_MIGRATIONS.contains(&version),
+                "migration {version} re-creates store functions: add it to \
+                 SCHEMA_NAMING_MIGRATIONS (and pin or qualify its functions' schema)"
+            );
+        }
+        assert!(SCHEMA_NAMING_MIGRATIONS.windows(2).all(|w| w[0] < w[1]));
+    }
 
     #[test]
     fn comments_in_ascii_changes_comment_lines_alone() {
