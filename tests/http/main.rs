@@ -3,7 +3,8 @@
 //! (`http_crash`), and the trailers and extensions of the first answer and
 //! of a replay (`http_trailers`), request bodies that cannot be read
 //! (`http_body_errors`), the layer's own refusals seen by a layer around it
-//! (`http_layer_refusals`). `http_app` is the shared test application.
+//! (`http_layer_refusals`), rule 22 end to end on every store with requests
+//! written byte for byte (`http_retry_contract`). `http_app` is the shared test application.
 
 #[path = "../common/mod.rs"]
 mod common;
@@ -16,6 +17,7 @@ mod http_crash;
 mod http_edges;
 mod http_layer_refusals;
 mod http_request_identity;
+mod http_retry_contract;
 mod http_safe_methods;
 mod http_server;
 mod http_trailers;
