@@ -150,12 +150,12 @@ impl std::fmt::Display for Principal {
     }
 }
 
-/// Bearer authentication: sets the principal when there are credentials.
+/// Bearer authentication: sets the principal (UTF-8) when there are credentials.
 async fn bearer(mut request: Request, next: Next) -> Response {
     let principal = request
         .headers()
         .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
+        .and_then(|v| std::str::from_utf8(v.as_bytes()).ok())
         .and_then(|v| v.strip_prefix("Bearer "))
         .map(|p| Principal(p.to_owned()));
     if let Some(principal) = principal {
@@ -1347,5 +1347,74 @@ async fn a_router_wide_layer_keeps_routes_apart_and_passes_safe_methods_through(
             }
         }
         assert_eq!(shop.runs(), 2, "{name}");
+    }
+}
+
+/// The principal is compared byte for byte, on every store: tenants that
+/// differ only in Unicode normalization (`é` composed or not), in case, or
+/// where one tenant and key run into another's (`ab` + `c`, `a` + `bc`)
+/// are separate callers, each with its own run and its own replays, and a
+/// tenant of 255 bytes is a tenant; one of 256 is refused (400
+/// `invalid-tenant`) and runs nothing.
+#[tokio::test]
+async fn principals_are_compared_byte_for_byte_on_every_store() {
+    for (name, store) in every_store().await {
+        let (addr, shop) = app_on(store, "contract.principals", |b| b).await;
+        let base = fresh_tenant();
+        let composed = format!("{base}-caf\u{e9}");
+        let decomposed = format!("{base}-cafe\u{301}");
+        let upper = composed.to_uppercase();
+        let prefix_a = format!("{base}-ab");
+        let prefix_b = format!("{base}-a");
+        let long = format!("{base}-{}", "\u{e9}".repeat(200))[..255].to_owned();
+        let callers: [(&str, &str); 6] = [
+            (&composed, "k"),
+            (&decomposed, "k"),
+            (&upper, "k"),
+            (&prefix_a, "c"),
+            (&prefix_b, "bc"),
+            (&long, "k"),
+        ];
+        let send = |tenant: &str, key: &str| {
+            let (addr, tenant, key) = (addr.clone(), tenant.to_owned(), key.to_owned());
+            async move {
+                let auth = format!("authorization: Bearer {tenant}");
+                let key_line = format!("idempotency-key: {key}");
+                send_raw(
+                    &addr,
+                    &head(
+                        "POST",
+                        "/orders",
+                        &["content-type: application/json", &key_line, &auth],
+                    ),
+                    Framing::Length(b"{}"),
+                )
+                .await
+            }
+        };
+        let mut answers = Vec::new();
+        for (tenant, key) in callers {
+            let r = send(tenant, key).await;
+            assert_eq!(
+                r.status,
+                201,
+                "{name} {tenant:?}: {}",
+                String::from_utf8_lossy(&r.body)
+            );
+            assert!(!r.replayed(), "{name} {tenant:?}: another caller's answer");
+            assert_eq!(r.json()["principal"], tenant, "{name}");
+            answers.push(r.body);
+        }
+        assert_eq!(shop.runs(), callers.len(), "{name}");
+        for ((tenant, key), answer) in callers.iter().zip(&answers) {
+            let r = send(tenant, key).await;
+            assert!(r.replayed(), "{name} {tenant:?}");
+            assert_eq!(&r.body, answer, "{name} {tenant:?}");
+        }
+        let too_long = format!("{long}x");
+        let r = send(&too_long, "k").await;
+        assert_eq!(r.status, 400, "{name}");
+        assert_eq!(r.problem_type(), types::INVALID_TENANT, "{name}");
+        assert_eq!(shop.runs(), callers.len(), "{name}");
     }
 }
