@@ -1418,3 +1418,63 @@ async fn principals_are_compared_byte_for_byte_on_every_store() {
         assert_eq!(shop.runs(), callers.len(), "{name}");
     }
 }
+
+/// A duplicate still running after the wait bound is answered 409
+/// `in-progress`, with `Retry-After` in whole seconds (at least 1, at most
+/// the lease) equal to the problem's `retry_after`, after it waited; it is
+/// not recorded: once the first ends, the same request replays its answer.
+#[tokio::test]
+async fn a_duplicate_still_running_after_the_wait_bound_is_409_on_every_store() {
+    for (name, store) in every_store().await {
+        let observed = Observed::new(store);
+        let (addr, shop) = app_on(observed.clone(), "contract.wait-bound", |b| {
+            b.wait(Duration::from_millis(20))
+                .lease(Duration::from_secs(30))
+        })
+        .await;
+        let tenant = format!("held-{}", fresh_tenant());
+        let send = || {
+            let (addr, tenant) = (addr.clone(), tenant.clone());
+            async move {
+                let auth = format!("authorization: Bearer {tenant}");
+                send_raw(
+                    &addr,
+                    &head(
+                        "POST",
+                        "/orders",
+                        &[
+                            "content-type: application/json",
+                            "idempotency-key: wb-1",
+                            &auth,
+                        ],
+                    ),
+                    Framing::Length(br#"{"amount":1}"#),
+                )
+                .await
+            }
+        };
+        let first = tokio::spawn(send());
+        shop.wait_entered(1).await;
+        let duplicate = send().await;
+        assert_eq!(duplicate.status, 409, "{name}");
+        assert!(*observed.waits.borrow() > 0, "{name}: it did not wait");
+        let problem = duplicate.json();
+        assert_eq!(duplicate.problem_type(), types::IN_PROGRESS, "{name}");
+        let retry_after: u64 = duplicate
+            .header("retry-after")
+            .expect("Retry-After")
+            .parse()
+            .expect("whole seconds");
+        assert!((1..=30).contains(&retry_after), "{name}: {retry_after}");
+        assert_eq!(problem["retry_after"], retry_after, "{name}");
+        assert_eq!(problem["status"], 409, "{name}");
+        shop.gate.add_permits(1);
+        let first = bounded("the first request", first).await.expect("task");
+        assert_eq!(first.status, 201, "{name}");
+        shop.gate.add_permits(1); // were it to run again, it would not hang
+        let retry = send().await;
+        assert!(retry.replayed(), "{name}");
+        assert_eq!(retry.body, first.body, "{name}");
+        assert_eq!(shop.runs(), 1, "{name}");
+    }
+}
