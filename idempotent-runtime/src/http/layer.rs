@@ -699,7 +699,7 @@ where
         Ok(None) => return Ok(not_processed(KeyRejection::Missing.into_response())),
         Err(rejection) => return Ok(not_processed(rejection.into_response())),
     };
-    let (parts, body) = request.into_parts();
+    let (mut parts, body) = request.into_parts();
     let Some(tenant) = (config.tenant)(&parts) else {
         tracing::info!(target: "idempotent", scope = spec.scope, tenant_source = %config.tenant_source,
             "refused with 401: no tenant for the request (if the request was authenticated, the \
@@ -710,6 +710,21 @@ where
         Ok(identity) => identity,
         Err(e) => return Ok(not_processed(e.into_response())),
     };
+    // A layer around this one already runs this request as the call of this
+    // very identity (one layer applied router-wide and on the route, or two
+    // with one scope): reserving it again would wait for that call, which
+    // waits for this one, and answer 409 until the wait bound, every time.
+    // The enclosing call records the answer.
+    if parts
+        .extensions
+        .get::<EnclosingCalls>()
+        .is_some_and(|calls| calls.0.contains(&identity))
+    {
+        return inner
+            .call(Request::from_parts(parts, body))
+            .await
+            .map(|r| r.map(Body::new));
+    }
 
     // The one copy of the body: buffered for the fingerprint, then handed
     // to the handler as the same (reference-counted) bytes.
@@ -755,6 +770,11 @@ where
         .path_and_query()
         .map_or_else(|| uri.path(), |pq| pq.as_str());
     let fingerprint = request_fingerprint(&parts.method, target, &parts.headers, &bytes);
+    parts
+        .extensions
+        .get_or_insert_default::<EnclosingCalls>()
+        .0
+        .push(identity.clone());
     let request = Request::from_parts(parts, Body::from(bytes));
 
     let call = Call {
@@ -790,6 +810,12 @@ where
         Err(Failure::Unrecordable(problem)) => Ok(problem.into_response()),
     }
 }
+
+/// The identities a request is already the call of, one per enclosing
+/// layer that reserved it: a layer inside them with one of these
+/// identities passes the request through.
+#[derive(Clone, Default)]
+struct EnclosingCalls(Vec<Identity>);
 
 /// A refusal the layer makes before it reserves anything (no key, a bad
 /// key, no tenant or a bad one, a body over the cap or unreadable): nothing
