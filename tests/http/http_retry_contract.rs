@@ -1536,3 +1536,59 @@ async fn one_layer_applied_router_wide_and_on_the_route_runs_the_request_once() 
         assert_eq!(shop.runs(), 1, "{name}");
     }
 }
+
+/// Layers with one scope on two kinds of store (the memory store around a
+/// SQLite file) are two records, as before: the inner one still reserves
+/// and records its own, and the request runs once.
+#[tokio::test]
+async fn a_layer_with_the_same_scope_on_another_kind_of_store_still_records() {
+    let outer_store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+    let inner_store = sqlite_file_store().await;
+    let shop = shop();
+    let layer = |store: Arc<dyn Store>| {
+        IdempotencyLayer::builder("contract.two-stores", store)
+            .tenant_from_extension::<Principal>()
+            .build()
+            .expect("layer")
+    };
+    let app = Router::new()
+        .route("/orders", post(create_order))
+        .route_layer(layer(inner_store.clone()))
+        .layer(layer(outer_store.clone()))
+        .layer(middleware::from_fn(bearer))
+        .with_state(shop.clone());
+    let (base, _task) = serve(app).await;
+    let addr = base.trim_start_matches("http://").to_owned();
+    let tenant = fresh_tenant();
+    let auth = format!("authorization: Bearer {tenant}");
+    let lines = [
+        "content-type: application/json",
+        "idempotency-key: two",
+        &auth,
+    ];
+    let first = send_raw(
+        &addr,
+        &head("POST", "/orders", &lines),
+        Framing::Length(b"{}"),
+    )
+    .await;
+    assert_eq!(first.status, 201);
+    let identity = Identity::new(tenant.as_str(), "contract.two-stores", "two").expect("identity");
+    for store in [&outer_store, &inner_store] {
+        let record = store.fetch(&identity).await.expect("fetch");
+        assert_eq!(
+            record.map(|r| r.state),
+            Some(idempotent_runtime::store::RecordState::Complete),
+            "{}",
+            store.name()
+        );
+    }
+    let retry = send_raw(
+        &addr,
+        &head("POST", "/orders", &lines),
+        Framing::Length(b"{}"),
+    )
+    .await;
+    assert!(retry.replayed());
+    assert_eq!(shop.runs(), 1);
+}

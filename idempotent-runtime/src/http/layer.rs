@@ -712,13 +712,20 @@ where
     };
     // A layer around this one already runs this request as the call of this
     // very identity (one layer applied router-wide and on the route, or two
-    // with one scope): reserving it again would wait for that call, which
-    // waits for this one, and answer 409 until the wait bound, every time.
-    // The enclosing call records the answer.
+    // with one scope) on a store of the same kind, likely the same one:
+    // reserving it again would wait for that call, which waits for this one,
+    // and answer 409 until the wait bound, every time. The enclosing call
+    // records the answer.
+    let store_name = config.store.name();
     if parts
         .extensions
         .get::<EnclosingCalls>()
-        .is_some_and(|calls| calls.0.contains(&identity))
+        .is_some_and(|calls| {
+            calls
+                .0
+                .iter()
+                .any(|(held, store)| *held == identity && *store == store_name)
+        })
     {
         return inner
             .call(Request::from_parts(parts, body))
@@ -774,7 +781,7 @@ where
         .extensions
         .get_or_insert_default::<EnclosingCalls>()
         .0
-        .push(identity.clone());
+        .push((identity.clone(), store_name));
     let request = Request::from_parts(parts, Body::from(bytes));
 
     let call = Call {
@@ -811,11 +818,12 @@ where
     }
 }
 
-/// The identities a request is already the call of, one per enclosing
-/// layer that reserved it: a layer inside them with one of these
-/// identities passes the request through.
+/// The identities a request is already the call of, with the name of the
+/// store each is reserved in, one per enclosing layer that reserved it: a
+/// layer inside them with one of these on a store of that name passes the
+/// request through.
 #[derive(Clone, Default)]
-struct EnclosingCalls(Vec<Identity>);
+struct EnclosingCalls(Vec<(Identity, &'static str)>);
 
 /// A refusal the layer makes before it reserves anything (no key, a bad
 /// key, no tenant or a bad one, a body over the cap or unreadable): nothing
