@@ -1592,3 +1592,111 @@ async fn a_layer_with_the_same_scope_on_another_kind_of_store_still_records() {
     assert!(retry.replayed());
     assert_eq!(shop.runs(), 1);
 }
+
+#[derive(Clone, Default)]
+struct Logs(Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl std::io::Write for Logs {
+    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .extend_from_slice(bytes);
+        Ok(bytes.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// Rule 2 through the layer: the raw `Idempotency-Key` appears in no log
+/// line at any level, whatever the request's fate (fresh, replayed, 422,
+/// 409 in progress, a 5xx that releases the key, a malformed or too long
+/// key), on every store; the problems sent back do not echo it either.
+#[tokio::test]
+async fn the_raw_key_is_in_no_log_line_and_no_problem() {
+    let logs = Logs::default();
+    let writer = logs.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_writer(move || writer.clone())
+        .with_max_level(tracing::Level::TRACE)
+        .with_ansi(false)
+        .finish();
+    let _guard = tracing::subscriber::set_default(subscriber);
+    for (name, store) in every_store().await {
+        let (addr, shop) = app_on(store, "contract.logs", |b| b.reject_in_progress()).await;
+        let tenant = format!("held-{}", fresh_tenant());
+        let auth = format!("authorization: Bearer {tenant}");
+        let send = |key: String, body: &'static [u8]| {
+            let (addr, auth) = (addr.clone(), auth.clone());
+            async move {
+                let key_line = format!("idempotency-key: {key}");
+                send_raw(
+                    &addr,
+                    &head(
+                        "POST",
+                        "/orders",
+                        &["content-type: application/json", &key_line, &auth],
+                    ),
+                    Framing::Length(body),
+                )
+                .await
+            }
+        };
+        let key = "SECRETKEY-4711".to_owned();
+        let first = tokio::spawn(send(key.clone(), b"{}"));
+        shop.wait_entered(1).await;
+        let busy = send(key.clone(), b"{}").await;
+        assert_eq!(busy.status, 409, "{name}");
+        shop.gate.add_permits(1);
+        assert_eq!(
+            bounded("first", first).await.expect("task").status,
+            201,
+            "{name}"
+        );
+        let mut answers = vec![busy];
+        answers.push(send(key.clone(), b"{}").await);
+        answers.push(send(key.clone(), br#"{"other":1}"#).await);
+        assert_eq!(answers[1].status, 201, "{name}");
+        assert_eq!(answers[2].status, 422, "{name}");
+        shop.next_statuses
+            .lock()
+            .expect("statuses")
+            .push(StatusCode::INTERNAL_SERVER_ERROR);
+        shop.gate.add_permits(1);
+        answers.push(send("SECRETKEY-500".to_owned(), b"{}").await);
+        assert_eq!(answers[3].status, 500, "{name}");
+        for bad in [
+            r#""SECRETKEY\q""#.to_owned(),
+            "SECRETKEY;x".to_owned(),
+            "SECRETKEY SPACE".to_owned(),
+            format!("SECRETKEY{}", "k".repeat(250)),
+        ] {
+            let r = send(bad.clone(), b"{}").await;
+            assert_eq!(r.status, 400, "{name} {bad}");
+            answers.push(r);
+        }
+        // The handler's own answer shows the key (the test app's choice).
+        for r in answers.iter().filter(|r| r.status != 201) {
+            assert!(
+                !String::from_utf8_lossy(&r.body).contains("SECRETKEY"),
+                "{name}: {}",
+                String::from_utf8_lossy(&r.body)
+            );
+        }
+    }
+    let written = String::from_utf8_lossy(&logs.0.lock().expect("logs")).into_owned();
+    assert!(
+        written.contains("contract.logs"),
+        "the layer logged: {written}"
+    );
+    let leaks: Vec<&str> = written
+        .lines()
+        .filter(|l| l.contains("SECRETKEY"))
+        .collect();
+    assert!(
+        leaks.is_empty(),
+        "raw keys in the logs:\n{}",
+        leaks.join("\n")
+    );
+}
