@@ -1700,3 +1700,72 @@ async fn the_raw_key_is_in_no_log_line_and_no_problem() {
         leaks.join("\n")
     );
 }
+
+/// A client that sends `Expect: 100-continue` waits for the server's
+/// `100 Continue` before it sends the body: the layer asks for the body
+/// (the fingerprint needs it), so the request is not left waiting; and its
+/// retry without the expectation is the same request, replayed.
+#[tokio::test]
+async fn a_request_that_expects_100_continue_gets_it_and_its_retry_replays() {
+    for (name, store) in every_store().await {
+        let (addr, shop) = app_on(store, "contract.expect", |b| b).await;
+        let tenant = fresh_tenant();
+        let body = br#"{"amount":7}"#;
+        let head_bytes = format!(
+            "POST /orders HTTP/1.1\r\nhost: test\r\nconnection: close\r\n\
+             content-type: application/json\r\nidempotency-key: expect-1\r\n\
+             authorization: Bearer {tenant}\r\nexpect: 100-continue\r\n\
+             content-length: {}\r\n\r\n",
+            body.len()
+        );
+        let mut stream = tokio::net::TcpStream::connect(&addr)
+            .await
+            .expect("connect");
+        stream
+            .write_all(head_bytes.as_bytes())
+            .await
+            .expect("write");
+        let mut interim = Vec::new();
+        bounded("100 Continue", async {
+            while !interim.windows(4).any(|w| w == b"\r\n\r\n") {
+                let mut byte = [0u8; 1];
+                stream.read_exact(&mut byte).await.expect("read");
+                interim.push(byte[0]);
+            }
+        })
+        .await;
+        assert!(
+            interim.starts_with(b"HTTP/1.1 100"),
+            "{name}: {}",
+            String::from_utf8_lossy(&interim)
+        );
+        stream.write_all(body).await.expect("write body");
+        let mut rest = Vec::new();
+        bounded("the answer", stream.read_to_end(&mut rest))
+            .await
+            .expect("read");
+        let rest = String::from_utf8_lossy(&rest).into_owned();
+        assert!(rest.starts_with("HTTP/1.1 201"), "{name}: {rest}");
+        let auth = format!("authorization: Bearer {tenant}");
+        let retry = send_raw(
+            &addr,
+            &head(
+                "POST",
+                "/orders",
+                &[
+                    "content-type: application/json",
+                    "idempotency-key: expect-1",
+                    &auth,
+                ],
+            ),
+            Framing::Length(body),
+        )
+        .await;
+        assert!(retry.replayed(), "{name}");
+        assert!(
+            rest.ends_with(&*String::from_utf8_lossy(&retry.body)),
+            "{name}: {rest}"
+        );
+        assert_eq!(shop.runs(), 1, "{name}");
+    }
+}
