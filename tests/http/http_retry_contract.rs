@@ -836,7 +836,8 @@ async fn quoted_keys_are_their_unescaped_keys_on_every_store() {
 /// nothing runs: an escape other than `\"` and `\\`, a backslash that ends
 /// the string, a tab or a non-ASCII byte (bare or quoted), a list, a
 /// parameter, an empty or blank value, a quote inside a quoted key, the
-/// header twice (even with one value). No key at all is 400 `missing-key`. None of them holds the key:
+/// header twice (even with one value). No key at all is 400
+/// `missing-key`. None of them holds the key:
 /// the well-formed request then runs.
 #[tokio::test]
 async fn malformed_keys_are_400_problems_and_run_nothing() {
@@ -1421,7 +1422,8 @@ async fn principals_are_compared_byte_for_byte_on_every_store() {
 
 /// A duplicate still running after the wait bound is answered 409
 /// `in-progress`, with `Retry-After` in whole seconds (at least 1, at most
-/// the lease) equal to the problem's `retry_after`; it is not recorded: once the first ends, the same request replays its answer.
+/// the lease) equal to the problem's `retry_after`; it is not recorded:
+/// once the first ends, the same request replays its answer.
 #[tokio::test]
 async fn a_duplicate_still_running_after_the_wait_bound_is_409_on_every_store() {
     for (name, store) in every_store().await {
