@@ -1771,3 +1771,60 @@ async fn a_request_that_expects_100_continue_gets_it_and_its_retry_replays() {
         assert_eq!(shop.runs(), 1, "{name}");
     }
 }
+
+/// A route's layer with a smaller body cap inside a router-wide layer with
+/// the same scope still refuses a larger body (413, not recorded by either:
+/// the smaller body sent next with the same key runs), though the
+/// router-wide layer records the answers.
+#[tokio::test]
+async fn an_inner_layer_on_the_enclosing_calls_identity_keeps_its_body_cap() {
+    for (name, store) in every_store().await {
+        let shop = shop();
+        let build = |cap: usize| {
+            IdempotencyLayer::builder("contract.inner-cap", store.clone())
+                .tenant_from_extension::<Principal>()
+                .max_body_bytes(cap)
+                .build()
+                .expect("layer")
+        };
+        let app = Router::new()
+            .route("/orders", post(create_order))
+            .route_layer(build(16))
+            .layer(build(1024))
+            .layer(middleware::from_fn(bearer))
+            .with_state(shop.clone());
+        let (base, _task) = serve(app).await;
+        let addr = base.trim_start_matches("http://").to_owned();
+        let tenant = fresh_tenant();
+        let auth = format!("authorization: Bearer {tenant}");
+        let lines = [
+            "content-type: application/json",
+            "idempotency-key: cap",
+            &auth,
+        ];
+        let large = send_raw(
+            &addr,
+            &head("POST", "/orders", &lines),
+            Framing::Length(br#"{"amount":1234567890}"#),
+        )
+        .await;
+        assert_eq!(large.status, 413, "{name}");
+        assert_eq!(large.problem_type(), types::BODY_TOO_LARGE, "{name}");
+        let small = send_raw(
+            &addr,
+            &head("POST", "/orders", &lines),
+            Framing::Length(br#"{"amount":1}"#),
+        )
+        .await;
+        assert_eq!(small.status, 201, "{name}");
+        assert!(!small.replayed(), "{name}");
+        let retry = send_raw(
+            &addr,
+            &head("POST", "/orders", &lines),
+            Framing::Length(br#"{"amount":1}"#),
+        )
+        .await;
+        assert!(retry.replayed(), "{name}");
+        assert_eq!(shop.runs(), 1, "{name}");
+    }
+}

@@ -710,29 +710,6 @@ where
         Ok(identity) => identity,
         Err(e) => return Ok(not_processed(e.into_response())),
     };
-    // A layer around this one already runs this request as the call of this
-    // very identity (one layer applied router-wide and on the route, or two
-    // with one scope) on a store of the same kind, likely the same one:
-    // reserving it again would wait for that call, which waits for this one,
-    // and answer 409 until the wait bound, every time. The enclosing call
-    // records the answer.
-    let store_name = config.store.name();
-    if parts
-        .extensions
-        .get::<EnclosingCalls>()
-        .is_some_and(|calls| {
-            calls
-                .0
-                .iter()
-                .any(|(held, store)| *held == identity && *store == store_name)
-        })
-    {
-        return inner
-            .call(Request::from_parts(parts, body))
-            .await
-            .map(|r| r.map(Body::new));
-    }
-
     // The one copy of the body: buffered for the fingerprint, then handed
     // to the handler as the same (reference-counted) bytes.
     let declared = parts
@@ -766,6 +743,28 @@ where
             ));
         }
     };
+    // A layer around this one already runs this request as the call of this
+    // very identity (one layer applied router-wide and on the route, or two
+    // with one scope) on a store of the same kind, likely the same one:
+    // reserving it again would wait for that call, which waits for this one,
+    // and answer 409 until the wait bound, every time. The enclosing call
+    // records the answer; this layer's body cap still holds.
+    let store_name = config.store.name();
+    if parts
+        .extensions
+        .get::<EnclosingCalls>()
+        .is_some_and(|calls| {
+            calls
+                .0
+                .iter()
+                .any(|(held, store)| *held == identity && *store == store_name)
+        })
+    {
+        return inner
+            .call(Request::from_parts(parts, Body::from(bytes)))
+            .await
+            .map(|r| r.map(Body::new));
+    }
     // The URI the client sent: under `Router::nest` the request's own URI has
     // the prefix stripped (`/accounts/{a}/transfers` seen as `/transfers`),
     // and two accounts' requests with one key would look the same.
