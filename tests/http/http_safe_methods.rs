@@ -1,5 +1,5 @@
 //! Rule 22: safe methods pass through. Every safe method the layer names
-//! (`GET`, `HEAD`, `OPTIONS`, `TRACE`) reaches the handler without an
+//! (`GET`, `HEAD`, `OPTIONS`, `TRACE`, `QUERY`) reaches the handler without an
 //! `Idempotency-Key` (no 400), and one that carries a key is never recorded
 //! nor replayed: each request runs the handler and gets its own answer. An
 //! `OPTIONS` request is a CORS preflight: refusing it for want of a key, or
@@ -81,5 +81,42 @@ async fn options_and_trace_pass_through_like_get() {
         }
     }
     assert_eq!(calls.load(Ordering::SeqCst), expected_calls);
+    task.abort();
+}
+
+/// `QUERY`, the safe method with a body (a search whose criteria do not fit
+/// in a URL), passes through like `GET`: no key needed, never recorded nor
+/// replayed, even with a key and the same body.
+#[tokio::test]
+async fn the_query_method_passes_through() {
+    let calls = Arc::new(AtomicUsize::new(0));
+    let layer = IdempotencyLayer::builder("test.safe_methods_query", MemoryStore::new())
+        .tenant_from(|_| Some("tenant-a".to_owned()))
+        .build()
+        .expect("layer config");
+    let app = Router::new()
+        .route("/search", axum::routing::any(counted))
+        .route_layer(layer)
+        .with_state(calls.clone());
+    let (addr, task) = serve_on_loopback(app).await;
+    let url = format!("http://{addr}/search");
+    let client = reqwest::Client::new();
+    let query = Method::from_bytes(b"QUERY").expect("method");
+
+    let refused = client.post(&url).body("q").send().await.expect("post");
+    assert_eq!(refused.status(), 400, "the layer guards the route");
+    for (n, key) in [(1, None), (2, Some("k-query")), (3, Some("k-query"))] {
+        let mut request = client
+            .request(query.clone(), &url)
+            .body("{\"q\":\"shoes\"}");
+        if let Some(key) = key {
+            request = request.header("idempotency-key", key);
+        }
+        let r = request.send().await.expect("query");
+        assert_eq!(r.status(), 200, "QUERY with key {key:?} passes through");
+        assert!(r.headers().get("idempotent-replayed").is_none());
+        assert_eq!(r.text().await.expect("body"), format!("call {n}"));
+    }
+    assert_eq!(calls.load(Ordering::SeqCst), 3);
     task.abort();
 }

@@ -469,7 +469,7 @@ impl Config {
 /// A tower layer that makes the routes it wraps idempotent on the
 /// `Idempotency-Key` convention (DESIGN.md rule 22).
 ///
-/// For every request that is not `GET`, `HEAD`, `OPTIONS` or `TRACE`:
+/// For every request that is not `GET`, `HEAD`, `OPTIONS`, `TRACE` or `QUERY`:
 ///
 /// 1. reads the `Idempotency-Key` (bare token or RFC 8941 quoted string;
 ///    missing → 400, or pass through with [`key_optional`](IdempotencyLayerBuilder::key_optional));
@@ -591,12 +591,22 @@ impl<S> std::fmt::Debug for IdempotencyService<S> {
     }
 }
 
-/// Whether a method passes through untouched: `GET`, `HEAD`, `OPTIONS`, `TRACE`.
+/// Whether a method passes through untouched: `GET`, `HEAD`, `OPTIONS`,
+/// `TRACE`, and `QUERY` (the safe method with a body, which the IETF's HTTP
+/// working group defines: a search whose criteria are too long for a URL).
+///
+/// ```
+/// use axum::http::Method;
+/// use idempotent_runtime::http::is_safe_method;
+/// assert!(is_safe_method(&Method::GET));
+/// assert!(is_safe_method(&Method::from_bytes(b"QUERY").unwrap()));
+/// assert!(!is_safe_method(&Method::POST));
+/// ```
 pub fn is_safe_method(method: &Method) -> bool {
     matches!(
         *method,
         Method::GET | Method::HEAD | Method::OPTIONS | Method::TRACE
-    )
+    ) || method.as_str() == "QUERY"
 }
 
 /// Why the handler's answer is not the call's recorded value.

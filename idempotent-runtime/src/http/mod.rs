@@ -19,7 +19,7 @@
 //!
 //! | situation | answer |
 //! |---|---|
-//! | `GET`, `HEAD`, `OPTIONS`, `TRACE` | passed through |
+//! | `GET`, `HEAD`, `OPTIONS`, `TRACE`, `QUERY` | passed through |
 //! | no `Idempotency-Key` (route requires one) | 400 `missing-key` |
 //! | malformed or invalid key | 400 `invalid-key` |
 //! | no tenant for the request | 401 `missing-tenant` |
