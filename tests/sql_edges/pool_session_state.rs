@@ -2301,3 +2301,57 @@ async fn pg_a_store_in_a_renamed_schema_serves_fresh_keys_after_a_restart() {
     })
     .await;
 }
+
+/// As [`pg_a_duplicate_waiting_on_a_connection_left_inside_a_written_transaction_does_not_hold_the_record`],
+/// when the transaction left open has only read (a plain `BEGIN`, a
+/// `SELECT`, an early return): no transaction id is assigned there yet, and
+/// the mark (an `UPDATE` of the row) was the first write of that
+/// transaction. Its row lock stayed for as long as the connection sat in
+/// the pool, and the owner's completion waited behind it (here, until its
+/// `lock_timeout`: refused), its renewals too, a takeover after the lease
+/// as well: the key stuck until the pool closed that connection. The
+/// duplicate polls instead.
+#[tokio::test]
+async fn pg_a_duplicate_waiting_on_a_connection_left_inside_a_transaction_that_only_read_does_not_hold_the_record(
+) {
+    if pg_store_or_skip().await.is_none() {
+        return;
+    }
+    let owner_pool = PgPoolOptions::new()
+        .max_connections(2)
+        .connect_with(
+            pg_url()
+                .parse::<sqlx::postgres::PgConnectOptions>()
+                .expect("url")
+                .options([("lock_timeout", "2s")]),
+        )
+        .await
+        .expect("pool");
+    let owner = PgStore::from_pool(owner_pool).await.expect("store");
+    let (pool, dirty) = pg_pool_of_one(&pg_url()).await;
+    let identity =
+        Identity::new(fresh_tenant(), "pool_state.left_open_read_wait", "k").expect("identity");
+    let (f, token) = (fp("request"), OwnerToken::new());
+    assert_eq!(
+        owner
+            .reserve(request(&identity, &f, &token))
+            .await
+            .expect("reserve"),
+        Reservation::FRESH
+    );
+    let mut conn = pool.acquire().await.expect("connection");
+    conn.execute("BEGIN").await.expect("begin");
+    conn.execute("SELECT 1").await.expect("a read");
+    drop(conn);
+    dirty
+        .wait_for_change(&identity, Duration::from_secs(1), 0)
+        .await;
+    assert_eq!(
+        owner
+            .complete(Completion::by_body(&identity, &token, &ok(b"7"), LONG))
+            .await
+            .expect("the owner's completion is not held up by the duplicate's wait"),
+        Fenced::Written
+    );
+    pool.close().await;
+}

@@ -1996,8 +1996,43 @@ enum Mark {
     Unmarked,
 }
 
-async fn mark_waiting(pool: &PgPool, sql: &str, identity: &Identity) -> Result<Mark, sqlx::Error> {
-    let mut conn = ClosedIfDropped::acquire(pool).await?;
+/// Marks the record (see [`MARK_WAITING_SQL`]) on a connection outside any
+/// transaction: on one left inside a transaction other code began and only
+/// read in (no transaction id yet, so the statement's own check passes),
+/// the mark was that transaction's first write, and its row lock stayed for
+/// as long as the connection sat in the pool: the owner's completion, its
+/// renewals and a takeover waited behind it, the key stuck. Such a
+/// connection is closed (rolling that transaction back, with a warning) and
+/// another taken, as the purge does. One more round trip, on a waiting
+/// duplicate's path alone.
+async fn mark_waiting(pool: &PgPool, sql: &str, identity: &Identity) -> Result<Mark, StoreError> {
+    const OP: &str = "mark a record as waited for";
+    let conn = super::outside_any_transaction::<_, ClosedIfDropped<Postgres>, _>(
+        STORE,
+        OP,
+        pool,
+        None,
+        super::IfLeftOpen::Close,
+        |conn| {
+            Box::pin(async move {
+                // Bounded as the mark is: a connection gone silent is given
+                // up (and closed), the waiter polls.
+                server::answered_within(Duration::ZERO, started_before_this_statement(conn))
+                    .await
+                    .and_then(|answered| answered)
+                    .map_err(err("check for an open transaction"))
+            })
+        },
+    )
+    .await?;
+    mark_on(conn, sql, identity).await.map_err(err(OP))
+}
+
+async fn mark_on(
+    mut conn: ClosedIfDropped<Postgres>,
+    sql: &str,
+    identity: &Identity,
+) -> Result<Mark, sqlx::Error> {
     // `SKIP LOCKED`: no lock wait.
     let row: Result<PgRow, sqlx::Error> = server::answered_within(
         Duration::ZERO,
