@@ -2302,6 +2302,261 @@ async fn pg_a_store_in_a_renamed_schema_serves_fresh_keys_after_a_restart() {
     .await;
 }
 
+/// A role of the cluster for the rename tests: may read and write the
+/// records, owns none of the store's functions (it cannot re-make them).
+const PG_RECORDS_WRITER: &str = "idempotent_rename_writer";
+
+/// `url` with [`PG_RECORDS_WRITER`] as its user, granted what a store needs
+/// on the records in `schema` (an identifier, quoted as needed).
+async fn as_records_writer(url: &str, admin: &mut sqlx::PgConnection, schema: &str) -> String {
+    // Roles are the cluster's: made once, granted again each run.
+    let _ = admin
+        .execute(format!("CREATE ROLE {PG_RECORDS_WRITER} LOGIN").as_str())
+        .await;
+    for grant in [
+        format!("GRANT USAGE ON SCHEMA {schema} TO {PG_RECORDS_WRITER}"),
+        format!("GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA {schema} TO {PG_RECORDS_WRITER}"),
+    ] {
+        admin.execute(grant.as_str()).await.expect("grant");
+    }
+    let (scheme, rest) = url.split_once("://").expect("a postgres:// URL");
+    let host = rest.rsplit_once('@').map_or(rest, |(_, host)| host);
+    format!("{scheme}://{PG_RECORDS_WRITER}@{host}")
+}
+
+/// A store in a schema whose name must be quoted (`"My-App"`), renamed to
+/// another such name: the first store opened after it re-makes the
+/// functions for the new name (fresh keys are served), and a role that
+/// owns none of the functions then opens a store there and is served too:
+/// the functions are seen as right (nothing left to re-make).
+#[tokio::test]
+async fn pg_a_store_in_a_renamed_schema_whose_name_must_be_quoted_is_opened_by_any_role() {
+    in_own_database(|url| async move {
+        let mut setup = sqlx::PgConnection::connect(&url).await.expect("connect");
+        setup
+            .execute("CREATE SCHEMA \"My-App\"")
+            .await
+            .expect("schema");
+        let (pool, before, _) = pg_schema_stores(with_search_path(&url, "\"My-App\"")).await;
+        let f = fp("request");
+        let recorded = Identity::new(fresh_tenant(), "pool_state.renamed_quoted", "k").expect("id");
+        assert_eq!(
+            before
+                .reserve(request(&recorded, &f, &OwnerToken::new()))
+                .await
+                .expect("reserve"),
+            Reservation::FRESH
+        );
+        pool.close().await;
+        setup
+            .execute("ALTER SCHEMA \"My-App\" RENAME TO \"Our-App\"")
+            .await
+            .expect("rename");
+        let (pool, after, _) = pg_schema_stores(with_search_path(&url, "\"Our-App\"")).await;
+        let fresh = Identity::new(fresh_tenant(), "pool_state.renamed_quoted", "k2").expect("id");
+        assert_eq!(
+            after
+                .reserve(request(&fresh, &f, &OwnerToken::new()))
+                .await
+                .expect("a fresh key after the restart"),
+            Reservation::FRESH
+        );
+        pool.close().await;
+        let writer = as_records_writer(&url, &mut setup, "\"Our-App\"").await;
+        let store = PgStore::from_pool(
+            PgPoolOptions::new()
+                .max_connections(1)
+                .connect_with(with_search_path(&writer, "\"Our-App\""))
+                .await
+                .expect("pool"),
+        )
+        .await
+        .expect("a role that owns no function opens the store");
+        let third = Identity::new(fresh_tenant(), "pool_state.renamed_quoted", "k3").expect("id");
+        assert_eq!(
+            store
+                .reserve(request(&third, &f, &OwnerToken::new()))
+                .await
+                .expect("a fresh key for that role"),
+            Reservation::FRESH
+        );
+        store.pool().close().await;
+    })
+    .await;
+}
+
+/// After a rename, a role that may not re-make the functions (it owns none)
+/// opens a store first: the open fails, saying what it tried and what the
+/// database answered; nothing is re-made halfway.
+#[tokio::test]
+async fn pg_a_role_that_may_not_remake_the_functions_is_refused_saying_why_after_a_rename() {
+    in_own_database(|url| async move {
+        let mut setup = sqlx::PgConnection::connect(&url).await.expect("connect");
+        setup.execute("CREATE SCHEMA app").await.expect("schema");
+        let (pool, _, _) = pg_schema_stores(with_search_path(&url, "app")).await;
+        pool.close().await;
+        setup
+            .execute("ALTER SCHEMA app RENAME TO app2")
+            .await
+            .expect("rename");
+        let writer = as_records_writer(&url, &mut setup, "app2").await;
+        let opened = PgStore::from_pool(
+            PgPoolOptions::new()
+                .max_connections(1)
+                .connect_with(with_search_path(&writer, "app2"))
+                .await
+                .expect("pool"),
+        )
+        .await;
+        let refused = match opened {
+            Ok(_) => panic!("a store opened on functions naming the old schema"),
+            Err(e) => e.to_string(),
+        };
+        assert!(
+            refused.contains("re-make the functions after a schema rename")
+                && refused.contains("must be owner"),
+            "{refused}"
+        );
+        // The functions' owner opens a store next, and the role is served.
+        let (pool, _, _) = pg_schema_stores(with_search_path(&url, "app2")).await;
+        pool.close().await;
+        let store = PgStore::from_pool(
+            PgPoolOptions::new()
+                .max_connections(1)
+                .connect_with(with_search_path(&writer, "app2"))
+                .await
+                .expect("pool"),
+        )
+        .await
+        .expect("the role opens a store once the functions were re-made");
+        let id = Identity::new(fresh_tenant(), "pool_state.renamed_role", "k").expect("id");
+        assert_eq!(
+            store
+                .reserve(request(&id, &fp("request"), &OwnerToken::new()))
+                .await
+                .expect("a fresh key"),
+            Reservation::FRESH
+        );
+        store.pool().close().await;
+    })
+    .await;
+}
+
+/// Many stores opened at once after a rename (a deploy restarting every
+/// process): each opens, and fresh keys are served.
+#[tokio::test]
+async fn pg_stores_opened_at_once_after_a_rename_all_open() {
+    in_own_database(|url| async move {
+        let mut setup = sqlx::PgConnection::connect(&url).await.expect("connect");
+        setup.execute("CREATE SCHEMA app").await.expect("schema");
+        let (pool, _, _) = pg_schema_stores(with_search_path(&url, "app")).await;
+        pool.close().await;
+        setup
+            .execute("ALTER SCHEMA app RENAME TO app2")
+            .await
+            .expect("rename");
+        let opens = (0..8).map(|_| {
+            let options = with_search_path(&url, "app2");
+            tokio::spawn(async move {
+                let pool = PgPoolOptions::new()
+                    .max_connections(2)
+                    .connect_with(options)
+                    .await
+                    .expect("pool");
+                PgStore::from_pool(pool).await
+            })
+        });
+        let f = fp("request");
+        for (i, opened) in futures::future::join_all(opens)
+            .await
+            .into_iter()
+            .enumerate()
+        {
+            let store = opened.expect("task").expect("every store opens");
+            let id = Identity::new(fresh_tenant(), "pool_state.renamed_many", format!("k{i}"))
+                .expect("id");
+            assert_eq!(
+                store
+                    .reserve(request(&id, &f, &OwnerToken::new()))
+                    .await
+                    .expect("fresh"),
+                Reservation::FRESH
+            );
+            store.pool().close().await;
+        }
+    })
+    .await;
+}
+
+/// As [`pg_a_completion_that_waited_behind_an_update_of_its_row_is_written`],
+/// for the owner's lease renewal and its release: each waits for the row
+/// while another transaction marks it (a waiting duplicate), and is written
+/// once that commits, not told its lease was lost.
+#[tokio::test]
+async fn pg_a_renewal_and_a_release_that_waited_behind_an_update_of_their_row_are_written() {
+    for renewal in [true, false] {
+        in_own_database(move |url| async move {
+            let owner = PgStore::connect(&url).await.expect("store");
+            let identity =
+                Identity::new(fresh_tenant(), "pool_state.waited_fenced", "k").expect("identity");
+            let (f, token) = (fp("request"), OwnerToken::new());
+            assert_eq!(
+                owner
+                    .reserve(request(&identity, &f, &token))
+                    .await
+                    .expect("reserve"),
+                Reservation::FRESH
+            );
+            let mut holder = sqlx::PgConnection::connect(&url).await.expect("connect");
+            holder.execute("BEGIN").await.expect("begin");
+            holder
+                .execute("UPDATE idempotency_records SET waiting = TRUE")
+                .await
+                .expect("a mark, uncommitted");
+            let holder_pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+                .fetch_one(&mut holder)
+                .await
+                .expect("pid");
+            let writing = {
+                let (owner, identity, token) = (owner.clone(), identity.clone(), token.clone());
+                tokio::spawn(async move {
+                    if renewal {
+                        owner.heartbeat(&identity, &token, LONG).await
+                    } else {
+                        owner.release(&identity, &token).await
+                    }
+                })
+            };
+            let mut observer = sqlx::PgConnection::connect(&url).await.expect("connect");
+            let mut blocked = false;
+            for _ in 0..500 {
+                let waiting: i64 = sqlx::query_scalar(
+                    "SELECT count(*) FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))",
+                )
+                .bind(holder_pid)
+                .fetch_one(&mut observer)
+                .await
+                .expect("blocked backends");
+                if waiting > 0 {
+                    blocked = true;
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            assert!(blocked, "the write never waited for the row");
+            holder.execute("COMMIT").await.expect("commit");
+            assert_eq!(
+                writing.await.expect("task").expect("written"),
+                Fenced::Written,
+                "renewal: {renewal}"
+            );
+            drop((holder, observer));
+            owner.pool().close().await;
+        })
+        .await;
+    }
+}
+
 /// As [`pg_a_duplicate_waiting_on_a_connection_left_inside_a_written_transaction_does_not_hold_the_record`],
 /// when the transaction left open has only read (a plain `BEGIN`, a
 /// `SELECT`, an early return): no transaction id is assigned there yet, and
