@@ -2610,3 +2610,61 @@ async fn pg_a_duplicate_waiting_on_a_connection_left_inside_a_transaction_that_o
     );
     pool.close().await;
 }
+
+/// The owner's completion handed a connection of the shared pool left
+/// inside a `REPEATABLE READ` transaction that only read (its snapshot taken
+/// before the reservation was made elsewhere): the fenced `UPDATE` does not
+/// see the record in that snapshot and matches nothing. That is not a
+/// takeover: the record is still the caller's. The completion is written on
+/// another connection, or fails; it is never told its lease was lost.
+#[tokio::test]
+async fn pg_a_completion_on_a_connection_left_inside_an_older_snapshot_is_not_told_its_lease_was_lost(
+) {
+    let Some(clean) = pg_store_or_skip().await else {
+        return;
+    };
+    let (pool, dirty) = pg_pool_of_one(&pg_url()).await;
+    let identity =
+        Identity::new(fresh_tenant(), "pool_state.left_open_snapshot", "k").expect("identity");
+    let (f, token) = (fp("request"), OwnerToken::new());
+    let mut conn = pool.acquire().await.expect("connection");
+    conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+        .await
+        .expect("begin");
+    conn.execute("SELECT 1")
+        .await
+        .expect("a read: the snapshot");
+    drop(conn);
+    assert_eq!(
+        clean
+            .reserve(request(&identity, &f, &token))
+            .await
+            .expect("reserve"),
+        Reservation::FRESH
+    );
+    let completed = dirty
+        .complete(Completion::by_body(&identity, &token, &ok(b"7"), LONG))
+        .await;
+    let seen = clean.fetch(&identity).await.expect("fetch");
+    match completed {
+        Ok(written) => {
+            assert_eq!(
+                written,
+                Fenced::Written,
+                "the record is the caller's ({seen:?})"
+            );
+            assert!(
+                seen.as_ref()
+                    .is_some_and(|r| r.state == RecordState::Complete),
+                "a clean session finds the recorded result (found {seen:?})"
+            );
+        }
+        Err(e) => assert!(
+            seen.as_ref()
+                .is_some_and(|r| r.state == RecordState::InProgress
+                    && r.owner_token.as_deref() == Some(token.as_str())),
+            "refused ({e}): the record is still the caller's (found {seen:?})"
+        ),
+    }
+    pool.close().await;
+}

@@ -1001,22 +1001,23 @@ fn is_left_in_a_transaction(e: &StoreError) -> bool {
 
 /// A store-mode fenced write that matched nothing
 /// ([`outside_a_transaction_left_open`]): on a connection left inside a
-/// transaction other code began and wrote in, [`LeftInATransaction`] (its
-/// connection is closed and the write sent again on another), not a
-/// takeover. One more round trip, paid only by a write that matched nothing.
+/// transaction other code began, [`LeftInATransaction`] (its connection is
+/// closed and the write sent again on another), not a takeover. Also when
+/// that transaction only read: under `REPEATABLE READ` its snapshot may be
+/// older than the record, which the write then did not see (the caller was
+/// told its lease was lost while the record was still its own). Asked with
+/// [`started_before_this_statement`], which sees any transaction left open
+/// (a transaction id, asked with the extended protocol, sees only one that
+/// wrote). One more round trip, paid only by a write that matched nothing.
 async fn unless_left_open(
     conn: &mut sqlx::PgConnection,
     operation: &'static str,
     written: Fenced,
 ) -> Result<Fenced, StoreError> {
-    if written == Fenced::NotOwner {
-        let left_open: Result<bool, sqlx::Error> =
-            sqlx::query_scalar("SELECT txid_current_if_assigned() IS NOT NULL")
-                .fetch_one(&mut *conn)
-                .await;
-        if let Ok(true) = left_open {
-            return Err(StoreError::new(STORE, operation, LeftInATransaction));
-        }
+    if written == Fenced::NotOwner
+        && let Ok(true) = started_before_this_statement(conn).await
+    {
+        return Err(StoreError::new(STORE, operation, LeftInATransaction));
     }
     Ok(written)
 }
