@@ -2668,3 +2668,50 @@ async fn pg_a_completion_on_a_connection_left_inside_an_older_snapshot_is_not_to
     }
     pool.close().await;
 }
+
+/// A connection of the shared pool left inside a `REPEATABLE READ`
+/// transaction that only read, its snapshot older than a call recorded
+/// since: a retry of that call handed this connection does not see the
+/// record, tries to insert it, and meets it (a serialization failure). The
+/// retry is served (the recorded answer replayed), not refused for as long
+/// as the pool keeps that connection.
+#[tokio::test]
+async fn pg_a_retry_on_a_connection_left_inside_an_older_snapshot_replays() {
+    let Some(clean) = pg_store_or_skip().await else {
+        return;
+    };
+    let (pool, dirty) = pg_pool_of_one(&pg_url()).await;
+    let identity =
+        Identity::new(fresh_tenant(), "pool_state.left_open_snapshot_retry", "k").expect("id");
+    let (f, token) = (fp("request"), OwnerToken::new());
+    let mut conn = pool.acquire().await.expect("connection");
+    conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+        .await
+        .expect("begin");
+    conn.execute("SELECT 1")
+        .await
+        .expect("a read: the snapshot");
+    drop(conn);
+    assert_eq!(
+        clean
+            .reserve(request(&identity, &f, &token))
+            .await
+            .expect("reserve"),
+        Reservation::FRESH
+    );
+    assert_eq!(
+        clean
+            .complete(Completion::by_body(&identity, &token, &ok(b"7"), LONG))
+            .await
+            .expect("complete"),
+        Fenced::Written
+    );
+    assert_eq!(
+        dirty
+            .reserve(request(&identity, &f, &OwnerToken::new()))
+            .await
+            .expect("the retry is served"),
+        Reservation::Completed(ok(b"7"))
+    );
+    pool.close().await;
+}
