@@ -2715,3 +2715,104 @@ async fn pg_a_retry_on_a_connection_left_inside_an_older_snapshot_replays() {
     );
     pool.close().await;
 }
+
+/// A database an older build migrated up to 0008 (before the functions
+/// named their schema), its schema renamed since: this build's open applies
+/// 0009 and 0010 for the schema the table is in now, finds nothing stale,
+/// and serves fresh keys and the calls recorded before.
+#[tokio::test]
+async fn pg_a_database_migrated_to_0008_by_an_older_build_and_renamed_serves_after_an_upgrade() {
+    const UP_TO_0008: [(i64, &str, &str); 8] = [
+        (1, "idempotency records", include_str!("../../idempotent-runtime/migrations/postgres/0001_idempotency_records.sql")),
+        (2, "reserve autocommit", include_str!("../../idempotent-runtime/migrations/postgres/0002_reserve_autocommit.sql")),
+        (3, "attempts", include_str!("../../idempotent-runtime/migrations/postgres/0003_attempts.sql")),
+        (4, "one reservation body and waiters", include_str!("../../idempotent-runtime/migrations/postgres/0004_one_reservation_body_and_waiters.sql")),
+        (5, "wake on ended lease", include_str!("../../idempotent-runtime/migrations/postgres/0005_wake_on_ended_lease.sql")),
+        (6, "tx answers keep no lock", include_str!("../../idempotent-runtime/migrations/postgres/0006_tx_answers_keep_no_lock.sql")),
+        (7, "tx stale snapshot is an answer", include_str!("../../idempotent-runtime/migrations/postgres/0007_tx_stale_snapshot_is_an_answer.sql")),
+        (8, "store reads before it writes", include_str!("../../idempotent-runtime/migrations/postgres/0008_store_reads_before_it_writes.sql")),
+    ];
+    in_own_database(|url| async move {
+        let mut setup = sqlx::PgConnection::connect(&url).await.expect("connect");
+        setup.execute("CREATE SCHEMA app").await.expect("schema");
+        setup.execute("SET search_path = app").await.expect("path");
+        setup
+            .execute(
+                "CREATE TABLE idempotency_schema_migrations (
+                     version BIGINT PRIMARY KEY, description TEXT NOT NULL,
+                     checksum BYTEA NOT NULL,
+                     applied_at TIMESTAMPTZ NOT NULL DEFAULT clock_timestamp())",
+            )
+            .await
+            .expect("history");
+        for (version, description, sql) in UP_TO_0008 {
+            setup
+                .execute(sqlx::raw_sql(sql))
+                .await
+                .unwrap_or_else(|e| panic!("migration {version}: {e}"));
+            sqlx::query(
+                "INSERT INTO idempotency_schema_migrations (version, description, checksum)
+                 VALUES ($1, $2, sha384(convert_to($3, 'UTF8')))",
+            )
+            .bind(version)
+            .bind(description)
+            .bind(sql)
+            .execute(&mut setup)
+            .await
+            .expect("history row");
+        }
+        setup
+            .execute(
+                "INSERT INTO idempotency_records
+                     (tenant, scope, key, state, fingerprint, owner_token, is_error, result,
+                      lease_expires_at, expires_at, created_at, updated_at)
+                 VALUES ('t-before', 'pool_state.upgraded', 'k', 'complete', NULL, NULL, FALSE,
+                         '7', NULL, idempotency_now_ms() + 3600000, idempotency_now_ms(),
+                         idempotency_now_ms())",
+            )
+            .await
+            .expect("a call recorded by the older build");
+        setup.execute("RESET search_path").await.expect("reset");
+        setup
+            .execute("ALTER SCHEMA app RENAME TO app2")
+            .await
+            .expect("rename");
+        let (pool, store, _) = pg_schema_stores(with_search_path(&url, "app2")).await;
+        let fresh = Identity::new(fresh_tenant(), "pool_state.upgraded", "k2").expect("id");
+        assert_eq!(
+            store
+                .reserve(ReserveRequest {
+                    identity: &fresh,
+                    fingerprint: None,
+                    token: &OwnerToken::new(),
+                    lease: LONG,
+                    ttl: LONG,
+                })
+                .await
+                .expect("a fresh key"),
+            Reservation::FRESH
+        );
+        let before = Identity::new("t-before", "pool_state.upgraded", "k").expect("id");
+        assert_eq!(
+            store
+                .reserve(ReserveRequest {
+                    identity: &before,
+                    fingerprint: None,
+                    token: &OwnerToken::new(),
+                    lease: LONG,
+                    ttl: LONG,
+                })
+                .await
+                .expect("the recorded call"),
+            Reservation::Completed(ok(b"7"))
+        );
+        let applied: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM app2.idempotency_schema_migrations")
+                .fetch_one(&pool)
+                .await
+                .expect("history");
+        assert_eq!(applied, 10, "0009 and 0010 applied by the upgrade");
+        pool.close().await;
+    })
+    .await;
+}
