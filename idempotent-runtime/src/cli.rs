@@ -197,15 +197,15 @@ const OPTIONS: &[&str] = &[
     "--help",
 ];
 
-/// A value that may start with `-` (keys and tenants are the client's), but
-/// is not one of the command's own options: `--tenant --shared --key k`
-/// means an option is missing its value, not a tenant called `--shared`.
 /// `--grace`: a duration as the manifest writes them (`15m`, `1h 30m`, `0s`).
 fn grace_period(value: &str) -> Result<Duration, String> {
     humantime::parse_duration(value.trim())
         .map_err(|e| format!("`{value}` is not a duration ({e}); write e.g. `15m` or `1h`"))
 }
 
+/// A value that may start with `-` (keys and tenants are the client's), but
+/// is not one of the command's own options: `--tenant --shared --key k`
+/// means an option is missing its value, not a tenant called `--shared`.
 fn not_an_option(value: &str) -> Result<String, String> {
     if let Some(attached) = value.strip_prefix(ATTACHED) {
         return Ok(attached.to_owned());
