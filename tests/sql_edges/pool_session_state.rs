@@ -802,7 +802,7 @@ async fn pg_schema_stores(
 
 /// Runs `check` on the URL of a database of its own, dropped whatever the
 /// check answers.
-async fn in_own_database<F, Fut>(check: F)
+pub(crate) async fn in_own_database<F, Fut>(check: F)
 where
     F: FnOnce(String) -> Fut,
     Fut: std::future::Future<Output = ()> + Send + 'static,

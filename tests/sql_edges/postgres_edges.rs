@@ -927,93 +927,92 @@ async fn purge_until_gone(guarded: &PgStore, gone: &[&Identity]) {
 
 /// Rule 16: a row held by an open transaction never stalls the purge of the
 /// others. Expired records are planted with expiry times in 1970, so they are
-/// the first a purge in expiry order meets (and this test's purges delete
-/// little else on the shared database); the oldest is held by an open
+/// the first a purge in expiry order meets; the oldest is held by an open
 /// transaction. The purge's session waits at most 3 s for a row lock (a guard
 /// against a hang, not a timing assertion), so a purge that waits for the held
-/// row fails instead of skipping it.
+/// row fails instead of skipping it. In a database of its own: on the shared
+/// one, a purge another test ran between the planting and the lock could
+/// delete the expired record this test was about to hold.
 #[tokio::test]
 async fn the_purge_skips_a_row_held_by_an_open_transaction() {
-    use std::str::FromStr;
-    let Some(store) = pg_store_or_skip().await else {
-        return;
-    };
-    let guarded_options = sqlx::postgres::PgConnectOptions::from_str(&pg_url())
-        .expect("url")
-        .options([("lock_timeout", "3s")]);
-    let guarded = PgStore::from_pool(
-        sqlx::postgres::PgPoolOptions::new()
-            .max_connections(2)
-            .connect_with(guarded_options)
-            .await
-            .expect("guarded pool"),
-    )
-    .await
-    .expect("guarded store");
-    let tenant = fresh_tenant();
-    let identity = |k: &str| Identity::new(&tenant, "pg_edges.purge", k).expect("identity");
-    let now_ms: i64 = sqlx::query_scalar("SELECT idempotency_now_ms()")
-        .fetch_one(store.pool())
-        .await
-        .expect("clock");
-    // (key, state, lease_expires_at, expires_at)
-    let rows = [
-        ("held", "complete", None, 1_000_i64),
-        ("complete-1", "complete", None, 1_001),
-        ("complete-2", "complete", None, 1_002),
-        ("complete-3", "complete", None, 1_003),
-        ("abandoned", "in_progress", Some(1_004_i64), 1_004),
-        ("leased", "in_progress", Some(now_ms + 600_000), 1_005),
-    ];
-    for (key, state, lease, expires) in rows {
-        sqlx::query(
-            "INSERT INTO idempotency_records
-                 (tenant, scope, key, state, fingerprint, owner_token, is_error, result,
-                  lease_expires_at, expires_at, created_at, updated_at)
-             VALUES ($1, 'pg_edges.purge', $2, $3, NULL, $4, FALSE, $5, $6, $7, $7, $7)",
+    crate::pool_session_state::in_own_database(|url| async move {
+        use std::str::FromStr;
+        let store = PgStore::connect(&url).await.expect("store");
+        let guarded_options = sqlx::postgres::PgConnectOptions::from_str(&url)
+            .expect("url")
+            .options([("lock_timeout", "3s")]);
+        let guarded = PgStore::from_pool(
+            sqlx::postgres::PgPoolOptions::new()
+                .max_connections(2)
+                .connect_with(guarded_options)
+                .await
+                .expect("guarded pool"),
         )
-        .bind(&tenant)
-        .bind(key)
-        .bind(state)
-        .bind((state == "in_progress").then(|| OwnerToken::new().as_str().to_owned()))
-        .bind((state == "complete").then_some(&b"1"[..]))
-        .bind(lease)
-        .bind(expires)
-        .execute(store.pool())
         .await
-        .expect("plant");
-    }
-    let (held, leased) = (identity("held"), identity("leased"));
-    let others = ["complete-1", "complete-2", "complete-3", "abandoned"].map(identity);
+        .expect("guarded store");
+        let tenant = fresh_tenant();
+        let identity = |k: &str| Identity::new(&tenant, "pg_edges.purge", k).expect("identity");
+        let now_ms: i64 = sqlx::query_scalar("SELECT idempotency_now_ms()")
+            .fetch_one(store.pool())
+            .await
+            .expect("clock");
+        // (key, state, lease_expires_at, expires_at)
+        let rows = [
+            ("held", "complete", None, 1_000_i64),
+            ("complete-1", "complete", None, 1_001),
+            ("complete-2", "complete", None, 1_002),
+            ("complete-3", "complete", None, 1_003),
+            ("abandoned", "in_progress", Some(1_004_i64), 1_004),
+            ("leased", "in_progress", Some(now_ms + 600_000), 1_005),
+        ];
+        for (key, state, lease, expires) in rows {
+            sqlx::query(
+                "INSERT INTO idempotency_records
+                     (tenant, scope, key, state, fingerprint, owner_token, is_error, result,
+                      lease_expires_at, expires_at, created_at, updated_at)
+                 VALUES ($1, 'pg_edges.purge', $2, $3, NULL, $4, FALSE, $5, $6, $7, $7, $7)",
+            )
+            .bind(&tenant)
+            .bind(key)
+            .bind(state)
+            .bind((state == "in_progress").then(|| OwnerToken::new().as_str().to_owned()))
+            .bind((state == "complete").then_some(&b"1"[..]))
+            .bind(lease)
+            .bind(expires)
+            .execute(store.pool())
+            .await
+            .expect("plant");
+        }
+        let (held, leased) = (identity("held"), identity("leased"));
+        let others = ["complete-1", "complete-2", "complete-3", "abandoned"].map(identity);
 
-    let mut holder = store.pool().begin().await.expect("begin");
-    sqlx::query(
-        "SELECT state FROM idempotency_records
-          WHERE tenant = $1 AND scope = $2 AND key = $3 FOR UPDATE",
-    )
-    .bind(held.tenant())
-    .bind(held.scope())
-    .bind(held.key())
-    .fetch_one(&mut *holder)
-    .await
-    .expect("lock the oldest expired row");
-
-    purge_until_gone(&guarded, &others.iter().collect::<Vec<_>>()).await;
-    assert!(
-        store.fetch(&held).await.expect("fetch").is_some(),
-        "the held row is left alone"
-    );
-    holder.rollback().await.expect("rollback");
-    purge_until_gone(&guarded, &[&held]).await;
-    assert!(
-        store.fetch(&leased).await.expect("fetch").is_some(),
-        "a live lease is never purged, even past its ttl"
-    );
-    sqlx::query("DELETE FROM idempotency_records WHERE tenant = $1")
-        .bind(&tenant)
-        .execute(store.pool())
+        let mut holder = store.pool().begin().await.expect("begin");
+        sqlx::query(
+            "SELECT state FROM idempotency_records
+              WHERE tenant = $1 AND scope = $2 AND key = $3 FOR UPDATE",
+        )
+        .bind(held.tenant())
+        .bind(held.scope())
+        .bind(held.key())
+        .fetch_one(&mut *holder)
         .await
-        .expect("clean up");
+        .expect("lock the oldest expired row");
+
+        purge_until_gone(&guarded, &others.iter().collect::<Vec<_>>()).await;
+        assert!(
+            store.fetch(&held).await.expect("fetch").is_some(),
+            "the held row is left alone"
+        );
+        holder.rollback().await.expect("rollback");
+        purge_until_gone(&guarded, &[&held]).await;
+        assert!(
+            store.fetch(&leased).await.expect("fetch").is_some(),
+            "a live lease is never purged, even past its ttl"
+        );
+        store.pool().close().await;
+        guarded.pool().close().await;
+    })
+    .await;
 }
 
 /// The body of [`dropped_in_flight`]'s calls: counts its runs.

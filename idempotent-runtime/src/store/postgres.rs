@@ -956,10 +956,10 @@ const UNFAITHFUL_ENCODING_CODE: &str = "IE001";
 /// transaction status is sqlx's private state; README).
 const LEFT_IN_A_TRANSACTION_CODE: &str = "IE002";
 
-/// What a reservation on such a connection is told.
+/// What a reservation, a fenced write or a mark on such a connection is told
+/// (and logs): whatever that transaction did, it was left open.
 const LEFT_IN_A_TRANSACTION: &str = "the pool handed over a connection left inside a \
-     transaction that other code began, wrote or failed in, and never ended (a BEGIN without \
-     COMMIT or ROLLBACK)";
+     transaction that other code began and never ended (a BEGIN without COMMIT or ROLLBACK)";
 
 /// `in_failed_sql_transaction`: the connection is inside a transaction
 /// other code began and left after a statement of its own failed there (a
