@@ -356,7 +356,7 @@ impl Statements {
 /// renewal would be seen by nobody else and roll back with that
 /// transaction: the record would stay in progress, and once its lease ran
 /// out a retry would run the body again. The write that matched nothing is
-/// told apart from a takeover by [`unless_left_open`].
+/// told apart from a takeover by [`not_owner_unless_the_connection_is_why`].
 ///
 /// The check is a sub-`SELECT` (an init plan, evaluated once, before the
 /// write), not the bare function: a write that waits for the row while
@@ -961,13 +961,23 @@ const LEFT_IN_A_TRANSACTION_CODE: &str = "IE002";
 const LEFT_IN_A_TRANSACTION: &str = "the pool handed over a connection left inside a \
      transaction that other code began and never ended (a BEGIN without COMMIT or ROLLBACK)";
 
-/// `in_failed_sql_transaction`: the connection is inside a transaction
-/// other code began and left after a statement of its own failed there (a
-/// plain `BEGIN`, then the early return the error took). Every statement
-/// fails there until the transaction ends, and the connection still answers
-/// the pool's ping: handed back, it failed every call the pool gave it.
-/// Nothing was written; told and handled as [`LEFT_IN_A_TRANSACTION_CODE`].
-const IN_FAILED_TRANSACTION_CODE: &str = "25P02";
+/// PostgreSQL's SQLSTATE for a statement sent in a transaction a failed
+/// statement aborted (`in_failed_sql_transaction`). On a connection of the
+/// shared pool it is a transaction other code began and left after a
+/// statement of its own failed there (a plain `BEGIN`, then the early return
+/// the error took): every statement fails there until the transaction ends,
+/// and the connection still answers the pool's ping, so handed back it
+/// failed every call the pool gave it. Nothing was written; told and handled
+/// as [`LEFT_IN_A_TRANSACTION_CODE`]. In transactional mode it is the
+/// caller's transaction, aborted by a statement of the body.
+const IN_FAILED_TRANSACTION: &str = "25P02";
+
+/// Whether the statement behind `e` was refused in an aborted transaction
+/// ([`IN_FAILED_TRANSACTION`]).
+fn failed_in_an_aborted_transaction(e: &StoreError) -> bool {
+    matches!(e.source.downcast_ref::<sqlx::Error>(),
+        Some(sqlx::Error::Database(d)) if d.code().as_deref() == Some(IN_FAILED_TRANSACTION))
+}
 
 /// How many connections a reservation tries when each was left inside such
 /// a transaction (each is closed).
@@ -992,34 +1002,9 @@ impl std::fmt::Display for LeftInATransaction {
 impl std::error::Error for LeftInATransaction {}
 
 /// Whether `e` is [`LeftInATransaction`], or a statement refused inside a
-/// transaction that failed ([`IN_FAILED_TRANSACTION_CODE`]).
+/// transaction that failed ([`IN_FAILED_TRANSACTION`]).
 fn is_left_in_a_transaction(e: &StoreError) -> bool {
-    e.source.downcast_ref::<LeftInATransaction>().is_some()
-        || matches!(e.source.downcast_ref::<sqlx::Error>(),
-            Some(sqlx::Error::Database(d)) if d.code().as_deref() == Some(IN_FAILED_TRANSACTION_CODE))
-}
-
-/// A store-mode fenced write that matched nothing
-/// ([`outside_a_transaction_left_open`]): on a connection left inside a
-/// transaction other code began, [`LeftInATransaction`] (its connection is
-/// closed and the write sent again on another), not a takeover. Also when
-/// that transaction only read: under `REPEATABLE READ` its snapshot may be
-/// older than the record, which the write then did not see (the caller was
-/// told its lease was lost while the record was still its own). Asked with
-/// [`started_before_this_statement`], which sees any transaction left open
-/// (a transaction id, asked with the extended protocol, sees only one that
-/// wrote). One more round trip, paid only by a write that matched nothing.
-async fn unless_left_open(
-    conn: &mut sqlx::PgConnection,
-    operation: &'static str,
-    written: Fenced,
-) -> Result<Fenced, StoreError> {
-    if written == Fenced::NotOwner
-        && let Ok(true) = started_before_this_statement(conn).await
-    {
-        return Err(StoreError::new(STORE, operation, LeftInATransaction));
-    }
-    Ok(written)
+    e.source.downcast_ref::<LeftInATransaction>().is_some() || failed_in_an_aborted_transaction(e)
 }
 
 /// The store's fallback for what needs a decision under the row lock: the
@@ -1294,7 +1279,7 @@ fn left_in_a_transaction(answer: &Result<Answer, sqlx::Error>) -> bool {
         Ok(Answer::LeftInATransaction) => true,
         Err(sqlx::Error::Database(e)) => matches!(
             e.code().as_deref(),
-            Some(LEFT_IN_A_TRANSACTION_CODE | IN_FAILED_TRANSACTION_CODE)
+            Some(LEFT_IN_A_TRANSACTION_CODE | IN_FAILED_TRANSACTION)
         ),
         _ => false,
     }
@@ -1407,35 +1392,67 @@ async fn fenced<'e, E: Executor<'e, Database = Postgres>>(
     Ok(Fenced::from_owned(done.rows_affected() == 1))
 }
 
-/// A fenced write that matched nothing (`NotOwner`) on a connection whose
-/// `client_encoding` changed the identity it named ([`reads_text_as_sent!`];
-/// code sharing the pool left it there after the reservation): told as
-/// that, not as a takeover. The record is still the caller's; a completion
-/// that fails is recorded by the store's worker, on connections of its own.
-/// The one more round trip is paid only by a write that matched nothing.
-async fn owned_unless_unfaithful(
+/// Whose transaction a fenced write ran in.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum WrittenIn {
+    /// Its own (store mode): the connection should be outside any
+    /// transaction.
+    OwnTransaction,
+    /// The caller's (transactional mode).
+    CallersTransaction,
+}
+
+/// A fenced write that matched nothing (`NotOwner`), told apart from a
+/// takeover when the connection is why, in one more round trip (a
+/// simple-protocol query, paid only by a write that matched nothing):
+/// * store mode, on a connection left inside a transaction other code
+///   began ([`outside_a_transaction_left_open`]): [`LeftInATransaction`]
+///   (its connection is closed and the write sent again on another). Also
+///   when that transaction only read: under `REPEATABLE READ` its snapshot
+///   may be older than the record, which the write then did not see (the
+///   caller was told its lease was lost while the record was still its
+///   own). The transaction's start is asked ([`started_before_this_statement`]),
+///   which sees any transaction left open (a transaction id, asked with the
+///   extended protocol, sees only one that wrote);
+/// * on a connection whose `client_encoding` changed the identity it named
+///   ([`reads_text_as_sent!`]; code sharing the pool left it there after
+///   the reservation), for a tenant or key outside ASCII: that, not a
+///   takeover. The record is still the caller's; a completion that fails
+///   is recorded by the store's worker, on connections of its own.
+///
+/// A check that fails (an aborted transaction) leaves the answer as it was.
+async fn not_owner_unless_the_connection_is_why(
     conn: &mut sqlx::PgConnection,
     operation: &'static str,
     identity: &Identity,
     written: Fenced,
+    written_in: WrittenIn,
 ) -> Result<Fenced, StoreError> {
     // An ASCII tenant and key read the same in every client encoding.
     let ascii = identity.tenant.is_ascii() && identity.key.is_ascii();
-    if written == Fenced::NotOwner && !ascii {
-        let faithful: Result<bool, sqlx::Error> =
-            sqlx::query_scalar(concat!("SELECT ", reads_text_as_sent!()))
-                .fetch_one(&mut *conn)
-                .await;
-        // A check that fails (an aborted transaction) leaves the answer as it was.
-        if let Ok(false) = faithful {
-            return Err(StoreError::new(
-                STORE,
-                operation,
-                UNFAITHFUL_CLIENT_ENCODING,
-            ));
-        }
+    let own = written_in == WrittenIn::OwnTransaction;
+    if written != Fenced::NotOwner || (ascii && !own) {
+        return Ok(written);
     }
-    Ok(written)
+    let asked: Result<(bool, bool), sqlx::Error> = async {
+        let row: PgRow = conn
+            .fetch_one(concat!(
+                "SELECT transaction_timestamp() <> statement_timestamp(), ",
+                reads_text_as_sent!()
+            ))
+            .await?;
+        Ok((row.try_get(0)?, row.try_get(1)?))
+    }
+    .await;
+    match asked {
+        Ok((true, _)) if own => Err(StoreError::new(STORE, operation, LeftInATransaction)),
+        Ok((_, false)) if !ascii => Err(StoreError::new(
+            STORE,
+            operation,
+            UNFAITHFUL_CLIENT_ENCODING,
+        )),
+        _ => Ok(written),
+    }
 }
 
 /// How many times a store-mode fenced write that failed with
@@ -1590,8 +1607,14 @@ impl Store for PgStore {
             |conn| async move {
                 let written =
                     complete_with(&mut *conn, &self.statements.complete, completion).await?;
-                let written = unless_left_open(conn, "complete", written).await?;
-                owned_unless_unfaithful(conn, "complete", completion.identity, written).await
+                not_owner_unless_the_connection_is_why(
+                    conn,
+                    "complete",
+                    completion.identity,
+                    written,
+                    WrittenIn::OwnTransaction,
+                )
+                .await
             }
         )
     }
@@ -1648,8 +1671,14 @@ impl Store for PgStore {
             |conn| async move {
                 let written =
                     release_with(&mut *conn, &self.statements.release, identity, token).await?;
-                let written = unless_left_open(conn, "release", written).await?;
-                owned_unless_unfaithful(conn, "release", identity, written).await
+                not_owner_unless_the_connection_is_why(
+                    conn,
+                    "release",
+                    identity,
+                    written,
+                    WrittenIn::OwnTransaction,
+                )
+                .await
             }
         )
     }
@@ -1667,8 +1696,14 @@ impl Store for PgStore {
             |conn| async move {
                 let statement = &self.statements.heartbeat;
                 let written = heartbeat_with(&mut *conn, statement, identity, token, lease).await?;
-                let written = unless_left_open(conn, "heartbeat", written).await?;
-                owned_unless_unfaithful(conn, "heartbeat", identity, written).await
+                not_owner_unless_the_connection_is_why(
+                    conn,
+                    "heartbeat",
+                    identity,
+                    written,
+                    WrittenIn::OwnTransaction,
+                )
+                .await
             }
         )
     }
@@ -1798,10 +1833,6 @@ crate::transaction::transactional_connection! {
     }
 }
 
-/// PostgreSQL's SQLSTATE for a statement sent in a transaction a failed
-/// statement aborted.
-const IN_FAILED_TRANSACTION: &str = "25P02";
-
 /// Transactional mode's release: [`release_with`] in the caller's
 /// transaction. One that a failed statement in the body aborted (SQLSTATE
 /// 25P02) runs no more statements, and can only end in a rollback (its
@@ -1814,14 +1845,12 @@ async fn release_in_transaction(
     token: &OwnerToken,
 ) -> Result<Fenced, StoreError> {
     match release_with(&mut *conn, RELEASE_SQL, identity, token).await {
-        Err(e)
-            if e.source.downcast_ref::<sqlx::Error>().is_some_and(|e| {
-                matches!(e, sqlx::Error::Database(db) if db.code().as_deref() == Some(IN_FAILED_TRANSACTION))
-            }) =>
-        {
-            Ok(Fenced::Written)
+        Err(e) if failed_in_an_aborted_transaction(&e) => Ok(Fenced::Written),
+        Ok(written) => {
+            let callers = WrittenIn::CallersTransaction;
+            not_owner_unless_the_connection_is_why(conn, "release", identity, written, callers)
+                .await
         }
-        Ok(written) => owned_unless_unfaithful(conn, "release", identity, written).await,
         other => other,
     }
 }
@@ -1835,7 +1864,8 @@ async fn heartbeat_in_transaction(
     lease: Duration,
 ) -> Result<Fenced, StoreError> {
     let written = heartbeat_with(&mut *conn, HEARTBEAT_SQL, identity, token, lease).await?;
-    owned_unless_unfaithful(conn, "heartbeat", identity, written).await
+    let callers = WrittenIn::CallersTransaction;
+    not_owner_unless_the_connection_is_why(conn, "heartbeat", identity, written, callers).await
 }
 
 /// Transactional mode's completion: [`complete_with`] in the caller's
@@ -1850,15 +1880,14 @@ async fn complete_in_transaction(
     completion: Completion<'_>,
 ) -> Result<Fenced, StoreError> {
     match complete_with(&mut *conn, COMPLETE_SQL, completion).await {
-        Err(e)
-            if completion.outcome.is_error
-                && e.source.downcast_ref::<sqlx::Error>().is_some_and(|e| {
-                    matches!(e, sqlx::Error::Database(db) if db.code().as_deref() == Some(IN_FAILED_TRANSACTION))
-                }) =>
-        {
+        Err(e) if completion.outcome.is_error && failed_in_an_aborted_transaction(&e) => {
             Ok(Fenced::Written)
         }
-        Ok(written) => owned_unless_unfaithful(conn, "complete", completion.identity, written).await,
+        Ok(written) => {
+            let (identity, callers) = (completion.identity, WrittenIn::CallersTransaction);
+            not_owner_unless_the_connection_is_why(conn, "complete", identity, written, callers)
+                .await
+        }
         other => other,
     }
 }
