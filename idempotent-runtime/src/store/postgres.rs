@@ -1980,18 +1980,15 @@ pub fn wait_key(identity: &Identity) -> String {
 /// and the plain read beside it tells a changed record from a locked one,
 /// and a record another waiter has marked already (`waiting`): its next
 /// change notifies too, so many waiters on one key, whose marks lock the row
-/// in turn, wait for the notification instead of polling. On a connection
-/// left inside a transaction other code began and wrote in (a transaction id
-/// already assigned), nothing is marked nor locked (the waiter polls): the
-/// mark's row lock would stay in that transaction, the connection idle in the
-/// pool, and the owner's completion, a takeover and every renewal would wait
-/// behind it.
+/// in turn, wait for the notification instead of polling. Sent only on a
+/// connection outside any transaction ([`mark_waiting`]): in one other code
+/// left open, the mark's row lock would stay for as long as the connection
+/// sat in the pool.
 const MARK_WAITING_SQL: &str = "\
 WITH marked AS (
     UPDATE idempotency_records SET waiting = TRUE
      WHERE ctid = (SELECT ctid FROM idempotency_records
                     WHERE tenant = $1 AND scope = $2 AND key = $3 AND state = 'in_progress'
-                      AND (SELECT txid_current_if_assigned() IS NULL)
                     FOR NO KEY UPDATE SKIP LOCKED)
     RETURNING idempotency_wait_key(tenant, scope, key) AS wait_key,
               lease_expires_at - idempotency_now_ms() AS lease_remaining_ms)
