@@ -45,10 +45,13 @@ use tokio::time::Instant;
 /// A single call that takes longer than this has hung.
 const CALL_LIMIT: Duration = Duration::from_secs(60);
 /// A call whose statement goes out on a connection gone silent, given up by
-/// the store's bound on a caller's statement (20 s past the statement's lock
-/// waits), takes longer than this only if it hangs. No test asserts the
-/// bound's duration.
+/// the store's bound on a caller's statement (its silent-connection timeout
+/// past the statement's lock waits), takes longer than this only if it
+/// hangs. No test asserts the bound's duration.
 const SILENT_CALL_LIMIT: Duration = Duration::from_secs(120);
+/// The silent-connection timeout of the proxied store in the scenarios that
+/// silence a connection (`with_silent_connection_timeout`; 20 s by default).
+const SILENT_AFTER: Duration = Duration::from_secs(2);
 /// A whole scenario that takes longer than this has hung.
 const SCENARIO_LIMIT: Duration = Duration::from_secs(240);
 /// The proxied pool's acquire timeout: a pool that cannot get a connection says so.
@@ -221,9 +224,22 @@ fn comparable(mut snapshot: RecordSnapshot) -> RecordSnapshot {
 
 impl Rig {
     async fn postgres(test: &'static str) -> Option<Rig> {
+        Rig::postgres_silent_after(test, None).await
+    }
+
+    /// The same, the proxied store giving a connection up as silent after
+    /// `silent_after` (`None`: the store's default).
+    async fn postgres_silent_after(
+        test: &'static str,
+        silent_after: Option<Duration>,
+    ) -> Option<Rig> {
         let direct = pg_store_or_skip().await?;
         let pool = DirectPool::Postgres(direct.pool().clone());
         let (proxy, store) = through_a_proxy::postgres(2).await?;
+        let store = match silent_after {
+            Some(timeout) => store.with_silent_connection_timeout(timeout),
+            None => store,
+        };
         Some(
             Rig::new(
                 "postgres",
@@ -236,19 +252,22 @@ impl Rig {
         )
     }
 
-    async fn mariadb(test: &'static str) -> Option<Rig> {
-        Rig::mariadb_waiting_for_locks(test, None).await
-    }
-
-    /// The same, the proxied pool's sessions waiting `lock_wait_s` for a
-    /// row lock (`innodb_lock_wait_timeout`; `None`: the server's).
+    /// The same on MariaDB, the proxied pool's sessions waiting `lock_wait_s` for a
+    /// row lock (`innodb_lock_wait_timeout`; `None`: the server's), the
+    /// proxied store giving a connection up as silent after `silent_after`
+    /// (`None`: the store's default).
     async fn mariadb_waiting_for_locks(
         test: &'static str,
         lock_wait_s: Option<u32>,
+        silent_after: Option<Duration>,
     ) -> Option<Rig> {
         let direct = mysql_store_or_skip().await?;
         let pool = DirectPool::MariaDb(direct.pool().clone());
         let (proxy, store) = through_a_proxy::mariadb_waiting_for_locks(2, lock_wait_s).await?;
+        let store = match silent_after {
+            Some(timeout) => store.with_silent_connection_timeout(timeout),
+            None => store,
+        };
         Some(
             Rig::new(
                 "mariadb",
@@ -717,18 +736,23 @@ async fn run(rig: &Rig, scenario: impl Future<Output = ()>) {
 }
 
 macro_rules! on_both_servers {
-    ($($name:ident),* $(,)?) => {$(
+    ($($name:ident),* $(,)?) => {
+        on_both_servers!(silent_after = None; $($name),*);
+    };
+    (silent_after = $silent_after:expr; $($name:ident),* $(,)?) => {$(
         mod $name {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn postgres() {
-                if let Some(rig) = super::Rig::postgres(stringify!($name)).await {
+                let (test, silent_after) = (stringify!($name), $silent_after);
+                if let Some(rig) = super::Rig::postgres_silent_after(test, silent_after).await {
                     super::run(&rig, super::$name(&rig)).await;
                 }
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn mariadb() {
-                if let Some(rig) = super::Rig::mariadb(stringify!($name)).await {
+                let (test, silent_after) = (stringify!($name), $silent_after);
+                if let Some(rig) = super::Rig::mariadb_waiting_for_locks(test, None, silent_after).await {
                     super::run(&rig, super::$name(&rig)).await;
                 }
             }
@@ -747,11 +771,17 @@ on_both_servers!(
     outage_outlasting_the_lease_retried_in_a_transaction,
     an_unrecorded_answer_never_answers_another_request,
     completion_hanging_past_the_lease,
-    worker_write_on_a_connection_gone_silent,
-    reservation_on_a_connection_gone_silent,
     dropped_while_reservation_answer_stalled,
     dropped_while_reservation_request_stalled,
     slow_connection,
+);
+
+// The scenarios that silence a connection wait for the store to give it up:
+// a short silent-connection timeout ends them in seconds.
+on_both_servers!(
+    silent_after = Some(super::SILENT_AFTER);
+    worker_write_on_a_connection_gone_silent,
+    reservation_on_a_connection_gone_silent,
 );
 
 // ---------------------------------------------------------------- scenarios
@@ -1866,13 +1896,18 @@ mod through_a_proxy {
     }
 }
 
-/// [`completion_on_a_connection_gone_silent`] on both servers; on MariaDB
-/// the sessions wait 2 s for a row lock instead of the server's 50 s, so the
-/// completion's bound (20 s past the lock wait) gives it up sooner.
+/// [`completion_on_a_connection_gone_silent`] on both servers, the store
+/// giving a connection up as silent after [`SILENT_AFTER`]; on MariaDB the
+/// sessions wait 2 s for a row lock instead of the server's 50 s, so the
+/// completion's bound (the silent-connection timeout past the lock wait)
+/// gives it up sooner.
 mod completion_on_a_connection_gone_silent {
+    use super::SILENT_AFTER;
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn postgres() {
-        if let Some(rig) = super::Rig::postgres("completion_on_a_connection_gone_silent").await {
+        let test = "completion_on_a_connection_gone_silent";
+        if let Some(rig) = super::Rig::postgres_silent_after(test, Some(SILENT_AFTER)).await {
             super::run(&rig, super::completion_on_a_connection_gone_silent(&rig)).await;
         }
     }
@@ -1880,7 +1915,8 @@ mod completion_on_a_connection_gone_silent {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn mariadb() {
         let test = "completion_on_a_connection_gone_silent";
-        if let Some(rig) = super::Rig::mariadb_waiting_for_locks(test, Some(2)).await {
+        let rig = super::Rig::mariadb_waiting_for_locks(test, Some(2), Some(SILENT_AFTER));
+        if let Some(rig) = rig.await {
             super::run(&rig, super::completion_on_a_connection_gone_silent(&rig)).await;
         }
     }
@@ -1890,18 +1926,19 @@ mod completion_on_a_connection_gone_silent {
 /// allows: on MariaDB a completion waits for a row lock as long as the
 /// sessions' `innodb_lock_wait_timeout` (50 s by default), and the bound
 /// counts from the end of that. Another transaction holds the record's row
-/// as the body returns, for longer than the 20 s a silent statement gets
-/// (`detached::ATTEMPT_ANSWERS_WITHIN`), then commits: the completion lands
-/// and the call answers with the body's result (given up at 20 s, it
-/// answered `Error::Store`).
+/// as the body returns, for longer than the [`SILENT_AFTER`] a silent
+/// statement gets (the store's silent-connection timeout), then commits:
+/// the completion lands and the call answers with the body's result (given
+/// up at the timeout, it answered `Error::Store`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mariadb_a_completion_waiting_for_a_row_lock_is_not_given_up() {
     let test = "a_completion_waiting_for_a_row_lock_is_not_given_up";
-    let Some(rig) = Rig::mariadb(test).await else {
+    let Some(rig) = Rig::mariadb_waiting_for_locks(test, None, Some(SILENT_AFTER)).await else {
         return;
     };
     let key = rig.key("locked");
-    rig.plan(&key, Plan::HoldTheRowAfterTheBody(Duration::from_secs(23)));
+    let held = SILENT_AFTER + Duration::from_secs(3);
+    rig.plan(&key, Plan::HoldTheRowAfterTheBody(held));
     let (answer, outcome) = rig.call_on_a_silent_connection(&key).await;
     let runs = rig.runs(&key);
     assert_eq!(runs.len(), 1, "the body ran once");

@@ -87,8 +87,18 @@ pub(crate) const COMPLETE_TRIED_FOR: Duration = Duration::from_secs(3600);
 /// two such attempts filling the worker's pool (unrecorded-answers hunt). A
 /// statement given up may still land later; every write is fenced by its
 /// owner token, so a late one changes nothing the next attempt did not.
+/// The default: stores set their own (`with_silent_connection_timeout`).
 #[cfg(any(feature = "postgres", feature = "mysql", test))]
 pub(crate) const ATTEMPT_ANSWERS_WITHIN: Duration = Duration::from_secs(20);
+
+/// The shortest bound on a worker's attempt ([`Detached::set_attempt_limit`]):
+/// the worker's 10 s row-lock wait, which the server ends itself, and 2 s
+/// for its answer to arrive.
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+const SHORTEST_ATTEMPT_LIMIT: Duration = Duration::from_secs(12);
+
+/// [`Detached::attempt_limit_ms`] when attempts have no bound.
+const NO_ATTEMPT_LIMIT: u64 = u64::MAX;
 
 /// What the worker does for one dropped call.
 #[derive(Debug, Clone)]
@@ -125,11 +135,12 @@ pub(crate) struct Detached {
     /// call was dropped (its lock waits): a release or an end of lease
     /// that finds nothing is tried again for at least this long.
     lands_within_ms: std::sync::atomic::AtomicU64,
-    /// How long an attempt may go unanswered before it is given up and
-    /// tried again ([`ATTEMPT_ANSWERS_WITHIN`] for
-    /// a database server's worker); `None`: no bound (SQLite, whose busy
-    /// timeout bounds every write and whose connections cannot go silent).
-    attempt_limit: Option<Duration>,
+    /// How long, in ms, an attempt may go unanswered before it is given up
+    /// and tried again ([`ATTEMPT_ANSWERS_WITHIN`] unless the store was
+    /// given another, for a database server's worker); [`NO_ATTEMPT_LIMIT`]:
+    /// no bound (SQLite, whose busy timeout bounds every write and whose
+    /// connections cannot go silent).
+    attempt_limit_ms: std::sync::atomic::AtomicU64,
 }
 
 /// How many handed-over jobs are not finished yet, and a wake-up for
@@ -190,17 +201,25 @@ impl Detached {
             state: Mutex::new(State::Idle(Some(open))),
             unfinished: Arc::default(),
             lands_within_ms: std::sync::atomic::AtomicU64::new(0),
-            attempt_limit: None,
+            attempt_limit_ms: std::sync::atomic::AtomicU64::new(NO_ATTEMPT_LIMIT),
         }
     }
 
     /// An attempt unanswered for `limit` is given up as failed and tried
     /// again: for a worker whose connections can go silent (a database
-    /// server's).
+    /// server's). The store's clones share the worker: the limit set last
+    /// holds for the jobs handed over after it.
+    ///
+    /// Never under [`SHORTEST_ATTEMPT_LIMIT`]: the worker's writes wait up
+    /// to 10 s for a row lock (the server ends that wait), and an attempt
+    /// cut sooner would leave its statement waiting on the server, one more
+    /// per attempt.
     #[cfg(any(feature = "postgres", feature = "mysql"))]
-    pub(crate) fn with_attempt_limit(mut self, limit: Duration) -> Self {
-        self.attempt_limit = Some(limit);
-        self
+    pub(crate) fn set_attempt_limit(&self, limit: Duration) {
+        let limit = limit.max(SHORTEST_ATTEMPT_LIMIT);
+        let ms = u64::try_from(limit.as_millis()).unwrap_or(u64::MAX - 1);
+        self.attempt_limit_ms
+            .store(ms.min(NO_ATTEMPT_LIMIT - 1), Ordering::Relaxed);
     }
 
     /// Says that a reservation statement of the store may land as late as
@@ -262,9 +281,10 @@ impl Detached {
         self.unfinished.count.fetch_add(1, Ordering::SeqCst);
         let lands_within =
             Duration::from_millis(self.lands_within_ms.load(Ordering::Relaxed)).min(LONGEST_SEARCH);
-        let answers_within = self
-            .attempt_limit
-            .map(|limit| limit + transfer_allowance(&work));
+        let answers_within = match self.attempt_limit_ms.load(Ordering::Relaxed) {
+            NO_ATTEMPT_LIMIT => None,
+            ms => Some(Duration::from_millis(ms).saturating_add(transfer_allowance(&work))),
+        };
         let job = Job {
             identity,
             token,
@@ -548,6 +568,25 @@ pub(crate) use hand_over_to_the_worker;
 mod tests {
     use super::*;
     use std::sync::atomic::{AtomicUsize, Ordering};
+
+    /// A store's silent-connection timeout bounds its worker's attempts, but
+    /// never below the worker's own row-lock wait (which the server ends):
+    /// cut sooner, an attempt would leave its statement waiting on the server.
+    #[cfg(any(feature = "postgres", feature = "mysql"))]
+    #[test]
+    fn a_workers_attempts_are_never_cut_before_its_own_lock_wait_ends() {
+        let worker = Detached::new("test", Box::new(|| -> WriteFn { unreachable!() }));
+        let limit = |worker: &Detached| worker.attempt_limit_ms.load(Ordering::Relaxed);
+        assert_eq!(
+            limit(&worker),
+            NO_ATTEMPT_LIMIT,
+            "no bound until a store sets one"
+        );
+        worker.set_attempt_limit(Duration::from_secs(2));
+        assert_eq!(limit(&worker), 12_000);
+        worker.set_attempt_limit(Duration::from_secs(30));
+        assert_eq!(limit(&worker), 30_000);
+    }
 
     /// An answer of a call's body, kept for an hour.
     fn an_answer() -> crate::store::Answer {

@@ -164,7 +164,7 @@ const TABLE: &str = "idempotency_records";
 /// retry ran the body again. Built once, when the store opens: a call
 /// sends the same statements as before, with the database in front of the
 /// names.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 struct Names {
     /// The records table (`` `db`.idempotency_records ``).
     table: String,
@@ -200,10 +200,14 @@ struct Names {
 /// was refused with a lock wait timeout. The records table, not another of
 /// the store's: a session left with `LOCK TABLES idempotency_records` may
 /// read no table the lock does not name.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 struct SessionCheck {
     mariadb: String,
     mysql8: String,
+    /// How long the store's statements on a checked session may go
+    /// unanswered before its connection is given up as silent
+    /// ([`MySqlStore::with_silent_connection_timeout`]).
+    silent_after: Duration,
 }
 
 impl SessionCheck {
@@ -212,6 +216,7 @@ impl SessionCheck {
         SessionCheck {
             mariadb: SESSION_CHECK_SQL.replace(TABLE, table),
             mysql8: SESSION_CHECK_MYSQL8_SQL.replace(TABLE, table),
+            silent_after: detached::ATTEMPT_ANSWERS_WITHIN,
         }
     }
 }
@@ -322,6 +327,48 @@ impl MySqlStore {
         })
     }
 
+    /// Sets how long a statement may go unanswered by the server before the
+    /// store gives its connection up as silent (default 20 s): a frozen or
+    /// stalled server, or a network that drops its packets without closing
+    /// the connection, would otherwise hold the call for as long as TCP keeps
+    /// the connection. The statement is given up and its connection closed,
+    /// and the call fails with [`Error::Store`] (a
+    /// result being recorded is handed to the store's background worker,
+    /// which tries again on new connections, each attempt bounded the same
+    /// way). Waits the statement may rightly have on the server come on top:
+    /// its row-lock wait (the sessions' `innodb_lock_wait_timeout` for a
+    /// completion, a release or a renewal) and, for a large result, a second
+    /// for every 256 KiB. A statement given up may still land; every write
+    /// is fenced by its owner token.
+    ///
+    /// Set it below your request deadline so a call fails in time to be
+    /// retried; keep it above the slowest answer your server gives under
+    /// load. The store's clones share one background worker: its attempts
+    /// use the timeout set last, and never less than 12 s (its writes wait
+    /// up to 10 s for a row lock, a wait the server ends itself).
+    ///
+    /// ```no_run
+    /// # async fn f(store: idempotent_runtime::MySqlStore) {
+    /// let store = store.with_silent_connection_timeout(std::time::Duration::from_secs(5));
+    /// # }
+    /// ```
+    pub fn with_silent_connection_timeout(mut self, timeout: Duration) -> Self {
+        let mut names = (*self.names).clone();
+        names.check = std::sync::Arc::new(SessionCheck {
+            silent_after: timeout,
+            ..(*names.check).clone()
+        });
+        self.names = std::sync::Arc::new(names);
+        self.detached.set_attempt_limit(timeout);
+        self
+    }
+
+    /// How long a statement may go unanswered before its connection is given
+    /// up as silent ([`with_silent_connection_timeout`](Self::with_silent_connection_timeout)).
+    pub fn silent_connection_timeout(&self) -> Duration {
+        self.names.check.silent_after
+    }
+
     /// The pool the store was opened with. Calls on the runtime it was opened
     /// on use it; calls on other runtimes use a pool of their runtime's own,
     /// made with the same options (a connection belongs to the runtime that
@@ -346,16 +393,17 @@ impl MySqlStore {
 ///
 /// Each of the two is given up when the server leaves it unanswered for
 /// `$waits` (its row-lock wait, and a completion's transfer allowance) past
-/// `detached::ATTEMPT_ANSWERS_WITHIN`, its connection closed
-/// ([`server::answered_within`]).
+/// the check's `silent_after` (the store's silent-connection timeout), its
+/// connection closed ([`server::answered_within`]).
 macro_rules! committed {
     ($pool:expr, $check:expr, $op:literal, $waits:expr, |$on:ident, $commit:ident| $write:expr) => {{
         let pool: &MySqlPool = $pool;
-        let waits: Duration = $waits;
+        let check: &std::sync::Arc<SessionCheck> = $check;
+        let (silent_after, waits): (Duration, Duration) = (check.silent_after, $waits);
         let mut first = ClosedIfDropped::acquire(pool).await.map_err(err($op))?;
         let done = {
             let ($on, $commit) = (&mut *first, Commit::Autocommit);
-            server::answered_within(waits, $write)
+            server::answered_within(silent_after, waits, $write)
                 .await
                 .map_err(err($op))?
         };
@@ -364,10 +412,10 @@ macro_rules! committed {
         if done.is_written() {
             Ok(done)
         } else {
-            let mut conn = clean_connection(pool, Some($check)).await?;
+            let mut conn = clean_connection(pool, Some(check)).await?;
             // Every answer hands the connection back (a deadlock or a lock
             // wait that ran out rolls the transaction back; it answered).
-            let done = server::answered_within(waits, async {
+            let done = server::answered_within(silent_after, waits, async {
                 let mut tx = sqlx::Connection::begin(&mut *conn)
                     .await
                     .map_err(err($op))?;
@@ -493,6 +541,7 @@ async fn checked_session(
     // error drops the connection, closed.
     type Asked = (i64, i64, i64, i64, Option<i64>);
     let asked: Result<Asked, sqlx::Error> = server::answered_within(
+        check.silent_after,
         Duration::ZERO,
         sqlx::query_as(&check.mariadb).fetch_one(&mut *conn),
     )
@@ -526,7 +575,7 @@ async fn checked_session(
 }
 
 /// What the worker's writes pass [`committed!`] as their waits: no bound of
-/// their own, the worker bounds each attempt (`Detached::with_attempt_limit`).
+/// their own, the worker bounds each attempt (`Detached::set_attempt_limit`).
 const WORKER_WAITS: Duration = Duration::MAX;
 
 /// The longest a write of the store's worker waits for a row lock, in
@@ -980,6 +1029,7 @@ async fn insert_or_read(
         .map_err(err("reserve"))?;
     // No row-lock wait (`innodb_lock_wait_timeout = 0` for the statement).
     let found = server::answered_within(
+        names.check.silent_after,
         Duration::ZERO,
         bind_request(sqlx::query(&names.insert_or_read), request).fetch_all(&mut *conn),
     )
@@ -1056,9 +1106,14 @@ async fn plain_read(
     names: &Names,
     request: ReserveRequest<'_>,
 ) -> Result<Result<Option<Reservation>, StoreError>, StoreError> {
-    let answered = server::answered_within(Duration::ZERO, read_answer(conn, names, request))
-        .await
-        .map_err(err("reserve"))?;
+    let silent_after = names.check.silent_after;
+    let answered = server::answered_within(
+        silent_after,
+        Duration::ZERO,
+        read_answer(conn, names, request),
+    )
+    .await
+    .map_err(err("reserve"))?;
     Ok(answered)
 }
 
@@ -1201,6 +1256,7 @@ async fn reserve_through_the_procedure(
     // It waits `STORE_LOCK_WAIT_S` in all, for the identity's `GET_LOCK`
     // and then for the row.
     let answer = server::answered_within(
+        names.check.silent_after,
         Duration::from_secs(STORE_LOCK_WAIT_S),
         reserve_with(&mut conn, &names.reserve, request, STORE_LOCK_WAIT_S, true),
     )
@@ -1566,6 +1622,7 @@ impl Store for MySqlStore {
         let mut conn = connection_for_a_read(&self.pools.current(), &self.names.check).await?;
         // A plain read: no lock wait.
         let row = server::answered_within(
+            self.names.check.silent_after,
             Duration::ZERO,
             sqlx::query(&sql)
                 .bind(identity.tenant.as_bytes())

@@ -98,6 +98,9 @@ const MIGRATION_LOCK: i64 = 0x6964_656d_706f_746e;
 pub struct PgStore {
     pools: std::sync::Arc<server::RuntimePools<Postgres>>,
     lock_wait: Duration,
+    /// How long a statement may go unanswered before its connection is
+    /// given up as silent ([`PgStore::with_silent_connection_timeout`]).
+    silent_after: Duration,
     detached: std::sync::Arc<detached::Detached>,
     watcher: std::sync::Arc<Watcher>,
     /// The statements made through the shared pool, naming the schema the
@@ -161,6 +164,7 @@ impl PgStore {
             watcher: std::sync::Arc::new(Watcher::new((*pool.connect_options()).clone())),
             pools: std::sync::Arc::new(server::RuntimePools::new(pool)),
             lock_wait: DEFAULT_LOCK_WAIT,
+            silent_after: detached::ATTEMPT_ANSWERS_WITHIN,
         })
     }
 
@@ -182,6 +186,42 @@ impl PgStore {
     /// How long a reservation waits for a row locked by another transaction.
     pub fn lock_wait(&self) -> Duration {
         self.lock_wait
+    }
+
+    /// Sets how long a statement may go unanswered by the server before the
+    /// store gives its connection up as silent (default 20 s): a frozen or
+    /// stalled server, or a network that drops its packets without closing
+    /// the connection, would otherwise hold the call for as long as TCP keeps
+    /// the connection. The statement is given up and its connection closed,
+    /// and the call fails with [`Error::Store`] (a
+    /// result being recorded is handed to the store's background worker,
+    /// which tries again on new connections, each attempt bounded the same
+    /// way). Waits the statement may rightly have on the server come on top:
+    /// its row-lock wait ([`lock_wait`](Self::lock_wait)) and, for a large
+    /// result, a second for every 256 KiB. A statement given up may still
+    /// land; every write is fenced by its owner token.
+    ///
+    /// Set it below your request deadline so a call fails in time to be
+    /// retried; keep it above the slowest answer your server gives under
+    /// load. The store's clones share one background worker: its attempts
+    /// use the timeout set last, and never less than 12 s (its writes wait
+    /// up to 10 s for a row lock, a wait the server ends itself).
+    ///
+    /// ```no_run
+    /// # async fn f(store: idempotent_runtime::PgStore) {
+    /// let store = store.with_silent_connection_timeout(std::time::Duration::from_secs(5));
+    /// # }
+    /// ```
+    pub fn with_silent_connection_timeout(mut self, timeout: Duration) -> Self {
+        self.silent_after = timeout;
+        self.detached.set_attempt_limit(timeout);
+        self
+    }
+
+    /// How long a statement may go unanswered before its connection is given
+    /// up as silent ([`with_silent_connection_timeout`](Self::with_silent_connection_timeout)).
+    pub fn silent_connection_timeout(&self) -> Duration {
+        self.silent_after
     }
 
     /// The pool the store was opened with. Calls on the runtime it was opened
@@ -498,20 +538,20 @@ fn reservation_lands_within(lock_wait: Duration) -> Duration {
 /// statement sent again has a new snapshot; fenced by the owner token, it
 /// is safe to repeat. Each try takes its connection as [`ClosedIfDropped`]:
 /// a call dropped mid-statement closes it rather than hand it back. A try
-/// the server leaves unanswered for `$waits` past
-/// `detached::ATTEMPT_ANSWERS_WITHIN` fails, its connection closed
-/// ([`server::answered_within`]).
+/// the server leaves unanswered for `$waits` past `$silent_after` (the
+/// store's [`PgStore::silent_connection_timeout`]) fails, its connection
+/// closed ([`server::answered_within`]).
 macro_rules! in_own_transaction {
-    ($pool:expr, $op:literal, $waits:expr, |$conn:ident| $write:expr) => {{
+    ($pool:expr, $op:literal, $silent_after:expr, $waits:expr, |$conn:ident| $write:expr) => {{
         let pool: &PgPool = $pool;
-        let waits: Duration = $waits;
+        let (silent_after, waits): (Duration, Duration) = ($silent_after, $waits);
         let mut tries = 0;
         loop {
             tries += 1;
             let mut guarded = ClosedIfDropped::acquire(pool).await.map_err(err($op))?;
             let answer = {
                 let $conn = &mut *guarded;
-                server::answered_within(waits, $write)
+                server::answered_within(silent_after, waits, $write)
                     .await
                     .map_err(err($op))?
             };
@@ -574,8 +614,8 @@ const WORKER_LOCK_TIMEOUT_SQL: &str = "SELECT set_config('lock_timeout', \
 /// [`in_own_transaction!`]'s connection and tries.
 macro_rules! in_worker_transaction {
     ($pool:expr, $op:literal, |$conn:ident| $write:expr) => {
-        // The worker bounds each attempt itself (`Detached::with_attempt_limit`).
-        in_own_transaction!($pool, $op, Duration::MAX, |conn| async {
+        // The worker bounds each attempt itself (`Detached::set_attempt_limit`).
+        in_own_transaction!($pool, $op, Duration::ZERO, Duration::MAX, |conn| async {
             let mut tx = sqlx::Connection::begin(&mut *conn)
                 .await
                 .map_err(err($op))?;
@@ -1173,15 +1213,16 @@ async fn reserve_autocommit(
     pool: &PgPool,
     sql: &Statements,
     request: ReserveRequest<'_>,
-    lock_wait: Duration,
+    (lock_wait, silent_after): (Duration, Duration),
 ) -> Result<Reservation, StoreError> {
     // Counted apart: lock timeouts used up must not leave a serialization
     // failure (the holder committed while the statement waited) no try.
     let (mut lock_timeouts, mut serialization_failures, mut left_open) = (0, 0, 0);
     let answer = loop {
-        let (answer, allowed) = match reserve_on(pool, &sql.reserve, request, lock_wait).await {
+        let bounds = (lock_wait, silent_after);
+        let (answer, allowed) = match reserve_on(pool, &sql.reserve, request, bounds).await {
             Ok(Answer::Other) => (
-                reserve_on(pool, &sql.reserve_autocommit, request, lock_wait).await,
+                reserve_on(pool, &sql.reserve_autocommit, request, bounds).await,
                 EXPIRED_RECORD_LOCK_TRIES,
             ),
             answer => (answer, LOCK_TIMEOUT_TRIES),
@@ -1246,15 +1287,16 @@ async fn reserve_autocommit(
 /// [`reserve_statement`] on a connection of `pool` closed if the call is
 /// dropped before it answers ([`ClosedIfDropped`]), or if the server leaves
 /// it unanswered past its lock waits ([`reservation_lands_within`]) and
-/// `detached::ATTEMPT_ANSWERS_WITHIN` ([`server::answered_within`]).
+/// `silent_after` ([`server::answered_within`]).
 async fn reserve_on(
     pool: &PgPool,
     sql: &str,
     request: ReserveRequest<'_>,
-    lock_wait: Duration,
+    (lock_wait, silent_after): (Duration, Duration),
 ) -> Result<Answer, sqlx::Error> {
     let mut conn = ClosedIfDropped::acquire(pool).await?;
     let answer = server::answered_within(
+        silent_after,
         reservation_lands_within(lock_wait),
         reserve_statement(sql, &mut *conn, request, lock_wait),
     )
@@ -1590,7 +1632,7 @@ impl Store for PgStore {
             &self.pools.current(),
             &self.statements,
             request,
-            self.lock_wait,
+            (self.lock_wait, self.silent_after),
         )
         .await
     }
@@ -1603,6 +1645,7 @@ impl Store for PgStore {
         in_own_transaction!(
             &self.pools.current(),
             "complete",
+            self.silent_after,
             waits,
             |conn| async move {
                 let written =
@@ -1667,6 +1710,7 @@ impl Store for PgStore {
         in_own_transaction!(
             &self.pools.current(),
             "release",
+            self.silent_after,
             CALLER_WRITE_WAITS,
             |conn| async move {
                 let written =
@@ -1692,6 +1736,7 @@ impl Store for PgStore {
         in_own_transaction!(
             &self.pools.current(),
             "heartbeat",
+            self.silent_after,
             RENEWAL_WAITS,
             |conn| async move {
                 let statement = &self.statements.heartbeat;
@@ -1757,6 +1802,7 @@ impl Store for PgStore {
             .map_err(err("fetch"))?;
         // A plain read: no lock wait.
         let row = server::answered_within(
+            self.silent_after,
             Duration::ZERO,
             sqlx::query(&self.statements.fetch)
                 .bind(&identity.tenant)
@@ -2032,7 +2078,12 @@ enum Mark {
 /// connection is closed (rolling that transaction back, with a warning) and
 /// another taken, as the purge does. One more round trip, on a waiting
 /// duplicate's path alone.
-async fn mark_waiting(pool: &PgPool, sql: &str, identity: &Identity) -> Result<Mark, StoreError> {
+async fn mark_waiting(
+    pool: &PgPool,
+    sql: &str,
+    identity: &Identity,
+    silent_after: Duration,
+) -> Result<Mark, StoreError> {
     const OP: &str = "mark a record as waited for";
     let conn = super::outside_any_transaction::<_, ClosedIfDropped<Postgres>, _>(
         STORE,
@@ -2044,7 +2095,8 @@ async fn mark_waiting(pool: &PgPool, sql: &str, identity: &Identity) -> Result<M
             Box::pin(async move {
                 // Bounded as the mark is: a connection gone silent is given
                 // up (and closed), the waiter polls.
-                server::answered_within(Duration::ZERO, started_before_this_statement(conn))
+                let open = started_before_this_statement(conn);
+                server::answered_within(silent_after, Duration::ZERO, open)
                     .await
                     .and_then(|answered| answered)
                     .map_err(err("check for an open transaction"))
@@ -2052,16 +2104,20 @@ async fn mark_waiting(pool: &PgPool, sql: &str, identity: &Identity) -> Result<M
         },
     )
     .await?;
-    mark_on(conn, sql, identity).await.map_err(err(OP))
+    mark_on(conn, sql, identity, silent_after)
+        .await
+        .map_err(err(OP))
 }
 
 async fn mark_on(
     mut conn: ClosedIfDropped<Postgres>,
     sql: &str,
     identity: &Identity,
+    silent_after: Duration,
 ) -> Result<Mark, sqlx::Error> {
     // `SKIP LOCKED`: no lock wait.
     let row: Result<PgRow, sqlx::Error> = server::answered_within(
+        silent_after,
         Duration::ZERO,
         sqlx::query(sql)
             .bind(&identity.tenant)
@@ -2452,6 +2508,7 @@ impl PgStore {
             &self.pools.current(),
             &self.statements.mark_waiting,
             identity,
+            self.silent_after,
         )
         .await
         {

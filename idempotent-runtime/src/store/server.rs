@@ -237,7 +237,7 @@ pub(crate) fn background_worker<DB: Database>(
         .min_connections(0)
         .acquire_timeout(ACQUIRE_TIMEOUT);
     let options = pool.connect_options();
-    Detached::new(
+    let worker = Detached::new(
         store,
         Box::new(move || {
             let pool = pool_options.connect_lazy_with((*options).clone());
@@ -247,15 +247,17 @@ pub(crate) fn background_worker<DB: Database>(
                 Work::Complete(answer) => complete(pool.clone(), identity, token, answer),
             })
         }),
-    )
-    .with_attempt_limit(super::detached::ATTEMPT_ANSWERS_WITHIN)
+    );
+    worker.set_attempt_limit(super::detached::ATTEMPT_ANSWERS_WITHIN);
+    worker
 }
 
 /// Runs `statement`, a statement (or a few, one round trip after another)
 /// a store sends on a caller's behalf on a [`ClosedIfDropped`] connection it
 /// holds, and gives it up when the server leaves it unanswered for
-/// [`ATTEMPT_ANSWERS_WITHIN`](super::detached::ATTEMPT_ANSWERS_WITHIN) plus
-/// `waits`: the longest the statement may
+/// `silent_after` (the store's silent-connection timeout,
+/// [`ATTEMPT_ANSWERS_WITHIN`](super::detached::ATTEMPT_ANSWERS_WITHIN)
+/// unless set) plus `waits`: the longest the statement may
 /// rightly wait on the server (the row-lock waits the store allows it, the
 /// time its bytes take to cross the link), so that a legitimate wait is
 /// never cut. Given up, it is `Err` with [`unanswered`]'s error: the caller
@@ -268,16 +270,17 @@ pub(crate) fn background_worker<DB: Database>(
 /// held an annotated call for as long as TCP kept the connection: minutes
 /// to for ever, unless the caller bounded the call itself. The store's
 /// worker bounds its own attempts the same way
-/// ([`Detached::with_attempt_limit`]). A statement given up may still land
+/// ([`Detached::set_attempt_limit`]). A statement given up may still land
 /// later; every write is fenced by its owner token, and the engine treats
 /// the error as one after which the statement may have landed (a
 /// reservation's record is released, a completion's answer is recorded by
 /// the worker).
 pub(crate) async fn answered_within<F: std::future::Future>(
+    silent_after: std::time::Duration,
     waits: std::time::Duration,
     statement: F,
 ) -> Result<F::Output, sqlx::Error> {
-    let within = super::detached::ATTEMPT_ANSWERS_WITHIN.saturating_add(waits);
+    let within = silent_after.saturating_add(waits);
     tokio::time::timeout(within, statement)
         .await
         .map_err(|_| unanswered(within))
