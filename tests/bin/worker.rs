@@ -1,9 +1,9 @@
 //! A test worker: one OS process making one idempotent call against a shared
-//! PostgreSQL or MariaDB database. The multi-process and crash tests start
+//! PostgreSQL or MariaDB database, or a SQLite file. The multi-process and crash tests start
 //! many of these at once and count the side effects their bodies wrote.
 //!
 //! ```text
-//! idempotent-worker <pg|mysql> <url> <mode> <tenant> <key> <start_at_ms>
+//! idempotent-worker <pg|mysql|sqlite> <url> <mode> <tenant> <key> <start_at_ms>
 //! ```
 //!
 //! Every worker connects first, then waits until the wall clock reaches
@@ -36,7 +36,8 @@
 //!   the hook found it, `executed <pid>` when the body ran again.
 
 use idempotent_runtime::{
-    idempotent, with_outcome, Error, MySqlStore, Outcome, PgStore, Recovery, Store, Takeover,
+    idempotent, with_outcome, Error, MySqlStore, Outcome, PgStore, Recovery, SqliteStore, Store,
+    Takeover,
 };
 use serde::{Deserialize, Serialize};
 use std::io::Write;
@@ -51,6 +52,8 @@ struct Done {
 enum Db {
     Pg(sqlx::PgPool),
     My(sqlx::MySqlPool),
+    /// The store's own file (the side effects in a table beside its records).
+    Lite(sqlx::SqlitePool),
 }
 
 /// The database, for the recover hook (a plain `async fn(&Takeover)`).
@@ -73,6 +76,14 @@ async fn side_effect_happened(takeover: &Takeover) -> Result<Recovery<Done>, Err
         .await
         .map_err(wrote)?,
         Db::My(p) => sqlx::query_scalar(
+            "SELECT pid FROM idempotent_test_side_effects WHERE tenant = ? AND idem_key = ? LIMIT 1",
+        )
+        .bind(takeover.tenant())
+        .bind(takeover.key())
+        .fetch_optional(p)
+        .await
+        .map_err(wrote)?,
+        Db::Lite(p) => sqlx::query_scalar(
             "SELECT pid FROM idempotent_test_side_effects WHERE tenant = ? AND idem_key = ? LIMIT 1",
         )
         .bind(takeover.tenant())
@@ -142,6 +153,13 @@ impl Db {
             .bind(key)
             .fetch_one(p)
             .await,
+            Db::Lite(p) => sqlx::query_scalar(
+                "SELECT COUNT(*) FROM idempotent_test_side_effects WHERE tenant = ? AND idem_key = ?",
+            )
+            .bind(tenant)
+            .bind(key)
+            .fetch_one(p)
+            .await,
         };
         counted.unwrap_or(0)
     }
@@ -160,6 +178,16 @@ impl Db {
             .await
             .map(drop),
             Db::My(p) => sqlx::query(
+                "INSERT INTO idempotent_test_side_effects (tenant, idem_key, pid, note) VALUES (?, ?, ?, ?)",
+            )
+            .bind(tenant)
+            .bind(key)
+            .bind(pid)
+            .bind(note)
+            .execute(p)
+            .await
+            .map(drop),
+            Db::Lite(p) => sqlx::query(
                 "INSERT INTO idempotent_test_side_effects (tenant, idem_key, pid, note) VALUES (?, ?, ?, ?)",
             )
             .bind(tenant)
@@ -272,6 +300,7 @@ async fn tx_crash(db: &Db, tenant: &str, key: &str) -> Result<(), String> {
             tokio::time::sleep(Duration::from_secs(600)).await;
             tx.commit().await.map_err(|e| e.to_string())
         }
+        Db::Lite(_) => Err("tx-crash is not a SQLite mode".into()),
     }
 }
 
@@ -289,7 +318,9 @@ fn report(result: Result<Done, Error>, outcome: Option<Outcome>) {
 async fn main() {
     let args: Vec<String> = std::env::args().collect();
     let [_, backend, url, mode, tenant, key, start_at] = &args[..] else {
-        eprintln!("usage: idempotent-worker <pg|mysql> <url> <mode> <tenant> <key> <start_at_ms>");
+        eprintln!(
+            "usage: idempotent-worker <pg|mysql|sqlite> <url> <mode> <tenant> <key> <start_at_ms>"
+        );
         std::process::exit(2);
     };
     let start_at: u64 = start_at.parse().unwrap_or(0);
@@ -298,6 +329,16 @@ async fn main() {
             Ok(s) => {
                 let pool = s.pool().clone();
                 (Box::new(s), Db::Pg(pool))
+            }
+            Err(e) => {
+                println!("error {e}");
+                std::process::exit(1);
+            }
+        },
+        "sqlite" => match SqliteStore::connect(url).await {
+            Ok(s) => {
+                let pool = s.pool().clone();
+                (Box::new(s), Db::Lite(pool))
             }
             Err(e) => {
                 println!("error {e}");

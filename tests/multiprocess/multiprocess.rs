@@ -1,5 +1,5 @@
 //! Many OS processes on one identity, and a process killed while it holds a
-//! lease, on PostgreSQL and on MariaDB. Exactly-once is proven by counting the
+//! lease, on PostgreSQL, on MariaDB and on one SQLite file. Exactly-once is proven by counting the
 //! side-effect rows the bodies wrote in the same database. Rule 20 across
 //! processes: a holder SIGKILLed after (or before) its side effect, and a
 //! retry in another process whose `recover` hook asks the database.
@@ -19,6 +19,16 @@ const PROCESSES: usize = 8;
 enum Backend {
     Pg,
     MySql,
+    /// One SQLite file ([`sqlite_file_url`]) shared by the test and its workers.
+    Sqlite,
+}
+
+/// The SQLite file of this test process (nextest runs each test in a
+/// process of its own; every test has its own tenant anyway).
+fn sqlite_file_url() -> String {
+    static URL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    URL.get_or_init(|| common::scratch::sqlite_url("multiprocess"))
+        .clone()
 }
 
 impl Backend {
@@ -26,12 +36,14 @@ impl Backend {
         match self {
             Backend::Pg => "pg",
             Backend::MySql => "mysql",
+            Backend::Sqlite => "sqlite",
         }
     }
     fn url(self) -> String {
         match self {
             Backend::Pg => pg_url(),
             Backend::MySql => mysql_url(),
+            Backend::Sqlite => sqlite_file_url(),
         }
     }
 }
@@ -69,6 +81,20 @@ async fn prepare(backend: Backend) -> Option<Box<dyn Store>> {
             }
             Some(Box::new(store))
         }
+        Backend::Sqlite => {
+            let store = idempotent_runtime::SqliteStore::connect(&sqlite_file_url())
+                .await
+                .expect("open the SQLite file");
+            sqlx::raw_sql(
+                "CREATE TABLE IF NOT EXISTS idempotent_test_side_effects (
+                     tenant TEXT NOT NULL, idem_key TEXT NOT NULL, pid INTEGER NOT NULL,
+                     note TEXT NOT NULL)",
+            )
+            .execute(store.pool())
+            .await
+            .expect("create the side-effect table");
+            Some(Box::new(store))
+        }
     }
 }
 
@@ -86,6 +112,16 @@ async fn side_effects(backend: Backend, tenant: &str) -> i64 {
         }
         Backend::MySql => {
             let pool = sqlx::MySqlPool::connect(&mysql_url())
+                .await
+                .expect("connect");
+            sqlx::query_scalar("SELECT count(*) FROM idempotent_test_side_effects WHERE tenant = ?")
+                .bind(tenant)
+                .fetch_one(&pool)
+                .await
+                .expect("count side effects")
+        }
+        Backend::Sqlite => {
+            let pool = sqlx::SqlitePool::connect(&sqlite_file_url())
                 .await
                 .expect("connect");
             sqlx::query_scalar("SELECT count(*) FROM idempotent_test_side_effects WHERE tenant = ?")
@@ -172,6 +208,14 @@ async fn eight_processes_one_execution_postgres() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn eight_processes_one_execution_mariadb() {
     exactly_one_execution(Backend::MySql).await;
+}
+
+/// Eight processes on one SQLite file: one runs the body, the others wait
+/// (polling the file: another process's completion is not told in process)
+/// and replay it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn eight_processes_one_execution_sqlite() {
+    exactly_one_execution(Backend::Sqlite).await;
 }
 
 async fn crash_then_takeover(backend: Backend) {
@@ -286,6 +330,20 @@ async fn killed_holder_is_taken_over_once_mariadb() {
     crash_then_takeover(Backend::MySql).await;
 }
 
+/// A SQLite writer SIGKILLed holding its lease: eight processes on the file
+/// come for the record, exactly one takes it over and completes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_holder_is_taken_over_once_sqlite() {
+    crash_then_takeover(Backend::Sqlite).await;
+}
+
+/// Rule 14 at process exit on SQLite: the store's releaser thread frees the
+/// dropped call's record before `main` returns.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropped_call_is_released_before_the_process_exits_sqlite() {
+    dropped_call_released_before_exit(Backend::Sqlite).await;
+}
+
 async fn crash_before_commit(backend: Backend) {
     let Some(store) = prepare(backend).await else {
         return;
@@ -310,6 +368,7 @@ async fn crash_before_commit(backend: Backend) {
     let scope = match backend {
         Backend::Pg => "worker.tx_pg",
         Backend::MySql => "worker.tx_mysql",
+        Backend::Sqlite => unreachable!("no transactional crash on SQLite here"),
     };
     let identity = idempotent_runtime::Identity::new(&tenant, scope, key).expect("identity");
     // The server notices the dead connection and rolls its transaction back,
@@ -360,6 +419,7 @@ async fn crash_before_commit(backend: Backend) {
                 .await
                 .expect("count")
         }
+        Backend::Sqlite => unreachable!("no transactional crash on SQLite here"),
     };
     assert_eq!(charges, 0, "no business row survives the crash");
 }
@@ -508,4 +568,11 @@ async fn killed_before_side_effect_runs_again_as_attempt_2_postgres() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killed_before_side_effect_runs_again_as_attempt_2_mariadb() {
     crash_before_side_effect_runs_again(Backend::MySql).await;
+}
+
+/// Rule 20 across processes on one SQLite file: the killed holder's side
+/// effect is found by the retry's hook, in another process.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_after_side_effect_is_recovered_sqlite() {
+    crash_after_side_effect_recovered(Backend::Sqlite).await;
 }
