@@ -27,3 +27,9 @@ mod dropped_bodies;
 
 // Paused owners resumed after a takeover, attempt chains, pool-starved renewals.
 mod takeover_edges;
+
+// A crowd taking over one stuck record; an owner that lost its record, then panicked.
+mod concurrent_takeovers;
+
+// A call in a scope with a hook, its runtime shut down mid-body.
+mod shutdown;
