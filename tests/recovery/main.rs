@@ -33,3 +33,6 @@ mod concurrent_takeovers;
 
 // A call in a scope with a hook, its runtime shut down mid-body.
 mod shutdown;
+
+// Dropped and panicking calls in a storm, in a scope with a hook.
+mod storm;
