@@ -36,3 +36,6 @@ mod shutdown;
 
 // Dropped and panicking calls in a storm, in a scope with a hook.
 mod storm;
+
+// Owners whose leases lapse under a storm: one answer per key.
+mod lapse_storm;

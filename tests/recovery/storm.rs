@@ -33,7 +33,7 @@ const KEYS: usize = 2;
 const TASKS: usize = 8;
 const CALLS_PER_TASK: usize = 25;
 /// What the bodies' panics say; the quiet panic hook leaves them unprinted.
-const STORM_PANIC: &str = "storm: the body panicked after its side effect";
+pub(crate) const STORM_PANIC: &str = "storm: the body panicked after its side effect";
 
 #[derive(Default)]
 struct Key {
@@ -154,7 +154,7 @@ async fn work(tenant: &str, key: &str, panics: bool, pauses: u8, hook: bool) -> 
 
 /// A panic hook that leaves the storm's own panics unprinted (dozens of
 /// backtraces would be written otherwise) and prints every other as before.
-fn quiet_storm_panics() {
+pub(crate) fn quiet_storm_panics() {
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {
         let before = std::panic::take_hook();
@@ -171,7 +171,7 @@ fn quiet_storm_panics() {
 }
 
 /// A small seeded generator (xorshift), so a failing storm can be told by its seed.
-struct Rng(u64);
+pub(crate) struct Rng(pub(crate) u64);
 
 impl Rng {
     fn next(&mut self) -> u64 {
@@ -180,7 +180,7 @@ impl Rng {
         self.0 ^= self.0 << 17;
         self.0
     }
-    fn below(&mut self, n: u64) -> u64 {
+    pub(crate) fn below(&mut self, n: u64) -> u64 {
         self.next() % n
     }
 }
@@ -299,7 +299,7 @@ async fn storm(name: &str, hook: bool, a: Arc<dyn Store>, b: Arc<dyn Store>, see
     assert!(mine.is_empty(), "{name} (seed {seed}): {mine:#?}");
 }
 
-fn seed() -> u64 {
+pub(crate) fn seed() -> u64 {
     std::env::var("IDEMPOTENT_STORM_SEED")
         .ok()
         .and_then(|s| s.parse().ok())
