@@ -1295,6 +1295,123 @@ async fn the_purge_skips_a_row_whose_expiry_index_entry_is_held() {
     assert_eq!(then.expect("purge"), 1, "the held one, once let go");
 }
 
+/// The purge's `DELETE` of an expired record touches that record alone. On
+/// a table of some size (a thousand records here) with few records expired,
+/// as a purger that runs keeps it, MariaDB reads that `DELETE` through the
+/// expiry index: it read the first entry past the expired ones too, and
+/// waited for that record's row lock, although the record was live (its
+/// owner's transactional-mode call still open, or its completion under way),
+/// for `innodb_lock_wait_timeout` (50 s by default), and then failed the
+/// batch with nothing purged; a store-mode completion under way there ended
+/// in a deadlock with it, and the call that had run its body got a `Store`
+/// error (hcrash hunt, purge storm). Here the live record is held by an open
+/// transaction and the purge's session waits at most `GUARD_S` seconds, so a
+/// wait fails the test.
+#[tokio::test]
+async fn the_purge_waits_for_no_live_record_past_the_expired_ones() {
+    let Some(admin) = mysql_store_or_skip().await else {
+        return;
+    };
+    let db = common::servers::mysql_create_database(&admin, "purge_past").await;
+    let use_db = format!("USE `{db}`");
+    let pool = MySqlPoolOptions::new()
+        .max_connections(4)
+        .acquire_timeout(Duration::from_secs(10))
+        .after_connect(move |conn, _| {
+            let use_db = use_db.clone();
+            Box::pin(async move {
+                conn.execute(use_db.as_str()).await?;
+                conn.execute(format!("SET SESSION innodb_lock_wait_timeout = {GUARD_S}").as_str())
+                    .await?;
+                Ok(())
+            })
+        })
+        .connect(&mysql_url())
+        .await
+        .expect("pool");
+    let store = MySqlStore::from_pool(pool.clone()).await.expect("store");
+    let outcome = futures_util::FutureExt::catch_unwind(std::panic::AssertUnwindSafe(
+        purge_past_a_live_record(&store, &pool),
+    ))
+    .await;
+    drop(store);
+    pool.close().await;
+    admin
+        .pool()
+        .execute(format!("DROP DATABASE `{db}`").as_str())
+        .await
+        .expect("drop database");
+    if let Err(panic) = outcome {
+        std::panic::resume_unwind(panic);
+    }
+}
+
+async fn purge_past_a_live_record(store: &MySqlStore, pool: &MySqlPool) {
+    let now_ms: i64 = sqlx::query_scalar(
+        "SELECT CAST(UNIX_TIMESTAMP() * 1000 + FLOOR(MICROSECOND(NOW(6)) / 1000) AS SIGNED)",
+    )
+    .fetch_one(pool)
+    .await
+    .expect("clock");
+    // A thousand live records, kept for a day or more.
+    sqlx::query(
+        "INSERT INTO idempotency_records
+             (tenant, scope, `key`, state, is_error, result, expires_at, created_at, updated_at)
+         WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < 1000)
+         SELECT 't', 'mysql_edges.purge_past', CONCAT('live-', i), 'complete', 0, '1',
+                ? + 86400000 + i, ?, ?
+           FROM n",
+    )
+    .bind(now_ms)
+    .bind(now_ms)
+    .bind(now_ms)
+    .execute(pool)
+    .await
+    .expect("plant the live records");
+    // One expired record, and the live in-progress record whose expiry
+    // index entry comes first after it.
+    sqlx::query(
+        "INSERT INTO idempotency_records
+             (tenant, scope, `key`, state, owner_token, is_error, result, lease_expires_at,
+              expires_at, created_at, updated_at)
+         VALUES ('t', 'mysql_edges.purge_past', 'expired', 'complete', NULL, 0, '1', NULL,
+                 1000, 1000, 1000),
+                ('t', 'mysql_edges.purge_past', 'running', 'in_progress', 'owner', 0, NULL, ? + 600000,
+                 ? + 3600000, ?, ?)",
+    )
+    .bind(now_ms)
+    .bind(now_ms)
+    .bind(now_ms)
+    .bind(now_ms)
+    .execute(pool)
+    .await
+    .expect("plant the expired and the running record");
+    sqlx::query("ANALYZE TABLE idempotency_records")
+        .execute(pool)
+        .await
+        .expect("analyze");
+    let identity = |k: &str| Identity::new("t", "mysql_edges.purge_past", k).expect("identity");
+
+    // The running record's row, held as its owner's open transaction holds it.
+    let mut holder = pool.begin().await.expect("begin");
+    sqlx::query(
+        "SELECT state FROM idempotency_records WHERE tenant = 't' AND scope = ? AND `key` = 'running' FOR UPDATE",
+    )
+    .bind("mysql_edges.purge_past")
+    .fetch_one(&mut *holder)
+    .await
+    .expect("hold the running record");
+    let purged = store.purge_expired(10).await;
+    holder.rollback().await.expect("rollback");
+    assert_eq!(
+        purged.expect("the purge waits for no live record"),
+        1,
+        "the expired record"
+    );
+    assert!(store.fetch(&identity("expired")).await.expect("fetch").is_none());
+    assert!(store.fetch(&identity("running")).await.expect("fetch").is_some());
+}
+
 /// A stored procedure that is missing (a newer build's migration, which
 /// drops it and creates it again, was cut off in between) is reported as
 /// such, with what to do, not as a bare "does not exist".

@@ -175,6 +175,7 @@ pub(crate) static MYSQL: &[Migration] = embedded_migrations!("mysql":
     (8, "0008_tx_never_takes_over_a_lease_it_may_have_starved.sql", "tx never takes over a lease it may have starved"),
     (9, "0009_tx_waits_for_rows_in_slices_so_deadlocks_are_found.sql", "tx waits for rows in slices so deadlocks are found"),
     (10, "0010_tx_reads_keep_the_wait_bound_under_serializable.sql", "tx reads keep the wait bound under serializable"),
+    (11, "0011_purge_deletes_its_rows_by_primary_key.sql", "purge deletes its rows by primary key"),
 );
 
 /// SQLite's migrations (`migrations/sqlite`).
