@@ -1346,7 +1346,9 @@ async fn the_purge_waits_for_no_live_record_past_the_expired_ones() {
     }
 }
 
-async fn purge_past_a_live_record(store: &MySqlStore, pool: &MySqlPool) {
+/// A thousand live records, one expired record, and a live in-progress
+/// record (`running`) whose expiry index entry comes first after it.
+async fn plant_past_a_live_record(pool: &MySqlPool) {
     let now_ms: i64 = sqlx::query_scalar(
         "SELECT CAST(UNIX_TIMESTAMP() * 1000 + FLOOR(MICROSECOND(NOW(6)) / 1000) AS SIGNED)",
     )
@@ -1390,6 +1392,10 @@ async fn purge_past_a_live_record(store: &MySqlStore, pool: &MySqlPool) {
         .execute(pool)
         .await
         .expect("analyze");
+}
+
+async fn purge_past_a_live_record(store: &MySqlStore, pool: &MySqlPool) {
+    plant_past_a_live_record(pool).await;
     let identity = |k: &str| Identity::new("t", "mysql_edges.purge_past", k).expect("identity");
 
     // The running record's row, held as its owner's open transaction holds it.
@@ -1408,8 +1414,92 @@ async fn purge_past_a_live_record(store: &MySqlStore, pool: &MySqlPool) {
         1,
         "the expired record"
     );
-    assert!(store.fetch(&identity("expired")).await.expect("fetch").is_none());
-    assert!(store.fetch(&identity("running")).await.expect("fetch").is_some());
+    assert!(store
+        .fetch(&identity("expired"))
+        .await
+        .expect("fetch")
+        .is_none());
+    assert!(store
+        .fetch(&identity("running"))
+        .await
+        .expect("fetch")
+        .is_some());
+}
+
+/// The same for a reservation that replaces an expired record (rule 3): it
+/// writes that record alone, and waits for no live record of another
+/// identity past the expired ones (held here by an open transaction, as a
+/// transactional-mode call holds its own).
+#[tokio::test]
+async fn replacing_an_expired_record_waits_for_no_live_record_of_another_key() {
+    let Some(admin) = mysql_store_or_skip().await else {
+        return;
+    };
+    let db = common::servers::mysql_create_database(&admin, "replace_past").await;
+    let use_db = format!("USE `{db}`");
+    let pool = MySqlPoolOptions::new()
+        .max_connections(4)
+        .acquire_timeout(Duration::from_secs(10))
+        .after_connect(move |conn, _| {
+            let use_db = use_db.clone();
+            Box::pin(async move {
+                conn.execute(use_db.as_str()).await?;
+                conn.execute(format!("SET SESSION innodb_lock_wait_timeout = {GUARD_S}").as_str())
+                    .await?;
+                Ok(())
+            })
+        })
+        .connect(&mysql_url())
+        .await
+        .expect("pool");
+    let store = MySqlStore::from_pool(pool.clone()).await.expect("store");
+    let outcome = futures_util::FutureExt::catch_unwind(std::panic::AssertUnwindSafe(
+        replace_past_a_live_record(&store, &pool),
+    ))
+    .await;
+    drop(store);
+    pool.close().await;
+    admin
+        .pool()
+        .execute(format!("DROP DATABASE `{db}`").as_str())
+        .await
+        .expect("drop database");
+    if let Err(panic) = outcome {
+        std::panic::resume_unwind(panic);
+    }
+}
+
+async fn replace_past_a_live_record(store: &MySqlStore, pool: &MySqlPool) {
+    plant_past_a_live_record(pool).await;
+    let identity = |k: &str| Identity::new("t", "mysql_edges.purge_past", k).expect("identity");
+    let mut holder = pool.begin().await.expect("begin");
+    sqlx::query(
+        "SELECT state FROM idempotency_records WHERE tenant = 't' AND scope = ? AND `key` = 'running' FOR UPDATE",
+    )
+    .bind("mysql_edges.purge_past")
+    .fetch_one(&mut *holder)
+    .await
+    .expect("hold the running record");
+    let expired = identity("expired");
+    let token = OwnerToken::new();
+    let answer = tokio::time::timeout(
+        Duration::from_secs(30),
+        store.reserve(ReserveRequest {
+            identity: &expired,
+            fingerprint: None,
+            token: &token,
+            lease: Duration::from_secs(60),
+            ttl: Duration::from_secs(60),
+        }),
+    )
+    .await
+    .expect("the reservation answers");
+    holder.rollback().await.expect("rollback");
+    assert_eq!(
+        answer.expect("reserve"),
+        Reservation::FRESH,
+        "the expired record is replaced, whoever holds another"
+    );
 }
 
 /// A stored procedure that is missing (a newer build's migration, which

@@ -176,6 +176,7 @@ pub(crate) static MYSQL: &[Migration] = embedded_migrations!("mysql":
     (9, "0009_tx_waits_for_rows_in_slices_so_deadlocks_are_found.sql", "tx waits for rows in slices so deadlocks are found"),
     (10, "0010_tx_reads_keep_the_wait_bound_under_serializable.sql", "tx reads keep the wait bound under serializable"),
     (11, "0011_purge_deletes_its_rows_by_primary_key.sql", "purge deletes its rows by primary key"),
+    (12, "0012_replace_writes_its_record_by_primary_key.sql", "replace writes its record by primary key"),
 );
 
 /// SQLite's migrations (`migrations/sqlite`).
