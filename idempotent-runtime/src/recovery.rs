@@ -48,7 +48,9 @@
 //! attempt 1, without asking: the blind retry the hook exists to prevent. The
 //! record is kept, so the next call takes it over (attempt `n + 1`) and asks
 //! the hook again. A hook that panics, or a call dropped while its hook runs,
-//! leaves the record the same way (dropped: until its lease runs out).
+//! leaves the record the same way (for a dropped call the store's
+//! background worker ends the lease, at once: the next call does not wait
+//! for it to run out).
 //!
 //! Without `recover`, a takeover runs the body again, as before; every
 //! takeover is logged (warn, with its attempt number) and counted
