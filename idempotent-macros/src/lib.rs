@@ -27,8 +27,8 @@ use proc_macro::TokenStream;
 ///
 /// The function keeps the signature you wrote. It must be an `async fn` (free
 /// function, `&self` method, generic function, or a method in a trait `impl`)
-/// returning `Result<T, E>` — any type whose last path segment is `Result`,
-/// so `io::Result<T>` and `anyhow::Result<T>` work — with
+/// returning `Result<T, E>` — or an alias of one, whatever its name:
+/// `io::Result<T>`, `anyhow::Result<T>`, `type ChargeOutcome<T> = Result<T, ChargeError>` — with
 /// `T: Serialize + DeserializeOwned` and `E: From<idempotent_runtime::Error>`.
 ///
 /// # Arguments
@@ -104,8 +104,10 @@ use proc_macro::TokenStream;
 ///   with others on purpose (rule 21), e.g. an HTTP handler and a queue
 ///   consumer that both process "refund order 8891" and must deduplicate
 ///   against each other. Every claimant must say so, and they must
-///   fingerprint the same parameter names and have the same `ttl`; otherwise
-///   it is a compile error naming the sites (across crates,
+///   fingerprint the same parameter names, have the same `ttl`, and agree on
+///   whether they have a `recover` hook, whether the tenant is `shared` and
+///   whether they may record errors (`record`/`record_if` or `release`);
+///   otherwise it is a compile error naming the sites (across crates,
 ///   `registry::validate()` reports it).
 /// - **`crate = ::path::to::idempotent_runtime`** — where the runtime is, if
 ///   you renamed or re-exported it.
@@ -142,8 +144,7 @@ use proc_macro::TokenStream;
 ///
 /// Editing the manifest rebuilds the crates that use it. Two functions of one
 /// crate claiming one scope are a compile error naming both, unless every
-/// claimant says `shared_scope` (and they agree on fingerprint, ttl and
-/// whether they have a `recover` hook);
+/// claimant says `shared_scope` (and they agree as that argument says);
 /// across crates, the first annotated call of the process logs it at ERROR,
 /// and `idempotent_runtime::registry::validate()` returns it as an error.
 ///

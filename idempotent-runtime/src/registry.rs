@@ -65,7 +65,8 @@ pub struct ScopeInfo {
     /// purpose (rule 21), e.g. an HTTP handler and a queue consumer that both
     /// process "refund order 8891". Every claimant must say so, and they must
     /// agree on what they fingerprint, on their ttl, on whether they ask a
-    /// `recover` hook and on whether the tenant is `shared` ([`validate`]).
+    /// `recover` hook, on whether the tenant is `shared` and on whether they
+    /// may record errors ([`validate`]).
     pub shared_scope: bool,
 }
 
