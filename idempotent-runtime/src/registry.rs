@@ -468,7 +468,8 @@ fn describe_duplicates(duplicates: &[DuplicateScope]) -> String {
 /// Checks the registry of this binary: every scope must be claimed by exactly
 /// one function, or (rule 21) by several that all say `shared_scope` and
 /// agree on what they fingerprint, on their ttl, on asking a `recover`
-/// hook and on `tenant = shared`. The macro already refuses
+/// hook, on `tenant = shared` and on whether they may record errors. The
+/// macro already refuses
 /// what it can see in one crate; this catches claims from different crates
 /// linked into one binary. Duplicates are reported first
 /// ([`RegistryError::DuplicateScopes`]); once there are none, disagreements
