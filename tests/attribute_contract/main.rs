@@ -4,7 +4,8 @@
 //! `macro_rules_args`) and transactional mode (`transactional`), and the
 //! public API at its documented limits on every store (`public_api_edges`),
 //! and as a service spells it, with results and waits at their edges, on
-//! every store (`independent_edges`).
+//! every store (`independent_edges`), and the README's recipes for testing
+//! a service on `MemoryStore` under a paused clock (`paused_clock_recipes`).
 //!
 //! `macro_shapes` sets the process-wide default store, so tests that need
 //! none set (`operations::engine_accounting`, `http::http_server`) live in
@@ -30,6 +31,7 @@ mod macro_rules_args;
 mod macro_shapes;
 mod nested_calls;
 mod non_finite_in_options;
+mod paused_clock_recipes;
 mod public_api_edges;
 mod replay_floats;
 mod transactional;
