@@ -15,7 +15,7 @@
 //! |---|---|---|---|
 //! | `idempotent_calls_total` | counter | `scope`, `outcome` | calls, by what the caller got (below) |
 //! | `idempotent_takeovers_total` | counter | `scope`, `attempt` | takeovers of an expired lease (rule 20); `attempt` is `2`, `3`, `4` or `5+` |
-//! | `idempotent_heartbeat_failures_total` | counter | `scope` | lease renewals that failed (store error, or the lease was lost) |
+//! | `idempotent_heartbeat_failures_total` | counter | `scope` | lease renewals that failed (store error, or the lease was lost) or did not answer within their period (`lease / 3`) |
 //! | `idempotent_lease_lapses_total` | counter | `scope` | leases that ran out while the body ran, before a renewal was written (the body blocked its thread, its runtime was starved, renewals failed): another caller could have taken the record over meanwhile |
 //! | `idempotent_purged_total` | counter | `store` | expired records deleted by purges |
 //! | `idempotent_release_failures_total` | counter | `store` | dropped calls whose record could not be finished: released, recorded (the body had answered) or its lease ended |
@@ -59,7 +59,7 @@ use std::time::Duration;
 pub const CALLS: &str = "idempotent_calls_total";
 /// Counter: takeovers of an expired lease by scope and attempt.
 pub const TAKEOVERS: &str = "idempotent_takeovers_total";
-/// Counter: failed lease renewals by scope.
+/// Counter: failed lease renewals (or ones unanswered within their period) by scope.
 pub const HEARTBEAT_FAILURES: &str = "idempotent_heartbeat_failures_total";
 /// Counter: leases that ran out while their body ran, by scope.
 pub const LEASE_LAPSES: &str = "idempotent_lease_lapses_total";
@@ -332,7 +332,8 @@ pub struct Snapshot {
     pub taken_over: u64,
     /// Successful lease renewals.
     pub heartbeats: u64,
-    /// Failed lease renewals (store error or lease lost).
+    /// Failed lease renewals (store error or lease lost), and renewals that
+    /// did not answer within their period (`lease / 3`).
     pub heartbeat_failures: u64,
     /// Leases that ran out while their body ran, before a renewal was
     /// written: the body blocked its thread, its runtime was starved, or

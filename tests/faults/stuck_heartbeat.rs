@@ -109,6 +109,40 @@ async fn a_heartbeat_that_never_answers_does_not_stop_the_renewals() {
     assert_eq!((o.unwrap(), d.unwrap()), (1, 1));
 }
 
+/// A renewal that has not answered within its period (`lease / 3`: 1 s of
+/// this 3 s lease) is a heartbeat failure, counted (`heartbeat_failures`,
+/// `idempotent_heartbeat_failures_total`) while it is still awaited, as the
+/// README and the metrics docs say; the owner still answers once let go.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_renewal_unanswered_within_its_period_counts_as_a_heartbeat_failure() {
+    let store = Hooked::new(StuckHeartbeat {
+        stuck: AtomicBool::new(true),
+        reached: Notify::new(),
+    });
+    let (runs, go) = (AtomicUsize::new(0), Notify::new());
+    let before = idempotent_runtime::metrics::snapshot().heartbeat_failures;
+    let mut owner = pin!(work(&store, "k-late", &runs, &go));
+    tokio::select! {
+        _ = &mut owner => panic!("the owner finished before its first heartbeat"),
+        _ = store.reached.notified() => {}
+    }
+    assert_eq!(
+        idempotent_runtime::metrics::snapshot().heartbeat_failures,
+        before,
+        "a renewal just sent is no failure yet"
+    );
+    tokio::select! {
+        _ = &mut owner => panic!("the owner finished without go"),
+        _ = tokio::time::sleep(Duration::from_millis(1100)) => {}
+    }
+    assert!(
+        idempotent_runtime::metrics::snapshot().heartbeat_failures > before,
+        "a renewal unanswered for its whole period is a heartbeat failure"
+    );
+    go.notify_one();
+    assert_eq!(owner.await.expect("the owner's answer"), 1);
+}
+
 /// A memory store whose first `failing` renewals fail (the store briefly
 /// unreachable); `failed` is told at the first failure.
 struct FailingRenewals {
