@@ -1138,6 +1138,46 @@ async fn the_layer_registers_its_scope() {
         .any(|s| std::ptr::eq(*s, info)));
 }
 
+/// Rule 21 for layers: two layers built apart with one scope are two
+/// claimants of it. Unless each says it shares the scope on purpose
+/// (`shared_scope()`), `registry::validate` reports the scope as claimed
+/// twice, naming both sites; when both say so (and agree), it passes.
+#[test]
+fn two_layers_built_apart_with_one_scope_must_both_say_they_share_it() {
+    use idempotent_runtime::http::IdempotencyLayer;
+    use idempotent_runtime::registry::{validate_infos, RegistryError};
+    // Each `build()` on a line of its own: a layer's site is where it was built.
+    let builder = || {
+        IdempotencyLayer::builder("test.shared_routes", MemoryStore::new()).tenant_from(|_| None)
+    };
+    let public = builder().build().expect("a valid layer");
+    let partner = builder().build().expect("a valid layer");
+    match validate_infos(&[public.scope_info(), partner.scope_info()]) {
+        Err(RegistryError::DuplicateScopes(duplicates)) => {
+            assert_eq!(duplicates.len(), 1, "{duplicates:?}");
+            assert_eq!(duplicates[0].scope, "test.shared_routes");
+            assert_eq!(
+                duplicates[0].sites.len(),
+                2,
+                "both sites named: {duplicates:?}"
+            );
+        }
+        other => panic!("two unshared claimants must be a duplicate: {other:?}"),
+    }
+    let shared = builder().shared_scope().build().expect("a valid layer");
+    assert!(
+        matches!(
+            validate_infos(&[shared.scope_info(), partner.scope_info()]),
+            Err(RegistryError::DuplicateScopes(_))
+        ),
+        "one claimant saying so is not enough"
+    );
+    let also_shared = builder().shared_scope().build().expect("a valid layer");
+    assert!(shared.scope_info().shared_scope);
+    validate_infos(&[shared.scope_info(), also_shared.scope_info()])
+        .expect("two layers that both share the scope, and agree, pass");
+}
+
 #[test]
 fn a_layer_without_a_tenant_or_with_a_bad_scope_is_refused_at_build() {
     use idempotent_runtime::http::{IdempotencyLayer, LayerConfigError};

@@ -121,6 +121,7 @@ pub struct IdempotencyLayerBuilder {
     record_server_errors: bool,
     record_when: Option<Arc<StatusFn>>,
     recover: Option<(Arc<RecoverFn>, &'static str)>,
+    shared_scope: bool,
 }
 
 impl IdempotencyLayerBuilder {
@@ -214,6 +215,43 @@ impl IdempotencyLayerBuilder {
     {
         self.tenant = Some(Arc::new(tenant));
         self.tenant_source = "the `tenant_from` closure".to_owned();
+        self
+    }
+
+    /// Says this layer shares its scope on purpose with the other layers and
+    /// annotated functions that claim it and say so too (rule 21 of the
+    /// contract: e.g. two routers of one service, built apart, that accept
+    /// the same request; or a route and a message consumer that process the
+    /// same business event). Without it, a second claimant of the scope is
+    /// reported by [`registry::validate`](crate::registry::validate) as a
+    /// duplicate, naming both sites. The claimants must agree on what makes a
+    /// request the same (the fingerprinted parameters, the ttl, the recover
+    /// hook's name, the error policy), or `validate` reports the
+    /// disagreement.
+    ///
+    /// ```
+    /// use idempotent_runtime::http::IdempotencyLayer;
+    /// use idempotent_runtime::MemoryStore;
+    /// # #[derive(Clone, Debug)] struct AccountId(String);
+    /// # impl std::fmt::Display for AccountId {
+    /// #     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result { f.write_str(&self.0) }
+    /// # }
+    /// let store = MemoryStore::new();
+    /// let public = IdempotencyLayer::builder("orders.create", store.clone())
+    ///     .tenant_from_extension::<AccountId>()
+    ///     .shared_scope()
+    ///     .build()
+    ///     .expect("a valid layer");
+    /// let partner = IdempotencyLayer::builder("orders.create", store)
+    ///     .tenant_from_extension::<AccountId>()
+    ///     .shared_scope()
+    ///     .build()
+    ///     .expect("a valid layer");
+    /// let claimants = [public.scope_info(), partner.scope_info()];
+    /// assert!(idempotent_runtime::registry::validate_infos(&claimants).is_ok());
+    /// ```
+    pub fn shared_scope(mut self) -> Self {
+        self.shared_scope = true;
         self
     }
 
@@ -385,7 +423,7 @@ impl IdempotencyLayerBuilder {
             fingerprinted_parameters: &["method", "target", "body"],
             shared_tenant: false,
             recover: self.recover.as_ref().map(|(_, name)| *name),
-            shared_scope: false,
+            shared_scope: self.shared_scope,
         })));
         crate::registry::register_runtime(spec);
         Ok(IdempotencyLayer {
@@ -556,6 +594,7 @@ impl IdempotencyLayer {
             record_server_errors: false,
             record_when: None,
             recover: None,
+            shared_scope: false,
         }
     }
 
