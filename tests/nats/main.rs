@@ -8,3 +8,4 @@ mod common;
 
 mod consumer_lifecycle;
 mod nats_consumer;
+mod stale_deliveries;

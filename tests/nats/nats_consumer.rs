@@ -1934,6 +1934,107 @@ async fn tenants_from_subjects(js: jetstream::Context) {
     cleanup.delete().await;
 }
 
+#[idempotent(scope = "nats.tenants.streams", key = msg_id, tenant = stream, store = store,
+             in_progress = reject, skip(effects))]
+async fn stream_bill(
+    store: &dyn Store,
+    effects: &std::sync::Mutex<Vec<(String, u64)>>,
+    stream: &str,
+    msg_id: &str,
+    order: &Order,
+) -> Result<u64, Error> {
+    effects
+        .lock()
+        .unwrap()
+        .push((stream.to_owned(), order.amount_cents));
+    Ok(order.amount_cents)
+}
+
+/// `tenant = stream`: two streams whose producers both number their ids
+/// from 1 publish `order-1` with different payloads, and each stream's
+/// producer retries it after the duplicate window. One consumer per stream,
+/// one scope: each stream's `order-1` runs once with its own payload (not a
+/// mismatch with the other's, never the other's answer), and each retry
+/// replays its own stream's answer. On every store.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jetstream_one_id_in_two_streams_is_two_messages_each_with_its_own_answer() {
+    let Some(js) = nats_or_skip().await else {
+        return;
+    };
+    let dir = crate::common::scratch::dir("nats-two-streams");
+    let sqlite = SqliteStore::connect(&format!(
+        "sqlite://{}?mode=rwc",
+        dir.join("streams.db").display()
+    ))
+    .await
+    .unwrap();
+    let mut stores: Vec<(&str, Box<dyn Store>)> = vec![
+        ("memory", Box::new(MemoryStore::new())),
+        ("sqlite", Box::new(sqlite.clone())),
+    ];
+    if let Some(pg) = pg_store_or_skip().await {
+        stores.push(("postgres", Box::new(pg)));
+    }
+    if let Some(mysql) = common::servers::mysql_store_or_skip().await {
+        stores.push(("mariadb", Box::new(mysql)));
+    }
+    tokio::time::timeout(Duration::from_secs(60), async {
+        for (name, store) in &stores {
+            let store: &dyn Store = store.as_ref();
+            let effects = std::sync::Mutex::new(Vec::new());
+            let mut answers: Vec<(String, Verdict, u64)> = Vec::new();
+            let mut streams = Vec::new();
+            for (label, amount) in [("HCONS_TWO_A", 100u64), ("HCONS_TWO_B", 200)] {
+                let stream = TestStream::create(&js, label).await;
+                let consumer = stream.durable("hcons-two", Duration::from_secs(30)).await;
+                stream.publish("order-1", json(&order("o-1", amount))).await;
+                // The producer's retry, after the duplicate window: stored again.
+                stream.publish("order-1", json(&order("o-1", amount))).await;
+                let mut messages = consumer.fetch().max_messages(2).messages().await.unwrap();
+                for _ in 0..2 {
+                    let message = tokio::time::timeout(Duration::from_secs(10), messages.next())
+                        .await
+                        .expect("a delivery within 10 s")
+                        .expect("the batch goes on")
+                        .expect("a message");
+                    let o: Order = serde_json::from_slice(&message.payload).unwrap();
+                    let handled = process(&message, |k| {
+                        stream_bill(store, &effects, &stream.name, k, &o)
+                    })
+                    .await
+                    .expect("settle");
+                    let answer = handled.result.expect("called").expect("answered");
+                    answers.push((stream.name.clone(), handled.verdict, answer));
+                }
+                streams.push(stream);
+            }
+            let names: Vec<String> = streams.iter().map(|s| s.name.clone()).collect();
+            let want = vec![
+                (names[0].clone(), Verdict::Executed, 100),
+                (names[0].clone(), Verdict::Replayed, 100),
+                (names[1].clone(), Verdict::Executed, 200),
+                (names[1].clone(), Verdict::Replayed, 200),
+            ];
+            assert_eq!(answers, want, "{name}");
+            assert_eq!(
+                effects.into_inner().unwrap(),
+                [(names[0].clone(), 100), (names[1].clone(), 200)],
+                "{name}: one effect per stream's message"
+            );
+            for (stream, tenant) in streams.into_iter().zip(&names) {
+                let identity =
+                    idempotent_runtime::Identity::new(tenant, "nats.tenants.streams", "order-1")
+                        .unwrap();
+                let _ = store.force_release(&identity, false).await;
+                stream.delete().await;
+            }
+        }
+    })
+    .await
+    .expect("finished within 60 s");
+    sqlite.pool().close().await;
+}
+
 // ---------------------------------------------------------------- ack policies
 
 /// `process` settles each delivery on its own: it needs `AckPolicy::Explicit`.
