@@ -15,7 +15,7 @@
 //! | `Error::InProgress { retry_after }` | `InProgress` | `Nak(Some(retry_after))` |
 //! | `Error::FingerprintMismatch` against a record still in progress (in [`handle`] and [`nats::process`], in store mode): another delivery holds it, perhaps of a consumer version whose arguments differ, and may yet release it | `InProgress` (its lease's remaining time) | `Nak(Some(retry_after))` |
 //! | any other `Err(_)`: the body failed and the key was released, the store failed, the lease was lost | `Failed` | `Nak(None)`; knowing the delivery count (as [`nats::process`] does), `Nak(Some(`[`failed_retry_after`]`(n)))`: 1 s after the first delivery, doubling per delivery up to 60 s |
-//! | `Error::ResultNotFaithful` / `ResultTooLarge` / `ResultEncoding`: the body ran, its result can never be recorded | `Unrecordable` | `Term` (a redelivery would run the body again) |
+//! | `Error::ResultNotFaithful` / `ResultTooLarge` / `ResultEncoding`: the body ran, its result can never be recorded | `Unrecordable` | `Term` (a redelivery would run the body again); a body's `Err` that `errors = record` cannot record (in [`handle`] and [`nats::process`]) is released like any error not recorded: `Failed` |
 //! | `Error::FingerprintMismatch` against a record left in progress by a delivery whose lease ran out (in [`handle`] and [`nats::process`], in store mode): that delivery's process stopped before it answered, and its redelivery may yet take the record over and finish it | `MismatchWithAbandonedRecord` | `Nak` (after as long as the record has been abandoned, 1 s to 60 s) until it has been abandoned for [`ABANDONED_RECORD_GRACE`], then `Term` |
 //! | `Error::FingerprintMismatch`: same message id, different payload, its record complete | `Mismatch` | `Term` (poison) |
 //! | `Error::Fingerprint`: the payload's arguments cannot be fingerprinted | `Unfingerprintable` | `Term` (every delivery fails alike); knowing the delivery count, nak'd like `Failed` until [`DELIVERIES_BEFORE_TERM`] |
@@ -169,7 +169,11 @@ pub enum Verdict {
     /// The body ran, but its result can never be recorded
     /// (`Error::ResultNotFaithful`, `ResultTooLarge`, `ResultEncoding`): the
     /// key was released, so every redelivery would run the body again. The
-    /// message is terminated; fix the handler's result type.
+    /// message is terminated; fix the handler's result type. (In [`handle`]
+    /// and [`nats::process`], a body's `Err` that `errors = record` cannot
+    /// record, such as a nested call's `InProgress` kept in a
+    /// `#[serde(skip)]` variant, is released like any error not recorded:
+    /// [`Failed`](Self::Failed), redelivered.)
     Unrecordable,
     /// The handler's arguments could not be fingerprinted
     /// (`Error::Fingerprint`, e.g. a raw JSON payload with a repeated member):
@@ -400,7 +404,10 @@ impl AsIdempotencyError for Box<dyn std::error::Error + 'static> {
 /// taken for the replayed recorded error (`Replayed`). [`handle`] knows which
 /// it was: there an `Err` after a replayed *result* (a later step of the
 /// handler failed) is `Failed` and the message is redelivered. Prefer
-/// [`handle`] for handlers of more than one step.
+/// [`handle`] for handlers of more than one step. Nor does it say whether
+/// an answer that could not be recorded was a result or the body's error:
+/// here it is `Unrecordable` either way, while [`handle`] redelivers an
+/// error (`Failed`).
 pub fn classify<T, E: AsIdempotencyError>(
     result: &Result<T, E>,
     outcome: Option<Outcome>,
@@ -410,6 +417,8 @@ pub fn classify<T, E: AsIdempotencyError>(
         outcome.map(|outcome| Reported {
             outcome: Some(outcome),
             replayed_error: result.is_err(),
+            // Not known here: an unrecordable answer is taken for a result.
+            unrecordable_result: true,
             last_mismatch: None,
         }),
     )
@@ -464,12 +473,18 @@ fn verdict<T, E: AsIdempotencyError>(result: &Result<T, E>, reported: Option<Rep
             }
         }
         // Only the body's own result: a recover hook's answer that cannot be
-        // recorded leaves the record for the next delivery to ask again.
+        // recorded leaves the record for the next delivery to ask again, and
+        // a body's `Err` that `errors = record` cannot record is released
+        // like any error not recorded (often a refusal for now, such as a
+        // nested call's `InProgress`, kept in a `#[serde(skip)]` variant):
+        // terminated, its message was never processed.
         Some(
             Error::ResultNotFaithful { .. }
             | Error::ResultTooLarge { .. }
             | Error::ResultEncoding { .. },
-        ) if reported.is_some_and(|r| r.outcome == Some(Outcome::Executed)) => {
+        ) if reported
+            .is_some_and(|r| r.outcome == Some(Outcome::Executed) && r.unrecordable_result) =>
+        {
             Verdict::Unrecordable
         }
         // The framework's own error (a store down, a lease lost...) is never a
@@ -684,6 +699,7 @@ mod tests {
                 Some(Reported {
                     outcome: None,
                     replayed_error: false,
+                    unrecordable_result: false,
                     last_mismatch: Some(m),
                 }),
             )
@@ -724,6 +740,7 @@ mod tests {
                 Some(Reported {
                     outcome: None,
                     replayed_error: false,
+                    unrecordable_result: false,
                     last_mismatch: m,
                 }),
             )
@@ -867,6 +884,17 @@ mod tests {
         // kept for the next delivery to ask the hook again.
         for e in unrecordable() {
             assert_eq!(classify(&err(e), Some(Outcome::Recovered)), Verdict::Failed);
+        }
+        // The body's `Err` that `errors = record` could not record: released
+        // like any error not recorded, so the message comes again.
+        for e in unrecordable() {
+            let by_an_error = Reported {
+                outcome: Some(Outcome::Executed),
+                replayed_error: false,
+                unrecordable_result: false,
+                last_mismatch: None,
+            };
+            assert_eq!(verdict(&err(e), Some(by_an_error)), Verdict::Failed);
         }
     }
 

@@ -79,6 +79,11 @@ pub(crate) struct Reported {
     /// `None` when no call finished with a result (refused, failed).
     pub(crate) outcome: Option<Outcome>,
     pub(crate) replayed_error: bool,
+    /// Whether a body's `Ok` result could not be recorded (rule 12): its
+    /// effect happened, and every retry would run it again. A body's `Err`
+    /// that its error policy could not record is released like any error
+    /// not recorded, and does not count.
+    pub(crate) unrecordable_result: bool,
     /// The last call refused as a mismatch, if any, and what the record
     /// that refused it was when read (store mode): a record still in
     /// progress, or abandoned in progress, may yet be released or taken over
@@ -192,6 +197,7 @@ pub(crate) fn report(outcome: Outcome) {
     report_whole(Reported {
         outcome: Some(outcome),
         replayed_error: false,
+        unrecordable_result: false,
         last_mismatch: None,
     });
 }
@@ -202,7 +208,19 @@ fn report_mismatch(refused_by: LastMismatch) {
     report_whole(Reported {
         outcome: None,
         replayed_error: false,
+        unrecordable_result: false,
         last_mismatch: Some(refused_by),
+    });
+}
+
+/// Reports a body's `Ok` result that could not be recorded (see
+/// [`Reported::unrecordable_result`]).
+fn report_unrecordable_result() {
+    report_whole(Reported {
+        outcome: None,
+        replayed_error: false,
+        unrecordable_result: true,
+        last_mismatch: None,
     });
 }
 
@@ -217,6 +235,8 @@ fn report_whole(reported: Reported) {
             // The call that finished last, of those that finished with a result.
             outcome: reported.outcome.or(earlier.and_then(|r| r.outcome)),
             replayed_error: reported.replayed_error || earlier.is_some_and(|r| r.replayed_error),
+            unrecordable_result: reported.unrecordable_result
+                || earlier.is_some_and(|r| r.unrecordable_result),
             // The mismatch reported last, also from a scope nested in this
             // one (its report arrives whole): an outcome reported after it (an
             // annotated function whose body returned that mismatch) keeps it.
@@ -1126,6 +1146,18 @@ where
     };
     match by {
         AnsweredBy::Body => {
+            // Not a limit the store failed to tell (a store error).
+            let never = matches!(
+                unrecorded,
+                Some(
+                    Error::ResultNotFaithful { .. }
+                        | Error::ResultTooLarge { .. }
+                        | Error::ResultEncoding { .. }
+                )
+            );
+            if never && result.is_ok() {
+                report_unrecordable_result();
+            }
             if let Err(e) = sink.release().await {
                 return (Err(e.into()), CallOutcome::Failed);
             }
@@ -1233,6 +1265,7 @@ pub(crate) fn replay<R: IdempotentReturn, H: ErrorHandling<R::Failure>>(
     report_whole(Reported {
         outcome: Some(Outcome::Replayed),
         replayed_error: outcome.is_error,
+        unrecordable_result: false,
         last_mismatch: None,
     });
     // A recorded answer that no longer decodes is not "a recorded result"

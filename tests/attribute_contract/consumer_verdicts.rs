@@ -420,3 +420,166 @@ async fn an_error_that_is_its_own_source_is_a_failure_not_a_hang() {
     .await;
     assert_eq!(handled.verdict, Verdict::Failed);
 }
+
+/// The order's stock, held by whichever message of the order gets it first.
+#[idempotent(scope = "contract_edges.consumer.hold_stock", key = order, tenant = shared,
+             store = store, in_progress = reject)]
+async fn hold_stock(store: &MemoryStore, order: &str) -> Result<u32, Error> {
+    Ok(1)
+}
+
+/// `errors = record`: a refused address is this message's final answer. The
+/// body holds the order's stock first, through a nested annotated call.
+#[idempotent(scope = "contract_edges.consumer.ship", key = key, tenant = tenant,
+             store = store, in_progress = reject, errors = record, skip(stock, shipped))]
+async fn ship(
+    store: &dyn Store,
+    stock: &MemoryStore,
+    shipped: &AtomicUsize,
+    tenant: &str,
+    key: &str,
+    order: &str,
+) -> Result<u32, ShippingError> {
+    hold_stock(stock, order).await?;
+    shipped.fetch_add(1, Ordering::SeqCst);
+    Ok(4)
+}
+
+/// The same in transactional mode.
+#[idempotent(scope = "contract_edges.consumer.ship_tx", key = key, tenant = tenant,
+             tx = tx, in_progress = reject, errors = record, skip(stock, shipped))]
+async fn ship_tx(
+    tx: &mut sqlx::SqliteConnection,
+    stock: &MemoryStore,
+    shipped: &AtomicUsize,
+    tenant: &str,
+    key: &str,
+    order: &str,
+) -> Result<u32, ShippingError> {
+    hold_stock(stock, order).await?;
+    shipped.fetch_add(1, Ordering::SeqCst);
+    Ok(4)
+}
+
+/// Holds the order's stock as another message of the order would: its
+/// record in progress.
+async fn stock_held(stock: &MemoryStore, order: &str) -> Identity {
+    let held = Identity::shared("contract_edges.consumer.hold_stock", order).unwrap();
+    let hour = std::time::Duration::from_secs(3600);
+    crate::common::records::acquire(stock, &held, None, hour, hour).await;
+    held
+}
+
+fn assert_redelivered(handled: &Handled<u32, ShippingError>, on: &str) {
+    assert!(
+        matches!(handled.disposition(), Disposition::Nak(_)),
+        "{on}: the stock was only held for now and the message never shipped, yet it is {} ({:?}, {:?})",
+        handled.disposition(),
+        handled.verdict,
+        handled.result
+    );
+}
+
+/// A body whose nested call is refused for now (another message of the same
+/// order holds the stock: `InProgress`) returns that refusal as its own
+/// error; under `errors = record` it cannot be recorded (the framework's
+/// error is not serializable: `#[serde(skip)]`), so the key is released, as
+/// for any error that is not recorded. The message must come again (nak):
+/// it was terminated as a result that can never be recorded, and never
+/// shipped. On every store, and in transactional mode.
+#[tokio::test]
+async fn a_nested_refusal_an_error_policy_cannot_record_is_redelivered_not_terminated() {
+    let sqlite = SqliteStore::connect("sqlite::memory:")
+        .await
+        .expect("sqlite");
+    let mut stores: Vec<(&str, Box<dyn Store>)> = vec![
+        ("memory", Box::new(MemoryStore::new())),
+        ("sqlite", Box::new(sqlite.clone())),
+    ];
+    if let Some(pg) = crate::common::servers::pg_store_or_skip().await {
+        stores.push(("postgres", Box::new(pg)));
+    }
+    if let Some(mysql) = crate::common::servers::mysql_store_or_skip().await {
+        stores.push(("mariadb", Box::new(mysql)));
+    }
+    for (on, store) in &stores {
+        let store: &dyn Store = store.as_ref();
+        let (stock, shipped) = (MemoryStore::new(), AtomicUsize::new(0));
+        let tenant = crate::common::servers::fresh_tenant();
+        let held = stock_held(&stock, "order-7").await;
+        let handled = handle(Some("msg-7"), |key| {
+            ship(store, &stock, &shipped, &tenant, key, "order-7")
+        })
+        .await;
+        assert_redelivered(&handled, on);
+        let shipment = Identity::new(&tenant, "contract_edges.consumer.ship", "msg-7").unwrap();
+        assert!(
+            store.fetch(&shipment).await.unwrap().is_none(),
+            "{on}: the error was not recorded, the key is free"
+        );
+        // The other message lets the stock go: the redelivery ships.
+        stock.force_release(&held, false).await.unwrap();
+        let again = handle(Some("msg-7"), |key| {
+            ship(store, &stock, &shipped, &tenant, key, "order-7")
+        })
+        .await;
+        assert_eq!(
+            (again.verdict, again.disposition()),
+            (Verdict::Executed, Disposition::Ack),
+            "{on}"
+        );
+        assert_eq!(shipped.load(Ordering::SeqCst), 1, "{on}");
+        let _ = store.force_release(&shipment, false).await;
+    }
+
+    // Transactional mode: the handler commits what the call wrote.
+    let (stock, shipped) = (MemoryStore::new(), AtomicUsize::new(0));
+    let tenant = crate::common::servers::fresh_tenant();
+    let held = stock_held(&stock, "order-8").await;
+    let deliver = || {
+        handle(Some("msg-8"), |key| async {
+            let mut tx = sqlite.pool().begin().await.map_err(|e| {
+                ShippingError::Idempotency(Error::Store(StoreError::new("test", "begin", e)))
+            })?;
+            let shipped = ship_tx(&mut tx, &stock, &shipped, &tenant, key, "order-8").await;
+            tx.commit().await.expect("commit");
+            shipped
+        })
+    };
+    let handled = deliver().await;
+    assert_redelivered(&handled, "sqlite, transactional");
+    stock.force_release(&held, false).await.unwrap();
+    let again = deliver().await;
+    assert_eq!(
+        (again.verdict, again.disposition()),
+        (Verdict::Executed, Disposition::Ack)
+    );
+    assert_eq!(shipped.load(Ordering::SeqCst), 1);
+    sqlite.pool().close().await;
+}
+
+/// A step whose body calls `ratio` (a result that can never be recorded)
+/// and returns its refusal as its own error: the inner body's effect
+/// happened, and every redelivery would run it again.
+#[idempotent(scope = "contract_edges.consumer.ratio_step", key = key, tenant = shared,
+             store = store, in_progress = reject)]
+async fn ratio_step(store: &MemoryStore, key: &str) -> Result<f64, ShippingError> {
+    Ok(ratio(store, key, 2).await?)
+}
+
+/// The refusal of a result that can never be recorded keeps its verdict
+/// when an outer annotated call returns it as its own (released) error:
+/// terminated, not redelivered to run the inner body again.
+#[tokio::test]
+async fn a_nested_result_that_can_never_be_recorded_is_terminated_through_the_outer_call() {
+    let store = MemoryStore::new();
+    let runs = RATIOS.load(Ordering::SeqCst);
+    let handled = handle(Some("msg-nested-nan"), |key| ratio_step(&store, key)).await;
+    assert_eq!(
+        (handled.verdict, handled.disposition()),
+        (Verdict::Unrecordable, Disposition::Term),
+        "{:?}",
+        handled.result
+    );
+    assert!(RATIOS.load(Ordering::SeqCst) > runs, "the inner body ran");
+}
