@@ -2034,6 +2034,83 @@ async fn a_session_turned_to_autocommit_off_after_the_store_opened_still_commits
     writes_are_committed(store, &admin).await;
 }
 
+/// A store on a pool whose sessions run with autocommit off under
+/// SERIALIZABLE (a server's `autocommit = 0` and
+/// `transaction_isolation = SERIALIZABLE`), with one connection.
+async fn autocommit_off_serializable_store() -> MySqlStore {
+    let pool = MySqlPoolOptions::new()
+        .max_connections(1)
+        .after_connect(|conn, _| {
+            Box::pin(async move {
+                conn.execute("SET SESSION autocommit = 0").await?;
+                conn.execute("SET SESSION TRANSACTION ISOLATION LEVEL SERIALIZABLE")
+                    .await?;
+                Ok(())
+            })
+        })
+        .connect(&mysql_url())
+        .await
+        .expect("pool");
+    MySqlStore::from_pool(pool).await.expect("store")
+}
+
+/// The store's reads of records (`fetch`, the audit's counts) on a session
+/// with autocommit off under SERIALIZABLE, where InnoDB makes every plain
+/// read of a transaction a locking one, leave no lock behind on the
+/// connection they hand back to the pool: other identities' records are
+/// still completed and fresh keys still reserved (rule 1) while that
+/// connection sits idle. Before, the read's transaction stayed open with its
+/// shared locks: the record a mismatch's read looked at could not be
+/// completed by its owner (a store error after its body ran), and after an
+/// audit every fresh key of every scope was answered in progress and the
+/// purge deleted nothing, for as long as the connection stayed in the pool.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reads_on_an_autocommit_off_serializable_session_keep_no_lock() {
+    let Some(admin) = mysql_store_or_skip().await else {
+        return;
+    };
+    let reader = autocommit_off_serializable_store().await;
+    let tenant = fresh_tenant();
+    let scope = "edges.serializable_reads";
+    let f = fp("a");
+    let running = Identity::new(&tenant, scope, "running").expect("identity");
+    let token = OwnerToken::new();
+    assert!(matches!(
+        admin
+            .reserve(request(&running, Some(&f), &token, LONG, LONG))
+            .await
+            .expect("reserve"),
+        Reservation::Acquired { .. }
+    ));
+    // A read of the running record (as a mismatch's), then the audit's
+    // counts; the reader's one connection then sits idle in its pool.
+    let seen = reader.fetch(&running).await.expect("fetch");
+    assert!(seen.is_some());
+    let stats = reader.scope_stats().await.expect("scope stats");
+    assert!(stats.iter().any(|s| s.scope == scope));
+    // The owner records its result.
+    assert_eq!(
+        admin
+            .complete(Completion::by_body(&running, &token, &ok(b"7"), LONG))
+            .await
+            .expect("the owner's completion is not kept waiting by the reader's locks"),
+        Fenced::Written
+    );
+    // Fresh keys of this scope and of another are still free.
+    for (scope, key) in [(scope, "fresh"), ("edges.serializable_reads_other", "a")] {
+        let fresh = Identity::new(&tenant, scope, key).expect("identity");
+        let got = admin
+            .reserve(request(&fresh, Some(&f), &OwnerToken::new(), LONG, LONG))
+            .await
+            .expect("reserve");
+        assert!(
+            matches!(got, Reservation::Acquired { .. }),
+            "{scope}/{key}: {got:?}"
+        );
+    }
+    reader.pool().close().await;
+}
+
 /// Through `store`: a reservation, a heartbeat and a completion of one key,
 /// a reservation, a heartbeat and a release of another; then the store's
 /// pool closes (whatever its sessions left uncommitted is rolled back), and

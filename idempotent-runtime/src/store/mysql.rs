@@ -482,7 +482,7 @@ async fn clean_connection(
     check: Option<&std::sync::Arc<SessionCheck>>,
 ) -> Result<ClosedIfDropped<MySql>, StoreError> {
     match check {
-        Some(check) => checked_connection(pool, check, false).await,
+        Some(check) => checked_connection(pool, check).await,
         None => ClosedIfDropped::acquire(pool)
             .await
             .map_err(err(CLEAN_CONNECTION)),
@@ -491,28 +491,72 @@ async fn clean_connection(
 
 /// [`clean_connection`] (checked) for the store's reads of records
 /// (`fetch`, the audit's counts). On a session with autocommit off, where
-/// every statement opens a transaction that lasts until a `COMMIT`, the
-/// transaction the session is in is committed first (`COMMIT AND NO CHAIN
-/// NO RELEASE`, whatever `completion_type` says; one more round trip, on
-/// such sessions only): under REPEATABLE READ a read there answered from
-/// the snapshot the session's first read took (an earlier read of the
-/// store's own included), so a record completed since was still absent, or
-/// still in progress. (The store's writes on such a session commit what it
-/// holds already: `BEGIN`, or the procedure's `SET autocommit = 1`.)
+/// every statement opens a transaction that lasts until a `COMMIT`, the read
+/// is made in autocommit: `SET SESSION autocommit = 1` first (which commits
+/// the transaction the session is in; one more round trip, on such sessions
+/// only), and autocommit off again when the connection is handed back
+/// ([`ReadConnection::hand_back`]; a connection dropped before that is
+/// closed). In the session's own transaction the read answered from the
+/// snapshot the session's first read took under REPEATABLE READ (an earlier
+/// read of the store's own included), so a record completed since was still
+/// absent, or still in progress; and under SERIALIZABLE, where InnoDB makes
+/// every plain read of a transaction a locking one, it waited for rows other
+/// transactions held and left its shared locks in that transaction, on a
+/// connection back in the pool: the record a read looked at could not be
+/// completed by its owner, and after the audit's counts no fresh key of any
+/// scope could be reserved and the purge deleted nothing, for as long as the
+/// connection sat idle (rule 1). (The store's writes on such a session commit
+/// what it holds already: `BEGIN`, or the procedure's `SET autocommit = 1`.)
 async fn connection_for_a_read(
     pool: &MySqlPool,
     check: &std::sync::Arc<SessionCheck>,
-) -> Result<ClosedIfDropped<MySql>, StoreError> {
-    checked_connection(pool, check, true).await
+) -> Result<ReadConnection, StoreError> {
+    let autocommit_off = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let seen = autocommit_off.clone();
+    let conn = super::outside_any_transaction::<_, ClosedIfDropped<MySql>, _>(
+        STORE,
+        CLEAN_CONNECTION,
+        pool,
+        None,
+        super::IfLeftOpen::Close,
+        move |conn| Box::pin(checked_session(conn, check.clone(), Some(seen.clone()))),
+    )
+    .await?;
+    Ok(ReadConnection {
+        conn,
+        autocommit_off: autocommit_off.load(std::sync::atomic::Ordering::SeqCst),
+    })
 }
 
-/// A connection of `pool` that passed [`checked_session`] (`fresh_snapshot`
-/// as it says). The check's connection is already closed if the call is
+/// A connection of [`connection_for_a_read`]: its session's autocommit is
+/// put back off when it is handed back, if it was off.
+struct ReadConnection {
+    conn: ClosedIfDropped<MySql>,
+    autocommit_off: bool,
+}
+
+impl ReadConnection {
+    /// Back to the pool as the read found it; when autocommit cannot be put
+    /// back off, closed instead.
+    async fn hand_back(mut self) {
+        if self.autocommit_off
+            && self
+                .conn
+                .execute("SET SESSION autocommit = 0")
+                .await
+                .is_err()
+        {
+            return;
+        }
+        self.conn.hand_back();
+    }
+}
+
+/// A connection of `pool` that passed [`checked_session`]. The check's connection is already closed if the call is
 /// dropped while the check waits (a silent server).
 async fn checked_connection(
     pool: &MySqlPool,
     check: &std::sync::Arc<SessionCheck>,
-    fresh_snapshot: bool,
 ) -> Result<ClosedIfDropped<MySql>, StoreError> {
     super::outside_any_transaction::<_, ClosedIfDropped<MySql>, _>(
         STORE,
@@ -520,7 +564,7 @@ async fn checked_connection(
         pool,
         None,
         super::IfLeftOpen::Close,
-        |conn| Box::pin(checked_session(conn, check.clone(), fresh_snapshot)),
+        |conn| Box::pin(checked_session(conn, check.clone(), None)),
     )
     .await
 }
@@ -528,13 +572,13 @@ async fn checked_connection(
 const CLEAN_CONNECTION: &str = "take a connection outside any transaction";
 
 /// [`clean_connection`]'s check of a session: whether it was left inside a
-/// transaction another user of the pool began. `fresh_snapshot`: on a
-/// session with autocommit off, commit the transaction it is in
-/// ([`connection_for_a_read`]).
+/// transaction another user of the pool began. `for_a_read` (from
+/// [`connection_for_a_read`]): on a session with autocommit off, turn
+/// autocommit on (committing the transaction it is in) and say so there.
 async fn checked_session(
     conn: &mut sqlx::MySqlConnection,
     check: std::sync::Arc<SessionCheck>,
-    fresh_snapshot: bool,
+    for_a_read: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>,
 ) -> Result<bool, StoreError> {
     const OP: &str = CLEAN_CONNECTION;
     // Bounded like the statement it comes before; given up, the
@@ -566,10 +610,14 @@ async fn checked_session(
     if clock_set != 0 {
         return Err(StoreError::new(STORE, OP, SESSION_CLOCK_REFUSED));
     }
-    if fresh_snapshot && in_autocommit_off_transaction != 0 {
-        conn.execute("COMMIT AND NO CHAIN NO RELEASE")
-            .await
-            .map_err(err(OP))?;
+    if let Some(autocommit_off) = for_a_read {
+        let off = in_autocommit_off_transaction != 0;
+        if off {
+            conn.execute("SET SESSION autocommit = 1")
+                .await
+                .map_err(err(OP))?;
+        }
+        autocommit_off.store(off, std::sync::atomic::Ordering::SeqCst);
     }
     Ok(left_open != 0)
 }
@@ -1628,12 +1676,12 @@ impl Store for MySqlStore {
                 .bind(identity.tenant.as_bytes())
                 .bind(identity.scope.as_bytes())
                 .bind(identity.key.as_bytes())
-                .fetch_optional(&mut *conn),
+                .fetch_optional(&mut *conn.conn),
         )
         .await
         .and_then(|row| row)
         .map_err(err("fetch"))?;
-        conn.hand_back();
+        conn.hand_back().await;
         row.map(|row| rows::Columns(&row).snapshot())
             .transpose()
             .map_err(err("fetch"))
@@ -1673,10 +1721,10 @@ impl Store for MySqlStore {
         );
         let mut conn = connection_for_a_read(&self.pools.current(), &self.names.check).await?;
         let found = sqlx::query(&sql)
-            .fetch_all(&mut *conn)
+            .fetch_all(&mut *conn.conn)
             .await
             .map_err(err(OP))?;
-        conn.hand_back();
+        conn.hand_back().await;
         found
             .iter()
             .map(|row| rows::Columns(row).scope_stats())
