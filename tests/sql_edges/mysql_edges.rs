@@ -1309,41 +1309,10 @@ async fn the_purge_skips_a_row_whose_expiry_index_entry_is_held() {
 /// wait fails the test.
 #[tokio::test]
 async fn the_purge_waits_for_no_live_record_past_the_expired_ones() {
-    let Some(admin) = mysql_store_or_skip().await else {
-        return;
-    };
-    let db = common::servers::mysql_create_database(&admin, "purge_past").await;
-    let use_db = format!("USE `{db}`");
-    let pool = MySqlPoolOptions::new()
-        .max_connections(4)
-        .acquire_timeout(Duration::from_secs(10))
-        .after_connect(move |conn, _| {
-            let use_db = use_db.clone();
-            Box::pin(async move {
-                conn.execute(use_db.as_str()).await?;
-                conn.execute(format!("SET SESSION innodb_lock_wait_timeout = {GUARD_S}").as_str())
-                    .await?;
-                Ok(())
-            })
-        })
-        .connect(&mysql_url())
-        .await
-        .expect("pool");
-    let store = MySqlStore::from_pool(pool.clone()).await.expect("store");
-    let outcome = futures_util::FutureExt::catch_unwind(std::panic::AssertUnwindSafe(
-        purge_past_a_live_record(&store, &pool),
-    ))
+    in_a_database_waiting_guard_s("purge_past", |store, pool| async move {
+        purge_past_a_live_record(&store, &pool).await
+    })
     .await;
-    drop(store);
-    pool.close().await;
-    admin
-        .pool()
-        .execute(format!("DROP DATABASE `{db}`").as_str())
-        .await
-        .expect("drop database");
-    if let Err(panic) = outcome {
-        std::panic::resume_unwind(panic);
-    }
 }
 
 /// A thousand live records, one expired record, and a live in-progress
@@ -1432,10 +1401,25 @@ async fn purge_past_a_live_record(store: &MySqlStore, pool: &MySqlPool) {
 /// transactional-mode call holds its own).
 #[tokio::test]
 async fn replacing_an_expired_record_waits_for_no_live_record_of_another_key() {
+    in_a_database_waiting_guard_s("replace_past", |store, pool| async move {
+        replace_past_a_live_record(&store, &pool).await
+    })
+    .await;
+}
+
+/// Runs `check` on a store in a database of its own (named after `name`),
+/// its sessions waiting at most `GUARD_S` seconds for a row lock, so a wait
+/// fails the check instead of stalling it; the database is dropped after,
+/// whether the check passed or not.
+async fn in_a_database_waiting_guard_s<F, Fut>(name: &str, check: F)
+where
+    F: FnOnce(MySqlStore, MySqlPool) -> Fut,
+    Fut: std::future::Future<Output = ()>,
+{
     let Some(admin) = mysql_store_or_skip().await else {
         return;
     };
-    let db = common::servers::mysql_create_database(&admin, "replace_past").await;
+    let db = common::servers::mysql_create_database(&admin, name).await;
     let use_db = format!("USE `{db}`");
     let pool = MySqlPoolOptions::new()
         .max_connections(4)
@@ -1453,11 +1437,11 @@ async fn replacing_an_expired_record_waits_for_no_live_record_of_another_key() {
         .await
         .expect("pool");
     let store = MySqlStore::from_pool(pool.clone()).await.expect("store");
-    let outcome = futures_util::FutureExt::catch_unwind(std::panic::AssertUnwindSafe(
-        replace_past_a_live_record(&store, &pool),
-    ))
+    let outcome = futures_util::FutureExt::catch_unwind(std::panic::AssertUnwindSafe(check(
+        store,
+        pool.clone(),
+    )))
     .await;
-    drop(store);
     pool.close().await;
     admin
         .pool()
