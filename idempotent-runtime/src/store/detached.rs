@@ -92,10 +92,14 @@ pub(crate) const COMPLETE_TRIED_FOR: Duration = Duration::from_secs(3600);
 pub(crate) const ATTEMPT_ANSWERS_WITHIN: Duration = Duration::from_secs(20);
 
 /// The shortest bound on a worker's attempt ([`Detached::set_attempt_limit`]):
-/// the worker's 10 s row-lock wait, which the server ends itself, and 2 s
-/// for its answer to arrive.
+/// the wait for a connection of the worker's pool, inside the attempt (up to
+/// its `acquire_timeout`, [`ACQUIRE_TIMEOUT`](crate::store::ACQUIRE_TIMEOUT):
+/// both connections held by other jobs' lock waits), then the worker's 10 s
+/// row-lock wait, which the server ends itself, and 2 s for its answer to
+/// arrive: 17 s.
 #[cfg(any(feature = "postgres", feature = "mysql"))]
-const SHORTEST_ATTEMPT_LIMIT: Duration = Duration::from_secs(12);
+const SHORTEST_ATTEMPT_LIMIT: Duration =
+    crate::store::ACQUIRE_TIMEOUT.saturating_add(Duration::from_secs(12));
 
 /// [`Detached::attempt_limit_ms`] when attempts have no bound.
 const NO_ATTEMPT_LIMIT: u64 = u64::MAX;
@@ -583,9 +587,59 @@ mod tests {
             "no bound until a store sets one"
         );
         worker.set_attempt_limit(Duration::from_secs(2));
-        assert_eq!(limit(&worker), 12_000);
+        assert_eq!(limit(&worker), 17_000);
         worker.set_attempt_limit(Duration::from_secs(30));
         assert_eq!(limit(&worker), 30_000);
+    }
+
+    /// An attempt of the worker takes its connection from the worker's pool
+    /// inside the attempt's bound: with both of its connections held by
+    /// other jobs' lock waits (or a new connection slow to open) that takes
+    /// up to the pool's `acquire_timeout` (`ACQUIRE_TIMEOUT`). Then its write
+    /// waits up to 10 s for a row lock, a wait the server ends. Even with
+    /// the store's silent-connection timeout set short, such an attempt must
+    /// end by the server's answer, not be cut while its statement still
+    /// waits on the server (one more waiting statement per attempt) and sent
+    /// again.
+    #[cfg(any(feature = "postgres", feature = "mysql"))]
+    #[tokio::test(start_paused = true)]
+    async fn a_worker_attempt_that_waited_for_a_connection_and_then_a_lock_is_not_cut() {
+        let worker = Detached::new("test", Box::new(|| -> WriteFn { unreachable!() }));
+        worker.set_attempt_limit(Duration::from_secs(2));
+        let limit = Duration::from_millis(worker.attempt_limit_ms.load(Ordering::Relaxed));
+        let attempts = Arc::new(AtomicUsize::new(0));
+        let counted = attempts.clone();
+        let write: WriteFn = Arc::new(move |_, _, _| {
+            let first = counted.fetch_add(1, Ordering::SeqCst) == 0;
+            Box::pin(async move {
+                if first {
+                    // The pool's connection, just inside its acquire timeout.
+                    let acquired = crate::store::ACQUIRE_TIMEOUT - Duration::from_millis(1);
+                    tokio::time::sleep(acquired).await;
+                    // The row lock, waited for until just inside the server's
+                    // end of the wait; then the lock is free and the write lands.
+                    tokio::time::sleep(Duration::from_secs(10) - Duration::from_millis(1)).await;
+                }
+                Ok(Fenced::Written)
+            })
+        });
+        let id = Identity::new("t", "releaser.test", "slow-slot").expect("identity");
+        // Nothing to search for past the schedule: the reservation landed.
+        let ended = with_retries(
+            "test",
+            write,
+            id,
+            OwnerToken::new(),
+            Work::Release,
+            (std::time::Instant::now(), Some(limit)),
+        )
+        .await;
+        assert_eq!(ended, Some(Fenced::Written));
+        assert_eq!(
+            attempts.load(Ordering::SeqCst),
+            1,
+            "the first attempt was cut at {limit:?} while its statement still waited on the server"
+        );
     }
 
     /// An answer of a call's body, kept for an hour.

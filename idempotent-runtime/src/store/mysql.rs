@@ -344,7 +344,8 @@ impl MySqlStore {
     /// Set it below your request deadline so a call fails in time to be
     /// retried; keep it above the slowest answer your server gives under
     /// load. The store's clones share one background worker: its attempts
-    /// use the timeout set last, and never less than 12 s (its writes wait
+    /// use the timeout set last, and never less than 17 s (an attempt waits
+    /// up to 5 s for a connection of the worker's pool, then its writes wait
     /// up to 10 s for a row lock, a wait the server ends itself).
     ///
     /// ```no_run
