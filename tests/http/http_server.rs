@@ -1178,6 +1178,83 @@ fn two_layers_built_apart_with_one_scope_must_both_say_they_share_it() {
         .expect("two layers that both share the scope, and agree, pass");
 }
 
+/// What `shared_scope()` can share a layer's scope with, as `validate()`
+/// decides it (the builder's documentation must say the same): a layer
+/// fingerprints the request's method, target and body, so an annotated
+/// function (a message consumer's handler) sharing its scope is reported as a
+/// disagreement on what they fingerprint; layers with different recover
+/// hooks, or different rules for which answers they record, are not
+/// (`validate()` compares whether there is a hook, and a layer may always
+/// record an answer).
+#[test]
+fn a_shared_layer_scope_is_compared_on_its_fingerprint_and_whether_it_has_a_hook() {
+    use idempotent_runtime::http::IdempotencyLayer;
+    use idempotent_runtime::registry::{
+        validate_infos, Disagreement, ErrorPolicy, InProgressPolicy, RegistryError, ScopeInfo,
+        ScopeSpec,
+    };
+    use idempotent_runtime::Recovery;
+    let builder = || {
+        IdempotencyLayer::builder("test.shared_with_a_consumer", MemoryStore::new())
+            .tenant_from(|_| None)
+            .shared_scope()
+    };
+    let route = builder().build().expect("a valid layer");
+    // The consumer's handler, as its attribute registers it, with the
+    // layer's ttl and error policy's kind.
+    let consumer: &'static ScopeInfo = Box::leak(Box::new(ScopeInfo::new(ScopeSpec {
+        scope: "test.shared_with_a_consumer",
+        function: "orders::on_order_created",
+        file: file!(),
+        line: line!(),
+        ttl: route.scope_info().ttl,
+        lease: Duration::from_secs(30),
+        in_progress: InProgressPolicy::Wait(Duration::from_secs(10)),
+        errors: ErrorPolicy::Record,
+        transactional: false,
+        fingerprinted: true,
+        fingerprinted_parameters: &["order"],
+        shared_tenant: false,
+        recover: None,
+        shared_scope: true,
+    })));
+    match validate_infos(&[route.scope_info(), consumer]) {
+        Err(RegistryError::SharedScopeConflicts(conflicts)) => {
+            assert_eq!(conflicts.len(), 1, "{conflicts:?}");
+            assert!(
+                matches!(conflicts[0].disagreement, Disagreement::Fingerprint { .. }),
+                "{conflicts:?}"
+            );
+        }
+        other => panic!("a layer and a consumer's function cannot agree: {other:?}"),
+    }
+    // Two layers: one records 4xx answers, the other has a recover hook of
+    // its own name and records none; only the hook's presence is compared.
+    let records_4xx = builder()
+        .record_client_errors(true)
+        .recover(|_| async { Ok(Recovery::Run) })
+        .build()
+        .expect("a valid layer");
+    let releases_all = builder()
+        .record_client_errors(false)
+        .recover(|_| async { Ok(Recovery::Run) })
+        .build()
+        .expect("a valid layer");
+    assert_ne!(
+        records_4xx.scope_info().errors,
+        releases_all.scope_info().errors
+    );
+    validate_infos(&[records_4xx.scope_info(), releases_all.scope_info()])
+        .expect("layers differing in which answers they record share a scope");
+    match validate_infos(&[records_4xx.scope_info(), route.scope_info()]) {
+        Err(RegistryError::SharedScopeConflicts(conflicts)) => assert!(
+            matches!(conflicts[0].disagreement, Disagreement::Recover { .. }),
+            "{conflicts:?}"
+        ),
+        other => panic!("a hook beside none is a disagreement: {other:?}"),
+    }
+}
+
 #[test]
 fn a_layer_without_a_tenant_or_with_a_bad_scope_is_refused_at_build() {
     use idempotent_runtime::http::{IdempotencyLayer, LayerConfigError};

@@ -218,16 +218,22 @@ impl IdempotencyLayerBuilder {
         self
     }
 
-    /// Says this layer shares its scope on purpose with the other layers and
-    /// annotated functions that claim it and say so too (rule 21 of the
-    /// contract: e.g. two routers of one service, built apart, that accept
-    /// the same request; or a route and a message consumer that process the
-    /// same business event). Without it, a second claimant of the scope is
-    /// reported by [`registry::validate`](crate::registry::validate) as a
-    /// duplicate, naming both sites. The claimants must agree on what makes a
-    /// request the same (the fingerprinted parameters, the ttl, the recover
-    /// hook's name, the error policy), or `validate` reports the
-    /// disagreement.
+    /// Says this layer shares its scope on purpose with the other layers that
+    /// claim it and say so too (rule 21 of the contract: e.g. two routers of
+    /// one service, built apart, that accept the same request). Without it, a
+    /// second claimant of the scope is reported by
+    /// [`registry::validate`](crate::registry::validate) as a duplicate,
+    /// naming both sites. The claimants must have the same ttl and either all
+    /// have a [`recover`](Self::recover) hook or none, or `validate` reports
+    /// the disagreement; which answers each records
+    /// ([`record_client_errors`](Self::record_client_errors) and the like)
+    /// may differ, as may the hooks themselves.
+    ///
+    /// A layer fingerprints the request (its method, target and body), so it
+    /// cannot share a scope with an annotated function (a route and a message
+    /// consumer that process the same business event): `validate` reports
+    /// that they fingerprint different parameters. Share such a scope
+    /// between annotated functions, the route's handler calling one.
     ///
     /// ```
     /// use idempotent_runtime::http::IdempotencyLayer;
