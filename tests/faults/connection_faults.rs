@@ -2000,3 +2000,74 @@ async fn mariadb_a_dropped_check_on_a_silent_connection_frees_its_slot() {
     proxy.release_stall();
     assert!(store.fetch(&identity).await.expect("fetch").is_none());
 }
+
+/// `with_silent_connection_timeout(Duration::MAX)` is no bound, as the
+/// setting's documentation says, and overflows nothing (the statements'
+/// waits on top, the worker's attempts): a reservation, a completion and a
+/// replay go through. A clone keeps the setting of the handle it was made
+/// from, and setting it on a clone leaves the original's alone. (A zero
+/// timeout is not tested: what it gives up depends on the timer's
+/// resolution and the server's speed.)
+#[tokio::test]
+async fn an_unbounded_silent_connection_timeout_overflows_nothing_and_clones_keep_theirs() {
+    let tenant = fresh_tenant();
+    let answer = StoredOutcome {
+        is_error: false,
+        payload: br#""the answer""#.to_vec(),
+    };
+    let stores: Vec<(&str, Arc<dyn Store>)> = {
+        let mut stores: Vec<(&str, Arc<dyn Store>)> = Vec::new();
+        if let Some(store) = pg_store_or_skip().await {
+            let unbounded = store.clone().with_silent_connection_timeout(Duration::MAX);
+            assert_eq!(unbounded.silent_connection_timeout(), Duration::MAX);
+            assert_eq!(unbounded.clone().silent_connection_timeout(), Duration::MAX);
+            assert_eq!(store.silent_connection_timeout(), Duration::from_secs(20));
+            stores.push(("postgres", Arc::new(unbounded)));
+        }
+        if let Some(store) = mysql_store_or_skip().await {
+            let unbounded = store.clone().with_silent_connection_timeout(Duration::MAX);
+            assert_eq!(unbounded.silent_connection_timeout(), Duration::MAX);
+            assert_eq!(unbounded.clone().silent_connection_timeout(), Duration::MAX);
+            assert_eq!(store.silent_connection_timeout(), Duration::from_secs(20));
+            stores.push(("mariadb", Arc::new(unbounded)));
+        }
+        stores
+    };
+    for (name, store) in stores {
+        let identity =
+            Identity::new(tenant.clone(), "faults.unbounded_timeout", name).expect("identity");
+        let token = OwnerToken::new();
+        let request = ReserveRequest {
+            identity: &identity,
+            fingerprint: None,
+            token: &token,
+            lease: Duration::from_secs(30),
+            ttl: Duration::from_secs(3600),
+        };
+        let reserved = store.reserve(request).await.expect("a reservation");
+        assert!(
+            matches!(reserved, Reservation::Acquired { .. }),
+            "{name}: {reserved:?}"
+        );
+        let written = store
+            .complete(Completion {
+                identity: &identity,
+                token: &token,
+                outcome: &answer,
+                ttl: Duration::from_secs(3600),
+                by: AnsweredBy::Body,
+            })
+            .await
+            .expect("a completion");
+        assert_eq!(written, Fenced::Written, "{name}");
+        let retry = OwnerToken::new();
+        let replay = store
+            .reserve(ReserveRequest {
+                token: &retry,
+                ..request
+            })
+            .await
+            .expect("a replay");
+        assert_eq!(replay, Reservation::Completed(answer.clone()), "{name}");
+    }
+}

@@ -341,6 +341,12 @@ impl MySqlStore {
     /// for every 256 KiB. A statement given up may still land; every write
     /// is fenced by its owner token.
     ///
+    /// `Duration::ZERO` does not turn the bound off: a statement with no
+    /// wait of its own on top (a reservation's first statement, a read) is
+    /// given up unless answered within the timer's resolution (about a
+    /// millisecond), and its call fails with [`Error::Store`]. For no bound,
+    /// give `Duration::MAX`.
+    ///
     /// Set it below your request deadline so a call fails in time to be
     /// retried; keep it above the slowest answer your server gives under
     /// load. The store's clones share one background worker: its attempts

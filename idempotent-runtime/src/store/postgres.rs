@@ -197,9 +197,19 @@ impl PgStore {
     /// result being recorded is handed to the store's background worker,
     /// which tries again on new connections, each attempt bounded the same
     /// way). Waits the statement may rightly have on the server come on top:
-    /// its row-lock wait ([`lock_wait`](Self::lock_wait)) and, for a large
-    /// result, a second for every 256 KiB. A statement given up may still
-    /// land; every write is fenced by its owner token.
+    /// a reservation's row-lock waits ([`lock_wait`](Self::lock_wait)), a
+    /// renewal's (up to 10 minutes) and, for a large result, a second for
+    /// every 256 KiB. A completion or a release has no lock wait of its own
+    /// (the session's `lock_timeout`, none by default): one that waits for a
+    /// row lock (a transactional-mode call that took the record over) longer
+    /// than the timeout is given up the same way. A statement given up may
+    /// still land; every write is fenced by its owner token.
+    ///
+    /// `Duration::ZERO` does not turn the bound off: a statement with no
+    /// wait of its own on top (a completion, a release) is given up unless
+    /// answered within the timer's resolution (about a millisecond), so
+    /// calls fail with [`Error::Store`] while the worker records their
+    /// answers. For no bound, give `Duration::MAX`.
     ///
     /// Set it below your request deadline so a call fails in time to be
     /// retried; keep it above the slowest answer your server gives under
