@@ -101,8 +101,9 @@ pub(crate) const ATTEMPT_ANSWERS_WITHIN: Duration = Duration::from_secs(20);
 const SHORTEST_ATTEMPT_LIMIT: Duration =
     crate::store::ACQUIRE_TIMEOUT.saturating_add(Duration::from_secs(12));
 
-/// [`Detached::attempt_limit_ms`] when attempts have no bound.
-const NO_ATTEMPT_LIMIT: u64 = u64::MAX;
+/// [`Detached::attempt_limit_ms`] when attempts have no bound (no store set
+/// one).
+const NO_ATTEMPT_LIMIT: u64 = 0;
 
 /// What the worker does for one dropped call.
 #[derive(Debug, Clone)]
@@ -141,7 +142,7 @@ pub(crate) struct Detached {
     lands_within_ms: std::sync::atomic::AtomicU64,
     /// How long, in ms, an attempt may go unanswered before it is given up
     /// and tried again ([`ATTEMPT_ANSWERS_WITHIN`] unless the store was
-    /// given another, for a database server's worker); [`NO_ATTEMPT_LIMIT`]:
+    /// given a longer one, for a database server's worker); [`NO_ATTEMPT_LIMIT`]:
     /// no bound (SQLite, whose busy timeout bounds every write and whose
     /// connections cannot go silent).
     attempt_limit_ms: std::sync::atomic::AtomicU64,
@@ -211,8 +212,9 @@ impl Detached {
 
     /// An attempt unanswered for `limit` is given up as failed and tried
     /// again: for a worker whose connections can go silent (a database
-    /// server's). The store's clones share the worker: the limit set last
-    /// holds for the jobs handed over after it.
+    /// server's). The store's clones share the worker, and the longest limit
+    /// any of them set holds: a clone given a short timeout must not cut the
+    /// attempts of one given a long timeout for a slow server.
     ///
     /// Never under [`SHORTEST_ATTEMPT_LIMIT`]: the worker's writes wait up
     /// to 10 s for a row lock (the server ends that wait), and an attempt
@@ -221,9 +223,8 @@ impl Detached {
     #[cfg(any(feature = "postgres", feature = "mysql"))]
     pub(crate) fn set_attempt_limit(&self, limit: Duration) {
         let limit = limit.max(SHORTEST_ATTEMPT_LIMIT);
-        let ms = u64::try_from(limit.as_millis()).unwrap_or(u64::MAX - 1);
-        self.attempt_limit_ms
-            .store(ms.min(NO_ATTEMPT_LIMIT - 1), Ordering::Relaxed);
+        let ms = u64::try_from(limit.as_millis()).unwrap_or(u64::MAX);
+        self.attempt_limit_ms.fetch_max(ms, Ordering::Relaxed);
     }
 
     /// Says that a reservation statement of the store may land as late as
@@ -589,6 +590,9 @@ mod tests {
         worker.set_attempt_limit(Duration::from_secs(2));
         assert_eq!(limit(&worker), 17_000);
         worker.set_attempt_limit(Duration::from_secs(30));
+        assert_eq!(limit(&worker), 30_000);
+        // A clone's shorter timeout does not cut the attempts of one set long.
+        worker.set_attempt_limit(Duration::from_secs(2));
         assert_eq!(limit(&worker), 30_000);
     }
 

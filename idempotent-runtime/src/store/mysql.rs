@@ -349,10 +349,13 @@ impl MySqlStore {
     ///
     /// Set it below your request deadline so a call fails in time to be
     /// retried; keep it above the slowest answer your server gives under
-    /// load. The store's clones share one background worker: its attempts
-    /// use the timeout set last, and never less than 17 s (an attempt waits
-    /// up to 5 s for a connection of the worker's pool, then its writes wait
-    /// up to 10 s for a row lock, a wait the server ends itself).
+    /// load. The store's background worker, which records the answers of
+    /// calls whose own statements failed, keeps at least the default: its
+    /// attempts are bounded by the longest of 20 s and the timeouts any of
+    /// the store's clones set (they share the worker, and a clone's short
+    /// timeout must not cut the attempts of one set long for a slow server;
+    /// an attempt waits up to 5 s for a connection of the worker's pool,
+    /// then its writes up to 10 s for a row lock, a wait the server ends).
     ///
     /// ```no_run
     /// # async fn f(store: idempotent_runtime::MySqlStore) {
