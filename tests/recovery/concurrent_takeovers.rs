@@ -9,15 +9,14 @@
 //! test's word; the takers wait (`in_progress = wait`) until the store's
 //! clock shows the lease over.
 
-use crate::common::scratch::sqlite_url;
-use crate::common::servers::{fresh_tenant, mysql_store_or_skip, pg_store_or_skip};
+use crate::common::servers::fresh_tenant;
+use crate::takeover_edges::{two_instances_of_each_store, until_running, Gate, TwoInstances};
 use idempotent_runtime::{
-    idempotent, with_outcome, Error, Identity, MemoryStore, Outcome, OwnerToken, RecordState,
-    Recovery, Reservation, ReserveRequest, SqliteStore, Store, Takeover,
+    idempotent, with_outcome, Error, Identity, Outcome, OwnerToken, RecordState, Recovery,
+    Reservation, ReserveRequest, Store, Takeover,
 };
 use std::collections::HashMap;
 use std::sync::{Arc, LazyLock, Mutex};
-use tokio::sync::Notify;
 
 const SCOPE: &str = "recovery.crowd";
 
@@ -50,12 +49,6 @@ async fn look(t: &Takeover) -> Result<Recovery<u32>, Error> {
     Ok(answer.map_or(Recovery::Run, Recovery::Completed))
 }
 
-#[derive(Default)]
-struct Gate {
-    reached: Notify,
-    go: Notify,
-}
-
 /// What the body does after its gate (if any) opens.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Then {
@@ -84,38 +77,8 @@ async fn pay(
     Ok(value)
 }
 
-/// Polls `call` until its body has started, then hands it back unpolled:
-/// from here it renews nothing, as a stopped process or a starved task.
-async fn until_running<F: std::future::Future + Unpin>(call: &mut F, gate: &Gate)
-where
-    F::Output: std::fmt::Debug,
-{
-    tokio::select! {
-        out = call => panic!("the call finished before its body was held: {out:?}"),
-        _ = gate.reached.notified() => {}
-    }
-}
-
-/// A store's name, and two stores on its records (two instances of a service).
-type TwoInstances = (&'static str, Arc<dyn Store>, Arc<dyn Store>);
-
 async fn stores() -> Vec<TwoInstances> {
-    let mut all: Vec<TwoInstances> = Vec::new();
-    let memory = MemoryStore::new();
-    all.push(("memory", Arc::new(memory.clone()), Arc::new(memory)));
-    let url = sqlite_url("concurrent-takeovers");
-    all.push((
-        "sqlite",
-        Arc::new(SqliteStore::connect(&url).await.expect("sqlite")),
-        Arc::new(SqliteStore::connect(&url).await.expect("sqlite again")),
-    ));
-    if let (Some(a), Some(b)) = (pg_store_or_skip().await, pg_store_or_skip().await) {
-        all.push(("postgres", Arc::new(a), Arc::new(b)));
-    }
-    if let (Some(a), Some(b)) = (mysql_store_or_skip().await, mysql_store_or_skip().await) {
-        all.push(("mysql", Arc::new(a), Arc::new(b)));
-    }
-    all
+    two_instances_of_each_store("concurrent-takeovers").await
 }
 
 fn id(tenant: &str, key: &str) -> Identity {

@@ -18,7 +18,7 @@ use idempotent_runtime::{
     RecordState, Recovery, SqliteStore, Store, Takeover,
 };
 use std::collections::HashMap;
-use std::sync::{LazyLock, Mutex};
+use std::sync::{Arc, LazyLock, Mutex};
 use tokio::sync::Notify;
 
 const SCOPE: &str = "recovery.edges.paused";
@@ -73,10 +73,11 @@ async fn look(t: &Takeover) -> Result<Recovery<u32>, Error> {
     }
 }
 
+/// Holds a body where it is: `reached` when it gets there, and it goes on at `go`.
 #[derive(Default)]
-pub struct Gate {
-    reached: Notify,
-    go: Notify,
+pub(crate) struct Gate {
+    pub(crate) reached: Notify,
+    pub(crate) go: Notify,
 }
 
 #[idempotent(scope = "recovery.edges.paused", key = key, tenant = tenant, store = store,
@@ -98,7 +99,7 @@ async fn pay(
 
 /// Polls `call` until its body has started, then hands it back unpolled:
 /// from here it renews nothing, as a stopped process or a starved task.
-async fn until_running<F: std::future::Future + Unpin>(call: &mut F, gate: &Gate)
+pub(crate) async fn until_running<F: std::future::Future + Unpin>(call: &mut F, gate: &Gate)
 where
     F::Output: std::fmt::Debug,
 {
@@ -109,23 +110,29 @@ where
 }
 
 /// A store's name, and two stores on its records (two instances of a service).
-type TwoInstances = (&'static str, Box<dyn Store>, Box<dyn Store>);
+pub(crate) type TwoInstances = (&'static str, Arc<dyn Store>, Arc<dyn Store>);
 
 async fn stores() -> Vec<TwoInstances> {
+    two_instances_of_each_store("takeover-edges").await
+}
+
+/// Two stores on the same records for every store (two instances of a
+/// service), SQLite's in a file named after `sqlite_file`.
+pub(crate) async fn two_instances_of_each_store(sqlite_file: &str) -> Vec<TwoInstances> {
     let mut all: Vec<TwoInstances> = Vec::new();
     let memory = MemoryStore::new();
-    all.push(("memory", Box::new(memory.clone()), Box::new(memory)));
-    let url = sqlite_url("takeover-edges");
+    all.push(("memory", Arc::new(memory.clone()), Arc::new(memory)));
+    let url = sqlite_url(sqlite_file);
     all.push((
         "sqlite",
-        Box::new(SqliteStore::connect(&url).await.expect("sqlite")),
-        Box::new(SqliteStore::connect(&url).await.expect("sqlite again")),
+        Arc::new(SqliteStore::connect(&url).await.expect("sqlite")),
+        Arc::new(SqliteStore::connect(&url).await.expect("sqlite again")),
     ));
     if let (Some(a), Some(b)) = (pg_store_or_skip().await, pg_store_or_skip().await) {
-        all.push(("postgres", Box::new(a), Box::new(b)));
+        all.push(("postgres", Arc::new(a), Arc::new(b)));
     }
     if let (Some(a), Some(b)) = (mysql_store_or_skip().await, mysql_store_or_skip().await) {
-        all.push(("mysql", Box::new(a), Box::new(b)));
+        all.push(("mysql", Arc::new(a), Arc::new(b)));
     }
     all
 }
