@@ -12,13 +12,10 @@
 //! whatever lapses, the answers must agree. A failure prints the seed
 //! (`IDEMPOTENT_STORM_SEED` replays the drops and blocks it chose).
 
-use crate::common::scratch::sqlite_url;
-use crate::common::servers::{fresh_tenant, mysql_store_or_skip, pg_store_or_skip};
-use crate::storm::{quiet_storm_panics, seed, Rng, STORM_PANIC};
+use crate::common::servers::fresh_tenant;
+use crate::storm::{memory, mysql, postgres, quiet_storm_panics, seed, sqlite, Rng, STORM_PANIC};
 use futures::FutureExt;
-use idempotent_runtime::{
-    idempotent, with_outcome, Error, MemoryStore, Outcome, Recovery, SqliteStore, Store, Takeover,
-};
+use idempotent_runtime::{idempotent, with_outcome, Error, Outcome, Recovery, Store, Takeover};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, LazyLock, Mutex};
@@ -155,28 +152,6 @@ async fn lapse_storm(name: &str, hook: bool, a: Arc<dyn Store>, b: Arc<dyn Store
     }
 }
 
-async fn memory() -> (Arc<dyn Store>, Arc<dyn Store>) {
-    let store = MemoryStore::new();
-    (Arc::new(store.clone()), Arc::new(store))
-}
-
-async fn sqlite() -> (Arc<dyn Store>, Arc<dyn Store>) {
-    let url = sqlite_url("lapse-storm");
-    let a = SqliteStore::connect(&url).await.expect("sqlite");
-    let b = SqliteStore::connect(&url).await.expect("sqlite again");
-    (Arc::new(a), Arc::new(b))
-}
-
-async fn postgres() -> Option<(Arc<dyn Store>, Arc<dyn Store>)> {
-    let (a, b) = (pg_store_or_skip().await?, pg_store_or_skip().await?);
-    Some((Arc::new(a), Arc::new(b)))
-}
-
-async fn mysql() -> Option<(Arc<dyn Store>, Arc<dyn Store>)> {
-    let (a, b) = (mysql_store_or_skip().await?, mysql_store_or_skip().await?);
-    Some((Arc::new(a), Arc::new(b)))
-}
-
 macro_rules! lapse_storms {
     ($($test:ident: $name:literal, $stores:expr;)*) => {$(
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -191,7 +166,7 @@ macro_rules! lapse_storms {
 
 lapse_storms! {
     memory_owners_whose_leases_lapse_never_answer_two_values_for_a_key: "memory", Some(memory().await);
-    sqlite_owners_whose_leases_lapse_never_answer_two_values_for_a_key: "sqlite", Some(sqlite().await);
+    sqlite_owners_whose_leases_lapse_never_answer_two_values_for_a_key: "sqlite", Some(sqlite("lapse-storm").await);
     postgres_owners_whose_leases_lapse_never_answer_two_values_for_a_key: "postgres", postgres().await;
     mysql_owners_whose_leases_lapse_never_answer_two_values_for_a_key: "mysql", mysql().await;
 }

@@ -312,24 +312,27 @@ pub(crate) fn seed() -> u64 {
         })
 }
 
-async fn memory() -> (Arc<dyn Store>, Arc<dyn Store>) {
+// Two stores on the same records (two instances of a service), per store.
+
+pub(crate) async fn memory() -> (Arc<dyn Store>, Arc<dyn Store>) {
     let store = MemoryStore::new();
     (Arc::new(store.clone()), Arc::new(store))
 }
 
-async fn sqlite() -> (Arc<dyn Store>, Arc<dyn Store>) {
-    let url = sqlite_url("storm");
+/// In a file named after `file`.
+pub(crate) async fn sqlite(file: &str) -> (Arc<dyn Store>, Arc<dyn Store>) {
+    let url = sqlite_url(file);
     let a = SqliteStore::connect(&url).await.expect("sqlite");
     let b = SqliteStore::connect(&url).await.expect("sqlite again");
     (Arc::new(a), Arc::new(b))
 }
 
-async fn postgres() -> Option<(Arc<dyn Store>, Arc<dyn Store>)> {
+pub(crate) async fn postgres() -> Option<(Arc<dyn Store>, Arc<dyn Store>)> {
     let (a, b) = (pg_store_or_skip().await?, pg_store_or_skip().await?);
     Some((Arc::new(a), Arc::new(b)))
 }
 
-async fn mysql() -> Option<(Arc<dyn Store>, Arc<dyn Store>)> {
+pub(crate) async fn mysql() -> Option<(Arc<dyn Store>, Arc<dyn Store>)> {
     let (a, b) = (mysql_store_or_skip().await?, mysql_store_or_skip().await?);
     Some((Arc::new(a), Arc::new(b)))
 }
@@ -346,11 +349,11 @@ macro_rules! storms {
 
 storms! {
     memory_a_storm_with_a_hook_makes_one_side_effect_per_key: "memory", true, Some(memory().await);
-    sqlite_a_storm_with_a_hook_makes_one_side_effect_per_key: "sqlite", true, Some(sqlite().await);
+    sqlite_a_storm_with_a_hook_makes_one_side_effect_per_key: "sqlite", true, Some(sqlite("storm").await);
     postgres_a_storm_with_a_hook_makes_one_side_effect_per_key: "postgres", true, postgres().await;
     mysql_a_storm_with_a_hook_makes_one_side_effect_per_key: "mysql", true, mysql().await;
     memory_a_storm_without_a_hook_answers_one_value_per_key: "memory", false, Some(memory().await);
-    sqlite_a_storm_without_a_hook_answers_one_value_per_key: "sqlite", false, Some(sqlite().await);
+    sqlite_a_storm_without_a_hook_answers_one_value_per_key: "sqlite", false, Some(sqlite("storm").await);
     postgres_a_storm_without_a_hook_answers_one_value_per_key: "postgres", false, postgres().await;
     mysql_a_storm_without_a_hook_answers_one_value_per_key: "mysql", false, mysql().await;
 }
