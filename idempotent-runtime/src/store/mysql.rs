@@ -492,7 +492,7 @@ async fn clean_connection(
     check: Option<&std::sync::Arc<SessionCheck>>,
 ) -> Result<ClosedIfDropped<MySql>, StoreError> {
     match check {
-        Some(check) => checked_connection(pool, check).await,
+        Some(check) => checked_connection(pool, check, None).await,
         None => ClosedIfDropped::acquire(pool)
             .await
             .map_err(err(CLEAN_CONNECTION)),
@@ -522,16 +522,7 @@ async fn connection_for_a_read(
     check: &std::sync::Arc<SessionCheck>,
 ) -> Result<ReadConnection, StoreError> {
     let autocommit_off = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let seen = autocommit_off.clone();
-    let conn = super::outside_any_transaction::<_, ClosedIfDropped<MySql>, _>(
-        STORE,
-        CLEAN_CONNECTION,
-        pool,
-        None,
-        super::IfLeftOpen::Close,
-        move |conn| Box::pin(checked_session(conn, check.clone(), Some(seen.clone()))),
-    )
-    .await?;
+    let conn = checked_connection(pool, check, Some(&autocommit_off)).await?;
     Ok(ReadConnection {
         conn,
         autocommit_off: autocommit_off.load(std::sync::atomic::Ordering::SeqCst),
@@ -562,11 +553,13 @@ impl ReadConnection {
     }
 }
 
-/// A connection of `pool` that passed [`checked_session`]. The check's connection is already closed if the call is
+/// A connection of `pool` that passed [`checked_session`] (`for_a_read` as
+/// it says). The check's connection is already closed if the call is
 /// dropped while the check waits (a silent server).
 async fn checked_connection(
     pool: &MySqlPool,
     check: &std::sync::Arc<SessionCheck>,
+    for_a_read: Option<&std::sync::Arc<std::sync::atomic::AtomicBool>>,
 ) -> Result<ClosedIfDropped<MySql>, StoreError> {
     super::outside_any_transaction::<_, ClosedIfDropped<MySql>, _>(
         STORE,
@@ -574,7 +567,7 @@ async fn checked_connection(
         pool,
         None,
         super::IfLeftOpen::Close,
-        |conn| Box::pin(checked_session(conn, check.clone(), None)),
+        |conn| Box::pin(checked_session(conn, check.clone(), for_a_read.cloned())),
     )
     .await
 }
