@@ -478,12 +478,11 @@ fn verdict<T, E: AsIdempotencyError>(result: &Result<T, E>, reported: Option<Rep
         // like any error not recorded (often a refusal for now, such as a
         // nested call's `InProgress`, kept in a `#[serde(skip)]` variant):
         // terminated, its message was never processed.
-        Some(
-            Error::ResultNotFaithful { .. }
-            | Error::ResultTooLarge { .. }
-            | Error::ResultEncoding { .. },
-        ) if reported
-            .is_some_and(|r| r.outcome == Some(Outcome::Executed) && r.unrecordable_result) =>
+        Some(e)
+            if e.answer_can_never_be_recorded()
+                && reported.is_some_and(|r| {
+                    r.outcome == Some(Outcome::Executed) && r.unrecordable_result
+                }) =>
         {
             Verdict::Unrecordable
         }

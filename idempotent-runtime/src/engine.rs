@@ -1147,14 +1147,9 @@ where
     match by {
         AnsweredBy::Body => {
             // Not a limit the store failed to tell (a store error).
-            let never = matches!(
-                unrecorded,
-                Some(
-                    Error::ResultNotFaithful { .. }
-                        | Error::ResultTooLarge { .. }
-                        | Error::ResultEncoding { .. }
-                )
-            );
+            let never = unrecorded
+                .as_ref()
+                .is_some_and(Error::answer_can_never_be_recorded);
             if never && result.is_ok() {
                 report_unrecordable_result();
             }

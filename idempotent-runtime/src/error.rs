@@ -290,6 +290,20 @@ pub enum Error {
     },
 }
 
+impl Error {
+    /// The answer this error is about can never be recorded, whatever the
+    /// store does (`ResultNotFaithful`, `ResultTooLarge`, `ResultEncoding`):
+    /// a limit of the value, not a failure of the store.
+    pub(crate) fn answer_can_never_be_recorded(&self) -> bool {
+        matches!(
+            self,
+            Error::ResultNotFaithful { .. }
+                | Error::ResultTooLarge { .. }
+                | Error::ResultEncoding { .. }
+        )
+    }
+}
+
 /// Lets `#[idempotent]` functions return `std::io::Result<T>`: the error keeps
 /// its message and is reachable through `io::Error::get_ref` / `into_inner`.
 ///
