@@ -87,7 +87,8 @@ pub(crate) const COMPLETE_TRIED_FOR: Duration = Duration::from_secs(3600);
 /// two such attempts filling the worker's pool (unrecorded-answers hunt). A
 /// statement given up may still land later; every write is fenced by its
 /// owner token, so a late one changes nothing the next attempt did not.
-/// The default: stores set their own (`with_silent_connection_timeout`).
+/// The default; a store may be given another (`with_silent_connection_timeout`),
+/// and its worker keeps at least this one.
 #[cfg(any(feature = "postgres", feature = "mysql", test))]
 pub(crate) const ATTEMPT_ANSWERS_WITHIN: Duration = Duration::from_secs(20);
 
