@@ -23,7 +23,9 @@
 //! not depend on it, and it is much of the build's cost.
 //!
 //! The environment variable is process-wide, so the two tests hold one lock
-//! (under `cargo test` they share a process; nextest runs each alone).
+//! (under `cargo test` they share a process). nextest runs each in a process
+//! of its own, one at a time (they share trybuild's test crate), beside the
+//! rest of the suite: see `lower_priority`.
 //! Regenerate the expected output with
 //! `TRYBUILD=overwrite cargo test -p idempotent-macro-tests --test ui`,
 //! then read every changed `.stderr`.
@@ -42,6 +44,7 @@ fn cases() -> PathBuf {
 fn exclusive() -> MutexGuard<'static, ()> {
     static LOCK: Mutex<()> = Mutex::new(());
     let guard = LOCK.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    lower_priority();
     // Read by the cargo that trybuild starts, not by this process.
     std::env::set_var("CARGO_PROFILE_DEV_DEBUG", "0");
     // CI lints the workspace while building it (clippy-driver as the
@@ -50,6 +53,21 @@ fn exclusive() -> MutexGuard<'static, ()> {
     std::env::remove_var("RUSTC_WORKSPACE_WRAPPER");
     std::env::remove_var("CLIPPY_ARGS");
     guard
+}
+
+/// Lowers this thread's scheduling priority to the lowest (`nice` 19); the
+/// cargo and rustc processes trybuild starts from it inherit it. Compiling the
+/// cases is minutes of work for both cores on a cold machine: at the lowest
+/// priority it takes only the time the tests running beside it leave idle
+/// (most of them wait on leases, servers and child processes), so the suite
+/// need not stop for it, and it never starves a test holding a lease.
+fn lower_priority() {
+    // SAFETY: `nice` only changes the calling thread's priority; it reads
+    // and writes no memory of ours. A refusal (errno) leaves the priority as
+    // it was, which costs time, not correctness.
+    unsafe {
+        libc::nice(19);
+    }
 }
 
 /// Runs the cases `run` adds with `IDEMPOTENT_MANIFEST` set to `manifest`
