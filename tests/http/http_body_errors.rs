@@ -382,3 +382,73 @@ async fn a_415_from_an_extractor_is_not_recorded() {
     assert_eq!(retry.headers()["idempotent-replayed"], "true");
     assert_eq!(runs.load(Ordering::SeqCst), 1);
 }
+
+/// Stands in for tower-http's `RequestBodyLimitLayer` (a router-wide cap
+/// smaller than the layer's own): the body behind it is an
+/// `http_body_util::Limited` of 16 bytes, which fails with
+/// `LengthLimitError` past the cap, as the body reaches the layer through
+/// axum's `Body` (which wraps the error in `axum::Error`).
+async fn limit_16(request: Request, next: Next) -> Response {
+    next.run(request.map(|body| Body::new(http_body_util::Limited::new(body, 16))))
+        .await
+}
+
+/// A body over a limit set outside the layer (tower-http's
+/// `RequestBodyLimitLayer` on the router, with a chunked body or one whose
+/// length the limit does not check) is refused with 413 `body-too-large`:
+/// nothing ran, nothing is held, and a smaller body with the same key runs.
+/// The layer looked for the limit's `LengthLimitError` only at the top of
+/// the body's error, where axum's `Body` had wrapped it, and answered 400
+/// `body-unreadable` ("the body ended early or was malformed; send the
+/// request again with the same key"), which the same body can only get
+/// again.
+#[tokio::test]
+async fn a_body_over_a_limit_outside_the_layer_is_413_not_unreadable() {
+    let runs = Arc::new(AtomicUsize::new(0));
+    let counted = runs.clone();
+    let handler = move |body: Bytes| {
+        let counted = counted.clone();
+        async move {
+            let n = counted.fetch_add(1, Ordering::SeqCst) + 1;
+            let body = String::from_utf8_lossy(&body).into_owned();
+            (StatusCode::CREATED, format!("{body} (run {n})"))
+        }
+    };
+    let app = Router::new()
+        .route("/orders", post(handler))
+        .route_layer(
+            IdempotencyLayer::builder("outer-limit.orders", MemoryStore::new())
+                .tenant_from_extension::<AccountId>()
+                .build()
+                .expect("layer"),
+        )
+        .layer(middleware::from_fn(limit_16))
+        .layer(middleware::from_fn(authenticate));
+    let (base, _task) = serve(app).await;
+    let send = |body: &'static str| {
+        reqwest::Client::new()
+            .post(format!("{base}/orders"))
+            .header("x-account-id", "acct-outer-limit")
+            .header("idempotency-key", "order-1")
+            .body(body)
+            .send()
+    };
+
+    let large = send("an order far over sixteen bytes")
+        .await
+        .expect("request");
+    expect_problem(large, 413, types::BODY_TOO_LARGE).await;
+    assert_eq!(runs.load(Ordering::SeqCst), 0, "nothing ran");
+
+    let smaller = send("one order").await.expect("request");
+    assert_eq!(
+        smaller.status(),
+        StatusCode::CREATED,
+        "the smaller request with the same key: {}",
+        smaller.text().await.expect("body")
+    );
+    let retry = send("one order").await.expect("request");
+    assert_eq!(retry.headers()["idempotent-replayed"], "true");
+    assert_eq!(retry.text().await.expect("body"), "one order (run 1)");
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}

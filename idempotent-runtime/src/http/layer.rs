@@ -784,6 +784,15 @@ where
                 body_too_large(config.max_body_bytes).into_response(),
             ));
         }
+        // A limit outside this layer (tower-http's `RequestBodyLimitLayer`):
+        // its `LengthLimitError` reaches the layer wrapped (in `axum::Error`
+        // by axum's `Body`). The same body can only fail again: 413, not
+        // "send it again".
+        Err(e) if wraps_a_length_limit(&*e) => {
+            tracing::info!(target: "idempotent", scope = spec.scope, error = %e,
+                "request body over a limit set outside the layer");
+            return Ok(not_processed(outer_body_too_large().into_response()));
+        }
         Err(e) => {
             tracing::info!(target: "idempotent", scope = spec.scope, error = %e, "request body could not be read");
             return Ok(not_processed(
@@ -1085,6 +1094,27 @@ fn missing_tenant() -> Problem {
         "This request changes state and its Idempotency-Key belongs to a caller, but the request \
          does not say who the caller is. Authenticate (send your credentials or account id) and \
          send the request again with the same key.",
+    )
+}
+
+/// Whether `error`, or one of the errors it wraps, is a body length
+/// limit's `LengthLimitError`.
+fn wraps_a_length_limit(error: &(dyn std::error::Error + 'static)) -> bool {
+    // Bounded: a source chain is short, but nothing makes it end.
+    std::iter::successors(Some(error), |e| e.source())
+        .take(64)
+        .any(|e| e.is::<LengthLimitError>())
+}
+
+/// A body over a limit set outside the layer, whose size this layer does
+/// not know.
+fn outer_body_too_large() -> Problem {
+    Problem::new(
+        StatusCode::PAYLOAD_TOO_LARGE,
+        types::BODY_TOO_LARGE,
+        "Request body too large",
+        "The request body is larger than this route accepts. Send a smaller body; this \
+         request was not processed.",
     )
 }
 

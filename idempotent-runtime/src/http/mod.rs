@@ -23,7 +23,7 @@
 //! | no `Idempotency-Key` (route requires one) | 400 `missing-key` |
 //! | malformed or invalid key | 400 `invalid-key` |
 //! | no tenant for the request | 401 `missing-tenant` |
-//! | body over the cap | 413 `body-too-large` |
+//! | body over the cap, or over a limit outside the layer | 413 `body-too-large` |
 //! | body that cannot be read | 400 `body-unreadable` |
 //! | (each refusal above) | marked [`problem::NotFinal`]: nothing ran or is recorded, nor by a layer around this one |
 //! | first request | the handler's answer (headers, trailers, extensions); 2xx–4xx recorded (not 401, 408, 413, 415, 423, 425, 429, nor an answer marked [`problem::NotFinal`]), 5xx releases the key |
