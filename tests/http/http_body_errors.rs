@@ -404,51 +404,69 @@ async fn limit_16(request: Request, next: Next) -> Response {
 /// again.
 #[tokio::test]
 async fn a_body_over_a_limit_outside_the_layer_is_413_not_unreadable() {
-    let runs = Arc::new(AtomicUsize::new(0));
-    let counted = runs.clone();
-    let handler = move |body: Bytes| {
-        let counted = counted.clone();
-        async move {
-            let n = counted.fetch_add(1, Ordering::SeqCst) + 1;
-            let body = String::from_utf8_lossy(&body).into_owned();
-            (StatusCode::CREATED, format!("{body} (run {n})"))
-        }
-    };
-    let app = Router::new()
-        .route("/orders", post(handler))
-        .route_layer(
-            IdempotencyLayer::builder("outer-limit.orders", MemoryStore::new())
-                .tenant_from_extension::<AccountId>()
-                .build()
-                .expect("layer"),
-        )
-        .layer(middleware::from_fn(limit_16))
-        .layer(middleware::from_fn(authenticate));
-    let (base, _task) = serve(app).await;
-    let send = |body: &'static str| {
-        reqwest::Client::new()
-            .post(format!("{base}/orders"))
-            .header("x-account-id", "acct-outer-limit")
-            .header("idempotency-key", "order-1")
-            .body(body)
-            .send()
-    };
+    let mut stores: Vec<(&str, Arc<dyn idempotent_runtime::Store>)> = vec![
+        ("memory", Arc::new(MemoryStore::new())),
+        ("sqlite", crate::http_app::sqlite_file_store().await),
+    ];
+    if let Some(pg) = crate::common::servers::pg_store_or_skip().await {
+        stores.push(("postgres", Arc::new(pg)));
+    }
+    if let Some(my) = crate::common::servers::mysql_store_or_skip().await {
+        stores.push(("mariadb", Arc::new(my)));
+    }
+    for (name, store) in stores {
+        let runs = Arc::new(AtomicUsize::new(0));
+        let counted = runs.clone();
+        let handler = move |body: Bytes| {
+            let counted = counted.clone();
+            async move {
+                let n = counted.fetch_add(1, Ordering::SeqCst) + 1;
+                let body = String::from_utf8_lossy(&body).into_owned();
+                (StatusCode::CREATED, format!("{body} (run {n})"))
+            }
+        };
+        let app = Router::new()
+            .route("/orders", post(handler))
+            .route_layer(
+                IdempotencyLayer::builder("outer-limit.orders", store)
+                    .tenant_from_extension::<AccountId>()
+                    .build()
+                    .expect("layer"),
+            )
+            .layer(middleware::from_fn(limit_16))
+            .layer(middleware::from_fn(authenticate));
+        let (base, _task) = serve(app).await;
+        let tenant = crate::common::servers::fresh_tenant();
+        let send = |body: &'static str| {
+            reqwest::Client::new()
+                .post(format!("{base}/orders"))
+                .header("x-account-id", &tenant)
+                .header("idempotency-key", "order-1")
+                .body(body)
+                .send()
+        };
 
-    let large = send("an order far over sixteen bytes")
-        .await
-        .expect("request");
-    expect_problem(large, 413, types::BODY_TOO_LARGE).await;
-    assert_eq!(runs.load(Ordering::SeqCst), 0, "nothing ran");
+        let large = send("an order far over sixteen bytes")
+            .await
+            .expect("request");
+        assert_eq!(large.status(), 413, "{name}");
+        expect_problem(large, 413, types::BODY_TOO_LARGE).await;
+        assert_eq!(runs.load(Ordering::SeqCst), 0, "{name}: nothing ran");
 
-    let smaller = send("one order").await.expect("request");
-    assert_eq!(
-        smaller.status(),
-        StatusCode::CREATED,
-        "the smaller request with the same key: {}",
-        smaller.text().await.expect("body")
-    );
-    let retry = send("one order").await.expect("request");
-    assert_eq!(retry.headers()["idempotent-replayed"], "true");
-    assert_eq!(retry.text().await.expect("body"), "one order (run 1)");
-    assert_eq!(runs.load(Ordering::SeqCst), 1);
+        let smaller = send("one order").await.expect("request");
+        assert_eq!(
+            smaller.status(),
+            StatusCode::CREATED,
+            "{name}: the smaller request with the same key: {}",
+            smaller.text().await.expect("body")
+        );
+        let retry = send("one order").await.expect("request");
+        assert_eq!(retry.headers()["idempotent-replayed"], "true", "{name}");
+        assert_eq!(
+            retry.text().await.expect("body"),
+            "one order (run 1)",
+            "{name}"
+        );
+        assert_eq!(runs.load(Ordering::SeqCst), 1, "{name}");
+    }
 }
