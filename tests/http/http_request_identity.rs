@@ -256,3 +256,141 @@ async fn the_same_body_chunked_or_with_a_length_is_one_request() {
     );
     assert_eq!(runs.load(Ordering::SeqCst), 1);
 }
+
+/// A seeded sweep of requests over a few tenants (some that run into a key
+/// when joined: `t` + `x:k` and `t:x` + `k`), keys (bare and quoted
+/// spellings of one key, keys that differ in case or hold a `:`), methods,
+/// query strings (one pair in two orders) and bodies whose handler answers
+/// 201, a 400 (recorded) or a 500 (released), checked against a model of
+/// rule 22: the first request for a (tenant, key) runs; while its answer is
+/// recorded, the same request replays it (same status and body, with
+/// `Idempotent-Replayed: true`) and any other is 422 `key-reused` and runs
+/// nothing; a 5xx leaves the key free. The handler's answer names the
+/// caller, the request and the run, so a replay of another caller's or
+/// another request's answer shows.
+#[tokio::test]
+async fn a_seeded_sweep_of_tenants_keys_and_requests_follows_the_model() {
+    use std::collections::HashMap;
+    for (name, store) in every_store().await {
+        let runs = Arc::new(AtomicUsize::new(0));
+        let handler = {
+            let runs = runs.clone();
+            move |method: Method,
+                  OriginalUri(uri): OriginalUri,
+                  Extension(AccountId(a)): Extension<AccountId>,
+                  body: String| {
+                let runs = runs.clone();
+                async move {
+                    let n = runs.fetch_add(1, Ordering::SeqCst) + 1;
+                    let status = match body.as_str() {
+                        "bad" => StatusCode::BAD_REQUEST,
+                        "boom" => StatusCode::INTERNAL_SERVER_ERROR,
+                        _ => StatusCode::CREATED,
+                    };
+                    (status, format!("{method} {uri} {body} for {a}: run {n}"))
+                }
+            }
+        };
+        let layer = IdempotencyLayer::builder("identity.sweep", store)
+            .tenant_from_extension::<AccountId>()
+            .build()
+            .expect("layer");
+        let app = Router::new()
+            .route("/items", post(handler.clone()).put(handler))
+            .route_layer(layer)
+            .layer(middleware::from_fn(authenticate));
+        let (base, _task) = serve(app).await;
+        let prefix = fresh_tenant();
+        let tenants = [
+            format!("{prefix}-t"),
+            format!("{prefix}-t:x"),
+            format!("{prefix}-T"),
+        ];
+        // Header value, and the key it stands for.
+        let keys: [(&str, &str); 6] = [
+            ("k", "k"),
+            (r#""k""#, "k"),
+            ("x:k", "x:k"),
+            ("K", "K"),
+            (r#""x:k""#, "x:k"),
+            (r#""k ""#, "k "),
+        ];
+        let methods = [Method::POST, Method::PUT];
+        let targets = ["/items", "/items?x=1&y=2", "/items?y=2&x=1"];
+        let bodies = ["ok", "ok2", "bad", "boom"];
+        // (tenant, key) -> (request, status, body) of the recorded answer.
+        let mut model: HashMap<(usize, &str), ((Method, &str, &str), u16, String)> = HashMap::new();
+        let mut expected_runs = 0;
+        let (mut replays, mut reused) = (0, 0);
+        let mut seed: u64 = 0x5eed_1234_abcd_0042;
+        let mut next = |n: usize| {
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((seed >> 33) as usize) % n
+        };
+        let client = reqwest::Client::new();
+        for step in 0..160 {
+            let tenant = next(tenants.len());
+            let (header_value, key) = keys[next(keys.len())];
+            let method = methods[next(methods.len())].clone();
+            let target = targets[next(targets.len())];
+            let body = bodies[next(bodies.len())];
+            let r = client
+                .request(method.clone(), format!("{base}{target}"))
+                .header("x-account-id", &tenants[tenant])
+                .header("idempotency-key", header_value)
+                .header("content-type", "text/plain")
+                .body(body)
+                .send()
+                .await
+                .expect("request");
+            let status = r.status().as_u16();
+            let was_replayed = replayed(&r);
+            let text = r.text().await.expect("body");
+            let what = format!(
+                "{name} step {step}: {method} {target} {body:?} tenant {tenant} key {header_value}"
+            );
+            let request = (method.clone(), target, body);
+            match model.get(&(tenant, key)) {
+                None => {
+                    expected_runs += 1;
+                    assert!(!was_replayed, "{what}: {text}");
+                    let expected_status = match body {
+                        "bad" => 400,
+                        "boom" => 500,
+                        _ => 201,
+                    };
+                    assert_eq!(status, expected_status, "{what}: {text}");
+                    assert!(
+                        text.starts_with(&format!(
+                            "{method} {target} {body} for {}: run ",
+                            tenants[tenant]
+                        )),
+                        "{what}: {text}"
+                    );
+                    if status != 500 {
+                        model.insert((tenant, key), (request, status, text));
+                    }
+                }
+                Some((recorded, recorded_status, recorded_body)) if *recorded == request => {
+                    replays += 1;
+                    assert!(was_replayed, "{what}: {text}");
+                    assert_eq!(status, *recorded_status, "{what}");
+                    assert_eq!(&text, recorded_body, "{what}");
+                }
+                Some(_) => {
+                    reused += 1;
+                    assert_eq!(status, 422, "{what}: {text}");
+                    assert!(text.contains(types::KEY_REUSED), "{what}: {text}");
+                }
+            }
+            assert_eq!(runs.load(Ordering::SeqCst), expected_runs, "{what}");
+        }
+        // The sweep reaches every branch of the model.
+        assert!(
+            expected_runs >= 10 && replays >= 10 && reused >= 10,
+            "{name}: {expected_runs} runs, {replays} replays, {reused} reused"
+        );
+    }
+}
