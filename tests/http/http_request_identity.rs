@@ -394,3 +394,97 @@ async fn a_seeded_sweep_of_tenants_keys_and_requests_follows_the_model() {
         );
     }
 }
+
+/// Twenty requests at once with one tenant and one key, half with one body
+/// and half with another: one runs. While it runs (its handler held),
+/// every request with the other body is refused with 422 `key-reused`
+/// without waiting for it; once it answers, every request with its body
+/// replays its answer. None runs a second time or gets the other body's
+/// answer, on any store.
+#[tokio::test]
+async fn a_burst_of_two_requests_on_one_key_runs_one_and_refuses_the_other() {
+    use crate::http_app::bounded;
+    for (name, store) in every_store().await {
+        let runs = Arc::new(AtomicUsize::new(0));
+        let (won, mut first_body) = tokio::sync::watch::channel(String::new());
+        let gate = Arc::new(tokio::sync::Semaphore::new(0));
+        let handler = {
+            let (runs, gate) = (runs.clone(), gate.clone());
+            move |Extension(AccountId(a)): Extension<AccountId>, body: String| {
+                let (runs, gate, won) = (runs.clone(), gate.clone(), won.clone());
+                async move {
+                    let n = runs.fetch_add(1, Ordering::SeqCst) + 1;
+                    won.send_replace(body.clone());
+                    gate.acquire().await.expect("gate").forget();
+                    (StatusCode::CREATED, format!("{body} for {a}: run {n}"))
+                }
+            }
+        };
+        let layer = IdempotencyLayer::builder("identity.burst-two", store)
+            .tenant_from_extension::<AccountId>()
+            .build()
+            .expect("layer");
+        let app = Router::new()
+            .route("/items", post(handler))
+            .route_layer(layer)
+            .layer(middleware::from_fn(authenticate));
+        let (base, _task) = serve(app).await;
+        let tenant = fresh_tenant();
+        let client = reqwest::Client::new();
+        let mut requests = Vec::new();
+        for i in 0..20 {
+            let body = if i % 2 == 0 { "blue" } else { "green" };
+            let send = client
+                .post(format!("{base}/items"))
+                .header("x-account-id", &tenant)
+                .header("idempotency-key", "burst")
+                .header("content-type", "text/plain")
+                .body(body)
+                .send();
+            requests.push((body, tokio::spawn(send)));
+        }
+        bounded(
+            "the first request in its handler",
+            first_body.wait_for(|b| !b.is_empty()),
+        )
+        .await
+        .expect("handler alive");
+        let winner = first_body.borrow().clone();
+        let mut waiting = Vec::new();
+        for (body, request) in requests {
+            if body == winner {
+                waiting.push(request);
+                continue;
+            }
+            let r = bounded("a refused request", request)
+                .await
+                .expect("task")
+                .expect("request");
+            assert_eq!(r.status(), 422, "{name}: {body} while {winner} runs");
+            assert!(
+                r.text().await.expect("body").contains(types::KEY_REUSED),
+                "{name}"
+            );
+        }
+        gate.add_permits(1);
+        let mut fresh = 0;
+        for request in waiting {
+            let r = bounded("a request with the winning body", request)
+                .await
+                .expect("task")
+                .expect("request");
+            assert_eq!(r.status(), 201, "{name}");
+            fresh += usize::from(!replayed(&r));
+            assert_eq!(
+                r.text().await.expect("body"),
+                format!("{winner} for {tenant}: run 1"),
+                "{name}"
+            );
+        }
+        assert_eq!(
+            fresh, 1,
+            "{name}: one answer is the run's own, the others replays"
+        );
+        assert_eq!(runs.load(Ordering::SeqCst), 1, "{name}");
+    }
+}
