@@ -319,7 +319,8 @@ async fn a_seeded_sweep_of_tenants_keys_and_requests_follows_the_model() {
         let targets = ["/items", "/items?x=1&y=2", "/items?y=2&x=1"];
         let bodies = ["ok", "ok2", "bad", "boom"];
         // (tenant, key) -> (request, status, body) of the recorded answer.
-        let mut model: HashMap<(usize, &str), ((Method, &str, &str), u16, String)> = HashMap::new();
+        type Recorded<'a> = ((Method, &'a str, &'a str), u16, String);
+        let mut model: HashMap<(usize, &str), Recorded> = HashMap::new();
         let mut expected_runs = 0;
         let (mut replays, mut reused) = (0, 0);
         let mut seed: u64 = 0x5eed_1234_abcd_0042;
