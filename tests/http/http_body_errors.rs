@@ -383,6 +383,58 @@ async fn a_415_from_an_extractor_is_not_recorded() {
     assert_eq!(runs.load(Ordering::SeqCst), 1);
 }
 
+/// A layer over the whole router (`Router::layer`) sees axum's own 405 for
+/// a method the route does not take: the router answers it, no handler ran.
+/// The client sends the request again with the right method and the same
+/// key (the method is part of the request's fingerprint): a recorded 405
+/// would answer that 422 for the record's whole ttl.
+#[tokio::test]
+async fn a_405_from_the_router_is_not_recorded() {
+    let runs = Arc::new(AtomicUsize::new(0));
+    let counted = runs.clone();
+    let handler = move || {
+        let counted = counted.clone();
+        async move {
+            let n = counted.fetch_add(1, Ordering::SeqCst) + 1;
+            (StatusCode::CREATED, format!("order (run {n})"))
+        }
+    };
+    let app = Router::new()
+        .route("/orders", axum::routing::put(handler))
+        .layer(
+            IdempotencyLayer::builder("routed.orders", MemoryStore::new())
+                .tenant_from_extension::<AccountId>()
+                .build()
+                .expect("layer"),
+        )
+        .layer(middleware::from_fn(authenticate));
+    let (base, _task) = serve(app).await;
+    let send = |method: reqwest::Method| {
+        reqwest::Client::new()
+            .request(method, format!("{base}/orders"))
+            .header("x-account-id", "acct-routed")
+            .header("idempotency-key", "order-1")
+            .body("one order")
+            .send()
+    };
+
+    let wrong = send(reqwest::Method::POST).await.expect("request");
+    assert_eq!(wrong.status(), StatusCode::METHOD_NOT_ALLOWED);
+    assert_eq!(runs.load(Ordering::SeqCst), 0, "nothing ran");
+
+    let right = send(reqwest::Method::PUT).await.expect("request");
+    assert_eq!(
+        right.status(),
+        StatusCode::CREATED,
+        "the request with the route's method and the same key: {}",
+        right.text().await.expect("body")
+    );
+    let retry = send(reqwest::Method::PUT).await.expect("request");
+    assert_eq!(retry.headers()["idempotent-replayed"], "true");
+    assert_eq!(retry.text().await.expect("body"), "order (run 1)");
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
 /// Stands in for tower-http's `RequestBodyLimitLayer` (a router-wide cap
 /// smaller than the layer's own): the body behind it is an
 /// `http_body_util::Limited` of 16 bytes, which fails with

@@ -332,11 +332,12 @@ impl IdempotencyLayerBuilder {
     }
 
     /// Whether 4xx answers of the handler are recorded as the final answer
-    /// for their key (default `true`). `401`, `408`, `413`, `415`, `423`,
-    /// `425` and `429` are never recorded by the default rule: they say "not
-    /// processed, try again" (a `401` once the client has authenticated
-    /// again, a `413` with a smaller body, a `415` with the right
-    /// `Content-Type`), so replaying them would refuse every retry.
+    /// for their key (default `true`). `401`, `405`, `408`, `413`, `415`,
+    /// `423`, `425` and `429` are never recorded by the default rule: they
+    /// say "not processed, try again" (a `401` once the client has
+    /// authenticated again, a `405` with the route's method, a `413` with a
+    /// smaller body, a `415` with the right `Content-Type`), so replaying
+    /// them would refuse every retry.
     pub fn record_client_errors(mut self, record: bool) -> Self {
         self.record_client_errors = record;
         self
@@ -498,10 +499,14 @@ impl Config {
             // smaller body with the same key, which a recorded 413 would
             // answer 422. A 415 (an extractor refusing the body's media
             // type before the handler's code ran): the client sends it
-            // again with the right `Content-Type`, the same key.
+            // again with the right `Content-Type`, the same key. A 405 (the
+            // router's answer to a method its route does not take, under a
+            // layer over the whole router; no handler ran): the client sends
+            // it again with the right method, the same key.
             self.record_client_errors
                 && !says_try_again(status)
                 && status != StatusCode::UNAUTHORIZED
+                && status != StatusCode::METHOD_NOT_ALLOWED
                 && status != StatusCode::PAYLOAD_TOO_LARGE
                 && status != StatusCode::UNSUPPORTED_MEDIA_TYPE
         } else {
