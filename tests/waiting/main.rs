@@ -7,6 +7,7 @@
 #[path = "../common/mod.rs"]
 mod common;
 
+mod every_store;
 mod in_process;
 mod postgres;
 mod postgres_listener;

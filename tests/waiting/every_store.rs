@@ -1,0 +1,408 @@
+//! Waiting duplicates (rules 3, 4, 9, 10, 14) on every store, memory, SQLite,
+//! PostgreSQL and MySQL/MariaDB, through one set of scenarios: many waiters
+//! behind one holder that fails (exactly one of them runs the body), behind
+//! a holder that died (exactly one takes the record over at the end of the
+//! lease), on a pool of one connection (waiters hold no connection while they
+//! wait, so the holder can still record its result), two tenants with the
+//! same scope and key (a waiter is never answered with the other tenant's
+//! result), and the `retry_after` a refused duplicate is told.
+//!
+//! Every holder is held by a handshake: its body waits until the test lets
+//! it go, which the test does only once every duplicate has entered its wait
+//! (`Counting::waited`). Timeouts only turn a hang into a failure.
+
+use crate::common::counting::Counting;
+use crate::common::servers::{mysql_url, pg_url, servers_required};
+use idempotent_runtime::{
+    idempotent, with_outcome, Error, Identity, MemoryStore, MySqlStore, Outcome, OwnerToken,
+    PgStore, Reservation, ReserveRequest, SqliteStore, Store,
+};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+use tokio::sync::watch;
+
+/// The longest any scenario may take before it fails (the wait bounds are
+/// 60 s; each scenario takes well under a few seconds when the store behaves).
+const LIMIT: Duration = Duration::from_secs(45);
+
+/// A body's gate: counts runs, says it started, waits until `go` is set
+/// (every body sharing the gate), then answers `value` or fails.
+struct Gate {
+    runs: AtomicUsize,
+    started: watch::Sender<usize>,
+    go: watch::Sender<bool>,
+    fail: bool,
+    value: u64,
+}
+
+impl Gate {
+    fn new(value: u64, fail: bool, open: bool) -> Self {
+        Gate {
+            runs: AtomicUsize::new(0),
+            started: watch::Sender::new(0),
+            go: watch::Sender::new(open),
+            fail,
+            value,
+        }
+    }
+    fn holding(value: u64) -> Self {
+        Self::new(value, false, false)
+    }
+    fn open(value: u64) -> Self {
+        Self::new(value, false, true)
+    }
+    fn failing() -> Self {
+        Self::new(0, true, false)
+    }
+    async fn started(&self, n: usize) {
+        let _ = self.started.subscribe().wait_for(|s| *s >= n).await;
+    }
+    fn go(&self) {
+        self.go.send_replace(true);
+    }
+    fn runs(&self) -> usize {
+        self.runs.load(Ordering::SeqCst)
+    }
+}
+
+const SCOPE: &str = "waiting.every_store.gated";
+
+#[idempotent(scope = "waiting.every_store.gated", key = key, tenant = tenant, store = store,
+             in_progress = wait("60s"), lease = "30s", skip(gate), shared_scope)]
+async fn gated(store: &dyn Store, tenant: &str, key: &str, gate: &Gate) -> Result<u64, Error> {
+    gate.runs.fetch_add(1, Ordering::SeqCst);
+    gate.started.send_modify(|s| *s += 1);
+    let _ = gate.go.subscribe().wait_for(|g| *g).await;
+    if gate.fail {
+        return Err(Error::NoDefaultStore {
+            scope: "the holder's own error".into(),
+        });
+    }
+    Ok(gate.value)
+}
+
+#[idempotent(scope = "waiting.every_store.gated", key = key, tenant = tenant, store = store,
+             in_progress = reject, lease = "30s", skip(gate), shared_scope)]
+async fn gated_reject(
+    store: &dyn Store,
+    tenant: &str,
+    key: &str,
+    gate: &Gate,
+) -> Result<u64, Error> {
+    gate.runs.fetch_add(1, Ordering::SeqCst);
+    Ok(gate.value)
+}
+
+#[idempotent(scope = "waiting.every_store.gated", key = key, tenant = tenant, store = store,
+             in_progress = wait("1s"), lease = "30s", skip(gate), shared_scope)]
+async fn gated_short_wait(
+    store: &dyn Store,
+    tenant: &str,
+    key: &str,
+    gate: &Gate,
+) -> Result<u64, Error> {
+    gate.runs.fetch_add(1, Ordering::SeqCst);
+    Ok(gate.value)
+}
+
+fn tenant() -> String {
+    format!("t-{}", uuid::Uuid::new_v4().simple())
+}
+
+async fn within<T>(what: &str, f: impl std::future::Future<Output = T>) -> T {
+    tokio::time::timeout(LIMIT, f)
+        .await
+        .unwrap_or_else(|_| panic!("{what}: still not done after {LIMIT:?}"))
+}
+
+// ------------------------------------------------------------ the stores
+
+#[derive(Clone, Copy, Debug)]
+enum Kind {
+    Memory,
+    Sqlite,
+    Postgres,
+    MySql,
+}
+
+/// A store of `kind` whose pool has at most `connections` connections (the
+/// memory store has none), or `None` when its server is unreachable (after a
+/// loud SKIPPED line, or a failure under `IDEMPOTENT_REQUIRE_SERVERS=1`).
+async fn store(kind: Kind, connections: u32) -> Option<Box<dyn Store>> {
+    fn skipped(what: &str, e: &dyn std::fmt::Display) -> Option<Box<dyn Store>> {
+        assert!(!servers_required(), "{what} is unreachable: {e}");
+        eprintln!("\n!!!!!!!! SKIPPED: {what} is unreachable ({e})\n");
+        None
+    }
+    match kind {
+        Kind::Memory => Some(Box::new(MemoryStore::new())),
+        Kind::Sqlite => {
+            use sqlx::sqlite::{SqliteConnectOptions, SqlitePoolOptions};
+            use std::str::FromStr;
+            let url = crate::common::scratch::sqlite_url("waiting-every-store");
+            let options = SqliteConnectOptions::from_str(&url)
+                .expect("url")
+                .create_if_missing(true);
+            let pool = SqlitePoolOptions::new()
+                .max_connections(connections)
+                .connect_with(options)
+                .await
+                .expect("open");
+            Some(Box::new(SqliteStore::from_pool(pool).await.expect("store")))
+        }
+        Kind::Postgres => {
+            let pool = sqlx::postgres::PgPoolOptions::new()
+                .max_connections(connections)
+                .acquire_timeout(Duration::from_secs(5))
+                .connect(&pg_url())
+                .await;
+            match pool {
+                Ok(pool) => Some(Box::new(PgStore::from_pool(pool).await.expect("store"))),
+                Err(e) => skipped("PostgreSQL", &e),
+            }
+        }
+        Kind::MySql => {
+            let pool = sqlx::mysql::MySqlPoolOptions::new()
+                .max_connections(connections)
+                .acquire_timeout(Duration::from_secs(5))
+                .connect(&mysql_url())
+                .await;
+            match pool {
+                Ok(pool) => Some(Box::new(MySqlStore::from_pool(pool).await.expect("store"))),
+                Err(e) => skipped("MySQL/MariaDB", &e),
+            }
+        }
+    }
+}
+
+// ------------------------------------------------------------ scenarios
+
+/// `waiters` duplicates wait behind a holder whose body fails (`errors =
+/// release`): the release wakes them, and exactly one of them runs the body
+/// (rule 3: one runner at a time per identity); every other one replays its
+/// result. None is told `InProgress` (the wait bound is 60 s), and none runs
+/// the body a second time.
+async fn waiters_behind_a_failing_holder(kind: Kind, connections: u32, waiters: usize) {
+    let Some(inner) = store(kind, connections).await else {
+        return;
+    };
+    let store = Counting::new(inner);
+    let tenant = tenant();
+    let holder_gate = Gate::failing();
+    // The duplicates' bodies hold too, so that the others find the new
+    // owner in progress and wait for it as well.
+    let dup_gate = Gate::holding(7);
+    let holder = gated(&store, &tenant, "k", &holder_gate);
+    let duplicates = async {
+        holder_gate.started(1).await;
+        let calls = (0..waiters).map(|_| with_outcome(gated(&store, &tenant, "k", &dup_gate)));
+        futures_util::future::join_all(calls).await
+    };
+    let script = async {
+        holder_gate.started(1).await;
+        store.waited(waiters).await;
+        holder_gate.go();
+        // One duplicate took the released record: it runs. Let it go once
+        // the others have entered a wait again (each waited once before).
+        dup_gate.started(1).await;
+        store.waited(2 * waiters - 1).await;
+        dup_gate.go();
+    };
+    let (held, answers, ()) = within(
+        &format!("{kind:?}: waiters behind a failing holder"),
+        async { tokio::join!(holder, duplicates, script) },
+    )
+    .await;
+    assert!(held.is_err(), "{kind:?}: the holder's body failed");
+    assert_eq!(holder_gate.runs(), 1);
+    assert_eq!(
+        dup_gate.runs(),
+        1,
+        "{kind:?}: exactly one waiter runs the released record's body"
+    );
+    let mut executed = 0;
+    for (answer, outcome) in answers {
+        assert_eq!(
+            answer.unwrap_or_else(|e| panic!("{kind:?}: a waiter's answer: {e}")),
+            7
+        );
+        if outcome == Some(Outcome::Executed) {
+            executed += 1;
+        }
+    }
+    assert_eq!(
+        executed, 1,
+        "{kind:?}: one waiter executed, the others replayed"
+    );
+}
+
+/// A holder that died (its record reserved with a 1 s lease, never
+/// completed): `waiters` duplicates wait; at the end of the lease exactly one
+/// takes the record over (attempt 2) and runs the body, the others replay.
+async fn waiters_behind_a_dead_holder(kind: Kind, waiters: usize) {
+    let Some(inner) = store(kind, 8).await else {
+        return;
+    };
+    let store = Counting::new(inner);
+    let tenant = tenant();
+    let identity = Identity::new(&tenant, SCOPE, "k").expect("identity");
+    let dead = OwnerToken::new();
+    let held = store
+        .reserve(ReserveRequest {
+            identity: &identity,
+            fingerprint: None,
+            token: &dead,
+            lease: Duration::from_secs(1),
+            ttl: Duration::from_secs(3600),
+        })
+        .await
+        .expect("the dead holder reserves");
+    assert!(matches!(held, Reservation::Acquired { .. }), "{held:?}");
+    let dup_gate = Gate::open(9);
+    let calls = (0..waiters).map(|_| with_outcome(gated(&store, &tenant, "k", &dup_gate)));
+    let answers = within(&format!("{kind:?}: waiters behind a dead holder"), async {
+        futures_util::future::join_all(calls).await
+    })
+    .await;
+    assert_eq!(
+        dup_gate.runs(),
+        1,
+        "{kind:?}: exactly one waiter took the record over"
+    );
+    for (answer, _) in answers {
+        assert_eq!(
+            answer.unwrap_or_else(|e| panic!("{kind:?}: a waiter's answer: {e}")),
+            9
+        );
+    }
+    let record = store
+        .fetch(&identity)
+        .await
+        .expect("fetch")
+        .expect("record");
+    assert_eq!(record.attempt, 2, "{kind:?}: one takeover");
+}
+
+/// Two tenants hold the same scope and key at once, and each has waiters.
+/// The first tenant's holder completes: its waiters replay its value; the
+/// other tenant's waiters (a notification is per identity; were it per key,
+/// they would be woken for a record not theirs) must not be answered with
+/// it, and get their own holder's value once it completes.
+async fn two_tenants_one_key(kind: Kind) {
+    let Some(inner) = store(kind, 8).await else {
+        return;
+    };
+    let store = Counting::new(inner);
+    let (a, b) = (tenant(), tenant());
+    let (gate_a, gate_b) = (Gate::holding(1), Gate::holding(2));
+    let dup_gate = Gate::open(99);
+    const WAITERS: usize = 3;
+    let holders = async {
+        tokio::join!(
+            gated(&store, &a, "k", &gate_a),
+            gated(&store, &b, "k", &gate_b)
+        )
+    };
+    let b_done = AtomicUsize::new(0);
+    let duplicates = async {
+        gate_a.started(1).await;
+        gate_b.started(1).await;
+        let of_a = (0..WAITERS).map(|_| gated(&store, &a, "k", &dup_gate));
+        let of_b = (0..WAITERS).map(|_| async {
+            let answer = gated(&store, &b, "k", &dup_gate).await;
+            b_done.fetch_add(1, Ordering::SeqCst);
+            answer
+        });
+        tokio::join!(
+            futures_util::future::join_all(of_a),
+            futures_util::future::join_all(of_b)
+        )
+    };
+    let script = async {
+        gate_a.started(1).await;
+        gate_b.started(1).await;
+        store.waited(2 * WAITERS).await;
+        gate_a.go();
+        // Tenant B's waiters may look again (one more wait each at most
+        // per wake-up); they must still be waiting, not answered.
+        let waits = *store.waits.borrow();
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert_eq!(
+            b_done.load(Ordering::SeqCst),
+            0,
+            "{kind:?}: tenant B's waiters were answered while B's holder still runs \
+             ({} waits since A completed)",
+            *store.waits.borrow() - waits
+        );
+        gate_b.go();
+    };
+    let ((held_a, held_b), (answers_a, answers_b), ()) =
+        within(&format!("{kind:?}: two tenants, one key"), async {
+            tokio::join!(holders, duplicates, script)
+        })
+        .await;
+    assert_eq!(held_a.expect("holder A"), 1);
+    assert_eq!(held_b.expect("holder B"), 2);
+    for answer in answers_a {
+        assert_eq!(answer.expect("a waiter of A"), 1, "{kind:?}: A's waiter");
+    }
+    for answer in answers_b {
+        assert_eq!(answer.expect("a waiter of B"), 2, "{kind:?}: B's waiter");
+    }
+    assert_eq!(dup_gate.runs(), 0, "{kind:?}: no waiter ran the body");
+}
+
+/// Rule 4's refusal: a duplicate with `in_progress = reject`, and one whose
+/// 1 s wait bound ran out, behind a holder whose lease (30 s) has most of it
+/// to run, are told `InProgress` with `retry_after` the lease left: more
+/// than the wait, at most the lease.
+async fn refused_with_the_lease_left(kind: Kind) {
+    let Some(store) = store(kind, 8).await else {
+        return;
+    };
+    let tenant = tenant();
+    let holder_gate = Gate::holding(1);
+    let dup_gate = Gate::open(2);
+    let holder = gated(&*store, &tenant, "k", &holder_gate);
+    let duplicates = async {
+        holder_gate.started(1).await;
+        let rejected = gated_reject(&*store, &tenant, "k", &dup_gate).await;
+        let waited = gated_short_wait(&*store, &tenant, "k", &dup_gate).await;
+        holder_gate.go();
+        (rejected, waited)
+    };
+    let (held, (rejected, waited)) = within(&format!("{kind:?}: refusals"), async {
+        tokio::join!(holder, duplicates)
+    })
+    .await;
+    assert_eq!(held.expect("holder"), 1);
+    for (what, answer) in [("reject", rejected), ("wait(1s)", waited)] {
+        match answer {
+            Err(Error::InProgress { retry_after, .. }) => assert!(
+                retry_after > Duration::from_secs(20) && retry_after <= Duration::from_secs(30),
+                "{kind:?} {what}: retry_after {retry_after:?} is not the lease left"
+            ),
+            other => panic!("{kind:?} {what}: expected InProgress, got {other:?}"),
+        }
+    }
+    assert_eq!(dup_gate.runs(), 0);
+}
+
+// ------------------------------------------------------------ the tests
+
+macro_rules! every_store {
+    ($($name:ident => |$kind:ident| $body:expr;)*) => {
+        mod memory { use super::*; $(#[tokio::test(flavor = "multi_thread", worker_threads = 2)] async fn $name() { let $kind = Kind::Memory; $body.await } )* }
+        mod sqlite { use super::*; $(#[tokio::test(flavor = "multi_thread", worker_threads = 2)] async fn $name() { let $kind = Kind::Sqlite; $body.await } )* }
+        mod postgres { use super::*; $(#[tokio::test(flavor = "multi_thread", worker_threads = 2)] async fn $name() { let $kind = Kind::Postgres; $body.await } )* }
+        mod mysql { use super::*; $(#[tokio::test(flavor = "multi_thread", worker_threads = 2)] async fn $name() { let $kind = Kind::MySql; $body.await } )* }
+    };
+}
+
+every_store! {
+    many_waiters_behind_a_failing_holder_run_the_body_exactly_once_more => |kind| waiters_behind_a_failing_holder(kind, 8, 8);
+    many_waiters_on_a_pool_of_one_connection_are_all_answered => |kind| waiters_behind_a_failing_holder(kind, 1, 12);
+    many_waiters_behind_a_dead_holder_take_it_over_exactly_once => |kind| waiters_behind_a_dead_holder(kind, 8);
+    a_waiter_is_never_answered_with_another_tenants_record_of_the_same_key => |kind| two_tenants_one_key(kind);
+    a_refused_duplicate_is_told_the_lease_left => |kind| refused_with_the_lease_left(kind);
+}
