@@ -60,7 +60,7 @@ async fn charge(
 
 /// `Err` (released, the default error policy) when `fail` is set.
 #[idempotent(scope = "waiting.pg.fallible", key = key, tenant = tenant, store = store,
-             skip(hold, runs, fail), in_progress = wait("10s"))]
+             skip(hold, runs, fail), in_progress = wait("10s"), shared_scope)]
 async fn fallible(
     store: &dyn Store,
     tenant: &str,
@@ -579,4 +579,111 @@ async fn held_and_waited_for(
     .execute(store.pool())
     .await
     .expect("a waiter's mark");
+}
+
+/// A transactional-mode duplicate (READ COMMITTED, where it may wait in its
+/// transaction), in the scope of `fallible`.
+#[idempotent(scope = "waiting.pg.fallible", key = key, tenant = tenant, tx = tx,
+             skip(runs), in_progress = wait("60s"), shared_scope)]
+async fn fallible_in_tx(
+    tx: &mut sqlx::PgConnection,
+    tenant: &str,
+    key: &str,
+    amount: u64,
+    runs: &AtomicUsize,
+) -> Result<u64, Error> {
+    let _ = &tx;
+    runs.fetch_add(1, Ordering::SeqCst);
+    Ok(amount * 10)
+}
+
+/// Rules 3, 4 and 15: two transactional-mode duplicates wait, each in its own
+/// open transaction, behind a store-mode owner whose body fails (`errors =
+/// release`). The release frees the key: one of them reserves it in its
+/// transaction and runs the body; the other then waits for that transaction
+/// (its reservation is uncommitted) and replays its result once it commits.
+/// The body runs once more in all, nobody is told `InProgress` or a
+/// deadlock, and the recorded result is the one committed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn transactional_waiters_behind_a_failing_owner_run_the_body_once_and_replay() {
+    use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+    use std::str::FromStr;
+    let Some(owner_store) = pg_store_or_skip().await else {
+        return;
+    };
+    let name = format!("idempotent-txw-{}", uuid::Uuid::new_v4().simple());
+    let options = PgConnectOptions::from_str(&pg_url())
+        .expect("url")
+        .application_name(&name);
+    let pool = PgPoolOptions::new()
+        .max_connections(4)
+        .connect_with(options)
+        .await
+        .expect("the waiters' pool");
+    let (tenant, key) = (fresh_tenant(), "order-tx-waiters".to_owned());
+    let identity = Identity::new(&tenant, "waiting.pg.fallible", &key).expect("identity");
+    let (hold, owner_runs, runs) = (Hold::default(), AtomicUsize::new(0), AtomicUsize::new(0));
+    let owner_call = fallible(
+        &owner_store,
+        &tenant,
+        &key,
+        4,
+        Some(&hold),
+        &owner_runs,
+        true,
+    );
+    let waiter = || async {
+        let mut tx = pool.begin().await.expect("begin");
+        let answer = with_outcome(fallible_in_tx(&mut tx, &tenant, &key, 4, &runs)).await;
+        tx.commit().await.expect("commit");
+        answer
+    };
+    let waiters = async {
+        hold.reached.notified().await;
+        tokio::join!(waiter(), waiter())
+    };
+    let release = async {
+        // (The waiters start once the owner's body runs.) Both waiters have looked at the record and wait, their
+        // transactions open (a bounded look at the server's activity).
+        let mut both = false;
+        for _ in 0..2000 {
+            let n: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 \
+                   AND state = 'idle in transaction' AND query LIKE '%idempotency_re%'",
+            )
+            .bind(&name)
+            .fetch_one(owner_store.pool())
+            .await
+            .expect("activity");
+            if n >= 2 {
+                both = true;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert!(both, "both transactional waiters looked at the record");
+        hold.go.notify_one();
+    };
+    let (owned, ((a, a_outcome), (b, b_outcome)), ()) =
+        tokio::time::timeout(Duration::from_secs(45), async {
+            tokio::join!(owner_call, waiters, release)
+        })
+        .await
+        .expect("the waiters were answered");
+    assert!(owned.is_err(), "the owner's body failed");
+    assert_eq!(owner_runs.load(Ordering::SeqCst), 1);
+    assert_eq!((a.expect("waiter a"), b.expect("waiter b")), (40, 40));
+    assert_eq!(runs.load(Ordering::SeqCst), 1, "one waiter ran the body");
+    let mut outcomes = [a_outcome, b_outcome];
+    outcomes.sort_by_key(|o| format!("{o:?}"));
+    assert_eq!(
+        outcomes,
+        [Some(Outcome::Executed), Some(Outcome::Replayed)],
+        "one executed, one replayed"
+    );
+    let record = owner_store.fetch(&identity).await.expect("fetch");
+    assert_eq!(
+        record.and_then(|r| r.outcome).map(|o| o.payload),
+        Some(b"40".to_vec())
+    );
 }

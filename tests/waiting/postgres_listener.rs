@@ -50,6 +50,8 @@ struct Conn {
     open: AtomicBool,
     /// The server's bytes to the client are held while `true`.
     frozen: watch::Sender<bool>,
+    /// Set: the proxy closes both sides of the connection at once.
+    close: watch::Sender<bool>,
 }
 
 struct ProxyShared {
@@ -116,10 +118,17 @@ impl ListenerProxy {
     /// A store whose every connection (its pool's and its listener's) goes
     /// through the proxy.
     async fn store(&self) -> PgStore {
+        self.store_named("idempotent-test").await
+    }
+
+    /// [`store`](Self::store), its connections (the listener's too) named
+    /// `application_name` on the server.
+    async fn store_named(&self, application_name: &str) -> PgStore {
         let options = PgConnectOptions::from_str(&pg_url())
             .expect("the test URL")
             .host("127.0.0.1")
-            .port(self.port);
+            .port(self.port)
+            .application_name(application_name);
         let pool = PgPoolOptions::new()
             .max_connections(4)
             .acquire_timeout(Duration::from_secs(5))
@@ -144,6 +153,21 @@ impl ListenerProxy {
             }
         }
         frozen
+    }
+
+    /// Closes, now, the listener connections open now (both ways: as a
+    /// server that went away, or a middlebox that reset them, ends them).
+    /// Returns how many were closed.
+    fn close_listeners(&self) -> usize {
+        let conns = self.shared.conns.lock().unwrap_or_else(|p| p.into_inner());
+        let mut closed = 0;
+        for conn in conns.iter() {
+            if conn.open.load(Ordering::SeqCst) && conn.listening.load(Ordering::SeqCst) {
+                conn.close.send_replace(true);
+                closed += 1;
+            }
+        }
+        closed
     }
 
     /// From now on, a connection that sends `LISTEN` is closed instead.
@@ -179,7 +203,9 @@ async fn serve(client: TcpStream, shared: Arc<ProxyShared>) {
         listening: AtomicBool::new(false),
         open: AtomicBool::new(true),
         frozen: watch::channel(false).0,
+        close: watch::channel(false).0,
     });
+    let mut close = conn.close.subscribe();
     shared
         .conns
         .lock()
@@ -191,6 +217,7 @@ async fn serve(client: TcpStream, shared: Arc<ProxyShared>) {
         () = to_server(client_read, server_write, &shared, &conn) => {}
         () = to_client(server_read, client_write, &conn) => {}
         _ = shutdown.wait_for(|stop| *stop) => {}
+        _ = close.wait_for(|close| *close) => {}
     }
     conn.open.store(false, Ordering::SeqCst);
 }
@@ -467,4 +494,123 @@ async fn a_waiter_polls_at_the_documented_backoff_while_the_listener_cannot_conn
         1,
         "the outage is logged once, not at every attempt"
     );
+}
+
+/// How the listener's connection ends in [`ended_mid_wait`].
+#[derive(Debug, Clone, Copy)]
+enum End {
+    /// Closed under it, with no word from the server (a server gone, a reset).
+    Closed,
+    /// The server ends it (`pg_terminate_backend`, as at a restart or a
+    /// failover): an error message, then the close.
+    Terminated,
+}
+
+/// The duplicate waits on a listening listener; its connection ends (`end`)
+/// and the owner completes at once, so its notification is sent while no
+/// listener listens. The waiter must be woken by the loss itself, look at the
+/// record again and replay; the listener listens again on a new connection,
+/// and the next waiter is woken by a notification again (it reserves a few
+/// times, not at every poll, while the owner holds the record 2 s after its
+/// mark).
+async fn ended_mid_wait(end: End) {
+    let Some(owner_store) = pg_store_or_skip().await else {
+        return;
+    };
+    log::capture();
+    let proxy = ListenerProxy::start().await;
+    let name = format!("idempotent-ended-{}", uuid::Uuid::new_v4().simple());
+    let dup = Counting::new(proxy.store_named(&name).await);
+    let tenant = fresh_tenant();
+    let runs = AtomicUsize::new(0);
+
+    // Round 1: the listener's connection ends while the duplicate waits.
+    let identity = Identity::new(&tenant, SCOPE, "ended-1").expect("identity");
+    let hold = Hold::default();
+    let owner_call = charge(&owner_store, &tenant, identity.key(), 3, Some(&hold), &runs);
+    let duplicate = async {
+        hold.reached.notified().await;
+        let dup_call = with_outcome(charge(&dup, &tenant, identity.key(), 3, None, &runs));
+        let fault = async {
+            step(
+                "the duplicate's mark",
+                until_marked(&owner_store, &identity),
+            )
+            .await;
+            assert_eq!(proxy.listens(), 1, "one listener, listening once");
+            match end {
+                End::Closed => assert_eq!(proxy.close_listeners(), 1, "one listener connection"),
+                End::Terminated => {
+                    let ended: Vec<bool> = sqlx::query_scalar(
+                        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+                         WHERE application_name = $1 AND pid <> pg_backend_pid() \
+                           AND (query LIKE 'LISTEN%' OR query = 'SELECT 1')",
+                    )
+                    .bind(&name)
+                    .fetch_all(owner_store.pool())
+                    .await
+                    .expect("terminate the listener's backend");
+                    assert_eq!(ended, vec![true], "the listener's one backend");
+                }
+            }
+            hold.go.notify_one();
+        };
+        let (answer, ()) = tokio::join!(step("the duplicate's answer", dup_call), fault);
+        answer
+    };
+    let (owned, (replayed, outcome)) = tokio::join!(owner_call, duplicate);
+    assert_eq!(owned.expect("owner"), 30);
+    assert_eq!(
+        replayed.expect("duplicate"),
+        30,
+        "{end:?}: the duplicate replays"
+    );
+    assert_eq!(outcome, Some(Outcome::Replayed));
+    assert_eq!(runs.load(Ordering::SeqCst), 1, "the body ran once");
+    step(
+        "the listener to LISTEN again on a new connection",
+        proxy.until_listens(2),
+    )
+    .await;
+
+    // Round 2: notifications wake waiters again.
+    let identity = Identity::new(&tenant, SCOPE, "ended-2").expect("identity");
+    let hold = Hold::default();
+    let owner_call = charge(&owner_store, &tenant, identity.key(), 5, Some(&hold), &runs);
+    let duplicate = async {
+        hold.reached.notified().await;
+        let dup_call = charge(&dup, &tenant, identity.key(), 5, None, &runs);
+        let release = async {
+            step(
+                "the duplicate's mark",
+                until_marked(&owner_store, &identity),
+            )
+            .await;
+            let marked_at = dup.reserves();
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            hold.go.notify_one();
+            marked_at
+        };
+        tokio::join!(step("the second duplicate's answer", dup_call), release)
+    };
+    let (owned, (replayed, marked_at)) = tokio::join!(owner_call, duplicate);
+    assert_eq!(owned.expect("owner"), 50);
+    assert_eq!(replayed.expect("duplicate"), 50);
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+    let after_mark = dup.reserves() - marked_at;
+    assert!(
+        after_mark <= 2,
+        "{end:?}: after the listener reconnected, a waiter is woken by the notification, \
+         not by polling: {after_mark} reservations after its mark"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_listener_connection_closed_mid_wait_wakes_its_waiters_and_listens_again() {
+    ended_mid_wait(End::Closed).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_listener_backend_terminated_mid_wait_wakes_its_waiters_and_listens_again() {
+    ended_mid_wait(End::Terminated).await;
 }
