@@ -34,6 +34,10 @@
 //!   decided again). In transactional mode the procedure is the only
 //!   statement: it makes the same plain read first.
 //! * `complete`, `release`, `heartbeat`: one statement each, fenced by the owner token.
+//! * a waiting duplicate (`in_progress = wait(..)`): no notification reaches
+//!   it (nothing like PostgreSQL's `LISTEN/NOTIFY`), so it polls with the
+//!   default [`Store::wait_for_change`]: one reservation per look, 5 ms
+//!   doubling to 100 ms ([`polling_backoff`]), for as long as it waits.
 //! * `purge_expired`: one `CALL idempotency_purge(batch)`: the batch's primary
 //!   keys are selected `FOR UPDATE SKIP LOCKED` and deleted in one short
 //!   transaction, so a row held by an open transaction is skipped, never
