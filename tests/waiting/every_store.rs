@@ -406,3 +406,69 @@ every_store! {
     a_waiter_is_never_answered_with_another_tenants_record_of_the_same_key => |kind| two_tenants_one_key(kind);
     a_refused_duplicate_is_told_the_lease_left => |kind| refused_with_the_lease_left(kind);
 }
+
+/// Many duplicates of one key wait while the holder runs 2 s more: each is
+/// woken by the completion (the memory, SQLite and PostgreSQL stores tell
+/// their waiters), so together they reserve a few times each, not at every
+/// poll; every one replays.
+async fn many_waiters_woken_not_polling(kind: Kind, waiters: usize) -> usize {
+    let Some(inner) = store(kind, 4).await else {
+        return 0;
+    };
+    let store = Counting::new(inner);
+    let tenant = tenant();
+    let holder_gate = Gate::holding(5);
+    let dup_gate = Gate::open(0);
+    let holder = gated(&store, &tenant, "k", &holder_gate);
+    let duplicates = async {
+        holder_gate.started(1).await;
+        let calls = (0..waiters).map(|_| gated(&store, &tenant, "k", &dup_gate));
+        futures_util::future::join_all(calls).await
+    };
+    let script = async {
+        holder_gate.started(1).await;
+        store.waited(waiters).await;
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        holder_gate.go();
+    };
+    let (held, answers, ()) = within(&format!("{kind:?}: many waiters"), async {
+        tokio::join!(holder, duplicates, script)
+    })
+    .await;
+    assert_eq!(held.expect("holder"), 5);
+    for answer in answers {
+        assert_eq!(answer.expect("a waiter"), 5);
+    }
+    assert_eq!(dup_gate.runs(), 0);
+    store.reserves() - 1
+}
+
+/// At most this many reservations per waiter: one that finds the record in
+/// progress, one after the change, and one spare.
+const FEW: usize = 3;
+
+async fn many_waiters_on_one_key_are_woken(kind: Kind) {
+    const WAITERS: usize = 40;
+    let reserves = many_waiters_woken_not_polling(kind, WAITERS).await;
+    assert!(
+        reserves <= FEW * WAITERS,
+        "{kind:?}: {WAITERS} waiters were woken by the completion, not by polling: \
+         {reserves} reservations"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memory_many_waiters_on_one_key_are_woken_not_polling() {
+    many_waiters_on_one_key_are_woken(Kind::Memory).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_many_waiters_on_one_key_are_woken_not_polling() {
+    many_waiters_on_one_key_are_woken(Kind::Sqlite).await;
+}
+
+/// On a pool of 4 connections: the marks of 40 waiters lock the row in turn.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_many_waiters_on_one_key_are_woken_not_polling() {
+    many_waiters_on_one_key_are_woken(Kind::Postgres).await;
+}
