@@ -121,6 +121,8 @@ async fn within<T>(what: &str, f: impl std::future::Future<Output = T>) -> T {
 enum Kind {
     Memory,
     Sqlite,
+    /// `sqlite::memory:`: a database in memory, shared by the store's connections.
+    SqliteInMemory,
     Postgres,
     MySql,
 }
@@ -150,6 +152,11 @@ async fn store(kind: Kind, connections: u32) -> Option<Box<dyn Store>> {
                 .expect("open");
             Some(Box::new(SqliteStore::from_pool(pool).await.expect("store")))
         }
+        Kind::SqliteInMemory => Some(Box::new(
+            SqliteStore::connect("sqlite::memory:")
+                .await
+                .expect("an in-memory store"),
+        )),
         Kind::Postgres => {
             let pool = sqlx::postgres::PgPoolOptions::new()
                 .max_connections(connections)
@@ -388,12 +395,57 @@ async fn refused_with_the_lease_left(kind: Kind) {
     assert_eq!(dup_gate.runs(), 0);
 }
 
+/// Rule 14 for a waiter: a duplicate dropped while it waits (its caller
+/// gave up) leaves nothing behind: the holder still completes, a duplicate
+/// that waits after it is still woken and replays, and so does a later call.
+async fn a_dropped_waiter(kind: Kind) {
+    let Some(inner) = store(kind, 4).await else {
+        return;
+    };
+    let store = Counting::new(inner);
+    let tenant = tenant();
+    let holder_gate = Gate::holding(6);
+    let dup_gate = Gate::open(0);
+    let holder = gated(&store, &tenant, "k", &holder_gate);
+    let script = async {
+        holder_gate.started(1).await;
+        tokio::select! {
+            answer = gated(&store, &tenant, "k", &dup_gate) => {
+                panic!("{kind:?}: the duplicate answered while the record is held: {answer:?}")
+            }
+            () = store.waited(1) => {}
+        }
+        // Dropped. Another one waits, then the holder completes.
+        let kept = gated(&store, &tenant, "k", &dup_gate);
+        let go = async {
+            store.waited(2).await;
+            holder_gate.go();
+        };
+        let (answer, ()) = tokio::join!(kept, go);
+        answer
+    };
+    let (held, kept) = within(&format!("{kind:?}: a dropped waiter"), async {
+        tokio::join!(holder, script)
+    })
+    .await;
+    assert_eq!(held.expect("holder"), 6);
+    assert_eq!(kept.expect("the waiter kept"), 6, "{kind:?}");
+    assert_eq!(
+        gated(&store, &tenant, "k", &dup_gate)
+            .await
+            .expect("replay"),
+        6
+    );
+    assert_eq!(dup_gate.runs(), 0, "{kind:?}: no duplicate ran the body");
+}
+
 // ------------------------------------------------------------ the tests
 
 macro_rules! every_store {
     ($($name:ident => |$kind:ident| $body:expr;)*) => {
         mod memory { use super::*; $(#[tokio::test(flavor = "multi_thread", worker_threads = 2)] async fn $name() { let $kind = Kind::Memory; $body.await } )* }
         mod sqlite { use super::*; $(#[tokio::test(flavor = "multi_thread", worker_threads = 2)] async fn $name() { let $kind = Kind::Sqlite; $body.await } )* }
+        mod sqlite_in_memory { use super::*; $(#[tokio::test(flavor = "multi_thread", worker_threads = 2)] async fn $name() { let $kind = Kind::SqliteInMemory; $body.await } )* }
         mod postgres { use super::*; $(#[tokio::test(flavor = "multi_thread", worker_threads = 2)] async fn $name() { let $kind = Kind::Postgres; $body.await } )* }
         mod mysql { use super::*; $(#[tokio::test(flavor = "multi_thread", worker_threads = 2)] async fn $name() { let $kind = Kind::MySql; $body.await } )* }
     };
@@ -405,6 +457,7 @@ every_store! {
     many_waiters_behind_a_dead_holder_take_it_over_exactly_once => |kind| waiters_behind_a_dead_holder(kind, 8);
     a_waiter_is_never_answered_with_another_tenants_record_of_the_same_key => |kind| two_tenants_one_key(kind);
     a_refused_duplicate_is_told_the_lease_left => |kind| refused_with_the_lease_left(kind);
+    a_waiter_dropped_mid_wait_leaves_nothing_behind => |kind| a_dropped_waiter(kind);
 }
 
 /// Many duplicates of one key wait while the holder runs 2 s more: each is
