@@ -439,6 +439,52 @@ async fn a_dropped_waiter(kind: Kind) {
     assert_eq!(dup_gate.runs(), 0, "{kind:?}: no duplicate ran the body");
 }
 
+#[idempotent(scope = "waiting.every_store.gated", key = key, tenant = tenant, store = store,
+             in_progress = wait("500000000years"), lease = "500000000years", skip(gate),
+             shared_scope)]
+async fn gated_for_ages(
+    store: &dyn Store,
+    tenant: &str,
+    key: &str,
+    gate: &Gate,
+) -> Result<u64, Error> {
+    gate.runs.fetch_add(1, Ordering::SeqCst);
+    gate.started.send_modify(|s| *s += 1);
+    let _ = gate.go.subscribe().wait_for(|g| *g).await;
+    Ok(gate.value)
+}
+
+/// A wait bound and a lease of 500 million years (near the longest the
+/// attribute takes): the holder reserves, a duplicate waits (no clock
+/// overflows, no store refuses the lease's end), is woken by the completion
+/// and replays.
+async fn bounds_of_ages(kind: Kind) {
+    let Some(inner) = store(kind, 4).await else {
+        return;
+    };
+    let store = Counting::new(inner);
+    let tenant = tenant();
+    let holder_gate = Gate::holding(4);
+    let dup_gate = Gate::open(0);
+    let holder = gated_for_ages(&store, &tenant, "k", &holder_gate);
+    let duplicate = async {
+        holder_gate.started(1).await;
+        gated_for_ages(&store, &tenant, "k", &dup_gate).await
+    };
+    let script = async {
+        holder_gate.started(1).await;
+        store.waited(1).await;
+        holder_gate.go();
+    };
+    let (held, answer, ()) = within(&format!("{kind:?}: bounds of ages"), async {
+        tokio::join!(holder, duplicate, script)
+    })
+    .await;
+    assert_eq!(held.expect("holder"), 4, "{kind:?}");
+    assert_eq!(answer.expect("the duplicate"), 4, "{kind:?}");
+    assert_eq!(dup_gate.runs(), 0);
+}
+
 // ------------------------------------------------------------ the tests
 
 macro_rules! every_store {
@@ -458,6 +504,7 @@ every_store! {
     a_waiter_is_never_answered_with_another_tenants_record_of_the_same_key => |kind| two_tenants_one_key(kind);
     a_refused_duplicate_is_told_the_lease_left => |kind| refused_with_the_lease_left(kind);
     a_waiter_dropped_mid_wait_leaves_nothing_behind => |kind| a_dropped_waiter(kind);
+    a_wait_bound_and_lease_of_ages_still_wait_and_replay => |kind| bounds_of_ages(kind);
 }
 
 /// Many duplicates of one key wait while the holder runs 2 s more: each is
