@@ -538,3 +538,140 @@ async fn memory_a_waiting_duplicate_answers_at_the_completion_not_at_its_bound()
 async fn memory_a_waiting_duplicate_answers_at_the_release_not_at_its_bound() {
     answered_at_the_change(true).await;
 }
+
+/// A store whose `wait_for_change` first lets the holder finish (and waits
+/// until its change is written), then waits as the memory store does: the
+/// change lands between the reservation that found the record in progress
+/// and the waiter's subscription, the window a lost wake-up lives in.
+struct ChangeBeforeTheWait {
+    inner: Counting<MemoryStore>,
+    /// Told when a duplicate enters its wait; the test lets the holder go.
+    entered: Notify,
+    /// Set once the holder's call has returned (its change is written).
+    changed: watch::Sender<bool>,
+}
+
+#[async_trait::async_trait]
+impl Store for ChangeBeforeTheWait {
+    fn name(&self) -> &'static str {
+        "change-before-the-wait"
+    }
+    async fn reserve(
+        &self,
+        r: ReserveRequest<'_>,
+    ) -> Result<Reservation, idempotent_runtime::StoreError> {
+        self.inner.reserve(r).await
+    }
+    async fn complete(
+        &self,
+        c: idempotent_runtime::Completion<'_>,
+    ) -> Result<Fenced, idempotent_runtime::StoreError> {
+        self.inner.complete(c).await
+    }
+    async fn release(
+        &self,
+        i: &Identity,
+        t: &OwnerToken,
+    ) -> Result<Fenced, idempotent_runtime::StoreError> {
+        self.inner.release(i, t).await
+    }
+    async fn heartbeat(
+        &self,
+        i: &Identity,
+        t: &OwnerToken,
+        lease: Duration,
+    ) -> Result<Fenced, idempotent_runtime::StoreError> {
+        self.inner.heartbeat(i, t, lease).await
+    }
+    fn release_detached(&self, i: Identity, t: OwnerToken) {
+        self.inner.release_detached(i, t)
+    }
+    fn complete_detached(&self, c: idempotent_runtime::Completion<'_>) {
+        self.inner.complete_detached(c)
+    }
+    fn end_lease_detached(&self, i: Identity, t: OwnerToken) {
+        self.inner.end_lease_detached(i, t)
+    }
+    async fn force_release(
+        &self,
+        i: &Identity,
+        r: bool,
+    ) -> Result<idempotent_runtime::ForcedRelease, idempotent_runtime::StoreError> {
+        self.inner.force_release(i, r).await
+    }
+    async fn wait_for_change(&self, i: &Identity, max_wait: Duration, round: u32) {
+        self.entered.notify_one();
+        let _ = self.changed.subscribe().wait_for(|c| *c).await;
+        self.inner.wait_for_change(i, max_wait, round).await
+    }
+    async fn purge_expired(&self, batch: u32) -> Result<u64, idempotent_runtime::StoreError> {
+        self.inner.purge_expired(batch).await
+    }
+    async fn fetch(
+        &self,
+        i: &Identity,
+    ) -> Result<Option<idempotent_runtime::RecordSnapshot>, idempotent_runtime::StoreError> {
+        self.inner.fetch(i).await
+    }
+    async fn scope_stats(
+        &self,
+    ) -> Result<Vec<idempotent_runtime::ScopeStats>, idempotent_runtime::StoreError> {
+        self.inner.scope_stats().await
+    }
+}
+
+/// Rule 4, the lost wake-up: the holder completes (or releases) after the
+/// duplicate's reservation found it in progress and before the duplicate
+/// subscribes to its change. The wait must see that the record changed and
+/// end at once, not sleep to its bound (10 s) or the lease (30 s) for a
+/// notification already sent. On a paused clock: answered at the moment of
+/// the change.
+async fn a_change_before_the_subscription_is_not_missed(fail: bool) {
+    let store = ChangeBeforeTheWait {
+        inner: Counting::new(MemoryStore::new()),
+        entered: Notify::new(),
+        changed: watch::Sender::new(false),
+    };
+    let tenant = tenant();
+    let holder_gate = if fail {
+        Gate::failing()
+    } else {
+        Gate::default()
+    };
+    let dup_gate = Gate::open();
+    let holder = async {
+        let answer = held(&store, &tenant, "k", &holder_gate).await;
+        let at = tokio::time::Instant::now();
+        store.changed.send_replace(true);
+        (answer, at)
+    };
+    let duplicate = async {
+        holder_gate.started().await;
+        let answer = held(&store, &tenant, "k", &dup_gate).await;
+        (answer, tokio::time::Instant::now())
+    };
+    let release = async {
+        store.entered.notified().await;
+        holder_gate.go.notify_one();
+    };
+    let ((held_answer, changed_at), (answer, answered_at), ()) =
+        tokio::join!(holder, duplicate, release);
+    assert_eq!(held_answer.is_err(), fail);
+    assert_eq!(answer.expect("the duplicate's answer"), 7);
+    assert_eq!(dup_gate.runs.load(Ordering::SeqCst), usize::from(fail));
+    assert_eq!(
+        answered_at.saturating_duration_since(changed_at),
+        Duration::ZERO,
+        "(paused clock) the duplicate slept past a change made before it subscribed"
+    );
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn memory_a_completion_before_the_waiter_subscribes_is_not_missed() {
+    a_change_before_the_subscription_is_not_missed(false).await;
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn memory_a_release_before_the_waiter_subscribes_is_not_missed() {
+    a_change_before_the_subscription_is_not_missed(true).await;
+}
