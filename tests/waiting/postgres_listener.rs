@@ -52,6 +52,9 @@ struct Conn {
     frozen: watch::Sender<bool>,
     /// Set: the proxy closes both sides of the connection at once.
     close: watch::Sender<bool>,
+    /// The port the server sees this connection come from
+    /// (`pg_stat_activity.client_port`).
+    server_side_port: u16,
 }
 
 struct ProxyShared {
@@ -170,6 +173,17 @@ impl ListenerProxy {
         closed
     }
 
+    /// The ports the server sees the listener connections open now come
+    /// from (`pg_stat_activity.client_port`).
+    fn listener_ports(&self) -> Vec<i32> {
+        let conns = self.shared.conns.lock().unwrap_or_else(|p| p.into_inner());
+        conns
+            .iter()
+            .filter(|c| c.open.load(Ordering::SeqCst) && c.listening.load(Ordering::SeqCst))
+            .map(|c| i32::from(c.server_side_port))
+            .collect()
+    }
+
     /// From now on, a connection that sends `LISTEN` is closed instead.
     fn cut_listens(&self) {
         self.shared.cut_listens.store(true, Ordering::SeqCst);
@@ -199,11 +213,13 @@ async fn serve(client: TcpStream, shared: Arc<ProxyShared>) {
     };
     let _ = client.set_nodelay(true);
     let _ = server.set_nodelay(true);
+    let server_side_port = server.local_addr().map_or(0, |a| a.port());
     let conn = Arc::new(Conn {
         listening: AtomicBool::new(false),
         open: AtomicBool::new(true),
         frozen: watch::channel(false).0,
         close: watch::channel(false).0,
+        server_side_port,
     });
     let mut close = conn.close.subscribe();
     shared
@@ -541,12 +557,14 @@ async fn ended_mid_wait(end: End) {
             match end {
                 End::Closed => assert_eq!(proxy.close_listeners(), 1, "one listener connection"),
                 End::Terminated => {
+                    let ports = proxy.listener_ports();
+                    assert_eq!(ports.len(), 1, "one listener connection");
                     let ended: Vec<bool> = sqlx::query_scalar(
                         "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
-                         WHERE application_name = $1 AND pid <> pg_backend_pid() \
-                           AND (query LIKE 'LISTEN%' OR query = 'SELECT 1')",
+                         WHERE application_name = $1 AND client_port = $2",
                     )
                     .bind(&name)
+                    .bind(ports[0])
                     .fetch_all(owner_store.pool())
                     .await
                     .expect("terminate the listener's backend");
@@ -613,4 +631,69 @@ async fn a_listener_connection_closed_mid_wait_wakes_its_waiters_and_listens_aga
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_listener_backend_terminated_mid_wait_wakes_its_waiters_and_listens_again() {
     ended_mid_wait(End::Terminated).await;
+}
+
+/// The server ends sessions idle longer than `idle_session_timeout` (a
+/// setting of the role, the database or, here, the connection's options,
+/// which the listener's connection shares with the pool's). The listener's
+/// connection is idle while nobody waits (it only listens), so the server
+/// ended it at every timeout: a warning each time ("lost its connection"),
+/// and a reconnection, forever, and a duplicate arriving meanwhile polled.
+/// The listener must keep its connection within the server's idle limit:
+/// here, no loss while the store sits idle for four times the limit, and the
+/// next duplicate is still woken by a notification.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_listener_keeps_its_connection_within_the_servers_idle_session_timeout() {
+    let Some(owner_store) = pg_store_or_skip().await else {
+        return;
+    };
+    log::capture();
+    let name = format!("idempotent-idle-{}", uuid::Uuid::new_v4().simple());
+    let options = PgConnectOptions::from_str(&pg_url())
+        .expect("the test URL")
+        .application_name(&name)
+        .options([("idle_session_timeout", "1s")]);
+    let pool = PgPoolOptions::new()
+        .max_connections(2)
+        // The pool's own idle connections are ended by the server too; a
+        // connection is tested before it is handed out (sqlx's default).
+        .test_before_acquire(true)
+        .connect_with(options)
+        .await
+        .expect("a pool with idle_session_timeout = 1s");
+    let dup = Counting::new(PgStore::from_pool(pool).await.expect("store"));
+    let tenant = fresh_tenant();
+    let runs = AtomicUsize::new(0);
+    // A duplicate waits, `wait_for` of them: the listener listens.
+    let woken = |key: &'static str, amount: u64| {
+        let (tenant, runs, dup, owner_store) = (&tenant, &runs, &dup, &owner_store);
+        async move {
+            let identity = Identity::new(tenant, SCOPE, key).expect("identity");
+            let hold = Hold::default();
+            let owner_call = charge(owner_store, tenant, key, amount, Some(&hold), runs);
+            let duplicate = async {
+                hold.reached.notified().await;
+                let dup_call = charge(dup, tenant, key, amount, None, runs);
+                let release = async {
+                    step("the duplicate's mark", until_marked(owner_store, &identity)).await;
+                    hold.go.notify_one();
+                };
+                tokio::join!(step("the duplicate's answer", dup_call), release).0
+            };
+            let (owned, replayed) = tokio::join!(owner_call, duplicate);
+            assert_eq!(owned.expect("owner"), amount * 10);
+            assert_eq!(replayed.expect("duplicate"), amount * 10);
+        }
+    };
+    woken("idle-1", 1).await;
+    let losses = log::warnings_containing("lost its connection");
+    // Idle: nobody waits for four of the server's idle limits.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    assert_eq!(
+        log::warnings_containing("lost its connection") - losses,
+        0,
+        "the server ended the idle listener's connection"
+    );
+    woken("idle-2", 2).await;
+    assert_eq!(runs.load(Ordering::SeqCst), 2, "each body ran once");
 }

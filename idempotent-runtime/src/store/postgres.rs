@@ -2003,6 +2003,9 @@ const LISTENER_RECONNECT_PAUSE: Duration = Duration::from_millis(500);
 const QUIET_WHILE_WAITED: Duration = Duration::from_secs(1);
 /// The same, while nobody waits (keeps an idle connection honest).
 const QUIET_WHILE_IDLE: Duration = Duration::from_secs(30);
+/// The shortest pause between the checks that keep the listener's
+/// connection within the server's `idle_session_timeout` (half of it).
+const LEAST_KEEP_ALIVE: Duration = Duration::from_millis(100);
 /// How long the check of a quiet connection (`SELECT 1` on it) may take
 /// before the connection is given up as silent.
 const LISTENER_CHECK_TIMEOUT: Duration = Duration::from_secs(2);
@@ -2383,8 +2386,8 @@ async fn listen(options: PgConnectOptions, shared: &WatchShared) {
             .acquire_timeout(ACQUIRE_TIMEOUT)
             .connect_lazy_with(options.clone());
         let connected = tokio::time::timeout(LISTENER_CONNECT_TIMEOUT, connect_listener(&pool));
-        let mut listener = match connected.await {
-            Ok(Ok(listener)) => listener,
+        let (mut listener, idle_limit) = match connected.await {
+            Ok(Ok(connected)) => connected,
             failed => {
                 let error = match failed {
                     Ok(Err(e)) => e.to_string(),
@@ -2411,7 +2414,7 @@ async fn listen(options: PgConnectOptions, shared: &WatchShared) {
         }
         failed_attempts = 0;
         shared.status.send_replace(ListenerStatus::Listening);
-        let why = deliver(&mut listener, shared).await;
+        let why = deliver(&mut listener, shared, idle_limit).await;
         // Not listening from here on: waiters poll, and those asleep on the
         // listener are woken (their notification may be lost) to look again.
         shared.status.send_replace(ListenerStatus::Down);
@@ -2438,20 +2441,33 @@ enum Heard {
 /// is checked with a `SELECT 1`, which must answer within
 /// [`LISTENER_CHECK_TIMEOUT`]: a half-open connection reports no error and
 /// delivers nothing. A healthy listener that hears notifications sends
-/// nothing.
-async fn deliver(listener: &mut sqlx::postgres::PgListener, shared: &WatchShared) -> String {
+/// nothing, except within the server's `idle_session_timeout`
+/// (`idle_limit`): a session that sent no statement for that long is ended
+/// by the server (notifications it receives do not count), so the check is
+/// also made at half that limit after the last statement.
+async fn deliver(
+    listener: &mut sqlx::postgres::PgListener,
+    shared: &WatchShared,
+    idle_limit: Option<Duration>,
+) -> String {
+    let keep_alive = idle_limit.map(|limit| (limit / 2).max(LEAST_KEEP_ALIVE));
     let mut heard = tokio::time::Instant::now();
+    let mut spoke = heard;
     loop {
         let quiet = if shared.waiters().is_empty() {
             QUIET_WHILE_IDLE
         } else {
             QUIET_WHILE_WAITED
         };
+        let check_at = match keep_alive {
+            Some(keep_alive) => (heard + quiet).min(spoke + keep_alive),
+            None => heard + quiet,
+        };
         // `try_recv` is cancel-safe while it waits for a message (sqlx reads
         // a message into its buffer whole or not at all).
         let next = tokio::select! {
             received = listener.try_recv() => Heard::Received(received),
-            () = tokio::time::sleep_until(heard + quiet) => Heard::Quiet,
+            () = tokio::time::sleep_until(check_at) => Heard::Quiet,
             () = shared.first_waiter.notified() => Heard::FirstWaiter,
         };
         match next {
@@ -2470,7 +2486,10 @@ async fn deliver(listener: &mut sqlx::postgres::PgListener, shared: &WatchShared
                 // listener and delivered by the next `try_recv`.
                 let check = listener.execute("SELECT 1");
                 match tokio::time::timeout(LISTENER_CHECK_TIMEOUT, check).await {
-                    Ok(Ok(_)) => heard = tokio::time::Instant::now(),
+                    Ok(Ok(_)) => {
+                        heard = tokio::time::Instant::now();
+                        spoke = heard;
+                    }
                     Ok(Err(e)) => return format!("checking a quiet connection: {e}"),
                     Err(_) => {
                         return format!(
@@ -2486,7 +2505,12 @@ async fn deliver(listener: &mut sqlx::postgres::PgListener, shared: &WatchShared
     }
 }
 
-async fn connect_listener(pool: &PgPool) -> Result<sqlx::postgres::PgListener, sqlx::Error> {
+/// Connects the listener and `LISTEN`s; answers it with the session's
+/// `idle_session_timeout` (PostgreSQL 14 and later; `None` when it is off or
+/// unknown), which [`deliver`] keeps the connection within.
+async fn connect_listener(
+    pool: &PgPool,
+) -> Result<(sqlx::postgres::PgListener, Option<Duration>), sqlx::Error> {
     let mut listener = sqlx::postgres::PgListener::connect_with(pool).await?;
     listener.ignore_pool_close_event(true);
     // A lost connection ends `try_recv` with `Ok(None)`, and `listen` makes
@@ -2494,7 +2518,17 @@ async fn connect_listener(pool: &PgPool) -> Result<sqlx::postgres::PgListener, s
     // inside `try_recv` has none).
     listener.eager_reconnect(false);
     listener.listen(WAIT_CHANNEL).await?;
-    Ok(listener)
+    // In milliseconds; no row before PostgreSQL 14.
+    let idle_limit: Option<String> = sqlx::query_scalar(
+        "SELECT setting FROM pg_catalog.pg_settings WHERE name = 'idle_session_timeout'",
+    )
+    .fetch_optional(&mut listener)
+    .await?;
+    let idle_limit = idle_limit
+        .and_then(|ms| ms.parse::<u64>().ok())
+        .filter(|ms| *ms > 0)
+        .map(Duration::from_millis);
+    Ok((listener, idle_limit))
 }
 
 impl PgStore {
