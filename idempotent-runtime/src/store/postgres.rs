@@ -2518,12 +2518,16 @@ async fn connect_listener(
     // inside `try_recv` has none).
     listener.eager_reconnect(false);
     listener.listen(WAIT_CHANNEL).await?;
-    // In milliseconds; no row before PostgreSQL 14.
+    // In milliseconds; no row before PostgreSQL 14. Not knowing it (a
+    // server that does not answer this) is not a reason not to listen: a
+    // lost connection is found by `deliver`.
     let idle_limit: Option<String> = sqlx::query_scalar(
         "SELECT setting FROM pg_catalog.pg_settings WHERE name = 'idle_session_timeout'",
     )
     .fetch_optional(&mut listener)
-    .await?;
+    .await
+    .ok()
+    .flatten();
     let idle_limit = idle_limit
         .and_then(|ms| ms.parse::<u64>().ok())
         .filter(|ms| *ms > 0)
