@@ -36,4 +36,5 @@ mod public_api_edges;
 mod replay_floats;
 mod transactional;
 mod transactional_connections;
+mod transactional_nesting;
 mod transactional_races;

@@ -1154,19 +1154,58 @@ const SERIALIZATION_FAILURE: &str = "40001";
 /// key committed meanwhile, which the next statement sees.
 const SERIALIZATION_FAILURE_TRIES: u32 = 3;
 
+/// The longest one statement of a reservation in a caller's transaction
+/// waits for a row lock; the call's wait is taken in such slices. A
+/// reservation's row is written by `idempotency_reserve`'s subtransaction,
+/// which commits into the caller's transaction (or savepoint), and
+/// PostgreSQL wakes a waiter for a row a committed subtransaction wrote only
+/// when its *top-level* transaction ends: a reservation rolled back with a
+/// savepoint (`ROLLBACK TO SAVEPOINT`, a nested sqlx transaction rolled
+/// back) while its owner's transaction stays open would keep a duplicate
+/// that waits in one statement waiting for its whole bound, then refused as
+/// in progress with the key free. The next statement finds the row gone.
+/// Longer than `deadlock_timeout` (1 s by default), so a wait in a deadlock
+/// among callers' transactions is still found (40P01).
+const TX_LOCK_WAIT_SLICE: Duration = Duration::from_secs(2);
+
+/// The least a slice's statement must have waited, and the least wait left,
+/// for another slice: a statement that answered sooner did not wait out a
+/// row lock (the lock wait may also be cut to half the session's
+/// `statement_timeout`), and the next slice must not be a `lock_timeout` of
+/// 0, which PostgreSQL takes as no timeout at all.
+const TX_LOCK_WAIT_SLICE_FLOOR: Duration = Duration::from_millis(50);
+
 /// In a caller's transaction (see [`RESERVE_TX_SQL`]). A transaction whose
 /// snapshot is older than the record (REPEATABLE READ or SERIALIZABLE,
 /// migration 0007) is refused with [`Error::StaleSnapshot`]; the
 /// reservation's subtransaction was undone, so the transaction stays usable.
+/// A row lock is waited for `lock_wait` in all, in statements of at most
+/// [`TX_LOCK_WAIT_SLICE`].
 async fn reserve_in_transaction(
     conn: &mut sqlx::PgConnection,
     request: ReserveRequest<'_>,
     lock_wait: Duration,
 ) -> Result<Reservation, Error> {
-    match reserve_statement(RESERVE_TX_SQL, &mut *conn, request, lock_wait)
-        .await
-        .map_err(err("reserve"))?
-    {
+    let started = std::time::Instant::now();
+    // What `idempotency_reserve` answers when its lock wait ran out: in
+    // progress, with the requested lease as the estimate.
+    let lock_timed_out = Reservation::InProgress {
+        lease_remaining: millis_to_duration(millis_i64(request.lease)),
+    };
+    let answer = loop {
+        let left = lock_wait.saturating_sub(started.elapsed());
+        let slice = left.min(TX_LOCK_WAIT_SLICE);
+        let sent = std::time::Instant::now();
+        let answer = reserve_statement(RESERVE_TX_SQL, &mut *conn, request, slice)
+            .await
+            .map_err(err("reserve"))?;
+        let waited_out = matches!(&answer, Answer::Reserved(r) if *r == lock_timed_out)
+            && sent.elapsed() >= TX_LOCK_WAIT_SLICE_FLOOR;
+        if !waited_out || lock_wait.saturating_sub(started.elapsed()) < TX_LOCK_WAIT_SLICE_FLOOR {
+            break answer;
+        }
+    };
+    match answer {
         Answer::Reserved(reservation) => Ok(reservation),
         Answer::StaleSnapshot => {
             let id = request.identity;

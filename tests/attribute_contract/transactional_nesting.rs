@@ -1,0 +1,726 @@
+//! Transactional mode (DESIGN.md rule 15) with the transaction shapes a user
+//! nests around a call: a savepoint (sqlx's `begin()` on a transaction)
+//! rolled back while a duplicate waits for the call's record, an expired
+//! record taken over in a savepoint that is then rolled back, a body that
+//! ends the transaction it was given, and a body that panics in a
+//! transaction the caller goes on using; on PostgreSQL, MariaDB and SQLite.
+//! The question each time: can a body's effect commit twice, can a
+//! retry be refused for good, can anyone wait past their bound?
+
+use crate::common;
+
+use common::servers::{fresh_tenant, mysql_store_or_skip, pg_store_or_skip};
+use idempotent_runtime::{idempotent, with_outcome, Error, Outcome, Store};
+use sqlx::{Connection, MySql, Postgres, Sqlite};
+use std::collections::HashMap;
+use std::sync::{LazyLock, Mutex};
+use std::time::Duration;
+use tokio::sync::Notify;
+
+type Answer = Result<u64, Error>;
+
+/// The expiry a test gives a record: long past on any clock.
+const LONG_AGO_MS: i64 = 1_000;
+
+const PG_DDL: &str = "CREATE TABLE IF NOT EXISTS idempotent_test_nesting_effects (
+    tenant TEXT NOT NULL, idem_key TEXT NOT NULL)";
+const MY_DDL: &str = "CREATE TABLE IF NOT EXISTS idempotent_test_nesting_effects (
+    tenant VARCHAR(100) NOT NULL, idem_key VARCHAR(255) NOT NULL) ENGINE = InnoDB";
+const SQLITE_DDL: &str = "CREATE TABLE IF NOT EXISTS idempotent_test_nesting_effects (
+    tenant TEXT NOT NULL, idem_key TEXT NOT NULL)";
+
+/// Holds a body open: it notifies `reached` once the reservation is held,
+/// then waits for `go`.
+#[derive(Default)]
+struct Hold {
+    reached: Notify,
+    go: Notify,
+}
+
+async fn hold_here(hold: Option<&Hold>) {
+    if let Some(hold) = hold {
+        hold.reached.notify_one();
+        hold.go.notified().await;
+    }
+}
+
+/// Bodies run per tenant (committed or not).
+static RUNS: LazyLock<Mutex<HashMap<String, u32>>> = LazyLock::new(Default::default);
+
+fn ran(tenant: &str) -> u32 {
+    let mut runs = RUNS.lock().unwrap();
+    let n = runs.entry(tenant.to_owned()).or_default();
+    *n += 1;
+    *n
+}
+
+fn runs(tenant: &str) -> u32 {
+    RUNS.lock().unwrap().get(tenant).copied().unwrap_or(0)
+}
+
+/// How a body ends the transaction it was given (README: it must not).
+#[derive(Clone, Copy, Debug)]
+enum Ends {
+    /// `ROLLBACK` sent as a query; the rest of the body runs in autocommit.
+    Rollback,
+    /// `ROLLBACK` then `BEGIN`: the body's own retry of its transaction,
+    /// after which the caller's connection is in a transaction again.
+    RollbackThenBegin,
+}
+
+impl Ends {
+    fn sql(self) -> &'static str {
+        match self {
+            Ends::Rollback => "ROLLBACK",
+            Ends::RollbackThenBegin => "ROLLBACK; BEGIN",
+        }
+    }
+}
+
+/// The functions of one database: a transactional one and a store-mode one
+/// sharing its scope, both waiting up to 5 s for a duplicate; one whose body
+/// ends its transaction; one whose body panics. Each body writes a business
+/// row (`$insert`) in the transaction where it has one.
+macro_rules! functions {
+    ($db:ty, $scope:literal, $insert:literal, $tx_fn:ident, $store_fn:ident, $ends_fn:ident,
+     $panics_fn:ident) => {
+        #[idempotent(scope = $scope, key = key, tenant = tenant, tx = tx, skip(hold),
+                             shared_scope, ttl = "1h", lease = "30s", in_progress = wait("5s"))]
+        async fn $tx_fn(
+            tx: &mut sqlx::Transaction<'_, $db>,
+            tenant: &str,
+            key: &str,
+            hold: Option<&Hold>,
+        ) -> Result<u64, Error> {
+            sqlx::query($insert)
+                .bind(tenant)
+                .bind(key)
+                .execute(&mut **tx)
+                .await
+                .expect("business write");
+            let n = ran(tenant);
+            hold_here(hold).await;
+            Ok(u64::from(n))
+        }
+
+        #[idempotent(scope = $scope, key = key, tenant = tenant, store = store, shared_scope,
+                             ttl = "1h", lease = "30s", in_progress = wait("5s"))]
+        async fn $store_fn(store: &dyn Store, tenant: &str, key: &str) -> Result<u64, Error> {
+            Ok(u64::from(ran(tenant)))
+        }
+
+        #[idempotent(scope = $scope, key = key, tenant = tenant, tx = tx, skip(ends),
+                             shared_scope, ttl = "1h", lease = "30s", in_progress = reject)]
+        async fn $ends_fn(
+            tx: &mut sqlx::Transaction<'_, $db>,
+            tenant: &str,
+            key: &str,
+            ends: Ends,
+        ) -> Result<u64, Error> {
+            let n = ran(tenant);
+            sqlx::query($insert)
+                .bind(tenant)
+                .bind(key)
+                .execute(&mut **tx)
+                .await
+                .expect("business write");
+            sqlx::raw_sql(ends.sql())
+                .execute(&mut **tx)
+                .await
+                .expect("end the transaction");
+            // What the body writes after: in autocommit, or in its new transaction.
+            sqlx::query($insert)
+                .bind(tenant)
+                .bind(key)
+                .execute(&mut **tx)
+                .await
+                .expect("business write");
+            Ok(u64::from(n))
+        }
+
+        #[idempotent(scope = $scope, key = key, tenant = tenant, tx = tx, shared_scope,
+                             ttl = "1h", lease = "30s", in_progress = reject)]
+        async fn $panics_fn(
+            tx: &mut sqlx::Transaction<'_, $db>,
+            tenant: &str,
+            key: &str,
+        ) -> Result<u64, Error> {
+            sqlx::query($insert)
+                .bind(tenant)
+                .bind(key)
+                .execute(&mut **tx)
+                .await
+                .expect("business write");
+            ran(tenant);
+            panic!("the body panics after its business write");
+        }
+    };
+}
+
+functions!(
+    Postgres,
+    "tx_nesting.pg",
+    "INSERT INTO idempotent_test_nesting_effects (tenant, idem_key) VALUES ($1, $2)",
+    pg_tx,
+    pg_store,
+    pg_ends,
+    pg_panics
+);
+functions!(
+    MySql,
+    "tx_nesting.mysql",
+    "INSERT INTO idempotent_test_nesting_effects (tenant, idem_key) VALUES (?, ?)",
+    my_tx,
+    my_store,
+    my_ends,
+    my_panics
+);
+functions!(
+    Sqlite,
+    "tx_nesting.sqlite",
+    "INSERT INTO idempotent_test_nesting_effects (tenant, idem_key) VALUES (?1, ?2)",
+    lite_tx,
+    lite_store,
+    lite_ends,
+    lite_panics
+);
+
+// ---------------------------------------------------------------- per database
+
+/// One database's store, its functions and the raw statements a test needs,
+/// so each scenario is written once.
+trait Db: Sized + 'static {
+    type D: sqlx::Database;
+    const SCOPE: &'static str;
+    fn store(&self) -> &dyn Store;
+    fn pool(&self) -> &sqlx::Pool<Self::D>;
+    async fn tx(
+        tx: &mut sqlx::Transaction<'_, Self::D>,
+        tenant: &str,
+        key: &str,
+        hold: Option<&Hold>,
+    ) -> Answer;
+    async fn in_store(store: &dyn Store, tenant: &str, key: &str) -> Answer;
+    async fn ends(
+        tx: &mut sqlx::Transaction<'_, Self::D>,
+        tenant: &str,
+        key: &str,
+        ends: Ends,
+    ) -> Answer;
+    async fn panics(tx: &mut sqlx::Transaction<'_, Self::D>, tenant: &str, key: &str) -> Answer;
+    /// Committed business rows of `tenant`.
+    async fn effects(&self, tenant: &str) -> i64;
+    /// Moves the expiry of `tenant`'s record of `key` to long ago.
+    async fn expire(&self, tenant: &str, key: &str);
+    /// Until a session of this database waits for a row lock (bounded).
+    async fn until_a_lock_wait(&self);
+}
+
+struct Pg(idempotent_runtime::PgStore);
+struct My(idempotent_runtime::MySqlStore);
+struct Lite(idempotent_runtime::SqliteStore, std::path::PathBuf);
+
+impl Drop for Lite {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.1);
+    }
+}
+
+async fn pg() -> Option<Pg> {
+    let store = pg_store_or_skip().await?;
+    common::servers::pg_create_tables(store.pool(), PG_DDL)
+        .await
+        .expect("ddl");
+    Some(Pg(store))
+}
+
+async fn my() -> Option<My> {
+    let store = mysql_store_or_skip().await?;
+    sqlx::query(MY_DDL)
+        .execute(store.pool())
+        .await
+        .expect("ddl");
+    Some(My(store))
+}
+
+async fn lite() -> Lite {
+    let dir = common::scratch::dir("tx-nesting");
+    let url = format!("sqlite:{}?mode=rwc", dir.join("tx.db").display());
+    let store = idempotent_runtime::SqliteStore::connect(&url)
+        .await
+        .expect("open");
+    sqlx::query(SQLITE_DDL)
+        .execute(store.pool())
+        .await
+        .expect("ddl");
+    Lite(store, dir)
+}
+
+/// Polls `waiting` (a count of sessions waiting for a lock) until it is
+/// non-zero: 10 s at most, every 20 ms.
+async fn until_nonzero<F, Fut>(what: &str, mut waiting: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = i64>,
+{
+    for _ in 0..500 {
+        if waiting().await > 0 {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("no session of {what} ever waited for a lock");
+}
+
+impl Db for Pg {
+    type D = Postgres;
+    const SCOPE: &'static str = "tx_nesting.pg";
+    fn store(&self) -> &dyn Store {
+        &self.0
+    }
+    fn pool(&self) -> &sqlx::PgPool {
+        self.0.pool()
+    }
+    async fn tx(
+        tx: &mut sqlx::Transaction<'_, Postgres>,
+        tenant: &str,
+        key: &str,
+        hold: Option<&Hold>,
+    ) -> Answer {
+        pg_tx(tx, tenant, key, hold).await
+    }
+    async fn in_store(store: &dyn Store, tenant: &str, key: &str) -> Answer {
+        pg_store(store, tenant, key).await
+    }
+    async fn ends(
+        tx: &mut sqlx::Transaction<'_, Postgres>,
+        tenant: &str,
+        key: &str,
+        ends: Ends,
+    ) -> Answer {
+        pg_ends(tx, tenant, key, ends).await
+    }
+    async fn panics(tx: &mut sqlx::Transaction<'_, Postgres>, tenant: &str, key: &str) -> Answer {
+        pg_panics(tx, tenant, key).await
+    }
+    async fn effects(&self, tenant: &str) -> i64 {
+        sqlx::query_scalar("SELECT count(*) FROM idempotent_test_nesting_effects WHERE tenant = $1")
+            .bind(tenant)
+            .fetch_one(self.pool())
+            .await
+            .expect("count")
+    }
+    async fn expire(&self, tenant: &str, key: &str) {
+        sqlx::query(
+            "UPDATE idempotency_records SET expires_at = $4
+              WHERE tenant = $1 AND scope = $2 AND key = $3",
+        )
+        .bind(tenant)
+        .bind(Self::SCOPE)
+        .bind(key)
+        .bind(LONG_AGO_MS)
+        .execute(self.pool())
+        .await
+        .expect("expire the record");
+    }
+    async fn until_a_lock_wait(&self) {
+        until_nonzero("PostgreSQL", || async {
+            sqlx::query_scalar(
+                "SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+                  WHERE NOT l.granted AND a.datname = current_database()",
+            )
+            .fetch_one(self.pool())
+            .await
+            .expect("pg_locks")
+        })
+        .await;
+    }
+}
+
+impl Db for My {
+    type D = MySql;
+    const SCOPE: &'static str = "tx_nesting.mysql";
+    fn store(&self) -> &dyn Store {
+        &self.0
+    }
+    fn pool(&self) -> &sqlx::MySqlPool {
+        self.0.pool()
+    }
+    async fn tx(
+        tx: &mut sqlx::Transaction<'_, MySql>,
+        tenant: &str,
+        key: &str,
+        hold: Option<&Hold>,
+    ) -> Answer {
+        my_tx(tx, tenant, key, hold).await
+    }
+    async fn in_store(store: &dyn Store, tenant: &str, key: &str) -> Answer {
+        my_store(store, tenant, key).await
+    }
+    async fn ends(
+        tx: &mut sqlx::Transaction<'_, MySql>,
+        tenant: &str,
+        key: &str,
+        ends: Ends,
+    ) -> Answer {
+        my_ends(tx, tenant, key, ends).await
+    }
+    async fn panics(tx: &mut sqlx::Transaction<'_, MySql>, tenant: &str, key: &str) -> Answer {
+        my_panics(tx, tenant, key).await
+    }
+    async fn effects(&self, tenant: &str) -> i64 {
+        sqlx::query_scalar("SELECT count(*) FROM idempotent_test_nesting_effects WHERE tenant = ?")
+            .bind(tenant)
+            .fetch_one(self.pool())
+            .await
+            .expect("count")
+    }
+    async fn expire(&self, tenant: &str, key: &str) {
+        sqlx::query(
+            "UPDATE idempotency_records SET expires_at = ?
+              WHERE tenant = ? AND scope = ? AND `key` = ?",
+        )
+        .bind(LONG_AGO_MS)
+        .bind(tenant)
+        .bind(Self::SCOPE)
+        .bind(key)
+        .execute(self.pool())
+        .await
+        .expect("expire the record");
+    }
+    async fn until_a_lock_wait(&self) {
+        until_nonzero("MariaDB", || async {
+            // The reservation's INSERT under way in this database (the
+            // owner's is done: its body holds). Not `innodb_trx`: InnoDB
+            // refreshes that table only after 0.1 s without a read of it.
+            sqlx::query_scalar(
+                "SELECT count(*) FROM information_schema.processlist
+                  WHERE db = DATABASE() AND command = 'Execute'
+                    AND info LIKE 'INSERT INTO idempotency_records%'",
+            )
+            .fetch_one(self.pool())
+            .await
+            .expect("processlist")
+        })
+        .await;
+    }
+}
+
+impl Db for Lite {
+    type D = Sqlite;
+    const SCOPE: &'static str = "tx_nesting.sqlite";
+    fn store(&self) -> &dyn Store {
+        &self.0
+    }
+    fn pool(&self) -> &sqlx::SqlitePool {
+        self.0.pool()
+    }
+    async fn tx(
+        tx: &mut sqlx::Transaction<'_, Sqlite>,
+        tenant: &str,
+        key: &str,
+        hold: Option<&Hold>,
+    ) -> Answer {
+        lite_tx(tx, tenant, key, hold).await
+    }
+    async fn in_store(store: &dyn Store, tenant: &str, key: &str) -> Answer {
+        lite_store(store, tenant, key).await
+    }
+    async fn ends(
+        tx: &mut sqlx::Transaction<'_, Sqlite>,
+        tenant: &str,
+        key: &str,
+        ends: Ends,
+    ) -> Answer {
+        lite_ends(tx, tenant, key, ends).await
+    }
+    async fn panics(tx: &mut sqlx::Transaction<'_, Sqlite>, tenant: &str, key: &str) -> Answer {
+        lite_panics(tx, tenant, key).await
+    }
+    async fn effects(&self, tenant: &str) -> i64 {
+        sqlx::query_scalar("SELECT count(*) FROM idempotent_test_nesting_effects WHERE tenant = ?1")
+            .bind(tenant)
+            .fetch_one(self.pool())
+            .await
+            .expect("count")
+    }
+    async fn expire(&self, tenant: &str, key: &str) {
+        sqlx::query(
+            "UPDATE idempotency_records SET expires_at = ?4
+              WHERE tenant = ?1 AND scope = ?2 AND key = ?3",
+        )
+        .bind(tenant)
+        .bind(Self::SCOPE)
+        .bind(key)
+        .bind(LONG_AGO_MS)
+        .execute(self.pool())
+        .await
+        .expect("expire the record");
+    }
+    async fn until_a_lock_wait(&self) {
+        // SQLite has no lock table; the duplicates' tries are not observable.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+}
+
+// ---------------------------------------------------------------- a savepoint rolled back while a duplicate waits
+
+/// Who waits for the savepoint's call.
+#[derive(Clone, Copy, Debug)]
+enum Waiter {
+    StoreMode,
+    Transactional,
+}
+
+/// Rules 3 and 15: a call in a savepoint holds its body open while a
+/// duplicate (store-mode or in a transaction of its own, `wait("5s")`)
+/// waits for the record; the body answers and the savepoint is rolled back,
+/// the outer transaction left open. The savepoint took the reservation
+/// with it, so the duplicate gets the key (it runs the body, not
+/// `InProgress`, not a deadlock) although the outer transaction is still
+/// open; the outer transaction then finds the duplicate's answer (replayed,
+/// or on MariaDB refused as a stale snapshot) and commits. One business
+/// effect committed at most per run that was kept.
+async fn savepoint_rolled_back_while_a_duplicate_waits<B: Db>(db: &B, waiter: Waiter) {
+    let tenant = fresh_tenant();
+    let hold = Hold::default();
+    let mut outer = db.pool().begin().await.expect("begin");
+    let owner = async {
+        let mut inner = outer.begin().await.expect("savepoint");
+        let answer = B::tx(&mut inner, &tenant, "k", Some(&hold)).await;
+        inner.rollback().await.expect("rollback to the savepoint");
+        answer
+    };
+    let duplicate = async {
+        hold.reached.notified().await;
+        let call = async {
+            match waiter {
+                Waiter::StoreMode => with_outcome(B::in_store(db.store(), &tenant, "k")).await,
+                Waiter::Transactional => {
+                    let mut tx = db.pool().begin().await.expect("begin");
+                    let answer = with_outcome(B::tx(&mut tx, &tenant, "k", None)).await;
+                    tx.commit().await.expect("commit");
+                    answer
+                }
+            }
+        };
+        tokio::pin!(call);
+        // The owner goes on once the duplicate waits for its row (or has
+        // answered without waiting: the assertions below tell).
+        let answered = tokio::select! {
+            answer = &mut call => Some(answer),
+            () = db.until_a_lock_wait() => None,
+        };
+        hold.go.notify_one();
+        match answered {
+            Some(answer) => answer,
+            None => call.await,
+        }
+    };
+    let (owned, (waited, outcome)) = tokio::time::timeout(Duration::from_secs(60), async {
+        tokio::join!(owner, duplicate)
+    })
+    .await
+    .expect("nobody waits forever");
+    assert_eq!(owned.expect("the savepoint's call answered"), 1);
+    assert_eq!(
+        (waited.as_ref().ok(), outcome),
+        (Some(&2), Some(Outcome::Executed)),
+        "{waiter:?}: the savepoint's rollback freed the key while the outer transaction is open: \
+         {waited:?}"
+    );
+    let (again, outcome) = with_outcome(B::tx(&mut outer, &tenant, "k", None)).await;
+    match again {
+        Ok(v) => assert_eq!((v, outcome), (2, Some(Outcome::Replayed))),
+        Err(Error::StaleSnapshot { .. }) => {}
+        Err(e) => panic!("the outer transaction's call: {e:?}"),
+    }
+    outer.commit().await.expect("commit");
+    let committed = match waiter {
+        Waiter::StoreMode => 0,
+        Waiter::Transactional => 1,
+    };
+    assert_eq!(db.effects(&tenant).await, committed);
+    assert_eq!(
+        runs(&tenant),
+        2,
+        "the savepoint's run (rolled back) and one more"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn pg_a_savepoint_rolled_back_while_a_duplicate_waits_hands_it_the_key() {
+    let Some(db) = pg().await else { return };
+    for waiter in [Waiter::StoreMode, Waiter::Transactional] {
+        savepoint_rolled_back_while_a_duplicate_waits(&db, waiter).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn mysql_a_savepoint_rolled_back_while_a_duplicate_waits_hands_it_the_key() {
+    let Some(db) = my().await else { return };
+    for waiter in [Waiter::StoreMode, Waiter::Transactional] {
+        savepoint_rolled_back_while_a_duplicate_waits(&db, waiter).await;
+    }
+}
+
+// ---------------------------------------------------------------- a takeover in a rolled-back savepoint
+
+/// Rules 15 and 16: an expired record is taken over in a savepoint (its
+/// body runs) and the savepoint is rolled back, the outer transaction left
+/// open. The record is expired again as before, and held by nobody: a
+/// store-mode call of the key meanwhile runs at once (not `InProgress`).
+async fn a_takeover_in_a_rolled_back_savepoint<B: Db>(db: &B) {
+    let tenant = fresh_tenant();
+    let mut tx = db.pool().begin().await.expect("begin");
+    assert_eq!(B::tx(&mut tx, &tenant, "k", None).await.expect("runs"), 1);
+    tx.commit().await.expect("commit");
+    db.expire(&tenant, "k").await;
+    let mut outer = db.pool().begin().await.expect("begin");
+    {
+        let mut inner = outer.begin().await.expect("savepoint");
+        let (answer, outcome) = with_outcome(B::tx(&mut inner, &tenant, "k", None)).await;
+        assert_eq!(
+            (answer.expect("takes the expired record"), outcome),
+            (2, Some(Outcome::Executed))
+        );
+        inner.rollback().await.expect("rollback to the savepoint");
+    }
+    let (answer, outcome) = tokio::time::timeout(
+        Duration::from_secs(30),
+        with_outcome(B::in_store(db.store(), &tenant, "k")),
+    )
+    .await
+    .expect("within its bound");
+    assert_eq!(
+        (answer.as_ref().ok(), outcome),
+        (Some(&3), Some(Outcome::Executed)),
+        "the expired record is nobody's once the savepoint rolled back: {answer:?}"
+    );
+    outer.rollback().await.expect("rollback");
+    assert_eq!(db.effects(&tenant).await, 1);
+}
+
+#[tokio::test]
+async fn pg_a_takeover_in_a_rolled_back_savepoint_leaves_the_key_to_others() {
+    let Some(db) = pg().await else { return };
+    a_takeover_in_a_rolled_back_savepoint(&db).await;
+}
+
+#[tokio::test]
+async fn mysql_a_takeover_in_a_rolled_back_savepoint_leaves_the_key_to_others() {
+    let Some(db) = my().await else { return };
+    a_takeover_in_a_rolled_back_savepoint(&db).await;
+}
+
+// ---------------------------------------------------------------- a body that ends its transaction
+
+/// Rules 3 and 15 (README: the body must not end its transaction): a body
+/// that rolls back the transaction it was given (and perhaps begins a new
+/// one on the connection) took the reservation with it. The call must not
+/// answer `Ok` (its caller would commit a business effect with no record,
+/// and the retry would run again); after the caller rolls back, the key is
+/// free, not left in progress, and a retry runs once.
+async fn a_body_that_ends_its_transaction<B: Db>(db: &B, ends: Ends) {
+    let tenant = fresh_tenant();
+    let mut tx = db.pool().begin().await.expect("begin");
+    let answer = B::ends(&mut tx, &tenant, "k", ends).await;
+    assert!(
+        answer.is_err(),
+        "{ends:?}: a call whose transaction ended under it answered {answer:?}"
+    );
+    // SQLite refuses a ROLLBACK with no transaction open, and sqlx then
+    // counts the connection still inside one (a fresh database per case).
+    let _ = tx.rollback().await;
+    // What the body wrote in autocommit after its ROLLBACK stayed.
+    let stray = match ends {
+        Ends::Rollback => 1,
+        Ends::RollbackThenBegin => 0,
+    };
+    assert_eq!(db.effects(&tenant).await, stray);
+    let mut tx = db.pool().begin().await.expect("begin");
+    let (again, outcome) = with_outcome(B::tx(&mut tx, &tenant, "k", None)).await;
+    assert_eq!(
+        (again.as_ref().ok(), outcome),
+        (Some(&2), Some(Outcome::Executed)),
+        "{ends:?}: a retry after the rollback: {again:?}"
+    );
+    tx.commit().await.expect("commit");
+    assert_eq!(db.effects(&tenant).await, stray + 1);
+}
+
+#[tokio::test]
+async fn pg_a_body_that_ends_its_transaction_is_not_answered_ok() {
+    let Some(db) = pg().await else { return };
+    for ends in [Ends::Rollback, Ends::RollbackThenBegin] {
+        a_body_that_ends_its_transaction(&db, ends).await;
+    }
+}
+
+#[tokio::test]
+async fn mysql_a_body_that_ends_its_transaction_is_not_answered_ok() {
+    let Some(db) = my().await else { return };
+    for ends in [Ends::Rollback, Ends::RollbackThenBegin] {
+        a_body_that_ends_its_transaction(&db, ends).await;
+    }
+}
+
+#[tokio::test]
+async fn sqlite_a_body_that_ends_its_transaction_is_not_answered_ok() {
+    for ends in [Ends::Rollback, Ends::RollbackThenBegin] {
+        a_body_that_ends_its_transaction(&lite().await, ends).await;
+    }
+}
+
+// ---------------------------------------------------------------- a body that panics in a transaction
+
+/// README: a body that panics leaves its reservation in the transaction. A
+/// caller that catches the panic and calls the key again in the same
+/// transaction is refused (in progress), never runs the body a second time
+/// beside the first's writes; rolled back, the key is free and a retry runs
+/// once.
+async fn a_body_that_panics_in_a_transaction<B: Db>(db: &B) {
+    use futures_util::FutureExt;
+    let tenant = fresh_tenant();
+    let mut tx = db.pool().begin().await.expect("begin");
+    let caught = std::panic::AssertUnwindSafe(B::panics(&mut tx, &tenant, "k"))
+        .catch_unwind()
+        .await;
+    assert!(caught.is_err(), "the body panicked");
+    let again = tokio::time::timeout(Duration::from_secs(30), B::tx(&mut tx, &tenant, "k", None))
+        .await
+        .expect("within its bound");
+    assert!(
+        matches!(again, Err(Error::InProgress { .. })),
+        "the same transaction's call after the panic: {again:?}"
+    );
+    tx.rollback().await.expect("rollback");
+    assert_eq!(runs(&tenant), 1);
+    let mut tx = db.pool().begin().await.expect("begin");
+    let (answer, outcome) = with_outcome(B::tx(&mut tx, &tenant, "k", None)).await;
+    assert_eq!(
+        (answer.as_ref().ok(), outcome),
+        (Some(&2), Some(Outcome::Executed)),
+        "{answer:?}"
+    );
+    tx.commit().await.expect("commit");
+    assert_eq!(db.effects(&tenant).await, 1);
+}
+
+#[tokio::test]
+async fn pg_a_body_that_panics_in_a_transaction_runs_once_after_the_rollback() {
+    let Some(db) = pg().await else { return };
+    a_body_that_panics_in_a_transaction(&db).await;
+}
+
+#[tokio::test]
+async fn mysql_a_body_that_panics_in_a_transaction_runs_once_after_the_rollback() {
+    let Some(db) = my().await else { return };
+    a_body_that_panics_in_a_transaction(&db).await;
+}
+
+#[tokio::test]
+async fn sqlite_a_body_that_panics_in_a_transaction_runs_once_after_the_rollback() {
+    let db = lite().await;
+    a_body_that_panics_in_a_transaction(&db).await;
+}
