@@ -724,3 +724,75 @@ async fn sqlite_a_body_that_panics_in_a_transaction_runs_once_after_the_rollback
     let db = lite().await;
     a_body_that_panics_in_a_transaction(&db).await;
 }
+
+// ---------------------------------------------------------------- MariaDB: SERIALIZABLE for one transaction
+
+#[idempotent(scope = "tx_nesting.my_serial", key = key, tenant = tenant, store = store,
+             skip(hold), shared_scope, ttl = "1h", in_progress = reject)]
+async fn my_serial_store(
+    store: &dyn Store,
+    tenant: &str,
+    key: &str,
+    hold: Option<&Hold>,
+) -> Answer {
+    let n = ran(tenant);
+    hold_here(hold).await;
+    Ok(u64::from(n))
+}
+
+#[idempotent(scope = "tx_nesting.my_serial", key = key, tenant = tenant, tx = tx,
+             shared_scope, ttl = "1h", in_progress = reject)]
+async fn my_serial_tx(tx: &mut sqlx::Transaction<'_, MySql>, tenant: &str, key: &str) -> Answer {
+    Ok(u64::from(ran(tenant)))
+}
+
+/// Rules 3 and 15 on MariaDB: a transaction made SERIALIZABLE for itself
+/// alone (`SET TRANSACTION ISOLATION LEVEL SERIALIZABLE` before `START
+/// TRANSACTION`, MySQL's way to set a level per transaction; the session's
+/// level left at REPEATABLE READ) calls a key a store-mode owner holds in
+/// progress. InnoDB makes its look at the record a locking one, and the
+/// lock stays until the transaction ends: meanwhile the owner can neither
+/// renew its lease nor record its result. As at a session's SERIALIZABLE,
+/// the call must be refused with `StaleSnapshot` (README: roll back at
+/// once), not `InProgress`, which tells the caller the transaction holds
+/// nothing and may stay open.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mysql_a_transaction_serializable_for_itself_is_refused_as_stale_where_its_look_locks() {
+    let Some(db) = my().await else { return };
+    let tenant = fresh_tenant();
+    let hold = Hold::default();
+    let owner = my_serial_store(db.store(), &tenant, "k", Some(&hold));
+    let duplicate = async {
+        hold.reached.notified().await;
+        let mut open = db
+            .pool()
+            .begin_with("SET TRANSACTION ISOLATION LEVEL SERIALIZABLE; START TRANSACTION")
+            .await
+            .expect("begin");
+        let answer = my_serial_tx(&mut open, &tenant, "k").await;
+        let level: Option<String> = sqlx::query_scalar(
+            "SELECT trx_isolation_level FROM information_schema.innodb_trx \
+             WHERE trx_mysql_thread_id = CONNECTION_ID()",
+        )
+        .fetch_optional(&mut *open)
+        .await
+        .expect("level");
+        open.rollback().await.expect("rollback");
+        hold.go.notify_one();
+        (answer, level)
+    };
+    let (owned, (answer, level)) = tokio::time::timeout(Duration::from_secs(60), async {
+        tokio::join!(owner, duplicate)
+    })
+    .await
+    .expect("nobody waits forever");
+    assert_eq!(owned.expect("the owner records its result"), 1);
+    if let Some(level) = level {
+        assert_eq!(level, "SERIALIZABLE", "the duplicate's transaction");
+    }
+    assert!(
+        matches!(answer, Err(Error::StaleSnapshot { .. })),
+        "a SERIALIZABLE transaction's look locked the record: {answer:?}"
+    );
+    assert_eq!(runs(&tenant), 1);
+}
