@@ -796,3 +796,56 @@ async fn mysql_a_transaction_serializable_for_itself_is_refused_as_stale_where_i
     );
     assert_eq!(runs(&tenant), 1);
 }
+
+// ---------------------------------------------------------------- PostgreSQL: a deadlock is still found
+
+/// README (a transaction the database ended under you): two transactions
+/// each hold a key the other then calls (`wait("5s")`). The waits are taken
+/// in slices (each longer than `deadlock_timeout`), so PostgreSQL still finds
+/// the deadlock: one call fails with `Error::Store` (40P01) and its
+/// transaction is rolled back; the other gets the key and runs. Nobody is
+/// answered `InProgress` at the end of their bound, nobody runs a key twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pg_two_transactions_waiting_for_each_others_key_end_in_one_deadlock_error() {
+    let Some(db) = pg().await else { return };
+    let tenant = fresh_tenant();
+    let mut one = db.pool().begin().await.expect("begin");
+    let mut two = db.pool().begin().await.expect("begin");
+    assert_eq!(pg_tx(&mut one, &tenant, "a", None).await.expect("runs"), 1);
+    assert_eq!(pg_tx(&mut two, &tenant, "b", None).await.expect("runs"), 2);
+    let first = async {
+        let answer = with_outcome(pg_tx(&mut one, &tenant, "b", None)).await;
+        if answer.0.is_ok() {
+            one.commit().await.expect("commit");
+        } else {
+            one.rollback().await.expect("rollback");
+        }
+        answer
+    };
+    let second = async {
+        let answer = with_outcome(pg_tx(&mut two, &tenant, "a", None)).await;
+        if answer.0.is_ok() {
+            two.commit().await.expect("commit");
+        } else {
+            two.rollback().await.expect("rollback");
+        }
+        answer
+    };
+    let (first, second) = tokio::time::timeout(Duration::from_secs(60), async {
+        tokio::join!(first, second)
+    })
+    .await
+    .expect("nobody waits forever");
+    let answers = [&first, &second];
+    let deadlocked = answers
+        .iter()
+        .filter(|(a, _)| matches!(a, Err(Error::Store(e)) if e.to_string().contains("deadlock")))
+        .count();
+    assert_eq!(deadlocked, 1, "{answers:?}");
+    let ran = answers
+        .iter()
+        .filter(|(a, o)| a.is_ok() && *o == Some(Outcome::Executed))
+        .count();
+    assert_eq!(ran, 1, "the survivor gets the victim's key: {answers:?}");
+    assert_eq!(db.effects(&tenant).await, 2, "the survivor's two keys");
+}
