@@ -662,34 +662,16 @@ where
     C: Recover<R::Value, R::Failure>,
     Fut: Future<Output = R>,
 {
-    let fail = |e: Error| {
-        let outcome = failure_outcome(&e);
-        (Err(e.into()), outcome)
-    };
+    // Only what touches the body is generic over it (one copy of this
+    // function per annotated function): the call's steps before and after
+    // the body are functions of their own, compiled once per answer type.
     let spec = call.spec;
-    let identity = match call.identity {
-        Ok(identity) => identity,
-        Err(e) => return fail(e),
-    };
-    if let Err(e) = within_a_runtime(spec) {
-        return fail(e);
-    }
-    let store_ref = match call.store {
-        Ok(store) => store,
-        Err(e) => return fail(e),
+    let (identity, store_ref, fingerprint) = match checked_call(call, span) {
+        Ok(checked) => checked,
+        Err(e) => return failed::<R>(e),
     };
     let store = store_ref.get();
-    if recordable(span) {
-        span.record("store", store.name());
-    }
-    let fingerprint = match call.fingerprint {
-        Ok(fingerprint) => fingerprint,
-        Err(e) => return fail(e),
-    };
     let token = OwnerToken::new();
-    let digest = identity.log_digest();
-
-    let request = reserve_request(spec, &identity, fingerprint.as_ref(), &token);
     let mut guard = FinishOnDrop {
         store,
         identity: &identity,
@@ -701,6 +683,81 @@ where
         pins: crate::unrecorded::Pins::for_call(&identity, store, fingerprint.as_ref()),
         spec,
     };
+    let running = match before_body::<R, H, C>(
+        (spec, store, &identity, &token),
+        fingerprint.as_ref(),
+        &mut guard,
+        &errors,
+        recover,
+        span,
+    )
+    .await
+    {
+        Ok(running) => running,
+        Err(answered) => return answered,
+    };
+    let (ran, lease_watch) =
+        run_with_heartbeat(store, spec, &identity, &token, spec.lease, body).await;
+    after_body::<R, H>(
+        (spec, store, &identity, &token),
+        &mut guard,
+        &errors,
+        (ran, lease_watch, running),
+    )
+    .await
+}
+
+/// The answer of a call that failed with `e` before or instead of its body.
+fn failed<R: IdempotentReturn>(e: Error) -> Answered<R> {
+    let outcome = failure_outcome(&e);
+    (Err(e.into()), outcome)
+}
+
+/// The call's identity, store and fingerprint, once each was made without
+/// error and the call runs where it can (a tokio runtime with its timer).
+fn checked_call<'a>(
+    call: Call<'a>,
+    span: &tracing::Span,
+) -> Result<(Identity, StoreRef<'a>, Option<Fingerprint>), Error> {
+    let identity = call.identity?;
+    within_a_runtime(call.spec)?;
+    let store_ref = call.store?;
+    if recordable(span) {
+        span.record("store", store_ref.get().name());
+    }
+    let fingerprint = call.fingerprint?;
+    Ok((identity, store_ref, fingerprint))
+}
+
+/// What every step of one call in store mode works on: its scope, store,
+/// identity and owner token.
+type CallParts<'c> = (
+    &'static ScopeInfo,
+    &'c dyn Store,
+    &'c Identity,
+    &'c OwnerToken,
+);
+
+/// The call's steps up to its body: the reservation, and on a takeover the
+/// unrecorded answer or the recover hook. `Ok` with when the body starts, or
+/// `Err` with the call's answer (a replay, a refusal, a recovered answer):
+/// the body does not run.
+async fn before_body<'c, R, H, C>(
+    (spec, store, identity, token): CallParts<'c>,
+    fingerprint: Option<&Fingerprint>,
+    guard: &mut FinishOnDrop<'c>,
+    errors: &H,
+    recover: C,
+    span: &tracing::Span,
+) -> Result<Instant, Answered<R>>
+where
+    R: IdempotentReturn,
+    H: ErrorHandling<R::Failure>,
+    C: Recover<R::Value, R::Failure>,
+{
+    let fail = |e: Error| Err(failed::<R>(e));
+    let digest = identity.log_digest();
+    let request = reserve_request(spec, identity, fingerprint, token);
     let reserving = Instant::now();
     let reserved = reserve_from(
         store,
@@ -715,7 +772,7 @@ where
         // end its lease (fenced by this call's token; nothing if it never
         // landed) so the next call takes it over at once and asks the hook.
         guard.pins.keep(spec.lease);
-        if end_lease_logged(store, &identity, &token).await == EndedLease::NotOurs {
+        if end_lease_logged(store, identity, token).await == EndedLease::NotOurs {
             // Nothing of this token yet: a statement still in flight may land
             // later, so the store's worker tries again.
             store.end_lease_detached(identity.clone(), token.clone());
@@ -737,7 +794,13 @@ where
     let acquired = match reserved {
         Ok(Reserved::Acquired(acquired)) => acquired,
         Ok(Reserved::Replay(outcome)) => {
-            return replay::<R, H>(spec, &errors, &identity, store.name(), outcome)
+            return Err(replay::<R, H>(
+                spec,
+                errors,
+                identity,
+                store.name(),
+                outcome,
+            ))
         }
         Err(e) => return fail(e),
     };
@@ -753,25 +816,25 @@ where
     let known = acquired
         .took_over
         .then(|| {
-            let request = crate::unrecorded::Request::new(store.name(), fingerprint.as_ref());
-            crate::unrecorded::for_takeover(&identity, &request).map(|known| (known, request))
+            let request = crate::unrecorded::Request::new(store.name(), fingerprint);
+            crate::unrecorded::for_takeover(identity, &request).map(|known| (known, request))
         })
         .flatten();
     drop(pinned);
-    let takeover = acquired.takeover(spec, &identity, known.is_some());
+    let takeover = acquired.takeover(spec, identity, known.is_some());
     if let Some((known, request)) = known {
         let mut sink = StoreSink {
             store,
-            guard: &mut guard,
+            guard: &mut *guard,
         };
-        return record_unrecorded_answer::<R, H>(
+        return Err(record_unrecorded_answer::<R, H>(
             spec,
-            (&errors, &identity, &request),
+            (errors, identity, &request),
             &mut sink,
             known,
             true,
         )
-        .await;
+        .await);
     }
     // Rules 3 and 10: a reservation answered a lease (or nearly) after it
     // was sent (the process stopped or starved while the statement was
@@ -780,7 +843,7 @@ where
     // its answer. One fenced renewal says whether it is still this call's
     // (and gives the body a full lease) before the hook or the body runs.
     if acquired.answered_late(spec.lease, reserved_at) {
-        match store.heartbeat(&identity, &token, spec.lease).await {
+        match store.heartbeat(identity, token, spec.lease).await {
             Ok(Fenced::Written) => {}
             Ok(Fenced::NotOwner) => {
                 tracing::error!(target: "idempotent", scope = spec.scope, key = %digest,
@@ -789,10 +852,10 @@ where
                      has taken the record over: the body does not run");
                 guard.arm(false);
                 // The body did not run: not the `lease_lost` outcome.
-                return (
+                return Err((
                     Err(Error::LeaseLost(identity.context()).into()),
                     CallOutcome::Failed,
-                );
+                ));
             }
             // Ownership unknown: the body does not run blind. The guard,
             // still armed, finishes the record as for a failed reservation
@@ -809,13 +872,13 @@ where
         // it would let a retry run the body blind; leaving it (as this did)
         // refused every retry for the rest of a renewed lease.
         let (answer, mut hook_watch) =
-            run_with_heartbeat(store, spec, &identity, &token, spec.lease, hook).await;
+            run_with_heartbeat(store, spec, identity, token, spec.lease, hook).await;
         // Rule 9 as for a body: a lease that lapsed while the hook ran (its
         // thread blocked) is noted, the clock read only for a hook.
-        hook_watch.note_if_lapsed(spec, &identity, Instant::now(), None);
+        hook_watch.note_if_lapsed(spec, identity, Instant::now(), None);
         let answered = match answer {
             Err(panic) => {
-                end_lease_logged(store, &identity, &token).await;
+                end_lease_logged(store, identity, token).await;
                 guard.arm(false);
                 std::panic::resume_unwind(panic);
             }
@@ -828,7 +891,7 @@ where
                 // blocked, its process stopped) may have lost the record to
                 // another caller's takeover, which ran the body already: a
                 // fenced renewal says so before the body starts.
-                match store.heartbeat(&identity, &token, spec.lease).await {
+                match store.heartbeat(identity, token, spec.lease).await {
                     Ok(Fenced::Written) => {}
                     Ok(Fenced::NotOwner) => {
                         tracing::error!(target: "idempotent", scope = spec.scope, key = %digest,
@@ -838,16 +901,16 @@ where
                         guard.arm(false);
                         // The body did not run: not the `lease_lost` outcome
                         // (a body that ran, its answer not recorded).
-                        return (
+                        return Err((
                             Err(Error::LeaseLost(identity.context()).into()),
                             CallOutcome::Failed,
-                        );
+                        ));
                     }
                     // Ownership unknown: the body does not run blind. The
                     // record stays in progress, its lease ended if the store
                     // lets us, and the next call asks the hook again.
                     Err(e) => {
-                        end_lease_logged(store, &identity, &token).await;
+                        end_lease_logged(store, identity, token).await;
                         guard.arm(false);
                         return fail(Error::Store(e));
                     }
@@ -866,17 +929,17 @@ where
                 report(Outcome::Recovered);
                 let mut sink = StoreSink {
                     store,
-                    guard: &mut guard,
+                    guard: &mut *guard,
                 };
-                return settle::<R, H>(
+                return Err(settle::<R, H>(
                     spec,
-                    &identity,
+                    identity,
                     &mut sink,
-                    &errors,
+                    errors,
                     result,
                     AnsweredBy::RecoverHook,
                 )
-                .await;
+                .await);
             }
         }
     }
@@ -888,18 +951,31 @@ where
     } else {
         reserved_at
     };
-    let (ran, mut lease_watch) =
-        run_with_heartbeat(store, spec, &identity, &token, spec.lease, body).await;
+    Ok(running)
+}
+
+/// The call's steps after its body: the answer released or recorded (rules
+/// 12 and 13), a panic propagated once the record is finished (rule 14).
+async fn after_body<'c, R, H>(
+    (spec, store, identity, token): CallParts<'c>,
+    guard: &mut FinishOnDrop<'c>,
+    errors: &H,
+    (ran, mut lease_watch, running): (Result<R, PanicPayload>, LeaseWatch, Instant),
+) -> Answered<R>
+where
+    R: IdempotentReturn,
+    H: ErrorHandling<R::Failure>,
+{
     let result = match ran {
         Ok(r) => r.into_result(),
         Err(panic) => {
             crate::metrics::body_time(spec.scope, "panic", running.elapsed());
             if guard.keep_for_takeover {
                 // As for a dropped call (`FinishOnDrop`): the hook is asked next.
-                end_lease_logged(store, &identity, &token).await;
+                end_lease_logged(store, identity, token).await;
                 guard.arm(false);
             } else {
-                release(store, &guard).await;
+                release(store, guard).await;
             }
             std::panic::resume_unwind(panic);
         }
@@ -917,22 +993,14 @@ where
         if result.is_ok() { "ok" } else { "err" },
         ended.saturating_duration_since(running),
     );
-    lease_watch.note_if_lapsed(spec, &identity, ended, None);
+    lease_watch.note_if_lapsed(spec, identity, ended, None);
     METRICS.executed.fetch_add(1, Ordering::Relaxed);
     report(Outcome::Executed);
     let mut sink = StoreSink {
         store,
-        guard: &mut guard,
+        guard: &mut *guard,
     };
-    settle::<R, H>(
-        spec,
-        &identity,
-        &mut sink,
-        &errors,
-        result,
-        AnsweredBy::Body,
-    )
-    .await
+    settle::<R, H>(spec, identity, &mut sink, errors, result, AnsweredBy::Body).await
 }
 
 /// What the outcome label says for an answer [`settle`] records.
@@ -2228,6 +2296,9 @@ impl LeaseWatch {
 
 /// Polls the body and, on the same task, renews the lease every `lease / 3`.
 /// Nothing is spawned: when this future stops being polled, renewal stops too.
+///
+/// Generic over the body (one copy per annotated function) only as far as
+/// polling it: the renewals are [`Heartbeat`]'s, compiled once.
 async fn run_with_heartbeat<R, Fut: Future<Output = R>>(
     store: &dyn Store,
     spec: &'static ScopeInfo,
@@ -2236,91 +2307,152 @@ async fn run_with_heartbeat<R, Fut: Future<Output = R>>(
     lease: Duration,
     body: Fut,
 ) -> (Result<R, PanicPayload>, LeaseWatch) {
-    let period = (lease / 3).max(Duration::from_millis(1));
-    // The first renewal is due a period after the body starts, whatever its
-    // first poll costs: a first poll that blocks for most of the lease finds
-    // the renewal overdue when it returns Pending, and renews at once.
-    let first_due = Instant::now() + period;
+    let mut beats = Heartbeat::new(store, spec, identity, token, lease);
     let mut body = pin!(AssertUnwindSafe(body).catch_unwind());
-    // The timer is made the first time the body is pending: a body that
-    // finishes in its first poll costs no timer (fast bodies never heartbeat).
-    let mut timer: Option<std::pin::Pin<Box<tokio::time::Sleep>>> = None;
-    type Renewal<'a> =
-        futures_util::future::BoxFuture<'a, Result<Fenced, crate::error::StoreError>>;
-    // The renewal in flight, and when it has had its period.
-    let mut beat: Option<Renewal<'_>> = None;
-    let mut beat_due: Option<std::pin::Pin<Box<tokio::time::Sleep>>> = None;
-    // A renewal that outlived its period (a connection whose peer went silent,
-    // a row another transaction holds). It is polled until it answers, never
-    // dropped: its statement would go on holding a pooled connection on the
-    // server. One more renewal may start beside it; never a third.
-    let mut late: Option<Renewal<'_>> = None;
-    // Another caller owns the record now (fenced renewal): renewing again
-    // cannot win it back, so no more renewals are sent.
-    let mut lost = false;
-    // When the lease was last set, as far as this call knows: the body's
-    // start (the reservation just set it), then the sending of each renewal
-    // that was written. A renewal sent a lease or more after it finds the
-    // lease already lapsed (see `note_lapse`).
-    let mut watch = LeaseWatch {
-        renewed_at: first_due - period, // no clock read more per call
-        noted: false,
-    };
-    let mut beat_sent = watch.renewed_at;
-    let mut late_sent = watch.renewed_at;
     let out = std::future::poll_fn(|cx| {
         if let Poll::Ready(out) = body.as_mut().poll(cx) {
             return Poll::Ready(out);
         }
-        let timer = timer.get_or_insert_with(|| Box::pin(sleep_until(first_due)));
+        beats.poll_renewals(cx);
+        Poll::Pending
+    })
+    .await;
+    (out, beats.finish())
+}
+
+/// A renewal of the lease, sent and not yet answered.
+type Renewal<'a> = futures_util::future::BoxFuture<'a, Result<Fenced, crate::error::StoreError>>;
+
+/// The lease renewals of one running body ([`run_with_heartbeat`]).
+struct Heartbeat<'a> {
+    store: &'a dyn Store,
+    spec: &'static ScopeInfo,
+    identity: &'a Identity,
+    token: &'a OwnerToken,
+    lease: Duration,
+    period: Duration,
+    /// When the first renewal is due: a period after the body starts.
+    first_due: Instant,
+    /// Made the first time the body is pending: a body that finishes in its
+    /// first poll costs no timer (fast bodies never heartbeat).
+    timer: Option<std::pin::Pin<Box<tokio::time::Sleep>>>,
+    /// The renewal in flight, and when it has had its period.
+    beat: Option<Renewal<'a>>,
+    beat_due: Option<std::pin::Pin<Box<tokio::time::Sleep>>>,
+    /// A renewal that outlived its period (a connection whose peer went
+    /// silent, a row another transaction holds). It is polled until it
+    /// answers, never dropped: its statement would go on holding a pooled
+    /// connection on the server. One more renewal may start beside it; never
+    /// a third.
+    late: Option<Renewal<'a>>,
+    /// Another caller owns the record now (fenced renewal): renewing again
+    /// cannot win it back, so no more renewals are sent.
+    lost: bool,
+    /// When the lease was last set, as far as this call knows: the body's
+    /// start (the reservation just set it), then the sending of each renewal
+    /// that was written. A renewal sent a lease or more after it finds the
+    /// lease already lapsed (see `note_lapse`).
+    watch: LeaseWatch,
+    beat_sent: Instant,
+    late_sent: Instant,
+}
+
+impl<'a> Heartbeat<'a> {
+    fn new(
+        store: &'a dyn Store,
+        spec: &'static ScopeInfo,
+        identity: &'a Identity,
+        token: &'a OwnerToken,
+        lease: Duration,
+    ) -> Self {
+        let period = (lease / 3).max(Duration::from_millis(1));
+        // The first renewal is due a period after the body starts, whatever
+        // its first poll costs: a first poll that blocks for most of the
+        // lease finds the renewal overdue when it returns Pending, and
+        // renews at once.
+        let first_due = Instant::now() + period;
+        let started = first_due - period; // no clock read more per call
+        Heartbeat {
+            store,
+            spec,
+            identity,
+            token,
+            lease,
+            period,
+            first_due,
+            timer: None,
+            beat: None,
+            beat_due: None,
+            late: None,
+            lost: false,
+            watch: LeaseWatch {
+                renewed_at: started,
+                noted: false,
+            },
+            beat_sent: started,
+            late_sent: started,
+        }
+    }
+
+    /// Called while the body is pending: takes the answers of renewals in
+    /// flight and sends the next one when it is due. Registers `cx` for
+    /// whatever it waits on.
+    fn poll_renewals(&mut self, cx: &mut std::task::Context<'_>) {
+        let (spec, identity, period) = (self.spec, self.identity, self.period);
+        let first_due = self.first_due;
+        let timer = self
+            .timer
+            .get_or_insert_with(|| Box::pin(sleep_until(first_due)));
         loop {
-            if let Some(f) = late.as_mut()
+            if let Some(f) = self.late.as_mut()
                 && let Poll::Ready(result) = f.as_mut().poll(cx)
             {
-                late = None;
+                self.late = None;
                 // Its failure was counted when it ran late; a success or a
                 // lost lease still counts.
                 if matches!(result, Ok(Fenced::Written)) {
-                    watch.written_by(spec, identity, late_sent);
+                    self.watch.written_by(spec, identity, self.late_sent);
                 }
                 if result.is_ok() {
-                    lost |= note_heartbeat(spec, identity, result);
+                    self.lost |= note_heartbeat(spec, identity, result);
                 }
             }
-            if let Some(f) = beat.as_mut() {
+            if let Some(f) = self.beat.as_mut() {
                 if let Poll::Ready(result) = f.as_mut().poll(cx) {
-                    beat = None;
+                    self.beat = None;
                     if matches!(result, Ok(Fenced::Written)) {
-                        watch.written_by(spec, identity, beat_sent);
+                        self.watch.written_by(spec, identity, self.beat_sent);
                     }
                     let failed = result.is_err();
-                    lost |= note_heartbeat(spec, identity, result);
+                    self.lost |= note_heartbeat(spec, identity, result);
                     // A renewal that failed is tried again soon: the lease is
                     // still running out. Counted from when it was sent, not
                     // from when its answer is seen (a body that blocked the
                     // thread meanwhile would push the next one past the lease).
                     let next = if failed { period / 4 } else { period };
-                    timer.as_mut().reset(beat_sent + next);
+                    timer.as_mut().reset(self.beat_sent + next);
                 } else {
-                    let due = beat_due.get_or_insert_with(|| Box::pin(tokio::time::sleep(period)));
+                    let due = self
+                        .beat_due
+                        .get_or_insert_with(|| Box::pin(tokio::time::sleep(period)));
                     if due.as_mut().poll(cx).is_pending() {
-                        return Poll::Pending;
+                        return;
                     }
                     note_heartbeat(
                         spec,
                         identity,
                         Err(crate::error::StoreError::new(
-                            store.name(),
+                            self.store.name(),
                             "heartbeat",
                             "no answer within a renewal period (lease / 3): the server is slow, \
                              a row lock holds the statement, or the store's pool had no free \
                              connection for it",
                         )),
                     );
-                    if late.is_none() {
+                    if self.late.is_none() {
                         // Keep it, and try another renewal soon.
-                        late = beat.take();
-                        late_sent = beat_sent;
+                        self.late = self.beat.take();
+                        self.late_sent = self.beat_sent;
                         timer.as_mut().reset(Instant::now() + period / 4);
                     } else {
                         // Two in flight already: wait for one of them.
@@ -2329,36 +2461,40 @@ async fn run_with_heartbeat<R, Fut: Future<Output = R>>(
                     }
                 }
             }
-            if lost || timer.as_mut().poll(cx).is_pending() {
-                return Poll::Pending;
+            if self.lost || timer.as_mut().poll(cx).is_pending() {
+                return;
             }
-            beat_sent = Instant::now();
+            self.beat_sent = Instant::now();
             // A late renewal still in flight may have been written already.
-            watch.note_if_lapsed(
+            self.watch.note_if_lapsed(
                 spec,
                 identity,
-                beat_sent,
-                late.is_some().then_some(late_sent),
+                self.beat_sent,
+                self.late.is_some().then_some(self.late_sent),
             );
-            beat = Some(store.heartbeat(identity, token, lease));
-            match beat_due.as_mut() {
+            self.beat = Some(self.store.heartbeat(identity, self.token, self.lease));
+            match self.beat_due.as_mut() {
                 Some(due) => due.as_mut().reset(Instant::now() + period),
-                None => beat_due = Some(Box::pin(tokio::time::sleep(period))),
+                None => self.beat_due = Some(Box::pin(tokio::time::sleep(period))),
             }
         }
-    })
-    .await;
-    // A renewal still in flight when the body ends is not counted as
-    // written: the body-end check below sees the lease as last confirmed.
-    // (Counted as written at its sending, a renewal waiting for a pool
-    // connection the body held hid a lease that ran out while the body ran,
-    // and another caller took the record over: rule 9 says that is never
-    // silent. The check notes a lapse only once no renewal has been
-    // confirmed for a whole lease, so one still in flight then has been
-    // unanswered for two periods or more, a heartbeat failure already.)
-    // After a lost lease there is nothing more to say.
-    watch.noted |= lost;
-    (out, watch)
+    }
+
+    /// The body has ended: what is known of its lease.
+    fn finish(self) -> LeaseWatch {
+        // A renewal still in flight when the body ends is not counted as
+        // written: the body-end check below sees the lease as last confirmed.
+        // (Counted as written at its sending, a renewal waiting for a pool
+        // connection the body held hid a lease that ran out while the body
+        // ran, and another caller took the record over: rule 9 says that is
+        // never silent. The check notes a lapse only once no renewal has been
+        // confirmed for a whole lease, so one still in flight then has been
+        // unanswered for two periods or more, a heartbeat failure already.)
+        // After a lost lease there is nothing more to say.
+        let mut watch = self.watch;
+        watch.noted |= self.lost;
+        watch
+    }
 }
 
 /// Counts and logs a lease that ran out while the body ran, because no
