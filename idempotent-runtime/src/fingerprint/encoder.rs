@@ -339,7 +339,7 @@ impl Encoder {
 
     fn float(&mut self, value: f64) -> Result<KeyKind, EncodeError> {
         if value.is_finite() {
-            return self.put_with(|w| CompactFormatter.write_f64(w, value));
+            return self.put_with(|w| write_float(w, |w| CompactFormatter.write_f64(w, value)));
         }
         match self.mode {
             Mode::Canonical => {
@@ -588,6 +588,26 @@ fn holds_exactly(text: &str, parsed: &serde_json::Value) -> bool {
         Some(exact) => super::json::canonical_json(&written).is_some_and(|read| read == exact),
         None => false,
     }
+}
+
+/// Writes a finite float's text (by `write`, serde_json's formatter) with
+/// the sign of a positive exponent: `1e+17`. serde_json writes floats so from
+/// 1.0.147 on (zmij), and wrote `1e17` up to 1.0.146 (ryu); the manifest
+/// admits both, and the canonical form must not change with the dependency's
+/// version (rule 6), so it is this text whichever the build has.
+fn write_float(
+    out: &mut Vec<u8>,
+    write: impl FnOnce(&mut Vec<u8>) -> io::Result<()>,
+) -> io::Result<()> {
+    let start = out.len();
+    write(out)?;
+    if let Some(e) = out[start..].iter().position(|&b| b == b'e') {
+        let exponent = start + e + 1;
+        if out.get(exponent).is_some_and(u8::is_ascii_digit) {
+            out.insert(exponent, b'+');
+        }
+    }
+    Ok(())
 }
 
 /// `inf`, `-inf` and `nan`: not JSON, so no finite number, string or other
@@ -1508,7 +1528,7 @@ impl<'a> Serializer for KeySerializer<'a> {
     fn serialize_f32(self, v: f32) -> Result<KeyKind> {
         if v.is_finite() {
             // serde_json writes f32 keys at f32 precision (values are widened).
-            self.scalar(|w| CompactFormatter.write_f32(w, v))
+            self.scalar(|w| write_float(w, |w| CompactFormatter.write_f32(w, v)))
         } else {
             self.other()?.serialize_f32(v)
         }
@@ -1516,7 +1536,7 @@ impl<'a> Serializer for KeySerializer<'a> {
 
     fn serialize_f64(self, v: f64) -> Result<KeyKind> {
         if v.is_finite() {
-            self.scalar(|w| CompactFormatter.write_f64(w, v))
+            self.scalar(|w| write_float(w, |w| CompactFormatter.write_f64(w, v)))
         } else {
             self.other()?.serialize_f64(v)
         }

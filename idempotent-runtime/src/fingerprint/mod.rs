@@ -11,7 +11,9 @@
 //! A value is written as serde_json's `to_value` sees it (so with serde_json's
 //! rules for keys and numbers): every object's members sorted by key (byte
 //! order of the unescaped key), no whitespace, numbers as serde_json writes
-//! them (`f32` widened to `f64` first: `0.1f32` is `0.10000000149011612`),
+//! them (`f32` widened to `f64` first: `0.1f32` is `0.10000000149011612`;
+//! a positive exponent with its sign, `1e+17`, as serde_json 1.0.147 and
+//! later write it, also in a build whose serde_json is older and writes `1e17`),
 //! strings JSON-escaped. v1 is not faithful everywhere: it writes `inf`,
 //! `-inf` and `NaN` all as `null`, `Some(x)` as `x` (so `Some(None)` and
 //! `Some(())` read as `None`), sets in their iteration order (a `HashSet`'s

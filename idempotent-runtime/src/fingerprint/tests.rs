@@ -101,7 +101,17 @@ mod v1 {
                 out.push(b']');
             }
             scalar => {
-                serde_json::to_writer(&mut *out, scalar).expect("writing a scalar into memory")
+                let start = out.len();
+                serde_json::to_writer(&mut *out, scalar).expect("writing a scalar into memory");
+                // v1 shipped with serde_json 1.0.147 or later, which writes
+                // `1e+17`; one before wrote `1e17` (see
+                // `float_text_is_the_same_whatever_serde_json_writes`).
+                if let Some(e) = out[start..].iter().position(|&b| b == b'e') {
+                    let exponent = start + e + 1;
+                    if scalar.is_number() && out.get(exponent).is_some_and(u8::is_ascii_digit) {
+                        out.insert(exponent, b'+');
+                    }
+                }
             }
         }
     }
@@ -1276,6 +1286,54 @@ impl std::hash::Hash for OrderedF32 {
 impl Serialize for OrderedF32 {
     fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         s.serialize_f32(self.0)
+    }
+}
+
+/// Rule 6: a float's text in the canonical form is fixed, whatever
+/// serde_json the build resolves (`serde_json = "1"` admits any 1.x).
+/// serde_json wrote positive exponents without a sign up to 1.0.146 (ryu:
+/// `1e17`) and with one from 1.0.147 on (zmij: `1e+17`); the canonical form
+/// keeps the second (what records stored so far carry), so a dependency
+/// update is not a new canonical form that turns every retry of such a call
+/// into a mismatch. Values, map keys, `f32` (widened and as keys), legacy
+/// (v1) form alike.
+#[test]
+fn float_text_is_the_same_whatever_serde_json_writes() {
+    assert_eq!(v2(&1e17), "1e+17");
+    assert_eq!(v2(&-1.2345678901234568e17), "-1.2345678901234568e+17");
+    assert_eq!(v2(&f64::MAX), "1.7976931348623157e+308");
+    assert_eq!(v2(&1e16f32), "1.0000000272564224e+16");
+    assert_eq!(v2(&1e15), "1000000000000000.0");
+    assert_eq!(v2(&1e-7), "1e-7");
+    assert_eq!(v2(&5e-324), "5e-324");
+    assert_eq!(v2(&1.5), "1.5");
+    assert_eq!(
+        v2(&HashMap::from([(OrderedF32(3e30), 1u8)])),
+        r#"{"3e+30":1}"#
+    );
+    assert_eq!(
+        v2(&HashMap::from([(OrderedF64(-1e21), 1u8)])),
+        r#"{"-1e+21":1}"#
+    );
+    assert_eq!(legacy(&vec![1e300, 2.5e-300]).unwrap(), "[1e+300,2.5e-300]");
+    assert_eq!(
+        fp(&1e17).as_str(),
+        format!("v1:{}", sha(r#"{"value":1e+17}"#))
+    );
+}
+
+/// An f64 map key (f64 is not `Hash`).
+#[derive(PartialEq)]
+struct OrderedF64(f64);
+impl Eq for OrderedF64 {}
+impl std::hash::Hash for OrderedF64 {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.0.to_bits().hash(state);
+    }
+}
+impl Serialize for OrderedF64 {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_f64(self.0)
     }
 }
 
