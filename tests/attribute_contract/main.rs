@@ -23,6 +23,7 @@ mod sqlite;
 
 mod consumer_verdicts;
 mod fingerprint_multimap;
+mod fingerprint_sweep;
 mod generics;
 mod heartbeat_pool;
 mod independent_edges;
