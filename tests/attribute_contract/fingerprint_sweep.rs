@@ -462,10 +462,7 @@ fn values_of_one_type_fingerprint_apart_and_equal_ones_alike() {
         |i| {
             let mut items: Vec<(u32, u32)> = (0..10).map(|q| (q, q % 3)).collect();
             items.rotate_left(i % 10);
-            items
-                .into_iter()
-                .map(|(a, b)| (a, b))
-                .collect::<BinaryHeap<_>>()
+            items.into_iter().collect::<BinaryHeap<_>>()
         },
         &mut p,
     );
@@ -519,6 +516,8 @@ fn values_of_one_type_fingerprint_apart_and_equal_ones_alike() {
 
 macro_rules! echo {
     ($name:ident, $scope:literal, $ty:ty) => {
+        // Tuples of many collections: the point is their shapes.
+        #[allow(clippy::type_complexity)]
         #[idempotent(scope = $scope, key = key, tenant = tenant, store = store, skip(value))]
         async fn $name(
             store: &dyn Store,
