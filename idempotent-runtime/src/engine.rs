@@ -300,6 +300,11 @@ pub trait ErrorHandling<E> {
     fn reads_back(&self, payload: &[u8]) -> Result<(), String> {
         self.replay(payload).map(drop)
     }
+    /// Rule 12 for a recorded error: what `payload` reads back as has the
+    /// shape of `error` (see [`reads_back_same_shape`]).
+    fn reads_back_same_shape(&self, _error: &E, _payload: &[u8]) -> Result<(), String> {
+        Ok(())
+    }
 }
 
 /// `errors = release` (the default): every `Err` releases the key.
@@ -339,6 +344,9 @@ impl<E: Serialize + DeserializeOwned> ErrorHandling<E> for RecordErrors {
     fn reads_back(&self, payload: &[u8]) -> Result<(), String> {
         reads_back_equal::<E>(payload)
     }
+    fn reads_back_same_shape(&self, error: &E, payload: &[u8]) -> Result<(), String> {
+        reads_back_same_shape(error, payload)
+    }
     fn replay(&self, payload: &[u8]) -> Result<E, String> {
         serde_json::from_slice(payload).map_err(|e| replay_failure(&e))
     }
@@ -360,6 +368,9 @@ impl<E: Serialize + DeserializeOwned, F: Fn(&E) -> bool> ErrorHandling<E> for Re
     }
     fn reads_back(&self, payload: &[u8]) -> Result<(), String> {
         reads_back_equal::<E>(payload)
+    }
+    fn reads_back_same_shape(&self, error: &E, payload: &[u8]) -> Result<(), String> {
+        reads_back_same_shape(error, payload)
     }
     fn replay(&self, payload: &[u8]) -> Result<E, String> {
         serde_json::from_slice(payload).map_err(|e| replay_failure(&e))
@@ -1895,6 +1906,7 @@ pub(crate) fn outcome_to_record<R: IdempotentReturn, H: ErrorHandling<R::Failure
                 let payload = serde_json::to_vec(value).map_err(|e| encoding(e.to_string()))?;
                 too_large(payload.len())?;
                 faithful(reads_back_equal::<R::Value>(&payload))?;
+                faithful(reads_back_same_shape(value, &payload))?;
                 StoredOutcome {
                     is_error: false,
                     payload,
@@ -1910,6 +1922,13 @@ pub(crate) fn outcome_to_record<R: IdempotentReturn, H: ErrorHandling<R::Failure
                 faithful(errors.reads_back(&payload).map_err(|message| {
                     format!("the recorded error would not read back: {message}")
                 }))?;
+                faithful(
+                    errors
+                        .reads_back_same_shape(e, &payload)
+                        .map_err(|message| {
+                            format!("the recorded error would not read back: {message}")
+                        }),
+                )?;
                 StoredOutcome {
                     is_error: true,
                     payload,
@@ -1996,6 +2015,35 @@ pub(crate) fn reads_back_equal<T: Serialize + DeserializeOwned>(
         );
     }
     Ok(())
+}
+
+/// Rule 12: what `payload` (what `value` was written as) reads back as is
+/// made of the same kinds of scalars and the same named types and variants
+/// as `value` (see [`crate::fingerprint::shape`]). JSON writes some values of
+/// one type alike that are not equal: the variants of an
+/// `#[serde(untagged)]` enum that write the same JSON (`Wide(7u32)` and
+/// `Small(7u8)`, `Letter('x')` and `Text("x")`), which read back as the
+/// first that reads it. Not seen: struct variants whose fields have the same
+/// types (serde writes both under the enum's name) and unit variants (both
+/// `null`). Called after [`reads_back_equal`], which reports a payload that
+/// does not read back at all.
+pub(crate) fn reads_back_same_shape<T: Serialize + DeserializeOwned>(
+    value: &T,
+    payload: &[u8],
+) -> Result<(), String> {
+    let Ok(decoded) = serde_json::from_slice::<T>(payload) else {
+        return Ok(());
+    };
+    if crate::fingerprint::shape::same_shape(value, &decoded) {
+        return Ok(());
+    }
+    Err(
+        "written as JSON it reads back as another value of its type: check the type's serde \
+         attributes (an `#[serde(untagged)]` enum whose variants write the same JSON, such as \
+         `Wide(7u32)` read back as `Small(7u8)`, or `Letter('x')` as `Text(\"x\")`: tag the \
+         enum)"
+            .to_owned(),
+    )
 }
 
 /// The members of a JSON text written under a name that occurs more than
@@ -2547,6 +2595,50 @@ mod tests {
     /// value writes wherever they stand: an untagged enum's `7` read back as
     /// `7.0` is another value; sets and maps of numbers written again in
     /// another order are the same one.
+    /// Rule 12: a value that JSON writes like another of its type, and
+    /// reads back as that one, is refused: the two differ in the kinds of
+    /// scalars or the named types they are made of. One that reads back as
+    /// itself, however its sets and maps come back ordered, is not.
+    #[test]
+    fn a_value_that_reads_back_as_another_of_another_shape_is_refused() {
+        #[derive(Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+        #[serde(untagged)]
+        enum Alike {
+            Small(u8),
+            Wide(u32),
+            Text(String),
+            Letter(char),
+            Pair(u8, u8),
+            Wider(u16, u64),
+        }
+        let written = |v: &Vec<Alike>| serde_json::to_vec(v).expect("written");
+        for value in [
+            vec![Alike::Wide(7)],
+            vec![Alike::Letter('x')],
+            vec![Alike::Small(1), Alike::Wider(1, 2)],
+        ] {
+            let refused = reads_back_same_shape(&value, &written(&value))
+                .expect_err("reads back as other variants");
+            assert!(refused.contains("untagged"), "{refused}");
+        }
+        for value in [
+            vec![
+                Alike::Wide(700),
+                Alike::Text("xy".into()),
+                Alike::Pair(1, 2),
+            ],
+            vec![Alike::Wider(1, 1 << 40), Alike::Small(0)],
+        ] {
+            assert_eq!(reads_back_same_shape(&value, &written(&value)), Ok(()));
+        }
+        let set: std::collections::HashMap<String, std::collections::HashSet<u64>> =
+            [("a".to_owned(), (0..64).collect())].into();
+        assert_eq!(
+            reads_back_same_shape(&set, &serde_json::to_vec(&set).unwrap()),
+            Ok(())
+        );
+    }
+
     #[test]
     fn a_value_whose_numbers_read_back_otherwise_is_another_value() {
         #[derive(Serialize, serde::Deserialize)]

@@ -1159,3 +1159,82 @@ async fn a_mismatch_changes_nothing_in_the_record_it_meets_on_every_store() {
         assert_eq!(runs.load(Ordering::SeqCst), 1, "{name}");
     }
 }
+
+// ---- rule 12: untagged variants that JSON writes alike --------------------
+
+/// An untagged enum whose variants write the same JSON: each reads back as
+/// the first variant that reads it. (Struct variants whose fields have the
+/// same types, `Refund { amount: u64 }` beside `Card { amount: u64 }`, are
+/// not told apart: serde writes both under the enum's name. The README says so.)
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum Alike {
+    Card { amount: u64 },
+    Refund { amount: u32 },
+    Small(u8),
+    Wide(u32),
+    Text(String),
+    Letter(char),
+}
+
+#[idempotent(scope = "sweep.alike", key = key, tenant = tenant, store = store, skip(runs))]
+async fn alike(
+    store: &dyn Store,
+    tenant: &str,
+    key: &str,
+    value: Alike,
+    runs: &AtomicUsize,
+) -> Result<Alike, Error> {
+    runs.fetch_add(1, Ordering::SeqCst);
+    Ok(value)
+}
+
+/// Rule 12 on every store: a result that JSON writes like another value of
+/// its type, and that reads back as that value (`Wide(7)` as `Small(7)`,
+/// `Letter('x')` as `Text("x")`, `Refund { amount: 1u32 }` as
+/// `Card { amount: 1u64 }`), is refused naming the scope, never recorded;
+/// the variants that read back as themselves replay equal.
+#[tokio::test]
+async fn an_untagged_variant_that_reads_back_as_another_is_refused_naming_the_scope() {
+    for (name, store) in stores().await {
+        let s = &*store;
+        for value in [
+            Alike::Refund { amount: 1 },
+            Alike::Wide(7),
+            Alike::Letter('x'),
+        ] {
+            let (t, runs) = (common::servers::fresh_tenant(), AtomicUsize::new(0));
+            for _ in 0..2 {
+                match alike(s, &t, "k", value.clone(), &runs).await {
+                    Err(Error::ResultNotFaithful { scope, message }) => {
+                        assert_eq!(scope, "sweep.alike", "{name}");
+                        assert!(message.contains("untagged"), "{name}: {message}");
+                    }
+                    other => panic!("{name}: {value:?} answered {other:?}"),
+                }
+            }
+            assert_eq!(runs.load(Ordering::SeqCst), 2, "{name}: nothing recorded");
+        }
+        for value in [
+            Alike::Card { amount: 1 },
+            Alike::Small(7),
+            Alike::Wide(70_000),
+            Alike::Text("xy".into()),
+        ] {
+            let (t, runs) = (common::servers::fresh_tenant(), AtomicUsize::new(0));
+            assert_eq!(
+                alike(s, &t, "k", value.clone(), &runs)
+                    .await
+                    .expect("first"),
+                value
+            );
+            let (again, outcome) = with_outcome(alike(s, &t, "k", value.clone(), &runs)).await;
+            assert_eq!(
+                (again.expect("replay"), outcome),
+                (value, Some(Outcome::Replayed)),
+                "{name}"
+            );
+            assert_eq!(runs.load(Ordering::SeqCst), 1, "{name}");
+        }
+    }
+}

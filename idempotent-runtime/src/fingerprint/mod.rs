@@ -142,6 +142,7 @@
 mod encoder;
 mod faithful;
 pub(crate) mod json;
+pub(crate) mod shape;
 
 pub use faithful::check_faithful_json;
 
