@@ -295,15 +295,10 @@ pub trait ErrorHandling<E> {
     fn check_faithful(&self, _error: &E) -> Result<(), String> {
         Ok(())
     }
-    /// Rule 12 for a recorded error: `payload` (what it was recorded as)
-    /// reads back as an equal error (see [`reads_back_equal`]).
-    fn reads_back(&self, payload: &[u8]) -> Result<(), String> {
+    /// Rule 12 for a recorded error: `payload` (what `error` was recorded
+    /// as) reads back as an equal error (see [`reads_back_equal`]).
+    fn reads_back(&self, _error: &E, payload: &[u8]) -> Result<(), String> {
         self.replay(payload).map(drop)
-    }
-    /// Rule 12 for a recorded error: what `payload` reads back as has the
-    /// shape of `error` (see [`reads_back_same_shape`]).
-    fn reads_back_same_shape(&self, _error: &E, _payload: &[u8]) -> Result<(), String> {
-        Ok(())
     }
 }
 
@@ -341,11 +336,8 @@ impl<E: Serialize + DeserializeOwned> ErrorHandling<E> for RecordErrors {
     fn check_faithful(&self, error: &E) -> Result<(), String> {
         crate::fingerprint::check_faithful_json(error)
     }
-    fn reads_back(&self, payload: &[u8]) -> Result<(), String> {
-        reads_back_equal::<E>(payload)
-    }
-    fn reads_back_same_shape(&self, error: &E, payload: &[u8]) -> Result<(), String> {
-        reads_back_same_shape(error, payload)
+    fn reads_back(&self, error: &E, payload: &[u8]) -> Result<(), String> {
+        reads_back_equal(error, payload)
     }
     fn replay(&self, payload: &[u8]) -> Result<E, String> {
         serde_json::from_slice(payload).map_err(|e| replay_failure(&e))
@@ -366,11 +358,8 @@ impl<E: Serialize + DeserializeOwned, F: Fn(&E) -> bool> ErrorHandling<E> for Re
     fn check_faithful(&self, error: &E) -> Result<(), String> {
         crate::fingerprint::check_faithful_json(error)
     }
-    fn reads_back(&self, payload: &[u8]) -> Result<(), String> {
-        reads_back_equal::<E>(payload)
-    }
-    fn reads_back_same_shape(&self, error: &E, payload: &[u8]) -> Result<(), String> {
-        reads_back_same_shape(error, payload)
+    fn reads_back(&self, error: &E, payload: &[u8]) -> Result<(), String> {
+        reads_back_equal(error, payload)
     }
     fn replay(&self, payload: &[u8]) -> Result<E, String> {
         serde_json::from_slice(payload).map_err(|e| replay_failure(&e))
@@ -1905,8 +1894,7 @@ pub(crate) fn outcome_to_record<R: IdempotentReturn, H: ErrorHandling<R::Failure
                 faithful(crate::fingerprint::check_faithful_json(value))?;
                 let payload = serde_json::to_vec(value).map_err(|e| encoding(e.to_string()))?;
                 too_large(payload.len())?;
-                faithful(reads_back_equal::<R::Value>(&payload))?;
-                faithful(reads_back_same_shape(value, &payload))?;
+                faithful(reads_back_equal(value, &payload))?;
                 StoredOutcome {
                     is_error: false,
                     payload,
@@ -1919,16 +1907,9 @@ pub(crate) fn outcome_to_record<R: IdempotentReturn, H: ErrorHandling<R::Failure
                 faithful(errors.check_faithful(e))?;
                 let payload = errors.encode(e).map_err(encoding)?;
                 too_large(payload.len())?;
-                faithful(errors.reads_back(&payload).map_err(|message| {
+                faithful(errors.reads_back(e, &payload).map_err(|message| {
                     format!("the recorded error would not read back: {message}")
                 }))?;
-                faithful(
-                    errors
-                        .reads_back_same_shape(e, &payload)
-                        .map_err(|message| {
-                            format!("the recorded error would not read back: {message}")
-                        }),
-                )?;
                 StoredOutcome {
                     is_error: true,
                     payload,
@@ -1951,9 +1932,32 @@ pub(crate) fn outcome_to_record<R: IdempotentReturn, H: ErrorHandling<R::Failure
 /// releases the key and the retry runs the body again, so only a member that
 /// appears or goes counts, never what an equal value may write otherwise.
 pub(crate) fn reads_back_equal<T: Serialize + DeserializeOwned>(
+    value: &T,
     payload: &[u8],
 ) -> Result<(), String> {
-    let decoded: T = serde_json::from_slice(payload).map_err(|e| {
+    let decoded: T = decoded_record(payload)?;
+    // JSON writes some values of one type alike that are not equal: the
+    // variants of an `#[serde(untagged)]` enum that write the same JSON
+    // (`Wide(7u32)` and `Small(7u8)`, `Letter('x')` and `Text("x")`), which
+    // read back as the first that reads it. Their shapes differ
+    // (`crate::fingerprint::shape`). Not seen: struct variants whose fields
+    // have the same types (serde writes both under the enum's name) and
+    // unit variants (both `null`).
+    if !crate::fingerprint::shape::same_shape(value, &decoded) {
+        return Err(
+            "written as JSON it reads back as another value of its type: check the type's \
+             serde attributes (an `#[serde(untagged)]` enum whose variants write the same \
+             JSON, such as `Wide(7u32)` read back as `Small(7u8)`, or `Letter('x')` as \
+             `Text(\"x\")`: tag the enum)"
+                .to_owned(),
+        );
+    }
+    writes_again_as_equal(&decoded, payload)
+}
+
+/// `payload` read as a `T`, or why it does not read.
+fn decoded_record<T: DeserializeOwned>(payload: &[u8]) -> Result<T, String> {
+    serde_json::from_slice(payload).map_err(|e| {
         format!(
             "written as JSON it does not read back as its own type ({}): check the type's serde \
              attributes (a 128-bit integer inside `#[serde(flatten)]` or an internally tagged \
@@ -1961,8 +1965,13 @@ pub(crate) fn reads_back_equal<T: Serialize + DeserializeOwned>(
              without `#[serde(default)]`)",
             replay_failure(&e)
         )
-    })?;
-    let Ok(again) = serde_json::to_vec(&decoded) else {
+    })
+}
+
+/// Whether `decoded` (what `payload` read back as) writes again as the same
+/// value: the same members, numbers, booleans and nulls, wherever they stand.
+fn writes_again_as_equal<T: Serialize>(decoded: &T, payload: &[u8]) -> Result<(), String> {
+    let Ok(again) = serde_json::to_vec(decoded) else {
         return Ok(()); // its own type could not write it again: nothing to compare
     };
     if again == payload {
@@ -2015,35 +2024,6 @@ pub(crate) fn reads_back_equal<T: Serialize + DeserializeOwned>(
         );
     }
     Ok(())
-}
-
-/// Rule 12: what `payload` (what `value` was written as) reads back as is
-/// made of the same kinds of scalars and the same named types and variants
-/// as `value` (see [`crate::fingerprint::shape`]). JSON writes some values of
-/// one type alike that are not equal: the variants of an
-/// `#[serde(untagged)]` enum that write the same JSON (`Wide(7u32)` and
-/// `Small(7u8)`, `Letter('x')` and `Text("x")`), which read back as the
-/// first that reads it. Not seen: struct variants whose fields have the same
-/// types (serde writes both under the enum's name) and unit variants (both
-/// `null`). Called after [`reads_back_equal`], which reports a payload that
-/// does not read back at all.
-pub(crate) fn reads_back_same_shape<T: Serialize + DeserializeOwned>(
-    value: &T,
-    payload: &[u8],
-) -> Result<(), String> {
-    let Ok(decoded) = serde_json::from_slice::<T>(payload) else {
-        return Ok(());
-    };
-    if crate::fingerprint::shape::same_shape(value, &decoded) {
-        return Ok(());
-    }
-    Err(
-        "written as JSON it reads back as another value of its type: check the type's serde \
-         attributes (an `#[serde(untagged)]` enum whose variants write the same JSON, such as \
-         `Wide(7u32)` read back as `Small(7u8)`, or `Letter('x')` as `Text(\"x\")`: tag the \
-         enum)"
-            .to_owned(),
-    )
 }
 
 /// The members of a JSON text written under a name that occurs more than
@@ -2591,10 +2571,12 @@ fn note_heartbeat(
 mod tests {
     use super::*;
 
-    /// Rule 12's read-back check compares the numbers, booleans and nulls a
-    /// value writes wherever they stand: an untagged enum's `7` read back as
-    /// `7.0` is another value; sets and maps of numbers written again in
-    /// another order are the same one.
+    /// [`reads_back_equal`] for a payload written by hand, without the value
+    /// it was written from (no shape to compare).
+    fn reads_back_as<T: Serialize + DeserializeOwned>(payload: &[u8]) -> Result<(), String> {
+        writes_again_as_equal(&decoded_record::<T>(payload)?, payload)
+    }
+
     /// Rule 12: a value that JSON writes like another of its type, and
     /// reads back as that one, is refused: the two differ in the kinds of
     /// scalars or the named types they are made of. One that reads back as
@@ -2617,7 +2599,7 @@ mod tests {
             vec![Alike::Letter('x')],
             vec![Alike::Small(1), Alike::Wider(1, 2)],
         ] {
-            let refused = reads_back_same_shape(&value, &written(&value))
+            let refused = reads_back_equal(&value, &written(&value))
                 .expect_err("reads back as other variants");
             assert!(refused.contains("untagged"), "{refused}");
         }
@@ -2629,16 +2611,20 @@ mod tests {
             ],
             vec![Alike::Wider(1, 1 << 40), Alike::Small(0)],
         ] {
-            assert_eq!(reads_back_same_shape(&value, &written(&value)), Ok(()));
+            assert_eq!(reads_back_equal(&value, &written(&value)), Ok(()));
         }
         let set: std::collections::HashMap<String, std::collections::HashSet<u64>> =
             [("a".to_owned(), (0..64).collect())].into();
         assert_eq!(
-            reads_back_same_shape(&set, &serde_json::to_vec(&set).unwrap()),
+            reads_back_equal(&set, &serde_json::to_vec(&set).unwrap()),
             Ok(())
         );
     }
 
+    /// Rule 12's read-back check compares the numbers, booleans and nulls a
+    /// value writes wherever they stand: an untagged enum's `7` read back as
+    /// `7.0` is another value; sets and maps of numbers written again in
+    /// another order are the same one.
     #[test]
     fn a_value_whose_numbers_read_back_otherwise_is_another_value() {
         #[derive(Serialize, serde::Deserialize)]
@@ -2648,11 +2634,11 @@ mod tests {
             Whole(u64),
         }
         let written = |v: &Amount| serde_json::to_vec(v).expect("json");
-        let refused = reads_back_equal::<Amount>(&written(&Amount::Whole(7)))
+        let refused = reads_back_as::<Amount>(&written(&Amount::Whole(7)))
             .expect_err("Whole(7) reads back as Float(7.0)");
         assert!(refused.contains("untagged"), "{refused}");
         assert_eq!(
-            reads_back_equal::<Amount>(&written(&Amount::Float(7.5))),
+            reads_back_as::<Amount>(&written(&Amount::Float(7.5))),
             Ok(())
         );
         // Beyond 64 bits too: a `serde_json::Value` holds such an integer
@@ -2665,12 +2651,12 @@ mod tests {
         }
         for exact in [u128::from(u64::MAX) + 1, u128::MAX] {
             let payload = serde_json::to_vec(&Quantity::Exact(exact)).expect("json");
-            let refused = reads_back_equal::<Quantity>(&payload)
+            let refused = reads_back_as::<Quantity>(&payload)
                 .expect_err("Exact reads back as Approx, the float nearest");
             assert!(refused.contains("untagged"), "{refused}");
         }
         let payload = serde_json::to_vec(&Quantity::Approx(3.5e38)).expect("json");
-        assert_eq!(reads_back_equal::<Quantity>(&payload), Ok(()));
+        assert_eq!(reads_back_as::<Quantity>(&payload), Ok(()));
 
         let set: std::collections::HashSet<u64> = (0..64).collect();
         let map: std::collections::HashMap<String, (bool, Option<u8>)> = (0..64u8)
@@ -2678,7 +2664,7 @@ mod tests {
             .collect();
         let payload = serde_json::to_vec(&(set, map)).expect("json");
         assert_eq!(
-            reads_back_equal::<(
+            reads_back_as::<(
                 std::collections::HashSet<u64>,
                 std::collections::HashMap<String, (bool, Option<u8>)>
             )>(&payload),
@@ -2708,7 +2694,7 @@ mod tests {
         };
         let payload = serde_json::to_vec(&two(("x", 1), ("x", 2))).expect("json");
         assert!(
-            reads_back_equal::<Two<u64>>(&payload).is_err(),
+            reads_back_as::<Two<u64>>(&payload).is_err(),
             "both read back 2"
         );
         let strings = Two {
@@ -2716,14 +2702,14 @@ mod tests {
             b: [("x".to_owned(), "q".to_owned())].into(),
         };
         let payload = serde_json::to_vec(&strings).expect("json");
-        let refused = reads_back_equal::<Two<String>>(&payload).expect_err("both read back q");
+        let refused = reads_back_as::<Two<String>>(&payload).expect_err("both read back q");
         assert!(refused.contains("twice"), "{refused}");
         // Keys of their own: each map reads back both entries.
         let payload = serde_json::to_vec(&two(("x", 1), ("y", 2))).expect("json");
-        assert!(reads_back_equal::<Two<u64>>(&payload).is_err());
+        assert!(reads_back_as::<Two<u64>>(&payload).is_err());
         // One key holding one value in both: equal.
         let payload = serde_json::to_vec(&two(("x", 1), ("x", 1))).expect("json");
-        assert_eq!(reads_back_equal::<Two<u64>>(&payload), Ok(()));
+        assert_eq!(reads_back_as::<Two<u64>>(&payload), Ok(()));
         // A name repeated whose values hold a set: written again in another
         // order, still equal.
         let sets: Two<std::collections::HashSet<u64>> = Two {
@@ -2732,7 +2718,7 @@ mod tests {
         };
         let payload = serde_json::to_vec(&sets).expect("json");
         assert_eq!(
-            reads_back_equal::<Two<std::collections::HashSet<u64>>>(&payload),
+            reads_back_as::<Two<std::collections::HashSet<u64>>>(&payload),
             Ok(())
         );
     }
