@@ -570,22 +570,35 @@ where
     C: Recover<R::Value, R::Failure>,
     Fut: Future<Output = R>,
 {
-    crate::registry::report_conflicts_once();
     let spec = call.spec;
+    let span = call_span(&call);
+    let (result, outcome) = execute_inner(call, errors, recover, body, &span)
+        .instrument(span.clone())
+        .await;
+    call_ended(spec, &span, outcome);
+    R::from_result(result)
+}
+
+/// The span of one call (`idempotent_call`), its key's digest recorded.
+/// Apart from [`execute`] so that it is compiled once, not once per
+/// annotated function.
+fn call_span(call: &Call<'_>) -> tracing::Span {
+    crate::registry::report_conflicts_once();
     let span = tracing::info_span!(target: "idempotent", "idempotent_call",
-        scope = spec.scope, key = tracing::field::Empty, store = tracing::field::Empty,
+        scope = call.spec.scope, key = tracing::field::Empty, store = tracing::field::Empty,
         attempt = tracing::field::Empty, outcome = tracing::field::Empty);
     if let (Ok(identity), false) = (&call.identity, span.is_disabled()) {
         span.record("key", identity.key_digest().as_str());
     }
-    let (result, outcome) = execute_inner(call, errors, recover, body, &span)
-        .instrument(span.clone())
-        .await;
+    span
+}
+
+/// Counts the call's outcome and records it into its span.
+fn call_ended(spec: &'static ScopeInfo, span: &tracing::Span, outcome: CallOutcome) {
     crate::metrics::call(spec.scope, outcome);
-    if recordable(&span) {
+    if recordable(span) {
         span.record("outcome", outcome.as_str());
     }
-    R::from_result(result)
 }
 
 /// Whether a value recorded into the call's span can reach anyone: a
