@@ -107,6 +107,9 @@ fn ui_manifest() {
     with_manifest(Some(&dir.join("broken/idempotent.toml")), |t| {
         t.compile_fail(dir.join("broken/*.rs"));
     });
+    with_manifest(Some(&dir.join("unknown-key/idempotent.toml")), |t| {
+        t.compile_fail(dir.join("unknown-key/*.rs"));
+    });
     with_manifest(Some(&dir.join("bad-retired/idempotent.toml")), |t| {
         t.compile_fail(dir.join("bad-retired/*.rs"));
     });
