@@ -211,8 +211,8 @@ fn duration_lit(cx: &Ctxt, expr: &Expr, kind: DurationKind, name: &str) -> Optio
             DurationKind::Wait => format!("`in_progress = {name}(\"30s\")`"),
             _ => format!("`{name} = \"30s\"`"),
         };
-        cx.error(
-            span_of(expr),
+        cx.error_spanned(
+            ungroup(expr),
             format!("`{name}` takes a duration in a string literal, e.g. {example}"),
         );
         return None;
@@ -271,11 +271,16 @@ pub(crate) fn parse(cx: &Ctxt, tokens: TokenStream, span: Span) -> Attr {
         seen.push(n.clone());
         let expr = match (n.as_str(), value) {
             ("skip", RawValue::List(tokens)) => {
-                let parser = |input: ParseStream| {
-                    Punctuated::<Ident, Token![,]>::parse_terminated_with(input, Ident::parse_any)
-                };
+                let parser = Punctuated::<Expr, Token![,]>::parse_terminated;
                 match parser.parse2(tokens) {
-                    Ok(names) => attr.skip = Some((name, names.into_iter().collect())),
+                    // Every entry that is not a name is reported, each at itself.
+                    Ok(entries) => {
+                        let names = entries
+                            .iter()
+                            .filter_map(|entry| skipped_name(cx, entry))
+                            .collect();
+                        attr.skip = Some((name, names));
+                    }
                     Err(e) => cx.error(e.span(), "`skip` lists parameter names: `skip(a, b)`"),
                 }
                 continue;
@@ -300,10 +305,21 @@ pub(crate) fn parse(cx: &Ctxt, tokens: TokenStream, span: Span) -> Attr {
                 continue;
             }
             (_, RawValue::Eq(expr)) => expr,
-            (_, RawValue::Bare | RawValue::List(_)) => {
+            (_, RawValue::Bare) => {
                 cx.error(
                     name.span(),
                     format!("`{n}` needs a value: {}", example_for(&n)),
+                );
+                continue;
+            }
+            // `ttl("24h")`: a value given the way `skip(...)` takes its list.
+            (_, RawValue::List(_)) => {
+                cx.error(
+                    name.span(),
+                    format!(
+                        "`{n}` takes its value after `=`, not in parentheses: {}",
+                        example_for(&n)
+                    ),
                 );
                 continue;
             }
@@ -320,8 +336,8 @@ pub(crate) fn parse(cx: &Ctxt, tokens: TokenStream, span: Span) -> Attr {
                     };
                     attr.scope = Some((lit.clone(), valid));
                 }
-                None => cx.error(
-                    span_of(&expr),
+                None => cx.error_spanned(
+                    ungroup(&expr),
                     "`scope` must be a string literal, e.g. `scope = \"payments.charge\"`; \
                      the scope is checked when the code compiles, so it cannot be computed",
                 ),
@@ -340,8 +356,8 @@ pub(crate) fn parse(cx: &Ctxt, tokens: TokenStream, span: Span) -> Attr {
                 Expr::Lit(ExprLit {
                     lit: Lit::Bool(b), ..
                 }) => attr.fingerprint = Some((name, b.value)),
-                _ => cx.error(
-                    span_of(&expr),
+                _ => cx.error_spanned(
+                    ungroup(&expr),
                     "`fingerprint` is `true` or `false`: `fingerprint = false` turns the \
                      fingerprint off",
                 ),
@@ -373,15 +389,15 @@ pub(crate) fn parse(cx: &Ctxt, tokens: TokenStream, span: Span) -> Attr {
                                 receiver: None,
                             })
                         }
-                        syn::Member::Unnamed(_) => cx.error(
-                            span_of(&expr),
+                        syn::Member::Unnamed(_) => cx.error_spanned(
+                            ungroup(&expr),
                             "`recover = self.<method>` names a method taking `&self`, e.g. \
                              `recover = self.charge_happened`",
                         ),
                     }
                 }
-                _ => cx.error(
-                    span_of(&expr),
+                _ => cx.error_spanned(
+                    ungroup(&expr),
                     "`recover` takes the path of an `async fn(&idempotent_runtime::Takeover) -> \
                      Result<idempotent_runtime::Recovery<T>, E>` (T and E this function's), e.g. \
                      `recover = charge_happened`, or `self.<method>` for such a method taking \
@@ -390,8 +406,8 @@ pub(crate) fn parse(cx: &Ctxt, tokens: TokenStream, span: Span) -> Attr {
             },
             "crate" => match ungroup(&expr) {
                 Expr::Path(p) if p.qself.is_none() => attr.krate = Some(p.path.to_token_stream()),
-                _ => cx.error(
-                    span_of(&expr),
+                _ => cx.error_spanned(
+                    ungroup(&expr),
                     "`crate` takes the path of the runtime crate, e.g. `crate = ::my_idempotent`",
                 ),
             },
@@ -408,6 +424,35 @@ pub(crate) fn parse(cx: &Ctxt, tokens: TokenStream, span: Span) -> Attr {
         }
     }
     attr
+}
+
+/// One entry of `skip(...)`: a parameter's name (possibly passed through a
+/// metavariable, or in parentheses). Anything else is reported at the entry;
+/// a part of a parameter (`req.trace_id`) names the parameter to skip instead,
+/// as a parameter is fingerprinted whole.
+fn skipped_name(cx: &Ctxt, entry: &Expr) -> Option<Ident> {
+    if let Some(name) = plain_ident(entry) {
+        return Some(name.clone());
+    }
+    let mut base = ungroup(entry);
+    loop {
+        base = match base {
+            Expr::Field(f) => ungroup(&f.base),
+            Expr::Index(i) => ungroup(&i.expr),
+            Expr::MethodCall(m) => ungroup(&m.receiver),
+            Expr::Paren(p) => ungroup(&p.expr),
+            _ => break,
+        }
+    }
+    let message = match plain_ident(base) {
+        Some(parameter) if !std::ptr::eq(base, ungroup(entry)) => format!(
+            "`skip` lists parameter names, not parts of them: a parameter is fingerprinted \
+             whole, so leave out all of `{parameter}` with `skip({parameter})`, or keep it"
+        ),
+        _ => "`skip` lists parameter names: `skip(a, b)`".to_owned(),
+    };
+    cx.error_spanned(ungroup(entry), message);
+    None
 }
 
 fn example_for(name: &str) -> &'static str {
@@ -436,8 +481,8 @@ fn in_progress(cx: &Ctxt, expr: &Expr) -> Option<InProgress> {
     match ungroup(expr) {
         Expr::Path(p) if p.path.is_ident("reject") => Some(InProgress::Reject),
         Expr::Path(p) if p.path.is_ident("wait") => {
-            cx.error(
-                span_of(expr),
+            cx.error_spanned(
+                ungroup(expr),
                 "`wait` needs a duration: `in_progress = wait(\"10s\")`",
             );
             None
@@ -454,7 +499,7 @@ fn in_progress(cx: &Ctxt, expr: &Expr) -> Option<InProgress> {
             duration_lit(cx, &call.args[0], DurationKind::Wait, "wait").map(InProgress::Wait)
         }
         _ => {
-            cx.error(span_of(expr), HELP);
+            cx.error_spanned(ungroup(expr), HELP);
             None
         }
     }
@@ -483,7 +528,7 @@ fn errors(cx: &Ctxt, expr: &Expr) -> Option<Errors> {
             }
         }
         _ => {
-            cx.error(span_of(expr), HELP);
+            cx.error_spanned(ungroup(expr), HELP);
             None
         }
     }

@@ -6,7 +6,7 @@
 //! into the same [`Ctxt`] as the argument errors, so all are reported in one
 //! round.
 
-use crate::attr::{self, span_of, Attr, Errors, InProgress, Tenant};
+use crate::attr::{self, Attr, Errors, InProgress, Tenant};
 use crate::claims;
 use crate::ctxt::Ctxt;
 use crate::item::MaybeItemFn;
@@ -227,9 +227,9 @@ fn params(sig: &Signature) -> Vec<Param> {
         .collect()
 }
 
-fn param_list(params: &[Param]) -> String {
+fn param_list<'a>(params: impl IntoIterator<Item = &'a Param>) -> String {
     let names: Vec<String> = params
-        .iter()
+        .into_iter()
         .map(|p| match &p.name {
             Some(n) => format!("`{n}`"),
             None => "(a pattern)".to_owned(),
@@ -538,13 +538,14 @@ fn cross(cx: &Ctxt, attr: Attr, sig: &Signature, env: &Env) -> Option<Spec> {
                 Some(id.clone())
             }
             _ => {
-                cx.error(
-                    span_of(expr),
+                cx.error_spanned(
+                    attr::ungroup(expr),
                     format!(
                         "`tx` must name a parameter of this function holding the transaction \
                      or connection, e.g. `tx = tx` for `tx: &mut sqlx::Transaction<'_, Postgres>`; \
                      parameters: {}",
-                        param_list(&params)
+                        // `self` cannot hold the transaction: not offered.
+                        param_list(params.iter().filter(|p| !p.is_self))
                     ),
                 );
                 None
@@ -553,12 +554,15 @@ fn cross(cx: &Ctxt, attr: Attr, sig: &Signature, env: &Env) -> Option<Spec> {
 
     // `tx` with `store`.
     if let (Some(tx), Some(store)) = (&attr.tx, &attr.store) {
-        let mut e = syn::Error::new(
-            span_of(tx),
+        let mut e = syn::Error::new_spanned(
+            attr::ungroup(tx),
             "`tx` and `store` cannot be used together: with `tx` the records live in the \
              transaction's database; remove `store`",
         );
-        e.combine(syn::Error::new(span_of(store), "`store` given here"));
+        e.combine(syn::Error::new_spanned(
+            attr::ungroup(store),
+            "`store` given here",
+        ));
         cx.syn_error(e);
     }
 

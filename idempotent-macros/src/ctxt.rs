@@ -23,6 +23,13 @@ impl Ctxt {
         self.syn_error(syn::Error::new(span, message));
     }
 
+    /// A mistake in `tokens`, spanned from their first token to their last
+    /// (`self.0`, not `self`): a `Span` of its own covers one token, as
+    /// joining spans is not available to a proc macro on stable Rust.
+    pub fn error_spanned(&self, tokens: impl quote::ToTokens, message: impl Display) {
+        self.syn_error(syn::Error::new_spanned(tokens, message));
+    }
+
     /// A mistake already in `syn::Error` form (possibly several combined).
     pub fn syn_error(&self, error: syn::Error) {
         if let Some(errors) = self.errors.borrow_mut().as_mut() {
