@@ -47,10 +47,10 @@ fn duration(krate: &TokenStream, d: Duration) -> TokenStream {
     let millis = d.as_millis();
     if d.subsec_nanos().is_multiple_of(1_000_000) && u64::try_from(millis).is_ok() {
         let millis = millis as u64;
-        quote!(#krate::__private::Duration::from_millis(#millis))
+        quote!(#krate::__private::millis(#millis))
     } else {
         let (secs, nanos) = (d.as_secs(), d.subsec_nanos());
-        quote!(#krate::__private::Duration::new(#secs, #nanos))
+        quote!(#krate::__private::duration(#secs, #nanos))
     }
 }
 

@@ -124,6 +124,19 @@ pub use crate::store::{AsDynStore, Store};
 pub use core::time::Duration;
 pub use inventory;
 
+/// A duration of the attribute (`ttl`, `lease`, `wait(...)`), in whole
+/// milliseconds. A function rather than `Duration::from_millis` in the
+/// generated code: with a `crate = path` that names nothing, rustc would
+/// offer to import `std::time::Duration` for the path ending in `Duration`.
+pub const fn millis(millis: u64) -> Duration {
+    Duration::from_millis(millis)
+}
+
+/// As [`millis`], for a duration that is not whole milliseconds.
+pub const fn duration(secs: u64, nanos: u32) -> Duration {
+    Duration::new(secs, nanos)
+}
+
 use crate::error::Error;
 use crate::identity::Identity;
 use std::fmt::Display;
