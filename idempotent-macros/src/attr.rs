@@ -14,7 +14,7 @@
 
 use crate::ctxt::Ctxt;
 use idempotent_rules::duration::{parse_duration, DurationKind, DEFAULT_WAIT};
-use idempotent_rules::scope::{check_scope, nearest};
+use idempotent_rules::scope::{nearest, scope_problems};
 use proc_macro2::{Span, TokenStream};
 use quote::ToTokens;
 use std::time::Duration;
@@ -327,14 +327,12 @@ pub(crate) fn parse(cx: &Ctxt, tokens: TokenStream, span: Span) -> Attr {
         match n.as_str() {
             "scope" => match lit_str(&expr) {
                 Some(lit) => {
-                    let valid = match check_scope(&lit.value()) {
-                        Ok(()) => true,
-                        Err(e) => {
-                            cx.error(lit.span(), e);
-                            false
-                        }
-                    };
-                    attr.scope = Some((lit.clone(), valid));
+                    // Every rule the scope breaks, not only the first.
+                    let problems = scope_problems(&lit.value());
+                    for problem in &problems {
+                        cx.error(lit.span(), problem);
+                    }
+                    attr.scope = Some((lit.clone(), problems.is_empty()));
                 }
                 None => cx.error_spanned(
                     ungroup(&expr),

@@ -80,7 +80,8 @@ fn describe_char(c: char) -> String {
     }
 }
 
-/// Checks the scope format. The error says which rule broke.
+/// Checks the scope format. The error says which rule broke (the first one,
+/// in the order of [`scope_problems`]).
 ///
 /// ```
 /// use idempotent_rules::scope::{check_scope, ScopeError};
@@ -88,13 +89,40 @@ fn describe_char(c: char) -> String {
 /// assert!(matches!(check_scope("Payments.charge"), Err(ScopeError::Uppercase { letter: 'P', .. })));
 /// ```
 pub fn check_scope(scope: &str) -> Result<(), ScopeError> {
-    if scope.is_empty() {
-        return Err(ScopeError::Empty);
+    match scope_problems(scope).into_iter().next() {
+        Some(problem) => Err(problem),
+        None => Ok(()),
     }
+}
+
+/// Every rule of the scope format that `scope` breaks, each once, so all
+/// can be reported in one round (`Payments..charge` is uppercase *and* has
+/// an empty segment): the length, then the segments in order, each giving
+/// its empty place, its first uppercase letter or its first character not
+/// allowed, where not reported already. Empty when the scope is valid.
+///
+/// ```
+/// use idempotent_rules::scope::{scope_problems, EmptySegment, ScopeError};
+/// assert_eq!(scope_problems("payments.charge"), vec![]);
+/// assert_eq!(
+///     scope_problems("Pay..charge/v1"),
+///     vec![
+///         ScopeError::Uppercase { letter: 'P', lowercase: None },
+///         ScopeError::EmptySegment { place: EmptySegment::Doubled },
+///         ScopeError::Character { character: '/' },
+///     ]
+/// );
+/// ```
+pub fn scope_problems(scope: &str) -> Vec<ScopeError> {
+    if scope.is_empty() {
+        return vec![ScopeError::Empty];
+    }
+    let mut problems = Vec::new();
     if scope.len() > MAX_SCOPE_BYTES {
-        return Err(ScopeError::TooLong { len: scope.len() });
+        problems.push(ScopeError::TooLong { len: scope.len() });
     }
     let count = scope.split('.').count();
+    let (mut uppercase, mut character) = (false, false);
     for (index, segment) in scope.split('.').enumerate() {
         if segment.is_empty() {
             let place = if index == 0 {
@@ -104,21 +132,31 @@ pub fn check_scope(scope: &str) -> Result<(), ScopeError> {
             } else {
                 EmptySegment::Doubled
             };
-            return Err(ScopeError::EmptySegment { place });
+            let problem = ScopeError::EmptySegment { place };
+            if !problems.contains(&problem) {
+                problems.push(problem);
+            }
+            continue;
         }
         if let Some(letter) = segment.chars().find(|c| c.is_ascii_uppercase()) {
-            let lower = scope.to_ascii_lowercase();
-            let lowercase = check_scope(&lower).is_ok().then_some(lower);
-            return Err(ScopeError::Uppercase { letter, lowercase });
+            if !uppercase {
+                uppercase = true;
+                let lower = scope.to_ascii_lowercase();
+                let lowercase = scope_problems(&lower).is_empty().then_some(lower);
+                problems.push(ScopeError::Uppercase { letter, lowercase });
+            }
         }
-        if let Some(character) = segment
+        if let Some(found) = segment
             .chars()
-            .find(|c| !matches!(c, 'a'..='z' | '0'..='9' | '_' | '-'))
+            .find(|c| !matches!(c, 'a'..='z' | 'A'..='Z' | '0'..='9' | '_' | '-'))
         {
-            return Err(ScopeError::Character { character });
+            if !character {
+                character = true;
+                problems.push(ScopeError::Character { character: found });
+            }
         }
     }
-    Ok(())
+    problems
 }
 
 /// The candidate closest to `name` by edit distance, ties broken by order.
@@ -194,6 +232,40 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("129 bytes"));
+    }
+
+    /// Every rule broken is listed, each once, in the order of the scope;
+    /// the first is what `check_scope` reports.
+    #[test]
+    fn lists_every_rule_that_broke() {
+        let problems = scope_problems("Payments..charge/v1.Refund..x.");
+        assert_eq!(
+            problems,
+            [
+                ScopeError::Uppercase {
+                    letter: 'P',
+                    lowercase: None
+                },
+                ScopeError::EmptySegment {
+                    place: EmptySegment::Doubled
+                },
+                ScopeError::Character { character: '/' },
+                ScopeError::EmptySegment {
+                    place: EmptySegment::Trailing
+                },
+            ]
+        );
+        assert_eq!(
+            check_scope("Payments..charge/v1.Refund..x."),
+            Err(problems[0].clone())
+        );
+        let long = format!("{}.A", "a".repeat(MAX_SCOPE_BYTES));
+        assert!(matches!(
+            &scope_problems(&long)[..],
+            [ScopeError::TooLong { .. }, ScopeError::Uppercase { .. }]
+        ));
+        assert_eq!(scope_problems(""), [ScopeError::Empty]);
+        assert_eq!(scope_problems("payments.charge"), []);
     }
 
     #[test]
