@@ -39,3 +39,4 @@ mod transactional;
 mod transactional_connections;
 mod transactional_nesting;
 mod transactional_races;
+mod tx_fixtures;

@@ -8,7 +8,8 @@
 
 use crate::common;
 
-use common::servers::{fresh_tenant, mysql_store_or_skip, pg_store_or_skip};
+use super::tx_fixtures::{hold_here, lite, my, pg, Hold, Lite, My, Pg, LONG_AGO_MS};
+use common::servers::fresh_tenant;
 use idempotent_runtime::{
     idempotent, with_outcome, Error, Identity, Outcome, OwnerToken, Recovery, Reservation,
     ReserveRequest, Store, Takeover,
@@ -21,9 +22,6 @@ use tokio::sync::Notify;
 
 type Answer = Result<u64, Error>;
 
-/// The expiry a test gives a record: a time in 1970, long past on any clock.
-const LONG_AGO_MS: i64 = 1_000;
-
 const PG_DDL: &str = "CREATE TABLE IF NOT EXISTS idempotent_test_conn_charges (
     tenant TEXT NOT NULL, idem_key TEXT NOT NULL, amount BIGINT NOT NULL)";
 const MY_DDL: &str = "CREATE TABLE IF NOT EXISTS idempotent_test_conn_charges (
@@ -31,21 +29,6 @@ const MY_DDL: &str = "CREATE TABLE IF NOT EXISTS idempotent_test_conn_charges (
     ENGINE = InnoDB";
 const SQLITE_DDL: &str = "CREATE TABLE IF NOT EXISTS idempotent_test_conn_charges (
     tenant TEXT NOT NULL, idem_key TEXT NOT NULL, amount INTEGER NOT NULL)";
-
-/// Holds a body open: it notifies `reached` once the reservation is held,
-/// then waits for `go`.
-#[derive(Default)]
-struct Hold {
-    reached: Notify,
-    go: Notify,
-}
-
-async fn hold_here(hold: Option<&Hold>) {
-    if let Some(hold) = hold {
-        hold.reached.notify_one();
-        hold.go.notified().await;
-    }
-}
 
 // ---------------------------------------------------------------- the functions
 
@@ -169,47 +152,6 @@ trait Db: Sized + 'static {
     async fn expire(&self, tenant: &str, key: &str) {
         self.expire_in(tenant, Self::SCOPE, key).await;
     }
-}
-
-struct Pg(idempotent_runtime::PgStore);
-struct My(idempotent_runtime::MySqlStore);
-struct Lite(idempotent_runtime::SqliteStore, std::path::PathBuf);
-
-impl Drop for Lite {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.1);
-    }
-}
-
-async fn pg() -> Option<Pg> {
-    let store = pg_store_or_skip().await?;
-    common::servers::pg_create_tables(store.pool(), PG_DDL)
-        .await
-        .expect("ddl");
-    Some(Pg(store))
-}
-
-async fn my() -> Option<My> {
-    let store = mysql_store_or_skip().await?;
-    sqlx::query(MY_DDL)
-        .execute(store.pool())
-        .await
-        .expect("ddl");
-    Some(My(store))
-}
-
-async fn lite() -> Lite {
-    let dir = common::scratch::dir("tx-conn");
-    std::fs::create_dir_all(&dir).expect("temp dir");
-    let url = format!("sqlite:{}?mode=rwc", dir.join("tx.db").display());
-    let store = idempotent_runtime::SqliteStore::connect(&url)
-        .await
-        .expect("open");
-    sqlx::query(SQLITE_DDL)
-        .execute(store.pool())
-        .await
-        .expect("ddl");
-    Lite(store, dir)
 }
 
 impl Db for Pg {
@@ -392,21 +334,21 @@ async fn twice_in_one_transaction<B: Db>(db: &B, expired_first: bool) {
 
 #[tokio::test]
 async fn pg_a_key_called_twice_in_one_transaction_runs_its_body_once() {
-    let Some(db) = pg().await else { return };
+    let Some(db) = pg(PG_DDL).await else { return };
     twice_in_one_transaction(&db, false).await;
     twice_in_one_transaction(&db, true).await;
 }
 
 #[tokio::test]
 async fn mysql_a_key_called_twice_in_one_transaction_runs_its_body_once() {
-    let Some(db) = my().await else { return };
+    let Some(db) = my(MY_DDL).await else { return };
     twice_in_one_transaction(&db, false).await;
     twice_in_one_transaction(&db, true).await;
 }
 
 #[tokio::test]
 async fn sqlite_a_key_called_twice_in_one_transaction_runs_its_body_once() {
-    let db = lite().await;
+    let db = lite("tx-conn", SQLITE_DDL).await;
     twice_in_one_transaction(&db, false).await;
     twice_in_one_transaction(&db, true).await;
 }
@@ -461,13 +403,13 @@ async fn a_rolled_back_savepoint_frees_the_key_for_others<B: Db>(db: &B) {
 
 #[tokio::test]
 async fn pg_a_rolled_back_savepoint_frees_the_key_for_other_transactions() {
-    let Some(db) = pg().await else { return };
+    let Some(db) = pg(PG_DDL).await else { return };
     a_rolled_back_savepoint_frees_the_key_for_others(&db).await;
 }
 
 #[tokio::test]
 async fn mysql_a_rolled_back_savepoint_frees_the_key_for_other_transactions() {
-    let Some(db) = my().await else { return };
+    let Some(db) = my(MY_DDL).await else { return };
     a_rolled_back_savepoint_frees_the_key_for_others(&db).await;
 }
 
@@ -476,7 +418,7 @@ async fn mysql_a_rolled_back_savepoint_frees_the_key_for_other_transactions() {
 /// (free: it runs) and after it commits (it replays).
 #[tokio::test]
 async fn sqlite_a_rolled_back_savepoint_takes_the_record_with_it() {
-    let db = lite().await;
+    let db = lite("tx-conn", SQLITE_DDL).await;
     let tenant = fresh_tenant();
     let mut outer = db.pool().begin().await.expect("begin");
     {
@@ -553,13 +495,13 @@ async fn one_key_two_tenants<B: Db>(db: &B) {
 
 #[tokio::test]
 async fn pg_one_key_of_two_tenants_in_open_transactions_is_two_records() {
-    let Some(db) = pg().await else { return };
+    let Some(db) = pg(PG_DDL).await else { return };
     one_key_two_tenants(&db).await;
 }
 
 #[tokio::test]
 async fn mysql_one_key_of_two_tenants_in_open_transactions_is_two_records() {
-    let Some(db) = my().await else { return };
+    let Some(db) = my(MY_DDL).await else { return };
     one_key_two_tenants(&db).await;
 }
 
@@ -646,19 +588,19 @@ async fn a_takeover_in_a_transaction_tells_the_hook_the_previous_start<B: Db>(db
 
 #[tokio::test]
 async fn pg_a_takeover_in_a_transaction_tells_the_hook_when_the_previous_attempt_started() {
-    let Some(db) = pg().await else { return };
+    let Some(db) = pg(PG_DDL).await else { return };
     a_takeover_in_a_transaction_tells_the_hook_the_previous_start(&db).await;
 }
 
 #[tokio::test]
 async fn mysql_a_takeover_in_a_transaction_tells_the_hook_when_the_previous_attempt_started() {
-    let Some(db) = my().await else { return };
+    let Some(db) = my(MY_DDL).await else { return };
     a_takeover_in_a_transaction_tells_the_hook_the_previous_start(&db).await;
 }
 
 #[tokio::test]
 async fn sqlite_a_takeover_in_a_transaction_tells_the_hook_when_the_previous_attempt_started() {
-    let db = lite().await;
+    let db = lite("tx-conn", SQLITE_DDL).await;
     a_takeover_in_a_transaction_tells_the_hook_the_previous_start(&db).await;
 }
 
@@ -721,19 +663,19 @@ async fn a_live_lease_past_its_ttl_is_in_progress<B: Db>(db: &B) {
 
 #[tokio::test]
 async fn pg_a_live_lease_past_its_ttl_is_in_progress_to_a_transactional_call() {
-    let Some(db) = pg().await else { return };
+    let Some(db) = pg(PG_DDL).await else { return };
     a_live_lease_past_its_ttl_is_in_progress(&db).await;
 }
 
 #[tokio::test]
 async fn mysql_a_live_lease_past_its_ttl_is_in_progress_to_a_transactional_call() {
-    let Some(db) = my().await else { return };
+    let Some(db) = my(MY_DDL).await else { return };
     a_live_lease_past_its_ttl_is_in_progress(&db).await;
 }
 
 #[tokio::test]
 async fn sqlite_a_live_lease_past_its_ttl_is_in_progress_to_a_transactional_call() {
-    let db = lite().await;
+    let db = lite("tx-conn", SQLITE_DDL).await;
     a_live_lease_past_its_ttl_is_in_progress(&db).await;
 }
 
@@ -815,19 +757,19 @@ macro_rules! nested_in_one_transaction {
 
 #[tokio::test]
 async fn pg_calls_nested_in_one_transaction_commit_and_roll_back_together() {
-    let Some(db) = pg().await else { return };
+    let Some(db) = pg(PG_DDL).await else { return };
     nested_in_one_transaction!(&db, pg_checkout, pg_charge);
 }
 
 #[tokio::test]
 async fn mysql_calls_nested_in_one_transaction_commit_and_roll_back_together() {
-    let Some(db) = my().await else { return };
+    let Some(db) = my(MY_DDL).await else { return };
     nested_in_one_transaction!(&db, my_checkout, my_charge);
 }
 
 #[tokio::test]
 async fn sqlite_calls_nested_in_one_transaction_commit_and_roll_back_together() {
-    let db = lite().await;
+    let db = lite("tx-conn", SQLITE_DDL).await;
     nested_in_one_transaction!(&db, sqlite_checkout, sqlite_charge);
 }
 
@@ -840,7 +782,7 @@ async fn sqlite_calls_nested_in_one_transaction_commit_and_roll_back_together() 
 /// transaction stays usable; in a writable transaction it then runs once.
 #[tokio::test]
 async fn mysql_a_read_only_transaction_replays_and_refuses_what_it_cannot_write() {
-    let Some(db) = my().await else { return };
+    let Some(db) = my(MY_DDL).await else { return };
     let tenant = fresh_tenant();
     let mut tx = db.pool().begin().await.expect("begin");
     assert_eq!(
@@ -1032,7 +974,7 @@ macro_rules! answers_keep_no_lock {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pg_answers_in_an_open_transaction_keep_no_lock_at_every_isolation_level() {
-    let Some(db) = pg().await else { return };
+    let Some(db) = pg(PG_DDL).await else { return };
     for begin in [
         "BEGIN ISOLATION LEVEL READ COMMITTED",
         "BEGIN ISOLATION LEVEL REPEATABLE READ",
@@ -1046,7 +988,7 @@ async fn pg_answers_in_an_open_transaction_keep_no_lock_at_every_isolation_level
 /// read locks, and the README tells such transactions to roll back at once).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mysql_answers_in_an_open_transaction_keep_no_lock_below_serializable() {
-    let Some(db) = my().await else { return };
+    let Some(db) = my(MY_DDL).await else { return };
     for begin in [
         "SET TRANSACTION ISOLATION LEVEL READ COMMITTED; START TRANSACTION",
         "SET TRANSACTION ISOLATION LEVEL REPEATABLE READ; START TRANSACTION",
@@ -1088,7 +1030,7 @@ async fn held_in_tx(
 /// second time.
 #[tokio::test]
 async fn sqlite_a_held_answer_recorded_in_a_rolled_back_transaction_is_still_held() {
-    let db = lite().await;
+    let db = lite("tx-conn", SQLITE_DDL).await;
     let pool = db.pool().clone();
     // The first attempt's completion fails; a takeover's goes through.
     sqlx::query(
@@ -1356,19 +1298,19 @@ macro_rules! owner_dropped_with_waiters {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn pg_an_owners_transaction_dropped_uncommitted_hands_the_key_to_one_waiter() {
-    let Some(db) = pg().await else { return };
+    let Some(db) = pg(PG_DDL).await else { return };
     owner_dropped_with_waiters!(&db, pg_waited_store, pg_waited_tx);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn mysql_an_owners_transaction_dropped_uncommitted_hands_the_key_to_one_waiter() {
-    let Some(db) = my().await else { return };
+    let Some(db) = my(MY_DDL).await else { return };
     owner_dropped_with_waiters!(&db, my_waited_store, my_waited_tx);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn sqlite_an_owners_transaction_dropped_uncommitted_hands_the_key_to_one_waiter() {
-    let db = lite().await;
+    let db = lite("tx-conn", SQLITE_DDL).await;
     owner_dropped_with_waiters!(&db, sqlite_waited_store, sqlite_waited_tx);
 }
 
@@ -1461,7 +1403,7 @@ macro_rules! waited_out_keeps_writes {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pg_a_duplicate_that_waited_out_its_bound_keeps_its_transactions_writes() {
-    let Some(db) = pg().await else { return };
+    let Some(db) = pg(PG_DDL).await else { return };
     waited_out_keeps_writes!(
         &db,
         pg_short_wait,
@@ -1471,7 +1413,7 @@ async fn pg_a_duplicate_that_waited_out_its_bound_keeps_its_transactions_writes(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mysql_a_duplicate_that_waited_out_its_bound_keeps_its_transactions_writes() {
-    let Some(db) = my().await else { return };
+    let Some(db) = my(MY_DDL).await else { return };
     waited_out_keeps_writes!(
         &db,
         my_short_wait,
@@ -1507,7 +1449,7 @@ async fn pg_until_waiting(pool: &sqlx::PgPool, pid: i32) {
 /// transaction stays usable with its earlier write.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pg_a_strict_waiter_whose_owner_ends_mid_wait_gets_a_clean_answer() {
-    let Some(db) = pg().await else { return };
+    let Some(db) = pg(PG_DDL).await else { return };
     for begin in [
         "BEGIN ISOLATION LEVEL REPEATABLE READ",
         "BEGIN ISOLATION LEVEL SERIALIZABLE",
@@ -1635,7 +1577,7 @@ async fn lite_rollback_journal() -> Lite {
 /// recording its result nor another transaction from replaying.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sqlite_answers_in_an_open_transaction_keep_no_lock_in_either_journal() {
-    let wal = lite().await;
+    let wal = lite("tx-conn", SQLITE_DDL).await;
     answers_keep_no_lock!(&wal, "BEGIN", sqlite_shared_store, sqlite_shared_tx);
     let journal = lite_rollback_journal().await;
     answers_keep_no_lock!(&journal, "BEGIN", sqlite_shared_store, sqlite_shared_tx);
@@ -1829,7 +1771,7 @@ macro_rules! committed_in_progress_audited_and_purged {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pg_a_reservation_committed_in_progress_is_audited_taken_over_and_purged() {
-    let Some(db) = pg().await else { return };
+    let Some(db) = pg(PG_DDL).await else { return };
     committed_in_progress_audited_and_purged!(
         &ScopeDb(&db, "tx_conn.audit_pg"),
         "tx_conn.audit_pg",
@@ -1839,7 +1781,7 @@ async fn pg_a_reservation_committed_in_progress_is_audited_taken_over_and_purged
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mysql_a_reservation_committed_in_progress_is_audited_taken_over_and_purged() {
-    let Some(db) = my().await else { return };
+    let Some(db) = my(MY_DDL).await else { return };
     committed_in_progress_audited_and_purged!(
         &ScopeDb(&db, "tx_conn.audit_my"),
         "tx_conn.audit_my",
@@ -1849,7 +1791,7 @@ async fn mysql_a_reservation_committed_in_progress_is_audited_taken_over_and_pur
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sqlite_a_reservation_committed_in_progress_is_audited_taken_over_and_purged() {
-    let db = lite().await;
+    let db = lite("tx-conn", SQLITE_DDL).await;
     committed_in_progress_audited_and_purged!(
         &ScopeDb(&db, "tx_conn.audit_sqlite"),
         "tx_conn.audit_sqlite",
@@ -1987,7 +1929,7 @@ macro_rules! released_takeover_with_a_waiter {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn pg_a_takeover_released_in_a_transaction_frees_the_key_for_a_waiter() {
-    let Some(db) = pg().await else { return };
+    let Some(db) = pg(PG_DDL).await else { return };
     released_takeover_with_a_waiter!(
         &db,
         "tx_conn.released_pg",
@@ -1998,7 +1940,7 @@ async fn pg_a_takeover_released_in_a_transaction_frees_the_key_for_a_waiter() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn mysql_a_takeover_released_in_a_transaction_frees_the_key_for_a_waiter() {
-    let Some(db) = my().await else { return };
+    let Some(db) = my(MY_DDL).await else { return };
     released_takeover_with_a_waiter!(
         &db,
         "tx_conn.released_my",
@@ -2009,7 +1951,7 @@ async fn mysql_a_takeover_released_in_a_transaction_frees_the_key_for_a_waiter()
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn sqlite_a_takeover_released_in_a_transaction_frees_the_key_for_a_waiter() {
-    let db = lite().await;
+    let db = lite("tx-conn", SQLITE_DDL).await;
     released_takeover_with_a_waiter!(
         &db,
         "tx_conn.released_sqlite",
@@ -2072,7 +2014,7 @@ macro_rules! owner_rollback_with_tx_waiters {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn pg_an_owners_rollback_hands_the_key_to_one_transactional_waiter() {
-    let Some(db) = pg().await else { return };
+    let Some(db) = pg(PG_DDL).await else { return };
     for _ in 0..3 {
         owner_rollback_with_tx_waiters!(&db, pg_waited_tx);
     }
@@ -2080,7 +2022,7 @@ async fn pg_an_owners_rollback_hands_the_key_to_one_transactional_waiter() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn sqlite_an_owners_rollback_hands_the_key_to_one_transactional_waiter() {
-    let db = lite().await;
+    let db = lite("tx-conn", SQLITE_DDL).await;
     for _ in 0..3 {
         owner_rollback_with_tx_waiters!(&db, sqlite_waited_tx);
     }
@@ -2102,7 +2044,7 @@ async fn sqlite_an_owners_rollback_hands_the_key_to_one_transactional_waiter() {
             seen): the check reads @@tx_isolation, the session's level; run it if the reservation \
             learns the transaction's own level (information_schema.innodb_trx)"]
 async fn mysql_a_transaction_read_uncommitted_for_itself_never_replays_an_uncommitted_result() {
-    let Some(db) = my().await else { return };
+    let Some(db) = my(MY_DDL).await else { return };
     let tenant = fresh_tenant();
     let mut owner = db.pool().begin().await.expect("begin");
     assert_eq!(
@@ -2157,7 +2099,7 @@ async fn mysql_a_transaction_read_uncommitted_for_itself_never_replays_an_uncomm
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mysql_a_shared_session_left_read_uncommitted_for_its_next_transaction_never_replays_an_uncommitted_result(
 ) {
-    let Some(db) = my().await else { return };
+    let Some(db) = my(MY_DDL).await else { return };
     let shared = sqlx::mysql::MySqlPoolOptions::new()
         .max_connections(1)
         .connect(&common::servers::mysql_url())

@@ -9,18 +9,15 @@
 
 use crate::common;
 
-use common::servers::{fresh_tenant, mysql_store_or_skip, pg_store_or_skip};
+use super::tx_fixtures::{hold_here, lite, my, pg, Hold, Lite, My, Pg, LONG_AGO_MS};
+use common::servers::fresh_tenant;
 use idempotent_runtime::{idempotent, with_outcome, Error, Outcome, Store};
 use sqlx::{Connection, MySql, Postgres, Sqlite};
 use std::collections::HashMap;
 use std::sync::{LazyLock, Mutex};
 use std::time::Duration;
-use tokio::sync::Notify;
 
 type Answer = Result<u64, Error>;
-
-/// The expiry a test gives a record: long past on any clock.
-const LONG_AGO_MS: i64 = 1_000;
 
 const PG_DDL: &str = "CREATE TABLE IF NOT EXISTS idempotent_test_nesting_effects (
     tenant TEXT NOT NULL, idem_key TEXT NOT NULL)";
@@ -28,21 +25,6 @@ const MY_DDL: &str = "CREATE TABLE IF NOT EXISTS idempotent_test_nesting_effects
     tenant VARCHAR(100) NOT NULL, idem_key VARCHAR(255) NOT NULL) ENGINE = InnoDB";
 const SQLITE_DDL: &str = "CREATE TABLE IF NOT EXISTS idempotent_test_nesting_effects (
     tenant TEXT NOT NULL, idem_key TEXT NOT NULL)";
-
-/// Holds a body open: it notifies `reached` once the reservation is held,
-/// then waits for `go`.
-#[derive(Default)]
-struct Hold {
-    reached: Notify,
-    go: Notify,
-}
-
-async fn hold_here(hold: Option<&Hold>) {
-    if let Some(hold) = hold {
-        hold.reached.notify_one();
-        hold.go.notified().await;
-    }
-}
 
 /// Bodies run per tenant (committed or not).
 static RUNS: LazyLock<Mutex<HashMap<String, u32>>> = LazyLock::new(Default::default);
@@ -214,46 +196,6 @@ trait Db: Sized + 'static {
     async fn expire(&self, tenant: &str, key: &str);
     /// Until a session of this database waits for a row lock (bounded).
     async fn until_a_lock_wait(&self);
-}
-
-struct Pg(idempotent_runtime::PgStore);
-struct My(idempotent_runtime::MySqlStore);
-struct Lite(idempotent_runtime::SqliteStore, std::path::PathBuf);
-
-impl Drop for Lite {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.1);
-    }
-}
-
-async fn pg() -> Option<Pg> {
-    let store = pg_store_or_skip().await?;
-    common::servers::pg_create_tables(store.pool(), PG_DDL)
-        .await
-        .expect("ddl");
-    Some(Pg(store))
-}
-
-async fn my() -> Option<My> {
-    let store = mysql_store_or_skip().await?;
-    sqlx::query(MY_DDL)
-        .execute(store.pool())
-        .await
-        .expect("ddl");
-    Some(My(store))
-}
-
-async fn lite() -> Lite {
-    let dir = common::scratch::dir("tx-nesting");
-    let url = format!("sqlite:{}?mode=rwc", dir.join("tx.db").display());
-    let store = idempotent_runtime::SqliteStore::connect(&url)
-        .await
-        .expect("open");
-    sqlx::query(SQLITE_DDL)
-        .execute(store.pool())
-        .await
-        .expect("ddl");
-    Lite(store, dir)
 }
 
 /// Polls `waiting` (a count of sessions waiting for a lock) until it is
@@ -550,7 +492,7 @@ async fn savepoint_rolled_back_while_a_duplicate_waits<B: Db>(db: &B, waiter: Wa
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn pg_a_savepoint_rolled_back_while_a_duplicate_waits_hands_it_the_key() {
-    let Some(db) = pg().await else { return };
+    let Some(db) = pg(PG_DDL).await else { return };
     for waiter in [Waiter::StoreMode, Waiter::Transactional] {
         savepoint_rolled_back_while_a_duplicate_waits(&db, waiter).await;
     }
@@ -558,7 +500,7 @@ async fn pg_a_savepoint_rolled_back_while_a_duplicate_waits_hands_it_the_key() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn mysql_a_savepoint_rolled_back_while_a_duplicate_waits_hands_it_the_key() {
-    let Some(db) = my().await else { return };
+    let Some(db) = my(MY_DDL).await else { return };
     for waiter in [Waiter::StoreMode, Waiter::Transactional] {
         savepoint_rolled_back_while_a_duplicate_waits(&db, waiter).await;
     }
@@ -603,13 +545,13 @@ async fn a_takeover_in_a_rolled_back_savepoint<B: Db>(db: &B) {
 
 #[tokio::test]
 async fn pg_a_takeover_in_a_rolled_back_savepoint_leaves_the_key_to_others() {
-    let Some(db) = pg().await else { return };
+    let Some(db) = pg(PG_DDL).await else { return };
     a_takeover_in_a_rolled_back_savepoint(&db).await;
 }
 
 #[tokio::test]
 async fn mysql_a_takeover_in_a_rolled_back_savepoint_leaves_the_key_to_others() {
-    let Some(db) = my().await else { return };
+    let Some(db) = my(MY_DDL).await else { return };
     a_takeover_in_a_rolled_back_savepoint(&db).await;
 }
 
@@ -651,7 +593,7 @@ async fn a_body_that_ends_its_transaction<B: Db>(db: &B, ends: Ends) {
 
 #[tokio::test]
 async fn pg_a_body_that_ends_its_transaction_is_not_answered_ok() {
-    let Some(db) = pg().await else { return };
+    let Some(db) = pg(PG_DDL).await else { return };
     for ends in [Ends::Rollback, Ends::RollbackThenBegin] {
         a_body_that_ends_its_transaction(&db, ends).await;
     }
@@ -659,7 +601,7 @@ async fn pg_a_body_that_ends_its_transaction_is_not_answered_ok() {
 
 #[tokio::test]
 async fn mysql_a_body_that_ends_its_transaction_is_not_answered_ok() {
-    let Some(db) = my().await else { return };
+    let Some(db) = my(MY_DDL).await else { return };
     for ends in [Ends::Rollback, Ends::RollbackThenBegin] {
         a_body_that_ends_its_transaction(&db, ends).await;
     }
@@ -668,7 +610,7 @@ async fn mysql_a_body_that_ends_its_transaction_is_not_answered_ok() {
 #[tokio::test]
 async fn sqlite_a_body_that_ends_its_transaction_is_not_answered_ok() {
     for ends in [Ends::Rollback, Ends::RollbackThenBegin] {
-        a_body_that_ends_its_transaction(&lite().await, ends).await;
+        a_body_that_ends_its_transaction(&lite("tx-nesting", SQLITE_DDL).await, ends).await;
     }
 }
 
@@ -709,19 +651,19 @@ async fn a_body_that_panics_in_a_transaction<B: Db>(db: &B) {
 
 #[tokio::test]
 async fn pg_a_body_that_panics_in_a_transaction_runs_once_after_the_rollback() {
-    let Some(db) = pg().await else { return };
+    let Some(db) = pg(PG_DDL).await else { return };
     a_body_that_panics_in_a_transaction(&db).await;
 }
 
 #[tokio::test]
 async fn mysql_a_body_that_panics_in_a_transaction_runs_once_after_the_rollback() {
-    let Some(db) = my().await else { return };
+    let Some(db) = my(MY_DDL).await else { return };
     a_body_that_panics_in_a_transaction(&db).await;
 }
 
 #[tokio::test]
 async fn sqlite_a_body_that_panics_in_a_transaction_runs_once_after_the_rollback() {
-    let db = lite().await;
+    let db = lite("tx-nesting", SQLITE_DDL).await;
     a_body_that_panics_in_a_transaction(&db).await;
 }
 
@@ -758,7 +700,7 @@ async fn my_serial_tx(tx: &mut sqlx::Transaction<'_, MySql>, tenant: &str, key: 
 /// nothing and may stay open.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mysql_a_transaction_serializable_for_itself_is_refused_as_stale_where_its_look_locks() {
-    let Some(db) = my().await else { return };
+    let Some(db) = my(MY_DDL).await else { return };
     let tenant = fresh_tenant();
     let hold = Hold::default();
     let owner = my_serial_store(db.store(), &tenant, "k", Some(&hold));
@@ -807,7 +749,7 @@ async fn mysql_a_transaction_serializable_for_itself_is_refused_as_stale_where_i
 /// answered `InProgress` at the end of their bound, nobody runs a key twice.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pg_two_transactions_waiting_for_each_others_key_end_in_one_deadlock_error() {
-    let Some(db) = pg().await else { return };
+    let Some(db) = pg(PG_DDL).await else { return };
     let tenant = fresh_tenant();
     let mut one = db.pool().begin().await.expect("begin");
     let mut two = db.pool().begin().await.expect("begin");

@@ -1,0 +1,68 @@
+//! What the transactional-mode test files share: a body held open by a
+//! handshake, and the three databases of transactional mode, each a store
+//! with the test's business table made.
+
+use crate::common;
+use common::servers::{mysql_store_or_skip, pg_store_or_skip};
+use tokio::sync::Notify;
+
+/// The expiry a test gives a record: a time in 1970, long past on any clock.
+pub(crate) const LONG_AGO_MS: i64 = 1_000;
+
+/// Holds a body open: it notifies `reached` once the reservation is held,
+/// then waits for `go`.
+#[derive(Default)]
+pub(crate) struct Hold {
+    pub(crate) reached: Notify,
+    pub(crate) go: Notify,
+}
+
+pub(crate) async fn hold_here(hold: Option<&Hold>) {
+    if let Some(hold) = hold {
+        hold.reached.notify_one();
+        hold.go.notified().await;
+    }
+}
+
+pub(crate) struct Pg(pub(crate) idempotent_runtime::PgStore);
+pub(crate) struct My(pub(crate) idempotent_runtime::MySqlStore);
+/// A SQLite store on a file of its own, in a scratch folder removed on drop.
+pub(crate) struct Lite(
+    pub(crate) idempotent_runtime::SqliteStore,
+    pub(crate) std::path::PathBuf,
+);
+
+impl Drop for Lite {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.1);
+    }
+}
+
+/// The test PostgreSQL database's store, with `ddl`'s table (`None`: no server).
+pub(crate) async fn pg(ddl: &str) -> Option<Pg> {
+    let store = pg_store_or_skip().await?;
+    common::servers::pg_create_tables(store.pool(), ddl)
+        .await
+        .expect("ddl");
+    Some(Pg(store))
+}
+
+/// The test MariaDB database's store, with `ddl`'s table (`None`: no server).
+pub(crate) async fn my(ddl: &str) -> Option<My> {
+    let store = mysql_store_or_skip().await?;
+    sqlx::query(ddl).execute(store.pool()).await.expect("ddl");
+    Some(My(store))
+}
+
+/// A SQLite file of its own (in a scratch folder named after `name`), with
+/// `ddl`'s table.
+pub(crate) async fn lite(name: &str, ddl: &str) -> Lite {
+    let dir = common::scratch::dir(name);
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let url = format!("sqlite:{}?mode=rwc", dir.join("tx.db").display());
+    let store = idempotent_runtime::SqliteStore::connect(&url)
+        .await
+        .expect("open");
+    sqlx::query(ddl).execute(store.pool()).await.expect("ddl");
+    Lite(store, dir)
+}
