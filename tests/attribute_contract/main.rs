@@ -35,6 +35,7 @@ mod non_finite_in_options;
 mod paused_clock_recipes;
 mod public_api_edges;
 mod replay_floats;
+mod replay_shapes;
 mod transactional;
 mod transactional_connections;
 mod transactional_nesting;
