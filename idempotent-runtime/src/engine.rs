@@ -1953,9 +1953,11 @@ pub(crate) fn reads_back_equal<T: Serialize + DeserializeOwned>(
     // variants of an `#[serde(untagged)]` enum that write the same JSON
     // (`Wide(7u32)` and `Small(7u8)`, `Letter('x')` and `Text("x")`), which
     // read back as the first that reads it. Their shapes differ
-    // (`crate::fingerprint::shape`). Not seen: struct variants whose fields
-    // have the same types (serde writes both under the enum's name) and
-    // unit variants (both `null`).
+    // (`crate::fingerprint::shape`), also where two such values trade kinds
+    // (`B { x: 7u32, y: 7u8 }` read back as `A { x: 7u8, y: 7u32 }`). Not
+    // seen: struct variants whose fields have the same names and types
+    // (serde writes both under the enum's name) and unit variants (both
+    // `null`).
     if !crate::fingerprint::shape::same_shape(value, &decoded) {
         return Err(
             "written as JSON it reads back as another value of its type: check the type's \

@@ -1,13 +1,16 @@
 //! The shape of a value as its `Serialize` describes it: which kinds of
 //! scalars (`u8` or `u32`, `char` or `str`) and which named types and
-//! variants it is made of, counted wherever they stand. Rule 12 compares a
-//! result's shape with the shape of what its JSON reads back as: two values
-//! that JSON writes alike but whose shapes differ are two values (an
+//! variants it is made of, and where each stands: in which field, in which
+//! place of a tuple, in which entry of a map. Rule 12 compares a result's
+//! shape with the shape of what its JSON reads back as: two values that
+//! JSON writes alike but whose shapes differ are two values (an
 //! `#[serde(untagged)]` enum's `Wide(7u32)` read back as `Small(7u8)`,
-//! `Letter('x')` as `Text("x")`). Values, and where things stand (a set's or
-//! a map's order), are not part of a shape. Nor is which of an untagged
-//! enum's struct variants a value is: serde writes each under the enum's
-//! name, so two with fields of the same types have one shape.
+//! `Letter('x')` as `Text("x")`, `B { x: 7u32, y: 7u8 }` as
+//! `A { x: 7u8, y: 7u32 }`). Values, and the order of a sequence's elements
+//! or a map's entries (a set or a map written again in another order), are
+//! not part of a shape. Nor is which of an untagged enum's struct variants a
+//! value is: serde writes each under the enum's name, so two with fields of
+//! the same names and types have one shape.
 
 use serde::ser::{self, Serialize, Serializer};
 use std::fmt;
@@ -22,29 +25,108 @@ pub(crate) fn same_shape<T: Serialize + ?Sized>(a: &T, b: &T) -> bool {
     }
 }
 
-/// A multiset of events, as a count and a sum of their hashes (the order
-/// events come in does not change it).
-#[derive(Debug, Default, PartialEq, Eq, Clone, Copy)]
+/// A value's shape as one hash, built bottom up: a scalar, or a compound
+/// (a struct, a tuple, a sequence, a map, an `Option`'s `Some`, a newtype)
+/// with the shapes of its members. A tuple's members count in their place
+/// (`(u8, u32)` is not `(u32, u8)`), a struct's fields under their names, a
+/// sequence's elements and a map's entries (each key with its value) in any
+/// order: a set or a map written again in another order has the same shape.
+#[derive(Debug, Default)]
 struct Shape {
-    events: u64,
+    /// The compounds being walked, innermost last.
+    open: Vec<Frame>,
+    /// The whole value's shape, once walked.
+    done: Option<u64>,
+}
+
+/// How a compound's members make its shape.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Members {
+    /// Each in its place (a tuple's, a newtype's, a field's value).
+    InPlace,
+    /// In any order (a sequence's elements, a struct's named fields).
+    AnyOrder,
+    /// Key and value pairs, in any order (a map's entries).
+    Entries,
+}
+
+/// A compound whose members are being walked.
+#[derive(Debug)]
+struct Frame {
+    /// What it is (its kind and names).
+    head: u64,
+    members: Members,
+    /// The members' shapes so far: in order, or summed (in any order).
     sum: u64,
+    count: u64,
+    /// A map's key, whose value comes next (an entry is the two together).
+    key: Option<u64>,
+}
+
+/// SipHash with fixed keys: the same in both walks of one comparison.
+fn hash_of(value: impl Hash) -> u64 {
+    #[allow(deprecated)]
+    let mut h = std::hash::SipHasher::new();
+    value.hash(&mut h);
+    h.finish()
 }
 
 impl Shape {
-    fn of<T: Serialize + ?Sized>(value: &T) -> Option<Shape> {
+    fn of<T: Serialize + ?Sized>(value: &T) -> Option<u64> {
         let mut shape = Shape::default();
         value.serialize(&mut shape).ok()?;
-        Some(shape)
+        shape.done
     }
 
+    /// A scalar, or a compound without members (a unit, a `None`).
     fn event(&mut self, kind: u8, names: &[&str]) {
-        // SipHash with fixed keys: the same in both walks of one comparison.
-        #[allow(deprecated)]
-        let mut h = std::hash::SipHasher::new();
-        kind.hash(&mut h);
-        names.hash(&mut h);
-        self.events = self.events.wrapping_add(1);
-        self.sum = self.sum.wrapping_add(h.finish());
+        self.member(hash_of((kind, names)));
+    }
+
+    /// A compound starts: its members come next, up to [`Shape::close`].
+    fn open(&mut self, kind: u8, names: &[&str], members: Members) {
+        self.open.push(Frame {
+            head: hash_of((kind, names)),
+            members,
+            sum: 0,
+            count: 0,
+            key: None,
+        });
+    }
+
+    /// The innermost compound has all its members.
+    fn close(&mut self) {
+        if let Some(frame) = self.open.pop() {
+            self.member(hash_of((frame.head, frame.sum, frame.count, frame.key)));
+        }
+    }
+
+    /// A member walked whole: of the innermost compound, or the value.
+    fn member(&mut self, shape: u64) {
+        let Some(frame) = self.open.last_mut() else {
+            self.done = Some(shape);
+            return;
+        };
+        match frame.members {
+            Members::InPlace => frame.sum = hash_of((frame.sum, shape)),
+            Members::AnyOrder => frame.sum = frame.sum.wrapping_add(hash_of(shape)),
+            Members::Entries => match frame.key.take() {
+                None => {
+                    frame.key = Some(shape);
+                    return;
+                }
+                Some(key) => frame.sum = frame.sum.wrapping_add(hash_of((key, shape))),
+            },
+        }
+        frame.count = frame.count.wrapping_add(1);
+    }
+
+    /// A compound of one member (`Some`, a newtype, a struct's field).
+    fn one<T: ?Sized + Serialize>(&mut self, kind: u8, names: &[&str], value: &T) -> Result {
+        self.open(kind, names, Members::InPlace);
+        value.serialize(&mut *self)?;
+        self.close();
+        Ok(())
     }
 }
 
@@ -112,8 +194,7 @@ impl<'a> Serializer for &'a mut Shape {
     }
 
     fn serialize_some<T: ?Sized + Serialize>(self, value: &T) -> Result {
-        self.event(18, &[]);
-        value.serialize(self)
+        self.one(18, &[], value)
     }
 
     fn serialize_unit(self) -> Result {
@@ -136,8 +217,7 @@ impl<'a> Serializer for &'a mut Shape {
         name: &'static str,
         value: &T,
     ) -> Result {
-        self.event(22, &[name]);
-        value.serialize(self)
+        self.one(22, &[name], value)
     }
 
     fn serialize_newtype_variant<T: ?Sized + Serialize>(
@@ -147,17 +227,16 @@ impl<'a> Serializer for &'a mut Shape {
         variant: &'static str,
         value: &T,
     ) -> Result {
-        self.event(23, &[name, variant]);
-        value.serialize(self)
+        self.one(23, &[name, variant], value)
     }
 
     fn serialize_seq(self, _: Option<usize>) -> std::result::Result<Self, ShapeError> {
-        self.event(24, &[]);
+        self.open(24, &[], Members::AnyOrder);
         Ok(self)
     }
 
     fn serialize_tuple(self, _: usize) -> std::result::Result<Self, ShapeError> {
-        self.event(25, &[]);
+        self.open(25, &[], Members::InPlace);
         Ok(self)
     }
 
@@ -166,7 +245,7 @@ impl<'a> Serializer for &'a mut Shape {
         name: &'static str,
         _: usize,
     ) -> std::result::Result<Self, ShapeError> {
-        self.event(26, &[name]);
+        self.open(26, &[name], Members::InPlace);
         Ok(self)
     }
 
@@ -177,12 +256,12 @@ impl<'a> Serializer for &'a mut Shape {
         variant: &'static str,
         _: usize,
     ) -> std::result::Result<Self, ShapeError> {
-        self.event(27, &[name, variant]);
+        self.open(27, &[name, variant], Members::InPlace);
         Ok(self)
     }
 
     fn serialize_map(self, _: Option<usize>) -> std::result::Result<Self, ShapeError> {
-        self.event(28, &[]);
+        self.open(28, &[], Members::Entries);
         Ok(self)
     }
 
@@ -191,7 +270,7 @@ impl<'a> Serializer for &'a mut Shape {
         name: &'static str,
         _: usize,
     ) -> std::result::Result<Self, ShapeError> {
-        self.event(29, &[name]);
+        self.open(29, &[name], Members::AnyOrder);
         Ok(self)
     }
 
@@ -202,7 +281,7 @@ impl<'a> Serializer for &'a mut Shape {
         variant: &'static str,
         _: usize,
     ) -> std::result::Result<Self, ShapeError> {
-        self.event(30, &[name, variant]);
+        self.open(30, &[name, variant], Members::AnyOrder);
         Ok(self)
     }
 }
@@ -216,6 +295,7 @@ macro_rules! elements {
                 value.serialize(&mut **self)
             }
             fn end(self) -> Result {
+                self.close();
                 Ok(())
             }
         }
@@ -239,6 +319,7 @@ impl ser::SerializeMap for &mut Shape {
         value.serialize(&mut **self)
     }
     fn end(self) -> Result {
+        self.close();
         Ok(())
     }
 }
@@ -253,10 +334,10 @@ macro_rules! fields {
                 name: &'static str,
                 value: &T,
             ) -> Result {
-                self.event(31, &[name]);
-                value.serialize(&mut **self)
+                self.one(31, &[name], value)
             }
             fn end(self) -> Result {
+                self.close();
                 Ok(())
             }
         }
