@@ -784,41 +784,6 @@ async fn session_isolation(conn: &mut sqlx::MySqlConnection) -> Result<String, s
     }
 }
 
-/// The isolation of the transaction `conn` is in, once it has read a table
-/// (InnoDB starts it then): `information_schema.innodb_trx` has it, a level
-/// set for that transaction alone (`SET TRANSACTION ISOLATION LEVEL ...`
-/// before `START TRANSACTION`, which `@@tx_isolation` does not show)
-/// included. InnoDB serves that table from a cache it refreshes only after
-/// 0.1 s without a read of it, so a transaction missing there is asked for
-/// once more after that; where it is still missing, or the table cannot be
-/// read (it needs the `PROCESS` privilege), the session's level
-/// ([`session_isolation`]). Spelled as `@@tx_isolation` spells it
-/// (`REPEATABLE-READ`).
-async fn transaction_isolation(conn: &mut sqlx::MySqlConnection) -> Result<String, sqlx::Error> {
-    const OWN: &str = "SELECT trx_isolation_level FROM information_schema.innodb_trx \
-                       WHERE trx_mysql_thread_id = CONNECTION_ID() LIMIT 1";
-    for ask in 0..2 {
-        if ask > 0 {
-            tokio::time::sleep(INNODB_TRX_CACHE_REFRESH).await;
-        }
-        match sqlx::query_scalar::<_, String>(OWN)
-            .fetch_optional(&mut *conn)
-            .await
-        {
-            Ok(Some(level)) => return Ok(level.replace(' ', "-")),
-            Ok(None) => {}
-            // No PROCESS privilege (or no such table): the session's level.
-            Err(sqlx::Error::Database(_)) => break,
-            Err(e) => return Err(e),
-        }
-    }
-    session_isolation(conn).await
-}
-
-/// How long InnoDB's `information_schema.innodb_trx` may serve a cached copy
-/// (0.1 s after its last read), and a little more.
-const INNODB_TRX_CACHE_REFRESH: Duration = Duration::from_millis(120);
-
 /// Whether sessions at `isolation` (`@@tx_isolation`) read what other
 /// transactions have not committed. The session's level: one set with `SET
 /// TRANSACTION` for the next transaction only does not show in it (the
@@ -1956,11 +1921,10 @@ async fn reserve_in_transaction(
         // Under SERIALIZABLE InnoDB makes every read of a transaction a
         // locking one: the look that found the record in progress holds a
         // shared lock on it, which keeps the owner from renewing its lease
-        // until the transaction ends. The transaction's own level, which a
-        // level set for it alone (`SET TRANSACTION ISOLATION LEVEL
-        // SERIALIZABLE`, then `START TRANSACTION`) is.
+        // until the transaction ends (the session's level; one set for the
+        // next transaction only is not seen, as for READ UNCOMMITTED).
         Answer::Reservation(reservation @ Reservation::InProgress { .. }) => {
-            let isolation = transaction_isolation(conn)
+            let isolation = session_isolation(conn)
                 .await
                 .map_err(err("read the transaction isolation"))?;
             if isolation.eq_ignore_ascii_case("SERIALIZABLE") {
