@@ -1175,6 +1175,19 @@ const TX_LOCK_WAIT_SLICE: Duration = Duration::from_secs(2);
 /// 0, which PostgreSQL takes as no timeout at all.
 const TX_LOCK_WAIT_SLICE_FLOOR: Duration = Duration::from_millis(50);
 
+/// The session's `deadlock_timeout`; zero where it cannot be read (the
+/// slices keep their length).
+async fn deadlock_timeout(conn: &mut sqlx::PgConnection) -> Duration {
+    let ms: Result<i64, _> = sqlx::query_scalar(
+        "SELECT (EXTRACT(EPOCH FROM current_setting('deadlock_timeout')::interval) * 1000)::bigint",
+    )
+    .fetch_one(conn)
+    .await;
+    ms.ok()
+        .and_then(|ms| u64::try_from(ms).ok())
+        .map_or(Duration::ZERO, Duration::from_millis)
+}
+
 /// In a caller's transaction (see [`RESERVE_TX_SQL`]). A transaction whose
 /// snapshot is older than the record (REPEATABLE READ or SERIALIZABLE,
 /// migration 0007) is refused with [`Error::StaleSnapshot`]; the
@@ -1192,9 +1205,14 @@ async fn reserve_in_transaction(
     let lock_timed_out = Reservation::InProgress {
         lease_remaining: millis_to_duration(millis_i64(request.lease)),
     };
+    // A slice outlasts the session's `deadlock_timeout` (asked once a slice
+    // has been waited out): PostgreSQL looks for a deadlock only once one
+    // statement has waited that long, so shorter slices would never find one.
+    let mut slice_len = TX_LOCK_WAIT_SLICE;
+    let mut asked_deadlock_timeout = false;
     let answer = loop {
         let left = lock_wait.saturating_sub(started.elapsed());
-        let slice = left.min(TX_LOCK_WAIT_SLICE);
+        let slice = left.min(slice_len);
         let sent = std::time::Instant::now();
         let answer = reserve_statement(RESERVE_TX_SQL, &mut *conn, request, slice)
             .await
@@ -1203,6 +1221,10 @@ async fn reserve_in_transaction(
             && sent.elapsed() >= TX_LOCK_WAIT_SLICE_FLOOR;
         if !waited_out || lock_wait.saturating_sub(started.elapsed()) < TX_LOCK_WAIT_SLICE_FLOOR {
             break answer;
+        }
+        if !asked_deadlock_timeout {
+            asked_deadlock_timeout = true;
+            slice_len = slice_len.max(deadlock_timeout(&mut *conn).await + TX_LOCK_WAIT_SLICE / 2);
         }
     };
     match answer {
