@@ -800,3 +800,79 @@ async fn pg_two_transactions_waiting_for_each_others_key_end_in_one_deadlock_err
     assert_eq!(ran, 1, "the survivor gets the victim's key: {answers:?}");
     assert_eq!(db.effects(&tenant).await, 2, "the survivor's two keys");
 }
+
+/// A transactional call that waits up to 10 s for a duplicate.
+#[idempotent(scope = "tx_nesting.pg_long_wait", key = key, tenant = tenant, tx = tx,
+             ttl = "1h", lease = "30s", in_progress = wait("10s"))]
+async fn pg_tx_long_wait(
+    tx: &mut sqlx::Transaction<'_, Postgres>,
+    tenant: &str,
+    key: &str,
+) -> Result<u64, Error> {
+    sqlx::query("INSERT INTO idempotent_test_nesting_effects (tenant, idem_key) VALUES ($1, $2)")
+        .bind(tenant)
+        .bind(key)
+        .execute(&mut **tx)
+        .await
+        .expect("business write");
+    Ok(u64::from(ran(tenant)))
+}
+
+/// As `pg_two_transactions_waiting_for_each_others_key_end_in_one_deadlock_error`,
+/// with a `deadlock_timeout` of 3 s, longer than the 2 s slices a
+/// transactional reservation first waits for a row lock in. PostgreSQL looks
+/// for a deadlock only once one statement has waited `deadlock_timeout`:
+/// after a slice waited out, the slices are made longer than it, so the
+/// deadlock is still found (the rest of the 10 s bound leaves room for one
+/// such slice) instead of both calls waiting out their bound, neither
+/// running.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pg_a_deadlock_is_found_under_a_deadlock_timeout_longer_than_a_slice() {
+    let Some(db) = pg(PG_DDL).await else { return };
+    let tenant = fresh_tenant();
+    let mut one = db.pool().begin().await.expect("begin");
+    let mut two = db.pool().begin().await.expect("begin");
+    for tx in [&mut one, &mut two] {
+        sqlx::query("SET LOCAL deadlock_timeout = '3s'")
+            .execute(&mut **tx)
+            .await
+            .expect("deadlock_timeout (superuser)");
+    }
+    assert_eq!(
+        pg_tx_long_wait(&mut one, &tenant, "a").await.expect("runs"),
+        1
+    );
+    assert_eq!(
+        pg_tx_long_wait(&mut two, &tenant, "b").await.expect("runs"),
+        2
+    );
+    let first = async {
+        let answer = with_outcome(pg_tx_long_wait(&mut one, &tenant, "b")).await;
+        if answer.0.is_ok() {
+            one.commit().await.expect("commit");
+        } else {
+            one.rollback().await.expect("rollback");
+        }
+        answer
+    };
+    let second = async {
+        let answer = with_outcome(pg_tx_long_wait(&mut two, &tenant, "a")).await;
+        if answer.0.is_ok() {
+            two.commit().await.expect("commit");
+        } else {
+            two.rollback().await.expect("rollback");
+        }
+        answer
+    };
+    let (first, second) = tokio::time::timeout(Duration::from_secs(60), async {
+        tokio::join!(first, second)
+    })
+    .await
+    .expect("nobody waits forever");
+    let answers = [&first, &second];
+    let ran = answers
+        .iter()
+        .filter(|(a, o)| a.is_ok() && *o == Some(Outcome::Executed))
+        .count();
+    assert_eq!(ran, 1, "the survivor gets the victim's key: {answers:?}");
+}
