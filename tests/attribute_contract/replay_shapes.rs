@@ -167,14 +167,14 @@ impl<'de> Deserialize<'de> for JsId {
 
 replays_equal!(
     a_json_value_replays_equal,
-    "shapes.value",
+    "replay_shapes.value",
     serde_json::Value,
     serde_json::json!({"a": 1, "b": [1.5, -2, "x", null, true, 1e20, -0.0],
         "c": {"d": u64::MAX, "e": i64::MIN, "f": 0.1}})
 );
 replays_equal!(
     maps_and_sets_replay_equal,
-    "shapes.maps",
+    "replay_shapes.maps",
     (
         HashMap<String, Vec<u8>>,
         BTreeMap<u32, String>,
@@ -192,13 +192,13 @@ replays_equal!(
 );
 replays_equal!(
     nested_options_that_are_none_or_some_some_replay_equal,
-    "shapes.options",
+    "replay_shapes.options",
     (Option<Option<u8>>, Option<Option<u8>>, Option<Option<u8>>),
     (None, Some(Some(0)), Some(Some(7)))
 );
 replays_equal!(
     flattened_structs_and_maps_replay_equal,
-    "shapes.flatten",
+    "replay_shapes.flatten",
     Flat,
     Flat {
         id: 9,
@@ -208,7 +208,7 @@ replays_equal!(
 );
 replays_equal!(
     a_flattened_option_replays_equal,
-    "shapes.flatten_option",
+    "replay_shapes.flatten_option",
     FlatOption,
     FlatOption {
         id: 9,
@@ -217,7 +217,7 @@ replays_equal!(
 );
 replays_equal!(
     skipped_fields_replay_equal,
-    "shapes.skips",
+    "replay_shapes.skips",
     (Skips, Skips),
     (
         Skips {
@@ -236,7 +236,7 @@ replays_equal!(
 );
 replays_equal!(
     pointers_and_cows_replay_equal,
-    "shapes.pointers",
+    "replay_shapes.pointers",
     (
         Box<str>,
         std::borrow::Cow<'static, str>,
@@ -252,7 +252,7 @@ replays_equal!(
 );
 replays_equal!(
     wide_and_narrow_numbers_replay_equal,
-    "shapes.numbers",
+    "replay_shapes.numbers",
     (u128, i128, f32, f32, f64, u8, i8, (u16, i32)),
     (
         u128::MAX,
@@ -267,7 +267,7 @@ replays_equal!(
 );
 replays_equal!(
     unit_and_tuple_structs_replay_equal,
-    "shapes.structs",
+    "replay_shapes.structs",
     (Unit, (), TupleStruct, Transparent, [u8; 4]),
     (
         Unit,
@@ -279,7 +279,7 @@ replays_equal!(
 );
 replays_equal!(
     externally_tagged_enums_replay_equal,
-    "shapes.external",
+    "replay_shapes.external",
     Vec<External>,
     vec![
         External::Unit,
@@ -290,7 +290,7 @@ replays_equal!(
 );
 replays_equal!(
     internally_tagged_enums_replay_equal,
-    "shapes.internal",
+    "replay_shapes.internal",
     Vec<Internal>,
     vec![
         Internal::Unit,
@@ -300,7 +300,7 @@ replays_equal!(
 );
 replays_equal!(
     adjacently_tagged_enums_replay_equal,
-    "shapes.adjacent",
+    "replay_shapes.adjacent",
     Vec<Adjacent>,
     vec![
         Adjacent::Unit,
@@ -311,7 +311,7 @@ replays_equal!(
 );
 replays_equal!(
     untagged_enums_whose_variants_write_apart_replay_equal,
-    "shapes.untagged",
+    "replay_shapes.untagged",
     (Vec<Untagged>, Vec<IntOrFloat>),
     (
         vec![
@@ -338,7 +338,7 @@ replays_equal!(
 );
 replays_equal!(
     nested_generics_replay_equal,
-    "shapes.generics",
+    "replay_shapes.generics",
     Generic<Generic<u8>>,
     Generic {
         items: vec![
@@ -360,7 +360,7 @@ replays_equal!(
 );
 replays_equal!(
     custom_serialize_impls_replay_equal,
-    "shapes.custom",
+    "replay_shapes.custom",
     (Stamp, Vec<JsId>, HashMap<String, JsId>),
     (
         Stamp(15),
@@ -370,7 +370,7 @@ replays_equal!(
 );
 replays_equal!(
     results_and_durations_replay_equal,
-    "shapes.misc",
+    "replay_shapes.misc",
     (Result<u8, String>, Result<u8, String>, std::time::Duration),
     (Ok(1), Err("e".into()), std::time::Duration::new(5, 7))
 );
@@ -431,25 +431,25 @@ enum WideFirst {
 
 refused_or_replays_equal!(
     an_untagged_struct_variant_whose_fields_swap_types_is_refused_or_replays_equal,
-    "shapes.swapped_fields",
+    "replay_shapes.swapped_fields",
     SwappedFields,
     SwappedFields::B { x: 7, y: 7 }
 );
 refused_or_replays_equal!(
     an_untagged_tuple_variant_whose_fields_swap_types_is_refused_or_replays_equal,
-    "shapes.swapped_tuple",
+    "replay_shapes.swapped_tuple",
     SwappedTuple,
     SwappedTuple::B(7, 7)
 );
 refused_or_replays_equal!(
     two_untagged_values_that_read_back_as_each_others_kinds_are_refused_or_replay_equal,
-    "shapes.swapped_enums",
+    "replay_shapes.swapped_enums",
     (NarrowFirst, WideFirst),
     (NarrowFirst::Wide(7), WideFirst::Small(7))
 );
 refused_or_replays_equal!(
     a_map_whose_values_read_back_as_each_others_kinds_is_refused_or_replays_equal,
-    "shapes.swapped_map",
+    "replay_shapes.swapped_map",
     (BTreeMap<String, NarrowFirst>, BTreeMap<String, WideFirst>),
     (
         [("a".to_owned(), NarrowFirst::Wide(1))].into(),
