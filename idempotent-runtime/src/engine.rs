@@ -696,7 +696,7 @@ where
         pins: crate::unrecorded::Pins::for_call(&identity, store, fingerprint.as_ref()),
         spec,
     };
-    let running = match before_body::<R, H, C>(
+    let (running, lease_set) = match before_body::<R, H, C>(
         (spec, store, &identity, &token),
         fingerprint.as_ref(),
         &mut guard,
@@ -709,8 +709,14 @@ where
         Ok(running) => running,
         Err(answered) => return answered,
     };
-    let (ran, lease_watch) =
-        run_with_heartbeat(store, spec, &identity, &token, spec.lease, body).await;
+    let (ran, lease_watch) = run_with_heartbeat(
+        store,
+        spec,
+        (&identity, &token),
+        (spec.lease, lease_set),
+        body,
+    )
+    .await;
     after_body::<R, H>(
         (spec, store, &identity, &token),
         &mut guard,
@@ -752,9 +758,11 @@ type CallParts<'c> = (
 );
 
 /// The call's steps up to its body: the reservation, and on a takeover the
-/// unrecorded answer or the recover hook. `Ok` with when the body starts, or
-/// `Err` with the call's answer (a replay, a refusal, a recovered answer):
-/// the body does not run.
+/// unrecorded answer or the recover hook. `Ok` with when the body starts and
+/// when its lease was last written at the earliest (the sending of the
+/// statement that wrote it: the body's first renewal is due a period after
+/// that, see [`Heartbeat`]), or `Err` with the call's answer (a replay, a
+/// refusal, a recovered answer): the body does not run.
 async fn before_body<'c, R, H, C>(
     (spec, store, identity, token): CallParts<'c>,
     fingerprint: Option<&Fingerprint>,
@@ -762,7 +770,7 @@ async fn before_body<'c, R, H, C>(
     errors: &H,
     recover: C,
     span: &tracing::Span,
-) -> Result<Instant, Answered<R>>
+) -> Result<(Instant, Instant), Answered<R>>
 where
     R: IdempotentReturn,
     H: ErrorHandling<R::Failure>,
@@ -855,9 +863,12 @@ where
     // it: another caller may have taken it over, run the body and recorded
     // its answer. One fenced renewal says whether it is still this call's
     // (and gives the body a full lease) before the hook or the body runs.
+    // The lease the body starts with was set no earlier than this.
+    let mut lease_set = acquired.sent;
     if acquired.answered_late(spec.lease, reserved_at) {
+        let renewing = Instant::now();
         match store.heartbeat(identity, token, spec.lease).await {
-            Ok(Fenced::Written) => {}
+            Ok(Fenced::Written) => lease_set = renewing,
             Ok(Fenced::NotOwner) => {
                 tracing::error!(target: "idempotent", scope = spec.scope, key = %digest,
                     attempt = acquired.attempt,
@@ -884,8 +895,14 @@ where
         // next call takes it over at once and asks the hook again. Releasing
         // it would let a retry run the body blind; leaving it (as this did)
         // refused every retry for the rest of a renewed lease.
-        let (answer, mut hook_watch) =
-            run_with_heartbeat(store, spec, identity, token, spec.lease, hook).await;
+        let (answer, mut hook_watch) = run_with_heartbeat(
+            store,
+            spec,
+            (identity, token),
+            (spec.lease, lease_set),
+            hook,
+        )
+        .await;
         // Rule 9 as for a body: a lease that lapsed while the hook ran (its
         // thread blocked) is noted, the clock read only for a hook.
         hook_watch.note_if_lapsed(spec, identity, Instant::now(), None);
@@ -904,8 +921,9 @@ where
                 // blocked, its process stopped) may have lost the record to
                 // another caller's takeover, which ran the body already: a
                 // fenced renewal says so before the body starts.
+                let renewing = Instant::now();
                 match store.heartbeat(identity, token, spec.lease).await {
-                    Ok(Fenced::Written) => {}
+                    Ok(Fenced::Written) => lease_set = renewing,
                     Ok(Fenced::NotOwner) => {
                         tracing::error!(target: "idempotent", scope = spec.scope, key = %digest,
                             attempt = acquired.attempt,
@@ -964,7 +982,7 @@ where
     } else {
         reserved_at
     };
-    Ok(running)
+    Ok((running, lease_set))
 }
 
 /// The call's steps after its body: the answer released or recorded (rules
@@ -1279,8 +1297,9 @@ pub(crate) struct Acquired {
 
 impl Acquired {
     /// Whether the reservation's answer came so late that the lease it set
-    /// may run out before the body's first renewal (due a heartbeat period,
-    /// `lease / 3`, after the body starts), or has run out already: the
+    /// may run out before the body's first renewal lands (due a heartbeat
+    /// period, `lease / 3`, after the reservation was sent), or has run out
+    /// already: the
     /// process was stopped (a GC pause, a frozen VM) or starved while the
     /// statement was decided, and another caller may have taken the record
     /// over meanwhile, and even recorded its answer.
@@ -2290,8 +2309,9 @@ type PanicPayload = Box<dyn std::any::Any + Send + 'static>;
 /// handed back at the body's end for a lapse no renewal saw.
 #[derive(Debug, Clone, Copy)]
 struct LeaseWatch {
-    /// When the lease was last written: the body's start, then the sending
-    /// of each renewal that was written.
+    /// When the lease was last written, at the earliest: the sending of the
+    /// statement that wrote it before the body started, then the sending of
+    /// each renewal that was written.
     renewed_at: Instant,
     /// A lapse was noted since then (or the lease was lost: nothing more to say).
     noted: bool,
@@ -2337,7 +2357,8 @@ impl LeaseWatch {
     }
 }
 
-/// Polls the body and, on the same task, renews the lease every `lease / 3`.
+/// Polls the body and, on the same task, renews the lease every `lease / 3`,
+/// counted from `lease_set` (no later than when the lease was last written).
 /// Nothing is spawned: when this future stops being polled, renewal stops too.
 ///
 /// Generic over the body (one copy per annotated function) only as far as
@@ -2345,12 +2366,11 @@ impl LeaseWatch {
 async fn run_with_heartbeat<R, Fut: Future<Output = R>>(
     store: &dyn Store,
     spec: &'static ScopeInfo,
-    identity: &Identity,
-    token: &OwnerToken,
-    lease: Duration,
+    (identity, token): (&Identity, &OwnerToken),
+    (lease, lease_set): (Duration, Instant),
     body: Fut,
 ) -> (Result<R, PanicPayload>, LeaseWatch) {
-    let mut beats = Heartbeat::new(store, spec, identity, token, lease);
+    let mut beats = Heartbeat::new(store, spec, (identity, token), lease, lease_set);
     let mut body = pin!(AssertUnwindSafe(body).catch_unwind());
     let out = std::future::poll_fn(|cx| {
         if let Poll::Ready(out) = body.as_mut().poll(cx) {
@@ -2374,7 +2394,7 @@ struct Heartbeat<'a> {
     token: &'a OwnerToken,
     lease: Duration,
     period: Duration,
-    /// When the first renewal is due: a period after the body starts.
+    /// When the first renewal is due: a period after the lease was written.
     first_due: Instant,
     /// Made the first time the body is pending: a body that finishes in its
     /// first poll costs no timer (fast bodies never heartbeat).
@@ -2391,9 +2411,10 @@ struct Heartbeat<'a> {
     /// Another caller owns the record now (fenced renewal): renewing again
     /// cannot win it back, so no more renewals are sent.
     lost: bool,
-    /// When the lease was last set, as far as this call knows: the body's
-    /// start (the reservation just set it), then the sending of each renewal
-    /// that was written. A renewal sent a lease or more after it finds the
+    /// When the lease was last set, as far as this call knows: the sending
+    /// of the statement that set it before the body started (the
+    /// reservation, or the renewal that checked it), then the sending of
+    /// each renewal that was written. A renewal sent a lease or more after it finds the
     /// lease already lapsed (see `note_lapse`).
     watch: LeaseWatch,
     beat_sent: Instant,
@@ -2404,17 +2425,21 @@ impl<'a> Heartbeat<'a> {
     fn new(
         store: &'a dyn Store,
         spec: &'static ScopeInfo,
-        identity: &'a Identity,
-        token: &'a OwnerToken,
+        (identity, token): (&'a Identity, &'a OwnerToken),
         lease: Duration,
+        lease_set: Instant,
     ) -> Self {
         let period = (lease / 3).max(Duration::from_millis(1));
-        // The first renewal is due a period after the body starts, whatever
-        // its first poll costs: a first poll that blocks for most of the
-        // lease finds the renewal overdue when it returns Pending, and
-        // renews at once.
-        let first_due = Instant::now() + period;
-        let started = first_due - period; // no clock read more per call
+        // The first renewal is due a period after the lease was written (at
+        // the earliest: when the statement that wrote it was sent), not after
+        // the body starts: a reservation answered late (the process paused,
+        // a slow link) leaves the body less than a lease, and a renewal a
+        // period after the body's start landed after the lease had run out,
+        // a duplicate's takeover in between (the body ran twice). Whatever
+        // the first poll costs, a renewal overdue when it returns Pending is
+        // sent at once.
+        let first_due = lease_set + period;
+        let started = lease_set; // no clock read per call
         Heartbeat {
             store,
             spec,
