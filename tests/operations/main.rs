@@ -18,6 +18,7 @@ mod cli;
 mod engine_accounting;
 mod live_races;
 mod observability;
+mod ops_hunt;
 mod purge;
 mod registry;
 mod registry_shared;

@@ -1,0 +1,439 @@
+//! An independent tester's attacks on the operations side (purge, audit, the
+//! command line), on every store: what broke is kept as a regression test of
+//! its fix, what held as a regression test of its own.
+//!
+//! Scopes carry a uuid suffix, tenants are fresh: the shared server databases
+//! work (a purge there also deletes other tests' expired records, which they
+//! allow for).
+
+use crate::common;
+
+use idempotent_runtime::audit::{audit, KnownScope};
+use idempotent_runtime::registry::Format;
+use idempotent_runtime::{
+    Completion, Fenced, Identity, MemoryStore, OwnerToken, RecordState, Reservation,
+    ReserveRequest, SqliteStore, Store, StoredOutcome,
+};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+const LONG: Duration = Duration::from_secs(3600);
+const BLINK: Duration = Duration::from_millis(1);
+
+fn unique(prefix: &str) -> String {
+    format!("{prefix}.{}", uuid::Uuid::new_v4().simple())
+}
+
+async fn reserve(
+    store: &dyn Store,
+    identity: &Identity,
+    token: &OwnerToken,
+    lease: Duration,
+    ttl: Duration,
+) -> Reservation {
+    store
+        .reserve(ReserveRequest {
+            identity,
+            fingerprint: None,
+            token,
+            lease,
+            ttl,
+        })
+        .await
+        .expect("reserve")
+}
+
+/// Waits (bounded) until, on the store's clock, every one of `ids` counts as
+/// expired (`lease_only`: its lease ran out). A record already gone counts
+/// (another test's purge on a shared server deletes only what expired).
+async fn wait_for_clock(store: &dyn Store, ids: &[Identity], lease_only: bool) {
+    for _ in 0..1000 {
+        let mut all = true;
+        for id in ids {
+            let Some(snap) = store.fetch(id).await.expect("fetch") else {
+                continue;
+            };
+            all &= if lease_only {
+                snap.lease_expires_at_ms.is_some_and(|l| l <= snap.now_ms)
+            } else {
+                snap.is_expired()
+            };
+            if !all {
+                break;
+            }
+        }
+        if all {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    panic!("the store's clock did not pass the planted expiries within 5 s");
+}
+
+/// Purges run without pause while callers race for records that have just
+/// become purgeable (abandoned: lease and ttl both run out) and records that
+/// are stuck (lease run out, ttl live), under many tenants of one scope. Of
+/// the callers of one identity exactly one acquires (a purge never deletes
+/// the record a caller has just replaced or taken over, which would let a
+/// second caller acquire it too), its completion is written (never refused as
+/// a lost lease because the purge deleted the new owner's record), the stuck
+/// records are never purged, and afterwards every record replays.
+async fn purge_races_replacements_and_takeovers(store: Arc<dyn Store>, rounds: usize) {
+    const IDENTITIES: usize = 24;
+    const CALLERS: usize = 3;
+    const PURGERS: usize = 2;
+    let scope = unique("ops.purge_race");
+    for round in 0..rounds {
+        // Half abandoned (purgeable), half stuck (a takeover's, not the purge's).
+        let mut abandoned = Vec::new();
+        let mut stuck = Vec::new();
+        for i in 0..IDENTITIES {
+            let tenant = format!("{}-{round}-{i}", common::servers::fresh_tenant());
+            let id = Identity::new(tenant, scope.as_str(), format!("k{i}")).expect("identity");
+            let ttl = if i % 2 == 0 { BLINK } else { LONG };
+            let reserved = reserve(&*store, &id, &OwnerToken::new(), BLINK, ttl).await;
+            assert!(matches!(reserved, Reservation::Acquired { .. }), "{reserved:?}");
+            if i % 2 == 0 {
+                abandoned.push(id);
+            } else {
+                stuck.push(id);
+            }
+        }
+        wait_for_clock(&*store, &abandoned, false).await;
+        wait_for_clock(&*store, &stuck, true).await;
+
+        let stop = Arc::new(AtomicBool::new(false));
+        let purged = Arc::new(AtomicU64::new(0));
+        let start = Arc::new(tokio::sync::Barrier::new(
+            PURGERS + IDENTITIES * CALLERS,
+        ));
+        let mut purgers = Vec::new();
+        for p in 0..PURGERS {
+            let (store, stop, purged, start) = (
+                Arc::clone(&store),
+                Arc::clone(&stop),
+                Arc::clone(&purged),
+                Arc::clone(&start),
+            );
+            purgers.push(tokio::spawn(async move {
+                start.wait().await;
+                // Small batches: many statements interleave with the callers.
+                let batch = 1 + p as u32 * 2;
+                while !stop.load(Ordering::SeqCst) {
+                    let n = store.purge_expired(batch).await.expect("purge");
+                    purged.fetch_add(n, Ordering::SeqCst);
+                    tokio::task::yield_now().await;
+                }
+            }));
+        }
+        let all: Vec<Identity> = abandoned.iter().chain(&stuck).cloned().collect();
+        let mut callers = Vec::new();
+        for id in &all {
+            for _ in 0..CALLERS {
+                let (store, id, start) = (Arc::clone(&store), id.clone(), Arc::clone(&start));
+                callers.push(tokio::spawn(async move {
+                    start.wait().await;
+                    let token = OwnerToken::new();
+                    let answer = reserve(&*store, &id, &token, LONG, LONG).await;
+                    (id, token, answer)
+                }));
+            }
+        }
+        let mut owners: std::collections::HashMap<Identity, Vec<(OwnerToken, bool)>> =
+            Default::default();
+        for caller in callers {
+            let (id, token, answer) = caller.await.expect("caller");
+            match answer {
+                Reservation::Acquired { took_over, .. } => {
+                    owners.entry(id).or_default().push((token, took_over))
+                }
+                Reservation::InProgress { .. } => {}
+                other => panic!("{}: unexpected answer {other:?}", store.name()),
+            }
+        }
+        // Completions while the purges still run.
+        for id in &all {
+            let acquired = owners.get(id).map_or(0, Vec::len);
+            assert_eq!(
+                acquired,
+                1,
+                "{} round {round}: {acquired} callers of one identity acquired it (purged {})",
+                store.name(),
+                purged.load(Ordering::SeqCst)
+            );
+            let (token, took_over) = &owners[id][0];
+            let outcome = StoredOutcome {
+                is_error: false,
+                payload: b"\"done\"".to_vec(),
+            };
+            let written = store
+                .complete(Completion::by_body(id, token, &outcome, LONG))
+                .await
+                .expect("complete");
+            assert_eq!(
+                written,
+                Fenced::Written,
+                "{} round {round}: the new owner's completion was refused (took over: {took_over})",
+                store.name()
+            );
+        }
+        stop.store(true, Ordering::SeqCst);
+        for p in purgers {
+            p.await.expect("purger");
+        }
+        for id in &all {
+            let snap = store.fetch(id).await.expect("fetch");
+            assert_eq!(
+                snap.map(|s| s.state),
+                Some(RecordState::Complete),
+                "{}",
+                store.name()
+            );
+            let replay = reserve(&*store, id, &OwnerToken::new(), LONG, LONG).await;
+            assert!(
+                matches!(replay, Reservation::Completed(_)),
+                "{}: {replay:?}",
+                store.name()
+            );
+        }
+        // The stuck ones were taken over (attempt 2), never replaced.
+        for id in &stuck {
+            assert!(owners[id][0].1, "{}: a stuck record was purged", store.name());
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn purge_races_replacements_and_takeovers_on_memory() {
+    purge_races_replacements_and_takeovers(Arc::new(MemoryStore::new()), 10).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn purge_races_replacements_and_takeovers_on_sqlite() {
+    let store = SqliteStore::connect(&common::scratch::sqlite_url("ops-purge-race"))
+        .await
+        .expect("sqlite");
+    purge_races_replacements_and_takeovers(Arc::new(store), 4).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn purge_races_replacements_and_takeovers_on_postgres() {
+    let Some(store) = common::servers::pg_store_or_skip().await else {
+        return;
+    };
+    purge_races_replacements_and_takeovers(Arc::new(store), 6).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn purge_races_replacements_and_takeovers_on_mariadb() {
+    let Some(store) = common::servers::mysql_store_or_skip().await else {
+        return;
+    };
+    purge_races_replacements_and_takeovers(Arc::new(store), 6).await;
+}
+
+/// A scope name in the store is whatever was written there (the `Store` API
+/// checks its length alone; an older build, another program): the audit's
+/// table shows one holding a line break or a terminal escape as text, on one
+/// line of its own, so it can neither forge rows nor a summary, nor drive the
+/// operator's terminal.
+#[tokio::test]
+async fn an_audit_table_shows_control_characters_in_a_scope_as_text() {
+    let store = MemoryStore::new();
+    let forged = "evil.scope\norders.place  claimed  1  0  0  0  0  0  -  app\n\
+                  memory store: 1 scope(s), 1 record(s); 0 orphan scope(s)\x1b[2K";
+    let id = Identity::new("t", forged, "k").expect("the Store API takes it");
+    let token = OwnerToken::new();
+    let reserved = reserve(&store, &id, &token, LONG, LONG).await;
+    assert!(matches!(reserved, Reservation::Acquired { .. }));
+    let report = audit(&store, &[KnownScope::claimed("orders.place", "app")])
+        .await
+        .expect("audit");
+    let table = report.render(Format::Table);
+    assert!(
+        !table.contains('\x1b'),
+        "the terminal escape is printed raw:\n{table}"
+    );
+    // Header, rule, two rows (the orphan and the unused claimed scope), an
+    // empty line, the summary and the orphans' advice.
+    let rows: Vec<&str> = table
+        .lines()
+        .skip(2)
+        .take_while(|l| !l.is_empty())
+        .collect();
+    assert_eq!(rows.len(), 2, "the scope forged rows:\n{table}");
+    assert!(
+        rows.iter().any(|r| r.starts_with("evil.scope\\n")),
+        "{table}"
+    );
+    // The JSON keeps the scope as it is (escaped by JSON itself).
+    let json: serde_json::Value =
+        serde_json::from_str(&report.render(Format::Json)).expect("json");
+    assert!(json["scopes"]
+        .as_array()
+        .expect("scopes")
+        .iter()
+        .any(|s| s["scope"] == forged));
+}
+
+/// A database a newer build has migrated (its history holds a version this
+/// build does not know: a rolling deploy, or a rollback) is left alone, as the
+/// README's upgrade section says, by the command line too: `audit` and
+/// `purge` work there, the purge deletes the expired records of many tenants
+/// and none of the live ones, the audit then agrees with the store, and the
+/// unknown version is still in the history.
+#[tokio::test]
+async fn the_command_line_works_on_a_database_a_newer_build_migrated() {
+    use idempotent_runtime::cli::run_from;
+    let path = common::scratch::sqlite_path("ops-cli-newer");
+    let url = format!("sqlite://{}?mode=rwc", path.display());
+    let store = SqliteStore::connect(&url).await.expect("a store");
+    sqlx::query(
+        "INSERT INTO idempotency_schema_migrations (version, description, checksum, applied_at) \
+         VALUES (9999, 'a newer build', x'00', 0)",
+    )
+    .execute(store.pool())
+    .await
+    .expect("a newer build's migration");
+    let scope = "orders.place";
+    let mut expired = Vec::new();
+    let mut live = Vec::new();
+    for i in 0..40 {
+        // Tenants of every shape the identity takes.
+        let tenant = format!("tenant {i} ü/é'\"%_*");
+        let ttl = if i % 2 == 0 { BLINK } else { LONG };
+        let id = common::records::plant(&store, &tenant, scope, LONG, LONG, Some(ttl)).await;
+        if i % 2 == 0 {
+            expired.push(id);
+        } else {
+            live.push(id);
+        }
+    }
+    wait_for_clock(&store, &expired, false).await;
+    let dir = common::scratch::dir("ops-cli-newer");
+    let manifest = dir.join("idempotent.toml");
+    std::fs::write(&manifest, "[scopes.\"orders.place\"]\n").expect("manifest");
+    let manifest = manifest.display().to_string();
+    let file_url = format!("sqlite://{}", path.display());
+
+    let audit_json = || {
+        run_from([
+            "idempotent",
+            "audit",
+            "--database-url",
+            &file_url,
+            "--manifest",
+            &manifest,
+            "--json",
+        ])
+    };
+    let before: serde_json::Value =
+        serde_json::from_str(&audit_json().await.expect("audit")).expect("json");
+    assert_eq!(before["scopes"][0]["expired"], 20, "{before}");
+    assert_eq!(before["scopes"][0]["complete"], 20, "{before}");
+    let purged: serde_json::Value = serde_json::from_str(
+        &run_from([
+            "idempotent",
+            "purge",
+            "--database-url",
+            &file_url,
+            "--batch",
+            "3",
+            "--json",
+        ])
+        .await
+        .expect("purge"),
+    )
+    .expect("json");
+    assert_eq!(purged["deleted"], 20, "{purged}");
+    let after: serde_json::Value =
+        serde_json::from_str(&audit_json().await.expect("audit")).expect("json");
+    assert_eq!(after["scopes"][0]["expired"], 0, "{after}");
+    assert_eq!(after["scopes"][0]["complete"], 20, "{after}");
+    for id in &live {
+        assert_eq!(
+            store.fetch(id).await.expect("fetch").map(|s| s.state),
+            Some(RecordState::Complete)
+        );
+    }
+    for id in &expired {
+        assert!(store.fetch(id).await.expect("fetch").is_none());
+    }
+    let kept: i64 =
+        sqlx::query_scalar("SELECT COUNT(*) FROM idempotency_schema_migrations WHERE version = 9999")
+            .fetch_one(store.pool())
+            .await
+            .expect("history");
+    assert_eq!(kept, 1);
+}
+
+/// An in-memory SQLite URL names a database that is new and empty whenever
+/// the command opens it: every command says it holds no idempotency records
+/// (check the URL), never that its schema is older than the command's (which
+/// sends the operator to deploy the application first).
+#[tokio::test]
+async fn an_in_memory_sqlite_url_is_said_to_hold_no_records() {
+    use idempotent_runtime::cli::{run_from, CliError};
+    let dir = common::scratch::dir("ops-cli-memory");
+    let manifest = dir.join("idempotent.toml");
+    std::fs::write(&manifest, "[scopes.\"orders.place\"]\n").expect("manifest");
+    let manifest = manifest.display().to_string();
+    for url in [
+        "sqlite::memory:",
+        "sqlite://:memory:",
+        "sqlite:file::memory:",
+        "sqlite:file:ops?mode=memory",
+    ] {
+        for command in [
+            vec!["idempotent", "audit", "--database-url", url, "--manifest", &manifest],
+            vec!["idempotent", "purge", "--database-url", url],
+            vec![
+                "idempotent",
+                "inspect",
+                "--database-url",
+                url,
+                "--scope",
+                "orders.place",
+                "--tenant",
+                "t",
+                "--key",
+                "k",
+            ],
+        ] {
+            let e = run_from(command.clone()).await.expect_err("nothing there");
+            assert!(
+                matches!(e, CliError::NoIdempotencyTables),
+                "{command:?}: {e}"
+            );
+        }
+    }
+}
+
+/// A purger asked to run once and then (as good as) never again, with an
+/// interval of `Duration::MAX`, runs its first run at once and stays up
+/// (the timer's next deadline, now plus the interval, does not fit in an
+/// `Instant`: the task panicked before its first run, and the purger was
+/// dead with nothing purged).
+#[tokio::test]
+async fn a_purger_with_the_longest_interval_runs_at_once_and_stays_up() {
+    use idempotent_runtime::purge::{Purger, PurgerConfig};
+    let store = MemoryStore::new();
+    let expired =
+        common::records::plant(&store, "t", "ops.purger_max", LONG, LONG, Some(BLINK)).await;
+    wait_for_clock(&store, std::slice::from_ref(&expired), false).await;
+    for interval in [Duration::MAX, Duration::from_secs(u64::MAX / 2)] {
+        let purger = Purger::spawn(store.clone(), PurgerConfig { interval, batch: 10 });
+        // Bounded: a run ends, or the task does.
+        for _ in 0..2000 {
+            if purger.stats().runs > 0 || purger.is_finished() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert!(!purger.is_finished(), "{interval:?}: the purger's task ended");
+        let stats = purger.shutdown().await;
+        assert_eq!(stats.runs, 1, "{interval:?}: {stats:?}");
+    }
+    assert!(store.fetch(&expired).await.expect("fetch").is_none());
+}
