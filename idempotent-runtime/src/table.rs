@@ -4,10 +4,19 @@
 /// Renders `rows` under `header` as left-aligned columns separated by two
 /// spaces, with a dashed rule under the header. Widths count characters, not
 /// bytes. Trailing spaces are trimmed from every line.
+///
+/// A control character in a cell is written escaped (`\n`, `\u{1b}`): cells
+/// can hold text from a store (a scope name any program wrote there), which
+/// must neither break a row into lines that read as other rows or a summary,
+/// nor drive the operator's terminal.
 pub(crate) fn render(header: &[&str], rows: &[Vec<String>]) -> String {
+    let rows: Vec<Vec<std::borrow::Cow<'_, str>>> = rows
+        .iter()
+        .map(|row| row.iter().map(|cell| printable(cell)).collect())
+        .collect();
     let columns = header.len();
     let mut widths: Vec<usize> = header.iter().map(|h| h.chars().count()).collect();
-    for row in rows {
+    for row in &rows {
         for (i, cell) in row.iter().enumerate().take(columns) {
             widths[i] = widths[i].max(cell.chars().count());
         }
@@ -29,10 +38,27 @@ pub(crate) fn render(header: &[&str], rows: &[Vec<String>]) -> String {
     line(&mut header.iter().copied());
     let rule: Vec<String> = widths.iter().map(|w| "-".repeat(*w)).collect();
     line(&mut rule.iter().map(String::as_str));
-    for row in rows {
-        line(&mut row.iter().map(String::as_str));
+    for row in &rows {
+        line(&mut row.iter().map(|cell| &**cell));
     }
     out
+}
+
+/// `cell` with its control characters escaped (as `char::escape_default`
+/// writes them); as it is when it has none.
+fn printable(cell: &str) -> std::borrow::Cow<'_, str> {
+    if !cell.chars().any(char::is_control) {
+        return std::borrow::Cow::Borrowed(cell);
+    }
+    let mut out = String::with_capacity(cell.len() + 8);
+    for c in cell.chars() {
+        if c.is_control() {
+            out.extend(c.escape_default());
+        } else {
+            out.push(c);
+        }
+    }
+    std::borrow::Cow::Owned(out)
 }
 
 #[cfg(test)]

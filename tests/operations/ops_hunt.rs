@@ -383,7 +383,6 @@ async fn an_in_memory_sqlite_url_is_said_to_hold_no_records() {
         "sqlite::memory:",
         "sqlite://:memory:",
         "sqlite:file::memory:",
-        "sqlite:file:ops?mode=memory",
     ] {
         for command in [
             vec!["idempotent", "audit", "--database-url", url, "--manifest", &manifest],
