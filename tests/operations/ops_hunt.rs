@@ -436,3 +436,200 @@ async fn a_purger_with_the_longest_interval_runs_at_once_and_stays_up() {
     }
     assert!(store.fetch(&expired).await.expect("fetch").is_none());
 }
+
+/// What the audit calls each record is what the next call of its key finds,
+/// on every store: a complete record replays, an expired one (complete, or in
+/// progress with lease and ttl both run out) is replaced as attempt 1, an
+/// in-progress one whose ttl ran out but whose lease is live is in progress
+/// (never expired), a stuck one is taken over as attempt 2; taken-over and
+/// recovered records are counted, and so are the waits of the stuck and the
+/// unpurged. Run in a database (schema) of its own: nobody else's purge
+/// deletes the planted expired records.
+async fn the_audit_agrees_with_the_next_call(store: &dyn Store) {
+    let scope = unique("ops.audit_agrees");
+    let tenant = common::servers::fresh_tenant();
+    let id = |name: &str| Identity::new(tenant.as_str(), scope.as_str(), name).expect("identity");
+    let outcome = StoredOutcome {
+        is_error: false,
+        payload: b"\"ok\"".to_vec(),
+    };
+    let plant = |name: &'static str, lease: Duration, ttl: Duration| {
+        let identity = id(name);
+        async move {
+            let token = OwnerToken::new();
+            let r = reserve(store, &identity, &token, lease, ttl).await;
+            assert!(matches!(r, Reservation::Acquired { .. }), "{name}: {r:?}");
+            (identity, token)
+        }
+    };
+    let complete = |identity: &Identity, token: &OwnerToken, ttl: Duration, by| {
+        let (identity, token, outcome) = (identity.clone(), token.clone(), outcome.clone());
+        async move {
+            let written = store
+                .complete(Completion {
+                    identity: &identity,
+                    token: &token,
+                    outcome: &outcome,
+                    ttl,
+                    by,
+                })
+                .await
+                .expect("complete");
+            assert_eq!(written, Fenced::Written);
+        }
+    };
+    use idempotent_runtime::AnsweredBy::{Body, RecoverHook};
+    let (live, t) = plant("complete-live", LONG, LONG).await;
+    complete(&live, &t, LONG, Body).await;
+    let (expired_complete, t) = plant("complete-expired", LONG, LONG).await;
+    complete(&expired_complete, &t, BLINK, Body).await;
+    let (running_past_ttl, _) = plant("running-past-ttl", LONG, BLINK).await;
+    let (stuck, _) = plant("stuck", BLINK, LONG).await;
+    let (abandoned, _) = plant("abandoned", BLINK, BLINK).await;
+    let (taken, _) = plant("taken-over", BLINK, LONG).await;
+    let (recovered, _) = plant("recovered", BLINK, LONG).await;
+    wait_for_clock(
+        store,
+        &[expired_complete.clone(), abandoned.clone()],
+        false,
+    )
+    .await;
+    wait_for_clock(
+        store,
+        &[stuck.clone(), taken.clone(), recovered.clone()],
+        true,
+    )
+    .await;
+    for (identity, by) in [(&taken, Body), (&recovered, RecoverHook)] {
+        let token = OwnerToken::new();
+        let r = reserve(store, identity, &token, LONG, LONG).await;
+        assert!(
+            matches!(r, Reservation::Acquired { took_over: true, attempt: 2, .. }),
+            "{r:?}"
+        );
+        complete(identity, &token, LONG, by).await;
+    }
+    // The running record's ttl has run out by now (it was planted before
+    // the expired ones, with the same ttl).
+    let snap = store
+        .fetch(&running_past_ttl)
+        .await
+        .expect("fetch")
+        .expect("a live lease keeps it");
+    assert!(snap.expires_at_ms <= snap.now_ms, "{snap:?}");
+
+    let report = audit(store, &[KnownScope::claimed(scope.as_str(), "ops")])
+        .await
+        .expect("audit");
+    let s = report.scope(&scope).expect("the scope");
+    let name = store.name();
+    assert_eq!(
+        (s.complete, s.in_progress, s.stuck, s.expired),
+        (3, 1, 1, 2),
+        "{name}: {s:?}"
+    );
+    assert_eq!((s.taken_over, s.recovered), (2, 1), "{name}: {s:?}");
+    assert!(
+        s.longest_stuck_ms.is_some_and(|ms| ms >= 0),
+        "{name}: {s:?}"
+    );
+    assert!(
+        s.longest_unpurged_ms.is_some_and(|ms| ms >= 0),
+        "{name}: {s:?}"
+    );
+
+    // The next call of each key.
+    let next = |identity: &Identity| {
+        let identity = identity.clone();
+        async move { reserve(store, &identity, &OwnerToken::new(), LONG, LONG).await }
+    };
+    for identity in [&live, &taken, &recovered] {
+        let r = next(identity).await;
+        assert!(matches!(r, Reservation::Completed(_)), "{name}: {r:?}");
+    }
+    for identity in [&expired_complete, &abandoned] {
+        let r = next(identity).await;
+        assert!(
+            matches!(r, Reservation::Acquired { took_over: false, attempt: 1, .. }),
+            "{name}: {r:?}"
+        );
+    }
+    let r = next(&running_past_ttl).await;
+    assert!(matches!(r, Reservation::InProgress { .. }), "{name}: {r:?}");
+    let r = next(&stuck).await;
+    assert!(
+        matches!(r, Reservation::Acquired { took_over: true, attempt: 2, .. }),
+        "{name}: {r:?}"
+    );
+    // And the audit follows: the replaced and taken-over records are live.
+    let report = audit(store, &[KnownScope::claimed(scope.as_str(), "ops")])
+        .await
+        .expect("audit");
+    let s = report.scope(&scope).expect("the scope");
+    assert_eq!(
+        (s.complete, s.in_progress, s.stuck, s.expired, s.taken_over),
+        (3, 4, 0, 0, 3),
+        "{name}: {s:?}"
+    );
+}
+
+#[tokio::test]
+async fn the_audit_agrees_with_the_next_call_on_memory() {
+    the_audit_agrees_with_the_next_call(&MemoryStore::new()).await;
+}
+
+#[tokio::test]
+async fn the_audit_agrees_with_the_next_call_on_sqlite() {
+    let store = SqliteStore::connect(&common::scratch::sqlite_url("ops-audit-agrees"))
+        .await
+        .expect("sqlite");
+    the_audit_agrees_with_the_next_call(&store).await;
+}
+
+#[tokio::test]
+async fn the_audit_agrees_with_the_next_call_on_postgres() {
+    if common::servers::pg_store_or_skip().await.is_none() {
+        return;
+    }
+    let base = common::servers::pg_url();
+    let schema = format!("h_ops_audit_{}", uuid::Uuid::new_v4().simple());
+    let mut admin = <sqlx::PgConnection as sqlx::Connection>::connect(&base)
+        .await
+        .expect("connect");
+    sqlx::query(&format!("CREATE SCHEMA {schema}"))
+        .execute(&mut admin)
+        .await
+        .expect("create schema");
+    let separator = if base.contains('?') { '&' } else { '?' };
+    let url = format!("{base}{separator}options=-c%20search_path%3D{schema}");
+    let store = idempotent_runtime::PgStore::connect(&url)
+        .await
+        .expect("a store in the schema");
+    the_audit_agrees_with_the_next_call(&store).await;
+    drop(store);
+    sqlx::query(&format!("DROP SCHEMA {schema} CASCADE"))
+        .execute(&mut admin)
+        .await
+        .expect("drop schema");
+}
+
+#[tokio::test]
+async fn the_audit_agrees_with_the_next_call_on_mariadb() {
+    let Some(admin) = common::servers::mysql_store_or_skip().await else {
+        return;
+    };
+    let database = common::servers::mysql_create_database(&admin, "h_ops_audit").await;
+    let url = match common::servers::mysql_url().rsplit_once('/') {
+        Some((server, _)) => format!("{server}/{database}"),
+        None => panic!("a database in the URL"),
+    };
+    let store = idempotent_runtime::MySqlStore::connect(&url)
+        .await
+        .expect("a store in the database");
+    the_audit_agrees_with_the_next_call(&store).await;
+    drop(store);
+    sqlx::query(&format!("DROP DATABASE `{database}`"))
+        .execute(admin.pool())
+        .await
+        .expect("drop database");
+}
