@@ -633,3 +633,25 @@ async fn the_audit_agrees_with_the_next_call_on_mariadb() {
         .await
         .expect("drop database");
 }
+
+/// A SQLite file opened read-only (`?mode=ro`, as the README shows for
+/// `audit`) is audited, and a purge through it fails saying the database is
+/// read-only, deleting nothing, rather than pretending it purged.
+#[tokio::test]
+async fn a_purge_through_a_read_only_sqlite_url_fails_saying_so() {
+    use idempotent_runtime::cli::run_from;
+    let path = common::scratch::sqlite_path("ops-cli-ro");
+    let store = SqliteStore::connect(&format!("sqlite://{}?mode=rwc", path.display()))
+        .await
+        .expect("a store");
+    let expired =
+        common::records::plant(&store, "t", "orders.place", LONG, LONG, Some(BLINK)).await;
+    wait_for_clock(&store, std::slice::from_ref(&expired), false).await;
+    let ro = format!("sqlite:file:{}?mode=ro", path.display());
+    let e = run_from(["idempotent", "purge", "--database-url", &ro])
+        .await
+        .expect_err("a read-only database cannot be purged");
+    let text = e.to_string();
+    assert!(text.contains("read"), "{text}");
+    assert!(store.fetch(&expired).await.expect("fetch").is_some());
+}
