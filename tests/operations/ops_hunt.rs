@@ -93,7 +93,10 @@ async fn purge_races_replacements_and_takeovers(store: Arc<dyn Store>, rounds: u
             let id = Identity::new(tenant, scope.as_str(), format!("k{i}")).expect("identity");
             let ttl = if i % 2 == 0 { BLINK } else { LONG };
             let reserved = reserve(&*store, &id, &OwnerToken::new(), BLINK, ttl).await;
-            assert!(matches!(reserved, Reservation::Acquired { .. }), "{reserved:?}");
+            assert!(
+                matches!(reserved, Reservation::Acquired { .. }),
+                "{reserved:?}"
+            );
             if i % 2 == 0 {
                 abandoned.push(id);
             } else {
@@ -105,9 +108,7 @@ async fn purge_races_replacements_and_takeovers(store: Arc<dyn Store>, rounds: u
 
         let stop = Arc::new(AtomicBool::new(false));
         let purged = Arc::new(AtomicU64::new(0));
-        let start = Arc::new(tokio::sync::Barrier::new(
-            PURGERS + IDENTITIES * CALLERS,
-        ));
+        let start = Arc::new(tokio::sync::Barrier::new(PURGERS + IDENTITIES * CALLERS));
         let mut purgers = Vec::new();
         for p in 0..PURGERS {
             let (store, stop, purged, start) = (
@@ -199,7 +200,11 @@ async fn purge_races_replacements_and_takeovers(store: Arc<dyn Store>, rounds: u
         }
         // The stuck ones were taken over (attempt 2), never replaced.
         for id in &stuck {
-            assert!(owners[id][0].1, "{}: a stuck record was purged", store.name());
+            assert!(
+                owners[id][0].1,
+                "{}: a stuck record was purged",
+                store.name()
+            );
         }
     }
 }
@@ -268,8 +273,7 @@ async fn an_audit_table_shows_control_characters_in_a_scope_as_text() {
         "{table}"
     );
     // The JSON keeps the scope as it is (escaped by JSON itself).
-    let json: serde_json::Value =
-        serde_json::from_str(&report.render(Format::Json)).expect("json");
+    let json: serde_json::Value = serde_json::from_str(&report.render(Format::Json)).expect("json");
     assert!(json["scopes"]
         .as_array()
         .expect("scopes")
@@ -360,11 +364,12 @@ async fn the_command_line_works_on_a_database_a_newer_build_migrated() {
     for id in &expired {
         assert!(store.fetch(id).await.expect("fetch").is_none());
     }
-    let kept: i64 =
-        sqlx::query_scalar("SELECT COUNT(*) FROM idempotency_schema_migrations WHERE version = 9999")
-            .fetch_one(store.pool())
-            .await
-            .expect("history");
+    let kept: i64 = sqlx::query_scalar(
+        "SELECT COUNT(*) FROM idempotency_schema_migrations WHERE version = 9999",
+    )
+    .fetch_one(store.pool())
+    .await
+    .expect("history");
     assert_eq!(kept, 1);
 }
 
@@ -385,7 +390,14 @@ async fn an_in_memory_sqlite_url_is_said_to_hold_no_records() {
         "sqlite:file::memory:",
     ] {
         for command in [
-            vec!["idempotent", "audit", "--database-url", url, "--manifest", &manifest],
+            vec![
+                "idempotent",
+                "audit",
+                "--database-url",
+                url,
+                "--manifest",
+                &manifest,
+            ],
             vec!["idempotent", "purge", "--database-url", url],
             vec![
                 "idempotent",
@@ -422,7 +434,13 @@ async fn a_purger_with_the_longest_interval_runs_at_once_and_stays_up() {
         common::records::plant(&store, "t", "ops.purger_max", LONG, LONG, Some(BLINK)).await;
     wait_for_clock(&store, std::slice::from_ref(&expired), false).await;
     for interval in [Duration::MAX, Duration::from_secs(u64::MAX / 2)] {
-        let purger = Purger::spawn(store.clone(), PurgerConfig { interval, batch: 10 });
+        let purger = Purger::spawn(
+            store.clone(),
+            PurgerConfig {
+                interval,
+                batch: 10,
+            },
+        );
         // Bounded: a run ends, or the task does.
         for _ in 0..2000 {
             if purger.stats().runs > 0 || purger.is_finished() {
@@ -430,7 +448,10 @@ async fn a_purger_with_the_longest_interval_runs_at_once_and_stays_up() {
             }
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
-        assert!(!purger.is_finished(), "{interval:?}: the purger's task ended");
+        assert!(
+            !purger.is_finished(),
+            "{interval:?}: the purger's task ended"
+        );
         let stats = purger.shutdown().await;
         assert_eq!(stats.runs, 1, "{interval:?}: {stats:?}");
     }
@@ -488,12 +509,7 @@ async fn the_audit_agrees_with_the_next_call(store: &dyn Store) {
     let (abandoned, _) = plant("abandoned", BLINK, BLINK).await;
     let (taken, _) = plant("taken-over", BLINK, LONG).await;
     let (recovered, _) = plant("recovered", BLINK, LONG).await;
-    wait_for_clock(
-        store,
-        &[expired_complete.clone(), abandoned.clone()],
-        false,
-    )
-    .await;
+    wait_for_clock(store, &[expired_complete.clone(), abandoned.clone()], false).await;
     wait_for_clock(
         store,
         &[stuck.clone(), taken.clone(), recovered.clone()],
@@ -504,7 +520,14 @@ async fn the_audit_agrees_with_the_next_call(store: &dyn Store) {
         let token = OwnerToken::new();
         let r = reserve(store, identity, &token, LONG, LONG).await;
         assert!(
-            matches!(r, Reservation::Acquired { took_over: true, attempt: 2, .. }),
+            matches!(
+                r,
+                Reservation::Acquired {
+                    took_over: true,
+                    attempt: 2,
+                    ..
+                }
+            ),
             "{r:?}"
         );
         complete(identity, &token, LONG, by).await;
@@ -550,7 +573,14 @@ async fn the_audit_agrees_with_the_next_call(store: &dyn Store) {
     for identity in [&expired_complete, &abandoned] {
         let r = next(identity).await;
         assert!(
-            matches!(r, Reservation::Acquired { took_over: false, attempt: 1, .. }),
+            matches!(
+                r,
+                Reservation::Acquired {
+                    took_over: false,
+                    attempt: 1,
+                    ..
+                }
+            ),
             "{name}: {r:?}"
         );
     }
@@ -558,7 +588,14 @@ async fn the_audit_agrees_with_the_next_call(store: &dyn Store) {
     assert!(matches!(r, Reservation::InProgress { .. }), "{name}: {r:?}");
     let r = next(&stuck).await;
     assert!(
-        matches!(r, Reservation::Acquired { took_over: true, attempt: 2, .. }),
+        matches!(
+            r,
+            Reservation::Acquired {
+                took_over: true,
+                attempt: 2,
+                ..
+            }
+        ),
         "{name}: {r:?}"
     );
     // And the audit follows: the replaced and taken-over records are live.

@@ -1696,6 +1696,39 @@ async fn release_with<'e, E: Executor<'e, Database = Postgres>>(
     fenced("release", on_owned_record(sql, identity, token), executor).await
 }
 
+impl PgStore {
+    /// One statement of the purge: up to `chunk` expired records.
+    async fn purge_chunk(&self, chunk: u32) -> Result<u64, StoreError> {
+        // A connection code sharing the pool left inside a transaction
+        // (a plain `BEGIN`, then an early return) is closed, rolling that
+        // transaction back, and another taken: deletes made there would
+        // be counted, seen by nobody else, and rolled back with it. One
+        // more round trip per chunk (the purge's path alone).
+        let mut conn = super::outside_any_transaction::<_, ClosedIfDropped<Postgres>, _>(
+            STORE,
+            "purge expired records",
+            &self.pools.current(),
+            None,
+            super::IfLeftOpen::Close,
+            |conn| {
+                Box::pin(async move {
+                    started_before_this_statement(conn)
+                        .await
+                        .map_err(err("check for an open transaction"))
+                })
+            },
+        )
+        .await?;
+        let done = sqlx::query(&self.statements.purge)
+            .bind(i64::from(chunk))
+            .execute(&mut *conn)
+            .await
+            .map_err(err("purge expired records"))?;
+        conn.hand_back();
+        Ok(done.rows_affected())
+    }
+}
+
 #[async_trait::async_trait]
 impl Store for PgStore {
     fn name(&self) -> &'static str {
@@ -1839,34 +1872,20 @@ impl Store for PgStore {
 
     async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError> {
         super::purge_in_chunks(STORE, batch, |chunk| async move {
-            // A statement cut short by the purge's bound closes its connection.
-            // A connection code sharing the pool left inside a transaction
-            // (a plain `BEGIN`, then an early return) is closed, rolling that
-            // transaction back, and another taken: deletes made there would
-            // be counted, seen by nobody else, and rolled back with it. One
-            // more round trip per chunk (the purge's path alone).
-            let mut conn = super::outside_any_transaction::<_, ClosedIfDropped<Postgres>, _>(
-                STORE,
-                "purge expired records",
-                &self.pools.current(),
-                None,
-                super::IfLeftOpen::Close,
-                |conn| {
-                    Box::pin(async move {
-                        started_before_this_statement(conn)
-                            .await
-                            .map_err(err("check for an open transaction"))
-                    })
-                },
-            )
-            .await?;
-            let done = sqlx::query(&self.statements.purge)
-                .bind(i64::from(chunk))
-                .execute(&mut *conn)
-                .await
-                .map_err(err("purge expired records"))?;
-            conn.hand_back();
-            Ok(done.rows_affected())
+            // Under REPEATABLE READ or SERIALIZABLE as the database's or the
+            // pool's default, a row another purge (another process's purger,
+            // the command line) deleted, or a reservation replaced, after the
+            // statement's snapshot fails the lock with 40001: sent again, the
+            // statement has a fresh snapshot (it only ever deletes expired
+            // records, so it is safe to repeat).
+            let mut tries = 0;
+            loop {
+                tries += 1;
+                match self.purge_chunk(chunk).await {
+                    Err(e) if tries < FENCED_WRITE_TRIES && is_serialization_failure(&e) => {}
+                    answer => break answer,
+                }
+            }
         })
         .await
     }
