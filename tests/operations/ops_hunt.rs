@@ -788,3 +788,73 @@ async fn a_purge_under_serializable_outlives_a_concurrent_purge_of_its_rows_on_p
         0
     );
 }
+
+/// A record taken over and then abandoned for good (lease and ttl run out)
+/// is replaced by the next call as a fresh attempt 1, never taken over as
+/// attempt 3, and the audit no longer counts it as taken over: on every
+/// store.
+async fn a_taken_over_record_that_expired_starts_again_at_attempt_1(store: &dyn Store) {
+    let scope = unique("ops.retaken");
+    let id = Identity::new(common::servers::fresh_tenant(), scope.as_str(), "k").expect("id");
+    let r = reserve(store, &id, &OwnerToken::new(), BLINK, LONG).await;
+    assert!(
+        matches!(r, Reservation::Acquired { attempt: 1, .. }),
+        "{r:?}"
+    );
+    wait_for_clock(store, std::slice::from_ref(&id), true).await;
+    let r = reserve(store, &id, &OwnerToken::new(), BLINK, BLINK).await;
+    assert!(
+        matches!(
+            r,
+            Reservation::Acquired {
+                took_over: true,
+                attempt: 2,
+                ..
+            }
+        ),
+        "{}: {r:?}",
+        store.name()
+    );
+    wait_for_clock(store, std::slice::from_ref(&id), false).await;
+    // (Another test's purge on a shared server may have deleted it already.)
+    let report = audit(store, &[]).await.expect("audit");
+    if let Some(s) = report.scope(&scope) {
+        assert_eq!((s.expired, s.taken_over), (1, 0), "{}: {s:?}", store.name());
+    }
+    let r = reserve(store, &id, &OwnerToken::new(), LONG, LONG).await;
+    assert!(
+        matches!(
+            r,
+            Reservation::Acquired {
+                took_over: false,
+                attempt: 1,
+                ..
+            }
+        ),
+        "{}: {r:?}",
+        store.name()
+    );
+    let report = audit(store, &[]).await.expect("audit");
+    let s = report.scope(&scope).expect("listed");
+    assert_eq!(
+        (s.in_progress, s.taken_over, s.expired),
+        (1, 0, 0),
+        "{}: {s:?}",
+        store.name()
+    );
+}
+
+#[tokio::test]
+async fn a_taken_over_record_that_expired_starts_again_on_every_store() {
+    a_taken_over_record_that_expired_starts_again_at_attempt_1(&MemoryStore::new()).await;
+    let sqlite = SqliteStore::connect(&common::scratch::sqlite_url("ops-retaken"))
+        .await
+        .expect("sqlite");
+    a_taken_over_record_that_expired_starts_again_at_attempt_1(&sqlite).await;
+    if let Some(pg) = common::servers::pg_store_or_skip().await {
+        a_taken_over_record_that_expired_starts_again_at_attempt_1(&pg).await;
+    }
+    if let Some(my) = common::servers::mysql_store_or_skip().await {
+        a_taken_over_record_that_expired_starts_again_at_attempt_1(&my).await;
+    }
+}
