@@ -858,3 +858,121 @@ async fn a_taken_over_record_that_expired_starts_again_on_every_store() {
         a_taken_over_record_that_expired_starts_again_at_attempt_1(&my).await;
     }
 }
+
+/// A PostgreSQL schema of its own whose clock function holds the sessions
+/// of the application `ops_gated` at an advisory lock (`GATE`) while the
+/// test holds it; answers the admin connection, the schema, a plain store
+/// there and a store whose sessions are gated and default to SERIALIZABLE.
+async fn pg_gated_schema() -> Option<(
+    sqlx::PgConnection,
+    String,
+    idempotent_runtime::PgStore,
+    idempotent_runtime::PgStore,
+)> {
+    common::servers::pg_store_or_skip().await?;
+    let base = common::servers::pg_url();
+    let schema = format!("h_ops_gate_{}", uuid::Uuid::new_v4().simple());
+    let mut admin = <sqlx::PgConnection as sqlx::Connection>::connect(&base)
+        .await
+        .expect("connect");
+    sqlx::query(&format!("CREATE SCHEMA {schema}"))
+        .execute(&mut admin)
+        .await
+        .expect("create schema");
+    let separator = if base.contains('?') { '&' } else { '?' };
+    let url = format!("{base}{separator}options=-c%20search_path%3D{schema}");
+    let plain = idempotent_runtime::PgStore::connect(&url)
+        .await
+        .expect("a store in the schema");
+    sqlx::query(&format!(
+        "CREATE OR REPLACE FUNCTION {schema}.idempotency_now_ms() RETURNS BIGINT
+         LANGUAGE plpgsql VOLATILE AS $f$
+         BEGIN
+             IF current_setting('application_name') = 'ops_gated' THEN
+                 PERFORM pg_advisory_xact_lock_shared({GATE});
+             END IF;
+             RETURN (extract(epoch FROM clock_timestamp()) * 1000)::BIGINT;
+         END $f$"
+    ))
+    .execute(&mut admin)
+    .await
+    .expect("wrap the clock");
+    let gated = idempotent_runtime::PgStore::connect(&format!(
+        "{url}%20-c%20default_transaction_isolation%3Dserializable&application_name=ops_gated"
+    ))
+    .await
+    .expect("a serializable store");
+    Some((admin, schema, plain, gated))
+}
+
+const GATE: i64 = 0x0b5_9a7f;
+
+/// Closes the gate.
+async fn close_gate(admin: &mut sqlx::PgConnection) {
+    sqlx::query("SELECT pg_advisory_lock($1)")
+        .bind(GATE)
+        .execute(admin)
+        .await
+        .expect("close the gate");
+}
+
+/// Waits (bounded) until a gated session waits at the gate.
+async fn until_held_at_the_gate(admin: &mut sqlx::PgConnection) {
+    for _ in 0..2000 {
+        let n: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a USING (pid)
+              WHERE a.application_name = 'ops_gated' AND l.locktype = 'advisory'
+                AND NOT l.granted",
+        )
+        .fetch_one(&mut *admin)
+        .await
+        .expect("pg_locks");
+        if n > 0 {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    panic!("no gated session reached the gate");
+}
+
+async fn open_gate(admin: &mut sqlx::PgConnection) {
+    sqlx::query("SELECT pg_advisory_unlock($1)")
+        .bind(GATE)
+        .execute(admin)
+        .await
+        .expect("open the gate");
+}
+
+/// An operator's release (`idempotent release`) of a stuck record under a
+/// SERIALIZABLE (or REPEATABLE READ) default, while a call takes the record
+/// over: the release's snapshot predates the takeover, and its delete failed
+/// with a bare serialization failure ("could not serialize access"), which
+/// tells the operator nothing. Made again with a fresh snapshot, it finds the
+/// lease live and refuses as it should.
+#[tokio::test]
+async fn a_release_under_serializable_meeting_a_takeover_is_refused_as_live_on_postgres() {
+    let Some((mut admin, schema, plain, gated)) = pg_gated_schema().await else {
+        return;
+    };
+    let stuck = common::records::plant(&plain, "t", "ops.rel", BLINK, LONG, None).await;
+    wait_for_clock(&plain, std::slice::from_ref(&stuck), true).await;
+    close_gate(&mut admin).await;
+    let release = {
+        let stuck = stuck.clone();
+        tokio::spawn(async move { gated.force_release(&stuck, true).await })
+    };
+    until_held_at_the_gate(&mut admin).await;
+    let r = reserve(&plain, &stuck, &OwnerToken::new(), LONG, LONG).await;
+    assert!(matches!(r, Reservation::Acquired { took_over: true, .. }), "{r:?}");
+    open_gate(&mut admin).await;
+    let answer = release.await.expect("the release");
+    sqlx::query(&format!("DROP SCHEMA {schema} CASCADE"))
+        .execute(&mut admin)
+        .await
+        .expect("drop schema");
+    let answer = answer.expect("an answer, not a serialization failure");
+    assert!(
+        matches!(answer, idempotent_runtime::ForcedRelease::LeaseLive { .. }),
+        "{answer:?}"
+    );
+}
