@@ -706,78 +706,18 @@ async fn a_purge_through_a_read_only_sqlite_url_fails_saying_so() {
 /// for the sessions of one application name.
 #[tokio::test]
 async fn a_purge_under_serializable_outlives_a_concurrent_purge_of_its_rows_on_postgres() {
-    if common::servers::pg_store_or_skip().await.is_none() {
+    let Some((mut admin, schema, plain, gated)) = pg_gated_schema().await else {
         return;
-    }
-    const GATE: i64 = 0x0b5_9a7e;
-    let base = common::servers::pg_url();
-    let schema = format!("h_ops_ser_{}", uuid::Uuid::new_v4().simple());
-    let mut admin = <sqlx::PgConnection as sqlx::Connection>::connect(&base)
-        .await
-        .expect("connect");
-    sqlx::query(&format!("CREATE SCHEMA {schema}"))
-        .execute(&mut admin)
-        .await
-        .expect("create schema");
-    let separator = if base.contains('?') { '&' } else { '?' };
-    let url = format!("{base}{separator}options=-c%20search_path%3D{schema}");
-    let plain = idempotent_runtime::PgStore::connect(&url)
-        .await
-        .expect("a store in the schema");
-    // The clock, held for the gated sessions until the gate opens.
-    sqlx::query(&format!(
-        "CREATE OR REPLACE FUNCTION {schema}.idempotency_now_ms() RETURNS BIGINT
-         LANGUAGE plpgsql VOLATILE AS $f$
-         BEGIN
-             IF current_setting('application_name') = 'ops_gated' THEN
-                 PERFORM pg_advisory_xact_lock_shared({GATE});
-             END IF;
-             RETURN (extract(epoch FROM clock_timestamp()) * 1000)::BIGINT;
-         END $f$"
-    ))
-    .execute(&mut admin)
-    .await
-    .expect("wrap the clock");
-    let gated = idempotent_runtime::PgStore::connect(&format!(
-        "{url}%20-c%20default_transaction_isolation%3Dserializable&application_name=ops_gated"
-    ))
-    .await
-    .expect("a serializable store");
-
+    };
     let expired = common::records::plant(&plain, "t", "ops.ser", LONG, LONG, Some(BLINK)).await;
     wait_for_clock(&plain, std::slice::from_ref(&expired), false).await;
-
-    sqlx::query("SELECT pg_advisory_lock($1)")
-        .bind(GATE)
-        .execute(&mut admin)
-        .await
-        .expect("close the gate");
+    close_gate(&mut admin).await;
     let held = tokio::spawn(async move { gated.purge_expired(10).await });
-    // Handshake: the gated purge waits at the gate (its snapshot taken).
-    let mut waiting = false;
-    for _ in 0..2000 {
-        let n: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a USING (pid)
-              WHERE a.application_name = 'ops_gated' AND l.locktype = 'advisory'
-                AND NOT l.granted",
-        )
-        .fetch_one(&mut admin)
-        .await
-        .expect("pg_locks");
-        if n > 0 {
-            waiting = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-    assert!(waiting, "the gated purge never reached the gate");
+    // The gated purge waits at the gate, its snapshot taken.
+    until_held_at_the_gate(&mut admin).await;
     // Another purge deletes the record meanwhile.
     assert_eq!(plain.purge_expired(10).await.expect("purge"), 1);
-    sqlx::query("SELECT pg_advisory_unlock($1)")
-        .bind(GATE)
-        .execute(&mut admin)
-        .await
-        .expect("open the gate");
+    open_gate(&mut admin).await;
     let answer = held.await.expect("the gated purge");
     sqlx::query(&format!("DROP SCHEMA {schema} CASCADE"))
         .execute(&mut admin)
@@ -963,7 +903,16 @@ async fn a_release_under_serializable_meeting_a_takeover_is_refused_as_live_on_p
     };
     until_held_at_the_gate(&mut admin).await;
     let r = reserve(&plain, &stuck, &OwnerToken::new(), LONG, LONG).await;
-    assert!(matches!(r, Reservation::Acquired { took_over: true, .. }), "{r:?}");
+    assert!(
+        matches!(
+            r,
+            Reservation::Acquired {
+                took_over: true,
+                ..
+            }
+        ),
+        "{r:?}"
+    );
     open_gate(&mut admin).await;
     let answer = release.await.expect("the release");
     sqlx::query(&format!("DROP SCHEMA {schema} CASCADE"))

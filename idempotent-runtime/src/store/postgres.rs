@@ -1697,6 +1697,51 @@ async fn release_with<'e, E: Executor<'e, Database = Postgres>>(
 }
 
 impl PgStore {
+    /// One try of [`Store::force_release`], in a transaction of its own.
+    async fn force_release_once(
+        &self,
+        identity: &Identity,
+        require_expired_lease: bool,
+    ) -> Result<ForcedRelease, StoreError> {
+        const OP: &str = "release a record for an operator";
+        // A row another transaction holds (a transactional-mode takeover in
+        // progress) is waited for at most OPERATOR_LOCK_WAIT, not until that
+        // transaction ends.
+        let mut conn = ClosedIfDropped::acquire(&self.pools.current())
+            .await
+            .map_err(err(OP))?;
+        let mut tx = sqlx::Connection::begin(&mut *conn).await.map_err(err(OP))?;
+        sqlx::query("SELECT set_config('lock_timeout', $1, TRUE)")
+            .bind(format!("{}ms", OPERATOR_LOCK_WAIT.as_millis()))
+            .execute(&mut *tx)
+            .await
+            .map_err(err(OP))?;
+        let deleted: Result<Option<i32>, sqlx::Error> =
+            sqlx::query_scalar(&self.statements.force_release)
+                .bind(&identity.tenant)
+                .bind(&identity.scope)
+                .bind(&identity.key)
+                .bind(require_expired_lease)
+                .fetch_optional(&mut *tx)
+                .await;
+        let deleted = match deleted {
+            Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some(LOCK_NOT_AVAILABLE) => {
+                tx.rollback().await.map_err(err(OP))?;
+                conn.hand_back();
+                return Err(held_by_a_transaction(STORE, OP));
+            }
+            other => other.map_err(err(OP))?,
+        };
+        tx.commit().await.map_err(err(OP))?;
+        conn.hand_back();
+        if let Some(attempt) = deleted {
+            return Ok(ForcedRelease::Released {
+                attempt: u32::try_from(attempt).unwrap_or(1),
+            });
+        }
+        Ok(refused_release(self.fetch(identity).await?))
+    }
+
     /// One statement of the purge: up to `chunk` expired records.
     async fn purge_chunk(&self, chunk: u32) -> Result<u64, StoreError> {
         // A connection code sharing the pool left inside a transaction
@@ -1775,43 +1820,22 @@ impl Store for PgStore {
         identity: &Identity,
         require_expired_lease: bool,
     ) -> Result<ForcedRelease, StoreError> {
-        const OP: &str = "release a record for an operator";
-        // A row another transaction holds (a transactional-mode takeover in
-        // progress) is waited for at most OPERATOR_LOCK_WAIT, not until that
-        // transaction ends.
-        let mut conn = ClosedIfDropped::acquire(&self.pools.current())
-            .await
-            .map_err(err(OP))?;
-        let mut tx = sqlx::Connection::begin(&mut *conn).await.map_err(err(OP))?;
-        sqlx::query("SELECT set_config('lock_timeout', $1, TRUE)")
-            .bind(format!("{}ms", OPERATOR_LOCK_WAIT.as_millis()))
-            .execute(&mut *tx)
-            .await
-            .map_err(err(OP))?;
-        let deleted: Result<Option<i32>, sqlx::Error> =
-            sqlx::query_scalar(&self.statements.force_release)
-                .bind(&identity.tenant)
-                .bind(&identity.scope)
-                .bind(&identity.key)
-                .bind(require_expired_lease)
-                .fetch_optional(&mut *tx)
-                .await;
-        let deleted = match deleted {
-            Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some(LOCK_NOT_AVAILABLE) => {
-                tx.rollback().await.map_err(err(OP))?;
-                conn.hand_back();
-                return Err(held_by_a_transaction(STORE, OP));
+        // Under REPEATABLE READ or SERIALIZABLE as the database's or the
+        // pool's default, the transaction's snapshot is taken by its first
+        // statement: a record its owner renewed or completed, or a call took
+        // over, in between fails the delete with 40001, which would tell the
+        // operator nothing. Made again, with a fresh snapshot, it answers.
+        let mut tries = 0;
+        loop {
+            tries += 1;
+            match self
+                .force_release_once(identity, require_expired_lease)
+                .await
+            {
+                Err(e) if tries < FENCED_WRITE_TRIES && is_serialization_failure(&e) => {}
+                answer => break answer,
             }
-            other => other.map_err(err(OP))?,
-        };
-        tx.commit().await.map_err(err(OP))?;
-        conn.hand_back();
-        if let Some(attempt) = deleted {
-            return Ok(ForcedRelease::Released {
-                attempt: u32::try_from(attempt).unwrap_or(1),
-            });
         }
-        Ok(refused_release(self.fetch(identity).await?))
     }
 
     async fn release(&self, identity: &Identity, token: &OwnerToken) -> Result<Fenced, StoreError> {
