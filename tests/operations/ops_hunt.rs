@@ -925,3 +925,149 @@ async fn a_release_under_serializable_meeting_a_takeover_is_refused_as_live_on_p
         "{answer:?}"
     );
 }
+
+/// Records expire as fast as they are written while purges run without
+/// pause: every reservation, completion and purge statement answers (no
+/// deadlock, no lock wait that runs out between a purge and the calls
+/// writing the expiry index next to the records it deletes), and every
+/// completion is written.
+async fn purges_beside_a_stream_of_short_lived_records(store: Arc<dyn Store>) {
+    const WRITERS: usize = 6;
+    const EACH: usize = 40;
+    let scope = unique("ops.stream");
+    let stop = Arc::new(AtomicBool::new(false));
+    let start = Arc::new(tokio::sync::Barrier::new(WRITERS + 2));
+    let mut purgers = Vec::new();
+    for p in 0..2u32 {
+        let (store, stop, start) = (Arc::clone(&store), Arc::clone(&stop), Arc::clone(&start));
+        purgers.push(tokio::spawn(async move {
+            start.wait().await;
+            let mut deleted = 0;
+            while !stop.load(Ordering::SeqCst) {
+                deleted += store.purge_expired(1 + 4 * p).await.expect("purge");
+                tokio::task::yield_now().await;
+            }
+            deleted
+        }));
+    }
+    let mut writers = Vec::new();
+    for w in 0..WRITERS {
+        let (store, start, scope) = (Arc::clone(&store), Arc::clone(&start), scope.clone());
+        writers.push(tokio::spawn(async move {
+            start.wait().await;
+            let tenant = common::servers::fresh_tenant();
+            for i in 0..EACH {
+                let id = Identity::new(tenant.as_str(), scope.as_str(), format!("{w}-{i}"))
+                    .expect("identity");
+                let token = OwnerToken::new();
+                // The in-progress record's expiry lands in the purged range soon.
+                let r = reserve(&*store, &id, &token, LONG, BLINK).await;
+                assert!(matches!(r, Reservation::Acquired { .. }), "{r:?}");
+                let outcome = StoredOutcome {
+                    is_error: false,
+                    payload: b"1".to_vec(),
+                };
+                let ttl = if i % 3 == 0 { LONG } else { BLINK };
+                let written = store
+                    .complete(Completion::by_body(&id, &token, &outcome, ttl))
+                    .await
+                    .expect("complete");
+                assert_eq!(written, Fenced::Written, "{}", store.name());
+            }
+        }));
+    }
+    for w in writers {
+        w.await.expect("writer");
+    }
+    stop.store(true, Ordering::SeqCst);
+    for p in purgers {
+        p.await.expect("purger");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn purges_beside_a_stream_of_short_lived_records_on_sqlite() {
+    let store = SqliteStore::connect(&common::scratch::sqlite_url("ops-stream"))
+        .await
+        .expect("sqlite");
+    purges_beside_a_stream_of_short_lived_records(Arc::new(store)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn purges_beside_a_stream_of_short_lived_records_on_postgres() {
+    if let Some(store) = common::servers::pg_store_or_skip().await {
+        purges_beside_a_stream_of_short_lived_records(Arc::new(store)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn purges_beside_a_stream_of_short_lived_records_on_mariadb() {
+    if let Some(store) = common::servers::mysql_store_or_skip().await {
+        purges_beside_a_stream_of_short_lived_records(Arc::new(store)).await;
+    }
+}
+
+/// A PostgreSQL store whose sessions default to SERIALIZABLE.
+async fn pg_serializable() -> Option<idempotent_runtime::PgStore> {
+    common::servers::pg_store_or_skip().await?;
+    let base = common::servers::pg_url();
+    let separator = if base.contains('?') { '&' } else { '?' };
+    let url = format!("{base}{separator}options=-c%20default_transaction_isolation%3Dserializable");
+    Some(
+        idempotent_runtime::PgStore::connect(&url)
+            .await
+            .expect("a serializable store"),
+    )
+}
+
+/// A MariaDB store whose pool's sessions run SERIALIZABLE.
+async fn mysql_serializable() -> Option<idempotent_runtime::MySqlStore> {
+    common::servers::mysql_store_or_skip().await?;
+    let pool = sqlx::mysql::MySqlPoolOptions::new()
+        .after_connect(|conn, _| {
+            Box::pin(async move {
+                sqlx::Executor::execute(
+                    conn,
+                    "SET SESSION TRANSACTION ISOLATION LEVEL SERIALIZABLE",
+                )
+                .await
+                .map(|_| ())
+            })
+        })
+        .connect(&common::servers::mysql_url())
+        .await
+        .expect("a pool");
+    Some(
+        idempotent_runtime::MySqlStore::from_pool(pool)
+            .await
+            .expect("a serializable store"),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn purges_beside_short_lived_records_under_serializable_on_postgres() {
+    if let Some(store) = pg_serializable().await {
+        purges_beside_a_stream_of_short_lived_records(Arc::new(store)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn purges_beside_short_lived_records_under_serializable_on_mariadb() {
+    if let Some(store) = mysql_serializable().await {
+        purges_beside_a_stream_of_short_lived_records(Arc::new(store)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn purge_races_replacements_and_takeovers_under_serializable_on_postgres() {
+    if let Some(store) = pg_serializable().await {
+        purge_races_replacements_and_takeovers(Arc::new(store), 4).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn purge_races_replacements_and_takeovers_under_serializable_on_mariadb() {
+    if let Some(store) = mysql_serializable().await {
+        purge_races_replacements_and_takeovers(Arc::new(store), 4).await;
+    }
+}

@@ -1697,8 +1697,8 @@ async fn release_with<'e, E: Executor<'e, Database = Postgres>>(
 }
 
 impl PgStore {
-    /// One try of [`Store::force_release`], in a transaction of its own.
-    async fn force_release_once(
+    /// [`Store::force_release`], in a transaction of its own.
+    async fn force_release_read_committed(
         &self,
         identity: &Identity,
         require_expired_lease: bool,
@@ -1710,7 +1710,16 @@ impl PgStore {
         let mut conn = ClosedIfDropped::acquire(&self.pools.current())
             .await
             .map_err(err(OP))?;
-        let mut tx = sqlx::Connection::begin(&mut *conn).await.map_err(err(OP))?;
+        // READ COMMITTED whatever the default: under REPEATABLE READ or
+        // SERIALIZABLE the snapshot is taken by the first statement, and a
+        // record its owner renewed or completed, or a call took over, before
+        // the delete failed the release with a bare serialization failure
+        // ("could not serialize access"), which tells the operator nothing.
+        // Here the delete checks the record as it is then.
+        let mut tx =
+            sqlx::Connection::begin_with(&mut *conn, "BEGIN ISOLATION LEVEL READ COMMITTED")
+                .await
+                .map_err(err(OP))?;
         sqlx::query("SELECT set_config('lock_timeout', $1, TRUE)")
             .bind(format!("{}ms", OPERATOR_LOCK_WAIT.as_millis()))
             .execute(&mut *tx)
@@ -1764,11 +1773,25 @@ impl PgStore {
             },
         )
         .await?;
+        // READ COMMITTED whatever the database's or the pool's default: the
+        // statement relies on it (a row changed after its snapshot is
+        // checked again as it is now, and skipped when it is live). Under
+        // REPEATABLE READ or SERIALIZABLE such a row, one another purger
+        // deleted or a reservation replaced, failed the whole run with a
+        // serialization failure, and under SERIALIZABLE the purge's scan of
+        // the expiry index met read/write conflicts with the calls writing
+        // next to it at every run. Two more round trips per chunk (the
+        // purge's path alone).
+        let mut tx =
+            sqlx::Connection::begin_with(&mut *conn, "BEGIN ISOLATION LEVEL READ COMMITTED")
+                .await
+                .map_err(err("purge expired records"))?;
         let done = sqlx::query(&self.statements.purge)
             .bind(i64::from(chunk))
-            .execute(&mut *conn)
+            .execute(&mut *tx)
             .await
             .map_err(err("purge expired records"))?;
+        tx.commit().await.map_err(err("purge expired records"))?;
         conn.hand_back();
         Ok(done.rows_affected())
     }
@@ -1820,22 +1843,8 @@ impl Store for PgStore {
         identity: &Identity,
         require_expired_lease: bool,
     ) -> Result<ForcedRelease, StoreError> {
-        // Under REPEATABLE READ or SERIALIZABLE as the database's or the
-        // pool's default, the transaction's snapshot is taken by its first
-        // statement: a record its owner renewed or completed, or a call took
-        // over, in between fails the delete with 40001, which would tell the
-        // operator nothing. Made again, with a fresh snapshot, it answers.
-        let mut tries = 0;
-        loop {
-            tries += 1;
-            match self
-                .force_release_once(identity, require_expired_lease)
-                .await
-            {
-                Err(e) if tries < FENCED_WRITE_TRIES && is_serialization_failure(&e) => {}
-                answer => break answer,
-            }
-        }
+        self.force_release_read_committed(identity, require_expired_lease)
+            .await
     }
 
     async fn release(&self, identity: &Identity, token: &OwnerToken) -> Result<Fenced, StoreError> {
@@ -1895,23 +1904,7 @@ impl Store for PgStore {
     }
 
     async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError> {
-        super::purge_in_chunks(STORE, batch, |chunk| async move {
-            // Under REPEATABLE READ or SERIALIZABLE as the database's or the
-            // pool's default, a row another purge (another process's purger,
-            // the command line) deleted, or a reservation replaced, after the
-            // statement's snapshot fails the lock with 40001: sent again, the
-            // statement has a fresh snapshot (it only ever deletes expired
-            // records, so it is safe to repeat).
-            let mut tries = 0;
-            loop {
-                tries += 1;
-                match self.purge_chunk(chunk).await {
-                    Err(e) if tries < FENCED_WRITE_TRIES && is_serialization_failure(&e) => {}
-                    answer => break answer,
-                }
-            }
-        })
-        .await
+        super::purge_in_chunks(STORE, batch, |chunk| self.purge_chunk(chunk)).await
     }
 
     async fn fetch(&self, identity: &Identity) -> Result<Option<RecordSnapshot>, StoreError> {
