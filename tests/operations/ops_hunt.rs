@@ -1071,3 +1071,27 @@ async fn purge_races_replacements_and_takeovers_under_serializable_on_mariadb() 
         purge_races_replacements_and_takeovers(Arc::new(store), 4).await;
     }
 }
+
+/// Audits and an operator's reads (`inspect`) beside a stream of
+/// short-lived records and purges, on a PostgreSQL pool that defaults to
+/// SERIALIZABLE: every audit answers (a read can be the one PostgreSQL
+/// cancels for a read/write conflict among serializable transactions).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn audits_beside_short_lived_records_under_serializable_on_postgres() {
+    let Some(store) = pg_serializable().await else {
+        return;
+    };
+    let store: Arc<dyn Store> = Arc::new(store);
+    let stream = tokio::spawn(purges_beside_a_stream_of_short_lived_records(Arc::clone(
+        &store,
+    )));
+    let probe = Identity::new("t", "ops.probe", "k").expect("identity");
+    let mut audits = 0;
+    while !stream.is_finished() {
+        audit(&*store, &[]).await.expect("an audit answers");
+        store.fetch(&probe).await.expect("a read answers");
+        audits += 1;
+    }
+    stream.await.expect("the stream");
+    assert!(audits > 0);
+}
