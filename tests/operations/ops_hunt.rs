@@ -422,10 +422,10 @@ async fn an_in_memory_sqlite_url_is_said_to_hold_no_records() {
 }
 
 /// A purger asked to run once and then (as good as) never again, with an
-/// interval of `Duration::MAX`, runs its first run at once and stays up
-/// (the timer's next deadline, now plus the interval, does not fit in an
-/// `Instant`: the task panicked before its first run, and the purger was
-/// dead with nothing purged).
+/// interval of `Duration::MAX`, runs its first run at once and stays up: its
+/// timer's next deadline, now plus the interval, does not fit in an
+/// `Instant`, and a timer that added them unchecked would panic the task
+/// before its first run.
 #[tokio::test]
 async fn a_purger_with_the_longest_interval_runs_at_once_and_stays_up() {
     use idempotent_runtime::purge::{Purger, PurgerConfig};
