@@ -9,3 +9,5 @@ mod common;
 mod consumer_lifecycle;
 mod nats_consumer;
 mod stale_deliveries;
+// A delivery whose worker died mid-body, taken over and answered by the recover hook.
+mod recovered_deliveries;

@@ -1,0 +1,518 @@
+//! Rule 20 on the consumer path: a delivery whose worker died mid-body (its
+//! future forgotten: no release, no renewal, as a killed process leaves it)
+//! is redelivered by JetStream; the redelivery takes the record over once
+//! its lease ran out, and the `recover` hook, not a blind re-run, decides.
+//! On the real JetStream server and a PostgreSQL database of the test's own
+//! (`h_cons_nats`, or `IDEMPOTENT_CONS_PG_URL`).
+
+use crate::common;
+use crate::nats_consumer::{json, order, Order};
+
+use async_nats::jetstream::{self, consumer::pull, stream};
+use common::servers::{fresh_tenant, nats_or_skip};
+use futures_util::StreamExt;
+use idempotent_runtime::consumer::nats::process;
+use idempotent_runtime::consumer::{Disposition, Verdict};
+use idempotent_runtime::{
+    idempotent, Completion, Error, Fenced, ForcedRelease, Identity, OwnerToken, PgStore,
+    RecordSnapshot, RecordState, Recovery, Reservation, ReserveRequest, ScopeStats, Store,
+    StoreError, Takeover,
+};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{LazyLock, Mutex};
+use std::time::Duration;
+use tokio::sync::Semaphore;
+
+const SCOPE: &str = "h_cons.recover.billing";
+
+/// What the payment gateway (the side effect) knows, per tenant: charges
+/// made, keyed by message id. The hook asks it; the body charges it.
+#[derive(Default)]
+struct Gateway {
+    charges: HashMap<String, u32>,
+    /// The attempts the hook was asked about.
+    asked: Vec<u32>,
+    /// How the next hook calls behave, first to last (then: look it up).
+    hook_script: Vec<HookMode>,
+    /// Bodies begun.
+    bodies: u32,
+    /// The first body hangs after charging (its worker "dies" there).
+    first_body_hangs: bool,
+}
+
+#[derive(Clone, Copy, Debug)]
+enum HookMode {
+    /// The gateway cannot be reached: the hook fails.
+    Unreachable,
+    /// The hook panics.
+    Panics,
+}
+
+static GATEWAYS: LazyLock<Mutex<HashMap<String, Gateway>>> = LazyLock::new(Default::default);
+/// Released once per body that charged and is about to hang.
+static HUNG: Semaphore = Semaphore::const_new(0);
+
+fn with_gateway<T>(tenant: &str, f: impl FnOnce(&mut Gateway) -> T) -> T {
+    let mut all = GATEWAYS.lock().unwrap_or_else(|p| p.into_inner());
+    f(all.entry(tenant.to_owned()).or_default())
+}
+
+/// Asks the gateway, by message id, whether the crashed attempt charged.
+async fn found_in_gateway(t: &Takeover) -> Result<Recovery<u64>, Error> {
+    let (mode, charged) = with_gateway(t.tenant(), |g| {
+        g.asked.push(t.attempt());
+        let mode = (!g.hook_script.is_empty()).then(|| g.hook_script.remove(0));
+        (mode, g.charges.get(t.key()).copied().unwrap_or(0))
+    });
+    match mode {
+        Some(HookMode::Unreachable) => Err(Error::Store(StoreError::new(
+            "gateway",
+            "look the charge up",
+            "timed out",
+        ))),
+        Some(HookMode::Panics) => panic!("the recover hook panics (by design)"),
+        None if charged > 0 => Ok(Recovery::Completed(4242)),
+        None => Ok(Recovery::Run),
+    }
+}
+
+#[idempotent(scope = "h_cons.recover.billing", key = msg_id, tenant = tenant, store = store,
+             in_progress = reject, lease = "1s", recover = found_in_gateway)]
+async fn bill(store: &dyn Store, tenant: &str, msg_id: &str, order: &Order) -> Result<u64, Error> {
+    let hang = with_gateway(tenant, |g| {
+        g.bodies += 1;
+        *g.charges.entry(msg_id.to_owned()).or_default() += 1;
+        std::mem::take(&mut g.first_body_hangs)
+    });
+    if hang {
+        HUNG.add_permits(1);
+        std::future::pending::<()>().await;
+    }
+    let _ = order;
+    Ok(7)
+}
+
+pub(crate) fn pg_url() -> String {
+    std::env::var("IDEMPOTENT_CONS_PG_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/h_cons_nats".into())
+}
+
+async fn pg() -> Option<PgStore> {
+    match PgStore::connect(&pg_url()).await {
+        Ok(store) => Some(store),
+        Err(e) => {
+            assert!(
+                !common::servers::servers_required(),
+                "PostgreSQL at {}: {e}",
+                pg_url()
+            );
+            eprintln!("SKIPPED: PostgreSQL at {} unreachable: {e}", pg_url());
+            None
+        }
+    }
+}
+
+/// A stream and a durable of the test's own (names prefixed `h_cons_`).
+struct OwnStream {
+    js: jetstream::Context,
+    name: String,
+    subject: String,
+}
+
+impl OwnStream {
+    async fn create(js: &jetstream::Context, label: &str) -> OwnStream {
+        let id = uuid::Uuid::new_v4().simple().to_string();
+        let name = format!("h_cons_{label}_{id}");
+        let subject = format!("h_cons_{label}.{id}");
+        js.create_stream(stream::Config {
+            name: name.clone(),
+            subjects: vec![subject.clone()],
+            duplicate_window: Duration::from_millis(100),
+            max_age: Duration::from_secs(600),
+            ..Default::default()
+        })
+        .await
+        .expect("create the stream");
+        OwnStream {
+            js: js.clone(),
+            name,
+            subject,
+        }
+    }
+
+    async fn durable(&self, name: &str) -> pull::Stream {
+        self.js
+            .get_stream(&self.name)
+            .await
+            .expect("get the stream")
+            .create_consumer(pull::Config {
+                durable_name: Some(name.into()),
+                ack_policy: jetstream::consumer::AckPolicy::Explicit,
+                ack_wait: Duration::from_secs(1),
+                ..Default::default()
+            })
+            .await
+            .expect("create the durable")
+            .stream()
+            .max_messages_per_batch(1)
+            .messages()
+            .await
+            .expect("the durable's messages")
+    }
+
+    async fn publish(&self, msg_id: &str, payload: Vec<u8>) {
+        self.js
+            .send_publish(
+                self.subject.clone(),
+                jetstream::message::PublishMessage::build()
+                    .payload(payload.into())
+                    .message_id(msg_id),
+            )
+            .await
+            .expect("publish")
+            .await
+            .expect("publish acknowledged");
+    }
+
+    async fn delete(self) {
+        let _ = self.js.delete_stream(&self.name).await;
+    }
+}
+
+async fn next(messages: &mut pull::Stream) -> jetstream::Message {
+    tokio::time::timeout(Duration::from_secs(30), messages.next())
+        .await
+        .expect("a delivery within 30 s")
+        .expect("the message stream goes on")
+        .expect("a message")
+}
+
+/// Delivers the message until a delivery is acked or terminated (at most
+/// 40 deliveries); every disposition on the way, in order.
+async fn deliver_until_settled(
+    store: &'static dyn Store,
+    tenant: &str,
+    messages: &mut pull::Stream,
+) -> Vec<(Verdict, Disposition)> {
+    let mut seen = Vec::new();
+    for _ in 0..40 {
+        let message = next(messages).await;
+        let o: Order = serde_json::from_slice(&message.payload).unwrap();
+        let task = {
+            let (tenant, message) = (tenant.to_owned(), message);
+            // The hook may panic: its delivery's task ends, unsettled.
+            tokio::spawn(async move {
+                process(&message, |k| bill(store, &tenant, k, &o))
+                    .await
+                    .map(|h| (h.verdict, h.disposition()))
+            })
+        };
+        match task.await {
+            Ok(settled) => {
+                let (verdict, disposition) = settled.expect("settled");
+                seen.push((verdict, disposition));
+                if matches!(disposition, Disposition::Ack | Disposition::Term) {
+                    return seen;
+                }
+            }
+            Err(e) if e.is_panic() => {}
+            Err(e) => panic!("{e}"),
+        }
+    }
+    panic!("never settled: {seen:?}");
+}
+
+/// The stores live for the whole test binary: a spawned delivery borrows one.
+static PG: tokio::sync::OnceCell<Option<&'static dyn Store>> = tokio::sync::OnceCell::const_new();
+static MARIADB: tokio::sync::OnceCell<Option<&'static dyn Store>> =
+    tokio::sync::OnceCell::const_new();
+
+async fn leaked_pg() -> Option<&'static dyn Store> {
+    *PG.get_or_init(|| async {
+        let store: &'static dyn Store = Box::leak(Box::new(pg().await?));
+        Some(store)
+    })
+    .await
+}
+
+pub(crate) fn mariadb_url() -> String {
+    std::env::var("IDEMPOTENT_CONS_MYSQL_URL")
+        .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/h_cons_my".into())
+}
+
+async fn leaked_mariadb() -> Option<&'static dyn Store> {
+    *MARIADB
+        .get_or_init(|| async {
+            match idempotent_runtime::MySqlStore::connect(&mariadb_url()).await {
+                Ok(store) => {
+                    let store: &'static dyn Store = Box::leak(Box::new(store));
+                    Some(store)
+                }
+                Err(e) => {
+                    assert!(
+                        !common::servers::servers_required(),
+                        "MariaDB at {}: {e}",
+                        mariadb_url()
+                    );
+                    eprintln!("SKIPPED: MariaDB at {} unreachable: {e}", mariadb_url());
+                    None
+                }
+            }
+        })
+        .await
+}
+
+/// Handles the first delivery until its body has charged and hangs, then
+/// forgets it: the worker died there (no release, no renewal).
+async fn first_delivery_dies_after_charging(
+    store: &'static dyn Store,
+    tenant: &str,
+    messages: &mut pull::Stream,
+) {
+    let first = Box::leak(Box::new(next(messages).await));
+    let o: &'static Order = Box::leak(Box::new(serde_json::from_slice(&first.payload).unwrap()));
+    let tenant: &'static str = Box::leak(tenant.to_owned().into_boxed_str());
+    let mut dying = Box::pin(process(first, move |k| bill(store, tenant, k, o)));
+    tokio::select! {
+        _ = &mut dying => panic!("the hanging body returned"),
+        permit = HUNG.acquire() => permit.expect("open").forget(),
+    }
+    std::mem::forget(dying);
+}
+
+async fn record(store: &dyn Store, tenant: &str, key: &str) -> RecordSnapshot {
+    let identity = Identity::new(tenant, SCOPE, key).unwrap();
+    store.fetch(&identity).await.unwrap().expect("a record")
+}
+
+/// The worker charged and died: the redeliveries are nak'd while the dead
+/// worker's lease lasts, then one takes the record over, the hook finds the
+/// charge, and its answer is recorded and acked. One charge, one body.
+async fn died_after_charging(js: jetstream::Context, store: &'static dyn Store, label: &str) {
+    let tenant = fresh_tenant();
+    with_gateway(&tenant, |g| g.first_body_hangs = true);
+    let stream = OwnStream::create(&js, label).await;
+    let mut messages = stream.durable("billing").await;
+    stream.publish("d-1", json(&order("o-1", 100))).await;
+
+    first_delivery_dies_after_charging(store, &tenant, &mut messages).await;
+    let seen = deliver_until_settled(store, &tenant, &mut messages).await;
+    let (last, before) = seen.split_last().unwrap();
+    assert_eq!(*last, (Verdict::Executed, Disposition::Ack), "{seen:?}");
+    assert!(
+        before
+            .iter()
+            .all(|(v, _)| matches!(v, Verdict::InProgress { .. })),
+        "{seen:?}"
+    );
+    let (charges, bodies, asked) = with_gateway(&tenant, |g| {
+        (g.charges.get("d-1").copied(), g.bodies, g.asked.clone())
+    });
+    assert_eq!((charges, bodies), (Some(1), 1), "charged once, one body");
+    assert_eq!(asked, [2]);
+    let r = record(store, &tenant, "d-1").await;
+    assert_eq!(
+        (r.state, r.attempt, r.recovered),
+        (RecordState::Complete, 2, true)
+    );
+    drop(messages);
+    stream.delete().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_delivery_whose_worker_died_after_charging_is_recovered_not_charged_again() {
+    let Some(js) = nats_or_skip().await else {
+        return;
+    };
+    let Some(store) = leaked_pg().await else {
+        return;
+    };
+    tokio::time::timeout(
+        Duration::from_secs(120),
+        died_after_charging(js, store, "diedpg"),
+    )
+    .await
+    .expect("finished within 120 s");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mariadb_a_delivery_whose_worker_died_after_charging_is_recovered_not_charged_again() {
+    let Some(js) = nats_or_skip().await else {
+        return;
+    };
+    let Some(store) = leaked_mariadb().await else {
+        return;
+    };
+    tokio::time::timeout(
+        Duration::from_secs(120),
+        died_after_charging(js, store, "diedmy"),
+    )
+    .await
+    .expect("finished within 120 s");
+}
+
+/// The hook cannot reach the gateway at the first takeover, and panics at
+/// the second: neither frees the record for a blind re-run; the delivery
+/// after them asks again (attempt 4), finds the charge and is acked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_then_panicking_hook_keeps_the_message_until_it_can_answer() {
+    let Some(js) = nats_or_skip().await else {
+        return;
+    };
+    let Some(store) = leaked_pg().await else {
+        return;
+    };
+    tokio::time::timeout(Duration::from_secs(120), async {
+        let tenant = fresh_tenant();
+        with_gateway(&tenant, |g| {
+            g.first_body_hangs = true;
+            g.hook_script = vec![HookMode::Unreachable, HookMode::Panics];
+        });
+        let stream = OwnStream::create(&js, "hookfails").await;
+        let mut messages = stream.durable("billing").await;
+        stream.publish("f-1", json(&order("o-1", 100))).await;
+
+        first_delivery_dies_after_charging(store, &tenant, &mut messages).await;
+        let seen = deliver_until_settled(store, &tenant, &mut messages).await;
+        assert_eq!(
+            seen.last(),
+            Some(&(Verdict::Executed, Disposition::Ack)),
+            "{seen:?}"
+        );
+        assert!(
+            seen.iter()
+                .any(|(v, d)| *v == Verdict::Failed && matches!(d, Disposition::Nak(_))),
+            "the failing hook's delivery was nak'd: {seen:?}"
+        );
+        let (charges, bodies, asked) = with_gateway(&tenant, |g| {
+            (g.charges.get("f-1").copied(), g.bodies, g.asked.clone())
+        });
+        assert_eq!((charges, bodies), (Some(1), 1), "charged once, one body");
+        assert_eq!(asked, [2, 3, 4]);
+        drop(messages);
+        stream.delete().await;
+    })
+    .await
+    .expect("finished within 120 s");
+}
+
+// ---------------------------------------------------------------- a store fault at completion
+
+/// A PostgreSQL store whose next `complete` calls fail (the connection
+/// dropped as the answer was written); everything else, and the store's
+/// background work, goes to the database.
+struct FailingCompletion {
+    inner: PgStore,
+    fail: AtomicUsize,
+}
+
+#[async_trait::async_trait]
+impl Store for FailingCompletion {
+    fn name(&self) -> &'static str {
+        self.inner.name()
+    }
+    fn max_result_bytes(&self) -> usize {
+        self.inner.max_result_bytes()
+    }
+    fn records_in_process_memory(&self) -> bool {
+        self.inner.records_in_process_memory()
+    }
+    async fn reserve(&self, r: ReserveRequest<'_>) -> Result<Reservation, StoreError> {
+        self.inner.reserve(r).await
+    }
+    async fn complete(&self, c: Completion<'_>) -> Result<Fenced, StoreError> {
+        let failing = self
+            .fail
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+            .is_ok();
+        if failing {
+            return Err(StoreError::new("postgres", "complete", "connection reset"));
+        }
+        self.inner.complete(c).await
+    }
+    async fn release(&self, i: &Identity, t: &OwnerToken) -> Result<Fenced, StoreError> {
+        self.inner.release(i, t).await
+    }
+    async fn heartbeat(
+        &self,
+        i: &Identity,
+        t: &OwnerToken,
+        lease: Duration,
+    ) -> Result<Fenced, StoreError> {
+        self.inner.heartbeat(i, t, lease).await
+    }
+    fn release_detached(&self, i: Identity, t: OwnerToken) {
+        self.inner.release_detached(i, t)
+    }
+    fn complete_detached(&self, c: Completion<'_>) {
+        self.inner.complete_detached(c)
+    }
+    fn end_lease_detached(&self, i: Identity, t: OwnerToken) {
+        self.inner.end_lease_detached(i, t)
+    }
+    async fn force_release(&self, i: &Identity, r: bool) -> Result<ForcedRelease, StoreError> {
+        self.inner.force_release(i, r).await
+    }
+    async fn wait_for_change(&self, i: &Identity, max_wait: Duration, round: u32) {
+        self.inner.wait_for_change(i, max_wait, round).await
+    }
+    async fn finish_background_work(&self, within: Duration) -> usize {
+        self.inner.finish_background_work(within).await
+    }
+    async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError> {
+        self.inner.purge_expired(batch).await
+    }
+    async fn fetch(&self, i: &Identity) -> Result<Option<RecordSnapshot>, StoreError> {
+        self.inner.fetch(i).await
+    }
+    async fn scope_stats(&self) -> Result<Vec<ScopeStats>, StoreError> {
+        self.inner.scope_stats().await
+    }
+}
+
+/// The body charged, and writing its answer failed: the delivery is nak'd
+/// (the caller cannot know it was recorded), and its redelivery replays the
+/// answer the store's background work recorded, or, taking the record over,
+/// the answer this process holds: acked, never charged again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delivery_whose_answer_could_not_be_written_is_not_charged_again() {
+    let Some(js) = nats_or_skip().await else {
+        return;
+    };
+    let Some(pg) = pg().await else {
+        return;
+    };
+    tokio::time::timeout(Duration::from_secs(120), async {
+        let store: &'static FailingCompletion = Box::leak(Box::new(FailingCompletion {
+            inner: pg,
+            fail: AtomicUsize::new(1),
+        }));
+        let tenant = fresh_tenant();
+        let stream = OwnStream::create(&js, "complfault").await;
+        let mut messages = stream.durable("billing").await;
+        stream.publish("c-1", json(&order("o-1", 100))).await;
+
+        let mut seen = Vec::new();
+        for _ in 0..40 {
+            let message = next(&mut messages).await;
+            let o: Order = serde_json::from_slice(&message.payload).unwrap();
+            let handled = process(&message, |k| bill(store, &tenant, k, &o))
+                .await
+                .expect("settled");
+            seen.push((handled.verdict, handled.disposition()));
+            if matches!(handled.disposition(), Disposition::Ack | Disposition::Term) {
+                break;
+            }
+        }
+        assert_eq!(seen.first().map(|s| s.0), Some(Verdict::Failed), "{seen:?}");
+        assert_eq!(seen.last().map(|s| s.1), Some(Disposition::Ack), "{seen:?}");
+        let (charges, bodies) =
+            with_gateway(&tenant, |g| (g.charges.get("c-1").copied(), g.bodies));
+        assert_eq!((charges, bodies), (Some(1), 1), "charged once: {seen:?}");
+        drop(messages);
+        stream.delete().await;
+    })
+    .await
+    .expect("finished within 120 s");
+}
