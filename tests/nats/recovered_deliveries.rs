@@ -39,6 +39,8 @@ struct Gateway {
     bodies: u32,
     /// The first body hangs after charging (its worker "dies" there).
     first_body_hangs: bool,
+    /// The first body panics after charging.
+    first_body_panics: bool,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -80,11 +82,17 @@ async fn found_in_gateway(t: &Takeover) -> Result<Recovery<u64>, Error> {
 #[idempotent(scope = "h_cons.recover.billing", key = msg_id, tenant = tenant, store = store,
              in_progress = reject, lease = "1s", recover = found_in_gateway)]
 async fn bill(store: &dyn Store, tenant: &str, msg_id: &str, order: &Order) -> Result<u64, Error> {
-    let hang = with_gateway(tenant, |g| {
+    let (hang, panics) = with_gateway(tenant, |g| {
         g.bodies += 1;
         *g.charges.entry(msg_id.to_owned()).or_default() += 1;
-        std::mem::take(&mut g.first_body_hangs)
+        (
+            std::mem::take(&mut g.first_body_hangs),
+            std::mem::take(&mut g.first_body_panics),
+        )
     });
+    if panics {
+        panic!("the body panics after charging (by design)");
+    }
     if hang {
         HUNG.add_permits(1);
         std::future::pending::<()>().await;
@@ -405,6 +413,9 @@ async fn a_failing_then_panicking_hook_keeps_the_message_until_it_can_answer() {
 struct FailingCompletion {
     inner: PgStore,
     fail: AtomicUsize,
+    /// The background writes of failed completions are lost too (the
+    /// store's worker cannot reach the database either, and gives up).
+    lose_background_writes: bool,
 }
 
 #[async_trait::async_trait]
@@ -446,7 +457,9 @@ impl Store for FailingCompletion {
         self.inner.release_detached(i, t)
     }
     fn complete_detached(&self, c: Completion<'_>) {
-        self.inner.complete_detached(c)
+        if !self.lose_background_writes {
+            self.inner.complete_detached(c)
+        }
     }
     fn end_lease_detached(&self, i: Identity, t: OwnerToken) {
         self.inner.end_lease_detached(i, t)
@@ -473,43 +486,98 @@ impl Store for FailingCompletion {
 
 /// The body charged, and writing its answer failed: the delivery is nak'd
 /// (the caller cannot know it was recorded), and its redelivery replays the
-/// answer the store's background work recorded, or, taking the record over,
-/// the answer this process holds: acked, never charged again.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_delivery_whose_answer_could_not_be_written_is_not_charged_again() {
+/// answer the store's background work recorded, or, when that was lost too,
+/// takes the record over once its lease ran out and records the answer this
+/// process holds: acked, never charged again.
+async fn answer_not_written(lose_background_writes: bool, label: &str) {
     let Some(js) = nats_or_skip().await else {
         return;
     };
     let Some(pg) = pg().await else {
         return;
     };
-    tokio::time::timeout(Duration::from_secs(120), async {
-        let store: &'static FailingCompletion = Box::leak(Box::new(FailingCompletion {
-            inner: pg,
-            fail: AtomicUsize::new(1),
-        }));
-        let tenant = fresh_tenant();
-        let stream = OwnStream::create(&js, "complfault").await;
-        let mut messages = stream.durable("billing").await;
-        stream.publish("c-1", json(&order("o-1", 100))).await;
+    let store: &'static FailingCompletion = Box::leak(Box::new(FailingCompletion {
+        inner: pg,
+        fail: AtomicUsize::new(1),
+        lose_background_writes,
+    }));
+    let tenant = fresh_tenant();
+    let stream = OwnStream::create(&js, label).await;
+    let mut messages = stream.durable("billing").await;
+    stream.publish("c-1", json(&order("o-1", 100))).await;
 
-        let mut seen = Vec::new();
-        for _ in 0..40 {
-            let message = next(&mut messages).await;
-            let o: Order = serde_json::from_slice(&message.payload).unwrap();
-            let handled = process(&message, |k| bill(store, &tenant, k, &o))
-                .await
-                .expect("settled");
-            seen.push((handled.verdict, handled.disposition()));
-            if matches!(handled.disposition(), Disposition::Ack | Disposition::Term) {
-                break;
-            }
+    let mut seen = Vec::new();
+    for _ in 0..40 {
+        let message = next(&mut messages).await;
+        let o: Order = serde_json::from_slice(&message.payload).unwrap();
+        let handled = process(&message, |k| bill(store, &tenant, k, &o))
+            .await
+            .expect("settled");
+        seen.push((handled.verdict, handled.disposition()));
+        if matches!(handled.disposition(), Disposition::Ack | Disposition::Term) {
+            break;
         }
-        assert_eq!(seen.first().map(|s| s.0), Some(Verdict::Failed), "{seen:?}");
-        assert_eq!(seen.last().map(|s| s.1), Some(Disposition::Ack), "{seen:?}");
-        let (charges, bodies) =
-            with_gateway(&tenant, |g| (g.charges.get("c-1").copied(), g.bodies));
-        assert_eq!((charges, bodies), (Some(1), 1), "charged once: {seen:?}");
+    }
+    assert_eq!(seen.first().map(|s| s.0), Some(Verdict::Failed), "{seen:?}");
+    assert_eq!(seen.last().map(|s| s.1), Some(Disposition::Ack), "{seen:?}");
+    let (charges, bodies, asked) = with_gateway(&tenant, |g| {
+        (g.charges.get("c-1").copied(), g.bodies, g.asked.clone())
+    });
+    assert_eq!((charges, bodies), (Some(1), 1), "charged once: {seen:?}");
+    assert!(asked.is_empty(), "the answer was known: {asked:?}");
+    let r = record(store, &tenant, "c-1").await;
+    assert_eq!(r.state, RecordState::Complete);
+    drop(messages);
+    stream.delete().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delivery_whose_answer_could_not_be_written_is_not_charged_again() {
+    tokio::time::timeout(
+        Duration::from_secs(120),
+        answer_not_written(false, "complfault"),
+    )
+    .await
+    .expect("finished within 120 s");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delivery_whose_answer_and_its_background_write_were_lost_is_not_charged_again() {
+    tokio::time::timeout(
+        Duration::from_secs(120),
+        answer_not_written(true, "compllost"),
+    )
+    .await
+    .expect("finished within 120 s");
+}
+
+/// The body charged and panicked: the panic leaves the delivery unsettled,
+/// the record's lease is ended (a scope with a hook), and the redelivery
+/// takes it over and asks the hook, which finds the charge. One charge.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delivery_whose_body_panicked_after_charging_is_recovered_on_redelivery() {
+    let Some(js) = nats_or_skip().await else {
+        return;
+    };
+    let Some(store) = leaked_pg().await else {
+        return;
+    };
+    tokio::time::timeout(Duration::from_secs(120), async {
+        let tenant = fresh_tenant();
+        with_gateway(&tenant, |g| g.first_body_panics = true);
+        let stream = OwnStream::create(&js, "bodypanics").await;
+        let mut messages = stream.durable("billing").await;
+        stream.publish("p-1", json(&order("o-1", 100))).await;
+        let seen = deliver_until_settled(store, &tenant, &mut messages).await;
+        assert_eq!(
+            seen,
+            [(Verdict::Executed, Disposition::Ack)],
+            "the panicking delivery settled nothing; the next was recovered"
+        );
+        let (charges, bodies, asked) = with_gateway(&tenant, |g| {
+            (g.charges.get("p-1").copied(), g.bodies, g.asked.clone())
+        });
+        assert_eq!((charges, bodies, asked), (Some(1), 1, vec![2]));
         drop(messages);
         stream.delete().await;
     })
