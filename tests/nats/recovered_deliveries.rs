@@ -584,3 +584,163 @@ async fn a_delivery_whose_body_panicked_after_charging_is_recovered_on_redeliver
     .await
     .expect("finished within 120 s");
 }
+
+// ---------------------------------------------------------------- a deploy that moved to transactional mode
+
+/// The same boundary, in store mode (the version whose worker died) and in
+/// transactional mode (the version the redelivery reaches).
+#[idempotent(scope = "h_cons.recover.mixed", key = msg_id, tenant = tenant, store = store,
+             in_progress = reject, lease = "1s", recover = found_in_gateway, shared_scope)]
+async fn bill_mixed(
+    store: &dyn Store,
+    tenant: &str,
+    msg_id: &str,
+    order: &Order,
+) -> Result<u64, Error> {
+    bill_body(tenant, msg_id, order).await
+}
+
+#[idempotent(scope = "h_cons.recover.mixed", key = msg_id, tenant = tenant, tx = tx,
+             in_progress = reject, recover = found_in_gateway, shared_scope)]
+async fn bill_mixed_pg_tx(
+    tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
+    tenant: &str,
+    msg_id: &str,
+    order: &Order,
+) -> Result<u64, Error> {
+    bill_body(tenant, msg_id, order).await
+}
+
+#[idempotent(scope = "h_cons.recover.mixed", key = msg_id, tenant = tenant, tx = tx,
+             in_progress = reject, recover = found_in_gateway, shared_scope)]
+async fn bill_mixed_mysql_tx(
+    tx: &mut sqlx::Transaction<'_, sqlx::MySql>,
+    tenant: &str,
+    msg_id: &str,
+    order: &Order,
+) -> Result<u64, Error> {
+    bill_body(tenant, msg_id, order).await
+}
+
+async fn bill_body(tenant: &str, msg_id: &str, order: &Order) -> Result<u64, Error> {
+    let hang = with_gateway(tenant, |g| {
+        g.bodies += 1;
+        *g.charges.entry(msg_id.to_owned()).or_default() += 1;
+        std::mem::take(&mut g.first_body_hangs)
+    });
+    if hang {
+        HUNG.add_permits(1);
+        std::future::pending::<()>().await;
+    }
+    let _ = order;
+    Ok(7)
+}
+
+enum TxDb {
+    Pg(sqlx::PgPool),
+    MySql(sqlx::MySqlPool),
+}
+
+/// One delivery in transactional mode: commit on `Ok`, roll back otherwise.
+async fn bill_in_tx(db: &TxDb, tenant: &str, msg_id: &str, order: &Order) -> Result<u64, Error> {
+    let db_err = |e: sqlx::Error| Error::Store(StoreError::new("test", "transaction", e));
+    match db {
+        TxDb::Pg(pool) => {
+            let mut tx = pool.begin().await.map_err(db_err)?;
+            let r = bill_mixed_pg_tx(&mut tx, tenant, msg_id, order).await?;
+            tx.commit().await.map_err(db_err)?;
+            Ok(r)
+        }
+        TxDb::MySql(pool) => {
+            let mut tx = pool.begin().await.map_err(db_err)?;
+            let r = bill_mixed_mysql_tx(&mut tx, tenant, msg_id, order).await?;
+            tx.commit().await.map_err(db_err)?;
+            Ok(r)
+        }
+    }
+}
+
+/// The store-mode worker charged and died; the redelivery reaches the
+/// transactional version, which takes the record over in its transaction,
+/// asks the hook, records its answer and commits: acked, one charge.
+async fn died_then_transactional(js: jetstream::Context, store: &'static dyn Store, db: TxDb) {
+    let tenant = fresh_tenant();
+    with_gateway(&tenant, |g| g.first_body_hangs = true);
+    let stream = OwnStream::create(&js, "mixed").await;
+    let mut messages = stream.durable("billing").await;
+    stream.publish("x-1", json(&order("o-1", 100))).await;
+
+    let first = Box::leak(Box::new(next(&mut messages).await));
+    let o: &'static Order = Box::leak(Box::new(serde_json::from_slice(&first.payload).unwrap()));
+    let t: &'static str = Box::leak(tenant.clone().into_boxed_str());
+    let mut dying = Box::pin(process(first, move |k| bill_mixed(store, t, k, o)));
+    tokio::select! {
+        _ = &mut dying => panic!("the hanging body returned"),
+        permit = HUNG.acquire() => permit.expect("open").forget(),
+    }
+    std::mem::forget(dying);
+
+    let mut seen = Vec::new();
+    for _ in 0..40 {
+        let message = next(&mut messages).await;
+        let o: Order = serde_json::from_slice(&message.payload).unwrap();
+        let handled = process(&message, |k| bill_in_tx(&db, &tenant, k, &o))
+            .await
+            .expect("settled");
+        seen.push((handled.verdict, handled.disposition()));
+        if matches!(handled.disposition(), Disposition::Ack | Disposition::Term) {
+            break;
+        }
+    }
+    assert_eq!(
+        seen.last(),
+        Some(&(Verdict::Executed, Disposition::Ack)),
+        "{seen:?}"
+    );
+    let (charges, bodies, asked) = with_gateway(&tenant, |g| {
+        (g.charges.get("x-1").copied(), g.bodies, g.asked.clone())
+    });
+    assert_eq!((charges, bodies), (Some(1), 1), "charged once: {seen:?}");
+    assert_eq!(asked.last(), Some(&2), "{asked:?}");
+    let identity = Identity::new(tenant.as_str(), "h_cons.recover.mixed", "x-1").unwrap();
+    let r = store.fetch(&identity).await.unwrap().expect("a record");
+    assert_eq!((r.state, r.recovered), (RecordState::Complete, true));
+    drop(messages);
+    stream.delete().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_store_mode_death_is_recovered_by_the_transactional_version() {
+    let Some(js) = nats_or_skip().await else {
+        return;
+    };
+    let Some(store) = leaked_pg().await else {
+        return;
+    };
+    let pool = sqlx::PgPool::connect(&pg_url()).await.expect("pool");
+    tokio::time::timeout(
+        Duration::from_secs(120),
+        died_then_transactional(js, store, TxDb::Pg(pool)),
+    )
+    .await
+    .expect("finished within 120 s");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mariadb_a_store_mode_death_is_recovered_by_the_transactional_version() {
+    let Some(js) = nats_or_skip().await else {
+        return;
+    };
+    let Some(store) = leaked_mariadb().await else {
+        return;
+    };
+    let pool = sqlx::MySqlPool::connect(&mariadb_url())
+        .await
+        .expect("pool");
+    tokio::time::timeout(
+        Duration::from_secs(120),
+        died_then_transactional(js, store, TxDb::MySql(pool)),
+    )
+    .await
+    .expect("finished within 120 s");
+}
