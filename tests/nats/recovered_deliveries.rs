@@ -744,3 +744,87 @@ async fn mariadb_a_store_mode_death_is_recovered_by_the_transactional_version() 
     .await
     .expect("finished within 120 s");
 }
+
+// ---------------------------------------------------------------- the tenant from a header
+
+/// The header a producer names the message's tenant in.
+const TENANT_HEADER: &str = "H-Cons-Tenant";
+
+/// The tenant of a delivery: its header as sent; a missing header is the
+/// empty string, which the call refuses (never the shared tenant).
+fn tenant_of(message: &jetstream::Message) -> &str {
+    message
+        .headers
+        .as_ref()
+        .and_then(|h| h.get(TENANT_HEADER))
+        .map_or("", |v| v.as_str())
+}
+
+/// A message whose tenant header is missing, or too long to be a tenant, is
+/// terminated without a record or a charge; the same message id from a
+/// tenant that names itself runs, once, in that tenant's record only.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn messages_without_a_valid_tenant_are_terminated_and_touch_no_record() {
+    let Some(js) = nats_or_skip().await else {
+        return;
+    };
+    let Some(store) = leaked_pg().await else {
+        return;
+    };
+    tokio::time::timeout(Duration::from_secs(60), async {
+        let tenant = fresh_tenant();
+        let too_long = "t".repeat(300);
+        let stream = OwnStream::create(&js, "tenants").await;
+        let mut messages = stream.durable("billing").await;
+        let publish = |tenant: Option<String>, id: &'static str| {
+            let (js, subject) = (stream.js.clone(), stream.subject.clone());
+            async move {
+                let mut m = jetstream::message::PublishMessage::build()
+                    .payload(json(&order("o-1", 100)).into())
+                    .message_id(id);
+                if let Some(t) = tenant {
+                    m = m.header(TENANT_HEADER, t.as_str());
+                }
+                js.send_publish(subject, m)
+                    .await
+                    .expect("publish")
+                    .await
+                    .expect("publish acknowledged");
+            }
+        };
+        publish(None, "t-1").await;
+        publish(Some(too_long.clone()), "t-2").await;
+        publish(Some(tenant.clone()), "t-3").await;
+        let mut verdicts = Vec::new();
+        for _ in 0..3 {
+            let message = next(&mut messages).await;
+            let o: Order = serde_json::from_slice(&message.payload).unwrap();
+            let t = tenant_of(&message).to_owned();
+            let handled = process(&message, |k| bill(store, &t, k, &o))
+                .await
+                .expect("settled");
+            verdicts.push((handled.verdict, handled.disposition()));
+        }
+        assert_eq!(
+            verdicts,
+            [
+                (Verdict::InvalidKey, Disposition::Term),
+                (Verdict::InvalidKey, Disposition::Term),
+                (Verdict::Executed, Disposition::Ack),
+            ]
+        );
+        for (t, key) in [("", "t-1"), (too_long.as_str(), "t-2")] {
+            assert_eq!(with_gateway(t, |g| g.bodies), 0, "nothing ran for {key}");
+        }
+        let shared = Identity::shared(SCOPE, "t-1").unwrap();
+        assert!(
+            store.fetch(&shared).await.unwrap().is_none(),
+            "a missing tenant is not the shared tenant"
+        );
+        assert_eq!(with_gateway(&tenant, |g| g.bodies), 1);
+        drop(messages);
+        stream.delete().await;
+    })
+    .await
+    .expect("finished within 60 s");
+}
