@@ -39,3 +39,6 @@ mod storm;
 
 // Owners whose leases lapse under a storm: one answer per key.
 mod lapse_storm;
+
+// One process, two databases: an answer unrecorded in one is not another's.
+mod two_databases;

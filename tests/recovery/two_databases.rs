@@ -1,0 +1,217 @@
+//! One process, two databases of one kind (two regions, a migration from an
+//! old database to a new one), the same function, tenant and key in both.
+//! An answer this process could not record in one database is not the
+//! answer of the other database's record: a takeover there asks its own
+//! `recover` hook (rule 20) and, told to, runs the body, instead of
+//! recording the first database's answer without either.
+//!
+//! Databases of the test's own: `h_cons_nats` and `h_cons_two` (or
+//! `IDEMPOTENT_CONS_PG_URL` / `IDEMPOTENT_CONS_PG_URL_2`).
+
+use crate::common;
+
+use common::servers::fresh_tenant;
+use idempotent_runtime::{
+    idempotent, with_outcome, Completion, Error, Fenced, ForcedRelease, Identity, Outcome,
+    OwnerToken, PgStore, RecordSnapshot, RecordState, Recovery, Reservation, ReserveRequest,
+    ScopeStats, SqliteStore, Store, StoreError, Takeover,
+};
+use std::collections::HashMap;
+use std::sync::{LazyLock, Mutex};
+use std::time::Duration;
+
+const SCOPE: &str = "h_cons.two_databases.invoice";
+
+/// Per tenant: the attempts the hook was asked about, and the bodies run.
+static SEEN: LazyLock<Mutex<HashMap<String, (Vec<u32>, u32)>>> = LazyLock::new(Default::default);
+
+fn seen(tenant: &str) -> (Vec<u32>, u32) {
+    SEEN.lock()
+        .unwrap()
+        .get(tenant)
+        .cloned()
+        .unwrap_or_default()
+}
+
+/// Nothing was invoiced by the attempt taken over: run the body.
+async fn nothing_invoiced(t: &Takeover) -> Result<Recovery<u64>, Error> {
+    SEEN.lock()
+        .unwrap()
+        .entry(t.tenant().to_owned())
+        .or_default()
+        .0
+        .push(t.attempt());
+    Ok(Recovery::Run)
+}
+
+#[idempotent(scope = "h_cons.two_databases.invoice", key = key, tenant = tenant, store = store,
+             lease = "1s", recover = nothing_invoiced)]
+async fn invoice(store: &dyn Store, tenant: &str, key: &str, amount: u64) -> Result<u64, Error> {
+    SEEN.lock().unwrap().entry(tenant.to_owned()).or_default().1 += 1;
+    Ok(amount)
+}
+
+/// A store whose answers cannot be written: `complete` fails and
+/// the store's background writes are lost (the database unreachable for
+/// this process's writes until the test ends).
+struct UnwritableAnswers<'s>(&'s dyn Store);
+
+#[async_trait::async_trait]
+impl Store for UnwritableAnswers<'_> {
+    fn name(&self) -> &'static str {
+        self.0.name()
+    }
+    fn max_result_bytes(&self) -> usize {
+        self.0.max_result_bytes()
+    }
+    async fn reserve(&self, r: ReserveRequest<'_>) -> Result<Reservation, StoreError> {
+        self.0.reserve(r).await
+    }
+    async fn complete(&self, _: Completion<'_>) -> Result<Fenced, StoreError> {
+        Err(StoreError::new(
+            self.0.name(),
+            "complete",
+            "connection reset",
+        ))
+    }
+    async fn release(&self, i: &Identity, t: &OwnerToken) -> Result<Fenced, StoreError> {
+        self.0.release(i, t).await
+    }
+    async fn heartbeat(
+        &self,
+        i: &Identity,
+        t: &OwnerToken,
+        lease: Duration,
+    ) -> Result<Fenced, StoreError> {
+        self.0.heartbeat(i, t, lease).await
+    }
+    fn release_detached(&self, i: Identity, t: OwnerToken) {
+        self.0.release_detached(i, t)
+    }
+    fn complete_detached(&self, _: Completion<'_>) {}
+    fn end_lease_detached(&self, i: Identity, t: OwnerToken) {
+        self.0.end_lease_detached(i, t)
+    }
+    async fn force_release(&self, i: &Identity, r: bool) -> Result<ForcedRelease, StoreError> {
+        self.0.force_release(i, r).await
+    }
+    async fn wait_for_change(&self, i: &Identity, max_wait: Duration, round: u32) {
+        self.0.wait_for_change(i, max_wait, round).await
+    }
+    async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError> {
+        self.0.purge_expired(batch).await
+    }
+    async fn fetch(&self, i: &Identity) -> Result<Option<RecordSnapshot>, StoreError> {
+        self.0.fetch(i).await
+    }
+    async fn scope_stats(&self) -> Result<Vec<ScopeStats>, StoreError> {
+        self.0.scope_stats().await
+    }
+}
+
+async fn open(var: &str, default: &str) -> Option<PgStore> {
+    let url = std::env::var(var).unwrap_or_else(|_| default.to_owned());
+    match PgStore::connect(&url).await {
+        Ok(store) => Some(store),
+        Err(e) => {
+            assert!(
+                !common::servers::servers_required(),
+                "PostgreSQL at {url}: {e}"
+            );
+            eprintln!("SKIPPED: PostgreSQL at {url} unreachable: {e}");
+            None
+        }
+    }
+}
+
+/// Waits (bounded) until the record's lease has run out, on the database's clock.
+async fn lease_ran_out(store: &dyn Store, identity: &Identity) {
+    tokio::time::timeout(Duration::from_secs(20), async {
+        loop {
+            match store.fetch(identity).await.expect("fetch") {
+                Some(r) if r.lease_expires_at_ms.is_some_and(|ends| ends < r.now_ms) => break,
+                _ => tokio::time::sleep(Duration::from_millis(20)).await,
+            }
+        }
+    })
+    .await
+    .expect("the lease runs out");
+}
+
+/// The defect: `unrecorded` matches a noted answer by identity, store
+/// *kind* (`Store::name`) and fingerprint, never by database, so the second
+/// database's takeover records the first one's answer and replays it: its
+/// hook is not asked and its body never runs there.
+async fn unrecorded_in_one_answers_the_other(first: &dyn Store, second: &dyn Store) {
+    let first = UnwritableAnswers(first);
+    let tenant = fresh_tenant();
+    let identity = Identity::new(tenant.as_str(), SCOPE, "inv-1").unwrap();
+
+    // The first database: the body ran, its answer could not be written
+    // (this process holds it, for a takeover of that record).
+    let got = invoice(&first, &tenant, "inv-1", 100).await;
+    assert!(matches!(got, Err(Error::Store(_))), "{got:?}");
+    assert_eq!(seen(&tenant), (vec![], 1));
+
+    // The second database: the same identity's record, left in progress
+    // by an attempt (of another process) that died before it invoiced.
+    common::records::acquire(
+        second,
+        &identity,
+        None,
+        Duration::from_millis(1),
+        Duration::from_secs(3600),
+    )
+    .await;
+    lease_ran_out(second, &identity).await;
+
+    let (got, outcome) = with_outcome(invoice(second, &tenant, "inv-1", 100)).await;
+    assert_eq!(got.expect("answered"), 100);
+    assert_eq!(
+        (outcome, seen(&tenant)),
+        (Some(Outcome::Executed), (vec![2], 2)),
+        "the second database's takeover asks its hook and runs the body, \
+         not record the first database's answer"
+    );
+    let r = second.fetch(&identity).await.unwrap().expect("record");
+    assert_eq!(
+        (r.state, r.attempt, r.recovered),
+        (RecordState::Complete, 2, false)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "open defect (h_cons): unrecorded answers are matched by store kind, not database"]
+async fn postgres_an_answer_unrecorded_in_one_database_does_not_answer_a_takeover_in_another() {
+    let Some(first) = open(
+        "IDEMPOTENT_CONS_PG_URL",
+        "postgres://postgres@127.0.0.1:5432/h_cons_nats",
+    )
+    .await
+    else {
+        return;
+    };
+    let Some(second) = open(
+        "IDEMPOTENT_CONS_PG_URL_2",
+        "postgres://postgres@127.0.0.1:5432/h_cons_two",
+    )
+    .await
+    else {
+        return;
+    };
+    unrecorded_in_one_answers_the_other(&first, &second).await;
+}
+
+/// The same with one SQLite file per customer (`tenant = shared` in each
+/// file would collide the same way; here one tenant in two files).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "open defect (h_cons): unrecorded answers are matched by store kind, not database"]
+async fn sqlite_an_answer_unrecorded_in_one_file_does_not_answer_a_takeover_in_another() {
+    let first = SqliteStore::connect(&common::scratch::sqlite_url("h-cons-first"))
+        .await
+        .expect("first file");
+    let second = SqliteStore::connect(&common::scratch::sqlite_url("h-cons-second"))
+        .await
+        .expect("second file");
+    unrecorded_in_one_answers_the_other(&first, &second).await;
+}
