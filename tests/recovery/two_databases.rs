@@ -215,3 +215,39 @@ async fn sqlite_an_answer_unrecorded_in_one_file_does_not_answer_a_takeover_in_a
         .expect("second file");
     unrecorded_in_one_answers_the_other(&first, &second).await;
 }
+
+/// The same on one database, for two tenants with one key: tenant A's
+/// answer, unrecorded, is A's alone. Tenant B's takeover asks its hook (with
+/// B's tenant) and runs the body; A's takeover records A's answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_answer_unrecorded_for_one_tenant_does_not_answer_another_tenants_takeover() {
+    let store = SqliteStore::connect(&common::scratch::sqlite_url("h-cons-tenants"))
+        .await
+        .expect("file");
+    let (a, b) = (fresh_tenant(), fresh_tenant());
+    let got = invoice(&UnwritableAnswers(&store), &a, "inv-1", 100).await;
+    assert!(matches!(got, Err(Error::Store(_))), "{got:?}");
+    let b_id = Identity::new(b.as_str(), SCOPE, "inv-1").unwrap();
+    common::records::acquire(
+        &store,
+        &b_id,
+        None,
+        Duration::from_millis(1),
+        Duration::from_secs(3600),
+    )
+    .await;
+    lease_ran_out(&store, &b_id).await;
+    let (got, outcome) = with_outcome(invoice(&store, &b, "inv-1", 100)).await;
+    assert_eq!(got.expect("answered"), 100);
+    assert_eq!((outcome, seen(&b)), (Some(Outcome::Executed), (vec![2], 1)));
+
+    let a_id = Identity::new(a.as_str(), SCOPE, "inv-1").unwrap();
+    lease_ran_out(&store, &a_id).await;
+    let (got, outcome) = with_outcome(invoice(&store, &a, "inv-1", 100)).await;
+    assert_eq!(got.expect("answered"), 100);
+    assert_eq!(
+        (outcome, seen(&a)),
+        (Some(Outcome::Replayed), (vec![], 1)),
+        "A's own answer, recorded by A's takeover: no hook, no second body"
+    );
+}
