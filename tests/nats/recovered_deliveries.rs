@@ -2,8 +2,8 @@
 //! future forgotten: no release, no renewal, as a killed process leaves it)
 //! is redelivered by JetStream; the redelivery takes the record over once
 //! its lease ran out, and the `recover` hook, not a blind re-run, decides.
-//! On the real JetStream server and a PostgreSQL database of the test's own
-//! (`h_cons_nats`, or `IDEMPOTENT_CONS_PG_URL`).
+//! On the real JetStream server (streams named `h_cons_*`), PostgreSQL and
+//! MariaDB (the test databases, fresh tenants).
 
 use crate::common;
 use crate::nats_consumer::{json, order, Order};
@@ -24,7 +24,7 @@ use std::sync::{LazyLock, Mutex};
 use std::time::Duration;
 use tokio::sync::Semaphore;
 
-const SCOPE: &str = "h_cons.recover.billing";
+const SCOPE: &str = "nats.recovered.billing";
 
 /// What the payment gateway (the side effect) knows, per tenant: charges
 /// made, keyed by message id. The hook asks it; the body charges it.
@@ -79,7 +79,7 @@ async fn found_in_gateway(t: &Takeover) -> Result<Recovery<u64>, Error> {
     }
 }
 
-#[idempotent(scope = "h_cons.recover.billing", key = msg_id, tenant = tenant, store = store,
+#[idempotent(scope = "nats.recovered.billing", key = msg_id, tenant = tenant, store = store,
              in_progress = reject, lease = "1s", recover = found_in_gateway)]
 async fn bill(store: &dyn Store, tenant: &str, msg_id: &str, order: &Order) -> Result<u64, Error> {
     let (hang, panics) = with_gateway(tenant, |g| {
@@ -101,24 +101,8 @@ async fn bill(store: &dyn Store, tenant: &str, msg_id: &str, order: &Order) -> R
     Ok(7)
 }
 
-pub(crate) fn pg_url() -> String {
-    std::env::var("IDEMPOTENT_CONS_PG_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/h_cons_nats".into())
-}
-
 async fn pg() -> Option<PgStore> {
-    match PgStore::connect(&pg_url()).await {
-        Ok(store) => Some(store),
-        Err(e) => {
-            assert!(
-                !common::servers::servers_required(),
-                "PostgreSQL at {}: {e}",
-                pg_url()
-            );
-            eprintln!("SKIPPED: PostgreSQL at {} unreachable: {e}", pg_url());
-            None
-        }
-    }
+    common::servers::pg_store_or_skip().await
 }
 
 /// A stream and a durable of the test's own (names prefixed `h_cons_`).
@@ -232,43 +216,34 @@ async fn deliver_until_settled(
 }
 
 /// The stores live for the whole test binary: a spawned delivery borrows one.
-static PG: tokio::sync::OnceCell<Option<&'static dyn Store>> = tokio::sync::OnceCell::const_new();
-static MARIADB: tokio::sync::OnceCell<Option<&'static dyn Store>> =
+static PG: tokio::sync::OnceCell<Option<&'static PgStore>> = tokio::sync::OnceCell::const_new();
+static MARIADB: tokio::sync::OnceCell<Option<&'static idempotent_runtime::MySqlStore>> =
     tokio::sync::OnceCell::const_new();
 
-async fn leaked_pg() -> Option<&'static dyn Store> {
+async fn leaked_pg_store() -> Option<&'static PgStore> {
     *PG.get_or_init(|| async {
-        let store: &'static dyn Store = Box::leak(Box::new(pg().await?));
+        let store: &'static PgStore = Box::leak(Box::new(pg().await?));
         Some(store)
     })
     .await
 }
 
-pub(crate) fn mariadb_url() -> String {
-    std::env::var("IDEMPOTENT_CONS_MYSQL_URL")
-        .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/h_cons_my".into())
+async fn leaked_pg() -> Option<&'static dyn Store> {
+    Some(leaked_pg_store().await?)
+}
+
+async fn leaked_mariadb_store() -> Option<&'static idempotent_runtime::MySqlStore> {
+    *MARIADB
+        .get_or_init(|| async {
+            let store = common::servers::mysql_store_or_skip().await?;
+            let store: &'static idempotent_runtime::MySqlStore = Box::leak(Box::new(store));
+            Some(store)
+        })
+        .await
 }
 
 async fn leaked_mariadb() -> Option<&'static dyn Store> {
-    *MARIADB
-        .get_or_init(|| async {
-            match idempotent_runtime::MySqlStore::connect(&mariadb_url()).await {
-                Ok(store) => {
-                    let store: &'static dyn Store = Box::leak(Box::new(store));
-                    Some(store)
-                }
-                Err(e) => {
-                    assert!(
-                        !common::servers::servers_required(),
-                        "MariaDB at {}: {e}",
-                        mariadb_url()
-                    );
-                    eprintln!("SKIPPED: MariaDB at {} unreachable: {e}", mariadb_url());
-                    None
-                }
-            }
-        })
-        .await
+    Some(leaked_mariadb_store().await?)
 }
 
 /// Handles the first delivery until its body has charged and hangs, then
@@ -589,7 +564,7 @@ async fn a_delivery_whose_body_panicked_after_charging_is_recovered_on_redeliver
 
 /// The same boundary, in store mode (the version whose worker died) and in
 /// transactional mode (the version the redelivery reaches).
-#[idempotent(scope = "h_cons.recover.mixed", key = msg_id, tenant = tenant, store = store,
+#[idempotent(scope = "nats.recovered.mixed", key = msg_id, tenant = tenant, store = store,
              in_progress = reject, lease = "1s", recover = found_in_gateway, shared_scope)]
 async fn bill_mixed(
     store: &dyn Store,
@@ -600,7 +575,7 @@ async fn bill_mixed(
     bill_body(tenant, msg_id, order).await
 }
 
-#[idempotent(scope = "h_cons.recover.mixed", key = msg_id, tenant = tenant, tx = tx,
+#[idempotent(scope = "nats.recovered.mixed", key = msg_id, tenant = tenant, tx = tx,
              in_progress = reject, recover = found_in_gateway, shared_scope)]
 async fn bill_mixed_pg_tx(
     tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
@@ -611,7 +586,7 @@ async fn bill_mixed_pg_tx(
     bill_body(tenant, msg_id, order).await
 }
 
-#[idempotent(scope = "h_cons.recover.mixed", key = msg_id, tenant = tenant, tx = tx,
+#[idempotent(scope = "nats.recovered.mixed", key = msg_id, tenant = tenant, tx = tx,
              in_progress = reject, recover = found_in_gateway, shared_scope)]
 async fn bill_mixed_mysql_tx(
     tx: &mut sqlx::Transaction<'_, sqlx::MySql>,
@@ -702,7 +677,7 @@ async fn died_then_transactional(js: jetstream::Context, store: &'static dyn Sto
     });
     assert_eq!((charges, bodies), (Some(1), 1), "charged once: {seen:?}");
     assert_eq!(asked.last(), Some(&2), "{asked:?}");
-    let identity = Identity::new(tenant.as_str(), "h_cons.recover.mixed", "x-1").unwrap();
+    let identity = Identity::new(tenant.as_str(), "nats.recovered.mixed", "x-1").unwrap();
     let r = store.fetch(&identity).await.unwrap().expect("a record");
     assert_eq!((r.state, r.recovered), (RecordState::Complete, true));
     drop(messages);
@@ -714,10 +689,10 @@ async fn postgres_a_store_mode_death_is_recovered_by_the_transactional_version()
     let Some(js) = nats_or_skip().await else {
         return;
     };
-    let Some(store) = leaked_pg().await else {
+    let Some(store) = leaked_pg_store().await else {
         return;
     };
-    let pool = sqlx::PgPool::connect(&pg_url()).await.expect("pool");
+    let pool = store.pool().clone();
     tokio::time::timeout(
         Duration::from_secs(120),
         died_then_transactional(js, store, TxDb::Pg(pool)),
@@ -731,12 +706,10 @@ async fn mariadb_a_store_mode_death_is_recovered_by_the_transactional_version() 
     let Some(js) = nats_or_skip().await else {
         return;
     };
-    let Some(store) = leaked_mariadb().await else {
+    let Some(store) = leaked_mariadb_store().await else {
         return;
     };
-    let pool = sqlx::MySqlPool::connect(&mariadb_url())
-        .await
-        .expect("pool");
+    let pool = store.pool().clone();
     tokio::time::timeout(
         Duration::from_secs(120),
         died_then_transactional(js, store, TxDb::MySql(pool)),

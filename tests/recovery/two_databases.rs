@@ -5,8 +5,8 @@
 //! `recover` hook (rule 20) and, told to, runs the body, instead of
 //! recording the first database's answer without either.
 //!
-//! Databases of the test's own: `h_cons_nats` and `h_cons_two` (or
-//! `IDEMPOTENT_CONS_PG_URL` / `IDEMPOTENT_CONS_PG_URL_2`).
+//! On PostgreSQL (the test database and a fresh one, dropped at the end) and
+//! on two SQLite files.
 
 use crate::common;
 
@@ -20,12 +20,15 @@ use std::collections::HashMap;
 use std::sync::{LazyLock, Mutex};
 use std::time::Duration;
 
-const SCOPE: &str = "h_cons.two_databases.invoice";
+const SCOPE: &str = "recovery.two_databases.invoice";
 
-/// Per tenant: the attempts the hook was asked about, and the bodies run.
-static SEEN: LazyLock<Mutex<HashMap<String, (Vec<u32>, u32)>>> = LazyLock::new(Default::default);
+/// The attempts the hook was asked about, and the bodies run.
+type Seen = (Vec<u32>, u32);
 
-fn seen(tenant: &str) -> (Vec<u32>, u32) {
+/// Per tenant.
+static SEEN: LazyLock<Mutex<HashMap<String, Seen>>> = LazyLock::new(Default::default);
+
+fn seen(tenant: &str) -> Seen {
     SEEN.lock()
         .unwrap()
         .get(tenant)
@@ -44,7 +47,7 @@ async fn nothing_invoiced(t: &Takeover) -> Result<Recovery<u64>, Error> {
     Ok(Recovery::Run)
 }
 
-#[idempotent(scope = "h_cons.two_databases.invoice", key = key, tenant = tenant, store = store,
+#[idempotent(scope = "recovery.two_databases.invoice", key = key, tenant = tenant, store = store,
              lease = "1s", recover = nothing_invoiced)]
 async fn invoice(store: &dyn Store, tenant: &str, key: &str, amount: u64) -> Result<u64, Error> {
     SEEN.lock().unwrap().entry(tenant.to_owned()).or_default().1 += 1;
@@ -109,19 +112,25 @@ impl Store for UnwritableAnswers<'_> {
     }
 }
 
-async fn open(var: &str, default: &str) -> Option<PgStore> {
-    let url = std::env::var(var).unwrap_or_else(|_| default.to_owned());
-    match PgStore::connect(&url).await {
-        Ok(store) => Some(store),
-        Err(e) => {
-            assert!(
-                !common::servers::servers_required(),
-                "PostgreSQL at {url}: {e}"
-            );
-            eprintln!("SKIPPED: PostgreSQL at {url} unreachable: {e}");
-            None
-        }
-    }
+/// A brand-new database on the PostgreSQL test server: its store, and an
+/// admin connection and its name to drop it with.
+async fn fresh_pg_database() -> (PgStore, sqlx::PgConnection, String) {
+    use sqlx::{Connection, Executor};
+    let admin_url = common::servers::pg_url();
+    let mut admin = sqlx::PgConnection::connect(&admin_url)
+        .await
+        .expect("admin connection");
+    let db = format!("two_databases_{}", uuid::Uuid::new_v4().simple());
+    admin
+        .execute(format!("CREATE DATABASE {db}").as_str())
+        .await
+        .expect("create database");
+    let url = match admin_url.rsplit_once('/') {
+        Some((base, _)) => format!("{base}/{db}"),
+        None => panic!("url {admin_url}"),
+    };
+    let store = PgStore::connect(&url).await.expect("the new database");
+    (store, admin, db)
 }
 
 /// Waits (bounded) until the record's lease has run out, on the database's clock.
@@ -183,23 +192,25 @@ async fn unrecorded_in_one_answers_the_other(first: &dyn Store, second: &dyn Sto
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "open defect (h_cons): unrecorded answers are matched by store kind, not database"]
 async fn postgres_an_answer_unrecorded_in_one_database_does_not_answer_a_takeover_in_another() {
-    let Some(first) = open(
-        "IDEMPOTENT_CONS_PG_URL",
-        "postgres://postgres@127.0.0.1:5432/h_cons_nats",
-    )
-    .await
-    else {
+    let Some(first) = common::servers::pg_store_or_skip().await else {
         return;
     };
-    let Some(second) = open(
-        "IDEMPOTENT_CONS_PG_URL_2",
-        "postgres://postgres@127.0.0.1:5432/h_cons_two",
-    )
-    .await
-    else {
-        return;
-    };
-    unrecorded_in_one_answers_the_other(&first, &second).await;
+    let (second, mut admin, db) = fresh_pg_database().await;
+    // Run on a task of its own, so the database is dropped also when the
+    // check fails.
+    let first: &'static PgStore = Box::leak(Box::new(first));
+    let second: &'static PgStore = Box::leak(Box::new(second));
+    let checked =
+        tokio::spawn(async move { unrecorded_in_one_answers_the_other(first, second).await }).await;
+    second.pool().close().await;
+    use sqlx::Executor;
+    admin
+        .execute(format!("DROP DATABASE {db} WITH (FORCE)").as_str())
+        .await
+        .expect("drop the database");
+    if let Err(e) = checked {
+        std::panic::resume_unwind(e.into_panic());
+    }
 }
 
 /// The same with one SQLite file per customer (`tenant = shared` in each
