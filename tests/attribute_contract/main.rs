@@ -42,4 +42,3 @@ mod transactional_connections;
 mod transactional_nesting;
 mod transactional_races;
 mod tx_fixtures;
-mod unrecorded_across_databases;
