@@ -27,7 +27,6 @@ mod fingerprint_sweep;
 mod generics;
 mod heartbeat_pool;
 mod independent_edges;
-mod late_reservation_answer;
 mod legacy_fingerprint;
 mod macro_rules_args;
 mod macro_shapes;

@@ -11,6 +11,7 @@ mod common;
 mod cancellation;
 mod connection_faults;
 mod executors;
+mod first_renewal;
 mod held_answers;
 mod late_reservation;
 mod mysql_faults;

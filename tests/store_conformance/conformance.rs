@@ -410,6 +410,134 @@ pub async fn takeover_is_atomic_under_concurrency<S: Store + Clone + 'static>(st
     }
 }
 
+/// What the stale owner sends while the takeovers race it.
+#[derive(Debug, Clone, Copy)]
+enum StaleWrite {
+    Complete,
+    Heartbeat,
+}
+
+/// Rules 3 and 10 at the moment a lease has run out: the owner's fenced
+/// write (its completion, or a renewal that comes late) races the callers
+/// that would take the record over. Exactly one side wins, never both: a
+/// completion written is what every racing caller replays (none runs the
+/// body again); a renewal written keeps the record its owner's (every
+/// racing caller finds it in progress); a write refused leaves one caller
+/// holding the record as attempt 2, its lease and its token untouched by
+/// the stale owner.
+pub async fn a_stale_owners_write_racing_takeovers_has_one_winner<S: Store + Clone + 'static>(
+    store: S,
+) {
+    const TAKERS: usize = 8;
+    let tenant = fresh_tenant();
+    let f = fp("f");
+    let mut owned = Vec::new();
+    for round in 0..ROUNDS {
+        let write = if round % 2 == 0 {
+            StaleWrite::Complete
+        } else {
+            StaleWrite::Heartbeat
+        };
+        let identity = id(&tenant, "conformance.stale_race", &format!("round-{round}"));
+        let token = acquire(&store, &identity, Some(&f), SHORT, LONG).await;
+        owned.push((identity, token, write));
+    }
+    tokio::time::sleep(PAST_SHORT).await;
+    for (round, (identity, stale, write)) in owned.into_iter().enumerate() {
+        let barrier = std::sync::Arc::new(tokio::sync::Barrier::new(TAKERS + 1));
+        let owner = {
+            let (store, identity, barrier) = (store.clone(), identity.clone(), barrier.clone());
+            tokio::spawn(async move {
+                barrier.wait().await;
+                match write {
+                    StaleWrite::Complete => store
+                        .complete(Completion::by_body(
+                            &identity,
+                            &stale,
+                            &ok(b"\"stale\""),
+                            LONG,
+                        ))
+                        .await
+                        .expect("complete"),
+                    StaleWrite::Heartbeat => store
+                        .heartbeat(&identity, &stale, LONG)
+                        .await
+                        .expect("heartbeat"),
+                }
+            })
+        };
+        let takers: Vec<_> = (0..TAKERS)
+            .map(|_| {
+                let (store, identity, barrier, f) =
+                    (store.clone(), identity.clone(), barrier.clone(), f.clone());
+                tokio::spawn(async move {
+                    let token = OwnerToken::new();
+                    barrier.wait().await;
+                    let got = reserve(&store, &identity, Some(&f), &token, LONG, LONG).await;
+                    (token, got)
+                })
+            })
+            .collect();
+        let written = owner.await.expect("owner task");
+        let mut answers = Vec::new();
+        for t in takers {
+            answers.push(t.await.expect("taker task"));
+        }
+        let winners: Vec<_> = answers
+            .iter()
+            .filter(|(_, r)| matches!(r, Reservation::Acquired { .. }))
+            .collect();
+        let snap = fetch(&store, &identity).await.expect("the record");
+        match written {
+            Fenced::Written => {
+                assert!(
+                    winners.is_empty(),
+                    "round {round} ({write:?}): the stale owner's write and a takeover both won: \
+                     {answers:?}"
+                );
+                for (_, r) in &answers {
+                    match write {
+                        StaleWrite::Complete => assert_eq!(
+                            *r,
+                            Reservation::Completed(ok(b"\"stale\"")),
+                            "round {round}: after the completion every caller replays it"
+                        ),
+                        StaleWrite::Heartbeat => assert!(
+                            matches!(r, Reservation::InProgress { .. }),
+                            "round {round}: a renewed lease is in progress, got {r:?}"
+                        ),
+                    }
+                }
+            }
+            Fenced::NotOwner => {
+                assert_eq!(
+                    winners.len(),
+                    1,
+                    "round {round} ({write:?}): refused, so one caller took over: {answers:?}"
+                );
+                let (winner, got) = winners[0];
+                assert_takeover(got, 2);
+                assert_eq!(snap.state, RecordState::InProgress);
+                assert_eq!(snap.owner_token.as_deref(), Some(winner.as_str()));
+                assert!(
+                    snap.lease_expires_at_ms
+                        .is_some_and(|end| end > snap.now_ms),
+                    "round {round}: the winner's lease is live"
+                );
+                for (_, r) in &answers {
+                    assert!(
+                        matches!(
+                            r,
+                            Reservation::Acquired { .. } | Reservation::InProgress { .. }
+                        ),
+                        "round {round}: {r:?}"
+                    );
+                }
+            }
+        }
+    }
+}
+
 // ---------------------------------------------------------------- rules 4, 5, 12, 13
 
 /// Rule 4: a duplicate finding a live lease is told how long the lease has left.
@@ -1876,6 +2004,7 @@ macro_rules! store_conformance_tests {
             recovered_completions_are_marked_and_counted,
             force_release_frees_only_in_progress_records,
             force_release_touches_one_identity_only,
+            a_stale_owners_write_racing_takeovers_has_one_winner,
         );
     };
     (@tests $make:expr; $($name:ident),* $(,)?) => {
