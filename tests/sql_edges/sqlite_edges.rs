@@ -2792,3 +2792,65 @@ async fn a_transaction_that_wrote_meets_a_live_owner_of_another_request_as_a_mis
     store.pool().close().await;
     remove(&path);
 }
+
+/// A renewal asked for just before its owner's lease was ended on purpose
+/// (the call dropped while its renewal was on its way, or its body panicked
+/// with a `recover` hook in place) must not land after that end. SQLite's
+/// writes run in tasks of their own, in the process's write turn; tokio runs
+/// the task spawned last first (its LIFO slot), so the renewal's task took
+/// the turn after the end-of-lease's, and gave the record a whole lease
+/// again: every retry was answered in progress until it ran out (the
+/// recovery storm on SQLite failed so, now and then). Handshake: one worker
+/// thread, so the tasks run in tokio's order, deterministically; a write of
+/// another key afterwards queues behind the renewal in the turn.
+#[tokio::test(flavor = "multi_thread", worker_threads = 1)]
+async fn a_renewal_asked_for_before_the_lease_was_ended_does_not_renew_it() {
+    let path = fresh_path();
+    let store = SqliteStore::connect(&url(&path)).await.expect("store");
+    let scenario = {
+        let store = store.clone();
+        // On the worker thread: what the worker runs next is then tokio's
+        // choice among the tasks this one spawns.
+        tokio::spawn(async move {
+            let fp = idempotent_runtime::Fingerprint::of("request").expect("fingerprint");
+            let owned = Identity::new("t", "sqlite_edges.late_renewal", "k").expect("identity");
+            let token = OwnerToken::new();
+            let lease = Duration::from_secs(60);
+            let request = |identity, token| ReserveRequest {
+                identity,
+                fingerprint: Some(&fp),
+                token,
+                lease,
+                ttl: lease,
+            };
+            let first = store.reserve(request(&owned, &token)).await;
+            assert!(matches!(first, Ok(Reservation::Acquired { .. })), "{first:?}");
+            // The renewal is asked for (its write's task spawned, not run
+            // yet: this task holds the only worker), then its call dropped.
+            let mut renewal = Box::pin(store.heartbeat(&owned, &token, lease));
+            assert!(futures::poll!(&mut renewal).is_pending());
+            drop(renewal);
+            // The owner ends its lease, so the next call takes over at once.
+            let ended = store.heartbeat(&owned, &token, Duration::ZERO).await;
+            assert!(matches!(ended, Ok(idempotent_runtime::Fenced::Written)), "{ended:?}");
+            // A write behind the renewal in the process's write turn.
+            let other = Identity::new("t", "sqlite_edges.late_renewal", "other").expect("identity");
+            let (other_token, next_token) = (OwnerToken::new(), OwnerToken::new());
+            let behind = store.reserve(request(&other, &other_token)).await;
+            assert!(matches!(behind, Ok(Reservation::Acquired { .. })), "{behind:?}");
+            let next = store.reserve(request(&owned, &next_token)).await;
+            match next {
+                Ok(Reservation::Acquired { .. }) => {}
+                other => panic!(
+                    "the next call must take the record over at once (its lease was ended), \
+                     got {other:?}: the renewal landed after the end and renewed it"
+                ),
+            }
+        })
+    };
+    let outcome = scenario.await;
+    remove(&path);
+    if let Err(e) = outcome {
+        std::panic::resume_unwind(e.into_panic());
+    }
+}

@@ -1887,6 +1887,16 @@ impl Store for SqliteStore {
         };
         let renewed = self
             .write_in_turn("heartbeat", move |mut conn| async move {
+                // A renewal whose owner this process ended after it was
+                // asked for (its call dropped or its body panicked, the lease
+                // ended on purpose so the next call takes over at once) is
+                // not written: it runs in a task of its own, which may take
+                // the write turn after the write that ended the lease, and
+                // would give the record a whole lease again, every retry
+                // refused until it ran out.
+                if writing.as_ref().is_some_and(super::sqlite_owners::Writing::owner_ended) {
+                    return Ok(Fenced::NotOwner);
+                }
                 let _writing = writing;
                 heartbeat_on(&mut *conn, &id, &token_owned, lease).await
             })

@@ -149,6 +149,17 @@ impl Writing {
     }
 }
 
+impl Writing {
+    /// Whether this write's owner, listed when the write began, has been
+    /// ended since (completed, released, its lease ended on purpose or
+    /// lost): a renewal then has nothing left to renew.
+    pub(super) fn owner_ended(&self) -> bool {
+        self.0
+            .as_deref()
+            .is_some_and(|token| !owners().by_token.contains_key(token))
+    }
+}
+
 impl Drop for Writing {
     fn drop(&mut self) {
         let Some(token) = self.0.take() else {
