@@ -2824,7 +2824,10 @@ async fn a_renewal_asked_for_before_the_lease_was_ended_does_not_renew_it() {
                 ttl: lease,
             };
             let first = store.reserve(request(&owned, &token)).await;
-            assert!(matches!(first, Ok(Reservation::Acquired { .. })), "{first:?}");
+            assert!(
+                matches!(first, Ok(Reservation::Acquired { .. })),
+                "{first:?}"
+            );
             // The renewal is asked for (its write's task spawned, not run
             // yet: this task holds the only worker), then its call dropped.
             let mut renewal = Box::pin(store.heartbeat(&owned, &token, lease));
@@ -2832,12 +2835,18 @@ async fn a_renewal_asked_for_before_the_lease_was_ended_does_not_renew_it() {
             drop(renewal);
             // The owner ends its lease, so the next call takes over at once.
             let ended = store.heartbeat(&owned, &token, Duration::ZERO).await;
-            assert!(matches!(ended, Ok(idempotent_runtime::Fenced::Written)), "{ended:?}");
+            assert!(
+                matches!(ended, Ok(idempotent_runtime::Fenced::Written)),
+                "{ended:?}"
+            );
             // A write behind the renewal in the process's write turn.
             let other = Identity::new("t", "sqlite_edges.late_renewal", "other").expect("identity");
             let (other_token, next_token) = (OwnerToken::new(), OwnerToken::new());
             let behind = store.reserve(request(&other, &other_token)).await;
-            assert!(matches!(behind, Ok(Reservation::Acquired { .. })), "{behind:?}");
+            assert!(
+                matches!(behind, Ok(Reservation::Acquired { .. })),
+                "{behind:?}"
+            );
             let next = store.reserve(request(&owned, &next_token)).await;
             match next {
                 Ok(Reservation::Acquired { .. }) => {}

@@ -1894,7 +1894,10 @@ impl Store for SqliteStore {
                 // the write turn after the write that ended the lease, and
                 // would give the record a whole lease again, every retry
                 // refused until it ran out.
-                if writing.as_ref().is_some_and(super::sqlite_owners::Writing::owner_ended) {
+                if writing
+                    .as_ref()
+                    .is_some_and(super::sqlite_owners::Writing::owner_ended)
+                {
                     return Ok(Fenced::NotOwner);
                 }
                 let _writing = writing;
