@@ -14,6 +14,7 @@ mod http_app;
 
 mod http_body_errors;
 mod http_client;
+mod http_client_sqlite;
 mod http_crash;
 mod http_edges;
 mod http_layer_refusals;
