@@ -103,7 +103,10 @@ async fn one_key_sent_by_two_accounts_is_two_charges_each_replayed_to_its_own() 
     let (for_a, for_b) = (intent_of(&a), intent_of(&b));
     let first_a = for_a.send().await.expect("a");
     let first_b = for_b.send().await.expect("b");
-    assert_eq!((first_a.status().as_u16(), first_b.status().as_u16()), (201, 201));
+    assert_eq!(
+        (first_a.status().as_u16(), first_b.status().as_u16()),
+        (201, 201)
+    );
     assert!(!first_b.is_replayed(), "b's charge is b's own operation");
     assert_ne!(first_a.body(), first_b.body());
     let again_a = for_a.send().await.expect("a again");
@@ -130,10 +133,10 @@ async fn keep_keys(State(hops): State<Arc<Hops>>, request: Request, next: Next) 
         .get("idempotency-key")
         .and_then(|v| v.to_str().ok())
         .map(str::to_owned);
-    hops.keys
-        .lock()
-        .unwrap()
-        .push((format!("{} {}", request.method(), request.uri().path()), key));
+    hops.keys.lock().unwrap().push((
+        format!("{} {}", request.method(), request.uri().path()),
+        key,
+    ));
     next.run(request).await
 }
 
@@ -183,14 +186,19 @@ async fn a_303_the_client_follows_is_replayed_on_a_retry_and_places_nothing_agai
         .unwrap();
     let first = intent.send().await.expect("first");
     let again = intent.send().await.expect("again");
-    assert_eq!((first.status().as_u16(), again.status().as_u16()), (200, 200));
+    assert_eq!(
+        (first.status().as_u16(), again.status().as_u16()),
+        (200, 200)
+    );
     assert_eq!(first.body(), again.body(), "the same order's page");
     assert_eq!(hops.orders.load(Ordering::SeqCst), 1, "one order placed");
     assert_eq!(hops.reads.load(Ordering::SeqCst), 2);
     let keys = hops.keys.lock().unwrap().clone();
     let posts: Vec<_> = keys.iter().filter(|(r, _)| r == "POST /orders").collect();
     assert_eq!(posts.len(), 2);
-    assert!(posts.iter().all(|(_, k)| k.as_deref() == Some(intent.key())));
+    assert!(posts
+        .iter()
+        .all(|(_, k)| k.as_deref() == Some(intent.key())));
 }
 
 /// A 307 to a route under another layer (another scope) is followed with
@@ -242,7 +250,10 @@ async fn a_307_to_another_scope_carries_the_key_and_a_retry_charges_nothing_agai
         .unwrap();
     let first = intent.send().await.expect("first");
     let again = intent.send().await.expect("again");
-    assert_eq!((first.status().as_u16(), again.status().as_u16()), (201, 201));
+    assert_eq!(
+        (first.status().as_u16(), again.status().as_u16()),
+        (201, 201)
+    );
     assert!(!first.is_replayed());
     assert!(again.is_replayed(), "the charge's own replay");
     assert_eq!(first.body(), again.body());
@@ -305,7 +316,10 @@ async fn a_retry_reaching_another_server_on_the_same_file_waits_and_replays() {
         .await
         .unwrap()
         .expect("retry answered");
-    assert_eq!((first.status().as_u16(), retry.status().as_u16()), (201, 201));
+    assert_eq!(
+        (first.status().as_u16(), retry.status().as_u16()),
+        (201, 201)
+    );
     assert!(retry.is_replayed(), "the other server replayed the charge");
     assert_eq!(retry.body(), first.body());
     assert_eq!(a_server.shop.charges_of(&account).len(), 1);

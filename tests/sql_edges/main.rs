@@ -18,6 +18,7 @@ mod operator_release;
 mod pool_session_state;
 mod postgres_edges;
 mod sqlite_edges;
+mod sqlite_sharing;
 mod sqlite_store;
 mod transactional_edges;
 mod transactional_hostile;

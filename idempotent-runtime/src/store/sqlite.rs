@@ -535,7 +535,10 @@ impl SqliteStore {
     /// or `sqlite::memory:` for a private in-memory database (every clone of
     /// the store sees the same one; it is gone when the store is dropped).
     /// File databases use WAL journaling and a busy timeout, so several
-    /// processes can share one file; several processes may also open (create
+    /// processes can share one file (and each connection its own cache: a
+    /// `cache=shared` in the URL is not used for a file, since with SQLite's
+    /// shared cache a replay would wait, without a bound, for any
+    /// transaction that wrote the records table); several processes may also open (create
     /// and migrate) one brand-new file at the same moment. Connections use
     /// `synchronous = FULL` ([`Synchronous::Full`]: a recorded result survives
     /// power loss); to choose another level, use [`builder`](Self::builder).
@@ -620,6 +623,14 @@ impl SqliteStore {
                      using FULL");
                 options = options.synchronous(Synchronous::Full.sqlx());
             }
+            // A file's connections keep caches of their own, whatever the
+            // URL says (`cache=shared`): with SQLite's shared cache they lock
+            // whole tables, and a read of the records table (a replay, a
+            // waiting duplicate) waited, past the busy timeout and without a
+            // bound, for any transaction that had written it (a
+            // transactional call's, for as long as its body runs), where
+            // WAL lets it read beside the writer.
+            options = options.shared_cache(false);
             let pool = pool_options()
                 .max_connections(MAX_FILE_CONNECTIONS)
                 .connect_with(options)
@@ -678,7 +689,11 @@ impl SqliteStore {
     /// - In-memory databases with shared cache (`sqlite::memory:`) and more than
     ///   one connection: sqlx waits for another connection's table lock
     ///   without a bound, so `in_progress = wait(...)` and `reject` are not
-    ///   honoured there. Use `connect("sqlite::memory:")` (one connection) or
+    ///   honoured there. The same holds for a file whose pool was opened with
+    ///   a shared cache (`cache=shared` in its URL, or
+    ///   `SqliteConnectOptions::shared_cache(true)`): a replay waits for every
+    ///   transaction that wrote the records table; give a file's pool private
+    ///   caches (the default), as `connect` does. Use `connect("sqlite::memory:")` (one connection) or
     ///   `max_connections(1)`.
     ///
     /// ```

@@ -1,0 +1,132 @@
+//! SQLite files and in-memory databases opened the ways users open them:
+//! a file URL asking for SQLite's shared cache, and one in-memory database
+//! named by two stores.
+
+use idempotent_runtime::{
+    Completion, Fenced, Fingerprint, Identity, OwnerToken, Reservation, ReserveRequest,
+    SqliteStore, Store, StoredOutcome,
+};
+use std::time::Duration;
+
+const LONG: Duration = Duration::from_secs(300);
+
+/// How long a call that should answer at once is given before the test
+/// says it is blocked (a bound on liveness, not a timing assertion).
+const BLOCKED_AFTER: Duration = Duration::from_secs(30);
+
+fn identity(tenant: &str, key: &str) -> Identity {
+    Identity::new(tenant, "sqlite.sharing", key).expect("valid identity")
+}
+
+async fn reserve(store: &SqliteStore, id: &Identity, token: &OwnerToken) -> Reservation {
+    let fp = Fingerprint::of("request").expect("fingerprint");
+    store
+        .reserve(ReserveRequest {
+            identity: id,
+            fingerprint: Some(&fp),
+            token,
+            lease: LONG,
+            ttl: LONG,
+        })
+        .await
+        .expect("reserve")
+}
+
+fn outcome() -> StoredOutcome {
+    StoredOutcome {
+        is_error: false,
+        payload: br#"{"receipt":7}"#.to_vec(),
+    }
+}
+
+async fn completed(store: &SqliteStore, id: &Identity) {
+    let token = OwnerToken::new();
+    assert_eq!(reserve(store, id, &token).await, Reservation::FRESH);
+    assert_eq!(
+        store
+            .complete(Completion::by_body(id, &token, &outcome(), LONG))
+            .await
+            .expect("complete"),
+        Fenced::Written
+    );
+}
+
+/// A file URL with `cache=shared` (copied from an in-memory example, or
+/// meant to "share" the file): with SQLite's shared cache the pool's
+/// connections lock whole tables, and a read of the records table waits
+/// (sqlx waits for the lock without a bound, past the busy timeout) while
+/// another connection's transaction has written it, as transactional mode's
+/// does for as long as its body runs. A replay, which on a file answers from
+/// a read that never waits for writers, waited for that transaction to end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_on_a_file_opened_with_shared_cache_does_not_wait_for_a_writer() {
+    for query in ["", "?cache=shared", "?mode=rwc&cache=shared"] {
+        let path = crate::common::scratch::sqlite_path("sharing");
+        let store = SqliteStore::connect(&format!("sqlite://{}{query}", path.display()))
+            .await
+            .expect("open");
+        let done = identity("t1", "done");
+        completed(&store, &done).await;
+        // Another connection of the pool writes the records table in a
+        // transaction left open (a transactional call whose body still runs).
+        let mut writer = store.pool().acquire().await.expect("a connection");
+        sqlx::query("BEGIN IMMEDIATE")
+            .execute(&mut *writer)
+            .await
+            .expect("begin");
+        sqlx::query(
+            "INSERT INTO idempotency_records (tenant, scope, key, state, expires_at, created_at) \
+             VALUES ('t2', 'sqlite.sharing', 'running', 'in_progress', 0, 0)",
+        )
+        .execute(&mut *writer)
+        .await
+        .expect("write in the transaction");
+        let replay =
+            tokio::time::timeout(BLOCKED_AFTER, reserve(&store, &done, &OwnerToken::new())).await;
+        sqlx::query("ROLLBACK")
+            .execute(&mut *writer)
+            .await
+            .expect("rollback");
+        drop(writer);
+        let replay = replay.unwrap_or_else(|_| {
+            panic!("{query:?}: the replay waited for another connection's transaction to end")
+        });
+        assert_eq!(replay, Reservation::Completed(outcome()), "{query:?}");
+    }
+}
+
+/// One in-memory database named by two stores (a service and its test
+/// harness, each opening `file:name?mode=memory&cache=shared`): one record,
+/// refused as in progress by the other store while its owner runs, replayed
+/// by it once complete; another tenant's key is its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_stores_on_one_named_in_memory_database_share_its_records() {
+    let url = format!(
+        "sqlite:file:sharing_{}?mode=memory&cache=shared",
+        uuid::Uuid::new_v4().simple()
+    );
+    let a = SqliteStore::connect(&url).await.expect("store a");
+    let b = SqliteStore::connect(&url).await.expect("store b");
+    let id = identity("t1", "shared");
+    let owner = OwnerToken::new();
+    assert_eq!(reserve(&a, &id, &owner).await, Reservation::FRESH);
+    let seen = tokio::time::timeout(BLOCKED_AFTER, reserve(&b, &id, &OwnerToken::new()))
+        .await
+        .expect("b answered");
+    assert!(matches!(seen, Reservation::InProgress { .. }), "{seen:?}");
+    assert_eq!(
+        a.complete(Completion::by_body(&id, &owner, &outcome(), LONG))
+            .await
+            .expect("complete"),
+        Fenced::Written
+    );
+    assert_eq!(
+        reserve(&b, &id, &OwnerToken::new()).await,
+        Reservation::Completed(outcome())
+    );
+    assert_eq!(
+        reserve(&b, &identity("t2", "shared"), &OwnerToken::new()).await,
+        Reservation::FRESH,
+        "another tenant's key is its own"
+    );
+}
