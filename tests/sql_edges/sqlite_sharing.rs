@@ -1,11 +1,13 @@
 //! SQLite files and in-memory databases opened the ways users open them:
-//! a file URL asking for SQLite's shared cache, and one in-memory database
-//! named by two stores.
+//! a file URL asking for SQLite's shared cache, a file URL naming a VFS that
+//! takes no locks, and one in-memory database named by two stores.
 
 use idempotent_runtime::{
-    Completion, Fenced, Fingerprint, Identity, OwnerToken, Reservation, ReserveRequest,
-    SqliteStore, Store, StoredOutcome,
+    idempotent, Completion, Error, Fenced, Fingerprint, Identity, OwnerToken, Reservation,
+    ReserveRequest, SqliteStore, Store, StoredOutcome,
 };
+use sqlx::Sqlite;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 const LONG: Duration = Duration::from_secs(300);
@@ -128,5 +130,68 @@ async fn two_stores_on_one_named_in_memory_database_share_its_records() {
         reserve(&b, &identity("t2", "shared"), &OwnerToken::new()).await,
         Reservation::FRESH,
         "another tenant's key is its own"
+    );
+}
+
+#[idempotent(scope = "sqlite_sharing.charge", key = key, tenant = tenant, tx = tx, skip(runs),
+             in_progress = reject)]
+async fn charge(
+    tx: &mut sqlx::Transaction<'_, Sqlite>,
+    tenant: &str,
+    key: &str,
+    runs: &AtomicUsize,
+) -> Result<u64, Error> {
+    runs.fetch_add(1, Ordering::SeqCst);
+    sqlx::query("INSERT INTO charges (tenant, idem_key) VALUES (?1, ?2)")
+        .bind(tenant)
+        .bind(key)
+        .execute(&mut **tx)
+        .await
+        .map_err(|e| Error::Store(idempotent_runtime::StoreError::new("sqlite", "charge", e)))?;
+    Ok(500)
+}
+
+/// A file URL naming one of SQLite's VFSes that take no file locks
+/// (`vfs=unix-none`, chosen on network file systems to get rid of "database
+/// is locked"): nothing keeps two connections (two processes) from writing
+/// at once, so two transactions began at once each reserved the one key and
+/// ran its body. The store is only correct with locks: such a URL is refused
+/// when the store is opened.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_file_url_naming_a_vfs_without_locks_is_refused() {
+    let path = crate::common::scratch::sqlite_path("sharing-nolock");
+    let url = format!("sqlite://{}?mode=rwc&vfs=unix-none", path.display());
+    let store = match SqliteStore::connect(&url).await {
+        Err(e) => {
+            let message = e.to_string();
+            assert!(
+                message.contains("unix-none") && message.contains("lock"),
+                "the error names the VFS and says why: {message}"
+            );
+            return;
+        }
+        Ok(store) => store,
+    };
+    let pool = store.pool().clone();
+    sqlx::query("CREATE TABLE charges (tenant TEXT NOT NULL, idem_key TEXT NOT NULL)")
+        .execute(&pool)
+        .await
+        .expect("ddl");
+    let runs = AtomicUsize::new(0);
+    // Two callers begin their transactions as the store's documentation
+    // says (`BEGIN IMMEDIATE`: the write lock first). With locks, the second
+    // waits for the first to end.
+    let mut first = pool.begin_with("BEGIN IMMEDIATE").await.expect("first");
+    let second = tokio::time::timeout(BLOCKED_AFTER, pool.begin_with("BEGIN IMMEDIATE")).await;
+    let mut second = second
+        .expect("the second transaction began beside the first: no lock")
+        .expect("second");
+    let a = charge(&mut first, "t1", "k", &runs).await;
+    let b = charge(&mut second, "t1", "k", &runs).await;
+    drop((first, second));
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        1,
+        "one key, two bodies: {a:?} and {b:?}"
     );
 }

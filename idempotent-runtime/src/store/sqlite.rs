@@ -550,8 +550,9 @@ impl SqliteStore {
     /// ```
     ///
     /// # Errors
-    /// [`Error::Store`] when the URL is malformed, the file cannot be opened
-    /// or created, or the migrations fail.
+    /// [`Error::Store`] when the URL is malformed or names a VFS that takes
+    /// no file locks (`vfs=unix-none`), the file cannot be opened or
+    /// created, or the migrations fail.
     pub async fn connect(url: &str) -> Result<Self, Error> {
         Self::open(url, Synchronous::Full).await
     }
@@ -573,6 +574,7 @@ impl SqliteStore {
             .create_if_missing(!super::migrate::only_check())
             .busy_timeout(BUSY_TIMEOUT)
             .synchronous(synchronous.sqlx());
+        refuse_a_vfs_without_locks(url)?;
         let mut first: sqlx::SqliteConnection = sqlx::Connection::connect_with(&options)
             .await
             .map_err(|e| {
@@ -693,7 +695,11 @@ impl SqliteStore {
     ///   a shared cache (`cache=shared` in its URL, or
     ///   `SqliteConnectOptions::shared_cache(true)`): a replay waits for every
     ///   transaction that wrote the records table; give a file's pool private
-    ///   caches (the default), as `connect` does. Use `connect("sqlite::memory:")` (one connection) or
+    ///   caches (the default), as `connect` does.
+    /// - A VFS that takes no file locks (`unix-none`, `win32-none`): nothing
+    ///   keeps two connections from reserving one key at once, and a body
+    ///   may run twice. `connect` refuses such a URL; a pool of your own must
+    ///   use a VFS that locks (the default). Use `connect("sqlite::memory:")` (one connection) or
     ///   `max_connections(1)`.
     ///
     /// ```
@@ -926,6 +932,37 @@ impl SqliteStore {
         }
         Ok(completed)
     }
+}
+
+/// Refuses a URL that names one of SQLite's VFSes that take no file locks
+/// (`unix-none`, `win32-none`: `vfs=unix-none`, chosen on network file
+/// systems to be rid of "database is locked"). Nothing then keeps two
+/// connections, or two processes, from writing at once: two transactions
+/// begun at once each reserved one key and ran its body, and concurrent
+/// commits can corrupt the file. (Read from the URL's text: sqlx's options
+/// do not tell their VFS.)
+fn refuse_a_vfs_without_locks(url: &str) -> Result<(), StoreError> {
+    let Some(vfs) = url
+        .split_once('?')
+        .into_iter()
+        .flat_map(|(_, query)| query.split('&'))
+        .filter_map(|pair| pair.split_once('='))
+        .find(|(name, _)| *name == "vfs")
+        .map(|(_, vfs)| vfs)
+        .filter(|vfs| vfs.ends_with("-none"))
+    else {
+        return Ok(());
+    };
+    Err(StoreError::new(
+        STORE,
+        "open the database",
+        format!(
+            "the VFS {vfs:?} takes no file locks, so nothing keeps two connections (or two \
+             processes) from reserving one key at once and running its body twice: leave \
+             `vfs` out of the URL (the default VFS locks the file), and keep the database on a \
+             local file system whose locks work"
+        ),
+    ))
 }
 
 /// Whether the database `first` (a connection opened with `options`) has no
