@@ -195,3 +195,40 @@ async fn a_file_url_naming_a_vfs_without_locks_is_refused() {
         "one key, two bodies: {a:?} and {b:?}"
     );
 }
+
+/// A file opened read-only (`mode=ro`: a replica, a reporting process),
+/// after a service migrated it and recorded an answer: the store opens, the
+/// recorded answer is replayed, and a fresh key is refused with a store
+/// error (nothing may run whose record cannot be written), never answered
+/// as reserved.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_only_url_replays_and_refuses_to_reserve() {
+    let path = crate::common::scratch::sqlite_path("sharing-ro");
+    let writer = SqliteStore::connect(&format!("sqlite://{}", path.display()))
+        .await
+        .expect("open read-write");
+    let done = identity("t1", "done");
+    completed(&writer, &done).await;
+    let reader = SqliteStore::connect(&format!("sqlite://{}?mode=ro", path.display()))
+        .await
+        .expect("open read-only");
+    assert_eq!(
+        reserve(&reader, &done, &OwnerToken::new()).await,
+        Reservation::Completed(outcome())
+    );
+    let fp = Fingerprint::of("request").expect("fingerprint");
+    let fresh = identity("t1", "fresh");
+    let answer = reader
+        .reserve(ReserveRequest {
+            identity: &fresh,
+            fingerprint: Some(&fp),
+            token: &OwnerToken::new(),
+            lease: LONG,
+            ttl: LONG,
+        })
+        .await;
+    assert!(
+        answer.is_err(),
+        "a fresh key on a read-only file: {answer:?}"
+    );
+}
