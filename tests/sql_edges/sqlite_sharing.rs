@@ -232,3 +232,38 @@ async fn a_read_only_url_replays_and_refuses_to_reserve() {
         "a fresh key on a read-only file: {answer:?}"
     );
 }
+
+/// `synchronous = NORMAL` is only safe from corruption in WAL mode: on a
+/// file that cannot be switched to WAL (here through `unix-dotfile`, a VFS
+/// that locks with a dot-file and has no shared memory), every connection
+/// runs FULL instead, also those the pool opens later, and the store works.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn normal_on_a_file_that_cannot_be_wal_runs_full_on_every_connection() {
+    let path = crate::common::scratch::sqlite_path("sharing-dotfile");
+    let store = SqliteStore::builder(&format!(
+        "sqlite://{}?mode=rwc&vfs=unix-dotfile",
+        path.display()
+    ))
+    .synchronous(idempotent_runtime::store::sqlite::Synchronous::Normal)
+    .connect()
+    .await
+    .expect("open");
+    let journal: String = sqlx::query_scalar("PRAGMA journal_mode")
+        .fetch_one(store.pool())
+        .await
+        .expect("journal mode");
+    assert_ne!(journal, "wal");
+    let mut held = Vec::new();
+    for _ in 0..3 {
+        held.push(store.pool().acquire().await.expect("a connection"));
+    }
+    for conn in &mut held {
+        let level: i64 = sqlx::query_scalar("PRAGMA synchronous")
+            .fetch_one(&mut **conn)
+            .await
+            .expect("level");
+        assert_eq!(level, 2, "FULL on every connection");
+    }
+    drop(held);
+    completed(&store, &identity("t1", "dotfile")).await;
+}
