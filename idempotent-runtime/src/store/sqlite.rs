@@ -691,16 +691,16 @@ impl SqliteStore {
     /// - In-memory databases with shared cache (`sqlite::memory:`) and more than
     ///   one connection: sqlx waits for another connection's table lock
     ///   without a bound, so `in_progress = wait(...)` and `reject` are not
-    ///   honoured there. The same holds for a file whose pool was opened with
-    ///   a shared cache (`cache=shared` in its URL, or
+    ///   honoured there. Use `connect("sqlite::memory:")` (one connection) or
+    ///   `max_connections(1)`. The same holds for a file whose pool was opened
+    ///   with a shared cache (`cache=shared` in its URL, or
     ///   `SqliteConnectOptions::shared_cache(true)`): a replay waits for every
     ///   transaction that wrote the records table; give a file's pool private
     ///   caches (the default), as `connect` does.
     /// - A VFS that takes no file locks (`unix-none`, `win32-none`): nothing
     ///   keeps two connections from reserving one key at once, and a body
     ///   may run twice. `connect` refuses such a URL; a pool of your own must
-    ///   use a VFS that locks (the default). Use `connect("sqlite::memory:")` (one connection) or
-    ///   `max_connections(1)`.
+    ///   use a VFS that locks (the default).
     ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), Box<dyn std::error::Error>> {
