@@ -926,6 +926,82 @@ async fn a_release_under_serializable_meeting_a_takeover_is_refused_as_live_on_p
     );
 }
 
+/// An operator's release (`idempotent release`) through a store on a pool it
+/// shares with application code, which gave the pool's one connection back
+/// inside a transaction it began, wrote in and never ended (`BEGIN` sent as a
+/// query, then an early return): the release's own `BEGIN` starts nothing
+/// there (PostgreSQL warns and stays in the transaction that is open, at that
+/// transaction's isolation level), and the release's `COMMIT` committed the
+/// application's abandoned write with it. The purge closes such a connection
+/// and takes another; the release must not commit what other code left open
+/// either. (In a schema of its own, for the application's table.)
+#[tokio::test]
+async fn a_release_on_a_connection_left_in_a_transaction_commits_none_of_its_work_on_postgres() {
+    use sqlx::{Connection, Executor};
+    use std::str::FromStr;
+    if common::servers::pg_store_or_skip().await.is_none() {
+        return;
+    }
+    let url = common::servers::pg_url();
+    let mut admin = sqlx::PgConnection::connect(&url).await.expect("connect");
+    let schema = format!("ops_release_{}", uuid::Uuid::new_v4().simple());
+    admin
+        .execute(format!("CREATE SCHEMA {schema}; CREATE TABLE {schema}.app_work (x INT)").as_str())
+        .await
+        .expect("schema");
+    let options = sqlx::postgres::PgConnectOptions::from_str(&url)
+        .expect("url")
+        .options([("search_path", schema.as_str())]);
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .connect_with(options)
+        .await
+        .expect("pool");
+    let store = idempotent_runtime::PgStore::from_pool(pool.clone())
+        .await
+        .expect("store");
+    let stuck =
+        common::records::plant(&store, "t", "ops.release_left_open", BLINK, LONG, None).await;
+    wait_for_clock(&store, std::slice::from_ref(&stuck), true).await;
+
+    // The application's code leaves the pool's one connection in a
+    // transaction it wrote in.
+    let mut conn = pool.acquire().await.expect("connection");
+    conn.execute("BEGIN; INSERT INTO app_work VALUES (1)")
+        .await
+        .expect("the application's work");
+    drop(conn);
+    let released = store.force_release(&stuck, true).await;
+
+    let committed: i64 = sqlx::query_scalar(&format!("SELECT count(*) FROM {schema}.app_work"))
+        .fetch_one(&mut admin)
+        .await
+        .expect("count the application's work");
+    let records: i64 = sqlx::query_scalar(&format!(
+        "SELECT count(*) FROM {schema}.idempotency_records"
+    ))
+    .fetch_one(&mut admin)
+    .await
+    .expect("count the records");
+    drop(store);
+    pool.close().await; // rolls back what was left open
+    admin
+        .execute(format!("DROP SCHEMA {schema} CASCADE").as_str())
+        .await
+        .expect("drop schema");
+    assert_eq!(
+        committed, 0,
+        "the release ({released:?}) committed the application's abandoned write"
+    );
+    match released {
+        Ok(answer) => assert!(
+            matches!(answer, idempotent_runtime::ForcedRelease::Released { .. }) && records == 0,
+            "{answer:?}, {records} records left as others see them"
+        ),
+        Err(e) => assert!(records == 1 && e.to_string().contains("transaction"), "{e}"),
+    }
+}
+
 /// Records expire as fast as they are written while purges run without
 /// pause: every reservation, completion and purge statement answers (no
 /// deadlock, no lock wait that runs out between a purge and the calls
