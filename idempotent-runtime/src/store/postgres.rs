@@ -1697,6 +1697,34 @@ async fn release_with<'e, E: Executor<'e, Database = Postgres>>(
 }
 
 impl PgStore {
+    /// A connection of the store's pool for a transaction of its own: one
+    /// that code sharing the pool left inside a transaction (a plain
+    /// `BEGIN`, then an early return) is closed, rolling that transaction
+    /// back, and another taken. There a `BEGIN` starts nothing (PostgreSQL
+    /// warns and goes on in the open transaction, at its isolation level),
+    /// and the `COMMIT` that follows would commit that code's abandoned
+    /// writes. One round trip (operator and purge paths alone).
+    async fn outside_any_transaction(
+        &self,
+        operation: &'static str,
+    ) -> Result<ClosedIfDropped<Postgres>, StoreError> {
+        super::outside_any_transaction::<_, ClosedIfDropped<Postgres>, _>(
+            STORE,
+            operation,
+            &self.pools.current(),
+            None,
+            super::IfLeftOpen::Close,
+            |conn| {
+                Box::pin(async move {
+                    started_before_this_statement(conn)
+                        .await
+                        .map_err(err("check for an open transaction"))
+                })
+            },
+        )
+        .await
+    }
+
     /// [`Store::force_release`], in a transaction of its own.
     async fn force_release_read_committed(
         &self,
@@ -1707,9 +1735,7 @@ impl PgStore {
         // A row another transaction holds (a transactional-mode takeover in
         // progress) is waited for at most OPERATOR_LOCK_WAIT, not until that
         // transaction ends.
-        let mut conn = ClosedIfDropped::acquire(&self.pools.current())
-            .await
-            .map_err(err(OP))?;
+        let mut conn = self.outside_any_transaction(OP).await?;
         // READ COMMITTED whatever the default: under REPEATABLE READ or
         // SERIALIZABLE the snapshot is taken by the first statement, and a
         // record its owner renewed or completed, or a call took over, before
@@ -1753,26 +1779,12 @@ impl PgStore {
 
     /// One statement of the purge: up to `chunk` expired records.
     async fn purge_chunk(&self, chunk: u32) -> Result<u64, StoreError> {
-        // A connection code sharing the pool left inside a transaction
-        // (a plain `BEGIN`, then an early return) is closed, rolling that
-        // transaction back, and another taken: deletes made there would
-        // be counted, seen by nobody else, and rolled back with it. One
-        // more round trip per chunk (the purge's path alone).
-        let mut conn = super::outside_any_transaction::<_, ClosedIfDropped<Postgres>, _>(
-            STORE,
-            "purge expired records",
-            &self.pools.current(),
-            None,
-            super::IfLeftOpen::Close,
-            |conn| {
-                Box::pin(async move {
-                    started_before_this_statement(conn)
-                        .await
-                        .map_err(err("check for an open transaction"))
-                })
-            },
-        )
-        .await?;
+        // Deletes made in a transaction other code left open would be
+        // counted, seen by nobody else, and rolled back with it. One more
+        // round trip per chunk (the purge's path alone).
+        let mut conn = self
+            .outside_any_transaction("purge expired records")
+            .await?;
         // READ COMMITTED whatever the database's or the pool's default: the
         // statement relies on it (a row changed after its snapshot is
         // checked again as it is now, and skipped when it is live). Under
