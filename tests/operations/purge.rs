@@ -544,3 +544,120 @@ async fn a_purge_on_a_connection_left_in_a_transaction_deletes_for_good_on_postg
         Err(e) => assert!(left == 1 && e.to_string().contains("transaction"), "{e}"),
     }
 }
+
+/// A PostgreSQL purge dropped while its statement waits (here for a table
+/// lock; the purge's own time bound, a purge job's cancellation or a
+/// purger's shutdown drop it the same way) is inside the transaction the
+/// purge began for it: its connection is closed, never handed back to the
+/// pool inside that transaction: no session of the store is left idle in a
+/// transaction, and the next purge on the pool's one connection deletes for
+/// good. (In a
+/// schema of its own, so the table lock holds up no other test.)
+#[tokio::test]
+async fn a_purge_dropped_mid_statement_leaves_no_transaction_open_on_postgres() {
+    use sqlx::{Connection, Executor};
+    use std::str::FromStr;
+    let url = common::servers::pg_url();
+    let mut admin = match sqlx::PgConnection::connect(&url).await {
+        Ok(conn) => conn,
+        Err(e) => {
+            assert!(!common::servers::servers_required(), "PostgreSQL: {e}");
+            eprintln!("SKIPPED: PostgreSQL unreachable at {url}: {e}");
+            return;
+        }
+    };
+    let schema = format!("operations_purge_cut_{}", uuid::Uuid::new_v4().simple());
+    admin
+        .execute(format!("CREATE SCHEMA {schema}").as_str())
+        .await
+        .expect("schema");
+    let options = sqlx::postgres::PgConnectOptions::from_str(&url)
+        .expect("url")
+        .application_name(&schema)
+        .options([("search_path", schema.as_str())]);
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .connect_with(options)
+        .await
+        .expect("pool");
+    let store = idempotent_runtime::PgStore::from_pool(pool.clone())
+        .await
+        .expect("store");
+    let id = plant(&store, "purge.cut", LONG, LONG, Some(BLINK)).await;
+    wait_for_clock(&store, &[&id], false).await;
+
+    let mut locker = sqlx::PgConnection::connect(&url).await.expect("connect");
+    locker
+        .execute(
+            format!("BEGIN; LOCK TABLE {schema}.idempotency_records IN ACCESS EXCLUSIVE MODE")
+                .as_str(),
+        )
+        .await
+        .expect("lock the table");
+    let waiting = async {
+        for _ in 0..2000 {
+            let n: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM pg_stat_activity
+                  WHERE application_name = $1 AND wait_event_type = 'Lock'",
+            )
+            .bind(&schema)
+            .fetch_one(&mut admin)
+            .await
+            .expect("pg_stat_activity");
+            if n > 0 {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        panic!("the purge never waited for the table lock");
+    };
+    tokio::select! {
+        purged = store.purge_expired(100) => panic!("the purge answered through the lock: {purged:?}"),
+        () = waiting => {} // the purge is dropped here, mid-statement
+    }
+    locker.execute("COMMIT").await.expect("unlock");
+
+    // The cut session ends; none is left idle in a transaction.
+    let mut open: i64 = -1;
+    for _ in 0..2000 {
+        open = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity
+              WHERE application_name = $1 AND (state <> 'idle' OR xact_start IS NOT NULL)",
+        )
+        .bind(&schema)
+        .fetch_one(&mut admin)
+        .await
+        .expect("pg_stat_activity");
+        if open == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let kept: i64 = sqlx::query_scalar(&format!(
+        "SELECT count(*) FROM {schema}.idempotency_records"
+    ))
+    .fetch_one(&mut admin)
+    .await
+    .expect("count");
+    let purged = purge_all(&store, 100).await;
+    let left: i64 = sqlx::query_scalar(&format!(
+        "SELECT count(*) FROM {schema}.idempotency_records"
+    ))
+    .fetch_one(&mut admin)
+    .await
+    .expect("count");
+    drop(store);
+    pool.close().await;
+    admin
+        .execute(format!("DROP SCHEMA {schema} CASCADE").as_str())
+        .await
+        .expect("drop schema");
+    assert_eq!(open, 0, "a session of the store stayed in a transaction");
+    // The cut statement's deletes are rolled back by the server (or, had it
+    // committed first, gone for good): the next purge deletes what is left.
+    assert_eq!(
+        (purged.expect("the next purge"), left),
+        (u64::try_from(kept).expect("a count"), 0),
+        "the next purge deletes for good"
+    );
+}
