@@ -281,6 +281,38 @@ async fn an_audit_table_shows_control_characters_in_a_scope_as_text() {
         .any(|s| s["scope"] == forged));
 }
 
+/// As above, for the characters that reorder or break a line without being
+/// control characters: a bidirectional override (U+202E) in a scope written
+/// raw turns the rest of its row around wherever the table is shown by a
+/// renderer that applies the Unicode bidirectional algorithm (a browser's
+/// CI log, a dashboard, a bidi terminal), so the row's counts read reversed,
+/// and a line separator (U+2028) breaks the row there. Both are shown as
+/// text, as a control character is.
+#[tokio::test]
+async fn an_audit_table_shows_bidi_overrides_and_line_separators_in_a_scope_as_text() {
+    let store = MemoryStore::new();
+    for (key, forged) in [
+        ("rlo", "evil.scope\u{202e}9 9 9"),
+        ("isolate", "evil.isolate\u{2067}x\u{2069}"),
+        ("ls", "evil.ls\u{2028}orders.place  claimed"),
+    ] {
+        let id = Identity::new("t", forged, key).expect("the Store API takes it");
+        let reserved = reserve(&store, &id, &OwnerToken::new(), LONG, LONG).await;
+        assert!(matches!(reserved, Reservation::Acquired { .. }));
+    }
+    let report = audit(&store, &[]).await.expect("audit");
+    let table = report.render(Format::Table);
+    for raw in ['\u{202e}', '\u{2067}', '\u{2069}', '\u{2028}'] {
+        assert!(
+            !table.contains(raw),
+            "{raw:?} is printed raw:\n{}",
+            table.escape_debug()
+        );
+    }
+    assert!(table.contains("evil.scope\\u{202e}9 9 9"), "{table}");
+    assert!(table.contains("evil.ls\\u{2028}orders.place"), "{table}");
+}
+
 /// A database a newer build has migrated (its history holds a version this
 /// build does not know: a rolling deploy, or a rollback) is left alone, as the
 /// README's upgrade section says, by the command line too: `audit` and
