@@ -5,7 +5,8 @@
 /// spaces, with a dashed rule under the header. Widths count characters, not
 /// bytes. Trailing spaces are trimmed from every line.
 ///
-/// A control character in a cell is written escaped (`\n`, `\u{1b}`): cells
+/// A control character in a cell is written escaped (`\n`, `\u{1b}`), and so
+/// is a line separator or a bidirectional control (`\u{202e}`): cells
 /// can hold text from a store (a scope name any program wrote there), which
 /// must neither break a row into lines that read as other rows or a summary,
 /// nor drive the operator's terminal.
@@ -44,15 +45,35 @@ pub(crate) fn render(header: &[&str], rows: &[Vec<String>]) -> String {
     out
 }
 
-/// `cell` with its control characters escaped (as `char::escape_default`
-/// writes them); as it is when it has none.
+/// Whether `c` is written escaped: a control character, or one that breaks
+/// or reorders the line it is in without being one (the line and paragraph
+/// separators; the bidirectional marks, embeddings, overrides and isolates,
+/// which turn the rest of a row around wherever the table is shown by a
+/// renderer applying the Unicode bidirectional algorithm: a browser, a bidi
+/// terminal). Right-to-left letters themselves are left as they are.
+fn escaped(c: char) -> bool {
+    c.is_control()
+        || matches!(
+            c,
+            '\u{061c}'
+                | '\u{200e}'
+                | '\u{200f}'
+                | '\u{2028}'
+                | '\u{2029}'
+                | '\u{202a}'..='\u{202e}'
+                | '\u{2066}'..='\u{2069}'
+        )
+}
+
+/// `cell` with the characters [`escaped`] names escaped (as
+/// `char::escape_default` writes them); as it is when it has none.
 fn printable(cell: &str) -> std::borrow::Cow<'_, str> {
-    if !cell.chars().any(char::is_control) {
+    if !cell.chars().any(escaped) {
         return std::borrow::Cow::Borrowed(cell);
     }
     let mut out = String::with_capacity(cell.len() + 8);
     for c in cell.chars() {
-        if c.is_control() {
+        if escaped(c) {
             out.extend(c.escape_default());
         } else {
             out.push(c);
