@@ -1699,7 +1699,8 @@ async fn release_with<'e, E: Executor<'e, Database = Postgres>>(
 impl PgStore {
     /// A connection of the store's pool for a transaction of its own: one
     /// that code sharing the pool left inside a transaction (a plain
-    /// `BEGIN`, then an early return) is closed, rolling that transaction
+    /// `BEGIN`, then an early return; or one a statement of that code failed)
+    /// is closed, rolling that transaction
     /// back, and another taken. There a `BEGIN` starts nothing (PostgreSQL
     /// warns and goes on in the open transaction, at its isolation level),
     /// and the `COMMIT` that follows would commit that code's abandoned
@@ -1716,9 +1717,16 @@ impl PgStore {
             super::IfLeftOpen::Close,
             |conn| {
                 Box::pin(async move {
-                    started_before_this_statement(conn)
-                        .await
-                        .map_err(err("check for an open transaction"))
+                    match started_before_this_statement(conn).await {
+                        // A transaction a statement of that code failed:
+                        // every statement is refused there, the check too.
+                        Err(sqlx::Error::Database(e))
+                            if e.code().as_deref() == Some(IN_FAILED_TRANSACTION) =>
+                        {
+                            Ok(true)
+                        }
+                        other => other.map_err(err("check for an open transaction")),
+                    }
                 })
             },
         )
