@@ -160,13 +160,45 @@ async fn charge(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_file_url_naming_a_vfs_without_locks_is_refused() {
     let path = crate::common::scratch::sqlite_path("sharing-nolock");
-    let url = format!("sqlite://{}?mode=rwc&vfs=unix-none", path.display());
-    let store = match SqliteStore::connect(&url).await {
+    refused_or_runs_one_body(&format!(
+        "sqlite://{}?mode=rwc&vfs=unix-none",
+        path.display()
+    ))
+    .await;
+}
+
+/// The same VFS named in the other ways sqlx and SQLite read a URL: the
+/// value percent-encoded (sqlx decodes the query), `vfs` given twice (sqlx
+/// keeps the last), or in a `file:` URI given as the file name, its `?`
+/// percent-encoded (sqlx decodes the name and SQLite reads it as a URI).
+/// Each opened the file without locks: read from the URL's text, the
+/// refusal saw `unix%2Dnone`, the first `vfs`, or no query at all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_vfs_without_locks_is_refused_however_the_url_spells_it() {
+    for (n, spelling) in [
+        "sqlite://{}?mode=rwc&vfs=unix%2Dnone",
+        "sqlite://{}?mode=rwc&%76fs=unix-none",
+        "sqlite://{}?mode=rwc&vfs=unix&vfs=unix-none",
+        "sqlite:file:{}%3Fvfs%3Dunix-none",
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let path = crate::common::scratch::sqlite_path(&format!("sharing-nolock-{n}"));
+        refused_or_runs_one_body(&spelling.replace("{}", &path.display().to_string())).await;
+    }
+}
+
+/// Opens a store on `url` (a VFS without locks): refused with an error that
+/// says why, or else two transactions begun at once must not both run the
+/// body of one key.
+async fn refused_or_runs_one_body(url: &str) {
+    let store = match SqliteStore::connect(url).await {
         Err(e) => {
             let message = e.to_string();
             assert!(
                 message.contains("unix-none") && message.contains("lock"),
-                "the error names the VFS and says why: {message}"
+                "{url}: the error names the VFS and says why: {message}"
             );
             return;
         }
@@ -184,7 +216,7 @@ async fn a_file_url_naming_a_vfs_without_locks_is_refused() {
     let mut first = pool.begin_with("BEGIN IMMEDIATE").await.expect("first");
     let second = tokio::time::timeout(BLOCKED_AFTER, pool.begin_with("BEGIN IMMEDIATE")).await;
     let mut second = second
-        .expect("the second transaction began beside the first: no lock")
+        .unwrap_or_else(|_| panic!("{url}: the second transaction began beside the first: no lock"))
         .expect("second");
     let a = charge(&mut first, "t1", "k", &runs).await;
     let b = charge(&mut second, "t1", "k", &runs).await;
@@ -192,7 +224,7 @@ async fn a_file_url_naming_a_vfs_without_locks_is_refused() {
     assert_eq!(
         runs.load(Ordering::SeqCst),
         1,
-        "one key, two bodies: {a:?} and {b:?}"
+        "{url}: one key, two bodies: {a:?} and {b:?}"
     );
 }
 

@@ -574,7 +574,6 @@ impl SqliteStore {
             .create_if_missing(!super::migrate::only_check())
             .busy_timeout(BUSY_TIMEOUT)
             .synchronous(synchronous.sqlx());
-        refuse_a_vfs_without_locks(url)?;
         let mut first: sqlx::SqliteConnection = sqlx::Connection::connect_with(&options)
             .await
             .map_err(|e| {
@@ -588,6 +587,7 @@ impl SqliteStore {
                     ),
                 )
             })?;
+        refuse_a_vfs_without_locks(&mut first).await?;
         let mut keeper = None;
         let pool = if shared_in_memory(&mut first, &options).await? {
             keeper = Some(first);
@@ -934,28 +934,52 @@ impl SqliteStore {
     }
 }
 
-/// Refuses a URL that names one of SQLite's VFSes that take no file locks
-/// (`unix-none`, `win32-none`: `vfs=unix-none`, chosen on network file
+/// Refuses a database opened on one of SQLite's VFSes that take no file
+/// locks (`unix-none`, `win32-none`: `vfs=unix-none`, chosen on network file
 /// systems to be rid of "database is locked"). Nothing then keeps two
 /// connections, or two processes, from writing at once: two transactions
 /// begun at once each reserved one key and ran its body, and concurrent
-/// commits can corrupt the file. (Read from the URL's text: sqlx's options
-/// do not tell their VFS.)
-fn refuse_a_vfs_without_locks(url: &str) -> Result<(), StoreError> {
-    let Some(vfs) = url
-        .split_once('?')
-        .into_iter()
-        .flat_map(|(_, query)| query.split('&'))
-        .filter_map(|pair| pair.split_once('='))
-        .find(|(name, _)| *name == "vfs")
-        .map(|(_, vfs)| vfs)
-        .filter(|vfs| vfs.ends_with("-none"))
-    else {
-        return Ok(());
+/// commits can corrupt the file. Asked of SQLite itself
+/// (`SQLITE_FCNTL_VFSNAME` on the connection `first`), not read from the
+/// URL's text: sqlx decodes the query (`vfs=unix%2Dnone`), keeps the last
+/// `vfs` of several, and hands SQLite a file name that is itself a `file:`
+/// URI (`sqlite:file:app.db%3Fvfs%3Dunix-none`), and each of those opened
+/// the file without locks past a look at the text.
+async fn refuse_a_vfs_without_locks(first: &mut sqlx::SqliteConnection) -> Result<(), StoreError> {
+    const OP: &str = "open the database";
+    let vfs = {
+        let mut handle = first.lock_handle().await.map_err(err(OP))?;
+        let mut name: *mut std::ffi::c_char = std::ptr::null_mut();
+        // SAFETY: the handle is a live connection, locked for our exclusive
+        // use while `handle` is held; SQLITE_FCNTL_VFSNAME writes a string
+        // allocated with sqlite3_malloc (or nothing) to `name`, which is
+        // read and freed below.
+        let rc = unsafe {
+            libsqlite3_sys::sqlite3_file_control(
+                handle.as_raw_handle().as_ptr(),
+                c"main".as_ptr(),
+                libsqlite3_sys::SQLITE_FCNTL_VFSNAME,
+                (&raw mut name).cast(),
+            )
+        };
+        if rc != libsqlite3_sys::SQLITE_OK || name.is_null() {
+            // No file (an in-memory database), or a VFS that does not say.
+            return Ok(());
+        }
+        // SAFETY: a NUL-terminated string from sqlite3_mprintf, freed once.
+        let vfs = unsafe { std::ffi::CStr::from_ptr(name) }
+            .to_string_lossy()
+            .into_owned();
+        unsafe { libsqlite3_sys::sqlite3_free(name.cast()) };
+        vfs
     };
+    // A shim VFS names those under it after a `/` ("shim/unix-none").
+    if !vfs.split('/').any(|layer| layer.ends_with("-none")) {
+        return Ok(());
+    }
     Err(StoreError::new(
         STORE,
-        "open the database",
+        OP,
         format!(
             "the VFS {vfs:?} takes no file locks, so nothing keeps two connections (or two \
              processes) from reserving one key at once and running its body twice: leave \
