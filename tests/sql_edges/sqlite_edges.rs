@@ -2863,3 +2863,105 @@ async fn a_renewal_asked_for_before_the_lease_was_ended_does_not_renew_it() {
         std::panic::resume_unwind(e.into_panic());
     }
 }
+
+/// The same late renewal, of an owner this process had stopped listing: its
+/// lease lapsed once without a renewal (its thread blocked past it, its
+/// runtime starved; nobody took the record over), and a reservation made
+/// while a thousand or more owners were listed dropped it as no longer
+/// alive. Its renewals went on (and were written), but the check that keeps
+/// a renewal from landing after the end of its lease asked only whether
+/// the owner was still listed, and it was not: the renewal landed after the
+/// end, and the record had a whole lease again. Handshake as above; the
+/// owner's first lease is a millisecond, so it counts as lapsed the moment
+/// its reservation returns (no clock to wait for).
+#[tokio::test(flavor = "multi_thread", worker_threads = 1)]
+async fn a_late_renewal_of_an_owner_once_pruned_does_not_renew_its_ended_lease() {
+    /// More owners than the registry keeps before it drops those no longer
+    /// alive (it keeps at least 1024, and twice as many as were alive at
+    /// its last pruning).
+    const OTHERS: usize = 2100;
+    let path = fresh_path();
+    let store = SqliteStore::builder(&url(&path))
+        .synchronous(idempotent_runtime::store::sqlite::Synchronous::Normal)
+        .connect()
+        .await
+        .expect("store");
+    let scenario = {
+        let store = store.clone();
+        tokio::spawn(async move {
+            let fp = idempotent_runtime::Fingerprint::of("request").expect("fingerprint");
+            let fp = &fp;
+            let reserve = |identity: Identity, lease| {
+                let store = store.clone();
+                async move {
+                    let token = OwnerToken::new();
+                    let answer = store
+                        .reserve(ReserveRequest {
+                            identity: &identity,
+                            fingerprint: Some(fp),
+                            token: &token,
+                            lease,
+                            ttl: Duration::from_secs(600),
+                        })
+                        .await;
+                    (answer, token)
+                }
+            };
+            let lease = Duration::from_secs(60);
+            let owned = Identity::new("t", "sqlite_edges.pruned_renewal", "k").expect("identity");
+            let (first, token) = reserve(owned.clone(), Duration::from_millis(1)).await;
+            assert!(
+                matches!(first, Ok(Reservation::Acquired { .. })),
+                "{first:?}"
+            );
+            // Many other owners at work: a reservation among them drops the
+            // lapsed owner from the registry.
+            for n in 0..OTHERS {
+                let other = Identity::new("t", "sqlite_edges.pruned_renewal", format!("o{n}"))
+                    .expect("identity");
+                let (answer, _) = reserve(other, lease).await;
+                assert!(
+                    matches!(answer, Ok(Reservation::Acquired { .. })),
+                    "{answer:?}"
+                );
+            }
+            // Its body goes on: a renewal wins its lease back.
+            let renewed = store.heartbeat(&owned, &token, lease).await;
+            assert!(
+                matches!(renewed, Ok(idempotent_runtime::Fenced::Written)),
+                "{renewed:?}"
+            );
+            // The next renewal is asked for (its task spawned, not run yet),
+            // then its call dropped; the owner ends its lease.
+            let mut renewal = Box::pin(store.heartbeat(&owned, &token, lease));
+            assert!(futures::poll!(&mut renewal).is_pending());
+            drop(renewal);
+            let ended = store.heartbeat(&owned, &token, Duration::ZERO).await;
+            assert!(
+                matches!(ended, Ok(idempotent_runtime::Fenced::Written)),
+                "{ended:?}"
+            );
+            // A write behind the renewal in the process's write turn.
+            let behind =
+                Identity::new("t", "sqlite_edges.pruned_renewal", "behind").expect("identity");
+            let (answer, _) = reserve(behind, lease).await;
+            assert!(
+                matches!(answer, Ok(Reservation::Acquired { .. })),
+                "{answer:?}"
+            );
+            let (next, _) = reserve(owned.clone(), lease).await;
+            match next {
+                Ok(Reservation::Acquired { .. }) => {}
+                other => panic!(
+                    "the next call must take the record over at once (its lease was ended), \
+                     got {other:?}: the renewal landed after the end and renewed it"
+                ),
+            }
+        })
+    };
+    let outcome = scenario.await;
+    remove(&path);
+    if let Err(e) = outcome {
+        std::panic::resume_unwind(e.into_panic());
+    }
+}

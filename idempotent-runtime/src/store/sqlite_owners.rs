@@ -133,15 +133,32 @@ pub(super) struct Writing(Option<String>);
 
 impl Writing {
     /// A write of `token`'s owner begins; `lease`, when given, is its lease
-    /// from now on (a renewal's). An owner not listed (not reserved through
-    /// this process's store) is not listed by this either.
+    /// from now on (a renewal's). A renewal lists an owner not listed: it is
+    /// at work in this process (one dropped from the list while its lease
+    /// had lapsed, its thread blocked past it, renews again), and its end
+    /// must be seen by a renewal still on its way (see [`owner_ended`]).
+    /// A completion alone lists nobody.
+    ///
+    /// [`owner_ended`]: Writing::owner_ended
     pub(super) fn begins(token: &OwnerToken, lease: Option<Duration>) -> Self {
         let mut owners = owners();
-        let Some(owner) = owners.by_token.get_mut(token.as_str()) else {
-            return Writing(None);
+        let now = Instant::now();
+        let owner = match (owners.by_token.get_mut(token.as_str()), lease) {
+            (Some(owner), _) => owner,
+            (None, None) => return Writing(None),
+            (None, Some(lease)) => {
+                owners
+                    .by_token
+                    .entry(token.as_str().to_owned())
+                    .or_insert(Owner {
+                        last: now,
+                        lease,
+                        writing: 0,
+                    })
+            }
         };
         owner.writing += 1;
-        owner.last = Instant::now();
+        owner.last = now;
         if let Some(lease) = lease {
             owner.lease = lease;
         }
@@ -216,8 +233,17 @@ mod tests {
         drop(writing);
         assert!(!alive(token.as_str()), "ended stays ended");
         let unknown = OwnerToken::new();
-        let writing = Writing::begins(&unknown, Some(Duration::from_secs(60)));
-        assert!(!alive(unknown.as_str()), "not listed by a write alone");
+        let writing = Writing::begins(&unknown, None);
+        assert!(!alive(unknown.as_str()), "not listed by a completion alone");
         drop(writing);
+        // A renewal of an owner no longer listed (dropped while its lease had
+        // lapsed) lists it, and sees it ended while it waits.
+        let writing = Writing::begins(&unknown, Some(Duration::from_secs(60)));
+        assert!(alive(unknown.as_str()), "a renewal is under way");
+        assert!(!writing.owner_ended());
+        ended(&unknown);
+        assert!(writing.owner_ended(), "ended while the renewal waited");
+        drop(writing);
+        assert!(!alive(unknown.as_str()), "ended stays ended");
     }
 }
