@@ -551,8 +551,9 @@ impl SqliteStore {
     ///
     /// # Errors
     /// [`Error::Store`] when the URL is malformed or names a VFS that takes
-    /// no file locks (`vfs=unix-none`), the file cannot be opened or
-    /// created, or the migrations fail.
+    /// no file locks (`vfs=unix-none`), its file name is a `file:` URI of
+    /// SQLite's own asking for `nolock` or `cache=shared`, the file cannot
+    /// be opened or created, or the migrations fail.
     pub async fn connect(url: &str) -> Result<Self, Error> {
         Self::open(url, Synchronous::Full).await
     }
@@ -602,6 +603,7 @@ impl SqliteStore {
                 .connect_with(options)
                 .await
         } else {
+            refuse_uri_parameters_of_a_file_name(&options)?;
             // WAL is a property of the file: switch it once, waiting out other
             // processes doing the same, before the pool opens its connections
             // (which then find the file in WAL mode and need no switch).
@@ -987,6 +989,85 @@ async fn refuse_a_vfs_without_locks(first: &mut sqlx::SqliteConnection) -> Resul
              local file system whose locks work"
         ),
     ))
+}
+
+/// Refuses a file name that is itself a `file:` URI (the URL's path
+/// percent-encoded: `sqlite:file:app.db%3Fnolock%3D1`; sqlx decodes it and
+/// hands it to SQLite, which reads its parameters) asking for what the
+/// store cannot work with: `nolock` (no file locks: two connections reserve
+/// one key at once and run its body twice), or `cache=shared` (SQLite reads
+/// it over the private cache the store gives a file's connections, and a
+/// replay waited for any transaction that wrote the records table). Read as
+/// SQLite reads them: a raw `?` starts the parameters and `#` ends them, each
+/// name and value percent-decoded.
+fn refuse_uri_parameters_of_a_file_name(options: &SqliteConnectOptions) -> Result<(), StoreError> {
+    let filename = options.get_filename().to_string_lossy();
+    let Some((_, query)) = filename
+        .strip_prefix("file:")
+        .and_then(|rest| rest.split_once('?'))
+    else {
+        return Ok(());
+    };
+    let query = query.split_once('#').map_or(query, |(query, _)| query);
+    for pair in query.split('&') {
+        let (name, value) = pair.split_once('=').unwrap_or((pair, ""));
+        let (name, value) = (percent_decoded(name), percent_decoded(value));
+        let why = match name.as_str() {
+            "nolock" if sqlite_true(&value) => {
+                "`nolock` takes no file locks, so nothing keeps two connections (or two \
+                 processes) from reserving one key at once and running its body twice"
+            }
+            "cache" if value == "shared" => {
+                "`cache=shared` gives the file's connections SQLite's shared cache, with which \
+                 a replay waits, without a bound, for any transaction that wrote the records table"
+            }
+            _ => continue,
+        };
+        return Err(StoreError::new(
+            STORE,
+            "open the database",
+            format!(
+                "the file name {filename:?} is a `file:` URI asking for {name}={value}: {why}; \
+                 name the file as a path (`sqlite://path/to/app.db`), with sqlx's own \
+                 parameters (`mode`, `immutable`) in the URL's query"
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// `text` with its `%HH` escapes decoded (as SQLite decodes a URI's
+/// parameters); a `%` not followed by two hex digits stays as it is.
+fn percent_decoded(text: &str) -> String {
+    let bytes = text.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let hex = |at: usize| bytes.get(at).and_then(|b| (*b as char).to_digit(16));
+        match (bytes[i], hex(i + 1), hex(i + 2)) {
+            (b'%', Some(high), Some(low)) => {
+                out.push(u8::try_from(high * 16 + low).unwrap_or(b'%'));
+                i += 3;
+            }
+            (byte, _, _) => {
+                out.push(byte);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// Whether SQLite reads a URI parameter's `value` as true
+/// (`sqlite3_uri_boolean`: a number other than 0, or yes, on, true).
+fn sqlite_true(value: &str) -> bool {
+    let digits: String = value.chars().take_while(char::is_ascii_digit).collect();
+    if !digits.is_empty() {
+        return digits.chars().any(|d| d != '0');
+    }
+    ["yes", "on", "true"]
+        .iter()
+        .any(|word| value.eq_ignore_ascii_case(word))
 }
 
 /// Whether the database `first` (a connection opened with `options`) has no
