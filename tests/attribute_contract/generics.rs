@@ -764,3 +764,46 @@ async fn a_tuple_implementors_record_is_labelled_for_the_build_before() {
         None
     );
 }
+
+/// `impl Trait` in argument position is an anonymous type parameter: the
+/// same id of two models, through one key, is two requests exactly as with
+/// `delete::<User>` and `delete::<Order>` above (the value does not show
+/// which model the call is for, and the body may act on a different table).
+#[idempotent(scope = "generics.impl_trait_typed_id", key = key, tenant = shared, store = store)]
+async fn delete_any(
+    store: &MemoryStore,
+    key: &str,
+    id: TypedId<impl Send + Sync>,
+) -> Result<String, Error> {
+    Ok(std::any::type_name_of_val(&id)
+        .rsplit("::")
+        .next()
+        .unwrap_or_default()
+        .to_owned())
+}
+
+/// The same with the whole parameter an `impl Trait`: `7u8` and `7i64`
+/// are two requests with `value::<T>` above, and must be here too.
+#[idempotent(scope = "generics.impl_trait_value", key = key, tenant = shared, store = store)]
+async fn value_any(
+    store: &MemoryStore,
+    key: &str,
+    v: impl Serialize + Send + Sync,
+) -> Result<String, Error> {
+    Ok(std::any::type_name_of_val(&v).to_owned())
+}
+
+#[tokio::test]
+async fn an_impl_trait_argument_tells_instantiations_apart_like_a_type_parameter() {
+    let store = MemoryStore::new();
+    assert_eq!(
+        delete_any(&store, "d", typed::<User>(7))
+            .await
+            .expect("runs"),
+        "User>"
+    );
+    reused(delete_any(&store, "d", typed::<Order>(7)).await);
+
+    assert_eq!(value_any(&store, "v", 7u8).await.expect("runs"), "u8");
+    reused(value_any(&store, "v", 7i64).await);
+}
