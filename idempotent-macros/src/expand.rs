@@ -460,6 +460,32 @@ fn instantiation_of(
             }
         });
     }
+    // An `impl Trait` parameter is an anonymous type parameter, counted as
+    // a named one a fingerprinted parameter mentions is (not with
+    // `fingerprint = false`: it cannot be the answer's type).
+    if !answer_only {
+        for input in &sig.inputs {
+            let syn::FnArg::Typed(t) = input else {
+                continue;
+            };
+            let syn::Pat::Ident(p) = &*t.pat else {
+                continue;
+            };
+            if !fingerprinted(&p.ident) || !has_impl_trait(&t.ty) {
+                continue;
+            }
+            let name = &p.ident;
+            let (text, cfgs) = (
+                format!("<impl {}>", check::name_text(name)),
+                crate::item::cfgs_of(&t.attrs),
+            );
+            let add = Ident::new("fingerprint_impl_type", Span::call_site());
+            out.push(
+                quote_spanned!(name.span()=> #(#cfgs)* #krate::__private::#add(
+                &mut #builder, #text, ::core::any::type_name_of_val(&#name));),
+            );
+        }
+    }
     if in_answer(&Ident::new("Self", Span::call_site())) {
         out.push(quote!(#krate::__private::fingerprint_answer_type(
             &mut #builder, "<Self>", ::core::any::type_name::<Self>());));
@@ -468,6 +494,20 @@ fn instantiation_of(
             &mut #builder, ::core::any::type_name::<Self>());));
     }
     out
+}
+
+/// Whether `ty` has an `impl Trait` anywhere (`impl Serialize`,
+/// `TypedId<impl Model>`, `&[impl Serialize]`).
+fn has_impl_trait(ty: &syn::Type) -> bool {
+    struct Finder(bool);
+    impl<'ast> syn::visit::Visit<'ast> for Finder {
+        fn visit_type_impl_trait(&mut self, _: &'ast syn::TypeImplTrait) {
+            self.0 = true;
+        }
+    }
+    let mut finder = Finder(false);
+    syn::visit::Visit::visit_type(&mut finder, ty);
+    finder.0
 }
 
 /// Whether `tokens` (a type) name `ident` anywhere, at any depth (`r#T`

@@ -70,6 +70,18 @@ pub fn fingerprint_answer_type(
     builder.counted_since_v3(name, &crate::fingerprint::short_type_name(type_name));
 }
 
+/// Adds the type of a fingerprinted `impl Trait` parameter (an anonymous
+/// type parameter, counted as a named one is: its value cannot be relied on
+/// to show it), by its name without module paths. Builds before `v5` did
+/// not count it: a record they stored is still replayed.
+pub fn fingerprint_impl_type(
+    builder: &mut FingerprintBuilder,
+    name: &'static str,
+    type_name: &str,
+) {
+    builder.counted_since_v5(name, &crate::fingerprint::short_type_name(type_name));
+}
+
 /// Adds a const parameter only the return type (and left-out parameters)
 /// mention (see [`fingerprint_answer_type`]).
 pub fn fingerprint_answer_const<T: serde::Serialize>(

@@ -807,3 +807,31 @@ async fn an_impl_trait_argument_tells_instantiations_apart_like_a_type_parameter
     assert_eq!(value_any(&store, "v", 7u8).await.expect("runs"), "u8");
     reused(value_any(&store, "v", 7i64).await);
 }
+
+/// A record stored by a build that did not count an `impl Trait`
+/// parameter's type (the parameters' fingerprint alone) is still replayed
+/// to the same call, and a different value is still a reused key.
+#[tokio::test]
+async fn a_record_stored_without_the_impl_trait_type_is_still_replayed() {
+    let store = MemoryStore::new();
+    let mut builder = FingerprintBuilder::new();
+    builder.argument("v", &7u8);
+    let old = builder
+        .finish()
+        .expect("fingerprint")
+        .expect("one argument");
+    recorded_by_an_older_build(
+        &store,
+        "generics.impl_trait_value",
+        "old",
+        &old,
+        br#""recorded by an older build""#,
+    )
+    .await;
+    let replayed = with_outcome(value_any(&store, "old", 7u8)).await;
+    assert!(
+        matches!(replayed, (Ok(ref s), Some(Outcome::Replayed)) if s == "recorded by an older build"),
+        "{replayed:?}"
+    );
+    reused(value_any(&store, "old", 8u8).await);
+}

@@ -185,8 +185,15 @@ const V3: &str = "v3";
 /// record, says "retry later" instead of refusing it as a reused key.
 const V4: &str = "v4";
 
+/// The label of a fingerprint that counts what builds labelled up to `v4`
+/// left out: the type of a fingerprinted `impl Trait` parameter (an
+/// anonymous type parameter: `id: TypedId<impl Model>` given a
+/// `TypedId<User>` and a `TypedId<Order>` of one number). A new label for
+/// the same reason as `v3`.
+const V5: &str = "v5";
+
 /// Every version label this build makes or compares fingerprints with.
-const KNOWN_VERSIONS: [&str; 6] = [V1, CANONICAL_VERSION, V3, V4, HTTP_V1, HTTP_V2];
+const KNOWN_VERSIONS: [&str; 7] = [V1, CANONICAL_VERSION, V3, V4, V5, HTTP_V1, HTTP_V2];
 
 /// The version label of a stored fingerprint when it is one this build does
 /// not know: a newer build made it (see the module doc). `None` for a known
@@ -376,6 +383,9 @@ enum Counted {
     /// A method's `Self` that is a tuple or a slice: since `v4` (see
     /// [`FingerprintBuilder::counted_since_v4`]).
     SinceV4,
+    /// The type of a fingerprinted `impl Trait` parameter: since `v5` (see
+    /// [`FingerprintBuilder::counted_since_v5`]).
+    SinceV5,
 }
 
 thread_local! {
@@ -530,6 +540,18 @@ impl FingerprintBuilder {
         self.counted(name, value, Counted::SinceV4);
     }
 
+    /// Adds what `v5` counts and earlier labels did not: the type of a
+    /// fingerprinted `impl Trait` parameter. The fingerprint is then
+    /// labelled `v5`, and its legacy form is what the build before made of
+    /// the rest, so a record that build stored is still replayed.
+    pub(crate) fn counted_since_v5<T: Serialize + ?Sized>(
+        &mut self,
+        name: &'static str,
+        value: &T,
+    ) {
+        self.counted(name, value, Counted::SinceV5);
+    }
+
     fn counted<T: Serialize + ?Sized>(&mut self, name: &'static str, value: &T, counted: Counted) {
         self.argument(name, value);
         if let Some(last) = self.work.arguments.last_mut().filter(|a| a.name == name) {
@@ -553,8 +575,14 @@ impl FingerprintBuilder {
         let Workspace { encoder, arguments } = &mut self.work;
         arguments.sort_by(|a, b| a.name.cmp(b.name));
         let bytes = encoder.bytes();
-        counting_since(V4, Counted::SinceV4, arguments, bytes, digest_before_v4)
+        counting_since(V5, Counted::SinceV5, arguments, bytes, digest_before_v5)
     }
+}
+
+/// The fingerprint of `arguments` (sorted by name, none counted since `v5`)
+/// as builds before `v5` made it, with its legacy form.
+fn digest_before_v5(arguments: &[Argument], bytes: &[u8]) -> Fingerprint {
+    counting_since(V4, Counted::SinceV4, arguments, bytes, digest_before_v4)
 }
 
 /// The fingerprint of `arguments` (sorted by name, none counted since `v4`)

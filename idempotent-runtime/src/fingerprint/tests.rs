@@ -2571,14 +2571,14 @@ fn a_v3_fingerprint_of_equal_sets_ignores_their_order() {
 #[test]
 fn every_form_this_build_makes_is_a_known_version() {
     let digest = "0123456789abcdef".repeat(4);
-    for label in ["v1", "v2", "v3", "v4", "http1", "http2"] {
+    for label in ["v1", "v2", "v3", "v4", "v5", "http1", "http2"] {
         assert_eq!(
             unknown_version(&format!("{label}:{digest}")),
             None,
             "{label} is a form this build knows"
         );
     }
-    for label in ["v5", "v9", "http3", "http9"] {
+    for label in ["v6", "v9", "http3", "http9"] {
         assert_eq!(
             unknown_version(&format!("{label}:{digest}")),
             Some(label),
