@@ -36,6 +36,7 @@ mod paused_clock_recipes;
 mod public_api_edges;
 mod replay_floats;
 mod replay_shapes;
+mod send_and_receivers;
 mod transactional;
 mod transactional_connections;
 mod transactional_nesting;

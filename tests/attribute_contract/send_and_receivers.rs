@@ -1,0 +1,165 @@
+//! What `#[idempotent]` expands to, as a caller meets it: the future stays
+//! `Send` where the body's is (a trait's `+ Send` future, `tokio::spawn`),
+//! methods taking `self: Arc<Self>`, the `key` and `tenant` expressions
+//! evaluated once per call and before the body, an argument fingerprinted
+//! as it was passed even when the body changes it, and a function calling
+//! itself with another key.
+
+use idempotent_runtime::{
+    idempotent, with_outcome, Error, MemoryStore, Outcome, Recovery, Store, Takeover,
+};
+use std::future::Future;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+/// A trait whose method must return a `Send` future, implemented by an
+/// annotated `async fn` that borrows `self`'s store and asks a hook.
+trait Charger: Send + Sync {
+    fn charge(&self, key: String, amount: u64) -> impl Future<Output = Result<u64, Error>> + Send;
+}
+
+struct Gateway {
+    store: Arc<dyn Store>,
+    runs: AtomicUsize,
+}
+
+impl Gateway {
+    async fn already(&self, _t: &Takeover) -> Result<Recovery<u64>, Error> {
+        Ok(Recovery::Run)
+    }
+
+    /// `self: Arc<Self>`: the service, not the request (not fingerprinted).
+    #[idempotent(scope = "send.arc_self", key = key, tenant = shared, store = self.store.clone())]
+    async fn refund(self: Arc<Self>, key: String, amount: u64) -> Result<u64, Error> {
+        self.runs.fetch_add(1, Ordering::SeqCst);
+        tokio::task::yield_now().await;
+        Ok(amount)
+    }
+}
+
+impl Charger for Gateway {
+    #[idempotent(scope = "send.trait_method", key = key, tenant = shared, store = self.store,
+                 recover = self.already)]
+    async fn charge(&self, key: String, amount: u64) -> Result<u64, Error> {
+        self.runs.fetch_add(1, Ordering::SeqCst);
+        tokio::task::yield_now().await;
+        Ok(amount * 2)
+    }
+}
+
+fn gateway() -> Arc<Gateway> {
+    Arc::new(Gateway {
+        store: Arc::new(MemoryStore::new()),
+        runs: AtomicUsize::new(0),
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_annotated_trait_method_and_an_arc_self_method_are_spawnable() {
+    let g = gateway();
+    let first = tokio::spawn({
+        let g = g.clone();
+        async move { g.charge("k1".to_owned(), 5).await }
+    });
+    assert_eq!(first.await.expect("joins").expect("runs"), 10);
+    let again = tokio::spawn({
+        let g = g.clone();
+        async move { with_outcome(g.charge("k1".to_owned(), 5)).await }
+    });
+    let (value, outcome) = again.await.expect("joins");
+    assert_eq!((value.expect("replays"), outcome), (10, Some(Outcome::Replayed)));
+
+    assert_eq!(
+        tokio::spawn(g.clone().refund("r1".to_owned(), 3))
+            .await
+            .expect("joins")
+            .expect("runs"),
+        3
+    );
+    let (value, outcome) = tokio::spawn(with_outcome(g.clone().refund("r1".to_owned(), 3)))
+        .await
+        .expect("joins");
+    assert_eq!((value.expect("replays"), outcome), (3, Some(Outcome::Replayed)));
+    // A different amount under the same key is a reused key.
+    assert!(matches!(
+        g.clone().refund("r1".to_owned(), 4).await,
+        Err(Error::FingerprintMismatch(_))
+    ));
+    assert_eq!(g.runs.load(Ordering::SeqCst), 2, "one run per key");
+}
+
+/// Where each expression of one call was evaluated, in order.
+type Trace = Mutex<Vec<&'static str>>;
+
+fn note<T>(trace: &Trace, what: &'static str, value: T) -> T {
+    trace.lock().expect("trace").push(what);
+    value
+}
+
+#[idempotent(scope = "send.evaluated_once", key = note(trace, "key", key),
+             tenant = note(trace, "tenant", "acme"), store = store, skip(trace))]
+async fn traced(
+    store: &MemoryStore,
+    trace: &Trace,
+    key: &str,
+    mut items: Vec<u8>,
+) -> Result<usize, Error> {
+    note(trace, "body", ());
+    // The body changes a fingerprinted argument: the fingerprint is of the
+    // value the caller passed.
+    items.push(99);
+    items.clear();
+    Ok(items.len())
+}
+
+#[tokio::test]
+async fn key_and_tenant_are_evaluated_once_before_the_body_and_the_fingerprint_is_of_the_arguments_as_passed(
+) {
+    let store = MemoryStore::new();
+    let trace = Trace::default();
+    assert_eq!(traced(&store, &trace, "e1", vec![1, 2]).await.expect("runs"), 0);
+    let first = std::mem::take(&mut *trace.lock().expect("trace"));
+    assert_eq!(first.iter().filter(|w| **w == "key").count(), 1, "{first:?}");
+    assert_eq!(first.iter().filter(|w| **w == "tenant").count(), 1, "{first:?}");
+    assert_eq!(first.last(), Some(&"body"), "{first:?}");
+
+    let (value, outcome) = with_outcome(traced(&store, &trace, "e1", vec![1, 2])).await;
+    assert_eq!((value.expect("replays"), outcome), (0, Some(Outcome::Replayed)));
+    let replay = std::mem::take(&mut *trace.lock().expect("trace"));
+    assert_eq!(replay.len(), 2, "key and tenant once each, no body: {replay:?}");
+    assert!(matches!(
+        traced(&store, &trace, "e1", vec![]).await,
+        Err(Error::FingerprintMismatch(_))
+    ));
+}
+
+/// A function that calls itself with another key (an order that places its
+/// parent first): each key is its own record; a retry of the outer call
+/// replays without running either body again.
+#[idempotent(scope = "send.recursive", key = key, tenant = shared, store = store, skip(runs))]
+async fn place(
+    store: &MemoryStore,
+    runs: &AtomicUsize,
+    key: String,
+    depth: u8,
+) -> Result<u8, Error> {
+    runs.fetch_add(1, Ordering::SeqCst);
+    if depth == 0 {
+        return Ok(0);
+    }
+    let inner = Box::pin(place(store, runs, format!("{key}/parent"), depth - 1)).await?;
+    Ok(inner + 1)
+}
+
+#[tokio::test]
+async fn a_function_calling_itself_with_another_key_records_each_key() {
+    let store = MemoryStore::new();
+    let runs = AtomicUsize::new(0);
+    assert_eq!(place(&store, &runs, "o".to_owned(), 2).await.expect("runs"), 2);
+    assert_eq!(runs.load(Ordering::SeqCst), 3);
+    let (value, outcome) = with_outcome(place(&store, &runs, "o".to_owned(), 2)).await;
+    assert_eq!((value.expect("replays"), outcome), (2, Some(Outcome::Replayed)));
+    let (value, outcome) = with_outcome(place(&store, &runs, "o/parent".to_owned(), 1)).await;
+    assert_eq!((value.expect("replays"), outcome), (1, Some(Outcome::Replayed)));
+    assert_eq!(runs.load(Ordering::SeqCst), 3, "no body ran again");
+}
