@@ -378,7 +378,7 @@ fn lines_about(logs: &Mutex<String>, tenant: &str, scope: &str, key: &str) -> Ve
         .collect()
 }
 
-fn capture_logs() -> Arc<Mutex<String>> {
+pub(crate) fn capture_logs() -> Arc<Mutex<String>> {
     static LOGS: std::sync::OnceLock<Arc<Mutex<String>>> = std::sync::OnceLock::new();
     #[derive(Clone)]
     struct Buf(Arc<Mutex<String>>);
