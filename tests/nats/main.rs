@@ -7,6 +7,7 @@
 mod common;
 
 mod consumer_lifecycle;
+mod key_in_logs;
 mod nats_consumer;
 mod stale_deliveries;
 // A delivery whose worker died mid-body, taken over and answered by the recover hook.
