@@ -150,8 +150,9 @@ pub enum Command {
     },
 }
 
-/// Which record `inspect` and `release` act on.
-#[derive(Debug, Args)]
+/// Which record `inspect` and `release` act on. Its `Debug` shows the
+/// record's key digest, never the raw `--key` (rule 2).
+#[derive(Args)]
 // One of `--tenant` and `--shared`: a missing one is reported as
 // `<--tenant <TENANT>|--shared>`, naming both.
 #[command(group(clap::ArgGroup::new("namespace").args(["tenant", "shared"]).required(true)))]
@@ -218,6 +219,24 @@ fn not_an_option(value: &str) -> Result<String, String> {
         ));
     }
     Ok(value.to_owned())
+}
+
+impl std::fmt::Debug for RecordArgs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // The digest the logs carry for this record; a key or tenant the
+        // store would refuse has none, and says only that.
+        let key_digest = self.identity().map_or_else(
+            |_| "(not a valid identity)".to_owned(),
+            |id| id.key_digest(),
+        );
+        f.debug_struct("RecordArgs")
+            .field("database_url", &self.database_url)
+            .field("scope", &self.scope)
+            .field("tenant", &self.tenant)
+            .field("shared", &self.shared)
+            .field("key_digest", &key_digest)
+            .finish()
+    }
 }
 
 impl RecordArgs {

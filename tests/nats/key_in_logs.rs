@@ -6,8 +6,8 @@
 //! keep it at `debug` or above): its own `TRACE` lines are left out of the
 //! search, and none of its lines at `DEBUG` or above may name the key.
 
-use crate::nats_consumer::{json, order, BillError, Order, TestStream};
 use crate::common::servers::nats_or_skip;
+use crate::nats_consumer::{json, order, BillError, Order, TestStream};
 use futures_util::StreamExt;
 use idempotent_runtime::consumer::nats::process;
 use idempotent_runtime::consumer::{Disposition, Verdict};
@@ -97,5 +97,9 @@ async fn the_consumer_logs_no_message_id_at_any_level() {
         .lines()
         .filter(|l| l.contains("KEYLEAK") && !l.contains(" TRACE async_nats"))
         .collect();
-    assert!(ours.is_empty(), "a raw key reached the logs:\n{}", ours.join("\n"));
+    assert!(
+        ours.is_empty(),
+        "a raw key reached the logs:\n{}",
+        ours.join("\n")
+    );
 }

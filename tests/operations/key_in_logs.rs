@@ -66,7 +66,10 @@ async fn every_path(store: &dyn Store, label: &str) -> Vec<String> {
     assert_eq!(charge(store, &tenant, key(1), 1, None).await.unwrap(), 1);
     assert_eq!(charge(store, &tenant, key(1), 1, None).await.unwrap(), 1);
     let mismatch = charge(store, &tenant, key(1), 2, None).await.unwrap_err();
-    assert!(matches!(mismatch, Error::FingerprintMismatch(_)), "{mismatch}");
+    assert!(
+        matches!(mismatch, Error::FingerprintMismatch(_)),
+        "{mismatch}"
+    );
     keep(&mismatch);
     let own = failing(store, &tenant, key(2)).await.unwrap_err();
     keep(&own);
@@ -118,9 +121,15 @@ fn assert_no_raw_identity(logs: &std::sync::Mutex<String>, printed: &[String]) {
         text.contains("leaks.charge") && text.contains("took over"),
         "the run was logged:\n{text}"
     );
-    for l in text.lines().filter(|l| l.contains("TENANTLEAK")).take(8) { eprintln!("TENANT LINE: {l}"); }
+    for l in text.lines().filter(|l| l.contains("TENANTLEAK")).take(8) {
+        eprintln!("TENANT LINE: {l}");
+    }
     let leaked: Vec<&str> = text.lines().filter(|l| l.contains("KEYLEAK")).collect();
-    assert!(leaked.is_empty(), "a raw key reached the logs:\n{}", leaked.join("\n"));
+    assert!(
+        leaked.is_empty(),
+        "a raw key reached the logs:\n{}",
+        leaked.join("\n")
+    );
     for p in printed {
         assert!(!p.contains("KEYLEAK"), "an error shows the raw key: {p}");
     }
@@ -233,9 +242,12 @@ macro_rules! every_tx_path {
 fn assert_no_raw_key_in_tx_logs(logs: &std::sync::Mutex<String>, printed: &[String], scope: &str) {
     let text = logs.lock().unwrap().clone();
     assert!(text.contains(scope), "the run was logged:\n{text}");
-    if std::env::var("DUMP").is_ok() { eprintln!("DUMP{text}\nPRINTED{printed:#?}"); }
     let leaked: Vec<&str> = text.lines().filter(|l| l.contains("KEYLEAK")).collect();
-    assert!(leaked.is_empty(), "a raw key reached the logs:\n{}", leaked.join("\n"));
+    assert!(
+        leaked.is_empty(),
+        "a raw key reached the logs:\n{}",
+        leaked.join("\n")
+    );
     for p in printed {
         assert!(!p.contains("KEYLEAK"), "an error shows the raw key: {p}");
     }
@@ -269,4 +281,39 @@ async fn no_log_line_names_the_raw_key_in_transactional_mode_on_mysql() {
     };
     let printed = every_tx_path!(store.pool(), in_mysql_tx, "mysql", true);
     assert_no_raw_key_in_tx_logs(&logs, &printed, "leaks.tx_mysql");
+}
+
+// ------------------------------------------------------- the command line
+
+/// The parsed command line of `inspect` and `release` (public: `cli::run`
+/// takes it) prints, with `{:?}`, the key's digest, never the raw key an
+/// operator passed with `--key`.
+#[test]
+fn a_parsed_command_line_debug_prints_the_key_digest_not_the_key() {
+    use idempotent_runtime::cli::Cli;
+    use idempotent_runtime::Identity;
+    for command in ["inspect", "release"] {
+        let mut args = vec![
+            "idempotent",
+            command,
+            "--database-url",
+            "sqlite:records.db",
+            "--scope",
+            "leaks.charge",
+            "--tenant",
+            "acme",
+            "--key",
+            "sk_live_KEYLEAK-cli",
+        ];
+        if command == "release" {
+            args.extend(["--reason", "INC-1"]);
+        }
+        let cli = <Cli as clap::Parser>::try_parse_from(args).expect("parses");
+        let shown = format!("{cli:?}");
+        assert!(!shown.contains("KEYLEAK"), "{shown}");
+        let digest = Identity::new("acme", "leaks.charge", "sk_live_KEYLEAK-cli")
+            .unwrap()
+            .key_digest();
+        assert!(shown.contains(&digest), "{shown}");
+    }
 }
