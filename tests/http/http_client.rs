@@ -297,6 +297,50 @@ impl std::io::Write for Logs {
     }
 }
 
+/// Rule 2 on the client: the idempotency key it sends is in no log line at
+/// any level (TRACE included: the client's, reqwest's and hyper's, and the
+/// layer's on the server, which runs on this test's thread), nor in the
+/// `Display` or `Debug` of the error it gives up with, nor in `Debug` of the
+/// intent.
+#[tokio::test]
+async fn the_clients_key_is_in_no_log_line_at_any_level_nor_its_error() {
+    let server = TestServer::start(memory(), |b| b).await;
+    let logs = Logs::default();
+    let writer = logs.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_writer(move || writer.clone())
+        .with_max_level(tracing::Level::TRACE)
+        .with_ansi(false)
+        .finish();
+    let _guard = tracing::subscriber::set_default(subscriber);
+    let c = IdempotentClient::new(reqwest::Client::new()).with_policy(RetryPolicy {
+        max_attempts: 2,
+        ..fast()
+    });
+    let key = format!("sk_live_KEYLEAK-client-{}", uuid::Uuid::new_v4());
+    let intent = c
+        .intent_with_key(Method::POST, &server.url("/status/503"), key.clone())
+        .unwrap()
+        .header("x-account-id", &fresh_tenant())
+        .unwrap();
+    let shown = format!("{intent:?}");
+    let e = intent.send().await.unwrap_err();
+    assert!(matches!(
+        e,
+        ClientError::RetriesExhausted { attempts: 2, .. }
+    ));
+    let written = String::from_utf8_lossy(&logs.0.lock().unwrap()).into_owned();
+    assert!(written.contains("giving up"), "{written}");
+    for text in [written, shown, e.to_string(), format!("{e:?}")] {
+        let leaked: Vec<&str> = text.lines().filter(|l| l.contains("KEYLEAK")).collect();
+        assert!(
+            leaked.is_empty(),
+            "the raw key is shown:\n{}",
+            leaked.join("\n")
+        );
+    }
+}
+
 /// Rule 2: the retry and give-up lines name the URL as `Debug` does,
 /// without its user, password or query.
 #[tokio::test]
