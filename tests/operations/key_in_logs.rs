@@ -317,3 +317,76 @@ fn a_parsed_command_line_debug_prints_the_key_digest_not_the_key() {
         assert!(shown.contains(&digest), "{shown}");
     }
 }
+
+// ------------------------------------------------------- deadlocks in transactional mode
+
+#[idempotent(scope = "leaks.tx_pg_wait", key = key, tenant = tenant, tx = tx,
+             in_progress = wait("5s"))]
+async fn in_pg_tx_waiting(
+    tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
+    tenant: &str,
+    key: &str,
+) -> Result<u64, Error> {
+    Ok(1)
+}
+
+#[idempotent(scope = "leaks.tx_mysql_wait", key = key, tenant = tenant, tx = tx,
+             in_progress = wait("5s"))]
+async fn in_mysql_tx_waiting(
+    tx: &mut sqlx::Transaction<'_, sqlx::MySql>,
+    tenant: &str,
+    key: &str,
+) -> Result<u64, Error> {
+    Ok(1)
+}
+
+/// Two transactions each hold one uncommitted record and then call with the
+/// other's key: a lock cycle, which the database ends (a deadlock error, or
+/// a lock wait that runs out) for at least one of them. Answers what the
+/// errors print.
+macro_rules! crossed_tx {
+    ($pool:expr, $call:ident, $label:literal) => {{
+        let run = uuid::Uuid::new_v4();
+        let tenant = format!("TENANTLEAK-{}-{run}", $label);
+        let (k1, k2) = (
+            format!("sk_live_KEYLEAK-{}-dl1-{run}", $label),
+            format!("sk_live_KEYLEAK-{}-dl2-{run}", $label),
+        );
+        let mut a = $pool.begin().await.expect("begin");
+        let mut b = $pool.begin().await.expect("begin");
+        $call(&mut a, &tenant, &k1).await.unwrap();
+        $call(&mut b, &tenant, &k2).await.unwrap();
+        let (ra, rb) = tokio::join!($call(&mut a, &tenant, &k2), $call(&mut b, &tenant, &k1));
+        let mut printed = Vec::new();
+        for e in [ra.err(), rb.err()].into_iter().flatten() {
+            printed.push(format!("{e} | {e:?} | {e:#?}"));
+        }
+        let _ = a.rollback().await;
+        let _ = b.rollback().await;
+        assert!(
+            !printed.is_empty(),
+            "the lock cycle was ended for one of them"
+        );
+        printed
+    }};
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deadlock_between_transactions_names_no_raw_key_on_postgres() {
+    let logs = capture_logs();
+    let Some(store) = pg_store_or_skip().await else {
+        return;
+    };
+    let printed = crossed_tx!(store.pool(), in_pg_tx_waiting, "postgres");
+    assert_no_raw_key_in_tx_logs(&logs, &printed, "leaks.tx_pg_wait");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deadlock_between_transactions_names_no_raw_key_on_mysql() {
+    let logs = capture_logs();
+    let Some(store) = mysql_store_or_skip().await else {
+        return;
+    };
+    let printed = crossed_tx!(store.pool(), in_mysql_tx_waiting, "mysql");
+    assert_no_raw_key_in_tx_logs(&logs, &printed, "leaks.tx_mysql_wait");
+}
