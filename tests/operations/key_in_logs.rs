@@ -390,3 +390,95 @@ async fn a_deadlock_between_transactions_names_no_raw_key_on_mysql() {
     let printed = crossed_tx!(store.pool(), in_mysql_tx_waiting, "mysql");
     assert_no_raw_key_in_tx_logs(&logs, &printed, "leaks.tx_mysql_wait");
 }
+
+// ------------------------------------------------------- the store down mid-call
+
+#[idempotent(scope = "leaks.store_down", key = key, tenant = tenant, store = store, skip(pool),
+             lease = "2s")]
+async fn closes_the_pool<DB: sqlx::Database>(
+    store: &dyn Store,
+    tenant: &str,
+    key: &str,
+    pool: &sqlx::Pool<DB>,
+) -> Result<u64, Error> {
+    // The database goes away for this store while the body runs: the
+    // record cannot be written, and the store's worker keeps trying.
+    pool.close().await;
+    Ok(1)
+}
+
+/// The store's pool is closed while the body runs: the call's recording
+/// fails (logged with the driver's error) and is handed to the store's
+/// worker, which logs what it did. Neither those lines nor the call's error
+/// name the raw key.
+async fn store_down_mid_call<DB: sqlx::Database>(
+    store: &dyn Store,
+    pool: &sqlx::Pool<DB>,
+    label: &str,
+) {
+    let logs = capture_logs();
+    let run = uuid::Uuid::new_v4();
+    let tenant = format!("TENANTLEAK-{label}-{run}");
+    let key = format!("sk_live_KEYLEAK-{label}-down-{run}");
+    let answer = closes_the_pool(store, &tenant, &key, pool).await;
+    let mut printed = Vec::new();
+    if let Err(e) = &answer {
+        printed.push(format!("{e} | {e:?}"));
+    }
+    // The worker logs what it did with the record (finished it on a
+    // connection of its own, or failed and tries again): a handshake on the
+    // log, bounded; then every line so far is searched.
+    let digest =
+        idempotent_runtime::Identity::new(tenant.as_str(), "leaks.store_down", key.as_str())
+            .unwrap()
+            .key_digest();
+    let mut tries = 0;
+    while !logs
+        .lock()
+        .unwrap()
+        .lines()
+        .any(|l| l.contains(&digest) && l.contains("a dropped call's record"))
+    {
+        tries += 1;
+        assert!(tries < 600, "the store's worker logged what it did");
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    assert_no_raw_key_in_tx_logs(&logs, &printed, "leaks.store_down");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_down_mid_call_logs_no_raw_key_on_sqlite() {
+    let pool = sqlx::SqlitePool::connect(&sqlite_url("key_in_logs_down"))
+        .await
+        .expect("sqlite");
+    let store = SqliteStore::from_pool(pool.clone()).await.expect("store");
+    store_down_mid_call(&store, &pool, "sqlite").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_down_mid_call_logs_no_raw_key_on_postgres() {
+    if pg_store_or_skip().await.is_none() {
+        return;
+    }
+    let pool = sqlx::PgPool::connect(&crate::common::servers::pg_url())
+        .await
+        .expect("postgres");
+    let store = idempotent_runtime::PgStore::from_pool(pool.clone())
+        .await
+        .expect("store");
+    store_down_mid_call(&store, &pool, "postgres").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_down_mid_call_logs_no_raw_key_on_mysql() {
+    if mysql_store_or_skip().await.is_none() {
+        return;
+    }
+    let pool = sqlx::MySqlPool::connect(&crate::common::servers::mysql_url())
+        .await
+        .expect("mysql");
+    let store = idempotent_runtime::MySqlStore::from_pool(pool.clone())
+        .await
+        .expect("store");
+    store_down_mid_call(&store, &pool, "mysql").await;
+}
