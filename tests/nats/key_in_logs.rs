@@ -1,7 +1,8 @@
 //! Rule 2 on the consumer: the message id is the key, and no log line of this
 //! crate names it, at any level (TRACE included) and in any span field, for
 //! a delivery executed, a copy replayed, and a copy with other arguments
-//! (a mismatch: poison, termed with a warning). `async_nats` itself logs
+//! (a mismatch: poison, termed with a warning), and a message whose id is
+//! too long to be a key (refused, termed with a warning). `async_nats` itself logs
 //! whole messages at `trace` level (the README says so and tells users to
 //! keep it at `debug` or above): its own `TRACE` lines are left out of the
 //! search, and none of its lines at `DEBUG` or above may name the key.
@@ -63,6 +64,9 @@ async fn the_consumer_logs_no_message_id_at_any_level() {
     stream.publish(&key, json(&order("o-1", 100))).await;
     stream.publish(&key, json(&order("o-1", 100))).await;
     stream.publish(&key, json(&order("o-1", 999))).await;
+    // An id too long to be a key (300 bytes, the marker in it): refused, termed.
+    let too_long = format!("{key}-{}", "x".repeat(300 - key.len() - 1));
+    stream.publish(&too_long, json(&order("o-2", 1))).await;
     let mut messages = consumer
         .stream()
         .max_messages_per_batch(1)
@@ -70,7 +74,7 @@ async fn the_consumer_logs_no_message_id_at_any_level() {
         .await
         .expect("messages");
     let mut seen = Vec::new();
-    for _ in 0..3 {
+    for _ in 0..4 {
         let message = tokio::time::timeout(Duration::from_secs(30), messages.next())
             .await
             .expect("a delivery within 30 s")
@@ -89,6 +93,7 @@ async fn the_consumer_logs_no_message_id_at_any_level() {
             (Verdict::Executed, Disposition::Ack),
             (Verdict::Replayed, Disposition::Ack),
             (Verdict::Mismatch, Disposition::Term),
+            (Verdict::InvalidKey, Disposition::Term),
         ]
     );
     let text = logs.lock().unwrap().clone();
