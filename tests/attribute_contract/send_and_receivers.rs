@@ -67,7 +67,10 @@ async fn an_annotated_trait_method_and_an_arc_self_method_are_spawnable() {
         async move { with_outcome(g.charge("k1".to_owned(), 5)).await }
     });
     let (value, outcome) = again.await.expect("joins");
-    assert_eq!((value.expect("replays"), outcome), (10, Some(Outcome::Replayed)));
+    assert_eq!(
+        (value.expect("replays"), outcome),
+        (10, Some(Outcome::Replayed))
+    );
 
     assert_eq!(
         tokio::spawn(g.clone().refund("r1".to_owned(), 3))
@@ -79,7 +82,10 @@ async fn an_annotated_trait_method_and_an_arc_self_method_are_spawnable() {
     let (value, outcome) = tokio::spawn(with_outcome(g.clone().refund("r1".to_owned(), 3)))
         .await
         .expect("joins");
-    assert_eq!((value.expect("replays"), outcome), (3, Some(Outcome::Replayed)));
+    assert_eq!(
+        (value.expect("replays"), outcome),
+        (3, Some(Outcome::Replayed))
+    );
     // A different amount under the same key is a reused key.
     assert!(matches!(
         g.clone().refund("r1".to_owned(), 4).await,
@@ -117,16 +123,36 @@ async fn key_and_tenant_are_evaluated_once_before_the_body_and_the_fingerprint_i
 ) {
     let store = MemoryStore::new();
     let trace = Trace::default();
-    assert_eq!(traced(&store, &trace, "e1", vec![1, 2]).await.expect("runs"), 0);
+    assert_eq!(
+        traced(&store, &trace, "e1", vec![1, 2])
+            .await
+            .expect("runs"),
+        0
+    );
     let first = std::mem::take(&mut *trace.lock().expect("trace"));
-    assert_eq!(first.iter().filter(|w| **w == "key").count(), 1, "{first:?}");
-    assert_eq!(first.iter().filter(|w| **w == "tenant").count(), 1, "{first:?}");
+    assert_eq!(
+        first.iter().filter(|w| **w == "key").count(),
+        1,
+        "{first:?}"
+    );
+    assert_eq!(
+        first.iter().filter(|w| **w == "tenant").count(),
+        1,
+        "{first:?}"
+    );
     assert_eq!(first.last(), Some(&"body"), "{first:?}");
 
     let (value, outcome) = with_outcome(traced(&store, &trace, "e1", vec![1, 2])).await;
-    assert_eq!((value.expect("replays"), outcome), (0, Some(Outcome::Replayed)));
+    assert_eq!(
+        (value.expect("replays"), outcome),
+        (0, Some(Outcome::Replayed))
+    );
     let replay = std::mem::take(&mut *trace.lock().expect("trace"));
-    assert_eq!(replay.len(), 2, "key and tenant once each, no body: {replay:?}");
+    assert_eq!(
+        replay.len(),
+        2,
+        "key and tenant once each, no body: {replay:?}"
+    );
     assert!(matches!(
         traced(&store, &trace, "e1", vec![]).await,
         Err(Error::FingerprintMismatch(_))
@@ -155,11 +181,20 @@ async fn place(
 async fn a_function_calling_itself_with_another_key_records_each_key() {
     let store = MemoryStore::new();
     let runs = AtomicUsize::new(0);
-    assert_eq!(place(&store, &runs, "o".to_owned(), 2).await.expect("runs"), 2);
+    assert_eq!(
+        place(&store, &runs, "o".to_owned(), 2).await.expect("runs"),
+        2
+    );
     assert_eq!(runs.load(Ordering::SeqCst), 3);
     let (value, outcome) = with_outcome(place(&store, &runs, "o".to_owned(), 2)).await;
-    assert_eq!((value.expect("replays"), outcome), (2, Some(Outcome::Replayed)));
+    assert_eq!(
+        (value.expect("replays"), outcome),
+        (2, Some(Outcome::Replayed))
+    );
     let (value, outcome) = with_outcome(place(&store, &runs, "o/parent".to_owned(), 1)).await;
-    assert_eq!((value.expect("replays"), outcome), (1, Some(Outcome::Replayed)));
+    assert_eq!(
+        (value.expect("replays"), outcome),
+        (1, Some(Outcome::Replayed))
+    );
     assert_eq!(runs.load(Ordering::SeqCst), 3, "no body ran again");
 }
