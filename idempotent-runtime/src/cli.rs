@@ -553,23 +553,14 @@ fn sqlite_file(filename: &std::path::Path) -> Option<PathBuf> {
         Some(rest) => &rest[rest.find('/').unwrap_or(rest.len())..],
         None => path,
     };
-    let path = percent_decoded(path);
+    let path = crate::store::sqlite::percent_decoded(path);
     let memory = query
         .split('&')
-        .any(|pair| percent_decoded(pair) == "mode=memory");
+        .any(|pair| crate::store::sqlite::percent_decoded(pair) == "mode=memory");
     if memory || path.is_empty() || path == ":memory:" {
         return None;
     }
     Some(PathBuf::from(path))
-}
-
-/// `text` with its `%XX` escapes decoded (an escape that is not one is kept
-/// as it is, as SQLite does not decode it either).
-#[cfg(feature = "sqlite")]
-fn percent_decoded(text: &str) -> String {
-    percent_encoding::percent_decode_str(text)
-        .decode_utf8_lossy()
-        .into_owned()
 }
 
 /// What the first look at a database found.
