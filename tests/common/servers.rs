@@ -50,6 +50,31 @@ fn unreachable(what: &str, env: &str, url: &str, error: &dyn std::fmt::Display) 
     );
 }
 
+/// The test server's URL with `schema` first on its connections' search
+/// path: a store opened on it keeps its records table (and migration
+/// history) there.
+pub fn pg_url_in_schema(schema: &str) -> String {
+    let base = pg_url();
+    let separator = if base.contains('?') { '&' } else { '?' };
+    format!("{base}{separator}options=-c%20search_path%3D{schema}")
+}
+
+/// A new schema of its own on the test server, named `<prefix>_<uuid>`:
+/// an admin connection (to drop it afterwards), its name, and a URL with it
+/// on the search path ([`pg_url_in_schema`]).
+pub async fn pg_schema_of_its_own(prefix: &str) -> (sqlx::PgConnection, String, String) {
+    let schema = format!("{prefix}_{}", uuid::Uuid::new_v4().simple());
+    let mut admin = <sqlx::PgConnection as sqlx::Connection>::connect(&pg_url())
+        .await
+        .expect("connect");
+    sqlx::query(&format!("CREATE SCHEMA {schema}"))
+        .execute(&mut admin)
+        .await
+        .expect("create schema");
+    let url = pg_url_in_schema(&schema);
+    (admin, schema, url)
+}
+
 /// A `PgStore` on the test server, or `None` (after a loud SKIPPED line).
 pub async fn pg_store_or_skip() -> Option<PgStore> {
     let url = pg_url();

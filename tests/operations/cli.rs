@@ -1211,8 +1211,7 @@ async fn a_database_without_idempotency_tables_is_refused_and_left_as_it_was() {
     if crate::common::servers::pg_store_or_skip().await.is_some() {
         let schema = format!("cli_empty_{}", uuid::Uuid::new_v4().simple());
         let base = crate::common::servers::pg_url();
-        let separator = if base.contains('?') { '&' } else { '?' };
-        let url = format!("{base}{separator}options=-c%20search_path%3D{schema}");
+        let url = crate::common::servers::pg_url_in_schema(&schema);
         refused_everywhere(&url).await;
         let mut conn = <sqlx::PgConnection as sqlx::Connection>::connect(&base)
             .await
@@ -1461,17 +1460,7 @@ async fn a_database_with_an_older_schema_is_refused_and_left_as_it_was() {
 
     // PostgreSQL: a schema of its own, on the search path.
     if common::servers::pg_store_or_skip().await.is_some() {
-        let base = common::servers::pg_url();
-        let schema = format!("cli_older_{}", uuid::Uuid::new_v4().simple());
-        let mut admin = <sqlx::PgConnection as sqlx::Connection>::connect(&base)
-            .await
-            .expect("connect");
-        sqlx::query(&format!("CREATE SCHEMA {schema}"))
-            .execute(&mut admin)
-            .await
-            .expect("create schema");
-        let separator = if base.contains('?') { '&' } else { '?' };
-        let url = format!("{base}{separator}options=-c%20search_path%3D{schema}");
+        let (mut admin, schema, url) = common::servers::pg_schema_of_its_own("cli_older").await;
         let store = idempotent_runtime::PgStore::connect(&url)
             .await
             .expect("a store in the schema");

@@ -660,17 +660,7 @@ async fn the_audit_agrees_with_the_next_call_on_postgres() {
     if common::servers::pg_store_or_skip().await.is_none() {
         return;
     }
-    let base = common::servers::pg_url();
-    let schema = format!("h_ops_audit_{}", uuid::Uuid::new_v4().simple());
-    let mut admin = <sqlx::PgConnection as sqlx::Connection>::connect(&base)
-        .await
-        .expect("connect");
-    sqlx::query(&format!("CREATE SCHEMA {schema}"))
-        .execute(&mut admin)
-        .await
-        .expect("create schema");
-    let separator = if base.contains('?') { '&' } else { '?' };
-    let url = format!("{base}{separator}options=-c%20search_path%3D{schema}");
+    let (mut admin, schema, url) = common::servers::pg_schema_of_its_own("h_ops_audit").await;
     let store = idempotent_runtime::PgStore::connect(&url)
         .await
         .expect("a store in the schema");
@@ -842,17 +832,7 @@ async fn pg_gated_schema() -> Option<(
     idempotent_runtime::PgStore,
 )> {
     common::servers::pg_store_or_skip().await?;
-    let base = common::servers::pg_url();
-    let schema = format!("h_ops_gate_{}", uuid::Uuid::new_v4().simple());
-    let mut admin = <sqlx::PgConnection as sqlx::Connection>::connect(&base)
-        .await
-        .expect("connect");
-    sqlx::query(&format!("CREATE SCHEMA {schema}"))
-        .execute(&mut admin)
-        .await
-        .expect("create schema");
-    let separator = if base.contains('?') { '&' } else { '?' };
-    let url = format!("{base}{separator}options=-c%20search_path%3D{schema}");
+    let (mut admin, schema, url) = common::servers::pg_schema_of_its_own("h_ops_gate").await;
     let plain = idempotent_runtime::PgStore::connect(&url)
         .await
         .expect("a store in the schema");
