@@ -75,6 +75,22 @@ pub async fn pg_schema_of_its_own(prefix: &str) -> (sqlx::PgConnection, String, 
     (admin, schema, url)
 }
 
+/// A pool of one connection on the test server with `schema` first on its
+/// search path, named after it (`application_name`, so a test can find its
+/// session in `pg_stat_activity`): for a store made `from_pool` whose one
+/// connection the test's "application code" shares.
+pub async fn pg_one_connection_pool_in(schema: &str) -> sqlx::PgPool {
+    let options = <sqlx::postgres::PgConnectOptions as std::str::FromStr>::from_str(&pg_url())
+        .expect("url")
+        .application_name(schema)
+        .options([("search_path", schema)]);
+    sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .connect_with(options)
+        .await
+        .expect("pool")
+}
+
 /// A `PgStore` on the test server, or `None` (after a loud SKIPPED line).
 pub async fn pg_store_or_skip() -> Option<PgStore> {
     let url = pg_url();

@@ -971,26 +971,16 @@ async fn a_release_on_a_connection_left_in_a_failed_transaction_is_made_on_postg
 /// connection application code gave back inside the transaction `left`
 /// began; `must_release`: the release must be made (not refused).
 async fn release_beside_a_transaction_left_open(left: &str, must_release: bool) {
-    use sqlx::{Connection, Executor};
-    use std::str::FromStr;
+    use sqlx::Executor;
     if common::servers::pg_store_or_skip().await.is_none() {
         return;
     }
-    let url = common::servers::pg_url();
-    let mut admin = sqlx::PgConnection::connect(&url).await.expect("connect");
-    let schema = format!("ops_release_{}", uuid::Uuid::new_v4().simple());
+    let (mut admin, schema, _) = common::servers::pg_schema_of_its_own("ops_release").await;
     admin
-        .execute(format!("CREATE SCHEMA {schema}; CREATE TABLE {schema}.app_work (x INT)").as_str())
+        .execute(format!("CREATE TABLE {schema}.app_work (x INT)").as_str())
         .await
-        .expect("schema");
-    let options = sqlx::postgres::PgConnectOptions::from_str(&url)
-        .expect("url")
-        .options([("search_path", schema.as_str())]);
-    let pool = sqlx::postgres::PgPoolOptions::new()
-        .max_connections(1)
-        .connect_with(options)
-        .await
-        .expect("pool");
+        .expect("app table");
+    let pool = common::servers::pg_one_connection_pool_in(&schema).await;
     let store = idempotent_runtime::PgStore::from_pool(pool.clone())
         .await
         .expect("store");

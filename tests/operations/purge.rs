@@ -504,30 +504,12 @@ async fn a_purge_on_a_connection_left_in_a_failed_transaction_deletes_for_good_o
 /// back inside the transaction `left_open` began; `must_delete`: the purge must
 /// delete (not fail saying why).
 async fn purge_beside_a_transaction_left_open(left_open: &str, must_delete: bool) {
-    use sqlx::{Connection, Executor};
-    use std::str::FromStr;
-    let url = common::servers::pg_url();
-    let mut admin = match sqlx::PgConnection::connect(&url).await {
-        Ok(conn) => conn,
-        Err(e) => {
-            assert!(!common::servers::servers_required(), "PostgreSQL: {e}");
-            eprintln!("SKIPPED: PostgreSQL unreachable at {url}: {e}");
-            return;
-        }
-    };
-    let schema = format!("operations_purge_{}", uuid::Uuid::new_v4().simple());
-    admin
-        .execute(format!("CREATE SCHEMA {schema}").as_str())
-        .await
-        .expect("schema");
-    let options = sqlx::postgres::PgConnectOptions::from_str(&url)
-        .expect("url")
-        .options([("search_path", schema.as_str())]);
-    let pool = sqlx::postgres::PgPoolOptions::new()
-        .max_connections(1)
-        .connect_with(options)
-        .await
-        .expect("pool");
+    use sqlx::Executor;
+    if common::servers::pg_store_or_skip().await.is_none() {
+        return;
+    }
+    let (mut admin, schema, _) = common::servers::pg_schema_of_its_own("operations_purge").await;
+    let pool = common::servers::pg_one_connection_pool_in(&schema).await;
     let store = idempotent_runtime::PgStore::from_pool(pool.clone())
         .await
         .expect("store");
@@ -576,37 +558,21 @@ async fn purge_beside_a_transaction_left_open(left_open: &str, must_delete: bool
 #[tokio::test]
 async fn a_purge_dropped_mid_statement_leaves_no_transaction_open_on_postgres() {
     use sqlx::{Connection, Executor};
-    use std::str::FromStr;
-    let url = common::servers::pg_url();
-    let mut admin = match sqlx::PgConnection::connect(&url).await {
-        Ok(conn) => conn,
-        Err(e) => {
-            assert!(!common::servers::servers_required(), "PostgreSQL: {e}");
-            eprintln!("SKIPPED: PostgreSQL unreachable at {url}: {e}");
-            return;
-        }
-    };
-    let schema = format!("operations_purge_cut_{}", uuid::Uuid::new_v4().simple());
-    admin
-        .execute(format!("CREATE SCHEMA {schema}").as_str())
-        .await
-        .expect("schema");
-    let options = sqlx::postgres::PgConnectOptions::from_str(&url)
-        .expect("url")
-        .application_name(&schema)
-        .options([("search_path", schema.as_str())]);
-    let pool = sqlx::postgres::PgPoolOptions::new()
-        .max_connections(1)
-        .connect_with(options)
-        .await
-        .expect("pool");
+    if common::servers::pg_store_or_skip().await.is_none() {
+        return;
+    }
+    let (mut admin, schema, _) =
+        common::servers::pg_schema_of_its_own("operations_purge_cut").await;
+    let pool = common::servers::pg_one_connection_pool_in(&schema).await;
     let store = idempotent_runtime::PgStore::from_pool(pool.clone())
         .await
         .expect("store");
     let id = plant(&store, "purge.cut", LONG, LONG, Some(BLINK)).await;
     wait_for_clock(&store, &[&id], false).await;
 
-    let mut locker = sqlx::PgConnection::connect(&url).await.expect("connect");
+    let mut locker = sqlx::PgConnection::connect(&common::servers::pg_url())
+        .await
+        .expect("connect");
     locker
         .execute(
             format!("BEGIN; LOCK TABLE {schema}.idempotency_records IN ACCESS EXCLUSIVE MODE")
