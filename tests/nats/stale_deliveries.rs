@@ -109,7 +109,7 @@ async fn answering_late(js: &jetstream::Context, name: &str, store: &dyn Store, 
         let again = next_message(
             &mut messages,
             Duration::from_secs(10),
-            "a redelivery once ack_wait ran out",
+            &format!("{label}: a redelivery once ack_wait ran out"),
         )
         .await;
         assert_eq!(message_key(&again), Some("s-1"));
