@@ -47,7 +47,7 @@
 //! The worker exits by itself at `deadline_ms` (wall clock) if nobody kills it.
 
 use async_nats::jetstream::{self, consumer::PullConsumer};
-use futures_util::StreamExt;
+use futures_util::{StreamExt, TryStreamExt};
 use idempotent_runtime::consumer::nats::{message_key, settle};
 use idempotent_runtime::consumer::{handle, AsIdempotencyError, Disposition};
 use idempotent_runtime::{idempotent, Error};
@@ -343,8 +343,11 @@ async fn main() {
     let permits = Arc::new(tokio::sync::Semaphore::new(3));
     let run = async {
         loop {
-            let mut messages = match consumer.stream().max_messages_per_batch(4).messages().await {
-                Ok(m) => m,
+            // One pull request of four at a time (async-nats's `stream()`
+            // can miss its next request under load and wait out the last
+            // one's 30 s expiry: tests/nats/nats_consumer.rs, pulled_in_turn).
+            let mut messages = match consumer.sequence(4) {
+                Ok(batches) => batches.try_flatten(),
                 Err(e) => {
                     say(&format!("error pull: {e}"));
                     tokio::time::sleep(Duration::from_millis(200)).await;

@@ -3,7 +3,7 @@
 //! handled at once, on the real JetStream server and a SQLite store.
 
 use crate::common;
-use crate::nats_consumer::{json, order, settled, BillError, Order, TestStream};
+use crate::nats_consumer::{json, order, pulled_in_turn, settled, BillError, Order, TestStream};
 
 use async_nats::jetstream::{self, consumer::PullConsumer};
 use common::servers::{fresh_tenant, nats_or_skip};
@@ -167,7 +167,7 @@ async fn a_delivery_whose_handler_is_dropped_is_redelivered_and_runs() {
         let stream = TestStream::create(&js, "DROPPED").await;
         let consumer = stream.durable("dropped", Duration::from_secs(1)).await;
         stream.publish("d-1", json(&order("o-1", 100))).await;
-        let mut messages = consumer.stream().max_messages_per_batch(1).messages().await.unwrap();
+        let mut messages = pulled_in_turn(&consumer, 1);
 
         let first = next_message(&mut messages).await;
         let o: Order = serde_json::from_slice(&first.payload).unwrap();
@@ -209,12 +209,7 @@ async fn a_delivery_whose_handler_panics_is_redelivered_and_runs() {
         let stream = TestStream::create(&js, "PANICS").await;
         let consumer = stream.durable("panics", Duration::from_secs(1)).await;
         stream.publish("p-1", json(&order("o-1", 100))).await;
-        let mut messages = consumer
-            .stream()
-            .max_messages_per_batch(1)
-            .messages()
-            .await
-            .unwrap();
+        let mut messages = pulled_in_turn(&consumer, 1);
 
         let first = next_message(&mut messages).await;
         let task = {
@@ -282,12 +277,7 @@ async fn copies_of_a_message_on_many_workers_have_one_effect_and_all_are_acked()
                 seen.clone(),
             );
             workers.spawn(async move {
-                let mut messages = consumer
-                    .stream()
-                    .max_messages_per_batch(1)
-                    .messages()
-                    .await
-                    .unwrap();
+                let mut messages = pulled_in_turn(&consumer, 1);
                 while let Some(Ok(message)) = messages.next().await {
                     let o: Order = serde_json::from_slice(&message.payload).unwrap();
                     let handled = process(&message, |k| billing.bill_copy(&tenant, k, &o))
@@ -350,12 +340,7 @@ async fn message_ids_that_are_not_valid_keys_are_terminated_and_a_valid_one_runs
         for id in ids {
             stream.publish(id, json(&order("o-1", 100))).await;
         }
-        let mut messages = consumer
-            .stream()
-            .max_messages_per_batch(1)
-            .messages()
-            .await
-            .unwrap();
+        let mut messages = pulled_in_turn(&consumer, 1);
         let mut verdicts = Vec::new();
         for _ in ids {
             let message = next_message(&mut messages).await;
@@ -429,12 +414,7 @@ async fn a_copy_waiting_for_a_running_copy_keeps_its_delivery_with_progress() {
         };
         stream.publish("w-1", json(&order("o-1", 100))).await;
         stream.publish("w-1", json(&order("o-1", 100))).await; // a producer retry
-        let mut messages = consumer
-            .stream()
-            .max_messages_per_batch(2)
-            .messages()
-            .await
-            .unwrap();
+        let mut messages = pulled_in_turn(&consumer, 2);
         let first = next_message(&mut messages).await;
         let second = next_message(&mut messages).await;
         let gate = Semaphore::new(0);
@@ -590,12 +570,7 @@ async fn a_server_killed_and_restarted_mid_handler_settles_the_message_once() {
         let consumer = stream.durable("restart", Duration::from_secs(2)).await;
         stream.publish("r-1", json(&order("o-1", 100))).await;
         let gate = Semaphore::new(0);
-        let mut messages = consumer
-            .stream()
-            .max_messages_per_batch(1)
-            .messages()
-            .await
-            .unwrap();
+        let mut messages = pulled_in_turn(&consumer, 1);
         let first = next_message(&mut messages).await;
         let o: Order = serde_json::from_slice(&first.payload).unwrap();
         let mut verdicts = Vec::new();

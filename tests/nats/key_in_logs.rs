@@ -8,7 +8,7 @@
 //! search, and none of its lines at `DEBUG` or above may name the key.
 
 use crate::common::servers::nats_or_skip;
-use crate::nats_consumer::{json, order, BillError, Order, TestStream};
+use crate::nats_consumer::{json, order, pulled_in_turn, BillError, Order, TestStream};
 use futures_util::StreamExt;
 use idempotent_runtime::consumer::nats::process;
 use idempotent_runtime::consumer::{Disposition, Verdict};
@@ -67,12 +67,7 @@ async fn the_consumer_logs_no_message_id_at_any_level() {
     // An id too long to be a key (300 bytes, the marker in it): refused, termed.
     let too_long = format!("{key}-{}", "x".repeat(300 - key.len() - 1));
     stream.publish(&too_long, json(&order("o-2", 1))).await;
-    let mut messages = consumer
-        .stream()
-        .max_messages_per_batch(1)
-        .messages()
-        .await
-        .expect("messages");
+    let mut messages = pulled_in_turn(&consumer, 1);
     let mut seen = Vec::new();
     for _ in 0..4 {
         let message = tokio::time::timeout(Duration::from_secs(30), messages.next())

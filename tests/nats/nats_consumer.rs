@@ -1189,6 +1189,30 @@ impl TestStream {
 }
 
 /// Whether every message of the durable has been delivered and settled.
+/// A consumer's messages as [`pulled_in_turn`] takes them.
+pub(crate) type PulledInTurn = futures_util::stream::TryFlatten<pull::Sequence>;
+
+/// The consumer's messages, pulled with one request of up to `batch` at a
+/// time: the next request goes out once the last one is done (all its
+/// messages taken, or expired after 60 s).
+///
+/// Not `consumer.stream().max_messages_per_batch(batch).messages()`:
+/// async-nats's pull `Stream` (0.51, and 0.52 alike) counts the messages its
+/// requests still owe, and when a message arrives before its own background
+/// task has reported the request as sent (a loaded machine), the count ends
+/// too high. With a batch of one it then sends no further request until the
+/// last one's 30 s expiry runs out (plus 5 s), and a redelivery or the next
+/// message waits that long: `stale_deliveries` failed so in CI, and the
+/// server's trace showed no second `CONSUMER.MSG.NEXT`. A larger batch
+/// stalls the same way when most of it arrives first.
+pub(crate) fn pulled_in_turn(consumer: &PullConsumer, batch: usize) -> PulledInTurn {
+    use futures_util::TryStreamExt;
+    consumer
+        .sequence(batch)
+        .expect("a consumer without a pinned client")
+        .try_flatten()
+}
+
 pub(crate) async fn settled(consumer: &PullConsumer) -> bool {
     match consumer.get_info().await {
         Ok(info) => info.num_pending == 0 && info.num_ack_pending == 0,
@@ -1293,12 +1317,7 @@ async fn full_loop(js: jetstream::Context) {
             }
         }
     };
-    let mut messages = consumer
-        .stream()
-        .max_messages_per_batch(1)
-        .messages()
-        .await
-        .unwrap();
+    let mut messages = pulled_in_turn(&consumer, 1);
     let mut background = tokio::task::JoinSet::new();
     let mut seen: Vec<(u64, i64, Verdict, Disposition)> = Vec::new();
     loop {
@@ -1439,12 +1458,7 @@ async fn newer_running(js: jetstream::Context) {
     let seq = stream
         .publish("m-newer", json(&order("o-newer", 4200)))
         .await;
-    let mut messages = consumer
-        .stream()
-        .max_messages_per_batch(1)
-        .messages()
-        .await
-        .unwrap();
+    let mut messages = pulled_in_turn(&consumer, 1);
     let mut seen: Vec<(i64, Verdict, Disposition)> = Vec::new();
     let mut released = false;
     let deadline = Instant::now() + Duration::from_secs(60);
@@ -1551,12 +1565,7 @@ async fn silent_server(js: jetstream::Context) {
         .get_consumer("natshunt-silent")
         .await
         .unwrap();
-    let mut messages = consumer
-        .stream()
-        .max_messages_per_batch(1)
-        .messages()
-        .await
-        .unwrap();
+    let mut messages = pulled_in_turn(&consumer, 1);
     let message = tokio::time::timeout(Duration::from_secs(10), messages.next())
         .await
         .expect("a delivery")
@@ -1662,12 +1671,7 @@ impl LongDelivery {
             }
         });
         stream.publish("report-1", json(&order("r-1", 5))).await;
-        let mut first_pull = admin
-            .stream()
-            .max_messages_per_batch(1)
-            .messages()
-            .await
-            .unwrap();
+        let mut first_pull = pulled_in_turn(&admin, 1);
         let first = tokio::time::timeout(Duration::from_secs(10), first_pull.next())
             .await
             .expect("a delivery")
@@ -1677,9 +1681,7 @@ impl LongDelivery {
         let (sender, redeliveries) = tokio::sync::mpsc::unbounded_channel();
         let second = admin.clone();
         let second_pull = tokio::spawn(async move {
-            let Ok(mut pull) = second.stream().max_messages_per_batch(1).messages().await else {
-                return;
-            };
+            let mut pull = pulled_in_turn(&second, 1);
             while let Some(Ok(message)) = pull.next().await {
                 if sender.send(message).is_err() {
                     return;
@@ -1887,12 +1889,7 @@ async fn tenants_from_subjects(js: jetstream::Context) {
         .unwrap();
     let store = MemoryStore::new();
     let effects = std::sync::Mutex::new(Vec::new());
-    let mut messages = consumer
-        .stream()
-        .max_messages_per_batch(4)
-        .messages()
-        .await
-        .unwrap();
+    let mut messages = pulled_in_turn(&consumer, 4);
     let deadline = Instant::now() + Duration::from_secs(20);
     while Instant::now() < deadline && !settled(&consumer).await {
         let Ok(next) = tokio::time::timeout(Duration::from_millis(300), messages.next()).await
@@ -2088,12 +2085,7 @@ async fn ack_policies(js: jetstream::Context) {
             .unwrap();
         stream.publish("m-a1", json(&order("o-a1", 1))).await; // fails once: nak
         stream.publish("m-a2", json(&order("o-a2", 2))).await; // ack
-        let mut messages = consumer
-            .stream()
-            .max_messages_per_batch(1)
-            .messages()
-            .await
-            .unwrap();
+        let mut messages = pulled_in_turn(&consumer, 1);
         let mut seen = Vec::new();
         let deadline = Instant::now() + Duration::from_secs(15);
         while Instant::now() < deadline && !(seen.len() >= 2 && settled(&consumer).await) {
@@ -2195,12 +2187,7 @@ async fn consume(
     tenant: String,
 ) -> BTreeMap<&'static str, usize> {
     let mut counts = BTreeMap::new();
-    let mut messages = consumer
-        .stream()
-        .max_messages_per_batch(4)
-        .messages()
-        .await
-        .unwrap();
+    let mut messages = pulled_in_turn(&consumer, 4);
     loop {
         if settled(&consumer).await {
             return counts;

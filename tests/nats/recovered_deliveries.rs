@@ -6,7 +6,7 @@
 //! MariaDB (the test databases, fresh tenants).
 
 use crate::common;
-use crate::nats_consumer::{json, order, Order};
+use crate::nats_consumer::{json, order, pulled_in_turn, Order, PulledInTurn};
 
 use async_nats::jetstream::{self, consumer::pull, stream};
 use common::servers::{fresh_tenant, nats_or_skip};
@@ -133,8 +133,9 @@ impl OwnStream {
         }
     }
 
-    async fn durable(&self, name: &str) -> pull::Stream {
-        self.js
+    async fn durable(&self, name: &str) -> PulledInTurn {
+        let consumer = self
+            .js
             .get_stream(&self.name)
             .await
             .expect("get the stream")
@@ -145,12 +146,8 @@ impl OwnStream {
                 ..Default::default()
             })
             .await
-            .expect("create the durable")
-            .stream()
-            .max_messages_per_batch(1)
-            .messages()
-            .await
-            .expect("the durable's messages")
+            .expect("create the durable");
+        pulled_in_turn(&consumer, 1)
     }
 
     async fn publish(&self, msg_id: &str, payload: Vec<u8>) {
@@ -172,7 +169,7 @@ impl OwnStream {
     }
 }
 
-async fn next(messages: &mut pull::Stream) -> jetstream::Message {
+async fn next(messages: &mut PulledInTurn) -> jetstream::Message {
     tokio::time::timeout(Duration::from_secs(30), messages.next())
         .await
         .expect("a delivery within 30 s")
@@ -185,7 +182,7 @@ async fn next(messages: &mut pull::Stream) -> jetstream::Message {
 async fn deliver_until_settled(
     store: &'static dyn Store,
     tenant: &str,
-    messages: &mut pull::Stream,
+    messages: &mut PulledInTurn,
 ) -> Vec<(Verdict, Disposition)> {
     let mut seen = Vec::new();
     for _ in 0..40 {
@@ -251,7 +248,7 @@ async fn leaked_mariadb() -> Option<&'static dyn Store> {
 async fn first_delivery_dies_after_charging(
     store: &'static dyn Store,
     tenant: &str,
-    messages: &mut pull::Stream,
+    messages: &mut PulledInTurn,
 ) {
     let first = Box::leak(Box::new(next(messages).await));
     let o: &'static Order = Box::leak(Box::new(serde_json::from_slice(&first.payload).unwrap()));

@@ -4,7 +4,7 @@
 //! of the older delivery must still count.
 
 use crate::common;
-use crate::nats_consumer::{json, order, settled, BillError, Order, TestStream};
+use crate::nats_consumer::{json, order, pulled_in_turn, settled, BillError, Order, TestStream};
 
 use async_nats::jetstream;
 use common::servers::{fresh_tenant, mysql_store_or_skip, nats_or_skip, pg_store_or_skip};
@@ -95,12 +95,7 @@ async fn answering_late(js: &jetstream::Context, name: &str, store: &dyn Store, 
     let stream = TestStream::create(js, &label).await;
     let consumer = stream.durable("hcons-late", Duration::from_secs(1)).await;
     stream.publish("s-1", json(&order("o-1", 100))).await;
-    let mut messages = consumer
-        .stream()
-        .max_messages_per_batch(1)
-        .messages()
-        .await
-        .unwrap();
+    let mut messages = pulled_in_turn(&consumer, 1);
     let first = next_message(&mut messages, Duration::from_secs(10), "a delivery").await;
     let o: Order = serde_json::from_slice(&first.payload).unwrap();
     let handling_first = process(&first, |k| bill(store, &ledger, &tenant, k, &o));
