@@ -925,3 +925,77 @@ async fn a_5xx_problem_too_large_to_read_is_not_retried() {
     );
     assert_eq!(server.received().len(), 1, "tried once");
 }
+
+/// An intent's key is pinned to its request (the client hunt's lead: Stripe's
+/// clients pin the key to the exact request). A request set up once and
+/// cloned per order (`template.clone().json(&order)`) carried one key for
+/// every order: a second order of the same amount was answered with the
+/// first order's recorded charge (never charged, yet reported as paid). And
+/// an intent changed after it was sent sent another request under its key.
+/// A changed request is refused before anything is sent, or goes out as an
+/// operation of its own; never as a replay of another's.
+#[tokio::test]
+async fn a_request_changed_after_its_intent_was_cloned_or_sent_never_goes_out_under_its_key() {
+    let Some(pg) = common::servers::pg_store_or_skip().await else {
+        return;
+    };
+    let server = TestServer::start(Arc::new(pg), |b| b).await;
+    let a = fresh_tenant();
+    let c = client();
+    let order = serde_json::json!({"amount_cents": 450, "currency": "EUR"});
+    let refused = |e: &ClientError| {
+        assert!(
+            e.to_string().contains("nothing was sent"),
+            "the refusal says what happened: {e}"
+        );
+    };
+    // Two orders of the same amount from one template.
+    let template = c
+        .intent(Method::POST, &server.url("/payments"))
+        .expect("intent")
+        .header("x-account-id", &a)
+        .expect("header");
+    let mut charged = 0;
+    for n in 1..=2 {
+        match template.clone().json(&order).expect("body").send().await {
+            Err(e) => refused(&e),
+            Ok(r) => {
+                assert!(
+                    !r.is_replayed(),
+                    "order {n} was answered with another order's charge: {:?}",
+                    r.body()
+                );
+                assert_eq!(r.status(), 201, "order {n}");
+                charged += 1;
+            }
+        }
+    }
+    assert_eq!(server.shop.charges_of(&a).len(), charged);
+
+    // An intent changed after it was sent.
+    let sent = c
+        .intent(Method::POST, &server.url("/payments"))
+        .expect("intent")
+        .header("x-account-id", &a)
+        .expect("header")
+        .json(&order)
+        .expect("body");
+    assert_eq!(sent.send().await.expect("sent").status(), 201);
+    charged += 1;
+    let changed = sent
+        .json(&serde_json::json!({"amount_cents": 99999, "currency": "EUR"}))
+        .expect("body");
+    match changed.send().await {
+        Err(e) => refused(&e),
+        Ok(r) => {
+            assert!(
+                r.status() == 201 && !r.is_replayed(),
+                "a changed request went out under a sent intent's key: {} {:?}",
+                r.status(),
+                r.body()
+            );
+            charged += 1;
+        }
+    }
+    assert_eq!(server.shop.charges_of(&a).len(), charged);
+}

@@ -7,7 +7,11 @@
 //! carries the same key. A second operation is a second `Intent`, with a new
 //! key. There is no way to change an intent's key, and the retry loop lives
 //! inside `send`, so "a new key on every retry" cannot be written by
-//! accident.
+//! accident. The key is pinned to the request, too: once an intent has been
+//! sent or cloned (a clone is the same operation, e.g. to send it from
+//! another task), a changed header or body is refused by `send` before
+//! anything goes out ([`ClientError::RequestChanged`]), so a request set up
+//! once and cloned per order cannot send every order under one key.
 //!
 //! ```no_run
 //! use idempotent_runtime::http::{IdempotentClient, RetryPolicy};
@@ -48,6 +52,8 @@ use super::REPLAYED;
 use bytes::Bytes;
 use reqwest::header::{HeaderMap, HeaderName, HeaderValue, CONTENT_TYPE, RETRY_AFTER};
 use reqwest::{Method, StatusCode, Url};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 /// How [`Intent::send`] retries.
@@ -207,6 +213,25 @@ pub enum ClientError {
     /// The answer's body is not the JSON the caller asked for.
     #[error("the answer's body is not the expected JSON: {0}")]
     Decode(#[source] serde_json::Error),
+    /// The intent's request was changed (a header, the body) after the
+    /// intent was sent or cloned. Its key belongs to the request as it was
+    /// then: sent changed, another request would go out under that key, which
+    /// a server refuses (422) or, when the two look alike (two orders of one
+    /// amount made from one cloned template), answers with the first one's
+    /// recorded answer: the second operation would never run. Nothing was
+    /// sent. A new operation is a new intent ([`IdempotentClient::intent`]),
+    /// never a changed clone of another's; to send this operation again with
+    /// a changed header (a refreshed token), make it anew with
+    /// [`IdempotentClient::intent_with_key`] and this intent's
+    /// [`key`](Intent::key).
+    #[error(
+        "this intent's request was changed after the intent was sent or cloned, and its key \
+         belongs to the request as it was, so nothing was sent: make a new intent \
+         (IdempotentClient::intent) for another operation, never a changed clone of another's; \
+         to send this operation again with a changed header, make it anew with \
+         IdempotentClient::intent_with_key and its key"
+    )]
+    RequestChanged,
 }
 
 /// How the last attempt of an exhausted [`Intent::send`] ended.
@@ -467,6 +492,8 @@ impl IdempotentClient {
             key_header: header,
             headers: HeaderMap::new(),
             body: None,
+            pinned: Arc::new(AtomicBool::new(false)),
+            changed: false,
         })
     }
 }
@@ -474,10 +501,16 @@ impl IdempotentClient {
 /// One logical operation against an idempotent API: its key is fixed when
 /// the intent is made, and every attempt of [`send`](Self::send) carries it.
 ///
+/// The key is pinned to the request: once the intent has been sent or
+/// cloned, a header or body set on it (or on any clone) makes
+/// [`send`](Self::send) refuse it, before anything is sent
+/// ([`ClientError::RequestChanged`]). A clone is the same operation, with
+/// the same key and request (to send it from another task); a second
+/// operation is a second intent.
+///
 /// Its `Debug` shows the method, the URL, a digest of the key and the names
 /// of the extra headers: not the raw key (rule 2), nor header values (an
 /// `Authorization` header's secret), nor the body.
-#[derive(Clone)]
 pub struct Intent {
     client: IdempotentClient,
     method: Method,
@@ -486,6 +519,30 @@ pub struct Intent {
     key_header: HeaderValue,
     headers: HeaderMap,
     body: Option<Bytes>,
+    /// Set once this intent or one of its clones was sent or cloned: from
+    /// then on its request is the key's (shared by every clone).
+    pinned: Arc<AtomicBool>,
+    /// The request was changed once it was pinned: `send` refuses it.
+    changed: bool,
+}
+
+impl Clone for Intent {
+    /// The same operation: the same key and request. Pins the request, for
+    /// this intent and the clone alike.
+    fn clone(&self) -> Self {
+        self.pinned.store(true, Ordering::Relaxed);
+        Intent {
+            client: self.client.clone(),
+            method: self.method.clone(),
+            url: self.url.clone(),
+            key: self.key.clone(),
+            key_header: self.key_header.clone(),
+            headers: self.headers.clone(),
+            body: self.body.clone(),
+            pinned: self.pinned.clone(),
+            changed: self.changed,
+        }
+    }
 }
 
 /// A `Retry-After` value (RFC 9110 §10.2.3): whole seconds, or an HTTP date
@@ -606,6 +663,7 @@ impl Intent {
     /// `Content-Type` replaces the one set before (by [`json`](Self::json)
     /// or an earlier call): a request has one.
     pub fn header(mut self, name: &str, value: &str) -> Result<Self, ClientError> {
+        self.change();
         let invalid = |reason: String| ClientError::InvalidHeader {
             name: name.to_owned(),
             reason,
@@ -623,6 +681,7 @@ impl Intent {
     /// Sets a JSON body (serialized once, so every attempt sends the same bytes).
     pub fn json<T: serde::Serialize + ?Sized>(mut self, body: &T) -> Result<Self, ClientError> {
         let bytes = serde_json::to_vec(body).map_err(ClientError::Serialize)?;
+        self.change();
         self.headers
             .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
         self.body = Some(Bytes::from(bytes));
@@ -631,8 +690,15 @@ impl Intent {
 
     /// Sets a raw body; set its `Content-Type` with [`header`](Self::header).
     pub fn body(mut self, body: impl Into<Bytes>) -> Self {
+        self.change();
         self.body = Some(body.into());
         self
+    }
+
+    /// Notes a change of the request: one made once it is pinned (sent or
+    /// cloned) makes `send` refuse it.
+    fn change(&mut self) {
+        self.changed |= self.pinned.load(Ordering::Relaxed);
     }
 
     /// Sends the request, retrying with the same key per the client's
@@ -640,8 +706,14 @@ impl Intent {
     /// its status; 2xx, 3xx, 4xx other than a fresh 409; a 500
     /// `response-not-recorded`), or [`ClientError::RetriesExhausted`] when every attempt
     /// failed retryably. Calling it again later is a further retry of the
-    /// same operation, with the same key.
+    /// same operation, with the same key. An intent whose request was
+    /// changed after it was sent or cloned is refused, and nothing is sent
+    /// ([`ClientError::RequestChanged`]).
     pub async fn send(&self) -> Result<IdempotentResponse, ClientError> {
+        if self.changed {
+            return Err(ClientError::RequestChanged);
+        }
+        self.pinned.store(true, Ordering::Relaxed);
         let policy = &self.client.policy;
         let max_attempts = policy.max_attempts.max(1);
         let mut attempt = 0;
