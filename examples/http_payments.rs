@@ -18,10 +18,14 @@
 //!
 //! * `POST /payments` `{"amount_cents": 450, "currency": "EUR", "delay_ms": 0}`
 //!   with `Idempotency-Key` → 201, `Location: /payments/<charge_id>`;
-//!   `delay_ms` makes the simulated gateway slow.
+//!   `delay_ms` makes the simulated gateway slow. The gateway is asked with
+//!   the request's key: a charge it made whose row could not be written
+//!   (a 503, which releases the key) is not made again by the retry.
 //! * `GET /payments/<charge_id>` → the charge, to its own account only.
 //! * `POST /refunds` `{"charge_id": "..."}` with `Idempotency-Key`: the
-//!   extractor style — the handler calls an `#[idempotent]` function.
+//!   extractor style — the handler calls an `#[idempotent]` function. A
+//!   charge is refunded once: a second refund of it, under another key, is
+//!   422 `already-refunded`.
 //! * `GET /metrics` → the runtime's metrics in Prometheus text (no auth).
 
 use axum::extract::{Path, Request, State};
@@ -37,7 +41,8 @@ use idempotent_runtime::{
     carry_outcome, idempotent, with_outcome, Error, PgStore, SqliteStore, Store,
 };
 use serde::{Deserialize, Serialize};
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tracing::Instrument;
 
@@ -86,11 +91,15 @@ enum Db {
     Postgres(sqlx::PgPool),
 }
 
-const SCHEMA: [&str; 2] = [
+const SCHEMA: [&str; 3] = [
     "CREATE TABLE IF NOT EXISTS http_charges (charge_id TEXT PRIMARY KEY, account TEXT NOT NULL, \
      amount_cents BIGINT NOT NULL, currency TEXT NOT NULL)",
     "CREATE TABLE IF NOT EXISTS http_refunds (refund_id TEXT PRIMARY KEY, charge_id TEXT NOT NULL, \
      account TEXT NOT NULL)",
+    // A charge is refunded once, whatever the keys: two clicks on "refund"
+    // are two intents with two keys, and the idempotency key only makes each
+    // of them run once.
+    "CREATE UNIQUE INDEX IF NOT EXISTS http_refunds_one_per_charge ON http_refunds (charge_id)",
 ];
 
 impl Db {
@@ -107,7 +116,11 @@ impl Db {
     async fn insert_charge(&self, account: &str, charge: &Charge) -> Result<(), sqlx::Error> {
         let amount = i64::try_from(charge.amount_cents).unwrap_or(i64::MAX);
         match self {
-            Db::Sqlite(p) => sqlx::query("INSERT INTO http_charges VALUES (?, ?, ?, ?)")
+            // The charge's id is the gateway's: a retry after a failure
+            // here writes the same row, once.
+            Db::Sqlite(p) => sqlx::query(
+                "INSERT INTO http_charges VALUES (?, ?, ?, ?) ON CONFLICT (charge_id) DO NOTHING",
+            )
                 .bind(&charge.charge_id)
                 .bind(account)
                 .bind(amount)
@@ -115,7 +128,9 @@ impl Db {
                 .execute(p)
                 .await
                 .map(drop),
-            Db::Postgres(p) => sqlx::query("INSERT INTO http_charges VALUES ($1, $2, $3, $4)")
+            Db::Postgres(p) => sqlx::query(
+                "INSERT INTO http_charges VALUES ($1, $2, $3, $4) ON CONFLICT (charge_id) DO NOTHING",
+            )
                 .bind(&charge.charge_id)
                 .bind(account)
                 .bind(amount)
@@ -172,6 +187,7 @@ impl Db {
 struct App {
     db: Db,
     store: Arc<dyn Store>,
+    gateway: Gateway,
 }
 
 type Shared = Arc<App>;
@@ -209,22 +225,65 @@ async fn authenticate(mut request: Request, next: Next) -> Response {
     }
 }
 
-/// The simulated card gateway.
-async fn gateway_charge(account: &str, amount_cents: u64, currency: &str, delay: Duration) {
-    tracing::info!(
-        account,
-        amount_cents,
-        currency,
-        delay_ms = delay.as_millis() as u64,
-        "gateway: charging"
-    );
-    tokio::time::sleep(delay).await;
-    tracing::info!(account, amount_cents, currency, "gateway: charged");
+/// The simulated card gateway. Like a real one (Stripe, Adyen, ...), it
+/// takes an idempotency key of its own, and the handler passes the request's:
+/// a request whose charge went through but could not be written here (the
+/// database failed after the gateway answered) is answered 503, which
+/// releases the key, and the client's retry runs the handler again; asked
+/// with the same key, the gateway answers with the charge it made instead of
+/// charging the card a second time. (This one keeps its keys in memory, so a
+/// restart forgets them; a real gateway keeps them, Stripe for 24 hours.)
+#[derive(Default)]
+struct Gateway {
+    /// The charge made for each (account, key).
+    charges: Mutex<HashMap<(String, String), String>>,
+}
+
+impl Gateway {
+    /// Charges once per (account, key); answers the charge's id.
+    async fn charge(
+        &self,
+        account: &str,
+        key: &IdempotencyKey,
+        amount_cents: u64,
+        currency: &str,
+        delay: Duration,
+    ) -> String {
+        let made = (account.to_owned(), key.as_str().to_owned());
+        if let Some(charge_id) = self.made(&made) {
+            tracing::info!(account, charge_id = %charge_id, "gateway: already charged for this key");
+            return charge_id;
+        }
+        // The raw key is never logged.
+        tracing::info!(
+            account,
+            amount_cents,
+            currency,
+            delay_ms = delay.as_millis() as u64,
+            "gateway: charging"
+        );
+        tokio::time::sleep(delay).await;
+        let charge_id = {
+            let mut charges = self.charges.lock().unwrap_or_else(|e| e.into_inner());
+            charges
+                .entry(made)
+                .or_insert_with(|| format!("ch_{}", uuid::Uuid::new_v4().simple()))
+                .clone()
+        };
+        tracing::info!(account, amount_cents, currency, "gateway: charged");
+        charge_id
+    }
+
+    fn made(&self, made: &(String, String)) -> Option<String> {
+        let charges = self.charges.lock().unwrap_or_else(|e| e.into_inner());
+        charges.get(made).cloned()
+    }
 }
 
 async fn create_payment(
     State(app): State<Shared>,
     Extension(account): Extension<AccountId>,
+    key: IdempotencyKey,
     Json(request): Json<ChargeRequest>,
 ) -> Response {
     if request.amount_cents == 0 {
@@ -244,15 +303,28 @@ async fn create_payment(
         );
     }
     let delay = Duration::from_millis(request.delay_ms.min(600_000));
-    gateway_charge(&account.0, request.amount_cents, &request.currency, delay).await;
+    // The request's key goes to the gateway: past this point the card is
+    // charged, and a failure below releases the key (a 503).
+    let charge_id = app
+        .gateway
+        .charge(
+            &account.0,
+            &key,
+            request.amount_cents,
+            &request.currency,
+            delay,
+        )
+        .await;
     let charge = Charge {
-        charge_id: format!("ch_{}", uuid::Uuid::new_v4().simple()),
+        charge_id,
         amount_cents: request.amount_cents,
         currency: request.currency,
     };
     if let Err(e) = app.db.insert_charge(&account.0, &charge).await {
         tracing::error!(error = %e, "could not record the charge");
-        // A 5xx releases the idempotency key: the client's retry runs again.
+        // A 5xx releases the idempotency key: the client's retry runs the
+        // handler again, and the gateway, asked with the same key, answers
+        // with this charge instead of making a second one.
         return problem(
             StatusCode::SERVICE_UNAVAILABLE,
             "database",
@@ -298,6 +370,8 @@ async fn get_payment(
 enum RefundError {
     #[error("no charge {0} on this account")]
     NoSuchCharge(String),
+    #[error("charge {0} is already refunded")]
+    AlreadyRefunded(String),
     #[error("database: {0}")]
     Database(#[from] sqlx::Error),
     #[error(transparent)]
@@ -314,6 +388,12 @@ impl IntoResponse for RefundError {
                 "not-found",
                 "No such charge",
                 format!("This account has no charge {id}; refund one of your own charges."),
+            ),
+            RefundError::AlreadyRefunded(id) => problem(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "already-refunded",
+                "Already refunded",
+                format!("Charge {id} is already refunded; a charge is refunded once."),
             ),
             RefundError::Database(e) => {
                 tracing::error!(error = %e, "refund failed");
@@ -351,7 +431,15 @@ async fn refund(
         .await?
         .ok_or_else(|| RefundError::NoSuchCharge(charge_id.to_owned()))?;
     let refund_id = format!("re_{}", uuid::Uuid::new_v4().simple());
-    app.db.insert_refund(&refund_id, charge_id, account).await?;
+    app.db
+        .insert_refund(&refund_id, charge_id, account)
+        .await
+        .map_err(|e| match e {
+            sqlx::Error::Database(d) if d.is_unique_violation() => {
+                RefundError::AlreadyRefunded(charge_id.to_owned())
+            }
+            e => RefundError::Database(e),
+        })?;
     Ok(Refund {
         refund_id,
         charge_id: charge.charge_id,
@@ -459,7 +547,15 @@ pub async fn main() -> Result<(), Box<dyn std::error::Error>> {
         },
     );
     let metrics = metrics_exporter_prometheus::PrometheusBuilder::new().install_recorder()?;
-    let app = router(Arc::new(App { db, store }), lease, metrics)?;
+    let app = router(
+        Arc::new(App {
+            db,
+            store,
+            gateway: Gateway::default(),
+        }),
+        lease,
+        metrics,
+    )?;
 
     let listener = tokio::net::TcpListener::bind(&addr)
         .await

@@ -275,3 +275,158 @@ async fn sigkill_during_a_slow_charge_then_retry_after_restart_charges_once_post
     }
     crash_before_the_charge_then_retry(Some(&url)).await;
 }
+
+/// The example as a user copies it (the example hunt's lead): the gateway
+/// charged the card, then the charge could not be written to the database.
+/// The handler answered 503, which releases the key, and the client's retry
+/// ran the handler again: a second charge at the gateway for one request,
+/// one more per retry. The gateway is asked with the request's key, so a
+/// retry gets the charge already made. Here the database refuses the row
+/// (a constraint added once the example made its tables) until it is lifted;
+/// then the same intent, sent again, records the one charge.
+#[tokio::test]
+async fn a_charge_the_database_cannot_record_is_not_charged_again_by_the_retry_postgres() {
+    let url = pg_url();
+    if let Err(e) = sqlx::PgPool::connect(&url).await {
+        assert!(!servers_required(), "PostgreSQL unreachable at {url}: {e}");
+        eprintln!("\n!!!!!!!! SKIPPED: PostgreSQL is unreachable at {url} ({e}); set IDEMPOTENT_PG_URL or start the server.\n");
+        return;
+    }
+    let (mut admin, schema, schema_url) =
+        common::servers::pg_schema_of_its_own("http_example_unrecorded").await;
+    let tmp = std::env::temp_dir().join(format!(
+        "idempotent-http-unrecorded-{}",
+        uuid::Uuid::new_v4().simple()
+    ));
+    std::fs::create_dir_all(&tmp).expect("temp dir");
+    let account = fresh_tenant();
+    let mut server = Server::start(&tmp, Some(&schema_url)).await;
+    sqlx::query(&format!(
+        "ALTER TABLE {schema}.http_charges ADD CONSTRAINT refuse_the_row CHECK (account <> '{account}')"
+    ))
+    .execute(&mut admin)
+    .await
+    .expect("the database refuses this account's charges");
+    let client = IdempotentClient::new(reqwest::Client::new()).with_policy(RetryPolicy {
+        max_attempts: 3,
+        initial_backoff: Duration::from_millis(10),
+        max_backoff: Duration::from_millis(20),
+        ..RetryPolicy::default()
+    });
+    let intent = client
+        .intent(Method::POST, &format!("{}/payments", server.base))
+        .unwrap()
+        .header("x-account-id", &account)
+        .unwrap()
+        .json(&serde_json::json!({"amount_cents": 777, "currency": "EUR"}))
+        .unwrap();
+    let failed = intent.send().await;
+    assert!(
+        failed.is_err(),
+        "every attempt was answered 503: {failed:?}"
+    );
+    let gateway_charges = |server: &Server| {
+        server
+            .lines
+            .lock()
+            .expect("lines")
+            .iter()
+            .filter(|l| l.contains("gateway: charged") && l.contains(&account))
+            .count()
+    };
+    assert_eq!(
+        gateway_charges(&server),
+        1,
+        "one request, charged at the gateway once (3 attempts were made)"
+    );
+    sqlx::query(&format!(
+        "ALTER TABLE {schema}.http_charges DROP CONSTRAINT refuse_the_row"
+    ))
+    .execute(&mut admin)
+    .await
+    .expect("lift the refusal");
+    let answer = intent
+        .send()
+        .await
+        .expect("answered once the database is back");
+    assert_eq!(answer.status(), 201);
+    assert_eq!(
+        gateway_charges(&server),
+        1,
+        "still one charge at the gateway"
+    );
+    assert_eq!(charges_of(&schema_url, &account).await, 1);
+    server.kill().await;
+    sqlx::query(&format!("DROP SCHEMA {schema} CASCADE"))
+        .execute(&mut admin)
+        .await
+        .expect("drop schema");
+    let _ = std::fs::remove_dir_all(&tmp);
+}
+
+/// The example as a user copies it (the example hunt's lead): a refund is
+/// idempotent per key, but nothing kept a charge from being refunded twice
+/// under two keys (a second click on "refund" makes a second intent, with a
+/// key of its own): the second refund was made too, and the account paid
+/// back twice. A charge is refunded once; a second refund of it is refused
+/// (422), and the first key's retry still replays its refund.
+#[tokio::test]
+async fn a_charge_is_refunded_once_whatever_the_keys_sqlite() {
+    let tmp = std::env::temp_dir().join(format!(
+        "idempotent-http-refund-{}",
+        uuid::Uuid::new_v4().simple()
+    ));
+    std::fs::create_dir_all(&tmp).expect("temp dir");
+    let count_url = format!(
+        "sqlite://{}",
+        tmp.join("idempotent-http-payments.db").display()
+    );
+    let account = fresh_tenant();
+    let mut server = Server::start(&tmp, None).await;
+    let client = IdempotentClient::new(reqwest::Client::new());
+    let charge = client
+        .intent(Method::POST, &format!("{}/payments", server.base))
+        .unwrap()
+        .header("x-account-id", &account)
+        .unwrap()
+        .json(&serde_json::json!({"amount_cents": 450, "currency": "EUR"}))
+        .unwrap()
+        .send()
+        .await
+        .expect("charged");
+    assert_eq!(charge.status(), 201);
+    let charge_id = charge.json::<serde_json::Value>().expect("json")["charge_id"]
+        .as_str()
+        .expect("charge_id")
+        .to_owned();
+    let refund = || {
+        client
+            .intent(Method::POST, &format!("{}/refunds", server.base))
+            .unwrap()
+            .header("x-account-id", &account)
+            .unwrap()
+            .json(&serde_json::json!({ "charge_id": charge_id }))
+            .unwrap()
+    };
+    let first = refund();
+    assert_eq!(first.send().await.expect("refunded").status(), 201);
+    let second = refund().send().await.expect("answered");
+    assert_eq!(
+        second.status(),
+        422,
+        "a second refund of one charge, under another key: {:?}",
+        second.body()
+    );
+    let again = first.send().await.expect("replayed");
+    assert_eq!((again.status().as_u16(), again.is_replayed()), (201, true));
+    let pool = sqlx::SqlitePool::connect(&count_url).await.expect("open");
+    let refunds: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM http_refunds WHERE charge_id = ?")
+        .bind(&charge_id)
+        .fetch_one(&pool)
+        .await
+        .expect("count");
+    assert_eq!(refunds, 1, "one refund of one charge");
+    pool.close().await;
+    server.kill().await;
+    let _ = std::fs::remove_dir_all(&tmp);
+}
