@@ -61,8 +61,9 @@ pub struct Cli {
     pub command: Command,
 }
 
-/// The subcommands.
-#[derive(Debug, Subcommand)]
+/// The subcommands. Their `Debug` shows `--database-url` without its
+/// password or query (a `password=` parameter): see [`shown_database_url`].
+#[derive(Subcommand)]
 pub enum Command {
     /// List the scopes a manifest declares and the names it retired.
     Scopes {
@@ -151,7 +152,8 @@ pub enum Command {
 }
 
 /// Which record `inspect` and `release` act on. Its `Debug` shows the
-/// record's key digest, never the raw `--key` (rule 2).
+/// record's key digest, never the raw `--key` (rule 2), and the database URL
+/// without its password ([`shown_database_url`]).
 #[derive(Args)]
 // One of `--tenant` and `--shared`: a missing one is reported as
 // `<--tenant <TENANT>|--shared>`, naming both.
@@ -221,6 +223,91 @@ fn not_an_option(value: &str) -> Result<String, String> {
     Ok(value.to_owned())
 }
 
+impl std::fmt::Debug for Command {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Command::Scopes { manifest, json } => f
+                .debug_struct("Scopes")
+                .field("manifest", manifest)
+                .field("json", json)
+                .finish(),
+            Command::Audit {
+                database_url,
+                manifest,
+                json,
+                check,
+                grace,
+            } => f
+                .debug_struct("Audit")
+                .field("database_url", &shown_database_url(database_url))
+                .field("manifest", manifest)
+                .field("json", json)
+                .field("check", check)
+                .field("grace", grace)
+                .finish(),
+            Command::Purge {
+                database_url,
+                batch,
+                json,
+            } => f
+                .debug_struct("Purge")
+                .field("database_url", &shown_database_url(database_url))
+                .field("batch", batch)
+                .field("json", json)
+                .finish(),
+            Command::Inspect {
+                record,
+                show_result,
+                json,
+            } => f
+                .debug_struct("Inspect")
+                .field("record", record)
+                .field("show_result", show_result)
+                .field("json", json)
+                .finish(),
+            Command::Release {
+                record,
+                reason,
+                even_if_running,
+                end_lease,
+                json,
+            } => f
+                .debug_struct("Release")
+                .field("record", record)
+                .field("reason", reason)
+                .field("even_if_running", even_if_running)
+                .field("end_lease", end_lease)
+                .field("json", json)
+                .finish(),
+        }
+    }
+}
+
+/// A database URL as the command line's `Debug` shows it: without what may
+/// be secret in it. Everything before the last `@` (the user and password,
+/// a password holding `@` or `/` included) is replaced by `***`, and the
+/// query and fragment (a `password=` parameter) are left out:
+/// `postgres://ops:secret@db:5432/records?sslmode=require` shows as
+/// `postgres://***@db:5432/records`.
+///
+/// ```
+/// use idempotent_runtime::cli::shown_database_url;
+/// assert_eq!(shown_database_url("postgres://ops:s3cr@t@db/records?password=x"), "postgres://***@db/records");
+/// assert_eq!(shown_database_url("sqlite:records.db?mode=rwc"), "sqlite:records.db");
+/// ```
+pub fn shown_database_url(url: &str) -> String {
+    let without_query = |text: &str| text.split(['?', '#']).next().unwrap_or_default().to_owned();
+    match url.rsplit_once('@') {
+        Some((before, host_on)) => {
+            let scheme = before
+                .split_once("://")
+                .map_or_else(|| before.split(':').next().unwrap_or_default(), |(s, _)| s);
+            format!("{scheme}://***@{}", without_query(host_on))
+        }
+        None => without_query(url),
+    }
+}
+
 impl std::fmt::Debug for RecordArgs {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         // The digest the logs carry for this record; a key or tenant the
@@ -230,7 +317,7 @@ impl std::fmt::Debug for RecordArgs {
             |id| id.key_digest(),
         );
         f.debug_struct("RecordArgs")
-            .field("database_url", &self.database_url)
+            .field("database_url", &shown_database_url(&self.database_url))
             .field("scope", &self.scope)
             .field("tenant", &self.tenant)
             .field("shared", &self.shared)
