@@ -14,6 +14,7 @@ use idempotent_rules::duration::{DEFAULT_LEASE, DEFAULT_TTL};
 use idempotent_rules::manifest::{self, Manifest, ManifestError};
 use idempotent_rules::scope::nearest;
 use proc_macro2::{Span, TokenStream};
+use quote::ToTokens;
 use std::path::PathBuf;
 use std::time::Duration;
 use syn::ext::IdentExt;
@@ -132,9 +133,157 @@ pub(crate) fn validate(
     signature(&cx, &item.sig);
     applied_once(&cx, &item.outer_attrs);
     let attr = attr::parse(&cx, attr_tokens, attr_span);
+    store_not_borrowed_from_an_owned_self(&cx, attr.store.as_ref(), &item.sig, &item.body);
     let spec = cross(&cx, attr, &item.sig, env);
     cx.check()?;
     spec.ok_or_else(|| syn::Error::new(attr_span, "missing `scope`, `key` or `tenant`"))
+}
+
+/// `store = self.store` borrows the store from `self` for the whole call,
+/// while the body, an `async move` block, takes whatever part of `self` it
+/// uses. A method that owns `self` (by value, or `self: Arc<Self>` and the
+/// like) and whose body uses the part the store is borrowed from (for a
+/// smart pointer, any use: a field is reached through its `Deref`, so the
+/// body takes the pointer whole) cannot compile; rustc's own error is
+/// E0505 "cannot move out of `self` because it is borrowed", pointed at the
+/// whole attribute. Said here instead, at `store = ...`, with the way out.
+/// Only what surely fails is refused: a body using other fields of a
+/// by-value `self` compiles (edition 2021 captures fields apart).
+fn store_not_borrowed_from_an_owned_self(
+    cx: &Ctxt,
+    store: Option<&Expr>,
+    sig: &Signature,
+    body: &TokenStream,
+) {
+    let (Some(store), Some(receiver)) = (store, sig.receiver()) else {
+        return;
+    };
+    if receiver.reference.is_some() || shared_borrow(receiver) || pinned_borrow(receiver) {
+        return;
+    }
+    let Some(store_path) = place_in_self(store) else {
+        return;
+    };
+    // `self` or `self: Self`: fields are captured apart; anything else owns
+    // `self` through a pointer (`Arc<Self>`, `Box<Self>`, `Pin<Box<Self>>`).
+    let by_value = match receiver.colon_token {
+        None => true,
+        Some(_) => matches!(ungroup_type(&receiver.ty), Type::Path(p)
+            if p.qself.is_none() && p.path.is_ident("Self")),
+    };
+    let mut uses = Vec::new();
+    self_uses(body.clone(), &mut uses);
+    let conflicts = uses.iter().any(|used| {
+        !by_value
+            || used.len() <= store_path.len() && store_path[..used.len()] == used[..]
+            || store_path.len() <= used.len() && used[..store_path.len()] == store_path[..]
+    });
+    if !conflicts {
+        return;
+    }
+    let shown = |tokens: TokenStream| {
+        tokens
+            .to_string()
+            .replace(" . ", ".")
+            .replace(" :: ", "::")
+            .replace(" < ", "<")
+            .replace(" >", ">")
+            .replace("& ", "&")
+    };
+    let takes = match receiver.colon_token {
+        Some(_) => format!("`self: {}`", shown(receiver.ty.to_token_stream())),
+        None => "`self` by value".to_owned(),
+    };
+    let store_text = shown(attr::ungroup(store).to_token_stream());
+    cx.error_spanned(
+        attr::ungroup(store),
+        format!(
+            "`store = {store_text}` borrows the store from `self` for the whole call, but this \
+             method takes {takes} and its body uses it, which moves `self` into the body while \
+             the store is borrowed from it (rustc: E0505, cannot move out of `self`); write \
+             `store = {store_text}.clone()` (a clone of a store, or of an `Arc` of one, is a \
+             handle on the same records), or take `&self`"
+        ),
+    );
+}
+
+/// `self: Pin<&Self>` or `self: Pin<&mut Self>`: a borrow, not an owner.
+fn pinned_borrow(r: &syn::Receiver) -> bool {
+    r.colon_token.is_some()
+        && matches!(ungroup_type(&r.ty), Type::Path(p) if p.qself.is_none()
+            && p.path.segments.last().is_some_and(|last| last.ident == "Pin"
+                && matches!(&last.arguments, syn::PathArguments::AngleBracketed(a)
+                    if a.args.iter().any(|arg| matches!(arg,
+                        syn::GenericArgument::Type(t) if matches!(ungroup_type(t), Type::Reference(_)))))))
+}
+
+/// The fields of `self` a `store` expression is a place in (`self.a.b`,
+/// `(self.a)`, `&self.a`): `Some(["a", "b"])`; `None` when it is not a place
+/// in `self` (a method call's value, `self.store.clone()`, is the call's own).
+fn place_in_self(expr: &Expr) -> Option<Vec<String>> {
+    match attr::ungroup(expr) {
+        Expr::Paren(p) => place_in_self(&p.expr),
+        Expr::Reference(r) => place_in_self(&r.expr),
+        Expr::Path(p) if p.qself.is_none() && p.path.is_ident("self") => Some(Vec::new()),
+        Expr::Field(f) => {
+            let mut path = place_in_self(&f.base)?;
+            path.push(match &f.member {
+                syn::Member::Named(name) => name.unraw().to_string(),
+                syn::Member::Unnamed(index) => index.index.to_string(),
+            });
+            Some(path)
+        }
+        _ => None,
+    }
+}
+
+/// Every use of `self` in the body's tokens, as the fields it goes through
+/// (`self.a.b.len()` → `["a", "b"]`; `&self`, `self.method()` → `[]`).
+/// `self::path` is a path, not a use; nested items (`fn`, `impl`, `trait`,
+/// `mod`) have a `self` of their own and are not looked into.
+fn self_uses(tokens: TokenStream, uses: &mut Vec<Vec<String>>) {
+    use proc_macro2::TokenTree;
+    let tokens: Vec<TokenTree> = tokens.into_iter().collect();
+    let punct =
+        |i: usize, c: char| matches!(tokens.get(i), Some(TokenTree::Punct(p)) if p.as_char() == c);
+    let mut i = 0;
+    while i < tokens.len() {
+        match &tokens[i] {
+            TokenTree::Ident(id)
+                if ["fn", "impl", "trait", "mod"].contains(&id.to_string().as_str()) =>
+            {
+                // Up to and over the item's braces.
+                while i < tokens.len()
+                    && !matches!(&tokens[i], TokenTree::Group(g) if g.delimiter() == proc_macro2::Delimiter::Brace)
+                {
+                    i += 1;
+                }
+            }
+            TokenTree::Ident(id) if id == "self" && !(punct(i + 1, ':') && punct(i + 2, ':')) => {
+                let mut path = Vec::new();
+                let mut j = i + 1;
+                while punct(j, '.') {
+                    let field = match tokens.get(j + 1) {
+                        Some(TokenTree::Ident(f)) => f.unraw().to_string(),
+                        Some(TokenTree::Literal(l)) => l.to_string(),
+                        _ => break,
+                    };
+                    // A method call (or turbofish) uses the place before it.
+                    if matches!(tokens.get(j + 2), Some(TokenTree::Group(g)) if g.delimiter() == proc_macro2::Delimiter::Parenthesis)
+                        || (punct(j + 2, ':') && punct(j + 3, ':'))
+                    {
+                        break;
+                    }
+                    path.extend(field.split('.').map(str::to_owned));
+                    j += 2;
+                }
+                uses.push(path);
+            }
+            TokenTree::Group(g) => self_uses(g.stream(), uses),
+            _ => {}
+        }
+        i += 1;
+    }
 }
 
 /// A parameter that goes into the fingerprint.

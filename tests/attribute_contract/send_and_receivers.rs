@@ -94,6 +94,38 @@ async fn an_annotated_trait_method_and_an_arc_self_method_are_spawnable() {
     assert_eq!(g.runs.load(Ordering::SeqCst), 2, "one run per key");
 }
 
+/// A command taking `self` by value whose store is one of its fields
+/// (`store = self.store`): its body uses only the other fields, which are
+/// captured apart from the borrowed store, so it compiles and runs. (A body
+/// using `self` whole, or the store's field, cannot; the attribute says so:
+/// tests/ui/store_borrowed_from_an_owned_self.rs.)
+#[derive(Clone)]
+struct Payout {
+    store: MemoryStore,
+    amount: u64,
+}
+
+impl Payout {
+    #[idempotent(scope = "send.by_value_store_field", key = key, tenant = shared,
+                 store = self.store, skip(self))]
+    async fn send(self, key: &str) -> Result<u64, Error> {
+        tokio::task::yield_now().await;
+        Ok(self.amount)
+    }
+}
+
+#[tokio::test]
+async fn a_by_value_self_whose_body_uses_other_fields_borrows_its_store_field() {
+    let store = MemoryStore::new();
+    let payout = |amount| Payout {
+        store: store.clone(),
+        amount,
+    };
+    assert_eq!(payout(5).send("p1").await.expect("runs"), 5);
+    // `self` is skipped: the record's answer is replayed.
+    assert_eq!(payout(6).send("p1").await.expect("replays"), 5);
+}
+
 /// Where each expression of one call was evaluated, in order.
 type Trace = Mutex<Vec<&'static str>>;
 
