@@ -126,6 +126,78 @@ async fn a_by_value_self_whose_body_uses_other_fields_borrows_its_store_field() 
     assert_eq!(payout(6).send("p1").await.expect("replays"), 5);
 }
 
+/// An error type that is not `Send` (it holds an `Rc`), or that borrows
+/// (not `'static`), is the function's own business (the hunt's lead: no
+/// error deep in generated code): the runtime neither spawns the body nor
+/// keeps the error past the call, so both compile and run where they are
+/// awaited, as any `async fn` returning them does. (Only the future is then
+/// not `Send`; `tokio::spawn` says so at the caller, naming the type.)
+#[derive(Debug)]
+struct LocalError(std::rc::Rc<String>);
+
+impl From<Error> for LocalError {
+    fn from(e: Error) -> Self {
+        LocalError(std::rc::Rc::new(e.to_string()))
+    }
+}
+
+#[idempotent(scope = "send.local_error", key = key, tenant = shared, store = store)]
+async fn with_local_error(store: &MemoryStore, key: &str, fail: bool) -> Result<u8, LocalError> {
+    if fail {
+        return Err(LocalError(std::rc::Rc::new("declined".to_owned())));
+    }
+    Ok(1)
+}
+
+#[derive(Debug)]
+struct BorrowedError<'a>(Option<&'a str>);
+
+impl From<Error> for BorrowedError<'_> {
+    fn from(_: Error) -> Self {
+        BorrowedError(None)
+    }
+}
+
+#[idempotent(scope = "send.borrowed_error", key = key, tenant = shared, store = store,
+             skip(reason))]
+async fn with_borrowed_error<'a>(
+    store: &MemoryStore,
+    key: &str,
+    reason: &'a str,
+    fail: bool,
+) -> Result<u8, BorrowedError<'a>> {
+    if fail {
+        return Err(BorrowedError(Some(reason)));
+    }
+    Ok(2)
+}
+
+#[tokio::test]
+async fn an_error_type_that_is_not_send_or_not_static_compiles_and_runs() {
+    let store = MemoryStore::new();
+    let e = with_local_error(&store, "l1", true).await.unwrap_err();
+    assert_eq!(*e.0, "declined");
+    assert_eq!(with_local_error(&store, "l2", false).await.unwrap(), 1);
+    assert_eq!(with_local_error(&store, "l2", false).await.unwrap(), 1);
+    // A refusal (another request under the key) converts into it too.
+    let refused = with_local_error(&store, "l2", true).await.unwrap_err();
+    assert!(
+        refused.0.contains("reused with different arguments"),
+        "{refused:?}"
+    );
+    let reason = String::from("no funds");
+    let e = with_borrowed_error(&store, "b1", &reason, true)
+        .await
+        .unwrap_err();
+    assert_eq!(e.0, Some("no funds"));
+    assert_eq!(
+        with_borrowed_error(&store, "b1", &reason, false)
+            .await
+            .unwrap(),
+        2
+    );
+}
+
 /// Where each expression of one call was evaluated, in order.
 type Trace = Mutex<Vec<&'static str>>;
 
