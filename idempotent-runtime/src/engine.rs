@@ -2801,48 +2801,21 @@ mod tests {
             assert!(message.contains("engine.test"), "{message}");
         }
         // A type's own message, which may quote the value, is not passed on.
-        #[derive(Debug)]
-        struct Picky;
-        impl<'de> serde::Deserialize<'de> for Picky {
-            fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-                let s = String::deserialize(d)?;
-                Err(serde::de::Error::custom(format!("no such account: {s}")))
-            }
-        }
-        let e = serde_json::from_slice::<Picky>(br#""SECRET-KEY-4711""#).expect_err("refused");
-        let message = replay_failure(&e);
+        let message = replay_failure(&refused_by_the_type(|s| format!("no such account: {s}")));
         assert!(!message.contains("SECRET"), "{message}");
         assert!(message.contains("does not fit the type"), "{message}");
         // Nor one that reads like serde's own (logs hunt: "unknown currency
         // <value>, expected an ISO 4217 code" kept the value).
-        #[derive(Debug)]
-        struct Currency;
-        impl<'de> serde::Deserialize<'de> for Currency {
-            fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-                let s = String::deserialize(d)?;
-                Err(serde::de::Error::custom(format!(
-                    "unknown currency {s}, expected an ISO 4217 code"
-                )))
-            }
-        }
-        let e = serde_json::from_slice::<Currency>(br#""SECRET-KEY-4711""#).expect_err("refused");
-        let message = replay_failure(&e);
+        let message = replay_failure(&refused_by_the_type(|s| {
+            format!("unknown currency {s}, expected an ISO 4217 code")
+        }));
         assert!(!message.contains("SECRET"), "{message}");
         assert!(message.contains("does not fit the type"), "{message}");
         // Even one that starts like serde's own (review: "invalid value
         // <value>, expected ..." passed as serde's form).
-        #[derive(Debug)]
-        struct Iso;
-        impl<'de> serde::Deserialize<'de> for Iso {
-            fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-                let s = String::deserialize(d)?;
-                Err(serde::de::Error::custom(format!(
-                    "invalid value {s}, expected an ISO 4217 code"
-                )))
-            }
-        }
-        let e = serde_json::from_slice::<Iso>(br#""SECRET-KEY-4711""#).expect_err("refused");
-        let message = replay_failure(&e);
+        let message = replay_failure(&refused_by_the_type(|s| {
+            format!("invalid value {s}, expected an ISO 4217 code")
+        }));
         assert!(!message.contains("SECRET"), "{message}");
         // serde's own length form keeps its shape.
         let e = serde_json::from_slice::<[u8; 2]>(b"[1]").expect_err("refused");
@@ -2868,6 +2841,22 @@ mod tests {
             Ok(v) => panic!("decoded {v:?}"),
         };
         assert!(message.contains("trailing characters"), "{message}");
+    }
+
+    /// The error of reading `"SECRET-KEY-4711"` as a type whose own
+    /// `Deserialize` refuses it with `message(value)`: a message of the
+    /// type's own, which quotes the value it was given.
+    fn refused_by_the_type(message: fn(&str) -> String) -> serde_json::Error {
+        struct Refusing(fn(&str) -> String);
+        impl<'de> serde::de::DeserializeSeed<'de> for Refusing {
+            type Value = ();
+            fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+                let s = <String as serde::Deserialize>::deserialize(d)?;
+                Err(serde::de::Error::custom((self.0)(&s)))
+            }
+        }
+        let mut input = serde_json::Deserializer::from_slice(br#""SECRET-KEY-4711""#);
+        serde::de::DeserializeSeed::deserialize(Refusing(message), &mut input).expect_err("refused")
     }
 
     static SPEC: ScopeInfo = ScopeInfo::new(crate::registry::ScopeSpec {
