@@ -72,37 +72,6 @@ pub const RESERVE_SECONDS: &str = "idempotent_reserve_duration_seconds";
 /// Histogram (seconds): body time by scope and outcome.
 pub const BODY_SECONDS: &str = "idempotent_body_duration_seconds";
 
-#[derive(Debug, Default)]
-pub(crate) struct Counters {
-    pub executed: AtomicU64,
-    pub replayed: AtomicU64,
-    pub recovered: AtomicU64,
-    pub refused_in_progress: AtomicU64,
-    pub mismatched: AtomicU64,
-    pub lease_lost: AtomicU64,
-    pub taken_over: AtomicU64,
-    pub heartbeats: AtomicU64,
-    pub heartbeat_failures: AtomicU64,
-    pub lease_lapses: AtomicU64,
-    pub purged: AtomicU64,
-    pub release_failures: AtomicU64,
-}
-
-pub(crate) static METRICS: Counters = Counters {
-    executed: AtomicU64::new(0),
-    replayed: AtomicU64::new(0),
-    recovered: AtomicU64::new(0),
-    refused_in_progress: AtomicU64::new(0),
-    mismatched: AtomicU64::new(0),
-    lease_lost: AtomicU64::new(0),
-    taken_over: AtomicU64::new(0),
-    heartbeats: AtomicU64::new(0),
-    heartbeat_failures: AtomicU64::new(0),
-    lease_lapses: AtomicU64::new(0),
-    purged: AtomicU64::new(0),
-    release_failures: AtomicU64::new(0),
-};
-
 /// What a call ended with, for `idempotent_calls_total`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(usize)]
@@ -302,70 +271,88 @@ impl ScopeKeys {
     }
 }
 
-/// A copy of the counters since the process started, without labels. For
-/// per-scope numbers, install a `metrics` recorder (see the module docs); a
-/// rising `heartbeat_failures`, `lease_lapses` or `lease_lost` means bodies
-/// outlive their leases, block their threads, or the store is struggling.
-///
-/// ```
-/// let m = idempotent_runtime::metrics::snapshot();
-/// assert!(m.executed >= m.executed.min(0));
-/// ```
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct Snapshot {
-    /// Bodies run to completion (successful or not).
-    pub executed: u64,
-    /// Calls answered from a recorded result.
-    pub replayed: u64,
-    /// Takeovers answered by a `recover` hook (`Recovery::Completed`, or an
-    /// error): the body did not run.
-    pub recovered: u64,
-    /// Calls refused with `Error::InProgress`.
-    pub refused_in_progress: u64,
-    /// Calls refused with `Error::FingerprintMismatch`.
-    pub mismatched: u64,
-    /// A body's completions refused because the lease was lost (a recover
-    /// hook's answer that lost its record is not counted: the body did not run).
-    pub lease_lost: u64,
-    /// Records taken over after their owner's lease expired.
-    pub taken_over: u64,
-    /// Successful lease renewals.
-    pub heartbeats: u64,
-    /// Failed lease renewals (store error or lease lost), and renewals that
-    /// did not answer within their period (`lease / 3`).
-    pub heartbeat_failures: u64,
-    /// Leases that ran out while their body ran, before a renewal was
-    /// written: the body blocked its thread, its runtime was starved, or
-    /// renewals failed for a lease. Another caller could have taken the
-    /// record over and run the body beside it; each is also logged.
-    pub lease_lapses: u64,
-    /// Records deleted by purges.
-    pub purged: u64,
-    /// Dropped calls whose record could not be finished by the store's
-    /// background worker: released, recorded (the body had answered) or its
-    /// lease ended (it stays in progress until its lease runs out); each is
-    /// also logged.
-    pub release_failures: u64,
+/// Declares the process-wide counters once, from [`Snapshot`]'s fields: the
+/// `AtomicU64`s the engine bumps (`METRICS`), the plain copy [`snapshot`]
+/// returns, and the reading of the one into the other. A counter added to
+/// [`Snapshot`] is counted and read with no other place to remember.
+macro_rules! process_counters {
+    (
+        $(#[$snapshot_meta:meta])*
+        pub struct Snapshot {
+            $($(#[$field_meta:meta])* pub $name:ident: u64,)*
+        }
+    ) => {
+        #[derive(Debug, Default)]
+        pub(crate) struct Counters {
+            $(pub $name: AtomicU64,)*
+        }
+
+        pub(crate) static METRICS: Counters = Counters {
+            $($name: AtomicU64::new(0),)*
+        };
+
+        $(#[$snapshot_meta])*
+        pub struct Snapshot {
+            $($(#[$field_meta])* pub $name: u64,)*
+        }
+
+        /// Reads the counters.
+        pub fn snapshot() -> Snapshot {
+            let m = &METRICS;
+            let r = |c: &AtomicU64| c.load(Ordering::Relaxed);
+            Snapshot {
+                $($name: r(&m.$name),)*
+            }
+        }
+    };
 }
 
-/// Reads the counters.
-pub fn snapshot() -> Snapshot {
-    let m = &METRICS;
-    let r = |c: &AtomicU64| c.load(Ordering::Relaxed);
-    Snapshot {
-        executed: r(&m.executed),
-        replayed: r(&m.replayed),
-        recovered: r(&m.recovered),
-        refused_in_progress: r(&m.refused_in_progress),
-        mismatched: r(&m.mismatched),
-        lease_lost: r(&m.lease_lost),
-        taken_over: r(&m.taken_over),
-        heartbeats: r(&m.heartbeats),
-        heartbeat_failures: r(&m.heartbeat_failures),
-        lease_lapses: r(&m.lease_lapses),
-        purged: r(&m.purged),
-        release_failures: r(&m.release_failures),
+process_counters! {
+    /// A copy of the counters since the process started, without labels. For
+    /// per-scope numbers, install a `metrics` recorder (see the module docs); a
+    /// rising `heartbeat_failures`, `lease_lapses` or `lease_lost` means bodies
+    /// outlive their leases, block their threads, or the store is struggling.
+    ///
+    /// ```
+    /// let m = idempotent_runtime::metrics::snapshot();
+    /// assert!(m.executed >= m.executed.min(0));
+    /// ```
+    #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+    #[non_exhaustive]
+    pub struct Snapshot {
+        /// Bodies run to completion (successful or not).
+        pub executed: u64,
+        /// Calls answered from a recorded result.
+        pub replayed: u64,
+        /// Takeovers answered by a `recover` hook (`Recovery::Completed`, or an
+        /// error): the body did not run.
+        pub recovered: u64,
+        /// Calls refused with `Error::InProgress`.
+        pub refused_in_progress: u64,
+        /// Calls refused with `Error::FingerprintMismatch`.
+        pub mismatched: u64,
+        /// A body's completions refused because the lease was lost (a recover
+        /// hook's answer that lost its record is not counted: the body did not run).
+        pub lease_lost: u64,
+        /// Records taken over after their owner's lease expired.
+        pub taken_over: u64,
+        /// Successful lease renewals.
+        pub heartbeats: u64,
+        /// Failed lease renewals (store error or lease lost), and renewals that
+        /// did not answer within their period (`lease / 3`).
+        pub heartbeat_failures: u64,
+        /// Leases that ran out while their body ran, before a renewal was
+        /// written: the body blocked its thread, its runtime was starved, or
+        /// renewals failed for a lease. Another caller could have taken the
+        /// record over and run the body beside it; each is also logged.
+        pub lease_lapses: u64,
+        /// Records deleted by purges.
+        pub purged: u64,
+        /// Dropped calls whose record could not be finished by the store's
+        /// background worker: released, recorded (the body had answered) or its
+        /// lease ended (it stays in progress until its lease runs out); each is
+        /// also logged.
+        pub release_failures: u64,
     }
 }
 
