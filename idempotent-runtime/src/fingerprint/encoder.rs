@@ -1494,16 +1494,28 @@ macro_rules! key_via {
     )*};
 }
 
+/// Methods of [`KeySerializer`] for keys v1 refused (see
+/// [`KeySerializer::other`]): each hands its value, as it came, to the main
+/// serializer. `<T>` marks a method generic over the value's type.
+macro_rules! key_other {
+    ($($method:ident $(<$t:ident>)? ($($arg:ident: $ty:ty),* $(,)?) -> $ok:ty;)*) => {$(
+        fn $method $(<$t: ?Sized + Serialize>)? (self, $($arg: $ty),*) -> Result<$ok> {
+            self.other()?.$method($($arg),*)
+        }
+    )*};
+}
+
 impl<'a> Serializer for KeySerializer<'a> {
     type Ok = KeyKind;
     type Error = EncodeError;
-    type SerializeSeq = Seq<'a>;
-    type SerializeTuple = Seq<'a>;
-    type SerializeTupleStruct = Seq<'a>;
-    type SerializeTupleVariant = Seq<'a>;
-    type SerializeMap = Map<'a>;
-    type SerializeStruct = Map<'a>;
-    type SerializeStructVariant = Map<'a>;
+    // A compound key is written by the main serializer (`other`).
+    type SerializeSeq = <&'a mut Encoder as Serializer>::SerializeSeq;
+    type SerializeTuple = <&'a mut Encoder as Serializer>::SerializeTuple;
+    type SerializeTupleStruct = <&'a mut Encoder as Serializer>::SerializeTupleStruct;
+    type SerializeTupleVariant = <&'a mut Encoder as Serializer>::SerializeTupleVariant;
+    type SerializeMap = <&'a mut Encoder as Serializer>::SerializeMap;
+    type SerializeStruct = <&'a mut Encoder as Serializer>::SerializeStruct;
+    type SerializeStructVariant = <&'a mut Encoder as Serializer>::SerializeStructVariant;
 
     fn serialize_bool(self, v: bool) -> Result<KeyKind> {
         self.scalar(|w| {
@@ -1550,26 +1562,6 @@ impl<'a> Serializer for KeySerializer<'a> {
         self.text(v)
     }
 
-    fn serialize_bytes(self, v: &[u8]) -> Result<KeyKind> {
-        self.other()?.serialize_bytes(v)
-    }
-
-    fn serialize_none(self) -> Result<KeyKind> {
-        self.other()?.serialize_none()
-    }
-
-    fn serialize_some<T: ?Sized + Serialize>(self, value: &T) -> Result<KeyKind> {
-        self.other()?.serialize_some(value)
-    }
-
-    fn serialize_unit(self) -> Result<KeyKind> {
-        self.other()?.serialize_unit()
-    }
-
-    fn serialize_unit_struct(self, name: &'static str) -> Result<KeyKind> {
-        self.other()?.serialize_unit_struct(name)
-    }
-
     fn serialize_unit_variant(
         self,
         _name: &'static str,
@@ -1587,57 +1579,35 @@ impl<'a> Serializer for KeySerializer<'a> {
         value.serialize(self)
     }
 
-    fn serialize_newtype_variant<T: ?Sized + Serialize>(
-        self,
-        name: &'static str,
-        index: u32,
-        variant: &'static str,
-        value: &T,
-    ) -> Result<KeyKind> {
-        self.other()?
-            .serialize_newtype_variant(name, index, variant, value)
-    }
-
-    fn serialize_seq(self, len: Option<usize>) -> Result<Seq<'a>> {
-        self.other()?.serialize_seq(len)
-    }
-
-    fn serialize_tuple(self, len: usize) -> Result<Seq<'a>> {
-        self.other()?.serialize_tuple(len)
-    }
-
-    fn serialize_tuple_struct(self, name: &'static str, len: usize) -> Result<Seq<'a>> {
-        self.other()?.serialize_tuple_struct(name, len)
-    }
-
-    fn serialize_tuple_variant(
-        self,
-        name: &'static str,
-        index: u32,
-        variant: &'static str,
-        len: usize,
-    ) -> Result<Seq<'a>> {
-        self.other()?
-            .serialize_tuple_variant(name, index, variant, len)
-    }
-
-    fn serialize_map(self, len: Option<usize>) -> Result<Map<'a>> {
-        self.other()?.serialize_map(len)
-    }
-
-    fn serialize_struct(self, name: &'static str, len: usize) -> Result<Map<'a>> {
-        self.other()?.serialize_struct(name, len)
-    }
-
-    fn serialize_struct_variant(
-        self,
-        name: &'static str,
-        index: u32,
-        variant: &'static str,
-        len: usize,
-    ) -> Result<Map<'a>> {
-        self.other()?
-            .serialize_struct_variant(name, index, variant, len)
+    key_other! {
+        serialize_bytes(v: &[u8]) -> KeyKind;
+        serialize_none() -> KeyKind;
+        serialize_some<T>(value: &T) -> KeyKind;
+        serialize_unit() -> KeyKind;
+        serialize_unit_struct(name: &'static str) -> KeyKind;
+        serialize_newtype_variant<T>(
+            name: &'static str,
+            index: u32,
+            variant: &'static str,
+            value: &T,
+        ) -> KeyKind;
+        serialize_seq(len: Option<usize>) -> Seq<'a>;
+        serialize_tuple(len: usize) -> Seq<'a>;
+        serialize_tuple_struct(name: &'static str, len: usize) -> Seq<'a>;
+        serialize_tuple_variant(
+            name: &'static str,
+            index: u32,
+            variant: &'static str,
+            len: usize,
+        ) -> Seq<'a>;
+        serialize_map(len: Option<usize>) -> Map<'a>;
+        serialize_struct(name: &'static str, len: usize) -> Map<'a>;
+        serialize_struct_variant(
+            name: &'static str,
+            index: u32,
+            variant: &'static str,
+            len: usize,
+        ) -> Map<'a>;
     }
 
     fn collect_seq<I>(self, iter: I) -> Result<KeyKind>
