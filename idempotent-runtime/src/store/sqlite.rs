@@ -1369,6 +1369,32 @@ impl Drop for BusyTimeoutCut {
     }
 }
 
+/// `sql`, a write on the record `token` owns, with that record bound: its
+/// first four parameters are the tenant, scope, key and owner token. The
+/// caller binds the rest, in order, after them.
+fn on_owned_record<'q>(
+    sql: &'q str,
+    identity: &'q Identity,
+    token: &'q OwnerToken,
+) -> sqlx::query::Query<'q, sqlx::Sqlite, sqlx::sqlite::SqliteArguments<'q>> {
+    sqlx::query(sql)
+        .bind(&identity.tenant)
+        .bind(&identity.scope)
+        .bind(&identity.key)
+        .bind(token.as_str())
+}
+
+/// Runs a write fenced by the owner token ([`on_owned_record`]): `Written`
+/// when it changed the record, `NotOwner` when the token no longer owns it.
+async fn fenced<'e, 'q, E: sqlx::Executor<'e, Database = sqlx::Sqlite>>(
+    operation: &'static str,
+    statement: sqlx::query::Query<'q, sqlx::Sqlite, sqlx::sqlite::SqliteArguments<'q>>,
+    executor: E,
+) -> Result<Fenced, StoreError> {
+    let done = statement.execute(executor).await.map_err(err(operation))?;
+    Ok(Fenced::from_owned(done.rows_affected() > 0))
+}
+
 /// Completes the record, fenced by its token, on a pool or on the caller's
 /// connection (transactional mode). An outcome a `recover` hook gave is
 /// marked recovered (rule 20).
@@ -1376,22 +1402,14 @@ pub(super) async fn complete_on<'e, E: sqlx::Executor<'e, Database = sqlx::Sqlit
     executor: E,
     completion: Completion<'_>,
 ) -> Result<Fenced, StoreError> {
-    let done = sqlx::query(COMPLETE_SQL)
-        .bind(&completion.identity.tenant)
-        .bind(&completion.identity.scope)
-        .bind(&completion.identity.key)
-        .bind(completion.token.as_str())
+    let statement = on_owned_record(COMPLETE_SQL, completion.identity, completion.token)
         .bind(ms(completion.ttl))
         .bind(completion.outcome.is_error)
         .bind(&completion.outcome.payload[..])
-        .bind(completion.marks_recovered())
-        .execute(executor)
-        .await
-        .map_err(err("complete"))?;
-    Ok(Fenced::from_owned(done.rows_affected() > 0))
+        .bind(completion.marks_recovered());
+    fenced("complete", statement, executor).await
 }
 
-/// Deletes the in-progress record, fenced by `token`.
 /// Renews (or, with a shorter lease, ends early) the lease `token` owns.
 pub(super) async fn heartbeat_on<'e, E: sqlx::Executor<'e, Database = sqlx::Sqlite>>(
     executor: E,
@@ -1399,32 +1417,22 @@ pub(super) async fn heartbeat_on<'e, E: sqlx::Executor<'e, Database = sqlx::Sqli
     token: &OwnerToken,
     lease: Duration,
 ) -> Result<Fenced, StoreError> {
-    let done = sqlx::query(HEARTBEAT_SQL)
-        .bind(&identity.tenant)
-        .bind(&identity.scope)
-        .bind(&identity.key)
-        .bind(token.as_str())
-        .bind(ms(lease))
-        .execute(executor)
-        .await
-        .map_err(err("heartbeat"))?;
-    Ok(Fenced::from_owned(done.rows_affected() > 0))
+    let statement = on_owned_record(HEARTBEAT_SQL, identity, token).bind(ms(lease));
+    fenced("heartbeat", statement, executor).await
 }
 
+/// Deletes the in-progress record, fenced by `token`.
 pub(super) async fn release_on<'e, E: sqlx::Executor<'e, Database = sqlx::Sqlite>>(
     executor: E,
     identity: &Identity,
     token: &OwnerToken,
 ) -> Result<Fenced, StoreError> {
-    let done = sqlx::query(RELEASE_SQL)
-        .bind(&identity.tenant)
-        .bind(&identity.scope)
-        .bind(&identity.key)
-        .bind(token.as_str())
-        .execute(executor)
-        .await
-        .map_err(err("release"))?;
-    Ok(Fenced::from_owned(done.rows_affected() > 0))
+    fenced(
+        "release",
+        on_owned_record(RELEASE_SQL, identity, token),
+        executor,
+    )
+    .await
 }
 
 /// The write path of a reservation, on a connection in autocommit (the
