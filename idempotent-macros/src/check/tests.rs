@@ -35,6 +35,15 @@ fn charge() -> TokenStream {
     )
 }
 
+/// The plainest function the attribute takes: `async fn f(key: &str) -> Result<u8, E>`.
+fn plain_fn() -> TokenStream {
+    quote!(
+        async fn f(key: &str) -> Result<u8, E> {
+            todo!()
+        }
+    )
+}
+
 fn names(spec: &Spec) -> Vec<String> {
     spec.fingerprinted
         .iter()
@@ -133,11 +142,7 @@ fn combinations_are_checked() {
     assert!(err.contains("no effect"), "{err}");
     let err = check_err(
         quote!(scope = "a", key = key, tenant = shared, tx = nothere),
-        quote!(
-            async fn f(key: &str) -> Result<u8, E> {
-                todo!()
-            }
-        ),
+        plain_fn(),
     );
     assert!(err.contains("`tx` must name a parameter"), "{err}");
 }
@@ -341,15 +346,7 @@ fn recover_and_shared_scope() {
             .as_deref(),
         Some("self.charge_happened")
     );
-    let spec = check(
-        quote!(scope = "a", key = key, tenant = shared),
-        quote!(
-            async fn f(key: &str) -> Result<u8, E> {
-                todo!()
-            }
-        ),
-    )
-    .unwrap();
+    let spec = check(quote!(scope = "a", key = key, tenant = shared), plain_fn()).unwrap();
     assert!(!spec.shared_scope && spec.recover.is_none());
     let err = check_err(
         quote!(
@@ -359,11 +356,7 @@ fn recover_and_shared_scope() {
             recover = 1 + 2,
             shared_scope = yes
         ),
-        quote!(
-            async fn f(key: &str) -> Result<u8, E> {
-                todo!()
-            }
-        ),
+        plain_fn(),
     );
     assert!(
         err.contains("`recover` takes the path of an `async fn"),
@@ -419,11 +412,7 @@ fn manifest_and_argument_errors_come_in_one_round() {
             ttl = "0s",
             skip(nope)
         ),
-        quote!(
-            async fn f(key: &str) -> Result<u8, E> {
-                todo!()
-            }
-        ),
+        plain_fn(),
         &env,
     ) else {
         panic!("expected errors")
@@ -485,11 +474,7 @@ fn duplicate_and_argument_errors_come_in_one_round() {
 #[test]
 fn manifest_defaults_apply_and_the_attribute_wins() {
     let env = with_manifest("[scopes.\"a.b\"]\nttl = \"48h\"\nlease = \"5s\"\n");
-    let f = quote!(
-        async fn f(key: &str) -> Result<u8, E> {
-            todo!()
-        }
-    );
+    let f = plain_fn();
     let spec = check_in(
         quote!(scope = "a.b", key = key, tenant = shared),
         f.clone(),
@@ -580,14 +565,6 @@ fn assert_verdict(
         (Some(_), Ok(_)) => panic!("{what}: expected {verdict:?}, got ok"),
         (Some(text), Err(e)) => assert!(e.contains(text), "{what}: expected {text:?} in: {e}"),
     }
-}
-
-fn plain_fn() -> TokenStream {
-    quote!(
-        async fn f(key: &str) -> Result<u8, E> {
-            todo!()
-        }
-    )
 }
 
 #[test]
