@@ -322,6 +322,27 @@ impl<E> ErrorHandling<E> for ReleaseErrors {
     }
 }
 
+/// The methods of an [`ErrorHandling`] that records errors (`errors = record`
+/// and `errors = record_if(...)`), for an error type `E`: a recorded error is
+/// its JSON, checked before it is written and read back equal after (rule
+/// 12), and decoded from it for a replay.
+macro_rules! errors_recorded_as_json {
+    () => {
+        fn encode(&self, error: &E) -> Result<Vec<u8>, String> {
+            serde_json::to_vec(error).map_err(|e| e.to_string())
+        }
+        fn check_faithful(&self, error: &E) -> Result<(), String> {
+            crate::fingerprint::check_faithful_json(error)
+        }
+        fn reads_back(&self, error: &E, payload: &[u8]) -> Result<(), String> {
+            reads_back_equal(error, payload)
+        }
+        fn replay(&self, payload: &[u8]) -> Result<E, String> {
+            serde_json::from_slice(payload).map_err(|e| replay_failure(&e))
+        }
+    };
+}
+
 /// `errors = record`: every `Err` is recorded and replayed.
 #[derive(Debug, Clone, Copy)]
 pub struct RecordErrors;
@@ -330,18 +351,7 @@ impl<E: Serialize + DeserializeOwned> ErrorHandling<E> for RecordErrors {
     fn records(&self, _: &E) -> bool {
         true
     }
-    fn encode(&self, error: &E) -> Result<Vec<u8>, String> {
-        serde_json::to_vec(error).map_err(|e| e.to_string())
-    }
-    fn check_faithful(&self, error: &E) -> Result<(), String> {
-        crate::fingerprint::check_faithful_json(error)
-    }
-    fn reads_back(&self, error: &E, payload: &[u8]) -> Result<(), String> {
-        reads_back_equal(error, payload)
-    }
-    fn replay(&self, payload: &[u8]) -> Result<E, String> {
-        serde_json::from_slice(payload).map_err(|e| replay_failure(&e))
-    }
+    errors_recorded_as_json!();
 }
 
 /// `errors = record_if(pred)`: errors for which `pred(&e)` is true are recorded; others release.
@@ -352,18 +362,7 @@ impl<E: Serialize + DeserializeOwned, F: Fn(&E) -> bool> ErrorHandling<E> for Re
     fn records(&self, error: &E) -> bool {
         (self.0)(error)
     }
-    fn encode(&self, error: &E) -> Result<Vec<u8>, String> {
-        serde_json::to_vec(error).map_err(|e| e.to_string())
-    }
-    fn check_faithful(&self, error: &E) -> Result<(), String> {
-        crate::fingerprint::check_faithful_json(error)
-    }
-    fn reads_back(&self, error: &E, payload: &[u8]) -> Result<(), String> {
-        reads_back_equal(error, payload)
-    }
-    fn replay(&self, payload: &[u8]) -> Result<E, String> {
-        serde_json::from_slice(payload).map_err(|e| replay_failure(&e))
-    }
+    errors_recorded_as_json!();
 }
 
 // ---------------------------------------------------------------- the call
