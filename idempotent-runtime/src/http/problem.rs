@@ -146,6 +146,13 @@ impl Problem {
         }
     }
 
+    /// This problem with a `Retry-After` of `secs` seconds: not final, a
+    /// retry is answered.
+    fn retried_after(mut self, secs: u64) -> Self {
+        self.retry_after = Some(secs);
+        self
+    }
+
     /// The status as a [`StatusCode`] (500 if the number is not a status).
     pub fn status_code(&self) -> StatusCode {
         StatusCode::from_u16(self.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR)
@@ -231,7 +238,7 @@ pub fn problem_for(error: &Error) -> Problem {
         ),
         Error::InProgress { retry_after, .. } => {
             let secs = retry_after_secs(*retry_after);
-            let mut p = Problem::new(
+            Problem::new(
                 StatusCode::CONFLICT,
                 IN_PROGRESS,
                 "A request for the same operation is still in progress",
@@ -240,67 +247,54 @@ pub fn problem_for(error: &Error) -> Problem {
                      has not finished yet. Retry the same request with the same key after {secs} \
                      second(s) to get the answer."
                 ),
-            );
-            p.retry_after = Some(secs);
-            p
+            )
+            .retried_after(secs)
         }
         // A newer instance recorded this key (a rolling deploy, a
         // rollback): nothing ran here, and another instance, or this one once
         // the record expires, can answer.
-        Error::RecordedByNewerVersion { .. } => {
-            let mut p = Problem::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                RECORDED_BY_NEWER_VERSION,
-                "Request not processed; retry",
-                "This Idempotency-Key's request was recorded by a newer version of the server, \
-                 which this instance cannot compare the request with, so it was not processed \
-                 here. Retry the same request with the same key shortly, never with a new key.",
-            );
-            p.retry_after = Some(1);
-            p
-        }
+        Error::RecordedByNewerVersion { .. } => Problem::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            RECORDED_BY_NEWER_VERSION,
+            "Request not processed; retry",
+            "This Idempotency-Key's request was recorded by a newer version of the server, \
+             which this instance cannot compare the request with, so it was not processed \
+             here. Retry the same request with the same key shortly, never with a new key.",
+        )
+        .retried_after(1),
         // Not final (a retry is answered): never recorded, also by a layer
         // that records 5xx answers, when a handler answers it with `?`.
-        Error::Store(_) => {
-            let mut p = Problem::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                STORE_UNAVAILABLE,
-                "Idempotency store unavailable",
-                "The server's idempotency store failed while handling this request, which may \
-                 have been processed in part or in whole (the store can fail as an answer is \
-                 being recorded). Retry later with the same Idempotency-Key, never a new one: \
-                 what the server recorded is answered from its record, not done again.",
-            );
-            p.retry_after = Some(1);
-            p
-        }
+        Error::Store(_) => Problem::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            STORE_UNAVAILABLE,
+            "Idempotency store unavailable",
+            "The server's idempotency store failed while handling this request, which may \
+             have been processed in part or in whole (the store can fail as an answer is \
+             being recorded). Retry later with the same Idempotency-Key, never a new one: \
+             what the server recorded is answered from its record, not done again.",
+        )
+        .retried_after(1),
         // The server's transaction could not take the record (another
         // request with this key may hold it, or held it just now): nothing
         // ran, and a new transaction can.
-        Error::StaleSnapshot { .. } => {
-            let mut p = Problem::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                STORE_UNAVAILABLE,
-                "Request not processed; retry",
-                "The server's transaction could not take this request's record (another request \
-                 with this Idempotency-Key may be running), so it was not processed here. Retry \
-                 the same request with the same key shortly, never with a new key.",
-            );
-            p.retry_after = Some(1);
-            p
-        }
-        Error::LeaseLost(_) => {
-            let mut p = Problem::new(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                LEASE_LOST,
-                "Answer not recorded",
-                "This attempt's lease ran out (the request ran long, or the server was paused) \
-                 and another attempt took the request over, so no answer of this attempt was \
-                 recorded. Retry with the same Idempotency-Key to get the recorded answer.",
-            );
-            p.retry_after = Some(1);
-            p
-        }
+        Error::StaleSnapshot { .. } => Problem::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            STORE_UNAVAILABLE,
+            "Request not processed; retry",
+            "The server's transaction could not take this request's record (another request \
+             with this Idempotency-Key may be running), so it was not processed here. Retry \
+             the same request with the same key shortly, never with a new key.",
+        )
+        .retried_after(1),
+        Error::LeaseLost(_) => Problem::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            LEASE_LOST,
+            "Answer not recorded",
+            "This attempt's lease ran out (the request ran long, or the server was paused) \
+             and another attempt took the request over, so no answer of this attempt was \
+             recorded. Retry with the same Idempotency-Key to get the recorded answer.",
+        )
+        .retried_after(1),
         Error::ResultEncoding { .. }
         | Error::ResultTooLarge { .. }
         | Error::ResultNotFaithful { .. } => Problem::new(
