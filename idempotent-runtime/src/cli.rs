@@ -1505,16 +1505,19 @@ mod tests {
         assert_eq!(listed, defined);
     }
 
+    /// `idempotent inspect --database-url sqlite::memory:` and then `args`, parsed.
+    fn parse_inspect(args: &[&str]) -> Result<Cli, clap::Error> {
+        let mut all = vec!["idempotent", "inspect", "--database-url", "sqlite::memory:"];
+        all.extend_from_slice(args);
+        Cli::try_parse_from(all)
+    }
+
     /// A value may start with `-`, but an option of the command in a value's
     /// place means the option before it is missing its value.
     #[test]
     fn an_option_is_never_taken_for_a_value() {
-        let parse = |args: &[&str]| {
-            let mut all = vec!["idempotent", "inspect", "--database-url", "sqlite::memory:"];
-            all.extend_from_slice(args);
-            Cli::try_parse_from(all)
-        };
-        let ok = parse(&["--scope", "a.b", "--tenant", "-t", "--key", "-abc"]).expect("values");
+        let ok =
+            parse_inspect(&["--scope", "a.b", "--tenant", "-t", "--key", "-abc"]).expect("values");
         let Command::Inspect { record, .. } = ok.command else {
             panic!("inspect");
         };
@@ -1526,11 +1529,12 @@ mod tests {
             &["--scope", "a.b", "--tenant", "--shared", "--key", "k"][..],
             &["--scope", "a.b", "--tenant", "t", "--key", "--json"][..],
         ] {
-            let e = parse(args).expect_err("an option in a value's place");
+            let e = parse_inspect(args).expect_err("an option in a value's place");
             assert!(e.to_string().contains("missing its value"), "{args:?}: {e}");
         }
         // Refused one way or another (here the `k` left over is).
-        parse(&["--scope", "--key", "k", "--tenant", "t"]).expect_err("--scope has no value");
+        parse_inspect(&["--scope", "--key", "k", "--tenant", "t"])
+            .expect_err("--scope has no value");
         let e = Cli::try_parse_from([
             "idempotent",
             "release",
@@ -1555,12 +1559,7 @@ mod tests {
     /// released).
     #[test]
     fn a_record_names_its_tenant_or_the_shared_namespace_never_both() {
-        let parse = |args: &[&str]| {
-            let mut all = vec!["idempotent", "inspect", "--database-url", "sqlite::memory:"];
-            all.extend_from_slice(args);
-            Cli::try_parse_from(all)
-        };
-        let missing = parse(&["--scope", "a.b", "--key", "k"])
+        let missing = parse_inspect(&["--scope", "a.b", "--key", "k"])
             .map(drop)
             .expect_err("neither");
         let message = missing.to_string();
@@ -1568,11 +1567,11 @@ mod tests {
             message.contains("--tenant") && message.contains("--shared"),
             "a missing tenant names both ways: {message}"
         );
-        parse(&["--scope", "a.b", "--key", "k", "--tenant", "t", "--shared"])
+        parse_inspect(&["--scope", "a.b", "--key", "k", "--tenant", "t", "--shared"])
             .map(drop)
             .expect_err("both");
-        parse(&["--scope", "a.b", "--key", "k", "--tenant", "t"]).expect("a tenant");
-        parse(&["--scope", "a.b", "--key", "k", "--shared"]).expect("the shared namespace");
+        parse_inspect(&["--scope", "a.b", "--key", "k", "--tenant", "t"]).expect("a tenant");
+        parse_inspect(&["--scope", "a.b", "--key", "k", "--shared"]).expect("the shared namespace");
     }
 
     #[test]
