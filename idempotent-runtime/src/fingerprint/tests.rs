@@ -194,6 +194,19 @@ pub(super) enum M {
     StructVariant(&'static str, Vec<(&'static str, M)>),
 }
 
+/// `entries` as a map of known length, each entry through `serialize_entry`
+/// (`M::StrMap`, `M::AnyMap`).
+fn serialize_entries<S: Serializer, K: Serialize>(
+    s: S,
+    entries: &[(K, M)],
+) -> Result<S::Ok, S::Error> {
+    let mut m = s.serialize_map(Some(entries.len()))?;
+    for (k, x) in entries {
+        m.serialize_entry(k, x)?;
+    }
+    m.end()
+}
+
 /// A collection named like std's, to reach the unordered path from `M`.
 mod named {
     /// Its type name ends in `HashSet`, so it is treated as unordered.
@@ -241,13 +254,7 @@ impl Serialize for M {
                 t.end()
             }
             M::Set(v) => s.collect_seq(named::HashSet(v)),
-            M::StrMap(v) => {
-                let mut m = s.serialize_map(Some(v.len()))?;
-                for (k, x) in v {
-                    m.serialize_entry(k, x)?;
-                }
-                m.end()
-            }
+            M::StrMap(v) => serialize_entries(s, v),
             M::IntMap(v) => {
                 let mut m = s.serialize_map(None)?;
                 for (k, x) in v {
@@ -256,13 +263,7 @@ impl Serialize for M {
                 }
                 m.end()
             }
-            M::AnyMap(v) => {
-                let mut m = s.serialize_map(Some(v.len()))?;
-                for (k, x) in v {
-                    m.serialize_entry(k, x)?;
-                }
-                m.end()
-            }
+            M::AnyMap(v) => serialize_entries(s, v),
             M::Struct(v) => {
                 let mut m = s.serialize_struct("Struct", v.len())?;
                 for (k, x) in v {
