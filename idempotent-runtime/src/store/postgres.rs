@@ -543,7 +543,7 @@ fn reservation_lands_within(lock_wait: Duration) -> Duration {
 }
 
 /// Runs a store-mode fenced write (`write`: the same statement each time),
-/// each statement its own transaction. Under REPEATABLE READ or
+/// or a plain read, each statement its own transaction. Under REPEATABLE READ or
 /// SERIALIZABLE as the database's or the pool's default, an `UPDATE` or
 /// `DELETE` of a row another transaction changed after the statement's
 /// snapshot fails with 40001: a duplicate marking the record as waited for
@@ -1150,9 +1150,14 @@ const LOCK_NOT_AVAILABLE: &str = "55P03";
 const SERIALIZATION_FAILURE: &str = "40001";
 
 /// How many times a store-mode reservation that failed with
-/// [`SERIALIZATION_FAILURE`] is sent: each failure means a reservation of the
-/// key committed meanwhile, which the next statement sees.
-const SERIALIZATION_FAILURE_TRIES: u32 = 3;
+/// [`SERIALIZATION_FAILURE`] is sent: a reservation of the key committed
+/// meanwhile, which the next statement sees; or, under SERIALIZABLE as the
+/// default, PostgreSQL cancelled the statement for a read/write conflict
+/// among concurrent serializable transactions (reservations of other keys
+/// on the same index page, a purge), which the next statement, with a new
+/// snapshot, most often does not meet again. As many as a fenced write's
+/// ([`FENCED_WRITE_TRIES`]).
+const SERIALIZATION_FAILURE_TRIES: u32 = FENCED_WRITE_TRIES;
 
 /// The longest one statement of a reservation in a caller's transaction
 /// waits for a row lock; the call's wait is taken in such slices. A
@@ -1928,23 +1933,23 @@ impl Store for PgStore {
     }
 
     async fn fetch(&self, identity: &Identity) -> Result<Option<RecordSnapshot>, StoreError> {
-        let mut conn = ClosedIfDropped::acquire(&self.pools.current())
-            .await
-            .map_err(err("fetch"))?;
-        // A plain read: no lock wait.
-        let row = server::answered_within(
+        // A plain read: no lock wait. Sent again when PostgreSQL cancels it
+        // as a serialization failure (SERIALIZABLE as the default).
+        let row = in_own_transaction!(
+            &self.pools.current(),
+            "fetch",
             self.silent_after,
             Duration::ZERO,
-            sqlx::query(&self.statements.fetch)
-                .bind(&identity.tenant)
-                .bind(&identity.scope)
-                .bind(&identity.key)
-                .fetch_optional(&mut *conn),
-        )
-        .await
-        .and_then(|row| row)
-        .map_err(err("fetch"))?;
-        conn.hand_back();
+            |conn| async move {
+                sqlx::query(&self.statements.fetch)
+                    .bind(&identity.tenant)
+                    .bind(&identity.scope)
+                    .bind(&identity.key)
+                    .fetch_optional(&mut *conn)
+                    .await
+                    .map_err(err("fetch"))
+            }
+        )?;
         row.map(|row| rows::Columns(&row).snapshot())
             .transpose()
             .map_err(err("fetch"))
@@ -1952,14 +1957,22 @@ impl Store for PgStore {
 
     async fn scope_stats(&self) -> Result<Vec<ScopeStats>, StoreError> {
         const OP: &str = "count records per scope";
-        let mut conn = ClosedIfDropped::acquire(&self.pools.current())
-            .await
-            .map_err(err(OP))?;
-        let found = sqlx::query(&self.statements.scope_stats)
-            .fetch_all(&mut *conn)
-            .await
-            .map_err(err(OP))?;
-        conn.hand_back();
+        // Sent again when PostgreSQL cancels it as a serialization failure
+        // (SERIALIZABLE as the default: a read beside writers can be the
+        // transaction it cancels). No bound of its own: an audit reads the
+        // whole table.
+        let found = in_own_transaction!(
+            &self.pools.current(),
+            "count records per scope",
+            Duration::MAX,
+            Duration::ZERO,
+            |conn| async move {
+                sqlx::query(&self.statements.scope_stats)
+                    .fetch_all(&mut *conn)
+                    .await
+                    .map_err(err(OP))
+            }
+        )?;
         found
             .iter()
             .map(|row| rows::Columns(row).scope_stats())
