@@ -52,7 +52,35 @@ fn exclusive() -> MutexGuard<'static, ()> {
     // rustc alone compiles them, so their expected output is rustc's.
     std::env::remove_var("RUSTC_WORKSPACE_WRAPPER");
     std::env::remove_var("CLIPPY_ARGS");
+    one_build_of_the_dependencies();
     guard
+}
+
+/// The flags trybuild (1.0.122, `src/rustflags.rs` and `src/cargo.rs`) gives
+/// rustc when it compiles the cases, `--diagnostic-width=140` included.
+const TRYBUILD_CASE_FLAGS: [&str; 6] = [
+    "--cfg",
+    "trybuild",
+    "--verbose",
+    "-A",
+    "dead_code",
+    "--diagnostic-width=140",
+];
+
+/// trybuild first checks the test crate's dependencies with its own flags,
+/// then checks the cases with `--diagnostic-width=140` added: a change of
+/// flags, so cargo checked every dependency a second time, into other files
+/// (about a third of this test's compiling, on a cold machine). Flags in
+/// `CARGO_ENCODED_RUSTFLAGS` come before the `build.rustflags` trybuild
+/// passes, so both of its cargo runs use these, the case flags: the
+/// dependencies are checked once, and the cases compile with the flags
+/// trybuild gives them (the same messages). Left alone when `RUSTFLAGS` is
+/// set (trybuild keeps some of those, e.g. a coverage build's).
+fn one_build_of_the_dependencies() {
+    if std::env::var_os("RUSTFLAGS").is_some_and(|flags| !flags.is_empty()) {
+        return;
+    }
+    std::env::set_var("CARGO_ENCODED_RUSTFLAGS", TRYBUILD_CASE_FLAGS.join("\x1f"));
 }
 
 /// Lowers this thread's scheduling priority to the lowest (`nice` 19); the
