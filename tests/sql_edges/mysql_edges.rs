@@ -3429,3 +3429,69 @@ async fn a_transactional_completion_that_waits_over_a_second_is_recorded() {
     assert!(waited, "the completion never showed waiting");
     assert!(matches!(answer, Ok(42)), "{answer:?}");
 }
+
+// ---------------------------------------------------------------- §5: migrations on a brand-new database
+
+/// DESIGN.md §5: the schema migrations apply themselves "also when several
+/// processes open a brand-new database at the same moment". Several stores
+/// open one brand-new MariaDB/MySQL database at once, three rounds: every
+/// open succeeds, and the database ends up with the whole history, each
+/// migration once (as many as the test server's migrated database has).
+/// PostgreSQL's counterpart is
+/// `postgres_edges::concurrent_first_opens_migrate_once_under_a_repeatable_read_default`,
+/// SQLite's `sqlite_edges` (many tasks and processes on one new file).
+#[tokio::test]
+async fn concurrent_first_opens_of_a_brand_new_database_migrate_once() {
+    let Some(admin) = mysql_store_or_skip().await else {
+        return;
+    };
+    let expected: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM idempotency_schema_migrations")
+        .fetch_one(admin.pool())
+        .await
+        .expect("the migrated test database's history");
+    let url = mysql_url();
+    let (server, rest) = url.rsplit_once('/').expect("a database in the URL");
+    let query = rest.split_once('?').map(|(_, query)| query);
+    let mut failures = Vec::new();
+    for round in 0..3 {
+        let db = common::servers::mysql_create_database(&admin, "first_opens").await;
+        let db_url = match query {
+            Some(query) => format!("{server}/{db}?{query}"),
+            None => format!("{server}/{db}"),
+        };
+        let opened = futures::future::join_all((0..6).map(|_| {
+            let db_url = db_url.clone();
+            tokio::spawn(async move {
+                let store = MySqlStore::connect(&db_url).await?;
+                store.pool().close().await;
+                Ok::<_, Error>(())
+            })
+        }))
+        .await;
+        for open in opened {
+            if let Err(e) = open.expect("an open's task") {
+                failures.push(format!("round {round}: {e}"));
+            }
+        }
+        let history: Result<i64, _> = sqlx::query_scalar(&format!(
+            "SELECT COUNT(DISTINCT version) FROM `{db}`.idempotency_schema_migrations"
+        ))
+        .fetch_one(admin.pool())
+        .await;
+        admin
+            .pool()
+            .execute(format!("DROP DATABASE `{db}`").as_str())
+            .await
+            .expect("drop database");
+        match history {
+            Ok(n) if n == expected => {}
+            other => failures.push(format!(
+                "round {round}: history {other:?}, expected {expected} migrations"
+            )),
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "concurrent first opens of a new database failed: {failures:#?}"
+    );
+}
