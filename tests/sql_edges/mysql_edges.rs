@@ -3495,3 +3495,70 @@ async fn concurrent_first_opens_of_a_brand_new_database_migrate_once() {
         "concurrent first opens of a new database failed: {failures:#?}"
     );
 }
+
+// ---------------------------------------------------------------- §5: statements per call
+
+#[idempotent(scope = "mysql_edges.counted", key = key, tenant = tenant, store = store, ttl = "1h")]
+async fn counted_call(
+    store: &MySqlStore,
+    tenant: &str,
+    key: &str,
+    amount: u64,
+) -> Result<u64, Error> {
+    Ok(amount)
+}
+
+/// The statements the one session of `pool` has had executed
+/// (`Questions`, which counts no ping and no prepare), this read included.
+async fn statements_so_far(pool: &MySqlPool) -> i64 {
+    let row = pool
+        .fetch_one("SHOW SESSION STATUS LIKE 'Questions'")
+        .await
+        .expect("the session's Questions");
+    let value: String = sqlx::Row::try_get(&row, 1).expect("its value");
+    value.parse().expect("a count")
+}
+
+/// DESIGN.md §5: per call, one round trip to reserve (acquire, replay,
+/// in-progress and mismatch all answered by the same statement) and one to
+/// complete; a replay is the one reservation. Counted by the server on the
+/// only session of the store's pool: a fresh call is two statements, a
+/// replay one. (A mismatch is answered by the reservation too, and then
+/// read once more to say what refused it: not counted here.) (The engine's side of the floor, one
+/// reservation and one completion per call, is `engine_accounting`'s; this
+/// is the store's.)
+#[tokio::test]
+async fn a_call_costs_one_statement_to_reserve_and_one_to_complete() {
+    if mysql_store_or_skip().await.is_none() {
+        return;
+    }
+    let pool = MySqlPoolOptions::new()
+        .max_connections(1)
+        .min_connections(1)
+        .test_before_acquire(false)
+        .connect(&mysql_url())
+        .await
+        .expect("a pool of one session");
+    let store = MySqlStore::from_pool(pool.clone()).await.expect("store");
+    let tenant = fresh_tenant();
+    // What one read of the count costs; and every statement the calls use
+    // prepared once, before anything is counted.
+    assert_eq!(counted_call(&store, &tenant, "warm", 1).await.unwrap(), 1);
+    assert_eq!(counted_call(&store, &tenant, "warm", 1).await.unwrap(), 1);
+    let before = statements_so_far(&pool).await;
+    let read = statements_so_far(&pool).await - before;
+    let cost = |from: i64, to: i64| to - from - read;
+
+    let before = statements_so_far(&pool).await;
+    assert_eq!(counted_call(&store, &tenant, "k", 7).await.unwrap(), 7);
+    let fresh = cost(before, statements_so_far(&pool).await);
+    let before = statements_so_far(&pool).await;
+    assert_eq!(counted_call(&store, &tenant, "k", 7).await.unwrap(), 7);
+    let replay = cost(before, statements_so_far(&pool).await);
+    pool.close().await;
+    assert_eq!(
+        (fresh, replay),
+        (2, 1),
+        "statements for (a fresh call, its replay)"
+    );
+}
