@@ -1333,3 +1333,170 @@ async fn the_workers_statement_behind_a_held_row_ends_on_the_server() {
         .expect("the record");
     assert_eq!(record.state, idempotent_runtime::RecordState::Complete);
 }
+
+// ---------------------------------------------------------------- §5: round trips per call
+
+#[idempotent_runtime::idempotent(scope = "edges.pg_counted", key = key, tenant = tenant,
+                                 store = store, ttl = "1h")]
+async fn counted_call(
+    store: &PgStore,
+    tenant: &str,
+    key: &str,
+    amount: u64,
+) -> Result<u64, idempotent_runtime::Error> {
+    Ok(amount)
+}
+
+/// A TCP proxy in front of the test server that counts the round trips
+/// clients make for statements: a `Sync` that ends an extended-protocol
+/// exchange with a statement in it (`Parse`, `Bind`, `Describe` or
+/// `Execute`), and a `Query` (the simple protocol). A `Sync` alone is sqlx's
+/// ping of a connection handed back to its pool, which no call waits for: not
+/// counted. The client must not ask for TLS.
+struct RoundTrips {
+    port: u16,
+    count: std::sync::Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl RoundTrips {
+    async fn start(server: std::net::SocketAddr) -> Self {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind the proxy");
+        let port = listener.local_addr().expect("its address").port();
+        let count = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let counted = count.clone();
+        tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let Ok(upstream) = tokio::net::TcpStream::connect(server).await else {
+                    continue;
+                };
+                let counted = counted.clone();
+                tokio::spawn(async move {
+                    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+                    let (mut client_rx, mut client_tx) = client.into_split();
+                    let (mut server_rx, mut server_tx) = upstream.into_split();
+                    let answers = tokio::spawn(async move {
+                        let _ = tokio::io::copy(&mut server_rx, &mut client_tx).await;
+                    });
+                    let mut frontend = Frontend::default();
+                    let mut chunk = vec![0u8; 64 * 1024];
+                    while let Ok(n) = client_rx.read(&mut chunk).await {
+                        // Counted before it is forwarded: before any answer
+                        // to it can reach the client.
+                        frontend.read(&chunk[..n], &counted);
+                        if n == 0 || server_tx.write_all(&chunk[..n]).await.is_err() {
+                            break;
+                        }
+                    }
+                    answers.abort();
+                });
+            }
+        });
+        RoundTrips { port, count }
+    }
+
+    fn so_far(&self) -> u64 {
+        self.count.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+/// What a client has sent that is not counted yet.
+#[derive(Default)]
+struct Frontend {
+    /// Bytes of a message not whole yet.
+    pending: Vec<u8>,
+    /// The startup message was seen (protocol 3.0): messages have a type
+    /// byte from then on. (An `SSLRequest` may come before it.)
+    started: bool,
+    /// A statement was sent since the last `Sync`.
+    statement: bool,
+}
+
+impl Frontend {
+    /// Takes the whole messages of `bytes` (after what is pending), counting
+    /// the round trips for statements into `count`.
+    fn read(&mut self, bytes: &[u8], count: &std::sync::atomic::AtomicU64) {
+        self.pending.extend_from_slice(bytes);
+        let length = |b: &[u8]| u32::from_be_bytes([b[0], b[1], b[2], b[3]]) as usize;
+        loop {
+            let pending = &self.pending;
+            let len = if !self.started {
+                if pending.len() < 8 || pending.len() < length(&pending[..4]) {
+                    return;
+                }
+                self.started = length(&pending[4..8]) == 196_608;
+                length(&pending[..4])
+            } else {
+                if pending.len() < 5 || pending.len() < 1 + length(&pending[1..5]) {
+                    return;
+                }
+                match pending[0] {
+                    b'P' | b'B' | b'D' | b'E' => self.statement = true,
+                    b'S' if self.statement => {
+                        self.statement = false;
+                        count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    }
+                    b'Q' => {
+                        count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    }
+                    _ => {}
+                }
+                1 + length(&pending[1..5])
+            };
+            self.pending.drain(..len);
+        }
+    }
+}
+
+/// DESIGN.md §5: per call, one round trip to reserve (acquire, replay,
+/// in-progress and mismatch all answered by the same statement) and one to
+/// complete; a replay is the one reservation. Counted on the wire between
+/// the store's pool (one connection) and the server: a fresh call is two
+/// round trips, a replay one. (The engine's side of the floor, one
+/// reservation and one completion per call, is `engine_accounting`'s; this
+/// is the store's.)
+#[tokio::test]
+async fn a_call_costs_one_round_trip_to_reserve_and_one_to_complete() {
+    use std::str::FromStr;
+    if pg_store_or_skip().await.is_none() {
+        return;
+    }
+    let options = sqlx::postgres::PgConnectOptions::from_str(&pg_url()).expect("the URL");
+    let server = tokio::net::lookup_host((options.get_host(), options.get_port()))
+        .await
+        .expect("the server's address")
+        .next()
+        .expect("an address");
+    let proxy = RoundTrips::start(server).await;
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .min_connections(1)
+        .test_before_acquire(false)
+        .connect_with(
+            options
+                .host("127.0.0.1")
+                .port(proxy.port)
+                .ssl_mode(sqlx::postgres::PgSslMode::Disable),
+        )
+        .await
+        .expect("a pool of one connection through the proxy");
+    let store = PgStore::from_pool(pool.clone()).await.expect("store");
+    let tenant = fresh_tenant();
+    // Every statement the calls use prepared once, before anything is counted.
+    assert_eq!(counted_call(&store, &tenant, "warm", 1).await.unwrap(), 1);
+    assert_eq!(counted_call(&store, &tenant, "warm", 1).await.unwrap(), 1);
+
+    let before = proxy.so_far();
+    assert_eq!(counted_call(&store, &tenant, "k", 7).await.unwrap(), 7);
+    let fresh = proxy.so_far() - before;
+    let before = proxy.so_far();
+    assert_eq!(counted_call(&store, &tenant, "k", 7).await.unwrap(), 7);
+    let replay = proxy.so_far() - before;
+    pool.close().await;
+    assert_eq!(
+        (fresh, replay),
+        (2, 1),
+        "round trips for (a fresh call, its replay)"
+    );
+}
