@@ -506,6 +506,8 @@ every_store! {
     many_waiters_behind_a_failing_holder_run_the_body_exactly_once_more => |kind| waiters_behind_a_failing_holder(kind, 8, 8);
     many_waiters_on_a_pool_of_one_connection_are_all_answered => |kind| waiters_behind_a_failing_holder(kind, 1, 12);
     many_waiters_behind_a_dead_holder_take_it_over_exactly_once => |kind| waiters_behind_a_dead_holder(kind, 8);
+    fifty_waiters_behind_a_failing_holder_run_the_body_exactly_once_more => |kind| waiters_behind_a_failing_holder(kind, 8, 50);
+    fifty_waiters_behind_a_dead_holder_take_it_over_exactly_once => |kind| waiters_behind_a_dead_holder(kind, 50);
     a_waiter_is_never_answered_with_another_tenants_record_of_the_same_key => |kind| two_tenants_one_key(kind);
     a_refused_duplicate_is_told_the_lease_left => |kind| refused_with_the_lease_left(kind);
     a_waiter_dropped_mid_wait_leaves_nothing_behind => |kind| a_dropped_waiter(kind);
