@@ -117,7 +117,16 @@ async fn until_marked(pool: &sqlx::PgPool, identity: &Identity) {
 /// The owner (on `owner_store`) holds the record; the duplicate (on
 /// `dup_store`) waits and replays once the owner completes.
 async fn woken_by_completion(owner_store: PgStore, dup_store: PgStore) {
-    let (tenant, key) = (fresh_tenant(), "order-1".to_owned());
+    woken_by_completion_of(owner_store, dup_store, fresh_tenant(), "order-1".to_owned()).await;
+}
+
+/// [`woken_by_completion`] for a given tenant and key.
+async fn woken_by_completion_of(
+    owner_store: PgStore,
+    dup_store: PgStore,
+    tenant: String,
+    key: String,
+) {
     let identity = Identity::new(&tenant, "waiting.pg.charge", &key).expect("identity");
     let owner = Counting::new(owner_store.clone());
     let dup = Counting::new(dup_store);
@@ -163,6 +172,95 @@ async fn a_duplicate_in_another_process_is_woken_by_the_completion() {
     };
     let other = PgStore::connect(&pg_url()).await.expect("second store");
     woken_by_completion(owner, other).await;
+}
+
+/// Rule 4 for identities whose text is awkward for `NOTIFY`: quotes and
+/// backslashes, characters outside ASCII (counted in characters by
+/// `length()` and in bytes by the payload limit), a key of 255 bytes of
+/// 4-byte characters, a tenant that looks like a length prefix. The payload
+/// is a digest, so each waiter is still woken by its own record's
+/// notification (a wait key that disagreed with the database's would leave
+/// it polling, dozens of reservations over the hold).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiters_on_identities_with_awkward_text_are_woken_not_polling() {
+    let Some(store) = pg_store_or_skip().await else {
+        return;
+    };
+    let base = fresh_tenant();
+    let cases = [
+        (
+            format!("{base}'\\"),
+            "it's a \"quoted\" \\ key; $$ -- /*".to_owned(),
+        ),
+        (format!("1:{base}"), "\u{1F4B3}".repeat(63) + "abc"),
+        (
+            format!("t\u{e9}n\u{e4}nt-{base}"),
+            "\u{65e5}\u{672c}\u{8a9e}\u{feff}e\u{301}".to_owned(),
+        ),
+        (base.clone(), "k".repeat(255)),
+    ];
+    for (tenant, key) in cases {
+        assert!(key.len() <= 255, "a valid key: {} bytes", key.len());
+        woken_by_completion_of(store.clone(), store.clone(), tenant, key).await;
+    }
+}
+
+/// Rules 3 and 4 with many waiters split over two stores (two pools, two
+/// listeners: as two processes): the owner's body fails, the release
+/// notifies both listeners, and of the fifty woken waiters exactly one runs
+/// the body; every other one replays its result. Each store has a pool of
+/// four connections: a waiter holds none while it waits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fifty_waiters_over_two_stores_behind_a_failing_owner_run_the_body_once() {
+    if pg_store_or_skip().await.is_none() {
+        return;
+    }
+    // Pools of four connections: waiters hold none while they wait.
+    let small = || async {
+        let pool = sqlx::postgres::PgPoolOptions::new()
+            .max_connections(4)
+            .acquire_timeout(Duration::from_secs(5))
+            .connect(&pg_url())
+            .await
+            .expect("pool");
+        PgStore::from_pool(pool).await.expect("store")
+    };
+    let (first, second) = (small().await, small().await);
+    let (tenant, key) = (fresh_tenant(), "order-50".to_owned());
+    let (a, b) = (Counting::new(first), Counting::new(second));
+    let (hold, runs) = (Hold::default(), AtomicUsize::new(0));
+    let owner_call = fallible(&a, &tenant, &key, 5, Some(&hold), &runs, true);
+    let duplicates = async {
+        hold.reached.notified().await;
+        let calls = (0..50).map(|i| {
+            let store: &dyn Store = if i % 2 == 0 { &a } else { &b };
+            with_outcome(fallible(store, &tenant, &key, 5, None, &runs, false))
+        });
+        let release = async {
+            a.waited(25).await;
+            b.waited(25).await;
+            hold.go.notify_one();
+        };
+        let (answers, ()) = tokio::join!(futures_util::future::join_all(calls), release);
+        answers
+    };
+    let (owned, answers) = tokio::time::timeout(Duration::from_secs(60), async {
+        tokio::join!(owner_call, duplicates)
+    })
+    .await
+    .expect("fifty waiters answered within a minute");
+    assert!(owned.is_err(), "the owner's body failed");
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        2,
+        "the owner, then exactly one waiter"
+    );
+    let mut executed = 0;
+    for (answer, outcome) in answers {
+        assert_eq!(answer.expect("a waiter's answer"), 50);
+        executed += usize::from(outcome == Some(Outcome::Executed));
+    }
+    assert_eq!(executed, 1, "one waiter ran the body, the others replayed");
 }
 
 /// Many waiters on one key lock the row in turn to mark it, so one waiter's
@@ -686,4 +784,90 @@ async fn transactional_waiters_behind_a_failing_owner_run_the_body_once_and_repl
         record.and_then(|r| r.outcome).map(|o| o.payload),
         Some(b"40".to_vec())
     );
+}
+
+/// The store's backends whose last statement was one of the listener's (its
+/// `LISTEN`, its check of `idle_session_timeout`, a `SELECT 1`), among the
+/// connections named `app` (`application_name`).
+async fn listener_backends(admin: &sqlx::PgPool, app: &str) -> i64 {
+    sqlx::query_scalar(
+        "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 \
+           AND (query LIKE 'LISTEN%' OR query LIKE '%idle_session_timeout%' OR query = 'SELECT 1')",
+    )
+    .bind(app)
+    .fetch_one(admin)
+    .await
+    .expect("count the listener backends")
+}
+
+/// Until `app` has `n` listener backends (a hang guard fails the test).
+async fn until_listener_backends(admin: &sqlx::PgPool, app: &str, n: i64) {
+    let seen = tokio::time::timeout(Duration::from_secs(20), async {
+        loop {
+            let seen = listener_backends(admin, app).await;
+            if seen == n {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    assert!(
+        seen.is_ok(),
+        "{app}: {} listener backends, expected {n}",
+        listener_backends(admin, app).await
+    );
+}
+
+/// Rule 4's listener is one connection per store, whatever the number of
+/// waiters and however many of them are dropped mid-wait, and it goes away
+/// with the store: twenty waiters (ten of them dropped while they wait) on
+/// one store leave one listener; once the store is dropped, none.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_listener_per_store_and_none_once_the_store_is_dropped() {
+    let Some(admin) = pg_store_or_skip().await else {
+        return;
+    };
+    let app = format!("h-listener-{}", uuid::Uuid::new_v4().simple());
+    let options: sqlx::postgres::PgConnectOptions = pg_url().parse().expect("url");
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(4)
+        .connect_with(options.application_name(&app))
+        .await
+        .expect("pool");
+    let store = PgStore::from_pool(pool).await.expect("store");
+    let (tenant, key) = (fresh_tenant(), "order-listeners".to_owned());
+    let counted = Counting::new(store.clone());
+    let (hold, runs) = (Hold::default(), AtomicUsize::new(0));
+    let owner_call = charge(&counted, &tenant, &key, 4, Some(&hold), &runs);
+    let waiters = async {
+        hold.reached.notified().await;
+        let dropped = async {
+            let calls = (0..10).map(|_| charge(&counted, &tenant, &key, 4, None, &runs));
+            let all = futures_util::future::join_all(calls);
+            tokio::select! {
+                _ = all => panic!("a dropped waiter was answered while the owner held the record"),
+                () = counted.waited(10) => {}
+            }
+        };
+        dropped.await;
+        let calls = (0..10).map(|_| charge(&counted, &tenant, &key, 4, None, &runs));
+        let release = async {
+            counted.waited(20).await;
+            until_listener_backends(admin.pool(), &app, 1).await;
+            hold.go.notify_one();
+        };
+        let (answers, ()) = tokio::join!(futures_util::future::join_all(calls), release);
+        answers
+    };
+    let (owned, answers) = tokio::join!(owner_call, waiters);
+    assert_eq!(owned.expect("owner"), 40);
+    for answer in answers {
+        assert_eq!(answer.expect("a waiter"), 40);
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    until_listener_backends(admin.pool(), &app, 1).await;
+    drop(counted);
+    drop(store);
+    until_listener_backends(admin.pool(), &app, 0).await;
 }
