@@ -15,6 +15,8 @@ pub struct Counting<S> {
     reserves: AtomicUsize,
     /// How many times a duplicate has entered `wait_for_change`.
     pub waits: watch::Sender<usize>,
+    /// The time spent in `wait_for_change`, every wait's added up.
+    waiting: std::sync::Mutex<Duration>,
 }
 
 impl<S> Counting<S> {
@@ -23,10 +25,16 @@ impl<S> Counting<S> {
             inner,
             reserves: AtomicUsize::new(0),
             waits: watch::Sender::new(0),
+            waiting: std::sync::Mutex::new(Duration::ZERO),
         }
     }
     pub fn reserves(&self) -> usize {
         self.reserves.load(Ordering::SeqCst)
+    }
+    /// The time duplicates have spent in `wait_for_change` so far (waits
+    /// that have returned), added up.
+    pub fn time_waiting(&self) -> Duration {
+        *self.waiting.lock().unwrap_or_else(|p| p.into_inner())
     }
     /// Until duplicates have entered `wait_for_change` `n` times in all.
     pub async fn waited(&self, n: usize) {
@@ -84,7 +92,9 @@ impl<S: Store> Store for Counting<S> {
     }
     async fn wait_for_change(&self, i: &Identity, max_wait: Duration, round: u32) {
         self.waits.send_modify(|w| *w += 1);
-        self.inner.wait_for_change(i, max_wait, round).await
+        let started = tokio::time::Instant::now();
+        self.inner.wait_for_change(i, max_wait, round).await;
+        *self.waiting.lock().unwrap_or_else(|p| p.into_inner()) += started.elapsed();
     }
     async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError> {
         self.inner.purge_expired(batch).await

@@ -413,6 +413,98 @@ async fn a_transactional_owner_falls_back_to_polling_and_still_replays() {
     assert_eq!(runs.load(Ordering::SeqCst), 1, "the body ran once");
 }
 
+/// The store-mode twin of [`charge_in_tx`] (same scope, same fingerprint).
+#[idempotent(scope = "waiting.pg.in_tx", key = key, tenant = tenant, store = store,
+             skip(runs), in_progress = wait("30s"), shared_scope)]
+async fn charge_in_tx_through_store(
+    store: &dyn Store,
+    tenant: &str,
+    key: &str,
+    amount: u64,
+    runs: &AtomicUsize,
+) -> Result<u64, Error> {
+    runs.fetch_add(1, Ordering::SeqCst);
+    Ok(amount * 10)
+}
+
+/// A transactional-mode owner took an expired record over and holds it
+/// (uncommitted) while a store-mode duplicate waits. The duplicate's mark
+/// finds the row locked, and the version it can read has a lease that ran
+/// out: that is not a change worth reserving again at once (the owner's
+/// transaction holds the row for as long as it runs, and the reservation that
+/// follows only waits for its lock, `lock_wait` at a time, to answer
+/// `InProgress` again), so the duplicate polls at the documented backoff
+/// (5 ms doubling to 100 ms) like one behind an uncommitted reservation,
+/// instead of reserving again and again with no pause between: with a short
+/// `lock_wait`, hundreds of statements a second for as long as it waits.
+///
+/// Measured from below only, as the time the duplicate spent in its waits
+/// (its reservations, which wait for the row lock, are not counted): twelve
+/// waits take at least the pauses of the backoff (5 + 10 + 20 + 40 + 80 +
+/// 6 x 100 ms), which the sleeps guarantee; returned at once, they take the
+/// few milliseconds of a mark each.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_duplicate_behind_a_transactional_takeover_polls_at_the_backoff() {
+    let Some(store) = pg_store_or_skip().await else {
+        return;
+    };
+    let (tenant, key) = (fresh_tenant(), "order-tx-takeover".to_owned());
+    // A dead owner's record whose lease has run out.
+    sqlx::query(
+        "INSERT INTO idempotency_records (tenant, scope, key, state, owner_token, \
+         lease_expires_at, expires_at, created_at, updated_at) \
+         VALUES ($1, 'waiting.pg.in_tx', $2, 'in_progress', 'gone', \
+                 idempotency_now_ms() - 1000, idempotency_now_ms() + 86400000, \
+                 idempotency_now_ms() - 2000, idempotency_now_ms() - 2000)",
+    )
+    .bind(&tenant)
+    .bind(&key)
+    .execute(store.pool())
+    .await
+    .expect("a dead owner's expired record");
+    let runs = AtomicUsize::new(0);
+    let mut tx = store.pool().begin().await.expect("begin");
+    let owned = charge_in_tx(&mut tx, &tenant, &key, 6, &runs)
+        .await
+        .expect("the transactional owner takes the record over");
+    assert_eq!(owned, 60);
+    let dup = Counting::new(store.clone().with_lock_wait(Duration::from_millis(1)));
+    let duplicate = with_outcome(charge_in_tx_through_store(&dup, &tenant, &key, 6, &runs));
+    let commit = async {
+        // Twelve waits have returned once the thirteenth reservation is made.
+        while dup.reserves() < 13 {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        let waiting = dup.time_waiting();
+        tx.commit().await.expect("commit");
+        waiting
+    };
+    let ((replayed, outcome), waiting) = tokio::time::timeout(Duration::from_secs(25), async {
+        tokio::join!(duplicate, commit)
+    })
+    .await
+    .expect("the duplicate answered once the owner committed");
+    assert_eq!(replayed.expect("duplicate"), 60);
+    assert_eq!(outcome, Some(Outcome::Replayed));
+    assert_eq!(runs.load(Ordering::SeqCst), 1, "the body ran once");
+    let pauses = Duration::from_millis(5 + 10 + 20 + 40 + 80 + 6 * 100);
+    assert!(
+        waiting >= pauses,
+        "twelve waits took {waiting:?} in all: the duplicate reserved again with no pause \
+         (at least {pauses:?} of backoff expected)"
+    );
+    let identity = Identity::new(&tenant, "waiting.pg.in_tx", &key).expect("identity");
+    let record = store
+        .fetch(&identity)
+        .await
+        .expect("fetch")
+        .expect("record");
+    assert_eq!(
+        record.attempt, 2,
+        "the transactional owner took the record over"
+    );
+}
+
 /// The listener cannot help when the owner died: nothing completes the
 /// record. The duplicate waits until the lease runs out and takes it over.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

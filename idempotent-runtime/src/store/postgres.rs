@@ -2208,11 +2208,12 @@ enum Mark {
         wait_key: String,
         lease_remaining: Duration,
     },
-    /// The record is complete, gone past its lease, or otherwise worth a new
-    /// reservation right away.
+    /// The record is complete, gone past its lease (and marked: no other
+    /// transaction holds it), or otherwise worth a new reservation right away.
     Changed,
     /// Not marked (absent in this snapshot, e.g. a transactional owner's
-    /// uncommitted reservation, or locked by another transaction): poll.
+    /// uncommitted reservation, or locked by another transaction, also one
+    /// whose lease ran out: a takeover holds it): poll.
     Unmarked,
 }
 
@@ -2294,7 +2295,14 @@ async fn mark_on(
     Ok(match (state.as_deref(), seen_remaining) {
         (Some("complete"), _) => Mark::Changed,
         (Some(_), None) => Mark::Changed,
-        (Some(_), Some(ms)) if ms <= 0 => Mark::Changed,
+        // In progress, its lease run out, yet not marked: the mark skipped a
+        // row locked by another transaction, one taking the record over (or
+        // deleting it). A transactional-mode takeover holds it until its
+        // caller's transaction ends, and a reservation made now would only
+        // wait for that lock to answer `InProgress` again: poll at the
+        // backoff, as behind an uncommitted reservation, instead of
+        // reserving again without a pause for as long as the wait lasts.
+        (Some(_), Some(ms)) if ms <= 0 => Mark::Unmarked,
         (Some(_), Some(ms)) if seen_waiting == Some(true) => match seen_wait_key {
             Some(wait_key) => Mark::MarkedBefore {
                 wait_key,
