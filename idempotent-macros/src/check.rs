@@ -164,12 +164,12 @@ fn store_not_borrowed_from_an_owned_self(
     let Some(store_path) = place_in_self(store) else {
         return;
     };
-    // `self` or `self: Self`: fields are captured apart; anything else owns
-    // `self` through a pointer (`Arc<Self>`, `Box<Self>`, `Pin<Box<Self>>`).
+    // `self`, `self: Self` or `self: Ledger` (the type by its name): fields
+    // are captured apart; a pointer (`Arc<Self>`, `Box<Self>`,
+    // `Pin<Box<Self>>`, `&mut Self`) owns `self` whole.
     let by_value = match receiver.colon_token {
         None => true,
-        Some(_) => matches!(ungroup_type(&receiver.ty), Type::Path(p)
-            if p.qself.is_none() && p.path.is_ident("Self")),
+        Some(_) => !through_a_pointer(&receiver.ty),
     };
     let mut uses = Vec::new();
     self_uses(body.clone(), &mut uses);
@@ -207,6 +207,31 @@ fn store_not_borrowed_from_an_owned_self(
     );
 }
 
+/// Whether a receiver's type reaches `Self` through a pointer: a reference,
+/// a `Box`, `Rc`, `Arc` or `Pin`, or any type with `Self` among its generic
+/// arguments (`MyPtr<Self>`). A type named as itself (`self: Ledger`,
+/// `self: Ledger<T>`) is `self` by value.
+fn through_a_pointer(ty: &Type) -> bool {
+    fn mentions_self(ty: &Type) -> bool {
+        ty.to_token_stream()
+            .into_iter()
+            .any(|t| matches!(t, proc_macro2::TokenTree::Ident(id) if id == "Self"))
+    }
+    match ungroup_type(ty) {
+        Type::Paren(p) => through_a_pointer(&p.elem),
+        Type::Path(p) if p.qself.is_none() => p.path.segments.last().is_some_and(|last| {
+            ["Box", "Rc", "Arc", "Pin"]
+                .iter()
+                .any(|name| last.ident == name)
+                || matches!(&last.arguments, syn::PathArguments::AngleBracketed(a)
+                        if a.args.iter().any(|arg| matches!(arg,
+                            syn::GenericArgument::Type(t) if mentions_self(t))))
+        }),
+        // A reference, or a type not written as a plain path: not by value.
+        _ => true,
+    }
+}
+
 /// `self: Pin<&Self>` or `self: Pin<&mut Self>`: a borrow, not an owner.
 fn pinned_borrow(r: &syn::Receiver) -> bool {
     r.colon_token.is_some()
@@ -240,7 +265,8 @@ fn place_in_self(expr: &Expr) -> Option<Vec<String>> {
 /// Every use of `self` in the body's tokens, as the fields it goes through
 /// (`self.a.b.len()` → `["a", "b"]`; `&self`, `self.method()` → `[]`).
 /// `self::path` is a path, not a use; nested items (`fn`, `impl`, `trait`,
-/// `mod`) have a `self` of their own and are not looked into.
+/// `mod`) have a `self` of their own and are not looked into, and a `use`
+/// declaration's `self` (`use std::fmt::{self, Write};`) is a module's.
 fn self_uses(tokens: TokenStream, uses: &mut Vec<Vec<String>>) {
     use proc_macro2::TokenTree;
     let tokens: Vec<TokenTree> = tokens.into_iter().collect();
@@ -256,6 +282,12 @@ fn self_uses(tokens: TokenStream, uses: &mut Vec<Vec<String>>) {
                 while i < tokens.len()
                     && !matches!(&tokens[i], TokenTree::Group(g) if g.delimiter() == proc_macro2::Delimiter::Brace)
                 {
+                    i += 1;
+                }
+            }
+            TokenTree::Ident(id) if id == "use" => {
+                // Up to the declaration's `;` (its `{...}` is one group).
+                while i < tokens.len() && !punct(i, ';') {
                     i += 1;
                 }
             }

@@ -126,6 +126,61 @@ async fn a_by_value_self_whose_body_uses_other_fields_borrows_its_store_field() 
     assert_eq!(payout(6).send("p1").await.expect("replays"), 5);
 }
 
+/// A by-value method whose receiver names its type (`self: Ledger` in
+/// `impl Ledger`, as a macro writing the impl may) is `self` by value: a
+/// body using only other fields compiles with `store = self.store`, as with
+/// `self` or `self: Self`; and a body importing a module's own name
+/// (`use std::fmt::{self, Write}`) does not use `self` at all, so it compiles
+/// under an `Arc<Self>` receiver too.
+struct Ledger {
+    store: MemoryStore,
+    amount: u64,
+}
+
+impl Ledger {
+    #[idempotent(scope = "send.named_self_type", key = key, tenant = shared,
+                 store = self.store, skip(self))]
+    async fn named(self: Ledger, key: &str) -> Result<u64, Error> {
+        Ok(self.amount)
+    }
+
+    #[idempotent(scope = "send.by_value_use_self_import", key = key, tenant = shared,
+                 store = self.store, skip(self))]
+    async fn imports(self, key: &str) -> Result<String, Error> {
+        use std::fmt::{self, Write};
+        let mut out = String::new();
+        let written: fmt::Result = write!(out, "{}", self.amount);
+        written.expect("a String takes any write");
+        Ok(out)
+    }
+
+    #[idempotent(scope = "send.arc_use_self_import", key = key, tenant = shared,
+                 store = self.store, skip(self))]
+    async fn arc_imports(self: Arc<Self>, key: &str) -> Result<String, Error> {
+        use std::fmt::{self, Write};
+        let mut out = String::new();
+        let written: fmt::Result = write!(out, "{key}");
+        written.expect("a String takes any write");
+        Ok(out)
+    }
+}
+
+#[tokio::test]
+async fn a_named_self_type_and_a_use_of_a_modules_self_are_not_uses_of_self() {
+    let store = MemoryStore::new();
+    let ledger = |amount| Ledger {
+        store: store.clone(),
+        amount,
+    };
+    assert_eq!(ledger(7).named("n1").await.expect("runs"), 7);
+    assert_eq!(ledger(8).named("n1").await.expect("replays"), 7);
+    assert_eq!(ledger(9).imports("i1").await.expect("runs"), "9");
+    assert_eq!(
+        Arc::new(ledger(1)).arc_imports("a1").await.expect("runs"),
+        "a1"
+    );
+}
+
 /// An error type that is not `Send` (it holds an `Rc`), or that borrows
 /// (not `'static`), is the function's own business (the hunt's lead: no
 /// error deep in generated code): the runtime neither spawns the body nor

@@ -685,3 +685,79 @@ fn applied_twice_is_refused_but_not_another_crates_attribute() {
     )
     .expect("another crate's attribute");
 }
+
+/// `store = self.store` on a method owning `self`: a receiver naming its
+/// type (`self: Ledger`) is `self` by value, so a body using other fields
+/// passes, while a pointer naming it (`self: Box<Ledger>`) or `&mut Self`
+/// still owns `self` whole; a `use` declaration's `self` is a module's.
+#[test]
+fn store_borrowed_from_an_owned_self_tells_a_named_type_from_a_pointer() {
+    let attr = quote!(
+        scope = "s.owned",
+        key = key,
+        tenant = shared,
+        store = self.store,
+        skip(self)
+    );
+    let passes = [
+        quote!(
+            async fn f(self: Ledger, key: &str) -> Result<u8, E> {
+                Ok(self.amount)
+            }
+        ),
+        quote!(
+            async fn f(mut self: Ledger<T>, key: &str) -> Result<u8, E> {
+                Ok(self.amount)
+            }
+        ),
+        quote!(
+            async fn f(self, key: &str) -> Result<u8, E> {
+                use std::fmt::{self, Write};
+                Ok(self.amount)
+            }
+        ),
+        quote!(
+            async fn f(self: Arc<Self>, key: &str) -> Result<u8, E> {
+                use std::io::{self};
+                Ok(1)
+            }
+        ),
+    ];
+    for func in passes {
+        let shown = func.to_string();
+        check(attr.clone(), func).unwrap_or_else(|e| panic!("{shown}: {e}"));
+    }
+    let refused = [
+        quote!(
+            async fn f(self: Box<Ledger>, key: &str) -> Result<u8, E> {
+                Ok(self.amount)
+            }
+        ),
+        quote!(
+            async fn f(self: Pin<Box<Self>>, key: &str) -> Result<u8, E> {
+                Ok(self.amount)
+            }
+        ),
+        quote!(
+            async fn f(self: &mut Self, key: &str) -> Result<u8, E> {
+                Ok(self.amount)
+            }
+        ),
+        quote!(
+            async fn f(self: Ledger, key: &str) -> Result<u8, E> {
+                Ok(self.store.len())
+            }
+        ),
+        quote!(
+            async fn f(self, key: &str) -> Result<u8, E> {
+                use std::fmt::{self, Write};
+                Ok(self.count())
+            }
+        ),
+    ];
+    for func in refused {
+        let shown = func.to_string();
+        let e = check_err(attr.clone(), func);
+        assert!(e.contains("borrows the store from `self`"), "{shown}: {e}");
+    }
+}
