@@ -1188,7 +1188,6 @@ impl TestStream {
     }
 }
 
-/// Whether every message of the durable has been delivered and settled.
 /// A consumer's messages as [`pulled_in_turn`] takes them.
 pub(crate) type PulledInTurn = futures_util::stream::TryFlatten<pull::Sequence>;
 
@@ -1213,6 +1212,7 @@ pub(crate) fn pulled_in_turn(consumer: &PullConsumer, batch: usize) -> PulledInT
         .try_flatten()
 }
 
+/// Whether every message of the durable has been delivered and settled.
 pub(crate) async fn settled(consumer: &PullConsumer) -> bool {
     match consumer.get_info().await {
         Ok(info) => info.num_pending == 0 && info.num_ack_pending == 0,
