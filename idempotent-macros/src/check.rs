@@ -173,7 +173,13 @@ fn store_not_borrowed_from_an_owned_self(
     };
     let mut uses = Vec::new();
     self_uses(body.clone(), &mut uses);
-    let conflicts = uses.iter().any(|used| {
+    let conflicts = uses.iter().any(|(used, matched)| {
+        // A by-value `self` matched against a pattern (`let Self { amount,
+        // .. } = self`, `match self { ... }`) moves only the fields the
+        // pattern binds: not surely the store's.
+        if by_value && *matched {
+            return false;
+        }
         !by_value
             || used.len() <= store_path.len() && store_path[..used.len()] == used[..]
             || store_path.len() <= used.len() && used[..store_path.len()] == store_path[..]
@@ -267,7 +273,10 @@ fn place_in_self(expr: &Expr) -> Option<Vec<String>> {
 /// `self::path` is a path, not a use; nested items (`fn`, `impl`, `trait`,
 /// `mod`) have a `self` of their own and are not looked into, and a `use`
 /// declaration's `self` (`use std::fmt::{self, Write};`) is a module's.
-fn self_uses(tokens: TokenStream, uses: &mut Vec<Vec<String>>) {
+/// Each use comes with whether it is a bare `self` matched against a
+/// pattern: right after `match`, or after a lone `=` (`let P = self`,
+/// `if let P = self`), not `==`, `<=` or `+=`.
+fn self_uses(tokens: TokenStream, uses: &mut Vec<(Vec<String>, bool)>) {
     use proc_macro2::TokenTree;
     let tokens: Vec<TokenTree> = tokens.into_iter().collect();
     let punct =
@@ -309,7 +318,16 @@ fn self_uses(tokens: TokenStream, uses: &mut Vec<Vec<String>>) {
                     path.extend(field.split('.').map(str::to_owned));
                     j += 2;
                 }
-                uses.push(path);
+                let matched = path.is_empty()
+                    && match i.checked_sub(1).map(|b| &tokens[b]) {
+                        Some(TokenTree::Ident(before)) => before == "match",
+                        Some(TokenTree::Punct(eq)) if eq.as_char() == '=' => !matches!(
+                            i.checked_sub(2).map(|b| &tokens[b]),
+                            Some(TokenTree::Punct(p)) if p.spacing() == proc_macro2::Spacing::Joint
+                        ),
+                        _ => false,
+                    };
+                uses.push((path, matched));
             }
             TokenTree::Group(g) => self_uses(g.stream(), uses),
             _ => {}

@@ -131,7 +131,8 @@ async fn a_by_value_self_whose_body_uses_other_fields_borrows_its_store_field() 
 /// body using only other fields compiles with `store = self.store`, as with
 /// `self` or `self: Self`; and a body importing a module's own name
 /// (`use std::fmt::{self, Write}`) does not use `self` at all, so it compiles
-/// under an `Arc<Self>` receiver too.
+/// under an `Arc<Self>` receiver too; nor does one destructuring `self`
+/// (`let Self { amount, .. } = self`, `match self`) move the store's field.
 struct Ledger {
     store: MemoryStore,
     amount: u64,
@@ -165,6 +166,25 @@ impl Ledger {
     }
 }
 
+impl Ledger {
+    /// `self` destructured: only `amount` is moved into the body.
+    #[idempotent(scope = "send.by_value_destructured", key = key, tenant = shared,
+                 store = self.store, skip(self))]
+    async fn destructured(self, key: &str) -> Result<u64, Error> {
+        let Self { amount, .. } = self;
+        Ok(amount)
+    }
+
+    /// `self` matched: only `amount` is moved into the body.
+    #[idempotent(scope = "send.by_value_matched", key = key, tenant = shared,
+                 store = self.store, skip(self))]
+    async fn matched(self, key: &str) -> Result<u64, Error> {
+        match self {
+            Ledger { amount, .. } => Ok(amount),
+        }
+    }
+}
+
 #[tokio::test]
 async fn a_named_self_type_and_a_use_of_a_modules_self_are_not_uses_of_self() {
     let store = MemoryStore::new();
@@ -179,6 +199,9 @@ async fn a_named_self_type_and_a_use_of_a_modules_self_are_not_uses_of_self() {
         Arc::new(ledger(1)).arc_imports("a1").await.expect("runs"),
         "a1"
     );
+    assert_eq!(ledger(3).destructured("d1").await.expect("runs"), 3);
+    assert_eq!(ledger(4).destructured("d1").await.expect("replays"), 3);
+    assert_eq!(ledger(5).matched("m1").await.expect("runs"), 5);
 }
 
 /// An error type that is not `Send` (it holds an `Rc`), or that borrows

@@ -689,7 +689,8 @@ fn applied_twice_is_refused_but_not_another_crates_attribute() {
 /// `store = self.store` on a method owning `self`: a receiver naming its
 /// type (`self: Ledger`) is `self` by value, so a body using other fields
 /// passes, while a pointer naming it (`self: Box<Ledger>`) or `&mut Self`
-/// still owns `self` whole; a `use` declaration's `self` is a module's.
+/// still owns `self` whole; a `use` declaration's `self` is a module's, and
+/// a by-value `self` matched against a pattern moves only what it binds.
 #[test]
 fn store_borrowed_from_an_owned_self_tells_a_named_type_from_a_pointer() {
     let attr = quote!(
@@ -722,6 +723,19 @@ fn store_borrowed_from_an_owned_self_tells_a_named_type_from_a_pointer() {
                 Ok(1)
             }
         ),
+        quote!(
+            async fn f(self, key: &str) -> Result<u8, E> {
+                let Self { amount, .. } = self;
+                Ok(amount)
+            }
+        ),
+        quote!(
+            async fn f(self, key: &str) -> Result<u8, E> {
+                match self {
+                    Ledger { amount, .. } => Ok(amount),
+                }
+            }
+        ),
     ];
     for func in passes {
         let shown = func.to_string();
@@ -752,6 +766,18 @@ fn store_borrowed_from_an_owned_self_tells_a_named_type_from_a_pointer() {
             async fn f(self, key: &str) -> Result<u8, E> {
                 use std::fmt::{self, Write};
                 Ok(self.count())
+            }
+        ),
+        quote!(
+            async fn f(self, key: &str) -> Result<u8, E> {
+                let same = other == self;
+                Ok(1)
+            }
+        ),
+        quote!(
+            async fn f(self: Arc<Self>, key: &str) -> Result<u8, E> {
+                let Self { amount, .. } = &*self;
+                Ok(*amount)
             }
         ),
     ];
