@@ -180,6 +180,7 @@ impl Ledger {
                  store = self.store, skip(self))]
     async fn matched(self, key: &str) -> Result<u64, Error> {
         match self {
+            Ledger { amount: 0, .. } => Ok(0),
             Ledger { amount, .. } => Ok(amount),
         }
     }
