@@ -20,7 +20,8 @@
 //!   with `Idempotency-Key` → 201, `Location: /payments/<charge_id>`;
 //!   `delay_ms` makes the simulated gateway slow. The gateway is asked with
 //!   the request's key: a charge it made whose row could not be written
-//!   (a 503, which releases the key) is not made again by the retry.
+//!   (a 503, which releases the key) is not made again by the retry, and
+//!   the key sent again with another amount or currency is refused (422).
 //! * `GET /payments/<charge_id>` → the charge, to its own account only.
 //! * `POST /refunds` `{"charge_id": "..."}` with `Idempotency-Key`: the
 //!   extractor style — the handler calls an `#[idempotent]` function. A
@@ -231,16 +232,31 @@ async fn authenticate(mut request: Request, next: Next) -> Response {
 /// database failed after the gateway answered) is answered 503, which
 /// releases the key, and the client's retry runs the handler again; asked
 /// with the same key, the gateway answers with the charge it made instead of
-/// charging the card a second time. (This one keeps its keys in memory, so a
-/// restart forgets them; a real gateway keeps them, Stripe for 24 hours.)
+/// charging the card a second time. A key reused for another amount or
+/// currency is refused, as a real gateway refuses it: answering with the
+/// charge made would record a charge the card never saw. (This one keeps its
+/// keys in memory, so a restart forgets them; a real gateway keeps them,
+/// Stripe for 24 hours.)
 #[derive(Default)]
 struct Gateway {
     /// The charge made for each (account, key).
-    charges: Mutex<HashMap<(String, String), String>>,
+    charges: Mutex<HashMap<(String, String), GatewayCharge>>,
 }
 
+/// A charge the gateway made: its id, and what it charged.
+#[derive(Clone)]
+struct GatewayCharge {
+    id: String,
+    amount_cents: u64,
+    currency: String,
+}
+
+/// The gateway's refusal of a key it charged other parameters under.
+struct KeyReusedAtGateway;
+
 impl Gateway {
-    /// Charges once per (account, key); answers the charge's id.
+    /// Charges once per (account, key); answers the charge's id, or refuses
+    /// a key reused for another amount or currency.
     async fn charge(
         &self,
         account: &str,
@@ -248,11 +264,21 @@ impl Gateway {
         amount_cents: u64,
         currency: &str,
         delay: Duration,
-    ) -> String {
+    ) -> Result<String, KeyReusedAtGateway> {
         let made = (account.to_owned(), key.as_str().to_owned());
-        if let Some(charge_id) = self.made(&made) {
-            tracing::info!(account, charge_id = %charge_id, "gateway: already charged for this key");
-            return charge_id;
+        let same = |charge: &GatewayCharge| {
+            charge.amount_cents == amount_cents && charge.currency == currency
+        };
+        if let Some(charge) = self.made(&made) {
+            if !same(&charge) {
+                tracing::warn!(
+                    account,
+                    "gateway: key reused for another amount or currency"
+                );
+                return Err(KeyReusedAtGateway);
+            }
+            tracing::info!(account, charge_id = %charge.id, "gateway: already charged for this key");
+            return Ok(charge.id);
         }
         // The raw key is never logged.
         tracing::info!(
@@ -263,18 +289,25 @@ impl Gateway {
             "gateway: charging"
         );
         tokio::time::sleep(delay).await;
-        let charge_id = {
+        let charge = {
             let mut charges = self.charges.lock().unwrap_or_else(|e| e.into_inner());
             charges
                 .entry(made)
-                .or_insert_with(|| format!("ch_{}", uuid::Uuid::new_v4().simple()))
+                .or_insert_with(|| GatewayCharge {
+                    id: format!("ch_{}", uuid::Uuid::new_v4().simple()),
+                    amount_cents,
+                    currency: currency.to_owned(),
+                })
                 .clone()
         };
+        if !same(&charge) {
+            return Err(KeyReusedAtGateway);
+        }
         tracing::info!(account, amount_cents, currency, "gateway: charged");
-        charge_id
+        Ok(charge.id)
     }
 
-    fn made(&self, made: &(String, String)) -> Option<String> {
+    fn made(&self, made: &(String, String)) -> Option<GatewayCharge> {
         let charges = self.charges.lock().unwrap_or_else(|e| e.into_inner());
         charges.get(made).cloned()
     }
@@ -305,7 +338,7 @@ async fn create_payment(
     let delay = Duration::from_millis(request.delay_ms.min(600_000));
     // The request's key goes to the gateway: past this point the card is
     // charged, and a failure below releases the key (a 503).
-    let charge_id = app
+    let Ok(charge_id) = app
         .gateway
         .charge(
             &account.0,
@@ -314,7 +347,18 @@ async fn create_payment(
             &request.currency,
             delay,
         )
-        .await;
+        .await
+    else {
+        // Only after a failure released the key (a 5xx): here a reused key
+        // is refused before the handler runs.
+        return problem(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "key-reused-at-gateway",
+            "Idempotency key reused",
+            "This Idempotency-Key was charged for another amount or currency. \
+             Retry that charge with its own request, or use a new key for this one.",
+        );
+    };
     let charge = Charge {
         charge_id,
         amount_cents: request.amount_cents,

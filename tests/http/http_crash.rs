@@ -364,6 +364,93 @@ async fn a_charge_the_database_cannot_record_is_not_charged_again_by_the_retry_p
     let _ = std::fs::remove_dir_all(&tmp);
 }
 
+/// The example as a user copies it: a charge whose row the database refused
+/// was answered 503, which releases the key; a later request under that key
+/// with another amount ran the handler again, and the simulated gateway,
+/// remembering only the key, answered with the first charge's id, which was
+/// then recorded with the new amount: an answer describing a charge the
+/// gateway never made. Like a real gateway (Stripe refuses a key reused with
+/// other parameters), it now refuses that request (422), and nothing is
+/// recorded or charged.
+#[tokio::test]
+async fn a_key_reused_with_another_amount_after_a_failed_charge_is_refused_postgres() {
+    let url = pg_url();
+    if let Err(e) = sqlx::PgPool::connect(&url).await {
+        assert!(!servers_required(), "PostgreSQL unreachable at {url}: {e}");
+        eprintln!("\n!!!!!!!! SKIPPED: PostgreSQL is unreachable at {url} ({e}); set IDEMPOTENT_PG_URL or start the server.\n");
+        return;
+    }
+    let (mut admin, schema, schema_url) =
+        common::servers::pg_schema_of_its_own("http_example_key_reused").await;
+    let tmp = std::env::temp_dir().join(format!(
+        "idempotent-http-key-reused-{}",
+        uuid::Uuid::new_v4().simple()
+    ));
+    std::fs::create_dir_all(&tmp).expect("temp dir");
+    let account = fresh_tenant();
+    let mut server = Server::start(&tmp, Some(&schema_url)).await;
+    sqlx::query(&format!(
+        "ALTER TABLE {schema}.http_charges ADD CONSTRAINT refuse_the_row CHECK (account <> '{account}')"
+    ))
+    .execute(&mut admin)
+    .await
+    .expect("the database refuses this account's charges");
+    let client = IdempotentClient::new(reqwest::Client::new()).with_policy(RetryPolicy {
+        max_attempts: 1,
+        ..RetryPolicy::default()
+    });
+    let payments = format!("{}/payments", server.base);
+    let first = client
+        .intent(Method::POST, &payments)
+        .unwrap()
+        .header("x-account-id", &account)
+        .unwrap()
+        .json(&serde_json::json!({"amount_cents": 777, "currency": "EUR"}))
+        .unwrap();
+    assert!(
+        first.send().await.is_err(),
+        "the charge could not be recorded: 503, the key released"
+    );
+    sqlx::query(&format!(
+        "ALTER TABLE {schema}.http_charges DROP CONSTRAINT refuse_the_row"
+    ))
+    .execute(&mut admin)
+    .await
+    .expect("lift the refusal");
+    let other_amount = client
+        .intent_with_key(Method::POST, &payments, first.key())
+        .unwrap()
+        .header("x-account-id", &account)
+        .unwrap()
+        .json(&serde_json::json!({"amount_cents": 900, "currency": "EUR"}))
+        .unwrap();
+    let answer = other_amount.send().await.expect("an answer");
+    assert_eq!(
+        answer.status(),
+        422,
+        "another amount under a key the gateway charged 777 for"
+    );
+    assert_eq!(
+        charges_of(&schema_url, &account).await,
+        0,
+        "no charge recorded"
+    );
+    let gateway_charges = server
+        .lines
+        .lock()
+        .expect("lines")
+        .iter()
+        .filter(|l| l.contains("gateway: charged") && l.contains(&account))
+        .count();
+    assert_eq!(gateway_charges, 1, "the card was charged once, for 777");
+    server.kill().await;
+    sqlx::query(&format!("DROP SCHEMA {schema} CASCADE"))
+        .execute(&mut admin)
+        .await
+        .expect("drop schema");
+    let _ = std::fs::remove_dir_all(&tmp);
+}
+
 /// The example as a user copies it (the example hunt's lead): a refund is
 /// idempotent per key, but nothing kept a charge from being refunded twice
 /// under two keys (a second click on "refund" makes a second intent, with a
