@@ -276,6 +276,83 @@ async fn sigkill_during_a_slow_charge_then_retry_after_restart_charges_once_post
     crash_before_the_charge_then_retry(Some(&url)).await;
 }
 
+/// The example on a PostgreSQL schema of its own whose database refuses one
+/// fresh account's charges (a constraint added once the example made its
+/// tables) until [`lift`](Self::lift): a charge the gateway made whose row
+/// cannot be written. `None` when PostgreSQL is unreachable (skipped).
+struct UnrecordedCharges {
+    admin: sqlx::PgConnection,
+    schema: String,
+    schema_url: String,
+    tmp: std::path::PathBuf,
+    server: Server,
+    account: String,
+}
+
+impl UnrecordedCharges {
+    async fn start(label: &str) -> Option<Self> {
+        let url = pg_url();
+        if let Err(e) = sqlx::PgPool::connect(&url).await {
+            assert!(!servers_required(), "PostgreSQL unreachable at {url}: {e}");
+            eprintln!("\n!!!!!!!! SKIPPED: PostgreSQL is unreachable at {url} ({e}); set IDEMPOTENT_PG_URL or start the server.\n");
+            return None;
+        }
+        let (mut admin, schema, schema_url) = common::servers::pg_schema_of_its_own(label).await;
+        let tmp = std::env::temp_dir().join(format!(
+            "idempotent-{label}-{}",
+            uuid::Uuid::new_v4().simple()
+        ));
+        std::fs::create_dir_all(&tmp).expect("temp dir");
+        let account = fresh_tenant();
+        let server = Server::start(&tmp, Some(&schema_url)).await;
+        sqlx::query(&format!(
+            "ALTER TABLE {schema}.http_charges ADD CONSTRAINT refuse_the_row CHECK (account <> '{account}')"
+        ))
+        .execute(&mut admin)
+        .await
+        .expect("the database refuses this account's charges");
+        Some(UnrecordedCharges {
+            admin,
+            schema,
+            schema_url,
+            tmp,
+            server,
+            account,
+        })
+    }
+
+    /// The database records this account's charges again.
+    async fn lift(&mut self) {
+        sqlx::query(&format!(
+            "ALTER TABLE {}.http_charges DROP CONSTRAINT refuse_the_row",
+            self.schema
+        ))
+        .execute(&mut self.admin)
+        .await
+        .expect("lift the refusal");
+    }
+
+    /// The charges the gateway made for the account (its log lines).
+    fn gateway_charges(&self) -> usize {
+        self.server
+            .lines
+            .lock()
+            .expect("lines")
+            .iter()
+            .filter(|l| l.contains("gateway: charged") && l.contains(&self.account))
+            .count()
+    }
+
+    async fn finish(mut self) {
+        self.server.kill().await;
+        sqlx::query(&format!("DROP SCHEMA {} CASCADE", self.schema))
+            .execute(&mut self.admin)
+            .await
+            .expect("drop schema");
+        let _ = std::fs::remove_dir_all(&self.tmp);
+    }
+}
+
 /// The example as a user copies it (the example hunt's lead): the gateway
 /// charged the card, then the charge could not be written to the database.
 /// The handler answered 503, which releases the key, and the client's retry
@@ -286,27 +363,9 @@ async fn sigkill_during_a_slow_charge_then_retry_after_restart_charges_once_post
 /// then the same intent, sent again, records the one charge.
 #[tokio::test]
 async fn a_charge_the_database_cannot_record_is_not_charged_again_by_the_retry_postgres() {
-    let url = pg_url();
-    if let Err(e) = sqlx::PgPool::connect(&url).await {
-        assert!(!servers_required(), "PostgreSQL unreachable at {url}: {e}");
-        eprintln!("\n!!!!!!!! SKIPPED: PostgreSQL is unreachable at {url} ({e}); set IDEMPOTENT_PG_URL or start the server.\n");
+    let Some(mut example) = UnrecordedCharges::start("http_example_unrecorded").await else {
         return;
-    }
-    let (mut admin, schema, schema_url) =
-        common::servers::pg_schema_of_its_own("http_example_unrecorded").await;
-    let tmp = std::env::temp_dir().join(format!(
-        "idempotent-http-unrecorded-{}",
-        uuid::Uuid::new_v4().simple()
-    ));
-    std::fs::create_dir_all(&tmp).expect("temp dir");
-    let account = fresh_tenant();
-    let mut server = Server::start(&tmp, Some(&schema_url)).await;
-    sqlx::query(&format!(
-        "ALTER TABLE {schema}.http_charges ADD CONSTRAINT refuse_the_row CHECK (account <> '{account}')"
-    ))
-    .execute(&mut admin)
-    .await
-    .expect("the database refuses this account's charges");
+    };
     let client = IdempotentClient::new(reqwest::Client::new()).with_policy(RetryPolicy {
         max_attempts: 3,
         initial_backoff: Duration::from_millis(10),
@@ -314,9 +373,9 @@ async fn a_charge_the_database_cannot_record_is_not_charged_again_by_the_retry_p
         ..RetryPolicy::default()
     });
     let intent = client
-        .intent(Method::POST, &format!("{}/payments", server.base))
+        .intent(Method::POST, &format!("{}/payments", example.server.base))
         .unwrap()
-        .header("x-account-id", &account)
+        .header("x-account-id", &example.account)
         .unwrap()
         .json(&serde_json::json!({"amount_cents": 777, "currency": "EUR"}))
         .unwrap();
@@ -325,43 +384,24 @@ async fn a_charge_the_database_cannot_record_is_not_charged_again_by_the_retry_p
         failed.is_err(),
         "every attempt was answered 503: {failed:?}"
     );
-    let gateway_charges = |server: &Server| {
-        server
-            .lines
-            .lock()
-            .expect("lines")
-            .iter()
-            .filter(|l| l.contains("gateway: charged") && l.contains(&account))
-            .count()
-    };
     assert_eq!(
-        gateway_charges(&server),
+        example.gateway_charges(),
         1,
         "one request, charged at the gateway once (3 attempts were made)"
     );
-    sqlx::query(&format!(
-        "ALTER TABLE {schema}.http_charges DROP CONSTRAINT refuse_the_row"
-    ))
-    .execute(&mut admin)
-    .await
-    .expect("lift the refusal");
+    example.lift().await;
     let answer = intent
         .send()
         .await
         .expect("answered once the database is back");
     assert_eq!(answer.status(), 201);
     assert_eq!(
-        gateway_charges(&server),
+        example.gateway_charges(),
         1,
         "still one charge at the gateway"
     );
-    assert_eq!(charges_of(&schema_url, &account).await, 1);
-    server.kill().await;
-    sqlx::query(&format!("DROP SCHEMA {schema} CASCADE"))
-        .execute(&mut admin)
-        .await
-        .expect("drop schema");
-    let _ = std::fs::remove_dir_all(&tmp);
+    assert_eq!(charges_of(&example.schema_url, &example.account).await, 1);
+    example.finish().await;
 }
 
 /// The example as a user copies it: a charge whose row the database refused
@@ -374,36 +414,18 @@ async fn a_charge_the_database_cannot_record_is_not_charged_again_by_the_retry_p
 /// recorded or charged.
 #[tokio::test]
 async fn a_key_reused_with_another_amount_after_a_failed_charge_is_refused_postgres() {
-    let url = pg_url();
-    if let Err(e) = sqlx::PgPool::connect(&url).await {
-        assert!(!servers_required(), "PostgreSQL unreachable at {url}: {e}");
-        eprintln!("\n!!!!!!!! SKIPPED: PostgreSQL is unreachable at {url} ({e}); set IDEMPOTENT_PG_URL or start the server.\n");
+    let Some(mut example) = UnrecordedCharges::start("http_example_key_reused").await else {
         return;
-    }
-    let (mut admin, schema, schema_url) =
-        common::servers::pg_schema_of_its_own("http_example_key_reused").await;
-    let tmp = std::env::temp_dir().join(format!(
-        "idempotent-http-key-reused-{}",
-        uuid::Uuid::new_v4().simple()
-    ));
-    std::fs::create_dir_all(&tmp).expect("temp dir");
-    let account = fresh_tenant();
-    let mut server = Server::start(&tmp, Some(&schema_url)).await;
-    sqlx::query(&format!(
-        "ALTER TABLE {schema}.http_charges ADD CONSTRAINT refuse_the_row CHECK (account <> '{account}')"
-    ))
-    .execute(&mut admin)
-    .await
-    .expect("the database refuses this account's charges");
+    };
     let client = IdempotentClient::new(reqwest::Client::new()).with_policy(RetryPolicy {
         max_attempts: 1,
         ..RetryPolicy::default()
     });
-    let payments = format!("{}/payments", server.base);
+    let payments = format!("{}/payments", example.server.base);
     let first = client
         .intent(Method::POST, &payments)
         .unwrap()
-        .header("x-account-id", &account)
+        .header("x-account-id", &example.account)
         .unwrap()
         .json(&serde_json::json!({"amount_cents": 777, "currency": "EUR"}))
         .unwrap();
@@ -411,16 +433,11 @@ async fn a_key_reused_with_another_amount_after_a_failed_charge_is_refused_postg
         first.send().await.is_err(),
         "the charge could not be recorded: 503, the key released"
     );
-    sqlx::query(&format!(
-        "ALTER TABLE {schema}.http_charges DROP CONSTRAINT refuse_the_row"
-    ))
-    .execute(&mut admin)
-    .await
-    .expect("lift the refusal");
+    example.lift().await;
     let other_amount = client
         .intent_with_key(Method::POST, &payments, first.key())
         .unwrap()
-        .header("x-account-id", &account)
+        .header("x-account-id", &example.account)
         .unwrap()
         .json(&serde_json::json!({"amount_cents": 900, "currency": "EUR"}))
         .unwrap();
@@ -431,24 +448,16 @@ async fn a_key_reused_with_another_amount_after_a_failed_charge_is_refused_postg
         "another amount under a key the gateway charged 777 for"
     );
     assert_eq!(
-        charges_of(&schema_url, &account).await,
+        charges_of(&example.schema_url, &example.account).await,
         0,
         "no charge recorded"
     );
-    let gateway_charges = server
-        .lines
-        .lock()
-        .expect("lines")
-        .iter()
-        .filter(|l| l.contains("gateway: charged") && l.contains(&account))
-        .count();
-    assert_eq!(gateway_charges, 1, "the card was charged once, for 777");
-    server.kill().await;
-    sqlx::query(&format!("DROP SCHEMA {schema} CASCADE"))
-        .execute(&mut admin)
-        .await
-        .expect("drop schema");
-    let _ = std::fs::remove_dir_all(&tmp);
+    assert_eq!(
+        example.gateway_charges(),
+        1,
+        "the card was charged once, for 777"
+    );
+    example.finish().await;
 }
 
 /// The example as a user copies it (the example hunt's lead): a refund is
