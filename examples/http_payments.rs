@@ -544,6 +544,13 @@ fn router(
     let payments = IdempotencyLayer::builder("payments.charge", app.store.clone())
         .tenant_from_extension::<AccountId>()
         .lease(lease)
+        // Only a charge's answer is recorded: a 4xx releases the key. A
+        // recorded 422 for a key the gateway refused (reused for another
+        // amount after a 503) would hold the key for that request's body,
+        // and the first request's own retry, whose charge the card saw,
+        // would be refused as a reused key, its charge never recorded. The
+        // other 4xx (a body that does not validate) answer the same again.
+        .record_when(|status| status.is_success() || status.is_redirection())
         .build()?;
     Ok(Router::new()
         .route("/payments", post(create_payment))
