@@ -1,5 +1,8 @@
 //! Waiting duplicates (rule 4) are woken by the change they wait for, not by
-//! polling: `Store::wait_for_change` of the memory and SQLite stores.
+//! polling: `Store::wait_for_change` of the memory, SQLite and MySQL/MariaDB
+//! stores. Changes made through another store (another process) are found by
+//! the SQLite and MySQL stores' fallback look at the record, a read, not a
+//! reservation.
 //!
 //! Each test holds a record with a call whose body waits on a channel the
 //! test releases. A duplicate with `in_progress = wait("10s")` arrives while
@@ -14,9 +17,10 @@
 //! duplicate enters `wait_for_change` (which it forwards).
 
 use crate::common::counting::Counting;
+use crate::common::servers::mysql_store_or_skip;
 use idempotent_runtime::{
-    idempotent, Error, Fenced, Identity, MemoryStore, OwnerToken, Reservation, ReserveRequest,
-    SqliteStore, Store,
+    idempotent, Error, Fenced, Identity, MemoryStore, MySqlStore, OwnerToken, Reservation,
+    ReserveRequest, SqliteStore, Store,
 };
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
@@ -247,17 +251,15 @@ async fn sqlite_two_stores_on_one_file_fall_back_to_looking() {
 
 /// Many duplicates wait on one record; one completion wakes them all, and
 /// every one replays.
-#[tokio::test]
-async fn sqlite_many_waiters_are_all_woken() {
-    let store = Counting::new(SqliteStore::connect(&sqlite_url()).await.expect("open"));
+async fn many_waiters_are_all_woken<S: Store>(store: &Counting<S>) {
     let tenant = tenant();
     let holder_gate = Gate::default();
     let dup_gate = Gate::open();
     const DUPLICATES: usize = 8;
-    let holder = held(&store, &tenant, "k", &holder_gate);
+    let holder = held(store, &tenant, "k", &holder_gate);
     let duplicates = async {
         holder_gate.started().await;
-        let calls = (0..DUPLICATES).map(|_| held(&store, &tenant, "k", &dup_gate));
+        let calls = (0..DUPLICATES).map(|_| held(store, &tenant, "k", &dup_gate));
         futures_util::future::join_all(calls).await
     };
     let release = async {
@@ -276,6 +278,12 @@ async fn sqlite_many_waiters_are_all_woken() {
         "{} reservations",
         store.reserves()
     );
+}
+
+#[tokio::test]
+async fn sqlite_many_waiters_are_all_woken() {
+    let store = Counting::new(SqliteStore::connect(&sqlite_url()).await.expect("open"));
+    many_waiters_are_all_woken(&store).await;
 }
 
 /// A duplicate dropped while it waits (its caller gave up) leaves nothing
@@ -674,4 +682,59 @@ async fn memory_a_completion_before_the_waiter_subscribes_is_not_missed() {
 #[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn memory_a_release_before_the_waiter_subscribes_is_not_missed() {
     a_change_before_the_subscription_is_not_missed(true).await;
+}
+
+/// The MySQL/MariaDB store (one database shared by the suite; a fresh tenant
+/// per test).
+async fn mysql() -> Option<Counting<MySqlStore>> {
+    mysql_store_or_skip().await.map(Counting::new)
+}
+
+#[tokio::test]
+async fn mysql_a_waiting_duplicate_is_woken_by_the_completion() {
+    let Some(store) = mysql().await else { return };
+    let (answer, reserves, h, d) = duplicate_while_held(&store, &store, false).await;
+    assert_replayed(answer, reserves, (&h, &d));
+}
+
+#[tokio::test]
+async fn mysql_a_waiting_duplicate_is_woken_by_the_release_and_acquires() {
+    let Some(store) = mysql().await else { return };
+    let (answer, reserves, h, d) = duplicate_while_held(&store, &store, true).await;
+    assert_acquired_after_release(answer, reserves, (&h, &d));
+}
+
+/// Two stores opened on one database stand for two processes: the holder's
+/// store cannot tell the duplicate's. The duplicate's look at the record (a
+/// primary-key read) sees the change, and it reserves only a few times,
+/// where it used to reserve again at every poll (about ten times a second).
+#[tokio::test]
+async fn mysql_two_stores_on_one_database_fall_back_to_looking() {
+    let Some(holder) = mysql_store_or_skip().await else {
+        return;
+    };
+    let Some(dup) = mysql().await else { return };
+    let (answer, reserves, h, d) = duplicate_while_held(&holder, &dup, false).await;
+    assert_replayed(answer, reserves, (&h, &d));
+
+    let (answer, reserves, h, d) = duplicate_while_held(&holder, &dup, true).await;
+    assert_acquired_after_release(answer, reserves, (&h, &d));
+}
+
+#[tokio::test]
+async fn mysql_many_waiters_are_all_woken() {
+    let Some(store) = mysql().await else { return };
+    many_waiters_are_all_woken(&store).await;
+}
+
+#[tokio::test]
+async fn mysql_a_dropped_waiter_is_harmless() {
+    let Some(store) = mysql().await else { return };
+    a_dropped_waiter_is_harmless(&store).await;
+}
+
+#[tokio::test]
+async fn mysql_a_waiting_duplicate_is_woken_by_an_ended_lease() {
+    let Some(store) = mysql().await else { return };
+    woken_by_an_ended_lease(&store).await;
 }

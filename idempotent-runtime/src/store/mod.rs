@@ -33,6 +33,8 @@ pub mod sqlite;
 mod sqlite_owners;
 #[cfg(feature = "sqlite")]
 pub mod sqlite_tx;
+#[cfg(any(feature = "sqlite", feature = "mysql"))]
+pub(crate) mod waiters;
 
 /// A random token naming the current owner of an in-progress record.
 /// Completion, release and heartbeat must present it (fencing).
@@ -601,7 +603,7 @@ pub trait Store: Send + Sync {
     /// `round` counts this call's earlier waits (0 for the first). The
     /// default polls: it sleeps [`polling_backoff`]`(round)`, at most
     /// `max_wait`. Stores that learn of changes (PostgreSQL's `LISTEN/NOTIFY`,
-    /// the in-process notification of the memory and SQLite stores) return
+    /// the in-process notification of the memory, SQLite and MySQL stores) return
     /// as soon as the record changes, and poll only as a fallback.
     async fn wait_for_change(&self, identity: &Identity, max_wait: Duration, round: u32) {
         let _ = identity;

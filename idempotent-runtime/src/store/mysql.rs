@@ -34,10 +34,14 @@
 //!   decided again). In transactional mode the procedure is the only
 //!   statement: it makes the same plain read first.
 //! * `complete`, `release`, `heartbeat`: one statement each, fenced by the owner token.
-//! * a waiting duplicate (`in_progress = wait(..)`): no notification reaches
-//!   it (nothing like PostgreSQL's `LISTEN/NOTIFY`), so it polls with the
-//!   default [`Store::wait_for_change`]: one reservation per look, 5 ms
-//!   doubling to 100 ms ([`polling_backoff`]), for as long as it waits.
+//! * a waiting duplicate (`in_progress = wait(..)`): woken at once when the
+//!   record is completed, released or its lease renewed or ended through
+//!   this store (any clone of it, its background worker included) in this
+//!   process. Other processes' changes reach it by no notification (nothing
+//!   like PostgreSQL's `LISTEN/NOTIFY`): it looks at the record with one
+//!   primary-key read ([`LEASE_REMAINING_SQL`], no lock), 5 ms doubling to
+//!   100 ms apart ([`polling_backoff`]), and reserves again only once the
+//!   record changed, its lease ran out, or its wait ended.
 //! * `purge_expired`: one `CALL idempotency_purge(batch)`: the batch's primary
 //!   keys are selected `FOR UPDATE SKIP LOCKED` and deleted in one short
 //!   transaction, so a row held by an open transaction is skipped, never
@@ -153,6 +157,9 @@ pub struct MySqlStore {
     /// The store's table and procedures, named in the database the store
     /// was opened on.
     names: std::sync::Arc<Names>,
+    /// This process's waiting duplicates, woken by this store's (and its
+    /// clones' and background worker's) completions, releases and renewals.
+    waiters: std::sync::Arc<super::waiters::Waiters>,
 }
 
 /// The table the store's records are in, unqualified: transactional mode
@@ -176,6 +183,8 @@ struct Names {
     read: String,
     /// [`INSERT_OR_READ_SQL`].
     insert_or_read: String,
+    /// [`LEASE_REMAINING_SQL`].
+    lease_remaining: String,
     /// [`RESERVE_SQL`].
     reserve: String,
     /// The purge procedure's call.
@@ -251,6 +260,7 @@ impl Names {
                 table: TABLE.to_owned(),
                 read: READ_SQL.to_owned(),
                 insert_or_read: INSERT_OR_READ_SQL.to_owned(),
+                lease_remaining: LEASE_REMAINING_SQL.to_owned(),
                 reserve: RESERVE_SQL.to_owned(),
                 purge: PURGE_SQL.to_owned(),
                 check: std::sync::Arc::new(SessionCheck::reading(TABLE)),
@@ -262,6 +272,7 @@ impl Names {
         Names {
             read: READ_SQL.replace(TABLE, &table),
             insert_or_read: INSERT_OR_READ_SQL.replace(TABLE, &table),
+            lease_remaining: LEASE_REMAINING_SQL.replace(TABLE, &table),
             reserve: RESERVE_SQL.replace(
                 "idempotency_reserve_v4(",
                 &procedure("idempotency_reserve_v4"),
@@ -275,6 +286,68 @@ impl Names {
 
 /// The purge procedure's call.
 const PURGE_SQL: &str = "CALL idempotency_purge(?)";
+
+/// What a waiting duplicate looks at (one primary-key read, no lock): the
+/// owner of an in-progress record and what is left of its lease (ms; both
+/// `NULL` when the record is not in progress), after whether the session can
+/// be trusted with the read, as [`READ_SQL`]'s `autocommit` column says (in
+/// autocommit, and on MariaDB outside any transaction and not reading
+/// uncommitted rows; its clock not set). A session that cannot is read again
+/// on a checked connection ([`connection_for_a_read`]): in a transaction
+/// left open, the read would answer from that transaction's old snapshot,
+/// and with a set clock the lease would never seem to end.
+const LEASE_REMAINING_SQL: &str = concat!(
+    "SELECT CAST(@@SESSION.autocommit = 1 /*M! AND @@SESSION.in_transaction = 0 ",
+    "AND @@SESSION.tx_isolation <> 'READ-UNCOMMITTED' */ AND ",
+    clock_unset!(),
+    " AS SIGNED), CONVERT(r.owner_token USING utf8mb4), ",
+    "CAST(r.lease_expires_at - (UNIX_TIMESTAMP() * 1000 + FLOOR(MICROSECOND(NOW(6)) / 1000)) ",
+    "AS SIGNED) FROM (SELECT 1 AS one) d LEFT JOIN idempotency_records r ",
+    "ON r.tenant = ? AND r.scope = ? AND r.`key` = ? AND r.state = 'in_progress'"
+);
+
+/// A waiting duplicate's look at the record of `identity`
+/// ([`LEASE_REMAINING_SQL`]): on any pooled connection, and again on a
+/// checked one when that session cannot be trusted with the read.
+async fn lease_remaining(
+    pool: &MySqlPool,
+    names: &Names,
+    identity: &Identity,
+) -> Result<super::waiters::Held, StoreError> {
+    const OP: &str = "look at a record while waiting";
+    type Looked = (i64, Option<String>, Option<i64>);
+    async fn read(
+        conn: &mut sqlx::MySqlConnection,
+        names: &Names,
+        identity: &Identity,
+    ) -> Result<Looked, StoreError> {
+        server::answered_within(
+            names.check.silent_after,
+            // A plain read: no lock wait.
+            Duration::ZERO,
+            sqlx::query_as::<_, Looked>(&names.lease_remaining)
+                .bind(identity.tenant.as_bytes())
+                .bind(identity.scope.as_bytes())
+                .bind(identity.key.as_bytes())
+                .fetch_one(conn),
+        )
+        .await
+        .and_then(|looked| looked)
+        .map_err(err(OP))
+    }
+    let mut conn = ClosedIfDropped::acquire(pool).await.map_err(err(OP))?;
+    let looked = read(&mut conn, names, identity).await?;
+    conn.hand_back();
+    let (_, owner, remaining) = if looked.0 == 1 {
+        looked
+    } else {
+        let mut conn = connection_for_a_read(pool, &names.check).await?;
+        let looked = read(&mut conn.conn, names, identity).await?;
+        conn.hand_back().await;
+        looked
+    };
+    Ok(remaining.map(|remaining| (owner, Some(remaining))))
+}
 
 impl MySqlStore {
     /// Connects (waiting at most [`ACQUIRE_TIMEOUT`], 5 s, for the server) and
@@ -321,8 +394,10 @@ impl MySqlStore {
             return Err(StoreError::new(STORE, "open", READ_UNCOMMITTED_REFUSED).into());
         }
         let names = std::sync::Arc::new(Names::in_database(database.as_deref()));
+        let waiters = std::sync::Arc::new(super::waiters::Waiters::default());
         Ok(MySqlStore {
-            detached: std::sync::Arc::new(background_worker(&pool, &names)),
+            detached: std::sync::Arc::new(background_worker(&pool, &names, &waiters)),
+            waiters,
             mariadb: version.contains("MariaDB"),
             max_result_bytes: result_limit(max_allowed_packet),
             lock_wait: Duration::from_secs(lock_wait_s.min(MAX_LOCK_WAIT_S)),
@@ -663,16 +738,22 @@ async fn worker_lock_wait(conn: &mut sqlx::MySqlConnection) -> Result<(), StoreE
 /// left on another database with `USE`): unqualified, a completion handed
 /// over went to that database's table (or to none), and the record stayed
 /// in progress.
-fn background_worker(pool: &MySqlPool, names: &std::sync::Arc<Names>) -> detached::Detached {
+fn background_worker(
+    pool: &MySqlPool,
+    names: &std::sync::Arc<Names>,
+    waiters: &std::sync::Arc<super::waiters::Waiters>,
+) -> detached::Detached {
     let (on_release, on_end_lease, on_complete) = (names.clone(), names.clone(), names.clone());
+    let (woken_by_release, woken_by_end_lease, woken_by_complete) =
+        (waiters.clone(), waiters.clone(), waiters.clone());
     server::background_worker(
         STORE,
         pool,
         move |pool, identity, token| {
-            let names = on_release.clone();
+            let (names, waiters) = (on_release.clone(), woken_by_release.clone());
             Box::pin(async move {
                 let table = names.table.as_str();
-                committed!(
+                let done = committed!(
                     &pool,
                     &names.check,
                     "release",
@@ -681,14 +762,16 @@ fn background_worker(pool: &MySqlPool, names: &std::sync::Arc<Names>) -> detache
                         worker_lock_wait(&mut *on).await?;
                         release_as(commit, table, &mut *on, &identity, &token).await
                     }
-                )
+                );
+                waiters.notify_written(&identity, &done);
+                done
             })
         },
         move |pool, identity, token| {
-            let names = on_end_lease.clone();
+            let (names, waiters) = (on_end_lease.clone(), woken_by_end_lease.clone());
             Box::pin(async move {
                 let table = names.table.as_str();
-                committed!(
+                let done = committed!(
                     &pool,
                     &names.check,
                     "heartbeat",
@@ -698,15 +781,17 @@ fn background_worker(pool: &MySqlPool, names: &std::sync::Arc<Names>) -> detache
                         heartbeat_as(commit, table, &mut *on, &identity, &token, Duration::ZERO)
                             .await
                     }
-                )
+                );
+                waiters.notify_written(&identity, &done);
+                done
             })
         },
         move |pool, identity, token, answer| {
-            let names = on_complete.clone();
+            let (names, waiters) = (on_complete.clone(), woken_by_complete.clone());
             Box::pin(async move {
                 let completion = answer.completing(&identity, &token);
                 let table = names.table.as_str();
-                committed!(
+                let done = committed!(
                     &pool,
                     &names.check,
                     "complete",
@@ -715,7 +800,9 @@ fn background_worker(pool: &MySqlPool, names: &std::sync::Arc<Names>) -> detache
                         worker_lock_wait(&mut *on).await?;
                         complete_as(commit, table, &mut *on, completion).await
                     }
-                )
+                );
+                waiters.notify_written(&identity, &done);
+                done
             })
         },
     )
@@ -1549,9 +1636,11 @@ impl Store for MySqlStore {
             .lock_wait
             .saturating_add(detached::allowance_for(completion.outcome.payload.len()));
         let table = self.names.table.as_str();
-        committed!(&pool, &self.names.check, "complete", waits, |on, commit| {
+        let done = committed!(&pool, &self.names.check, "complete", waits, |on, commit| {
             complete_as(commit, table, on, completion)
-        })
+        });
+        self.waiters.notify_written(completion.identity, &done);
+        done
     }
 
     async fn force_release(
@@ -1608,6 +1697,7 @@ impl Store for MySqlStore {
             .await
             .map_err(err(OP))?;
             tx.commit().await.map_err(err(OP))?;
+            self.waiters.notify(identity);
             return Ok(ForcedRelease::Released {
                 attempt: rows::attempt_number(attempt),
             });
@@ -1619,13 +1709,15 @@ impl Store for MySqlStore {
 
     async fn release(&self, identity: &Identity, token: &OwnerToken) -> Result<Fenced, StoreError> {
         let pool = self.pools.current();
-        committed!(
+        let done = committed!(
             &pool,
             &self.names.check,
             "release",
             self.lock_wait,
             |on, commit| release_as(commit, &self.names.table, on, identity, token)
-        )
+        );
+        self.waiters.notify_written(identity, &done);
+        done
     }
 
     async fn heartbeat(
@@ -1635,16 +1727,47 @@ impl Store for MySqlStore {
         lease: Duration,
     ) -> Result<Fenced, StoreError> {
         let pool = self.pools.current();
-        committed!(
+        let done = committed!(
             &pool,
             &self.names.check,
             "heartbeat",
             self.lock_wait,
             |on, commit| heartbeat_as(commit, &self.names.table, on, identity, token, lease)
-        )
+        );
+        // The lease may have been shortened (ended early so the next call
+        // takes over at once); waiters in this process sleep until the end
+        // they last saw, so they look again (a read each).
+        self.waiters.notify_written(identity, &done);
+        done
     }
 
     crate::store::detached::hand_over_to_the_worker!();
+
+    /// Woken at once when this store (any clone of it, in this process)
+    /// completes, releases or renews the record, its background worker
+    /// finishes it, or an operator's [`force_release`](Store::force_release)
+    /// through it frees it. Other processes, other `MySqlStore`s and
+    /// completions committed in a caller's transaction (transactional mode:
+    /// the store cannot see the caller's commit) are seen by a look at the
+    /// record ([`LEASE_REMAINING_SQL`]: one primary-key read, no lock) after
+    /// [`polling_backoff`] pauses (5 ms doubling to 100 ms). Returns when the
+    /// record is no longer held by the owner first seen (completed, released,
+    /// taken over), when its lease runs out, or after `max_wait`; the caller
+    /// reserves only then.
+    async fn wait_for_change(&self, identity: &Identity, max_wait: Duration, round: u32) {
+        let pool = self.pools.current();
+        let look = || lease_remaining(&pool, &self.names, identity);
+        let bounds = (max_wait, round);
+        super::waiters::wait_looking(
+            STORE,
+            &self.waiters,
+            identity,
+            bounds,
+            polling_backoff,
+            look,
+        )
+        .await
+    }
 
     async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError> {
         super::purge_in_chunks(STORE, batch, |chunk| async move {
@@ -2149,6 +2272,166 @@ mod tests {
             matches!(answer, Ok(Reservation::Completed(_))),
             "a retry after the completion was answered {answer:?}"
         );
+        off.close().await;
+    }
+
+    /// Rule 4: every change this store makes to a record, its background
+    /// worker's included, wakes the duplicates of this process waiting on
+    /// it (`wait_for_change` then looks at once, instead of at its next
+    /// fallback look): a completion, a release, a renewal (which may shorten
+    /// the lease) and an ended lease, an operator's release, and the
+    /// completion, release and end of lease of a dropped call.
+    #[tokio::test]
+    async fn every_change_through_the_store_wakes_this_processs_waiters() {
+        let Some((store, _)) = server_store().await else {
+            return;
+        };
+        let tenant = format!("t-{}", OwnerToken::new().as_str());
+        let outcome = StoredOutcome {
+            is_error: false,
+            payload: b"1".to_vec(),
+        };
+        let ttl = Duration::from_secs(3600);
+        let changes: [&str; 9] = [
+            "complete",
+            "release",
+            "renew",
+            "end the lease",
+            "force release",
+            "complete a dropped call",
+            "release a dropped call",
+            "end a dropped call's lease",
+            "nothing",
+        ];
+        for change in changes {
+            let identity = Identity::new(tenant.clone(), "mysql_unit.wake", change).expect("id");
+            let token = OwnerToken::new();
+            let reserved = store
+                .reserve(ReserveRequest {
+                    identity: &identity,
+                    fingerprint: None,
+                    token: &token,
+                    lease: Duration::from_secs(60),
+                    ttl,
+                })
+                .await
+                .expect("reserve");
+            assert!(
+                matches!(reserved, Reservation::Acquired { .. }),
+                "{reserved:?}"
+            );
+            let notify = store.waiters.join(&identity);
+            let notified = notify.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            let completion = Completion::by_body(&identity, &token, &outcome, ttl);
+            match change {
+                "complete" => assert!(store.complete(completion).await.expect(change).is_written()),
+                "release" => assert!(store
+                    .release(&identity, &token)
+                    .await
+                    .expect(change)
+                    .is_written()),
+                "renew" => assert!(store
+                    .heartbeat(&identity, &token, Duration::from_secs(30))
+                    .await
+                    .expect(change)
+                    .is_written()),
+                "end the lease" => assert!(store
+                    .heartbeat(&identity, &token, Duration::ZERO)
+                    .await
+                    .expect(change)
+                    .is_written()),
+                "force release" => {
+                    let released = store.force_release(&identity, false).await.expect(change);
+                    assert!(
+                        matches!(released, ForcedRelease::Released { .. }),
+                        "{released:?}"
+                    );
+                }
+                "complete a dropped call" => store.complete_detached(completion),
+                "release a dropped call" => store.release_detached(identity.clone(), token.clone()),
+                "end a dropped call's lease" => {
+                    store.end_lease_detached(identity.clone(), token.clone())
+                }
+                _ => {}
+            }
+            assert_eq!(
+                store.finish_background_work(Duration::from_secs(30)).await,
+                0
+            );
+            let woken = tokio::time::timeout(Duration::ZERO, notified.as_mut())
+                .await
+                .is_ok();
+            assert_eq!(woken, change != "nothing", "{change}: waiters woken");
+            store.waiters.leave(&identity);
+        }
+    }
+
+    /// A waiting duplicate's look ([`lease_remaining`]) on a session with
+    /// autocommit off (a pool whose connections turn it off): its first read
+    /// opens a transaction that stays open, and a look answered from that
+    /// snapshot would see the record in progress until its lease ran out,
+    /// long after it was completed. The look reads again on a checked
+    /// connection, and sees the completion.
+    #[tokio::test]
+    async fn a_waiters_look_reads_no_old_snapshot() {
+        let Some((store, url)) = server_store().await else {
+            return;
+        };
+        let identity = Identity::new(
+            format!("t-{}", OwnerToken::new().as_str()),
+            "mysql_unit.look",
+            "k",
+        )
+        .expect("id");
+        let (token, ttl) = (OwnerToken::new(), Duration::from_secs(3600));
+        let reserved = store
+            .reserve(ReserveRequest {
+                identity: &identity,
+                fingerprint: None,
+                token: &token,
+                lease: Duration::from_secs(600),
+                ttl,
+            })
+            .await
+            .expect("reserve");
+        assert!(
+            matches!(reserved, Reservation::Acquired { .. }),
+            "{reserved:?}"
+        );
+        let off = sqlx::mysql::MySqlPoolOptions::new()
+            .max_connections(1)
+            .after_connect(|conn, _| {
+                Box::pin(async move {
+                    conn.execute("SET SESSION autocommit = 0").await?;
+                    Ok(())
+                })
+            })
+            .connect(&url)
+            .await
+            .expect("pool");
+        let names = Names::in_database(None);
+        let held = lease_remaining(&off, &names, &identity)
+            .await
+            .expect("look");
+        let (owner, remaining) = held.expect("the record is in progress");
+        assert_eq!(owner.as_deref(), Some(token.as_str()));
+        assert!(remaining.is_some_and(|r| r > 0), "{remaining:?}");
+        let outcome = StoredOutcome {
+            is_error: false,
+            payload: b"1".to_vec(),
+        };
+        let completion = Completion::by_body(&identity, &token, &outcome, ttl);
+        assert!(store
+            .complete(completion)
+            .await
+            .expect("complete")
+            .is_written());
+        let held = lease_remaining(&off, &names, &identity)
+            .await
+            .expect("look");
+        assert_eq!(held, None, "the look saw the completed record in progress");
         off.close().await;
     }
 

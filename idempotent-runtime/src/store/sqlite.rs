@@ -38,10 +38,8 @@ use sqlx::pool::PoolConnection;
 use sqlx::sqlite::{SqliteConnectOptions, SqlitePool, SqlitePoolOptions};
 use sqlx::Row;
 use std::collections::HashMap;
-use std::hash::BuildHasher;
 use std::str::FromStr;
 use std::sync::Arc;
-use tokio::sync::Notify;
 
 const STORE: &str = "sqlite";
 
@@ -397,88 +395,6 @@ pub fn fallback_poll(round: u32) -> Duration {
     Duration::from_millis(20u64.saturating_mul(1u64 << round.min(16))).min(FALLBACK_POLL_MAX)
 }
 
-/// Shards of [`Waiters`]: waits on different identities rarely share a lock.
-const WAITER_SHARDS: usize = 16;
-
-/// The duplicates of this process waiting for a record to change, per
-/// identity. An entry lives while someone waits on it: the last waiter to
-/// leave removes it.
-#[derive(Debug, Default)]
-struct Waiters {
-    shards: [std::sync::Mutex<HashMap<Identity, WaitSlot>>; WAITER_SHARDS],
-    hasher: std::collections::hash_map::RandomState,
-}
-
-#[derive(Debug)]
-struct WaitSlot {
-    notify: Arc<Notify>,
-    waiting: usize,
-}
-
-impl Waiters {
-    fn shard(&self, identity: &Identity) -> std::sync::MutexGuard<'_, HashMap<Identity, WaitSlot>> {
-        let i = (self.hasher.hash_one(identity) as usize) % WAITER_SHARDS;
-        // The maps are only ever changed by single inserts, removals and
-        // counter updates, so a poisoned lock still holds a usable map.
-        self.shards[i]
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-    }
-
-    /// Wakes everyone waiting on `identity` (called after the change is
-    /// committed). Costs one uncontended lock when no one waits.
-    fn notify(&self, identity: &Identity) {
-        if let Some(slot) = self.shard(identity).get(identity) {
-            slot.notify.notify_waiters();
-        }
-    }
-
-    /// Joins the waiters of `identity`; the answer's `Notify` is to be
-    /// listened on, and [`leave`](Self::leave) called when done.
-    fn join(&self, identity: &Identity) -> Arc<Notify> {
-        let mut shard = self.shard(identity);
-        let slot = match shard.get_mut(identity) {
-            Some(slot) => slot,
-            None => shard.entry(identity.clone()).or_insert_with(|| WaitSlot {
-                notify: Arc::new(Notify::new()),
-                waiting: 0,
-            }),
-        };
-        slot.waiting += 1;
-        slot.notify.clone()
-    }
-
-    fn leave(&self, identity: &Identity) {
-        let mut shard = self.shard(identity);
-        if let Some(slot) = shard.get_mut(identity) {
-            slot.waiting = slot.waiting.saturating_sub(1);
-            if slot.waiting == 0 {
-                shard.remove(identity);
-            }
-        }
-    }
-
-    #[cfg(test)]
-    fn len(&self) -> usize {
-        self.shards
-            .iter()
-            .map(|s| s.lock().map_or(0, |m| m.len()))
-            .sum()
-    }
-}
-
-/// Leaves [`Waiters`] when dropped, also when the waiting call is cancelled.
-struct Waiting<'a> {
-    waiters: &'a Waiters,
-    identity: &'a Identity,
-}
-
-impl Drop for Waiting<'_> {
-    fn drop(&mut self) {
-        self.waiters.leave(self.identity);
-    }
-}
-
 /// The embedded SQLite store: the default for single-machine services and the
 /// store the README's example runs on. Records survive restarts; several
 /// processes may share one database file. Cloning gives another handle to the
@@ -509,7 +425,7 @@ pub struct SqliteStore {
     detached: Arc<super::detached::Detached>,
     /// This process's waiting duplicates, woken by this store's completions
     /// and releases.
-    waiters: Arc<Waiters>,
+    waiters: Arc<super::waiters::Waiters>,
     /// The reservations under way in a task of their own, which the release
     /// of a call dropped meanwhile waits for.
     reserving: Arc<Reserving>,
@@ -787,7 +703,7 @@ impl SqliteStore {
             None => None,
         };
         let write_gate = WriteGate::new(millis_to_duration(busy_timeout));
-        let waiters = Arc::new(Waiters::default());
+        let waiters = Arc::new(super::waiters::Waiters::default());
         let reserving = Arc::new(Reserving::default());
         let detached = {
             use super::detached::{Detached, Work};
@@ -2085,56 +2001,18 @@ impl Store for SqliteStore {
     /// the reservation that found it in progress and the wait is not missed:
     /// the look sees it, or the change's notification wakes the waiter.
     async fn wait_for_change(&self, identity: &Identity, max_wait: Duration, round: u32) {
-        let deadline = tokio::time::Instant::now() + max_wait;
-        let notify = self.waiters.join(identity);
-        let _waiting = Waiting {
-            waiters: &self.waiters,
-            identity,
+        let look = || async {
+            sqlx::query_as(LEASE_REMAINING_SQL)
+                .bind(&identity.tenant)
+                .bind(&identity.scope)
+                .bind(&identity.key)
+                .fetch_optional(&self.pool)
+                .await
+                .map_err(err("look at a record while waiting"))
         };
-        let notified = notify.notified();
-        tokio::pin!(notified);
-        notified.as_mut().enable();
-        let mut owner: Option<String> = None;
-        let mut look = round;
-        loop {
-            let held: Result<Option<(Option<String>, Option<i64>)>, _> =
-                sqlx::query_as(LEASE_REMAINING_SQL)
-                    .bind(&identity.tenant)
-                    .bind(&identity.scope)
-                    .bind(&identity.key)
-                    .fetch_optional(&self.pool)
-                    .await;
-            let lease_left = match held {
-                // Completed or released: reserve again now.
-                Ok(None) => return,
-                Ok(Some((token, remaining))) => {
-                    let remaining = remaining.unwrap_or(0);
-                    // Its lease ran out, or a new owner took it: reserve again.
-                    if remaining <= 0 || (owner.is_some() && owner != token) {
-                        return;
-                    }
-                    owner = token;
-                    millis_to_duration(remaining)
-                }
-                // The reservation that follows reports the store's trouble.
-                Err(e) => {
-                    tracing::debug!(target: "idempotent", scope = %identity.scope, error = %e,
-                        "sqlite: could not look at a record while waiting");
-                    return;
-                }
-            };
-            let now = tokio::time::Instant::now();
-            if now >= deadline {
-                return;
-            }
-            let pause = fallback_poll(look)
-                .min(deadline - now)
-                .min(lease_left.max(Duration::from_millis(1)));
-            if tokio::time::timeout(pause, notified.as_mut()).await.is_ok() {
-                return;
-            }
-            look = look.saturating_add(1);
-        }
+        let bounds = (max_wait, round);
+        super::waiters::wait_looking(STORE, &self.waiters, identity, bounds, fallback_poll, look)
+            .await
     }
 
     async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError> {

@@ -1,0 +1,177 @@
+//! The duplicates of this process waiting for a record to change, woken by
+//! the store's own writes (SQLite and MySQL/MariaDB: stores that are not told
+//! of other processes' changes), and the wait they share: look at the record,
+//! then sleep until a change in this process wakes the waiter or the next
+//! fallback look is due (DESIGN.md rule 4).
+
+use super::{millis_to_duration, Identity, StoreError};
+use std::collections::HashMap;
+use std::future::Future;
+use std::hash::BuildHasher;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::Notify;
+
+/// Shards of [`Waiters`]: waits on different identities rarely share a lock.
+const WAITER_SHARDS: usize = 16;
+
+/// The duplicates of this process waiting for a record to change, per
+/// identity. An entry lives while someone waits on it: the last waiter to
+/// leave removes it.
+#[derive(Debug, Default)]
+pub(crate) struct Waiters {
+    shards: [std::sync::Mutex<HashMap<Identity, WaitSlot>>; WAITER_SHARDS],
+    hasher: std::collections::hash_map::RandomState,
+}
+
+#[derive(Debug)]
+struct WaitSlot {
+    notify: Arc<Notify>,
+    waiting: usize,
+}
+
+impl Waiters {
+    fn shard(&self, identity: &Identity) -> std::sync::MutexGuard<'_, HashMap<Identity, WaitSlot>> {
+        let i = (self.hasher.hash_one(identity) as usize) % WAITER_SHARDS;
+        // The maps are only ever changed by single inserts, removals and
+        // counter updates, so a poisoned lock still holds a usable map.
+        self.shards[i]
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Wakes everyone waiting on `identity` (called after the change is
+    /// committed). Costs one uncontended lock when no one waits.
+    pub(crate) fn notify(&self, identity: &Identity) {
+        if let Some(slot) = self.shard(identity).get(identity) {
+            slot.notify.notify_waiters();
+        }
+    }
+
+    /// Wakes everyone waiting on `identity` when `done` wrote: a fenced
+    /// write that completed, released, renewed or ended the lease of the
+    /// record (a renewal may have shortened it: the waiters look again).
+    #[cfg(feature = "mysql")]
+    pub(crate) fn notify_written(
+        &self,
+        identity: &Identity,
+        done: &Result<super::Fenced, StoreError>,
+    ) {
+        if done.as_ref().is_ok_and(|d| d.is_written()) {
+            self.notify(identity);
+        }
+    }
+
+    /// Joins the waiters of `identity`; the answer's `Notify` is to be
+    /// listened on, and [`leave`](Self::leave) called when done.
+    pub(crate) fn join(&self, identity: &Identity) -> Arc<Notify> {
+        let mut shard = self.shard(identity);
+        let slot = match shard.get_mut(identity) {
+            Some(slot) => slot,
+            None => shard.entry(identity.clone()).or_insert_with(|| WaitSlot {
+                notify: Arc::new(Notify::new()),
+                waiting: 0,
+            }),
+        };
+        slot.waiting += 1;
+        slot.notify.clone()
+    }
+
+    pub(crate) fn leave(&self, identity: &Identity) {
+        let mut shard = self.shard(identity);
+        if let Some(slot) = shard.get_mut(identity) {
+            slot.waiting = slot.waiting.saturating_sub(1);
+            if slot.waiting == 0 {
+                shard.remove(identity);
+            }
+        }
+    }
+
+    #[cfg(all(test, feature = "sqlite"))]
+    pub(crate) fn len(&self) -> usize {
+        self.shards
+            .iter()
+            .map(|s| s.lock().map_or(0, |m| m.len()))
+            .sum()
+    }
+}
+
+/// Leaves [`Waiters`] when dropped, also when the waiting call is cancelled.
+pub(crate) struct Waiting<'a> {
+    waiters: &'a Waiters,
+    identity: &'a Identity,
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.waiters.leave(self.identity);
+    }
+}
+
+/// What a waiting duplicate's look at a record found: `None` when the record
+/// is not in progress (completed, released, gone); otherwise its owner's
+/// token and what is left of its lease in ms (by the store's clock).
+pub(crate) type Held = Option<(Option<String>, Option<i64>)>;
+
+/// [`Store::wait_for_change`](super::Store::wait_for_change) of a store whose
+/// own writes notify `waiters`: joins the waiters of `identity` first (a
+/// change made between the reservation that found the record in progress and
+/// this wait is then not missed: the look sees it, or its notification wakes
+/// the waiter), then looks at the record with `look`, and sleeps until a
+/// notification, the next look (`pause(look_number)`), the end of the lease
+/// it saw, or `max_wait`, whichever comes first. Returns when the record is
+/// no longer held by the owner first seen (completed, released, taken over),
+/// when its lease runs out, when a look fails (the reservation that follows
+/// reports the store's trouble), or after `max_wait`; the caller reserves
+/// only then.
+pub(crate) async fn wait_looking<F, Fut>(
+    store: &'static str,
+    waiters: &Waiters,
+    identity: &Identity,
+    (max_wait, round): (Duration, u32),
+    pause: fn(u32) -> Duration,
+    mut look: F,
+) where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<Held, StoreError>>,
+{
+    let deadline = tokio::time::Instant::now() + max_wait;
+    let notify = waiters.join(identity);
+    let _waiting = Waiting { waiters, identity };
+    let notified = notify.notified();
+    tokio::pin!(notified);
+    notified.as_mut().enable();
+    let mut owner: Option<String> = None;
+    let mut looks = round;
+    loop {
+        let lease_left = match look().await {
+            // Completed or released: reserve again now.
+            Ok(None) => return,
+            Ok(Some((token, remaining))) => {
+                let remaining = remaining.unwrap_or(0);
+                // Its lease ran out, or a new owner took it: reserve again.
+                if remaining <= 0 || (owner.is_some() && owner != token) {
+                    return;
+                }
+                owner = token;
+                millis_to_duration(remaining)
+            }
+            Err(e) => {
+                tracing::debug!(target: "idempotent", store, scope = %identity.scope, error = %e,
+                    "could not look at a record while waiting");
+                return;
+            }
+        };
+        let now = tokio::time::Instant::now();
+        if now >= deadline {
+            return;
+        }
+        let pause = pause(looks)
+            .min(deadline - now)
+            .min(lease_left.max(Duration::from_millis(1)));
+        if tokio::time::timeout(pause, notified.as_mut()).await.is_ok() {
+            return;
+        }
+        looks = looks.saturating_add(1);
+    }
+}
