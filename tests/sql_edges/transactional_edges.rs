@@ -416,3 +416,83 @@ async fn mysql8_a_transaction_begun_through_sqlx_is_accepted() {
     );
     assert_eq!(runs.load(Ordering::SeqCst), 1);
 }
+
+/// What a transactional call says on a database no store has opened (so no
+/// migration was applied: transactional mode applies none). The error must
+/// name the fix, opening a store on the database once, on every SQL store;
+/// before, PostgreSQL spoke of a search_path or a renamed schema, MySQL of a
+/// migration cut off or a dump without its procedures (and a migration
+/// history to edit that does not exist), SQLite only of a missing table.
+fn assert_says_open_a_store(answer: Result<u64, Error>, store: &str, runs: &AtomicUsize) {
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        0,
+        "{store}: the body never ran"
+    );
+    let message = match answer {
+        Err(e @ Error::Store(_)) => e.to_string(),
+        other => panic!("{store}: expected Error::Store, got {other:?}"),
+    };
+    let constructor = format!("{store}::from_pool");
+    assert!(
+        message.contains("no store has opened this database") && message.contains(&constructor),
+        "{store}: the error says to open a store once, so the migrations apply: {message}"
+    );
+}
+
+#[tokio::test]
+async fn pg_database_no_store_opened_says_to_open_one() {
+    if pg_store_or_skip().await.is_none() {
+        return;
+    }
+    let (mut admin, schema, _) = common::servers::pg_schema_of_its_own("tx_unopened").await;
+    let pool = common::servers::pg_one_connection_pool_in(&schema).await;
+    let runs = AtomicUsize::new(0);
+    let mut tx = pool.begin().await.expect("begin");
+    let answer = pg_on_connection(&mut tx, &fresh_tenant(), "k", &runs).await;
+    let _ = tx.rollback().await;
+    pool.close().await;
+    admin
+        .execute(format!("DROP SCHEMA {schema} CASCADE").as_str())
+        .await
+        .expect("drop the schema");
+    assert_says_open_a_store(answer, "PgStore", &runs);
+}
+
+#[tokio::test]
+async fn mysql_database_no_store_opened_says_to_open_one() {
+    let Some(admin) = mysql_store_or_skip().await else {
+        return;
+    };
+    let db = common::servers::mysql_create_database(&admin, "tx_unopened").await;
+    let mut conn =
+        <sqlx::MySqlConnection as sqlx::Connection>::connect(&common::servers::mysql_url())
+            .await
+            .expect("connect");
+    conn.execute(format!("USE `{db}`").as_str())
+        .await
+        .expect("use the new database");
+    let runs = AtomicUsize::new(0);
+    let mut tx = sqlx::Connection::begin(&mut conn).await.expect("begin");
+    let answer = my_on_connection(&mut tx, &fresh_tenant(), "k", &runs).await;
+    let _ = tx.rollback().await;
+    drop(conn);
+    admin
+        .pool()
+        .execute(format!("DROP DATABASE `{db}`").as_str())
+        .await
+        .expect("drop the database");
+    assert_says_open_a_store(answer, "MySqlStore", &runs);
+}
+
+#[tokio::test]
+async fn sqlite_database_no_store_opened_says_to_open_one() {
+    let pool = sqlx::SqlitePool::connect(&common::scratch::sqlite_url("tx-unopened"))
+        .await
+        .expect("a new SQLite file");
+    let runs = AtomicUsize::new(0);
+    let mut tx = pool.begin().await.expect("begin");
+    let answer = sqlite_on_connection(&mut tx, &fresh_tenant(), "k", &runs).await;
+    let _ = tx.rollback().await;
+    assert_says_open_a_store(answer, "SqliteStore", &runs);
+}

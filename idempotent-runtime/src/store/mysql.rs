@@ -1028,14 +1028,18 @@ fn err(operation: &'static str) -> impl FnOnce(sqlx::Error) -> StoreError {
 }
 
 /// What a call of a stored procedure that is not there says, and what to do.
-/// MySQL has no atomic replacement of a procedure (MariaDB's `CREATE OR
+/// A database no store has opened has none (transactional mode applies no
+/// migrations). MySQL has no atomic replacement of a procedure (MariaDB's `CREATE OR
 /// REPLACE` is not MySQL's), so a migration replacing one drops it and
 /// creates it again; a migrating process cut off in between leaves it
 /// missing, and only a build that has that migration applies it again.
 /// `mysqldump` leaves procedures out unless told `--routines`.
 const PROCEDURE_MISSING: &str =
-    "a stored procedure of the idempotency schema is missing (nothing was written). Either a \
-     migration replacing it (it drops the procedure, then creates it again) was cut off in \
+    "a stored procedure of the idempotency schema is missing (nothing was written). If no store \
+     has opened this database yet, it has none of the schema: transactional mode (`tx = ...`) \
+     applies no migrations, so open a store on it once at startup \
+     (`MySqlStore::from_pool(pool)` or `MySqlStore::connect(url)`), which applies them. \
+     Otherwise, either a migration replacing it (it drops the procedure, then creates it again) was cut off in \
      between: open the store once with the build that ran it, which applies it again; or the \
      database was restored from a dump without its procedures (mysqldump leaves them out \
      unless given --routines): restore them, or, with the service stopped, delete the rows of \

@@ -891,10 +891,13 @@ impl std::fmt::Display for NotWhereTheStoreFoundIt {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "{}: the store's table or functions are not where it looked. In transactional mode \
-             (`tx = ...`) the connection's search_path must reach the schema of the store's \
-             tables; otherwise the schema was renamed or dropped (or the table moved) after the \
-             store opened: restart the service, so the store opens again and finds them (a store \
+            "{}: the store's table or functions are not where it looked. If no store has opened \
+             this database yet, it has none of them: transactional mode (`tx = ...`) applies no \
+             migrations, so open a store on it once at startup (`PgStore::from_pool(pool)` or \
+             `PgStore::connect(url)`), which applies them. In transactional mode the \
+             connection's search_path must also reach the schema of the store's tables; \
+             otherwise the schema was renamed or dropped (or the table moved) after the store \
+             opened: restart the service, so the store opens again and finds them (a store \
              opened after a rename re-makes its functions for the new name)",
             self.0
         )

@@ -246,7 +246,46 @@ const SCOPE_STATS_SQL: &str = concat!(
 );
 
 fn err(operation: &'static str) -> impl FnOnce(sqlx::Error) -> StoreError {
-    move |e| StoreError::new(STORE, operation, e)
+    move |e| store_error(operation, e)
+}
+
+/// The store's error for a statement that failed: the database's own, or,
+/// for one that found no records table, [`NoRecordsTable`], which says what
+/// to do (store mode and transactional mode alike).
+pub(super) fn store_error(operation: &'static str, e: sqlx::Error) -> StoreError {
+    let missing = matches!(&e, sqlx::Error::Database(d)
+        if d.message().starts_with("no such table:") && d.message().contains("idempotency_records"));
+    if missing {
+        StoreError::new(STORE, operation, NoRecordsTable(e))
+    } else {
+        StoreError::new(STORE, operation, e)
+    }
+}
+
+/// A statement of the store's that found no records table in the database:
+/// the database's error, with what to do about it. A database no store has
+/// opened has none: transactional mode applies no migrations.
+#[derive(Debug)]
+struct NoRecordsTable(sqlx::Error);
+
+impl std::fmt::Display for NoRecordsTable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{}: the database has no idempotency records table. If no store has opened this \
+             database yet, it has none: transactional mode (`tx = ...`) applies no migrations, \
+             so open a store on it once at startup (`SqliteStore::from_pool(pool)` or \
+             `SqliteStore::connect(url)`), which applies them; otherwise the table was dropped \
+             after the store opened: restart the service, so the store opens again and makes it",
+            self.0
+        )
+    }
+}
+
+impl std::error::Error for NoRecordsTable {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&self.0)
+    }
 }
 
 /// A lease or ttl for SQL; capped so `now + d` stays inside 64-bit integers.

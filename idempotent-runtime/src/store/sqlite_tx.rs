@@ -78,7 +78,7 @@ use super::sqlite::{
 const SQLITE_BUSY_SNAPSHOT: i64 = 517;
 
 fn err(operation: &'static str) -> impl FnOnce(sqlx::Error) -> StoreError {
-    move |e| StoreError::new("sqlite", operation, e)
+    move |e| super::sqlite::store_error(operation, e)
 }
 
 /// What a lock conflict on the reservation's write means for this transaction.
