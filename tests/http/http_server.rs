@@ -1325,6 +1325,40 @@ fn a_layer_whose_durations_the_attribute_would_refuse_is_refused_at_build() {
     assert!(wait(Duration::MAX).is_ok(), "as long as a wait may be");
 }
 
+/// A response limit over what a record can hold (4 MiB) is refused when the
+/// layer is built. It was lowered to 4 MiB without a word: a route given
+/// `max_response_bytes(16 MiB)` for its 5 MiB answers had every answer
+/// refused for recording (500, the key released), so each retry and each
+/// waiting duplicate ran the handler again.
+#[test]
+fn a_response_limit_over_what_a_record_holds_is_refused_at_build() {
+    use idempotent_runtime::http::{
+        IdempotencyLayer, LayerConfigError, DEFAULT_MAX_RESPONSE_BYTES,
+    };
+    let build = |limit: usize| {
+        IdempotencyLayer::builder("x.limits", MemoryStore::new())
+            .tenant_from(|_| None)
+            .max_response_bytes(limit)
+            .build()
+    };
+    let e = build(16 << 20).expect_err("a 16 MiB limit is refused");
+    assert!(
+        matches!(e, LayerConfigError::ResponseLimitTooLarge { limit, max, .. }
+            if limit == 16 << 20 && max == DEFAULT_MAX_RESPONSE_BYTES),
+        "{e:?}"
+    );
+    let said = e.to_string();
+    assert!(
+        said.contains("x.limits")
+            && said.contains("max_response_bytes")
+            && said.contains(&DEFAULT_MAX_RESPONSE_BYTES.to_string()),
+        "the error names the scope, the setting and the most it may be: {said}"
+    );
+    assert!(build(DEFAULT_MAX_RESPONSE_BYTES + 1).is_err());
+    assert!(build(DEFAULT_MAX_RESPONSE_BYTES).is_ok());
+    assert!(build(64).is_ok());
+}
+
 // ---------------------------------------------------------------- extractor and IntoResponse
 
 #[tokio::test]

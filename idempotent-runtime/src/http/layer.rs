@@ -90,6 +90,23 @@ pub enum LayerConfigError {
         /// The scope of the layer.
         scope: String,
     },
+    /// `max_response_bytes` is over what a record can hold: no answer over
+    /// [`DEFAULT_MAX_RESPONSE_BYTES`] can be recorded, so a larger limit
+    /// would have its answers released and their handlers run again.
+    #[error(
+        "scope `{scope}`: `max_response_bytes` is {limit} bytes, over the {max} bytes (4 MiB) a \
+         record can hold: an answer larger than that is never recorded (its key is released \
+         and every retry runs the handler again); give at most {max}, and answer with an id \
+         the client fetches the large payload by"
+    )]
+    ResponseLimitTooLarge {
+        /// The scope of the layer.
+        scope: String,
+        /// The limit given.
+        limit: usize,
+        /// The most a record holds ([`DEFAULT_MAX_RESPONSE_BYTES`]).
+        max: usize,
+    },
     /// The ttl, or a lease that is not zero, breaks the rule the attribute
     /// applies to it (a zero ttl would record nothing any retry could
     /// replay; a lease under 10 ms is taken over while the handler runs).
@@ -312,10 +329,12 @@ impl IdempotencyLayerBuilder {
     }
 
     /// The largest response body recorded (default and at most
-    /// [`DEFAULT_MAX_RESPONSE_BYTES`], 4 MiB). A larger answer cannot be
-    /// recorded: the key is released and the client gets 500.
+    /// [`DEFAULT_MAX_RESPONSE_BYTES`], 4 MiB: [`build`](Self::build) refuses
+    /// a larger limit with [`LayerConfigError::ResponseLimitTooLarge`]). A
+    /// larger answer cannot be recorded: the key is released and the client
+    /// gets 500.
     pub fn max_response_bytes(mut self, limit: usize) -> Self {
-        self.max_response_bytes = limit.min(DEFAULT_MAX_RESPONSE_BYTES);
+        self.max_response_bytes = limit;
         self
     }
 
@@ -383,6 +402,13 @@ impl IdempotencyLayerBuilder {
         };
         if self.lease.is_zero() {
             return Err(LayerConfigError::ZeroLease { scope: self.scope });
+        }
+        if self.max_response_bytes > DEFAULT_MAX_RESPONSE_BYTES {
+            return Err(LayerConfigError::ResponseLimitTooLarge {
+                scope: self.scope,
+                limit: self.max_response_bytes,
+                max: DEFAULT_MAX_RESPONSE_BYTES,
+            });
         }
         // The rules the attribute applies to `ttl = "..."`, `lease = "..."` and
         // `in_progress = wait("...")`.
