@@ -2101,6 +2101,49 @@ mod tests {
         }
     }
 
+    /// A reservation of `identity` by `token`: a minute's lease, a day's ttl.
+    fn request<'a>(identity: &'a Identity, token: &'a OwnerToken) -> ReserveRequest<'a> {
+        ReserveRequest {
+            identity,
+            fingerprint: None,
+            token,
+            lease: Duration::from_secs(60),
+            ttl: TTL,
+        }
+    }
+
+    const TTL: Duration = Duration::from_secs(86_400);
+
+    /// Completes `identity` for its owner `token`; the completion is written.
+    async fn complete(store: &MySqlStore, identity: &Identity, token: &OwnerToken) {
+        let outcome = StoredOutcome {
+            is_error: false,
+            payload: b"\"recorded\"".to_vec(),
+        };
+        let completion = Completion::by_body(identity, token, &outcome, TTL);
+        assert!(store
+            .complete(completion)
+            .await
+            .expect("complete")
+            .is_written());
+    }
+
+    /// A pool of one connection whose session has autocommit off: each
+    /// statement opens a transaction that stays open.
+    async fn autocommit_off(url: &str) -> MySqlPool {
+        sqlx::mysql::MySqlPoolOptions::new()
+            .max_connections(1)
+            .after_connect(|conn, _| {
+                Box::pin(async move {
+                    conn.execute("SET SESSION autocommit = 0").await?;
+                    Ok(())
+                })
+            })
+            .connect(url)
+            .await
+            .expect("pool")
+    }
+
     /// Rule 11 on MySQL 8's path (no `@@in_transaction`: a fresh key goes from
     /// the plain read to the procedure on a connection nobody asked): run on
     /// MariaDB by calling the store's reservation as it runs for MySQL 8. A
@@ -2113,31 +2156,13 @@ mod tests {
             return;
         };
         let tenant = format!("t-{}", OwnerToken::new().as_str());
-        fn request<'a>(identity: &'a Identity, token: &'a OwnerToken) -> ReserveRequest<'a> {
-            ReserveRequest {
-                identity,
-                fingerprint: None,
-                token,
-                lease: Duration::from_secs(60),
-                ttl: Duration::from_secs(86_400),
-            }
-        }
         let done = Identity::new(tenant.clone(), "mysql_unit.clock", "done").expect("id");
         let token = OwnerToken::new();
         store
             .reserve(request(&done, &token))
             .await
             .expect("reserve");
-        let outcome = StoredOutcome {
-            is_error: false,
-            payload: b"1".to_vec(),
-        };
-        let completion = Completion::by_body(&done, &token, &outcome, Duration::from_secs(86_400));
-        assert!(store
-            .complete(completion)
-            .await
-            .expect("complete")
-            .is_written());
+        complete(&store, &done, &token).await;
 
         let skewed = sqlx::mysql::MySqlPoolOptions::new()
             .max_connections(1)
@@ -2188,32 +2213,6 @@ mod tests {
         let Some((store, url)) = server_store().await else {
             return;
         };
-        fn request<'a>(identity: &'a Identity, token: &'a OwnerToken) -> ReserveRequest<'a> {
-            ReserveRequest {
-                identity,
-                fingerprint: None,
-                token,
-                lease: Duration::from_secs(60),
-                ttl: Duration::from_secs(86_400),
-            }
-        }
-        let complete = |identity: &Identity, token: &OwnerToken| {
-            let outcome = StoredOutcome {
-                is_error: false,
-                payload: b"\"first tenant's\"".to_vec(),
-            };
-            let store = store.clone();
-            let (identity, token) = (identity.clone(), token.clone());
-            async move {
-                let completion =
-                    Completion::by_body(&identity, &token, &outcome, Duration::from_secs(86_400));
-                assert!(store
-                    .complete(completion)
-                    .await
-                    .expect("complete")
-                    .is_written());
-            }
-        };
         let (first, second) = (
             format!("t-{}", OwnerToken::new().as_str()),
             format!("t-{}", OwnerToken::new().as_str()),
@@ -2224,7 +2223,7 @@ mod tests {
             .reserve(request(&theirs, &token))
             .await
             .expect("reserve");
-        complete(&theirs, &token).await;
+        complete(&store, &theirs, &token).await;
         let ours = Identity::new(second, "mysql_unit.read", "k").expect("id");
         let token = OwnerToken::new();
         let answer =
@@ -2234,17 +2233,7 @@ mod tests {
             "another tenant's record answered: {answer:?}"
         );
 
-        let off = sqlx::mysql::MySqlPoolOptions::new()
-            .max_connections(1)
-            .after_connect(|conn, _| {
-                Box::pin(async move {
-                    conn.execute("SET SESSION autocommit = 0").await?;
-                    Ok(())
-                })
-            })
-            .connect(&url)
-            .await
-            .expect("pool");
+        let off = autocommit_off(&url).await;
         let running = Identity::new(first, "mysql_unit.read", "running").expect("id");
         let owner = OwnerToken::new();
         store
@@ -2263,7 +2252,7 @@ mod tests {
             matches!(answer, Ok(Reservation::InProgress { .. })),
             "{answer:?}"
         );
-        complete(&running, &owner).await;
+        complete(&store, &running, &owner).await;
         let token = OwnerToken::new();
         let answer = reserve_through_store(
             &off,
@@ -2295,7 +2284,6 @@ mod tests {
             is_error: false,
             payload: b"1".to_vec(),
         };
-        let ttl = Duration::from_secs(3600);
         let changes: [&str; 9] = [
             "complete",
             "release",
@@ -2311,13 +2299,7 @@ mod tests {
             let identity = Identity::new(tenant.clone(), "mysql_unit.wake", change).expect("id");
             let token = OwnerToken::new();
             let reserved = store
-                .reserve(ReserveRequest {
-                    identity: &identity,
-                    fingerprint: None,
-                    token: &token,
-                    lease: Duration::from_secs(60),
-                    ttl,
-                })
+                .reserve(request(&identity, &token))
                 .await
                 .expect("reserve");
             assert!(
@@ -2328,7 +2310,7 @@ mod tests {
             let notified = notify.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
-            let completion = Completion::by_body(&identity, &token, &outcome, ttl);
+            let completion = Completion::by_body(&identity, &token, &outcome, TTL);
             match change {
                 "complete" => assert!(store.complete(completion).await.expect(change).is_written()),
                 "release" => assert!(store
@@ -2389,32 +2371,16 @@ mod tests {
             "k",
         )
         .expect("id");
-        let (token, ttl) = (OwnerToken::new(), Duration::from_secs(3600));
+        let token = OwnerToken::new();
         let reserved = store
-            .reserve(ReserveRequest {
-                identity: &identity,
-                fingerprint: None,
-                token: &token,
-                lease: Duration::from_secs(600),
-                ttl,
-            })
+            .reserve(request(&identity, &token))
             .await
             .expect("reserve");
         assert!(
             matches!(reserved, Reservation::Acquired { .. }),
             "{reserved:?}"
         );
-        let off = sqlx::mysql::MySqlPoolOptions::new()
-            .max_connections(1)
-            .after_connect(|conn, _| {
-                Box::pin(async move {
-                    conn.execute("SET SESSION autocommit = 0").await?;
-                    Ok(())
-                })
-            })
-            .connect(&url)
-            .await
-            .expect("pool");
+        let off = autocommit_off(&url).await;
         let names = Names::in_database(None);
         let held = lease_remaining(&off, &names, &identity)
             .await
@@ -2422,16 +2388,7 @@ mod tests {
         let (owner, remaining) = held.expect("the record is in progress");
         assert_eq!(owner.as_deref(), Some(token.as_str()));
         assert!(remaining.is_some_and(|r| r > 0), "{remaining:?}");
-        let outcome = StoredOutcome {
-            is_error: false,
-            payload: b"1".to_vec(),
-        };
-        let completion = Completion::by_body(&identity, &token, &outcome, ttl);
-        assert!(store
-            .complete(completion)
-            .await
-            .expect("complete")
-            .is_written());
+        complete(&store, &identity, &token).await;
         let held = lease_remaining(&off, &names, &identity)
             .await
             .expect("look");
