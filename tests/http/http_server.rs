@@ -1255,6 +1255,54 @@ fn a_shared_layer_scope_is_compared_on_its_fingerprint_and_whether_it_has_a_hook
     }
 }
 
+/// Rule 21: a layer's fingerprint is its own canonical form of the HTTP
+/// request, not the canonical form of named arguments, so no annotated
+/// function can make the same fingerprint for the same event. One whose
+/// fingerprinted parameters happen to be called `method`, `target` and
+/// `body` (a relay of queued HTTP requests) agreed with the layer on every
+/// term `validate()` compared, so sharing the scope passed, and every
+/// request through one path was then refused (422) after the other, or
+/// replayed an answer of the other's type. `validate()` reports it as a
+/// disagreement on what they fingerprint, as for any other function.
+#[test]
+fn a_function_whose_parameters_are_named_like_a_layers_request_parts_cannot_share_its_scope() {
+    use idempotent_runtime::http::IdempotencyLayer;
+    use idempotent_runtime::registry::{
+        validate_infos, Disagreement, ErrorPolicy, InProgressPolicy, RegistryError, ScopeInfo,
+        ScopeSpec,
+    };
+    let route = IdempotencyLayer::builder("test.shared_with_a_relay", MemoryStore::new())
+        .tenant_from(|_| None)
+        .shared_scope()
+        .build()
+        .expect("a valid layer");
+    // `async fn relay(tenant, key, method: String, target: String, body: Vec<u8>)`,
+    // as its attribute registers it, agreeing with the layer on the rest.
+    let relay: &'static ScopeInfo = Box::leak(Box::new(ScopeInfo::new(ScopeSpec {
+        scope: "test.shared_with_a_relay",
+        function: "outbox::relay",
+        file: file!(),
+        line: line!(),
+        ttl: route.scope_info().ttl,
+        lease: Duration::from_secs(30),
+        in_progress: InProgressPolicy::Wait(Duration::from_secs(10)),
+        errors: ErrorPolicy::Record,
+        transactional: false,
+        fingerprinted: true,
+        fingerprinted_parameters: &["method", "target", "body"],
+        shared_tenant: false,
+        recover: None,
+        shared_scope: true,
+    })));
+    match validate_infos(&[route.scope_info(), relay]) {
+        Err(RegistryError::SharedScopeConflicts(conflicts)) => assert!(
+            matches!(conflicts[0].disagreement, Disagreement::Fingerprint { .. }),
+            "{conflicts:?}"
+        ),
+        other => panic!("a layer and an annotated function cannot agree: {other:?}"),
+    }
+}
+
 #[test]
 fn a_layer_without_a_tenant_or_with_a_bad_scope_is_refused_at_build() {
     use idempotent_runtime::http::{IdempotencyLayer, LayerConfigError};

@@ -453,7 +453,13 @@ impl IdempotencyLayerBuilder {
             errors: ErrorPolicy::RecordIf(errors),
             transactional: false,
             fingerprinted: true,
-            fingerprinted_parameters: &["method", "target", "body"],
+            // Not parameter names: the layer's fingerprint is its own
+            // canonical form of the request, which no annotated function
+            // makes, so rule 21 must never find a function agreeing with it
+            // (one whose parameters are called `method`, `target` and `body`
+            // did). A name no Rust parameter can have says so to
+            // `registry::validate()`, and reads as what is fingerprinted.
+            fingerprinted_parameters: &["HTTP request (method, target, body)"],
             shared_tenant: false,
             recover: self.recover.as_ref().map(|(_, name)| *name),
             shared_scope: self.shared_scope,
