@@ -901,3 +901,106 @@ async fn a_recover_hooks_answer_whose_recording_fails_is_answer_not_recorded_yet
     assert_eq!(calls.load(Ordering::SeqCst), 0, "the handler never runs");
     assert_eq!(asked.load(Ordering::SeqCst), 1);
 }
+
+/// Rules 14 and 20 through the layer, on every store: on a layer with a
+/// recover hook, a handler that panics after its side effect does not free
+/// the key (a retry would run it again blind) nor leave it held for a lease
+/// (the retry would be refused): its lease is ended, so the retry takes the
+/// record over at once (`reject_in_progress`: no wait hides a live lease)
+/// and asks the hook, which finds the side effect; the handler does not run
+/// again, and the hook's answer is recorded and replayed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_panicking_handler_behind_a_hook_is_asked_about_not_run_again_on_every_store() {
+    use idempotent_runtime::Recovery;
+    for (name, store) in crate::http_retry_contract::every_store().await {
+        let scope = "edges.recover_panic";
+        // The side effects the handler made, by key: what the hook looks at.
+        let made: Arc<std::sync::Mutex<Vec<String>>> = Arc::default();
+        let asked: Arc<std::sync::Mutex<Vec<u32>>> = Arc::default();
+        let hook = {
+            let (made, asked) = (made.clone(), asked.clone());
+            move |takeover: idempotent_runtime::Takeover| {
+                let (made, asked) = (made.clone(), asked.clone());
+                async move {
+                    asked.lock().unwrap().push(takeover.attempt());
+                    if made.lock().unwrap().iter().any(|k| k == takeover.key()) {
+                        Ok(Recovery::Completed(
+                            (StatusCode::CREATED, "found at the provider").into_response(),
+                        ))
+                    } else {
+                        Ok(Recovery::Run)
+                    }
+                }
+            }
+        };
+        let layer = IdempotencyLayer::builder(scope, store.clone())
+            .tenant_from_extension::<AccountId>()
+            .reject_in_progress()
+            .recover(hook)
+            .build()
+            .expect("layer");
+        let runs = Arc::new(AtomicUsize::new(0));
+        let handler = {
+            let (made, runs) = (made.clone(), runs.clone());
+            move |headers: axum::http::HeaderMap| {
+                let (made, runs) = (made.clone(), runs.clone());
+                async move {
+                    runs.fetch_add(1, Ordering::SeqCst);
+                    let key = headers["idempotency-key"].to_str().unwrap().to_owned();
+                    made.lock().unwrap().push(key);
+                    if runs.load(Ordering::SeqCst) == 1 {
+                        panic!("the handler panics after its side effect");
+                    }
+                    (StatusCode::CREATED, "charged by the handler")
+                }
+            }
+        };
+        let app = Router::new()
+            .route("/charges", post(handler))
+            .route_layer(layer)
+            .layer(middleware::from_fn(authenticate));
+        let (base, task) = serve(app).await;
+        let account = fresh_tenant();
+        let send = || {
+            reqwest::Client::new()
+                .post(format!("{base}/charges"))
+                .header("x-account-id", &account)
+                .header("idempotency-key", "k")
+                .send()
+        };
+        let first = send().await;
+        assert!(
+            first
+                .as_ref()
+                .map_or(true, |r| r.status().is_server_error()),
+            "{name}: the panic is no answer: {first:?}"
+        );
+        let retry = send().await.expect("an answer");
+        let answer = (
+            retry.status().as_u16(),
+            retry.headers().contains_key("idempotent-replayed"),
+            retry.text().await.expect("body"),
+        );
+        assert_eq!(
+            answer,
+            (201, false, "found at the provider".to_owned()),
+            "{name}: the retry took the record over at once and asked the hook"
+        );
+        let again = send().await.expect("an answer");
+        assert!(
+            again.headers().contains_key("idempotent-replayed"),
+            "{name}"
+        );
+        assert_eq!(
+            runs.load(Ordering::SeqCst),
+            1,
+            "{name}: the handler ran once"
+        );
+        assert_eq!(
+            *asked.lock().unwrap(),
+            [2],
+            "{name}: asked once, as attempt 2"
+        );
+        task.abort();
+    }
+}

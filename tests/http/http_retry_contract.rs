@@ -124,7 +124,7 @@ impl Store for Observed {
     }
 }
 
-async fn every_store() -> Vec<(&'static str, Arc<dyn Store>)> {
+pub(crate) async fn every_store() -> Vec<(&'static str, Arc<dyn Store>)> {
     let mut stores: Vec<(&'static str, Arc<dyn Store>)> = vec![
         ("memory", Arc::new(MemoryStore::new())),
         ("sqlite", sqlite_file_store().await),
