@@ -708,7 +708,7 @@ where
         Ok(running) => running,
         Err(answered) => return answered,
     };
-    let (ran, lease_watch) = run_with_heartbeat(
+    let (ran, lease_watch, in_flight) = run_with_heartbeat(
         store,
         spec,
         (&identity, &token),
@@ -720,7 +720,7 @@ where
         (spec, store, &identity, &token),
         &mut guard,
         &errors,
-        (ran, lease_watch, running),
+        (ran, lease_watch, running, in_flight),
     )
     .await
 }
@@ -894,7 +894,7 @@ where
         // next call takes it over at once and asks the hook again. Releasing
         // it would let a retry run the body blind; leaving it (as this did)
         // refused every retry for the rest of a renewed lease.
-        let (answer, mut hook_watch) = run_with_heartbeat(
+        let (answer, mut hook_watch, in_flight) = run_with_heartbeat(
             store,
             spec,
             (identity, token),
@@ -902,6 +902,11 @@ where
             hook,
         )
         .await;
+        // What follows is a write fenced by this call's token (a renewal,
+        // the hook's answer, or the end of the lease when the answer is not
+        // recorded or the hook panicked): the hook's renewals still on their
+        // way land first, so none renews a lease this call has ended.
+        in_flight.landed(spec, identity).await;
         // Rule 9 as for a body: a lease that lapsed while the hook ran (its
         // thread blocked) is noted, the clock read only for a hook.
         hook_watch.note_if_lapsed(spec, identity, Instant::now(), None);
@@ -990,21 +995,37 @@ async fn after_body<'c, R, H>(
     (spec, store, identity, token): CallParts<'c>,
     guard: &mut FinishOnDrop<'c>,
     errors: &H,
-    (ran, mut lease_watch, running): (Result<R, PanicPayload>, LeaseWatch, Instant),
+    (ran, mut lease_watch, running, in_flight): (
+        Result<R, PanicPayload>,
+        LeaseWatch,
+        Instant,
+        RenewalsInFlight<'c>,
+    ),
 ) -> Answered<R>
 where
     R: IdempotentReturn,
     H: ErrorHandling<R::Failure>,
 {
     let result = match ran {
-        Ok(r) => r.into_result(),
+        Ok(r) => {
+            // Not waited for: a renewal landing after the answer is recorded
+            // or the key released changes nothing. Dropped now, so one still
+            // waiting for a pool connection does not keep it from the
+            // completion.
+            drop(in_flight);
+            r.into_result()
+        }
         Err(panic) => {
             crate::metrics::body_time(spec.scope, "panic", running.elapsed());
             if guard.keep_for_takeover {
-                // As for a dropped call (`FinishOnDrop`): the hook is asked next.
+                // As for a dropped call (`FinishOnDrop`): the hook is asked
+                // next. A renewal still on its way would renew the ended
+                // lease: it lands first.
+                in_flight.landed(spec, identity).await;
                 end_lease_logged(store, identity, token).await;
                 guard.arm(false);
             } else {
+                drop(in_flight);
                 release(store, guard).await;
             }
             std::panic::resume_unwind(panic);
@@ -2362,13 +2383,13 @@ impl LeaseWatch {
 ///
 /// Generic over the body (one copy per annotated function) only as far as
 /// polling it: the renewals are [`Heartbeat`]'s, compiled once.
-async fn run_with_heartbeat<R, Fut: Future<Output = R>>(
-    store: &dyn Store,
+async fn run_with_heartbeat<'a, R, Fut: Future<Output = R>>(
+    store: &'a dyn Store,
     spec: &'static ScopeInfo,
-    (identity, token): (&Identity, &OwnerToken),
+    (identity, token): (&'a Identity, &'a OwnerToken),
     (lease, lease_set): (Duration, Instant),
     body: Fut,
-) -> (Result<R, PanicPayload>, LeaseWatch) {
+) -> (Result<R, PanicPayload>, LeaseWatch, RenewalsInFlight<'a>) {
     let mut beats = Heartbeat::new(store, spec, (identity, token), lease, lease_set);
     let mut body = pin!(AssertUnwindSafe(body).catch_unwind());
     let out = std::future::poll_fn(|cx| {
@@ -2379,7 +2400,38 @@ async fn run_with_heartbeat<R, Fut: Future<Output = R>>(
         Poll::Pending
     })
     .await;
-    (out, beats.finish())
+    let (watch, in_flight) = beats.finish();
+    (out, watch, in_flight)
+}
+
+/// The renewals of a body or a hook still unanswered when it ended. A
+/// renewal that was sent runs on the server when it arrives, also once its
+/// future is dropped: one that lands after the call ended the lease (to have
+/// the next call take the record over at once and ask the `recover` hook)
+/// gives the record a whole lease again, and every retry is refused, or
+/// waits, until it runs out. [`landed`](Self::landed) waits for them before
+/// such a write; dropped, they are not waited for (a completion or a
+/// release is not undone by a renewal that lands after it).
+pub(crate) struct RenewalsInFlight<'a>(Vec<Renewal<'a>>);
+
+impl RenewalsInFlight<'_> {
+    /// Waits until every renewal in flight has answered (or failed), so a
+    /// write of this call that ends its lease comes after them; for the
+    /// scope's lease at most (a renewal unanswered that long is one whose
+    /// connection was lost or a lock holds: the lease is ended then, as
+    /// before, rather than the call held for as long as the store's own
+    /// bound on a renewal).
+    async fn landed(self, spec: &'static ScopeInfo, identity: &Identity) {
+        if self.0.is_empty() {
+            return;
+        }
+        let all = futures_util::future::join_all(self.0);
+        if tokio::time::timeout(spec.lease, all).await.is_err() {
+            tracing::warn!(target: "idempotent", scope = spec.scope, key = %identity.log_digest(),
+                "a lease renewal still unanswered a lease after the call ended; ending the lease \
+                 anyway (should it land later, it renews the lease once more)");
+        }
+    }
 }
 
 /// A renewal of the lease, sent and not yet answered.
@@ -2548,7 +2600,7 @@ impl<'a> Heartbeat<'a> {
     }
 
     /// The body has ended: what is known of its lease.
-    fn finish(self) -> LeaseWatch {
+    fn finish(self) -> (LeaseWatch, RenewalsInFlight<'a>) {
         // A renewal still in flight when the body ends is not counted as
         // written: the body-end check below sees the lease as last confirmed.
         // (Counted as written at its sending, a renewal waiting for a pool
@@ -2560,7 +2612,8 @@ impl<'a> Heartbeat<'a> {
         // After a lost lease there is nothing more to say.
         let mut watch = self.watch;
         watch.noted |= self.lost;
-        watch
+        let in_flight = RenewalsInFlight(self.late.into_iter().chain(self.beat).collect());
+        (watch, in_flight)
     }
 }
 

@@ -17,6 +17,11 @@
 //!   committed) but the client never learns it;
 //! * [`stall`](FaultProxy::stall): bytes are held in both directions, or only
 //!   server → client, until [`release_stall`](FaultProxy::release_stall);
+//! * [`hold_next_request_containing`](FaultProxy::hold_next_request_containing):
+//!   one connection's requests are held until
+//!   [`release_held`](FaultProxy::release_held), then reach the server even
+//!   if the client has closed that connection meanwhile (a statement delayed
+//!   on its way, which the server still runs);
 //! * [`slow`](FaultProxy::slow): every chunk is delayed;
 //! * [`go_down`](FaultProxy::go_down): an outage, every client chunk (a new
 //!   connection's handshake too) is dropped and its connection cut, until
@@ -118,6 +123,10 @@ enum TrapKind {
     Stall(Stall),
     /// That connection goes silent for good.
     Silence,
+    /// That connection's requests (from that chunk on) are held until
+    /// [`FaultProxy::release_held`], then forwarded, also when the client
+    /// has closed the connection meanwhile: a request delayed on the way.
+    Hold,
 }
 
 struct Trap {
@@ -209,6 +218,8 @@ struct Control {
     trap: Option<Trap>,
     /// An outage: what every client chunk trips while it lasts.
     down: Option<Arc<TripSignal>>,
+    /// The requests a [`TrapKind::Hold`] holds may go on.
+    held_released: bool,
 }
 
 #[derive(Default)]
@@ -279,6 +290,17 @@ impl Shared {
         }
     }
 
+    /// Holds a held connection's request until [`FaultProxy::release_held`].
+    async fn hold_until_released(&self) {
+        let mut events = self.events.subscribe();
+        let _held = Held::new(self, &self.counters.held_to_server);
+        while !self.control().held_released {
+            if events.changed().await.is_err() {
+                return;
+            }
+        }
+    }
+
     /// What to do with a chunk: `Some(signal)` cuts the connection.
     fn decide(
         &self,
@@ -328,6 +350,10 @@ impl Shared {
                         conn.silenced.store(true, Ordering::SeqCst);
                         None
                     }
+                    TrapKind::Hold => {
+                        conn.held.store(true, Ordering::SeqCst);
+                        None
+                    }
                 }
             }
         }
@@ -366,6 +392,9 @@ struct Conn {
     /// nothing more, either way, and never closes (a black-holed TCP
     /// connection).
     silenced: std::sync::atomic::AtomicBool,
+    /// Set when a hold trap matched on this connection: its requests wait
+    /// for [`FaultProxy::release_held`].
+    held: std::sync::atomic::AtomicBool,
     /// Set when this connection forwarded the request of a response-cut trap.
     cut_response: Mutex<Option<Arc<TripSignal>>>,
     /// A tripped trap waiting for the server's answer on this connection.
@@ -542,6 +571,31 @@ impl FaultProxy {
                 String::from_utf8_lossy(needle)
             ),
         )
+    }
+
+    /// Holds the requests of the connection whose next client chunk contains
+    /// `needle` (that chunk included) until [`release_held`](Self::release_held),
+    /// then forwards them, also when the client has closed that connection
+    /// meanwhile (a request that reached the server late); every other
+    /// connection passes.
+    pub fn hold_next_request_containing(&self, needle: impl AsRef<[u8]>) -> Trip {
+        let needle = needle.as_ref();
+        self.shared.control().held_released = false;
+        self.arm(
+            TrapKind::Hold,
+            Some(needle),
+            format!(
+                "hold of the request containing {:?}",
+                String::from_utf8_lossy(needle)
+            ),
+        )
+    }
+
+    /// Lets the requests [`hold_next_request_containing`](Self::hold_next_request_containing)
+    /// holds go on, in order.
+    pub fn release_held(&self) {
+        self.shared.control().held_released = true;
+        self.shared.bump();
     }
 
     /// Ends an outage ([`go_down`](Self::go_down)) and, at once, arms a
@@ -778,6 +832,9 @@ async fn pump(
                 },
             );
             std::future::pending::<()>().await;
+        }
+        if direction == Direction::ToServer && conn.held.load(Ordering::SeqCst) {
+            shared.hold_until_released().await;
         }
         shared.hold_while_stalled(direction).await;
         let delay = shared.control().delay;

@@ -1834,7 +1834,7 @@ async fn a_dropped_call_on_a_silent_connection_frees_its_slot(
 /// Stores whose pool (of `max_connections`) goes through a [`FaultProxy`]
 /// (`None` when the server is not there). The migrations run through the
 /// proxy, in pass-through mode.
-mod through_a_proxy {
+pub(crate) mod through_a_proxy {
     use super::*;
 
     pub async fn postgres(max_connections: u32) -> Option<(FaultProxy, PgStore)> {

@@ -13,6 +13,7 @@ mod connection_faults;
 mod executors;
 mod first_renewal;
 mod held_answers;
+mod late_renewal;
 mod late_reservation;
 mod mysql_faults;
 mod mysql_wire;

@@ -1,0 +1,230 @@
+//! Rules 14 and 20 with rule 9 on the network stores: a renewal of the lease
+//! still on its way to the server when the call ends its lease (its body
+//! panicked in a scope with a `recover` hook) must not give the record a
+//! whole lease again. The call dropped the renewal it no longer waited for,
+//! but a statement that was sent runs on the server when it arrives; landing
+//! after the write that ended the lease, it renewed it, and every retry was
+//! refused (`in_progress = reject`), or waited, until that lease ran out,
+//! instead of taking the record over at once and asking the hook. The call
+//! now lets its renewals land before it ends the lease.
+//!
+//! The renewal is held on its way by the fault proxy (its connection only).
+
+use crate::common::proxy::FaultProxy;
+use crate::common::servers::fresh_tenant;
+use crate::connection_faults::through_a_proxy;
+use idempotent_runtime::{idempotent, with_outcome, Error, Outcome, Recovery, Store, Takeover};
+use std::collections::HashMap;
+use std::sync::{Arc, LazyLock, Mutex};
+use std::time::Duration;
+use tokio::sync::Notify;
+
+/// Where a tenant's first body stops: `reached` when it gets there; at
+/// `go` it panics, after its side effect.
+#[derive(Default)]
+struct Gate {
+    reached: Notify,
+    go: Notify,
+}
+
+static GATES: LazyLock<Mutex<HashMap<String, Arc<Gate>>>> = LazyLock::new(Default::default);
+
+fn gate(tenant: &str) -> Option<Arc<Gate>> {
+    GATES
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .get(tenant)
+        .cloned()
+}
+
+/// The side effect is found at the provider.
+async fn found(_: &Takeover) -> Result<Recovery<u32>, Error> {
+    Ok(Recovery::Completed(7))
+}
+
+/// The lease is long beside the moment the test gives the call to end it
+/// while its renewal is held ([`ENDS_WITHIN`]): the call waits for its
+/// renewal at most a lease.
+#[idempotent(scope = "faults.late_renewal", key = key, tenant = tenant, store = store,
+             lease = "6s", in_progress = reject, recover = found)]
+async fn charge(store: &dyn Store, tenant: &str, key: &str) -> Result<u32, Error> {
+    if let Some(gate) = gate(tenant) {
+        gate.reached.notify_one();
+        gate.go.notified().await;
+        panic!("the body panics after its side effect");
+    }
+    Ok(1)
+}
+
+/// How long the panicked call is given to end its lease while its renewal
+/// is held. Before, it ended the lease at once (and returned); now it waits
+/// for the renewal, so this only bounds the test's wait.
+const ENDS_WITHIN: Duration = Duration::from_secs(1);
+
+async fn a_renewal_landing_after_the_lease_was_ended(
+    name: &str,
+    proxy: &FaultProxy,
+    store: Arc<dyn Store>,
+) {
+    let tenant = fresh_tenant();
+    let key = format!("late-renewal-{tenant}");
+    let held = Arc::new(Gate::default());
+    GATES
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .insert(tenant.clone(), held.clone());
+    let mut owner = tokio::spawn({
+        let (store, tenant, key) = (store.clone(), tenant.clone(), key.clone());
+        async move { charge(&*store, &tenant, &key).await }
+    });
+    held.reached.notified().await;
+    // The next statement naming the key is the body's first renewal.
+    let renewal = proxy.hold_next_request_containing(key.as_bytes());
+    renewal.request_seen().await;
+    held.go.notify_one();
+    // The body has panicked; its renewal is still on its way.
+    let ended = match tokio::time::timeout(ENDS_WITHIN, &mut owner).await {
+        Ok(ended) => ended,
+        Err(_) => {
+            // Still waiting for its renewal: let it land.
+            proxy.release_held();
+            owner.await
+        }
+    };
+    let ended = ended.expect_err("the body panicked");
+    assert!(ended.is_panic(), "{name}: {ended:?}");
+    GATES
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .remove(&tenant);
+    // Whatever it is still doing, the renewal reaches the server now.
+    proxy.release_held();
+    renewal.settled().await;
+    let (answer, outcome) = with_outcome(charge(&*store, &tenant, &key)).await;
+    assert_eq!(
+        (answer.as_ref().ok().copied(), outcome),
+        (Some(7), Some(Outcome::Recovered)),
+        "{name}: the retry takes the record over at once and asks the hook; the renewal the \
+         panicked call sent before ending its lease must not have renewed it: {answer:?}"
+    );
+}
+
+/// Asks the provider: the first time for a tenant with a gate it waits at
+/// the gate and cannot say (an error: the record is kept, its lease ended);
+/// then the side effect is found.
+async fn asks_at_the_gate(t: &Takeover) -> Result<Recovery<u32>, Error> {
+    if let Some(gate) = gate(t.tenant()) {
+        gate.reached.notify_one();
+        gate.go.notified().await;
+        return Err(Error::Store(idempotent_runtime::StoreError::new(
+            "gateway",
+            "find_charge",
+            "the provider cannot say now",
+        )));
+    }
+    Ok(Recovery::Completed(t.attempt()))
+}
+
+#[idempotent(scope = "faults.late_renewal_hook", key = key, tenant = tenant, store = store,
+             lease = "6s", in_progress = reject, recover = asks_at_the_gate)]
+async fn charge_again(store: &dyn Store, tenant: &str, key: &str) -> Result<u32, Error> {
+    Ok(1)
+}
+
+/// The same for a recover hook that answers an error: the call ends the
+/// lease of the record it took over, so the next call takes it over at once
+/// and asks again; its hook's renewal, still on its way, must not renew it.
+async fn a_hooks_renewal_landing_after_the_lease_was_ended(
+    name: &str,
+    proxy: &FaultProxy,
+    store: Arc<dyn Store>,
+) {
+    let tenant = fresh_tenant();
+    let key = format!("late-hook-renewal-{tenant}");
+    let identity = idempotent_runtime::Identity::new(
+        tenant.as_str(),
+        "faults.late_renewal_hook",
+        key.as_str(),
+    )
+    .expect("identity");
+    // A crashed owner's record, its lease over.
+    store
+        .reserve(idempotent_runtime::ReserveRequest {
+            identity: &identity,
+            fingerprint: None,
+            token: &idempotent_runtime::OwnerToken::new(),
+            lease: Duration::ZERO,
+            ttl: Duration::from_secs(3600),
+        })
+        .await
+        .expect("a crashed owner's record");
+    let held = Arc::new(Gate::default());
+    GATES
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .insert(tenant.clone(), held.clone());
+    let mut taker = tokio::spawn({
+        let (store, tenant, key) = (store.clone(), tenant.clone(), key.clone());
+        async move { charge_again(&*store, &tenant, &key).await }
+    });
+    held.reached.notified().await;
+    let renewal = proxy.hold_next_request_containing(key.as_bytes());
+    renewal.request_seen().await;
+    held.go.notify_one();
+    let answered = match tokio::time::timeout(ENDS_WITHIN, &mut taker).await {
+        Ok(answered) => answered,
+        Err(_) => {
+            proxy.release_held();
+            taker.await
+        }
+    };
+    assert!(
+        matches!(answered, Ok(Err(Error::Store(_)))),
+        "{name}: the hook's error: {answered:?}"
+    );
+    GATES
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .remove(&tenant);
+    proxy.release_held();
+    renewal.settled().await;
+    let (answer, outcome) = with_outcome(charge_again(&*store, &tenant, &key)).await;
+    assert_eq!(
+        (answer.as_ref().ok().copied(), outcome),
+        (Some(3), Some(Outcome::Recovered)),
+        "{name}: the retry takes the record over at once (attempt 3) and asks the hook again; \
+         the renewal sent while the first hook ran must not have renewed it: {answer:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_renewal_that_lands_after_a_panicked_body_ended_the_lease_renews_nothing() {
+    let Some((proxy, store)) = through_a_proxy::postgres(4).await else {
+        return;
+    };
+    a_renewal_landing_after_the_lease_was_ended("postgres", &proxy, Arc::new(store)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mariadb_a_renewal_that_lands_after_a_panicked_body_ended_the_lease_renews_nothing() {
+    let Some((proxy, store)) = through_a_proxy::mariadb(4).await else {
+        return;
+    };
+    a_renewal_landing_after_the_lease_was_ended("mariadb", &proxy, Arc::new(store)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_renewal_that_lands_after_a_hook_error_ended_the_lease_renews_nothing() {
+    let Some((proxy, store)) = through_a_proxy::postgres(4).await else {
+        return;
+    };
+    a_hooks_renewal_landing_after_the_lease_was_ended("postgres", &proxy, Arc::new(store)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mariadb_a_renewal_that_lands_after_a_hook_error_ended_the_lease_renews_nothing() {
+    let Some((proxy, store)) = through_a_proxy::mariadb(4).await else {
+        return;
+    };
+    a_hooks_renewal_landing_after_the_lease_was_ended("mariadb", &proxy, Arc::new(store)).await;
+}
