@@ -296,6 +296,21 @@ const PURGE_SQL: &str = "CALL idempotency_purge(?)";
 /// on a checked connection ([`connection_for_a_read`]): in a transaction
 /// left open, the read would answer from that transaction's old snapshot,
 /// and with a set clock the lease would never seem to end.
+///
+/// On a session in a transaction (autocommit off, or, on MariaDB, one left
+/// open) the tenant is `NULL`, so the read reads no row: under SERIALIZABLE
+/// InnoDB makes every plain read of a transaction a locking one, and the
+/// read waited for a row an owner held (a transactional-mode owner's, up to
+/// `innodb_lock_wait_timeout`, past the duplicate's wait bound), then left
+/// its shared lock in the session's transaction, on a connection back in the
+/// pool, where it kept the owner from completing the record. (`SYSDATE()`,
+/// the clock's guard, stays out of the key: it is not a constant, and the
+/// read would no longer be a primary-key read.) The tenant arrives with one
+/// byte before it, cut off by `SUBSTRING`, as in [`owned_record!`]: under
+/// MariaDB's `EMPTY_STRING_IS_NULL` the shared tenant (an empty string)
+/// bound as it is became `NULL`, the look found no record in progress, and
+/// the duplicate reserved again at once, found it in progress, and looked
+/// again, without a pause, for as long as its wait lasted.
 const LEASE_REMAINING_SQL: &str = concat!(
     "SELECT CAST(@@SESSION.autocommit = 1 /*M! AND @@SESSION.in_transaction = 0 ",
     "AND @@SESSION.tx_isolation <> 'READ-UNCOMMITTED' */ AND ",
@@ -303,7 +318,8 @@ const LEASE_REMAINING_SQL: &str = concat!(
     " AS SIGNED), CONVERT(r.owner_token USING utf8mb4), ",
     "CAST(r.lease_expires_at - (UNIX_TIMESTAMP() * 1000 + FLOOR(MICROSECOND(NOW(6)) / 1000)) ",
     "AS SIGNED) FROM (SELECT 1 AS one) d LEFT JOIN idempotency_records r ",
-    "ON r.tenant = ? AND r.scope = ? AND r.`key` = ? AND r.state = 'in_progress'"
+    "ON r.tenant = IF(@@SESSION.autocommit = 1 /*M! AND @@SESSION.in_transaction = 0 */, ",
+    "SUBSTRING(?, 2), NULL) AND r.scope = ? AND r.`key` = ? AND r.state = 'in_progress'"
 );
 
 /// A waiting duplicate's look at the record of `identity`
@@ -321,12 +337,17 @@ async fn lease_remaining(
         names: &Names,
         identity: &Identity,
     ) -> Result<Looked, StoreError> {
+        // The tenant after one byte (see `LEASE_REMAINING_SQL`).
+        let mut tenant = Vec::with_capacity(identity.tenant.len() + 1);
+        tenant.push(b'_');
+        tenant.extend_from_slice(identity.tenant.as_bytes());
         server::answered_within(
             names.check.silent_after,
-            // A plain read: no lock wait.
+            // A plain read, and none on a session in a transaction: no lock
+            // wait.
             Duration::ZERO,
             sqlx::query_as::<_, Looked>(&names.lease_remaining)
-                .bind(identity.tenant.as_bytes())
+                .bind(tenant)
                 .bind(identity.scope.as_bytes())
                 .bind(identity.key.as_bytes())
                 .fetch_one(conn),
@@ -2394,6 +2415,186 @@ mod tests {
             .expect("look");
         assert_eq!(held, None, "the look saw the completed record in progress");
         off.close().await;
+    }
+
+    /// A waiting duplicate's look ([`lease_remaining`]) on a session with
+    /// autocommit off under SERIALIZABLE, where InnoDB makes every plain read
+    /// of a transaction a locking one. Its read on that session (before the
+    /// guard sent it on to a checked connection) read the record's row: it
+    /// waited for an owner holding the row (a transactional-mode owner whose
+    /// body runs), up to `innodb_lock_wait_timeout`, past the duplicate's
+    /// wait bound; and it left a shared lock on the row in the session's
+    /// transaction, on a connection back in the pool, so the owner could not
+    /// complete its record until that connection was used again. On a
+    /// session the guard refuses, the read reads no row now.
+    #[tokio::test]
+    async fn a_waiters_look_takes_no_lock_on_the_record() {
+        let Some((store, url)) = server_store().await else {
+            return;
+        };
+        let identity = Identity::new(
+            format!("t-{}", OwnerToken::new().as_str()),
+            "mysql_unit.look_locks",
+            "k",
+        )
+        .expect("id");
+        let (token, ttl) = (OwnerToken::new(), Duration::from_secs(3600));
+        let reserved = store
+            .reserve(ReserveRequest {
+                identity: &identity,
+                fingerprint: None,
+                token: &token,
+                lease: Duration::from_secs(600),
+                ttl,
+            })
+            .await
+            .expect("reserve");
+        assert!(
+            matches!(reserved, Reservation::Acquired { .. }),
+            "{reserved:?}"
+        );
+        let serializable = sqlx::mysql::MySqlPoolOptions::new()
+            .max_connections(2)
+            .after_connect(|conn, _| {
+                Box::pin(async move {
+                    conn.execute("SET SESSION autocommit = 0").await?;
+                    conn.execute("SET SESSION TRANSACTION ISOLATION LEVEL SERIALIZABLE")
+                        .await?;
+                    conn.execute("SET SESSION innodb_lock_wait_timeout = 1")
+                        .await?;
+                    Ok(())
+                })
+            })
+            .connect(&url)
+            .await
+            .expect("pool");
+        let names = Names::in_database(None);
+        fn row_of<'q>(
+            identity: &'q Identity,
+            sql: &'q str,
+        ) -> sqlx::query::QueryScalar<'q, MySql, i64, sqlx::mysql::MySqlArguments> {
+            sqlx::query_scalar(sql)
+                .bind(identity.tenant.as_bytes())
+                .bind(identity.scope.as_bytes())
+                .bind(identity.key.as_bytes())
+        }
+        const ROW: &str = "SELECT 1 FROM idempotency_records \
+            WHERE tenant = ? AND scope = ? AND `key` = ? FOR UPDATE";
+        const FREE_ROW: &str = "SELECT 1 FROM idempotency_records \
+            WHERE tenant = ? AND scope = ? AND `key` = ? FOR UPDATE SKIP LOCKED";
+        // An owner holds the row: the look does not wait for it (it timed
+        // out after the session's one-second lock wait).
+        let mut holder = store.pools.current().begin().await.expect("begin");
+        let held_row = row_of(&identity, ROW)
+            .fetch_optional(&mut *holder)
+            .await
+            .expect("lock the row");
+        assert_eq!(held_row, Some(1));
+        let held = lease_remaining(&serializable, &names, &identity)
+            .await
+            .expect("the look waited for the row an owner holds");
+        let (owner, _) = held.expect("the record is in progress");
+        assert_eq!(owner.as_deref(), Some(token.as_str()));
+        holder.rollback().await.expect("rollback");
+        // Two idle connections: the look's read takes one and its checked
+        // read the other, so a lock left by the first stays on the row.
+        let (a, b) = (
+            serializable.acquire().await.expect("a"),
+            serializable.acquire().await.expect("b"),
+        );
+        drop((a, b));
+        for _ in 0..1000 {
+            if serializable.num_idle() == 2 {
+                break;
+            }
+            tokio::task::yield_now().await;
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        assert_eq!(serializable.num_idle(), 2);
+        let held = lease_remaining(&serializable, &names, &identity)
+            .await
+            .expect("look");
+        let (owner, _) = held.expect("the record is in progress");
+        assert_eq!(owner.as_deref(), Some(token.as_str()));
+        let free = row_of(&identity, FREE_ROW)
+            .fetch_optional(&*store.pools.current())
+            .await
+            .expect("read the row");
+        assert_eq!(free, Some(1), "the look left a lock on the record's row");
+        serializable.close().await;
+        let outcome = StoredOutcome {
+            is_error: false,
+            payload: b"1".to_vec(),
+        };
+        let completion = Completion::by_body(&identity, &token, &outcome, ttl);
+        assert!(store
+            .complete(completion)
+            .await
+            .expect("complete")
+            .is_written());
+    }
+
+    /// A waiting duplicate's look ([`lease_remaining`]) of a record of the
+    /// shared tenant (an empty string) on a session that code sharing the pool
+    /// turned to MariaDB's `sql_mode` `EMPTY_STRING_IS_NULL`: the tenant bound
+    /// as a parameter became `NULL`, the read found no record, and the look
+    /// answered that the record was no longer in progress. The duplicate
+    /// reserved again at once, found it in progress (on another session), and
+    /// looked again on that one: no pause between the two, for as long as its
+    /// wait lasted. The look finds the record now, as the fenced writes do.
+    #[tokio::test]
+    async fn a_waiters_look_finds_the_shared_tenants_record_under_empty_string_is_null() {
+        let Some((store, url)) = server_store().await else {
+            return;
+        };
+        if !store.mariadb {
+            return; // a MariaDB mode
+        }
+        let identity = Identity::shared(
+            "mysql_unit.look_empty_is_null",
+            format!("k-{}", OwnerToken::new().as_str()),
+        )
+        .expect("id");
+        let token = OwnerToken::new();
+        let reserved = store
+            .reserve(ReserveRequest {
+                identity: &identity,
+                fingerprint: None,
+                token: &token,
+                lease: Duration::from_secs(600),
+                ttl: Duration::from_secs(3600),
+            })
+            .await
+            .expect("reserve");
+        assert!(
+            matches!(reserved, Reservation::Acquired { .. }),
+            "{reserved:?}"
+        );
+        let odd = sqlx::mysql::MySqlPoolOptions::new()
+            .max_connections(1)
+            .after_connect(|conn, _| {
+                Box::pin(async move {
+                    conn.execute(
+                        "SET SESSION sql_mode = CONCAT(@@sql_mode, ',EMPTY_STRING_IS_NULL')",
+                    )
+                    .await?;
+                    Ok(())
+                })
+            })
+            .connect(&url)
+            .await
+            .expect("pool");
+        let held = lease_remaining(&odd, &Names::in_database(None), &identity)
+            .await
+            .expect("look");
+        odd.close().await;
+        let (owner, _) = held.expect("the look found the record in progress");
+        assert_eq!(owner.as_deref(), Some(token.as_str()));
+        assert!(store
+            .release(&identity, &token)
+            .await
+            .expect("release")
+            .is_written());
     }
 
     #[test]
