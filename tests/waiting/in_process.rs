@@ -721,6 +721,84 @@ async fn mysql_two_stores_on_one_database_fall_back_to_looking() {
     assert_acquired_after_release(answer, reserves, (&h, &d));
 }
 
+/// A transactional-mode owner on MySQL/MariaDB, on the scope of
+/// [`owner_in_transaction`] (rule 21).
+#[idempotent(scope = "waiting.tx_owner", key = key, tenant = tenant, tx = conn, shared_scope,
+             skip(gate))]
+async fn owner_in_mysql_transaction(
+    conn: &mut sqlx::MySqlConnection,
+    tenant: &str,
+    key: &str,
+    gate: &Gate,
+) -> Result<u64, Error> {
+    let _ = &conn;
+    gate.runs.fetch_add(1, Ordering::SeqCst);
+    gate.started.send_replace(true);
+    gate.go.notified().await;
+    Ok(7)
+}
+
+/// Rule 4 on MySQL/MariaDB behind an owner in transactional mode: its record
+/// is written in its caller's transaction, invisible to others and its row
+/// locked until that transaction ends. The store-mode duplicate's look at the
+/// record finds nothing in progress and returns at once; its reservation
+/// waits for the row (a second at most through the store, then
+/// `InProgress`), so the wait does not go round without a pause: the
+/// duplicate waits within its bound, reserving a few times, and replays the
+/// owner's result once the owner commits. Handshake: the owner finishes only
+/// once the duplicate has entered its wait, and holds on a little longer.
+#[tokio::test]
+async fn mysql_a_store_mode_duplicate_waits_for_a_transactional_owner() {
+    let Some(store) = mysql().await else { return };
+    let owner_pool = sqlx::mysql::MySqlPoolOptions::new()
+        .max_connections(1)
+        .connect(&crate::common::servers::mysql_url())
+        .await
+        .expect("pool");
+    let tenant = tenant();
+    let (owner_gate, dup_gate) = (Gate::default(), Gate::open());
+    let dup_done = watch::Sender::new(false);
+    let owner = async {
+        let mut tx = owner_pool.begin().await.expect("begin");
+        let answer = owner_in_mysql_transaction(&mut tx, &tenant, "k", &owner_gate).await;
+        tx.commit().await.expect("commit");
+        answer
+    };
+    let duplicate = async {
+        owner_gate.started().await;
+        let before = store.reserves();
+        let answer = duplicate_in_store_mode(&store, &tenant, "k", &dup_gate).await;
+        dup_done.send_replace(true);
+        (answer, store.reserves() - before)
+    };
+    let release = async {
+        owner_gate.started().await;
+        let mut done = dup_done.subscribe();
+        tokio::select! {
+            () = store.waited(1) => tokio::time::sleep(HOLD).await,
+            _ = done.wait_for(|d| *d) => {}
+        }
+        owner_gate.go.notify_one();
+    };
+    let (owned, (answer, reserves), ()) = tokio::join!(owner, duplicate, release);
+    owner_pool.close().await;
+    assert_eq!(owned.expect("the owner completes"), 7);
+    assert_eq!(
+        answer.expect("the duplicate waits and replays the owner's result"),
+        7
+    );
+    assert_eq!(owner_gate.runs.load(Ordering::SeqCst), 1);
+    assert_eq!(
+        dup_gate.runs.load(Ordering::SeqCst),
+        0,
+        "the duplicate's body did not run"
+    );
+    assert!(
+        reserves <= FEW,
+        "the duplicate waited, not reserving again and again: {reserves} reservations"
+    );
+}
+
 #[tokio::test]
 async fn mysql_many_waiters_are_all_woken() {
     let Some(store) = mysql().await else { return };
