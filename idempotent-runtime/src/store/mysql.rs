@@ -2149,6 +2149,23 @@ mod tests {
             .is_written());
     }
 
+    /// A record of a fresh tenant in `scope` (key `k`), reserved by the
+    /// token answered: in progress for a minute.
+    async fn held_record(store: &MySqlStore, scope: &str) -> (Identity, OwnerToken) {
+        let tenant = format!("t-{}", OwnerToken::new().as_str());
+        let identity = Identity::new(tenant, scope, "k").expect("id");
+        let token = OwnerToken::new();
+        let reserved = store
+            .reserve(request(&identity, &token))
+            .await
+            .expect("reserve");
+        assert!(
+            matches!(reserved, Reservation::Acquired { .. }),
+            "{reserved:?}"
+        );
+        (identity, token)
+    }
+
     /// A pool of one connection whose session has autocommit off: each
     /// statement opens a transaction that stays open.
     async fn autocommit_off(url: &str) -> MySqlPool {
@@ -2386,21 +2403,7 @@ mod tests {
         let Some((store, url)) = server_store().await else {
             return;
         };
-        let identity = Identity::new(
-            format!("t-{}", OwnerToken::new().as_str()),
-            "mysql_unit.look",
-            "k",
-        )
-        .expect("id");
-        let token = OwnerToken::new();
-        let reserved = store
-            .reserve(request(&identity, &token))
-            .await
-            .expect("reserve");
-        assert!(
-            matches!(reserved, Reservation::Acquired { .. }),
-            "{reserved:?}"
-        );
+        let (identity, token) = held_record(&store, "mysql_unit.look").await;
         let off = autocommit_off(&url).await;
         let names = Names::in_database(None);
         let held = lease_remaining(&off, &names, &identity)
@@ -2432,27 +2435,7 @@ mod tests {
         let Some((store, url)) = server_store().await else {
             return;
         };
-        let identity = Identity::new(
-            format!("t-{}", OwnerToken::new().as_str()),
-            "mysql_unit.look_locks",
-            "k",
-        )
-        .expect("id");
-        let (token, ttl) = (OwnerToken::new(), Duration::from_secs(3600));
-        let reserved = store
-            .reserve(ReserveRequest {
-                identity: &identity,
-                fingerprint: None,
-                token: &token,
-                lease: Duration::from_secs(600),
-                ttl,
-            })
-            .await
-            .expect("reserve");
-        assert!(
-            matches!(reserved, Reservation::Acquired { .. }),
-            "{reserved:?}"
-        );
+        let (identity, token) = held_record(&store, "mysql_unit.look_locks").await;
         let serializable = sqlx::mysql::MySqlPoolOptions::new()
             .max_connections(2)
             .after_connect(|conn, _| {
@@ -2503,14 +2486,14 @@ mod tests {
             serializable.acquire().await.expect("b"),
         );
         drop((a, b));
-        for _ in 0..1000 {
-            if serializable.num_idle() == 2 {
-                break;
+        // Handed back in tasks of their own (after a ping each).
+        tokio::time::timeout(Duration::from_secs(30), async {
+            while serializable.num_idle() < 2 {
+                tokio::time::sleep(Duration::from_millis(1)).await;
             }
-            tokio::task::yield_now().await;
-            tokio::time::sleep(Duration::from_millis(1)).await;
-        }
-        assert_eq!(serializable.num_idle(), 2);
+        })
+        .await
+        .expect("both connections back in the pool");
         let held = lease_remaining(&serializable, &names, &identity)
             .await
             .expect("look");
@@ -2522,16 +2505,7 @@ mod tests {
             .expect("read the row");
         assert_eq!(free, Some(1), "the look left a lock on the record's row");
         serializable.close().await;
-        let outcome = StoredOutcome {
-            is_error: false,
-            payload: b"1".to_vec(),
-        };
-        let completion = Completion::by_body(&identity, &token, &outcome, ttl);
-        assert!(store
-            .complete(completion)
-            .await
-            .expect("complete")
-            .is_written());
+        complete(&store, &identity, &token).await;
     }
 
     /// A waiting duplicate's look ([`lease_remaining`]) of a record of the
@@ -2557,13 +2531,7 @@ mod tests {
         .expect("id");
         let token = OwnerToken::new();
         let reserved = store
-            .reserve(ReserveRequest {
-                identity: &identity,
-                fingerprint: None,
-                token: &token,
-                lease: Duration::from_secs(600),
-                ttl: Duration::from_secs(3600),
-            })
+            .reserve(request(&identity, &token))
             .await
             .expect("reserve");
         assert!(
