@@ -1618,3 +1618,38 @@ impl<'a> Serializer for KeySerializer<'a> {
         self.other()?.collect_seq(iter)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::write_float;
+    use std::io::Write;
+
+    /// The text `write_float` makes of what a formatter wrote.
+    fn written(formatter_text: &str) -> String {
+        let mut out = b"[".to_vec();
+        write_float(&mut out, |w| w.write_all(formatter_text.as_bytes())).expect("a Vec takes it");
+        String::from_utf8(out).expect("ASCII")
+    }
+
+    /// Rule 6: the canonical text of a float does not change with the
+    /// serde_json the build resolved. The lockfile's serde_json (1.0.147 or
+    /// later) already writes `1e+17`, so the fingerprint tests of floats pass
+    /// whether or not the sign is added; this feeds `write_float` the text
+    /// serde_json up to 1.0.146 wrote (`1e17`), which the manifest admits.
+    #[test]
+    fn a_positive_exponent_gets_its_sign_whatever_the_formatter_wrote() {
+        assert_eq!(written("1e17"), "[1e+17");
+        assert_eq!(
+            written("-1.2345678901234568e17"),
+            "[-1.2345678901234568e+17"
+        );
+        assert_eq!(
+            written("1.7976931348623157e308"),
+            "[1.7976931348623157e+308"
+        );
+        // Already signed, negative, or no exponent at all: as written.
+        assert_eq!(written("1e+17"), "[1e+17");
+        assert_eq!(written("1e-7"), "[1e-7");
+        assert_eq!(written("1000000000000000.0"), "[1000000000000000.0");
+    }
+}
