@@ -342,6 +342,16 @@ mod tests {
             parse_key(b"a,b"),
             Err(KeyRejection::Malformed { .. })
         ));
+        // Rule 22: a bare key is an RFC 8941 token. `;` starts the item's
+        // parameters (`abc;v=1` is not the key `abc;v=1`), and `"` and `\`
+        // belong in a quoted key only.
+        for bare in [&b"abc;v=1"[..], b"a;", br#"a"b"#, br"a\b"] {
+            assert!(
+                matches!(parse_key(bare), Err(KeyRejection::Malformed { .. })),
+                "{:?} was accepted as a bare key",
+                String::from_utf8_lossy(bare)
+            );
+        }
     }
 
     #[tokio::test]
