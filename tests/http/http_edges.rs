@@ -1,6 +1,7 @@
 //! HTTP edges: a handler's own 409 is final for the client, a router nested
 //! under a prefix fingerprints the path the client sent, and a binary answer
-//! under the layer's response cap is recorded (its record is base64).
+//! under the layer's response cap is recorded (its record is base64); a
+//! replay carries every header of the default recorded list.
 
 use crate::common;
 use crate::http_app::expect_problem;
@@ -15,6 +16,7 @@ use common::servers::fresh_tenant;
 use idempotent_runtime::http::problem::types;
 use idempotent_runtime::http::{
     ClientError, IdempotencyLayer, IdempotentClient, RetryPolicy, DEFAULT_MAX_RESPONSE_BYTES,
+    DEFAULT_RECORDED_HEADERS,
 };
 use idempotent_runtime::MemoryStore;
 use reqwest::Method;
@@ -94,6 +96,75 @@ async fn the_client_returns_a_replayed_409_as_final() {
         ),
         Err(e) => panic!("{e}"),
     }
+}
+
+/// Rule 22: a replay returns the recorded status, body and *selected*
+/// headers: every one of `DEFAULT_RECORDED_HEADERS` (a conditional request's
+/// validators `ETag` and `Last-Modified` among them: a client that revalidates
+/// with them after a replay needs the ones the first answer gave), each
+/// with its values, and nothing off the list.
+#[tokio::test]
+async fn a_replay_carries_every_default_recorded_header() {
+    let sent: Vec<(&str, &str)> = vec![
+        ("content-type", "application/vnd.shop.receipt+json"),
+        ("content-encoding", "identity"),
+        ("content-range", "bytes 0-1/2"),
+        ("location", "/receipts/7"),
+        ("content-location", "/receipts/7?v=1"),
+        ("content-language", "de-CH"),
+        ("etag", "\"r7-v1\""),
+        ("last-modified", "Wed, 21 Oct 2015 07:28:00 GMT"),
+    ];
+    // The README's list; a name added to the default list is sent too.
+    for name in DEFAULT_RECORDED_HEADERS {
+        assert!(
+            sent.iter().any(|(sent, _)| *sent == name.as_str()),
+            "`{name}` is recorded by default: send it here too"
+        );
+    }
+    let answer_headers = sent.clone();
+    let (base, calls, _task) = counting_route("/receipts", layer("review3.headers"), move || {
+        let mut response = (StatusCode::CREATED, "{}").into_response();
+        for (name, value) in &answer_headers {
+            response
+                .headers_mut()
+                .insert(*name, value.parse().expect("a header value"));
+        }
+        response
+            .headers_mut()
+            .insert("x-request-trace", "first".parse().expect("a header value"));
+        response
+    })
+    .await;
+    let tenant = fresh_tenant();
+    let send = || {
+        reqwest::Client::new()
+            .post(format!("{base}/receipts"))
+            .header("x-account-id", &tenant)
+            .header("idempotency-key", "receipt-7")
+            .body("{}")
+            .send()
+    };
+    let first = send().await.expect("first answer");
+    assert_eq!(first.status(), 201);
+    let retry = send().await.expect("replay");
+    assert_eq!(retry.status(), 201);
+    assert_eq!(retry.headers()["idempotent-replayed"], "true");
+    for (name, value) in &sent {
+        assert_eq!(
+            retry
+                .headers()
+                .get(*name)
+                .map(|v| v.to_str().expect("ASCII")),
+            Some(*value),
+            "the replay lost the recorded `{name}`"
+        );
+    }
+    assert!(
+        retry.headers().get("x-request-trace").is_none(),
+        "a header off the list is not recorded"
+    );
+    assert_eq!(calls.load(Ordering::SeqCst), 1, "the retry replays");
 }
 
 /// Rule 22: same key, different path → 422. A router nested under a prefix
