@@ -839,4 +839,55 @@ mod tests {
         tokio::join!(waiter, complete);
         assert!(!has_waiters(), "the completion took the waiters' Notify");
     }
+
+    /// Rules 10 and 20: a lease has run out from the millisecond it ends
+    /// (`lease_expires_at <= now`, as the SQL stores compare). At that
+    /// moment a reservation takes the record over, and so the operator's
+    /// release that requires an ended lease frees it too: one definition of
+    /// "ran out" for both, not a record a duplicate may take over while the
+    /// operator is told its lease is still live.
+    #[tokio::test(start_paused = true)]
+    async fn a_lease_has_run_out_at_the_millisecond_it_ends() {
+        let lease = Duration::from_secs(30);
+        let hour = Duration::from_secs(3600);
+        let reserve = |store: MemoryStore, id: Identity| async move {
+            let token = OwnerToken::new();
+            let request = ReserveRequest {
+                identity: &id,
+                fingerprint: None,
+                token: &token,
+                lease,
+                ttl: hour,
+            };
+            store.reserve(request).await.expect("reserve")
+        };
+        let store = MemoryStore::new();
+        let taken = Identity::new("t", "memory.boundary", "taken").expect("identity");
+        let released = Identity::new("t", "memory.boundary", "released").expect("identity");
+        for id in [&taken, &released] {
+            let first = reserve(store.clone(), id.clone()).await;
+            assert!(matches!(first, Reservation::Acquired { .. }), "{first:?}");
+        }
+        // One millisecond before the lease ends: still live for both.
+        tokio::time::advance(lease - Duration::from_millis(1)).await;
+        let early = reserve(store.clone(), taken.clone()).await;
+        assert!(matches!(early, Reservation::InProgress { .. }), "{early:?}");
+        let refused = store.force_release(&released, true).await.expect("release");
+        assert!(
+            matches!(refused, ForcedRelease::LeaseLive { .. }),
+            "{refused:?}"
+        );
+        // The millisecond it ends: run out for both.
+        tokio::time::advance(Duration::from_millis(1)).await;
+        let takeover = reserve(store.clone(), taken.clone()).await;
+        assert!(
+            matches!(takeover, Reservation::Acquired { .. }),
+            "a duplicate may take the record over now: {takeover:?}"
+        );
+        assert_eq!(
+            store.force_release(&released, true).await.expect("release"),
+            ForcedRelease::Released { attempt: 1 },
+            "the operator's release of an ended lease is refused while a duplicate may take over"
+        );
+    }
 }
