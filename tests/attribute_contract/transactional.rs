@@ -691,6 +691,115 @@ async fn sqlite_an_expired_record_counts_as_absent_in_a_transaction() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+#[idempotent(scope = "tx.charge_sqlite_amount", key = key, tenant = tenant, tx = tx, ttl = "1h")]
+async fn sqlite_charge_amount_in(
+    tx: &mut sqlx::Transaction<'_, Sqlite>,
+    tenant: &str,
+    key: &str,
+    amount: i64,
+) -> Result<u64, Error> {
+    sqlx::query("INSERT INTO idempotent_test_charges VALUES (?1, ?2, ?3)")
+        .bind(tenant)
+        .bind(key)
+        .bind(amount)
+        .execute(&mut **tx)
+        .await
+        .expect("write");
+    Ok(amount.unsigned_abs())
+}
+
+/// Rules 7 and 20 on SQLite, in a caller's transaction: a record of *other
+/// arguments* whose lease ran out (its owner crashed, in another process)
+/// is refused as a mismatch, never taken over. In store mode, and in a
+/// deferred transaction, a read answers the mismatch before any write; in a
+/// transaction that holds the write lock (`BEGIN IMMEDIATE`, or a business
+/// write first) the reservation's upsert answers, so its own condition must
+/// refuse the takeover of another request's record.
+#[tokio::test]
+async fn sqlite_a_stuck_record_of_other_arguments_is_a_mismatch_in_a_transaction() {
+    let store = idempotent_runtime::SqliteStore::connect(&common::scratch::sqlite_url("txstuck"))
+        .await
+        .expect("open");
+    let pool = store.pool().clone();
+    sqlx::query("CREATE TABLE IF NOT EXISTS idempotent_test_charges (tenant TEXT, idem_key TEXT, amount INTEGER)")
+        .execute(&pool)
+        .await
+        .expect("ddl");
+    let tenant = fresh_tenant();
+    let stuck = Identity::new(&tenant, "tx.charge_sqlite_amount", "k").expect("identity");
+    // Another request's reservation, by an owner that is not this process's.
+    let other = idempotent_runtime::Fingerprint::from_stored(format!("v1:{}", "0".repeat(64)));
+    let acquired = store
+        .reserve(ReserveRequest {
+            identity: &stuck,
+            fingerprint: Some(&other),
+            token: &OwnerToken::new(),
+            lease: Duration::from_secs(3600),
+            ttl: Duration::from_secs(3600),
+        })
+        .await
+        .expect("reserve");
+    assert!(
+        matches!(acquired, Reservation::Acquired { .. }),
+        "{acquired:?}"
+    );
+    // Its lease ran out long ago (the database's clock; no sleeping).
+    sqlx::query(
+        "UPDATE idempotency_records SET lease_expires_at = ?4
+          WHERE tenant = ?1 AND scope = ?2 AND key = ?3",
+    )
+    .bind(&tenant)
+    .bind("tx.charge_sqlite_amount")
+    .bind("k")
+    .bind(LONG_AGO_MS)
+    .execute(&pool)
+    .await
+    .expect("end the lease");
+    let before = store.fetch(&stuck).await.expect("fetch").expect("stuck");
+
+    // A deferred transaction (a read beside it answers), and one that holds
+    // the write lock from the start (the upsert answers).
+    for begin in ["BEGIN", "BEGIN IMMEDIATE"] {
+        let mut tx = pool.begin_with(begin).await.expect("begin");
+        let (refused, outcome) =
+            with_outcome(sqlite_charge_amount_in(&mut tx, &tenant, "k", 500)).await;
+        assert!(
+            matches!(refused, Err(Error::FingerprintMismatch(_))),
+            "a stuck record of other arguments, in a transaction begun with {begin}: {refused:?}"
+        );
+        assert_ne!(outcome, Some(Outcome::Executed), "the body ran ({begin})");
+        tx.commit().await.expect("commit");
+    }
+
+    let after = store
+        .fetch(&stuck)
+        .await
+        .expect("fetch")
+        .expect("still there");
+    assert_eq!(
+        (
+            after.state,
+            &after.fingerprint,
+            &after.owner_token,
+            after.attempt
+        ),
+        (
+            RecordState::InProgress,
+            &before.fingerprint,
+            &before.owner_token,
+            before.attempt
+        ),
+        "the record is untouched"
+    );
+    let charges: i64 =
+        sqlx::query_scalar("SELECT COUNT(*) FROM idempotent_test_charges WHERE tenant = ?1")
+            .bind(&tenant)
+            .fetch_one(&pool)
+            .await
+            .expect("count");
+    assert_eq!(charges, 0, "the body did not run");
+}
+
 // ---------------------------------------------------------------- a wait bound longer than lock_timeout allows
 
 /// A long but valid wait bound (`wait("30days")`, accepted by the attribute)
