@@ -39,7 +39,7 @@
 //!   this store (any clone of it, its background worker included) in this
 //!   process. Other processes' changes reach it by no notification (nothing
 //!   like PostgreSQL's `LISTEN/NOTIFY`): it looks at the record with one
-//!   primary-key read ([`LEASE_REMAINING_SQL`], no lock), 5 ms doubling to
+//!   primary-key read (no lock), 5 ms doubling to
 //!   100 ms apart ([`polling_backoff`]), and reserves again only once the
 //!   record changed, its lease ran out, or its wait ended.
 //! * `purge_expired`: one `CALL idempotency_purge(batch)`: the batch's primary
@@ -1774,7 +1774,7 @@ impl Store for MySqlStore {
     /// through it frees it. Other processes, other `MySqlStore`s and
     /// completions committed in a caller's transaction (transactional mode:
     /// the store cannot see the caller's commit) are seen by a look at the
-    /// record ([`LEASE_REMAINING_SQL`]: one primary-key read, no lock) after
+    /// record (one primary-key read, no lock) after
     /// [`polling_backoff`] pauses (5 ms doubling to 100 ms). Returns when the
     /// record is no longer held by the owner first seen (completed, released,
     /// taken over), when its lease runs out, or after `max_wait`; the caller
