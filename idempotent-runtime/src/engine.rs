@@ -1007,14 +1007,7 @@ where
     H: ErrorHandling<R::Failure>,
 {
     let result = match ran {
-        Ok(r) => {
-            // Not waited for: a renewal landing after the answer is recorded
-            // or the key released changes nothing. Dropped now, so one still
-            // waiting for a pool connection does not keep it from the
-            // completion.
-            drop(in_flight);
-            r.into_result()
-        }
+        Ok(r) => r.into_result(),
         Err(panic) => {
             crate::metrics::body_time(spec.scope, "panic", running.elapsed());
             if guard.keep_for_takeover {
@@ -1047,11 +1040,34 @@ where
     lease_watch.note_if_lapsed(spec, identity, ended, None);
     METRICS.executed.fetch_add(1, Ordering::Relaxed);
     report(Outcome::Executed);
+    // The answer is encoded before anything is written (no await since the
+    // body ended): its own `Serialize`, or the error policy, may panic, and
+    // in a scope with a recover hook that ends the lease as for a body that
+    // panics, once the body's renewals still on their way have landed (one
+    // landing after the end would renew the ended lease).
+    let encoded = match std::panic::catch_unwind(AssertUnwindSafe(|| {
+        outcome_to_record::<R, H>(spec, &result, errors)
+    })) {
+        Ok(encoded) => encoded,
+        Err(panic) => {
+            if guard.keep_for_takeover {
+                in_flight.landed(spec, identity).await;
+                end_lease_logged(store, identity, token).await;
+                guard.arm(false);
+            }
+            // Otherwise the guard, still armed, releases the record.
+            std::panic::resume_unwind(panic);
+        }
+    };
+    // Not waited for: a renewal landing after the answer is recorded or the
+    // key released changes nothing. Dropped now, so one still waiting for a
+    // pool connection does not keep it from the completion.
+    drop(in_flight);
     let mut sink = StoreSink {
         store,
         guard: &mut *guard,
     };
-    settle::<R, H>(spec, identity, &mut sink, errors, result, AnsweredBy::Body).await
+    settle_encoded::<R>(spec, identity, &mut sink, result, encoded, AnsweredBy::Body).await
 }
 
 /// What the outcome label says for an answer [`settle`] records.
@@ -1232,8 +1248,25 @@ where
     R: IdempotentReturn,
     H: ErrorHandling<R::Failure>,
 {
+    let encoded = outcome_to_record::<R, H>(spec, &result, errors);
+    settle_encoded::<R>(spec, identity, sink, result, encoded, by).await
+}
+
+/// [`settle`] once the answer was encoded for the record
+/// ([`outcome_to_record`]).
+async fn settle_encoded<R>(
+    spec: &'static ScopeInfo,
+    identity: &Identity,
+    sink: &mut dyn RecordSink,
+    result: Result<R::Value, R::Failure>,
+    encoded: Result<Option<StoredOutcome>, Error>,
+    by: AnsweredBy,
+) -> Answered<R>
+where
+    R: IdempotentReturn,
+{
     let digest = identity.log_digest();
-    let unrecorded = match outcome_to_record::<R, H>(spec, &result, errors) {
+    let unrecorded = match encoded {
         Ok(Some(stored)) => match store_cannot_take(spec, sink, &stored).await {
             Some(e) => Some(e),
             None => {

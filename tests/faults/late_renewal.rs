@@ -228,3 +228,141 @@ async fn mariadb_a_renewal_that_lands_after_a_hook_error_ended_the_lease_renews_
     };
     a_hooks_renewal_landing_after_the_lease_was_ended("mariadb", &proxy, Arc::new(store)).await;
 }
+
+/// A receipt whose `Serialize` panics for the value `0`: the answer of a
+/// body that ran (its side effect done) and whose recording panicked.
+#[derive(Debug, PartialEq, serde::Deserialize)]
+struct Receipt(u32);
+
+impl serde::Serialize for Receipt {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        if self.0 == 0 {
+            panic!("the receipt's serializer panicked");
+        }
+        s.serialize_u32(self.0)
+    }
+}
+
+async fn found_the_receipt(_: &Takeover) -> Result<Recovery<Receipt>, Error> {
+    Ok(Recovery::Completed(Receipt(7)))
+}
+
+#[idempotent(scope = "faults.late_renewal_answer", key = key, tenant = tenant, store = store,
+             lease = "6s", in_progress = reject, recover = found_the_receipt)]
+async fn charge_for_a_receipt(
+    store: &dyn Store,
+    tenant: &str,
+    key: &str,
+) -> Result<Receipt, Error> {
+    if let Some(gate) = gate(tenant) {
+        gate.reached.notify_one();
+        gate.go.notified().await;
+        // Its serializer panics as the call records it.
+        return Ok(Receipt(0));
+    }
+    Ok(Receipt(1))
+}
+
+/// The same for a body that answered, whose answer panicked while it was
+/// recorded (its own `Serialize`): as for a body that panics, the call ends
+/// the lease so the next call asks the hook; the renewal the body sent
+/// before it answered, still on its way, must not renew it.
+async fn a_renewal_landing_after_an_answer_that_panicked_ended_the_lease(
+    name: &str,
+    proxy: &FaultProxy,
+    store: Arc<dyn Store>,
+) {
+    let tenant = fresh_tenant();
+    let key = format!("late-answer-renewal-{tenant}");
+    let identity = idempotent_runtime::Identity::new(
+        tenant.as_str(),
+        "faults.late_renewal_answer",
+        key.as_str(),
+    )
+    .expect("identity");
+    let held = Arc::new(Gate::default());
+    GATES
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .insert(tenant.clone(), held.clone());
+    let mut owner = tokio::spawn({
+        let (store, tenant, key) = (store.clone(), tenant.clone(), key.clone());
+        async move { charge_for_a_receipt(&*store, &tenant, &key).await }
+    });
+    held.reached.notified().await;
+    let renewal = proxy.hold_next_request_containing(key.as_bytes());
+    renewal.request_seen().await;
+    held.go.notify_one();
+    let ended = match tokio::time::timeout(ENDS_WITHIN, &mut owner).await {
+        Ok(ended) => ended,
+        Err(_) => {
+            proxy.release_held();
+            owner.await
+        }
+    };
+    let ended = ended.expect_err("recording the answer panicked");
+    assert!(ended.is_panic(), "{name}: {ended:?}");
+    GATES
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .remove(&tenant);
+    // The lease is ended, by the call or by the store's worker it handed
+    // the end to (bounded).
+    let mut ended_lease = false;
+    for _ in 0..500 {
+        let snap = store
+            .fetch(&identity)
+            .await
+            .expect("fetch")
+            .expect("a record");
+        if snap
+            .lease_expires_at_ms
+            .is_some_and(|end| snap.now_ms >= end)
+        {
+            ended_lease = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(
+        ended_lease,
+        "{name}: the record's lease is ended within 5 s"
+    );
+    proxy.release_held();
+    renewal.settled().await;
+    let (answer, outcome) = with_outcome(charge_for_a_receipt(&*store, &tenant, &key)).await;
+    assert_eq!(
+        (answer.as_ref().ok(), outcome),
+        (Some(&Receipt(7)), Some(Outcome::Recovered)),
+        "{name}: the retry takes the record over at once and asks the hook; the renewal the \
+         body sent before its answer panicked must not have renewed the ended lease: {answer:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_renewal_that_lands_after_an_answer_that_panicked_ended_the_lease_renews_nothing(
+) {
+    let Some((proxy, store)) = through_a_proxy::postgres(4).await else {
+        return;
+    };
+    a_renewal_landing_after_an_answer_that_panicked_ended_the_lease(
+        "postgres",
+        &proxy,
+        Arc::new(store),
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mariadb_a_renewal_that_lands_after_an_answer_that_panicked_ended_the_lease_renews_nothing()
+{
+    let Some((proxy, store)) = through_a_proxy::mariadb(4).await else {
+        return;
+    };
+    a_renewal_landing_after_an_answer_that_panicked_ended_the_lease(
+        "mariadb",
+        &proxy,
+        Arc::new(store),
+    )
+    .await;
+}
