@@ -846,6 +846,7 @@ where
         let mut sink = StoreSink {
             store,
             guard: &mut *guard,
+            in_flight: None,
         };
         return Err(record_unrecorded_answer::<R, H>(
             spec,
@@ -902,16 +903,18 @@ where
             hook,
         )
         .await;
-        // What follows is a write fenced by this call's token (a renewal,
-        // the hook's answer, or the end of the lease when the answer is not
-        // recorded or the hook panicked): the hook's renewals still on their
-        // way land first, so none renews a lease this call has ended.
-        in_flight.landed(spec, identity).await;
+        // The hook's renewals still on their way land before this call
+        // ends its lease (the hook panicked, a renewal failed after `Run`,
+        // its answer is not recorded), so none renews a lease this call has
+        // ended; otherwise they are let go (a renewal landing after the
+        // answer is recorded, or beside the body's, changes nothing), and
+        // the hook's answer is not held back by one stuck on its way.
         // Rule 9 as for a body: a lease that lapsed while the hook ran (its
         // thread blocked) is noted, the clock read only for a hook.
         hook_watch.note_if_lapsed(spec, identity, Instant::now(), None);
         let answered = match answer {
             Err(panic) => {
+                in_flight.landed(spec, identity).await;
                 end_lease_logged(store, identity, token).await;
                 guard.arm(false);
                 std::panic::resume_unwind(panic);
@@ -926,7 +929,20 @@ where
                 // another caller's takeover, which ran the body already: a
                 // fenced renewal says so before the body starts.
                 let renewing = Instant::now();
-                match store.heartbeat(identity, token, spec.lease).await {
+                // The hook's renewals are let land meanwhile (polled beside
+                // it: one waiting for a pool connection must not keep it
+                // from this renewal), for the end of the lease below.
+                let mut landing = pin!(in_flight.landed(spec, identity));
+                let mut landed = false;
+                let mut beat = pin!(store.heartbeat(identity, token, spec.lease));
+                let renewed = std::future::poll_fn(|cx| {
+                    if !landed && landing.as_mut().poll(cx).is_ready() {
+                        landed = true;
+                    }
+                    beat.as_mut().poll(cx)
+                })
+                .await;
+                match renewed {
                     Ok(Fenced::Written) => lease_set = renewing,
                     Ok(Fenced::NotOwner) => {
                         tracing::error!(target: "idempotent", scope = spec.scope, key = %digest,
@@ -945,6 +961,9 @@ where
                     // record stays in progress, its lease ended if the store
                     // lets us, and the next call asks the hook again.
                     Err(e) => {
+                        if !landed {
+                            landing.as_mut().await;
+                        }
                         end_lease_logged(store, identity, token).await;
                         guard.arm(false);
                         return fail(Error::Store(e));
@@ -962,16 +981,34 @@ where
                 // releases the record for a retry to run the body blind.
                 METRICS.recovered.fetch_add(1, Ordering::Relaxed);
                 report(Outcome::Recovered);
+                // Encoded first (no await since the hook ended): a panic of
+                // the answer's own `Serialize` ends the lease once the
+                // hook's renewals have landed, as a hook's panic does.
+                let encoded = match std::panic::catch_unwind(AssertUnwindSafe(|| {
+                    outcome_to_record::<R, H>(spec, &result, errors)
+                })) {
+                    Ok(encoded) => encoded,
+                    Err(panic) => {
+                        in_flight.landed(spec, identity).await;
+                        end_lease_logged(store, identity, token).await;
+                        guard.arm(false);
+                        std::panic::resume_unwind(panic);
+                    }
+                };
+                // The renewals land before the sink ends the lease (an
+                // answer not recorded), and are let go before it records
+                // the answer.
                 let mut sink = StoreSink {
                     store,
                     guard: &mut *guard,
+                    in_flight: Some(in_flight),
                 };
-                return Err(settle::<R, H>(
+                return Err(settle_encoded::<R>(
                     spec,
                     identity,
                     &mut sink,
-                    errors,
                     result,
+                    encoded,
                     AnsweredBy::RecoverHook,
                 )
                 .await);
@@ -1066,6 +1103,7 @@ where
     let mut sink = StoreSink {
         store,
         guard: &mut *guard,
+        in_flight: None,
     };
     settle_encoded::<R>(spec, identity, &mut sink, result, encoded, AnsweredBy::Body).await
 }
@@ -1147,6 +1185,12 @@ async fn store_cannot_take(
 struct StoreSink<'g, 'a> {
     store: &'a dyn Store,
     guard: &'g mut FinishOnDrop<'a>,
+    /// A recover hook's renewals still on their way: let land before the
+    /// sink ends the lease ([`keep_for_takeover`](RecordSink::keep_for_takeover)),
+    /// let go before it records or releases (a renewal landing after that
+    /// changes nothing; kept unpolled, one waiting for a pool connection
+    /// would keep it from the write).
+    in_flight: Option<RenewalsInFlight<'a>>,
 }
 
 impl RecordSink for StoreSink<'_, '_> {
@@ -1163,6 +1207,7 @@ impl RecordSink for StoreSink<'_, '_> {
             // The answer says to free the key: a call dropped meanwhile
             // releases it too, hook or not (rule 13).
             self.guard.keep_for_takeover = false;
+            drop(self.in_flight.take());
             release(self.store, self.guard).await;
             Ok(())
         })
@@ -1173,6 +1218,9 @@ impl RecordSink for StoreSink<'_, '_> {
             // Dropped while the lease is being ended, the call ends it
             // through the store's worker: never released (review).
             self.guard.keep_for_takeover = true;
+            if let Some(in_flight) = self.in_flight.take() {
+                in_flight.landed(self.guard.spec, self.guard.identity).await;
+            }
             end_lease_logged(self.store, self.guard.identity, self.guard.token).await;
             self.guard.arm(false);
         })
@@ -1184,6 +1232,7 @@ impl RecordSink for StoreSink<'_, '_> {
     ) -> BoxFuture<'_, Result<Fenced, crate::error::StoreError>> {
         Box::pin(async move {
             let (store, identity, token) = (self.store, self.guard.identity, self.guard.token);
+            drop(self.in_flight.take());
             // The answer is recordable: from here on a dropped call records
             // it rather than freeing the key for a re-run.
             self.guard.arm(false);

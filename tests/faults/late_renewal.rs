@@ -366,3 +366,141 @@ async fn mariadb_a_renewal_that_lands_after_an_answer_that_panicked_ended_the_le
     )
     .await;
 }
+
+/// How many times `finds_after_the_gate` was asked, per tenant.
+static ASKED: LazyLock<Mutex<HashMap<String, u32>>> = LazyLock::new(Default::default);
+
+/// Asks the provider, which finds the side effect: the first time for a
+/// tenant with a gate it waits at the gate (its renewal is held meanwhile).
+async fn finds_after_the_gate(t: &Takeover) -> Result<Recovery<u32>, Error> {
+    *ASKED
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .entry(t.tenant().to_owned())
+        .or_default() += 1;
+    if let Some(gate) = gate(t.tenant()) {
+        gate.reached.notify_one();
+        gate.go.notified().await;
+    }
+    Ok(Recovery::Completed(t.attempt()))
+}
+
+#[idempotent(scope = "faults.late_renewal_found", key = key, tenant = tenant, store = store,
+             lease = "6s", in_progress = reject, recover = finds_after_the_gate)]
+async fn charge_found(store: &dyn Store, tenant: &str, key: &str) -> Result<u32, Error> {
+    Ok(1)
+}
+
+/// A hook that answers `Completed` has its answer recorded at once: nothing
+/// ends the lease, so its renewal still on its way is not waited for (it
+/// changes nothing once the answer is recorded). Waited for, a renewal held
+/// on its way kept the answer back while no renewal went out: the lease ran
+/// out, another call took the record over and asked the hook again, and the
+/// first call's answer was refused (`LeaseLost`).
+async fn a_hooks_answer_is_not_held_back_by_its_renewal(
+    name: &str,
+    proxy: &FaultProxy,
+    store: Arc<dyn Store>,
+) {
+    let tenant = fresh_tenant();
+    let key = format!("found-{tenant}");
+    let identity = idempotent_runtime::Identity::new(
+        tenant.as_str(),
+        "faults.late_renewal_found",
+        key.as_str(),
+    )
+    .expect("identity");
+    store
+        .reserve(idempotent_runtime::ReserveRequest {
+            identity: &identity,
+            fingerprint: None,
+            token: &idempotent_runtime::OwnerToken::new(),
+            lease: Duration::ZERO,
+            ttl: Duration::from_secs(3600),
+        })
+        .await
+        .expect("a crashed owner's record");
+    let held = Arc::new(Gate::default());
+    GATES
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .insert(tenant.clone(), held.clone());
+    let mut taker = tokio::spawn({
+        let (store, tenant, key) = (store.clone(), tenant.clone(), key.clone());
+        async move { with_outcome(charge_found(&*store, &tenant, &key)).await }
+    });
+    held.reached.notified().await;
+    let renewal = proxy.hold_next_request_containing(key.as_bytes());
+    renewal.request_seen().await;
+    GATES
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .remove(&tenant);
+    held.go.notify_one();
+    // The lease the hook's call holds runs out on the store's clock (no
+    // renewal was written since the takeover) unless the call has answered.
+    let lease_over = async {
+        loop {
+            let snap = store
+                .fetch(&identity)
+                .await
+                .expect("fetch")
+                .expect("a record");
+            if snap.state == idempotent_runtime::RecordState::InProgress
+                && snap
+                    .lease_expires_at_ms
+                    .is_some_and(|end| snap.now_ms >= end)
+            {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    let answered = tokio::select! {
+        biased;
+        answered = &mut taker => answered,
+        () = lease_over => {
+            // Another caller meanwhile: it takes the record over.
+            let other = with_outcome(charge_found(&*store, &tenant, &key)).await;
+            proxy.release_held();
+            let answered = taker.await;
+            panic!(
+                "{name}: the hook's answer was held back until the lease ran out; another \
+                 call took the record over ({other:?}), and the first one answered {answered:?}"
+            );
+        }
+    };
+    proxy.release_held();
+    renewal.settled().await;
+    let (answer, outcome) = answered.expect("the call answers");
+    assert_eq!(
+        (answer.as_ref().ok().copied(), outcome),
+        (Some(2), Some(Outcome::Recovered)),
+        "{name}: {answer:?}"
+    );
+    assert_eq!(
+        ASKED
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&tenant)
+            .copied(),
+        Some(1),
+        "{name}: the hook is asked once"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_hooks_answer_is_not_held_back_by_its_renewal() {
+    let Some((proxy, store)) = through_a_proxy::postgres(4).await else {
+        return;
+    };
+    a_hooks_answer_is_not_held_back_by_its_renewal("postgres", &proxy, Arc::new(store)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mariadb_a_hooks_answer_is_not_held_back_by_its_renewal() {
+    let Some((proxy, store)) = through_a_proxy::mariadb(4).await else {
+        return;
+    };
+    a_hooks_answer_is_not_held_back_by_its_renewal("mariadb", &proxy, Arc::new(store)).await;
+}
