@@ -37,6 +37,45 @@ fn gate(tenant: &str) -> Option<Arc<Gate>> {
         .cloned()
 }
 
+/// Sets up `tenant`'s gate: its first body (or hook) stops there.
+fn gate_for(tenant: &str) -> Arc<Gate> {
+    let gate = Arc::new(Gate::default());
+    GATES
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .insert(tenant.to_owned(), gate.clone());
+    gate
+}
+
+/// Takes `tenant`'s gate away: its next calls do not stop.
+fn no_gate_for(tenant: &str) {
+    GATES
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .remove(tenant);
+}
+
+/// The record of an owner that crashed, its lease over, of `key` in `scope`.
+async fn crashed_owners_record(
+    store: &dyn Store,
+    scope: &str,
+    tenant: &str,
+    key: &str,
+) -> idempotent_runtime::Identity {
+    let identity = idempotent_runtime::Identity::new(tenant, scope, key).expect("identity");
+    store
+        .reserve(idempotent_runtime::ReserveRequest {
+            identity: &identity,
+            fingerprint: None,
+            token: &idempotent_runtime::OwnerToken::new(),
+            lease: Duration::ZERO,
+            ttl: Duration::from_secs(3600),
+        })
+        .await
+        .expect("a crashed owner's record");
+    identity
+}
+
 /// The side effect is found at the provider.
 async fn found(_: &Takeover) -> Result<Recovery<u32>, Error> {
     Ok(Recovery::Completed(7))
@@ -68,11 +107,7 @@ async fn a_renewal_landing_after_the_lease_was_ended(
 ) {
     let tenant = fresh_tenant();
     let key = format!("late-renewal-{tenant}");
-    let held = Arc::new(Gate::default());
-    GATES
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .insert(tenant.clone(), held.clone());
+    let held = gate_for(&tenant);
     let mut owner = tokio::spawn({
         let (store, tenant, key) = (store.clone(), tenant.clone(), key.clone());
         async move { charge(&*store, &tenant, &key).await }
@@ -93,10 +128,7 @@ async fn a_renewal_landing_after_the_lease_was_ended(
     };
     let ended = ended.expect_err("the body panicked");
     assert!(ended.is_panic(), "{name}: {ended:?}");
-    GATES
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .remove(&tenant);
+    no_gate_for(&tenant);
     // Whatever it is still doing, the renewal reaches the server now.
     proxy.release_held();
     renewal.settled().await;
@@ -141,28 +173,8 @@ async fn a_hooks_renewal_landing_after_the_lease_was_ended(
 ) {
     let tenant = fresh_tenant();
     let key = format!("late-hook-renewal-{tenant}");
-    let identity = idempotent_runtime::Identity::new(
-        tenant.as_str(),
-        "faults.late_renewal_hook",
-        key.as_str(),
-    )
-    .expect("identity");
-    // A crashed owner's record, its lease over.
-    store
-        .reserve(idempotent_runtime::ReserveRequest {
-            identity: &identity,
-            fingerprint: None,
-            token: &idempotent_runtime::OwnerToken::new(),
-            lease: Duration::ZERO,
-            ttl: Duration::from_secs(3600),
-        })
-        .await
-        .expect("a crashed owner's record");
-    let held = Arc::new(Gate::default());
-    GATES
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .insert(tenant.clone(), held.clone());
+    crashed_owners_record(&*store, "faults.late_renewal_hook", &tenant, &key).await;
+    let held = gate_for(&tenant);
     let mut taker = tokio::spawn({
         let (store, tenant, key) = (store.clone(), tenant.clone(), key.clone());
         async move { charge_again(&*store, &tenant, &key).await }
@@ -182,10 +194,7 @@ async fn a_hooks_renewal_landing_after_the_lease_was_ended(
         matches!(answered, Ok(Err(Error::Store(_)))),
         "{name}: the hook's error: {answered:?}"
     );
-    GATES
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .remove(&tenant);
+    no_gate_for(&tenant);
     proxy.release_held();
     renewal.settled().await;
     let (answer, outcome) = with_outcome(charge_again(&*store, &tenant, &key)).await;
@@ -280,11 +289,7 @@ async fn a_renewal_landing_after_an_answer_that_panicked_ended_the_lease(
         key.as_str(),
     )
     .expect("identity");
-    let held = Arc::new(Gate::default());
-    GATES
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .insert(tenant.clone(), held.clone());
+    let held = gate_for(&tenant);
     let mut owner = tokio::spawn({
         let (store, tenant, key) = (store.clone(), tenant.clone(), key.clone());
         async move { charge_for_a_receipt(&*store, &tenant, &key).await }
@@ -302,10 +307,7 @@ async fn a_renewal_landing_after_an_answer_that_panicked_ended_the_lease(
     };
     let ended = ended.expect_err("recording the answer panicked");
     assert!(ended.is_panic(), "{name}: {ended:?}");
-    GATES
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .remove(&tenant);
+    no_gate_for(&tenant);
     // The lease is ended, by the call or by the store's worker it handed
     // the end to (bounded).
     let mut ended_lease = false;
@@ -404,27 +406,8 @@ async fn a_hooks_answer_is_not_held_back_by_its_renewal(
 ) {
     let tenant = fresh_tenant();
     let key = format!("found-{tenant}");
-    let identity = idempotent_runtime::Identity::new(
-        tenant.as_str(),
-        "faults.late_renewal_found",
-        key.as_str(),
-    )
-    .expect("identity");
-    store
-        .reserve(idempotent_runtime::ReserveRequest {
-            identity: &identity,
-            fingerprint: None,
-            token: &idempotent_runtime::OwnerToken::new(),
-            lease: Duration::ZERO,
-            ttl: Duration::from_secs(3600),
-        })
-        .await
-        .expect("a crashed owner's record");
-    let held = Arc::new(Gate::default());
-    GATES
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .insert(tenant.clone(), held.clone());
+    let identity = crashed_owners_record(&*store, "faults.late_renewal_found", &tenant, &key).await;
+    let held = gate_for(&tenant);
     let mut taker = tokio::spawn({
         let (store, tenant, key) = (store.clone(), tenant.clone(), key.clone());
         async move { with_outcome(charge_found(&*store, &tenant, &key)).await }
@@ -432,10 +415,7 @@ async fn a_hooks_answer_is_not_held_back_by_its_renewal(
     held.reached.notified().await;
     let renewal = proxy.hold_next_request_containing(key.as_bytes());
     renewal.request_seen().await;
-    GATES
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .remove(&tenant);
+    no_gate_for(&tenant);
     held.go.notify_one();
     // The lease the hook's call holds runs out on the store's clock (no
     // renewal was written since the takeover) unless the call has answered.
