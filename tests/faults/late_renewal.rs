@@ -100,6 +100,38 @@ async fn charge(store: &dyn Store, tenant: &str, key: &str) -> Result<u32, Error
 /// for the renewal, so this only bounds the test's wait.
 const ENDS_WITHIN: Duration = Duration::from_secs(1);
 
+/// Spawns `call` and lets it run until its body (or hook) stops at
+/// `tenant`'s gate; holds the next statement naming `key` (the call's
+/// renewal) on its way; lets the gate go. Answers how the call ended (its
+/// renewal let land when it had not ended within [`ENDS_WITHIN`]: it waits
+/// for it), once the held renewal has reached the server.
+async fn ended_while_its_renewal_was_held<T: Send + 'static>(
+    proxy: &FaultProxy,
+    (tenant, key): (&str, &str),
+    call: impl std::future::Future<Output = T> + Send + 'static,
+) -> Result<T, tokio::task::JoinError> {
+    let held = gate_for(tenant);
+    let mut call = tokio::spawn(call);
+    held.reached.notified().await;
+    // The next statement naming the key is the call's first renewal.
+    let renewal = proxy.hold_next_request_containing(key.as_bytes());
+    renewal.request_seen().await;
+    held.go.notify_one();
+    let ended = match tokio::time::timeout(ENDS_WITHIN, &mut call).await {
+        Ok(ended) => ended,
+        Err(_) => {
+            // Still waiting for its renewal: let it land.
+            proxy.release_held();
+            call.await
+        }
+    };
+    no_gate_for(tenant);
+    // Whatever the call is still doing, the renewal reaches the server now.
+    proxy.release_held();
+    renewal.settled().await;
+    ended
+}
+
 async fn a_renewal_landing_after_the_lease_was_ended(
     name: &str,
     proxy: &FaultProxy,
@@ -107,31 +139,14 @@ async fn a_renewal_landing_after_the_lease_was_ended(
 ) {
     let tenant = fresh_tenant();
     let key = format!("late-renewal-{tenant}");
-    let held = gate_for(&tenant);
-    let mut owner = tokio::spawn({
+    // The body panics; its renewal is still on its way.
+    let ended = ended_while_its_renewal_was_held(proxy, (&tenant, &key), {
         let (store, tenant, key) = (store.clone(), tenant.clone(), key.clone());
         async move { charge(&*store, &tenant, &key).await }
-    });
-    held.reached.notified().await;
-    // The next statement naming the key is the body's first renewal.
-    let renewal = proxy.hold_next_request_containing(key.as_bytes());
-    renewal.request_seen().await;
-    held.go.notify_one();
-    // The body has panicked; its renewal is still on its way.
-    let ended = match tokio::time::timeout(ENDS_WITHIN, &mut owner).await {
-        Ok(ended) => ended,
-        Err(_) => {
-            // Still waiting for its renewal: let it land.
-            proxy.release_held();
-            owner.await
-        }
-    };
+    })
+    .await;
     let ended = ended.expect_err("the body panicked");
     assert!(ended.is_panic(), "{name}: {ended:?}");
-    no_gate_for(&tenant);
-    // Whatever it is still doing, the renewal reaches the server now.
-    proxy.release_held();
-    renewal.settled().await;
     let (answer, outcome) = with_outcome(charge(&*store, &tenant, &key)).await;
     assert_eq!(
         (answer.as_ref().ok().copied(), outcome),
@@ -174,29 +189,15 @@ async fn a_hooks_renewal_landing_after_the_lease_was_ended(
     let tenant = fresh_tenant();
     let key = format!("late-hook-renewal-{tenant}");
     crashed_owners_record(&*store, "faults.late_renewal_hook", &tenant, &key).await;
-    let held = gate_for(&tenant);
-    let mut taker = tokio::spawn({
+    let answered = ended_while_its_renewal_was_held(proxy, (&tenant, &key), {
         let (store, tenant, key) = (store.clone(), tenant.clone(), key.clone());
         async move { charge_again(&*store, &tenant, &key).await }
-    });
-    held.reached.notified().await;
-    let renewal = proxy.hold_next_request_containing(key.as_bytes());
-    renewal.request_seen().await;
-    held.go.notify_one();
-    let answered = match tokio::time::timeout(ENDS_WITHIN, &mut taker).await {
-        Ok(answered) => answered,
-        Err(_) => {
-            proxy.release_held();
-            taker.await
-        }
-    };
+    })
+    .await;
     assert!(
         matches!(answered, Ok(Err(Error::Store(_)))),
         "{name}: the hook's error: {answered:?}"
     );
-    no_gate_for(&tenant);
-    proxy.release_held();
-    renewal.settled().await;
     let (answer, outcome) = with_outcome(charge_again(&*store, &tenant, &key)).await;
     assert_eq!(
         (answer.as_ref().ok().copied(), outcome),
