@@ -522,19 +522,26 @@ async fn sqlite_charge_in(
     Ok(500)
 }
 
-#[tokio::test]
-async fn sqlite_rollback_leaves_no_record_commit_replays() {
-    let dir = std::env::temp_dir().join(format!("idempotent-tx-{}", uuid::Uuid::new_v4()));
-    std::fs::create_dir_all(&dir).expect("temp dir");
-    let url = format!("sqlite:{}?mode=rwc", dir.join("tx.db").display());
-    let store = idempotent_runtime::SqliteStore::connect(&url)
+/// A SQLite store on a scratch file of its own (removed when the test
+/// process ends) and its pool, with the business table the bodies write.
+async fn sqlite_with_charges(name: &str) -> (idempotent_runtime::SqliteStore, sqlx::SqlitePool) {
+    let store = idempotent_runtime::SqliteStore::connect(&common::scratch::sqlite_url(name))
         .await
         .expect("open");
     let pool = store.pool().clone();
-    sqlx::query("CREATE TABLE IF NOT EXISTS idempotent_test_charges (tenant TEXT, idem_key TEXT, amount INTEGER)")
-        .execute(&pool)
-        .await
-        .expect("ddl");
+    sqlx::query(
+        "CREATE TABLE IF NOT EXISTS idempotent_test_charges \
+         (tenant TEXT, idem_key TEXT, amount INTEGER)",
+    )
+    .execute(&pool)
+    .await
+    .expect("ddl");
+    (store, pool)
+}
+
+#[tokio::test]
+async fn sqlite_rollback_leaves_no_record_commit_replays() {
+    let (store, pool) = sqlite_with_charges("tx").await;
     let tenant = fresh_tenant();
     let sqlite_identity = Identity::new(&tenant, "tx.charge_sqlite", "k").expect("identity");
     let mut outcomes = Vec::new();
@@ -565,7 +572,6 @@ async fn sqlite_rollback_leaves_no_record_commit_replays() {
             .await
             .expect("count");
     assert_eq!(charges, 1);
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 // ---------------------------------------------------------------- rule 16 in a transaction
@@ -649,17 +655,7 @@ async fn mysql_an_expired_record_counts_as_absent_in_a_transaction() {
 /// As [`pg_an_expired_record_counts_as_absent_in_a_transaction`], on SQLite.
 #[tokio::test]
 async fn sqlite_an_expired_record_counts_as_absent_in_a_transaction() {
-    let dir = std::env::temp_dir().join(format!("idempotent-tx-{}", uuid::Uuid::new_v4()));
-    std::fs::create_dir_all(&dir).expect("temp dir");
-    let url = format!("sqlite:{}?mode=rwc", dir.join("tx.db").display());
-    let store = idempotent_runtime::SqliteStore::connect(&url)
-        .await
-        .expect("open");
-    let pool = store.pool().clone();
-    sqlx::query("CREATE TABLE IF NOT EXISTS idempotent_test_charges (tenant TEXT, idem_key TEXT, amount INTEGER)")
-        .execute(&pool)
-        .await
-        .expect("ddl");
+    let (store, pool) = sqlite_with_charges("tx").await;
     let tenant = fresh_tenant();
     let mut outcomes = Vec::new();
     for expire_first in [false, true] {
@@ -688,7 +684,6 @@ async fn sqlite_an_expired_record_counts_as_absent_in_a_transaction() {
         "an expired record is not replayed"
     );
     drop(store);
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[idempotent(scope = "tx.charge_sqlite_amount", key = key, tenant = tenant, tx = tx, ttl = "1h")]
@@ -717,14 +712,7 @@ async fn sqlite_charge_amount_in(
 /// refuse the takeover of another request's record.
 #[tokio::test]
 async fn sqlite_a_stuck_record_of_other_arguments_is_a_mismatch_in_a_transaction() {
-    let store = idempotent_runtime::SqliteStore::connect(&common::scratch::sqlite_url("txstuck"))
-        .await
-        .expect("open");
-    let pool = store.pool().clone();
-    sqlx::query("CREATE TABLE IF NOT EXISTS idempotent_test_charges (tenant TEXT, idem_key TEXT, amount INTEGER)")
-        .execute(&pool)
-        .await
-        .expect("ddl");
+    let (store, pool) = sqlite_with_charges("txstuck").await;
     let tenant = fresh_tenant();
     let stuck = Identity::new(&tenant, "tx.charge_sqlite_amount", "k").expect("identity");
     // Another request's reservation, by an owner that is not this process's.
