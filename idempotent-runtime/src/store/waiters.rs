@@ -87,7 +87,7 @@ impl Waiters {
         }
     }
 
-    #[cfg(all(test, feature = "sqlite"))]
+    #[cfg(test)]
     pub(crate) fn len(&self) -> usize {
         self.shards
             .iter()
@@ -121,9 +121,9 @@ pub(crate) type Held = Option<(Option<String>, Option<i64>)>;
 /// notification, the next look (`pause(look_number)`), the end of the lease
 /// it saw, or `max_wait`, whichever comes first. Returns when the record is
 /// no longer held by the owner first seen (completed, released, taken over),
-/// when its lease runs out, when a look fails (the reservation that follows
-/// reports the store's trouble), or after `max_wait`; the caller reserves
-/// only then.
+/// when its lease runs out, when a look fails (after the pause a look makes:
+/// the reservation that follows reports the store's trouble), or after
+/// `max_wait`; the caller reserves only then.
 pub(crate) async fn wait_looking<F, Fut>(
     store: &'static str,
     waiters: &Waiters,
@@ -159,6 +159,16 @@ pub(crate) async fn wait_looking<F, Fut>(
             Err(e) => {
                 tracing::debug!(target: "idempotent", store, scope = %identity.scope, error = %e,
                     "could not look at a record while waiting");
+                // The reservation that follows reports the store's trouble,
+                // after the pause a look would have made (a change in this
+                // process still ends it): a look that keeps failing while
+                // the reservations answer in progress (on another session
+                // of the pool) never makes the wait go round without one.
+                let now = tokio::time::Instant::now();
+                if now < deadline {
+                    let pause = pause(looks).min(deadline - now);
+                    let _ = tokio::time::timeout(pause, notified.as_mut()).await;
+                }
                 return;
             }
         };
@@ -173,5 +183,83 @@ pub(crate) async fn wait_looking<F, Fut>(
             return;
         }
         looks = looks.saturating_add(1);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn identity() -> Identity {
+        Identity::new("t", "waiters.unit", "k").expect("identity")
+    }
+
+    /// A look that fails ends the wait after the pause a look makes, not at
+    /// once: one that kept failing while the reservations answered in
+    /// progress made the wait go round without a pause (paused clock: the
+    /// time is the runtime's, moved only by the wait's own timers).
+    #[tokio::test(start_paused = true)]
+    async fn a_failing_look_still_pauses_before_the_wait_ends() {
+        let waiters = Waiters::default();
+        let identity = identity();
+        let looks = std::sync::atomic::AtomicUsize::new(0);
+        let started = tokio::time::Instant::now();
+        let fifty_ms = |_| Duration::from_millis(50);
+        wait_looking(
+            "unit",
+            &waiters,
+            &identity,
+            (Duration::from_secs(10), 0),
+            fifty_ms,
+            || {
+                looks.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                async { Err(StoreError::new("unit", "look", "the store failed")) }
+            },
+        )
+        .await;
+        assert_eq!(looks.load(std::sync::atomic::Ordering::SeqCst), 1);
+        assert_eq!(started.elapsed(), Duration::from_millis(50), "no pause");
+        assert_eq!(waiters.len(), 0, "the waiter left");
+    }
+
+    /// The same pause is bounded by the wait and ended by a change made in
+    /// this process.
+    #[tokio::test(start_paused = true)]
+    async fn a_failing_looks_pause_keeps_to_the_bound_and_is_woken() {
+        let waiters = Waiters::default();
+        let identity = identity();
+        let failing = || async { Err(StoreError::new("unit", "look", "the store failed")) };
+        let long = |_| Duration::from_secs(60);
+        let started = tokio::time::Instant::now();
+        wait_looking(
+            "unit",
+            &waiters,
+            &identity,
+            (Duration::from_millis(30), 0),
+            long,
+            failing,
+        )
+        .await;
+        assert_eq!(started.elapsed(), Duration::from_millis(30), "the bound");
+
+        let started = tokio::time::Instant::now();
+        let wait = wait_looking(
+            "unit",
+            &waiters,
+            &identity,
+            (Duration::from_secs(10), 0),
+            long,
+            failing,
+        );
+        let change = async {
+            tokio::time::sleep(Duration::from_millis(7)).await;
+            waiters.notify(&identity);
+        };
+        tokio::join!(wait, change);
+        assert_eq!(
+            started.elapsed(),
+            Duration::from_millis(7),
+            "woken by the change"
+        );
     }
 }
