@@ -2317,7 +2317,6 @@ mod tests {
         let Some((store, _)) = server_store().await else {
             return;
         };
-        let tenant = format!("t-{}", OwnerToken::new().as_str());
         let outcome = StoredOutcome {
             is_error: false,
             payload: b"1".to_vec(),
@@ -2334,16 +2333,7 @@ mod tests {
             "nothing",
         ];
         for change in changes {
-            let identity = Identity::new(tenant.clone(), "mysql_unit.wake", change).expect("id");
-            let token = OwnerToken::new();
-            let reserved = store
-                .reserve(request(&identity, &token))
-                .await
-                .expect("reserve");
-            assert!(
-                matches!(reserved, Reservation::Acquired { .. }),
-                "{reserved:?}"
-            );
+            let (identity, token) = held_record(&store, "mysql_unit.wake").await;
             let notify = store.waiters.join(&identity);
             let notified = notify.notified();
             tokio::pin!(notified);
