@@ -579,7 +579,9 @@ macro_rules! in_own_transaction {
             guarded.hand_back();
             match answer {
                 Err(_) if left_open && tries < LEFT_OPEN_TRIES => continue,
-                Err(e) if tries < FENCED_WRITE_TRIES && is_serialization_failure(&e) => continue,
+                Err(e) if tries < FENCED_WRITE_TRIES && is_serialization_failure(&e) => {
+                    tokio::time::sleep(serialization_failure_pause(tries)).await
+                }
                 answer => break answer,
             }
         }
@@ -1329,7 +1331,8 @@ async fn reserve_autocommit(
             Some(SERIALIZATION_FAILURE)
                 if serialization_failures + 1 < SERIALIZATION_FAILURE_TRIES =>
             {
-                serialization_failures += 1
+                serialization_failures += 1;
+                tokio::time::sleep(serialization_failure_pause(serialization_failures)).await
             }
             _ => break answer,
         }
@@ -1580,9 +1583,29 @@ async fn not_owner_unless_the_connection_is_why(
     }
 }
 
-/// How many times a store-mode fenced write that failed with
-/// [`SERIALIZATION_FAILURE`] is sent (see [`in_own_transaction!`]).
-const FENCED_WRITE_TRIES: u32 = 5;
+/// How many times a store-mode fenced write (or read) that failed with
+/// [`SERIALIZATION_FAILURE`] is sent (see [`in_own_transaction!`]), with
+/// [`serialization_failure_pause`] between the tries: about half a second of
+/// pauses at most, in which the transactions it conflicted with end.
+const FENCED_WRITE_TRIES: u32 = 10;
+
+/// The pause before a statement PostgreSQL cancelled as a serialization
+/// failure is sent again, after its `failures`th such failure in a row (from
+/// 1): 2 ms doubling up to 100 ms, jittered (between half and all of it).
+///
+/// Under SERIALIZABLE as the default, the statement most often conflicted
+/// with a transaction still running beside it (an audit reading the whole
+/// table, a purge, a batch of other reservations); sent again at once, it
+/// meets the same transaction again, and a handful of immediate tries were
+/// used up in a millisecond on a loaded machine (the call failed with a bare
+/// 40001). The jitter keeps calls that conflicted with each other from
+/// trying again in step.
+fn serialization_failure_pause(failures: u32) -> Duration {
+    let full = Duration::from_millis(2u64 << failures.saturating_sub(1).min(6))
+        .min(Duration::from_millis(100));
+    let half = full / 2;
+    half + half.mul_f64(fastrand::f64())
+}
 
 /// Whether the statement behind `e` failed with [`SERIALIZATION_FAILURE`].
 fn is_serialization_failure(e: &StoreError) -> bool {
@@ -2740,6 +2763,31 @@ impl PgStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The pauses between tries after serialization failures grow from
+    /// about a millisecond, stay between half and all of their step, never
+    /// pass 100 ms, and all of a write's tries together pause for about half
+    /// a second at most: long enough for the conflicting transactions to
+    /// end, short beside a lease.
+    #[test]
+    fn pauses_after_serialization_failures_grow_jittered_and_bounded() {
+        for failures in 1..=40 {
+            let step = Duration::from_millis((2u64 << (failures - 1).min(6)).min(100));
+            for _ in 0..50 {
+                let pause = serialization_failure_pause(failures);
+                assert!(
+                    pause >= step / 2 && pause <= step,
+                    "after {failures} failures: {pause:?} not within {step:?}"
+                );
+            }
+        }
+        assert!(serialization_failure_pause(1) <= Duration::from_millis(2));
+        let longest: Duration = (1..FENCED_WRITE_TRIES)
+            .map(|failures| Duration::from_millis((2u64 << (failures - 1).min(6)).min(100)))
+            .sum();
+        assert!(longest <= Duration::from_millis(500), "{longest:?} in all");
+        const { assert!(SERIALIZATION_FAILURE_TRIES >= 8) };
+    }
 
     /// The migrations a store re-runs after a schema rename are the last
     /// ones to create the store's functions: a migration after 0009 that
