@@ -38,6 +38,7 @@ mod replay_floats;
 mod replay_shapes;
 mod send_and_receivers;
 mod transactional;
+mod transactional_answers;
 mod transactional_connections;
 mod transactional_nesting;
 mod transactional_races;

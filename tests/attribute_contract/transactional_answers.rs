@@ -1,0 +1,339 @@
+//! Rules 12 and 13 in transactional mode (rule 15), on PostgreSQL, MariaDB
+//! and SQLite alike: what a body's answer does to the record written in the
+//! caller's transaction when that answer is an error the policy releases, an
+//! error the policy records (`errors = record`), or a value that cannot be
+//! recorded faithfully (a non-finite float). Store mode checks the same on
+//! every store (`contract`); these are the transactional cells of the
+//! matrix: each scenario is written once (`answers_in_a_transaction!`) and
+//! run on each database.
+
+use crate::common;
+
+use super::contract::ChargeError;
+use super::tx_fixtures::{lite, my, pg};
+use common::servers::fresh_tenant;
+use idempotent_runtime::{idempotent, with_outcome, Error, Identity, Outcome, Store};
+use sqlx::{MySql, Postgres, Sqlite};
+use std::collections::HashMap;
+use std::sync::{LazyLock, Mutex};
+
+const PG_DDL: &str = "CREATE TABLE IF NOT EXISTS idempotent_test_tx_answers (
+    tenant TEXT NOT NULL, idem_key TEXT NOT NULL)";
+const MY_DDL: &str = "CREATE TABLE IF NOT EXISTS idempotent_test_tx_answers (
+    tenant VARCHAR(100) NOT NULL, idem_key VARCHAR(255) NOT NULL) ENGINE = InnoDB";
+const SQLITE_DDL: &str = "CREATE TABLE IF NOT EXISTS idempotent_test_tx_answers (
+    tenant TEXT NOT NULL, idem_key TEXT NOT NULL)";
+
+/// Bodies run per tenant (committed or not).
+static RUNS: LazyLock<Mutex<HashMap<String, u32>>> = LazyLock::new(Default::default);
+
+/// Counts one run of a body for `tenant`; answers the count so far.
+fn ran(tenant: &str) -> u32 {
+    let mut runs = RUNS.lock().unwrap();
+    let n = runs.entry(tenant.to_owned()).or_default();
+    *n += 1;
+    *n
+}
+
+/// How many times a body ran for `tenant`.
+fn runs(tenant: &str) -> u32 {
+    RUNS.lock().unwrap().get(tenant).copied().unwrap_or(0)
+}
+
+/// The three functions of one database, each writing a business row
+/// (`$insert`) in the caller's transaction before it answers: one whose
+/// error is released (the default), one whose error is recorded, and one
+/// answering the float it is given.
+macro_rules! functions {
+    ($db:ty, $release_scope:literal, $record_scope:literal, $float_scope:literal,
+     $insert:literal, $released:ident, $recorded:ident, $floats:ident) => {
+        #[idempotent(scope = $release_scope, key = key, tenant = tenant, tx = tx, skip(fail),
+                     ttl = "1h")]
+        async fn $released(
+            tx: &mut sqlx::Transaction<'_, $db>,
+            tenant: &str,
+            key: &str,
+            fail: bool,
+        ) -> Result<u64, ChargeError> {
+            sqlx::query($insert)
+                .bind(tenant)
+                .bind(key)
+                .execute(&mut **tx)
+                .await
+                .expect("business write");
+            let n = ran(tenant);
+            if fail {
+                return Err(ChargeError::Unavailable);
+            }
+            Ok(u64::from(n))
+        }
+
+        #[idempotent(scope = $record_scope, key = key, tenant = tenant, tx = tx, ttl = "1h",
+                     errors = record)]
+        async fn $recorded(
+            tx: &mut sqlx::Transaction<'_, $db>,
+            tenant: &str,
+            key: &str,
+        ) -> Result<u64, ChargeError> {
+            sqlx::query($insert)
+                .bind(tenant)
+                .bind(key)
+                .execute(&mut **tx)
+                .await
+                .expect("business write");
+            let n = ran(tenant);
+            Err(ChargeError::Declined(format!("declined on run {n}")))
+        }
+
+        #[idempotent(scope = $float_scope, key = key, tenant = tenant, tx = tx, skip(value),
+                     ttl = "1h")]
+        async fn $floats(
+            tx: &mut sqlx::Transaction<'_, $db>,
+            tenant: &str,
+            key: &str,
+            value: f64,
+        ) -> Result<f64, Error> {
+            sqlx::query($insert)
+                .bind(tenant)
+                .bind(key)
+                .execute(&mut **tx)
+                .await
+                .expect("business write");
+            ran(tenant);
+            Ok(value)
+        }
+    };
+}
+
+functions!(
+    Postgres,
+    "tx_answers.pg_released",
+    "tx_answers.pg_recorded",
+    "tx_answers.pg_floats",
+    "INSERT INTO idempotent_test_tx_answers (tenant, idem_key) VALUES ($1, $2)",
+    pg_released,
+    pg_recorded,
+    pg_floats
+);
+functions!(
+    MySql,
+    "tx_answers.my_released",
+    "tx_answers.my_recorded",
+    "tx_answers.my_floats",
+    "INSERT INTO idempotent_test_tx_answers (tenant, idem_key) VALUES (?, ?)",
+    my_released,
+    my_recorded,
+    my_floats
+);
+functions!(
+    Sqlite,
+    "tx_answers.lite_released",
+    "tx_answers.lite_recorded",
+    "tx_answers.lite_floats",
+    "INSERT INTO idempotent_test_tx_answers (tenant, idem_key) VALUES (?1, ?2)",
+    lite_released,
+    lite_recorded,
+    lite_floats
+);
+
+/// Rule 13 in a transaction the caller commits: a released error deletes
+/// the reservation in that transaction, so the key is free at once (a retry
+/// runs the body, no record is left in progress for a lease), while the
+/// business row written before the error commits with it.
+macro_rules! released_error_then_commit {
+    ($store:expr, $pool:expr, $released:ident, $scope:literal) => {{
+        let (store, pool) = ($store, $pool);
+        let tenant = fresh_tenant();
+        let identity = Identity::new(&tenant, $scope, "k").expect("identity");
+        let mut tx = pool.begin().await.expect("begin");
+        let (failed, outcome) = with_outcome($released(&mut tx, &tenant, "k", true)).await;
+        assert_eq!(failed, Err(ChargeError::Unavailable));
+        assert_eq!(outcome, Some(Outcome::Executed));
+        tx.commit().await.expect("commit");
+        assert_eq!(
+            store.fetch(&identity).await.expect("fetch"),
+            None,
+            "a released error leaves no record once the caller commits"
+        );
+
+        let mut tx = pool.begin().await.expect("begin");
+        let (again, outcome) = with_outcome($released(&mut tx, &tenant, "k", false)).await;
+        tx.commit().await.expect("commit");
+        assert_eq!(
+            (again, outcome),
+            (Ok(2), Some(Outcome::Executed)),
+            "the retry runs the body"
+        );
+        let mut tx = pool.begin().await.expect("begin");
+        let (replay, outcome) = with_outcome($released(&mut tx, &tenant, "k", true)).await;
+        tx.commit().await.expect("commit");
+        assert_eq!((replay, outcome), (Ok(2), Some(Outcome::Replayed)));
+        assert_eq!(runs(&tenant), 2);
+    }};
+}
+
+/// Rule 13 with `errors = record` in a transaction: rolled back, the recorded
+/// error goes with the business write and the key runs again; committed, the
+/// error is the key's final answer and every retry replays it without
+/// running the body.
+macro_rules! recorded_error_in_a_transaction {
+    ($store:expr, $pool:expr, $recorded:ident, $scope:literal) => {{
+        let (store, pool) = ($store, $pool);
+        let tenant = fresh_tenant();
+        let identity = Identity::new(&tenant, $scope, "k").expect("identity");
+        let mut tx = pool.begin().await.expect("begin");
+        let (first, outcome) = with_outcome($recorded(&mut tx, &tenant, "k")).await;
+        assert_eq!(
+            (first, outcome),
+            (
+                Err(ChargeError::Declined("declined on run 1".into())),
+                Some(Outcome::Executed)
+            )
+        );
+        tx.rollback().await.expect("rollback");
+        assert_eq!(store.fetch(&identity).await.expect("fetch"), None);
+
+        let mut tx = pool.begin().await.expect("begin");
+        let (second, outcome) = with_outcome($recorded(&mut tx, &tenant, "k")).await;
+        tx.commit().await.expect("commit");
+        let recorded = Err(ChargeError::Declined("declined on run 2".into()));
+        assert_eq!((second.clone(), outcome), (recorded.clone(), Some(Outcome::Executed)));
+        for _ in 0..2 {
+            let mut tx = pool.begin().await.expect("begin");
+            let (replay, outcome) = with_outcome($recorded(&mut tx, &tenant, "k")).await;
+            tx.commit().await.expect("commit");
+            assert_eq!(
+                (replay, outcome),
+                (recorded.clone(), Some(Outcome::Replayed)),
+                "the recorded error is the key's final answer"
+            );
+        }
+        assert_eq!(runs(&tenant), 2);
+    }};
+}
+
+/// Rule 12 in a transaction: a result that would not replay equal (`+inf`
+/// in JSON) is refused when it is recorded, naming the scope; the caller's
+/// transaction stays usable, and once it commits nothing is recorded and
+/// the key is free (a retry runs the body and its finite answer replays).
+macro_rules! unfaithful_result_in_a_transaction {
+    ($store:expr, $pool:expr, $floats:ident, $insert:literal, $scope:literal) => {{
+        let (store, pool) = ($store, $pool);
+        let tenant = fresh_tenant();
+        let identity = Identity::new(&tenant, $scope, "k").expect("identity");
+        let mut tx = pool.begin().await.expect("begin");
+        let refused = $floats(&mut tx, &tenant, "k", f64::INFINITY).await;
+        match &refused {
+            Err(e @ Error::ResultNotFaithful { scope, .. }) => {
+                assert_eq!(scope, $scope);
+                assert!(e.to_string().contains($scope), "{e}");
+            }
+            other => panic!("a non-finite result must be refused, got {other:?}"),
+        }
+        sqlx::query($insert)
+            .bind(&tenant)
+            .bind("after")
+            .execute(&mut *tx)
+            .await
+            .expect("the caller's transaction stays usable");
+        tx.commit().await.expect("commit");
+        assert_eq!(
+            store.fetch(&identity).await.expect("fetch"),
+            None,
+            "nothing is recorded and the key is not left in progress"
+        );
+
+        let mut tx = pool.begin().await.expect("begin");
+        let (again, outcome) = with_outcome($floats(&mut tx, &tenant, "k", 1.5)).await;
+        tx.commit().await.expect("commit");
+        assert_eq!((again.expect("runs again"), outcome), (1.5, Some(Outcome::Executed)));
+        let mut tx = pool.begin().await.expect("begin");
+        let (replay, outcome) = with_outcome($floats(&mut tx, &tenant, "k", 1.5)).await;
+        tx.commit().await.expect("commit");
+        assert_eq!((replay.expect("replays"), outcome), (1.5, Some(Outcome::Replayed)));
+        assert_eq!(runs(&tenant), 2);
+    }};
+}
+
+#[tokio::test]
+async fn pg_a_released_error_in_a_committed_transaction_frees_the_key() {
+    let Some(db) = pg(PG_DDL).await else { return };
+    released_error_then_commit!(&db.0, db.0.pool(), pg_released, "tx_answers.pg_released");
+}
+
+#[tokio::test]
+async fn mysql_a_released_error_in_a_committed_transaction_frees_the_key() {
+    let Some(db) = my(MY_DDL).await else { return };
+    released_error_then_commit!(&db.0, db.0.pool(), my_released, "tx_answers.my_released");
+}
+
+#[tokio::test]
+async fn sqlite_a_released_error_in_a_committed_transaction_frees_the_key_and_replays_the_retry()
+{
+    let db = lite("tx-answers", SQLITE_DDL).await;
+    released_error_then_commit!(
+        &db.0,
+        db.0.pool(),
+        lite_released,
+        "tx_answers.lite_released"
+    );
+}
+
+#[tokio::test]
+async fn pg_a_recorded_error_in_a_transaction_commits_or_rolls_back_with_it() {
+    let Some(db) = pg(PG_DDL).await else { return };
+    recorded_error_in_a_transaction!(&db.0, db.0.pool(), pg_recorded, "tx_answers.pg_recorded");
+}
+
+#[tokio::test]
+async fn mysql_a_recorded_error_in_a_transaction_commits_or_rolls_back_with_it() {
+    let Some(db) = my(MY_DDL).await else { return };
+    recorded_error_in_a_transaction!(&db.0, db.0.pool(), my_recorded, "tx_answers.my_recorded");
+}
+
+#[tokio::test]
+async fn sqlite_a_recorded_error_in_a_transaction_commits_or_rolls_back_with_it() {
+    let db = lite("tx-answers", SQLITE_DDL).await;
+    recorded_error_in_a_transaction!(
+        &db.0,
+        db.0.pool(),
+        lite_recorded,
+        "tx_answers.lite_recorded"
+    );
+}
+
+#[tokio::test]
+async fn pg_a_result_that_would_not_replay_equal_is_refused_in_a_transaction() {
+    let Some(db) = pg(PG_DDL).await else { return };
+    unfaithful_result_in_a_transaction!(
+        &db.0,
+        db.0.pool(),
+        pg_floats,
+        "INSERT INTO idempotent_test_tx_answers (tenant, idem_key) VALUES ($1, $2)",
+        "tx_answers.pg_floats"
+    );
+}
+
+#[tokio::test]
+async fn mysql_a_result_that_would_not_replay_equal_is_refused_in_a_transaction() {
+    let Some(db) = my(MY_DDL).await else { return };
+    unfaithful_result_in_a_transaction!(
+        &db.0,
+        db.0.pool(),
+        my_floats,
+        "INSERT INTO idempotent_test_tx_answers (tenant, idem_key) VALUES (?, ?)",
+        "tx_answers.my_floats"
+    );
+}
+
+#[tokio::test]
+async fn sqlite_a_result_that_would_not_replay_equal_is_refused_in_a_transaction() {
+    let db = lite("tx-answers", SQLITE_DDL).await;
+    unfaithful_result_in_a_transaction!(
+        &db.0,
+        db.0.pool(),
+        lite_floats,
+        "INSERT INTO idempotent_test_tx_answers (tenant, idem_key) VALUES (?1, ?2)",
+        "tx_answers.lite_floats"
+    );
+}
