@@ -12,10 +12,14 @@ use crate::common;
 use super::contract::ChargeError;
 use super::tx_fixtures::{lite, my, pg};
 use common::servers::fresh_tenant;
-use idempotent_runtime::{idempotent, with_outcome, Error, Identity, Outcome, Store};
+use idempotent_runtime::{
+    idempotent, with_outcome, Completion, Error, Fenced, FingerprintBuilder, Identity, Outcome,
+    OwnerToken, Reservation, ReserveRequest, Store, StoredOutcome,
+};
 use sqlx::{MySql, Postgres, Sqlite};
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{LazyLock, Mutex};
+use std::time::Duration;
 
 const PG_DDL: &str = "CREATE TABLE IF NOT EXISTS idempotent_test_tx_answers (
     tenant TEXT NOT NULL, idem_key TEXT NOT NULL)";
@@ -46,9 +50,10 @@ fn runs(tenant: &str) -> u32 {
 /// answering the float it is given.
 macro_rules! functions {
     ($db:ty, $release_scope:literal, $record_scope:literal, $float_scope:literal,
-     $insert:literal, $released:ident, $recorded:ident, $floats:ident) => {
+     $set_scope:literal, $insert:literal, $released:ident, $recorded:ident, $floats:ident,
+     $sets:ident) => {
         #[idempotent(scope = $release_scope, key = key, tenant = tenant, tx = tx, skip(fail),
-                     ttl = "1h")]
+                             ttl = "1h")]
         async fn $released(
             tx: &mut sqlx::Transaction<'_, $db>,
             tenant: &str,
@@ -69,7 +74,7 @@ macro_rules! functions {
         }
 
         #[idempotent(scope = $record_scope, key = key, tenant = tenant, tx = tx, ttl = "1h",
-                     errors = record)]
+                             errors = record)]
         async fn $recorded(
             tx: &mut sqlx::Transaction<'_, $db>,
             tenant: &str,
@@ -86,7 +91,7 @@ macro_rules! functions {
         }
 
         #[idempotent(scope = $float_scope, key = key, tenant = tenant, tx = tx, skip(value),
-                     ttl = "1h")]
+                             ttl = "1h")]
         async fn $floats(
             tx: &mut sqlx::Transaction<'_, $db>,
             tenant: &str,
@@ -102,6 +107,22 @@ macro_rules! functions {
             ran(tenant);
             Ok(value)
         }
+
+        #[idempotent(scope = $set_scope, key = key, tenant = tenant, tx = tx, ttl = "1h")]
+        async fn $sets(
+            tx: &mut sqlx::Transaction<'_, $db>,
+            tenant: &str,
+            key: &str,
+            items: HashSet<String>,
+        ) -> Result<u64, Error> {
+            sqlx::query($insert)
+                .bind(tenant)
+                .bind(key)
+                .execute(&mut **tx)
+                .await
+                .expect("business write");
+            Ok(u64::from(ran(tenant)))
+        }
     };
 }
 
@@ -110,30 +131,36 @@ functions!(
     "tx_answers.pg_released",
     "tx_answers.pg_recorded",
     "tx_answers.pg_floats",
+    "tx_answers.pg_sets",
     "INSERT INTO idempotent_test_tx_answers (tenant, idem_key) VALUES ($1, $2)",
     pg_released,
     pg_recorded,
-    pg_floats
+    pg_floats,
+    pg_sets
 );
 functions!(
     MySql,
     "tx_answers.my_released",
     "tx_answers.my_recorded",
     "tx_answers.my_floats",
+    "tx_answers.my_sets",
     "INSERT INTO idempotent_test_tx_answers (tenant, idem_key) VALUES (?, ?)",
     my_released,
     my_recorded,
-    my_floats
+    my_floats,
+    my_sets
 );
 functions!(
     Sqlite,
     "tx_answers.lite_released",
     "tx_answers.lite_recorded",
     "tx_answers.lite_floats",
+    "tx_answers.lite_sets",
     "INSERT INTO idempotent_test_tx_answers (tenant, idem_key) VALUES (?1, ?2)",
     lite_released,
     lite_recorded,
-    lite_floats
+    lite_floats,
+    lite_sets
 );
 
 /// Rule 13 in a transaction the caller commits: a released error deletes
@@ -197,7 +224,10 @@ macro_rules! recorded_error_in_a_transaction {
         let (second, outcome) = with_outcome($recorded(&mut tx, &tenant, "k")).await;
         tx.commit().await.expect("commit");
         let recorded = Err(ChargeError::Declined("declined on run 2".into()));
-        assert_eq!((second.clone(), outcome), (recorded.clone(), Some(Outcome::Executed)));
+        assert_eq!(
+            (second.clone(), outcome),
+            (recorded.clone(), Some(Outcome::Executed))
+        );
         for _ in 0..2 {
             let mut tx = pool.begin().await.expect("begin");
             let (replay, outcome) = with_outcome($recorded(&mut tx, &tenant, "k")).await;
@@ -246,11 +276,17 @@ macro_rules! unfaithful_result_in_a_transaction {
         let mut tx = pool.begin().await.expect("begin");
         let (again, outcome) = with_outcome($floats(&mut tx, &tenant, "k", 1.5)).await;
         tx.commit().await.expect("commit");
-        assert_eq!((again.expect("runs again"), outcome), (1.5, Some(Outcome::Executed)));
+        assert_eq!(
+            (again.expect("runs again"), outcome),
+            (1.5, Some(Outcome::Executed))
+        );
         let mut tx = pool.begin().await.expect("begin");
         let (replay, outcome) = with_outcome($floats(&mut tx, &tenant, "k", 1.5)).await;
         tx.commit().await.expect("commit");
-        assert_eq!((replay.expect("replays"), outcome), (1.5, Some(Outcome::Replayed)));
+        assert_eq!(
+            (replay.expect("replays"), outcome),
+            (1.5, Some(Outcome::Replayed))
+        );
         assert_eq!(runs(&tenant), 2);
     }};
 }
@@ -268,8 +304,7 @@ async fn mysql_a_released_error_in_a_committed_transaction_frees_the_key() {
 }
 
 #[tokio::test]
-async fn sqlite_a_released_error_in_a_committed_transaction_frees_the_key_and_replays_the_retry()
-{
+async fn sqlite_a_released_error_in_a_committed_transaction_frees_the_key_and_replays_the_retry() {
     let db = lite("tx-answers", SQLITE_DDL).await;
     released_error_then_commit!(
         &db.0,
@@ -335,5 +370,129 @@ async fn sqlite_a_result_that_would_not_replay_equal_is_refused_in_a_transaction
         lite_floats,
         "INSERT INTO idempotent_test_tx_answers (tenant, idem_key) VALUES (?1, ?2)",
         "tx_answers.lite_floats"
+    );
+}
+
+/// Rule 6 in a transaction: a record an older version made with the v1
+/// form of the fingerprint (committed in store mode) is compared by v1's
+/// rules inside a caller's transaction too: the same request replays it,
+/// another request is refused as a mismatch; the body runs neither time,
+/// the record is untouched and the caller's transaction stays usable.
+macro_rules! v1_record_in_a_transaction {
+    ($store:expr, $pool:expr, $sets:ident, $insert:literal, $scope:literal) => {{
+        let (store, pool) = ($store, $pool);
+        let tenant = fresh_tenant();
+        let identity = Identity::new(&tenant, $scope, "old").expect("identity");
+        let items: HashSet<String> = (0..16).map(|i| format!("item-{i}")).collect();
+        let mut current = FingerprintBuilder::new();
+        current.argument("items", &items);
+        let v1 = current
+            .finish()
+            .expect("fingerprinted")
+            .expect("a fingerprint")
+            .legacy()
+            .expect("a v1 form");
+        assert_eq!(v1.version(), "v1");
+        let token = OwnerToken::new();
+        let reserved = store
+            .reserve(ReserveRequest {
+                identity: &identity,
+                fingerprint: Some(&v1),
+                token: &token,
+                lease: Duration::from_secs(60),
+                ttl: Duration::from_secs(3600),
+            })
+            .await
+            .expect("reserve");
+        assert!(
+            matches!(reserved, Reservation::Acquired { .. }),
+            "{reserved:?}"
+        );
+        let outcome = StoredOutcome {
+            is_error: false,
+            payload: b"41".to_vec(),
+        };
+        assert_eq!(
+            store
+                .complete(Completion::by_body(
+                    &identity,
+                    &token,
+                    &outcome,
+                    Duration::from_secs(3600)
+                ))
+                .await
+                .expect("complete"),
+            Fenced::Written
+        );
+        // The record as stored, without the moment it was read.
+        let stored = || async {
+            let mut snapshot = store
+                .fetch(&identity)
+                .await
+                .expect("fetch")
+                .expect("recorded");
+            snapshot.now_ms = 0;
+            snapshot
+        };
+        let before = stored().await;
+
+        let mut tx = pool.begin().await.expect("begin");
+        let (replay, how) = with_outcome($sets(&mut tx, &tenant, "old", items.clone())).await;
+        assert_eq!(
+            (replay.expect("the same request replays the v1 record"), how),
+            (41, Some(Outcome::Replayed))
+        );
+        let mut other = items.clone();
+        other.insert("one more".into());
+        let refused = $sets(&mut tx, &tenant, "old", other).await;
+        assert!(
+            matches!(refused, Err(Error::FingerprintMismatch(_))),
+            "another request is a mismatch: {refused:?}"
+        );
+        sqlx::query($insert)
+            .bind(&tenant)
+            .bind("after")
+            .execute(&mut *tx)
+            .await
+            .expect("the caller's transaction stays usable");
+        tx.commit().await.expect("commit");
+        assert_eq!(runs(&tenant), 0, "the body never ran");
+        assert_eq!(stored().await, before, "the record is untouched");
+    }};
+}
+
+#[tokio::test]
+async fn pg_a_v1_record_is_compared_by_v1_rules_in_a_transaction() {
+    let Some(db) = pg(PG_DDL).await else { return };
+    v1_record_in_a_transaction!(
+        &db.0,
+        db.0.pool(),
+        pg_sets,
+        "INSERT INTO idempotent_test_tx_answers (tenant, idem_key) VALUES ($1, $2)",
+        "tx_answers.pg_sets"
+    );
+}
+
+#[tokio::test]
+async fn mysql_a_v1_record_is_compared_by_v1_rules_in_a_transaction() {
+    let Some(db) = my(MY_DDL).await else { return };
+    v1_record_in_a_transaction!(
+        &db.0,
+        db.0.pool(),
+        my_sets,
+        "INSERT INTO idempotent_test_tx_answers (tenant, idem_key) VALUES (?, ?)",
+        "tx_answers.my_sets"
+    );
+}
+
+#[tokio::test]
+async fn sqlite_a_v1_record_is_compared_by_v1_rules_in_a_transaction() {
+    let db = lite("tx-answers", SQLITE_DDL).await;
+    v1_record_in_a_transaction!(
+        &db.0,
+        db.0.pool(),
+        lite_sets,
+        "INSERT INTO idempotent_test_tx_answers (tenant, idem_key) VALUES (?1, ?2)",
+        "tx_answers.lite_sets"
     );
 }
