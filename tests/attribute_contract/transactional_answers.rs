@@ -53,7 +53,7 @@ macro_rules! functions {
      $set_scope:literal, $insert:literal, $released:ident, $recorded:ident, $floats:ident,
      $sets:ident) => {
         #[idempotent(scope = $release_scope, key = key, tenant = tenant, tx = tx, skip(fail),
-                             ttl = "1h")]
+                                     ttl = "1h")]
         async fn $released(
             tx: &mut sqlx::Transaction<'_, $db>,
             tenant: &str,
@@ -74,7 +74,7 @@ macro_rules! functions {
         }
 
         #[idempotent(scope = $record_scope, key = key, tenant = tenant, tx = tx, ttl = "1h",
-                             errors = record)]
+                                     errors = record)]
         async fn $recorded(
             tx: &mut sqlx::Transaction<'_, $db>,
             tenant: &str,
@@ -91,7 +91,7 @@ macro_rules! functions {
         }
 
         #[idempotent(scope = $float_scope, key = key, tenant = tenant, tx = tx, skip(value),
-                             ttl = "1h")]
+                                     ttl = "1h")]
         async fn $floats(
             tx: &mut sqlx::Transaction<'_, $db>,
             tenant: &str,
@@ -495,4 +495,76 @@ async fn sqlite_a_v1_record_is_compared_by_v1_rules_in_a_transaction() {
         "INSERT INTO idempotent_test_tx_answers (tenant, idem_key) VALUES (?1, ?2)",
         "tx_answers.lite_sets"
     );
+}
+
+/// Rule 8 in a transaction: a record made without a fingerprint (committed
+/// in store mode, as a function with `fingerprint = false` or an older
+/// build leaves it) cannot be contradicted: a transactional call with
+/// arguments replays it, whatever they are, and the body does not run.
+macro_rules! unfingerprinted_record_in_a_transaction {
+    ($store:expr, $pool:expr, $sets:ident, $scope:literal) => {{
+        let (store, pool) = ($store, $pool);
+        let tenant = fresh_tenant();
+        let identity = Identity::new(&tenant, $scope, "bare").expect("identity");
+        let token = OwnerToken::new();
+        let reserved = store
+            .reserve(ReserveRequest {
+                identity: &identity,
+                fingerprint: None,
+                token: &token,
+                lease: Duration::from_secs(60),
+                ttl: Duration::from_secs(3600),
+            })
+            .await
+            .expect("reserve");
+        assert!(
+            matches!(reserved, Reservation::Acquired { .. }),
+            "{reserved:?}"
+        );
+        let outcome = StoredOutcome {
+            is_error: false,
+            payload: b"41".to_vec(),
+        };
+        assert_eq!(
+            store
+                .complete(Completion::by_body(
+                    &identity,
+                    &token,
+                    &outcome,
+                    Duration::from_secs(3600)
+                ))
+                .await
+                .expect("complete"),
+            Fenced::Written
+        );
+        for n in [1, 5] {
+            let items: HashSet<String> = (0..n).map(|i| format!("item-{i}")).collect();
+            let mut tx = pool.begin().await.expect("begin");
+            let (replay, how) = with_outcome($sets(&mut tx, &tenant, "bare", items)).await;
+            tx.commit().await.expect("commit");
+            assert_eq!(
+                (replay.expect("a record without a fingerprint replays"), how),
+                (41, Some(Outcome::Replayed))
+            );
+        }
+        assert_eq!(runs(&tenant), 0, "the body never ran");
+    }};
+}
+
+#[tokio::test]
+async fn pg_a_record_without_a_fingerprint_is_not_contradicted_in_a_transaction() {
+    let Some(db) = pg(PG_DDL).await else { return };
+    unfingerprinted_record_in_a_transaction!(&db.0, db.0.pool(), pg_sets, "tx_answers.pg_sets");
+}
+
+#[tokio::test]
+async fn mysql_a_record_without_a_fingerprint_is_not_contradicted_in_a_transaction() {
+    let Some(db) = my(MY_DDL).await else { return };
+    unfingerprinted_record_in_a_transaction!(&db.0, db.0.pool(), my_sets, "tx_answers.my_sets");
+}
+
+#[tokio::test]
+async fn sqlite_a_record_without_a_fingerprint_is_not_contradicted_in_a_transaction() {
+    let db = lite("tx-answers", SQLITE_DDL).await;
+    unfingerprinted_record_in_a_transaction!(&db.0, db.0.pool(), lite_sets, "tx_answers.lite_sets");
 }
