@@ -53,7 +53,7 @@ macro_rules! functions {
      $set_scope:literal, $insert:literal, $released:ident, $recorded:ident, $floats:ident,
      $sets:ident) => {
         #[idempotent(scope = $release_scope, key = key, tenant = tenant, tx = tx, skip(fail),
-                                     ttl = "1h")]
+                                             ttl = "1h")]
         async fn $released(
             tx: &mut sqlx::Transaction<'_, $db>,
             tenant: &str,
@@ -74,7 +74,7 @@ macro_rules! functions {
         }
 
         #[idempotent(scope = $record_scope, key = key, tenant = tenant, tx = tx, ttl = "1h",
-                                     errors = record)]
+                                             errors = record)]
         async fn $recorded(
             tx: &mut sqlx::Transaction<'_, $db>,
             tenant: &str,
@@ -91,7 +91,7 @@ macro_rules! functions {
         }
 
         #[idempotent(scope = $float_scope, key = key, tenant = tenant, tx = tx, skip(value),
-                                     ttl = "1h")]
+                                             ttl = "1h")]
         async fn $floats(
             tx: &mut sqlx::Transaction<'_, $db>,
             tenant: &str,
@@ -567,4 +567,82 @@ async fn mysql_a_record_without_a_fingerprint_is_not_contradicted_in_a_transacti
 async fn sqlite_a_record_without_a_fingerprint_is_not_contradicted_in_a_transaction() {
     let db = lite("tx-answers", SQLITE_DDL).await;
     unfingerprinted_record_in_a_transaction!(&db.0, db.0.pool(), lite_sets, "tx_answers.lite_sets");
+}
+
+/// Rule 2 in a transaction: a bad key or tenant is refused before anything
+/// runs or is written, and the caller's transaction stays usable; a key at
+/// the 255-byte limit (multi-byte characters) is an ordinary key.
+macro_rules! bad_keys_in_a_transaction {
+    ($store:expr, $pool:expr, $released:ident, $insert:literal, $scope:literal) => {{
+        let (store, pool) = ($store, $pool);
+        let tenant = fresh_tenant();
+        let too_long = "k".repeat(256);
+        let mut tx = pool.begin().await.expect("begin");
+        for key in ["", "line\nbreak", "nul\0", too_long.as_str()] {
+            let got = $released(&mut tx, &tenant, key, false).await;
+            assert!(
+                matches!(&got, Err(ChargeError::Idempotency(e)) if e.starts_with("InvalidKey")),
+                "key {key:?}: {got:?}"
+            );
+        }
+        let got = $released(&mut tx, "", "k", false).await;
+        assert!(
+            matches!(&got, Err(ChargeError::Idempotency(e)) if e.starts_with("InvalidTenant")),
+            "an empty tenant: {got:?}"
+        );
+        sqlx::query($insert)
+            .bind(&tenant)
+            .bind("after")
+            .execute(&mut *tx)
+            .await
+            .expect("the caller's transaction stays usable");
+        let longest: String = "ü".repeat(127) + "k";
+        assert_eq!(longest.len(), 255);
+        let (ran_once, outcome) = with_outcome($released(&mut tx, &tenant, &longest, false)).await;
+        assert_eq!((ran_once, outcome), (Ok(1), Some(Outcome::Executed)));
+        tx.commit().await.expect("commit");
+        assert_eq!(runs(&tenant), 1, "no bad key ran the body");
+        let identity = Identity::new(&tenant, $scope, &longest).expect("identity");
+        assert!(store.fetch(&identity).await.expect("fetch").is_some());
+        let mut tx = pool.begin().await.expect("begin");
+        let (replay, outcome) = with_outcome($released(&mut tx, &tenant, &longest, false)).await;
+        tx.commit().await.expect("commit");
+        assert_eq!((replay, outcome), (Ok(1), Some(Outcome::Replayed)));
+    }};
+}
+
+#[tokio::test]
+async fn pg_bad_keys_are_refused_in_a_transaction_before_anything_runs() {
+    let Some(db) = pg(PG_DDL).await else { return };
+    bad_keys_in_a_transaction!(
+        &db.0,
+        db.0.pool(),
+        pg_released,
+        "INSERT INTO idempotent_test_tx_answers (tenant, idem_key) VALUES ($1, $2)",
+        "tx_answers.pg_released"
+    );
+}
+
+#[tokio::test]
+async fn mysql_bad_keys_are_refused_in_a_transaction_before_anything_runs() {
+    let Some(db) = my(MY_DDL).await else { return };
+    bad_keys_in_a_transaction!(
+        &db.0,
+        db.0.pool(),
+        my_released,
+        "INSERT INTO idempotent_test_tx_answers (tenant, idem_key) VALUES (?, ?)",
+        "tx_answers.my_released"
+    );
+}
+
+#[tokio::test]
+async fn sqlite_bad_keys_are_refused_in_a_transaction_before_anything_runs() {
+    let db = lite("tx-answers", SQLITE_DDL).await;
+    bad_keys_in_a_transaction!(
+        &db.0,
+        db.0.pool(),
+        lite_released,
+        "INSERT INTO idempotent_test_tx_answers (tenant, idem_key) VALUES (?1, ?2)",
+        "tx_answers.lite_released"
+    );
 }
