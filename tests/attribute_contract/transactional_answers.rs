@@ -53,7 +53,7 @@ macro_rules! functions {
      $set_scope:literal, $insert:literal, $released:ident, $recorded:ident, $floats:ident,
      $sets:ident) => {
         #[idempotent(scope = $release_scope, key = key, tenant = tenant, tx = tx, skip(fail),
-                                             ttl = "1h")]
+                                                     ttl = "1h")]
         async fn $released(
             tx: &mut sqlx::Transaction<'_, $db>,
             tenant: &str,
@@ -74,7 +74,7 @@ macro_rules! functions {
         }
 
         #[idempotent(scope = $record_scope, key = key, tenant = tenant, tx = tx, ttl = "1h",
-                                             errors = record)]
+                                                     errors = record)]
         async fn $recorded(
             tx: &mut sqlx::Transaction<'_, $db>,
             tenant: &str,
@@ -91,7 +91,7 @@ macro_rules! functions {
         }
 
         #[idempotent(scope = $float_scope, key = key, tenant = tenant, tx = tx, skip(value),
-                                             ttl = "1h")]
+                                                     ttl = "1h")]
         async fn $floats(
             tx: &mut sqlx::Transaction<'_, $db>,
             tenant: &str,

@@ -235,6 +235,83 @@ pub async fn identity_separated_by_scope<S: Store + Clone + 'static>(store: S) {
     assert!(fetch(&store, &c).await.is_none());
 }
 
+/// Rule 1: the shared namespace (`tenant = shared`) is distinct from every
+/// tenant, including tenants a padded or trimmed comparison would take for
+/// the empty one it is stored as (spaces, a no-break space, an ideographic
+/// space) and a tenant spelled `shared`: each gets a record of its own, in
+/// either order, and the shared record keeps its answer.
+pub async fn shared_namespace_is_distinct_from_every_tenant<S: Store + Clone + 'static>(store: S) {
+    let scope = fresh_scope("conformance.shared");
+    let shared = Identity::shared(scope.clone(), "same-key").expect("identity");
+    let tenants = [" ", "  ", "\u{a0}", "\u{3000}", "shared", "0"];
+    // One tenant written before the shared record, the rest after it.
+    let early = id(tenants[0], &scope, "same-key");
+    record(&store, &early, Some(&fp("early")), &ok(b"\"early\""), LONG).await;
+    assert!(
+        fetch(&store, &shared).await.is_none(),
+        "the shared identity is not the tenant {:?}",
+        tenants[0]
+    );
+    record(
+        &store,
+        &shared,
+        Some(&fp("shared")),
+        &ok(b"\"shared\""),
+        LONG,
+    )
+    .await;
+    for tenant in &tenants[1..] {
+        let identity = id(tenant, &scope, "same-key");
+        assert!(
+            fetch(&store, &identity).await.is_none(),
+            "tenant {tenant:?} must not see the shared record"
+        );
+        let payload = format!("{tenant:?}");
+        record(
+            &store,
+            &identity,
+            Some(&fp(tenant)),
+            &ok(payload.as_bytes()),
+            LONG,
+        )
+        .await;
+    }
+    assert_eq!(
+        reserve(
+            &store,
+            &shared,
+            Some(&fp("shared")),
+            &OwnerToken::new(),
+            LONG,
+            LONG
+        )
+        .await,
+        Reservation::Completed(ok(b"\"shared\"")),
+        "the shared record keeps its own answer"
+    );
+    assert_eq!(
+        fetch(&store, &early).await.expect("recorded").outcome,
+        Some(ok(b"\"early\""))
+    );
+    for tenant in &tenants[1..] {
+        let identity = id(tenant, &scope, "same-key");
+        let payload = format!("{tenant:?}");
+        assert_eq!(
+            reserve(
+                &store,
+                &identity,
+                Some(&fp(tenant)),
+                &OwnerToken::new(),
+                LONG,
+                LONG
+            )
+            .await,
+            Reservation::Completed(ok(payload.as_bytes())),
+            "tenant {tenant:?} replays its own record"
+        );
+    }
+}
+
 // ---------------------------------------------------------------- rule 3
 
 async fn race<S: Store + Clone + 'static>(
@@ -1987,6 +2064,7 @@ macro_rules! store_conformance_tests {
         $crate::store_conformance_tests!(@tests $make;
             identity_separated_by_tenant,
             identity_separated_by_scope,
+            shared_namespace_is_distinct_from_every_tenant,
             reserve_is_atomic_under_concurrency,
             a_token_presented_twice_acquires_once,
             takeover_is_atomic_under_concurrency,
