@@ -53,7 +53,7 @@ macro_rules! functions {
      $set_scope:literal, $insert:literal, $released:ident, $recorded:ident, $floats:ident,
      $sets:ident) => {
         #[idempotent(scope = $release_scope, key = key, tenant = tenant, tx = tx, skip(fail),
-                                                     ttl = "1h")]
+                                                                     ttl = "1h")]
         async fn $released(
             tx: &mut sqlx::Transaction<'_, $db>,
             tenant: &str,
@@ -74,7 +74,7 @@ macro_rules! functions {
         }
 
         #[idempotent(scope = $record_scope, key = key, tenant = tenant, tx = tx, ttl = "1h",
-                                                     errors = record)]
+                                                                     errors = record)]
         async fn $recorded(
             tx: &mut sqlx::Transaction<'_, $db>,
             tenant: &str,
@@ -91,7 +91,7 @@ macro_rules! functions {
         }
 
         #[idempotent(scope = $float_scope, key = key, tenant = tenant, tx = tx, skip(value),
-                                                     ttl = "1h")]
+                                                                     ttl = "1h")]
         async fn $floats(
             tx: &mut sqlx::Transaction<'_, $db>,
             tenant: &str,
@@ -644,5 +644,130 @@ async fn sqlite_bad_keys_are_refused_in_a_transaction_before_anything_runs() {
         lite_released,
         "INSERT INTO idempotent_test_tx_answers (tenant, idem_key) VALUES (?1, ?2)",
         "tx_answers.lite_released"
+    );
+}
+
+/// Rules 16 and 7 in a transaction: a record whose ttl ran out counts as
+/// absent, also when it was made with *other* arguments: a completed one
+/// and an abandoned one (its lease and ttl both over) are replaced by the
+/// transactional call, which runs the body (no mismatch, nothing of the
+/// old record replayed); its answer then replays. `$expire` moves a
+/// record's retention (and an in-progress one's lease) to 1970.
+macro_rules! expired_other_request_in_a_transaction {
+    ($store:expr, $pool:expr, $sets:ident, $expire:literal, $scope:literal) => {{
+        let (store, pool) = ($store, $pool);
+        let tenant = fresh_tenant();
+        let mut other_request = FingerprintBuilder::new();
+        other_request.argument("items", &HashSet::from(["another".to_owned()]));
+        let other = other_request
+            .finish()
+            .expect("fingerprinted")
+            .expect("a fingerprint");
+        for (key, complete) in [("completed", true), ("abandoned", false)] {
+            let identity = Identity::new(&tenant, $scope, key).expect("identity");
+            let token = OwnerToken::new();
+            let reserved = store
+                .reserve(ReserveRequest {
+                    identity: &identity,
+                    fingerprint: Some(&other),
+                    token: &token,
+                    lease: Duration::from_secs(3600),
+                    ttl: Duration::from_secs(3600),
+                })
+                .await
+                .expect("reserve");
+            assert!(
+                matches!(reserved, Reservation::Acquired { .. }),
+                "{reserved:?}"
+            );
+            if complete {
+                let old = StoredOutcome {
+                    is_error: false,
+                    payload: b"41".to_vec(),
+                };
+                let done = Completion::by_body(&identity, &token, &old, Duration::from_secs(3600));
+                assert_eq!(
+                    store.complete(done).await.expect("complete"),
+                    Fenced::Written
+                );
+            }
+            sqlx::query($expire)
+                .bind(&tenant)
+                .bind($scope)
+                .bind(key)
+                .execute(pool)
+                .await
+                .expect("expire the record");
+            assert!(
+                store
+                    .fetch(&identity)
+                    .await
+                    .expect("fetch")
+                    .expect("planted")
+                    .is_expired(),
+                "{key}: planted as expired"
+            );
+        }
+        let items: HashSet<String> = (0..3).map(|i| format!("item-{i}")).collect();
+        for (n, key) in [(1, "completed"), (2, "abandoned")] {
+            let mut tx = pool.begin().await.expect("begin");
+            let (fresh, how) = with_outcome($sets(&mut tx, &tenant, key, items.clone())).await;
+            tx.commit().await.expect("commit");
+            let fresh = fresh.unwrap_or_else(|e| {
+                panic!("{key}: an expired record of another request counts as absent: {e:?}")
+            });
+            assert_eq!((fresh, how), (n, Some(Outcome::Executed)), "{key}");
+            let mut tx = pool.begin().await.expect("begin");
+            let (replay, how) = with_outcome($sets(&mut tx, &tenant, key, items.clone())).await;
+            tx.commit().await.expect("commit");
+            assert_eq!(
+                (replay.expect("replays"), how),
+                (n, Some(Outcome::Replayed))
+            );
+        }
+    }};
+}
+
+#[tokio::test]
+async fn pg_an_expired_record_of_another_request_counts_as_absent_in_a_transaction() {
+    let Some(db) = pg(PG_DDL).await else { return };
+    expired_other_request_in_a_transaction!(
+        &db.0,
+        db.0.pool(),
+        pg_sets,
+        "UPDATE idempotency_records SET expires_at = 1000,
+                lease_expires_at = CASE WHEN state = 'in_progress' THEN 1000
+                                        ELSE lease_expires_at END
+          WHERE tenant = $1 AND scope = $2 AND key = $3",
+        "tx_answers.pg_sets"
+    );
+}
+
+#[tokio::test]
+async fn mysql_an_expired_record_of_another_request_counts_as_absent_in_a_transaction() {
+    let Some(db) = my(MY_DDL).await else { return };
+    expired_other_request_in_a_transaction!(
+        &db.0,
+        db.0.pool(),
+        my_sets,
+        "UPDATE idempotency_records SET expires_at = 1000,
+                lease_expires_at = IF(state = 'in_progress', 1000, lease_expires_at)
+          WHERE tenant = ? AND scope = ? AND `key` = ?",
+        "tx_answers.my_sets"
+    );
+}
+
+#[tokio::test]
+async fn sqlite_an_expired_record_of_another_request_counts_as_absent_in_a_transaction() {
+    let db = lite("tx-answers", SQLITE_DDL).await;
+    expired_other_request_in_a_transaction!(
+        &db.0,
+        db.0.pool(),
+        lite_sets,
+        "UPDATE idempotency_records SET expires_at = 1000,
+                lease_expires_at = CASE WHEN state = 'in_progress' THEN 1000
+                                        ELSE lease_expires_at END
+          WHERE tenant = ?1 AND scope = ?2 AND key = ?3",
+        "tx_answers.lite_sets"
     );
 }
