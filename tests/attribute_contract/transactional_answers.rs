@@ -53,7 +53,7 @@ macro_rules! functions {
      $set_scope:literal, $insert:literal, $released:ident, $recorded:ident, $floats:ident,
      $sets:ident) => {
         #[idempotent(scope = $release_scope, key = key, tenant = tenant, tx = tx, skip(fail),
-                                                                     ttl = "1h")]
+                                                                             ttl = "1h")]
         async fn $released(
             tx: &mut sqlx::Transaction<'_, $db>,
             tenant: &str,
@@ -74,7 +74,7 @@ macro_rules! functions {
         }
 
         #[idempotent(scope = $record_scope, key = key, tenant = tenant, tx = tx, ttl = "1h",
-                                                                     errors = record)]
+                                                                             errors = record)]
         async fn $recorded(
             tx: &mut sqlx::Transaction<'_, $db>,
             tenant: &str,
@@ -91,7 +91,7 @@ macro_rules! functions {
         }
 
         #[idempotent(scope = $float_scope, key = key, tenant = tenant, tx = tx, skip(value),
-                                                                     ttl = "1h")]
+                                                                             ttl = "1h")]
         async fn $floats(
             tx: &mut sqlx::Transaction<'_, $db>,
             tenant: &str,
@@ -770,4 +770,65 @@ async fn sqlite_an_expired_record_of_another_request_counts_as_absent_in_a_trans
           WHERE tenant = ?1 AND scope = ?2 AND key = ?3",
         "tx_answers.lite_sets"
     );
+}
+
+/// Rules 7, 13 and 12 within one transaction: the call's own uncommitted
+/// record answers a second call of the key in the same transaction as any
+/// record would: other arguments are a mismatch (the body does not run, the
+/// first answer stands), a released error or a refused result leaves the
+/// key free for the next call in that same transaction, which runs the body.
+macro_rules! one_transaction_many_calls {
+    ($store:expr, $pool:expr, $sets:ident, $released:ident, $floats:ident) => {{
+        let (_store, pool) = ($store, $pool);
+        let tenant = fresh_tenant();
+        let one: HashSet<String> = HashSet::from(["one".to_owned()]);
+        let two: HashSet<String> = HashSet::from(["two".to_owned()]);
+        let mut tx = pool.begin().await.expect("begin");
+        let (first, how) = with_outcome($sets(&mut tx, &tenant, "sets", one.clone())).await;
+        assert_eq!((first.expect("runs"), how), (1, Some(Outcome::Executed)));
+        let other = $sets(&mut tx, &tenant, "sets", two).await;
+        assert!(
+            matches!(other, Err(Error::FingerprintMismatch(_))),
+            "other arguments in the same transaction: {other:?}"
+        );
+        let (again, how) = with_outcome($sets(&mut tx, &tenant, "sets", one)).await;
+        assert_eq!((again.expect("replays"), how), (1, Some(Outcome::Replayed)));
+
+        let failed = $released(&mut tx, &tenant, "released", true).await;
+        assert_eq!(failed, Err(ChargeError::Unavailable));
+        let (ran, how) = with_outcome($released(&mut tx, &tenant, "released", false)).await;
+        assert_eq!(
+            (ran, how),
+            (Ok(3), Some(Outcome::Executed)),
+            "the key was freed"
+        );
+
+        let refused = $floats(&mut tx, &tenant, "floats", f64::NAN).await;
+        assert!(
+            matches!(refused, Err(Error::ResultNotFaithful { .. })),
+            "{refused:?}"
+        );
+        let (ran, how) = with_outcome($floats(&mut tx, &tenant, "floats", 2.5)).await;
+        assert_eq!((ran.expect("runs"), how), (2.5, Some(Outcome::Executed)));
+        tx.commit().await.expect("commit");
+        assert_eq!(runs(&tenant), 5, "sets once, released twice, floats twice");
+    }};
+}
+
+#[tokio::test]
+async fn pg_calls_of_one_key_in_one_transaction_answer_as_its_record_says() {
+    let Some(db) = pg(PG_DDL).await else { return };
+    one_transaction_many_calls!(&db.0, db.0.pool(), pg_sets, pg_released, pg_floats);
+}
+
+#[tokio::test]
+async fn mysql_calls_of_one_key_in_one_transaction_answer_as_its_record_says() {
+    let Some(db) = my(MY_DDL).await else { return };
+    one_transaction_many_calls!(&db.0, db.0.pool(), my_sets, my_released, my_floats);
+}
+
+#[tokio::test]
+async fn sqlite_calls_of_one_key_in_one_transaction_answer_as_its_record_says() {
+    let db = lite("tx-answers", SQLITE_DDL).await;
+    one_transaction_many_calls!(&db.0, db.0.pool(), lite_sets, lite_released, lite_floats);
 }
