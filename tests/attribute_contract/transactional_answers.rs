@@ -14,7 +14,7 @@ use super::tx_fixtures::{lite, my, pg};
 use common::servers::fresh_tenant;
 use idempotent_runtime::{
     idempotent, with_outcome, Completion, Error, Fenced, FingerprintBuilder, Identity, Outcome,
-    OwnerToken, Reservation, ReserveRequest, Store, StoredOutcome,
+    OwnerToken, RecordState, Recovery, Reservation, ReserveRequest, Store, StoredOutcome, Takeover,
 };
 use sqlx::{MySql, Postgres, Sqlite};
 use std::collections::{HashMap, HashSet};
@@ -831,4 +831,160 @@ async fn mysql_calls_of_one_key_in_one_transaction_answer_as_its_record_says() {
 async fn sqlite_calls_of_one_key_in_one_transaction_answer_as_its_record_says() {
     let db = lite("tx-answers", SQLITE_DDL).await;
     one_transaction_many_calls!(&db.0, db.0.pool(), lite_sets, lite_released, lite_floats);
+}
+
+/// The recover hook of the `*_declines` functions: the crashed attempt's
+/// charge was declined at the gateway, a final answer.
+async fn declined_at_the_gateway(takeover: &Takeover) -> Result<Recovery<u64>, ChargeError> {
+    Err(ChargeError::Declined(format!(
+        "declined on attempt {}",
+        takeover.attempt() - 1
+    )))
+}
+
+macro_rules! declining {
+    ($db:ty, $scope:literal, $insert:literal, $name:ident) => {
+        #[idempotent(scope = $scope, key = key, tenant = tenant, tx = tx, ttl = "1h",
+                             errors = record, recover = declined_at_the_gateway)]
+        async fn $name(
+            tx: &mut sqlx::Transaction<'_, $db>,
+            tenant: &str,
+            key: &str,
+        ) -> Result<u64, ChargeError> {
+            sqlx::query($insert)
+                .bind(tenant)
+                .bind(key)
+                .execute(&mut **tx)
+                .await
+                .expect("business write");
+            Ok(u64::from(ran(tenant)))
+        }
+    };
+}
+
+declining!(
+    Postgres,
+    "tx_answers.pg_declines",
+    "INSERT INTO idempotent_test_tx_answers (tenant, idem_key) VALUES ($1, $2)",
+    pg_declines
+);
+declining!(
+    MySql,
+    "tx_answers.my_declines",
+    "INSERT INTO idempotent_test_tx_answers (tenant, idem_key) VALUES (?, ?)",
+    my_declines
+);
+declining!(
+    Sqlite,
+    "tx_answers.lite_declines",
+    "INSERT INTO idempotent_test_tx_answers (tenant, idem_key) VALUES (?1, ?2)",
+    lite_declines
+);
+
+/// Rules 20 and 13 in a transaction: a takeover whose hook answers an error,
+/// with `errors = record`, records that error as the key's final answer in
+/// the caller's transaction (marked recovered), without running the body:
+/// rolled back, the stuck record is back as it was; committed, every retry
+/// replays the error. `$end_lease` moves the planted owner's lease to 1970.
+macro_rules! hook_error_recorded_in_a_transaction {
+    ($store:expr, $pool:expr, $declines:ident, $end_lease:literal, $scope:literal) => {{
+        let (store, pool) = ($store, $pool);
+        let tenant = fresh_tenant();
+        let identity = Identity::new(&tenant, $scope, "stuck").expect("identity");
+        let reserved = store
+            .reserve(ReserveRequest {
+                identity: &identity,
+                fingerprint: None,
+                token: &OwnerToken::new(),
+                lease: Duration::from_secs(3600),
+                ttl: Duration::from_secs(3600),
+            })
+            .await
+            .expect("reserve");
+        assert!(
+            matches!(reserved, Reservation::Acquired { .. }),
+            "{reserved:?}"
+        );
+        sqlx::query($end_lease)
+            .bind(&tenant)
+            .bind($scope)
+            .bind("stuck")
+            .execute(pool)
+            .await
+            .expect("end the crashed owner's lease");
+        let declined = Err(ChargeError::Declined("declined on attempt 1".into()));
+
+        let mut tx = pool.begin().await.expect("begin");
+        let (got, how) = with_outcome($declines(&mut tx, &tenant, "stuck")).await;
+        assert_eq!((got, how), (declined.clone(), Some(Outcome::Recovered)));
+        tx.rollback().await.expect("rollback");
+        let back = store
+            .fetch(&identity)
+            .await
+            .expect("fetch")
+            .expect("record");
+        assert_eq!((back.state, back.attempt), (RecordState::InProgress, 1));
+
+        let mut tx = pool.begin().await.expect("begin");
+        let (got, how) = with_outcome($declines(&mut tx, &tenant, "stuck")).await;
+        assert_eq!((got, how), (declined.clone(), Some(Outcome::Recovered)));
+        tx.commit().await.expect("commit");
+        let done = store
+            .fetch(&identity)
+            .await
+            .expect("fetch")
+            .expect("record");
+        assert_eq!(
+            (done.state, done.attempt, done.recovered),
+            (RecordState::Complete, 2, true)
+        );
+        assert!(
+            done.outcome.is_some_and(|o| o.is_error),
+            "an error recorded"
+        );
+        let mut tx = pool.begin().await.expect("begin");
+        let (got, how) = with_outcome($declines(&mut tx, &tenant, "stuck")).await;
+        tx.commit().await.expect("commit");
+        assert_eq!((got, how), (declined, Some(Outcome::Replayed)));
+        assert_eq!(runs(&tenant), 0, "the body never ran");
+    }};
+}
+
+#[tokio::test]
+async fn pg_a_hook_error_is_recorded_in_the_transaction_with_errors_record() {
+    let Some(db) = pg(PG_DDL).await else { return };
+    hook_error_recorded_in_a_transaction!(
+        &db.0,
+        db.0.pool(),
+        pg_declines,
+        "UPDATE idempotency_records SET lease_expires_at = 1000
+          WHERE tenant = $1 AND scope = $2 AND key = $3",
+        "tx_answers.pg_declines"
+    );
+}
+
+#[tokio::test]
+async fn mysql_a_hook_error_is_recorded_in_the_transaction_with_errors_record() {
+    let Some(db) = my(MY_DDL).await else { return };
+    hook_error_recorded_in_a_transaction!(
+        &db.0,
+        db.0.pool(),
+        my_declines,
+        "UPDATE idempotency_records SET lease_expires_at = 1000
+          WHERE tenant = ? AND scope = ? AND `key` = ?",
+        "tx_answers.my_declines"
+    );
+}
+
+#[tokio::test]
+async fn sqlite_a_hook_error_is_recorded_in_the_transaction_with_errors_record() {
+    let db = lite("tx-answers", SQLITE_DDL).await;
+    hook_error_recorded_in_a_transaction!(
+        &db.0,
+        db.0.pool(),
+        lite_declines,
+        "UPDATE idempotency_records SET lease_expires_at = 1000
+          WHERE tenant = ?1 AND scope = ?2 AND key = ?3",
+        "tx_answers.lite_declines"
+    );
 }
