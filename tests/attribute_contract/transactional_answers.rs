@@ -845,7 +845,7 @@ async fn declined_at_the_gateway(takeover: &Takeover) -> Result<Recovery<u64>, C
 macro_rules! declining {
     ($db:ty, $scope:literal, $insert:literal, $name:ident) => {
         #[idempotent(scope = $scope, key = key, tenant = tenant, tx = tx, ttl = "1h",
-                             errors = record, recover = declined_at_the_gateway)]
+                                     errors = record, recover = declined_at_the_gateway)]
         async fn $name(
             tx: &mut sqlx::Transaction<'_, $db>,
             tenant: &str,
@@ -987,4 +987,65 @@ async fn sqlite_a_hook_error_is_recorded_in_the_transaction_with_errors_record()
           WHERE tenant = ?1 AND scope = ?2 AND key = ?3",
         "tx_answers.lite_declines"
     );
+}
+
+/// Rule 1 in a transaction: look-alike keys and tenants (case, trailing
+/// spaces, SQL wildcards, composed and decomposed accents) are distinct
+/// identities: each runs its body once in the caller's transaction and
+/// then replays its own answer, never another's.
+macro_rules! look_alikes_in_a_transaction {
+    ($pool:expr, $released:ident) => {{
+        let pool = $pool;
+        let base = fresh_tenant();
+        let tenants = [base.clone(), format!("{base} "), base.to_uppercase()];
+        let keys = [
+            "k",
+            "K",
+            "k ",
+            "k  ",
+            "k_",
+            "k%",
+            "caf\u{e9}",
+            "cafe\u{301}",
+        ];
+        let mut answers = Vec::new();
+        let mut tx = pool.begin().await.expect("begin");
+        for tenant in &tenants {
+            for key in keys {
+                let (got, how) = with_outcome($released(&mut tx, tenant, key, false)).await;
+                let got = got.unwrap_or_else(|e| panic!("{tenant:?} {key:?}: {e:?}"));
+                assert_eq!(how, Some(Outcome::Executed), "{tenant:?} {key:?} is fresh");
+                answers.push((tenant.clone(), key, got));
+            }
+        }
+        tx.commit().await.expect("commit");
+        let mut tx = pool.begin().await.expect("begin");
+        for (tenant, key, first) in &answers {
+            let (got, how) = with_outcome($released(&mut tx, tenant, key, false)).await;
+            assert_eq!(
+                (got, how),
+                (Ok(*first), Some(Outcome::Replayed)),
+                "{tenant:?} {key:?} replays its own answer"
+            );
+        }
+        tx.commit().await.expect("commit");
+    }};
+}
+
+#[tokio::test]
+async fn pg_look_alike_keys_and_tenants_are_distinct_in_a_transaction() {
+    let Some(db) = pg(PG_DDL).await else { return };
+    look_alikes_in_a_transaction!(db.0.pool(), pg_released);
+}
+
+#[tokio::test]
+async fn mysql_look_alike_keys_and_tenants_are_distinct_in_a_transaction() {
+    let Some(db) = my(MY_DDL).await else { return };
+    look_alikes_in_a_transaction!(db.0.pool(), my_released);
+}
+
+#[tokio::test]
+async fn sqlite_look_alike_keys_and_tenants_are_distinct_in_a_transaction() {
+    let db = lite("tx-answers", SQLITE_DDL).await;
+    look_alikes_in_a_transaction!(db.0.pool(), lite_released);
 }
