@@ -845,7 +845,7 @@ async fn declined_at_the_gateway(takeover: &Takeover) -> Result<Recovery<u64>, C
 macro_rules! declining {
     ($db:ty, $scope:literal, $insert:literal, $name:ident) => {
         #[idempotent(scope = $scope, key = key, tenant = tenant, tx = tx, ttl = "1h",
-                                     errors = record, recover = declined_at_the_gateway)]
+                                             errors = record, recover = declined_at_the_gateway)]
         async fn $name(
             tx: &mut sqlx::Transaction<'_, $db>,
             tenant: &str,
@@ -1048,4 +1048,78 @@ async fn mysql_look_alike_keys_and_tenants_are_distinct_in_a_transaction() {
 async fn sqlite_look_alike_keys_and_tenants_are_distinct_in_a_transaction() {
     let db = lite("tx-answers", SQLITE_DDL).await;
     look_alikes_in_a_transaction!(db.0.pool(), lite_released);
+}
+
+/// Rule 11 on PostgreSQL in transactional mode: lease decisions use the
+/// database's clock as it reads when the statement runs, not `now()`, which
+/// PostgreSQL freezes at the start of the transaction. A crashed owner's
+/// lease that ran out after the caller's transaction began (but before the
+/// call) is over: the call takes the record over and runs the body, instead
+/// of finding it in progress for as long as the transaction has been open.
+#[tokio::test]
+async fn pg_a_lease_that_ran_out_after_the_transaction_began_is_over_in_it() {
+    let Some(db) = pg(PG_DDL).await else { return };
+    let (store, pool) = (&db.0, db.0.pool());
+    let tenant = fresh_tenant();
+    let scope = "tx_answers.pg_released";
+    let identity = Identity::new(&tenant, scope, "clock").expect("identity");
+    let reserved = store
+        .reserve(ReserveRequest {
+            identity: &identity,
+            fingerprint: None,
+            token: &OwnerToken::new(),
+            lease: Duration::from_secs(3600),
+            ttl: Duration::from_secs(3600),
+        })
+        .await
+        .expect("reserve");
+    assert!(
+        matches!(reserved, Reservation::Acquired { .. }),
+        "{reserved:?}"
+    );
+
+    let mut tx = pool.begin().await.expect("begin");
+    let began: i64 =
+        sqlx::query_scalar("SELECT (extract(epoch FROM transaction_timestamp()) * 1000)::BIGINT")
+            .fetch_one(&mut *tx)
+            .await
+            .expect("the transaction's start");
+    // The crashed owner's lease ends just after the transaction began ...
+    let lease_end = began + 50;
+    sqlx::query(
+        "UPDATE idempotency_records SET lease_expires_at = $4
+          WHERE tenant = $1 AND scope = $2 AND key = $3",
+    )
+    .bind(&tenant)
+    .bind(scope)
+    .bind("clock")
+    .bind(lease_end)
+    .execute(pool)
+    .await
+    .expect("move the lease's end");
+    // ... and, on the database's clock, is over before the call.
+    for _ in 0..1_000 {
+        let snapshot = store
+            .fetch(&identity)
+            .await
+            .expect("fetch")
+            .expect("record");
+        if snapshot.now_ms > lease_end {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let (got, how) = with_outcome(pg_released(&mut tx, &tenant, "clock", false)).await;
+    tx.commit().await.expect("commit");
+    assert_eq!(
+        (got, how),
+        (Ok(1), Some(Outcome::Executed)),
+        "the lease is over on the database's clock: the record is taken over"
+    );
+    let done = store
+        .fetch(&identity)
+        .await
+        .expect("fetch")
+        .expect("record");
+    assert_eq!((done.state, done.attempt), (RecordState::Complete, 2));
 }
