@@ -1123,3 +1123,92 @@ async fn pg_a_lease_that_ran_out_after_the_transaction_began_is_over_in_it() {
         .expect("record");
     assert_eq!((done.state, done.attempt), (RecordState::Complete, 2));
 }
+
+macro_rules! big_answers {
+    ($db:ty, $scope:literal, $name:ident) => {
+        #[idempotent(scope = $scope, key = key, tenant = tenant, tx = tx, skip(size), ttl = "1h")]
+        async fn $name(
+            tx: &mut sqlx::Transaction<'_, $db>,
+            tenant: &str,
+            key: &str,
+            size: usize,
+        ) -> Result<String, Error> {
+            ran(tenant);
+            Ok("x".repeat(size))
+        }
+    };
+}
+
+big_answers!(Postgres, "tx_answers.pg_big", pg_big);
+big_answers!(MySql, "tx_answers.my_big", my_big);
+big_answers!(Sqlite, "tx_answers.lite_big", lite_big);
+
+/// Rule 12 at the result's size limit in a transaction: an answer of
+/// exactly the limit (the smaller of `MAX_RESULT_BYTES` and what the store
+/// can record, as JSON) is recorded in the caller's transaction and
+/// replayed; one byte more is `ResultTooLarge` naming the scope, nothing is
+/// recorded, the transaction stays usable and the key is free once it
+/// commits.
+macro_rules! largest_answer_in_a_transaction {
+    ($store:expr, $pool:expr, $big:ident, $scope:literal) => {{
+        let (store, pool) = ($store, $pool);
+        let tenant = fresh_tenant();
+        let limit = store
+            .max_result_bytes()
+            .min(idempotent_runtime::MAX_RESULT_BYTES);
+        // The JSON of a string of n ASCII letters is n + 2 bytes.
+        let mut tx = pool.begin().await.expect("begin");
+        let (first, how) = with_outcome($big(&mut tx, &tenant, "max", limit - 2)).await;
+        assert_eq!(
+            (first.expect("recorded").len(), how),
+            (limit - 2, Some(Outcome::Executed))
+        );
+        match $big(&mut tx, &tenant, "over", limit - 1).await {
+            Err(Error::ResultTooLarge { scope, .. }) => assert_eq!(scope, $scope),
+            other => panic!("one byte over: {:?}", other.map(|a| a.len())),
+        }
+        sqlx::query("SELECT 1")
+            .execute(&mut *tx)
+            .await
+            .expect("the caller's transaction stays usable");
+        tx.commit().await.expect("commit");
+        let over = Identity::new(&tenant, $scope, "over").expect("identity");
+        assert_eq!(
+            store.fetch(&over).await.expect("fetch"),
+            None,
+            "nothing recorded"
+        );
+
+        let mut tx = pool.begin().await.expect("begin");
+        let (again, how) = with_outcome($big(&mut tx, &tenant, "max", limit - 2)).await;
+        assert_eq!(
+            (again.expect("replayed").len(), how),
+            (limit - 2, Some(Outcome::Replayed))
+        );
+        let (fits, how) = with_outcome($big(&mut tx, &tenant, "over", 10)).await;
+        assert_eq!(
+            (fits.expect("runs").len(), how),
+            (10, Some(Outcome::Executed))
+        );
+        tx.commit().await.expect("commit");
+        assert_eq!(runs(&tenant), 3);
+    }};
+}
+
+#[tokio::test]
+async fn pg_the_largest_answer_is_recorded_in_a_transaction_and_one_byte_more_refused() {
+    let Some(db) = pg(PG_DDL).await else { return };
+    largest_answer_in_a_transaction!(&db.0, db.0.pool(), pg_big, "tx_answers.pg_big");
+}
+
+#[tokio::test]
+async fn mysql_the_largest_answer_is_recorded_in_a_transaction_and_one_byte_more_refused() {
+    let Some(db) = my(MY_DDL).await else { return };
+    largest_answer_in_a_transaction!(&db.0, db.0.pool(), my_big, "tx_answers.my_big");
+}
+
+#[tokio::test]
+async fn sqlite_the_largest_answer_is_recorded_in_a_transaction_and_one_byte_more_refused() {
+    let db = lite("tx-answers", SQLITE_DDL).await;
+    largest_answer_in_a_transaction!(&db.0, db.0.pool(), lite_big, "tx_answers.lite_big");
+}
