@@ -1,7 +1,9 @@
 //! Layer: the attribute. The behaviour contract through `#[idempotent]`
 //! functions (`contract`) on every store, one module per store, and the
 //! shapes and arguments the attribute accepts (`macro_shapes`,
-//! `macro_rules_args`) and transactional mode (`transactional`), and the
+//! `macro_rules_args`) and transactional mode (`transactional`; the
+//! contract's answers, errors, keys and clock on each SQL store alike:
+//! `transactional_answers`), and the
 //! public API at its documented limits on every store (`public_api_edges`),
 //! and as a service spells it, with results and waits at their edges, on
 //! every store (`independent_edges`), and the README's recipes for testing
