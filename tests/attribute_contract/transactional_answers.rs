@@ -10,15 +10,15 @@
 use crate::common;
 
 use super::contract::ChargeError;
-use super::tx_fixtures::{lite, my, pg};
+use super::tx_fixtures::{lite, my, pg, ran, runs};
+use common::records::{acquire, recorded};
 use common::servers::fresh_tenant;
 use idempotent_runtime::{
-    idempotent, with_outcome, Completion, Error, Fenced, FingerprintBuilder, Identity, Outcome,
-    OwnerToken, RecordState, Recovery, Reservation, ReserveRequest, Store, StoredOutcome, Takeover,
+    idempotent, with_outcome, Error, FingerprintBuilder, Identity, Outcome, RecordState, Recovery,
+    Store, Takeover,
 };
 use sqlx::{MySql, Postgres, Sqlite};
-use std::collections::{HashMap, HashSet};
-use std::sync::{LazyLock, Mutex};
+use std::collections::HashSet;
 use std::time::Duration;
 
 const PG_DDL: &str = "CREATE TABLE IF NOT EXISTS idempotent_test_tx_answers (
@@ -27,22 +27,6 @@ const MY_DDL: &str = "CREATE TABLE IF NOT EXISTS idempotent_test_tx_answers (
     tenant VARCHAR(100) NOT NULL, idem_key VARCHAR(255) NOT NULL) ENGINE = InnoDB";
 const SQLITE_DDL: &str = "CREATE TABLE IF NOT EXISTS idempotent_test_tx_answers (
     tenant TEXT NOT NULL, idem_key TEXT NOT NULL)";
-
-/// Bodies run per tenant (committed or not).
-static RUNS: LazyLock<Mutex<HashMap<String, u32>>> = LazyLock::new(Default::default);
-
-/// Counts one run of a body for `tenant`; answers the count so far.
-fn ran(tenant: &str) -> u32 {
-    let mut runs = RUNS.lock().unwrap();
-    let n = runs.entry(tenant.to_owned()).or_default();
-    *n += 1;
-    *n
-}
-
-/// How many times a body ran for `tenant`.
-fn runs(tenant: &str) -> u32 {
-    RUNS.lock().unwrap().get(tenant).copied().unwrap_or(0)
-}
 
 /// The three functions of one database, each writing a business row
 /// (`$insert`) in the caller's transaction before it answers: one whose
@@ -393,37 +377,7 @@ macro_rules! v1_record_in_a_transaction {
             .legacy()
             .expect("a v1 form");
         assert_eq!(v1.version(), "v1");
-        let token = OwnerToken::new();
-        let reserved = store
-            .reserve(ReserveRequest {
-                identity: &identity,
-                fingerprint: Some(&v1),
-                token: &token,
-                lease: Duration::from_secs(60),
-                ttl: Duration::from_secs(3600),
-            })
-            .await
-            .expect("reserve");
-        assert!(
-            matches!(reserved, Reservation::Acquired { .. }),
-            "{reserved:?}"
-        );
-        let outcome = StoredOutcome {
-            is_error: false,
-            payload: b"41".to_vec(),
-        };
-        assert_eq!(
-            store
-                .complete(Completion::by_body(
-                    &identity,
-                    &token,
-                    &outcome,
-                    Duration::from_secs(3600)
-                ))
-                .await
-                .expect("complete"),
-            Fenced::Written
-        );
+        recorded(store, &identity, Some(&v1), b"41").await;
         // The record as stored, without the moment it was read.
         let stored = || async {
             let mut snapshot = store
@@ -506,37 +460,7 @@ macro_rules! unfingerprinted_record_in_a_transaction {
         let (store, pool) = ($store, $pool);
         let tenant = fresh_tenant();
         let identity = Identity::new(&tenant, $scope, "bare").expect("identity");
-        let token = OwnerToken::new();
-        let reserved = store
-            .reserve(ReserveRequest {
-                identity: &identity,
-                fingerprint: None,
-                token: &token,
-                lease: Duration::from_secs(60),
-                ttl: Duration::from_secs(3600),
-            })
-            .await
-            .expect("reserve");
-        assert!(
-            matches!(reserved, Reservation::Acquired { .. }),
-            "{reserved:?}"
-        );
-        let outcome = StoredOutcome {
-            is_error: false,
-            payload: b"41".to_vec(),
-        };
-        assert_eq!(
-            store
-                .complete(Completion::by_body(
-                    &identity,
-                    &token,
-                    &outcome,
-                    Duration::from_secs(3600)
-                ))
-                .await
-                .expect("complete"),
-            Fenced::Written
-        );
+        recorded(store, &identity, None, b"41").await;
         for n in [1, 5] {
             let items: HashSet<String> = (0..n).map(|i| format!("item-{i}")).collect();
             let mut tx = pool.begin().await.expect("begin");
@@ -665,31 +589,11 @@ macro_rules! expired_other_request_in_a_transaction {
             .expect("a fingerprint");
         for (key, complete) in [("completed", true), ("abandoned", false)] {
             let identity = Identity::new(&tenant, $scope, key).expect("identity");
-            let token = OwnerToken::new();
-            let reserved = store
-                .reserve(ReserveRequest {
-                    identity: &identity,
-                    fingerprint: Some(&other),
-                    token: &token,
-                    lease: Duration::from_secs(3600),
-                    ttl: Duration::from_secs(3600),
-                })
-                .await
-                .expect("reserve");
-            assert!(
-                matches!(reserved, Reservation::Acquired { .. }),
-                "{reserved:?}"
-            );
+            let hour = Duration::from_secs(3600);
             if complete {
-                let old = StoredOutcome {
-                    is_error: false,
-                    payload: b"41".to_vec(),
-                };
-                let done = Completion::by_body(&identity, &token, &old, Duration::from_secs(3600));
-                assert_eq!(
-                    store.complete(done).await.expect("complete"),
-                    Fenced::Written
-                );
+                recorded(store, &identity, Some(&other), b"41").await;
+            } else {
+                acquire(store, &identity, Some(&other), hour, hour).await;
             }
             sqlx::query($expire)
                 .bind(&tenant)
@@ -891,20 +795,14 @@ macro_rules! hook_error_recorded_in_a_transaction {
         let (store, pool) = ($store, $pool);
         let tenant = fresh_tenant();
         let identity = Identity::new(&tenant, $scope, "stuck").expect("identity");
-        let reserved = store
-            .reserve(ReserveRequest {
-                identity: &identity,
-                fingerprint: None,
-                token: &OwnerToken::new(),
-                lease: Duration::from_secs(3600),
-                ttl: Duration::from_secs(3600),
-            })
-            .await
-            .expect("reserve");
-        assert!(
-            matches!(reserved, Reservation::Acquired { .. }),
-            "{reserved:?}"
-        );
+        acquire(
+            store,
+            &identity,
+            None,
+            Duration::from_secs(3600),
+            Duration::from_secs(3600),
+        )
+        .await;
         sqlx::query($end_lease)
             .bind(&tenant)
             .bind($scope)
@@ -1063,20 +961,8 @@ async fn pg_a_lease_that_ran_out_after_the_transaction_began_is_over_in_it() {
     let tenant = fresh_tenant();
     let scope = "tx_answers.pg_released";
     let identity = Identity::new(&tenant, scope, "clock").expect("identity");
-    let reserved = store
-        .reserve(ReserveRequest {
-            identity: &identity,
-            fingerprint: None,
-            token: &OwnerToken::new(),
-            lease: Duration::from_secs(3600),
-            ttl: Duration::from_secs(3600),
-        })
-        .await
-        .expect("reserve");
-    assert!(
-        matches!(reserved, Reservation::Acquired { .. }),
-        "{reserved:?}"
-    );
+    let hour = Duration::from_secs(3600);
+    acquire(store, &identity, None, hour, hour).await;
 
     let mut tx = pool.begin().await.expect("begin");
     let began: i64 =

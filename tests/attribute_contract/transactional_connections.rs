@@ -8,7 +8,7 @@
 
 use crate::common;
 
-use super::tx_fixtures::{hold_here, lite, my, pg, Hold, Lite, My, Pg, LONG_AGO_MS};
+use super::tx_fixtures::{hold_here, lite, my, pg, ran, runs, Hold, Lite, My, Pg, LONG_AGO_MS};
 use common::servers::fresh_tenant;
 use idempotent_runtime::{
     idempotent, with_outcome, Error, Identity, Outcome, OwnerToken, Recovery, Reservation,
@@ -1185,18 +1185,6 @@ async fn sqlite_an_exclusive_transaction_in_wal_mode_is_answered() {
 }
 
 // ---------------------------------------------------------------- an owner's transaction dropped with waiters
-
-/// Bodies run per tenant.
-static RUNS: LazyLock<Mutex<HashMap<String, u32>>> = LazyLock::new(Default::default);
-
-fn ran(tenant: &str) -> u32 {
-    *RUNS.lock().unwrap().entry(tenant.to_owned()).or_default() += 1;
-    RUNS.lock().unwrap()[tenant]
-}
-
-fn runs(tenant: &str) -> u32 {
-    RUNS.lock().unwrap().get(tenant).copied().unwrap_or(0)
-}
 
 macro_rules! waited_pair {
     ($db:ty, $scope:literal, $store_fn:ident, $tx_fn:ident) => {

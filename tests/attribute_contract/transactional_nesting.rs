@@ -9,12 +9,10 @@
 
 use crate::common;
 
-use super::tx_fixtures::{hold_here, lite, my, pg, Hold, Lite, My, Pg, LONG_AGO_MS};
+use super::tx_fixtures::{hold_here, lite, my, pg, ran, runs, Hold, Lite, My, Pg, LONG_AGO_MS};
 use common::servers::fresh_tenant;
 use idempotent_runtime::{idempotent, with_outcome, Error, Outcome, Store};
 use sqlx::{Connection, MySql, Postgres, Sqlite};
-use std::collections::HashMap;
-use std::sync::{LazyLock, Mutex};
 use std::time::Duration;
 
 type Answer = Result<u64, Error>;
@@ -25,20 +23,6 @@ const MY_DDL: &str = "CREATE TABLE IF NOT EXISTS idempotent_test_nesting_effects
     tenant VARCHAR(100) NOT NULL, idem_key VARCHAR(255) NOT NULL) ENGINE = InnoDB";
 const SQLITE_DDL: &str = "CREATE TABLE IF NOT EXISTS idempotent_test_nesting_effects (
     tenant TEXT NOT NULL, idem_key TEXT NOT NULL)";
-
-/// Bodies run per tenant (committed or not).
-static RUNS: LazyLock<Mutex<HashMap<String, u32>>> = LazyLock::new(Default::default);
-
-fn ran(tenant: &str) -> u32 {
-    let mut runs = RUNS.lock().unwrap();
-    let n = runs.entry(tenant.to_owned()).or_default();
-    *n += 1;
-    *n
-}
-
-fn runs(tenant: &str) -> u32 {
-    RUNS.lock().unwrap().get(tenant).copied().unwrap_or(0)
-}
 
 /// How a body ends the transaction it was given (README: it must not).
 #[derive(Clone, Copy, Debug)]

@@ -9,6 +9,28 @@ use tokio::sync::Notify;
 /// The expiry a test gives a record: a time in 1970, long past on any clock.
 pub(crate) const LONG_AGO_MS: i64 = 1_000;
 
+/// Bodies run per tenant (committed or not): each test gives its calls a
+/// fresh tenant, so the tests sharing the count never see each other's.
+static RUNS: std::sync::LazyLock<std::sync::Mutex<std::collections::HashMap<String, u32>>> =
+    std::sync::LazyLock::new(Default::default);
+
+/// Counts one run of a body for `tenant`; answers the count so far.
+pub(crate) fn ran(tenant: &str) -> u32 {
+    let mut runs = RUNS.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    let n = runs.entry(tenant.to_owned()).or_default();
+    *n += 1;
+    *n
+}
+
+/// How many times a body ran for `tenant`.
+pub(crate) fn runs(tenant: &str) -> u32 {
+    RUNS.lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+        .get(tenant)
+        .copied()
+        .unwrap_or(0)
+}
+
 /// Holds a body open: it notifies `reached` once the reservation is held,
 /// then waits for `go`.
 #[derive(Default)]
