@@ -9,6 +9,7 @@
 mod common;
 
 mod cancellation;
+mod drop_sweep;
 mod connection_faults;
 mod executors;
 mod first_renewal;
