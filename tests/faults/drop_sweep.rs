@@ -216,7 +216,10 @@ async fn settled_record(
     )
     .await
     .unwrap_or_else(|_| panic!("{what}: finish_background_work overran its own bound"));
-    assert_eq!(left, 0, "{what}: the store's work for the dropped call did not finish");
+    assert_eq!(
+        left, 0,
+        "{what}: the store's work for the dropped call did not finish"
+    );
     tokio::time::timeout(BOUND, store.fetch(id))
         .await
         .unwrap_or_else(|_| panic!("{what}: fetch hung"))
@@ -228,7 +231,10 @@ async fn retried<F: Future<Output = Result<u32, Error>>>(retry: F, what: &str) -
     let (answer, outcome) = tokio::time::timeout(BOUND, with_outcome(retry))
         .await
         .unwrap_or_else(|_| panic!("{what}: the retry hung"));
-    assert_eq!(answer.unwrap_or_else(|e| panic!("{what}: the retry failed: {e}")), 7);
+    assert_eq!(
+        answer.unwrap_or_else(|e| panic!("{what}: the retry failed: {e}")),
+        7
+    );
     outcome
 }
 
@@ -249,7 +255,10 @@ async fn sweep_store_mode(inner: Arc<dyn Store>) {
         })
         .await;
         match &record {
-            None => assert!(!finished, "{what}: the body finished, its answer was not recorded"),
+            None => assert!(
+                !finished,
+                "{what}: the body finished, its answer was not recorded"
+            ),
             Some(r) if r.state == RecordState::Complete => {
                 assert!(finished, "{what}: recorded without the body finishing")
             }
@@ -278,12 +287,19 @@ async fn sweep_takeover_with_hook(inner: Arc<dyn Store>) {
     let tenant = fresh_tenant();
     for polls in 0..MOST_POLLS {
         let key = format!("k{polls}");
-        let what = format!("{} takeover with a hook, dropped after {polls} polls", store.name());
+        let what = format!(
+            "{} takeover with a hook, dropped after {polls} polls",
+            store.name()
+        );
         let id = Identity::new(&tenant, "sweep.hooked", &key).expect("identity");
         let hour = Duration::from_secs(3600);
         let dead = common::records::acquire(store.0.as_ref(), &id, None, hour, hour).await;
         assert_eq!(
-            store.0.heartbeat(&id, &dead, Duration::ZERO).await.expect("end the lease"),
+            store
+                .0
+                .heartbeat(&id, &dead, Duration::ZERO)
+                .await
+                .expect("end the lease"),
             Fenced::Written
         );
         let body = Body::default();
@@ -301,7 +317,10 @@ async fn sweep_takeover_with_hook(inner: Arc<dyn Store>) {
                 assert!(finished, "{what}: recorded without the body finishing")
             }
             Some(r) => {
-                assert!(!finished, "{what}: the body finished, its answer was not recorded");
+                assert!(
+                    !finished,
+                    "{what}: the body finished, its answer was not recorded"
+                );
                 assert!(
                     r.lease_expires_at_ms.is_some_and(|end| end <= r.now_ms),
                     "{what}: left in progress with a live lease: {r:?}"
@@ -438,9 +457,14 @@ async fn lite_charge_in(
 macro_rules! tx_call {
     ($pool:expr, $charge:ident, $tenant:expr, $key:expr, $body:expr) => {
         async {
-            let mut tx = $pool.begin().await.map_err(|e| Error::Store(StoreError::new("test", "begin", e)))?;
+            let mut tx = $pool
+                .begin()
+                .await
+                .map_err(|e| Error::Store(StoreError::new("test", "begin", e)))?;
             let answer = $charge(&mut tx, $tenant, $key, $body).await?;
-            tx.commit().await.map_err(|e| Error::Store(StoreError::new("test", "commit", e)))?;
+            tx.commit()
+                .await
+                .map_err(|e| Error::Store(StoreError::new("test", "commit", e)))?;
             Ok::<u32, Error>(answer)
         }
     };
@@ -467,10 +491,18 @@ macro_rules! sweep_tx {
             let after: i64 = $count(&pool, &tenant, &key).await;
             assert_eq!(after, 1, "{what}: business rows after the retry");
             if rows == 1 {
-                assert_eq!(outcome, Some(Outcome::Replayed), "{what}: committed, not replayed");
+                assert_eq!(
+                    outcome,
+                    Some(Outcome::Replayed),
+                    "{what}: committed, not replayed"
+                );
                 assert_eq!(body.runs.load(Ordering::SeqCst), 1, "{what}");
             } else {
-                assert_eq!(outcome, Some(Outcome::Executed), "{what}: rolled back, yet replayed");
+                assert_eq!(
+                    outcome,
+                    Some(Outcome::Executed),
+                    "{what}: rolled back, yet replayed"
+                );
             }
             if ended {
                 eprintln!("{what}: ended by itself");
@@ -535,7 +567,10 @@ async fn mysql_a_transactional_call_dropped_at_any_await_point() {
     let Some(store) = mysql_store_or_skip().await else {
         return;
     };
-    sqlx::query(MY_DDL).execute(store.pool()).await.expect("ddl");
+    sqlx::query(MY_DDL)
+        .execute(store.pool())
+        .await
+        .expect("ddl");
     let pool = sqlx::mysql::MySqlPoolOptions::new()
         .max_connections(1)
         .connect(&common::servers::mysql_url())
@@ -548,7 +583,10 @@ async fn mysql_a_transactional_call_dropped_at_any_await_point() {
 async fn sqlite_a_transactional_call_dropped_at_any_await_point() {
     let url = common::scratch::sqlite_url("sweep_tx");
     let store = SqliteStore::connect(&url).await.expect("open");
-    sqlx::query(LITE_DDL).execute(store.pool()).await.expect("ddl");
+    sqlx::query(LITE_DDL)
+        .execute(store.pool())
+        .await
+        .expect("ddl");
     let pool = sqlx::sqlite::SqlitePoolOptions::new()
         .max_connections(1)
         .connect(&url)

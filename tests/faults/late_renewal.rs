@@ -485,3 +485,102 @@ async fn mariadb_a_hooks_answer_is_not_held_back_by_its_renewal() {
     };
     a_hooks_answer_is_not_held_back_by_its_renewal("mariadb", &proxy, Arc::new(store)).await;
 }
+
+/// Waits at `tenant`'s gate, then never answers (the caller's timeout, a
+/// client gone, drops the call): the side effect may have happened. A
+/// lease long beside the worker's schedule of ends (about 9 s).
+#[idempotent(scope = "faults.late_renewal_dropped", key = key, tenant = tenant, store = store,
+             lease = "15s", in_progress = reject, recover = found)]
+async fn charge_then_hang(store: &dyn Store, tenant: &str, key: &str) -> Result<u32, Error> {
+    if let Some(gate) = gate(tenant) {
+        gate.reached.notify_one();
+        gate.go.notified().await;
+        std::future::pending::<()>().await;
+    }
+    Ok(1)
+}
+
+/// Rules 14 and 20 for a call *dropped* while its renewal is on its way (the
+/// panicked and failed calls above wait for it; a dropped call cannot): the
+/// store's worker ends the record's lease, and a renewal that lands after
+/// that renewed it for a whole lease (15 s here), every retry refused
+/// (`in_progress = reject`) until it ran out. The worker ends the lease
+/// again: the record's lease is seen ended while the renewed one would
+/// still run, and the retry takes the record over and asks the hook.
+async fn a_renewal_landing_after_a_dropped_call(
+    name: &str,
+    proxy: &FaultProxy,
+    store: Arc<dyn Store>,
+) {
+    let tenant = fresh_tenant();
+    let key = format!("late-renewal-dropped-{tenant}");
+    let identity = idempotent_runtime::Identity::new(&tenant, "faults.late_renewal_dropped", &key)
+        .expect("identity");
+    let held = gate_for(&tenant);
+    let call = tokio::spawn({
+        let (store, tenant, key) = (store.clone(), tenant.clone(), key.clone());
+        async move { charge_then_hang(&*store, &tenant, &key).await }
+    });
+    held.reached.notified().await;
+    // The next statement naming the key is the call's first renewal.
+    let renewal = proxy.hold_next_request_containing(key.as_bytes());
+    renewal.request_seen().await;
+    // The renewal is on its way: the caller gives up on the call.
+    call.abort();
+    let ended = call.await.expect_err("aborted");
+    assert!(ended.is_cancelled(), "{name}: {ended:?}");
+    no_gate_for(&tenant);
+    // The store's worker ends the lease (its own connections, not held).
+    let left = store.finish_background_work(Duration::from_secs(30)).await;
+    assert_eq!(left, 0, "{name}: the worker did not end the lease");
+    // Now the renewal reaches the server and renews the lease.
+    proxy.release_held();
+    renewal.settled().await;
+    let renewed = store
+        .fetch(&identity)
+        .await
+        .expect("fetch")
+        .expect("the record");
+    let renewed_until = renewed.lease_expires_at_ms.expect("in progress");
+    // Read every 50 ms until the lease is seen ended, for as long as the
+    // renewed lease would run (less a margin for the read).
+    loop {
+        let now = store
+            .fetch(&identity)
+            .await
+            .expect("fetch")
+            .expect("the record");
+        let until = now.lease_expires_at_ms.expect("in progress");
+        if until <= now.now_ms {
+            break;
+        }
+        assert!(
+            now.now_ms < renewed_until - 2_000,
+            "{name}: the renewal the dropped call had sent renewed the lease its store ended, \
+             and it runs for the whole lease: {now:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let (answer, outcome) = with_outcome(charge_then_hang(&*store, &tenant, &key)).await;
+    assert_eq!(
+        (answer.as_ref().ok().copied(), outcome),
+        (Some(7), Some(Outcome::Recovered)),
+        "{name}: the retry takes the record over at once and asks the hook: {answer:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_renewal_that_lands_after_a_dropped_call_ended_the_lease_is_ended_again() {
+    let Some((proxy, store)) = through_a_proxy::postgres(4).await else {
+        return;
+    };
+    a_renewal_landing_after_a_dropped_call("postgres", &proxy, Arc::new(store)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mariadb_a_renewal_that_lands_after_a_dropped_call_ended_the_lease_is_ended_again() {
+    let Some((proxy, store)) = through_a_proxy::mariadb(4).await else {
+        return;
+    };
+    a_renewal_landing_after_a_dropped_call("mariadb", &proxy, Arc::new(store)).await;
+}

@@ -9,8 +9,8 @@
 mod common;
 
 mod cancellation;
-mod drop_sweep;
 mod connection_faults;
+mod drop_sweep;
 mod executors;
 mod first_renewal;
 mod held_answers;

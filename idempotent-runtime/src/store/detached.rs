@@ -22,6 +22,10 @@
 //!   waited for instead: the store's write for the worker waits until it
 //!   has ended, however long it waited for the write turn, a connection and
 //!   the lock, before the first attempt.
+//! * **end lease** — a call in a scope with a `recover` hook was dropped: its
+//!   record is kept for the next call to take over, its lease ended. A
+//!   database server's worker ends it again a few times over [`RETRY_AFTER`],
+//!   for a renewal the dropped call had sent that lands late.
 //! * **complete** — the call was dropped while recording its result, or the
 //!   recording failed (a connection cut): the body has run, so freeing the key
 //!   would let a retry run it again. The result is recorded instead (fenced by
@@ -356,6 +360,11 @@ fn start(store: &'static str, open: OpenFn) -> std::io::Result<mpsc::UnboundedSe
             // its time is up.
             let noted =
                 matches!(work, Work::Complete(..)).then(|| (identity.clone(), token.clone()));
+            // A database server's worker (one whose attempts are bounded:
+            // its connections can go silent) ends a lease again after it
+            // ended it; see `end_again_after_late_renewals`.
+            let ends_again = (matches!(work, Work::EndLease) && answers_within.is_some())
+                .then(|| (write.clone(), identity.clone(), token.clone()));
             let job = with_retries(
                 store,
                 write.clone(),
@@ -370,7 +379,14 @@ fn start(store: &'static str, open: OpenFn) -> std::io::Result<mpsc::UnboundedSe
                     crate::unrecorded::write_answered(&identity, &token, ended);
                 }
                 drop(keep);
+                // The dropped call's record is finished: `finish_background_work`
+                // need not wait for the ends made again below.
                 drop(finished);
+                if let (Some((write, identity, token)), Some(Fenced::Written)) = (ends_again, ended)
+                {
+                    end_again_after_late_renewals(store, write, identity, token, answers_within)
+                        .await;
+                }
             });
             while running.try_join_next().is_some() {}
         }
@@ -491,6 +507,49 @@ async fn with_retries(
         Some(e) => lost(store, &identity, &work, &e.to_string()),
     }
     None
+}
+
+/// Ends the lease of a dropped call's record again, at each pause of
+/// [`RETRY_AFTER`], after the worker ended it, until the record is no longer
+/// the call's (a call took it over: `NotOwner`).
+///
+/// A call dropped while a renewal of its lease was on its way to a database
+/// server cannot wait for that renewal (a call that ends its own lease lets
+/// its renewals land first): the statement runs on the server when it
+/// arrives, also after its connection was closed, and landing after the
+/// worker's end it gave the record a whole lease again. Every retry was then
+/// refused, or waited, until that lease ran out, instead of taking the record
+/// over at once and asking the `recover` hook (rules 14 and 20). Ended again,
+/// a renewal that lands within the schedule (about 9 s) renews it at most
+/// until the next end; one later still renews it for one lease, as before.
+/// Fenced by the call's token: only the dropped call's own statements write
+/// with it, so nothing anyone else holds is touched. The worker's path
+/// alone: a call never waits for it, nor does `finish_background_work`.
+async fn end_again_after_late_renewals(
+    store: &'static str,
+    write: WriteFn,
+    identity: Identity,
+    token: OwnerToken,
+    answers_within: Option<Duration>,
+) {
+    for pause in RETRY_AFTER {
+        tokio::time::sleep(pause).await;
+        let attempt = write(identity.clone(), token.clone(), Work::EndLease);
+        let answered = match answers_within {
+            Some(limit) => tokio::time::timeout(limit, attempt).await.ok(),
+            None => Some(attempt.await),
+        };
+        match answered {
+            Some(Ok(Fenced::NotOwner)) => return,
+            Some(Ok(Fenced::Written)) => {}
+            Some(Err(e)) => tracing::debug!(target: "idempotent", store, scope = %identity.scope,
+                key = %identity.key_digest(), error = %e,
+                "ending a dropped call's lease again failed; trying at the next pause"),
+            None => tracing::debug!(target: "idempotent", store, scope = %identity.scope,
+                key = %identity.key_digest(),
+                "ending a dropped call's lease again went unanswered; trying at the next pause"),
+        }
+    }
 }
 
 impl Work {
