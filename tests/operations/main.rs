@@ -16,6 +16,7 @@ mod common;
 mod audit;
 mod cli;
 mod engine_accounting;
+mod hook_races;
 mod key_in_logs;
 mod live_races;
 mod observability;
