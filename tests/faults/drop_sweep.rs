@@ -195,6 +195,24 @@ async fn charge_hooked(
     Ok(body.run().await)
 }
 
+async fn ask_then_find(_: &Takeover) -> Result<Recovery<u32>, Error> {
+    for _ in 0..3 {
+        yield_once().await;
+    }
+    Ok(Recovery::Completed(7))
+}
+
+#[idempotent(scope = "sweep.found", key = key, tenant = tenant, store = store, skip(body),
+             lease = "1h", in_progress = wait("20s"), recover = ask_then_find)]
+async fn charge_found(
+    store: &dyn Store,
+    tenant: &str,
+    key: &str,
+    body: &Body,
+) -> Result<u32, Error> {
+    Ok(body.run().await)
+}
+
 /// The record of `id`: as it is now when `settled` says it is, otherwise
 /// once the store's work for dropped calls is done.
 async fn settled_record(
@@ -341,9 +359,66 @@ async fn sweep_takeover_with_hook(inner: Arc<dyn Store>) {
     panic!("the call never ended by itself");
 }
 
+/// Store mode with a `recover` hook that finds the side effect, each call a
+/// takeover of a record whose owner died, dropped after each number of
+/// polls: the body never runs, and the record is never released for a
+/// blind re-run (in progress with its lease ended, or the hook's answer).
+async fn sweep_takeover_whose_hook_finds_it(inner: Arc<dyn Store>) {
+    let store = Yielding(inner);
+    let tenant = fresh_tenant();
+    let body = Body::default();
+    for polls in 0..MOST_POLLS {
+        let key = format!("k{polls}");
+        let what = format!(
+            "{} hook that finds it, dropped after {polls} polls",
+            store.name()
+        );
+        let id = Identity::new(&tenant, "sweep.found", &key).expect("identity");
+        let hour = Duration::from_secs(3600);
+        let dead = common::records::acquire(store.0.as_ref(), &id, None, hour, hour).await;
+        assert_eq!(
+            store
+                .0
+                .heartbeat(&id, &dead, Duration::ZERO)
+                .await
+                .expect("end the lease"),
+            Fenced::Written
+        );
+        let ended = poll_then_drop(charge_found(&store, &tenant, &key, &body), polls).await;
+        let record = settled_record(&store, &id, &what, |r| match r {
+            None => false,
+            Some(r) if r.state == RecordState::Complete => true,
+            Some(r) => r.lease_expires_at_ms.is_some_and(|end| end <= r.now_ms),
+        })
+        .await;
+        match &record {
+            None => panic!("{what}: the record was released, for a blind re-run"),
+            Some(r) if r.state == RecordState::Complete => {
+                assert!(r.recovered, "{what}: complete, not by the hook: {r:?}")
+            }
+            Some(r) => assert!(
+                r.lease_expires_at_ms.is_some_and(|end| end <= r.now_ms),
+                "{what}: left in progress with a live lease: {r:?}"
+            ),
+        }
+        let outcome = retried(charge_found(&store, &tenant, &key, &body), &what).await;
+        assert!(
+            matches!(outcome, Some(Outcome::Recovered | Outcome::Replayed)),
+            "{what}: {outcome:?}"
+        );
+        assert_eq!(body.runs.load(Ordering::SeqCst), 0, "{what}: the body ran");
+        if ended {
+            eprintln!("{what}: ended by itself");
+            return;
+        }
+    }
+    panic!("the call never ended by itself");
+}
+
 async fn both(store: Arc<dyn Store>) {
     sweep_store_mode(store.clone()).await;
-    sweep_takeover_with_hook(store).await;
+    sweep_takeover_with_hook(store.clone()).await;
+    sweep_takeover_whose_hook_finds_it(store).await;
 }
 
 #[tokio::test]
