@@ -669,3 +669,64 @@ async fn sqlite_a_transactional_call_dropped_at_any_await_point() {
         .expect("pool");
     sweep_tx!(pool, lite_charge_in, lite_rows);
 }
+
+// ------------------------------------------- transactional mode, mid-statement
+
+/// A transactional call (and its transaction) dropped while the answer to
+/// its reservation is held on its way back (the statement ran on the server,
+/// the row locked in the caller's transaction), on a pool of one connection
+/// through the fault proxy. Once the answer goes on, the next call on that
+/// pool gets the connection back outside any transaction, finds the key
+/// free (the reservation rolled back with the transaction) and runs once.
+macro_rules! dropped_mid_reservation {
+    ($name:expr, $proxy:expr, $pool:expr, $charge:ident, $count:expr) => {{
+        let (proxy, pool) = ($proxy, $pool);
+        let tenant = fresh_tenant();
+        let key = format!("mid-{}", uuid::Uuid::new_v4().simple());
+        let body = Body::default();
+        let held = proxy.stall_on_next_request_containing(
+            key.as_bytes(),
+            common::proxy::Stall::ToClientOnly,
+        );
+        tokio::select! {
+            answer = tx_call!(pool, $charge, &tenant, &key, &body) => {
+                panic!("{}: the call answered while its reservation's answer was held: {answer:?}", $name)
+            }
+            _ = proxy.wait_held(common::proxy::Direction::ToClient) => {}
+        }
+        // The call and its transaction are dropped; the answer goes on.
+        proxy.release_stall();
+        let outcome = retried(tx_call!(pool, $charge, &tenant, &key, &body), $name).await;
+        assert_eq!(outcome, Some(Outcome::Executed), "{}", $name);
+        assert_eq!(body.runs.load(Ordering::SeqCst), 1, "{}", $name);
+        let rows: i64 = $count(&pool, &tenant, &key).await;
+        assert_eq!(rows, 1, "{}: business rows", $name);
+        let again = retried(tx_call!(pool, $charge, &tenant, &key, &body), $name).await;
+        assert_eq!(again, Some(Outcome::Replayed), "{}", $name);
+    }};
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_transactional_call_dropped_mid_reservation_leaves_its_connection_clean() {
+    let Some((proxy, store)) = crate::connection_faults::through_a_proxy::postgres(1).await else {
+        return;
+    };
+    common::servers::pg_create_tables(store.pool(), PG_DDL)
+        .await
+        .expect("ddl");
+    let pool = store.pool().clone();
+    dropped_mid_reservation!("postgres", &proxy, pool, pg_charge_in, pg_rows);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mariadb_a_transactional_call_dropped_mid_reservation_leaves_its_connection_clean() {
+    let Some((proxy, store)) = crate::connection_faults::through_a_proxy::mariadb(1).await else {
+        return;
+    };
+    sqlx::query(MY_DDL)
+        .execute(store.pool())
+        .await
+        .expect("ddl");
+    let pool = store.pool().clone();
+    dropped_mid_reservation!("mariadb", &proxy, pool, my_charge_in, my_rows);
+}
