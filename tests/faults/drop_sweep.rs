@@ -684,7 +684,7 @@ macro_rules! dropped_mid_reservation {
         let tenant = fresh_tenant();
         let key = format!("mid-{}", uuid::Uuid::new_v4().simple());
         let body = Body::default();
-        let held = proxy.stall_on_next_request_containing(
+        let _held = proxy.stall_on_next_request_containing(
             key.as_bytes(),
             common::proxy::Stall::ToClientOnly,
         );
