@@ -730,3 +730,136 @@ async fn mariadb_a_transactional_call_dropped_mid_reservation_leaves_its_connect
     let pool = store.pool().clone();
     dropped_mid_reservation!("mariadb", &proxy, pool, my_charge_in, my_rows);
 }
+
+// ------------------------------------------- transactional mode, runtime shut down
+
+/// Told when a transactional body below has written its business row (one
+/// per database: `cargo test` runs the two tests in one process).
+static PG_GATE: std::sync::LazyLock<tokio::sync::Notify> =
+    std::sync::LazyLock::new(tokio::sync::Notify::new);
+static MY_GATE: std::sync::LazyLock<tokio::sync::Notify> =
+    std::sync::LazyLock::new(tokio::sync::Notify::new);
+
+#[idempotent(scope = "sweep.tx_pg_held", key = key, tenant = tenant, tx = tx, skip(body),
+             ttl = "1h", in_progress = wait("20s"))]
+async fn pg_charge_held(
+    tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
+    tenant: &str,
+    key: &str,
+    body: &Body,
+) -> Result<u32, Error> {
+    sqlx::query("INSERT INTO idempotent_sweep_charges (tenant, idem_key) VALUES ($1, $2)")
+        .bind(tenant)
+        .bind(key)
+        .execute(&mut **tx)
+        .await
+        .map_err(|e| Error::Store(StoreError::new("test", "business write", e)))?;
+    if body.runs.fetch_add(1, Ordering::SeqCst) == 0 {
+        PG_GATE.notify_one();
+        std::future::pending::<()>().await;
+    }
+    Ok(7)
+}
+
+#[idempotent(scope = "sweep.tx_my_held", key = key, tenant = tenant, tx = tx, skip(body),
+             ttl = "1h", in_progress = wait("20s"))]
+async fn my_charge_held(
+    tx: &mut sqlx::Transaction<'_, sqlx::MySql>,
+    tenant: &str,
+    key: &str,
+    body: &Body,
+) -> Result<u32, Error> {
+    sqlx::query("INSERT INTO idempotent_sweep_charges (tenant, idem_key) VALUES (?, ?)")
+        .bind(tenant)
+        .bind(key)
+        .execute(&mut **tx)
+        .await
+        .map_err(|e| Error::Store(StoreError::new("test", "business write", e)))?;
+    if body.runs.fetch_add(1, Ordering::SeqCst) == 0 {
+        MY_GATE.notify_one();
+        std::future::pending::<()>().await;
+    }
+    Ok(7)
+}
+
+/// A transactional call whose runtime is shut down while its body runs (its
+/// reservation and business row uncommitted), on a pool of one connection
+/// opened on another runtime (kept running): the transaction ends with the
+/// call, and a call on a third runtime, through the same pool, finds the key
+/// free, runs once and commits.
+macro_rules! shut_down_mid_body {
+    ($name:expr, $pool:expr, $charge:ident, $count:expr, $gate:expr) => {{
+        let pool = $pool;
+        let tenant = fresh_tenant();
+        let key = format!("shut-{}", uuid::Uuid::new_v4().simple());
+        let body = Arc::new(Body::default());
+        let doomed = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .expect("runtime");
+        {
+            let (pool, tenant, key, body) =
+                (pool.clone(), tenant.clone(), key.clone(), body.clone());
+            doomed.spawn(async move {
+                let _ = tx_call!(pool, $charge, &tenant, &key, &body).await;
+            });
+        }
+        tokio::time::timeout(BOUND, $gate.notified())
+            .await
+            .expect("the body ran");
+        // Shut down on a thread of its own (not from inside this runtime).
+        std::thread::spawn(move || drop(doomed))
+            .join()
+            .expect("shut down");
+        let third = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        let (p, t, k, b) = (pool.clone(), tenant.clone(), key.clone(), body.clone());
+        let outcome = std::thread::spawn(move || {
+            third.block_on(async move {
+                let outcome = retried(tx_call!(p, $charge, &t, &k, &b), $name).await;
+                let rows: i64 = $count(&p, &t, &k).await;
+                (outcome, rows)
+            })
+        })
+        .join()
+        .expect("the third runtime's call");
+        assert_eq!(outcome, (Some(Outcome::Executed), 1), "{}", $name);
+        assert_eq!(body.runs.load(Ordering::SeqCst), 2, "{}", $name);
+    }};
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_transactional_call_shut_down_mid_body_frees_its_connection() {
+    let Some(store) = pg_store_or_skip().await else {
+        return;
+    };
+    common::servers::pg_create_tables(store.pool(), PG_DDL)
+        .await
+        .expect("ddl");
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .connect(&common::servers::pg_url())
+        .await
+        .expect("pool");
+    shut_down_mid_body!("postgres", pool, pg_charge_held, pg_rows, PG_GATE);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mariadb_a_transactional_call_shut_down_mid_body_frees_its_connection() {
+    let Some(store) = mysql_store_or_skip().await else {
+        return;
+    };
+    sqlx::query(MY_DDL)
+        .execute(store.pool())
+        .await
+        .expect("ddl");
+    let pool = sqlx::mysql::MySqlPoolOptions::new()
+        .max_connections(1)
+        .connect(&common::servers::mysql_url())
+        .await
+        .expect("pool");
+    shut_down_mid_body!("mariadb", pool, my_charge_held, my_rows, MY_GATE);
+}
