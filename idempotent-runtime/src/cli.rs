@@ -949,8 +949,9 @@ async fn end_the_lease(
                     .to_owned(),
             )),
             // Nothing to write: the next call takes the record over as it is
-            // (with --even-if-running it is ended all the same, so an owner
-            // that was only slow cannot renew it back).
+            // (with --even-if-running it is ended all the same, as the
+            // operator asked; an owner that was only slow may still renew it
+            // with its token before the next call comes, as the README says).
             (RecordState::InProgress, _) if lease_remaining == 0 && !even_if_running => false,
             (RecordState::InProgress, _) if !even_if_running => {
                 return Err(refused(lease_is_live(crate::store::millis_to_duration(
