@@ -282,7 +282,9 @@ async fn sweep_store_mode(inner: Arc<dyn Store>) {
             }
             Some(r) => panic!("{what}: the record was left in progress: {r:?}"),
         }
+        eprintln!("{what}: settled at {:?}", std::time::Instant::now());
         let outcome = retried(charge(&store, &tenant, &key, &body), &what).await;
+        eprintln!("{what}: retried at {:?}", std::time::Instant::now());
         let runs = body.runs.load(Ordering::SeqCst);
         if finished {
             assert_eq!(outcome, Some(Outcome::Replayed), "{what}");
@@ -415,57 +417,76 @@ async fn sweep_takeover_whose_hook_finds_it(inner: Arc<dyn Store>) {
     panic!("the call never ended by itself");
 }
 
-async fn both(store: Arc<dyn Store>) {
-    sweep_store_mode(store.clone()).await;
-    sweep_takeover_with_hook(store.clone()).await;
-    sweep_takeover_whose_hook_finds_it(store).await;
+/// The three sweeps at once, each on a store of its own (its own pool and
+/// background worker) that `open` makes: a drop point whose store work takes
+/// a while (a release that keeps looking for a reservation that may land
+/// late, about 9 s) holds up its own sweep only, as a sweep waits for all of
+/// its store's background work before it looks at the record.
+async fn all_three<F, Fut>(open: F)
+where
+    F: Fn() -> Fut,
+    Fut: Future<Output = Arc<dyn Store>>,
+{
+    let (a, b, c) = tokio::join!(open(), open(), open());
+    tokio::join!(
+        sweep_store_mode(a),
+        sweep_takeover_with_hook(b),
+        sweep_takeover_whose_hook_finds_it(c),
+    );
 }
 
 #[tokio::test]
 async fn memory_a_call_dropped_at_any_await_point() {
-    both(Arc::new(MemoryStore::new())).await;
+    all_three(|| async { Arc::new(MemoryStore::new()) as Arc<dyn Store> }).await;
 }
 
 #[tokio::test]
 async fn sqlite_a_call_dropped_at_any_await_point() {
-    let store = SqliteStore::connect(&common::scratch::sqlite_url("sweep"))
-        .await
-        .expect("open");
-    both(Arc::new(store)).await;
+    let url = common::scratch::sqlite_url("sweep");
+    all_three(|| async {
+        Arc::new(SqliteStore::connect(&url).await.expect("open")) as Arc<dyn Store>
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_a_call_dropped_at_any_await_point() {
-    let Some(store) = pg_store_or_skip().await else {
+    if pg_store_or_skip().await.is_none() {
         return;
-    };
-    let pool = sqlx::postgres::PgPoolOptions::new()
-        .max_connections(2)
-        .connect(&common::servers::pg_url())
-        .await
-        .expect("pool");
-    drop(store);
-    let store = idempotent_runtime::PgStore::from_pool(pool)
-        .await
-        .expect("store");
-    both(Arc::new(store)).await;
+    }
+    all_three(|| async {
+        let pool = sqlx::postgres::PgPoolOptions::new()
+            .max_connections(2)
+            .connect(&common::servers::pg_url())
+            .await
+            .expect("pool");
+        Arc::new(
+            idempotent_runtime::PgStore::from_pool(pool)
+                .await
+                .expect("store"),
+        ) as Arc<dyn Store>
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mysql_a_call_dropped_at_any_await_point() {
-    let Some(store) = mysql_store_or_skip().await else {
+    if mysql_store_or_skip().await.is_none() {
         return;
-    };
-    let pool = sqlx::mysql::MySqlPoolOptions::new()
-        .max_connections(2)
-        .connect(&common::servers::mysql_url())
-        .await
-        .expect("pool");
-    drop(store);
-    let store = idempotent_runtime::MySqlStore::from_pool(pool)
-        .await
-        .expect("store");
-    both(Arc::new(store)).await;
+    }
+    all_three(|| async {
+        let pool = sqlx::mysql::MySqlPoolOptions::new()
+            .max_connections(2)
+            .connect(&common::servers::mysql_url())
+            .await
+            .expect("pool");
+        Arc::new(
+            idempotent_runtime::MySqlStore::from_pool(pool)
+                .await
+                .expect("store"),
+        ) as Arc<dyn Store>
+    })
+    .await;
 }
 
 // ------------------------------------------------------------ transactional mode
