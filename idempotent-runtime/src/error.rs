@@ -47,7 +47,8 @@ impl std::fmt::Display for RecordContext {
 /// A failure of the backing store (database unreachable, connection killed,
 /// migration failed, ...). The message names the store and the operation.
 #[derive(Debug, thiserror::Error)]
-#[error("{store} store failed while trying to {operation}: {source}")]
+#[error("{store} store failed while trying to {operation}: {source}{advice}",
+        advice = advice_for(.source.as_ref()))]
 pub struct StoreError {
     /// Which store: `memory`, `sqlite`, `postgres`, `mysql`.
     pub store: &'static str,
@@ -57,6 +58,29 @@ pub struct StoreError {
     #[source]
     pub source: Box<dyn std::error::Error + Send + Sync + 'static>,
 }
+
+/// What a store failure whose cause the user can act on adds to its
+/// message: a SQL store's pool that handed out no connection within its
+/// `acquire_timeout` (sqlx says only "pool timed out while waiting for an
+/// open connection").
+fn advice_for(source: &(dyn std::error::Error + Send + Sync + 'static)) -> &'static str {
+    #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+    if let Some(sqlx::Error::PoolTimedOut) = source.downcast_ref::<sqlx::Error>() {
+        return NO_CONNECTION_ADVICE;
+    }
+    let _ = source;
+    ""
+}
+
+/// [`advice_for`] a pool that handed out no connection in time.
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+const NO_CONNECTION_ADVICE: &str = " (no connection of the store's pool came free, or could be \
+     opened, within the pool's acquire_timeout: every connection stayed in use, by bodies or \
+     transactions holding the pool's connections while calls ran, by duplicates waiting behind a \
+     transactional-mode owner, or by more calls at once than the pool has connections; or the \
+     server could not be reached. Give the pool more connections (max_connections), hold its \
+     connections for less time (a body's transaction, a transactional-mode caller's), or give \
+     the store a pool of its own (XStore::connect))";
 
 impl StoreError {
     /// Wraps an underlying error with the store's name and the operation.

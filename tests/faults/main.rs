@@ -24,4 +24,5 @@ mod postgres_wire;
 mod result_limits;
 mod runtime_pools;
 mod runtimes;
+mod small_pools;
 mod stuck_heartbeat;
