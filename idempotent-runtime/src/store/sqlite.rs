@@ -1835,6 +1835,14 @@ impl Store for SqliteStore {
         // Fast path, one read and no write lock: a live record that answers
         // the request by itself (replay, mismatch, or a live lease). Replays
         // and waiting duplicates never queue behind writers.
+        // Time queued for the read's connection counts against the write's
+        // busy timeout as time queued for the write turn does (below): on a
+        // small pool, a write waiting in SQLite's busy handler for a lock
+        // held outside this process's turn (a transactional-mode caller,
+        // another process) holds the connection the other calls queue for,
+        // and each of them, given the whole busy timeout again, held it as
+        // long: duplicates queued past the pool's acquire timeout.
+        let queued = tokio::time::Instant::now();
         let mut conn = self.pool.acquire().await.map_err(err(OP))?;
         match answer_from_a_read(&mut *conn, request).await {
             Ok(Some(answer)) => return Ok(answer),
@@ -1867,11 +1875,15 @@ impl Store for SqliteStore {
             // Declared first, dropped last: the reservation has ended (its
             // statement landed or failed) once this is gone.
             let _under_way = under_way;
-            let queued = tokio::time::Instant::now();
             let (turn, mut conn) = match gate.try_take() {
                 Some(turn) => {
                     let conn = outside_any_transaction(&pool, Some(conn), in_memory, OP).await?;
-                    (Some(turn), BusyTimeoutCut::none(conn))
+                    // Cut only after a long wait for the connection (at
+                    // least `CUT_FROM`): nothing is sent otherwise.
+                    let conn = BusyTimeoutCut::by(conn, queued.elapsed())
+                        .await
+                        .map_err(err(OP))?;
+                    (Some(turn), conn)
                 }
                 None => {
                     drop(conn);
@@ -1879,9 +1891,10 @@ impl Store for SqliteStore {
                         key = %identity.key_digest(), "sqlite: waiting for the write turn");
                     let turn = gate.take().await;
                     let conn = outside_any_transaction(&pool, None, in_memory, OP).await?;
-                    // Time queued for the turn counts against the busy
-                    // timeout: the statement waits only for what is left of
-                    // it, so a call never waits twice the busy timeout.
+                    // Time queued for the turn (and for the read's
+                    // connection) counts against the busy timeout: the
+                    // statement waits only for what is left of it, so a
+                    // call never waits twice the busy timeout.
                     let waited = queued.elapsed();
                     let conn = BusyTimeoutCut::by(conn, waited).await.map_err(err(OP))?;
                     if conn.is_cut() {
