@@ -461,7 +461,7 @@ async fn mysql_a_body_holding_the_only_connection() {
 macro_rules! tx_owner {
     ($name:ident, $conn:ty) => {
         #[idempotent(scope = "faults.small_pools_tx", key = key, tenant = tenant, tx = conn,
-                                     shared_scope, skip(body, app))]
+                                                     shared_scope, skip(body, app))]
         async fn $name(
             conn: &mut $conn,
             tenant: &str,
@@ -618,4 +618,140 @@ async fn sqlite_a_transactional_owner_on_a_pool_of_three() {
         unreachable!()
     };
     tx_owner_scenario!(&store, &app, pool, sqlite_tx_owner, "sqlite, pool of 3");
+}
+
+/// The owner is dropped mid-body (a timeout around its call) while
+/// [`DUPLICATES`] duplicates wait on a small pool: its release goes to the
+/// store's worker, one duplicate takes the key over and runs the body, the
+/// others replay its answer.
+async fn owner_dropped_mid_body<S: Store>(store: &Counting<S>, app: &AppPool, what: &str) {
+    let tenant = tenant();
+    let (owner_body, dup_body) = (Body::default(), Body::default());
+    dup_body.go.notify_one();
+    let waits_before = *store.waits.borrow();
+    let dropped = Notify::new();
+    let owner = async {
+        tokio::select! {
+            _ = charge(store, &tenant, "k", &owner_body, app) => panic!("{what}: the owner was to be dropped"),
+            () = dropped.notified() => {}
+        }
+    };
+    let duplicates = async {
+        let _ = owner_body.started.subscribe().wait_for(|s| *s).await;
+        futures_util::future::join_all(
+            (0..DUPLICATES).map(|_| charge(store, &tenant, "k", &dup_body, app)),
+        )
+        .await
+    };
+    let drop_owner = async {
+        let _ = owner_body.started.subscribe().wait_for(|s| *s).await;
+        store.waited(waits_before + DUPLICATES).await;
+        dropped.notify_one();
+    };
+    let ((), answers, ()) = tokio::time::timeout(SCENARIO_BOUND, async {
+        tokio::join!(owner, duplicates, drop_owner)
+    })
+    .await
+    .unwrap_or_else(|_| panic!("{what}: did not finish within {SCENARIO_BOUND:?} (a hang)"));
+    let refused: Vec<String> = answers
+        .iter()
+        .filter_map(|a| a.as_ref().err().map(ToString::to_string))
+        .collect();
+    assert!(
+        refused.is_empty(),
+        "{what}: duplicates refused: {refused:?}"
+    );
+    assert_eq!(
+        dup_body.runs.load(Ordering::SeqCst),
+        1,
+        "{what}: one duplicate took over and ran the body"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_an_owner_dropped_mid_body_on_small_pools() {
+    for n in 1..=2 {
+        let (store, app) = sqlite_store(n, ACQUIRE_TIMEOUT).await;
+        owner_dropped_mid_body(&store, &app, &format!("sqlite, pool of {n}")).await;
+    }
+    let store = SqliteStore::connect("sqlite::memory:")
+        .await
+        .expect("store");
+    let app = AppPool::Sqlite(store.pool().clone());
+    owner_dropped_mid_body(&Counting::new(store), &app, "sqlite in memory").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_an_owner_dropped_mid_body_on_small_pools() {
+    for n in 1..=2 {
+        let Some((store, app)) = pg_store(n, ACQUIRE_TIMEOUT).await else {
+            return;
+        };
+        owner_dropped_mid_body(&store, &app, &format!("postgres, pool of {n}")).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mysql_an_owner_dropped_mid_body_on_small_pools() {
+    for n in 1..=2 {
+        let Some((store, app)) = mysql_store(n, ACQUIRE_TIMEOUT).await else {
+            return;
+        };
+        owner_dropped_mid_body(&store, &app, &format!("mysql, pool of {n}")).await;
+    }
+}
+
+/// The shapes above on a current-thread runtime, where SQLite's writes run
+/// in the caller's own future rather than in a task of their own.
+#[tokio::test(flavor = "current_thread")]
+async fn sqlite_current_thread_small_pools() {
+    let (store, app) = sqlite_store(2, ACQUIRE_TIMEOUT).await;
+    body_holds_a_connection_for_its_run(&store, &app, "sqlite (current thread), pool of 2").await;
+    let (store, app) = sqlite_store(2, ACQUIRE_TIMEOUT).await;
+    let AppPool::Sqlite(pool) = &app else {
+        unreachable!()
+    };
+    tx_owner_scenario!(
+        &store,
+        &app,
+        pool,
+        sqlite_tx_owner,
+        "sqlite (current thread), pool of 2"
+    );
+    let (store, app) = sqlite_store(1, ACQUIRE_TIMEOUT).await;
+    owner_dropped_mid_body(&store, &app, "sqlite (current thread), pool of 1").await;
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn postgres_current_thread_small_pools() {
+    let Some((store, app)) = pg_store(2, ACQUIRE_TIMEOUT).await else {
+        return;
+    };
+    body_holds_a_connection_for_its_run(&store, &app, "postgres (current thread), pool of 2").await;
+    let AppPool::Pg(pool) = &app else {
+        unreachable!()
+    };
+    tx_owner_scenario!(
+        &store,
+        &app,
+        pool,
+        pg_tx_owner,
+        "postgres (current thread), pool of 2"
+    );
+    let Some((store, app)) = pg_store(1, ACQUIRE_TIMEOUT).await else {
+        return;
+    };
+    owner_dropped_mid_body(&store, &app, "postgres (current thread), pool of 1").await;
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn mysql_current_thread_small_pools() {
+    let Some((store, app)) = mysql_store(2, ACQUIRE_TIMEOUT).await else {
+        return;
+    };
+    body_holds_a_connection_for_its_run(&store, &app, "mysql (current thread), pool of 2").await;
+    let Some((store, app)) = mysql_store(1, ACQUIRE_TIMEOUT).await else {
+        return;
+    };
+    owner_dropped_mid_body(&store, &app, "mysql (current thread), pool of 1").await;
 }
