@@ -103,13 +103,19 @@ async fn many_duplicates_on_one_key<S: Store>(store: &Counting<S>, app: &AppPool
     let release = async {
         let _ = body.started.subscribe().wait_for(|s| *s).await;
         store.waited(waits_before + DUPLICATES).await;
+        // The purge and the audit, while the duplicates wait on the pool.
+        let purged = store.purge_expired(100).await;
+        let counted = store.scope_stats().await;
         body.go.notify_one();
+        (purged, counted)
     };
-    let (owned, answers, ()) = tokio::time::timeout(SCENARIO_BOUND, async {
+    let (owned, answers, (purged, counted)) = tokio::time::timeout(SCENARIO_BOUND, async {
         tokio::join!(owner, duplicates, release)
     })
     .await
     .unwrap_or_else(|_| panic!("{what}: the owner and its duplicates did not finish within {SCENARIO_BOUND:?} (a hang)"));
+    purged.unwrap_or_else(|e| panic!("{what}: the purge beside waiting duplicates: {e}"));
+    counted.unwrap_or_else(|e| panic!("{what}: the audit beside waiting duplicates: {e}"));
     assert_eq!(owned.expect("the owner completes"), 7, "{what}");
     for (i, answer) in answers.into_iter().enumerate() {
         match answer {
@@ -461,7 +467,7 @@ async fn mysql_a_body_holding_the_only_connection() {
 macro_rules! tx_owner {
     ($name:ident, $conn:ty) => {
         #[idempotent(scope = "faults.small_pools_tx", key = key, tenant = tenant, tx = conn,
-                                                     shared_scope, skip(body, app))]
+                                                             shared_scope, skip(body, app))]
         async fn $name(
             conn: &mut $conn,
             tenant: &str,
