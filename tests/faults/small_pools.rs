@@ -466,8 +466,7 @@ async fn mysql_a_body_holding_the_only_connection() {
 /// store-mode [`duplicate_of_tx`].
 macro_rules! tx_owner {
     ($name:ident, $conn:ty) => {
-        #[idempotent(scope = "faults.small_pools_tx", key = key, tenant = tenant, tx = conn,
-                                                             shared_scope, skip(body, app))]
+        #[idempotent(scope = "faults.small_pools_tx", key = key, tenant = tenant, tx = conn, shared_scope, skip(body, app))]
         async fn $name(
             conn: &mut $conn,
             tenant: &str,
@@ -595,7 +594,11 @@ async fn postgres_a_transactional_owner_on_a_pool_of_two() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mysql_a_transactional_owner_on_a_pool_of_two() {
-    let Some((store, app)) = mysql_store(2, ACQUIRE_TIMEOUT).await else {
+    // Each duplicate holds the pool's other connection for InnoDB's whole
+    // second of lock wait, one after another (about 30 s for 30): past the
+    // pool's acquire timeout a duplicate fails with `Error::Store`, as the
+    // README says; the pool waits longer here.
+    let Some((store, app)) = mysql_store(2, Duration::from_secs(90)).await else {
         return;
     };
     let AppPool::MySql(pool) = &app else {
