@@ -80,7 +80,7 @@ const NO_CONNECTION_ADVICE: &str = " (no connection of the store's pool came fre
      transactional-mode owner, or by more calls at once than the pool has connections; or the \
      server could not be reached. Give the pool more connections (max_connections), hold its \
      connections for less time (a body's transaction, a transactional-mode caller's), or give \
-     the store a pool of its own (XStore::connect))";
+     the store a pool of its own (its connect, not from_pool))";
 
 impl StoreError {
     /// Wraps an underlying error with the store's name and the operation.
