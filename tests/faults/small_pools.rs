@@ -16,6 +16,14 @@ use tokio::sync::{watch, Notify};
 /// How many duplicates call the owner's key at once.
 const DUPLICATES: usize = 30;
 
+/// How many store-mode duplicates call a transactional-mode owner's key at
+/// once ([`tx_owner_scenario!`]). Each one's first try can hold the pool's
+/// free connection for a whole lock wait (InnoDB's second) or busy timeout
+/// (SQLite's 10 s, before the time it queued was counted), one after
+/// another: ten are enough to outlast the pool's 30 s acquire timeout that
+/// way, and keep the scenario's run short.
+const TX_OWNER_DUPLICATES: usize = 10;
+
 /// The bound on a whole scenario: a hang fails the test with a message.
 const SCENARIO_BOUND: Duration = Duration::from_secs(90);
 
@@ -501,7 +509,7 @@ async fn duplicate_of_tx(
 }
 
 /// A transactional-mode owner whose transaction holds one connection of the
-/// store's pool of two (its body also uses the pool), and [`DUPLICATES`]
+/// store's pool of two (its body also uses the pool), and [`TX_OWNER_DUPLICATES`]
 /// store-mode duplicates: the owner commits, every duplicate replays.
 macro_rules! tx_owner_scenario {
     ($store:expr, $app:expr, $pool:expr, $owner:ident, $what:expr) => {{
@@ -519,7 +527,7 @@ macro_rules! tx_owner_scenario {
         };
         let duplicates = async {
             let _ = body.started.subscribe().wait_for(|s| *s).await;
-            futures_util::future::join_all((0..DUPLICATES).map(|_| async {
+            futures_util::future::join_all((0..TX_OWNER_DUPLICATES).map(|_| async {
                 let answer = duplicate_of_tx(store, &tenant, "k", &body).await;
                 finished.send_modify(|f| *f += 1);
                 answer
@@ -533,7 +541,7 @@ macro_rules! tx_owner_scenario {
             let mut waits = store.waits.subscribe();
             loop {
                 let entered = (*waits.borrow_and_update()).saturating_sub(waits_before);
-                if entered + *finished.borrow_and_update() >= DUPLICATES {
+                if entered + *finished.borrow_and_update() >= TX_OWNER_DUPLICATES {
                     break;
                 }
                 tokio::select! {
@@ -595,7 +603,7 @@ async fn postgres_a_transactional_owner_on_a_pool_of_two() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mysql_a_transactional_owner_on_a_pool_of_two() {
     // Each duplicate holds the pool's other connection for InnoDB's whole
-    // second of lock wait, one after another (about 30 s for 30): past the
+    // second of lock wait, one after another (about 10 s for 10): past the
     // pool's acquire timeout a duplicate fails with `Error::Store`, as the
     // README says; the pool waits longer here.
     let Some((store, app)) = mysql_store(2, Duration::from_secs(90)).await else {
