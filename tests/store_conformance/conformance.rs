@@ -1704,6 +1704,61 @@ pub async fn scope_stats_count_by_state<S: Store + Clone + 'static>(store: S) {
     }
 }
 
+/// Rules 16 and 19: an expired in-progress record becomes purgeable only when
+/// both its retention and its lease have run out, so the audit's "expired,
+/// not purged for …" counts from the later of the two. A record whose ttl ran
+/// out before its lease is reported unpurged since its lease ended, never since
+/// its retention alone (which would overstate how long the purge has been
+/// behind, and page an operator for a record that was live a moment ago).
+pub async fn unpurged_time_of_an_abandoned_record_counts_from_its_lease_end<
+    S: Store + Clone + 'static,
+>(
+    store: S,
+) {
+    let tenant = fresh_tenant();
+    let scope = fresh_scope("conformance.unpurged");
+    let abandoned = id(&tenant, &scope, "abandoned");
+    // Retention first, then the lease, a good while apart.
+    let lease = Duration::from_millis(1_500);
+    acquire(&store, &abandoned, None, lease, SHORT).await;
+    tokio::time::sleep(lease + PAST_SHORT).await;
+
+    let before = fetch(&store, &abandoned)
+        .await
+        .expect("the abandoned record (nothing purges this test's scope)");
+    assert!(before.is_expired(), "{before:?}");
+    let lease_end = before.lease_expires_at_ms.expect("a lease");
+    assert!(
+        before.expires_at_ms < lease_end,
+        "the retention ran out before the lease: {before:?}"
+    );
+    let stats = store.scope_stats().await.expect("scope stats");
+    let Some(after) = fetch(&store, &abandoned).await else {
+        // A purge running elsewhere against a shared database took it.
+        return;
+    };
+    let mine = stats
+        .iter()
+        .find(|s| s.scope == scope)
+        .unwrap_or_else(|| panic!("no stats for {scope}"));
+    assert_eq!(
+        (mine.expired, mine.stuck, mine.in_progress),
+        (1, 0, 0),
+        "{mine:?}"
+    );
+    let unpurged_for = mine
+        .longest_unpurged_ms
+        .expect("how long the expired record has waited for the purge");
+    assert!(
+        (before.now_ms - lease_end..=after.now_ms - lease_end).contains(&unpurged_for),
+        "unpurged for {unpurged_for} ms: its lease ended at {lease_end} (its retention at {}), \
+         read at {} and {}",
+        before.expires_at_ms,
+        before.now_ms,
+        after.now_ms
+    );
+}
+
 // ---------------------------------------------------------------- rule 20
 
 /// Rule 20: a record keeps its attempt number. Attempt 1 on a fresh record,
@@ -2089,6 +2144,7 @@ macro_rules! store_conformance_tests {
             unusual_keys_and_tenants_are_exact,
             extreme_durations_are_accepted,
             scope_stats_count_by_state,
+            unpurged_time_of_an_abandoned_record_counts_from_its_lease_end,
             attempts_are_counted_in_the_record,
             recovered_completions_are_marked_and_counted,
             force_release_frees_only_in_progress_records,
