@@ -17,6 +17,25 @@ use std::time::{Duration, Instant};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lock_on_an_expired_record_is_waited_out_not_answered_in_progress() {
+    an_expired_record_held_for_statements_of_the_reservation(2).await;
+}
+
+/// The same, when the lock is held through more of the reservation's lock
+/// waits than a fresh key's insert would wait (three): a lock on an expired
+/// record is a short-lived one (a purge deleting it, another reservation
+/// replacing it), and a caller told `InProgress` there would be sent away
+/// with a made-up `retry_after` while no call holds the key. Let go once
+/// five statements of the reservation were seen blocked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lock_on_an_expired_record_held_through_several_lock_waits_is_still_waited_out() {
+    an_expired_record_held_for_statements_of_the_reservation(5).await;
+}
+
+/// An expired record locked by another session while a store-mode
+/// reservation of its key waits; the lock is let go once `statements`
+/// different statements of the reservation were seen blocked by it, and the
+/// reservation must then replace the record.
+async fn an_expired_record_held_for_statements_of_the_reservation(statements: usize) {
     let Some(store) = pg_store_or_skip().await else {
         return;
     };
@@ -40,14 +59,15 @@ async fn a_lock_on_an_expired_record_is_waited_out_not_answered_in_progress() {
         })
     };
 
-    // Handshake: two different statements of the reservation seen blocked by
-    // the locker (the first timed out after `lock_wait`, the second waits).
+    // Handshake: `statements` different statements of the reservation seen
+    // blocked by the locker (each before the last timed out after
+    // `lock_wait`, the last one waits).
     let mut monitor = sqlx::PgConnection::connect(&pg_url())
         .await
         .expect("connect");
     let mut starts = std::collections::BTreeSet::new();
     let deadline = Instant::now() + Duration::from_secs(20);
-    while starts.len() < 2 && !reserving.is_finished() && Instant::now() < deadline {
+    while starts.len() < statements && !reserving.is_finished() && Instant::now() < deadline {
         let blocked: Vec<String> = sqlx::query_scalar(
             "SELECT query_start::text FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))",
         )
@@ -73,8 +93,8 @@ async fn a_lock_on_an_expired_record_is_waited_out_not_answered_in_progress() {
     );
     assert_eq!(
         starts.len(),
-        2,
-        "the reservation tried again after its lock wait"
+        statements,
+        "the reservation tried again after each lock wait"
     );
 }
 
