@@ -1255,6 +1255,53 @@ async fn a_body_error_after_its_transaction_was_aborted_is_the_callers_answer() 
     }
 }
 
+/// Runs a statement that fails (which aborts a PostgreSQL transaction),
+/// lets that failure go and answers `Ok`.
+#[idempotent_runtime::idempotent(scope = "pg_edges.aborted_ok", key = key, tenant = tenant,
+    tx = tx, skip(runs))]
+async fn succeeds_after_a_failed_statement(
+    tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
+    tenant: &str,
+    key: &str,
+    runs: &std::sync::atomic::AtomicUsize,
+) -> Result<u64, DeclineOr> {
+    runs.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    let failed = sqlx::query("SELECT 1 / 0").execute(&mut **tx).await;
+    assert!(failed.is_err(), "division by zero fails");
+    Ok(7)
+}
+
+/// Rules 12 and 15: a body that answers `Ok` in a transaction one of its own
+/// statements aborted cannot have that result recorded there (the
+/// transaction can only roll back, taking the reservation and the body's
+/// writes with it). The caller is told so with an error, never handed `Ok`
+/// as if the result were recorded: its `COMMIT` would then roll back without
+/// a word, and the work would be taken for done. Unlike a body's *error*
+/// (the tests above), which is the caller's answer either way. Nothing was
+/// recorded: the retry in a new transaction runs again.
+#[tokio::test]
+async fn a_result_that_cannot_be_recorded_in_an_aborted_transaction_is_an_error() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let Some(store) = pg_store_or_skip().await else {
+        return;
+    };
+    let (tenant, runs) = (fresh_tenant(), AtomicUsize::new(0));
+    for round in 1..=2 {
+        let mut tx = store.pool().begin().await.expect("begin");
+        let answer = succeeds_after_a_failed_statement(&mut tx, &tenant, "k", &runs).await;
+        assert!(
+            matches!(answer, Err(DeclineOr::Library(_))),
+            "a result recorded in an aborted transaction: {answer:?}"
+        );
+        tx.rollback().await.expect("rollback");
+        assert_eq!(
+            runs.load(Ordering::SeqCst),
+            round,
+            "nothing was recorded: the retry ran"
+        );
+    }
+}
+
 /// The store's worker ends its own row-lock waits (`lock_timeout`), under its
 /// bound on an attempt: an attempt the worker cut instead would go on
 /// waiting on the server after its connection closed (PostgreSQL notices a
