@@ -281,6 +281,18 @@ mod tests {
         ));
     }
 
+    /// A candidate exactly `max_distance` edits away is still offered (a
+    /// slip of three letters in a scope or argument name gets its hint, rule
+    /// 18); one edit further is not.
+    #[test]
+    fn nearest_offers_a_candidate_at_exactly_the_bound() {
+        assert_eq!(
+            nearest("orders.pl", ["orders.place"], Some(3)),
+            Some("orders.place")
+        );
+        assert_eq!(nearest("orders.p", ["orders.place"], Some(3)), None);
+    }
+
     #[test]
     fn nearest_picks_the_closest() {
         let names = ["orders.place", "orders.cancel", "payments.charge"];
