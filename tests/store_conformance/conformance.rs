@@ -1296,6 +1296,13 @@ pub async fn retention_counts_from_the_completion<S: Store + Clone + 'static>(st
         running.now_ms,
         running.attempt_started_at_ms
     );
+    // And no longer: the completion was made before this read, on the same
+    // clock, so what is left of its retention is at most the ttl.
+    assert!(
+        done.expires_at_ms <= done.now_ms + ttl_ms,
+        "kept for at most the ttl from its completion (read at {}): {done:?}",
+        done.now_ms
+    );
     assert!(!done.is_expired());
     assert_eq!(
         reserve(&store, &identity, None, &OwnerToken::new(), LONG, LONG).await,
