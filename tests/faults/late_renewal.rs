@@ -584,3 +584,101 @@ async fn mariadb_a_renewal_that_lands_after_a_dropped_call_ended_the_lease_is_en
     };
     a_renewal_landing_after_a_dropped_call("mariadb", &proxy, Arc::new(store)).await;
 }
+
+/// Rule 14 beside the ends made again: a dropped call's record that someone
+/// else's transaction holds (a transactional-mode call that took it over,
+/// its body running) makes each end made again wait for the row lock, up to
+/// the worker's 10 s, on one of the worker's two connections. Two such
+/// records held both connections, and the release of a third dropped call
+/// (a record in progress, refusing retries) waited for them. The ends made
+/// again use one of the worker's connections at most: the other is there
+/// for the work that finishes a dropped call's record.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_ends_made_again_that_wait_for_row_locks_leave_the_worker_a_connection() {
+    use crate::common::records::{acquire, pg_lock_row_in_transaction};
+    use idempotent_runtime::{Identity, OwnerToken};
+    use sqlx::Connection;
+
+    let Some(store) = crate::common::servers::pg_store_or_skip().await else {
+        return;
+    };
+    let tenant = fresh_tenant();
+    let scope = "faults.late_renewal_held_rows";
+    let (lease, ttl) = (Duration::from_secs(30), Duration::from_secs(60));
+    let dropped: Vec<(Identity, OwnerToken)> = {
+        let mut dropped = Vec::new();
+        for n in 0..2 {
+            let identity = Identity::new(&tenant, scope, format!("held-{n}")).expect("identity");
+            let token = acquire(&store, &identity, None, lease, ttl).await;
+            dropped.push((identity, token));
+        }
+        dropped
+    };
+    // Connections that take each record in a transaction left open (a
+    // takeover's body running), opened first so the rows are taken at once.
+    let mut holders = Vec::new();
+    let mut holder_pids: Vec<i32> = Vec::new();
+    for _ in &dropped {
+        let mut conn = sqlx::PgConnection::connect(&crate::common::servers::pg_url())
+            .await
+            .expect("connect");
+        let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+            .fetch_one(&mut conn)
+            .await
+            .expect("pid");
+        holders.push(conn);
+        holder_pids.push(pid);
+    }
+    let mut watcher = sqlx::PgConnection::connect(&crate::common::servers::pg_url())
+        .await
+        .expect("connect");
+    for (identity, token) in &dropped {
+        store.end_lease_detached(identity.clone(), token.clone());
+    }
+    assert_eq!(
+        store.finish_background_work(Duration::from_secs(30)).await,
+        0
+    );
+    for ((identity, _), conn) in dropped.iter().zip(&mut holders) {
+        pg_lock_row_in_transaction(conn, identity).await;
+    }
+    // Until the ends made again wait: both of them (before the fix), or one
+    // waiting and the other queued behind it (so two schedule steps, 2.5 s,
+    // pass without a second waiter).
+    let mut first_seen = None;
+    loop {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity WHERE pg_blocking_pids(pid) && $1::int[]",
+        )
+        .bind(&holder_pids)
+        .fetch_one(&mut watcher)
+        .await
+        .expect("waiters");
+        if waiting >= 1 && first_seen.is_none() {
+            first_seen = Some(std::time::Instant::now());
+        }
+        if waiting >= 2 || first_seen.is_some_and(|at| at.elapsed() > Duration::from_millis(2_500))
+        {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // A third call is dropped holding its record: its release is due now.
+    let identity = Identity::new(&tenant, scope, "released").expect("identity");
+    let token = acquire(&store, &identity, None, lease, ttl).await;
+    store.release_detached(identity.clone(), token);
+    let left = store.finish_background_work(Duration::from_secs(3)).await;
+    let record = store.fetch(&identity).await.expect("fetch");
+    for mut holder in holders {
+        sqlx::query("ROLLBACK")
+            .execute(&mut holder)
+            .await
+            .expect("rollback");
+    }
+    assert_eq!(
+        (left, record.map(|r| r.state)),
+        (0, None),
+        "the dropped call's release waited for the worker's connections, both held by ends \
+         of lease made again waiting for row locks"
+    );
+}

@@ -343,6 +343,8 @@ fn start(store: &'static str, open: OpenFn) -> std::io::Result<mpsc::UnboundedSe
     spawn_with_runtime(format!("idempotent-{store}-detached"), async move {
         let write = open();
         let mut running = tokio::task::JoinSet::new();
+        // One end made again at a time: see `end_again_after_late_renewals`.
+        let ends_made_again = Arc::new(tokio::sync::Semaphore::new(1));
         while let Some(job) = jobs.recv().await {
             let Job {
                 identity,
@@ -365,6 +367,7 @@ fn start(store: &'static str, open: OpenFn) -> std::io::Result<mpsc::UnboundedSe
             // ended it; see `end_again_after_late_renewals`.
             let ends_again = (matches!(work, Work::EndLease) && answers_within.is_some())
                 .then(|| (write.clone(), identity.clone(), token.clone()));
+            let one_at_a_time = ends_made_again.clone();
             let job = with_retries(
                 store,
                 write.clone(),
@@ -384,7 +387,8 @@ fn start(store: &'static str, open: OpenFn) -> std::io::Result<mpsc::UnboundedSe
                 drop(finished);
                 if let (Some((write, identity, token)), Some(Fenced::Written)) = (ends_again, ended)
                 {
-                    end_again_after_late_renewals(store, write, identity, token, answers_within)
+                    let ends = (write, identity, token);
+                    end_again_after_late_renewals(store, ends, answers_within, &one_at_a_time)
                         .await;
                 }
             });
@@ -525,15 +529,27 @@ async fn with_retries(
 /// Fenced by the call's token: only the dropped call's own statements write
 /// with it, so nothing anyone else holds is touched. The worker's path
 /// alone: a call never waits for it, nor does `finish_background_work`.
+///
+/// One end made again is under way at a time in the worker (`one_at_a_time`):
+/// a record someone else's transaction holds (a transactional-mode call that
+/// took it over, its body running) keeps an end made again waiting for the
+/// row lock, up to the worker's 10 s, on one of the worker's two connections.
+/// Unbounded, two such records held both, and the release or completion of
+/// another dropped call waited for them (past its `acquire_timeout`: then a
+/// pause more), the record refusing retries meanwhile; many calls dropped at
+/// once filled the worker's pool with four ends each.
 async fn end_again_after_late_renewals(
     store: &'static str,
-    write: WriteFn,
-    identity: Identity,
-    token: OwnerToken,
+    (write, identity, token): (WriteFn, Identity, OwnerToken),
     answers_within: Option<Duration>,
+    one_at_a_time: &tokio::sync::Semaphore,
 ) {
     for pause in RETRY_AFTER {
         tokio::time::sleep(pause).await;
+        // Never closed: the worker keeps it for as long as it runs.
+        let Ok(_turn) = one_at_a_time.acquire().await else {
+            return;
+        };
         let attempt = write(identity.clone(), token.clone(), Work::EndLease);
         let answered = match answers_within {
             Some(limit) => tokio::time::timeout(limit, attempt).await.ok(),
