@@ -781,6 +781,49 @@ async fn calls_again_in_one_transaction_never_take_over_a_live_store_owner() {
     let Some(store) = mysql_store_or_skip().await else {
         return;
     };
+    calls_again_in_one_transaction(store).await;
+}
+
+/// The same while something else reads `information_schema.innodb_trx`
+/// every 20 ms (a monitoring agent; other transactions' calls, whose
+/// takeover checks read it): InnoDB refreshes the table's cache only once
+/// nobody has read it for 0.1 s, so a transaction begun after the last
+/// refresh is not in it, and the check of when the transaction began found
+/// nothing and let the takeover through. Seen in a full run: the fourth
+/// call in the transaction took the record over beside the live owner, whose
+/// renewals the transaction's failed write kept waiting, and the body ran
+/// twice. A takeover in a transaction now writes only the version of the
+/// record its snapshot read (same token, same lease), whatever that table
+/// says.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn calls_again_in_one_transaction_never_take_over_a_live_store_owner_while_innodb_trx_is_read_often(
+) {
+    let Some(store) = mysql_store_or_skip().await else {
+        return;
+    };
+    let reading = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let reader = {
+        let (pool, reading) = (store.pool().clone(), reading.clone());
+        tokio::spawn(async move {
+            let mut conn = pool.acquire().await.expect("a connection");
+            while reading.load(Ordering::SeqCst) {
+                sqlx::query("SELECT COUNT(*) FROM information_schema.innodb_trx")
+                    .execute(&mut *conn)
+                    .await
+                    .expect("read innodb_trx");
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+    };
+    calls_again_in_one_transaction(store).await;
+    reading.store(false, Ordering::SeqCst);
+    reader.await.expect("reader");
+}
+
+/// A store-mode owner runs; a transactional caller of the same shared scope
+/// calls again and again in one REPEATABLE READ transaction: the body runs
+/// once, and every call is refused.
+async fn calls_again_in_one_transaction(store: MySqlStore) {
     let tenant = fresh_tenant();
     let key = "k";
     let identity = Identity::new(&tenant, "mysql_edges.same_tx", key).expect("identity");

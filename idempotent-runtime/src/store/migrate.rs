@@ -177,6 +177,7 @@ pub(crate) static MYSQL: &[Migration] = embedded_migrations!("mysql":
     (10, "0010_tx_reads_keep_the_wait_bound_under_serializable.sql", "tx reads keep the wait bound under serializable"),
     (11, "0011_purge_deletes_its_rows_by_primary_key.sql", "purge deletes its rows by primary key"),
     (12, "0012_replace_writes_its_record_by_primary_key.sql", "replace writes its record by primary key"),
+    (13, "0013_tx_takes_over_only_the_version_it_read.sql", "tx takes over only the version it read"),
 );
 
 /// SQLite's migrations (`migrations/sqlite`).
