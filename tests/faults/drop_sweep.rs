@@ -498,56 +498,46 @@ const MY_DDL: &str = "CREATE TABLE IF NOT EXISTS idempotent_sweep_charges (
 const LITE_DDL: &str = "CREATE TABLE IF NOT EXISTS idempotent_sweep_charges (
     tenant TEXT NOT NULL, idem_key TEXT NOT NULL)";
 
-#[idempotent(scope = "sweep.tx_pg", key = key, tenant = tenant, tx = tx, skip(body),
-             ttl = "1h", in_progress = wait("20s"))]
-async fn pg_charge_in(
-    tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
-    tenant: &str,
-    key: &str,
-    body: &Body,
-) -> Result<u32, Error> {
-    sqlx::query("INSERT INTO idempotent_sweep_charges (tenant, idem_key) VALUES ($1, $2)")
-        .bind(tenant)
-        .bind(key)
-        .execute(&mut **tx)
-        .await
-        .map_err(|e| Error::Store(StoreError::new("test", "business write", e)))?;
-    Ok(body.run().await)
+/// A transactional charge on database `$db`: its business row written in
+/// the caller's transaction (`$insert`), then the body.
+macro_rules! charge_in {
+    ($db:ty, $scope:literal, $insert:literal, $name:ident) => {
+        #[idempotent(scope = $scope, key = key, tenant = tenant, tx = tx, skip(body), ttl = "1h", in_progress = wait("20s"))]
+        async fn $name(
+            tx: &mut sqlx::Transaction<'_, $db>,
+            tenant: &str,
+            key: &str,
+            body: &Body,
+        ) -> Result<u32, Error> {
+            sqlx::query($insert)
+                .bind(tenant)
+                .bind(key)
+                .execute(&mut **tx)
+                .await
+                .map_err(|e| Error::Store(StoreError::new("test", "business write", e)))?;
+            Ok(body.run().await)
+        }
+    };
 }
 
-#[idempotent(scope = "sweep.tx_my", key = key, tenant = tenant, tx = tx, skip(body),
-             ttl = "1h", in_progress = wait("20s"))]
-async fn my_charge_in(
-    tx: &mut sqlx::Transaction<'_, sqlx::MySql>,
-    tenant: &str,
-    key: &str,
-    body: &Body,
-) -> Result<u32, Error> {
-    sqlx::query("INSERT INTO idempotent_sweep_charges (tenant, idem_key) VALUES (?, ?)")
-        .bind(tenant)
-        .bind(key)
-        .execute(&mut **tx)
-        .await
-        .map_err(|e| Error::Store(StoreError::new("test", "business write", e)))?;
-    Ok(body.run().await)
-}
-
-#[idempotent(scope = "sweep.tx_lite", key = key, tenant = tenant, tx = tx, skip(body),
-             ttl = "1h", in_progress = wait("20s"))]
-async fn lite_charge_in(
-    tx: &mut sqlx::Transaction<'_, sqlx::Sqlite>,
-    tenant: &str,
-    key: &str,
-    body: &Body,
-) -> Result<u32, Error> {
-    sqlx::query("INSERT INTO idempotent_sweep_charges (tenant, idem_key) VALUES (?, ?)")
-        .bind(tenant)
-        .bind(key)
-        .execute(&mut **tx)
-        .await
-        .map_err(|e| Error::Store(StoreError::new("test", "business write", e)))?;
-    Ok(body.run().await)
-}
+charge_in!(
+    sqlx::Postgres,
+    "sweep.tx_pg",
+    "INSERT INTO idempotent_sweep_charges (tenant, idem_key) VALUES ($1, $2)",
+    pg_charge_in
+);
+charge_in!(
+    sqlx::MySql,
+    "sweep.tx_my",
+    "INSERT INTO idempotent_sweep_charges (tenant, idem_key) VALUES (?, ?)",
+    my_charge_in
+);
+charge_in!(
+    sqlx::Sqlite,
+    "sweep.tx_lite",
+    "INSERT INTO idempotent_sweep_charges (tenant, idem_key) VALUES (?, ?)",
+    lite_charge_in
+);
 
 /// One transactional call and its commit, on `pool`.
 macro_rules! tx_call {
