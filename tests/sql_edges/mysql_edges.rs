@@ -3605,3 +3605,239 @@ async fn a_call_costs_one_statement_to_reserve_and_one_to_complete() {
         "statements for (a fresh call, its replay)"
     );
 }
+
+// ---------------------------------------------------------------- 0013: legitimate takeovers in a new transaction
+
+/// A consistent read that opens the transaction's REPEATABLE READ snapshot
+/// (whatever the tenant's records are).
+async fn open_snapshot(tx: &mut sqlx::Transaction<'_, MySql>, tenant: &str) {
+    let _: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM idempotency_records WHERE tenant = ?")
+        .bind(tenant)
+        .fetch_one(&mut **tx)
+        .await
+        .expect("a consistent read");
+}
+
+/// Reserves `identity` in new transactions until one is not refused as
+/// stale (0008 refuses a lease that ran out in the second its transaction
+/// began; the README's remedy is a new transaction), and commits it.
+/// Bounded: 50 transactions.
+async fn reserve_in_new_transactions(
+    store: &MySqlStore,
+    identity: &Identity,
+    lease: Duration,
+) -> Reservation {
+    for _ in 0..50 {
+        let mut tx = store.pool().begin().await.expect("begin");
+        let token = OwnerToken::new();
+        match tx
+            .reserve_in_transaction(request(identity, None, &token, lease, LONG), WAIT)
+            .await
+        {
+            Ok(got) => {
+                tx.commit().await.expect("commit");
+                return got;
+            }
+            Err(Error::StaleSnapshot { .. }) => {
+                tx.rollback().await.expect("rollback");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Err(e) => panic!("{e:?}"),
+        }
+    }
+    panic!("refused as stale in 50 new transactions");
+}
+
+/// Waits until the record's lease has run out on the database clock.
+async fn until_lease_ran_out(store: &MySqlStore, identity: &Identity) {
+    until_clock(store, identity, |s| {
+        s.lease_expires_at_ms.is_some_and(|l| l <= s.now_ms)
+    })
+    .await;
+}
+
+/// 0013 makes a transaction take over only the version of the record its
+/// snapshot read, and refuses a takeover (or a replacement of an
+/// in-progress record) on a later version as stale. A legitimate takeover
+/// must still go through in a new transaction: an owner taken over and
+/// crashed twice (the old snapshot saw the first crash), a completed record
+/// replaced and crashed (the old snapshot saw it completed), an in-progress
+/// record replaced and crashed (the old snapshot saw the first one). The old
+/// transaction may be refused (it must not take over on a version it did not
+/// read); a new one takes over, with the attempt counted.
+#[tokio::test]
+async fn a_takeover_refused_to_an_old_snapshot_goes_through_in_a_new_transaction() {
+    let Some(store) = mysql_store_or_skip().await else {
+        return;
+    };
+    let tenant = fresh_tenant();
+    let short = Duration::from_millis(1);
+
+    // Taken over and crashed twice.
+    let identity = Identity::new(&tenant, "edges.v0013", "twice").expect("identity");
+    let first = OwnerToken::new();
+    assert_eq!(
+        store
+            .reserve(request(&identity, None, &first, short, LONG))
+            .await
+            .expect("reserve"),
+        Reservation::FRESH
+    );
+    until_lease_ran_out(&store, &identity).await;
+    let mut old = store.pool().begin().await.expect("begin");
+    open_snapshot(&mut old, &tenant).await;
+    let second = reserve_in_new_transactions(&store, &identity, short).await;
+    assert!(
+        matches!(
+            second,
+            Reservation::Acquired {
+                took_over: true,
+                attempt: 2,
+                ..
+            }
+        ),
+        "{second:?}"
+    );
+    until_lease_ran_out(&store, &identity).await;
+    let token = OwnerToken::new();
+    let got = old
+        .reserve_in_transaction(request(&identity, None, &token, LONG, LONG), WAIT)
+        .await;
+    old.rollback().await.expect("rollback");
+    eprintln!("twice, old snapshot: {got:?}");
+    assert!(
+        matches!(got, Err(Error::StaleSnapshot { .. })),
+        "the old snapshot read the first crash only: {got:?}"
+    );
+    let third = reserve_in_new_transactions(&store, &identity, LONG).await;
+    assert!(
+        matches!(
+            third,
+            Reservation::Acquired {
+                took_over: true,
+                attempt: 3,
+                ..
+            }
+        ),
+        "a new transaction takes over the second crash: {third:?}"
+    );
+
+    // Completed, expired, replaced and crashed.
+    let identity = Identity::new(&tenant, "edges.v0013", "replaced").expect("identity");
+    let owner = OwnerToken::new();
+    assert_eq!(
+        store
+            .reserve(request(&identity, None, &owner, LONG, LONG))
+            .await
+            .expect("reserve"),
+        Reservation::FRESH
+    );
+    assert_eq!(
+        store
+            .complete(Completion::by_body(
+                &identity,
+                &owner,
+                &ok(b"1"),
+                Duration::from_millis(200)
+            ))
+            .await
+            .expect("complete"),
+        Fenced::Written
+    );
+    until_clock(&store, &identity, |s| s.expires_at_ms <= s.now_ms).await;
+    let mut old = store.pool().begin().await.expect("begin");
+    open_snapshot(&mut old, &tenant).await;
+    let replacer = OwnerToken::new();
+    let got = store
+        .reserve(request(&identity, None, &replacer, short, LONG))
+        .await
+        .expect("replace");
+    assert!(
+        matches!(
+            got,
+            Reservation::Acquired {
+                took_over: false,
+                attempt: 1,
+                ..
+            }
+        ),
+        "{got:?}"
+    );
+    until_lease_ran_out(&store, &identity).await;
+    let token = OwnerToken::new();
+    let got = old
+        .reserve_in_transaction(request(&identity, None, &token, LONG, LONG), WAIT)
+        .await;
+    old.rollback().await.expect("rollback");
+    eprintln!("replaced, old snapshot: {got:?}");
+    assert!(
+        matches!(got, Err(Error::StaleSnapshot { .. })),
+        "the old snapshot read the completed record only: {got:?}"
+    );
+    let got = reserve_in_new_transactions(&store, &identity, LONG).await;
+    assert!(
+        matches!(
+            got,
+            Reservation::Acquired {
+                took_over: true,
+                attempt: 2,
+                ..
+            }
+        ),
+        "a new transaction takes over the crashed replacement: {got:?}"
+    );
+
+    // In progress, expired (lease and ttl), replaced and crashed the same way.
+    let identity = Identity::new(&tenant, "edges.v0013", "replaced_in_progress").expect("identity");
+    let ttl = Duration::from_millis(200);
+    let crashed = OwnerToken::new();
+    assert_eq!(
+        store
+            .reserve(request(&identity, None, &crashed, short, ttl))
+            .await
+            .expect("reserve"),
+        Reservation::FRESH
+    );
+    until_clock(&store, &identity, |s| s.expires_at_ms <= s.now_ms).await;
+    let mut old = store.pool().begin().await.expect("begin");
+    open_snapshot(&mut old, &tenant).await;
+    let replacer = OwnerToken::new();
+    let got = store
+        .reserve(request(&identity, None, &replacer, short, ttl))
+        .await
+        .expect("replace");
+    assert!(
+        matches!(
+            got,
+            Reservation::Acquired {
+                took_over: false,
+                attempt: 1,
+                ..
+            }
+        ),
+        "{got:?}"
+    );
+    until_clock(&store, &identity, |s| s.expires_at_ms <= s.now_ms).await;
+    let token = OwnerToken::new();
+    let got = old
+        .reserve_in_transaction(request(&identity, None, &token, LONG, LONG), WAIT)
+        .await;
+    old.rollback().await.expect("rollback");
+    eprintln!("replaced in progress, old snapshot: {got:?}");
+    assert!(
+        matches!(got, Err(Error::StaleSnapshot { .. })),
+        "the old snapshot read the first record only: {got:?}"
+    );
+    let got = reserve_in_new_transactions(&store, &identity, LONG).await;
+    assert!(
+        matches!(
+            got,
+            Reservation::Acquired {
+                took_over: false,
+                attempt: 1,
+                ..
+            }
+        ),
+        "a new transaction replaces the crashed replacement: {got:?}"
+    );
+}
