@@ -801,23 +801,58 @@ async fn calls_again_in_one_transaction_never_take_over_a_live_store_owner_while
     let Some(store) = mysql_store_or_skip().await else {
         return;
     };
-    let reading = Arc::new(std::sync::atomic::AtomicBool::new(true));
-    let reader = {
-        let (pool, reading) = (store.pool().clone(), reading.clone());
-        tokio::spawn(async move {
+    let reader = InnodbTrxReader::start(store.pool());
+    calls_again_in_one_transaction(store).await;
+    reader.stop().await;
+}
+
+/// A pool of one connection whose session runs at `level` (`SET SESSION
+/// TRANSACTION ISOLATION LEVEL ...`, e.g. `"SERIALIZABLE"`).
+async fn one_connection_at(level: &'static str) -> sqlx::MySqlPool {
+    MySqlPoolOptions::new()
+        .max_connections(1)
+        .after_connect(move |conn, _| {
+            Box::pin(async move {
+                conn.execute(format!("SET SESSION TRANSACTION ISOLATION LEVEL {level}").as_str())
+                    .await?;
+                Ok(())
+            })
+        })
+        .connect(&mysql_url())
+        .await
+        .expect("pool")
+}
+
+/// Reads `information_schema.innodb_trx` every 20 ms on a connection of its
+/// own (as a monitoring agent would) until stopped: InnoDB then never
+/// refreshes the cache it shows that table through, and a transaction begun
+/// after the last refresh is not in it.
+struct InnodbTrxReader {
+    reading: Arc<std::sync::atomic::AtomicBool>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl InnodbTrxReader {
+    fn start(pool: &sqlx::MySqlPool) -> Self {
+        let reading = Arc::new(std::sync::atomic::AtomicBool::new(true));
+        let (pool, still) = (pool.clone(), reading.clone());
+        let task = tokio::spawn(async move {
             let mut conn = pool.acquire().await.expect("a connection");
-            while reading.load(Ordering::SeqCst) {
+            while still.load(Ordering::SeqCst) {
                 sqlx::query("SELECT COUNT(*) FROM information_schema.innodb_trx")
                     .execute(&mut *conn)
                     .await
                     .expect("read innodb_trx");
                 tokio::time::sleep(Duration::from_millis(20)).await;
             }
-        })
-    };
-    calls_again_in_one_transaction(store).await;
-    reading.store(false, Ordering::SeqCst);
-    reader.await.expect("reader");
+        });
+        InnodbTrxReader { reading, task }
+    }
+
+    async fn stop(self) {
+        self.reading.store(false, Ordering::SeqCst);
+        self.task.await.expect("reader");
+    }
 }
 
 /// A store-mode owner runs; a transactional caller of the same shared scope
@@ -1758,18 +1793,7 @@ async fn an_in_progress_record_met_under_serializable_refuses_the_transaction() 
             .expect("the owner reserves"),
         Reservation::FRESH
     );
-    let pool = MySqlPoolOptions::new()
-        .max_connections(1)
-        .after_connect(|conn, _| {
-            Box::pin(async move {
-                conn.execute("SET SESSION TRANSACTION ISOLATION LEVEL SERIALIZABLE")
-                    .await?;
-                Ok(())
-            })
-        })
-        .connect(&mysql_url())
-        .await
-        .expect("pool");
+    let pool = one_connection_at("SERIALIZABLE").await;
     let mut tx = pool.begin().await.expect("begin");
     let token = OwnerToken::new();
     let got = tx
@@ -2213,18 +2237,7 @@ async fn a_pool_that_reads_uncommitted_data_is_refused() {
     if mysql_store_or_skip().await.is_none() {
         return;
     }
-    let pool = MySqlPoolOptions::new()
-        .max_connections(1)
-        .after_connect(|conn, _| {
-            Box::pin(async move {
-                conn.execute("SET SESSION TRANSACTION ISOLATION LEVEL READ UNCOMMITTED")
-                    .await?;
-                Ok(())
-            })
-        })
-        .connect(&mysql_url())
-        .await
-        .expect("pool");
+    let pool = one_connection_at("READ UNCOMMITTED").await;
     let refused = MySqlStore::from_pool(pool).await.expect_err("refused");
     assert!(
         matches!(&refused, Error::Store(e) if e.to_string().contains("READ UNCOMMITTED")),
@@ -3857,20 +3870,7 @@ async fn a_serializable_transaction_calling_again_never_takes_over_the_owner_it_
     let Some(store) = mysql_store_or_skip().await else {
         return;
     };
-    let reading = Arc::new(std::sync::atomic::AtomicBool::new(true));
-    let reader = {
-        let (pool, reading) = (store.pool().clone(), reading.clone());
-        tokio::spawn(async move {
-            let mut conn = pool.acquire().await.expect("a connection");
-            while reading.load(Ordering::SeqCst) {
-                sqlx::query("SELECT COUNT(*) FROM information_schema.innodb_trx")
-                    .execute(&mut *conn)
-                    .await
-                    .expect("read innodb_trx");
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-        })
-    };
+    let reader = InnodbTrxReader::start(store.pool());
     let identity =
         Identity::new(fresh_tenant(), "edges.serializable_again", "k").expect("identity");
     let lease = Duration::from_millis(1500);
@@ -3882,18 +3882,7 @@ async fn a_serializable_transaction_calling_again_never_takes_over_the_owner_it_
             .expect("the owner reserves"),
         Reservation::FRESH
     );
-    let pool = MySqlPoolOptions::new()
-        .max_connections(1)
-        .after_connect(|conn, _| {
-            Box::pin(async move {
-                conn.execute("SET SESSION TRANSACTION ISOLATION LEVEL SERIALIZABLE")
-                    .await?;
-                Ok(())
-            })
-        })
-        .connect(&mysql_url())
-        .await
-        .expect("pool");
+    let pool = one_connection_at("SERIALIZABLE").await;
     let mut tx = pool.begin().await.expect("begin");
     let token = OwnerToken::new();
     let first = tx
@@ -3917,8 +3906,7 @@ async fn a_serializable_transaction_calling_again_never_takes_over_the_owner_it_
         .await;
     let _ = tx.rollback().await;
     let renewed = renewal.await.expect("renewal task");
-    reading.store(false, Ordering::SeqCst);
-    reader.await.expect("reader");
+    reader.stop().await;
     eprintln!("again: {again:?}; the owner's renewal: {renewed:?}");
     assert!(
         !matches!(again, Ok(Reservation::Acquired { .. })),
@@ -3941,20 +3929,7 @@ async fn a_read_committed_transaction_calling_again_never_takes_over_the_owner_i
     let Some(store) = mysql_store_or_skip().await else {
         return;
     };
-    let reading = Arc::new(std::sync::atomic::AtomicBool::new(true));
-    let reader = {
-        let (pool, reading) = (store.pool().clone(), reading.clone());
-        tokio::spawn(async move {
-            let mut conn = pool.acquire().await.expect("a connection");
-            while reading.load(Ordering::SeqCst) {
-                sqlx::query("SELECT COUNT(*) FROM information_schema.innodb_trx")
-                    .execute(&mut *conn)
-                    .await
-                    .expect("read innodb_trx");
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-        })
-    };
+    let reader = InnodbTrxReader::start(store.pool());
     let tenant = fresh_tenant();
     let identity = Identity::new(&tenant, "edges.read_committed_again", "k").expect("identity");
     let lease = Duration::from_millis(1500);
@@ -3986,18 +3961,7 @@ async fn a_read_committed_transaction_calling_again_never_takes_over_the_owner_i
     .execute(&mut *renewing)
     .await
     .expect("renew");
-    let pool = MySqlPoolOptions::new()
-        .max_connections(1)
-        .after_connect(|conn, _| {
-            Box::pin(async move {
-                conn.execute("SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED")
-                    .await?;
-                Ok(())
-            })
-        })
-        .connect(&mysql_url())
-        .await
-        .expect("pool");
+    let pool = one_connection_at("READ COMMITTED").await;
     let caller = {
         let (pool, identity) = (pool.clone(), identity.clone());
         tokio::spawn(async move {
@@ -4027,8 +3991,7 @@ async fn a_read_committed_transaction_calling_again_never_takes_over_the_owner_i
         .await;
     let _ = tx.rollback().await;
     let renewed = renewal.await.expect("renewal task");
-    reading.store(false, Ordering::SeqCst);
-    reader.await.expect("reader");
+    reader.stop().await;
     eprintln!("again: {again:?}; the owner's renewal: {renewed:?}");
     assert!(
         !matches!(again, Ok(Reservation::Acquired { .. })),
