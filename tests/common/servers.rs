@@ -130,6 +130,36 @@ pub async fn mysql_create_database(admin: &MySqlStore, prefix: &str) -> String {
     db
 }
 
+/// `url` with its database replaced by `database`.
+#[allow(dead_code)] // not every test binary has such a test
+pub fn mysql_url_of(url: &str, database: &str) -> String {
+    match url.rsplit_once('/') {
+        Some((base, _)) => format!("{base}/{database}"),
+        None => panic!("url {url}"),
+    }
+}
+
+/// Drops the databases `dbs` through `admin`, then re-raises what `checked`
+/// panicked with (the test ran in a task, so that its database is dropped
+/// whatever it asserted).
+#[allow(dead_code)] // not every test binary has such a test
+pub async fn mysql_drop_then_check(
+    admin: &MySqlStore,
+    dbs: &[&str],
+    checked: Result<(), tokio::task::JoinError>,
+) {
+    use sqlx::Executor;
+    for db in dbs {
+        let _ = admin
+            .pool()
+            .execute(format!("DROP DATABASE `{}`", db.replace('`', "``")).as_str())
+            .await;
+    }
+    if let Err(e) = checked {
+        std::panic::resume_unwind(e.into_panic());
+    }
+}
+
 /// The URL of [`mysql_url`]'s server and database for a user granted only
 /// `SELECT` on that database (`idempotent_reader`, no password, created when
 /// missing through `pool`, a root connection).

@@ -20,7 +20,10 @@
 
 use crate::common;
 
-use common::servers::{fresh_tenant, mysql_store_or_skip, mysql_url};
+use common::servers::{
+    fresh_tenant, mysql_create_database, mysql_drop_then_check, mysql_store_or_skip, mysql_url,
+    mysql_url_of,
+};
 use idempotent_runtime::TransactionalConnection;
 use idempotent_runtime::{
     idempotent, with_outcome, Completion, Error, Fenced, Fingerprint, Identity, MySqlStore,
@@ -3678,11 +3681,25 @@ async fn until_lease_ran_out(store: &MySqlStore, identity: &Identity) {
 /// record replaced and crashed (the old snapshot saw the first one). The old
 /// transaction may be refused (it must not take over on a version it did not
 /// read); a new one takes over, with the attempt counted.
+///
+/// In a database of its own: other tests' purges would delete its expired
+/// records part-way.
 #[tokio::test]
 async fn a_takeover_refused_to_an_old_snapshot_goes_through_in_a_new_transaction() {
-    let Some(store) = mysql_store_or_skip().await else {
+    let Some(admin) = mysql_store_or_skip().await else {
         return;
     };
+    let db = mysql_create_database(&admin, "edges_v0013").await;
+    let url = mysql_url_of(&mysql_url(), &db);
+    let checked = tokio::spawn(async move {
+        let store = MySqlStore::connect(&url).await.expect("a store of its own");
+        takeovers_refused_to_an_old_snapshot_go_through_in_new_transactions(store).await;
+    })
+    .await;
+    mysql_drop_then_check(&admin, &[&db], checked).await;
+}
+
+async fn takeovers_refused_to_an_old_snapshot_go_through_in_new_transactions(store: MySqlStore) {
     let tenant = fresh_tenant();
     let short = Duration::from_millis(1);
 

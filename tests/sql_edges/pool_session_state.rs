@@ -8,7 +8,8 @@
 use crate::common;
 
 use common::servers::{
-    fresh_tenant, mysql_create_database, mysql_store_or_skip, mysql_url, pg_store_or_skip, pg_url,
+    fresh_tenant, mysql_create_database, mysql_drop_then_check, mysql_store_or_skip, mysql_url,
+    mysql_url_of, pg_store_or_skip, pg_url,
 };
 use idempotent_runtime::{
     Completion, Fenced, Fingerprint, Identity, MySqlStore, OwnerToken, PgStore, RecordState,
@@ -1288,14 +1289,6 @@ async fn mysql_pool_of_one(url: &str) -> (sqlx::MySqlPool, MySqlStore) {
     (pool, store)
 }
 
-/// `url` with its database replaced by `database`.
-fn mysql_url_of(url: &str, database: &str) -> String {
-    match url.rsplit_once('/') {
-        Some((base, _)) => format!("{base}/{database}"),
-        None => panic!("url {url}"),
-    }
-}
-
 /// Session state code sharing a MariaDB/MySQL pool may leave on a connection
 /// (each row one or more statements, run on the pool's one connection) that
 /// must not change where or how the store's records are written. The
@@ -1799,23 +1792,6 @@ async fn mysql_a_statement_time_limit_left_on_the_pool_does_not_cut_a_duplicates
         matches!(answer, Ok(Reservation::InProgress { .. })),
         "the duplicate is told the call is in progress: {answer:?}"
     );
-}
-
-/// Drops `db` through `admin`, then re-raises what `checked` panicked with.
-async fn mysql_drop_then_check(
-    admin: &MySqlStore,
-    dbs: &[&str],
-    checked: Result<(), tokio::task::JoinError>,
-) {
-    for db in dbs {
-        let _ = admin
-            .pool()
-            .execute(format!("DROP DATABASE `{}`", db.replace('`', "``")).as_str())
-            .await;
-    }
-    if let Err(e) = checked {
-        std::panic::resume_unwind(e.into_panic());
-    }
 }
 
 /// A pool whose sessions run SERIALIZABLE with autocommit off (an ORM's
