@@ -3872,6 +3872,49 @@ async fn takeovers_refused_to_an_old_snapshot_go_through_in_new_transactions(sto
     );
 }
 
+/// A store-mode owner of a fresh record of `scope` (in a tenant of its
+/// own), with a lease of `lease` and no heartbeat.
+async fn a_live_owner(store: &MySqlStore, scope: &str, lease: Duration) -> (Identity, OwnerToken) {
+    let identity = Identity::new(fresh_tenant(), scope, "k").expect("identity");
+    let owner = OwnerToken::new();
+    assert_eq!(
+        store
+            .reserve(request(&identity, None, &owner, lease, LONG))
+            .await
+            .expect("the owner reserves"),
+        Reservation::FRESH
+    );
+    (identity, owner)
+}
+
+/// A call on `conn`, in a SERIALIZABLE transaction, finds the owner's lease
+/// live: its read locked the record, and it is refused as stale.
+async fn refused_a_look_at(
+    conn: &mut sqlx::MySqlConnection,
+    identity: &Identity,
+    token: &OwnerToken,
+) {
+    let first = conn
+        .reserve_in_transaction(request(identity, None, token, LONG, LONG), WAIT)
+        .await;
+    assert!(
+        matches!(first, Err(Error::StaleSnapshot { .. })),
+        "{first:?}"
+    );
+}
+
+/// The owner renews its lease once, in a task of its own (the renewal may
+/// wait for a transaction's lock).
+fn renew_once(
+    store: &MySqlStore,
+    identity: &Identity,
+    owner: &OwnerToken,
+    lease: Duration,
+) -> tokio::task::JoinHandle<Result<Fenced, idempotent_runtime::StoreError>> {
+    let (store, identity, owner) = (store.clone(), identity.clone(), owner.clone());
+    tokio::spawn(async move { store.heartbeat(&identity, &owner, lease).await })
+}
+
 /// Under SERIALIZABLE the read of a transactional call is a locking one: a
 /// call that finds a live owner's record holds a shared lock on it (refused
 /// as `StaleSnapshot`), and the owner's renewal waits for that lock. A
@@ -3882,42 +3925,20 @@ async fn takeovers_refused_to_an_old_snapshot_go_through_in_new_transactions(sto
 /// owner, and that table leaves the transaction out while something reads it
 /// more often than every 0.1 s.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-#[ignore = "reproduces an open defect (0013 does not cover SERIALIZABLE): fails 4 of 4, the transaction takes over"]
 async fn a_serializable_transaction_calling_again_never_takes_over_the_owner_it_starved() {
     let Some(store) = mysql_store_or_skip().await else {
         return;
     };
     let reader = InnodbTrxReader::start(store.pool());
-    let identity =
-        Identity::new(fresh_tenant(), "edges.serializable_again", "k").expect("identity");
     let lease = Duration::from_millis(1500);
-    let owner = OwnerToken::new();
-    assert_eq!(
-        store
-            .reserve(request(&identity, None, &owner, lease, LONG))
-            .await
-            .expect("the owner reserves"),
-        Reservation::FRESH
-    );
+    let (identity, owner) = a_live_owner(&store, "edges.serializable_again", lease).await;
     let pool = one_connection_at("SERIALIZABLE").await;
     let mut tx = pool.begin().await.expect("begin");
     let token = OwnerToken::new();
-    let first = tx
-        .reserve_in_transaction(request(&identity, None, &token, LONG, LONG), WAIT)
-        .await;
-    assert!(
-        matches!(first, Err(Error::StaleSnapshot { .. })),
-        "{first:?}"
-    );
+    refused_a_look_at(&mut tx, &identity, &token).await;
     // The owner renews; its renewal waits for the transaction's lock.
-    let renewal = {
-        let (store, identity, owner) = (store.clone(), identity.clone(), owner.clone());
-        tokio::spawn(async move { store.heartbeat(&identity, &owner, lease).await })
-    };
-    until_clock(&store, &identity, |s| {
-        s.lease_expires_at_ms.is_some_and(|l| l <= s.now_ms)
-    })
-    .await;
+    let renewal = renew_once(&store, &identity, &owner, lease);
+    until_lease_ran_out(&store, &identity).await;
     let again = tx
         .reserve_in_transaction(request(&identity, None, &token, LONG, LONG), WAIT)
         .await;
@@ -3931,17 +3952,142 @@ async fn a_serializable_transaction_calling_again_never_takes_over_the_owner_it_
     );
 }
 
+/// A savepoint rolled back: MariaDB (10.11) lets go of the row locks taken
+/// after it, MySQL keeps them. A SERIALIZABLE call in a nested transaction
+/// (sqlx's `begin` on a transaction: a savepoint) finds a live owner and is
+/// refused (its read locked the record); the nested transaction is rolled
+/// back and the owner renews. Where the renewal goes through (the lock went
+/// with the savepoint), the owner then crashes and a call again in the outer
+/// transaction takes the renewed version over once its lease has run out:
+/// the version the transaction marked (0014) is not that one. Where the
+/// renewal waits for the outer transaction's lock, the call again once the
+/// lease has run out is refused: the marks outlive `ROLLBACK TO SAVEPOINT`.
+/// `innodb_trx` is read often throughout, so only the marks decide.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_call_again_after_rolling_back_to_a_savepoint_takes_over_only_what_it_did_not_starve() {
+    let Some(store) = mysql_store_or_skip().await else {
+        return;
+    };
+    let reader = InnodbTrxReader::start(store.pool());
+    let lease = Duration::from_millis(1500);
+    let (identity, owner) = a_live_owner(&store, "edges.savepoint_again", lease).await;
+    let pool = one_connection_at("SERIALIZABLE").await;
+    let mut tx = pool.begin().await.expect("begin");
+    let token = OwnerToken::new();
+    let mut nested = sqlx::Connection::begin(&mut *tx).await.expect("savepoint");
+    refused_a_look_at(&mut nested, &identity, &token).await;
+    nested.rollback().await.expect("rollback to the savepoint");
+    let renewal = renew_once(&store, &identity, &owner, lease);
+    // The lease runs out: renewed once and then crashed, or starved.
+    until_lease_ran_out(&store, &identity).await;
+    let starved = !renewal.is_finished();
+    let again = tx
+        .reserve_in_transaction(request(&identity, None, &token, LONG, LONG), WAIT)
+        .await;
+    let _ = tx.rollback().await;
+    let renewed = renewal.await.expect("renewal task");
+    reader.stop().await;
+    if starved {
+        assert!(
+            matches!(again, Err(Error::StaleSnapshot { .. })),
+            "a transaction rolled back to a savepoint took over the owner its lock starved: {again:?}; the owner's renewal: {renewed:?}"
+        );
+    } else {
+        assert!(matches!(renewed, Ok(Fenced::Written)), "{renewed:?}");
+        assert!(
+            matches!(
+                again,
+                Ok(Reservation::Acquired {
+                    took_over: true,
+                    ..
+                })
+            ),
+            "the owner renewed and crashed: a version the transaction never locked is taken over: {again:?}"
+        );
+    }
+}
+
+/// A transaction's marks (0014) end with it: after a SERIALIZABLE
+/// transaction was refused a live owner's record (its lock marked that
+/// version) and rolled back, or committed, the owner crashes; a new
+/// transaction on the same connection takes the record over once the lease
+/// has run out, the same version notwithstanding. Also with autocommit off,
+/// where a transaction ends with COMMIT and the next begins by itself.
+#[tokio::test]
+async fn a_version_marked_by_an_ended_transaction_is_taken_over_by_the_next() {
+    let Some(store) = mysql_store_or_skip().await else {
+        return;
+    };
+    let lease = Duration::from_millis(300);
+    for (end, autocommit_off) in [("rollback", false), ("commit", false), ("commit", true)] {
+        let key = format!("{end}-{autocommit_off}");
+        let (identity, _crashed) = a_live_owner(&store, "edges.marks_end", lease).await;
+        let pool = one_connection_at("SERIALIZABLE").await;
+        let mut conn = pool.acquire().await.expect("a connection");
+        let begin = if autocommit_off {
+            "SET autocommit = 0"
+        } else {
+            "BEGIN"
+        };
+        conn.execute(begin).await.expect("begin");
+        refused_a_look_at(&mut conn, &identity, &OwnerToken::new()).await;
+        conn.execute(if end == "rollback" {
+            "ROLLBACK"
+        } else {
+            "COMMIT"
+        })
+        .await
+        .expect("end the transaction");
+        // The owner crashed: its lease runs out unrenewed.
+        until_lease_ran_out(&store, &identity).await;
+        // New transactions on the connection, until one is not refused as
+        // stale (0008 refuses one while `innodb_trx` still shows the
+        // connection's previous transaction, whose start came before the
+        // lease ran out; the README's remedy is a new transaction). Bounded:
+        // 50 transactions; marks that outlived their transaction would
+        // refuse them all.
+        let mut again = None;
+        for _ in 0..50 {
+            if !autocommit_off {
+                conn.execute("BEGIN").await.expect("begin again");
+            }
+            let taker = OwnerToken::new();
+            let got = conn
+                .reserve_in_transaction(request(&identity, None, &taker, LONG, LONG), WAIT)
+                .await;
+            conn.execute("ROLLBACK").await.expect("roll back");
+            match got {
+                Err(Error::StaleSnapshot { .. }) => {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                got => {
+                    again = Some(got);
+                    break;
+                }
+            }
+        }
+        assert!(
+            matches!(
+                again,
+                Some(Ok(Reservation::Acquired {
+                    took_over: true,
+                    ..
+                }))
+            ),
+            "{key}: new transactions are refused a crashed owner's record: {again:?}"
+        );
+    }
+}
+
 /// READ COMMITTED: a takeover whose fenced write meets a renewal committed
 /// after its read fails, and the locking re-read of 0006 keeps a shared lock
 /// on the record (`StaleSnapshot`). Each later read of the transaction sees
 /// the latest committed version, which that lock freezes: a call again once
 /// the starved lease has run out matches the version it read, and only the
 /// `innodb_trx` check of 0008 refuses it (not while that table is read more
-/// often than every 0.1 s). A repro: a 300 ms pause lets the call read
-/// before the renewal commits (the first answer, `StaleSnapshot`, shows it
-/// did).
+/// often than every 0.1 s). The call marks the version it locked (0014),
+/// and the call again is refused as stale.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-#[ignore = "reproduces an open defect (0013 does not cover READ COMMITTED)"]
 async fn a_read_committed_transaction_calling_again_never_takes_over_the_owner_it_starved() {
     let Some(store) = mysql_store_or_skip().await else {
         return;
@@ -3979,10 +4125,14 @@ async fn a_read_committed_transaction_calling_again_never_takes_over_the_owner_i
     .await
     .expect("renew");
     let pool = one_connection_at("READ COMMITTED").await;
+    let mut tx = pool.begin().await.expect("begin");
+    let (caller_id,): (u64,) = sqlx::query_as("SELECT CONNECTION_ID()")
+        .fetch_one(&mut *tx)
+        .await
+        .expect("the caller's connection id");
     let caller = {
-        let (pool, identity) = (pool.clone(), identity.clone());
+        let identity = identity.clone();
         tokio::spawn(async move {
-            let mut tx = pool.begin().await.expect("begin");
             let token = OwnerToken::new();
             let first = tx
                 .reserve_in_transaction(request(&identity, None, &token, LONG, LONG), WAIT)
@@ -3990,7 +4140,9 @@ async fn a_read_committed_transaction_calling_again_never_takes_over_the_owner_i
             (tx, token, first)
         })
     };
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // The caller's takeover write waits for the renewal's row lock (its
+    // read came before the renewal commits).
+    until_all_wait_or_finish(store.pool(), &[caller_id], &AtomicUsize::new(0)).await;
     renewing.commit().await.expect("the renewal commits");
     let (mut tx, token, first) = caller.await.expect("caller");
     assert!(
@@ -3998,10 +4150,7 @@ async fn a_read_committed_transaction_calling_again_never_takes_over_the_owner_i
         "the call read before the renewal committed: {first:?}"
     );
     // The owner renews again; its renewal waits for the transaction's lock.
-    let renewal = {
-        let (store, identity, owner) = (store.clone(), identity.clone(), owner.clone());
-        tokio::spawn(async move { store.heartbeat(&identity, &owner, lease).await })
-    };
+    let renewal = renew_once(&store, &identity, &owner, lease);
     until_lease_ran_out(&store, &identity).await;
     let again = tx
         .reserve_in_transaction(request(&identity, None, &token, LONG, LONG), WAIT)

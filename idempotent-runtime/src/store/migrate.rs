@@ -178,6 +178,7 @@ pub(crate) static MYSQL: &[Migration] = embedded_migrations!("mysql":
     (11, "0011_purge_deletes_its_rows_by_primary_key.sql", "purge deletes its rows by primary key"),
     (12, "0012_replace_writes_its_record_by_primary_key.sql", "replace writes its record by primary key"),
     (13, "0013_tx_takes_over_only_the_version_it_read.sql", "tx takes over only the version it read"),
+    (14, "0014_tx_never_takes_over_a_version_it_locked.sql", "tx never takes over a version it locked"),
 );
 
 /// SQLite's migrations (`migrations/sqlite`).
