@@ -522,3 +522,235 @@ async fn a_body_over_a_limit_outside_the_layer_is_413_not_unreadable() {
         assert_eq!(runs.load(Ordering::SeqCst), 1, "{name}");
     }
 }
+
+/// What a route's own checks (a middleware inside the layer, as
+/// tower-http's `ValidateRequestHeaderLayer` is, or the handler's first
+/// lines) say to a request whose headers or framing they refuse, before
+/// anything is done: each status is one the HTTP RFCs define as "not
+/// processed; send it again, changed as follows" (or, for 421, unchanged
+/// over another connection).
+fn refuse_before_work(request: &Request, misdirect_next: &AtomicUsize) -> Option<StatusCode> {
+    let headers = request.headers();
+    // RFC 9110 15.5.20: a request that reached a server that does not serve
+    // its target. "Clients ... MAY retry the request, whether or not the
+    // request method is idempotent, over a different connection."
+    if misdirect_next
+        .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+        .is_ok()
+    {
+        return Some(StatusCode::MISDIRECTED_REQUEST);
+    }
+    // RFC 9110 15.5.12: "The client MAY repeat the request if it adds a valid
+    // Content-Length header field."
+    if !headers.contains_key(header::CONTENT_LENGTH) {
+        return Some(StatusCode::LENGTH_REQUIRED);
+    }
+    // RFC 9110 10.1.1: "A client that receives a 417 (Expectation Failed)
+    // status code in response to a request containing a 100-continue
+    // expectation SHOULD repeat that request without a 100-continue
+    // expectation."
+    if headers.contains_key(header::EXPECT) {
+        return Some(StatusCode::EXPECTATION_FAILED);
+    }
+    // RFC 6585 3: the route takes only conditional requests (lost updates);
+    // the client sends it again with `If-Match`.
+    if !headers.contains_key(header::IF_MATCH) {
+        return Some(StatusCode::PRECONDITION_REQUIRED);
+    }
+    // RFC 6585 5: "The request MAY be resubmitted after reducing the size of
+    // the request header fields."
+    if headers.values().any(|v| v.len() > 1024) {
+        return Some(StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE);
+    }
+    // Content negotiation (tower-http's `ValidateRequestHeaderLayer::accept`).
+    if headers
+        .get(header::ACCEPT)
+        .is_some_and(|v| !v.as_bytes().windows(4).any(|w| w == b"json"))
+    {
+        return Some(StatusCode::NOT_ACCEPTABLE);
+    }
+    // RFC 9110 15.5.15: a target longer than the route takes; sent again shorter.
+    if request.uri().to_string().len() > 64 {
+        return Some(StatusCode::URI_TOO_LONG);
+    }
+    None
+}
+
+/// A refusal that asks for the request again (411, 417, 421, 428, 431 by
+/// their RFCs' words; 414, which a shorter target answers, like the 413
+/// and 415 the layer already leaves unrecorded), made inside the
+/// layer before the handler did anything, is not recorded: the request the
+/// RFC tells the client to send (the same key; the same method, target and
+/// body but for 414, so the same fingerprint but for 414) runs. Recorded, it
+/// answered that request with the refusal itself (a replay: headers and
+/// framing are not fingerprinted) or 422 (414), for the record's whole ttl.
+#[tokio::test]
+async fn refusals_that_ask_for_the_request_again_are_not_recorded() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let runs = Arc::new(AtomicUsize::new(0));
+    let misdirect_next = Arc::new(AtomicUsize::new(0));
+    let counted = runs.clone();
+    let handler = move |body: Bytes| {
+        let counted = counted.clone();
+        async move {
+            let n = counted.fetch_add(1, Ordering::SeqCst) + 1;
+            let body = String::from_utf8_lossy(&body).into_owned();
+            (StatusCode::CREATED, format!("{body} (run {n})"))
+        }
+    };
+    let checks = misdirect_next.clone();
+    let app = Router::new()
+        .route("/orders", post(handler))
+        // Inside the idempotency layer: added to the route before it.
+        .route_layer(middleware::from_fn(move |request: Request, next: Next| {
+            let checks = checks.clone();
+            async move {
+                match refuse_before_work(&request, &checks) {
+                    Some(status) => axum::response::IntoResponse::into_response(status),
+                    None => next.run(request).await,
+                }
+            }
+        }))
+        .route_layer(
+            IdempotencyLayer::builder("resend.orders", MemoryStore::new())
+                .tenant_from_extension::<AccountId>()
+                .build()
+                .expect("layer"),
+        )
+        .layer(middleware::from_fn(authenticate));
+    let (base, _task) = serve(app).await;
+    let addr = base.trim_start_matches("http://").to_owned();
+
+    // One request written byte for byte (`Connection: close`): its status,
+    // whether it was replayed, and its body.
+    let send = |key: String, target: String, extra: Vec<String>, chunked: bool| {
+        let addr = addr.clone();
+        async move {
+            let body = "one order";
+            let mut head = format!(
+                "POST {target} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\
+                 X-Account-Id: acct-resend\r\nIdempotency-Key: {key}\r\n\
+                 Content-Type: text/plain\r\n"
+            );
+            for line in &extra {
+                head.push_str(line);
+                head.push_str("\r\n");
+            }
+            let framed = if chunked {
+                head.push_str("Transfer-Encoding: chunked\r\n\r\n");
+                format!("{head}{:x}\r\n{body}\r\n0\r\n\r\n", body.len())
+            } else {
+                format!("{head}Content-Length: {}\r\n\r\n{body}", body.len())
+            };
+            let mut stream = tokio::net::TcpStream::connect(&addr)
+                .await
+                .expect("connect");
+            stream.write_all(framed.as_bytes()).await.expect("write");
+            let mut answer = Vec::new();
+            crate::http_app::bounded("the answer", stream.read_to_end(&mut answer))
+                .await
+                .expect("read");
+            let mut answer = String::from_utf8_lossy(&answer).into_owned();
+            // The interim `100 Continue` a request that expects it gets first.
+            while answer.starts_with("HTTP/1.1 1") {
+                let end = answer.find("\r\n\r\n").map_or(answer.len(), |i| i + 4);
+                answer.drain(..end);
+            }
+            let status: u16 = answer
+                .split(' ')
+                .nth(1)
+                .and_then(|s| s.parse().ok())
+                .unwrap_or_else(|| panic!("no status in {answer:?}"));
+            let (head, body) = answer.split_once("\r\n\r\n").unwrap_or((&answer, ""));
+            let replayed = head
+                .to_ascii_lowercase()
+                .contains("\r\nidempotent-replayed: true");
+            (status, replayed, body.to_owned())
+        }
+    };
+    let good_lines = || {
+        vec![
+            "If-Match: \"v1\"".to_owned(),
+            "Accept: application/json".to_owned(),
+        ]
+    };
+    let long_query = format!("/orders?note={}", "x".repeat(80));
+    // (status, the refused request: extra lines, chunked, target)
+    let cases: Vec<(u16, Vec<String>, bool, &str)> = vec![
+        (411, good_lines(), true, "/orders"),
+        (
+            417,
+            [good_lines(), vec!["Expect: 100-continue".to_owned()]].concat(),
+            false,
+            "/orders",
+        ),
+        (
+            428,
+            vec!["Accept: application/json".to_owned()],
+            false,
+            "/orders",
+        ),
+        (
+            431,
+            [
+                good_lines(),
+                vec![format!("Cookie: s={}", "c".repeat(2048))],
+            ]
+            .concat(),
+            false,
+            "/orders",
+        ),
+        (414, good_lines(), false, long_query.as_str()),
+        (421, good_lines(), false, "/orders"),
+    ];
+    let mut recorded = Vec::new();
+    for (status, refused_lines, chunked, target) in cases {
+        let key = format!("order-{status}");
+        if status == 421 {
+            misdirect_next.store(1, Ordering::SeqCst);
+        }
+        let before = runs.load(Ordering::SeqCst);
+        let (got, _, _) = send(key.clone(), target.to_owned(), refused_lines, chunked).await;
+        assert_eq!(got, status, "the refused request");
+        assert_eq!(runs.load(Ordering::SeqCst), before, "{status}: nothing ran");
+
+        // The request as the RFC says to send it again, with the same key.
+        let (again, replayed, body) =
+            send(key.clone(), "/orders".to_owned(), good_lines(), false).await;
+        if again != 201 || replayed {
+            recorded.push(format!(
+                "{status}: the corrected request got {again} (replayed: {replayed}) {body:?}"
+            ));
+            continue;
+        }
+        assert_eq!(
+            runs.load(Ordering::SeqCst),
+            before + 1,
+            "{status}: it ran once"
+        );
+        let (retry, replayed, _) = send(key, "/orders".to_owned(), good_lines(), false).await;
+        assert_eq!(
+            (retry, replayed),
+            (201, true),
+            "{status}: its retry is a replay"
+        );
+    }
+    assert!(
+        recorded.is_empty(),
+        "refusals that ask for the request again were recorded:\n{}",
+        recorded.join("\n")
+    );
+
+    // A 406 stays recorded: a handler may negotiate the representation
+    // after its work, and the request sent again with another `Accept`
+    // would run that work again.
+    let not_acceptable = vec![
+        "If-Match: \"v1\"".to_owned(),
+        "Accept: text/html".to_owned(),
+    ];
+    let key = "order-406".to_owned();
+    let (got, _, _) = send(key.clone(), "/orders".to_owned(), not_acceptable, false).await;
+    assert_eq!(got, 406);
+    let (again, replayed, _) = send(key, "/orders".to_owned(), good_lines(), false).await;
+    assert_eq!((again, replayed), (406, true), "a 406 is recorded");
+}

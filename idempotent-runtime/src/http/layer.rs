@@ -351,12 +351,17 @@ impl IdempotencyLayerBuilder {
     }
 
     /// Whether 4xx answers of the handler are recorded as the final answer
-    /// for their key (default `true`). `401`, `405`, `408`, `413`, `415`,
-    /// `423`, `425` and `429` are never recorded by the default rule: they
-    /// say "not processed, try again" (a `401` once the client has
-    /// authenticated again, a `405` with the route's method, a `413` with a
-    /// smaller body, a `415` with the right `Content-Type`), so replaying
-    /// them would refuse every retry.
+    /// for their key (default `true`). `401`, `405`, `408`, `411`, `413`,
+    /// `414`, `415`, `417`, `421`, `423`, `425`, `428`, `429` and `431` are
+    /// never recorded by the default rule: they say "not processed, try
+    /// again" (a `401` once the client has authenticated again, a `405`
+    /// with the route's method, a `411` with a `Content-Length`, a `413` with a smaller
+    /// body, a `414` with a shorter target, a `415` with the right
+    /// `Content-Type`, a `417` without the expectation, a `421` over another
+    /// connection, a `428` with a precondition such as `If-Match`, a `431`
+    /// with smaller header fields), so replaying them would refuse every
+    /// retry: with the refusal itself when only headers or framing changed
+    /// (they are not fingerprinted), or 422.
     pub fn record_client_errors(mut self, record: bool) -> Self {
         self.record_client_errors = record;
         self
@@ -512,6 +517,48 @@ pub(crate) fn says_try_again(status: StatusCode) -> bool {
     )
 }
 
+/// The 4xx answers that say "not processed: send it again, changed" (or,
+/// for 421, unchanged over another connection), made before any work: the
+/// client sends the request again with the same key, so a recorded one
+/// would answer that request with itself (what changed is a header or the
+/// framing, which the fingerprint leaves out) or 422 (a changed method,
+/// target, media type or body) for the record's ttl.
+///
+/// * 401: authenticated again;
+/// * 405: with the route's method (the router's answer; no handler ran);
+/// * 411: with a `Content-Length` (RFC 9110: "The client MAY repeat the
+///   request if it adds a valid Content-Length");
+/// * 413: with a smaller body (a body limit or a request decoder inside the layer);
+/// * 414: with a shorter target;
+/// * 415: with the right `Content-Type` (an extractor, before the handler's code ran);
+/// * 417: without the expectation (RFC 9110: a client "SHOULD repeat that
+///   request without a 100-continue expectation");
+/// * 421: over another connection (RFC 9110: clients "MAY retry the
+///   request, whether or not the request method is idempotent, over a
+///   different connection");
+/// * 428: made conditional (`If-Match`, RFC 6585);
+/// * 431: with smaller header fields (RFC 6585: "MAY be resubmitted after
+///   reducing the size of the request header fields").
+///
+/// Not 406 Not Acceptable: a handler may negotiate the representation
+/// after its work (rendering the answer), and a retry with another
+/// `Accept` would run that work again.
+fn asks_for_a_resend(status: StatusCode) -> bool {
+    matches!(
+        status,
+        StatusCode::UNAUTHORIZED
+            | StatusCode::METHOD_NOT_ALLOWED
+            | StatusCode::LENGTH_REQUIRED
+            | StatusCode::PAYLOAD_TOO_LARGE
+            | StatusCode::URI_TOO_LONG
+            | StatusCode::UNSUPPORTED_MEDIA_TYPE
+            | StatusCode::EXPECTATION_FAILED
+            | StatusCode::MISDIRECTED_REQUEST
+            | StatusCode::PRECONDITION_REQUIRED
+            | StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE
+    )
+}
+
 impl Config {
     fn records(&self, status: StatusCode) -> bool {
         // A 1xx answer (101 Switching Protocols) hands the connection over:
@@ -525,22 +572,9 @@ impl Config {
         if status.is_server_error() {
             self.record_server_errors
         } else if status.is_client_error() {
-            // A 401: the client authenticates again and sends the same
-            // request. A 413 (a body limit, or a request decoder's, inside
-            // the layer; the handler did not run): the client sends a
-            // smaller body with the same key, which a recorded 413 would
-            // answer 422. A 415 (an extractor refusing the body's media
-            // type before the handler's code ran): the client sends it
-            // again with the right `Content-Type`, the same key. A 405 (the
-            // router's answer to a method its route does not take, under a
-            // layer over the whole router; no handler ran): the client sends
-            // it again with the right method, the same key.
-            self.record_client_errors
-                && !says_try_again(status)
-                && status != StatusCode::UNAUTHORIZED
-                && status != StatusCode::METHOD_NOT_ALLOWED
-                && status != StatusCode::PAYLOAD_TOO_LARGE
-                && status != StatusCode::UNSUPPORTED_MEDIA_TYPE
+            // "Try again" answers, and answers asking for the request
+            // again, changed (or over another connection), with the same key.
+            self.record_client_errors && !says_try_again(status) && !asks_for_a_resend(status)
         } else {
             true
         }
