@@ -4355,3 +4355,108 @@ async fn a_transaction_serializable_other_than_by_its_sessions_level_never_takes
         "a transaction took over the owner whose renewal waited for its lock: {taken:?}"
     );
 }
+
+/// The transactional claimant of `edges.many_marks`: its body counts its runs.
+#[idempotent(scope = "edges.many_marks", key = key, tenant = tenant, tx = tx,
+             skip(runs), shared_scope, ttl = "1h", lease = "1h", in_progress = wait("5s"))]
+async fn many_marks_in_tx(
+    tx: &mut sqlx::Transaction<'_, MySql>,
+    tenant: &str,
+    key: &str,
+    runs: &AtomicUsize,
+) -> Result<u64, Error> {
+    let _ = (&tx, tenant, key);
+    runs.fetch_add(1, Ordering::SeqCst);
+    Ok(7)
+}
+
+/// More records locked in one transaction than 0014 marks one by one (200;
+/// SERIALIZABLE: each look at a live owner's record locks it, refused as
+/// stale): the marks become one for every record, and a call again on any of
+/// them once its lease has run out (the first marked, one marked after the
+/// overflow) is refused as stale, while `innodb_trx` is read often. The
+/// transaction ends by being dropped (sqlx rolls it back); a new transaction
+/// on the same connection runs the body of a record whose owner crashed
+/// (through the attribute, `in_progress = wait(...)`), once: the marks ended
+/// with the transaction.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn more_than_two_hundred_records_locked_in_one_transaction_are_all_refused_until_it_ends() {
+    let Some(store) = mysql_store_or_skip().await else {
+        return;
+    };
+    const RECORDS: usize = 203;
+    let lease = Duration::from_secs(8);
+    let tenant = fresh_tenant();
+    let mut identities = Vec::new();
+    for i in 0..RECORDS {
+        let identity =
+            Identity::new(&tenant, "edges.many_marks", format!("k{i}")).expect("identity");
+        assert_eq!(
+            store
+                .reserve(request(&identity, None, &OwnerToken::new(), lease, LONG))
+                .await
+                .expect("an owner reserves"),
+            Reservation::FRESH
+        );
+        identities.push(identity);
+    }
+    let reader = InnodbTrxReader::start(store.pool());
+    let pool = one_connection_at("SERIALIZABLE").await;
+    let mut tx = pool.begin().await.expect("begin");
+    let token = OwnerToken::new();
+    for identity in &identities {
+        refused_a_look_at(&mut tx, identity, &token).await;
+    }
+    let overflowed: i64 =
+        sqlx::query_scalar("SELECT CAST(@idempotency_tx_locked LIKE '%/*' AS SIGNED)")
+            .fetch_one(&mut *tx)
+            .await
+            .expect("the marks");
+    assert_eq!(overflowed, 1, "one mark for every record");
+    // The owners crashed (no owner renews: the transaction's locks would
+    // keep them from it). The last lease to run out is the last reserved.
+    let last = identities.last().expect("records");
+    for _ in 0..600 {
+        let snap = store.fetch(last).await.expect("fetch").expect("present");
+        if snap.lease_expires_at_ms.is_some_and(|l| l <= snap.now_ms) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    for i in [0, 1, RECORDS - 2, RECORDS - 1] {
+        let again = tx
+            .reserve_in_transaction(request(&identities[i], None, &token, LONG, LONG), WAIT)
+            .await;
+        assert!(
+            matches!(again, Err(Error::StaleSnapshot { .. })),
+            "record {i} of {RECORDS}: {again:?}"
+        );
+    }
+    drop(tx);
+    reader.stop().await;
+    // New transactions on the connection until one is not refused as stale
+    // (0008 refuses one while `innodb_trx` still shows the connection's
+    // previous transaction; bounded).
+    let runs = AtomicUsize::new(0);
+    let mut got = None;
+    for _ in 0..50 {
+        let mut tx = pool.begin().await.expect("begin again");
+        let answer = with_outcome(many_marks_in_tx(&mut tx, &tenant, "k0", &runs)).await;
+        match answer {
+            (Err(Error::StaleSnapshot { .. }), _) => {
+                drop(tx);
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            answer => {
+                tx.commit().await.expect("commit");
+                got = Some(answer);
+                break;
+            }
+        }
+    }
+    assert!(
+        matches!(got, Some((Ok(7), Some(Outcome::Executed)))),
+        "a new transaction is refused a crashed owner's record: {got:?}"
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
