@@ -4232,7 +4232,7 @@ async fn call_again_after(
 /// owner whose renewal waits for the transaction's lock (`innodb_trx` read
 /// often, so 0008 does not see the transaction).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-#[ignore = "reproduces: a BEGIN/COMMIT/ROLLBACK/XA statement the server refuses moves 0014's transaction signature while the transaction holds its lock; the call again takes over the owner it starved"]
+#[ignore = "reproduces a known limit of 0014 (README): a BEGIN/COMMIT/ROLLBACK/XA statement the server refuses moves the transaction signature while the transaction holds its lock; the call again takes over the owner it starved"]
 async fn a_transaction_statement_the_server_refuses_does_not_drop_the_marks() {
     let Some(store) = mysql_store_or_skip().await else {
         return;
@@ -4289,18 +4289,18 @@ async fn a_transaction_statement_the_server_refuses_does_not_drop_the_marks() {
     );
 }
 
-/// 0014 (and the runtime's refusal of an in-progress answer under
-/// SERIALIZABLE) reads the session's isolation level, `@@tx_isolation`,
-/// which is not the transaction's when the level was set for the next
-/// transaction only (`SET TRANSACTION ISOLATION LEVEL SERIALIZABLE`, the
-/// README's documented gap) or when the session's level was changed inside
-/// a SERIALIZABLE transaction (`SET SESSION TRANSACTION ...`: the transaction
-/// keeps its level). The transaction's first call locks the live owner's
-/// record but marks nothing and answers `InProgress`; the owner's renewal
-/// waits for the lock; a call again once the lease has run out takes the
-/// owner over.
+/// The session's isolation level, `@@tx_isolation`, is not the
+/// transaction's when the level was set for the next transaction only (`SET
+/// TRANSACTION ISOLATION LEVEL SERIALIZABLE`) or when the session's level
+/// was changed inside a SERIALIZABLE transaction (`SET SESSION TRANSACTION
+/// ...`: the transaction keeps its level). The transaction's first call
+/// locks the live owner's record and answers `InProgress` (the runtime does
+/// not see SERIALIZABLE); the owner's renewal waits for the lock. 0014 marks
+/// every answer on a live in-progress lease in a transaction, whatever the
+/// level says, so a call again once the lease has run out is refused. (Its
+/// first draft marked by the session's level: the call again took the owner
+/// over.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-#[ignore = "reproduces (the first case is documented in the README): a SERIALIZABLE transaction on a session whose level reads otherwise locks the owner's record without a mark, and the call again takes over the owner it starved"]
 async fn a_transaction_serializable_other_than_by_its_sessions_level_never_takes_over_the_owner_it_starved(
 ) {
     let Some(store) = mysql_store_or_skip().await else {
@@ -4467,11 +4467,12 @@ async fn more_than_two_hundred_records_locked_in_one_transaction_are_all_refused
 /// shared lock on it, and the owner's renewal waits for the transaction. The
 /// README says such a call is refused with `StaleSnapshot` (roll back at
 /// once), as an in-progress answer there is and as a mismatch whose re-read
-/// locked the record is (`a_mismatch_that_locked_a_live_record_refuses_the_transaction`);
-/// it is answered `FingerprintMismatch`, which does not tell the caller that
-/// its transaction now keeps the owner from renewing.
+/// locked the record is (`a_mismatch_that_locked_a_live_record_refuses_the_transaction`).
+/// Before 0014 it was answered `FingerprintMismatch`, which did not tell the
+/// caller that its transaction kept the owner from renewing; now the
+/// procedure answers such a mismatch with the lease left and the runtime
+/// refuses it under SERIALIZABLE.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-#[ignore = "reproduces: under SERIALIZABLE a mismatch that locked a live owner's record is answered FingerprintMismatch, not StaleSnapshot, and the transaction keeps the owner from renewing"]
 async fn a_mismatch_under_serializable_refuses_the_transaction() {
     let Some(store) = mysql_store_or_skip().await else {
         return;

@@ -17,26 +17,42 @@
 -- version check matched, and it took over the live owner: the body ran
 -- twice.
 --
--- Now a call that leaves its transaction holding a lock on an in-progress
--- record (it answers in progress, a mismatch or stale_snapshot after a
--- locking read: the re-read after a write that did not take effect, or any
--- read under a SERIALIZABLE session) marks that version of the record (its
--- identity, owner token and lease end) in the session variable
--- @idempotency_tx_locked, with the transaction's signature: the session's
--- counts of BEGIN, COMMIT, ROLLBACK and XA statements, which change whenever
--- a transaction ends or begins by a statement, and not on ROLLBACK TO
--- SAVEPOINT (which keeps row locks). A takeover or replacement of an
--- in-progress record in a caller's transaction whose version is marked with
--- the current signature is answered stale_snapshot. A mark of another
--- signature belongs to a transaction that has ended (its locks went with
--- it): the marks are dropped and the call goes on as before. A transaction
--- ended without a statement (a deadlock or a timeout rolled back by the
--- server, an implicit commit) keeps its signature: a refusal, never a
--- takeover. Without the session's status (neither
--- information_schema.SESSION_STATUS nor performance_schema.session_status
--- answers) nothing is marked, as before. A session given a SERIALIZABLE
--- level for its next transaction only (SET TRANSACTION) is not seen as one.
--- More than 200 marks in one transaction become one mark for every record.
+-- Now a call that may leave its transaction holding a lock on an
+-- in-progress record marks that version of the record (its identity, owner
+-- token and lease end): it answers in progress, a mismatch or
+-- stale_snapshot after a locking read (the re-read after a write that did
+-- not take effect) or on a live lease (under SERIALIZABLE every read locks;
+-- the session's @@tx_isolation does not tell, as SET TRANSACTION sets the
+-- next transaction's level unseen, and a SET SESSION inside a transaction
+-- changes it for the next one only). A lease seen live inside the
+-- transaction runs out after the transaction began, so such a mark refuses
+-- nothing 0008 would not refuse when innodb_trx answers. The marks live in
+-- the session variable @idempotency_tx_locked, with the transaction's
+-- signature: the session's counts of BEGIN, COMMIT, ROLLBACK and XA
+-- statements, which change whenever a transaction ends or begins by a
+-- statement, and not on ROLLBACK TO SAVEPOINT (which keeps row locks on
+-- MySQL). A takeover or replacement of an in-progress record in a caller's
+-- transaction whose version is marked with the current signature is
+-- answered stale_snapshot. A mark of another signature belongs to a
+-- transaction that has ended (its locks went with it): the marks are
+-- dropped and the call goes on as before. A transaction ended without a
+-- statement (a deadlock or a timeout rolled back by the server, an
+-- implicit commit) keeps its signature: a refusal, never a takeover. Known
+-- limit: the server counts a BEGIN, COMMIT, ROLLBACK or XA statement when
+-- it starts, also one it then refuses (XA START inside a transaction,
+-- COMMIT inside an XA transaction), so such a refused statement drops the
+-- marks of a transaction that goes on, and only 0008's check is left.
+-- Without the session's status (neither information_schema.SESSION_STATUS
+-- nor performance_schema.session_status answers) nothing is marked, as
+-- before. More than 200 marks in one transaction become one mark for every
+-- record.
+--
+-- And in transactional mode a mismatch with an in-progress record whose
+-- lease is live answers the lease left (lease_remaining_ms, otherwise NULL
+-- for a mismatch): under SERIALIZABLE that read locked the record, and the
+-- runtime refuses the transaction with StaleSnapshot, as it refuses an
+-- answer of in progress there, instead of answering a mismatch that left the
+-- owner unable to renew (runtimes before 0014 read no lease on a mismatch).
 --
 -- idempotency_reserve_v4 is created again, unchanged but for the marks (0013
 -- and the migrations it names describe the rest); v2 and v3 call it.
@@ -122,7 +138,6 @@ BEGIN
     DECLARE v_trx_started_ms BIGINT DEFAULT NULL;  -- when it began (ms, rounded down), if known
     DECLARE v_version CHAR(32) DEFAULT NULL;       -- the mark of the version read (see the top of 0014)
     DECLARE v_tx_signature VARCHAR(255) DEFAULT NULL; -- the transaction's signature, once read
-    DECLARE v_locking_reads TINYINT DEFAULT 0;     -- a SERIALIZABLE session: every read locks
     DECLARE CONTINUE HANDLER FOR NOT FOUND SET v_found = 0;
     DECLARE CONTINUE HANDLER FOR 1062 SET v_dup = 1;
     DECLARE CONTINUE HANDLER FOR 1205 SET v_timed_out = 1;
@@ -217,9 +232,9 @@ BEGIN
             END IF;
         END IF;
         SET v_now = UNIX_TIMESTAMP() * 1000 + FLOOR(MICROSECOND(NOW(6)) / 1000);
-        -- Transactional mode: the mark of the version read (see the top of
-        -- 0014).
-        IF v_in_tx = 1 AND v_found = 1 THEN
+        -- Transactional mode: the mark of the in-progress version read (see
+        -- the top of 0014).
+        IF v_in_tx = 1 AND v_found = 1 AND v_state = 'in_progress' THEN
             SET v_version = LEFT(SHA2(CONCAT(
                 LENGTH(p_tenant), ':', p_tenant, LENGTH(p_scope), ':', p_scope,
                 LENGTH(p_key), ':', p_key, ':', HEX(COALESCE(v_token, '')), ':', COALESCE(v_lease, '')),
@@ -474,18 +489,13 @@ BEGIN
         LEAVE slices;
     END LOOP slices;
 
-    -- Transactional mode: an answer that leaves the transaction holding a
-    -- lock on an in-progress record marks the version it locked (see the
-    -- top of 0014).
+    -- Transactional mode: an answer that may leave the transaction holding
+    -- a lock on an in-progress record (after a locking read, or on a live
+    -- lease, which a SERIALIZABLE read locks whatever the session says)
+    -- marks the version it read (see the top of 0014).
     IF v_in_tx = 1 AND v_found = 1 AND v_state = 'in_progress'
        AND v_decision IN ('in_progress', 'mismatch', 'stale_snapshot') THEN
-        IF v_latest = 0 THEN
-            BEGIN
-                DECLARE CONTINUE HANDLER FOR SQLEXCEPTION SET v_locking_reads = 0;
-                SET v_locking_reads = (@@SESSION.tx_isolation = 'SERIALIZABLE');
-            END;
-        END IF;
-        IF v_latest = 1 OR v_locking_reads = 1 THEN
+        IF v_latest = 1 OR v_lease > v_now THEN
             IF v_tx_signature IS NULL THEN
                 CALL idempotency_tx_signature(v_tx_signature);
             END IF;
@@ -531,7 +541,15 @@ BEGIN
     IF v_decision <> 'completed' THEN
         SET v_is_error = 0, v_result = NULL;
     END IF;
-    IF v_decision <> 'in_progress' THEN
+    IF v_decision = 'mismatch' THEN
+        -- Transactional mode: a mismatch with an in-progress record whose
+        -- lease is live tells the lease left too. Under SERIALIZABLE the
+        -- read locked the record, and the runtime refuses the transaction
+        -- (StaleSnapshot: it must end before the owner can renew), as it
+        -- does an answer of in progress (see the top of 0014).
+        SET v_lease_remaining = IF(v_in_tx = 1 AND v_state = 'in_progress' AND v_lease > v_now,
+                                   v_lease - v_now, NULL);
+    ELSEIF v_decision <> 'in_progress' THEN
         SET v_lease_remaining = NULL;
     END IF;
     IF v_decision <> 'acquired' THEN

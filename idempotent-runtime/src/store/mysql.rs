@@ -1408,6 +1408,10 @@ enum Answer {
     /// that ran out after the transaction began, or a lock this call took on
     /// an in-progress record); it must end.
     StaleSnapshot,
+    /// Transactional mode only (migration 0014): a mismatch with an
+    /// in-progress record whose lease is live, which a read under
+    /// SERIALIZABLE locked (see [`reserve_in_transaction`]).
+    MismatchWithALiveOwner,
 }
 
 /// A reservation through the store, on a connection outside any transaction
@@ -1432,6 +1436,7 @@ async fn reserve_through_the_procedure(
     conn.hand_back();
     match answer? {
         Answer::Reservation(reservation) => Ok(reservation),
+        Answer::MismatchWithALiveOwner => Ok(Reservation::FingerprintMismatch),
         Answer::StaleSnapshot => Err(StoreError::new(
             STORE,
             "reserve",
@@ -1459,6 +1464,9 @@ fn decode_reservation(row: &MySqlRow) -> Result<Answer, sqlx::Error> {
         "in_progress" => Reservation::InProgress {
             lease_remaining: millis_to_duration(row.try_get::<Option<i64>, _>(4)?.unwrap_or(0)),
         },
+        "mismatch" if row.try_get::<Option<i64>, _>(4)?.is_some() => {
+            return Ok(Answer::MismatchWithALiveOwner)
+        }
         "mismatch" => Reservation::FingerprintMismatch,
         "stale_snapshot" => return Ok(Answer::StaleSnapshot),
         other => {
@@ -2067,18 +2075,21 @@ async fn reserve_in_transaction(
     .await?
     {
         // Under SERIALIZABLE InnoDB makes every read of a transaction a
-        // locking one: the look that found the record in progress holds a
-        // shared lock on it, which keeps the owner from renewing its lease
-        // until the transaction ends (the session's level; one set for the
-        // next transaction only is not seen, as for READ UNCOMMITTED).
-        Answer::Reservation(reservation @ Reservation::InProgress { .. }) => {
+        // locking one: the look that found the record in progress (also
+        // with another fingerprint) holds a shared lock on it, which keeps
+        // the owner from renewing its lease until the transaction ends (the
+        // session's level; one set for the next transaction only is not
+        // seen, as for READ UNCOMMITTED; migration 0014 still keeps such a
+        // transaction from taking the record over).
+        answer @ (Answer::Reservation(Reservation::InProgress { .. })
+        | Answer::MismatchWithALiveOwner) => {
             let isolation = session_isolation(conn)
                 .await
                 .map_err(err("read the transaction isolation"))?;
-            if isolation.eq_ignore_ascii_case("SERIALIZABLE") {
-                Err(stale())
-            } else {
-                Ok(reservation)
+            match answer {
+                _ if isolation.eq_ignore_ascii_case("SERIALIZABLE") => Err(stale()),
+                Answer::Reservation(reservation) => Ok(reservation),
+                _ => Ok(Reservation::FingerprintMismatch),
             }
         }
         Answer::Reservation(reservation) => Ok(reservation),
