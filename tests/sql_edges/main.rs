@@ -3,8 +3,10 @@
 //! SQLite's opening, locking and pools (`sqlite_edges`, `sqlite_store`), and
 //! transactional mode given a connection outside a transaction
 //! (`transactional_edges`), and what a transactional body does to its
-//! session that outlives the call (`transactional_hostile`), and what code
-//! sharing a store's pool leaves on its connections (`pool_session_state`).
+//! session that outlives the call (`transactional_hostile`), a transaction
+//! that goes on calling after a refusal beside a live store-mode owner
+//! (`transactional_retries`), and what code sharing a store's pool leaves on
+//! its connections (`pool_session_state`).
 //!
 //! `sqlite_edges` installs the one global tracing subscriber of this binary
 //! and re-runs this binary as child processes
@@ -22,3 +24,4 @@ mod sqlite_sharing;
 mod sqlite_store;
 mod transactional_edges;
 mod transactional_hostile;
+mod transactional_retries;

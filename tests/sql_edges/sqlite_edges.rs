@@ -2526,6 +2526,49 @@ async fn a_transaction_holding_the_write_lock_never_takes_over_an_owner_it_starv
     remove(&path);
 }
 
+/// The same when the transaction's only write was made in a savepoint
+/// (sqlx's `begin()` on a transaction) that was rolled back: `ROLLBACK TO`
+/// undoes the write but SQLite keeps the write lock until the transaction
+/// ends, so the owner still cannot renew. The caller's generic retry loop
+/// calls again and again, in the outer transaction and in new savepoints,
+/// after each `StaleSnapshot`: never a takeover, and the owner, once the
+/// transaction has rolled back, ends having run its body once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_savepoint_rolled_back_after_a_write_never_lets_the_transaction_take_over_an_owner_it_starved(
+) {
+    let (path, store) = starved_database().await;
+    let tenant = uuid::Uuid::new_v4().simple().to_string();
+    let id = Identity::new(&tenant, "sqlite_edges.starved", "k").expect("identity");
+    let owner = Arc::new(StarvedOwner::default());
+    let owned = owner_running(&store, &tenant, &owner).await;
+    let mut tx = store.pool().begin().await.expect("begin");
+    {
+        let mut savepoint = tx.begin().await.expect("savepoint");
+        sqlx::query("INSERT INTO orders VALUES (1)")
+            .execute(&mut *savepoint)
+            .await
+            .expect("a write in the savepoint");
+        savepoint
+            .rollback()
+            .await
+            .expect("rollback to the savepoint");
+    }
+    until_the_lease_is_over_by(&store, &id, 0).await;
+    for _ in 0..3 {
+        refused_as_stale(&starved_in_tx(&mut tx, &tenant, "k", &owner).await);
+        let mut savepoint = tx.begin().await.expect("savepoint");
+        refused_as_stale(&starved_in_tx(&mut savepoint, &tenant, "k", &owner).await);
+        savepoint
+            .rollback()
+            .await
+            .expect("rollback to the savepoint");
+    }
+    tx.rollback().await.expect("rollback");
+    owner_ends_once(owned, &owner).await;
+    store.pool().close().await;
+    remove(&path);
+}
+
 /// A crashed owner's record (reserved, never renewed) is taken over by such
 /// a transaction as soon as its lease has run out (rule 10); so is one whose
 /// owner of this process is done with it: it ended its lease on purpose (as
