@@ -2696,6 +2696,84 @@ async fn a_transaction_holding_the_write_lock_never_takes_over_a_completion_the_
     remove(&path);
 }
 
+/// In the rollback journal (`journal_mode = DELETE`, a pool of the
+/// application's own given to `from_pool`) a transaction does not have to
+/// write to keep owners from writing: one that has only *read* holds a
+/// shared lock, and no other connection can commit while it does. The
+/// owner's renewal meets it, waits out its busy timeout and fails; its
+/// lease runs out, the owner alive (at work in this process, renewing).
+/// A call in that transaction then reads the record beside it (the reader
+/// may read beside a shared lock), finds the lease over and took the
+/// record over beside the live owner: the body ran twice. Such a
+/// transaction is one the owner cannot write past, as one that wrote: it
+/// is refused with `StaleSnapshot`, and after its rollback the owner renews.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_rollback_journal_transaction_that_read_never_takes_over_an_owner_it_starved() {
+    use idempotent_runtime::Fenced;
+    use sqlx::sqlite::SqliteJournalMode;
+    use std::str::FromStr;
+    let path = fresh_path();
+    let options = SqliteConnectOptions::from_str(&url(&path))
+        .expect("url")
+        .create_if_missing(true)
+        .journal_mode(SqliteJournalMode::Delete)
+        .busy_timeout(Duration::from_millis(300));
+    let pool = SqlitePoolOptions::new()
+        .connect_with(options)
+        .await
+        .expect("pool");
+    let store = SqliteStore::from_pool(pool.clone()).await.expect("store");
+    let tenant = uuid::Uuid::new_v4().simple().to_string();
+    let id = Identity::new(&tenant, "sqlite_edges.starved", "k").expect("identity");
+    // The store-mode owner: reserved with a 2 s lease, its body at work.
+    let lease = Duration::from_secs(2);
+    let token = OwnerToken::new();
+    let reserved = store
+        .reserve(ReserveRequest {
+            identity: &id,
+            fingerprint: None,
+            token: &token,
+            lease,
+            ttl: Duration::from_secs(3600),
+        })
+        .await
+        .expect("reserve");
+    assert!(
+        matches!(reserved, Reservation::Acquired { .. }),
+        "{reserved:?}"
+    );
+    // The caller's transaction reads (a shared lock, held until it ends).
+    let mut tx = pool.begin().await.expect("deferred begin");
+    let _: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM idempotency_records")
+        .fetch_one(&mut *tx)
+        .await
+        .expect("a read in the transaction");
+    until_the_lease_is_over_by(&store, &id, 0).await;
+    // The owner's renewal cannot commit past the shared lock: it fails
+    // after its busy timeout (the engine tries again at its next beat).
+    let renewed = store.heartbeat(&id, &token, lease).await;
+    assert!(
+        renewed.is_err(),
+        "the transaction's read keeps the owner from renewing: {renewed:?}"
+    );
+    let calls = StarvedOwner::default();
+    let answer = with_outcome(starved_in_tx(&mut tx, &tenant, "k", &calls)).await;
+    tx.rollback().await.expect("rollback");
+    let renewed = store.heartbeat(&id, &token, lease).await;
+    assert_eq!(
+        calls.runs.load(Ordering::SeqCst),
+        0,
+        "the body ran beside the live owner: {answer:?}; the owner's renewal after: {renewed:?}"
+    );
+    refused_as_stale(&answer.0);
+    assert!(
+        matches!(renewed, Ok(Fenced::Written)),
+        "the owner renews once the transaction has ended: {renewed:?}"
+    );
+    pool.close().await;
+    remove(&path);
+}
+
 // ------------------------------------- rules 7, 10 and 16: the upsert of a transaction that wrote
 
 /// The transactional claimant of `sqlite_edges.planted`: `amount` is

@@ -1447,8 +1447,9 @@ pub(super) async fn reserve_in(
 }
 
 /// What a caller's transaction that already holds the database's write lock
-/// answers about a record whose owner is a call of this process still at
-/// work ([`sqlite_owners`](super::sqlite_owners)), if the reservation would
+/// (or, in the rollback journal, a shared lock) answers about a record
+/// whose owner is a call of this process still at work
+/// ([`sqlite_owners`](super::sqlite_owners)), if the reservation would
 /// otherwise take it over: its lease ran out while the transaction kept the
 /// owner from renewing it (or from recording its result), or runs out at
 /// any moment while the transaction keeps doing so. Read in the

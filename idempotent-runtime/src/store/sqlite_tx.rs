@@ -47,9 +47,11 @@
 //! IMMEDIATE")`) take the write lock up front and never meet any of this.
 //!
 //! A transaction that holds the write lock before the call (`BEGIN
-//! IMMEDIATE`, or a write of its own) keeps every owner from renewing its
-//! lease: it never takes over (or replaces) an in-progress record whose
-//! owner, a store-mode call of this process, is still at work; the call is
+//! IMMEDIATE`, or a write of its own), or in the rollback journal any lock
+//! (a read of its own: no writer can commit past its shared lock), keeps
+//! every owner from renewing its lease: it never takes over (or replaces)
+//! an in-progress record whose owner, a store-mode call of this process,
+//! is still at work; the call is
 //! refused with [`Error::StaleSnapshot`] and writes nothing (see
 //! `live_owner_answer`). An owner in another process cannot be asked:
 //! there its lease decides, as for a paused owner.
@@ -478,22 +480,11 @@ async fn reserve_on(
     // work is never taken over from it. Asked only while this process
     // lists an owner at all: otherwise the look would cost a statement per
     // call for nothing.
-    if state == libsqlite3_sys::SQLITE_TXN_WRITE && super::sqlite_owners::any_listed() {
-        match live_owner_answer(conn, request).await.map_err(err(OP))? {
-            None => {}
-            Some(LiveOwnerAnswer::InProgress(lease_remaining)) => {
-                return Ok(Reservation::InProgress { lease_remaining });
-            }
-            Some(LiveOwnerAnswer::KeptFromWriting) => {
-                let id = request.identity;
-                tracing::warn!(target: "idempotent", scope = %id.scope, key = %id.key_digest(),
-                    "refused: an in-progress record's owner, at work in this process, could not write while the caller's SQLite transaction held the write lock, and its lease ran out; not taken over");
-                return Err(Error::StaleSnapshot {
-                    scope: id.scope.clone(),
-                    store: "sqlite",
-                });
-            }
-        }
+    if state == libsqlite3_sys::SQLITE_TXN_WRITE
+        && super::sqlite_owners::any_listed()
+        && let Some(answer) = live_owner_refusal(conn, request).await?
+    {
+        return answer;
     }
     if state != libsqlite3_sys::SQLITE_TXN_WRITE {
         // First, what others committed, read beside the transaction: it
@@ -520,6 +511,18 @@ async fn reserve_on(
                 }
             }
         }
+    }
+    // In the rollback journal a transaction that has only read holds a
+    // shared lock, and no other connection can commit while it does: it
+    // keeps every owner from renewing as one that wrote does. Asked only
+    // when a write is due (the record is absent or its lease over), this
+    // process lists an owner, and the transaction holds a snapshot.
+    if state == libsqlite3_sys::SQLITE_TXN_READ
+        && super::sqlite_owners::any_listed()
+        && !in_wal_mode(conn).await.map_err(err(OP))?
+        && let Some(answer) = live_owner_refusal(conn, request).await?
+    {
+        return answer;
     }
     // The write is tried without waiting in SQLite's busy handler (busy
     // timeout 0), and tried again within `lock_wait`. Waiting inside the
@@ -565,6 +568,48 @@ async fn reserve_on(
             return Ok(answer);
         }
     }
+}
+
+/// The answer of a caller's transaction that keeps every other connection
+/// from writing (it holds the write lock, or, in the rollback journal, a
+/// shared lock) to a reservation that would take over a record whose owner,
+/// a store-mode call of this process, is still at work (see
+/// [`live_owner_answer`]): `InProgress` while its lease is live,
+/// `StaleSnapshot` once the lease has run out, as it may have run out
+/// because of this transaction. `None`: no such owner.
+async fn live_owner_refusal(
+    conn: &mut SqliteConnection,
+    request: ReserveRequest<'_>,
+) -> Result<Option<Result<Reservation, Error>>, Error> {
+    Ok(
+        match live_owner_answer(conn, request)
+            .await
+            .map_err(err("reserve"))?
+        {
+            None => None,
+            Some(LiveOwnerAnswer::InProgress(lease_remaining)) => {
+                Some(Ok(Reservation::InProgress { lease_remaining }))
+            }
+            Some(LiveOwnerAnswer::KeptFromWriting) => {
+                let id = request.identity;
+                tracing::warn!(target: "idempotent", scope = %id.scope, key = %id.key_digest(),
+                    "refused: an in-progress record's owner, at work in this process, could not write while the caller's SQLite transaction held a lock that keeps others from writing, and its lease ran out; not taken over");
+                Some(Err(Error::StaleSnapshot {
+                    scope: id.scope.clone(),
+                    store: "sqlite",
+                }))
+            }
+        },
+    )
+}
+
+/// Whether the connection's main database is in WAL mode, where a reader
+/// never keeps a writer from committing.
+async fn in_wal_mode(conn: &mut SqliteConnection) -> Result<bool, sqlx::Error> {
+    let journal: String = sqlx::query_scalar("PRAGMA journal_mode")
+        .fetch_one(&mut *conn)
+        .await?;
+    Ok(journal.eq_ignore_ascii_case("wal"))
 }
 
 /// One try of the reservation's write in the caller's transaction, with the
