@@ -2774,6 +2774,72 @@ async fn a_rollback_journal_transaction_that_read_never_takes_over_an_owner_it_s
     remove(&path);
 }
 
+/// A database in memory has one connection (`connect("sqlite::memory:")`):
+/// a caller's transaction on it holds that connection, so no owner can
+/// renew its lease or record its result until the transaction ends, even
+/// one that has neither read nor written yet. The owner's renewal waits for
+/// the connection while its lease runs out, the owner alive. A call in that
+/// transaction (its first statement) found the lease over and took the
+/// record over beside the live owner: the body ran twice. Refused with
+/// `StaleSnapshot` as in a transaction that holds the write lock.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_transaction_holding_the_only_in_memory_connection_never_takes_over_an_owner_it_starved()
+{
+    use idempotent_runtime::Fenced;
+    let store = SqliteStore::connect("sqlite::memory:")
+        .await
+        .expect("store");
+    let tenant = uuid::Uuid::new_v4().simple().to_string();
+    let id = Identity::new(&tenant, "sqlite_edges.starved", "k").expect("identity");
+    // The store-mode owner: reserved with a short lease, its body at work.
+    let lease = Duration::from_millis(300);
+    let token = OwnerToken::new();
+    let reserved = store
+        .reserve(ReserveRequest {
+            identity: &id,
+            fingerprint: None,
+            token: &token,
+            lease,
+            ttl: Duration::from_secs(3600),
+        })
+        .await
+        .expect("reserve");
+    assert!(
+        matches!(reserved, Reservation::Acquired { .. }),
+        "{reserved:?}"
+    );
+    let mut tx = store.pool().begin().await.expect("deferred begin");
+    // The owner's renewal waits for the connection the transaction holds.
+    let renewing = {
+        let (store, id, token) = (store.clone(), id.clone(), token.clone());
+        tokio::spawn(async move { store.heartbeat(&id, &token, lease).await })
+    };
+    // Nothing can read the record while the transaction holds the only
+    // connection: the lease is waited out on the clock, with room to spare.
+    tokio::time::sleep(lease * 3).await;
+    assert!(
+        !renewing.is_finished(),
+        "the renewal waits for the connection"
+    );
+    let calls = StarvedOwner::default();
+    let answer = with_outcome(starved_in_tx(&mut tx, &tenant, "k", &calls)).await;
+    tx.rollback().await.expect("rollback");
+    let renewed = tokio::time::timeout(Duration::from_secs(60), renewing)
+        .await
+        .expect("the renewal ends")
+        .expect("task");
+    assert_eq!(
+        calls.runs.load(Ordering::SeqCst),
+        0,
+        "the body ran beside the live owner: {answer:?}; the owner's renewal after: {renewed:?}"
+    );
+    refused_as_stale(&answer.0);
+    assert!(
+        matches!(renewed, Ok(Fenced::Written)),
+        "the owner renews once the transaction has ended: {renewed:?}"
+    );
+}
+
 // ------------------------------------- rules 7, 10 and 16: the upsert of a transaction that wrote
 
 /// The transactional claimant of `sqlite_edges.planted`: `amount` is

@@ -48,7 +48,8 @@
 //!
 //! A transaction that holds the write lock before the call (`BEGIN
 //! IMMEDIATE`, or a write of its own), or in the rollback journal any lock
-//! (a read of its own: no writer can commit past its shared lock), keeps
+//! (a read of its own: no writer can commit past its shared lock), or in a
+//! database in memory the store's one connection (any transaction), keeps
 //! every owner from renewing its lease: it never takes over (or replaces)
 //! an in-progress record whose owner, a store-mode call of this process,
 //! is still at work; the call is
@@ -512,14 +513,15 @@ async fn reserve_on(
             }
         }
     }
-    // In the rollback journal a transaction that has only read holds a
-    // shared lock, and no other connection can commit while it does: it
-    // keeps every owner from renewing as one that wrote does. Asked only
-    // when a write is due (the record is absent or its lease over), this
-    // process lists an owner, and the transaction holds a snapshot.
-    if state == libsqlite3_sys::SQLITE_TXN_READ
+    // A transaction that does not hold the write lock may still keep every
+    // owner from renewing, as one that wrote does (see
+    // `keeps_owners_from_writing`). Asked only when a write is due (the
+    // record is absent or its lease over) and this process lists an owner.
+    if state != libsqlite3_sys::SQLITE_TXN_WRITE
         && super::sqlite_owners::any_listed()
-        && !in_wal_mode(conn).await.map_err(err(OP))?
+        && keeps_owners_from_writing(conn, state)
+            .await
+            .map_err(err(OP))?
         && let Some(answer) = live_owner_refusal(conn, request).await?
     {
         return answer;
@@ -603,13 +605,42 @@ async fn live_owner_refusal(
     )
 }
 
-/// Whether the connection's main database is in WAL mode, where a reader
-/// never keeps a writer from committing.
-async fn in_wal_mode(conn: &mut SqliteConnection) -> Result<bool, sqlx::Error> {
+/// Whether a caller's transaction in `state` (not holding the write lock)
+/// keeps every other connection from writing all the same:
+/// * in a database in memory, any transaction: it holds the store's one
+///   connection (`connect("sqlite::memory:")` keeps exactly one), so an
+///   owner's renewal waits for the connection until the transaction ends,
+///   even one that has neither read nor written yet;
+/// * in the rollback journal (a `journal_mode` other than WAL), one that has
+///   read: no other connection can commit past its shared lock.
+async fn keeps_owners_from_writing(
+    conn: &mut SqliteConnection,
+    state: i32,
+) -> Result<bool, sqlx::Error> {
+    if in_memory(conn).await? {
+        return Ok(true);
+    }
+    if state != libsqlite3_sys::SQLITE_TXN_READ {
+        return Ok(false);
+    }
     let journal: String = sqlx::query_scalar("PRAGMA journal_mode")
         .fetch_one(&mut *conn)
         .await?;
-    Ok(journal.eq_ignore_ascii_case("wal"))
+    Ok(!journal.eq_ignore_ascii_case("wal"))
+}
+
+/// Whether the connection's main database lives in memory (or in a
+/// temporary file): it has no file name. No round trip.
+async fn in_memory(conn: &mut SqliteConnection) -> Result<bool, sqlx::Error> {
+    let mut handle = conn.lock_handle().await?;
+    // SAFETY: the handle is a live connection, locked for our exclusive use
+    // while `handle` is held; the returned string is owned by SQLite and
+    // only read here, before the handle is let go.
+    Ok(unsafe {
+        let ptr =
+            libsqlite3_sys::sqlite3_db_filename(handle.as_raw_handle().as_ptr(), c"main".as_ptr());
+        ptr.is_null() || *ptr == 0
+    })
 }
 
 /// One try of the reservation's write in the caller's transaction, with the
