@@ -2840,6 +2840,112 @@ async fn a_transaction_holding_the_only_in_memory_connection_never_takes_over_an
     );
 }
 
+/// The same on a file whose pool (the application's, given to `from_pool`)
+/// has one connection: a caller's transaction holds it, so the owner's
+/// renewal waits for the pool until the transaction ends, its lease
+/// running out meanwhile. The transaction has neither read nor written,
+/// and the database is in WAL mode, so no lock of SQLite's says so: the
+/// call reads the record beside the transaction, finds the lease over and
+/// takes the record over beside the live owner (the body runs twice; the
+/// owner's renewal, once the transaction has committed, finds itself
+/// fenced out). Refusing a takeover whenever this process lists the owner
+/// as at work (its renewal waiting) would fix it, but also delays the
+/// takeovers that record an answer this process holds for a failed
+/// completion (`transactional::sqlite_a_transactional_takeover_records_the_answer_this_process_holds`
+/// and others): left to a decision.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[ignore = "reproduces: a transaction holding the only connection of a file's pool takes over the owner whose renewal waits for that connection (the body runs twice)"]
+async fn a_transaction_holding_the_only_pooled_connection_never_takes_over_an_owner_it_starved() {
+    use idempotent_runtime::Fenced;
+    use sqlx::sqlite::SqliteJournalMode;
+    use std::str::FromStr;
+    let path = fresh_path();
+    let options = SqliteConnectOptions::from_str(&url(&path))
+        .expect("url")
+        .create_if_missing(true)
+        .journal_mode(SqliteJournalMode::Wal);
+    let pool = SqlitePoolOptions::new()
+        .max_connections(1)
+        .connect_with(options)
+        .await
+        .expect("pool");
+    let store = SqliteStore::from_pool(pool.clone()).await.expect("store");
+    let tenant = uuid::Uuid::new_v4().simple().to_string();
+    let id = Identity::new(&tenant, "sqlite_edges.starved", "k").expect("identity");
+    let lease = Duration::from_millis(300);
+    let token = OwnerToken::new();
+    let reserved = store
+        .reserve(ReserveRequest {
+            identity: &id,
+            fingerprint: None,
+            token: &token,
+            lease,
+            ttl: Duration::from_secs(3600),
+        })
+        .await
+        .expect("reserve");
+    assert!(
+        matches!(reserved, Reservation::Acquired { .. }),
+        "{reserved:?}"
+    );
+    let mut tx = pool.begin().await.expect("deferred begin");
+    let renewing = {
+        let (store, id, token) = (store.clone(), id.clone(), token.clone());
+        tokio::spawn(async move { store.heartbeat(&id, &token, lease).await })
+    };
+    // Read beside the pool (WAL readers never wait): the lease runs out.
+    until_the_lease_is_over_by_beside(&path, &id).await;
+    assert!(
+        !renewing.is_finished(),
+        "the renewal waits for the connection"
+    );
+    let calls = StarvedOwner::default();
+    let answer = with_outcome(starved_in_tx(&mut tx, &tenant, "k", &calls)).await;
+    tx.rollback().await.expect("rollback");
+    let renewed = tokio::time::timeout(Duration::from_secs(60), renewing)
+        .await
+        .expect("the renewal ends")
+        .expect("task");
+    assert_eq!(
+        calls.runs.load(Ordering::SeqCst),
+        0,
+        "the body ran beside the live owner: {answer:?}; the owner's renewal after: {renewed:?}"
+    );
+    assert!(
+        matches!(renewed, Ok(Fenced::Written)),
+        "the owner renews once the transaction has ended: {renewed:?}"
+    );
+    pool.close().await;
+    remove(&path);
+}
+
+/// Until the record's lease is over, read on a connection of its own.
+async fn until_the_lease_is_over_by_beside(path: &Path, id: &Identity) {
+    let mut reader = SqliteConnection::connect_with(&SqliteConnectOptions::new().filename(path))
+        .await
+        .expect("a reader");
+    tokio::time::timeout(Duration::from_secs(60), async {
+        loop {
+            let over: bool = sqlx::query_scalar(
+                "SELECT lease_expires_at <= CAST(ROUND((julianday('now') - 2440587.5) * 86400000.0) AS INTEGER)
+                   FROM idempotency_records WHERE tenant = ?1 AND scope = ?2 AND key = ?3",
+            )
+            .bind(id.tenant())
+            .bind(id.scope())
+            .bind(id.key())
+            .fetch_one(&mut reader)
+            .await
+            .expect("read the lease");
+            if over {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .expect("the lease runs out");
+}
+
 // ------------------------------------- rules 7, 10 and 16: the upsert of a transaction that wrote
 
 /// The transactional claimant of `sqlite_edges.planted`: `amount` is
