@@ -2848,13 +2848,11 @@ async fn a_transaction_holding_the_only_in_memory_connection_never_takes_over_an
 /// call reads the record beside the transaction, finds the lease over and
 /// takes the record over beside the live owner (the body runs twice; the
 /// owner's renewal, once the transaction has committed, finds itself
-/// fenced out). Refusing a takeover whenever this process lists the owner
-/// as at work (its renewal waiting) would fix it, but also delays the
-/// takeovers that record an answer this process holds for a failed
-/// completion (`transactional::sqlite_a_transactional_takeover_records_the_answer_this_process_holds`
-/// and others): left to a decision.
+/// fenced out). Now a store that reaches its file through a pool of one
+/// connection says so, and a transaction on that file is refused a
+/// takeover of an owner this process lists as at work, as on a database in
+/// memory.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-#[ignore = "reproduces: a transaction holding the only connection of a file's pool takes over the owner whose renewal waits for that connection (the body runs twice)"]
 async fn a_transaction_holding_the_only_pooled_connection_never_takes_over_an_owner_it_starved() {
     use idempotent_runtime::Fenced;
     use sqlx::sqlite::SqliteJournalMode;

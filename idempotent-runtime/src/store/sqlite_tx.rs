@@ -611,14 +611,23 @@ async fn live_owner_refusal(
 ///   connection (`connect("sqlite::memory:")` keeps exactly one), so an
 ///   owner's renewal waits for the connection until the transaction ends,
 ///   even one that has neither read nor written yet;
+/// * on a file that a store of this process reaches through a pool of one
+///   connection ([`pool_of_one_on`]), any transaction: it most likely holds
+///   that connection (the application's pool, shared with the store), and
+///   the owner's renewal waits for the pool until the transaction ends;
 /// * in the rollback journal (a `journal_mode` other than WAL), one that has
 ///   read: no other connection can commit past its shared lock.
+///
+/// A file moved since the connection opened it counts as kept (the safe
+/// side: a takeover of an owner listed at work is refused).
 async fn keeps_owners_from_writing(
     conn: &mut SqliteConnection,
     state: i32,
 ) -> Result<bool, sqlx::Error> {
-    if in_memory(conn).await? {
-        return Ok(true);
+    match shared_file(conn).await? {
+        None => return Ok(true),
+        Some(file) if reached_through_a_pool_of_one(&file) => return Ok(true),
+        Some(_) => {}
     }
     if state != libsqlite3_sys::SQLITE_TXN_READ {
         return Ok(false);
@@ -629,18 +638,34 @@ async fn keeps_owners_from_writing(
     Ok(!journal.eq_ignore_ascii_case("wal"))
 }
 
-/// Whether the connection's main database lives in memory (or in a
-/// temporary file): it has no file name. No round trip.
-async fn in_memory(conn: &mut SqliteConnection) -> Result<bool, sqlx::Error> {
-    let mut handle = conn.lock_handle().await?;
-    // SAFETY: the handle is a live connection, locked for our exclusive use
-    // while `handle` is held; the returned string is owned by SQLite and
-    // only read here, before the handle is let go.
-    Ok(unsafe {
-        let ptr =
-            libsqlite3_sys::sqlite3_db_filename(handle.as_raw_handle().as_ptr(), c"main".as_ptr());
-        ptr.is_null() || *ptr == 0
-    })
+/// The database files that a store of this process reaches through a pool
+/// of one connection (`SqliteStore::from_pool` with `max_connections(1)`):
+/// a transaction on that pool's connection keeps every store-mode owner on
+/// the file from renewing (see [`keeps_owners_from_writing`]). Kept for the
+/// process's life (a few names at most).
+static POOLS_OF_ONE: std::sync::LazyLock<std::sync::Mutex<std::collections::HashSet<String>>> =
+    std::sync::LazyLock::new(Default::default);
+
+/// A store reaches `conn`'s database file through a pool of one connection
+/// (`conn` is one of it); nothing for a database in memory, which
+/// [`keeps_owners_from_writing`] counts as kept anyway.
+pub(super) async fn pool_of_one_on(conn: &mut SqliteConnection) -> Result<(), sqlx::Error> {
+    if let Some(file) = shared_file(conn).await? {
+        POOLS_OF_ONE
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .insert(file);
+    }
+    Ok(())
+}
+
+/// Whether a store of this process reaches `file` through a pool of one
+/// connection.
+fn reached_through_a_pool_of_one(file: &str) -> bool {
+    POOLS_OF_ONE
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .contains(file)
 }
 
 /// One try of the reservation's write in the caller's transaction, with the
