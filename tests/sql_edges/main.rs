@@ -17,6 +17,7 @@ mod common;
 
 mod mysql_edges;
 mod operator_release;
+mod pool_exhausted;
 mod pool_session_state;
 mod postgres_edges;
 mod sqlite_edges;

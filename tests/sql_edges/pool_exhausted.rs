@@ -1,0 +1,220 @@
+//! PostgreSQL and MariaDB: a caller's transactions that hold every
+//! connection of the application's pool (given to `from_pool`) keep a
+//! store-mode owner's lease renewals (rule 9) waiting for the pool while its
+//! lease runs out. A transactional-mode call (rule 15) in one of those
+//! transactions must not take the record over beside the live owner: its
+//! body would run twice (rules 3, 10). The same defect was fixed on SQLite
+//! (`sqlite_edges::a_transaction_holding_the_only_pooled_connection_never_takes_over_an_owner_it_starved`).
+//!
+//! Deterministic: the transactions are open before the renewal is sent (it
+//! can only wait for the pool); the lease is seen over by a store on a pool
+//! of its own; every wait is bounded.
+
+use crate::common::servers::{fresh_tenant, mysql_url, pg_url};
+use idempotent_runtime::{
+    idempotent, with_outcome, Error, Fenced, Identity, MySqlStore, OwnerToken, PgStore,
+    Reservation, ReserveRequest, Store,
+};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+/// The transactional claimant on PostgreSQL; counts its runs.
+#[idempotent(scope = "pool_exhausted.pg", key = key, tenant = tenant, tx = tx, skip(runs), shared_scope, ttl = "1h", lease = "2s", in_progress = reject)]
+async fn claim_pg(
+    tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
+    tenant: &str,
+    key: &str,
+    runs: &AtomicUsize,
+) -> Result<u64, Error> {
+    let _ = (&tx, tenant, key);
+    runs.fetch_add(1, Ordering::SeqCst);
+    Ok(2)
+}
+
+/// The transactional claimant on MariaDB; counts its runs.
+#[idempotent(scope = "pool_exhausted.my", key = key, tenant = tenant, tx = tx, skip(runs), shared_scope, ttl = "1h", lease = "2s", in_progress = reject)]
+async fn claim_my(
+    tx: &mut sqlx::Transaction<'_, sqlx::MySql>,
+    tenant: &str,
+    key: &str,
+    runs: &AtomicUsize,
+) -> Result<u64, Error> {
+    let _ = (&tx, tenant, key);
+    runs.fetch_add(1, Ordering::SeqCst);
+    Ok(2)
+}
+
+/// The owner reserves `id` with a short lease through `store`.
+async fn reserve_short<S: Store>(store: &S, id: &Identity, token: &OwnerToken) -> Duration {
+    let lease = Duration::from_millis(300);
+    let reserved = store
+        .reserve(ReserveRequest {
+            identity: id,
+            fingerprint: None,
+            token,
+            lease,
+            ttl: Duration::from_secs(3600),
+        })
+        .await
+        .expect("reserve");
+    assert!(
+        matches!(reserved, Reservation::Acquired { .. }),
+        "{reserved:?}"
+    );
+    lease
+}
+
+/// Until `id`'s lease has been over for more than a second, as `beside` (a
+/// pool of its own) reads it: MariaDB's transactional reservation refuses a
+/// transaction that began before the lease ran out, its start known in
+/// whole seconds, so a call made within the second after could be refused
+/// by that alone (the owner is starved all the same).
+async fn until_the_lease_is_over<S: Store>(beside: &S, id: &Identity) {
+    tokio::time::timeout(Duration::from_secs(60), async {
+        loop {
+            let record = beside.fetch(id).await.expect("fetch").expect("a record");
+            if record
+                .lease_expires_at_ms
+                .is_some_and(|lease| record.now_ms - lease > 1_100)
+            {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .expect("the lease runs out");
+}
+
+async fn pg_pool(size: u32) -> sqlx::PgPool {
+    sqlx::postgres::PgPoolOptions::new()
+        .max_connections(size)
+        .connect(&pg_url())
+        .await
+        .expect("pool")
+}
+
+async fn my_pool(size: u32) -> sqlx::MySqlPool {
+    sqlx::mysql::MySqlPoolOptions::new()
+        .max_connections(size)
+        .connect(&mysql_url())
+        .await
+        .expect("pool")
+}
+
+/// PostgreSQL: `size` transactions hold every connection of the store's
+/// pool; a transactional call in the first must not take the record over
+/// from the owner whose renewal waits for the pool.
+async fn pg_owner_starved_by(size: u32) {
+    let pool = pg_pool(size).await;
+    let store = PgStore::from_pool(pool.clone()).await.expect("store");
+    let beside = PgStore::from_pool(pg_pool(1).await).await.expect("beside");
+    let tenant = fresh_tenant();
+    let id = Identity::new(&tenant, "pool_exhausted.pg", "k").expect("identity");
+    let token = OwnerToken::new();
+    let lease = reserve_short(&store, &id, &token).await;
+    let mut txs = Vec::new();
+    for _ in 0..size {
+        txs.push(pool.begin().await.expect("begin"));
+    }
+    let renewing = {
+        let (store, id, token) = (store.clone(), id.clone(), token.clone());
+        tokio::spawn(async move { store.heartbeat(&id, &token, lease).await })
+    };
+    until_the_lease_is_over(&beside, &id).await;
+    assert!(
+        !renewing.is_finished(),
+        "the renewal waits for the pool: {renewing:?}"
+    );
+    let runs = AtomicUsize::new(0);
+    let answer = with_outcome(claim_pg(&mut txs[0], &tenant, "k", &runs)).await;
+    for tx in txs {
+        tx.rollback().await.expect("rollback");
+    }
+    let renewed = tokio::time::timeout(Duration::from_secs(60), renewing)
+        .await
+        .expect("the renewal ends")
+        .expect("task");
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        0,
+        "the body ran beside the live owner: {answer:?}; the owner's renewal after: {renewed:?}"
+    );
+    assert!(
+        matches!(renewed, Ok(Fenced::Written)),
+        "the owner renews once the transactions have ended: {renewed:?}"
+    );
+    pool.close().await;
+}
+
+/// The same on MariaDB.
+async fn my_owner_starved_by(size: u32) {
+    let pool = my_pool(size).await;
+    let store = MySqlStore::from_pool(pool.clone()).await.expect("store");
+    let beside = MySqlStore::from_pool(my_pool(1).await)
+        .await
+        .expect("beside");
+    let tenant = fresh_tenant();
+    let id = Identity::new(&tenant, "pool_exhausted.my", "k").expect("identity");
+    let token = OwnerToken::new();
+    let lease = reserve_short(&store, &id, &token).await;
+    let mut txs = Vec::new();
+    for _ in 0..size {
+        txs.push(pool.begin().await.expect("begin"));
+    }
+    let renewing = {
+        let (store, id, token) = (store.clone(), id.clone(), token.clone());
+        tokio::spawn(async move { store.heartbeat(&id, &token, lease).await })
+    };
+    until_the_lease_is_over(&beside, &id).await;
+    assert!(
+        !renewing.is_finished(),
+        "the renewal waits for the pool: {renewing:?}"
+    );
+    let runs = AtomicUsize::new(0);
+    let answer = with_outcome(claim_my(&mut txs[0], &tenant, "k", &runs)).await;
+    for tx in txs {
+        tx.rollback().await.expect("rollback");
+    }
+    let renewed = tokio::time::timeout(Duration::from_secs(60), renewing)
+        .await
+        .expect("the renewal ends")
+        .expect("task");
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        0,
+        "the body ran beside the live owner: {answer:?}; the owner's renewal after: {renewed:?}"
+    );
+    assert!(
+        matches!(renewed, Ok(Fenced::Written)),
+        "the owner renews once the transactions have ended: {renewed:?}"
+    );
+    pool.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "reproduces: a transaction holding every connection of the store's pool takes over the owner whose renewal it starves; the body runs twice"]
+async fn pg_a_transaction_holding_the_only_pooled_connection_never_takes_over_an_owner_it_starved()
+{
+    pg_owner_starved_by(1).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "reproduces: a transaction holding every connection of the store's pool takes over the owner whose renewal it starves; the body runs twice"]
+async fn pg_transactions_holding_every_pooled_connection_never_take_over_an_owner_they_starved() {
+    pg_owner_starved_by(2).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "reproduces: a transaction holding every connection of the store's pool takes over the owner whose renewal it starves; the body runs twice"]
+async fn mysql_a_transaction_holding_the_only_pooled_connection_never_takes_over_an_owner_it_starved(
+) {
+    my_owner_starved_by(1).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "reproduces: a transaction holding every connection of the store's pool takes over the owner whose renewal it starves; the body runs twice"]
+async fn mysql_transactions_holding_every_pooled_connection_never_take_over_an_owner_they_starved()
+{
+    my_owner_starved_by(2).await;
+}
