@@ -261,6 +261,13 @@ pub enum Error {
     ///   transaction's reads and writes conflict with concurrent
     ///   transactions' (PostgreSQL may then refuse even a key no one has
     ///   recorded).
+    /// * Any SQL store: the record is another caller's, in progress, whose
+    ///   owner (a store-mode call of this process, still at work) is still
+    ///   writing a renewal or its result and its lease may have run out:
+    ///   this transaction may hold the connection of the pool that the
+    ///   owner waits for (a pool of one connection given to the store, or
+    ///   every connection held by open transactions). Taking it over could
+    ///   run the body beside the live owner.
     /// * MySQL/MariaDB: the record is another caller's, in progress, and this
     ///   transaction may be what keeps its owner from renewing its lease:
     ///   the lease ran out after the transaction began (its snapshot may
@@ -349,12 +356,16 @@ fn stale_snapshot_cause(store: &str) -> &'static str {
             "writing the record failed with a serialization failure (40001): at REPEATABLE READ or \
              SERIALIZABLE its snapshot is older than the record another transaction committed, so it \
              can neither see nor write it, or, at SERIALIZABLE, its reads and writes conflict with a \
-             concurrent transaction's (even for a key no one has recorded)"
+             concurrent transaction's (even for a key no one has recorded), or the record is another \
+             caller's, in progress, whose owner (a call of this process, still at work) could not renew \
+             its lease or record its result, perhaps waiting for a pooled connection this transaction \
+             holds, so it must not take the record over"
         }
         "mysql" => {
             "the record was another caller's, in progress, when this transaction began (its lease ran out \
              since, InnoDB's clock counting in whole seconds), or an earlier call in it locked the record, \
-             and this transaction may be what kept its owner from renewing its lease, so it must not take \
+             or its owner (a call of this process) is still writing, perhaps waiting for a pooled \
+             connection this transaction holds, and this transaction may be what kept its owner from renewing its lease, so it must not take \
              the record over"
         }
         _ => {
@@ -371,7 +382,8 @@ fn stale_snapshot_cause(store: &str) -> &'static str {
 fn stale_snapshot_advice(store: &str) -> &'static str {
     match store {
         "postgres" => {
-            "run transactions that call idempotent functions at READ COMMITTED (PostgreSQL's default)"
+            "run transactions that call idempotent functions at READ COMMITTED (PostgreSQL's default); \
+             leave the store's pool a connection that no transaction holds"
         }
         "mysql" => {
             "end a transaction soon after a call in it answers `InProgress` rather than calling again in it"

@@ -146,6 +146,23 @@ macro_rules! transactional_connection {
                 request: $crate::store::ReserveRequest<'_>,
                 lock_wait: std::time::Duration,
             ) -> Result<$crate::store::Reservation, $crate::error::Error> {
+                // An owner of this record, at work in this process, whose
+                // lease may have run out while one of its writes waits: the
+                // caller's transaction may hold the connection of the pool
+                // it waits for (the application's pool given to the store,
+                // every connection of it held by open transactions), so the
+                // lease may have run out because of it. Taking the record
+                // over would run the body beside the live owner (rules 3,
+                // 10); refused before anything is written, no round trip.
+                if $crate::store::live_owners::may_be_kept_from_writing(request.identity) {
+                    let id = request.identity;
+                    tracing::warn!(target: "idempotent", scope = %id.scope, key = %id.key_digest(),
+                        "refused: an in-progress record's owner, at work in this process, is still writing (perhaps waiting for a connection the caller's transaction holds) and its lease may have run out; not taken over");
+                    return Err($crate::error::Error::StaleSnapshot {
+                        scope: id.scope.clone(),
+                        store: $store,
+                    });
+                }
                 $reserve(self, request, lock_wait).await
             }
 

@@ -44,6 +44,29 @@ async fn claim_my(
     Ok(2)
 }
 
+/// The store-mode owner on PostgreSQL: runs until told to end.
+#[idempotent(scope = "pool_exhausted.pg", key = key, tenant = tenant, store = store, skip(owner), shared_scope, ttl = "1h", lease = "1s", in_progress = reject)]
+async fn owner_pg(
+    store: &PgStore,
+    tenant: &str,
+    key: &str,
+    owner: &BlockedOwner,
+) -> Result<u64, Error> {
+    let _ = (store, tenant, key);
+    owner.runs.fetch_add(1, Ordering::SeqCst);
+    owner.started.notify_one();
+    owner.end.notified().await;
+    Ok(1)
+}
+
+/// A store-mode owner's handshakes, and its runs.
+#[derive(Default)]
+struct BlockedOwner {
+    runs: AtomicUsize,
+    started: tokio::sync::Notify,
+    end: tokio::sync::Notify,
+}
+
 /// The owner reserves `id` with a short lease through `store`.
 async fn reserve_short<S: Store>(store: &S, id: &Identity, token: &OwnerToken) -> Duration {
     let lease = Duration::from_millis(300);
@@ -141,6 +164,10 @@ async fn pg_owner_starved_by(size: u32) {
         "the body ran beside the live owner: {answer:?}; the owner's renewal after: {renewed:?}"
     );
     assert!(
+        matches!(answer, (Err(Error::StaleSnapshot { .. }), None)),
+        "refused: {answer:?}"
+    );
+    assert!(
         matches!(renewed, Ok(Fenced::Written)),
         "the owner renews once the transactions have ended: {renewed:?}"
     );
@@ -186,6 +213,10 @@ async fn my_owner_starved_by(size: u32) {
         "the body ran beside the live owner: {answer:?}; the owner's renewal after: {renewed:?}"
     );
     assert!(
+        matches!(answer, (Err(Error::StaleSnapshot { .. }), None)),
+        "refused: {answer:?}"
+    );
+    assert!(
         matches!(renewed, Ok(Fenced::Written)),
         "the owner renews once the transactions have ended: {renewed:?}"
     );
@@ -193,28 +224,67 @@ async fn my_owner_starved_by(size: u32) {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "reproduces: a transaction holding every connection of the store's pool takes over the owner whose renewal it starves; the body runs twice"]
 async fn pg_a_transaction_holding_the_only_pooled_connection_never_takes_over_an_owner_it_starved()
 {
     pg_owner_starved_by(1).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "reproduces: a transaction holding every connection of the store's pool takes over the owner whose renewal it starves; the body runs twice"]
 async fn pg_transactions_holding_every_pooled_connection_never_take_over_an_owner_they_starved() {
     pg_owner_starved_by(2).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "reproduces: a transaction holding every connection of the store's pool takes over the owner whose renewal it starves; the body runs twice"]
 async fn mysql_a_transaction_holding_the_only_pooled_connection_never_takes_over_an_owner_it_starved(
 ) {
     my_owner_starved_by(1).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "reproduces: a transaction holding every connection of the store's pool takes over the owner whose renewal it starves; the body runs twice"]
 async fn mysql_transactions_holding_every_pooled_connection_never_take_over_an_owner_they_starved()
 {
     my_owner_starved_by(2).await;
+}
+
+/// The same with an `#[idempotent]` owner whose heartbeat renews its lease:
+/// while its body waits, the caller's transaction takes the pool's only
+/// connection, and the engine's renewals wait for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pg_a_transaction_holding_the_only_pooled_connection_never_takes_over_a_called_owner() {
+    let pool = pg_pool(1).await;
+    let store = PgStore::from_pool(pool.clone()).await.expect("store");
+    let beside = PgStore::from_pool(pg_pool(1).await).await.expect("beside");
+    let tenant = fresh_tenant();
+    let id = Identity::new(&tenant, "pool_exhausted.pg", "k").expect("identity");
+    let owner = std::sync::Arc::new(BlockedOwner::default());
+    let owned = {
+        let (store, tenant, owner) = (store.clone(), tenant.clone(), owner.clone());
+        tokio::spawn(async move { with_outcome(owner_pg(&store, &tenant, "k", &owner)).await })
+    };
+    owner.started.notified().await;
+    let mut tx = pool.begin().await.expect("begin");
+    until_the_lease_is_over(&beside, &id).await;
+    let runs = AtomicUsize::new(0);
+    let answer = with_outcome(claim_pg(&mut tx, &tenant, "k", &runs)).await;
+    tx.rollback().await.expect("rollback");
+    owner.end.notify_one();
+    let owned = tokio::time::timeout(Duration::from_secs(60), owned)
+        .await
+        .expect("the owner ends")
+        .expect("owner task");
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        0,
+        "the body ran beside the live owner: {answer:?}; the owner's answer: {owned:?}"
+    );
+    assert!(
+        matches!(answer, (Err(Error::StaleSnapshot { .. }), None)),
+        "refused: {answer:?}"
+    );
+    assert!(
+        matches!(owned, (Ok(1), Some(idempotent_runtime::Outcome::Executed))),
+        "{owned:?}"
+    );
+    assert_eq!(owner.runs.load(Ordering::SeqCst), 1, "the body ran once");
+    pool.close().await;
 }

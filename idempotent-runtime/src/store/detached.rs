@@ -379,6 +379,8 @@ fn start(store: &'static str, open: OpenFn) -> std::io::Result<mpsc::UnboundedSe
             running.spawn(async move {
                 let ended = job.await;
                 if let (Some((identity, token)), Some(ended)) = (noted, ended) {
+                    // Written or fenced out: the owner is done.
+                    super::live_owners::ended(&token);
                     crate::unrecorded::write_answered(&identity, &token, ended);
                 }
                 drop(keep);

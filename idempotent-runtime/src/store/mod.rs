@@ -16,6 +16,8 @@ pub(crate) mod detached;
 /// How long a server store's `connect` and every statement wait for a pooled
 /// connection (and the command line for its first look at a database).
 pub const ACQUIRE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+pub(crate) mod live_owners;
 pub mod memory;
 #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
 pub mod migrate;
@@ -29,8 +31,6 @@ pub(crate) mod rows;
 pub(crate) mod server;
 #[cfg(feature = "sqlite")]
 pub mod sqlite;
-#[cfg(feature = "sqlite")]
-mod sqlite_owners;
 #[cfg(feature = "sqlite")]
 pub mod sqlite_tx;
 #[cfg(any(feature = "sqlite", feature = "mysql"))]

@@ -1660,7 +1660,13 @@ impl Store for MySqlStore {
     }
 
     async fn reserve(&self, request: ReserveRequest<'_>) -> Result<Reservation, StoreError> {
-        reserve_through_store(&self.pools.current(), &self.names, request, self.mariadb).await
+        let sent = std::time::Instant::now();
+        let answer =
+            reserve_through_store(&self.pools.current(), &self.names, request, self.mariadb).await;
+        if let Ok(Reservation::Acquired { .. }) = answer {
+            live_owners::reserved(request.identity, request.token, request.lease, sent);
+        }
+        answer
     }
 
     async fn complete(&self, completion: Completion<'_>) -> Result<Fenced, StoreError> {
@@ -1669,9 +1675,18 @@ impl Store for MySqlStore {
             .lock_wait
             .saturating_add(detached::allowance_for(completion.outcome.payload.len()));
         let table = self.names.table.as_str();
+        // The owner is at work while its completion is being written (its
+        // body has run), and for a lease after one that failed.
+        let writing =
+            live_owners::Writing::begins(Some(completion.identity), completion.token, None);
         let done = committed!(&pool, &self.names.check, "complete", waits, |on, commit| {
             complete_as(commit, table, on, completion)
         });
+        drop(writing);
+        if done.is_ok() {
+            // Written or fenced out: the owner is done.
+            live_owners::ended(completion.token);
+        }
         self.waiters.notify_written(completion.identity, &done);
         done
     }
@@ -1741,6 +1756,7 @@ impl Store for MySqlStore {
     }
 
     async fn release(&self, identity: &Identity, token: &OwnerToken) -> Result<Fenced, StoreError> {
+        live_owners::ended(token);
         let pool = self.pools.current();
         let done = committed!(
             &pool,
@@ -1760,6 +1776,14 @@ impl Store for MySqlStore {
         lease: Duration,
     ) -> Result<Fenced, StoreError> {
         let pool = self.pools.current();
+        // A zero lease ends it on purpose: the owner is done. A renewal is
+        // a write of an owner at work, waiting perhaps for the pool.
+        let writing = (!lease.is_zero())
+            .then(|| live_owners::Writing::begins(Some(identity), token, Some(lease)));
+        if writing.is_none() {
+            live_owners::ended(token);
+        }
+        let sent = std::time::Instant::now();
         let done = committed!(
             &pool,
             &self.names.check,
@@ -1767,6 +1791,13 @@ impl Store for MySqlStore {
             self.lock_wait,
             |on, commit| heartbeat_as(commit, &self.names.table, on, identity, token, lease)
         );
+        drop(writing);
+        match &done {
+            Ok(Fenced::Written) if !lease.is_zero() => live_owners::renewed(token, lease, sent),
+            Ok(Fenced::Written) => {}
+            Ok(_) => live_owners::ended(token),
+            Err(_) => {}
+        }
         // The lease may have been shortened (ended early so the next call
         // takes over at once); waiters in this process sleep until the end
         // they last saw, so they look again (a read each).
@@ -1774,7 +1805,7 @@ impl Store for MySqlStore {
         done
     }
 
-    crate::store::detached::hand_over_to_the_worker!();
+    crate::store::detached::hand_over_to_the_worker!(told = live_owners::handed_over);
 
     /// Woken at once when this store (any clone of it, in this process)
     /// completes, releases or renews the record, its background worker

@@ -1855,13 +1855,18 @@ impl Store for PgStore {
     }
 
     async fn reserve(&self, request: ReserveRequest<'_>) -> Result<Reservation, StoreError> {
-        reserve_autocommit(
+        let sent = std::time::Instant::now();
+        let answer = reserve_autocommit(
             &self.pools.current(),
             &self.statements,
             request,
             (self.lock_wait, self.silent_after),
         )
-        .await
+        .await;
+        if let Ok(Reservation::Acquired { .. }) = answer {
+            live_owners::reserved(request.identity, request.token, request.lease, sent);
+        }
+        answer
     }
 
     async fn complete(&self, completion: Completion<'_>) -> Result<Fenced, StoreError> {
@@ -1869,7 +1874,11 @@ impl Store for PgStore {
         // default (see `CALLER_WRITE_WAITS`).
         let waits = CALLER_WRITE_WAITS
             .saturating_add(detached::allowance_for(completion.outcome.payload.len()));
-        in_own_transaction!(
+        // The owner is at work while its completion is being written (its
+        // body has run), and for a lease after one that failed.
+        let _writing =
+            live_owners::Writing::begins(Some(completion.identity), completion.token, None);
+        let completed = in_own_transaction!(
             &self.pools.current(),
             "complete",
             self.silent_after,
@@ -1886,7 +1895,12 @@ impl Store for PgStore {
                 )
                 .await
             }
-        )
+        );
+        if completed.is_ok() {
+            // Written or fenced out: the owner is done.
+            live_owners::ended(completion.token);
+        }
+        completed
     }
 
     async fn force_release(
@@ -1899,6 +1913,7 @@ impl Store for PgStore {
     }
 
     async fn release(&self, identity: &Identity, token: &OwnerToken) -> Result<Fenced, StoreError> {
+        live_owners::ended(token);
         in_own_transaction!(
             &self.pools.current(),
             "release",
@@ -1925,7 +1940,15 @@ impl Store for PgStore {
         token: &OwnerToken,
         lease: Duration,
     ) -> Result<Fenced, StoreError> {
-        in_own_transaction!(
+        // A zero lease ends it on purpose: the owner is done. A renewal is
+        // a write of an owner at work, waiting perhaps for the pool.
+        let writing = (!lease.is_zero())
+            .then(|| live_owners::Writing::begins(Some(identity), token, Some(lease)));
+        if writing.is_none() {
+            live_owners::ended(token);
+        }
+        let sent = std::time::Instant::now();
+        let renewed = in_own_transaction!(
             &self.pools.current(),
             "heartbeat",
             self.silent_after,
@@ -1942,10 +1965,18 @@ impl Store for PgStore {
                 )
                 .await
             }
-        )
+        );
+        drop(writing);
+        match &renewed {
+            Ok(Fenced::Written) if !lease.is_zero() => live_owners::renewed(token, lease, sent),
+            Ok(Fenced::Written) => {}
+            Ok(_) => live_owners::ended(token),
+            Err(_) => {}
+        }
+        renewed
     }
 
-    crate::store::detached::hand_over_to_the_worker!();
+    crate::store::detached::hand_over_to_the_worker!(told = live_owners::handed_over);
 
     /// Woken by `LISTEN/NOTIFY` when the record completes, is released or
     /// changes owner (in any process); polls only when the listener cannot

@@ -804,7 +804,7 @@ impl SqliteStore {
                             }
                             if done.is_ok() {
                                 // Written or fenced out: the owner is done.
-                                super::sqlite_owners::ended(&token);
+                                super::live_owners::ended(&token);
                             }
                             done
                         })
@@ -863,7 +863,7 @@ impl SqliteStore {
         identity: &Identity,
         token: &OwnerToken,
     ) -> Result<Fenced, StoreError> {
-        super::sqlite_owners::ended(token);
+        super::live_owners::ended(token);
         let (id, token) = (identity.clone(), token.clone());
         let released = self
             .write_in_turn("release", move |mut conn| async move {
@@ -880,7 +880,8 @@ impl SqliteStore {
         // The owner is at work while its completion is being written, and
         // for a lease after one that failed (it is tried again): its body
         // has run.
-        let writing = super::sqlite_owners::Writing::begins(completion.token, None);
+        let writing =
+            super::live_owners::Writing::begins(Some(completion.identity), completion.token, None);
         let (id, token) = (completion.identity.clone(), completion.token.clone());
         let answer = completion.answer();
         let completed = self
@@ -889,7 +890,7 @@ impl SqliteStore {
                 complete_on(&mut *conn, answer.completing(&id, &token)).await
             })
             .await?;
-        super::sqlite_owners::ended(completion.token);
+        super::live_owners::ended(completion.token);
         if completed.is_written() {
             self.waiters.notify(completion.identity);
         }
@@ -1455,7 +1456,7 @@ pub(super) async fn reserve_in(
 /// What a caller's transaction that already holds the database's write lock
 /// (or, in the rollback journal, a shared lock) answers about a record
 /// whose owner is a call of this process still at work
-/// ([`sqlite_owners`](super::sqlite_owners)), if the reservation would
+/// ([`live_owners`](super::live_owners)), if the reservation would
 /// otherwise take it over: its lease ran out while the transaction kept the
 /// owner from renewing it (or from recording its result), or runs out at
 /// any moment while the transaction keeps doing so. Read in the
@@ -1485,7 +1486,7 @@ pub(super) async fn live_owner_answer(
             stored.as_deref(),
             request.fingerprint.map(Fingerprint::as_str),
         );
-    if !would_take_it || !owner.is_some_and(|owner| super::sqlite_owners::alive(&owner)) {
+    if !would_take_it || !owner.is_some_and(|owner| super::live_owners::alive(&owner)) {
         return Ok(None);
     }
     // Answered here, never by the upsert, whose own look at the clock may
@@ -1954,7 +1955,7 @@ impl Store for SqliteStore {
         })
         .await;
         if let Ok(Reservation::Acquired { .. }) = answer {
-            super::sqlite_owners::reserved(request.token, request.lease, sent);
+            super::live_owners::reserved(request.identity, request.token, request.lease, sent);
         }
         answer
     }
@@ -2006,11 +2007,16 @@ impl Store for SqliteStore {
         let (id, token_owned) = (identity.clone(), token.clone());
         // A zero lease ends it on purpose: the owner is done.
         let writing = if lease.is_zero() {
-            super::sqlite_owners::ended(token);
+            super::live_owners::ended(token);
             None
         } else {
-            Some(super::sqlite_owners::Writing::begins(token, Some(lease)))
+            Some(super::live_owners::Writing::begins(
+                Some(identity),
+                token,
+                Some(lease),
+            ))
         };
+        let sent = std::time::Instant::now();
         let renewed = self
             .write_in_turn("heartbeat", move |mut conn| async move {
                 // A renewal whose owner this process ended after it was
@@ -2022,7 +2028,7 @@ impl Store for SqliteStore {
                 // refused until it ran out.
                 if writing
                     .as_ref()
-                    .is_some_and(super::sqlite_owners::Writing::owner_ended)
+                    .is_some_and(super::live_owners::Writing::owner_ended)
                 {
                     return Ok(Fenced::NotOwner);
                 }
@@ -2031,9 +2037,12 @@ impl Store for SqliteStore {
             })
             .await?;
         if !renewed.is_written() {
-            super::sqlite_owners::ended(token);
+            super::live_owners::ended(token);
         }
         if renewed.is_written() {
+            if !lease.is_zero() {
+                super::live_owners::renewed(token, lease, sent);
+            }
             // The lease may have been shortened (ended early so the next call
             // takes over at once); waiters in this process sleep until the
             // end they last saw, so they look again (a read each).
@@ -2042,7 +2051,7 @@ impl Store for SqliteStore {
         Ok(renewed)
     }
 
-    crate::store::detached::hand_over_to_the_worker!(told = super::sqlite_owners::handed_over);
+    crate::store::detached::hand_over_to_the_worker!(told = super::live_owners::handed_over);
 
     /// Woken at once when this store (any clone of it, in this process)
     /// completes or releases the record, its detached worker finishes it, or

@@ -482,7 +482,7 @@ async fn reserve_on(
     // lists an owner at all: otherwise the look would cost a statement per
     // call for nothing.
     if state == libsqlite3_sys::SQLITE_TXN_WRITE
-        && super::sqlite_owners::any_listed()
+        && super::live_owners::any_listed()
         && let Some(answer) = live_owner_refusal(conn, request).await?
     {
         return answer;
@@ -518,7 +518,7 @@ async fn reserve_on(
     // `keeps_owners_from_writing`). Asked only when a write is due (the
     // record is absent or its lease over) and this process lists an owner.
     if state != libsqlite3_sys::SQLITE_TXN_WRITE
-        && super::sqlite_owners::any_listed()
+        && super::live_owners::any_listed()
         && keeps_owners_from_writing(conn, state)
             .await
             .map_err(err(OP))?

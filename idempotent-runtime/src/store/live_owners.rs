@@ -1,0 +1,438 @@
+//! This process's store-mode owners of records, on every SQL store, by
+//! owner token and by identity: which are still at work (their body
+//! running, a renewal or their completion being written).
+//!
+//! A caller's transaction may keep an owner from renewing its lease or
+//! recording its result: on SQLite it holds the one write lock (or the one
+//! connection of a database in memory); on any store it may hold the only
+//! connection of the application's pool that the store was given
+//! (`from_pool`), or every one of them, so the owner's writes wait for the
+//! pool. A lease that runs out meanwhile may run out *because of* that
+//! transaction, its owner alive. No store can say which connection a
+//! transaction holds, nor whether an owner in another process is alive;
+//! this process knows its own owners, and transactional mode asks here
+//! before it reserves (see [`may_be_kept_from_writing`]), and SQLite's
+//! before it takes a record over from a transaction that held the lock
+//! before the call (see `sqlite::live_owner_answer`).
+//!
+//! An owner counts as alive while one of its writes is under way (a renewal
+//! or its completion, waiting for a connection, for the write turn or for
+//! another connection's lock), and for its lease after it last reserved or
+//! renewed (from when that statement was sent) or after a write of its that
+//! failed ended: exactly as long as the record's lease for an owner that
+//! never wrote again. A call dropped without telling the store stops
+//! counting a lease after it last wrote; a dropped call tells the store,
+//! which ends the owner (a completion handed to the store's worker keeps it
+//! at work until it is written or fenced out).
+
+use super::OwnerToken;
+use crate::identity::Identity;
+use std::collections::HashMap;
+use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
+
+/// The owners, the latest listed for each identity, and how many there may
+/// be before those no longer alive are dropped.
+struct Owners {
+    by_token: HashMap<String, Owner>,
+    /// The token of the owner of each identity listed last: an older owner
+    /// of the same identity was taken over from (its record is no longer
+    /// its own).
+    by_identity: HashMap<Identity, String>,
+    prune_at: usize,
+}
+
+/// When an owner last showed it is alive, for how long that counts, how
+/// many of its writes are under way, and until when its record's lease
+/// surely runs.
+struct Owner {
+    identity: Option<Identity>,
+    last: Instant,
+    lease: Duration,
+    writing: usize,
+    /// The record's lease runs at least until then: from when its last
+    /// reservation or renewal written was sent, for that lease (`None`:
+    /// past any instant, a lease of centuries).
+    leased_until: Option<Instant>,
+    /// Its completion has begun: its body has run, and its answer is held
+    /// for a takeover of this process (`unrecorded`), which records it
+    /// instead of running the body again.
+    completing: bool,
+}
+
+impl Owner {
+    fn alive_at(&self, now: Instant) -> bool {
+        self.writing > 0 || now.saturating_duration_since(self.last) < self.lease
+    }
+}
+
+/// The fewest owners kept before pruning.
+const PRUNE_AT_LEAST: usize = 1024;
+
+static OWNERS: std::sync::LazyLock<Mutex<Owners>> = std::sync::LazyLock::new(|| {
+    Mutex::new(Owners {
+        by_token: HashMap::new(),
+        by_identity: HashMap::new(),
+        prune_at: PRUNE_AT_LEAST,
+    })
+});
+
+fn owners() -> MutexGuard<'static, Owners> {
+    OWNERS.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// How far the database's clock may read behind this process's when a
+/// statement runs: SQLite's `'now'` and MySQL's lease arithmetic are in
+/// whole milliseconds, so a record's lease may end up to this much before
+/// `sent + lease`.
+const DATABASE_CLOCK_RESOLUTION: Duration = Duration::from_millis(1);
+
+/// When a statement sent at `sent` or later, giving a lease of `lease`,
+/// leaves the lease running until at least.
+fn lease_from(sent: Instant) -> Instant {
+    sent.checked_sub(DATABASE_CLOCK_RESOLUTION).unwrap_or(sent)
+}
+
+impl Owners {
+    fn remove(&mut self, token: &str) {
+        if let Some(owner) = self.by_token.remove(token)
+            && let Some(identity) = owner.identity
+            && self.by_identity.get(&identity).is_some_and(|t| t == token)
+        {
+            self.by_identity.remove(&identity);
+        }
+    }
+}
+
+/// `token`'s owner reserved `identity` with `lease`, by a statement sent at
+/// `sent` or later (so it counts no longer than the record's lease: from
+/// [`DATABASE_CLOCK_RESOLUTION`] before `sent`; otherwise a transaction
+/// taking over a crashed owner the moment its lease ran out was refused for
+/// up to that long).
+pub(super) fn reserved(identity: &Identity, token: &OwnerToken, lease: Duration, sent: Instant) {
+    let sent = lease_from(sent);
+    let mut owners = owners();
+    if owners.by_token.len() >= owners.prune_at {
+        let now = Instant::now();
+        owners.by_token.retain(|_, owner| owner.alive_at(now));
+        let Owners {
+            by_token,
+            by_identity,
+            ..
+        } = &mut *owners;
+        by_identity.retain(|_, token| by_token.contains_key(token));
+        // Pruned again only once as many more have come (amortized).
+        owners.prune_at = (owners.by_token.len() * 2).max(PRUNE_AT_LEAST);
+    }
+    owners.by_token.insert(
+        token.as_str().to_owned(),
+        Owner {
+            identity: Some(identity.clone()),
+            last: sent,
+            lease,
+            writing: 0,
+            leased_until: sent.checked_add(lease),
+            completing: false,
+        },
+    );
+    owners
+        .by_identity
+        .insert(identity.clone(), token.as_str().to_owned());
+}
+
+/// `token`'s owner renewed its lease (`lease`, not zero) by a statement
+/// sent at `sent` or later, and it was written: the record's lease runs
+/// until at least `sent + lease`, and the owner counts as alive that long
+/// (not a lease after the write ended: an owner that never writes again is
+/// taken over once the record's lease is over).
+pub(super) fn renewed(token: &OwnerToken, lease: Duration, sent: Instant) {
+    let sent = lease_from(sent);
+    if let Some(owner) = owners().by_token.get_mut(token.as_str()) {
+        owner.leased_until = sent.checked_add(lease);
+        owner.lease = lease;
+        if owner.writing == 0 {
+            owner.last = sent;
+        }
+    }
+}
+
+/// `token`'s owner is done: completed, released, its lease ended on purpose
+/// or lost.
+pub(crate) fn ended(token: &OwnerToken) {
+    owners().remove(token.as_str());
+}
+
+/// `token`'s owner handed its record to the store's background worker (its
+/// call was dropped, or its completion could not be written). A completion
+/// (`completing`: its body has run) keeps the owner at work for as long as
+/// the worker tries to write it (the answer, a [`Writing`], is kept with the
+/// job; the worker ends the owner once it is written or fenced out); a
+/// release or an ended lease ends it.
+pub(crate) fn handed_over(
+    token: &OwnerToken,
+    completing: bool,
+) -> super::detached::KeepWhileRunning {
+    if completing {
+        Some(Box::new(Writing::begins(None, token, None)))
+    } else {
+        ended(token);
+        None
+    }
+}
+
+/// Whether this process lists any owner (at work or not yet forgotten): when
+/// it lists none, no record can have an owner at work here.
+#[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
+pub(super) fn any_listed() -> bool {
+    !owners().by_token.is_empty()
+}
+
+/// Whether `token` names an owner of this process that is still at work.
+#[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
+pub(super) fn alive(token: &str) -> bool {
+    owners()
+        .by_token
+        .get(token)
+        .is_some_and(|owner| owner.alive_at(Instant::now()))
+}
+
+/// Whether `identity`'s record has an owner in this process still at work,
+/// its body not yet answered, whose lease may have run out: a renewal
+/// waiting (for a connection of a pool that the caller's transaction may be
+/// holding), or its last renewal failed. A transactional-mode reservation
+/// in the caller's transaction must not take such a record over (the body
+/// would run twice, beside the live owner); the lease may have run out
+/// because of that transaction, so it is refused with `StaleSnapshot`
+/// (rolled back, it lets the owner write). No round trip: asked before
+/// every transactional reservation. An owner whose lease surely runs is
+/// left to the store, which answers it (in progress, or its answer once
+/// recorded); so is one whose completion has begun: a takeover records the
+/// answer it holds (`unrecorded`), and the body does not run again.
+pub(crate) fn may_be_kept_from_writing(identity: &Identity) -> bool {
+    let owners = owners();
+    if owners.by_token.is_empty() {
+        return false;
+    }
+    let now = Instant::now();
+    owners
+        .by_identity
+        .get(identity)
+        .and_then(|token| owners.by_token.get(token))
+        .is_some_and(|owner| {
+            owner.alive_at(now)
+                && !owner.completing
+                && owner.leased_until.is_some_and(|until| now >= until)
+        })
+}
+
+/// One write of a listed owner under way (a renewal, its completion): the
+/// owner counts as alive until it is dropped, and for its lease after.
+/// Keep it in the task that makes the write, so that it ends with the
+/// write, whether or not the caller still polls.
+pub(super) struct Writing(Option<String>);
+
+impl Writing {
+    /// A write of `token`'s owner begins; `lease`, when given, is its lease
+    /// from now on (a renewal's). A renewal lists an owner not listed (of
+    /// `identity`, when given): it is at work in this process (one dropped
+    /// from the list while its lease had lapsed, its thread blocked past
+    /// it, renews again), and its end must be seen by a renewal still on
+    /// its way (see [`owner_ended`]). A completion alone lists nobody.
+    ///
+    /// [`owner_ended`]: Writing::owner_ended
+    pub(super) fn begins(
+        identity: Option<&Identity>,
+        token: &OwnerToken,
+        lease: Option<Duration>,
+    ) -> Self {
+        let mut owners = owners();
+        let now = Instant::now();
+        if !owners.by_token.contains_key(token.as_str()) {
+            let Some(lease) = lease else {
+                return Writing(None);
+            };
+            owners.by_token.insert(
+                token.as_str().to_owned(),
+                Owner {
+                    identity: identity.cloned(),
+                    last: now,
+                    lease,
+                    writing: 0,
+                    // Not known: the lease may be over.
+                    leased_until: Some(now),
+                    completing: false,
+                },
+            );
+            if let Some(identity) = identity {
+                owners
+                    .by_identity
+                    .insert(identity.clone(), token.as_str().to_owned());
+            }
+        }
+        let owner = owners
+            .by_token
+            .get_mut(token.as_str())
+            .expect("listed just above");
+        owner.writing += 1;
+        owner.last = now;
+        match lease {
+            Some(lease) => owner.lease = lease,
+            None => owner.completing = true,
+        }
+        Writing(Some(token.as_str().to_owned()))
+    }
+}
+
+impl Writing {
+    /// Whether this write's owner, listed when the write began, has been
+    /// ended since (completed, released, its lease ended on purpose or
+    /// lost): a renewal then has nothing left to renew.
+    #[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
+    pub(super) fn owner_ended(&self) -> bool {
+        self.0
+            .as_deref()
+            .is_some_and(|token| !owners().by_token.contains_key(token))
+    }
+}
+
+impl Drop for Writing {
+    fn drop(&mut self) {
+        let Some(token) = self.0.take() else {
+            return;
+        };
+        // An owner ended meanwhile stays ended.
+        if let Some(owner) = owners().by_token.get_mut(&token) {
+            owner.writing = owner.writing.saturating_sub(1);
+            owner.last = Instant::now();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An identity of its own (a fresh key).
+    fn identity() -> Identity {
+        Identity::new(
+            "live_owners",
+            "live_owners.unit",
+            OwnerToken::new().as_str(),
+        )
+        .expect("identity")
+    }
+
+    /// A record's lease, on the database's millisecond clock, may end up to
+    /// a millisecond before `sent + lease`: the owner never counts longer.
+    #[test]
+    fn a_reserved_owner_counts_no_longer_than_its_records_lease() {
+        let token = OwnerToken::new();
+        let lease = Duration::from_secs(1);
+        let sent = Instant::now()
+            .checked_sub(lease - Duration::from_micros(500))
+            .expect("a second ago");
+        reserved(&identity(), &token, lease, sent);
+        assert!(
+            !alive(token.as_str()),
+            "half a millisecond before sent + lease, the record's lease may be over"
+        );
+        ended(&token);
+    }
+
+    #[test]
+    fn an_owner_counts_while_it_writes_and_for_its_lease_after() {
+        let token = OwnerToken::new();
+        assert!(!alive(token.as_str()), "never listed");
+        let long_ago = Instant::now()
+            .checked_sub(Duration::from_secs(60))
+            .expect("a minute ago");
+        reserved(&identity(), &token, Duration::from_secs(1), long_ago);
+        assert!(any_listed(), "a reserved owner is listed, alive or not");
+        assert!(
+            !alive(token.as_str()),
+            "its lease ran out, and it never wrote"
+        );
+        let writing = Writing::begins(None, &token, None);
+        assert!(alive(token.as_str()), "a renewal is under way");
+        drop(writing);
+        assert!(alive(token.as_str()), "for a lease after it wrote");
+        let writing = Writing::begins(None, &token, None);
+        ended(&token);
+        drop(writing);
+        assert!(!alive(token.as_str()), "ended stays ended");
+        let unknown = OwnerToken::new();
+        let writing = Writing::begins(None, &unknown, None);
+        assert!(!alive(unknown.as_str()), "not listed by a completion alone");
+        drop(writing);
+        // A renewal of an owner no longer listed (dropped while its lease had
+        // lapsed) lists it, and sees it ended while it waits.
+        let writing = Writing::begins(Some(&identity()), &unknown, Some(Duration::from_secs(60)));
+        assert!(alive(unknown.as_str()), "a renewal is under way");
+        assert!(!writing.owner_ended());
+        ended(&unknown);
+        assert!(writing.owner_ended(), "ended while the renewal waited");
+        drop(writing);
+        assert!(!alive(unknown.as_str()), "ended stays ended");
+    }
+
+    /// An owner whose write is under way after its lease may have run out
+    /// may be kept from writing by the caller's transaction; one whose
+    /// lease surely runs is left to the store; one ended, or never
+    /// writing again after its lease, is not.
+    #[test]
+    fn an_owner_writing_past_its_lease_may_be_kept_from_writing() {
+        let id = identity();
+        let token = OwnerToken::new();
+        assert!(!may_be_kept_from_writing(&id), "never listed");
+        reserved(&id, &token, Duration::from_secs(60), Instant::now());
+        assert!(!may_be_kept_from_writing(&id), "its lease surely runs");
+        let long_ago = Instant::now()
+            .checked_sub(Duration::from_secs(60))
+            .expect("a minute ago");
+        reserved(&id, &token, Duration::from_secs(1), long_ago);
+        assert!(!may_be_kept_from_writing(&id), "crashed: its lease ran out");
+        let writing = Writing::begins(Some(&id), &token, Some(Duration::from_secs(1)));
+        assert!(may_be_kept_from_writing(&id), "its renewal waits");
+        drop(writing);
+        renewed(&token, Duration::from_secs(60), Instant::now());
+        assert!(
+            !may_be_kept_from_writing(&id),
+            "renewed: its lease surely runs"
+        );
+        renewed(&token, Duration::from_secs(1), long_ago);
+        assert!(
+            !may_be_kept_from_writing(&id),
+            "alive no longer than its lease"
+        );
+        let renewing = Writing::begins(Some(&id), &token, Some(Duration::from_secs(1)));
+        let writing = Writing::begins(Some(&id), &token, None);
+        assert!(
+            !may_be_kept_from_writing(&id),
+            "its completion waits: a takeover records the answer it holds"
+        );
+        ended(&token);
+        assert!(!may_be_kept_from_writing(&id), "ended");
+        drop((writing, renewing));
+        assert!(!may_be_kept_from_writing(&id), "ended stays ended");
+        // A newer owner of the identity is the one asked about.
+        let newer = OwnerToken::new();
+        reserved(&id, &token, Duration::from_secs(1), long_ago);
+        let writing = Writing::begins(Some(&id), &token, Some(Duration::from_secs(1)));
+        assert!(may_be_kept_from_writing(&id), "listed again, renewing");
+        reserved(&id, &newer, Duration::from_secs(60), Instant::now());
+        assert!(
+            !may_be_kept_from_writing(&id),
+            "the record is the newer owner's"
+        );
+        drop(writing);
+        ended(&token);
+        ended(&newer);
+        // A lease of centuries never ends, and never overflows the clock.
+        reserved(&id, &token, Duration::MAX, Instant::now());
+        let writing = Writing::begins(Some(&id), &token, Some(Duration::MAX));
+        renewed(&token, Duration::MAX, Instant::now());
+        assert!(!may_be_kept_from_writing(&id), "its lease surely runs");
+        drop(writing);
+        ended(&token);
+    }
+}
