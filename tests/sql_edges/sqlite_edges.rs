@@ -2848,10 +2848,9 @@ async fn a_transaction_holding_the_only_in_memory_connection_never_takes_over_an
 /// call reads the record beside the transaction, finds the lease over and
 /// takes the record over beside the live owner (the body runs twice; the
 /// owner's renewal, once the transaction has committed, finds itself
-/// fenced out). Now a store that reaches its file through a pool of one
-/// connection says so, and a transaction on that file is refused a
-/// takeover of an owner this process lists as at work, as on a database in
-/// memory.
+/// fenced out). Now refused before the reservation, as on every SQL store
+/// (`pool_exhausted`): this process lists the owner as at work, its renewal
+/// waiting, its lease possibly run out.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_transaction_holding_the_only_pooled_connection_never_takes_over_an_owner_it_starved() {
     use idempotent_runtime::Fenced;

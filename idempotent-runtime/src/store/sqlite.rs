@@ -741,12 +741,6 @@ impl SqliteStore {
             }
             None => None,
         };
-        if !in_memory && pool.options().get_max_connections() == 1 {
-            let mut conn = pool.acquire().await.map_err(err("open the database"))?;
-            super::sqlite_tx::pool_of_one_on(&mut conn)
-                .await
-                .map_err(err("read the database's file"))?;
-        }
         let write_gate = WriteGate::new(millis_to_duration(busy_timeout));
         let waiters = Arc::new(super::waiters::Waiters::default());
         let reserving = Arc::new(Reserving::default());

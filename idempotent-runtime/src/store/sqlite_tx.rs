@@ -611,10 +611,6 @@ async fn live_owner_refusal(
 ///   connection (`connect("sqlite::memory:")` keeps exactly one), so an
 ///   owner's renewal waits for the connection until the transaction ends,
 ///   even one that has neither read nor written yet;
-/// * on a file that a store of this process reaches through a pool of one
-///   connection ([`pool_of_one_on`]), any transaction: it most likely holds
-///   that connection (the application's pool, shared with the store), and
-///   the owner's renewal waits for the pool until the transaction ends;
 /// * in the rollback journal (a `journal_mode` other than WAL), one that has
 ///   read: no other connection can commit past its shared lock.
 ///
@@ -624,10 +620,8 @@ async fn keeps_owners_from_writing(
     conn: &mut SqliteConnection,
     state: i32,
 ) -> Result<bool, sqlx::Error> {
-    match shared_file(conn).await? {
-        None => return Ok(true),
-        Some(file) if reached_through_a_pool_of_one(&file) => return Ok(true),
-        Some(_) => {}
+    if shared_file(conn).await?.is_none() {
+        return Ok(true);
     }
     if state != libsqlite3_sys::SQLITE_TXN_READ {
         return Ok(false);
@@ -636,36 +630,6 @@ async fn keeps_owners_from_writing(
         .fetch_one(&mut *conn)
         .await?;
     Ok(!journal.eq_ignore_ascii_case("wal"))
-}
-
-/// The database files that a store of this process reaches through a pool
-/// of one connection (`SqliteStore::from_pool` with `max_connections(1)`):
-/// a transaction on that pool's connection keeps every store-mode owner on
-/// the file from renewing (see [`keeps_owners_from_writing`]). Kept for the
-/// process's life (a few names at most).
-static POOLS_OF_ONE: std::sync::LazyLock<std::sync::Mutex<std::collections::HashSet<String>>> =
-    std::sync::LazyLock::new(Default::default);
-
-/// A store reaches `conn`'s database file through a pool of one connection
-/// (`conn` is one of it); nothing for a database in memory, which
-/// [`keeps_owners_from_writing`] counts as kept anyway.
-pub(super) async fn pool_of_one_on(conn: &mut SqliteConnection) -> Result<(), sqlx::Error> {
-    if let Some(file) = shared_file(conn).await? {
-        POOLS_OF_ONE
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .insert(file);
-    }
-    Ok(())
-}
-
-/// Whether a store of this process reaches `file` through a pool of one
-/// connection.
-fn reached_through_a_pool_of_one(file: &str) -> bool {
-    POOLS_OF_ONE
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-        .contains(file)
 }
 
 /// One try of the reservation's write in the caller's transaction, with the
