@@ -225,6 +225,52 @@ pub(crate) fn may_be_kept_from_writing(identity: &Identity) -> bool {
         })
 }
 
+/// A renewal of a listed owner's lease in a server store (PostgreSQL,
+/// MySQL), from when it is asked for to its answer ([`Renewal::answered`]):
+/// a write of an owner at work while it runs (waiting perhaps for the pool),
+/// and with a zero lease (ended on purpose) the owner done at once.
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+pub(super) struct Renewal {
+    writing: Option<Writing>,
+    sent: Instant,
+    lease: Duration,
+}
+
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+impl Renewal {
+    /// The renewal of `token`'s lease on `identity` to `lease` begins.
+    pub(super) fn begins(identity: &Identity, token: &OwnerToken, lease: Duration) -> Self {
+        let writing =
+            (!lease.is_zero()).then(|| Writing::begins(Some(identity), token, Some(lease)));
+        if writing.is_none() {
+            ended(token);
+        }
+        Renewal {
+            writing,
+            sent: Instant::now(),
+            lease,
+        }
+    }
+
+    /// The renewal was answered `done`: written (the lease runs from when it
+    /// was sent), not the owner's any more (the owner is done), or failed
+    /// (the owner stays listed, for a lease after this write).
+    pub(super) fn answered<E>(self, token: &OwnerToken, done: &Result<super::Fenced, E>) {
+        let Renewal {
+            writing,
+            sent,
+            lease,
+        } = self;
+        drop(writing);
+        match done {
+            Ok(super::Fenced::Written) if !lease.is_zero() => renewed(token, lease, sent),
+            Ok(super::Fenced::Written) => {}
+            Ok(_) => ended(token),
+            Err(_) => {}
+        }
+    }
+}
+
 /// One write of a listed owner under way (a renewal, its completion): the
 /// owner counts as alive until it is dropped, and for its lease after.
 /// Keep it in the task that makes the write, so that it ends with the

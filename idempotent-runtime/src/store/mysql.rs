@@ -1776,14 +1776,7 @@ impl Store for MySqlStore {
         lease: Duration,
     ) -> Result<Fenced, StoreError> {
         let pool = self.pools.current();
-        // A zero lease ends it on purpose: the owner is done. A renewal is
-        // a write of an owner at work, waiting perhaps for the pool.
-        let writing = (!lease.is_zero())
-            .then(|| live_owners::Writing::begins(Some(identity), token, Some(lease)));
-        if writing.is_none() {
-            live_owners::ended(token);
-        }
-        let sent = std::time::Instant::now();
+        let renewal = live_owners::Renewal::begins(identity, token, lease);
         let done = committed!(
             &pool,
             &self.names.check,
@@ -1791,13 +1784,7 @@ impl Store for MySqlStore {
             self.lock_wait,
             |on, commit| heartbeat_as(commit, &self.names.table, on, identity, token, lease)
         );
-        drop(writing);
-        match &done {
-            Ok(Fenced::Written) if !lease.is_zero() => live_owners::renewed(token, lease, sent),
-            Ok(Fenced::Written) => {}
-            Ok(_) => live_owners::ended(token),
-            Err(_) => {}
-        }
+        renewal.answered(token, &done);
         // The lease may have been shortened (ended early so the next call
         // takes over at once); waiters in this process sleep until the end
         // they last saw, so they look again (a read each).

@@ -1940,14 +1940,7 @@ impl Store for PgStore {
         token: &OwnerToken,
         lease: Duration,
     ) -> Result<Fenced, StoreError> {
-        // A zero lease ends it on purpose: the owner is done. A renewal is
-        // a write of an owner at work, waiting perhaps for the pool.
-        let writing = (!lease.is_zero())
-            .then(|| live_owners::Writing::begins(Some(identity), token, Some(lease)));
-        if writing.is_none() {
-            live_owners::ended(token);
-        }
-        let sent = std::time::Instant::now();
+        let renewal = live_owners::Renewal::begins(identity, token, lease);
         let renewed = in_own_transaction!(
             &self.pools.current(),
             "heartbeat",
@@ -1966,13 +1959,7 @@ impl Store for PgStore {
                 .await
             }
         );
-        drop(writing);
-        match &renewed {
-            Ok(Fenced::Written) if !lease.is_zero() => live_owners::renewed(token, lease, sent),
-            Ok(Fenced::Written) => {}
-            Ok(_) => live_owners::ended(token),
-            Err(_) => {}
-        }
+        renewal.answered(token, &renewed);
         renewed
     }
 
