@@ -54,8 +54,11 @@
 //! an in-progress record whose owner, a store-mode call of this process,
 //! is still at work; the call is
 //! refused with [`Error::StaleSnapshot`] and writes nothing (see
-//! `live_owner_answer`). An owner in another process cannot be asked:
-//! there its lease decides, as for a paused owner.
+//! `live_owner_answer` for a transaction holding the write lock; the rest,
+//! where the owner's write waits while its lease runs out, is refused
+//! before the reservation on every SQL store:
+//! `live_owners::may_be_kept_from_writing`). An owner in another process
+//! cannot be asked: there its lease decides, as for a paused owner.
 //!
 //! A completion or release written here does not wake the duplicates waiting
 //! in a [`SqliteStore`](crate::SqliteStore) of this process
@@ -513,19 +516,6 @@ async fn reserve_on(
             }
         }
     }
-    // A transaction that does not hold the write lock may still keep every
-    // owner from renewing, as one that wrote does (see
-    // `keeps_owners_from_writing`). Asked only when a write is due (the
-    // record is absent or its lease over) and this process lists an owner.
-    if state != libsqlite3_sys::SQLITE_TXN_WRITE
-        && super::live_owners::any_listed()
-        && keeps_owners_from_writing(conn, state)
-            .await
-            .map_err(err(OP))?
-        && let Some(answer) = live_owner_refusal(conn, request).await?
-    {
-        return answer;
-    }
     // The write is tried without waiting in SQLite's busy handler (busy
     // timeout 0), and tried again within `lock_wait`. Waiting inside the
     // statement would end with the caller's transaction holding the
@@ -603,33 +593,6 @@ async fn live_owner_refusal(
             }
         },
     )
-}
-
-/// Whether a caller's transaction in `state` (not holding the write lock)
-/// keeps every other connection from writing all the same:
-/// * in a database in memory, any transaction: it holds the store's one
-///   connection (`connect("sqlite::memory:")` keeps exactly one), so an
-///   owner's renewal waits for the connection until the transaction ends,
-///   even one that has neither read nor written yet;
-/// * in the rollback journal (a `journal_mode` other than WAL), one that has
-///   read: no other connection can commit past its shared lock.
-///
-/// A file moved since the connection opened it counts as kept (the safe
-/// side: a takeover of an owner listed at work is refused).
-async fn keeps_owners_from_writing(
-    conn: &mut SqliteConnection,
-    state: i32,
-) -> Result<bool, sqlx::Error> {
-    if shared_file(conn).await?.is_none() {
-        return Ok(true);
-    }
-    if state != libsqlite3_sys::SQLITE_TXN_READ {
-        return Ok(false);
-    }
-    let journal: String = sqlx::query_scalar("PRAGMA journal_mode")
-        .fetch_one(&mut *conn)
-        .await?;
-    Ok(!journal.eq_ignore_ascii_case("wal"))
 }
 
 /// One try of the reservation's write in the caller's transaction, with the
