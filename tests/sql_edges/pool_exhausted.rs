@@ -288,3 +288,76 @@ async fn pg_a_transaction_holding_the_only_pooled_connection_never_takes_over_a_
     assert_eq!(owner.runs.load(Ordering::SeqCst), 1, "the body ran once");
     pool.close().await;
 }
+
+/// Rule 10 with rule 15: an owner whose call stopped being polled while its
+/// renewal waited for the pool (a starved task, a future set aside: a
+/// paused owner) is taken over by a transactional call once a lease has
+/// passed since that renewal began, as by any other caller. (Its renewal
+/// counted as at work for as long as it stayed unpolled: every call in the
+/// transaction was refused `StaleSnapshot`.) Before that, the refusal is
+/// right: the renewal had just begun. The transaction begins after the
+/// lease ran out (MariaDB refuses one begun before), then takes the pool's
+/// only connection; the renewal is polled once, waits for it, and is never
+/// polled again.
+macro_rules! paused_mid_renewal {
+    ($test:ident, $pool:ident, $store:ident, $scope:literal, $claim:ident) => {
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn $test() {
+            let pool = $pool(1).await;
+            let store = $store::from_pool(pool.clone()).await.expect("store");
+            let beside = $store::from_pool($pool(1).await).await.expect("beside");
+            let tenant = fresh_tenant();
+            let id = Identity::new(&tenant, $scope, "k").expect("identity");
+            let token = OwnerToken::new();
+            let lease = reserve_short(&store, &id, &token).await;
+            until_the_lease_is_over(&beside, &id).await;
+            let mut tx = pool.begin().await.expect("begin");
+            let mut renewal = std::pin::pin!(store.heartbeat(&id, &token, lease));
+            tokio::select! {
+                biased;
+                renewed = &mut renewal => panic!("the renewal waits for the pool: {renewed:?}"),
+                () = std::future::ready(()) => {}
+            }
+            let runs = AtomicUsize::new(0);
+            let mut refused = 0;
+            let answer = loop {
+                let answer = with_outcome($claim(&mut tx, &tenant, "k", &runs)).await;
+                if matches!(answer.0, Err(Error::StaleSnapshot { .. })) && refused < 50 {
+                    refused += 1;
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                }
+                break answer;
+            };
+            tx.commit().await.expect("commit");
+            assert!(
+                matches!(answer, (Ok(2), Some(idempotent_runtime::Outcome::Executed))),
+                "the paused owner is taken over: {answer:?} after {refused} refusals"
+            );
+            assert_eq!(runs.load(Ordering::SeqCst), 1);
+            let renewed = tokio::time::timeout(Duration::from_secs(60), renewal)
+                .await
+                .expect("the renewal ends");
+            assert!(
+                matches!(renewed, Ok(Fenced::NotOwner)),
+                "the resumed owner's renewal finds the record taken over: {renewed:?}"
+            );
+            pool.close().await;
+        }
+    };
+}
+
+paused_mid_renewal!(
+    pg_an_owner_paused_while_its_renewal_waits_for_the_pool_is_taken_over_after_a_lease,
+    pg_pool,
+    PgStore,
+    "pool_exhausted.pg",
+    claim_pg
+);
+paused_mid_renewal!(
+    mysql_an_owner_paused_while_its_renewal_waits_for_the_pool_is_taken_over_after_a_lease,
+    my_pool,
+    MySqlStore,
+    "pool_exhausted.my",
+    claim_my
+);

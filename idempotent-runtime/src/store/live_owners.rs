@@ -17,12 +17,14 @@
 //!
 //! An owner counts as alive while one of its writes is under way (a renewal
 //! or its completion, waiting for a connection, for the write turn or for
-//! another connection's lock), and for its lease after it last reserved or
-//! renewed (from when that statement was sent) or after a write of its that
-//! failed ended: exactly as long as the record's lease for an owner that
-//! never wrote again. A call dropped without telling the store stops
-//! counting a lease after it last wrote; a dropped call tells the store,
-//! which ends the owner (a completion handed to the store's worker keeps it
+//! another connection's lock; a PostgreSQL or MySQL renewal, made in the
+//! owner's own call, only while that call is polled: see `renewal`), and
+//! for its lease after it last reserved or renewed (from when that
+//! statement was sent) or after a write of its that failed ended: exactly
+//! as long as the record's lease for an owner that never wrote again. A
+//! call dropped without telling the store stops counting a lease after it
+//! last wrote; a dropped call tells the store, which ends the owner (a
+//! completion handed to the store's worker keeps it
 //! at work until it is written or fenced out).
 
 use super::OwnerToken;
@@ -94,6 +96,34 @@ fn lease_from(sent: Instant) -> Instant {
 }
 
 impl Owners {
+    /// `token`'s owner, listed (of `identity`, with `lease`) if it was not:
+    /// a renewal's owner is at work in this process (one dropped from the
+    /// list while its lease had lapsed, its thread blocked past it, renews
+    /// again), and its end must be seen by a renewal still on its way.
+    fn listed_for_a_renewal(
+        &mut self,
+        identity: &Identity,
+        token: &OwnerToken,
+        lease: Duration,
+        now: Instant,
+    ) -> &mut Owner {
+        if !self.by_token.contains_key(token.as_str()) {
+            self.by_identity
+                .insert(identity.clone(), token.as_str().to_owned());
+        }
+        self.by_token
+            .entry(token.as_str().to_owned())
+            .or_insert_with(|| Owner {
+                identity: Some(identity.clone()),
+                last: now,
+                lease,
+                writing: 0,
+                // Not known: the lease may be over.
+                leased_until: Some(now),
+                completing: false,
+            })
+    }
+
     fn remove(&mut self, token: &str) {
         if let Some(owner) = self.by_token.remove(token)
             && let Some(identity) = owner.identity
@@ -226,48 +256,86 @@ pub(crate) fn may_be_kept_from_writing(identity: &Identity) -> bool {
 }
 
 /// A renewal of a listed owner's lease in a server store (PostgreSQL,
-/// MySQL), from when it is asked for to its answer ([`Renewal::answered`]):
-/// a write of an owner at work while it runs (waiting perhaps for the pool),
-/// and with a zero lease (ended on purpose) the owner done at once.
+/// MySQL), written in the owner's own call (its future): `write`, the
+/// renewal's statement, answers whether it was written. While the call
+/// drives it (waiting perhaps for a connection of the pool that a caller's
+/// transaction holds), the owner is touched every third of its lease and
+/// counts as alive; with a zero lease (ended on purpose) the owner is done
+/// at once. A call no longer polled (a starved task, a future set aside:
+/// rule 10's paused owner) touches nothing: its owner counts as alive for a
+/// lease after the renewal began, and then a transactional caller may take
+/// the record over, as any other caller may. (Counted alive for as long as
+/// the renewal was under way, such an owner made every transactional call
+/// of this process on its record `StaleSnapshot` for as long as its call
+/// stayed unpolled.)
 #[cfg(any(feature = "postgres", feature = "mysql"))]
-pub(super) struct Renewal {
-    writing: Option<Writing>,
-    sent: Instant,
+pub(super) async fn renewal<F, E>(
+    identity: &Identity,
+    token: &OwnerToken,
     lease: Duration,
+    write: F,
+) -> Result<super::Fenced, E>
+where
+    F: std::future::Future<Output = Result<super::Fenced, E>>,
+{
+    if lease.is_zero() {
+        ended(token);
+        return write.await;
+    }
+    let sent = Instant::now();
+    let under_way = RenewalUnderWay::begins(identity, token, lease, sent);
+    let mut write = std::pin::pin!(write);
+    let done = loop {
+        tokio::select! {
+            biased;
+            done = &mut write => break done,
+            () = tokio::time::sleep(lease / 3) => touch(token.as_str()),
+        }
+    };
+    under_way.answered();
+    match &done {
+        Ok(super::Fenced::Written) => renewed(token, lease, sent),
+        Ok(_) => ended(token),
+        // Alive for a lease after the failed write ended.
+        Err(_) => touch(token.as_str()),
+    }
+    done
+}
+
+/// A server store's renewal under way: dropped unanswered (its call
+/// dropped), the owner counts as alive for a lease after.
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+struct RenewalUnderWay(Option<String>);
+
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+impl RenewalUnderWay {
+    fn begins(identity: &Identity, token: &OwnerToken, lease: Duration, now: Instant) -> Self {
+        let mut owners = owners();
+        let owner = owners.listed_for_a_renewal(identity, token, lease, now);
+        owner.last = now;
+        owner.lease = lease;
+        RenewalUnderWay(Some(token.as_str().to_owned()))
+    }
+
+    fn answered(mut self) {
+        self.0 = None;
+    }
 }
 
 #[cfg(any(feature = "postgres", feature = "mysql"))]
-impl Renewal {
-    /// The renewal of `token`'s lease on `identity` to `lease` begins.
-    pub(super) fn begins(identity: &Identity, token: &OwnerToken, lease: Duration) -> Self {
-        let writing =
-            (!lease.is_zero()).then(|| Writing::begins(Some(identity), token, Some(lease)));
-        if writing.is_none() {
-            ended(token);
-        }
-        Renewal {
-            writing,
-            sent: Instant::now(),
-            lease,
+impl Drop for RenewalUnderWay {
+    fn drop(&mut self) {
+        if let Some(token) = self.0.take() {
+            touch(&token);
         }
     }
+}
 
-    /// The renewal was answered `done`: written (the lease runs from when it
-    /// was sent), not the owner's any more (the owner is done), or failed
-    /// (the owner stays listed, for a lease after this write).
-    pub(super) fn answered<E>(self, token: &OwnerToken, done: &Result<super::Fenced, E>) {
-        let Renewal {
-            writing,
-            sent,
-            lease,
-        } = self;
-        drop(writing);
-        match done {
-            Ok(super::Fenced::Written) if !lease.is_zero() => renewed(token, lease, sent),
-            Ok(super::Fenced::Written) => {}
-            Ok(_) => ended(token),
-            Err(_) => {}
-        }
+/// `token`'s owner, if listed, shows it is alive now.
+#[cfg_attr(not(any(feature = "postgres", feature = "mysql")), allow(dead_code))]
+fn touch(token: &str) {
+    if let Some(owner) = owners().by_token.get_mut(token) {
+        owner.last = owner.last.max(Instant::now());
     }
 }
 
@@ -293,32 +361,15 @@ impl Writing {
     ) -> Self {
         let mut owners = owners();
         let now = Instant::now();
-        if !owners.by_token.contains_key(token.as_str()) {
-            let Some(lease) = lease else {
-                return Writing(None);
-            };
-            owners.by_token.insert(
-                token.as_str().to_owned(),
-                Owner {
-                    identity: identity.cloned(),
-                    last: now,
-                    lease,
-                    writing: 0,
-                    // Not known: the lease may be over.
-                    leased_until: Some(now),
-                    completing: false,
-                },
-            );
-            if let Some(identity) = identity {
-                owners
-                    .by_identity
-                    .insert(identity.clone(), token.as_str().to_owned());
+        let owner = match (identity, lease) {
+            (Some(identity), Some(lease)) => {
+                owners.listed_for_a_renewal(identity, token, lease, now)
             }
-        }
-        let owner = owners
-            .by_token
-            .get_mut(token.as_str())
-            .expect("listed just above");
+            _ => match owners.by_token.get_mut(token.as_str()) {
+                Some(owner) => owner,
+                None => return Writing(None),
+            },
+        };
         owner.writing += 1;
         owner.last = now;
         match lease {
@@ -480,5 +531,61 @@ mod tests {
         assert!(!may_be_kept_from_writing(&id), "its lease surely runs");
         drop(writing);
         ended(&token);
+    }
+
+    /// A server store's renewal, made in the owner's call: while the call
+    /// polls it (waiting for a connection, say), the owner counts as alive
+    /// past its lease; set aside unpolled, for a lease after it began; its
+    /// answer says what follows.
+    #[cfg(any(feature = "postgres", feature = "mysql"))]
+    #[tokio::test]
+    async fn a_renewal_keeps_its_owner_alive_only_while_its_call_polls_it() {
+        let id = identity();
+        let token = OwnerToken::new();
+        let lease = Duration::from_millis(600);
+        let long_ago = Instant::now()
+            .checked_sub(Duration::from_secs(60))
+            .expect("a minute ago");
+        reserved(&id, &token, lease, long_ago);
+        assert!(!may_be_kept_from_writing(&id), "crashed: its lease ran out");
+        let pool = tokio::sync::Notify::new();
+        let waiting = async {
+            pool.notified().await;
+            Ok::<_, ()>(super::super::Fenced::Written)
+        };
+        let mut polled = std::pin::pin!(renewal(&id, &token, lease, waiting));
+        // Polled for two leases: touched every third of one.
+        let within = tokio::time::timeout(lease * 2, &mut polled).await;
+        assert!(within.is_err(), "the write still waits");
+        assert!(
+            may_be_kept_from_writing(&id),
+            "its renewal waits while its call polls it, past a lease"
+        );
+        // Set aside: alive a lease after it was last touched, then not.
+        tokio::time::sleep(lease + lease / 2).await;
+        assert!(
+            !may_be_kept_from_writing(&id),
+            "a paused owner's renewal does not keep it alive"
+        );
+        pool.notify_one();
+        let written = polled.await;
+        assert_eq!(written, Ok(super::super::Fenced::Written));
+        assert!(
+            !may_be_kept_from_writing(&id),
+            "written: counted from when it began, the store answers for it"
+        );
+        let renewed = renewal(&id, &token, lease, async {
+            Ok::<_, ()>(super::super::Fenced::Written)
+        })
+        .await;
+        assert_eq!(renewed, Ok(super::super::Fenced::Written));
+        assert!(alive(token.as_str()), "renewed: alive for a lease");
+        assert!(!may_be_kept_from_writing(&id), "its lease surely runs");
+        let fenced = renewal(&id, &token, lease, async {
+            Ok::<_, ()>(super::super::Fenced::NotOwner)
+        })
+        .await;
+        assert_eq!(fenced, Ok(super::super::Fenced::NotOwner));
+        assert!(!alive(token.as_str()), "not the owner any more: ended");
     }
 }

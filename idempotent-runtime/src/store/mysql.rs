@@ -1776,15 +1776,16 @@ impl Store for MySqlStore {
         lease: Duration,
     ) -> Result<Fenced, StoreError> {
         let pool = self.pools.current();
-        let renewal = live_owners::Renewal::begins(identity, token, lease);
-        let done = committed!(
-            &pool,
-            &self.names.check,
-            "heartbeat",
-            self.lock_wait,
-            |on, commit| heartbeat_as(commit, &self.names.table, on, identity, token, lease)
-        );
-        renewal.answered(token, &done);
+        let write = async {
+            committed!(
+                &pool,
+                &self.names.check,
+                "heartbeat",
+                self.lock_wait,
+                |on, commit| heartbeat_as(commit, &self.names.table, on, identity, token, lease)
+            )
+        };
+        let done = live_owners::renewal(identity, token, lease, write).await;
         // The lease may have been shortened (ended early so the next call
         // takes over at once); waiters in this process sleep until the end
         // they last saw, so they look again (a read each).

@@ -1940,27 +1940,28 @@ impl Store for PgStore {
         token: &OwnerToken,
         lease: Duration,
     ) -> Result<Fenced, StoreError> {
-        let renewal = live_owners::Renewal::begins(identity, token, lease);
-        let renewed = in_own_transaction!(
-            &self.pools.current(),
-            "heartbeat",
-            self.silent_after,
-            RENEWAL_WAITS,
-            |conn| async move {
-                let statement = &self.statements.heartbeat;
-                let written = heartbeat_with(&mut *conn, statement, identity, token, lease).await?;
-                not_owner_unless_the_connection_is_why(
-                    conn,
-                    "heartbeat",
-                    identity,
-                    written,
-                    WrittenIn::OwnTransaction,
-                )
-                .await
-            }
-        );
-        renewal.answered(token, &renewed);
-        renewed
+        let write = async {
+            in_own_transaction!(
+                &self.pools.current(),
+                "heartbeat",
+                self.silent_after,
+                RENEWAL_WAITS,
+                |conn| async move {
+                    let statement = &self.statements.heartbeat;
+                    let written =
+                        heartbeat_with(&mut *conn, statement, identity, token, lease).await?;
+                    not_owner_unless_the_connection_is_why(
+                        conn,
+                        "heartbeat",
+                        identity,
+                        written,
+                        WrittenIn::OwnTransaction,
+                    )
+                    .await
+                }
+            )
+        };
+        live_owners::renewal(identity, token, lease, write).await
     }
 
     crate::store::detached::hand_over_to_the_worker!(told = live_owners::handed_over);
