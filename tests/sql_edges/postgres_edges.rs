@@ -1696,3 +1696,104 @@ async fn a_burst_of_serialization_failures_is_ridden_out_not_answered_as_an_erro
         "the replay: {replayed:?}"
     );
 }
+
+/// The transactional claimant that waits for a running owner up to an hour.
+#[idempotent_runtime::idempotent(scope = "edges.pg_strict_waits", key = key, tenant = tenant, tx = tx,
+    shared_scope, ttl = "1h", in_progress = wait("1h"))]
+async fn waits_an_hour(
+    tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
+    tenant: &str,
+    key: &str,
+) -> Result<u64, idempotent_runtime::Error> {
+    let _ = (&tx, tenant, key);
+    Ok(1)
+}
+
+/// Rule 15 (`wait(d)` in transactional mode): under REPEATABLE READ and
+/// SERIALIZABLE a statement never sees what another transaction commits
+/// after the snapshot, so a duplicate of a store-mode owner at work could
+/// never see its answer by asking again: it is refused `InProgress` at once
+/// (its `retry_after` the lease left), not kept waiting for the whole
+/// `wait` (here an hour; the minute's bound is a guard against that hang,
+/// not a timing assertion). Under READ COMMITTED it waits, and replays the
+/// owner's answer once recorded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_strict_transaction_is_refused_at_once_where_waiting_could_never_see_the_answer() {
+    use idempotent_runtime::{with_outcome, Error, Outcome};
+    let Some(store) = pg_store_or_skip().await else {
+        return;
+    };
+    for begin in [
+        "BEGIN ISOLATION LEVEL REPEATABLE READ",
+        "BEGIN ISOLATION LEVEL SERIALIZABLE",
+        "BEGIN ISOLATION LEVEL READ COMMITTED",
+    ] {
+        let tenant = fresh_tenant();
+        let identity = Identity::new(&tenant, "edges.pg_strict_waits", "k").expect("identity");
+        let token = OwnerToken::new();
+        let reserved = store
+            .reserve(ReserveRequest {
+                identity: &identity,
+                fingerprint: None,
+                token: &token,
+                lease: Duration::from_secs(3600),
+                ttl: Duration::from_secs(3600),
+            })
+            .await
+            .expect("reserve");
+        assert!(
+            matches!(reserved, Reservation::Acquired { .. }),
+            "{reserved:?}"
+        );
+        let mut tx = store.pool().begin_with(begin).await.expect("begin");
+        let strict = !begin.ends_with("READ COMMITTED");
+        let answer = if strict {
+            tokio::time::timeout(
+                Duration::from_secs(60),
+                with_outcome(waits_an_hour(&mut tx, &tenant, "k")),
+            )
+            .await
+            .unwrap_or_else(|_| panic!("{begin}: kept waiting for an answer it could never see"))
+        } else {
+            let completing = async {
+                // Recorded once the duplicate has looked (or before: it then
+                // replays at once; either way it must not be refused).
+                tokio::task::yield_now().await;
+                store
+                    .complete(Completion {
+                        identity: &identity,
+                        token: &token,
+                        outcome: &idempotent_runtime::StoredOutcome {
+                            is_error: false,
+                            payload: b"1".to_vec(),
+                        },
+                        ttl: Duration::from_secs(3600),
+                        by: idempotent_runtime::AnsweredBy::Body,
+                    })
+                    .await
+            };
+            let (answer, completed) = tokio::join!(
+                with_outcome(waits_an_hour(&mut tx, &tenant, "k")),
+                completing
+            );
+            assert!(matches!(completed, Ok(Fenced::Written)), "{completed:?}");
+            answer
+        };
+        tx.rollback().await.expect("rollback");
+        if strict {
+            assert!(
+                matches!(answer, (Err(Error::InProgress { .. }), None)),
+                "{begin}: {answer:?}"
+            );
+            store
+                .release(&identity, &token)
+                .await
+                .expect("the owner lets go");
+        } else {
+            assert!(
+                matches!(answer, (Ok(1), Some(Outcome::Replayed))),
+                "{begin}: {answer:?}"
+            );
+        }
+    }
+}
