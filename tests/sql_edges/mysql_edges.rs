@@ -4082,6 +4082,193 @@ async fn a_version_marked_by_an_ended_transaction_is_taken_over_by_the_next() {
     }
 }
 
+/// InnoDB shows `information_schema.innodb_trx` through a cache that it
+/// refreshes only once nobody has read the table for 0.1 s. While something
+/// reads it more often (a monitoring agent; other transactions' takeover
+/// checks; the caller's own retries, each of which reads it), the cache may
+/// go on showing a transaction of the caller's connection that has ended.
+/// A transaction begun on that connection after a crashed owner's lease ran
+/// out was then judged by the old transaction's start, which came before the
+/// lease ran out, and refused as stale (0008): every new transaction, for as
+/// long as the reads went on (rule 10: once the lease is over, the next
+/// caller takes the record over). A takeover in a new transaction now goes
+/// through, after at most one refusal on the connection (the one that lets
+/// the session tell the old transaction's row from its own).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_new_transaction_takes_over_a_crashed_owner_while_innodb_trx_shows_an_ended_one() {
+    let Some(store) = mysql_store_or_skip().await else {
+        return;
+    };
+    // Long enough that the transaction begun first (at once) began a whole
+    // second before the lease ran out: `innodb_trx` tells whole seconds.
+    let lease = Duration::from_secs(3);
+    let pool = one_connection_at("REPEATABLE READ").await;
+    let mut conn = pool.acquire().await.expect("a connection");
+    let thread: u64 = sqlx::query_scalar("SELECT CONNECTION_ID()")
+        .fetch_one(&mut *conn)
+        .await
+        .expect("connection id");
+    // Set up (bounded: other tests' readers may keep the cache from ever
+    // showing the transaction, or a pause of the reader may let it refresh).
+    let mut set_up = None;
+    for _ in 0..5 {
+        let (identity, crashed) = a_live_owner(&store, "edges.innodb_trx_ended", lease).await;
+        // A transaction of the connection begins while the lease is live.
+        conn.execute("BEGIN").await.expect("begin");
+        conn.execute("SELECT COUNT(*) FROM idempotency_records")
+            .await
+            .expect("a read in the transaction");
+        // Until `innodb_trx` shows it (its cache refreshes once it has not
+        // been read for 0.1 s), then read often from there on.
+        let mut shown = false;
+        for _ in 0..10 {
+            if innodb_trx_shows(store.pool(), thread).await {
+                shown = true;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(150)).await;
+        }
+        let reader = shown.then(|| InnodbTrxReader::start(store.pool()));
+        conn.execute("ROLLBACK").await.expect("roll back");
+        // The cache still shows the ended transaction.
+        match reader {
+            Some(reader) if innodb_trx_shows(store.pool(), thread).await => {
+                set_up = Some((identity, crashed, reader));
+                break;
+            }
+            Some(reader) => reader.stop().await,
+            None => {}
+        }
+    }
+    let Some((identity, _crashed, reader)) = set_up else {
+        eprintln!(
+            "SKIPPED: innodb_trx never showed an ended transaction of the connection \
+             (its cache kept frozen or refreshed by other readers)"
+        );
+        return;
+    };
+    // The owner crashed: its lease runs out unrenewed.
+    until_lease_ran_out(&store, &identity).await;
+    // New transactions on the connection, each begun after the lease ran
+    // out; bounded (50: refused for as long as the reads went on before).
+    let mut refused = 0;
+    let mut again = None;
+    for _ in 0..50 {
+        conn.execute("BEGIN").await.expect("begin again");
+        let taker = OwnerToken::new();
+        let got = conn
+            .reserve_in_transaction(request(&identity, None, &taker, LONG, LONG), WAIT)
+            .await;
+        conn.execute("ROLLBACK").await.expect("roll back");
+        match got {
+            Err(Error::StaleSnapshot { .. }) => {
+                refused += 1;
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            got => {
+                again = Some(got);
+                break;
+            }
+        }
+    }
+    reader.stop().await;
+    assert!(
+        matches!(
+            again,
+            Some(Ok(Reservation::Acquired {
+                took_over: true,
+                ..
+            }))
+        ),
+        "new transactions begun after the lease ran out were refused a crashed owner's record \
+         ({refused} refused): {again:?}"
+    );
+    assert!(refused <= 1, "refused {refused} times before the takeover");
+}
+
+/// `innodb_trx` tells a transaction's start in whole seconds, rounded down:
+/// a transaction begun after a crashed owner's lease ran out, in the second
+/// it ran out, looked as if it had begun before, and was refused as stale
+/// (0008), as was every new transaction on the connection until that second
+/// was over. A new transaction on the connection now takes the record over
+/// after one refusal at most (the refused one's check says the next began
+/// after the lease ran out). The lease is made to run out early in a second
+/// of the database's clock.
+#[tokio::test]
+async fn a_new_transaction_begun_in_the_second_a_lease_ran_out_takes_it_over() {
+    let Some(store) = mysql_store_or_skip().await else {
+        return;
+    };
+    let lease = Duration::from_millis(300);
+    // Until the database's clock is early in a second (bounded: 20 looks).
+    for _ in 0..20 {
+        let now_ms: i64 =
+            sqlx::query_scalar("SELECT CAST(UNIX_TIMESTAMP(NOW(3)) * 1000 AS SIGNED)")
+                .fetch_one(store.pool())
+                .await
+                .expect("the database's clock");
+        let into_the_second = now_ms.rem_euclid(1000);
+        if (50..150).contains(&into_the_second) {
+            break;
+        }
+        let until = (1050 - into_the_second).rem_euclid(1000);
+        tokio::time::sleep(Duration::from_millis(u64::try_from(until).unwrap_or(0))).await;
+    }
+    let (identity, _crashed) = a_live_owner(&store, "edges.second_of_the_lease", lease).await;
+    let pool = one_connection_at("REPEATABLE READ").await;
+    let mut conn = pool.acquire().await.expect("a connection");
+    // The owner crashed: its lease runs out unrenewed.
+    until_lease_ran_out(&store, &identity).await;
+    let mut refused = 0;
+    let mut again = None;
+    for _ in 0..50 {
+        conn.execute("BEGIN").await.expect("begin");
+        let taker = OwnerToken::new();
+        let got = conn
+            .reserve_in_transaction(request(&identity, None, &taker, LONG, LONG), WAIT)
+            .await;
+        conn.execute("ROLLBACK").await.expect("roll back");
+        match got {
+            Err(Error::StaleSnapshot { .. }) => {
+                refused += 1;
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            got => {
+                again = Some(got);
+                break;
+            }
+        }
+    }
+    assert!(
+        matches!(
+            again,
+            Some(Ok(Reservation::Acquired {
+                took_over: true,
+                ..
+            }))
+        ),
+        "new transactions begun after the lease ran out were refused a crashed owner's record \
+         ({refused} refused): {again:?}"
+    );
+    assert!(
+        refused <= 1,
+        "refused {refused} times before the takeover, all begun after the lease ran out"
+    );
+}
+
+/// Whether `information_schema.innodb_trx` (InnoDB's cache of it) shows a
+/// transaction of the connection whose id is `thread`.
+async fn innodb_trx_shows(pool: &MySqlPool, thread: u64) -> bool {
+    let rows: i64 = sqlx::query_scalar(
+        "SELECT COUNT(*) FROM information_schema.innodb_trx WHERE trx_mysql_thread_id = ?",
+    )
+    .bind(thread)
+    .fetch_one(pool)
+    .await
+    .expect("read innodb_trx");
+    rows > 0
+}
+
 /// READ COMMITTED: a takeover whose fenced write meets a renewal committed
 /// after its read fails, and the locking re-read of 0006 keeps a shared lock
 /// on the record (`StaleSnapshot`). Each later read of the transaction sees

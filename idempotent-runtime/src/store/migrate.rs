@@ -179,6 +179,7 @@ pub(crate) static MYSQL: &[Migration] = embedded_migrations!("mysql":
     (12, "0012_replace_writes_its_record_by_primary_key.sql", "replace writes its record by primary key"),
     (13, "0013_tx_takes_over_only_the_version_it_read.sql", "tx takes over only the version it read"),
     (14, "0014_tx_never_takes_over_a_version_it_locked.sql", "tx never takes over a version it locked"),
+    (15, "0015_tx_judges_by_its_own_transaction_not_an_ended_one.sql", "tx judges by its own transaction not an ended one"),
 );
 
 /// SQLite's migrations (`migrations/sqlite`).
