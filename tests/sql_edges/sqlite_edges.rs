@@ -2619,6 +2619,61 @@ async fn a_transaction_holding_the_write_lock_takes_over_an_owner_that_is_gone()
     remove(&path);
 }
 
+/// Rule 10 on a current-thread runtime, where a store write runs in the
+/// caller's own future: an owner whose call stopped being polled in the
+/// middle of a renewal (a future set aside, a starved task: a paused owner)
+/// is taken over by a transactional call once a lease has passed since the
+/// renewal began, as by any other caller. Its renewal counted as at work
+/// for as long as its future lived, unpolled: every transactional call of
+/// the process on the record was refused `StaleSnapshot` (the defect fixed
+/// on PostgreSQL and MySQL, `pool_exhausted::*_paused_while_its_renewal_*`).
+/// Handshake: the renewal is polled once (it has begun, and waits for
+/// SQLite's worker thread) and not again until the takeover is committed;
+/// resumed, it finds the record taken over.
+#[tokio::test(flavor = "current_thread")]
+async fn a_transaction_takes_over_an_owner_paused_mid_renewal_on_a_current_thread_runtime() {
+    use idempotent_runtime::Fenced;
+    let (path, store) = starved_database().await;
+    let tenant = uuid::Uuid::new_v4().simple().to_string();
+    let id = Identity::new(&tenant, "sqlite_edges.starved", "k").expect("identity");
+    let lease = Duration::from_millis(300);
+    let token = reserved_and_left(&store, &tenant, lease).await;
+    let mut renewal = Box::pin(store.heartbeat(&id, &token, lease));
+    assert!(
+        futures::poll!(&mut renewal).is_pending(),
+        "the renewal is under way"
+    );
+    until_the_lease_is_over_by(&store, &id, 0).await;
+    let calls = StarvedOwner::default();
+    let mut refused = 0;
+    let answer = loop {
+        let mut tx = a_transaction_that_wrote(&store, "BEGIN IMMEDIATE").await;
+        let answer = with_outcome(starved_in_tx(&mut tx, &tenant, "k", &calls)).await;
+        if matches!(answer.0, Err(Error::StaleSnapshot { .. })) && refused < 20 {
+            tx.rollback().await.expect("rollback");
+            refused += 1;
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            continue;
+        }
+        tx.commit().await.expect("commit");
+        break answer;
+    };
+    assert!(
+        matches!(answer, (Ok(2), Some(Outcome::Executed))),
+        "the paused owner is taken over: {answer:?} after {refused} refusals"
+    );
+    assert_eq!(calls.runs.load(Ordering::SeqCst), 1);
+    let renewed = tokio::time::timeout(Duration::from_secs(60), renewal)
+        .await
+        .expect("the renewal ends");
+    assert!(
+        matches!(renewed, Ok(Fenced::NotOwner)),
+        "the resumed owner's renewal finds the record taken over: {renewed:?}"
+    );
+    store.pool().close().await;
+    remove(&path);
+}
+
 /// The same with an owner whose body has ended: its completion waits for the
 /// lock the caller's transaction holds while its lease runs out. Its body
 /// has run, so a takeover would run it twice: refused while the completion

@@ -17,8 +17,8 @@
 //!
 //! An owner counts as alive while one of its writes is under way (a renewal
 //! or its completion, waiting for a connection, for the write turn or for
-//! another connection's lock; a PostgreSQL or MySQL renewal, made in the
-//! owner's own call, only while that call is polled: see `renewal`), and
+//! another connection's lock; a renewal, asked for in the owner's own
+//! call, only while that call is polled: see `renewal`), and
 //! for its lease after it last reserved or renewed (from when that
 //! statement was sent) or after a write of its that failed ended: exactly
 //! as long as the record's lease for an owner that never wrote again. A
@@ -210,6 +210,15 @@ pub(crate) fn handed_over(
     }
 }
 
+/// Whether `token`'s owner is listed: a renewal, which lists its owner as
+/// it begins (see [`renewal`]), finds it no longer listed once it has been
+/// ended (completed, released, its lease ended on purpose or lost): it then
+/// has nothing left to renew.
+#[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
+pub(super) fn listed(token: &OwnerToken) -> bool {
+    owners().by_token.contains_key(token.as_str())
+}
+
 /// Whether this process lists any owner (at work or not yet forgotten): when
 /// it lists none, no record can have an owner at work here.
 #[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
@@ -255,9 +264,11 @@ pub(crate) fn may_be_kept_from_writing(identity: &Identity) -> bool {
         })
 }
 
-/// A renewal of a listed owner's lease in a server store (PostgreSQL,
-/// MySQL), written in the owner's own call (its future): `write`, the
-/// renewal's statement, answers whether it was written. While the call
+/// A renewal of a listed owner's lease, asked for in the owner's own call
+/// (its future): `write`, the renewal's statement, answers whether it was
+/// written (on PostgreSQL and MySQL, and on SQLite on a current-thread
+/// runtime, it is written in that very future; on SQLite on a
+/// multi-threaded one, in a task the call waits for). While the call
 /// drives it (waiting perhaps for a connection of the pool that a caller's
 /// transaction holds), the owner is touched every third of its lease and
 /// counts as alive; with a zero lease (ended on purpose) the owner is done
@@ -268,7 +279,7 @@ pub(crate) fn may_be_kept_from_writing(identity: &Identity) -> bool {
 /// the renewal was under way, such an owner made every transactional call
 /// of this process on its record `StaleSnapshot` for as long as its call
 /// stayed unpolled.)
-#[cfg(any(feature = "postgres", feature = "mysql"))]
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
 pub(super) async fn renewal<F, E>(
     identity: &Identity,
     token: &OwnerToken,
@@ -302,12 +313,12 @@ where
     done
 }
 
-/// A server store's renewal under way: dropped unanswered (its call
-/// dropped), the owner counts as alive for a lease after.
-#[cfg(any(feature = "postgres", feature = "mysql"))]
+/// A renewal under way: dropped unanswered (its call dropped), the owner
+/// counts as alive for a lease after.
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
 struct RenewalUnderWay(Option<String>);
 
-#[cfg(any(feature = "postgres", feature = "mysql"))]
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
 impl RenewalUnderWay {
     fn begins(identity: &Identity, token: &OwnerToken, lease: Duration, now: Instant) -> Self {
         let mut owners = owners();
@@ -322,7 +333,7 @@ impl RenewalUnderWay {
     }
 }
 
-#[cfg(any(feature = "postgres", feature = "mysql"))]
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
 impl Drop for RenewalUnderWay {
     fn drop(&mut self) {
         if let Some(token) = self.0.take() {
@@ -332,7 +343,10 @@ impl Drop for RenewalUnderWay {
 }
 
 /// `token`'s owner, if listed, shows it is alive now.
-#[cfg_attr(not(any(feature = "postgres", feature = "mysql")), allow(dead_code))]
+#[cfg_attr(
+    not(any(feature = "postgres", feature = "mysql", feature = "sqlite")),
+    allow(dead_code)
+)]
 fn touch(token: &str) {
     if let Some(owner) = owners().by_token.get_mut(token) {
         owner.last = owner.last.max(Instant::now());
@@ -347,13 +361,10 @@ pub(super) struct Writing(Option<String>);
 
 impl Writing {
     /// A write of `token`'s owner begins; `lease`, when given, is its lease
-    /// from now on (a renewal's). A renewal lists an owner not listed (of
-    /// `identity`, when given): it is at work in this process (one dropped
-    /// from the list while its lease had lapsed, its thread blocked past
-    /// it, renews again), and its end must be seen by a renewal still on
-    /// its way (see [`owner_ended`]). A completion alone lists nobody.
-    ///
-    /// [`owner_ended`]: Writing::owner_ended
+    /// from now on (a renewal's: the stores' renewals are [`renewal`]s,
+    /// counted only while their call polls them). A renewal lists an owner
+    /// not listed (of `identity`, when given), as [`renewal`] does. A
+    /// completion alone lists nobody.
     pub(super) fn begins(
         identity: Option<&Identity>,
         token: &OwnerToken,
@@ -377,18 +388,6 @@ impl Writing {
             None => owner.completing = true,
         }
         Writing(Some(token.as_str().to_owned()))
-    }
-}
-
-impl Writing {
-    /// Whether this write's owner, listed when the write began, has been
-    /// ended since (completed, released, its lease ended on purpose or
-    /// lost): a renewal then has nothing left to renew.
-    #[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
-    pub(super) fn owner_ended(&self) -> bool {
-        self.0
-            .as_deref()
-            .is_some_and(|token| !owners().by_token.contains_key(token))
     }
 }
 
@@ -465,9 +464,9 @@ mod tests {
         // lapsed) lists it, and sees it ended while it waits.
         let writing = Writing::begins(Some(&identity()), &unknown, Some(Duration::from_secs(60)));
         assert!(alive(unknown.as_str()), "a renewal is under way");
-        assert!(!writing.owner_ended());
+        assert!(listed(&unknown));
         ended(&unknown);
-        assert!(writing.owner_ended(), "ended while the renewal waited");
+        assert!(!listed(&unknown), "ended while the renewal waited");
         drop(writing);
         assert!(!alive(unknown.as_str()), "ended stays ended");
     }

@@ -1999,44 +1999,26 @@ impl Store for SqliteStore {
         lease: Duration,
     ) -> Result<Fenced, StoreError> {
         let (id, token_owned) = (identity.clone(), token.clone());
-        // A zero lease ends it on purpose: the owner is done.
-        let writing = if lease.is_zero() {
-            super::live_owners::ended(token);
-            None
-        } else {
-            Some(super::live_owners::Writing::begins(
-                Some(identity),
-                token,
-                Some(lease),
-            ))
-        };
-        let sent = std::time::Instant::now();
-        let renewed = self
-            .write_in_turn("heartbeat", move |mut conn| async move {
-                // A renewal whose owner this process ended after it was
-                // asked for (its call dropped or its body panicked, the lease
-                // ended on purpose so the next call takes over at once) is
-                // not written: it runs in a task of its own, which may take
-                // the write turn after the write that ended the lease, and
-                // would give the record a whole lease again, every retry
-                // refused until it ran out.
-                if writing
-                    .as_ref()
-                    .is_some_and(super::live_owners::Writing::owner_ended)
-                {
-                    return Ok(Fenced::NotOwner);
-                }
-                let _writing = writing;
-                heartbeat_on(&mut *conn, &id, &token_owned, lease).await
-            })
-            .await?;
-        if !renewed.is_written() {
-            super::live_owners::ended(token);
-        }
-        if renewed.is_written() {
-            if !lease.is_zero() {
-                super::live_owners::renewed(token, lease, sent);
+        // Counted at work while this call polls the renewal (see
+        // `live_owners::renewal`): on a current-thread runtime the write
+        // runs in this very future, and an owner set aside mid-renewal (a
+        // paused owner) made every transactional call of the process on its
+        // record `StaleSnapshot` for as long as it stayed unpolled.
+        let write = self.write_in_turn("heartbeat", move |mut conn| async move {
+            // A renewal whose owner this process ended after it was asked
+            // for (its call dropped or its body panicked, the lease ended
+            // on purpose so the next call takes over at once) is not
+            // written: it runs in a task of its own, which may take the
+            // write turn after the write that ended the lease, and would
+            // give the record a whole lease again, every retry refused
+            // until it ran out. (The renewal lists its owner as it begins.)
+            if !lease.is_zero() && !super::live_owners::listed(&token_owned) {
+                return Ok(Fenced::NotOwner);
             }
+            heartbeat_on(&mut *conn, &id, &token_owned, lease).await
+        });
+        let renewed = super::live_owners::renewal(identity, token, lease, write).await?;
+        if renewed.is_written() {
             // The lease may have been shortened (ended early so the next call
             // takes over at once); waiters in this process sleep until the
             // end they last saw, so they look again (a read each).
