@@ -2674,6 +2674,64 @@ async fn a_transaction_takes_over_an_owner_paused_mid_renewal_on_a_current_threa
     remove(&path);
 }
 
+/// The same with an owner paused in the middle of its completion (its body
+/// has run; on a current-thread runtime the completion is written in the
+/// call's own future): a lease after, a transactional call takes the record
+/// over, as any other caller may, and records the paused owner's answer,
+/// which this process holds for a takeover (the body does not run again).
+/// Its completion counted as at work for as long as its future lived,
+/// unpolled: every transactional call in a transaction that had written
+/// was refused `StaleSnapshot`. Handshake: the body is held until the call
+/// is set aside, then polled once: it ends, and the completion begins (it
+/// waits for SQLite's worker thread); the call is not polled again until
+/// the takeover is committed, and then finds the record taken over.
+#[tokio::test(flavor = "current_thread")]
+async fn a_transaction_takes_over_an_owner_paused_mid_completion_on_a_current_thread_runtime() {
+    let (path, store) = starved_database().await;
+    let tenant = uuid::Uuid::new_v4().simple().to_string();
+    let id = Identity::new(&tenant, "sqlite_edges.starved", "k").expect("identity");
+    let owner = StarvedOwner::default();
+    let mut owned = Box::pin(with_outcome(starved_in_store(&store, &tenant, "k", &owner)));
+    tokio::select! {
+        out = &mut owned => panic!("the body is held: {out:?}"),
+        () = owner.started.notified() => {}
+    }
+    owner.end.notify_one();
+    assert!(
+        futures::poll!(&mut owned).is_pending(),
+        "the completion is under way"
+    );
+    assert_eq!(owner.runs.load(Ordering::SeqCst), 1);
+    until_the_lease_is_over_by(&store, &id, 0).await;
+    let mut refused = 0;
+    let answer = loop {
+        let mut tx = a_transaction_that_wrote(&store, "BEGIN IMMEDIATE").await;
+        let answer = with_outcome(starved_in_tx(&mut tx, &tenant, "k", &owner)).await;
+        if matches!(answer.0, Err(Error::StaleSnapshot { .. })) && refused < 20 {
+            tx.rollback().await.expect("rollback");
+            refused += 1;
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            continue;
+        }
+        tx.commit().await.expect("commit");
+        break answer;
+    };
+    assert!(
+        matches!(answer, (Ok(1), Some(Outcome::Replayed))),
+        "the paused owner is taken over, its answer recorded: {answer:?} after {refused} refusals"
+    );
+    assert_eq!(owner.runs.load(Ordering::SeqCst), 1, "the body ran once");
+    let late = tokio::time::timeout(Duration::from_secs(60), owned)
+        .await
+        .expect("the owner's call ends");
+    assert!(
+        matches!(late.0, Err(Error::LeaseLost(_))),
+        "the resumed owner's completion finds the record taken over: {late:?}"
+    );
+    store.pool().close().await;
+    remove(&path);
+}
+
 /// The same with an owner whose body has ended: its completion waits for the
 /// lock the caller's transaction holds while its lease runs out. Its body
 /// has run, so a takeover would run it twice: refused while the completion

@@ -313,6 +313,44 @@ where
     done
 }
 
+/// A completion of `token`'s listed owner (its body has run) in SQLite,
+/// asked for in the owner's own call: `write`, the completion's statement,
+/// is written in that very future on a current-thread runtime (in a task
+/// the call waits for on a multi-threaded one). The owner is marked
+/// completing (see [`may_be_kept_from_writing`]) and, as for a [`renewal`],
+/// counts as alive while the call polls the write (waiting perhaps for the
+/// lock a caller's transaction holds), touched every third of its lease,
+/// and for a lease after it was last touched or after the write ended. A
+/// call no longer polled (rule 10's paused owner) touches nothing: counted
+/// alive for as long as its completion was under way, it made every call
+/// in a transaction that had written `StaleSnapshot` on its record for as
+/// long as it stayed unpolled. An owner not listed is not listed by its
+/// completion.
+#[cfg(feature = "sqlite")]
+pub(super) async fn completion<F: std::future::Future>(token: &OwnerToken, write: F) -> F::Output {
+    let period = match owners().by_token.get_mut(token.as_str()) {
+        Some(owner) => {
+            owner.completing = true;
+            owner.last = owner.last.max(Instant::now());
+            (owner.lease / 3).max(Duration::from_millis(1))
+        }
+        None => Duration::ZERO,
+    };
+    if period.is_zero() {
+        return write.await;
+    }
+    // Touched when dropped, answered or not: alive for a lease after.
+    let _under_way = RenewalUnderWay(Some(token.as_str().to_owned()));
+    let mut write = std::pin::pin!(write);
+    loop {
+        tokio::select! {
+            biased;
+            done = &mut write => return done,
+            () = tokio::time::sleep(period) => touch(token.as_str()),
+        }
+    }
+}
+
 /// A renewal under way: dropped unanswered (its call dropped), the owner
 /// counts as alive for a lease after.
 #[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]

@@ -871,19 +871,15 @@ impl SqliteStore {
     }
 
     async fn complete_now(&self, completion: Completion<'_>) -> Result<Fenced, StoreError> {
-        // The owner is at work while its completion is being written, and
+        // The owner is at work while this call polls its completion, and
         // for a lease after one that failed (it is tried again): its body
-        // has run.
-        let writing =
-            super::live_owners::Writing::begins(Some(completion.identity), completion.token, None);
+        // has run (see `live_owners::completion`).
         let (id, token) = (completion.identity.clone(), completion.token.clone());
         let answer = completion.answer();
-        let completed = self
-            .write_in_turn("complete", move |mut conn| async move {
-                let _writing = writing;
-                complete_on(&mut *conn, answer.completing(&id, &token)).await
-            })
-            .await?;
+        let write = self.write_in_turn("complete", move |mut conn| async move {
+            complete_on(&mut *conn, answer.completing(&id, &token)).await
+        });
+        let completed = super::live_owners::completion(completion.token, write).await?;
         super::live_owners::ended(completion.token);
         if completed.is_written() {
             self.waiters.notify(completion.identity);
