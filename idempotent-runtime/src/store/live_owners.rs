@@ -632,4 +632,38 @@ mod tests {
         assert_eq!(fenced, Ok(super::super::Fenced::NotOwner));
         assert!(!alive(token.as_str()), "not the owner any more: ended");
     }
+
+    /// SQLite's completion, asked for in the owner's call: marked
+    /// completing; while the call polls it (waiting for the lock, say), the
+    /// owner counts as alive past its lease; set aside unpolled, for a lease
+    /// after it was last touched. An owner not listed stays unlisted.
+    #[cfg(feature = "sqlite")]
+    #[tokio::test]
+    async fn a_completion_keeps_its_owner_alive_only_while_its_call_polls_it() {
+        let token = OwnerToken::new();
+        let lease = Duration::from_millis(600);
+        let long_ago = Instant::now()
+            .checked_sub(Duration::from_secs(60))
+            .expect("a minute ago");
+        reserved(&identity(), &token, lease, long_ago);
+        assert!(!alive(token.as_str()), "crashed: its lease ran out");
+        let lock = tokio::sync::Notify::new();
+        let waiting = async {
+            lock.notified().await;
+            7
+        };
+        let mut polled = std::pin::pin!(completion(&token, waiting));
+        let within = tokio::time::timeout(lease * 2, &mut polled).await;
+        assert!(within.is_err(), "the write still waits");
+        assert!(alive(token.as_str()), "polled: alive past a lease");
+        tokio::time::sleep(lease + lease / 2).await;
+        assert!(!alive(token.as_str()), "set aside: not alive a lease after");
+        lock.notify_one();
+        assert_eq!(polled.await, 7);
+        assert!(alive(token.as_str()), "for a lease after the write ended");
+        ended(&token);
+        let unknown = OwnerToken::new();
+        assert_eq!(completion(&unknown, async { 8 }).await, 8);
+        assert!(!listed(&unknown), "not listed by a completion alone");
+    }
 }
