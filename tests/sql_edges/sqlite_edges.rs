@@ -2732,6 +2732,110 @@ async fn a_transaction_takes_over_an_owner_paused_mid_completion_on_a_current_th
     remove(&path);
 }
 
+/// Rules 9 and 10 on a current-thread runtime: a store write parked with the
+/// process's write turn (its call kept alive, no longer polled: a paused
+/// owner) must not let the lease of a live owner of the process lapse. Its
+/// renewals waited for the turn the whole busy timeout (each of them), and
+/// with a lease shorter than that the lease ran out while the body ran:
+/// another process took the record over and ran the body beside it.
+/// Likewise its completion. Handshake: the parked reservation is seen
+/// writing, turn taken, behind another connection's lock, which is then
+/// freed; the owner stays polled while the other process calls again,
+/// bounded, over three leases, and after its body has ended until its call
+/// ends.
+#[tokio::test(flavor = "current_thread")]
+async fn a_write_parked_with_the_turn_does_not_let_a_live_owners_lease_lapse() {
+    use idempotent_runtime::{Fingerprint, OwnerToken, ReserveRequest};
+    let path = fresh_path();
+    let store = crate::sqlite_store::store_with_busy_timeout(&path, Duration::from_secs(5)).await;
+    let elsewhere = SqliteStore::connect(&url(&path))
+        .await
+        .expect("another process's store");
+    let tenant = uuid::Uuid::new_v4().simple().to_string();
+    let id = Identity::new(&tenant, "sqlite_edges.starved", "k").expect("identity");
+    let owner = StarvedOwner::default();
+    let mut owned = Box::pin(with_outcome(starved_in_store(&store, &tenant, "k", &owner)));
+    tokio::select! {
+        out = &mut owned => panic!("the body is held: {out:?}"),
+        () = owner.started.notified() => {}
+    }
+    let writing = capture::notify_on(&["sqlite: writing the reservation", "sqlite_edges.turn"]);
+    let mut holder = crate::sqlite_store::write_lock_held(&path).await;
+    let fp = Fingerprint::of("request").expect("fingerprint");
+    let parked_id = Identity::new(&tenant, "sqlite_edges.turn", "p").expect("identity");
+    let parked_token = OwnerToken::new();
+    let mut parked = Box::pin(store.reserve(ReserveRequest {
+        identity: &parked_id,
+        fingerprint: Some(&fp),
+        token: &parked_token,
+        lease: Duration::from_secs(60),
+        ttl: Duration::from_secs(60),
+    }));
+    tokio::select! {
+        biased;
+        () = writing.notified() => {}
+        answer = &mut parked => panic!("the reservation waits for the lock: {answer:?}"),
+        out = &mut owned => panic!("the body is held: {out:?}"),
+    }
+    holder.execute("COMMIT").await.expect("free the lock");
+    let other = StarvedOwner::default();
+    other.end.notify_one();
+    let mut taken = None;
+    for _ in 0..60 {
+        let call = with_outcome(starved_in_store(&elsewhere, &tenant, "k", &other));
+        let answer = tokio::select! {
+            answer = call => answer,
+            out = &mut owned => panic!("the body is held: {out:?}"),
+        };
+        if !matches!(answer.0, Err(Error::InProgress { .. })) {
+            taken = Some(answer);
+            break;
+        }
+        tokio::select! {
+            () = tokio::time::sleep(Duration::from_millis(100)) => {}
+            out = &mut owned => panic!("the body is held: {out:?}"),
+        }
+    }
+    assert!(
+        taken.is_none(),
+        "another process took the live owner's record over, its body beside the owner's: {taken:?}"
+    );
+    // The body ends: its completion, behind the parked turn too, must not
+    // let the lease lapse either (another process would take the record
+    // over and run the body again; one of this process records the answer
+    // it holds instead, so the record is looked at until the call ends).
+    owner.end.notify_one();
+    let mut owner_answer = None;
+    for _ in 0..100 {
+        tokio::select! {
+            out = &mut owned => {
+                owner_answer = Some(out);
+                break;
+            }
+            () = tokio::time::sleep(Duration::from_millis(100)) => {}
+        }
+        let record = elsewhere
+            .fetch(&id)
+            .await
+            .expect("fetch")
+            .expect("a record");
+        assert!(
+            record.state != idempotent_runtime::RecordState::InProgress
+                || record
+                    .lease_expires_at_ms
+                    .is_some_and(|lease| lease > record.now_ms),
+            "the lease ran out while the owner recorded its answer: {record:?}"
+        );
+    }
+    assert!(
+        matches!(owner_answer, Some((Ok(1), Some(Outcome::Executed)))),
+        "{owner_answer:?}"
+    );
+    assert_eq!(other.runs.load(Ordering::SeqCst), 0, "the body ran once");
+    drop(parked);
+    remove(&path);
+}
+
 /// The same with an owner whose body has ended: its completion waits for the
 /// lock the caller's transaction holds while its lease runs out. Its body
 /// has run, so a takeover would run it twice: refused while the completion

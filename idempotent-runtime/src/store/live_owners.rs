@@ -219,6 +219,15 @@ pub(super) fn listed(token: &OwnerToken) -> bool {
     owners().by_token.contains_key(token.as_str())
 }
 
+/// The lease of `token`'s owner, if listed.
+#[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
+pub(super) fn lease(token: &OwnerToken) -> Option<Duration> {
+    owners()
+        .by_token
+        .get(token.as_str())
+        .map(|owner| owner.lease)
+}
+
 /// Whether this process lists any owner (at work or not yet forgotten): when
 /// it lists none, no record can have an owner at work here.
 #[cfg_attr(not(feature = "sqlite"), allow(dead_code))]

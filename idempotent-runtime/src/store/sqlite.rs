@@ -843,9 +843,26 @@ impl SqliteStore {
         W: FnOnce(PoolConnection<sqlx::Sqlite>) -> F + Send + 'static,
         F: std::future::Future<Output = Result<T, StoreError>> + Send + 'static,
     {
+        self.write_in_turn_within(operation, Duration::MAX, write)
+            .await
+    }
+
+    /// [`write_in_turn`](Self::write_in_turn), waiting for the turn at
+    /// most `most` (see [`WriteGate::take_within`]).
+    async fn write_in_turn_within<T, W, F>(
+        &self,
+        operation: &'static str,
+        most: Duration,
+        write: W,
+    ) -> Result<T, StoreError>
+    where
+        T: Send + 'static,
+        W: FnOnce(PoolConnection<sqlx::Sqlite>) -> F + Send + 'static,
+        F: std::future::Future<Output = Result<T, StoreError>> + Send + 'static,
+    {
         let (gate, pool, in_memory) = (self.write_gate.clone(), self.pool.clone(), self.in_memory);
         beside_the_caller(operation, async move {
-            let _turn = gate.take().await;
+            let _turn = gate.take_within(most).await;
             let conn = outside_any_transaction(&pool, None, in_memory, operation).await?;
             write(conn).await
         })
@@ -876,7 +893,12 @@ impl SqliteStore {
         // has run (see `live_owners::completion`).
         let (id, token) = (completion.identity.clone(), completion.token.clone());
         let answer = completion.answer();
-        let write = self.write_in_turn("complete", move |mut conn| async move {
+        // The turn is waited for a third of the owner's lease at most (see
+        // `WriteGate::take_within`): nothing renews the lease meanwhile.
+        let most = super::live_owners::lease(completion.token).map_or(Duration::MAX, |lease| {
+            (lease / 3).max(Duration::from_millis(1))
+        });
+        let write = self.write_in_turn_within("complete", most, move |mut conn| async move {
             complete_on(&mut *conn, answer.completing(&id, &token)).await
         });
         let completed = super::live_owners::completion(completion.token, write).await?;
@@ -1172,13 +1194,25 @@ impl WriteGate {
     /// write holds a pool connection in SQLite's busy handler, one a replay
     /// might have used: only when the turn was held that long.)
     async fn take(&self) -> Option<tokio::sync::OwnedMutexGuard<()>> {
-        match tokio::time::timeout(self.patience, self.turn.clone().lock_owned()).await {
+        self.take_within(self.patience).await
+    }
+
+    /// The turn, waited for at most `most` (and never past `patience`);
+    /// `None` past it. A lease renewal, and a completion, wait at most a
+    /// third of the owner's lease: a turn parked with a call kept alive but
+    /// no longer polled held up every renewal and completion of the process
+    /// for the whole busy timeout, and a live owner's shorter lease ran out
+    /// while its body ran (another process took the record over, and ran
+    /// the body beside it) or while its answer waited to be recorded.
+    async fn take_within(&self, most: Duration) -> Option<tokio::sync::OwnedMutexGuard<()>> {
+        let most = most.min(self.patience);
+        match tokio::time::timeout(most, self.turn.clone().lock_owned()).await {
             Ok(turn) => Some(turn),
             Err(_) => {
-                tracing::warn!(target: "idempotent", waited_ms = self.patience.as_millis() as u64,
-                    "sqlite: this process's write turn stayed taken past the busy timeout (a call \
-                     future kept alive but no longer polled on a current-thread runtime?); \
-                     writing without it");
+                tracing::warn!(target: "idempotent", waited_ms = most.as_millis() as u64,
+                    "sqlite: this process's write turn stayed taken past the busy timeout or, \
+                     for a renewal or a completion, a third of the lease (a call future kept \
+                     alive but no longer polled on a current-thread runtime?); writing without it");
                 None
             }
         }
@@ -2000,7 +2034,10 @@ impl Store for SqliteStore {
         // runs in this very future, and an owner set aside mid-renewal (a
         // paused owner) made every transactional call of the process on its
         // record `StaleSnapshot` for as long as it stayed unpolled.
-        let write = self.write_in_turn("heartbeat", move |mut conn| async move {
+        // The turn is waited for a renewal period at most (see
+        // `WriteGate::take_within`).
+        let period = (lease / 3).max(Duration::from_millis(1));
+        let write = self.write_in_turn_within("heartbeat", period, move |mut conn| async move {
             // A renewal whose owner this process ended after it was asked
             // for (its call dropped or its body panicked, the lease ended
             // on purpose so the next call takes over at once) is not
