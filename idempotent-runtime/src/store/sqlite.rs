@@ -2034,10 +2034,14 @@ impl Store for SqliteStore {
         // runs in this very future, and an owner set aside mid-renewal (a
         // paused owner) made every transactional call of the process on its
         // record `StaleSnapshot` for as long as it stayed unpolled.
-        // The turn is waited for a renewal period at most (see
-        // `WriteGate::take_within`).
-        let period = (lease / 3).max(Duration::from_millis(1));
-        let write = self.write_in_turn_within("heartbeat", period, move |mut conn| async move {
+        // A renewal waits for the turn a renewal period at most (see
+        // `WriteGate::take_within`); the end of a lease (zero) as any write.
+        let most = if lease.is_zero() {
+            Duration::MAX
+        } else {
+            (lease / 3).max(Duration::from_millis(1))
+        };
+        let write = self.write_in_turn_within("heartbeat", most, move |mut conn| async move {
             // A renewal whose owner this process ended after it was asked
             // for (its call dropped or its body panicked, the lease ended
             // on purpose so the next call takes over at once) is not
