@@ -99,7 +99,11 @@ impl Owners {
     /// `token`'s owner, listed (of `identity`, with `lease`) if it was not:
     /// a renewal's owner is at work in this process (one dropped from the
     /// list while its lease had lapsed, its thread blocked past it, renews
-    /// again), and its end must be seen by a renewal still on its way.
+    /// again), and its end must be seen by a renewal still on its way. It
+    /// stands for its identity only if no other owner of it is listed: one
+    /// listed is newer (it took the record over after this one was
+    /// dropped from the list), and the old one's end would otherwise take
+    /// the identity's listing with it.
     fn listed_for_a_renewal(
         &mut self,
         identity: &Identity,
@@ -107,7 +111,12 @@ impl Owners {
         lease: Duration,
         now: Instant,
     ) -> &mut Owner {
-        if !self.by_token.contains_key(token.as_str()) {
+        if !self.by_token.contains_key(token.as_str())
+            && !self
+                .by_identity
+                .get(identity)
+                .is_some_and(|listed| self.by_token.contains_key(listed))
+        {
             self.by_identity
                 .insert(identity.clone(), token.as_str().to_owned());
         }
@@ -674,5 +683,53 @@ mod tests {
         let unknown = OwnerToken::new();
         assert_eq!(completion(&unknown, async { 8 }).await, 8);
         assert!(!listed(&unknown), "not listed by a completion alone");
+    }
+
+    /// A renewal of an owner no longer listed (pruned while its lease had
+    /// lapsed: its call paused past it) lists it again, but never in place
+    /// of a newer owner of its identity listed meanwhile (one of this
+    /// process that took the record over): the paused owner's renewal, once
+    /// answered that the record is not its own any more, ended it and took
+    /// the identity's listing with it, and the newer owner, its renewal
+    /// waiting past its lease for a connection a caller's transaction held,
+    /// was no longer known to be kept from writing: the transaction took
+    /// the record over beside it.
+    #[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
+    #[test]
+    fn a_pruned_owners_renewal_never_hides_a_newer_owner_of_its_identity() {
+        let id = identity();
+        let (paused, newer) = (OwnerToken::new(), OwnerToken::new());
+        let lease = Duration::from_secs(1);
+        let long_ago = Instant::now()
+            .checked_sub(Duration::from_secs(60))
+            .expect("a minute ago");
+        reserved(&id, &paused, lease, long_ago);
+        // Enough other owners at work that the lapsed one is pruned.
+        let mut n = 0;
+        while listed(&paused) {
+            assert!(n < 10 * PRUNE_AT_LEAST, "the lapsed owner is pruned");
+            reserved(
+                &identity(),
+                &OwnerToken::new(),
+                Duration::from_secs(600),
+                Instant::now(),
+            );
+            n += 1;
+        }
+        // The newer owner took the record over; its renewal waits past its lease.
+        reserved(&id, &newer, lease, long_ago);
+        let renewing = Writing::begins(Some(&id), &newer, Some(lease));
+        assert!(may_be_kept_from_writing(&id));
+        // The paused owner resumes: its renewal begins, and is told the
+        // record is not its own.
+        let resumed = RenewalUnderWay::begins(&id, &paused, lease, Instant::now());
+        resumed.answered();
+        ended(&paused);
+        assert!(
+            may_be_kept_from_writing(&id),
+            "the newer owner, still renewing past its lease, is still known"
+        );
+        drop(renewing);
+        ended(&newer);
     }
 }
