@@ -4151,26 +4151,7 @@ async fn a_new_transaction_takes_over_a_crashed_owner_while_innodb_trx_shows_an_
     until_lease_ran_out(&store, &identity).await;
     // New transactions on the connection, each begun after the lease ran
     // out; bounded (50: refused for as long as the reads went on before).
-    let mut refused = 0;
-    let mut again = None;
-    for _ in 0..50 {
-        conn.execute("BEGIN").await.expect("begin again");
-        let taker = OwnerToken::new();
-        let got = conn
-            .reserve_in_transaction(request(&identity, None, &taker, LONG, LONG), WAIT)
-            .await;
-        conn.execute("ROLLBACK").await.expect("roll back");
-        match got {
-            Err(Error::StaleSnapshot { .. }) => {
-                refused += 1;
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-            got => {
-                again = Some(got);
-                break;
-            }
-        }
-    }
+    let (refused, again) = new_transactions_until_not_refused(&mut conn, &identity).await;
     reader.stop().await;
     assert!(
         matches!(
@@ -4219,26 +4200,7 @@ async fn a_new_transaction_begun_in_the_second_a_lease_ran_out_takes_it_over() {
     let mut conn = pool.acquire().await.expect("a connection");
     // The owner crashed: its lease runs out unrenewed.
     until_lease_ran_out(&store, &identity).await;
-    let mut refused = 0;
-    let mut again = None;
-    for _ in 0..50 {
-        conn.execute("BEGIN").await.expect("begin");
-        let taker = OwnerToken::new();
-        let got = conn
-            .reserve_in_transaction(request(&identity, None, &taker, LONG, LONG), WAIT)
-            .await;
-        conn.execute("ROLLBACK").await.expect("roll back");
-        match got {
-            Err(Error::StaleSnapshot { .. }) => {
-                refused += 1;
-                tokio::time::sleep(Duration::from_millis(10)).await;
-            }
-            got => {
-                again = Some(got);
-                break;
-            }
-        }
-    }
+    let (refused, again) = new_transactions_until_not_refused(&mut conn, &identity).await;
     assert!(
         matches!(
             again,
@@ -4254,6 +4216,32 @@ async fn a_new_transaction_begun_in_the_second_a_lease_ran_out_takes_it_over() {
         refused <= 1,
         "refused {refused} times before the takeover, all begun after the lease ran out"
     );
+}
+
+/// Reserves `identity` in new transactions on `conn` (each rolled back),
+/// until one is not refused `StaleSnapshot` (bounded: 50); answers how many
+/// were refused, and the first other answer.
+async fn new_transactions_until_not_refused(
+    conn: &mut sqlx::MySqlConnection,
+    identity: &Identity,
+) -> (usize, Option<Result<Reservation, Error>>) {
+    let mut refused = 0;
+    for _ in 0..50 {
+        conn.execute("BEGIN").await.expect("begin");
+        let taker = OwnerToken::new();
+        let got = conn
+            .reserve_in_transaction(request(identity, None, &taker, LONG, LONG), WAIT)
+            .await;
+        conn.execute("ROLLBACK").await.expect("roll back");
+        match got {
+            Err(Error::StaleSnapshot { .. }) => {
+                refused += 1;
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            got => return (refused, Some(got)),
+        }
+    }
+    (refused, None)
 }
 
 /// Whether `information_schema.innodb_trx` (InnoDB's cache of it) shows a
