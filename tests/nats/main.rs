@@ -10,5 +10,6 @@ mod consumer_lifecycle;
 mod key_in_logs;
 mod nats_consumer;
 mod stale_deliveries;
+mod tx_mismatch;
 // A delivery whose worker died mid-body, taken over and answered by the recover hook.
 mod recovered_deliveries;
