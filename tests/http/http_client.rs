@@ -795,9 +795,11 @@ async fn retry_after_sets_the_pause_before_the_next_attempt() {
 
 /// Which answers are final (returned after one attempt) and which are tried
 /// again, from any server: a 428 (the server wants a precondition) or a 422
-/// is final like any 4xx; a replay (`Idempotent-Replayed: true`) is final
-/// whatever its status; a 500 `response-not-recorded` problem is final (the
-/// handler ran); a fresh 409, 423, 425, 429 and every other 5xx are retried.
+/// is final like any 4xx without `Retry-After`; a replay
+/// (`Idempotent-Replayed: true`) is final whatever its status; a 500
+/// `response-not-recorded` problem is final (the handler ran); a 408 is final
+/// whatever its headers; a fresh 409, 423, 425, 429, any other fresh 4xx
+/// with `Retry-After` and every other 5xx are retried.
 #[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn final_and_retried_answers_from_any_server() {
     let not_recorded = format!(
@@ -838,6 +840,32 @@ async fn final_and_retried_answers_from_any_server() {
             "500 Internal Server Error",
             vec![problem],
             not_recorded,
+            false,
+        ),
+        // The server asks for the request again (a recover hook that
+        // could not tell yet): retried; never a 408, nor a replay.
+        (
+            "424 Failed Dependency",
+            vec!["retry-after: 1"],
+            String::new(),
+            true,
+        ),
+        (
+            "400 Bad Request",
+            vec!["retry-after: 1"],
+            String::new(),
+            true,
+        ),
+        (
+            "408 Request Timeout",
+            vec!["retry-after: 1"],
+            String::new(),
+            false,
+        ),
+        (
+            "403 Forbidden",
+            vec![replayed, "retry-after: 1"],
+            String::new(),
             false,
         ),
         ("409 Conflict", vec![], String::new(), true),

@@ -1075,3 +1075,74 @@ async fn a_panicking_handler_behind_a_hook_is_asked_about_not_run_again_on_every
         task.abort();
     }
 }
+
+/// Rule 20 at the client (client hunt): a `recover` hook that cannot tell
+/// yet whether the earlier attempt's side effect happened answers `Err`,
+/// here with a 4xx of its choosing; the layer sends it with `Retry-After: 1`,
+/// keeps the record and asks again at the next retry. The client returned
+/// that 424 as final after one attempt: an operation whose outcome was
+/// unknown reported as a refusal (a caller would charge again under a new
+/// intent), while the retry got the charge the hook then found. Now a 4xx
+/// with `Retry-After` is retried, and `send` ends with the hook's answer;
+/// the handler never runs.
+#[tokio::test]
+async fn the_client_retries_a_recover_hooks_4xx_that_asks_to_come_back() {
+    use idempotent_runtime::{Identity, Recovery};
+    let store = Arc::new(MemoryStore::new());
+    let asks = Arc::new(AtomicUsize::new(0));
+    let hook = {
+        let asks = asks.clone();
+        move |_takeover: idempotent_runtime::Takeover| {
+            let asks = asks.clone();
+            async move {
+                if asks.fetch_add(1, Ordering::SeqCst) == 0 {
+                    Err(
+                        (StatusCode::FAILED_DEPENDENCY, "the provider did not answer")
+                            .into_response(),
+                    )
+                } else {
+                    Ok(Recovery::Completed(
+                        (StatusCode::CREATED, "charge found at the provider").into_response(),
+                    ))
+                }
+            }
+        }
+    };
+    let layer = IdempotencyLayer::builder("edges.hook_4xx", store.clone())
+        .tenant_from_extension::<AccountId>()
+        .recover(hook)
+        .build()
+        .expect("layer");
+    let (base, calls, _task) = counting_route("/charges", layer, || {
+        (StatusCode::CREATED, "charged by the handler").into_response()
+    })
+    .await;
+    let account = fresh_tenant();
+    // What a crashed instance leaves: a record in progress whose lease runs out.
+    let identity = Identity::new(account.clone(), "edges.hook_4xx", "k-hook").unwrap();
+    common::records::acquire(
+        &*store,
+        &identity,
+        None,
+        Duration::from_millis(50),
+        Duration::from_secs(3600),
+    )
+    .await;
+    let answer = fast_retrying_client(4)
+        .intent_with_key(Method::POST, &format!("{base}/charges"), "k-hook")
+        .unwrap()
+        .header("x-account-id", &account)
+        .unwrap()
+        .send()
+        .await
+        .expect("an answer");
+    assert_eq!(
+        (answer.status().as_u16(), answer.body().as_ref()),
+        (201, &b"charge found at the provider"[..]),
+        "after {} attempt(s)",
+        answer.attempts()
+    );
+    assert_eq!(answer.attempts(), 2, "the 424 was retried once");
+    assert_eq!(asks.load(Ordering::SeqCst), 2, "the hook was asked again");
+    assert_eq!(calls.load(Ordering::SeqCst), 0, "the handler never ran");
+}

@@ -32,10 +32,12 @@
 //! Retries: connection errors, timeouts, 5xx, a 409 that is not a replay
 //! (a request with the key still running; its `Retry-After` is honoured),
 //! and 423, 425 and 429 ("not processed, try again"; `Retry-After` honoured),
+//! and any other 4xx but 408 that carries `Retry-After` (the server asks
+//! for the request again: a `recover` hook that could not tell yet),
 //! but not a 500 `response-not-recorded` problem: the handler ran and its
 //! answer could not be recorded, so a retry may run it again. A
 //! replayed answer (`Idempotent-Replayed: true`), a 409 included, and every
-//! other 4xx are final and returned as they are. A handler's own 409 is
+//! other 4xx (408 whatever its headers) are final and returned as they are. A handler's own 409 is
 //! retried like the framework's: behind a layer that records it, the retry
 //! comes back replayed and final; from a server that does not, every attempt
 //! is spent. Backoff is
@@ -179,7 +181,7 @@ pub enum ClientError {
     /// The server answered with a body larger than the client reads
     /// ([`IdempotentClient::with_max_answer_bytes`]; 64 MiB by default), in
     /// an answer that is not retried (a replay, a 4xx other than 409, 423,
-    /// 425 and 429, a 5xx problem+json), so it was not read (a server answering without end would otherwise use
+    /// 425 and 429 without `Retry-After`, a 5xx problem+json), so it was not read (a server answering without end would otherwise use
     /// up the process's memory). **The request was sent and answered, so the
     /// operation may have run**: raise the limit and send the same intent
     /// again to read its answer (a replay, from a server that recorded it),
@@ -239,7 +241,8 @@ pub enum ClientError {
 #[non_exhaustive]
 pub enum LastAttempt {
     /// The server answered with a retryable status (a 5xx other than a 500
-    /// `response-not-recorded`; or a 409, 423, 425 or 429), not a replay.
+    /// `response-not-recorded`; or a 409, 423, 425 or 429; or another 4xx
+    /// but 408 with `Retry-After`), not a replay.
     Status {
         /// The status.
         status: StatusCode,
@@ -325,8 +328,9 @@ impl IdempotentResponse {
 /// the server's own, without `Retry-After`) and a handler's own 409 look
 /// alike; the retry settles it (a handler's recorded 409 comes back replayed).
 /// And the 4xx answers that say "not processed, try again" (423 Locked,
-/// 425 Too Early, 429 Too Many Requests), which the layer never records;
-/// their `Retry-After` is honoured. Not 408: timeout middleware (tower-http's
+/// 425 Too Early, 429 Too Many Requests), which the layer never records,
+/// and any other fresh 4xx but 408 that carries `Retry-After`
+/// ([`asks_for_a_follow_up`]); their `Retry-After` is honoured. Not 408: timeout middleware (tower-http's
 /// `TimeoutLayer`) answers 408 after dropping a handler halfway, so it may
 /// have done its work.
 fn worth_retrying(status: StatusCode, headers: &HeaderMap, body: &[u8]) -> bool {
@@ -336,6 +340,22 @@ fn worth_retrying(status: StatusCode, headers: &HeaderMap, body: &[u8]) -> bool 
     (status.is_server_error() && !handler_ran_unrecorded(status, headers, body))
         || status == StatusCode::CONFLICT
         || (super::layer::says_try_again(status) && status != StatusCode::REQUEST_TIMEOUT)
+        || asks_for_a_follow_up(status, headers)
+}
+
+/// A fresh 4xx (not 408) that carries `Retry-After`: the server asks for
+/// the request again after a while (RFC 9110 §10.2.3). The layer sends its
+/// "not decided yet, ask again" answers so: a `recover` hook's `Err` (it
+/// could not tell whether the earlier attempt's side effect happened; the
+/// record is kept and the next retry asks again), or its `Completed`
+/// answer the layer does not record, whatever their status (client hunt:
+/// a hook's 424 was returned as final after one attempt, an operation
+/// whose outcome was unknown, and the retry got the charge the hook found).
+/// Not 408, whose timeout middleware may have dropped a handler halfway.
+fn asks_for_a_follow_up(status: StatusCode, headers: &HeaderMap) -> bool {
+    status.is_client_error()
+        && status != StatusCode::REQUEST_TIMEOUT
+        && headers.contains_key(RETRY_AFTER)
 }
 
 /// The answer says `Idempotent-Replayed: true`.
@@ -703,7 +723,8 @@ impl Intent {
 
     /// Sends the request, retrying with the same key per the client's
     /// [`RetryPolicy`]. Returns the first final answer (a replay, whatever
-    /// its status; 2xx, 3xx, 4xx other than a fresh 409; a 500
+    /// its status; 2xx, 3xx, 4xx other than a fresh 409, 423, 425 or 429
+    /// or one with `Retry-After`; a 500
     /// `response-not-recorded`), or [`ClientError::RetriesExhausted`] when every attempt
     /// failed retryably. Calling it again later is a further retry of the
     /// same operation, with the same key. An intent whose request was
