@@ -3472,3 +3472,106 @@ async fn a_late_renewal_of_an_owner_once_pruned_does_not_renew_its_ended_lease()
         std::panic::resume_unwind(e.into_panic());
     }
 }
+
+/// A renewal that waited a third of its lease for the process's write turn
+/// goes on without it (`WriteGate::take_within`), and asks whether its owner
+/// was ended (its call dropped, or its body panicked with a `recover` hook)
+/// before it writes. Without the turn nothing kept the end of the lease from
+/// being written between that look and the renewal's statement: the
+/// renewal, waiting behind another connection's lock, landed after the end
+/// and gave the record a whole lease again (every retry refused until it ran
+/// out). Handshake: another connection holds the lock; a write of another
+/// key holds the turn, waiting for it; the renewal is seen giving up the
+/// turn; the lease is ended (its owner ended at once) while the renewal
+/// waits for the lock, which is then freed. Which of the renewal and the
+/// end then gets the lock first is SQLite's busy handler's choice: a few
+/// rounds, bounded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_renewal_that_skipped_the_write_turn_does_not_renew_a_lease_ended_meanwhile() {
+    use idempotent_runtime::{Fenced, Fingerprint};
+    const ROUNDS: usize = 6;
+    // A third of it is 320 ms: the renewal's wait for the turn.
+    let lease = Duration::from_millis(960);
+    let skipped = capture::notify_on(&["writing without it", "waited_ms=320"]);
+    for _ in 0..ROUNDS {
+        let path = fresh_path();
+        let store =
+            crate::sqlite_store::store_with_busy_timeout(&path, Duration::from_secs(10)).await;
+        let fp = Fingerprint::of("request").expect("fingerprint");
+        let tenant = uuid::Uuid::new_v4().simple().to_string();
+        let owned = Identity::new(&tenant, "sqlite_edges.skipped_turn", "k").expect("identity");
+        let token = OwnerToken::new();
+        let first = store
+            .reserve(ReserveRequest {
+                identity: &owned,
+                fingerprint: Some(&fp),
+                token: &token,
+                lease,
+                ttl: Duration::from_secs(600),
+            })
+            .await;
+        assert!(
+            matches!(first, Ok(Reservation::Acquired { .. })),
+            "{first:?}"
+        );
+        let writing = capture::notify_on(&["sqlite: writing the reservation", "skipped_turn"]);
+        let mut holder = crate::sqlite_store::write_lock_held(&path).await;
+        // A write of another key takes the turn and waits for the lock.
+        let behind = {
+            let (store, tenant, fp) = (store.clone(), tenant.clone(), fp.clone());
+            tokio::spawn(async move {
+                let other =
+                    Identity::new(&tenant, "sqlite_edges.skipped_turn", "other").expect("identity");
+                let other_token = OwnerToken::new();
+                store
+                    .reserve(ReserveRequest {
+                        identity: &other,
+                        fingerprint: Some(&fp),
+                        token: &other_token,
+                        lease: Duration::from_secs(600),
+                        ttl: Duration::from_secs(600),
+                    })
+                    .await
+            })
+        };
+        writing.notified().await;
+        // The renewal waits a third of its lease for the turn, then goes on
+        // without it, to wait for the lock.
+        let mut renewal = Box::pin(store.heartbeat(&owned, &token, lease));
+        assert!(futures::poll!(&mut renewal).is_pending());
+        tokio::select! {
+            () = skipped.notified() => {}
+            answer = &mut renewal => panic!("the renewal waits for the lock: {answer:?}"),
+        }
+        // Its look at its owner, and its statement sent (no event to wait for).
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        // The owner's lease is ended on purpose (its owner ended at once).
+        let mut ending = Box::pin(store.heartbeat(&owned, &token, Duration::ZERO));
+        assert!(futures::poll!(&mut ending).is_pending());
+        holder.execute("COMMIT").await.expect("free the lock");
+        let bound = Duration::from_secs(60);
+        let behind = tokio::time::timeout(bound, behind)
+            .await
+            .expect("the other write ends")
+            .expect("task");
+        assert!(
+            matches!(behind, Ok(Reservation::Acquired { .. })),
+            "{behind:?}"
+        );
+        let ended = tokio::time::timeout(bound, ending)
+            .await
+            .expect("the end is written");
+        assert!(matches!(ended, Ok(Fenced::Written)), "{ended:?}");
+        let renewed = tokio::time::timeout(bound, renewal)
+            .await
+            .expect("the renewal answers");
+        let record = store.fetch(&owned).await.expect("fetch").expect("a record");
+        remove(&path);
+        assert!(
+            record
+                .lease_expires_at_ms
+                .is_none_or(|lease| lease <= record.now_ms),
+            "the renewal ({renewed:?}) landed after the end of the lease and renewed it: {record:?}"
+        );
+    }
+}
