@@ -41,6 +41,10 @@ struct Owners {
     /// of the same identity was taken over from (its record is no longer
     /// its own).
     by_identity: HashMap<Identity, String>,
+    /// How many renewal statements of each owner are on their way, each
+    /// sent after it saw its owner listed (see [`renewal_statement`]).
+    #[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
+    renewing: HashMap<String, usize>,
     prune_at: usize,
 }
 
@@ -75,6 +79,7 @@ static OWNERS: std::sync::LazyLock<Mutex<Owners>> = std::sync::LazyLock::new(|| 
     Mutex::new(Owners {
         by_token: HashMap::new(),
         by_identity: HashMap::new(),
+        renewing: HashMap::new(),
         prune_at: PRUNE_AT_LEAST,
     })
 });
@@ -222,10 +227,76 @@ pub(crate) fn handed_over(
 /// Whether `token`'s owner is listed: a renewal, which lists its owner as
 /// it begins (see [`renewal`]), finds it no longer listed once it has been
 /// ended (completed, released, its lease ended on purpose or lost): it then
-/// has nothing left to renew.
-#[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
+/// has nothing left to renew (SQLite asks [`renewal_statement`], which
+/// also counts the statement for the end of the lease to wait for).
+#[cfg(test)]
 pub(super) fn listed(token: &OwnerToken) -> bool {
     owners().by_token.contains_key(token.as_str())
+}
+
+/// Woken whenever a renewal statement of any owner has answered (see
+/// [`renewals_landed`]).
+#[cfg(feature = "sqlite")]
+static RENEWAL_ANSWERED: tokio::sync::Notify = tokio::sync::Notify::const_new();
+
+/// A renewal statement of a listed owner on its way (see
+/// [`renewal_statement`]): counted until dropped.
+#[cfg(feature = "sqlite")]
+pub(super) struct RenewalStatement(String);
+
+/// A renewal's statement of `token`'s owner may be sent, if the owner is
+/// still listed (`None`: it was ended, completed, released or its lease
+/// ended on purpose, and there is nothing left to renew). Until the answer
+/// (dropped), the end of the owner's lease waits for it
+/// ([`renewals_landed`]): a renewal that looked before the owner was ended
+/// and sent its statement after the end was written gave the record a whole
+/// lease again. Looking and counting are one step, so an end that ended
+/// the owner before waiting sees every renewal that found it listed.
+#[cfg(feature = "sqlite")]
+pub(super) fn renewal_statement(token: &OwnerToken) -> Option<RenewalStatement> {
+    let mut owners = owners();
+    if !owners.by_token.contains_key(token.as_str()) {
+        return None;
+    }
+    *owners
+        .renewing
+        .entry(token.as_str().to_owned())
+        .or_insert(0) += 1;
+    Some(RenewalStatement(token.as_str().to_owned()))
+}
+
+#[cfg(feature = "sqlite")]
+impl Drop for RenewalStatement {
+    fn drop(&mut self) {
+        let mut owners = owners();
+        if let Some(n) = owners.renewing.get_mut(&self.0) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                owners.renewing.remove(&self.0);
+            }
+        }
+        drop(owners);
+        RENEWAL_ANSWERED.notify_waiters();
+    }
+}
+
+/// Waits until no renewal statement of `token`'s owner is on its way
+/// ([`renewal_statement`]), `most` at most: `false` if one still was.
+/// Asked by the end of a lease, after its owner was ended.
+#[cfg(feature = "sqlite")]
+pub(super) async fn renewals_landed(token: &OwnerToken, most: Duration) -> bool {
+    let landed = async {
+        loop {
+            let notified = RENEWAL_ANSWERED.notified();
+            let mut notified = std::pin::pin!(notified);
+            notified.as_mut().enable();
+            if !owners().renewing.contains_key(token.as_str()) {
+                return;
+            }
+            notified.await;
+        }
+    };
+    tokio::time::timeout(most, landed).await.is_ok()
 }
 
 /// The lease of `token`'s owner, if listed.
@@ -683,6 +754,38 @@ mod tests {
         let unknown = OwnerToken::new();
         assert_eq!(completion(&unknown, async { 8 }).await, 8);
         assert!(!listed(&unknown), "not listed by a completion alone");
+    }
+
+    /// A SQLite renewal's statement is sent only while its owner is listed,
+    /// and the end of the lease (its owner ended first) waits until every
+    /// statement that saw it listed has answered; none is left counted.
+    #[cfg(feature = "sqlite")]
+    #[tokio::test]
+    async fn the_end_of_a_lease_waits_for_the_renewals_that_saw_their_owner_listed() {
+        let token = OwnerToken::new();
+        assert!(renewal_statement(&token).is_none(), "never listed");
+        reserved(&identity(), &token, Duration::from_secs(60), Instant::now());
+        let statement = renewal_statement(&token).expect("listed");
+        ended(&token);
+        assert!(
+            renewal_statement(&token).is_none(),
+            "ended: nothing to renew"
+        );
+        assert!(
+            !renewals_landed(&token, Duration::from_millis(50)).await,
+            "a statement that saw its owner listed is on its way"
+        );
+        let landing = tokio::spawn({
+            let token = token.clone();
+            async move { renewals_landed(&token, Duration::from_secs(60)).await }
+        });
+        tokio::task::yield_now().await;
+        drop(statement);
+        assert!(landing.await.expect("task"), "answered: the end goes on");
+        assert!(
+            !owners().renewing.contains_key(token.as_str()),
+            "nothing left counted"
+        );
     }
 
     /// A renewal of an owner no longer listed (pruned while its lease had

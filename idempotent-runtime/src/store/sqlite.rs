@@ -2041,7 +2041,8 @@ impl Store for SqliteStore {
         } else {
             (lease / 3).max(Duration::from_millis(1))
         };
-        let write = self.write_in_turn_within("heartbeat", most, move |mut conn| async move {
+        let patience = self.write_gate.patience;
+        let in_turn = self.write_in_turn_within("heartbeat", most, move |mut conn| async move {
             // A renewal whose owner this process ended after it was asked
             // for (its call dropped or its body panicked, the lease ended
             // on purpose so the next call takes over at once) is not
@@ -2049,11 +2050,33 @@ impl Store for SqliteStore {
             // write turn after the write that ended the lease, and would
             // give the record a whole lease again, every retry refused
             // until it ran out. (The renewal lists its owner as it begins.)
-            if !lease.is_zero() && !super::live_owners::listed(&token_owned) {
-                return Ok(Fenced::NotOwner);
-            }
+            let _statement = if lease.is_zero() {
+                None
+            } else {
+                match super::live_owners::renewal_statement(&token_owned) {
+                    Some(statement) => Some(statement),
+                    None => return Ok(Fenced::NotOwner),
+                }
+            };
             heartbeat_on(&mut *conn, &id, &token_owned, lease).await
         });
+        let ending = lease.is_zero().then(|| token.clone());
+        let write = async move {
+            // The end of a lease (its owner ended already, see
+            // `live_owners::renewal`) waits for the renewals that saw the
+            // owner listed: one that went on without the write turn (see
+            // `WriteGate::take_within`), waiting for another connection's
+            // lock, landed after the end and gave the record a whole lease
+            // again.
+            if let Some(token) = ending
+                && !super::live_owners::renewals_landed(&token, patience).await
+            {
+                tracing::warn!(target: "idempotent",
+                    "sqlite: a renewal still unanswered past the busy timeout; ending the lease \
+                     anyway (should it land later, it renews the lease once more)");
+            }
+            in_turn.await
+        };
         let renewed = super::live_owners::renewal(identity, token, lease, write).await?;
         if renewed.is_written() {
             // The lease may have been shortened (ended early so the next call
