@@ -780,6 +780,19 @@ impl SqliteStore {
                                 // be under way, and land after any search.
                                 reserving.ended(&token).await;
                             }
+                            // Its owner was ended as it was handed over: a
+                            // renewal that saw it listed before, and went
+                            // on without the write turn, lands first (see
+                            // `SqliteStore::heartbeat`).
+                            if matches!(work, Work::EndLease)
+                                && !super::live_owners::renewals_landed(&token, write_gate.patience)
+                                    .await
+                            {
+                                tracing::warn!(target: "idempotent",
+                                    "sqlite: a renewal still unanswered past the busy timeout; \
+                                     ending the lease anyway (should it land later, it renews \
+                                     the lease once more)");
+                            }
                             let done = {
                                 let _turn = write_gate.take().await;
                                 match work {
