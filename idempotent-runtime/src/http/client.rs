@@ -348,9 +348,9 @@ fn worth_retrying(status: StatusCode, headers: &HeaderMap, body: &[u8]) -> bool 
 /// "not decided yet, ask again" answers so: a `recover` hook's `Err` (it
 /// could not tell whether the earlier attempt's side effect happened; the
 /// record is kept and the next retry asks again), or its `Completed`
-/// answer the layer does not record, whatever their status (client hunt:
-/// a hook's 424 was returned as final after one attempt, an operation
-/// whose outcome was unknown, and the retry got the charge the hook found).
+/// answer the layer does not record, whatever their status (returned as
+/// final, a hook's 424 would report an operation whose outcome is unknown
+/// as refused, where the retry gets the charge the hook found).
 /// Not 408, whose timeout middleware may have dropped a handler halfway.
 fn asks_for_a_follow_up(status: StatusCode, headers: &HeaderMap) -> bool {
     status.is_client_error()
