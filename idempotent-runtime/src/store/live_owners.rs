@@ -217,7 +217,7 @@ pub(crate) fn handed_over(
     completing: bool,
 ) -> super::detached::KeepWhileRunning {
     if completing {
-        Some(Box::new(Writing::begins(None, token, None)))
+        Some(Box::new(Writing::completion(token)))
     } else {
         ended(token);
         None
@@ -480,40 +480,25 @@ fn touch(token: &str) {
     }
 }
 
-/// One write of a listed owner under way (a renewal, its completion): the
-/// owner counts as alive until it is dropped, and for its lease after.
-/// Keep it in the task that makes the write, so that it ends with the
-/// write, whether or not the caller still polls.
+/// A completion of a listed owner under way (its body has run), written
+/// where the caller's polling does not matter (PostgreSQL and MySQL, whose
+/// completing owners are never refused; the store's worker): the owner is
+/// marked completing and counts as alive until it is dropped, and for its
+/// lease after. (Renewals are [`renewal`]s, and SQLite's completions
+/// [`completion`]s: counted only while their call polls them.)
 pub(super) struct Writing(Option<String>);
 
 impl Writing {
-    /// A write of `token`'s owner begins; `lease`, when given, is its lease
-    /// from now on (a renewal's: the stores' renewals are [`renewal`]s,
-    /// counted only while their call polls them). A renewal lists an owner
-    /// not listed (of `identity`, when given), as [`renewal`] does. A
-    /// completion alone lists nobody.
-    pub(super) fn begins(
-        identity: Option<&Identity>,
-        token: &OwnerToken,
-        lease: Option<Duration>,
-    ) -> Self {
+    /// A completion of `token`'s owner begins; an owner not listed is not
+    /// listed by it.
+    pub(super) fn completion(token: &OwnerToken) -> Self {
         let mut owners = owners();
-        let now = Instant::now();
-        let owner = match (identity, lease) {
-            (Some(identity), Some(lease)) => {
-                owners.listed_for_a_renewal(identity, token, lease, now)
-            }
-            _ => match owners.by_token.get_mut(token.as_str()) {
-                Some(owner) => owner,
-                None => return Writing(None),
-            },
+        let Some(owner) = owners.by_token.get_mut(token.as_str()) else {
+            return Writing(None);
         };
         owner.writing += 1;
-        owner.last = now;
-        match lease {
-            Some(lease) => owner.lease = lease,
-            None => owner.completing = true,
-        }
+        owner.last = Instant::now();
+        owner.completing = true;
         Writing(Some(token.as_str().to_owned()))
     }
 }
@@ -575,21 +560,26 @@ mod tests {
             !alive(token.as_str()),
             "its lease ran out, and it never wrote"
         );
-        let writing = Writing::begins(None, &token, None);
-        assert!(alive(token.as_str()), "a renewal is under way");
+        let writing = Writing::completion(&token);
+        assert!(alive(token.as_str()), "a completion is under way");
         drop(writing);
         assert!(alive(token.as_str()), "for a lease after it wrote");
-        let writing = Writing::begins(None, &token, None);
+        let writing = Writing::completion(&token);
         ended(&token);
         drop(writing);
         assert!(!alive(token.as_str()), "ended stays ended");
         let unknown = OwnerToken::new();
-        let writing = Writing::begins(None, &unknown, None);
+        let writing = Writing::completion(&unknown);
         assert!(!alive(unknown.as_str()), "not listed by a completion alone");
         drop(writing);
         // A renewal of an owner no longer listed (dropped while its lease had
         // lapsed) lists it, and sees it ended while it waits.
-        let writing = Writing::begins(Some(&identity()), &unknown, Some(Duration::from_secs(60)));
+        let writing = RenewalUnderWay::begins(
+            &identity(),
+            &unknown,
+            Duration::from_secs(60),
+            Instant::now(),
+        );
         assert!(alive(unknown.as_str()), "a renewal is under way");
         assert!(listed(&unknown));
         ended(&unknown);
@@ -614,7 +604,7 @@ mod tests {
             .expect("a minute ago");
         reserved(&id, &token, Duration::from_secs(1), long_ago);
         assert!(!may_be_kept_from_writing(&id), "crashed: its lease ran out");
-        let writing = Writing::begins(Some(&id), &token, Some(Duration::from_secs(1)));
+        let writing = RenewalUnderWay::begins(&id, &token, Duration::from_secs(1), Instant::now());
         assert!(may_be_kept_from_writing(&id), "its renewal waits");
         drop(writing);
         renewed(&token, Duration::from_secs(60), Instant::now());
@@ -627,8 +617,8 @@ mod tests {
             !may_be_kept_from_writing(&id),
             "alive no longer than its lease"
         );
-        let renewing = Writing::begins(Some(&id), &token, Some(Duration::from_secs(1)));
-        let writing = Writing::begins(Some(&id), &token, None);
+        let renewing = RenewalUnderWay::begins(&id, &token, Duration::from_secs(1), Instant::now());
+        let writing = Writing::completion(&token);
         assert!(
             !may_be_kept_from_writing(&id),
             "its completion waits: a takeover records the answer it holds"
@@ -640,7 +630,7 @@ mod tests {
         // A newer owner of the identity is the one asked about.
         let newer = OwnerToken::new();
         reserved(&id, &token, Duration::from_secs(1), long_ago);
-        let writing = Writing::begins(Some(&id), &token, Some(Duration::from_secs(1)));
+        let writing = RenewalUnderWay::begins(&id, &token, Duration::from_secs(1), Instant::now());
         assert!(may_be_kept_from_writing(&id), "listed again, renewing");
         reserved(&id, &newer, Duration::from_secs(60), Instant::now());
         assert!(
@@ -652,7 +642,7 @@ mod tests {
         ended(&newer);
         // A lease of centuries never ends, and never overflows the clock.
         reserved(&id, &token, Duration::MAX, Instant::now());
-        let writing = Writing::begins(Some(&id), &token, Some(Duration::MAX));
+        let writing = RenewalUnderWay::begins(&id, &token, Duration::MAX, Instant::now());
         renewed(&token, Duration::MAX, Instant::now());
         assert!(!may_be_kept_from_writing(&id), "its lease surely runs");
         drop(writing);
@@ -821,7 +811,7 @@ mod tests {
         }
         // The newer owner took the record over; its renewal waits past its lease.
         reserved(&id, &newer, lease, long_ago);
-        let renewing = Writing::begins(Some(&id), &newer, Some(lease));
+        let renewing = RenewalUnderWay::begins(&id, &newer, lease, Instant::now());
         assert!(may_be_kept_from_writing(&id));
         // The paused owner resumes: its renewal begins, and is told the
         // record is not its own.

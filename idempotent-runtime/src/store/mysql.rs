@@ -1677,8 +1677,7 @@ impl Store for MySqlStore {
         let table = self.names.table.as_str();
         // The owner is at work while its completion is being written (its
         // body has run), and for a lease after one that failed.
-        let writing =
-            live_owners::Writing::begins(Some(completion.identity), completion.token, None);
+        let writing = live_owners::Writing::completion(completion.token);
         let done = committed!(&pool, &self.names.check, "complete", waits, |on, commit| {
             complete_as(commit, table, on, completion)
         });

@@ -1876,8 +1876,7 @@ impl Store for PgStore {
             .saturating_add(detached::allowance_for(completion.outcome.payload.len()));
         // The owner is at work while its completion is being written (its
         // body has run), and for a lease after one that failed.
-        let _writing =
-            live_owners::Writing::begins(Some(completion.identity), completion.token, None);
+        let _writing = live_owners::Writing::completion(completion.token);
         let completed = in_own_transaction!(
             &self.pools.current(),
             "complete",
