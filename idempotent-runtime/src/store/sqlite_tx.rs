@@ -52,12 +52,12 @@
 //! database in memory the store's one connection (any transaction), keeps
 //! every owner from renewing its lease: it never takes over (or replaces)
 //! an in-progress record whose owner, a store-mode call of this process,
-//! is still at work; the call is
-//! refused with [`Error::StaleSnapshot`] and writes nothing (see
-//! `live_owner_answer` for a transaction holding the write lock; the rest,
-//! where the owner's write waits while its lease runs out, is refused
-//! before the reservation on every SQL store:
-//! `live_owners::may_be_kept_from_writing`). An owner in another process
+//! is still at work; the call is refused with [`Error::StaleSnapshot`] and
+//! writes nothing. Where the owner's write waits while its lease runs out,
+//! the check before every transactional reservation refuses it, on every
+//! SQL store (`live_owners::may_be_kept_from_writing`); a transaction that
+//! holds the write lock also gets `InProgress` while the lease is live
+//! (`live_owner_answer`). An owner in another process
 //! cannot be asked: there its lease decides, as for a paused owner.
 //!
 //! A completion or release written here does not wake the duplicates waiting
@@ -484,11 +484,22 @@ async fn reserve_on(
     // work is never taken over from it. Asked only while this process
     // lists an owner at all: otherwise the look would cost a statement per
     // call for nothing.
-    if state == libsqlite3_sys::SQLITE_TXN_WRITE
-        && super::live_owners::any_listed()
-        && let Some(answer) = live_owner_refusal(conn, request).await?
-    {
-        return answer;
+    if state == libsqlite3_sys::SQLITE_TXN_WRITE && super::live_owners::any_listed() {
+        match live_owner_answer(conn, request).await.map_err(err(OP))? {
+            None => {}
+            Some(LiveOwnerAnswer::InProgress(lease_remaining)) => {
+                return Ok(Reservation::InProgress { lease_remaining });
+            }
+            Some(LiveOwnerAnswer::KeptFromWriting) => {
+                let id = request.identity;
+                tracing::warn!(target: "idempotent", scope = %id.scope, key = %id.key_digest(),
+                    "refused: an in-progress record's owner, at work in this process, could not write while the caller's SQLite transaction held the write lock, and its lease ran out; not taken over");
+                return Err(Error::StaleSnapshot {
+                    scope: id.scope.clone(),
+                    store: "sqlite",
+                });
+            }
+        }
     }
     if state != libsqlite3_sys::SQLITE_TXN_WRITE {
         // First, what others committed, read beside the transaction: it
@@ -560,39 +571,6 @@ async fn reserve_on(
             return Ok(answer);
         }
     }
-}
-
-/// The answer of a caller's transaction that keeps every other connection
-/// from writing (it holds the write lock, or, in the rollback journal, a
-/// shared lock) to a reservation that would take over a record whose owner,
-/// a store-mode call of this process, is still at work (see
-/// [`live_owner_answer`]): `InProgress` while its lease is live,
-/// `StaleSnapshot` once the lease has run out, as it may have run out
-/// because of this transaction. `None`: no such owner.
-async fn live_owner_refusal(
-    conn: &mut SqliteConnection,
-    request: ReserveRequest<'_>,
-) -> Result<Option<Result<Reservation, Error>>, Error> {
-    Ok(
-        match live_owner_answer(conn, request)
-            .await
-            .map_err(err("reserve"))?
-        {
-            None => None,
-            Some(LiveOwnerAnswer::InProgress(lease_remaining)) => {
-                Some(Ok(Reservation::InProgress { lease_remaining }))
-            }
-            Some(LiveOwnerAnswer::KeptFromWriting) => {
-                let id = request.identity;
-                tracing::warn!(target: "idempotent", scope = %id.scope, key = %id.key_digest(),
-                    "refused: an in-progress record's owner, at work in this process, could not write while the caller's SQLite transaction held a lock that keeps others from writing, and its lease ran out; not taken over");
-                Some(Err(Error::StaleSnapshot {
-                    scope: id.scope.clone(),
-                    store: "sqlite",
-                }))
-            }
-        },
-    )
 }
 
 /// One try of the reservation's write in the caller's transaction, with the
