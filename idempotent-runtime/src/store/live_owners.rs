@@ -184,6 +184,43 @@ pub(super) fn reserved(identity: &Identity, token: &OwnerToken, lease: Duration,
         .insert(identity.clone(), token.as_str().to_owned());
 }
 
+/// A store-mode reservation of a server store (PostgreSQL, MySQL):
+/// `reserve`, its statement, sent now; an acquired record's owner is
+/// listed, its lease counted from now (see [`reserved`]).
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+pub(super) async fn reservation<F, E>(
+    request: &super::ReserveRequest<'_>,
+    reserve: F,
+) -> Result<super::Reservation, E>
+where
+    F: std::future::Future<Output = Result<super::Reservation, E>>,
+{
+    let sent = Instant::now();
+    let answer = reserve.await;
+    if let Ok(super::Reservation::Acquired { .. }) = answer {
+        reserved(request.identity, request.token, request.lease, sent);
+    }
+    answer
+}
+
+/// A store-mode completion of a server store (PostgreSQL, MySQL): `write`,
+/// its statement. The owner is at work while it is written (its body has
+/// run: see [`Writing`]), and done once it is written or fenced out; after
+/// one that failed it counts for a lease (it is tried again).
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+pub(super) async fn completed<F, E>(token: &OwnerToken, write: F) -> Result<super::Fenced, E>
+where
+    F: std::future::Future<Output = Result<super::Fenced, E>>,
+{
+    let writing = Writing::completion(token);
+    let done = write.await;
+    drop(writing);
+    if done.is_ok() {
+        ended(token);
+    }
+    done
+}
+
 /// `token`'s owner renewed its lease (`lease`, not zero) by a statement
 /// sent at `sent` or later, and it was written: the record's lease runs
 /// until at least `sent + lease`, and the owner counts as alive that long

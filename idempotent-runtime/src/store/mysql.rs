@@ -1660,13 +1660,10 @@ impl Store for MySqlStore {
     }
 
     async fn reserve(&self, request: ReserveRequest<'_>) -> Result<Reservation, StoreError> {
-        let sent = std::time::Instant::now();
-        let answer =
-            reserve_through_store(&self.pools.current(), &self.names, request, self.mariadb).await;
-        if let Ok(Reservation::Acquired { .. }) = answer {
-            live_owners::reserved(request.identity, request.token, request.lease, sent);
-        }
-        answer
+        let reserve = async {
+            reserve_through_store(&self.pools.current(), &self.names, request, self.mariadb).await
+        };
+        live_owners::reservation(&request, reserve).await
     }
 
     async fn complete(&self, completion: Completion<'_>) -> Result<Fenced, StoreError> {
@@ -1675,17 +1672,12 @@ impl Store for MySqlStore {
             .lock_wait
             .saturating_add(detached::allowance_for(completion.outcome.payload.len()));
         let table = self.names.table.as_str();
-        // The owner is at work while its completion is being written (its
-        // body has run), and for a lease after one that failed.
-        let writing = live_owners::Writing::completion(completion.token);
-        let done = committed!(&pool, &self.names.check, "complete", waits, |on, commit| {
-            complete_as(commit, table, on, completion)
-        });
-        drop(writing);
-        if done.is_ok() {
-            // Written or fenced out: the owner is done.
-            live_owners::ended(completion.token);
-        }
+        let write = async {
+            committed!(&pool, &self.names.check, "complete", waits, |on, commit| {
+                complete_as(commit, table, on, completion)
+            })
+        };
+        let done = live_owners::completed(completion.token, write).await;
         self.waiters.notify_written(completion.identity, &done);
         done
     }

@@ -1855,18 +1855,16 @@ impl Store for PgStore {
     }
 
     async fn reserve(&self, request: ReserveRequest<'_>) -> Result<Reservation, StoreError> {
-        let sent = std::time::Instant::now();
-        let answer = reserve_autocommit(
-            &self.pools.current(),
-            &self.statements,
-            request,
-            (self.lock_wait, self.silent_after),
-        )
-        .await;
-        if let Ok(Reservation::Acquired { .. }) = answer {
-            live_owners::reserved(request.identity, request.token, request.lease, sent);
-        }
-        answer
+        let reserve = async {
+            reserve_autocommit(
+                &self.pools.current(),
+                &self.statements,
+                request,
+                (self.lock_wait, self.silent_after),
+            )
+            .await
+        };
+        live_owners::reservation(&request, reserve).await
     }
 
     async fn complete(&self, completion: Completion<'_>) -> Result<Fenced, StoreError> {
@@ -1874,32 +1872,27 @@ impl Store for PgStore {
         // default (see `CALLER_WRITE_WAITS`).
         let waits = CALLER_WRITE_WAITS
             .saturating_add(detached::allowance_for(completion.outcome.payload.len()));
-        // The owner is at work while its completion is being written (its
-        // body has run), and for a lease after one that failed.
-        let _writing = live_owners::Writing::completion(completion.token);
-        let completed = in_own_transaction!(
-            &self.pools.current(),
-            "complete",
-            self.silent_after,
-            waits,
-            |conn| async move {
-                let written =
-                    complete_with(&mut *conn, &self.statements.complete, completion).await?;
-                not_owner_unless_the_connection_is_why(
-                    conn,
-                    "complete",
-                    completion.identity,
-                    written,
-                    WrittenIn::OwnTransaction,
-                )
-                .await
-            }
-        );
-        if completed.is_ok() {
-            // Written or fenced out: the owner is done.
-            live_owners::ended(completion.token);
-        }
-        completed
+        let write = async {
+            in_own_transaction!(
+                &self.pools.current(),
+                "complete",
+                self.silent_after,
+                waits,
+                |conn| async move {
+                    let written =
+                        complete_with(&mut *conn, &self.statements.complete, completion).await?;
+                    not_owner_unless_the_connection_is_why(
+                        conn,
+                        "complete",
+                        completion.identity,
+                        written,
+                        WrittenIn::OwnTransaction,
+                    )
+                    .await
+                }
+            )
+        };
+        live_owners::completed(completion.token, write).await
     }
 
     async fn force_release(
