@@ -409,8 +409,9 @@ struct FinishOnDrop<'a> {
     store: &'a dyn Store,
     identity: &'a Identity,
     token: &'a OwnerToken,
-    /// The call's fingerprint (with the store's kind and the identity, what
-    /// its answer is noted under while it is recorded: `unrecorded`).
+    /// The call's fingerprint (with the store's kind and database and the
+    /// identity, what its answer is noted under while it is recorded:
+    /// `unrecorded`).
     fingerprint: Option<&'a Fingerprint>,
     /// While the reservation is in flight: the answers of this call's
     /// request this process has not recorded yet, if any (`unrecorded::Pins`).
@@ -836,7 +837,8 @@ where
     let known = acquired
         .took_over
         .then(|| {
-            let request = crate::unrecorded::Request::new(store.name(), fingerprint);
+            let request =
+                crate::unrecorded::Request::new((store.name(), store.database_id()), fingerprint);
             crate::unrecorded::for_takeover(identity, &request).map(|known| (known, request))
         })
         .flatten();
@@ -1240,7 +1242,10 @@ impl RecordSink for StoreSink<'_, '_> {
             // it (see `unrecorded`).
             let noted = !store.records_in_process_memory();
             if noted {
-                let request = crate::unrecorded::Request::new(store.name(), self.guard.fingerprint);
+                let request = crate::unrecorded::Request::new(
+                    (store.name(), store.database_id()),
+                    self.guard.fingerprint,
+                );
                 crate::unrecorded::note_for(
                     identity,
                     token,

@@ -82,6 +82,20 @@ pub trait TransactionalConnection: Send {
         Ok(crate::engine::MAX_RESULT_BYTES)
     }
 
+    /// What tells the database this connection's records are in apart from
+    /// any other, as [`Store::database_id`](crate::Store::database_id) (the
+    /// same text for a store and a connection on one database). Asked only
+    /// when a call takes a record over while this process holds an answer
+    /// of its request unrecorded: the answer is recorded only on the
+    /// database it was given for. The default, `None`, names no database:
+    /// answers held for a built-in store's records (each names its
+    /// database) are not recorded through such a connection, whose
+    /// takeovers ask their `recover` hook or run the body. A connection type
+    /// that wraps another must forward this method too.
+    async fn database_id_in_transaction(&mut self) -> Result<Option<String>, StoreError> {
+        Ok(None)
+    }
+
     /// Like [`Store::complete`](crate::Store::complete), in this transaction
     /// (`by`: the body's answer, or a `recover` hook's, marked recovered).
     async fn complete_in_transaction(
@@ -114,7 +128,8 @@ pub trait TransactionalConnection: Send {
 /// `reserve(conn, request, lock_wait)` reserves in it, and the store's fenced
 /// writes, `complete(conn, completion)`, `release(conn, identity, token)` and
 /// `heartbeat(conn, identity, token, lease)` (the ones it also runs on its
-/// pool), record, release or end the lease on the connection itself.
+/// pool), record, release or end the lease on the connection itself;
+/// `database_id(conn)` reads what the store reads when it opens.
 #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
 macro_rules! transactional_connection {
     (
@@ -125,7 +140,8 @@ macro_rules! transactional_connection {
             reserve: $reserve:path,
             complete: $complete:path,
             release: $release:path,
-            heartbeat: $heartbeat:path
+            heartbeat: $heartbeat:path,
+            database_id: $database_id:path
             $(, may_wait: $may_wait:path)?
             $(, max_result_bytes: $max_result_bytes:path)? $(,)?
         }
@@ -164,6 +180,12 @@ macro_rules! transactional_connection {
                     });
                 }
                 $reserve(self, request, lock_wait).await
+            }
+
+            async fn database_id_in_transaction(
+                &mut self,
+            ) -> Result<Option<String>, $crate::error::StoreError> {
+                $database_id(self).await
             }
 
             $(
@@ -242,6 +264,10 @@ where
 
     async fn max_result_bytes_in_transaction(&mut self) -> Result<usize, StoreError> {
         (**self).max_result_bytes_in_transaction().await
+    }
+
+    async fn database_id_in_transaction(&mut self) -> Result<Option<String>, StoreError> {
+        (**self).database_id_in_transaction().await
     }
 
     async fn complete_in_transaction(
@@ -453,14 +479,31 @@ where
         Err(e) => return fail(e),
     };
     span.record("attempt", acquired.attempt);
-    let known = acquired
-        .took_over
-        .then(|| {
-            let request =
-                crate::unrecorded::Request::new(connection.store_name(), fingerprint.as_ref());
-            crate::unrecorded::for_takeover(&identity, &request).map(|known| (known, request))
-        })
-        .flatten();
+    // The connection's database is read (a statement in the caller's
+    // transaction) only when this process holds an answer of the identity.
+    let database = if acquired.took_over && crate::unrecorded::holds_any(&identity) {
+        match connection.database_id_in_transaction().await {
+            Ok(database) => Some(database),
+            Err(e) => {
+                // Without it the held answer cannot be told to be this
+                // database's: the takeover goes on as another process's
+                // would (the hook is asked, or the body runs).
+                tracing::warn!(target: "idempotent", scope = spec.scope, key = %identity.log_digest(),
+                    error = %e, "could not read which database the connection is on; \
+                                 an answer this process holds for the key is not used");
+                None
+            }
+        }
+    } else {
+        None
+    };
+    let known = database.and_then(|database| {
+        let request = crate::unrecorded::Request::new(
+            (connection.store_name(), database.as_deref()),
+            fingerprint.as_ref(),
+        );
+        crate::unrecorded::for_takeover(&identity, &request).map(|known| (known, request))
+    });
     let takeover = acquired.takeover(spec, &identity, known.is_some());
     if let Some((known, request)) = known {
         let mut sink = TransactionSink {

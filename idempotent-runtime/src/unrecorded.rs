@@ -30,7 +30,9 @@
 //! takeover is rule 20's uncertain outcome, which a `recover` hook answers.
 //!
 //! An answer is used only for a call of the same request: the same identity,
-//! the same arguments (fingerprint), the same kind of store. The record taken
+//! the same arguments (fingerprint), the same kind of store on the same
+//! database ([`Store::database_id`](crate::Store::database_id): one identity's
+//! records in two databases are two requests). The record taken
 //! over may not be the one the answer was noted for (it was released or
 //! deleted meanwhile, and made again by another call), but a record of that
 //! request is answered by any answer the request produced.
@@ -56,8 +58,8 @@ const SWEEP_EVERY: usize = 1024;
 
 struct Noted {
     token: OwnerToken,
-    /// What identifies the request besides the identity: the store's kind
-    /// and the arguments' fingerprint (its current form).
+    /// What identifies the request besides the identity: the store's kind,
+    /// its database and the arguments' fingerprint (its current form).
     request: Request,
     answer: Answer,
     until: Instant,
@@ -98,19 +100,31 @@ impl Noted {
 pub(crate) struct Request {
     /// The store's name ([`Store::name`](crate::Store::name)).
     pub(crate) store: &'static str,
+    /// The database the record is in
+    /// ([`Store::database_id`](crate::Store::database_id)).
+    pub(crate) database: Option<String>,
     /// The arguments' fingerprint, `None` for a scope without one.
     pub(crate) fingerprint: Option<String>,
 }
 
 impl Request {
     pub(crate) fn new(
-        store: &'static str,
+        (store, database): (&'static str, Option<&str>),
         fingerprint: Option<&crate::fingerprint::Fingerprint>,
     ) -> Self {
         Request {
             store,
+            database: database.map(str::to_owned),
             fingerprint: fingerprint.map(|f| f.as_str().to_owned()),
         }
+    }
+
+    /// Whether this is the request of a call through a store of kind
+    /// `store` on `database`, with arguments of `fingerprint`.
+    fn is(&self, (store, database): (&str, Option<&str>), fingerprint: Option<&str>) -> bool {
+        self.store == store
+            && self.database.as_deref() == database
+            && self.fingerprint.as_deref() == fingerprint
     }
 }
 
@@ -316,12 +330,12 @@ pub(crate) fn kept_for_the_next_takeover(
     UNRECORDED.count.store(answers.len(), Ordering::SeqCst);
 }
 
-/// Pins the answers of `request` to `identity` (a store of kind `store`,
-/// its arguments' `fingerprint`) noted by now, if any. Costs one atomic
-/// read while no answer is noted.
+/// Pins the answers of `request` to `identity` (a store of kind `store` on
+/// a database, its arguments' `fingerprint`) noted by now, if any. Costs one
+/// atomic read while no answer is noted.
 fn pin(
     identity: &Identity,
-    store: &'static str,
+    store: (&str, Option<&str>),
     fingerprint: Option<&crate::fingerprint::Fingerprint>,
 ) -> Option<Pin> {
     if UNRECORDED.count.load(Ordering::SeqCst) == 0 {
@@ -336,11 +350,7 @@ fn pin(
     let noted = answers.get_mut(identity)?;
     let tokens: Vec<OwnerToken> = noted
         .iter_mut()
-        .filter(|n| {
-            n.until > now
-                && n.request.store == store
-                && n.request.fingerprint.as_deref() == fingerprint
-        })
+        .filter(|n| n.until > now && n.request.is(store, fingerprint))
         .map(|n| {
             n.pins += 1;
             n.token.clone()
@@ -363,7 +373,8 @@ pub(crate) struct Pins<'a> {
     /// reservation has answered ([`let_go`](Self::let_go)).
     enabled: std::sync::atomic::AtomicBool,
     identity: &'a Identity,
-    store: &'static str,
+    /// The store's kind and database.
+    store: (&'static str, Option<&'a str>),
     fingerprint: Option<&'a crate::fingerprint::Fingerprint>,
     /// Boxed: this is part of every store-mode call's future.
     held: Mutex<Option<Box<Pin>>>,
@@ -373,19 +384,20 @@ impl<'a> Pins<'a> {
     /// Nothing pinned yet; for a call through `store`.
     pub(crate) fn for_call(
         identity: &'a Identity,
-        store: &dyn crate::Store,
+        store: &'a dyn crate::Store,
         fingerprint: Option<&'a crate::fingerprint::Fingerprint>,
     ) -> Self {
         Pins {
             enabled: (!store.records_in_process_memory()).into(),
-            ..Pins::new(identity, store.name(), fingerprint)
+            ..Pins::new(identity, (store.name(), store.database_id()), fingerprint)
         }
     }
 
-    /// Nothing pinned yet; for a call through a store of kind `store`.
+    /// Nothing pinned yet; for a call through a store of kind `store.0` on
+    /// the database `store.1`.
     fn new(
         identity: &'a Identity,
-        store: &'static str,
+        store: (&'static str, Option<&'a str>),
         fingerprint: Option<&'a crate::fingerprint::Fingerprint>,
     ) -> Self {
         Pins {
@@ -516,6 +528,12 @@ pub(crate) fn recorded_by_takeover(identity: &Identity, token: &OwnerToken) {
     UNRECORDED.count.store(answers.len(), Ordering::SeqCst);
 }
 
+/// Whether this process holds an answer of `identity` it has not recorded
+/// yet (of any request). One atomic read while none is held.
+pub(crate) fn holds_any(identity: &Identity) -> bool {
+    UNRECORDED.count.load(Ordering::SeqCst) > 0 && UNRECORDED.answers().contains_key(identity)
+}
+
 /// For a call of `request` that has just taken `identity`'s record over: the
 /// latest answer this process produced for that request and has not
 /// recorded yet, if any, with the token it was noted under.
@@ -553,9 +571,12 @@ mod tests {
         Identity::new("unrecorded-tests", "unrecorded.tests", key).expect("identity")
     }
 
+    /// The request of a call through a store of kind `store` on the
+    /// database `db-1`.
     fn request(store: &'static str, fingerprint: &str) -> Request {
         Request {
             store,
+            database: Some("db-1".to_owned()),
             fingerprint: Some(fingerprint.to_owned()),
         }
     }
@@ -627,9 +648,10 @@ mod tests {
         assert_eq!(found(&id), None);
     }
 
-    /// An answer is another request's when its arguments or its store's kind
-    /// differ (review: a record made again for other arguments, or one of
-    /// another database, was answered with it).
+    /// An answer is another request's when its arguments, its store's kind
+    /// or its database differ: a record made again for other arguments, or
+    /// one of the same identity in another database, is not answered with
+    /// it.
     #[test]
     fn an_answer_of_other_arguments_or_another_store_is_not_found() {
         let id = identity("other-request");
@@ -643,10 +665,20 @@ mod tests {
         assert!(for_takeover(&id, &request("postgres", "v3:200")).is_none());
         assert!(for_takeover(&id, &request("sqlite", "v3:100")).is_none());
         let unfingerprinted = Request {
-            store: "postgres",
             fingerprint: None,
+            ..request("postgres", "v3:100")
         };
         assert!(for_takeover(&id, &unfingerprinted).is_none());
+        let another_database = Request {
+            database: Some("db-2".to_owned()),
+            ..request("postgres", "v3:100")
+        };
+        assert!(for_takeover(&id, &another_database).is_none());
+        let no_database = Request {
+            database: None,
+            ..request("postgres", "v3:100")
+        };
+        assert!(for_takeover(&id, &no_database).is_none());
         assert!(for_takeover(&id, &request("postgres", "v3:100")).is_some());
         forget(&id, &token);
     }
@@ -692,7 +724,7 @@ mod tests {
             );
             token
         };
-        let pins = || Pins::new(&id, "postgres", Some(&fingerprint));
+        let pins = || Pins::new(&id, ("postgres", Some("db-1")), Some(&fingerprint));
 
         let unpinned = noted(b"1");
         assert!(!found_taken_over(&id, &unpinned), "no takeover recorded it");
@@ -703,14 +735,17 @@ mod tests {
         // Only by a call of its own request: with an answer noted, a call
         // of another store kind or other arguments pins nothing (a mutation
         // audit found the filter unguarded: checked while nothing was noted).
-        let other = Pins::new(&id, "mysql", Some(&fingerprint));
+        let other = Pins::new(&id, ("mysql", Some("db-1")), Some(&fingerprint));
         other.refresh();
         assert!(!other.holds(), "another store kind");
-        let other = Pins::new(&id, "postgres", None);
+        let other = Pins::new(&id, ("postgres", Some("db-2")), Some(&fingerprint));
+        other.refresh();
+        assert!(!other.holds(), "another database");
+        let other = Pins::new(&id, ("postgres", Some("db-1")), None);
         other.refresh();
         assert!(!other.holds(), "another request");
         let other_arguments = crate::fingerprint::Fingerprint::from_stored("v3:200".to_owned());
-        let other = Pins::new(&id, "postgres", Some(&other_arguments));
+        let other = Pins::new(&id, ("postgres", Some("db-1")), Some(&other_arguments));
         other.refresh();
         assert!(!other.holds(), "other arguments");
         drop(other);

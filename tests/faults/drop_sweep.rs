@@ -67,6 +67,9 @@ impl Store for Yielding {
     fn max_result_bytes(&self) -> usize {
         self.0.max_result_bytes()
     }
+    fn database_id(&self) -> Option<&str> {
+        self.0.database_id()
+    }
     fn records_in_process_memory(&self) -> bool {
         self.0.records_in_process_memory()
     }

@@ -70,6 +70,9 @@ impl Store for Observed {
     fn max_result_bytes(&self) -> usize {
         self.inner.max_result_bytes()
     }
+    fn database_id(&self) -> Option<&str> {
+        self.inner.database_id()
+    }
     fn records_in_process_memory(&self) -> bool {
         self.inner.records_in_process_memory()
     }

@@ -48,8 +48,22 @@ async fn nothing_invoiced(t: &Takeover) -> Result<Recovery<u64>, Error> {
 }
 
 #[idempotent(scope = "recovery.two_databases.invoice", key = key, tenant = tenant, store = store,
-             lease = "1s", recover = nothing_invoiced)]
+             shared_scope, lease = "1s", recover = nothing_invoiced)]
 async fn invoice(store: &dyn Store, tenant: &str, key: &str, amount: u64) -> Result<u64, Error> {
+    SEEN.lock().unwrap().entry(tenant.to_owned()).or_default().1 += 1;
+    Ok(amount)
+}
+
+/// [`invoice`] in the caller's transaction (the same request: the same
+/// scope, key and arguments).
+#[idempotent(scope = "recovery.two_databases.invoice", key = key, tenant = tenant, tx = tx,
+             shared_scope, lease = "1s", recover = nothing_invoiced)]
+async fn invoice_in(
+    tx: &mut sqlx::PgConnection,
+    tenant: &str,
+    key: &str,
+    amount: u64,
+) -> Result<u64, Error> {
     SEEN.lock().unwrap().entry(tenant.to_owned()).or_default().1 += 1;
     Ok(amount)
 }
@@ -66,6 +80,9 @@ impl Store for UnwritableAnswers<'_> {
     }
     fn max_result_bytes(&self) -> usize {
         self.0.max_result_bytes()
+    }
+    fn database_id(&self) -> Option<&str> {
+        self.0.database_id()
     }
     async fn reserve(&self, r: ReserveRequest<'_>) -> Result<Reservation, StoreError> {
         self.0.reserve(r).await
@@ -147,10 +164,10 @@ async fn lease_ran_out(store: &dyn Store, identity: &Identity) {
     .expect("the lease runs out");
 }
 
-/// The defect: `unrecorded` matches a noted answer by identity, store
-/// *kind* (`Store::name`) and fingerprint, never by database, so the second
-/// database's takeover records the first one's answer and replays it: its
-/// hook is not asked and its body never runs there.
+/// The answer held for the first database is not recorded by the second
+/// database's takeover (which would replay it without asking its hook or
+/// running its body there): the held answer is matched by the store's
+/// database (`Store::database_id`), not only by its kind.
 async fn unrecorded_in_one_answers_the_other(first: &dyn Store, second: &dyn Store) {
     let first = UnwritableAnswers(first);
     let tenant = fresh_tenant();
@@ -190,7 +207,6 @@ async fn unrecorded_in_one_answers_the_other(first: &dyn Store, second: &dyn Sto
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "known limitation (README, answers held unrecorded): a held answer is matched by the store's type, not its database"]
 async fn postgres_an_answer_unrecorded_in_one_database_does_not_answer_a_takeover_in_another() {
     let Some(first) = common::servers::pg_store_or_skip().await else {
         return;
@@ -216,7 +232,6 @@ async fn postgres_an_answer_unrecorded_in_one_database_does_not_answer_a_takeove
 /// The same with one SQLite file per customer (`tenant = shared` in each
 /// file would collide the same way; here one tenant in two files).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "known limitation (README, answers held unrecorded): a held answer is matched by the store's type, not its database"]
 async fn sqlite_an_answer_unrecorded_in_one_file_does_not_answer_a_takeover_in_another() {
     let first = SqliteStore::connect(&common::scratch::sqlite_url("h-cons-first"))
         .await
@@ -261,4 +276,242 @@ async fn an_answer_unrecorded_for_one_tenant_does_not_answer_another_tenants_tak
         (Some(Outcome::Replayed), (vec![], 1)),
         "A's own answer, recorded by A's takeover: no hook, no second body"
     );
+}
+
+/// The same in transactional mode: a takeover in a transaction on the
+/// second database runs the body (its hook asked); one on the first
+/// database records the answer held for it, so the connection names its
+/// database as the store does.
+async fn unrecorded_in_one_answers_a_transaction_in_the_other(first: &PgStore, second: &PgStore) {
+    let tenant = fresh_tenant();
+    let identity = Identity::new(tenant.as_str(), SCOPE, "inv-1").unwrap();
+    let got = invoice(&UnwritableAnswers(first), &tenant, "inv-1", 100).await;
+    assert!(matches!(got, Err(Error::Store(_))), "{got:?}");
+    assert_eq!(seen(&tenant), (vec![], 1));
+
+    common::records::acquire(
+        second,
+        &identity,
+        None,
+        Duration::from_millis(1),
+        Duration::from_secs(3600),
+    )
+    .await;
+    lease_ran_out(second, &identity).await;
+    let mut tx = second.pool().begin().await.expect("begin");
+    let (got, outcome) = with_outcome(invoice_in(&mut tx, &tenant, "inv-1", 100)).await;
+    tx.commit().await.expect("commit");
+    assert_eq!(got.expect("answered"), 100);
+    assert_eq!(
+        (outcome, seen(&tenant)),
+        (Some(Outcome::Executed), (vec![2], 2)),
+        "the second database's takeover in a transaction asks its hook and runs the body"
+    );
+
+    lease_ran_out(first, &identity).await;
+    let mut tx = first.pool().begin().await.expect("begin");
+    let (got, outcome) = with_outcome(invoice_in(&mut tx, &tenant, "inv-1", 100)).await;
+    tx.commit().await.expect("commit");
+    assert_eq!(got.expect("answered"), 100);
+    assert_eq!(
+        (outcome, seen(&tenant)),
+        (Some(Outcome::Replayed), (vec![2], 2)),
+        "the first database's takeover in a transaction records the answer held for it"
+    );
+    let r = first.fetch(&identity).await.unwrap().expect("record");
+    assert_eq!((r.state, r.recovered), (RecordState::Complete, false));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_an_answer_unrecorded_in_one_database_answers_only_its_own_transactions() {
+    let Some(first) = common::servers::pg_store_or_skip().await else {
+        return;
+    };
+    let (second, mut admin, db) = fresh_pg_database().await;
+    let first: &'static PgStore = Box::leak(Box::new(first));
+    let second: &'static PgStore = Box::leak(Box::new(second));
+    let checked = tokio::spawn(async move {
+        unrecorded_in_one_answers_a_transaction_in_the_other(first, second).await
+    })
+    .await;
+    second.pool().close().await;
+    use sqlx::Executor;
+    admin
+        .execute(format!("DROP DATABASE {db} WITH (FORCE)").as_str())
+        .await
+        .expect("drop the database");
+    if let Err(e) = checked {
+        std::panic::resume_unwind(e.into_panic());
+    }
+}
+
+/// The same with two MySQL/MariaDB databases on one server.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mysql_an_answer_unrecorded_in_one_database_does_not_answer_a_takeover_in_another() {
+    let Some(admin) = common::servers::mysql_store_or_skip().await else {
+        return;
+    };
+    let db = common::servers::mysql_create_database(&admin, "two_databases").await;
+    let url = common::servers::mysql_url_of(&common::servers::mysql_url(), &db);
+    let checked = tokio::spawn(async move {
+        let first = idempotent_runtime::MySqlStore::connect(&common::servers::mysql_url())
+            .await
+            .expect("the test database");
+        let second = idempotent_runtime::MySqlStore::connect(&url)
+            .await
+            .expect("the new database");
+        unrecorded_in_one_answers_the_other(&first, &second).await;
+        second.pool().close().await;
+    })
+    .await;
+    common::servers::mysql_drop_then_check(&admin, &[&db], checked).await;
+}
+
+/// What names a database (`Store::database_id`) is the same for every store
+/// and every transactional connection on it, and differs between
+/// databases: on PostgreSQL, MySQL/MariaDB and SQLite.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stores_and_connections_on_one_database_name_it_alike_and_no_other() {
+    use idempotent_runtime::TransactionalConnection;
+    // PostgreSQL: the test database twice, a fresh one.
+    let (Some(pg), Some(pg_again)) = (
+        common::servers::pg_store_or_skip().await,
+        common::servers::pg_store_or_skip().await,
+    ) else {
+        return;
+    };
+    let (pg_other, mut admin, db) = fresh_pg_database().await;
+    let mut conn = pg.pool().acquire().await.expect("connection");
+    let on_connection = conn.database_id_in_transaction().await.expect("read");
+    drop(conn);
+    let ids = (
+        pg.database_id().map(str::to_owned),
+        pg_again.database_id().map(str::to_owned),
+        pg_other.database_id().map(str::to_owned),
+    );
+    pg_other.pool().close().await;
+    use sqlx::Executor;
+    admin
+        .execute(format!("DROP DATABASE {db} WITH (FORCE)").as_str())
+        .await
+        .expect("drop the database");
+    assert!(ids.0.is_some(), "postgres names its database");
+    assert_eq!(ids.0, ids.1, "postgres: two stores on one database");
+    assert_eq!(
+        ids.0, on_connection,
+        "postgres: a connection names it alike"
+    );
+    assert_ne!(ids.0, ids.2, "postgres: another database");
+
+    // MySQL/MariaDB: the test database twice, a fresh one.
+    let (Some(my), Some(my_again)) = (
+        common::servers::mysql_store_or_skip().await,
+        common::servers::mysql_store_or_skip().await,
+    ) else {
+        return;
+    };
+    let db = common::servers::mysql_create_database(&my, "two_databases").await;
+    let url = common::servers::mysql_url_of(&common::servers::mysql_url(), &db);
+    let my_other = idempotent_runtime::MySqlStore::connect(&url).await;
+    let mut conn = my.pool().acquire().await.expect("connection");
+    let on_connection = conn.database_id_in_transaction().await.expect("read");
+    drop(conn);
+    let other_id = my_other
+        .as_ref()
+        .ok()
+        .and_then(|s| s.database_id().map(str::to_owned));
+    if let Ok(other) = &my_other {
+        other.pool().close().await;
+    }
+    common::servers::mysql_drop_then_check(&my, &[&db], Ok(())).await;
+    my_other.expect("the new database");
+    assert!(my.database_id().is_some(), "mysql names its database");
+    assert_eq!(
+        my.database_id(),
+        my_again.database_id(),
+        "mysql: two stores on one database"
+    );
+    assert_eq!(
+        my.database_id(),
+        on_connection.as_deref(),
+        "mysql: a connection names it alike"
+    );
+    assert_ne!(
+        my.database_id(),
+        other_id.as_deref(),
+        "mysql: another database"
+    );
+
+    // SQLite: one file twice, another file, two databases in memory.
+    let url = common::scratch::sqlite_url("h-ids-first");
+    let file = SqliteStore::connect(&url).await.expect("file");
+    let file_again = SqliteStore::connect(&url).await.expect("file again");
+    let other_file = SqliteStore::connect(&common::scratch::sqlite_url("h-ids-second"))
+        .await
+        .expect("other file");
+    let memory = SqliteStore::connect("sqlite::memory:")
+        .await
+        .expect("memory");
+    let other_memory = SqliteStore::connect("sqlite::memory:")
+        .await
+        .expect("memory");
+    let mut conn = file.pool().acquire().await.expect("connection");
+    let on_connection = conn.database_id_in_transaction().await.expect("read");
+    drop(conn);
+    assert!(file.database_id().is_some(), "sqlite names its database");
+    assert_eq!(
+        file.database_id(),
+        file_again.database_id(),
+        "sqlite: one file twice"
+    );
+    assert_eq!(
+        file.database_id(),
+        on_connection.as_deref(),
+        "sqlite: a connection names it alike"
+    );
+    assert_ne!(
+        file.database_id(),
+        other_file.database_id(),
+        "sqlite: another file"
+    );
+    assert!(memory.database_id().is_some());
+    assert_ne!(
+        memory.database_id(),
+        other_memory.database_id(),
+        "sqlite: two in memory"
+    );
+}
+
+/// On PostgreSQL a statement that fails aborts the caller's transaction: a
+/// role that may not read `idempotency_database` is told so without one,
+/// and its transaction goes on (the takeover then asks its hook or runs the
+/// body, as another process's would).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_role_that_may_not_read_the_database_id_keeps_its_transaction() {
+    use idempotent_runtime::TransactionalConnection;
+    const ROLE: &str = "idempotent_records_only";
+    let Some(store) = common::servers::pg_store_or_skip().await else {
+        return;
+    };
+    // Roles are the cluster's: made once, granted again each run.
+    let _ = sqlx::query(&format!("CREATE ROLE {ROLE} LOGIN"))
+        .execute(store.pool())
+        .await;
+    sqlx::query(&format!("GRANT SELECT ON idempotency_records TO {ROLE}"))
+        .execute(store.pool())
+        .await
+        .expect("grant");
+    let mut tx = store.pool().begin().await.expect("begin");
+    sqlx::query(&format!("SET LOCAL ROLE {ROLE}"))
+        .execute(&mut *tx)
+        .await
+        .expect("set role");
+    let read = tx.database_id_in_transaction().await;
+    assert!(read.is_err(), "{read:?}");
+    let still: i32 = sqlx::query_scalar("SELECT 1")
+        .fetch_one(&mut *tx)
+        .await
+        .expect("the transaction goes on");
+    assert_eq!(still, 1);
+    tx.rollback().await.expect("rollback");
 }

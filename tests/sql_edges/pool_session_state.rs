@@ -2787,7 +2787,7 @@ async fn pg_a_database_migrated_to_0008_by_an_older_build_and_renamed_serves_aft
                 .fetch_one(&pool)
                 .await
                 .expect("history");
-        assert_eq!(applied, 10, "0009 and 0010 applied by the upgrade");
+        assert_eq!(applied, 11, "0009 to 0011 applied by the upgrade");
         pool.close().await;
     })
     .await;

@@ -984,6 +984,7 @@ mod tests {
             OwnerToken::new(),
             crate::unrecorded::Request {
                 store: "test",
+                database: None,
                 fingerprint: Some("v3:recorded-by-the-worker".into()),
             },
         );

@@ -160,6 +160,7 @@ pub(crate) static POSTGRES: &[Migration] = embedded_migrations!("postgres":
     (8, "0008_store_reads_before_it_writes.sql", "store reads before it writes"),
     (9, "0009_functions_keep_to_their_schema.sql", "functions keep to their schema"),
     (10, "0010_acquire_refuses_text_the_server_would_convert.sql", "acquire refuses text the server would convert"),
+    (11, "0011_records_know_their_database.sql", "records know their database"),
 );
 
 /// MySQL/MariaDB's migrations (`migrations/mysql`).
@@ -180,6 +181,7 @@ pub(crate) static MYSQL: &[Migration] = embedded_migrations!("mysql":
     (13, "0013_tx_takes_over_only_the_version_it_read.sql", "tx takes over only the version it read"),
     (14, "0014_tx_never_takes_over_a_version_it_locked.sql", "tx never takes over a version it locked"),
     (15, "0015_tx_judges_by_its_own_transaction_not_an_ended_one.sql", "tx judges by its own transaction not an ended one"),
+    (16, "0016_records_know_their_database.sql", "records know their database"),
 );
 
 /// SQLite's migrations (`migrations/sqlite`).
@@ -187,6 +189,7 @@ pub(crate) static MYSQL: &[Migration] = embedded_migrations!("mysql":
 pub(crate) static SQLITE: &[Migration] = embedded_migrations!("sqlite":
     (1, "0001_idempotency_records.sql", "idempotency records"),
     (2, "0002_attempts.sql", "attempts"),
+    (3, "0003_records_know_their_database.sql", "records know their database"),
 );
 
 /// What the runner needs from one backend, on one connection held for the

@@ -510,6 +510,25 @@ pub trait Store: Send + Sync {
         false
     }
 
+    /// What tells the database this store's records are in apart from any
+    /// other database a process may use (`None`: nothing does). The SQL
+    /// stores read it when they open: a random id their migrations made once
+    /// for the records, with the database's name (and PostgreSQL's schema,
+    /// SQLite's file).
+    ///
+    /// An answer this process could not record yet is recorded by a call of
+    /// the same request that takes the record over (see
+    /// [`records_in_process_memory`](Store::records_in_process_memory)) only
+    /// when both stores name the same database here: one identity's records
+    /// in two databases of one kind (two regions, a file per customer) are
+    /// two requests. A store that wraps another must forward this method, or
+    /// answers held for the wrapped store's records are not recorded through
+    /// the wrapper (its takeovers ask their `recover` hook, or run the body,
+    /// as a call of another process does).
+    fn database_id(&self) -> Option<&str> {
+        None
+    }
+
     /// Atomically creates the record, takes over an expired one, or reports what is there.
     ///
     /// Rules: a record whose retention ran out counts as absent. A live record
@@ -680,6 +699,7 @@ macro_rules! delegate_store {
             fn name(&self) -> &'static str { (**self).name() }
             fn max_result_bytes(&self) -> usize { (**self).max_result_bytes() }
             fn records_in_process_memory(&self) -> bool { (**self).records_in_process_memory() }
+            fn database_id(&self) -> Option<&str> { (**self).database_id() }
             async fn reserve(&self, request: ReserveRequest<'_>) -> Result<Reservation, StoreError> {
                 (**self).reserve(request).await
             }
@@ -984,6 +1004,29 @@ where
         left -= chunk;
     }
     Ok(deleted)
+}
+
+/// [`Store::database_id`] as a SQL store read it when it opened, from
+/// `read`. A session that may not read it (an account granted `SELECT` on
+/// the records and the migration history only, as the command line's
+/// `audit` and `inspect` may be) opens all the same, naming no database:
+/// its answers held unrecorded are then matched by the store's kind alone,
+/// and it is said so once, here.
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+pub(crate) fn database_id_read_at_open<E: std::fmt::Display>(
+    store: &'static str,
+    read: Result<Option<String>, E>,
+) -> Option<std::sync::Arc<str>> {
+    match read {
+        Ok(id) => id.map(std::sync::Arc::from),
+        Err(e) => {
+            tracing::warn!(target: "idempotent", store, error = %e,
+                "could not read which database the records are in (idempotency_database); \
+                 answers this process holds unrecorded are matched by the store's kind alone: \
+                 grant SELECT on idempotency_database to tell two databases apart");
+            None
+        }
+    }
 }
 
 /// Milliseconds as a `Duration`, negative values as zero.

@@ -160,6 +160,8 @@ pub struct MySqlStore {
     /// This process's waiting duplicates, woken by this store's (and its
     /// clones' and background worker's) completions, releases and renewals.
     waiters: std::sync::Arc<super::waiters::Waiters>,
+    /// [`Store::database_id`], read when the store opened.
+    database_id: Option<std::sync::Arc<str>>,
 }
 
 /// The table the store's records are in, unqualified: transactional mode
@@ -408,6 +410,7 @@ impl MySqlStore {
             max_allowed_packet,
             lock_wait_s,
             database,
+            database_id,
         } = migrate(&pool)
             .await
             .map_err(|e| StoreError::new(STORE, migrate::operation(), e))?;
@@ -423,6 +426,7 @@ impl MySqlStore {
             max_result_bytes: result_limit(max_allowed_packet),
             lock_wait: Duration::from_secs(lock_wait_s.min(MAX_LOCK_WAIT_S)),
             names,
+            database_id,
             pools: std::sync::Arc::new(server::RuntimePools::new(pool)),
         })
     }
@@ -854,13 +858,40 @@ async fn migrate(pool: &MySqlPool) -> Result<Opened, migrate::MigrationError> {
             .await?
             .try_get(0)?;
     let isolation = session_isolation(&mut backend.0).await?;
+    let database_id = super::database_id_read_at_open(STORE, database_id(&mut backend.0).await);
     Ok(Opened {
         version,
         isolation,
         max_allowed_packet,
         lock_wait_s,
         database,
+        database_id,
     })
+}
+
+/// What tells this database's records apart from any other's
+/// ([`Store::database_id`]): the id migration 0016 made once for them, and
+/// the database's name. The store reads it when it opens; transactional
+/// mode reads it on the caller's connection, and so gets the same text
+/// there. As text, not prepared, for `DATABASE()` (see [`migrate`]).
+const DATABASE_ID_SQL: &str =
+    "SELECT CONCAT(id, '/', DATABASE()) FROM idempotency_database LIMIT 1";
+
+/// Reads [`DATABASE_ID_SQL`] on `conn` (`None` when its row is gone).
+async fn database_id(conn: &mut sqlx::MySqlConnection) -> Result<Option<String>, sqlx::Error> {
+    match Executor::fetch_optional(conn, sqlx::raw_sql(DATABASE_ID_SQL)).await? {
+        Some(row) => row.try_get(0),
+        None => Ok(None),
+    }
+}
+
+/// [`database_id`] on the caller's connection (transactional mode).
+async fn database_id_in_transaction(
+    conn: &mut sqlx::MySqlConnection,
+) -> Result<Option<String>, StoreError> {
+    database_id(conn)
+        .await
+        .map_err(err("read which database the records are in"))
 }
 
 /// Room in a completion's statement for everything but the answer (the
@@ -922,6 +953,8 @@ struct Opened {
     lock_wait_s: u64,
     /// `DATABASE()`: the database the migrations were applied in.
     database: Option<String>,
+    /// [`Store::database_id`] ([`DATABASE_ID_SQL`]).
+    database_id: Option<std::sync::Arc<str>>,
 }
 
 /// The migration runner's view of MySQL/MariaDB: one pooled connection.
@@ -1655,6 +1688,10 @@ impl Store for MySqlStore {
         STORE
     }
 
+    fn database_id(&self) -> Option<&str> {
+        self.database_id.as_deref()
+    }
+
     fn max_result_bytes(&self) -> usize {
         self.max_result_bytes
     }
@@ -1933,6 +1970,7 @@ crate::transaction::transactional_connection! {
         complete: complete_in_transaction,
         release: release_with,
         heartbeat: heartbeat_with,
+        database_id: database_id_in_transaction,
         max_result_bytes: max_result_bytes_on,
     }
 }

@@ -106,6 +106,8 @@ pub struct PgStore {
     /// The statements made through the shared pool, naming the schema the
     /// store found its table in when it opened.
     statements: std::sync::Arc<Statements>,
+    /// [`Store::database_id`], read when the store opened.
+    database_id: Option<std::sync::Arc<str>>,
 }
 
 impl PgStore {
@@ -155,11 +157,13 @@ impl PgStore {
             .map_err(|e| {
                 StoreError::new(STORE, "re-make the functions after a schema rename", e)
             })?;
+        let database_id = super::database_id_read_at_open(STORE, database_id(&pool).await);
         let statements = std::sync::Arc::new(Statements::in_schema(&schema));
         let detached = background_worker(&pool, &statements);
         detached.statements_land_within(reservation_lands_within(DEFAULT_LOCK_WAIT));
         Ok(PgStore {
             statements,
+            database_id,
             detached: std::sync::Arc::new(detached),
             watcher: std::sync::Arc::new(Watcher::new((*pool.connect_options()).clone())),
             pools: std::sync::Arc::new(server::RuntimePools::new(pool)),
@@ -279,6 +283,50 @@ async fn records_schema(pool: &PgPool) -> Result<String, Error> {
         )
         .into()),
     }
+}
+
+/// What tells this database's records apart from any other's
+/// ([`Store::database_id`]): the id migration 0011 made once for them, the
+/// database's name and the records' schema, as the session's `search_path`
+/// finds them. The store reads it when it opens; transactional mode reads
+/// it on the caller's connection, and so gets the same text there.
+const DATABASE_ID_SQL: &str = "SELECT d.id || '/' || current_database() || '/' || n.nspname::TEXT
+       FROM idempotency_database d, pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+      WHERE c.oid = to_regclass('idempotency_records')";
+
+/// Reads [`DATABASE_ID_SQL`] on `conn` (`None` when its row is gone).
+async fn database_id<'c>(
+    conn: impl sqlx::Executor<'c, Database = Postgres>,
+) -> Result<Option<String>, StoreError> {
+    sqlx::query_scalar(DATABASE_ID_SQL)
+        .fetch_optional(conn)
+        .await
+        .map_err(err("read which database the records are in"))
+}
+
+/// [`database_id`] on the caller's connection (transactional mode). A
+/// statement that fails aborts the caller's transaction, so the table is
+/// read only once the session is known to be allowed to (a role granted the
+/// records table alone is answered with an error, and the transaction goes
+/// on).
+async fn database_id_in_transaction(
+    conn: &mut sqlx::PgConnection,
+) -> Result<Option<String>, StoreError> {
+    const OP: &str = "read which database the records are in";
+    let readable: bool = sqlx::query_scalar(
+        "SELECT COALESCE(has_table_privilege(to_regclass('idempotency_database'), 'SELECT'), FALSE)",
+    )
+    .fetch_one(&mut *conn)
+    .await
+    .map_err(err(OP))?;
+    if !readable {
+        return Err(StoreError::new(
+            STORE,
+            OP,
+            "the session may not read idempotency_database (or has none on its search_path)",
+        ));
+    }
+    database_id(conn).await
 }
 
 /// The migrations that name the records' schema in the store's functions:
@@ -1854,6 +1902,10 @@ impl Store for PgStore {
         STORE
     }
 
+    fn database_id(&self) -> Option<&str> {
+        self.database_id.as_deref()
+    }
+
     async fn reserve(&self, request: ReserveRequest<'_>) -> Result<Reservation, StoreError> {
         let reserve = async {
             reserve_autocommit(
@@ -2056,6 +2108,7 @@ crate::transaction::transactional_connection! {
         complete: complete_in_transaction,
         release: release_in_transaction,
         heartbeat: heartbeat_in_transaction,
+        database_id: database_id_in_transaction,
         may_wait: reads_what_others_commit,
     }
 }

@@ -480,6 +480,8 @@ pub struct SqliteStore {
     /// The database is in memory: a connection of its pool is never closed
     /// by the store (the last one to close takes the database with it).
     in_memory: bool,
+    /// [`Store::database_id`], read when the store opened.
+    database_id: Option<Arc<str>>,
 }
 
 impl SqliteStore {
@@ -681,6 +683,7 @@ impl SqliteStore {
         keeper: Option<sqlx::SqliteConnection>,
     ) -> Result<Self, Error> {
         migrate(&pool).await?;
+        let database_id = super::database_id_read_at_open(STORE, database_id(&pool).await);
         let busy_timeout: i64 = sqlx::query_scalar("PRAGMA busy_timeout")
             .fetch_one(&pool)
             .await
@@ -827,6 +830,7 @@ impl SqliteStore {
             reserving,
             _keeps_in_memory_database: keeper.map(|k| Arc::new(std::sync::Mutex::new(k))),
             in_memory,
+            database_id,
         })
     }
 
@@ -1635,6 +1639,27 @@ async fn switch_to_wal(conn: &mut sqlx::SqliteConnection, file: &str) -> Result<
     Ok(true)
 }
 
+/// What tells this database's records apart from any other's
+/// ([`Store::database_id`]): the id migration 0003 made once for them, and
+/// the database's file as SQLite names it (empty in memory). The store
+/// reads it when it opens; transactional mode reads it on the caller's
+/// connection, and so gets the same text there.
+const DATABASE_ID_SQL: &str = "SELECT d.id || '/' || COALESCE(
+        (SELECT file FROM pragma_database_list WHERE name = 'main'), '')
+      FROM idempotency_database d";
+
+/// What reading [`DATABASE_ID_SQL`] is called in errors.
+pub(super) const READ_DATABASE_ID: &str = "read which database the records are in";
+
+/// Reads [`DATABASE_ID_SQL`] on `conn` (`None` when its row is gone).
+pub(super) async fn database_id<'c>(
+    conn: impl sqlx::Executor<'c, Database = sqlx::Sqlite>,
+) -> Result<Option<String>, sqlx::Error> {
+    sqlx::query_scalar(DATABASE_ID_SQL)
+        .fetch_optional(conn)
+        .await
+}
+
 /// Applies the embedded migrations that this database has not seen, in one
 /// `BEGIN IMMEDIATE` transaction so two processes opening a new file at once
 /// do not both apply them.
@@ -1873,6 +1898,10 @@ fn outcome_from(is_error: bool, result: Option<Vec<u8>>) -> StoredOutcome {
 impl Store for SqliteStore {
     fn name(&self) -> &'static str {
         STORE
+    }
+
+    fn database_id(&self) -> Option<&str> {
+        self.database_id.as_deref()
     }
 
     async fn reserve(&self, request: ReserveRequest<'_>) -> Result<Reservation, StoreError> {

@@ -76,8 +76,8 @@ use sqlx::SqliteConnection;
 use std::sync::Arc;
 
 use super::sqlite::{
-    complete_on, heartbeat_on, is_busy, live_owner_answer, primary_code, release_on, reserve_in,
-    result_code, LiveOwnerAnswer,
+    complete_on, database_id, heartbeat_on, is_busy, live_owner_answer, primary_code, release_on,
+    reserve_in, result_code, LiveOwnerAnswer, READ_DATABASE_ID,
 };
 
 /// Extended result code: a WAL snapshot is older than the newest commit.
@@ -599,6 +599,13 @@ async fn write_without_waiting(
     Ok(answer)
 }
 
+/// [`database_id`] on the caller's connection.
+async fn database_id_in_transaction(
+    conn: &mut SqliteConnection,
+) -> Result<Option<String>, StoreError> {
+    database_id(conn).await.map_err(err(READ_DATABASE_ID))
+}
+
 crate::transaction::transactional_connection! {
     /// Transactional mode on a SQLite connection: the reservation and the
     /// recorded result are statements in the connection's current transaction.
@@ -616,6 +623,7 @@ crate::transaction::transactional_connection! {
         complete: complete_on,
         release: release_on,
         heartbeat: heartbeat_on,
+        database_id: database_id_in_transaction,
     }
 }
 

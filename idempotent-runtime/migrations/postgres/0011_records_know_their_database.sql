@@ -1,0 +1,18 @@
+-- A random id made once for the records of this database (of this schema,
+-- where the records table is in one of several), read by the store when it
+-- opens and by transactional mode when it needs it.
+--
+-- A process holds an answer it could not record yet (an outage, a failover)
+-- and records it when one of its own calls takes the record over, instead of
+-- running the body again. Two databases of one kind in one process (two
+-- regions, an old and a new database while moving between them) may hold a
+-- record of the same tenant, scope and key: the answer held for one is not
+-- the answer of the other's record, whose takeover asks its `recover` hook or
+-- runs the body. The id tells them apart. It is data, so it follows the
+-- records to a replica, through a failover and into a restored backup.
+-- Run again (its history row deleted), it keeps the id there is.
+CREATE TABLE IF NOT EXISTS idempotency_database (
+    only_row BOOLEAN NOT NULL DEFAULT TRUE PRIMARY KEY CHECK (only_row),
+    id       TEXT    NOT NULL
+);
+INSERT INTO idempotency_database (id) VALUES (gen_random_uuid()::TEXT) ON CONFLICT DO NOTHING;
