@@ -170,7 +170,16 @@ macro_rules! transactional_connection {
                 // lease may have run out because of it. Taking the record
                 // over would run the body beside the live owner (rules 3,
                 // 10); refused before anything is written, no round trip.
-                if $crate::store::live_owners::may_be_kept_from_writing(request.identity) {
+                let kept = $crate::store::live_owners::may_be_kept_from_writing(request.identity);
+                if !kept.is_empty()
+                    && $crate::store::live_owners::kept_in(
+                        &kept,
+                        // Only now: which database the caller's connection
+                        // is on (one identity's owners in other databases
+                        // are not this record's); not known, it may be any.
+                        $database_id(self).await.ok().flatten().as_deref(),
+                    )
+                {
                     let id = request.identity;
                     tracing::warn!(target: "idempotent", scope = %id.scope, key = %id.key_digest(),
                         "refused: an in-progress record's owner, at work in this process, is still writing (perhaps waiting for a connection the caller's transaction holds) and its lease may have run out; not taken over");

@@ -91,6 +91,28 @@ pub async fn pg_one_connection_pool_in(schema: &str) -> sqlx::PgPool {
         .expect("pool")
 }
 
+/// A brand-new database on the PostgreSQL test server, named
+/// `<prefix>_<uuid>`: an admin connection to drop it with
+/// (`DROP DATABASE … WITH (FORCE)`), its name, and its URL.
+#[allow(dead_code)] // not every test binary has such a test
+pub async fn pg_fresh_database(prefix: &str) -> (sqlx::PgConnection, String, String) {
+    use sqlx::Executor;
+    let admin_url = pg_url();
+    let mut admin = <sqlx::PgConnection as sqlx::Connection>::connect(&admin_url)
+        .await
+        .expect("admin connection");
+    let db = format!("{prefix}_{}", uuid::Uuid::new_v4().simple());
+    admin
+        .execute(format!("CREATE DATABASE {db}").as_str())
+        .await
+        .expect("create database");
+    let url = match admin_url.rsplit_once('/') {
+        Some((base, _)) => format!("{base}/{db}"),
+        None => panic!("url {admin_url}"),
+    };
+    (admin, db, url)
+}
+
 /// A `PgStore` on the test server, or `None` (after a loud SKIPPED line).
 pub async fn pg_store_or_skip() -> Option<PgStore> {
     let url = pg_url();

@@ -132,20 +132,7 @@ impl Store for UnwritableAnswers<'_> {
 /// A brand-new database on the PostgreSQL test server: its store, and an
 /// admin connection and its name to drop it with.
 async fn fresh_pg_database() -> (PgStore, sqlx::PgConnection, String) {
-    use sqlx::{Connection, Executor};
-    let admin_url = common::servers::pg_url();
-    let mut admin = sqlx::PgConnection::connect(&admin_url)
-        .await
-        .expect("admin connection");
-    let db = format!("two_databases_{}", uuid::Uuid::new_v4().simple());
-    admin
-        .execute(format!("CREATE DATABASE {db}").as_str())
-        .await
-        .expect("create database");
-    let url = match admin_url.rsplit_once('/') {
-        Some((base, _)) => format!("{base}/{db}"),
-        None => panic!("url {admin_url}"),
-    };
+    let (admin, db, url) = common::servers::pg_fresh_database("two_databases").await;
     let store = PgStore::connect(&url).await.expect("the new database");
     (store, admin, db)
 }

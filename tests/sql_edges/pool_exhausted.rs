@@ -129,6 +129,12 @@ async fn my_pool(size: u32) -> sqlx::MySqlPool {
 /// pool; a transactional call in the first must not take the record over
 /// from the owner whose renewal waits for the pool.
 async fn pg_owner_starved_by(size: u32) {
+    pg_owner_starved_beside(size, None).await
+}
+
+/// [`pg_owner_starved_by`], with an owner of the same identity in the
+/// database of `elsewhere` listed after the starved one, when given.
+async fn pg_owner_starved_beside(size: u32, elsewhere: Option<&PgStore>) {
     let pool = pg_pool(size).await;
     let store = PgStore::from_pool(pool.clone()).await.expect("store");
     let beside = PgStore::from_pool(pg_pool(1).await).await.expect("beside");
@@ -136,6 +142,22 @@ async fn pg_owner_starved_by(size: u32) {
     let id = Identity::new(&tenant, "pool_exhausted.pg", "k").expect("identity");
     let token = OwnerToken::new();
     let lease = reserve_short(&store, &id, &token).await;
+    if let Some(elsewhere) = elsewhere {
+        let reserved = elsewhere
+            .reserve(ReserveRequest {
+                identity: &id,
+                fingerprint: None,
+                token: &OwnerToken::new(),
+                lease: Duration::from_secs(3600),
+                ttl: Duration::from_secs(3600),
+            })
+            .await
+            .expect("reserve elsewhere");
+        assert!(
+            matches!(reserved, Reservation::Acquired { .. }),
+            "{reserved:?}"
+        );
+    }
     let mut txs = Vec::new();
     for _ in 0..size {
         txs.push(pool.begin().await.expect("begin"));
@@ -232,6 +254,31 @@ async fn pg_a_transaction_holding_the_only_pooled_connection_never_takes_over_an
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pg_transactions_holding_every_pooled_connection_never_take_over_an_owner_they_starved() {
     pg_owner_starved_by(2).await;
+}
+
+/// The same, while an owner of the same identity in another database of
+/// the server (one identity's records in two databases: two regions, a
+/// database per customer) was listed after the starved owner, its lease
+/// running: it is not the starved owner's record, and must not hide it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pg_an_owner_of_the_same_identity_in_another_database_does_not_hide_one_a_transaction_starved(
+) {
+    let (mut admin, db, url) = crate::common::servers::pg_fresh_database("pool_exhausted").await;
+    let elsewhere: &'static PgStore = Box::leak(Box::new(
+        PgStore::connect(&url).await.expect("the other database"),
+    ));
+    // On a task of its own, so the database is dropped also when it fails.
+    let checked =
+        tokio::spawn(async move { pg_owner_starved_beside(1, Some(elsewhere)).await }).await;
+    elsewhere.pool().close().await;
+    use sqlx::Executor;
+    admin
+        .execute(format!("DROP DATABASE {db} WITH (FORCE)").as_str())
+        .await
+        .expect("drop the database");
+    if let Err(e) = checked {
+        std::panic::resume_unwind(e.into_panic());
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

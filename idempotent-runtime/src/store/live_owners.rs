@@ -1,6 +1,6 @@
 //! This process's store-mode owners of records, on every SQL store, by
-//! owner token and by identity: which are still at work (their body
-//! running, a renewal or their completion being written).
+//! owner token and by identity in each database: which are still at work
+//! (their body running, a renewal or their completion being written).
 //!
 //! A caller's transaction may keep an owner from renewing its lease or
 //! recording its result: on SQLite it holds the one write lock (or the one
@@ -30,17 +30,24 @@
 use super::OwnerToken;
 use crate::identity::Identity;
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
-/// The owners, the latest listed for each identity, and how many there may
-/// be before those no longer alive are dropped.
+/// The database an owner's record is in
+/// ([`Store::database_id`](crate::Store::database_id); `None`: one its store
+/// could not name, which may be any).
+type Database = Option<Arc<str>>;
+
+/// The owners, the latest listed for each identity in each database, and
+/// how many there may be before those no longer alive are dropped.
 struct Owners {
     by_token: HashMap<String, Owner>,
-    /// The token of the owner of each identity listed last: an older owner
-    /// of the same identity was taken over from (its record is no longer
-    /// its own).
-    by_identity: HashMap<Identity, String>,
+    /// The token of the owner of each identity listed last, per database:
+    /// an older owner of the same identity in the same database was taken
+    /// over from (its record is no longer its own). One identity's records
+    /// in two databases have an owner each.
+    by_identity: HashMap<Identity, Vec<(Database, String)>>,
     /// How many renewal statements of each owner are on their way, each
     /// sent after it saw its owner listed (see [`renewal_statement`]).
     #[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
@@ -52,7 +59,7 @@ struct Owners {
 /// many of its writes are under way, and until when its record's lease
 /// surely runs.
 struct Owner {
-    identity: Option<Identity>,
+    identity: Option<(Identity, Database)>,
     last: Instant,
     lease: Duration,
     writing: usize,
@@ -111,24 +118,22 @@ impl Owners {
     /// the identity's listing with it.
     fn listed_for_a_renewal(
         &mut self,
-        identity: &Identity,
+        (identity, database): (&Identity, Option<&str>),
         token: &OwnerToken,
         lease: Duration,
         now: Instant,
     ) -> &mut Owner {
         if !self.by_token.contains_key(token.as_str())
             && !self
-                .by_identity
-                .get(identity)
+                .listed(identity, database)
                 .is_some_and(|listed| self.by_token.contains_key(listed))
         {
-            self.by_identity
-                .insert(identity.clone(), token.as_str().to_owned());
+            self.list(identity, database, token.as_str());
         }
         self.by_token
             .entry(token.as_str().to_owned())
             .or_insert_with(|| Owner {
-                identity: Some(identity.clone()),
+                identity: Some((identity.clone(), database.map(Arc::from))),
                 last: now,
                 lease,
                 writing: 0,
@@ -138,12 +143,33 @@ impl Owners {
             })
     }
 
+    /// The token listed last for `identity` in `database`.
+    fn listed(&self, identity: &Identity, database: Option<&str>) -> Option<&String> {
+        self.by_identity
+            .get(identity)?
+            .iter()
+            .find(|(listed, _)| listed.as_deref() == database)
+            .map(|(_, token)| token)
+    }
+
+    /// Lists `token` as the owner of `identity` in `database`.
+    fn list(&mut self, identity: &Identity, database: Option<&str>, token: &str) {
+        let listed = self.by_identity.entry(identity.clone()).or_default();
+        match listed.iter_mut().find(|(d, _)| d.as_deref() == database) {
+            Some((_, listed)) => token.clone_into(listed),
+            None => listed.push((database.map(Arc::from), token.to_owned())),
+        }
+    }
+
     fn remove(&mut self, token: &str) {
         if let Some(owner) = self.by_token.remove(token)
-            && let Some(identity) = owner.identity
-            && self.by_identity.get(&identity).is_some_and(|t| t == token)
+            && let Some((identity, database)) = owner.identity
+            && let Some(listed) = self.by_identity.get_mut(&identity)
         {
-            self.by_identity.remove(&identity);
+            listed.retain(|(d, t)| !(d == &database && t == token));
+            if listed.is_empty() {
+                self.by_identity.remove(&identity);
+            }
         }
     }
 }
@@ -153,7 +179,12 @@ impl Owners {
 /// [`DATABASE_CLOCK_RESOLUTION`] before `sent`; otherwise a transaction
 /// taking over a crashed owner the moment its lease ran out was refused for
 /// up to that long).
-pub(super) fn reserved(identity: &Identity, token: &OwnerToken, lease: Duration, sent: Instant) {
+pub(super) fn reserved(
+    (identity, database): (&Identity, Option<&str>),
+    token: &OwnerToken,
+    lease: Duration,
+    sent: Instant,
+) {
     let sent = lease_from(sent);
     let mut owners = owners();
     if owners.by_token.len() >= owners.prune_at {
@@ -164,14 +195,17 @@ pub(super) fn reserved(identity: &Identity, token: &OwnerToken, lease: Duration,
             by_identity,
             ..
         } = &mut *owners;
-        by_identity.retain(|_, token| by_token.contains_key(token));
+        by_identity.retain(|_, listed| {
+            listed.retain(|(_, token)| by_token.contains_key(token));
+            !listed.is_empty()
+        });
         // Pruned again only once as many more have come (amortized).
         owners.prune_at = (owners.by_token.len() * 2).max(PRUNE_AT_LEAST);
     }
     owners.by_token.insert(
         token.as_str().to_owned(),
         Owner {
-            identity: Some(identity.clone()),
+            identity: Some((identity.clone(), database.map(Arc::from))),
             last: sent,
             lease,
             writing: 0,
@@ -179,9 +213,7 @@ pub(super) fn reserved(identity: &Identity, token: &OwnerToken, lease: Duration,
             completing: false,
         },
     );
-    owners
-        .by_identity
-        .insert(identity.clone(), token.as_str().to_owned());
+    owners.list(identity, database, token.as_str());
 }
 
 /// A store-mode reservation of a server store (PostgreSQL, MySQL):
@@ -189,7 +221,7 @@ pub(super) fn reserved(identity: &Identity, token: &OwnerToken, lease: Duration,
 /// listed, its lease counted from now (see [`reserved`]).
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 pub(super) async fn reservation<F, E>(
-    request: &super::ReserveRequest<'_>,
+    (request, database): (&super::ReserveRequest<'_>, Option<&str>),
     reserve: F,
 ) -> Result<super::Reservation, E>
 where
@@ -198,7 +230,12 @@ where
     let sent = Instant::now();
     let answer = reserve.await;
     if let Ok(super::Reservation::Acquired { .. }) = answer {
-        reserved(request.identity, request.token, request.lease, sent);
+        reserved(
+            (request.identity, database),
+            request.token,
+            request.lease,
+            sent,
+        );
     }
     answer
 }
@@ -361,33 +398,49 @@ pub(super) fn alive(token: &str) -> bool {
         .is_some_and(|owner| owner.alive_at(Instant::now()))
 }
 
-/// Whether `identity`'s record has an owner in this process still at work,
-/// its body not yet answered, whose lease may have run out: a renewal
-/// waiting (for a connection of a pool that the caller's transaction may be
-/// holding), or its last renewal failed. A transactional-mode reservation
-/// in the caller's transaction must not take such a record over (the body
-/// would run twice, beside the live owner); the lease may have run out
-/// because of that transaction, so it is refused with `StaleSnapshot`
-/// (rolled back, it lets the owner write). No round trip: asked before
-/// every transactional reservation. An owner whose lease surely runs is
-/// left to the store, which answers it (in progress, or its answer once
+/// The databases in which `identity`'s record has an owner in this process
+/// still at work, its body not yet answered, whose lease may have run out:
+/// a renewal waiting (for a connection of a pool that the caller's
+/// transaction may be holding), or its last renewal failed. A
+/// transactional-mode reservation in the caller's transaction must not take
+/// such a record over (the body would run twice, beside the live owner);
+/// the lease may have run out because of that transaction, so it is refused
+/// with `StaleSnapshot` (rolled back, it lets the owner write) when its
+/// connection is on one of these databases ([`kept_in`]). No round trip:
+/// asked before every transactional reservation, and empty (nothing
+/// allocated) unless such an owner is listed; only then is the connection
+/// asked which database it is on. An owner whose lease surely runs is left
+/// to the store, which answers it (in progress, or its answer once
 /// recorded); so is one whose completion has begun: a takeover records the
 /// answer it holds (`unrecorded`), and the body does not run again.
-pub(crate) fn may_be_kept_from_writing(identity: &Identity) -> bool {
+pub(crate) fn may_be_kept_from_writing(identity: &Identity) -> Vec<Database> {
     let owners = owners();
     if owners.by_token.is_empty() {
-        return false;
+        return Vec::new();
     }
     let now = Instant::now();
-    owners
-        .by_identity
-        .get(identity)
-        .and_then(|token| owners.by_token.get(token))
-        .is_some_and(|owner| {
-            owner.alive_at(now)
-                && !owner.completing
-                && owner.leased_until.is_some_and(|until| now >= until)
+    let Some(listed) = owners.by_identity.get(identity) else {
+        return Vec::new();
+    };
+    listed
+        .iter()
+        .filter(|(_, token)| {
+            owners.by_token.get(token).is_some_and(|owner| {
+                owner.alive_at(now)
+                    && !owner.completing
+                    && owner.leased_until.is_some_and(|until| now >= until)
+            })
         })
+        .map(|(database, _)| database.clone())
+        .collect()
+}
+
+/// Whether a connection on `database` is on one of the databases `kept`
+/// ([`may_be_kept_from_writing`]). A database not known on either side
+/// (`None`: a store or a connection that could not name it) may be any.
+pub(crate) fn kept_in(kept: &[Database], database: Option<&str>) -> bool {
+    kept.iter()
+        .any(|k| k.is_none() || database.is_none() || k.as_deref() == database)
 }
 
 /// A renewal of a listed owner's lease, asked for in the owner's own call
@@ -407,7 +460,7 @@ pub(crate) fn may_be_kept_from_writing(identity: &Identity) -> bool {
 /// stayed unpolled.)
 #[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
 pub(super) async fn renewal<F, E>(
-    identity: &Identity,
+    identity: (&Identity, Option<&str>),
     token: &OwnerToken,
     lease: Duration,
     write: F,
@@ -484,7 +537,12 @@ struct RenewalUnderWay(Option<String>);
 
 #[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
 impl RenewalUnderWay {
-    fn begins(identity: &Identity, token: &OwnerToken, lease: Duration, now: Instant) -> Self {
+    fn begins(
+        identity: (&Identity, Option<&str>),
+        token: &OwnerToken,
+        lease: Duration,
+        now: Instant,
+    ) -> Self {
         let mut owners = owners();
         let owner = owners.listed_for_a_renewal(identity, token, lease, now);
         owner.last = now;
@@ -557,6 +615,11 @@ impl Drop for Writing {
 mod tests {
     use super::*;
 
+    /// Whether an owner of `id`, in any database, may be kept from writing.
+    fn kept(id: &Identity) -> bool {
+        !may_be_kept_from_writing(id).is_empty()
+    }
+
     /// An identity of its own (a fresh key).
     fn identity() -> Identity {
         Identity::new(
@@ -576,7 +639,7 @@ mod tests {
         let sent = Instant::now()
             .checked_sub(lease - Duration::from_micros(500))
             .expect("a second ago");
-        reserved(&identity(), &token, lease, sent);
+        reserved((&identity(), None), &token, lease, sent);
         assert!(
             !alive(token.as_str()),
             "half a millisecond before sent + lease, the record's lease may be over"
@@ -591,7 +654,12 @@ mod tests {
         let long_ago = Instant::now()
             .checked_sub(Duration::from_secs(60))
             .expect("a minute ago");
-        reserved(&identity(), &token, Duration::from_secs(1), long_ago);
+        reserved(
+            (&identity(), None),
+            &token,
+            Duration::from_secs(1),
+            long_ago,
+        );
         assert!(any_listed(), "a reserved owner is listed, alive or not");
         assert!(
             !alive(token.as_str()),
@@ -612,7 +680,7 @@ mod tests {
         // A renewal of an owner no longer listed (dropped while its lease had
         // lapsed) lists it, and sees it ended while it waits.
         let writing = RenewalUnderWay::begins(
-            &identity(),
+            (&identity(), None),
             &unknown,
             Duration::from_secs(60),
             Instant::now(),
@@ -625,6 +693,57 @@ mod tests {
         assert!(!alive(unknown.as_str()), "ended stays ended");
     }
 
+    /// One identity's owners in two databases are listed apart: a newer
+    /// owner in one database does not hide an older one in the other that
+    /// may be kept from writing, and only the kept one's database is named
+    /// ([`kept_in`]: a database not known may be any).
+    #[test]
+    fn owners_of_one_identity_in_two_databases_are_listed_apart() {
+        let id = identity();
+        let (kept_owner, other) = (OwnerToken::new(), OwnerToken::new());
+        let long_ago = Instant::now()
+            .checked_sub(Duration::from_secs(60))
+            .expect("a minute ago");
+        reserved(
+            (&id, Some("db-a")),
+            &kept_owner,
+            Duration::from_secs(1),
+            long_ago,
+        );
+        let writing = RenewalUnderWay::begins(
+            (&id, Some("db-a")),
+            &kept_owner,
+            Duration::from_secs(1),
+            Instant::now(),
+        );
+        reserved(
+            (&id, Some("db-b")),
+            &other,
+            Duration::from_secs(60),
+            Instant::now(),
+        );
+        let databases = may_be_kept_from_writing(&id);
+        assert_eq!(databases, vec![Some(Arc::from("db-a"))]);
+        assert!(kept_in(&databases, Some("db-a")));
+        assert!(
+            !kept_in(&databases, Some("db-b")),
+            "another database's record"
+        );
+        assert!(
+            kept_in(&databases, None),
+            "a connection that cannot name its database"
+        );
+        assert!(
+            kept_in(&[None], Some("db-b")),
+            "an owner whose database is not known"
+        );
+        ended(&other);
+        assert_eq!(may_be_kept_from_writing(&id), vec![Some(Arc::from("db-a"))]);
+        drop(writing);
+        ended(&kept_owner);
+        assert!(!kept(&id));
+    }
+
     /// An owner whose write is under way after its lease may have run out
     /// may be kept from writing by the caller's transaction; one whose
     /// lease surely runs is left to the store; one ended, or never
@@ -633,55 +752,49 @@ mod tests {
     fn an_owner_writing_past_its_lease_may_be_kept_from_writing() {
         let id = identity();
         let token = OwnerToken::new();
-        assert!(!may_be_kept_from_writing(&id), "never listed");
-        reserved(&id, &token, Duration::from_secs(60), Instant::now());
-        assert!(!may_be_kept_from_writing(&id), "its lease surely runs");
+        assert!(!kept(&id), "never listed");
+        reserved((&id, None), &token, Duration::from_secs(60), Instant::now());
+        assert!(!kept(&id), "its lease surely runs");
         let long_ago = Instant::now()
             .checked_sub(Duration::from_secs(60))
             .expect("a minute ago");
-        reserved(&id, &token, Duration::from_secs(1), long_ago);
-        assert!(!may_be_kept_from_writing(&id), "crashed: its lease ran out");
-        let writing = RenewalUnderWay::begins(&id, &token, Duration::from_secs(1), Instant::now());
-        assert!(may_be_kept_from_writing(&id), "its renewal waits");
+        reserved((&id, None), &token, Duration::from_secs(1), long_ago);
+        assert!(!kept(&id), "crashed: its lease ran out");
+        let writing =
+            RenewalUnderWay::begins((&id, None), &token, Duration::from_secs(1), Instant::now());
+        assert!(kept(&id), "its renewal waits");
         drop(writing);
         renewed(&token, Duration::from_secs(60), Instant::now());
-        assert!(
-            !may_be_kept_from_writing(&id),
-            "renewed: its lease surely runs"
-        );
+        assert!(!kept(&id), "renewed: its lease surely runs");
         renewed(&token, Duration::from_secs(1), long_ago);
-        assert!(
-            !may_be_kept_from_writing(&id),
-            "alive no longer than its lease"
-        );
-        let renewing = RenewalUnderWay::begins(&id, &token, Duration::from_secs(1), Instant::now());
+        assert!(!kept(&id), "alive no longer than its lease");
+        let renewing =
+            RenewalUnderWay::begins((&id, None), &token, Duration::from_secs(1), Instant::now());
         let writing = Writing::completion(&token);
         assert!(
-            !may_be_kept_from_writing(&id),
+            !kept(&id),
             "its completion waits: a takeover records the answer it holds"
         );
         ended(&token);
-        assert!(!may_be_kept_from_writing(&id), "ended");
+        assert!(!kept(&id), "ended");
         drop((writing, renewing));
-        assert!(!may_be_kept_from_writing(&id), "ended stays ended");
+        assert!(!kept(&id), "ended stays ended");
         // A newer owner of the identity is the one asked about.
         let newer = OwnerToken::new();
-        reserved(&id, &token, Duration::from_secs(1), long_ago);
-        let writing = RenewalUnderWay::begins(&id, &token, Duration::from_secs(1), Instant::now());
-        assert!(may_be_kept_from_writing(&id), "listed again, renewing");
-        reserved(&id, &newer, Duration::from_secs(60), Instant::now());
-        assert!(
-            !may_be_kept_from_writing(&id),
-            "the record is the newer owner's"
-        );
+        reserved((&id, None), &token, Duration::from_secs(1), long_ago);
+        let writing =
+            RenewalUnderWay::begins((&id, None), &token, Duration::from_secs(1), Instant::now());
+        assert!(kept(&id), "listed again, renewing");
+        reserved((&id, None), &newer, Duration::from_secs(60), Instant::now());
+        assert!(!kept(&id), "the record is the newer owner's");
         drop(writing);
         ended(&token);
         ended(&newer);
         // A lease of centuries never ends, and never overflows the clock.
-        reserved(&id, &token, Duration::MAX, Instant::now());
-        let writing = RenewalUnderWay::begins(&id, &token, Duration::MAX, Instant::now());
+        reserved((&id, None), &token, Duration::MAX, Instant::now());
+        let writing = RenewalUnderWay::begins((&id, None), &token, Duration::MAX, Instant::now());
         renewed(&token, Duration::MAX, Instant::now());
-        assert!(!may_be_kept_from_writing(&id), "its lease surely runs");
+        assert!(!kept(&id), "its lease surely runs");
         drop(writing);
         ended(&token);
     }
@@ -699,8 +812,8 @@ mod tests {
         let long_ago = Instant::now()
             .checked_sub(Duration::from_secs(60))
             .expect("a minute ago");
-        reserved(&id, &token, lease, long_ago);
-        assert!(!may_be_kept_from_writing(&id), "crashed: its lease ran out");
+        reserved((&id, None), &token, lease, long_ago);
+        assert!(!kept(&id), "crashed: its lease ran out");
         let pool = tokio::sync::Notify::new();
         // Woken often meanwhile (as by its own timers), which must not keep
         // the owner from being touched.
@@ -713,35 +826,35 @@ mod tests {
             }
             Ok::<_, ()>(super::super::Fenced::Written)
         };
-        let mut polled = std::pin::pin!(renewal(&id, &token, lease, waiting));
+        let mut polled = std::pin::pin!(renewal((&id, None), &token, lease, waiting));
         // Polled for two leases: touched every third of one.
         let within = tokio::time::timeout(lease * 2, &mut polled).await;
         assert!(within.is_err(), "the write still waits");
         assert!(
-            may_be_kept_from_writing(&id),
+            kept(&id),
             "its renewal waits while its call polls it, past a lease"
         );
         // Set aside: alive a lease after it was last touched, then not.
         tokio::time::sleep(lease + lease / 2).await;
         assert!(
-            !may_be_kept_from_writing(&id),
+            !kept(&id),
             "a paused owner's renewal does not keep it alive"
         );
         pool.notify_one();
         let written = polled.await;
         assert_eq!(written, Ok(super::super::Fenced::Written));
         assert!(
-            !may_be_kept_from_writing(&id),
+            !kept(&id),
             "written: counted from when it began, the store answers for it"
         );
-        let renewed = renewal(&id, &token, lease, async {
+        let renewed = renewal((&id, None), &token, lease, async {
             Ok::<_, ()>(super::super::Fenced::Written)
         })
         .await;
         assert_eq!(renewed, Ok(super::super::Fenced::Written));
         assert!(alive(token.as_str()), "renewed: alive for a lease");
-        assert!(!may_be_kept_from_writing(&id), "its lease surely runs");
-        let fenced = renewal(&id, &token, lease, async {
+        assert!(!kept(&id), "its lease surely runs");
+        let fenced = renewal((&id, None), &token, lease, async {
             Ok::<_, ()>(super::super::Fenced::NotOwner)
         })
         .await;
@@ -761,7 +874,7 @@ mod tests {
         let long_ago = Instant::now()
             .checked_sub(Duration::from_secs(60))
             .expect("a minute ago");
-        reserved(&identity(), &token, lease, long_ago);
+        reserved((&identity(), None), &token, lease, long_ago);
         assert!(!alive(token.as_str()), "crashed: its lease ran out");
         let lock = tokio::sync::Notify::new();
         let waiting = async {
@@ -791,7 +904,12 @@ mod tests {
     async fn the_end_of_a_lease_waits_for_the_renewals_that_saw_their_owner_listed() {
         let token = OwnerToken::new();
         assert!(renewal_statement(&token).is_none(), "never listed");
-        reserved(&identity(), &token, Duration::from_secs(60), Instant::now());
+        reserved(
+            (&identity(), None),
+            &token,
+            Duration::from_secs(60),
+            Instant::now(),
+        );
         let statement = renewal_statement(&token).expect("listed");
         ended(&token);
         assert!(
@@ -833,13 +951,13 @@ mod tests {
         let long_ago = Instant::now()
             .checked_sub(Duration::from_secs(60))
             .expect("a minute ago");
-        reserved(&id, &paused, lease, long_ago);
+        reserved((&id, None), &paused, lease, long_ago);
         // Enough other owners at work that the lapsed one is pruned.
         let mut n = 0;
         while listed(&paused) {
             assert!(n < 10 * PRUNE_AT_LEAST, "the lapsed owner is pruned");
             reserved(
-                &identity(),
+                (&identity(), None),
                 &OwnerToken::new(),
                 Duration::from_secs(600),
                 Instant::now(),
@@ -847,16 +965,16 @@ mod tests {
             n += 1;
         }
         // The newer owner took the record over; its renewal waits past its lease.
-        reserved(&id, &newer, lease, long_ago);
-        let renewing = RenewalUnderWay::begins(&id, &newer, lease, Instant::now());
-        assert!(may_be_kept_from_writing(&id));
+        reserved((&id, None), &newer, lease, long_ago);
+        let renewing = RenewalUnderWay::begins((&id, None), &newer, lease, Instant::now());
+        assert!(kept(&id));
         // The paused owner resumes: its renewal begins, and is told the
         // record is not its own.
-        let resumed = RenewalUnderWay::begins(&id, &paused, lease, Instant::now());
+        let resumed = RenewalUnderWay::begins((&id, None), &paused, lease, Instant::now());
         resumed.answered();
         ended(&paused);
         assert!(
-            may_be_kept_from_writing(&id),
+            kept(&id),
             "the newer owner, still renewing past its lease, is still known"
         );
         drop(renewing);

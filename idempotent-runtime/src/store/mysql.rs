@@ -1700,7 +1700,7 @@ impl Store for MySqlStore {
         let reserve = async {
             reserve_through_store(&self.pools.current(), &self.names, request, self.mariadb).await
         };
-        live_owners::reservation(&request, reserve).await
+        live_owners::reservation((&request, self.database_id()), reserve).await
     }
 
     async fn complete(&self, completion: Completion<'_>) -> Result<Fenced, StoreError> {
@@ -1813,7 +1813,7 @@ impl Store for MySqlStore {
                 |on, commit| heartbeat_as(commit, &self.names.table, on, identity, token, lease)
             )
         };
-        let done = live_owners::renewal(identity, token, lease, write).await;
+        let done = live_owners::renewal((identity, self.database_id()), token, lease, write).await;
         // The lease may have been shortened (ended early so the next call
         // takes over at once); waiters in this process sleep until the end
         // they last saw, so they look again (a read each).

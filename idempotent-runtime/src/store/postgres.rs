@@ -1916,7 +1916,7 @@ impl Store for PgStore {
             )
             .await
         };
-        live_owners::reservation(&request, reserve).await
+        live_owners::reservation((&request, self.database_id()), reserve).await
     }
 
     async fn complete(&self, completion: Completion<'_>) -> Result<Fenced, StoreError> {
@@ -2005,7 +2005,7 @@ impl Store for PgStore {
                 }
             )
         };
-        live_owners::renewal(identity, token, lease, write).await
+        live_owners::renewal((identity, self.database_id()), token, lease, write).await
     }
 
     crate::store::detached::hand_over_to_the_worker!(told = live_owners::handed_over);

@@ -2021,7 +2021,12 @@ impl Store for SqliteStore {
         })
         .await;
         if let Ok(Reservation::Acquired { .. }) = answer {
-            super::live_owners::reserved(request.identity, request.token, request.lease, sent);
+            super::live_owners::reserved(
+                (request.identity, self.database_id()),
+                request.token,
+                request.lease,
+                sent,
+            );
         }
         answer
     }
@@ -2119,7 +2124,9 @@ impl Store for SqliteStore {
             }
             in_turn.await
         };
-        let renewed = super::live_owners::renewal(identity, token, lease, write).await?;
+        let renewed =
+            super::live_owners::renewal((identity, self.database_id()), token, lease, write)
+                .await?;
         if renewed.is_written() {
             // The lease may have been shortened (ended early so the next call
             // takes over at once); waiters in this process sleep until the
