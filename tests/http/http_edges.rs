@@ -1146,3 +1146,112 @@ async fn the_client_retries_a_recover_hooks_4xx_that_asks_to_come_back() {
     assert_eq!(asks.load(Ordering::SeqCst), 2, "the hook was asked again");
     assert_eq!(calls.load(Ordering::SeqCst), 0, "the handler never ran");
 }
+
+/// Rule 20 at the client, for a `recover` hook's `Err` answer of a status
+/// clients take for final: a 202 ("still checking"), a redirect to a status
+/// page (which reqwest follows to its 200), a 408. The layer sent it as it
+/// was, with `Retry-After: 1`, and the client returned it after one attempt
+/// as the operation's answer: a charge whose outcome was unknown reported
+/// accepted (or done), and never asked about again, while the retry would
+/// have got the charge the hook then found. Now such an answer is sent as a
+/// 503 problem, and the client comes back; the handler never runs. On SQLite.
+#[tokio::test]
+async fn a_recover_hooks_err_answer_of_a_final_status_still_brings_the_client_back() {
+    use axum::routing::get;
+    use idempotent_runtime::{Identity, Recovery};
+    let first_answers: [(&str, fn() -> axum::response::Response); 3] = [
+        ("edges.hook_err_202", || {
+            (StatusCode::ACCEPTED, "checking with the provider").into_response()
+        }),
+        ("edges.hook_err_303", || {
+            axum::response::Redirect::to("/charges/status").into_response()
+        }),
+        ("edges.hook_err_408", || {
+            (StatusCode::REQUEST_TIMEOUT, "the provider timed out").into_response()
+        }),
+    ];
+    for (scope, first_answer) in first_answers {
+        let store = crate::http_app::sqlite_file_store().await;
+        let asks = Arc::new(AtomicUsize::new(0));
+        let hook = {
+            let asks = asks.clone();
+            move |_takeover: idempotent_runtime::Takeover| {
+                let asks = asks.clone();
+                async move {
+                    if asks.fetch_add(1, Ordering::SeqCst) == 0 {
+                        Err(first_answer())
+                    } else {
+                        Ok(Recovery::Completed(
+                            (StatusCode::CREATED, "charge found at the provider").into_response(),
+                        ))
+                    }
+                }
+            }
+        };
+        let layer = IdempotencyLayer::builder(scope, store.clone())
+            .tenant_from_extension::<AccountId>()
+            .recover(hook)
+            .build()
+            .expect("layer");
+        let runs = Arc::new(AtomicUsize::new(0));
+        let counted = runs.clone();
+        let app = Router::new()
+            .route(
+                "/charges",
+                post(move || {
+                    let counted = counted.clone();
+                    async move {
+                        counted.fetch_add(1, Ordering::SeqCst);
+                        (StatusCode::CREATED, "charged by the handler")
+                    }
+                })
+                .route_layer(layer),
+            )
+            .route(
+                "/charges/status",
+                get(|| async { (StatusCode::OK, "checking") }),
+            )
+            .layer(middleware::from_fn(authenticate));
+        let (base, _task) = serve(app).await;
+        let account = fresh_tenant();
+        // What a crashed instance leaves: a record in progress whose lease runs out.
+        let identity = Identity::new(account.clone(), scope, "k-hook").unwrap();
+        common::records::acquire(
+            &*store,
+            &identity,
+            None,
+            Duration::from_millis(50),
+            Duration::from_secs(3600),
+        )
+        .await;
+        let answer = fast_retrying_client(4)
+            .intent_with_key(Method::POST, &format!("{base}/charges"), "k-hook")
+            .unwrap()
+            .header("x-account-id", &account)
+            .unwrap()
+            .send()
+            .await
+            .expect("an answer");
+        assert_eq!(
+            (answer.status().as_u16(), answer.body().as_ref()),
+            (201, &b"charge found at the provider"[..]),
+            "{scope}: after {} attempt(s)",
+            answer.attempts()
+        );
+        assert_eq!(
+            answer.attempts(),
+            2,
+            "{scope}: the hook's Err was retried once"
+        );
+        assert_eq!(
+            asks.load(Ordering::SeqCst),
+            2,
+            "{scope}: the hook was asked again"
+        );
+        assert_eq!(
+            runs.load(Ordering::SeqCst),
+            0,
+            "{scope}: the handler never ran"
+        );
+    }
+}

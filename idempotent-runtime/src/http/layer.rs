@@ -159,7 +159,11 @@ impl IdempotencyLayerBuilder {
     ///   over and asks again (a response the layer would not record, such as
     ///   a 5xx, counts as this too). It is sent with `Retry-After: 1` unless
     ///   it has a `Retry-After` of its own, and marked
-    ///   [`NotFinal`](super::problem::NotFinal).
+    ///   [`NotFinal`](super::problem::NotFinal). Give it a 5xx or a 4xx
+    ///   status: one of another status (a 202, a redirect, a 408), which
+    ///   clients take for the request's final answer, is sent as a 503
+    ///   problem instead (with the hook's `Retry-After`), so the client
+    ///   comes back.
     ///
     /// ```
     /// use axum::http::StatusCode;
@@ -1007,11 +1011,59 @@ impl<'a, E: Send + 'a> Recover<Recorded, Failure<E>> for RecoverHook<'a, E> {
                         recorded => return recorded.map(Recovery::Completed),
                     }
                 }
+                Err(response) if !says_come_back(response.status()) => {
+                    tracing::warn!(target: "idempotent", scope = config.spec.scope,
+                        status = response.status().as_u16(),
+                        "a recover hook answered Err with a status clients take as final; sent as \
+                         503 so that the client comes back and the hook is asked again");
+                    outcome_not_known_yet(&response)
+                }
                 Err(response) => response,
             };
             Err(Failure::Passthrough(ask_again_later(not_recorded)))
         }))
     }
+}
+
+/// Whether a fresh answer of this status, sent with `Retry-After`, tells a
+/// client to send the request again: a 5xx, or a 4xx other than 408 (which
+/// timeout middleware sends after dropping a handler halfway, so clients
+/// take it for final). A 1xx, 2xx or 3xx is an answer: the request's
+/// outcome, or a redirect a client follows.
+fn says_come_back(status: StatusCode) -> bool {
+    status.is_server_error() || (status.is_client_error() && status != StatusCode::REQUEST_TIMEOUT)
+}
+
+/// What a recover hook's `Err` answer is sent as when its status does not
+/// say "send it again" ([`says_come_back`]): the hook could not tell
+/// whether the earlier attempt's side effect happened, and a 202, a 200 or a
+/// followed redirect would report that unknown outcome to the client as a
+/// success (which then never comes back for the answer the hook finds
+/// later), a 408 as a final refusal. A 503 problem instead, with the hook's
+/// own `Retry-After` if it gave one.
+fn outcome_not_known_yet(hook_answer: &Response<Body>) -> Response<Body> {
+    let theirs = hook_answer.headers().get(header::RETRY_AFTER).cloned();
+    let mut problem = Problem::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        types::SERVER_ERROR,
+        "Outcome not known yet",
+        "An earlier attempt of this request may have been processed, and the server cannot \
+         tell yet whether it was. Nothing ran again: retry later with the same \
+         Idempotency-Key, never a new one.",
+    );
+    problem.retry_after = Some(
+        theirs
+            .as_ref()
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .unwrap_or(1),
+    );
+    let mut response = problem.into_response();
+    if let Some(theirs) = theirs {
+        // Kept as given (an HTTP date too).
+        response.headers_mut().insert(header::RETRY_AFTER, theirs);
+    }
+    response
 }
 
 /// A recover hook's answer that is sent but not recorded (its `Err`, or a
