@@ -1147,7 +1147,8 @@ async fn the_client_retries_a_recover_hooks_4xx_that_asks_to_come_back() {
     assert_eq!(calls.load(Ordering::SeqCst), 0, "the handler never ran");
 }
 
-/// Rule 20 at the client, for a `recover` hook's `Err` answer of a status
+/// Rule 20 at the client, for a `recover` hook's answer that is not recorded
+/// (an `Err`, or a `Completed` answer marked `NotFinal`) and has a status
 /// clients take for final: a 202 ("still checking"), a redirect to a status
 /// page (which reqwest follows to its 200), a 408. The layer sent it as it
 /// was, with `Retry-After: 1`, and the client returned it after one attempt
@@ -1156,21 +1157,35 @@ async fn the_client_retries_a_recover_hooks_4xx_that_asks_to_come_back() {
 /// have got the charge the hook then found. Now such an answer is sent as a
 /// 503 problem, and the client comes back; the handler never runs. On SQLite.
 #[tokio::test]
-async fn a_recover_hooks_err_answer_of_a_final_status_still_brings_the_client_back() {
+async fn a_recover_hooks_unrecorded_answer_of_a_final_status_still_brings_the_client_back() {
     use axum::routing::get;
+    use idempotent_runtime::http::problem::NotFinal;
     use idempotent_runtime::{Identity, Recovery};
-    let first_answers: [(&str, fn() -> axum::response::Response); 3] = [
-        ("edges.hook_err_202", || {
-            (StatusCode::ACCEPTED, "checking with the provider").into_response()
-        }),
-        ("edges.hook_err_303", || {
-            axum::response::Redirect::to("/charges/status").into_response()
-        }),
-        ("edges.hook_err_408", || {
-            (StatusCode::REQUEST_TIMEOUT, "the provider timed out").into_response()
-        }),
+    // The scope, the hook's first answer, and whether it is given as a
+    // `Completed` answer marked `NotFinal` (else as `Err`).
+    let first_answers: [(&str, fn() -> axum::response::Response, bool); 4] = [
+        (
+            "edges.hook_err_202",
+            || (StatusCode::ACCEPTED, "checking with the provider").into_response(),
+            false,
+        ),
+        (
+            "edges.hook_err_303",
+            || axum::response::Redirect::to("/charges/status").into_response(),
+            false,
+        ),
+        (
+            "edges.hook_err_408",
+            || (StatusCode::REQUEST_TIMEOUT, "the provider timed out").into_response(),
+            false,
+        ),
+        (
+            "edges.hook_not_final_202",
+            || (StatusCode::ACCEPTED, "pending at the provider").into_response(),
+            true,
+        ),
     ];
-    for (scope, first_answer) in first_answers {
+    for (scope, first_answer, completed_not_final) in first_answers {
         let store = crate::http_app::sqlite_file_store().await;
         let asks = Arc::new(AtomicUsize::new(0));
         let hook = {
@@ -1179,7 +1194,12 @@ async fn a_recover_hooks_err_answer_of_a_final_status_still_brings_the_client_ba
                 let asks = asks.clone();
                 async move {
                     if asks.fetch_add(1, Ordering::SeqCst) == 0 {
-                        Err(first_answer())
+                        let mut answer = first_answer();
+                        if !completed_not_final {
+                            return Err(answer);
+                        }
+                        answer.extensions_mut().insert(NotFinal);
+                        Ok(Recovery::Completed(answer))
                     } else {
                         Ok(Recovery::Completed(
                             (StatusCode::CREATED, "charge found at the provider").into_response(),
@@ -1241,7 +1261,7 @@ async fn a_recover_hooks_err_answer_of_a_final_status_still_brings_the_client_ba
         assert_eq!(
             answer.attempts(),
             2,
-            "{scope}: the hook's Err was retried once"
+            "{scope}: the hook's first answer was retried once"
         );
         assert_eq!(
             asks.load(Ordering::SeqCst),

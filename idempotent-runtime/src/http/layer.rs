@@ -163,7 +163,7 @@ impl IdempotencyLayerBuilder {
     ///   status: one of another status (a 202, a redirect, a 408), which
     ///   clients take for the request's final answer, is sent as a 503
     ///   problem instead (with the hook's `Retry-After`), so the client
-    ///   comes back.
+    ///   comes back; so is a `Completed` answer that is not recorded.
     ///
     /// ```
     /// use axum::http::StatusCode;
@@ -1011,15 +1011,18 @@ impl<'a, E: Send + 'a> Recover<Recorded, Failure<E>> for RecoverHook<'a, E> {
                         recorded => return recorded.map(Recovery::Completed),
                     }
                 }
-                Err(response) if !says_come_back(response.status()) => {
-                    tracing::warn!(target: "idempotent", scope = config.spec.scope,
-                        status = response.status().as_u16(),
-                        "a recover hook answered Err with a status clients take as final; sent as \
-                         503 so that the client comes back and the hook is asked again");
-                    outcome_not_known_yet(&response)
-                }
                 Err(response) => response,
             };
+            if !says_come_back(not_recorded.status()) {
+                tracing::warn!(target: "idempotent", scope = config.spec.scope,
+                    status = not_recorded.status().as_u16(),
+                    "a recover hook's answer is not recorded (its Err, or a Completed answer the \
+                     layer does not record) and has a status clients take as final; sent as 503 \
+                     so that the client comes back and the hook is asked again");
+                return Err(Failure::Passthrough(ask_again_later(
+                    outcome_not_known_yet(&not_recorded),
+                )));
+            }
             Err(Failure::Passthrough(ask_again_later(not_recorded)))
         }))
     }
@@ -1034,13 +1037,14 @@ fn says_come_back(status: StatusCode) -> bool {
     status.is_server_error() || (status.is_client_error() && status != StatusCode::REQUEST_TIMEOUT)
 }
 
-/// What a recover hook's `Err` answer is sent as when its status does not
-/// say "send it again" ([`says_come_back`]): the hook could not tell
-/// whether the earlier attempt's side effect happened, and a 202, a 200 or a
-/// followed redirect would report that unknown outcome to the client as a
-/// success (which then never comes back for the answer the hook finds
-/// later), a 408 as a final refusal. A 503 problem instead, with the hook's
-/// own `Retry-After` if it gave one.
+/// What a recover hook's answer that is not recorded (its `Err`, or a
+/// `Completed` answer the layer does not record) is sent as when its status
+/// does not say "send it again" ([`says_come_back`]): the record is kept
+/// for the next retry to ask again, and a 202, a 200 or a followed redirect
+/// would report the unknown outcome to the client as a success (which then
+/// never comes back for the answer the hook finds later), a 408 as a final
+/// refusal. A 503 problem instead, with the hook's own `Retry-After` if it
+/// gave one.
 fn outcome_not_known_yet(hook_answer: &Response<Body>) -> Response<Body> {
     let theirs = hook_answer.headers().get(header::RETRY_AFTER).cloned();
     let mut problem = Problem::new(
