@@ -1163,7 +1163,8 @@ async fn a_recover_hooks_unrecorded_answer_of_a_final_status_still_brings_the_cl
     use idempotent_runtime::{Identity, Recovery};
     // The scope, the hook's first answer, and whether it is given as a
     // `Completed` answer marked `NotFinal` (else as `Err`).
-    let first_answers: [(&str, fn() -> axum::response::Response, bool); 4] = [
+    type FirstAnswer = (&'static str, fn() -> axum::response::Response, bool);
+    let first_answers: [FirstAnswer; 4] = [
         (
             "edges.hook_err_202",
             || (StatusCode::ACCEPTED, "checking with the provider").into_response(),
