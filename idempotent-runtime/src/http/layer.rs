@@ -1474,6 +1474,45 @@ mod tests {
         assert_eq!(own.headers().get_all(header::RETRY_AFTER).iter().count(), 1);
     }
 
+    /// A hook's unrecorded answer of a status clients take for final is
+    /// sent as a 503 problem that says to come back, with the hook's own
+    /// `Retry-After` as it was given (an HTTP date too).
+    #[test]
+    fn a_hooks_unrecorded_answer_of_a_final_status_becomes_a_503_problem() {
+        for status in [
+            StatusCode::OK,
+            StatusCode::ACCEPTED,
+            StatusCode::SEE_OTHER,
+            StatusCode::REQUEST_TIMEOUT,
+        ] {
+            assert!(!says_come_back(status), "{status}");
+        }
+        for status in [
+            StatusCode::FAILED_DEPENDENCY,
+            StatusCode::TOO_MANY_REQUESTS,
+            StatusCode::BAD_GATEWAY,
+        ] {
+            assert!(says_come_back(status), "{status}");
+        }
+        let plain = ask_again_later(outcome_not_known_yet(&StatusCode::ACCEPTED.into_response()));
+        assert_eq!(plain.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(plain.headers()[header::RETRY_AFTER], "1");
+        assert_eq!(
+            plain.headers()[header::CONTENT_TYPE],
+            super::super::PROBLEM_JSON
+        );
+        assert!(plain.extensions().get::<NotFinal>().is_some());
+        let date = "Wed, 21 Oct 2037 07:28:00 GMT";
+        let dated = outcome_not_known_yet(
+            &(StatusCode::ACCEPTED, [(header::RETRY_AFTER, date)]).into_response(),
+        );
+        assert_eq!(dated.headers()[header::RETRY_AFTER], date);
+        assert_eq!(
+            dated.headers().get_all(header::RETRY_AFTER).iter().count(),
+            1
+        );
+    }
+
     #[test]
     fn the_escaped_length_is_serde_jsons() {
         let mut every_byte = String::new();
