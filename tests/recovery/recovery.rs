@@ -222,6 +222,29 @@ pub async fn charge_recording_errors(
     Ok(pay(tenant, key, amount, crash).await)
 }
 
+impl PayError {
+    /// `errors = record_if(...)`: a declined card is a final answer; a
+    /// gateway that cannot be reached is not.
+    pub fn is_final(&self) -> bool {
+        matches!(self, PayError::Declined)
+    }
+}
+
+/// The same with `errors = record_if(PayError::is_final)`: a hook's final
+/// error is recorded, any other keeps the record for the next takeover.
+#[idempotent(scope = "recovery.charge_record_if", key = key, tenant = tenant, store = store,
+             skip(crash), lease = "300ms", in_progress = wait("30s"),
+             recover = charge_happened, errors = record_if(PayError::is_final))]
+pub async fn charge_recording_final_errors(
+    store: &dyn Store,
+    tenant: &str,
+    key: &str,
+    amount: u64,
+    crash: Option<(&Crash, When)>,
+) -> Result<Receipt, PayError> {
+    Ok(pay(tenant, key, amount, crash).await)
+}
+
 /// Without a hook: a takeover runs the body again (as before rule 20).
 #[idempotent(scope = "recovery.blind", key = key, tenant = tenant, store = store,
              skip(crash), lease = "300ms", in_progress = wait("30s"))]
@@ -457,6 +480,48 @@ macro_rules! recovery_tests {
                 .expect("the record");
             assert_eq!((done.state, done.recovered), (RecordState::Complete, true));
             assert!(done.outcome.is_some_and(|o| o.is_error));
+        }
+
+        /// Rule 20 with `errors = record_if(pred)`: a hook's error the
+        /// predicate accepts is recorded and replayed, as with `errors =
+        /// record`; one it refuses is handled as under `errors = release`:
+        /// the record is kept in progress, its lease ended, and the next call
+        /// takes it over as attempt 3 and asks again. Neither runs the body.
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn a_hook_error_is_recorded_only_when_record_if_accepts_it() {
+            let Some(store) = store().await else { return };
+            // Accepted: Declined is final.
+            let declined = fresh_tenant(Ask::Decline);
+            let c = Crash::default();
+            crash(charge_recording_final_errors(&*store, &declined, "order-7", 1, Some((&c, When::BeforeCharge))), &c).await;
+            let (got, outcome) = with_outcome(charge_recording_final_errors(&*store, &declined, "order-7", 1, None)).await;
+            assert_eq!((got, outcome), (Err(PayError::Declined), Some(Outcome::Recovered)));
+            let (got, outcome) = with_outcome(charge_recording_final_errors(&*store, &declined, "order-7", 1, None)).await;
+            assert_eq!((got, outcome), (Err(PayError::Declined), Some(Outcome::Replayed)));
+            assert_eq!((bodies(&declined), asked(&declined).len()), (1, 1));
+            let done = store
+                .fetch(&id(&declined, "recovery.charge_record_if", "order-7"))
+                .await
+                .unwrap()
+                .expect("the record");
+            assert_eq!((done.state, done.recovered), (RecordState::Complete, true));
+            assert!(done.outcome.is_some_and(|o| o.is_error));
+
+            // Refused: GatewayUnreachable is not final.
+            let unsure = fresh_tenant(Ask::FailTimes(1));
+            let c = Crash::default();
+            crash(charge_recording_final_errors(&*store, &unsure, "order-8", 2, Some((&c, When::AfterCharge))), &c).await;
+            let (got, outcome) = with_outcome(charge_recording_final_errors(&*store, &unsure, "order-8", 2, None)).await;
+            assert_eq!((got, outcome), (Err(PayError::GatewayUnreachable), Some(Outcome::Recovered)));
+            let identity = id(&unsure, "recovery.charge_record_if", "order-8");
+            let kept = store.fetch(&identity).await.unwrap().expect("the record is kept");
+            assert_eq!((kept.state, kept.attempt), (RecordState::InProgress, 2));
+            assert!(kept.lease_expires_at_ms.is_some_and(|l| l <= kept.now_ms), "its lease ended: {kept:?}");
+            let (got, outcome) = with_outcome(charge_recording_final_errors(&*store, &unsure, "order-8", 2, None)).await;
+            assert_eq!(outcome, Some(Outcome::Recovered));
+            assert_eq!(got.expect("recovered on the next takeover"), charges(&unsure, "order-8")[0]);
+            assert_eq!(asked(&unsure).iter().map(|a| a.attempt).collect::<Vec<_>>(), [2, 3]);
+            assert_eq!((bodies(&unsure), charges(&unsure, "order-8").len()), (1, 1));
         }
 
         /// Without `recover`, a takeover runs the body again: the blind retry
