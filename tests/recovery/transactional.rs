@@ -325,3 +325,180 @@ async fn mysql_a_failing_hook_is_asked_again_at_once() {
         "rtx.mysql"
     );
 }
+
+// ---- the shared namespace, a hook's error recorded, duplicates refused ----
+
+/// A final answer a hook may give (recorded under `errors = record`).
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+enum Charged {
+    Declined(String),
+    Framework(String),
+}
+
+impl From<Error> for Charged {
+    fn from(e: Error) -> Self {
+        Charged::Framework(e.to_string())
+    }
+}
+
+/// The card was declined, as the crashed attempt found: a final answer.
+async fn declined(takeover: &Takeover) -> Result<Recovery<String>, Charged> {
+    ASKED
+        .lock()
+        .unwrap()
+        .entry(format!("shared {}", takeover.key()))
+        .or_default()
+        .push(takeover.attempt());
+    Err(Charged::Declined(format!(
+        "declined {} for {:?}",
+        takeover.key(),
+        takeover.tenant()
+    )))
+}
+
+#[idempotent(scope = "rtx.shared_sqlite", key = key, tenant = shared, tx = tx, recover = declined,
+             errors = record, in_progress = reject)]
+async fn sqlite_shared(
+    tx: &mut sqlx::Transaction<'_, sqlx::Sqlite>,
+    key: &str,
+) -> Result<String, Charged> {
+    Ok(format!("ran {key}"))
+}
+
+#[idempotent(scope = "rtx.shared_mysql", key = key, tenant = shared, tx = tx, recover = declined,
+             errors = record, in_progress = reject)]
+async fn mysql_shared(
+    tx: &mut sqlx::Transaction<'_, sqlx::MySql>,
+    key: &str,
+) -> Result<String, Charged> {
+    Ok(format!("ran {key}"))
+}
+
+#[idempotent(scope = "rtx.shared_pg", key = key, tenant = shared, tx = tx, recover = declined,
+             errors = record, in_progress = reject)]
+async fn pg_shared(
+    tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
+    key: &str,
+) -> Result<String, Charged> {
+    Ok(format!("ran {key}"))
+}
+
+/// Rules 15 and 20 with `tenant = shared`, `errors = record` and
+/// `in_progress = reject` in transactional mode: a takeover of a record of
+/// the shared namespace asks the hook (its tenant the empty string), the
+/// hook's error is recorded in the caller's transaction, undone with a
+/// rollback (the next call is asked again, as the same attempt) and, once
+/// committed, marked recovered and replayed without asking again.
+macro_rules! a_hooks_recorded_error_in_the_shared_namespace {
+    ($store:expr, $begin:expr, $charge:ident, $scope:literal) => {{
+        let store = $store;
+        let key = format!("declined-{}", uuid::Uuid::new_v4().simple());
+        let asked = || asked(&format!("shared {key}"));
+        let identity = Identity::shared($scope, key.as_str()).unwrap();
+        plant_stuck(&store, &identity).await;
+        let answer = Charged::Declined(format!("declined {key} for \"\""));
+
+        let mut tx = $begin(&store).await;
+        let (got, o) = with_outcome($charge(&mut tx, &key)).await;
+        assert_eq!((got, o), (Err(answer.clone()), Some(Outcome::Recovered)));
+        tx.rollback().await.unwrap();
+        assert_eq!(
+            state(&store, &identity).await,
+            (RecordState::InProgress, 1, false),
+            "rolled back with the transaction"
+        );
+
+        let mut tx = $begin(&store).await;
+        let (got, o) = with_outcome($charge(&mut tx, &key)).await;
+        assert_eq!((got, o), (Err(answer.clone()), Some(Outcome::Recovered)));
+        tx.commit().await.unwrap();
+        assert_eq!(
+            state(&store, &identity).await,
+            (RecordState::Complete, 2, true)
+        );
+        let recorded = store.fetch(&identity).await.unwrap().expect("record");
+        assert!(
+            recorded.outcome.is_some_and(|o| o.is_error),
+            "the error is the answer"
+        );
+        assert_eq!(asked(), [2, 2], "asked as attempt 2 in both transactions");
+
+        let mut tx = $begin(&store).await;
+        let (got, o) = with_outcome($charge(&mut tx, &key)).await;
+        assert_eq!((got, o), (Err(answer), Some(Outcome::Replayed)));
+        tx.commit().await.unwrap();
+        assert_eq!(asked(), [2, 2], "a replay does not ask");
+    }};
+}
+
+#[tokio::test]
+async fn sqlite_a_hooks_recorded_error_in_the_shared_namespace() {
+    let store = SqliteStore::connect(&crate::common::scratch::sqlite_url("rtx"))
+        .await
+        .expect("sqlite");
+    a_hooks_recorded_error_in_the_shared_namespace!(
+        store,
+        |s: &SqliteStore| {
+            let pool = s.pool().clone();
+            async move { pool.begin_with("BEGIN IMMEDIATE").await.unwrap() }
+        },
+        sqlite_shared,
+        "rtx.shared_sqlite"
+    );
+}
+
+#[tokio::test]
+async fn postgres_a_hooks_recorded_error_in_the_shared_namespace() {
+    let Some(store) = common::servers::pg_store_or_skip().await else {
+        return;
+    };
+    a_hooks_recorded_error_in_the_shared_namespace!(
+        store,
+        |s: &idempotent_runtime::PgStore| {
+            let pool = s.pool().clone();
+            async move { pool.begin().await.unwrap() }
+        },
+        pg_shared,
+        "rtx.shared_pg"
+    );
+}
+
+#[tokio::test]
+async fn mysql_a_hooks_recorded_error_in_the_shared_namespace() {
+    let Some(store) = common::servers::mysql_store_or_skip().await else {
+        return;
+    };
+    a_hooks_recorded_error_in_the_shared_namespace!(
+        store,
+        |s: &idempotent_runtime::MySqlStore| {
+            let pool = s.pool().clone();
+            async move {
+                // As in `mysql_a_failing_hook_is_asked_again_at_once`: begin
+                // in the server's next second, past the planted lease's end.
+                let now = || async {
+                    sqlx::query_scalar::<_, i64>("SELECT CAST(UNIX_TIMESTAMP() AS SIGNED)")
+                        .fetch_one(&pool)
+                        .await
+                        .unwrap()
+                };
+                let second = now().await;
+                tokio::time::timeout(Duration::from_secs(10), async {
+                    while now().await == second {
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                    }
+                })
+                .await
+                .expect("the server's clock moves on");
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                let mut tx = pool.begin().await.unwrap();
+                sqlx::query("SELECT 1 FROM idempotency_records LIMIT 1")
+                    .fetch_optional(&mut *tx)
+                    .await
+                    .unwrap();
+                tx
+            }
+        },
+        mysql_shared,
+        "rtx.shared_mysql"
+    );
+}
