@@ -1546,3 +1546,67 @@ async fn generic_implementors_of_a_default_method_are_told_apart() {
         "(Invoice,) got {other:?} after {first}"
     );
 }
+
+// ---- a recorded error over the size limit ----------------------------------
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum Refusal {
+    Long(String),
+    Framework(String),
+}
+
+impl From<Error> for Refusal {
+    fn from(e: Error) -> Self {
+        Refusal::Framework(e.to_string())
+    }
+}
+
+#[idempotent(scope = "api_edges.recorded_error", key = key, tenant = tenant, store = store,
+             skip(runs, error), errors = record)]
+async fn recorded_error(
+    store: &dyn Store,
+    tenant: &str,
+    key: &str,
+    runs: &AtomicUsize,
+    error: Refusal,
+) -> Result<u32, Refusal> {
+    runs.fetch_add(1, Ordering::SeqCst);
+    Err(error)
+}
+
+/// Rules 12 and 13 with `errors = record`: an error over what the store can
+/// record is answered `ResultTooLarge` (naming the scope) in place of the
+/// body's own, nothing is recorded and the key is free: the retry runs the
+/// body again, and its error, small enough, is recorded and replayed.
+#[tokio::test]
+async fn a_recorded_error_over_the_size_limit_is_refused_and_frees_the_key() {
+    for (name, store) in stores().await {
+        let t = tenant();
+        let runs = AtomicUsize::new(0);
+        let huge = "x".repeat(idempotent_runtime::MAX_RESULT_BYTES + 10);
+        match recorded_error(&*store, &t, "huge", &runs, Refusal::Long(huge)).await {
+            Err(Refusal::Framework(m)) => assert!(
+                m.contains("api_edges.recorded_error") && m.contains("limit"),
+                "{name}: {m}"
+            ),
+            other => panic!("{name}: {:?}", other.map_err(|_| "the long error")),
+        }
+        let id = Identity::new(t.as_str(), "api_edges.recorded_error", "huge").unwrap();
+        assert!(store.fetch(&id).await.unwrap().is_none(), "{name}");
+        let short = Refusal::Long("short".into());
+        let (again, o) =
+            with_outcome(recorded_error(&*store, &t, "huge", &runs, short.clone())).await;
+        assert_eq!(
+            (again, o, runs.load(Ordering::SeqCst)),
+            (Err(short.clone()), Some(Outcome::Executed), 2),
+            "{name}"
+        );
+        let (replay, o) =
+            with_outcome(recorded_error(&*store, &t, "huge", &runs, short.clone())).await;
+        assert_eq!(
+            (replay, o, runs.load(Ordering::SeqCst)),
+            (Err(short), Some(Outcome::Replayed), 2),
+            "{name}"
+        );
+    }
+}
