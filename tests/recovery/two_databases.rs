@@ -502,3 +502,207 @@ async fn postgres_a_role_that_may_not_read_the_database_id_keeps_its_transaction
     assert_eq!(still, 1);
     tx.rollback().await.expect("rollback");
 }
+
+// ---- an owner at work in one database, a transaction in another -----------
+
+const LIVE_SCOPE: &str = "recovery.two_databases.live";
+
+/// Where a body stops until it is let go.
+#[derive(Default)]
+struct Gate {
+    entered: tokio::sync::Notify,
+    go: tokio::sync::Notify,
+}
+
+#[idempotent(scope = "recovery.two_databases.live", key = key, tenant = tenant, store = store,
+             skip(gate), lease = "600ms", shared_scope)]
+async fn live_in_store_mode(
+    store: &dyn Store,
+    tenant: &str,
+    key: &str,
+    gate: &Gate,
+) -> Result<u64, Error> {
+    gate.entered.notify_one();
+    gate.go.notified().await;
+    Ok(1)
+}
+
+#[idempotent(scope = "recovery.two_databases.live", key = key, tenant = tenant, tx = tx,
+             lease = "600ms", shared_scope)]
+async fn live_in_a_transaction(
+    tx: &mut sqlx::Transaction<'_, sqlx::Sqlite>,
+    tenant: &str,
+    key: &str,
+) -> Result<u64, Error> {
+    Ok(2)
+}
+
+#[idempotent(scope = "recovery.two_databases.live", key = key, tenant = tenant, tx = tx,
+             lease = "600ms", shared_scope)]
+async fn live_in_a_pg_transaction(
+    tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
+    tenant: &str,
+    key: &str,
+) -> Result<u64, Error> {
+    Ok(3)
+}
+
+/// A store-mode call of `tenant`'s key `k` at work on `pg`, whose lease
+/// renewals wait, past its lease, for a row lock that the returned
+/// connection's open transaction holds (`ROLLBACK` on it lets them land).
+async fn an_owner_kept_from_renewing(
+    pg: &PgStore,
+    tenant: &str,
+) -> (
+    tokio::task::JoinHandle<Result<u64, Error>>,
+    std::sync::Arc<Gate>,
+    sqlx::PgConnection,
+) {
+    use sqlx::Connection;
+    let gate = std::sync::Arc::new(Gate::default());
+    let owner = {
+        let (pg, tenant, gate) = (pg.clone(), tenant.to_owned(), gate.clone());
+        tokio::spawn(async move { live_in_store_mode(&pg, &tenant, "k", &gate).await })
+    };
+    gate.entered.notified().await;
+    let mut locker = sqlx::PgConnection::connect(&common::servers::pg_url())
+        .await
+        .expect("a connection of its own");
+    sqlx::query("BEGIN")
+        .execute(&mut locker)
+        .await
+        .expect("begin");
+    sqlx::query(
+        "SELECT 1 FROM idempotency_records WHERE tenant = $1 AND scope = $2 AND key = $3 FOR UPDATE",
+    )
+    .bind(tenant)
+    .bind(LIVE_SCOPE)
+    .bind("k")
+    .fetch_one(&mut locker)
+    .await
+    .expect("lock the owner's record");
+    let identity = Identity::new(tenant, LIVE_SCOPE, "k").unwrap();
+    lease_ran_out(pg, &identity).await;
+    (owner, gate, locker)
+}
+
+/// Lets the owner of [`an_owner_kept_from_renewing`] renew and answer.
+async fn let_the_owner_go(
+    owner: tokio::task::JoinHandle<Result<u64, Error>>,
+    gate: &Gate,
+    mut locker: sqlx::PgConnection,
+) {
+    sqlx::query("ROLLBACK")
+        .execute(&mut locker)
+        .await
+        .expect("let the owner renew");
+    gate.go.notify_one();
+    // Its own answer (perhaps `LeaseLost`: its lease ran out) is its
+    // database's business; the call ends.
+    let _answer = owner.await.expect("the owner's call ends");
+}
+
+/// Rule 1 across databases: a store-mode owner at work in one database
+/// (PostgreSQL), whose lease renewal waits for a row lock past its lease, is
+/// that database's business. A transactional-mode call of the same tenant,
+/// scope and key on another database (a SQLite file that has never seen the
+/// key) runs its body there: the check that keeps a transaction from taking
+/// over an owner it may have starved is about that owner's record only, and
+/// must not refuse this one with `StaleSnapshot`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_owner_at_work_in_one_database_does_not_refuse_a_transaction_in_another() {
+    let Some(pg) = common::servers::pg_store_or_skip().await else {
+        return;
+    };
+    let sqlite = SqliteStore::connect(&common::scratch::sqlite_url("two_databases_live"))
+        .await
+        .expect("sqlite");
+    let tenant = fresh_tenant();
+    let (owner, gate, locker) = an_owner_kept_from_renewing(&pg, &tenant).await;
+
+    let mut tx = sqlite
+        .pool()
+        .begin_with("BEGIN IMMEDIATE")
+        .await
+        .expect("begin");
+    let (got, outcome) = with_outcome(live_in_a_transaction(&mut tx, &tenant, "k")).await;
+    tx.commit().await.expect("commit");
+    let_the_owner_go(owner, &gate, locker).await;
+    assert_eq!(
+        (got.map_err(|e| e.to_string()), outcome),
+        (Ok(2), Some(Outcome::Executed)),
+        "the SQLite file's record is its own"
+    );
+}
+
+/// The same with two PostgreSQL databases (two regions on one server): the
+/// second database's record, in progress for an owner of another process
+/// whose lease ran out, is taken over there; while the first database's
+/// owner of the same identity, in this process, cannot renew, its record
+/// alone is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_owner_at_work_in_one_postgres_database_does_not_refuse_a_transaction_in_another() {
+    use sqlx::{Connection, Executor};
+    let Some(pg) = common::servers::pg_store_or_skip().await else {
+        return;
+    };
+    let admin_url = common::servers::pg_url();
+    let mut admin = sqlx::PgConnection::connect(&admin_url)
+        .await
+        .expect("admin connection");
+    let db = format!("h_user_{}", uuid::Uuid::new_v4().simple());
+    admin
+        .execute(format!("CREATE DATABASE {db}").as_str())
+        .await
+        .expect("create database");
+    let url = match admin_url.rsplit_once('/') {
+        Some((base, _)) => format!("{base}/{db}"),
+        None => panic!("url {admin_url}"),
+    };
+    let checked = tokio::spawn(async move {
+        let other = PgStore::connect(&url).await.expect("the other database");
+        let tenant = fresh_tenant();
+        let identity = Identity::new(tenant.as_str(), LIVE_SCOPE, "k").unwrap();
+        // The other database: the record of an attempt that died.
+        common::records::acquire(
+            &other,
+            &identity,
+            None,
+            Duration::from_millis(1),
+            Duration::from_secs(3600),
+        )
+        .await;
+        lease_ran_out(&other, &identity).await;
+        let (owner, gate, locker) = an_owner_kept_from_renewing(&pg, &tenant).await;
+
+        let mut tx = other.pool().begin().await.expect("begin");
+        let (there, there_outcome) =
+            with_outcome(live_in_a_pg_transaction(&mut tx, &tenant, "k")).await;
+        tx.commit().await.expect("commit");
+        // The owner's own database: its record is refused.
+        let mut tx = pg.pool().begin().await.expect("begin");
+        let here = live_in_a_pg_transaction(&mut tx, &tenant, "k").await;
+        tx.rollback().await.expect("rollback");
+        let_the_owner_go(owner, &gate, locker).await;
+        let r = other.fetch(&identity).await.unwrap().expect("record");
+        other.pool().close().await;
+        assert_eq!(
+            (there.map_err(|e| e.to_string()), there_outcome),
+            (Ok(3), Some(Outcome::Executed)),
+            "the other database's record is taken over there"
+        );
+        assert!(
+            matches!(here, Err(Error::StaleSnapshot { .. })),
+            "the owner's own record is not taken over: {here:?}"
+        );
+        assert_eq!((r.state, r.attempt), (RecordState::Complete, 2));
+    })
+    .await;
+    admin
+        .execute(format!("DROP DATABASE {db} WITH (FORCE)").as_str())
+        .await
+        .expect("drop the database");
+    if let Err(e) = checked {
+        std::panic::resume_unwind(e.into_panic());
+    }
+}
