@@ -91,11 +91,17 @@ pub async fn pg_one_connection_pool_in(schema: &str) -> sqlx::PgPool {
         .expect("pool")
 }
 
-/// A brand-new database on the PostgreSQL test server, named
-/// `<prefix>_<uuid>`: an admin connection to drop it with
-/// (`DROP DATABASE … WITH (FORCE)`), its name, and its URL.
+/// Runs `check` with the URL of a brand-new database on the PostgreSQL test
+/// server (named `<prefix>_<uuid>`), on a task of its own, then drops the
+/// database (`WITH (FORCE)`: whatever the check left connected) and
+/// re-raises what the check panicked with: the database goes whatever the
+/// check asserted.
 #[allow(dead_code)] // not every test binary has such a test
-pub async fn pg_fresh_database(prefix: &str) -> (sqlx::PgConnection, String, String) {
+pub async fn pg_with_fresh_database<F, C>(prefix: &str, check: C)
+where
+    C: FnOnce(String) -> F,
+    F: std::future::Future<Output = ()> + Send + 'static,
+{
     use sqlx::Executor;
     let admin_url = pg_url();
     let mut admin = <sqlx::PgConnection as sqlx::Connection>::connect(&admin_url)
@@ -110,7 +116,14 @@ pub async fn pg_fresh_database(prefix: &str) -> (sqlx::PgConnection, String, Str
         Some((base, _)) => format!("{base}/{db}"),
         None => panic!("url {admin_url}"),
     };
-    (admin, db, url)
+    let checked = tokio::spawn(check(url)).await;
+    admin
+        .execute(format!("DROP DATABASE {db} WITH (FORCE)").as_str())
+        .await
+        .expect("drop the database");
+    if let Err(e) = checked {
+        std::panic::resume_unwind(e.into_panic());
+    }
 }
 
 /// A `PgStore` on the test server, or `None` (after a loud SKIPPED line).

@@ -129,14 +129,6 @@ impl Store for UnwritableAnswers<'_> {
     }
 }
 
-/// A brand-new database on the PostgreSQL test server: its store, and an
-/// admin connection and its name to drop it with.
-async fn fresh_pg_database() -> (PgStore, sqlx::PgConnection, String) {
-    let (admin, db, url) = common::servers::pg_fresh_database("two_databases").await;
-    let store = PgStore::connect(&url).await.expect("the new database");
-    (store, admin, db)
-}
-
 /// Waits (bounded) until the record's lease has run out, on the database's clock.
 async fn lease_ran_out(store: &dyn Store, identity: &Identity) {
     tokio::time::timeout(Duration::from_secs(20), async {
@@ -198,22 +190,11 @@ async fn postgres_an_answer_unrecorded_in_one_database_does_not_answer_a_takeove
     let Some(first) = common::servers::pg_store_or_skip().await else {
         return;
     };
-    let (second, mut admin, db) = fresh_pg_database().await;
-    // Run on a task of its own, so the database is dropped also when the
-    // check fails.
-    let first: &'static PgStore = Box::leak(Box::new(first));
-    let second: &'static PgStore = Box::leak(Box::new(second));
-    let checked =
-        tokio::spawn(async move { unrecorded_in_one_answers_the_other(first, second).await }).await;
-    second.pool().close().await;
-    use sqlx::Executor;
-    admin
-        .execute(format!("DROP DATABASE {db} WITH (FORCE)").as_str())
-        .await
-        .expect("drop the database");
-    if let Err(e) = checked {
-        std::panic::resume_unwind(e.into_panic());
-    }
+    common::servers::pg_with_fresh_database("two_databases", |url| async move {
+        let second = PgStore::connect(&url).await.expect("the new database");
+        unrecorded_in_one_answers_the_other(&first, &second).await;
+    })
+    .await;
 }
 
 /// The same with one SQLite file per customer (`tenant = shared` in each
@@ -314,22 +295,11 @@ async fn postgres_an_answer_unrecorded_in_one_database_answers_only_its_own_tran
     let Some(first) = common::servers::pg_store_or_skip().await else {
         return;
     };
-    let (second, mut admin, db) = fresh_pg_database().await;
-    let first: &'static PgStore = Box::leak(Box::new(first));
-    let second: &'static PgStore = Box::leak(Box::new(second));
-    let checked = tokio::spawn(async move {
-        unrecorded_in_one_answers_a_transaction_in_the_other(first, second).await
+    common::servers::pg_with_fresh_database("two_databases", |url| async move {
+        let second = PgStore::connect(&url).await.expect("the new database");
+        unrecorded_in_one_answers_a_transaction_in_the_other(&first, &second).await;
     })
     .await;
-    second.pool().close().await;
-    use sqlx::Executor;
-    admin
-        .execute(format!("DROP DATABASE {db} WITH (FORCE)").as_str())
-        .await
-        .expect("drop the database");
-    if let Err(e) = checked {
-        std::panic::resume_unwind(e.into_panic());
-    }
 }
 
 /// The same with two MySQL/MariaDB databases on one server.
@@ -367,28 +337,26 @@ async fn stores_and_connections_on_one_database_name_it_alike_and_no_other() {
     ) else {
         return;
     };
-    let (pg_other, mut admin, db) = fresh_pg_database().await;
-    let mut conn = pg.pool().acquire().await.expect("connection");
-    let on_connection = conn.database_id_in_transaction().await.expect("read");
-    drop(conn);
-    let ids = (
-        pg.database_id().map(str::to_owned),
-        pg_again.database_id().map(str::to_owned),
-        pg_other.database_id().map(str::to_owned),
-    );
-    pg_other.pool().close().await;
-    use sqlx::Executor;
-    admin
-        .execute(format!("DROP DATABASE {db} WITH (FORCE)").as_str())
-        .await
-        .expect("drop the database");
-    assert!(ids.0.is_some(), "postgres names its database");
-    assert_eq!(ids.0, ids.1, "postgres: two stores on one database");
-    assert_eq!(
-        ids.0, on_connection,
-        "postgres: a connection names it alike"
-    );
-    assert_ne!(ids.0, ids.2, "postgres: another database");
+    common::servers::pg_with_fresh_database("two_databases", |url| async move {
+        let pg_other = PgStore::connect(&url).await.expect("the new database");
+        let mut conn = pg.pool().acquire().await.expect("connection");
+        let on_connection = conn.database_id_in_transaction().await.expect("read");
+        drop(conn);
+        assert!(pg.database_id().is_some(), "postgres names its database");
+        let id = pg.database_id();
+        assert_eq!(
+            id,
+            pg_again.database_id(),
+            "postgres: two stores on one database"
+        );
+        assert_eq!(
+            id,
+            on_connection.as_deref(),
+            "postgres: a connection names it alike"
+        );
+        assert_ne!(id, pg_other.database_id(), "postgres: another database");
+    })
+    .await;
 
     // MySQL/MariaDB: the test database twice, a fresh one.
     let (Some(my), Some(my_again)) = (
@@ -642,24 +610,10 @@ async fn an_owner_at_work_in_one_database_does_not_refuse_a_transaction_in_anoth
 /// alone is refused.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_owner_at_work_in_one_postgres_database_does_not_refuse_a_transaction_in_another() {
-    use sqlx::{Connection, Executor};
     let Some(pg) = common::servers::pg_store_or_skip().await else {
         return;
     };
-    let admin_url = common::servers::pg_url();
-    let mut admin = sqlx::PgConnection::connect(&admin_url)
-        .await
-        .expect("admin connection");
-    let db = format!("h_user_{}", uuid::Uuid::new_v4().simple());
-    admin
-        .execute(format!("CREATE DATABASE {db}").as_str())
-        .await
-        .expect("create database");
-    let url = match admin_url.rsplit_once('/') {
-        Some((base, _)) => format!("{base}/{db}"),
-        None => panic!("url {admin_url}"),
-    };
-    let checked = tokio::spawn(async move {
+    common::servers::pg_with_fresh_database("two_databases", |url| async move {
         let other = PgStore::connect(&url).await.expect("the other database");
         let tenant = fresh_tenant();
         let identity = Identity::new(tenant.as_str(), LIVE_SCOPE, "k").unwrap();
@@ -698,11 +652,4 @@ async fn an_owner_at_work_in_one_postgres_database_does_not_refuse_a_transaction
         assert_eq!((r.state, r.attempt), (RecordState::Complete, 2));
     })
     .await;
-    admin
-        .execute(format!("DROP DATABASE {db} WITH (FORCE)").as_str())
-        .await
-        .expect("drop the database");
-    if let Err(e) = checked {
-        std::panic::resume_unwind(e.into_panic());
-    }
 }

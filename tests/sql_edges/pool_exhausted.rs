@@ -263,22 +263,11 @@ async fn pg_transactions_holding_every_pooled_connection_never_take_over_an_owne
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pg_an_owner_of_the_same_identity_in_another_database_does_not_hide_one_a_transaction_starved(
 ) {
-    let (mut admin, db, url) = crate::common::servers::pg_fresh_database("pool_exhausted").await;
-    let elsewhere: &'static PgStore = Box::leak(Box::new(
-        PgStore::connect(&url).await.expect("the other database"),
-    ));
-    // On a task of its own, so the database is dropped also when it fails.
-    let checked =
-        tokio::spawn(async move { pg_owner_starved_beside(1, Some(elsewhere)).await }).await;
-    elsewhere.pool().close().await;
-    use sqlx::Executor;
-    admin
-        .execute(format!("DROP DATABASE {db} WITH (FORCE)").as_str())
-        .await
-        .expect("drop the database");
-    if let Err(e) = checked {
-        std::panic::resume_unwind(e.into_panic());
-    }
+    crate::common::servers::pg_with_fresh_database("pool_exhausted", |url| async move {
+        let elsewhere = PgStore::connect(&url).await.expect("the other database");
+        pg_owner_starved_beside(1, Some(&elsewhere)).await;
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
