@@ -280,6 +280,40 @@ async fn postgres_a_failing_hook_is_asked_again_at_once() {
     );
 }
 
+/// A MySQL transaction that takes over a lease planted to have run out: a
+/// transaction takes over only a lease that ran out before the second it
+/// began in (MySQL tells a transaction's start in whole seconds), so it
+/// begins in the server's next second.
+async fn mysql_begin_in_the_next_second(
+    pool: sqlx::MySqlPool,
+) -> sqlx::Transaction<'static, sqlx::MySql> {
+    let now = || async {
+        sqlx::query_scalar::<_, i64>("SELECT CAST(UNIX_TIMESTAMP() AS SIGNED)")
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+    };
+    let second = now().await;
+    tokio::time::timeout(Duration::from_secs(10), async {
+        while now().await == second {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .expect("the server's clock moves on");
+    // MySQL shows transactions (information_schema.INNODB_TRX) through a
+    // cache refreshed at most every 0.1 s: one still showing this
+    // connection's previous transaction would give this one an older start.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let mut tx = pool.begin().await.unwrap();
+    // The transaction begins with its first statement.
+    sqlx::query("SELECT 1 FROM idempotency_records LIMIT 1")
+        .fetch_optional(&mut *tx)
+        .await
+        .unwrap();
+    tx
+}
+
 #[tokio::test]
 async fn mysql_a_failing_hook_is_asked_again_at_once() {
     let Some(store) = common::servers::mysql_store_or_skip().await else {
@@ -287,40 +321,7 @@ async fn mysql_a_failing_hook_is_asked_again_at_once() {
     };
     a_failing_hook_is_asked_again_at_once!(
         store,
-        |s: &idempotent_runtime::MySqlStore| {
-            let pool = s.pool().clone();
-            async move {
-                // A transaction takes over only a lease that ran out before
-                // the second it began in (MySQL tells a transaction's start
-                // in whole seconds): begin in the server's next second.
-                let now = || async {
-                    sqlx::query_scalar::<_, i64>("SELECT CAST(UNIX_TIMESTAMP() AS SIGNED)")
-                        .fetch_one(&pool)
-                        .await
-                        .unwrap()
-                };
-                let second = now().await;
-                tokio::time::timeout(Duration::from_secs(10), async {
-                    while now().await == second {
-                        tokio::time::sleep(Duration::from_millis(20)).await;
-                    }
-                })
-                .await
-                .expect("the server's clock moves on");
-                // MySQL shows transactions (information_schema.INNODB_TRX)
-                // through a cache refreshed at most every 0.1 s: one still
-                // showing this connection's previous transaction would give
-                // this one an older start.
-                tokio::time::sleep(Duration::from_millis(200)).await;
-                let mut tx = pool.begin().await.unwrap();
-                // The transaction begins with its first statement.
-                sqlx::query("SELECT 1 FROM idempotency_records LIMIT 1")
-                    .fetch_optional(&mut *tx)
-                    .await
-                    .unwrap();
-                tx
-            }
-        },
+        |s: &idempotent_runtime::MySqlStore| mysql_begin_in_the_next_second(s.pool().clone()),
         mysql_charge,
         "rtx.mysql"
     );
@@ -470,34 +471,7 @@ async fn mysql_a_hooks_recorded_error_in_the_shared_namespace() {
     };
     a_hooks_recorded_error_in_the_shared_namespace!(
         store,
-        |s: &idempotent_runtime::MySqlStore| {
-            let pool = s.pool().clone();
-            async move {
-                // As in `mysql_a_failing_hook_is_asked_again_at_once`: begin
-                // in the server's next second, past the planted lease's end.
-                let now = || async {
-                    sqlx::query_scalar::<_, i64>("SELECT CAST(UNIX_TIMESTAMP() AS SIGNED)")
-                        .fetch_one(&pool)
-                        .await
-                        .unwrap()
-                };
-                let second = now().await;
-                tokio::time::timeout(Duration::from_secs(10), async {
-                    while now().await == second {
-                        tokio::time::sleep(Duration::from_millis(20)).await;
-                    }
-                })
-                .await
-                .expect("the server's clock moves on");
-                tokio::time::sleep(Duration::from_millis(200)).await;
-                let mut tx = pool.begin().await.unwrap();
-                sqlx::query("SELECT 1 FROM idempotency_records LIMIT 1")
-                    .fetch_optional(&mut *tx)
-                    .await
-                    .unwrap();
-                tx
-            }
-        },
+        |s: &idempotent_runtime::MySqlStore| mysql_begin_in_the_next_second(s.pool().clone()),
         mysql_shared,
         "rtx.shared_mysql"
     );
