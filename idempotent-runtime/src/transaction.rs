@@ -90,8 +90,11 @@ pub trait TransactionalConnection: Send {
     /// database it was given for. The default, `None`, names no database:
     /// answers held for a built-in store's records (each names its
     /// database) are not recorded through such a connection, whose
-    /// takeovers ask their `recover` hook or run the body. A connection type
-    /// that wraps another must forward this method too.
+    /// takeovers ask their `recover` hook or run the body. An error (a
+    /// session that may not read it) names no database too, as for a store
+    /// that could not read it when it opened: such a store's answers are
+    /// matched by its transactions'. A connection type that wraps another
+    /// must forward this method too.
     async fn database_id_in_transaction(&mut self) -> Result<Option<String>, StoreError> {
         Ok(None)
     }
@@ -494,13 +497,19 @@ where
         match connection.database_id_in_transaction().await {
             Ok(database) => Some(database),
             Err(e) => {
-                // Without it the held answer cannot be told to be this
-                // database's: the takeover goes on as another process's
-                // would (the hook is asked, or the body runs).
+                // A session that may not read it names no database, as a
+                // store opened by one does (`Store::database_id`): an
+                // application whose role was granted the records table
+                // alone has its store and its transactions name none, so
+                // its transactions' takeovers still record its store's held
+                // answers (matched by the store's kind alone) instead of
+                // running the body again.
                 tracing::warn!(target: "idempotent", scope = spec.scope, key = %identity.log_digest(),
                     error = %e, "could not read which database the connection is on; \
-                                 an answer this process holds for the key is not used");
-                None
+                                 an answer this process holds for the key is matched by the \
+                                 store's kind alone: grant SELECT on idempotency_database to \
+                                 tell two databases apart");
+                Some(None)
             }
         }
     } else {

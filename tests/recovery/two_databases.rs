@@ -653,3 +653,65 @@ async fn an_owner_at_work_in_one_postgres_database_does_not_refuse_a_transaction
     })
     .await;
 }
+
+/// An application whose role was granted the records table (and the
+/// migration history) one by one, the migrations being applied by another
+/// role: after the upgrade it may not read `idempotency_database`, its store
+/// names no database and so does its connection. The answer its store holds
+/// unrecorded is the answer of its own database's record, and a takeover of
+/// that record in one of its transactions records it: the hook is not
+/// asked, the body does not run again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_role_that_may_not_read_the_database_id_still_records_its_held_answer_in_a_transaction(
+) {
+    const ROLE: &str = "idempotent_app_records_only";
+    let Some(_reachable) = common::servers::pg_store_or_skip().await else {
+        return;
+    };
+    common::servers::pg_with_fresh_database("two_databases", |url| async move {
+        let owner = PgStore::connect(&url).await.expect("the new database");
+        let app_url = {
+            let (scheme, rest) = url.split_once("://").expect("url");
+            let rest = rest.rsplit_once('@').map_or(rest, |(_, rest)| rest);
+            format!("{scheme}://{ROLE}@{rest}")
+        };
+        // Roles are the cluster's: made once, granted again each run.
+        let _ = sqlx::query(&format!("CREATE ROLE {ROLE} LOGIN"))
+            .execute(owner.pool())
+            .await;
+        sqlx::query(&format!(
+            "GRANT SELECT, INSERT, UPDATE, DELETE ON idempotency_records TO {ROLE}"
+        ))
+        .execute(owner.pool())
+        .await
+        .expect("grant the records");
+        sqlx::query(&format!(
+            "GRANT SELECT ON idempotency_schema_migrations TO {ROLE}"
+        ))
+        .execute(owner.pool())
+        .await
+        .expect("grant the history");
+        let app = PgStore::connect(&app_url)
+            .await
+            .expect("the application's store");
+        assert_eq!(app.database_id(), None, "the role may not read the id");
+
+        let tenant = fresh_tenant();
+        let identity = Identity::new(tenant.as_str(), SCOPE, "inv-1").unwrap();
+        let got = invoice(&UnwritableAnswers(&app), &tenant, "inv-1", 100).await;
+        assert!(matches!(got, Err(Error::Store(_))), "{got:?}");
+        assert_eq!(seen(&tenant), (vec![], 1));
+
+        lease_ran_out(&app, &identity).await;
+        let mut tx = app.pool().begin().await.expect("begin");
+        let (got, outcome) = with_outcome(invoice_in(&mut tx, &tenant, "inv-1", 100)).await;
+        tx.commit().await.expect("commit");
+        assert_eq!(got.expect("answered"), 100);
+        assert_eq!(
+            (outcome, seen(&tenant)),
+            (Some(Outcome::Replayed), (vec![], 1)),
+            "the takeover in the application's transaction records the answer held for it"
+        );
+    })
+    .await;
+}
