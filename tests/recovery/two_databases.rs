@@ -715,3 +715,92 @@ async fn postgres_a_role_that_may_not_read_the_database_id_still_records_its_hel
     })
     .await;
 }
+
+/// A store names the database of the schema its records are in, whatever
+/// `search_path` the connection it reads that on has. Code that switches
+/// schemas per request leaves `SET search_path = shadow` on a connection of
+/// the pool the store opens on (here: the pool's `n`th connection handed
+/// out, for each `n` in turn), `shadow` holding a store of its own. Read
+/// unqualified, the id was `shadow`'s while the records went to `public`:
+/// an answer held for one would be recorded by a takeover in the other.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_store_names_the_schema_its_records_are_in_whatever_the_pool_left() {
+    use sqlx::Executor;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+    let Some(_reachable) = common::servers::pg_store_or_skip().await else {
+        return;
+    };
+    common::servers::pg_with_fresh_database("two_databases", |url| async move {
+        let public = PgStore::connect(&url).await.expect("the new database");
+        public
+            .pool()
+            .execute("CREATE SCHEMA shadow")
+            .await
+            .expect("schema");
+        let options = url
+            .parse::<sqlx::postgres::PgConnectOptions>()
+            .expect("url");
+        let shadow = PgStore::from_pool(
+            sqlx::postgres::PgPoolOptions::new()
+                .max_connections(1)
+                .connect_with(options.clone().options([("search_path", "shadow")]))
+                .await
+                .expect("pool"),
+        )
+        .await
+        .expect("the shadow schema's store");
+        let ids = |schema: &str| match schema {
+            "public" => public.database_id(),
+            _ => shadow.database_id(),
+        };
+        assert!(ids("public").is_some() && ids("public") != ids("shadow"));
+        for dirty in 0..24 {
+            let handed_out = Arc::new(AtomicUsize::new(0));
+            let pool = sqlx::postgres::PgPoolOptions::new()
+                .max_connections(1)
+                .before_acquire(move |conn, _| {
+                    let n = handed_out.fetch_add(1, Ordering::SeqCst);
+                    Box::pin(async move {
+                        if n == dirty {
+                            conn.execute("SET search_path = shadow").await?;
+                        }
+                        Ok(true)
+                    })
+                })
+                .connect_with(options.clone())
+                .await
+                .expect("pool");
+            let Ok(store) = PgStore::from_pool(pool.clone()).await else {
+                pool.close().await;
+                continue;
+            };
+            let tenant = fresh_tenant();
+            let identity = Identity::new(tenant.as_str(), SCOPE, "inv-1").unwrap();
+            common::records::acquire(
+                &store,
+                &identity,
+                None,
+                Duration::from_secs(60),
+                Duration::from_secs(3600),
+            )
+            .await;
+            let schema: String = sqlx::query_scalar(
+                "SELECT 'public' FROM public.idempotency_records WHERE tenant = $1
+                 UNION ALL SELECT 'shadow' FROM shadow.idempotency_records WHERE tenant = $1",
+            )
+            .bind(&tenant)
+            .fetch_one(public.pool())
+            .await
+            .expect("the record, in one schema");
+            assert_eq!(
+                store.database_id(),
+                ids(&schema),
+                "the store names the schema its records went to ({schema}; connection {dirty} left in shadow)"
+            );
+            drop(store);
+            pool.close().await;
+        }
+    })
+    .await;
+}

@@ -157,7 +157,8 @@ impl PgStore {
             .map_err(|e| {
                 StoreError::new(STORE, "re-make the functions after a schema rename", e)
             })?;
-        let database_id = super::database_id_read_at_open(STORE, database_id(&pool).await);
+        let database_id =
+            super::database_id_read_at_open(STORE, database_id_in_schema(&pool, &schema).await);
         let statements = std::sync::Arc::new(Statements::in_schema(&schema));
         let detached = background_worker(&pool, &statements);
         detached.statements_land_within(reservation_lands_within(DEFAULT_LOCK_WAIT));
@@ -288,8 +289,9 @@ async fn records_schema(pool: &PgPool) -> Result<String, Error> {
 /// What tells this database's records apart from any other's
 /// ([`Store::database_id`]): the id migration 0011 made once for them, the
 /// database's name and the records' schema, as the session's `search_path`
-/// finds them. The store reads it when it opens; transactional mode reads
-/// it on the caller's connection, and so gets the same text there.
+/// finds them. Transactional mode reads it on the caller's connection; the
+/// store reads the same text in the schema it found its records in when it
+/// opens ([`database_id_in_schema`]).
 const DATABASE_ID_SQL: &str = "SELECT d.id || '/' || current_database() || '/' || n.nspname::TEXT
        FROM idempotency_database d, pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
       WHERE c.oid = to_regclass('idempotency_records')";
@@ -300,6 +302,25 @@ async fn database_id<'c>(
 ) -> Result<Option<String>, StoreError> {
     sqlx::query_scalar(DATABASE_ID_SQL)
         .fetch_optional(conn)
+        .await
+        .map_err(err("read which database the records are in"))
+}
+
+/// [`DATABASE_ID_SQL`]'s text for the records in `schema` (the store's,
+/// [`records_schema`]), read there whatever `search_path` the pool's
+/// connection has. The connection the store found its table on need not be
+/// the one this runs on: one that other code left with another
+/// `search_path` (a schema per tenant, with a store of its own) named that
+/// schema's database, while the store's records went to its own schema,
+/// and an answer held for one would be recorded by a takeover in the other.
+async fn database_id_in_schema(pool: &PgPool, schema: &str) -> Result<Option<String>, StoreError> {
+    let sql = qualified(
+        "SELECT d.id || '/' || current_database() || '/' || $1::TEXT FROM idempotency_database d",
+        schema,
+    );
+    sqlx::query_scalar(&sql)
+        .bind(schema)
+        .fetch_optional(pool)
         .await
         .map_err(err("read which database the records are in"))
 }
