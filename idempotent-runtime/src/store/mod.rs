@@ -1011,7 +1011,8 @@ where
 /// the records and the migration history only, as the command line's
 /// `audit` and `inspect` may be) opens all the same, naming no database:
 /// its answers held unrecorded are then matched by the store's kind alone,
-/// and it is said so once, here.
+/// and it is said so once, here (not to the command line, which holds no
+/// answers).
 #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
 pub(crate) fn database_id_read_at_open<E: std::fmt::Display>(
     store: &'static str,
@@ -1020,6 +1021,9 @@ pub(crate) fn database_id_read_at_open<E: std::fmt::Display>(
     match read {
         Ok(id) => id.map(std::sync::Arc::from),
         Err(e) => {
+            if migrate::only_check() {
+                return None;
+            }
             tracing::warn!(target: "idempotent", store, error = %e,
                 "could not read which database the records are in (idempotency_database); \
                  answers this process holds unrecorded are matched by the store's kind alone: \
