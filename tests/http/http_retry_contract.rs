@@ -1549,6 +1549,66 @@ async fn one_layer_applied_router_wide_and_on_the_route_runs_the_request_once() 
 async fn a_layer_with_the_same_scope_on_another_kind_of_store_still_records() {
     let outer_store: Arc<dyn Store> = Arc::new(MemoryStore::new());
     let inner_store = sqlite_file_store().await;
+    the_inner_layer_records_too("two kinds", outer_store, inner_store).await;
+}
+
+/// Layers with one scope on two databases of one kind (two SQLite files, two
+/// PostgreSQL databases, two MariaDB databases: a store per region or per
+/// customer) are two records too: the inner layer's database gets its own,
+/// not a pass-through that leaves it without one (a later request through
+/// that layer alone would run the handler again).
+#[tokio::test]
+async fn a_layer_with_the_same_scope_on_another_database_of_the_same_kind_still_records() {
+    the_inner_layer_records_too(
+        "two sqlite files",
+        sqlite_file_store().await,
+        sqlite_file_store().await,
+    )
+    .await;
+    if let Some(pg) = pg_store_or_skip().await {
+        let (mut admin, db, url) = common::servers::pg_fresh_database("h_multidb_http").await;
+        let checked = tokio::spawn(async move {
+            let other = idempotent_runtime::PgStore::connect(&url)
+                .await
+                .expect("the new database");
+            the_inner_layer_records_too("two postgres databases", Arc::new(pg), Arc::new(other))
+                .await;
+        })
+        .await;
+        sqlx::Executor::execute(
+            &mut admin,
+            format!("DROP DATABASE {db} WITH (FORCE)").as_str(),
+        )
+        .await
+        .expect("drop the database");
+        if let Err(e) = checked {
+            std::panic::resume_unwind(e.into_panic());
+        }
+    }
+    if let Some(my) = mysql_store_or_skip().await {
+        let my = Arc::new(my);
+        let db = common::servers::mysql_create_database(&my, "h_multidb_http").await;
+        let url = common::servers::mysql_url_of(&common::servers::mysql_url(), &db);
+        let outer: Arc<dyn Store> = my.clone();
+        let checked = tokio::spawn(async move {
+            let other = idempotent_runtime::MySqlStore::connect(&url)
+                .await
+                .expect("the new database");
+            the_inner_layer_records_too("two mariadb databases", outer, Arc::new(other)).await;
+        })
+        .await;
+        common::servers::mysql_drop_then_check(&my, &[&db], checked).await;
+    }
+}
+
+/// An app whose route has a layer on `inner_store` inside one on
+/// `outer_store`, both with one scope: a request runs the handler once, each
+/// store gets a complete record of it, and a retry is replayed.
+async fn the_inner_layer_records_too(
+    name: &str,
+    outer_store: Arc<dyn Store>,
+    inner_store: Arc<dyn Store>,
+) {
     let shop = shop();
     let layer = |store: Arc<dyn Store>| {
         IdempotencyLayer::builder("contract.two-stores", store)
@@ -1577,14 +1637,14 @@ async fn a_layer_with_the_same_scope_on_another_kind_of_store_still_records() {
         Framing::Length(b"{}"),
     )
     .await;
-    assert_eq!(first.status, 201);
+    assert_eq!(first.status, 201, "{name}");
     let identity = Identity::new(tenant.as_str(), "contract.two-stores", "two").expect("identity");
-    for store in [&outer_store, &inner_store] {
+    for (which, store) in [("outer", &outer_store), ("inner", &inner_store)] {
         let record = store.fetch(&identity).await.expect("fetch");
         assert_eq!(
             record.map(|r| r.state),
             Some(idempotent_runtime::store::RecordState::Complete),
-            "{}",
+            "{name}: the {which} layer's store ({})",
             store.name()
         );
     }
@@ -1594,8 +1654,8 @@ async fn a_layer_with_the_same_scope_on_another_kind_of_store_still_records() {
         Framing::Length(b"{}"),
     )
     .await;
-    assert!(retry.replayed());
-    assert_eq!(shop.runs(), 1);
+    assert!(retry.replayed(), "{name}");
+    assert_eq!(shop.runs(), 1, "{name}");
 }
 
 #[derive(Clone, Default)]

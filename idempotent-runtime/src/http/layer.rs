@@ -884,11 +884,14 @@ where
     };
     // A layer around this one already runs this request as the call of this
     // very identity (one layer applied router-wide and on the route, or two
-    // with one scope) on a store of the same kind, likely the same one:
-    // reserving it again would wait for that call, which waits for this one,
-    // and answer 409 until the wait bound, every time. The enclosing call
-    // records the answer; this layer's body cap still holds.
-    let store_name = config.store.name();
+    // with one scope) on a store of the same kind and database, likely the
+    // same store: reserving it again would wait for that call, which waits
+    // for this one, and answer 409 until the wait bound, every time. The
+    // enclosing call records the answer; this layer's body cap still holds.
+    // One on another database (a store per region or per customer) is
+    // another record: this layer reserves and records its own, or its
+    // database would never learn of the request. A database a store cannot
+    // name (`None`) may be any, as before.
     if parts
         .extensions
         .get::<EnclosingCalls>()
@@ -896,7 +899,7 @@ where
             calls
                 .0
                 .iter()
-                .any(|(held, store)| *held == identity && *store == store_name)
+                .any(|(held, store)| *held == identity && same_records(store, &config.store))
         })
     {
         return inner
@@ -919,7 +922,7 @@ where
         .extensions
         .get_or_insert_default::<EnclosingCalls>()
         .0
-        .push((identity.clone(), store_name));
+        .push((identity.clone(), config.store.clone()));
     let request = Request::from_parts(parts, Body::from(bytes));
 
     let call = Call {
@@ -956,12 +959,23 @@ where
     }
 }
 
-/// The identities a request is already the call of, with the name of the
-/// store each is reserved in, one per enclosing layer that reserved it: a
-/// layer inside them with one of these on a store of that name passes the
-/// request through.
+/// The identities a request is already the call of, with the store each is
+/// reserved in, one per enclosing layer that reserved it: a layer inside
+/// them with one of these on a store of the same records
+/// ([`same_records`]) passes the request through.
 #[derive(Clone, Default)]
-struct EnclosingCalls(Vec<(Identity, &'static str)>);
+struct EnclosingCalls(Vec<(Identity, Arc<dyn Store>)>);
+
+/// Whether `a` and `b` may keep their records in one place: stores of one
+/// kind whose databases ([`Store::database_id`], read when they opened: no
+/// round trip) are the same, or not known on either side.
+fn same_records(a: &Arc<dyn Store>, b: &Arc<dyn Store>) -> bool {
+    a.name() == b.name()
+        && match (a.database_id(), b.database_id()) {
+            (Some(a), Some(b)) => a == b,
+            _ => true,
+        }
+}
 
 /// A refusal the layer makes before it reserves anything (no key, a bad
 /// key, no tenant or a bad one, a body over the cap or unreadable): nothing
