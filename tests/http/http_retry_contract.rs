@@ -1552,13 +1552,19 @@ async fn a_layer_with_the_same_scope_on_another_kind_of_store_still_records() {
     the_inner_layer_records_too("two kinds", outer_store, inner_store).await;
 }
 
-/// Layers with one scope on two databases of one kind (two SQLite files, two
-/// PostgreSQL databases, two MariaDB databases: a store per region or per
+/// Layers with one scope on two databases of one kind (two memory stores, two
+/// SQLite files, two PostgreSQL databases, two MariaDB databases: a store per region or per
 /// customer) are two records too: the inner layer's database gets its own,
 /// not a pass-through that leaves it without one (a later request through
 /// that layer alone would run the handler again).
 #[tokio::test]
 async fn a_layer_with_the_same_scope_on_another_database_of_the_same_kind_still_records() {
+    the_inner_layer_records_too(
+        "two memory stores",
+        Arc::new(MemoryStore::new()),
+        Arc::new(MemoryStore::new()),
+    )
+    .await;
     the_inner_layer_records_too(
         "two sqlite files",
         sqlite_file_store().await,

@@ -154,6 +154,10 @@ struct Inner {
     epoch_ms: i64,
     /// tokio's clock, which the heartbeats follow too (see [`MemoryStore`]).
     started: tokio::time::Instant,
+    /// [`Store::database_id`]: each store made by [`MemoryStore::new`] is a
+    /// database of its own (its clones share it), so two of them (a store
+    /// per region in a test) are never taken for one.
+    database_id: Box<str>,
 }
 
 /// An in-process store: for tests, and for single-process programs that only
@@ -203,6 +207,7 @@ impl MemoryStore {
                 ),
                 epoch_ms,
                 started: tokio::time::Instant::now(),
+                database_id: format!("memory:{}", uuid::Uuid::new_v4().simple()).into(),
             }),
         }
     }
@@ -360,6 +365,10 @@ impl Store for MemoryStore {
 
     fn records_in_process_memory(&self) -> bool {
         true
+    }
+
+    fn database_id(&self) -> Option<&str> {
+        Some(&self.inner.database_id)
     }
 
     async fn reserve(&self, request: ReserveRequest<'_>) -> Result<Reservation, StoreError> {

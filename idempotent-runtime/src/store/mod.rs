@@ -514,7 +514,8 @@ pub trait Store: Send + Sync {
     /// other database a process may use (`None`: nothing does). The SQL
     /// stores read it when they open: a random id their migrations made once
     /// for the records, with the database's name (and PostgreSQL's schema,
-    /// SQLite's file).
+    /// SQLite's file). A [`MemoryStore`](crate::MemoryStore) is a database of
+    /// its own: a random id made by `MemoryStore::new`, shared by its clones.
     ///
     /// An answer this process could not record yet is recorded by a call of
     /// the same request that takes the record over (see
