@@ -1553,10 +1553,11 @@ async fn a_layer_with_the_same_scope_on_another_kind_of_store_still_records() {
 }
 
 /// Layers with one scope on two databases of one kind (two memory stores, two
-/// SQLite files, two PostgreSQL databases, two MariaDB databases: a store per region or per
-/// customer) are two records too: the inner layer's database gets its own,
-/// not a pass-through that leaves it without one (a later request through
-/// that layer alone would run the handler again).
+/// SQLite files, two PostgreSQL databases or schemas, two MariaDB databases:
+/// a store per region or per customer) are two records too: the inner
+/// layer's database gets its own, not a pass-through that leaves it without
+/// one (a later request through that layer alone would run the handler
+/// again).
 #[tokio::test]
 async fn a_layer_with_the_same_scope_on_another_database_of_the_same_kind_still_records() {
     the_inner_layer_records_too(
@@ -1587,6 +1588,26 @@ async fn a_layer_with_the_same_scope_on_another_database_of_the_same_kind_still_
         )
         .await
         .expect("drop the database");
+        if let Err(e) = checked {
+            std::panic::resume_unwind(e.into_panic());
+        }
+        // One database, a schema of its own on the search path.
+        let (mut admin, schema, url) =
+            common::servers::pg_schema_of_its_own("h_multidb_http").await;
+        let checked = tokio::spawn(async move {
+            let outer = idempotent_runtime::PgStore::connect(&common::servers::pg_url())
+                .await
+                .expect("the test database");
+            let other = idempotent_runtime::PgStore::connect(&url)
+                .await
+                .expect("the new schema");
+            the_inner_layer_records_too("two postgres schemas", Arc::new(outer), Arc::new(other))
+                .await;
+        })
+        .await;
+        sqlx::Executor::execute(&mut admin, format!("DROP SCHEMA {schema} CASCADE").as_str())
+            .await
+            .expect("drop the schema");
         if let Err(e) = checked {
             std::panic::resume_unwind(e.into_panic());
         }
