@@ -1628,6 +1628,69 @@ async fn a_layer_with_the_same_scope_on_another_database_of_the_same_kind_still_
     }
 }
 
+/// Two stores opened on one database (one SQLite file opened twice) are one
+/// place for the records: a layer on one inside a layer of the same scope on
+/// the other passes the request through, as one layer applied twice does:
+/// it runs once and is replayed, never answered 409 for waiting on itself.
+#[tokio::test]
+async fn a_layer_on_another_store_of_the_same_database_passes_the_request_through() {
+    let url = common::scratch::sqlite_url("h-multidb-one-file");
+    let open = || async {
+        let store: Arc<dyn Store> = Arc::new(
+            idempotent_runtime::SqliteStore::connect(&url)
+                .await
+                .expect("the file"),
+        );
+        store
+    };
+    let (outer_store, inner_store) = (open().await, open().await);
+    assert_eq!(outer_store.database_id(), inner_store.database_id());
+    let shop = shop();
+    let layer = |store: Arc<dyn Store>| {
+        IdempotencyLayer::builder("contract.one-file", store)
+            .tenant_from_extension::<Principal>()
+            .wait(Duration::from_millis(50))
+            .build()
+            .expect("layer")
+    };
+    let app = Router::new()
+        .route("/orders", post(create_order))
+        .route_layer(layer(inner_store))
+        .layer(layer(outer_store))
+        .layer(middleware::from_fn(bearer))
+        .with_state(shop.clone());
+    let (base, _task) = serve(app).await;
+    let addr = base.trim_start_matches("http://").to_owned();
+    let tenant = fresh_tenant();
+    let auth = format!("authorization: Bearer {tenant}");
+    let lines = [
+        "content-type: application/json",
+        "idempotency-key: one-file",
+        &auth,
+    ];
+    let first = send_raw(
+        &addr,
+        &head("POST", "/orders", &lines),
+        Framing::Length(b"{}"),
+    )
+    .await;
+    assert_eq!(
+        first.status,
+        201,
+        "{}",
+        String::from_utf8_lossy(&first.body)
+    );
+    let retry = send_raw(
+        &addr,
+        &head("POST", "/orders", &lines),
+        Framing::Length(b"{}"),
+    )
+    .await;
+    assert!(retry.replayed());
+    assert_eq!(retry.body, first.body);
+    assert_eq!(shop.runs(), 1);
+}
+
 /// An app whose route has a layer on `inner_store` inside one on
 /// `outer_store`, both with one scope: a request runs the handler once, each
 /// store gets a complete record of it, and a retry is replayed.
