@@ -891,7 +891,7 @@ where
     // One on another database (a store per region or per customer) is
     // another record: this layer reserves and records its own, or its
     // database would never learn of the request. A database a store cannot
-    // name (`None`) may be any, as before.
+    // name (`None`) may be any.
     if parts
         .extensions
         .get::<EnclosingCalls>()
