@@ -1573,8 +1573,7 @@ async fn a_layer_with_the_same_scope_on_another_database_of_the_same_kind_still_
     )
     .await;
     if let Some(pg) = pg_store_or_skip().await {
-        let (mut admin, db, url) = common::servers::pg_fresh_database("h_multidb_http").await;
-        let checked = tokio::spawn(async move {
+        common::servers::pg_with_fresh_database("http_nested", |url| async move {
             let other = idempotent_runtime::PgStore::connect(&url)
                 .await
                 .expect("the new database");
@@ -1582,18 +1581,8 @@ async fn a_layer_with_the_same_scope_on_another_database_of_the_same_kind_still_
                 .await;
         })
         .await;
-        sqlx::Executor::execute(
-            &mut admin,
-            format!("DROP DATABASE {db} WITH (FORCE)").as_str(),
-        )
-        .await
-        .expect("drop the database");
-        if let Err(e) = checked {
-            std::panic::resume_unwind(e.into_panic());
-        }
         // One database, a schema of its own on the search path.
-        let (mut admin, schema, url) =
-            common::servers::pg_schema_of_its_own("h_multidb_http").await;
+        let (mut admin, schema, url) = common::servers::pg_schema_of_its_own("http_nested").await;
         let checked = tokio::spawn(async move {
             let outer = idempotent_runtime::PgStore::connect(&common::servers::pg_url())
                 .await
