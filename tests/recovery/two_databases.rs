@@ -398,10 +398,10 @@ async fn stores_and_connections_on_one_database_name_it_alike_and_no_other() {
     );
 
     // SQLite: one file twice, another file, two databases in memory.
-    let url = common::scratch::sqlite_url("h-ids-first");
+    let url = common::scratch::sqlite_url("ids-first");
     let file = SqliteStore::connect(&url).await.expect("file");
     let file_again = SqliteStore::connect(&url).await.expect("file again");
-    let other_file = SqliteStore::connect(&common::scratch::sqlite_url("h-ids-second"))
+    let other_file = SqliteStore::connect(&common::scratch::sqlite_url("ids-second"))
         .await
         .expect("other file");
     let memory = SqliteStore::connect("sqlite::memory:")
@@ -435,6 +435,72 @@ async fn stores_and_connections_on_one_database_name_it_alike_and_no_other() {
         other_memory.database_id(),
         "sqlite: two in memory"
     );
+}
+
+/// PostgreSQL's store reads its database's id in the schema it found its
+/// records in (the name quoted into the statement, its text bound), and a
+/// transactional connection through its `search_path` (the schema's name as
+/// the catalog holds it): for a schema whose name must be quoted (capitals,
+/// a space, a quote) both name the one database alike, or a takeover in a
+/// transaction would not record the answer the store holds for it, and would
+/// take over a record whose owner the transaction keeps from renewing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_schema_whose_name_is_quoted_is_named_alike_by_its_store_and_its_connections() {
+    use idempotent_runtime::TransactionalConnection;
+    let Some(_reachable) = common::servers::pg_store_or_skip().await else {
+        return;
+    };
+    common::servers::pg_with_fresh_database("two_databases", |url| async move {
+        let public = PgStore::connect(&url).await.expect("the new database");
+        const SCHEMA: &str = r#""Region ""B"" Records""#;
+        sqlx::query(&format!("CREATE SCHEMA {SCHEMA}"))
+            .execute(public.pool())
+            .await
+            .expect("schema");
+        let pool = sqlx::postgres::PgPoolOptions::new()
+            .max_connections(2)
+            .after_connect(|conn, _| {
+                Box::pin(async move {
+                    sqlx::Executor::execute(conn, format!("SET search_path = {SCHEMA}").as_str())
+                        .await
+                        .map(drop)
+                })
+            })
+            .connect(&url)
+            .await
+            .expect("pool");
+        let store = PgStore::from_pool(pool.clone())
+            .await
+            .expect("the quoted schema's store");
+        let in_schema: String = sqlx::query_scalar(
+            "SELECT n.nspname::TEXT FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+              WHERE c.relname = 'idempotency_database' AND n.nspname <> 'public'",
+        )
+        .fetch_one(public.pool())
+        .await
+        .expect("the table, in the quoted schema");
+        assert_eq!(in_schema, r#"Region "B" Records"#);
+        let mut tx = pool.begin().await.expect("begin");
+        let on_connection = tx.database_id_in_transaction().await.expect("read");
+        tx.rollback().await.expect("rollback");
+        assert!(
+            store.database_id().is_some(),
+            "the store names its database"
+        );
+        assert_eq!(
+            store.database_id(),
+            on_connection.as_deref(),
+            "the store and a transaction on the quoted schema name it alike"
+        );
+        assert_ne!(
+            store.database_id(),
+            public.database_id(),
+            "another schema of the database is another place for the records"
+        );
+        pool.close().await;
+        public.pool().close().await;
+    })
+    .await;
 }
 
 /// On PostgreSQL a statement that fails aborts the caller's transaction: a
