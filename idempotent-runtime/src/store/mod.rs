@@ -1007,6 +1007,11 @@ where
     Ok(deleted)
 }
 
+/// What reading [`Store::database_id`] is called in a SQL store's errors
+/// (when it opens, and in transactional mode).
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+pub(crate) const READ_DATABASE_ID: &str = "read which database the records are in";
+
 /// [`Store::database_id`] as a SQL store read it when it opened, from
 /// `read`. A session that may not read it (an account granted `SELECT` on
 /// the records and the migration history only, as the command line's

@@ -891,7 +891,7 @@ async fn database_id_in_transaction(
 ) -> Result<Option<String>, StoreError> {
     database_id(conn)
         .await
-        .map_err(err("read which database the records are in"))
+        .map_err(err(super::READ_DATABASE_ID))
 }
 
 /// Room in a completion's statement for everything but the answer (the

@@ -303,16 +303,18 @@ async fn database_id<'c>(
     sqlx::query_scalar(DATABASE_ID_SQL)
         .fetch_optional(conn)
         .await
-        .map_err(err("read which database the records are in"))
+        .map_err(err(super::READ_DATABASE_ID))
 }
 
 /// [`DATABASE_ID_SQL`]'s text for the records in `schema` (the store's,
 /// [`records_schema`]), read there whatever `search_path` the pool's
 /// connection has. The connection the store found its table on need not be
-/// the one this runs on: one that other code left with another
-/// `search_path` (a schema per tenant, with a store of its own) named that
-/// schema's database, while the store's records went to its own schema,
-/// and an answer held for one would be recorded by a takeover in the other.
+/// the one this runs on: on one that other code left with another
+/// `search_path` (a schema per tenant, with a store of its own) an
+/// unqualified read would name that schema's records, while the store's
+/// go to its own schema, and an answer held for one would be recorded by a
+/// takeover in the other. The schema's name is bound as the catalog holds
+/// it (unquoted), as `n.nspname` gives it to transactional mode.
 async fn database_id_in_schema(pool: &PgPool, schema: &str) -> Result<Option<String>, StoreError> {
     let sql = qualified(
         "SELECT d.id || '/' || current_database() || '/' || $1::TEXT FROM idempotency_database d",
@@ -333,7 +335,7 @@ async fn database_id_in_schema(pool: &PgPool, schema: &str) -> Result<Option<Str
 async fn database_id_in_transaction(
     conn: &mut sqlx::PgConnection,
 ) -> Result<Option<String>, StoreError> {
-    const OP: &str = "read which database the records are in";
+    const OP: &str = super::READ_DATABASE_ID;
     let readable: bool = sqlx::query_scalar(
         "SELECT COALESCE(has_table_privilege(to_regclass('idempotency_database'), 'SELECT'), FALSE)",
     )
@@ -344,7 +346,9 @@ async fn database_id_in_transaction(
         return Err(StoreError::new(
             STORE,
             OP,
-            "the session may not read idempotency_database (or has none on its search_path)",
+            "the session may not read idempotency_database (or has none on its search_path): \
+             grant SELECT on it to the role, so that answers held unrecorded are matched by \
+             database",
         ));
     }
     database_id(conn).await

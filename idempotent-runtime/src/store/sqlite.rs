@@ -1648,9 +1648,6 @@ const DATABASE_ID_SQL: &str = "SELECT d.id || '/' || COALESCE(
         (SELECT file FROM pragma_database_list WHERE name = 'main'), '')
       FROM idempotency_database d";
 
-/// What reading [`DATABASE_ID_SQL`] is called in errors.
-pub(super) const READ_DATABASE_ID: &str = "read which database the records are in";
-
 /// Reads [`DATABASE_ID_SQL`] on `conn` (`None` when its row is gone).
 pub(super) async fn database_id<'c>(
     conn: impl sqlx::Executor<'c, Database = sqlx::Sqlite>,

@@ -77,7 +77,7 @@ use std::sync::Arc;
 
 use super::sqlite::{
     complete_on, database_id, heartbeat_on, is_busy, live_owner_answer, primary_code, release_on,
-    reserve_in, result_code, LiveOwnerAnswer, READ_DATABASE_ID,
+    reserve_in, result_code, LiveOwnerAnswer,
 };
 
 /// Extended result code: a WAL snapshot is older than the newest commit.
@@ -603,7 +603,9 @@ async fn write_without_waiting(
 async fn database_id_in_transaction(
     conn: &mut SqliteConnection,
 ) -> Result<Option<String>, StoreError> {
-    database_id(conn).await.map_err(err(READ_DATABASE_ID))
+    database_id(conn)
+        .await
+        .map_err(err(super::READ_DATABASE_ID))
 }
 
 crate::transaction::transactional_connection! {
