@@ -1150,12 +1150,12 @@ async fn the_client_retries_a_recover_hooks_4xx_that_asks_to_come_back() {
 /// Rule 20 at the client, for a `recover` hook's answer that is not recorded
 /// (an `Err`, or a `Completed` answer marked `NotFinal`) and has a status
 /// clients take for final: a 202 ("still checking"), a redirect to a status
-/// page (which reqwest follows to its 200), a 408. The layer sent it as it
-/// was, with `Retry-After: 1`, and the client returned it after one attempt
-/// as the operation's answer: a charge whose outcome was unknown reported
-/// accepted (or done), and never asked about again, while the retry would
-/// have got the charge the hook then found. Now such an answer is sent as a
-/// 503 problem, and the client comes back; the handler never runs. On SQLite.
+/// page (which reqwest follows to its 200), a 408. Sent as it is, a client
+/// would take it for the operation's answer after one attempt: a charge
+/// whose outcome is unknown reported accepted (or done), and never asked
+/// about again, while the retry gets the charge the hook then finds. Such
+/// an answer is sent as a 503 problem, and the client comes back; the
+/// handler never runs. On SQLite.
 #[tokio::test]
 async fn a_recover_hooks_unrecorded_answer_of_a_final_status_still_brings_the_client_back() {
     use axum::routing::get;

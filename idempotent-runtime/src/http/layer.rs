@@ -1058,9 +1058,15 @@ fn says_come_back(status: StatusCode) -> bool {
 /// would report the unknown outcome to the client as a success (which then
 /// never comes back for the answer the hook finds later), a 408 as a final
 /// refusal. A 503 problem instead, with the hook's own `Retry-After` if it
-/// gave one.
+/// gave one. The problem's `retry_after` is the header's number of seconds,
+/// and left out when the header is a date (it says the same as the header,
+/// or nothing).
 fn outcome_not_known_yet(hook_answer: &Response<Body>) -> Response<Body> {
     let theirs = hook_answer.headers().get(header::RETRY_AFTER).cloned();
+    let seconds = theirs
+        .as_ref()
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok());
     let mut problem = Problem::new(
         StatusCode::SERVICE_UNAVAILABLE,
         types::SERVER_ERROR,
@@ -1069,16 +1075,15 @@ fn outcome_not_known_yet(hook_answer: &Response<Body>) -> Response<Body> {
          tell yet whether it was. Nothing ran again: retry later with the same \
          Idempotency-Key, never a new one.",
     );
-    problem.retry_after = Some(
-        theirs
-            .as_ref()
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.trim().parse::<u64>().ok())
-            .unwrap_or(1),
-    );
+    problem.retry_after = match (&theirs, seconds) {
+        (_, Some(seconds)) => Some(seconds),
+        (Some(_date), None) => None,
+        (None, None) => Some(1),
+    };
     let mut response = problem.into_response();
     if let Some(theirs) = theirs {
-        // Kept as given (an HTTP date too).
+        // Kept as given (an HTTP date too); `ask_again_later` marks the
+        // answer `NotFinal` when the problem carries no number.
         response.headers_mut().insert(header::RETRY_AFTER, theirs);
     }
     response
@@ -1491,8 +1496,8 @@ mod tests {
     /// A hook's unrecorded answer of a status clients take for final is
     /// sent as a 503 problem that says to come back, with the hook's own
     /// `Retry-After` as it was given (an HTTP date too).
-    #[test]
-    fn a_hooks_unrecorded_answer_of_a_final_status_becomes_a_503_problem() {
+    #[tokio::test]
+    async fn a_hooks_unrecorded_answer_of_a_final_status_becomes_a_503_problem() {
         for status in [
             StatusCode::OK,
             StatusCode::ACCEPTED,
@@ -1525,6 +1530,30 @@ mod tests {
             dated.headers().get_all(header::RETRY_AFTER).iter().count(),
             1
         );
+        assert_eq!(
+            problem_retry_after(dated).await,
+            None,
+            "no number of seconds in the body beside a date in the header"
+        );
+        let in_seconds = outcome_not_known_yet(
+            &(StatusCode::ACCEPTED, [(header::RETRY_AFTER, "7")]).into_response(),
+        );
+        assert_eq!(in_seconds.headers()[header::RETRY_AFTER], "7");
+        assert_eq!(problem_retry_after(in_seconds).await, Some(7));
+        let dated = ask_again_later(outcome_not_known_yet(
+            &(StatusCode::ACCEPTED, [(header::RETRY_AFTER, date)]).into_response(),
+        ));
+        assert!(dated.extensions().get::<NotFinal>().is_some());
+    }
+
+    /// The `retry_after` of the problem `response` carries.
+    async fn problem_retry_after(response: Response<Body>) -> Option<u64> {
+        let body = axum::body::to_bytes(response.into_body(), usize::MAX)
+            .await
+            .expect("body");
+        serde_json::from_slice::<Problem>(&body)
+            .expect("a problem")
+            .retry_after
     }
 
     #[test]
