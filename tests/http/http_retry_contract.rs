@@ -1603,7 +1603,7 @@ async fn a_layer_with_the_same_scope_on_another_database_of_the_same_kind_still_
     }
     if let Some(my) = mysql_store_or_skip().await {
         let my = Arc::new(my);
-        let db = common::servers::mysql_create_database(&my, "h_multidb_http").await;
+        let db = common::servers::mysql_create_database(&my, "http_nested").await;
         let url = common::servers::mysql_url_of(&common::servers::mysql_url(), &db);
         let outer: Arc<dyn Store> = my.clone();
         let checked = tokio::spawn(async move {
@@ -1623,7 +1623,7 @@ async fn a_layer_with_the_same_scope_on_another_database_of_the_same_kind_still_
 /// it runs once and is replayed, never answered 409 for waiting on itself.
 #[tokio::test]
 async fn a_layer_on_another_store_of_the_same_database_passes_the_request_through() {
-    let url = common::scratch::sqlite_url("h-multidb-one-file");
+    let url = common::scratch::sqlite_url("http-one-file");
     let open = || async {
         let store: Arc<dyn Store> = Arc::new(
             idempotent_runtime::SqliteStore::connect(&url)
