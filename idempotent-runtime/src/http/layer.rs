@@ -968,13 +968,9 @@ struct EnclosingCalls(Vec<(Identity, Arc<dyn Store>)>);
 
 /// Whether `a` and `b` may keep their records in one place: stores of one
 /// kind whose databases ([`Store::database_id`], read when they opened: no
-/// round trip) are the same, or not known on either side.
+/// round trip) may be one (`store::may_be_one_database`).
 fn same_records(a: &Arc<dyn Store>, b: &Arc<dyn Store>) -> bool {
-    a.name() == b.name()
-        && match (a.database_id(), b.database_id()) {
-            (Some(a), Some(b)) => a == b,
-            _ => true,
-        }
+    a.name() == b.name() && crate::store::may_be_one_database(a.database_id(), b.database_id())
 }
 
 /// A refusal the layer makes before it reserves anything (no key, a bad

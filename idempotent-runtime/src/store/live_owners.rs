@@ -435,12 +435,12 @@ pub(crate) fn may_be_kept_from_writing(identity: &Identity) -> Vec<Database> {
         .collect()
 }
 
-/// Whether a connection on `database` is on one of the databases `kept`
-/// ([`may_be_kept_from_writing`]). A database not known on either side
-/// (`None`: a store or a connection that could not name it) may be any.
+/// Whether a connection on `database` may be on one of the databases
+/// `kept` ([`may_be_kept_from_writing`]; a database not known on either
+/// side may be any: [`may_be_one_database`](super::may_be_one_database)).
 pub(crate) fn kept_in(kept: &[Database], database: Option<&str>) -> bool {
     kept.iter()
-        .any(|k| k.is_none() || database.is_none() || k.as_deref() == database)
+        .any(|k| super::may_be_one_database(k.as_deref(), database))
 }
 
 /// A renewal of a listed owner's lease, asked for in the owner's own call

@@ -1007,6 +1007,22 @@ where
     Ok(deleted)
 }
 
+/// Whether two stores or connections whose databases are named `a` and `b`
+/// ([`Store::database_id`]) may keep their records in one database: the
+/// same text, or a database not known on either side (`None`: a store or a
+/// connection that cannot name its database may be on any). For the checks
+/// whose safe side is to take two for one: a transaction refused beside an
+/// owner it may keep from writing, an HTTP layer passing a request through
+/// to an enclosing one. An answer held unrecorded is matched exactly
+/// instead (`unrecorded`): recorded in another database, it would answer a
+/// request it is not the answer of.
+pub(crate) fn may_be_one_database(a: Option<&str>, b: Option<&str>) -> bool {
+    match (a, b) {
+        (Some(a), Some(b)) => a == b,
+        _ => true,
+    }
+}
+
 /// What reading [`Store::database_id`] is called in a SQL store's errors
 /// (when it opens, and in transactional mode).
 #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
