@@ -787,8 +787,9 @@ async fn postgres_a_role_that_may_not_read_the_database_id_still_records_its_hel
 /// schemas per request leaves `SET search_path = shadow` on a connection of
 /// the pool the store opens on (here: the pool's `n`th connection handed
 /// out, for each `n` in turn), `shadow` holding a store of its own. Read
-/// unqualified, the id was `shadow`'s while the records went to `public`:
-/// an answer held for one would be recorded by a takeover in the other.
+/// unqualified on that connection, the id would be `shadow`'s while the
+/// records go to `public`: an answer held for one would be recorded by a
+/// takeover in the other.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_a_store_names_the_schema_its_records_are_in_whatever_the_pool_left() {
     use sqlx::Executor;
