@@ -5,8 +5,13 @@
 //! `recover` hook (rule 20) and, told to, runs the body, instead of
 //! recording the first database's answer without either.
 //!
-//! On PostgreSQL (the test database and a fresh one, dropped at the end) and
-//! on two SQLite files.
+//! Nor is an owner at work in one database the other's: it does not refuse a
+//! transaction's call of the same identity in another. Stores and
+//! transactional connections on one database name it alike
+//! (`Store::database_id`), and no other.
+//!
+//! On PostgreSQL and MySQL/MariaDB (the test database and a fresh one,
+//! dropped at the end; PostgreSQL schemas) and on SQLite files.
 
 use crate::common;
 
