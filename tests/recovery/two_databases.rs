@@ -508,6 +508,43 @@ async fn postgres_a_schema_whose_name_is_quoted_is_named_alike_by_its_store_and_
     .await;
 }
 
+/// SQLite: an application whose connections open a file of its own and
+/// attach the records' file (`ATTACH ... AS idem`) reaches the records
+/// unqualified, so its transactions use the store's records: they name
+/// that file's database as a store opened on the file does, not the
+/// application's own file. Otherwise a takeover in such a transaction would
+/// not record the answer the store holds for the key, and would take over a
+/// record whose owner in this process the transaction keeps from writing.
+#[tokio::test]
+async fn sqlite_a_connection_that_attaches_the_records_file_names_it_as_its_store_does() {
+    use idempotent_runtime::TransactionalConnection;
+    use sqlx::Connection;
+    let records = common::scratch::sqlite_path("ids-attached-records");
+    let store = SqliteStore::connect(&format!("sqlite://{}?mode=rwc", records.display()))
+        .await
+        .expect("the records' file");
+    let mut app = sqlx::SqliteConnection::connect(&common::scratch::sqlite_url("ids-attached-app"))
+        .await
+        .expect("the application's file");
+    sqlx::query("ATTACH DATABASE ? AS idem")
+        .bind(records.display().to_string())
+        .execute(&mut app)
+        .await
+        .expect("attach the records' file");
+    let mut tx = app.begin().await.expect("begin");
+    let on_connection = tx.database_id_in_transaction().await.expect("read");
+    tx.rollback().await.expect("rollback");
+    assert!(
+        store.database_id().is_some(),
+        "the store names its database"
+    );
+    assert_eq!(
+        store.database_id(),
+        on_connection.as_deref(),
+        "a connection that reaches the records through ATTACH names their file"
+    );
+}
+
 /// On PostgreSQL a statement that fails aborts the caller's transaction: a
 /// role that may not read `idempotency_database` is told so without one,
 /// and its transaction goes on (the takeover then asks its hook or runs the

@@ -1641,11 +1641,19 @@ async fn switch_to_wal(conn: &mut sqlx::SqliteConnection, file: &str) -> Result<
 
 /// What tells this database's records apart from any other's
 /// ([`Store::database_id`]): the id migration 0003 made once for them, and
-/// the database's file as SQLite names it (empty in memory). The store
-/// reads it when it opens; transactional mode reads it on the caller's
-/// connection, and so gets the same text there.
+/// the file of the database the records are in as SQLite names it (empty
+/// in memory). The store reads it when it opens; transactional mode reads
+/// it on the caller's connection, and so gets the same text there. The file
+/// is the one an unqualified `idempotency_records` is found in (`temp`,
+/// then `main`, then the attached databases in the order they were
+/// attached), not always `main`'s: a caller's connection may open a file of
+/// its own and reach the records in one it attached, as the store's
+/// statements in its transactions do.
 const DATABASE_ID_SQL: &str = "SELECT d.id || '/' || COALESCE(
-        (SELECT file FROM pragma_database_list WHERE name = 'main'), '')
+        (SELECT l.file FROM pragma_database_list l
+          WHERE EXISTS (SELECT 1 FROM pragma_table_info('idempotency_records', l.name))
+          ORDER BY l.name <> 'temp', l.seq
+          LIMIT 1), '')
       FROM idempotency_database d";
 
 /// Reads [`DATABASE_ID_SQL`] on `conn` (`None` when its row is gone).
