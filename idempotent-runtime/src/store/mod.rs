@@ -1016,6 +1016,12 @@ where
 /// to an enclosing one. An answer held unrecorded is matched exactly
 /// instead (`unrecorded`): recorded in another database, it would answer a
 /// request it is not the answer of.
+#[cfg(any(
+    feature = "sqlite",
+    feature = "postgres",
+    feature = "mysql",
+    feature = "http"
+))]
 pub(crate) fn may_be_one_database(a: Option<&str>, b: Option<&str>) -> bool {
     match (a, b) {
         (Some(a), Some(b)) => a == b,
