@@ -913,3 +913,39 @@ async fn postgres_a_store_names_the_schema_its_records_are_in_whatever_the_pool_
     })
     .await;
 }
+
+/// On MySQL/MariaDB too: an account granted the records table and the
+/// migration history alone (the migrations applied by another) opens its
+/// store, naming no database, rather than failing to open.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mysql_an_account_that_may_not_read_the_database_id_opens_naming_none() {
+    const ACCOUNT: &str = "idempotent_app_records_only";
+    let Some(admin) = common::servers::mysql_store_or_skip().await else {
+        return;
+    };
+    let database: String = sqlx::query_scalar("SELECT DATABASE()")
+        .fetch_one(admin.pool())
+        .await
+        .expect("the test database's name");
+    // Accounts are the server's: made once, granted again each run.
+    for grant in [
+        format!("CREATE USER IF NOT EXISTS '{ACCOUNT}'@'%'"),
+        format!(
+            "GRANT SELECT, INSERT, UPDATE, DELETE ON `{database}`.idempotency_records TO '{ACCOUNT}'@'%'"
+        ),
+        format!("GRANT SELECT ON `{database}`.idempotency_schema_migrations TO '{ACCOUNT}'@'%'"),
+    ] {
+        sqlx::query(&grant)
+            .execute(admin.pool())
+            .await
+            .unwrap_or_else(|e| panic!("{grant}: {e}"));
+    }
+    let url = common::servers::mysql_url();
+    let (scheme, rest) = url.split_once("://").expect("a mysql:// URL");
+    let rest = rest.rsplit_once('@').map_or(rest, |(_, rest)| rest);
+    let app = idempotent_runtime::MySqlStore::connect(&format!("{scheme}://{ACCOUNT}@{rest}"))
+        .await
+        .expect("the account's store opens");
+    assert!(admin.database_id().is_some());
+    assert_eq!(app.database_id(), None, "the account may not read the id");
+}

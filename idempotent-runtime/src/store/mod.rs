@@ -1035,29 +1035,34 @@ pub(crate) fn may_be_one_database(a: Option<&str>, b: Option<&str>) -> bool {
 pub(crate) const READ_DATABASE_ID: &str = "read which database the records are in";
 
 /// [`Store::database_id`] as a SQL store read it when it opened, from
-/// `read`. A session that may not read it (an account granted `SELECT` on
-/// the records and the migration history only, as the command line's
-/// `audit` and `inspect` may be) opens all the same, naming no database:
-/// its answers held unrecorded are then matched by the store's kind alone,
-/// and it is said so once, here (not to the command line, which holds no
-/// answers).
+/// `read`. A session the database refuses the read to for want of a
+/// privilege (`refused`: an account granted `SELECT` on the records and the
+/// migration history only, as the command line's `audit` and `inspect` may
+/// be, or an application role granted the records table alone) opens all
+/// the same, naming no database: its answers held unrecorded are then
+/// matched by the store's kind alone, and it is said so once, here (not to
+/// the command line, which holds no answers). Any other failure fails the
+/// open, as every other statement of it does: a store that opened on a
+/// passing fault naming no database would go on so for the life of the
+/// process.
 #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
-pub(crate) fn database_id_read_at_open<E: std::fmt::Display>(
+pub(crate) fn database_id_read_at_open(
     store: &'static str,
-    read: Result<Option<String>, E>,
-) -> Option<std::sync::Arc<str>> {
+    read: Result<Option<String>, sqlx::Error>,
+    refused: impl FnOnce(&dyn sqlx::error::DatabaseError) -> bool,
+) -> Result<Option<std::sync::Arc<str>>, StoreError> {
     match read {
-        Ok(id) => id.map(std::sync::Arc::from),
-        Err(e) => {
-            if migrate::only_check() {
-                return None;
+        Ok(id) => Ok(id.map(std::sync::Arc::from)),
+        Err(sqlx::Error::Database(e)) if refused(&*e) => {
+            if !migrate::only_check() {
+                tracing::warn!(target: "idempotent", store, error = %e,
+                    "may not read which database the records are in (idempotency_database); \
+                     answers this process holds unrecorded are matched by the store's kind \
+                     alone: grant SELECT on idempotency_database to tell two databases apart");
             }
-            tracing::warn!(target: "idempotent", store, error = %e,
-                "could not read which database the records are in (idempotency_database); \
-                 answers this process holds unrecorded are matched by the store's kind alone: \
-                 grant SELECT on idempotency_database to tell two databases apart");
-            None
+            Ok(None)
         }
+        Err(e) => Err(StoreError::new(store, READ_DATABASE_ID, e)),
     }
 }
 

@@ -417,6 +417,10 @@ impl MySqlStore {
         if reads_uncommitted(&isolation) {
             return Err(StoreError::new(STORE, "open", READ_UNCOMMITTED_REFUSED).into());
         }
+        // ER_TABLEACCESS_DENIED_ERROR, ER_COLUMNACCESS_DENIED_ERROR
+        let database_id = super::database_id_read_at_open(STORE, database_id, |e| {
+            matches!(error_number(e), Some(1142 | 1143))
+        })?;
         let names = std::sync::Arc::new(Names::in_database(database.as_deref()));
         let waiters = std::sync::Arc::new(super::waiters::Waiters::default());
         Ok(MySqlStore {
@@ -858,7 +862,7 @@ async fn migrate(pool: &MySqlPool) -> Result<Opened, migrate::MigrationError> {
             .await?
             .try_get(0)?;
     let isolation = session_isolation(&mut backend.0).await?;
-    let database_id = super::database_id_read_at_open(STORE, database_id(&mut backend.0).await);
+    let database_id = database_id(&mut backend.0).await;
     Ok(Opened {
         version,
         isolation,
@@ -953,8 +957,9 @@ struct Opened {
     lock_wait_s: u64,
     /// `DATABASE()`: the database the migrations were applied in.
     database: Option<String>,
-    /// [`Store::database_id`] ([`DATABASE_ID_SQL`]).
-    database_id: Option<std::sync::Arc<str>>,
+    /// [`Store::database_id`] ([`DATABASE_ID_SQL`]), as read: a session
+    /// refused the read opens all the same (see `database_id_read_at_open`).
+    database_id: Result<Option<String>, sqlx::Error>,
 }
 
 /// The migration runner's view of MySQL/MariaDB: one pooled connection.

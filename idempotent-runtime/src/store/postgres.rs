@@ -157,8 +157,12 @@ impl PgStore {
             .map_err(|e| {
                 StoreError::new(STORE, "re-make the functions after a schema rename", e)
             })?;
-        let database_id =
-            super::database_id_read_at_open(STORE, database_id_in_schema(&pool, &schema).await);
+        let database_id = super::database_id_read_at_open(
+            STORE,
+            database_id_in_schema(&pool, &schema).await,
+            // insufficient_privilege
+            |e| e.code().as_deref() == Some("42501"),
+        )?;
         let statements = std::sync::Arc::new(Statements::in_schema(&schema));
         let detached = background_worker(&pool, &statements);
         detached.statements_land_within(reservation_lands_within(DEFAULT_LOCK_WAIT));
@@ -315,7 +319,7 @@ async fn database_id<'c>(
 /// go to its own schema, and an answer held for one would be recorded by a
 /// takeover in the other. The schema's name is bound as the catalog holds
 /// it (unquoted), as `n.nspname` gives it to transactional mode.
-async fn database_id_in_schema(pool: &PgPool, schema: &str) -> Result<Option<String>, StoreError> {
+async fn database_id_in_schema(pool: &PgPool, schema: &str) -> Result<Option<String>, sqlx::Error> {
     let sql = qualified(
         "SELECT d.id || '/' || current_database() || '/' || $1::TEXT FROM idempotency_database d",
         schema,
@@ -324,7 +328,6 @@ async fn database_id_in_schema(pool: &PgPool, schema: &str) -> Result<Option<Str
         .bind(schema)
         .fetch_optional(pool)
         .await
-        .map_err(err("read which database the records are in"))
 }
 
 /// [`database_id`] on the caller's connection (transactional mode). A

@@ -683,7 +683,9 @@ impl SqliteStore {
         keeper: Option<sqlx::SqliteConnection>,
     ) -> Result<Self, Error> {
         migrate(&pool).await?;
-        let database_id = super::database_id_read_at_open(STORE, database_id(&pool).await);
+        // SQLite has no privileges: a read that fails fails the open.
+        let database_id =
+            super::database_id_read_at_open(STORE, database_id(&pool).await, |_| false)?;
         let busy_timeout: i64 = sqlx::query_scalar("PRAGMA busy_timeout")
             .fetch_one(&pool)
             .await
