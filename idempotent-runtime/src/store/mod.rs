@@ -1135,6 +1135,47 @@ mod tests {
     use super::{purge_in_chunks, Reservation, StoredOutcome, PURGE_CHUNK};
     use std::cell::RefCell;
 
+    /// A store opens naming no database only when the database refused the
+    /// read of its id for want of a privilege: any other failure (a fault
+    /// that passes, a statement the database rejects for another reason)
+    /// fails the open, or the store would name no database for the life of
+    /// the process and match held answers by its kind alone.
+    #[cfg(feature = "sqlite")]
+    #[tokio::test]
+    async fn a_database_id_read_that_fails_but_for_a_privilege_fails_the_open() {
+        use sqlx::Connection as _;
+        let read = super::database_id_read_at_open(
+            "postgres",
+            Ok(Some("id/db/public".to_owned())),
+            |_| true,
+        )
+        .expect("read");
+        assert_eq!(read.as_deref(), Some("id/db/public"));
+        assert!(
+            super::database_id_read_at_open("postgres", Err(sqlx::Error::PoolTimedOut), |_| true)
+                .is_err(),
+            "not an answer of the database: fails the open"
+        );
+        let mut conn = sqlx::SqliteConnection::connect("sqlite::memory:")
+            .await
+            .expect("connection");
+        const READ: &str = "SELECT id FROM no_such_table";
+        let not_refused = sqlx::query_scalar::<_, String>(READ)
+            .fetch_optional(&mut conn)
+            .await;
+        assert!(matches!(not_refused, Err(sqlx::Error::Database(_))));
+        assert!(
+            super::database_id_read_at_open("sqlite", not_refused, |_| false).is_err(),
+            "rejected for another reason than a privilege: fails the open"
+        );
+        let refused = sqlx::query_scalar::<_, String>(READ)
+            .fetch_optional(&mut conn)
+            .await;
+        let refused = super::database_id_read_at_open("sqlite", refused, |_| true)
+            .expect("refused for want of a privilege: opens");
+        assert_eq!(refused, None, "naming no database");
+    }
+
     /// A bound that a paused clock runs out early is timed on the real
     /// clock: a future that never answers is still given up (purge hunt: a
     /// purger's shutdown on a paused test runtime waited for ever).
