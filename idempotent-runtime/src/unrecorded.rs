@@ -778,6 +778,37 @@ mod tests {
         assert_eq!(found(), None, "recorded by a takeover: forgotten");
     }
 
+    /// A call through a store pins the answers noted for that store's
+    /// database: a store that names its database (every SQL store) keeps an
+    /// answer whose write found its record taken over for the call's
+    /// takeover to record, rather than forgetting it and running the body
+    /// again.
+    #[cfg(feature = "sqlite")]
+    #[tokio::test]
+    async fn a_call_through_a_store_pins_the_answers_of_its_database() {
+        let store = crate::SqliteStore::connect("sqlite::memory:")
+            .await
+            .expect("store");
+        let store: &dyn crate::Store = &store;
+        let database = store
+            .database_id()
+            .expect("a SQLite store names its database");
+        let id = identity("pinned-by-its-store");
+        let fingerprint = crate::fingerprint::Fingerprint::from_stored("v3:100".to_owned());
+        let token = OwnerToken::new();
+        note(
+            &id,
+            &token,
+            &Request::new((store.name(), Some(database)), Some(&fingerprint)),
+            &answer(b"1", Duration::from_secs(60)),
+        );
+        let call = Pins::for_call(&id, store, Some(&fingerprint));
+        call.refresh();
+        assert!(call.holds(), "the answer of the store's own database");
+        drop(call.let_go());
+        forget(&id, &token);
+    }
+
     /// Answers past their time are dropped by a call's pin now and then,
     /// also while nothing new is noted, so the fast path comes back (review:
     /// a kept answer stayed, and every call took the lock). On a table of
