@@ -329,6 +329,45 @@ async fn mysql_an_answer_unrecorded_in_one_database_does_not_answer_a_takeover_i
     common::servers::mysql_drop_then_check(&admin, &[&db], checked).await;
 }
 
+/// A MySQL/MariaDB database restored from another's backup under another
+/// name carries the other's id (it is data): the database's name still
+/// tells the two apart, or an answer held for one would be recorded by a
+/// takeover in the other.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mysql_a_copy_of_a_database_under_another_name_is_another_database() {
+    let Some(admin) = common::servers::mysql_store_or_skip().await else {
+        return;
+    };
+    let id = admin
+        .database_id()
+        .and_then(|d| d.split('/').next())
+        .expect("mysql names its database")
+        .to_owned();
+    let db = common::servers::mysql_create_database(&admin, "two_databases").await;
+    let url = common::servers::mysql_url_of(&common::servers::mysql_url(), &db);
+    let copy = async {
+        let made = idempotent_runtime::MySqlStore::connect(&url).await?;
+        sqlx::query("UPDATE idempotency_database SET id = ?")
+            .bind(&id)
+            .execute(made.pool())
+            .await?;
+        made.pool().close().await;
+        let copy = idempotent_runtime::MySqlStore::connect(&url).await?;
+        let named = copy.database_id().map(str::to_owned);
+        copy.pool().close().await;
+        Ok::<_, Box<dyn std::error::Error>>(named)
+    }
+    .await;
+    common::servers::mysql_drop_then_check(&admin, &[&db], Ok(())).await;
+    let copy = copy.expect("the copy");
+    assert!(
+        copy.as_deref()
+            .is_some_and(|c| c.starts_with(&id) && Some(c) != admin.database_id()),
+        "the copy {copy:?} carries the id and is named apart from {:?}",
+        admin.database_id()
+    );
+}
+
 /// What names a database (`Store::database_id`) is the same for every store
 /// and every transactional connection on it, and differs between
 /// databases: on PostgreSQL, MySQL/MariaDB and SQLite.
