@@ -329,6 +329,39 @@ async fn mysql_an_answer_unrecorded_in_one_database_does_not_answer_a_takeover_i
     common::servers::mysql_drop_then_check(&admin, &[&db], checked).await;
 }
 
+/// The same on PostgreSQL: a database restored from another's dump under
+/// another name carries the other's id, and is named apart by its name.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_copy_of_a_database_under_another_name_is_another_database() {
+    let Some(pg) = common::servers::pg_store_or_skip().await else {
+        return;
+    };
+    let original = pg
+        .database_id()
+        .expect("postgres names its database")
+        .to_owned();
+    common::servers::pg_with_fresh_database("two_databases", |url| async move {
+        let id = original.split('/').next().expect("an id").to_owned();
+        let made = PgStore::connect(&url).await.expect("the new database");
+        sqlx::query("UPDATE idempotency_database SET id = $1")
+            .bind(&id)
+            .execute(made.pool())
+            .await
+            .expect("copy the id");
+        made.pool().close().await;
+        let copy = PgStore::connect(&url).await.expect("the copy");
+        let named = copy.database_id().map(str::to_owned);
+        copy.pool().close().await;
+        assert!(
+            named
+                .as_deref()
+                .is_some_and(|c| c.starts_with(&id) && c != original),
+            "the copy {named:?} carries the id and is named apart from {original:?}"
+        );
+    })
+    .await;
+}
+
 /// A MySQL/MariaDB database restored from another's backup under another
 /// name carries the other's id (it is data): the database's name still
 /// tells the two apart, or an answer held for one would be recorded by a
