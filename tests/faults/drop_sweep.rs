@@ -328,10 +328,18 @@ async fn sweep_takeover_with_hook(inner: Arc<dyn Store>) {
         let body = Body::default();
         let ended = poll_then_drop(charge_hooked(&store, &tenant, &key, &body), polls).await;
         let finished = body.finished.load(Ordering::SeqCst);
+        // The dead owner's record (attempt 1) has its lease ended already:
+        // seen so, the dropped call's takeover may still be on its way, and
+        // only the store's work for the dropped call (which waits for it)
+        // says how it ended.
         let record = settled_record(&store, &id, &what, |r| match r {
             None => false,
             Some(r) if r.state == RecordState::Complete => true,
-            Some(r) => !finished && r.lease_expires_at_ms.is_some_and(|end| end <= r.now_ms),
+            Some(r) => {
+                r.attempt > 1
+                    && !finished
+                    && r.lease_expires_at_ms.is_some_and(|end| end <= r.now_ms)
+            }
         })
         .await;
         match &record {
@@ -390,10 +398,12 @@ async fn sweep_takeover_whose_hook_finds_it(inner: Arc<dyn Store>) {
             Fenced::Written
         );
         let ended = poll_then_drop(charge_found(&store, &tenant, &key, &body), polls).await;
+        // As in `sweep_takeover_with_hook`: the dead owner's record is not
+        // yet how the dropped call left it.
         let record = settled_record(&store, &id, &what, |r| match r {
             None => false,
             Some(r) if r.state == RecordState::Complete => true,
-            Some(r) => r.lease_expires_at_ms.is_some_and(|end| end <= r.now_ms),
+            Some(r) => r.attempt > 1 && r.lease_expires_at_ms.is_some_and(|end| end <= r.now_ms),
         })
         .await;
         match &record {
