@@ -79,7 +79,7 @@
 //! .await;
 //! ```
 
-use crate::engine::{with_report, LastMismatch, Outcome, Reported};
+use crate::engine::{with_settled_report, LastMismatch, Outcome, Reported};
 use crate::error::Error;
 use std::future::Future;
 use std::time::Duration;
@@ -590,7 +590,12 @@ impl<T, E> Handled<T, E> {
 /// otherwise a later step's failure (`Failed`, redelivered). (A handler that
 /// swallows a replayed recorded error and then fails a step of its own is
 /// taken for the recorded answer: return the error you replayed, or handle
-/// it without an `Err`.) The handler is
+/// it without an `Err`.) A `handle` nested in the handler (one message
+/// carrying items of their own keys) settles its own calls: a recorded error
+/// replayed there is that item's answer, and an `Err` the handler returns
+/// after it is `Failed`; the rest of what the nested calls reported (the
+/// record of a mismatch, a result that could not be recorded) still counts
+/// here. The handler is
 /// typically a closure calling an `#[idempotent]` function with
 /// `key = key`; in transactional mode it also commits. This function does not
 /// log; [`nats::process`] does.
@@ -609,7 +614,7 @@ where
     };
     // The handler is called inside the scope, so a `carry_outcome` it calls
     // before it returns its future finds the scope too.
-    let (result, reported) = with_report(async move { handler(key).await }).await;
+    let (result, reported) = with_settled_report(async move { handler(key).await }).await;
     Handled {
         verdict: verdict(&result, reported),
         result: Some(result),

@@ -147,13 +147,36 @@ pub async fn with_outcome<F: Future>(future: F) -> (F::Output, Option<Outcome>) 
 /// `with_outcome` itself inside [`consumer::handle`](crate::consumer::handle)
 /// still reports its replay to the delivery.
 pub(crate) async fn with_report<F: Future>(future: F) -> (F::Output, Option<Reported>) {
+    reported_in(future, |reported| reported).await
+}
+
+/// [`with_report`] for a scope that settles a replayed recorded error
+/// itself ([`consumer::handle`](crate::consumer::handle): it is that
+/// delivery's answer, acked there). The scope around it hears the rest of
+/// what it saw, but not that replay: an `Err` the enclosing handler returns
+/// after a nested `handle` replayed a recorded error is the enclosing
+/// handler's own failure, not a recorded answer.
+pub(crate) async fn with_settled_report<F: Future>(future: F) -> (F::Output, Option<Reported>) {
+    reported_in(future, |reported| Reported {
+        replayed_error: false,
+        ..reported
+    })
+    .await
+}
+
+/// Runs `future` in a scope of its own, and reports `passed_on` of what it
+/// saw to the scope around it, if any.
+async fn reported_in<F: Future>(
+    future: F,
+    passed_on: impl FnOnce(Reported) -> Reported,
+) -> (F::Output, Option<Reported>) {
     let slot = ReportSlot::default();
     let out = OUTCOME.scope(slot.clone(), future).await;
     let reported = *slot
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner);
     if let Some(reported) = reported {
-        report_whole(reported);
+        report_whole(passed_on(reported));
     }
     (out, reported)
 }

@@ -9,6 +9,7 @@ mod common;
 mod consumer_lifecycle;
 mod key_in_logs;
 mod nats_consumer;
+mod nested_handle;
 mod stale_deliveries;
 mod tx_mismatch;
 // A delivery whose worker died mid-body, taken over and answered by the recover hook.
