@@ -10,6 +10,7 @@ mod consumer_lifecycle;
 mod key_in_logs;
 mod nats_consumer;
 mod nested_handle;
+mod progress_from_start;
 mod stale_deliveries;
 mod tx_mismatch;
 // A delivery whose worker died mid-body, taken over and answered by the recover hook.

@@ -114,9 +114,11 @@ pub const MIN_PROGRESS_INTERVAL: Duration = Duration::from_millis(10);
 /// [`process`], telling the server every `progress_every` while the handler
 /// runs that the delivery is still being worked on (`AckKind::Progress`,
 /// `+WPI`), so that JetStream resets the delivery's `ack_wait` instead of
-/// redelivering the message to another worker. The first is sent
-/// `progress_every` after the handler starts; a handler that ends sooner
-/// sends none. Pick `progress_every` well below the consumer's `ack_wait`
+/// redelivering the message to another worker. The first is sent as soon
+/// as the handler first waits, since `ack_wait` runs from the delivery and
+/// the message may have waited in the client's buffer before its handler
+/// started; then one every `progress_every`. A handler that answers without
+/// waiting sends none. Pick `progress_every` well below the consumer's `ack_wait`
 /// (a third of it, say). One shorter than [`MIN_PROGRESS_INTERVAL`] is taken
 /// as that; one too long for the clock to count to (`Duration::MAX`) sends none.
 ///
@@ -188,8 +190,8 @@ where
 }
 
 /// Runs `work` to its end, awaiting `signal()` every `every` while it runs
-/// (the first `every` after it starts). `work` is polled while a signal is
-/// being sent, and a signal still being sent when `work` ends is dropped.
+/// (the first as soon as `work` first waits). `work` is polled while a signal
+/// is being sent, and a signal still being sent when `work` ends is dropped.
 async fn signalling_while<W, S, SF>(work: W, every: Duration, mut signal: S) -> W::Output
 where
     W: Future,
@@ -198,10 +200,12 @@ where
 {
     let every = every.max(MIN_PROGRESS_INTERVAL);
     // An interval too long for the clock to count to never comes.
-    let Some(first) = tokio::time::Instant::now().checked_add(every) else {
+    if tokio::time::Instant::now().checked_add(every).is_none() {
         return work.await;
-    };
-    let mut ticks = tokio::time::interval_at(first, every);
+    }
+    // The first tick at once: the delivery's `ack_wait` has been running
+    // since before the work started.
+    let mut ticks = tokio::time::interval(every);
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     tokio::pin!(work);
     loop {
@@ -268,12 +272,18 @@ mod tests {
         let second = Duration::from_secs(1);
         assert_eq!(
             signals_during(Duration::from_millis(3500), second).await,
-            3,
-            "at 1 s, 2 s, 3 s"
+            4,
+            "at the start, 1 s, 2 s, 3 s"
         );
-        assert_eq!(signals_during(Duration::from_millis(999), second).await, 0);
-        let out = signalling_while(async { 7 }, second, || std::future::ready(())).await;
+        assert_eq!(signals_during(Duration::from_millis(999), second).await, 1);
+        let sent = AtomicUsize::new(0);
+        let out = signalling_while(async { 7 }, second, || {
+            sent.fetch_add(1, Ordering::SeqCst);
+            std::future::ready(())
+        })
+        .await;
         assert_eq!(out, 7, "the work's own output");
+        assert_eq!(sent.into_inner(), 0, "work that never waits: none");
     }
 
     #[tokio::test(start_paused = true)]
@@ -281,7 +291,7 @@ mod tests {
         let min = MIN_PROGRESS_INTERVAL;
         assert_eq!(
             signals_during(min * 5 + min / 2, Duration::ZERO).await,
-            5,
+            6,
             "zero: the minimum"
         );
         let hour = Duration::from_secs(3600);
