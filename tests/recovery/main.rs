@@ -42,3 +42,6 @@ mod lapse_storm;
 
 // One process, two databases: an answer unrecorded in one is not another's.
 mod two_databases;
+
+// A recover hook's answer that cannot be recorded keeps the record for the next takeover.
+mod unrecordable_hook_answers;

@@ -284,7 +284,7 @@ async fn postgres_a_failing_hook_is_asked_again_at_once() {
 /// transaction takes over only a lease that ran out before the second it
 /// began in (MySQL tells a transaction's start in whole seconds), so it
 /// begins in the server's next second.
-async fn mysql_begin_in_the_next_second(
+pub(crate) async fn mysql_begin_in_the_next_second(
     pool: sqlx::MySqlPool,
 ) -> sqlx::Transaction<'static, sqlx::MySql> {
     let now = || async {
