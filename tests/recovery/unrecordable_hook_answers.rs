@@ -380,3 +380,109 @@ async fn mysql_transaction_an_unrecordable_hook_answer_keeps_the_record() {
         "unrecordable.tx_mysql"
     );
 }
+
+// ---- a crowd on one kept record ----------------------------------------------
+
+/// Lets the hook's first answer (attempt 2) go once the crowd is calling.
+static CROWD_GO: tokio::sync::Notify = tokio::sync::Notify::const_new();
+static CROWD_ASKED: tokio::sync::Notify = tokio::sync::Notify::const_new();
+
+/// Attempt 2 waits for [`CROWD_GO`], then answers NaN; later attempts 5.0.
+async fn crowd_hook(takeover: &Takeover) -> Result<Recovery<f64>, Error> {
+    note(takeover);
+    if takeover.attempt() == 2 {
+        CROWD_ASKED.notify_one();
+        CROWD_GO.notified().await;
+        return Ok(Recovery::Completed(f64::NAN));
+    }
+    Ok(Recovery::Completed(5.0))
+}
+
+#[idempotent(scope = "unrecordable.crowd", key = key, tenant = tenant, store = store,
+             in_progress = wait("60s"), recover = crowd_hook)]
+async fn crowd(store: &dyn Store, tenant: &str, key: &str) -> Result<f64, Error> {
+    RUNS.fetch_add(1, Ordering::SeqCst);
+    Ok(1.0)
+}
+
+/// How many callers call the stuck record's key at once.
+const CROWD: usize = 20;
+
+/// Rules 3, 12 and 20 under concurrency: many callers of one stuck record
+/// whose first takeover's hook answers a value that cannot be recorded. That
+/// caller alone gets the refusal; the record is kept, so exactly one other
+/// caller takes it over next (attempt 3) and asks again, and every other
+/// caller replays that answer. The hook is asked twice, the body never.
+async fn a_crowd_behind_an_unrecordable_hook_answer(store: std::sync::Arc<dyn Store>) {
+    let name = store.name();
+    let runs_before = RUNS.load(Ordering::SeqCst);
+    let t = tenant();
+    let id = Identity::new(t.as_str(), "unrecordable.crowd", "k").unwrap();
+    plant_stuck(store.as_ref(), &id).await;
+    let first = {
+        let (store, t) = (store.clone(), t.clone());
+        tokio::spawn(async move { crowd(store.as_ref(), &t, "k").await })
+    };
+    tokio::time::timeout(Duration::from_secs(30), CROWD_ASKED.notified())
+        .await
+        .expect("the first caller's takeover asks the hook");
+    let others: Vec<_> = (0..CROWD)
+        .map(|_| {
+            let (store, t) = (store.clone(), t.clone());
+            tokio::spawn(async move { crowd(store.as_ref(), &t, "k").await })
+        })
+        .collect();
+    tokio::task::yield_now().await;
+    CROWD_GO.notify_one();
+    let bound = Duration::from_secs(90);
+    let first = tokio::time::timeout(bound, first)
+        .await
+        .expect("the first caller ends")
+        .expect("no panic");
+    assert!(
+        matches!(&first, Err(e) if names_scope(e, "unrecordable.crowd")),
+        "{name}: the first takeover's caller is refused: {first:?}"
+    );
+    for other in others {
+        let got = tokio::time::timeout(bound, other)
+            .await
+            .expect("a caller ends")
+            .expect("no panic");
+        assert_eq!(
+            got.ok(),
+            Some(5.0),
+            "{name}: every other caller gets attempt 3's answer"
+        );
+    }
+    assert_eq!(
+        asked(&t),
+        [2, 3],
+        "{name}: the hook is asked once per takeover"
+    );
+    assert_eq!(
+        RUNS.load(Ordering::SeqCst),
+        runs_before,
+        "{name}: no body ran"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crowd_behind_an_unrecordable_hook_answer_on_every_store() {
+    let mut stores: Vec<std::sync::Arc<dyn Store>> = vec![
+        std::sync::Arc::new(MemoryStore::new()),
+        std::sync::Arc::new(
+            SqliteStore::connect(&common::scratch::sqlite_url("unrecordable_crowd"))
+                .await
+                .expect("sqlite"),
+        ),
+    ];
+    if let Some(pg) = common::servers::pg_store_or_skip().await {
+        stores.push(std::sync::Arc::new(pg));
+    }
+    if let Some(my) = common::servers::mysql_store_or_skip().await {
+        stores.push(std::sync::Arc::new(my));
+    }
+    for store in stores {
+        a_crowd_behind_an_unrecordable_hook_answer(store).await;
+    }
+}
