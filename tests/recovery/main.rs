@@ -45,3 +45,6 @@ mod two_databases;
 
 // A recover hook's answer that cannot be recorded keeps the record for the next takeover.
 mod unrecordable_hook_answers;
+
+// Many transactions at once on one stuck record of a scope with a hook.
+mod transactional_crowd;
