@@ -1076,6 +1076,102 @@ async fn a_panicking_handler_behind_a_hook_is_asked_about_not_run_again_on_every
     }
 }
 
+/// Rules 14 and 20 through the layer, on every store: a layer's recover
+/// hook that panics (the takeover's attempt 2) takes its request down with
+/// it, and the record is kept as for a handler that panics: not released (a
+/// retry would run the handler blind) and not held for a lease. The next
+/// retry takes it over as attempt 3 and asks the hook again, whose answer is
+/// recorded and replayed; the handler ran once, before the first panic.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_panicking_recover_hook_is_asked_again_and_the_handler_not_run_on_every_store() {
+    use idempotent_runtime::Recovery;
+    for (name, store) in crate::http_retry_contract::every_store().await {
+        let asked: Arc<std::sync::Mutex<Vec<u32>>> = Arc::default();
+        let hook = {
+            let asked = asked.clone();
+            move |takeover: idempotent_runtime::Takeover| {
+                let asked = asked.clone();
+                async move {
+                    asked.lock().unwrap().push(takeover.attempt());
+                    if takeover.attempt() == 2 {
+                        panic!("the provider's client panics while the hook asks it");
+                    }
+                    Ok(Recovery::Completed(
+                        (StatusCode::CREATED, "found at the provider").into_response(),
+                    ))
+                }
+            }
+        };
+        let layer = IdempotencyLayer::builder("edges.recover_hook_panic", store.clone())
+            .tenant_from_extension::<AccountId>()
+            .recover(hook)
+            .build()
+            .expect("layer");
+        let runs = Arc::new(AtomicUsize::new(0));
+        let handler = {
+            let runs = runs.clone();
+            move || {
+                let runs = runs.clone();
+                async move {
+                    if runs.fetch_add(1, Ordering::SeqCst) == 0 {
+                        panic!("the handler panics after its side effect");
+                    }
+                    (StatusCode::CREATED, "charged by the handler")
+                }
+            }
+        };
+        let app = Router::new()
+            .route("/charges", post(handler))
+            .route_layer(layer)
+            .layer(middleware::from_fn(authenticate));
+        let (base, task) = serve(app).await;
+        let account = fresh_tenant();
+        let send = || {
+            reqwest::Client::new()
+                .post(format!("{base}/charges"))
+                .header("x-account-id", &account)
+                .header("idempotency-key", "k")
+                .send()
+        };
+        for what in ["the handler's panic", "the hook's panic"] {
+            let answer = send().await;
+            assert!(
+                answer
+                    .as_ref()
+                    .map_or(true, |r| r.status().is_server_error()),
+                "{name}: {what} is no answer: {answer:?}"
+            );
+        }
+        let retry = send().await.expect("an answer");
+        let answer = (
+            retry.status().as_u16(),
+            retry.headers().contains_key("idempotent-replayed"),
+            retry.text().await.expect("body"),
+        );
+        assert_eq!(
+            answer,
+            (201, false, "found at the provider".to_owned()),
+            "{name}: the retry took the record over and asked the hook again"
+        );
+        let again = send().await.expect("an answer");
+        assert!(
+            again.headers().contains_key("idempotent-replayed"),
+            "{name}"
+        );
+        assert_eq!(
+            runs.load(Ordering::SeqCst),
+            1,
+            "{name}: the handler ran once"
+        );
+        assert_eq!(
+            *asked.lock().unwrap(),
+            [2, 3],
+            "{name}: asked at each takeover"
+        );
+        task.abort();
+    }
+}
+
 /// Rule 20 at the client (client hunt): a `recover` hook that cannot tell
 /// yet whether the earlier attempt's side effect happened answers `Err`,
 /// here with a 4xx of its choosing; the layer sends it with `Retry-After: 1`,
