@@ -48,3 +48,6 @@ mod unrecordable_hook_answers;
 
 // Many transactions at once on one stuck record of a scope with a hook.
 mod transactional_crowd;
+
+// A retry made as soon as a body's panic was caught, in a scope with a hook.
+mod panic_then_retry_at_once;
