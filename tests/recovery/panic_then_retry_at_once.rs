@@ -3,7 +3,8 @@
 //! itself is still running, not dropped), so a retry made as soon as the
 //! caller has caught the panic takes the record over at once and asks the
 //! hook, even under `in_progress = reject`, where nothing waits a live lease
-//! out. On every store.
+//! out. Without a hook the panic releases the record, and that retry runs
+//! the body. On every store.
 
 use crate::common;
 
@@ -35,7 +36,37 @@ async fn charge(store: &dyn Store, tenant: &str, key: &str, panics: bool) -> Res
     Ok(1)
 }
 
+/// The same scope without a hook: the panic releases the record.
+#[idempotent(scope = "recovery.panic_then_retry_released", key = key, tenant = tenant,
+             store = store, skip(panics), in_progress = reject)]
+async fn charge_released(
+    store: &dyn Store,
+    tenant: &str,
+    key: &str,
+    panics: bool,
+) -> Result<u32, Error> {
+    if panics {
+        panic!("the gateway client panicked before charging");
+    }
+    Ok(1)
+}
+
 async fn retried_at_once(store: &dyn Store) {
+    let name = store.name();
+    // Without a hook: released before the panic reaches the caller, so the
+    // retry right after runs the body (rule 14), not `InProgress`.
+    let tenant = format!("panic-release-{}", uuid::Uuid::new_v4().simple());
+    let panicked = futures::FutureExt::catch_unwind(std::panic::AssertUnwindSafe(charge_released(
+        store, &tenant, "k", true,
+    )))
+    .await;
+    assert!(panicked.is_err(), "{name}: the body's panic propagates");
+    let (got, outcome) = with_outcome(charge_released(store, &tenant, "k", false)).await;
+    assert!(
+        matches!((&got, outcome), (Ok(1), Some(Outcome::Executed))),
+        "{name}: the retry right after the panic runs the body: {got:?} {outcome:?}"
+    );
+
     let name = store.name();
     let tenant = format!("panic-retry-{}", uuid::Uuid::new_v4().simple());
     let panicked = futures::FutureExt::catch_unwind(std::panic::AssertUnwindSafe(charge(
