@@ -345,3 +345,114 @@ macro_rules! fields {
 }
 
 fields!(SerializeStruct, SerializeStructVariant);
+
+#[cfg(test)]
+mod tests {
+    use super::{same_shape, Shape};
+    use crate::fingerprint::tests::M;
+    use serde::Serialize;
+
+    fn of<T: Serialize + ?Sized>(value: &T) -> u64 {
+        Shape::of(value).expect("a value that serializes has a shape")
+    }
+
+    /// A value through each `Serializer` method (`M` reaches all but the
+    /// narrower integers), each with members of one shape where it has any.
+    fn one_of_each() -> Vec<(&'static str, u64)> {
+        let one = || Box::new(M::I64(1));
+        vec![
+            ("bool", of(&true)),
+            ("i8", of(&1i8)),
+            ("i16", of(&1i16)),
+            ("i32", of(&1i32)),
+            ("i64", of(&M::I64(1))),
+            ("i128", of(&M::I128(1))),
+            ("u8", of(&1u8)),
+            ("u16", of(&1u16)),
+            ("u32", of(&1u32)),
+            ("u64", of(&M::U64(1))),
+            ("u128", of(&M::U128(1))),
+            ("f32", of(&M::F32(1.0))),
+            ("f64", of(&M::F64(1.0))),
+            ("char", of(&M::Char('a'))),
+            ("str", of(&M::Str("a".into()))),
+            ("bytes", of(&M::Bytes(vec![1]))),
+            ("none", of(&M::None)),
+            ("some", of(&M::Some(one()))),
+            ("unit", of(&M::Unit)),
+            ("unit struct", of(&M::UnitStruct)),
+            ("unit variant", of(&M::UnitVariant("A"))),
+            ("newtype struct", of(&M::Newtype(one()))),
+            ("newtype variant", of(&M::NewtypeVariant("A", one()))),
+            ("seq", of(&M::Seq(vec![M::I64(1)]))),
+            ("tuple", of(&M::Tuple(vec![M::I64(1)]))),
+            ("tuple struct", of(&M::TupleStruct(vec![M::I64(1)]))),
+            ("tuple variant", of(&M::TupleVariant("A", vec![M::I64(1)]))),
+            ("map", of(&M::StrMap(vec![("a".into(), M::I64(1))]))),
+            ("struct", of(&M::Struct(vec![("a", M::I64(1))]))),
+            (
+                "struct variant",
+                of(&M::StructVariant("A", vec![("a", M::I64(1))])),
+            ),
+        ]
+    }
+
+    /// Each `Serializer` method makes a shape of its own (rule 12): no two
+    /// kinds of value are taken for one.
+    #[test]
+    fn each_kind_of_value_has_a_shape_of_its_own() {
+        let shapes = one_of_each();
+        for (i, (a, shape_a)) in shapes.iter().enumerate() {
+            for (b, shape_b) in &shapes[i + 1..] {
+                assert_ne!(shape_a, shape_b, "{a} and {b}");
+            }
+        }
+    }
+
+    /// Names count (a variant's, a struct's, a field's); so does a tuple's
+    /// members' order, and not a sequence's, a struct's or a map's, nor
+    /// the text of a map's keys.
+    #[test]
+    fn names_count_and_only_a_tuples_order_does() {
+        let shape = |m: M| of(&m);
+        let (small, wide) = (|| M::I64(1), || M::U64(1));
+        assert_ne!(shape(M::UnitVariant("A")), shape(M::UnitVariant("B")));
+        assert_ne!(
+            shape(M::TupleVariant("A", vec![small()])),
+            shape(M::TupleVariant("B", vec![small()]))
+        );
+        assert_ne!(
+            shape(M::Struct(vec![("a", small())])),
+            shape(M::Struct(vec![("b", small())]))
+        );
+        assert_ne!(
+            shape(M::Tuple(vec![small(), wide()])),
+            shape(M::Tuple(vec![wide(), small()]))
+        );
+        assert_eq!(
+            shape(M::Seq(vec![small(), wide()])),
+            shape(M::Seq(vec![wide(), small()]))
+        );
+        assert_eq!(
+            shape(M::Struct(vec![("a", small()), ("b", wide())])),
+            shape(M::Struct(vec![("b", wide()), ("a", small())]))
+        );
+        assert_eq!(
+            shape(M::StrMap(vec![("a".into(), small()), ("b".into(), wide())])),
+            shape(M::StrMap(vec![("b".into(), wide()), ("a".into(), small())]))
+        );
+        // An entry is its key's shape with its value's (keys are values:
+        // their text is not part of the shape).
+        let (text, letter) = (|| M::Str("a".into()), || M::Char('a'));
+        assert_ne!(
+            shape(M::AnyMap(vec![(text(), small()), (letter(), wide())])),
+            shape(M::AnyMap(vec![(text(), wide()), (letter(), small())]))
+        );
+        assert_eq!(
+            shape(M::StrMap(vec![("a".into(), small()), ("b".into(), wide())])),
+            shape(M::StrMap(vec![("a".into(), wide()), ("b".into(), small())]))
+        );
+        assert!(same_shape(&M::Str("a".into()), &M::Str("b".into())));
+        assert!(!same_shape(&M::Str("a".into()), &M::Char('a')));
+    }
+}

@@ -2603,3 +2603,217 @@ fn every_form_this_build_makes_is_a_known_version() {
         Some("v1")
     );
 }
+
+/// Every map key kind the key serializer takes: those v1 took (written as
+/// JSON strings) and, in `AnyMap`s of their own, those only v2 takes.
+fn pinned_keys() -> (M, M) {
+    let v1_keys = M::AnyMap(vec![
+        (M::Bool(false), M::I64(1)),
+        (M::I64(-1), M::I64(2)),
+        (M::U64(2), M::I64(3)),
+        (M::I128(3), M::I64(4)),
+        (M::U128(4), M::I64(5)),
+        (M::F64(2.5), M::I64(6)),
+        (M::F32(0.1), M::I64(7)),
+        (M::Char('k'), M::I64(8)),
+        (M::Str("s\"é".into()), M::I64(9)),
+        (M::UnitVariant("V"), M::I64(10)),
+        (M::Newtype(Box::new(M::Str("nt".into()))), M::I64(11)),
+    ]);
+    let v2_keys = M::AnyMap(vec![
+        (M::I128(i128::MAX), M::I64(1)),
+        (M::U128(u128::MAX), M::I64(2)),
+        (M::F64(f64::INFINITY), M::I64(3)),
+        (M::F32(f32::NAN), M::I64(4)),
+        (M::Bytes(vec![1, 2]), M::I64(5)),
+        (M::None, M::I64(6)),
+        (M::Some(Box::new(M::I64(1))), M::I64(7)),
+        (M::Unit, M::I64(8)),
+        (M::UnitStruct, M::I64(9)),
+        (M::Seq(vec![M::I64(1)]), M::I64(10)),
+        (M::Tuple(vec![M::I64(2)]), M::I64(11)),
+        (M::TupleStruct(vec![M::I64(3)]), M::I64(12)),
+        (M::Set(vec![M::I64(5), M::I64(4)]), M::I64(13)),
+        (M::StrMap(vec![("m".into(), M::I64(1))]), M::I64(14)),
+        (M::Struct(vec![("f", M::I64(1))]), M::I64(15)),
+        (M::NewtypeVariant("N", Box::new(M::I64(1))), M::I64(16)),
+        (M::TupleVariant("T", vec![M::I64(1)]), M::I64(17)),
+        (M::StructVariant("S", vec![("g", M::I64(1))]), M::I64(18)),
+    ]);
+    (v1_keys, v2_keys)
+}
+
+/// A value through every `Serializer` method `M` reaches.
+fn pinned_value(v1_only: bool) -> M {
+    let mut fields = vec![
+        ("unit", M::Unit),
+        ("unit_struct", M::UnitStruct),
+        ("none", M::None),
+        ("bool", M::Bool(true)),
+        ("i64", M::I64(-3)),
+        ("u64", M::U64(u64::MAX)),
+        ("i128", M::I128(-5)),
+        ("u128", M::U128(7)),
+        ("f64", M::F64(1e17)),
+        ("f32", M::F32(0.1)),
+        ("str", M::Str("é\"\n".into())),
+        ("char", M::Char('x')),
+        ("bytes", M::Bytes(vec![0, 255])),
+        ("newtype", M::Newtype(Box::new(M::Str("n".into())))),
+        ("some", M::Some(Box::new(M::I64(1)))),
+        ("seq", M::Seq(vec![M::I64(2), M::I64(1)])),
+        ("tuple", M::Tuple(vec![M::Bool(false), M::Str("t".into())])),
+        ("tuple_struct", M::TupleStruct(vec![M::I64(9)])),
+        (
+            "str_map",
+            M::StrMap(vec![("b".into(), M::I64(1)), ("a".into(), M::I64(2))]),
+        ),
+        ("int_map", M::IntMap(vec![(10, M::I64(1)), (-1, M::I64(2))])),
+        ("keys", pinned_keys().0),
+        ("unit_variant", M::UnitVariant("U")),
+        (
+            "newtype_variant",
+            M::NewtypeVariant("N", Box::new(M::I64(4))),
+        ),
+        (
+            "tuple_variant",
+            M::TupleVariant("T", vec![M::I64(5), M::I64(6)]),
+        ),
+        (
+            "struct_variant",
+            M::StructVariant("S", vec![("z", M::I64(7)), ("y", M::I64(8))]),
+        ),
+    ];
+    if !v1_only {
+        fields.extend([
+            ("i128_wide", M::I128(i128::MIN)),
+            ("u128_wide", M::U128(u128::MAX)),
+            ("nan", M::F64(f64::NAN)),
+            ("f32_inf", M::F32(f32::NEG_INFINITY)),
+            ("some_none", M::Some(Box::new(M::None))),
+            (
+                "some_some_unit",
+                M::Some(Box::new(M::Some(Box::new(M::Unit)))),
+            ),
+            ("set", M::Set(vec![M::Str("b".into()), M::Str("a".into())])),
+            ("v2_keys", pinned_keys().1),
+        ]);
+    }
+    M::Struct(fields)
+}
+
+/// Pinned outputs (computed by this crate, to hold it to itself) of every
+/// encoder path: values and map keys of each kind in the canonical, legacy
+/// and check modes, serde_json's raw and arbitrary-precision tokens, the
+/// arguments each version counts, and the canonical JSON of request bodies.
+/// A stored record's fingerprint is compared byte for byte: none of these
+/// may change (rule 6).
+#[test]
+fn encoder_outputs_are_pinned() {
+    let full = pinned_value(false);
+    let v1_only = pinned_value(true);
+    let bytes = |(text, extended): (String, bool)| format!("{text} extended={extended}");
+    let outcome = |r: Result<String, String>| r.unwrap_or_else(|e| format!("error: {e}"));
+    let checked = |r: Result<(), String>| outcome(r.map(|()| "ok".to_owned()));
+    let fingerprint = |r: Result<Fingerprint, Error>| {
+        outcome(
+            r.map(|f| format!("{} legacy={:?}", f.as_str(), f.legacy().map(|l| l.value)))
+                .map_err(|e| e.to_string()),
+        )
+    };
+    let numbers = [
+        PreciseNumber("-0"),
+        PreciseNumber("1e2"),
+        PreciseNumber("450"),
+    ];
+    let mut lines = vec![
+        format!("v2: {}", bytes(canonical(&full))),
+        format!("legacy of v2: {}", outcome(legacy(&full))),
+        format!("v1: {}", bytes(canonical(&v1_only))),
+        format!("legacy of v1: {}", outcome(legacy(&v1_only))),
+        format!("fingerprint of v2: {}", fingerprint(Fingerprint::of(&full))),
+        format!(
+            "fingerprint of v1: {}",
+            fingerprint(Fingerprint::of(&v1_only))
+        ),
+        format!("check of v2: {}", checked(check_faithful_json(&full))),
+        format!("check of v1: {}", checked(check_faithful_json(&v1_only))),
+        format!(
+            "raw: {}",
+            bytes(canonical(&Raw(r#" {"b": [1, 2.5], "a": null} "#)))
+        ),
+        format!(
+            "check of raw: {}",
+            checked(check_faithful_json(&Some(Raw(" 7 "))))
+        ),
+        format!(
+            "check of raw null: {}",
+            checked(check_faithful_json(&Some(Raw(" null "))))
+        ),
+        format!("numbers: {}", bytes(canonical(&numbers))),
+        format!(
+            "fingerprint of a number: {}",
+            fingerprint(Fingerprint::of(&PreciseNumber("2.5")))
+        ),
+    ];
+    for counted in 0..5 {
+        let mut b = FingerprintBuilder::new();
+        b.argument("v", &7u8);
+        match counted {
+            0 => b.instantiation("<V>", "u8"),
+            1 => b.counted_since_v3("<T>", "User"),
+            2 => b.counted_since_v4("<Self>", "(User,)"),
+            3 => b.counted_since_v5("<impl Trait>", "Card"),
+            _ => {
+                b.instantiation("<V>", "u8");
+                b.counted_since_v3("<T>", "User");
+                b.counted_since_v4("<Self>", "(User,)");
+                b.counted_since_v5("<impl Trait>", "Card");
+            }
+        }
+        let counted_as = format!("counted {counted}");
+        lines.push(format!(
+            "{counted_as}: {}",
+            fingerprint(Ok(b.finish().unwrap().unwrap()))
+        ));
+    }
+    let body = br#" { "z": [3, {"y": 1, "x": [true, false, null]}], "a": "\u00e9\n", "n": -1.50e3, "e": {}, "l": [] } "#;
+    let node = json::parse_json(body).expect("JSON");
+    let mut unordered = Vec::new();
+    node.write_unordered(&mut unordered);
+    lines.push(format!(
+        "json: {}",
+        text(&json::canonical_json(body).expect("JSON"))
+    ));
+    lines.push(format!("json unordered: {}", text(&unordered)));
+    let mut hash = Sha256::new();
+    json::parse_json(body).expect("JSON").write(&mut hash);
+    lines.push(format!("json sha: {}", hex::encode(hash.finalize())));
+    let expected = [
+        r#"v2: {"bool":true,"bytes":[0,255],"char":"x","f32":0.10000000149011612,"f32_inf":-inf,"f64":1e+17,"i128":-5,"i128_wide":-170141183460469231731687303715884105728,"i64":-3,"int_map":{"-1":2,"10":1},"keys":{"-1":2,"0.1":7,"2":3,"2.5":6,"3":4,"4":5,"V":10,"false":1,"k":8,"nt":11,"s\"é":9},"nan":nan,"newtype":"n","newtype_variant":{"N":4},"none":null,"seq":[2,1],"set":["a","b"],"some":1,"some_none":?null,"some_some_unit":??null,"str":"é\"\n","str_map":{"a":2,"b":1},"struct_variant":{"S":{"y":8,"z":7}},"tuple":[false,"t"],"tuple_struct":[9],"tuple_variant":{"T":[5,6]},"u128":7,"u128_wide":340282366920938463463374607431768211455,"u64":18446744073709551615,"unit":null,"unit_struct":null,"unit_variant":"U","v2_keys":{170141183460469231731687303715884105727:1,340282366920938463463374607431768211455:2,1:7,[1,2]:5,[1]:10,[2]:11,[3]:12,[4,5]:13,inf:3,nan:4,null:6,null:8,null:9,{"N":1}:16,{"S":{"g":1}}:18,{"T":[1]}:17,{"f":1}:15,{"m":1}:14}} extended=true"#,
+        r#"legacy of v2: error: an integer outside the 64-bit range (at `i128_wide`)"#,
+        r#"v1: {"bool":true,"bytes":[0,255],"char":"x","f32":0.10000000149011612,"f64":1e+17,"i128":-5,"i64":-3,"int_map":{"-1":2,"10":1},"keys":{"-1":2,"0.1":7,"2":3,"2.5":6,"3":4,"4":5,"V":10,"false":1,"k":8,"nt":11,"s\"é":9},"newtype":"n","newtype_variant":{"N":4},"none":null,"seq":[2,1],"some":1,"str":"é\"\n","str_map":{"a":2,"b":1},"struct_variant":{"S":{"y":8,"z":7}},"tuple":[false,"t"],"tuple_struct":[9],"tuple_variant":{"T":[5,6]},"u128":7,"u64":18446744073709551615,"unit":null,"unit_struct":null,"unit_variant":"U"} extended=false"#,
+        r#"legacy of v1: {"bool":true,"bytes":[0,255],"char":"x","f32":0.10000000149011612,"f64":1e+17,"i128":-5,"i64":-3,"int_map":{"-1":2,"10":1},"keys":{"-1":2,"0.1":7,"2":3,"2.5":6,"3":4,"4":5,"V":10,"false":1,"k":8,"nt":11,"s\"é":9},"newtype":"n","newtype_variant":{"N":4},"none":null,"seq":[2,1],"some":1,"str":"é\"\n","str_map":{"a":2,"b":1},"struct_variant":{"S":{"y":8,"z":7}},"tuple":[false,"t"],"tuple_struct":[9],"tuple_variant":{"T":[5,6]},"u128":7,"u64":18446744073709551615,"unit":null,"unit_struct":null,"unit_variant":"U"}"#,
+        r#"fingerprint of v2: v2:916c8505314356cd882cefef68ef1233b91c6f478a8a1670e8dfff5fb3e55ffc legacy=None"#,
+        r#"fingerprint of v1: v1:130cf16eee38029443de1a3c4e39feab34d331751bda70f55d91711c51ef3895 legacy=None"#,
+        r#"check of v2: error: `nan` is the non-finite float NaN, which JSON cannot represent (it would replay as null)"#,
+        r#"check of v1: ok"#,
+        r#"raw: {"a":null,"b":[1,2.5]} extended=false"#,
+        r#"check of raw: ok"#,
+        r#"check of raw null: error: the value is `Some` of a value JSON writes as null (e.g. `Some(None)`), which would replay as `None`"#,
+        r#"numbers: [-0.0,100.0,450] extended=false"#,
+        r#"fingerprint of a number: v1:65e3e354e4f6da71cc9878cc4719ebe24853cd2da61128a5ce830df569327dd0 legacy=Some("v1:7a736cc4a178f644bf7d14412d00544bb7374fb34532c5e80f774d82db6e1f98")"#,
+        r#"counted 0: v1:9665abf28d183c24c4736720d849a6d41ca7b9d9b9b8f0a1ae5a306adcc7566a legacy=Some("v1:2790ebfa2520c12713bbcd700feafd20683f2f874cfed5e277f600a99e79e02f")"#,
+        r#"counted 1: v3:b7d74d12a7652d3f1ae156e107a83bb6492c6f025b6ad3da8e73833019d16385 legacy=Some("v1:2790ebfa2520c12713bbcd700feafd20683f2f874cfed5e277f600a99e79e02f")"#,
+        r#"counted 2: v4:59557ebda9bcf52fad9553be34f959677a249d57899328e13ec5cd9ee2079779 legacy=Some("v1:2790ebfa2520c12713bbcd700feafd20683f2f874cfed5e277f600a99e79e02f")"#,
+        r#"counted 3: v5:c0132e1a0415add2032607298e60bc6a595aae4d6a6e59460dc3cdba0bd698d3 legacy=Some("v1:2790ebfa2520c12713bbcd700feafd20683f2f874cfed5e277f600a99e79e02f")"#,
+        r#"counted 4: v5:8ada05ebd2bf929757219df1c8fee68fc717dceeda3773dc36ab77170d9ec59b legacy=Some("v4:ade7176b9e5d093efd8c4d2c0a701453b8e25a16f1359d59c7766d7338d9e013")"#,
+        r#"json: {"a":"é\n","e":{},"l":[],"n":-15e2,"z":[3e0,{"x":[true,false,null],"y":1e0}]}"#,
+        r#"json unordered: {"a":"é\n","e":{},"l":[],"n":-15e2,"z":[3e0,{"x":[false,null,true],"y":1e0}]}"#,
+        r#"json sha: 4e89795eb6fc8085ec16f383b0c953f602e0baf0922a1f3a7e0133688ba7c99d"#,
+    ];
+    assert_eq!(lines.len(), expected.len());
+    for (line, expected) in lines.iter().zip(expected) {
+        assert_eq!(line, expected);
+    }
+}
