@@ -325,6 +325,35 @@ impl Encoder {
         Ok(())
     }
 
+    /// A text value (a `char`, a `str`, a unit variant's name): a JSON string.
+    fn text(&mut self, s: &str) -> Result<KeyKind, EncodeError> {
+        self.put_str(s)?;
+        Ok(KeyKind::Other)
+    }
+
+    /// A newtype struct's value: the value it wraps, as if unwrapped.
+    fn wrapped<T: ?Sized + Serialize>(&mut self, value: &T) -> Result<KeyKind> {
+        self.nested(value)
+    }
+
+    /// Opens the object that wraps a variant's content, `{"variant":`, for
+    /// a value of an enum variant (`None`: not one).
+    fn open_variant(&mut self, variant: Option<&str>) -> Result<(), EncodeError> {
+        if let Some(v) = variant {
+            self.put_byte(b'{');
+            self.put_str(v)?;
+            self.put_byte(b':');
+        }
+        Ok(())
+    }
+
+    /// Closes what [`Encoder::open_variant`] opened.
+    fn close_variant(&mut self, variant: Option<&str>) {
+        if variant.is_some() {
+            self.put_byte(b'}');
+        }
+    }
+
     /// A number (or other scalar) through serde_json's formatter, so the text is v1's.
     fn put_with(
         &mut self,
@@ -776,12 +805,62 @@ impl ser::Error for EncodeError {
 
 type Result<T, E = EncodeError> = std::result::Result<T, E>;
 
+/// `Serializer` methods for integers: each has serde_json's formatter write
+/// its value, widened to `$wide`, through the serializer's `$put` (which
+/// takes that writing as a closure). Given `$put` alone: the integers of 64
+/// bits or fewer, written as an `i64` or a `u64` as v1 wrote them.
 macro_rules! via {
-    ($($method:ident($ty:ty) => $write:ident as $wide:ty;)*) => {$(
+    ($put:ident) => {
+        via! {
+            $put:
+            serialize_i8(i8) => write_i64 as i64;
+            serialize_i16(i16) => write_i64 as i64;
+            serialize_i32(i32) => write_i64 as i64;
+            serialize_i64(i64) => write_i64 as i64;
+            serialize_u8(u8) => write_u64 as u64;
+            serialize_u16(u16) => write_u64 as u64;
+            serialize_u32(u32) => write_u64 as u64;
+            serialize_u64(u64) => write_u64 as u64;
+        }
+    };
+    ($put:ident: $($method:ident($ty:ty) => $write:ident as $wide:ty;)*) => {$(
         fn $method(self, v: $ty) -> Result<KeyKind> {
-            self.put_with(|w| CompactFormatter.$write(w, <$wide>::from(v)))
+            self.$put(|w| CompactFormatter.$write(w, <$wide>::from(v)))
         }
     )*};
+}
+
+/// The `Serializer` methods the main serializer and the key serializer
+/// write alike, each through a method of its own: a `char`, a `str` and a
+/// unit variant (its name) as text, through `text`; a newtype struct as the
+/// value it wraps, through `wrapped`.
+macro_rules! alike_methods {
+    () => {
+        fn serialize_char(self, v: char) -> Result<KeyKind> {
+            self.text(v.encode_utf8(&mut [0; 4]))
+        }
+
+        fn serialize_str(self, v: &str) -> Result<KeyKind> {
+            self.text(v)
+        }
+
+        fn serialize_unit_variant(
+            self,
+            _name: &'static str,
+            _index: u32,
+            variant: &'static str,
+        ) -> Result<KeyKind> {
+            self.text(variant)
+        }
+
+        fn serialize_newtype_struct<T: ?Sized + Serialize>(
+            self,
+            _name: &'static str,
+            value: &T,
+        ) -> Result<KeyKind> {
+            self.wrapped(value)
+        }
+    };
 }
 
 impl<'a> Serializer for &'a mut Encoder {
@@ -800,16 +879,7 @@ impl<'a> Serializer for &'a mut Encoder {
         Ok(KeyKind::Other)
     }
 
-    via! {
-        serialize_i8(i8) => write_i64 as i64;
-        serialize_i16(i16) => write_i64 as i64;
-        serialize_i32(i32) => write_i64 as i64;
-        serialize_i64(i64) => write_i64 as i64;
-        serialize_u8(u8) => write_u64 as u64;
-        serialize_u16(u16) => write_u64 as u64;
-        serialize_u32(u32) => write_u64 as u64;
-        serialize_u64(u64) => write_u64 as u64;
-    }
+    via!(put_with);
 
     fn serialize_i128(self, v: i128) -> Result<KeyKind> {
         if let Ok(v) = i64::try_from(v) {
@@ -837,15 +907,7 @@ impl<'a> Serializer for &'a mut Encoder {
         self.float(v)
     }
 
-    fn serialize_char(self, v: char) -> Result<KeyKind> {
-        self.put_str(v.encode_utf8(&mut [0; 4]))?;
-        Ok(KeyKind::Other)
-    }
-
-    fn serialize_str(self, v: &str) -> Result<KeyKind> {
-        self.put_str(v)?;
-        Ok(KeyKind::Other)
-    }
+    alike_methods!();
 
     fn serialize_bytes(self, v: &[u8]) -> Result<KeyKind> {
         // v1: an array of numbers.
@@ -897,23 +959,6 @@ impl<'a> Serializer for &'a mut Encoder {
         self.serialize_none()
     }
 
-    fn serialize_unit_variant(
-        self,
-        _name: &'static str,
-        _index: u32,
-        variant: &'static str,
-    ) -> Result<KeyKind> {
-        self.serialize_str(variant)
-    }
-
-    fn serialize_newtype_struct<T: ?Sized + Serialize>(
-        self,
-        _name: &'static str,
-        value: &T,
-    ) -> Result<KeyKind> {
-        self.nested(value)
-    }
-
     fn serialize_newtype_variant<T: ?Sized + Serialize>(
         self,
         _name: &'static str,
@@ -921,12 +966,10 @@ impl<'a> Serializer for &'a mut Encoder {
         variant: &'static str,
         value: &T,
     ) -> Result<KeyKind> {
-        self.put_byte(b'{');
-        self.put_str(variant)?;
-        self.put_byte(b':');
+        self.open_variant(Some(variant))?;
         self.nested(value)
             .map_err(|e| e.at(Segment::Field(variant)))?;
-        self.put_byte(b'}');
+        self.close_variant(Some(variant));
         Ok(KeyKind::Other)
     }
 
@@ -1011,11 +1054,7 @@ pub(crate) struct Seq<'a> {
 
 impl<'a> Seq<'a> {
     fn begin(enc: &'a mut Encoder, variant: Option<&'static str>, unordered: bool) -> Result<Self> {
-        if let Some(v) = variant {
-            enc.put_byte(b'{');
-            enc.put_str(v)?;
-            enc.put_byte(b':');
-        }
+        enc.open_variant(variant)?;
         enc.put_byte(b'[');
         let unordered = unordered.then_some((enc.entries.len(), enc.out.len()));
         Ok(Seq {
@@ -1060,9 +1099,7 @@ impl<'a> Seq<'a> {
             self.enc.entries.truncate(first);
         }
         self.enc.put_byte(b']');
-        if self.variant.is_some() {
-            self.enc.put_byte(b'}');
-        }
+        self.enc.close_variant(self.variant);
         Ok(KeyKind::Other)
     }
 }
@@ -1127,11 +1164,7 @@ pub(crate) struct Map<'a> {
 
 impl<'a> Map<'a> {
     fn begin(enc: &'a mut Encoder, variant: Option<&'static str>, raw: bool) -> Result<Self> {
-        if let Some(v) = variant {
-            enc.put_byte(b'{');
-            enc.put_str(v)?;
-            enc.put_byte(b':');
-        }
+        enc.open_variant(variant)?;
         if !raw {
             enc.put_byte(b'{');
         }
@@ -1155,17 +1188,20 @@ impl<'a> Map<'a> {
         }
     }
 
-    fn key<K: ?Sized + Serialize>(&mut self, key: &K) -> Result<Pending> {
+    /// Writes an entry's key, by `write` (which leaves its text, if it has
+    /// one, in `keys`, and says which it was), and the `:` after it: the
+    /// entry with its value still to come. A key without text sorts by its
+    /// bytes.
+    fn pending(
+        &mut self,
+        key_type: &'static str,
+        write: impl FnOnce(&mut Encoder) -> Result<KeyKind>,
+    ) -> Result<Pending> {
         self.separator();
         let enc = &mut *self.enc;
         let start = enc.out.len();
         let key_start = enc.keys.len();
-        let kind = key
-            .serialize(KeySerializer { enc: &mut *enc })
-            .map_err(|e| {
-                e.at(Segment::Key(format!("key #{}", self.count)))
-                    .in_variant(self.variant)
-            })?;
+        let kind = write(enc)?;
         let key_len = enc.out.len() - start;
         if kind == KeyKind::Other {
             enc.keys.extend_from_slice(&enc.out[start..]);
@@ -1177,26 +1213,25 @@ impl<'a> Map<'a> {
             key_end: enc.keys.len(),
             key_len,
             kind,
-            key_type: std::any::type_name::<K>(),
+            key_type,
+        })
+    }
+
+    fn key<K: ?Sized + Serialize>(&mut self, key: &K) -> Result<Pending> {
+        let (count, variant) = (self.count, self.variant);
+        self.pending(std::any::type_name::<K>(), |enc| {
+            key.serialize(KeySerializer { enc }).map_err(|e| {
+                e.at(Segment::Key(format!("key #{count}")))
+                    .in_variant(variant)
+            })
         })
     }
 
     fn field_key(&mut self, name: &'static str) -> Result<Pending> {
-        self.separator();
-        let enc = &mut *self.enc;
-        let start = enc.out.len();
-        let key_start = enc.keys.len();
-        enc.put_str(name)?;
-        enc.keys.extend_from_slice(name.as_bytes());
-        let key_len = enc.out.len() - start;
-        enc.put_byte(b':');
-        Ok(Pending {
-            start,
-            key_start,
-            key_end: enc.keys.len(),
-            key_len,
-            kind: KeyKind::Text,
-            key_type: NAME_KEY_TYPE,
+        self.pending(NAME_KEY_TYPE, |enc| {
+            enc.put_str(name)?;
+            enc.keys.extend_from_slice(name.as_bytes());
+            Ok(KeyKind::Text)
         })
     }
 
@@ -1269,18 +1304,33 @@ impl<'a> Map<'a> {
         self.value(pending, value, |_| Segment::Field(name))
     }
 
+    /// The text of a raw value's one field (JSON text, or a number's
+    /// digits), as `read` takes it; nothing of it is left written.
+    fn raw_text<T: ?Sized + Serialize, R>(
+        &mut self,
+        value: &T,
+        read: impl FnOnce(&[u8]) -> R,
+    ) -> Result<R> {
+        let enc = &mut *self.enc;
+        let start = enc.out.len();
+        let key_start = enc.keys.len();
+        // The key serializer hands strings back raw.
+        value.serialize(KeySerializer { enc: &mut *enc })?;
+        let read = read(&enc.keys[key_start..]);
+        enc.out.truncate(start);
+        enc.keys.truncate(key_start);
+        Ok(read)
+    }
+
     /// serde_json's `RawValue` in [`Mode::Check`]: one value, which counts as
     /// a `null` when its text is `null` (so `Some` of it is refused: it would
     /// replay as `None`). Any other text comes back as it is.
     fn check_raw_value<T: ?Sized + Serialize>(&mut self, value: &T) -> Result<()> {
-        let enc = &mut *self.enc;
-        let key_start = enc.keys.len();
-        // The field is the JSON text; the key serializer hands strings back raw.
-        value.serialize(KeySerializer { enc: &mut *enc })?;
-        let null = std::str::from_utf8(&enc.keys[key_start..]).is_ok_and(|t| t.trim() == "null");
-        enc.keys.truncate(key_start);
+        let null = self.raw_text(value, |text| {
+            std::str::from_utf8(text).is_ok_and(|t| t.trim() == "null")
+        })?;
         if null {
-            enc.null_written_at = enc.written;
+            self.enc.null_written_at = self.enc.written;
         }
         Ok(())
     }
@@ -1291,25 +1341,17 @@ impl<'a> Map<'a> {
     /// precision, a repeated member) is an error: read as a `Value`, texts that
     /// differ there would be one value (rule 6).
     fn raw_value<T: ?Sized + Serialize>(&mut self, value: &T) -> Result<()> {
-        let enc = &mut *self.enc;
-        let start = enc.out.len();
-        let key_start = enc.keys.len();
-        // The field is the JSON text; the key serializer hands strings back raw.
-        value.serialize(KeySerializer { enc: &mut *enc })?;
-        let parsed = std::str::from_utf8(&enc.keys[key_start..])
-            .map_err(EncodeError::custom)
-            .and_then(|text| {
-                let parsed =
-                    serde_json::from_str::<serde_json::Value>(text).map_err(EncodeError::custom)?;
-                if holds_exactly(text, &parsed) {
-                    Ok(parsed)
-                } else {
-                    Err(EncodeError::new(Problem::LossyRawJson))
-                }
-            });
-        enc.out.truncate(start);
-        enc.keys.truncate(key_start);
-        parsed?.serialize(&mut *enc)?;
+        let parsed = self.raw_text(value, |text| {
+            let text = std::str::from_utf8(text).map_err(EncodeError::custom)?;
+            let parsed =
+                serde_json::from_str::<serde_json::Value>(text).map_err(EncodeError::custom)?;
+            if holds_exactly(text, &parsed) {
+                Ok(parsed)
+            } else {
+                Err(EncodeError::new(Problem::LossyRawJson))
+            }
+        })?;
+        parsed?.serialize(&mut *self.enc)?;
         Ok(())
     }
 
@@ -1321,13 +1363,8 @@ impl<'a> Map<'a> {
     /// integer) is an error: without the text it would be one value with
     /// the number it rounds to (rule 6).
     fn number_value<T: ?Sized + Serialize>(&mut self, value: &T) -> Result<()> {
+        let text = self.raw_text(value, |text| String::from_utf8_lossy(text).into_owned())?;
         let enc = &mut *self.enc;
-        let start = enc.out.len();
-        let key_start = enc.keys.len();
-        value.serialize(KeySerializer { enc: &mut *enc })?;
-        let text = String::from_utf8_lossy(&enc.keys[key_start..]).into_owned();
-        enc.out.truncate(start);
-        enc.keys.truncate(key_start);
         // Earlier builds wrote the token's map; their records are compared
         // with that form (rule 6).
         enc.rewritten = true;
@@ -1372,9 +1409,7 @@ impl<'a> Map<'a> {
         if !self.raw {
             self.enc.put_byte(b'}');
         }
-        if self.variant.is_some() {
-            self.enc.put_byte(b'}');
-        }
+        self.enc.close_variant(self.variant);
         Ok(KeyKind::Other)
     }
 }
@@ -1462,6 +1497,11 @@ impl<'a> KeySerializer<'a> {
         Ok(KeyKind::Text)
     }
 
+    /// A newtype struct as a key: the key it wraps.
+    fn wrapped<T: ?Sized + Serialize>(self, value: &T) -> Result<KeyKind> {
+        value.serialize(self)
+    }
+
     fn scalar(self, write: impl FnOnce(&mut Vec<u8>) -> io::Result<()>) -> Result<KeyKind> {
         let enc = self.enc;
         let start = enc.keys.len();
@@ -1484,14 +1524,6 @@ impl<'a> KeySerializer<'a> {
             }
         }
     }
-}
-
-macro_rules! key_via {
-    ($($method:ident($ty:ty) => $write:ident as $wide:ty;)*) => {$(
-        fn $method(self, v: $ty) -> Result<KeyKind> {
-            self.scalar(|w| CompactFormatter.$write(w, <$wide>::from(v)))
-        }
-    )*};
 }
 
 /// Methods of [`KeySerializer`] for keys v1 refused (see
@@ -1524,16 +1556,11 @@ impl<'a> Serializer for KeySerializer<'a> {
         })
     }
 
-    key_via! {
-        serialize_i8(i8) => write_i64 as i64;
-        serialize_i16(i16) => write_i64 as i64;
-        serialize_i32(i32) => write_i64 as i64;
-        serialize_i64(i64) => write_i64 as i64;
+    via!(scalar);
+
+    via! {
+        scalar:
         serialize_i128(i128) => write_i128 as i128;
-        serialize_u8(u8) => write_u64 as u64;
-        serialize_u16(u16) => write_u64 as u64;
-        serialize_u32(u32) => write_u64 as u64;
-        serialize_u64(u64) => write_u64 as u64;
         serialize_u128(u128) => write_u128 as u128;
     }
 
@@ -1554,30 +1581,7 @@ impl<'a> Serializer for KeySerializer<'a> {
         }
     }
 
-    fn serialize_char(self, v: char) -> Result<KeyKind> {
-        self.text(v.encode_utf8(&mut [0; 4]))
-    }
-
-    fn serialize_str(self, v: &str) -> Result<KeyKind> {
-        self.text(v)
-    }
-
-    fn serialize_unit_variant(
-        self,
-        _name: &'static str,
-        _index: u32,
-        variant: &'static str,
-    ) -> Result<KeyKind> {
-        self.text(variant)
-    }
-
-    fn serialize_newtype_struct<T: ?Sized + Serialize>(
-        self,
-        _name: &'static str,
-        value: &T,
-    ) -> Result<KeyKind> {
-        value.serialize(self)
-    }
+    alike_methods!();
 
     key_other! {
         serialize_bytes(v: &[u8]) -> KeyKind;
