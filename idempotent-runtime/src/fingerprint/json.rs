@@ -90,33 +90,38 @@ impl Node<'_> {
             Node::Literal(l) => out.put(l),
             Node::Number(n) => n.write(out),
             Node::String(s) => put_string(out, s),
-            Node::Array(items) => {
-                out.put(b"[");
-                for (i, item) in items.iter().enumerate() {
-                    if i > 0 {
-                        out.put(b",");
-                    }
-                    item.write(out);
-                }
-                out.put(b"]");
-            }
+            Node::Array(items) => put_list(out, b"[", items, b"]", |out, item| item.write(out)),
             Node::Object(members) => {
                 let mut sorted: Vec<&(Cow<'_, str>, Node<'_>)> = members.iter().collect();
                 // Stable: members with equal keys keep their order.
                 sorted.sort_by(|a, b| a.0.as_bytes().cmp(b.0.as_bytes()));
-                out.put(b"{");
-                for (i, (k, v)) in sorted.into_iter().enumerate() {
-                    if i > 0 {
-                        out.put(b",");
-                    }
+                put_list(out, b"{", sorted, b"}", |out, (k, v)| {
                     put_string(out, k);
                     out.put(b":");
                     v.write(out);
-                }
-                out.put(b"}");
+                });
             }
         }
     }
+}
+
+/// Writes `items` between `open` and `close`, separated by commas, each by
+/// `write`: the canonical form of an array or an object.
+fn put_list<S: Sink + ?Sized, I: IntoIterator>(
+    out: &mut S,
+    open: &[u8],
+    items: I,
+    close: &[u8],
+    mut write: impl FnMut(&mut S, I::Item),
+) {
+    out.put(open);
+    for (i, item) in items.into_iter().enumerate() {
+        if i > 0 {
+            out.put(b",");
+        }
+        write(out, item);
+    }
+    out.put(close);
 }
 
 impl Node<'_> {
