@@ -149,11 +149,24 @@ impl ser::Error for ShapeError {
 
 type Result = std::result::Result<(), ShapeError>;
 
-macro_rules! scalar {
-    ($($method:ident($ty:ty) = $kind:expr;)*) => {$(
-        fn $method(self, _: $ty) -> Result {
-            self.event($kind, &[]);
+/// `Serializer` methods for values without members (a scalar, a unit, a
+/// `None`): each is the event of its kind, with the names given.
+macro_rules! leaf {
+    ($($method:ident($($arg:tt: $ty:ty),*) = $kind:expr, [$($name:expr),*];)*) => {$(
+        fn $method(self $(, $arg: $ty)*) -> Result {
+            self.event($kind, &[$($name),*]);
             Ok(())
+        }
+    )*};
+}
+
+/// `Serializer` methods that open a compound of its kind, with the names
+/// given, whose members make its shape as `$members` says.
+macro_rules! compound {
+    ($($method:ident($($arg:tt: $ty:ty),*) = $kind:expr, [$($name:expr),*], $members:ident;)*) => {$(
+        fn $method(self $(, $arg: $ty)*) -> std::result::Result<Self, ShapeError> {
+            self.open($kind, &[$($name),*], Members::$members);
+            Ok(self)
         }
     )*};
 }
@@ -169,47 +182,31 @@ impl<'a> Serializer for &'a mut Shape {
     type SerializeStruct = &'a mut Shape;
     type SerializeStructVariant = &'a mut Shape;
 
-    scalar! {
-        serialize_bool(bool) = 1;
-        serialize_i8(i8) = 2;
-        serialize_i16(i16) = 3;
-        serialize_i32(i32) = 4;
-        serialize_i64(i64) = 5;
-        serialize_i128(i128) = 6;
-        serialize_u8(u8) = 7;
-        serialize_u16(u16) = 8;
-        serialize_u32(u32) = 9;
-        serialize_u64(u64) = 10;
-        serialize_u128(u128) = 11;
-        serialize_f32(f32) = 12;
-        serialize_f64(f64) = 13;
-        serialize_char(char) = 14;
-        serialize_str(&str) = 15;
-        serialize_bytes(&[u8]) = 16;
-    }
-
-    fn serialize_none(self) -> Result {
-        self.event(17, &[]);
-        Ok(())
+    leaf! {
+        serialize_bool(_: bool) = 1, [];
+        serialize_i8(_: i8) = 2, [];
+        serialize_i16(_: i16) = 3, [];
+        serialize_i32(_: i32) = 4, [];
+        serialize_i64(_: i64) = 5, [];
+        serialize_i128(_: i128) = 6, [];
+        serialize_u8(_: u8) = 7, [];
+        serialize_u16(_: u16) = 8, [];
+        serialize_u32(_: u32) = 9, [];
+        serialize_u64(_: u64) = 10, [];
+        serialize_u128(_: u128) = 11, [];
+        serialize_f32(_: f32) = 12, [];
+        serialize_f64(_: f64) = 13, [];
+        serialize_char(_: char) = 14, [];
+        serialize_str(_: &str) = 15, [];
+        serialize_bytes(_: &[u8]) = 16, [];
+        serialize_none() = 17, [];
+        serialize_unit() = 19, [];
+        serialize_unit_struct(name: &'static str) = 20, [name];
+        serialize_unit_variant(name: &'static str, _: u32, variant: &'static str) = 21, [name, variant];
     }
 
     fn serialize_some<T: ?Sized + Serialize>(self, value: &T) -> Result {
         self.one(18, &[], value)
-    }
-
-    fn serialize_unit(self) -> Result {
-        self.event(19, &[]);
-        Ok(())
-    }
-
-    fn serialize_unit_struct(self, name: &'static str) -> Result {
-        self.event(20, &[name]);
-        Ok(())
-    }
-
-    fn serialize_unit_variant(self, name: &'static str, _: u32, variant: &'static str) -> Result {
-        self.event(21, &[name, variant]);
-        Ok(())
     }
 
     fn serialize_newtype_struct<T: ?Sized + Serialize>(
@@ -230,59 +227,16 @@ impl<'a> Serializer for &'a mut Shape {
         self.one(23, &[name, variant], value)
     }
 
-    fn serialize_seq(self, _: Option<usize>) -> std::result::Result<Self, ShapeError> {
-        self.open(24, &[], Members::AnyOrder);
-        Ok(self)
-    }
-
-    fn serialize_tuple(self, _: usize) -> std::result::Result<Self, ShapeError> {
-        self.open(25, &[], Members::InPlace);
-        Ok(self)
-    }
-
-    fn serialize_tuple_struct(
-        self,
-        name: &'static str,
-        _: usize,
-    ) -> std::result::Result<Self, ShapeError> {
-        self.open(26, &[name], Members::InPlace);
-        Ok(self)
-    }
-
-    fn serialize_tuple_variant(
-        self,
-        name: &'static str,
-        _: u32,
-        variant: &'static str,
-        _: usize,
-    ) -> std::result::Result<Self, ShapeError> {
-        self.open(27, &[name, variant], Members::InPlace);
-        Ok(self)
-    }
-
-    fn serialize_map(self, _: Option<usize>) -> std::result::Result<Self, ShapeError> {
-        self.open(28, &[], Members::Entries);
-        Ok(self)
-    }
-
-    fn serialize_struct(
-        self,
-        name: &'static str,
-        _: usize,
-    ) -> std::result::Result<Self, ShapeError> {
-        self.open(29, &[name], Members::AnyOrder);
-        Ok(self)
-    }
-
-    fn serialize_struct_variant(
-        self,
-        name: &'static str,
-        _: u32,
-        variant: &'static str,
-        _: usize,
-    ) -> std::result::Result<Self, ShapeError> {
-        self.open(30, &[name, variant], Members::AnyOrder);
-        Ok(self)
+    compound! {
+        serialize_seq(_: Option<usize>) = 24, [], AnyOrder;
+        serialize_tuple(_: usize) = 25, [], InPlace;
+        serialize_tuple_struct(name: &'static str, _: usize) = 26, [name], InPlace;
+        serialize_tuple_variant(name: &'static str, _: u32, variant: &'static str, _: usize)
+            = 27, [name, variant], InPlace;
+        serialize_map(_: Option<usize>) = 28, [], Entries;
+        serialize_struct(name: &'static str, _: usize) = 29, [name], AnyOrder;
+        serialize_struct_variant(name: &'static str, _: u32, variant: &'static str, _: usize)
+            = 30, [name, variant], AnyOrder;
     }
 }
 
