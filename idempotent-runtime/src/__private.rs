@@ -40,7 +40,7 @@ pub fn fingerprint_receiver<T: Fingerprinted + ?Sized>(
     name: &'static str,
     value: &T,
 ) {
-    builder.counted_since_v3(name, value);
+    builder.counted(name, value, Counted::SinceV3);
 }
 
 /// Adds a method's `Self` when it is an instantiation of a generic type
@@ -55,7 +55,7 @@ pub fn fingerprint_generic_self(builder: &mut FingerprintBuilder, type_name: &st
     if crate::fingerprint::named_an_instantiation_before_v4(type_name) {
         fingerprint_answer_type(builder, "<Self>", type_name);
     } else if crate::fingerprint::names_a_tuple_or_slice(type_name) {
-        builder.counted_since_v4("<Self>", &crate::fingerprint::short_type_name(type_name));
+        builder.counted_type("<Self>", type_name, Counted::SinceV4);
     }
 }
 
@@ -67,7 +67,7 @@ pub fn fingerprint_answer_type(
     name: &'static str,
     type_name: &str,
 ) {
-    builder.counted_since_v3(name, &crate::fingerprint::short_type_name(type_name));
+    builder.counted_type(name, type_name, Counted::SinceV3);
 }
 
 /// Adds the type of a fingerprinted `impl Trait` parameter (an anonymous
@@ -79,7 +79,7 @@ pub fn fingerprint_impl_type(
     name: &'static str,
     type_name: &str,
 ) {
-    builder.counted_since_v5(name, &crate::fingerprint::short_type_name(type_name));
+    builder.counted_type(name, type_name, Counted::SinceV5);
 }
 
 /// Adds a const parameter only the return type (and left-out parameters)
@@ -89,14 +89,14 @@ pub fn fingerprint_answer_const<T: serde::Serialize>(
     name: &'static str,
     value: &T,
 ) {
-    builder.counted_since_v3(name, value);
+    builder.counted(name, value, Counted::SinceV3);
 }
 
 /// Adds which instantiation of a generic function made the call: a type
 /// parameter's (or `Self`'s) type, by its name without module paths (see
 /// `FingerprintBuilder::instantiation`).
 pub fn fingerprint_type(builder: &mut FingerprintBuilder, name: &'static str, type_name: &str) {
-    builder.instantiation(name, &crate::fingerprint::short_type_name(type_name));
+    builder.counted_type(name, type_name, Counted::Instantiation);
 }
 
 /// Adds a const parameter's value to `builder` (see [`fingerprint_type`]).
@@ -150,6 +150,7 @@ pub const fn duration(secs: u64, nanos: u32) -> Duration {
 }
 
 use crate::error::Error;
+use crate::fingerprint::Counted;
 use crate::identity::Identity;
 use std::fmt::Display;
 

@@ -369,22 +369,41 @@ struct Argument {
     counted: Counted,
 }
 
-/// Since when builds count an argument of the fingerprint.
+/// Since when builds count an argument of the fingerprint (see
+/// [`FingerprintBuilder::counted`]), which decides its legacy forms.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Counted {
+pub(crate) enum Counted {
     /// A parameter: always.
     Always,
-    /// A type or const parameter that a fingerprinted parameter mentions, or
-    /// that nothing left out does (see [`FingerprintBuilder::instantiation`]).
+    /// What tells one instantiation of a generic function from another (a
+    /// type parameter's type, a const parameter's value, `Self` of a
+    /// method), under a name no parameter can have (`<T>`):
+    /// `create::<User>` and `create::<Order>` with one key are two requests,
+    /// not one replayed to the other: a type or const parameter that a
+    /// fingerprinted parameter mentions, or that nothing left out does. Also
+    /// a method's by-value `self` (named `self`), which builds before
+    /// counted left out.
+    ///
+    /// The fingerprint's legacy form (rule 6) is then the one without it,
+    /// which builds before this existed made: a record they stored is still
+    /// replayed, not refused.
     Instantiation,
-    /// The answer's type or a by-value `self`: since `v3` (see
-    /// [`FingerprintBuilder::counted_since_v3`]).
+    /// What `v3` counts and earlier labels did not: the answer's type (a
+    /// type parameter that only the return type and left-out parameters
+    /// mention, `Self` in the return type, a method's generic `Self`) or a
+    /// by-value `self`. The fingerprint is then labelled `v3`, and its legacy
+    /// form is what the build before made of the rest (its parameters and
+    /// instantiations), so a record that build stored is still replayed.
     SinceV3,
-    /// A method's `Self` that is a tuple or a slice: since `v4` (see
-    /// [`FingerprintBuilder::counted_since_v4`]).
+    /// What `v4` counts and earlier labels did not: a method's `Self` that is
+    /// a tuple or a slice. The fingerprint is then labelled `v4`, and its
+    /// legacy form is what the build before made of the rest (a `v3`
+    /// fingerprint included), so a record that build stored is still replayed.
     SinceV4,
-    /// The type of a fingerprinted `impl Trait` parameter: since `v5` (see
-    /// [`FingerprintBuilder::counted_since_v5`]).
+    /// What `v5` counts and earlier labels did not: the type of a
+    /// fingerprinted `impl Trait` parameter. The fingerprint is then labelled
+    /// `v5`, and its legacy form is what the build before made of the rest,
+    /// so a record that build stored is still replayed.
     SinceV5,
 }
 
@@ -500,63 +519,30 @@ impl FingerprintBuilder {
     }
 
     /// Adds what tells one instantiation of a generic function from another
-    /// (a type parameter's type, a const parameter's value, `Self` of a
-    /// method), under a `name` no parameter can have (`<T>`):
-    /// `create::<User>` and `create::<Order>` with one key are two requests,
-    /// not one replayed to the other. Also a method's by-value `self`
-    /// (`name` `self`), which builds before counted left out.
-    ///
-    /// The fingerprint's legacy form (rule 6) is then the one without it,
-    /// which builds before this existed made: a record they stored is still
-    /// replayed, not refused.
+    /// (see [`Counted::Instantiation`]).
     pub(crate) fn instantiation<T: Serialize + ?Sized>(&mut self, name: &'static str, value: &T) {
         self.counted(name, value, Counted::Instantiation);
     }
 
-    /// Adds what `v3` counts and earlier labels did not: the answer's type
-    /// (a type parameter that only the return type and left-out parameters
-    /// mention, `Self` in the return type, a method's generic `Self`) or a
-    /// by-value `self`. The fingerprint is then labelled `v3`, and its legacy
-    /// form is what the build before made of the rest (its parameters and
-    /// instantiations), so a record that build stored is still replayed.
-    pub(crate) fn counted_since_v3<T: Serialize + ?Sized>(
+    /// Adds an argument that builds count only `since` some point (see
+    /// [`Counted`]): as [`argument`](Self::argument) does, and marked so that
+    /// the fingerprint's label and legacy form are those `since` calls for.
+    pub(crate) fn counted<T: Serialize + ?Sized>(
         &mut self,
         name: &'static str,
         value: &T,
+        since: Counted,
     ) {
-        self.counted(name, value, Counted::SinceV3);
-    }
-
-    /// Adds what `v4` counts and earlier labels did not: a method's `Self`
-    /// that is a tuple or a slice. The fingerprint is then labelled `v4`,
-    /// and its legacy form is what the build before made of the rest (a
-    /// `v3` fingerprint included), so a record that build stored is still
-    /// replayed.
-    pub(crate) fn counted_since_v4<T: Serialize + ?Sized>(
-        &mut self,
-        name: &'static str,
-        value: &T,
-    ) {
-        self.counted(name, value, Counted::SinceV4);
-    }
-
-    /// Adds what `v5` counts and earlier labels did not: the type of a
-    /// fingerprinted `impl Trait` parameter. The fingerprint is then
-    /// labelled `v5`, and its legacy form is what the build before made of
-    /// the rest, so a record that build stored is still replayed.
-    pub(crate) fn counted_since_v5<T: Serialize + ?Sized>(
-        &mut self,
-        name: &'static str,
-        value: &T,
-    ) {
-        self.counted(name, value, Counted::SinceV5);
-    }
-
-    fn counted<T: Serialize + ?Sized>(&mut self, name: &'static str, value: &T, counted: Counted) {
         self.argument(name, value);
         if let Some(last) = self.work.arguments.last_mut().filter(|a| a.name == name) {
-            last.counted = counted;
+            last.counted = since;
         }
+    }
+
+    /// [`counted`](Self::counted) for a type, by its name without module
+    /// paths ([`short_type_name`]).
+    pub(crate) fn counted_type(&mut self, name: &'static str, type_name: &str, since: Counted) {
+        self.counted(name, &short_type_name(type_name), since);
     }
 
     /// The fingerprint, or `None` when no argument was added (a call with

@@ -2437,7 +2437,7 @@ fn what_v3_counts_keeps_the_fingerprint_the_build_before_made_as_legacy() {
         if instantiated {
             b.instantiation("<V>", "u8");
         }
-        b.counted_since_v3("<Self>", "Repo<User>");
+        b.counted("<Self>", "Repo<User>", Counted::SinceV3);
         let now = b.finish().unwrap().unwrap();
         assert_eq!(now.version(), "v3");
         assert_ne!(now.as_str(), before(instantiated).as_str());
@@ -2450,14 +2450,14 @@ fn what_v3_counts_keeps_the_fingerprint_the_build_before_made_as_legacy() {
     }
     // Nothing but what v3 counts: the build before made no fingerprint.
     let mut b = FingerprintBuilder::new();
-    b.counted_since_v3("self", &5u8);
+    b.counted("self", &5u8, Counted::SinceV3);
     let only = b.finish().unwrap().unwrap();
     assert_eq!((only.version(), only.legacy()), ("v3", None));
     // Another answer type, another fingerprint.
     let answer = |t: &str| {
         let mut b = FingerprintBuilder::new();
         b.argument("v", &7u8);
-        b.counted_since_v3("<T>", t);
+        b.counted("<T>", t, Counted::SinceV3);
         b.finish().unwrap().unwrap()
     };
     assert_ne!(answer("User").as_str(), answer("Invoice").as_str());
@@ -2471,13 +2471,13 @@ fn what_v3_counts_keeps_the_fingerprint_the_build_before_made_as_legacy() {
 fn a_tuple_self_keeps_the_build_befores_v3_form() {
     let mut before = FingerprintBuilder::new();
     before.argument("v", &7u8);
-    before.counted_since_v3("<A>", "User");
+    before.counted("<A>", "User", Counted::SinceV3);
     let before = before.finish().unwrap().unwrap();
     assert_eq!(before.version(), "v3");
     let mut now = FingerprintBuilder::new();
     now.argument("v", &7u8);
-    now.counted_since_v3("<A>", "User");
-    now.counted_since_v4("<Self>", "(User,)");
+    now.counted("<A>", "User", Counted::SinceV3);
+    now.counted("<Self>", "(User,)", Counted::SinceV4);
     let now = now.finish().unwrap().unwrap();
     assert_eq!(now.version(), "v4");
     assert_eq!(
@@ -2487,7 +2487,7 @@ fn a_tuple_self_keeps_the_build_befores_v3_form() {
     assert_eq!(unknown_version(now.as_str()), None, "this build knows v4");
     // Nothing else counted: the build before made no fingerprint.
     let mut only = FingerprintBuilder::new();
-    only.counted_since_v4("<Self>", "(User,)");
+    only.counted("<Self>", "(User,)", Counted::SinceV4);
     let only = only.finish().unwrap().unwrap();
     assert_eq!((only.version(), only.legacy()), ("v4", None));
     // Tuples and slices since `v4`; generic arguments and arrays before.
@@ -2539,7 +2539,7 @@ fn a_v3_fingerprint_of_equal_sets_ignores_their_order() {
         let mut b = FingerprintBuilder::new();
         b.argument("tags", set);
         if since_v3 {
-            b.counted_since_v3("self", &5u8);
+            b.counted("self", &5u8, Counted::SinceV3);
         }
         b.finish().unwrap().unwrap()
     };
@@ -2592,7 +2592,7 @@ fn every_form_this_build_makes_is_a_known_version() {
     let v2 = Fingerprint::of(&set).unwrap();
     let mut b = FingerprintBuilder::new();
     b.argument("v", &7u8);
-    b.counted_since_v3("<Self>", "Repo<User>");
+    b.counted("<Self>", "Repo<User>", Counted::SinceV3);
     let v3 = b.finish().unwrap().unwrap();
     for (made, label) in [(&v1, "v1"), (&v2, "v2"), (&v3, "v3")] {
         assert_eq!(made.version(), label);
@@ -2761,14 +2761,14 @@ fn encoder_outputs_are_pinned() {
         b.argument("v", &7u8);
         match counted {
             0 => b.instantiation("<V>", "u8"),
-            1 => b.counted_since_v3("<T>", "User"),
-            2 => b.counted_since_v4("<Self>", "(User,)"),
-            3 => b.counted_since_v5("<impl Trait>", "Card"),
+            1 => b.counted("<T>", "User", Counted::SinceV3),
+            2 => b.counted("<Self>", "(User,)", Counted::SinceV4),
+            3 => b.counted("<impl Trait>", "Card", Counted::SinceV5),
             _ => {
                 b.instantiation("<V>", "u8");
-                b.counted_since_v3("<T>", "User");
-                b.counted_since_v4("<Self>", "(User,)");
-                b.counted_since_v5("<impl Trait>", "Card");
+                b.counted("<T>", "User", Counted::SinceV3);
+                b.counted("<Self>", "(User,)", Counted::SinceV4);
+                b.counted("<impl Trait>", "Card", Counted::SinceV5);
             }
         }
         let counted_as = format!("counted {counted}");
