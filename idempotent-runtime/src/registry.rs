@@ -28,144 +28,115 @@ pub enum ErrorPolicy {
     RecordIf(&'static str),
 }
 
-/// Everything the attribute declared about one function.
-#[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct ScopeInfo {
-    /// The scope string, e.g. `payments.charge`.
-    pub scope: &'static str,
-    /// The function's path, `module::path::function`. For a method,
-    /// `module::path::method`: the attribute sees the method, not the `impl`
-    /// it is in (`file` and `line` tell which).
-    pub function: &'static str,
-    /// Source file of the function.
-    pub file: &'static str,
-    /// Line of the function's name.
-    pub line: u32,
-    /// Retention of a completed record.
-    pub ttl: Duration,
-    /// Lease of an in-progress record (renewed every `lease / 3`).
-    pub lease: Duration,
-    /// What a concurrent duplicate gets.
-    pub in_progress: InProgressPolicy,
-    /// What an `Err` does.
-    pub errors: ErrorPolicy,
-    /// Whether reservation and completion run in the caller's transaction (`tx = ...`).
-    pub transactional: bool,
-    /// Whether the arguments are fingerprinted at all (`fingerprint = false` turns it off).
-    pub fingerprinted: bool,
-    /// The parameters that go into the fingerprint, in declaration order.
-    pub fingerprinted_parameters: &'static [&'static str],
-    /// Whether the tenant is `shared` (no per-caller namespace).
-    pub shared_tenant: bool,
-    /// The `recover = path` hook asked before a takeover re-runs the body
-    /// (rule 20), as written; `None` without one.
-    pub recover: Option<&'static str>,
-    /// `shared_scope`: this function claims its scope together with others on
-    /// purpose (rule 21), e.g. an HTTP handler and a queue consumer that both
-    /// process "refund order 8891". Every claimant must say so, and they must
-    /// agree on what they fingerprint, on their ttl, on whether they ask a
-    /// `recover` hook, on whether the tenant is `shared` and on whether they
-    /// may record errors ([`validate`]).
-    pub shared_scope: bool,
+/// Defines [`ScopeInfo`] and [`ScopeSpec`] from one list of fields (the two
+/// have the same fields, with the same meaning) and [`ScopeInfo::new`], which
+/// copies each, so that a field added to one is added to both.
+macro_rules! scope_info_and_spec {
+    (
+        $(#[$info_attr:meta])* pub struct ScopeInfo;
+        $(#[$spec_attr:meta])* pub struct ScopeSpec;
+        fields {
+            $($(#[$field_attr:meta])* pub $field:ident: $ty:ty,)*
+        }
+    ) => {
+        $(#[$info_attr])*
+        pub struct ScopeInfo {
+            $($(#[$field_attr])* pub $field: $ty,)*
+        }
+
+        $(#[$spec_attr])*
+        pub struct ScopeSpec {
+            $($(#[$field_attr])* pub $field: $ty,)*
+        }
+
+        impl ScopeInfo {
+            /// Builds the description of one claimant. `const`, so it can live in a
+            /// `static` (the generated code puts one in each annotated function).
+            pub const fn new(spec: ScopeSpec) -> Self {
+                ScopeInfo {
+                    $($field: spec.$field,)*
+                }
+            }
+        }
+    };
 }
 
-/// Everything needed to describe one claimant of a scope, by name: what
-/// [`ScopeInfo::new`] (and the code `#[idempotent]` generates) builds a
-/// [`ScopeInfo`] from. The fields mean what [`ScopeInfo`]'s fields of the
-/// same names mean.
-///
-/// ```
-/// use idempotent_runtime::registry::{ErrorPolicy, InProgressPolicy, ScopeInfo, ScopeSpec};
-/// use std::time::Duration;
-/// static CHARGE: ScopeInfo = ScopeInfo::new(ScopeSpec {
-///     scope: "payments.charge",
-///     function: "billing::charge",
-///     file: file!(),
-///     line: line!(),
-///     ttl: Duration::from_secs(24 * 3600),
-///     lease: Duration::from_secs(30),
-///     in_progress: InProgressPolicy::Wait(Duration::from_secs(10)),
-///     errors: ErrorPolicy::Release,
-///     transactional: false,
-///     fingerprinted: true,
-///     fingerprinted_parameters: &["req"],
-///     shared_tenant: false,
-///     recover: None,
-///     shared_scope: false,
-/// });
-/// assert_eq!(CHARGE.scope, "payments.charge");
-/// ```
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ScopeSpec {
-    /// The scope string, e.g. `payments.charge`.
-    pub scope: &'static str,
-    /// The function's path, `module::path::function`.
-    pub function: &'static str,
-    /// Source file of the function.
-    pub file: &'static str,
-    /// Line of the function's name.
-    pub line: u32,
-    /// Retention of a completed record.
-    pub ttl: Duration,
-    /// Lease of an in-progress record.
-    pub lease: Duration,
-    /// What a concurrent duplicate gets.
-    pub in_progress: InProgressPolicy,
-    /// What an `Err` does.
-    pub errors: ErrorPolicy,
-    /// `tx = ...`: reservation and completion in the caller's transaction.
-    pub transactional: bool,
-    /// `false` with `fingerprint = false`.
-    pub fingerprinted: bool,
-    /// The parameters that go into the fingerprint, in declaration order.
-    pub fingerprinted_parameters: &'static [&'static str],
-    /// `tenant = shared`.
-    pub shared_tenant: bool,
-    /// The `recover = path` hook, as written.
-    pub recover: Option<&'static str>,
-    /// `shared_scope` (rule 21).
-    pub shared_scope: bool,
+scope_info_and_spec! {
+    /// Everything the attribute declared about one function.
+    #[derive(Debug, Clone, PartialEq, Eq)]
+    #[non_exhaustive]
+    pub struct ScopeInfo;
+
+    /// Everything needed to describe one claimant of a scope, by name: what
+    /// [`ScopeInfo::new`] (and the code `#[idempotent]` generates) builds a
+    /// [`ScopeInfo`] from. The fields mean what [`ScopeInfo`]'s fields of the
+    /// same names mean.
+    ///
+    /// ```
+    /// use idempotent_runtime::registry::{ErrorPolicy, InProgressPolicy, ScopeInfo, ScopeSpec};
+    /// use std::time::Duration;
+    /// static CHARGE: ScopeInfo = ScopeInfo::new(ScopeSpec {
+    ///     scope: "payments.charge",
+    ///     function: "billing::charge",
+    ///     file: file!(),
+    ///     line: line!(),
+    ///     ttl: Duration::from_secs(24 * 3600),
+    ///     lease: Duration::from_secs(30),
+    ///     in_progress: InProgressPolicy::Wait(Duration::from_secs(10)),
+    ///     errors: ErrorPolicy::Release,
+    ///     transactional: false,
+    ///     fingerprinted: true,
+    ///     fingerprinted_parameters: &["req"],
+    ///     shared_tenant: false,
+    ///     recover: None,
+    ///     shared_scope: false,
+    /// });
+    /// assert_eq!(CHARGE.scope, "payments.charge");
+    /// ```
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub struct ScopeSpec;
+
+    fields {
+        /// The scope string, e.g. `payments.charge`.
+        pub scope: &'static str,
+        /// The function's path, `module::path::function`. For a method,
+        /// `module::path::method`: the attribute sees the method, not the `impl`
+        /// it is in (`file` and `line` tell which).
+        pub function: &'static str,
+        /// Source file of the function.
+        pub file: &'static str,
+        /// Line of the function's name.
+        pub line: u32,
+        /// Retention of a completed record.
+        pub ttl: Duration,
+        /// Lease of an in-progress record (renewed every `lease / 3`).
+        pub lease: Duration,
+        /// What a concurrent duplicate gets.
+        pub in_progress: InProgressPolicy,
+        /// What an `Err` does.
+        pub errors: ErrorPolicy,
+        /// Whether reservation and completion run in the caller's transaction (`tx = ...`).
+        pub transactional: bool,
+        /// Whether the arguments are fingerprinted at all (`fingerprint = false` turns it off).
+        pub fingerprinted: bool,
+        /// The parameters that go into the fingerprint, in declaration order.
+        pub fingerprinted_parameters: &'static [&'static str],
+        /// Whether the tenant is `shared` (no per-caller namespace).
+        pub shared_tenant: bool,
+        /// The `recover = path` hook asked before a takeover re-runs the body
+        /// (rule 20), as written; `None` without one.
+        pub recover: Option<&'static str>,
+        /// `shared_scope`: this function claims its scope together with others on
+        /// purpose (rule 21), e.g. an HTTP handler and a queue consumer that both
+        /// process "refund order 8891". Every claimant must say so, and they must
+        /// agree on what they fingerprint, on their ttl, on whether they ask a
+        /// `recover` hook, on whether the tenant is `shared` and on whether they
+        /// may record errors ([`validate`]).
+        pub shared_scope: bool,
+    }
 }
 
 impl ScopeInfo {
-    /// Builds the description of one claimant. `const`, so it can live in a
-    /// `static` (the generated code puts one in each annotated function).
-    pub const fn new(spec: ScopeSpec) -> Self {
-        let ScopeSpec {
-            scope,
-            function,
-            file,
-            line,
-            ttl,
-            lease,
-            in_progress,
-            errors,
-            transactional,
-            fingerprinted,
-            fingerprinted_parameters,
-            shared_tenant,
-            recover,
-            shared_scope,
-        } = spec;
-        ScopeInfo {
-            scope,
-            function,
-            file,
-            line,
-            ttl,
-            lease,
-            in_progress,
-            errors,
-            transactional,
-            fingerprinted,
-            fingerprinted_parameters,
-            shared_tenant,
-            recover,
-            shared_scope,
-        }
-    }
-
     /// What rule 21 compares between claimants of a shared scope.
     fn terms(&self) -> Terms<'static> {
         Terms {
@@ -571,27 +542,21 @@ pub fn validate_infos(infos: &[&ScopeInfo]) -> Result<(), RegistryError> {
 /// What two claimants of a shared scope disagree on, if anything (the rule:
 /// `idempotent_rules::shared_scope`).
 fn disagreement(a: &ScopeInfo, b: &ScopeInfo) -> Option<Disagreement> {
+    // `Disagreement::$variant` with what `a` and `b` each have there.
+    macro_rules! sides {
+        ($variant:ident: $($what:tt)+) => {
+            Disagreement::$variant {
+                first: a.$($what)+,
+                second: b.$($what)+,
+            }
+        };
+    }
     Some(match first_difference(&a.terms(), &b.terms())? {
-        Difference::Fingerprint => Disagreement::Fingerprint {
-            first: a.fingerprint_shape(),
-            second: b.fingerprint_shape(),
-        },
-        Difference::Ttl => Disagreement::Ttl {
-            first: a.ttl,
-            second: b.ttl,
-        },
-        Difference::Recover => Disagreement::Recover {
-            first: a.recover,
-            second: b.recover,
-        },
-        Difference::SharedTenant => Disagreement::SharedTenant {
-            first: a.shared_tenant,
-            second: b.shared_tenant,
-        },
-        Difference::ErrorPolicy => Disagreement::ErrorPolicy {
-            first: a.errors,
-            second: b.errors,
-        },
+        Difference::Fingerprint => sides!(Fingerprint: fingerprint_shape()),
+        Difference::Ttl => sides!(Ttl: ttl),
+        Difference::Recover => sides!(Recover: recover),
+        Difference::SharedTenant => sides!(SharedTenant: shared_tenant),
+        Difference::ErrorPolicy => sides!(ErrorPolicy: errors),
     })
 }
 
