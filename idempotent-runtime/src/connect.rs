@@ -78,40 +78,29 @@ pub(crate) fn mysql_url(url: &str) -> std::borrow::Cow<'_, str> {
     }
 }
 
-#[cfg(feature = "sqlite")]
-async fn connect_sqlite(url: &str) -> Result<Arc<dyn Store>, ConnectError> {
-    Ok(Arc::new(crate::SqliteStore::connect(url).await?))
-}
-#[cfg(not(feature = "sqlite"))]
-async fn connect_sqlite(_: &str) -> Result<Arc<dyn Store>, ConnectError> {
-    Err(ConnectError::FeatureDisabled {
-        store: "SQLite",
-        feature: "sqlite",
-    })
-}
-
-#[cfg(feature = "postgres")]
-async fn connect_postgres(url: &str) -> Result<Arc<dyn Store>, ConnectError> {
-    Ok(Arc::new(crate::PgStore::connect(url).await?))
-}
-#[cfg(not(feature = "postgres"))]
-async fn connect_postgres(_: &str) -> Result<Arc<dyn Store>, ConnectError> {
-    Err(ConnectError::FeatureDisabled {
-        store: "PostgreSQL",
-        feature: "postgres",
-    })
+/// Defines each `$name`, which opens the store `$open` builds from the URL
+/// when the `$feature` feature is compiled in, and otherwise says that the
+/// store (`$store`) is not ([`ConnectError::FeatureDisabled`]).
+macro_rules! connectors {
+    ($($name:ident($feature:literal, $store:literal) = |$url:ident| $open:expr;)*) => {$(
+        #[cfg(feature = $feature)]
+        async fn $name($url: &str) -> Result<Arc<dyn Store>, ConnectError> {
+            Ok(Arc::new($open.await?))
+        }
+        #[cfg(not(feature = $feature))]
+        async fn $name(_: &str) -> Result<Arc<dyn Store>, ConnectError> {
+            Err(ConnectError::FeatureDisabled {
+                store: $store,
+                feature: $feature,
+            })
+        }
+    )*};
 }
 
-#[cfg(feature = "mysql")]
-async fn connect_mysql(url: &str) -> Result<Arc<dyn Store>, ConnectError> {
-    Ok(Arc::new(crate::MySqlStore::connect(&mysql_url(url)).await?))
-}
-#[cfg(not(feature = "mysql"))]
-async fn connect_mysql(_: &str) -> Result<Arc<dyn Store>, ConnectError> {
-    Err(ConnectError::FeatureDisabled {
-        store: "MySQL",
-        feature: "mysql",
-    })
+connectors! {
+    connect_sqlite("sqlite", "SQLite") = |url| crate::SqliteStore::connect(url);
+    connect_postgres("postgres", "PostgreSQL") = |url| crate::PgStore::connect(url);
+    connect_mysql("mysql", "MySQL") = |url| crate::MySqlStore::connect(&mysql_url(url));
 }
 
 #[cfg(test)]
