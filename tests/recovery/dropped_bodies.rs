@@ -10,7 +10,7 @@ use idempotent_runtime::{
     Takeover,
 };
 use std::collections::HashMap;
-use std::sync::{LazyLock, Mutex};
+use std::sync::{Arc, LazyLock, Mutex};
 use std::time::Duration;
 use tokio::sync::Notify;
 
@@ -20,13 +20,20 @@ struct Gateway {
     charges: HashMap<String, u32>,
     /// The attempts the hook was asked about, per key.
     asked: HashMap<String, Vec<u32>>,
+    /// Told when a key is charged (per key: the tests of this file share
+    /// the gateway when they run in one process, as under `cargo test`).
+    charged: HashMap<String, Arc<Notify>>,
 }
 
 static GATEWAY: LazyLock<Mutex<Gateway>> = LazyLock::new(Default::default);
-static CHARGED: Notify = Notify::const_new();
 
 fn gateway() -> std::sync::MutexGuard<'static, Gateway> {
     GATEWAY.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// What tells that `key` was charged.
+fn charged(key: &str) -> Arc<Notify> {
+    gateway().charged.entry(key.to_owned()).or_default().clone()
 }
 
 async fn find_charge(takeover: &Takeover) -> Result<Recovery<u32>, Error> {
@@ -60,7 +67,7 @@ async fn charge(store: &dyn Store, key: &str, then: Then) -> Result<u32, Error> 
         *n += 1;
         *n
     };
-    CHARGED.notify_one();
+    charged(key).notify_one();
     match then {
         Then::Hang => std::future::pending().await,
         Then::Panic => panic!("the gateway client panicked after charging"),
@@ -93,9 +100,10 @@ async fn ended_without_an_answer_then_retried(store: &dyn Store, first: Then) {
     let key = format!("k-{}", uuid::Uuid::new_v4());
     match first {
         Then::Hang => {
+            let charged = charged(&key);
             let mut call = Box::pin(charge(store, &key, Then::Hang));
             tokio::select! {
-                () = CHARGED.notified() => {}
+                () = charged.notified() => {}
                 answer = &mut call => panic!("the first attempt hangs: {answer:?}"),
             }
             drop(call); // the caller's timeout
