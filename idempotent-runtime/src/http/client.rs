@@ -430,26 +430,22 @@ impl IdempotentClient {
         }
     }
 
-    /// Uses `policy` for every intent made from now on.
-    pub fn with_policy(mut self, policy: RetryPolicy) -> Self {
-        self.policy = policy;
-        self
-    }
+    setters! {
+        /// Uses `policy` for every intent made from now on.
+        fn with_policy(policy: RetryPolicy) => policy = policy;
 
-    /// Reads answer bodies of at most `limit` bytes
-    /// ([`DEFAULT_MAX_ANSWER_BYTES`] by default): a larger one is
-    /// [`ClientError::AnswerTooLarge`], not read, for every intent made from
-    /// now on. The body is read as it arrives and given up past the limit,
-    /// so a server answering without end (or a compressed body that grows
-    /// without end) uses no more memory than that.
-    ///
-    /// ```
-    /// let client = idempotent_runtime::http::IdempotentClient::new(reqwest::Client::new())
-    ///     .with_max_answer_bytes(1024 * 1024);
-    /// ```
-    pub fn with_max_answer_bytes(mut self, limit: usize) -> Self {
-        self.max_answer_bytes = limit;
-        self
+        /// Reads answer bodies of at most `limit` bytes
+        /// ([`DEFAULT_MAX_ANSWER_BYTES`] by default): a larger one is
+        /// [`ClientError::AnswerTooLarge`], not read, for every intent made from
+        /// now on. The body is read as it arrives and given up past the limit,
+        /// so a server answering without end (or a compressed body that grows
+        /// without end) uses no more memory than that.
+        ///
+        /// ```
+        /// let client = idempotent_runtime::http::IdempotentClient::new(reqwest::Client::new())
+        ///     .with_max_answer_bytes(1024 * 1024);
+        /// ```
+        fn with_max_answer_bytes(limit: usize) => max_answer_bytes = limit;
     }
 
     /// The retry policy.

@@ -134,9 +134,7 @@ pub struct IdempotencyLayerBuilder {
     max_body_bytes: usize,
     max_response_bytes: usize,
     recorded_headers: Vec<HeaderName>,
-    record_client_errors: bool,
-    record_server_errors: bool,
-    record_when: Option<Arc<StatusFn>>,
+    recording: RecordRule,
     recover: Option<(Arc<RecoverFn>, &'static str)>,
     shared_scope: bool,
 }
@@ -239,107 +237,85 @@ impl IdempotencyLayerBuilder {
         self
     }
 
-    /// Says this layer shares its scope on purpose with the other layers that
-    /// claim it and say so too (rule 21 of the contract: e.g. two routers of
-    /// one service, built apart, that accept the same request). Without it, a
-    /// second claimant of the scope is reported by
-    /// [`registry::validate`](crate::registry::validate) as a duplicate,
-    /// naming both sites. The claimants must have the same ttl and either all
-    /// have a [`recover`](Self::recover) hook or none, or `validate` reports
-    /// the disagreement; which answers each records
-    /// ([`record_client_errors`](Self::record_client_errors) and the like)
-    /// may differ, as may the hooks themselves.
-    ///
-    /// A layer fingerprints the request (its method, target and body), so it
-    /// cannot share a scope with an annotated function (a route and a message
-    /// consumer that process the same business event): `validate` reports
-    /// that they fingerprint different parameters. Share such a scope
-    /// between annotated functions, the route's handler calling one.
-    ///
-    /// ```
-    /// use idempotent_runtime::http::IdempotencyLayer;
-    /// use idempotent_runtime::MemoryStore;
-    /// # #[derive(Clone, Debug)] struct AccountId(String);
-    /// # impl std::fmt::Display for AccountId {
-    /// #     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result { f.write_str(&self.0) }
-    /// # }
-    /// let store = MemoryStore::new();
-    /// let public = IdempotencyLayer::builder("orders.create", store.clone())
-    ///     .tenant_from_extension::<AccountId>()
-    ///     .shared_scope()
-    ///     .build()
-    ///     .expect("a valid layer");
-    /// let partner = IdempotencyLayer::builder("orders.create", store)
-    ///     .tenant_from_extension::<AccountId>()
-    ///     .shared_scope()
-    ///     .build()
-    ///     .expect("a valid layer");
-    /// let claimants = [public.scope_info(), partner.scope_info()];
-    /// assert!(idempotent_runtime::registry::validate_infos(&claimants).is_ok());
-    /// ```
-    pub fn shared_scope(mut self) -> Self {
-        self.shared_scope = true;
-        self
-    }
+    setters! {
+        /// Says this layer shares its scope on purpose with the other layers that
+        /// claim it and say so too (rule 21 of the contract: e.g. two routers of
+        /// one service, built apart, that accept the same request). Without it, a
+        /// second claimant of the scope is reported by
+        /// [`registry::validate`](crate::registry::validate) as a duplicate,
+        /// naming both sites. The claimants must have the same ttl and either all
+        /// have a [`recover`](Self::recover) hook or none, or `validate` reports
+        /// the disagreement; which answers each records
+        /// ([`record_client_errors`](Self::record_client_errors) and the like)
+        /// may differ, as may the hooks themselves.
+        ///
+        /// A layer fingerprints the request (its method, target and body), so it
+        /// cannot share a scope with an annotated function (a route and a message
+        /// consumer that process the same business event): `validate` reports
+        /// that they fingerprint different parameters. Share such a scope
+        /// between annotated functions, the route's handler calling one.
+        ///
+        /// ```
+        /// use idempotent_runtime::http::IdempotencyLayer;
+        /// use idempotent_runtime::MemoryStore;
+        /// # #[derive(Clone, Debug)] struct AccountId(String);
+        /// # impl std::fmt::Display for AccountId {
+        /// #     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result { f.write_str(&self.0) }
+        /// # }
+        /// let store = MemoryStore::new();
+        /// let public = IdempotencyLayer::builder("orders.create", store.clone())
+        ///     .tenant_from_extension::<AccountId>()
+        ///     .shared_scope()
+        ///     .build()
+        ///     .expect("a valid layer");
+        /// let partner = IdempotencyLayer::builder("orders.create", store)
+        ///     .tenant_from_extension::<AccountId>()
+        ///     .shared_scope()
+        ///     .build()
+        ///     .expect("a valid layer");
+        /// let claimants = [public.scope_info(), partner.scope_info()];
+        /// assert!(idempotent_runtime::registry::validate_infos(&claimants).is_ok());
+        /// ```
+        fn shared_scope() => shared_scope = true;
 
-    /// Requests without an `Idempotency-Key` pass through to the handler
-    /// unprotected, instead of being refused with 400 (the default). A
-    /// malformed key is still refused.
-    pub fn key_optional(mut self) -> Self {
-        self.key_required = false;
-        self
-    }
+        /// Requests without an `Idempotency-Key` pass through to the handler
+        /// unprotected, instead of being refused with 400 (the default). A
+        /// malformed key is still refused.
+        fn key_optional() => key_required = false;
 
-    /// The lease of a running request (default 30 s), renewed every
-    /// `lease / 3` while the handler runs. After a crash, a retry can take
-    /// the key over once the lease has run out.
-    pub fn lease(mut self, lease: Duration) -> Self {
-        self.lease = lease;
-        self
-    }
+        /// The lease of a running request (default 30 s), renewed every
+        /// `lease / 3` while the handler runs. After a crash, a retry can take
+        /// the key over once the lease has run out.
+        fn lease(lease: Duration) => lease = lease;
 
-    /// How long a recorded answer is replayed (default 24 h).
-    pub fn ttl(mut self, ttl: Duration) -> Self {
-        self.ttl = ttl;
-        self
-    }
+        /// How long a recorded answer is replayed (default 24 h).
+        fn ttl(ttl: Duration) => ttl = ttl;
 
-    /// A duplicate that arrives while the first request runs waits up to
-    /// `bound` for its answer and replays it (default 10 s); still running
-    /// after that, it gets 409 with `Retry-After`. At least 1 ms, as
-    /// `in_progress = wait("...")` ([`build`](Self::build) refuses less; for
-    /// no wait, [`reject_in_progress`](Self::reject_in_progress)).
-    pub fn wait(mut self, bound: Duration) -> Self {
-        self.in_progress = InProgressPolicy::Wait(bound);
-        self
-    }
+        /// A duplicate that arrives while the first request runs waits up to
+        /// `bound` for its answer and replays it (default 10 s); still running
+        /// after that, it gets 409 with `Retry-After`. At least 1 ms, as
+        /// `in_progress = wait("...")` ([`build`](Self::build) refuses less; for
+        /// no wait, [`reject_in_progress`](Self::reject_in_progress)).
+        fn wait(bound: Duration) => in_progress = InProgressPolicy::Wait(bound);
 
-    /// A duplicate that arrives while the first request runs gets 409 with
-    /// `Retry-After` at once, without waiting.
-    pub fn reject_in_progress(mut self) -> Self {
-        self.in_progress = InProgressPolicy::Reject;
-        self
-    }
+        /// A duplicate that arrives while the first request runs gets 409 with
+        /// `Retry-After` at once, without waiting.
+        fn reject_in_progress() => in_progress = InProgressPolicy::Reject;
 
-    /// The largest request body buffered for the fingerprint (default
-    /// [`DEFAULT_MAX_BODY_BYTES`]); a larger one is refused with 413. With
-    /// axum, a cap above its 2 MB default body limit needs
-    /// `axum::extract::DefaultBodyLimit` raised as well: otherwise the
-    /// handler's extractor answers 413 itself (not recorded, as no 413 is
-    /// by the default rule).
-    pub fn max_body_bytes(mut self, limit: usize) -> Self {
-        self.max_body_bytes = limit;
-        self
-    }
+        /// The largest request body buffered for the fingerprint (default
+        /// [`DEFAULT_MAX_BODY_BYTES`]); a larger one is refused with 413. With
+        /// axum, a cap above its 2 MB default body limit needs
+        /// `axum::extract::DefaultBodyLimit` raised as well: otherwise the
+        /// handler's extractor answers 413 itself (not recorded, as no 413 is
+        /// by the default rule).
+        fn max_body_bytes(limit: usize) => max_body_bytes = limit;
 
-    /// The largest response body recorded (default and at most
-    /// [`DEFAULT_MAX_RESPONSE_BYTES`], 4 MiB: [`build`](Self::build) refuses
-    /// a larger limit with [`LayerConfigError::ResponseLimitTooLarge`]). A
-    /// larger answer cannot be recorded: the key is released and the client
-    /// gets 500.
-    pub fn max_response_bytes(mut self, limit: usize) -> Self {
-        self.max_response_bytes = limit;
-        self
+        /// The largest response body recorded (default and at most
+        /// [`DEFAULT_MAX_RESPONSE_BYTES`], 4 MiB: [`build`](Self::build) refuses
+        /// a larger limit with [`LayerConfigError::ResponseLimitTooLarge`]). A
+        /// larger answer cannot be recorded: the key is released and the client
+        /// gets 500.
+        fn max_response_bytes(limit: usize) => max_response_bytes = limit;
     }
 
     /// Also records and replays this response header (besides
@@ -354,28 +330,24 @@ impl IdempotencyLayerBuilder {
         self
     }
 
-    /// Whether 4xx answers of the handler are recorded as the final answer
-    /// for their key (default `true`). `401`, `405`, `408`, `411`, `413`,
-    /// `414`, `415`, `417`, `421`, `423`, `425`, `428`, `429` and `431` are
-    /// never recorded by the default rule: they say "not processed, try
-    /// again" (a `401` once the client has authenticated again, a `405`
-    /// with the route's method, a `411` with a `Content-Length`, a `413` with a smaller
-    /// body, a `414` with a shorter target, a `415` with the right
-    /// `Content-Type`, a `417` without the expectation, a `421` over another
-    /// connection, a `428` with a precondition such as `If-Match`, a `431`
-    /// with smaller header fields), so replaying them would refuse every
-    /// retry: with the refusal itself when only headers or framing changed
-    /// (they are not fingerprinted), or 422.
-    pub fn record_client_errors(mut self, record: bool) -> Self {
-        self.record_client_errors = record;
-        self
-    }
+    setters! {
+        /// Whether 4xx answers of the handler are recorded as the final answer
+        /// for their key (default `true`). `401`, `405`, `408`, `411`, `413`,
+        /// `414`, `415`, `417`, `421`, `423`, `425`, `428`, `429` and `431` are
+        /// never recorded by the default rule: they say "not processed, try
+        /// again" (a `401` once the client has authenticated again, a `405`
+        /// with the route's method, a `411` with a `Content-Length`, a `413` with a smaller
+        /// body, a `414` with a shorter target, a `415` with the right
+        /// `Content-Type`, a `417` without the expectation, a `421` over another
+        /// connection, a `428` with a precondition such as `If-Match`, a `431`
+        /// with smaller header fields), so replaying them would refuse every
+        /// retry: with the refusal itself when only headers or framing changed
+        /// (they are not fingerprinted), or 422.
+        fn record_client_errors(record: bool) => recording.client_errors = record;
 
-    /// Whether 5xx answers of the handler are recorded (default `false`: a
-    /// 5xx releases the key, so a retry runs the handler again).
-    pub fn record_server_errors(mut self, record: bool) -> Self {
-        self.record_server_errors = record;
-        self
+        /// Whether 5xx answers of the handler are recorded (default `false`: a
+        /// 5xx releases the key, so a retry runs the handler again).
+        fn record_server_errors(record: bool) => recording.server_errors = record;
     }
 
     /// Replaces the rule for which statuses are recorded: `true` records the
@@ -384,7 +356,7 @@ impl IdempotencyLayerBuilder {
     where
         F: Fn(StatusCode) -> bool + Send + Sync + 'static,
     {
-        self.record_when = Some(Arc::new(rule));
+        self.recording.when = Some(Arc::new(rule));
         self
     }
 
@@ -440,17 +412,6 @@ impl IdempotencyLayerBuilder {
             });
         }
         let caller = std::panic::Location::caller();
-        let errors = match (
-            &self.record_when,
-            self.record_client_errors,
-            self.record_server_errors,
-        ) {
-            (Some(_), ..) => "record_when(custom rule)",
-            (None, true, false) => "release 5xx, record 4xx",
-            (None, true, true) => "record 4xx and 5xx",
-            (None, false, false) => "release 4xx and 5xx",
-            (None, false, true) => "release 4xx, record 5xx",
-        };
         let spec: &'static ScopeInfo = Box::leak(Box::new(ScopeInfo::new(ScopeSpec {
             scope: Box::leak(self.scope.into_boxed_str()),
             function: "idempotent_runtime::http::IdempotencyLayer",
@@ -459,7 +420,7 @@ impl IdempotencyLayerBuilder {
             ttl: self.ttl,
             lease: self.lease,
             in_progress: self.in_progress,
-            errors: ErrorPolicy::RecordIf(errors),
+            errors: ErrorPolicy::RecordIf(self.recording.policy()),
             transactional: false,
             fingerprinted: true,
             // Not parameter names: the layer's fingerprint is its own
@@ -484,9 +445,7 @@ impl IdempotencyLayerBuilder {
                 max_body_bytes: self.max_body_bytes,
                 max_response_bytes: self.max_response_bytes,
                 recorded_headers: self.recorded_headers,
-                record_client_errors: self.record_client_errors,
-                record_server_errors: self.record_server_errors,
-                record_when: self.record_when,
+                recording: self.recording,
                 recover: self.recover.map(|(hook, _)| hook),
             }),
         })
@@ -502,10 +461,19 @@ struct Config {
     max_body_bytes: usize,
     max_response_bytes: usize,
     recorded_headers: Vec<HeaderName>,
-    record_client_errors: bool,
-    record_server_errors: bool,
-    record_when: Option<Arc<StatusFn>>,
+    recording: RecordRule,
     recover: Option<Arc<RecoverFn>>,
+}
+
+/// Which of the handler's answers a layer records as final for their key:
+/// what [`IdempotencyLayerBuilder::record_client_errors`],
+/// [`record_server_errors`](IdempotencyLayerBuilder::record_server_errors)
+/// and [`record_when`](IdempotencyLayerBuilder::record_when) set.
+struct RecordRule {
+    client_errors: bool,
+    server_errors: bool,
+    /// A rule of the user's, in place of the two above.
+    when: Option<Arc<StatusFn>>,
 }
 
 /// The 4xx answers that say "not processed, send it again": 408 Request
@@ -563,24 +531,36 @@ fn asks_for_a_resend(status: StatusCode) -> bool {
     )
 }
 
-impl Config {
+impl RecordRule {
+    /// Whether an answer of `status` is recorded.
     fn records(&self, status: StatusCode) -> bool {
         // A 1xx answer (101 Switching Protocols) hands the connection over:
         // nothing a replay could give again.
         if status.is_informational() {
             return false;
         }
-        if let Some(rule) = &self.record_when {
+        if let Some(rule) = &self.when {
             return rule(status);
         }
         if status.is_server_error() {
-            self.record_server_errors
+            self.server_errors
         } else if status.is_client_error() {
             // "Try again" answers, and answers asking for the request
             // again, changed (or over another connection), with the same key.
-            self.record_client_errors && !says_try_again(status) && !asks_for_a_resend(status)
+            self.client_errors && !says_try_again(status) && !asks_for_a_resend(status)
         } else {
             true
+        }
+    }
+
+    /// The rule as the layer's [`ScopeInfo`] lists it (its errors policy).
+    fn policy(&self) -> &'static str {
+        match (&self.when, self.client_errors, self.server_errors) {
+            (Some(_), ..) => "record_when(custom rule)",
+            (None, true, false) => "release 5xx, record 4xx",
+            (None, true, true) => "record 4xx and 5xx",
+            (None, false, false) => "release 4xx and 5xx",
+            (None, false, true) => "release 4xx, record 5xx",
         }
     }
 }
@@ -671,9 +651,11 @@ impl IdempotencyLayer {
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
             max_response_bytes: DEFAULT_MAX_RESPONSE_BYTES,
             recorded_headers: DEFAULT_RECORDED_HEADERS.to_vec(),
-            record_client_errors: true,
-            record_server_errors: false,
-            record_when: None,
+            recording: RecordRule {
+                client_errors: true,
+                server_errors: false,
+                when: None,
+            },
             recover: None,
             shared_scope: false,
         }
@@ -1136,7 +1118,7 @@ where
             "the answer says to send the request again (not final): not recorded; {}", of.not_recorded());
         return Err(Failure::Passthrough(response.map(Body::new)));
     }
-    if !config.records(status) {
+    if !config.recording.records(status) {
         tracing::info!(target: "idempotent", scope = config.spec.scope, status = status.as_u16(),
             "answer not recorded by the layer's rule; {}", of.not_recorded());
         return Err(Failure::Passthrough(response.map(Body::new)));

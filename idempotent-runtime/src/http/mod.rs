@@ -33,6 +33,21 @@
 //! | store unavailable | 503 `store-unavailable` |
 //! | the record was made by a newer version of the server | 503 `recorded-by-newer-version` + `Retry-After: 1` |
 
+/// Builder methods that set one field and give the builder back, written
+/// `fn name(argument: Type) => field = value;` (`fn name() => ...` for one
+/// that takes no argument), each under its doc comment.
+macro_rules! setters {
+    ($($(#[$attr:meta])* fn $name:ident($($arg:ident: $ty:ty)?) => $($field:ident).+ = $value:expr;)*) => {
+        $(
+            $(#[$attr])*
+            pub fn $name(mut self $(, $arg: $ty)?) -> Self {
+                self.$($field).+ = $value;
+                self
+            }
+        )*
+    };
+}
+
 pub mod client;
 mod fingerprint;
 mod key;
