@@ -466,6 +466,19 @@ impl FinishOnDrop<'_> {
     fn arm(&self, armed: bool) {
         self.armed.store(armed, Ordering::Relaxed);
     }
+
+    /// Ends the lease of the call's record, kept in progress, so the next
+    /// call takes it over at once and asks the recover hook (rule 20), and
+    /// disarms the guard: nothing is left for a drop to finish. The renewals
+    /// still on their way (`in_flight`) land first: one landing after the
+    /// end would renew the ended lease.
+    async fn end_lease_for_takeover(&mut self, in_flight: Option<RenewalsInFlight<'_>>) {
+        if let Some(in_flight) = in_flight {
+            in_flight.landed(self.spec, self.identity).await;
+        }
+        end_lease_logged(self.store, self.identity, self.token).await;
+        self.arm(false);
+    }
 }
 
 impl Drop for FinishOnDrop<'_> {
@@ -595,9 +608,57 @@ where
 {
     let spec = call.spec;
     let span = call_span(&call);
-    let (result, outcome) = execute_inner(call, errors, recover, body, &span)
-        .instrument(span.clone())
+    let steps = async {
+        // Only what touches the body is generic over it (one copy of these
+        // steps per annotated function): the call's steps before and after
+        // the body are functions of their own, compiled once per answer type.
+        let (identity, store_ref, fingerprint) = match checked_call(call, &span) {
+            Ok(checked) => checked,
+            Err(e) => return failed::<R>(e),
+        };
+        let store = store_ref.get();
+        let token = OwnerToken::new();
+        let mut guard = FinishOnDrop {
+            store,
+            identity: &identity,
+            token: &token,
+            fingerprint: fingerprint.as_ref(),
+            armed: AtomicBool::new(false),
+            completing: None,
+            keep_for_takeover: spec.recover.is_some(),
+            pins: crate::unrecorded::Pins::for_call(&identity, store, fingerprint.as_ref()),
+            spec,
+        };
+        let (running, lease_set) = match before_body::<R, H, C>(
+            (spec, store, &identity, &token),
+            fingerprint.as_ref(),
+            &mut guard,
+            &errors,
+            recover,
+            &span,
+        )
+        .await
+        {
+            Ok(running) => running,
+            Err(answered) => return answered,
+        };
+        let (ran, lease_watch, in_flight) = run_with_heartbeat(
+            store,
+            spec,
+            (&identity, &token),
+            (spec.lease, lease_set),
+            body,
+        )
         .await;
+        after_body::<R, H>(
+            (spec, store, &identity, &token),
+            &mut guard,
+            &errors,
+            (ran, lease_watch, running, in_flight),
+        )
+        .await
+    };
+    let (result, outcome): Answered<R> = steps.instrument(span.clone()).await;
     call_ended(spec, &span, outcome);
     R::from_result(result)
 }
@@ -684,70 +745,6 @@ pub(crate) type Answered<R> = (
     Result<<R as IdempotentReturn>::Value, <R as IdempotentReturn>::Failure>,
     CallOutcome,
 );
-
-async fn execute_inner<R, H, C, Fut>(
-    call: Call<'_>,
-    errors: H,
-    recover: C,
-    body: Fut,
-    span: &tracing::Span,
-) -> Answered<R>
-where
-    R: IdempotentReturn,
-    H: ErrorHandling<R::Failure>,
-    C: Recover<R::Value, R::Failure>,
-    Fut: Future<Output = R>,
-{
-    // Only what touches the body is generic over it (one copy of this
-    // function per annotated function): the call's steps before and after
-    // the body are functions of their own, compiled once per answer type.
-    let spec = call.spec;
-    let (identity, store_ref, fingerprint) = match checked_call(call, span) {
-        Ok(checked) => checked,
-        Err(e) => return failed::<R>(e),
-    };
-    let store = store_ref.get();
-    let token = OwnerToken::new();
-    let mut guard = FinishOnDrop {
-        store,
-        identity: &identity,
-        token: &token,
-        fingerprint: fingerprint.as_ref(),
-        armed: AtomicBool::new(false),
-        completing: None,
-        keep_for_takeover: spec.recover.is_some(),
-        pins: crate::unrecorded::Pins::for_call(&identity, store, fingerprint.as_ref()),
-        spec,
-    };
-    let (running, lease_set) = match before_body::<R, H, C>(
-        (spec, store, &identity, &token),
-        fingerprint.as_ref(),
-        &mut guard,
-        &errors,
-        recover,
-        span,
-    )
-    .await
-    {
-        Ok(running) => running,
-        Err(answered) => return answered,
-    };
-    let (ran, lease_watch, in_flight) = run_with_heartbeat(
-        store,
-        spec,
-        (&identity, &token),
-        (spec.lease, lease_set),
-        body,
-    )
-    .await;
-    after_body::<R, H>(
-        (spec, store, &identity, &token),
-        &mut guard,
-        &errors,
-        (ran, lease_watch, running, in_flight),
-    )
-    .await
-}
 
 /// The answer of a call that failed with `e` before or instead of its body.
 fn failed<R: IdempotentReturn>(e: Error) -> Answered<R> {
@@ -939,9 +936,7 @@ where
         hook_watch.note_if_lapsed(spec, identity, Instant::now(), None);
         let answered = match answer {
             Err(panic) => {
-                in_flight.landed(spec, identity).await;
-                end_lease_logged(store, identity, token).await;
-                guard.arm(false);
+                guard.end_lease_for_takeover(Some(in_flight)).await;
                 std::panic::resume_unwind(panic);
             }
             Ok(answer) => hook_answer(answer),
@@ -1004,8 +999,7 @@ where
                 // next takeover, so the guard stays kept for one: a call
                 // dropped while settle ends the lease still ends it, never
                 // releases the record for a retry to run the body blind.
-                METRICS.recovered.fetch_add(1, Ordering::Relaxed);
-                report(Outcome::Recovered);
+                count_answer(AnsweredBy::RecoverHook);
                 // Encoded first (no await since the hook ended): a panic of
                 // the answer's own `Serialize` ends the lease once the
                 // hook's renewals have landed, as a hook's panic does.
@@ -1014,9 +1008,7 @@ where
                 })) {
                     Ok(encoded) => encoded,
                     Err(panic) => {
-                        in_flight.landed(spec, identity).await;
-                        end_lease_logged(store, identity, token).await;
-                        guard.arm(false);
+                        guard.end_lease_for_takeover(Some(in_flight)).await;
                         std::panic::resume_unwind(panic);
                     }
                 };
@@ -1054,7 +1046,7 @@ where
 /// The call's steps after its body: the answer released or recorded (rules
 /// 12 and 13), a panic propagated once the record is finished (rule 14).
 async fn after_body<'c, R, H>(
-    (spec, store, identity, token): CallParts<'c>,
+    (spec, store, identity, _): CallParts<'c>,
     guard: &mut FinishOnDrop<'c>,
     errors: &H,
     (ran, mut lease_watch, running, in_flight): (
@@ -1076,9 +1068,7 @@ where
                 // As for a dropped call (`FinishOnDrop`): the hook is asked
                 // next. A renewal still on its way would renew the ended
                 // lease: it lands first.
-                in_flight.landed(spec, identity).await;
-                end_lease_logged(store, identity, token).await;
-                guard.arm(false);
+                guard.end_lease_for_takeover(Some(in_flight)).await;
             } else {
                 drop(in_flight);
                 release(store, guard).await;
@@ -1100,8 +1090,7 @@ where
         ended.saturating_duration_since(running),
     );
     lease_watch.note_if_lapsed(spec, identity, ended, None);
-    METRICS.executed.fetch_add(1, Ordering::Relaxed);
-    report(Outcome::Executed);
+    count_answer(AnsweredBy::Body);
     // The answer is encoded before anything is written (no await since the
     // body ended): its own `Serialize`, or the error policy, may panic, and
     // in a scope with a recover hook that ends the lease as for a body that
@@ -1113,9 +1102,7 @@ where
         Ok(encoded) => encoded,
         Err(panic) => {
             if guard.keep_for_takeover {
-                in_flight.landed(spec, identity).await;
-                end_lease_logged(store, identity, token).await;
-                guard.arm(false);
+                guard.end_lease_for_takeover(Some(in_flight)).await;
             }
             // Otherwise the guard, still armed, releases the record.
             std::panic::resume_unwind(panic);
@@ -1131,6 +1118,17 @@ where
         in_flight: None,
     };
     settle_encoded::<R>(spec, identity, &mut sink, result, encoded, AnsweredBy::Body).await
+}
+
+/// Counts an answer of a call that holds its record (the body's, or a
+/// recover hook's) and reports it to [`with_outcome`].
+pub(crate) fn count_answer(by: AnsweredBy) {
+    let (counter, outcome) = match by {
+        AnsweredBy::Body => (&METRICS.executed, Outcome::Executed),
+        AnsweredBy::RecoverHook => (&METRICS.recovered, Outcome::Recovered),
+    };
+    counter.fetch_add(1, Ordering::Relaxed);
+    report(outcome);
 }
 
 /// What the outcome label says for an answer [`settle`] records.
@@ -1243,11 +1241,9 @@ impl RecordSink for StoreSink<'_, '_> {
             // Dropped while the lease is being ended, the call ends it
             // through the store's worker: never released (review).
             self.guard.keep_for_takeover = true;
-            if let Some(in_flight) = self.in_flight.take() {
-                in_flight.landed(self.guard.spec, self.guard.identity).await;
-            }
-            end_lease_logged(self.store, self.guard.identity, self.guard.token).await;
-            self.guard.arm(false);
+            self.guard
+                .end_lease_for_takeover(self.in_flight.take())
+                .await;
         })
     }
 
@@ -1642,20 +1638,6 @@ pub(crate) trait Reserver: Send {
     fn may_wait<'a>(&'a mut self) -> futures_util::future::BoxFuture<'a, Result<bool, Error>> {
         Box::pin(async { Ok(true) })
     }
-
-    /// Waits until the record found in progress may have changed, at most
-    /// `max_wait` (see [`Store::wait_for_change`]). The default polls.
-    fn wait_for_change<'a>(
-        &'a self,
-        identity: &'a Identity,
-        max_wait: Duration,
-        round: u32,
-    ) -> futures_util::future::BoxFuture<'a, ()> {
-        let _ = identity;
-        Box::pin(tokio::time::sleep(
-            crate::store::polling_backoff(round).min(max_wait),
-        ))
-    }
 }
 
 impl Reserver for &dyn Store {
@@ -1678,14 +1660,21 @@ impl Reserver for &dyn Store {
     ) -> futures_util::future::BoxFuture<'a, Result<Fenced, Error>> {
         Box::pin(async move { Ok(self.release(identity, token).await?) })
     }
+}
 
-    fn wait_for_change<'a>(
-        &'a self,
-        identity: &'a Identity,
-        max_wait: Duration,
-        round: u32,
-    ) -> futures_util::future::BoxFuture<'a, ()> {
-        Store::wait_for_change(*self, identity, max_wait, round)
+/// Waits until the record found in progress may have changed, at most
+/// `max_wait`: a store may be told ([`Store::wait_for_change`]); nothing
+/// tells a caller's transaction (no `store`), which asks again after a
+/// backoff.
+async fn wait_for_change(
+    store: Option<&dyn Store>,
+    identity: &Identity,
+    max_wait: Duration,
+    round: u32,
+) {
+    match store {
+        Some(store) => store.wait_for_change(identity, max_wait, round).await,
+        None => tokio::time::sleep(crate::store::polling_backoff(round).min(max_wait)).await,
     }
 }
 
@@ -1888,9 +1877,7 @@ async fn reserve_from(
                         let max_wait = (deadline - now)
                             .min(lease_remaining)
                             .max(Duration::from_millis(1));
-                        store
-                            .wait_for_change(request.identity, max_wait, waits)
-                            .await;
+                        wait_for_change(store.as_store(), request.identity, max_wait, waits).await;
                         waits = waits.saturating_add(1);
                         mismatches = 0;
                         now = Instant::now();

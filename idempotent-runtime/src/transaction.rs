@@ -14,21 +14,20 @@
 //! refused with [`Error::NotInTransaction`] before anything is written.
 
 use crate::engine::{
-    failure_outcome, hook_answer, record_unrecorded_answer, replay, report, reserve, reserve_label,
-    reserve_request, settle, within_a_runtime, ErrorHandling, IdempotentReturn, Outcome,
+    count_answer, failure_outcome, hook_answer, record_unrecorded_answer, replay, reserve,
+    reserve_label, reserve_request, settle, within_a_runtime, ErrorHandling, IdempotentReturn,
     RecordSink, Recover, Reserved, Reserver,
 };
 use crate::error::{Error, StoreError};
 use crate::fingerprint::Fingerprint;
 use crate::identity::Identity;
-use crate::metrics::{CallOutcome, METRICS};
+use crate::metrics::CallOutcome;
 use crate::registry::ScopeInfo;
 use crate::store::{
     Answer, AnsweredBy, Completion, Fenced, OwnerToken, Reservation, ReserveRequest,
 };
 use futures_util::future::BoxFuture;
 use std::future::Future;
-use std::sync::atomic::Ordering;
 use std::time::Duration;
 use tracing::Instrument;
 
@@ -544,8 +543,7 @@ where
         && let Some(hook) = recover.ask(takeover)
         && let Some(result) = hook_answer(hook.await)
     {
-        METRICS.recovered.fetch_add(1, Ordering::Relaxed);
-        report(Outcome::Recovered);
+        count_answer(AnsweredBy::RecoverHook);
         let mut sink = TransactionSink {
             connection,
             identity: &identity,
@@ -681,8 +679,7 @@ where
     } = held;
     let result = result.into_result();
     body_timer.finish(if result.is_ok() { "ok" } else { "err" });
-    METRICS.executed.fetch_add(1, Ordering::Relaxed);
-    report(Outcome::Executed);
+    count_answer(AnsweredBy::Body);
     let mut sink = TransactionSink {
         connection,
         identity: &identity,
