@@ -126,25 +126,18 @@ fn ui() {
 fn ui_manifest() {
     let _lock = exclusive();
     let dir = cases().join("ui-manifest");
-    with_manifest(Some(&dir.join("idempotent.toml")), |t| {
-        t.compile_fail(dir.join("*.rs"));
-    });
-    with_manifest(Some(&dir.join("bad-entries/idempotent.toml")), |t| {
-        t.compile_fail(dir.join("bad-entries/*.rs"));
-    });
-    with_manifest(Some(&dir.join("broken/idempotent.toml")), |t| {
-        t.compile_fail(dir.join("broken/*.rs"));
-    });
-    with_manifest(Some(&dir.join("unknown-key/idempotent.toml")), |t| {
-        t.compile_fail(dir.join("unknown-key/*.rs"));
-    });
-    with_manifest(Some(&dir.join("bad-retired/idempotent.toml")), |t| {
-        t.compile_fail(dir.join("bad-retired/*.rs"));
-    });
-    with_manifest(Some(&dir.join("unreadable/idempotent.toml")), |t| {
-        t.compile_fail(dir.join("unreadable/*.rs"));
-    });
-    with_manifest(Some(&dir.join("missing/no-such-manifest.toml")), |t| {
-        t.compile_fail(dir.join("missing/*.rs"));
-    });
+    // Each folder's cases against its manifest, one folder after another.
+    for (folder_cases, manifest) in [
+        ("*.rs", "idempotent.toml"),
+        ("bad-entries/*.rs", "bad-entries/idempotent.toml"),
+        ("broken/*.rs", "broken/idempotent.toml"),
+        ("unknown-key/*.rs", "unknown-key/idempotent.toml"),
+        ("bad-retired/*.rs", "bad-retired/idempotent.toml"),
+        ("unreadable/*.rs", "unreadable/idempotent.toml"),
+        ("missing/*.rs", "missing/no-such-manifest.toml"),
+    ] {
+        with_manifest(Some(&dir.join(manifest)), |t| {
+            t.compile_fail(dir.join(folder_cases));
+        });
+    }
 }
