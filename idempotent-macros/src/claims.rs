@@ -409,18 +409,29 @@ mod tests {
                 others: vec![shared("http", 1), shared("queue", 2)]
             })
         );
-        let mut other_ttl = shared("late", 4);
-        other_ttl.ttl = Duration::from_secs(60);
-        assert!(matches!(
-            claim("t/t", "r.t", shared("http", 1)).and(claim("t/t", "r.t", other_ttl)),
-            Err(Refusal::Disagree { other, what }) if other.site.function == "http" && what.contains("ttl")
-        ));
-        let mut other_fp = shared("late", 4);
-        other_fp.fingerprint = None;
-        assert!(matches!(
-            claim("t/u", "r.u", shared("http", 1)).and(claim("t/u", "r.u", other_fp)),
-            Err(Refusal::Disagree { what, .. }) if what.contains("fingerprint = false")
-        ));
+        // A second claimant that differs from the first in one term is
+        // refused, naming the first and the term (each case its own scope).
+        /// Makes the second claimant differ from the first.
+        type Differ = fn(&mut Claim);
+        #[rustfmt::skip]
+        let differs: [(&str, &str, Differ, &str); 5] = [
+            ("t/t", "r.t", |c| c.ttl = Duration::from_secs(60), "ttl"),
+            ("t/u", "r.u", |c| c.fingerprint = None, "fingerprint = false"),
+            ("t/v", "r.v", |c| c.recovers = true, "only `late` asks a `recover` hook"),
+            ("t/w", "r.w", |c| c.shared_tenant = true, "only `late` says `tenant = shared`"),
+            ("t/x", "r.x", |c| c.records_errors = true, "only `late` records errors"),
+        ];
+        for (krate, scope, differ, says) in differs {
+            let mut late = shared("late", 4);
+            differ(&mut late);
+            assert!(
+                matches!(
+                    claim(krate, scope, shared("http", 1)).and(claim(krate, scope, late)),
+                    Err(Refusal::Disagree { other, what }) if other.site.function == "http" && what.contains(says)
+                ),
+                "{says}"
+            );
+        }
         // No fingerprinted parameter records no fingerprint, as
         // `fingerprint = false` does: they agree (rule 8).
         let mut no_parameter = shared("http", 1);
@@ -431,23 +442,5 @@ mod tests {
             claim("t/nf", "r.nf", no_parameter).and(claim("t/nf", "r.nf", off)),
             Ok(())
         );
-        let mut with_hook = shared("late", 4);
-        with_hook.recovers = true;
-        assert!(matches!(
-            claim("t/v", "r.v", shared("http", 1)).and(claim("t/v", "r.v", with_hook)),
-            Err(Refusal::Disagree { what, .. }) if what.contains("only `late` asks a `recover` hook")
-        ));
-        let mut one_namespace = shared("late", 4);
-        one_namespace.shared_tenant = true;
-        assert!(matches!(
-            claim("t/w", "r.w", shared("http", 1)).and(claim("t/w", "r.w", one_namespace)),
-            Err(Refusal::Disagree { what, .. }) if what.contains("only `late` says `tenant = shared`")
-        ));
-        let mut recording = shared("late", 4);
-        recording.records_errors = true;
-        assert!(matches!(
-            claim("t/x", "r.x", shared("http", 1)).and(claim("t/x", "r.x", recording)),
-            Err(Refusal::Disagree { what, .. }) if what.contains("only `late` records errors")
-        ));
     }
 }
