@@ -248,6 +248,20 @@ struct RawRetired {
     reason: Option<String>,
 }
 
+impl ManifestProblem {
+    /// What is wrong with `scope`, a name in the manifest's `table`
+    /// (`scopes` or `retired`), when it is not a valid scope name.
+    fn of_scope_name(table: &'static str, scope: &str) -> Option<Self> {
+        check_scope(scope)
+            .err()
+            .map(|error| ManifestProblem::ScopeName {
+                table,
+                scope: scope.to_owned(),
+                error,
+            })
+    }
+}
+
 impl Manifest {
     /// The conventional file name ([`FILE_NAME`]).
     pub const FILE_NAME: &'static str = FILE_NAME;
@@ -292,13 +306,7 @@ impl Manifest {
             ..Manifest::default()
         };
         for (name, s) in raw.scopes {
-            if let Err(error) = check_scope(&name) {
-                problems.push(ManifestProblem::ScopeName {
-                    table: "scopes",
-                    scope: name.clone(),
-                    error,
-                });
-            }
+            problems.extend(ManifestProblem::of_scope_name("scopes", &name));
             let mut duration = |field: &'static str, kind, text: Option<String>| {
                 text.and_then(|t| match parse_duration(&t, kind) {
                     Ok(d) => Some(d),
@@ -320,13 +328,7 @@ impl Manifest {
             manifest.scopes.insert(name, entry);
         }
         for (name, r) in raw.retired {
-            if let Err(error) = check_scope(&name) {
-                problems.push(ManifestProblem::ScopeName {
-                    table: "retired",
-                    scope: name.clone(),
-                    error,
-                });
-            }
+            problems.extend(ManifestProblem::of_scope_name("retired", &name));
             if manifest.scopes.contains_key(&name) {
                 problems.push(ManifestProblem::DeclaredAndRetired {
                     scope: name.clone(),
