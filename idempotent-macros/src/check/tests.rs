@@ -37,11 +37,29 @@ fn charge() -> TokenStream {
 
 /// The plainest function the attribute takes: `async fn f(key: &str) -> Result<u8, E>`.
 fn plain_fn() -> TokenStream {
+    async_fn(quote!(key: &str))
+}
+
+/// `async fn f(<params>) -> Result<u8, E>`: the function most cases annotate.
+fn async_fn(params: TokenStream) -> TokenStream {
     quote!(
-        async fn f(key: &str) -> Result<u8, E> {
+        async fn f(#params) -> Result<u8, E> {
             todo!()
         }
     )
+}
+
+/// The arguments every attribute needs, `scope = "a", key = key, tenant =
+/// shared`, then `more`.
+fn args(more: TokenStream) -> TokenStream {
+    quote!(scope = "a", key = key, tenant = shared, #more)
+}
+
+/// Asserts that the reported errors `err` say each of `expected`.
+fn assert_reports(err: &str, expected: &[&str]) {
+    for expected in expected {
+        assert!(err.contains(expected), "missing {expected:?} in:\n{err}");
+    }
 }
 
 fn names(spec: &Spec) -> Vec<String> {
@@ -91,79 +109,57 @@ fn every_mistake_is_reported() {
             }
         ),
     );
-    for expected in [
-        "async fn",
-        "must return `Result",
-        "two dots in a row",
-        "unknown argument `kye`; did you mean `key`?",
-        "no parameter `nope`",
-        "`ttl` must be longer than zero",
-        "`lease` is not a duration",
-        "`errors` is `release`",
-        "`scope` is given more than once",
-        "missing `key`",
-        "missing `tenant`",
-    ] {
-        assert!(err.contains(expected), "missing {expected:?} in:\n{err}");
-    }
+    assert_reports(
+        &err,
+        &[
+            "async fn",
+            "must return `Result",
+            "two dots in a row",
+            "unknown argument `kye`; did you mean `key`?",
+            "no parameter `nope`",
+            "`ttl` must be longer than zero",
+            "`lease` is not a duration",
+            "`errors` is `release`",
+            "`scope` is given more than once",
+            "missing `key`",
+            "missing `tenant`",
+        ],
+    );
 }
 
 #[test]
 fn combinations_are_checked() {
-    let err = check_err(
-        quote!(
-            scope = "a",
-            key = key,
-            tenant = shared,
-            tx = conn,
-            store = s
+    for (more, func, expected) in [
+        (
+            quote!(tx = conn, store = s),
+            async_fn(quote!(conn: &mut C, s: &S, key: &str)),
+            "cannot be used together",
         ),
-        quote!(
-            async fn f(conn: &mut C, s: &S, key: &str) -> Result<u8, E> {
-                todo!()
-            }
+        (
+            quote!(fingerprint = false, skip(s)),
+            async_fn(quote!(s: &S, key: &str)),
+            "no effect",
         ),
-    );
-    assert!(err.contains("cannot be used together"), "{err}");
-    let err = check_err(
-        quote!(
-            scope = "a",
-            key = key,
-            tenant = shared,
-            fingerprint = false,
-            skip(s)
+        (
+            quote!(tx = nothere),
+            plain_fn(),
+            "`tx` must name a parameter",
         ),
-        quote!(
-            async fn f(s: &S, key: &str) -> Result<u8, E> {
-                todo!()
-            }
-        ),
-    );
-    assert!(err.contains("no effect"), "{err}");
-    let err = check_err(
-        quote!(scope = "a", key = key, tenant = shared, tx = nothere),
-        plain_fn(),
-    );
-    assert!(err.contains("`tx` must name a parameter"), "{err}");
+    ] {
+        let err = check_err(args(more), func);
+        assert!(err.contains(expected), "{err}");
+    }
 }
 
 #[test]
 fn only_bare_shared_opts_out() {
-    let f = quote!(
-        async fn f(shared: &str, key: &str, n: u8) -> Result<u8, E> {
-            todo!()
-        }
-    );
+    let f = async_fn(quote!(shared: &str, key: &str, n: u8));
     // The bare word with a parameter called `shared` means two things: refused.
     let err = check_err(quote!(scope = "a", key = key, tenant = shared), f.clone());
     assert!(err.contains("write `tenant = (shared)`"), "{err}");
     let spec = check(
         quote!(scope = "a", key = key, tenant = shared),
-        quote!(
-            async fn f(key: &str, n: u8) -> Result<u8, E> {
-                todo!()
-            }
-        ),
+        async_fn(quote!(key: &str, n: u8)),
     )
     .unwrap();
     assert!(matches!(spec.tenant, Tenant::Shared(_)));
@@ -188,11 +184,7 @@ fn invisible(tokens: TokenStream) -> TokenStream {
 
 #[test]
 fn metavariable_groups_are_looked_through() {
-    let f = quote!(
-        async fn f(conn: &mut C, tenant: &str, key: &str, note: &str, n: u8) -> Result<u8, E> {
-            todo!()
-        }
-    );
+    let f = async_fn(quote!(conn: &mut C, tenant: &str, key: &str, note: &str, n: u8));
     let scope = invisible(quote!("a.b"));
     // A metavariable handed on to another macro: a group in a group.
     let key = invisible(invisible(quote!(key)));
@@ -271,14 +263,15 @@ fn metavariable_groups_are_looked_through() {
                tx = #nothere),
         f,
     );
-    for expected in [
-        "uppercase",
-        "`ttl` must be longer than zero",
-        "`fingerprint` is `true` or `false`",
-        "`tx` must name a parameter",
-    ] {
-        assert!(err.contains(expected), "missing {expected:?} in:\n{err}");
-    }
+    assert_reports(
+        &err,
+        &[
+            "uppercase",
+            "`ttl` must be longer than zero",
+            "`fingerprint` is `true` or `false`",
+            "`tx` must name a parameter",
+        ],
+    );
 }
 
 #[test]
@@ -300,19 +293,10 @@ fn patterns_need_a_name_unless_fingerprint_is_off() {
 
 #[test]
 fn recover_and_shared_scope() {
+    let takes_self = async_fn(quote!(&self, key: &str));
     let spec = check(
-        quote!(
-            scope = "a",
-            key = key,
-            tenant = shared,
-            recover = Self::charge_happened,
-            shared_scope
-        ),
-        quote!(
-            async fn f(&self, key: &str) -> Result<u8, E> {
-                todo!()
-            }
-        ),
+        args(quote!(recover = Self::charge_happened, shared_scope)),
+        takes_self.clone(),
     )
     .unwrap();
     assert!(spec.shared_scope);
@@ -324,20 +308,7 @@ fn recover_and_shared_scope() {
         Some("Self::charge_happened")
     );
     // A method of the same value, on a method taking `&self`.
-    let method = check(
-        quote!(
-            scope = "a",
-            key = key,
-            tenant = shared,
-            recover = self.charge_happened
-        ),
-        quote!(
-            async fn f(&self, key: &str) -> Result<u8, E> {
-                todo!()
-            }
-        ),
-    )
-    .unwrap();
+    let method = check(args(quote!(recover = self.charge_happened)), takes_self).unwrap();
     assert_eq!(
         method
             .recover
@@ -349,35 +320,28 @@ fn recover_and_shared_scope() {
     let spec = check(quote!(scope = "a", key = key, tenant = shared), plain_fn()).unwrap();
     assert!(!spec.shared_scope && spec.recover.is_none());
     let err = check_err(
-        quote!(
-            scope = "a",
-            key = key,
-            tenant = shared,
-            recover = 1 + 2,
-            shared_scope = yes
-        ),
+        args(quote!(recover = 1 + 2, shared_scope = yes)),
         plain_fn(),
     );
-    assert!(
-        err.contains("`recover` takes the path of an `async fn"),
-        "{err}"
+    assert_reports(
+        &err,
+        &[
+            "`recover` takes the path of an `async fn",
+            "`shared_scope` is a flag",
+        ],
     );
-    assert!(err.contains("`shared_scope` is a flag"), "{err}");
 }
 
 #[test]
 fn policies_and_durations() {
     let spec = check(
-        quote!(
-            scope = "a",
-            key = key,
-            tenant = shared,
+        args(quote!(
             in_progress = reject,
             errors = record_if(E::is_final),
             ttl = "1h",
             lease = "2s",
             crate = ::rt
-        ),
+        )),
         quote!(
             async fn f(&self, key: &str) -> anyhow::Result<u8> {
                 todo!()
@@ -417,13 +381,14 @@ fn manifest_and_argument_errors_come_in_one_round() {
     ) else {
         panic!("expected errors")
     };
-    for expected in [
-        "`ttl` must be longer than zero",
-        "no parameter `nope`",
-        "did you mean `orders.place`?",
-    ] {
-        assert!(err.contains(expected), "missing {expected:?} in:\n{err}");
-    }
+    assert_reports(
+        &err,
+        &[
+            "`ttl` must be longer than zero",
+            "no parameter `nope`",
+            "did you mean `orders.place`?",
+        ],
+    );
 }
 
 #[test]
