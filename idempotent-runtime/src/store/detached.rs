@@ -266,6 +266,20 @@ impl Detached {
         }
     }
 
+    /// [`hand_over`](Self::hand_over), keeping what `told(&token,
+    /// completing)` answers (`completing`: the work is a completion): a
+    /// store that keeps its own account of its owners is told first.
+    pub(crate) fn hand_over_told(
+        &self,
+        identity: Identity,
+        token: OwnerToken,
+        work: Work,
+        told: fn(&OwnerToken, bool) -> KeepWhileRunning,
+    ) {
+        let keep = told(&token, matches!(work, Work::Complete(_)));
+        self.hand_over(identity, token, work, keep);
+    }
+
     /// Hands `work` on `identity` (owned by `token`) to the background thread,
     /// keeping `keep` until the job is done or given up. Never blocks and
     /// never needs the caller's runtime.
@@ -578,6 +592,16 @@ impl Work {
             Work::Complete(..) => "complete",
         }
     }
+
+    /// The store write that does it, as the store's errors name it (a
+    /// lease is ended by a heartbeat of zero).
+    pub(crate) fn operation(&self) -> &'static str {
+        match self {
+            Work::Release => "release",
+            Work::EndLease => "heartbeat",
+            Work::Complete(..) => "complete",
+        }
+    }
 }
 
 fn lost(store: &'static str, identity: &Identity, work: &Work, why: &str) {
@@ -612,36 +636,19 @@ macro_rules! hand_over_to_the_worker {
         }
 
         fn release_detached(&self, identity: Identity, token: OwnerToken) {
-            let told: fn(&OwnerToken, bool) -> $crate::store::detached::KeepWhileRunning = $told;
-            let keep = told(&token, false);
-            self.detached.hand_over(
-                identity,
-                token,
-                $crate::store::detached::Work::Release,
-                keep,
-            );
+            let work = $crate::store::detached::Work::Release;
+            self.detached.hand_over_told(identity, token, work, $told);
         }
 
         fn end_lease_detached(&self, identity: Identity, token: OwnerToken) {
-            let told: fn(&OwnerToken, bool) -> $crate::store::detached::KeepWhileRunning = $told;
-            let keep = told(&token, false);
-            self.detached.hand_over(
-                identity,
-                token,
-                $crate::store::detached::Work::EndLease,
-                keep,
-            );
+            let work = $crate::store::detached::Work::EndLease;
+            self.detached.hand_over_told(identity, token, work, $told);
         }
 
         fn complete_detached(&self, completion: $crate::store::Completion<'_>) {
-            let told: fn(&OwnerToken, bool) -> $crate::store::detached::KeepWhileRunning = $told;
-            let keep = told(completion.token, true);
-            self.detached.hand_over(
-                completion.identity.clone(),
-                completion.token.clone(),
-                $crate::store::detached::Work::Complete(completion.answer()),
-                keep,
-            );
+            let (identity, token) = (completion.identity.clone(), completion.token.clone());
+            let work = $crate::store::detached::Work::Complete(completion.answer());
+            self.detached.hand_over_told(identity, token, work, $told);
         }
     };
 }

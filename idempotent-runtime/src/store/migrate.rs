@@ -113,13 +113,14 @@ pub(crate) fn only_check() -> bool {
 }
 
 /// One migration a store ships: its file under `migrations/<backend>/`,
-/// embedded when the crate compiles (see [`embedded_migrations!`]).
+/// embedded when the crate compiles (see [`embedded_migrations!`]). The file
+/// is named `<version>_<description>.sql`, as sqlx's migrator named them.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Migration {
-    /// The number the file name starts with.
+    /// The number the file name starts with ([`version_of`]).
     pub version: i64,
-    /// The rest of the file name, without `.sql`, `_` read as a space.
-    pub description: &'static str,
+    /// The file's name.
+    pub file: &'static str,
     /// The file's contents.
     pub sql: &'static str,
 }
@@ -130,18 +131,50 @@ impl Migration {
     pub fn checksum(&self) -> Vec<u8> {
         Sha384::digest(self.sql.as_bytes()).to_vec()
     }
+
+    /// What the migration does: the file name after its version's `_`,
+    /// without `.sql`, `_` read as a space (as sqlx's migrator read it).
+    pub fn description(&self) -> String {
+        let rest = self
+            .file
+            .split_once('_')
+            .map_or(self.file, |(_, rest)| rest);
+        rest.trim_end_matches(".sql").replace('_', " ")
+    }
 }
 
-/// The migrations of one backend, in version order: `(version, "file name",
-/// "description")` under `migrations/<dir>/`, each file embedded with
-/// `include_str!`. A unit test checks every list against its directory (a file
-/// not listed, a version or description that does not follow from the file
-/// name, or a list out of order fails it).
+/// The version a migration's file name starts with: its digits before the
+/// first `_`. Evaluated when the crate compiles; a name without them does
+/// not compile.
+pub(crate) const fn version_of(file: &str) -> i64 {
+    let name = file.as_bytes();
+    let mut at = 0;
+    let mut version = 0;
+    while at < name.len() && name[at] != b'_' {
+        assert!(
+            name[at].is_ascii_digit(),
+            "a migration's file name starts with its version"
+        );
+        version = version * 10 + (name[at] - b'0') as i64;
+        at += 1;
+    }
+    assert!(
+        at > 0 && at < name.len(),
+        "a migration's file name is <version>_<description>.sql"
+    );
+    version
+}
+
+/// The migrations of one backend, in version order: the names of their
+/// files under `migrations/<dir>/`, each file embedded with `include_str!`,
+/// its version read from its name ([`version_of`]). A unit test checks every
+/// list against its directory (a file not listed, or a list out of order,
+/// fails it).
 macro_rules! embedded_migrations {
-    ($dir:literal: $(($version:literal, $file:literal, $description:literal)),+ $(,)?) => {
+    ($dir:literal: $($file:literal),+ $(,)?) => {
         &[$($crate::store::migrate::Migration {
-            version: $version,
-            description: $description,
+            version: $crate::store::migrate::version_of($file),
+            file: $file,
             sql: include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/migrations/", $dir, "/", $file)),
         }),+]
     };
@@ -150,46 +183,46 @@ macro_rules! embedded_migrations {
 /// PostgreSQL's migrations (`migrations/postgres`).
 #[cfg(feature = "postgres")]
 pub(crate) static POSTGRES: &[Migration] = embedded_migrations!("postgres":
-    (1, "0001_idempotency_records.sql", "idempotency records"),
-    (2, "0002_reserve_autocommit.sql", "reserve autocommit"),
-    (3, "0003_attempts.sql", "attempts"),
-    (4, "0004_one_reservation_body_and_waiters.sql", "one reservation body and waiters"),
-    (5, "0005_wake_on_ended_lease.sql", "wake on ended lease"),
-    (6, "0006_tx_answers_keep_no_lock.sql", "tx answers keep no lock"),
-    (7, "0007_tx_stale_snapshot_is_an_answer.sql", "tx stale snapshot is an answer"),
-    (8, "0008_store_reads_before_it_writes.sql", "store reads before it writes"),
-    (9, "0009_functions_keep_to_their_schema.sql", "functions keep to their schema"),
-    (10, "0010_acquire_refuses_text_the_server_would_convert.sql", "acquire refuses text the server would convert"),
-    (11, "0011_records_know_their_database.sql", "records know their database"),
+    "0001_idempotency_records.sql",
+    "0002_reserve_autocommit.sql",
+    "0003_attempts.sql",
+    "0004_one_reservation_body_and_waiters.sql",
+    "0005_wake_on_ended_lease.sql",
+    "0006_tx_answers_keep_no_lock.sql",
+    "0007_tx_stale_snapshot_is_an_answer.sql",
+    "0008_store_reads_before_it_writes.sql",
+    "0009_functions_keep_to_their_schema.sql",
+    "0010_acquire_refuses_text_the_server_would_convert.sql",
+    "0011_records_know_their_database.sql",
 );
 
 /// MySQL/MariaDB's migrations (`migrations/mysql`).
 #[cfg(feature = "mysql")]
 pub(crate) static MYSQL: &[Migration] = embedded_migrations!("mysql":
-    (1, "0001_idempotency_records.sql", "idempotency records"),
-    (2, "0002_reserve_fenced.sql", "reserve fenced"),
-    (3, "0003_purge_skip_locked.sql", "purge skip locked"),
-    (4, "0004_attempts.sql", "attempts"),
-    (5, "0005_one_reserve_body.sql", "one reserve body"),
-    (6, "0006_lock_name_per_database.sql", "lock name per database"),
-    (7, "0007_purge_through_the_expiry_index.sql", "purge through the expiry index"),
-    (8, "0008_tx_never_takes_over_a_lease_it_may_have_starved.sql", "tx never takes over a lease it may have starved"),
-    (9, "0009_tx_waits_for_rows_in_slices_so_deadlocks_are_found.sql", "tx waits for rows in slices so deadlocks are found"),
-    (10, "0010_tx_reads_keep_the_wait_bound_under_serializable.sql", "tx reads keep the wait bound under serializable"),
-    (11, "0011_purge_deletes_its_rows_by_primary_key.sql", "purge deletes its rows by primary key"),
-    (12, "0012_replace_writes_its_record_by_primary_key.sql", "replace writes its record by primary key"),
-    (13, "0013_tx_takes_over_only_the_version_it_read.sql", "tx takes over only the version it read"),
-    (14, "0014_tx_never_takes_over_a_version_it_locked.sql", "tx never takes over a version it locked"),
-    (15, "0015_tx_judges_by_its_own_transaction_not_an_ended_one.sql", "tx judges by its own transaction not an ended one"),
-    (16, "0016_records_know_their_database.sql", "records know their database"),
+    "0001_idempotency_records.sql",
+    "0002_reserve_fenced.sql",
+    "0003_purge_skip_locked.sql",
+    "0004_attempts.sql",
+    "0005_one_reserve_body.sql",
+    "0006_lock_name_per_database.sql",
+    "0007_purge_through_the_expiry_index.sql",
+    "0008_tx_never_takes_over_a_lease_it_may_have_starved.sql",
+    "0009_tx_waits_for_rows_in_slices_so_deadlocks_are_found.sql",
+    "0010_tx_reads_keep_the_wait_bound_under_serializable.sql",
+    "0011_purge_deletes_its_rows_by_primary_key.sql",
+    "0012_replace_writes_its_record_by_primary_key.sql",
+    "0013_tx_takes_over_only_the_version_it_read.sql",
+    "0014_tx_never_takes_over_a_version_it_locked.sql",
+    "0015_tx_judges_by_its_own_transaction_not_an_ended_one.sql",
+    "0016_records_know_their_database.sql",
 );
 
 /// SQLite's migrations (`migrations/sqlite`).
 #[cfg(feature = "sqlite")]
 pub(crate) static SQLITE: &[Migration] = embedded_migrations!("sqlite":
-    (1, "0001_idempotency_records.sql", "idempotency records"),
-    (2, "0002_attempts.sql", "attempts"),
-    (3, "0003_records_know_their_database.sql", "records know their database"),
+    "0001_idempotency_records.sql",
+    "0002_attempts.sql",
+    "0003_records_know_their_database.sql",
 );
 
 /// What the runner needs from one backend, on one connection held for the
@@ -204,13 +237,8 @@ pub(crate) trait MigrationBackend: Send {
     async fn applied(&mut self) -> Result<Vec<(i64, Vec<u8>)>, sqlx::Error>;
     /// Runs one migration's SQL.
     async fn execute(&mut self, sql: &str) -> Result<(), sqlx::Error>;
-    /// Records one migration as applied.
-    async fn record(
-        &mut self,
-        version: i64,
-        description: &str,
-        checksum: &[u8],
-    ) -> Result<(), sqlx::Error>;
+    /// Records `migration` as applied (see [`record_on`]).
+    async fn record(&mut self, migration: &Migration) -> Result<(), sqlx::Error>;
     /// Lets go of the lock: commits what was done when `done`, otherwise
     /// rolls back what can be rolled back.
     async fn unlock(&mut self, done: bool) -> Result<(), sqlx::Error>;
@@ -257,9 +285,7 @@ where
         for<'r> (i64, Vec<u8>): sqlx::FromRow<'r, DB::Row>,
         for<'q> DB::Arguments<'q>: sqlx::IntoArguments<'q, DB>,
     {
-        sqlx::query_as("SELECT version, checksum FROM idempotency_schema_migrations")
-            .fetch_all(self.connection()?)
-            .await
+        applied_on(self.connection()?).await
     }
 
     /// Runs one migration's SQL, all its statements at once.
@@ -281,6 +307,47 @@ where
     }
 }
 
+/// The (version, checksum) pairs recorded in [`HISTORY_TABLE`], read on
+/// `executor` (a transaction's connection, or a pool for a read without the
+/// lock).
+#[cfg(any(feature = "postgres", feature = "sqlite"))]
+pub(crate) async fn applied_on<'c, DB, E>(executor: E) -> Result<Vec<(i64, Vec<u8>)>, sqlx::Error>
+where
+    DB: sqlx::Database,
+    E: sqlx::Executor<'c, Database = DB>,
+    for<'r> (i64, Vec<u8>): sqlx::FromRow<'r, DB::Row>,
+    for<'q> DB::Arguments<'q>: sqlx::IntoArguments<'q, DB>,
+{
+    sqlx::query_as("SELECT version, checksum FROM idempotency_schema_migrations")
+        .fetch_all(executor)
+        .await
+}
+
+/// Records `migration` in [`HISTORY_TABLE`] on `executor` with `insert`, the
+/// backend's `INSERT` of its version, description and checksum (bound in
+/// that order).
+pub(crate) async fn record_on<'c, DB, E>(
+    executor: E,
+    insert: &str,
+    migration: &Migration,
+) -> Result<(), sqlx::Error>
+where
+    DB: sqlx::Database,
+    E: sqlx::Executor<'c, Database = DB>,
+    for<'q> DB::Arguments<'q>: sqlx::IntoArguments<'q, DB>,
+    for<'q> i64: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
+    for<'q> String: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
+    for<'q> Vec<u8>: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
+{
+    sqlx::query(insert)
+        .bind(migration.version)
+        .bind(migration.description())
+        .bind(migration.checksum())
+        .execute(executor)
+        .await
+        .map(drop)
+}
+
 /// Applies the `migrations` that the database has not seen, under
 /// `backend`'s lock.
 pub(crate) async fn run(
@@ -296,7 +363,7 @@ pub(crate) async fn run(
             None => Ok(()),
             Some(m) => Err(MigrationError::NotApplied {
                 version: m.version,
-                description: m.description.to_owned(),
+                description: m.description(),
             }),
         };
     }
@@ -320,9 +387,7 @@ async fn apply_pending(
     let applied = backend.applied().await?;
     for m in pending(&applied, migrations)? {
         backend.execute(m.sql).await?;
-        backend
-            .record(m.version, m.description, &m.checksum())
-            .await?;
+        backend.record(m).await?;
     }
     Ok(())
 }
@@ -340,7 +405,7 @@ pub(crate) fn pending<'m>(
             Some(_) => {
                 return Err(MigrationError::Changed {
                     version: m.version,
-                    description: m.description.to_string(),
+                    description: m.description(),
                 })
             }
             None => pending.push(m),
@@ -354,19 +419,25 @@ mod tests {
     use super::Migration;
     use std::path::Path;
 
-    /// What sqlx's migrator made of a file name: the number before the first
-    /// `_`, and the rest without `.sql`, `_` read as a space.
-    fn from_file_name(name: &str) -> (i64, String) {
-        let (version, rest) = name.split_once('_').expect("<version>_<description>.sql");
-        let description = rest.trim_end_matches(".sql").replace('_', " ");
-        (version.parse().expect("a numeric version"), description)
+    /// sqlx's migrator made the version of a file name of the number before
+    /// its first `_`, and the description of the rest without `.sql`, `_`
+    /// read as a space.
+    #[test]
+    fn version_and_description_follow_from_the_file_name() {
+        let m = Migration {
+            version: super::version_of("0012_replace_writes_its_record.sql"),
+            file: "0012_replace_writes_its_record.sql",
+            sql: "",
+        };
+        assert_eq!(m.version, 12);
+        assert_eq!(m.description(), "replace writes its record");
     }
 
     fn check(dir: &str, listed: &[Migration]) {
         let path = Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("migrations")
             .join(dir);
-        let mut files: Vec<(i64, String, String)> = std::fs::read_dir(&path)
+        let mut files: Vec<(String, String)> = std::fs::read_dir(&path)
             .expect("the migrations directory")
             .map(|entry| entry.expect("a directory entry").path())
             .filter(|p| p.extension().is_some_and(|e| e == "sql"))
@@ -376,15 +447,14 @@ mod tests {
                     .expect("a file name")
                     .to_string_lossy()
                     .into_owned();
-                let (version, description) = from_file_name(&name);
                 let sql = std::fs::read_to_string(&p).expect("a readable migration");
-                (version, description, sql)
+                (name, sql)
             })
             .collect();
-        files.sort_by_key(|(version, _, _)| *version);
-        let listed: Vec<(i64, String, String)> = listed
+        files.sort_by_key(|(name, _)| super::version_of(name));
+        let listed: Vec<(String, String)> = listed
             .iter()
-            .map(|m| (m.version, m.description.to_owned(), m.sql.to_owned()))
+            .map(|m| (m.file.to_owned(), m.sql.to_owned()))
             .collect();
         assert_eq!(
             listed, files,
@@ -416,7 +486,7 @@ mod tests {
     fn the_checksum_is_sha384_of_the_text() {
         let m = Migration {
             version: 1,
-            description: "x",
+            file: "0001_x.sql",
             sql: "SELECT 1;\n",
         };
         assert_eq!(
@@ -434,12 +504,12 @@ mod tests {
         let known = [
             Migration {
                 version: 1,
-                description: "one",
+                file: "0001_one.sql",
                 sql: "SELECT 1;",
             },
             Migration {
                 version: 2,
-                description: "two",
+                file: "0002_two.sql",
                 sql: "SELECT 2;",
             },
         ];

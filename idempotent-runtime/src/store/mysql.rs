@@ -91,6 +91,7 @@ use sqlx::mysql::{MySqlPool, MySqlRow};
 use sqlx::{Executor, MySql, Row};
 
 const STORE: &str = "mysql";
+use super::detached::Work;
 use super::server::ClosedIfDropped;
 pub use super::server::ACQUIRE_TIMEOUT;
 /// Whole seconds a reservation through the store waits for a row lock: the
@@ -404,31 +405,24 @@ impl MySqlStore {
     /// # Ok(()) }
     /// ```
     pub async fn from_pool(pool: MySqlPool) -> Result<Self, Error> {
-        let Opened {
-            version,
-            isolation,
-            max_allowed_packet,
-            lock_wait_s,
-            database,
-            database_id,
-        } = migrate(&pool)
+        let opened = migrate(&pool)
             .await
             .map_err(|e| StoreError::new(STORE, migrate::operation(), e))?;
-        if reads_uncommitted(&isolation) {
+        if reads_uncommitted(&opened.isolation) {
             return Err(StoreError::new(STORE, "open", READ_UNCOMMITTED_REFUSED).into());
         }
         // ER_TABLEACCESS_DENIED_ERROR, ER_COLUMNACCESS_DENIED_ERROR
-        let database_id = super::database_id_read_at_open(STORE, database_id, |e| {
+        let database_id = super::database_id_read_at_open(STORE, opened.database_id, |e| {
             matches!(error_number(e), Some(1142 | 1143))
         })?;
-        let names = std::sync::Arc::new(Names::in_database(database.as_deref()));
+        let names = std::sync::Arc::new(Names::in_database(opened.database.as_deref()));
         let waiters = std::sync::Arc::new(super::waiters::Waiters::default());
         Ok(MySqlStore {
             detached: std::sync::Arc::new(background_worker(&pool, &names, &waiters)),
             waiters,
-            mariadb: version.contains("MariaDB"),
-            max_result_bytes: result_limit(max_allowed_packet),
-            lock_wait: Duration::from_secs(lock_wait_s.min(MAX_LOCK_WAIT_S)),
+            mariadb: opened.version.contains("MariaDB"),
+            max_result_bytes: result_limit(opened.max_allowed_packet),
+            lock_wait: Duration::from_secs(opened.lock_wait_s.min(MAX_LOCK_WAIT_S)),
             names,
             database_id,
             pools: std::sync::Arc::new(server::RuntimePools::new(pool)),
@@ -514,7 +508,7 @@ impl MySqlStore {
 /// the check's `silent_after` (the store's silent-connection timeout), its
 /// connection closed ([`server::answered_within`]).
 macro_rules! committed {
-    ($pool:expr, $check:expr, $op:literal, $waits:expr, |$on:ident, $commit:ident| $write:expr) => {{
+    ($pool:expr, $check:expr, $op:expr, $waits:expr, |$on:ident, $commit:ident| $write:expr) => {{
         let pool: &MySqlPool = $pool;
         let check: &std::sync::Arc<SessionCheck> = $check;
         let (silent_after, waits): (Duration, Duration) = (check.silent_after, $waits);
@@ -766,75 +760,42 @@ async fn worker_lock_wait(conn: &mut sqlx::MySqlConnection) -> Result<(), StoreE
 /// the one the store was opened on (a connection another user of the pool
 /// left on another database with `USE`): unqualified, a completion handed
 /// over went to that database's table (or to none), and the record stayed
-/// in progress.
+/// in progress. Each write sets the connection's lock wait to the worker's
+/// ([`worker_lock_wait`]), and wakes this process's waiters on the record
+/// when it is written.
 fn background_worker(
     pool: &MySqlPool,
     names: &std::sync::Arc<Names>,
     waiters: &std::sync::Arc<super::waiters::Waiters>,
 ) -> detached::Detached {
-    let (on_release, on_end_lease, on_complete) = (names.clone(), names.clone(), names.clone());
-    let (woken_by_release, woken_by_end_lease, woken_by_complete) =
-        (waiters.clone(), waiters.clone(), waiters.clone());
-    server::background_worker(
-        STORE,
-        pool,
-        move |pool, identity, token| {
-            let (names, waiters) = (on_release.clone(), woken_by_release.clone());
-            Box::pin(async move {
-                let table = names.table.as_str();
-                let done = committed!(
-                    &pool,
-                    &names.check,
-                    "release",
-                    WORKER_WAITS,
-                    |on, commit| async {
-                        worker_lock_wait(&mut *on).await?;
-                        release_as(commit, table, &mut *on, &identity, &token).await
+    let (names, waiters) = (names.clone(), waiters.clone());
+    server::background_worker(STORE, pool, move |pool, identity, token, work| {
+        let (names, waiters) = (names.clone(), waiters.clone());
+        Box::pin(async move {
+            let table = names.table.as_str();
+            let (id, token) = (&identity, &token);
+            let done = committed!(
+                &pool,
+                &names.check,
+                work.operation(),
+                WORKER_WAITS,
+                |on, commit| async {
+                    worker_lock_wait(&mut *on).await?;
+                    match &work {
+                        Work::Release => release_as(commit, table, &mut *on, id, token).await,
+                        Work::EndLease => {
+                            heartbeat_as(commit, table, &mut *on, id, token, Duration::ZERO).await
+                        }
+                        Work::Complete(answer) => {
+                            complete_as(commit, table, &mut *on, answer.completing(id, token)).await
+                        }
                     }
-                );
-                waiters.notify_written(&identity, &done);
-                done
-            })
-        },
-        move |pool, identity, token| {
-            let (names, waiters) = (on_end_lease.clone(), woken_by_end_lease.clone());
-            Box::pin(async move {
-                let table = names.table.as_str();
-                let done = committed!(
-                    &pool,
-                    &names.check,
-                    "heartbeat",
-                    WORKER_WAITS,
-                    |on, commit| async {
-                        worker_lock_wait(&mut *on).await?;
-                        heartbeat_as(commit, table, &mut *on, &identity, &token, Duration::ZERO)
-                            .await
-                    }
-                );
-                waiters.notify_written(&identity, &done);
-                done
-            })
-        },
-        move |pool, identity, token, answer| {
-            let (names, waiters) = (on_complete.clone(), woken_by_complete.clone());
-            Box::pin(async move {
-                let completion = answer.completing(&identity, &token);
-                let table = names.table.as_str();
-                let done = committed!(
-                    &pool,
-                    &names.check,
-                    "complete",
-                    WORKER_WAITS,
-                    |on, commit| async {
-                        worker_lock_wait(&mut *on).await?;
-                        complete_as(commit, table, &mut *on, completion).await
-                    }
-                );
-                waiters.notify_written(&identity, &done);
-                done
-            })
-        },
-    )
+                }
+            );
+            waiters.notify_written(&identity, &done);
+            done
+        })
+    })
 }
 
 /// Applies the embedded migrations once, under `GET_LOCK`, recording them in
@@ -1032,20 +993,10 @@ impl migrate::MigrationBackend for MigrationConnection {
         Ok(())
     }
 
-    async fn record(
-        &mut self,
-        version: i64,
-        description: &str,
-        checksum: &[u8],
-    ) -> Result<(), sqlx::Error> {
-        sqlx::query(
-            "INSERT INTO idempotency_schema_migrations (version, description, checksum) VALUES (?, ?, ?)",
-        )
-        .bind(version)
-        .bind(description)
-        .bind(checksum)
-        .execute(&mut *self.0)
-        .await?;
+    async fn record(&mut self, migration: &migrate::Migration) -> Result<(), sqlx::Error> {
+        const INSERT: &str = "INSERT INTO idempotency_schema_migrations \
+            (version, description, checksum) VALUES (?, ?, ?)";
+        migrate::record_on(&mut *self.0, INSERT, migration).await?;
         // Committed now also on a session with autocommit off (nothing to
         // commit otherwise), so another process does not wait on its lock.
         self.0.execute("COMMIT").await.map(drop)
@@ -1365,7 +1316,8 @@ async fn reserve_through_store(
         match insert_or_read(pool, names, request).await? {
             InsertOrRead::Answered(answer) => return Ok(answer),
             InsertOrRead::Decide => {
-                return reserve_through_the_procedure(pool, names, request, mariadb).await
+                return reserve_through_the_procedure(pool, names, request, Some(&names.check))
+                    .await;
             }
         }
     }
@@ -1376,7 +1328,7 @@ async fn reserve_through_store(
     conn.hand_back();
     match answer? {
         Some(answer) => Ok(answer),
-        None => reserve_through_the_procedure(pool, names, request, mariadb).await,
+        None => reserve_through_the_procedure(pool, names, request, None).await,
     }
 }
 
@@ -1453,15 +1405,15 @@ enum Answer {
 }
 
 /// A reservation through the store, on a connection outside any transaction
-/// ([`clean_connection`]; asked on MariaDB): the procedure never answers
-/// `stale_snapshot` there.
+/// ([`clean_connection`], which asks the session `check` when given: on
+/// MariaDB): the procedure never answers `stale_snapshot` there.
 async fn reserve_through_the_procedure(
     pool: &MySqlPool,
     names: &Names,
     request: ReserveRequest<'_>,
-    mariadb: bool,
+    check: Option<&std::sync::Arc<SessionCheck>>,
 ) -> Result<Reservation, StoreError> {
-    let mut conn = clean_connection(pool, mariadb.then_some(&names.check)).await?;
+    let mut conn = clean_connection(pool, check).await?;
     // It waits `STORE_LOCK_WAIT_S` in all, for the identity's `GET_LOCK`
     // and then for the row.
     let answer = server::answered_within(
@@ -1549,16 +1501,35 @@ fn on_owned_record<'q>(
         .bind(token.as_str().as_bytes())
 }
 
-/// Runs a write fenced by the owner token: `Written` when it matched the
-/// record, `NotOwner` when the token no longer owns it. The connection
-/// reports rows *matched* (CLIENT_FOUND_ROWS), so an identical rewrite still
-/// counts as owning the record.
-async fn fenced<'e, E: Executor<'e, Database = MySql>>(
+/// The text of a write (`change`: an `UPDATE … SET …` or a `DELETE FROM …`)
+/// made to the record the token owns only: its `WHERE` is the
+/// [`owned_record!`] condition ([`fenced`] binds it) and `commit`'s
+/// [`condition`](Commit::condition).
+fn owned_record_write(change: &str, commit: Commit) -> String {
+    format!(
+        "{change}\n          WHERE {}{}",
+        owned_record!(),
+        commit.condition()
+    )
+}
+
+/// Runs a write fenced by the owner token (made with [`owned_record_write`]:
+/// the record of `identity` that `token` owns is bound after what
+/// `statement` bound so far): `Written` when it matched the record,
+/// `NotOwner` when the token no longer owns it. The connection reports rows
+/// *matched* (CLIENT_FOUND_ROWS), so an identical rewrite still counts as
+/// owning the record.
+async fn fenced<'e, 'q, E: Executor<'e, Database = MySql>>(
     operation: &'static str,
-    statement: sqlx::query::Query<'_, MySql, sqlx::mysql::MySqlArguments>,
+    statement: sqlx::query::Query<'q, MySql, sqlx::mysql::MySqlArguments>,
+    identity: &'q Identity,
+    token: &'q OwnerToken,
     executor: E,
 ) -> Result<Fenced, StoreError> {
-    let done = statement.execute(executor).await.map_err(err(operation))?;
+    let done = on_owned_record(statement, identity, token)
+        .execute(executor)
+        .await
+        .map_err(err(operation))?;
     Ok(Fenced::from_owned(done.rows_affected() == 1))
 }
 
@@ -1567,13 +1538,8 @@ async fn complete_with<'e, E: Executor<'e, Database = MySql>>(
     executor: E,
     completion: Completion<'_>,
 ) -> Result<Fenced, StoreError> {
-    complete_as(
-        Commit::WithTheCallersTransaction,
-        TABLE,
-        executor,
-        completion,
-    )
-    .await
+    let commit = Commit::WithTheCallersTransaction;
+    complete_as(commit, TABLE, executor, completion).await
 }
 
 /// Records the outcome, fenced by the token; an outcome a `recover` hook
@@ -1584,25 +1550,19 @@ async fn complete_as<'e, E: Executor<'e, Database = MySql>>(
     executor: E,
     completion: Completion<'_>,
 ) -> Result<Fenced, StoreError> {
-    let sql = format!(
+    let change = format!(
         "UPDATE {table} SET state = 'complete', owner_token = NULL,
                 is_error = ?, result = ?, lease_expires_at = NULL,
-                expires_at = {NOW_MS} + ?, updated_at = {NOW_MS}, recovered = ?
-          WHERE {}{}",
-        owned_record!(),
-        commit.condition()
+                expires_at = {NOW_MS} + ?, updated_at = {NOW_MS}, recovered = ?"
     );
+    let sql = owned_record_write(&change, commit);
     let statement = sqlx::query(&sql)
         .bind(completion.outcome.is_error)
         .bind(&completion.outcome.payload)
         .bind(duration_to_millis(completion.ttl))
         .bind(completion.marks_recovered());
-    fenced(
-        "complete",
-        on_owned_record(statement, completion.identity, completion.token),
-        executor,
-    )
-    .await
+    let (identity, token) = (completion.identity, completion.token);
+    fenced("complete", statement, identity, token, executor).await
 }
 
 /// Renews (or, with a shorter lease, ends early) the lease `token` owns.
@@ -1614,26 +1574,19 @@ async fn heartbeat_as<'e, E: Executor<'e, Database = MySql>>(
     token: &OwnerToken,
     lease: Duration,
 ) -> Result<Fenced, StoreError> {
-    let sql = format!(
-        // The record's retention moves with its lease (`Store::heartbeat`). MySQL assigns left to right, each assignment
-        // seeing the ones before it: `expires_at` first, from the old lease.
+    // The record's retention moves with its lease (`Store::heartbeat`). MySQL assigns left to right, each assignment
+    // seeing the ones before it: `expires_at` first, from the old lease.
+    let change = format!(
         "UPDATE {table}
             SET expires_at = GREATEST(expires_at,
                     COALESCE({NOW_MS} + ? + (expires_at - lease_expires_at), expires_at)),
-                lease_expires_at = {NOW_MS} + ?, updated_at = {NOW_MS}
-          WHERE {}{}",
-        owned_record!(),
-        commit.condition()
+                lease_expires_at = {NOW_MS} + ?, updated_at = {NOW_MS}"
     );
+    let sql = owned_record_write(&change, commit);
     let statement = sqlx::query(&sql)
         .bind(duration_to_millis(lease))
         .bind(duration_to_millis(lease));
-    fenced(
-        "heartbeat",
-        on_owned_record(statement, identity, token),
-        executor,
-    )
-    .await
+    fenced("heartbeat", statement, identity, token, executor).await
 }
 
 /// Renews (or, with a zero lease, ends) the lease in the caller's
@@ -1644,15 +1597,8 @@ async fn heartbeat_with<'e, E: Executor<'e, Database = MySql>>(
     token: &OwnerToken,
     lease: Duration,
 ) -> Result<Fenced, StoreError> {
-    heartbeat_as(
-        Commit::WithTheCallersTransaction,
-        TABLE,
-        executor,
-        identity,
-        token,
-        lease,
-    )
-    .await
+    let commit = Commit::WithTheCallersTransaction;
+    heartbeat_as(commit, TABLE, executor, identity, token, lease).await
 }
 
 /// Deletes the in-progress record in the caller's transaction (transactional mode).
@@ -1672,19 +1618,8 @@ async fn release_as<'e, E: Executor<'e, Database = MySql>>(
     identity: &Identity,
     token: &OwnerToken,
 ) -> Result<Fenced, StoreError> {
-    let sql = format!(
-        "DELETE FROM {table}
-          WHERE {}{}",
-        owned_record!(),
-        commit.condition()
-    );
-    let statement = sqlx::query(&sql);
-    fenced(
-        "release",
-        on_owned_record(statement, identity, token),
-        executor,
-    )
-    .await
+    let sql = owned_record_write(&format!("DELETE FROM {table}"), commit);
+    fenced("release", sqlx::query(&sql), identity, token, executor).await
 }
 
 #[async_trait::async_trait]
@@ -2213,37 +2148,74 @@ mod tests {
             .is_written());
     }
 
-    /// A record of a fresh tenant in `scope` (key `k`), reserved by the
-    /// token answered: in progress for a minute.
-    async fn held_record(store: &MySqlStore, scope: &str) -> (Identity, OwnerToken) {
-        let tenant = format!("t-{}", OwnerToken::new().as_str());
-        let identity = Identity::new(tenant, scope, "k").expect("id");
+    /// Reserves `identity`, a key nobody holds, for a fresh token, which
+    /// acquires it (a minute's lease) and is answered.
+    async fn acquired(store: &MySqlStore, identity: &Identity) -> OwnerToken {
         let token = OwnerToken::new();
         let reserved = store
-            .reserve(request(&identity, &token))
+            .reserve(request(identity, &token))
             .await
             .expect("reserve");
         assert!(
             matches!(reserved, Reservation::Acquired { .. }),
             "{reserved:?}"
         );
+        token
+    }
+
+    /// Reserves and completes `identity`, a key nobody holds.
+    async fn completed(store: &MySqlStore, identity: &Identity) {
+        let token = acquired(store, identity).await;
+        complete(store, identity, &token).await;
+    }
+
+    /// A record of a fresh tenant in `scope` (key `k`), reserved by the
+    /// token answered: in progress for a minute.
+    async fn held_record(store: &MySqlStore, scope: &str) -> (Identity, OwnerToken) {
+        let tenant = format!("t-{}", OwnerToken::new().as_str());
+        let identity = Identity::new(tenant, scope, "k").expect("id");
+        let token = acquired(store, &identity).await;
         (identity, token)
     }
 
-    /// A pool of one connection whose session has autocommit off: each
-    /// statement opens a transaction that stays open.
-    async fn autocommit_off(url: &str) -> MySqlPool {
+    /// A pool of at most `connections` connections to `url`, each of whose
+    /// sessions runs `statements`, in order, when it connects.
+    async fn session_pool(
+        url: &str,
+        connections: u32,
+        statements: &'static [&'static str],
+    ) -> MySqlPool {
         sqlx::mysql::MySqlPoolOptions::new()
-            .max_connections(1)
-            .after_connect(|conn, _| {
+            .max_connections(connections)
+            .after_connect(move |conn, _| {
                 Box::pin(async move {
-                    conn.execute("SET SESSION autocommit = 0").await?;
+                    for statement in statements {
+                        conn.execute(*statement).await?;
+                    }
                     Ok(())
                 })
             })
             .connect(url)
             .await
             .expect("pool")
+    }
+
+    /// A pool of one connection whose session has autocommit off: each
+    /// statement opens a transaction that stays open.
+    async fn autocommit_off(url: &str) -> MySqlPool {
+        session_pool(url, 1, &["SET SESSION autocommit = 0"]).await
+    }
+
+    /// A reservation of `identity` for a fresh token on a connection of
+    /// `pool`, through the store's reservation as it runs for MySQL 8 (the
+    /// plain read first), on the table of the pool's database.
+    async fn reserve_as_mysql_8_on(
+        pool: &MySqlPool,
+        identity: &Identity,
+    ) -> Result<Reservation, StoreError> {
+        let token = OwnerToken::new();
+        let names = Names::in_database(None);
+        reserve_through_store(pool, &names, request(identity, &token), false).await
     }
 
     /// Rule 11 on MySQL 8's path (no `@@in_transaction`: a fresh key goes from
@@ -2259,40 +2231,22 @@ mod tests {
         };
         let tenant = format!("t-{}", OwnerToken::new().as_str());
         let done = Identity::new(tenant.clone(), "mysql_unit.clock", "done").expect("id");
-        let token = OwnerToken::new();
-        store
-            .reserve(request(&done, &token))
-            .await
-            .expect("reserve");
-        complete(&store, &done, &token).await;
+        completed(&store, &done).await;
 
-        let skewed = sqlx::mysql::MySqlPoolOptions::new()
-            .max_connections(1)
-            .after_connect(|conn, _| {
-                Box::pin(async move {
-                    conn.execute("SET timestamp = UNIX_TIMESTAMP(SYSDATE()) + 172800")
-                        .await?;
-                    Ok(())
-                })
-            })
-            .connect(&url)
-            .await
-            .expect("pool");
+        let skewed = session_pool(
+            &url,
+            1,
+            &["SET timestamp = UNIX_TIMESTAMP(SYSDATE()) + 172800"],
+        )
+        .await;
         let fresh = Identity::new(tenant.clone(), "mysql_unit.clock", "fresh").expect("id");
         for identity in [&done, &fresh] {
-            let token = OwnerToken::new();
-            let answer = reserve_through_store(
-                &skewed,
-                &Names::in_database(None),
-                request(identity, &token),
-                false,
-            )
-            .await;
-            match answer {
+            match reserve_as_mysql_8_on(&skewed, identity).await {
                 Err(e) => assert!(e.to_string().contains("SET timestamp"), "{e}"),
                 Ok(answer) => panic!("{identity:?} answered {answer:?} on a set clock"),
             }
         }
+        skewed.close().await;
         assert!(store.fetch(&fresh).await.expect("fetch").is_none());
         let token = OwnerToken::new();
         let replay = store.reserve(request(&done, &token)).await;
@@ -2300,7 +2254,6 @@ mod tests {
             matches!(replay, Ok(Reservation::Completed(_))),
             "{replay:?}"
         );
-        skewed.close().await;
     }
 
     /// The store's plain read on MySQL 8's path (no `INSERT … RETURNING`:
@@ -2320,12 +2273,7 @@ mod tests {
             format!("t-{}", OwnerToken::new().as_str()),
         );
         let theirs = Identity::new(first.clone(), "mysql_unit.read", "k").expect("id");
-        let token = OwnerToken::new();
-        store
-            .reserve(request(&theirs, &token))
-            .await
-            .expect("reserve");
-        complete(&store, &theirs, &token).await;
+        completed(&store, &theirs).await;
         let ours = Identity::new(second, "mysql_unit.read", "k").expect("id");
         let token = OwnerToken::new();
         let answer =
@@ -2337,32 +2285,14 @@ mod tests {
 
         let off = autocommit_off(&url).await;
         let running = Identity::new(first, "mysql_unit.read", "running").expect("id");
-        let owner = OwnerToken::new();
-        store
-            .reserve(request(&running, &owner))
-            .await
-            .expect("reserve");
-        let token = OwnerToken::new();
-        let answer = reserve_through_store(
-            &off,
-            &Names::in_database(None),
-            request(&running, &token),
-            false,
-        )
-        .await;
+        let owner = acquired(&store, &running).await;
+        let answer = reserve_as_mysql_8_on(&off, &running).await;
         assert!(
             matches!(answer, Ok(Reservation::InProgress { .. })),
             "{answer:?}"
         );
         complete(&store, &running, &owner).await;
-        let token = OwnerToken::new();
-        let answer = reserve_through_store(
-            &off,
-            &Names::in_database(None),
-            request(&running, &token),
-            false,
-        )
-        .await;
+        let answer = reserve_as_mysql_8_on(&off, &running).await;
         assert!(
             matches!(answer, Ok(Reservation::Completed(_))),
             "a retry after the completion was answered {answer:?}"
@@ -2490,21 +2420,16 @@ mod tests {
             return;
         };
         let (identity, token) = held_record(&store, "mysql_unit.look_locks").await;
-        let serializable = sqlx::mysql::MySqlPoolOptions::new()
-            .max_connections(2)
-            .after_connect(|conn, _| {
-                Box::pin(async move {
-                    conn.execute("SET SESSION autocommit = 0").await?;
-                    conn.execute("SET SESSION TRANSACTION ISOLATION LEVEL SERIALIZABLE")
-                        .await?;
-                    conn.execute("SET SESSION innodb_lock_wait_timeout = 1")
-                        .await?;
-                    Ok(())
-                })
-            })
-            .connect(&url)
-            .await
-            .expect("pool");
+        let serializable = session_pool(
+            &url,
+            2,
+            &[
+                "SET SESSION autocommit = 0",
+                "SET SESSION TRANSACTION ISOLATION LEVEL SERIALIZABLE",
+                "SET SESSION innodb_lock_wait_timeout = 1",
+            ],
+        )
+        .await;
         let names = Names::in_database(None);
         fn row_of<'q>(
             identity: &'q Identity,
@@ -2583,29 +2508,13 @@ mod tests {
             format!("k-{}", OwnerToken::new().as_str()),
         )
         .expect("id");
-        let token = OwnerToken::new();
-        let reserved = store
-            .reserve(request(&identity, &token))
-            .await
-            .expect("reserve");
-        assert!(
-            matches!(reserved, Reservation::Acquired { .. }),
-            "{reserved:?}"
-        );
-        let odd = sqlx::mysql::MySqlPoolOptions::new()
-            .max_connections(1)
-            .after_connect(|conn, _| {
-                Box::pin(async move {
-                    conn.execute(
-                        "SET SESSION sql_mode = CONCAT(@@sql_mode, ',EMPTY_STRING_IS_NULL')",
-                    )
-                    .await?;
-                    Ok(())
-                })
-            })
-            .connect(&url)
-            .await
-            .expect("pool");
+        let token = acquired(&store, &identity).await;
+        let odd = session_pool(
+            &url,
+            1,
+            &["SET SESSION sql_mode = CONCAT(@@sql_mode, ',EMPTY_STRING_IS_NULL')"],
+        )
+        .await;
         let held = lease_remaining(&odd, &Names::in_database(None), &identity)
             .await
             .expect("look");

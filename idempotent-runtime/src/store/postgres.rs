@@ -78,6 +78,7 @@ use sqlx::{Executor, Postgres, Row};
 use std::collections::HashMap;
 
 const STORE: &str = "postgres";
+use super::detached::Work;
 use super::server::ClosedIfDropped;
 pub use super::server::ACQUIRE_TIMEOUT;
 const DEFAULT_LOCK_WAIT: Duration = Duration::from_millis(100);
@@ -632,7 +633,7 @@ fn reservation_lands_within(lock_wait: Duration) -> Duration {
 /// store's [`PgStore::silent_connection_timeout`]) fails, its connection
 /// closed ([`server::answered_within`]).
 macro_rules! in_own_transaction {
-    ($pool:expr, $op:literal, $silent_after:expr, $waits:expr, |$conn:ident| $write:expr) => {{
+    ($pool:expr, $op:expr, $silent_after:expr, $waits:expr, |$conn:ident| $write:expr) => {{
         let pool: &PgPool = $pool;
         let (silent_after, waits): (Duration, Duration) = ($silent_after, $waits);
         let mut tries = 0;
@@ -705,7 +706,7 @@ const WORKER_LOCK_TIMEOUT_SQL: &str = "SELECT set_config('lock_timeout', \
 /// row-lock waits end at 10 s ([`WORKER_LOCK_TIMEOUT_SQL`]), on
 /// [`in_own_transaction!`]'s connection and tries.
 macro_rules! in_worker_transaction {
-    ($pool:expr, $op:literal, |$conn:ident| $write:expr) => {
+    ($pool:expr, $op:expr, |$conn:ident| $write:expr) => {
         // The worker bounds each attempt itself (`Detached::set_attempt_limit`).
         in_own_transaction!($pool, $op, Duration::ZERO, Duration::MAX, |conn| async {
             let mut tx = sqlx::Connection::begin(&mut *conn)
@@ -725,48 +726,59 @@ macro_rules! in_worker_transaction {
     };
 }
 
+/// One of the store's fenced writes (`$op`, on the record of `$identity`) in
+/// a transaction of its own, with [`in_own_transaction!`]'s connection,
+/// tries and bounds (`$waits`: the row-lock wait it may rightly have): `$write`,
+/// the write's future on connection `$conn`, whose `NotOwner` is told apart
+/// from a connection left inside a transaction
+/// ([`not_owner_unless_the_connection_is_why`]).
+macro_rules! own_fenced_write {
+    ($store:expr, $op:literal, $waits:expr, $identity:expr, |$conn:ident| $write:expr) => {{
+        let store: &PgStore = $store;
+        in_own_transaction!(
+            &store.pools.current(),
+            $op,
+            store.silent_after,
+            $waits,
+            |conn| async move {
+                let written = {
+                    let $conn = &mut *conn;
+                    $write.await?
+                };
+                not_owner_unless_the_connection_is_why(
+                    conn,
+                    $op,
+                    $identity,
+                    written,
+                    WrittenIn::OwnTransaction,
+                )
+                .await
+            }
+        )
+    }};
+}
+
 /// The worker that finishes dropped calls' records with the store's fenced
 /// writes (module `server`).
 fn background_worker(pool: &PgPool, sql: &std::sync::Arc<Statements>) -> detached::Detached {
-    let (on_release, on_end_lease, on_complete) = (sql.clone(), sql.clone(), sql.clone());
-    server::background_worker(
-        STORE,
-        pool,
-        move |pool, identity, token| {
-            let sql = on_release.clone();
-            Box::pin(async move {
-                in_worker_transaction!(&pool, "release", |conn| release_with(
-                    conn,
-                    &sql.release,
-                    &identity,
-                    &token
-                ))
+    let sql = sql.clone();
+    server::background_worker(STORE, pool, move |pool, identity, token, work| {
+        let sql = sql.clone();
+        Box::pin(async move {
+            let (id, token) = (&identity, &token);
+            in_worker_transaction!(&pool, work.operation(), |conn| async {
+                match &work {
+                    Work::Release => release_with(conn, &sql.release, id, token).await,
+                    Work::EndLease => {
+                        heartbeat_with(conn, &sql.heartbeat, id, token, Duration::ZERO).await
+                    }
+                    Work::Complete(answer) => {
+                        complete_with(conn, &sql.complete, answer.completing(id, token)).await
+                    }
+                }
             })
-        },
-        move |pool, identity, token| {
-            let sql = on_end_lease.clone();
-            Box::pin(async move {
-                in_worker_transaction!(&pool, "heartbeat", |conn| heartbeat_with(
-                    conn,
-                    &sql.heartbeat,
-                    &identity,
-                    &token,
-                    Duration::ZERO
-                ))
-            })
-        },
-        move |pool, identity, token, answer| {
-            let sql = on_complete.clone();
-            Box::pin(async move {
-                let completion = answer.completing(&identity, &token);
-                in_worker_transaction!(&pool, "complete", |conn| complete_with(
-                    conn,
-                    &sql.complete,
-                    completion
-                ))
-            })
-        },
-    )
+        })
+    })
 }
 
 /// Applies the embedded migrations once, in one transaction under an
@@ -868,10 +880,7 @@ impl migrate::MigrationBackend for MigrationTransaction {
         if !exists {
             return Ok(None);
         }
-        sqlx::query_as("SELECT version, checksum FROM idempotency_schema_migrations")
-            .fetch_all(&self.pool)
-            .await
-            .map(Some)
+        migrate::applied_on(&self.pool).await.map(Some)
     }
 
     async fn create_history(&mut self) -> Result<(), sqlx::Error> {
@@ -895,21 +904,10 @@ impl migrate::MigrationBackend for MigrationTransaction {
         self.tx.execute(&comments_in_ascii(sql)).await
     }
 
-    async fn record(
-        &mut self,
-        version: i64,
-        description: &str,
-        checksum: &[u8],
-    ) -> Result<(), sqlx::Error> {
-        sqlx::query(
-            "INSERT INTO idempotency_schema_migrations (version, description, checksum) VALUES ($1, $2, $3)",
-        )
-        .bind(version)
-        .bind(description)
-        .bind(checksum)
-        .execute(self.tx()?)
-        .await
-        .map(drop)
+    async fn record(&mut self, migration: &migrate::Migration) -> Result<(), sqlx::Error> {
+        const INSERT: &str = "INSERT INTO idempotency_schema_migrations \
+            (version, description, checksum) VALUES ($1, $2, $3)";
+        migrate::record_on(self.tx()?, INSERT, migration).await
     }
 
     /// Commits, or rolls back everything the run did.
@@ -1782,6 +1780,16 @@ async fn complete_with<'e, E: Executor<'e, Database = Postgres>>(
     fenced("complete", statement, executor).await
 }
 
+/// Deletes the in-progress record `token` owns, freeing the key.
+async fn release_with<'e, E: Executor<'e, Database = Postgres>>(
+    executor: E,
+    sql: &str,
+    identity: &Identity,
+    token: &OwnerToken,
+) -> Result<Fenced, StoreError> {
+    fenced("release", on_owned_record(sql, identity, token), executor).await
+}
+
 /// Renews (or, with a shorter lease, ends early) the lease `token` owns.
 async fn heartbeat_with<'e, E: Executor<'e, Database = Postgres>>(
     executor: E,
@@ -1792,15 +1800,6 @@ async fn heartbeat_with<'e, E: Executor<'e, Database = Postgres>>(
 ) -> Result<Fenced, StoreError> {
     let statement = on_owned_record(sql, identity, token).bind(millis_i64(lease));
     fenced("heartbeat", statement, executor).await
-}
-
-async fn release_with<'e, E: Executor<'e, Database = Postgres>>(
-    executor: E,
-    sql: &str,
-    identity: &Identity,
-    token: &OwnerToken,
-) -> Result<Fenced, StoreError> {
-    fenced("release", on_owned_record(sql, identity, token), executor).await
 }
 
 impl PgStore {
@@ -1953,24 +1952,9 @@ impl Store for PgStore {
         let waits = CALLER_WRITE_WAITS
             .saturating_add(detached::allowance_for(completion.outcome.payload.len()));
         let write = async {
-            in_own_transaction!(
-                &self.pools.current(),
-                "complete",
-                self.silent_after,
-                waits,
-                |conn| async move {
-                    let written =
-                        complete_with(&mut *conn, &self.statements.complete, completion).await?;
-                    not_owner_unless_the_connection_is_why(
-                        conn,
-                        "complete",
-                        completion.identity,
-                        written,
-                        WrittenIn::OwnTransaction,
-                    )
-                    .await
-                }
-            )
+            own_fenced_write!(self, "complete", waits, completion.identity, |conn| {
+                complete_with(conn, &self.statements.complete, completion)
+            })
         };
         live_owners::completed(completion.token, write).await
     }
@@ -1986,24 +1970,9 @@ impl Store for PgStore {
 
     async fn release(&self, identity: &Identity, token: &OwnerToken) -> Result<Fenced, StoreError> {
         live_owners::ended(token);
-        in_own_transaction!(
-            &self.pools.current(),
-            "release",
-            self.silent_after,
-            CALLER_WRITE_WAITS,
-            |conn| async move {
-                let written =
-                    release_with(&mut *conn, &self.statements.release, identity, token).await?;
-                not_owner_unless_the_connection_is_why(
-                    conn,
-                    "release",
-                    identity,
-                    written,
-                    WrittenIn::OwnTransaction,
-                )
-                .await
-            }
-        )
+        own_fenced_write!(self, "release", CALLER_WRITE_WAITS, identity, |conn| {
+            release_with(conn, &self.statements.release, identity, token)
+        })
     }
 
     async fn heartbeat(
@@ -2013,25 +1982,9 @@ impl Store for PgStore {
         lease: Duration,
     ) -> Result<Fenced, StoreError> {
         let write = async {
-            in_own_transaction!(
-                &self.pools.current(),
-                "heartbeat",
-                self.silent_after,
-                RENEWAL_WAITS,
-                |conn| async move {
-                    let statement = &self.statements.heartbeat;
-                    let written =
-                        heartbeat_with(&mut *conn, statement, identity, token, lease).await?;
-                    not_owner_unless_the_connection_is_why(
-                        conn,
-                        "heartbeat",
-                        identity,
-                        written,
-                        WrittenIn::OwnTransaction,
-                    )
-                    .await
-                }
-            )
+            own_fenced_write!(self, "heartbeat", RENEWAL_WAITS, identity, |conn| {
+                heartbeat_with(conn, &self.statements.heartbeat, identity, token, lease)
+            })
         };
         live_owners::renewal((identity, self.database_id()), token, lease, write).await
     }
@@ -2961,7 +2914,15 @@ mod tests {
     #[test]
     fn every_statement_through_the_shared_pool_names_its_schema() {
         let statements = Statements::in_schema("app");
-        let Statements {
+        // Each named once; the pattern is exhaustive, so a statement added to
+        // `Statements` and not named here does not compile.
+        macro_rules! every {
+            ($($name:ident),+) => {{
+                let Statements { $($name),+ } = &statements;
+                [$($name),+]
+            }};
+        }
+        let every = every!(
             reserve,
             reserve_autocommit,
             complete,
@@ -2971,20 +2932,9 @@ mod tests {
             purge,
             fetch,
             scope_stats,
-            mark_waiting,
-        } = &statements;
-        for sql in [
-            reserve,
-            reserve_autocommit,
-            complete,
-            heartbeat,
-            release,
-            force_release,
-            purge,
-            fetch,
-            scope_stats,
-            mark_waiting,
-        ] {
+            mark_waiting
+        );
+        for sql in every {
             let named = sql.matches("idempotency_").count();
             assert!(named > 0, "{sql}");
             assert_eq!(sql.matches("\"app\".idempotency_").count(), named, "{sql}");

@@ -22,7 +22,7 @@
 use super::detached::{Detached, Work};
 use crate::error::StoreError;
 use crate::identity::Identity;
-use crate::store::{Answer, Fenced, OwnerToken};
+use crate::store::{Fenced, OwnerToken};
 use futures_util::future::BoxFuture;
 use sqlx::pool::PoolOptions;
 use sqlx::{Database, Pool};
@@ -214,19 +214,18 @@ type Written = BoxFuture<'static, Result<Fenced, StoreError>>;
 /// The worker that finishes dropped calls' records: its own small pool (two
 /// connections) on its own runtime, with the store pool's connect options
 /// and pool options (its `after_connect`, `before_acquire` and
-/// `after_release` hooks too). `release` frees a dropped call's record;
-/// `end_lease` ends its lease and keeps it (a call in a scope with a recover
-/// hook, dropped while its reservation was in flight); `complete` records the
-/// outcome of one dropped while its result was being recorded (marked
-/// recovered when a recover hook gave it).
-/// The three may carry what the store knows of itself (MySQL: the database
+/// `after_release` hooks too). `write` carries out one [`Work`] on a
+/// connection of that pool: [`Work::Release`] frees a dropped call's record;
+/// [`Work::EndLease`] ends its lease and keeps it (a call in a scope with a
+/// recover hook, dropped while its reservation was in flight);
+/// [`Work::Complete`] records the outcome of one dropped while its result
+/// was being recorded (marked recovered when a recover hook gave it).
+/// `write` may carry what the store knows of itself (MySQL: the database
 /// it named its table in, which the worker's fresh connections need not be on).
 pub(crate) fn background_worker<DB: Database>(
     store: &'static str,
     pool: &Pool<DB>,
-    release: impl Fn(Pool<DB>, Identity, OwnerToken) -> Written + Send + Sync + 'static,
-    end_lease: impl Fn(Pool<DB>, Identity, OwnerToken) -> Written + Send + Sync + 'static,
-    complete: impl Fn(Pool<DB>, Identity, OwnerToken, Answer) -> Written + Send + Sync + 'static,
+    write: impl Fn(Pool<DB>, Identity, OwnerToken, Work) -> Written + Send + Sync + 'static,
 ) -> Detached {
     // The pool's own options, hooks included (an `after_connect` that sets a
     // `search_path` or a role applies to these connections too), sized down.
@@ -241,11 +240,7 @@ pub(crate) fn background_worker<DB: Database>(
         store,
         Box::new(move || {
             let pool = pool_options.connect_lazy_with((*options).clone());
-            Arc::new(move |identity, token, work| match work {
-                Work::Release => release(pool.clone(), identity, token),
-                Work::EndLease => end_lease(pool.clone(), identity, token),
-                Work::Complete(answer) => complete(pool.clone(), identity, token, answer),
-            })
+            Arc::new(move |identity, token, work| write(pool.clone(), identity, token, work))
         }),
     );
     worker.set_attempt_limit(super::detached::ATTEMPT_ANSWERS_WITHIN);

@@ -851,24 +851,9 @@ impl SqliteStore {
     }
 
     /// Runs `write` on the store's pool in this process's turn to write
-    /// (see [`beside_the_caller`]).
+    /// (see [`beside_the_caller`]), waiting for the turn at most `most`
+    /// (see [`WriteGate::take_within`]; `Duration::MAX`: as long as it takes).
     async fn write_in_turn<T, W, F>(
-        &self,
-        operation: &'static str,
-        write: W,
-    ) -> Result<T, StoreError>
-    where
-        T: Send + 'static,
-        W: FnOnce(PoolConnection<sqlx::Sqlite>) -> F + Send + 'static,
-        F: std::future::Future<Output = Result<T, StoreError>> + Send + 'static,
-    {
-        self.write_in_turn_within(operation, Duration::MAX, write)
-            .await
-    }
-
-    /// [`write_in_turn`](Self::write_in_turn), waiting for the turn at
-    /// most `most` (see [`WriteGate::take_within`]).
-    async fn write_in_turn_within<T, W, F>(
         &self,
         operation: &'static str,
         most: Duration,
@@ -896,7 +881,7 @@ impl SqliteStore {
         super::live_owners::ended(token);
         let (id, token) = (identity.clone(), token.clone());
         let released = self
-            .write_in_turn("release", move |mut conn| async move {
+            .write_in_turn("release", Duration::MAX, move |mut conn| async move {
                 release_on(&mut *conn, &id, &token).await
             })
             .await?;
@@ -917,7 +902,7 @@ impl SqliteStore {
         let most = super::live_owners::lease(completion.token).map_or(Duration::MAX, |lease| {
             (lease / 3).max(Duration::from_millis(1))
         });
-        let write = self.write_in_turn_within("complete", most, move |mut conn| async move {
+        let write = self.write_in_turn("complete", most, move |mut conn| async move {
             complete_on(&mut *conn, answer.completing(&id, &token)).await
         });
         let completed = super::live_owners::completion(completion.token, write).await?;
@@ -1766,34 +1751,21 @@ impl super::migrate::MigrationBackend for MigrationTransaction {
         if !exists {
             return Ok(None);
         }
-        sqlx::query_as("SELECT version, checksum FROM idempotency_schema_migrations")
-            .fetch_all(&self.pool)
-            .await
-            .map(Some)
+        super::migrate::applied_on(&self.pool).await.map(Some)
     }
 
     async fn execute(&mut self, sql: &str) -> Result<(), sqlx::Error> {
         self.tx.execute(sql).await
     }
 
-    async fn record(
-        &mut self,
-        version: i64,
-        description: &str,
-        checksum: &[u8],
-    ) -> Result<(), sqlx::Error> {
-        sqlx::query(concat!(
+    async fn record(&mut self, migration: &super::migrate::Migration) -> Result<(), sqlx::Error> {
+        const INSERT: &str = concat!(
             "INSERT INTO idempotency_schema_migrations (version, description, checksum, applied_at) ",
             "VALUES (?1, ?2, ?3, ",
             now_ms!(),
             ")"
-        ))
-        .bind(version)
-        .bind(description)
-        .bind(checksum)
-        .execute(self.tx()?)
-        .await
-        .map(drop)
+        );
+        super::migrate::record_on(self.tx()?, INSERT, migration).await
     }
 
     async fn unlock(&mut self, done: bool) -> Result<(), sqlx::Error> {
@@ -2052,7 +2024,7 @@ impl Store for SqliteStore {
         // Read to the end, as the reservation's upsert is (see `reserve_in`):
         // its commit's failure is then seen.
         let deleted: Vec<i64> = self
-            .write_in_turn(OP, move |mut conn| async move {
+            .write_in_turn(OP, Duration::MAX, move |mut conn| async move {
                 sqlx::query_scalar(FORCE_RELEASE_SQL)
                     .bind(&id.tenant)
                     .bind(&id.scope)
@@ -2096,7 +2068,7 @@ impl Store for SqliteStore {
             (lease / 3).max(Duration::from_millis(1))
         };
         let patience = self.write_gate.patience;
-        let in_turn = self.write_in_turn_within("heartbeat", most, move |mut conn| async move {
+        let in_turn = self.write_in_turn("heartbeat", most, move |mut conn| async move {
             // A renewal whose owner this process ended after it was asked
             // for (its call dropped or its body panicked, the lease ended
             // on purpose so the next call takes over at once) is not
@@ -2180,7 +2152,7 @@ impl Store for SqliteStore {
         // between.
         const OP: &str = "purge expired records";
         super::purge_in_chunks(STORE, batch, |chunk| {
-            self.write_in_turn(OP, move |mut conn| async move {
+            self.write_in_turn(OP, Duration::MAX, move |mut conn| async move {
                 let done = sqlx::query(PURGE_SQL)
                     .bind(i64::from(chunk))
                     .execute(&mut *conn)
