@@ -1106,6 +1106,14 @@ pub(crate) fn refused_release(snapshot: Option<RecordSnapshot>) -> ForcedRelease
     }
 }
 
+/// What an operator's [`Store::force_release`] is called in a SQL store's errors.
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+pub(crate) const OPERATOR_RELEASE: &str = "release a record for an operator";
+
+/// What [`Store::scope_stats`] is called in a SQL store's errors.
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+pub(crate) const COUNT_PER_SCOPE: &str = "count records per scope";
+
 /// How long an operator's [`Store::force_release`] waits for a record another
 /// transaction holds (a transactional-mode call in progress) before it says
 /// so, instead of waiting for that transaction to end.

@@ -1664,7 +1664,6 @@ impl Store for MySqlStore {
         identity: &Identity,
         require_expired_lease: bool,
     ) -> Result<ForcedRelease, StoreError> {
-        const OP: &str = "release a record for an operator";
         // Read the attempt and delete in one short transaction, the row
         // locked. A row another transaction holds (a transactional-mode call
         // in progress, its insert uncommitted) is waited for at most
@@ -1678,8 +1677,10 @@ impl Store for MySqlStore {
             .bind(OPERATOR_LOCK_WAIT.as_secs().max(1))
             .execute(&mut *conn)
             .await
-            .map_err(err(OP))?;
-        let mut tx = sqlx::Connection::begin(&mut *conn).await.map_err(err(OP))?;
+            .map_err(err(OPERATOR_RELEASE))?;
+        let mut tx = sqlx::Connection::begin(&mut *conn)
+            .await
+            .map_err(err(OPERATOR_RELEASE))?;
         let sql = format!(
             "SELECT CAST(attempt AS SIGNED), CAST(COALESCE(state = 'in_progress'
                     AND (? = 0 OR lease_expires_at <= {NOW_MS}), 0) AS SIGNED)
@@ -1696,10 +1697,10 @@ impl Store for MySqlStore {
             .await;
         let row = match row {
             Err(sqlx::Error::Database(e)) if error_number(&*e) == Some(ER_LOCK_WAIT_TIMEOUT) => {
-                tx.rollback().await.map_err(err(OP))?;
-                return Err(held_by_a_transaction(STORE, OP));
+                tx.rollback().await.map_err(err(OPERATOR_RELEASE))?;
+                return Err(held_by_a_transaction(STORE, OPERATOR_RELEASE));
             }
-            other => other.map_err(err(OP))?,
+            other => other.map_err(err(OPERATOR_RELEASE))?,
         };
         if let Some((attempt, 1)) = row {
             sqlx::query(&format!(
@@ -1711,14 +1712,14 @@ impl Store for MySqlStore {
             .bind(identity.key.as_bytes())
             .execute(&mut *tx)
             .await
-            .map_err(err(OP))?;
-            tx.commit().await.map_err(err(OP))?;
+            .map_err(err(OPERATOR_RELEASE))?;
+            tx.commit().await.map_err(err(OPERATOR_RELEASE))?;
             self.waiters.notify(identity);
             return Ok(ForcedRelease::Released {
                 attempt: rows::attempt_number(attempt),
             });
         }
-        tx.rollback().await.map_err(err(OP))?;
+        tx.rollback().await.map_err(err(OPERATOR_RELEASE))?;
         drop(conn);
         Ok(refused_release(self.fetch(identity).await?))
     }
@@ -1832,13 +1833,10 @@ impl Store for MySqlStore {
         .and_then(|row| row)
         .map_err(err("fetch"))?;
         conn.hand_back().await;
-        row.map(|row| rows::Columns(&row).snapshot())
-            .transpose()
-            .map_err(err("fetch"))
+        rows::Columns::snapshot_if_found(row.as_ref()).map_err(err("fetch"))
     }
 
     async fn scope_stats(&self) -> Result<Vec<ScopeStats>, StoreError> {
-        const OP: &str = "count records per scope";
         // Every scope: a `LIMIT` of its own, so a `sql_select_limit` code
         // sharing the pool left on the session does not cut the answer.
         let sql = format!(
@@ -1873,13 +1871,13 @@ impl Store for MySqlStore {
         let found = sqlx::query(&sql)
             .fetch_all(&mut *conn.conn)
             .await
-            .map_err(err(OP))?;
+            .map_err(err(COUNT_PER_SCOPE))?;
         conn.hand_back().await;
         found
             .iter()
             .map(|row| rows::Columns(row).scope_stats())
             .collect::<Result<_, sqlx::Error>>()
-            .map_err(err(OP))
+            .map_err(err(COUNT_PER_SCOPE))
     }
 }
 

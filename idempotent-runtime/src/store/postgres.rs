@@ -1845,11 +1845,10 @@ impl PgStore {
         identity: &Identity,
         require_expired_lease: bool,
     ) -> Result<ForcedRelease, StoreError> {
-        const OP: &str = "release a record for an operator";
         // A row another transaction holds (a transactional-mode takeover in
         // progress) is waited for at most OPERATOR_LOCK_WAIT, not until that
         // transaction ends.
-        let mut conn = self.outside_any_transaction(OP).await?;
+        let mut conn = self.outside_any_transaction(OPERATOR_RELEASE).await?;
         // READ COMMITTED whatever the default: under REPEATABLE READ or
         // SERIALIZABLE the snapshot is taken by the first statement, and a
         // record its owner renewed or completed, or a call took over, before
@@ -1859,12 +1858,12 @@ impl PgStore {
         let mut tx =
             sqlx::Connection::begin_with(&mut *conn, "BEGIN ISOLATION LEVEL READ COMMITTED")
                 .await
-                .map_err(err(OP))?;
+                .map_err(err(OPERATOR_RELEASE))?;
         sqlx::query("SELECT set_config('lock_timeout', $1, TRUE)")
             .bind(format!("{}ms", OPERATOR_LOCK_WAIT.as_millis()))
             .execute(&mut *tx)
             .await
-            .map_err(err(OP))?;
+            .map_err(err(OPERATOR_RELEASE))?;
         let deleted: Result<Option<i32>, sqlx::Error> =
             sqlx::query_scalar(&self.statements.force_release)
                 .bind(&identity.tenant)
@@ -1875,13 +1874,13 @@ impl PgStore {
                 .await;
         let deleted = match deleted {
             Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some(LOCK_NOT_AVAILABLE) => {
-                tx.rollback().await.map_err(err(OP))?;
+                tx.rollback().await.map_err(err(OPERATOR_RELEASE))?;
                 conn.hand_back();
-                return Err(held_by_a_transaction(STORE, OP));
+                return Err(held_by_a_transaction(STORE, OPERATOR_RELEASE));
             }
-            other => other.map_err(err(OP))?,
+            other => other.map_err(err(OPERATOR_RELEASE))?,
         };
-        tx.commit().await.map_err(err(OP))?;
+        tx.commit().await.map_err(err(OPERATOR_RELEASE))?;
         conn.hand_back();
         if let Some(attempt) = deleted {
             return Ok(ForcedRelease::Released {
@@ -2020,34 +2019,31 @@ impl Store for PgStore {
                     .map_err(err("fetch"))
             }
         )?;
-        row.map(|row| rows::Columns(&row).snapshot())
-            .transpose()
-            .map_err(err("fetch"))
+        rows::Columns::snapshot_if_found(row.as_ref()).map_err(err("fetch"))
     }
 
     async fn scope_stats(&self) -> Result<Vec<ScopeStats>, StoreError> {
-        const OP: &str = "count records per scope";
         // Sent again when PostgreSQL cancels it as a serialization failure
         // (SERIALIZABLE as the default: a read beside writers can be the
         // transaction it cancels). No bound of its own: an audit reads the
         // whole table.
         let found = in_own_transaction!(
             &self.pools.current(),
-            "count records per scope",
+            COUNT_PER_SCOPE,
             Duration::MAX,
             Duration::ZERO,
             |conn| async move {
                 sqlx::query(&self.statements.scope_stats)
                     .fetch_all(&mut *conn)
                     .await
-                    .map_err(err(OP))
+                    .map_err(err(COUNT_PER_SCOPE))
             }
         )?;
         found
             .iter()
             .map(|row| rows::Columns(row).scope_stats())
             .collect::<Result<_, sqlx::Error>>()
-            .map_err(err(OP))
+            .map_err(err(COUNT_PER_SCOPE))
     }
 }
 

@@ -49,6 +49,14 @@ where
     bool: Column<'r, R::Database>,
     Vec<u8>: Column<'r, R::Database>,
 {
+    /// Decodes the row a `fetch` found, if any ([`snapshot`](Self::snapshot)).
+    #[cfg(any(feature = "postgres", feature = "mysql"))]
+    pub(crate) fn snapshot_if_found(
+        row: Option<&'r R>,
+    ) -> Result<Option<RecordSnapshot>, sqlx::Error> {
+        row.map(|row| Columns(row).snapshot()).transpose()
+    }
+
     /// Decodes a `fetch` row (the aliases are listed in the module docs).
     pub(crate) fn snapshot(&self) -> Result<RecordSnapshot, sqlx::Error> {
         let state = state_of(&self.0.try_get::<String, _>("state")?)?;

@@ -2019,21 +2019,24 @@ impl Store for SqliteStore {
         identity: &Identity,
         require_expired_lease: bool,
     ) -> Result<ForcedRelease, StoreError> {
-        const OP: &str = "release a record for an operator";
         let id = identity.clone();
         // Read to the end, as the reservation's upsert is (see `reserve_in`):
         // its commit's failure is then seen.
         let deleted: Vec<i64> = self
-            .write_in_turn(OP, Duration::MAX, move |mut conn| async move {
-                sqlx::query_scalar(FORCE_RELEASE_SQL)
-                    .bind(&id.tenant)
-                    .bind(&id.scope)
-                    .bind(&id.key)
-                    .bind(require_expired_lease)
-                    .fetch_all(&mut *conn)
-                    .await
-                    .map_err(locked_out_or(OP))
-            })
+            .write_in_turn(
+                OPERATOR_RELEASE,
+                Duration::MAX,
+                move |mut conn| async move {
+                    sqlx::query_scalar(FORCE_RELEASE_SQL)
+                        .bind(&id.tenant)
+                        .bind(&id.scope)
+                        .bind(&id.key)
+                        .bind(require_expired_lease)
+                        .fetch_all(&mut *conn)
+                        .await
+                        .map_err(locked_out_or(OPERATOR_RELEASE))
+                },
+            )
             .await?;
         if let Some(&attempt) = deleted.first() {
             self.waiters.notify(identity);
@@ -2180,13 +2183,16 @@ impl Store for SqliteStore {
     }
 
     async fn scope_stats(&self) -> Result<Vec<ScopeStats>, StoreError> {
-        const OP: &str = "count records per scope";
         let rows = sqlx::query(SCOPE_STATS_SQL)
             .fetch_all(&self.pool)
             .await
-            .map_err(err(OP))?;
+            .map_err(err(COUNT_PER_SCOPE))?;
         rows.iter()
-            .map(|row| rows::Columns(row).scope_stats().map_err(err(OP)))
+            .map(|row| {
+                rows::Columns(row)
+                    .scope_stats()
+                    .map_err(err(COUNT_PER_SCOPE))
+            })
             .collect()
     }
 }
