@@ -595,6 +595,7 @@ impl Work {
 
     /// The store write that does it, as the store's errors name it (a
     /// lease is ended by a heartbeat of zero).
+    #[cfg(any(feature = "postgres", feature = "mysql"))]
     pub(crate) fn operation(&self) -> &'static str {
         match self {
             Work::Release => "release",
