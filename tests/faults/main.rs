@@ -15,6 +15,7 @@ mod executors;
 mod first_renewal;
 mod held_answers;
 mod late_renewal;
+mod late_takeover;
 mod late_reservation;
 mod mysql_faults;
 mod mysql_wire;
