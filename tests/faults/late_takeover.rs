@@ -24,8 +24,8 @@ use crate::common;
 
 use common::servers::fresh_tenant;
 use idempotent_runtime::{
-    idempotent, with_outcome, Error, Fenced, Identity, Outcome, RecordState, Recovery,
-    SqliteStore, Store, Takeover,
+    idempotent, with_outcome, Error, Fenced, Identity, Outcome, RecordState, Recovery, SqliteStore,
+    Store, Takeover,
 };
 use libsqlite3_sys as ffi;
 use std::ffi::{c_int, c_void};
@@ -91,7 +91,11 @@ impl Park {
             // SAFETY: `db` is the connection whose handler this is, asked on
             // its own thread; the hook's argument (this park) outlives it.
             unsafe {
-                ffi::sqlite3_commit_hook(db, Some(committing), std::ptr::from_ref(self).cast_mut().cast());
+                ffi::sqlite3_commit_hook(
+                    db,
+                    Some(committing),
+                    std::ptr::from_ref(self).cast_mut().cast(),
+                );
             }
             self.parked.notify_one();
             while !state.released {
@@ -175,7 +179,12 @@ async fn run_again(_: &Takeover) -> Result<Recovery<u32>, Error> {
 
 #[idempotent(scope = "faults.late_takeover", key = key, tenant = tenant, store = store,
              skip(runs), lease = "1h", in_progress = reject, recover = run_again)]
-async fn charge(store: &dyn Store, tenant: &str, key: &str, runs: &AtomicUsize) -> Result<u32, Error> {
+async fn charge(
+    store: &dyn Store,
+    tenant: &str,
+    key: &str,
+    runs: &AtomicUsize,
+) -> Result<u32, Error> {
     runs.fetch_add(1, Ordering::SeqCst);
     Ok(7)
 }
@@ -242,12 +251,17 @@ async fn a_takeover_dropped_at_sqlite(late: bool) {
     let left = tokio::time::timeout(BOUND, store.finish_background_work(BOUND))
         .await
         .expect("finish_background_work overran its own bound");
-    assert_eq!(left, 0, "the store's work for the dropped call did not finish");
+    assert_eq!(
+        left, 0,
+        "the store's work for the dropped call did not finish"
+    );
     let record = store.fetch(&id).await.expect("fetch").expect("a record");
     assert_eq!(record.state, RecordState::InProgress, "{record:?}");
     assert_eq!(record.attempt, 2, "the dropped call's takeover: {record:?}");
     assert!(
-        record.lease_expires_at_ms.is_some_and(|end| end <= record.now_ms),
+        record
+            .lease_expires_at_ms
+            .is_some_and(|end| end <= record.now_ms),
         "the dropped call's takeover kept its lease of an hour: {record:?}"
     );
     let (answer, outcome) = with_outcome(charge(&store, &tenant, key, &runs)).await;

@@ -21,7 +21,9 @@
 //! own (`beside_the_caller`), so a call future kept alive but no longer
 //! polled never keeps the turn from the process's other writes. A
 //! reservation goes on there when its call is dropped, and the dropped
-//! call's release waits for it to end before it looks for the record
+//! call's release waits for it to end before it looks for the record; a
+//! statement its call left at SQLite (a current-thread runtime, or one shut
+//! down) is looked for as long as its busy timeout lets it land
 //! (`Reserving`).
 //!
 //! Durability is chosen with [`Synchronous`] (FULL by default); see
@@ -748,7 +750,7 @@ impl SqliteStore {
         };
         let write_gate = WriteGate::new(millis_to_duration(busy_timeout));
         let waiters = Arc::new(super::waiters::Waiters::default());
-        let reserving = Arc::new(Reserving::default());
+        let reserving = Arc::new(Reserving::new(write_gate.patience));
         let detached = {
             use super::detached::{Detached, Work};
             // A file database: the worker's own small pool, with the store
@@ -780,11 +782,13 @@ impl SqliteStore {
                             reserving.clone(),
                         );
                         Box::pin(async move {
-                            if matches!(work, Work::Release | Work::EndLease) {
-                                // The dropped call's reservation may still
-                                // be under way, and land after any search.
-                                reserving.ended(&token).await;
-                            }
+                            // The dropped call's reservation may still
+                            // be under way, and land after any search; or
+                            // have left its statement at SQLite.
+                            let statement_left = match work {
+                                Work::Release | Work::EndLease => reserving.ended(&token).await,
+                                Work::Complete(..) => None,
+                            };
                             // Its owner was ended as it was handed over: a
                             // renewal that saw it listed before, and went
                             // on without the write turn, lands first (see
@@ -798,17 +802,34 @@ impl SqliteStore {
                                      ending the lease anyway (should it land later, it renews \
                                      the lease once more)");
                             }
-                            let done = {
-                                let _turn = write_gate.take().await;
-                                match work {
-                                    Work::Release => release_on(&pool, &identity, &token).await,
-                                    Work::EndLease => {
-                                        heartbeat_on(&pool, &identity, &token, Duration::ZERO).await
+                            let mut pause = super::detached::RETRY_AFTER[0];
+                            let done = loop {
+                                let done = {
+                                    let _turn = write_gate.take().await;
+                                    match &work {
+                                        Work::Release => release_on(&pool, &identity, &token).await,
+                                        Work::EndLease => {
+                                            heartbeat_on(&pool, &identity, &token, Duration::ZERO)
+                                                .await
+                                        }
+                                        Work::Complete(answer) => {
+                                            let completion = answer.completing(&identity, &token);
+                                            complete_on(&pool, completion).await
+                                        }
                                     }
-                                    Work::Complete(answer) => {
-                                        let completion = answer.completing(&identity, &token);
-                                        complete_on(&pool, completion).await
+                                };
+                                // A statement left at SQLite lands within
+                                // its busy timeout: looked for until then
+                                // (the worker's schedule goes on after).
+                                match statement_left {
+                                    Some(until)
+                                        if matches!(done, Ok(Fenced::NotOwner))
+                                            && std::time::Instant::now() < until =>
+                                    {
+                                        tokio::time::sleep(pause).await;
+                                        pause = (pause * 2).min(super::detached::SEARCH_PAUSE);
                                     }
+                                    _ => break done,
                                 }
                             };
                             if matches!(done, Ok(Fenced::Written)) {
@@ -1098,17 +1119,39 @@ async fn shared_in_memory(
 /// before it looks for the record: on its schedule alone the release gave up
 /// after about 9 s, and a reservation landing later stayed in progress under
 /// the dropped call's token, every retry refused until its lease ran out.
-/// (On a current-thread runtime the reservation runs in the caller's future
-/// and ends with it: nothing to wait for.)
-#[derive(Debug, Default)]
+///
+/// A reservation that ends while its statement is at SQLite (on a
+/// current-thread runtime it runs in the caller's future and ends with it;
+/// on any runtime, one shut down) leaves that statement behind: SQLite runs
+/// it without its caller, and it lands as late as the busy timeout after,
+/// when it gets the lock (`statement_lands_within`). The release
+/// then looks for the record until then.
+#[derive(Debug)]
 struct Reserving {
-    by_token: std::sync::Mutex<HashMap<OwnerToken, tokio::sync::watch::Receiver<()>>>,
+    by_token: std::sync::Mutex<HashMap<OwnerToken, KnownReservation>>,
+    /// How long after its call a statement left at SQLite may still land:
+    /// the busy timeout it waits for the lock.
+    statement_lands_within: Duration,
+}
+
+/// A reservation [`Reserving`] knows of.
+#[derive(Debug)]
+enum KnownReservation {
+    /// Under way: answers when the reservation's `UnderWay` is dropped.
+    UnderWay(tokio::sync::watch::Receiver<()>),
+    /// Ended with its statement left at SQLite, which may land until then.
+    StatementLeft(std::time::Instant),
 }
 
 impl Reserving {
-    fn by_token(
-        &self,
-    ) -> std::sync::MutexGuard<'_, HashMap<OwnerToken, tokio::sync::watch::Receiver<()>>> {
+    fn new(statement_lands_within: Duration) -> Self {
+        Reserving {
+            by_token: std::sync::Mutex::default(),
+            statement_lands_within,
+        }
+    }
+
+    fn by_token(&self) -> std::sync::MutexGuard<'_, HashMap<OwnerToken, KnownReservation>> {
         // Only single inserts and removals: a poisoned map is still usable.
         self.by_token
             .lock()
@@ -1118,18 +1161,32 @@ impl Reserving {
     /// `token`'s reservation is under way until the answer is dropped.
     fn begins(self: &Arc<Self>, token: &OwnerToken) -> UnderWay {
         let (ended, running) = tokio::sync::watch::channel(());
-        self.by_token().insert(token.clone(), running);
+        self.by_token()
+            .insert(token.clone(), KnownReservation::UnderWay(running));
         UnderWay {
             reserving: self.clone(),
             token: token.clone(),
             ended,
+            statement_sent: false,
         }
     }
 
-    /// Returns once `token`'s reservation, if one is under way, has ended.
-    async fn ended(&self, token: &OwnerToken) {
-        let running = self.by_token().get(token).cloned();
-        if let Some(mut running) = running {
+    /// Returns once `token`'s reservation, if one is under way, has ended:
+    /// until when the statement it left at SQLite may still land, if it
+    /// left one (forgotten once told).
+    async fn ended(&self, token: &OwnerToken) -> Option<std::time::Instant> {
+        loop {
+            let mut running = {
+                let mut by_token = self.by_token();
+                match by_token.get(token) {
+                    Some(KnownReservation::UnderWay(running)) => running.clone(),
+                    Some(&KnownReservation::StatementLeft(until)) => {
+                        by_token.remove(token);
+                        return Some(until);
+                    }
+                    None => return None,
+                }
+            };
             // Nothing is ever sent: this answers (an error) when the
             // reservation's `UnderWay` is dropped.
             let _ = running.changed().await;
@@ -1142,16 +1199,30 @@ struct UnderWay {
     reserving: Arc<Reserving>,
     token: OwnerToken,
     ended: tokio::sync::watch::Sender<()>,
+    /// Its statement is at SQLite, unanswered.
+    statement_sent: bool,
 }
 
 impl Drop for UnderWay {
     fn drop(&mut self) {
         let mut by_token = self.reserving.by_token();
-        if by_token
-            .get(&self.token)
-            .is_some_and(|running| running.same_channel(&self.ended.subscribe()))
-        {
-            by_token.remove(&self.token);
+        if by_token.get(&self.token).is_some_and(|known| {
+            matches!(known, KnownReservation::UnderWay(running)
+                if running.same_channel(&self.ended.subscribe()))
+        }) {
+            if self.statement_sent {
+                // Statements left whose time is up and that no release came
+                // for (a `Store` used directly) are forgotten here, on this
+                // rare path (a call dropped mid-statement).
+                let now = std::time::Instant::now();
+                by_token.retain(|_, known| {
+                    !matches!(known, KnownReservation::StatementLeft(until) if *until < now)
+                });
+                let until = now + self.reserving.statement_lands_within;
+                by_token.insert(self.token.clone(), KnownReservation::StatementLeft(until));
+            } else {
+                by_token.remove(&self.token);
+            }
         }
         // `ended` is dropped next, waking the release waiting for it.
     }
@@ -1926,8 +1997,9 @@ impl Store for SqliteStore {
         let under_way = self.reserving.begins(request.token);
         let answer = beside_the_caller(OP, async move {
             // Declared first, dropped last: the reservation has ended (its
-            // statement landed or failed) once this is gone.
-            let _under_way = under_way;
+            // statement landed or failed, or was left at SQLite) once this
+            // is gone.
+            let mut under_way = under_way;
             let (turn, mut conn) = match gate.try_take() {
                 Some(turn) => {
                     let conn = outside_any_transaction(&pool, Some(conn), in_memory, OP).await?;
@@ -1968,7 +2040,9 @@ impl Store for SqliteStore {
                 ttl,
             };
             let tried = tokio::time::Instant::now();
+            under_way.statement_sent = true;
             let answer = reserve_in(&mut conn, request).await;
+            under_way.statement_sent = false;
             if let Err(e) = conn.put_back().await {
                 // The answer stands; the connection is closed, not reused.
                 tracing::warn!(target: "idempotent", error = %e,
