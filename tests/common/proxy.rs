@@ -132,6 +132,8 @@ enum TrapKind {
 struct Trap {
     kind: TrapKind,
     needle: Option<Vec<u8>>,
+    /// How many matching chunks pass before one trips it.
+    passes: usize,
     signal: Arc<TripSignal>,
 }
 
@@ -328,6 +330,10 @@ impl Shared {
                     {
                         return None;
                     }
+                    if let Some(trap) = control.trap.as_mut().filter(|t| t.passes > 0) {
+                        trap.passes -= 1;
+                        return None;
+                    }
                     let trap = control.trap.take().expect("checked above");
                     if let TrapKind::Stall(mode) = trap.kind {
                         control.stall = Some(mode);
@@ -501,6 +507,7 @@ impl FaultProxy {
             control.trap = Some(Trap {
                 kind,
                 needle: needle.map(<[u8]>::to_vec),
+                passes: 0,
                 signal: signal.clone(),
             });
         }
@@ -591,6 +598,17 @@ impl FaultProxy {
         )
     }
 
+    /// [`hold_next_request_containing`](Self::hold_next_request_containing),
+    /// letting the first `passes` client chunks containing `needle` through
+    /// (a call's statements before the one to hold).
+    pub fn hold_request_containing_after(&self, needle: impl AsRef<[u8]>, passes: usize) -> Trip {
+        let trip = self.hold_next_request_containing(needle);
+        if let Some(trap) = self.shared.control().trap.as_mut() {
+            trap.passes = passes;
+        }
+        trip
+    }
+
     /// Lets the requests [`hold_next_request_containing`](Self::hold_next_request_containing)
     /// holds go on, in order.
     pub fn release_held(&self) {
@@ -628,6 +646,7 @@ impl FaultProxy {
             control.trap = Some(Trap {
                 kind: TrapKind::Silence,
                 needle: Some(needle.to_vec()),
+                passes: 0,
                 signal: signal.clone(),
             });
             Trip { signal }

@@ -19,9 +19,13 @@
 //! On a current-thread runtime the reservation runs in the caller's future
 //! and its statement outlives it; on a multi-threaded one it runs in a task
 //! of its own, which the call's drop does not end.
+//!
+//! On PostgreSQL and MariaDB the statement is held on its way to the server
+//! by the fault proxy instead, and let through just after the drop.
 
 use crate::common;
 
+use common::proxy::FaultProxy;
 use common::servers::fresh_tenant;
 use idempotent_runtime::{
     idempotent, with_outcome, Error, Fenced, Identity, Outcome, RecordState, Recovery, SqliteStore,
@@ -291,4 +295,90 @@ async fn sqlite_multi_thread_a_takeover_landing_just_after_its_call_was_dropped_
 async fn sqlite_multi_thread_a_takeover_landing_late_after_its_call_was_dropped_has_its_lease_ended(
 ) {
     a_takeover_dropped_at_sqlite(true).await;
+}
+
+/// The same on a database server: the takeover's statement is held on its
+/// way by the fault proxy (its connection only) while the call is dropped,
+/// and reaches the server once let through, after its call is gone. The
+/// store's worker looks for the record on its retry schedule (and for as
+/// long as the store's statements wait for locks): a statement let through
+/// within it has its lease ended.
+async fn a_takeover_held_on_its_way(
+    name: &str,
+    proxy: &FaultProxy,
+    store: &dyn Store,
+    reads_first: usize,
+) {
+    let tenant = fresh_tenant();
+    let key = format!("late-takeover-{}", uuid::Uuid::new_v4().simple());
+    let id = Identity::new(&tenant, "faults.late_takeover", &key).expect("identity");
+    let hour = Duration::from_secs(3600);
+    let dead = common::records::acquire(store, &id, None, hour, hour).await;
+    assert_eq!(
+        store
+            .heartbeat(&id, &dead, Duration::ZERO)
+            .await
+            .expect("end the lease"),
+        Fenced::Written,
+        "{name}: the dead owner's lease ended"
+    );
+    // The store's statements before the takeover (a look that finds the
+    // lease over) pass.
+    let held = proxy.hold_request_containing_after(key.as_bytes(), reads_first);
+    let runs = AtomicUsize::new(0);
+    tokio::select! {
+        answer = charge(store, &tenant, &key, &runs) => {
+            panic!("{name}: the call answered while its takeover was held: {answer:?}")
+        }
+        () = held.request_seen() => {}
+    }
+    // The call is dropped; its statement goes on to the server.
+    proxy.release_held();
+    held.settled().await;
+    let left = tokio::time::timeout(BOUND, store.finish_background_work(BOUND))
+        .await
+        .expect("finish_background_work overran its own bound");
+    assert_eq!(
+        left, 0,
+        "{name}: the store's work for the dropped call did not finish"
+    );
+    let record = store.fetch(&id).await.expect("fetch").expect("a record");
+    assert_eq!(record.state, RecordState::InProgress, "{name}: {record:?}");
+    assert_eq!(
+        record.attempt, 2,
+        "{name}: the dropped call's takeover: {record:?}"
+    );
+    assert!(
+        record
+            .lease_expires_at_ms
+            .is_some_and(|end| end <= record.now_ms),
+        "{name}: the dropped call's takeover kept its lease of an hour: {record:?}"
+    );
+    let (answer, outcome) = with_outcome(charge(store, &tenant, &key, &runs)).await;
+    assert_eq!(answer.expect("the retry took the record over"), 7, "{name}");
+    assert_eq!(outcome, Some(Outcome::Executed), "{name}");
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        1,
+        "{name}: the retry's body ran once"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_takeover_reaching_the_server_after_its_call_was_dropped_has_its_lease_ended() {
+    let Some((proxy, store)) = crate::connection_faults::through_a_proxy::postgres(4).await else {
+        return;
+    };
+    // `idempotency_reserve` answers that the record needs the autocommit
+    // takeover, which comes next.
+    a_takeover_held_on_its_way("postgres", &proxy, &store, 1).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mariadb_a_takeover_reaching_the_server_after_its_call_was_dropped_has_its_lease_ended() {
+    let Some((proxy, store)) = crate::connection_faults::through_a_proxy::mariadb(4).await else {
+        return;
+    };
+    // The insert that finds the record, then the procedure that takes it over.
+    a_takeover_held_on_its_way("mariadb", &proxy, &store, 1).await;
 }
