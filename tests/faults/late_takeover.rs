@@ -18,7 +18,9 @@
 //!
 //! On a current-thread runtime the reservation runs in the caller's future
 //! and its statement outlives it; on a multi-threaded one it runs in a task
-//! of its own, which the call's drop does not end.
+//! of its own, which the call's drop does not end (and which holds the
+//! process's write turn while parked, so the worker's writes queue behind
+//! it there, whether or not the worker waits for the reservation).
 //!
 //! On PostgreSQL and MariaDB the statement is held on its way to the server
 //! by the fault proxy instead, and let through just after the drop.
@@ -235,7 +237,9 @@ async fn a_takeover_dropped_at_sqlite(late: bool) {
         .await
         .expect("free the write lock");
     if late {
-        // Done, or still at work: either way the statement lands now.
+        // The worker's work for the dropped call ends, having found nothing
+        // (its schedule done), or goes on past `LATE`: the statement lands
+        // then either way, within its busy timeout.
         let _ = store.finish_background_work(LATE).await;
     }
     park.release();
