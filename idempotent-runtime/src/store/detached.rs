@@ -21,7 +21,10 @@
 //!   SQLite's reservation, which runs to its end in a task of its own, is
 //!   waited for instead: the store's write for the worker waits until it
 //!   has ended, however long it waited for the write turn, a connection and
-//!   the lock, before the first attempt.
+//!   the lock, before the first attempt. Where that task ends with the call
+//!   (a current-thread runtime, or one shut down) while its statement is at
+//!   SQLite, the statement still lands within the busy timeout, and the
+//!   write is tried again until then.
 //! * **end lease** — a call in a scope with a `recover` hook was dropped: its
 //!   record is kept for the next call to take over, its lease ended. A
 //!   database server's worker ends it again a few times over [`RETRY_AFTER`],
