@@ -480,6 +480,83 @@ mod tests {
         check("sqlite", super::SQLITE);
     }
 
+    /// What each backend records in its history table for each migration
+    /// (version, description): the rows databases already migrated hold,
+    /// by sqlx's migrator or by this runner, written out. A file renamed, or
+    /// a version or description read differently from a name, fails it.
+    fn recorded_rows(listed: &[Migration]) -> Vec<(i64, String)> {
+        listed
+            .iter()
+            .map(|m| (m.version, m.description()))
+            .collect()
+    }
+
+    #[cfg(feature = "postgres")]
+    #[test]
+    fn the_postgres_history_rows_are_the_ones_recorded() {
+        let recorded: &[(i64, &str)] = &[
+            (1, "idempotency records"),
+            (2, "reserve autocommit"),
+            (3, "attempts"),
+            (4, "one reservation body and waiters"),
+            (5, "wake on ended lease"),
+            (6, "tx answers keep no lock"),
+            (7, "tx stale snapshot is an answer"),
+            (8, "store reads before it writes"),
+            (9, "functions keep to their schema"),
+            (10, "acquire refuses text the server would convert"),
+            (11, "records know their database"),
+        ];
+        let recorded: Vec<(i64, String)> = recorded
+            .iter()
+            .map(|(v, d)| (*v, (*d).to_owned()))
+            .collect();
+        assert_eq!(recorded_rows(super::POSTGRES), recorded);
+    }
+
+    #[cfg(feature = "mysql")]
+    #[test]
+    fn the_mysql_history_rows_are_the_ones_recorded() {
+        let recorded: &[(i64, &str)] = &[
+            (1, "idempotency records"),
+            (2, "reserve fenced"),
+            (3, "purge skip locked"),
+            (4, "attempts"),
+            (5, "one reserve body"),
+            (6, "lock name per database"),
+            (7, "purge through the expiry index"),
+            (8, "tx never takes over a lease it may have starved"),
+            (9, "tx waits for rows in slices so deadlocks are found"),
+            (10, "tx reads keep the wait bound under serializable"),
+            (11, "purge deletes its rows by primary key"),
+            (12, "replace writes its record by primary key"),
+            (13, "tx takes over only the version it read"),
+            (14, "tx never takes over a version it locked"),
+            (15, "tx judges by its own transaction not an ended one"),
+            (16, "records know their database"),
+        ];
+        let recorded: Vec<(i64, String)> = recorded
+            .iter()
+            .map(|(v, d)| (*v, (*d).to_owned()))
+            .collect();
+        assert_eq!(recorded_rows(super::MYSQL), recorded);
+    }
+
+    #[cfg(feature = "sqlite")]
+    #[test]
+    fn the_sqlite_history_rows_are_the_ones_recorded() {
+        let recorded: &[(i64, &str)] = &[
+            (1, "idempotency records"),
+            (2, "attempts"),
+            (3, "records know their database"),
+        ];
+        let recorded: Vec<(i64, String)> = recorded
+            .iter()
+            .map(|(v, d)| (*v, (*d).to_owned()))
+            .collect();
+        assert_eq!(recorded_rows(super::SQLITE), recorded);
+    }
+
     /// The checksum of a migration is SHA-384 of its text: the bytes sqlx's
     /// migrator recorded, so databases migrated by older versions still open.
     #[test]
