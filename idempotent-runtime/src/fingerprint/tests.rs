@@ -2817,3 +2817,42 @@ fn encoder_outputs_are_pinned() {
         assert_eq!(line, expected);
     }
 }
+
+/// The integers narrower than 64 bits (which the pinned value does not
+/// reach), as values and as map keys, are written as v1 wrote them, in the
+/// canonical and the legacy form (rule 6).
+#[test]
+fn narrow_integers_are_written_as_v1_wrote_them() {
+    #[derive(Serialize)]
+    struct Narrow {
+        i8: i8,
+        i16: i16,
+        i32: i32,
+        u8: u8,
+        u16: u16,
+        u32: u32,
+        by_i8: BTreeMap<i8, u8>,
+        by_i16: BTreeMap<i16, u8>,
+        by_i32: BTreeMap<i32, u8>,
+        by_u8: BTreeMap<u8, u8>,
+        by_u16: BTreeMap<u16, u8>,
+        by_u32: BTreeMap<u32, u8>,
+    }
+    let narrow = Narrow {
+        i8: i8::MIN,
+        i16: i16::MIN,
+        i32: i32::MIN,
+        u8: u8::MAX,
+        u16: u16::MAX,
+        u32: u32::MAX,
+        by_i8: [(i8::MIN, 1), (0, 2), (i8::MAX, 3)].into(),
+        by_i16: [(i16::MIN, 1), (-1, 2)].into(),
+        by_i32: [(i32::MIN, 1), (i32::MAX, 2)].into(),
+        by_u8: [(0, 1), (u8::MAX, 2)].into(),
+        by_u16: [(9, 1), (u16::MAX, 2)].into(),
+        by_u32: [(10, 1), (u32::MAX, 2)].into(),
+    };
+    let v1 = text(&v1::canonical(&narrow).expect("v1 wrote it"));
+    assert_eq!(canonical(&narrow), (v1.clone(), false));
+    assert_eq!(legacy(&narrow), Ok(v1));
+}
