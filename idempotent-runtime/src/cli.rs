@@ -62,8 +62,8 @@ pub struct Cli {
 }
 
 /// The subcommands. Their `Debug` shows `--database-url` without its
-/// password or query (a `password=` parameter): see [`DatabaseUrl`].
-#[derive(Debug, Subcommand)]
+/// password or query (a `password=` parameter): see [`shown_database_url`].
+#[derive(Subcommand)]
 pub enum Command {
     /// List the scopes a manifest declares and the names it retired.
     Scopes {
@@ -81,7 +81,7 @@ pub enum Command {
     Audit {
         /// The store: sqlite:PATH, postgres://..., mysql://... or mariadb://...
         #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
-        database_url: DatabaseUrl,
+        database_url: String,
         /// The scope manifest whose declared scopes count as claimed.
         /// Default: found as for `scopes`.
         #[arg(long)]
@@ -105,7 +105,7 @@ pub enum Command {
     Purge {
         /// The store: sqlite:PATH, postgres://..., mysql://... or mariadb://...
         #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
-        database_url: DatabaseUrl,
+        database_url: String,
         /// Records deleted per statement.
         #[arg(long, default_value_t = DEFAULT_BATCH, value_parser = clap::value_parser!(u32).range(1..))]
         batch: u32,
@@ -161,7 +161,7 @@ pub enum Command {
 pub struct RecordArgs {
     /// The store: sqlite:PATH, postgres://..., mysql://... or mariadb://...
     #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
-    pub database_url: DatabaseUrl,
+    pub database_url: String,
     /// The scope, e.g. payments.charge.
     #[arg(long, allow_hyphen_values = true, value_parser = not_an_option)]
     pub scope: String,
@@ -223,6 +223,66 @@ fn not_an_option(value: &str) -> Result<String, String> {
     Ok(value.to_owned())
 }
 
+impl std::fmt::Debug for Command {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Command::Scopes { manifest, json } => f
+                .debug_struct("Scopes")
+                .field("manifest", manifest)
+                .field("json", json)
+                .finish(),
+            Command::Audit {
+                database_url,
+                manifest,
+                json,
+                check,
+                grace,
+            } => f
+                .debug_struct("Audit")
+                .field("database_url", &shown_database_url(database_url))
+                .field("manifest", manifest)
+                .field("json", json)
+                .field("check", check)
+                .field("grace", grace)
+                .finish(),
+            Command::Purge {
+                database_url,
+                batch,
+                json,
+            } => f
+                .debug_struct("Purge")
+                .field("database_url", &shown_database_url(database_url))
+                .field("batch", batch)
+                .field("json", json)
+                .finish(),
+            Command::Inspect {
+                record,
+                show_result,
+                json,
+            } => f
+                .debug_struct("Inspect")
+                .field("record", record)
+                .field("show_result", show_result)
+                .field("json", json)
+                .finish(),
+            Command::Release {
+                record,
+                reason,
+                even_if_running,
+                end_lease,
+                json,
+            } => f
+                .debug_struct("Release")
+                .field("record", record)
+                .field("reason", reason)
+                .field("even_if_running", even_if_running)
+                .field("end_lease", end_lease)
+                .field("json", json)
+                .finish(),
+        }
+    }
+}
+
 /// A database URL as the command line's `Debug` shows it: without what may
 /// be secret in it. Everything before the last `@` (the user and password,
 /// a password holding `@` or `/` included) is replaced by `***`, and the
@@ -248,38 +308,6 @@ pub fn shown_database_url(url: &str) -> String {
     }
 }
 
-/// A `--database-url` (or `DATABASE_URL`) as given. Its `Debug` is
-/// [`shown_database_url`]'s: a parsed command line can be logged without
-/// its password.
-///
-/// ```
-/// use idempotent_runtime::cli::DatabaseUrl;
-/// let url = DatabaseUrl::from("postgres://ops:secret@db/records".to_owned());
-/// assert_eq!(url.as_str(), "postgres://ops:secret@db/records");
-/// assert_eq!(format!("{url:?}"), "\"postgres://***@db/records\"");
-/// ```
-#[derive(Clone, PartialEq, Eq)]
-pub struct DatabaseUrl(String);
-
-impl DatabaseUrl {
-    /// The URL as given, password included.
-    pub fn as_str(&self) -> &str {
-        &self.0
-    }
-}
-
-impl From<String> for DatabaseUrl {
-    fn from(url: String) -> Self {
-        DatabaseUrl(url)
-    }
-}
-
-impl std::fmt::Debug for DatabaseUrl {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        std::fmt::Debug::fmt(&shown_database_url(&self.0), f)
-    }
-}
-
 impl std::fmt::Debug for RecordArgs {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         // The digest the logs carry for this record; a key or tenant the
@@ -289,7 +317,7 @@ impl std::fmt::Debug for RecordArgs {
             |id| id.key_digest(),
         );
         f.debug_struct("RecordArgs")
-            .field("database_url", &self.database_url)
+            .field("database_url", &shown_database_url(&self.database_url))
             .field("scope", &self.scope)
             .field("tenant", &self.tenant)
             .field("shared", &self.shared)
@@ -747,7 +775,7 @@ pub async fn run(cli: Cli) -> Result<String, CliError> {
             grace,
         } => {
             let manifest = load_manifest(manifest)?;
-            let store = open_store(database_url.as_str()).await?;
+            let store = open_store(&database_url).await?;
             let report = audit(&*store, &KnownScope::from_manifest(&manifest)).await?;
             let rendered = report.render(format(json));
             if check && report.has_findings_older_than(grace.unwrap_or_default()) {
@@ -760,7 +788,7 @@ pub async fn run(cli: Cli) -> Result<String, CliError> {
             batch,
             json,
         } => {
-            let store = open_store(database_url.as_str()).await?;
+            let store = open_store(&database_url).await?;
             let (deleted, done) = purge_runs(&*store, batch, PURGE_RUNS)
                 .await
                 .map_err(|(deleted, e)| purge_failed(deleted, e))?;
@@ -780,7 +808,7 @@ pub async fn run(cli: Cli) -> Result<String, CliError> {
             json,
         } => {
             let identity = record.identity()?;
-            let store = open_store(record.database_url.as_str()).await?;
+            let store = open_store(&record.database_url).await?;
             let snapshot = store
                 .fetch(&identity)
                 .await
@@ -808,7 +836,7 @@ pub async fn run(cli: Cli) -> Result<String, CliError> {
                 return Err(CliError::NoReason);
             }
             let identity = record.identity()?;
-            let store = open_store(record.database_url.as_str()).await?;
+            let store = open_store(&record.database_url).await?;
             if end_lease {
                 return end_the_lease(
                     store.as_ref(),
