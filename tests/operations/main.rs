@@ -18,6 +18,7 @@ mod cli;
 mod engine_accounting;
 mod hook_races;
 mod key_in_logs;
+mod live_owners_ops;
 mod live_races;
 mod observability;
 mod ops_hunt;
