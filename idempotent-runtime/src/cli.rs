@@ -962,10 +962,11 @@ async fn end_the_lease(
                 let token = crate::OwnerToken::from_stored(token.clone());
                 // Bounded: a transaction holding the record (a
                 // transactional-mode call) would hold the statement for as
-                // long as it lasts.
+                // long as it lasts. The store bounds that wait itself where a
+                // statement given up on here would go on waiting on the server.
                 let within = Duration::from_secs(10);
                 let ended =
-                    tokio::time::timeout(within, store.heartbeat(identity, &token, Duration::ZERO));
+                    tokio::time::timeout(within, store.end_lease_for_operator(identity, &token));
                 match ended.await {
                     Err(_) => {
                         return Err(refused(format!(

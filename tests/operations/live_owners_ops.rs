@@ -189,9 +189,16 @@ async fn end_lease_on_a_running_body_then_the_takeover_asks_the_hook(store: &dyn
         "{}",
         store.name()
     );
-    assert_eq!(asked(&tenant), vec![2], "the hook is asked once, as attempt 2");
+    assert_eq!(
+        asked(&tenant),
+        vec![2],
+        "the hook is asked once, as attempt 2"
+    );
     let s = snapshot(store, &identity).await;
-    assert_eq!((s.state, s.attempt, s.recovered), (RecordState::Complete, 2, true));
+    assert_eq!(
+        (s.state, s.attempt, s.recovered),
+        (RecordState::Complete, 2, true)
+    );
 
     gate.go.notify_one();
     let first = tokio::time::timeout(BOUND, first).await.expect("ended");
@@ -412,12 +419,25 @@ async fn a_late_renewal_outlives_a_purge_and_an_audit(store: Arc<dyn Store>) {
 
     let before = snapshot(&store, &identity).await;
     purge_all(&store, 1000).await.expect("purge");
-    let stats = stats_of(&store.scope_stats().await.expect("audit"), "ops_alive.renewed");
+    let stats = stats_of(
+        &store.scope_stats().await.expect("audit"),
+        "ops_alive.renewed",
+    );
     assert!(stats.stuck >= 1, "{stats:?}");
     let after = snapshot(&store, &identity).await;
     assert_eq!(
-        (after.state, &after.owner_token, after.lease_expires_at_ms, after.expires_at_ms),
-        (before.state, &before.owner_token, before.lease_expires_at_ms, before.expires_at_ms),
+        (
+            after.state,
+            &after.owner_token,
+            after.lease_expires_at_ms,
+            after.expires_at_ms
+        ),
+        (
+            before.state,
+            &before.owner_token,
+            before.lease_expires_at_ms,
+            before.expires_at_ms
+        ),
         "a purge and an audit leave the record of an owner whose lease just ran out ({})",
         store.name()
     );
@@ -467,4 +487,150 @@ async fn operators_meet_live_owners_on_mariadb() {
     if let Some(store) = common::servers::mysql_store_or_skip().await {
         all(Arc::new(store)).await;
     }
+}
+
+// ------------------------------------------ an end of lease that was refused
+
+/// `release --end-lease --even-if-running` meets a record another
+/// transaction holds (here a `SELECT ... FOR UPDATE` left open; a
+/// `LOCK TABLE` or a transactional-mode call holds it as well): the command
+/// gives up and says the lease was not ended. Once that transaction ends,
+/// the lease is as the command said: live, its owner's, not ended by a
+/// statement the command gave up on.
+async fn a_refused_end_of_lease_ends_nothing_later<Hold, HoldFut, Free, FreeFut>(
+    url: &str,
+    store: &dyn Store,
+    hold: Hold,
+    free: Free,
+) where
+    Hold: Fn(Identity) -> HoldFut,
+    HoldFut: std::future::Future<Output = ()>,
+    Free: Fn() -> FreeFut,
+    FreeFut: std::future::Future<Output = ()>,
+{
+    let (tenant, key) = fresh();
+    let scope = "ops_alive.held";
+    let identity = Identity::new(&tenant, scope, &key).expect("identity");
+    let hour = Duration::from_secs(3600);
+    let token = common::records::acquire(store, &identity, None, hour, hour).await;
+    hold(identity.clone()).await;
+
+    let refused = idempotent_runtime::cli::run_from([
+        "idempotent",
+        "release",
+        "--database-url",
+        url,
+        "--scope",
+        scope,
+        "--tenant",
+        &tenant,
+        "--key",
+        &key,
+        "--reason",
+        "a refused end of lease",
+        "--end-lease",
+        "--even-if-running",
+    ])
+    .await;
+    let said = format!("{refused:?}");
+    assert!(
+        refused.is_err() && said.contains("transaction"),
+        "the command gives up on the held record, saying why: {said}"
+    );
+    free().await;
+    // Held once more: a statement still waiting for the row (the command's,
+    // had it been left on the server) gets it first and has run when this
+    // gets it.
+    hold(identity.clone()).await;
+    free().await;
+    let s = snapshot(store, &identity).await;
+    assert_eq!(s.owner_token.as_deref(), Some(token.as_str()));
+    assert!(
+        s.lease_expires_at_ms.expect("in progress") > s.now_ms,
+        "the command said the lease was not ended, yet its statement ended it once the \
+         lock was gone ({}): {s:?}",
+        store.name()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_end_of_lease_ends_nothing_later_on_postgres() {
+    let Some(store) = common::servers::pg_store_or_skip().await else {
+        return;
+    };
+    use sqlx::Connection;
+    let url = common::servers::pg_url();
+    let locker = Arc::new(tokio::sync::Mutex::new(
+        sqlx::PgConnection::connect(&url).await.expect("connect"),
+    ));
+    let (l1, l2) = (locker.clone(), locker.clone());
+    a_refused_end_of_lease_ends_nothing_later(
+        &url,
+        &store,
+        |identity| {
+            let l1 = l1.clone();
+            async move {
+            let mut c = l1.lock().await;
+            sqlx::query("BEGIN").execute(&mut *c).await.expect("begin");
+            sqlx::query(
+                "SELECT 1 FROM idempotency_records WHERE tenant = $1 AND scope = $2 AND key = $3 FOR UPDATE",
+            )
+            .bind(identity.tenant().to_owned())
+            .bind(identity.scope().to_owned())
+            .bind(identity.key().to_owned())
+            .fetch_one(&mut *c)
+            .await
+            .expect("hold the row");
+            }
+        },
+        || {
+            let l2 = l2.clone();
+            async move {
+                let mut c = l2.lock().await;
+                sqlx::query("COMMIT").execute(&mut *c).await.expect("commit");
+            }
+        },
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_end_of_lease_ends_nothing_later_on_mariadb() {
+    let Some(store) = common::servers::mysql_store_or_skip().await else {
+        return;
+    };
+    use sqlx::Connection;
+    let url = common::servers::mysql_url();
+    let locker = Arc::new(tokio::sync::Mutex::new(
+        sqlx::MySqlConnection::connect(&url).await.expect("connect"),
+    ));
+    let (l1, l2) = (locker.clone(), locker.clone());
+    a_refused_end_of_lease_ends_nothing_later(
+        &url,
+        &store,
+        |identity| {
+            let l1 = l1.clone();
+            async move {
+            let mut c = l1.lock().await;
+            sqlx::query("BEGIN").execute(&mut *c).await.expect("begin");
+            sqlx::query(
+                "SELECT 1 FROM idempotency_records WHERE tenant = ? AND scope = ? AND `key` = ? FOR UPDATE",
+            )
+            .bind(identity.tenant().as_bytes().to_vec())
+            .bind(identity.scope().as_bytes().to_vec())
+            .bind(identity.key().as_bytes().to_vec())
+            .fetch_one(&mut *c)
+            .await
+            .expect("hold the row");
+            }
+        },
+        || {
+            let l2 = l2.clone();
+            async move {
+                let mut c = l2.lock().await;
+                sqlx::query("COMMIT").execute(&mut *c).await.expect("commit");
+            }
+        },
+    )
+    .await;
 }

@@ -615,6 +615,22 @@ pub trait Store: Send + Sync {
         require_expired_lease: bool,
     ) -> Result<ForcedRelease, StoreError>;
 
+    /// An operator's end of the lease `token` holds (`idempotent release
+    /// --end-lease --even-if-running`): [`heartbeat`](Store::heartbeat) with
+    /// a zero lease, fenced by the token. A store whose statement may go on
+    /// waiting on the server for a record another open transaction holds
+    /// after its caller gave up (PostgreSQL's autocommit writes) bounds that
+    /// wait on the server instead, and answers
+    /// an error that says so: a lease the operator was told was not ended is
+    /// never ended later, once that transaction is over.
+    async fn end_lease_for_operator(
+        &self,
+        identity: &Identity,
+        token: &OwnerToken,
+    ) -> Result<Fenced, StoreError> {
+        self.heartbeat(identity, token, Duration::ZERO).await
+    }
+
     /// Waits, after [`reserve`](Store::reserve) found the record of `identity`
     /// in progress, until the record may have changed (completed, released,
     /// its lease ended) or `max_wait` has passed; the caller then reserves
@@ -724,6 +740,9 @@ macro_rules! delegate_store {
             }
             async fn force_release(&self, identity: &Identity, require_expired_lease: bool) -> Result<ForcedRelease, StoreError> {
                 (**self).force_release(identity, require_expired_lease).await
+            }
+            async fn end_lease_for_operator(&self, identity: &Identity, token: &OwnerToken) -> Result<Fenced, StoreError> {
+                (**self).end_lease_for_operator(identity, token).await
             }
             async fn finish_background_work(&self, within: Duration) -> usize {
                 (**self).finish_background_work(within).await
@@ -1110,11 +1129,17 @@ pub(crate) fn refused_release(snapshot: Option<RecordSnapshot>) -> ForcedRelease
 #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
 pub(crate) const OPERATOR_RELEASE: &str = "release a record for an operator";
 
+/// What an operator's [`Store::end_lease_for_operator`] is called in a SQL
+/// store's errors.
+#[cfg(feature = "postgres")]
+pub(crate) const OPERATOR_END_LEASE: &str = "end a record's lease for an operator";
+
 /// What [`Store::scope_stats`] is called in a SQL store's errors.
 #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
 pub(crate) const COUNT_PER_SCOPE: &str = "count records per scope";
 
-/// How long an operator's [`Store::force_release`] waits for a record another
+/// How long an operator's [`Store::force_release`] (and, on PostgreSQL,
+/// [`Store::end_lease_for_operator`]) waits for a record another
 /// transaction holds (a transactional-mode call in progress) before it says
 /// so, instead of waiting for that transaction to end.
 #[cfg(any(feature = "postgres", feature = "mysql"))]
@@ -1128,8 +1153,8 @@ pub(crate) fn held_by_a_transaction(store: &'static str, operation: &'static str
         store,
         operation,
         "the record is held by another open transaction (a transactional-mode call in \
-         progress, or its caller has not committed yet), so it cannot be released now: \
-         retry once that transaction has ended (`inspect` shows the record as it stands)",
+         progress, or its caller has not committed yet), so it cannot be released (nor its \
+         lease ended) now: retry once that transaction has ended (`inspect` shows the record as it stands)",
     )
 }
 

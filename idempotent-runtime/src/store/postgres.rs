@@ -1890,6 +1890,44 @@ impl PgStore {
         Ok(refused_release(self.fetch(identity).await?))
     }
 
+    /// [`Store::end_lease_for_operator`], in a transaction of its own whose
+    /// row-lock wait the server bounds: a statement left waiting on the
+    /// server after its caller gave up would end the lease once the
+    /// transaction holding the record is over, after the operator was told
+    /// it was not ended. The wait is the session's `lock_timeout` in that
+    /// transaction, so nothing is left behind when it runs out.
+    async fn end_lease_read_committed(
+        &self,
+        identity: &Identity,
+        token: &OwnerToken,
+    ) -> Result<Fenced, StoreError> {
+        let mut conn = self.outside_any_transaction(OPERATOR_END_LEASE).await?;
+        let mut tx =
+            sqlx::Connection::begin_with(&mut *conn, "BEGIN ISOLATION LEVEL READ COMMITTED")
+                .await
+                .map_err(err(OPERATOR_END_LEASE))?;
+        sqlx::query("SELECT set_config('lock_timeout', $1, TRUE)")
+            .bind(format!("{}ms", OPERATOR_LOCK_WAIT.as_millis()))
+            .execute(&mut *tx)
+            .await
+            .map_err(err(OPERATOR_END_LEASE))?;
+        let ended = on_owned_record(&self.statements.heartbeat, identity, token)
+            .bind(millis_i64(Duration::ZERO))
+            .execute(&mut *tx)
+            .await;
+        let ended = match ended {
+            Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some(LOCK_NOT_AVAILABLE) => {
+                tx.rollback().await.map_err(err(OPERATOR_END_LEASE))?;
+                conn.hand_back();
+                return Err(held_by_a_transaction(STORE, OPERATOR_END_LEASE));
+            }
+            other => other.map_err(err(OPERATOR_END_LEASE))?,
+        };
+        tx.commit().await.map_err(err(OPERATOR_END_LEASE))?;
+        conn.hand_back();
+        Ok(Fenced::from_owned(ended.rows_affected() == 1))
+    }
+
     /// One statement of the purge: up to `chunk` expired records.
     async fn purge_chunk(&self, chunk: u32) -> Result<u64, StoreError> {
         // Deletes made in a transaction other code left open would be
@@ -1965,6 +2003,14 @@ impl Store for PgStore {
     ) -> Result<ForcedRelease, StoreError> {
         self.force_release_read_committed(identity, require_expired_lease)
             .await
+    }
+
+    async fn end_lease_for_operator(
+        &self,
+        identity: &Identity,
+        token: &OwnerToken,
+    ) -> Result<Fenced, StoreError> {
+        self.end_lease_read_committed(identity, token).await
     }
 
     async fn release(&self, identity: &Identity, token: &OwnerToken) -> Result<Fenced, StoreError> {
