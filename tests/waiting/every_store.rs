@@ -17,8 +17,8 @@
 use crate::common::counting::Counting;
 use crate::common::servers::{mysql_url, pg_url, servers_required};
 use idempotent_runtime::{
-    idempotent, with_outcome, Error, Identity, MemoryStore, MySqlStore, Outcome, OwnerToken,
-    PgStore, Reservation, ReserveRequest, SqliteStore, Store,
+    idempotent, with_outcome, Error, ForcedRelease, Identity, MemoryStore, MySqlStore, Outcome,
+    OwnerToken, PgStore, RecordState, Reservation, ReserveRequest, SqliteStore, Store,
 };
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
@@ -490,6 +490,127 @@ async fn bounds_of_ages(kind: Kind) {
     assert_eq!(dup_gate.runs(), 0);
 }
 
+#[idempotent(scope = "waiting.every_store.gated", key = key, tenant = tenant, store = store,
+             in_progress = wait("600s"), lease = "600s", skip(gate), shared_scope)]
+async fn gated_long(
+    store: &dyn Store,
+    tenant: &str,
+    key: &str,
+    gate: &Gate,
+) -> Result<u64, Error> {
+    gate.runs.fetch_add(1, Ordering::SeqCst);
+    gate.started.send_modify(|s| *s += 1);
+    let _ = gate.go.subscribe().wait_for(|g| *g).await;
+    assert!(!gate.fail, "the holder's body panics");
+    Ok(gate.value)
+}
+
+/// How a holder stops holding its record without completing it.
+#[derive(Clone, Copy, Debug)]
+enum Ending {
+    /// Its body panics (rule 14: the record is released).
+    Panics,
+    /// Its call is dropped mid-body (rule 14: the record is released).
+    Dropped,
+    /// An operator releases the record (`force_release`) while it runs.
+    OperatorRelease,
+}
+
+/// `waiters` duplicates wait behind a holder whose lease and their wait
+/// bound are 10 minutes; the holder stops holding (`ending`). The change
+/// wakes them (or their fallback look sees it) long before either bound:
+/// exactly one of them runs the body, as the next attempt, and the others
+/// replay its result. After an operator's release the holder's own
+/// completion, made once the waiters are answered, is refused.
+async fn waiters_behind_a_holder_that_stops(kind: Kind, ending: Ending, waiters: usize) {
+    let Some(inner) = store(kind, 8).await else {
+        return;
+    };
+    let store = Counting::new(inner);
+    let tenant = tenant();
+    let identity = Identity::new(&tenant, SCOPE, "k").expect("identity");
+    let holder_gate = match ending {
+        Ending::Panics => Gate::new(0, true, false),
+        Ending::Dropped | Ending::OperatorRelease => Gate::holding(1),
+    };
+    let dup_gate = Gate::open(8);
+    let dropped = watch::Sender::new(false);
+    let answered = watch::Sender::new(false);
+    let holder = async {
+        let call = futures::FutureExt::catch_unwind(std::panic::AssertUnwindSafe(gated_long(
+            &store,
+            &tenant,
+            "k",
+            &holder_gate,
+        )));
+        let mut dropped = dropped.subscribe();
+        tokio::select! {
+            answer = call => Some(answer),
+            _ = dropped.wait_for(|d| *d) => None,
+        }
+    };
+    let duplicates = async {
+        holder_gate.started(1).await;
+        let calls = (0..waiters).map(|_| with_outcome(gated_long(&store, &tenant, "k", &dup_gate)));
+        let answers = futures_util::future::join_all(calls).await;
+        answered.send_replace(true);
+        answers
+    };
+    let script = async {
+        holder_gate.started(1).await;
+        store.waited(waiters).await;
+        match ending {
+            Ending::Panics => holder_gate.go(),
+            Ending::Dropped => {
+                dropped.send_replace(true);
+            }
+            Ending::OperatorRelease => {
+                let released = store.force_release(&identity, false).await;
+                assert!(
+                    matches!(released, Ok(ForcedRelease::Released { .. })),
+                    "{kind:?}: the operator's release: {released:?}"
+                );
+                let _ = answered.subscribe().wait_for(|a| *a).await;
+                holder_gate.go();
+            }
+        }
+    };
+    let (held, answers, ()) = within(
+        &format!("{kind:?}: waiters behind a holder that stops ({ending:?})"),
+        async { tokio::join!(holder, duplicates, script) },
+    )
+    .await;
+    match (ending, held) {
+        (Ending::Panics, Some(Err(_))) | (Ending::Dropped, None) => {}
+        (Ending::OperatorRelease, Some(Ok(Err(Error::LeaseLost(_))))) => {}
+        (_, held) => panic!(
+            "{kind:?} {ending:?}: the holder's answer: {:?}",
+            held.map(|h| h.map_err(|_| "a panic"))
+        ),
+    }
+    assert_eq!(holder_gate.runs(), 1);
+    assert_eq!(
+        dup_gate.runs(),
+        1,
+        "{kind:?} {ending:?}: exactly one waiter runs the body"
+    );
+    let mut executed = 0;
+    for (answer, outcome) in answers {
+        assert_eq!(
+            answer.unwrap_or_else(|e| panic!("{kind:?} {ending:?}: a waiter's answer: {e}")),
+            8
+        );
+        executed += usize::from(outcome == Some(Outcome::Executed));
+    }
+    assert_eq!(executed, 1, "{kind:?} {ending:?}: one executed, the others replayed");
+    let record = store
+        .fetch(&identity)
+        .await
+        .expect("fetch")
+        .expect("record");
+    assert_eq!(record.state, RecordState::Complete, "{kind:?} {ending:?}");
+}
+
 // ------------------------------------------------------------ the tests
 
 macro_rules! every_store {
@@ -512,6 +633,9 @@ every_store! {
     a_refused_duplicate_is_told_the_lease_left => |kind| refused_with_the_lease_left(kind);
     a_waiter_dropped_mid_wait_leaves_nothing_behind => |kind| a_dropped_waiter(kind);
     a_wait_bound_and_lease_of_ages_still_wait_and_replay => |kind| bounds_of_ages(kind);
+    waiters_behind_a_panicking_holder_are_woken_and_one_runs_the_body => |kind| waiters_behind_a_holder_that_stops(kind, Ending::Panics, 20);
+    waiters_behind_a_dropped_holder_are_woken_and_one_runs_the_body => |kind| waiters_behind_a_holder_that_stops(kind, Ending::Dropped, 20);
+    waiters_behind_an_operator_release_are_woken_and_one_runs_the_body => |kind| waiters_behind_a_holder_that_stops(kind, Ending::OperatorRelease, 20);
 }
 
 /// Many duplicates of one key wait while the holder runs 2 s more: each is
@@ -578,4 +702,88 @@ async fn sqlite_many_waiters_on_one_key_are_woken_not_polling() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_many_waiters_on_one_key_are_woken_not_polling() {
     many_waiters_on_one_key_are_woken(Kind::Postgres).await;
+}
+
+/// Two stores on two schemas of one database share the notification
+/// channel, and one identity has a record in each: the notifications of one
+/// schema's record wake the other's waiters too (one extra look each), which
+/// never answers them. Holder B completes first: B's waiters replay B's
+/// value, A's are still waiting once B's are answered, and get A's value
+/// when A's holder completes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_two_schemas_one_identity_wrong_schema_notifications_only_look() {
+    use crate::common::servers::pg_schema_of_its_own;
+    if PgStore::connect(&pg_url()).await.is_err() {
+        assert!(!servers_required(), "PostgreSQL is unreachable");
+        return;
+    }
+    let (mut admin_a, schema_a, url_a) = pg_schema_of_its_own("h_waiters_a").await;
+    let (mut admin_b, schema_b, url_b) = pg_schema_of_its_own("h_waiters_b").await;
+    let store_a = Counting::new(PgStore::connect(&url_a).await.expect("store A"));
+    let store_b = Counting::new(PgStore::connect(&url_b).await.expect("store B"));
+    let tenant = tenant();
+    let (gate_a, gate_b) = (Gate::holding(1), Gate::holding(2));
+    let dup_gate = Gate::open(99);
+    const WAITERS: usize = 3;
+    let a_done = AtomicUsize::new(0);
+    let b_done = watch::Sender::new(0usize);
+    let holders = async {
+        tokio::join!(
+            gated(&store_a, &tenant, "k", &gate_a),
+            gated(&store_b, &tenant, "k", &gate_b)
+        )
+    };
+    let duplicates = async {
+        gate_a.started(1).await;
+        gate_b.started(1).await;
+        let of_a = (0..WAITERS).map(|_| async {
+            let answer = gated(&store_a, &tenant, "k", &dup_gate).await;
+            a_done.fetch_add(1, Ordering::SeqCst);
+            answer
+        });
+        let of_b = (0..WAITERS).map(|_| async {
+            let answer = gated(&store_b, &tenant, "k", &dup_gate).await;
+            b_done.send_modify(|n| *n += 1);
+            answer
+        });
+        tokio::join!(
+            futures_util::future::join_all(of_a),
+            futures_util::future::join_all(of_b)
+        )
+    };
+    let script = async {
+        gate_a.started(1).await;
+        gate_b.started(1).await;
+        store_a.waited(WAITERS).await;
+        store_b.waited(WAITERS).await;
+        gate_b.go();
+        let _ = b_done.subscribe().wait_for(|n| *n == WAITERS).await;
+        assert_eq!(
+            a_done.load(Ordering::SeqCst),
+            0,
+            "schema A's waiters were answered while A's holder still runs"
+        );
+        gate_a.go();
+    };
+    let ((held_a, held_b), (answers_a, answers_b), ()) =
+        within("two schemas, one identity", async {
+            tokio::join!(holders, duplicates, script)
+        })
+        .await;
+    assert_eq!(held_a.expect("holder A"), 1);
+    assert_eq!(held_b.expect("holder B"), 2);
+    for answer in answers_a {
+        assert_eq!(answer.expect("a waiter of A"), 1);
+    }
+    for answer in answers_b {
+        assert_eq!(answer.expect("a waiter of B"), 2);
+    }
+    assert_eq!(dup_gate.runs(), 0, "no waiter ran the body");
+    drop((store_a, store_b));
+    for (admin, schema) in [(&mut admin_a, &schema_a), (&mut admin_b, &schema_b)] {
+        sqlx::query(&format!("DROP SCHEMA {schema} CASCADE"))
+            .execute(&mut *admin)
+            .await
+            .expect("drop schema");
+    }
 }
