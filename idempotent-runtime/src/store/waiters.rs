@@ -135,7 +135,8 @@ pub(crate) async fn wait_looking<F, Fut>(
     F: FnMut() -> Fut,
     Fut: Future<Output = Result<Held, StoreError>>,
 {
-    let deadline = tokio::time::Instant::now() + max_wait;
+    // A bound too long for the clock (`Duration::MAX`) is no bound.
+    let deadline = tokio::time::Instant::now().checked_add(max_wait);
     let notify = waiters.join(identity);
     let _waiting = Waiting { waiters, identity };
     let notified = notify.notified();
@@ -164,20 +165,23 @@ pub(crate) async fn wait_looking<F, Fut>(
                 // process still ends it): a look that keeps failing while
                 // the reservations answer in progress (on another session
                 // of the pool) never makes the wait go round without one.
-                let now = tokio::time::Instant::now();
-                if now < deadline {
-                    let pause = pause(looks).min(deadline - now);
+                let left =
+                    deadline.map(|d| d.saturating_duration_since(tokio::time::Instant::now()));
+                if left != Some(Duration::ZERO) {
+                    let pause = pause(looks).min(left.unwrap_or(Duration::MAX));
                     let _ = tokio::time::timeout(pause, notified.as_mut()).await;
                 }
                 return;
             }
         };
-        let now = tokio::time::Instant::now();
-        if now >= deadline {
+        let left = deadline.map_or(Duration::MAX, |d| {
+            d.saturating_duration_since(tokio::time::Instant::now())
+        });
+        if left.is_zero() {
             return;
         }
         let pause = pause(looks)
-            .min(deadline - now)
+            .min(left)
             .min(lease_left.max(Duration::from_millis(1)));
         if tokio::time::timeout(pause, notified.as_mut()).await.is_ok() {
             return;
@@ -219,6 +223,64 @@ mod tests {
         .await;
         assert_eq!(looks.load(std::sync::atomic::Ordering::SeqCst), 1);
         assert_eq!(started.elapsed(), Duration::from_millis(50), "no pause");
+        assert_eq!(waiters.len(), 0, "the waiter left");
+    }
+
+    /// A bound too long for the clock (`Duration::MAX`, as a caller of
+    /// `Store::wait_for_change` may pass) is no bound: the wait still looks,
+    /// sleeps until the lease it saw ends, and is woken by a change.
+    #[tokio::test(start_paused = true)]
+    async fn a_bound_too_long_for_the_clock_still_waits_and_is_woken() {
+        let waiters = Waiters::default();
+        let identity = identity();
+        let started = tokio::time::Instant::now();
+        // The lease has 40 ms left at the first look, none at the next.
+        let looks = std::sync::atomic::AtomicI64::new(0);
+        let held = || {
+            let first = looks.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 0;
+            async move {
+                Ok(Some((
+                    Some("owner".to_owned()),
+                    Some(if first { 40 } else { 0 }),
+                )))
+            }
+        };
+        let fifty_ms = |_| Duration::from_millis(50);
+        wait_looking(
+            "unit",
+            &waiters,
+            &identity,
+            (Duration::MAX, 0),
+            fifty_ms,
+            held,
+        )
+        .await;
+        assert_eq!(
+            started.elapsed(),
+            Duration::from_millis(40),
+            "the lease seen"
+        );
+
+        let started = tokio::time::Instant::now();
+        let held_long = || async { Ok(Some((Some("owner".to_owned()), Some(i64::MAX)))) };
+        let wait = wait_looking(
+            "unit",
+            &waiters,
+            &identity,
+            (Duration::MAX, 0),
+            |_| Duration::MAX,
+            held_long,
+        );
+        let change = async {
+            tokio::time::sleep(Duration::from_millis(7)).await;
+            waiters.notify(&identity);
+        };
+        tokio::join!(wait, change);
+        assert_eq!(
+            started.elapsed(),
+            Duration::from_millis(7),
+            "woken by the change"
+        );
         assert_eq!(waiters.len(), 0, "the waiter left");
     }
 
