@@ -492,12 +492,7 @@ async fn bounds_of_ages(kind: Kind) {
 
 #[idempotent(scope = "waiting.every_store.gated", key = key, tenant = tenant, store = store,
              in_progress = wait("600s"), lease = "600s", skip(gate), shared_scope)]
-async fn gated_long(
-    store: &dyn Store,
-    tenant: &str,
-    key: &str,
-    gate: &Gate,
-) -> Result<u64, Error> {
+async fn gated_long(store: &dyn Store, tenant: &str, key: &str, gate: &Gate) -> Result<u64, Error> {
     gate.runs.fetch_add(1, Ordering::SeqCst);
     gate.started.send_modify(|s| *s += 1);
     let _ = gate.go.subscribe().wait_for(|g| *g).await;
@@ -602,13 +597,43 @@ async fn waiters_behind_a_holder_that_stops(kind: Kind, ending: Ending, waiters:
         );
         executed += usize::from(outcome == Some(Outcome::Executed));
     }
-    assert_eq!(executed, 1, "{kind:?} {ending:?}: one executed, the others replayed");
+    assert_eq!(
+        executed, 1,
+        "{kind:?} {ending:?}: one executed, the others replayed"
+    );
     let record = store
         .fetch(&identity)
         .await
         .expect("fetch")
         .expect("record");
     assert_eq!(record.state, RecordState::Complete, "{kind:?} {ending:?}");
+}
+
+/// A wait for the store's background work with no bound the clock can
+/// hold (`Duration::MAX`, "as long as it takes") answers like any other:
+/// after a call dropped mid-body, the release it handed over is finished,
+/// and 0 is left.
+async fn background_work_waited_for_without_bound(kind: Kind) {
+    let Some(store) = store(kind, 4).await else {
+        return;
+    };
+    let tenant = tenant();
+    let gate = Gate::holding(1);
+    tokio::select! {
+        answer = gated(&*store, &tenant, "k", &gate) => panic!("{kind:?}: answered: {answer:?}"),
+        () = gate.started(1) => {}
+    }
+    let left = within(
+        &format!("{kind:?}: background work"),
+        store.finish_background_work(Duration::MAX),
+    )
+    .await;
+    assert_eq!(left, 0, "{kind:?}: the dropped call's release is finished");
+    let identity = Identity::new(&tenant, SCOPE, "k").expect("identity");
+    assert!(
+        store.fetch(&identity).await.expect("fetch").is_none(),
+        "{kind:?}: the dropped call's record is released"
+    );
 }
 
 // ------------------------------------------------------------ the tests
@@ -636,6 +661,7 @@ every_store! {
     waiters_behind_a_panicking_holder_are_woken_and_one_runs_the_body => |kind| waiters_behind_a_holder_that_stops(kind, Ending::Panics, 20);
     waiters_behind_a_dropped_holder_are_woken_and_one_runs_the_body => |kind| waiters_behind_a_holder_that_stops(kind, Ending::Dropped, 20);
     waiters_behind_an_operator_release_are_woken_and_one_runs_the_body => |kind| waiters_behind_a_holder_that_stops(kind, Ending::OperatorRelease, 20);
+    background_work_is_waited_for_without_a_bound_the_clock_can_hold => |kind| background_work_waited_for_without_bound(kind);
 }
 
 /// Many duplicates of one key wait while the holder runs 2 s more: each is

@@ -252,7 +252,8 @@ impl Detached {
     /// passed; returns how many are still unfinished (0: all done). Runs on
     /// the caller's runtime; the jobs go on on the worker's.
     pub(crate) async fn finish_within(&self, within: Duration) -> usize {
-        let deadline = tokio::time::Instant::now() + within;
+        // A bound too long for the clock (`Duration::MAX`) is no bound.
+        let deadline = tokio::time::Instant::now().checked_add(within);
         loop {
             // Registered before the count is read, so a job finishing in
             // between still wakes this wait.
@@ -263,8 +264,13 @@ impl Detached {
             if left == 0 {
                 return 0;
             }
-            if tokio::time::timeout_at(deadline, changed).await.is_err() {
-                return self.unfinished.count.load(Ordering::SeqCst);
+            match deadline {
+                Some(deadline) => {
+                    if tokio::time::timeout_at(deadline, changed).await.is_err() {
+                        return self.unfinished.count.load(Ordering::SeqCst);
+                    }
+                }
+                None => changed.await,
             }
         }
     }
