@@ -284,6 +284,55 @@ mod tests {
         assert_eq!(waiters.len(), 0, "the waiter left");
     }
 
+    /// 60 waiters on 20 identities, one of each three dropped mid-wait: a change
+    /// of each identity still wakes the others on it (none waits out its
+    /// bound), and once all are gone no entry is left behind.
+    #[tokio::test(start_paused = true)]
+    async fn dropped_waiters_leave_nothing_and_lose_no_wakeup_for_the_others() {
+        let waiters = Waiters::default();
+        let identities: Vec<Identity> = (0..20)
+            .map(|i| Identity::new("t", "waiters.unit", &format!("k{i}")).expect("identity"))
+            .collect();
+        let held = || async { Ok(Some((Some("owner".to_owned()), Some(3_600_000)))) };
+        let bound = (Duration::from_secs(3600), 0);
+        let started = tokio::time::Instant::now();
+        let mut kept = Vec::new();
+        let mut dropped = Vec::new();
+        for (n, identity) in identities.iter().cycle().take(60).enumerate() {
+            let wait = Box::pin(wait_looking(
+                "unit",
+                &waiters,
+                identity,
+                bound,
+                |_| Duration::from_secs(600),
+                held,
+            ));
+            if n % 3 != 0 {
+                kept.push(wait)
+            } else {
+                dropped.push(wait)
+            }
+        }
+        // Every waiter joins and looks (its first poll), then one on each
+        // identity goes away.
+        for wait in kept.iter_mut().chain(dropped.iter_mut()) {
+            let pending = std::future::poll_fn(|cx| {
+                std::task::Poll::Ready(wait.as_mut().poll(cx).is_pending())
+            })
+            .await;
+            assert!(pending, "a waiter answered before any change");
+        }
+        assert_eq!(waiters.len(), 20);
+        drop(dropped);
+        assert_eq!(waiters.len(), 20, "kept waiters remain on every identity");
+        for identity in &identities {
+            waiters.notify(identity);
+        }
+        futures_util::future::join_all(kept).await;
+        assert_eq!(started.elapsed(), Duration::ZERO, "woken, not timed out");
+        assert_eq!(waiters.len(), 0, "no entry left behind");
+    }
+
     /// The same pause is bounded by the wait and ended by a change made in
     /// this process.
     #[tokio::test(start_paused = true)]
