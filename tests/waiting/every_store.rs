@@ -636,6 +636,83 @@ async fn background_work_waited_for_without_bound(kind: Kind) {
     );
 }
 
+/// 20 keys, each held, with 3 waiters each (60 in all; lease and wait
+/// bound 10 minutes); one waiter per key is dropped mid-wait. When the
+/// holders complete, every waiter kept is woken (none waits out a bound) and
+/// replays its own key's value; no waiter runs the body.
+async fn many_keys_with_dropped_waiters(kind: Kind) {
+    const KEYS: usize = 20;
+    let Some(inner) = store(kind, 8).await else {
+        return;
+    };
+    let store = Counting::new(inner);
+    let tenant = tenant();
+    let keys: Vec<String> = (0..KEYS).map(|i| format!("k{i}")).collect();
+    let gates: Vec<Gate> = (0..KEYS).map(|i| Gate::holding(100 + i as u64)).collect();
+    let dup_gate = Gate::open(0);
+    let cancel = watch::Sender::new(false);
+    let gone = watch::Sender::new(0usize);
+    let holders = futures_util::future::join_all(
+        (0..KEYS).map(|i| gated_long(&store, &tenant, &keys[i], &gates[i])),
+    );
+    let duplicates = async {
+        for gate in &gates {
+            gate.started(1).await;
+        }
+        let calls = (0..3 * KEYS).map(|n| {
+            let (store, tenant, keys, dup_gate) = (&store, &tenant, &keys, &dup_gate);
+            let (cancel, gone) = (&cancel, &gone);
+            async move {
+                let call = gated_long(store, tenant, &keys[n % KEYS], dup_gate);
+                if n % 3 != 0 {
+                    return Some(call.await);
+                }
+                let mut cancelled = cancel.subscribe();
+                let answer = tokio::select! {
+                    answer = call => Some(answer),
+                    _ = cancelled.wait_for(|c| *c) => None,
+                };
+                gone.send_modify(|g| *g += 1);
+                answer
+            }
+        });
+        futures_util::future::join_all(calls).await
+    };
+    let script = async {
+        for gate in &gates {
+            gate.started(1).await;
+        }
+        store.waited(3 * KEYS).await;
+        cancel.send_replace(true);
+        let _ = gone.subscribe().wait_for(|g| *g == KEYS).await;
+        for gate in &gates {
+            gate.go();
+        }
+    };
+    let (held, answers, ()) = within(&format!("{kind:?}: many keys, dropped waiters"), async {
+        tokio::join!(holders, duplicates, script)
+    })
+    .await;
+    for (i, answer) in held.into_iter().enumerate() {
+        assert_eq!(answer.expect("a holder"), 100 + i as u64);
+    }
+    for (n, answer) in answers.into_iter().enumerate() {
+        match answer {
+            None => assert_eq!(
+                n % 3,
+                0,
+                "{kind:?}: only the dropped waiters gave no answer"
+            ),
+            Some(answer) => assert_eq!(
+                answer.unwrap_or_else(|e| panic!("{kind:?}: waiter {n}: {e}")),
+                100 + (n % KEYS) as u64,
+                "{kind:?}: waiter {n} replays its own key's value"
+            ),
+        }
+    }
+    assert_eq!(dup_gate.runs(), 0, "{kind:?}: no waiter ran the body");
+}
+
 // ------------------------------------------------------------ the tests
 
 macro_rules! every_store {
@@ -662,6 +739,7 @@ every_store! {
     waiters_behind_a_dropped_holder_are_woken_and_one_runs_the_body => |kind| waiters_behind_a_holder_that_stops(kind, Ending::Dropped, 20);
     waiters_behind_an_operator_release_are_woken_and_one_runs_the_body => |kind| waiters_behind_a_holder_that_stops(kind, Ending::OperatorRelease, 20);
     background_work_is_waited_for_without_a_bound_the_clock_can_hold => |kind| background_work_waited_for_without_bound(kind);
+    sixty_waiters_on_twenty_keys_some_dropped_are_all_woken => |kind| many_keys_with_dropped_waiters(kind);
 }
 
 /// Many duplicates of one key wait while the holder runs 2 s more: each is
