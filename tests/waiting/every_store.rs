@@ -18,7 +18,8 @@ use crate::common::counting::Counting;
 use crate::common::servers::{mysql_url, pg_url, servers_required};
 use idempotent_runtime::{
     idempotent, with_outcome, Error, ForcedRelease, Identity, MemoryStore, MySqlStore, Outcome,
-    OwnerToken, PgStore, RecordState, Reservation, ReserveRequest, SqliteStore, Store,
+    OwnerToken, PgStore, RecordState, Recovery, Reservation, ReserveRequest, SqliteStore, Store,
+    Takeover,
 };
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
@@ -500,6 +501,46 @@ async fn gated_long(store: &dyn Store, tenant: &str, key: &str, gate: &Gate) -> 
     Ok(gate.value)
 }
 
+const RECOVERED: &str = "waiting.every_store.recovered";
+
+/// Asked before a takeover: run the body again.
+async fn run_again(takeover: &Takeover) -> Result<Recovery<u64>, Error> {
+    let _ = takeover;
+    Ok(Recovery::Run)
+}
+
+/// [`gated_long`] in a scope with a `recover` hook: a panic or a drop ends
+/// the lease (rules 14, 20) instead of releasing the record.
+#[idempotent(scope = "waiting.every_store.recovered", key = key, tenant = tenant, store = store,
+             in_progress = wait("600s"), lease = "600s", skip(gate), recover = run_again)]
+async fn gated_long_hooked(
+    store: &dyn Store,
+    tenant: &str,
+    key: &str,
+    gate: &Gate,
+) -> Result<u64, Error> {
+    gate.runs.fetch_add(1, Ordering::SeqCst);
+    gate.started.send_modify(|s| *s += 1);
+    let _ = gate.go.subscribe().wait_for(|g| *g).await;
+    assert!(!gate.fail, "the holder's body panics");
+    Ok(gate.value)
+}
+
+/// A call of [`gated_long_hooked`] when `hooked`, else of [`gated_long`].
+fn stopping<'a>(
+    hooked: bool,
+    store: &'a dyn Store,
+    tenant: &'a str,
+    key: &'a str,
+    gate: &'a Gate,
+) -> futures_util::future::BoxFuture<'a, Result<u64, Error>> {
+    if hooked {
+        Box::pin(gated_long_hooked(store, tenant, key, gate))
+    } else {
+        Box::pin(gated_long(store, tenant, key, gate))
+    }
+}
+
 /// How a holder stops holding its record without completing it.
 #[derive(Clone, Copy, Debug)]
 enum Ending {
@@ -517,13 +558,19 @@ enum Ending {
 /// exactly one of them runs the body, as the next attempt, and the others
 /// replay its result. After an operator's release the holder's own
 /// completion, made once the waiters are answered, is refused.
-async fn waiters_behind_a_holder_that_stops(kind: Kind, ending: Ending, waiters: usize) {
+async fn waiters_behind_a_holder_that_stops(
+    kind: Kind,
+    ending: Ending,
+    hooked: bool,
+    waiters: usize,
+) {
     let Some(inner) = store(kind, 8).await else {
         return;
     };
     let store = Counting::new(inner);
     let tenant = tenant();
-    let identity = Identity::new(&tenant, SCOPE, "k").expect("identity");
+    let scope = if hooked { RECOVERED } else { SCOPE };
+    let identity = Identity::new(&tenant, scope, "k").expect("identity");
     let holder_gate = match ending {
         Ending::Panics => Gate::new(0, true, false),
         Ending::Dropped | Ending::OperatorRelease => Gate::holding(1),
@@ -532,7 +579,8 @@ async fn waiters_behind_a_holder_that_stops(kind: Kind, ending: Ending, waiters:
     let dropped = watch::Sender::new(false);
     let answered = watch::Sender::new(false);
     let holder = async {
-        let call = futures::FutureExt::catch_unwind(std::panic::AssertUnwindSafe(gated_long(
+        let call = futures::FutureExt::catch_unwind(std::panic::AssertUnwindSafe(stopping(
+            hooked,
             &store,
             &tenant,
             "k",
@@ -546,7 +594,8 @@ async fn waiters_behind_a_holder_that_stops(kind: Kind, ending: Ending, waiters:
     };
     let duplicates = async {
         holder_gate.started(1).await;
-        let calls = (0..waiters).map(|_| with_outcome(gated_long(&store, &tenant, "k", &dup_gate)));
+        let calls =
+            (0..waiters).map(|_| with_outcome(stopping(hooked, &store, &tenant, "k", &dup_gate)));
         let answers = futures_util::future::join_all(calls).await;
         answered.send_replace(true);
         answers
@@ -607,6 +656,14 @@ async fn waiters_behind_a_holder_that_stops(kind: Kind, ending: Ending, waiters:
         .expect("fetch")
         .expect("record");
     assert_eq!(record.state, RecordState::Complete, "{kind:?} {ending:?}");
+    let attempt = match ending {
+        Ending::Panics | Ending::Dropped if hooked => 2,
+        _ => 1,
+    };
+    assert_eq!(
+        record.attempt, attempt,
+        "{kind:?} {ending:?}, hooked: {hooked}"
+    );
 }
 
 /// A wait for the store's background work with no bound the clock can
@@ -735,9 +792,11 @@ every_store! {
     a_refused_duplicate_is_told_the_lease_left => |kind| refused_with_the_lease_left(kind);
     a_waiter_dropped_mid_wait_leaves_nothing_behind => |kind| a_dropped_waiter(kind);
     a_wait_bound_and_lease_of_ages_still_wait_and_replay => |kind| bounds_of_ages(kind);
-    waiters_behind_a_panicking_holder_are_woken_and_one_runs_the_body => |kind| waiters_behind_a_holder_that_stops(kind, Ending::Panics, 20);
-    waiters_behind_a_dropped_holder_are_woken_and_one_runs_the_body => |kind| waiters_behind_a_holder_that_stops(kind, Ending::Dropped, 20);
-    waiters_behind_an_operator_release_are_woken_and_one_runs_the_body => |kind| waiters_behind_a_holder_that_stops(kind, Ending::OperatorRelease, 20);
+    waiters_behind_a_panicking_holder_are_woken_and_one_runs_the_body => |kind| waiters_behind_a_holder_that_stops(kind, Ending::Panics, false, 20);
+    waiters_behind_a_dropped_holder_are_woken_and_one_runs_the_body => |kind| waiters_behind_a_holder_that_stops(kind, Ending::Dropped, false, 20);
+    waiters_behind_an_operator_release_are_woken_and_one_runs_the_body => |kind| waiters_behind_a_holder_that_stops(kind, Ending::OperatorRelease, false, 20);
+    waiters_behind_a_panicking_holder_with_a_recover_hook_take_it_over_once => |kind| waiters_behind_a_holder_that_stops(kind, Ending::Panics, true, 20);
+    waiters_behind_a_dropped_holder_with_a_recover_hook_take_it_over_once => |kind| waiters_behind_a_holder_that_stops(kind, Ending::Dropped, true, 20);
     background_work_is_waited_for_without_a_bound_the_clock_can_hold => |kind| background_work_waited_for_without_bound(kind);
     sixty_waiters_on_twenty_keys_some_dropped_are_all_woken => |kind| many_keys_with_dropped_waiters(kind);
 }
