@@ -291,7 +291,7 @@ mod tests {
     async fn dropped_waiters_leave_nothing_and_lose_no_wakeup_for_the_others() {
         let waiters = Waiters::default();
         let identities: Vec<Identity> = (0..20)
-            .map(|i| Identity::new("t", "waiters.unit", &format!("k{i}")).expect("identity"))
+            .map(|i| Identity::new("t", "waiters.unit", format!("k{i}")).expect("identity"))
             .collect();
         let held = || async { Ok(Some((Some("owner".to_owned()), Some(3_600_000)))) };
         let bound = (Duration::from_secs(3600), 0);
