@@ -568,6 +568,20 @@ async fn waiters_behind_a_holder_that_stops(
         return;
     };
     let store = Counting::new(inner);
+    stops_behind(kind, &store, &store, (ending, hooked), waiters).await;
+}
+
+/// [`waiters_behind_a_holder_that_stops`] with the holder (and the
+/// operator) on `holder_store` and the waiters on `store`: when the two are
+/// separate store objects on one database (two processes), the waiters are
+/// not told of the change, and their fallback looks see it.
+async fn stops_behind(
+    kind: Kind,
+    holder_store: &dyn Store,
+    store: &Counting<Box<dyn Store>>,
+    (ending, hooked): (Ending, bool),
+    waiters: usize,
+) {
     let tenant = tenant();
     let scope = if hooked { RECOVERED } else { SCOPE };
     let identity = Identity::new(&tenant, scope, "k").expect("identity");
@@ -581,7 +595,7 @@ async fn waiters_behind_a_holder_that_stops(
     let holder = async {
         let call = futures::FutureExt::catch_unwind(std::panic::AssertUnwindSafe(stopping(
             hooked,
-            &store,
+            holder_store,
             &tenant,
             "k",
             &holder_gate,
@@ -595,7 +609,7 @@ async fn waiters_behind_a_holder_that_stops(
     let duplicates = async {
         holder_gate.started(1).await;
         let calls =
-            (0..waiters).map(|_| with_outcome(stopping(hooked, &store, &tenant, "k", &dup_gate)));
+            (0..waiters).map(|_| with_outcome(stopping(hooked, store, &tenant, "k", &dup_gate)));
         let answers = futures_util::future::join_all(calls).await;
         answered.send_replace(true);
         answers
@@ -609,7 +623,7 @@ async fn waiters_behind_a_holder_that_stops(
                 dropped.send_replace(true);
             }
             Ending::OperatorRelease => {
-                let released = store.force_release(&identity, false).await;
+                let released = holder_store.force_release(&identity, false).await;
                 assert!(
                     matches!(released, Ok(ForcedRelease::Released { .. })),
                     "{kind:?}: the operator's release: {released:?}"
@@ -948,5 +962,41 @@ async fn postgres_two_schemas_one_identity_wrong_schema_notifications_only_look(
             .execute(&mut *admin)
             .await
             .expect("drop schema");
+    }
+}
+
+/// Two store objects on one database stand for two processes: the holder's
+/// (through which the operator releases too) and the waiters'. However the
+/// holder stops, the waiters' fallback looks see it long before the 10
+/// minute lease and bound, and one of them runs the body.
+async fn across_store_objects(kind: Kind, ending: Ending) {
+    let url = match kind {
+        Kind::Sqlite => crate::common::scratch::sqlite_url("waiting-across"),
+        Kind::Postgres => pg_url(),
+        Kind::MySql => mysql_url(),
+        Kind::Memory | Kind::SqliteInMemory => unreachable!("one store object only"),
+    };
+    let open = || async {
+        match kind {
+            Kind::Sqlite => {
+                Box::new(SqliteStore::connect(&url).await.expect("open")) as Box<dyn Store>
+            }
+            Kind::Postgres => Box::new(PgStore::connect(&url).await.expect("open")),
+            _ => Box::new(MySqlStore::connect(&url).await.expect("open")),
+        }
+    };
+    let holder_store = open().await;
+    let store = Counting::new(open().await);
+    for hooked in [false, true] {
+        stops_behind(kind, &*holder_store, &store, (ending, hooked), 8).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn across_store_objects_waiters_see_a_panic_a_drop_and_an_operator_release() {
+    for kind in [Kind::Sqlite, Kind::Postgres, Kind::MySql] {
+        for ending in [Ending::Panics, Ending::Dropped, Ending::OperatorRelease] {
+            across_store_objects(kind, ending).await;
+        }
     }
 }
