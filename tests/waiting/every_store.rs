@@ -784,6 +784,38 @@ async fn many_keys_with_dropped_waiters(kind: Kind) {
     assert_eq!(dup_gate.runs(), 0, "{kind:?}: no waiter ran the body");
 }
 
+/// `Store::wait_for_change` called with no bound the clock can hold
+/// (`Duration::MAX`) behind a record held for 10 minutes still waits, and
+/// returns when the record is released.
+async fn wait_for_change_without_a_bound(kind: Kind) {
+    let Some(inner) = store(kind, 4).await else {
+        return;
+    };
+    let store = Counting::new(inner);
+    let identity = Identity::new(&tenant(), SCOPE, "k").expect("identity");
+    let holder = OwnerToken::new();
+    let held = store
+        .reserve(ReserveRequest {
+            identity: &identity,
+            fingerprint: None,
+            token: &holder,
+            lease: Duration::from_secs(600),
+            ttl: Duration::from_secs(3600),
+        })
+        .await
+        .expect("reserve");
+    assert!(matches!(held, Reservation::Acquired { .. }), "{held:?}");
+    let release = async {
+        store.waited(1).await;
+        store.release(&identity, &holder).await.expect("release")
+    };
+    let ((), released) = within(&format!("{kind:?}: a wait without a bound"), async {
+        tokio::join!(store.wait_for_change(&identity, Duration::MAX, 0), release)
+    })
+    .await;
+    assert!(released.is_written(), "{kind:?}: {released:?}");
+}
+
 // ------------------------------------------------------------ the tests
 
 macro_rules! every_store {
@@ -813,6 +845,7 @@ every_store! {
     waiters_behind_a_dropped_holder_with_a_recover_hook_take_it_over_once => |kind| waiters_behind_a_holder_that_stops(kind, Ending::Dropped, true, 20);
     background_work_is_waited_for_without_a_bound_the_clock_can_hold => |kind| background_work_waited_for_without_bound(kind);
     sixty_waiters_on_twenty_keys_some_dropped_are_all_woken => |kind| many_keys_with_dropped_waiters(kind);
+    a_wait_for_change_without_a_bound_the_clock_can_hold_still_waits => |kind| wait_for_change_without_a_bound(kind);
 }
 
 /// Many duplicates of one key wait while the holder runs 2 s more: each is
