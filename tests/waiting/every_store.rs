@@ -792,7 +792,7 @@ async fn wait_for_change_without_a_bound(kind: Kind) {
         return;
     };
     let store = Counting::new(inner);
-    let identity = Identity::new(&tenant(), SCOPE, "k").expect("identity");
+    let identity = Identity::new(tenant(), SCOPE, "k").expect("identity");
     let holder = OwnerToken::new();
     let held = store
         .reserve(ReserveRequest {
