@@ -56,8 +56,13 @@ enum Then {
     Panic,
 }
 
+// The lease is what the crowd waits out for the stopped owner, and what the
+// one that takes over must renew while the others' writes queue beside it
+// (SQLite: one writer, two store objects): long enough for a loaded test
+// machine, where a lease lost there lets a second takeover ask the hook
+// again (attempt 3) and refuses the first taker's completion.
 #[idempotent(scope = "recovery.crowd", key = key, tenant = tenant, store = store,
-             skip(gate, then, value), lease = "300ms", in_progress = wait("10s"), recover = look)]
+             skip(gate, then, value), lease = "2s", in_progress = wait("10s"), recover = look)]
 async fn pay(
     store: &dyn Store,
     tenant: &str,
