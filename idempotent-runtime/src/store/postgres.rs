@@ -758,6 +758,49 @@ macro_rules! own_fenced_write {
     }};
 }
 
+/// An operator's write (`release`, `release --end-lease`), `$write` on the
+/// transaction `$tx`, in a transaction of its own:
+/// - READ COMMITTED whatever the default: under REPEATABLE READ or
+///   SERIALIZABLE the snapshot is taken by the first statement, and a record
+///   its owner renewed or completed, or a call took over, before the write
+///   failed it with a bare serialization failure ("could not serialize
+///   access"), which tells the operator nothing. Here the write checks the
+///   record as it is then.
+/// - A row another transaction holds (a transactional-mode call in
+///   progress) is waited for at most [`OPERATOR_LOCK_WAIT`], bounded by the
+///   server (`lock_timeout` for the transaction), then rolled back and told
+///   as [`held_by_a_transaction`]: nothing is left waiting on the server.
+macro_rules! operator_write {
+    ($store:expr, $op:expr, |$tx:ident| $write:expr) => {{
+        let store: &PgStore = $store;
+        let mut conn = store.outside_any_transaction($op).await?;
+        let mut tx =
+            sqlx::Connection::begin_with(&mut *conn, "BEGIN ISOLATION LEVEL READ COMMITTED")
+                .await
+                .map_err(err($op))?;
+        sqlx::query("SELECT set_config('lock_timeout', $1, TRUE)")
+            .bind(format!("{}ms", OPERATOR_LOCK_WAIT.as_millis()))
+            .execute(&mut *tx)
+            .await
+            .map_err(err($op))?;
+        let written = {
+            let $tx = &mut *tx;
+            $write.await
+        };
+        let written = match written {
+            Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some(LOCK_NOT_AVAILABLE) => {
+                tx.rollback().await.map_err(err($op))?;
+                conn.hand_back();
+                return Err(held_by_a_transaction(STORE, $op));
+            }
+            other => other.map_err(err($op))?,
+        };
+        tx.commit().await.map_err(err($op))?;
+        conn.hand_back();
+        written
+    }};
+}
+
 /// The worker that finishes dropped calls' records with the store's fenced
 /// writes (module `server`).
 fn background_worker(pool: &PgPool, sql: &std::sync::Arc<Statements>) -> detached::Detached {
@@ -1839,49 +1882,21 @@ impl PgStore {
         .await
     }
 
-    /// [`Store::force_release`], in a transaction of its own.
+    /// [`Store::force_release`], in an operator's transaction
+    /// ([`operator_write!`]).
     async fn force_release_read_committed(
         &self,
         identity: &Identity,
         require_expired_lease: bool,
     ) -> Result<ForcedRelease, StoreError> {
-        // A row another transaction holds (a transactional-mode takeover in
-        // progress) is waited for at most OPERATOR_LOCK_WAIT, not until that
-        // transaction ends.
-        let mut conn = self.outside_any_transaction(OPERATOR_RELEASE).await?;
-        // READ COMMITTED whatever the default: under REPEATABLE READ or
-        // SERIALIZABLE the snapshot is taken by the first statement, and a
-        // record its owner renewed or completed, or a call took over, before
-        // the delete failed the release with a bare serialization failure
-        // ("could not serialize access"), which tells the operator nothing.
-        // Here the delete checks the record as it is then.
-        let mut tx =
-            sqlx::Connection::begin_with(&mut *conn, "BEGIN ISOLATION LEVEL READ COMMITTED")
-                .await
-                .map_err(err(OPERATOR_RELEASE))?;
-        sqlx::query("SELECT set_config('lock_timeout', $1, TRUE)")
-            .bind(format!("{}ms", OPERATOR_LOCK_WAIT.as_millis()))
-            .execute(&mut *tx)
-            .await
-            .map_err(err(OPERATOR_RELEASE))?;
-        let deleted: Result<Option<i32>, sqlx::Error> =
+        let deleted: Option<i32> = operator_write!(self, OPERATOR_RELEASE, |tx| {
             sqlx::query_scalar(&self.statements.force_release)
                 .bind(&identity.tenant)
                 .bind(&identity.scope)
                 .bind(&identity.key)
                 .bind(require_expired_lease)
-                .fetch_optional(&mut *tx)
-                .await;
-        let deleted = match deleted {
-            Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some(LOCK_NOT_AVAILABLE) => {
-                tx.rollback().await.map_err(err(OPERATOR_RELEASE))?;
-                conn.hand_back();
-                return Err(held_by_a_transaction(STORE, OPERATOR_RELEASE));
-            }
-            other => other.map_err(err(OPERATOR_RELEASE))?,
-        };
-        tx.commit().await.map_err(err(OPERATOR_RELEASE))?;
-        conn.hand_back();
+                .fetch_optional(tx)
+        });
         if let Some(attempt) = deleted {
             return Ok(ForcedRelease::Released {
                 attempt: u32::try_from(attempt).unwrap_or(1),
@@ -1890,41 +1905,21 @@ impl PgStore {
         Ok(refused_release(self.fetch(identity).await?))
     }
 
-    /// [`Store::end_lease_for_operator`], in a transaction of its own whose
-    /// row-lock wait the server bounds: a statement left waiting on the
+    /// [`Store::end_lease_for_operator`], in an operator's transaction
+    /// ([`operator_write!`]): an autocommit statement left waiting on the
     /// server after its caller gave up would end the lease once the
     /// transaction holding the record is over, after the operator was told
-    /// it was not ended. The wait is the session's `lock_timeout` in that
-    /// transaction, so nothing is left behind when it runs out.
+    /// it was not ended. The server's bound leaves nothing behind.
     async fn end_lease_read_committed(
         &self,
         identity: &Identity,
         token: &OwnerToken,
     ) -> Result<Fenced, StoreError> {
-        let mut conn = self.outside_any_transaction(OPERATOR_END_LEASE).await?;
-        let mut tx =
-            sqlx::Connection::begin_with(&mut *conn, "BEGIN ISOLATION LEVEL READ COMMITTED")
-                .await
-                .map_err(err(OPERATOR_END_LEASE))?;
-        sqlx::query("SELECT set_config('lock_timeout', $1, TRUE)")
-            .bind(format!("{}ms", OPERATOR_LOCK_WAIT.as_millis()))
-            .execute(&mut *tx)
-            .await
-            .map_err(err(OPERATOR_END_LEASE))?;
-        let ended = on_owned_record(&self.statements.heartbeat, identity, token)
-            .bind(millis_i64(Duration::ZERO))
-            .execute(&mut *tx)
-            .await;
-        let ended = match ended {
-            Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some(LOCK_NOT_AVAILABLE) => {
-                tx.rollback().await.map_err(err(OPERATOR_END_LEASE))?;
-                conn.hand_back();
-                return Err(held_by_a_transaction(STORE, OPERATOR_END_LEASE));
-            }
-            other => other.map_err(err(OPERATOR_END_LEASE))?,
-        };
-        tx.commit().await.map_err(err(OPERATOR_END_LEASE))?;
-        conn.hand_back();
+        let ended = operator_write!(self, OPERATOR_END_LEASE, |tx| {
+            on_owned_record(&self.statements.heartbeat, identity, token)
+                .bind(millis_i64(Duration::ZERO))
+                .execute(tx)
+        });
         Ok(Fenced::from_owned(ended.rows_affected() == 1))
     }
 
