@@ -480,15 +480,21 @@ mod tests {
         check("sqlite", super::SQLITE);
     }
 
-    /// What each backend records in its history table for each migration
-    /// (version, description): the rows databases already migrated hold,
-    /// by sqlx's migrator or by this runner, written out. A file renamed, or
+    /// That `listed` records `recorded` in its backend's history table, one
+    /// row (version, description) per migration: the rows databases already
+    /// migrated hold, by sqlx's migrator or by this runner, written out. A
+    /// file renamed, or
     /// a version or description read differently from a name, fails it.
-    fn recorded_rows(listed: &[Migration]) -> Vec<(i64, String)> {
-        listed
+    fn assert_records(listed: &[Migration], recorded: &[(i64, &str)]) {
+        let rows: Vec<(i64, String)> = listed
             .iter()
             .map(|m| (m.version, m.description()))
-            .collect()
+            .collect();
+        let recorded: Vec<(i64, String)> = recorded
+            .iter()
+            .map(|(v, d)| (*v, (*d).to_owned()))
+            .collect();
+        assert_eq!(rows, recorded);
     }
 
     #[cfg(feature = "postgres")]
@@ -507,11 +513,7 @@ mod tests {
             (10, "acquire refuses text the server would convert"),
             (11, "records know their database"),
         ];
-        let recorded: Vec<(i64, String)> = recorded
-            .iter()
-            .map(|(v, d)| (*v, (*d).to_owned()))
-            .collect();
-        assert_eq!(recorded_rows(super::POSTGRES), recorded);
+        assert_records(super::POSTGRES, recorded);
     }
 
     #[cfg(feature = "mysql")]
@@ -535,11 +537,7 @@ mod tests {
             (15, "tx judges by its own transaction not an ended one"),
             (16, "records know their database"),
         ];
-        let recorded: Vec<(i64, String)> = recorded
-            .iter()
-            .map(|(v, d)| (*v, (*d).to_owned()))
-            .collect();
-        assert_eq!(recorded_rows(super::MYSQL), recorded);
+        assert_records(super::MYSQL, recorded);
     }
 
     #[cfg(feature = "sqlite")]
@@ -550,11 +548,7 @@ mod tests {
             (2, "attempts"),
             (3, "records know their database"),
         ];
-        let recorded: Vec<(i64, String)> = recorded
-            .iter()
-            .map(|(v, d)| (*v, (*d).to_owned()))
-            .collect();
-        assert_eq!(recorded_rows(super::SQLITE), recorded);
+        assert_records(super::SQLITE, recorded);
     }
 
     /// The checksum of a migration is SHA-384 of its text: the bytes sqlx's
