@@ -405,7 +405,10 @@ async fn pg_reservation_by_hand(pool: &PgPool, key: &str) -> sqlx::Result<u64> {
         .bind(100i64)
         .fetch_one(pool)
         .await?;
-    assert_eq!(row.try_get::<String, _>("outcome")?, "completed");
+    // A record was there (`acquired` is NULL), complete and not expired.
+    assert_eq!(row.try_get::<Option<bool>, _>("acquired")?, None);
+    assert_eq!(row.try_get::<String, _>("state")?, "complete");
+    assert!(!row.try_get::<bool, _>("expired")?);
     let result: Option<Vec<u8>> = row.try_get("result")?;
     Ok(serde_json::from_slice(&result.unwrap_or_default()).unwrap_or(0))
 }

@@ -1074,25 +1074,28 @@ const UNFAITHFUL_CLIENT_ENCODING: &str = concat!(
 );
 
 /// The store's reservation, one plain statement (prepared once per
-/// connection, cached by sqlx): a primary-key read of the record decides
-/// replay, in progress and mismatch, as a hand-written `SELECT` would. Only
-/// when there is no record does it call `idempotency_acquire_absent`
-/// (migration 0008), which inserts the reservation (`ON CONFLICT DO
-/// NOTHING`) and sets `lock_timeout` for the statement's own transaction: a
-/// conflicting row inserted by an uncommitted transaction is waited for at
-/// most `$8` ms, then the statement fails with 55P03 (in progress). A
-/// `CASE` evaluates its branches lazily, and the function is volatile, so
-/// it never runs when the record exists: a replay reads and writes nothing.
-/// On a connection whose `client_encoding` would change the identity
+/// connection, cached by sqlx): a primary-key read of the record, as a
+/// hand-written `SELECT` would make, hands its columns to the judge every
+/// SQL store shares ([`super::rows::Columns::answer`]: replay, in progress,
+/// mismatch, or a write due). Only when there is no record does it call
+/// `idempotency_acquire_absent` (migration 0008), which inserts the
+/// reservation (`ON CONFLICT DO NOTHING`) and sets `lock_timeout` for the
+/// statement's own transaction: a conflicting row inserted by an
+/// uncommitted transaction is waited for at most `$8` ms, then the
+/// statement fails with 55P03 (in progress). A `CASE` evaluates its
+/// branches lazily, and the function is volatile, so it never runs when the
+/// record exists: a replay reads and writes nothing. `acquired` is `NULL`
+/// when there is a record, else whether the insert won. On a connection
+/// whose `client_encoding` would change the identity
 /// ([`reads_text_as_sent!`]) the function inserts nothing and fails with
 /// [`UNFAITHFUL_ENCODING_CODE`] (migration 0010): checked there, a replay
 /// pays nothing for it.
 ///
 /// The clock is read once (`OFFSET 0` keeps the subquery from being
-/// flattened into the expressions that use it). `other` (an expired record
-/// to replace, an expired lease to take over, a concurrent reservation that
-/// inserted the row first) goes to `idempotency_reserve_autocommit`, which
-/// decides under the row lock.
+/// flattened into the expressions that use it). What the judge leaves to a
+/// write (an expired record to replace, an expired lease to take over), and
+/// a concurrent reservation that inserted the row first, go to
+/// `idempotency_reserve_autocommit`, which decides under the row lock.
 ///
 /// Not a public API (it may change in any release): visible for the bench,
 /// which sends it by hand beside the annotated call. `$1`–`$3` tenant, scope
@@ -1100,21 +1103,12 @@ const UNFAITHFUL_CLIENT_ENCODING: &str = concat!(
 /// lease and ttl in ms, `$8` the lock wait in ms.
 #[doc(hidden)]
 pub const RESERVE_STORE_SQL: &str = "\
-SELECT CASE WHEN r.state IS NULL THEN
-                 CASE WHEN idempotency_acquire_absent($1, $2, $3, $4, $5, $6, $7,
-                                                      $8, c.now_ms)
-                      THEN 'acquired' ELSE 'other' END
-            WHEN r.expires_at <= c.now_ms
-                 AND (r.state = 'complete' OR r.lease_expires_at <= c.now_ms) THEN 'other'
-            WHEN r.fingerprint IS NOT NULL AND $4::TEXT IS NOT NULL
-                 AND r.fingerprint <> $4::TEXT THEN 'mismatch'
-            WHEN r.state = 'complete' THEN 'completed'
-            WHEN r.lease_expires_at > c.now_ms THEN 'in_progress'
-            ELSE 'other' END AS outcome,
-       FALSE AS took_over, r.is_error,
-       CASE WHEN r.state = 'complete' THEN r.result END AS result,
-       r.lease_expires_at - c.now_ms AS lease_remaining_ms,
-       1 AS attempt_number, NULL::BIGINT AS previous_attempt_started_at
+SELECT CASE WHEN r.state IS NULL
+            THEN idempotency_acquire_absent($1, $2, $3, $4, $5, $6, $7, $8, c.now_ms) END AS acquired,
+       r.state, r.fingerprint, r.is_error, r.result,
+       r.lease_expires_at - c.now_ms AS lease_remaining,
+       (r.expires_at <= c.now_ms
+        AND (r.state = 'complete' OR r.lease_expires_at <= c.now_ms)) IS TRUE AS expired
   FROM (SELECT idempotency_now_ms() AS now_ms OFFSET 0) c
   LEFT JOIN idempotency_records r ON r.tenant = $1 AND r.scope = $2 AND r.key = $3";
 
@@ -1341,9 +1335,14 @@ async fn reserve_in_transaction(
         let left = lock_wait.saturating_sub(started.elapsed());
         let slice = left.min(slice_len);
         let sent = std::time::Instant::now();
-        let answer = reserve_statement(RESERVE_TX_SQL, &mut *conn, request, slice)
-            .await
-            .map_err(err("reserve"))?;
+        let answer = reserve_statement(
+            (RESERVE_TX_SQL, decode_reservation),
+            &mut *conn,
+            request,
+            slice,
+        )
+        .await
+        .map_err(err("reserve"))?;
         let waited_out = matches!(&answer, Answer::Reserved(r) if *r == lock_timed_out)
             && sent.elapsed() >= TX_LOCK_WAIT_SLICE_FLOOR;
         if !waited_out || lock_wait.saturating_sub(started.elapsed()) < TX_LOCK_WAIT_SLICE_FLOOR {
@@ -1422,9 +1421,16 @@ async fn reserve_autocommit(
     let (mut lock_timeouts, mut serialization_failures, mut left_open) = (0, 0, 0);
     let answer = loop {
         let bounds = (lock_wait, silent_after);
-        let (answer, allowed) = match reserve_on(pool, &sql.reserve, request, bounds).await {
+        let read_first = (sql.reserve.as_str(), decode_store_reservation as Decode);
+        let (answer, allowed) = match reserve_on(pool, read_first, request, bounds).await {
             Ok(Answer::Other) => (
-                reserve_on(pool, &sql.reserve_autocommit, request, bounds).await,
+                reserve_on(
+                    pool,
+                    (&sql.reserve_autocommit, decode_reservation),
+                    request,
+                    bounds,
+                )
+                .await,
                 EXPIRED_RECORD_LOCK_TRIES,
             ),
             answer => (answer, LOCK_TIMEOUT_TRIES),
@@ -1493,7 +1499,7 @@ async fn reserve_autocommit(
 /// `silent_after` ([`server::answered_within`]).
 async fn reserve_on(
     pool: &PgPool,
-    sql: &str,
+    (sql, decode): (&str, Decode),
     request: ReserveRequest<'_>,
     (lock_wait, silent_after): (Duration, Duration),
 ) -> Result<Answer, sqlx::Error> {
@@ -1501,7 +1507,7 @@ async fn reserve_on(
     let answer = server::answered_within(
         silent_after,
         reservation_lands_within(lock_wait),
-        reserve_statement(sql, &mut *conn, request, lock_wait),
+        reserve_statement((sql, decode), &mut *conn, request, lock_wait),
     )
     .await?;
     if left_in_a_transaction(&answer) {
@@ -1547,9 +1553,14 @@ enum Answer {
     LeftInATransaction,
 }
 
-/// Runs one reservation statement.
+/// How a reservation statement's row is read: [`decode_store_reservation`]
+/// for [`RESERVE_STORE_SQL`], [`decode_reservation`] for the statements over
+/// the plpgsql functions.
+type Decode = fn(&PgRow, ReserveRequest<'_>) -> Result<Answer, sqlx::Error>;
+
+/// Runs one reservation statement and reads its row with `decode`.
 async fn reserve_statement<'e, E: Executor<'e, Database = Postgres>>(
-    sql: &str,
+    (sql, decode): (&str, Decode),
     executor: E,
     request: ReserveRequest<'_>,
     lock_wait: Duration,
@@ -1570,12 +1581,34 @@ async fn reserve_statement<'e, E: Executor<'e, Database = Postgres>>(
         .fetch_optional(executor)
         .await?;
     match row {
-        Some(row) => decode_reservation(&row),
+        Some(row) => decode(&row, request),
         None => Ok(Answer::Other),
     }
 }
 
-fn decode_reservation(row: &PgRow) -> Result<Answer, sqlx::Error> {
+/// Reads [`RESERVE_STORE_SQL`]'s row: the insert's verdict when there was
+/// no record, else what the record answers by itself, judged as every SQL
+/// store judges a read ([`super::rows::Columns::answer`]); `Other` where a
+/// write is due.
+fn decode_store_reservation(
+    row: &PgRow,
+    request: ReserveRequest<'_>,
+) -> Result<Answer, sqlx::Error> {
+    match row.try_get::<Option<bool>, _>("acquired")? {
+        Some(true) => Ok(Answer::Reserved(Reservation::acquired(1, None))),
+        Some(false) => Ok(Answer::Other),
+        None => Ok(
+            match super::rows::Columns(row).answer(request.fingerprint.map(Fingerprint::as_str))? {
+                Some(reservation) => Answer::Reserved(reservation),
+                None => Answer::Other,
+            },
+        ),
+    }
+}
+
+/// Reads the row of a statement over the plpgsql functions: its `outcome`
+/// and the columns that go with it.
+fn decode_reservation(row: &PgRow, _: ReserveRequest<'_>) -> Result<Answer, sqlx::Error> {
     let outcome: String = row.try_get("outcome")?;
     Ok(Answer::Reserved(match outcome.as_str() {
         "acquired" => {

@@ -108,7 +108,6 @@ where
     /// procedures decide: an expired record, or an in-progress one whose lease ran
     /// out, answers nothing (`None`: a write is due); otherwise a mismatch, a
     /// replay or a live lease.
-    #[cfg_attr(not(feature = "mysql"), allow(dead_code))]
     pub(crate) fn answer(
         &self,
         fingerprint: Option<&str>,
@@ -119,7 +118,6 @@ where
     /// [`answer`](Self::answer) with the columns found at `columns`: their
     /// aliases, or their positions where the driver does not know the names
     /// (MySQL's prepared `INSERT … RETURNING`).
-    #[cfg_attr(not(feature = "mysql"), allow(dead_code))]
     pub(crate) fn answer_from<I: ColumnIndex<R> + Copy>(
         &self,
         fingerprint: Option<&str>,

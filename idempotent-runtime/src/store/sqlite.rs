@@ -1914,34 +1914,7 @@ fn judge(
     if row.try_get::<i64, _>("reads_uncommitted")? != 0 {
         return Err(sqlx::Error::Configuration(READS_UNCOMMITTED.into()));
     }
-    let expired: bool = row.try_get("expired")?;
-    if expired {
-        return Ok(None);
-    }
-    let stored_fp: Option<String> = row.try_get("fingerprint")?;
-    if fingerprints_conflict(stored_fp.as_deref(), fingerprint) {
-        return Ok(Some(Reservation::FingerprintMismatch));
-    }
-    let state: String = row.try_get("state")?;
-    if RecordState::parse(&state) == Some(RecordState::Complete) {
-        let is_error: bool = row.try_get("is_error")?;
-        let result: Option<Vec<u8>> = row.try_get("result")?;
-        return Ok(Some(Reservation::Completed(outcome_from(is_error, result))));
-    }
-    let remaining: Option<i64> = row.try_get("lease_remaining")?;
-    Ok(match remaining {
-        Some(ms) if ms > 0 => Some(Reservation::InProgress {
-            lease_remaining: millis_to_duration(ms),
-        }),
-        _ => None,
-    })
-}
-
-fn outcome_from(is_error: bool, result: Option<Vec<u8>>) -> StoredOutcome {
-    StoredOutcome {
-        is_error,
-        payload: result.unwrap_or_else(|| b"null".to_vec()),
-    }
+    super::rows::Columns(row).answer(fingerprint)
 }
 
 #[async_trait::async_trait]
