@@ -495,8 +495,15 @@ pub fn validate_infos(infos: &[&ScopeInfo]) -> Result<(), RegistryError> {
         Default::default();
     for info in infos {
         let claims = by_scope.entry(info.scope).or_default();
-        // The same function registered twice is not a conflict.
-        if !claims.iter().any(|c| Site::of(c) == Site::of(info)) {
+        // The same site registered again with the same settings is one
+        // claimant (a function's registration linked twice, a layer built
+        // again). With other settings it is another claimant of the
+        // boundary (a helper building a layer for two routers, one with a
+        // hook and one without), checked like any other.
+        if !claims
+            .iter()
+            .any(|c| Site::of(c) == Site::of(info) && disagreement(c, info).is_none())
+        {
             claims.push(info);
         }
     }

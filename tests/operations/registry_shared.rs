@@ -339,3 +339,56 @@ fn a_duplicate_is_reported_before_a_disagreement() {
     assert_eq!(dups.len(), 1);
     assert_eq!(dups[0].scope, "shared_test.duplicate");
 }
+
+/// One site can claim a scope more than once with other settings: a helper
+/// that builds an `IdempotencyLayer` (its site is the `build()` line) called
+/// for two routers, one with a `recover` hook and a day's ttl, the other with
+/// neither. Those are two claimants of one boundary that disagree (one would
+/// re-run blind what the other recovers), and are reported as such; only a
+/// site registered again with the same settings counts once.
+#[test]
+fn one_site_claiming_a_scope_with_other_settings_is_reported() {
+    let hour = Duration::from_secs(3600);
+    let day = variant(40, 24 * hour, &["order"], false);
+    let mut hooked = day.clone();
+    hooked.recover = Some("app::refunds::recover");
+    let minute = variant(40, Duration::from_secs(60), &["order"], false);
+
+    // Without `shared_scope`: the duplicate-scope error, the site named for each claim.
+    let err = registry::validate_infos(&[&hooked, &minute]).unwrap_err();
+    let RegistryError::DuplicateScopes(dups) = &err else {
+        panic!("{err:?}")
+    };
+    assert_eq!(dups[0].sites.len(), 2, "{err}");
+    assert!(
+        err.to_string().contains("other-crate/src/consumer.rs:40"),
+        "{err}"
+    );
+
+    // Both saying `shared_scope`: their disagreement is named.
+    let (mut hooked_shared, mut minute_shared) = (hooked.clone(), minute.clone());
+    hooked_shared.shared_scope = true;
+    minute_shared.shared_scope = true;
+    let err = registry::validate_infos(&[&hooked_shared, &minute_shared]).unwrap_err();
+    let RegistryError::SharedScopeConflicts(conflicts) = &err else {
+        panic!("{err:?}")
+    };
+    assert!(
+        matches!(conflicts[0].disagreement, Disagreement::Ttl { .. }),
+        "{err}"
+    );
+    let mut minute_hooked = minute_shared.clone();
+    minute_hooked.ttl = day.ttl;
+    let err = registry::validate_infos(&[&hooked_shared, &minute_hooked]).unwrap_err();
+    let RegistryError::SharedScopeConflicts(conflicts) = &err else {
+        panic!("{err:?}")
+    };
+    assert!(
+        matches!(conflicts[0].disagreement, Disagreement::Recover { .. }),
+        "{err}"
+    );
+
+    // The same site with the same settings, registered again, is one claimant.
+    assert!(registry::validate_infos(&[&hooked, &hooked.clone()]).is_ok());
+    assert!(registry::validate_infos(&[&day, &day.clone(), &day]).is_ok());
+}
