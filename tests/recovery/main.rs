@@ -51,3 +51,9 @@ mod transactional_crowd;
 
 // A retry made as soon as a body's panic was caught, in a scope with a hook.
 mod panic_then_retry_at_once;
+
+// Two claimants of one shared scope, both with a hook, on every store.
+mod shared_claimants;
+
+// A hook's answer recorded in a MariaDB transaction.
+mod transactional_mysql_recovered;
