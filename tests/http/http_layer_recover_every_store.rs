@@ -1,0 +1,485 @@
+//! Rules 20 and 22 through the layer's `recover` hook on every store
+//! (memory, SQLite, PostgreSQL, MariaDB): the hook is told the tenant from
+//! the authenticated principal, the layer's scope, the key, the attempt
+//! number and when the previous attempt started; its `Completed` answer is
+//! recorded and replayed with `Idempotent-Replayed: true` and the recorded
+//! headers, never to another tenant; its `Err` answer is sent, the record is
+//! kept, and the next retry asks again as the next attempt, told when the
+//! attempt it takes over started. The handler never runs for a record a
+//! hook answered.
+
+use crate::http_app::{authenticate, serve, AccountId};
+use crate::http_retry_contract::every_store;
+use axum::http::{header, StatusCode};
+use axum::middleware;
+use axum::response::IntoResponse;
+use axum::routing::post;
+use axum::Router;
+use idempotent_runtime::http::IdempotencyLayer;
+use idempotent_runtime::{Identity, RecordState, Recovery, Takeover};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+/// What the hook was told: tenant, scope, key, attempt, previous start (ms).
+type Asked = (String, String, String, u32, i64);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_layers_hook_is_told_the_takeover_and_its_answers_follow_rule_22_on_every_store() {
+    const SCOPE: &str = "huntb.layer_recover";
+    for (name, store) in every_store().await {
+        let asked: Arc<Mutex<Vec<Asked>>> = Arc::default();
+        let provider_down = Arc::new(AtomicBool::new(true));
+        let hook = {
+            let (asked, provider_down) = (asked.clone(), provider_down.clone());
+            move |t: Takeover| {
+                let (asked, provider_down) = (asked.clone(), provider_down.clone());
+                async move {
+                    asked.lock().unwrap().push((
+                        t.tenant().to_owned(),
+                        t.scope().to_owned(),
+                        t.key().to_owned(),
+                        t.attempt(),
+                        t.previous_attempt_started_at_ms(),
+                    ));
+                    if t.key() == "k-down" && provider_down.load(Ordering::SeqCst) {
+                        return Err(
+                            (StatusCode::BAD_GATEWAY, "provider unreachable").into_response()
+                        );
+                    }
+                    Ok(Recovery::Completed(
+                        (
+                            StatusCode::CREATED,
+                            [(header::LOCATION, format!("/charges/{}", t.key()))],
+                            format!("found {} at the provider", t.key()),
+                        )
+                            .into_response(),
+                    ))
+                }
+            }
+        };
+        let layer = IdempotencyLayer::builder(SCOPE, store.clone())
+            .tenant_from_extension::<AccountId>()
+            .recover(hook)
+            .build()
+            .expect("layer");
+        let runs = Arc::new(AtomicUsize::new(0));
+        let handler = {
+            let runs = runs.clone();
+            move || {
+                let runs = runs.clone();
+                async move {
+                    runs.fetch_add(1, Ordering::SeqCst);
+                    (StatusCode::CREATED, "charged by the handler")
+                }
+            }
+        };
+        let app = Router::new()
+            .route("/charges", post(handler))
+            .route_layer(layer)
+            .layer(middleware::from_fn(authenticate));
+        let (base, task) = serve(app).await;
+        let account = crate::common::servers::fresh_tenant();
+        let other = crate::common::servers::fresh_tenant();
+
+        // What a crashed instance leaves: records in progress whose 1 ms
+        // lease has run out by the time a retry comes.
+        let mut planted_start = std::collections::HashMap::new();
+        for key in ["k-found", "k-down"] {
+            let identity = Identity::new(account.clone(), SCOPE, key).unwrap();
+            crate::common::records::acquire(
+                &*store,
+                &identity,
+                None,
+                Duration::from_millis(1),
+                Duration::from_secs(3600),
+            )
+            .await;
+            let snapshot = store.fetch(&identity).await.unwrap().expect("record");
+            planted_start.insert(key, snapshot.attempt_started_at_ms);
+        }
+        let send = |who: &str, key: &str| {
+            reqwest::Client::new()
+                .post(format!("{base}/charges"))
+                .header("x-account-id", who)
+                .header("idempotency-key", key)
+                .body("{}")
+                .send()
+        };
+        let answer = |r: reqwest::Response| async move {
+            let replayed = r
+                .headers()
+                .get("idempotent-replayed")
+                .map(|v| v.to_str().unwrap().to_owned());
+            let location = r
+                .headers()
+                .get("location")
+                .map(|v| v.to_str().unwrap().to_owned());
+            (
+                r.status().as_u16(),
+                replayed,
+                location,
+                r.text().await.expect("body"),
+            )
+        };
+
+        // Completed: recorded and sent; the retry replays status, body and
+        // the recorded Location with Idempotent-Replayed: true.
+        let first = answer(send(&account, "k-found").await.unwrap()).await;
+        assert_eq!(
+            first,
+            (
+                201,
+                None,
+                Some("/charges/k-found".to_owned()),
+                "found k-found at the provider".to_owned()
+            ),
+            "{name}"
+        );
+        let replay = answer(send(&account, "k-found").await.unwrap()).await;
+        assert_eq!(
+            replay,
+            (
+                201,
+                Some("true".to_owned()),
+                Some("/charges/k-found".to_owned()),
+                "found k-found at the provider".to_owned()
+            ),
+            "{name}"
+        );
+        let identity = Identity::new(account.clone(), SCOPE, "k-found").unwrap();
+        let snapshot = store.fetch(&identity).await.unwrap().expect("record");
+        assert_eq!(
+            (snapshot.state, snapshot.attempt, snapshot.recovered),
+            (RecordState::Complete, 2, true),
+            "{name}"
+        );
+
+        // Another tenant with the same key: its own request, run by the
+        // handler (nothing to take over, the hook is not asked).
+        let theirs = answer(send(&other, "k-found").await.unwrap()).await;
+        assert_eq!(
+            theirs,
+            (201, None, None, "charged by the handler".to_owned()),
+            "{name}: another tenant's recovered answer"
+        );
+
+        // Err: sent, the record kept; the next retry is attempt 3, told
+        // when attempt 2 started.
+        let refused = send(&account, "k-down").await.unwrap();
+        assert!(refused.headers().get("retry-after").is_some(), "{name}");
+        let refused = answer(refused).await;
+        assert_eq!(
+            (refused.0, refused.1, refused.3.as_str()),
+            (502, None, "provider unreachable"),
+            "{name}"
+        );
+        let down = Identity::new(account.clone(), SCOPE, "k-down").unwrap();
+        let kept = store.fetch(&down).await.unwrap().expect("kept");
+        assert_eq!(
+            (kept.state, kept.attempt),
+            (RecordState::InProgress, 2),
+            "{name}"
+        );
+        let second_start = kept.attempt_started_at_ms;
+        provider_down.store(false, Ordering::SeqCst);
+        let found = answer(send(&account, "k-down").await.unwrap()).await;
+        assert_eq!(
+            (found.0, found.1, found.3.as_str()),
+            (201, None, "found k-down at the provider"),
+            "{name}"
+        );
+        let replay = answer(send(&account, "k-down").await.unwrap()).await;
+        assert_eq!(replay.1.as_deref(), Some("true"), "{name}");
+
+        assert_eq!(
+            runs.load(Ordering::SeqCst),
+            1,
+            "{name}: only the other tenant's ran"
+        );
+        let tell = |key: &str, attempt: u32, previous: i64| {
+            (
+                account.clone(),
+                SCOPE.to_owned(),
+                key.to_owned(),
+                attempt,
+                previous,
+            )
+        };
+        assert_eq!(
+            *asked.lock().unwrap(),
+            [
+                tell("k-found", 2, planted_start["k-found"]),
+                tell("k-down", 2, planted_start["k-down"]),
+                tell("k-down", 3, second_start),
+            ],
+            "{name}: asked once per takeover, with the principal as tenant"
+        );
+        task.abort();
+    }
+}
+
+/// `HEAD` and `OPTIONS` with an `Idempotency-Key`, even one that is
+/// malformed, pass through on every store: the handler runs each time,
+/// nothing is reserved, recorded or replayed, and a later `POST` with the
+/// same key is a fresh request.
+#[tokio::test]
+async fn head_and_options_with_a_key_pass_through_on_every_store() {
+    for (name, store) in every_store().await {
+        let runs = Arc::new(AtomicUsize::new(0));
+        let handler = {
+            let runs = runs.clone();
+            move || {
+                let runs = runs.clone();
+                async move {
+                    let n = runs.fetch_add(1, Ordering::SeqCst) + 1;
+                    (
+                        StatusCode::OK,
+                        [("x-run", n.to_string())],
+                        format!("run {n}"),
+                    )
+                }
+            }
+        };
+        let layer = IdempotencyLayer::builder("huntb.safe_with_key", store.clone())
+            .tenant_from_extension::<AccountId>()
+            .build()
+            .expect("layer");
+        let app = Router::new()
+            .route(
+                "/things",
+                axum::routing::on(
+                    axum::routing::MethodFilter::HEAD
+                        .or(axum::routing::MethodFilter::OPTIONS)
+                        .or(axum::routing::MethodFilter::POST),
+                    handler,
+                ),
+            )
+            .route_layer(layer)
+            .layer(middleware::from_fn(authenticate));
+        let (base, task) = serve(app).await;
+        let account = crate::common::servers::fresh_tenant();
+        let client = reqwest::Client::new();
+        let mut expected = 0;
+        for method in [reqwest::Method::HEAD, reqwest::Method::OPTIONS] {
+            for key in ["k-safe", "k-safe", "\"unterminated"] {
+                let r = client
+                    .request(method.clone(), format!("{base}/things"))
+                    .header("x-account-id", &account)
+                    .header("idempotency-key", key)
+                    .send()
+                    .await
+                    .expect("request");
+                expected += 1;
+                assert_eq!(r.status(), 200, "{name} {method} {key}");
+                assert!(
+                    r.headers().get("idempotent-replayed").is_none(),
+                    "{name} {method} {key}"
+                );
+                assert_eq!(
+                    r.headers()["x-run"].to_str().unwrap(),
+                    expected.to_string(),
+                    "{name} {method} {key}: the handler ran"
+                );
+            }
+        }
+        let identity = Identity::new(account.clone(), "huntb.safe_with_key", "k-safe").unwrap();
+        assert!(
+            store.fetch(&identity).await.unwrap().is_none(),
+            "{name}: a safe method left a record"
+        );
+        let post = client
+            .post(format!("{base}/things"))
+            .header("x-account-id", &account)
+            .header("idempotency-key", "k-safe")
+            .send()
+            .await
+            .expect("post");
+        assert_eq!(post.status(), 200, "{name}");
+        assert!(
+            post.headers().get("idempotent-replayed").is_none(),
+            "{name}"
+        );
+        assert_eq!(runs.load(Ordering::SeqCst), expected + 1, "{name}");
+        task.abort();
+    }
+}
+
+#[derive(Clone, Default)]
+struct Logs(Arc<Mutex<Vec<u8>>>);
+
+impl std::io::Write for Logs {
+    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .extend_from_slice(bytes);
+        Ok(bytes.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// Rule 20's last sentence through the layer, on every store: every
+/// takeover is logged (a warning naming the scope and the attempt, not the
+/// raw key) and counted (`idempotent_takeovers_total{scope, attempt}`), by a
+/// layer with a hook (attempts 2 and 3: its first answer was an `Err`, so
+/// the record was kept) and by one without (attempt 2, the handler runs
+/// again).
+#[tokio::test]
+async fn every_takeover_by_a_layer_is_logged_and_counted_with_its_attempt_on_every_store() {
+    use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let _metrics = metrics::set_default_local_recorder(&recorder);
+    let logs = Logs::default();
+    let writer = logs.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_writer(move || writer.clone())
+        .with_max_level(tracing::Level::WARN)
+        .with_ansi(false)
+        .finish();
+    let _logs = tracing::subscriber::set_default(subscriber);
+
+    let stores = every_store().await;
+    for (name, store) in &stores {
+        let hooked_scope: &'static str =
+            Box::leak(format!("huntb.takeover_count.hooked_{name}").into_boxed_str());
+        let blind_scope: &'static str =
+            Box::leak(format!("huntb.takeover_count.blind_{name}").into_boxed_str());
+        let asks = Arc::new(AtomicUsize::new(0));
+        let hook = {
+            let asks = asks.clone();
+            move |_: Takeover| {
+                let asks = asks.clone();
+                async move {
+                    if asks.fetch_add(1, Ordering::SeqCst) == 0 {
+                        Err((StatusCode::SERVICE_UNAVAILABLE, "cannot tell").into_response())
+                    } else {
+                        Ok(Recovery::Completed(
+                            (StatusCode::CREATED, "found").into_response(),
+                        ))
+                    }
+                }
+            }
+        };
+        let hooked = IdempotencyLayer::builder(hooked_scope, store.clone())
+            .tenant_from_extension::<AccountId>()
+            .recover(hook)
+            .build()
+            .expect("layer");
+        let blind = IdempotencyLayer::builder(blind_scope, store.clone())
+            .tenant_from_extension::<AccountId>()
+            .build()
+            .expect("layer");
+        let runs = Arc::new(AtomicUsize::new(0));
+        let handler = {
+            let runs = runs.clone();
+            move || {
+                let runs = runs.clone();
+                async move {
+                    runs.fetch_add(1, Ordering::SeqCst);
+                    (StatusCode::CREATED, "charged by the handler")
+                }
+            }
+        };
+        let app = Router::new()
+            .route("/hooked", post(handler.clone()).route_layer(hooked))
+            .route("/blind", post(handler).route_layer(blind))
+            .layer(middleware::from_fn(authenticate));
+        let (base, task) = serve(app).await;
+        let account = crate::common::servers::fresh_tenant();
+        for scope in [hooked_scope, blind_scope] {
+            let identity = Identity::new(account.clone(), scope, "SECRET-takeover-key").unwrap();
+            crate::common::records::acquire(
+                &**store,
+                &identity,
+                None,
+                Duration::from_millis(1),
+                Duration::from_secs(3600),
+            )
+            .await;
+        }
+        let send = |path: &str| {
+            reqwest::Client::new()
+                .post(format!("{base}{path}"))
+                .header("x-account-id", &account)
+                .header("idempotency-key", "SECRET-takeover-key")
+                .send()
+        };
+        assert_eq!(send("/hooked").await.unwrap().status(), 503, "{name}");
+        assert_eq!(send("/hooked").await.unwrap().status(), 201, "{name}");
+        assert_eq!(send("/blind").await.unwrap().status(), 201, "{name}");
+        assert_eq!(
+            runs.load(Ordering::SeqCst),
+            1,
+            "{name}: the blind takeover ran it"
+        );
+        task.abort();
+
+        let readings: HashMap<(String, Vec<(String, String)>), DebugValue> = snapshotter
+            .snapshot()
+            .into_vec()
+            .into_iter()
+            .map(|(ck, _, _, value)| {
+                let (_, k) = ck.into_parts();
+                let mut labels: Vec<(String, String)> = k
+                    .labels()
+                    .map(|l| (l.key().to_owned(), l.value().to_owned()))
+                    .collect();
+                labels.sort();
+                ((k.name().to_owned(), labels), value)
+            })
+            .collect();
+        let takeovers = |scope: &str, attempt: &str| {
+            let key = (
+                "idempotent_takeovers_total".to_owned(),
+                vec![
+                    ("attempt".to_owned(), attempt.to_owned()),
+                    ("scope".to_owned(), scope.to_owned()),
+                ],
+            );
+            match readings.get(&key) {
+                Some(DebugValue::Counter(n)) => *n,
+                None => 0,
+                Some(other) => panic!("not a counter: {other:?}"),
+            }
+        };
+        assert_eq!(
+            (
+                takeovers(hooked_scope, "2"),
+                takeovers(hooked_scope, "3"),
+                takeovers(blind_scope, "2"),
+                takeovers(blind_scope, "3"),
+            ),
+            (1, 1, 1, 0),
+            "{name}: {readings:#?}"
+        );
+        let text = String::from_utf8_lossy(&logs.0.lock().unwrap()).into_owned();
+        let took_over = |scope: &str, attempt: u32| {
+            text.lines()
+                .filter(|l| {
+                    l.contains("WARN")
+                        && l.contains("took over")
+                        && l.contains(scope)
+                        && l.contains(&format!("attempt={attempt}"))
+                })
+                .count()
+        };
+        assert_eq!(
+            (
+                took_over(hooked_scope, 2),
+                took_over(hooked_scope, 3),
+                took_over(blind_scope, 2),
+            ),
+            (1, 1, 1),
+            "{name}: {text}"
+        );
+        assert!(
+            !text.contains("SECRET-takeover-key"),
+            "{name}: the raw key was logged"
+        );
+    }
+}
