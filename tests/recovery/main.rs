@@ -57,3 +57,6 @@ mod shared_claimants;
 
 // A hook's answer recorded in a MariaDB transaction.
 mod transactional_mysql_recovered;
+
+// A hook panicking in a caller's transaction, on SQLite and MariaDB.
+mod transactional_hook_panics;
