@@ -483,3 +483,114 @@ async fn every_takeover_by_a_layer_is_logged_and_counted_with_its_attempt_on_eve
         );
     }
 }
+
+/// Rule 22's "5xx answers release the key" after a long wait, on every
+/// store: the first request's handler runs for longer than its lease (the
+/// heartbeat renews it) while a duplicate waits; the handler then answers
+/// 503. The duplicate is not answered with the 503, nor with 409: the key
+/// was released, so it runs the handler itself as a fresh attempt (not a
+/// takeover: the lease never lapsed), and its answer is what a retry replays.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_5xx_after_more_than_a_lease_while_a_duplicate_waits_lets_the_duplicate_run_on_every_store(
+) {
+    const SCOPE: &str = "huntb.long_5xx";
+    let lease = Duration::from_secs(3);
+    for (name, store) in every_store().await {
+        let runs = Arc::new(AtomicUsize::new(0));
+        let entered = tokio::sync::watch::channel(0usize).0;
+        let gate = Arc::new(tokio::sync::Semaphore::new(0));
+        let handler = {
+            let (runs, entered, gate) = (runs.clone(), entered.clone(), gate.clone());
+            move || {
+                let (runs, entered, gate) = (runs.clone(), entered.clone(), gate.clone());
+                async move {
+                    let n = runs.fetch_add(1, Ordering::SeqCst) + 1;
+                    entered.send_modify(|e| *e += 1);
+                    if n == 1 {
+                        let _permit = gate.acquire().await.expect("gate");
+                        return (StatusCode::SERVICE_UNAVAILABLE, "try later".to_owned());
+                    }
+                    (StatusCode::CREATED, format!("run {n}"))
+                }
+            }
+        };
+        let layer = IdempotencyLayer::builder(SCOPE, store.clone())
+            .tenant_from_extension::<AccountId>()
+            .lease(lease)
+            .wait(Duration::from_secs(60))
+            .build()
+            .expect("layer");
+        let app = Router::new()
+            .route("/charges", post(handler))
+            .route_layer(layer)
+            .layer(middleware::from_fn(authenticate));
+        let (base, task) = serve(app).await;
+        let account = crate::common::servers::fresh_tenant();
+        let send = {
+            let (base, account) = (base.clone(), account.clone());
+            move || {
+                let (base, account) = (base.clone(), account.clone());
+                async move {
+                    let r = reqwest::Client::new()
+                        .post(format!("{base}/charges"))
+                        .header("x-account-id", &account)
+                        .header("idempotency-key", "k-long")
+                        .body("{}")
+                        .send()
+                        .await
+                        .expect("request");
+                    let replayed = r.headers().contains_key("idempotent-replayed");
+                    (r.status().as_u16(), replayed, r.text().await.expect("body"))
+                }
+            }
+        };
+        let first = tokio::spawn(send());
+        let mut rx = entered.subscribe();
+        tokio::time::timeout(Duration::from_secs(60), rx.wait_for(|&e| e >= 1))
+            .await
+            .expect("the first handler started")
+            .expect("alive");
+        let duplicate = tokio::spawn(send());
+        // Until the store's clock shows more than a lease since the first
+        // attempt started (bounded): the record is kept by renewals only.
+        let identity = Identity::new(account.clone(), SCOPE, "k-long").unwrap();
+        let mut polls = 0;
+        loop {
+            let s = store.fetch(&identity).await.unwrap().expect("record");
+            assert_eq!(s.state, RecordState::InProgress, "{name}");
+            assert_eq!(s.attempt, 1, "{name}: the duplicate took the record over");
+            if s.now_ms - s.attempt_started_at_ms > lease.as_millis() as i64 + 500 {
+                break;
+            }
+            polls += 1;
+            assert!(polls < 600, "{name}: the store's clock did not move on");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert!(
+            !duplicate.is_finished(),
+            "{name}: the duplicate did not wait"
+        );
+        assert_eq!(runs.load(Ordering::SeqCst), 1, "{name}");
+        gate.add_permits(1);
+        let first = tokio::time::timeout(Duration::from_secs(60), first)
+            .await
+            .expect("first")
+            .expect("task");
+        assert_eq!((first.0, first.1), (503, false), "{name}");
+        let duplicate = tokio::time::timeout(Duration::from_secs(60), duplicate)
+            .await
+            .expect("duplicate")
+            .expect("task");
+        assert_eq!(duplicate, (201, false, "run 2".to_owned()), "{name}");
+        let s = store.fetch(&identity).await.unwrap().expect("record");
+        assert_eq!(
+            (s.state, s.attempt),
+            (RecordState::Complete, 1),
+            "{name}: a fresh attempt after the release, not a takeover"
+        );
+        let retry = send().await;
+        assert_eq!(retry, (201, true, "run 2".to_owned()), "{name}");
+        assert_eq!(runs.load(Ordering::SeqCst), 2, "{name}");
+        task.abort();
+    }
+}
