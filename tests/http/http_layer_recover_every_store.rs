@@ -594,3 +594,117 @@ async fn a_5xx_after_more_than_a_lease_while_a_duplicate_waits_lets_the_duplicat
         task.abort();
     }
 }
+
+/// Rule 21 through the layer, on every store: two layers built apart with
+/// one scope, each saying `.shared_scope()` (a public and a partner server
+/// accepting the same request), share one deduplication boundary. A request
+/// running on one and its duplicate on the other run the handler once: the
+/// duplicate waits and replays the first's answer, as do later retries on
+/// either server. The registry lists both claimants, both shared.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_shared_layers_on_two_servers_run_one_handler_per_request_on_every_store() {
+    const SCOPE: &str = "huntb.shared_layers";
+    for (name, store) in every_store().await {
+        let runs = Arc::new(AtomicUsize::new(0));
+        let entered = tokio::sync::watch::channel(0usize).0;
+        let gate = Arc::new(tokio::sync::Semaphore::new(0));
+        let handler = {
+            let (runs, entered, gate) = (runs.clone(), entered.clone(), gate.clone());
+            move |server: axum::extract::State<&'static str>| {
+                let (runs, entered, gate) = (runs.clone(), entered.clone(), gate.clone());
+                async move {
+                    let n = runs.fetch_add(1, Ordering::SeqCst) + 1;
+                    entered.send_modify(|e| *e += 1);
+                    let _permit = gate.acquire().await.expect("gate");
+                    (StatusCode::CREATED, format!("refund {n} by {}", server.0))
+                }
+            }
+        };
+        let public = IdempotencyLayer::builder(SCOPE, store.clone())
+            .tenant_from_extension::<AccountId>()
+            .shared_scope()
+            .wait(Duration::from_secs(60))
+            .build()
+            .expect("layer");
+        let partner = IdempotencyLayer::builder(SCOPE, store.clone())
+            .tenant_from_extension::<AccountId>()
+            .shared_scope()
+            .wait(Duration::from_secs(60))
+            .build()
+            .expect("layer");
+        let mut bases = Vec::new();
+        let mut tasks = Vec::new();
+        for (server, layer) in [("public", public), ("partner", partner)] {
+            let app = Router::new()
+                .route("/refunds", post(handler.clone()))
+                .route_layer(layer)
+                .layer(middleware::from_fn(authenticate))
+                .with_state(server);
+            let (base, task) = serve(app).await;
+            bases.push(base);
+            tasks.push(task);
+        }
+        let account = crate::common::servers::fresh_tenant();
+        let send = |base: String, key: &'static str| {
+            let account = account.clone();
+            async move {
+                let r = reqwest::Client::new()
+                    .post(format!("{base}/refunds"))
+                    .header("x-account-id", &account)
+                    .header("idempotency-key", key)
+                    .header("content-type", "application/json")
+                    .body(r#"{"order":8891}"#)
+                    .send()
+                    .await
+                    .expect("request");
+                let replayed = r.headers().contains_key("idempotent-replayed");
+                (r.status().as_u16(), replayed, r.text().await.expect("body"))
+            }
+        };
+        for (key, (first_on, then_on)) in [("k-1", (0, 1)), ("k-2", (1, 0))] {
+            let before = *entered.borrow();
+            let first = tokio::spawn(send(bases[first_on].clone(), key));
+            let mut rx = entered.subscribe();
+            tokio::time::timeout(Duration::from_secs(60), rx.wait_for(|&e| e > before))
+                .await
+                .expect("the first handler started")
+                .expect("alive");
+            let duplicate = tokio::spawn(send(bases[then_on].clone(), key));
+            gate.add_permits(1);
+            let first = tokio::time::timeout(Duration::from_secs(60), first)
+                .await
+                .expect("first")
+                .expect("task");
+            assert_eq!((first.0, first.1), (201, false), "{name} {key}");
+            // Were the duplicate to run the handler, it would not hang.
+            gate.add_permits(1);
+            let duplicate = tokio::time::timeout(Duration::from_secs(60), duplicate)
+                .await
+                .expect("duplicate")
+                .expect("task");
+            assert_eq!(duplicate, (201, true, first.2.clone()), "{name} {key}");
+            for base in &bases {
+                let retry = send(base.clone(), key).await;
+                assert_eq!(retry, (201, true, first.2.clone()), "{name} {key}");
+            }
+        }
+        assert_eq!(
+            runs.load(Ordering::SeqCst),
+            2,
+            "{name}: one run per request"
+        );
+        for task in tasks {
+            task.abort();
+        }
+    }
+    let claimants: Vec<_> = idempotent_runtime::registry::scopes()
+        .into_iter()
+        .filter(|i| i.scope == SCOPE)
+        .collect();
+    assert!(claimants.len() >= 2, "{claimants:?}");
+    assert!(claimants.iter().all(|i| i.shared_scope), "{claimants:?}");
+    let mut lines: Vec<u32> = claimants.iter().map(|i| i.line).collect();
+    lines.sort_unstable();
+    lines.dedup();
+    assert_eq!(lines.len(), 2, "both build sites listed: {claimants:?}");
+}
