@@ -708,3 +708,100 @@ async fn two_shared_layers_on_two_servers_run_one_handler_per_request_on_every_s
     lines.dedup();
     assert_eq!(lines.len(), 2, "both build sites listed: {claimants:?}");
 }
+
+/// Rule 22's "5xx answers release the key" holds on a layer with a recover
+/// hook too, on every store: the hook covers an instance that died, not the
+/// handler's own answers. A handler's 503 releases the key; the retry is a
+/// fresh request that runs the handler without asking the hook. After a
+/// takeover whose hook answered `Run`, the handler's 503 releases the key
+/// the same way, and the next retry runs the handler as a fresh attempt 1,
+/// not asking again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handlers_5xx_behind_a_hook_releases_the_key_and_the_retry_does_not_ask_on_every_store()
+{
+    const SCOPE: &str = "huntb.hook_5xx";
+    for (name, store) in every_store().await {
+        let asked: Arc<Mutex<Vec<(String, u32)>>> = Arc::default();
+        let hook = {
+            let asked = asked.clone();
+            move |t: Takeover| {
+                let asked = asked.clone();
+                async move {
+                    asked.lock().unwrap().push((t.key().to_owned(), t.attempt()));
+                    Ok(Recovery::Run)
+                }
+            }
+        };
+        let runs = Arc::new(AtomicUsize::new(0));
+        let handler = {
+            let runs = runs.clone();
+            move || {
+                let runs = runs.clone();
+                async move {
+                    let n = runs.fetch_add(1, Ordering::SeqCst) + 1;
+                    // Odd runs fail: each key's first run answers 503.
+                    if n % 2 == 1 {
+                        (StatusCode::SERVICE_UNAVAILABLE, format!("run {n} failed"))
+                    } else {
+                        (StatusCode::CREATED, format!("run {n}"))
+                    }
+                }
+            }
+        };
+        let layer = IdempotencyLayer::builder(SCOPE, store.clone())
+            .tenant_from_extension::<AccountId>()
+            .recover(hook)
+            .build()
+            .expect("layer");
+        let app = Router::new()
+            .route("/charges", post(handler))
+            .route_layer(layer)
+            .layer(middleware::from_fn(authenticate));
+        let (base, task) = serve(app).await;
+        let account = crate::common::servers::fresh_tenant();
+        let send = |key: &'static str| {
+            let (base, account) = (base.clone(), account.clone());
+            async move {
+                let r = reqwest::Client::new()
+                    .post(format!("{base}/charges"))
+                    .header("x-account-id", &account)
+                    .header("idempotency-key", key)
+                    .body("{}")
+                    .send()
+                    .await
+                    .expect("request");
+                let replayed = r.headers().contains_key("idempotent-replayed");
+                (r.status().as_u16(), replayed, r.text().await.expect("body"))
+            }
+        };
+        // A fresh request whose handler answers 503: released.
+        assert_eq!(send("k-fresh").await, (503, false, "run 1 failed".into()), "{name}");
+        let gone = Identity::new(account.clone(), SCOPE, "k-fresh").unwrap();
+        assert!(store.fetch(&gone).await.unwrap().is_none(), "{name}: released");
+        assert_eq!(send("k-fresh").await, (201, false, "run 2".into()), "{name}");
+        assert_eq!(send("k-fresh").await, (201, true, "run 2".into()), "{name}");
+
+        // A takeover (hook: Run) whose handler answers 503: released too.
+        let crashed = Identity::new(account.clone(), SCOPE, "k-crashed").unwrap();
+        crate::common::records::acquire(
+            &*store,
+            &crashed,
+            None,
+            Duration::from_millis(1),
+            Duration::from_secs(3600),
+        )
+        .await;
+        assert_eq!(send("k-crashed").await, (503, false, "run 3 failed".into()), "{name}");
+        assert!(store.fetch(&crashed).await.unwrap().is_none(), "{name}: released");
+        assert_eq!(send("k-crashed").await, (201, false, "run 4".into()), "{name}");
+        let s = store.fetch(&crashed).await.unwrap().expect("record");
+        assert_eq!((s.state, s.attempt), (RecordState::Complete, 1), "{name}");
+        assert_eq!(send("k-crashed").await, (201, true, "run 4".into()), "{name}");
+        assert_eq!(
+            *asked.lock().unwrap(),
+            [("k-crashed".to_owned(), 2)],
+            "{name}: asked on the takeover only"
+        );
+        task.abort();
+    }
+}
