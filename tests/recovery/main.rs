@@ -60,3 +60,6 @@ mod transactional_mysql_recovered;
 
 // A hook panicking in a caller's transaction, on SQLite and MariaDB.
 mod transactional_hook_panics;
+
+// A chain of takeovers logged and counted by attempt, on every store.
+mod takeovers_counted;
