@@ -63,3 +63,6 @@ mod transactional_hook_panics;
 
 // A chain of takeovers logged and counted by attempt, on every store.
 mod takeovers_counted;
+
+// A hook that takes longer than its lease keeps the record, on every store.
+mod patient_hooks;
