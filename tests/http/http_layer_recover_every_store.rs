@@ -717,8 +717,7 @@ async fn two_shared_layers_on_two_servers_run_one_handler_per_request_on_every_s
 /// the same way, and the next retry runs the handler as a fresh attempt 1,
 /// not asking again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_handlers_5xx_behind_a_hook_releases_the_key_and_the_retry_does_not_ask_on_every_store()
-{
+async fn a_handlers_5xx_behind_a_hook_releases_the_key_and_the_retry_does_not_ask_on_every_store() {
     const SCOPE: &str = "huntb.hook_5xx";
     for (name, store) in every_store().await {
         let asked: Arc<Mutex<Vec<(String, u32)>>> = Arc::default();
@@ -727,7 +726,10 @@ async fn a_handlers_5xx_behind_a_hook_releases_the_key_and_the_retry_does_not_as
             move |t: Takeover| {
                 let asked = asked.clone();
                 async move {
-                    asked.lock().unwrap().push((t.key().to_owned(), t.attempt()));
+                    asked
+                        .lock()
+                        .unwrap()
+                        .push((t.key().to_owned(), t.attempt()));
                     Ok(Recovery::Run)
                 }
             }
@@ -775,10 +777,21 @@ async fn a_handlers_5xx_behind_a_hook_releases_the_key_and_the_retry_does_not_as
             }
         };
         // A fresh request whose handler answers 503: released.
-        assert_eq!(send("k-fresh").await, (503, false, "run 1 failed".into()), "{name}");
+        assert_eq!(
+            send("k-fresh").await,
+            (503, false, "run 1 failed".into()),
+            "{name}"
+        );
         let gone = Identity::new(account.clone(), SCOPE, "k-fresh").unwrap();
-        assert!(store.fetch(&gone).await.unwrap().is_none(), "{name}: released");
-        assert_eq!(send("k-fresh").await, (201, false, "run 2".into()), "{name}");
+        assert!(
+            store.fetch(&gone).await.unwrap().is_none(),
+            "{name}: released"
+        );
+        assert_eq!(
+            send("k-fresh").await,
+            (201, false, "run 2".into()),
+            "{name}"
+        );
         assert_eq!(send("k-fresh").await, (201, true, "run 2".into()), "{name}");
 
         // A takeover (hook: Run) whose handler answers 503: released too.
@@ -791,12 +804,27 @@ async fn a_handlers_5xx_behind_a_hook_releases_the_key_and_the_retry_does_not_as
             Duration::from_secs(3600),
         )
         .await;
-        assert_eq!(send("k-crashed").await, (503, false, "run 3 failed".into()), "{name}");
-        assert!(store.fetch(&crashed).await.unwrap().is_none(), "{name}: released");
-        assert_eq!(send("k-crashed").await, (201, false, "run 4".into()), "{name}");
+        assert_eq!(
+            send("k-crashed").await,
+            (503, false, "run 3 failed".into()),
+            "{name}"
+        );
+        assert!(
+            store.fetch(&crashed).await.unwrap().is_none(),
+            "{name}: released"
+        );
+        assert_eq!(
+            send("k-crashed").await,
+            (201, false, "run 4".into()),
+            "{name}"
+        );
         let s = store.fetch(&crashed).await.unwrap().expect("record");
         assert_eq!((s.state, s.attempt), (RecordState::Complete, 1), "{name}");
-        assert_eq!(send("k-crashed").await, (201, true, "run 4".into()), "{name}");
+        assert_eq!(
+            send("k-crashed").await,
+            (201, true, "run 4".into()),
+            "{name}"
+        );
         assert_eq!(
             *asked.lock().unwrap(),
             [("k-crashed".to_owned(), 2)],
