@@ -19,11 +19,12 @@ use std::time::Duration;
 use tokio::sync::Notify;
 
 /// Per tenant: told when its hook is asking, and let it answer.
-static GATES: LazyLock<Mutex<HashMap<String, Arc<(Notify, Notify)>>>> =
-    LazyLock::new(Default::default);
+/// Asking, and may answer.
+type Gate = Arc<(Notify, Notify)>;
+static GATES: LazyLock<Mutex<HashMap<String, Gate>>> = LazyLock::new(Default::default);
 static BODIES: AtomicUsize = AtomicUsize::new(0);
 
-fn gate(tenant: &str) -> Arc<(Notify, Notify)> {
+fn gate(tenant: &str) -> Gate {
     GATES
         .lock()
         .unwrap()

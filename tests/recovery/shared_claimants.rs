@@ -20,9 +20,10 @@ const SCOPE: &str = "huntb.shared_refund";
 
 /// Refunds made by bodies, by tenant: what the hook asks (the provider).
 static REFUNDED: LazyLock<Mutex<HashMap<String, Vec<String>>>> = LazyLock::new(Default::default);
-/// What the hook was asked, by tenant: (key, attempt).
-static ASKED: LazyLock<Mutex<HashMap<String, Vec<(String, u32)>>>> =
-    LazyLock::new(Default::default);
+/// What the hook was asked: (key, attempt).
+type Asked = Vec<(String, u32)>;
+/// What the hook was asked, by tenant.
+static ASKED: LazyLock<Mutex<HashMap<String, Asked>>> = LazyLock::new(Default::default);
 
 fn refunded(tenant: &str) -> Vec<String> {
     REFUNDED
@@ -33,7 +34,7 @@ fn refunded(tenant: &str) -> Vec<String> {
         .unwrap_or_default()
 }
 
-fn asked(tenant: &str) -> Vec<(String, u32)> {
+fn asked(tenant: &str) -> Asked {
     ASKED
         .lock()
         .unwrap()

@@ -99,8 +99,7 @@ async fn a_chain_of_takeovers_is_logged_and_counted_by_attempt_on_every_store() 
         .with_ansi(false)
         .finish();
     let _logs = tracing::subscriber::set_default(subscriber);
-    let mut stores_done = 0;
-    for (name, store) in every_store().await {
+    for (stores_done, (name, store)) in every_store().await.into_iter().enumerate() {
         // A snapshot takes the counts since the last one: start afresh.
         let _ = takeovers(&recorder);
         let mut expected: HashMap<String, u64> = HashMap::new();
@@ -154,6 +153,5 @@ async fn a_chain_of_takeovers_is_logged_and_counted_by_attempt_on_every_store() 
             assert_eq!(lines, stores_done + 1, "{name} {attempt}: {text}");
         }
         assert!(!text.contains(&key), "{name}: the raw key was logged");
-        stores_done += 1;
     }
 }

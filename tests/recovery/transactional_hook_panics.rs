@@ -13,12 +13,13 @@ use std::collections::{HashMap, HashSet};
 use std::sync::{LazyLock, Mutex};
 use std::time::Duration;
 
-/// Per tenant: what the hook was told (attempt, previous start), and body runs.
-static SEEN: LazyLock<Mutex<HashMap<String, (Vec<(u32, i64)>, usize)>>> =
-    LazyLock::new(Default::default);
+/// What the hook was told (attempt, previous start), and body runs.
+type Seen = (Vec<(u32, i64)>, usize);
+/// Per tenant.
+static SEEN: LazyLock<Mutex<HashMap<String, Seen>>> = LazyLock::new(Default::default);
 static PANICKED: LazyLock<Mutex<HashSet<String>>> = LazyLock::new(Default::default);
 
-fn seen(tenant: &str) -> (Vec<(u32, i64)>, usize) {
+fn seen(tenant: &str) -> Seen {
     SEEN.lock()
         .unwrap_or_else(|p| p.into_inner())
         .get(tenant)
