@@ -243,66 +243,41 @@ macro_rules! transactional_connection {
 #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
 pub(crate) use transactional_connection;
 
-/// A sqlx transaction holds idempotency records wherever its connection can:
-/// `tx = tx` works for `&mut sqlx::Transaction<'_, DB>` as well as for the
-/// connection itself.
+/// Implements [`TransactionalConnection`] for `sqlx::Transaction` from the
+/// methods' signatures: each one (those with a default included) is the
+/// transaction's connection's (`**self`).
 #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
-#[async_trait::async_trait]
-impl<DB> TransactionalConnection for sqlx::Transaction<'_, DB>
-where
-    DB: sqlx::Database,
-    DB::Connection: TransactionalConnection,
-{
-    fn store_name(&self) -> &'static str {
-        (**self).store_name()
-    }
+macro_rules! forward_to_the_connection {
+    ($(async fn $method:ident(&mut self $(, $arg:ident: $ty:ty)*) -> $out:ty;)*) => {
+        /// A sqlx transaction holds idempotency records wherever its connection can:
+        /// `tx = tx` works for `&mut sqlx::Transaction<'_, DB>` as well as for the
+        /// connection itself.
+        #[async_trait::async_trait]
+        impl<DB> TransactionalConnection for sqlx::Transaction<'_, DB>
+        where
+            DB: sqlx::Database,
+            DB::Connection: TransactionalConnection,
+        {
+            fn store_name(&self) -> &'static str {
+                (**self).store_name()
+            }
 
-    async fn in_transaction(&mut self) -> Result<bool, StoreError> {
-        (**self).in_transaction().await
-    }
-
-    async fn reserve_in_transaction(
-        &mut self,
-        request: ReserveRequest<'_>,
-        lock_wait: Duration,
-    ) -> Result<Reservation, Error> {
-        (**self).reserve_in_transaction(request, lock_wait).await
-    }
-
-    async fn may_wait_in_transaction(&mut self) -> Result<bool, StoreError> {
-        (**self).may_wait_in_transaction().await
-    }
-
-    async fn max_result_bytes_in_transaction(&mut self) -> Result<usize, StoreError> {
-        (**self).max_result_bytes_in_transaction().await
-    }
-
-    async fn database_id_in_transaction(&mut self) -> Result<Option<String>, StoreError> {
-        (**self).database_id_in_transaction().await
-    }
-
-    async fn complete_in_transaction(
-        &mut self,
-        completion: Completion<'_>,
-    ) -> Result<Fenced, StoreError> {
-        (**self).complete_in_transaction(completion).await
-    }
-
-    async fn release_in_transaction(
-        &mut self,
-        identity: &Identity,
-        token: &OwnerToken,
-    ) -> Result<Fenced, StoreError> {
-        (**self).release_in_transaction(identity, token).await
-    }
-
-    async fn end_lease_in_transaction(
-        &mut self,
-        identity: &Identity,
-        token: &OwnerToken,
-    ) -> Result<Fenced, StoreError> {
-        (**self).end_lease_in_transaction(identity, token).await
-    }
+            $(async fn $method(&mut self $(, $arg: $ty)*) -> $out {
+                (**self).$method($($arg),*).await
+            })*
+        }
+    };
+}
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+forward_to_the_connection! {
+    async fn in_transaction(&mut self) -> Result<bool, StoreError>;
+    async fn reserve_in_transaction(&mut self, request: ReserveRequest<'_>, lock_wait: Duration) -> Result<Reservation, Error>;
+    async fn may_wait_in_transaction(&mut self) -> Result<bool, StoreError>;
+    async fn max_result_bytes_in_transaction(&mut self) -> Result<usize, StoreError>;
+    async fn database_id_in_transaction(&mut self) -> Result<Option<String>, StoreError>;
+    async fn complete_in_transaction(&mut self, completion: Completion<'_>) -> Result<Fenced, StoreError>;
+    async fn release_in_transaction(&mut self, identity: &Identity, token: &OwnerToken) -> Result<Fenced, StoreError>;
+    async fn end_lease_in_transaction(&mut self, identity: &Identity, token: &OwnerToken) -> Result<Fenced, StoreError>;
 }
 
 struct InTransaction<'c, C: ?Sized>(&'c mut C);
@@ -429,144 +404,128 @@ where
     let span = tracing::info_span!(target: "idempotent", "idempotent_call",
         scope = spec.scope, key = tracing::field::Empty, store = connection.store_name(),
         attempt = tracing::field::Empty, outcome = tracing::field::Empty, transactional = true);
-    begin_inner(call, errors, recover, connection, span.clone())
-        .instrument(span)
-        .await
-}
-
-async fn begin_inner<R, H, K, C>(
-    call: TransactionalCall,
-    errors: &H,
-    recover: K,
-    connection: &mut C,
-    span: tracing::Span,
-) -> TransactionStep<R>
-where
-    R: IdempotentReturn,
-    H: ErrorHandling<R::Failure>,
-    K: Recover<R::Value, R::Failure>,
-    C: TransactionalConnection + ?Sized,
-{
-    let spec = call.spec;
-    let fail = |e: Error| {
-        let outcome = failure_outcome(&e);
-        early::<R>(spec, &span, Err(e.into()), outcome)
-    };
-    if let Err(e) = within_a_runtime(spec) {
-        return fail(e);
-    }
-    let prepared = call.identity.and_then(|id| Ok((id, call.fingerprint?)));
-    let (identity, fingerprint) = match prepared {
-        Ok(v) => v,
-        Err(e) => return fail(e),
-    };
-    if !span.is_disabled() {
-        span.record("key", identity.key_digest().as_str());
-    }
-    match connection.in_transaction().await {
-        Ok(true) => {}
-        Ok(false) => {
-            tracing::warn!(target: "idempotent", scope = spec.scope, key = %identity.log_digest(),
-                "refused: tx = ... was given a connection that is not inside a transaction");
-            return fail(Error::NotInTransaction {
-                scope: spec.scope.to_owned(),
-                store: connection.store_name(),
-            });
+    let steps = async {
+        let fail = |e: Error| {
+            let outcome = failure_outcome(&e);
+            early::<R>(spec, &span, Err(e.into()), outcome)
+        };
+        if let Err(e) = within_a_runtime(spec) {
+            return fail(e);
         }
-        Err(e) => return fail(Error::Store(e)),
-    }
-    let token = OwnerToken::new();
-    let request = reserve_request(spec, &identity, fingerprint.as_ref(), &token);
-    let reserving = std::time::Instant::now();
-    let reserved = reserve(InTransaction(&mut *connection), request, spec, None).await;
-    crate::metrics::reserve_time(spec.scope, reserve_label(&reserved), reserving.elapsed());
-    let acquired = match reserved {
-        Ok(Reserved::Acquired(acquired)) => acquired,
-        Ok(Reserved::Replay(outcome)) => {
-            let (replayed, outcome) =
-                replay::<R, H>(spec, errors, &identity, connection.store_name(), outcome);
-            return early::<R>(spec, &span, replayed, outcome);
+        let prepared = call.identity.and_then(|id| Ok((id, call.fingerprint?)));
+        let (identity, fingerprint) = match prepared {
+            Ok(v) => v,
+            Err(e) => return fail(e),
+        };
+        if !span.is_disabled() {
+            span.record("key", identity.key_digest().as_str());
         }
-        Err(e) => return fail(e),
-    };
-    span.record("attempt", acquired.attempt);
-    // The connection's database is read (a statement in the caller's
-    // transaction) only when this process holds an answer of the identity.
-    let database = if acquired.took_over && crate::unrecorded::holds_any(&identity) {
-        match connection.database_id_in_transaction().await {
-            Ok(database) => Some(database),
-            Err(e) => {
-                // A session that may not read it names no database, as a
-                // store opened by one does (`Store::database_id`): an
-                // application whose role was granted the records table
-                // alone has its store and its transactions name none, so
-                // its transactions' takeovers still record its store's held
-                // answers (matched by the store's kind alone) instead of
-                // running the body again.
+        match connection.in_transaction().await {
+            Ok(true) => {}
+            Ok(false) => {
                 tracing::warn!(target: "idempotent", scope = spec.scope, key = %identity.log_digest(),
-                    error = %e, "could not read which database the connection is on; \
-                                 an answer this process holds for the key is matched by the \
-                                 store's kind alone: grant SELECT on idempotency_database to \
-                                 tell two databases apart");
-                Some(None)
+                    "refused: tx = ... was given a connection that is not inside a transaction");
+                return fail(Error::NotInTransaction {
+                    scope: spec.scope.to_owned(),
+                    store: connection.store_name(),
+                });
             }
+            Err(e) => return fail(Error::Store(e)),
         }
-    } else {
-        None
+        let token = OwnerToken::new();
+        let request = reserve_request(spec, &identity, fingerprint.as_ref(), &token);
+        let reserving = std::time::Instant::now();
+        let reserved = reserve(InTransaction(&mut *connection), request, spec, None).await;
+        crate::metrics::reserve_time(spec.scope, reserve_label(&reserved), reserving.elapsed());
+        let acquired = match reserved {
+            Ok(Reserved::Acquired(acquired)) => acquired,
+            Ok(Reserved::Replay(outcome)) => {
+                let (replayed, outcome) =
+                    replay::<R, H>(spec, errors, &identity, connection.store_name(), outcome);
+                return early::<R>(spec, &span, replayed, outcome);
+            }
+            Err(e) => return fail(e),
+        };
+        span.record("attempt", acquired.attempt);
+        // The connection's database is read (a statement in the caller's
+        // transaction) only when this process holds an answer of the identity.
+        let database = if acquired.took_over && crate::unrecorded::holds_any(&identity) {
+            match connection.database_id_in_transaction().await {
+                Ok(database) => Some(database),
+                Err(e) => {
+                    // A session that may not read it names no database, as a
+                    // store opened by one does (`Store::database_id`): an
+                    // application whose role was granted the records table
+                    // alone has its store and its transactions name none, so
+                    // its transactions' takeovers still record its store's held
+                    // answers (matched by the store's kind alone) instead of
+                    // running the body again.
+                    tracing::warn!(target: "idempotent", scope = spec.scope, key = %identity.log_digest(),
+                        error = %e, "could not read which database the connection is on; \
+                                     an answer this process holds for the key is matched by the \
+                                     store's kind alone: grant SELECT on idempotency_database to \
+                                     tell two databases apart");
+                    Some(None)
+                }
+            }
+        } else {
+            None
+        };
+        let known = database.and_then(|database| {
+            let request = crate::unrecorded::Request::new(
+                (connection.store_name(), database.as_deref()),
+                fingerprint.as_ref(),
+            );
+            crate::unrecorded::for_takeover(&identity, &request).map(|known| (known, request))
+        });
+        let takeover = acquired.takeover(spec, &identity, known.is_some());
+        if let Some((known, request)) = known {
+            let mut sink = TransactionSink {
+                connection,
+                identity: &identity,
+                token: &token,
+            };
+            // Written in the caller's transaction, which may yet roll back.
+            let answered = record_unrecorded_answer::<R, H>(
+                spec,
+                (errors, &identity, &request),
+                &mut sink,
+                known,
+                false,
+            )
+            .await;
+            return early::<R>(spec, &span, answered.0, answered.1);
+        }
+        if let Some(takeover) = takeover
+            && let Some(hook) = recover.ask(takeover)
+            && let Some(result) = hook_answer(hook.await)
+        {
+            count_answer(AnsweredBy::RecoverHook);
+            let mut sink = TransactionSink {
+                connection,
+                identity: &identity,
+                token: &token,
+            };
+            let (result, outcome) = settle::<R, H>(
+                spec,
+                &identity,
+                &mut sink,
+                errors,
+                result,
+                AnsweredBy::RecoverHook,
+            )
+            .await;
+            return early::<R>(spec, &span, result, outcome);
+        }
+        TransactionStep::Run(HeldInTransaction {
+            spec,
+            identity,
+            token,
+            span: span.clone(),
+            body_timer: BodyTimer::start(spec.scope),
+        })
     };
-    let known = database.and_then(|database| {
-        let request = crate::unrecorded::Request::new(
-            (connection.store_name(), database.as_deref()),
-            fingerprint.as_ref(),
-        );
-        crate::unrecorded::for_takeover(&identity, &request).map(|known| (known, request))
-    });
-    let takeover = acquired.takeover(spec, &identity, known.is_some());
-    if let Some((known, request)) = known {
-        let mut sink = TransactionSink {
-            connection,
-            identity: &identity,
-            token: &token,
-        };
-        // Written in the caller's transaction, which may yet roll back.
-        let answered = record_unrecorded_answer::<R, H>(
-            spec,
-            (errors, &identity, &request),
-            &mut sink,
-            known,
-            false,
-        )
-        .await;
-        return early::<R>(spec, &span, answered.0, answered.1);
-    }
-    if let Some(takeover) = takeover
-        && let Some(hook) = recover.ask(takeover)
-        && let Some(result) = hook_answer(hook.await)
-    {
-        count_answer(AnsweredBy::RecoverHook);
-        let mut sink = TransactionSink {
-            connection,
-            identity: &identity,
-            token: &token,
-        };
-        let (result, outcome) = settle::<R, H>(
-            spec,
-            &identity,
-            &mut sink,
-            errors,
-            result,
-            AnsweredBy::RecoverHook,
-        )
-        .await;
-        return early::<R>(spec, &span, result, outcome);
-    }
-    TransactionStep::Run(HeldInTransaction {
-        spec,
-        identity,
-        token,
-        span,
-        body_timer: BodyTimer::start(spec.scope),
-    })
+    steps.instrument(span.clone()).await
 }
 
 /// Transactional mode's [`RecordSink`]: writes in the caller's transaction.
@@ -651,39 +610,26 @@ where
     C: TransactionalConnection + ?Sized,
 {
     let (span, scope) = (held.span.clone(), held.spec.scope);
-    let (result, outcome) = finish_inner::<R, H, C>(held, errors, connection, result)
-        .instrument(span.clone())
-        .await;
+    let steps = async {
+        let HeldInTransaction {
+            spec,
+            identity,
+            token,
+            body_timer,
+            ..
+        } = held;
+        let result = result.into_result();
+        body_timer.finish(if result.is_ok() { "ok" } else { "err" });
+        count_answer(AnsweredBy::Body);
+        let mut sink = TransactionSink {
+            connection,
+            identity: &identity,
+            token: &token,
+        };
+        settle::<R, H>(spec, &identity, &mut sink, errors, result, AnsweredBy::Body).await
+    };
+    let (result, outcome) = steps.instrument(span.clone()).await;
     crate::metrics::call(scope, outcome);
     span.record("outcome", outcome.as_str());
     R::from_result(result)
-}
-
-async fn finish_inner<R, H, C>(
-    held: HeldInTransaction,
-    errors: &H,
-    connection: &mut C,
-    result: R,
-) -> (Result<R::Value, R::Failure>, CallOutcome)
-where
-    R: IdempotentReturn,
-    H: ErrorHandling<R::Failure>,
-    C: TransactionalConnection + ?Sized,
-{
-    let HeldInTransaction {
-        spec,
-        identity,
-        token,
-        body_timer,
-        ..
-    } = held;
-    let result = result.into_result();
-    body_timer.finish(if result.is_ok() { "ok" } else { "err" });
-    count_answer(AnsweredBy::Body);
-    let mut sink = TransactionSink {
-        connection,
-        identity: &identity,
-        token: &token,
-    };
-    settle::<R, H>(spec, &identity, &mut sink, errors, result, AnsweredBy::Body).await
 }
