@@ -21,6 +21,8 @@ struct Calls {
     complete: AtomicUsize,
     release: AtomicUsize,
     heartbeat: AtomicUsize,
+    /// Reads of a record (`fetch`), which no common path makes.
+    fetch: AtomicUsize,
 }
 
 struct Counting {
@@ -105,6 +107,7 @@ impl Store for Counting {
         self.inner.purge_expired(batch).await
     }
     async fn fetch(&self, i: &Identity) -> Result<Option<RecordSnapshot>, StoreError> {
+        self.calls.fetch.fetch_add(1, Ordering::SeqCst);
         self.inner.fetch(i).await
     }
     async fn scope_stats(&self) -> Result<Vec<ScopeStats>, StoreError> {
@@ -167,14 +170,28 @@ async fn a_fresh_call_reserves_once_and_completes_once_and_a_replay_only_reserve
         [2, 1, 0, 0],
         "a replay costs one reservation and nothing else"
     );
+    assert_eq!(
+        store.calls.fetch.load(Ordering::SeqCst),
+        0,
+        "neither a fresh call nor a replay reads the record"
+    );
     assert!(matches!(
         quick(&store, "t", "k", 6).await,
         Err(Error::FingerprintMismatch(_))
     ));
+    // The reservation answers the mismatch; one read of the record then
+    // tells whether a newer version made it (`RecordedByNewerVersion`, the
+    // README's Upgrades) and what refused the call (a message consumer's
+    // verdict). No write.
     assert_eq!(
         store.counts(),
         [3, 1, 0, 0],
-        "a mismatch is answered by the reservation alone"
+        "a mismatch is answered by the reservation and writes nothing"
+    );
+    assert_eq!(
+        store.calls.fetch.load(Ordering::SeqCst),
+        1,
+        "a mismatch reads the record once"
     );
 }
 
