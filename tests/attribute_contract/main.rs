@@ -24,6 +24,7 @@ mod postgres;
 mod sqlite;
 
 mod consumer_verdicts;
+mod expiry_edges;
 mod fingerprint_multimap;
 mod fingerprint_sweep;
 mod generics;
