@@ -21,11 +21,6 @@ use std::time::Duration;
 use tokio::sync::Notify;
 use tokio::time::advance;
 
-/// The ttl of the store-mode and transactional functions below: short, to
-/// be waited out; long enough that a retry right after a call replays on a
-/// loaded machine.
-const TTL: Duration = Duration::from_secs(2);
-
 /// Waits (bounded, about 15 s) until `identity`'s record counts as expired
 /// on the store's own clock, or is gone.
 async fn until_expired(store: &dyn Store, identity: &Identity) {
@@ -180,7 +175,7 @@ static TX_RUNS: AtomicU32 = AtomicU32::new(0);
 macro_rules! tx_charge {
     ($name:ident, $db:ty, $scope:literal) => {
         #[idempotent(scope = $scope, key = key, tenant = tenant, tx = tx, ttl = "2s",
-                             in_progress = reject)]
+                                     in_progress = reject)]
         async fn $name(
             tx: &mut sqlx::Transaction<'_, $db>,
             tenant: &str,

@@ -37,6 +37,7 @@ mod nested_calls;
 mod non_finite_in_options;
 mod paused_clock_recipes;
 mod public_api_edges;
+mod recorded_error_limits;
 mod replay_floats;
 mod replay_shapes;
 mod send_and_receivers;
