@@ -22,6 +22,7 @@ mod mysql_wire;
 mod postgres_faults;
 mod postgres_session_settings;
 mod postgres_wire;
+mod release_outage;
 mod result_limits;
 mod runtime_pools;
 mod runtimes;
