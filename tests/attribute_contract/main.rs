@@ -36,6 +36,7 @@ mod macro_shapes;
 mod nested_calls;
 mod non_finite_in_options;
 mod paused_clock_recipes;
+mod pg_rollback_isolation;
 mod public_api_edges;
 mod recorded_error_limits;
 mod replay_floats;
