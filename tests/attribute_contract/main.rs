@@ -48,3 +48,4 @@ mod transactional_connections;
 mod transactional_nesting;
 mod transactional_races;
 mod tx_fixtures;
+mod tx_longest_durations;
