@@ -174,8 +174,7 @@ static TX_RUNS: AtomicU32 = AtomicU32::new(0);
 
 macro_rules! tx_charge {
     ($name:ident, $db:ty, $scope:literal) => {
-        #[idempotent(scope = $scope, key = key, tenant = tenant, tx = tx, ttl = "2s",
-                                                             in_progress = reject)]
+        #[idempotent(scope = $scope, key = key, tenant = tenant, tx = tx, ttl = "2s", in_progress = reject)]
         async fn $name(
             tx: &mut sqlx::Transaction<'_, $db>,
             tenant: &str,

@@ -127,8 +127,7 @@ static TX_RUNS: AtomicU32 = AtomicU32::new(0);
 
 macro_rules! tx_declines {
     ($name:ident, $db:ty, $scope:literal) => {
-        #[idempotent(scope = $scope, key = key, tenant = tenant, tx = tx, skip(bytes),
-                                                     errors = record, ttl = "1h")]
+        #[idempotent(scope = $scope, key = key, tenant = tenant, tx = tx, skip(bytes), errors = record, ttl = "1h")]
         async fn $name(
             tx: &mut sqlx::Transaction<'_, $db>,
             tenant: &str,
