@@ -1597,6 +1597,9 @@ fn decode_store_reservation(
     match row.try_get::<Option<bool>, _>("acquired")? {
         Some(true) => Ok(Answer::Reserved(Reservation::acquired(1, None))),
         Some(false) => Ok(Answer::Other),
+        // No record and no verdict (the function answers one always): left
+        // to the fallback, as a lost race is.
+        None if row.try_get::<Option<&str>, _>("state")?.is_none() => Ok(Answer::Other),
         None => Ok(
             match super::rows::Columns(row).answer(request.fingerprint.map(Fingerprint::as_str))? {
                 Some(reservation) => Answer::Reserved(reservation),
