@@ -150,6 +150,30 @@ pub async fn mysql_store_or_skip() -> Option<MySqlStore> {
     }
 }
 
+/// Every store, named (`memory`, `sqlite`, `postgres`, `mariadb`): memory,
+/// a fresh SQLite file named after `what`, and the PostgreSQL and MariaDB
+/// test servers (each skipped, loudly, when unreachable and not required).
+pub async fn every_store(what: &str) -> Vec<(&'static str, Box<dyn idempotent_runtime::Store>)> {
+    let mut stores: Vec<(&'static str, Box<dyn idempotent_runtime::Store>)> = vec![
+        ("memory", Box::new(idempotent_runtime::MemoryStore::new())),
+        (
+            "sqlite",
+            Box::new(
+                idempotent_runtime::SqliteStore::connect(&crate::common::scratch::sqlite_url(what))
+                    .await
+                    .expect("SQLite file"),
+            ),
+        ),
+    ];
+    if let Some(pg) = pg_store_or_skip().await {
+        stores.push(("postgres", Box::new(pg)));
+    }
+    if let Some(my) = mysql_store_or_skip().await {
+        stores.push(("mariadb", Box::new(my)));
+    }
+    stores
+}
+
 /// Creates a database of its own on the MySQL test server (`admin` is a
 /// store there) for a test that changes the schema; answers its name, which
 /// starts with `prefix`. The test drops it.

@@ -6,6 +6,7 @@
 use crate::common;
 use crate::http_app;
 
+use common::logs::Logs;
 use common::proxy::FaultProxy;
 use common::servers::fresh_tenant;
 use http_app::{bounded, TestServer};
@@ -280,23 +281,6 @@ async fn retries_are_bounded_and_the_error_says_to_keep_the_key() {
     );
 }
 
-/// A buffer the client's logs are written to, for one test.
-#[derive(Clone, Default)]
-struct Logs(Arc<std::sync::Mutex<Vec<u8>>>);
-
-impl std::io::Write for Logs {
-    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
-        self.0
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .extend_from_slice(bytes);
-        Ok(bytes.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
 /// Rule 2 on the client: the idempotency key it sends is in no log line at
 /// any level (TRACE included: the client's, reqwest's and hyper's, and the
 /// layer's on the server, which runs on this test's thread), nor in the
@@ -305,14 +289,7 @@ impl std::io::Write for Logs {
 #[tokio::test]
 async fn the_clients_key_is_in_no_log_line_at_any_level_nor_its_error() {
     let server = TestServer::start(memory(), |b| b).await;
-    let logs = Logs::default();
-    let writer = logs.clone();
-    let subscriber = tracing_subscriber::fmt()
-        .with_writer(move || writer.clone())
-        .with_max_level(tracing::Level::TRACE)
-        .with_ansi(false)
-        .finish();
-    let _guard = tracing::subscriber::set_default(subscriber);
+    let (logs, _guard) = Logs::capture(tracing::Level::TRACE);
     let c = IdempotentClient::new(reqwest::Client::new()).with_policy(RetryPolicy {
         max_attempts: 2,
         ..fast()
@@ -329,7 +306,7 @@ async fn the_clients_key_is_in_no_log_line_at_any_level_nor_its_error() {
         e,
         ClientError::RetriesExhausted { attempts: 2, .. }
     ));
-    let written = String::from_utf8_lossy(&logs.0.lock().unwrap()).into_owned();
+    let written = logs.text();
     assert!(written.contains("giving up"), "{written}");
     for text in [written, shown, e.to_string(), format!("{e:?}")] {
         let leaked: Vec<&str> = text.lines().filter(|l| l.contains("KEYLEAK")).collect();
@@ -346,14 +323,7 @@ async fn the_clients_key_is_in_no_log_line_at_any_level_nor_its_error() {
 #[tokio::test]
 async fn retry_logs_show_no_password_or_query_of_the_url() {
     let server = TestServer::start(memory(), |b| b).await;
-    let logs = Logs::default();
-    let writer = logs.clone();
-    let subscriber = tracing_subscriber::fmt()
-        .with_writer(move || writer.clone())
-        .with_max_level(tracing::Level::INFO)
-        .with_ansi(false)
-        .finish();
-    let _guard = tracing::subscriber::set_default(subscriber);
+    let (logs, _guard) = Logs::capture(tracing::Level::INFO);
     let c = IdempotentClient::new(reqwest::Client::new()).with_policy(RetryPolicy {
         max_attempts: 2,
         ..fast()
@@ -397,7 +367,7 @@ async fn retry_logs_show_no_password_or_query_of_the_url() {
         }
     ));
     assert!(!e.to_string().contains("SECRET"), "{e}");
-    let written = String::from_utf8_lossy(&logs.0.lock().unwrap()).into_owned();
+    let written = logs.text();
     assert!(written.contains("/payments"), "{written}");
     assert!(
         written.contains("retrying with the same idempotency key")

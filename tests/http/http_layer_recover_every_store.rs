@@ -8,6 +8,7 @@
 //! attempt it takes over started. The handler never runs for a record a
 //! hook answered.
 
+use crate::common::logs::Logs;
 use crate::http_app::{authenticate, serve, AccountId};
 use crate::http_retry_contract::every_store;
 use axum::http::{header, StatusCode};
@@ -17,7 +18,6 @@ use axum::routing::post;
 use axum::Router;
 use idempotent_runtime::http::IdempotencyLayer;
 use idempotent_runtime::{Identity, RecordState, Recovery, Takeover};
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -306,22 +306,6 @@ async fn head_and_options_with_a_key_pass_through_on_every_store() {
     }
 }
 
-#[derive(Clone, Default)]
-struct Logs(Arc<Mutex<Vec<u8>>>);
-
-impl std::io::Write for Logs {
-    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
-        self.0
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .extend_from_slice(bytes);
-        Ok(bytes.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
 /// Rule 20's last sentence through the layer, on every store: every
 /// takeover is logged (a warning naming the scope and the attempt, not the
 /// raw key) and counted (`idempotent_takeovers_total{scope, attempt}`), by a
@@ -330,18 +314,12 @@ impl std::io::Write for Logs {
 /// again).
 #[tokio::test]
 async fn every_takeover_by_a_layer_is_logged_and_counted_with_its_attempt_on_every_store() {
-    use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+    use crate::common::readings::{counter, readings};
+    use metrics_util::debugging::DebuggingRecorder;
     let recorder = DebuggingRecorder::new();
     let snapshotter = recorder.snapshotter();
     let _metrics = metrics::set_default_local_recorder(&recorder);
-    let logs = Logs::default();
-    let writer = logs.clone();
-    let subscriber = tracing_subscriber::fmt()
-        .with_writer(move || writer.clone())
-        .with_max_level(tracing::Level::WARN)
-        .with_ansi(false)
-        .finish();
-    let _logs = tracing::subscriber::set_default(subscriber);
+    let (logs, _logs) = Logs::capture(tracing::Level::WARN);
 
     let stores = every_store().await;
     for (name, store) in &stores {
@@ -419,33 +397,13 @@ async fn every_takeover_by_a_layer_is_logged_and_counted_with_its_attempt_on_eve
         );
         task.abort();
 
-        let readings: HashMap<(String, Vec<(String, String)>), DebugValue> = snapshotter
-            .snapshot()
-            .into_vec()
-            .into_iter()
-            .map(|(ck, _, _, value)| {
-                let (_, k) = ck.into_parts();
-                let mut labels: Vec<(String, String)> = k
-                    .labels()
-                    .map(|l| (l.key().to_owned(), l.value().to_owned()))
-                    .collect();
-                labels.sort();
-                ((k.name().to_owned(), labels), value)
-            })
-            .collect();
+        let readings = readings(&snapshotter);
         let takeovers = |scope: &str, attempt: &str| {
-            let key = (
-                "idempotent_takeovers_total".to_owned(),
-                vec![
-                    ("attempt".to_owned(), attempt.to_owned()),
-                    ("scope".to_owned(), scope.to_owned()),
-                ],
-            );
-            match readings.get(&key) {
-                Some(DebugValue::Counter(n)) => *n,
-                None => 0,
-                Some(other) => panic!("not a counter: {other:?}"),
-            }
+            counter(
+                &readings,
+                "idempotent_takeovers_total",
+                &[("scope", scope), ("attempt", attempt)],
+            )
         };
         assert_eq!(
             (
@@ -457,7 +415,7 @@ async fn every_takeover_by_a_layer_is_logged_and_counted_with_its_attempt_on_eve
             (1, 1, 1, 0),
             "{name}: {readings:#?}"
         );
-        let text = String::from_utf8_lossy(&logs.0.lock().unwrap()).into_owned();
+        let text = logs.text();
         let took_over = |scope: &str, attempt: u32| {
             text.lines()
                 .filter(|l| {

@@ -11,6 +11,7 @@
 //! duplicate whose owner answers 5xx runs the handler itself.
 
 use crate::common;
+use crate::common::logs::Logs;
 use crate::http_app::{bounded, serve, sqlite_file_store};
 
 use axum::body::Bytes;
@@ -1737,36 +1738,13 @@ async fn the_inner_layer_records_too(
     assert_eq!(shop.runs(), 1, "{name}");
 }
 
-#[derive(Clone, Default)]
-struct Logs(Arc<std::sync::Mutex<Vec<u8>>>);
-
-impl std::io::Write for Logs {
-    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
-        self.0
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .extend_from_slice(bytes);
-        Ok(bytes.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
 /// Rule 2 through the layer: the raw `Idempotency-Key` appears in no log
 /// line at any level, whatever the request's fate (fresh, replayed, 422,
 /// 409 in progress, a 5xx that releases the key, a malformed or too long
 /// key), on every store; the problems sent back do not echo it either.
 #[tokio::test]
 async fn the_raw_key_is_in_no_log_line_and_no_problem() {
-    let logs = Logs::default();
-    let writer = logs.clone();
-    let subscriber = tracing_subscriber::fmt()
-        .with_writer(move || writer.clone())
-        .with_max_level(tracing::Level::TRACE)
-        .with_ansi(false)
-        .finish();
-    let _guard = tracing::subscriber::set_default(subscriber);
+    let (logs, _guard) = Logs::capture(tracing::Level::TRACE);
     for (name, store) in every_store().await {
         let (addr, shop) = app_on(store, "contract.logs", |b| b.reject_in_progress()).await;
         let tenant = format!("held-{}", fresh_tenant());
@@ -1829,7 +1807,7 @@ async fn the_raw_key_is_in_no_log_line_and_no_problem() {
             );
         }
     }
-    let written = String::from_utf8_lossy(&logs.0.lock().expect("logs")).into_owned();
+    let written = logs.text();
     assert!(
         written.contains("contract.logs"),
         "the layer logged: {written}"

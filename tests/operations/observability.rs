@@ -10,11 +10,12 @@
 //! file only, and every assertion is about those scopes (the recorder is
 //! process-wide).
 
+use crate::common::readings::{counter, readings, samples, Readings};
 use idempotent_runtime::{
     idempotent, purge, with_outcome, Error, ForcedRelease, Identity, MemoryStore, Outcome,
     Recovery, Store, Takeover,
 };
-use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+use metrics_util::debugging::DebuggingRecorder;
 use std::collections::{BTreeMap, HashMap};
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -188,34 +189,6 @@ fn tenant() -> String {
     format!("obs-{}", uuid::Uuid::new_v4().simple())
 }
 
-/// (metric name, sorted labels) → the value.
-type Readings = HashMap<(String, Vec<(String, String)>), DebugValue>;
-
-fn key(name: &str, labels: &[(&str, &str)]) -> (String, Vec<(String, String)>) {
-    let mut labels: Vec<(String, String)> = labels
-        .iter()
-        .map(|(k, v)| (k.to_string(), v.to_string()))
-        .collect();
-    labels.sort();
-    (name.to_owned(), labels)
-}
-
-fn counter(readings: &Readings, name: &str, labels: &[(&str, &str)]) -> u64 {
-    match readings.get(&key(name, labels)) {
-        Some(DebugValue::Counter(n)) => *n,
-        None => 0,
-        Some(other) => panic!("{name} {labels:?} is not a counter: {other:?}"),
-    }
-}
-
-fn samples(readings: &Readings, name: &str, labels: &[(&str, &str)]) -> usize {
-    match readings.get(&key(name, labels)) {
-        Some(DebugValue::Histogram(values)) => values.len(),
-        None => 0,
-        Some(other) => panic!("{name} {labels:?} is not a histogram: {other:?}"),
-    }
-}
-
 /// Every counter and histogram after a scripted run.
 #[test]
 fn metrics_count_every_event_by_scope_and_outcome() {
@@ -351,20 +324,7 @@ fn metrics_count_every_event_by_scope_and_outcome() {
         assert_eq!(purge::purge_all(&purge_store, 10).await.unwrap(), 1);
     });
 
-    let readings: Readings = snapshotter
-        .snapshot()
-        .into_vec()
-        .into_iter()
-        .map(|(ck, _, _, value)| {
-            let (_, k) = ck.into_parts();
-            let mut labels: Vec<(String, String)> = k
-                .labels()
-                .map(|l| (l.key().to_owned(), l.value().to_owned()))
-                .collect();
-            labels.sort();
-            ((k.name().to_owned(), labels), value)
-        })
-        .collect();
+    let readings: Readings = readings(&snapshotter);
     let calls = |scope: &str, outcome: &str| {
         counter(
             &readings,

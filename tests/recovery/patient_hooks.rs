@@ -7,10 +7,9 @@
 //! hook's `Completed` answer is then recorded and replayed; the body never
 //! runs.
 
-use crate::common::servers::{fresh_tenant, mysql_store_or_skip, pg_store_or_skip};
+use crate::common::servers::{every_store, fresh_tenant};
 use idempotent_runtime::{
-    idempotent, with_outcome, Error, Identity, MemoryStore, Outcome, RecordState, Recovery,
-    SqliteStore, Store, Takeover,
+    idempotent, with_outcome, Error, Identity, Outcome, RecordState, Recovery, Store, Takeover,
 };
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -47,31 +46,10 @@ async fn ship(store: &dyn Store, tenant: &str, key: &str) -> Result<String, Erro
     Ok("shipped by the body".to_owned())
 }
 
-async fn every_store() -> Vec<(&'static str, Box<dyn Store>)> {
-    let mut stores: Vec<(&'static str, Box<dyn Store>)> = vec![
-        ("memory", Box::new(MemoryStore::new())),
-        (
-            "sqlite",
-            Box::new(
-                SqliteStore::connect(&crate::common::scratch::sqlite_url("patient_hooks"))
-                    .await
-                    .expect("SQLite file"),
-            ),
-        ),
-    ];
-    if let Some(pg) = pg_store_or_skip().await {
-        stores.push(("postgres", Box::new(pg)));
-    }
-    if let Some(my) = mysql_store_or_skip().await {
-        stores.push(("mariadb", Box::new(my)));
-    }
-    stores
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hook_that_takes_longer_than_two_leases_keeps_the_record_on_every_store() {
     let lease_ms = 2000;
-    for (name, store) in every_store().await {
+    for (name, store) in every_store("patient_hooks").await {
         let store: &dyn Store = &*store;
         let tenant = fresh_tenant();
         let identity = Identity::new(tenant.as_str(), "huntb.patient_hook", "k").unwrap();

@@ -6,50 +6,31 @@
 //! answers for both; when the hook finds nothing, the other claimant's body
 //! runs as attempt 2.
 
-use crate::common::servers::{fresh_tenant, mysql_store_or_skip, pg_store_or_skip};
+use crate::common::ledger::Ledger;
+use crate::common::servers::{every_store, fresh_tenant};
 use idempotent_runtime::{
-    idempotent, with_outcome, Error, Identity, MemoryStore, Outcome, RecordState, Recovery,
-    SqliteStore, Store, Takeover,
+    idempotent, with_outcome, Error, Identity, Outcome, RecordState, Recovery, Store, Takeover,
 };
-use std::collections::HashMap;
-use std::sync::{LazyLock, Mutex};
 use std::time::Duration;
 use tokio::sync::watch;
 
 const SCOPE: &str = "huntb.shared_refund";
 
 /// Refunds made by bodies, by tenant: what the hook asks (the provider).
-static REFUNDED: LazyLock<Mutex<HashMap<String, Vec<String>>>> = LazyLock::new(Default::default);
-/// What the hook was asked: (key, attempt).
-type Asked = Vec<(String, u32)>;
-/// What the hook was asked, by tenant.
-static ASKED: LazyLock<Mutex<HashMap<String, Asked>>> = LazyLock::new(Default::default);
+static REFUNDED: Ledger<String> = Ledger::new();
+/// What the hook was asked, by tenant: (key, attempt).
+static ASKED: Ledger<(String, u32)> = Ledger::new();
 
 fn refunded(tenant: &str) -> Vec<String> {
-    REFUNDED
-        .lock()
-        .unwrap()
-        .get(tenant)
-        .cloned()
-        .unwrap_or_default()
+    REFUNDED.of(tenant)
 }
 
-fn asked(tenant: &str) -> Asked {
-    ASKED
-        .lock()
-        .unwrap()
-        .get(tenant)
-        .cloned()
-        .unwrap_or_default()
+fn asked(tenant: &str) -> Vec<(String, u32)> {
+    ASKED.of(tenant)
 }
 
 async fn refund_happened(t: &Takeover) -> Result<Recovery<String>, Error> {
-    ASKED
-        .lock()
-        .unwrap()
-        .entry(t.tenant().to_owned())
-        .or_default()
-        .push((t.key().to_owned(), t.attempt()));
+    ASKED.record(t.tenant(), (t.key().to_owned(), t.attempt()));
     Ok(if refunded(t.tenant()).iter().any(|k| k == t.key()) {
         Recovery::Completed(format!("found {} at the provider", t.key()))
     } else {
@@ -80,12 +61,7 @@ impl Gate {
     }
 
     async fn body(&self, tenant: &str, key: &str, by: &str) -> String {
-        REFUNDED
-            .lock()
-            .unwrap()
-            .entry(tenant.to_owned())
-            .or_default()
-            .push(key.to_owned());
+        REFUNDED.record(tenant, key.to_owned());
         self.entered.send_modify(|n| *n += 1);
         let _ = self.go.subscribe().wait_for(|&g| g).await;
         format!("refunded {key} ({by})")
@@ -123,27 +99,6 @@ async fn refund_from_queue(
     Ok(gate.body(shop, order, "queue").await)
 }
 
-async fn every_store() -> Vec<(&'static str, Box<dyn Store>)> {
-    let mut stores: Vec<(&'static str, Box<dyn Store>)> = vec![
-        ("memory", Box::new(MemoryStore::new())),
-        (
-            "sqlite",
-            Box::new(
-                SqliteStore::connect(&crate::common::scratch::sqlite_url("shared_claimants"))
-                    .await
-                    .expect("SQLite file"),
-            ),
-        ),
-    ];
-    if let Some(pg) = pg_store_or_skip().await {
-        stores.push(("postgres", Box::new(pg)));
-    }
-    if let Some(my) = mysql_store_or_skip().await {
-        stores.push(("mariadb", Box::new(my)));
-    }
-    stores
-}
-
 async fn within<T>(what: &str, f: impl std::future::Future<Output = T>) -> T {
     tokio::time::timeout(Duration::from_secs(60), f)
         .await
@@ -155,7 +110,7 @@ async fn within<T>(what: &str, f: impl std::future::Future<Output = T>) -> T {
 /// replayed it); the hook is never asked (nothing was taken over).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_claimants_at_once_on_one_key_run_one_body_on_every_store() {
-    for (name, store) in every_store().await {
+    for (name, store) in every_store("shared_claimants").await {
         let tenant = fresh_tenant();
         for round in 0..4 {
             let key = format!("order-{round}");
@@ -201,7 +156,7 @@ async fn two_claimants_at_once_on_one_key_run_one_body_on_every_store() {
 /// other claimant's hook answers `Run` and its body runs as attempt 2.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dropped_call_of_one_claimant_is_recovered_by_the_other_on_every_store() {
-    for (name, store) in every_store().await {
+    for (name, store) in every_store("shared_claimants").await {
         let store: &dyn Store = &*store;
         let tenant = fresh_tenant();
 
@@ -262,12 +217,8 @@ async fn a_dropped_call_of_one_claimant_is_recovered_by_the_other_on_every_store
             () = held.wait_entered(1) => {}
         }
         drop(call);
-        REFUNDED
-            .lock()
-            .unwrap()
-            .get_mut(&tenant)
-            .expect("refunds")
-            .retain(|k| k != "not-done");
+        assert!(!refunded(&tenant).is_empty(), "refunds");
+        REFUNDED.forget(&tenant, &"not-done".to_owned());
         let (got, outcome) = within(
             "the http takeover",
             with_outcome(refund_http(store, &tenant, "not-done", 500, &open)),

@@ -5,14 +5,14 @@
 //! of takeovers of one record whose hook keeps answering an error (so the
 //! record is kept, its lease ended, and each call takes it over at once).
 
-use crate::common::servers::{fresh_tenant, mysql_store_or_skip, pg_store_or_skip};
+use crate::common::logs::Logs;
+use crate::common::readings::readings;
+use crate::common::servers::{every_store, fresh_tenant};
 use idempotent_runtime::{
-    idempotent, Error, Identity, MemoryStore, RecordState, Recovery, SqliteStore, Store,
-    StoreError, Takeover,
+    idempotent, Error, Identity, RecordState, Recovery, Store, StoreError, Takeover,
 };
 use metrics_util::debugging::{DebugValue, DebuggingRecorder};
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 async fn cannot_tell(_: &Takeover) -> Result<Recovery<u32>, Error> {
@@ -29,60 +29,23 @@ async fn charge(store: &dyn Store, tenant: &str, key: &str) -> Result<u32, Error
     Ok(1)
 }
 
-#[derive(Clone, Default)]
-struct Logs(Arc<Mutex<Vec<u8>>>);
-
-impl std::io::Write for Logs {
-    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
-        self.0
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .extend_from_slice(bytes);
-        Ok(bytes.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
-async fn every_store() -> Vec<(&'static str, Box<dyn Store>)> {
-    let mut stores: Vec<(&'static str, Box<dyn Store>)> = vec![
-        ("memory", Box::new(MemoryStore::new())),
-        (
-            "sqlite",
-            Box::new(
-                SqliteStore::connect(&crate::common::scratch::sqlite_url("takeovers_counted"))
-                    .await
-                    .expect("SQLite file"),
-            ),
-        ),
-    ];
-    if let Some(pg) = pg_store_or_skip().await {
-        stores.push(("postgres", Box::new(pg)));
-    }
-    if let Some(my) = mysql_store_or_skip().await {
-        stores.push(("mariadb", Box::new(my)));
-    }
-    stores
-}
-
 /// The counter's value per attempt label for the scope.
 fn takeovers(recorder: &DebuggingRecorder) -> HashMap<String, u64> {
-    let mut counts = HashMap::new();
-    for (ck, _, _, value) in recorder.snapshotter().snapshot().into_vec() {
-        let (_, k) = ck.into_parts();
-        if k.name() != "idempotent_takeovers_total" {
-            continue;
-        }
-        let labels: HashMap<&str, &str> = k.labels().map(|l| (l.key(), l.value())).collect();
-        if labels.get("scope") != Some(&"huntb.takeovers_counted") {
-            continue;
-        }
-        if let DebugValue::Counter(n) = value {
-            counts.insert(labels["attempt"].to_owned(), n);
-        }
-    }
-    counts
+    readings(&recorder.snapshotter())
+        .into_iter()
+        .filter_map(|((name, labels), value)| {
+            let label = |k: &str| labels.iter().find(|(l, _)| l == k).map(|(_, v)| v.clone());
+            match value {
+                DebugValue::Counter(n)
+                    if name == "idempotent_takeovers_total"
+                        && label("scope").as_deref() == Some("huntb.takeovers_counted") =>
+                {
+                    Some((label("attempt").expect("an attempt label"), n))
+                }
+                _ => None,
+            }
+        })
+        .collect()
 }
 
 // A current-thread runtime: the recorder and the log subscriber set for
@@ -91,15 +54,12 @@ fn takeovers(recorder: &DebuggingRecorder) -> HashMap<String, u64> {
 async fn a_chain_of_takeovers_is_logged_and_counted_by_attempt_on_every_store() {
     let recorder = DebuggingRecorder::new();
     let _metrics = metrics::set_default_local_recorder(&recorder);
-    let logs = Logs::default();
-    let writer = logs.clone();
-    let subscriber = tracing_subscriber::fmt()
-        .with_writer(move || writer.clone())
-        .with_max_level(tracing::Level::WARN)
-        .with_ansi(false)
-        .finish();
-    let _logs = tracing::subscriber::set_default(subscriber);
-    for (stores_done, (name, store)) in every_store().await.into_iter().enumerate() {
+    let (logs, _logs) = Logs::capture(tracing::Level::WARN);
+    for (stores_done, (name, store)) in every_store("takeovers_counted")
+        .await
+        .into_iter()
+        .enumerate()
+    {
         // A snapshot takes the counts since the last one: start afresh.
         let _ = takeovers(&recorder);
         let mut expected: HashMap<String, u64> = HashMap::new();
@@ -138,7 +98,7 @@ async fn a_chain_of_takeovers_is_logged_and_counted_by_attempt_on_every_store() 
             *expected.entry(label).or_default() += 1;
         }
         assert_eq!(takeovers(&recorder), expected, "{name}");
-        let text = String::from_utf8_lossy(&logs.0.lock().unwrap()).into_owned();
+        let text = logs.text();
         for attempt in 2..=7 {
             let lines = text
                 .lines()

@@ -8,36 +8,25 @@
 //! scope would leave it.
 
 use crate::common;
+use crate::common::ledger::Ledger;
 
 use idempotent_runtime::{
     idempotent, with_outcome, Error, Identity, Outcome, OwnerToken, RecordState, Recovery,
     Reservation, ReserveRequest, SqliteStore, Store, StoreError, Takeover,
 };
-use std::collections::HashMap;
-use std::sync::{LazyLock, Mutex};
 use std::time::Duration;
 
 /// The attempts the hook was asked about, per tenant.
-static ASKED: LazyLock<Mutex<HashMap<String, Vec<u32>>>> = LazyLock::new(Default::default);
+static ASKED: Ledger<u32> = Ledger::new();
 
-fn asked(tenant: &str) -> Vec<u32> {
-    ASKED
-        .lock()
-        .unwrap()
-        .get(tenant)
-        .cloned()
-        .unwrap_or_default()
+pub(crate) fn asked(tenant: &str) -> Vec<u32> {
+    ASKED.of(tenant)
 }
 
 /// Keys starting with `found-` were charged by the crashed attempt; for keys
 /// starting with `unsure-` the hook cannot tell (it fails).
-async fn found_by_key(takeover: &Takeover) -> Result<Recovery<String>, Error> {
-    ASKED
-        .lock()
-        .unwrap()
-        .entry(takeover.tenant().to_owned())
-        .or_default()
-        .push(takeover.attempt());
+pub(crate) async fn found_by_key(takeover: &Takeover) -> Result<Recovery<String>, Error> {
+    ASKED.record(takeover.tenant(), takeover.attempt());
     if takeover.key().starts_with("unsure-") {
         let unreachable = StoreError::new("gateway", "look the charge up", "timed out");
         return Err(Error::Store(unreachable));
@@ -91,11 +80,11 @@ async fn plant_stuck(store: &dyn Store, identity: &Identity) {
     assert_eq!(got, Reservation::FRESH);
 }
 
-fn tenant() -> String {
+pub(crate) fn tenant() -> String {
     format!("rtx-{}", uuid::Uuid::new_v4().simple())
 }
 
-async fn state(store: &dyn Store, identity: &Identity) -> (RecordState, u32, bool) {
+pub(crate) async fn state(store: &dyn Store, identity: &Identity) -> (RecordState, u32, bool) {
     let s = store.fetch(identity).await.expect("fetch").expect("record");
     (s.state, s.attempt, s.recovered)
 }
@@ -344,12 +333,7 @@ impl From<Error> for Charged {
 
 /// The card was declined, as the crashed attempt found: a final answer.
 async fn declined(takeover: &Takeover) -> Result<Recovery<String>, Charged> {
-    ASKED
-        .lock()
-        .unwrap()
-        .entry(format!("shared {}", takeover.key()))
-        .or_default()
-        .push(takeover.attempt());
+    ASKED.record(&format!("shared {}", takeover.key()), takeover.attempt());
     Err(Charged::Declined(format!(
         "declined {} for {:?}",
         takeover.key(),

@@ -4,37 +4,33 @@
 //! undone, and the next call in a new transaction is asked again, as the
 //! same attempt and told the same previous start, before any body runs.
 
+use crate::common::ledger::Ledger;
 use crate::common::servers::{fresh_tenant, mysql_store_or_skip};
 use crate::transactional::mysql_begin_in_the_next_second;
 use idempotent_runtime::{
     idempotent, with_outcome, Error, Identity, Outcome, Recovery, SqliteStore, Store, Takeover,
 };
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::sync::{LazyLock, Mutex};
 use std::time::Duration;
 
 /// What the hook was told (attempt, previous start), and body runs.
 type Seen = (Vec<(u32, i64)>, usize);
-/// Per tenant.
-static SEEN: LazyLock<Mutex<HashMap<String, Seen>>> = LazyLock::new(Default::default);
+/// Per tenant: what the hook was told, and a mark per body run.
+static TOLD: Ledger<(u32, i64)> = Ledger::new();
+static RAN: Ledger<()> = Ledger::new();
 static PANICKED: LazyLock<Mutex<HashSet<String>>> = LazyLock::new(Default::default);
 
 fn seen(tenant: &str) -> Seen {
-    SEEN.lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .get(tenant)
-        .cloned()
-        .unwrap_or_default()
+    (TOLD.of(tenant), RAN.of(tenant).len())
 }
 
 /// Panics the first time it is asked for a tenant, then answers `Run`.
 async fn panics_once(t: &Takeover) -> Result<Recovery<u32>, Error> {
-    SEEN.lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .entry(t.tenant().to_owned())
-        .or_default()
-        .0
-        .push((t.attempt(), t.previous_attempt_started_at_ms()));
+    TOLD.record(
+        t.tenant(),
+        (t.attempt(), t.previous_attempt_started_at_ms()),
+    );
     if PANICKED
         .lock()
         .unwrap_or_else(|p| p.into_inner())
@@ -46,11 +42,7 @@ async fn panics_once(t: &Takeover) -> Result<Recovery<u32>, Error> {
 }
 
 fn ran(tenant: &str) {
-    SEEN.lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .entry(tenant.to_owned())
-        .or_default()
-        .1 += 1;
+    RAN.record(tenant, ());
 }
 
 #[idempotent(scope = "huntb.tx_panic_sqlite", key = key, tenant = tenant, tx = tx,

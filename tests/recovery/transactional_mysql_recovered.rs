@@ -6,38 +6,9 @@
 //! hook's `Run` runs the body in the transaction as attempt 2.
 
 use crate::common;
-use crate::transactional::mysql_begin_in_the_next_second;
-use idempotent_runtime::{
-    idempotent, with_outcome, Error, Identity, Outcome, RecordState, Recovery, Store, Takeover,
-};
-use std::collections::HashMap;
-use std::sync::{LazyLock, Mutex};
+use crate::transactional::{asked, found_by_key, mysql_begin_in_the_next_second, state, tenant};
+use idempotent_runtime::{idempotent, with_outcome, Error, Identity, Outcome, RecordState};
 use std::time::Duration;
-
-static ASKED: LazyLock<Mutex<HashMap<String, Vec<u32>>>> = LazyLock::new(Default::default);
-
-fn asked(tenant: &str) -> Vec<u32> {
-    ASKED
-        .lock()
-        .unwrap()
-        .get(tenant)
-        .cloned()
-        .unwrap_or_default()
-}
-
-async fn found_by_key(t: &Takeover) -> Result<Recovery<String>, Error> {
-    ASKED
-        .lock()
-        .unwrap()
-        .entry(t.tenant().to_owned())
-        .or_default()
-        .push(t.attempt());
-    Ok(if t.key().starts_with("found-") {
-        Recovery::Completed(format!("recovered {}", t.key()))
-    } else {
-        Recovery::Run
-    })
-}
 
 #[idempotent(scope = "huntb.rtx_mysql", key = key, tenant = tenant, tx = tx,
              recover = found_by_key)]
@@ -53,17 +24,12 @@ async fn charge(
     Ok(format!("ran {key}"))
 }
 
-async fn state(store: &dyn Store, identity: &Identity) -> (RecordState, u32, bool) {
-    let s = store.fetch(identity).await.expect("fetch").expect("record");
-    (s.state, s.attempt, s.recovered)
-}
-
 #[tokio::test]
 async fn mysql_transaction_records_the_hooks_answer() {
     let Some(store) = common::servers::mysql_store_or_skip().await else {
         return;
     };
-    let t = format!("rtx-{}", uuid::Uuid::new_v4().simple());
+    let t = tenant();
     let found = Identity::new(t.as_str(), "huntb.rtx_mysql", "found-1").unwrap();
     let missing = Identity::new(t.as_str(), "huntb.rtx_mysql", "missing-1").unwrap();
     // What a crashed store-mode owner leaves: in progress, its lease over.
