@@ -34,6 +34,19 @@ pub async fn acquire(
     token
 }
 
+/// What a crashed owner leaves: `identity` (a fresh key) in progress, its
+/// lease of 1 ms soon over, kept for an hour; returns the owner's token.
+pub async fn crashed(store: &dyn Store, identity: &Identity) -> OwnerToken {
+    acquire(
+        store,
+        identity,
+        None,
+        Duration::from_millis(1),
+        Duration::from_secs(3600),
+    )
+    .await
+}
+
 /// Reserves a fresh key of `scope` under `tenant` with `lease` and `ttl`, and
 /// completes it (kept for `complete_ttl`) when that is given. Returns its identity.
 pub async fn plant(

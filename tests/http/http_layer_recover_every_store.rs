@@ -22,6 +22,20 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+/// A handler that counts its runs (the counter it answers with) and
+/// answers `answer(n)`, `n` the number of its run, from 1.
+fn counting_handler<R: Send + 'static>(
+    answer: impl Fn(usize) -> R + Clone + Send + Sync + 'static,
+) -> (
+    Arc<AtomicUsize>,
+    impl Fn() -> std::future::Ready<R> + Clone + Send + Sync + 'static,
+) {
+    let runs = Arc::new(AtomicUsize::new(0));
+    let counter = runs.clone();
+    let handler = move || std::future::ready(answer(counter.fetch_add(1, Ordering::SeqCst) + 1));
+    (runs, handler)
+}
+
 /// What the hook was told: tenant, scope, key, attempt, previous start (ms).
 type Asked = (String, String, String, u32, i64);
 
@@ -64,17 +78,7 @@ async fn the_layers_hook_is_told_the_takeover_and_its_answers_follow_rule_22_on_
             .recover(hook)
             .build()
             .expect("layer");
-        let runs = Arc::new(AtomicUsize::new(0));
-        let handler = {
-            let runs = runs.clone();
-            move || {
-                let runs = runs.clone();
-                async move {
-                    runs.fetch_add(1, Ordering::SeqCst);
-                    (StatusCode::CREATED, "charged by the handler")
-                }
-            }
-        };
+        let (runs, handler) = counting_handler(|_| (StatusCode::CREATED, "charged by the handler"));
         let app = Router::new()
             .route("/charges", post(handler))
             .route_layer(layer)
@@ -88,14 +92,7 @@ async fn the_layers_hook_is_told_the_takeover_and_its_answers_follow_rule_22_on_
         let mut planted_start = std::collections::HashMap::new();
         for key in ["k-found", "k-down"] {
             let identity = Identity::new(account.clone(), SCOPE, key).unwrap();
-            crate::common::records::acquire(
-                &*store,
-                &identity,
-                None,
-                Duration::from_millis(1),
-                Duration::from_secs(3600),
-            )
-            .await;
+            crate::common::records::crashed(&*store, &identity).await;
             let snapshot = store.fetch(&identity).await.unwrap().expect("record");
             planted_start.insert(key, snapshot.attempt_started_at_ms);
         }
@@ -227,21 +224,13 @@ async fn the_layers_hook_is_told_the_takeover_and_its_answers_follow_rule_22_on_
 #[tokio::test]
 async fn head_and_options_with_a_key_pass_through_on_every_store() {
     for (name, store) in every_store().await {
-        let runs = Arc::new(AtomicUsize::new(0));
-        let handler = {
-            let runs = runs.clone();
-            move || {
-                let runs = runs.clone();
-                async move {
-                    let n = runs.fetch_add(1, Ordering::SeqCst) + 1;
-                    (
-                        StatusCode::OK,
-                        [("x-run", n.to_string())],
-                        format!("run {n}"),
-                    )
-                }
-            }
-        };
+        let (runs, handler) = counting_handler(|n| {
+            (
+                StatusCode::OK,
+                [("x-run", n.to_string())],
+                format!("run {n}"),
+            )
+        });
         let layer = IdempotencyLayer::builder("huntb.safe_with_key", store.clone())
             .tenant_from_extension::<AccountId>()
             .build()
@@ -352,17 +341,7 @@ async fn every_takeover_by_a_layer_is_logged_and_counted_with_its_attempt_on_eve
             .tenant_from_extension::<AccountId>()
             .build()
             .expect("layer");
-        let runs = Arc::new(AtomicUsize::new(0));
-        let handler = {
-            let runs = runs.clone();
-            move || {
-                let runs = runs.clone();
-                async move {
-                    runs.fetch_add(1, Ordering::SeqCst);
-                    (StatusCode::CREATED, "charged by the handler")
-                }
-            }
-        };
+        let (runs, handler) = counting_handler(|_| (StatusCode::CREATED, "charged by the handler"));
         let app = Router::new()
             .route("/hooked", post(handler.clone()).route_layer(hooked))
             .route("/blind", post(handler).route_layer(blind))
@@ -371,14 +350,7 @@ async fn every_takeover_by_a_layer_is_logged_and_counted_with_its_attempt_on_eve
         let account = crate::common::servers::fresh_tenant();
         for scope in [hooked_scope, blind_scope] {
             let identity = Identity::new(account.clone(), scope, "SECRET-takeover-key").unwrap();
-            crate::common::records::acquire(
-                &**store,
-                &identity,
-                None,
-                Duration::from_millis(1),
-                Duration::from_secs(3600),
-            )
-            .await;
+            crate::common::records::crashed(&**store, &identity).await;
         }
         let send = |path: &str| {
             reqwest::Client::new()
@@ -692,22 +664,14 @@ async fn a_handlers_5xx_behind_a_hook_releases_the_key_and_the_retry_does_not_as
                 }
             }
         };
-        let runs = Arc::new(AtomicUsize::new(0));
-        let handler = {
-            let runs = runs.clone();
-            move || {
-                let runs = runs.clone();
-                async move {
-                    let n = runs.fetch_add(1, Ordering::SeqCst) + 1;
-                    // Odd runs fail: each key's first run answers 503.
-                    if n % 2 == 1 {
-                        (StatusCode::SERVICE_UNAVAILABLE, format!("run {n} failed"))
-                    } else {
-                        (StatusCode::CREATED, format!("run {n}"))
-                    }
-                }
+        let (_runs, handler) = counting_handler(|n| {
+            // Odd runs fail: each key's first run answers 503.
+            if n % 2 == 1 {
+                (StatusCode::SERVICE_UNAVAILABLE, format!("run {n} failed"))
+            } else {
+                (StatusCode::CREATED, format!("run {n}"))
             }
-        };
+        });
         let layer = IdempotencyLayer::builder(SCOPE, store.clone())
             .tenant_from_extension::<AccountId>()
             .recover(hook)
@@ -754,14 +718,7 @@ async fn a_handlers_5xx_behind_a_hook_releases_the_key_and_the_retry_does_not_as
 
         // A takeover (hook: Run) whose handler answers 503: released too.
         let crashed = Identity::new(account.clone(), SCOPE, "k-crashed").unwrap();
-        crate::common::records::acquire(
-            &*store,
-            &crashed,
-            None,
-            Duration::from_millis(1),
-            Duration::from_secs(3600),
-        )
-        .await;
+        crate::common::records::crashed(&*store, &crashed).await;
         assert_eq!(
             send("k-crashed").await,
             (503, false, "run 3 failed".into()),

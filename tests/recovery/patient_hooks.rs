@@ -54,14 +54,7 @@ async fn a_hook_that_takes_longer_than_two_leases_keeps_the_record_on_every_stor
         let tenant = fresh_tenant();
         let identity = Identity::new(tenant.as_str(), "huntb.patient_hook", "k").unwrap();
         // A crashed owner's record: in progress, its lease soon over.
-        crate::common::records::acquire(
-            store,
-            &identity,
-            None,
-            Duration::from_millis(1),
-            Duration::from_secs(3600),
-        )
-        .await;
+        crate::common::records::crashed(store, &identity).await;
         let mut polls = 0;
         loop {
             let s = store.fetch(&identity).await.unwrap().expect("record");

@@ -68,14 +68,7 @@ async fn a_chain_of_takeovers_is_logged_and_counted_by_attempt_on_every_store() 
         let identity = Identity::new(tenant.as_str(), "huntb.takeovers_counted", key.as_str())
             .expect("identity");
         // What a crashed owner leaves: in progress, its lease over.
-        crate::common::records::acquire(
-            &*store,
-            &identity,
-            None,
-            Duration::from_millis(1),
-            Duration::from_secs(3600),
-        )
-        .await;
+        crate::common::records::crashed(&*store, &identity).await;
         for attempt in 2..=7u32 {
             let got = tokio::time::timeout(Duration::from_secs(60), charge(&*store, &tenant, &key))
                 .await
