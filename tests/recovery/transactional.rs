@@ -89,6 +89,66 @@ pub(crate) async fn state(store: &dyn Store, identity: &Identity) -> (RecordStat
     (s.state, s.attempt, s.recovered)
 }
 
+/// Rule 20 in a transaction: `found`'s and `missing`'s records (keys
+/// `found-1`, `missing-1` of tenant `t`) are stuck. A takeover of `found` in
+/// a transaction rolled back leaves the record as it was; committed, the
+/// hook's answer is recorded (attempt 2, recovered), then replayed without
+/// asking; the hook's `Run` for `missing` runs the body as attempt 2.
+/// `begin` opens a transaction that takes over, `begin_replay` one that
+/// replays.
+macro_rules! the_hooks_answer_is_recorded_in_the_transaction {
+    ($store:expr, $begin:expr, $begin_replay:expr, $charge:ident, $t:expr, $found:expr, $missing:expr) => {{
+        let (store, t, found, missing) = (&$store, &$t, &$found, &$missing);
+
+        // Rolled back: the takeover and the recorded answer vanish together.
+        let mut tx = $begin(store).await;
+        let (got, o) = with_outcome($charge(&mut tx, t, "found-1")).await;
+        assert_eq!(
+            (got.unwrap(), o),
+            ("recovered found-1".to_owned(), Some(Outcome::Recovered))
+        );
+        tx.rollback().await.unwrap();
+        assert_eq!(
+            state(store, found).await,
+            (RecordState::InProgress, 1, false)
+        );
+
+        // Committed: complete, attempt 2, recovered; then replayed.
+        let mut tx = $begin(store).await;
+        let (got, o) = with_outcome($charge(&mut tx, t, "found-1")).await;
+        assert_eq!(
+            (got.unwrap(), o),
+            ("recovered found-1".to_owned(), Some(Outcome::Recovered))
+        );
+        tx.commit().await.unwrap();
+        assert_eq!(state(store, found).await, (RecordState::Complete, 2, true));
+        assert_eq!(asked(t), [2, 2], "asked as attempt 2, in both transactions");
+        let mut tx = $begin_replay(store).await;
+        let (got, o) = with_outcome($charge(&mut tx, t, "found-1")).await;
+        assert_eq!(
+            (got.unwrap(), o),
+            ("recovered found-1".to_owned(), Some(Outcome::Replayed))
+        );
+        tx.commit().await.unwrap();
+        assert_eq!(asked(t), [2, 2], "a replay does not ask");
+
+        // Run: the body runs in the transaction, as attempt 2.
+        let mut tx = $begin(store).await;
+        let (got, o) = with_outcome($charge(&mut tx, t, "missing-1")).await;
+        assert_eq!(
+            (got.unwrap(), o),
+            ("ran missing-1".to_owned(), Some(Outcome::Executed))
+        );
+        tx.commit().await.unwrap();
+        assert_eq!(
+            state(store, missing).await,
+            (RecordState::Complete, 2, false)
+        );
+        assert_eq!(asked(t), [2, 2, 2]);
+    }};
+}
+pub(crate) use the_hooks_answer_is_recorded_in_the_transaction;
+
 #[tokio::test]
 async fn sqlite_transaction_records_the_hooks_answer() {
     let store = SqliteStore::connect(&crate::common::scratch::sqlite_url("rtx"))
@@ -100,58 +160,21 @@ async fn sqlite_transaction_records_the_hooks_answer() {
     plant_stuck(&store, &found).await;
     plant_stuck(&store, &missing).await;
 
-    // Rolled back: the takeover and the recorded answer vanish together.
-    let mut tx = store.pool().begin_with("BEGIN IMMEDIATE").await.unwrap();
-    let (got, o) = with_outcome(sqlite_charge(&mut tx, &t, "found-1")).await;
-    assert_eq!(
-        (got.unwrap(), o),
-        ("recovered found-1".to_owned(), Some(Outcome::Recovered))
+    the_hooks_answer_is_recorded_in_the_transaction!(
+        store,
+        |s: &SqliteStore| {
+            let pool = s.pool().clone();
+            async move { pool.begin_with("BEGIN IMMEDIATE").await.unwrap() }
+        },
+        |s: &SqliteStore| {
+            let pool = s.pool().clone();
+            async move { pool.begin_with("BEGIN IMMEDIATE").await.unwrap() }
+        },
+        sqlite_charge,
+        t,
+        found,
+        missing
     );
-    tx.rollback().await.unwrap();
-    assert_eq!(
-        state(&store, &found).await,
-        (RecordState::InProgress, 1, false)
-    );
-
-    // Committed: complete, attempt 2, recovered; then replayed.
-    let mut tx = store.pool().begin_with("BEGIN IMMEDIATE").await.unwrap();
-    let (got, o) = with_outcome(sqlite_charge(&mut tx, &t, "found-1")).await;
-    assert_eq!(
-        (got.unwrap(), o),
-        ("recovered found-1".to_owned(), Some(Outcome::Recovered))
-    );
-    tx.commit().await.unwrap();
-    assert_eq!(
-        state(&store, &found).await,
-        (RecordState::Complete, 2, true)
-    );
-    assert_eq!(
-        asked(&t),
-        [2, 2],
-        "asked as attempt 2, in both transactions"
-    );
-    let mut tx = store.pool().begin_with("BEGIN IMMEDIATE").await.unwrap();
-    let (got, o) = with_outcome(sqlite_charge(&mut tx, &t, "found-1")).await;
-    assert_eq!(
-        (got.unwrap(), o),
-        ("recovered found-1".to_owned(), Some(Outcome::Replayed))
-    );
-    tx.commit().await.unwrap();
-    assert_eq!(asked(&t), [2, 2], "a replay does not ask");
-
-    // Run: the body runs in the transaction, as attempt 2.
-    let mut tx = store.pool().begin_with("BEGIN IMMEDIATE").await.unwrap();
-    let (got, o) = with_outcome(sqlite_charge(&mut tx, &t, "missing-1")).await;
-    assert_eq!(
-        (got.unwrap(), o),
-        ("ran missing-1".to_owned(), Some(Outcome::Executed))
-    );
-    tx.commit().await.unwrap();
-    assert_eq!(
-        state(&store, &missing).await,
-        (RecordState::Complete, 2, false)
-    );
-    assert_eq!(asked(&t), [2, 2, 2]);
 }
 
 #[tokio::test]

@@ -6,7 +6,10 @@
 //! hook's `Run` runs the body in the transaction as attempt 2.
 
 use crate::common;
-use crate::transactional::{asked, found_by_key, mysql_begin_in_the_next_second, state, tenant};
+use crate::transactional::{
+    asked, found_by_key, mysql_begin_in_the_next_second, state, tenant,
+    the_hooks_answer_is_recorded_in_the_transaction,
+};
 use idempotent_runtime::{idempotent, with_outcome, Error, Identity, Outcome, RecordState};
 use std::time::Duration;
 
@@ -44,56 +47,16 @@ async fn mysql_transaction_records_the_hooks_answer() {
         .await;
     }
 
-    // Rolled back: the takeover and the recorded answer vanish together.
-    let mut tx = mysql_begin_in_the_next_second(store.pool().clone()).await;
-    let (got, o) = with_outcome(charge(&mut tx, &t, "found-1")).await;
-    assert_eq!(
-        (got.unwrap(), o),
-        ("recovered found-1".to_owned(), Some(Outcome::Recovered))
+    the_hooks_answer_is_recorded_in_the_transaction!(
+        store,
+        |s: &idempotent_runtime::MySqlStore| mysql_begin_in_the_next_second(s.pool().clone()),
+        |s: &idempotent_runtime::MySqlStore| {
+            let pool = s.pool().clone();
+            async move { pool.begin().await.unwrap() }
+        },
+        charge,
+        t,
+        found,
+        missing
     );
-    tx.rollback().await.unwrap();
-    assert_eq!(
-        state(&store, &found).await,
-        (RecordState::InProgress, 1, false)
-    );
-
-    // Committed: complete, attempt 2, recovered; then replayed.
-    let mut tx = mysql_begin_in_the_next_second(store.pool().clone()).await;
-    let (got, o) = with_outcome(charge(&mut tx, &t, "found-1")).await;
-    assert_eq!(
-        (got.unwrap(), o),
-        ("recovered found-1".to_owned(), Some(Outcome::Recovered))
-    );
-    tx.commit().await.unwrap();
-    assert_eq!(
-        state(&store, &found).await,
-        (RecordState::Complete, 2, true)
-    );
-    assert_eq!(
-        asked(&t),
-        [2, 2],
-        "asked as attempt 2, in both transactions"
-    );
-    let mut tx = store.pool().begin().await.unwrap();
-    let (got, o) = with_outcome(charge(&mut tx, &t, "found-1")).await;
-    assert_eq!(
-        (got.unwrap(), o),
-        ("recovered found-1".to_owned(), Some(Outcome::Replayed))
-    );
-    tx.commit().await.unwrap();
-    assert_eq!(asked(&t), [2, 2], "a replay does not ask");
-
-    // Run: the body runs in the transaction, as attempt 2.
-    let mut tx = mysql_begin_in_the_next_second(store.pool().clone()).await;
-    let (got, o) = with_outcome(charge(&mut tx, &t, "missing-1")).await;
-    assert_eq!(
-        (got.unwrap(), o),
-        ("ran missing-1".to_owned(), Some(Outcome::Executed))
-    );
-    tx.commit().await.unwrap();
-    assert_eq!(
-        state(&store, &missing).await,
-        (RecordState::Complete, 2, false)
-    );
-    assert_eq!(asked(&t), [2, 2, 2]);
 }
