@@ -36,6 +36,21 @@ fn counting_handler<R: Send + 'static>(
     (runs, handler)
 }
 
+/// A `POST {base}/charges` of `{}` as `account` with `key`: its status,
+/// whether it was a replay, and its body.
+async fn post_charge(base: String, account: String, key: &str) -> (u16, bool, String) {
+    let r = reqwest::Client::new()
+        .post(format!("{base}/charges"))
+        .header("x-account-id", &account)
+        .header("idempotency-key", key)
+        .body("{}")
+        .send()
+        .await
+        .expect("request");
+    let replayed = r.headers().contains_key("idempotent-replayed");
+    (r.status().as_u16(), replayed, r.text().await.expect("body"))
+}
+
 /// What the hook was told: tenant, scope, key, attempt, previous start (ms).
 type Asked = (String, String, String, u32, i64);
 
@@ -456,24 +471,7 @@ async fn a_5xx_after_more_than_a_lease_while_a_duplicate_waits_lets_the_duplicat
             .layer(middleware::from_fn(authenticate));
         let (base, task) = serve(app).await;
         let account = crate::common::servers::fresh_tenant();
-        let send = {
-            let (base, account) = (base.clone(), account.clone());
-            move || {
-                let (base, account) = (base.clone(), account.clone());
-                async move {
-                    let r = reqwest::Client::new()
-                        .post(format!("{base}/charges"))
-                        .header("x-account-id", &account)
-                        .header("idempotency-key", "k-long")
-                        .body("{}")
-                        .send()
-                        .await
-                        .expect("request");
-                    let replayed = r.headers().contains_key("idempotent-replayed");
-                    (r.status().as_u16(), replayed, r.text().await.expect("body"))
-                }
-            }
-        };
+        let send = || post_charge(base.clone(), account.clone(), "k-long");
         let first = tokio::spawn(send());
         let mut rx = entered.subscribe();
         tokio::time::timeout(Duration::from_secs(60), rx.wait_for(|&e| e >= 1))
@@ -683,21 +681,7 @@ async fn a_handlers_5xx_behind_a_hook_releases_the_key_and_the_retry_does_not_as
             .layer(middleware::from_fn(authenticate));
         let (base, task) = serve(app).await;
         let account = crate::common::servers::fresh_tenant();
-        let send = |key: &'static str| {
-            let (base, account) = (base.clone(), account.clone());
-            async move {
-                let r = reqwest::Client::new()
-                    .post(format!("{base}/charges"))
-                    .header("x-account-id", &account)
-                    .header("idempotency-key", key)
-                    .body("{}")
-                    .send()
-                    .await
-                    .expect("request");
-                let replayed = r.headers().contains_key("idempotent-replayed");
-                (r.status().as_u16(), replayed, r.text().await.expect("body"))
-            }
-        };
+        let send = |key: &'static str| post_charge(base.clone(), account.clone(), key);
         // A fresh request whose handler answers 503: released.
         assert_eq!(
             send("k-fresh").await,
