@@ -11,7 +11,7 @@
 //! every level: `transactional_races`.)
 
 use crate::common::servers::fresh_tenant;
-use crate::tx_fixtures::{hold_here, pg, ran, runs, Hold};
+use crate::tx_fixtures::{four_duplicates_then_go, hold_here, pg, ran, runs, Hold};
 use idempotent_runtime::{idempotent, with_outcome, Error, Outcome};
 use std::time::Duration;
 
@@ -78,16 +78,7 @@ async fn owner_rollback_with_waiters(begin: &'static str) {
         }
         panic!("{begin}: 20 tries without an answer: {ended:?}");
     };
-    let duplicates = async {
-        hold.reached.notified().await;
-        let let_go = async {
-            // The duplicates are on their way; any order is correct.
-            tokio::time::sleep(Duration::from_millis(500)).await;
-            hold.go.notify_one();
-        };
-        let (a, b, c, d, ()) = tokio::join!(one(), one(), one(), one(), let_go);
-        [a, b, c, d]
-    };
+    let duplicates = four_duplicates_then_go(&hold, one);
     let (owned, ended) = tokio::time::timeout(Duration::from_secs(120), async {
         tokio::join!(owner, duplicates)
     })

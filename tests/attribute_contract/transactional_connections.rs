@@ -8,7 +8,9 @@
 
 use crate::common;
 
-use super::tx_fixtures::{hold_here, lite, my, pg, ran, runs, Hold, Lite, My, Pg, LONG_AGO_MS};
+use super::tx_fixtures::{
+    four_duplicates_then_go, hold_here, lite, my, pg, ran, runs, Hold, Lite, My, Pg, LONG_AGO_MS,
+};
 use common::servers::fresh_tenant;
 use idempotent_runtime::{
     idempotent, with_outcome, Error, Identity, Outcome, OwnerToken, Recovery, Reservation,
@@ -1972,16 +1974,7 @@ macro_rules! owner_rollback_with_tx_waiters {
             tx.commit().await.expect("commit");
             answer
         };
-        let duplicates = async {
-            hold.reached.notified().await;
-            let let_go = async {
-                // The duplicates are on their way; any order is correct.
-                tokio::time::sleep(Duration::from_millis(500)).await;
-                hold.go.notify_one();
-            };
-            let (a, b, c, d, ()) = tokio::join!(one(), one(), one(), one(), let_go);
-            [a, b, c, d]
-        };
+        let duplicates = four_duplicates_then_go(&hold, one);
         let (owned, answers) = tokio::time::timeout(Duration::from_secs(90), async {
             tokio::join!(owner, duplicates)
         })

@@ -46,6 +46,22 @@ pub(crate) async fn hold_here(hold: Option<&Hold>) {
     }
 }
 
+/// Once the owner's body holds (`hold.reached`), four duplicates `one()` at
+/// once; half a second after they set out the owner's body goes on (they
+/// are on their way; any order is correct). Their answers.
+pub(crate) async fn four_duplicates_then_go<F: std::future::Future>(
+    hold: &Hold,
+    one: impl Fn() -> F,
+) -> [F::Output; 4] {
+    hold.reached.notified().await;
+    let let_go = async {
+        tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+        hold.go.notify_one();
+    };
+    let (a, b, c, d, ()) = tokio::join!(one(), one(), one(), one(), let_go);
+    [a, b, c, d]
+}
+
 pub(crate) struct Pg(pub(crate) idempotent_runtime::PgStore);
 pub(crate) struct My(pub(crate) idempotent_runtime::MySqlStore);
 /// A SQLite store on a file of its own, in a scratch folder removed on drop.
