@@ -36,6 +36,23 @@ fn counting_handler<R: Send + 'static>(
     (runs, handler)
 }
 
+/// Serves `POST /charges` by `handler` behind `layer`, the caller
+/// authenticated; the base URL and the server's task.
+async fn serve_charges<H, T>(
+    handler: H,
+    layer: IdempotencyLayer,
+) -> (String, tokio::task::JoinHandle<()>)
+where
+    H: axum::handler::Handler<T, ()>,
+    T: 'static,
+{
+    let app = Router::new()
+        .route("/charges", post(handler))
+        .route_layer(layer)
+        .layer(middleware::from_fn(authenticate));
+    serve(app).await
+}
+
 /// A `POST {base}/charges` of `{}` as `account` with `key`: its status,
 /// whether it was a replay, and its body.
 async fn post_charge(base: String, account: String, key: &str) -> (u16, bool, String) {
@@ -94,11 +111,7 @@ async fn the_layers_hook_is_told_the_takeover_and_its_answers_follow_rule_22_on_
             .build()
             .expect("layer");
         let (runs, handler) = counting_handler(|_| (StatusCode::CREATED, "charged by the handler"));
-        let app = Router::new()
-            .route("/charges", post(handler))
-            .route_layer(layer)
-            .layer(middleware::from_fn(authenticate));
-        let (base, task) = serve(app).await;
+        let (base, task) = serve_charges(handler, layer).await;
         let account = crate::common::servers::fresh_tenant();
         let other = crate::common::servers::fresh_tenant();
 
@@ -465,11 +478,7 @@ async fn a_5xx_after_more_than_a_lease_while_a_duplicate_waits_lets_the_duplicat
             .wait(Duration::from_secs(60))
             .build()
             .expect("layer");
-        let app = Router::new()
-            .route("/charges", post(handler))
-            .route_layer(layer)
-            .layer(middleware::from_fn(authenticate));
-        let (base, task) = serve(app).await;
+        let (base, task) = serve_charges(handler, layer).await;
         let account = crate::common::servers::fresh_tenant();
         let send = || post_charge(base.clone(), account.clone(), "k-long");
         let first = tokio::spawn(send());
@@ -675,11 +684,7 @@ async fn a_handlers_5xx_behind_a_hook_releases_the_key_and_the_retry_does_not_as
             .recover(hook)
             .build()
             .expect("layer");
-        let app = Router::new()
-            .route("/charges", post(handler))
-            .route_layer(layer)
-            .layer(middleware::from_fn(authenticate));
-        let (base, task) = serve(app).await;
+        let (base, task) = serve_charges(handler, layer).await;
         let account = crate::common::servers::fresh_tenant();
         let send = |key: &'static str| post_charge(base.clone(), account.clone(), key);
         // A fresh request whose handler answers 503: released.
