@@ -9,13 +9,10 @@
 
 use crate::common;
 use crate::tx_fixtures::{lite, my, pg};
-use common::servers::{fresh_tenant, mysql_store_or_skip, pg_store_or_skip};
-use idempotent_runtime::{
-    idempotent, with_outcome, Error, Identity, MemoryStore, Outcome, SqliteStore, Store,
-};
+use common::servers::{every_store, fresh_tenant};
+use idempotent_runtime::{idempotent, with_outcome, Error, Identity, Outcome, Store};
 use serde::{Deserialize, Serialize};
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::Arc;
 
 /// The body's error: recorded as its text alone (a newtype struct is
 /// written as what it holds), so its JSON is its length plus the two quotes.
@@ -62,27 +59,9 @@ async fn declines(
     Err(Declined(text_of(bytes)))
 }
 
-async fn stores() -> Vec<Arc<dyn Store>> {
-    let mut all: Vec<Arc<dyn Store>> = vec![
-        Arc::new(MemoryStore::new()),
-        Arc::new(
-            SqliteStore::connect(&common::scratch::sqlite_url("error-limits"))
-                .await
-                .expect("sqlite"),
-        ),
-    ];
-    if let Some(store) = pg_store_or_skip().await {
-        all.push(Arc::new(store));
-    }
-    if let Some(store) = mysql_store_or_skip().await {
-        all.push(Arc::new(store));
-    }
-    all
-}
-
 #[tokio::test]
 async fn a_recorded_error_of_exactly_the_limit_is_recorded_and_one_byte_more_refused() {
-    for store in stores().await {
+    for (_, store) in every_store("error-limits").await {
         let (store, name) = (&*store, store.name());
         let tenant = fresh_tenant();
         let runs = AtomicU32::new(0);
