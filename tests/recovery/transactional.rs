@@ -65,7 +65,9 @@ async fn pg_charge(
     Ok(format!("ran {key}"))
 }
 
-async fn plant_stuck(store: &dyn Store, identity: &Identity) {
+/// An in-progress record whose lease has run out, as a crashed owner leaves
+/// it (lease zero, kept an hour).
+pub(crate) async fn plant_stuck(store: &dyn Store, identity: &Identity) {
     let token = OwnerToken::new();
     let got = store
         .reserve(ReserveRequest {

@@ -7,10 +7,10 @@
 //! once, the body never runs. On SQLite, PostgreSQL and MariaDB.
 
 use crate::common;
+use crate::transactional::plant_stuck;
 
 use idempotent_runtime::{
-    idempotent, Error, Identity, OwnerToken, RecordState, Recovery, Reservation, ReserveRequest,
-    SqliteStore, Store, Takeover,
+    idempotent, Error, Identity, RecordState, Recovery, SqliteStore, Store, Takeover,
 };
 use std::collections::HashMap;
 use std::future::Future;
@@ -91,22 +91,6 @@ async fn mysql_charge(
 ) -> Result<String, Error> {
     RUNS.fetch_add(1, Ordering::SeqCst);
     Ok("ran".to_owned())
-}
-
-/// An in-progress record whose lease has run out, as a crashed owner leaves it.
-async fn plant_stuck(store: &dyn Store, identity: &Identity) {
-    let token = OwnerToken::new();
-    let got = store
-        .reserve(ReserveRequest {
-            identity,
-            fingerprint: None,
-            token: &token,
-            lease: Duration::ZERO,
-            ttl: Duration::from_secs(3600),
-        })
-        .await
-        .expect("reserve");
-    assert_eq!(got, Reservation::FRESH);
 }
 
 /// One caller: a transaction per try, committed when the call answers,

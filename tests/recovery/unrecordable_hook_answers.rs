@@ -9,10 +9,11 @@
 //! On every store, and in transactional mode on each SQL store.
 
 use crate::common;
+use crate::transactional::plant_stuck;
 
 use idempotent_runtime::{
-    idempotent, with_outcome, Error, Identity, MemoryStore, Outcome, OwnerToken, RecordState,
-    Recovery, Reservation, ReserveRequest, SqliteStore, Store, Takeover, MAX_RESULT_BYTES,
+    idempotent, with_outcome, Error, Identity, MemoryStore, Outcome, RecordState, Recovery,
+    SqliteStore, Store, Takeover, MAX_RESULT_BYTES,
 };
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -107,22 +108,6 @@ async fn receipt(store: &dyn Store, tenant: &str, key: &str) -> Result<String, E
 async fn decline(store: &dyn Store, tenant: &str, key: &str) -> Result<u32, Refused> {
     RUNS.fetch_add(1, Ordering::SeqCst);
     Ok(7)
-}
-
-/// An in-progress record whose lease has run out, as a crashed owner leaves it.
-async fn plant_stuck(store: &dyn Store, identity: &Identity) {
-    let token = OwnerToken::new();
-    let got = store
-        .reserve(ReserveRequest {
-            identity,
-            fingerprint: None,
-            token: &token,
-            lease: Duration::ZERO,
-            ttl: Duration::from_secs(3600),
-        })
-        .await
-        .expect("reserve");
-    assert_eq!(got, Reservation::FRESH);
 }
 
 /// The record is kept for the next takeover: in progress, taken over as
