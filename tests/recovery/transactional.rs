@@ -297,7 +297,7 @@ async fn postgres_a_failing_hook_is_asked_again_at_once() {
 /// A MySQL transaction that takes over a lease planted to have run out: a
 /// transaction takes over only a lease that ran out before the second it
 /// began in (MySQL tells a transaction's start in whole seconds), so it
-/// begins in the server's next second.
+/// begins in the server's next second, on a connection of its own (below).
 pub(crate) async fn mysql_begin_in_the_next_second(
     pool: sqlx::MySqlPool,
 ) -> sqlx::Transaction<'static, sqlx::MySql> {
