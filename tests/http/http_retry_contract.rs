@@ -42,20 +42,20 @@ use tokio::sync::{watch, Semaphore};
 /// Forwards every call to the store it wraps, and counts the waits of
 /// duplicates that found a record in progress: the handshake that says a
 /// duplicate is waiting inside the layer.
-struct Observed {
+pub(crate) struct Observed {
     inner: Arc<dyn Store>,
     waits: watch::Sender<usize>,
 }
 
 impl Observed {
-    fn new(inner: Arc<dyn Store>) -> Arc<Self> {
+    pub(crate) fn new(inner: Arc<dyn Store>) -> Arc<Self> {
         Arc::new(Observed {
             inner,
             waits: watch::channel(0).0,
         })
     }
 
-    async fn wait_for_a_waiter(&self) {
+    pub(crate) async fn wait_for_a_waiter(&self) {
         let mut rx = self.waits.subscribe();
         bounded("a duplicate waiting in the layer", rx.wait_for(|&n| n > 0))
             .await

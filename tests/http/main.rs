@@ -17,6 +17,7 @@ mod http_client;
 mod http_client_sqlite;
 mod http_crash;
 mod http_edges;
+mod http_hunt;
 mod http_layer_recover_every_store;
 mod http_layer_refusals;
 mod http_request_identity;

@@ -1,0 +1,309 @@
+//! An attacker's hunt on rule 22 (DESIGN.md §4) and the README's HTTP
+//! section, written from the contract only: a request body that stalls
+//! before the layer has it whole must hold no key, and a duplicate waiting
+//! for a request whose handler panics is answered as soon as that request
+//! is gone (it runs the handler, or asks the recover hook), not left to
+//! wait out its bound for a record nobody runs. On every store.
+
+use crate::common::servers::fresh_tenant;
+use crate::http_app::{bounded, serve, serve_on_loopback};
+use crate::http_retry_contract::{every_store, Observed};
+
+use axum::body::Bytes;
+use axum::http::StatusCode;
+use axum::response::IntoResponse;
+use axum::routing::post;
+use axum::Router;
+use idempotent_runtime::http::IdempotencyLayer;
+use idempotent_runtime::{Recovery, Store, Takeover};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::sync::{watch, Semaphore};
+
+/// An HTTP/1.1 answer read to the end of its connection.
+struct Answer {
+    status: u16,
+    replayed: bool,
+    body: Vec<u8>,
+}
+
+/// Reads an answer from `stream` (sent with `connection: close`) to its end.
+async fn read_answer(mut stream: TcpStream) -> Answer {
+    let mut raw = Vec::new();
+    bounded("the answer", stream.read_to_end(&mut raw))
+        .await
+        .expect("read");
+    let end = raw
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .unwrap_or_else(|| panic!("no head in {:?}", String::from_utf8_lossy(&raw)));
+    let head = String::from_utf8_lossy(&raw[..end]).to_ascii_lowercase();
+    Answer {
+        status: head[9..12].parse().expect("status"),
+        replayed: head.contains("\r\nidempotent-replayed: true"),
+        body: raw[end + 4..].to_vec(),
+    }
+}
+
+/// A request body that stalls halfway (its client has sent the head and
+/// part of the body, and keeps the connection open) holds no key: the layer
+/// reserves only once it has the whole body, so a duplicate with the whole
+/// body runs at once (`reject_in_progress`: a key held would be 409), and
+/// when the stalled body ends, that request replays the duplicate's answer.
+/// The handler runs once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_body_that_stalls_holds_no_key_and_blocks_no_duplicate_on_every_store() {
+    for (name, store) in every_store().await {
+        // The handshake: the layer asked for the tenant, so it has the
+        // request's head and is reading its body.
+        let asked = Arc::new(watch::channel(0usize).0);
+        let layer = IdempotencyLayer::builder("hunt.stalled_body", store)
+            .tenant_from({
+                let asked = asked.clone();
+                move |parts| {
+                    asked.send_modify(|n| *n += 1);
+                    parts
+                        .headers
+                        .get("x-account")
+                        .and_then(|v| v.to_str().ok())
+                        .map(str::to_owned)
+                }
+            })
+            .reject_in_progress()
+            .build()
+            .expect("layer");
+        let runs = Arc::new(AtomicUsize::new(0));
+        let handler = {
+            let runs = runs.clone();
+            move |body: Bytes| {
+                let runs = runs.clone();
+                async move {
+                    let run = runs.fetch_add(1, Ordering::SeqCst) + 1;
+                    (
+                        StatusCode::CREATED,
+                        format!("run {run}: {} bytes", body.len()),
+                    )
+                }
+            }
+        };
+        let app = Router::new()
+            .route("/notes", post(handler))
+            .route_layer(layer);
+        let (addr, task) = serve_on_loopback(app).await;
+        let account = fresh_tenant();
+        let body = b"0123456789abcdef";
+        let head = format!(
+            "POST /notes HTTP/1.1\r\nhost: t\r\nconnection: close\r\nx-account: {account}\r\n\
+             idempotency-key: stall-1\r\ncontent-type: text/plain\r\ncontent-length: {}\r\n\r\n",
+            body.len()
+        );
+        let connect = |addr: SocketAddr| async move { TcpStream::connect(addr).await.expect("connect") };
+        let mut stalled = connect(addr).await;
+        stalled.write_all(head.as_bytes()).await.expect("head");
+        stalled.write_all(&body[..5]).await.expect("part");
+        let mut seen = asked.subscribe();
+        bounded("the stalled request in the layer", seen.wait_for(|&n| n >= 1))
+            .await
+            .expect("layer alive");
+
+        let mut duplicate = connect(addr).await;
+        duplicate.write_all(head.as_bytes()).await.expect("head");
+        duplicate.write_all(body).await.expect("body");
+        let first = read_answer(duplicate).await;
+        assert_eq!(
+            (first.status, first.replayed, first.body.as_slice()),
+            (201, false, &b"run 1: 16 bytes"[..]),
+            "{name}: the stalled body held the key: {}",
+            String::from_utf8_lossy(&first.body)
+        );
+
+        stalled.write_all(&body[5..]).await.expect("rest");
+        let late = read_answer(stalled).await;
+        assert_eq!(
+            (late.status, late.replayed, late.body),
+            (201, true, first.body),
+            "{name}: the stalled request, once whole, replays"
+        );
+        assert_eq!(runs.load(Ordering::SeqCst), 1, "{name}: the handler ran once");
+        task.abort();
+    }
+}
+
+/// The first run of the handler waits at `gate`, then panics; every later
+/// run answers 201 with its number.
+struct PanicsFirst {
+    runs: AtomicUsize,
+    entered: watch::Sender<usize>,
+    gate: Semaphore,
+}
+
+impl PanicsFirst {
+    fn new() -> Arc<Self> {
+        Arc::new(PanicsFirst {
+            runs: AtomicUsize::new(0),
+            entered: watch::channel(0).0,
+            gate: Semaphore::new(0),
+        })
+    }
+
+    fn runs(&self) -> usize {
+        self.runs.load(Ordering::SeqCst)
+    }
+
+    fn route(self: &Arc<Self>, layer: IdempotencyLayer) -> Router {
+        let state = self.clone();
+        let handler = move || {
+            let state = state.clone();
+            async move {
+                let run = state.runs.fetch_add(1, Ordering::SeqCst) + 1;
+                state.entered.send_modify(|n| *n += 1);
+                if run == 1 {
+                    state.gate.acquire().await.expect("gate").forget();
+                    panic!("the first run panics after its side effect");
+                }
+                (StatusCode::CREATED, format!("run {run}"))
+            }
+        };
+        Router::new()
+            .route("/charges", post(handler))
+            .route_layer(layer)
+    }
+}
+
+/// The bound a duplicate waits for: long enough that a duplicate left
+/// waiting for a record nobody runs is answered 409 (the defect) rather
+/// than by the handler or the hook. Under [`bounded`]'s limit.
+const LONG_WAIT: Duration = Duration::from_secs(40);
+
+/// Sends the first request (its handler held, then panicking) and a
+/// duplicate that waits in the layer for it; lets the handler panic and
+/// returns the duplicate's answer (status, replayed, body).
+async fn duplicate_of_a_panicking_request(
+    base: &str,
+    store: &Observed,
+    state: &PanicsFirst,
+) -> (u16, bool, String) {
+    let account = fresh_tenant();
+    let send = {
+        let (base, account) = (base.to_owned(), account.clone());
+        move || {
+            let (base, account) = (base.clone(), account.clone());
+            async move {
+                reqwest::Client::new()
+                    .post(format!("{base}/charges"))
+                    .header("x-account", account)
+                    .header("idempotency-key", "panics-1")
+                    .body("{}")
+                    .send()
+                    .await
+            }
+        }
+    };
+    let first = tokio::spawn(send());
+    let mut entered = state.entered.subscribe();
+    bounded("the first run in the handler", entered.wait_for(|&n| n >= 1))
+        .await
+        .expect("alive");
+    let duplicate = tokio::spawn(send());
+    store.wait_for_a_waiter().await;
+    state.gate.add_permits(1);
+    let first = bounded("the panicking request", first)
+        .await
+        .expect("task");
+    assert!(
+        first.as_ref().map_or(true, |r| r.status().is_server_error()),
+        "the panic is no answer: {first:?}"
+    );
+    let answer = bounded("the duplicate", duplicate)
+        .await
+        .expect("task")
+        .expect("an answer");
+    (
+        answer.status().as_u16(),
+        answer.headers().contains_key("idempotent-replayed"),
+        answer.text().await.expect("body"),
+    )
+}
+
+fn account_of(parts: &axum::http::request::Parts) -> Option<String> {
+    parts
+        .headers
+        .get("x-account")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned)
+}
+
+/// Rules 4 and 14 through the layer: a duplicate waiting for a request
+/// whose handler panics is not left waiting for a record nobody runs. The
+/// panic releases the key, so the duplicate runs the handler itself (as a
+/// waiting duplicate does behind a 5xx), well within its wait bound, and
+/// gets that run's answer: not a 409 at the end of the bound.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_duplicate_waiting_on_a_request_whose_handler_panics_runs_it_on_every_store() {
+    for (name, store) in every_store().await {
+        let observed = Observed::new(store);
+        let layer = IdempotencyLayer::builder("hunt.panic_waiter", observed.clone() as Arc<dyn Store>)
+            .tenant_from(account_of)
+            .wait(LONG_WAIT)
+            .lease(Duration::from_secs(120))
+            .build()
+            .expect("layer");
+        let state = PanicsFirst::new();
+        let (base, task) = serve(state.route(layer)).await;
+        let answer = duplicate_of_a_panicking_request(&base, &observed, &state).await;
+        assert_eq!(
+            answer,
+            (201, false, "run 2".to_owned()),
+            "{name}: the waiting duplicate runs the handler once the panic released the key"
+        );
+        assert_eq!(state.runs(), 2, "{name}");
+        task.abort();
+    }
+}
+
+/// Rules 4, 14 and 20 through the layer: behind a recover hook, a handler
+/// that panics keeps its record with its lease ended. A duplicate already
+/// waiting for it takes the record over then (it is not left waiting for a
+/// lease nobody renews, and is not answered 409 at the end of its bound),
+/// asks the hook, and gets the hook's answer; the handler does not run again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_duplicate_waiting_on_a_panicking_handler_behind_a_hook_asks_the_hook_on_every_store() {
+    for (name, store) in every_store().await {
+        let observed = Observed::new(store);
+        let asked: Arc<std::sync::Mutex<Vec<u32>>> = Arc::default();
+        let hook = {
+            let asked = asked.clone();
+            move |takeover: Takeover| {
+                let asked = asked.clone();
+                async move {
+                    asked.lock().unwrap().push(takeover.attempt());
+                    Ok(Recovery::Completed(
+                        (StatusCode::CREATED, "found at the provider").into_response(),
+                    ))
+                }
+            }
+        };
+        let layer = IdempotencyLayer::builder("hunt.panic_waiter_hook", observed.clone() as Arc<dyn Store>)
+            .tenant_from(account_of)
+            .wait(LONG_WAIT)
+            .lease(Duration::from_secs(120))
+            .recover(hook)
+            .build()
+            .expect("layer");
+        let state = PanicsFirst::new();
+        let (base, task) = serve(state.route(layer)).await;
+        let answer = duplicate_of_a_panicking_request(&base, &observed, &state).await;
+        assert_eq!(
+            answer,
+            (201, false, "found at the provider".to_owned()),
+            "{name}: the waiting duplicate took the record over and asked the hook"
+        );
+        assert_eq!(state.runs(), 1, "{name}: the handler ran once");
+        assert_eq!(*asked.lock().unwrap(), [2], "{name}: asked once, as attempt 2");
+        task.abort();
+    }
+}
