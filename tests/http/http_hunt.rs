@@ -307,3 +307,132 @@ async fn a_duplicate_waiting_on_a_panicking_handler_behind_a_hook_asks_the_hook_
         task.abort();
     }
 }
+
+/// Two stores on one database (two servers' pools): a SQLite file, the
+/// PostgreSQL and the MariaDB test servers.
+async fn store_pairs() -> Vec<(&'static str, Arc<dyn Store>, Arc<dyn Store>)> {
+    let url = crate::common::scratch::sqlite_url("hunt-pair");
+    let sqlite = || async {
+        Arc::new(
+            idempotent_runtime::SqliteStore::connect(&url)
+                .await
+                .expect("SQLite file"),
+        ) as Arc<dyn Store>
+    };
+    let mut pairs = vec![("sqlite", sqlite().await, sqlite().await)];
+    if let (Some(a), Some(b)) = (
+        crate::common::servers::pg_store_or_skip().await,
+        crate::common::servers::pg_store_or_skip().await,
+    ) {
+        pairs.push(("postgres", Arc::new(a), Arc::new(b)));
+    }
+    if let (Some(a), Some(b)) = (
+        crate::common::servers::mysql_store_or_skip().await,
+        crate::common::servers::mysql_store_or_skip().await,
+    ) {
+        pairs.push(("mariadb", Arc::new(a), Arc::new(b)));
+    }
+    pairs
+}
+
+/// The same as the two tests above, with the duplicate on another server
+/// (another store on the same database, which no in-process notification
+/// reaches): a duplicate waiting there for a request whose handler panics
+/// on the first server runs the handler once the panic released the key,
+/// or, behind a recover hook, takes the record over once its lease was
+/// ended and asks the hook; in neither case is it answered 409 at the end of
+/// its wait bound.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_duplicate_on_another_server_waiting_on_a_panicking_handler_is_answered_on_every_sql_store(
+) {
+    for (name, here, there) in store_pairs().await {
+        for hooked in [false, true] {
+            let scope = if hooked {
+                "hunt.panic_waiter_elsewhere_hook"
+            } else {
+                "hunt.panic_waiter_elsewhere"
+            };
+            let asked: Arc<std::sync::Mutex<Vec<u32>>> = Arc::default();
+            let observed = Observed::new(there.clone());
+            let layer = |store: Arc<dyn Store>| {
+                let builder = IdempotencyLayer::builder(scope, store)
+                    .tenant_from(account_of)
+                    .wait(LONG_WAIT)
+                    .lease(Duration::from_secs(120))
+                    .shared_scope();
+                let builder = if hooked {
+                    let asked = asked.clone();
+                    builder.recover(move |takeover: Takeover| {
+                        let asked = asked.clone();
+                        async move {
+                            asked.lock().unwrap().push(takeover.attempt());
+                            Ok(Recovery::Completed(
+                                (StatusCode::CREATED, "found at the provider").into_response(),
+                            ))
+                        }
+                    })
+                } else {
+                    builder
+                };
+                builder.build().expect("layer")
+            };
+            let state = PanicsFirst::new();
+            let (first_base, first_task) = serve(state.route(layer(here.clone()))).await;
+            let (other_base, other_task) =
+                serve(state.route(layer(observed.clone() as Arc<dyn Store>))).await;
+            let account = fresh_tenant();
+            let send = |base: String| {
+                let account = account.clone();
+                async move {
+                    reqwest::Client::new()
+                        .post(format!("{base}/charges"))
+                        .header("x-account", account)
+                        .header("idempotency-key", "panics-elsewhere")
+                        .body("{}")
+                        .send()
+                        .await
+                }
+            };
+            let first = tokio::spawn(send(first_base));
+            let mut entered = state.entered.subscribe();
+            bounded("the first run in the handler", entered.wait_for(|&n| n >= 1))
+                .await
+                .expect("alive");
+            let duplicate = tokio::spawn(send(other_base));
+            observed.wait_for_a_waiter().await;
+            state.gate.add_permits(1);
+            let first = bounded("the panicking request", first).await.expect("task");
+            assert!(
+                first.as_ref().map_or(true, |r| r.status().is_server_error()),
+                "{name}: the panic is no answer: {first:?}"
+            );
+            let answer = bounded("the duplicate", duplicate)
+                .await
+                .expect("task")
+                .expect("an answer");
+            let answer = (
+                answer.status().as_u16(),
+                answer.headers().contains_key("idempotent-replayed"),
+                answer.text().await.expect("body"),
+            );
+            if hooked {
+                assert_eq!(
+                    answer,
+                    (201, false, "found at the provider".to_owned()),
+                    "{name}: the duplicate on the other server asked the hook"
+                );
+                assert_eq!(state.runs(), 1, "{name}");
+                assert_eq!(*asked.lock().unwrap(), [2], "{name}");
+            } else {
+                assert_eq!(
+                    answer,
+                    (201, false, "run 2".to_owned()),
+                    "{name}: the duplicate on the other server ran the handler"
+                );
+                assert_eq!(state.runs(), 2, "{name}");
+            }
+            first_task.abort();
+            other_task.abort();
+        }
+    }
+}
