@@ -436,3 +436,121 @@ async fn a_duplicate_on_another_server_waiting_on_a_panicking_handler_is_answere
         }
     }
 }
+
+/// Rules 3 and 22 across two servers with stores of their own on one
+/// database (two pools: no in-process notification or lock between them):
+/// a burst of identical requests with one key from four principals whose
+/// spellings a careless store would merge (composed and decomposed `é`,
+/// upper case, a trailing space), spread over both servers, runs the
+/// handler once per principal; each principal's requests all get that
+/// principal's answer, never another's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_from_look_alike_principals_over_two_servers_runs_once_per_principal_on_every_sql_store(
+) {
+    const PER_PRINCIPAL: usize = 10;
+    for (name, here, there) in store_pairs().await {
+        let base = fresh_tenant();
+        let principals: Vec<String> = ["caf\u{e9}", "cafe\u{301}", "CAF\u{c9}", "caf\u{e9} "]
+            .iter()
+            .map(|p| format!("{base}-{p}"))
+            .collect();
+        let tenant = {
+            let principals = principals.clone();
+            move |parts: &axum::http::request::Parts| {
+                let i: usize = parts.headers.get("x-principal")?.to_str().ok()?.parse().ok()?;
+                principals.get(i).cloned()
+            }
+        };
+        let runs = Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
+        let entered = Arc::new(watch::channel(0usize).0);
+        let gate = Arc::new(Semaphore::new(0));
+        let handler = {
+            let (runs, entered, gate, principals) =
+                (runs.clone(), entered.clone(), gate.clone(), principals.clone());
+            move |headers: axum::http::HeaderMap| {
+                let (runs, entered, gate, principals) =
+                    (runs.clone(), entered.clone(), gate.clone(), principals.clone());
+                async move {
+                    let i: usize = headers["x-principal"].to_str().unwrap().parse().unwrap();
+                    let run = {
+                        let mut runs = runs.lock().unwrap();
+                        runs.push(principals[i].clone());
+                        runs.len()
+                    };
+                    entered.send_modify(|n| *n += 1);
+                    gate.acquire().await.expect("gate").forget();
+                    (StatusCode::CREATED, format!("run {run} for {:?}", principals[i]))
+                }
+            }
+        };
+        let observed = [Observed::new(here), Observed::new(there)];
+        let mut bases = Vec::new();
+        let mut tasks = Vec::new();
+        for store in &observed {
+            let layer = IdempotencyLayer::builder("hunt.look_alike_burst", store.clone() as Arc<dyn Store>)
+                .tenant_from(tenant.clone())
+                .wait(LONG_WAIT)
+                .shared_scope()
+                .build()
+                .expect("layer");
+            let app = Router::new()
+                .route("/charges", post(handler.clone()))
+                .route_layer(layer);
+            let (base, task) = serve(app).await;
+            bases.push(base);
+            tasks.push(task);
+        }
+        let send = |base: String, i: usize| async move {
+            let r = reqwest::Client::new()
+                .post(format!("{base}/charges"))
+                .header("x-principal", i.to_string())
+                .header("idempotency-key", "look-alike")
+                .header("content-type", "application/json")
+                .body(r#"{"amount":450}"#)
+                .send()
+                .await
+                .expect("an answer");
+            let replayed = r.headers().contains_key("idempotent-replayed");
+            (i, r.status().as_u16(), replayed, r.text().await.expect("body"))
+        };
+        let mut sent = Vec::new();
+        for n in 0..PER_PRINCIPAL {
+            for i in 0..principals.len() {
+                sent.push(tokio::spawn(send(bases[(n + i) % 2].clone(), i)));
+            }
+        }
+        let mut seen = entered.subscribe();
+        bounded("a run per principal", seen.wait_for(|&n| n >= principals.len()))
+            .await
+            .expect("alive");
+        for store in &observed {
+            store.wait_for_a_waiter().await;
+        }
+        gate.add_permits(principals.len() * PER_PRINCIPAL);
+        let mut answers: Vec<Vec<String>> = vec![Vec::new(); principals.len()];
+        let mut fresh = 0;
+        for r in sent {
+            let (i, status, replayed, body) = bounded("a request", r).await.expect("task");
+            assert_eq!(status, 201, "{name}: principal {i}: {body}");
+            fresh += usize::from(!replayed);
+            answers[i].push(body);
+        }
+        for (i, bodies) in answers.iter_mut().enumerate() {
+            bodies.dedup();
+            assert_eq!(bodies.len(), 1, "{name}: principal {i} got {bodies:?}");
+            assert!(
+                bodies[0].ends_with(&format!("for {:?}", principals[i])),
+                "{name}: principal {i} got another's answer: {bodies:?}"
+            );
+        }
+        assert_eq!(fresh, principals.len(), "{name}: one fresh answer per principal");
+        let mut ran = runs.lock().unwrap().clone();
+        ran.sort();
+        let mut expected = principals.clone();
+        expected.sort();
+        assert_eq!(ran, expected, "{name}: one run per principal");
+        for task in tasks {
+            task.abort();
+        }
+    }
+}
