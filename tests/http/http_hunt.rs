@@ -101,14 +101,18 @@ async fn a_request_body_that_stalls_holds_no_key_and_blocks_no_duplicate_on_ever
              idempotency-key: stall-1\r\ncontent-type: text/plain\r\ncontent-length: {}\r\n\r\n",
             body.len()
         );
-        let connect = |addr: SocketAddr| async move { TcpStream::connect(addr).await.expect("connect") };
+        let connect =
+            |addr: SocketAddr| async move { TcpStream::connect(addr).await.expect("connect") };
         let mut stalled = connect(addr).await;
         stalled.write_all(head.as_bytes()).await.expect("head");
         stalled.write_all(&body[..5]).await.expect("part");
         let mut seen = asked.subscribe();
-        bounded("the stalled request in the layer", seen.wait_for(|&n| n >= 1))
-            .await
-            .expect("layer alive");
+        bounded(
+            "the stalled request in the layer",
+            seen.wait_for(|&n| n >= 1),
+        )
+        .await
+        .expect("layer alive");
 
         let mut duplicate = connect(addr).await;
         duplicate.write_all(head.as_bytes()).await.expect("head");
@@ -128,7 +132,11 @@ async fn a_request_body_that_stalls_holds_no_key_and_blocks_no_duplicate_on_ever
             (201, true, first.body),
             "{name}: the stalled request, once whole, replays"
         );
-        assert_eq!(runs.load(Ordering::SeqCst), 1, "{name}: the handler ran once");
+        assert_eq!(
+            runs.load(Ordering::SeqCst),
+            1,
+            "{name}: the handler ran once"
+        );
         task.abort();
     }
 }
@@ -205,17 +213,20 @@ async fn duplicate_of_a_panicking_request(
     };
     let first = tokio::spawn(send());
     let mut entered = state.entered.subscribe();
-    bounded("the first run in the handler", entered.wait_for(|&n| n >= 1))
-        .await
-        .expect("alive");
+    bounded(
+        "the first run in the handler",
+        entered.wait_for(|&n| n >= 1),
+    )
+    .await
+    .expect("alive");
     let duplicate = tokio::spawn(send());
     store.wait_for_a_waiter().await;
     state.gate.add_permits(1);
-    let first = bounded("the panicking request", first)
-        .await
-        .expect("task");
+    let first = bounded("the panicking request", first).await.expect("task");
     assert!(
-        first.as_ref().map_or(true, |r| r.status().is_server_error()),
+        first
+            .as_ref()
+            .map_or(true, |r| r.status().is_server_error()),
         "the panic is no answer: {first:?}"
     );
     let answer = bounded("the duplicate", duplicate)
@@ -246,12 +257,13 @@ fn account_of(parts: &axum::http::request::Parts) -> Option<String> {
 async fn a_duplicate_waiting_on_a_request_whose_handler_panics_runs_it_on_every_store() {
     for (name, store) in every_store().await {
         let observed = Observed::new(store);
-        let layer = IdempotencyLayer::builder("hunt.panic_waiter", observed.clone() as Arc<dyn Store>)
-            .tenant_from(account_of)
-            .wait(LONG_WAIT)
-            .lease(Duration::from_secs(120))
-            .build()
-            .expect("layer");
+        let layer =
+            IdempotencyLayer::builder("hunt.panic_waiter", observed.clone() as Arc<dyn Store>)
+                .tenant_from(account_of)
+                .wait(LONG_WAIT)
+                .lease(Duration::from_secs(120))
+                .build()
+                .expect("layer");
         let state = PanicsFirst::new();
         let (base, task) = serve(state.route(layer)).await;
         let answer = duplicate_of_a_panicking_request(&base, &observed, &state).await;
@@ -287,13 +299,14 @@ async fn a_duplicate_waiting_on_a_panicking_handler_behind_a_hook_asks_the_hook_
                 }
             }
         };
-        let layer = IdempotencyLayer::builder("hunt.panic_waiter_hook", observed.clone() as Arc<dyn Store>)
-            .tenant_from(account_of)
-            .wait(LONG_WAIT)
-            .lease(Duration::from_secs(120))
-            .recover(hook)
-            .build()
-            .expect("layer");
+        let layer =
+            IdempotencyLayer::builder("hunt.panic_waiter_hook", observed.clone() as Arc<dyn Store>)
+                .tenant_from(account_of)
+                .wait(LONG_WAIT)
+                .lease(Duration::from_secs(120))
+                .recover(hook)
+                .build()
+                .expect("layer");
         let state = PanicsFirst::new();
         let (base, task) = serve(state.route(layer)).await;
         let answer = duplicate_of_a_panicking_request(&base, &observed, &state).await;
@@ -303,7 +316,11 @@ async fn a_duplicate_waiting_on_a_panicking_handler_behind_a_hook_asks_the_hook_
             "{name}: the waiting duplicate took the record over and asked the hook"
         );
         assert_eq!(state.runs(), 1, "{name}: the handler ran once");
-        assert_eq!(*asked.lock().unwrap(), [2], "{name}: asked once, as attempt 2");
+        assert_eq!(
+            *asked.lock().unwrap(),
+            [2],
+            "{name}: asked once, as attempt 2"
+        );
         task.abort();
     }
 }
@@ -395,15 +412,20 @@ async fn a_duplicate_on_another_server_waiting_on_a_panicking_handler_is_answere
             };
             let first = tokio::spawn(send(first_base));
             let mut entered = state.entered.subscribe();
-            bounded("the first run in the handler", entered.wait_for(|&n| n >= 1))
-                .await
-                .expect("alive");
+            bounded(
+                "the first run in the handler",
+                entered.wait_for(|&n| n >= 1),
+            )
+            .await
+            .expect("alive");
             let duplicate = tokio::spawn(send(other_base));
             observed.wait_for_a_waiter().await;
             state.gate.add_permits(1);
             let first = bounded("the panicking request", first).await.expect("task");
             assert!(
-                first.as_ref().map_or(true, |r| r.status().is_server_error()),
+                first
+                    .as_ref()
+                    .map_or(true, |r| r.status().is_server_error()),
                 "{name}: the panic is no answer: {first:?}"
             );
             let answer = bounded("the duplicate", duplicate)
@@ -457,7 +479,13 @@ async fn a_burst_from_look_alike_principals_over_two_servers_runs_once_per_princ
         let tenant = {
             let principals = principals.clone();
             move |parts: &axum::http::request::Parts| {
-                let i: usize = parts.headers.get("x-principal")?.to_str().ok()?.parse().ok()?;
+                let i: usize = parts
+                    .headers
+                    .get("x-principal")?
+                    .to_str()
+                    .ok()?
+                    .parse()
+                    .ok()?;
                 principals.get(i).cloned()
             }
         };
@@ -465,11 +493,19 @@ async fn a_burst_from_look_alike_principals_over_two_servers_runs_once_per_princ
         let entered = Arc::new(watch::channel(0usize).0);
         let gate = Arc::new(Semaphore::new(0));
         let handler = {
-            let (runs, entered, gate, principals) =
-                (runs.clone(), entered.clone(), gate.clone(), principals.clone());
+            let (runs, entered, gate, principals) = (
+                runs.clone(),
+                entered.clone(),
+                gate.clone(),
+                principals.clone(),
+            );
             move |headers: axum::http::HeaderMap| {
-                let (runs, entered, gate, principals) =
-                    (runs.clone(), entered.clone(), gate.clone(), principals.clone());
+                let (runs, entered, gate, principals) = (
+                    runs.clone(),
+                    entered.clone(),
+                    gate.clone(),
+                    principals.clone(),
+                );
                 async move {
                     let i: usize = headers["x-principal"].to_str().unwrap().parse().unwrap();
                     let run = {
@@ -479,7 +515,10 @@ async fn a_burst_from_look_alike_principals_over_two_servers_runs_once_per_princ
                     };
                     entered.send_modify(|n| *n += 1);
                     gate.acquire().await.expect("gate").forget();
-                    (StatusCode::CREATED, format!("run {run} for {:?}", principals[i]))
+                    (
+                        StatusCode::CREATED,
+                        format!("run {run} for {:?}", principals[i]),
+                    )
                 }
             }
         };
@@ -487,12 +526,13 @@ async fn a_burst_from_look_alike_principals_over_two_servers_runs_once_per_princ
         let mut bases = Vec::new();
         let mut tasks = Vec::new();
         for store in &observed {
-            let layer = IdempotencyLayer::builder("hunt.look_alike_burst", store.clone() as Arc<dyn Store>)
-                .tenant_from(tenant.clone())
-                .wait(LONG_WAIT)
-                .shared_scope()
-                .build()
-                .expect("layer");
+            let layer =
+                IdempotencyLayer::builder("hunt.look_alike_burst", store.clone() as Arc<dyn Store>)
+                    .tenant_from(tenant.clone())
+                    .wait(LONG_WAIT)
+                    .shared_scope()
+                    .build()
+                    .expect("layer");
             let app = Router::new()
                 .route("/charges", post(handler.clone()))
                 .route_layer(layer);
@@ -511,7 +551,12 @@ async fn a_burst_from_look_alike_principals_over_two_servers_runs_once_per_princ
                 .await
                 .expect("an answer");
             let replayed = r.headers().contains_key("idempotent-replayed");
-            (i, r.status().as_u16(), replayed, r.text().await.expect("body"))
+            (
+                i,
+                r.status().as_u16(),
+                replayed,
+                r.text().await.expect("body"),
+            )
         };
         let mut sent = Vec::new();
         for n in 0..PER_PRINCIPAL {
@@ -520,9 +565,12 @@ async fn a_burst_from_look_alike_principals_over_two_servers_runs_once_per_princ
             }
         }
         let mut seen = entered.subscribe();
-        bounded("a run per principal", seen.wait_for(|&n| n >= principals.len()))
-            .await
-            .expect("alive");
+        bounded(
+            "a run per principal",
+            seen.wait_for(|&n| n >= principals.len()),
+        )
+        .await
+        .expect("alive");
         for store in &observed {
             store.wait_for_a_waiter().await;
         }
@@ -543,7 +591,11 @@ async fn a_burst_from_look_alike_principals_over_two_servers_runs_once_per_princ
                 "{name}: principal {i} got another's answer: {bodies:?}"
             );
         }
-        assert_eq!(fresh, principals.len(), "{name}: one fresh answer per principal");
+        assert_eq!(
+            fresh,
+            principals.len(),
+            "{name}: one fresh answer per principal"
+        );
         let mut ran = runs.lock().unwrap().clone();
         ran.sort();
         let mut expected = principals.clone();
