@@ -606,3 +606,71 @@ async fn a_burst_from_look_alike_principals_over_two_servers_runs_once_per_princ
         }
     }
 }
+
+/// Rules 7, 10 and 20 through the layer: a record kept for a takeover (its
+/// handler panicked behind a recover hook, so its lease was ended) still
+/// belongs to its request. Another request under its key (another amount)
+/// is refused 422 `key-reused`: it does not take the record over, the hook
+/// is not asked for it and the handler does not run. The first request's
+/// own retry then takes the record over and asks the hook.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_kept_for_a_takeover_is_not_taken_over_by_another_request_on_every_store() {
+    for (name, store) in every_store().await {
+        let asked: Arc<std::sync::Mutex<Vec<u32>>> = Arc::default();
+        let hook = {
+            let asked = asked.clone();
+            move |takeover: Takeover| {
+                let asked = asked.clone();
+                async move {
+                    asked.lock().unwrap().push(takeover.attempt());
+                    Ok(Recovery::Completed(
+                        (StatusCode::CREATED, "found at the provider").into_response(),
+                    ))
+                }
+            }
+        };
+        let layer = IdempotencyLayer::builder("hunt.kept_record_reused", store)
+            .tenant_from(account_of)
+            .reject_in_progress()
+            .recover(hook)
+            .build()
+            .expect("layer");
+        let state = PanicsFirst::new();
+        state.gate.add_permits(1);
+        let (base, task) = serve(state.route(layer)).await;
+        let account = fresh_tenant();
+        let send = |body: &'static str| {
+            reqwest::Client::new()
+                .post(format!("{base}/charges"))
+                .header("x-account", &account)
+                .header("idempotency-key", "kept-1")
+                .header("content-type", "application/json")
+                .body(body)
+                .send()
+        };
+        let first = send(r#"{"amount":1}"#).await;
+        assert!(
+            first.as_ref().map_or(true, |r| r.status().is_server_error()),
+            "{name}: the panic is no answer: {first:?}"
+        );
+        let other = send(r#"{"amount":2}"#).await.expect("an answer");
+        let status = other.status().as_u16();
+        let text = other.text().await.expect("body");
+        assert_eq!(
+            status, 422,
+            "{name}: another request under the kept record's key: {text}"
+        );
+        assert!(text.contains("key-reused"), "{name}: {text}");
+        assert!(asked.lock().unwrap().is_empty(), "{name}: the hook was asked for it");
+        assert_eq!(state.runs(), 1, "{name}: the handler ran for it");
+        let retry = send(r#"{ "amount" : 1.0 }"#).await.expect("an answer");
+        assert_eq!(
+            (retry.status().as_u16(), retry.text().await.expect("body")),
+            (201, "found at the provider".to_owned()),
+            "{name}: the first request's retry asks the hook"
+        );
+        assert_eq!(*asked.lock().unwrap(), [2], "{name}");
+        assert_eq!(state.runs(), 1, "{name}");
+        task.abort();
+    }
+}
