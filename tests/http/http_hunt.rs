@@ -142,11 +142,13 @@ async fn a_request_body_that_stalls_holds_no_key_and_blocks_no_duplicate_on_ever
 }
 
 /// The first run of the handler waits at `gate`, then panics; every later
-/// run answers 201 with its number.
+/// run answers 201 with its number (after waiting at `gate` too, once
+/// `hold_later` is set).
 struct PanicsFirst {
     runs: AtomicUsize,
     entered: watch::Sender<usize>,
     gate: Semaphore,
+    hold_later: std::sync::atomic::AtomicBool,
 }
 
 impl PanicsFirst {
@@ -155,6 +157,7 @@ impl PanicsFirst {
             runs: AtomicUsize::new(0),
             entered: watch::channel(0).0,
             gate: Semaphore::new(0),
+            hold_later: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -172,6 +175,9 @@ impl PanicsFirst {
                 if run == 1 {
                     state.gate.acquire().await.expect("gate").forget();
                     panic!("the first run panics after its side effect");
+                }
+                if state.hold_later.load(Ordering::SeqCst) {
+                    state.gate.acquire().await.expect("gate").forget();
                 }
                 (StatusCode::CREATED, format!("run {run}"))
             }
@@ -650,7 +656,9 @@ async fn a_record_kept_for_a_takeover_is_not_taken_over_by_another_request_on_ev
         };
         let first = send(r#"{"amount":1}"#).await;
         assert!(
-            first.as_ref().map_or(true, |r| r.status().is_server_error()),
+            first
+                .as_ref()
+                .map_or(true, |r| r.status().is_server_error()),
             "{name}: the panic is no answer: {first:?}"
         );
         let other = send(r#"{"amount":2}"#).await.expect("an answer");
@@ -661,7 +669,10 @@ async fn a_record_kept_for_a_takeover_is_not_taken_over_by_another_request_on_ev
             "{name}: another request under the kept record's key: {text}"
         );
         assert!(text.contains("key-reused"), "{name}: {text}");
-        assert!(asked.lock().unwrap().is_empty(), "{name}: the hook was asked for it");
+        assert!(
+            asked.lock().unwrap().is_empty(),
+            "{name}: the hook was asked for it"
+        );
         assert_eq!(state.runs(), 1, "{name}: the handler ran for it");
         let retry = send(r#"{ "amount" : 1.0 }"#).await.expect("an answer");
         assert_eq!(
@@ -673,4 +684,144 @@ async fn a_record_kept_for_a_takeover_is_not_taken_over_by_another_request_on_ev
         assert_eq!(state.runs(), 1, "{name}");
         task.abort();
     }
+}
+
+/// The README's rolling deploy, through a takeover: a record an earlier
+/// version (`http1` fingerprints) left in progress when its handler died
+/// (here: panicked behind a recover hook, so its lease is ended; the record
+/// is then rewritten to its `http1` form, as that version made it) is taken
+/// over by the same request's retry reaching this version ("one it takes
+/// over from an earlier version's owner that died keeps `http1`"): the hook
+/// is asked and its answer recorded and replayed, not refused 422 as a
+/// reused key (which the client takes for final, leaving the side effect
+/// unrecorded). And while such a record's owner still runs, a duplicate is
+/// told 409 in-progress, not 422.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_http1_record_left_in_progress_is_taken_over_by_its_retry_not_refused() {
+    use idempotent_runtime::http::request_fingerprint;
+    let store = crate::http_app::sqlite_file().await;
+    let pool = store.pool().clone();
+    let asked: Arc<std::sync::Mutex<Vec<u32>>> = Arc::default();
+    let hook = {
+        let asked = asked.clone();
+        move |takeover: Takeover| {
+            let asked = asked.clone();
+            async move {
+                asked.lock().unwrap().push(takeover.attempt());
+                Ok(Recovery::Completed(
+                    (StatusCode::CREATED, "found at the provider").into_response(),
+                ))
+            }
+        }
+    };
+    let layer = IdempotencyLayer::builder("hunt.http1_takeover", Arc::new(store) as Arc<dyn Store>)
+        .tenant_from(account_of)
+        .reject_in_progress()
+        .recover(hook)
+        .build()
+        .expect("layer");
+    let state = PanicsFirst::new();
+    let (base, task) = serve(state.route(layer)).await;
+    let account = fresh_tenant();
+    const BODY: &str = r#"{"amount":1}"#;
+    let send = |key: &'static str| {
+        reqwest::Client::new()
+            .post(format!("{base}/charges"))
+            .header("x-account", &account)
+            .header("idempotency-key", key)
+            .header("content-type", "application/json")
+            .body(BODY)
+            .send()
+    };
+    let mut headers = axum::http::HeaderMap::new();
+    headers.insert("content-type", "application/json".parse().unwrap());
+    let current = request_fingerprint(
+        &axum::http::Method::POST,
+        "/charges",
+        &headers,
+        BODY.as_bytes(),
+    );
+    let old = current.legacy().expect("an http1 form").as_str().to_owned();
+    let make_http1 = || async {
+        sqlx::query("UPDATE idempotency_records SET fingerprint = ? WHERE fingerprint = ? AND state = 'in_progress'")
+            .bind(&old)
+            .bind(current.as_str())
+            .execute(&pool)
+            .await
+            .expect("make the record an http1 one")
+            .rows_affected()
+    };
+
+    // A record left in progress with its lease ended.
+    let mut entered = state.entered.subscribe();
+    let first = tokio::spawn(send("http1-died"));
+    bounded("the first run", entered.wait_for(|&n| n >= 1))
+        .await
+        .expect("alive");
+    state.gate.add_permits(1);
+    let first = bounded("the panicking request", first).await.expect("task");
+    assert!(
+        first
+            .as_ref()
+            .map_or(true, |r| r.status().is_server_error()),
+        "{first:?}"
+    );
+    assert_eq!(
+        make_http1().await,
+        1,
+        "the kept record is rewritten as http1"
+    );
+    let retry = send("http1-died").await.expect("an answer");
+    let answer = (retry.status().as_u16(), retry.text().await.expect("body"));
+    assert_eq!(
+        answer,
+        (201, "found at the provider".to_owned()),
+        "the retry of an http1 record left in progress takes it over and asks the hook"
+    );
+    let again = send("http1-died").await.expect("an answer");
+    assert!(
+        again.headers().contains_key("idempotent-replayed"),
+        "{again:?}"
+    );
+    assert_eq!(*asked.lock().unwrap(), [2]);
+    assert_eq!(state.runs(), 1);
+    let kept: String =
+        sqlx::query_scalar("SELECT fingerprint FROM idempotency_records WHERE \"key\" = ?")
+            .bind("http1-died")
+            .fetch_one(&pool)
+            .await
+            .expect("the record");
+    assert_eq!(
+        kept, old,
+        "the record taken over keeps its http1 fingerprint"
+    );
+
+    // A live owner on an http1 record: a duplicate is 409, not 422.
+    state.hold_later.store(true, Ordering::SeqCst);
+    let second = tokio::spawn(send("http1-running"));
+    bounded("the second run", entered.wait_for(|&n| n >= 2))
+        .await
+        .expect("alive");
+    assert_eq!(
+        make_http1().await,
+        1,
+        "the running record is rewritten as http1"
+    );
+    let duplicate = send("http1-running").await.expect("an answer");
+    let status = duplicate.status().as_u16();
+    let text = duplicate.text().await.expect("body");
+    assert_eq!(status, 409, "a duplicate of a running http1 record: {text}");
+    state.gate.add_permits(1);
+    let second = bounded("the running request", second)
+        .await
+        .expect("task")
+        .expect("an answer");
+    assert_eq!(second.status(), 201);
+    let retry = send("http1-running").await.expect("an answer");
+    assert!(
+        retry.headers().contains_key("idempotent-replayed"),
+        "the http1 record, completed, replays to its retry: {retry:?}"
+    );
+    assert_eq!(state.runs(), 2);
+    task.abort();
 }
