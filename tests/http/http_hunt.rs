@@ -825,3 +825,75 @@ async fn an_http1_record_left_in_progress_is_taken_over_by_its_retry_not_refused
     assert_eq!(state.runs(), 2);
     task.abort();
 }
+
+/// The other side of a rolling deploy: a record a newer version left in
+/// progress when its handler died (a fingerprint form this version does
+/// not know, `http9:`, its lease ended) cannot be compared with the request
+/// at hand, so this version must not take it over: it answers 503
+/// `recorded-by-newer-version` with `Retry-After: 1`, runs nothing, asks no
+/// hook and leaves the record as it is (for the newer version to take over).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_newer_versions_record_left_in_progress_is_not_taken_over() {
+    use idempotent_runtime::http::problem::types;
+    let store = crate::http_app::sqlite_file().await;
+    let pool = store.pool().clone();
+    let asked: Arc<std::sync::Mutex<Vec<u32>>> = Arc::default();
+    let hook = {
+        let asked = asked.clone();
+        move |takeover: Takeover| {
+            let asked = asked.clone();
+            async move {
+                asked.lock().unwrap().push(takeover.attempt());
+                Ok(Recovery::Run)
+            }
+        }
+    };
+    let layer = IdempotencyLayer::builder("hunt.newer_takeover", Arc::new(store) as Arc<dyn Store>)
+        .tenant_from(account_of)
+        .reject_in_progress()
+        .recover(hook)
+        .build()
+        .expect("layer");
+    let state = PanicsFirst::new();
+    state.gate.add_permits(1);
+    let (base, task) = serve(state.route(layer)).await;
+    let account = fresh_tenant();
+    let send = || {
+        reqwest::Client::new()
+            .post(format!("{base}/charges"))
+            .header("x-account", &account)
+            .header("idempotency-key", "newer-died")
+            .header("content-type", "application/json")
+            .body(r#"{"amount":1}"#)
+            .send()
+    };
+    let first = send().await;
+    assert!(first.as_ref().map_or(true, |r| r.status().is_server_error()), "{first:?}");
+    let newer = format!("http9:{}", "ab".repeat(32));
+    let rewritten = sqlx::query(
+        "UPDATE idempotency_records SET fingerprint = ? WHERE fingerprint LIKE 'http2:%' AND state = 'in_progress'",
+    )
+    .bind(&newer)
+    .execute(&pool)
+    .await
+    .expect("make the record a newer version's")
+    .rows_affected();
+    assert_eq!(rewritten, 1, "the kept record is rewritten as a newer version's");
+    let retry = send().await.expect("an answer");
+    let status = retry.status().as_u16();
+    let retry_after = retry.headers().get("retry-after").cloned();
+    let text = retry.text().await.expect("body");
+    assert_eq!(status, 503, "{text}");
+    assert!(text.contains(types::RECORDED_BY_NEWER_VERSION), "{text}");
+    assert_eq!(retry_after.as_ref().map(|v| v.as_bytes()), Some(&b"1"[..]));
+    assert!(asked.lock().unwrap().is_empty(), "the hook was asked");
+    assert_eq!(state.runs(), 1, "the handler ran again");
+    let stored: (String, String) =
+        sqlx::query_as("SELECT fingerprint, state FROM idempotency_records WHERE \"key\" = ?")
+            .bind("newer-died")
+            .fetch_one(&pool)
+            .await
+            .expect("the record");
+    assert_eq!(stored, (newer, "in_progress".to_owned()), "the record is untouched");
+    task.abort();
+}
