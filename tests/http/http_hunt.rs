@@ -467,9 +467,11 @@ async fn a_duplicate_on_another_server_waiting_on_a_panicking_handler_is_answere
 
 /// Rules 3 and 22 across two servers with stores of their own on one
 /// database (two pools: no in-process notification or lock between them):
-/// a burst of identical requests with one key from four principals whose
+/// a burst of identical requests with one key from principals whose
 /// spellings a careless store would merge (composed and decomposed `é`,
-/// upper case, a trailing space), spread over both servers, runs the
+/// upper case, a trailing space, and two characters outside the Basic
+/// Multilingual Plane, which a 3-byte `utf8` connection would both turn
+/// into `?`), spread over both servers, runs the
 /// handler once per principal; each principal's requests all get that
 /// principal's answer, never another's.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -478,10 +480,17 @@ async fn a_burst_from_look_alike_principals_over_two_servers_runs_once_per_princ
     const PER_PRINCIPAL: usize = 10;
     for (name, here, there) in store_pairs().await {
         let base = fresh_tenant();
-        let principals: Vec<String> = ["caf\u{e9}", "cafe\u{301}", "CAF\u{c9}", "caf\u{e9} "]
-            .iter()
-            .map(|p| format!("{base}-{p}"))
-            .collect();
+        let principals: Vec<String> = [
+            "caf\u{e9}",
+            "cafe\u{301}",
+            "CAF\u{c9}",
+            "caf\u{e9} ",
+            "\u{1f600}",
+            "\u{1f601}",
+        ]
+        .iter()
+        .map(|p| format!("{base}-{p}"))
+        .collect();
         let tenant = {
             let principals = principals.clone();
             move |parts: &axum::http::request::Parts| {
@@ -868,7 +877,12 @@ async fn a_newer_versions_record_left_in_progress_is_not_taken_over() {
             .send()
     };
     let first = send().await;
-    assert!(first.as_ref().map_or(true, |r| r.status().is_server_error()), "{first:?}");
+    assert!(
+        first
+            .as_ref()
+            .map_or(true, |r| r.status().is_server_error()),
+        "{first:?}"
+    );
     let newer = format!("http9:{}", "ab".repeat(32));
     let rewritten = sqlx::query(
         "UPDATE idempotency_records SET fingerprint = ? WHERE fingerprint LIKE 'http2:%' AND state = 'in_progress'",
@@ -878,7 +892,10 @@ async fn a_newer_versions_record_left_in_progress_is_not_taken_over() {
     .await
     .expect("make the record a newer version's")
     .rows_affected();
-    assert_eq!(rewritten, 1, "the kept record is rewritten as a newer version's");
+    assert_eq!(
+        rewritten, 1,
+        "the kept record is rewritten as a newer version's"
+    );
     let retry = send().await.expect("an answer");
     let status = retry.status().as_u16();
     let retry_after = retry.headers().get("retry-after").cloned();
@@ -894,6 +911,10 @@ async fn a_newer_versions_record_left_in_progress_is_not_taken_over() {
             .fetch_one(&pool)
             .await
             .expect("the record");
-    assert_eq!(stored, (newer, "in_progress".to_owned()), "the record is untouched");
+    assert_eq!(
+        stored,
+        (newer, "in_progress".to_owned()),
+        "the record is untouched"
+    );
     task.abort();
 }
