@@ -918,3 +918,101 @@ async fn a_newer_versions_record_left_in_progress_is_not_taken_over() {
     );
     task.abort();
 }
+
+/// Rule 22's "5xx answers release the key", raced across two servers with
+/// stores of their own on one database: duplicates wait on both servers
+/// while the first request runs; it answers 500, which releases the key.
+/// Exactly one waiting duplicate then runs the handler, and every other
+/// one replays that run's answer: the release does not let two of them
+/// run at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiting_duplicates_on_two_servers_run_once_after_a_released_5xx_on_every_sql_store() {
+    const DUPLICATES: usize = 8;
+    for (name, here, there) in store_pairs().await {
+        let runs = Arc::new(AtomicUsize::new(0));
+        let entered = Arc::new(watch::channel(0usize).0);
+        let gate = Arc::new(Semaphore::new(0));
+        let handler = {
+            let (runs, entered, gate) = (runs.clone(), entered.clone(), gate.clone());
+            move || {
+                let (runs, entered, gate) = (runs.clone(), entered.clone(), gate.clone());
+                async move {
+                    let run = runs.fetch_add(1, Ordering::SeqCst) + 1;
+                    entered.send_modify(|n| *n += 1);
+                    if run == 1 {
+                        gate.acquire().await.expect("gate").forget();
+                        return (
+                            StatusCode::INTERNAL_SERVER_ERROR,
+                            format!("run {run} failed"),
+                        );
+                    }
+                    (StatusCode::CREATED, format!("run {run}"))
+                }
+            }
+        };
+        let observed = [Observed::new(here), Observed::new(there)];
+        let mut bases = Vec::new();
+        let mut tasks = Vec::new();
+        for store in &observed {
+            let layer = IdempotencyLayer::builder(
+                "hunt.released_5xx_two_servers",
+                store.clone() as Arc<dyn Store>,
+            )
+            .tenant_from(account_of)
+            .wait(LONG_WAIT)
+            .shared_scope()
+            .build()
+            .expect("layer");
+            let app = Router::new()
+                .route("/charges", post(handler.clone()))
+                .route_layer(layer);
+            let (base, task) = serve(app).await;
+            bases.push(base);
+            tasks.push(task);
+        }
+        let account = fresh_tenant();
+        let send = |base: String| {
+            let account = account.clone();
+            async move {
+                let r = reqwest::Client::new()
+                    .post(format!("{base}/charges"))
+                    .header("x-account", account)
+                    .header("idempotency-key", "released-5xx")
+                    .body("{}")
+                    .send()
+                    .await
+                    .expect("an answer");
+                let replayed = r.headers().contains_key("idempotent-replayed");
+                (r.status().as_u16(), replayed, r.text().await.expect("body"))
+            }
+        };
+        let first = tokio::spawn(send(bases[0].clone()));
+        let mut seen = entered.subscribe();
+        bounded("the first run", seen.wait_for(|&n| n >= 1))
+            .await
+            .expect("alive");
+        let duplicates: Vec<_> = (0..DUPLICATES)
+            .map(|i| tokio::spawn(send(bases[i % 2].clone())))
+            .collect();
+        for store in &observed {
+            store.wait_for_a_waiter().await;
+        }
+        gate.add_permits(1);
+        let first = bounded("the first request", first).await.expect("task");
+        assert_eq!(first, (500, false, "run 1 failed".to_owned()), "{name}");
+        let mut fresh = 0;
+        for d in duplicates {
+            let (status, replayed, body) = bounded("a duplicate", d).await.expect("task");
+            assert_eq!((status, body.as_str()), (201, "run 2"), "{name}");
+            fresh += usize::from(!replayed);
+        }
+        assert_eq!(
+            fresh, 1,
+            "{name}: one duplicate ran, the others replayed it"
+        );
+        assert_eq!(runs.load(Ordering::SeqCst), 2, "{name}");
+        for task in tasks {
+            task.abort();
+        }
+    }
+}
