@@ -1016,3 +1016,107 @@ async fn waiting_duplicates_on_two_servers_run_once_after_a_released_5xx_on_ever
         }
     }
 }
+
+/// Rules 3, 10 and 20 across two servers with stores of their own on one
+/// database: a record kept for a takeover (its handler panicked behind a
+/// recover hook) met by a burst of retries on both servers at once is taken
+/// over by exactly one of them. The hook is asked once (attempt 2), every
+/// other retry waits for its answer and replays it, and the handler does
+/// not run again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_of_retries_on_two_servers_takes_a_kept_record_over_once_on_every_sql_store() {
+    const RETRIES: usize = 8;
+    for (name, here, there) in store_pairs().await {
+        let asked: Arc<std::sync::Mutex<Vec<u32>>> = Arc::default();
+        let hook_entered = Arc::new(watch::channel(0usize).0);
+        let hook_gate = Arc::new(Semaphore::new(0));
+        let observed = [Observed::new(here), Observed::new(there)];
+        let state = PanicsFirst::new();
+        state.gate.add_permits(1);
+        let mut bases = Vec::new();
+        let mut tasks = Vec::new();
+        for store in &observed {
+            let hook = {
+                let (asked, hook_entered, hook_gate) =
+                    (asked.clone(), hook_entered.clone(), hook_gate.clone());
+                move |takeover: Takeover| {
+                    let (asked, hook_entered, hook_gate) =
+                        (asked.clone(), hook_entered.clone(), hook_gate.clone());
+                    async move {
+                        asked.lock().unwrap().push(takeover.attempt());
+                        hook_entered.send_modify(|n| *n += 1);
+                        hook_gate.acquire().await.expect("gate").forget();
+                        Ok(Recovery::Completed(
+                            (StatusCode::CREATED, "found at the provider").into_response(),
+                        ))
+                    }
+                }
+            };
+            let layer = IdempotencyLayer::builder(
+                "hunt.kept_record_burst",
+                store.clone() as Arc<dyn Store>,
+            )
+            .tenant_from(account_of)
+            .wait(LONG_WAIT)
+            .recover(hook)
+            .shared_scope()
+            .build()
+            .expect("layer");
+            let (base, task) = serve(state.route(layer)).await;
+            bases.push(base);
+            tasks.push(task);
+        }
+        let account = fresh_tenant();
+        let send = |base: String| {
+            let account = account.clone();
+            async move {
+                reqwest::Client::new()
+                    .post(format!("{base}/charges"))
+                    .header("x-account", account)
+                    .header("idempotency-key", "kept-burst")
+                    .body("{}")
+                    .send()
+                    .await
+            }
+        };
+        let first = send(bases[0].clone()).await;
+        assert!(
+            first
+                .as_ref()
+                .map_or(true, |r| r.status().is_server_error()),
+            "{name}: the panic is no answer: {first:?}"
+        );
+        let retries: Vec<_> = (0..RETRIES)
+            .map(|i| tokio::spawn(send(bases[i % 2].clone())))
+            .collect();
+        let mut seen = hook_entered.subscribe();
+        bounded("the hook asked", seen.wait_for(|&n| n >= 1))
+            .await
+            .expect("alive");
+        for store in &observed {
+            store.wait_for_a_waiter().await;
+        }
+        hook_gate.add_permits(RETRIES);
+        let mut fresh = 0;
+        for r in retries {
+            let r = bounded("a retry", r)
+                .await
+                .expect("task")
+                .expect("an answer");
+            let replayed = r.headers().contains_key("idempotent-replayed");
+            let answer = (r.status().as_u16(), r.text().await.expect("body"));
+            assert_eq!(answer, (201, "found at the provider".to_owned()), "{name}");
+            fresh += usize::from(!replayed);
+        }
+        assert_eq!(fresh, 1, "{name}: one retry took the record over");
+        assert_eq!(
+            *asked.lock().unwrap(),
+            [2],
+            "{name}: the hook was asked once"
+        );
+        assert_eq!(state.runs(), 1, "{name}: the handler ran once");
+        for task in tasks {
+            task.abort();
+        }
+    }
+}
