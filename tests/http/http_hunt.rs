@@ -1,9 +1,15 @@
 //! An attacker's hunt on rule 22 (DESIGN.md §4) and the README's HTTP
-//! section, written from the contract only: a request body that stalls
-//! before the layer has it whole must hold no key, and a duplicate waiting
-//! for a request whose handler panics is answered as soon as that request
-//! is gone (it runs the handler, or asks the recover hook), not left to
-//! wait out its bound for a record nobody runs. On every store.
+//! section, written from the contract only. A request body that stalls
+//! before the layer has it whole holds no key. A duplicate waiting for a
+//! request whose handler panics is answered as soon as that request is gone
+//! (it runs the handler, or takes the kept record over and asks the recover
+//! hook), on the same server or on another one with a store of its own on
+//! the same database. A record kept for a takeover belongs to its request:
+//! another request under its key is 422, a burst of its retries over two
+//! servers takes it over once. Records of another version left in progress:
+//! an `http1` one is taken over by its retry, a newer one is left alone
+//! (503). Look-alike principals over two servers never share an answer, and
+//! waiting duplicates on two servers run once after a released 5xx.
 
 use crate::common::servers::fresh_tenant;
 use crate::http_app::{bounded, serve, serve_on_loopback};

@@ -4,7 +4,8 @@
 //! of a replay (`http_trailers`), request bodies that cannot be read
 //! (`http_body_errors`), the layer's own refusals seen by a layer around it
 //! (`http_layer_refusals`), rule 22 end to end on every store with requests
-//! written byte for byte (`http_retry_contract`). `http_app` is the shared
+//! written byte for byte (`http_retry_contract`), an attacker's hunt on rule
+//! 22 across servers, takeovers and versions (`http_hunt`). `http_app` is the shared
 //! test application.
 
 #[path = "../common/mod.rs"]
