@@ -557,6 +557,16 @@ fn refuse_before_work(request: &Request, misdirect_next: &AtomicUsize) -> Option
     if !headers.contains_key(header::IF_MATCH) {
         return Some(StatusCode::PRECONDITION_REQUIRED);
     }
+    // RFC 9110 13.1.1: the order is at version "v1"; a request made from an
+    // older read fails its precondition and the method is not performed.
+    // The client reads the resource again and sends the request with the
+    // current version.
+    if headers
+        .get(header::IF_MATCH)
+        .is_some_and(|v| v.as_bytes() != b"\"v1\"")
+    {
+        return Some(StatusCode::PRECONDITION_FAILED);
+    }
     // RFC 6585 5: "The request MAY be resubmitted after reducing the size of
     // the request header fields."
     if headers.values().any(|v| v.len() > 1024) {
@@ -576,7 +586,7 @@ fn refuse_before_work(request: &Request, misdirect_next: &AtomicUsize) -> Option
     None
 }
 
-/// A refusal that asks for the request again (411, 417, 421, 428, 431 by
+/// A refusal that asks for the request again (411, 412, 417, 421, 428, 431 by
 /// their RFCs' words; 414, which a shorter target answers, like the 413
 /// and 415 the layer already leaves unrecorded), made inside the
 /// layer before the handler did anything, is not recorded: the request the
@@ -687,6 +697,15 @@ async fn refusals_that_ask_for_the_request_again_are_not_recorded() {
         (
             428,
             vec!["Accept: application/json".to_owned()],
+            false,
+            "/orders",
+        ),
+        (
+            412,
+            vec![
+                "If-Match: \"v0\"".to_owned(),
+                "Accept: application/json".to_owned(),
+            ],
             false,
             "/orders",
         ),

@@ -332,11 +332,12 @@ impl IdempotencyLayerBuilder {
 
     setters! {
         /// Whether 4xx answers of the handler are recorded as the final answer
-        /// for their key (default `true`). `401`, `405`, `408`, `411`, `413`,
+        /// for their key (default `true`). `401`, `405`, `408`, `411`, `412`, `413`,
         /// `414`, `415`, `417`, `421`, `423`, `425`, `428`, `429` and `431` are
         /// never recorded by the default rule: they say "not processed, try
         /// again" (a `401` once the client has authenticated again, a `405`
-        /// with the route's method, a `411` with a `Content-Length`, a `413` with a smaller
+        /// with the route's method, a `411` with a `Content-Length`, a `412`
+        /// with a precondition that holds now, a `413` with a smaller
         /// body, a `414` with a shorter target, a `415` with the right
         /// `Content-Type`, a `417` without the expectation, a `421` over another
         /// connection, a `428` with a precondition such as `If-Match`, a `431`
@@ -505,6 +506,9 @@ pub(crate) fn says_try_again(status: StatusCode) -> bool {
 /// * 415: with the right `Content-Type` (an extractor, before the handler's code ran);
 /// * 417: without the expectation (RFC 9110: a client "SHOULD repeat that
 ///   request without a 100-continue expectation");
+/// * 412: with a precondition that holds now (a fresh `If-Match` after
+///   reading the resource again; RFC 9110: the server did not perform the
+///   method);
 /// * 421: over another connection (RFC 9110: clients "MAY retry the
 ///   request, whether or not the request method is idempotent, over a
 ///   different connection");
@@ -525,6 +529,7 @@ fn asks_for_a_resend(status: StatusCode) -> bool {
             | StatusCode::URI_TOO_LONG
             | StatusCode::UNSUPPORTED_MEDIA_TYPE
             | StatusCode::EXPECTATION_FAILED
+            | StatusCode::PRECONDITION_FAILED
             | StatusCode::MISDIRECTED_REQUEST
             | StatusCode::PRECONDITION_REQUIRED
             | StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE

@@ -26,7 +26,7 @@
 //! | body over the cap, or over a limit outside the layer | 413 `body-too-large` |
 //! | body that cannot be read | 400 `body-unreadable` |
 //! | (each refusal above) | marked [`problem::NotFinal`]: nothing ran or is recorded, nor by a layer around this one |
-//! | first request | the handler's answer (headers, trailers, extensions); 2xx–4xx recorded (not 401, 405, 408, 411, 413, 414, 415, 417, 421, 423, 425, 428, 429, 431, nor an answer marked [`problem::NotFinal`]), 5xx releases the key |
+//! | first request | the handler's answer (headers, trailers, extensions); 2xx–4xx recorded (not 401, 405, 408, 411, 412, 413, 414, 415, 417, 421, 423, 425, 428, 429, 431, nor an answer marked [`problem::NotFinal`]), 5xx releases the key |
 //! | retry, same request | the recorded status, body, allow-listed headers and trailers + `Idempotent-Replayed: true` |
 //! | same key, different method, target or body | 422 `key-reused` |
 //! | still running after the wait bound | 409 `in-progress` + `Retry-After` (s, ≥ 1) |
