@@ -9,6 +9,9 @@ mod common;
 mod consumer_lifecycle;
 mod key_in_logs;
 mod nats_consumer;
+// An independent tester's probes: failing handlers, tenants from a header, long bodies,
+// a store outage mid-body.
+mod nats_hunt;
 mod nested_handle;
 mod progress_from_start;
 mod stale_deliveries;

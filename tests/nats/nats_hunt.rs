@@ -1,0 +1,622 @@
+//! An independent tester's probes of the consumer contract (README, "Message
+//! consumers"), on the real JetStream server and PostgreSQL, each delivery
+//! handled on a store object of its own, as another worker process would:
+//!
+//! * a handler that fails is nak'd with a pause that grows at every
+//!   redelivery, as the server counts them (1 s, 2 s, 4 s), and runs once it
+//!   succeeds; a producer retry after that is a replay;
+//! * the tenant comes from a header: one message id from two tenants (and
+//!   from a tenant that differs only in case) is two records, each with its
+//!   own answer, never a replay of the other's nor a mismatch with it;
+//! * a body that outlives `ack_wait` under the default `in_progress = wait`:
+//!   the redelivery waits for it on another store object and replays its
+//!   answer; one effect, the message settled;
+//! * PostgreSQL cut off while a body runs: the delivery is nak'd as failed,
+//!   and its redeliveries get the body's answer (also when the outage
+//!   outlasts the lease: the answer this process holds is recorded on
+//!   takeover), never a second run.
+//!
+//! Streams are named `h_hnats_*` and deleted at the end.
+
+use crate::common;
+use crate::nats_consumer::{json, order, pulled_in_turn, settled, Order, PulledInTurn};
+
+use async_nats::jetstream::{self, consumer::pull, consumer::PullConsumer, stream};
+use common::servers::{fresh_tenant, nats_or_skip, pg_store_or_skip};
+use futures_util::StreamExt;
+use idempotent_runtime::consumer::nats::process;
+use idempotent_runtime::consumer::{Disposition, Verdict};
+use idempotent_runtime::{idempotent, Error, Identity, PgStore, RecordState, Store};
+use std::collections::HashMap;
+use std::sync::{LazyLock, Mutex};
+use std::time::Duration;
+use tokio::sync::Semaphore;
+use tokio::time::Instant;
+
+const SCOPE: &str = "nats.hunt.billing";
+
+/// Per tenant: bodies begun, effects (amounts billed), failures still to come.
+#[derive(Default)]
+struct Ledger {
+    begun: u32,
+    effects: Vec<u64>,
+    fails_left: u32,
+    /// The first body waits for this gate (and says it has begun).
+    gated: bool,
+}
+
+static LEDGERS: LazyLock<Mutex<HashMap<String, Ledger>>> = LazyLock::new(Default::default);
+/// One permit per gated body that has begun.
+static ENTERED: Semaphore = Semaphore::const_new(0);
+/// Opens the gated body.
+static GATE: Semaphore = Semaphore::const_new(0);
+
+fn ledger<T>(tenant: &str, f: impl FnOnce(&mut Ledger) -> T) -> T {
+    let mut all = LEDGERS.lock().unwrap_or_else(|p| p.into_inner());
+    f(all.entry(tenant.to_owned()).or_default())
+}
+
+#[derive(Debug, thiserror::Error)]
+enum HuntError {
+    #[error("the ledger is down")]
+    LedgerDown,
+    #[error(transparent)]
+    Idempotency(#[from] Error),
+}
+
+impl idempotent_runtime::consumer::AsIdempotencyError for HuntError {
+    fn as_idempotency_error(&self) -> Option<&Error> {
+        match self {
+            HuntError::Idempotency(e) => Some(e),
+            HuntError::LedgerDown => None,
+        }
+    }
+}
+
+/// The body: fails while the tenant's ledger says so (the key is released),
+/// otherwise bills the order's amount once.
+async fn body(tenant: &str, order: &Order) -> Result<u64, HuntError> {
+    let (nth, fail, gated) = ledger(tenant, |l| {
+        l.begun += 1;
+        let fail = l.fails_left > 0;
+        l.fails_left = l.fails_left.saturating_sub(1);
+        (l.begun, fail, l.gated && l.begun == 1)
+    });
+    if fail {
+        return Err(HuntError::LedgerDown);
+    }
+    if gated {
+        ENTERED.add_permits(1);
+        // Bounded: a handshake that never comes fails the counts, not the run.
+        let _ = tokio::time::timeout(Duration::from_secs(30), GATE.acquire()).await;
+    }
+    let amount = amount_of(order);
+    ledger(tenant, |l| l.effects.push(amount));
+    let _ = nth;
+    Ok(amount)
+}
+
+fn amount_of(order: &Order) -> u64 {
+    // `Order`'s fields are the suite's; its JSON has the amount.
+    serde_json::to_value(order).unwrap()["amount_cents"]
+        .as_u64()
+        .unwrap()
+}
+
+/// As the README recommends for consumers.
+#[idempotent(scope = "nats.hunt.billing", key = msg_id, tenant = tenant, store = store,
+             in_progress = reject, lease = "20s")]
+async fn bill(
+    store: &dyn Store,
+    tenant: &str,
+    msg_id: &str,
+    order: &Order,
+) -> Result<u64, HuntError> {
+    body(tenant, order).await
+}
+
+/// The attribute's default for duplicates: `in_progress = wait("10s")`.
+#[idempotent(scope = "nats.hunt.waiting", key = msg_id, tenant = tenant, store = store,
+             lease = "20s")]
+async fn bill_waiting(
+    store: &dyn Store,
+    tenant: &str,
+    msg_id: &str,
+    order: &Order,
+) -> Result<u64, HuntError> {
+    body(tenant, order).await
+}
+
+/// A store object of its own, as another worker process would have: its own pool.
+async fn another_worker() -> Option<&'static PgStore> {
+    Some(Box::leak(Box::new(pg_store_or_skip().await?)))
+}
+
+/// A stream (`h_hnats_<label>_<id>`) with a short duplicate window, so that a
+/// producer retry published after it is stored and delivered.
+struct HuntStream {
+    js: jetstream::Context,
+    name: String,
+    subject: String,
+}
+
+impl Drop for HuntStream {
+    /// A test that failed before `delete` still removes its stream (from a
+    /// thread of its own, bounded, on a connection of its own).
+    fn drop(&mut self) {
+        let name = std::mem::take(&mut self.name);
+        if name.is_empty() {
+            return;
+        }
+        let _ = std::thread::spawn(move || {
+            let Ok(rt) = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            else {
+                return;
+            };
+            rt.block_on(async {
+                let _ = tokio::time::timeout(Duration::from_secs(5), async {
+                    let url = common::servers::nats_url();
+                    let client = async_nats::connect(url.as_str()).await.ok()?;
+                    jetstream::new(client).delete_stream(&name).await.ok()
+                })
+                .await;
+            });
+        })
+        .join();
+    }
+}
+
+impl HuntStream {
+    async fn create(js: &jetstream::Context, label: &str) -> HuntStream {
+        let id = uuid::Uuid::new_v4().simple().to_string();
+        let name = format!("h_hnats_{label}_{id}");
+        let subject = format!("h_hnats_{label}.{id}");
+        js.create_stream(stream::Config {
+            name: name.clone(),
+            subjects: vec![subject.clone()],
+            duplicate_window: Duration::from_millis(100),
+            max_age: Duration::from_secs(600),
+            ..Default::default()
+        })
+        .await
+        .expect("create the stream");
+        HuntStream {
+            js: js.clone(),
+            name,
+            subject,
+        }
+    }
+
+    async fn durable(&self, name: &str, ack_wait: Duration) -> PullConsumer {
+        self.js
+            .get_stream(&self.name)
+            .await
+            .expect("get the stream")
+            .create_consumer(pull::Config {
+                durable_name: Some(name.into()),
+                ack_policy: jetstream::consumer::AckPolicy::Explicit,
+                ack_wait,
+                ..Default::default()
+            })
+            .await
+            .expect("create the durable")
+    }
+
+    /// Publishes with `Nats-Msg-Id` (and a tenant header when given); a
+    /// publish the duplicate window drops is repeated until it is stored.
+    async fn publish(&self, msg_id: &str, tenant: Option<&str>, payload: Vec<u8>) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let mut m = jetstream::message::PublishMessage::build()
+                .payload(payload.clone().into())
+                .message_id(msg_id);
+            if let Some(t) = tenant {
+                m = m.header(TENANT_HEADER, t);
+            }
+            let ack = self
+                .js
+                .send_publish(self.subject.clone(), m)
+                .await
+                .expect("publish")
+                .await
+                .expect("publish acknowledged");
+            if !ack.duplicate {
+                return;
+            }
+            assert!(Instant::now() < deadline, "kept dropped as a duplicate");
+            tokio::time::sleep(Duration::from_millis(30)).await;
+        }
+    }
+
+    async fn delete(mut self) {
+        self.js
+            .delete_stream(&self.name)
+            .await
+            .expect("delete the stream");
+        self.name.clear();
+    }
+}
+
+async fn next(messages: &mut PulledInTurn) -> jetstream::Message {
+    tokio::time::timeout(Duration::from_secs(30), messages.next())
+        .await
+        .expect("a delivery within 30 s")
+        .expect("the message stream goes on")
+        .expect("a message")
+}
+
+fn delivered(message: &jetstream::Message) -> i64 {
+    message.info().expect("a JetStream delivery").delivered
+}
+
+// ---------------------------------------------------------------- a failing handler, redelivered
+
+/// README: a failed delivery is nak'd, "`process` delays it by the delivery
+/// count, 1 s after the first delivery, doubling up to 60 s". On the server:
+/// three failures (each on a store object of its own) are nak'd after 1 s,
+/// 2 s and 4 s as the server counts the deliveries, the fourth runs and is
+/// acked, and a producer retry published afterwards replays that answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn h_a_failing_handler_is_nakd_later_at_every_redelivery_then_runs_once() {
+    let Some(js) = nats_or_skip().await else {
+        return;
+    };
+    if pg_store_or_skip().await.is_none() {
+        return;
+    }
+    tokio::time::timeout(Duration::from_secs(90), async {
+        let tenant = fresh_tenant();
+        ledger(&tenant, |l| l.fails_left = 3);
+        let stream = HuntStream::create(&js, "failing").await;
+        let consumer = stream.durable("billing", Duration::from_secs(30)).await;
+        let mut messages = pulled_in_turn(&consumer, 1);
+        stream.publish("f-1", None, json(&order("o-1", 250))).await;
+        let mut seen = Vec::new();
+        loop {
+            let message = next(&mut messages).await;
+            let store = another_worker().await.unwrap();
+            let o: Order = serde_json::from_slice(&message.payload).unwrap();
+            let handled = process(&message, |k| bill(store, &tenant, k, &o))
+                .await
+                .expect("settled");
+            seen.push((delivered(&message), handled.verdict, handled.disposition()));
+            if handled.disposition() == Disposition::Ack || seen.len() > 6 {
+                break;
+            }
+        }
+        let secs = |s| Disposition::Nak(Some(Duration::from_secs(s)));
+        assert_eq!(
+            seen,
+            [
+                (1, Verdict::Failed, secs(1)),
+                (2, Verdict::Failed, secs(2)),
+                (3, Verdict::Failed, secs(4)),
+                (4, Verdict::Executed, Disposition::Ack),
+            ]
+        );
+        // The producer publishes the message again, after the window.
+        stream.publish("f-1", None, json(&order("o-1", 250))).await;
+        let message = next(&mut messages).await;
+        let store = another_worker().await.unwrap();
+        let o: Order = serde_json::from_slice(&message.payload).unwrap();
+        let handled = process(&message, |k| bill(store, &tenant, k, &o))
+            .await
+            .expect("settled");
+        assert_eq!(
+            (handled.verdict, handled.disposition()),
+            (Verdict::Replayed, Disposition::Ack)
+        );
+        assert_eq!(handled.result.unwrap().unwrap(), 250);
+        assert_eq!(
+            ledger(&tenant, |l| (l.begun, l.effects.clone())),
+            (4, vec![250])
+        );
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !settled(&consumer).await {
+            assert!(Instant::now() < deadline, "the message was settled");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        drop(messages);
+        stream.delete().await;
+    })
+    .await
+    .expect("finished within 90 s");
+}
+
+// ---------------------------------------------------------------- the tenant from a header
+
+const TENANT_HEADER: &str = "H-Hnats-Tenant";
+
+fn tenant_of(message: &jetstream::Message) -> String {
+    message
+        .headers
+        .as_ref()
+        .and_then(|h| h.get(TENANT_HEADER))
+        .map_or(String::new(), |v| v.as_str().to_owned())
+}
+
+/// One message id from three tenants named in a header (the third differs
+/// from the first only in case), each published after the duplicate window:
+/// three records, each tenant billed its own amount and answered with it
+/// (never the first tenant's answer replayed, never a mismatch with it).
+/// Then the first tenant's retry replays its own answer, and its reuse of
+/// the id with another amount is its own poison message.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn h_one_message_id_from_tenants_in_a_header_is_answered_per_tenant() {
+    let Some(js) = nats_or_skip().await else {
+        return;
+    };
+    if pg_store_or_skip().await.is_none() {
+        return;
+    }
+    tokio::time::timeout(Duration::from_secs(90), async {
+        let acme = format!("acme-{}", uuid::Uuid::new_v4().simple());
+        let globex = format!("globex-{}", uuid::Uuid::new_v4().simple());
+        let acme_upper = acme.to_uppercase();
+        let stream = HuntStream::create(&js, "tenants").await;
+        let consumer = stream.durable("billing", Duration::from_secs(30)).await;
+        let mut messages = pulled_in_turn(&consumer, 1);
+        let sent: [(&str, u64); 5] = [
+            (&acme, 100),
+            (&globex, 200),
+            (&acme_upper, 300),
+            (&acme, 100),
+            (&acme, 999),
+        ];
+        let mut seen = Vec::new();
+        for (tenant, amount) in sent {
+            stream
+                .publish("order-1", Some(tenant), json(&order("o-1", amount)))
+                .await;
+            let message = next(&mut messages).await;
+            let store = another_worker().await.unwrap();
+            let o: Order = serde_json::from_slice(&message.payload).unwrap();
+            let t = tenant_of(&message);
+            assert_eq!(t, tenant, "the header as sent");
+            let handled = process(&message, |k| bill(store, &t, k, &o))
+                .await
+                .expect("settled");
+            let answer = match handled.result {
+                Some(Ok(v)) => Some(v),
+                _ => None,
+            };
+            seen.push((handled.verdict, handled.disposition(), answer));
+        }
+        assert_eq!(
+            seen,
+            [
+                (Verdict::Executed, Disposition::Ack, Some(100)),
+                (Verdict::Executed, Disposition::Ack, Some(200)),
+                (Verdict::Executed, Disposition::Ack, Some(300)),
+                (Verdict::Replayed, Disposition::Ack, Some(100)),
+                (Verdict::Mismatch, Disposition::Term, None),
+            ]
+        );
+        for (tenant, effects) in [(&acme, [100]), (&globex, [200]), (&acme_upper, [300])] {
+            assert_eq!(ledger(tenant, |l| l.effects.clone()), effects, "{tenant}");
+            let store = another_worker().await.unwrap();
+            let record = store
+                .fetch(&Identity::new(tenant.as_str(), SCOPE, "order-1").unwrap())
+                .await
+                .unwrap()
+                .expect("a record per tenant");
+            assert_eq!(record.state, RecordState::Complete);
+        }
+        drop(messages);
+        stream.delete().await;
+    })
+    .await
+    .expect("finished within 90 s");
+}
+
+// ---------------------------------------------------------------- a body longer than ack_wait, default wait
+
+/// A body that outlives the consumer's 1 s `ack_wait`, under the attribute's
+/// default `in_progress = wait("10s")`: the redelivery (on another store
+/// object) waits for the running body and replays its answer instead of
+/// running it again; both deliveries are acked, one effect, and the message
+/// is settled (any later redelivery only replays).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn h_a_body_longer_than_ack_wait_is_waited_for_and_replayed_by_its_redelivery() {
+    let Some(js) = nats_or_skip().await else {
+        return;
+    };
+    if pg_store_or_skip().await.is_none() {
+        return;
+    }
+    tokio::time::timeout(Duration::from_secs(90), async {
+        let tenant = fresh_tenant();
+        ledger(&tenant, |l| l.gated = true);
+        let stream = HuntStream::create(&js, "longbody").await;
+        let consumer = stream.durable("billing", Duration::from_secs(1)).await;
+        let mut messages = pulled_in_turn(&consumer, 1);
+        stream.publish("l-1", None, json(&order("o-1", 40))).await;
+        let deliver = |message: jetstream::Message| {
+            let tenant = tenant.clone();
+            tokio::spawn(async move {
+                let store = another_worker().await.unwrap();
+                let o: Order = serde_json::from_slice(&message.payload).unwrap();
+                let handled = process(&message, |k| bill_waiting(store, &tenant, k, &o))
+                    .await
+                    .expect("settled");
+                (delivered(&message), handled.verdict, handled.disposition())
+            })
+        };
+        let first = deliver(next(&mut messages).await);
+        let _entered = ENTERED.acquire().await.unwrap();
+        // The redelivery, after the first delivery's ack_wait ran out.
+        let second = next(&mut messages).await;
+        assert_eq!(delivered(&second), 2);
+        let second = deliver(second);
+        GATE.add_permits(1);
+        let first = first.await.unwrap();
+        let second = second.await.unwrap();
+        assert_eq!(first, (1, Verdict::Executed, Disposition::Ack));
+        assert_eq!(second, (2, Verdict::Replayed, Disposition::Ack));
+        // Later redeliveries (if the acks came after another ack_wait) replay.
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !settled(&consumer).await {
+            assert!(Instant::now() < deadline, "the message was settled");
+            if let Ok(Some(Ok(m))) =
+                tokio::time::timeout(Duration::from_millis(200), messages.next()).await
+            {
+                let (_, verdict, _) = deliver(m).await.unwrap();
+                assert_eq!(verdict, Verdict::Replayed);
+            }
+        }
+        assert_eq!(
+            ledger(&tenant, |l| (l.begun, l.effects.clone())),
+            (1, vec![40])
+        );
+        drop(messages);
+        stream.delete().await;
+    })
+    .await
+    .expect("finished within 90 s");
+}
+
+// ---------------------------------------------------------------- a store outage while a message is in flight
+
+/// A short lease, so that an outage can outlast it.
+#[idempotent(scope = "nats.hunt.outage", key = msg_id, tenant = tenant, store = store,
+             in_progress = reject, lease = "3s")]
+async fn bill_short_lease(
+    store: &dyn Store,
+    tenant: &str,
+    msg_id: &str,
+    order: &Order,
+) -> Result<u64, HuntError> {
+    body(tenant, order).await
+}
+
+/// `host:port` of a server URL.
+fn host_port(url: &str) -> String {
+    let after = url.split_once('@').map_or(url, |(_, a)| a);
+    let after = after.split_once("://").map_or(after, |(_, a)| a);
+    after.split('/').next().expect("host").to_owned()
+}
+
+/// PostgreSQL goes away (a fault proxy cuts every connection of the first
+/// worker's store) while a delivery's body runs: the body's answer cannot be
+/// recorded, so the delivery is nak'd as failed (neither acked as done nor
+/// terminated). Its redeliveries, handled on other store objects of this
+/// process, are nak'd while the record is still in progress and then
+/// answered with that body's answer: the body ran once, and the message is
+/// acked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn h_a_store_outage_mid_body_naks_the_delivery_and_its_redelivery_replays_the_answer() {
+    store_outage_mid_body(false).await;
+}
+
+/// The same, with the first worker's store still cut off when the record's
+/// lease runs out: the redelivery takes the record over, and the answer this
+/// process holds is recorded and replayed (README, "When a lease runs out or
+/// the store fails mid-call"), not the body run again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn h_a_store_outage_longer_than_the_lease_still_runs_the_body_once() {
+    store_outage_mid_body(true).await;
+}
+
+async fn store_outage_mid_body(outlasts_lease: bool) {
+    let Some(js) = nats_or_skip().await else {
+        return;
+    };
+    if pg_store_or_skip().await.is_none() {
+        return;
+    }
+    tokio::time::timeout(Duration::from_secs(90), async {
+        let url = common::servers::pg_url();
+        let proxy = common::proxy::FaultProxy::start(&host_port(&url))
+            .await
+            .expect("proxy");
+        let through = url.replacen(&host_port(&url), &format!("127.0.0.1:{}", proxy.port()), 1);
+        let proxied: &'static PgStore =
+            Box::leak(Box::new(PgStore::connect(&through).await.expect("proxied")));
+        let tenant = fresh_tenant();
+        ledger(&tenant, |l| l.gated = true);
+        let stream = HuntStream::create(&js, "outage").await;
+        let consumer = stream.durable("billing", Duration::from_secs(30)).await;
+        let mut messages = pulled_in_turn(&consumer, 1);
+        stream.publish("s-1", None, json(&order("o-1", 75))).await;
+
+        let message = next(&mut messages).await;
+        let first = {
+            let tenant = tenant.clone();
+            tokio::spawn(async move {
+                let o: Order = serde_json::from_slice(&message.payload).unwrap();
+                let handled = process(&message, |k| bill_short_lease(proxied, &tenant, k, &o))
+                    .await
+                    .expect("settled");
+                (handled.verdict, handled.disposition())
+            })
+        };
+        let _entered = ENTERED.acquire().await.unwrap();
+        proxy.go_down();
+        GATE.add_permits(1);
+        let first = first.await.unwrap();
+        if !outlasts_lease {
+            proxy.pass_through();
+        }
+        assert_eq!(
+            first,
+            (
+                Verdict::Failed,
+                Disposition::Nak(Some(Duration::from_secs(1)))
+            ),
+            "an answer that could not be recorded is neither acked nor terminated"
+        );
+
+        let mut later = Vec::new();
+        loop {
+            let message = next(&mut messages).await;
+            let store = another_worker().await.unwrap();
+            let o: Order = serde_json::from_slice(&message.payload).unwrap();
+            let handled = process(&message, |k| bill_short_lease(store, &tenant, k, &o))
+                .await
+                .expect("settled");
+            let answer = match handled.result {
+                Some(Ok(v)) => Some(v),
+                _ => None,
+            };
+            later.push((handled.verdict, handled.disposition(), answer));
+            if matches!(handled.disposition(), Disposition::Ack | Disposition::Term)
+                || later.len() > 20
+            {
+                break;
+            }
+        }
+        proxy.pass_through();
+        println!("after the outage (outlasts the lease: {outlasts_lease}): {later:?}");
+        let (verdict, disposition, answer) = *later.last().unwrap();
+        assert!(
+            matches!(verdict, Verdict::Replayed | Verdict::Executed),
+            "{later:?}"
+        );
+        assert_eq!(
+            (disposition, answer),
+            (Disposition::Ack, Some(75)),
+            "{later:?}"
+        );
+        assert!(
+            later[..later.len() - 1].iter().all(|(v, d, _)| matches!(
+                v,
+                Verdict::InProgress { .. } | Verdict::Failed
+            ) && matches!(
+                d,
+                Disposition::Nak(Some(_))
+            )),
+            "{later:?}"
+        );
+        assert_eq!(
+            ledger(&tenant, |l| (l.begun, l.effects.clone())),
+            (1, vec![75]),
+            "the body ran once: {later:?}"
+        );
+        drop(messages);
+        stream.delete().await;
+    })
+    .await
+    .expect("finished within 90 s");
+}
