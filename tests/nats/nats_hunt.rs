@@ -28,7 +28,7 @@ use idempotent_runtime::consumer::nats::process;
 use idempotent_runtime::consumer::{Disposition, Verdict};
 use idempotent_runtime::{idempotent, Error, Identity, PgStore, RecordState, Store};
 use std::collections::HashMap;
-use std::sync::{LazyLock, Mutex};
+use std::sync::{Arc, LazyLock, Mutex};
 use std::time::Duration;
 use tokio::sync::Semaphore;
 use tokio::time::Instant;
@@ -36,20 +36,32 @@ use tokio::time::Instant;
 const SCOPE: &str = "nats.hunt.billing";
 
 /// Per tenant: bodies begun, effects (amounts billed), failures still to come.
-#[derive(Default)]
 struct Ledger {
     begun: u32,
     effects: Vec<u64>,
     fails_left: u32,
     /// The first body waits for this gate (and says it has begun).
     gated: bool,
+    /// One permit per gated body that has begun.
+    entered: Arc<Semaphore>,
+    /// Opens the gated body.
+    gate: Arc<Semaphore>,
+}
+
+impl Default for Ledger {
+    fn default() -> Self {
+        Ledger {
+            begun: 0,
+            effects: Vec::new(),
+            fails_left: 0,
+            gated: false,
+            entered: Arc::new(Semaphore::new(0)),
+            gate: Arc::new(Semaphore::new(0)),
+        }
+    }
 }
 
 static LEDGERS: LazyLock<Mutex<HashMap<String, Ledger>>> = LazyLock::new(Default::default);
-/// One permit per gated body that has begun.
-static ENTERED: Semaphore = Semaphore::const_new(0);
-/// Opens the gated body.
-static GATE: Semaphore = Semaphore::const_new(0);
 
 fn ledger<T>(tenant: &str, f: impl FnOnce(&mut Ledger) -> T) -> T {
     let mut all = LEDGERS.lock().unwrap_or_else(|p| p.into_inner());
@@ -76,23 +88,23 @@ impl idempotent_runtime::consumer::AsIdempotencyError for HuntError {
 /// The body: fails while the tenant's ledger says so (the key is released),
 /// otherwise bills the order's amount once.
 async fn body(tenant: &str, order: &Order) -> Result<u64, HuntError> {
-    let (nth, fail, gated) = ledger(tenant, |l| {
+    let (fail, gated) = ledger(tenant, |l| {
         l.begun += 1;
         let fail = l.fails_left > 0;
         l.fails_left = l.fails_left.saturating_sub(1);
-        (l.begun, fail, l.gated && l.begun == 1)
+        let gated = (l.gated && l.begun == 1).then(|| (l.entered.clone(), l.gate.clone()));
+        (fail, gated)
     });
     if fail {
         return Err(HuntError::LedgerDown);
     }
-    if gated {
-        ENTERED.add_permits(1);
+    if let Some((entered, gate)) = gated {
+        entered.add_permits(1);
         // Bounded: a handshake that never comes fails the counts, not the run.
-        let _ = tokio::time::timeout(Duration::from_secs(30), GATE.acquire()).await;
+        let _ = tokio::time::timeout(Duration::from_secs(30), gate.acquire()).await;
     }
     let amount = amount_of(order);
     ledger(tenant, |l| l.effects.push(amount));
-    let _ = nth;
     Ok(amount)
 }
 
@@ -428,7 +440,10 @@ async fn h_a_body_longer_than_ack_wait_is_waited_for_and_replayed_by_its_redeliv
     }
     tokio::time::timeout(Duration::from_secs(90), async {
         let tenant = fresh_tenant();
-        ledger(&tenant, |l| l.gated = true);
+        let (entered, gate) = ledger(&tenant, |l| {
+            l.gated = true;
+            (l.entered.clone(), l.gate.clone())
+        });
         let stream = HuntStream::create(&js, "longbody").await;
         let consumer = stream.durable("billing", Duration::from_secs(1)).await;
         let mut messages = pulled_in_turn(&consumer, 1);
@@ -445,12 +460,12 @@ async fn h_a_body_longer_than_ack_wait_is_waited_for_and_replayed_by_its_redeliv
             })
         };
         let first = deliver(next(&mut messages).await);
-        let _entered = ENTERED.acquire().await.unwrap();
+        let _entered = entered.acquire().await.unwrap();
         // The redelivery, after the first delivery's ack_wait ran out.
         let second = next(&mut messages).await;
         assert_eq!(delivered(&second), 2);
         let second = deliver(second);
-        GATE.add_permits(1);
+        gate.add_permits(1);
         let first = first.await.unwrap();
         let second = second.await.unwrap();
         assert_eq!(first, (1, Verdict::Executed, Disposition::Ack));
@@ -535,7 +550,10 @@ async fn store_outage_mid_body(outlasts_lease: bool) {
         let proxied: &'static PgStore =
             Box::leak(Box::new(PgStore::connect(&through).await.expect("proxied")));
         let tenant = fresh_tenant();
-        ledger(&tenant, |l| l.gated = true);
+        let (entered, gate) = ledger(&tenant, |l| {
+            l.gated = true;
+            (l.entered.clone(), l.gate.clone())
+        });
         let stream = HuntStream::create(&js, "outage").await;
         let consumer = stream.durable("billing", Duration::from_secs(30)).await;
         let mut messages = pulled_in_turn(&consumer, 1);
@@ -552,9 +570,9 @@ async fn store_outage_mid_body(outlasts_lease: bool) {
                 (handled.verdict, handled.disposition())
             })
         };
-        let _entered = ENTERED.acquire().await.unwrap();
+        let _entered = entered.acquire().await.unwrap();
         proxy.go_down();
-        GATE.add_permits(1);
+        gate.add_permits(1);
         let first = first.await.unwrap();
         if !outlasts_lease {
             proxy.pass_through();
