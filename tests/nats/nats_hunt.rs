@@ -14,7 +14,10 @@
 //! * PostgreSQL cut off while a body runs: the delivery is nak'd as failed,
 //!   and its redeliveries get the body's answer (also when the outage
 //!   outlasts the lease: the answer this process holds is recorded on
-//!   takeover), never a second run.
+//!   takeover), never a second run; PostgreSQL gone silent under
+//!   `process_with_progress`: the delivery is answered once the store gives
+//!   the silent connection up, not kept by its progress for as long as the
+//!   silence lasts.
 //!
 //! Streams are named `h_hnats_*` and deleted at the end.
 
@@ -24,7 +27,7 @@ use crate::nats_consumer::{json, order, pulled_in_turn, settled, Order, PulledIn
 use async_nats::jetstream::{self, consumer::pull, consumer::PullConsumer, stream};
 use common::servers::{fresh_tenant, nats_or_skip, pg_store_or_skip};
 use futures_util::StreamExt;
-use idempotent_runtime::consumer::nats::process;
+use idempotent_runtime::consumer::nats::{process, process_with_progress};
 use idempotent_runtime::consumer::{Disposition, Verdict};
 use idempotent_runtime::{idempotent, Error, Identity, PgStore, RecordState, Store};
 use std::collections::HashMap;
@@ -522,7 +525,7 @@ fn host_port(url: &str) -> String {
 /// acked.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn h_a_store_outage_mid_body_naks_the_delivery_and_its_redelivery_replays_the_answer() {
-    store_outage_mid_body(false).await;
+    store_outage_mid_body(Outage::Cut).await;
 }
 
 /// The same, with the first worker's store still cut off when the record's
@@ -531,10 +534,31 @@ async fn h_a_store_outage_mid_body_naks_the_delivery_and_its_redelivery_replays_
 /// the store fails mid-call"), not the body run again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn h_a_store_outage_longer_than_the_lease_still_runs_the_body_once() {
-    store_outage_mid_body(true).await;
+    store_outage_mid_body(Outage::CutPastTheLease).await;
 }
 
-async fn store_outage_mid_body(outlasts_lease: bool) {
+/// The server goes silent instead (every byte held, nothing closed) under
+/// `process_with_progress` on a 1 s `ack_wait`: the call gives the silent
+/// connection up (a 2 s bound here), so the delivery is answered, nak'd as
+/// failed, rather than kept by its progress for as long as the silence
+/// lasts; the message is then answered once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn h_a_silent_store_mid_body_does_not_hold_a_delivery_kept_by_progress() {
+    store_outage_mid_body(Outage::Silent).await;
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Outage {
+    /// Every connection cut, back once the first delivery answered.
+    Cut,
+    /// Every connection cut until the redeliveries are done.
+    CutPastTheLease,
+    /// Every byte held until the first delivery answered.
+    Silent,
+}
+
+async fn store_outage_mid_body(outage: Outage) {
+    let outlasts_lease = outage == Outage::CutPastTheLease;
     let Some(js) = nats_or_skip().await else {
         return;
     };
@@ -547,15 +571,22 @@ async fn store_outage_mid_body(outlasts_lease: bool) {
             .await
             .expect("proxy");
         let through = url.replacen(&host_port(&url), &format!("127.0.0.1:{}", proxy.port()), 1);
-        let proxied: &'static PgStore =
-            Box::leak(Box::new(PgStore::connect(&through).await.expect("proxied")));
+        let proxied: &'static PgStore = Box::leak(Box::new(
+            PgStore::connect(&through)
+                .await
+                .expect("proxied")
+                .with_silent_connection_timeout(Duration::from_secs(2)),
+        ));
         let tenant = fresh_tenant();
         let (entered, gate) = ledger(&tenant, |l| {
             l.gated = true;
             (l.entered.clone(), l.gate.clone())
         });
         let stream = HuntStream::create(&js, "outage").await;
-        let consumer = stream.durable("billing", Duration::from_secs(30)).await;
+        let ack_wait = if outage == Outage::Silent { 1 } else { 30 };
+        let consumer = stream
+            .durable("billing", Duration::from_secs(ack_wait))
+            .await;
         let mut messages = pulled_in_turn(&consumer, 1);
         stream.publish("s-1", None, json(&order("o-1", 75))).await;
 
@@ -564,18 +595,28 @@ async fn store_outage_mid_body(outlasts_lease: bool) {
             let tenant = tenant.clone();
             tokio::spawn(async move {
                 let o: Order = serde_json::from_slice(&message.payload).unwrap();
-                let handled = process(&message, |k| bill_short_lease(proxied, &tenant, k, &o))
-                    .await
-                    .expect("settled");
+                let handler = |k| bill_short_lease(proxied, &tenant, k, &o);
+                let every = Duration::from_millis(300);
+                let handled = if outage == Outage::Silent {
+                    process_with_progress(&message, every, handler).await
+                } else {
+                    process(&message, handler).await
+                }
+                .expect("settled");
                 (handled.verdict, handled.disposition())
             })
         };
         let _entered = entered.acquire().await.unwrap();
-        proxy.go_down();
+        if outage == Outage::Silent {
+            proxy.stall(common::proxy::Stall::Both);
+        } else {
+            proxy.go_down();
+        }
         gate.add_permits(1);
         let first = first.await.unwrap();
         if !outlasts_lease {
             proxy.pass_through();
+            proxy.release_stall();
         }
         assert_eq!(
             first,
@@ -606,7 +647,7 @@ async fn store_outage_mid_body(outlasts_lease: bool) {
             }
         }
         proxy.pass_through();
-        println!("after the outage (outlasts the lease: {outlasts_lease}): {later:?}");
+        println!("after the outage ({outage:?}): {later:?}");
         let (verdict, disposition, answer) = *later.last().unwrap();
         assert!(
             matches!(verdict, Verdict::Replayed | Verdict::Executed),
