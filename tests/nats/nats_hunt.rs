@@ -9,8 +9,8 @@
 //!   from a tenant that differs only in case) is two records, each with its
 //!   own answer, never a replay of the other's nor a mismatch with it;
 //! * a body that outlives `ack_wait` under the default `in_progress = wait`:
-//!   the redelivery waits for it on another store object and replays its
-//!   answer; one effect, the message settled;
+//!   the redelivery, on another store object, finds the body running (and
+//!   waits) or done, and replays its answer; one effect, the message settled;
 //! * PostgreSQL cut off while a body runs: the delivery is nak'd as failed,
 //!   and its redeliveries get the body's answer (also when the outage
 //!   outlasts the lease: the answer this process holds is recorded on
@@ -430,9 +430,10 @@ async fn h_one_message_id_from_tenants_in_a_header_is_answered_per_tenant() {
 
 /// A body that outlives the consumer's 1 s `ack_wait`, under the attribute's
 /// default `in_progress = wait("10s")`: the redelivery (on another store
-/// object) waits for the running body and replays its answer instead of
-/// running it again; both deliveries are acked, one effect, and the message
-/// is settled (any later redelivery only replays).
+/// object; the body is let go once it has arrived, so its call finds the
+/// body running and waits, or finds it just done) replays the body's answer
+/// instead of running it again; both deliveries are acked, one effect, and
+/// the message is settled (any later redelivery only replays).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn h_a_body_longer_than_ack_wait_is_waited_for_and_replayed_by_its_redelivery() {
     let Some(js) = nats_or_skip().await else {
