@@ -19,7 +19,7 @@
 //!   the silent connection up, not kept by its progress for as long as the
 //!   silence lasts.
 //!
-//! Streams are named `h_hnats_*` and deleted at the end.
+//! Streams are named `hunt_*` and deleted at the end.
 
 use crate::common;
 use crate::nats_consumer::{json, order, pulled_in_turn, settled, Order, PulledInTurn};
@@ -147,7 +147,7 @@ async fn another_worker() -> Option<&'static PgStore> {
     Some(Box::leak(Box::new(pg_store_or_skip().await?)))
 }
 
-/// A stream (`h_hnats_<label>_<id>`) with a short duplicate window, so that a
+/// A stream (`hunt_<label>_<id>`) with a short duplicate window, so that a
 /// producer retry published after it is stored and delivered.
 struct HuntStream {
     js: jetstream::Context,
@@ -186,8 +186,8 @@ impl Drop for HuntStream {
 impl HuntStream {
     async fn create(js: &jetstream::Context, label: &str) -> HuntStream {
         let id = uuid::Uuid::new_v4().simple().to_string();
-        let name = format!("h_hnats_{label}_{id}");
-        let subject = format!("h_hnats_{label}.{id}");
+        let name = format!("hunt_{label}_{id}");
+        let subject = format!("hunt_{label}.{id}");
         js.create_stream(stream::Config {
             name: name.clone(),
             subjects: vec![subject.clone()],
@@ -274,7 +274,7 @@ fn delivered(message: &jetstream::Message) -> i64 {
 /// 2 s and 4 s as the server counts the deliveries, the fourth runs and is
 /// acked, and a producer retry published afterwards replays that answer.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn h_a_failing_handler_is_nakd_later_at_every_redelivery_then_runs_once() {
+async fn a_failing_handler_is_nakd_later_at_every_redelivery_then_runs_once() {
     let Some(js) = nats_or_skip().await else {
         return;
     };
@@ -342,7 +342,7 @@ async fn h_a_failing_handler_is_nakd_later_at_every_redelivery_then_runs_once() 
 
 // ---------------------------------------------------------------- the tenant from a header
 
-const TENANT_HEADER: &str = "H-Hnats-Tenant";
+const TENANT_HEADER: &str = "X-Tenant";
 
 fn tenant_of(message: &jetstream::Message) -> String {
     message
@@ -359,7 +359,7 @@ fn tenant_of(message: &jetstream::Message) -> String {
 /// Then the first tenant's retry replays its own answer, and its reuse of
 /// the id with another amount is its own poison message.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn h_one_message_id_from_tenants_in_a_header_is_answered_per_tenant() {
+async fn one_message_id_from_tenants_in_a_header_is_answered_per_tenant() {
     let Some(js) = nats_or_skip().await else {
         return;
     };
@@ -435,7 +435,7 @@ async fn h_one_message_id_from_tenants_in_a_header_is_answered_per_tenant() {
 /// instead of running it again; both deliveries are acked, one effect, and
 /// the message is settled (any later redelivery only replays).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn h_a_body_longer_than_ack_wait_is_waited_for_and_replayed_by_its_redelivery() {
+async fn a_body_longer_than_ack_wait_is_waited_for_and_replayed_by_its_redelivery() {
     let Some(js) = nats_or_skip().await else {
         return;
     };
@@ -525,7 +525,7 @@ fn host_port(url: &str) -> String {
 /// answered with that body's answer: the body ran once, and the message is
 /// acked.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn h_a_store_outage_mid_body_naks_the_delivery_and_its_redelivery_replays_the_answer() {
+async fn a_store_outage_mid_body_naks_the_delivery_and_its_redelivery_replays_the_answer() {
     store_outage_mid_body(Outage::Cut).await;
 }
 
@@ -534,7 +534,7 @@ async fn h_a_store_outage_mid_body_naks_the_delivery_and_its_redelivery_replays_
 /// process holds is recorded and replayed (README, "When a lease runs out or
 /// the store fails mid-call"), not the body run again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn h_a_store_outage_longer_than_the_lease_still_runs_the_body_once() {
+async fn a_store_outage_longer_than_the_lease_still_runs_the_body_once() {
     store_outage_mid_body(Outage::CutPastTheLease).await;
 }
 
@@ -544,7 +544,7 @@ async fn h_a_store_outage_longer_than_the_lease_still_runs_the_body_once() {
 /// failed, rather than kept by its progress for as long as the silence
 /// lasts; the message is then answered once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn h_a_silent_store_mid_body_does_not_hold_a_delivery_kept_by_progress() {
+async fn a_silent_store_mid_body_does_not_hold_a_delivery_kept_by_progress() {
     store_outage_mid_body(Outage::Silent).await;
 }
 
