@@ -17,9 +17,10 @@ use crate::http_retry_contract::{every_store, Observed};
 
 use axum::body::Bytes;
 use axum::http::StatusCode;
-use axum::response::IntoResponse;
+use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::Router;
+use futures::future::BoxFuture;
 use idempotent_runtime::http::IdempotencyLayer;
 use idempotent_runtime::{Recovery, Store, Takeover};
 use std::net::SocketAddr;
@@ -35,6 +36,26 @@ struct Answer {
     status: u16,
     replayed: bool,
     body: Vec<u8>,
+}
+
+/// The attempts a recover hook was asked at, in order.
+type Asked = Arc<std::sync::Mutex<Vec<u32>>>;
+
+/// A recover hook that notes the attempt it is asked at in `asked` and
+/// answers that the provider already did the work (201 "found at the provider").
+fn found_at_the_provider(
+    asked: &Asked,
+) -> impl Fn(Takeover) -> BoxFuture<'static, Result<Recovery<Response>, Response>> + Send + Sync {
+    let asked = asked.clone();
+    move |takeover: Takeover| {
+        let asked = asked.clone();
+        Box::pin(async move {
+            asked.lock().unwrap().push(takeover.attempt());
+            Ok(Recovery::Completed(
+                (StatusCode::CREATED, "found at the provider").into_response(),
+            ))
+        })
+    }
 }
 
 /// Reads an answer from `stream` (sent with `connection: close`) to its end.
@@ -298,19 +319,8 @@ async fn a_duplicate_waiting_on_a_request_whose_handler_panics_runs_it_on_every_
 async fn a_duplicate_waiting_on_a_panicking_handler_behind_a_hook_asks_the_hook_on_every_store() {
     for (name, store) in every_store().await {
         let observed = Observed::new(store);
-        let asked: Arc<std::sync::Mutex<Vec<u32>>> = Arc::default();
-        let hook = {
-            let asked = asked.clone();
-            move |takeover: Takeover| {
-                let asked = asked.clone();
-                async move {
-                    asked.lock().unwrap().push(takeover.attempt());
-                    Ok(Recovery::Completed(
-                        (StatusCode::CREATED, "found at the provider").into_response(),
-                    ))
-                }
-            }
-        };
+        let asked = Asked::default();
+        let hook = found_at_the_provider(&asked);
         let layer =
             IdempotencyLayer::builder("hunt.panic_waiter_hook", observed.clone() as Arc<dyn Store>)
                 .tenant_from(account_of)
@@ -381,7 +391,7 @@ async fn a_duplicate_on_another_server_waiting_on_a_panicking_handler_is_answere
             } else {
                 "hunt.panic_waiter_elsewhere"
             };
-            let asked: Arc<std::sync::Mutex<Vec<u32>>> = Arc::default();
+            let asked = Asked::default();
             let observed = Observed::new(there.clone());
             let layer = |store: Arc<dyn Store>| {
                 let builder = IdempotencyLayer::builder(scope, store)
@@ -390,16 +400,7 @@ async fn a_duplicate_on_another_server_waiting_on_a_panicking_handler_is_answere
                     .lease(Duration::from_secs(120))
                     .shared_scope();
                 let builder = if hooked {
-                    let asked = asked.clone();
-                    builder.recover(move |takeover: Takeover| {
-                        let asked = asked.clone();
-                        async move {
-                            asked.lock().unwrap().push(takeover.attempt());
-                            Ok(Recovery::Completed(
-                                (StatusCode::CREATED, "found at the provider").into_response(),
-                            ))
-                        }
-                    })
+                    builder.recover(found_at_the_provider(&asked))
                 } else {
                     builder
                 };
@@ -637,19 +638,8 @@ async fn a_burst_from_look_alike_principals_over_two_servers_runs_once_per_princ
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_record_kept_for_a_takeover_is_not_taken_over_by_another_request_on_every_store() {
     for (name, store) in every_store().await {
-        let asked: Arc<std::sync::Mutex<Vec<u32>>> = Arc::default();
-        let hook = {
-            let asked = asked.clone();
-            move |takeover: Takeover| {
-                let asked = asked.clone();
-                async move {
-                    asked.lock().unwrap().push(takeover.attempt());
-                    Ok(Recovery::Completed(
-                        (StatusCode::CREATED, "found at the provider").into_response(),
-                    ))
-                }
-            }
-        };
+        let asked = Asked::default();
+        let hook = found_at_the_provider(&asked);
         let layer = IdempotencyLayer::builder("hunt.kept_record_reused", store)
             .tenant_from(account_of)
             .reject_in_progress()
@@ -716,19 +706,8 @@ async fn an_http1_record_left_in_progress_is_taken_over_by_its_retry_not_refused
     use idempotent_runtime::http::request_fingerprint;
     let store = crate::http_app::sqlite_file().await;
     let pool = store.pool().clone();
-    let asked: Arc<std::sync::Mutex<Vec<u32>>> = Arc::default();
-    let hook = {
-        let asked = asked.clone();
-        move |takeover: Takeover| {
-            let asked = asked.clone();
-            async move {
-                asked.lock().unwrap().push(takeover.attempt());
-                Ok(Recovery::Completed(
-                    (StatusCode::CREATED, "found at the provider").into_response(),
-                ))
-            }
-        }
-    };
+    let asked = Asked::default();
+    let hook = found_at_the_provider(&asked);
     let layer = IdempotencyLayer::builder("hunt.http1_takeover", Arc::new(store) as Arc<dyn Store>)
         .tenant_from(account_of)
         .reject_in_progress()
@@ -852,7 +831,7 @@ async fn a_newer_versions_record_left_in_progress_is_not_taken_over() {
     use idempotent_runtime::http::problem::types;
     let store = crate::http_app::sqlite_file().await;
     let pool = store.pool().clone();
-    let asked: Arc<std::sync::Mutex<Vec<u32>>> = Arc::default();
+    let asked = Asked::default();
     let hook = {
         let asked = asked.clone();
         move |takeover: Takeover| {
@@ -1033,7 +1012,7 @@ async fn waiting_duplicates_on_two_servers_run_once_after_a_released_5xx_on_ever
 async fn a_burst_of_retries_on_two_servers_takes_a_kept_record_over_once_on_every_sql_store() {
     const RETRIES: usize = 8;
     for (name, here, there) in store_pairs().await {
-        let asked: Arc<std::sync::Mutex<Vec<u32>>> = Arc::default();
+        let asked = Asked::default();
         let hook_entered = Arc::new(watch::channel(0usize).0);
         let hook_gate = Arc::new(Semaphore::new(0));
         let observed = [Observed::new(here), Observed::new(there)];
