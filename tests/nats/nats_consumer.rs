@@ -1143,16 +1143,27 @@ impl TestStream {
     /// Publishes with `Nats-Msg-Id`; a publish dropped by the duplicate window
     /// is repeated until the stream stores it (bounded).
     pub(crate) async fn publish(&self, msg_id: &str, payload: Vec<u8>) -> u64 {
+        self.publish_with_header(msg_id, None, payload).await
+    }
+
+    /// [`publish`](Self::publish), with a header (`(name, value)`) when given.
+    pub(crate) async fn publish_with_header(
+        &self,
+        msg_id: &str,
+        header: Option<(&str, &str)>,
+        payload: Vec<u8>,
+    ) -> u64 {
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
+            let mut message = jetstream::message::PublishMessage::build()
+                .payload(payload.clone().into())
+                .message_id(msg_id);
+            if let Some((name, value)) = header {
+                message = message.header(name, value);
+            }
             let ack = self
                 .js
-                .send_publish(
-                    self.subject.clone(),
-                    jetstream::message::PublishMessage::build()
-                        .payload(payload.clone().into())
-                        .message_id(msg_id),
-                )
+                .send_publish(self.subject.clone(), message)
                 .await
                 .expect("publish")
                 .await
@@ -1186,6 +1197,15 @@ impl TestStream {
             .expect("delete the stream");
         self.deleted = true;
     }
+}
+
+/// The next delivery of `messages`, waited for at most 30 s.
+pub(crate) async fn next_delivery(messages: &mut PulledInTurn) -> jetstream::Message {
+    tokio::time::timeout(Duration::from_secs(30), messages.next())
+        .await
+        .expect("a delivery within 30 s")
+        .expect("the message stream goes on")
+        .expect("a message")
 }
 
 /// A consumer's messages as [`pulled_in_turn`] takes them.

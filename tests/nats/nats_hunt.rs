@@ -19,12 +19,14 @@
 //!   the silent connection up, not kept by its progress for as long as the
 //!   silence lasts.
 //!
-//! Streams are named `hunt_*` and deleted at the end.
+//! Streams are named `IDEM_HUNT_*` and deleted at the end.
 
 use crate::common;
-use crate::nats_consumer::{json, order, pulled_in_turn, settled, Order, PulledInTurn};
+use crate::nats_consumer::{
+    json, next_delivery, order, pulled_in_turn, settled, Order, TestStream,
+};
 
-use async_nats::jetstream::{self, consumer::pull, consumer::PullConsumer, stream};
+use async_nats::jetstream;
 use common::servers::{fresh_tenant, nats_or_skip, pg_store_or_skip};
 use futures_util::StreamExt;
 use idempotent_runtime::consumer::nats::{process, process_with_progress};
@@ -147,121 +149,6 @@ async fn another_worker() -> Option<&'static PgStore> {
     Some(Box::leak(Box::new(pg_store_or_skip().await?)))
 }
 
-/// A stream (`hunt_<label>_<id>`) with a short duplicate window, so that a
-/// producer retry published after it is stored and delivered.
-struct HuntStream {
-    js: jetstream::Context,
-    name: String,
-    subject: String,
-}
-
-impl Drop for HuntStream {
-    /// A test that failed before `delete` still removes its stream (from a
-    /// thread of its own, bounded, on a connection of its own).
-    fn drop(&mut self) {
-        let name = std::mem::take(&mut self.name);
-        if name.is_empty() {
-            return;
-        }
-        let _ = std::thread::spawn(move || {
-            let Ok(rt) = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-            else {
-                return;
-            };
-            rt.block_on(async {
-                let _ = tokio::time::timeout(Duration::from_secs(5), async {
-                    let url = common::servers::nats_url();
-                    let client = async_nats::connect(url.as_str()).await.ok()?;
-                    jetstream::new(client).delete_stream(&name).await.ok()
-                })
-                .await;
-            });
-        })
-        .join();
-    }
-}
-
-impl HuntStream {
-    async fn create(js: &jetstream::Context, label: &str) -> HuntStream {
-        let id = uuid::Uuid::new_v4().simple().to_string();
-        let name = format!("hunt_{label}_{id}");
-        let subject = format!("hunt_{label}.{id}");
-        js.create_stream(stream::Config {
-            name: name.clone(),
-            subjects: vec![subject.clone()],
-            duplicate_window: Duration::from_millis(100),
-            max_age: Duration::from_secs(600),
-            ..Default::default()
-        })
-        .await
-        .expect("create the stream");
-        HuntStream {
-            js: js.clone(),
-            name,
-            subject,
-        }
-    }
-
-    async fn durable(&self, name: &str, ack_wait: Duration) -> PullConsumer {
-        self.js
-            .get_stream(&self.name)
-            .await
-            .expect("get the stream")
-            .create_consumer(pull::Config {
-                durable_name: Some(name.into()),
-                ack_policy: jetstream::consumer::AckPolicy::Explicit,
-                ack_wait,
-                ..Default::default()
-            })
-            .await
-            .expect("create the durable")
-    }
-
-    /// Publishes with `Nats-Msg-Id` (and a tenant header when given); a
-    /// publish the duplicate window drops is repeated until it is stored.
-    async fn publish(&self, msg_id: &str, tenant: Option<&str>, payload: Vec<u8>) {
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            let mut m = jetstream::message::PublishMessage::build()
-                .payload(payload.clone().into())
-                .message_id(msg_id);
-            if let Some(t) = tenant {
-                m = m.header(TENANT_HEADER, t);
-            }
-            let ack = self
-                .js
-                .send_publish(self.subject.clone(), m)
-                .await
-                .expect("publish")
-                .await
-                .expect("publish acknowledged");
-            if !ack.duplicate {
-                return;
-            }
-            assert!(Instant::now() < deadline, "kept dropped as a duplicate");
-            tokio::time::sleep(Duration::from_millis(30)).await;
-        }
-    }
-
-    async fn delete(mut self) {
-        self.js
-            .delete_stream(&self.name)
-            .await
-            .expect("delete the stream");
-        self.name.clear();
-    }
-}
-
-async fn next(messages: &mut PulledInTurn) -> jetstream::Message {
-    tokio::time::timeout(Duration::from_secs(30), messages.next())
-        .await
-        .expect("a delivery within 30 s")
-        .expect("the message stream goes on")
-        .expect("a message")
-}
-
 fn delivered(message: &jetstream::Message) -> i64 {
     message.info().expect("a JetStream delivery").delivered
 }
@@ -284,13 +171,13 @@ async fn a_failing_handler_is_nakd_later_at_every_redelivery_then_runs_once() {
     tokio::time::timeout(Duration::from_secs(90), async {
         let tenant = fresh_tenant();
         ledger(&tenant, |l| l.fails_left = 3);
-        let stream = HuntStream::create(&js, "failing").await;
+        let stream = TestStream::create(&js, "HUNT_FAILING").await;
         let consumer = stream.durable("billing", Duration::from_secs(30)).await;
         let mut messages = pulled_in_turn(&consumer, 1);
-        stream.publish("f-1", None, json(&order("o-1", 250))).await;
+        stream.publish("f-1", json(&order("o-1", 250))).await;
         let mut seen = Vec::new();
         loop {
-            let message = next(&mut messages).await;
+            let message = next_delivery(&mut messages).await;
             let store = another_worker().await.unwrap();
             let o: Order = serde_json::from_slice(&message.payload).unwrap();
             let handled = process(&message, |k| bill(store, &tenant, k, &o))
@@ -312,8 +199,8 @@ async fn a_failing_handler_is_nakd_later_at_every_redelivery_then_runs_once() {
             ]
         );
         // The producer publishes the message again, after the window.
-        stream.publish("f-1", None, json(&order("o-1", 250))).await;
-        let message = next(&mut messages).await;
+        stream.publish("f-1", json(&order("o-1", 250))).await;
+        let message = next_delivery(&mut messages).await;
         let store = another_worker().await.unwrap();
         let o: Order = serde_json::from_slice(&message.payload).unwrap();
         let handled = process(&message, |k| bill(store, &tenant, k, &o))
@@ -370,7 +257,7 @@ async fn one_message_id_from_tenants_in_a_header_is_answered_per_tenant() {
         let acme = format!("acme-{}", uuid::Uuid::new_v4().simple());
         let globex = format!("globex-{}", uuid::Uuid::new_v4().simple());
         let acme_upper = acme.to_uppercase();
-        let stream = HuntStream::create(&js, "tenants").await;
+        let stream = TestStream::create(&js, "HUNT_TENANTS").await;
         let consumer = stream.durable("billing", Duration::from_secs(30)).await;
         let mut messages = pulled_in_turn(&consumer, 1);
         let sent: [(&str, u64); 5] = [
@@ -383,9 +270,13 @@ async fn one_message_id_from_tenants_in_a_header_is_answered_per_tenant() {
         let mut seen = Vec::new();
         for (tenant, amount) in sent {
             stream
-                .publish("order-1", Some(tenant), json(&order("o-1", amount)))
+                .publish_with_header(
+                    "order-1",
+                    Some((TENANT_HEADER, tenant)),
+                    json(&order("o-1", amount)),
+                )
                 .await;
-            let message = next(&mut messages).await;
+            let message = next_delivery(&mut messages).await;
             let store = another_worker().await.unwrap();
             let o: Order = serde_json::from_slice(&message.payload).unwrap();
             let t = tenant_of(&message);
@@ -448,10 +339,10 @@ async fn a_body_longer_than_ack_wait_is_waited_for_and_replayed_by_its_redeliver
             l.gated = true;
             (l.entered.clone(), l.gate.clone())
         });
-        let stream = HuntStream::create(&js, "longbody").await;
+        let stream = TestStream::create(&js, "HUNT_LONGBODY").await;
         let consumer = stream.durable("billing", Duration::from_secs(1)).await;
         let mut messages = pulled_in_turn(&consumer, 1);
-        stream.publish("l-1", None, json(&order("o-1", 40))).await;
+        stream.publish("l-1", json(&order("o-1", 40))).await;
         let deliver = |message: jetstream::Message| {
             let tenant = tenant.clone();
             tokio::spawn(async move {
@@ -463,10 +354,10 @@ async fn a_body_longer_than_ack_wait_is_waited_for_and_replayed_by_its_redeliver
                 (delivered(&message), handled.verdict, handled.disposition())
             })
         };
-        let first = deliver(next(&mut messages).await);
+        let first = deliver(next_delivery(&mut messages).await);
         let _entered = entered.acquire().await.unwrap();
         // The redelivery, after the first delivery's ack_wait ran out.
-        let second = next(&mut messages).await;
+        let second = next_delivery(&mut messages).await;
         assert_eq!(delivered(&second), 2);
         let second = deliver(second);
         gate.add_permits(1);
@@ -583,15 +474,15 @@ async fn store_outage_mid_body(outage: Outage) {
             l.gated = true;
             (l.entered.clone(), l.gate.clone())
         });
-        let stream = HuntStream::create(&js, "outage").await;
+        let stream = TestStream::create(&js, "HUNT_OUTAGE").await;
         let ack_wait = if outage == Outage::Silent { 1 } else { 30 };
         let consumer = stream
             .durable("billing", Duration::from_secs(ack_wait))
             .await;
         let mut messages = pulled_in_turn(&consumer, 1);
-        stream.publish("s-1", None, json(&order("o-1", 75))).await;
+        stream.publish("s-1", json(&order("o-1", 75))).await;
 
-        let message = next(&mut messages).await;
+        let message = next_delivery(&mut messages).await;
         let first = {
             let tenant = tenant.clone();
             tokio::spawn(async move {
@@ -630,7 +521,7 @@ async fn store_outage_mid_body(outage: Outage) {
 
         let mut later = Vec::new();
         loop {
-            let message = next(&mut messages).await;
+            let message = next_delivery(&mut messages).await;
             let store = another_worker().await.unwrap();
             let o: Order = serde_json::from_slice(&message.payload).unwrap();
             let handled = process(&message, |k| bill_short_lease(store, &tenant, k, &o))

@@ -2,15 +2,16 @@
 //! future forgotten: no release, no renewal, as a killed process leaves it)
 //! is redelivered by JetStream; the redelivery takes the record over once
 //! its lease ran out, and the `recover` hook, not a blind re-run, decides.
-//! On the real JetStream server (streams named `h_cons_*`), PostgreSQL and
+//! On the real JetStream server (streams named `IDEM_*`), PostgreSQL and
 //! MariaDB (the test databases, fresh tenants).
 
 use crate::common;
-use crate::nats_consumer::{json, order, pulled_in_turn, Order, PulledInTurn};
+use crate::nats_consumer::{
+    json, next_delivery, order, pulled_in_turn, Order, PulledInTurn, TestStream,
+};
 
-use async_nats::jetstream::{self, consumer::pull, stream};
+use async_nats::jetstream;
 use common::servers::{fresh_tenant, nats_or_skip};
-use futures_util::StreamExt;
 use idempotent_runtime::consumer::nats::process;
 use idempotent_runtime::consumer::{Disposition, Verdict};
 use idempotent_runtime::{
@@ -105,76 +106,9 @@ async fn pg() -> Option<PgStore> {
     common::servers::pg_store_or_skip().await
 }
 
-/// A stream and a durable of the test's own (names prefixed `h_cons_`).
-struct OwnStream {
-    js: jetstream::Context,
-    name: String,
-    subject: String,
-}
-
-impl OwnStream {
-    async fn create(js: &jetstream::Context, label: &str) -> OwnStream {
-        let id = uuid::Uuid::new_v4().simple().to_string();
-        let name = format!("h_cons_{label}_{id}");
-        let subject = format!("h_cons_{label}.{id}");
-        js.create_stream(stream::Config {
-            name: name.clone(),
-            subjects: vec![subject.clone()],
-            duplicate_window: Duration::from_millis(100),
-            max_age: Duration::from_secs(600),
-            ..Default::default()
-        })
-        .await
-        .expect("create the stream");
-        OwnStream {
-            js: js.clone(),
-            name,
-            subject,
-        }
-    }
-
-    async fn durable(&self, name: &str) -> PulledInTurn {
-        let consumer = self
-            .js
-            .get_stream(&self.name)
-            .await
-            .expect("get the stream")
-            .create_consumer(pull::Config {
-                durable_name: Some(name.into()),
-                ack_policy: jetstream::consumer::AckPolicy::Explicit,
-                ack_wait: Duration::from_secs(1),
-                ..Default::default()
-            })
-            .await
-            .expect("create the durable");
-        pulled_in_turn(&consumer, 1)
-    }
-
-    async fn publish(&self, msg_id: &str, payload: Vec<u8>) {
-        self.js
-            .send_publish(
-                self.subject.clone(),
-                jetstream::message::PublishMessage::build()
-                    .payload(payload.into())
-                    .message_id(msg_id),
-            )
-            .await
-            .expect("publish")
-            .await
-            .expect("publish acknowledged");
-    }
-
-    async fn delete(self) {
-        let _ = self.js.delete_stream(&self.name).await;
-    }
-}
-
-async fn next(messages: &mut PulledInTurn) -> jetstream::Message {
-    tokio::time::timeout(Duration::from_secs(30), messages.next())
-        .await
-        .expect("a delivery within 30 s")
-        .expect("the message stream goes on")
-        .expect("a message")
+/// The durable `billing` of `stream` (ack wait 1 s), pulled one message at a time.
+async fn billing(stream: &TestStream) -> PulledInTurn {
+    pulled_in_turn(&stream.durable("billing", Duration::from_secs(1)).await, 1)
 }
 
 /// Delivers the message until a delivery is acked or terminated (at most
@@ -186,7 +120,7 @@ async fn deliver_until_settled(
 ) -> Vec<(Verdict, Disposition)> {
     let mut seen = Vec::new();
     for _ in 0..40 {
-        let message = next(messages).await;
+        let message = next_delivery(messages).await;
         let o: Order = serde_json::from_slice(&message.payload).unwrap();
         let task = {
             let (tenant, message) = (tenant.to_owned(), message);
@@ -250,7 +184,7 @@ async fn first_delivery_dies_after_charging(
     tenant: &str,
     messages: &mut PulledInTurn,
 ) {
-    let first = Box::leak(Box::new(next(messages).await));
+    let first = Box::leak(Box::new(next_delivery(messages).await));
     let o: &'static Order = Box::leak(Box::new(serde_json::from_slice(&first.payload).unwrap()));
     let tenant: &'static str = Box::leak(tenant.to_owned().into_boxed_str());
     let mut dying = Box::pin(process(first, move |k| bill(store, tenant, k, o)));
@@ -272,8 +206,8 @@ async fn record(store: &dyn Store, tenant: &str, key: &str) -> RecordSnapshot {
 async fn died_after_charging(js: jetstream::Context, store: &'static dyn Store, label: &str) {
     let tenant = fresh_tenant();
     with_gateway(&tenant, |g| g.first_body_hangs = true);
-    let stream = OwnStream::create(&js, label).await;
-    let mut messages = stream.durable("billing").await;
+    let stream = TestStream::create(&js, label).await;
+    let mut messages = billing(&stream).await;
     stream.publish("d-1", json(&order("o-1", 100))).await;
 
     first_delivery_dies_after_charging(store, &tenant, &mut messages).await;
@@ -349,8 +283,8 @@ async fn a_failing_then_panicking_hook_keeps_the_message_until_it_can_answer() {
             g.first_body_hangs = true;
             g.hook_script = vec![HookMode::Unreachable, HookMode::Panics];
         });
-        let stream = OwnStream::create(&js, "hookfails").await;
-        let mut messages = stream.durable("billing").await;
+        let stream = TestStream::create(&js, "HOOKFAILS").await;
+        let mut messages = billing(&stream).await;
         stream.publish("f-1", json(&order("o-1", 100))).await;
 
         first_delivery_dies_after_charging(store, &tenant, &mut messages).await;
@@ -477,13 +411,13 @@ async fn answer_not_written(lose_background_writes: bool, label: &str) {
         lose_background_writes,
     }));
     let tenant = fresh_tenant();
-    let stream = OwnStream::create(&js, label).await;
-    let mut messages = stream.durable("billing").await;
+    let stream = TestStream::create(&js, label).await;
+    let mut messages = billing(&stream).await;
     stream.publish("c-1", json(&order("o-1", 100))).await;
 
     let mut seen = Vec::new();
     for _ in 0..40 {
-        let message = next(&mut messages).await;
+        let message = next_delivery(&mut messages).await;
         let o: Order = serde_json::from_slice(&message.payload).unwrap();
         let handled = process(&message, |k| bill(store, &tenant, k, &o))
             .await
@@ -540,8 +474,8 @@ async fn a_delivery_whose_body_panicked_after_charging_is_recovered_on_redeliver
     tokio::time::timeout(Duration::from_secs(120), async {
         let tenant = fresh_tenant();
         with_gateway(&tenant, |g| g.first_body_panics = true);
-        let stream = OwnStream::create(&js, "bodypanics").await;
-        let mut messages = stream.durable("billing").await;
+        let stream = TestStream::create(&js, "BODYPANICS").await;
+        let mut messages = billing(&stream).await;
         stream.publish("p-1", json(&order("o-1", 100))).await;
         let seen = deliver_until_settled(store, &tenant, &mut messages).await;
         assert_eq!(
@@ -641,11 +575,11 @@ async fn bill_in_tx(db: &TxDb, tenant: &str, msg_id: &str, order: &Order) -> Res
 async fn died_then_transactional(js: jetstream::Context, store: &'static dyn Store, db: TxDb) {
     let tenant = fresh_tenant();
     with_gateway(&tenant, |g| g.first_body_hangs = true);
-    let stream = OwnStream::create(&js, "mixed").await;
-    let mut messages = stream.durable("billing").await;
+    let stream = TestStream::create(&js, "MIXED").await;
+    let mut messages = billing(&stream).await;
     stream.publish("x-1", json(&order("o-1", 100))).await;
 
-    let first = Box::leak(Box::new(next(&mut messages).await));
+    let first = Box::leak(Box::new(next_delivery(&mut messages).await));
     let o: &'static Order = Box::leak(Box::new(serde_json::from_slice(&first.payload).unwrap()));
     let t: &'static str = Box::leak(tenant.clone().into_boxed_str());
     let mut dying = Box::pin(process(first, move |k| bill_mixed(store, t, k, o)));
@@ -657,7 +591,7 @@ async fn died_then_transactional(js: jetstream::Context, store: &'static dyn Sto
 
     let mut seen = Vec::new();
     for _ in 0..40 {
-        let message = next(&mut messages).await;
+        let message = next_delivery(&mut messages).await;
         let o: Order = serde_json::from_slice(&message.payload).unwrap();
         let handled = process(&message, |k| bill_in_tx(&db, &tenant, k, &o))
             .await
@@ -747,22 +681,15 @@ async fn messages_without_a_valid_tenant_are_terminated_and_touch_no_record() {
     tokio::time::timeout(Duration::from_secs(60), async {
         let tenant = fresh_tenant();
         let too_long = "t".repeat(300);
-        let stream = OwnStream::create(&js, "tenants").await;
-        let mut messages = stream.durable("billing").await;
+        let stream = TestStream::create(&js, "TENANTS").await;
+        let mut messages = billing(&stream).await;
         let publish = |tenant: Option<String>, id: &'static str| {
-            let (js, subject) = (stream.js.clone(), stream.subject.clone());
+            let stream = &stream;
             async move {
-                let mut m = jetstream::message::PublishMessage::build()
-                    .payload(json(&order("o-1", 100)).into())
-                    .message_id(id);
-                if let Some(t) = tenant {
-                    m = m.header(TENANT_HEADER, t.as_str());
-                }
-                js.send_publish(subject, m)
-                    .await
-                    .expect("publish")
-                    .await
-                    .expect("publish acknowledged");
+                let header = tenant.as_deref().map(|t| (TENANT_HEADER, t));
+                stream
+                    .publish_with_header(id, header, json(&order("o-1", 100)))
+                    .await;
             }
         };
         publish(None, "t-1").await;
@@ -770,7 +697,7 @@ async fn messages_without_a_valid_tenant_are_terminated_and_touch_no_record() {
         publish(Some(tenant.clone()), "t-3").await;
         let mut verdicts = Vec::new();
         for _ in 0..3 {
-            let message = next(&mut messages).await;
+            let message = next_delivery(&mut messages).await;
             let o: Order = serde_json::from_slice(&message.payload).unwrap();
             let t = tenant_of(&message).to_owned();
             let handled = process(&message, |k| bill(store, &t, k, &o))
