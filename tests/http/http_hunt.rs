@@ -691,6 +691,32 @@ async fn a_record_kept_for_a_takeover_is_not_taken_over_by_another_request_on_ev
     }
 }
 
+/// A server on a SQLite file store whose layer (`scope`, duplicates refused
+/// at once) has the [`found_at_the_provider`] hook noting into `asked`, in
+/// front of a [`PanicsFirst`] handler; the store's pool, to look at and
+/// rewrite its records.
+async fn hooked_sqlite_server(
+    scope: &'static str,
+    asked: &Asked,
+) -> (
+    sqlx::SqlitePool,
+    Arc<PanicsFirst>,
+    String,
+    tokio::task::JoinHandle<()>,
+) {
+    let store = crate::http_app::sqlite_file().await;
+    let pool = store.pool().clone();
+    let layer = IdempotencyLayer::builder(scope, Arc::new(store) as Arc<dyn Store>)
+        .tenant_from(account_of)
+        .reject_in_progress()
+        .recover(found_at_the_provider(asked))
+        .build()
+        .expect("layer");
+    let state = PanicsFirst::new();
+    let (base, task) = serve(state.route(layer)).await;
+    (pool, state, base, task)
+}
+
 /// The README's rolling deploy, through a takeover: a record an earlier
 /// version (`http1` fingerprints) left in progress when its handler died
 /// (here: panicked behind a recover hook, so its lease is ended; the record
@@ -704,18 +730,8 @@ async fn a_record_kept_for_a_takeover_is_not_taken_over_by_another_request_on_ev
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_http1_record_left_in_progress_is_taken_over_by_its_retry_not_refused() {
     use idempotent_runtime::http::request_fingerprint;
-    let store = crate::http_app::sqlite_file().await;
-    let pool = store.pool().clone();
     let asked = Asked::default();
-    let hook = found_at_the_provider(&asked);
-    let layer = IdempotencyLayer::builder("hunt.http1_takeover", Arc::new(store) as Arc<dyn Store>)
-        .tenant_from(account_of)
-        .reject_in_progress()
-        .recover(hook)
-        .build()
-        .expect("layer");
-    let state = PanicsFirst::new();
-    let (base, task) = serve(state.route(layer)).await;
+    let (pool, state, base, task) = hooked_sqlite_server("hunt.http1_takeover", &asked).await;
     let account = fresh_tenant();
     const BODY: &str = r#"{"amount":1}"#;
     let send = |key: &'static str| {
@@ -829,28 +845,9 @@ async fn an_http1_record_left_in_progress_is_taken_over_by_its_retry_not_refused
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_newer_versions_record_left_in_progress_is_not_taken_over() {
     use idempotent_runtime::http::problem::types;
-    let store = crate::http_app::sqlite_file().await;
-    let pool = store.pool().clone();
     let asked = Asked::default();
-    let hook = {
-        let asked = asked.clone();
-        move |takeover: Takeover| {
-            let asked = asked.clone();
-            async move {
-                asked.lock().unwrap().push(takeover.attempt());
-                Ok(Recovery::Run)
-            }
-        }
-    };
-    let layer = IdempotencyLayer::builder("hunt.newer_takeover", Arc::new(store) as Arc<dyn Store>)
-        .tenant_from(account_of)
-        .reject_in_progress()
-        .recover(hook)
-        .build()
-        .expect("layer");
-    let state = PanicsFirst::new();
+    let (pool, state, base, task) = hooked_sqlite_server("hunt.newer_takeover", &asked).await;
     state.gate.add_permits(1);
-    let (base, task) = serve(state.route(layer)).await;
     let account = fresh_tenant();
     let send = || {
         reqwest::Client::new()
